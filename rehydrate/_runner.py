@@ -1,0 +1,374 @@
+"""Runs an ordered list of hooks with per-hook timeouts, retries and CRaC semantics.
+
+Sync hooks run one after another on a persistent worker thread, so a hook that never
+returns cannot hang the caller: the supervising (calling) thread watches the current
+hook's deadline, reports it ``timeout`` when it passes, abandons that worker (Python
+threads cannot be killed; it exits on its own once the hook returns) and continues the
+remaining hooks on a fresh worker. Consecutive ``async`` hooks are sent to the event loop
+as one batch, each under its own timeout, and cancelled when it passes. The worker only
+wakes the supervisor when a deadline moves earlier, so dispatch costs a few microseconds
+per hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import math
+import random
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .context import HookResult, HookTimeout, RestoreContext
+from .hooks import Hook
+
+log = logging.getLogger("rehydrate")
+
+ASYNC_GRACE = 2.0
+"""Extra seconds the supervisor allows an async hook past its own (cancelling) timeout."""
+
+BACKOFF_BASE = 0.05
+BACKOFF_MAX = 5.0
+
+inside_hook: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "rehydrate_inside_hook", default=False
+)
+
+
+class Observer(Protocol):
+    """Receives per-hook events (telemetry). Called on the thread running the hook."""
+
+    def hook_started(self, hook: Hook, ctx: RestoreContext) -> object: ...
+
+    def hook_finished(self, token: object, result: HookResult) -> None: ...
+
+
+def backoff_delay(attempt: int) -> float:
+    """Exponential backoff with full jitter for retry ``attempt`` (0-based)."""
+    cap: float = min(BACKOFF_MAX, BACKOFF_BASE * (2.0**attempt))
+    return cap / 2 + random.uniform(0, cap / 2)  # noqa: S311 - jitter, not security
+
+
+def _call_args(hook: Hook, ctx: RestoreContext) -> tuple[Any, ...]:
+    if hook.arity == 0:
+        return ()
+    if hook.arity == 1:
+        return (ctx,)
+    return (ctx, ctx.env_changes.only(hook.env_keys or ()))
+
+
+def _skip_reason(hook: Hook, ctx: RestoreContext) -> bool:
+    """``on_env_change`` hooks run only when a key they watch changed."""
+    if hook.env_keys is None:
+        return False
+    changes = ctx.env_changes
+    return not changes or (bool(hook.env_keys) and not changes.only(hook.env_keys))
+
+
+class LoopThread:
+    """A private event loop on a daemon thread, started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def run() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                self._thread = threading.Thread(target=run, name="rehydrate-loop", daemon=True)
+                self._thread.start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
+
+    def close(self) -> None:
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            if not thread.is_alive():
+                loop.close()
+
+
+@dataclass
+class _Progress:
+    """State shared by one worker and the supervisor. Guarded by ``lock``."""
+
+    hooks: Sequence[Hook]
+    ctx: RestoreContext
+    results: list[HookResult | None]
+    index: int
+    observers: Sequence[Observer]
+    loop: asyncio.AbstractEventLoop | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wake: threading.Event = field(default_factory=threading.Event)
+    deadline: float = math.inf
+    started: float = 0.0
+    waiting_until: float = math.inf
+    done: bool = False
+    abandoned: bool = False
+    future: concurrent.futures.Future[None] | None = None
+
+    def begin(self, index: int, timeout: float) -> None:
+        """Mark hook ``index`` as started now (also for each retry attempt)."""
+        now = time.monotonic()
+        with self.lock:
+            self.index = index
+            self.started = now
+            self.deadline = now + timeout
+            if self.deadline < self.waiting_until:
+                self.wake.set()
+
+    def finish(self, index: int, result: HookResult) -> bool:
+        """Record a result; False when the supervisor already gave up on this worker."""
+        with self.lock:
+            if self.abandoned:
+                return False
+            self.results[index] = result
+            self.deadline = math.inf
+            return True
+
+    def complete(self) -> None:
+        with self.lock:
+            self.done = True
+            self.wake.set()
+
+
+class HookRunner:
+    """Runs hook lists for one lifecycle engine; owns its worker thread."""
+
+    def __init__(self, loop_thread: LoopThread) -> None:
+        self._loop_thread = loop_thread
+        self._jobs: list[_Progress] = []
+        self._cv = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+
+    # -- worker side -----------------------------------------------------------------
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(
+                target=self._work, name="rehydrate-hooks", daemon=True
+            )
+            self._worker.start()
+
+    def _work(self) -> None:
+        inside_hook.set(True)
+        me = threading.current_thread()
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed and self._worker is me:
+                    self._cv.wait()
+                if self._closed or self._worker is not me:
+                    return
+                job = self._jobs.pop(0)
+            if not self._run_job(job):
+                return  # abandoned: the supervisor started a new worker
+
+    def _run_job(self, job: _Progress) -> bool:
+        hooks = job.hooks
+        i = job.index
+        n = len(hooks)
+        while i < n:
+            hook = hooks[i]
+            if hook.is_async:
+                j = i
+                while j < n and hooks[j].is_async:
+                    j += 1
+                if not self._run_async_batch(job, i, j):
+                    return False
+                i = j
+                continue
+            result = self._run_sync(job, i, hook)
+            if not job.finish(i, result):
+                return False
+            i += 1
+        job.complete()
+        return True
+
+    def _run_sync(self, job: _Progress, index: int, hook: Hook) -> HookResult:
+        ctx = job.ctx
+        if _skip_reason(hook, ctx):
+            return HookResult(hook.name, hook.phase, "skipped", 0.0, None, hook.required, 0)
+        tokens = [o.hook_started(hook, ctx) for o in job.observers] if job.observers else ()
+        start = time.perf_counter()
+        attempt = 0
+        error: BaseException | None = None
+        while True:
+            job.begin(index, hook.timeout)
+            try:
+                hook.fn(*_call_args(hook, ctx))
+                error = None
+                break
+            except Exception as exc:  # every hook runs even when others fail
+                error = exc
+            if attempt >= hook.retries or job.abandoned:
+                break
+            time.sleep(backoff_delay(attempt))
+            attempt += 1
+        result = HookResult(
+            hook.name,
+            hook.phase,
+            "ok" if error is None else "failed",
+            time.perf_counter() - start,
+            error,
+            hook.required,
+            attempt + 1,
+        )
+        for o, t in zip(job.observers, tokens, strict=True):
+            o.hook_finished(t, result)
+        return result
+
+    def _run_async_batch(self, job: _Progress, start: int, stop: int) -> bool:
+        loop = job.loop or self._loop_thread.get()
+        fut = asyncio.run_coroutine_threadsafe(self._async_batch(job, start, stop), loop)
+        with job.lock:
+            if job.abandoned:
+                fut.cancel()
+                return False
+            job.future = fut
+        try:
+            fut.result()
+        except BaseException:  # cancelled by the supervisor, or the loop went away
+            with job.lock:
+                if job.abandoned:
+                    return False
+            # The loop died under us: report what did not finish as failed.
+            for k in range(start, stop):
+                if job.results[k] is None:
+                    h = job.hooks[k]
+                    job.finish(k, HookResult(h.name, h.phase, "failed", 0.0,
+                                             RuntimeError("event loop stopped"), h.required))
+        return not job.abandoned
+
+    async def _async_batch(self, job: _Progress, start: int, stop: int) -> None:
+        inside_hook.set(True)
+        ctx = job.ctx
+        for i in range(start, stop):
+            hook = job.hooks[i]
+            if _skip_reason(hook, ctx):
+                result = HookResult(hook.name, hook.phase, "skipped", 0.0, None,
+                                    hook.required, 0)
+            else:
+                result = await self._run_async(job, i, hook)
+            if not job.finish(i, result):
+                return
+
+    async def _run_async(self, job: _Progress, index: int, hook: Hook) -> HookResult:
+        ctx = job.ctx
+        tokens = [o.hook_started(hook, ctx) for o in job.observers] if job.observers else ()
+        start = time.perf_counter()
+        attempt = 0
+        outcome = "ok"
+        error: BaseException | None = None
+        while True:
+            job.begin(index, hook.timeout + ASYNC_GRACE)
+            try:
+                coro = hook.fn(*_call_args(hook, ctx))
+                await _with_timeout(coro, hook.timeout)
+                outcome, error = "ok", None
+                break
+            except TimeoutError:
+                outcome, error = "timeout", HookTimeout(hook.name, hook.timeout)
+            except Exception as exc:
+                outcome, error = "failed", exc
+            if attempt >= hook.retries or job.abandoned:
+                break
+            await asyncio.sleep(backoff_delay(attempt))
+            attempt += 1
+        result = HookResult(hook.name, hook.phase, outcome,  # type: ignore[arg-type]
+                            time.perf_counter() - start, error, hook.required, attempt + 1)
+        for o, t in zip(job.observers, tokens, strict=True):
+            o.hook_finished(t, result)
+        return result
+
+    # -- supervisor side -------------------------------------------------------------
+
+    def run(
+        self,
+        hooks: Sequence[Hook],
+        ctx: RestoreContext,
+        loop: asyncio.AbstractEventLoop | None,
+        observers: Sequence[Observer] = (),
+    ) -> list[HookResult]:
+        """Run ``hooks`` in order and return one result per hook (blocks the caller)."""
+        results: list[HookResult | None] = [None] * len(hooks)
+        index = 0
+        while index < len(hooks):
+            job = _Progress(hooks, ctx, results, index, observers, loop)
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError("hook runner is closed")
+                self._jobs.append(job)
+                self._ensure_worker()
+                self._cv.notify_all()
+            index = self._supervise(job)
+        return [r for r in results if r is not None]
+
+    def _supervise(self, job: _Progress) -> int:
+        """Wait for ``job``; on a timeout return the index to resume from, else ``len``."""
+        while True:
+            with job.lock:
+                if job.done:
+                    return len(job.hooks)
+                now = time.monotonic()
+                if now >= job.deadline:
+                    i = job.index
+                    hook = job.hooks[i]
+                    job.abandoned = True
+                    job.results[i] = HookResult(
+                        hook.name, hook.phase, "timeout", now - job.started,
+                        HookTimeout(hook.name, hook.timeout), hook.required,
+                    )
+                    fut = job.future
+                    break
+                job.waiting_until = job.deadline
+                job.wake.clear()
+                wait = None if math.isinf(job.deadline) else job.deadline - now
+            job.wake.wait(wait)
+        log.warning("hook %s timed out after %gs; its thread is left to finish on its own "
+                    "(Python threads cannot be killed)", hook.name, hook.timeout)
+        if fut is not None:
+            fut.cancel()
+        with self._cv:
+            self._worker = None  # the abandoned worker exits as soon as its hook returns
+            self._cv.notify_all()
+        # Results of the remaining hooks of an abandoned async batch are lost: resume
+        # right after the hook that timed out.
+        return i + 1
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout=5)
+
+
+async def _with_timeout(coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+    if math.isinf(timeout):
+        return await coro
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await coro
+    return await asyncio.wait_for(coro, timeout)  # pragma: no cover - 3.10
+

@@ -1,0 +1,80 @@
+"""The module-level API: one default registry and engine for the whole process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Literal
+
+from .context import RestoreReport, SnapshotReport
+from .hooks import Registry
+from .lifecycle import Lifecycle, Status
+
+if TYPE_CHECKING:
+    from .detect import Detector
+
+__all__ = [
+    "after_restore",
+    "before_snapshot",
+    "default_engine",
+    "default_registry",
+    "is_ready",
+    "on_env_change",
+    "simulate_restore",
+    "simulate_snapshot",
+    "start",
+    "status",
+    "stop",
+    "unregister",
+    "wait_ready",
+]
+
+default_registry = Registry()
+default_engine = Lifecycle(default_registry)
+
+after_restore = default_registry.after_restore
+before_snapshot = default_registry.before_snapshot
+on_env_change = default_registry.on_env_change
+unregister = default_registry.unregister
+
+
+def start(
+    detectors: str | Iterable[str | Detector] = "auto",
+    *,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> list[str]:
+    """Start background detection (idempotent). Returns the running detectors' names."""
+    return default_engine.start(detectors, loop=loop)
+
+
+def stop() -> None:
+    """Stop background detection. Hooks stay registered."""
+    default_engine.stop()
+
+
+def status() -> Status:
+    """State, generation, readiness, running detectors and the last report."""
+    return default_engine.status()
+
+
+def is_ready() -> bool:
+    return default_engine.is_ready()
+
+
+def wait_ready(timeout: float | None = None) -> bool:
+    """Block until ready; False when ``timeout`` seconds passed first."""
+    return default_engine.wait_ready(timeout)
+
+
+def simulate_restore(
+    env: Mapping[str, str | None] | None = None,
+    reason: str = "simulated",
+    kind: Literal["restore", "resume"] = "restore",
+) -> RestoreReport:
+    """Run the restore hooks now, as after a real restore, and return the report."""
+    return default_engine.simulate_restore(env=env, reason=reason, kind=kind)
+
+
+def simulate_snapshot() -> SnapshotReport:
+    """Run the before-snapshot hooks now and return the report."""
+    return default_engine.simulate_snapshot()

@@ -1,0 +1,61 @@
+"""The ``rehydrate`` command (also ``python -m rehydrate``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ._version import __version__
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _print_json(data: object) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import detect
+
+    infos = detect.available()
+    if args.json:
+        _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos]})
+        return EXIT_OK
+    if not infos:
+        print("no detectors are known")
+        return EXIT_OK
+    width = max(len(i.name) for i in infos)
+    for i in infos:
+        mark = "yes" if i.usable else "no "
+        auto = "auto" if (i.usable and i.auto) else "    "
+        print(f"{i.name.ljust(width)}  {mark}  {auto}  {i.reason}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rehydrate",
+        description="Inspect and drive snapshot/restore handling of rehydrate-enabled processes.",
+    )
+    parser.add_argument("--version", action="version", version=f"rehydrate {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    doctor = sub.add_parser("doctor", help="which detectors work here, and why not the others")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return EXIT_USAGE
+    result: int = args.func(args)
+    return result

@@ -1,0 +1,206 @@
+"""What a hook is told (:class:`RestoreContext`) and what a run reports (:class:`Report`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .hooks import Phase
+
+if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
+    from builtins import ExceptionGroup as _ExceptionGroup
+else:  # pragma: no cover
+    from exceptiongroup import ExceptionGroup as _ExceptionGroup  # type: ignore[import-not-found,unused-ignore]
+
+__all__ = [
+    "EnvChanges",
+    "HookFailed",
+    "HookResult",
+    "HookTimeout",
+    "Kind",
+    "Outcome",
+    "Report",
+    "RestoreContext",
+    "RestoreReport",
+    "SnapshotReport",
+]
+
+Kind = Literal["restore", "resume", "snapshot"]
+Outcome = Literal["ok", "failed", "timeout", "skipped"]
+
+
+@dataclass(frozen=True)
+class EnvChanges:
+    """Names (never values) of environment keys a refresh added, changed or removed."""
+
+    added: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> frozenset[str]:
+        return frozenset(self.added) | frozenset(self.changed) | frozenset(self.removed)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.changed or self.removed)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def only(self, keys: tuple[str, ...]) -> EnvChanges:
+        """The subset that concerns ``keys`` (all of it when ``keys`` is empty)."""
+        if not keys:
+            return self
+        want = set(keys)
+        return EnvChanges(
+            added=tuple(k for k in self.added if k in want),
+            changed=tuple(k for k in self.changed if k in want),
+            removed=tuple(k for k in self.removed if k in want),
+        )
+
+    def to_dict(self) -> dict[str, list[str]]:
+        return {
+            "added": list(self.added),
+            "changed": list(self.changed),
+            "removed": list(self.removed),
+        }
+
+
+@dataclass
+class RestoreContext:
+    """Passed to hooks that take one argument. One instance per event, shared by its hooks."""
+
+    generation: int
+    """0 in the original process, +1 per restore (a resume keeps the generation)."""
+    reason: str
+    """Which detector fired: ``gvisor``, ``control``, ``clock-jump``, ``simulated`` …"""
+    kind: Kind
+    """``restore`` (a clone), ``resume`` (the original after a snapshot) or ``snapshot``."""
+    env_changes: EnvChanges = field(default_factory=EnvChanges)
+    frozen_for: float | None = None
+    """Seconds spent frozen, when the detector knows it."""
+    detected_at: float = 0.0
+    """``time.monotonic()`` when the detector noticed the event."""
+    env: Mapping[str, str | None] | None = None
+    """The new environment handed to this event (by a simulator or a detector), if any."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Scratch space hooks of one event may use to talk to each other."""
+
+
+class HookTimeout(TimeoutError):
+    """A hook ran past its timeout."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        super().__init__(f"hook {name!r} timed out after {timeout:g}s")
+        self.hook_name = name
+        self.timeout = timeout
+
+
+class HookFailed(_ExceptionGroup):  # type: ignore[type-arg,misc,unused-ignore]
+    """All hook errors of one run, nested (an ``ExceptionGroup`` on 3.11+)."""
+
+    def derive(self, excs: Any) -> HookFailed:
+        return HookFailed(self.message, excs)
+
+
+@dataclass(frozen=True)
+class HookResult:
+    name: str
+    phase: Phase
+    outcome: Outcome
+    duration: float
+    error: BaseException | None = None
+    required: bool = True
+    attempts: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "phase": str(self.phase),
+            "outcome": self.outcome,
+            "duration": round(self.duration, 6),
+            "error": _describe(self.error),
+            "required": self.required,
+            "attempts": self.attempts,
+        }
+
+
+def _describe(exc: BaseException | None) -> str | None:
+    if exc is None:
+        return None
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class Report:
+    """The result of one lifecycle event. ``ok`` is false when a required hook failed."""
+
+    ok: bool
+    generation: int
+    reason: str
+    kind: Kind
+    duration: float
+    hooks: tuple[HookResult, ...]
+    started_at: float
+    """Wall-clock (``time.time()``) start of the run."""
+    error: BaseException | None = None
+    """One exception nesting every hook error (:class:`HookFailed`), or None."""
+    env_changes: EnvChanges = field(default_factory=EnvChanges)
+    frozen_for: float | None = None
+
+    @property
+    def event(self) -> str:
+        return "snapshot" if self.kind == "snapshot" else "restore"
+
+    @property
+    def failed(self) -> tuple[HookResult, ...]:
+        return tuple(h for h in self.hooks if h.outcome in ("failed", "timeout"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event": self.event,
+            "ok": self.ok,
+            "generation": self.generation,
+            "reason": self.reason,
+            "kind": self.kind,
+            "duration": round(self.duration, 6),
+            "started_at": self.started_at,
+            "frozen_for": self.frozen_for,
+            "env_changes": self.env_changes.to_dict(),
+            "error": _describe(self.error),
+            "hooks": [h.to_dict() for h in self.hooks],
+        }
+
+    def table(self) -> str:
+        """The report as a fixed-width text table (what ``make demo`` prints)."""
+        rows = [("hook", "phase", "outcome", "ms", "error")]
+        for h in self.hooks:
+            rows.append(
+                (h.name, str(h.phase), h.outcome, f"{h.duration * 1000:.2f}",
+                 _describe(h.error) or "")
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [
+            f"{self.event} (kind={self.kind}, reason={self.reason}, "
+            f"generation={self.generation}) ok={self.ok} in {self.duration * 1000:.2f} ms"
+        ]
+        for i, r in enumerate(rows):
+            lines.append(
+                "  ".join(c.ljust(widths[j]) for j, c in enumerate(r[:4])) + "  " + r[4]
+            )
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  -----")
+        return "\n".join(line.rstrip() for line in lines)
+
+
+@dataclass(frozen=True)
+class RestoreReport(Report):
+    """Report of a restore (kind ``restore``) or resume (kind ``resume``) run."""
+
+
+@dataclass(frozen=True)
+class SnapshotReport(Report):
+    """Report of the before-snapshot run."""

@@ -1,0 +1,197 @@
+"""Environment refresh: read a ``KEY=VALUE\\0…`` file, diff it against ``os.environ``, apply.
+
+A restored gVisor process keeps the environment it was frozen with; the environment the
+container was restored with is readable only from ``/proc/gvisor/spec_environ``. The same
+logic serves any platform that mounts the new environment as a file.
+
+Values are never logged; only key names.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .context import EnvChanges
+
+__all__ = [
+    "MAX_ENVIRON_BYTES",
+    "EnvError",
+    "EnvRefresher",
+    "Policy",
+    "diff",
+    "parse_environ",
+    "read_environ",
+]
+
+log = logging.getLogger("rehydrate")
+
+Policy = Literal["update", "replace", "off"]
+POLICIES: tuple[Policy, ...] = ("update", "replace", "off")
+
+MAX_ENVIRON_BYTES = 4 * 1024 * 1024
+"""Larger files are refused: Linux itself caps argv+envp well below this."""
+
+
+class EnvError(ValueError):
+    """The environment file could not be read or parsed; nothing was applied."""
+
+
+def _name(key: bytes) -> str:
+    return key.decode("utf-8", "surrogateescape")
+
+
+def parse_environ(data: bytes) -> dict[bytes, bytes]:
+    """Parse ``KEY=VALUE\\0KEY=VALUE\\0…``. A repeated key: the last one wins.
+
+    Raises :class:`EnvError` (naming the entry, never its value) for an entry without
+    ``=``, an empty key, or a file with no entries at all, so that a half-written or
+    corrupt file is never applied. Bytes that are not UTF-8 are kept as bytes.
+    """
+    if len(data) > MAX_ENVIRON_BYTES:
+        raise EnvError(f"{len(data)} bytes, more than the {MAX_ENVIRON_BYTES} accepted")
+    result: dict[bytes, bytes] = {}
+    for index, entry in enumerate(data.split(b"\0"), start=1):
+        if not entry:
+            continue  # the trailing NUL, or an empty slot between two NULs
+        key, sep, value = entry.partition(b"=")
+        if not sep:
+            raise EnvError(f"entry {index} has no '='")
+        if not key:
+            raise EnvError(f"entry {index} has an empty key")
+        result[key] = value
+    if not result:
+        raise EnvError("no KEY=VALUE entries")
+    return result
+
+
+def read_environ(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
+    """Read and parse an environment file; :class:`EnvError` on any problem."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_ENVIRON_BYTES + 1)
+    except OSError as exc:
+        raise EnvError(f"cannot read {os.fspath(path)}: {exc.strerror or exc}") from None
+    try:
+        return parse_environ(data)
+    except EnvError as exc:
+        raise EnvError(f"{os.fspath(path)}: {exc}") from None
+
+
+def diff(
+    current: Mapping[bytes, bytes],
+    new: Mapping[bytes, bytes],
+    remove: Iterable[bytes] = (),
+) -> EnvChanges:
+    """Names of keys ``new`` adds or changes relative to ``current``, and of ``remove``."""
+    added = sorted(_name(k) for k in new if k not in current)
+    changed = sorted(_name(k) for k, v in new.items() if k in current and current[k] != v)
+    removed = sorted(_name(k) for k in remove if k in current and k not in new)
+    return EnvChanges(tuple(added), tuple(changed), tuple(removed))
+
+
+@dataclass
+class EnvRefresher:
+    """The built-in ``ENVIRONMENT`` step.
+
+    ``policy``:
+      * ``update`` (default): set every key of the new file; remove a key the previous file
+        had and the new one lacks; leave keys that never came from the file alone.
+      * ``replace``: make the process environment exactly the file (keys matching
+        ``protect`` and ``REHYDRATE_*`` stay).
+      * ``off``: never touch the environment.
+    ``protect``: glob patterns of keys never overwritten or removed.
+    """
+
+    path: str | None = None
+    policy: Policy = "update"
+    protect: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"env policy must be one of {POLICIES}, not {self.policy!r}")
+        self._lock = threading.Lock()
+        self._previous: set[bytes] | None = None
+
+    def _protected(self, key: bytes) -> bool:
+        name = _name(key)
+        return any(fnmatch.fnmatchcase(name, p) for p in self.protect)
+
+    def baseline(self) -> None:
+        """Remember which keys the file holds now, so a later refresh can tell removals."""
+        if self.path is None or self._previous is not None:
+            return
+        try:
+            self._previous = set(read_environ(self.path))
+        except EnvError:
+            self._previous = None
+
+    def refresh(self, overlay: Mapping[str, str | None] | None = None) -> EnvChanges:
+        """Apply the new environment; returns what changed (names only).
+
+        ``overlay`` (from a simulator or a detector) is applied instead of the file: each
+        key is set, a ``None`` value removes it. Raises :class:`EnvError` when the file
+        cannot be used; ``os.environ`` is then left exactly as it was.
+        """
+        if self.policy == "off":
+            return EnvChanges()
+        with self._lock:
+            if overlay is not None:
+                return self._apply_overlay(overlay)
+            if self.path is None or not os.path.exists(self.path):
+                return EnvChanges()
+            new = read_environ(self.path)
+            return self._apply_file(new)
+
+    def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
+        env = os.environb
+        sets = {
+            os.fsencode(k): os.fsencode(v)
+            for k, v in overlay.items()
+            if v is not None and not self._protected(os.fsencode(k))
+        }
+        removes = [
+            os.fsencode(k)
+            for k, v in overlay.items()
+            if v is None and not self._protected(os.fsencode(k))
+        ]
+        changes = diff(env, sets, removes)
+        for k, v in sets.items():
+            env[k] = v
+        for k in removes:
+            env.pop(k, None)
+        return changes
+
+    def _apply_file(self, new: dict[bytes, bytes]) -> EnvChanges:
+        env = os.environb
+        if self.policy == "replace":
+            removes = [
+                k for k in env if k not in new and not k.startswith(b"REHYDRATE_")
+            ]
+        else:
+            removes = [k for k in (self._previous or ()) if k not in new]
+        sets = {k: v for k, v in new.items() if not self._protected(k)}
+        removes = [k for k in removes if not self._protected(k)]
+        changes = diff(env, sets, removes)
+        for k, v in sets.items():
+            if env.get(k) != v:
+                env[k] = v
+        for k in removes:
+            env.pop(k, None)
+        self._previous = set(new)
+        return changes
+
+
+def default_path(gvisor_proc: str | None = None) -> str:
+    """``$REHYDRATE_ENV_FILE``, else ``$REHYDRATE_GVISOR_PROC/spec_environ``."""
+    explicit = os.environ.get("REHYDRATE_ENV_FILE")
+    if explicit:
+        return explicit
+    proc = gvisor_proc or os.environ.get("REHYDRATE_GVISOR_PROC", "/proc/gvisor")
+    return str(Path(proc) / "spec_environ")

@@ -1,0 +1,343 @@
+"""Phases, hook records, the registry and its decorators.
+
+This module only *marks and stores* hooks; :mod:`rehydrate.lifecycle` calls them.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, overload
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Hook",
+    "HookFn",
+    "Phase",
+    "Registry",
+]
+
+HookFn = Callable[..., Any]
+F = TypeVar("F", bound=HookFn)
+
+DEFAULT_TIMEOUT = 30.0
+"""Seconds a hook may run before it is reported as ``timeout``."""
+
+Event = Literal["restore", "snapshot"]
+
+
+class Phase(enum.IntEnum):
+    """Restore phases, in the order they run after a restore (reversed before a snapshot)."""
+
+    ENVIRONMENT = 10
+    ENTROPY = 20
+    SECRETS = 30
+    NETWORK = 40
+    CONNECTIONS = 50
+    APPLICATION = 60
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One registered hook. Immutable: re-registering creates a new record."""
+
+    fn: HookFn
+    event: Event
+    phase: Phase
+    order: int
+    timeout: float
+    required: bool
+    name: str
+    retries: int
+    seq: int
+    """Registration sequence number: breaks ties in ``order`` deterministically."""
+    env_keys: tuple[str, ...] | None = None
+    """Set for ``on_env_change`` hooks: the keys watched (empty tuple: any key)."""
+    is_async: bool = field(default=False)
+    arity: int = field(default=0)
+    """How many positional arguments the hook takes (0, 1 = context, 2 = context + changes)."""
+
+    def sort_key(self) -> tuple[int, int, int]:
+        return (int(self.phase), self.order, self.seq)
+
+
+def _arity(fn: HookFn) -> int:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: call with no argument
+        return 0
+    n = 0
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            return 2
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
+            n += 1
+    return n
+
+
+def _is_async(fn: HookFn) -> bool:
+    target = getattr(fn, "__call__", None)  # noqa: B004 - callable objects with async __call__
+    return inspect.iscoroutinefunction(fn) or (
+        target is not None and inspect.iscoroutinefunction(target)
+    )
+
+
+def _default_name(fn: HookFn) -> str:
+    module = getattr(fn, "__module__", None) or ""
+    qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{qual}" if module else qual
+
+
+class Registry:
+    """An isolated set of hooks.
+
+    The module-level decorators (``rehydrate.after_restore`` …) use one default registry;
+    tests and libraries that want isolation create their own. Registration is thread-safe.
+    A run takes a snapshot of the hooks when it starts, so a hook registered while hooks
+    are running takes effect from the next event.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hooks: dict[int, Hook] = {}
+        self._seq = itertools.count()
+        self._version = 0
+        self._cache: dict[Event, tuple[int, tuple[Hook, ...]]] = {}
+
+    # -- registration --------------------------------------------------------------
+
+    def register(
+        self,
+        fn: HookFn,
+        *,
+        event: Event = "restore",
+        phase: Phase = Phase.APPLICATION,
+        order: int = 0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        required: bool = True,
+        name: str | None = None,
+        retries: int = 0,
+        env_keys: Iterable[str] | None = None,
+    ) -> Hook:
+        """Register ``fn`` and return its record (pass it to :meth:`unregister`)."""
+        if not callable(fn):
+            raise TypeError(f"hook must be callable, got {type(fn).__name__}")
+        if event not in ("restore", "snapshot"):
+            raise ValueError(f"event must be 'restore' or 'snapshot', not {event!r}")
+        phase = Phase(phase)
+        if timeout is not None and timeout <= 0:
+            raise ValueError("timeout must be positive (or None for no limit)")
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        arity = _arity(fn)
+        max_arity = 2 if env_keys is not None else 1
+        if arity > max_arity:
+            raise TypeError(
+                f"hook {_default_name(fn)} takes {arity} required arguments; "
+                f"hooks take at most {max_arity} (the RestoreContext"
+                + (" and the changes)" if max_arity == 2 else ")")
+            )
+        with self._lock:
+            hook = Hook(
+                fn=fn,
+                event=event,
+                phase=phase,
+                order=int(order),
+                timeout=float(timeout) if timeout is not None else float("inf"),
+                required=bool(required),
+                name=name or _default_name(fn),
+                retries=int(retries),
+                seq=next(self._seq),
+                env_keys=tuple(env_keys) if env_keys is not None else None,
+                is_async=_is_async(fn),
+                arity=arity,
+            )
+            self._hooks[hook.seq] = hook
+            self._version += 1
+        return hook
+
+    def unregister(self, hook: Hook | HookFn | str) -> int:
+        """Remove hooks by record, function or name. Returns how many were removed."""
+        with self._lock:
+            if isinstance(hook, Hook):
+                doomed = [hook.seq] if hook.seq in self._hooks else []
+            elif isinstance(hook, str):
+                doomed = [s for s, h in self._hooks.items() if h.name == hook]
+            else:
+                doomed = [s for s, h in self._hooks.items() if h.fn is hook]
+            for s in doomed:
+                del self._hooks[s]
+            if doomed:
+                self._version += 1
+            return len(doomed)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._hooks.clear()
+            self._version += 1
+
+    # -- decorators ----------------------------------------------------------------
+
+    @overload
+    def after_restore(self, fn: F, /) -> F: ...
+    @overload
+    def after_restore(
+        self,
+        fn: None = None,
+        /,
+        *,
+        phase: Phase = ...,
+        order: int = ...,
+        timeout: float | None = ...,
+        required: bool = ...,
+        name: str | None = ...,
+        retries: int = ...,
+    ) -> Callable[[F], F]: ...
+
+    def after_restore(
+        self,
+        fn: F | None = None,
+        /,
+        *,
+        phase: Phase = Phase.APPLICATION,
+        order: int = 0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        required: bool = True,
+        name: str | None = None,
+        retries: int = 0,
+    ) -> F | Callable[[F], F]:
+        """Run the function after a restore (and after a resume of the original process)."""
+
+        def deco(f: F) -> F:
+            self.register(
+                f,
+                event="restore",
+                phase=phase,
+                order=order,
+                timeout=timeout,
+                required=required,
+                name=name,
+                retries=retries,
+            )
+            return f
+
+        return deco(fn) if fn is not None else deco
+
+    @overload
+    def before_snapshot(self, fn: F, /) -> F: ...
+    @overload
+    def before_snapshot(
+        self,
+        fn: None = None,
+        /,
+        *,
+        phase: Phase = ...,
+        order: int = ...,
+        timeout: float | None = ...,
+        required: bool = ...,
+        name: str | None = ...,
+        retries: int = ...,
+    ) -> Callable[[F], F]: ...
+
+    def before_snapshot(
+        self,
+        fn: F | None = None,
+        /,
+        *,
+        phase: Phase = Phase.APPLICATION,
+        order: int = 0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        required: bool = True,
+        name: str | None = None,
+        retries: int = 0,
+    ) -> F | Callable[[F], F]:
+        """Run the function before a snapshot is taken (phases in reverse order)."""
+
+        def deco(f: F) -> F:
+            self.register(
+                f,
+                event="snapshot",
+                phase=phase,
+                order=order,
+                timeout=timeout,
+                required=required,
+                name=name,
+                retries=retries,
+            )
+            return f
+
+        return deco(fn) if fn is not None else deco
+
+    def on_env_change(
+        self,
+        *keys: str | HookFn,
+        phase: Phase = Phase.ENVIRONMENT,
+        order: int = 0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        required: bool = True,
+        name: str | None = None,
+        retries: int = 0,
+    ) -> Any:
+        """Run the function after a restore when any of ``keys`` changed (no keys: any).
+
+        The hook receives ``(ctx, changes)`` (or fewer arguments); ``changes`` lists only
+        the watched keys that changed. It runs right after the environment refresh unless
+        another ``phase`` is given, and is reported ``skipped`` when nothing it watches
+        changed.
+        """
+        if len(keys) == 1 and callable(keys[0]):  # bare @on_env_change
+            fn = keys[0]
+            self.register(fn, phase=phase, order=order, timeout=timeout, required=required,
+                          name=name, retries=retries, env_keys=())
+            return fn
+        for k in keys:
+            if not isinstance(k, str) or not k:
+                raise TypeError("on_env_change keys must be non-empty strings")
+        names = tuple(k for k in keys if isinstance(k, str))
+
+        def deco(f: F) -> F:
+            self.register(f, phase=phase, order=order, timeout=timeout, required=required,
+                          name=name, retries=retries, env_keys=names)
+            return f
+
+        return deco
+
+    # -- reading -------------------------------------------------------------------
+
+    def hooks(self, event: Event) -> tuple[Hook, ...]:
+        """The hooks for ``event`` in the order they run.
+
+        Restore: phases forward, ``order`` ascending, registration order on ties.
+        Snapshot: the exact reverse of that.
+        """
+        with self._lock:
+            cached = self._cache.get(event)
+            if cached is not None and cached[0] == self._version:
+                return cached[1]
+            selected = sorted(
+                (h for h in self._hooks.values() if h.event == event), key=Hook.sort_key
+            )
+            if event == "snapshot":
+                selected.reverse()
+            result = tuple(selected)
+            self._cache[event] = (self._version, result)
+            return result
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a hook is added or removed."""
+        return self._version
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._hooks)
+
+    def __repr__(self) -> str:
+        return f"<rehydrate.Registry hooks={len(self)}>"

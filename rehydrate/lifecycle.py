@@ -1,0 +1,468 @@
+"""The lifecycle engine: state machine, generations, running phases, reports, readiness.
+
+Every event — a detector noticing a restore, ``rehydrate notify``, a simulator — ends up in
+:meth:`Lifecycle.restore_detected` or :meth:`Lifecycle.snapshot_requested`. Events run one
+at a time (a restore arriving while hooks run waits its turn), and two notices of the same
+restore run the hooks once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from ._runner import HookRunner, LoopThread, Observer, inside_hook
+from .context import (
+    HookFailed,
+    HookResult,
+    Kind,
+    Report,
+    RestoreContext,
+    RestoreReport,
+    SnapshotReport,
+)
+from .env import EnvRefresher, default_path
+from .hooks import Hook, Phase, Registry
+
+if TYPE_CHECKING:
+    from .detect import Detector
+
+__all__ = ["Lifecycle", "State", "Status"]
+
+log = logging.getLogger("rehydrate")
+
+T = TypeVar("T")
+
+State = Literal["running", "snapshotting", "restoring", "ready", "degraded"]
+
+_SEEN_KEYS = 256
+
+
+@dataclass(frozen=True)
+class Status:
+    state: State
+    generation: int
+    ready: bool
+    detectors: tuple[str, ...]
+    last_report: Report | None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "state": self.state,
+            "generation": self.generation,
+            "ready": self.ready,
+            "detectors": list(self.detectors),
+            "last_report": self.last_report.to_dict() if self.last_report else None,
+        }
+        out.update(self.extra)
+        return out
+
+
+class Lifecycle:
+    """Runs hooks for snapshot and restore events and tracks readiness.
+
+    ``registry``: the user hooks (a fresh one when omitted). Built-in managers (the
+    environment refresh, and later entropy, keys, connections …) live in their own
+    registry, :attr:`builtins`, merged with the user hooks at run time.
+    """
+
+    def __init__(
+        self,
+        registry: Registry | None = None,
+        *,
+        env: EnvRefresher | None = None,
+        builtins: bool = True,
+    ) -> None:
+        self.registry = registry if registry is not None else Registry()
+        self.builtins = Registry()
+        self.env = env if env is not None else EnvRefresher(
+            path=default_path(),
+            policy=os.environ.get("REHYDRATE_ENV_POLICY", "update"),  # type: ignore[arg-type]
+        )
+        self._loop_thread = LoopThread()
+        self._runner = HookRunner(self._loop_thread)
+        self._user_loop: asyncio.AbstractEventLoop | None = None
+        self._observers: list[Observer] = []
+        self._listeners: list[Callable[[Report], None]] = []
+
+        self._cond = threading.Condition()
+        self._state: State = "running"
+        self._generation = 0
+        self._last_report: Report | None = None
+        self._extra_status: dict[str, Callable[[], Any]] = {}
+        self._extensions: dict[str, Any] = {}
+        self._ext_lock = threading.Lock()
+
+        self._run_lock = threading.Lock()
+        self._seen: collections.OrderedDict[str, Report] = collections.OrderedDict()
+        self._last_restore_at: float | None = None
+        self._last_restore_report: RestoreReport | None = None
+
+        self._detectors: list[Detector] = []
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._merged: tuple[tuple[int, int], dict[str, tuple[Hook, ...]]] | None = None
+        if builtins:
+            self._install_builtins()
+
+    # -- built-ins -------------------------------------------------------------------
+
+    def _install_builtins(self) -> None:
+        def refresh_environment(ctx: RestoreContext) -> None:
+            ctx.env_changes = self.env.refresh(ctx.env)
+            if ctx.env_changes:
+                log.info("environment refreshed: added=%s changed=%s removed=%s",
+                         list(ctx.env_changes.added), list(ctx.env_changes.changed),
+                         list(ctx.env_changes.removed))
+
+        self.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
+                               order=-1_000_000, name="rehydrate.env", timeout=10.0)
+
+    def extension(self, key: str, factory: Callable[[Lifecycle], T]) -> T:
+        """The per-engine instance of a built-in manager, created by ``factory`` on first use.
+
+        Managers (keys, secrets, connections, routes, telemetry …) attach themselves this
+        way: the factory typically registers the manager's hooks in :attr:`builtins`.
+        """
+        with self._ext_lock:
+            if key not in self._extensions:
+                self._extensions[key] = factory(self)
+            ext: T = self._extensions[key]
+            return ext
+
+    # -- observation -----------------------------------------------------------------
+
+    def add_observer(self, observer: Observer) -> None:
+        """Per-hook callbacks (telemetry). Cheap when none is added."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: Observer) -> None:
+        self._observers.remove(observer)
+
+    def add_listener(self, fn: Callable[[Report], None]) -> None:
+        """Called with every finished report (after readiness was updated)."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[Report], None]) -> None:
+        self._listeners.remove(fn)
+
+    def add_status(self, key: str, fn: Callable[[], Any]) -> None:
+        """Add a field to :meth:`status` (managers publish their state this way)."""
+        self._extra_status[key] = fn
+
+    # -- state -----------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def is_ready(self) -> bool:
+        return self._state in ("running", "ready")
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until ready (True) or until ``timeout`` seconds passed (False)."""
+        with self._cond:
+            return self._cond.wait_for(self.is_ready, timeout)
+
+    def status(self) -> Status:
+        extra: dict[str, Any] = {}
+        for key, fn in list(self._extra_status.items()):
+            try:
+                extra[key] = fn()
+            except Exception as exc:  # a status field must never break status()
+                extra[key] = f"unavailable: {type(exc).__name__}"
+        return Status(
+            state=self._state,
+            generation=self._generation,
+            ready=self.is_ready(),
+            detectors=tuple(d.name for d in self._detectors),
+            last_report=self._last_report,
+            extra=extra,
+        )
+
+    def _set_state(self, state: State) -> None:
+        with self._cond:
+            self._state = state
+            self._cond.notify_all()
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def hooks(self, event: Literal["restore", "snapshot"]) -> tuple[Hook, ...]:
+        """Built-in and user hooks for ``event``, in run order."""
+        user = self.registry.hooks(event)
+        builtin = self.builtins.hooks(event)
+        if not builtin:
+            return user
+        if not user:
+            return builtin
+        key = (self.registry.version, self.builtins.version)
+        merged = self._merged
+        if merged is None or merged[0] != key:
+            merged = (key, {})
+            self._merged = merged
+        cached = merged[1].get(event)
+        if cached is None:
+            tagged = [(h.sort_key(), 0, h) for h in builtin] + [(h.sort_key(), 1, h) for h in user]
+            tagged.sort(key=lambda t: (t[0][0], t[0][1], t[1], t[0][2]))
+            ordered = [t[2] for t in tagged]
+            if event == "snapshot":
+                ordered.reverse()
+            cached = tuple(ordered)
+            merged[1][event] = cached
+        return cached
+
+    # -- events ----------------------------------------------------------------------
+
+    def restore_detected(
+        self,
+        reason: str,
+        *,
+        kind: Literal["restore", "resume"] = "restore",
+        since: float | None = None,
+        key: str | None = None,
+        frozen_for: float | None = None,
+        env: Mapping[str, str | None] | None = None,
+        detected_at: float | None = None,
+    ) -> RestoreReport:
+        """Run the restore (or resume) hooks for an event a detector noticed.
+
+        Duplicate suppression: ``key`` names the event (the same key runs once); ``since``
+        is the ``time.monotonic()`` at which the detector last saw the process before the
+        freeze — if another restore was detected after that moment, this notice is the same
+        restore and its report is returned without running anything.
+        """
+        detected = time.monotonic() if detected_at is None else detected_at
+        self._check_not_inside_hook()
+        with self._run_lock:
+            if key is not None and key in self._seen:
+                log.debug("restore notice %s from %s: already handled", key, reason)
+                return self._seen[key]  # type: ignore[return-value]
+            last_at, last = self._last_restore_at, self._last_restore_report
+            if since is not None and last is not None and last_at is not None and last_at > since:
+                log.info("restore notice from %s is the restore already handled (reason %s)",
+                         reason, last.reason)
+                return last
+            report = self._run_restore(reason, kind, frozen_for, env, detected)
+            self._last_restore_at = detected
+            self._last_restore_report = report
+            if key is not None:
+                self._remember(key, report)
+        self._publish(report)
+        return report
+
+    def snapshot_requested(
+        self, reason: str = "simulated", *, key: str | None = None
+    ) -> SnapshotReport:
+        """Run the before-snapshot hooks (phases in reverse) and return their report."""
+        self._check_not_inside_hook()
+        with self._run_lock:
+            if key is not None and key in self._seen:
+                return self._seen[key]  # type: ignore[return-value]
+            report = self._run_snapshot(reason)
+            if key is not None:
+                self._remember(key, report)
+        self._publish(report)
+        return report
+
+    def simulate_restore(
+        self,
+        env: Mapping[str, str | None] | None = None,
+        reason: str = "simulated",
+        kind: Literal["restore", "resume"] = "restore",
+        frozen_for: float | None = None,
+    ) -> RestoreReport:
+        """Run the real engine for a restore, synchronously, and return the report.
+
+        ``env`` is applied like a new spec environment (a ``None`` value removes the key).
+        """
+        return self.restore_detected(reason, kind=kind, env=env, frozen_for=frozen_for)
+
+    def simulate_snapshot(self, reason: str = "simulated") -> SnapshotReport:
+        """Run the real before-snapshot hooks synchronously and return the report."""
+        return self.snapshot_requested(reason)
+
+    def _remember(self, key: str, report: Report) -> None:
+        self._seen[key] = report
+        while len(self._seen) > _SEEN_KEYS:
+            self._seen.popitem(last=False)
+
+    def _check_not_inside_hook(self) -> None:
+        if inside_hook.get():
+            raise RuntimeError(
+                "a lifecycle event cannot be started from inside a hook "
+                "(it would wait for itself)"
+            )
+
+    def _loop_for_this_call(self) -> asyncio.AbstractEventLoop | None:
+        loop = self._user_loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            # Blocking the loop's own thread while waiting for hooks scheduled on it would
+            # deadlock; use the private loop for this event instead.
+            log.warning("lifecycle event started on the application's event loop thread; "
+                        "async hooks run on rehydrate's own loop for this event")
+            return None
+        return loop
+
+    def _run_restore(
+        self,
+        reason: str,
+        kind: Literal["restore", "resume"],
+        frozen_for: float | None,
+        env: Mapping[str, str | None] | None,
+        detected: float,
+    ) -> RestoreReport:
+        generation = self._generation + 1 if kind == "restore" else self._generation
+        ctx = RestoreContext(generation=generation, reason=reason, kind=kind,
+                             frozen_for=frozen_for, detected_at=detected,
+                             env=dict(env) if env is not None else None)
+        with self._cond:
+            self._generation = generation
+            self._state = "restoring"
+            self._cond.notify_all()
+        log.info("%s detected (reason %s, generation %d%s)", kind, reason, generation,
+                 f", frozen for {frozen_for:.1f}s" if frozen_for is not None else "")
+        results, duration, started = self._run("restore", ctx)
+        ok, error = _summarise(results, kind)
+        report = RestoreReport(ok=ok, generation=generation, reason=reason, kind=kind,
+                               duration=duration, hooks=tuple(results), started_at=started,
+                               error=error, env_changes=ctx.env_changes, frozen_for=frozen_for)
+        self._set_state("ready" if ok else "degraded")
+        return report
+
+    def _run_snapshot(self, reason: str) -> SnapshotReport:
+        ctx = RestoreContext(generation=self._generation, reason=reason, kind="snapshot",
+                             detected_at=time.monotonic())
+        self._set_state("snapshotting")
+        log.info("preparing for snapshot (reason %s)", reason)
+        results, duration, started = self._run("snapshot", ctx)
+        ok, error = _summarise(results, "snapshot")
+        report = SnapshotReport(ok=ok, generation=self._generation, reason=reason,
+                                kind="snapshot", duration=duration, hooks=tuple(results),
+                                started_at=started, error=error)
+        if not ok:
+            self._set_state("degraded")
+        return report
+
+    def _run(self, event: Literal["restore", "snapshot"],
+             ctx: RestoreContext) -> tuple[list[HookResult], float, float]:
+        hooks = self.hooks(event)
+        started = time.time()
+        t0 = time.perf_counter()
+        results = self._runner.run(hooks, ctx, self._loop_for_this_call(),
+                                   tuple(self._observers))
+        return results, time.perf_counter() - t0, started
+
+    def _publish(self, report: Report) -> None:
+        with self._cond:
+            self._last_report = report
+            self._cond.notify_all()
+        for listener in list(self._listeners):
+            try:
+                listener(report)
+            except Exception:
+                log.exception("report listener %r failed", listener)
+
+    # -- detectors -------------------------------------------------------------------
+
+    def start(
+        self,
+        detectors: str | Iterable[str | Detector] = "auto",
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> list[str]:
+        """Start background detection. Idempotent: a second call changes nothing.
+
+        ``detectors``: ``"auto"`` (every detector usable here that is on by default),
+        ``"none"``, or names / :class:`~rehydrate.detect.Detector` instances.
+        ``loop``: run ``async`` hooks on this (the application's) event loop.
+        Returns the names of the detectors now running.
+        """
+        from . import detect
+
+        with self._start_lock:
+            if loop is not None:
+                self._user_loop = loop
+            if self._started:
+                return [d.name for d in self._detectors]
+            self.env.baseline()
+            chosen = detect.select(detectors)
+            running: list[Detector] = []
+            for d in chosen:
+                try:
+                    d.start(self)
+                except Exception as exc:
+                    log.warning("detector %s could not start: %s", d.name, exc)
+                    continue
+                running.append(d)
+            self._detectors = running
+            self._started = True
+            log.info("rehydrate started; detectors: %s",
+                     ", ".join(d.name for d in running) or "none")
+            return [d.name for d in running]
+
+    def stop(self) -> None:
+        """Stop the detectors (hooks stay registered). Idempotent."""
+        with self._start_lock:
+            detectors, self._detectors = self._detectors, []
+            self._started = False
+        for d in detectors:
+            try:
+                d.stop()
+            except Exception:
+                log.exception("detector %s did not stop cleanly", d.name)
+
+    def detector(self, name: str) -> Detector | None:
+        return next((d for d in self._detectors if d.name == name), None)
+
+    def specific_detectors(self, than: int) -> Sequence[Detector]:
+        """Running detectors whose reason is more specific than ``than``."""
+        return [d for d in self._detectors if d.specificity > than]
+
+    def close(self) -> None:
+        """Stop detectors and the engine's threads (for tests and interpreter exit)."""
+        self.stop()
+        self._runner.close()
+        self._loop_thread.close()
+        self._runner = HookRunner(self._loop_thread)
+
+
+def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFailed | None]:
+    errors = [r.error for r in results if r.error is not None]
+    for r in results:
+        if r.error is not None and hasattr(r.error, "add_note"):
+            note = f"in hook {r.name!r} ({r.phase})"
+            if note not in getattr(r.error, "__notes__", ()):
+                r.error.add_note(note)
+        if r.outcome in ("failed", "timeout"):
+            level = logging.ERROR if r.required else logging.WARNING
+            log.log(level, "%s hook %s %s: %s", kind, r.name, r.outcome,
+                    _one_line(r.error))
+    ok = not any(r.required and r.outcome in ("failed", "timeout") for r in results)
+    error = HookFailed(f"{len(errors)} {kind} hook(s) failed", errors) if errors else None
+    return ok, error
+
+
+def _one_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+

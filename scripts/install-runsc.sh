@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Install gVisor's runsc for the real checkpoint/restore tests (tests/gvisor).
+#
+#   * /usr/bin/runsc             Debian bookworm's package (0.0~20221219)
+#   * /usr/local/bin/runsc-trixie  Debian trixie's static binary (0.0~20240729),
+#                                which adds `checkpoint --compression=none`.
+#
+# The trixie binary is fetched with `apt-get download` through a private,
+# throw-away sources list that points at the trixie suite of the same Debian
+# mirror the system already uses; the system's apt configuration and package
+# lists are not touched. Nothing else is installed.
+#
+# Idempotent; must run as root. Exits 0 at once when both are already there.
+set -euo pipefail
+
+TRIXIE_BIN=/usr/local/bin/runsc-trixie
+log() { printf 'install-runsc: %s\n' "$*" >&2; }
+
+if [[ $(id -u) -ne 0 ]]; then
+    log "must run as root"
+    exit 1
+fi
+
+have_bookworm() { [[ -x /usr/bin/runsc ]] && /usr/bin/runsc --version >/dev/null 2>&1; }
+have_trixie() { [[ -x $TRIXIE_BIN ]] && "$TRIXIE_BIN" --version >/dev/null 2>&1; }
+
+if have_bookworm && have_trixie; then
+    exit 0
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+
+if ! have_bookworm; then
+    log "installing Debian's runsc package"
+    if ! apt-get install -y --no-install-recommends runsc; then
+        apt-get update
+        apt-get install -y --no-install-recommends runsc
+    fi
+fi
+
+# The Debian archive URI the system already uses (deb822 .sources or one-line
+# .list format); the first one that is not a security mirror wins.
+debian_mirror() {
+    local f uri
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [[ -f $f ]] || continue
+        while read -r uri; do
+            case $uri in
+                *security*) ;;
+                */debian | */debian/) echo "${uri%/}"; return 0 ;;
+            esac
+        done < <(sed -n 's/^[[:space:]]*URIs:[[:space:]]*//p' "$f" | tr ' \t' '\n\n' | sed '/^$/d')
+    done
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [[ -f $f ]] || continue
+        while read -r uri; do
+            case $uri in
+                *security*) ;;
+                */debian | */debian/) echo "${uri%/}"; return 0 ;;
+            esac
+        # "deb [opts] URI suite comp..." -> URI
+        done < <(sed -n 's/^[[:space:]]*deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]\+\).*/\2/p' "$f")
+    done
+    echo "http://deb.debian.org/debian"
+}
+
+if ! have_trixie; then
+    mirror=$(debian_mirror)
+    keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+    log "fetching trixie's runsc from $mirror"
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    mkdir -p "$tmp/lists/partial" "$tmp/archives/partial" "$tmp/sources.list.d" "$tmp/deb"
+    printf 'deb [signed-by=%s] %s trixie main\n' "$keyring" "$mirror" >"$tmp/sources.list"
+    apt_opts=(
+        -o "Dir::Etc::sourcelist=$tmp/sources.list"
+        -o "Dir::Etc::sourceparts=$tmp/sources.list.d"
+        -o "Dir::State::Lists=$tmp/lists"
+        -o "Dir::Cache::Archives=$tmp/archives"
+        -o "Dir::Cache::pkgcache="
+        -o "Dir::Cache::srcpkgcache="
+        -o "APT::Architecture=$(dpkg --print-architecture)"
+        -o "Acquire::Languages=none"
+        -o "APT::Get::List-Cleanup=false"
+        -o "APT::Sandbox::User=root"
+    )
+    apt-get "${apt_opts[@]}" update >&2
+    (cd "$tmp/deb" && apt-get "${apt_opts[@]}" download runsc >&2)
+    deb=$(ls "$tmp"/deb/runsc_*.deb)
+    log "unpacking $(basename "$deb")"
+    dpkg -x "$deb" "$tmp/root"
+    install -m 0755 "$tmp/root/usr/bin/runsc" "$TRIXIE_BIN"
+fi
+
+log "$(/usr/bin/runsc --version | head -1) at /usr/bin/runsc"
+log "$("$TRIXIE_BIN" --version | head -1) at $TRIXIE_BIN"

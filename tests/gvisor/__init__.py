@@ -1,0 +1,1 @@
+"""Tests that run workloads under real gVisor runsc (see harness.py)."""
