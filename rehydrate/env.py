@@ -109,7 +109,8 @@ class EnvRefresher:
     ``protect``: glob patterns of keys never overwritten or removed.
     """
 
-    path: str | None = None
+    path: str | None = "auto"
+    """The environment file; ``"auto"``: :func:`default_path` at each use; None: no file."""
     policy: Policy = "update"
     protect: tuple[str, ...] = ()
 
@@ -123,12 +124,16 @@ class EnvRefresher:
         name = _name(key)
         return any(fnmatch.fnmatchcase(name, p) for p in self.protect)
 
+    def resolved_path(self) -> str | None:
+        return default_path() if self.path == "auto" else self.path
+
     def baseline(self) -> None:
         """Remember which keys the file holds now, so a later refresh can tell removals."""
-        if self.path is None or self._previous is not None:
+        path = self.resolved_path()
+        if path is None or self._previous is not None or not os.path.exists(path):
             return
         try:
-            self._previous = set(read_environ(self.path))
+            self._previous = set(read_environ(path))
         except EnvError:
             self._previous = None
 
@@ -144,9 +149,10 @@ class EnvRefresher:
         with self._lock:
             if overlay is not None:
                 return self._apply_overlay(overlay)
-            if self.path is None or not os.path.exists(self.path):
+            path = self.resolved_path()
+            if path is None or not os.path.exists(path):
                 return EnvChanges()
-            new = read_environ(self.path)
+            new = read_environ(path)
             return self._apply_file(new)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
@@ -188,10 +194,10 @@ class EnvRefresher:
         return changes
 
 
-def default_path(gvisor_proc: str | None = None) -> str:
+def default_path() -> str:
     """``$REHYDRATE_ENV_FILE``, else ``$REHYDRATE_GVISOR_PROC/spec_environ``."""
     explicit = os.environ.get("REHYDRATE_ENV_FILE")
     if explicit:
         return explicit
-    proc = gvisor_proc or os.environ.get("REHYDRATE_GVISOR_PROC", "/proc/gvisor")
+    proc = os.environ.get("REHYDRATE_GVISOR_PROC", "/proc/gvisor")
     return str(Path(proc) / "spec_environ")

@@ -28,7 +28,7 @@ from .context import (
     RestoreReport,
     SnapshotReport,
 )
-from .env import EnvRefresher, default_path
+from .env import EnvRefresher
 from .hooks import Hook, Phase, Registry
 
 if TYPE_CHECKING:
@@ -84,7 +84,6 @@ class Lifecycle:
         self.registry = registry if registry is not None else Registry()
         self.builtins = Registry()
         self.env = env if env is not None else EnvRefresher(
-            path=default_path(),
             policy=os.environ.get("REHYDRATE_ENV_POLICY", "update"),  # type: ignore[arg-type]
         )
         self._loop_thread = LoopThread()
