@@ -28,7 +28,7 @@ from .context import (
     RestoreReport,
     SnapshotReport,
 )
-from .env import EnvRefresher
+from .env import POLICIES, EnvRefresher, Policy
 from .hooks import Hook, Phase, Registry
 
 if TYPE_CHECKING:
@@ -83,9 +83,7 @@ class Lifecycle:
     ) -> None:
         self.registry = registry if registry is not None else Registry()
         self.builtins = Registry()
-        self.env = env if env is not None else EnvRefresher(
-            policy=os.environ.get("REHYDRATE_ENV_POLICY", "update"),  # type: ignore[arg-type]
-        )
+        self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)
         self._user_loop: asyncio.AbstractEventLoop | None = None
@@ -441,6 +439,15 @@ class Lifecycle:
         self._runner.close()
         self._loop_thread.close()
         self._runner = HookRunner(self._loop_thread)
+
+
+def _policy_from_env() -> Policy:
+    value = os.environ.get("REHYDRATE_ENV_POLICY", "update").strip().lower()
+    for policy in POLICIES:
+        if value == policy:
+            return policy
+    log.warning("REHYDRATE_ENV_POLICY must be one of %s; using 'update'", ", ".join(POLICIES))
+    return "update"
 
 
 def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFailed | None]:
