@@ -5,28 +5,29 @@ returns cannot hang the caller: the supervising (calling) thread watches the cur
 hook's deadline, reports it ``timeout`` when it passes, abandons that worker (Python
 threads cannot be killed; it exits on its own once the hook returns) and continues the
 remaining hooks on a fresh worker. Consecutive ``async`` hooks are sent to the event loop
-as one batch, each under its own timeout, and cancelled when it passes. The worker only
+as one batch, each under its own timeout, and cancelled when it passes (one watchdog timer
+per batch, re-armed lazily, instead of an ``asyncio.timeout`` per hook). The worker only
 wakes the supervisor when a deadline moves earlier, so dispatch costs a few microseconds
-per hook.
+per hook. ``asyncio`` is imported on first use, not with ``rehydrate``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextvars
 import logging
 import math
-import random
-import sys
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .context import HookResult, HookTimeout, RestoreContext
+from .context import HookResult, HookTimeout, Report, RestoreContext
 from .hooks import Hook
+
+if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
 
 log = logging.getLogger("rehydrate")
 
@@ -42,17 +43,46 @@ inside_hook: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 class Observer(Protocol):
-    """Receives per-hook events (telemetry). Called on the thread running the hook."""
+    """Receives per-hook events (telemetry). Called on the thread running the hook.
+
+    An observer may also define the optional :class:`EventObserver` methods; the engine
+    calls them (when present) around every event, on the thread running the event.
+    """
 
     def hook_started(self, hook: Hook, ctx: RestoreContext) -> object: ...
 
     def hook_finished(self, token: object, result: HookResult) -> None: ...
 
 
+class EventObserver(Protocol):
+    """Optional per-event callbacks of an :class:`Observer` (looked up with ``getattr``).
+
+    ``event_started`` runs before the first hook of an event, ``event_finished`` after
+    the last one (readiness already updated), both under the engine's event lock. A hook
+    that timed out may call ``hook_finished`` later, after ``event_finished``.
+    """
+
+    def event_started(self, ctx: RestoreContext) -> None: ...
+
+    def event_finished(self, ctx: RestoreContext, report: Report) -> None: ...
+
+
 def backoff_delay(attempt: int) -> float:
     """Exponential backoff with full jitter for retry ``attempt`` (0-based)."""
+    import random
+
     cap: float = min(BACKOFF_MAX, BACKOFF_BASE * (2.0**attempt))
     return cap / 2 + random.uniform(0, cap / 2)  # noqa: S311 - jitter, not security
+
+
+def _contain(exc: BaseException, name: str) -> Exception:
+    """An ``Exception`` to report for ``exc`` (``SystemExit`` and friends get wrapped, so
+    that they neither kill the engine's threads nor break the report's exception group)."""
+    if isinstance(exc, Exception):
+        return exc
+    wrapped = RuntimeError(f"hook {name!r} raised {type(exc).__name__}")
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 def _call_args(hook: Hook, ctx: RestoreContext) -> tuple[Any, ...]:
@@ -82,6 +112,8 @@ class LoopThread:
     def get(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
+                import asyncio
+
                 loop = asyncio.new_event_loop()
                 ready = threading.Event()
 
@@ -218,8 +250,8 @@ class HookRunner:
                 hook.fn(*_call_args(hook, ctx))
                 error = None
                 break
-            except Exception as exc:  # every hook runs even when others fail
-                error = exc
+            except BaseException as exc:  # every hook runs even when others fail
+                error = _contain(exc, hook.name)
             if attempt >= hook.retries or job.abandoned:
                 break
             time.sleep(backoff_delay(attempt))
@@ -238,6 +270,8 @@ class HookRunner:
         return result
 
     def _run_async_batch(self, job: _Progress, start: int, stop: int) -> bool:
+        import asyncio
+
         loop = job.loop or self._loop_thread.get()
         fut = asyncio.run_coroutine_threadsafe(self._async_batch(job, start, stop), loop)
         with job.lock:
@@ -260,19 +294,30 @@ class HookRunner:
         return not job.abandoned
 
     async def _async_batch(self, job: _Progress, start: int, stop: int) -> None:
+        import asyncio
+
         inside_hook.set(True)
         ctx = job.ctx
-        for i in range(start, stop):
-            hook = job.hooks[i]
-            if _skip_reason(hook, ctx):
-                result = HookResult(hook.name, hook.phase, "skipped", 0.0, None,
-                                    hook.required, 0)
-            else:
-                result = await self._run_async(job, i, hook)
-            if not job.finish(i, result):
-                return
+        task = asyncio.current_task()
+        assert task is not None
+        watchdog = _Watchdog(asyncio.get_running_loop(), task)
+        try:
+            for i in range(start, stop):
+                hook = job.hooks[i]
+                if _skip_reason(hook, ctx):
+                    result = HookResult(hook.name, hook.phase, "skipped", 0.0, None,
+                                        hook.required, 0)
+                else:
+                    result = await self._run_async(job, i, hook, watchdog)
+                if not job.finish(i, result):
+                    return
+        finally:
+            watchdog.close()
 
-    async def _run_async(self, job: _Progress, index: int, hook: Hook) -> HookResult:
+    async def _run_async(self, job: _Progress, index: int, hook: Hook,
+                         watchdog: _Watchdog) -> HookResult:
+        import asyncio
+
         ctx = job.ctx
         tokens = [o.hook_started(hook, ctx) for o in job.observers] if job.observers else ()
         start = time.perf_counter()
@@ -281,16 +326,20 @@ class HookRunner:
         error: BaseException | None = None
         while True:
             job.begin(index, hook.timeout + ASYNC_GRACE)
+            watchdog.arm(hook.timeout)
             try:
-                coro = hook.fn(*_call_args(hook, ctx))
-                await _with_timeout(coro, hook.timeout)
+                await hook.fn(*_call_args(hook, ctx))
                 outcome, error = "ok", None
-                break
-            except TimeoutError:
+            except asyncio.CancelledError as exc:
+                if not watchdog.fired and watchdog.cancel_requested():
+                    watchdog.disarm()
+                    raise  # cancelled from outside: the supervisor or the loop's shutdown
+                outcome, error = "failed", _contain(exc, hook.name)
+            except BaseException as exc:
+                outcome, error = "failed", _contain(exc, hook.name)
+            if watchdog.disarm():  # ran past its timeout (however the hook reacted)
                 outcome, error = "timeout", HookTimeout(hook.name, hook.timeout)
-            except Exception as exc:
-                outcome, error = "failed", exc
-            if attempt >= hook.retries or job.abandoned:
+            if outcome == "ok" or attempt >= hook.retries or job.abandoned:
                 break
             await asyncio.sleep(backoff_delay(attempt))
             attempt += 1
@@ -364,11 +413,69 @@ class HookRunner:
             worker.join(timeout=5)
 
 
-async def _with_timeout(coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
-    if math.isinf(timeout):
-        return await coro
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(timeout):
-            return await coro
-    return await asyncio.wait_for(coro, timeout)  # pragma: no cover - 3.10
+class _Watchdog:
+    """Enforces per-hook timeouts of one async batch with a single timer.
 
+    ``asyncio.timeout()`` per hook costs a timer handle each (several microseconds). Here a
+    timer is armed only when the current hook's deadline is earlier than the armed one;
+    when it fires early (the hook it was armed for already finished) it re-arms for the
+    current deadline. When the current hook is overdue its task is cancelled: the hook
+    sees ``CancelledError`` like under ``asyncio.timeout``.
+    """
+
+    __slots__ = ("_armed_at", "_handle", "_loop", "_task", "deadline", "fired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        self._loop = loop
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_at = math.inf
+        self.deadline = math.inf
+        self.fired = False
+
+    def arm(self, timeout: float) -> None:
+        self.fired = False
+        if math.isinf(timeout):
+            self.deadline = math.inf
+            return
+        self.deadline = deadline = self._loop.time() + timeout
+        if deadline < self._armed_at:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._handle = self._loop.call_at(deadline, self._check)
+            self._armed_at = deadline
+
+    def disarm(self) -> bool:
+        """Stop watching the current hook; True when it was cancelled for its timeout."""
+        self.deadline = math.inf
+        fired, self.fired = self.fired, False
+        if fired:
+            uncancel = getattr(self._task, "uncancel", None)  # 3.11+: balance cancel()
+            if uncancel is not None:
+                uncancel()
+        return fired
+
+    def cancel_requested(self) -> bool:
+        """Whether someone asked to cancel the task (always assumed on 3.10)."""
+        cancelling = getattr(self._task, "cancelling", None)
+        return cancelling is None or cancelling() > 0
+
+    def _check(self) -> None:
+        self._handle = None
+        self._armed_at = math.inf
+        if math.isinf(self.deadline):
+            return
+        if self._loop.time() >= self.deadline:
+            self.deadline = math.inf
+            self.fired = True
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_at(self.deadline, self._check)
+            self._armed_at = self.deadline
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._armed_at = math.inf
+        self.deadline = math.inf

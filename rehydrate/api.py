@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Literal
 
@@ -11,6 +10,8 @@ from .hooks import Registry
 from .lifecycle import Lifecycle, Status
 
 if TYPE_CHECKING:
+    import asyncio
+
     from .detect import Detector
 
 __all__ = [

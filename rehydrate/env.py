@@ -15,7 +15,6 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from .context import EnvChanges
@@ -200,4 +199,4 @@ def default_path() -> str:
     if explicit:
         return explicit
     proc = os.environ.get("REHYDRATE_GVISOR_PROC", "/proc/gvisor")
-    return str(Path(proc) / "spec_environ")
+    return os.path.join(proc, "spec_environ")

@@ -8,7 +8,6 @@ restore run the hooks once.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import os
@@ -32,6 +31,8 @@ from .env import POLICIES, EnvRefresher, Policy
 from .hooks import Hook, Phase, Registry
 
 if TYPE_CHECKING:
+    import asyncio
+
     from .detect import Detector
 
 __all__ = ["Lifecycle", "State", "Status"]
@@ -306,6 +307,8 @@ class Lifecycle:
         loop = self._user_loop
         if loop is None or loop.is_closed() or not loop.is_running():
             return None
+        import asyncio  # already loaded: a user loop exists
+
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
