@@ -50,7 +50,14 @@ class Detector:
 
 
 # name -> "module:Class", imported lazily. Order = order of `doctor` output.
-CATALOGUE: dict[str, str] = {}
+CATALOGUE: dict[str, str] = {
+    "snapstart": "rehydrate.detect.snapstart:SnapStartBridge",
+    "vmclock": "rehydrate.detect.vmclock:VmClockDetector",
+    "file": "rehydrate.detect.files:MarkerFileDetector",
+    "signal": "rehydrate.detect.signals:SignalDetector",
+    "clock-jump": "rehydrate.detect.clock:ClockJumpDetector",
+    "identity": "rehydrate.detect.identity:IdentityDetector",
+}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,175 @@
+"""Small pieces shared by the generic detectors (clock, identity, vmclock, signal, file).
+
+Private: nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..context import Report
+    from ..lifecycle import Lifecycle
+    from . import Detector
+
+log = logging.getLogger("rehydrate")
+
+DEFAULT_WINDOW = 2.0
+"""Event-driven detectors (signal, file, vmclock notification) cannot tell when the
+process was frozen; a restore already handled less than this many seconds before their
+notice is taken to be the same restore."""
+
+
+def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
+    """A float from the environment; a bad value keeps ``default`` and logs one line."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        log.warning("%s is not a number; using the default %g", name, default)
+        return default
+    if not math.isfinite(value) or value < minimum:
+        log.warning("%s must be a finite number >= %g; using the default %g",
+                    name, minimum, default)
+        return default
+    return value
+
+
+def env_flag(name: str) -> bool | None:
+    """``True``/``False`` for the usual spellings, ``None`` when unset or unreadable."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    log.warning("%s should be 1 or 0; ignoring it", name)
+    return None
+
+
+def positive(value: float, what: str) -> float:
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{what} must be a positive finite number of seconds, not {value!r}")
+    return value
+
+
+class Deferral:
+    """Lets a generic detector give a more specific running detector the first word.
+
+    When a generic detector (clock jump, identity) sees a restore while a more specific
+    detector is running (the gVisor waiter, vmclock …), it waits up to ``grace`` seconds
+    for a restore report to appear before reporting itself. The engine's ``since``
+    de-duplication then makes the generic notice a duplicate of the specific one, so the
+    report carries the specific reason. Waiting is on an event (set by the engine's
+    report listener, or by :meth:`cancel`), never a sleep.
+    """
+
+    def __init__(self, detector: Detector, grace: float) -> None:
+        self.detector = detector
+        self.grace = grace
+        self._event = threading.Event()
+        self._last_report_at: float | None = None
+        self._engine: Lifecycle | None = None
+        self._cancelled = False
+
+    def attach(self, engine: Lifecycle) -> None:
+        self._engine = engine
+        self._cancelled = False
+        engine.add_listener(self._on_report)
+
+    def detach(self) -> None:
+        engine, self._engine = self._engine, None
+        self.cancel()
+        if engine is not None:
+            with contextlib.suppress(ValueError):
+                engine.remove_listener(self._on_report)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._event.set()
+
+    def _on_report(self, report: Report) -> None:
+        if report.kind in ("restore", "resume"):
+            self._last_report_at = time.monotonic()
+            self._event.set()
+
+    def wait(self, since: float) -> bool:
+        """Give more specific detectors up to ``grace`` seconds. False when cancelled."""
+        engine = self._engine
+        if engine is None or self._cancelled:
+            return False
+        specific = engine.specific_detectors(than=self.detector.specificity)
+        if not specific or self.grace <= 0:
+            return True
+        self._event.clear()
+        last = self._last_report_at
+        if last is not None and last > since:
+            return not self._cancelled  # the specific report is already in
+        log.debug("%s: giving %s up to %.2fs to report first", self.detector.name,
+                  ", ".join(d.name for d in specific), self.grace)
+        self._event.wait(self.grace)
+        return not self._cancelled
+
+
+class DetectorThread:
+    """A daemon thread running ``target(stop_event)``; :meth:`stop` sets the event and joins."""
+
+    def __init__(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        self.stop_event = threading.Event()
+        self._target = target
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._target(self.stop_event)
+        except Exception:
+            log.exception("detector thread %s died", self._thread.name)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stop_event.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+_GVISOR_VERSION = "#1 SMP Sun Jan 10 15:06:54 PST 2016"
+
+
+def running_under_gvisor() -> bool:
+    """Best-effort: is this process inside a gVisor sandbox?
+
+    Checks, cheapest first: ``/proc/gvisor`` exists (runsc with application-driven
+    checkpointing); ``/proc/version`` is gVisor's fixed fake (``Linux version 4.4.0 #1 SMP
+    Sun Jan 10 15:06:54 PST 2016``); ``/proc/self/cgroup`` lists gVisor's own ``job``
+    controller. Verified with runsc 20240729, whose sandbox has no ``/proc/gvisor``.
+    """
+    if os.path.isdir("/proc/gvisor"):
+        return True
+    try:
+        with open("/proc/version", encoding="utf-8", errors="replace") as f:
+            if _GVISOR_VERSION in f.read(512):
+                return True
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
+            return any(line.split(":")[1:2] == ["job"] for line in f.read(8192).splitlines())
+    except OSError:
+        return False

@@ -1,0 +1,147 @@
+"""Identity detector: the machine the process runs on changed under it.
+
+A clone restored on another node (or into another Pod) usually sees a different hostname,
+kernel ``boot_id`` or ``/etc/machine-id`` than the process it was snapshotted from. A
+thread reads the three every ``interval`` seconds (default 2; three small file reads, so
+the idle cost is negligible) and reports a restore (reason ``identity``) when a value it
+had seen changes to another value. A value appearing for the first time or vanishing is
+not a restore.
+
+This is the least specific detector: it defers briefly to any other running detector,
+so that when the clock jump (or a platform notice) sees the same restore, that reason
+wins. Caveat: renaming the host of a running process (``hostname new``) is reported as
+a restore too.
+
+Configuration: ``REHYDRATE_IDENTITY_INTERVAL`` (seconds, default 2.0); ``root`` (tests)
+reads ``<root>/proc/sys/kernel/hostname`` etc. instead of the real files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from . import Detector
+from ._util import Deferral, DetectorThread, env_float, positive
+
+if TYPE_CHECKING:
+    from ..lifecycle import Lifecycle
+
+__all__ = ["SOURCES", "IdentityDetector", "read_identity"]
+
+log = logging.getLogger("rehydrate")
+
+DEFAULT_INTERVAL = 2.0
+DEFAULT_GRACE = 1.0
+
+SOURCES: dict[str, str] = {
+    "hostname": "proc/sys/kernel/hostname",
+    "boot_id": "proc/sys/kernel/random/boot_id",
+    "machine_id": "etc/machine-id",
+}
+"""Identity field -> path relative to the root directory."""
+
+_MAX = 4096
+
+
+def read_identity(root: str | os.PathLike[str] = "/") -> dict[str, str | None]:
+    """The current identity values (``None`` for a source that cannot be read)."""
+    base = Path(root)
+    values: dict[str, str | None] = {}
+    for field, rel in SOURCES.items():
+        try:
+            with open(base / rel, "rb") as f:
+                values[field] = f.read(_MAX).decode("utf-8", "replace").strip() or None
+        except OSError:
+            values[field] = None
+    if values["hostname"] is None and base == Path("/"):
+        values["hostname"] = os.uname().nodename or None
+    return values
+
+
+class IdentityDetector(Detector):
+    """Identity: hostname, kernel boot_id or /etc/machine-id changed (polled)."""
+
+    name: ClassVar[str] = "identity"
+    specificity: ClassVar[int] = 5
+    auto: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        interval: float | None = None,
+        *,
+        root: str | os.PathLike[str] = "/",
+        grace: float = DEFAULT_GRACE,
+    ) -> None:
+        self.interval = positive(
+            interval if interval is not None
+            else env_float("REHYDRATE_IDENTITY_INTERVAL", DEFAULT_INTERVAL, minimum=0.001),
+            "interval")
+        self.root = root
+        self.grace = grace
+        self.changes = 0
+        self._engine: Lifecycle | None = None
+        self._thread: DetectorThread | None = None
+        self._deferral = Deferral(self, grace)
+        self._lock = threading.Lock()
+        self._baseline: dict[str, str | None] = {}
+
+    @classmethod
+    def probe(cls) -> str | None:
+        values = read_identity()
+        if not any(values.values()):
+            return ("none of hostname, /proc/sys/kernel/random/boot_id or /etc/machine-id "
+                    "is readable")
+        return None
+
+    def describe(self) -> str:
+        return f"reads hostname, boot_id and machine-id every {self.interval:g}s"
+
+    def start(self, engine: Lifecycle) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.alive:
+                return
+            self._engine = engine
+            self._baseline = read_identity(self.root)
+            self._deferral = Deferral(self, self.grace)
+            self._deferral.attach(engine)
+            self._thread = DetectorThread("rehydrate-identity", self._loop)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._deferral.detach()
+        if thread is not None:
+            thread.stop()
+
+    def _loop(self, stop: threading.Event) -> None:
+        last = time.monotonic()
+        while not stop.wait(self.interval):
+            current = read_identity(self.root)
+            changed = [k for k, v in current.items()
+                       if v is not None and self._baseline.get(k) not in (None, v)]
+            # Keep values that vanished: a file briefly unreadable is not a new identity.
+            self._baseline.update({k: v for k, v in current.items() if v is not None})
+            if changed:
+                self._report(changed, since=last, stop=stop)
+                if stop.is_set():
+                    return
+            last = time.monotonic()
+
+    def _report(self, changed: list[str], since: float, stop: threading.Event) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        log.info("identity: %s changed", ", ".join(changed))
+        if not self._deferral.wait(since) or stop.is_set():
+            return
+        self.changes += 1
+        try:
+            engine.restore_detected("identity", kind="restore", since=since)
+        except Exception:
+            log.exception("identity: running the restore hooks failed")

@@ -1,0 +1,208 @@
+"""Signal detector: a POSIX signal (default ``SIGUSR2``) means "you were restored".
+
+For platforms or wrappers that can signal the process after a restore (``kill -USR2``,
+a supervisor, an orchestrator's post-restore step). Off unless asked for
+(``start(detectors=[..., "signal"])``): installing a handler replaces whatever the
+application had installed for that signal.
+
+Python runs signal handlers in the main thread between bytecodes. The handler here does
+the least possible: one non-blocking ``write()`` of a byte to a pipe. A worker thread
+blocked in ``read()`` on that pipe runs the restore hooks, so hooks never run inside the
+handler or on the interrupted main thread (and a hook may itself block). ``set_wakeup_fd``
+is not used: there is only one per process and asyncio owns it.
+
+Handlers can only be installed from the main thread: :meth:`start` from another thread
+fails with that reason, and :meth:`probe` says so when asked from another thread.
+
+Each signal is one notice. A restore already handled in the ``window`` seconds before
+the signal arrived (default 2, ``REHYDRATE_SIGNAL_WINDOW``) is taken to be the restore
+the signal is about, so a signal sent right after a restore another detector already saw
+runs nothing twice. ``REHYDRATE_SIGNAL`` picks the signal (``USR2``, ``SIGUSR1``, ``12``);
+``REHYDRATE_SIGNAL_KIND`` is ``restore`` (default) or ``resume``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from . import Detector
+from ._util import DEFAULT_WINDOW, env_float
+
+if TYPE_CHECKING:
+    from ..lifecycle import Lifecycle
+
+__all__ = ["SignalDetector", "parse_signal"]
+
+log = logging.getLogger("rehydrate")
+
+DEFAULT_SIGNAL = signal.SIGUSR2
+
+
+def parse_signal(value: str | int | signal.Signals) -> signal.Signals:
+    """``"USR2"``, ``"SIGUSR2"``, ``"12"``, ``12`` or ``signal.SIGUSR2`` -> ``SIGUSR2``."""
+    if isinstance(value, signal.Signals):
+        return value
+    if isinstance(value, int):
+        return signal.Signals(value)
+    text = value.strip().upper()
+    if text.isdigit():
+        return signal.Signals(int(text))
+    if not text.startswith("SIG"):
+        text = "SIG" + text
+    try:
+        return signal.Signals[text]
+    except KeyError:
+        raise ValueError(f"unknown signal {value!r}") from None
+
+
+def _configured_signal() -> signal.Signals:
+    raw = os.environ.get("REHYDRATE_SIGNAL")
+    if not raw:
+        return DEFAULT_SIGNAL
+    try:
+        return parse_signal(raw)
+    except ValueError:
+        log.warning("REHYDRATE_SIGNAL is not a signal name or number; using SIGUSR2")
+        return DEFAULT_SIGNAL
+
+
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+class SignalDetector(Detector):
+    """Signal: a POSIX signal (default SIGUSR2) announces a restore; off unless asked."""
+
+    name: ClassVar[str] = "signal"
+    specificity: ClassVar[int] = 60
+    auto: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        signum: str | int | signal.Signals | None = None,
+        *,
+        kind: Literal["restore", "resume"] | None = None,
+        window: float | None = None,
+    ) -> None:
+        self.signum = parse_signal(signum) if signum is not None else _configured_signal()
+        if self.signum in _UNCATCHABLE:
+            raise ValueError(f"{self.signum.name} cannot be caught")
+        if kind is None:
+            raw = os.environ.get("REHYDRATE_SIGNAL_KIND", "restore").strip().lower()
+            if raw not in ("restore", "resume"):
+                log.warning("REHYDRATE_SIGNAL_KIND must be restore or resume; using restore")
+                raw = "restore"
+            kind = raw  # type: ignore[assignment]
+        self.kind: Literal["restore", "resume"] = kind  # type: ignore[assignment]
+        self.window = window if window is not None else env_float(
+            "REHYDRATE_SIGNAL_WINDOW", DEFAULT_WINDOW)
+        self.received = 0
+        self._engine: Lifecycle | None = None
+        self._previous: Any = None
+        self._read_fd: int | None = None
+        self._write_fd: int | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def probe(cls) -> str | None:
+        if threading.current_thread() is not threading.main_thread():
+            return ("signal handlers can only be installed from the main thread; call "
+                    "rehydrate.start() from the main thread to use this detector")
+        return None
+
+    def describe(self) -> str:
+        return f"{self.signum.name} -> {self.kind}"
+
+    def start(self, engine: Lifecycle) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(
+                    f"cannot install a {self.signum.name} handler from thread "
+                    f"{threading.current_thread().name!r}: Python allows signal handlers "
+                    "only in the main thread; call rehydrate.start() from the main thread")
+            r, w = os.pipe2(os.O_CLOEXEC)
+            os.set_blocking(w, False)
+            self._read_fd, self._write_fd = r, w
+            try:
+                previous = signal.signal(self.signum, self._handler)
+            except BaseException:
+                os.close(r)
+                os.close(w)
+                self._read_fd = self._write_fd = None
+                raise
+            if previous not in (signal.SIG_DFL, signal.SIG_IGN, None):
+                log.warning("signal detector: replaced the application's %s handler "
+                            "(restored on stop())", self.signum.name)
+            self._previous = previous
+            self._engine = engine
+            self._thread = threading.Thread(target=self._work, name="rehydrate-signal",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            try:
+                if signal.getsignal(self.signum) == self._handler:
+                    signal.signal(self.signum, self._previous
+                                  if self._previous is not None else signal.SIG_DFL)
+            except ValueError:  # not the main thread: leave the (now inert) handler
+                log.warning("signal detector stopped outside the main thread; the %s "
+                            "handler stays installed but does nothing", self.signum.name)
+            w = self._write_fd
+            self._write_fd = None
+            if w is not None:
+                os.close(w)  # EOF ends the worker's read()
+        thread.join(5.0)
+        with self._lock:
+            if self._read_fd is not None:
+                os.close(self._read_fd)
+                self._read_fd = None
+
+    # -- handler and worker ------------------------------------------------------------
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        w = self._write_fd
+        if w is None:
+            return
+        try:
+            os.write(w, b"s")
+        except OSError as exc:  # pipe full: a notice is already pending, which suffices
+            if exc.errno not in (errno.EAGAIN, errno.EBADF):
+                raise
+
+    def _work(self) -> None:
+        r = self._read_fd
+        if r is None:
+            return
+        while True:
+            try:
+                data = os.read(r, 64)
+            except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+                continue
+            except OSError:
+                return
+            if not data:
+                return  # stop() closed the write end
+            received = time.monotonic()
+            self.received += len(data)
+            engine = self._engine
+            if engine is None:
+                continue
+            log.info("signal detector: %s received", self.signum.name)
+            try:
+                engine.restore_detected("signal", kind=self.kind,
+                                        since=received - self.window)
+            except Exception:
+                log.exception("signal detector: running the restore hooks failed")
