@@ -37,6 +37,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from .fingerprint import main_check
+
+    return main_check(args.manifest, as_json=args.json, root=args.root)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rehydrate",
@@ -48,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="which detectors work here, and why not the others")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=cmd_doctor)
+
+    check = sub.add_parser(
+        "check", help="is this node compatible with a snapshot manifest? (0 yes, 1 no, "
+                      "2 unreadable manifest)")
+    check.add_argument("manifest", help="manifest file written by rehydrate before a snapshot")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: fake /proc
+    check.set_defaults(func=cmd_check)
     return parser
 
 

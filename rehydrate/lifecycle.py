@@ -124,6 +124,14 @@ class Lifecycle:
         self.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
                                order=-1_000_000, name="rehydrate.env", timeout=10.0)
 
+        from . import entropy  # ENTROPY phase on by default; imports nothing heavy
+
+        entropy.install(self)
+
+        from . import telemetry  # light: OpenTelemetry itself is imported only when used
+
+        telemetry.instrument(self)
+
     def extension(self, key: str, factory: Callable[[Lifecycle], T]) -> T:
         """The per-engine instance of a built-in manager, created by ``factory`` on first use.
 
@@ -345,6 +353,8 @@ class Lifecycle:
                                duration=duration, hooks=tuple(results), started_at=started,
                                error=error, env_changes=ctx.env_changes, frozen_for=frozen_for)
         self._set_state("ready" if ok else "degraded")
+        if self._observers:
+            _notify_observers(tuple(self._observers), "event_finished", ctx, report)
         return report
 
     def _run_snapshot(self, reason: str) -> SnapshotReport:
@@ -359,15 +369,19 @@ class Lifecycle:
                                 started_at=started, error=error)
         if not ok:
             self._set_state("degraded")
+        if self._observers:
+            _notify_observers(tuple(self._observers), "event_finished", ctx, report)
         return report
 
     def _run(self, event: Literal["restore", "snapshot"],
              ctx: RestoreContext) -> tuple[list[HookResult], float, float]:
         hooks = self.hooks(event)
+        observers = tuple(self._observers)
+        if observers:
+            _notify_observers(observers, "event_started", ctx)
         started = time.time()
         t0 = time.perf_counter()
-        results = self._runner.run(hooks, ctx, self._loop_for_this_call(),
-                                   tuple(self._observers))
+        results = self._runner.run(hooks, ctx, self._loop_for_this_call(), observers)
         return results, time.perf_counter() - t0, started
 
     def _publish(self, report: Report) -> None:
@@ -414,6 +428,9 @@ class Lifecycle:
                 running.append(d)
             self._detectors = running
             self._started = True
+            from . import fingerprint  # miss detection: a cold start where a restore was due
+
+            fingerprint.engine_started(self)
             log.info("rehydrate started; detectors: %s",
                      ", ".join(d.name for d in running) or "none")
             return [d.name for d in running]
@@ -451,6 +468,18 @@ def _policy_from_env() -> Policy:
             return policy
     log.warning("REHYDRATE_ENV_POLICY must be one of %s; using 'update'", ", ".join(POLICIES))
     return "update"
+
+
+def _notify_observers(observers: Sequence[Observer], method: str, *args: Any) -> None:
+    """Call the optional per-event observer ``method`` (see ``EventObserver``)."""
+    for o in observers:
+        fn = getattr(o, method, None)
+        if fn is None:
+            continue
+        try:
+            fn(*args)
+        except Exception:  # an observer must never break an event
+            log.exception("observer %r failed in %s", o, method)
 
 
 def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFailed | None]:

@@ -1,0 +1,558 @@
+"""Snapshot compatibility manifest (``rehydrate.fingerprint()``) and snapshot-miss detection.
+
+A platform restores a snapshot only on a node that matches it (GKE: gVisor version, GPU
+driver version, machine series, the distilled Pod spec); otherwise the Pod cold-starts
+and nothing errors. The manifest records what a restore depends on, so that:
+
+* before a snapshot it is written where the deployment says (``path``, or only kept in
+  memory and shown in ``status()["fingerprint"]``) — the ``rehydrate.fingerprint.save``
+  before-snapshot hook;
+* after a restore the clone compares it with the node it woke up on and reports every
+  difference (one log line, ``status()["fingerprint"]["mismatches"]``, the telemetry
+  counter ``rehydrate.fingerprint.mismatches``); with ``strict=True`` the
+  ``rehydrate.fingerprint.check`` hook is required and fails readiness;
+* when the deployment declared that a restore was expected (``REHYDRATE_EXPECT_RESTORE=1``
+  or a manifest present at ``path``) but the process started cold, :meth:`Lifecycle.start`
+  reports a ``snapshot-miss`` (log line, status, counter ``rehydrate.snapshot.misses``)
+  with the most likely reason taken from the manifest diff;
+* ``rehydrate check MANIFEST`` answers "would this node restore that snapshot?".
+
+The manifest has no per-process field (PID, time, instance ID): a fresh manifest passes
+``check`` on the node that wrote it. Environment values are stored only as salted
+SHA-256 hashes (the salt is in the manifest); a hash of a low-entropy value can still be
+guessed, so list keys whose *change* matters, not secrets you need to hide.
+
+Configuration by environment: ``REHYDRATE_MANIFEST`` (path), ``REHYDRATE_EXPECT_RESTORE``
+(``1``: this Pod should have been restored), ``REHYDRATE_FINGERPRINT_ENV`` (comma-separated
+keys), ``REHYDRATE_FINGERPRINT_STRICT`` (``1``), ``REHYDRATE_GVISOR_VERSION`` (the node's
+gVisor version, e.g. from a node label; gVisor does not show its version inside the
+sandbox).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .hooks import Phase
+
+if TYPE_CHECKING:
+    from .context import RestoreContext
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "SCHEMA",
+    "FingerprintManager",
+    "FingerprintMismatch",
+    "ManifestError",
+    "Mismatch",
+    "check",
+    "compare",
+    "configure",
+    "engine_started",
+    "fingerprint",
+    "load_manifest",
+    "main_check",
+    "most_likely_reason",
+    "write_manifest",
+]
+
+log = logging.getLogger("rehydrate")
+
+SCHEMA = 1
+NVIDIA_SMI_TIMEOUT = 3.0
+
+# Fields compared by check(), in the order a miss is most likely explained by them
+# (GKE: gVisor and GPU driver versions and the machine series are part of the match).
+_COMPARED = ("gvisor_version", "gpu_driver", "arch", "cpu_vendor", "cpu_model", "cpu_flags",
+             "gvisor", "kernel_release", "python", "python_implementation", "distributions")
+_TRUE = ("1", "true", "yes", "on")
+
+
+class ManifestError(ValueError):
+    """The manifest cannot be read or is not a rehydrate manifest."""
+
+
+class FingerprintMismatch(RuntimeError):
+    """The node differs from the snapshot's manifest (raised by the strict check hook)."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    field: str
+    expected: Any
+    actual: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"field": self.field, "expected": self.expected, "actual": self.actual}
+
+    def describe(self) -> str:
+        return f"{self.field}: snapshot {_short(self.expected)}, this node {_short(self.actual)}"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list):
+        return " ".join(map(str, v)) if v else "[]"
+    return "none" if v is None else str(v)
+
+
+# -- collecting ----------------------------------------------------------------------
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _cpu(root: Path) -> dict[str, Any]:
+    """Vendor, model and flags of the first CPU in ``/proc/cpuinfo`` (x86 and Arm keys)."""
+    text = _read(root / "proc/cpuinfo") or ""
+    first: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if first:
+                break
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            first.setdefault(key.strip().lower(), value.strip())
+    vendor = first.get("vendor_id") or first.get("cpu implementer")
+    model = first.get("model name") or (
+        f"{first.get('cpu implementer', '?')}/{first.get('cpu part', '?')}"
+        if "cpu part" in first else None)
+    flags = (first.get("flags") or first.get("features") or "").split()
+    return {"cpu_vendor": vendor, "cpu_model": model, "cpu_flags": sorted(set(flags))}
+
+
+def _kernel_release(root: Path) -> str:
+    if root == Path("/"):
+        return platform.release()
+    fake = _read(root / "proc/sys/kernel/osrelease")
+    return fake.strip() if fake is not None else platform.release()
+
+
+def _gvisor(root: Path) -> tuple[bool, str | None]:
+    proc = os.environ.get("REHYDRATE_GVISOR_PROC") if root == Path("/") else None
+    marker = Path(proc) if proc else root / "proc/gvisor"
+    version = _read(root / "proc/version") or ""
+    detected = marker.is_dir() or "Sun Jan 10 15:06:54 PST 2016" in version
+    return detected, (os.environ.get("REHYDRATE_GVISOR_VERSION") or None)
+
+
+_NVRM = re.compile(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d+(?:\.\d+)+)")
+
+
+def _gpu_driver(root: Path, nvidia_smi: bool) -> str | None:
+    text = _read(root / "proc/driver/nvidia/version")
+    if text:
+        m = _NVRM.search(text) or re.search(r"(\d+\.\d+(?:\.\d+)?)", text)
+        if m:
+            return m.group(1)
+    if not nvidia_smi:
+        return None
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT,
+                             check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("nvidia-smi did not answer: %s", exc)
+        return None
+    line = out.stdout.strip().splitlines()[0].strip() if out.stdout.strip() else ""
+    return line or None
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def distributions() -> list[str]:
+    """Sorted ``name==version`` of the installed distributions (what ``sys.path`` sees).
+
+    Read from ``*.dist-info`` directory names where possible (parsing every METADATA file
+    costs tens of milliseconds), from the metadata otherwise.
+    """
+    import importlib.metadata as md
+
+    seen: dict[str, str] = {}
+    for dist in md.distributions():
+        path = getattr(dist, "_path", None)
+        name = version = None
+        if path is not None:
+            stem, _, suffix = Path(str(path)).name.rpartition(".")
+            if suffix == "dist-info" and stem.count("-") == 1:
+                name, version = stem.split("-")
+        if name is None or version is None:
+            try:
+                name, version = dist.metadata["Name"], dist.version
+            except Exception as exc:  # a broken install: leave it out
+                log.debug("distribution at %s skipped: %s", path, exc)
+                continue
+            if not name:
+                continue
+        seen.setdefault(_norm(name), version)  # first on sys.path wins, as for imports
+    return sorted(f"{n}=={v}" for n, v in seen.items())
+
+
+def _hash_env(salt: str, key: str, value: str | None) -> str | None:
+    if value is None:
+        return None
+    h = hashlib.sha256(f"{salt}\0{key}\0{value}".encode("utf-8", "surrogateescape"))
+    return "sha256:" + h.hexdigest()
+
+
+def fingerprint(
+    env_keys: Iterable[str] = (),
+    root: str | os.PathLike[str] = "/",
+    *,
+    nvidia_smi: bool | None = None,
+    salt: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The manifest of what a restore depends on, as a JSON-serialisable dict.
+
+    ``env_keys``: environment keys whose values must match (stored as salted hashes,
+    never in clear). ``root``: where ``proc/…`` is read (tests point it at a fake tree).
+    ``nvidia_smi``: ask ``nvidia-smi`` when ``/proc/driver/nvidia/version`` is absent
+    (default: only for the real root). No per-process field is included.
+    """
+    r = Path(root)
+    real = r == Path("/")
+    env = os.environ if environ is None else environ
+    salt = salt if salt is not None else secrets.token_hex(8)
+    dists = distributions()
+    gvisor, gvisor_version = _gvisor(r)
+    manifest: dict[str, Any] = {
+        "schema": SCHEMA,
+        "arch": platform.machine(),
+        **_cpu(r),
+        "kernel_release": _kernel_release(r),
+        "gvisor": gvisor,
+        "gvisor_version": gvisor_version,
+        "gpu_driver": _gpu_driver(r, real if nvidia_smi is None else nvidia_smi),
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "distributions": "sha256:" + hashlib.sha256("\n".join(dists).encode()).hexdigest(),
+        "distributions_count": len(dists),
+        "env": {"salt": salt,
+                "keys": {k: _hash_env(salt, k, env.get(k)) for k in sorted(set(env_keys))}},
+    }
+    return manifest
+
+
+# -- comparing -----------------------------------------------------------------------
+
+
+def _validate(manifest: Any) -> dict[str, Any]:
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        raise ManifestError("not a rehydrate manifest (schema 1)")
+    env = manifest.get("env", {"salt": "", "keys": {}})
+    if not isinstance(env, dict) or not isinstance(env.get("keys", {}), dict):
+        raise ManifestError("manifest field 'env' is malformed")
+    return manifest
+
+
+def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a manifest file; :class:`ManifestError` when it cannot be used."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ManifestError(f"cannot read manifest {os.fspath(path)}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    return _validate(data)
+
+
+def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write ``manifest`` atomically (temporary file, then rename)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, p)
+
+
+def compare(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[Mismatch]:
+    """Every field where ``actual`` (this node) cannot restore ``expected``'s snapshot.
+
+    CPU flags mismatch only when the snapshot's node had flags this one lacks (extra
+    flags are harmless); ``expected`` lists the missing ones. Environment keys compare
+    by hash (``actual`` must be computed with the manifest's salt, as :func:`check` does).
+    """
+    out: list[Mismatch] = []
+    for f in _COMPARED:
+        if f not in expected:
+            continue
+        e, a = expected.get(f), actual.get(f)
+        if f == "cpu_flags":
+            missing = sorted(set(e or ()) - set(a or ()))
+            if missing:
+                out.append(Mismatch(f, missing, []))
+        elif e != a:
+            out.append(Mismatch(f, e, a))
+    e_env = (expected.get("env") or {}).get("keys") or {}
+    a_env = (actual.get("env") or {}).get("keys") or {}
+    for k in sorted(e_env):
+        if e_env[k] != a_env.get(k):
+            out.append(Mismatch(f"env.{k}", e_env[k], a_env.get(k)))
+    return out
+
+
+def check(
+    manifest: Mapping[str, Any], root: str | os.PathLike[str] = "/",
+    *, nvidia_smi: bool | None = None,
+) -> list[Mismatch]:
+    """Compare ``manifest`` with this node (empty list: compatible)."""
+    m = _validate(dict(manifest))
+    env = m.get("env") or {}
+    current = fingerprint(env_keys=(env.get("keys") or {}).keys(), root=root,
+                          nvidia_smi=nvidia_smi, salt=str(env.get("salt", "")))
+    return compare(m, current)
+
+
+def most_likely_reason(mismatches: list[Mismatch]) -> tuple[str | None, str]:
+    """(field, one-line reason) for a snapshot miss, from a manifest diff."""
+    if not mismatches:
+        return None, ("this node matches the manifest: the snapshot was probably not found "
+                      "(deleted, expired by retention, or the Pod spec changed)")
+    first = mismatches[0]  # compare() lists fields most likely to explain a miss first
+    more = f" (+{len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+    return first.field, first.describe() + more
+
+
+# -- the manager ---------------------------------------------------------------------
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def _env_keys_from_env() -> tuple[str, ...]:
+    raw = os.environ.get("REHYDRATE_FINGERPRINT_ENV", "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+class FingerprintManager:
+    """Per-engine manifest writing, checking after restore, and miss detection."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self._engine = weakref.ref(engine)
+        self.path: Path | None = None
+        self.env_keys: tuple[str, ...] = ()
+        self.strict = False
+        self.expect_restore = False
+        self.root = "/"
+        self.manifest: dict[str, Any] | None = None
+        """The manifest written before the last snapshot (kept in memory across restore)."""
+        self.mismatches: list[Mismatch] = []
+        self.compatible: bool | None = None
+        self.snapshot_miss: dict[str, Any] | None = None
+        self._miss_checked = False
+        self._lock = threading.Lock()
+        engine.builtins.register(self._save, event="snapshot", phase=Phase.ENVIRONMENT,
+                                 order=-1_000_000, name="rehydrate.fingerprint.save",
+                                 required=False, timeout=15.0)
+        self._check_hook = engine.builtins.register(
+            self._check_after_restore, event="restore", phase=Phase.ENVIRONMENT,
+            order=-900_000, name="rehydrate.fingerprint.check", required=False, timeout=15.0)
+        engine.add_status("fingerprint", self.status)
+        _managed.add(engine)
+
+    def configure(self, *, path: str | os.PathLike[str] | None = None,
+                  env_keys: Iterable[str] | None = None, strict: bool | None = None,
+                  expect_restore: bool | None = None,
+                  root: str | os.PathLike[str] | None = None) -> FingerprintManager:
+        if path is not None:
+            self.path = Path(path)
+        if env_keys is not None:
+            self.env_keys = tuple(env_keys)
+        if root is not None:
+            self.root = os.fspath(root)
+        if expect_restore is not None:
+            self.expect_restore = expect_restore
+        if strict is not None and strict != self.strict:
+            self.strict = strict
+            engine = self._engine()
+            if engine is not None:  # re-register the check hook as (not) required
+                engine.builtins.unregister(self._check_hook)
+                self._check_hook = engine.builtins.register(
+                    self._check_after_restore, event="restore", phase=Phase.ENVIRONMENT,
+                    order=-900_000, name="rehydrate.fingerprint.check", required=strict,
+                    timeout=15.0)
+        return self
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "path": os.fspath(self.path) if self.path else None,
+            "strict": self.strict,
+            "manifest": self.manifest,
+            "compatible": self.compatible,
+            "mismatches": [m.to_dict() for m in self.mismatches],
+            "snapshot_miss": self.snapshot_miss,
+        }
+
+    # hooks
+    def _save(self) -> None:
+        manifest = fingerprint(self.env_keys, self.root)
+        with self._lock:
+            self.manifest = manifest
+        if self.path is not None:
+            write_manifest(manifest, self.path)
+            log.info("snapshot manifest written to %s", self.path)
+
+    def _check_after_restore(self, ctx: RestoreContext) -> None:
+        if ctx.kind != "restore":
+            return  # a resume is the same process on the same node
+        manifest = self.manifest
+        if manifest is None and self.path is not None and self.path.exists():
+            try:
+                manifest = load_manifest(self.path)
+            except ManifestError as exc:
+                log.warning("fingerprint not checked after restore: %s", exc)
+                return
+        if manifest is None:
+            log.debug("fingerprint not checked after restore: no manifest")
+            return
+        mismatches = check(manifest, self.root)
+        self.mismatches = mismatches
+        self.compatible = not mismatches
+        if not mismatches:
+            return
+        text = "; ".join(m.describe() for m in mismatches)
+        log.warning("restored on a node that differs from the snapshot's: %s", text)
+        from . import telemetry
+
+        telemetry.record_fingerprint_mismatch([m.field for m in mismatches],
+                                              engine=self._engine())
+        if self.strict:
+            raise FingerprintMismatch(f"node differs from the snapshot manifest: {text}")
+
+    # miss detection
+    def detect_miss(self) -> dict[str, Any] | None:
+        """At start (a cold start): report a snapshot miss when a restore was expected."""
+        engine = self._engine()
+        if engine is None or engine.generation != 0:
+            return None
+        by: str | None = None
+        if self.expect_restore or _env_flag("REHYDRATE_EXPECT_RESTORE"):
+            by = "REHYDRATE_EXPECT_RESTORE"
+        elif self.path is not None and self.path.exists():
+            by = f"manifest {self.path}"
+        if by is None:
+            return None
+        manifest: dict[str, Any] | None = None
+        problem = None
+        if self.path is not None and self.path.exists():
+            try:
+                manifest = load_manifest(self.path)
+            except ManifestError as exc:
+                problem = str(exc)
+        if manifest is not None:
+            mismatches = check(manifest, self.root)
+            field, reason = most_likely_reason(mismatches)
+        else:
+            mismatches, field = [], None
+            reason = ("no manifest to compare with "
+                      f"({problem or 'none configured or found'}): cause unknown")
+        self.snapshot_miss = {"expected_by": by, "field": field, "reason": reason,
+                              "mismatches": [m.to_dict() for m in mismatches]}
+        if manifest is not None:
+            self.compatible = not mismatches
+            self.mismatches = mismatches
+        log.warning("snapshot-miss: a restore was expected (%s) but the process started "
+                    "cold; most likely reason: %s", by, reason)
+        from . import telemetry
+
+        telemetry.record_snapshot_miss(reason, field, [m.field for m in mismatches],
+                                       engine=engine)
+        return self.snapshot_miss
+
+
+_managed: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
+
+
+def configure(
+    *,
+    path: str | os.PathLike[str] | None = None,
+    env_keys: Iterable[str] | None = None,
+    strict: bool | None = None,
+    expect_restore: bool | None = None,
+    root: str | os.PathLike[str] | None = None,
+    engine: Lifecycle | None = None,
+) -> FingerprintManager:
+    """Enable manifest writing (before snapshot), checking (after restore), miss detection.
+
+    ``path``: where the manifest is written before a snapshot and read at start (put it on
+    a volume that outlives the Pod to detect misses by its presence); without it the
+    manifest is only kept in memory and shown in ``status()["fingerprint"]["manifest"]``.
+    ``strict``: a node mismatch after restore fails the required
+    ``rehydrate.fingerprint.check`` hook (the process stays ``degraded``).
+    """
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    mgr = engine.extension("fingerprint", FingerprintManager)
+    return mgr.configure(path=path, env_keys=env_keys, strict=strict,
+                         expect_restore=expect_restore, root=root)
+
+
+def engine_started(engine: Lifecycle) -> None:
+    """Called by :meth:`Lifecycle.start`: environment configuration and miss detection."""
+    path = os.environ.get("REHYDRATE_MANIFEST")
+    if path or _env_flag("REHYDRATE_EXPECT_RESTORE"):
+        configure(path=path or None, env_keys=_env_keys_from_env() or None,
+                  strict=_env_flag("REHYDRATE_FINGERPRINT_STRICT") or None, engine=engine)
+    if engine not in _managed:
+        return
+    mgr = engine.extension("fingerprint", FingerprintManager)
+    with mgr._lock:
+        if mgr._miss_checked:
+            return
+        mgr._miss_checked = True
+    try:
+        mgr.detect_miss()
+    except Exception:
+        log.exception("snapshot-miss detection failed")
+
+
+def main_check(path: str, *, as_json: bool = False, root: str = "/") -> int:
+    """``rehydrate check``: 0 compatible, 1 mismatches (listed), 2 unreadable manifest."""
+    try:
+        manifest = load_manifest(path)
+    except ManifestError as exc:
+        if as_json:
+            json.dump({"compatible": False, "error": str(exc), "mismatches": []}, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            print(f"rehydrate check: {exc}", file=sys.stderr)
+        return 2
+    mismatches = check(manifest, root)
+    if as_json:
+        json.dump({"compatible": not mismatches,
+                   "mismatches": [m.to_dict() for m in mismatches]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif mismatches:
+        print(f"incompatible: {len(mismatches)} mismatch(es) with {path}")
+        for m in mismatches:
+            print(f"  {m.describe()}")
+    else:
+        print(f"compatible with {path}")
+    return 1 if mismatches else 0

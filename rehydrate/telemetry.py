@@ -1,0 +1,643 @@
+"""OpenTelemetry spans and metrics for every lifecycle event (OpenTelemetry API only).
+
+Every :class:`~rehydrate.Lifecycle` is instrumented when it is created (this module's
+:func:`instrument`); what that costs depends on what the application configured, decided
+each time an event runs, never at import:
+
+* no OpenTelemetry SDK configured (the API's proxy providers, or ``opentelemetry`` never
+  imported): nothing is created, no OpenTelemetry module is imported — a few attribute
+  checks per event and per hook;
+* an SDK ``TracerProvider`` / ``MeterProvider`` set globally (or given to
+  :func:`instrument`): a ``rehydrate.restore`` / ``rehydrate.snapshot`` span per event
+  with one child span per hook (each a *direct* child of the event span, whichever
+  thread or event loop ran the hook), and the metrics below.
+
+Metrics (meter ``rehydrate``):
+
+==================================  =========  =====================================
+``rehydrate.restore.duration``      histogram  seconds per restore/resume run
+``rehydrate.snapshot.duration``     histogram  seconds per before-snapshot run
+``rehydrate.hook.duration``         histogram  seconds per hook, by phase and outcome
+``rehydrate.hook.failures``         counter    failed or timed-out hook runs
+``rehydrate.generation``            gauge      the engine's generation (observable)
+``rehydrate.snapshot.misses``       counter    cold starts where a restore was expected
+``rehydrate.fingerprint.mismatches`` counter   manifest fields that differ after restore
+==================================  =========  =====================================
+
+Clone identity: :func:`resource_attributes` / :func:`resource_detector` give the SDK
+``Resource`` a ``service.instance.id`` equal to :func:`rehydrate.entropy.instance_id`,
+and :func:`refresh_on_restore` keeps it fresh in every clone, flushes telemetry before a
+snapshot and rebuilds exporters (external connections) after restore. ``REHYDRATE_TELEMETRY=off``
+switches the instrumentation off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .context import HookResult, Report, RestoreContext
+from .hooks import Hook, Phase
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "EVENT_SPAN_NAMES",
+    "Telemetry",
+    "instrument",
+    "record_fingerprint_mismatch",
+    "record_snapshot_miss",
+    "refresh_on_restore",
+    "resource_attributes",
+    "resource_detector",
+    "restorable_metric_exporter",
+    "restorable_span_exporter",
+]
+
+log = logging.getLogger("rehydrate")
+
+SCOPE = "rehydrate"
+EVENT_SPAN_NAMES = {"restore": "rehydrate.restore", "resume": "rehydrate.restore",
+                    "snapshot": "rehydrate.snapshot"}
+_OTEL_ENV = ("OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER")
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get("REHYDRATE_TELEMETRY", "").strip().lower() in (
+        "0", "off", "false", "no", "disabled")
+
+
+def _otel_in_use() -> bool:
+    """False when no OpenTelemetry provider can possibly be configured (cheap check)."""
+    mods = sys.modules
+    if "opentelemetry.trace" in mods or "opentelemetry.metrics" in mods:
+        return True
+    env = os.environ
+    return any(k in env for k in _OTEL_ENV)
+
+
+def _global_tracer_provider() -> Any | None:
+    """The global SDK tracer provider, or None for the API's proxy / no-op ones."""
+    from opentelemetry import trace
+
+    tp = trace.get_tracer_provider()
+    if isinstance(tp, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+        return None
+    return tp
+
+
+def _global_meter_provider() -> Any | None:
+    from opentelemetry import metrics
+
+    mp = metrics.get_meter_provider()
+    if isinstance(mp, metrics.NoOpMeterProvider) or type(mp).__name__ == "_ProxyMeterProvider":
+        return None
+    return mp
+
+
+class _Instruments:
+    def __init__(self, meter: Any, telemetry: Telemetry) -> None:
+        self.restore_duration = meter.create_histogram(
+            "rehydrate.restore.duration", unit="s",
+            description="Duration of restore and resume runs (all hooks)")
+        self.snapshot_duration = meter.create_histogram(
+            "rehydrate.snapshot.duration", unit="s",
+            description="Duration of before-snapshot runs (all hooks)")
+        self.hook_duration = meter.create_histogram(
+            "rehydrate.hook.duration", unit="s", description="Duration of one hook run")
+        self.hook_failures = meter.create_counter(
+            "rehydrate.hook.failures", unit="{failure}",
+            description="Hook runs that failed or timed out")
+        self.snapshot_misses = meter.create_counter(
+            "rehydrate.snapshot.misses", unit="{miss}",
+            description="Cold starts where the deployment expected a restore")
+        self.fingerprint_mismatches = meter.create_counter(
+            "rehydrate.fingerprint.mismatches", unit="{field}",
+            description="Snapshot manifest fields that differ on the node after restore")
+        meter.create_observable_gauge(
+            "rehydrate.generation", callbacks=[telemetry._observe_generation],
+            unit="{generation}", description="0 in the original process, +1 per restore")
+
+
+class _Event:
+    __slots__ = ("ctx", "inst", "lock", "open", "parent", "span", "tracer")
+
+    def __init__(self, ctx: RestoreContext) -> None:
+        self.ctx = ctx
+        self.span: Any = None
+        self.parent: Any = None
+        self.tracer: Any = None
+        self.inst: _Instruments | None = None
+        self.lock = threading.Lock()
+        self.open: list[_HookToken] = []
+
+
+class _HookToken:
+    __slots__ = ("attached", "ended", "event", "hook", "span")
+
+    def __init__(self, event: _Event, hook: Hook) -> None:
+        self.event = event
+        self.hook = hook
+        self.span: Any = None
+        self.attached: object = None
+        self.ended = False
+
+
+class Telemetry:
+    """The engine observer that turns events and hooks into spans and metrics.
+
+    One per engine (see :func:`instrument`). ``tracer_provider`` / ``meter_provider``
+    override the global providers (tests pass the SDK's in-memory ones).
+    """
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self._engine = weakref.ref(engine)
+        self.enabled = True
+        self.tracer_provider: Any = None
+        self.meter_provider: Any = None
+        self._tracer: Any = None
+        self._tracer_src: Any = None
+        self._instruments: _Instruments | None = None
+        self._instruments_src: Any = None
+        self._gen_lock = threading.Lock()
+        self._event: _Event | None = None
+        # refresh_on_restore state
+        self._managed_providers: list[Any] = []
+        self._exporters: list[Any] = []
+        self._flush_timeout = 5.0
+        self._hooks_installed = False
+        self.last_instance_id: str | None = None
+        engine.add_observer(self)
+
+    # -- providers (resolved per event) ------------------------------------------------
+
+    def configure(self, *, tracer_provider: Any = None, meter_provider: Any = None,
+                  enabled: bool | None = None) -> None:
+        if tracer_provider is not None:
+            self.tracer_provider = tracer_provider
+        if meter_provider is not None:
+            self.meter_provider = meter_provider
+        if enabled is not None:
+            self.enabled = enabled
+
+    def _providers(self) -> tuple[Any, Any]:
+        if not self.enabled or _disabled_by_env():
+            return None, None
+        tp, mp = self.tracer_provider, self.meter_provider
+        if (tp is None or mp is None) and _otel_in_use():
+            if tp is None:
+                tp = _global_tracer_provider()
+            if mp is None:
+                mp = _global_meter_provider()
+        return tp, mp
+
+    def _tracer_for(self, tp: Any) -> Any:
+        if tp is not self._tracer_src:
+            self._tracer = tp.get_tracer(SCOPE, __version__)
+            self._tracer_src = tp
+        return self._tracer
+
+    def _instruments_for(self, mp: Any) -> _Instruments:
+        with self._gen_lock:
+            if mp is not self._instruments_src or self._instruments is None:
+                self._instruments = _Instruments(mp.get_meter(SCOPE, __version__), self)
+                self._instruments_src = mp
+            return self._instruments
+
+    def active(self) -> bool:
+        """Whether an event started now would record anything."""
+        tp, mp = self._providers()
+        return tp is not None or mp is not None
+
+    def _observe_generation(self, options: Any) -> Iterator[Any]:
+        from opentelemetry.metrics import Observation
+
+        engine = self._engine()
+        if engine is not None:
+            yield Observation(engine.generation, {"rehydrate.state": engine.state})
+
+    # -- event observer ----------------------------------------------------------------
+
+    def event_started(self, ctx: RestoreContext) -> None:
+        self._event = None
+        tp, mp = self._providers()
+        if tp is None and mp is None:
+            return
+        ev = _Event(ctx)
+        if mp is not None:
+            ev.inst = self._instruments_for(mp)
+            # the generation gauge is observable; nothing to record here
+        if tp is not None:
+            from opentelemetry import trace
+
+            ev.tracer = self._tracer_for(tp)
+            attrs: dict[str, Any] = {
+                "rehydrate.event": "snapshot" if ctx.kind == "snapshot" else "restore",
+                "rehydrate.generation": ctx.generation,
+                "rehydrate.reason": ctx.reason,
+                "rehydrate.kind": ctx.kind,
+            }
+            if ctx.frozen_for is not None:
+                attrs["rehydrate.frozen_for"] = float(ctx.frozen_for)
+            ev.span = ev.tracer.start_span(EVENT_SPAN_NAMES[ctx.kind], attributes=attrs)
+            ev.parent = trace.set_span_in_context(ev.span)
+        self._event = ev
+
+    def event_finished(self, ctx: RestoreContext, report: Report) -> None:
+        ev = self._event
+        if ev is None or ev.ctx is not ctx:
+            return
+        self._event = None
+        with ev.lock:
+            pending = list(ev.open)
+            ev.open.clear()
+            for tok in pending:
+                tok.ended = True
+        # Hooks still open here were abandoned by the runner (timeout): end their spans
+        # with the outcome the report gives them.
+        for tok in pending:
+            res = next((r for r in report.hooks
+                        if r.name == tok.hook.name and r.phase == tok.hook.phase
+                        and r.outcome in ("timeout", "failed")), None)
+            if res is None:
+                res = HookResult(tok.hook.name, tok.hook.phase, "timeout", 0.0, None,
+                                 tok.hook.required)
+            self._end_hook(tok, res)
+        event = "snapshot" if report.kind == "snapshot" else "restore"
+        if ev.inst is not None:
+            attrs = {"rehydrate.kind": report.kind, "rehydrate.reason": report.reason,
+                     "rehydrate.ok": report.ok}
+            hist = ev.inst.snapshot_duration if event == "snapshot" else ev.inst.restore_duration
+            hist.record(report.duration, attrs)
+        span = ev.span
+        if span is None:
+            return
+        changes = report.env_changes
+        span.set_attribute("rehydrate.ok", report.ok)
+        span.set_attribute("rehydrate.duration", report.duration)
+        span.set_attribute("rehydrate.hooks.count", len(report.hooks))
+        span.set_attribute("rehydrate.hooks.failed", len(report.failed))
+        # names only, never values
+        span.set_attribute("rehydrate.env.added", list(changes.added))
+        span.set_attribute("rehydrate.env.changed", list(changes.changed))
+        span.set_attribute("rehydrate.env.removed", list(changes.removed))
+        if not report.ok or report.failed:
+            from opentelemetry.trace import Status, StatusCode
+
+            names = ", ".join(f"{h.name} {h.outcome}" for h in report.failed)
+            if not report.ok:
+                span.set_status(Status(StatusCode.ERROR, f"required hook(s) failed: {names}"))
+        span.end()
+
+    # -- hook observer (called on the thread that runs the hook) ------------------------
+
+    def hook_started(self, hook: Hook, ctx: RestoreContext) -> object:
+        ev = self._event
+        if ev is None or ev.ctx is not ctx:
+            return None
+        tok = _HookToken(ev, hook)
+        if ev.tracer is not None:
+            from opentelemetry import context as otel_context
+            from opentelemetry import trace
+
+            tok.span = ev.tracer.start_span(hook.name, context=ev.parent, attributes={
+                "rehydrate.hook.name": hook.name,
+                "rehydrate.hook.phase": str(hook.phase),
+                "rehydrate.hook.order": hook.order,
+                "rehydrate.hook.required": hook.required,
+                "rehydrate.hook.async": hook.is_async,
+                "rehydrate.generation": ctx.generation,
+                "rehydrate.kind": ctx.kind,
+            })
+            # spans the hook itself creates become children of its hook span
+            tok.attached = otel_context.attach(trace.set_span_in_context(tok.span))
+        with ev.lock:
+            ev.open.append(tok)
+        return tok
+
+    def hook_finished(self, token: object, result: HookResult) -> None:
+        if not isinstance(token, _HookToken):
+            return
+        if token.attached is not None:
+            from opentelemetry import context as otel_context
+
+            with contextlib.suppress(Exception):
+                otel_context.detach(token.attached)  # type: ignore[arg-type]
+            token.attached = None
+        ev = token.event
+        with ev.lock:
+            if token.ended:
+                return  # the event already reported it (timeout)
+            token.ended = True
+            with contextlib.suppress(ValueError):
+                ev.open.remove(token)
+        self._end_hook(token, result)
+
+    def _end_hook(self, tok: _HookToken, result: HookResult) -> None:
+        try:
+            ev = tok.event
+            event = "snapshot" if ev.ctx.kind == "snapshot" else "restore"
+            failed = result.outcome in ("failed", "timeout")
+            if ev.inst is not None:
+                attrs = {"rehydrate.event": event, "rehydrate.hook.phase": str(result.phase),
+                         "rehydrate.hook.name": result.name,
+                         "rehydrate.hook.outcome": result.outcome}
+                ev.inst.hook_duration.record(result.duration, attrs)
+                if failed:
+                    ev.inst.hook_failures.add(1, attrs)
+            span = tok.span
+            if span is None:
+                return
+            span.set_attribute("rehydrate.hook.outcome", result.outcome)
+            span.set_attribute("rehydrate.hook.attempts", result.attempts)
+            if failed:
+                from opentelemetry.trace import Status, StatusCode
+
+                err = result.error
+                if err is not None:
+                    span.record_exception(err)
+                desc = f"{type(err).__name__}: {err}" if err is not None else result.outcome
+                span.set_status(Status(StatusCode.ERROR, desc))
+            span.end()
+        except Exception:  # telemetry must never break a hook run
+            log.exception("telemetry: could not record hook %s", tok.hook.name)
+
+    # -- events recorded by other managers ----------------------------------------------
+
+    def snapshot_miss(self, reason: str, field: str | None, fields: Sequence[str]) -> None:
+        tp, mp = self._providers()
+        attrs = {"rehydrate.miss.field": field or "unknown"}
+        if mp is not None:
+            self._instruments_for(mp).snapshot_misses.add(1, attrs)
+        if tp is not None:
+            span = self._tracer_for(tp).start_span("rehydrate.snapshot-miss", attributes={
+                **attrs, "rehydrate.miss.reason": reason,
+                "rehydrate.miss.fields": list(fields)})
+            span.end()
+
+    def fingerprint_mismatch(self, fields: Sequence[str]) -> None:
+        ev = self._event
+        _, mp = self._providers()
+        if mp is not None:
+            inst = self._instruments_for(mp)
+            for f in fields:
+                inst.fingerprint_mismatches.add(1, {"rehydrate.fingerprint.field": f})
+        if ev is not None and ev.span is not None:
+            ev.span.add_event("rehydrate.fingerprint.mismatch",
+                              {"rehydrate.fingerprint.fields": list(fields)})
+
+    # -- clone identity and exporters ---------------------------------------------------
+
+    def _install_refresh_hooks(self) -> None:
+        engine = self._engine()
+        if engine is None or self._hooks_installed:
+            return
+        self._hooks_installed = True
+        # Before a snapshot: runs last (lowest order of the first phase), so spans and
+        # metrics of the other hooks are exported by the original, not by every clone.
+        engine.builtins.register(self._flush, event="snapshot", phase=Phase.ENVIRONMENT,
+                                 order=-2_000_000, name="rehydrate.telemetry.flush",
+                                 required=False, timeout=self._flush_timeout + 5.0)
+        # After restore: after the entropy hook renewed instance_id().
+        engine.builtins.register(self._refresh, event="restore", phase=Phase.ENTROPY,
+                                 order=1_000_000, name="rehydrate.telemetry.identity",
+                                 required=False, timeout=self._flush_timeout + 5.0)
+
+    def _flush(self) -> None:
+        ms = int(self._flush_timeout * 1000)
+        for p in list(self._managed_providers):
+            flush = getattr(p, "force_flush", None)
+            if flush is not None:
+                try:
+                    flush(timeout_millis=ms)
+                except TypeError:
+                    flush()
+
+    def _refresh(self, ctx: RestoreContext) -> None:
+        errors: list[str] = []
+        if ctx.kind == "restore":
+            iid = _instance_id()
+            for p in list(self._managed_providers):
+                if not _set_instance_id(p, iid):
+                    errors.append(f"{type(p).__name__}: no SDK resource found")
+            self.last_instance_id = iid
+        for exp in list(self._exporters):
+            try:
+                exp.rebuild()
+            except Exception as exc:
+                errors.append(f"exporter {type(exp).__name__}: {type(exc).__name__}: {exc}")
+        if errors:
+            raise RuntimeError("telemetry refresh incomplete: " + "; ".join(errors))
+
+
+def _instance_id() -> str:
+    from .entropy import instance_id
+
+    return instance_id()
+
+
+def _resources_of(provider: Any) -> list[Any]:
+    out: list[Any] = []
+    for res in (getattr(provider, "_resource", None), getattr(provider, "resource", None),
+                getattr(getattr(provider, "_sdk_config", None), "resource", None)):
+        if res is not None and hasattr(res, "attributes") and all(res is not r for r in out):
+            out.append(res)
+    return out
+
+
+def _set_instance_id(provider: Any, iid: str) -> bool:
+    """Rewrite ``service.instance.id`` of ``provider``'s SDK Resource in place.
+
+    Tracers, meters, readers and exporters share that Resource object, so the new value
+    reaches everything the provider exports from now on.
+    """
+    from opentelemetry.attributes import BoundedAttributes
+
+    resources = _resources_of(provider)
+    for res in resources:
+        attrs = dict(res.attributes)
+        attrs["service.instance.id"] = iid
+        res._attributes = BoundedAttributes(attributes=attrs)
+    return bool(resources)
+
+
+# -- public functions ------------------------------------------------------------------
+
+
+def _engine_or_default(engine: Lifecycle | None) -> Lifecycle:
+    if engine is None:
+        from .api import default_engine
+
+        return default_engine
+    return engine
+
+
+def instrument(
+    engine: Lifecycle | None = None,
+    *,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+    enabled: bool | None = None,
+) -> Telemetry:
+    """The telemetry observer of ``engine`` (default: the process-wide engine).
+
+    Called for every engine at creation; call it again to pass explicit providers
+    (otherwise the global ones are used, looked up at each event) or ``enabled=False``.
+    """
+    eng = _engine_or_default(engine)
+    tel = eng.extension("telemetry", Telemetry)
+    tel.configure(tracer_provider=tracer_provider, meter_provider=meter_provider,
+                  enabled=enabled)
+    return tel
+
+
+def record_snapshot_miss(reason: str, field: str | None = None, fields: Sequence[str] = (),
+                         *, engine: Lifecycle | None = None) -> None:
+    """Count a snapshot miss and emit a ``rehydrate.snapshot-miss`` span (no-op without SDK)."""
+    try:
+        instrument(engine).snapshot_miss(reason, field, fields)
+    except Exception:
+        log.exception("telemetry: could not record the snapshot miss")
+
+
+def record_fingerprint_mismatch(fields: Sequence[str], *, engine: Lifecycle | None = None) -> None:
+    """Count manifest mismatches (per field) and add an event to the current event span."""
+    try:
+        instrument(engine).fingerprint_mismatch(fields)
+    except Exception:
+        log.exception("telemetry: could not record fingerprint mismatches")
+
+
+def resource_attributes() -> dict[str, str]:
+    """Resource attributes that identify this clone: ``service.instance.id``.
+
+    ``Resource.create({**resource_attributes(), "service.name": …})``; the value is
+    :func:`rehydrate.entropy.instance_id`, regenerated on every restore.
+    """
+    return {"service.instance.id": _instance_id()}
+
+
+def resource_detector() -> Any:
+    """An SDK ``ResourceDetector`` returning :func:`resource_attributes` (needs the SDK)."""
+    from opentelemetry.sdk.resources import Resource, ResourceDetector
+
+    class RehydrateResourceDetector(ResourceDetector):
+        def detect(self) -> Resource:
+            return Resource(resource_attributes())
+
+    return RehydrateResourceDetector()
+
+
+def refresh_on_restore(
+    *providers: Any,
+    exporters: Iterable[Any] = (),
+    engine: Lifecycle | None = None,
+    flush_timeout: float = 5.0,
+) -> Telemetry:
+    """Keep the SDK ``providers`` (tracer, meter, logger) right across snapshots.
+
+    * before a snapshot (the last hook to run): ``force_flush()`` every provider, so what
+      the original recorded is exported once, by the original — not by every clone;
+    * after a restore (kind ``restore``, after the entropy phase renewed
+      :func:`rehydrate.entropy.instance_id`): set that ID as ``service.instance.id`` of
+      every provider's Resource (clones must not report as one instance);
+    * after a restore or resume: call ``rebuild()`` on every exporter in ``exporters``
+      (:func:`restorable_span_exporter` / :func:`restorable_metric_exporter`), which
+      replaces the exporter — and its connection, which the restore severed — by a new one.
+
+    The hooks are ``rehydrate.telemetry.flush`` and ``rehydrate.telemetry.identity``
+    (not required: a telemetry problem never makes the process unready).
+    """
+    tel = instrument(engine)
+    tel._flush_timeout = flush_timeout
+    for p in providers:
+        if all(p is not q for q in tel._managed_providers):
+            tel._managed_providers.append(p)
+    for e in exporters:
+        if not callable(getattr(e, "rebuild", None)):
+            raise TypeError(f"{e!r} has no rebuild(): wrap it with restorable_span_exporter()")
+        if all(e is not q for q in tel._exporters):
+            tel._exporters.append(e)
+    tel._install_refresh_hooks()
+    return tel
+
+
+def restorable_span_exporter(factory: Callable[[], Any]) -> Any:
+    """A ``SpanExporter`` delegating to ``factory()``'s exporter, rebuilt after restore.
+
+    ``BatchSpanProcessor(restorable_span_exporter(lambda: OTLPSpanExporter(...)))``; pass
+    it to :func:`refresh_on_restore` (``exporters=[...]``). Needs the SDK.
+    """
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    class RestorableSpanExporter(SpanExporter, _Rebuildable):
+        def __init__(self) -> None:
+            _Rebuildable.__init__(self, factory)
+
+        def export(self, spans: Sequence[Any]) -> Any:
+            return self.inner.export(spans)
+
+        def shutdown(self) -> None:
+            self.inner.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return bool(self.inner.force_flush(timeout_millis))
+
+    return RestorableSpanExporter()
+
+
+def restorable_metric_exporter(factory: Callable[[], Any]) -> Any:
+    """A ``MetricExporter`` delegating to ``factory()``'s exporter, rebuilt after restore.
+
+    ``PeriodicExportingMetricReader(restorable_metric_exporter(lambda: OTLPMetricExporter()))``.
+    """
+    from opentelemetry.sdk.metrics.export import MetricExporter
+
+    class RestorableMetricExporter(MetricExporter, _Rebuildable):
+        def __init__(self) -> None:
+            _Rebuildable.__init__(self, factory)
+            MetricExporter.__init__(
+                self,
+                preferred_temporality=getattr(self.inner, "_preferred_temporality", None),
+                preferred_aggregation=getattr(self.inner, "_preferred_aggregation", None),
+            )
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000,
+                   **kwargs: Any) -> Any:
+            return self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return bool(self.inner.force_flush(timeout_millis=timeout_millis))
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+    return RestorableMetricExporter()
+
+
+class _Rebuildable:
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self.inner: Any = factory()
+        self.rebuilds = 0
+
+    def rebuild(self) -> None:
+        """Replace the wrapped exporter by a new one; shut the old one down (best effort)."""
+        new = self._factory()
+        with self._lock:
+            old, self.inner = self.inner, new
+            self.rebuilds += 1
+        try:
+            old.shutdown()
+        except Exception as exc:  # its connection is gone anyway
+            log.info("telemetry: old exporter %s did not shut down cleanly: %s",
+                     type(old).__name__, exc)
