@@ -43,6 +43,7 @@ from . import Detector
 from ._util import Deferral, DetectorThread, env_flag, env_float, positive
 
 if TYPE_CHECKING:
+    from ..context import RestoreReport
     from ..lifecycle import Lifecycle
 
 __all__ = ["ClockJumpDetector"]
@@ -93,6 +94,10 @@ class ClockJumpDetector(Detector):
         """Steps reported as restores (duplicates included)."""
         self.busy_skips = 0
         """Steps ignored because the process was busy, not frozen."""
+        self.ticks = 0
+        self.pending = False
+        """True while a jump was seen and more specific detectors get their grace."""
+        self.last_report: RestoreReport | None = None
         self._engine: Lifecycle | None = None
         self._thread: DetectorThread | None = None
         self._deferral = Deferral(self, self.grace)
@@ -134,6 +139,7 @@ class ClockJumpDetector(Detector):
         last, last_cpu = self.clock(), self.cpu_clock()
         while not stop.wait(interval):
             now, cpu = self.clock(), self.cpu_clock()
+            self.ticks += 1
             elapsed = now - last
             step = elapsed - interval
             if step > threshold:
@@ -157,11 +163,14 @@ class ClockJumpDetector(Detector):
             return
         log.info("clock-jump: CLOCK_MONOTONIC stepped %.1fs beyond the expected sleep",
                  frozen_for)
-        if not self._deferral.wait(since) or stop.is_set():
-            return
-        self.jumps += 1
+        self.pending = True
         try:
-            engine.restore_detected("clock-jump", kind="restore", since=since,
-                                    frozen_for=frozen_for)
+            if not self._deferral.wait(since) or stop.is_set():
+                return
+            self.jumps += 1
+            self.last_report = engine.restore_detected(
+                "clock-jump", kind="restore", since=since, frozen_for=frozen_for)
         except Exception:
             log.exception("clock-jump: running the restore hooks failed")
+        finally:
+            self.pending = False

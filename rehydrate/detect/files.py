@@ -96,6 +96,7 @@ class MarkerFileDetector(Detector):
         self.window = window if window is not None else env_float(
             "REHYDRATE_MARKER_WINDOW", DEFAULT_WINDOW)
         self.changes = 0
+        self.checks = 0
         self._state: State = None
         self._engine: Lifecycle | None = None
         self._observer: Any = None
@@ -192,6 +193,7 @@ class MarkerFileDetector(Detector):
             self._wake.clear()
             noticed = time.monotonic()
             state = marker_state(self.path)
+            self.checks += 1
             previous, self._state = self._state, state
             if state is None or state == previous:
                 continue

@@ -84,6 +84,7 @@ class IdentityDetector(Detector):
         self.root = root
         self.grace = grace
         self.changes = 0
+        self.polls = 0
         self._engine: Lifecycle | None = None
         self._thread: DetectorThread | None = None
         self._deferral = Deferral(self, grace)
@@ -123,6 +124,7 @@ class IdentityDetector(Detector):
         last = time.monotonic()
         while not stop.wait(self.interval):
             current = read_identity(self.root)
+            self.polls += 1
             changed = [k for k, v in current.items()
                        if v is not None and self._baseline.get(k) not in (None, v)]
             # Keep values that vanished: a file briefly unreadable is not a new identity.

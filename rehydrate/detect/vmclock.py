@@ -151,6 +151,7 @@ class VmClockDetector(Detector):
         self.mode = "stopped"
         """``poll`` (kernel notifications), ``interval`` (re-reading) or ``stopped``."""
         self.generation: int | None = None
+        self.reads = 0
         self._engine: Lifecycle | None = None
         self._thread: DetectorThread | None = None
         self._wake_r: int | None = None
@@ -248,6 +249,7 @@ class VmClockDetector(Detector):
                     if stop.wait(max(self.interval, 1.0)):
                         return
                     continue
+                self.reads += 1
                 gen = clock.vm_generation_counter
                 if gen != self.generation:
                     previous, self.generation = self.generation, gen

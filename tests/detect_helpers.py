@@ -1,0 +1,90 @@
+"""Shared helpers for the generic detector tests (not a test module)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll ``cond`` until true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+class Recorder:
+    """A restore (and snapshot) hook that records what it was told."""
+
+    def __init__(self, engine: Any) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.snapshots: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        engine.registry.after_restore(self._restore, name="test.recorder")
+        engine.registry.before_snapshot(self._snapshot, name="test.recorder-snap")
+
+    def _restore(self, ctx: Any) -> None:
+        with self._cond:
+            self.calls.append({"reason": ctx.reason, "kind": ctx.kind,
+                               "generation": ctx.generation, "frozen_for": ctx.frozen_for,
+                               "at": time.monotonic()})
+            self._cond.notify_all()
+
+    def _snapshot(self, ctx: Any) -> None:
+        with self._cond:
+            self.snapshots.append({"reason": ctx.reason, "kind": ctx.kind})
+            self._cond.notify_all()
+
+    def wait(self, n: int = 1, timeout: float = 5.0) -> list[dict[str, Any]]:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len(self.calls) >= n, timeout)
+        assert ok, f"expected {n} restore hook call(s) within {timeout}s, got {self.calls}"
+        return self.calls
+
+
+class Child:
+    """A Python child process that prints JSON lines; read them with deadlines."""
+
+    def __init__(self, code: str, env: dict[str, str] | None = None) -> None:
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=full_env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def next(self, timeout: float = 10.0) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"child said nothing within {timeout}s") from None
+        if line is None:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"child exited ({self.proc.wait()}): {err[-2000:]}")
+        record: dict[str, Any] = json.loads(line)
+        return record
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
