@@ -19,6 +19,7 @@ from .api import (
     start,
     status,
     stop,
+    trigger_snapshot,
     unregister,
     wait_ready,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "start",
     "status",
     "stop",
+    "trigger_snapshot",
     "unregister",
     "wait_ready",
 ]

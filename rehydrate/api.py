@@ -26,6 +26,7 @@ __all__ = [
     "start",
     "status",
     "stop",
+    "trigger_snapshot",
     "unregister",
     "wait_ready",
 ]
@@ -79,3 +80,11 @@ def simulate_restore(
 def simulate_snapshot() -> SnapshotReport:
     """Run the before-snapshot hooks now and return the report."""
     return default_engine.simulate_snapshot()
+
+
+def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore", "error"]:
+    """gVisor: run the before-snapshot hooks, checkpoint this sandbox, run the restore or
+    resume hooks; returns ``"restore"`` in a clone, ``"resume"`` in the original, ``"error"``
+    when the checkpoint failed. Needs the annotation
+    ``dev.gvisor.internal.checkpoint.enable=true``."""
+    return default_engine.trigger_snapshot(timeout)

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: fake /proc
     check.set_defaults(func=cmd_check)
+
+    from .control_client import add_commands  # notify, status, trigger (control socket)
+
+    add_commands(sub)
     return parser
 
 

@@ -299,6 +299,16 @@ class Lifecycle:
         """Run the real before-snapshot hooks synchronously and return the report."""
         return self.snapshot_requested(reason)
 
+    def trigger_snapshot(self, timeout: float | None = None) -> Literal["resume", "restore", "error"]:
+        """gVisor: checkpoint this sandbox now; see :func:`rehydrate.detect.gvisor.trigger_snapshot`.
+
+        Runs the before-snapshot hooks, writes ``1`` to ``/proc/gvisor/checkpoint``, waits
+        for the answer, runs the restore or resume hooks and returns the answer.
+        """
+        from .detect.gvisor import trigger_snapshot
+
+        return trigger_snapshot(self, timeout=timeout)
+
     def _remember(self, key: str, report: Report) -> None:
         self._seen[key] = report
         while len(self._seen) > _SEEN_KEYS:

@@ -38,6 +38,15 @@ class Detector:
         """``None`` when this detector can work here, else the reason it cannot."""
         return None
 
+    @classmethod
+    def auto_here(cls) -> str | None:
+        """``None`` when ``start("auto")`` starts this detector here (if usable), else why not.
+
+        Defaults to :attr:`auto`; a detector may decide from its configuration (the control
+        socket starts automatically only when ``REHYDRATE_CONTROL_SOCKET`` is set).
+        """
+        return None if cls.auto else "off unless asked for"
+
     def start(self, engine: Lifecycle) -> None:
         raise NotImplementedError
 
@@ -51,6 +60,8 @@ class Detector:
 
 # name -> "module:Class", imported lazily. Order = order of `doctor` output.
 CATALOGUE: dict[str, str] = {
+    "gvisor": "rehydrate.detect.gvisor:GVisorWaiter",
+    "control": "rehydrate.detect.control:ControlDetector",
     "snapstart": "rehydrate.detect.snapstart:SnapStartBridge",
     "vmclock": "rehydrate.detect.vmclock:VmClockDetector",
     "file": "rehydrate.detect.files:MarkerFileDetector",
@@ -95,11 +106,12 @@ def available() -> list[DetectorInfo]:
             infos.append(DetectorInfo(name, False, False, f"probe failed: {exc}", ""))
             continue
         doc = (cls.__doc__ or "").strip().splitlines()
+        off = cls.auto_here()
         infos.append(DetectorInfo(
             name=name,
             usable=why is None,
-            auto=cls.auto,
-            reason=why or ("usable" + ("" if cls.auto else "; off unless asked for")),
+            auto=off is None,
+            reason=why or ("usable" + ("" if off is None else f"; {off}")),
             description=doc[0] if doc else "",
         ))
     return infos
@@ -114,7 +126,7 @@ def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
         for name in CATALOGUE:
             try:
                 cls = load(name)
-                if cls.auto and cls.probe() is None:
+                if cls.auto_here() is None and cls.probe() is None:
                     chosen.append(cls())
             except Exception:  # noqa: S112 - a detector that fails its probe is skipped
                 continue

@@ -1,0 +1,255 @@
+"""Client of the control socket (:mod:`rehydrate.detect.control`) and the CLI commands on it.
+
+``rehydrate notify [save|resume|restore]`` is built to be run by platforms:
+
+* gVisor's save-restore-exec binary: without an argument it reads
+  ``GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE`` (``save``, ``resume``, ``restore``);
+* a CRIU ``--action-script``: it reads ``CRTOOLS_SCRIPT_ACTION``; ``pre-dump`` means save,
+  ``post-resume`` means restore, every other action exits 0 at once without contacting
+  the process (at ``post-dump`` and ``post-restore`` the tasks are frozen and would never
+  answer).
+
+It exits 0 when the process's hooks succeeded, 1 when the report is not ok (a required
+hook failed: the platform should abort the checkpoint), 3 when the process cannot be
+reached, 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+from .detect.control import ENV_SOCKET, default_socket_dir
+
+__all__ = ["ControlError", "add_commands", "find_socket", "request"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+MAX_REPLY = 64 * 1024 * 1024
+DEFAULT_TIMEOUT = 120.0
+
+GVISOR_MODE = "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"
+CRIU_ACTION = "CRTOOLS_SCRIPT_ACTION"
+_NOTIFY_CMD = {"save": "prepare-snapshot", "resume": "resume", "restore": "restore"}
+_CRIU = {"pre-dump": "save", "post-resume": "restore"}
+
+
+class ControlError(RuntimeError):
+    """The process could not be reached, or its reply was unreadable."""
+
+
+def find_socket(explicit: str | None = None) -> str:
+    """The socket to talk to: ``explicit``, ``$REHYDRATE_CONTROL_SOCKET``, or the only one
+    in the default directory."""
+    if explicit:
+        return explicit
+    env = os.environ.get(ENV_SOCKET)
+    if env:
+        return env
+    directory = default_socket_dir()
+    found = sorted(glob.glob(os.path.join(glob.escape(directory), "*.sock")))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ControlError(f"no control socket: {ENV_SOCKET} is not set and {directory} has "
+                           "none (set it for the process and here, or pass --socket)")
+    raise ControlError(f"{len(found)} control sockets in {directory}: pass --socket "
+                       f"(one of {', '.join(os.path.basename(f) for f in found)})")
+
+
+def request(cmd: str, *, socket_path: str | None = None, timeout: float | None = DEFAULT_TIMEOUT,
+            **fields: Any) -> dict[str, Any]:
+    """Send one request and return the reply (a dict with at least ``ok``).
+
+    Raises :class:`ControlError` when the socket cannot be reached, the reply does not
+    come within ``timeout`` seconds, or it is not a JSON object.
+    """
+    path = find_socket(socket_path)
+    payload = json.dumps({"cmd": cmd, **fields}).encode() + b"\n"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            raise ControlError(f"cannot reach the process at {path}: "
+                               f"{exc.strerror or exc}") from None
+        buf = b""
+        try:
+            sock.sendall(payload)
+            while b"\n" not in buf:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                if len(buf) > MAX_REPLY:
+                    raise ControlError("reply too large")
+        except TimeoutError:
+            raise ControlError(f"no reply from {path} within {timeout:g}s") from None
+        except OSError as exc:
+            if not buf:
+                raise ControlError(f"connection to {path} failed: "
+                                   f"{exc.strerror or exc}") from None
+    finally:
+        sock.close()
+    line = buf.split(b"\n", 1)[0]
+    if not line:
+        raise ControlError(f"{path} closed the connection without a reply")
+    try:
+        reply = json.loads(line)
+    except ValueError:
+        raise ControlError(f"unreadable reply from {path}") from None
+    if not isinstance(reply, dict) or "ok" not in reply:
+        raise ControlError(f"unexpected reply from {path}")
+    return reply
+
+
+# -- CLI -------------------------------------------------------------------------------
+
+
+def _err(message: str) -> None:
+    print(f"rehydrate: {message}", file=sys.stderr)
+
+
+def _dump(data: object) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def _summary(report: dict[str, Any] | None) -> str:
+    if not report:
+        return "none"
+    hooks = report.get("hooks") or []
+    failed = [h.get("name") for h in hooks if h.get("outcome") in ("failed", "timeout")]
+    text = (f"{report.get('event')} kind={report.get('kind')} reason={report.get('reason')} "
+            f"generation={report.get('generation')} ok={report.get('ok')} "
+            f"{len(hooks)} hook(s) in {float(report.get('duration') or 0) * 1000:.1f} ms")
+    return text + (f", failed: {', '.join(map(str, failed))}" if failed else "")
+
+
+def _resolve_action(arg: str | None) -> tuple[str | None, str | None]:
+    """(action, None), (None, None) for "nothing to do", or (None, usage error)."""
+    if arg:
+        return arg, None
+    mode = os.environ.get(GVISOR_MODE)
+    if mode:
+        if mode in _NOTIFY_CMD:
+            return mode, None
+        return None, f"{GVISOR_MODE}={mode!r} is not save, resume or restore"
+    action = os.environ.get(CRIU_ACTION)
+    if action:
+        return _CRIU.get(action), None
+    return None, (f"notify needs save, resume or restore (or {GVISOR_MODE} / {CRIU_ACTION} "
+                  "in the environment)")
+
+
+def cmd_notify(args: argparse.Namespace) -> int:
+    action, problem = _resolve_action(args.action)
+    if problem:
+        _err(problem)
+        return EXIT_USAGE
+    if action is None:
+        return EXIT_OK  # a CRIU action at which the process is frozen or not involved
+    try:
+        reply = request(_NOTIFY_CMD[action], socket_path=args.socket, timeout=args.timeout)
+    except ControlError as exc:
+        _err(f"notify {action}: {exc}")
+        return EXIT_UNREACHABLE
+    if args.json:
+        _dump(reply)
+    elif reply.get("ok"):
+        print(f"{action}: ok ({_summary(reply.get('report'))})")
+    if not reply.get("ok"):
+        _err(f"notify {action}: {reply.get('error') or 'failed'}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        reply = request("status", socket_path=args.socket, timeout=args.timeout)
+    except ControlError as exc:
+        _err(f"status: {exc}")
+        return EXIT_UNREACHABLE
+    if not reply.get("ok"):
+        _err(f"status: {reply.get('error') or 'failed'}")
+        return EXIT_FAILED
+    status = reply.get("status") or {}
+    if args.json:
+        _dump(status)
+        return EXIT_OK
+    print(f"pid:         {reply.get('pid')}")
+    print(f"state:       {status.get('state')}")
+    print(f"generation:  {status.get('generation')}")
+    print(f"ready:       {status.get('ready')}")
+    print(f"detectors:   {', '.join(status.get('detectors') or []) or 'none'}")
+    print(f"last_report: {_summary(status.get('last_report'))}")
+    return EXIT_OK
+
+
+def cmd_trigger(args: argparse.Namespace) -> int:
+    fields: dict[str, Any] = {}
+    if args.timeout is not None:
+        fields["timeout"] = args.timeout
+    try:
+        reply = request("trigger", socket_path=args.socket, timeout=None, **fields)
+    except ControlError as exc:
+        _err(f"trigger: {exc}")
+        return EXIT_UNREACHABLE
+    if args.json:
+        _dump(reply)
+    elif reply.get("answer"):
+        print(reply["answer"])
+    if not reply.get("ok"):
+        _err(f"trigger: {reply.get('error') or 'failed'}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``notify``, ``status`` and ``trigger`` to the ``rehydrate`` sub-parsers."""
+
+    def common(p: argparse.ArgumentParser, timeout: float | None) -> None:
+        p.add_argument("--socket", metavar="PATH",
+                       help=f"control socket (default: ${ENV_SOCKET}, else the only socket "
+                            f"in {default_socket_dir()})")
+        p.add_argument("--timeout", type=_positive, default=timeout, metavar="S",
+                       help="seconds to wait for the reply"
+                            + (f" (default {timeout:g})" if timeout else ""))
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    notify = sub.add_parser(
+        "notify", help="tell the running process a snapshot is coming / it was resumed or "
+                       "restored (for gVisor save-restore-exec and CRIU action scripts)")
+    notify.add_argument("action", nargs="?", choices=sorted(_NOTIFY_CMD),
+                        help=f"default: ${GVISOR_MODE}, else ${CRIU_ACTION} (pre-dump -> "
+                             "save, post-resume -> restore, others: exit 0)")
+    common(notify, DEFAULT_TIMEOUT)
+    notify.set_defaults(func=cmd_notify)
+
+    status = sub.add_parser("status", help="state, generation, readiness of the running process")
+    common(status, 10.0)
+    status.set_defaults(func=cmd_status)
+
+    trigger = sub.add_parser("trigger", help="ask the running process to checkpoint itself "
+                                             "(gVisor application-driven checkpoint)")
+    common(trigger, None)
+    trigger.set_defaults(func=cmd_trigger)

@@ -1,0 +1,493 @@
+"""Control socket: platforms and operators tell the process about snapshots directly.
+
+A Unix stream socket at ``$REHYDRATE_CONTROL_SOCKET`` (default, when the detector is
+asked for without it: ``$XDG_RUNTIME_DIR/rehydrate/<pid>.sock``, or
+``/tmp/rehydrate-<uid>/<pid>.sock`` without ``XDG_RUNTIME_DIR``). The socket is created
+mode 0600 (bound under a temporary name, chmod-ed, then renamed into place), a parent
+directory it creates is 0700, and every client's credentials (``SO_PEERCRED``) are
+checked: only the same uid or root may talk to it; anyone else gets an error reply and
+is disconnected.
+
+Protocol: line-delimited JSON, one request per line (terminated by ``\\n``, at most
+:data:`MAX_LINE` bytes), one reply line per request, several requests per connection::
+
+    -> {"cmd": "status"}
+    <- {"ok": true, "status": {"state": "running", "generation": 0, ...}, "pid": 42}
+    -> {"cmd": "prepare-snapshot"}
+    <- {"ok": true, "report": {...SnapshotReport.to_dict()...}}
+
+Commands: ``status``; ``prepare-snapshot`` (run the before-snapshot hooks, reply when
+they finished; when a required one failed the resume hooks run and the reply is
+``ok: false``: the platform should abort the checkpoint); ``resume`` / ``restore`` (run
+the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
+``resume`` or ``snapshot``, optional ``"env"``: ``{"KEY": "value" | null}``);
+``trigger`` (gVisor: :func:`~rehydrate.detect.gvisor.trigger_snapshot`, optional
+``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
+``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
+commands and incomplete requests get an error reply and the server keeps serving.
+
+Duplicate suppression: a ``restore``/``resume`` notice passes
+``since = max(last prepare-snapshot, last restore this socket handled, socket start)``,
+so a restore the clock-jump detector already handled is not run twice.
+
+If the reply to ``prepare-snapshot`` cannot be delivered (the client went away, e.g.
+the platform's timeout killed ``rehydrate notify``), the platform aborts the
+checkpoint, so the resume hooks run at once.
+
+Started by ``start(detectors="auto")`` only when ``REHYDRATE_CONTROL_SOCKET`` is set;
+otherwise on request (``start(detectors=[..., "control"])``) at the default path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from . import Detector
+
+if TYPE_CHECKING:
+    from ..lifecycle import Lifecycle
+
+__all__ = [
+    "COMMANDS",
+    "ENV_SOCKET",
+    "MAX_LINE",
+    "ControlDetector",
+    "ControlServer",
+    "default_socket_dir",
+    "socket_path",
+]
+
+log = logging.getLogger("rehydrate")
+
+ENV_SOCKET = "REHYDRATE_CONTROL_SOCKET"
+MAX_LINE = 64 * 1024
+"""Longest request line accepted (bytes, without the newline)."""
+MAX_CLIENTS = 32
+IDLE_TIMEOUT = 300.0
+"""A connection with no complete request for this long is closed."""
+COMMANDS = ("status", "prepare-snapshot", "resume", "restore", "simulate", "trigger")
+
+_CRED = struct.Struct("3i")
+
+
+def default_socket_dir() -> str:
+    """``$XDG_RUNTIME_DIR/rehydrate`` when that directory exists, else ``/tmp/rehydrate-<uid>``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
+        return os.path.join(xdg, "rehydrate")
+    return f"/tmp/rehydrate-{os.getuid()}"  # noqa: S108 - private 0700 dir, ownership checked
+
+
+def socket_path(pid: int | None = None) -> str:
+    """``$REHYDRATE_CONTROL_SOCKET``, else ``<default_socket_dir()>/<pid>.sock``."""
+    explicit = os.environ.get(ENV_SOCKET)
+    if explicit:
+        return explicit
+    return os.path.join(default_socket_dir(), f"{pid or os.getpid()}.sock")
+
+
+def _dir_problem(directory: str) -> str | None:
+    """Why a socket cannot be created in ``directory`` (None: it can, or can be made)."""
+    probe = directory
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None
+
+
+def _private_dir(directory: str, *, check_owner: bool) -> None:
+    """Create ``directory`` 0700 if missing; with ``check_owner`` refuse one that others own."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create {directory}: {exc.strerror}") from None
+    if not check_owner:
+        return
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"{directory} must be a directory owned by uid {os.geteuid()} with mode 0700 "
+            f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it or "
+            f"set {ENV_SOCKET}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+class ControlServer:
+    """The socket server; :class:`ControlDetector` runs one per engine."""
+
+    def __init__(self, engine: Lifecycle, path: str | None = None) -> None:
+        self.engine = engine
+        self.path = path or socket_path()
+        self._sock: socket.socket | None = None
+        self._inode: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_r = self._stop_w = -1
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._started_at = 0.0
+        self._last_prepare: float | None = None
+        self._last_handled: float | None = None
+        self.served = 0
+        self.refused = 0
+
+    # -- setup -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._sock is not None:
+            raise RuntimeError("control server already running")
+        directory = os.path.dirname(os.path.abspath(self.path))
+        _private_dir(directory, check_owner=directory == default_socket_dir())
+        self._refuse_live_socket()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        tmp = os.path.join(directory, f".rh{secrets.token_hex(4)}")
+        try:
+            sock.bind(tmp)
+            os.chmod(tmp, 0o600)  # before listen(): nobody can connect in between
+            sock.listen(16)
+            os.rename(tmp, self.path)  # atomic; replaces a stale socket
+        except OSError:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        st = os.stat(self.path)
+        self._inode = (st.st_dev, st.st_ino)
+        sock.setblocking(False)
+        self._sock = sock
+        self._stopping = False
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._accept_loop, name="rehydrate-control",
+                                        daemon=True)
+        self._thread.start()
+        log.info("control socket listening at %s", self.path)
+
+    def _refuse_live_socket(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(f"{self.path} exists and is not a socket; not replacing it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.path)
+        except OSError:
+            return  # stale: nobody listens; rename() will replace it
+        finally:
+            probe.close()
+        raise FileExistsError(f"another process is serving {self.path}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        sock, thread = self._sock, self._thread
+        if sock is None:
+            return
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self._stop_w, b"x")
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        self._sock = None
+        self._thread = None
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        for fd in (self._stop_r, self._stop_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._stop_r = self._stop_w = -1
+
+    # -- serving ---------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        while not self._stopping:
+            events = poller.poll()
+            if any(fd == self._stop_r for fd, _ in events):
+                return
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                if self._stopping:
+                    return
+                log.error("control socket accept failed: %s", exc.strerror or exc)
+                select.select([self._stop_r], [], [], 0.1)  # e.g. EMFILE: do not spin
+                continue
+            conn.setblocking(True)
+            with self._lock:
+                busy = len(self._conns) >= MAX_CLIENTS
+                if not busy:
+                    self._conns.add(conn)
+            if busy:
+                self._send(conn, {"ok": False, "error": "busy: too many clients"})
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="rehydrate-control-client",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_conn(conn)
+        except OSError as exc:
+            if not self._stopping:
+                log.info("control client connection ended: %s", exc.strerror or exc)
+        except Exception:  # pragma: no cover - a bug must not kill the server
+            log.exception("control client handler failed")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _peer_allowed(self, conn: socket.socket) -> bool:
+        pid, uid, _gid = _CRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        me = os.geteuid()
+        if uid in (me, 0):
+            return True
+        self.refused += 1
+        log.warning("control socket: refused a client with uid %d (pid %d); only uid %d "
+                    "and root may connect", uid, pid, me)
+        self._send(conn, {"ok": False, "error": f"permission denied: uid {uid} may not use "
+                                                f"this socket (only uid {me} or root)"})
+        return False
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        if not self._peer_allowed(conn):
+            return
+        conn.settimeout(IDLE_TIMEOUT)
+        buf = b""
+        discarding = False
+        while not self._stopping:
+            while True:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    break
+                line, buf = buf[:nl], buf[nl + 1:]
+                if discarding:  # the tail of an oversize line
+                    discarding = False
+                    continue
+                if len(line) > MAX_LINE:
+                    self._oversize(conn, len(line))
+                    continue
+                if not self._answer(conn, line):
+                    return
+            if discarding:
+                buf = b""
+            elif len(buf) > MAX_LINE:
+                self._oversize(conn, len(buf))
+                discarding, buf = True, b""
+            try:
+                chunk = conn.recv(65536)
+            except TimeoutError:
+                self._send(conn, {"ok": False, "error": f"idle for {IDLE_TIMEOUT:g}s; closing"})
+                return
+            if not chunk:
+                if buf.strip() and not discarding:
+                    log.warning("control client disconnected mid-request (%d bytes without "
+                                "a newline); ignored", len(buf))
+                    self._send(conn, {"ok": False, "error": "incomplete request: end of "
+                                                            "input before the newline"})
+                return
+            buf += chunk
+
+    def _oversize(self, conn: socket.socket, size: int) -> None:
+        log.warning("control socket: request line over %d bytes refused", MAX_LINE)
+        self._send(conn, {"ok": False, "error": f"request too large: more than {MAX_LINE} "
+                                                f"bytes without a newline ({size}+ seen)"})
+
+    def _answer(self, conn: socket.socket, line: bytes) -> bool:
+        """Handle one request line; False when the client is gone."""
+        if not line.strip():
+            return True  # blank lines are keep-alives
+        req_id: Any = None
+        cmd = "?"
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict):
+                raise _BadRequest("a request must be a JSON object")
+            req_id = req.get("id")
+            cmd = req.get("cmd")  # type: ignore[assignment]
+            if not isinstance(cmd, str):
+                raise _BadRequest('a request needs "cmd" (a string)')
+            reply = self._dispatch(cmd, req)
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            if isinstance(exc, _BadRequest):
+                what = str(exc)
+            else:
+                what = f"not valid JSON ({_one_line(exc)})"
+            log.warning("control socket: bad request: %s", what)
+            reply = {"ok": False, "error": f"bad request: {what}"}
+        except Exception as exc:
+            log.exception("control command %s failed", cmd)
+            reply = {"ok": False, "error": _one_line(exc)}
+        if req_id is not None:
+            reply["id"] = req_id
+        self.served += 1
+        delivered = self._send(conn, reply)
+        if not delivered and cmd == "prepare-snapshot" and reply.get("ok"):
+            log.warning("the client of prepare-snapshot went away before the reply; the "
+                        "platform aborts the checkpoint, so the resume hooks run now")
+            self.engine.restore_detected("control", kind="resume")
+        return delivered
+
+    @staticmethod
+    def _send(conn: socket.socket, reply: Mapping[str, Any]) -> bool:
+        data = json.dumps(reply, default=str, separators=(",", ":")).encode() + b"\n"
+        try:
+            conn.sendall(data, socket.MSG_NOSIGNAL)
+        except OSError:
+            return False
+        return True
+
+    # -- commands --------------------------------------------------------------------
+
+    def _since(self) -> float:
+        return max(self._last_prepare or 0.0, self._last_handled or 0.0, self._started_at)
+
+    def _dispatch(self, cmd: str, req: Mapping[str, Any]) -> dict[str, Any]:
+        engine = self.engine
+        if cmd == "status":
+            return {"ok": True, "status": engine.status().to_dict(), "pid": os.getpid()}
+        if cmd == "prepare-snapshot":
+            self._last_prepare = time.monotonic()
+            snap = engine.snapshot_requested("control")
+            out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict()}
+            if not snap.ok:
+                failed = ", ".join(h.name for h in snap.failed if h.required)
+                resume = engine.restore_detected("control", kind="resume")
+                out["resume_report"] = resume.to_dict()
+                out["error"] = (f"before-snapshot hook(s) failed: {failed}; the resume hooks "
+                                "ran, the checkpoint should be aborted")
+            return out
+        if cmd in ("resume", "restore"):
+            kind: Literal["restore", "resume"] = "restore" if cmd == "restore" else "resume"
+            report = engine.restore_detected("control", kind=kind, since=self._since())
+            self._last_handled = time.monotonic()
+            out = {"ok": report.ok, "report": report.to_dict()}
+            if not report.ok:
+                failed = ", ".join(h.name for h in report.failed if h.required)
+                out["error"] = f"{kind} hook(s) failed: {failed}"
+            return out
+        if cmd == "simulate":
+            return self._simulate(req)
+        if cmd == "trigger":
+            return self._trigger(req)
+        raise _BadRequest(f"unknown command {cmd[:64]!r} (known: {', '.join(COMMANDS)})")
+
+    def _simulate(self, req: Mapping[str, Any]) -> dict[str, Any]:
+        event = req.get("event", "restore")
+        env = req.get("env")
+        if env is not None and not (
+            isinstance(env, dict)
+            and all(isinstance(k, str) and k and "=" not in k and "\0" not in k
+                    and (v is None or (isinstance(v, str) and "\0" not in v))
+                    for k, v in env.items())
+        ):
+            raise _BadRequest('"env" must map key names to strings or null')
+        if event == "snapshot":
+            report: Any = self.engine.simulate_snapshot()
+        elif event in ("restore", "resume"):
+            report = self.engine.simulate_restore(env=env, kind=event)
+        else:
+            raise _BadRequest('"event" must be "restore", "resume" or "snapshot"')
+        return {"ok": report.ok, "report": report.to_dict()}
+
+    def _trigger(self, req: Mapping[str, Any]) -> dict[str, Any]:
+        from .gvisor import GVisorError, trigger_snapshot
+
+        timeout = req.get("timeout")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise _BadRequest('"timeout" must be a positive number of seconds')
+        try:
+            answer = trigger_snapshot(self.engine, timeout=timeout)
+        except (GVisorError, TimeoutError) as exc:
+            return {"ok": False, "error": str(exc)}
+        last = self.engine.status().last_report
+        return {"ok": answer != "error", "answer": answer,
+                "report": last.to_dict() if last else None,
+                **({"error": "the checkpoint failed"} if answer == "error" else {})}
+
+    def info(self) -> dict[str, Any]:
+        return {"socket": self.path, "served": self.served, "refused": self.refused}
+
+
+class ControlDetector(Detector):
+    """Control socket: `rehydrate notify` / platforms announce snapshots and restores."""
+
+    name: ClassVar[str] = "control"
+    specificity: ClassVar[int] = 90
+    auto: ClassVar[bool] = True
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self.server: ControlServer | None = None
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return _dir_problem(os.path.dirname(os.path.abspath(socket_path())))
+
+    @classmethod
+    def auto_here(cls) -> str | None:
+        if os.environ.get(ENV_SOCKET):
+            return None
+        where = os.path.join(default_socket_dir(), "<pid>.sock")
+        return f"off unless asked for or {ENV_SOCKET} is set (would listen at {where})"
+
+    def describe(self) -> str:
+        return f"listens at {self.path or socket_path()}"
+
+    def start(self, engine: Lifecycle) -> None:
+        if self.server is not None:
+            raise RuntimeError("this control detector is already running")
+        server = ControlServer(engine, self.path)
+        server.start()
+        self.server = server
+        engine.add_status("control", server.info)
+
+    def stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()

@@ -1,0 +1,480 @@
+"""gVisor application-driven checkpoint: wait on ``/proc/gvisor/checkpoint``.
+
+gVisor (``pkg/sentry/fsimpl/proc/checkpoint.go``) exposes a character-device-like file:
+
+* opening it registers the descriptor for the *next* checkpoint;
+* ``read()`` blocks (``poll``/``epoll`` readiness is supported) until that checkpoint is
+  over, then returns ``resume\\n`` (the original process carries on), ``restore\\n`` (this
+  is a restored copy) or ``error\\n`` (the checkpoint failed; the process carries on);
+  the answer never changes for that descriptor — open again to wait for the next one;
+* writing ``1`` triggers a checkpoint. The file is mode 0444 and refuses writers with
+  ``EPERM`` unless the sandbox has the annotation
+  ``dev.gvisor.internal.checkpoint.enable=true``.
+
+:class:`GVisorWaiter` is a daemon thread that opens the file read-only and blocks in
+``poll()`` on it and on a private stop pipe: no polling loop, no CPU while waiting.
+``restore`` runs the restore hooks (kind ``restore``), ``resume`` the resume hooks (kind
+``resume``: hooks that closed things before the snapshot reopen them), ``error`` logs a
+failed checkpoint and runs the resume hooks too (the before-snapshot hooks may have
+closed things). Anything else is logged as one error line; the waiter then re-opens the
+file for the next checkpoint. Each notice carries ``since`` = the monotonic time the
+descriptor was opened, so that another detector's notice of the same restore (the clock
+jump) runs the hooks only once.
+
+Test stand-ins: ``REHYDRATE_GVISOR_PROC`` (default ``/proc/gvisor``) may point at a
+directory whose ``checkpoint`` is a FIFO: a writer that opens it and writes one answer
+line plays gVisor's part (the waiter opens the FIFO non-blocking, so it never waits for
+a writer in ``open()``, and a writer that closes without writing costs one log line, not
+a spin). A FIFO cannot carry a trigger (the ``1`` would be read back as an answer);
+:func:`trigger_snapshot` needs the real file, or a stand-in that is a pseudo-terminal
+(writes reach the platform side, reads return what the platform side writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import select
+import stat
+import threading
+import time
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from . import Detector
+
+if TYPE_CHECKING:
+    from ..context import RestoreReport
+    from ..lifecycle import Lifecycle
+
+__all__ = [
+    "ANNOTATION",
+    "DEFAULT_PROC",
+    "ENV_PROC",
+    "Answer",
+    "GVisorError",
+    "GVisorWaiter",
+    "TriggerNotPermitted",
+    "checkpoint_path",
+    "proc_dir",
+    "trigger_snapshot",
+]
+
+log = logging.getLogger("rehydrate")
+
+ENV_PROC = "REHYDRATE_GVISOR_PROC"
+DEFAULT_PROC = "/proc/gvisor"
+ANNOTATION = "dev.gvisor.internal.checkpoint.enable=true"
+
+Answer = Literal["resume", "restore", "error"]
+ANSWERS: tuple[Answer, ...] = ("resume", "restore", "error")
+
+MAX_ANSWER = 256
+"""More bytes than this without a newline is not an answer."""
+
+_OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+_OPEN_WRITE = os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY
+_QUICK = 0.05
+"""A bad answer this soon after opening may repeat at once (e.g. a regular file): back off."""
+_BACKOFF_MAX = 5.0
+
+
+class GVisorError(RuntimeError):
+    """The gVisor checkpoint file could not be used."""
+
+
+class TriggerNotPermitted(GVisorError, PermissionError):
+    """Writing ``1`` to the checkpoint file was refused (the sandbox lacks the annotation)."""
+
+
+def proc_dir() -> str:
+    """``$REHYDRATE_GVISOR_PROC`` or ``/proc/gvisor``."""
+    return os.environ.get(ENV_PROC) or DEFAULT_PROC
+
+
+def checkpoint_path(proc: str | None = None) -> str:
+    return os.path.join(proc or proc_dir(), "checkpoint")
+
+
+def _missing_reason(proc: str) -> str | None:
+    """None when ``<proc>/checkpoint`` can be opened for reading, else why not."""
+    path = os.path.join(proc, "checkpoint")
+    if os.path.exists(path):
+        if not os.access(path, os.R_OK):
+            return f"{path} exists but is not readable by this user"
+        return None
+    if proc == DEFAULT_PROC and not os.path.isdir("/proc/self"):
+        return "/proc is not mounted, so /proc/gvisor/checkpoint cannot exist"
+    if os.path.isdir(proc):
+        return (f"{proc} exists but has no checkpoint file: this runsc does not have "
+                "application-driven checkpointing enabled for the sandbox")
+    if proc == DEFAULT_PROC:
+        return ("/proc/gvisor/checkpoint not found: not running under gVisor, or under a "
+                "runsc without application-driven checkpoint support (older than 2024), "
+                f"or it is not enabled for this sandbox (set {ENV_PROC} for a stand-in)")
+    return f"{path} not found ({ENV_PROC}={proc})"
+
+
+def _describe_bytes(data: bytes) -> str:
+    text = repr(data[:40])
+    return text + ("…" if len(data) > 40 else "")
+
+
+def _poll_read(fd: int, stop_fd: int | None, deadline: float | None) -> bytes | None:
+    """Read one answer line from ``fd``: bytes up to a newline, EOF, or MAX_ANSWER.
+
+    Returns None when ``stop_fd`` became readable or ``deadline`` passed first. Never
+    busy-waits: it sleeps in ``poll()`` until the descriptor or the stop pipe is ready.
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    if stop_fd is not None:
+        poller.register(stop_fd, select.POLLIN)
+    buf = b""
+    while True:
+        if deadline is None:
+            timeout_ms = None
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            timeout_ms = max(1, int(left * 1000))
+        try:
+            events = poller.poll(timeout_ms)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries poll itself
+            continue
+        if not events:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            continue
+        if stop_fd is not None and any(e[0] == stop_fd for e in events):
+            return None
+        try:
+            chunk = os.read(fd, MAX_ANSWER + 1 - len(buf))
+        except BlockingIOError:
+            continue  # readiness without data (a FIFO writer still writing)
+        buf += chunk
+        if not chunk or b"\n" in buf or len(buf) > MAX_ANSWER:
+            return buf
+
+
+def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
+    """Answers in ``data`` (one per line) and a description of everything else in it."""
+    if not data:
+        return [], ["no answer (end of file: for a FIFO stand-in, the writer closed "
+                    "without writing)"]
+    if len(data) > MAX_ANSWER:
+        return [], [f"{len(data)}+ bytes without a newline, starting {_describe_bytes(data)}"]
+    answers: list[Answer] = []
+    bad: list[str] = []
+    lines = [line.strip() for line in data.split(b"\n")]
+    if not any(lines):
+        return [], ["an empty answer (only whitespace)"]
+    for line in lines:
+        if not line:
+            continue
+        word = line.decode("ascii", "replace")
+        if word in ANSWERS:
+            answers.append(word)
+        else:
+            bad.append(f"unknown answer {_describe_bytes(line)}")
+    return answers, bad
+
+
+def _handle(engine: Lifecycle, answer: Answer, since: float, reason: str) -> RestoreReport:
+    """Run the hooks ``answer`` asks for (deduplicated against other detectors by ``since``)."""
+    if answer == "restore":
+        return engine.restore_detected(reason, kind="restore", since=since)
+    if answer == "error":
+        log.warning("gVisor reports that the checkpoint failed; the process carries on "
+                    "(running the resume hooks, since before-snapshot hooks may have "
+                    "closed things)")
+    return engine.restore_detected(reason, kind="resume", since=since)
+
+
+class GVisorWaiter(Detector):
+    """gVisor checkpoint file: a thread blocked in read() learns restore / resume / error."""
+
+    name: ClassVar[str] = "gvisor"
+    specificity: ClassVar[int] = 100
+    auto: ClassVar[bool] = True
+
+    def __init__(self, proc: str | None = None) -> None:
+        self.proc = proc or proc_dir()
+        self.path = checkpoint_path(self.proc)
+        self._engine: Lifecycle | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_r = -1
+        self._stop_w = -1
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._armed = False
+        self._seq = 0
+        self._last: tuple[Answer, RestoreReport | None] | None = None
+        self._bad_streak = 0
+        self._exited = False
+        self._orphaned = False
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return _missing_reason(proc_dir())
+
+    def describe(self) -> str:
+        return f"waits in read() on {self.path}"
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self, engine: Lifecycle) -> None:
+        if self._thread is not None:
+            raise RuntimeError("this gVisor waiter is already running")
+        why = _missing_reason(self.proc)
+        if why is not None:
+            raise GVisorError(why)
+        self._engine = engine
+        self._stopping = False
+        self._exited = False
+        self._orphaned = False
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        engine.add_status("gvisor", self.status)
+        self._thread = threading.Thread(target=self._main, name="rehydrate-gvisor",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping = True
+        with contextlib.suppress(OSError):  # the pipe is ours and never full
+            os.write(self._stop_w, b"x")
+        with self._cond:
+            self._cond.notify_all()
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._cond:
+            self._thread = None
+            if not self._exited:
+                # Still inside a hook (or stop() called from a hook): the thread closes
+                # the pipe itself when it ends.
+                self._orphaned = True
+                if thread is not threading.current_thread():
+                    log.warning("gVisor waiter still running hooks after %.0fs; left to "
+                                "finish in the background", timeout)
+                return
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        for fd in (self._stop_r, self._stop_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._stop_r = self._stop_w = -1
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._exited and not self._stopping
+
+    def status(self) -> dict[str, Any]:
+        last = self._last
+        return {
+            "path": self.path,
+            "waiting": self._armed,
+            "answers": self._seq,
+            "last_answer": last[0] if last else None,
+        }
+
+    # -- the thread ------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            while not self._stopping:
+                if not self._wait_once():
+                    break
+        except Exception:  # pragma: no cover - a bug; never let the thread die silently
+            log.exception("gVisor waiter failed")
+        finally:
+            with self._cond:
+                self._armed = False
+                self._exited = True
+                self._cond.notify_all()
+                if self._orphaned:
+                    self._close_pipe()
+
+    def _backoff(self, quick: bool) -> bool:
+        """After a bad answer: wait (on the stop pipe) if it may repeat at once. False = stop."""
+        if not quick:
+            return True
+        delay = min(_BACKOFF_MAX, 0.01 * (2 ** min(self._bad_streak, 10)))
+        ready, _, _ = select.select([self._stop_r], [], [], delay)
+        return not ready
+
+    def _bad(self, what: str, quick: bool) -> bool:
+        self._bad_streak += 1
+        n = self._bad_streak
+        if n <= 3 or (n & (n - 1)) == 0:
+            log.error("gVisor checkpoint file %s gave %s; ignored, waiting for the next "
+                      "checkpoint%s", self.path, what,
+                      f" (bad answer {n} in a row)" if n > 1 else "")
+        return self._backoff(quick)
+
+    def _wait_once(self) -> bool:
+        engine = self._engine
+        assert engine is not None
+        try:
+            fd = os.open(self.path, _OPEN_READ)
+        except OSError as exc:
+            return self._bad(f"an error on open ({exc.strerror or exc})", quick=True)
+        since = time.monotonic()
+        with self._cond:
+            self._armed = True
+            self._cond.notify_all()
+        try:
+            data: bytes | OSError | None = _poll_read(fd, self._stop_r, None)
+        except OSError as exc:
+            data = exc
+        finally:
+            with self._cond:
+                self._armed = False
+            os.close(fd)
+        if data is None:
+            return False  # stopped
+        quick = time.monotonic() - since < _QUICK
+        if isinstance(data, OSError):
+            return self._bad(f"a read error ({data.strerror or data})", quick)
+        answers, bad = _parse(data)
+        for what in bad:
+            if not self._bad(what, quick and not answers):
+                return False
+        for answer in answers:
+            self._bad_streak = 0
+            log.debug("gVisor checkpoint answer: %s", answer)
+            report: RestoreReport | None = None
+            try:
+                report = _handle(engine, answer, since, self.name)
+            except Exception:
+                log.exception("running the hooks for gVisor answer %r failed", answer)
+            since = time.monotonic()  # a second answer in one read is a later checkpoint
+            with self._cond:
+                self._seq += 1
+                self._last = (answer, report)
+                self._cond.notify_all()
+        return not self._stopping
+
+    # -- used by trigger_snapshot ------------------------------------------------------
+
+    def _wait_armed(self, deadline: float | None) -> int:
+        with self._cond:
+            while not self._armed:
+                if not self.running:
+                    raise GVisorError("the gVisor waiter stopped")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("the gVisor waiter did not open the checkpoint file")
+                self._cond.wait(left)
+            return self._seq
+
+    def _wait_answer(self, seq: int, deadline: float | None
+                     ) -> tuple[Answer, RestoreReport | None]:
+        with self._cond:
+            while self._seq <= seq:
+                if not self.running:
+                    raise GVisorError("the gVisor waiter stopped before the answer came")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("no checkpoint answer before the timeout")
+                self._cond.wait(left)
+            assert self._last is not None
+            return self._last
+
+
+def _not_permitted(path: str, exc: OSError) -> TriggerNotPermitted:
+    return TriggerNotPermitted(
+        f"writing to {path} was refused ({exc.strerror or exc}): application-driven "
+        f"checkpoints need the sandbox annotation {ANNOTATION} (and, on GKE, a "
+        "PodSnapshotPolicy with triggerConfig.type: workload)")
+
+
+def trigger_snapshot(
+    engine: Lifecycle,
+    *,
+    proc: str | None = None,
+    timeout: float | None = None,
+) -> Answer:
+    """Checkpoint this sandbox now and return what happened to this process.
+
+    Runs the before-snapshot hooks, writes ``1`` to the checkpoint file, blocks until gVisor
+    answers, runs the restore (``"restore"``) or resume (``"resume"``, ``"error"``) hooks
+    and returns the answer. The answer is read on a descriptor opened before the write:
+    the running gVisor waiter's when there is one (it runs the hooks and this call waits
+    for them), else one of its own. When the before-snapshot hooks fail (``report.ok``
+    false) no checkpoint is triggered: the resume hooks run and the answer is ``"error"``.
+
+    Raises :class:`TriggerNotPermitted` (naming the annotation) when gVisor refuses the
+    write, :class:`GVisorError` when the file is missing or unusable, ``TimeoutError``
+    when ``timeout`` seconds pass without an answer.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiter = engine.detector("gvisor")
+    if not isinstance(waiter, GVisorWaiter) or not waiter.running:
+        waiter = None
+    if proc is None and waiter is not None:
+        path = waiter.path
+    else:
+        path = checkpoint_path(proc)
+        if waiter is not None and os.path.abspath(waiter.path) != os.path.abspath(path):
+            waiter = None
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise GVisorError(_missing_reason(os.path.dirname(path)) or f"{path} not found"
+                          ) from None
+    if stat.S_ISFIFO(st.st_mode):
+        raise GVisorError(f"{path} is a FIFO (a test stand-in for gVisor): it cannot carry "
+                          "a trigger, the 1 written would be read back as an answer")
+    # Opening for write is where gVisor checks permission: find out before any hook runs.
+    try:
+        wfd = os.open(path, _OPEN_WRITE)
+    except PermissionError as exc:
+        raise _not_permitted(path, exc) from None
+    except OSError as exc:
+        raise GVisorError(f"cannot open {path} for writing: {exc.strerror or exc}") from None
+    rfd = -1
+    try:
+        snap = engine.snapshot_requested("gvisor")
+        if not snap.ok:
+            log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
+                      "resume hooks")
+            engine.restore_detected("gvisor", kind="resume")
+            return "error"
+        if waiter is not None:
+            seq = waiter._wait_armed(deadline)
+        else:
+            rfd = os.open(path, _OPEN_READ)
+            since = time.monotonic()
+        try:
+            written = os.write(wfd, b"1")
+        except OSError as exc:
+            engine.restore_detected("gvisor", kind="resume")
+            if exc.errno in (errno.EPERM, errno.EACCES):
+                raise _not_permitted(path, exc) from None
+            raise GVisorError(f"writing 1 to {path} failed: {exc.strerror or exc}; "
+                              "resume hooks ran, the process carries on") from None
+        if written != 1:  # pragma: no cover - a 1-byte write is all or nothing
+            raise GVisorError(f"short write to {path}")
+        log.info("checkpoint triggered through %s; waiting for the answer", path)
+        if waiter is not None:
+            answer, _report = waiter._wait_answer(seq, deadline)
+            return answer
+        data = _poll_read(rfd, None, deadline)
+        if data is None:
+            raise TimeoutError(f"no answer from {path} within {timeout}s")
+        answers, bad = _parse(data)
+        if not answers:
+            raise GVisorError(f"{path} gave {'; '.join(bad)} after a trigger")
+        _handle(engine, answers[0], since, "gvisor")
+        return answers[0]
+    finally:
+        os.close(wfd)
+        if rfd >= 0:
+            os.close(rfd)
