@@ -1,0 +1,365 @@
+"""OpenTelemetry spans and metrics, checked with the SDK's in-memory exporter and reader."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from rehydrate import Phase, entropy, fingerprint, telemetry
+from rehydrate.testing import isolated_engine
+
+
+@pytest.fixture
+def otel(rehydrate_engine):
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider(resource=Resource.create({"service.name": "t",
+                                                  **telemetry.resource_attributes()}))
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader], resource=tp.resource)
+    telemetry.instrument(rehydrate_engine, tracer_provider=tp, meter_provider=mp)
+    yield rehydrate_engine, exporter, reader, tp, mp
+    tp.shutdown()
+    mp.shutdown()
+
+
+def spans_by_name(exporter: InMemorySpanExporter) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for s in exporter.get_finished_spans():
+        out.setdefault(s.name, []).append(s)
+    return out
+
+
+def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    out: dict[str, list[Any]] = {}
+    if data is None:
+        return out
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                out.setdefault(m.name, []).extend(m.data.data_points)
+    return out
+
+
+def test_restore_span_hook_spans_are_direct_children(otel):
+    engine, exporter, _, tp, _ = otel
+    threads: dict[str, str] = {}
+    user_tracer = tp.get_tracer("app")
+
+    @engine.registry.after_restore(phase=Phase.CONNECTIONS, name="db")
+    def db(ctx):
+        threads["db"] = threading.current_thread().name
+        with user_tracer.start_as_current_span("app.reconnect"):
+            pass
+
+    @engine.registry.after_restore(name="warm")
+    async def warm(ctx):
+        threads["warm"] = threading.current_thread().name
+        await asyncio.sleep(0)
+        with user_tracer.start_as_current_span("app.warm"):
+            pass
+
+    @engine.registry.after_restore(name="cache")
+    def cache():
+        threads["cache"] = threading.current_thread().name
+
+    report = engine.simulate_restore(env={"API_KEY": "s3cr3t-value"}, reason="test",
+                                     frozen_for=12.5)
+    assert report.ok
+    # hooks really ran on other threads than the caller (worker and loop threads)
+    assert threads["db"] != threading.current_thread().name
+    assert threads["warm"] != threads["db"]
+
+    by = spans_by_name(exporter)
+    (event,) = by["rehydrate.restore"]
+    attrs = dict(event.attributes)
+    assert attrs["rehydrate.generation"] == 1
+    assert attrs["rehydrate.reason"] == "test"
+    assert attrs["rehydrate.kind"] == "restore"
+    assert attrs["rehydrate.frozen_for"] == 12.5
+    assert attrs["rehydrate.ok"] is True
+    assert list(attrs["rehydrate.env.added"]) == ["API_KEY"]
+    assert event.status.status_code is not StatusCode.ERROR
+
+    hook_names = {h.name for h in report.hooks if h.outcome != "skipped"}
+    assert {"db", "warm", "cache", "rehydrate.env"} <= hook_names
+    for name in hook_names:
+        (span,) = by[name]
+        assert span.parent is not None and span.parent.span_id == event.context.span_id, name
+        assert span.context.trace_id == event.context.trace_id
+        a = dict(span.attributes)
+        assert a["rehydrate.hook.name"] == name
+        assert a["rehydrate.hook.outcome"] == "ok"
+        assert a["rehydrate.generation"] == 1
+        assert "rehydrate.hook.phase" in a
+        assert event.start_time <= span.start_time and span.end_time <= event.end_time
+    assert dict(by["db"][0].attributes)["rehydrate.hook.phase"] == "connections"
+    assert dict(by["warm"][0].attributes)["rehydrate.hook.async"] is True
+    # spans the hooks create are children of their hook span
+    assert by["app.reconnect"][0].parent.span_id == by["db"][0].context.span_id
+    assert by["app.warm"][0].parent.span_id == by["warm"][0].context.span_id
+    # env values never appear anywhere
+    dump = json.dumps([s.to_json() for s in exporter.get_finished_spans()])
+    assert "s3cr3t-value" not in dump
+
+
+def test_failures_and_timeouts_set_error_status(otel):
+    engine, exporter, reader, _, _ = otel
+    release = threading.Event()
+
+    @engine.registry.after_restore(name="boom")
+    def boom():
+        raise ValueError("broken peer")
+
+    @engine.registry.after_restore(name="stuck", timeout=0.2)
+    def stuck():
+        release.wait(10)
+
+    @engine.registry.after_restore(name="slow_async", timeout=0.2)
+    async def slow_async():
+        await asyncio.sleep(10)
+
+    @engine.registry.after_restore(name="optional", required=False)
+    def optional():
+        raise RuntimeError("meh")
+
+    report = engine.simulate_restore()
+    assert not report.ok
+    outcomes = {h.name: h.outcome for h in report.hooks}
+    assert outcomes["stuck"] == "timeout" and outcomes["slow_async"] == "timeout"
+
+    by = spans_by_name(exporter)
+    (event,) = by["rehydrate.restore"]
+    assert event.status.status_code is StatusCode.ERROR
+    assert dict(event.attributes)["rehydrate.ok"] is False
+    for name, outcome in (("boom", "failed"), ("stuck", "timeout"), ("slow_async", "timeout"),
+                          ("optional", "failed")):
+        (span,) = by[name]
+        assert span.status.status_code is StatusCode.ERROR, name
+        assert dict(span.attributes)["rehydrate.hook.outcome"] == outcome
+        assert span.parent.span_id == event.context.span_id
+    assert any(e.name == "exception" for e in by["boom"][0].events)
+    assert "broken peer" in by["boom"][0].status.description
+
+    # the abandoned sync hook returns later: its span is not ended twice, nothing breaks
+    release.set()
+    engine.simulate_restore()
+    assert len(spans_by_name(exporter)["stuck"]) == 2
+
+    failures = metric_points(reader)["rehydrate.hook.failures"]
+    per_hook = {dict(p.attributes)["rehydrate.hook.name"]: p.value for p in failures}
+    assert per_hook["boom"] == 2 and per_hook["optional"] == 2
+    assert per_hook["stuck"] == 1  # the second run was fast
+
+
+def test_snapshot_span_and_resume(otel):
+    engine, exporter, _, _, _ = otel
+
+    @engine.registry.before_snapshot(phase=Phase.CONNECTIONS, name="close_db")
+    def close_db():
+        pass
+
+    @engine.registry.after_restore(name="reopen")
+    def reopen():
+        pass
+
+    engine.simulate_snapshot()
+    engine.simulate_restore(kind="resume")
+    by = spans_by_name(exporter)
+    (snap,) = by["rehydrate.snapshot"]
+    assert dict(snap.attributes)["rehydrate.kind"] == "snapshot"
+    assert by["close_db"][0].parent.span_id == snap.context.span_id
+    (resume,) = by["rehydrate.restore"]
+    assert dict(resume.attributes)["rehydrate.kind"] == "resume"
+    assert dict(resume.attributes)["rehydrate.generation"] == 0
+    assert by["reopen"][0].parent.span_id == resume.context.span_id
+
+
+def test_metrics_after_simulated_restores(otel):
+    engine, _, reader, _, _ = otel
+
+    @engine.registry.after_restore(phase=Phase.NETWORK, name="routes")
+    def routes():
+        pass
+
+    @engine.registry.after_restore(name="app")
+    def app():
+        pass
+
+    for _ in range(3):
+        assert engine.simulate_restore().ok
+    engine.simulate_restore(kind="resume")
+    engine.simulate_snapshot()
+
+    pts = metric_points(reader)
+    restore = pts["rehydrate.restore.duration"]
+    assert sum(p.count for p in restore) == 4
+    by_kind = {dict(p.attributes)["rehydrate.kind"]: p.count for p in restore}
+    assert by_kind == {"restore": 3, "resume": 1}
+    assert sum(p.count for p in pts["rehydrate.snapshot.duration"]) == 1
+    phases = {}
+    for p in pts["rehydrate.hook.duration"]:
+        a = dict(p.attributes)
+        if a["rehydrate.event"] == "restore":
+            phases[(a["rehydrate.hook.phase"], a["rehydrate.hook.name"])] = p.count
+    assert phases[("network", "routes")] == 4
+    assert phases[("application", "app")] == 4
+    assert phases[("environment", "rehydrate.env")] == 4
+    (gen,) = pts["rehydrate.generation"]
+    assert gen.value == 3
+    assert "rehydrate.hook.failures" not in pts or all(
+        p.value == 0 for p in pts["rehydrate.hook.failures"])
+
+
+def test_clone_identity_and_exporter_rebuild(otel):
+    engine, _, _, _, mp = otel
+    inner = InMemorySpanExporter
+    wrapped = telemetry.restorable_span_exporter(inner)
+    tp = TracerProvider(resource=Resource.create({"service.name": "svc",
+                                                  **telemetry.resource_attributes()}))
+    batch = BatchSpanProcessor(wrapped, schedule_delay_millis=60_000)
+    tp.add_span_processor(batch)
+    telemetry.instrument(engine, tracer_provider=tp)
+    telemetry.refresh_on_restore(tp, mp, exporters=[wrapped], engine=engine)
+    first = wrapped.inner
+    old_id = tp.resource.attributes["service.instance.id"]
+    assert old_id == entropy.instance_id()
+
+    # before a snapshot: everything recorded so far is flushed (exported by the original)
+    with tp.get_tracer("app").start_as_current_span("work-before-snapshot"):
+        pass
+    report = engine.simulate_snapshot()
+    assert report.ok, report.table()
+    assert "work-before-snapshot" in [s.name for s in first.get_finished_spans()]
+
+    # after restore: a new instance id on every provider, a new exporter
+    report = engine.simulate_restore()
+    assert report.ok, report.table()
+    new_id = tp.resource.attributes["service.instance.id"]
+    assert new_id != old_id and new_id == entropy.instance_id()
+    assert mp._sdk_config.resource.attributes["service.instance.id"] == new_id
+    assert wrapped.inner is not first and wrapped.rebuilds == 1
+    with tp.get_tracer("app").start_as_current_span("work-after-restore"):
+        pass
+    tp.force_flush()
+    after = [s for s in wrapped.inner.get_finished_spans() if s.name == "work-after-restore"]
+    assert after and after[0].resource.attributes["service.instance.id"] == new_id
+    assert "work-after-restore" not in [s.name for s in first.get_finished_spans()]
+
+    # a resume keeps the identity but still rebuilds the exporter
+    engine.simulate_restore(kind="resume")
+    assert tp.resource.attributes["service.instance.id"] == new_id
+    assert wrapped.rebuilds == 2
+    tp.shutdown()
+
+
+def test_snapshot_miss_and_mismatch_are_recorded(otel, tmp_path, monkeypatch):
+    engine, exporter, reader, _, _ = otel
+    monkeypatch.delenv("REHYDRATE_EXPECT_RESTORE", raising=False)
+    manifest = fingerprint.fingerprint()
+    manifest["gpu_driver"] = "535.104.05"  # the snapshot's node had another driver
+    path = tmp_path / "manifest.json"
+    fingerprint.write_manifest(manifest, path)
+    fingerprint.configure(path=path, engine=engine)
+    engine.start(detectors="none")
+
+    pts = metric_points(reader)
+    (miss,) = pts["rehydrate.snapshot.misses"]
+    assert miss.value == 1 and dict(miss.attributes)["rehydrate.miss.field"] == "gpu_driver"
+    (span,) = spans_by_name(exporter)["rehydrate.snapshot-miss"]
+    assert "gpu_driver" in dict(span.attributes)["rehydrate.miss.reason"]
+
+    # after a restore onto a differing node: counter per field + event on the restore span
+    mgr = fingerprint.configure(engine=engine)
+    mgr.manifest = manifest
+    engine.simulate_restore()
+    (event,) = spans_by_name(exporter)["rehydrate.restore"]
+    (ev,) = [e for e in event.events if e.name == "rehydrate.fingerprint.mismatch"]
+    assert list(ev.attributes["rehydrate.fingerprint.fields"]) == ["gpu_driver"]
+    mism = metric_points(reader)["rehydrate.fingerprint.mismatches"]
+    assert {dict(p.attributes)["rehydrate.fingerprint.field"]: p.value for p in mism} == {
+        "gpu_driver": 1}
+
+
+def test_instrumentation_can_be_switched_off(otel, monkeypatch):
+    engine, exporter, _, _, _ = otel
+    monkeypatch.setenv("REHYDRATE_TELEMETRY", "off")
+    engine.simulate_restore()
+    assert exporter.get_finished_spans() == ()
+    monkeypatch.delenv("REHYDRATE_TELEMETRY")
+    engine.simulate_restore()
+    assert len(spans_by_name(exporter)["rehydrate.restore"]) == 1
+
+
+_SUBPROCESS = textwrap.dedent("""
+    import json, sys
+    import rehydrate
+    from rehydrate.testing import isolated_engine
+
+    out = {"after_import": sorted(m for m in sys.modules if m.startswith("opentelemetry"))}
+    engine = isolated_engine()
+    seen = []
+
+    @engine.registry.after_restore
+    def hook():
+        if "opentelemetry.trace" in sys.modules:
+            from opentelemetry import trace
+            seen.append(trace.get_current_span().get_span_context().is_valid)
+
+    assert engine.simulate_restore().ok
+    out["after_restore"] = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
+    # the API imported by the application, still no SDK configured: no-op spans
+    import opentelemetry.trace
+    assert engine.simulate_restore().ok
+    out["valid_span_without_sdk"] = list(seen)
+    # an SDK configured later is picked up at the next event
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    exp = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exp))
+    opentelemetry.trace.set_tracer_provider(tp)
+    assert engine.simulate_restore().ok
+    out["spans_with_sdk"] = sorted({s.name for s in exp.get_finished_spans()})
+    out["valid_span_with_sdk"] = seen[-1]
+    print(json.dumps(out))
+""")
+
+
+def test_no_sdk_is_a_noop_and_sdk_is_detected_per_event():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS], check=False, capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["after_import"] == []  # import rehydrate does not import opentelemetry
+    assert out["after_restore"] == []  # nor does a restore when no SDK is configured
+    assert out["valid_span_without_sdk"] == [False]
+    assert "rehydrate.restore" in out["spans_with_sdk"] and "__main__.hook" in out["spans_with_sdk"]
+    assert out["valid_span_with_sdk"] is True
+
+
+def test_default_engine_is_instrumented():
+    eng = isolated_engine()
+    try:
+        assert eng.extension("telemetry", telemetry.Telemetry) is telemetry.instrument(eng)
+        assert not telemetry.instrument(eng).active() or "opentelemetry.trace" in sys.modules
+    finally:
+        eng.close()
