@@ -1,0 +1,143 @@
+"""httpx transports whose connection pool can be rebuilt under a client that stays the same.
+
+httpx supports custom transports as public API (``httpx.Client(transport=...)``). A
+:class:`ReconnectingTransport` forwards every request to an inner ``httpx.HTTPTransport``
+and :meth:`~ReconnectingTransport.reset` swaps a fresh one in (closing the old pool), so
+application code keeps its one ``httpx.Client`` object — with its base URL, headers, auth,
+cookies, event hooks — across restores. Imported only when an httpx helper is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import httpx
+
+__all__ = ["AsyncReconnectingTransport", "ReconnectingTransport", "make_async_client",
+           "make_client"]
+
+log = logging.getLogger("rehydrate")
+
+TRANSPORT_KWARGS = ("verify", "cert", "trust_env", "http1", "http2", "limits", "proxy",
+                    "retries", "local_address", "uds")
+"""``httpx.Client`` options that configure its transport: they go to the inner one."""
+
+
+def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    transport = {k: kwargs.pop(k) for k in TRANSPORT_KWARGS if k in kwargs}
+    if "trust_env" in transport:
+        kwargs["trust_env"] = transport["trust_env"]
+    if "transport" in kwargs:
+        raise TypeError("the rehydrate httpx helpers provide the transport themselves")
+    return kwargs, transport
+
+
+def _close_mounts(client: httpx.Client | httpx.AsyncClient | None) -> None:
+    """Proxy transports that httpx mounted from the environment have their own pools."""
+    mounts = getattr(client, "_mounts", None) or {}
+    for t in mounts.values():
+        if isinstance(t, httpx.HTTPTransport):
+            t.close()
+
+
+class ReconnectingTransport(httpx.BaseTransport):
+    """A sync transport whose inner ``httpx.HTTPTransport`` is replaced by :meth:`reset`."""
+
+    def __init__(self, **transport_kwargs: Any) -> None:
+        self._kwargs = transport_kwargs
+        self._lock = threading.Lock()
+        self._inner = httpx.HTTPTransport(**transport_kwargs)
+        self.client: httpx.Client | None = None
+        self.generation = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self._inner.handle_request(request)
+
+    def reset(self) -> None:
+        """Swap in a fresh pool; the old one (dead connections after a restore) is closed."""
+        fresh = httpx.HTTPTransport(**self._kwargs)
+        with self._lock:
+            old, self._inner = self._inner, fresh
+            self.generation += 1
+        try:
+            old.close()
+            _close_mounts(self.client)
+        except Exception as exc:  # closing sockets the platform already cut
+            log.debug("closing the previous httpx pool: %s", exc)
+
+    def close_pool(self) -> None:
+        """Close every pooled connection (before a snapshot); the pool stays usable."""
+        self._inner.close()
+        _close_mounts(self.client)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
+    """The ``AsyncClient`` counterpart. The pool belongs to the event loop that uses it,
+    so closing it is scheduled on that loop."""
+
+    def __init__(self, **transport_kwargs: Any) -> None:
+        self._kwargs = transport_kwargs
+        self._lock = threading.Lock()
+        self._inner = httpx.AsyncHTTPTransport(**transport_kwargs)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.generation = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self._loop = asyncio.get_running_loop()
+        return await self._inner.handle_async_request(request)
+
+    def reset(self) -> None:
+        fresh = httpx.AsyncHTTPTransport(**self._kwargs)
+        with self._lock:
+            old, self._inner = self._inner, fresh
+            self.generation += 1
+            loop, self._loop = self._loop, None
+        if loop is not None and loop.is_running() and not loop.is_closed():
+            fut = asyncio.run_coroutine_threadsafe(old.aclose(), loop)
+            fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
+
+    async def close_pool(self) -> None:
+        with self._lock:
+            inner, loop = self._inner, self._loop
+        if loop is None or loop.is_closed():
+            return  # never used, or its loop is gone: nothing open to close
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover - always called from a coroutine
+            running = None
+        if running is loop:
+            await inner.aclose()
+        elif loop.is_running():
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(inner.aclose(), loop))
+
+    async def probe(self, url: str) -> None:
+        """GET ``url`` on a short-lived transport of the same configuration."""
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(**self._kwargs)) as c:
+            r = await c.get(url)
+        if r.status_code >= 500:
+            raise ConnectionError(f"{url} answered {r.status_code}")
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def make_client(kwargs: dict[str, Any]) -> tuple[httpx.Client, ReconnectingTransport]:
+    client_kwargs, transport_kwargs = _split(dict(kwargs))
+    transport = ReconnectingTransport(**transport_kwargs)
+    client = httpx.Client(transport=transport, **client_kwargs)
+    transport.client = client
+    return client, transport
+
+
+def make_async_client(
+    kwargs: dict[str, Any],
+) -> tuple[httpx.AsyncClient, AsyncReconnectingTransport]:
+    client_kwargs, transport_kwargs = _split(dict(kwargs))
+    transport = AsyncReconnectingTransport(**transport_kwargs)
+    return httpx.AsyncClient(transport=transport, **client_kwargs), transport

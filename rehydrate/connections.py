@@ -1,0 +1,876 @@
+"""Managed external connections: closed before a snapshot, reopened concurrently after.
+
+A restore (or a resume of the original process after a snapshot) finds every outbound TCP
+connection already terminated by the platform. Connections registered here are closed
+before a snapshot (reverse registration order, ``CONNECTIONS`` phase) and, after a
+restore or resume, reopened **all at once**: each one in its own thread (sync
+``open``/``check`` functions) or as a task on the hook's event loop (``async`` ones), each
+with exponential backoff with jitter, until it succeeds or its deadline passes. The
+restore run returns only when every managed connection reopened or missed its deadline;
+a *required* connection that missed it makes the report fail (the process stays
+``degraded``, not ready) and the error names the connection and its last error.
+
+Registration never blocks on, nor raises for, an unreachable peer.
+
+Ready-made helpers (their libraries are imported only when a helper is used):
+:func:`httpx_client`, :func:`httpx_async_client`, :func:`sqlalchemy_engine`,
+:func:`redis_client`, :func:`grpc_channel`, :func:`tcp_socket`.
+
+``established_tcp()`` lists the process's established TCP connections (from
+``/proc/<pid>/net/tcp{,6}`` and the socket inodes of ``/proc/<pid>/fd``) so that
+connections opened outside rehydrate, which it cannot reach, can at least be seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import math
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from .context import RestoreContext
+from .hooks import Phase
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "DEFAULT_DEADLINE",
+    "Connection",
+    "ConnectionManager",
+    "ConnectionsNotReady",
+    "ManagedSocket",
+    "TcpConnection",
+    "connections",
+    "established_tcp",
+    "get",
+    "grpc_channel",
+    "httpx_async_client",
+    "httpx_client",
+    "manager",
+    "redis_client",
+    "register",
+    "sqlalchemy_engine",
+    "tcp_socket",
+    "unregister",
+]
+
+log = logging.getLogger("rehydrate")
+
+DEFAULT_DEADLINE = 30.0
+"""Seconds a connection may take to reopen after a restore (``REHYDRATE_CONNECT_DEADLINE``)."""
+BACKOFF_BASE = 0.05
+BACKOFF_MAX = 1.0
+CLOSE_TIMEOUT = 5.0
+"""Seconds one ``close`` may take before a snapshot before it is reported as failed."""
+LATE_GRACE = 0.25
+"""Seconds past its deadline an attempt still running is given before it is abandoned."""
+
+State = Literal["registered", "opening", "open", "closing", "closed", "reconnecting", "failed"]
+
+
+class ConnectionsNotReady(ConnectionError):
+    """Required connections did not reopen (or close) in time; the message names them."""
+
+    def __init__(self, message: str, names: Iterable[str]) -> None:
+        super().__init__(message)
+        self.names = tuple(names)
+
+
+def _arity(fn: Callable[..., Any]) -> int:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return 0
+    n = 0
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            return 1
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
+            n += 1
+    return n
+
+
+def _is_async(fn: Callable[..., Any] | None) -> bool:
+    if fn is None:
+        return False
+    call = getattr(fn, "__call__", None)  # noqa: B004
+    return inspect.iscoroutinefunction(fn) or (
+        call is not None and inspect.iscoroutinefunction(call)
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_MAX) -> float:
+    """Exponential backoff with jitter for retry ``attempt`` (1-based): in [d/2, d]."""
+    d = min(cap, base * (2.0 ** max(0, attempt - 1)))
+    return d / 2 + random.uniform(0, d / 2)  # noqa: S311 - jitter, not security
+
+
+def env_deadline() -> float:
+    """``REHYDRATE_CONNECT_DEADLINE`` in seconds, else :data:`DEFAULT_DEADLINE`."""
+    raw = os.environ.get("REHYDRATE_CONNECT_DEADLINE")
+    if not raw:
+        return DEFAULT_DEADLINE
+    try:
+        value = float(raw)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError
+    except ValueError:
+        log.warning("REHYDRATE_CONNECT_DEADLINE is not a positive number of seconds; "
+                    "using %gs", DEFAULT_DEADLINE)
+        return DEFAULT_DEADLINE
+    return value
+
+
+class Connection:
+    """One managed connection. Returned by :func:`register`; ``value`` is what ``open``
+    last returned (when it returned something)."""
+
+    def __init__(  # noqa: PLR0917
+        self,
+        name: str,
+        open: Callable[..., Any] | None,
+        close: Callable[..., Any] | None,
+        check: Callable[..., Any] | None,
+        required: bool,
+        deadline: float | None,
+        value: Any = None,
+    ) -> None:
+        if deadline is not None and (not math.isfinite(deadline) or deadline <= 0):
+            raise ValueError("deadline must be a positive number of seconds")
+        for label, fn in (("open", open), ("close", close), ("check", check)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"connection {name!r}: {label} must be callable")
+        self.name = name
+        self.open_fn = open
+        self.close_fn = close
+        self.check_fn = check
+        self.required = bool(required)
+        self.deadline = deadline
+        self.value = value
+        self.state: State = "registered"
+        self.last_error: str | None = None
+        self.attempts = 0
+        self.last_duration: float | None = None
+        self._lock = threading.Lock()
+        self._epoch = 0
+        """Bumped by every reopen/close run: an abandoned attempt sees it is stale."""
+
+    @property
+    def is_async(self) -> bool:
+        return any(_is_async(f) for f in (self.open_fn, self.close_fn, self.check_fn))
+
+    def effective_deadline(self) -> float:
+        return self.deadline if self.deadline is not None else env_deadline()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "required": self.required,
+            "deadline": self.effective_deadline(),
+            "attempts": self.attempts,
+            "last_error": self.last_error,
+            "duration": None if self.last_duration is None else round(self.last_duration, 6),
+        }
+
+    def __repr__(self) -> str:
+        return f"<rehydrate.Connection {self.name!r} {self.state}>"
+
+    # -- calling the user's functions -------------------------------------------------
+
+    def _args(self, fn: Callable[..., Any]) -> tuple[Any, ...]:
+        return (self.value,) if _arity(fn) >= 1 else ()
+
+    def _set(self, epoch: int, **fields: Any) -> bool:
+        with self._lock:
+            if epoch != self._epoch:
+                return False
+            for k, v in fields.items():
+                setattr(self, k, v)
+            return True
+
+    def _begin(self, state: State) -> tuple[int, State]:
+        """Start a new run (older runs become stale); returns (epoch, previous state)."""
+        with self._lock:
+            self._epoch += 1
+            prev, self.state = self.state, state
+            return self._epoch, prev
+
+    # sync path ------------------------------------------------------------------------
+
+    def close_sync(self) -> None:
+        if self.close_fn is not None:
+            self.close_fn(*self._args(self.close_fn))
+
+    def reopen_sync(self, epoch: int, deadline_at: float, stop: threading.Event,
+                    close_first: bool = True) -> bool:
+        """Close the stale connection (if still open), then open + check with backoff."""
+        start = time.monotonic()
+        if close_first and self.close_fn is not None:
+            try:  # the platform already dropped it: close only to release the resources
+                self.close_sync()
+            except Exception as exc:
+                log.debug("connection %s: closing the stale connection: %s", self.name,
+                          _describe(exc))
+        attempt = 0
+        while not stop.is_set():
+            attempt += 1
+            self._set(epoch, attempts=attempt)
+            try:
+                if self.open_fn is not None:
+                    value = self.open_fn()
+                    if value is not None:
+                        self.value = value
+                if self.check_fn is not None:
+                    self.check_fn(*self._args(self.check_fn))
+            except Exception as exc:
+                self._set(epoch, last_error=_describe(exc))
+                if self.check_fn is not None and self.close_fn is not None:
+                    try:
+                        self.close_sync()
+                    except Exception:
+                        log.debug("connection %s: close after a failed attempt failed",
+                                  self.name)
+            else:
+                if self._set(epoch, state="open", last_error=None,
+                             last_duration=time.monotonic() - start):
+                    return True
+                log.info("connection %s opened after its deadline", self.name)
+                with self._lock:
+                    self.state, self.last_error = "open", None
+                return False
+            remaining = deadline_at - time.monotonic()
+            if remaining <= 0:
+                break
+            if stop.wait(min(backoff_delay(attempt), remaining)):
+                break
+        return False
+
+    # async path -----------------------------------------------------------------------
+
+    async def _call_async(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if _is_async(fn):
+            return await fn(*args)
+        return await _in_thread(fn, *args)
+
+    async def close_async(self) -> None:
+        if self.close_fn is not None:
+            await self._call_async(self.close_fn, *self._args(self.close_fn))
+
+    async def reopen_async(self, epoch: int, deadline_at: float,
+                           close_first: bool = True) -> bool:
+        start = time.monotonic()
+        if close_first and self.close_fn is not None:
+            try:
+                await asyncio.wait_for(self.close_async(), CLOSE_TIMEOUT)
+            except Exception as exc:
+                log.debug("connection %s: closing the stale connection: %s", self.name,
+                          _describe(exc))
+        attempt = 0
+        while True:
+            attempt += 1
+            self._set(epoch, attempts=attempt)
+            try:
+                if self.open_fn is not None:
+                    value = await self._call_async(self.open_fn)
+                    if value is not None:
+                        self.value = value
+                if self.check_fn is not None:
+                    await self._call_async(self.check_fn, *self._args(self.check_fn))
+            except Exception as exc:
+                self._set(epoch, last_error=_describe(exc))
+                if self.check_fn is not None and self.close_fn is not None:
+                    try:
+                        await self.close_async()
+                    except Exception:
+                        log.debug("connection %s: close after a failed attempt failed",
+                                  self.name)
+            else:
+                self._set(epoch, state="open", last_error=None,
+                          last_duration=time.monotonic() - start)
+                return True
+            remaining = deadline_at - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.sleep(min(backoff_delay(attempt), remaining))
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on a fresh daemon thread (never a bounded executor: N calls must be able
+    to run at the same time)."""
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    threading.Thread(target=run, name="rehydrate-conn", daemon=True).start()
+    return await asyncio.wrap_future(fut)
+
+
+class ConnectionManager:
+    """The per-engine set of managed connections and the two built-in hooks."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._conns: dict[str, Connection] = {}
+        engine.builtins.register(self._before_snapshot, event="snapshot",
+                                 phase=Phase.CONNECTIONS, name="rehydrate.connections",
+                                 timeout=None)
+        engine.builtins.register(self._after_restore, event="restore",
+                                 phase=Phase.CONNECTIONS, name="rehydrate.connections",
+                                 timeout=None)
+        engine.add_status("connections", self.status)
+        engine.add_status("tcp_connections", _status_tcp)
+
+    # -- registry -------------------------------------------------------------------
+
+    def register(self, conn: Connection, open_now: bool = False) -> Connection:
+        with self._lock:
+            old = self._conns.pop(conn.name, None)
+            self._conns[conn.name] = conn  # re-registering a name moves it to the end
+        if old is not None:
+            log.debug("connection %s re-registered; the new callbacks replace the old",
+                      conn.name)
+        if open_now:
+            self._open_in_background(conn)
+        return conn
+
+    def unregister(self, name: str) -> bool:
+        with self._lock:
+            return self._conns.pop(name, None) is not None
+
+    def get(self, name: str) -> Connection | None:
+        with self._lock:
+            return self._conns.get(name)
+
+    def all(self) -> list[Connection]:
+        with self._lock:
+            return list(self._conns.values())
+
+    def status(self) -> list[dict[str, Any]]:
+        return [c.to_dict() for c in self.all()]
+
+    def _open_in_background(self, conn: Connection) -> None:
+        epoch, _ = conn._begin("opening")
+        deadline_at = time.monotonic() + conn.effective_deadline()
+
+        def run() -> None:
+            try:
+                if conn.is_async:
+                    ok = asyncio.run(conn.reopen_async(epoch, deadline_at, False))
+                else:
+                    ok = conn.reopen_sync(epoch, deadline_at, threading.Event(), False)
+            except Exception as exc:  # never let a background open escape
+                conn._set(epoch, last_error=_describe(exc))
+                ok = False
+            if not ok and conn._set(epoch, state="failed"):
+                log.warning("connection %s did not open within %gs: %s", conn.name,
+                            conn.effective_deadline(), conn.last_error)
+
+        threading.Thread(target=run, name=f"rehydrate-open-{conn.name}", daemon=True).start()
+
+    # -- hooks ------------------------------------------------------------------------
+
+    async def _before_snapshot(self, ctx: RestoreContext) -> None:
+        conns = self.all()
+        errors: list[tuple[Connection, str]] = []
+        for conn in reversed(conns):
+            epoch, _ = conn._begin("closing")
+            try:
+                if conn.close_fn is not None:
+                    await asyncio.wait_for(conn.close_async(), CLOSE_TIMEOUT)
+            except Exception as exc:
+                msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
+                       if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
+                conn._set(epoch, state="failed", last_error=msg)
+                errors.append((conn, msg))
+            else:
+                conn._set(epoch, state="closed")
+        left = [c for c in established_tcp() if c.outbound and not c.loopback]
+        if left:
+            log.warning(
+                "%d outbound TCP connection(s) still established before the snapshot "
+                "(opened outside rehydrate.connections, the platform will cut them): %s",
+                len(left), ", ".join(c.remote for c in left[:10]))
+        required = [(c, m) for c, m in errors if c.required]
+        for c, m in errors:
+            if not c.required:
+                log.warning("optional connection %s did not close: %s", c.name, m)
+        if required:
+            raise ConnectionsNotReady(
+                "could not close required connection(s) before the snapshot: "
+                + "; ".join(f"{c.name} ({m})" for c, m in required),
+                [c.name for c, _ in required],
+            )
+
+    async def _after_restore(self, ctx: RestoreContext) -> None:
+        await self.reopen_all()
+
+    async def reopen_all(self) -> dict[str, bool]:
+        """Reopen every managed connection concurrently; raise if a required one missed
+        its deadline. Returns name -> reopened."""
+        conns = self.all()
+        if not conns:
+            return {}
+        now = time.monotonic()
+        stop = threading.Event()
+        tasks: list[asyncio.Future[bool]] = []
+        plans: list[tuple[Connection, int, float]] = []
+        for conn in conns:
+            deadline = conn.effective_deadline()
+            epoch, prev = conn._begin("reconnecting")
+            stale = prev not in ("closed", "failed")  # "failed": never (re)opened
+            plans.append((conn, epoch, now + deadline))
+            tasks.append(asyncio.ensure_future(
+                self._guard(conn, epoch, now + deadline, stop, stale)))
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            stop.set()  # abandoned sync attempts stop retrying
+        outcome: dict[str, bool] = {}
+        missed: list[Connection] = []
+        for (conn, epoch, _), ok in zip(plans, results, strict=True):
+            outcome[conn.name] = ok
+            if not ok:
+                conn._set(epoch, state="failed")
+                level = logging.ERROR if conn.required else logging.WARNING
+                log.log(level, "connection %s not reopened within %gs: %s", conn.name,
+                        conn.effective_deadline(), conn.last_error)
+                if conn.required:
+                    missed.append(conn)
+        if missed:
+            raise ConnectionsNotReady(
+                "required connection(s) not reopened before their deadline: "
+                + "; ".join(f"{c.name} after {c.effective_deadline():g}s and {c.attempts} "
+                            f"attempt(s), last error: {c.last_error or 'none'}"
+                            for c in missed),
+                [c.name for c in missed],
+            )
+        return outcome
+
+    async def _guard(self, conn: Connection, epoch: int, deadline_at: float,
+                     stop: threading.Event, stale: bool) -> bool:
+        wait = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
+        try:
+            if conn.is_async:
+                return await asyncio.wait_for(
+                    conn.reopen_async(epoch, deadline_at, stale), wait)
+            fut = asyncio.ensure_future(
+                _in_thread(conn.reopen_sync, epoch, deadline_at, stop, stale))
+            return bool(await asyncio.wait_for(asyncio.shield(fut), wait))
+        except asyncio.TimeoutError:
+            conn._set(epoch, last_error=(conn.last_error or "")
+                      + (" " if conn.last_error else "")
+                      + "(an open/check call was still running at the deadline)")
+            return False
+        except Exception as exc:
+            conn._set(epoch, last_error=_describe(exc))
+            return False
+
+
+def manager(engine: Lifecycle | None = None) -> ConnectionManager:
+    """The connection manager of ``engine`` (default: the process-wide engine)."""
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    return engine.extension("connections", ConnectionManager)
+
+
+def register(
+    name: str,
+    open: Callable[..., Any] | None = None,
+    close: Callable[..., Any] | None = None,
+    check: Callable[..., Any] | None = None,
+    *,
+    required: bool = True,
+    deadline: float | None = None,
+    engine: Lifecycle | None = None,
+    value: Any = None,
+    open_now: bool = False,
+) -> Connection:
+    """Manage a connection: ``close`` runs before a snapshot; after a restore or resume
+    ``open`` then ``check`` run (concurrently with every other connection) with backoff
+    until both succeed or ``deadline`` seconds passed (default ``REHYDRATE_CONNECT_DEADLINE``
+    or 30 s). ``close`` and ``check`` may take one argument: the current ``value`` (what
+    ``open`` returned last, or ``value=``). Any of them may be ``async``.
+
+    Never blocks and never contacts the peer, unless ``open_now=True``: then the first
+    ``open`` runs in the background (with the same backoff); registration still returns
+    at once and never raises for an unreachable peer.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError("connection name must be a non-empty string")
+    conn = Connection(name, open, close, check, required, deadline, value)
+    return manager(engine).register(conn, open_now=open_now)
+
+
+def unregister(name: str, *, engine: Lifecycle | None = None) -> bool:
+    return manager(engine).unregister(name)
+
+
+def get(name: str, *, engine: Lifecycle | None = None) -> Connection | None:
+    return manager(engine).get(name)
+
+
+def connections(*, engine: Lifecycle | None = None) -> list[Connection]:
+    return manager(engine).all()
+
+
+# --------------------------------------------------------------------------------------
+# Helpers for common clients
+# --------------------------------------------------------------------------------------
+
+def httpx_client(
+    name: str,
+    *,
+    check_url: str | None = None,
+    required: bool = True,
+    deadline: float | None = None,
+    engine: Lifecycle | None = None,
+    **client_kwargs: Any,
+) -> Any:
+    """An ``httpx.Client`` whose connection pool is rebuilt after every restore.
+
+    Callers keep this one client object: it sends through a
+    :class:`rehydrate._httpx.ReconnectingTransport`, a public-API httpx transport that
+    swaps a fresh ``httpx.HTTPTransport`` in underneath (and closes the old pool before a
+    snapshot). Transport options (``verify``, ``cert``, ``http1``, ``http2``, ``limits``,
+    ``trust_env``, ``retries``, ``local_address``, ``uds``) go to that inner transport.
+    With ``check_url`` the reopen sends a GET there (status < 500 counts as healthy), which
+    also warms the new pool with one live connection.
+    """
+    from ._httpx import make_client
+
+    client, transport = make_client(client_kwargs)
+
+    def check() -> None:
+        r = client.get(check_url)  # type: ignore[arg-type]
+        r.read()
+        if r.status_code >= 500:
+            raise ConnectionError(f"{check_url} answered {r.status_code}")
+
+    register(name, open=transport.reset, close=transport.close_pool,
+             check=check if check_url else None, required=required, deadline=deadline,
+             engine=engine)
+    return client
+
+
+def httpx_async_client(
+    name: str,
+    *,
+    check_url: str | None = None,
+    required: bool = True,
+    deadline: float | None = None,
+    engine: Lifecycle | None = None,
+    **client_kwargs: Any,
+) -> Any:
+    """An ``httpx.AsyncClient`` whose pool is rebuilt after every restore (see
+    :func:`httpx_client`). The pool is bound to the application's event loop, so the
+    health check (``check_url``) uses a separate short-lived transport and the client's
+    new pool fills lazily on the application's loop."""
+    from ._httpx import make_async_client
+
+    client, transport = make_async_client(client_kwargs)
+
+    async def check() -> None:
+        await transport.probe(check_url)  # type: ignore[arg-type]
+
+    register(name, open=transport.reset, close=transport.close_pool,
+             check=check if check_url else None, required=required, deadline=deadline,
+             engine=engine)
+    return client
+
+
+def sqlalchemy_engine(
+    name: str,
+    sa_engine: Any,
+    *,
+    check: bool = True,
+    required: bool = True,
+    deadline: float | None = None,
+    engine: Lifecycle | None = None,
+) -> Any:
+    """Manage a SQLAlchemy ``Engine``: ``dispose()`` before a snapshot; after a restore
+    ``dispose(close=False)`` (the platform already cut the sockets: drop them without
+    talking to the server) and, with ``check``, ``SELECT 1`` on a fresh connection."""
+
+    def reopen() -> None:
+        sa_engine.dispose(close=False)
+
+    def ping() -> None:
+        with sa_engine.connect() as c:
+            c.exec_driver_sql("SELECT 1")
+
+    def close() -> None:
+        sa_engine.dispose()
+
+    register(name, open=reopen, close=close, check=ping if check else None,
+             required=required, deadline=deadline, engine=engine)
+    return sa_engine
+
+
+def redis_client(
+    name: str,
+    client: Any,
+    *,
+    check: bool = True,
+    required: bool = True,
+    deadline: float | None = None,
+    engine: Lifecycle | None = None,
+) -> Any:
+    """Manage a redis-py client (sync or ``redis.asyncio``): its pool is disconnected
+    before a snapshot and reset after a restore, then ``PING``-ed when ``check``."""
+    pool = client.connection_pool
+    if inspect.iscoroutinefunction(pool.disconnect):
+        async def areset() -> None:
+            await pool.disconnect()
+
+        async def aping() -> None:
+            if not await client.ping():
+                raise ConnectionError("PING failed")
+
+        register(name, open=areset, close=areset, check=aping if check else None,
+                 required=required, deadline=deadline, engine=engine)
+        return client
+
+    def reset() -> None:
+        pool.disconnect()
+
+    def ping() -> None:
+        if not client.ping():
+            raise ConnectionError("PING failed")
+
+    register(name, open=reset, close=reset, check=ping if check else None,
+             required=required, deadline=deadline, engine=engine)
+    return client
+
+
+def grpc_channel(
+    name: str,
+    factory: Callable[[], Any],
+    *,
+    check: bool = True,
+    required: bool = True,
+    deadline: float | None = None,
+    engine: Lifecycle | None = None,
+) -> Any:
+    """A gRPC channel whose underlying ``grpc.Channel`` is replaced after every restore.
+
+    ``factory()`` creates a channel (``grpc.insecure_channel(...)`` …). Stubs built on the
+    returned object keep working: each call goes to the current channel. The check waits
+    for ``grpc.channel_ready_future``.
+    """
+    from ._grpc import ManagedChannel
+
+    managed = ManagedChannel(factory)
+    conn = register(name, open=managed.reset, close=managed.close_current,
+                    required=required, deadline=deadline, engine=engine)
+    if check:
+        conn.check_fn = lambda: managed.wait_ready(
+            max(0.05, min(5.0, conn.effective_deadline())))
+    return managed
+
+
+class ManagedSocket:
+    """A TCP client socket that is reconnected after every restore.
+
+    Keep this object; ``sock`` is the current ``socket.socket`` (attribute access such as
+    ``sendall``/``recv`` is forwarded to it). Raises ``ConnectionError`` while not connected.
+    """
+
+    def __init__(self, address: tuple[str, int], timeout: float | None = 5.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def sock(self) -> socket.socket:
+        s = self._sock
+        if s is None:
+            raise ConnectionError(f"socket to {self.address[0]}:{self.address[1]} is not "
+                                  "connected (yet)")
+        return s
+
+    def connect(self) -> socket.socket:
+        s = socket.create_connection(self.address, timeout=self.timeout)
+        with self._lock:
+            old, self._sock = self._sock, s
+        if old is not None:
+            old.close()
+        return s
+
+    def close(self) -> None:
+        with self._lock:
+            old, self._sock = self._sock, None
+        if old is not None:
+            old.close()
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.sock, item)
+
+
+def tcp_socket(
+    name: str,
+    address: tuple[str, int],
+    *,
+    timeout: float | None = 5.0,
+    check: Callable[[socket.socket], Any] | None = None,
+    required: bool = True,
+    deadline: float | None = None,
+    engine: Lifecycle | None = None,
+) -> ManagedSocket:
+    """A raw TCP client socket managed by rehydrate. The first connect runs in the
+    background (registration never blocks); ``check(sock)`` may verify e.g. a greeting."""
+    ms = ManagedSocket(address, timeout)
+    chk = (lambda: check(ms.sock)) if check is not None else None
+    register(name, open=ms.connect, close=ms.close, check=chk, required=required,
+             deadline=deadline, engine=engine, open_now=True)
+    return ms
+
+
+# --------------------------------------------------------------------------------------
+# What is established right now (what the user may have forgotten to register)
+# --------------------------------------------------------------------------------------
+
+_TCP_STATES = {
+    "01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
+    "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING",
+}
+
+
+@dataclass(frozen=True)
+class TcpConnection:
+    local: str
+    remote: str
+    state: str
+    loopback: bool
+    outbound: bool
+    """False when the local port is one of the namespace's listening ports (accepted)."""
+    inode: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"local": self.local, "remote": self.remote, "state": self.state,
+                "loopback": self.loopback, "outbound": self.outbound}
+
+
+def _decode_addr(hexaddr: str) -> tuple[str, int]:
+    host, port = hexaddr.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1]), int(port, 16)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return socket.inet_ntop(socket.AF_INET6, words), int(port, 16)
+
+
+def _fmt(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host.startswith("::ffff:"):
+        host = host[7:]
+    return host.startswith("127.") or host == "::1"
+
+
+def _socket_inodes(pid: str) -> set[int]:
+    out: set[int] = set()
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return out
+    for fd in names:
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
+def established_tcp(pid: int | str = "self", *, states: Iterable[str] = ("ESTABLISHED",)
+                    ) -> list[TcpConnection]:
+    """TCP connections owned by process ``pid`` in the given states (not listeners).
+
+    Reads ``/proc/<pid>/net/tcp`` and ``tcp6`` (the process's network namespace) and keeps
+    the sockets whose inode is one of the process's file descriptors. ``outbound`` is
+    False for connections accepted on a port the namespace listens on.
+    """
+    wanted = set(states)
+    inodes = _socket_inodes(str(pid))
+    rows: list[tuple[str, int, str, int, str, int]] = []
+    listening: set[int] = set()
+    for fname in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{fname}", encoding="ascii") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 10:
+                continue
+            try:
+                lhost, lport = _decode_addr(parts[1])
+                rhost, rport = _decode_addr(parts[2])
+                inode = int(parts[9])
+            except ValueError:
+                continue
+            state = _TCP_STATES.get(parts[3].upper(), parts[3])
+            if state == "LISTEN":
+                listening.add(lport)
+                continue
+            if state in wanted and inode in inodes:
+                rows.append((lhost, lport, rhost, rport, state, inode))
+    return [
+        TcpConnection(_fmt(lh, lp), _fmt(rh, rp), st, _is_loopback(rh), lp not in listening,
+                      ino)
+        for lh, lp, rh, rp, st, ino in rows
+    ]
+
+
+def _status_tcp() -> list[dict[str, Any]]:
+    return [c.to_dict() for c in established_tcp()]
+
+
+def doctor_report(pid: int | str = "self") -> tuple[dict[str, Any], str]:
+    """``rehydrate doctor --connections``: (JSON data, text) about process ``pid``'s
+    established TCP connections, outbound non-loopback ones first."""
+    conns = sorted(established_tcp(pid), key=lambda c: (c.loopback, not c.outbound, c.remote))
+    data = {"pid": str(pid), "connections": [c.to_dict() for c in conns]}
+    if not conns:
+        return data, f"process {pid}: no established TCP connections"
+    lines = [f"process {pid}: {len(conns)} established TCP connection(s); outbound ones are "
+             "cut by a snapshot/restore unless registered with rehydrate.connections"]
+    width = max(len(c.remote) for c in conns)
+    for c in conns:
+        marks = ["outbound" if c.outbound else "inbound"]
+        if c.loopback:
+            marks.append("loopback (survives a snapshot)")
+        lines.append(f"  {c.remote.ljust(width)}  from {c.local}  {', '.join(marks)}")
+    return data, "\n".join(lines)

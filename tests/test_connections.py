@@ -1,0 +1,355 @@
+"""Managed connections against real servers on loopback (uvicorn, redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from netservers import free_port, redis_binary, redis_server, uvicorn_server
+from rehydrate import connections
+from rehydrate.cli import main as cli_main
+
+
+def _require_or_skip(reason: str) -> None:
+    if os.environ.get("REHYDRATE_REQUIRE_ROOT_TESTS", "") not in ("", "0", "false", "no"):
+        pytest.fail(f"REHYDRATE_REQUIRE_ROOT_TESTS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def redis_srv():
+    if redis_binary() is None:
+        _require_or_skip("redis-server is not installed (scripts/setup-system.sh installs it)")
+    srv = redis_server()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.fixture
+def http_srv():
+    srv = uvicorn_server()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _conn_status(engine, name):
+    return next(c for c in engine.status().extra["connections"] if c["name"] == name)
+
+
+def _remote_ports() -> set[int]:
+    return {int(c.remote.rsplit(":", 1)[1]) for c in connections.established_tcp()}
+
+
+def test_kill_servers_restore_backs_off_until_they_return(rehydrate_engine, http_srv, redis_srv):
+    import redis
+
+    engine = rehydrate_engine
+    client = connections.httpx_client("api", base_url=http_srv.url, check_url="/health",
+                                      deadline=30, engine=engine)
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # redis-py's own retries (growing sleeps) would only make each attempt slower
+    r = redis.Redis(host="127.0.0.1", port=redis_srv.port, socket_connect_timeout=1,
+                    retry=Retry(NoBackoff(), 0))
+    connections.redis_client("cache", r, deadline=30, engine=engine)
+    assert client.get("/hello").text == "/hello"
+    r.set("k", "v")
+    assert {http_srv.port, redis_srv.port} <= _remote_ports()
+
+    snap = engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert {c["state"] for c in engine.status().extra["connections"]} == {"closed"}
+    # closing really closed the sockets (what vLLM's snapshot path insists on)
+    assert not ({http_srv.port, redis_srv.port} & _remote_ports())
+
+    http_srv.kill()
+    redis_srv.kill()
+    reports = []
+    t = threading.Thread(target=lambda: reports.append(engine.simulate_restore()))
+    t.start()
+    try:
+        # the hooks back off against the dead servers: several attempts each, not ready
+        wait_for(lambda: _conn_status(engine, "api")["attempts"] >= 3
+                 and _conn_status(engine, "cache")["attempts"] >= 3, what="retries")
+        assert engine.state == "restoring"
+        assert engine.wait_ready(0) is False
+        assert _conn_status(engine, "api")["state"] == "reconnecting"
+        assert _conn_status(engine, "cache")["last_error"]
+    finally:
+        http_srv.start()
+        redis_srv.start()
+    t.join(30)
+    assert not t.is_alive()
+    (report,) = reports
+    assert report.ok, report.table()
+    assert engine.wait_ready(0) is True
+    hook = next(h for h in report.hooks if h.name == "rehydrate.connections")
+    assert hook.outcome == "ok"
+    assert {c["state"] for c in engine.status().extra["connections"]} == {"open"}
+    # the check left live connections to the new servers in the (same) clients' pools
+    assert {http_srv.port, redis_srv.port} <= _remote_ports()
+    assert client.get("/again").text == "/again"
+    assert r.set("k", "v2") and r.get("k") == b"v2"
+
+
+def test_required_connection_that_never_returns_leaves_process_degraded(
+        rehydrate_engine, redis_srv):
+    import redis
+
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    engine = rehydrate_engine
+    # redis-py retries failed commands itself (with growing sleeps) unless told not to
+    r = redis.Redis(host="127.0.0.1", port=redis_srv.port, socket_connect_timeout=0.5,
+                    retry=Retry(NoBackoff(), 0))
+    connections.redis_client("cache", r, deadline=0.6, engine=engine)
+    connections.register("optional-peer", open=lambda: (_ for _ in ()).throw(
+        ConnectionRefusedError("optional peer down")), required=False, deadline=0.3,
+        engine=engine)
+    redis_srv.kill()
+    t0 = time.monotonic()
+    report = engine.simulate_restore()
+    took = time.monotonic() - t0
+    assert 0.6 <= took < 5
+    assert not report.ok
+    assert engine.status().state == "degraded"
+    assert engine.wait_ready(0) is False
+    hook = next(h for h in report.hooks if h.name == "rehydrate.connections")
+    assert hook.outcome == "failed"
+    msg = str(hook.error)
+    assert "cache" in msg and "ConnectionError" in msg and "optional-peer" not in msg
+    assert _conn_status(engine, "cache")["state"] == "failed"
+    assert _conn_status(engine, "optional-peer")["state"] == "failed"
+    assert _conn_status(engine, "cache")["attempts"] >= 2
+
+
+def test_env_deadline_applies(rehydrate_engine, monkeypatch):
+    monkeypatch.setenv("REHYDRATE_CONNECT_DEADLINE", "0.4")
+    port = free_port()  # nothing listens there
+    connections.register("db", open=lambda: socket.create_connection(("127.0.0.1", port)),
+                         close=lambda s: s and s.close(), engine=rehydrate_engine)
+    t0 = time.monotonic()
+    report = rehydrate_engine.simulate_restore()
+    assert 0.4 <= time.monotonic() - t0 < 3
+    assert not report.ok
+    assert "db after 0.4s" in str(report.failed[0].error)
+    assert "ConnectionRefusedError" in str(report.failed[0].error)
+
+
+def test_registration_never_blocks_or_raises_for_unreachable_peers(rehydrate_engine):
+    # A peer that never answers: a listener with a full accept queue drops new SYNs, so a
+    # connect() to it hangs (the loopback equivalent of a black-holed address).
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(0)
+    hang_addr = lst.getsockname()
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(hang_addr)
+        fillers.append(s)
+    refused = ("127.0.0.1", free_port())
+    try:
+        t0 = time.monotonic()
+        hang = connections.tcp_socket("hang", hang_addr, timeout=30, deadline=0.5,
+                                      engine=rehydrate_engine)
+        down = connections.tcp_socket("down", refused, deadline=0.5,
+                                      engine=rehydrate_engine)
+        connections.httpx_client("api", base_url=f"http://{refused[0]}:{refused[1]}",
+                                 check_url="/", engine=rehydrate_engine)
+        connections.register("plain", open=lambda: socket.create_connection(refused),
+                             engine=rehydrate_engine, open_now=True, deadline=0.5)
+        assert time.monotonic() - t0 < 0.5
+        with pytest.raises(ConnectionError):
+            hang.sendall(b"x")
+        wait_for(lambda: _conn_status(rehydrate_engine, "down")["state"] == "failed",
+                 what="background open of 'down' to give up")
+        assert "ConnectionRefusedError" in _conn_status(rehydrate_engine, "down")["last_error"]
+        assert down is not None
+    finally:
+        for s in fillers:
+            s.close()
+        lst.close()
+
+
+def test_reopen_is_concurrent_sync_and_async(rehydrate_engine):
+    # Each open waits until all N have started: this can only succeed if they run at once.
+    n = 12
+    barrier = threading.Barrier(n, timeout=5)
+    opened = []
+    for i in range(n):
+        connections.register(f"sync{i}", open=lambda i=i: opened.append(barrier.wait() or i),
+                             engine=rehydrate_engine)
+    m = 6
+    arrived = 0
+    everyone: asyncio.Event | None = None
+
+    async def aopen() -> None:
+        nonlocal arrived, everyone
+        if everyone is None:
+            everyone = asyncio.Event()
+        arrived += 1
+        if arrived == m:
+            everyone.set()
+        await asyncio.wait_for(everyone.wait(), 5)
+
+    for i in range(m):
+        connections.register(f"async{i}", open=aopen, engine=rehydrate_engine)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert len(opened) == n and arrived == m
+
+
+def test_snapshot_closes_in_reverse_order_and_resume_reopens(rehydrate_engine):
+    log: list[str] = []
+    for name in ("a", "b", "c"):
+        connections.register(name, open=lambda name=name: log.append(f"open {name}"),
+                             close=lambda name=name: log.append(f"close {name}"),
+                             engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert log == ["close c", "close b", "close a"]
+    log.clear()
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok
+    # already closed before the snapshot: not closed again, just opened (concurrently)
+    assert sorted(log) == ["open a", "open b", "open c"]
+
+
+def test_restore_without_snapshot_closes_stale_connection_first(rehydrate_engine):
+    log: list[str] = []
+    connections.register("x", open=lambda: log.append("open") or "new",
+                         close=lambda v: log.append(f"close {v}"), value="old",
+                         engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+    assert log == ["close old", "open"]
+    assert connections.get("x", engine=rehydrate_engine).value == "new"
+
+
+def test_health_check_failure_retries_until_it_passes(rehydrate_engine):
+    checks = []
+
+    def check() -> None:
+        checks.append(1)
+        if len(checks) < 3:
+            raise ConnectionError("not yet")
+
+    connections.register("svc", open=lambda: None, check=check, deadline=10,
+                         engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+    assert len(checks) == 3
+
+
+async def test_httpx_async_client_keeps_object_and_rebuilds_pool(rehydrate_engine, http_srv):
+    client = connections.httpx_async_client("api", base_url=http_srv.url,
+                                            check_url=f"{http_srv.url}/health",
+                                            engine=rehydrate_engine)
+    transport = client._transport
+    assert (await client.get("/one")).text == "/one"
+    assert http_srv.port in _remote_ports()
+    loop = asyncio.get_running_loop()
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    assert http_srv.port not in _remote_ports()
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert transport.generation == 1
+    assert (await client.get("/two")).text == "/two"
+    await client.aclose()
+
+
+def test_sqlalchemy_engine_helper(rehydrate_engine, tmp_path):
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    eng = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    connections.sqlalchemy_engine("db", eng, engine=rehydrate_engine)
+    with eng.connect() as c:
+        c.exec_driver_sql("CREATE TABLE t (x int)")
+        c.commit()
+    assert eng.pool.checkedin() == 1
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert eng.pool.checkedin() == 0
+    assert rehydrate_engine.simulate_restore().ok
+    assert eng.pool.checkedin() == 1  # the SELECT 1 check left a fresh connection
+
+
+def test_grpc_channel_helper_keeps_stubs_working(rehydrate_engine):
+    grpc = pytest.importorskip("grpc")
+    from concurrent import futures
+
+    def echo(request, context):
+        return request
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.Echo", {"Say": grpc.unary_unary_rpc_method_handler(echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        channel = connections.grpc_channel(
+            "echo", lambda: grpc.insecure_channel(f"127.0.0.1:{port}"),
+            engine=rehydrate_engine, deadline=5)
+        say = channel.unary_unary("/t.Echo/Say")  # what a generated stub does once
+        assert say(b"hi", timeout=5) == b"hi"
+        first = channel.current()[0]
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert rehydrate_engine.simulate_restore().ok
+        assert channel.current()[0] is not first
+        assert say(b"again", timeout=5) == b"again"
+    finally:
+        server.stop(None)
+
+
+def test_established_tcp_lists_outbound_and_marks_loopback():
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    c = socket.create_connection(lst.getsockname())
+    a, _ = lst.accept()
+    try:
+        conns = connections.established_tcp()
+        port = lst.getsockname()[1]
+        out = [x for x in conns if x.remote.endswith(f":{port}")]
+        inbound = [x for x in conns if x.local.endswith(f":{port}")]
+        assert out and out[0].outbound and out[0].loopback
+        assert inbound and not inbound[0].outbound
+    finally:
+        for s in (a, c, lst):
+            s.close()
+
+
+def test_doctor_connections_cli_and_status(rehydrate_engine, capsys, http_srv):
+    with httpx.Client(base_url=http_srv.url) as unmanaged:
+        unmanaged.get("/")
+        assert cli_main(["doctor", "--connections", "--json", "--pid", str(os.getpid())]) == 0
+        data = json.loads(capsys.readouterr().out)
+        remotes = [c["remote"] for c in data["connections"]]
+        assert f"127.0.0.1:{http_srv.port}" in remotes
+        assert cli_main(["doctor", "--connections", "--pid", str(os.getpid())]) == 0
+        text = capsys.readouterr().out
+        assert f"127.0.0.1:{http_srv.port}" in text and "loopback" in text
+        connections.manager(rehydrate_engine)
+        tcp = rehydrate_engine.status().to_dict()["tcp_connections"]
+        assert any(c["remote"] == f"127.0.0.1:{http_srv.port}" for c in tcp)
