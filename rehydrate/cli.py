@@ -22,6 +22,16 @@ def _print_json(data: object) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from . import detect
 
+    if getattr(args, "connections", False):
+        from .connections import doctor_report
+
+        data, text = doctor_report(args.pid)
+        if args.json:
+            _print_json(data)
+        else:
+            print(text)
+        return EXIT_OK
+
     infos = detect.available()
     if args.json:
         _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos]})
@@ -53,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="which detectors work here, and why not the others")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--connections", action="store_true",
+                        help="list the established TCP connections of a process (what to "
+                             "register with rehydrate.connections before a snapshot)")
+    doctor.add_argument("--pid", default="self",
+                        help="process to inspect with --connections (default: this one)")
     doctor.set_defaults(func=cmd_doctor)
 
     check = sub.add_parser(

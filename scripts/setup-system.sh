@@ -10,3 +10,14 @@ here="$(cd "$(dirname "$0")" && pwd)"
 if [ -x "$here/install-runsc.sh" ]; then
   bash "$here/install-runsc.sh"
 fi
+# Network tests: redis-server (connections), nftables + iproute2 + iptables (routes/rules).
+net_missing=""
+for p in redis-server nftables iproute2 iptables; do
+  dpkg -s "$p" >/dev/null 2>&1 || net_missing="$net_missing $p"
+done
+if [ -n "$net_missing" ]; then
+  apt_stamp=/var/tmp/rehydrate-apt-updated
+  [ -e "$apt_stamp" ] || { apt-get update -qq && touch "$apt_stamp"; }
+  # shellcheck disable=SC2086
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $net_missing >/dev/null
+fi
