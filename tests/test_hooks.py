@@ -1,0 +1,435 @@
+"""The hook registry: decorators, options, ordering, isolation, thread safety."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rehydrate
+from rehydrate import Phase, Registry, RestoreContext
+from rehydrate.hooks import DEFAULT_TIMEOUT
+from rehydrate.testing import isolated_engine
+
+
+def names(report):
+    return [h.name for h in report.hooks if not h.name.startswith("rehydrate.")]
+
+
+# -- registration --------------------------------------------------------------------
+
+
+def test_bare_decorator_with_arguments_and_plain_registration():
+    reg = Registry()
+
+    @reg.after_restore
+    def bare():
+        pass
+
+    @reg.after_restore(phase=Phase.CONNECTIONS, order=10, timeout=5.0, required=False,
+                       name="db", retries=2)
+    async def configured(ctx):
+        pass
+
+    def plain():
+        pass
+
+    record = reg.register(plain, event="snapshot", phase=Phase.NETWORK)
+
+    assert callable(bare) and bare.__name__ == "bare"  # decorators return the function
+    restore = {h.name: h for h in reg.hooks("restore")}
+    assert set(restore) == {f"{__name__}.{bare.__qualname__}", "db"}
+    db = restore["db"]
+    assert (db.phase, db.order, db.timeout, db.required, db.retries, db.is_async) == (
+        Phase.CONNECTIONS, 10, 5.0, False, 2, True)
+    assert reg.hooks("snapshot") == (record,)
+    assert record.phase is Phase.NETWORK and record.event == "snapshot"
+
+
+def test_defaults():
+    reg = Registry()
+
+    @reg.after_restore
+    def hook():
+        pass
+
+    (h,) = reg.hooks("restore")
+    assert h.phase is Phase.APPLICATION
+    assert h.order == 0
+    assert h.timeout == DEFAULT_TIMEOUT == 30.0
+    assert h.required is True
+    assert h.retries == 0
+    assert h.name == f"{__name__}.test_defaults.<locals>.hook"
+    assert h.is_async is False and h.arity == 0
+
+
+def test_before_snapshot_decorator_bare_and_with_arguments():
+    reg = Registry()
+
+    @reg.before_snapshot
+    def a():
+        pass
+
+    @reg.before_snapshot(phase=Phase.CONNECTIONS, name="close-db")
+    def b(ctx):
+        pass
+
+    assert [h.name for h in reg.hooks("snapshot")] == [
+        f"{__name__}.{a.__qualname__}", "close-db"]  # APPLICATION before CONNECTIONS
+    assert reg.hooks("restore") == ()
+
+
+def test_module_level_decorators_use_the_default_registry():
+    before = len(rehydrate.default_registry)
+
+    @rehydrate.after_restore(name="test-module-level")
+    def hook():
+        pass
+
+    @rehydrate.before_snapshot
+    def snap():
+        pass
+
+    @rehydrate.on_env_change("SOME_KEY")
+    def env_hook(ctx, changes):
+        pass
+
+    try:
+        assert len(rehydrate.default_registry) == before + 3
+        assert rehydrate.default_engine.registry is rehydrate.default_registry
+        assert "test-module-level" in [h.name for h in rehydrate.default_registry.hooks("restore")]
+    finally:
+        assert rehydrate.unregister("test-module-level") == 1
+        assert rehydrate.unregister(snap) == 1
+        assert rehydrate.unregister(env_hook) == 1
+    assert len(rehydrate.default_registry) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc"),
+    [
+        ({"timeout": 0}, ValueError),
+        ({"timeout": -1.0}, ValueError),
+        ({"retries": -1}, ValueError),
+        ({"event": "boot"}, ValueError),
+    ],
+)
+def test_invalid_options_are_refused(kwargs, exc):
+    reg = Registry()
+    with pytest.raises(exc):
+        reg.register(lambda: None, **kwargs)
+    assert len(reg) == 0
+
+
+def test_non_callable_and_too_many_arguments_are_refused():
+    reg = Registry()
+    with pytest.raises(TypeError, match="callable"):
+        reg.register("not a function")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="at most 1"):
+        reg.after_restore(lambda a, b: None)
+    with pytest.raises(TypeError, match="at most 2"):
+        reg.on_env_change("K")(lambda a, b, c: None)
+    with pytest.raises(TypeError):
+        reg.on_env_change("")
+    assert len(reg) == 0
+
+
+def test_timeout_none_means_no_limit():
+    reg = Registry()
+    reg.register(lambda: None, timeout=None)
+    (h,) = reg.hooks("restore")
+    assert h.timeout == float("inf")
+
+
+# -- arity and async detection ---------------------------------------------------------
+
+
+def test_hook_arity_zero_one_and_env_change_two(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    seen = {}
+
+    @reg.after_restore
+    def zero():
+        seen["zero"] = ()
+
+    @reg.after_restore
+    def one(ctx):
+        seen["one"] = ctx
+
+    @reg.after_restore
+    async def one_async(ctx: RestoreContext):
+        seen["one_async"] = ctx
+
+    @reg.after_restore
+    def defaulted(ctx, extra=None):  # a defaulted parameter is not filled
+        seen["defaulted"] = (ctx, extra)
+
+    @reg.on_env_change("WATCHED_A")
+    def two(ctx, changes):
+        seen["two"] = (ctx, changes)
+
+    @reg.on_env_change("WATCHED_A")
+    def env_one(ctx):
+        seen["env_one"] = ctx
+
+    report = rehydrate_engine.simulate_restore(env={"WATCHED_A": "1", "OTHER_B": "2"})
+    assert report.ok, report.table()
+    ctx = seen["one"]
+    assert isinstance(ctx, RestoreContext)
+    assert seen["zero"] == ()
+    assert seen["one_async"] is ctx  # one context per event, shared by its hooks
+    assert seen["defaulted"] == (ctx, None)
+    assert seen["env_one"] is ctx
+    two_ctx, changes = seen["two"]
+    assert two_ctx is ctx
+    assert changes.added == ("WATCHED_A",)  # only the watched keys
+    assert "OTHER_B" in ctx.env_changes.added
+
+
+def test_var_positional_and_mocks_get_every_argument(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    restore_mock = mock.Mock()
+    env_mock = mock.Mock()
+    got = []
+    reg.register(restore_mock)
+    reg.on_env_change(env_mock)
+    reg.after_restore(lambda *args: got.append(args))
+    report = rehydrate_engine.simulate_restore(env={"VARPOS_KEY": "x"})
+    assert report.ok, report.table()
+    (ctx,) = restore_mock.call_args.args
+    assert isinstance(ctx, RestoreContext)
+    assert env_mock.call_args.args == (ctx, ctx.env_changes)
+    assert got == [(ctx,)]
+
+
+def test_async_detection_for_callables_and_partials():
+    reg = Registry()
+
+    class AsyncCallable:
+        async def __call__(self, ctx):
+            pass
+
+    async def coro_fn(ctx, tag):
+        pass
+
+    a = reg.register(AsyncCallable())
+    b = reg.register(functools.partial(coro_fn, tag="x"))
+    c = reg.register(lambda: None)
+    assert a.is_async and a.arity == 1
+    assert b.is_async and b.arity == 1
+    assert not c.is_async
+
+
+# -- unregister -------------------------------------------------------------------------
+
+
+def test_unregister_by_record_function_and_name(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+
+    def f():
+        calls.append("f")
+
+    rec_f = reg.register(f)
+    reg.register(f, name="f-again")
+    rec_g = reg.register(lambda: calls.append("g"), name="g")
+    reg.register(lambda: calls.append("h"), name="h")
+
+    assert reg.unregister(rec_g) == 1
+    assert reg.unregister(rec_g) == 0  # already gone
+    assert reg.unregister("h") == 1
+    assert reg.unregister("nope") == 0
+    rehydrate_engine.simulate_restore()
+    assert sorted(calls) == ["f", "f"]
+    assert reg.unregister(f) == 2  # by function: every registration of it
+    assert reg.unregister(rec_f) == 0
+    calls.clear()
+    rehydrate_engine.simulate_restore()
+    assert calls == []
+    assert len(reg) == 0
+
+
+def test_clear_and_version():
+    reg = Registry()
+    v0 = reg.version
+    reg.register(lambda: None)
+    assert reg.version != v0
+    v1 = reg.version
+    reg.clear()
+    assert reg.version != v1 and len(reg) == 0 and reg.hooks("restore") == ()
+
+
+# -- isolation ------------------------------------------------------------------------
+
+
+def test_registries_are_isolated():
+    r1, r2 = Registry(), Registry()
+    e1, e2 = isolated_engine(), isolated_engine()
+    e1.registry, e2.registry = r1, r2
+    calls = []
+    try:
+        r1.after_restore(lambda: calls.append("r1"))
+        r2.after_restore(lambda: calls.append("r2"))
+        r2.before_snapshot(lambda: calls.append("r2-snap"))
+        assert len(r1) == 1 and len(r2) == 2
+        assert r1.hooks("snapshot") == ()
+        e1.simulate_restore()
+        assert calls == ["r1"]
+        e2.simulate_restore()
+        e2.simulate_snapshot()
+        assert calls == ["r1", "r2", "r2-snap"]
+        assert e1.generation == 1 and e2.generation == 1
+        before = len(rehydrate.default_registry)
+        r1.clear()
+        assert len(r2) == 2 and len(rehydrate.default_registry) == before
+    finally:
+        e1.close()
+        e2.close()
+
+
+def test_fixture_engine_does_not_share_the_default_registry(rehydrate_engine):
+    assert rehydrate_engine.registry is not rehydrate.default_registry
+    assert rehydrate_engine is not rehydrate.default_engine
+    assert len(rehydrate_engine.registry) == 0
+
+
+# -- thread safety ----------------------------------------------------------------------
+
+
+def test_concurrent_registration_is_thread_safe():
+    reg = Registry()
+    threads_n, per_thread = 8, 150
+    barrier = threading.Barrier(threads_n)
+
+    def work(t):
+        barrier.wait()
+        for i in range(per_thread):
+            reg.register(lambda: None, name=f"t{t}-{i}", order=i % 3)
+            if i % 10 == 0:
+                reg.hooks("restore")  # readers interleaved with writers
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hooks = reg.hooks("restore")
+    assert len(reg) == len(hooks) == threads_n * per_thread
+    assert len({h.seq for h in hooks}) == len(hooks)
+    assert [h.sort_key() for h in hooks] == sorted(h.sort_key() for h in hooks)
+    # each thread's registrations keep their relative order within one `order` value
+    for t in range(threads_n):
+        for o in range(3):
+            mine = [int(h.name.split("-")[1]) for h in hooks
+                    if h.name.startswith(f"t{t}-") and h.order == o]
+            assert mine == sorted(mine)
+
+
+# -- ordering (property-based) ---------------------------------------------------------
+
+hook_specs = st.lists(
+    st.tuples(st.sampled_from(list(Phase)), st.integers(-3, 3), st.booleans()),
+    min_size=0,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=hook_specs, builtin_specs=hook_specs)
+def test_ordering_rules_in_both_directions(specs, builtin_specs):
+    """Restore: phases forward, ``order`` ascending, ties in registration order.
+    Before a snapshot: the exact reverse. Built-in hooks merge into the same order
+    (a built-in runs before a user hook with the same phase and order on restore)."""
+    engine = isolated_engine()
+    engine.builtins.clear()  # the environment step is irrelevant here
+    calls: list[str] = []
+
+    def make(label, is_async):
+        if is_async:
+            async def hook():
+                calls.append(label)
+            return hook
+        return lambda: calls.append(label)
+
+    expected_restore = []
+    try:
+        for i, (phase, order, is_async) in enumerate(builtin_specs):
+            label = f"b{i}"
+            for event in ("restore", "snapshot"):
+                engine.builtins.register(make(label, is_async), event=event, phase=phase,
+                                         order=order, name=label)
+            expected_restore.append(((int(phase), order, 0, i), label))
+        for i, (phase, order, is_async) in enumerate(specs):
+            label = f"u{i}"
+            engine.registry.after_restore(phase=phase, order=order, name=label)(
+                make(label, is_async))
+            engine.registry.before_snapshot(phase=phase, order=order, name=label)(
+                make(label, is_async))
+            expected_restore.append(((int(phase), order, 1, i), label))
+        expected = [label for _, label in sorted(expected_restore)]
+
+        report = engine.simulate_restore()
+        assert calls == expected
+        assert [h.name for h in report.hooks] == expected
+        calls.clear()
+        snap = engine.simulate_snapshot()
+        assert calls == expected[::-1]
+        assert [h.name for h in snap.hooks] == expected[::-1]
+        # the registry alone orders the same way
+        user = [label for label in expected if label.startswith("u")]
+        assert [h.name for h in engine.registry.hooks("restore")] == user
+        assert [h.name for h in engine.registry.hooks("snapshot")] == user[::-1]
+    finally:
+        engine.close()
+
+
+def test_ordering_example_from_the_design():
+    reg = Registry()
+    reg.register(lambda: None, name="app-1")
+    reg.register(lambda: None, name="conn-10", phase=Phase.CONNECTIONS, order=10)
+    reg.register(lambda: None, name="conn-0", phase=Phase.CONNECTIONS)
+    reg.register(lambda: None, name="app-2")
+    reg.register(lambda: None, name="env", phase=Phase.ENVIRONMENT)
+    reg.register(lambda: None, name="entropy-neg", phase=Phase.ENTROPY, order=-5)
+    reg.register(lambda: None, name="secrets", phase=Phase.SECRETS)
+    reg.register(lambda: None, name="net", phase=Phase.NETWORK)
+    for h in reg.hooks("restore"):
+        reg.register(h.fn, event="snapshot", phase=h.phase, order=h.order, name=h.name)
+    restore = [h.name for h in reg.hooks("restore")]
+    assert restore == ["env", "entropy-neg", "secrets", "net", "conn-0", "conn-10",
+                       "app-1", "app-2"]
+    assert [h.name for h in reg.hooks("snapshot")] == restore[::-1]
+    assert [p.name for p in Phase] == ["ENVIRONMENT", "ENTROPY", "SECRETS", "NETWORK",
+                                       "CONNECTIONS", "APPLICATION"]
+
+
+# -- on_env_change ----------------------------------------------------------------------
+
+
+def test_on_env_change_forms():
+    reg = Registry()
+
+    @reg.on_env_change
+    def any_key(ctx, changes):
+        pass
+
+    @reg.on_env_change()
+    def any_key_too():
+        pass
+
+    @reg.on_env_change("A", "B", phase=Phase.APPLICATION, name="ab")
+    def ab(ctx, changes):
+        pass
+
+    hooks = {h.name: h for h in reg.hooks("restore")}
+    assert hooks[f"{__name__}.{any_key.__qualname__}"].env_keys == ()
+    assert hooks[f"{__name__}.{any_key_too.__qualname__}"].env_keys == ()
+    assert hooks["ab"].env_keys == ("A", "B")
+    assert hooks["ab"].phase is Phase.APPLICATION
+    assert hooks[f"{__name__}.{any_key.__qualname__}"].phase is Phase.ENVIRONMENT
+    assert hooks[f"{__name__}.{any_key.__qualname__}"].arity == 2

@@ -1,0 +1,799 @@
+"""The lifecycle engine: CRaC semantics, readiness, generations, de-duplication, queueing,
+re-entrancy, event loops and status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+import rehydrate
+from rehydrate import HookFailed, Phase, RestoreReport, SnapshotReport
+
+if sys.version_info >= (3, 11):
+    from builtins import ExceptionGroup
+else:  # pragma: no cover
+    from exceptiongroup import ExceptionGroup
+
+DEADLINE = 10.0
+
+
+def user_hooks(report):
+    return [h for h in report.hooks if not h.name.startswith("rehydrate.")]
+
+
+def join_all(threads, timeout=DEADLINE):
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"threads still running: {alive}"
+
+
+# -- run every hook; nested errors --------------------------------------------------------
+
+
+def test_every_hook_runs_and_errors_are_nested(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+    boom = ValueError("boom")
+    bang = KeyError("bang")
+    late = RuntimeError("late")
+
+    @reg.after_restore(name="first", phase=Phase.ENTROPY)
+    def first():
+        calls.append("first")
+        raise boom
+
+    @reg.after_restore(name="second", phase=Phase.SECRETS)
+    def second():
+        calls.append("second")
+
+    @reg.after_restore(name="third", phase=Phase.CONNECTIONS, required=False)
+    async def third():
+        calls.append("third")
+        raise bang
+
+    @reg.after_restore(name="fourth")
+    def fourth():
+        calls.append("fourth")
+        raise late
+
+    report = rehydrate_engine.simulate_restore()
+    assert calls == ["first", "second", "third", "fourth"]
+    assert isinstance(report, RestoreReport)
+    assert report.ok is False
+    outcomes = {h.name: (h.outcome, h.error) for h in user_hooks(report)}
+    assert outcomes == {"first": ("failed", boom), "second": ("ok", None),
+                        "third": ("failed", bang), "fourth": ("failed", late)}
+    assert [h.name for h in report.failed] == ["first", "third", "fourth"]
+
+    err = report.error
+    assert isinstance(err, HookFailed)
+    assert isinstance(err, ExceptionGroup)
+    assert list(err.exceptions) == [boom, bang, late]
+    assert "3 restore hook(s) failed" in str(err)
+    assert "in hook 'first' (entropy)" in boom.__notes__
+    assert "in hook 'third' (connections)" in bang.__notes__
+    assert "in hook 'fourth' (application)" in late.__notes__
+    # the group behaves like any ExceptionGroup
+    match, rest = err.split(KeyError)
+    assert isinstance(match, HookFailed) and list(match.exceptions) == [bang]
+    assert list(rest.exceptions) == [boom, late]
+    with pytest.raises(ExceptionGroup):
+        raise err
+    assert report.to_dict()["error"].startswith("HookFailed")
+
+
+def test_snapshot_failures_are_collected_too(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+    reg.before_snapshot(name="a", phase=Phase.CONNECTIONS)(lambda: calls.append("a"))
+
+    @reg.before_snapshot(name="b")
+    def b():
+        calls.append("b")
+        raise OSError("disk full")
+
+    report = rehydrate_engine.simulate_snapshot()
+    assert isinstance(report, SnapshotReport)
+    assert report.kind == "snapshot" and report.event == "snapshot"
+    assert calls == ["b", "a"]  # APPLICATION first before a snapshot
+    assert not report.ok
+    assert isinstance(report.error, HookFailed)
+    assert rehydrate_engine.state == "degraded" and not rehydrate_engine.is_ready()
+
+
+def test_report_fields(rehydrate_engine):
+    rehydrate_engine.registry.after_restore(name="x")(lambda: None)
+    report = rehydrate_engine.simulate_restore(reason="unit", frozen_for=3.5)
+    assert report.ok and report.error is None
+    assert report.reason == "unit" and report.kind == "restore" and report.generation == 1
+    assert report.frozen_for == 3.5
+    assert report.duration >= sum(h.duration for h in report.hooks) * 0.5
+    assert abs(report.started_at - time.time()) < 60
+    (x,) = user_hooks(report)
+    assert (x.name, x.phase, x.outcome, x.error, x.attempts) == (
+        "x", Phase.APPLICATION, "ok", None, 1)
+    assert x.duration >= 0
+    d = report.to_dict()
+    json.dumps(d)
+    assert d["hooks"][-1] == {"name": "x", "phase": "application", "outcome": "ok",
+                              "duration": d["hooks"][-1]["duration"], "error": None,
+                              "required": True, "attempts": 1}
+    assert "x" in report.table() and "ok=True" in report.table()
+
+
+def test_failures_are_logged_one_line_each(rehydrate_engine, caplog):
+    reg = rehydrate_engine.registry
+
+    @reg.after_restore(name="req")
+    def req():
+        raise ValueError("multi\nline\nmessage")
+
+    @reg.after_restore(name="opt", required=False)
+    def opt():
+        raise ValueError("optional")
+
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        rehydrate_engine.simulate_restore()
+    failures = [r for r in caplog.records if "req" in r.getMessage() or "opt" in r.getMessage()]
+    assert all(r.name == "rehydrate" for r in caplog.records)
+    by_name = {("req" if "req" in r.getMessage() else "opt"): r for r in failures}
+    assert by_name["req"].levelno == logging.ERROR
+    assert by_name["opt"].levelno == logging.WARNING
+    assert "\n" not in by_name["req"].getMessage()
+
+
+# -- readiness ------------------------------------------------------------------------
+
+
+def test_required_failure_degrades_until_a_later_successful_run(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    broken = {"on": True}
+
+    @reg.after_restore(name="flaky")
+    def flaky():
+        if broken["on"]:
+            raise ConnectionError("db down")
+
+    assert rehydrate_engine.state == "running" and rehydrate_engine.is_ready()
+
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    assert rehydrate_engine.state == "degraded"
+    assert not rehydrate_engine.is_ready()
+    assert rehydrate_engine.wait_ready(timeout=0.05) is False
+    st = rehydrate_engine.status()
+    assert (st.state, st.ready, st.generation, st.last_report) == ("degraded", False, 1, report)
+
+    report2 = rehydrate_engine.simulate_restore(kind="resume")  # still failing
+    assert not report2.ok and rehydrate_engine.state == "degraded"
+
+    broken["on"] = False
+    report3 = rehydrate_engine.simulate_restore()
+    assert report3.ok
+    assert rehydrate_engine.state == "ready" and rehydrate_engine.is_ready()
+    assert rehydrate_engine.wait_ready(timeout=0) is True
+    assert rehydrate_engine.status().ready is True
+
+
+def test_optional_failure_is_reported_but_keeps_ready(rehydrate_engine):
+    reg = rehydrate_engine.registry
+
+    @reg.after_restore(name="warm-cache", required=False)
+    def warm():
+        raise RuntimeError("cache unreachable")
+
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok
+    assert [h.outcome for h in user_hooks(report)] == ["failed"]
+    assert isinstance(report.error, HookFailed)  # still reported
+    assert rehydrate_engine.state == "ready" and rehydrate_engine.is_ready()
+
+
+def test_optional_timeout_keeps_ready_required_timeout_degrades(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+    reg.after_restore(name="slow-optional", timeout=0.1, required=False)(
+        lambda: release.wait(DEADLINE))
+    report = rehydrate_engine.simulate_restore()
+    release.set()
+    assert report.ok and rehydrate_engine.is_ready()
+    assert user_hooks(report)[0].outcome == "timeout"
+
+    release.clear()
+    reg.clear()
+    reg.after_restore(name="slow-required", timeout=0.1)(lambda: release.wait(DEADLINE))
+    report = rehydrate_engine.simulate_restore()
+    release.set()
+    assert not report.ok and not rehydrate_engine.is_ready()
+    assert rehydrate_engine.state == "degraded"
+
+
+def test_wait_ready_blocks_while_restoring_and_states_inside_hooks(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    entered = threading.Event()
+    release = threading.Event()
+    seen = {}
+
+    @reg.after_restore
+    def slow():
+        seen["restore"] = (rehydrate_engine.state, rehydrate_engine.is_ready())
+        entered.set()
+        release.wait(DEADLINE)
+
+    @reg.before_snapshot
+    def snap():
+        seen["snapshot"] = (rehydrate_engine.state, rehydrate_engine.is_ready())
+
+    rehydrate_engine.simulate_snapshot()
+    assert seen["snapshot"] == ("snapshotting", False)
+    assert rehydrate_engine.state == "snapshotting"
+
+    runner = threading.Thread(target=rehydrate_engine.simulate_restore)
+    runner.start()
+    assert entered.wait(DEADLINE)
+    assert seen["restore"] == ("restoring", False)
+    waited = {}
+    waiter = threading.Thread(
+        target=lambda: waited.setdefault("ok", rehydrate_engine.wait_ready(DEADLINE)))
+    waiter.start()
+    assert rehydrate_engine.wait_ready(timeout=0.05) is False  # still restoring
+    assert "ok" not in waited
+    release.set()
+    join_all([runner, waiter])
+    assert waited["ok"] is True
+    assert rehydrate_engine.state == "ready"
+
+
+# -- generations and status -------------------------------------------------------------
+
+
+def test_generation_restore_increments_resume_and_snapshot_keep(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    seen = []
+    reg.after_restore(lambda ctx: seen.append((ctx.generation, ctx.kind, ctx.reason)))
+    reg.before_snapshot(lambda ctx: seen.append((ctx.generation, ctx.kind, ctx.reason)))
+
+    assert rehydrate_engine.generation == 0
+    assert rehydrate_engine.simulate_snapshot().generation == 0
+    assert rehydrate_engine.simulate_restore(kind="resume", reason="r0").generation == 0
+    assert rehydrate_engine.simulate_restore(reason="r1").generation == 1
+    assert rehydrate_engine.simulate_snapshot().generation == 1
+    assert rehydrate_engine.simulate_restore(reason="r2").generation == 2
+    assert rehydrate_engine.simulate_restore(kind="resume", reason="r3").generation == 2
+    assert rehydrate_engine.restore_detected("gvisor").generation == 3
+    assert rehydrate_engine.generation == rehydrate_engine.status().generation == 3
+    assert seen == [
+        (0, "snapshot", "simulated"),
+        (0, "resume", "r0"),
+        (1, "restore", "r1"),
+        (1, "snapshot", "simulated"),
+        (2, "restore", "r2"),
+        (2, "resume", "r3"),
+        (3, "restore", "gvisor"),
+    ]
+
+
+def test_generation_increments_even_when_hooks_fail(rehydrate_engine):
+    @rehydrate_engine.registry.after_restore
+    def fail():
+        raise RuntimeError
+
+    assert rehydrate_engine.simulate_restore().generation == 1
+    assert rehydrate_engine.simulate_restore().generation == 2
+
+
+def test_status_to_dict_fields(rehydrate_engine):
+    st = rehydrate_engine.status()
+    d = st.to_dict()
+    core = {k: d[k] for k in ("state", "generation", "ready", "detectors", "last_report")}
+    assert core == {"state": "running", "generation": 0, "ready": True, "detectors": [],
+                    "last_report": None}  # built-in managers may add their own fields
+    rehydrate_engine.add_status("custom", lambda: {"answer": 42})
+    rehydrate_engine.add_status("broken", lambda: 1 / 0)
+    rehydrate_engine.registry.after_restore(name="h")(lambda: None)
+    report = rehydrate_engine.simulate_restore(env={"STATUS_TEST_KEY": "s3cr3t-value"},
+                                               reason="unit")
+    st = rehydrate_engine.status()
+    assert st.last_report is report
+    d = st.to_dict()
+    json.dumps(d)  # machine-readable as is
+    assert {"state", "generation", "ready", "detectors", "last_report"} <= set(d)
+    assert (d["state"], d["generation"], d["ready"], d["detectors"]) == ("ready", 1, True, [])
+    assert d["custom"] == {"answer": 42}
+    assert d["broken"].startswith("unavailable: ZeroDivisionError")
+    last = d["last_report"]
+    assert {"event", "ok", "generation", "reason", "kind", "duration", "hooks",
+            "env_changes", "error", "frozen_for", "started_at"} <= set(last)
+    assert (last["event"], last["ok"], last["reason"], last["kind"]) == (
+        "restore", True, "unit", "restore")
+    assert last["env_changes"] == {"added": ["STATUS_TEST_KEY"], "changed": [], "removed": []}
+    assert "s3cr3t-value" not in json.dumps(d)  # names only, never values
+    assert {"name", "phase", "outcome", "duration", "error"} <= set(last["hooks"][0])
+    snap = rehydrate_engine.simulate_snapshot()
+    assert rehydrate_engine.status().to_dict()["last_report"]["event"] == "snapshot"
+    assert rehydrate_engine.status().last_report is snap
+
+
+def test_listeners_get_every_report_and_a_failing_listener_is_contained(rehydrate_engine,
+                                                                       caplog):
+    got = []
+
+    def bad(report):
+        raise RuntimeError("listener bug")
+
+    rehydrate_engine.add_listener(bad)
+    rehydrate_engine.add_listener(got.append)
+    with caplog.at_level(logging.ERROR, logger="rehydrate"):
+        r1 = rehydrate_engine.simulate_restore()
+        s1 = rehydrate_engine.simulate_snapshot()
+    assert got == [r1, s1]
+    assert any("listener" in r.getMessage() for r in caplog.records)
+    rehydrate_engine.remove_listener(got.append)
+    rehydrate_engine.simulate_restore()
+    assert got == [r1, s1]
+
+
+# -- once per event under concurrent triggers ------------------------------------------
+
+
+def _hammer(engine, n, call):
+    barrier = threading.Barrier(n)
+    reports = [None] * n
+    errors = []
+
+    def work(i):
+        try:
+            barrier.wait(DEADLINE)
+            reports[i] = call(i)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"trigger-{i}")
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    join_all(threads)
+    assert not errors
+    return reports
+
+
+def test_same_key_from_many_threads_runs_hooks_once(rehydrate_engine):
+    runs = []
+    lock = threading.Lock()
+
+    @rehydrate_engine.registry.after_restore
+    def count(ctx):
+        with lock:
+            runs.append(ctx.reason)
+        time.sleep(0.01)  # widen the window in which duplicates arrive
+
+    reports = _hammer(
+        rehydrate_engine, 16,
+        lambda i: rehydrate_engine.restore_detected(f"detector-{i % 4}", key="restore-42"))
+    assert len(runs) == 1
+    assert all(r is reports[0] for r in reports)
+    assert reports[0].reason == runs[0]
+    assert rehydrate_engine.generation == 1
+    # a new event key is a new restore
+    again = rehydrate_engine.restore_detected("gvisor", key="restore-43")
+    assert again is not reports[0] and len(runs) == 2 and rehydrate_engine.generation == 2
+    # an old key stays handled
+    assert rehydrate_engine.restore_detected("gvisor", key="restore-42") is reports[0]
+    assert len(runs) == 2
+
+
+def test_since_semantics_from_many_threads_runs_hooks_once(rehydrate_engine):
+    runs = []
+
+    @rehydrate_engine.registry.after_restore
+    def count():
+        runs.append(1)
+        time.sleep(0.01)
+
+    since = time.monotonic()  # every detector last saw the process before the "freeze"
+    reports = _hammer(
+        rehydrate_engine, 16,
+        lambda i: rehydrate_engine.restore_detected(
+            ["clock-jump", "gvisor", "identity", "signal"][i % 4], since=since))
+    assert len(runs) == 1
+    assert all(r is reports[0] for r in reports)
+    assert rehydrate_engine.generation == 1
+
+    # a notice whose `since` is before the last handled restore is that restore
+    late = rehydrate_engine.restore_detected("clock-jump", since=since)
+    assert late is reports[0] and len(runs) == 1
+    # a detector that saw the process after the last restore reports a new one
+    since2 = time.monotonic()
+    fresh = rehydrate_engine.restore_detected("clock-jump", since=since2)
+    assert fresh is not reports[0] and len(runs) == 2 and fresh.generation == 2
+    # no `since`, no key: every notice is a new event
+    rehydrate_engine.restore_detected("manual")
+    assert len(runs) == 3
+
+
+def test_snapshot_key_runs_once(rehydrate_engine):
+    runs = []
+    rehydrate_engine.registry.before_snapshot(lambda: runs.append(1))
+    reports = _hammer(rehydrate_engine, 8,
+                      lambda i: rehydrate_engine.snapshot_requested("notify", key="save-1"))
+    assert len(runs) == 1 and all(r is reports[0] for r in reports)
+
+
+def test_distinct_restores_are_queued_not_interleaved(rehydrate_engine):
+    active = 0
+    max_active = 0
+    intervals = []
+    lock = threading.Lock()
+
+    def make(tag):
+        def hook(ctx):
+            nonlocal active, max_active
+            with lock:
+                active += 1
+                max_active = max(max_active, active)
+                start = time.monotonic()
+            time.sleep(0.005)
+            with lock:
+                active -= 1
+                intervals.append((start, time.monotonic(), ctx))
+        return hook
+
+    reg = rehydrate_engine.registry
+    reg.after_restore(make("a"), phase=Phase.ENTROPY)
+    reg.after_restore(make("b"))
+    reg.before_snapshot(make("s"))
+
+    def call(i):
+        if i % 3 == 2:
+            return rehydrate_engine.simulate_snapshot(reason=f"s{i}")
+        return rehydrate_engine.restore_detected(f"r{i}")
+
+    reports = _hammer(rehydrate_engine, 9, call)
+    assert max_active == 1
+    restores = [r for r in reports if r.kind == "restore"]
+    assert sorted(r.generation for r in restores) == list(range(1, 7))
+    # each event's hooks form one contiguous block: no event starts inside another
+    events = {}
+    for start, end, ctx in intervals:  # one RestoreContext per event
+        lo, hi = events.get(id(ctx), (start, end))
+        events[id(ctx)] = (min(lo, start), max(hi, end))
+    assert len(events) == 9
+    spans = sorted(events.values())
+    for (_, end1), (start2, _) in zip(spans, spans[1:]):
+        assert start2 >= end1
+
+
+def test_second_restore_waits_for_the_running_one(rehydrate_engine):
+    entered = threading.Event()
+    release = threading.Event()
+    order = []
+
+    @rehydrate_engine.registry.after_restore
+    def hook(ctx):
+        order.append(("start", ctx.reason))
+        if ctx.reason == "first":
+            entered.set()
+            release.wait(DEADLINE)
+        order.append(("end", ctx.reason))
+
+    t1 = threading.Thread(target=rehydrate_engine.restore_detected, args=("first",))
+    t1.start()
+    assert entered.wait(DEADLINE)
+    second_called = threading.Event()
+
+    def second():
+        second_called.set()
+        rehydrate_engine.restore_detected("second")
+
+    t2 = threading.Thread(target=second)
+    t2.start()
+    assert second_called.wait(DEADLINE)
+    t2.join(0.1)
+    assert t2.is_alive()  # blocked behind the first event
+    assert order == [("start", "first")]
+    release.set()
+    join_all([t1, t2])
+    assert order == [("start", "first"), ("end", "first"), ("start", "second"),
+                     ("end", "second")]
+
+
+# -- registration during a run ---------------------------------------------------------
+
+
+def test_hooks_registered_during_a_run_take_effect_from_the_next_event(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+    late_record = {}
+
+    def late():
+        calls.append("late")
+
+    @reg.after_restore(phase=Phase.ENTROPY, name="registrar")
+    def registrar():
+        calls.append("registrar")
+        if "late" not in late_record:
+            late_record["late"] = reg.after_restore(name="late")(late)
+            reg.unregister("victim")  # removing also waits for the next event
+
+    reg.after_restore(name="victim")(lambda: calls.append("victim"))
+
+    first = rehydrate_engine.simulate_restore()
+    assert calls == ["registrar", "victim"]
+    assert [h.name for h in user_hooks(first)] == ["registrar", "victim"]
+    calls.clear()
+    second = rehydrate_engine.simulate_restore()
+    assert calls == ["registrar", "late"]
+    assert [h.name for h in user_hooks(second)] == ["registrar", "late"]
+
+
+def test_registration_from_another_thread_during_a_run(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    entered = threading.Event()
+    release = threading.Event()
+    calls = []
+
+    @reg.after_restore
+    def blocker():
+        calls.append("blocker")
+        entered.set()
+        release.wait(DEADLINE)
+
+    t = threading.Thread(target=rehydrate_engine.simulate_restore)
+    t.start()
+    assert entered.wait(DEADLINE)
+    reg.after_restore(name="added")(lambda: calls.append("added"))
+    release.set()
+    join_all([t])
+    assert calls == ["blocker"]
+    rehydrate_engine.simulate_restore()
+    assert calls == ["blocker", "blocker", "added"]
+
+
+# -- re-entrancy ------------------------------------------------------------------------
+
+
+def _run_with_deadline(fn):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", fn()), daemon=True)
+    t.start()
+    t.join(DEADLINE)
+    assert not t.is_alive(), "deadlocked"
+    return box["r"]
+
+
+def test_starting_an_event_inside_a_hook_raises_instead_of_deadlocking(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    caught = {}
+
+    @reg.after_restore(name="nested-sync")
+    def nested_sync():
+        rehydrate_engine.simulate_restore()
+
+    @reg.after_restore(name="nested-async")
+    async def nested_async():
+        rehydrate_engine.simulate_snapshot()
+
+    @reg.after_restore(name="nested-to-thread")
+    async def nested_to_thread():
+        await asyncio.to_thread(rehydrate_engine.restore_detected, "x")
+
+    @reg.after_restore(name="catching")
+    def catching():
+        try:
+            rehydrate_engine.restore_detected("x", key="k")
+        except RuntimeError as exc:
+            caught["msg"] = str(exc)
+
+    report = _run_with_deadline(rehydrate_engine.simulate_restore)
+    results = {h.name: h for h in user_hooks(report)}
+    for name in ("nested-sync", "nested-async", "nested-to-thread"):
+        assert results[name].outcome == "failed", name
+        assert isinstance(results[name].error, RuntimeError)
+        assert "inside a hook" in str(results[name].error)
+    assert results["catching"].outcome == "ok"
+    assert "inside a hook" in caught["msg"]
+    assert rehydrate_engine.generation == 1  # nothing nested ran
+    # the engine is not wedged
+    assert _run_with_deadline(rehydrate_engine.simulate_snapshot).kind == "snapshot"
+
+
+# -- event loops ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def app_loop():
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def run():
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, name="app-loop", daemon=True)
+    thread.start()
+    assert ready.wait(DEADLINE)
+    yield loop, thread
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(DEADLINE)
+    loop.close()
+
+
+def test_async_hooks_run_on_the_loop_given_to_start(rehydrate_engine, app_loop):
+    loop, thread = app_loop
+    seen = {}
+
+    @rehydrate_engine.registry.after_restore
+    async def on_app_loop(ctx):
+        seen["thread"] = threading.current_thread()
+        seen["loop"] = asyncio.get_running_loop()
+
+    @rehydrate_engine.registry.before_snapshot
+    async def snap():
+        seen["snap_loop"] = asyncio.get_running_loop()
+
+    @rehydrate_engine.registry.after_restore
+    def sync_hook():
+        seen["sync_thread"] = threading.current_thread()
+
+    assert rehydrate_engine.start(detectors="none", loop=loop) == []
+    try:
+        assert rehydrate_engine.simulate_restore().ok
+        assert seen["thread"] is thread
+        assert seen["loop"] is loop
+        assert seen["sync_thread"].name == "rehydrate-hooks"  # sync hooks never touch it
+        rehydrate_engine.simulate_snapshot()
+        assert seen["snap_loop"] is loop
+    finally:
+        rehydrate_engine.stop()
+
+
+def test_async_hooks_run_on_the_engine_loop_without_one(rehydrate_engine):
+    seen = {}
+
+    @rehydrate_engine.registry.after_restore
+    async def hook():
+        seen["thread"] = threading.current_thread()
+        seen["loop"] = asyncio.get_running_loop()
+
+    assert rehydrate_engine.simulate_restore().ok
+    assert seen["thread"].name == "rehydrate-loop"
+    assert seen["thread"] is not threading.current_thread()
+    first_loop = seen["loop"]
+    rehydrate_engine.simulate_restore()
+    assert seen["loop"] is first_loop  # one private loop, reused
+
+
+def test_event_started_on_the_app_loop_thread_does_not_deadlock(rehydrate_engine, app_loop):
+    loop, thread = app_loop
+    seen = {}
+
+    @rehydrate_engine.registry.after_restore
+    async def hook():
+        seen["thread"] = threading.current_thread()
+
+    rehydrate_engine.start(detectors="none", loop=loop)
+    try:
+        async def blocking_call_from_the_loop():
+            return rehydrate_engine.simulate_restore()
+
+        fut = asyncio.run_coroutine_threadsafe(blocking_call_from_the_loop(), loop)
+        report = fut.result(DEADLINE)
+        assert report.ok
+        assert seen["thread"].name == "rehydrate-loop"  # fell back to the private loop
+    finally:
+        rehydrate_engine.stop()
+
+
+def test_stopped_user_loop_falls_back_to_the_engine_loop(rehydrate_engine):
+    loop = asyncio.new_event_loop()
+    seen = {}
+
+    @rehydrate_engine.registry.after_restore
+    async def hook():
+        seen["loop"] = asyncio.get_running_loop()
+
+    try:
+        rehydrate_engine.start(detectors="none", loop=loop)  # never run
+        assert rehydrate_engine.simulate_restore().ok
+        assert seen["loop"] is not loop
+    finally:
+        rehydrate_engine.stop()
+        loop.close()
+
+
+async def test_simulate_from_async_test_code(rehydrate_engine):
+    """A test written as a coroutine can call the simulator (it blocks briefly)."""
+    seen = []
+
+    @rehydrate_engine.registry.after_restore
+    async def hook():
+        seen.append(asyncio.get_running_loop())
+
+    report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+    assert report.ok and seen and seen[0] is not asyncio.get_running_loop()
+
+
+# -- on_env_change ----------------------------------------------------------------------
+
+
+def test_on_env_change_runs_only_when_watched_keys_change(rehydrate_engine, monkeypatch):
+    monkeypatch.setenv("ENVCHG_A", "1")
+    reg = rehydrate_engine.registry
+    calls = []
+
+    @reg.on_env_change("ENVCHG_A", name="watch-a")
+    def watch_a(ctx, changes):
+        calls.append(("a", changes.to_dict()))
+
+    @reg.on_env_change(name="watch-any")
+    def watch_any(ctx, changes):
+        calls.append(("any", changes.to_dict()))
+
+    @reg.after_restore(name="plain")
+    def plain(ctx):
+        calls.append(("plain", ctx.env_changes.to_dict()))
+
+    def outcomes(report):
+        return {h.name: h.outcome for h in user_hooks(report)}
+
+    # A unchanged (same value), B added: watch-a skipped, watch-any runs
+    r = rehydrate_engine.simulate_restore(env={"ENVCHG_A": "1", "ENVCHG_B": "x"})
+    assert outcomes(r) == {"watch-a": "skipped", "watch-any": "ok", "plain": "ok"}
+    assert calls == [("any", {"added": ["ENVCHG_B"], "changed": [], "removed": []}),
+                     ("plain", {"added": ["ENVCHG_B"], "changed": [], "removed": []})]
+    skipped = next(h for h in r.hooks if h.name == "watch-a")
+    assert skipped.attempts == 0 and skipped.error is None
+    calls.clear()
+
+    # nothing changes: both env hooks skipped, report still ok
+    r = rehydrate_engine.simulate_restore(env={"ENVCHG_A": "1"})
+    assert outcomes(r) == {"watch-a": "skipped", "watch-any": "skipped", "plain": "ok"}
+    assert r.ok
+    calls.clear()
+
+    # A changed, B removed
+    r = rehydrate_engine.simulate_restore(env={"ENVCHG_A": "2", "ENVCHG_B": None})
+    assert outcomes(r) == {"watch-a": "ok", "watch-any": "ok", "plain": "ok"}
+    assert calls[0] == ("a", {"added": [], "changed": ["ENVCHG_A"], "removed": []})
+    assert calls[1] == ("any", {"added": [], "changed": ["ENVCHG_A"],
+                                "removed": ["ENVCHG_B"]})
+    assert r.env_changes.changed == ("ENVCHG_A",)
+    assert os.environ["ENVCHG_A"] == "2" and "ENVCHG_B" not in os.environ
+
+
+def test_environment_step_runs_first_and_hooks_see_its_changes(rehydrate_engine):
+    seen = []
+
+    @rehydrate_engine.registry.after_restore(phase=Phase.ENVIRONMENT)
+    def env_phase_hook(ctx):
+        seen.append(ctx.env_changes.added)
+
+    report = rehydrate_engine.simulate_restore(env={"ORDER_CHECK_KEY": "1"})
+    assert [h.name for h in report.hooks][0] == "rehydrate.env"
+    assert seen == [("ORDER_CHECK_KEY",)]
+    assert report.ok
+
+
+def test_module_level_api_delegates_to_the_default_engine(monkeypatch):
+    engine = rehydrate.default_engine
+    calls = []
+    monkeypatch.setattr(engine, "simulate_restore",
+                        lambda **kw: calls.append(("restore", kw)) or "R")
+    monkeypatch.setattr(engine, "simulate_snapshot", lambda: calls.append(("snap",)) or "S")
+    assert rehydrate.simulate_restore(env={"K": "v"}, reason="t") == "R"
+    assert rehydrate.simulate_snapshot() == "S"
+    assert calls == [("restore", {"env": {"K": "v"}, "reason": "t", "kind": "restore"}),
+                     ("snap",)]
+    assert rehydrate.status().generation == engine.generation
+    assert rehydrate.is_ready() == engine.is_ready()
+    assert rehydrate.wait_ready(timeout=0) == engine.is_ready()
