@@ -83,8 +83,9 @@ class RestoreContext:
     """Seconds spent frozen, when the detector knows it."""
     detected_at: float = 0.0
     """``time.monotonic()`` when the detector noticed the event."""
-    env: Mapping[str, str | None] | None = None
-    """The new environment handed to this event (by a simulator or a detector), if any."""
+    env: Mapping[str, str | None] | None = field(default=None, repr=False)
+    """The new environment handed to this event (by a simulator or a detector), if any.
+    Kept out of ``repr()``: it holds values, which must never reach a log."""
     data: dict[str, Any] = field(default_factory=dict)
     """Scratch space hooks of one event may use to talk to each other."""
 

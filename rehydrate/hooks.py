@@ -68,6 +68,10 @@ class Hook:
         return (int(self.phase), self.order, self.seq)
 
 
+_ANY_ARITY = -1
+"""``_arity`` of a function taking ``*args``: it gets every argument its kind of hook has."""
+
+
 def _arity(fn: HookFn) -> int:
     try:
         sig = inspect.signature(fn)
@@ -76,7 +80,7 @@ def _arity(fn: HookFn) -> int:
     n = 0
     for p in sig.parameters.values():
         if p.kind is p.VAR_POSITIONAL:
-            return 2
+            return _ANY_ARITY
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
             n += 1
     return n
@@ -138,6 +142,8 @@ class Registry:
             raise ValueError("retries must be >= 0")
         arity = _arity(fn)
         max_arity = 2 if env_keys is not None else 1
+        if arity == _ANY_ARITY:  # f(*args), a Mock, a generic wrapper
+            arity = max_arity
         if arity > max_arity:
             raise TypeError(
                 f"hook {_default_name(fn)} takes {arity} required arguments; "
