@@ -55,6 +55,7 @@ __all__ = [
     "before_snapshot",
     "default_engine",
     "default_registry",
+    "instance_id",
     "is_ready",
     "on_env_change",
     "simulate_restore",
@@ -66,3 +67,22 @@ __all__ = [
     "unregister",
     "wait_ready",
 ]
+
+# Identity managers load on first use so that ``import rehydrate`` stays light
+# (``rehydrate.keys`` / ``tls`` import cryptography only when a key or certificate is made).
+_LAZY_SUBMODULES = ("entropy", "keys", "secrets", "tls")
+
+
+def instance_id() -> str:
+    """This process's instance ID (UUIDv4), regenerated on every restore."""
+    from .entropy import instance_id as _instance_id
+
+    return _instance_id()
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,285 @@
+"""The built-in ``ENTROPY`` phase: reseed pseudo-random generators, renew the instance ID.
+
+A restored clone starts with its parent's memory, hence with the parent's PRNG states:
+without this phase every clone draws the same "random" numbers. On every restore (and
+resume) the engine's ``rehydrate.entropy`` hook, installed in every
+:class:`~rehydrate.Lifecycle` by default:
+
+* reseeds the :mod:`random` module's global generator from ``os.urandom``, and every
+  ``random.Random`` instance registered with :func:`register`;
+* reseeds NumPy's legacy global ``RandomState`` and registered ``numpy.random.Generator``
+  / ``RandomState`` objects — only when NumPy is already imported (never imported here);
+* reseeds torch's CPU generator (and every CUDA device's, when CUDA is initialised) and
+  registered ``torch.Generator`` objects — only when torch is already imported;
+* resets :mod:`tempfile`'s candidate-name sequence, which re-seeds itself only when the
+  PID changes (a restored process keeps its PID);
+* mixes fresh kernel entropy into the :mod:`ssl` module's OpenSSL generator
+  (``ssl.RAND_add``) when :mod:`ssl` is imported;
+* regenerates :func:`instance_id`.
+
+``REHYDRATE_DISABLE=entropy`` (or :attr:`EntropyManager.enabled` = False) turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ._disable import is_disabled
+from .hooks import Phase
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "EntropyManager",
+    "instance_id",
+    "manager",
+    "register",
+    "reseed",
+    "unregister",
+]
+
+log = logging.getLogger("rehydrate")
+
+_id_lock = threading.Lock()
+_instance_id = str(uuid.uuid4())
+_id_listeners: list[Callable[[str], None]] = []
+
+
+def instance_id() -> str:
+    """This process's instance ID: a UUIDv4, regenerated on every restore (not on resume).
+
+    Use it for OpenTelemetry's ``service.instance.id``, log fields, lease owners … — any
+    identifier that must differ between clones of one snapshot.
+    """
+    return _instance_id
+
+
+def on_instance_id_change(fn: Callable[[str], None]) -> Callable[[str], None]:
+    """Call ``fn(new_id)`` whenever :func:`instance_id` changes (usable as a decorator)."""
+    _id_listeners.append(fn)
+    return fn
+
+
+def _renew_instance_id() -> str:
+    global _instance_id
+    with _id_lock:
+        _instance_id = str(uuid.uuid4())  # uuid4 reads os.urandom: fresh in every clone
+        new = _instance_id
+    for fn in list(_id_listeners):
+        try:
+            fn(new)
+        except Exception:
+            log.exception("instance_id listener %r failed", fn)
+    return new
+
+
+def _seed_bytes(n: int = 32) -> bytes:
+    return os.urandom(n)
+
+
+def _seed_int(bits: int) -> int:
+    return int.from_bytes(os.urandom((bits + 7) // 8), "big") & ((1 << bits) - 1)
+
+
+class _Ref:
+    """A weak reference when the object allows one, a strong one otherwise."""
+
+    __slots__ = ("_obj", "_weak")
+
+    def __init__(self, obj: object) -> None:
+        try:
+            self._weak: weakref.ref[Any] | None = weakref.ref(obj)
+            self._obj: object | None = None
+        except TypeError:
+            self._weak, self._obj = None, obj
+
+    def get(self) -> Any:
+        return self._weak() if self._weak is not None else self._obj
+
+
+def _kind(obj: object) -> str:
+    if isinstance(obj, random.Random):
+        return "random"
+    mod = type(obj).__module__ or ""
+    name = type(obj).__name__
+    if mod.startswith("numpy"):
+        if name == "Generator":
+            return "numpy-generator"
+        if name == "RandomState":
+            return "numpy-randomstate"
+    if mod.startswith("torch") and name == "Generator":
+        return "torch-generator"
+    if callable(obj):
+        return "callable"
+    raise TypeError(
+        f"cannot reseed {type(obj).__name__}: register a random.Random, "
+        "numpy.random.Generator/RandomState, torch.Generator or a callable taking seed bytes"
+    )
+
+
+def _reseed_object(kind: str, obj: Any) -> None:
+    if kind == "random":
+        obj.seed(_seed_bytes())
+    elif kind == "numpy-generator":
+        np = sys.modules["numpy"]
+        bg = obj.bit_generator
+        fresh = type(bg)(np.random.SeedSequence(_seed_int(128)))
+        bg.state = fresh.state
+    elif kind == "numpy-randomstate":
+        np = sys.modules["numpy"]
+        obj.seed(np.frombuffer(_seed_bytes(32), dtype=np.uint32))
+    elif kind == "torch-generator":
+        obj.manual_seed(_seed_int(63))
+    else:  # callable
+        obj(_seed_bytes())
+
+
+class EntropyManager:
+    """Per-engine reseeding. Created for every engine; see :func:`manager`."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.engine = engine
+        self.enabled = True
+        """False turns the whole phase into a no-op (as ``REHYDRATE_DISABLE=entropy``)."""
+        self._lock = threading.Lock()
+        self._objects: dict[int, tuple[str, _Ref]] = {}
+        self.last: list[str] = []
+        """What the last run reseeded (names), for status and tests."""
+        engine.builtins.register(self._on_restore, phase=Phase.ENTROPY, order=-1_000_000,
+                                 name="rehydrate.entropy", timeout=10.0)
+        engine.add_status("entropy", lambda: {"enabled": self.active, "reseeded": self.last,
+                                              "instance_id": instance_id()})
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and not is_disabled("entropy")
+
+    def register(self, obj: object) -> object:
+        """Reseed ``obj`` on every restore. Returns ``obj``.
+
+        Accepted: ``random.Random`` (and subclasses), ``numpy.random.Generator``,
+        ``numpy.random.RandomState``, ``torch.Generator``, or any callable taking 32 seed
+        bytes. Objects that support weak references are held weakly.
+        """
+        kind = _kind(obj)
+        with self._lock:
+            self._objects[id(obj)] = (kind, _Ref(obj))
+        return obj
+
+    def unregister(self, obj: object) -> None:
+        with self._lock:
+            self._objects.pop(id(obj), None)
+
+    def _on_restore(self, ctx: Any) -> None:
+        if not self.active:
+            log.info("entropy phase disabled: generators NOT reseeded")
+            self.last = []
+            return
+        done = reseed_globals()
+        if ctx is None or getattr(ctx, "kind", "restore") == "restore":
+            _renew_instance_id()
+            done.append("instance_id")
+        errors: list[BaseException] = []
+        with self._lock:
+            items = list(self._objects.items())
+        for key, (kind, ref) in items:
+            obj = ref.get()
+            if obj is None:
+                with self._lock:
+                    self._objects.pop(key, None)
+                continue
+            try:
+                _reseed_object(kind, obj)
+            except Exception as exc:
+                errors.append(exc)
+            else:
+                done.append(kind)
+        self.last = done
+        if errors:
+            raise RuntimeError(
+                f"{len(errors)} registered generator(s) could not be reseeded: "
+                + "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+            )
+
+    def reseed(self) -> list[str]:
+        """Reseed now (what the restore hook does, without renewing the instance ID)."""
+        class _Resume:
+            kind = "resume"
+        self._on_restore(_Resume())
+        return list(self.last)
+
+
+def reseed_globals() -> list[str]:
+    """Reseed the process-wide generators this module knows about. Returns their names."""
+    done = []
+    random.seed(_seed_bytes())
+    done.append("random")
+    tf = sys.modules.get("tempfile")
+    if tf is not None and hasattr(tf, "_name_sequence"):
+        # _RandomNameSequence re-seeds only when os.getpid() changes; dropping it makes the
+        # next mkstemp/mkdtemp build a fresh one seeded from os.urandom.
+        with getattr(tf, "_once_lock", threading.Lock()):
+            tf._name_sequence = None  # type: ignore[attr-defined]
+        done.append("tempfile")
+    ssl = sys.modules.get("ssl")
+    if ssl is not None and hasattr(ssl, "RAND_add"):
+        ssl.RAND_add(_seed_bytes(), 32.0)
+        done.append("ssl")
+    np = sys.modules.get("numpy")
+    if np is not None and hasattr(np, "random"):
+        try:
+            np.random.seed(np.frombuffer(_seed_bytes(32), dtype=np.uint32))
+            done.append("numpy")
+        except Exception as exc:  # a half-imported or unusual numpy must not break restore
+            log.warning("numpy global generator not reseeded: %s", exc)
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "random"):
+        try:
+            torch.random.default_generator.manual_seed(_seed_int(63))
+            done.append("torch")
+            cuda = getattr(torch, "cuda", None)
+            if cuda is not None and cuda.is_initialized():
+                for i in range(cuda.device_count()):
+                    cuda.default_generators[i].manual_seed(_seed_int(63))
+                done.append("torch.cuda")
+        except Exception as exc:
+            log.warning("torch generators not reseeded: %s", exc)
+    return done
+
+
+def manager(engine: Lifecycle | None = None) -> EntropyManager:
+    """The entropy manager of ``engine`` (default: the process-wide engine)."""
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    return engine.extension("entropy", EntropyManager)
+
+
+def register(obj: object, *, engine: Lifecycle | None = None) -> object:
+    """Reseed ``obj`` (a generator or a callable) on every restore; see
+    :meth:`EntropyManager.register`."""
+    return manager(engine).register(obj)
+
+
+def unregister(obj: object, *, engine: Lifecycle | None = None) -> None:
+    manager(engine).unregister(obj)
+
+
+def reseed(*, engine: Lifecycle | None = None) -> list[str]:
+    """Reseed every known generator now."""
+    return manager(engine).reseed()
+
+
+def install(engine: Lifecycle) -> None:
+    """Called by :class:`~rehydrate.Lifecycle` for its built-ins."""
+    manager(engine)

@@ -1,0 +1,481 @@
+"""Ephemeral key pairs regenerated on every restore, from kernel entropy.
+
+``rehydrate.keys.ephemeral("session", algorithm="ed25519")`` returns a handle whose key pair
+is regenerated in the ``SECRETS`` phase after every restore (and resume), and whose private
+key is dropped before every snapshot so that no snapshot image holds it.
+
+Why not just ``Ed25519PrivateKey.generate()``? OpenSSL's generator (the one
+``cryptography`` links in) keeps its state in process memory, so a snapshot clones it; it
+reseeds itself after ``fork()`` only because it notices a PID change, and a restored
+process keeps its PID. Five real ``runsc`` clones calling ``generate()`` after restore got
+the same key. Every key here is therefore built from bytes read from the kernel
+(``/dev/urandom``, ``os.urandom``): Ed25519/X25519 from 32 random bytes, EC private
+scalars by rejection sampling, RSA primes by a Miller-Rabin search whose candidates and
+witnesses all come from the kernel (``cryptography`` exposes no ``RAND_add`` to reseed its
+OpenSSL, and OpenSSL's own fork detection is PID based).
+
+While dropped (between the before-snapshot pass and the next restore/resume),
+``.private_key`` raises :class:`KeyDroppedError`: regenerating there would put a fresh
+private key into the image that is about to be written. :meth:`EphemeralKey.wait` blocks
+until a key is available again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from ._disable import is_disabled
+from .hooks import Phase
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.types import (
+        PrivateKeyTypes,
+        PublicKeyTypes,
+    )
+
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "EphemeralKey",
+    "KeyDroppedError",
+    "KeyManager",
+    "ephemeral",
+    "generate_private_key",
+    "get",
+    "manager",
+]
+
+log = logging.getLogger("rehydrate")
+
+Algorithm = Literal[
+    "ed25519", "x25519", "ec-p256", "ec-p384", "rsa-2048", "rsa-3072", "rsa-4096"
+]
+ALGORITHMS: tuple[str, ...] = (
+    "ed25519", "x25519", "ec-p256", "ec-p384", "rsa-2048", "rsa-3072", "rsa-4096",
+)
+
+
+class KeyDroppedError(RuntimeError):
+    """The private key was dropped before a snapshot and not regenerated yet."""
+
+
+# -- kernel entropy ------------------------------------------------------------------
+
+
+def urandom_into(buf: bytearray) -> None:
+    """Fill ``buf`` in place from the kernel, without an intermediate ``bytes`` object.
+
+    Reading ``/dev/urandom`` straight into the buffer means the secret bytes exist only
+    where the caller can wipe them; ``os.urandom`` (a fallback) returns immutable bytes.
+    """
+    view = memoryview(buf)
+    try:
+        with open("/dev/urandom", "rb", buffering=0) as fh:
+            got = 0
+            while got < len(buf):
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise OSError("short read from /dev/urandom")
+                got += n
+        return
+    except OSError:
+        pass
+    finally:
+        view.release()
+    buf[:] = os.urandom(len(buf))
+
+
+def _wipe(buf: bytearray) -> None:
+    buf[:] = bytes(len(buf))
+
+
+# DER prefixes: ECPrivateKey ::= SEQUENCE { version 1, privateKey OCTET STRING,
+# [0] namedCurve }. OpenSSL derives the public point itself.
+_EC = {
+    "ec-p256": (
+        32,
+        0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551,
+        bytes.fromhex("30310201010420"),
+        bytes.fromhex("a00a06082a8648ce3d030107"),
+    ),
+    "ec-p384": (
+        48,
+        int("FFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFC7634D81F4372DDF"
+            "581A0DB248B0A77AECEC196ACCC52973", 16),
+        bytes.fromhex("3041020101 0430".replace(" ", "")),
+        bytes.fromhex("a00706052b81040022"),
+    ),
+}
+
+
+def _ec_key(algorithm: str) -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    size, order, head, tail = _EC[algorithm]
+    order_bytes = order.to_bytes(size, "big")
+    # the total DER length byte must cover head's inner part + scalar + tail
+    der = bytearray(len(head) + size + len(tail))
+    der[: len(head)] = head
+    der[len(head) + size :] = tail
+    der[1] = len(der) - 2
+    scalar = memoryview(der)[len(head) : len(head) + size]
+    try:
+        for _ in range(64):  # P(reject) < 2^-32 per draw for these curves
+            tmp = bytearray(size)
+            urandom_into(tmp)
+            ok = tmp < order_bytes and any(tmp)
+            scalar[:] = tmp
+            _wipe(tmp)
+            if ok:
+                return serialization.load_der_private_key(der, password=None)
+        raise RuntimeError("could not draw an EC scalar")  # pragma: no cover
+    finally:
+        scalar.release()
+        _wipe(der)
+
+
+# -- RSA from kernel entropy -----------------------------------------------------------
+
+_SMALL_PRIMES: list[int] = []
+_WINDOW = 4096
+"""Odd candidates sieved per random starting point."""
+
+
+def _small_primes(limit: int = 1 << 15) -> list[int]:
+    if not _SMALL_PRIMES:
+        sieve = bytearray([1]) * limit
+        sieve[0:2] = b"\0\0"
+        for i in range(2, int(limit**0.5) + 1):
+            if sieve[i]:
+                sieve[i * i :: i] = bytearray(len(sieve[i * i :: i]))
+        _SMALL_PRIMES.extend(i for i in range(3, limit) if sieve[i])
+    return _SMALL_PRIMES
+
+
+def _rand_between(low: int, high: int) -> int:
+    """Uniform in [low, high] from the kernel."""
+    span = high - low
+    nbits = span.bit_length()
+    nbytes = (nbits + 7) // 8
+    while True:
+        x = int.from_bytes(os.urandom(nbytes), "big") >> (nbytes * 8 - nbits)
+        if x <= span:
+            return low + x
+
+
+def _strong_probable_prime(n: int, base: int, d: int, s: int) -> bool:
+    x = pow(base, d, n)
+    if x in (1, n - 1):
+        return True
+    for _ in range(s - 1):
+        x = pow(x, 2, n)
+        if x == n - 1:
+            return True
+    return False
+
+
+def _probably_prime(n: int, rounds: int) -> bool:
+    """Miller-Rabin: base 2 first (cheap rejection), then ``rounds`` kernel-random bases."""
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        s += 1
+    if not _strong_probable_prime(n, 2, d, s):
+        return False
+    return all(_strong_probable_prime(n, _rand_between(2, n - 2), d, s) for _ in range(rounds))
+
+
+def _mr_rounds(bits: int) -> int:
+    # FIPS 186-5 table B.1: rounds for error probability <= 2^-100 with random candidates
+    if bits >= 1536:
+        return 4
+    if bits >= 1024:
+        return 5
+    return 8
+
+
+def _random_prime(bits: int, e: int) -> int:
+    """A random ``bits``-bit prime p with gcd(p-1, e) = 1; every random bit from the kernel.
+
+    A random odd start (top two bits set) is drawn from ``os.urandom``; the next
+    ``_WINDOW`` odd numbers are sieved by the small primes and the survivors tested with
+    Miller-Rabin, as OpenSSL's own generator does.
+    """
+    small = _small_primes()
+    rounds = _mr_rounds(bits)
+    nbytes = (bits + 7) // 8
+    while True:
+        start = int.from_bytes(os.urandom(nbytes), "big") >> (nbytes * 8 - bits)
+        start |= (3 << (bits - 2)) | 1  # top two bits set: p*q has exactly 2*bits bits
+        alive = bytearray([1]) * _WINDOW
+        for p in small:
+            # index i such that start + 2*i == 0 (mod p)
+            i = ((p - start % p) * ((p + 1) // 2)) % p
+            alive[i::p] = bytes(len(range(i, _WINDOW, p)))
+        i = alive.find(1)
+        while i >= 0:
+            c = start + 2 * i
+            if c.bit_length() != bits:
+                break
+            if math.gcd(c - 1, e) == 1 and _probably_prime(c, rounds):
+                return c
+            i = alive.find(1, i + 1)
+
+
+def rsa_private_key(bits: int, public_exponent: int = 65537) -> Any:
+    """An RSA key whose primes were found from kernel entropy (see the module docstring)."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    half = bits // 2
+    while True:
+        p = _random_prime(half, public_exponent)
+        q = _random_prime(bits - half, public_exponent)
+        if abs(p - q) >> (half - 100) == 0:  # FIPS 186-5: |p - q| > 2^(nlen/2 - 100)
+            continue
+        n = p * q
+        if n.bit_length() != bits:
+            continue
+        lam = (p - 1) * (q - 1) // math.gcd(p - 1, q - 1)
+        d = pow(public_exponent, -1, lam)
+        numbers = rsa.RSAPrivateNumbers(
+            p=p, q=q, d=d,
+            dmp1=rsa.rsa_crt_dmp1(d, p), dmq1=rsa.rsa_crt_dmq1(d, q),
+            iqmp=rsa.rsa_crt_iqmp(p, q),
+            public_numbers=rsa.RSAPublicNumbers(public_exponent, n),
+        )
+        # Validation (RSA_check_key) would re-test both primes with many more rounds; the
+        # numbers were just built and tested here, so skip it (saves ~80 ms for 2048 bits).
+        return numbers.private_key(unsafe_skip_rsa_key_validation=True)
+
+
+def generate_private_key(algorithm: str) -> PrivateKeyTypes:
+    """A new private key of ``algorithm`` built from kernel entropy (never OpenSSL's RNG)."""
+    if algorithm in ("ed25519", "x25519"):
+        from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
+
+        buf = bytearray(32)
+        try:
+            urandom_into(buf)
+            if algorithm == "ed25519":
+                return ed25519.Ed25519PrivateKey.from_private_bytes(buf)
+            return x25519.X25519PrivateKey.from_private_bytes(buf)
+        finally:
+            _wipe(buf)
+    if algorithm in _EC:
+        return cast("PrivateKeyTypes", _ec_key(algorithm))
+    if algorithm.startswith("rsa-") and algorithm in ALGORITHMS:
+        return cast("PrivateKeyTypes", rsa_private_key(int(algorithm[4:])))
+    raise ValueError(f"unknown key algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
+# -- handles ---------------------------------------------------------------------------
+
+
+class EphemeralKey:
+    """A named key pair that is regenerated on every restore. Get one with
+    :func:`ephemeral`; its ``private_key`` and ``public_key`` are always the current ones."""
+
+    def __init__(self, name: str, algorithm: str, manager: KeyManager) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown key algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+        self.name = name
+        self.algorithm = algorithm
+        self._manager = manager
+        self._cond = threading.Condition()
+        self._private: PrivateKeyTypes | None = None
+        self._public: PublicKeyTypes | None = None
+        self._listeners: list[Callable[[EphemeralKey], None]] = []
+        self.generation = 0
+        """How many times the key was (re)generated; 1 after creation."""
+        self.rotated_at: float | None = None
+        """``time.time()`` of the last regeneration."""
+        self._rotate_unlocked()
+
+    def __repr__(self) -> str:
+        state = "dropped" if self._private is None else "present"
+        return (f"<EphemeralKey {self.name!r} {self.algorithm} generation={self.generation} "
+                f"{state}>")
+
+    @property
+    def dropped(self) -> bool:
+        return self._private is None
+
+    @property
+    def private_key(self) -> PrivateKeyTypes:
+        """The current private key; :class:`KeyDroppedError` between snapshot and restore."""
+        key = self._private
+        if key is None:
+            raise KeyDroppedError(
+                f"ephemeral key {self.name!r} was dropped before a snapshot and is "
+                "regenerated on restore/resume (use .wait() to block until then)"
+            )
+        return key
+
+    @property
+    def public_key(self) -> PublicKeyTypes:
+        """The current public key (still readable while the private key is dropped)."""
+        assert self._public is not None
+        return self._public
+
+    def public_bytes_raw(self) -> bytes:
+        """Public key bytes (raw for Ed25519/X25519, DER SubjectPublicKeyInfo otherwise)."""
+        from cryptography.hazmat.primitives import serialization
+
+        pub: Any = self.public_key
+        if self.algorithm in ("ed25519", "x25519"):
+            return cast(bytes, pub.public_bytes_raw())
+        return cast(bytes, pub.public_bytes(serialization.Encoding.DER,
+                                            serialization.PublicFormat.SubjectPublicKeyInfo))
+
+    def wait(self, timeout: float | None = None) -> PrivateKeyTypes:
+        """Block until the private key is available; :class:`KeyDroppedError` on timeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._private is not None, timeout):
+                raise KeyDroppedError(
+                    f"ephemeral key {self.name!r} still dropped after {timeout}s"
+                )
+            assert self._private is not None
+            return self._private
+
+    def subscribe(
+        self, fn: Callable[[EphemeralKey], None]
+    ) -> Callable[[EphemeralKey], None]:
+        """Call ``fn(handle)`` after every rotation (usable as a decorator). A listener
+        that raises makes the ``rehydrate.keys`` hook fail (after all listeners ran)."""
+        self._listeners.append(fn)
+        return fn
+
+    def unsubscribe(self, fn: Callable[[EphemeralKey], None]) -> None:
+        self._listeners.remove(fn)
+
+    def _rotate_unlocked(self) -> None:
+        private = generate_private_key(self.algorithm)
+        with self._cond:
+            self._private = private
+            self._public = private.public_key()
+            self.generation += 1
+            self.rotated_at = time.time()
+            self._cond.notify_all()
+
+    def rotate(self) -> list[BaseException]:
+        """Regenerate now and notify listeners. Returns the listeners' errors."""
+        self._rotate_unlocked()
+        errors: list[BaseException] = []
+        for fn in list(self._listeners):
+            try:
+                fn(self)
+            except Exception as exc:
+                errors.append(exc)
+                log.warning("rotation listener %r of key %r failed: %s", fn, self.name, exc)
+        return errors
+
+    def drop(self) -> None:
+        """Forget the private key (cryptography frees OpenSSL's copy with a wipe)."""
+        with self._cond:
+            self._private = None
+
+
+class KeyManager:
+    """The ephemeral keys of one engine, and their ``rehydrate.keys`` hooks."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.engine = engine
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._keys: dict[str, EphemeralKey] = {}
+        engine.builtins.register(self._on_restore, phase=Phase.SECRETS, order=-100,
+                                 name="rehydrate.keys", timeout=60.0)
+        engine.builtins.register(self._on_snapshot, event="snapshot", phase=Phase.SECRETS,
+                                 order=-100, name="rehydrate.keys", timeout=10.0)
+        engine.add_status("keys", self._status)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and not is_disabled("keys", "secrets")
+
+    def _status(self) -> dict[str, Any]:
+        return {k.name: {"algorithm": k.algorithm, "generation": k.generation,
+                         "dropped": k.dropped} for k in self.keys()}
+
+    def keys(self) -> list[EphemeralKey]:
+        with self._lock:
+            return list(self._keys.values())
+
+    def get(self, name: str) -> EphemeralKey | None:
+        with self._lock:
+            return self._keys.get(name)
+
+    def ephemeral(self, name: str, algorithm: str = "ed25519") -> EphemeralKey:
+        with self._lock:
+            key = self._keys.get(name)
+            if key is None:
+                key = EphemeralKey(name, algorithm, self)
+                self._keys[name] = key
+            elif key.algorithm != algorithm:
+                raise ValueError(
+                    f"ephemeral key {name!r} already exists with algorithm {key.algorithm!r}"
+                )
+            return key
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            key = self._keys.pop(name, None)
+        if key is not None:
+            key.drop()
+
+    def _on_restore(self) -> None:
+        if not self.active:
+            log.info("keys disabled: ephemeral keys NOT regenerated")
+            for k in self.keys():  # still usable: give back a key if it was dropped
+                if k.dropped:
+                    k._rotate_unlocked()
+            return
+        failures: list[str] = []
+        for k in self.keys():
+            try:
+                errors = k.rotate()
+            except Exception as exc:  # generation itself failed: keep what we had
+                failures.append(f"{k.name}: {type(exc).__name__}: {exc}")
+                continue
+            failures.extend(f"{k.name} listener: {type(e).__name__}: {e}" for e in errors)
+        if failures:
+            raise RuntimeError("ephemeral key rotation incomplete: " + "; ".join(failures))
+
+    def _on_snapshot(self) -> None:
+        if not self.active:
+            log.info("keys disabled: ephemeral private keys NOT dropped before snapshot")
+            return
+        for k in self.keys():
+            k.drop()
+
+
+def manager(engine: Lifecycle | None = None) -> KeyManager:
+    """The key manager of ``engine`` (default: the process-wide engine)."""
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    return engine.extension("keys", KeyManager)
+
+
+def ephemeral(name: str, algorithm: str = "ed25519", *,
+              engine: Lifecycle | None = None) -> EphemeralKey:
+    """The ephemeral key named ``name`` (created on first call; the same handle after).
+
+    ``algorithm``: ``ed25519`` (default), ``x25519``, ``ec-p256``, ``ec-p384``,
+    ``rsa-2048``, ``rsa-3072``, ``rsa-4096``. Asking for an existing name with another
+    algorithm raises ``ValueError``.
+    """
+    return manager(engine).ephemeral(name, algorithm)
+
+
+def get(name: str, *, engine: Lifecycle | None = None) -> EphemeralKey | None:
+    return manager(engine).get(name)

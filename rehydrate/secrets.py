@@ -1,0 +1,400 @@
+"""Secrets kept out of snapshot images.
+
+A :class:`Secret` holds its value in a ``bytearray`` that rehydrate owns. Before a snapshot
+(the ``SECRETS`` phase of the before-snapshot pass) the buffer is overwritten with zeros;
+after a restore or resume the value is loaded again from its source — the environment (as
+refreshed from the new spec environment by the ``ENVIRONMENT`` phase, which runs first), a
+file, or a callable. So the image written in between holds no copy rehydrate controls.
+
+Reading:
+
+* ``secret.get()`` returns a ``bytes`` **copy**. rehydrate cannot wipe that copy (Python
+  ``bytes`` are immutable): drop it quickly, and prefer the context manager;
+* ``with secret as view:`` (or ``with secret.view() as view``) yields a ``memoryview`` of
+  the buffer itself — no copy. A wipe waits (up to ``wipe_wait`` seconds) for open views
+  to close.
+
+Reading while wiped (between the snapshot pass and the reload) either blocks until the
+reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
+:class:`SecretUnavailable` at once (``on_wiped="raise"``). ``repr`` and ``str`` never show
+the value.
+
+Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a failed reload
+(unreadable file, missing variable, a raising callable) fails that hook — ``required``
+(default True) decides whether readiness suffers — and the secret stays unavailable with
+the error as the reason. :meth:`Secret.reload` outside a restore keeps the previous value
+when the source fails.
+
+What rehydrate cannot wipe: values in ``os.environ`` and the process's C environment
+(``Secret.from_env`` reads from there — use ``from_file`` or ``from_callable`` for secrets
+that must stay out of the image), and any copy the application made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from ._disable import is_disabled
+from .hooks import Hook, Phase
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "Secret",
+    "SecretError",
+    "SecretUnavailable",
+    "SecretsManager",
+    "manager",
+]
+
+log = logging.getLogger("rehydrate")
+
+OnWiped = Literal["block", "raise"]
+MAX_SECRET_BYTES = 16 * 1024 * 1024
+
+
+class SecretError(RuntimeError):
+    """A secret's source could not be read. The message never contains the value."""
+
+
+class SecretUnavailable(SecretError):
+    """The secret is wiped (before a snapshot) or its last reload failed."""
+
+
+def _read_file_into(path: str) -> bytearray:
+    """Read ``path`` straight into a new bytearray (no intermediate ``bytes``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise SecretError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_SECRET_BYTES:
+            raise SecretError(f"secret file {path} is larger than {MAX_SECRET_BYTES} bytes")
+        buf = bytearray(size + 1)  # +1 to notice a file that grew
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < len(buf):
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+        except OSError as exc:
+            raise SecretError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
+        finally:
+            view.release()
+        if got > size:  # grew while reading: read the rest the slow way
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                rest = bytearray(fh.read())
+            buf[got:] = rest
+            rest[:] = bytes(len(rest))
+        else:
+            del buf[got:]
+        return buf
+    finally:
+        os.close(fd)
+
+
+class Secret:
+    """A value kept out of snapshot images. Create with :meth:`from_env`,
+    :meth:`from_file` or :meth:`from_callable`.
+
+    ``strip``: remove one trailing newline (files and commands usually end with one).
+    ``on_wiped``/``timeout``: what reading does while the value is wiped.
+    ``required``: whether a failed reload after restore makes the process ``degraded``.
+    """
+
+    def __init__(
+        self,
+        loader: Callable[[], bytes | bytearray | str],
+        *,
+        name: str,
+        source: str = "callable",
+        on_wiped: OnWiped = "block",
+        timeout: float = 10.0,
+        required: bool = True,
+        strip: bool = False,
+        wipe_wait: float = 2.0,
+        engine: Lifecycle | None = None,
+        load: bool = True,
+    ) -> None:
+        if on_wiped not in ("block", "raise"):
+            raise ValueError("on_wiped must be 'block' or 'raise'")
+        self.name = name
+        self.source = source
+        self.on_wiped: OnWiped = on_wiped
+        self.timeout = timeout
+        self.required = required
+        self.strip = strip
+        self.wipe_wait = wipe_wait
+        self._loader = loader
+        self._cond = threading.Condition()
+        self._buf: bytearray | None = None
+        self._readers = 0
+        self._local = threading.local()
+        self._reason = "not loaded yet"
+        self.loads = 0
+        """How many times the value was loaded."""
+        self._manager = manager(engine)
+        self._hooks: tuple[Hook, ...] = ()
+        if load:
+            self._load(keep_previous=False, raise_errors=True)
+        self._manager.add(self)
+
+    # -- constructors ---------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, key: str, *, name: str | None = None, **kwargs: Any) -> Secret:
+        """The value of environment variable ``key``, re-read after every restore (after
+        the ``ENVIRONMENT`` phase applied the new spec environment)."""
+        def load() -> bytes:
+            value = os.environb.get(os.fsencode(key))
+            if value is None:
+                raise SecretError(f"environment variable {key} is not set")
+            return value
+        return cls(load, name=name or key, source=f"env:{key}", **kwargs)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, name: str | None = None,
+                  **kwargs: Any) -> Secret:
+        """The contents of ``path``, read straight into the secret's buffer."""
+        p = os.fspath(path)
+
+        def load() -> bytearray:
+            return _read_file_into(p)
+        return cls(load, name=name or os.path.basename(p), source=f"file:{p}", **kwargs)
+
+    @classmethod
+    def from_callable(cls, fn: Callable[[], bytes | bytearray | str], *,
+                      name: str | None = None, **kwargs: Any) -> Secret:
+        """Whatever ``fn()`` returns (``str`` is UTF-8 encoded). A returned ``bytearray`` is
+        wiped after being copied into the secret's buffer."""
+        label = name or str(getattr(fn, "__name__", "secret"))
+        return cls(fn, name=label, source="callable",
+                   **kwargs)
+
+    # -- loading / wiping ------------------------------------------------------------
+
+    def _fetch(self) -> bytearray:
+        value = self._loader()
+        if isinstance(value, str):
+            value = value.encode()
+        if not isinstance(value, (bytes, bytearray)):
+            raise SecretError(f"secret {self.name!r}: source returned {type(value).__name__}, "
+                              "expected bytes, bytearray or str")
+        buf = bytearray(value)
+        if isinstance(value, bytearray):
+            value[:] = bytes(len(value))
+        if self.strip and buf.endswith(b"\n"):
+            del buf[-1:]
+            if buf.endswith(b"\r"):
+                del buf[-1:]
+        return buf
+
+    def _load(self, *, keep_previous: bool, raise_errors: bool) -> bool:
+        try:
+            fresh = self._fetch()
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, SecretError) else (
+                f"source of secret {self.name!r} failed: {type(exc).__name__}"
+            )
+            with self._cond:
+                if not (keep_previous and self._buf is not None):
+                    self._reason = reason
+                self._cond.notify_all()  # blocked readers now fail with the reason
+            if raise_errors:
+                raise SecretError(reason) from None
+            return False
+        with self._cond:
+            old = self._buf
+            self._buf = fresh  # a new buffer: views of the old one may still be open
+            self.loads += 1
+            self._reason = ""
+            self._cond.notify_all()
+        if old is not None:
+            _zero(old)
+        return True
+
+    def reload(self) -> bool:
+        """Load the value again now. On failure the previous value is kept (one log line)
+        and False returned."""
+        ok = self._load(keep_previous=True, raise_errors=False)
+        if not ok:
+            log.warning("secret %s: reload failed, keeping the previous value: %s",
+                        self.name, self._reason or "error")
+        return ok
+
+    def wipe(self) -> None:
+        """Overwrite the value with zeros now (waits up to ``wipe_wait`` s for open views)."""
+        with self._cond:
+            if self._readers and not self._cond.wait_for(lambda: self._readers == 0,
+                                                         self.wipe_wait):
+                log.warning("secret %s: %d reader(s) still hold a view; wiping under them",
+                            self.name, self._readers)
+            buf, self._buf = self._buf, None
+            self._reason = "wiped before a snapshot; reloaded after restore/resume"
+        if buf is not None:
+            _zero(buf)
+
+    @property
+    def available(self) -> bool:
+        return self._buf is not None
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _wait(self) -> bytearray:
+        """Called with the lock held: the buffer, waiting or raising per ``on_wiped``."""
+        if self._buf is None:
+            if self.on_wiped == "block" and self._reason.startswith("wiped"):
+                deadline = time.monotonic() + self.timeout
+                while self._buf is None and self._reason.startswith("wiped"):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            if self._buf is None:
+                raise SecretUnavailable(f"secret {self.name!r} is unavailable: {self._reason}")
+        return self._buf
+
+    def get(self) -> bytes:
+        """A copy of the value. rehydrate cannot wipe this copy: prefer ``with secret``."""
+        with self._cond:
+            return bytes(self._wait())
+
+    def get_str(self, encoding: str = "utf-8") -> str:
+        """The value decoded (also a copy rehydrate cannot wipe)."""
+        return self.get().decode(encoding)
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[memoryview]:
+        """A read-only ``memoryview`` of the value itself (no copy), valid inside the block."""
+        with self._cond:
+            buf = self._wait()
+            self._readers += 1
+        mv = memoryview(buf).toreadonly()
+        try:
+            yield mv
+        finally:
+            mv.release()
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    def __enter__(self) -> memoryview:
+        cm = self.view()
+        mv = cm.__enter__()
+        stack: list[Any] = self._local.__dict__.setdefault("cms", [])
+        stack.append(cm)
+        return mv
+
+    def __exit__(self, *exc: object) -> None:
+        cm = self._local.__dict__["cms"].pop()
+        cm.__exit__(None, None, None)
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._buf is not None else "unavailable"
+        return f"<Secret {self.name!r} source={self.source} {state}>"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        raise TypeError("Secret objects cannot be pickled")
+
+    def close(self) -> None:
+        """Wipe the value and stop managing this secret."""
+        self.wipe()
+        self._manager.remove(self)
+
+
+def _zero(buf: bytearray) -> None:
+    n = len(buf)
+    try:
+        buf[:] = bytes(n)
+    except BufferError:  # pragma: no cover - same-size assignment never resizes
+        for i in range(n):
+            buf[i] = 0
+
+
+class SecretsManager:
+    """The secrets of one engine: a wipe hook and a reload hook per secret."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.engine = engine
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._secrets: dict[int, weakref.ref[Secret]] = {}
+        engine.add_status("secrets", self._status)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and not is_disabled("secrets")
+
+    def _status(self) -> dict[str, Any]:
+        return {s.name: {"source": s.source, "available": s.available}
+                for s in self.secrets()}
+
+    def secrets(self) -> list[Secret]:
+        with self._lock:
+            refs = list(self._secrets.values())
+        return [s for s in (r() for r in refs) if s is not None]
+
+    def add(self, secret: Secret) -> None:
+        key = id(secret)
+        ref = weakref.ref(secret)
+
+        def on_restore() -> None:
+            s = ref()
+            if s is None:
+                return
+            if not self.active and s.available:
+                return
+            s._load(keep_previous=True, raise_errors=True)
+
+        def on_snapshot() -> None:
+            s = ref()
+            if s is None:
+                return
+            if not self.active:
+                log.info("secrets disabled: secret %s NOT wiped before snapshot", s.name)
+                return
+            s.wipe()
+
+        name = f"rehydrate.secret:{secret.name}"
+        b = self.engine.builtins
+        secret._hooks = (
+            b.register(on_restore, phase=Phase.SECRETS, order=-200, name=name,
+                       required=secret.required, timeout=30.0),
+            b.register(on_snapshot, event="snapshot", phase=Phase.SECRETS, order=-200,
+                       name=name, required=secret.required,
+                       timeout=secret.wipe_wait + 5.0),
+        )
+        with self._lock:
+            self._secrets[key] = ref
+        weakref.finalize(secret, self._forget, key, secret._hooks)
+
+    def _forget(self, key: int, hooks: tuple[Hook, ...]) -> None:
+        with self._lock:
+            self._secrets.pop(key, None)
+        for h in hooks:
+            self.engine.builtins.unregister(h)
+
+    def remove(self, secret: Secret) -> None:
+        self._forget(id(secret), secret._hooks)
+
+
+def manager(engine: Lifecycle | None = None) -> SecretsManager:
+    """The secrets manager of ``engine`` (default: the process-wide engine)."""
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    return engine.extension("secrets", SecretsManager)

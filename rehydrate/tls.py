@@ -1,0 +1,840 @@
+"""TLS certificates that follow restores: self-signed, issued from a CSR, or read from files.
+
+Every managed certificate is a handle with the current :class:`Material` (certificate,
+private key, chain, trust anchors). After every restore (and resume) its built-in hook
+``rehydrate.tls:<name>`` (``SECRETS`` phase, after the ephemeral keys) renews it:
+
+* :func:`self_signed` — a fresh key from kernel entropy, a fresh random serial, a validity
+  window starting now;
+* :func:`issued` — a fresh key and a CSR sent to an :class:`Issuer` (:class:`HTTPIssuer`
+  posts ``{"csr": PEM}`` and expects ``{"certificate": PEM, "chain": [PEM, …]}``);
+* :func:`from_files` — PEM certificate (+ chain), key and optional CA bundle, re-read on
+  restore and whenever the directory holding them changes (watched with watchdog; polled
+  under gVisor, where inotify misses changes made outside the sandbox). Kubernetes' atomic
+  ``..data`` symlink swap is seen because the directory, not the file, is watched.
+
+New material is validated before use — the key matches the certificate, the certificate is
+inside its validity window, and the chain verifies against the CA bundle when one is given.
+Bad material never replaces good material: the previous certificate stays in use, the
+restore hook fails (``required`` decides readiness) and one clear line is logged.
+
+Live TLS: :meth:`ManagedCertificate.server_context` returns an ``ssl.SSLContext`` that is
+kept current — each renewal calls ``load_cert_chain`` on the live context, so new
+handshakes present the new certificate while established connections continue.
+:meth:`ManagedCertificate.attach` does the same for a context made elsewhere (uvicorn's
+``config.ssl``). :meth:`ManagedCertificate.client_context` returns a client context that
+trusts (and optionally presents) the current material; it is rebuilt after every renewal
+(a context cannot forget trust anchors), so fetch it again or :meth:`subscribe`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import os
+import ssl
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from ._disable import is_disabled
+from .hooks import Hook, Phase
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric.types import (
+        CertificateIssuerPrivateKeyTypes,
+        PrivateKeyTypes,
+    )
+
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "CertificateError",
+    "FileCertificate",
+    "HTTPIssuer",
+    "IssuedCertificate",
+    "Issuer",
+    "ManagedCertificate",
+    "Material",
+    "SelfSignedCertificate",
+    "TLSManager",
+    "from_files",
+    "issued",
+    "manager",
+    "self_signed",
+    "validate",
+]
+
+log = logging.getLogger("rehydrate")
+
+CLOCK_SKEW = _dt.timedelta(minutes=5)
+
+
+class CertificateError(ValueError):
+    """New certificate material was rejected (the previous material stays in use)."""
+
+
+def _now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Material:
+    """One certificate with its key; immutable (a renewal makes a new one)."""
+
+    certificate: x509.Certificate
+    private_key: PrivateKeyTypes
+    chain: tuple[x509.Certificate, ...] = ()
+    """Intermediates presented after the leaf (not the root)."""
+    trust: tuple[x509.Certificate, ...] = ()
+    """Trust anchors for clients of this certificate (CA bundle, issuer root, or the
+    certificate itself when self-signed)."""
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def serial(self) -> int:
+        return int(self.certificate.serial_number)
+
+    @property
+    def not_after(self) -> _dt.datetime:
+        return self.certificate.not_valid_after_utc
+
+    def fingerprint(self) -> str:
+        from cryptography.hazmat.primitives import hashes
+
+        return self.certificate.fingerprint(hashes.SHA256()).hex()
+
+    def chain_pem(self) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
+        return b"".join(c.public_bytes(serialization.Encoding.PEM)
+                        for c in (self.certificate, *self.chain))
+
+    def trust_pem(self) -> str:
+        from cryptography.hazmat.primitives import serialization
+
+        return "".join(c.public_bytes(serialization.Encoding.PEM).decode() for c in self.trust)
+
+    def key_pem(self) -> bytes:
+        """The private key as unencrypted PKCS#8 PEM (a copy rehydrate cannot wipe)."""
+        from cryptography.hazmat.primitives import serialization
+
+        return self.private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption())
+
+
+# -- validation --------------------------------------------------------------------------
+
+
+def _spki(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cast(bytes, key.public_bytes(serialization.Encoding.DER,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
+def validate(
+    certificate: x509.Certificate,
+    private_key: PrivateKeyTypes,
+    chain: Sequence[x509.Certificate] = (),
+    trust: Sequence[x509.Certificate] = (),
+    *,
+    now: _dt.datetime | None = None,
+) -> None:
+    """Raise :class:`CertificateError` unless the material is usable.
+
+    Checks: ``private_key`` belongs to ``certificate``; ``now`` lies inside its validity
+    window (with 5 minutes of clock skew before ``notBefore``); when ``trust`` is given, a
+    path from the certificate through ``chain`` to one of ``trust`` verifies (signatures,
+    validity of every certificate) — with cryptography's X.509 path validation where
+    available, else by checking each signature.
+    """
+    now = now or _now()
+    if _spki(certificate.public_key()) != _spki(private_key.public_key()):
+        raise CertificateError("private key does not match the certificate")
+    if now > certificate.not_valid_after_utc:
+        raise CertificateError(
+            f"certificate expired on {certificate.not_valid_after_utc:%Y-%m-%d %H:%M:%S}Z")
+    if now + CLOCK_SKEW < certificate.not_valid_before_utc:
+        raise CertificateError(
+            f"certificate not valid before "
+            f"{certificate.not_valid_before_utc:%Y-%m-%d %H:%M:%S}Z")
+    if trust:
+        _verify_chain(certificate, list(chain), list(trust), now)
+
+
+def _verify_chain(leaf: x509.Certificate, chain: list[x509.Certificate],
+                  trust: list[x509.Certificate], now: _dt.datetime) -> None:
+    try:
+        from cryptography.x509.verification import (
+            ExtensionPolicy,
+            PolicyBuilder,
+            Store,
+            VerificationError,
+        )
+    except ImportError:  # cryptography < 45: check signatures along the chain ourselves
+        _verify_signatures(leaf, chain, trust, now)
+        return
+    if leaf in trust:
+        return  # pinned directly (a self-signed certificate in its own bundle)
+    verifier = (
+        PolicyBuilder()
+        .store(Store(trust))
+        .time(now.replace(tzinfo=None))
+        .extension_policies(ca_policy=ExtensionPolicy.permit_all(),
+                            ee_policy=ExtensionPolicy.permit_all())
+        .build_client_verifier()
+    )
+    try:
+        verifier.verify(leaf, chain)
+    except VerificationError as exc:
+        raise CertificateError(
+            f"certificate chain does not verify against the CA bundle: {exc}") from None
+
+
+def _verify_signatures(leaf: x509.Certificate, chain: list[x509.Certificate],
+                       trust: list[x509.Certificate], now: _dt.datetime) -> None:
+    current = leaf
+    pool = chain + trust
+    for _ in range(len(pool) + 1):
+        if current in trust:
+            return
+        issuer = next((c for c in pool if c.subject == current.issuer and c != current), None)
+        if issuer is None:
+            break
+        try:
+            current.verify_directly_issued_by(issuer)
+        except Exception:
+            break
+        if not issuer.not_valid_before_utc <= now <= issuer.not_valid_after_utc:
+            raise CertificateError("a CA certificate in the chain is outside its validity")
+        current = issuer
+    raise CertificateError("certificate chain does not verify against the CA bundle")
+
+
+# -- writing material into ssl contexts ------------------------------------------------
+
+
+def _private_tmp() -> str | None:
+    # tmpfs: the key PEM never reaches a disk; mkdtemp makes a private 0700 directory there
+    shm = "/dev/shm"  # noqa: S108
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
+def _write_private(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def load_into(ctx: ssl.SSLContext, material: Material) -> None:
+    """``load_cert_chain`` the material into ``ctx`` (via 0600 files in a private 0700
+    directory on tmpfs when available, removed right after loading)."""
+    d = tempfile.mkdtemp(prefix="rehydrate-tls-", dir=_private_tmp())
+    cert_path, key_path = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+    try:
+        _write_private(cert_path, material.chain_pem())
+        _write_private(key_path, material.key_pem())
+        ctx.load_cert_chain(cert_path, key_path)
+    finally:
+        for p in (cert_path, key_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        os.rmdir(d)
+
+
+# -- handles -----------------------------------------------------------------------------
+
+
+class ManagedCertificate:
+    """Base class of the certificate handles. Subclasses implement :meth:`produce`."""
+
+    kind = "certificate"
+
+    def __init__(self, name: str, *, required: bool = True, manager: TLSManager) -> None:
+        self.name = name
+        self.required = required
+        self._manager = manager
+        self._lock = threading.RLock()
+        self._material: Material | None = None
+        self._servers: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
+        self._clients: dict[bool, ssl.SSLContext] = {}
+        self._listeners: list[Callable[[ManagedCertificate], None]] = []
+        self.last_error: str | None = None
+        """Why the last renewal was rejected (None after a success)."""
+        self.renewals = 0
+        self._hooks: tuple[Hook, ...] = ()
+
+    def __repr__(self) -> str:
+        m = self._material
+        serial = f"{m.serial:x}" if m else "none"
+        return f"<{type(self).__name__} {self.name!r} serial={serial}>"
+
+    # -- material ------------------------------------------------------------------
+
+    def produce(self) -> Material:
+        """Build (or read) new material; raise :class:`CertificateError` when unusable."""
+        raise NotImplementedError
+
+    @property
+    def material(self) -> Material:
+        m = self._material
+        if m is None:
+            raise CertificateError(f"certificate {self.name!r} has no material yet"
+                                   + (f": {self.last_error}" if self.last_error else ""))
+        return m
+
+    @property
+    def certificate(self) -> x509.Certificate:
+        return self.material.certificate
+
+    @property
+    def private_key(self) -> PrivateKeyTypes:
+        return self.material.private_key
+
+    @property
+    def serial(self) -> int:
+        return self.material.serial
+
+    def renew(self) -> Material:
+        """Produce, validate and apply new material now. On failure the previous material
+        stays, :attr:`last_error` is set and :class:`CertificateError` raised."""
+        try:
+            new = self.produce()
+        except CertificateError as exc:
+            self.last_error = str(exc)
+            raise
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise CertificateError(self.last_error) from exc
+        self.apply(new)
+        return new
+
+    def apply(self, material: Material) -> None:
+        """Make ``material`` current: live server contexts, client contexts, listeners."""
+        errors: list[str] = []
+        with self._lock:
+            for ctx in list(self._servers):
+                try:
+                    load_into(ctx, material)
+                except (OSError, ssl.SSLError) as exc:
+                    errors.append(f"server context: {exc}")
+            self._material = material
+            self._clients.clear()
+            self.renewals += 1
+            self.last_error = None
+        for fn in list(self._listeners):
+            try:
+                fn(self)
+            except Exception as exc:
+                errors.append(f"listener {fn!r}: {type(exc).__name__}: {exc}")
+        if errors:
+            raise CertificateError(f"certificate {self.name!r} renewed but: "
+                                   + "; ".join(errors))
+
+    def subscribe(self, fn: Callable[[ManagedCertificate], None]
+                  ) -> Callable[[ManagedCertificate], None]:
+        """Call ``fn(handle)`` after every renewal (usable as a decorator)."""
+        self._listeners.append(fn)
+        return fn
+
+    def unsubscribe(self, fn: Callable[[ManagedCertificate], None]) -> None:
+        self._listeners.remove(fn)
+
+    # -- ssl contexts --------------------------------------------------------------
+
+    def server_context(self, *, purpose: int = ssl.PROTOCOL_TLS_SERVER) -> ssl.SSLContext:
+        """A new server ``SSLContext`` presenting this certificate, kept current."""
+        ctx = ssl.SSLContext(purpose)
+        self.attach(ctx)
+        return ctx
+
+    def attach(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
+        """Load the current material into ``ctx`` now and after every renewal."""
+        with self._lock:
+            load_into(ctx, self.material)
+            self._servers.add(ctx)
+        return ctx
+
+    def detach(self, ctx: ssl.SSLContext) -> None:
+        with self._lock:
+            self._servers.discard(ctx)
+
+    def client_context(self, *, present: bool = False) -> ssl.SSLContext:
+        """A client context trusting this certificate's trust anchors (and presenting
+        the certificate for mutual TLS when ``present``). Rebuilt after each renewal:
+        call again (or subscribe) to get the current one."""
+        with self._lock:
+            ctx = self._clients.get(present)
+            if ctx is None:
+                m = self.material
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                if m.trust:
+                    ctx.load_verify_locations(cadata=m.trust_pem())
+                if present:
+                    load_into(ctx, m)
+                self._clients[present] = ctx
+            return ctx
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def _on_restore(self) -> None:
+        if not self._manager.active:
+            log.info("tls disabled: certificate %s NOT renewed", self.name)
+            return
+        previous = self._material
+        try:
+            self.renew()
+        except CertificateError as exc:
+            keep = (f"; keeping serial {previous.serial:x}" if previous is not None
+                    else "; no certificate available")
+            raise CertificateError(f"certificate {self.name!r}: {exc}{keep}") from None
+
+    def close(self) -> None:
+        """Stop managing this certificate (its contexts keep their last material)."""
+        self._manager.remove(self)
+
+    def status(self) -> dict[str, Any]:
+        m = self._material
+        return {
+            "kind": self.kind,
+            "serial": f"{m.serial:x}" if m else None,
+            "not_after": m.not_after.isoformat() if m else None,
+            "renewals": self.renewals,
+            "error": self.last_error,
+        }
+
+
+def _signing_hash(key: Any) -> Any:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ed448, ed25519
+
+    if isinstance(key, (ed25519.Ed25519PrivateKey, ed448.Ed448PrivateKey)):
+        return None
+    return hashes.SHA256()
+
+
+def _names(common_name: str, sans: Sequence[str]) -> tuple[Any, Any]:
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    general: list[x509.GeneralName] = []
+    for san in sans or (common_name,):
+        try:
+            general.append(x509.IPAddress(ipaddress.ip_address(san)))
+        except ValueError:
+            general.append(x509.DNSName(san))
+    return subject, x509.SubjectAlternativeName(general)
+
+
+class SelfSignedCertificate(ManagedCertificate):
+    """A self-signed certificate: new key, serial and validity on every restore."""
+
+    kind = "self-signed"
+
+    def __init__(self, name: str, *, common_name: str = "localhost",
+                 sans: Sequence[str] = ("localhost", "127.0.0.1"),
+                 algorithm: str = "ec-p256", valid_for: _dt.timedelta = _dt.timedelta(days=7),
+                 required: bool = True, manager: TLSManager) -> None:
+        super().__init__(name, required=required, manager=manager)
+        self.common_name = common_name
+        self.sans = tuple(sans)
+        self.algorithm = algorithm
+        self.valid_for = valid_for
+
+    def produce(self) -> Material:
+        from cryptography import x509
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
+        from .keys import generate_private_key
+
+        key = cast("CertificateIssuerPrivateKeyTypes", generate_private_key(self.algorithm))
+        subject, san = _names(self.common_name, self.sans)
+        now = _now()
+        ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())  # os.urandom: fresh per clone
+            .not_valid_before(now - _dt.timedelta(minutes=1))
+            .not_valid_after(now + self.valid_for)
+            .add_extension(san, critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(ski, critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(key, _signing_hash(key))
+        )
+        return Material(cert, key, (), (cert,))
+
+
+class Issuer(Protocol):
+    """Turns a CSR into a certificate. ``issue`` returns (certificate, chain), where the
+    chain lists the intermediates (and optionally the root) in order."""
+
+    def issue(self, csr: x509.CertificateSigningRequest
+              ) -> tuple[x509.Certificate, list[x509.Certificate]]: ...
+
+
+def _load_pem_list(data: bytes, what: str) -> list[x509.Certificate]:
+    from cryptography import x509
+
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise CertificateError(f"{what} is not valid PEM") from None
+    if not certs:
+        raise CertificateError(f"{what} holds no certificate")
+    return certs
+
+
+class HTTPIssuer:
+    """POSTs ``{"csr": "<PEM>"}`` as JSON to ``url`` and reads
+    ``{"certificate": "<PEM>", "chain": ["<PEM>", …]}`` back (httpx).
+
+    ``verify``: passed to httpx (True, a CA bundle path or an ``SSLContext``).
+    ``trust``: CA certificates (or a PEM bundle path) the issued chain must verify
+    against, and that clients of the certificate should trust. Default: the last
+    certificate of the returned chain, when it is self-signed.
+    """
+
+    def __init__(self, url: str, *, headers: dict[str, str] | None = None,
+                 timeout: float = 10.0, verify: Any = True,
+                 trust: Sequence[x509.Certificate] | str | os.PathLike[str] | None = None
+                 ) -> None:
+        self.url = url
+        self.headers = dict(headers or {})
+        self.timeout = timeout
+        self.verify = verify
+        if isinstance(trust, (str, os.PathLike)):
+            with open(trust, "rb") as fh:
+                trust = _load_pem_list(fh.read(), f"CA bundle {os.fspath(trust)}")
+        self.trust: tuple[x509.Certificate, ...] = tuple(trust or ())
+
+    def __repr__(self) -> str:
+        return f"<HTTPIssuer {self.url}>"
+
+    def issue(self, csr: x509.CertificateSigningRequest
+              ) -> tuple[x509.Certificate, list[x509.Certificate]]:
+        import httpx
+        from cryptography.hazmat.primitives import serialization
+
+        pem = csr.public_bytes(serialization.Encoding.PEM).decode()
+        try:
+            resp = httpx.post(self.url, json={"csr": pem}, headers=self.headers,
+                              timeout=self.timeout, verify=self.verify)
+        except httpx.HTTPError as exc:
+            raise CertificateError(f"issuer {self.url} unreachable: "
+                                   f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            raise CertificateError(f"issuer {self.url} answered HTTP {resp.status_code}")
+        try:
+            data = resp.json()
+            cert_pem = data["certificate"]
+            chain_pem = data.get("chain") or []
+            if not isinstance(cert_pem, str) or not isinstance(chain_pem, list):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CertificateError(f"issuer {self.url} returned no JSON "
+                                   '{"certificate": PEM, "chain": [...]}') from None
+        cert = _load_pem_list(cert_pem.encode(), f"certificate from issuer {self.url}")[0]
+        chain = [c for p in chain_pem
+                 for c in _load_pem_list(str(p).encode(), f"chain from issuer {self.url}")]
+        return cert, chain
+
+
+class IssuedCertificate(ManagedCertificate):
+    """A certificate issued by an :class:`Issuer` for a fresh key on every restore."""
+
+    kind = "issued"
+
+    def __init__(self, name: str, issuer: Issuer, *, common_name: str,
+                 sans: Sequence[str] = (), algorithm: str = "ec-p256",
+                 required: bool = True, manager: TLSManager) -> None:
+        super().__init__(name, required=required, manager=manager)
+        self.issuer = issuer
+        self.common_name = common_name
+        self.sans = tuple(sans)
+        self.algorithm = algorithm
+
+    def produce(self) -> Material:
+        from cryptography import x509
+
+        from .keys import generate_private_key
+
+        key = cast("CertificateIssuerPrivateKeyTypes", generate_private_key(self.algorithm))
+        subject, san = _names(self.common_name, self.sans)
+        csr = (x509.CertificateSigningRequestBuilder().subject_name(subject)
+               .add_extension(san, critical=False).sign(key, _signing_hash(key)))
+        cert, chain = self.issuer.issue(csr)
+        trust = tuple(getattr(self.issuer, "trust", ()) or ())
+        if not trust and chain and chain[-1].subject == chain[-1].issuer:
+            trust = (chain[-1],)
+        intermediates = tuple(c for c in chain if c not in trust)
+        validate(cert, key, intermediates, trust)
+        return Material(cert, key, intermediates, trust)
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise CertificateError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+class FileCertificate(ManagedCertificate):
+    """PEM files: certificate (leaf first, then intermediates), key, optional CA bundle."""
+
+    kind = "files"
+
+    def __init__(self, name: str, *, cert: str, key: str, ca: str | None = None,
+                 password: bytes | None = None, watch: bool = True,
+                 poll: bool | None = None, poll_interval: float = 1.0,
+                 debounce: float = 0.2, required: bool = True, manager: TLSManager) -> None:
+        super().__init__(name, required=required, manager=manager)
+        self.cert_path = os.fspath(cert)
+        self.key_path = os.fspath(key)
+        self.ca_path = os.fspath(ca) if ca is not None else None
+        self.password = password
+        self.debounce = debounce
+        self.poll_interval = poll_interval
+        self.polling = _use_polling() if poll is None else poll
+        self._observer: Any = None
+        self._timer: threading.Timer | None = None
+        self._logged_error: str | None = None
+        self._watch = watch
+
+    def produce(self) -> Material:
+        from cryptography.hazmat.primitives import serialization
+
+        certs = _load_pem_list(_read(self.cert_path, "certificate file"),
+                               f"certificate file {self.cert_path}")
+        key_data = _read(self.key_path, "key file")
+        try:
+            key = serialization.load_pem_private_key(key_data, password=self.password)
+        except (ValueError, TypeError) as exc:
+            raise CertificateError(f"key file {self.key_path} is not a usable PEM private key"
+                                   f" ({exc})") from None
+        trust: list[x509.Certificate] = []
+        if self.ca_path is not None:
+            trust = _load_pem_list(_read(self.ca_path, "CA bundle"),
+                                   f"CA bundle {self.ca_path}")
+        leaf, chain = certs[0], tuple(certs[1:])
+        validate(leaf, key, chain, trust)
+        return Material(leaf, key, chain, tuple(trust))
+
+    # -- watching ------------------------------------------------------------------
+
+    def start_watching(self) -> None:
+        if not self._watch or self._observer is not None:
+            return
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+
+        if self.polling:
+            from watchdog.observers.polling import PollingObserver
+
+            observer: Any = PollingObserver(timeout=self.poll_interval)
+        else:
+            from watchdog.observers import Observer
+
+            observer = Observer()
+        handle = self
+
+        class _Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                handle._schedule_reload()
+
+        dirs = {os.path.dirname(os.path.abspath(p)) for p in
+                (self.cert_path, self.key_path, self.ca_path) if p is not None}
+        for d in sorted(dirs):
+            observer.schedule(_Handler(), d, recursive=False)
+        observer.daemon = True
+        observer.start()
+        self._observer = observer
+
+    def stop_watching(self) -> None:
+        obs, self._observer = self._observer, None
+        if self._timer is not None:
+            self._timer.cancel()
+        if obs is not None:
+            obs.stop()
+            obs.join(timeout=5)
+
+    def _schedule_reload(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.debounce, self.reload_if_changed)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the files; apply them when they hold new, valid material. A rejected
+        change keeps the previous material and logs one line (once per distinct error).
+        Returns True when new material was applied."""
+        try:
+            new = self.produce()
+        except Exception as exc:
+            msg = str(exc) if isinstance(exc, CertificateError) else (
+                f"{type(exc).__name__}: {exc}")
+            self.last_error = msg
+            if msg != self._logged_error:
+                self._logged_error = msg
+                prev = self._material
+                log.warning("tls: certificate %s: rejected new files (%s); keeping %s",
+                            self.name, msg,
+                            f"serial {prev.serial:x}" if prev else "no certificate")
+            return False
+        self._logged_error = None
+        current = self._material
+        if current is not None and current.fingerprint() == new.fingerprint() and \
+                _spki(current.private_key.public_key()) == _spki(new.private_key.public_key()) \
+                and current.trust == new.trust:
+            self.last_error = None
+            return False
+        try:
+            self.apply(new)
+        except CertificateError as exc:
+            log.warning("tls: %s", exc)
+        log.info("tls: certificate %s reloaded from files (serial %x)", self.name, new.serial)
+        return True
+
+    def close(self) -> None:
+        self.stop_watching()
+        super().close()
+
+    def status(self) -> dict[str, Any]:
+        out = super().status()
+        out["watching"] = ("poll" if self.polling else "inotify") if self._observer else None
+        return out
+
+
+def _use_polling() -> bool:
+    forced = os.environ.get("REHYDRATE_WATCH", "").strip().lower()
+    if forced in ("poll", "polling"):
+        return True
+    if forced in ("inotify", "native"):
+        return False
+    try:
+        from .detect._util import running_under_gvisor
+    except ImportError:  # pragma: no cover
+        return os.path.isdir("/proc/gvisor")
+    return running_under_gvisor()
+
+
+class TLSManager:
+    """The managed certificates of one engine."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.engine = engine
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._certs: dict[str, ManagedCertificate] = {}
+        engine.add_status("tls", lambda: {c.name: c.status() for c in self.certificates()})
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and not is_disabled("tls", "secrets")
+
+    def certificates(self) -> list[ManagedCertificate]:
+        with self._lock:
+            return list(self._certs.values())
+
+    def get(self, name: str) -> ManagedCertificate | None:
+        with self._lock:
+            return self._certs.get(name)
+
+    def add(self, cert: ManagedCertificate) -> ManagedCertificate:
+        """Produce the first material (raises :class:`CertificateError` when unusable),
+        register the restore hook, start watching files."""
+        with self._lock:
+            existing = self._certs.get(cert.name)
+            if existing is not None:
+                if type(existing) is not type(cert):
+                    raise ValueError(f"certificate {cert.name!r} already exists as "
+                                     f"{existing.kind}")
+                return existing
+        cert.renew()
+        with self._lock:
+            existing = self._certs.get(cert.name)
+            if existing is not None:
+                return existing
+            self._certs[cert.name] = cert
+        cert._hooks = (self.engine.builtins.register(
+            cert._on_restore, phase=Phase.SECRETS, order=100,
+            name=f"rehydrate.tls:{cert.name}", required=cert.required, timeout=60.0),)
+        if isinstance(cert, FileCertificate):
+            cert.start_watching()
+        return cert
+
+    def remove(self, cert: ManagedCertificate) -> None:
+        with self._lock:
+            if self._certs.get(cert.name) is cert:
+                del self._certs[cert.name]
+        for h in cert._hooks:
+            self.engine.builtins.unregister(h)
+        cert._hooks = ()
+
+
+def manager(engine: Lifecycle | None = None) -> TLSManager:
+    """The TLS manager of ``engine`` (default: the process-wide engine)."""
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    return engine.extension("tls", TLSManager)
+
+
+def self_signed(name: str, *, common_name: str = "localhost",
+                sans: Sequence[str] = ("localhost", "127.0.0.1"), algorithm: str = "ec-p256",
+                valid_for: _dt.timedelta = _dt.timedelta(days=7), required: bool = True,
+                engine: Lifecycle | None = None) -> SelfSignedCertificate:
+    """A self-signed certificate renewed (key, serial, validity) on every restore.
+    The same ``name`` returns the same handle."""
+    m = manager(engine)
+    return cast(SelfSignedCertificate, m.add(SelfSignedCertificate(
+        name, common_name=common_name, sans=sans, algorithm=algorithm, valid_for=valid_for,
+        required=required, manager=m)))
+
+
+def issued(name: str, issuer: Issuer, *, common_name: str, sans: Sequence[str] = (),
+           algorithm: str = "ec-p256", required: bool = True,
+           engine: Lifecycle | None = None) -> IssuedCertificate:
+    """A certificate for a fresh key, issued by ``issuer`` now and after every restore.
+    Raises :class:`CertificateError` when the first issuance fails."""
+    m = manager(engine)
+    return cast(IssuedCertificate, m.add(IssuedCertificate(
+        name, issuer, common_name=common_name, sans=sans, algorithm=algorithm,
+        required=required, manager=m)))
+
+
+def from_files(name: str, *, cert: str | os.PathLike[str], key: str | os.PathLike[str],
+               ca: str | os.PathLike[str] | None = None, password: bytes | None = None,
+               watch: bool = True, poll: bool | None = None, poll_interval: float = 1.0,
+               required: bool = True, engine: Lifecycle | None = None) -> FileCertificate:
+    """A certificate read from PEM files, re-read on restore and when its directory
+    changes. ``poll``: force polling (default: poll under gVisor, inotify elsewhere;
+    ``REHYDRATE_WATCH=poll|inotify`` overrides). Raises :class:`CertificateError` when the
+    files are unusable now."""
+    m = manager(engine)
+    return cast(FileCertificate, m.add(FileCertificate(
+        name, cert=os.fspath(cert), key=os.fspath(key),
+        ca=os.fspath(ca) if ca is not None else None, password=password, watch=watch,
+        poll=poll, poll_interval=poll_interval, required=required, manager=m)))
