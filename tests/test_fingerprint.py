@@ -1,0 +1,302 @@
+"""Snapshot manifest: drift detection, `rehydrate check`, miss detection."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import rehydrate
+from rehydrate import fingerprint as fp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse sse2 avx avx2 avx512f amx_tile
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse sse2 avx avx2 avx512f amx_tile
+"""
+NVIDIA = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  "
+          "Sat Aug 19 01:15:15 UTC 2023\nGCC version:  gcc version 12.2.0\n")
+
+
+def make_root(base: Path, *, cpuinfo: str = CPUINFO, kernel: str = "6.1.0-18-cloud-amd64",
+              nvidia: str | None = NVIDIA, gvisor: bool = False) -> Path:
+    (base / "proc/sys/kernel").mkdir(parents=True, exist_ok=True)
+    (base / "proc/cpuinfo").write_text(cpuinfo)
+    (base / "proc/sys/kernel/osrelease").write_text(kernel + "\n")
+    nv = base / "proc/driver/nvidia/version"
+    if nvidia is None:
+        nv.unlink(missing_ok=True)
+    else:
+        nv.parent.mkdir(parents=True, exist_ok=True)
+        nv.write_text(nvidia)
+    if gvisor:
+        (base / "proc/gvisor").mkdir(exist_ok=True)
+    return base
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rehydrate", *args], capture_output=True,
+                          text=True, timeout=60, check=False, env=env, cwd=ROOT)
+
+
+def test_manifest_fields_from_fake_proc(tmp_path):
+    root = make_root(tmp_path, gvisor=True)
+    m = fp.fingerprint(root=root)
+    json.dumps(m)  # JSON-serialisable
+    assert m["cpu_vendor"] == "GenuineIntel"
+    assert m["cpu_model"].startswith("Intel(R) Xeon(R) Platinum 8481C")
+    assert m["cpu_flags"] == sorted(["fpu", "sse", "sse2", "avx", "avx2", "avx512f", "amx_tile"])
+    assert m["kernel_release"] == "6.1.0-18-cloud-amd64"
+    assert m["gpu_driver"] == "535.104.05"
+    assert m["gvisor"] is True
+    assert m["python"] == platform.python_version()
+    assert m["arch"] == platform.machine()
+    assert m["distributions"].startswith("sha256:") and m["distributions_count"] > 5
+
+
+def test_real_node_manifest_has_platform_release_and_no_per_process_fields(monkeypatch):
+    monkeypatch.setenv("MODEL_URL", "https://models.example/v7")
+    m = fp.fingerprint(env_keys=["MODEL_URL", "ABSENT_KEY"])
+    assert m["kernel_release"] == platform.release()
+    text = json.dumps(m)
+    assert "models.example" not in text  # env values never in clear
+    assert m["env"]["keys"]["ABSENT_KEY"] is None
+    assert m["env"]["keys"]["MODEL_URL"].startswith("sha256:")
+    assert str(os.getpid()) not in json.dumps({k: v for k, v in m.items() if k != "env"})
+    # same salt, another process: identical manifest (no PID, no timestamps)
+    salt = m["env"]["salt"]
+    code = ("import json,sys; from rehydrate.fingerprint import fingerprint; "
+            f"print(json.dumps(fingerprint(['MODEL_URL','ABSENT_KEY'], salt={salt!r})))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=60, env=dict(os.environ))
+    assert json.loads(other.stdout) == m
+
+
+def test_drift_in_fake_proc_is_reported_field_by_field(tmp_path):
+    root = make_root(tmp_path)
+    manifest = fp.fingerprint(root=root)
+    assert fp.check(manifest, root) == []
+
+    make_root(tmp_path, kernel="6.8.0-1015-gcp",
+              nvidia=NVIDIA.replace("535.104.05", "550.54.15"),
+              cpuinfo=CPUINFO.replace(" amx_tile", "").replace(" avx512f", " avx512f avx_vnni"))
+    mism = {m.field: m for m in fp.check(manifest, root)}
+    assert set(mism) == {"kernel_release", "gpu_driver", "cpu_flags"}
+    assert (mism["gpu_driver"].expected, mism["gpu_driver"].actual) == ("535.104.05", "550.54.15")
+    assert mism["kernel_release"].actual == "6.8.0-1015-gcp"
+    assert mism["cpu_flags"].expected == ["amx_tile"]  # extra flags (avx_vnni) are fine
+    field, reason = fp.most_likely_reason(fp.check(manifest, root))
+    assert field == "gpu_driver" and "550.54.15" in reason
+
+    make_root(tmp_path, cpuinfo=CPUINFO.replace("8481C", "8581C"), nvidia=None)
+    mism = {m.field: m for m in fp.check(manifest, root)}
+    assert mism["gpu_driver"].actual is None
+    assert "cpu_model" in mism
+
+
+def test_env_key_change_is_a_mismatch(monkeypatch):
+    monkeypatch.setenv("MODEL_REVISION", "r1")
+    manifest = fp.fingerprint(env_keys=["MODEL_REVISION"])
+    assert fp.check(manifest) == []
+    monkeypatch.setenv("MODEL_REVISION", "r2")
+    (m,) = fp.check(manifest)
+    assert m.field == "env.MODEL_REVISION"
+    assert "r1" not in json.dumps(m.to_dict()) and "r2" not in json.dumps(m.to_dict())
+
+
+def test_check_cli_exit_codes_and_json(tmp_path):
+    # a fresh manifest written by another process passes on the same node
+    path = tmp_path / "m.json"
+    subprocess.run([sys.executable, "-c",
+                    "import sys; from rehydrate.fingerprint import fingerprint, write_manifest;"
+                    f"write_manifest(fingerprint(), {str(path)!r})"],
+                   check=True, timeout=60, cwd=ROOT)
+    ok = run_cli("check", str(path), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout) == {"compatible": True, "mismatches": []}
+    assert run_cli("check", str(path)).returncode == 0
+
+    manifest = json.loads(path.read_text())
+    manifest["gvisor_version"] = "release-20250101.0"
+    manifest["python"] = "3.9.0"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(manifest))
+    res = run_cli("check", str(bad), "--json")
+    assert res.returncode == 1
+    out = json.loads(res.stdout)
+    assert out["compatible"] is False
+    assert out["mismatches"] == [
+        {"field": "gvisor_version", "expected": "release-20250101.0", "actual": None},
+        {"field": "python", "expected": "3.9.0", "actual": platform.python_version()},
+    ]
+    text = run_cli("check", str(bad))
+    assert text.returncode == 1 and "gvisor_version" in text.stdout
+
+    # fake proc root (hidden --root option): drift seen by the CLI too
+    root = make_root(tmp_path / "node")
+    fp.write_manifest(fp.fingerprint(root=root), tmp_path / "fake.json")
+    make_root(tmp_path / "node", nvidia=NVIDIA.replace("535.104.05", "550.54.15"))
+    res = run_cli("check", str(tmp_path / "fake.json"), "--json", "--root", str(root))
+    assert res.returncode == 1
+    assert [m["field"] for m in json.loads(res.stdout)["mismatches"]] == ["gpu_driver"]
+
+    (tmp_path / "garbage.json").write_text("{not json")
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    for p in ("missing.json", "garbage.json", "other.json"):
+        res = run_cli("check", str(tmp_path / p), "--json")
+        assert res.returncode == 2, p
+        assert json.loads(res.stdout)["compatible"] is False
+        assert run_cli("check", str(tmp_path / p)).returncode == 2
+
+
+def test_different_package_set_in_a_second_venv(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    py = venv / "bin/python"
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT)}
+    code = ("import json; from rehydrate.fingerprint import fingerprint; "
+            "print(json.dumps(fingerprint()))")
+    res = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60,
+                         check=False, env=env)
+    assert res.returncode == 0, res.stderr
+    theirs = json.loads(res.stdout)
+    ours = fp.fingerprint()
+    assert theirs["distributions"] != ours["distributions"]
+    assert theirs["distributions_count"] < ours["distributions_count"]
+    assert theirs["python"] == ours["python"] and theirs["kernel_release"] == ours["kernel_release"]
+    path = tmp_path / "venv-manifest.json"
+    path.write_text(json.dumps(theirs))
+    out = run_cli("check", str(path), "--json")
+    assert out.returncode == 1
+    assert [m["field"] for m in json.loads(out.stdout)["mismatches"]] == ["distributions"]
+
+
+def test_manifest_written_before_snapshot_and_checked_after_restore(rehydrate_engine, tmp_path,
+                                                                    caplog):
+    engine = rehydrate_engine
+    root = make_root(tmp_path / "node")
+    path = tmp_path / "vol" / "manifest.json"
+    fp.configure(path=path, root=root, engine=engine)
+    assert engine.simulate_snapshot().ok
+    written = fp.load_manifest(path)
+    assert written["gpu_driver"] == "535.104.05"
+    assert engine.status().extra["fingerprint"]["manifest"] == written
+
+    # restore on a node with the same properties: compatible
+    report = engine.simulate_restore()
+    assert report.ok
+    assert engine.status().extra["fingerprint"]["compatible"] is True
+
+    # restore on an upgraded node: reported, but not fatal unless strict
+    make_root(tmp_path / "node", nvidia=NVIDIA.replace("535.104.05", "550.54.15"))
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        report = engine.simulate_restore()
+    assert report.ok
+    st = engine.status().extra["fingerprint"]
+    assert st["compatible"] is False
+    assert st["mismatches"] == [{"field": "gpu_driver", "expected": "535.104.05",
+                                 "actual": "550.54.15"}]
+    lines = [r.getMessage() for r in caplog.records if "differs from the snapshot" in r.message]
+    assert len(lines) == 1 and "gpu_driver" in lines[0]
+
+    fp.configure(strict=True, engine=engine)
+    report = engine.simulate_restore()
+    assert not report.ok
+    (hook,) = [h for h in report.hooks if h.name == "rehydrate.fingerprint.check"]
+    assert hook.outcome == "failed" and hook.required
+    assert isinstance(hook.error, fp.FingerprintMismatch)
+    assert engine.state == "degraded" and not engine.is_ready()
+    # a resume (same node, same process) is not checked
+    assert engine.simulate_restore(kind="resume").ok
+
+
+def test_manifest_embedded_in_status_only(rehydrate_engine):
+    engine = rehydrate_engine
+    fp.configure(engine=engine)
+    engine.simulate_snapshot()
+    st = engine.status().to_dict()["fingerprint"]
+    assert st["path"] is None and st["manifest"]["schema"] == fp.SCHEMA
+    json.dumps(st)
+
+
+_MISS = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+import rehydrate
+rehydrate.start(detectors="none")
+print(json.dumps(rehydrate.status().to_dict().get("fingerprint")))
+"""
+
+
+def _start(env_extra: dict[str, str]) -> tuple[dict | None, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REHYDRATE_")}
+    env.update(env_extra)
+    res = subprocess.run([sys.executable, "-c", _MISS], capture_output=True, text=True,
+                         timeout=60, check=False, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+
+def test_miss_detected_when_manifest_exists_and_process_starts_cold(tmp_path):
+    path = tmp_path / "manifest.json"
+    # the first Pod: no manifest yet, no miss
+    st, err = _start({"REHYDRATE_MANIFEST": str(path)})
+    assert st is not None and st["snapshot_miss"] is None
+    assert "snapshot-miss" not in err
+
+    # a snapshot was taken on a node with another GPU driver; this Pod started cold
+    manifest = fp.fingerprint()
+    manifest["gpu_driver"] = "535.104.05"
+    fp.write_manifest(manifest, path)
+    st, err = _start({"REHYDRATE_MANIFEST": str(path)})
+    miss = st["snapshot_miss"]
+    assert miss["field"] == "gpu_driver"
+    assert "535.104.05" in miss["reason"]
+    assert miss["expected_by"] == f"manifest {path}"
+    assert err.count("snapshot-miss") == 1 and "gpu_driver" in err
+
+    # the same node's manifest: the snapshot itself must be missing
+    fp.write_manifest(fp.fingerprint(), path)
+    st, _ = _start({"REHYDRATE_MANIFEST": str(path)})
+    assert st["snapshot_miss"]["field"] is None
+    assert "not found" in st["snapshot_miss"]["reason"]
+
+
+def test_miss_declared_by_environment_without_manifest():
+    st, err = _start({"REHYDRATE_EXPECT_RESTORE": "1"})
+    assert st["snapshot_miss"]["expected_by"] == "REHYDRATE_EXPECT_RESTORE"
+    assert "cause unknown" in st["snapshot_miss"]["reason"]
+    assert "snapshot-miss" in err
+    st, err = _start({})
+    assert st is None and "snapshot-miss" not in err
+
+
+def test_no_miss_after_a_restore(rehydrate_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("REHYDRATE_EXPECT_RESTORE", "1")
+    engine = rehydrate_engine
+    engine.simulate_restore()  # generation 1: this process was restored
+    engine.start(detectors="none")
+    assert engine.status().extra["fingerprint"]["snapshot_miss"] is None
+    engine.stop()
+
+
+def test_import_stays_light():
+    assert "rehydrate.fingerprint" in sys.modules  # imported by this test module
+    res = subprocess.run([sys.executable, "-c",
+                          "import sys, rehydrate; print(sorted(m for m in sys.modules "
+                          "if m.startswith('opentelemetry')))"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    assert res.stdout.strip() == "[]"
+    assert rehydrate.Lifecycle  # noqa: B018
