@@ -50,8 +50,12 @@ def _before_snapshot() -> None:
         if not report.ok:
             failed.append(report)
     if failed:
-        errors = "; ".join(str(r.error) for r in failed)
-        raise SnapStartHookFailed(f"rehydrate before-snapshot hooks failed: {errors}") \
+        names = "; ".join(
+            f"{h.name} {h.outcome}" + (f" ({type(h.error).__name__}: {h.error})"
+                                       if h.error is not None else "")
+            for r in failed for h in r.hooks
+            if h.required and h.outcome in ("failed", "timeout"))
+        raise SnapStartHookFailed(f"rehydrate before-snapshot hooks failed: {names}") \
             from failed[0].error
 
 

@@ -106,7 +106,7 @@ def _parse(data: bytes) -> VmClock:
                            f"{LAYOUT.size}")
     f = LAYOUT.unpack_from(data)
     clock = VmClock(magic=f[0], size=f[1], version=f[2], seq_count=f[5],
-                    disruption_marker=f[6], flags=f[7], vm_generation_counter=f[24])
+                    disruption_marker=f[6], flags=f[7], vm_generation_counter=f[-1])
     if clock.magic != MAGIC:
         raise VmClockError(f"bad magic 0x{clock.magic:08x} (want 0x{MAGIC:08x} 'VCLK')")
     if clock.version != 1:

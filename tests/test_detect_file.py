@@ -1,0 +1,104 @@
+"""Marker-file detector with real file changes, through inotify and through polling."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from detect_helpers import REPO, Recorder, wait_for
+
+from rehydrate.detect._util import running_under_gvisor
+from rehydrate.detect.files import MarkerFileDetector
+
+
+@pytest.fixture(params=["inotify", "polling"])
+def mode(request):  # type: ignore[no-untyped-def]
+    return request.param
+
+
+def test_marker_written_is_a_restore(rehydrate_engine, tmp_path, mode):
+    marker = tmp_path / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = MarkerFileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
+    rehydrate_engine.start([det])
+
+    marker.write_text("restore 1\n")  # appears
+    calls = rec.wait(1)
+    assert (calls[0]["reason"], calls[0]["kind"], calls[0]["generation"]) == \
+        ("file", "restore", 1)
+
+    tmp = tmp_path / "restored.tmp"  # rewritten atomically (rename over it)
+    tmp.write_text("restore 2\n")
+    os.replace(tmp, marker)
+    rec.wait(2)
+    assert rec.calls[1]["generation"] == 2
+
+    checks = det.checks
+    marker.unlink()  # deleting it is not a restore
+    wait_for(lambda: det.checks > checks, what="the deletion to be looked at")
+    assert len(rec.calls) == 2
+    assert det.describe().endswith("inotify)" if mode == "inotify" else "0.02s)")
+
+
+def test_a_burst_of_writes_is_one_restore(rehydrate_engine, tmp_path):
+    marker = tmp_path / "state.json"
+    marker.write_text("{}")
+    rec = Recorder(rehydrate_engine)
+    det = MarkerFileDetector(marker, polling=False, window=30)
+    rehydrate_engine.start([det])
+    with open(marker, "w") as f:  # truncate …
+        f.flush()
+        os.fsync(f.fileno())
+        f.write('{"restored": true}')  # … then write
+    rec.wait(1)
+    wait_for(lambda: det._state is not None and det._state[1] > 2,
+             what="the final content to be seen")
+    rehydrate_engine.stop()
+    assert len(rec.calls) == 1
+
+
+def test_configuration(monkeypatch, tmp_path):
+    monkeypatch.delenv("REHYDRATE_MARKER_FILE", raising=False)
+    assert "REHYDRATE_MARKER_FILE is not set" in (MarkerFileDetector.probe() or "")
+    with pytest.raises(ValueError):
+        MarkerFileDetector()
+    monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "nodir" / "m"))
+    assert "does not exist" in (MarkerFileDetector.probe() or "")
+    monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "m"))
+    assert MarkerFileDetector.probe() is None
+
+    monkeypatch.setenv("REHYDRATE_WATCH_POLLING", "1")
+    monkeypatch.setenv("REHYDRATE_WATCH_INTERVAL", "0.1")
+    det = MarkerFileDetector()
+    assert (det.polling, det.interval, det.path) == (True, 0.1, str(tmp_path / "m"))
+    monkeypatch.setenv("REHYDRATE_WATCH_POLLING", "0")
+    assert MarkerFileDetector().polling is False
+    monkeypatch.delenv("REHYDRATE_WATCH_POLLING")
+    assert MarkerFileDetector().polling is running_under_gvisor()
+
+
+def test_not_gvisor_here():
+    if os.path.isdir("/proc/gvisor"):
+        pytest.skip("running inside gVisor")
+    assert running_under_gvisor() is False
+
+
+@pytest.mark.gvisor
+def test_gvisor_is_recognised_inside_runsc():
+    """`runsc do` runs a command in a real gVisor sandbox over the host's filesystem."""
+    runsc = shutil.which("runsc-trixie") or shutil.which("runsc")
+    if os.geteuid() != 0 or runsc is None:
+        reason = "needs root and runsc"
+        if os.environ.get("REHYDRATE_REQUIRE_GVISOR") == "1":
+            pytest.fail(f"REHYDRATE_REQUIRE_GVISOR=1 but {reason}")
+        pytest.skip(reason)
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from rehydrate.detect._util import running_under_gvisor as g; "
+            "print(g())")
+    out = subprocess.run([runsc, "--network=none", "do", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"

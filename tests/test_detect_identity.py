@@ -1,0 +1,75 @@
+"""Identity detector: hostname, boot_id, machine-id changes under a test root directory."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from detect_helpers import Recorder, wait_for
+
+from rehydrate.detect.identity import SOURCES, IdentityDetector, read_identity
+
+
+def make_root(tmp_path: Path, **values: str) -> Path:
+    root = tmp_path / "root"
+    for field, rel in SOURCES.items():
+        if field in values:
+            p = root / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(values[field] + "\n")
+    return root
+
+
+def test_reads_the_real_identity_here():
+    values = read_identity()
+    assert values["hostname"]
+    assert values["boot_id"] and len(values["boot_id"]) == 36
+    assert IdentityDetector.probe() is None
+
+
+def test_boot_id_change_is_a_restore(rehydrate_engine, tmp_path):
+    root = make_root(tmp_path, hostname="pod-a", boot_id=str(uuid.uuid4()),
+                     machine_id="0" * 32)
+    rec = Recorder(rehydrate_engine)
+    det = IdentityDetector(interval=0.02, root=root)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.polls >= 3)
+    assert rec.calls == []
+
+    (root / SOURCES["boot_id"]).write_text(str(uuid.uuid4()) + "\n")
+    calls = rec.wait(1)
+    assert (calls[0]["reason"], calls[0]["kind"], calls[0]["generation"]) == \
+        ("identity", "restore", 1)
+
+    (root / SOURCES["hostname"]).write_text("pod-b\n")
+    rec.wait(2)
+    assert rec.calls[1]["generation"] == 2
+    assert det.changes == 2
+
+
+def test_appearing_or_vanishing_values_are_not_restores(rehydrate_engine, tmp_path):
+    root = make_root(tmp_path, hostname="pod-a", boot_id="b1")
+    rec = Recorder(rehydrate_engine)
+    det = IdentityDetector(interval=0.02, root=root)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.polls >= 2)
+
+    mid = root / SOURCES["machine_id"]
+    mid.parent.mkdir(parents=True, exist_ok=True)
+    mid.write_text("1" * 32 + "\n")  # appears: systemd-firstboot, not a clone
+    polls = det.polls
+    wait_for(lambda: det.polls >= polls + 3)
+    (root / SOURCES["hostname"]).unlink()  # briefly unreadable
+    polls = det.polls
+    wait_for(lambda: det.polls >= polls + 3)
+    (root / SOURCES["hostname"]).write_text("pod-a\n")  # back, unchanged
+    polls = det.polls
+    wait_for(lambda: det.polls >= polls + 3)
+    assert rec.calls == []
+
+
+def test_interval_from_environment(monkeypatch):
+    monkeypatch.setenv("REHYDRATE_IDENTITY_INTERVAL", "7.5")
+    assert IdentityDetector().interval == 7.5
+    monkeypatch.setenv("REHYDRATE_IDENTITY_INTERVAL", "x")
+    assert IdentityDetector().interval == 2.0

@@ -1,0 +1,97 @@
+"""start("auto") picks what is usable here; doctor names every detector with a reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from detect_helpers import REPO
+from test_detect_vmclock import FakeVmClock
+
+from rehydrate.detect import CATALOGUE, available, load, select
+
+GENERIC = ("clock-jump", "identity", "vmclock", "signal", "file", "snapstart")
+
+
+@pytest.fixture(autouse=True)
+def plain_environment(monkeypatch):  # type: ignore[no-untyped-def]
+    for name in ("REHYDRATE_MARKER_FILE", "REHYDRATE_VMCLOCK_PATH"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_catalogue_has_every_generic_detector():
+    for name in GENERIC:
+        cls = load(name)
+        assert cls.name == name
+        assert (cls.__doc__ or "").strip()
+
+
+def test_auto_picks_what_is_usable_here(rehydrate_engine, tmp_path, monkeypatch):
+    names = [d.name for d in select("auto")]
+    assert {"clock-jump", "identity", "snapstart"} <= set(names)
+    assert "signal" not in names  # usable, but off unless asked for
+    assert "file" not in names  # no marker file configured
+    if not os.path.exists("/dev/vmclock0"):
+        assert "vmclock" not in names
+
+    monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "marker"))
+    monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(FakeVmClock(tmp_path / "vmclock0").path))
+    running = rehydrate_engine.start("auto")
+    try:
+        assert {"clock-jump", "identity", "snapstart", "file", "vmclock"} <= set(running)
+        assert set(running) == set(rehydrate_engine.status().detectors)
+    finally:
+        rehydrate_engine.stop()
+    assert rehydrate_engine.status().detectors == ()
+
+
+def test_explicit_unusable_detector_is_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="file is not usable here: REHYDRATE_MARKER_FILE"):
+        select(["file"])
+
+
+def test_available_gives_every_detector_a_reason():
+    infos = {i.name: i for i in available()}
+    assert set(infos) == set(CATALOGUE)
+    for info in infos.values():
+        assert info.reason, info
+    assert infos["clock-jump"].usable and infos["clock-jump"].auto
+    assert infos["signal"].usable and "off unless asked" in infos["signal"].reason
+    assert not infos["file"].usable and "REHYDRATE_MARKER_FILE" in infos["file"].reason
+
+
+def _doctor(*args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("REHYDRATE_MARKER_FILE", None)
+    env.pop("REHYDRATE_VMCLOCK_PATH", None)
+    out = subprocess.run([sys.executable, "-m", "rehydrate", "doctor", *args],
+                         capture_output=True, text=True, env=env, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_doctor_names_every_detector_and_why():
+    text = _doctor()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    for name in CATALOGUE:
+        assert name in lines, text
+    assert "no /dev/vmclock0" in lines["vmclock"] or os.path.exists("/dev/vmclock0")
+    assert "REHYDRATE_MARKER_FILE is not set" in lines["file"]
+    assert "off unless asked for" in lines["signal"]
+
+    data = json.loads(_doctor("--json"))
+    by_name = {d["name"]: d for d in data["detectors"]}
+    assert set(by_name) == set(CATALOGUE)
+    assert all(d["reason"] for d in by_name.values())
+
+
+def test_auto_detectors_cost_little_to_start_and_stop(rehydrate_engine):
+    t0 = time.monotonic()
+    rehydrate_engine.start("auto")
+    rehydrate_engine.stop()
+    assert time.monotonic() - t0 < 2.0
