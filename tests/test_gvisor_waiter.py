@@ -1,0 +1,464 @@
+"""The gVisor checkpoint waiter against real stand-ins of /proc/gvisor.
+
+* Waiter tests: ``checkpoint`` is a FIFO, as the gVisor test harness emulates it; the
+  test plays gVisor by opening the FIFO for writing and writing one answer line.
+* Trigger tests: ``checkpoint`` is a symlink to a pseudo-terminal slave, a character
+  device like gVisor's file: a ``1`` written to it arrives at the master side (the fake
+  platform), and what the platform writes to the master is what reads of the file return.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pty
+import select
+import threading
+import time
+import tty
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rehydrate import Lifecycle, Registry
+from rehydrate.detect import gvisor
+from rehydrate.detect.gvisor import (
+    ANNOTATION,
+    GVisorError,
+    GVisorWaiter,
+    TriggerNotPermitted,
+    trigger_snapshot,
+)
+from rehydrate.env import EnvRefresher
+
+DEADLINE = 5.0
+
+
+def wait_for(cond: Callable[[], object], timeout: float = DEADLINE,
+             what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def saved_environ() -> Iterator[None]:
+    saved = dict(os.environb)
+    yield
+    for k in [k for k in os.environb if k not in saved]:
+        del os.environb[k]
+    for k, v in saved.items():
+        if os.environb.get(k) != v:
+            os.environb[k] = v
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> Path:
+    d = tmp_path / "gvisor"
+    d.mkdir()
+    os.mkfifo(d / "checkpoint")
+    (d / "spec_environ").write_bytes(b"REHYDRATE_T_A=1\0REHYDRATE_T_B=2\0")
+    return d
+
+
+@pytest.fixture
+def engine(proc: Path, saved_environ: None) -> Iterator[Lifecycle]:
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=str(proc / "spec_environ")))
+    yield eng
+    eng.close()
+
+
+class Recorder:
+    """Restore/snapshot hooks that remember what ran; ``wait(n)`` blocks for n calls."""
+
+    def __init__(self, eng: Lifecycle) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+        self.cond = threading.Condition()
+
+        def on_restore(ctx):  # type: ignore[no-untyped-def]
+            self._add(("restore-hook", ctx.kind, ctx.generation, ctx.reason, ctx.env_changes))
+
+        def on_snapshot(ctx):  # type: ignore[no-untyped-def]
+            self._add(("snapshot-hook", ctx.kind, ctx.generation, ctx.reason, None))
+
+        eng.registry.after_restore(on_restore, name="rec")
+        eng.registry.before_snapshot(on_snapshot, name="rec-snap")
+
+    def _add(self, item) -> None:  # type: ignore[no-untyped-def]
+        with self.cond:
+            self.calls.append(item)
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout: float = DEADLINE) -> list:  # type: ignore[type-arg]
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.calls) >= n, timeout), (
+                f"expected {n} hook calls, got {self.calls}")
+            return list(self.calls)
+
+
+def start_waiter(eng: Lifecycle, proc: Path) -> GVisorWaiter:
+    waiter = GVisorWaiter(str(proc))
+    assert eng.start([waiter]) == ["gvisor"]
+    wait_for(lambda: waiter.status()["waiting"], what="the waiter to open the checkpoint file")
+    return waiter
+
+
+def answer(waiter: GVisorWaiter, data: bytes, *, after: int | None = None) -> None:
+    """Play gVisor: wait until the waiter has the FIFO open (for a fresh checkpoint), write."""
+    seq = waiter.status()["answers"] if after is None else after
+    wait_for(lambda: waiter.status()["waiting"] and waiter.status()["answers"] >= seq,
+             what="the waiter to be waiting")
+    fd = os.open(waiter.path, os.O_WRONLY | os.O_NONBLOCK)  # a reader is there: no ENXIO
+    try:
+        if data:
+            os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+# -- answers ---------------------------------------------------------------------------
+
+
+def test_restore_answer_runs_restore_hooks(engine: Lifecycle, proc: Path) -> None:
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    answer(waiter, b"restore\n")
+    (call,) = rec.wait(1)
+    assert call[:4] == ("restore-hook", "restore", 1, "gvisor")
+    wait_for(lambda: engine.status().last_report is not None)
+    report = engine.status().last_report
+    assert report is not None and report.ok and report.reason == "gvisor"
+    assert engine.status().generation == 1
+    assert waiter.status()["last_answer"] == "restore"
+
+
+def test_resume_answer_runs_resume_hooks(engine: Lifecycle, proc: Path) -> None:
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    answer(waiter, b"resume\n")
+    (call,) = rec.wait(1)
+    assert call[:4] == ("restore-hook", "resume", 0, "gvisor")
+    assert engine.status().generation == 0
+
+
+def test_error_answer_logs_failed_checkpoint_and_resumes(
+    engine: Lifecycle, proc: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    answer(waiter, b"error\n")
+    (call,) = rec.wait(1)
+    assert call[:2] == ("restore-hook", "resume")
+    failed = [r for r in caplog.records if "checkpoint failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].levelno == logging.WARNING
+
+
+def test_answer_without_newline_then_eof(engine: Lifecycle, proc: Path) -> None:
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    answer(waiter, b"restore")
+    assert rec.wait(1)[0][:2] == ("restore-hook", "restore")
+
+
+@pytest.mark.parametrize(
+    ("data", "expect"),
+    [
+        (b"bogus\n", "unknown answer"),
+        (b"", "no answer (end of file"),
+        (b"\n\n", "empty answer"),
+        (b"\xff\xfe garbage\n", "unknown answer"),
+        (b"x" * 5000, "without a newline"),
+    ],
+)
+def test_garbage_answers_log_one_line_and_waiter_carries_on(
+    engine: Lifecycle, proc: Path, caplog: pytest.LogCaptureFixture, data: bytes, expect: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    before = waiter.status()["answers"]
+    answer(waiter, data)
+    wait_for(lambda: any(expect in r.getMessage() for r in caplog.records),
+             what="the error line")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert str(proc / "checkpoint") in errors[0].getMessage()
+    assert rec.calls == []  # nothing ran for garbage
+    # The waiter re-opened and handles the next checkpoint normally.
+    answer(waiter, b"restore\n", after=before)
+    assert rec.wait(1)[0][:3] == ("restore-hook", "restore", 1)
+    assert engine.status().generation == 1
+
+
+def test_eof_without_data_does_not_spin(engine: Lifecycle, proc: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    waiter = start_waiter(engine, proc)
+    answer(waiter, b"")  # a writer that opens and closes without writing
+    wait_for(lambda: caplog.records, what="the error line")
+    wait_for(lambda: waiter.status()["waiting"], what="the waiter to re-open")
+    cpu0 = time.process_time()
+    time.sleep(0.3)
+    assert time.process_time() - cpu0 < 0.05
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+
+
+def test_repeated_checkpoints(engine: Lifecycle, proc: Path) -> None:
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    sequence = [b"restore\n", b"resume\n", b"restore\n", b"error\n", b"restore\n", b"resume\n"]
+    for i, data in enumerate(sequence):
+        answer(waiter, data)
+        rec.wait(i + 1)
+    kinds = [(c[1], c[2]) for c in rec.calls]
+    assert kinds == [("restore", 1), ("resume", 1), ("restore", 2), ("resume", 2),
+                     ("restore", 3), ("resume", 3)]
+    wait_for(lambda: waiter.status()["answers"] == len(sequence), what="all answers counted")
+
+
+def test_two_answers_in_one_read_are_two_checkpoints(engine: Lifecycle, proc: Path) -> None:
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    answer(waiter, b"restore\nrestore\n")
+    rec.wait(2)
+    assert engine.status().generation == 2
+
+
+def test_spec_environ_changes_applied_on_restore(engine: Lifecycle, proc: Path) -> None:
+    os.environ["REHYDRATE_T_A"] = "1"
+    os.environ["REHYDRATE_T_B"] = "2"
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)  # baseline: A, B come from spec_environ
+    (proc / "spec_environ").write_bytes(
+        b"REHYDRATE_T_A=1\0REHYDRATE_T_C=new\0REHYDRATE_T_A=changed\0")  # last A wins
+    answer(waiter, b"restore\n")
+    call = rec.wait(1)[0]
+    changes = call[4]
+    assert changes.added == ("REHYDRATE_T_C",)
+    assert changes.changed == ("REHYDRATE_T_A",)
+    assert changes.removed == ("REHYDRATE_T_B",)
+    assert os.environ["REHYDRATE_T_A"] == "changed"
+    assert os.environ["REHYDRATE_T_C"] == "new"
+    assert "REHYDRATE_T_B" not in os.environ
+    wait_for(lambda: engine.status().last_report is not None, what="the report")
+    report = engine.status().last_report
+    assert report is not None and report.env_changes == changes
+
+
+def test_clock_jump_notice_of_the_same_restore_runs_hooks_once(
+    engine: Lifecycle, proc: Path
+) -> None:
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    # Another detector (the clock jump) sees the restore first...
+    engine.restore_detected("clock-jump", since=time.monotonic() - 1.0)
+    rec.wait(1)
+    # ... then gVisor's answer for the same checkpoint arrives: a duplicate.
+    answer(waiter, b"restore\n")
+    wait_for(lambda: waiter.status()["answers"] == 1)
+    assert len(rec.calls) == 1 and rec.calls[0][3] == "clock-jump"
+    assert engine.status().generation == 1
+    # The next checkpoint is a new event again.
+    answer(waiter, b"restore\n")
+    rec.wait(2)
+    assert engine.status().generation == 2
+
+
+def test_stop_is_prompt_and_closes_everything(engine: Lifecycle, proc: Path) -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    waiter = start_waiter(engine, proc)
+    thread = waiter._thread
+    assert thread is not None
+    t0 = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - t0 < 0.5
+    assert not thread.is_alive()
+    assert len(os.listdir("/proc/self/fd")) <= fds_before
+
+
+def test_idle_waiter_uses_no_cpu(engine: Lifecycle, proc: Path) -> None:
+    start_waiter(engine, proc)
+    cpu0 = time.process_time()
+    time.sleep(1.0)  # measuring CPU over one second of waiting
+    used = time.process_time() - cpu0
+    assert used < 0.010, f"{used * 1000:.2f} ms CPU in 1 s while waiting"
+
+
+def test_probe_explains_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path / "nope"))
+    why = GVisorWaiter.probe()
+    assert why is not None and str(tmp_path / "nope") in why
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    why = GVisorWaiter.probe()
+    assert why is not None and "no checkpoint file" in why
+    monkeypatch.delenv("REHYDRATE_GVISOR_PROC")
+    if not os.path.exists("/proc/gvisor/checkpoint"):
+        why = GVisorWaiter.probe()
+        assert why is not None and "not running under gVisor" in why
+    os.mkfifo(tmp_path / "checkpoint")
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    assert GVisorWaiter.probe() is None
+
+
+def test_auto_start_picks_the_waiter(proc: Path, monkeypatch: pytest.MonkeyPatch,
+                                     saved_environ: None) -> None:
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    try:
+        names = eng.start("auto")
+        assert "gvisor" in names
+        waiter = eng.detector("gvisor")
+        assert isinstance(waiter, GVisorWaiter) and waiter.path == str(proc / "checkpoint")
+    finally:
+        eng.close()
+
+
+# -- trigger_snapshot --------------------------------------------------------------------
+
+
+class FakePlatform:
+    """gVisor's side of a pty stand-in: reads the ``1`` triggers, writes answers."""
+
+    def __init__(self, proc: Path, reply: bytes | None = b"restore\n") -> None:
+        self.master, self.slave = pty.openpty()
+        tty.setraw(self.slave)  # no echo, no line discipline: bytes pass unchanged
+        os.symlink(os.ttyname(self.slave), proc / "checkpoint")
+        self.reply = reply
+        self.triggers: list[bytes] = []
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.master, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            data = os.read(self.master, 64)
+            self.triggers.append(data)
+            if self.reply is not None:
+                os.write(self.master, self.reply)
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(5)
+        for fd in (self.master, self.slave, self._stop_r, self._stop_w):
+            os.close(fd)
+
+
+@pytest.fixture
+def pty_proc(tmp_path: Path) -> Path:
+    d = tmp_path / "gvisor-pty"
+    d.mkdir()
+    (d / "spec_environ").write_bytes(b"REHYDRATE_T_A=1\0")
+    return d
+
+
+@pytest.fixture
+def iso_engine(saved_environ: None) -> Iterator[Lifecycle]:
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("reply", [b"restore\n", b"resume\n", b"error\n"])
+def test_trigger_without_waiter(iso_engine: Lifecycle, pty_proc: Path, reply: bytes) -> None:
+    platform = FakePlatform(pty_proc, reply)
+    try:
+        rec = Recorder(iso_engine)
+        result = trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
+    finally:
+        platform.close()
+    expected = reply.strip().decode()
+    assert result == expected
+    assert platform.triggers == [b"1"]
+    kind = "restore" if expected == "restore" else "resume"
+    assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"), ("restore-hook", kind)]
+    assert rec.calls[1][3] == "gvisor"
+
+
+def test_trigger_with_running_waiter_runs_hooks_once(iso_engine: Lifecycle,
+                                                     pty_proc: Path) -> None:
+    platform = FakePlatform(pty_proc, b"restore\n")
+    try:
+        rec = Recorder(iso_engine)
+        start_waiter(iso_engine, pty_proc)
+        assert iso_engine.trigger_snapshot(timeout=DEADLINE) == "restore"
+        # trigger_snapshot returned after the hooks ran, and they ran once.
+        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
+                                              ("restore-hook", "restore")]
+        assert iso_engine.status().generation == 1
+        assert platform.triggers == [b"1"]
+        # The waiter carries on for the next checkpoint.
+        assert iso_engine.trigger_snapshot(timeout=DEADLINE) == "restore"
+        assert iso_engine.status().generation == 2
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
+def test_trigger_eperm_names_the_annotation(iso_engine: Lifecycle, pty_proc: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    platform = FakePlatform(pty_proc)
+    real_open = os.open
+
+    def fake_open(path, flags, *a):  # type: ignore[no-untyped-def]
+        if str(path).endswith("checkpoint") and flags & os.O_ACCMODE == os.O_WRONLY:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(gvisor.os, "open", fake_open)
+    try:
+        rec = Recorder(iso_engine)
+        with pytest.raises(TriggerNotPermitted) as info:
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
+    finally:
+        monkeypatch.undo()
+        platform.close()
+    assert ANNOTATION in str(info.value)
+    assert "dev.gvisor.internal.checkpoint.enable=true" in str(info.value)
+    assert isinstance(info.value, PermissionError)
+    assert rec.calls == [] and platform.triggers == []
+
+
+def test_trigger_with_failing_snapshot_hook_does_not_checkpoint(
+    iso_engine: Lifecycle, pty_proc: Path
+) -> None:
+    platform = FakePlatform(pty_proc)
+    try:
+        rec = Recorder(iso_engine)
+
+        @iso_engine.registry.before_snapshot(name="boom")
+        def boom() -> None:
+            raise RuntimeError("cannot close")
+
+        assert trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE) == "error"
+    finally:
+        platform.close()
+    assert platform.triggers == []
+    assert ("restore-hook", "resume") in [c[:2] for c in rec.calls]
+
+
+def test_trigger_times_out_without_answer(iso_engine: Lifecycle, pty_proc: Path) -> None:
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=0.3)
+        assert time.monotonic() - t0 < 2
+    finally:
+        platform.close()
+    assert platform.triggers == [b"1"]
+
+
+def test_trigger_refuses_a_fifo_and_a_missing_file(iso_engine: Lifecycle, proc: Path,
+                                                   tmp_path: Path) -> None:
+    with pytest.raises(GVisorError, match="FIFO"):
+        trigger_snapshot(iso_engine, proc=str(proc))
+    with pytest.raises(GVisorError, match="not found"):
+        trigger_snapshot(iso_engine, proc=str(tmp_path / "missing"))
