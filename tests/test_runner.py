@@ -1,0 +1,484 @@
+"""The hook runner: timeouts (sync and async), retries with backoff, mixed batches,
+observers, and containment of odd exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rehydrate import HookFailed, HookTimeout, Phase
+from rehydrate._runner import ASYNC_GRACE, BACKOFF_BASE, BACKOFF_MAX, backoff_delay
+
+DEADLINE = 10.0
+
+
+def user_hooks(report):
+    return [h for h in report.hooks if not h.name.startswith("rehydrate.")]
+
+
+def by_name(report):
+    return {h.name: h for h in user_hooks(report)}
+
+
+def wait_for(predicate, timeout=DEADLINE):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+# -- sync timeouts ----------------------------------------------------------------------
+
+
+def test_sync_timeout_abandons_the_worker_and_moves_on(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+    stuck = {}
+    calls = []
+
+    @reg.after_restore(name="stuck", timeout=0.2, phase=Phase.CONNECTIONS)
+    def stuck_hook():
+        stuck["thread"] = threading.current_thread()
+        release.wait(DEADLINE)
+        calls.append("stuck-returned")
+
+    @reg.after_restore(name="after")
+    def after():
+        calls.append("after")
+        stuck["after_thread"] = threading.current_thread()
+
+    @reg.after_restore(name="after-async")
+    async def after_async():
+        calls.append("after-async")
+
+    t0 = time.monotonic()
+    report = rehydrate_engine.simulate_restore()
+    elapsed = time.monotonic() - t0
+    try:
+        hooks = by_name(report)
+        assert hooks["stuck"].outcome == "timeout"
+        assert isinstance(hooks["stuck"].error, HookTimeout)
+        assert isinstance(hooks["stuck"].error, TimeoutError)
+        assert hooks["stuck"].error.hook_name == "stuck" and hooks["stuck"].error.timeout == 0.2
+        assert 0.2 <= hooks["stuck"].duration < 2.0
+        assert hooks["after"].outcome == "ok" and hooks["after-async"].outcome == "ok"
+        assert calls == ["after", "after-async"]  # later hooks ran; the stuck one still runs
+        assert elapsed < 2.0
+        assert not report.ok and isinstance(report.error, HookFailed)
+        # the stuck worker was abandoned, not joined: it is still alive, and the rest ran
+        # on a fresh worker
+        assert stuck["thread"].is_alive()
+        assert stuck["after_thread"] is not stuck["thread"]
+    finally:
+        release.set()
+    stuck["thread"].join(DEADLINE)
+    assert not stuck["thread"].is_alive()  # exits on its own once the hook returns
+    assert calls[-1] == "stuck-returned"
+    # its late result does not leak into the report or a later event
+    assert [h.outcome for h in user_hooks(report)] == ["timeout", "ok", "ok"]
+    reg.unregister("stuck")
+    again = rehydrate_engine.simulate_restore()
+    assert again.ok and [h.name for h in user_hooks(again)] == ["after", "after-async"]
+
+
+def test_sync_timeout_before_a_snapshot(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+    calls = []
+    reg.before_snapshot(name="first", timeout=0.1)(lambda: release.wait(DEADLINE))
+    reg.before_snapshot(name="second", phase=Phase.ENTROPY)(lambda: calls.append("second"))
+    try:
+        report = rehydrate_engine.simulate_snapshot()
+    finally:
+        release.set()
+    assert [(h.name, h.outcome) for h in report.hooks if not h.name.startswith("rehydrate.")
+            ] == [("first", "timeout"), ("second", "ok")]
+    assert calls == ["second"]
+
+
+def test_two_consecutive_sync_timeouts(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+    reg.after_restore(name="a", timeout=0.1)(lambda: release.wait(DEADLINE))
+    reg.after_restore(name="b", timeout=0.1)(lambda: release.wait(DEADLINE))
+    reg.after_restore(name="c")(lambda: None)
+    try:
+        report = rehydrate_engine.simulate_restore()
+    finally:
+        release.set()
+    assert [h.outcome for h in user_hooks(report)] == ["timeout", "timeout", "ok"]
+
+
+# -- async timeouts ---------------------------------------------------------------------
+
+
+def test_async_timeout_cancels_the_coroutine(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    saw_cancel = threading.Event()
+    calls = []
+
+    @reg.after_restore(name="slow", timeout=0.2)
+    async def slow():
+        try:
+            await asyncio.sleep(DEADLINE)
+        except asyncio.CancelledError:
+            saw_cancel.set()
+            raise
+        calls.append("slow finished")  # pragma: no cover - must not happen
+
+    @reg.after_restore(name="next-async")
+    async def next_async():
+        calls.append("next-async")
+        await asyncio.sleep(0)
+
+    @reg.after_restore(name="next-sync")
+    def next_sync():
+        calls.append("next-sync")
+
+    t0 = time.monotonic()
+    report = rehydrate_engine.simulate_restore()
+    elapsed = time.monotonic() - t0
+    hooks = by_name(report)
+    assert saw_cancel.is_set()
+    assert hooks["slow"].outcome == "timeout"
+    assert isinstance(hooks["slow"].error, HookTimeout)
+    assert 0.2 <= hooks["slow"].duration < 0.2 + ASYNC_GRACE
+    assert hooks["next-async"].outcome == "ok" and hooks["next-sync"].outcome == "ok"
+    assert calls == ["next-async", "next-sync"]
+    assert elapsed < 0.2 + ASYNC_GRACE
+    assert not report.ok
+
+
+def test_async_timeout_on_the_users_loop(rehydrate_engine):
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    saw_cancel = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="slow", timeout=0.1)
+    async def slow():
+        try:
+            await asyncio.sleep(DEADLINE)
+        except asyncio.CancelledError:
+            saw_cancel.set()
+            raise
+
+    try:
+        rehydrate_engine.start(detectors="none", loop=loop)
+        report = rehydrate_engine.simulate_restore()
+        assert by_name(report)["slow"].outcome == "timeout" and saw_cancel.is_set()
+        # the application's loop keeps working and is not left cancelled
+        assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0, "alive"),
+                                                loop).result(DEADLINE) == "alive"
+    finally:
+        rehydrate_engine.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(DEADLINE)
+        loop.close()
+
+
+def test_async_hook_swallowing_cancellation_is_still_a_timeout(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+
+    @reg.after_restore(name="stubborn", timeout=0.1)
+    async def stubborn():
+        try:
+            await asyncio.sleep(DEADLINE)
+        except asyncio.CancelledError:
+            calls.append("swallowed")
+        # returns normally, although it overran
+
+    @reg.after_restore(name="next")
+    async def nxt():
+        await asyncio.sleep(0.01)  # would be cancelled if the swallowed cancel leaked
+        calls.append("next")
+
+    report = rehydrate_engine.simulate_restore()
+    hooks = by_name(report)
+    assert hooks["stubborn"].outcome == "timeout"
+    assert hooks["next"].outcome == "ok"
+    assert calls == ["swallowed", "next"]
+
+
+def test_async_hook_converting_cancellation_into_an_error_is_a_timeout(rehydrate_engine):
+    @rehydrate_engine.registry.after_restore(name="converts", timeout=0.1)
+    async def converts():
+        try:
+            await asyncio.sleep(DEADLINE)
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed") from None
+
+    report = rehydrate_engine.simulate_restore()
+    assert by_name(report)["converts"].outcome == "timeout"
+
+
+def test_async_hook_using_its_own_timeouts_is_unaffected(rehydrate_engine):
+    @rehydrate_engine.registry.after_restore(name="inner", timeout=5.0)
+    async def inner():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(DEADLINE), 0.01)
+        await asyncio.sleep(0.01)  # still allowed to run
+
+    report = rehydrate_engine.simulate_restore()
+    assert by_name(report)["inner"].outcome == "ok"
+
+
+def test_many_fast_async_hooks_with_one_short_timeout(rehydrate_engine):
+    """The single watchdog timer re-arms correctly across hooks with different timeouts."""
+    reg = rehydrate_engine.registry
+    for i in range(20):
+        reg.after_restore(name=f"fast-{i}", timeout=30.0)(_noop_async)
+    reg.after_restore(name="short", timeout=0.1)(_sleep_async)
+    for i in range(5):
+        reg.after_restore(name=f"tail-{i}", timeout=0.5)(_noop_async)
+    reg.after_restore(name="short2", timeout=0.05)(_sleep_async)
+    report = rehydrate_engine.simulate_restore()
+    outcomes = {h.name: h.outcome for h in user_hooks(report)}
+    assert outcomes.pop("short") == "timeout" and outcomes.pop("short2") == "timeout"
+    assert set(outcomes.values()) == {"ok"}
+
+
+async def _noop_async():
+    await asyncio.sleep(0)
+
+
+async def _sleep_async():
+    await asyncio.sleep(DEADLINE)
+
+
+def test_no_timeout_means_no_limit(rehydrate_engine):
+    @rehydrate_engine.registry.after_restore(name="unbounded", timeout=None)
+    async def unbounded():
+        await asyncio.sleep(0.05)
+
+    assert by_name(rehydrate_engine.simulate_restore())["unbounded"].outcome == "ok"
+
+
+# -- retries ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_retry_succeeds_on_the_third_attempt(rehydrate_engine, is_async):
+    attempts = []
+
+    def body():
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise ConnectionError(f"attempt {len(attempts)}")
+
+    if is_async:
+        async def hook():
+            body()
+    else:
+        def hook():
+            body()
+
+    rehydrate_engine.registry.after_restore(name="flaky", retries=2)(hook)
+    report = rehydrate_engine.simulate_restore()
+    (res,) = user_hooks(report)
+    assert (res.outcome, res.attempts, res.error) == ("ok", 3, None)
+    assert len(attempts) == 3
+    assert report.ok and report.error is None
+    # exponential backoff: attempt k waits in [cap/2, cap], cap = BACKOFF_BASE * 2**k
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert gaps[0] >= BACKOFF_BASE / 2 * 0.9
+    assert gaps[1] >= BACKOFF_BASE * 0.9
+    assert res.duration >= sum(gaps) * 0.9
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_retries_exhausted_report_the_last_error(rehydrate_engine, is_async):
+    errors = []
+
+    def body():
+        exc = ValueError(f"attempt {len(errors) + 1}")
+        errors.append(exc)
+        raise exc
+
+    if is_async:
+        async def hook():
+            body()
+    else:
+        def hook():
+            body()
+
+    rehydrate_engine.registry.after_restore(name="broken", retries=1)(hook)
+    report = rehydrate_engine.simulate_restore()
+    (res,) = user_hooks(report)
+    assert (res.outcome, res.attempts) == ("failed", 2)
+    assert res.error is errors[-1] and len(errors) == 2
+    assert list(report.error.exceptions) == [errors[-1]]
+
+
+def test_no_retries_by_default(rehydrate_engine):
+    calls = []
+
+    @rehydrate_engine.registry.after_restore
+    def once():
+        calls.append(1)
+        raise RuntimeError
+
+    (res,) = user_hooks(rehydrate_engine.simulate_restore())
+    assert res.attempts == 1 and calls == [1]
+
+
+def test_async_retry_after_a_timeout(rehydrate_engine):
+    attempts = []
+
+    @rehydrate_engine.registry.after_restore(name="slow-then-fast", timeout=0.1, retries=1)
+    async def hook():
+        attempts.append(1)
+        if len(attempts) == 1:
+            await asyncio.sleep(DEADLINE)
+
+    (res,) = user_hooks(rehydrate_engine.simulate_restore())
+    assert (res.outcome, res.attempts, len(attempts)) == ("ok", 2, 2)
+
+
+@given(st.integers(min_value=0, max_value=40))
+def test_backoff_delay_is_exponential_with_bounded_jitter(attempt):
+    cap = min(BACKOFF_MAX, BACKOFF_BASE * 2.0**attempt)
+    for _ in range(5):
+        d = backoff_delay(attempt)
+        assert cap / 2 <= d <= cap
+
+
+# -- batches, observers ----------------------------------------------------------------
+
+
+def test_mixed_sync_and_async_hooks_keep_their_order(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+    threads = {}
+    pattern = "sasaassass"
+    for i, kind in enumerate(pattern):
+        if kind == "a":
+            async def hook(i=i):
+                calls.append(i)
+                threads[i] = threading.current_thread().name
+        else:
+            def hook(i=i):
+                calls.append(i)
+                threads[i] = threading.current_thread().name
+        reg.after_restore(name=f"h{i}")(hook)
+    report = rehydrate_engine.simulate_restore()
+    assert calls == list(range(len(pattern)))
+    assert [h.name for h in user_hooks(report)] == [f"h{i}" for i in range(len(pattern))]
+    for i, kind in enumerate(pattern):
+        assert threads[i] == ("rehydrate-loop" if kind == "a" else "rehydrate-hooks")
+
+
+def test_observers_see_every_hook(rehydrate_engine):
+    events = []
+
+    class Obs:
+        def hook_started(self, hook, ctx):
+            events.append(("start", hook.name, ctx.kind))
+            return hook.name
+
+        def hook_finished(self, token, result):
+            events.append(("end", token, result.outcome))
+
+    rehydrate_engine.builtins.clear()
+    rehydrate_engine.add_observer(Obs())
+    reg = rehydrate_engine.registry
+    reg.after_restore(name="s")(lambda: None)
+
+    @reg.after_restore(name="a")
+    async def a():
+        raise ValueError
+
+    rehydrate_engine.simulate_restore()
+    assert events == [("start", "s", "restore"), ("end", "s", "ok"),
+                      ("start", "a", "restore"), ("end", "a", "failed")]
+
+
+# -- containment ------------------------------------------------------------------------
+
+
+def test_system_exit_in_a_sync_hook_is_contained(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+
+    @reg.after_restore(name="exits")
+    def exits():
+        raise SystemExit(3)
+
+    reg.after_restore(name="after")(lambda: calls.append("after"))
+    report = rehydrate_engine.simulate_restore()
+    res = by_name(report)["exits"]
+    assert res.outcome == "failed"
+    assert isinstance(res.error, RuntimeError) and isinstance(res.error.__cause__, SystemExit)
+    assert "SystemExit" in str(res.error)
+    assert calls == ["after"]
+    assert isinstance(report.error, HookFailed)
+    assert rehydrate_engine.simulate_restore().generation == 2  # worker still alive
+
+
+def test_keyboard_interrupt_in_an_async_hook_is_contained(rehydrate_engine):
+    reg = rehydrate_engine.registry
+
+    @reg.after_restore(name="interrupt")
+    async def interrupt():
+        raise KeyboardInterrupt
+
+    @reg.after_restore(name="after")
+    async def after():
+        pass
+
+    report = rehydrate_engine.simulate_restore()
+    assert by_name(report)["interrupt"].outcome == "failed"
+    assert by_name(report)["after"].outcome == "ok"
+    assert rehydrate_engine.simulate_restore().generation == 2  # loop still alive
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="needs Task.cancelling()")
+def test_stray_cancelled_error_inside_an_async_hook_is_a_failure(rehydrate_engine):
+    reg = rehydrate_engine.registry
+
+    @reg.after_restore(name="stray")
+    async def stray():
+        fut = asyncio.get_running_loop().create_future()
+        fut.cancel()
+        await fut  # raises CancelledError although nobody cancelled the hook
+
+    @reg.after_restore(name="after")
+    async def after():
+        await asyncio.sleep(0)
+
+    report = rehydrate_engine.simulate_restore()
+    hooks = by_name(report)
+    assert hooks["stray"].outcome == "failed"
+    assert isinstance(hooks["stray"].error.__cause__, asyncio.CancelledError)
+    assert hooks["after"].outcome == "ok"
+
+
+def test_close_stops_the_engine_threads():
+    from rehydrate.testing import isolated_engine
+
+    engine = isolated_engine()
+
+    @engine.registry.after_restore
+    async def a():
+        pass
+
+    engine.registry.after_restore(lambda: None)
+    engine.simulate_restore()
+    names = {t.name for t in threading.enumerate()}
+    assert {"rehydrate-loop", "rehydrate-hooks"} <= names
+    before = threading.active_count()
+    engine.close()
+    assert wait_for(lambda: threading.active_count() <= before - 2)
+    # a closed engine can still be used (threads start again on demand) and closed again
+    assert engine.simulate_restore().ok
+    engine.close()
