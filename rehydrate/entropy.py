@@ -22,6 +22,7 @@ resume) the engine's ``rehydrate.entropy`` hook, installed in every
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -95,12 +96,14 @@ class _Ref:
 
     __slots__ = ("_obj", "_weak")
 
-    def __init__(self, obj: object) -> None:
-        try:
-            self._weak: weakref.ref[Any] | None = weakref.ref(obj)
-            self._obj: object | None = None
-        except TypeError:
-            self._weak, self._obj = None, obj
+    def __init__(self, obj: object, strong: bool = False) -> None:
+        self._weak: weakref.ref[Any] | None = None
+        self._obj: object | None = obj
+        if not strong:
+            try:
+                self._weak, self._obj = weakref.ref(obj), None
+            except TypeError:
+                pass
 
     def get(self) -> Any:
         return self._weak() if self._weak is not None else self._obj
@@ -151,7 +154,9 @@ class EntropyManager:
         self.enabled = True
         """False turns the whole phase into a no-op (as ``REHYDRATE_DISABLE=entropy``)."""
         self._lock = threading.Lock()
-        self._objects: dict[int, tuple[str, _Ref]] = {}
+        self._objects: dict[object, tuple[str, _Ref]] = {}
+        """Keyed by id() for generators, by the callable itself (bound methods compare
+        equal) for callables."""
         self.last: list[str] = []
         """What the last run reseeded (names), for status and tests."""
         engine.builtins.register(self._on_restore, phase=Phase.ENTROPY, order=-1_000_000,
@@ -168,16 +173,19 @@ class EntropyManager:
 
         Accepted: ``random.Random`` (and subclasses), ``numpy.random.Generator``,
         ``numpy.random.RandomState``, ``torch.Generator``, or any callable taking 32 seed
-        bytes. Objects that support weak references are held weakly.
+        bytes. Generators are held weakly (when they allow it), callables strongly.
         """
         kind = _kind(obj)
         with self._lock:
-            self._objects[id(obj)] = (kind, _Ref(obj))
+            key = obj if kind == "callable" else id(obj)
+            self._objects[key] = (kind, _Ref(obj, strong=kind == "callable"))
         return obj
 
     def unregister(self, obj: object) -> None:
         with self._lock:
             self._objects.pop(id(obj), None)
+            with contextlib.suppress(TypeError):  # unhashable: was keyed by id()
+                self._objects.pop(obj, None)
 
     def _on_restore(self, ctx: Any) -> None:
         if not self.active:
