@@ -54,7 +54,7 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     corrupt file is never applied. Bytes that are not UTF-8 are kept as bytes.
     """
     if len(data) > MAX_ENVIRON_BYTES:
-        raise EnvError(f"{len(data)} bytes, more than the {MAX_ENVIRON_BYTES} accepted")
+        raise EnvError(f"larger than the {MAX_ENVIRON_BYTES} bytes accepted")
     result: dict[bytes, bytes] = {}
     for index, entry in enumerate(data.split(b"\0"), start=1):
         if not entry:
@@ -155,6 +155,9 @@ class EnvRefresher:
             return self._apply_file(new)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
+        for k, v in overlay.items():  # validate all first: never apply half of it
+            if not k or "=" in k or "\0" in k or (v is not None and "\0" in v):
+                raise EnvError(f"invalid environment entry {k!r} (empty key, '=' or NUL)")
         env = os.environb
         sets = {
             os.fsencode(k): os.fsencode(v)

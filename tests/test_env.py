@@ -1,0 +1,429 @@
+"""Environment refresh at unit level: parse, diff, policies, protect list, removal,
+non-UTF-8 bytes, malformed and unreadable files, and how the engine reports them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rehydrate import EnvChanges, Lifecycle, Registry
+from rehydrate.env import (
+    MAX_ENVIRON_BYTES,
+    EnvError,
+    EnvRefresher,
+    default_path,
+    diff,
+    parse_environ,
+    read_environ,
+)
+
+SECRET = "v4lue-that-must-never-be-logged"
+
+
+@pytest.fixture
+def environ():
+    """Snapshot and restore the whole process environment (bytes level)."""
+    saved = dict(os.environb)
+    yield os.environb
+    for k in [k for k in os.environb if k not in saved]:
+        del os.environb[k]
+    for k, v in saved.items():
+        if os.environb.get(k) != v:
+            os.environb[k] = v
+
+
+def write(path, entries: dict[bytes, bytes] | bytes) -> str:
+    data = entries if isinstance(entries, bytes) else b"".join(
+        k + b"=" + v + b"\0" for k, v in entries.items())
+    path.write_bytes(data)
+    return str(path)
+
+
+# -- parse ---------------------------------------------------------------------------
+
+
+def test_parse_basic_forms():
+    assert parse_environ(b"A=1\0B=\0C=x=y\0") == {b"A": b"1", b"B": b"", b"C": b"x=y"}
+    assert parse_environ(b"A=1") == {b"A": b"1"}  # no trailing NUL
+    assert parse_environ(b"\0A=1\0\0\0B=2\0\0") == {b"A": b"1", b"B": b"2"}  # empty slots
+    assert parse_environ(b"A=1\0A=2\0") == {b"A": b"2"}  # repeated key: last wins
+    assert parse_environ(b"K=\xff\xfe\0\xc3(=x\0") == {b"K": b"\xff\xfe", b"\xc3(": b"x"}
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"A=1\0garbage\0", "entry 2 has no '='"),
+        (b"=value\0", "entry 1 has an empty key"),
+        (b"\0\0\0\0", "no KEY=VALUE entries"),
+        (b"", "no KEY=VALUE entries"),
+        (b"x" * (MAX_ENVIRON_BYTES + 1), "larger than"),
+    ],
+)
+def test_parse_rejects_malformed_input(data, message):
+    with pytest.raises(EnvError, match=message):
+        parse_environ(data)
+
+
+def test_parse_error_never_contains_values():
+    with pytest.raises(EnvError) as info:
+        parse_environ(b"API_KEY=" + SECRET.encode() + b"\0" + SECRET.encode() + b"\0")
+    assert SECRET not in str(info.value)
+
+
+keys = st.binary(min_size=1, max_size=12).filter(lambda b: b"=" not in b and b"\0" not in b)
+values = st.binary(max_size=40).filter(lambda b: b"\0" not in b)
+
+
+@settings(max_examples=200)
+@given(st.dictionaries(keys, values, min_size=1, max_size=20), st.booleans())
+def test_parse_round_trips_any_bytes(entries, trailing_nul):
+    data = b"\0".join(k + b"=" + v for k, v in entries.items())
+    if trailing_nul:
+        data += b"\0"
+    assert parse_environ(data) == entries
+
+
+# -- diff -------------------------------------------------------------------------------
+
+
+def test_diff_names_only_sorted():
+    current = {b"A": b"1", b"B": b"2", b"C": b"3"}
+    new = {b"B": b"2", b"C": b"changed", b"D": b"4", b"A0": b"x"}
+    ch = diff(current, new, remove=[b"A", b"ZZ"])
+    assert ch == EnvChanges(added=("A0", "D"), changed=("C",), removed=("A",))
+    assert bool(ch) and "D" in ch and "B" not in ch
+    assert ch.keys == {"A0", "D", "C", "A"}
+    assert ch.only(("C", "nope")) == EnvChanges(changed=("C",))
+    assert ch.only(()) is ch
+    assert not diff(current, dict(current))
+
+
+@given(st.dictionaries(keys, values, max_size=10), st.dictionaries(keys, values, max_size=10))
+def test_diff_partitions_the_changed_keys(current, new):
+    ch = diff(current, new, remove=list(current))
+    enc = {k.decode("utf-8", "surrogateescape"): k for k in set(current) | set(new)}
+    assert {enc[n] for n in ch.added} == set(new) - set(current)
+    assert {enc[n] for n in ch.changed} == {k for k in new if k in current and
+                                            current[k] != new[k]}
+    assert {enc[n] for n in ch.removed} == set(current) - set(new)
+
+
+# -- read ------------------------------------------------------------------------------
+
+
+def test_read_environ_errors_name_the_file(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(EnvError, match="cannot read .*missing"):
+        read_environ(missing)
+    with pytest.raises(EnvError, match="cannot read"):
+        read_environ(tmp_path)  # a directory
+    bad = write(tmp_path / "bad", b"A=1\0oops\0")
+    with pytest.raises(EnvError, match=r"bad: entry 2 has no '='"):
+        read_environ(bad)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads mode-000 files anyway")
+def test_read_environ_permission_denied(tmp_path):
+    path = write(tmp_path / "spec_environ", {b"A": b"1"})
+    os.chmod(path, 0)
+    with pytest.raises(EnvError, match="cannot read"):
+        read_environ(path)
+
+
+def test_read_environ_caps_what_it_reads(tmp_path):
+    path = tmp_path / "huge"
+    with open(path, "wb") as fh:  # 10 MB of valid-looking entries
+        chunk = b"K" * 100 + b"=" + b"v" * 1000 + b"\0"
+        while fh.tell() < 10 * 1024 * 1024:
+            fh.write(chunk)
+    with pytest.raises(EnvError, match="larger than"):
+        read_environ(path)
+
+
+# -- refresher: policies ----------------------------------------------------------------
+
+
+def test_update_policy_sets_changes_and_removes_only_file_keys(tmp_path, environ):
+    environ[b"RHT_LOCAL"] = b"mine"  # never came from the file
+    environ[b"REHYDRATE_TEST_FLAG"] = b"1"
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_A": b"1", b"RHT_B": b"2", b"RHT_C": b"3"})
+    for k, v in parse_environ(spec.read_bytes()).items():
+        environ[k] = v  # the process was started with the file's environment
+    ref = EnvRefresher(path=str(spec))
+    ref.baseline()
+
+    write(spec, {b"RHT_A": b"1", b"RHT_B": b"two", b"RHT_D": b"4"})
+    changes = ref.refresh()
+    assert changes == EnvChanges(added=("RHT_D",), changed=("RHT_B",), removed=("RHT_C",))
+    assert environ[b"RHT_A"] == b"1" and environ[b"RHT_B"] == b"two"
+    assert environ[b"RHT_D"] == b"4" and b"RHT_C" not in environ
+    assert environ[b"RHT_LOCAL"] == b"mine"
+    assert environ[b"REHYDRATE_TEST_FLAG"] == b"1"
+    assert os.environ["RHT_B"] == "two"  # the str view agrees
+
+    # the next refresh diffs against the file it last applied
+    write(spec, {b"RHT_A": b"1", b"RHT_B": b"two"})
+    assert ref.refresh() == EnvChanges(removed=("RHT_D",))
+    assert ref.refresh() == EnvChanges()  # idempotent
+
+
+def test_update_without_baseline_never_removes(tmp_path, environ):
+    environ[b"RHT_OLD"] = b"x"
+    spec = write(tmp_path / "spec_environ", {b"RHT_NEW": b"1"})
+    ref = EnvRefresher(path=spec)
+    assert ref.refresh() == EnvChanges(added=("RHT_NEW",))
+    assert environ[b"RHT_OLD"] == b"x"
+
+
+def test_replace_policy_makes_the_environment_exactly_the_file(tmp_path, environ):
+    environ[b"RHT_STRAY"] = b"1"
+    environ[b"REHYDRATE_KEEP"] = b"1"
+    environ[b"RHT_PROTECTED"] = b"keep"
+    spec = write(tmp_path / "spec_environ",
+                 {b"RHT_A": b"1", b"RHT_PROTECTED": b"overwrite?"})
+    ref = EnvRefresher(path=spec, policy="replace", protect=("RHT_PROT*", "PYTEST_*"))
+    before = {k for k in environ if not k.startswith((b"REHYDRATE_", b"PYTEST_"))}
+    changes = ref.refresh()
+    assert set(environ) == {b"RHT_A", b"RHT_PROTECTED"} | {
+        k for k in environ if k.startswith((b"REHYDRATE_", b"PYTEST_"))}
+    assert environ[b"RHT_PROTECTED"] == b"keep"  # protected: not overwritten
+    assert environ[b"REHYDRATE_KEEP"] == b"1"
+    assert changes.added == ("RHT_A",)
+    assert set(changes.removed) == {k.decode("utf-8", "surrogateescape")
+                                    for k in before - {b"RHT_PROTECTED", b"RHT_A"}}
+    assert "RHT_STRAY" in changes.removed
+
+
+def test_off_policy_touches_nothing(tmp_path, environ):
+    environ[b"RHT_A"] = b"old"
+    spec = write(tmp_path / "spec_environ", {b"RHT_A": b"new", b"RHT_B": b"1"})
+    ref = EnvRefresher(path=spec, policy="off")
+    snapshot = dict(environ)
+    assert ref.refresh() == EnvChanges()
+    assert ref.refresh({"RHT_A": "overlay"}) == EnvChanges()
+    assert dict(environ) == snapshot
+
+
+def test_invalid_policy_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        EnvRefresher(path=None, policy="merge")  # type: ignore[arg-type]
+
+
+def test_protect_list_blocks_set_and_removal(tmp_path, environ):
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_SECRET_X": b"1", b"RHT_PLAIN": b"1", b"RHT_GONE": b"1"})
+    for k, v in parse_environ(spec.read_bytes()).items():
+        environ[k] = v
+    ref = EnvRefresher(path=str(spec), protect=("RHT_SECRET_*", "RHT_GONE"))
+    ref.baseline()
+    write(spec, {b"RHT_SECRET_X": b"2", b"RHT_PLAIN": b"2", b"RHT_SECRET_NEW": b"3"})
+    changes = ref.refresh()
+    assert changes == EnvChanges(changed=("RHT_PLAIN",))
+    assert environ[b"RHT_SECRET_X"] == b"1"
+    assert b"RHT_SECRET_NEW" not in environ
+    assert environ[b"RHT_GONE"] == b"1"  # protected from removal too
+    # overlays honour the protect list as well
+    assert ref.refresh({"RHT_SECRET_X": "9", "RHT_GONE": None}) == EnvChanges()
+    assert environ[b"RHT_SECRET_X"] == b"1" and environ[b"RHT_GONE"] == b"1"
+
+
+def test_overlay_sets_and_removes(environ):
+    environ[b"RHT_X"] = b"1"
+    ref = EnvRefresher(path=None)
+    changes = ref.refresh({"RHT_X": None, "RHT_Y": "2", "RHT_Z": None})
+    assert changes == EnvChanges(added=("RHT_Y",), removed=("RHT_X",))
+    assert b"RHT_X" not in environ and environ[b"RHT_Y"] == b"2"
+
+
+@pytest.mark.parametrize("bad", [{"": "x"}, {"A=B": "x"}, {"A": "nul\0inside"}])
+def test_invalid_overlay_is_refused_before_anything_is_applied(environ, bad):
+    snapshot = dict(environ)
+    with pytest.raises(EnvError):
+        EnvRefresher(path=None).refresh({"RHT_FIRST": "1", **bad})
+    assert dict(environ) == snapshot
+
+
+def test_no_file_no_changes(tmp_path, environ):
+    snapshot = dict(environ)
+    assert EnvRefresher(path=None).refresh() == EnvChanges()
+    assert EnvRefresher(path=str(tmp_path / "absent")).refresh() == EnvChanges()
+    assert dict(environ) == snapshot
+
+
+# -- non-UTF-8 ---------------------------------------------------------------------------
+
+
+def test_non_utf8_bytes_are_applied_exactly(tmp_path, environ):
+    raw_key = b"RHT_\xff\xfeKEY"
+    spec = write(tmp_path / "spec_environ",
+                 {b"RHT_BIN": b"\x80\xc3(\xff", raw_key: b"ok", b"RHT_UTF8": "é".encode()})
+    changes = EnvRefresher(path=spec).refresh()
+    assert environ[b"RHT_BIN"] == b"\x80\xc3(\xff"
+    assert environ[raw_key] == b"ok"
+    assert os.environ["RHT_UTF8"] == "é"
+    # the str view decodes with surrogateescape, as Python does for the real environment
+    assert os.fsencode(os.environ["RHT_BIN"]) == b"\x80\xc3(\xff"
+    name = raw_key.decode("utf-8", "surrogateescape")
+    assert name in changes.added and os.environ[name] == "ok"
+    # the same key again is recognised as unchanged
+    assert EnvRefresher(path=spec).refresh() == EnvChanges()
+
+
+# -- malformed files: nothing applied, one clear log line, report not ok ---------------
+
+
+MALFORMED = {
+    "no-equals": (b"RHT_GOOD=1\0RHT_NO_EQUALS_" + SECRET.encode() + b"\0", "has no '='"),
+    "empty-key": (b"RHT_GOOD=1\0=" + SECRET.encode() + b"\0", "empty key"),
+    "only-nuls": (b"\0" * 64, "no KEY=VALUE entries"),
+    "ten-mb": (None, "larger than"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_file_leaves_environ_untouched_and_fails_the_report(
+        tmp_path, environ, caplog, case):
+    data, message = MALFORMED[case]
+    spec = tmp_path / "spec_environ"
+    if data is None:
+        data = (b"RHT_BIG=" + b"v" * 1024 + b"\0") * (10 * 1024)  # ~10 MB
+    spec.write_bytes(data)
+    environ[b"RHT_EXISTING"] = b"before"
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=str(spec)))
+    ran = []
+    engine.registry.after_restore(name="user-hook")(lambda: ran.append(1))
+    try:
+        snapshot = dict(environ)
+        with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+            report = engine.simulate_restore()  # reads the file (no overlay)
+        assert dict(environ) == snapshot
+        assert not report.ok
+        env_result = next(h for h in report.hooks if h.name == "rehydrate.env")
+        assert env_result.outcome == "failed"
+        assert isinstance(env_result.error, EnvError)
+        assert message in str(env_result.error)
+        assert ran == [1]  # every other hook still runs
+        assert engine.state == "degraded" and not engine.is_ready()
+        assert report.env_changes == EnvChanges()
+        problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(problems) == 1, [r.getMessage() for r in problems]
+        line = problems[0].getMessage()
+        assert "\n" not in line
+        assert "rehydrate.env" in line and str(spec) in line and message in line
+        assert all(SECRET not in r.getMessage() for r in caplog.records)
+    finally:
+        engine.close()
+
+
+def test_invalid_utf8_file_is_not_malformed(tmp_path, environ):
+    """Invalid UTF-8 is legal in an environment: it is applied byte for byte."""
+    spec = write(tmp_path / "spec_environ", b"RHT_LATIN1=caf\xe9\0RHT_TRUNC=\xe2\x82\0")
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=spec))
+    try:
+        report = engine.simulate_restore()
+        assert report.ok
+        assert environ[b"RHT_LATIN1"] == b"caf\xe9" and environ[b"RHT_TRUNC"] == b"\xe2\x82"
+        assert report.env_changes.added == ("RHT_LATIN1", "RHT_TRUNC")
+    finally:
+        engine.close()
+
+
+def test_unreadable_file_is_an_env_error(tmp_path, environ, caplog):
+    target = tmp_path / "spec_environ"
+    target.mkdir()  # exists, but cannot be read as a file (works as root too)
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=str(target)))
+    try:
+        snapshot = dict(environ)
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            report = engine.simulate_restore()
+        assert dict(environ) == snapshot
+        env_result = report.hooks[0]
+        assert env_result.name == "rehydrate.env" and env_result.outcome == "failed"
+        assert isinstance(env_result.error, EnvError)
+        assert "cannot read" in str(env_result.error)
+        assert not report.ok
+        assert len(caplog.records) == 1
+    finally:
+        engine.close()
+    with pytest.raises(EnvError):
+        EnvRefresher(path=str(target)).refresh()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads mode-000 files anyway")
+def test_permission_denied_is_an_env_error(tmp_path, environ):
+    spec = write(tmp_path / "spec_environ", {b"RHT_A": b"1"})
+    os.chmod(spec, stat.S_IWUSR)
+    with pytest.raises(EnvError, match="cannot read"):
+        EnvRefresher(path=spec).refresh()
+    assert b"RHT_A" not in environ
+
+
+def test_a_later_good_file_recovers(tmp_path, environ):
+    spec = tmp_path / "spec_environ"
+    spec.write_bytes(b"broken")
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=str(spec)))
+    try:
+        assert not engine.simulate_restore().ok
+        write(spec, {b"RHT_FIXED": b"1"})
+        report = engine.simulate_restore()
+        assert report.ok and engine.is_ready()
+        assert report.env_changes.added == ("RHT_FIXED",)
+    finally:
+        engine.close()
+
+
+# -- engine integration ------------------------------------------------------------------
+
+
+def test_engine_reads_the_file_and_logs_names_only(tmp_path, environ, caplog):
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_TOKEN": b"old", b"RHT_DROP": b"x"})
+    environ[b"RHT_TOKEN"] = b"old"
+    environ[b"RHT_DROP"] = b"x"
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=str(spec)))
+    seen = []
+    engine.registry.on_env_change("RHT_TOKEN")(lambda ctx, ch: seen.append(ch))
+    try:
+        engine.start(detectors="none")  # takes the baseline
+        write(spec, {b"RHT_TOKEN": SECRET.encode()})
+        with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+            report = engine.simulate_restore()
+        assert report.ok
+        assert report.env_changes == EnvChanges(changed=("RHT_TOKEN",), removed=("RHT_DROP",))
+        assert seen == [EnvChanges(changed=("RHT_TOKEN",))]
+        assert os.environ["RHT_TOKEN"] == SECRET and "RHT_DROP" not in os.environ
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "RHT_TOKEN" in text  # names are logged
+        assert SECRET not in text  # values never
+        assert SECRET not in repr(report) and SECRET not in str(report.to_dict())
+    finally:
+        engine.stop()
+        engine.close()
+
+
+def test_overlay_values_stay_out_of_reprs(rehydrate_engine):
+    seen = []
+    rehydrate_engine.registry.after_restore(seen.append)
+    rehydrate_engine.simulate_restore(env={"RHT_API_KEY": SECRET})
+    (ctx,) = seen
+    assert ctx.env == {"RHT_API_KEY": SECRET}  # available to hooks
+    assert SECRET not in repr(ctx)
+
+
+def test_default_path(monkeypatch):
+    monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
+    monkeypatch.delenv("REHYDRATE_GVISOR_PROC", raising=False)
+    assert default_path() == "/proc/gvisor/spec_environ"
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", "/tmp/fake-gvisor")
+    assert default_path() == "/tmp/fake-gvisor/spec_environ"
+    assert EnvRefresher().resolved_path() == "/tmp/fake-gvisor/spec_environ"
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", "/run/env")
+    assert default_path() == "/run/env"
+    assert EnvRefresher(path=None).resolved_path() is None
