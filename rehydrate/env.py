@@ -155,9 +155,9 @@ class EnvRefresher:
             return self._apply_file(new)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
-        for k, v in overlay.items():  # validate all first: never apply half of it
-            if not k or "=" in k or "\0" in k or (v is not None and "\0" in v):
-                raise EnvError(f"invalid environment entry {k!r} (empty key, '=' or NUL)")
+        for name, value in overlay.items():  # validate all first: never apply half of it
+            if not name or "=" in name or "\0" in name or (value is not None and "\0" in value):
+                raise EnvError(f"invalid environment entry {name!r} (empty key, '=' or NUL)")
         env = os.environb
         sets = {
             os.fsencode(k): os.fsencode(v)
