@@ -134,6 +134,20 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _drain(conn: socket.socket) -> None:
+    """Before closing: read (and drop) what the client already sent, briefly.
+
+    Closing a socket with unread input makes the kernel send a reset, and the client may
+    then never read the error reply that was sent just before.
+    """
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(1.0)
+        for _ in range(16):
+            if not conn.recv(65536):
+                break
+
+
 class _BadRequest(ValueError):
     pass
 
@@ -292,6 +306,7 @@ class ControlServer:
                     "and root may connect", uid, pid, me)
         self._send(conn, {"ok": False, "error": f"permission denied: uid {uid} may not use "
                                                 f"this socket (only uid {me} or root)"})
+        _drain(conn)
         return False
 
     def _serve_conn(self, conn: socket.socket) -> None:

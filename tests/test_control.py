@@ -1,0 +1,621 @@
+"""The control socket and ``rehydrate notify/status/trigger``, over real Unix sockets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pty
+import select
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tty
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rehydrate import Lifecycle, Registry, detect
+from rehydrate.control_client import ControlError, request
+from rehydrate.detect.control import MAX_LINE, ControlDetector, ControlServer
+from rehydrate.env import EnvRefresher
+
+DEADLINE = 5.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wait_for(cond: Callable[[], object], timeout: float = DEADLINE,
+             what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # AF_UNIX paths are limited to 108 bytes: pytest's tmp_path can be longer.
+    d = Path(tempfile.mkdtemp(prefix="rh-ctl-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def engine() -> Iterator[Lifecycle]:
+    saved = dict(os.environb)
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    yield eng
+    eng.close()
+    for k in [k for k in os.environb if k not in saved]:
+        del os.environb[k]
+    for k, v in saved.items():
+        if os.environb.get(k) != v:
+            os.environb[k] = v
+
+
+@pytest.fixture
+def sock_path(short_dir: Path) -> str:
+    return str(short_dir / "ctl.sock")
+
+
+@pytest.fixture
+def server(engine: Lifecycle, sock_path: str) -> ControlServer:
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]
+    assert det.server is not None
+    return det.server
+
+
+class Calls:
+    def __init__(self, eng: Lifecycle) -> None:
+        self.items: list[tuple[str, str, int, str]] = []
+
+        @eng.registry.after_restore(name="rec")
+        def on_restore(ctx):  # type: ignore[no-untyped-def]
+            self.items.append(("restore-hook", ctx.kind, ctx.generation, ctx.reason))
+
+        @eng.registry.before_snapshot(name="rec-snap")
+        def on_snapshot(ctx):  # type: ignore[no-untyped-def]
+            self.items.append(("snapshot-hook", ctx.kind, ctx.generation, ctx.reason))
+
+
+class Conn:
+    """A raw client: send bytes, read reply lines."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(DEADLINE)
+        self.sock.connect(path)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def reply(self) -> dict:  # type: ignore[type-arg]
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError(self.buf)
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def ask(self, obj: object) -> dict:  # type: ignore[type-arg]
+        self.send(json.dumps(obj).encode() + b"\n")
+        return self.reply()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# -- socket setup ------------------------------------------------------------------------
+
+
+def test_socket_is_0600_and_created_dir_0700(engine: Lifecycle, short_dir: Path) -> None:
+    path = short_dir / "sub" / "dir" / "ctl.sock"
+    det = ControlDetector(str(path))
+    engine.start([det])
+    st = os.stat(path)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert [p.name for p in path.parent.iterdir()] == ["ctl.sock"]  # no temp name left
+    engine.stop()
+    assert not path.exists()  # removed on stop
+
+
+def test_stale_socket_replaced_live_one_and_plain_file_refused(
+    engine: Lifecycle, short_dir: Path
+) -> None:
+    path = short_dir / "ctl.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # a socket file nobody listens on
+    first = ControlServer(engine, str(path))
+    first.start()
+    try:
+        assert request("status", socket_path=str(path))["ok"]
+        second = ControlServer(engine, str(path))
+        with pytest.raises(FileExistsError, match="another process"):
+            second.start()
+        assert request("status", socket_path=str(path))["ok"]  # the first one still serves
+    finally:
+        first.stop()
+    plain = short_dir / "plain"
+    plain.write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        ControlServer(engine, str(plain)).start()
+    assert plain.read_text() == "keep me"
+
+
+def test_auto_start_only_with_the_environment_variable(
+    monkeypatch: pytest.MonkeyPatch, sock_path: str
+) -> None:
+    monkeypatch.delenv("REHYDRATE_CONTROL_SOCKET", raising=False)
+    assert "control" not in [d.name for d in detect.select("auto")]
+    info = {i.name: i for i in detect.available()}["control"]
+    assert info.usable and not info.auto and "REHYDRATE_CONTROL_SOCKET" in info.reason
+    monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", sock_path)
+    assert "control" in [d.name for d in detect.select("auto")]
+    info = {i.name: i for i in detect.available()}["control"]
+    assert info.usable and info.auto
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+def test_status(server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    reply = request("status", socket_path=sock_path)
+    assert reply["ok"] and reply["pid"] == os.getpid()
+    status = reply["status"]
+    for key in ("state", "generation", "ready", "detectors", "last_report"):
+        assert key in status
+    assert status["state"] == "running" and status["generation"] == 0
+    assert status["detectors"] == ["control"]
+    assert status["control"]["socket"] == sock_path
+    engine.simulate_restore()
+    status = request("status", socket_path=sock_path)["status"]
+    assert status["generation"] == 1 and status["last_report"]["reason"] == "simulated"
+
+
+def test_prepare_snapshot_replies_after_hooks(server: ControlServer, engine: Lifecycle,
+                                              sock_path: str) -> None:
+    calls = Calls(engine)
+    release = threading.Event()
+
+    @engine.registry.before_snapshot(name="slow")
+    def slow() -> None:
+        release.wait(DEADLINE)
+
+    result: dict = {}  # type: ignore[type-arg]
+    t = threading.Thread(target=lambda: result.update(
+        request("prepare-snapshot", socket_path=sock_path, id=7)))
+    t.start()
+    time.sleep(0.1)  # the reply must not come while a hook still runs
+    assert result == {}
+    release.set()
+    t.join(DEADLINE)
+    assert result["ok"] and result["id"] == 7
+    assert result["report"]["event"] == "snapshot"
+    assert {h["name"] for h in result["report"]["hooks"]} == {"slow", "rec-snap"}
+    assert calls.items == [("snapshot-hook", "snapshot", 0, "control")]
+
+
+def test_prepare_snapshot_failure_runs_resume_hooks(server: ControlServer, engine: Lifecycle,
+                                                    sock_path: str) -> None:
+    calls = Calls(engine)
+
+    @engine.registry.before_snapshot(name="flush-db")
+    def flush() -> None:
+        raise RuntimeError("disk full")
+
+    reply = request("prepare-snapshot", socket_path=sock_path)
+    assert reply["ok"] is False
+    assert "flush-db" in reply["error"]
+    assert reply["resume_report"]["kind"] == "resume"
+    assert ("restore-hook", "resume", 0, "control") in calls.items
+
+
+def test_restore_and_resume(server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    calls = Calls(engine)
+    reply = request("restore", socket_path=sock_path)
+    assert reply["ok"] and reply["report"]["kind"] == "restore"
+    assert reply["report"]["reason"] == "control" and reply["report"]["generation"] == 1
+    reply = request("resume", socket_path=sock_path)
+    assert reply["ok"] and reply["report"]["kind"] == "resume"
+    assert calls.items == [("restore-hook", "restore", 1, "control"),
+                           ("restore-hook", "resume", 1, "control")]
+
+
+def test_failed_restore_hook_makes_reply_not_ok(server: ControlServer, engine: Lifecycle,
+                                               sock_path: str) -> None:
+    @engine.registry.after_restore(name="reconnect")
+    def reconnect() -> None:
+        raise ConnectionError("db down")
+
+    reply = request("restore", socket_path=sock_path)
+    assert reply["ok"] is False and "reconnect" in reply["error"]
+
+
+def test_restore_notice_after_clock_jump_runs_hooks_once(
+    server: ControlServer, engine: Lifecycle, sock_path: str
+) -> None:
+    calls = Calls(engine)
+    assert request("prepare-snapshot", socket_path=sock_path)["ok"]
+    # ... frozen, restored: the clock-jump detector notices first (its last wake-up
+    # was before the freeze) ...
+    engine.restore_detected("clock-jump", since=time.monotonic() - 0.5)
+    # ... then the platform's `rehydrate notify restore` arrives.
+    reply = request("restore", socket_path=sock_path)
+    assert reply["ok"] and reply["report"]["reason"] == "clock-jump"
+    assert [c[:3] for c in calls.items if c[0] == "restore-hook"] == [
+        ("restore-hook", "restore", 1)]
+    # A later restore (a clone of the clone, no prepare-snapshot) is a new event.
+    reply = request("restore", socket_path=sock_path)
+    assert reply["report"]["generation"] == 2 and reply["report"]["reason"] == "control"
+    reply = request("restore", socket_path=sock_path)
+    assert reply["report"]["generation"] == 3
+
+
+def test_simulate(server: ControlServer, engine: Lifecycle, sock_path: str,
+                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="rehydrate")
+    reply = request("simulate", socket_path=sock_path,
+                    env={"REHYDRATE_T_SECRET": "hunter2-value", "REHYDRATE_T_GONE": None})
+    assert reply["ok"] and reply["report"]["reason"] == "simulated"
+    assert reply["report"]["env_changes"]["added"] == ["REHYDRATE_T_SECRET"]
+    assert os.environ["REHYDRATE_T_SECRET"] == "hunter2-value"
+    assert "hunter2-value" not in caplog.text
+    assert request("simulate", socket_path=sock_path, event="snapshot")["report"]["event"] == \
+        "snapshot"
+    bad = request("simulate", socket_path=sock_path, env={"A": 1})
+    assert not bad["ok"] and "env" in bad["error"]
+    bad = request("simulate", socket_path=sock_path, event="explode")
+    assert not bad["ok"] and "event" in bad["error"]
+
+
+def test_trigger_through_the_socket(server: ControlServer, engine: Lifecycle, sock_path: str,
+                                    short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = short_dir / "gvisor"
+    proc.mkdir()
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    os.symlink(os.ttyname(slave), proc / "checkpoint")
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))
+
+    def platform() -> None:  # reads the "1", answers "resume"
+        ready, _, _ = select.select([master], [], [], DEADLINE)
+        if ready and os.read(master, 8) == b"1":
+            os.write(master, b"resume\n")
+
+    t = threading.Thread(target=platform)
+    t.start()
+    try:
+        reply = request("trigger", socket_path=sock_path, timeout=DEADLINE)
+    finally:
+        t.join(DEADLINE)
+        os.close(master)
+        os.close(slave)
+    assert reply["ok"] and reply["answer"] == "resume"
+    assert reply["report"]["kind"] == "resume"
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(short_dir / "missing"))
+    reply = request("trigger", socket_path=sock_path)
+    assert not reply["ok"] and "not found" in reply["error"]
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def test_garbage_json_gets_error_and_connection_keeps_serving(server: ControlServer,
+                                                              sock_path: str) -> None:
+    c = Conn(sock_path)
+    try:
+        for garbage in (b"this is not json\n", b"{\"cmd\": \n", b"\xff\xfe\x00\n",
+                        b"[1, 2]\n", b"{\"nocmd\": 1}\n", b"{\"cmd\": 5}\n"):
+            c.send(garbage)
+            reply = c.reply()
+            assert reply["ok"] is False and reply["error"].startswith("bad request"), garbage
+        assert c.ask({"cmd": "status"})["ok"]
+    finally:
+        c.close()
+
+
+def test_unknown_command(server: ControlServer, sock_path: str) -> None:
+    reply = request("reboot", socket_path=sock_path, id="x1")
+    assert reply == {"ok": False, "id": "x1",
+                     "error": "bad request: unknown command 'reboot' (known: status, "
+                              "prepare-snapshot, resume, restore, simulate, trigger)"}
+
+
+def test_oversize_line_refused_and_server_keeps_serving(server: ControlServer,
+                                                       sock_path: str) -> None:
+    c = Conn(sock_path)
+    try:
+        big = b'{"cmd": "status", "pad": "' + b"x" * (MAX_LINE + 10_000) + b'"}\n'
+        c.send(big + b'{"cmd": "status"}\n')
+        first = c.reply()
+        assert first["ok"] is False and "too large" in first["error"]
+        assert c.reply()["ok"]  # the next request on the same connection works
+    finally:
+        c.close()
+    # A huge line with no newline at all, then the client leaves.
+    c = Conn(sock_path)
+    c.send(b"y" * (3 * MAX_LINE))
+    assert "too large" in c.reply()["error"]
+    c.close()
+    assert request("status", socket_path=sock_path)["ok"]
+
+
+def test_line_exactly_at_the_limit_is_accepted(server: ControlServer, sock_path: str) -> None:
+    head = b'{"cmd": "status", "pad": "'
+    line = head + b"x" * (MAX_LINE - len(head) - 2) + b'"}'
+    assert len(line) == MAX_LINE
+    c = Conn(sock_path)
+    try:
+        c.send(line + b"\n")
+        assert c.reply()["ok"]
+    finally:
+        c.close()
+
+
+def test_client_disconnecting_mid_request(server: ControlServer, sock_path: str,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    c = Conn(sock_path)
+    c.send(b'{"cmd": "sta')
+    c.sock.shutdown(socket.SHUT_WR)  # end of input before the newline: still readable
+    reply = c.reply()
+    assert reply["ok"] is False and "incomplete request" in reply["error"]
+    c.close()
+    c = Conn(sock_path)
+    c.send(b'{"cmd": "restore"')  # and gone for good: nothing runs
+    c.close()
+    wait_for(lambda: len([r for r in caplog.records if "mid-request" in r.getMessage()]) == 2,
+             what="the log lines")
+    assert request("status", socket_path=sock_path)["status"]["generation"] == 0
+
+
+def test_prepare_client_gone_before_reply_runs_resume_hooks(
+    server: ControlServer, engine: Lifecycle, sock_path: str
+) -> None:
+    calls = Calls(engine)
+    started, release = threading.Event(), threading.Event()
+
+    @engine.registry.before_snapshot(name="slow")
+    def slow() -> None:
+        started.set()
+        release.wait(DEADLINE)
+
+    c = Conn(sock_path)
+    c.send(b'{"cmd": "prepare-snapshot"}\n')
+    assert started.wait(DEADLINE)
+    c.close()  # the platform's timeout killed `rehydrate notify save`
+    release.set()
+    wait_for(lambda: ("restore-hook", "resume", 0, "control") in calls.items,
+             what="the resume hooks")
+    assert request("status", socket_path=sock_path)["ok"]
+
+
+def test_concurrent_clients(server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    n = 12
+    replies: list[dict] = []  # type: ignore[type-arg]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def client(i: int) -> None:
+        try:
+            barrier.wait(DEADLINE)
+            cmd = "simulate" if i % 2 else "status"
+            replies.append(request(cmd, socket_path=sock_path, id=i))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE * 2)
+    assert not errors
+    assert sorted(r["id"] for r in replies) == list(range(n))
+    assert all(r["ok"] for r in replies)
+    assert engine.status().generation == n // 2  # every simulated restore ran, one at a time
+
+
+@pytest.fixture
+def root_required() -> None:
+    if os.geteuid() != 0:
+        if os.environ.get("REHYDRATE_REQUIRE_ROOT_TESTS") == "1":
+            pytest.fail("REHYDRATE_REQUIRE_ROOT_TESTS=1 but not running as root")
+        pytest.skip("needs root (to run a client as another uid)")
+
+
+def _client_as_nobody(path: str) -> dict:  # type: ignore[type-arg]
+    """Fork a child that drops to uid/gid 65534, connects, asks for status.
+
+    (A subprocess would need an interpreter uid 65534 may execute; a fork needs none.)
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: only async-signal-safe-ish work, then _exit
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            try:
+                s.connect(path)
+            except OSError as exc:
+                out = {"connect_error": exc.errno}
+            else:
+                s.sendall(b'{"cmd": "status"}\n')
+                data = b""
+                while b"\n" not in data:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                out = {"reply": data.decode(), "closed": s.recv(4096) == b"",
+                       "uid": os.getuid()}
+            os.write(w, json.dumps(out).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001
+            os.write(w, repr(exc).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, data
+    return json.loads(data)  # type: ignore[no-any-return]
+
+
+@pytest.mark.root
+def test_other_uid_is_refused(root_required: None, server: ControlServer, sock_path: str,
+                              short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    os.chmod(short_dir, 0o755)  # let uid 65534 reach the socket's directory
+
+    def as_nobody() -> dict:  # type: ignore[type-arg]
+        return _client_as_nobody(sock_path)
+
+    # Mode 0600: the kernel refuses the connection outright.
+    assert as_nobody() == {"connect_error": 13}
+    # Even if the socket's mode were loosened, SO_PEERCRED refuses the client.
+    os.chmod(sock_path, 0o666)
+    out = as_nobody()
+    reply = json.loads(out["reply"])
+    assert reply["ok"] is False and "permission denied: uid 65534" in reply["error"]
+    assert out["closed"] and out["uid"] == 65534
+    assert server.refused == 1
+    assert any("refused a client with uid 65534" in r.getMessage() for r in caplog.records)
+    assert request("status", socket_path=sock_path)["ok"]  # root (same uid) still served
+
+
+# -- the CLI -----------------------------------------------------------------------------
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE", "CRTOOLS_SCRIPT_ACTION",
+                         "REHYDRATE_CONTROL_SOCKET")}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "rehydrate", *args], env=full, cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_notify_cli_exit_codes(server: ControlServer, engine: Lifecycle, sock_path: str,
+                               short_dir: Path) -> None:
+    calls = Calls(engine)
+    env = {"REHYDRATE_CONTROL_SOCKET": sock_path}
+
+    r = cli("notify", "save", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("save: ok")
+    assert calls.items[-1][:2] == ("snapshot-hook", "snapshot")
+
+    r = cli("notify", env={**env, "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE": "restore"})
+    assert r.returncode == 0, r.stderr
+    assert calls.items[-1][:3] == ("restore-hook", "restore", 1)
+
+    r = cli("notify", "--json", env={**env, "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE": "resume"})
+    assert r.returncode == 0 and json.loads(r.stdout)["report"]["kind"] == "resume"
+
+    r = cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": "pre-dump"})
+    assert r.returncode == 0 and calls.items[-1][0] == "snapshot-hook"
+    n = len(calls.items)
+    r = cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": "post-resume"})
+    assert r.returncode == 0 and calls.items[-1][:3] == ("restore-hook", "restore", 2)
+    assert len(calls.items) == n + 1
+
+    served = server.served
+    for action in ("post-dump", "post-restore", "pre-restore", "network-lock",
+                   "network-unlock", "setup-namespaces"):
+        r = cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": action})
+        assert r.returncode == 0 and r.stdout == "", (action, r.stderr)
+    # ... even with no process to reach, and without contacting the running one.
+    r = cli("notify", env={"REHYDRATE_CONTROL_SOCKET": str(short_dir / "none.sock"),
+                           "CRTOOLS_SCRIPT_ACTION": "post-dump"})
+    assert r.returncode == 0
+    assert server.served == served
+
+    r = cli("notify", env={**env, "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE": "explode"})
+    assert r.returncode == 2 and "explode" in r.stderr
+    r = cli("notify", env=env)
+    assert r.returncode == 2
+
+
+def test_notify_save_with_failing_required_hook_exits_nonzero(
+    server: ControlServer, engine: Lifecycle, sock_path: str
+) -> None:
+    @engine.registry.before_snapshot(name="close-db", required=True)
+    def close_db() -> None:
+        raise RuntimeError("still in a transaction")
+
+    r = cli("notify", env={"REHYDRATE_CONTROL_SOCKET": sock_path,
+                           "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE": "save"})
+    assert r.returncode == 1
+    assert "close-db" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+    @engine.registry.before_snapshot(name="optional", required=False)
+    def optional() -> None:
+        raise RuntimeError("meh")
+
+    engine.registry.unregister("close-db")
+    r = cli("notify", "save", "--socket", sock_path)
+    assert r.returncode == 0, r.stderr
+
+
+def test_notify_unreachable(short_dir: Path) -> None:
+    r = cli("notify", "restore", "--socket", str(short_dir / "nobody.sock"), "--timeout", "2")
+    assert r.returncode == 3
+    assert "cannot reach" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_status_cli(server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    engine.simulate_restore()
+    r = cli("status", "--json", env={"REHYDRATE_CONTROL_SOCKET": sock_path})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    expected = engine.status().to_dict()
+    for key in ("state", "generation", "ready", "detectors", "last_report"):
+        assert data[key] == json.loads(json.dumps(expected[key]))
+    r = cli("status", "--socket", sock_path)
+    assert r.returncode == 0 and "generation:  1" in r.stdout and "state:       ready" in r.stdout
+
+
+def test_doctor_lists_gvisor_and_control() -> None:
+    r = cli("doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {d["name"]: d for d in json.loads(r.stdout)["detectors"]}
+    assert rows["gvisor"]["reason"]
+    assert rows["control"]["reason"]
+    if not os.path.exists("/proc/gvisor/checkpoint"):
+        assert not rows["gvisor"]["usable"] and "gVisor" in rows["gvisor"]["reason"]
+    r = cli("doctor")
+    assert "gvisor" in r.stdout and "control" in r.stdout
+
+
+def test_request_client_errors(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REHYDRATE_CONTROL_SOCKET", raising=False)
+    with pytest.raises(ControlError, match="cannot reach"):
+        request("status", socket_path=str(short_dir / "x.sock"))
+    # A server that accepts and never answers: the client's timeout applies.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(short_dir / "mute.sock"))
+    listener.listen(1)
+    try:
+        with pytest.raises(ControlError, match="no reply"):
+            request("status", socket_path=str(short_dir / "mute.sock"), timeout=0.3)
+    finally:
+        listener.close()
