@@ -11,8 +11,8 @@ import time
 
 import httpx
 import pytest
-
 from netservers import free_port, redis_binary, redis_server, uvicorn_server
+
 from rehydrate import connections
 from rehydrate.cli import main as cli_main
 
@@ -117,7 +117,6 @@ def test_kill_servers_restore_backs_off_until_they_return(rehydrate_engine, http
 def test_required_connection_that_never_returns_leaves_process_degraded(
         rehydrate_engine, redis_srv):
     import redis
-
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 

@@ -1,0 +1,908 @@
+"""Routes and firewall rules, re-applied after a restore (``NETWORK`` phase).
+
+Snapshot platforms do not restore user-added routes nor iptables/nftables rules (GKE Pod
+snapshots say so; a gVisor restore rebuilds the network stack). This module re-creates
+them, either from declarations or from a capture taken before the snapshot:
+
+* :func:`route` declares a route (destination, gateway, device, table, metric, source),
+  applied with pyroute2 ``route("replace", ...)`` — idempotent.
+* :func:`nftables` declares an nftables JSON ruleset (the form ``nft -j list`` prints, or
+  a list of JSON commands), applied atomically with ``nft -j -f -``; a table given as
+  objects is replaced as a whole (``add``/``delete``/re-``add`` in one transaction).
+* :func:`iptables` declares ``iptables-restore`` text, applied with ``--noflush``; rules
+  that already exist (``iptables -C``) are not appended twice.
+* :func:`capture` records the user-added routes (every table except ``local``; protocol
+  not ``kernel``, ``ra`` or ``dhcp`` — so not the kernel's link and address routes, nor
+  router advertisements or DHCP leases that the platform re-creates) and the nftables
+  tables of the current network namespace, now and again before every snapshot; after a
+  restore they are re-applied with no declaration at all. A captured route whose
+  destination the platform already re-created differently is left to the platform.
+
+Everything applied is read back and compared. Without CAP_NET_ADMIN, without pyroute2,
+without the ``nft`` binary, or where the platform lacks nftables (gVisor implements only
+part of iptables), the restore hook fails with **one** message naming what is missing;
+whether that makes the process not ready follows the usual ``required`` semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from .context import RestoreContext
+from .hooks import Phase
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "ApplyResult",
+    "Capture",
+    "NetworkError",
+    "NetworkUnavailable",
+    "Route",
+    "RoutesManager",
+    "apply",
+    "capture",
+    "iptables",
+    "manager",
+    "missing_prerequisites",
+    "nftables",
+    "read_routes",
+    "read_table",
+    "route",
+]
+
+log = logging.getLogger("rehydrate")
+
+CAP_NET_ADMIN = 12
+RT_TABLE_MAIN = 254
+RT_TABLE_LOCAL = 255
+_SKIP_PROTOS = {2: "kernel", 9: "ra", 16: "dhcp"}
+_ROUTE_TYPES = {1: "unicast", 6: "blackhole", 7: "unreachable", 8: "prohibit"}
+_TYPE_CODES = {v: k for k, v in _ROUTE_TYPES.items()}
+NFT_TIMEOUT = 20.0
+
+
+class NetworkError(RuntimeError):
+    """Some routes or rules could not be re-applied or did not read back as applied."""
+
+
+class NetworkUnavailable(NetworkError):
+    """A prerequisite is missing (capability, binary, module, kernel support)."""
+
+
+# --------------------------------------------------------------------------------------
+# Prerequisites
+# --------------------------------------------------------------------------------------
+
+def has_cap_net_admin() -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def nft_binary() -> str | None:
+    configured = os.environ.get("REHYDRATE_NFT")
+    if configured is not None:
+        return configured if os.access(configured, os.X_OK) else None
+    return shutil.which("nft") or next(
+        (p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+
+
+def _pyroute2_available() -> bool:
+    try:
+        import pyroute2  # type: ignore[import-untyped,unused-ignore]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def missing_prerequisites(*, routes: bool = True, nft: bool = True,
+                          iptables: bool = False) -> list[str]:
+    """What stops re-applying the given kinds of state here (empty: nothing)."""
+    missing: list[str] = []
+    if (routes or nft or iptables) and not has_cap_net_admin():
+        missing.append(f"CAP_NET_ADMIN (uid {os.geteuid()} runs without it)")
+    if routes and not _pyroute2_available():
+        missing.append("pyroute2 (pip install 'rehydrate[routes]')")
+    if nft:
+        binary = nft_binary()
+        if binary is None:
+            missing.append("the nft binary (install nftables, or set REHYDRATE_NFT)")
+    if iptables:
+        for b in ("iptables-restore", "iptables"):
+            if shutil.which(b) is None and not os.access(f"/usr/sbin/{b}", os.X_OK):
+                missing.append(f"the {b} binary")
+    return missing
+
+
+# --------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Route:
+    """One route. ``dst`` is ``"default"`` or a prefix such as ``"10.0.0.0/24"``."""
+
+    dst: str
+    gateway: str | None = None
+    dev: str | None = None
+    table: int | None = None
+    metric: int | None = None
+    src: str | None = None
+    type: str = "unicast"
+    scope: int | None = None
+    required: bool = field(default=True, compare=False)
+
+    @property
+    def family(self) -> int:
+        probe = self.gateway or self.src or self.dst
+        return socket.AF_INET6 if ":" in probe else socket.AF_INET
+
+    def normalized(self) -> Route:
+        dst = self.dst
+        if dst in ("default", "0.0.0.0/0", "::/0"):
+            dst = "default"
+        elif "/" not in dst:
+            dst = f"{dst}/{128 if ':' in dst else 32}"
+        return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN)
+
+    def key(self) -> tuple[int, str, int, int | None]:
+        """What the kernel identifies a route by (family, destination, table, metric)."""
+        n = self.normalized()
+        return (n.family, n.dst, n.table or RT_TABLE_MAIN, n.metric)
+
+    def matches(self, other: Route) -> bool:
+        """``other`` (read back from the kernel) satisfies this (possibly partial) route."""
+        a, b = self.normalized(), other.normalized()
+        if (a.family, a.dst, a.table, a.type) != (b.family, b.dst, b.table, b.type):
+            return False
+        return all(getattr(a, f) is None or getattr(a, f) == getattr(b, f)
+                   for f in ("gateway", "dev", "metric", "src", "scope"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in (("dst", self.dst), ("gateway", self.gateway),
+                                  ("dev", self.dev), ("table", self.table),
+                                  ("metric", self.metric), ("src", self.src),
+                                  ("type", self.type), ("scope", self.scope)) if v is not None}
+
+    def __str__(self) -> str:
+        parts = [self.dst]
+        for label, v in (("via", self.gateway), ("dev", self.dev), ("table", self.table),
+                         ("metric", self.metric), ("src", self.src)):
+            if v is not None:
+                parts.append(f"{label} {v}")
+        if self.type != "unicast":
+            parts.insert(0, self.type)
+        return " ".join(str(p) for p in parts)
+
+
+def _iproute() -> Any:
+    try:
+        from pyroute2 import IPRoute
+    except ImportError as exc:  # pragma: no cover - checked by missing_prerequisites
+        raise NetworkUnavailable("pyroute2 is not installed (pip install "
+                                 "'rehydrate[routes]')") from exc
+    return IPRoute()
+
+
+def _links(ipr: Any) -> dict[int, str]:
+    return {int(link["index"]): str(link.get("ifname")) for link in ipr.get_links()}
+
+
+def _from_msg(msg: Any, links: Mapping[int, str]) -> tuple[Route, int] | None:
+    """A kernel route message as a :class:`Route` and its protocol; None when not
+    expressible (multipath, local/broadcast/multicast types)."""
+    rtype = _ROUTE_TYPES.get(int(msg["type"]))
+    if rtype is None or msg.get("multipath"):
+        return None
+    fam = int(msg["family"])
+    dst = msg.get("dst")
+    dst_len = int(msg["dst_len"])
+    dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
+    oif = msg.get("oif")
+    table = msg.get("table")
+    if table is None:
+        table = msg["table"]
+    scope = int(msg["scope"])
+    default_scope = 253 if (rtype == "unicast" and msg.get("gateway") is None
+                            and fam == socket.AF_INET) else 0
+    route = Route(
+        dst=dst_s,
+        gateway=msg.get("gateway"),
+        dev=links.get(int(oif)) if oif is not None else None,
+        table=int(table),
+        metric=msg.get("priority"),
+        src=msg.get("prefsrc"),
+        type=rtype,
+        scope=None if scope == default_scope else scope,
+    )
+    return route, int(msg["proto"])
+
+
+def read_routes(*, user_only: bool = False, ipr: Any = None) -> list[Route]:
+    """The routes of the current network namespace (IPv4 and IPv6, every table).
+
+    ``user_only``: what :func:`capture` keeps — not the ``local`` table, not protocols
+    ``kernel``/``ra``/``dhcp``.
+    """
+    own = ipr is None
+    ipr = ipr or _iproute()
+    try:
+        links = _links(ipr)
+        out: list[Route] = []
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            for msg in ipr.get_routes(family=fam, table=None):
+                parsed = _from_msg(msg, links)
+                if parsed is None:
+                    continue
+                r, proto = parsed
+                if user_only and (r.table == RT_TABLE_LOCAL or proto in _SKIP_PROTOS):
+                    continue
+                out.append(r)
+        return out
+    finally:
+        if own:
+            ipr.close()
+
+
+def _route_kwargs(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
+    n = r.normalized()
+    kw: dict[str, Any] = {"family": n.family, "table": n.table,
+                          "type": _TYPE_CODES.get(n.type, 1)}
+    if n.dst == "default":
+        kw["dst"] = "::/0" if n.family == socket.AF_INET6 else "0.0.0.0/0"
+    else:
+        kw["dst"] = n.dst
+    if n.gateway is not None:
+        kw["gateway"] = n.gateway
+    if n.dev is not None:
+        if n.dev not in links_by_name:
+            raise NetworkError(f"route {r}: device {n.dev!r} does not exist")
+        kw["oif"] = links_by_name[n.dev]
+    if n.metric is not None:
+        kw["priority"] = n.metric
+    if n.src is not None:
+        kw["prefsrc"] = n.src
+    if n.scope is not None:
+        kw["scope"] = n.scope
+    elif n.type == "unicast" and n.gateway is None and n.family == socket.AF_INET:
+        kw["scope"] = 253  # link scope, as `ip route add PREFIX dev DEV` does
+    return kw
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------
+# nftables
+# --------------------------------------------------------------------------------------
+
+def _nft(args: Sequence[str], stdin: str | None = None) -> str:
+    binary = nft_binary()
+    if binary is None:
+        raise NetworkUnavailable("the nft binary is missing (install nftables, or set "
+                                 "REHYDRATE_NFT)")
+    proc = subprocess.run([binary, *args], input=stdin, capture_output=True, text=True,
+                          timeout=NFT_TIMEOUT, check=False)
+    if proc.returncode != 0:
+        err = " ".join(proc.stderr.split()) or f"exit status {proc.returncode}"
+        if any(s in err for s in ("Operation not permitted", "Permission denied")):
+            raise NetworkUnavailable(f"nft {' '.join(args[:3])}: {err} (needs CAP_NET_ADMIN)")
+        if any(s in err for s in ("not supported", "Protocol not supported",
+                                  "Could not process rule: No such file or directory"
+                                  " (netlink)")):
+            raise NetworkUnavailable(f"nftables is not supported here: {err}")
+        raise NetworkError(f"nft {' '.join(args[:3])}: {err}")
+    return proc.stdout
+
+
+_OBJ_KINDS = ("table", "chain", "set", "map", "flowtable", "counter", "quota", "ct helper",
+              "limit", "ct timeout", "ct expectation", "secmark", "synproxy", "element",
+              "rule")
+
+
+def _strip(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k != "handle"}
+
+
+def _normalize_expr(value: Any) -> Any:
+    """Drop what changes by itself (counter values) so read-backs compare equal."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k == "counter" and isinstance(v, dict) and ("packets" in v or "bytes" in v):
+                out[k] = {kk: vv for kk, vv in v.items() if kk not in ("packets", "bytes")}
+            elif k == "counter" and v is None:
+                out[k] = {}
+            else:
+                out[k] = _normalize_expr(v)
+        return out
+    if isinstance(value, list):
+        return [_normalize_expr(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class NftTable:
+    """One nftables table as the list of objects ``nft -j list table`` prints."""
+
+    family: str
+    name: str
+    objects: tuple[Mapping[str, Any], ...]
+    required: bool = field(default=True, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} {self.name}"
+
+    def commands(self) -> list[dict[str, Any]]:
+        """Replace the table atomically: ensure it exists, delete it, add it back."""
+        ident = {"family": self.family, "name": self.name}
+        cmds: list[dict[str, Any]] = [{"add": {"table": dict(ident)}},
+                                      {"delete": {"table": dict(ident)}}]
+        for obj in self.objects:
+            ((kind, body),) = obj.items()
+            cmds.append({"add": {kind: _strip(body)}})
+        return cmds
+
+    def canonical(self) -> list[tuple[str, Any]]:
+        """Objects without handles and counter values, for comparison."""
+        return [(kind, _normalize_expr(_strip(body)))
+                for obj in self.objects for kind, body in obj.items()]
+
+    def uses_xt(self) -> bool:
+        return '"xt"' in json.dumps(self.objects)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nftables": [dict(o) for o in self.objects]}
+
+
+def _tables_from_listing(data: Mapping[str, Any], required: bool = True) -> list[NftTable]:
+    """Group the objects of an ``nft -j list`` document by table."""
+    order: list[tuple[str, str]] = []
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for obj in data.get("nftables", []):
+        if not isinstance(obj, Mapping) or len(obj) != 1:
+            raise ValueError("each nftables item must be one object")
+        ((kind, body),) = obj.items()
+        if kind == "metainfo":
+            continue
+        if kind not in _OBJ_KINDS or not isinstance(body, Mapping):
+            raise ValueError(f"unexpected nftables item {kind!r}")
+        if kind == "table":
+            key = (str(body["family"]), str(body["name"]))
+        else:
+            key = (str(body["family"]), str(body["table"]))
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(obj)
+    tables = []
+    for key in order:
+        objs = groups[key]
+        if not any("table" in o for o in objs):
+            objs.insert(0, {"table": {"family": key[0], "name": key[1]}})
+        tables.append(NftTable(key[0], key[1], tuple(objs), required))
+    return tables
+
+
+def read_table(family: str, name: str) -> NftTable | None:
+    """The table as nft lists it now, or None when it does not exist."""
+    try:
+        out = _nft(["-j", "list", "table", family, name])
+    except NetworkUnavailable:
+        raise
+    except NetworkError as exc:
+        if "No such file or directory" in str(exc):
+            return None
+        raise
+    tables = _tables_from_listing(json.loads(out))
+    return tables[0] if tables else None
+
+
+def read_tables() -> list[NftTable]:
+    """Every table of the current network namespace's ruleset."""
+    return _tables_from_listing(json.loads(_nft(["-j", "list", "ruleset"])))
+
+
+@dataclass(frozen=True)
+class NftCommands:
+    """A declared ruleset in command form (``[{"add": …}, {"flush": …}]``): applied as is,
+    verified by checking its tables exist."""
+
+    commands: tuple[Mapping[str, Any], ...]
+    required: bool = field(default=True, compare=False)
+
+    def tables(self) -> list[tuple[str, str]]:
+        out = []
+        for cmd in self.commands:
+            for verb, body in cmd.items():
+                if verb in ("add", "create") and isinstance(body, Mapping) and "table" in body:
+                    t = body["table"]
+                    out.append((str(t["family"]), str(t["name"])))
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# iptables
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IptablesRules:
+    text: str
+    ipv6: bool = False
+    required: bool = field(default=True, compare=False)
+
+    @property
+    def tool(self) -> str:
+        return "ip6tables" if self.ipv6 else "iptables"
+
+    def parsed(self) -> list[tuple[str, list[str], list[list[str]]]]:
+        """[(table, chain lines, rule argv lists)] from iptables-restore text."""
+        out: list[tuple[str, list[str], list[list[str]]]] = []
+        table: str | None = None
+        chains: list[str] = []
+        rules: list[list[str]] = []
+        for raw in self.text.splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("*"):
+                table, chains, rules = line[1:], [], []
+            elif line == "COMMIT":
+                if table is None:
+                    raise ValueError("COMMIT outside a table")
+                out.append((table, chains, rules))
+                table = None
+            elif line.startswith(":"):
+                chains.append(line)
+            elif line.startswith(("-A ", "-I ")):
+                rules.append(shlex.split(line))
+            else:
+                raise ValueError(f"unsupported iptables-restore line: {line[:60]!r}")
+        if table is not None:
+            raise ValueError(f"table {table} has no COMMIT")
+        return out
+
+
+def _run(argv: Sequence[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), input=stdin, capture_output=True, text=True,
+                          timeout=NFT_TIMEOUT, check=False)
+
+
+def _rule_exists(tool: str, table: str, argv: list[str]) -> bool:
+    spec = ["-C", *argv[1:]]
+    if argv[0] == "-I":  # -I CHAIN [pos] rule...: drop a numeric position
+        spec = ["-C", argv[1], *(argv[3:] if len(argv) > 2 and argv[2].isdigit()
+                                 else argv[2:])]
+    return _run([tool, "-w", "-t", table, *spec]).returncode == 0
+
+
+def _apply_iptables(rules: IptablesRules) -> int:
+    tool = rules.tool
+    out_lines: list[str] = []
+    count = 0
+    for table, chains, rule_list in rules.parsed():
+        saved = _run([f"{tool}-save", "-t", table])
+        existing = {line.split()[0][1:] for line in saved.stdout.splitlines()
+                    if line.startswith(":")} if saved.returncode == 0 else set()
+        out_lines.append(f"*{table}")
+        out_lines.extend(c for c in chains if c.split()[0][1:] not in existing)
+        for argv in rule_list:
+            if argv[1] in existing and _rule_exists(tool, table, argv):
+                continue
+            out_lines.append(shlex.join(argv))
+            count += 1
+        out_lines.append("COMMIT")
+    proc = _run([f"{tool}-restore", "--noflush", "-w"], "\n".join(out_lines) + "\n")
+    if proc.returncode != 0:
+        err = " ".join(proc.stderr.split())
+        if "Permission denied" in err or "not permitted" in err:
+            raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
+        raise NetworkError(f"{tool}-restore --noflush: {err}")
+    missing = [shlex.join(argv) for table, _, rule_list in rules.parsed()
+               for argv in rule_list if not _rule_exists(tool, table, argv)]
+    if missing:
+        raise NetworkError(f"{tool}: {len(missing)} rule(s) missing after applying, "
+                           f"e.g. {missing[0]}")
+    return count
+
+
+# --------------------------------------------------------------------------------------
+# Capture and the manager
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Capture:
+    """User-added routes and nftables tables of one network namespace at one moment."""
+
+    routes: tuple[Route, ...]
+    tables: tuple[NftTable, ...]
+    taken_at: float
+    problems: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"routes": [r.to_dict() for r in self.routes],
+                "tables": {t.label: t.to_json() for t in self.tables},
+                "taken_at": self.taken_at, "problems": list(self.problems)}
+
+
+@dataclass
+class ApplyResult:
+    routes: int = 0
+    routes_skipped: int = 0
+    tables: int = 0
+    iptables_rules: int = 0
+    duration: float = 0.0
+    errors: list[tuple[str, bool, str]] = field(default_factory=list)
+    """(what, required, message) for each item that failed."""
+
+    @property
+    def ok(self) -> bool:
+        return not any(req for _, req, _ in self.errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"routes": self.routes, "routes_skipped": self.routes_skipped,
+                "tables": self.tables, "iptables_rules": self.iptables_rules,
+                "duration": round(self.duration, 6),
+                "errors": [{"what": w, "required": r, "error": e} for w, r, e in self.errors]}
+
+
+def _do_capture(tables: Iterable[str] | None, required: bool) -> Capture:
+    problems: list[str] = []
+    routes: list[Route] = []
+    try:
+        routes = [replace(r, required=required) for r in read_routes(user_only=True)]
+    except Exception as exc:
+        problems.append(f"routes: {_describe(exc)}")
+    nft_tables: list[NftTable] = []
+    try:
+        wanted = {" ".join(t.split()) for t in tables} if tables is not None else None
+        for t in read_tables():
+            if wanted is not None and t.label not in wanted and t.name not in wanted:
+                continue
+            if t.uses_xt():
+                problems.append(f"nftables table {t.label} holds iptables-nft rules; "
+                                "declare them with rehydrate.routes.iptables()")
+                continue
+            nft_tables.append(replace(t, required=required))
+    except Exception as exc:
+        problems.append(f"nftables: {_describe(exc)}")
+    return Capture(tuple(routes), tuple(nft_tables), time.time(), tuple(problems))
+
+
+class RoutesManager:
+    """Per-engine declarations, the last capture, and the NETWORK-phase hooks."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self.routes: list[Route] = []
+        self.rulesets: list[NftTable | NftCommands] = []
+        self.iptables: list[IptablesRules] = []
+        self.capture: Capture | None = None
+        self._capture_spec: tuple[tuple[str, ...] | None, bool] | None = None
+        self.last: ApplyResult | None = None
+        engine.builtins.register(self._after_restore, event="restore", phase=Phase.NETWORK,
+                                 name="rehydrate.routes", timeout=60.0)
+        engine.builtins.register(self._before_snapshot, event="snapshot",
+                                 phase=Phase.NETWORK, name="rehydrate.routes.capture",
+                                 timeout=30.0, required=False)
+        engine.add_status("network", self.status)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            cap = self.capture
+            return {
+                "declared_routes": len(self.routes),
+                "declared_rulesets": len(self.rulesets) + len(self.iptables),
+                "captured_routes": len(cap.routes) if cap else 0,
+                "captured_tables": [t.label for t in cap.tables] if cap else [],
+                "last_apply": self.last.to_dict() if self.last else None,
+            }
+
+    # -- declarations ---------------------------------------------------------------
+
+    def add_route(self, r: Route) -> None:
+        with self._lock:
+            self.routes = [x for x in self.routes if x.key() != r.key()] + [r]
+
+    def add_ruleset(self, items: Sequence[NftTable | NftCommands]) -> None:
+        with self._lock:
+            labels = {t.label for t in items if isinstance(t, NftTable)}
+            self.rulesets = [x for x in self.rulesets
+                             if not (isinstance(x, NftTable) and x.label in labels)]
+            self.rulesets.extend(items)
+
+    def add_iptables(self, rules: IptablesRules) -> None:
+        with self._lock:
+            self.iptables.append(rules)
+
+    def take_capture(self, tables: Iterable[str] | None, required: bool) -> Capture:
+        spec = (tuple(tables) if tables is not None else None, required)
+        cap = _do_capture(spec[0], required)
+        for p in cap.problems:
+            log.warning("network capture: %s", p)
+        with self._lock:
+            self._capture_spec = spec
+            self.capture = cap
+        return cap
+
+    # -- hooks ----------------------------------------------------------------------
+
+    def _before_snapshot(self, ctx: RestoreContext) -> None:
+        with self._lock:
+            spec = self._capture_spec
+        if spec is None:
+            return
+        cap = _do_capture(*spec)
+        if cap.problems and self.capture is not None:
+            log.warning("network capture before the snapshot incomplete (%s); keeping the "
+                        "previous capture", "; ".join(cap.problems))
+            return
+        with self._lock:
+            self.capture = cap
+
+    def _after_restore(self, ctx: RestoreContext) -> None:
+        result = self.apply()
+        if not result.ok:
+            raise NetworkError(_summary(result))
+
+    def apply(self) -> ApplyResult:
+        """Re-apply declarations and the capture now; read back and compare."""
+        with self._lock:
+            declared = list(self.routes)
+            rulesets = list(self.rulesets)
+            ipt = list(self.iptables)
+            cap = self.capture
+        captured_routes = list(cap.routes) if cap else []
+        captured_tables = list(cap.tables) if cap else []
+        declared_labels = {t.label for t in rulesets if isinstance(t, NftTable)}
+        tables: list[NftTable | NftCommands] = [
+            t for t in captured_tables if t.label not in declared_labels]
+        tables.extend(rulesets)
+        result = ApplyResult()
+        t0 = time.perf_counter()
+        if not (declared or captured_routes or tables or ipt):
+            return result
+        missing = missing_prerequisites(routes=bool(declared or captured_routes),
+                                        nft=bool(tables), iptables=bool(ipt))
+        if missing:
+            items = _count(declared, captured_routes, tables, ipt)
+            required = any(x.required for x in [*declared, *captured_routes, *tables, *ipt])
+            msg = f"cannot re-apply {items}: missing {', '.join(missing)}"
+            log.error("network: %s", msg)
+            result.errors.append(("network", required, msg))
+            self.last = result
+            return result
+        if declared or captured_routes:
+            self._apply_routes(declared, captured_routes, result)
+        for t in tables:
+            self._apply_nft(t, result)
+        for rules in ipt:
+            try:
+                result.iptables_rules += _apply_iptables(rules)
+            except Exception as exc:
+                result.errors.append((f"{rules.tool} rules", rules.required, _describe(exc)))
+        result.duration = time.perf_counter() - t0
+        for what, req, err in result.errors:
+            log.log(logging.ERROR if req else logging.WARNING, "network: %s: %s", what, err)
+        self.last = result
+        return result
+
+    def _apply_routes(self, declared: list[Route], captured: list[Route],
+                      result: ApplyResult) -> None:
+        try:
+            ipr = _iproute()
+        except Exception as exc:
+            req = any(r.required for r in [*declared, *captured])
+            result.errors.append(("routes", req, _describe(exc)))
+            return
+        try:
+            links = _links(ipr)
+            by_name = {v: k for k, v in links.items()}
+            current = read_routes(ipr=ipr)
+            current_keys: dict[tuple[int, str, int, int | None], Route] = {
+                r.key(): r for r in current}
+            todo: list[Route] = list(declared)
+            declared_keys = {r.key() for r in declared}
+            for r in captured:
+                if r.key() in declared_keys:
+                    continue
+                have = current_keys.get(r.key())
+                if have is not None:
+                    if not r.matches(have):
+                        log.info("route %s: the platform re-created %s; leaving it", r, have)
+                    result.routes_skipped += 1
+                    continue
+                todo.append(r)
+            # gateways before the routes that may depend on them: link-scope routes first
+            todo.sort(key=lambda r: r.gateway is not None)
+            applied: list[Route] = []
+            for r in todo:
+                try:
+                    ipr.route("replace", **_route_kwargs(r, by_name))
+                except Exception as exc:
+                    err = _describe(exc)
+                    if "Operation not permitted" in err:
+                        err += " (needs CAP_NET_ADMIN)"
+                    result.errors.append((f"route {r}", r.required, err))
+                    continue
+                applied.append(r)
+            if applied:
+                after = read_routes(ipr=ipr)
+                for r in applied:
+                    if any(r.matches(x) for x in after):
+                        result.routes += 1
+                    else:
+                        result.errors.append((f"route {r}", r.required,
+                                              "not in the routing table after applying"))
+        finally:
+            ipr.close()
+
+    def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult) -> None:
+        if isinstance(t, NftTable):
+            what = f"nftables table {t.label}"
+            cmds = t.commands()
+        else:
+            what = "nftables ruleset"
+            cmds = [dict(c) for c in t.commands]
+        try:
+            _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
+            if isinstance(t, NftTable):
+                back = read_table(t.family, t.name)
+                if back is None:
+                    raise NetworkError("table missing after applying")
+                if back.canonical() != t.canonical():
+                    raise NetworkError("read back differs from what was applied")
+            else:
+                for fam, name in t.tables():
+                    if read_table(fam, name) is None:
+                        raise NetworkError(f"table {fam} {name} missing after applying")
+        except Exception as exc:
+            result.errors.append((what, t.required, _describe(exc)))
+            return
+        result.tables += 1
+
+
+def _count(declared: list[Route], captured: list[Route],
+           tables: Sequence[NftTable | NftCommands], ipt: list[IptablesRules]) -> str:
+    parts = []
+    if declared or captured:
+        parts.append(f"{len(declared) + len(captured)} route(s)")
+    if tables:
+        parts.append(f"{len(tables)} nftables ruleset(s)")
+    if ipt:
+        parts.append(f"{len(ipt)} iptables ruleset(s)")
+    return " and ".join(parts)
+
+
+def _summary(result: ApplyResult) -> str:
+    req = [(w, e) for w, r, e in result.errors if r]
+    if len(req) == 1 and req[0][0] == "network":
+        return req[0][1]
+    head = "; ".join(f"{w}: {e}" for w, e in req[:5])
+    more = f" (and {len(req) - 5} more)" if len(req) > 5 else ""
+    return f"{len(req)} required network item(s) not re-applied: {head}{more}"
+
+
+# --------------------------------------------------------------------------------------
+# Module-level API
+# --------------------------------------------------------------------------------------
+
+def manager(engine: Lifecycle | None = None) -> RoutesManager:
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    return engine.extension("routes", RoutesManager)
+
+
+def route(  # noqa: PLR0917 - the order ip-route users expect
+    dst: str,
+    gateway: str | None = None,
+    dev: str | None = None,
+    table: int | None = None,
+    metric: int | None = None,
+    src: str | None = None,
+    *,
+    type: str = "unicast",
+    scope: int | None = None,
+    required: bool = True,
+    engine: Lifecycle | None = None,
+) -> Route:
+    """Declare a route re-applied (``replace``) after every restore. Nothing is applied
+    now; a route with the same destination, table and metric replaces the earlier one."""
+    if type not in _TYPE_CODES:
+        raise ValueError(f"route type must be one of {sorted(_TYPE_CODES)}")
+    r = Route(dst, gateway, dev, table, metric, src, type, scope, required)
+    r.normalized()
+    manager(engine).add_route(r)
+    return r
+
+
+def nftables(
+    ruleset: Mapping[str, Any] | Sequence[Mapping[str, Any]] | str,
+    *,
+    required: bool = True,
+    engine: Lifecycle | None = None,
+) -> list[str]:
+    """Declare an nftables JSON ruleset re-applied after every restore.
+
+    Give it as ``nft -j list table …`` prints it (tables with their chains, sets and
+    rules: each table is then replaced atomically and read back for comparison), or as
+    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written). Returns the
+    labels of the tables it manages.
+    """
+    data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
+    if isinstance(data, Sequence):
+        data = {"nftables": list(data)}
+    items = data.get("nftables") if isinstance(data, Mapping) else None
+    if not isinstance(items, list):
+        raise ValueError("an nftables JSON ruleset is an object with an 'nftables' list")
+    commands = [i for i in items if isinstance(i, Mapping) and len(i) == 1
+                and next(iter(i)) in ("add", "create", "insert", "replace", "flush",
+                                      "delete", "destroy", "reset")]
+    decl: list[NftTable | NftCommands]
+    if commands and len(commands) == len(items):
+        cmd = NftCommands(tuple(commands), required)
+        decl = [cmd]
+        labels = [f"{f} {n}" for f, n in cmd.tables()]
+    elif commands:
+        raise ValueError("mix of nftables commands and listed objects; use one form")
+    else:
+        decl = list(_tables_from_listing(data, required))
+        labels = [t.label for t in decl if isinstance(t, NftTable)]
+    manager(engine).add_ruleset(decl)
+    return labels
+
+
+def iptables(
+    rules: str,
+    *,
+    ipv6: bool = False,
+    required: bool = True,
+    engine: Lifecycle | None = None,
+) -> None:
+    """Declare ``iptables-restore`` text (``*table`` / ``:CHAIN`` / ``-A`` / ``COMMIT``)
+    re-applied with ``--noflush`` after every restore; rules that exist are not doubled."""
+    decl = IptablesRules(rules, ipv6, required)
+    decl.parsed()  # validate now, apply later
+    manager(engine).add_iptables(decl)
+
+
+def capture(
+    *,
+    tables: Iterable[str] | None = None,
+    required: bool = True,
+    engine: Lifecycle | None = None,
+) -> Capture:
+    """Record the user-added routes and nftables tables (all, or ``tables`` such as
+    ``["inet myapp"]``) of the current network namespace now and again before every
+    snapshot; they are re-applied after each restore. Never raises: what could not be
+    read is listed in ``Capture.problems`` (and logged)."""
+    return manager(engine).take_capture(tables, required)
+
+
+def apply(*, engine: Lifecycle | None = None) -> ApplyResult:
+    """Re-apply everything declared and captured now (what the restore hook does)."""
+    return manager(engine).apply()

@@ -1,0 +1,277 @@
+"""Routes and nftables/iptables rules re-applied inside network namespaces made here.
+
+Every address (10.200.x.y) lives only inside the two namespaces a test creates and
+deletes; no packet leaves them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.root
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _require_or_skip(reason: str) -> None:
+    if os.environ.get("REHYDRATE_REQUIRE_ROOT_TESTS", "") not in ("", "0", "false", "no"):
+        pytest.fail(f"REHYDRATE_REQUIRE_ROOT_TESTS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def sh(cmd: str) -> str:
+    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30,
+                          check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd!r} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+@pytest.fixture
+def netns_pair():
+    """Namespaces A and B joined by a veth pair: A 10.200.1.1/24 <-> B 10.200.1.2/24, and
+    B also owns 10.200.2.1 (reachable from A only through a route via B)."""
+    if os.geteuid() != 0:
+        _require_or_skip("network namespace tests need root")
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            _require_or_skip(f"{tool} is not installed (scripts/setup-system.sh installs it)")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"rh5a-{tag}", f"rh5b-{tag}"
+    va, vb = f"rh5a{tag}", f"rh5b{tag}"
+    sh(f"ip netns add {a}")
+    try:
+        sh(f"ip netns add {b}")
+        sh(f"ip -n {a} link add {va} type veth peer name {vb} netns {b}")
+        for ns, dev, addr in ((a, va, "10.200.1.1/24"), (b, vb, "10.200.1.2/24")):
+            sh(f"ip -n {ns} link set lo up && ip -n {ns} link set {dev} up && "
+               f"ip -n {ns} addr add {addr} dev {dev}")
+        sh(f"ip -n {b} addr add 10.200.2.1/32 dev lo")
+        yield {"a": a, "b": b, "va": va, "vb": vb}
+    finally:
+        subprocess.run(["ip", "netns", "del", a], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", b], capture_output=True, check=False)
+
+
+def run_in_ns(ns: str, code: str, env: dict[str, str] | None = None,
+              drop_net_admin: bool = False) -> dict:
+    """Run a Python snippet inside namespace ``ns``; it prints one JSON object last."""
+
+    def drop() -> None:  # a root process without CAP_NET_ADMIN (bounding set dropped)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(24, 12, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_NET_ADMIN
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    proc = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+        env={**os.environ, **(env or {})}, preexec_fn=drop if drop_net_admin else None)
+    if proc.returncode != 0:
+        raise AssertionError(f"snippet failed ({proc.returncode}):\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+SERVER = r'''
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("10.200.2.1", 7777))
+s.listen(8)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.sendall(b"pong")
+    c.close()
+'''
+
+
+@pytest.fixture
+def server_in_b(netns_pair):
+    proc = subprocess.Popen(["ip", "netns", "exec", netns_pair["b"], sys.executable, "-c",
+                             SERVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 15)
+        assert ready and proc.stdout.readline().strip() == b"ready", proc.stderr.read1()
+        yield netns_pair
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+NFT_TABLE = """
+table inet rhtest {
+    set blocked { type ipv4_addr; elements = { 10.200.9.9, 10.200.9.10 } }
+    chain out {
+        type filter hook output priority 0; policy accept;
+        ip daddr @blocked counter drop
+        tcp dport 7777 counter accept
+        ip daddr 10.200.2.0/24 counter
+    }
+}
+"""
+
+CAPTURE_FLUSH_RESTORE = r'''
+import json, socket, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def connect():
+    try:
+        s = socket.create_connection(("10.200.2.1", 7777), timeout=3)
+        data = s.recv(4)
+        s.close()
+        return data.decode()
+    except OSError as exc:
+        return f"error: {exc}"
+
+def canon(tables):
+    return {t.label: t.canonical() for t in tables}
+
+engine = isolated_engine()
+before_connect = connect()
+cap = routes.capture(engine=engine)
+ruleset_before = canon(routes.read_tables())
+# what the platform does to a restored copy: user routes and rules are gone
+subprocess.run("ip route flush proto boot table all; nft flush ruleset", shell=True,
+               check=True)
+flushed_routes = [str(r) for r in routes.read_routes(user_only=True)]
+flushed_tables = [t.label for t in routes.read_tables()]
+flushed_connect = connect()
+report = engine.simulate_restore()
+print(json.dumps({
+    "before_connect": before_connect,
+    "captured": sorted(str(r) for r in cap.routes),
+    "captured_tables": canon(cap.tables),
+    "ruleset_before": ruleset_before,
+    "problems": list(cap.problems),
+    "flushed_routes": flushed_routes, "flushed_tables": flushed_tables,
+    "flushed_connect": flushed_connect,
+    "ok": report.ok, "table": report.table(),
+    "after": sorted(str(r) for r in routes.read_routes(user_only=True)),
+    "ruleset_after": canon(routes.read_tables()),
+    "after_connect": connect(),
+    "status": engine.status().extra["network"],
+}))
+'''
+
+
+def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b):
+    ns = server_in_b
+    a, va = ns["a"], ns["va"]
+    sh(f"ip -n {a} route add 10.200.2.0/24 via 10.200.1.2 dev {va} metric 7")
+    sh(f"ip -n {a} route add 10.200.3.0/24 via 10.200.1.2 table 100")
+    sh(f"ip -n {a} route add blackhole 10.200.4.0/24")
+    subprocess.run(["ip", "netns", "exec", a, "nft", "-f", "-"], input=NFT_TABLE, text=True,
+                   check=True)
+    out = run_in_ns(a, CAPTURE_FLUSH_RESTORE)
+    assert out["before_connect"] == "pong"
+    assert out["captured"] == sorted([
+        f"10.200.2.0/24 via 10.200.1.2 dev {va} table 254 metric 7",
+        f"10.200.3.0/24 via 10.200.1.2 dev {va} table 100",
+        "blackhole 10.200.4.0/24 table 254",
+    ]), out["captured"]
+    assert list(out["captured_tables"]) == ["inet rhtest"]
+    assert out["captured_tables"] == out["ruleset_before"]
+    assert not out["problems"]
+    # the flush really removed them, and the packet-level check fails without the route
+    assert out["flushed_routes"] == [] and out["flushed_tables"] == []
+    assert out["flushed_connect"].startswith("error")
+    assert out["ok"], out["table"]
+    assert out["after"] == out["captured"]
+    assert out["ruleset_after"] == out["ruleset_before"]
+    assert out["after_connect"] == "pong"
+    assert out["status"]["last_apply"]["routes"] == 3
+    assert out["status"]["last_apply"]["tables"] == 1
+
+
+DECLARED = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+va, table_json, ipt = sys.argv[1], sys.argv[2], sys.argv[3]
+engine = isolated_engine()
+routes.route("10.200.2.0/24", gateway="10.200.1.2", dev=va, metric=9, engine=engine)
+routes.route("10.200.5.0/24", dev=va, table=200, src="10.200.1.1", engine=engine)
+routes.nftables(table_json, engine=engine)
+routes.iptables(ipt, engine=engine)
+r1 = engine.simulate_restore()
+r2 = engine.simulate_restore(kind="resume")  # idempotent: nothing doubled
+save = subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True).stdout
+print(json.dumps({
+    "ok": [r1.ok, r2.ok], "tables": [r1.table(), r2.table()],
+    "routes": sorted(str(r) for r in routes.read_routes(user_only=True)),
+    "nft": [t.label for t in routes.read_tables()],
+    "ipt_rules": [l for l in save.splitlines() if l.startswith("-A")],
+}))
+'''
+
+
+def test_declared_routes_nftables_and_iptables_are_applied_idempotently(netns_pair):
+    if shutil.which("iptables-restore") is None:
+        _require_or_skip("iptables is not installed (scripts/setup-system.sh installs it)")
+    a, va = netns_pair["a"], netns_pair["va"]
+    # declare the table in the canonical form nft prints (make it in a scratch netns)
+    scratch = netns_pair["b"]
+    subprocess.run(["ip", "netns", "exec", scratch, "nft", "-f", "-"], input=NFT_TABLE,
+                   text=True, check=True)
+    table_json = sh(f"ip netns exec {scratch} nft -j list table inet rhtest")
+    ipt = ("*filter\n:RHCHAIN - [0:0]\n-A RHCHAIN -p tcp --dport 7777 -j ACCEPT\n"
+           "-A OUTPUT -j RHCHAIN\nCOMMIT\n")
+    proc = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", DECLARED, va,
+                           table_json, ipt], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] == [True, True], out["tables"]
+    assert out["routes"] == sorted([
+        f"10.200.2.0/24 via 10.200.1.2 dev {va} table 254 metric 9",
+        f"10.200.5.0/24 dev {va} table 200 src 10.200.1.1",
+    ])
+    assert "inet rhtest" in out["nft"]
+    assert out["ipt_rules"] == ["-A OUTPUT -j RHCHAIN",
+                                "-A RHCHAIN -p tcp -m tcp --dport 7777 -j ACCEPT"]
+
+
+NO_CAP = r'''
+import json, logging, io
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+buf = io.StringIO()
+h = logging.StreamHandler(buf)
+logging.getLogger("rehydrate").addHandler(h)
+engine = isolated_engine()
+routes.route("10.200.9.0/24", dev="lo", engine=engine)
+routes.nftables({"nftables": [{"table": {"family": "inet", "name": "x"}}]}, engine=engine)
+report = engine.simulate_restore()
+hook = next(h for h in report.hooks if h.name == "rehydrate.routes")
+print(json.dumps({"ok": report.ok, "state": engine.status().state,
+                  "error": str(hook.error),
+                  "log": [l for l in buf.getvalue().splitlines() if "network" in l]}))
+'''
+
+
+def test_without_cap_net_admin_one_clear_message(netns_pair):
+    out = run_in_ns(netns_pair["a"], NO_CAP, drop_net_admin=True)
+    assert out["ok"] is False and out["state"] == "degraded"
+    assert out["error"] == ("cannot re-apply 1 route(s) and 1 nftables ruleset(s): missing "
+                            "CAP_NET_ADMIN (uid 0 runs without it)")
+    assert len(out["log"]) == 1 and "CAP_NET_ADMIN" in out["log"][0]
+
+
+def test_without_nft_binary_one_clear_message(netns_pair):
+    out = run_in_ns(netns_pair["a"], NO_CAP, env={"REHYDRATE_NFT": "/nonexistent/nft"})
+    assert out["ok"] is False
+    assert "missing the nft binary" in out["error"] and "CAP_NET_ADMIN" not in out["error"]
+    assert len(out["log"]) == 1
