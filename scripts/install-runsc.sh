@@ -41,8 +41,8 @@ fi
 # The Debian archive URI the system already uses (deb822 .sources or one-line
 # .list format); the first one that is not a security mirror wins.
 debian_mirror() {
-    local f uri
-    for f in /etc/apt/sources.list.d/*.sources; do
+    local f uri etc=${APT_ETC_DIR:-/etc/apt}
+    for f in "$etc"/sources.list.d/*.sources; do
         [[ -f $f ]] || continue
         while read -r uri; do
             case $uri in
@@ -51,7 +51,7 @@ debian_mirror() {
             esac
         done < <(sed -n 's/^[[:space:]]*URIs:[[:space:]]*//p' "$f" | tr ' \t' '\n\n' | sed '/^$/d')
     done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+    for f in "$etc"/sources.list "$etc"/sources.list.d/*.list; do
         [[ -f $f ]] || continue
         while read -r uri; do
             case $uri in

@@ -1,8 +1,12 @@
 """Fixtures for the real-gVisor tests.
 
 ``gvisor``: a :class:`~.harness.GVisorHarness` for one test, torn down (every
-container killed and deleted) afterwards. When runsc cannot be used here the
-test is skipped with the reason, or fails if ``REHYDRATE_REQUIRE_GVISOR=1``.
+container killed and deleted) afterwards, even when the test fails.
+``gvisor_uncompressed``: the same, with a runsc that supports
+``checkpoint --compression=none`` (trixie's), for grepping memory images.
+
+When runsc cannot be used here the test is skipped with the reason (and a
+banner at the end of the run), or fails if ``REHYDRATE_REQUIRE_GVISOR=1``.
 On failure the runsc debug logs and container output are attached to the
 report (section "gvisor").
 """
@@ -10,41 +14,69 @@ report (section "gvisor").
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
-from .harness import GVisorHarness, find_runsc, runsc_available
+from .harness import (
+    DEFAULT_RUNSC_CANDIDATES,
+    GVisorHarness,
+    find_runsc,
+    runsc_available,
+    supports_uncompressed_checkpoint,
+)
 
 _HARNESS_KEY = pytest.StashKey[GVisorHarness]()
-_SKIPPED: list[str] = []
+_SKIP_REASONS: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gvisor: runs workloads under real gVisor runsc (needs root and runsc)")
+    config.addinivalue_line("markers", "gvisor: needs root and runsc (real checkpoint/restore)")
 
 
-def _require() -> bool:
-    return os.environ.get("REHYDRATE_REQUIRE_GVISOR", "") not in ("", "0", "false", "no")
+def gvisor_required() -> bool:
+    return os.environ.get("REHYDRATE_REQUIRE_GVISOR", "").lower() not in ("", "0", "false", "no")
+
+
+def unusable(reason: str) -> NoReturn:
+    """Skip loudly, or fail when REHYDRATE_REQUIRE_GVISOR=1."""
+    if gvisor_required():
+        pytest.fail(f"REHYDRATE_REQUIRE_GVISOR=1 but gVisor is unusable: {reason}", pytrace=False)
+    if reason not in _SKIP_REASONS:
+        _SKIP_REASONS.append(reason)
+    pytest.skip(f"GVISOR TEST SKIPPED: {reason} (REHYDRATE_REQUIRE_GVISOR=1 makes this a failure)")
 
 
 @pytest.fixture(scope="session")
 def runsc_path() -> str:
-    """The runsc binary the gVisor tests use; skips (or fails) when unusable."""
+    """The runsc binary the gVisor tests use (probed once per session)."""
     reason = runsc_available()
     if reason is not None:
-        if _require():
-            pytest.fail(f"REHYDRATE_REQUIRE_GVISOR=1 but gVisor is unusable: {reason}", pytrace=False)
-        _SKIPPED.append(reason)
-        pytest.skip(f"GVISOR TESTS SKIPPED: {reason} (set REHYDRATE_REQUIRE_GVISOR=1 to fail instead)")
+        unusable(reason)
     path = find_runsc()
     assert path is not None
     return path
 
 
-@pytest.fixture
-def gvisor(runsc_path: str, tmp_path, request: pytest.FixtureRequest) -> Iterator[GVisorHarness]:
-    harness = GVisorHarness(tmp_path / "gvisor", runsc=runsc_path)
+@pytest.fixture(scope="session")
+def runsc_uncompressed_path(runsc_path: str) -> str:
+    """A runsc with ``checkpoint --compression=none``."""
+    if supports_uncompressed_checkpoint(runsc_path):
+        return runsc_path
+    for cand in DEFAULT_RUNSC_CANDIDATES:
+        path = find_runsc(cand)
+        if path and supports_uncompressed_checkpoint(path) and runsc_available(path) is None:
+            return path
+    unusable(
+        f"no runsc with checkpoint --compression=none ({runsc_path} lacks it); "
+        "run scripts/install-runsc.sh"
+    )
+
+
+def _harness(request: pytest.FixtureRequest, workdir: Path, runsc: str) -> Iterator[GVisorHarness]:
+    harness = GVisorHarness(workdir, runsc=runsc)
     request.node.stash[_HARNESS_KEY] = harness
     try:
         yield harness
@@ -52,8 +84,24 @@ def gvisor(runsc_path: str, tmp_path, request: pytest.FixtureRequest) -> Iterato
         harness.close()
 
 
+@pytest.fixture
+def gvisor(
+    runsc_path: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[GVisorHarness]:
+    yield from _harness(request, tmp_path / "gvisor", runsc_path)
+
+
+@pytest.fixture
+def gvisor_uncompressed(
+    runsc_uncompressed_path: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[GVisorHarness]:
+    yield from _harness(request, tmp_path / "gvisor", runsc_uncompressed_path)
+
+
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     harness = item.stash.get(_HARNESS_KEY, None)
@@ -64,7 +112,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
             report.sections.append(("gvisor", f"could not collect runsc logs: {exc}"))
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
-    if _SKIPPED:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _SKIP_REASONS:
         terminalreporter.write_sep("!", "gVisor tests were SKIPPED", red=True, bold=True)
-        terminalreporter.write_line(_SKIPPED[0])
+        for reason in _SKIP_REASONS:
+            terminalreporter.write_line(reason)

@@ -25,19 +25,30 @@ strip them).
 
 Every ``runsc`` call runs under coreutils ``timeout``; :meth:`GVisorHarness.close`
 kills and deletes every container the harness created, and any sandbox or gofer
-process left behind under its private ``--root`` state directory.
+process left behind under its private ``--root`` state directory. ``run`` and
+``restore`` go through a tiny subreaper process that reaps the detached sandbox
+and gofer at once (PID 1 here leaves them zombies for ~1.5 s, which every
+``runsc delete`` waits out) and kills them if the test process dies.
+
+Flags that work here (both Debian runsc builds): ``runsc --root DIR
+--network=none [--debug-log=DIR/] run -bundle B -detach ID``, ``checkpoint
+-image-path IMG [--compression=none] [-leave-running] ID``, ``restore
+-image-path IMG -bundle B2 -detach ID2``, ``exec [-env K=V] ID CMD...``,
+``kill ID KILL``, ``delete -force ID``. No ``--ignore-cgroups`` needed.
 
 Nothing here imports pytest; see ``conftest.py`` for the fixtures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import mmap
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -51,6 +62,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_RUNSC_CANDIDATES",
+    "REPO_ROOT",
     "RESULTS_DIR",
     "Container",
     "GVisorHarness",
@@ -64,6 +76,9 @@ __all__ = [
     "wait_for_file",
     "wait_for_record",
 ]
+
+#: The repository root (host path; visible inside the sandbox, whose root is the host's /).
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Where each container sees its own read-write results directory.
 RESULTS_DIR = "/results"
@@ -105,7 +120,7 @@ def find_runsc(runsc: str | None = None) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runsc_help(runsc: str, command: str) -> str:
     proc = subprocess.run(
         ["timeout", "-k", "5", "20", runsc, "help", command],
@@ -122,7 +137,7 @@ def supports_uncompressed_checkpoint(runsc: str) -> bool:
     return "-compression" in _runsc_help(runsc, "checkpoint")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(runsc: str) -> str | None:
     """Run ``/bin/true`` in a real sandbox; a reason string if that fails."""
     workdir = Path(tempfile.mkdtemp(prefix="rehydrate-runsc-probe-"))
@@ -130,7 +145,10 @@ def _probe(runsc: str) -> str | None:
     try:
         proc = harness.run_once(["/bin/true"], timeout=60)
         if proc.returncode != 0:
-            return f"{runsc} could not run /bin/true in a sandbox (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+            detail = proc.stderr.strip()[-2000:]
+            return (
+                f"{runsc} could not run /bin/true in a sandbox (exit {proc.returncode}): {detail}"
+            )
         return None
     except (RunscError, OSError) as exc:
         return f"{runsc} could not run a sandbox: {exc}"
@@ -148,7 +166,7 @@ def runsc_available(runsc: str | None = None, *, probe: bool = True) -> str | No
     if not sys.platform.startswith("linux"):
         return f"gVisor needs Linux, this is {sys.platform}"
     if os.geteuid() != 0:
-        return "runsc needs root here (run as root; tests run rootless sandboxes nowhere)"
+        return "runsc needs root (these tests do not use rootless sandboxes)"
     path = find_runsc(runsc)
     if path is None:
         wanted = runsc or os.environ.get("REHYDRATE_RUNSC") or " or ".join(DEFAULT_RUNSC_CANDIDATES)
@@ -189,8 +207,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     data = data.replace(b"\0", b"")
     records: list[dict[str, Any]] = []
     lines = data.split(b"\n")
-    for line in lines[:-1]:  # the last element is "" or an incomplete line
-        line = line.strip()
+    for raw in lines[:-1]:  # the last element is "" or an incomplete line
+        line = raw.strip()
         if not line:
             continue
         try:
@@ -316,7 +334,7 @@ class Mount:
         }
 
 
-@dataclass
+@dataclass(repr=False)
 class Container:
     """One sandboxed container (an original or a restored clone)."""
 
@@ -328,6 +346,10 @@ class Container:
     #: The last checkpoint image taken of this container.
     image: Path | None = None
     started_at: float = field(default_factory=time.time)
+
+    def __repr__(self) -> str:
+        origin = f" restored from {self.restored_from.name}" if self.restored_from else ""
+        return f"<Container {self.id}{origin}>"
 
     @property
     def bundle(self) -> Path:
@@ -372,6 +394,12 @@ class Container:
         except RunscError:
             return "missing"
 
+    def wait_stopped(self, timeout: float = 15.0) -> None:
+        """Poll until the container no longer runs (e.g. after a checkpoint)."""
+        _poll(
+            lambda: self.status() != "running", timeout, 0.05, None, f"container {self.id} to stop"
+        )
+
     def dead_reason(self) -> str | None:
         status = self.status()
         if status == "running":
@@ -383,6 +411,13 @@ class Container:
 
     def checkpoint(self, image_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Path:
         return self.harness.checkpoint(self, image_dir, **kwargs)
+
+    def restore(self, image_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Container:
+        """Restore a clone of this container from ``image_dir`` (default: its last image)."""
+        image = image_dir if image_dir is not None else self.image
+        if image is None:
+            raise ValueError(f"{self!r} has not been checkpointed")
+        return self.harness.restore(image, self, **kwargs)
 
 
 class GVisorHarness:
@@ -428,6 +463,7 @@ class GVisorHarness:
         self._counter = 0
         self._token = secrets.token_hex(3)
         self._closed = False
+        self._reapers: list[subprocess.Popen[bytes]] = []
 
     # -- context manager ---------------------------------------------------
 
@@ -499,7 +535,6 @@ class GVisorHarness:
         mounts: Iterable[Mount] = (),
         results_source: Path,
         annotations: Mapping[str, str] | None = None,
-        inherit_path: bool = True,
     ) -> dict[str, Any]:
         """An OCI config: host ``/`` read-only, tmpfs /var/tmp, rw /results, no tty."""
         spec = self.base_spec()
@@ -509,25 +544,41 @@ class GVisorHarness:
         proc["args"] = [os.fspath(a) for a in args]
         proc["cwd"] = cwd
         full_env = {
-            "PATH": os.environ.get("PATH", _DEFAULT_PATH) if inherit_path else _DEFAULT_PATH,
+            # The test's Python (a virtualenv's bin: its console scripts) comes first.
+            "PATH": f"{Path(sys.executable).parent}:{_DEFAULT_PATH}",
             "HOME": "/var/tmp",
             "TMPDIR": "/var/tmp",
             "PYTHONUNBUFFERED": "1",
+            # The working tree's package is importable even from a Python without it.
+            "PYTHONPATH": str(REPO_ROOT),
             "PYTHONDONTWRITEBYTECODE": "1",
             "LANG": "C.UTF-8",
         }
         full_env.update(env or {})
         proc["env"] = [f"{k}={v}" for k, v in full_env.items()]
         spec["hostname"] = "rehydrate-test"
-        spec["mounts"] = [m for m in spec.get("mounts", []) if m.get("destination") not in ("/var/tmp", RESULTS_DIR)]
-        spec["mounts"].append({"destination": "/var/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["mode=1777"]})
+        spec["mounts"] = [
+            m
+            for m in spec.get("mounts", [])
+            if m.get("destination") not in ("/var/tmp", RESULTS_DIR)
+        ]
+        spec["mounts"].append(
+            {
+                "destination": "/var/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["mode=1777"],
+            }
+        )
         spec["mounts"].append(Mount(RESULTS_DIR, results_source, readonly=False).to_oci())
         spec["mounts"].extend(m.to_oci() for m in mounts)
         if annotations:
             spec.setdefault("annotations", {}).update(annotations)
         return spec
 
-    def _prepare(self, name: str, spec: dict[str, Any], restored_from: Path | None = None) -> Container:
+    def _prepare(
+        self, name: str, spec: dict[str, Any], restored_from: Path | None = None
+    ) -> Container:
         cid = self._new_id(name)
         cdir = self.workdir / cid
         (cdir / "bundle").mkdir(parents=True)
@@ -540,18 +591,70 @@ class GVisorHarness:
         (cdir / "bundle" / "config.json").write_text(json.dumps(spec, indent=2))
         return container
 
-    def _start(self, container: Container, args: Sequence[str], timeout: float | None) -> None:
+    def _start(
+        self, container: Container, args: Sequence[str | os.PathLike[str]], timeout: float | None
+    ) -> None:
         """Run ``runsc run|restore ... -detach`` with the container's stdio on files.
 
         A detached sandbox inherits runsc's stdout/stderr, so these must be
         files: with pipes, waiting for runsc would wait for the workload.
+
+        runsc is started through a small subreaper process (:data:`_REAPER`)
+        that adopts the sandbox and gofer once ``runsc -detach`` exits and
+        reaps them the moment they die. Orphaned to PID 1 instead, they stay
+        zombies for ~1.5 s on this machine, and ``runsc delete`` (and ``state``
+        after a checkpoint) waits for that: 1.7 s per container at teardown.
         """
         self.containers.append(container)  # tracked before start: cleaned up even if start fails
-        with open(container.stdout, "ab") as out, open(container.stderr, "ab") as err:
-            try:
-                self.runsc_call(*args, timeout=timeout, stdout=out, stderr=err)
-            except RunscError as exc:
-                raise RunscError(f"{exc}\n{container.stderr}:\n{_tail_text(container.stderr, 30)}") from None
+        limit = timeout if timeout is not None else self.timeout
+        argv = ["timeout", "-k", "5", f"{limit:g}", *self.command(*args)]
+        cleanup = ["timeout", "-k", "5", "30", *self.command("delete", "-force", container.id)]
+        read_fd, write_fd = os.pipe()
+        try:
+            with open(container.stdout, "ab") as out, open(container.stderr, "ab") as err:
+                reaper = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-I",
+                        "-S",
+                        "-c",
+                        _REAPER,
+                        str(os.getpid()),
+                        str(write_fd),
+                        json.dumps(cleanup),
+                        *argv,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=(write_fd,),
+                )
+            self._reapers.append(reaper)
+            os.close(write_fd)
+            write_fd = -1
+            status = _read_status(read_fd, limit + 15)
+        finally:
+            os.close(read_fd)
+            if write_fd != -1:
+                os.close(write_fd)
+        if status != 0:
+            what = {
+                None: "hung",
+                124: "timed out",
+                137: "timed out",
+                _REAPER_DIED: "could not start (reaper failed)",
+            }.get(status, f"exited {status}")
+            stderr = _tail_text(container.stderr, 30)
+            hint = ""
+            if args[0] == "restore" and "no such file or directory" in stderr:
+                hint = (
+                    "\nhint: a file the process had open at checkpoint time is missing for "
+                    "the clone (a results file, or a bind-mount source); restore reopens "
+                    "files by path"
+                )
+            raise RunscError(
+                f"runsc {' '.join(map(str, args))} {what}\n{container.stderr}:\n{stderr}{hint}"
+            )
 
     # -- public operations -------------------------------------------------
 
@@ -568,10 +671,17 @@ class GVisorHarness:
     ) -> Container:
         """Start ``args`` in a new detached sandbox and return at once."""
         spec = self.make_spec(
-            args, env=env, cwd=cwd, mounts=mounts, annotations=annotations, results_source=Path("/nonexistent")
+            args,
+            env=env,
+            cwd=cwd,
+            mounts=mounts,
+            annotations=annotations,
+            results_source=Path("/nonexistent"),
         )
         container = self._prepare(name, spec)
-        self._start(container, ("run", "-bundle", container.bundle, "-detach", container.id), timeout)
+        self._start(
+            container, ("run", "-bundle", container.bundle, "-detach", container.id), timeout
+        )
         container.started_at = time.time()
         return container
 
@@ -590,10 +700,19 @@ class GVisorHarness:
         self.containers.append(container)
         with open(container.stdout, "ab") as out, open(container.stderr, "ab") as err:
             proc = self.runsc_call(
-                "run", "-bundle", container.bundle, container.id, timeout=timeout, check=False, stdout=out, stderr=err
+                "run",
+                "-bundle",
+                container.bundle,
+                container.id,
+                timeout=timeout,
+                check=False,
+                stdout=out,
+                stderr=err,
             )
         return subprocess.CompletedProcess(
-            proc.args, proc.returncode, container.stdout.read_text(errors="replace"),
+            proc.args,
+            proc.returncode,
+            container.stdout.read_text(errors="replace"),
             container.stderr.read_text(errors="replace"),
         )
 
@@ -609,7 +728,7 @@ class GVisorHarness:
     ) -> subprocess.CompletedProcess[str]:
         """``runsc exec`` a command in a running container and collect its output.
 
-        Without ``env`` the process gets the container spec's environment.
+        The process gets the container spec's environment, updated with ``env``.
         The command must not leave children holding its stdout open, or this
         waits for them (up to the timeout).
         """
@@ -621,7 +740,8 @@ class GVisorHarness:
             flags += ["-cwd", cwd]
         proc = self.runsc_call("exec", *flags, cid, *args, timeout=timeout, check=False)
         if check and proc.returncode != 0:
-            raise RunscError(f"exec {list(args)} in {cid} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+            detail = proc.stderr.strip()[-2000:]
+            raise RunscError(f"exec {list(args)} in {cid} exited {proc.returncode}: {detail}")
         return proc
 
     def checkpoint(
@@ -649,7 +769,9 @@ class GVisorHarness:
         flags = ["-image-path", str(image)]
         if compression is not None:
             if not supports_uncompressed_checkpoint(self.runsc):
-                raise RunscError(f"{self.runsc} has no checkpoint --compression (use trixie's runsc)")
+                raise RunscError(
+                    f"{self.runsc} has no checkpoint --compression (use trixie's runsc)"
+                )
             flags.append(f"--compression={compression}")
         if leave_running:
             flags.append("-leave-running")
@@ -657,6 +779,9 @@ class GVisorHarness:
         self.runsc_call("checkpoint", *flags, cid, timeout=timeout or max(self.timeout, 120.0))
         if isinstance(container, Container):
             container.image = image
+            if not leave_running:
+                # `runsc state` still says "running" until the sandbox has exited.
+                container.wait_stopped()
         return image
 
     def restore(
@@ -691,7 +816,9 @@ class GVisorHarness:
             dest = m.get("destination")
             new_mounts.append(overrides.pop(dest).to_oci() if dest in overrides else m)
         if overrides:
-            raise ValueError(f"restore mounts must replace existing destinations, not add {sorted(overrides)}")
+            raise ValueError(
+                f"restore mounts must replace existing destinations, not add {sorted(overrides)}"
+            )
         spec["mounts"] = new_mounts
         image = Path(image_dir).resolve()
         clone = self._prepare(name, spec, restored_from=image)
@@ -704,7 +831,9 @@ class GVisorHarness:
         clone.started_at = time.time()
         return clone
 
-    def restore_many(self, image_dir: str | os.PathLike[str], template: Container, n: int, **kwargs: Any) -> list[Container]:
+    def restore_many(
+        self, image_dir: str | os.PathLike[str], template: Container, n: int, **kwargs: Any
+    ) -> list[Container]:
         name = kwargs.pop("name", "clone")
         return [self.restore(image_dir, template, name=f"{name}{i}", **kwargs) for i in range(n)]
 
@@ -740,12 +869,19 @@ class GVisorHarness:
         except Exception as exc:  # noqa: BLE001 - teardown must go on
             errors.append(f"list: {exc}")
         for cid in ids:
-            for step in (lambda: self.kill(cid), lambda: self.delete(cid)):
+            for op in (self.kill, self.delete):
                 try:
-                    step()
+                    op(cid)
                 except Exception as exc:  # noqa: BLE001
                     errors.append(f"{cid}: {exc}")
         _kill_strays(self.state_root)
+        for reaper in self._reapers:
+            try:
+                reaper.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                errors.append(f"reaper {reaper.pid} still had children; killed")
+                reaper.kill()
+                reaper.wait()
         shutil.rmtree(self.state_root, ignore_errors=True)
         if errors:
             print("gvisor harness teardown:", *errors, sep="\n  ", file=sys.stderr)
@@ -762,7 +898,7 @@ class GVisorHarness:
                     parts.append(f"-- {label}:\n{text}")
         if self.log_dir is not None and self.log_dir.exists():
             for log in sorted(self.log_dir.iterdir()):
-                parts.append(f"== {log.name}\n{_tail_text(log, log_lines)}")
+                parts.append(f"== {log.name}\n{_log_excerpt(log, log_lines)}")
         text = "\n".join(parts)
         if len(text) > max_chars:
             text = "... (truncated)\n" + text[-max_chars:]
@@ -770,6 +906,92 @@ class GVisorHarness:
 
 
 # --------------------------------------------------------------------------- helpers
+
+# argv: PARENT_PID STATUS_FD CLEANUP_JSON CMD...: become a child subreaper, run
+# CMD, write its exit code to STATUS_FD, then reap adopted orphans (sandbox,
+# gofer) as soon as they die, until none are left. If the test process
+# (PARENT_PID) dies without cleaning up, SIGKILL the adopted sandbox and gofer
+# and run CLEANUP (``runsc delete -force ID``) instead of leaking them.
+_REAPER = """
+import ctypes, json, os, signal, subprocess, sys
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    sys.exit(125)
+parent, fd, cleanup = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+pid = os.fork()
+if pid == 0:
+    try:
+        os.close(fd)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        os.execvp(sys.argv[4], sys.argv[4:])
+    finally:
+        os._exit(127)
+_, st = os.waitpid(pid, 0)
+os.write(fd, str(os.waitstatus_to_exitcode(st)).encode())
+os.close(fd)
+os.close(0); os.close(1); os.close(2)
+
+def children():
+    me = str(os.getpid())
+    for p in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/stat" % p) as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == me:
+                    yield int(p)
+        except (OSError, IndexError, ValueError):
+            pass
+
+while True:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            sys.exit(0)
+        if pid == 0:
+            break
+    if os.getppid() != parent:
+        for child in children():
+            try:
+                os.kill(child, signal.SIGKILL)
+            except OSError:
+                pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+        subprocess.run(cleanup, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+        sys.exit(0)
+    signal.sigtimedwait({signal.SIGCHLD}, 0.5)
+"""
+
+
+_REAPER_DIED = -1000
+
+
+def _read_status(fd: int, timeout: float) -> int | None:
+    """The exit code the reaper writes to ``fd``; None on timeout.
+
+    :data:`_REAPER_DIED` if the reaper exited without writing one.
+    """
+    deadline = time.monotonic() + timeout
+    data = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            return None
+        chunk = os.read(fd, 64)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return int(data)
+    except ValueError:
+        return _REAPER_DIED
 
 
 def _seed(src: Path, dst: Path, mode: str) -> None:
@@ -802,6 +1024,15 @@ def _tail_text(path: Path, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _log_excerpt(path: Path, lines: int) -> str:
+    """Warnings and errors of a runsc log (glog W/E/F lines), then its last lines."""
+    all_lines = _tail_text(path, 100000).splitlines()
+    bad = [ln for ln in all_lines if ln[:1] in ("W", "E", "F") and ln[1:5].isdigit()]
+    if not bad:
+        return "\n".join(all_lines[-3:])
+    return "\n".join([*bad[-lines:], "...", *all_lines[-10:]])
+
+
 def _kill_strays(state_root: Path) -> None:
     """SIGKILL runsc sandbox/gofer processes that use this harness's private --root.
 
@@ -820,7 +1051,5 @@ def _kill_strays(state_root: Path) -> None:
             a == b"--root" and i + 1 < len(args) and args[i + 1] == root for i, a in enumerate(args)
         )
         if ours:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
-                pass
