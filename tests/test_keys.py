@@ -1,0 +1,207 @@
+"""Ephemeral keys: rotation per algorithm, listeners, dropped before snapshot, kernel entropy."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa, x25519
+
+from rehydrate import keys
+from rehydrate.keys import KeyDroppedError
+
+FAST = ["ed25519", "x25519", "ec-p256", "ec-p384"]
+TYPES = {
+    "ed25519": ed25519.Ed25519PrivateKey,
+    "x25519": x25519.X25519PrivateKey,
+    "ec-p256": ec.EllipticCurvePrivateKey,
+    "ec-p384": ec.EllipticCurvePrivateKey,
+    "rsa-2048": rsa.RSAPrivateKey,
+    "rsa-3072": rsa.RSAPrivateKey,
+}
+
+
+def _works(algorithm: str, key) -> None:
+    """The key is a real, usable key of its kind."""
+    msg = b"rehydrate"
+    if algorithm == "ed25519":
+        key.public_key().verify(key.sign(msg), msg)
+    elif algorithm == "x25519":
+        peer = x25519.X25519PrivateKey.generate()
+        assert key.exchange(peer.public_key()) == peer.exchange(key.public_key())
+    elif algorithm.startswith("ec-"):
+        sig = key.sign(msg, ec.ECDSA(hashes.SHA256()))
+        key.public_key().verify(sig, msg, ec.ECDSA(hashes.SHA256()))
+        assert key.curve.name == {"ec-p256": "secp256r1", "ec-p384": "secp384r1"}[algorithm]
+    else:
+        bits = int(algorithm[4:])
+        assert key.key_size == bits
+        sig = key.sign(msg, padding.PKCS1v15(), hashes.SHA256())
+        key.public_key().verify(sig, msg, padding.PKCS1v15(), hashes.SHA256())
+        n = key.private_numbers()
+        assert n.p * n.q == n.public_numbers.n and n.p != n.q
+
+
+@pytest.mark.parametrize("algorithm", [*FAST, "rsa-2048", "rsa-3072"])
+def test_each_algorithm_rotates_on_restore(rehydrate_engine, algorithm):
+    handle = keys.ephemeral("k", algorithm, engine=rehydrate_engine)
+    assert isinstance(handle.private_key, TYPES[algorithm])
+    _works(algorithm, handle.private_key)
+    before = handle.public_bytes_raw()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert handle.generation == 2
+    assert handle.public_bytes_raw() != before
+    assert handle.private_key.public_key() == handle.public_key
+    _works(algorithm, handle.private_key)
+
+
+def test_same_name_same_handle(rehydrate_engine):
+    a = keys.ephemeral("session", engine=rehydrate_engine)
+    assert keys.ephemeral("session", engine=rehydrate_engine) is a
+    assert keys.get("session", engine=rehydrate_engine) is a
+    with pytest.raises(ValueError, match="already exists"):
+        keys.ephemeral("session", "ec-p256", engine=rehydrate_engine)
+    with pytest.raises(ValueError, match="unknown key algorithm"):
+        keys.ephemeral("other", "dsa", engine=rehydrate_engine)
+
+
+def test_listeners_get_the_rotated_handle(rehydrate_engine):
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+    seen = []
+
+    @handle.subscribe
+    def on_rotate(h):
+        seen.append((h, h.public_bytes_raw()))
+
+    rehydrate_engine.simulate_restore()
+    assert seen == [(handle, handle.public_bytes_raw())]
+
+
+def test_failing_listener_fails_the_hook_but_others_run(rehydrate_engine):
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+    other = keys.ephemeral("other", engine=rehydrate_engine)
+    seen = []
+    handle.subscribe(lambda h: 1 / 0)
+    handle.subscribe(lambda h: seen.append("second"))
+    other.subscribe(lambda h: seen.append("other"))
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    [res] = [h for h in report.hooks if h.name == "rehydrate.keys"]
+    assert res.outcome == "failed" and "ZeroDivisionError" in str(res.error)
+    assert seen == ["second", "other"]
+    assert rehydrate_engine.status().state == "degraded"
+
+
+def test_private_key_dropped_before_snapshot(rehydrate_engine):
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+    public = handle.public_bytes_raw()
+    report = rehydrate_engine.simulate_snapshot()
+    assert report.ok
+    assert handle.dropped
+    assert handle._private is None
+    with pytest.raises(KeyDroppedError, match="dropped before a snapshot"):
+        handle.private_key  # noqa: B018
+    assert handle.public_bytes_raw() == public  # the public half stays readable
+    assert rehydrate_engine.status().extra["keys"]["session"]["dropped"] is True
+
+    rehydrate_engine.simulate_restore()
+    assert not handle.dropped
+    assert handle.public_bytes_raw() != public
+
+
+def test_resume_after_a_snapshot_brings_a_key_back(rehydrate_engine):
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    rehydrate_engine.simulate_restore(kind="resume")
+    assert isinstance(handle.private_key, ed25519.Ed25519PrivateKey)
+
+
+def test_wait_blocks_until_restore(rehydrate_engine):
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    with pytest.raises(KeyDroppedError):
+        handle.wait(timeout=0.05)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(handle.wait(timeout=30)))
+    waiter.start()
+    rehydrate_engine.simulate_restore()
+    waiter.join(timeout=30)
+    assert got and got[0] is handle.private_key
+
+
+def test_disabled_keys_are_neither_dropped_nor_rotated(rehydrate_engine, monkeypatch):
+    monkeypatch.setenv("REHYDRATE_DISABLE", "secrets")
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+    before = handle.public_bytes_raw()
+    rehydrate_engine.simulate_snapshot()
+    assert not handle.dropped
+    rehydrate_engine.simulate_restore()
+    assert handle.public_bytes_raw() == before
+
+
+# -- key material comes from the kernel, not OpenSSL's generator ----------------------
+
+
+def _fixed_urandom(monkeypatch, seed: int) -> None:
+    rng = random.Random(seed)
+
+    def fill(buf: bytearray) -> None:
+        buf[:] = rng.randbytes(len(buf))
+
+    monkeypatch.setattr(keys, "urandom_into", fill)
+    monkeypatch.setattr(keys.os, "urandom", rng.randbytes)
+
+
+@pytest.mark.parametrize("algorithm", [*FAST, "rsa-2048"])
+def test_key_is_a_function_of_kernel_bytes_only(monkeypatch, algorithm):
+    """With the kernel source replaced by a fixed stream, the key is reproducible: nothing
+    from OpenSSL's (clonable) generator went into it."""
+    _fixed_urandom(monkeypatch, 1)
+    a = keys.generate_private_key(algorithm)
+    _fixed_urandom(monkeypatch, 1)
+    b = keys.generate_private_key(algorithm)
+    _fixed_urandom(monkeypatch, 2)
+    c = keys.generate_private_key(algorithm)
+    assert a.public_key() == b.public_key()
+    assert a.public_key() != c.public_key()
+
+
+def test_urandom_into_fills_in_place():
+    buf = bytearray(64)
+    keys.urandom_into(buf)
+    assert any(buf) and len(buf) == 64
+
+
+def test_forked_clone_gets_a_different_key():
+    """A fork is the closest in-process stand-in for a clone (parent and child share the
+    memory image); each side runs a simulated restore and must end up with its own key.
+    (A fork also changes the PID, which makes OpenSSL reseed by itself; the gVisor clone
+    test is the real proof for a restore that keeps the PID.)"""
+    from rehydrate.testing import isolated_engine
+
+    engine = isolated_engine()
+    try:
+        handle = keys.ephemeral("session", engine=engine)
+        engine.simulate_snapshot()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: restore, report the public key, exit without cleanup
+            try:
+                os.close(r)
+                engine.simulate_restore()
+                os.write(w, handle.public_bytes_raw())
+            finally:
+                os._exit(0)
+        os.close(w)
+        engine.simulate_restore()
+        with os.fdopen(r, "rb") as fh:
+            child_key = fh.read()
+        os.waitpid(pid, 0)
+        assert len(child_key) == 32
+        assert child_key != handle.public_bytes_raw()
+    finally:
+        engine.close()

@@ -1,0 +1,214 @@
+"""Secret: wiped before a snapshot, reloaded after restore/resume, block-or-raise, repr."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import pickle
+import threading
+
+import pytest
+
+from rehydrate.secrets import Secret, SecretError, SecretUnavailable
+
+
+@pytest.fixture
+def secret_file(tmp_path):
+    p = tmp_path / "db-password"
+    p.write_bytes(b"hunter2-original\n")
+    return p
+
+
+def test_file_secret_is_wiped_and_reloaded(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, strip=True, engine=rehydrate_engine)
+    assert s.get() == b"hunter2-original"
+    buf = s._buf
+    report = rehydrate_engine.simulate_snapshot()
+    assert report.ok
+    assert [h.name for h in report.hooks] == ["rehydrate.secret:db-password"]
+    assert buf == bytearray(len(buf)) and len(buf) > 0  # the very buffer was zeroed
+    assert not s.available
+
+    secret_file.write_bytes(b"rotated-value\n")
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok
+    assert s.get() == b"rotated-value"
+    assert s.loads == 2
+
+
+def test_env_secret_follows_the_restored_environment(rehydrate_engine, monkeypatch):
+    monkeypatch.setenv("API_TOKEN", "old-token")
+    s = Secret.from_env("API_TOKEN", engine=rehydrate_engine)
+    assert s.get() == b"old-token"
+    rehydrate_engine.simulate_snapshot()
+    # ENVIRONMENT runs before SECRETS: the secret sees the new spec environment
+    assert rehydrate_engine.simulate_restore(env={"API_TOKEN": "new-token"}).ok
+    assert s.get_str() == "new-token"
+
+
+def test_callable_secret_is_called_again(rehydrate_engine):
+    values = iter([b"one", bytearray(b"two")])
+    s = Secret.from_callable(lambda: next(values), name="vault", engine=rehydrate_engine)
+    assert s.get() == b"one"
+    rehydrate_engine.simulate_snapshot()
+    rehydrate_engine.simulate_restore(kind="resume")
+    assert s.get() == b"two"
+
+
+def test_repr_and_str_never_show_the_value(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, engine=rehydrate_engine)
+    for text in (repr(s), str(s), f"{s}", str(rehydrate_engine.status().to_dict())):
+        assert "hunter2" not in text
+    assert "db-password" in repr(s)
+    with pytest.raises(TypeError):
+        pickle.dumps(s)
+
+
+def test_view_is_the_buffer_itself(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, engine=rehydrate_engine)
+    with s as view:
+        assert isinstance(view, memoryview) and view.readonly
+        assert view.obj is s._buf  # no copy
+        assert bytes(view[:7]) == b"hunter2"
+        with pytest.raises(TypeError):
+            view[0] = 0
+    with s.view() as view2:
+        assert view2.tobytes().startswith(b"hunter2")
+
+
+def test_wipe_waits_for_open_views(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, engine=rehydrate_engine)
+    entered, release = threading.Event(), threading.Event()
+    seen = []
+
+    def reader():
+        with s as view:
+            entered.set()
+            release.wait(10)
+            seen.append(bytes(view[:7]))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert entered.wait(10)
+    snap = threading.Thread(target=rehydrate_engine.simulate_snapshot)
+    snap.start()
+    snap.join(0.3)
+    assert snap.is_alive()  # the wipe waits for the reader …
+    release.set()
+    snap.join(10)
+    t.join(10)
+    assert seen == [b"hunter2"]  # … which read the value intact
+    assert not s.available
+
+
+def test_block_mode_waits_for_the_reload(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, strip=True, timeout=30, engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    got = []
+    started = threading.Event()
+
+    def reader():
+        started.set()
+        got.append(s.get())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    started.wait(10)
+    rehydrate_engine.simulate_restore()
+    t.join(30)
+    assert got == [b"hunter2-original"]
+
+
+def test_block_mode_times_out_clearly(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, timeout=0.05, engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    with pytest.raises(SecretUnavailable, match="wiped before a snapshot"):
+        s.get()
+
+
+def test_raise_mode(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, on_wiped="raise", engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    with pytest.raises(SecretUnavailable, match="'db-password' is unavailable: wiped"):
+        s.get()
+    with pytest.raises(SecretUnavailable), s:
+        pass
+
+
+def test_unreadable_file_at_creation(tmp_path):
+    with pytest.raises(SecretError, match="cannot read secret file"):
+        Secret.from_file(tmp_path / "missing")
+    with pytest.raises(SecretError, match="cannot read secret file"):
+        Secret.from_file(tmp_path)  # a directory
+
+
+def test_unreadable_file_after_restore_degrades(rehydrate_engine, secret_file, caplog):
+    s = Secret.from_file(secret_file, timeout=5, engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    secret_file.unlink()
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    [res] = [h for h in report.hooks if h.name == "rehydrate.secret:db-password"]
+    assert res.outcome == "failed" and "cannot read secret file" in str(res.error)
+    assert rehydrate_engine.status().state == "degraded"
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "cannot read secret file" in lines[0].getMessage()
+    # a blocked reader does not wait for the timeout: the reload already failed
+    with pytest.raises(SecretUnavailable, match="cannot read secret file"):
+        s.get()
+    secret_file.write_bytes(b"back")
+    assert rehydrate_engine.simulate_restore().ok
+    assert s.get() == b"back"
+    assert rehydrate_engine.status().state == "ready"
+
+
+def test_optional_secret_does_not_degrade(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, required=False, engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    secret_file.unlink()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok
+    assert report.failed[0].name == "rehydrate.secret:db-password"
+    assert not s.available
+
+
+def test_manual_reload_keeps_previous_value(rehydrate_engine, secret_file, caplog):
+    s = Secret.from_file(secret_file, engine=rehydrate_engine)
+    secret_file.unlink()
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    assert s.reload() is False
+    assert s.get().startswith(b"hunter2")
+    assert len(caplog.records) == 1
+    assert "hunter2" not in caplog.text
+
+
+def test_missing_env_var(rehydrate_engine, monkeypatch):
+    monkeypatch.delenv("NOPE_NOT_SET", raising=False)
+    with pytest.raises(SecretError, match="NOPE_NOT_SET is not set"):
+        Secret.from_env("NOPE_NOT_SET", engine=rehydrate_engine)
+
+
+def test_source_error_message_never_leaks_the_value(rehydrate_engine):
+    def bad():
+        raise RuntimeError("token=hunter2 rejected")
+
+    with pytest.raises(SecretError) as info:
+        Secret.from_callable(bad, engine=rehydrate_engine)
+    assert "hunter2" not in str(info.value)
+
+
+def test_disabled_secrets_are_not_wiped(rehydrate_engine, secret_file, monkeypatch):
+    monkeypatch.setenv("REHYDRATE_DISABLE", "secrets")
+    s = Secret.from_file(secret_file, engine=rehydrate_engine)
+    rehydrate_engine.simulate_snapshot()
+    assert s.get().startswith(b"hunter2")
+
+
+def test_collected_secret_unregisters_its_hooks(rehydrate_engine, secret_file):
+    s = Secret.from_file(secret_file, engine=rehydrate_engine)
+    assert any(h.name.startswith("rehydrate.secret:") for h in rehydrate_engine.hooks("restore"))
+    del s
+    gc.collect()
+    assert not any(h.name.startswith("rehydrate.secret:")
+                   for h in rehydrate_engine.hooks("restore"))
