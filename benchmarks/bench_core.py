@@ -1,0 +1,154 @@
+"""Core engine costs, side by side in one run.
+
+Run alone: ``python benchmarks/bench_core.py`` (``make bench`` runs every benchmark).
+
+* **Per-hook dispatch overhead**: an engine with 1,000 no-op hooks (sync, then async) and
+  an engine with none run restores interleaved, so machine noise hits both alike; the
+  difference of the medians divided by 1,000 is the cost the engine adds per hook (result
+  record, timeout bookkeeping, thread/loop hand-off amortised). Goal: under 10 µs.
+* **``import rehydrate``** in a fresh interpreter against ``import json`` as the baseline,
+  alternated, many repetitions, median of the in-process import time. Byte-code is cached
+  (a private ``PYTHONPYCACHEPREFIX``, warmed first) as in any installed package. Goal:
+  under 20 ms more than the baseline. The heavy optional dependencies that must not be
+  loaded by the import are listed too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rehydrate.env import EnvRefresher  # noqa: E402 - after the sys.path insert
+from rehydrate.hooks import Registry  # noqa: E402
+from rehydrate.lifecycle import Lifecycle  # noqa: E402
+
+HOOKS = 1000
+ROUNDS = 30
+IMPORT_REPEATS = 25
+DISPATCH_GOAL_US = 10.0
+IMPORT_GOAL_MS = 20.0
+HEAVY = ("asyncio", "concurrent.futures", "cryptography", "httpx", "watchdog",
+         "opentelemetry", "pyroute2", "ssl", "socket", "pytest")
+
+
+def _engine(n: int, is_async: bool, builtins: bool = False) -> Lifecycle:
+    reg = Registry()
+    for i in range(n):
+        if is_async:
+            async def hook() -> None:
+                pass
+        else:
+            def hook() -> None:
+                pass
+        reg.register(hook, name=f"h{i}")
+    return Lifecycle(reg, env=EnvRefresher(path=None), builtins=builtins)
+
+
+def _timed(engine: Lifecycle) -> float:
+    t0 = time.perf_counter()
+    engine.simulate_restore()
+    return time.perf_counter() - t0
+
+
+def dispatch_us(is_async: bool, builtins: bool = False) -> float:
+    """Median extra microseconds per hook for ``HOOKS`` no-op hooks."""
+    full = _engine(HOOKS, is_async, builtins)
+    empty = _engine(0, is_async, builtins)
+    if is_async:  # the empty engine must pay the loop hand-off too: one async hook
+        async def one() -> None:
+            pass
+        empty.registry.register(one)
+        full.registry.register(one)
+    try:
+        for _ in range(3):  # warm up threads, loop, caches
+            full.simulate_restore()
+            empty.simulate_restore()
+        t_full, t_empty = [], []
+        for _ in range(ROUNDS):
+            t_full.append(_timed(full))
+            t_empty.append(_timed(empty))
+        return (statistics.median(t_full) - statistics.median(t_empty)) / HOOKS * 1e6
+    finally:
+        full.close()
+        empty.close()
+
+
+_CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+t = time.perf_counter()
+import {module}
+elapsed = time.perf_counter() - t
+heavy = sorted(m for m in {heavy!r} if m in sys.modules)
+print(repr((elapsed, heavy)))
+"""
+
+
+def _child_import(module: str, env: dict[str, str]) -> tuple[float, list[str]]:
+    code = _CHILD.format(root=str(ROOT), module=module, heavy=HEAVY)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env=env, timeout=60).stdout
+    elapsed, heavy = eval(out.strip().splitlines()[-1])  # our own repr() output
+    return float(elapsed), list(heavy)
+
+
+def import_times() -> tuple[float, float, list[str]]:
+    """Median ms for ``import json`` and ``import rehydrate``; heavy modules loaded."""
+    with tempfile.TemporaryDirectory(prefix="rehydrate-bench-pyc-") as cache:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPROFILEIMPORTTIME")}
+        env["PYTHONPYCACHEPREFIX"] = cache
+        for module in ("json", "rehydrate"):  # write the byte-code caches
+            _child_import(module, env)
+        base, ours = [], []
+        heavy: list[str] = []
+        for _ in range(IMPORT_REPEATS):
+            base.append(_child_import("json", env)[0])
+            t, heavy = _child_import("rehydrate", env)
+            ours.append(t)
+    return statistics.median(base) * 1e3, statistics.median(ours) * 1e3, heavy
+
+
+def run() -> list[tuple[str, str, str]]:
+    sync_us = dispatch_us(is_async=False)
+    async_us = dispatch_us(is_async=True)
+    sync_builtin_us = dispatch_us(is_async=False, builtins=True)
+    json_ms, rehydrate_ms, heavy = import_times()
+    extra = rehydrate_ms - json_ms
+    return [
+        (f"dispatch overhead, {HOOKS} no-op sync hooks", f"{sync_us:.2f} µs/hook",
+         f"< {DISPATCH_GOAL_US:g} µs/hook"),
+        (f"dispatch overhead, {HOOKS} no-op async hooks", f"{async_us:.2f} µs/hook",
+         f"< {DISPATCH_GOAL_US:g} µs/hook"),
+        ("  (sync, with default built-ins: telemetry observer etc.)",
+         f"{sync_builtin_us:.2f} µs/hook", "info"),
+        ("import json (baseline, fresh interpreter, median)", f"{json_ms:.1f} ms", "-"),
+        ("import rehydrate (fresh interpreter, median)", f"{rehydrate_ms:.1f} ms", "-"),
+        ("import rehydrate - import json", f"{extra:+.1f} ms", f"< {IMPORT_GOAL_MS:g} ms"),
+        ("heavy modules loaded by import rehydrate", ", ".join(heavy) or "none", "none"),
+    ]
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
+    head = ("benchmark", "measured", "goal")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+if __name__ == "__main__":
+    if "--json" in sys.argv:
+        print(json.dumps(run(), indent=2))
+    else:
+        print(_table(run()))
