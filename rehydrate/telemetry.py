@@ -305,20 +305,23 @@ class Telemetry:
             return None
         tok = _HookToken(ev, hook)
         if ev.tracer is not None:
-            from opentelemetry import context as otel_context
-            from opentelemetry import trace
+            try:
+                from opentelemetry import context as otel_context
+                from opentelemetry import trace
 
-            tok.span = ev.tracer.start_span(hook.name, context=ev.parent, attributes={
-                "rehydrate.hook.name": hook.name,
-                "rehydrate.hook.phase": str(hook.phase),
-                "rehydrate.hook.order": hook.order,
-                "rehydrate.hook.required": hook.required,
-                "rehydrate.hook.async": hook.is_async,
-                "rehydrate.generation": ctx.generation,
-                "rehydrate.kind": ctx.kind,
-            })
-            # spans the hook itself creates become children of its hook span
-            tok.attached = otel_context.attach(trace.set_span_in_context(tok.span))
+                tok.span = ev.tracer.start_span(hook.name, context=ev.parent, attributes={
+                    "rehydrate.hook.name": hook.name,
+                    "rehydrate.hook.phase": str(hook.phase),
+                    "rehydrate.hook.order": hook.order,
+                    "rehydrate.hook.required": hook.required,
+                    "rehydrate.hook.async": hook.is_async,
+                    "rehydrate.generation": ctx.generation,
+                    "rehydrate.kind": ctx.kind,
+                })
+                # spans the hook itself creates become children of its hook span
+                tok.attached = otel_context.attach(trace.set_span_in_context(tok.span))
+            except Exception:  # telemetry must never keep a hook from running
+                log.exception("telemetry: could not start the span of hook %s", hook.name)
         with ev.lock:
             ev.open.append(tok)
         return tok

@@ -363,3 +363,20 @@ def test_default_engine_is_instrumented():
         assert not telemetry.instrument(eng).active() or "opentelemetry.trace" in sys.modules
     finally:
         eng.close()
+
+
+def test_a_broken_provider_never_breaks_hooks(rehydrate_engine, caplog):
+    class BrokenTracer:
+        def start_span(self, *a, **k):
+            raise RuntimeError("exporter misconfigured")
+
+    class BrokenProvider:
+        def get_tracer(self, *a, **k):
+            return BrokenTracer()
+
+    ran = []
+    rehydrate_engine.registry.after_restore(lambda: ran.append(1), name="app")
+    telemetry.instrument(rehydrate_engine, tracer_provider=BrokenProvider())
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok and ran == [1]
+    assert "exporter misconfigured" in caplog.text
