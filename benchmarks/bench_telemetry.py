@@ -60,7 +60,9 @@ def telemetry_rows() -> list[tuple[str, str, str]]:
     tp.add_span_processor(SimpleSpanProcessor(exporter))
     mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
     telemetry.instrument(sdk, tracer_provider=tp, meter_provider=mp)
-    assert not telemetry.instrument(noop).active(), "a global SDK is configured: no-op invalid"
+    if telemetry.instrument(noop).active():  # another module set a global SDK provider
+        return [("telemetry no-op overhead per hook", "n/a (a global SDK is configured)",
+                 "< 5 µs")]
 
     times: dict[str, list[float]] = {"bare": [], "noop": [], "sdk": []}
     engines = {"bare": bare, "noop": noop, "sdk": sdk}
