@@ -43,7 +43,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for i in infos:
         mark = "yes" if i.usable else "no "
         auto = "auto" if (i.usable and i.auto) else "    "
-        print(f"{i.name.ljust(width)}  {mark}  {auto}  {i.reason}")
+        how = f" — {i.description}" if i.usable and i.description else ""
+        print(f"{i.name.ljust(width)}  {mark}  {auto}  {i.reason}{how}")
     return EXIT_OK
 
 
