@@ -300,3 +300,12 @@ def test_import_stays_light():
                          capture_output=True, text=True, check=True, timeout=60)
     assert res.stdout.strip() == "[]"
     assert rehydrate.Lifecycle  # noqa: B018
+
+
+def test_distribution_list_matches_importlib_metadata():
+    import importlib.metadata as md
+
+    expected: dict[str, str] = {}
+    for d in md.distributions():
+        expected.setdefault(fp._norm(d.metadata["Name"]), d.version)
+    assert fp.distributions() == sorted(f"{n}=={v}" for n, v in expected.items())
