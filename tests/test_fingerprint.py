@@ -63,6 +63,9 @@ def test_manifest_fields_from_fake_proc(tmp_path):
     assert m["python"] == platform.python_version()
     assert m["arch"] == platform.machine()
     assert m["distributions"].startswith("sha256:") and m["distributions_count"] > 5
+    # the contract's spelling: rehydrate.fingerprint(...) is callable
+    assert {k: v for k, v in rehydrate.fingerprint(root=root).items() if k != "env"} == {
+        k: v for k, v in m.items() if k != "env"}
 
 
 def test_real_node_manifest_has_platform_release_and_no_per_process_fields(monkeypatch):
