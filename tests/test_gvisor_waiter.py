@@ -182,9 +182,12 @@ def test_garbage_answers_log_one_line_and_waiter_carries_on(
     rec = Recorder(engine)
     waiter = start_waiter(engine, proc)
     before = waiter.status()["answers"]
+    opens = waiter.status()["opens"]
     answer(waiter, data)
     wait_for(lambda: any(expect in r.getMessage() for r in caplog.records),
              what="the error line")
+    # Done with that writer's bytes: the waiter opened the FIFO again.
+    wait_for(lambda: waiter.status()["opens"] > opens, what="the waiter to re-open")
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, [r.getMessage() for r in errors]
     assert str(proc / "checkpoint") in errors[0].getMessage()
@@ -227,6 +230,51 @@ def test_two_answers_in_one_read_are_two_checkpoints(engine: Lifecycle, proc: Pa
     answer(waiter, b"restore\nrestore\n")
     rec.wait(2)
     assert engine.status().generation == 2
+
+
+def test_writer_that_stays_connected_is_a_stream_of_answers(
+    engine: Lifecycle, proc: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO writer may keep the FIFO open and write one line per checkpoint."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    fd = os.open(waiter.path, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        for data in [b"restore\n", b"bogus\n", b"x" * 600, b"yyy\n", b"res", b"ume\n",
+                     b"restore\n"]:
+            wait_for(lambda: waiter.status()["waiting"], what="the waiter to wait")
+            os.write(fd, data)
+            if data in (b"restore\n", b"ume\n"):
+                rec.wait(len(rec.calls) + 1)
+    finally:
+        os.close(fd)
+    assert [c[1:3] for c in rec.calls] == [("restore", 1), ("resume", 1), ("restore", 2)]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    # (600 bytes without a newline: "without a newline", or, when the reads coalesce
+    # the next write, an unknown 604-byte answer; one line either way.)
+    assert len(errors) == 2 and "bogus" in errors[0] and "xxxxxxxx" in errors[1]
+    # The writer left after answering: that is no error, the waiter just re-opens.
+    wait_for(lambda: waiter.status()["waiting"])
+    answer(waiter, b"restore\n")
+    rec.wait(4)
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 2
+
+
+def test_regular_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 saved_environ: None) -> None:
+    (tmp_path / "checkpoint").write_text("restore\n")
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    why = GVisorWaiter.probe()
+    assert why is not None and "regular file" in why
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    try:
+        with pytest.raises(GVisorError, match="regular file"):
+            GVisorWaiter(str(tmp_path)).start(eng)
+        assert "gvisor" not in eng.start("auto")
+        assert eng.status().generation == 0
+    finally:
+        eng.close()
 
 
 def test_spec_environ_changes_applied_on_restore(engine: Lifecycle, proc: Path) -> None:

@@ -40,7 +40,7 @@ import select
 import stat
 import threading
 import time
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from . import Detector
 
@@ -97,12 +97,15 @@ def checkpoint_path(proc: str | None = None) -> str:
     return os.path.join(proc or proc_dir(), "checkpoint")
 
 
-def _missing_reason(proc: str) -> str | None:
+def _missing_reason(proc: str) -> str | None:  # noqa: PLR0911
     """None when ``<proc>/checkpoint`` can be opened for reading, else why not."""
     path = os.path.join(proc, "checkpoint")
     if os.path.exists(path):
         if not os.access(path, os.R_OK):
             return f"{path} exists but is not readable by this user"
+        if os.path.isfile(path):
+            return (f"{path} is a regular file, not gVisor's checkpoint file (a test "
+                    "stand-in must be a FIFO)")
         return None
     if proc == DEFAULT_PROC and not os.path.isdir("/proc/self"):
         return "/proc is not mounted, so /proc/gvisor/checkpoint cannot exist"
@@ -159,6 +162,21 @@ def _poll_read(fd: int, stop_fd: int | None, deadline: float | None) -> bytes | 
             return buf
 
 
+def _read_some(fd: int, stop_fd: int) -> bytes | None:
+    """One read once ``fd`` is ready (``b""``: end of file); None when ``stop_fd`` fired."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    poller.register(stop_fd, select.POLLIN)
+    while True:
+        events = poller.poll()
+        if any(e[0] == stop_fd for e in events):
+            return None
+        try:
+            return os.read(fd, 4096)
+        except BlockingIOError:
+            continue  # readiness without data (a FIFO writer still writing)
+
+
 def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
     """Answers in ``data`` (one per line) and a description of everything else in it."""
     if not data:
@@ -213,6 +231,8 @@ class GVisorWaiter(Detector):
         self._seq = 0
         self._last: tuple[Answer, RestoreReport | None] | None = None
         self._bad_streak = 0
+        self._backoff_due = False
+        self._opens = 0
         self._exited = False
         self._orphaned = False
 
@@ -281,6 +301,7 @@ class GVisorWaiter(Detector):
             "path": self.path,
             "waiting": self._armed,
             "answers": self._seq,
+            "opens": self._opens,
             "last_answer": last[0] if last else None,
         }
 
@@ -291,6 +312,10 @@ class GVisorWaiter(Detector):
             while not self._stopping:
                 if not self._wait_once():
                     break
+                if self._backoff_due:
+                    self._backoff_due = False
+                    if not self._backoff():
+                        break
         except Exception:  # pragma: no cover - a bug; never let the thread die silently
             log.exception("gVisor waiter failed")
         finally:
@@ -301,65 +326,135 @@ class GVisorWaiter(Detector):
                 if self._orphaned:
                     self._close_pipe()
 
-    def _backoff(self, quick: bool) -> bool:
-        """After a bad answer: wait (on the stop pipe) if it may repeat at once. False = stop."""
-        if not quick:
-            return True
+    def _backoff(self) -> bool:
+        """After a bad answer that may repeat at once: wait on the stop pipe. False = stop."""
         delay = min(_BACKOFF_MAX, 0.01 * (2 ** min(self._bad_streak, 10)))
         ready, _, _ = select.select([self._stop_r], [], [], delay)
         return not ready
 
     def _bad(self, what: str, quick: bool) -> bool:
+        """Log one line for a bad answer; back off before re-opening if it came at once."""
         self._bad_streak += 1
+        self._backoff_due = self._backoff_due or quick
         n = self._bad_streak
         if n <= 3 or (n & (n - 1)) == 0:
             log.error("gVisor checkpoint file %s gave %s; ignored, waiting for the next "
                       "checkpoint%s", self.path, what,
                       f" (bad answer {n} in a row)" if n > 1 else "")
-        return self._backoff(quick)
+        return not self._stopping
 
     def _wait_once(self) -> bool:
-        engine = self._engine
-        assert engine is not None
+        """Open the file, wait for its answer(s), handle them. False when stopping.
+
+        gVisor gives one answer per descriptor (then end of file), so the descriptor is
+        closed after one answer. A FIFO stand-in is a stream: a writer may stay connected
+        and write one answer line per checkpoint, so a FIFO is read until its writers
+        are gone (end of file after data is then normal, not an error).
+        """
         try:
             fd = os.open(self.path, _OPEN_READ)
         except OSError as exc:
             return self._bad(f"an error on open ({exc.strerror or exc})", quick=True)
         since = time.monotonic()
-        with self._cond:
-            self._armed = True
-            self._cond.notify_all()
+        self._opens += 1
         try:
-            data: bytes | OSError | None = _poll_read(fd, self._stop_r, None)
-        except OSError as exc:
-            data = exc
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                return self._bad("nothing usable: it is a regular file (gVisor's is a "
+                                 "character device; a stand-in must be a FIFO)", quick=True)
+            fifo = stat.S_ISFIFO(mode)
+            with self._cond:
+                self._armed = True
+                self._cond.notify_all()
+            return self._read_answers(fd, since, fifo)
         finally:
             with self._cond:
                 self._armed = False
             os.close(fd)
-        if data is None:
-            return False  # stopped
-        quick = time.monotonic() - since < _QUICK
-        if isinstance(data, OSError):
-            return self._bad(f"a read error ({data.strerror or data})", quick)
-        answers, bad = _parse(data)
-        for what in bad:
-            if not self._bad(what, quick and not answers):
-                return False
-        for answer in answers:
-            self._bad_streak = 0
-            log.debug("gVisor checkpoint answer: %s", answer)
-            report: RestoreReport | None = None
+
+    def _read_answers(self, fd: int, since: float, fifo: bool) -> bool:  # noqa: PLR0911
+        buf = b""
+        got_data = False
+        handled = 0
+        discard = False  # inside an oversize line: drop bytes up to its newline
+        while True:
             try:
-                report = _handle(engine, answer, since, self.name)
-            except Exception:
-                log.exception("running the hooks for gVisor answer %r failed", answer)
-            since = time.monotonic()  # a second answer in one read is a later checkpoint
-            with self._cond:
-                self._seq += 1
-                self._last = (answer, report)
-                self._cond.notify_all()
-        return not self._stopping
+                chunk = _read_some(fd, self._stop_r)
+            except OSError as exc:
+                self._disarm()
+                quick = time.monotonic() - since < _QUICK
+                return self._bad(f"a read error ({exc.strerror or exc})", quick)
+            if chunk is None:
+                return False  # stopped
+            quick = time.monotonic() - since < _QUICK
+            buf += chunk
+            got_data = got_data or bool(chunk)
+            if discard:
+                if b"\n" not in buf:
+                    buf = b""
+                    if chunk:
+                        continue
+                else:
+                    buf = buf.split(b"\n", 1)[1]
+                discard = False
+            lines = buf.split(b"\n")
+            buf = lines.pop()
+            if not chunk and buf:  # end of file ends the last line too
+                lines.append(buf)
+                buf = b""
+            for line in lines:
+                word = line.strip()
+                if not word:
+                    continue
+                handled += 1
+                if word.decode("ascii", "replace") in ANSWERS:
+                    since = self._answer(cast(Answer, word.decode("ascii")), since, fifo)
+                elif not self._bad(f"unknown answer {_describe_bytes(word)}", quick):
+                    return False
+            if len(buf) > MAX_ANSWER:
+                handled += 1
+                if not self._bad(f"{len(buf)}+ bytes without a newline, starting "
+                                 f"{_describe_bytes(buf)}", quick):
+                    return False
+                if not fifo:
+                    return not self._stopping
+                buf, discard = b"", True
+            if not chunk:  # end of file
+                self._disarm()
+                if not got_data:
+                    return self._bad("no answer (end of file: for a FIFO stand-in, the "
+                                     "writer closed without writing)", quick)
+                if not handled:
+                    return self._bad("an empty answer (only whitespace)", quick)
+                return not self._stopping
+            if handled and not fifo:
+                return not self._stopping  # one answer per descriptor: open again
+
+    def _disarm(self) -> None:
+        with self._cond:
+            self._armed = False
+
+    def _answer(self, answer: Answer, since: float, rearm: bool) -> float:
+        """Run the hooks for one answer; returns the ``since`` for a later answer.
+
+        ``rearm``: the descriptor stays open for further answers (a FIFO stream).
+        """
+        engine = self._engine
+        assert engine is not None
+        self._disarm()
+        self._bad_streak = 0
+        log.debug("gVisor checkpoint answer: %s", answer)
+        report: RestoreReport | None = None
+        try:
+            report = _handle(engine, answer, since, self.name)
+        except Exception:
+            log.exception("running the hooks for gVisor answer %r failed", answer)
+        with self._cond:
+            self._seq += 1
+            self._last = (answer, report)
+            self._armed = rearm
+            self._cond.notify_all()
+        return time.monotonic()  # a later answer on this descriptor is a later checkpoint
 
     # -- used by trigger_snapshot ------------------------------------------------------
 
