@@ -119,7 +119,7 @@ def missing_prerequisites(*, routes: bool = True, nft: bool = True,
     missing: list[str] = []
     if (routes or nft or iptables) and not has_cap_net_admin():
         missing.append(f"CAP_NET_ADMIN (uid {os.geteuid()} runs without it)")
-    if routes and not _pyroute2_available():
+    if routes and backend_name() == "pyroute2" and not _pyroute2_available():
         missing.append("pyroute2 (pip install 'rehydrate[routes]')")
     if nft:
         binary = nft_binary()
@@ -193,73 +193,149 @@ class Route:
         return " ".join(str(p) for p in parts)
 
 
-def _iproute() -> Any:
-    try:
-        from pyroute2 import IPRoute
-    except ImportError as exc:  # pragma: no cover - checked by missing_prerequisites
-        raise NetworkUnavailable("pyroute2 is not installed (pip install "
-                                 "'rehydrate[routes]')") from exc
-    return IPRoute()
+def backend_name() -> str:
+    """``REHYDRATE_ROUTES_BACKEND``: ``netlink`` (default, stdlib rtnetlink) or
+    ``pyroute2`` (its ``route("replace", ...)``, one call per route)."""
+    name = os.environ.get("REHYDRATE_ROUTES_BACKEND", "netlink").strip().lower()
+    return name if name in ("netlink", "pyroute2") else "netlink"
 
 
-def _links(ipr: Any) -> dict[int, str]:
-    return {int(link["index"]): str(link.get("ifname")) for link in ipr.get_links()}
-
-
-def _from_msg(msg: Any, links: Mapping[int, str]) -> tuple[Route, int] | None:
-    """A kernel route message as a :class:`Route` and its protocol; None when not
-    expressible (multipath, local/broadcast/multicast types)."""
-    rtype = _ROUTE_TYPES.get(int(msg["type"]))
-    if rtype is None or msg.get("multipath"):
+def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope: int,
+                kind: int, gateway: str | None, oif: int | None, priority: int | None,
+                prefsrc: str | None, multipath: bool, links: Mapping[int, str]
+                ) -> Route | None:
+    """A kernel route as a :class:`Route`; None when not expressible (multipath,
+    local/broadcast/multicast types)."""
+    rtype = _ROUTE_TYPES.get(kind)
+    if rtype is None or multipath:
         return None
-    fam = int(msg["family"])
-    dst = msg.get("dst")
-    dst_len = int(msg["dst_len"])
     dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
-    oif = msg.get("oif")
-    table = msg.get("table")
-    if table is None:
-        table = msg["table"]
-    scope = int(msg["scope"])
-    default_scope = 253 if (rtype == "unicast" and msg.get("gateway") is None
-                            and fam == socket.AF_INET) else 0
-    route = Route(
-        dst=dst_s,
-        gateway=msg.get("gateway"),
-        dev=links.get(int(oif)) if oif is not None else None,
-        table=int(table),
-        metric=msg.get("priority"),
-        src=msg.get("prefsrc"),
-        type=rtype,
+    default_scope = 253 if (rtype == "unicast" and gateway is None
+                            and family == socket.AF_INET) else 0
+    return Route(
+        dst=dst_s, gateway=gateway, dev=links.get(oif) if oif is not None else None,
+        table=table, metric=priority, src=prefsrc, type=rtype,
         scope=None if scope == default_scope else scope,
     )
-    return route, int(msg["proto"])
 
 
-def read_routes(*, user_only: bool = False, ipr: Any = None) -> list[Route]:
+class _Backend:
+    def links(self) -> dict[int, str]:
+        raise NotImplementedError
+
+    def routes(self) -> list[tuple[Route, int]]:
+        """Every expressible route of the namespace and its protocol number."""
+        raise NotImplementedError
+
+    def replace(self, kwargs: Sequence[dict[str, Any]]) -> list[Exception | None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _NetlinkBackend(_Backend):
+    def __init__(self) -> None:
+        from ._netlink import Netlink
+
+        self.nl = Netlink()
+        self._links: dict[int, str] | None = None
+
+    def links(self) -> dict[int, str]:
+        if self._links is None:
+            self._links = self.nl.links()
+        return self._links
+
+    def routes(self) -> list[tuple[Route, int]]:
+        links = self.links()
+        out: list[tuple[Route, int]] = []
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            for raw in self.nl.routes(fam):
+                r = _make_route(family=raw.family, dst=raw.dst, dst_len=raw.dst_len,
+                                table=raw.table, scope=raw.scope, kind=raw.type,
+                                gateway=raw.gateway, oif=raw.oif, priority=raw.priority,
+                                prefsrc=raw.prefsrc, multipath=raw.multipath, links=links)
+                if r is not None:
+                    out.append((r, raw.proto))
+        return out
+
+    def replace(self, kwargs: Sequence[dict[str, Any]]) -> list[Exception | None]:
+        msgs = []
+        for kw in kwargs:
+            dst = kw["dst"]
+            addr, _, plen = dst.partition("/")
+            msgs.append({**kw, "dst": addr, "dst_len": int(plen) if plen else 0})
+        return list(self.nl.replace_routes(msgs))
+
+    def close(self) -> None:
+        self.nl.close()
+
+
+class _Pyroute2Backend(_Backend):
+    def __init__(self) -> None:
+        try:
+            from pyroute2 import IPRoute
+        except ImportError as exc:  # pragma: no cover - checked by missing_prerequisites
+            raise NetworkUnavailable("pyroute2 is not installed (pip install "
+                                     "'rehydrate[routes]')") from exc
+        self.ipr = IPRoute()
+
+    def links(self) -> dict[int, str]:
+        return {int(link["index"]): str(link.get("ifname")) for link in self.ipr.get_links()}
+
+    def routes(self) -> list[tuple[Route, int]]:
+        links = self.links()
+        out: list[tuple[Route, int]] = []
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            for msg in self.ipr.get_routes(family=fam, table=None):
+                table = msg.get("table")
+                r = _make_route(
+                    family=int(msg["family"]), dst=msg.get("dst"),
+                    dst_len=int(msg["dst_len"]),
+                    table=int(table if table is not None else msg["table"]),
+                    scope=int(msg["scope"]), kind=int(msg["type"]),
+                    gateway=msg.get("gateway"), oif=msg.get("oif"),
+                    priority=msg.get("priority"), prefsrc=msg.get("prefsrc"),
+                    multipath=bool(msg.get("multipath")), links=links)
+                if r is not None:
+                    out.append((r, int(msg["proto"])))
+        return out
+
+    def replace(self, kwargs: Sequence[dict[str, Any]]) -> list[Exception | None]:
+        out: list[Exception | None] = []
+        for kw in kwargs:
+            try:
+                self.ipr.route("replace", **kw)
+            except Exception as exc:
+                out.append(exc)
+            else:
+                out.append(None)
+        return out
+
+    def close(self) -> None:
+        self.ipr.close()
+
+
+def _backend() -> _Backend:
+    if backend_name() == "pyroute2":
+        return _Pyroute2Backend()
+    return _NetlinkBackend()
+
+
+def read_routes(*, user_only: bool = False, backend: _Backend | None = None) -> list[Route]:
     """The routes of the current network namespace (IPv4 and IPv6, every table).
 
     ``user_only``: what :func:`capture` keeps — not the ``local`` table, not protocols
     ``kernel``/``ra``/``dhcp``.
     """
-    own = ipr is None
-    ipr = ipr or _iproute()
+    own = backend is None
+    b = backend or _backend()
     try:
-        links = _links(ipr)
-        out: list[Route] = []
-        for fam in (socket.AF_INET, socket.AF_INET6):
-            for msg in ipr.get_routes(family=fam, table=None):
-                parsed = _from_msg(msg, links)
-                if parsed is None:
-                    continue
-                r, proto = parsed
-                if user_only and (r.table == RT_TABLE_LOCAL or proto in _SKIP_PROTOS):
-                    continue
-                out.append(r)
-        return out
+        return [r for r, proto in b.routes()
+                if not (user_only and (r.table == RT_TABLE_LOCAL or proto in _SKIP_PROTOS))]
     finally:
         if own:
-            ipr.close()
+            b.close()
 
 
 def _route_kwargs(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
@@ -712,17 +788,14 @@ class RoutesManager:
     def _apply_routes(self, declared: list[Route], captured: list[Route],
                       result: ApplyResult) -> None:
         try:
-            ipr = _iproute()
+            backend = _backend()
         except Exception as exc:
             req = any(r.required for r in [*declared, *captured])
             result.errors.append(("routes", req, _describe(exc)))
             return
         try:
-            links = _links(ipr)
-            by_name = {v: k for k, v in links.items()}
-            current = read_routes(ipr=ipr)
-            current_keys: dict[tuple[int, str, int, int | None], Route] = {
-                r.key(): r for r in current}
+            by_name = {v: k for k, v in backend.links().items()}
+            current_keys = {r.key(): r for r in read_routes(backend=backend)}
             todo: list[Route] = list(declared)
             declared_keys = {r.key() for r in declared}
             for r in captured:
@@ -735,29 +808,36 @@ class RoutesManager:
                     result.routes_skipped += 1
                     continue
                 todo.append(r)
-            # gateways before the routes that may depend on them: link-scope routes first
+            # routes without a gateway (on-link) first: gateways may depend on them
             todo.sort(key=lambda r: r.gateway is not None)
-            applied: list[Route] = []
+            ready: list[tuple[Route, dict[str, Any]]] = []
             for r in todo:
                 try:
-                    ipr.route("replace", **_route_kwargs(r, by_name))
-                except Exception as exc:
-                    err = _describe(exc)
-                    if "Operation not permitted" in err:
-                        err += " (needs CAP_NET_ADMIN)"
-                    result.errors.append((f"route {r}", r.required, err))
+                    ready.append((r, _route_kwargs(r, by_name)))
+                except NetworkError as exc:
+                    result.errors.append((f"route {r}", r.required, str(exc)))
+            errors = backend.replace([kw for _, kw in ready]) if ready else []
+            applied: list[Route] = []
+            for (r, _), failure in zip(ready, errors, strict=True):
+                if failure is None:
+                    applied.append(r)
                     continue
-                applied.append(r)
+                err = _describe(failure)
+                if "Operation not permitted" in err:
+                    err += " (needs CAP_NET_ADMIN)"
+                result.errors.append((f"route {r}", r.required, err))
             if applied:
-                after = read_routes(ipr=ipr)
+                after: dict[tuple[int, str, int], list[Route]] = {}
+                for x in read_routes(backend=backend):
+                    after.setdefault(x.key()[:3], []).append(x)
                 for r in applied:
-                    if any(r.matches(x) for x in after):
+                    if any(r.matches(x) for x in after.get(r.key()[:3], ())):
                         result.routes += 1
                     else:
                         result.errors.append((f"route {r}", r.required,
                                               "not in the routing table after applying"))
         finally:
-            ipr.close()
+            backend.close()
 
     def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult) -> None:
         if isinstance(t, NftTable):

@@ -142,8 +142,8 @@ before_connect = connect()
 cap = routes.capture(engine=engine)
 ruleset_before = canon(routes.read_tables())
 # what the platform does to a restored copy: user routes and rules are gone
-subprocess.run("ip route flush proto boot table all; nft flush ruleset", shell=True,
-               check=True)
+subprocess.run("ip route flush proto boot table all; ip route flush proto static table all; "
+               "nft flush ruleset", shell=True, check=True)
 flushed_routes = [str(r) for r in routes.read_routes(user_only=True)]
 flushed_tables = [t.label for t in routes.read_tables()]
 flushed_connect = connect()
@@ -165,7 +165,10 @@ print(json.dumps({
 '''
 
 
-def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b):
+@pytest.mark.parametrize("backend", ["netlink", "pyroute2"])
+def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b, backend):
+    if backend == "pyroute2":
+        pytest.importorskip("pyroute2")
     ns = server_in_b
     a, va = ns["a"], ns["va"]
     sh(f"ip -n {a} route add 10.200.2.0/24 via 10.200.1.2 dev {va} metric 7")
@@ -173,7 +176,7 @@ def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b):
     sh(f"ip -n {a} route add blackhole 10.200.4.0/24")
     subprocess.run(["ip", "netns", "exec", a, "nft", "-f", "-"], input=NFT_TABLE, text=True,
                    check=True)
-    out = run_in_ns(a, CAPTURE_FLUSH_RESTORE)
+    out = run_in_ns(a, CAPTURE_FLUSH_RESTORE, env={"REHYDRATE_ROUTES_BACKEND": backend})
     assert out["before_connect"] == "pong"
     assert out["captured"] == sorted([
         f"10.200.2.0/24 via 10.200.1.2 dev {va} table 254 metric 7",
