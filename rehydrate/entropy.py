@@ -100,10 +100,8 @@ class _Ref:
         self._weak: weakref.ref[Any] | None = None
         self._obj: object | None = obj
         if not strong:
-            try:
+            with contextlib.suppress(TypeError):  # no weakref support: keep it strongly
                 self._weak, self._obj = weakref.ref(obj), None
-            except TypeError:
-                pass
 
     def get(self) -> Any:
         return self._weak() if self._weak is not None else self._obj

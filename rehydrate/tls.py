@@ -173,7 +173,9 @@ def validate(
 def _verify_chain(leaf: x509.Certificate, chain: list[x509.Certificate],
                   trust: list[x509.Certificate], now: _dt.datetime) -> None:
     try:
+        from cryptography import x509 as _x509
         from cryptography.x509.verification import (
+            Criticality,
             ExtensionPolicy,
             PolicyBuilder,
             Store,
@@ -184,11 +186,15 @@ def _verify_chain(leaf: x509.Certificate, chain: list[x509.Certificate],
         return
     if leaf in trust:
         return  # pinned directly (a self-signed certificate in its own bundle)
+    # Path validation (signatures, validity windows, name chaining, CA basicConstraints)
+    # without the Web PKI profile's extension demands, which private CAs rarely meet.
+    ca_policy = ExtensionPolicy.permit_all().require_present(
+        _x509.BasicConstraints, Criticality.AGNOSTIC, None)
     verifier = (
         PolicyBuilder()
         .store(Store(trust))
         .time(now.replace(tzinfo=None))
-        .extension_policies(ca_policy=ExtensionPolicy.permit_all(),
+        .extension_policies(ca_policy=ca_policy,
                             ee_policy=ExtensionPolicy.permit_all())
         .build_client_verifier()
     )

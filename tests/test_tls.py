@@ -1,0 +1,537 @@
+"""TLS: self-signed, CSR-issued and file certificates on real loopback TLS servers.
+
+Servers: a stdlib ``ssl`` HTTPS server thread and uvicorn, both started here; clients:
+httpx, reading the certificate the server actually presented from the TLS connection.
+The CSR issuer is a small CA HTTP server on loopback built here with ``cryptography``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.server
+import json
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from rehydrate import tls
+from rehydrate.tls import CertificateError
+
+NOW = dt.datetime.now(dt.timezone.utc)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- a small CA ------------------------------------------------------------------------
+
+
+class CA:
+    def __init__(self, name: str = "Test CA") -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self.cert = (
+            x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(NOW - dt.timedelta(days=1))
+            .not_valid_after(NOW + dt.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False,
+                                         decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()),
+                           critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+
+    @property
+    def pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def sign(self, public_key, cn: str = "localhost", *, days: int = 10,
+             start: dt.datetime | None = None) -> x509.Certificate:
+        start = start or NOW - dt.timedelta(hours=1)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+            .issuer_name(self.cert.subject).public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(__import__("ipaddress")
+                                                            .ip_address("127.0.0.1"))]),
+                critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                self.key.public_key()), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+
+    def leaf(self, **kw) -> tuple[bytes, bytes, x509.Certificate]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = self.sign(key.public_key(), **kw)
+        key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                    serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+        return cert.public_bytes(serialization.Encoding.PEM), key_pem, cert
+
+
+# -- servers ---------------------------------------------------------------------------
+
+
+class _Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"hello"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def https_server() -> Iterator[Callable[[ssl.SSLContext], int]]:
+    """A stdlib HTTPS server on loopback using the given (live) context."""
+    servers = []
+
+    def start(ctx: ssl.SSLContext) -> int:
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+        threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(srv)
+        return srv.server_address[1]
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def served_certificate(port: int, verify: ssl.SSLContext) -> x509.Certificate:
+    """GET over a new connection; the certificate the server presented."""
+    with httpx.Client(verify=verify) as client, \
+            client.stream("GET", f"https://127.0.0.1:{port}/") as resp:
+        assert resp.status_code == 200
+        der = resp.extensions["network_stream"].get_extra_info("ssl_object") \
+            .getpeercert(True)
+        resp.read()
+    return x509.load_der_x509_certificate(der)
+
+
+# -- self-signed -----------------------------------------------------------------------
+
+
+def test_self_signed_stdlib_server_serves_the_new_certificate(rehydrate_engine, https_server):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    assert tls.self_signed("web", engine=rehydrate_engine) is cert
+    port = https_server(cert.server_context())
+    old_client = cert.client_context()
+    first = served_certificate(port, old_client)
+    assert first.serial_number == cert.serial
+    old_key = cert.private_key
+
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert "rehydrate.tls:web" in [h.name for h in report.hooks]
+    second = served_certificate(port, cert.client_context())
+    assert second.serial_number == cert.serial != first.serial_number
+    assert second.public_key() != first.public_key()
+    assert cert.private_key is not old_key
+    assert second.not_valid_before_utc >= first.not_valid_before_utc
+    # the old client context trusts only the old certificate: rebuilt contexts are needed
+    with pytest.raises(httpx.ConnectError):
+        served_certificate(port, old_client)
+
+
+def test_self_signed_uvicorn_server(rehydrate_engine, tmp_path):
+    uvicorn = pytest.importorskip("uvicorn")
+    cert = tls.self_signed("api", engine=rehydrate_engine)
+    (tmp_path / "c.pem").write_bytes(cert.material.chain_pem())
+    (tmp_path / "k.pem").write_bytes(cert.material.key_pem())
+    (tmp_path / "k.pem").chmod(0o600)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, ssl_certfile=str(tmp_path / "c.pem"),
+                            ssl_keyfile=str(tmp_path / "k.pem"), log_level="warning",
+                            lifespan="off")
+    config.load()
+    cert.attach(config.ssl)  # uvicorn's own live context, kept current from now on
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, what="uvicorn to start")
+        first = served_certificate(port, cert.client_context())
+        assert first.serial_number == cert.serial
+        assert rehydrate_engine.simulate_restore().ok
+        second = served_certificate(port, cert.client_context())
+        assert second.serial_number == cert.serial != first.serial_number
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_self_signed_rsa_and_ed25519(rehydrate_engine):
+    ed = tls.self_signed("ed", algorithm="ed25519", engine=rehydrate_engine)
+    assert ed.certificate.signature_hash_algorithm is None
+    s = ed.serial
+    rehydrate_engine.simulate_restore()
+    assert ed.serial != s
+
+
+def test_listener_and_status(rehydrate_engine):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    seen = []
+    cert.subscribe(lambda h: seen.append(h.serial))
+    rehydrate_engine.simulate_restore()
+    assert seen == [cert.serial]
+    st = rehydrate_engine.status().extra["tls"]["web"]
+    assert st["serial"] == f"{cert.serial:x}" and st["kind"] == "self-signed"
+
+
+def test_mutual_tls_client_context_presents_the_certificate(rehydrate_engine, https_server):
+    cert = tls.self_signed("mtls", engine=rehydrate_engine)
+    server_ctx = cert.server_context()
+    server_ctx.verify_mode = ssl.CERT_REQUIRED
+    server_ctx.load_verify_locations(cadata=cert.material.trust_pem())
+    port = https_server(server_ctx)
+    assert served_certificate(port, cert.client_context(present=True)).serial_number == cert.serial
+
+
+# -- CSR issuance --------------------------------------------------------------------------
+
+
+class CAServer:
+    """POST {"csr": PEM} -> {"certificate": PEM, "chain": [PEM]}; ``mode`` breaks it."""
+
+    def __init__(self) -> None:
+        self.ca = CA("Issuer CA")
+        self.mode = "ok"
+        self.requests = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                outer.requests += 1
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                csr = x509.load_pem_x509_csr(body["csr"].encode())
+                assert csr.is_signature_valid
+                status, payload = outer.answer(csr)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,),
+                         daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/sign"
+
+    def answer(self, csr: x509.CertificateSigningRequest) -> tuple[int, bytes]:
+        pem = lambda c: c.public_bytes(serialization.Encoding.PEM).decode()  # noqa: E731
+        if self.mode == "500":
+            return 500, b'{"error": "boom"}'
+        if self.mode == "garbage":
+            return 200, b"<html>not json</html>"
+        if self.mode == "bad-pem":
+            return 200, json.dumps({"certificate": "-----BEGIN CERTIFICATE-----\nAAAA",
+                                    "chain": []}).encode()
+        if self.mode == "wrong-key":
+            other = ec.generate_private_key(ec.SECP256R1()).public_key()
+            return 200, json.dumps({"certificate": pem(self.ca.sign(other)),
+                                    "chain": [pem(self.ca.cert)]}).encode()
+        if self.mode == "expired":
+            cert = self.ca.sign(csr.public_key(), start=NOW - dt.timedelta(days=20), days=1)
+            return 200, json.dumps({"certificate": pem(cert),
+                                    "chain": [pem(self.ca.cert)]}).encode()
+        if self.mode == "other-ca":
+            cert = CA("Rogue").sign(csr.public_key())
+            return 200, json.dumps({"certificate": pem(cert),
+                                    "chain": [pem(self.ca.cert)]}).encode()
+        cert = self.ca.sign(csr.public_key(),
+                            cn=csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value)
+        return 200, json.dumps({"certificate": pem(cert),
+                                "chain": [pem(self.ca.cert)]}).encode()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def ca_server() -> Iterator[CAServer]:
+    srv = CAServer()
+    yield srv
+    srv.close()
+
+
+def test_issued_certificate_renewed_on_restore(rehydrate_engine, ca_server, https_server):
+    issuer = tls.HTTPIssuer(ca_server.url)
+    cert = tls.issued("api", issuer, common_name="localhost", sans=["localhost", "127.0.0.1"],
+                      engine=rehydrate_engine)
+    assert cert.certificate.issuer == ca_server.ca.cert.subject
+    assert cert.material.trust == (ca_server.ca.cert,)
+    port = https_server(cert.server_context())
+    first = served_certificate(port, cert.client_context())
+    assert first.serial_number == cert.serial
+    assert ca_server.requests == 1
+
+    assert rehydrate_engine.simulate_restore().ok
+    assert ca_server.requests == 2
+    second = served_certificate(port, cert.client_context())
+    assert second.serial_number == cert.serial != first.serial_number
+    assert second.public_key() != first.public_key()
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("down", "unreachable"),
+    ("500", "HTTP 500"),
+    ("garbage", "returned no JSON"),
+    ("bad-pem", "not valid PEM"),
+    ("wrong-key", "private key does not match the certificate"),
+    ("expired", "certificate expired"),
+    ("other-ca", "does not verify against the CA bundle"),
+])
+def test_issuer_failures_keep_the_previous_certificate(rehydrate_engine, ca_server, https_server,
+                                                      caplog, mode, message):
+    issuer = tls.HTTPIssuer(ca_server.url, timeout=2.0, trust=[ca_server.ca.cert])
+    cert = tls.issued("api", issuer, common_name="localhost", engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    serial = cert.serial
+    if mode == "down":
+        ca_server.close()
+    else:
+        ca_server.mode = mode
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    [res] = [h for h in report.hooks if h.name == "rehydrate.tls:api"]
+    assert res.outcome == "failed"
+    assert message in str(res.error) and f"keeping serial {serial:x}" in str(res.error)
+    assert cert.serial == serial and message in cert.last_error
+    assert served_certificate(port, cert.client_context()).serial_number == serial
+    assert rehydrate_engine.status().state == "degraded"
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and message in warnings[0].getMessage()
+    assert "\n" not in warnings[0].getMessage()
+    if mode == "down":
+        return
+    ca_server.mode = "ok"
+    assert rehydrate_engine.simulate_restore().ok
+    assert cert.serial != serial and cert.last_error is None
+    assert rehydrate_engine.status().state == "ready"
+
+
+def test_optional_certificate_failure_keeps_ready(rehydrate_engine, ca_server):
+    cert = tls.issued("api", tls.HTTPIssuer(ca_server.url), common_name="localhost",
+                      required=False, engine=rehydrate_engine)
+    ca_server.mode = "garbage"
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok and report.failed[0].name == "rehydrate.tls:api"
+    assert cert.last_error
+
+
+def test_first_issuance_failure_raises(rehydrate_engine, ca_server):
+    ca_server.mode = "500"
+    with pytest.raises(CertificateError, match="HTTP 500"):
+        tls.issued("api", tls.HTTPIssuer(ca_server.url), common_name="localhost",
+                   engine=rehydrate_engine)
+    assert tls.manager(rehydrate_engine).get("api") is None
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+class K8sSecretDir:
+    """A Kubernetes-style secret volume: files are symlinks through ``..data``, which is
+    swapped atomically to a new timestamped directory on update."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.n = 0
+
+    def publish(self, files: dict[str, bytes]) -> None:
+        self.n += 1
+        d = self.root / f"..2026_11_30_00_00_{self.n:02d}"
+        d.mkdir()
+        for name, data in files.items():
+            (d / name).write_bytes(data)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(d.name)
+        os.replace(tmp, self.root / "..data")
+        for name in files:
+            link = self.root / name
+            if not link.is_symlink():
+                link.symlink_to(f"..data/{name}")
+
+    def paths(self) -> dict[str, str]:
+        return {"cert": str(self.root / "tls.crt"), "key": str(self.root / "tls.key"),
+                "ca": str(self.root / "ca.crt")}
+
+
+@pytest.fixture
+def secret_dir(tmp_path) -> K8sSecretDir:
+    d = tmp_path / "tls"
+    d.mkdir()
+    return K8sSecretDir(d)
+
+
+def _bundle(ca: CA, **kw) -> tuple[dict[str, bytes], x509.Certificate]:
+    cert_pem, key_pem, cert = ca.leaf(**kw)
+    return {"tls.crt": cert_pem, "tls.key": key_pem, "ca.crt": ca.pem}, cert
+
+
+@pytest.mark.parametrize("poll", [False, True], ids=["inotify", "poll"])
+def test_file_certificate_follows_symlink_swap(rehydrate_engine, secret_dir, https_server,
+                                               poll):
+    ca = CA()
+    files, first = _bundle(ca)
+    secret_dir.publish(files)
+    cert = tls.from_files("files", **secret_dir.paths(), poll=poll, poll_interval=0.1,
+                          engine=rehydrate_engine)
+    try:
+        assert cert.serial == first.serial_number
+        assert cert.status()["watching"] == ("poll" if poll else "inotify")
+        port = https_server(cert.server_context())
+        assert served_certificate(port, cert.client_context()).serial_number == cert.serial
+
+        files2, second = _bundle(ca)
+        secret_dir.publish(files2)
+        wait_until(lambda: cert.serial == second.serial_number, what="the swapped certificate")
+        assert served_certificate(port, cert.client_context()).serial_number == \
+            second.serial_number
+    finally:
+        cert.close()
+
+
+def _bad_bundles(ca: CA) -> dict[str, tuple[dict[str, bytes], str]]:
+    good, _ = _bundle(ca)
+    other_key = _bundle(ca)[0]["tls.key"]
+    expired, _ = _bundle(ca, start=NOW - dt.timedelta(days=20), days=1)
+    rogue, _ = _bundle(CA("Rogue"))
+    rogue["ca.crt"] = ca.pem
+    return {
+        "corrupt-pem": ({**good, "tls.crt": b"-----BEGIN CERTIFICATE-----\nnope\n"},
+                        "is not valid PEM"),
+        "corrupt-key": ({**good, "tls.key": b"garbage"}, "not a usable PEM private key"),
+        "key-mismatch": ({**good, "tls.key": other_key},
+                         "private key does not match the certificate"),
+        "expired": (expired, "certificate expired"),
+        "ca-mismatch": (rogue, "does not verify against the CA bundle"),
+    }
+
+
+@pytest.mark.parametrize("case", ["corrupt-pem", "corrupt-key", "key-mismatch", "expired",
+                                  "ca-mismatch"])
+def test_bad_files_keep_previous_material(rehydrate_engine, secret_dir, caplog, case):
+    ca = CA()
+    files, first = _bundle(ca)
+    secret_dir.publish(files)
+    cert = tls.from_files("files", **secret_dir.paths(), poll=False, engine=rehydrate_engine)
+    try:
+        bad, message = _bad_bundles(ca)[case]
+        caplog.set_level(logging.WARNING, logger="rehydrate")
+        secret_dir.publish(bad)
+        wait_until(lambda: cert.last_error is not None, what="the bad files to be rejected")
+        # more events on the same bad files: still one line
+        secret_dir.publish(bad)
+        cert.reload_if_changed()
+        assert cert.serial == first.serial_number
+        assert message in cert.last_error
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        line = warnings[0].getMessage()
+        assert message in line and "keeping serial" in line and "\n" not in line
+
+        # a restore with the bad files still in place: required hook fails -> degraded
+        caplog.clear()
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        assert cert.serial == first.serial_number
+        assert rehydrate_engine.status().state == "degraded"
+        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+
+        # fixed files are picked up by the watcher and by the next restore
+        files3, third = _bundle(ca)
+        secret_dir.publish(files3)
+        wait_until(lambda: cert.serial == third.serial_number, what="the fixed certificate")
+        assert rehydrate_engine.simulate_restore().ok
+        assert rehydrate_engine.status().state == "ready"
+    finally:
+        cert.close()
+
+
+def test_bad_files_at_creation_raise(rehydrate_engine, secret_dir):
+    ca = CA()
+    bad, message = _bad_bundles(ca)["key-mismatch"]
+    secret_dir.publish(bad)
+    with pytest.raises(CertificateError, match=message):
+        tls.from_files("files", **secret_dir.paths(), engine=rehydrate_engine)
+
+
+def test_files_reread_on_restore_without_watching(rehydrate_engine, tmp_path):
+    ca = CA()
+    c1, k1, first = ca.leaf()
+    (tmp_path / "c.pem").write_bytes(c1)
+    (tmp_path / "k.pem").write_bytes(k1)
+    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          watch=False, engine=rehydrate_engine)
+    c2, k2, second = ca.leaf()
+    (tmp_path / "c.pem").write_bytes(c2)
+    (tmp_path / "k.pem").write_bytes(k2)
+    assert cert.serial == first.serial_number
+    assert rehydrate_engine.simulate_restore().ok
+    assert cert.serial == second.serial_number
+
+
+def test_validate_signature_fallback():
+    ca = CA()
+    _, key_pem, cert = ca.leaf()
+    key = serialization.load_pem_private_key(key_pem, None)
+    tls._verify_signatures(cert, [], [ca.cert], NOW)
+    with pytest.raises(CertificateError, match="does not verify"):
+        tls._verify_signatures(cert, [], [CA("x").cert], NOW)
+    tls.validate(cert, key, (), [ca.cert])
+
+
+def test_tls_disabled(rehydrate_engine, monkeypatch):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    serial = cert.serial
+    monkeypatch.setenv("REHYDRATE_DISABLE", "tls")
+    assert rehydrate_engine.simulate_restore().ok
+    assert cert.serial == serial
