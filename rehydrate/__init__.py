@@ -70,7 +70,7 @@ __all__ = [
 
 # Identity managers load on first use so that ``import rehydrate`` stays light
 # (``rehydrate.keys`` / ``tls`` import cryptography only when a key or certificate is made).
-_LAZY_SUBMODULES = ("entropy", "keys", "secrets", "tls")
+_LAZY_SUBMODULES = ("connections", "entropy", "keys", "routes", "secrets", "tls")
 
 
 def instance_id() -> str:
