@@ -26,7 +26,7 @@ from typing import Any
 
 from .detect.control import ENV_SOCKET, default_socket_dir
 
-__all__ = ["ControlError", "add_commands", "find_socket", "request"]
+__all__ = ["ControlError", "add_commands", "find_socket", "notify_main", "request"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -224,32 +224,49 @@ def _positive(text: str) -> float:
     return value
 
 
+def notify_main(argv: list[str] | None = None) -> int:
+    """``rehydrate-notify``: ``rehydrate notify`` as a program of its own.
+
+    For platforms that take one executable path and no arguments (a CRIU
+    ``--action-script``, a save-restore-exec argv you would rather not split).
+    """
+    parser = argparse.ArgumentParser(prog="rehydrate-notify", description=(
+        "Tell the running process a snapshot is coming / it was resumed or restored."))
+    _notify_arguments(parser)
+    return cmd_notify(parser.parse_args(argv))
+
+
+def _common(p: argparse.ArgumentParser, timeout: float | None) -> None:
+    p.add_argument("--socket", metavar="PATH",
+                   help=f"control socket (default: ${ENV_SOCKET}, else the only socket "
+                        f"in {default_socket_dir()})")
+    p.add_argument("--timeout", type=_positive, default=timeout, metavar="S",
+                   help="seconds to wait for the reply"
+                        + (f" (default {timeout:g})" if timeout else ""))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _notify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=sorted(_NOTIFY_CMD),
+                   help=f"default: ${GVISOR_MODE}, else ${CRIU_ACTION} (pre-dump -> "
+                        "save, post-resume -> restore, others: exit 0)")
+    _common(p, DEFAULT_TIMEOUT)
+
+
 def add_commands(sub: Any) -> None:
     """Add ``notify``, ``status`` and ``trigger`` to the ``rehydrate`` sub-parsers."""
-
-    def common(p: argparse.ArgumentParser, timeout: float | None) -> None:
-        p.add_argument("--socket", metavar="PATH",
-                       help=f"control socket (default: ${ENV_SOCKET}, else the only socket "
-                            f"in {default_socket_dir()})")
-        p.add_argument("--timeout", type=_positive, default=timeout, metavar="S",
-                       help="seconds to wait for the reply"
-                            + (f" (default {timeout:g})" if timeout else ""))
-        p.add_argument("--json", action="store_true", help="machine-readable output")
 
     notify = sub.add_parser(
         "notify", help="tell the running process a snapshot is coming / it was resumed or "
                        "restored (for gVisor save-restore-exec and CRIU action scripts)")
-    notify.add_argument("action", nargs="?", choices=sorted(_NOTIFY_CMD),
-                        help=f"default: ${GVISOR_MODE}, else ${CRIU_ACTION} (pre-dump -> "
-                             "save, post-resume -> restore, others: exit 0)")
-    common(notify, DEFAULT_TIMEOUT)
+    _notify_arguments(notify)
     notify.set_defaults(func=cmd_notify)
 
     status = sub.add_parser("status", help="state, generation, readiness of the running process")
-    common(status, 10.0)
+    _common(status, 10.0)
     status.set_defaults(func=cmd_status)
 
     trigger = sub.add_parser("trigger", help="ask the running process to checkpoint itself "
                                              "(gVisor application-driven checkpoint)")
-    common(trigger, None)
+    _common(trigger, None)
     trigger.set_defaults(func=cmd_trigger)

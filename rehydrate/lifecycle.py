@@ -299,8 +299,10 @@ class Lifecycle:
         """Run the real before-snapshot hooks synchronously and return the report."""
         return self.snapshot_requested(reason)
 
-    def trigger_snapshot(self, timeout: float | None = None) -> Literal["resume", "restore", "error"]:
-        """gVisor: checkpoint this sandbox now; see :func:`rehydrate.detect.gvisor.trigger_snapshot`.
+    def trigger_snapshot(
+        self, timeout: float | None = None
+    ) -> Literal["resume", "restore", "error"]:
+        """gVisor: checkpoint this sandbox now (:func:`rehydrate.detect.gvisor.trigger_snapshot`).
 
         Runs the before-snapshot hooks, writes ``1`` to ``/proc/gvisor/checkpoint``, waits
         for the answer, runs the restore or resume hooks and returns the answer.

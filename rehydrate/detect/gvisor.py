@@ -66,6 +66,8 @@ log = logging.getLogger("rehydrate")
 ENV_PROC = "REHYDRATE_GVISOR_PROC"
 DEFAULT_PROC = "/proc/gvisor"
 ANNOTATION = "dev.gvisor.internal.checkpoint.enable=true"
+PATH_ANNOTATION = "dev.gvisor.internal.checkpoint.path=<dir>"
+"""On the root container: creates /proc/gvisor/{checkpoint,spec_environ}."""
 
 Answer = Literal["resume", "restore", "error"]
 ANSWERS: tuple[Answer, ...] = ("resume", "restore", "error")
@@ -110,12 +112,13 @@ def _missing_reason(proc: str) -> str | None:  # noqa: PLR0911
     if proc == DEFAULT_PROC and not os.path.isdir("/proc/self"):
         return "/proc is not mounted, so /proc/gvisor/checkpoint cannot exist"
     if os.path.isdir(proc):
-        return (f"{proc} exists but has no checkpoint file: this runsc does not have "
-                "application-driven checkpointing enabled for the sandbox")
+        return (f"{proc} exists but has no checkpoint file: application-driven "
+                f"checkpointing is not enabled for this sandbox ({PATH_ANNOTATION})")
     if proc == DEFAULT_PROC:
         return ("/proc/gvisor/checkpoint not found: not running under gVisor, or under a "
                 "runsc without application-driven checkpoint support (older than 2024), "
-                f"or it is not enabled for this sandbox (set {ENV_PROC} for a stand-in)")
+                f"or the sandbox lacks the annotation {PATH_ANNOTATION} "
+                f"(set {ENV_PROC} for a stand-in)")
     return f"{path} not found ({ENV_PROC}={proc})"
 
 
@@ -553,6 +556,9 @@ def trigger_snapshot(
             engine.restore_detected("gvisor", kind="resume")
             if exc.errno in (errno.EPERM, errno.EACCES):
                 raise _not_permitted(path, exc) from None
+            if exc.errno == errno.ENXIO:
+                raise GVisorError(f"writing 1 to {path} failed: a checkpoint is already in "
+                                  "progress; resume hooks ran") from None
             raise GVisorError(f"writing 1 to {path} failed: {exc.strerror or exc}; "
                               "resume hooks ran, the process carries on") from None
         if written != 1:  # pragma: no cover - a 1-byte write is all or nothing
