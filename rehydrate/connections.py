@@ -454,11 +454,11 @@ class ConnectionManager:
             outcome[conn.name] = ok
             if not ok:
                 conn._set(epoch, state="failed")
-                level = logging.ERROR if conn.required else logging.WARNING
-                log.log(level, "connection %s not reopened within %gs: %s", conn.name,
-                        conn.effective_deadline(), conn.last_error)
-                if conn.required:
+                if conn.required:  # named in the hook's error, which the engine logs
                     missed.append(conn)
+                else:
+                    log.warning("optional connection %s not reopened within %gs: %s",
+                                conn.name, conn.effective_deadline(), conn.last_error)
         if missed:
             raise ConnectionsNotReady(
                 "required connection(s) not reopened before their deadline: "

@@ -117,14 +117,27 @@ def missing_prerequisites(*, routes: bool = True, nft: bool = True,
                           iptables: bool = False) -> list[str]:
     """What stops re-applying the given kinds of state here (empty: nothing)."""
     missing: list[str] = []
-    if (routes or nft or iptables) and not has_cap_net_admin():
+    cap = has_cap_net_admin()
+    if (routes or nft or iptables) and not cap:
         missing.append(f"CAP_NET_ADMIN (uid {os.geteuid()} runs without it)")
     if routes and backend_name() == "pyroute2" and not _pyroute2_available():
         missing.append("pyroute2 (pip install 'rehydrate[routes]')")
+    if routes and backend_name() == "netlink":
+        from ._netlink import available
+
+        if not available():
+            missing.append("rtnetlink (NETLINK_ROUTE sockets are not supported here)")
     if nft:
         binary = nft_binary()
         if binary is None:
             missing.append("the nft binary (install nftables, or set REHYDRATE_NFT)")
+        elif cap:
+            try:
+                _nft(["list", "tables"])
+            except NetworkUnavailable as exc:
+                missing.append(f"nftables support ({exc})")
+            except Exception as exc:
+                missing.append(f"a working nft ({_describe(exc)})")
     if iptables:
         for b in ("iptables-restore", "iptables"):
             if shutil.which(b) is None and not os.access(f"/usr/sbin/{b}", os.X_OK):
@@ -739,11 +752,11 @@ class RoutesManager:
             self.capture = cap
 
     def _after_restore(self, ctx: RestoreContext) -> None:
-        result = self.apply()
+        result = self.apply(log_errors=False)  # the engine logs the hook's one failure
         if not result.ok:
             raise NetworkError(_summary(result))
 
-    def apply(self) -> ApplyResult:
+    def apply(self, *, log_errors: bool = True) -> ApplyResult:
         """Re-apply declarations and the capture now; read back and compare."""
         with self._lock:
             declared = list(self.routes)
@@ -766,7 +779,8 @@ class RoutesManager:
             items = _count(declared, captured_routes, tables, ipt)
             required = any(x.required for x in [*declared, *captured_routes, *tables, *ipt])
             msg = f"cannot re-apply {items}: missing {', '.join(missing)}"
-            log.error("network: %s", msg)
+            if log_errors:
+                log.error("network: %s", msg)
             result.errors.append(("network", required, msg))
             self.last = result
             return result
@@ -781,6 +795,8 @@ class RoutesManager:
                 result.errors.append((f"{rules.tool} rules", rules.required, _describe(exc)))
         result.duration = time.perf_counter() - t0
         for what, req, err in result.errors:
+            if req and not log_errors:
+                continue
             log.log(logging.ERROR if req else logging.WARNING, "network: %s: %s", what, err)
         self.last = result
         return result

