@@ -6,11 +6,12 @@ resume after a snapshot) runs them phase by phase before the process reports rea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._version import __version__
 from .api import (
     after_restore,
     before_snapshot,
-    default_engine,
     default_registry,
     is_ready,
     on_env_change,
@@ -23,18 +24,21 @@ from .api import (
     unregister,
     wait_ready,
 )
-from .context import (
-    EnvChanges,
-    HookFailed,
-    HookResult,
-    HookTimeout,
-    Report,
-    RestoreContext,
-    RestoreReport,
-    SnapshotReport,
-)
 from .hooks import Hook, Phase, Registry
-from .lifecycle import Lifecycle, Status
+
+if TYPE_CHECKING:
+    from .api import default_engine
+    from .context import (
+        EnvChanges,
+        HookFailed,
+        HookResult,
+        HookTimeout,
+        Report,
+        RestoreContext,
+        RestoreReport,
+        SnapshotReport,
+    )
+    from .lifecycle import Lifecycle, Status
 
 __all__ = [
     "EnvChanges",
@@ -80,7 +84,28 @@ def instance_id() -> str:
     return _instance_id()
 
 
+# The engine and report types load on first use too: registering hooks needs neither.
+_LAZY_NAMES = {
+    "default_engine": "api",
+    "Lifecycle": "lifecycle",
+    "Status": "lifecycle",
+    **dict.fromkeys(("EnvChanges", "HookFailed", "HookResult", "HookTimeout", "Report",
+                     "RestoreContext", "RestoreReport", "SnapshotReport"), "context"),
+}
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_LAZY_SUBMODULES))
+
+
 def __getattr__(name: str) -> object:
+    module = _LAZY_NAMES.get(name)
+    if module is not None:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        globals()[name] = value
+        return value
     if name in _LAZY_SUBMODULES:
         import importlib
 

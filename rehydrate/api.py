@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Literal
 
-from .context import RestoreReport, SnapshotReport
 from .hooks import Registry
-from .lifecycle import Lifecycle, Status
 
 if TYPE_CHECKING:
     import asyncio
 
+    from .context import RestoreReport, SnapshotReport
     from .detect import Detector
+    from .lifecycle import Lifecycle, Status
 
 __all__ = [
     "after_restore",
@@ -32,7 +33,29 @@ __all__ = [
 ]
 
 default_registry = Registry()
-default_engine = Lifecycle(default_registry)
+if TYPE_CHECKING:
+    default_engine: Lifecycle
+_engine_lock = threading.Lock()
+
+
+def _engine() -> Lifecycle:
+    """The default engine, created on first use (``import rehydrate`` stays light)."""
+    engine = globals().get("default_engine")
+    if engine is None:
+        with _engine_lock:
+            engine = globals().get("default_engine")
+            if engine is None:
+                from .lifecycle import Lifecycle
+
+                engine = Lifecycle(default_registry)
+                globals()["default_engine"] = engine
+    return engine
+
+
+def __getattr__(name: str) -> object:
+    if name == "default_engine":
+        return _engine()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 after_restore = default_registry.after_restore
 before_snapshot = default_registry.before_snapshot
@@ -46,26 +69,26 @@ def start(
     loop: asyncio.AbstractEventLoop | None = None,
 ) -> list[str]:
     """Start background detection (idempotent). Returns the running detectors' names."""
-    return default_engine.start(detectors, loop=loop)
+    return _engine().start(detectors, loop=loop)
 
 
 def stop() -> None:
     """Stop background detection. Hooks stay registered."""
-    default_engine.stop()
+    _engine().stop()
 
 
 def status() -> Status:
     """State, generation, readiness, running detectors and the last report."""
-    return default_engine.status()
+    return _engine().status()
 
 
 def is_ready() -> bool:
-    return default_engine.is_ready()
+    return _engine().is_ready()
 
 
 def wait_ready(timeout: float | None = None) -> bool:
     """Block until ready; False when ``timeout`` seconds passed first."""
-    return default_engine.wait_ready(timeout)
+    return _engine().wait_ready(timeout)
 
 
 def simulate_restore(
@@ -74,12 +97,12 @@ def simulate_restore(
     kind: Literal["restore", "resume"] = "restore",
 ) -> RestoreReport:
     """Run the restore hooks now, as after a real restore, and return the report."""
-    return default_engine.simulate_restore(env=env, reason=reason, kind=kind)
+    return _engine().simulate_restore(env=env, reason=reason, kind=kind)
 
 
 def simulate_snapshot() -> SnapshotReport:
     """Run the before-snapshot hooks now and return the report."""
-    return default_engine.simulate_snapshot()
+    return _engine().simulate_snapshot()
 
 
 def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore", "error"]:
@@ -87,4 +110,4 @@ def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore
     resume hooks; returns ``"restore"`` in a clone, ``"resume"`` in the original, ``"error"``
     when the checkpoint failed. Needs the annotation
     ``dev.gvisor.internal.checkpoint.enable=true``."""
-    return default_engine.trigger_snapshot(timeout)
+    return _engine().trigger_snapshot(timeout)

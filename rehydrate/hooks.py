@@ -6,11 +6,9 @@ This module only *marks and stores* hooks; :mod:`rehydrate.lifecycle` calls them
 from __future__ import annotations
 
 import enum
-import inspect
 import itertools
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, overload
 
 __all__ = [
@@ -44,9 +42,15 @@ class Phase(enum.IntEnum):
         return self.name.lower()
 
 
-@dataclass(frozen=True)
 class Hook:
-    """One registered hook. Immutable: re-registering creates a new record."""
+    """One registered hook. Immutable: re-registering creates a new record.
+
+    (A plain slotted class rather than a dataclass: ``import rehydrate`` then needs neither
+    :mod:`dataclasses` nor :mod:`inspect`.)
+    """
+
+    __slots__ = ("arity", "env_keys", "event", "fn", "is_async", "name", "order", "phase",
+                 "required", "retries", "seq", "timeout")
 
     fn: HookFn
     event: Event
@@ -58,11 +62,44 @@ class Hook:
     retries: int
     seq: int
     """Registration sequence number: breaks ties in ``order`` deterministically."""
-    env_keys: tuple[str, ...] | None = None
+    env_keys: tuple[str, ...] | None
     """Set for ``on_env_change`` hooks: the keys watched (empty tuple: any key)."""
-    is_async: bool = field(default=False)
-    arity: int = field(default=0)
+    is_async: bool
+    arity: int
     """How many positional arguments the hook takes (0, 1 = context, 2 = context + changes)."""
+
+    _FIELDS = ("fn", "event", "phase", "order", "timeout", "required", "name", "retries",
+               "seq", "env_keys", "is_async", "arity")
+
+    def __init__(self, fn: HookFn, event: Event, phase: Phase, order: int, timeout: float,  # noqa: PLR0917
+                 required: bool, name: str, retries: int, seq: int,
+                 env_keys: tuple[str, ...] | None = None, is_async: bool = False,
+                 arity: int = 0) -> None:
+        values = (fn, event, phase, order, timeout, required, name, retries, seq, env_keys,
+                  is_async, arity)
+        for attr, value in zip(self._FIELDS, values, strict=True):
+            object.__setattr__(self, attr, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Hook is immutable: cannot assign to {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Hook is immutable: cannot delete {name!r}")
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, attr) for attr in self._FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{attr}={getattr(self, attr)!r}" for attr in self._FIELDS)
+        return f"Hook({fields})"
 
     def sort_key(self) -> tuple[int, int, int]:
         return (int(self.phase), self.order, self.seq)
@@ -73,6 +110,8 @@ _ANY_ARITY = -1
 
 
 def _arity(fn: HookFn) -> int:
+    import inspect  # on first registration, not with ``import rehydrate``
+
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: call with no argument
@@ -87,6 +126,8 @@ def _arity(fn: HookFn) -> int:
 
 
 def _is_async(fn: HookFn) -> bool:
+    import inspect
+
     target = getattr(fn, "__call__", None)  # noqa: B004 - callable objects with async __call__
     return inspect.iscoroutinefunction(fn) or (
         target is not None and inspect.iscoroutinefunction(target)
