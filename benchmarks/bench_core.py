@@ -10,7 +10,9 @@ Run alone: ``python benchmarks/bench_core.py`` (``make bench`` runs every benchm
   alternated, many repetitions, median of the in-process import time. Byte-code is cached
   (a private ``PYTHONPYCACHEPREFIX``, warmed first) as in any installed package. Goal:
   under 20 ms more than the baseline. The heavy optional dependencies that must not be
-  loaded by the import are listed too.
+  loaded by the import are listed too, and (for information) the cost of the first use
+  that follows the import in an application: registering a hook and creating the engine,
+  which loads the rest of the core (``dataclasses``, ``inspect``, ``logging``).
 """
 
 from __future__ import annotations
@@ -86,43 +88,52 @@ _CHILD = """
 import sys, time
 sys.path.insert(0, {root!r})
 t = time.perf_counter()
-import {module}
+{stmt}
 elapsed = time.perf_counter() - t
 heavy = sorted(m for m in {heavy!r} if m in sys.modules)
 print(repr((elapsed, heavy)))
 """
 
+FIRST_USE = ("import rehydrate; rehydrate.after_restore(lambda: None); "
+             "rehydrate.status()")
+"""What an application does right after the import: register a hook, touch the engine."""
 
-def _child_import(module: str, env: dict[str, str]) -> tuple[float, list[str]]:
-    code = _CHILD.format(root=str(ROOT), module=module, heavy=HEAVY)
+
+def _child(stmt: str, env: dict[str, str]) -> tuple[float, list[str]]:
+    code = _CHILD.format(root=str(ROOT), stmt=stmt, heavy=HEAVY)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, env=env, timeout=60).stdout
     elapsed, heavy = eval(out.strip().splitlines()[-1])  # our own repr() output
     return float(elapsed), list(heavy)
 
 
-def import_times() -> tuple[float, float, list[str]]:
-    """Median ms for ``import json`` and ``import rehydrate``; heavy modules loaded."""
+def import_times() -> tuple[float, float, float, list[str]]:
+    """Median ms of ``import json``, ``import rehydrate`` and :data:`FIRST_USE`, alternated;
+    the heavy modules ``import rehydrate`` loaded."""
     with tempfile.TemporaryDirectory(prefix="rehydrate-bench-pyc-") as cache:
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPROFILEIMPORTTIME")}
         env["PYTHONPYCACHEPREFIX"] = cache
-        for module in ("json", "rehydrate"):  # write the byte-code caches
-            _child_import(module, env)
-        base, ours = [], []
+        stmts = ("import json", "import rehydrate", FIRST_USE)
+        for stmt in stmts:  # write the byte-code caches
+            _child(stmt, env)
+        times: dict[str, list[float]] = {stmt: [] for stmt in stmts}
         heavy: list[str] = []
         for _ in range(IMPORT_REPEATS):
-            base.append(_child_import("json", env)[0])
-            t, heavy = _child_import("rehydrate", env)
-            ours.append(t)
-    return statistics.median(base) * 1e3, statistics.median(ours) * 1e3, heavy
+            for stmt in stmts:
+                t, loaded = _child(stmt, env)
+                times[stmt].append(t)
+                if stmt == "import rehydrate":
+                    heavy = loaded
+    base, ours, first = (statistics.median(times[s]) * 1e3 for s in stmts)
+    return base, ours, first, heavy
 
 
 def run() -> list[tuple[str, str, str]]:
     sync_us = dispatch_us(is_async=False)
     async_us = dispatch_us(is_async=True)
     sync_builtin_us = dispatch_us(is_async=False, builtins=True)
-    json_ms, rehydrate_ms, heavy = import_times()
+    json_ms, rehydrate_ms, first_use_ms, heavy = import_times()
     extra = rehydrate_ms - json_ms
     return [
         (f"dispatch overhead, {HOOKS} no-op sync hooks", f"{sync_us:.2f} µs/hook",
@@ -134,6 +145,8 @@ def run() -> list[tuple[str, str, str]]:
         ("import json (baseline, fresh interpreter, median)", f"{json_ms:.1f} ms", "-"),
         ("import rehydrate (fresh interpreter, median)", f"{rehydrate_ms:.1f} ms", "-"),
         ("import rehydrate - import json", f"{extra:+.1f} ms", f"< {IMPORT_GOAL_MS:g} ms"),
+        ("  (+ register a hook + create the engine: first use) - import json",
+         f"{first_use_ms - json_ms:+.1f} ms", "info"),
         ("heavy modules loaded by import rehydrate", ", ".join(heavy) or "none", "none"),
     ]
 

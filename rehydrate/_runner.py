@@ -238,7 +238,7 @@ class HookRunner:
 
     def _run_sync(self, job: _Progress, index: int, hook: Hook) -> HookResult:
         ctx = job.ctx
-        if _skip_reason(hook, ctx):
+        if hook.env_keys is not None and _skip_reason(hook, ctx):
             return HookResult(hook.name, hook.phase, "skipped", 0.0, None, hook.required, 0)
         tokens = [o.hook_started(hook, ctx) for o in job.observers] if job.observers else ()
         start = time.perf_counter()
@@ -247,7 +247,10 @@ class HookRunner:
         while True:
             job.begin(index, hook.timeout)
             try:
-                hook.fn(*_call_args(hook, ctx))
+                if hook.arity:
+                    hook.fn(*_call_args(hook, ctx))
+                else:
+                    hook.fn()
                 error = None
                 break
             except BaseException as exc:  # every hook runs even when others fail
@@ -304,7 +307,7 @@ class HookRunner:
         try:
             for i in range(start, stop):
                 hook = job.hooks[i]
-                if _skip_reason(hook, ctx):
+                if hook.env_keys is not None and _skip_reason(hook, ctx):
                     result = HookResult(hook.name, hook.phase, "skipped", 0.0, None,
                                         hook.required, 0)
                 else:
@@ -328,7 +331,7 @@ class HookRunner:
             job.begin(index, hook.timeout + ASYNC_GRACE)
             watchdog.arm(hook.timeout)
             try:
-                await hook.fn(*_call_args(hook, ctx))
+                await (hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn())
                 outcome, error = "ok", None
             except asyncio.CancelledError as exc:
                 if not watchdog.fired and watchdog.cancel_requested():

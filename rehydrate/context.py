@@ -106,7 +106,7 @@ class HookFailed(_ExceptionGroup):  # type: ignore[type-arg,misc,unused-ignore]
         return HookFailed(self.message, excs)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class HookResult:
     name: str
     phase: Phase
@@ -115,6 +115,20 @@ class HookResult:
     error: BaseException | None = None
     required: bool = True
     attempts: int = 1
+
+    def __init__(self, name: str, phase: Phase, outcome: Outcome, duration: float,  # noqa: PLR0917
+                 error: BaseException | None = None, required: bool = True,
+                 attempts: int = 1) -> None:
+        # One is made per hook per event: the generated frozen __init__ (a guarded
+        # object.__setattr__ per field) cost more than the rest of the dispatch.
+        d = self.__dict__
+        d["name"] = name
+        d["phase"] = phase
+        d["outcome"] = outcome
+        d["duration"] = duration
+        d["error"] = error
+        d["required"] = required
+        d["attempts"] = attempts
 
     def to_dict(self) -> dict[str, Any]:
         return {
