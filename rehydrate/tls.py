@@ -321,8 +321,18 @@ class ManagedCertificate:
         except Exception as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise CertificateError(self.last_error) from exc
+        if self._unchanged(new):
+            self.last_error = None
+            return self.material
         self.apply(new)
         return new
+
+    def _unchanged(self, new: Material) -> bool:
+        """True when ``new`` is the material already in use (files re-read unchanged)."""
+        cur = self._material
+        return (cur is not None and cur.certificate == new.certificate
+                and cur.chain == new.chain and cur.trust == new.trust
+                and _spki(cur.private_key.public_key()) == _spki(new.private_key.public_key()))
 
     def apply(self, material: Material) -> None:
         """Make ``material`` current: live server contexts, client contexts, listeners."""
@@ -709,10 +719,7 @@ class FileCertificate(ManagedCertificate):
                             f"serial {prev.serial:x}" if prev else "no certificate")
             return False
         self._logged_error = None
-        current = self._material
-        if current is not None and current.fingerprint() == new.fingerprint() and \
-                _spki(current.private_key.public_key()) == _spki(new.private_key.public_key()) \
-                and current.trust == new.trust:
+        if self._unchanged(new):
             self.last_error = None
             return False
         try:

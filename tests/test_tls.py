@@ -517,6 +517,12 @@ def test_files_reread_on_restore_without_watching(rehydrate_engine, tmp_path):
     assert cert.serial == first.serial_number
     assert rehydrate_engine.simulate_restore().ok
     assert cert.serial == second.serial_number
+    # unchanged files: re-read and validated, but not re-applied (no listener call)
+    calls = []
+    cert.subscribe(lambda h: calls.append(h.serial))
+    renewals = cert.renewals
+    assert rehydrate_engine.simulate_restore().ok
+    assert calls == [] and cert.renewals == renewals
 
 
 def test_validate_signature_fallback():
