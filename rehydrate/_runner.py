@@ -396,8 +396,13 @@ class HookRunner:
                 job.wake.clear()
                 wait = None if math.isinf(job.deadline) else job.deadline - now
             job.wake.wait(wait)
-        log.warning("hook %s timed out after %gs; its thread is left to finish on its own "
-                    "(Python threads cannot be killed)", hook.name, hook.timeout)
+        if hook.is_async:
+            log.warning("async hook %s did not give control back to its event loop within "
+                        "%gs of its %gs timeout; moving on", hook.name, ASYNC_GRACE,
+                        hook.timeout)
+        else:
+            log.warning("hook %s timed out after %gs; its thread is left to finish on its "
+                        "own (Python threads cannot be killed)", hook.name, hook.timeout)
         if fut is not None:
             fut.cancel()
         with self._cv:

@@ -186,6 +186,28 @@ def test_async_timeout_on_the_users_loop(rehydrate_engine):
         loop.close()
 
 
+def test_async_hook_blocking_its_loop_is_given_up_after_the_grace(rehydrate_engine, caplog):
+    calls = []
+    returned = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="blocks-loop", timeout=0.1)
+    async def blocks_loop():
+        time.sleep(ASYNC_GRACE + 1.0)  # never awaits: cancellation cannot reach it
+        returned.set()
+
+    rehydrate_engine.registry.after_restore(name="next")(lambda: calls.append("next"))
+    t0 = time.monotonic()
+    report = rehydrate_engine.simulate_restore()
+    elapsed = time.monotonic() - t0
+    assert not returned.is_set()  # the engine moved on before the hook returned
+    hooks = by_name(report)
+    assert hooks["blocks-loop"].outcome == "timeout"
+    assert hooks["next"].outcome == "ok" and calls == ["next"]
+    assert elapsed >= 0.1 + ASYNC_GRACE
+    assert any("did not give control back" in r.getMessage() for r in caplog.records)
+    assert returned.wait(DEADLINE)
+
+
 def test_async_hook_swallowing_cancellation_is_still_a_timeout(rehydrate_engine):
     reg = rehydrate_engine.registry
     calls = []
