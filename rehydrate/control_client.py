@@ -66,14 +66,18 @@ def find_socket(explicit: str | None = None) -> str:
 
 
 def request(cmd: str, *, socket_path: str | None = None, timeout: float | None = DEFAULT_TIMEOUT,
-            **fields: Any) -> dict[str, Any]:
+            fields: dict[str, Any] | None = None, **more: Any) -> dict[str, Any]:
     """Send one request and return the reply (a dict with at least ``ok``).
+
+    ``fields`` and keyword arguments become request fields (use ``fields`` for names that
+    clash with this function's own, e.g. the ``timeout`` of ``trigger``); ``timeout`` is how
+    long this client waits for the reply (None: as long as it takes).
 
     Raises :class:`ControlError` when the socket cannot be reached, the reply does not
     come within ``timeout`` seconds, or it is not a JSON object.
     """
     path = find_socket(socket_path)
-    payload = json.dumps({"cmd": cmd, **fields}).encode() + b"\n"
+    payload = json.dumps({"cmd": cmd, **(fields or {}), **more}).encode() + b"\n"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
@@ -200,7 +204,7 @@ def cmd_trigger(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         fields["timeout"] = args.timeout
     try:
-        reply = request("trigger", socket_path=args.socket, timeout=None, **fields)
+        reply = request("trigger", socket_path=args.socket, timeout=None, fields=fields)
     except ControlError as exc:
         _err(f"trigger: {exc}")
         return EXIT_UNREACHABLE

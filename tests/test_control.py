@@ -594,6 +594,36 @@ def test_status_cli(server: ControlServer, engine: Lifecycle, sock_path: str) ->
     assert r.returncode == 0 and "generation:  1" in r.stdout and "state:       ready" in r.stdout
 
 
+def test_trigger_cli(server: ControlServer, engine: Lifecycle, sock_path: str,
+                     short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = short_dir / "gvisor"
+    proc.mkdir()
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    os.symlink(os.ttyname(slave), proc / "checkpoint")
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))  # read by the serving process
+
+    def platform() -> None:
+        ready, _, _ = select.select([master], [], [], 30)
+        if ready and os.read(master, 8) == b"1":
+            os.write(master, b"restore\n")
+
+    t = threading.Thread(target=platform)
+    t.start()
+    try:
+        r = cli("trigger", "--socket", sock_path, "--timeout", "30")
+    finally:
+        t.join(30)
+        os.close(master)
+        os.close(slave)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "restore"
+    assert engine.status().generation == 1
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(short_dir / "missing"))
+    r = cli("trigger", "--socket", sock_path)
+    assert r.returncode == 1 and "not found" in r.stderr
+
+
 def test_doctor_lists_gvisor_and_control() -> None:
     r = cli("doctor", "--json")
     assert r.returncode == 0, r.stderr

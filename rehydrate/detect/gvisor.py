@@ -244,7 +244,7 @@ class GVisorWaiter(Detector):
         return _missing_reason(proc_dir())
 
     def describe(self) -> str:
-        return f"waits in read() on {self.path}"
+        return f"waits in poll() on {self.path}"
 
     # -- lifecycle -------------------------------------------------------------------
 
