@@ -107,7 +107,7 @@ class Lifecycle:
         self._detectors: list[Detector] = []
         self._started = False
         self._start_lock = threading.Lock()
-        self._merged: tuple[tuple[int, int], dict[str, tuple[Hook, ...]]] | None = None
+        self._merged: tuple[tuple[int, ...], dict[str, tuple[Hook, ...]]] | None = None
         if builtins:
             self._install_builtins()
 
@@ -213,7 +213,9 @@ class Lifecycle:
             return user
         if not user:
             return builtin
-        key = (self.registry.version, self.builtins.version)
+        # ids too: ``engine.registry`` may be swapped for another registry at the same version
+        key = (id(self.registry), self.registry.version, id(self.builtins),
+               self.builtins.version)
         merged = self._merged
         if merged is None or merged[0] != key:
             merged = (key, {})

@@ -433,3 +433,17 @@ def test_on_env_change_forms():
     assert hooks["ab"].phase is Phase.APPLICATION
     assert hooks[f"{__name__}.{any_key.__qualname__}"].phase is Phase.ENVIRONMENT
     assert hooks[f"{__name__}.{any_key.__qualname__}"].arity == 2
+
+
+def test_swapping_the_engine_registry_takes_effect(rehydrate_engine):
+    """The merged built-in + user order is not cached across registries."""
+    calls = []
+    first, second = Registry(), Registry()
+    first.register(lambda: calls.append("first"))
+    second.register(lambda: calls.append("second"))  # same version as `first`
+    assert first.version == second.version
+    rehydrate_engine.registry = first
+    rehydrate_engine.simulate_restore()
+    rehydrate_engine.registry = second
+    rehydrate_engine.simulate_restore()
+    assert calls == ["first", "second"]
