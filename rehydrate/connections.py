@@ -558,18 +558,25 @@ def httpx_client(
     swaps a fresh ``httpx.HTTPTransport`` in underneath (and closes the old pool before a
     snapshot). Transport options (``verify``, ``cert``, ``http1``, ``http2``, ``limits``,
     ``trust_env``, ``retries``, ``local_address``, ``uds``) go to that inner transport.
-    With ``check_url`` the reopen sends a GET there (status < 500 counts as healthy), which
-    also warms the new pool with one live connection.
+    With ``check_url`` the reopen sends a GET there through the new pool (status < 500
+    counts as healthy; the client's auth flow and event hooks are not involved), which
+    also leaves one live connection in it.
     """
     from ._httpx import make_client
 
     client, transport = make_client(client_kwargs)
 
     def check() -> None:
-        r = client.get(check_url)  # type: ignore[arg-type]
-        r.read()
-        if r.status_code >= 500:
-            raise ConnectionError(f"{check_url} answered {r.status_code}")
+        # Straight to the new pool (base URL and default headers applied; no auth flow,
+        # redirects or event hooks): any answer below 500 means the peer is back.
+        request = client.build_request("GET", check_url)  # type: ignore[arg-type]
+        response = transport.handle_request(request)
+        try:
+            response.read()
+        finally:
+            response.close()
+        if response.status_code >= 500:
+            raise ConnectionError(f"{check_url} answered {response.status_code}")
 
     register(name, open=transport.reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,

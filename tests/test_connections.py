@@ -352,3 +352,42 @@ def test_doctor_connections_cli_and_status(rehydrate_engine, capsys, http_srv):
         connections.manager(rehydrate_engine)
         tcp = rehydrate_engine.status().to_dict()["tcp_connections"]
         assert any(c["remote"] == f"127.0.0.1:{http_srv.port}" for c in tcp)
+
+
+def test_tcp_socket_reconnects_after_restore(rehydrate_engine):
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(8)
+    accepted = []
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = lst.accept()
+            except OSError:
+                return
+            accepted.append(c)
+            c.sendall(b"hello")
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        def greeting(s: socket.socket) -> None:
+            if s.recv(5) != b"hello":
+                raise ConnectionError("no greeting")
+
+        ms = connections.tcp_socket("feed", lst.getsockname(), engine=rehydrate_engine,
+                                    check=greeting)
+        wait_for(lambda: _conn_status(rehydrate_engine, "feed")["state"] == "open",
+                 what="background connect")
+        first = ms.sock
+        assert rehydrate_engine.simulate_snapshot().ok
+        with pytest.raises(ConnectionError):
+            ms.sendall(b"x")
+        assert rehydrate_engine.simulate_restore().ok
+        assert ms.sock is not first and first.fileno() == -1
+        ms.sendall(b"ping")  # forwarded to the current socket
+        assert len(accepted) == 2
+    finally:
+        lst.close()
+        for c in accepted:
+            c.close()
