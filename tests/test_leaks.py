@@ -20,8 +20,27 @@ def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def thread_names() -> list[str]:
-    return sorted(t.name for t in threading.enumerate())
+def threads() -> set[threading.Thread]:
+    return set(threading.enumerate())
+
+
+def assert_nothing_leaked(threads_before, fds_before):
+    """No thread or fd appeared, and neither count grew. (Threads or fds that other
+    tests left behind may go away meanwhile; that must not fail this test.)"""
+    threads_after, fds_after = threads(), open_fds()
+    new_threads = sorted(t.name for t in threads_after - threads_before)
+    assert not new_threads, f"threads started and still alive: {new_threads}"
+    assert len(threads_after) <= len(threads_before)
+    new_fds = {fd: _target(fd) for fd in fds_after - fds_before}
+    assert not new_fds, f"file descriptors opened and still open: {new_fds}"
+    assert len(fds_after) <= len(fds_before)
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
 
 
 def settle():
@@ -82,12 +101,11 @@ def test_thousand_cycles_leak_no_threads_or_fds(where, request):
 
         cycle(0)  # warm-up: starts the worker thread and (maybe) the engine's loop
         settle()
-        threads_before, fds_before = thread_names(), open_fds()
+        threads_before, fds_before = threads(), open_fds()
         for i in range(1, CYCLES + 1):
             cycle(i)
         settle()
-        assert thread_names() == threads_before
-        assert open_fds() == fds_before
+        assert_nothing_leaked(threads_before, fds_before)
         assert engine.generation == CYCLES + 1
         assert calls["sync"] == calls["async"] == calls["snap"] == CYCLES + 1
         assert calls["env"] == CYCLES + 1  # the value flips every cycle
@@ -113,9 +131,8 @@ def test_engines_created_and_closed_leak_nothing():
 
     use_one()
     settle()
-    threads_before, fds_before = thread_names(), open_fds()
+    threads_before, fds_before = threads(), open_fds()
     for _ in range(50):
         use_one()
     settle()
-    assert thread_names() == threads_before
-    assert open_fds() == fds_before
+    assert_nothing_leaked(threads_before, fds_before)
