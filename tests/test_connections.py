@@ -321,11 +321,17 @@ def test_grpc_channel_helper_keeps_stubs_working(rehydrate_engine):
         server.stop(None)
 
 
-def test_established_tcp_lists_outbound_and_marks_loopback():
-    lst = socket.socket()
-    lst.bind(("127.0.0.1", 0))
+@pytest.mark.parametrize("family,host", [(socket.AF_INET, "127.0.0.1"),
+                                         (socket.AF_INET6, "::1")])
+def test_established_tcp_lists_outbound_and_marks_loopback(family, host):
+    lst = socket.socket(family)
+    try:
+        lst.bind((host, 0))
+    except OSError:
+        lst.close()
+        pytest.skip(f"no {host} here")
     lst.listen(1)
-    c = socket.create_connection(lst.getsockname())
+    c = socket.create_connection(lst.getsockname()[:2])
     a, _ = lst.accept()
     try:
         conns = connections.established_tcp()

@@ -142,8 +142,9 @@ before_connect = connect()
 cap = routes.capture(engine=engine)
 ruleset_before = canon(routes.read_tables())
 # what the platform does to a restored copy: user routes and rules are gone
-subprocess.run("ip route flush proto boot table all; ip route flush proto static table all; "
-               "nft flush ruleset", shell=True, check=True)
+subprocess.run("for f in -4 -6; do ip $f route flush proto boot table all; "
+               "ip $f route flush proto static table all; done; nft flush ruleset",
+               shell=True, check=True)
 flushed_routes = [str(r) for r in routes.read_routes(user_only=True)]
 flushed_tables = [t.label for t in routes.read_tables()]
 flushed_connect = connect()
@@ -174,6 +175,8 @@ def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b, backen
     sh(f"ip -n {a} route add 10.200.2.0/24 via 10.200.1.2 dev {va} metric 7")
     sh(f"ip -n {a} route add 10.200.3.0/24 via 10.200.1.2 table 100")
     sh(f"ip -n {a} route add blackhole 10.200.4.0/24")
+    sh(f"ip -n {a} addr add fd00:200::1/64 dev {va} nodad")
+    sh(f"ip -n {a} route add fd00:201::/64 via fd00:200::2 dev {va}")
     subprocess.run(["ip", "netns", "exec", a, "nft", "-f", "-"], input=NFT_TABLE, text=True,
                    check=True)
     out = run_in_ns(a, CAPTURE_FLUSH_RESTORE, env={"REHYDRATE_ROUTES_BACKEND": backend})
@@ -182,6 +185,7 @@ def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b, backen
         f"10.200.2.0/24 via 10.200.1.2 dev {va} table 254 metric 7",
         f"10.200.3.0/24 via 10.200.1.2 dev {va} table 100",
         "blackhole 10.200.4.0/24 table 254",
+        f"fd00:201::/64 via fd00:200::2 dev {va} table 254 metric 1024",
     ]), out["captured"]
     assert list(out["captured_tables"]) == ["inet rhtest"]
     assert out["captured_tables"] == out["ruleset_before"]
@@ -193,7 +197,7 @@ def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b, backen
     assert out["after"] == out["captured"]
     assert out["ruleset_after"] == out["ruleset_before"]
     assert out["after_connect"] == "pong"
-    assert out["status"]["last_apply"]["routes"] == 3
+    assert out["status"]["last_apply"]["routes"] == 4
     assert out["status"]["last_apply"]["tables"] == 1
 
 
