@@ -247,13 +247,10 @@ class Connection:
                         log.debug("connection %s: close after a failed attempt failed",
                                   self.name)
             else:
-                if self._set(epoch, state="open", last_error=None,
-                             last_duration=time.monotonic() - start):
-                    return True
-                log.info("connection %s opened after its deadline", self.name)
-                with self._lock:
-                    self.state, self.last_error = "open", None
-                return False
+                # After the deadline the same epoch still records a late success (the
+                # report already failed; status shows "open"); a newer run wins.
+                return self._set(epoch, state="open", last_error=None,
+                                 last_duration=time.monotonic() - start)
             remaining = deadline_at - time.monotonic()
             if remaining <= 0:
                 break
@@ -440,7 +437,7 @@ class ConnectionManager:
         for conn in conns:
             deadline = conn.effective_deadline()
             epoch, prev = conn._begin("reconnecting")
-            stale = prev not in ("closed", "failed")  # "failed": never (re)opened
+            stale = prev != "closed"  # not closed before a snapshot: release it first
             plans.append((conn, epoch, now + deadline))
             tasks.append(asyncio.ensure_future(
                 self._guard(conn, epoch, now + deadline, stop, stale)))
