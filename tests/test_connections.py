@@ -86,6 +86,8 @@ def test_kill_servers_restore_backs_off_until_they_return(rehydrate_engine, http
 
     http_srv.kill()
     redis_srv.kill()
+    flips: list[float] = []
+    engine.add_listener(lambda report: flips.append(time.monotonic()))
     reports = []
     t = threading.Thread(target=lambda: reports.append(engine.simulate_restore()))
     t.start()
@@ -100,11 +102,13 @@ def test_kill_servers_restore_backs_off_until_they_return(rehydrate_engine, http
     finally:
         http_srv.start()
         redis_srv.start()
+        back_at = time.monotonic()
     t.join(30)
     assert not t.is_alive()
     (report,) = reports
     assert report.ok, report.table()
     assert engine.wait_ready(0) is True
+    assert len(flips) == 1 and flips[0] > back_at  # ready only once the servers were back
     hook = next(h for h in report.hooks if h.name == "rehydrate.connections")
     assert hook.outcome == "ok"
     assert {c["state"] for c in engine.status().extra["connections"]} == {"open"}
