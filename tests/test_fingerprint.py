@@ -298,7 +298,9 @@ def test_no_miss_after_a_restore(rehydrate_engine, tmp_path, monkeypatch):
 def test_import_stays_light():
     assert "rehydrate.fingerprint" in sys.modules  # imported by this test module
     res = subprocess.run([sys.executable, "-c",
-                          "import sys, rehydrate; print(sorted(m for m in sys.modules "
+                          "import sys, rehydrate; rehydrate.fingerprint(); "
+                          "rehydrate.telemetry.resource_attributes(); "
+                          "print(sorted(m for m in sys.modules "
                           "if m.startswith('opentelemetry')))"],
                          capture_output=True, text=True, check=True, timeout=60)
     assert res.stdout.strip() == "[]"
