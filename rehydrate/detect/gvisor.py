@@ -77,6 +77,7 @@ MAX_ANSWER = 256
 
 _OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _OPEN_WRITE = os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY
+_OPEN_FIFO = os.O_RDONLY | os.O_CLOEXEC  # blocking: waits for a writer
 _QUICK = 0.05
 """A bad answer this soon after opening may repeat at once (e.g. a regular file): back off."""
 _BACKOFF_MAX = 5.0
@@ -236,6 +237,7 @@ class GVisorWaiter(Detector):
         self._bad_streak = 0
         self._backoff_due = False
         self._opens = 0
+        self._in_open = False
         self._exited = False
         self._orphaned = False
 
@@ -274,7 +276,8 @@ class GVisorWaiter(Detector):
         with self._cond:
             self._cond.notify_all()
         if thread is not threading.current_thread():
-            thread.join(timeout)
+            self._unblock_fifo_open(thread, time.monotonic() + timeout)
+            thread.join(max(0.0, timeout))
         with self._cond:
             self._thread = None
             if not self._exited:
@@ -286,6 +289,17 @@ class GVisorWaiter(Detector):
                                 "finish in the background", timeout)
                 return
         self._close_pipe()
+
+    def _unblock_fifo_open(self, thread: threading.Thread, deadline: float) -> None:
+        """A thread blocked opening a FIFO (waiting for a writer) is woken by becoming one."""
+        while thread.is_alive() and self._in_open and time.monotonic() < deadline:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:  # ENXIO: not inside open() yet (or any more); try again
+                thread.join(0.005)
+                continue
+            os.close(fd)
+            thread.join(0.05)
 
     def _close_pipe(self) -> None:
         for fd in (self._stop_r, self._stop_w):
@@ -352,27 +366,38 @@ class GVisorWaiter(Detector):
         gVisor gives one answer per descriptor (then end of file), so the descriptor is
         closed after one answer. A FIFO stand-in is a stream: a writer may stay connected
         and write one answer line per checkpoint, so a FIFO is read until its writers
-        are gone (end of file after data is then normal, not an error).
+        are gone (end of file after data is then normal, not an error). A FIFO is opened
+        *blocking*, which waits (without CPU) for a writer: with no writer connected a
+        FIFO reads as end of file at once on some kernels (gVisor's), so a non-blocking
+        reader would spin.
         """
         try:
-            fd = os.open(self.path, _OPEN_READ)
+            fifo = stat.S_ISFIFO(os.stat(self.path).st_mode)
+            since = time.monotonic()
+            with self._cond:
+                self._opens += 1
+                self._armed = True
+                self._in_open = fifo
+                self._cond.notify_all()
+            try:
+                fd = os.open(self.path, _OPEN_FIFO if fifo else _OPEN_READ)
+            finally:
+                with self._cond:
+                    self._in_open = False
         except OSError as exc:
+            self._disarm()
             return self._bad(f"an error on open ({exc.strerror or exc})", quick=True)
-        since = time.monotonic()
-        self._opens += 1
+        if not fifo:
+            since = time.monotonic()  # gVisor: registered for the next checkpoint now
         try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISREG(mode):
+            if self._stopping:
+                return False
+            if stat.S_ISREG(os.fstat(fd).st_mode):
                 return self._bad("nothing usable: it is a regular file (gVisor's is a "
                                  "character device; a stand-in must be a FIFO)", quick=True)
-            fifo = stat.S_ISFIFO(mode)
-            with self._cond:
-                self._armed = True
-                self._cond.notify_all()
             return self._read_answers(fd, since, fifo)
         finally:
-            with self._cond:
-                self._armed = False
+            self._disarm()
             os.close(fd)
 
     def _read_answers(self, fd: int, since: float, fifo: bool) -> bool:  # noqa: PLR0911
