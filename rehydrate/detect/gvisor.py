@@ -23,9 +23,13 @@ jump) runs the hooks only once.
 
 Test stand-ins: ``REHYDRATE_GVISOR_PROC`` (default ``/proc/gvisor``) may point at a
 directory whose ``checkpoint`` is a FIFO: a writer that opens it and writes one answer
-line plays gVisor's part (the waiter opens the FIFO non-blocking, so it never waits for
-a writer in ``open()``, and a writer that closes without writing costs one log line, not
-a spin). A FIFO cannot carry a trigger (the ``1`` would be read back as an answer);
+line per checkpoint plays gVisor's part. The waiter opens a FIFO *blocking* (it sleeps in
+``open()`` until a writer comes; ``stop()`` wakes it by opening the FIFO as a writer),
+reads answer lines until the writers are gone, then opens it again; a writer that closes
+without writing costs one log line, never a spin (under gVisor a FIFO without writers
+reads as end of file at once, so a non-blocking reader would spin). The ``since`` of a
+FIFO answer is the moment the waiter started to open it (before the freeze). A FIFO
+cannot carry a trigger (the ``1`` would be read back as an answer);
 :func:`trigger_snapshot` needs the real file, or a stand-in that is a pseudo-terminal
 (writes reach the platform side, reads return what the platform side writes).
 """
