@@ -383,6 +383,9 @@ class GVisorWaiter(Detector):
                 self._armed = True
                 self._in_open = fifo
                 self._cond.notify_all()
+            if self._stopping:  # (stop() sets this before it looks at _in_open)
+                self._disarm()
+                return False
             try:
                 fd = os.open(self.path, _OPEN_FIFO if fifo else _OPEN_READ)
             finally:
