@@ -75,6 +75,27 @@ def backoff_delay(attempt: int) -> float:
     return cap / 2 + random.uniform(0, cap / 2)  # noqa: S311 - jitter, not security
 
 
+def _observe_start(observers: Sequence[Observer], hook: Hook,
+                   ctx: RestoreContext) -> list[object]:
+    tokens: list[object] = []
+    for o in observers:
+        try:
+            tokens.append(o.hook_started(hook, ctx))
+        except Exception:  # an observer must never break (or hang) an event
+            log.exception("observer %r failed in hook_started", o)
+            tokens.append(None)
+    return tokens
+
+
+def _observe_finish(observers: Sequence[Observer], tokens: Sequence[object],
+                    result: HookResult) -> None:
+    for o, t in zip(observers, tokens, strict=True):
+        try:
+            o.hook_finished(t, result)
+        except Exception:
+            log.exception("observer %r failed in hook_finished", o)
+
+
 def _contain(exc: BaseException, name: str) -> Exception:
     """An ``Exception`` to report for ``exc`` (``SystemExit`` and friends get wrapped, so
     that they neither kill the engine's threads nor break the report's exception group)."""
@@ -212,7 +233,18 @@ class HookRunner:
                 if self._closed or self._worker is not me:
                     return
                 job = self._jobs.pop(0)
-            if not self._run_job(job):
+            try:
+                alive = self._run_job(job)
+            except BaseException as exc:  # a bug here must not leave the caller waiting
+                log.exception("rehydrate's hook runner failed")
+                for k, r in enumerate(job.results):
+                    if r is None and k >= job.index:
+                        h = job.hooks[k]
+                        job.finish(k, HookResult(h.name, h.phase, "failed", 0.0,
+                                                 _contain(exc, h.name), h.required, 0))
+                job.complete()
+                alive = True
+            if not alive:
                 return  # abandoned: the supervisor started a new worker
 
     def _run_job(self, job: _Progress) -> bool:
@@ -240,7 +272,7 @@ class HookRunner:
         ctx = job.ctx
         if hook.env_keys is not None and _skip_reason(hook, ctx):
             return HookResult(hook.name, hook.phase, "skipped", 0.0, None, hook.required, 0)
-        tokens = [o.hook_started(hook, ctx) for o in job.observers] if job.observers else ()
+        tokens = _observe_start(job.observers, hook, ctx) if job.observers else ()
         start = time.perf_counter()
         attempt = 0
         error: BaseException | None = None
@@ -268,8 +300,8 @@ class HookRunner:
             hook.required,
             attempt + 1,
         )
-        for o, t in zip(job.observers, tokens, strict=True):
-            o.hook_finished(t, result)
+        if job.observers:
+            _observe_finish(job.observers, tokens, result)
         return result
 
     def _run_async_batch(self, job: _Progress, start: int, stop: int) -> bool:
@@ -322,7 +354,7 @@ class HookRunner:
         import asyncio
 
         ctx = job.ctx
-        tokens = [o.hook_started(hook, ctx) for o in job.observers] if job.observers else ()
+        tokens = _observe_start(job.observers, hook, ctx) if job.observers else ()
         start = time.perf_counter()
         attempt = 0
         outcome = "ok"
@@ -348,8 +380,8 @@ class HookRunner:
             attempt += 1
         result = HookResult(hook.name, hook.phase, outcome,  # type: ignore[arg-type]
                             time.perf_counter() - start, error, hook.required, attempt + 1)
-        for o, t in zip(job.observers, tokens, strict=True):
-            o.hook_finished(t, result)
+        if job.observers:
+            _observe_finish(job.observers, tokens, result)
         return result
 
     # -- supervisor side -------------------------------------------------------------

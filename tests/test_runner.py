@@ -504,3 +504,30 @@ def test_close_stops_the_engine_threads():
     # a closed engine can still be used (threads start again on demand) and closed again
     assert engine.simulate_restore().ok
     engine.close()
+
+
+def test_a_failing_observer_neither_breaks_nor_hangs_the_event(rehydrate_engine, caplog):
+    class Broken:
+        def hook_started(self, hook, ctx):
+            raise RuntimeError("observer bug (start)")
+
+        def hook_finished(self, token, result):
+            raise RuntimeError("observer bug (finish)")
+
+    calls = []
+    rehydrate_engine.add_observer(Broken())
+    rehydrate_engine.registry.after_restore(name="s", timeout=None)(lambda: calls.append("s"))
+
+    @rehydrate_engine.registry.after_restore(name="a", timeout=None)
+    async def a():
+        calls.append("a")
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", rehydrate_engine.simulate_restore()),
+                         daemon=True)
+    t.start()
+    t.join(DEADLINE)
+    assert not t.is_alive(), "the event hung"
+    report = box["r"]
+    assert report.ok and calls == ["s", "a"]
+    assert any("observer" in r.getMessage() for r in caplog.records)
