@@ -467,6 +467,11 @@ def test_distinct_restores_are_queued_not_interleaved(rehydrate_engine):
         lo, hi = events.get(id(ctx), (start, end))
         events[id(ctx)] = (min(lo, start), max(hi, end))
     assert len(events) == 9
+    # restores ran in the order their generations were assigned
+    runs = sorted((lo, id_) for id_, (lo, _) in events.items())
+    ctx_by_id = {id(ctx): ctx for _, _, ctx in intervals}
+    gens = [ctx_by_id[i].generation for _, i in runs if ctx_by_id[i].kind == "restore"]
+    assert gens == sorted(gens)
     spans = sorted(events.values())
     for (_, end1), (start2, _) in zip(spans, spans[1:]):
         assert start2 >= end1
@@ -500,6 +505,9 @@ def test_second_restore_waits_for_the_running_one(rehydrate_engine):
     t2.join(0.1)
     assert t2.is_alive()  # blocked behind the first event
     assert order == [("start", "first")]
+    # waiting means waiting entirely: no generation bump, no state change yet
+    assert rehydrate_engine.generation == 1
+    assert rehydrate_engine.state == "restoring"
     release.set()
     join_all([t1, t2])
     assert order == [("start", "first"), ("end", "first"), ("start", "second"),
