@@ -9,6 +9,7 @@ restore run the hooks once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -496,13 +497,26 @@ def _notify_observers(observers: Sequence[Observer], method: str, *args: Any) ->
             log.exception("observer %r failed in %s", o, method)
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    """PEP 678 note; on 3.10 the ``__notes__`` list directly (shown by ``exceptiongroup``)."""
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list) and note in notes:
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    if isinstance(notes, list):  # pragma: no cover - Python 3.10
+        notes.append(note)
+    else:  # pragma: no cover
+        with contextlib.suppress(Exception):  # a type refusing new attributes: no note
+            exc.__notes__ = [note]  # type: ignore[attr-defined,unused-ignore]
+
+
 def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFailed | None]:
     errors = [r.error for r in results if r.error is not None]
     for r in results:
-        if r.error is not None and hasattr(r.error, "add_note"):
-            note = f"in hook {r.name!r} ({r.phase})"
-            if note not in getattr(r.error, "__notes__", ()):
-                r.error.add_note(note)
+        if r.error is not None:
+            _add_note(r.error, f"in hook {r.name!r} ({r.phase})")
         if r.outcome in ("failed", "timeout"):
             level = logging.ERROR if r.required else logging.WARNING
             log.log(level, "%s hook %s %s: %s", kind, r.name, r.outcome,
