@@ -129,7 +129,7 @@ class EnvRefresher:
     def baseline(self) -> None:
         """Remember which keys the file holds now, so a later refresh can tell removals."""
         path = self.resolved_path()
-        if path is None or self._previous is not None or not os.path.exists(path):
+        if path is None or self._previous is not None or not _present(path):
             return
         try:
             self._previous = set(read_environ(path))
@@ -149,7 +149,7 @@ class EnvRefresher:
             if overlay is not None:
                 return self._apply_overlay(overlay)
             path = self.resolved_path()
-            if path is None or not os.path.exists(path):
+            if path is None or not _present(path):
                 return EnvChanges()
             new = read_environ(path)
             return self._apply_file(new)
@@ -194,6 +194,17 @@ class EnvRefresher:
             env.pop(k, None)
         self._previous = set(new)
         return changes
+
+
+def _present(path: str) -> bool:
+    """False only when the file is really absent: a file we may not read is an error."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # e.g. EACCES on a parent directory: read_environ will say so
+    return True
 
 
 def default_path() -> str:

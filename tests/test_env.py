@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -128,12 +131,56 @@ def test_read_environ_errors_name_the_file(tmp_path):
         read_environ(bad)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads mode-000 files anyway")
-def test_read_environ_permission_denied(tmp_path):
-    path = write(tmp_path / "spec_environ", {b"A": b"1"})
+def as_unprivileged(fn):
+    """Run ``fn`` as uid 65534 in a forked child when we are root (root reads mode-000
+    files anyway); returns what the child reported, or runs ``fn`` directly otherwise."""
+    if os.geteuid() != 0:
+        return fn()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop privileges for real, report, and leave without cleanup
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            result = fn()
+            os.write(w, repr(result).encode())
+        except BaseException as exc:
+            os.write(w, f"raised {type(exc).__name__}: {exc}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        out = fh.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def _expect_env_error(fn):
+    def probe():
+        try:
+            fn()
+        except EnvError as exc:
+            return f"EnvError: {exc}"
+        return "no error"
+
+    return probe
+
+
+@pytest.fixture
+def open_dir():
+    """A directory uid 65534 can reach (pytest's tmp_path sits under a 0700 directory)."""
+    d = Path(tempfile.mkdtemp(prefix="rehydrate-env-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_read_environ_permission_denied(open_dir):
+    path = write(open_dir / "spec_environ", {b"A": b"1"})
     os.chmod(path, 0)
-    with pytest.raises(EnvError, match="cannot read"):
-        read_environ(path)
+    out = as_unprivileged(_expect_env_error(lambda: read_environ(path)))
+    assert "EnvError: cannot read" in out and "Permission denied" in out, out
 
 
 def test_read_environ_caps_what_it_reads(tmp_path):
@@ -356,13 +403,16 @@ def test_unreadable_file_is_an_env_error(tmp_path, environ, caplog):
         EnvRefresher(path=str(target)).refresh()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads mode-000 files anyway")
-def test_permission_denied_is_an_env_error(tmp_path, environ):
-    spec = write(tmp_path / "spec_environ", {b"RHT_A": b"1"})
+def test_permission_denied_is_an_env_error(environ, open_dir):
+    spec = write(open_dir / "spec_environ", {b"RHT_A": b"1"})
     os.chmod(spec, stat.S_IWUSR)
-    with pytest.raises(EnvError, match="cannot read"):
-        EnvRefresher(path=spec).refresh()
-    assert b"RHT_A" not in environ
+
+    def refresh_then_look():
+        out = _expect_env_error(lambda: EnvRefresher(path=spec).refresh())()
+        return f"{out}; RHT_A set: {'RHT_A' in os.environ}"
+
+    out = as_unprivileged(refresh_then_look)
+    assert "EnvError: cannot read" in out and "RHT_A set: False" in out, out
 
 
 def test_a_later_good_file_recovers(tmp_path, environ):
@@ -427,3 +477,12 @@ def test_default_path(monkeypatch):
     monkeypatch.setenv("REHYDRATE_ENV_FILE", "/run/env")
     assert default_path() == "/run/env"
     assert EnvRefresher(path=None).resolved_path() is None
+
+
+def test_a_file_behind_an_unreadable_directory_is_an_error_not_absent(open_dir):
+    inner = open_dir / "locked"
+    inner.mkdir()
+    spec = write(inner / "spec_environ", {b"RHT_B": b"1"})
+    inner.chmod(0o700)
+    out = as_unprivileged(_expect_env_error(lambda: EnvRefresher(path=spec).refresh()))
+    assert "EnvError: cannot read" in out, out
