@@ -37,9 +37,11 @@ ASYNC_GRACE = 2.0
 BACKOFF_BASE = 0.05
 BACKOFF_MAX = 5.0
 
-inside_hook: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "rehydrate_inside_hook", default=False
+inside_hook: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "rehydrate_inside_hook", default=None
 )
+"""The :class:`HookRunner` whose hook runs in this context (None outside hooks): an engine
+refuses to start an event of its own from there, but another engine's hooks may."""
 
 
 class Observer(Protocol):
@@ -224,7 +226,7 @@ class HookRunner:
             self._worker.start()
 
     def _work(self) -> None:
-        inside_hook.set(True)
+        inside_hook.set(self)
         me = threading.current_thread()
         while True:
             with self._cv:
@@ -331,7 +333,7 @@ class HookRunner:
     async def _async_batch(self, job: _Progress, start: int, stop: int) -> None:
         import asyncio
 
-        inside_hook.set(True)
+        inside_hook.set(self)
         ctx = job.ctx
         task = asyncio.current_task()
         assert task is not None

@@ -179,7 +179,13 @@ class Lifecycle:
         return self._state in ("running", "ready")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until ready (True) or until ``timeout`` seconds passed (False)."""
+        """Block until ready (True) or until ``timeout`` seconds passed (False).
+
+        From inside one of this engine's hooks it raises ``RuntimeError`` while not ready:
+        readiness comes only after the hook itself has finished.
+        """
+        if inside_hook.get() is self._runner and not self.is_ready():
+            raise RuntimeError("wait_ready() inside a hook would wait for its own event")
         with self._cond:
             return self._cond.wait_for(self.is_ready, timeout)
 
@@ -320,7 +326,7 @@ class Lifecycle:
             self._seen.popitem(last=False)
 
     def _check_not_inside_hook(self) -> None:
-        if inside_hook.get():
+        if inside_hook.get() is self._runner:
             raise RuntimeError(
                 "a lifecycle event cannot be started from inside a hook "
                 "(it would wait for itself)"

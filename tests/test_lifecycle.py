@@ -614,6 +614,47 @@ def test_starting_an_event_inside_a_hook_raises_instead_of_deadlocking(rehydrate
     assert _run_with_deadline(rehydrate_engine.simulate_snapshot).kind == "snapshot"
 
 
+def test_wait_ready_inside_a_hook_raises(rehydrate_engine):
+    reg = rehydrate_engine.registry
+
+    @reg.after_restore(name="waits-sync")
+    def waits_sync():
+        rehydrate_engine.wait_ready()
+
+    @reg.after_restore(name="waits-async")
+    async def waits_async():
+        rehydrate_engine.wait_ready(timeout=5)
+
+    report = _run_with_deadline(rehydrate_engine.simulate_restore)
+    for name in ("waits-sync", "waits-async"):
+        res = next(h for h in report.hooks if h.name == name)
+        assert res.outcome == "failed" and "its own event" in str(res.error)
+
+
+def test_a_hook_may_drive_another_engine(rehydrate_engine):
+    from rehydrate.testing import isolated_engine
+
+    other = isolated_engine()
+    calls = []
+    other.registry.after_restore(lambda: calls.append("other"))
+
+    @rehydrate_engine.registry.after_restore(name="drives-other")
+    def drives_other():
+        assert other.simulate_restore().ok
+        assert other.wait_ready(timeout=1)
+
+    @rehydrate_engine.registry.after_restore(name="drives-other-async")
+    async def drives_other_async():
+        await asyncio.to_thread(other.simulate_restore)
+
+    try:
+        report = _run_with_deadline(rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        assert calls == ["other", "other"] and other.generation == 2
+    finally:
+        other.close()
+
+
 # -- event loops ----------------------------------------------------------------------
 
 
