@@ -1,7 +1,13 @@
-"""A tiny workload: hooks in several phases, a simulated snapshot and restore.
+"""rehydrate's main demo (``make demo``): a workload told about a snapshot and a restore
+through the real control socket, by the real ``rehydrate notify`` command — the same path
+gVisor's save-restore-exec and CRIU action scripts use.
 
-Run with ``make demo``. Nothing here needs a snapshot platform: the simulators drive the
-real engine exactly as a detector would.
+No snapshot platform is needed: the process is not actually frozen, it is *told* it was
+(``notify save``, then ``notify restore``), and everything it does about it is real —
+environment re-read from a spec_environ file, RNG reseeded, instance ID and ephemeral key
+regenerated, a secret wiped before the "snapshot" and reloaded after, hooks run phase by
+phase, readiness flipped. (``tests/gvisor/`` does the same under real ``runsc
+checkpoint/restore``.)
 """
 
 from __future__ import annotations
@@ -10,55 +16,96 @@ import asyncio
 import logging
 import os
 import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import rehydrate
 from rehydrate import Phase, RestoreContext
 
-connection_open = True
+db_connected = True
 
 
 @rehydrate.before_snapshot(phase=Phase.CONNECTIONS, name="close-db")
 def close_db() -> None:
-    global connection_open
-    connection_open = False
+    global db_connected
+    db_connected = False
 
 
 @rehydrate.after_restore(phase=Phase.CONNECTIONS, name="reconnect-db", timeout=5.0)
 async def reconnect_db(ctx: RestoreContext) -> None:
-    global connection_open
-    await asyncio.sleep(0.01)  # pretend to reconnect
-    connection_open = True
-
-
-@rehydrate.after_restore(phase=Phase.ENTROPY, name="reseed-local-rng")
-def reseed() -> None:
-    random.seed(os.urandom(16))
+    global db_connected
+    await asyncio.sleep(0.01)  # stands in for a real reconnect
+    db_connected = True
 
 
 @rehydrate.on_env_change("API_KEY", name="rotate-api-client")
 def rotate_client(ctx: RestoreContext, changes: rehydrate.EnvChanges) -> None:
-    print(f"  [hook] API_KEY {'added' if 'API_KEY' in changes.added else 'changed'}; "
-          f"rebuilding the client (value not shown)")
+    pass  # rebuild the API client here; `changes` holds key names, never values
 
 
 @rehydrate.after_restore(name="warm-cache", required=False)
 def warm_cache() -> None:
-    raise RuntimeError("cache backend unreachable (optional: reported, not fatal)")
+    raise RuntimeError("cache backend unreachable (optional hook: reported, not fatal)")
+
+
+def write_environ(path: Path, env: dict[str, str]) -> None:
+    path.write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+
+
+def notify(action: str) -> None:
+    """Run the real CLI client in a separate process, as a platform would."""
+    cmd = [sys.executable, "-m", "rehydrate", "notify", action]
+    print(f"$ rehydrate notify {action}")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    for line in (done.stdout + done.stderr).splitlines():
+        print(f"  {line}")
+    print(f"  (exit {done.returncode})")
+
+
+def show(title: str, key: rehydrate.keys.EphemeralKey,
+         secret: rehydrate.secrets.Secret) -> None:
+    status = rehydrate.status()
+    pub = "dropped" if key.dropped else key.public_bytes_raw().hex()[:16]
+    print(f"{title}: state={status.state} generation={status.generation} "
+          f"ready={status.ready}")
+    print(f"  instance_id={rehydrate.instance_id()}  session key={pub}  "
+          f"secret={f'{len(secret.get())} bytes loaded' if secret.available else 'wiped'}  "
+          f"db connected={db_connected}  random draw={random.random():.6f}")
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="  [log] %(levelname)s %(message)s")
-    print("state before:", rehydrate.status().state)
-    snap = rehydrate.simulate_snapshot()
-    print(snap.table())
-    print("connection open after snapshot hooks:", connection_open)
+    logging.basicConfig(level=logging.WARNING, format="  [log] %(levelname)s %(message)s",
+                        stream=sys.stdout)
+    workdir = Path(tempfile.mkdtemp(prefix="rehydrate-demo-"))
+    spec = workdir / "spec_environ"
+    write_environ(spec, {"API_KEY": "first-key", "MODEL_URL": "file:///models/a"})
+    os.environ.update({"API_KEY": "first-key", "MODEL_URL": "file:///models/a",
+                       "REHYDRATE_ENV_FILE": str(spec),
+                       "REHYDRATE_CONTROL_SOCKET": str(workdir / "control.sock")})
+
+    key = rehydrate.keys.ephemeral("session", algorithm="ed25519")
+    secret = rehydrate.secrets.Secret.from_env("API_KEY")
+    print("detectors:", ", ".join(rehydrate.start(detectors=["control"])))
+    show("before", key, secret)
     print()
-    report = rehydrate.simulate_restore(env={"API_KEY": "fresh-secret"})
-    print(report.table())
-    status = rehydrate.status()
+
+    notify("save")
+    print(rehydrate.status().last_report.table())  # type: ignore[union-attr]
+    show("after the before-snapshot hooks", key, secret)
     print()
-    print(f"state={status.state} generation={status.generation} ready={status.ready} "
-          f"connection open={connection_open} env changes={report.env_changes.to_dict()}")
+
+    # The platform restores a clone with a new environment: one key changed, one added,
+    # one removed. gVisor would expose it as /proc/gvisor/spec_environ.
+    write_environ(spec, {"API_KEY": "second-key", "REGION": "europe-west4"})
+    notify("restore")
+    print(rehydrate.status().last_report.table())  # type: ignore[union-attr]
+    show("after restore", key, secret)
+    print(f"  environment now: API_KEY changed={os.environ['API_KEY'] != 'first-key'}, "
+          f"REGION set={'REGION' in os.environ}, MODEL_URL removed="
+          f"{'MODEL_URL' not in os.environ}")
+    rehydrate.stop()
 
 
 if __name__ == "__main__":
