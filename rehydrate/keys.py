@@ -17,7 +17,9 @@ OpenSSL, and OpenSSL's own fork detection is PID based).
 While dropped (between the before-snapshot pass and the next restore/resume),
 ``.private_key`` raises :class:`KeyDroppedError`: regenerating there would put a fresh
 private key into the image that is about to be written. :meth:`EphemeralKey.wait` blocks
-until a key is available again.
+until a key is available again. The same holds for a key *created* in that window
+(``ephemeral("late")`` after the before-snapshot pass): it starts without a key pair and
+gets its first one on the next restore or resume.
 """
 
 from __future__ import annotations
@@ -283,7 +285,8 @@ class EphemeralKey:
     """A named key pair that is regenerated on every restore. Get one with
     :func:`ephemeral`; its ``private_key`` and ``public_key`` are always the current ones."""
 
-    def __init__(self, name: str, algorithm: str, manager: KeyManager) -> None:
+    def __init__(self, name: str, algorithm: str, manager: KeyManager, *,
+                 generate: bool = True) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown key algorithm {algorithm!r}; choose one of {ALGORITHMS}")
         self.name = name
@@ -297,7 +300,8 @@ class EphemeralKey:
         """How many times the key was (re)generated; 1 after creation."""
         self.rotated_at: float | None = None
         """``time.time()`` of the last regeneration."""
-        self._rotate_unlocked()
+        if generate:
+            self._rotate_unlocked()
 
     def __repr__(self) -> str:
         state = "dropped" if self._private is None else "present"
@@ -321,9 +325,16 @@ class EphemeralKey:
 
     @property
     def public_key(self) -> PublicKeyTypes:
-        """The current public key (still readable while the private key is dropped)."""
-        assert self._public is not None
-        return self._public
+        """The current public key (still readable while the private key is dropped;
+        :class:`KeyDroppedError` for a key created after the before-snapshot pass, which
+        has no key pair until the next restore or resume)."""
+        pub = self._public
+        if pub is None:
+            raise KeyDroppedError(
+                f"ephemeral key {self.name!r} was created after the before-snapshot pass; "
+                "its first key pair is generated on restore/resume (use .wait())"
+            )
+        return pub
 
     def public_bytes_raw(self) -> bytes:
         """Public key bytes (raw for Ed25519/X25519, DER SubjectPublicKeyInfo otherwise)."""
@@ -366,7 +377,15 @@ class EphemeralKey:
             self._cond.notify_all()
 
     def rotate(self) -> list[BaseException]:
-        """Regenerate now and notify listeners. Returns the listeners' errors."""
+        """Regenerate now and notify listeners. Returns the listeners' errors.
+
+        Refused (:class:`KeyDroppedError`) between the before-snapshot pass and the next
+        restore/resume: the new private key would be written into the snapshot image."""
+        if self._manager.dropped:
+            raise KeyDroppedError(
+                f"ephemeral key {self.name!r}: private keys were dropped before a snapshot; "
+                "it is regenerated on restore/resume, not before"
+            )
         self._rotate_unlocked()
         errors: list[BaseException] = []
         for fn in list(self._listeners):
@@ -391,6 +410,7 @@ class KeyManager:
         self.enabled = True
         self._lock = threading.Lock()
         self._keys: dict[str, EphemeralKey] = {}
+        self._dropped = snapshot_pending(engine)
         engine.builtins.register(self._on_restore, phase=Phase.SECRETS, order=-100,
                                  name="rehydrate.keys", timeout=60.0)
         engine.builtins.register(self._on_snapshot, event="snapshot", phase=Phase.SECRETS,
@@ -400,6 +420,12 @@ class KeyManager:
     @property
     def active(self) -> bool:
         return self.enabled and not is_disabled("keys", "secrets")
+
+    @property
+    def dropped(self) -> bool:
+        """True between the before-snapshot pass and the next restore/resume: keys are
+        dropped, and keys created meanwhile start without a key pair."""
+        return self._dropped
 
     def _status(self) -> dict[str, Any]:
         return {k.name: {"algorithm": k.algorithm, "generation": k.generation,
@@ -417,7 +443,9 @@ class KeyManager:
         with self._lock:
             key = self._keys.get(name)
             if key is None:
-                key = EphemeralKey(name, algorithm, self)
+                # after the before-snapshot pass, a new key would be written into the
+                # image: it starts without a key pair (generated on restore/resume)
+                key = EphemeralKey(name, algorithm, self, generate=not self._dropped)
                 self._keys[name] = key
             elif key.algorithm != algorithm:
                 raise ValueError(
@@ -432,6 +460,8 @@ class KeyManager:
             key.drop()
 
     def _on_restore(self) -> None:
+        with self._lock:
+            self._dropped = False
         if not self.active:
             log.info("keys disabled: ephemeral keys NOT regenerated")
             for k in self.keys():  # still usable: give back a key if it was dropped
@@ -453,8 +483,20 @@ class KeyManager:
         if not self.active:
             log.info("keys disabled: ephemeral private keys NOT dropped before snapshot")
             return
+        with self._lock:  # set before dropping: ephemeral() checks it under this lock
+            self._dropped = True
         for k in self.keys():
             k.drop()
+
+
+def snapshot_pending(engine: Lifecycle) -> bool:
+    """True when ``engine``'s last event was a before-snapshot pass and no restore or resume
+    has run since (for managers created in that window)."""
+    state = engine.state
+    if state == "snapshotting":
+        return True
+    last = getattr(engine, "_last_report", None)
+    return state == "degraded" and getattr(last, "kind", None) == "snapshot"
 
 
 def manager(engine: Lifecycle | None = None) -> KeyManager:

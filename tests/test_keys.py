@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 
@@ -138,6 +137,46 @@ def test_wait_blocks_until_restore(rehydrate_engine):
     assert got and got[0] is handle.private_key
 
 
+@pytest.mark.parametrize("kind", ["restore", "resume"])
+def test_key_created_after_the_snapshot_pass_has_no_key_until_restore(rehydrate_engine, kind):
+    """A key created between the before-snapshot pass and the restore would be written
+    into the image: it starts without a key pair and gets one on restore/resume."""
+    early = keys.ephemeral("early", engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    late = keys.ephemeral("late", "ec-p256", engine=rehydrate_engine)
+    assert late.dropped and early.dropped
+    assert late._private is None and late.generation == 0
+    with pytest.raises(KeyDroppedError):
+        late.private_key  # noqa: B018
+    with pytest.raises(KeyDroppedError):
+        late.public_key  # noqa: B018
+    with pytest.raises(KeyDroppedError):
+        late.rotate()  # regenerating now would also put a key into the image
+    with pytest.raises(KeyDroppedError):
+        late.wait(timeout=0.05)
+    assert rehydrate_engine.status().extra["keys"]["late"]["dropped"] is True
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(late.wait(timeout=30)))
+    waiter.start()
+
+    assert rehydrate_engine.simulate_restore(kind=kind).ok
+    waiter.join(timeout=30)
+    assert got and got[0] is late.private_key
+    assert not late.dropped and late.generation == 1
+    _works("ec-p256", late.private_key)
+    # after the restore, new keys are generated at once again
+    assert not keys.ephemeral("later", engine=rehydrate_engine).dropped
+
+
+def test_key_manager_first_used_after_the_snapshot_pass(rehydrate_engine):
+    """The manager did not exist during the before-snapshot pass: it still knows."""
+    assert rehydrate_engine.simulate_snapshot().ok
+    late = keys.ephemeral("late", engine=rehydrate_engine)
+    assert late.dropped
+    assert rehydrate_engine.simulate_restore().ok
+    assert not late.dropped
+
+
 def test_disabled_keys_are_neither_dropped_nor_rotated(rehydrate_engine, monkeypatch):
     monkeypatch.setenv("REHYDRATE_DISABLE", "secrets")
     handle = keys.ephemeral("session", engine=rehydrate_engine)
@@ -179,34 +218,3 @@ def test_urandom_into_fills_in_place():
     buf = bytearray(64)
     keys.urandom_into(buf)
     assert any(buf) and len(buf) == 64
-
-
-def test_forked_clone_gets_a_different_key():
-    """A fork is the closest in-process stand-in for a clone (parent and child share the
-    memory image); each side runs a simulated restore and must end up with its own key.
-    (A fork also changes the PID, which makes OpenSSL reseed by itself; the gVisor clone
-    test is the real proof for a restore that keeps the PID.)"""
-    from rehydrate.testing import isolated_engine
-
-    engine = isolated_engine()
-    try:
-        handle = keys.ephemeral("session", engine=engine)
-        engine.simulate_snapshot()
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: restore, report the public key, exit without cleanup
-            try:
-                os.close(r)
-                engine.simulate_restore()
-                os.write(w, handle.public_bytes_raw())
-            finally:
-                os._exit(0)
-        os.close(w)
-        engine.simulate_restore()
-        with os.fdopen(r, "rb") as fh:
-            child_key = fh.read()
-        os.waitpid(pid, 0)
-        assert len(child_key) == 32
-        assert child_key != handle.public_bytes_raw()
-    finally:
-        engine.close()
