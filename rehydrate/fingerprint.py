@@ -286,13 +286,73 @@ def fingerprint(
 # -- comparing -----------------------------------------------------------------------
 
 
+# The type every compared field must have (``None``: the value may be null). A manifest
+# missing one of them, or holding another type, is invalid — never "compatible".
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "arch": (str,),
+    "cpu_vendor": (str, type(None)),
+    "cpu_model": (str, type(None)),
+    "cpu_flags": (list,),
+    "kernel_release": (str,),
+    "gvisor": (bool,),
+    "gvisor_version": (str, type(None)),
+    "gpu_driver": (str, type(None)),
+    "python": (str,),
+    "python_implementation": (str,),
+    "distributions": (str,),
+}
+assert set(_FIELD_TYPES) == set(_COMPARED)
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
 def _validate(manifest: Any) -> dict[str, Any]:
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-        raise ManifestError("not a rehydrate manifest (schema 1)")
-    env = manifest.get("env", {"salt": "", "keys": {}})
-    if not isinstance(env, dict) or not isinstance(env.get("keys", {}), dict):
-        raise ManifestError("manifest field 'env' is malformed")
-    return manifest
+    """``manifest`` as a dict when it is a complete schema-1 manifest, else :class:`ManifestError`.
+
+    Every compared field and ``env`` (``{"salt": str, "keys": {str: str | null}}``) must
+    be present with its type: a truncated or hand-edited manifest must not pass ``check``.
+    """
+    if not isinstance(manifest, Mapping):
+        raise ManifestError(f"not a rehydrate manifest: a JSON {_type_name(manifest)}, "
+                            "not an object")
+    schema = manifest.get("schema")
+    if type(schema) is not int or schema != SCHEMA:
+        raise ManifestError(f"not a rehydrate manifest (schema {SCHEMA}): schema is {schema!r}")
+    problems: list[str] = []
+    missing = [f for f in (*_COMPARED, "env") if f not in manifest]
+    if missing:
+        problems.append("missing field(s) " + ", ".join(missing))
+    for f, types_ in _FIELD_TYPES.items():
+        if f not in manifest:
+            continue
+        v = manifest[f]
+        if f == "cpu_flags":
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                problems.append(f"'cpu_flags' must be a list of strings, not {_type_name(v)}"
+                                + (" with other items" if isinstance(v, list) else ""))
+        elif not isinstance(v, types_):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types_)
+            problems.append(f"'{f}' must be {want}, not {_type_name(v)}")
+    env = manifest.get("env")
+    if "env" in manifest:
+        if not isinstance(env, Mapping):
+            problems.append(f"'env' must be an object, not {_type_name(env)}")
+        else:
+            if not isinstance(env.get("salt"), str):
+                problems.append(f"'env.salt' must be str, not {_type_name(env.get('salt'))}")
+            keys = env.get("keys")
+            if not isinstance(keys, Mapping):
+                problems.append(f"'env.keys' must be an object, not {_type_name(keys)}")
+            elif not all(isinstance(v, (str, type(None))) for v in keys.values()):
+                problems.append("'env.keys' values must be hashes (str) or null")
+    count = manifest.get("distributions_count")
+    if count is not None and (type(count) is not int):
+        problems.append(f"'distributions_count' must be int, not {_type_name(count)}")
+    if problems:
+        raise ManifestError("invalid rehydrate manifest: " + "; ".join(problems))
+    return dict(manifest)
 
 
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -302,7 +362,10 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ManifestError(f"cannot read manifest {os.fspath(path)}: "
                             f"{type(exc).__name__}: {exc}") from exc
-    return _validate(data)
+    try:
+        return _validate(data)
+    except ManifestError as exc:
+        raise ManifestError(f"{os.fspath(path)}: {exc}") from None
 
 
 def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
@@ -344,11 +407,14 @@ def check(
     manifest: Mapping[str, Any], root: str | os.PathLike[str] = "/",
     *, nvidia_smi: bool | None = None,
 ) -> list[Mismatch]:
-    """Compare ``manifest`` with this node (empty list: compatible)."""
-    m = _validate(dict(manifest))
-    env = m.get("env") or {}
-    current = fingerprint(env_keys=(env.get("keys") or {}).keys(), root=root,
-                          nvidia_smi=nvidia_smi, salt=str(env.get("salt", "")))
+    """Compare ``manifest`` with this node (empty list: compatible).
+
+    :class:`ManifestError` when ``manifest`` is not a complete schema-1 manifest.
+    """
+    m = _validate(manifest)
+    env = m["env"]
+    current = fingerprint(env_keys=env["keys"].keys(), root=root,
+                          nvidia_smi=nvidia_smi, salt=env["salt"])
     return compare(m, current)
 
 
@@ -559,17 +625,20 @@ def engine_started(engine: Lifecycle) -> None:
 
 
 def main_check(path: str, *, as_json: bool = False, root: str = "/") -> int:
-    """``rehydrate check``: 0 compatible, 1 mismatches (listed), 2 unreadable manifest."""
+    """``rehydrate check``: 0 compatible, 1 mismatches (listed), 2 unreadable or invalid
+    manifest (one line on stderr, or ``{"compatible": false, "error": …}`` with ``as_json``)."""
     try:
-        manifest = load_manifest(path)
-    except ManifestError as exc:
+        mismatches = check(load_manifest(path), root)
+    except (TypeError, ValueError) as exc:  # ManifestError is a ValueError
+        msg = str(exc) if isinstance(exc, ManifestError) else (
+            f"cannot compare manifest {path}: {type(exc).__name__}: {exc}")
+        msg = " ".join(msg.split())  # one line
         if as_json:
-            json.dump({"compatible": False, "error": str(exc), "mismatches": []}, sys.stdout)
+            json.dump({"compatible": False, "error": msg, "mismatches": []}, sys.stdout)
             sys.stdout.write("\n")
         else:
-            print(f"rehydrate check: {exc}", file=sys.stderr)
+            print(f"rehydrate check: {msg}", file=sys.stderr)
         return 2
-    mismatches = check(manifest, root)
     if as_json:
         json.dump({"compatible": not mismatches,
                    "mismatches": [m.to_dict() for m in mismatches]}, sys.stdout, indent=2)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import rehydrate
 from rehydrate import fingerprint as fp
 
@@ -161,6 +163,79 @@ def test_check_cli_exit_codes_and_json(tmp_path):
         assert res.returncode == 2, p
         assert json.loads(res.stdout)["compatible"] is False
         assert run_cli("check", str(tmp_path / p)).returncode == 2
+
+
+def _broken_manifests() -> dict[str, object]:
+    good = fp.fingerprint(env_keys=["HOME"])
+    out: dict[str, object] = {
+        "empty": {"schema": 1},  # truncated: nothing to compare is not "compatible"
+        "cpu_flags_int": {"schema": 1, "cpu_flags": 5},
+        "schema_true": {**good, "schema": True},
+        "a_list": [good],
+        "cpu_flags_not_str": {**good, "cpu_flags": ["sse", 2]},
+        "cpu_flags_str": {**good, "cpu_flags": "sse sse2"},
+        "gvisor_str": {**good, "gvisor": "yes"},
+        "python_int": {**good, "python": 3},
+        "salt_int": {**good, "env": {"salt": 5, "keys": {}}},
+        "env_keys_list": {**good, "env": {"salt": "ab", "keys": ["HOME"]}},
+        "env_hash_int": {**good, "env": {"salt": "ab", "keys": {"HOME": 1}}},
+        "env_list": {**good, "env": []},
+    }
+    for field in (*fp._COMPARED, "env"):
+        out[f"without_{field}"] = {k: v for k, v in good.items() if k != field}
+    return out
+
+
+def test_incomplete_or_mistyped_manifest_is_invalid_not_compatible(tmp_path):
+    good = fp.fingerprint(env_keys=["HOME"])
+    assert fp.check(good) == []
+    for name, manifest in _broken_manifests().items():
+        with pytest.raises(fp.ManifestError):
+            fp.check(manifest)  # type: ignore[arg-type]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(manifest))
+        with pytest.raises(fp.ManifestError) as info:
+            fp.load_manifest(path)
+        assert str(path) in str(info.value), name
+        if name.startswith("without_"):
+            assert name[len("without_"):] in str(info.value)
+    with pytest.raises(fp.ManifestError, match="cpu_flags"):
+        fp.check({**good, "cpu_flags": 5})
+
+
+def test_check_cli_exit_2_for_invalid_manifest_with_one_readable_line(tmp_path):
+    for name, manifest in (("empty", {"schema": 1}), ("flags", {"schema": 1, "cpu_flags": 5})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(manifest))
+        res = run_cli("check", str(path), "--json")
+        assert res.returncode == 2, (name, res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr
+        out = json.loads(res.stdout)
+        assert out["compatible"] is False and out["mismatches"] == []
+        assert "invalid rehydrate manifest" in out["error"] and "\n" not in out["error"]
+        res = run_cli("check", str(path))
+        assert res.returncode == 2, (name, res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr and res.stdout == ""
+        (line,) = res.stderr.strip().splitlines()
+        assert line.startswith("rehydrate check: ") and str(path) in line
+    assert "cpu_flags" in line
+
+
+def test_main_check_maps_errors_from_comparing_to_exit_2(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "m.json"
+    fp.write_manifest(fp.fingerprint(), path)
+
+    def broken(manifest, root="/", **kwargs):
+        raise TypeError("unhashable type: 'dict'\nsecond line")
+
+    monkeypatch.setattr(fp, "check", broken)
+    assert fp.main_check(str(path), as_json=True) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["compatible"] is False and "TypeError" in out["error"]
+    assert fp.main_check(str(path)) == 2
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert "TypeError" in line and str(path) in line
 
 
 def test_different_package_set_in_a_second_venv(tmp_path):
