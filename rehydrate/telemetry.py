@@ -174,6 +174,7 @@ class Telemetry:
         self._exporters: list[Any] = []
         self._flush_timeout = 5.0
         self._hooks_installed = False
+        self._flush_at_end: RestoreContext | None = None
         self.last_instance_id: str | None = None
         engine.add_observer(self)
 
@@ -228,6 +229,9 @@ class Telemetry:
 
     def event_started(self, ctx: RestoreContext) -> None:
         self._event = None
+        # event_finished will flush the managed providers after this snapshot's own span
+        # and metrics end (the flush hook then has nothing to do)
+        self._flush_at_end = ctx if ctx.kind == "snapshot" else None
         tp, mp = self._providers()
         if tp is None and mp is None:
             return
@@ -252,6 +256,20 @@ class Telemetry:
         self._event = ev
 
     def event_finished(self, ctx: RestoreContext, report: Report) -> None:
+        try:
+            self._finish_event(ctx, report)
+        finally:
+            if ctx.kind == "snapshot" and self._flush_at_end is ctx:
+                self._flush_at_end = None
+                # Last thing before the process is frozen: export the snapshot span, its
+                # hook spans and the snapshot metrics from the original, with its
+                # service.instance.id — not from every clone with the clone's.
+                errors = self._flush()
+                if errors:
+                    log.warning("telemetry: flush before the snapshot incomplete: %s",
+                                "; ".join(errors))
+
+    def _finish_event(self, ctx: RestoreContext, report: Report) -> None:
         ev = self._event
         if ev is None or ev.ctx is not ctx:
             return
@@ -404,9 +422,10 @@ class Telemetry:
         if engine is None or self._hooks_installed:
             return
         self._hooks_installed = True
-        # Before a snapshot: runs last (lowest order of the first phase), so spans and
-        # metrics of the other hooks are exported by the original, not by every clone.
-        engine.builtins.register(self._flush, event="snapshot", phase=Phase.ENVIRONMENT,
+        # Before a snapshot the flush runs in event_finished, after the snapshot span and
+        # metrics end. This hook (the last before-snapshot hook) is only the fallback for
+        # an event this observer was not told about.
+        engine.builtins.register(self._flush_hook, event="snapshot", phase=Phase.ENVIRONMENT,
                                  order=-2_000_000, name="rehydrate.telemetry.flush",
                                  required=False, timeout=self._flush_timeout + 5.0)
         # After restore: after the entropy hook renewed instance_id().
@@ -414,15 +433,32 @@ class Telemetry:
                                  order=1_000_000, name="rehydrate.telemetry.identity",
                                  required=False, timeout=self._flush_timeout + 5.0)
 
-    def _flush(self) -> None:
+    def _flush_hook(self, ctx: RestoreContext) -> None:
+        if self._flush_at_end is ctx:
+            return  # event_finished flushes, after the snapshot span has ended
+        errors = self._flush()
+        if errors:
+            raise RuntimeError("telemetry flush incomplete: " + "; ".join(errors))
+
+    def _flush(self) -> list[str]:
+        """``force_flush()`` every managed provider; the problems, one string each."""
         ms = int(self._flush_timeout * 1000)
+        errors: list[str] = []
         for p in list(self._managed_providers):
             flush = getattr(p, "force_flush", None)
-            if flush is not None:
+            if flush is None:
+                continue
+            try:
                 try:
-                    flush(timeout_millis=ms)
+                    done = flush(timeout_millis=ms)
                 except TypeError:
-                    flush()
+                    done = flush()
+            except Exception as exc:  # telemetry must never break a snapshot
+                errors.append(f"{type(p).__name__}: {type(exc).__name__}: {exc}")
+                continue
+            if done is False:
+                errors.append(f"{type(p).__name__}: not flushed within {self._flush_timeout}s")
+        return errors
 
     def _refresh(self, ctx: RestoreContext) -> None:
         errors: list[str] = []
@@ -547,8 +583,11 @@ def refresh_on_restore(
 ) -> Telemetry:
     """Keep the SDK ``providers`` (tracer, meter, logger) right across snapshots.
 
-    * before a snapshot (the last hook to run): ``force_flush()`` every provider, so what
-      the original recorded is exported once, by the original — not by every clone;
+    * before a snapshot, once the before-snapshot run has ended (after the
+      ``rehydrate.snapshot`` span and the snapshot metrics are recorded, before
+      ``snapshot_requested()`` returns): ``force_flush()`` every provider, so what the
+      original recorded — the snapshot span included — is exported once, by the original
+      and with its ``service.instance.id``, not by every clone with the clone's;
     * after a restore (kind ``restore``, after the entropy phase renewed
       :func:`rehydrate.entropy.instance_id`): set that ID as ``service.instance.id`` of
       every provider's Resource (clones must not report as one instance);
@@ -556,8 +595,10 @@ def refresh_on_restore(
       (:func:`restorable_span_exporter` / :func:`restorable_metric_exporter`), which
       replaces the exporter — and its connection, which the restore severed — by a new one.
 
-    The hooks are ``rehydrate.telemetry.flush`` and ``rehydrate.telemetry.identity``
-    (not required: a telemetry problem never makes the process unready).
+    The hooks are ``rehydrate.telemetry.flush`` (a fallback: it flushes only when this
+    engine's telemetry observer did not see the event start) and
+    ``rehydrate.telemetry.identity`` (neither required: a telemetry problem never makes
+    the process unready).
     """
     tel = instrument(engine)
     tel._flush_timeout = flush_timeout

@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import (
+    InMemoryMetricReader,
+    MetricExporter,
+    MetricExportResult,
+    PeriodicExportingMetricReader,
+)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -267,6 +272,107 @@ def test_clone_identity_and_exporter_rebuild(otel):
     assert tp.resource.attributes["service.instance.id"] == new_id
     assert wrapped.rebuilds == 2
     tp.shutdown()
+
+
+class _RecordingSpanExporter(InMemorySpanExporter):
+    """In-memory exporter that also notes the ``service.instance.id`` each span carried
+    when it was exported (the SDK Resource is rewritten in place after a restore)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, str]] = []
+
+    def export(self, spans: Any) -> Any:
+        self.sent.extend((s.name, s.resource.attributes["service.instance.id"]) for s in spans)
+        return super().export(spans)
+
+
+class _MemoryMetricExporter(MetricExporter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, str, int]] = []  # (metric, instance id, count or value)
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000,
+               **kwargs: Any) -> MetricExportResult:
+        for rm in metrics_data.resource_metrics:
+            iid = rm.resource.attributes["service.instance.id"]
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    for p in m.data.data_points:
+                        self.sent.append((m.name, iid, getattr(p, "count", None)
+                                          or getattr(p, "value", 0)))
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def batched(rehydrate_engine):
+    """Batching providers (nothing exported until a flush) managed by refresh_on_restore."""
+    engine = rehydrate_engine
+    spans = _RecordingSpanExporter()
+    resource = Resource.create({"service.name": "svc", **telemetry.resource_attributes()})
+    tp = TracerProvider(resource=resource)
+    tp.add_span_processor(BatchSpanProcessor(spans, schedule_delay_millis=600_000))
+    metrics = _MemoryMetricExporter()
+    mp = MeterProvider(resource=resource, metric_readers=[
+        PeriodicExportingMetricReader(metrics, export_interval_millis=600_000)])
+    tel = telemetry.instrument(engine, tracer_provider=tp, meter_provider=mp)
+    telemetry.refresh_on_restore(tp, mp, engine=engine)
+    yield engine, tel, tp, spans, metrics
+    tp.shutdown()
+    mp.shutdown()
+
+
+def test_snapshot_span_and_metrics_exported_by_the_original_before_snapshot_returns(batched):
+    engine, _, tp, spans, metrics = batched
+
+    @engine.registry.before_snapshot(phase=Phase.CONNECTIONS, name="close_db")
+    def close_db():
+        pass
+
+    pre_id = entropy.instance_id()
+    assert tp.resource.attributes["service.instance.id"] == pre_id
+    report = engine.simulate_snapshot()
+    assert report.ok, report.table()
+
+    # everything of the snapshot event left the process before simulate_snapshot()
+    # returned — the rehydrate.snapshot span itself included — with the original's id
+    sent = dict(spans.sent)
+    assert sent.get("rehydrate.snapshot") == pre_id, spans.sent
+    for h in report.hooks:
+        if h.outcome != "skipped":
+            assert sent.get(h.name) == pre_id, h.name
+    snap_metrics = [(iid, n) for name, iid, n in metrics.sent
+                    if name == "rehydrate.snapshot.duration"]
+    assert snap_metrics == [(pre_id, 1)]
+
+    # the clone: new identity; it does not export the snapshot span a second time
+    spans.sent.clear()
+    assert engine.simulate_restore().ok
+    new_id = entropy.instance_id()
+    assert new_id != pre_id
+    tp.force_flush()
+    names = [name for name, _ in spans.sent]
+    assert "rehydrate.snapshot" not in names and "close_db" not in names
+    assert "rehydrate.restore" in names
+    assert {iid for _, iid in spans.sent} == {new_id}
+
+
+def test_flush_hook_is_the_fallback_when_the_observer_missed_the_event(batched):
+    engine, tel, tp, spans, _ = batched
+    engine.remove_observer(tel)  # no event callbacks: only the hook can flush
+    with tp.get_tracer("app").start_as_current_span("work-before-snapshot"):
+        pass
+    report = engine.simulate_snapshot()
+    assert report.ok, report.table()
+    assert "work-before-snapshot" in [name for name, _ in spans.sent]
+    (hook,) = [h for h in report.hooks if h.name == "rehydrate.telemetry.flush"]
+    assert hook.outcome == "ok"
 
 
 def test_snapshot_miss_and_mismatch_are_recorded(otel, tmp_path, monkeypatch):
