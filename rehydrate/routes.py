@@ -178,9 +178,30 @@ def missing_prerequisites(*, routes: bool = True, nft: bool = True,
 # Routes
 # --------------------------------------------------------------------------------------
 
+_FAMILY_NAMES: dict[int, str] = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}
+_FAMILIES: dict[object, int] = {
+    None: 0, socket.AF_INET: socket.AF_INET, socket.AF_INET6: socket.AF_INET6,
+    4: socket.AF_INET, 6: socket.AF_INET6, "inet": socket.AF_INET, "inet6": socket.AF_INET6,
+    "ipv4": socket.AF_INET, "ipv6": socket.AF_INET6}
+
+
+def _family_of_text(r: Route) -> int | None:
+    """The family the route's addresses imply (None for ``default`` without addresses)."""
+    for probe in (r.dst, r.gateway, r.src):
+        if probe is not None and probe != "default":
+            return socket.AF_INET6 if ":" in probe else socket.AF_INET
+    return None
+
+
 @dataclass(frozen=True)
 class Route:
-    """One route. ``dst`` is ``"default"`` or a prefix such as ``"10.0.0.0/24"``."""
+    """One route. ``dst`` is ``"default"`` or a prefix such as ``"10.0.0.0/24"``.
+
+    ``family`` is ``socket.AF_INET`` or ``socket.AF_INET6``; left out (0), it is taken
+    from the addresses (``"::/0"`` is IPv6) and is IPv4 for ``"default"`` without one.
+    It is a field, not a guess from the text, so it survives :meth:`normalized` (which
+    writes ``::/0`` as ``default``) and routes read from the kernel keep their family.
+    """
 
     dst: str
     gateway: str | None = None
@@ -191,18 +212,24 @@ class Route:
     type: str = "unicast"
     scope: int | None = None
     required: bool = field(default=True, compare=False)
+    family: int = 0
+
+    def __post_init__(self) -> None:
+        family = int(self.family) or _family_of_text(self) or socket.AF_INET
+        if family not in _FAMILY_NAMES:
+            raise ValueError(f"route family must be AF_INET or AF_INET6, not {self.family!r}")
+        object.__setattr__(self, "family", family)
 
     @property
-    def family(self) -> int:
-        probe = self.gateway or self.src or self.dst
-        return socket.AF_INET6 if ":" in probe else socket.AF_INET
+    def family_name(self) -> str:
+        return _FAMILY_NAMES[self.family]
 
     def normalized(self) -> Route:
         dst = self.dst
         if dst in ("default", "0.0.0.0/0", "::/0"):
             dst = "default"
         elif "/" not in dst:
-            dst = f"{dst}/{128 if ':' in dst else 32}"
+            dst = f"{dst}/{128 if self.family == socket.AF_INET6 else 32}"
         return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN)
 
     def key(self) -> tuple[int, str, int, int | None]:
@@ -222,7 +249,8 @@ class Route:
         return {k: v for k, v in (("dst", self.dst), ("gateway", self.gateway),
                                   ("dev", self.dev), ("table", self.table),
                                   ("metric", self.metric), ("src", self.src),
-                                  ("type", self.type), ("scope", self.scope)) if v is not None}
+                                  ("family", self.family_name), ("type", self.type),
+                                  ("scope", self.scope)) if v is not None}
 
     def __str__(self) -> str:
         parts = [self.dst]
@@ -232,6 +260,8 @@ class Route:
                 parts.append(f"{label} {v}")
         if self.type != "unicast":
             parts.insert(0, self.type)
+        if self.family == socket.AF_INET6:  # as `ip -6 route` would need it spelled out
+            parts.insert(0, "inet6")
         return " ".join(str(p) for p in parts)
 
 
@@ -247,10 +277,12 @@ def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope
     dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
     default_scope = 253 if (rtype == "unicast" and gateway is None
                             and family == socket.AF_INET) else 0
+    # the kernel reports IPv6 blackhole/unreachable/prohibit routes on "lo", but refuses
+    # a device for these types when they are added
+    dev = links.get(oif) if oif is not None and rtype == "unicast" else None
     return Route(
-        dst=dst_s, gateway=gateway, dev=links.get(oif) if oif is not None else None,
-        table=table, metric=priority, src=prefsrc, type=rtype,
-        scope=None if scope == default_scope else scope,
+        dst=dst_s, gateway=gateway, dev=dev, table=table, metric=priority, src=prefsrc,
+        type=rtype, scope=None if scope == default_scope else scope, family=family,
     )
 
 
@@ -809,27 +841,60 @@ class ApplyResult:
                 "errors": [{"what": w, "required": r, "error": e} for w, r, e in self.errors]}
 
 
-def _do_capture(tables: Iterable[str] | None, required: bool) -> Capture:
-    problems: list[str] = []
-    routes: list[Route] = []
+@dataclass
+class _Parts:
+    """What one capture could read: each part is None when reading it failed."""
+
+    routes: tuple[Route, ...] | None = None
+    tables: tuple[NftTable, ...] | None = None
+    failed: dict[str, str] = field(default_factory=dict)
+    """part ("routes"/"nftables") -> the problem that stopped reading it"""
+    unavailable: set[str] = field(default_factory=set)
+    """parts that failed because a prerequisite is missing (not a transient error)"""
+    notes: list[str] = field(default_factory=list)
+    """problems of single items (a table skipped)"""
+
+    def problems(self) -> tuple[str, ...]:
+        out = [self.failed["routes"]] if "routes" in self.failed else []
+        out.extend(self.notes)
+        if "nftables" in self.failed:
+            out.append(self.failed["nftables"])
+        return tuple(out)
+
+
+def _prerequisite_missing(exc: BaseException) -> bool:
+    return isinstance(exc, NetworkUnavailable) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT))
+
+
+def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
+    parts = _Parts()
     try:
-        routes = [replace(r, required=required) for r in read_routes(user_only=True)]
+        parts.routes = tuple(replace(r, required=required)
+                             for r in read_routes(user_only=True))
     except Exception as exc:
-        problems.append(f"routes: {_describe(exc)}")
+        parts.failed["routes"] = f"routes: {_describe(exc)}"
+        if _prerequisite_missing(exc):
+            parts.unavailable.add("routes")
     nft_tables: list[NftTable] = []
+    notes: list[str] = []
     try:
         wanted = {" ".join(t.split()) for t in tables} if tables is not None else None
         for t in read_tables():
             if wanted is not None and t.label not in wanted and t.name not in wanted:
                 continue
             if t.uses_xt():
-                problems.append(f"nftables table {t.label} holds iptables-nft rules; "
-                                "declare them with rehydrate.routes.iptables()")
+                notes.append(f"nftables table {t.label} holds iptables-nft rules; "
+                             "declare them with rehydrate.routes.iptables()")
                 continue
             nft_tables.append(replace(t, required=required))
     except Exception as exc:
-        problems.append(f"nftables: {_describe(exc)}")
-    return Capture(tuple(routes), tuple(nft_tables), time.time(), tuple(problems))
+        parts.failed["nftables"] = f"nftables: {_describe(exc)}"
+        if _prerequisite_missing(exc):
+            parts.unavailable.add("nftables")
+    else:
+        parts.tables, parts.notes = tuple(nft_tables), notes
+    return parts
 
 
 class RoutesManager:
@@ -843,6 +908,7 @@ class RoutesManager:
         self.iptables: list[IptablesRules] = []
         self.capture: Capture | None = None
         self._capture_spec: tuple[tuple[str, ...] | None, bool] | None = None
+        self._unavailable_at_capture: frozenset[str] = frozenset()
         self.last: ApplyResult | None = None
         self._encoder = _Encoder()
         engine.builtins.register(self._after_restore, event="restore", phase=Phase.NETWORK,
@@ -882,11 +948,13 @@ class RoutesManager:
 
     def take_capture(self, tables: Iterable[str] | None, required: bool) -> Capture:
         spec = (tuple(tables) if tables is not None else None, required)
-        cap = _do_capture(spec[0], required)
+        parts = _read_parts(spec[0], required)
+        cap = Capture(parts.routes or (), parts.tables or (), time.time(), parts.problems())
         for p in cap.problems:
             log.warning("network capture: %s", p)
         with self._lock:
             self._capture_spec = spec
+            self._unavailable_at_capture = frozenset(parts.unavailable)
             self.capture = cap
         self._prepare()
         return cap
@@ -924,16 +992,48 @@ class RoutesManager:
         with self._lock:
             spec = self._capture_spec
         if spec is not None:
-            cap = _do_capture(*spec)
-            if cap.problems and self.capture is not None:
-                log.warning("network capture before the snapshot incomplete (%s); keeping "
-                            "the previous capture", "; ".join(cap.problems))
-            else:
-                with self._lock:
-                    self.capture = cap
+            self._recapture(*spec)
         # import pyroute2 (a few hundred ms, once) and encode the route messages now,
         # not in the restore
         self._prepare()
+
+    def _recapture(self, tables: tuple[str, ...] | None, required: bool) -> None:
+        """Capture again before a snapshot, part by part: a part (routes, nftables
+        tables) that cannot be read now keeps what the previous capture read, the other
+        part is replaced. A part whose prerequisite was already missing at
+        :func:`capture` (no ``nft`` binary, no nftables as on gVisor) is simply empty:
+        :func:`capture` reported that once."""
+        parts = _read_parts(tables, required)
+        with self._lock:
+            prev = self.capture
+            baseline = self._unavailable_at_capture
+        problems: list[str] = []
+        routes = parts.routes
+        if routes is None:
+            if "routes" in parts.unavailable and "routes" in baseline:
+                routes = ()
+            else:
+                routes = prev.routes if prev else ()
+                problems.append(parts.failed["routes"])
+        problems.extend(parts.notes)
+        nft_tables = parts.tables
+        if nft_tables is None:
+            if "nftables" in parts.unavailable and "nftables" in baseline:
+                nft_tables = ()
+            else:
+                nft_tables = prev.tables if prev else ()
+                problems.append(parts.failed["nftables"])
+        seen = set(prev.problems) if prev else set()
+        for p in problems:
+            if p in seen:
+                continue  # said at the previous capture already
+            kept = ("; keeping the routes captured before" if p.startswith("routes: ") else
+                    "; keeping the tables captured before" if p.startswith("nftables: ")
+                    else "")
+            log.warning("network capture before the snapshot: %s%s", p, kept)
+        cap = Capture(routes, nft_tables, time.time(), tuple(problems))
+        with self._lock:
+            self.capture = cap
 
     def _after_restore(self, ctx: RestoreContext) -> None:
         result = self.apply(log_errors=False)  # the engine logs the hook's one failure
@@ -1124,13 +1224,23 @@ def route(  # noqa: PLR0917 - the order ip-route users expect
     type: str = "unicast",
     scope: int | None = None,
     required: bool = True,
+    family: int | str | None = None,
     engine: Lifecycle | None = None,
 ) -> Route:
     """Declare a route re-applied (``replace``) after every restore. Nothing is applied
-    now; a route with the same destination, table and metric replaces the earlier one."""
+    now; a route with the same family, destination, table and metric replaces the
+    earlier one. ``family`` (``"inet"``/``"inet6"``, 4/6 or ``socket.AF_INET*``) is
+    taken from the addresses when not given; ``"default"`` alone is IPv4, ``"::/0"``
+    (or ``family="inet6"``) the IPv6 default route."""
     if type not in _TYPE_CODES:
         raise ValueError(f"route type must be one of {sorted(_TYPE_CODES)}")
-    r = Route(dst, gateway, dev, table, metric, src, type, scope, required)
+    fam = _FAMILIES.get(family.lower() if isinstance(family, str) else family)
+    if fam is None:
+        raise ValueError(f"route family must be 'inet' or 'inet6', not {family!r}")
+    r = Route(dst, gateway, dev, table, metric, src, type, scope, required, fam)
+    implied = socket.AF_INET6 if ":" in dst else socket.AF_INET
+    if dst != "default" and implied != r.family:
+        raise ValueError(f"route {dst}: its address is not of family {_FAMILY_NAMES[r.family]}")
     r.normalized()
     manager(engine).add_route(r)
     return r

@@ -152,6 +152,7 @@ report = engine.simulate_restore()
 print(json.dumps({
     "before_connect": before_connect,
     "captured": sorted(str(r) for r in cap.routes),
+    "captured_families": [(r.to_dict()["family"], r.dst) for r in cap.routes],
     "captured_tables": canon(cap.tables),
     "ruleset_before": ruleset_before,
     "problems": list(cap.problems),
@@ -174,6 +175,10 @@ def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b):
     sh(f"ip -n {a} route add blackhole 10.200.4.0/24")
     sh(f"ip -n {a} addr add fd00:200::1/64 dev {va} nodad")
     sh(f"ip -n {a} route add fd00:201::/64 via fd00:200::2 dev {va}")
+    # IPv6 routes whose text has no IPv6 address in it (only the family says IPv6)
+    sh(f"ip -n {a} -6 route add default dev {va}")
+    sh(f"ip -n {a} -6 route add unreachable default metric 3000")
+    sh(f"ip -n {a} route add fd00:202::/64 dev {va} metric 5")
     subprocess.run(["ip", "netns", "exec", a, "nft", "-f", "-"], input=NFT_TABLE, text=True,
                    check=True)
     out = run_in_ns(a, CAPTURE_FLUSH_RESTORE)
@@ -182,8 +187,15 @@ def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b):
         f"10.200.2.0/24 via 10.200.1.2 dev {va} table 254 metric 7",
         f"10.200.3.0/24 via 10.200.1.2 dev {va} table 100",
         "blackhole 10.200.4.0/24 table 254",
-        f"fd00:201::/64 via fd00:200::2 dev {va} table 254 metric 1024",
+        f"inet6 fd00:201::/64 via fd00:200::2 dev {va} table 254 metric 1024",
+        f"inet6 default dev {va} table 254 metric 1024",
+        "inet6 unreachable default table 254 metric 3000",
+        f"inet6 fd00:202::/64 dev {va} table 254 metric 5",
     ]), out["captured"]
+    assert sorted(map(tuple, out["captured_families"])) == sorted(
+        [("inet", "10.200.2.0/24"), ("inet", "10.200.3.0/24"), ("inet", "10.200.4.0/24"),
+         ("inet6", "fd00:201::/64"), ("inet6", "default"), ("inet6", "default"),
+         ("inet6", "fd00:202::/64")])
     assert list(out["captured_tables"]) == ["inet rhtest"]
     assert out["captured_tables"] == out["ruleset_before"]
     assert not out["problems"]
@@ -194,8 +206,13 @@ def test_capture_flush_restore_reads_back_equal_and_connects(server_in_b):
     assert out["after"] == out["captured"]
     assert out["ruleset_after"] == out["ruleset_before"]
     assert out["after_connect"] == "pong"
-    assert out["status"]["last_apply"]["routes"] == 4
+    assert out["status"]["last_apply"]["routes"] == 7
     assert out["status"]["last_apply"]["tables"] == 1
+    # what the kernel has: the default routes went back into the IPv6 table, none is IPv4
+    assert sh(f"ip -n {a} -4 route show default") == ""
+    assert sh(f"ip -n {a} -6 route show default").split("\n")[:2] == [
+        f"default dev {va} proto static metric 1024 pref medium",
+        "unreachable default dev lo proto static metric 3000 pref medium"]
 
 
 DECLARED = r'''
@@ -207,6 +224,9 @@ va, table_json, ipt = sys.argv[1], sys.argv[2], sys.argv[3]
 engine = isolated_engine()
 routes.route("10.200.2.0/24", gateway="10.200.1.2", dev=va, metric=9, engine=engine)
 routes.route("10.200.5.0/24", dev=va, table=200, src="10.200.1.1", engine=engine)
+routes.route("::/0", dev=va, engine=engine)  # IPv6, though normalized to "default"
+routes.route("default", dev=va, metric=77, family="inet6", engine=engine)
+routes.route("fd00:205::/64", dev=va, engine=engine)
 routes.nftables(table_json, engine=engine)
 routes.iptables(ipt, engine=engine)
 r1 = engine.simulate_restore()
@@ -241,7 +261,14 @@ def test_declared_routes_nftables_and_iptables_are_applied_idempotently(netns_pa
     assert out["routes"] == sorted([
         f"10.200.2.0/24 via 10.200.1.2 dev {va} table 254 metric 9",
         f"10.200.5.0/24 dev {va} table 200 src 10.200.1.1",
+        f"inet6 default dev {va} table 254 metric 1024",
+        f"inet6 default dev {va} table 254 metric 77",
+        f"inet6 fd00:205::/64 dev {va} table 254 metric 1024",
     ])
+    assert sh(f"ip -n {a} -4 route show default") == ""
+    assert sh(f"ip -n {a} -6 route show default").split("\n")[:2] == [
+        f"default dev {va} proto static metric 77 pref medium",
+        f"default dev {va} proto static metric 1024 pref medium"]
     assert "inet rhtest" in out["nft"]
     assert out["ipt_rules"] == ["-A OUTPUT -j RHCHAIN",
                                 "-A RHCHAIN -p tcp -m tcp --dport 7777 -j ACCEPT"]
@@ -359,3 +386,105 @@ def test_without_pyroute2_one_clear_message(netns_pair):
                             "(pip install 'rehydrate[routes]')")
     assert out["capture"] == ["routes: NetworkUnavailable: missing pyroute2 "
                               "(pip install 'rehydrate[routes]')"]
+
+
+def test_route_family_is_kept_through_normalization():
+    import socket
+
+    from rehydrate.routes import Route, route
+    from rehydrate.testing import isolated_engine
+
+    engine = isolated_engine()
+    v6 = route("::/0", dev="d0", engine=engine)
+    assert v6.family == socket.AF_INET6 and v6.normalized().family == socket.AF_INET6
+    assert v6.normalized().dst == "default" and str(v6) == "inet6 ::/0 dev d0"
+    v4 = route("default", dev="d0", engine=engine)
+    assert v4.family == socket.AF_INET and str(v4) == "default dev d0"
+    assert v6.key() != v4.key() and not v6.matches(v4) and not v4.matches(v6)
+    assert route("default", dev="d0", family=6, engine=engine).key() == v6.key()
+    assert Route("default", dev="d0", family=socket.AF_INET6).to_dict() == {
+        "dst": "default", "dev": "d0", "family": "inet6", "type": "unicast"}
+    # both defaults are declared: same destination text, different families
+    assert len(engine.extension("routes", lambda e: None).routes) == 2
+    with pytest.raises(ValueError, match="family"):
+        route("10.0.0.0/8", dev="d0", family="inet6", engine=engine)
+    with pytest.raises(ValueError, match="family"):
+        route("default", dev="d0", family="ipx", engine=engine)
+
+
+CAPTURE_MERGE = r'''
+import json, os, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+va = sys.argv[1]
+engine = isolated_engine()
+mgr = routes.manager(engine)
+out = {}
+
+def state(name, report=None):
+    c = mgr.capture
+    out[name] = {"routes": sorted(str(r) for r in c.routes),
+                 "tables": sorted(t.label for t in c.tables), "problems": list(c.problems)}
+    if report is not None:
+        out[name]["ok"] = report.ok
+
+def sh(cmd):
+    subprocess.run(cmd, shell=True, check=True)
+
+# 1. no nftables at all (as on gVisor): a route added after capture() is captured
+#    again before each snapshot
+os.environ["REHYDRATE_NFT"] = "/nonexistent/nft"
+routes.capture(engine=engine)
+state("first")
+sh("ip route add 10.77.0.0/16 via 10.200.1.2")
+state("snap1", engine.simulate_snapshot())
+sh("ip route add 10.76.0.0/16 via 10.200.1.2")
+state("snap1b", engine.simulate_snapshot())
+
+# 2. nftables worked at capture(), then nft goes away: the tables read before are kept,
+#    the routes are read anew
+del os.environ["REHYDRATE_NFT"]
+sh("nft add table inet rhkeep")
+routes.capture(engine=engine)
+state("second")
+os.environ["REHYDRATE_NFT"] = "/nonexistent/nft"
+sh("ip route add 10.78.0.0/16 via 10.200.1.2")
+state("snap2", engine.simulate_snapshot())
+
+# 3. routes cannot be read (pyroute2 gone): the routes read before are kept, the tables
+#    are read anew
+del os.environ["REHYDRATE_NFT"]
+sh("nft add table inet rhnew; ip route add 10.79.0.0/16 via 10.200.1.2")
+saved = sys.modules["pyroute2"]
+sys.modules["pyroute2"] = None
+state("snap3", engine.simulate_snapshot())
+sys.modules["pyroute2"] = saved
+state("snap4", engine.simulate_snapshot())
+print(json.dumps(out))
+'''
+
+
+def test_snapshot_capture_merges_the_parts_that_could_be_read(netns_pair):
+    a, va = netns_pair["a"], netns_pair["va"]
+    proc = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", CAPTURE_MERGE,
+                           va], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    route = "10.{}.0.0/16 via 10.200.1.2 dev " + va + " table 254"
+    assert out["first"]["routes"] == []
+    assert [p.split(":")[0] for p in out["first"]["problems"]] == ["nftables"]
+    # nftables was unavailable at capture() already: not a problem of each snapshot
+    assert out["snap1"] == {"routes": [route.format(77)], "tables": [], "problems": [],
+                            "ok": True}
+    assert out["snap1b"]["routes"] == sorted([route.format(77), route.format(76)])
+    assert out["second"]["tables"] == ["inet rhkeep"] and out["second"]["problems"] == []
+    assert out["snap2"]["routes"] == sorted(route.format(n) for n in (76, 77, 78))
+    assert out["snap2"]["tables"] == ["inet rhkeep"]
+    assert [p.split(":")[0] for p in out["snap2"]["problems"]] == ["nftables"]
+    assert out["snap3"]["routes"] == out["snap2"]["routes"]
+    assert out["snap3"]["tables"] == ["inet rhkeep", "inet rhnew"]
+    assert [p.split(":")[0] for p in out["snap3"]["problems"]] == ["routes"]
+    assert out["snap4"]["routes"] == sorted(route.format(n) for n in (76, 77, 78, 79))
+    assert out["snap4"]["problems"] == []
