@@ -177,8 +177,12 @@ class Registry:
         if event not in ("restore", "snapshot"):
             raise ValueError(f"event must be 'restore' or 'snapshot', not {event!r}")
         phase = Phase(phase)
-        if timeout is not None and timeout <= 0:
-            raise ValueError("timeout must be positive (or None for no limit)")
+        if timeout is not None and not timeout > 0:  # also refuses NaN
+            raise ValueError(f"timeout must be a positive number of seconds (or None for no "
+                             f"limit), not {timeout!r}")
+        for what, value in (("order", order), ("retries", retries)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{what} must be an int, not {type(value).__name__}")
         if retries < 0:
             raise ValueError("retries must be >= 0")
         arity = _arity(fn)
@@ -261,21 +265,8 @@ class Registry:
         retries: int = 0,
     ) -> F | Callable[[F], F]:
         """Run the function after a restore (and after a resume of the original process)."""
-
-        def deco(f: F) -> F:
-            self.register(
-                f,
-                event="restore",
-                phase=phase,
-                order=order,
-                timeout=timeout,
-                required=required,
-                name=name,
-                retries=retries,
-            )
-            return f
-
-        return deco(fn) if fn is not None else deco
+        return self._decorator(fn, event="restore", phase=phase, order=order, timeout=timeout,
+                               required=required, name=name, retries=retries)
 
     @overload
     def before_snapshot(self, fn: F, /) -> F: ...
@@ -306,21 +297,8 @@ class Registry:
         retries: int = 0,
     ) -> F | Callable[[F], F]:
         """Run the function before a snapshot is taken (phases in reverse order)."""
-
-        def deco(f: F) -> F:
-            self.register(
-                f,
-                event="snapshot",
-                phase=phase,
-                order=order,
-                timeout=timeout,
-                required=required,
-                name=name,
-                retries=retries,
-            )
-            return f
-
-        return deco(fn) if fn is not None else deco
+        return self._decorator(fn, event="snapshot", phase=phase, order=order, timeout=timeout,
+                               required=required, name=name, retries=retries)
 
     def on_env_change(
         self,
@@ -339,22 +317,25 @@ class Registry:
         another ``phase`` is given, and is reported ``skipped`` when nothing it watches
         changed.
         """
+        options: dict[str, Any] = {"phase": phase, "order": order, "timeout": timeout,
+                                   "required": required, "name": name, "retries": retries}
         if len(keys) == 1 and callable(keys[0]):  # bare @on_env_change
-            fn = keys[0]
-            self.register(fn, phase=phase, order=order, timeout=timeout, required=required,
-                          name=name, retries=retries, env_keys=())
-            return fn
+            return self._decorator(keys[0], env_keys=(), **options)
         for k in keys:
             if not isinstance(k, str) or not k:
                 raise TypeError("on_env_change keys must be non-empty strings")
         names = tuple(k for k in keys if isinstance(k, str))
+        return self._decorator(None, env_keys=names, **options)
+
+    def _decorator(self, fn: F | None, /, **options: Any) -> F | Callable[[F], F]:
+        """What the decorators return: ``fn`` registered (bare use), or a decorator that
+        registers its function with ``options`` (use with arguments)."""
 
         def deco(f: F) -> F:
-            self.register(f, phase=phase, order=order, timeout=timeout, required=required,
-                          name=name, retries=retries, env_keys=names)
+            self.register(f, **options)
             return f
 
-        return deco
+        return deco(fn) if fn is not None else deco
 
     # -- reading -------------------------------------------------------------------
 

@@ -114,7 +114,16 @@ def test_module_level_decorators_use_the_default_registry():
     [
         ({"timeout": 0}, ValueError),
         ({"timeout": -1.0}, ValueError),
+        ({"timeout": float("nan")}, ValueError),
+        ({"timeout": float("-inf")}, ValueError),
         ({"retries": -1}, ValueError),
+        ({"retries": 1.5}, TypeError),
+        ({"retries": True}, TypeError),
+        ({"retries": "2"}, TypeError),
+        ({"order": 0.5}, TypeError),
+        ({"order": False}, TypeError),
+        ({"order": "1"}, TypeError),
+        ({"order": None}, TypeError),
         ({"event": "boot"}, ValueError),
     ],
 )
@@ -123,6 +132,31 @@ def test_invalid_options_are_refused(kwargs, exc):
     with pytest.raises(exc):
         reg.register(lambda: None, **kwargs)
     assert len(reg) == 0
+
+
+@pytest.mark.parametrize("decorator", ["after_restore", "before_snapshot", "on_env_change"])
+def test_decorators_refuse_bad_options_with_a_clear_message(decorator):
+    reg = Registry()
+    deco = getattr(reg, decorator)
+    keys = ("K",) if decorator == "on_env_change" else ()
+    with pytest.raises(ValueError, match=r"timeout must be a positive number.*nan"):
+        deco(*keys, timeout=float("nan"))(lambda: None)
+    with pytest.raises(TypeError, match="order must be an int, not bool"):
+        deco(*keys, order=True)(lambda: None)
+    with pytest.raises(TypeError, match="retries must be an int, not float"):
+        deco(*keys, retries=2.0)(lambda: None)
+    assert len(reg) == 0
+
+
+def test_nan_timeout_no_longer_means_no_limit():
+    """Before: ``nan <= 0`` is False, so NaN was accepted and the hook never timed out."""
+    engine = isolated_engine()
+    try:
+        with pytest.raises(ValueError):
+            engine.registry.after_restore(timeout=float("nan"), name="nan")(lambda: None)
+        assert [h.name for h in engine.registry.hooks("restore")] == []
+    finally:
+        engine.close()
 
 
 def test_non_callable_and_too_many_arguments_are_refused():
