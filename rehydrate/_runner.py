@@ -61,7 +61,8 @@ class EventObserver(Protocol):
 
     ``event_started`` runs before the first hook of an event, ``event_finished`` after
     the last one (readiness already updated), both under the engine's event lock. A hook
-    that timed out may call ``hook_finished`` later, after ``event_finished``.
+    that timed out may call ``hook_finished`` later, after ``event_finished``; its result
+    is then the ``timeout`` the report holds, however the hook ended.
     """
 
     def event_started(self, ctx: RestoreContext) -> None: ...
@@ -200,6 +201,16 @@ class _Progress:
             self.deadline = math.inf
             return True
 
+    def settle(self, index: int, tokens: Sequence[object], result: HookResult) -> bool:
+        """:meth:`finish`, then tell the observers the result that stands: the recorded
+        ``timeout`` when the supervisor already gave up on this worker."""
+        recorded = self.finish(index, result)
+        if self.observers:
+            if not recorded:
+                result = self.results[index] or result
+            _observe_finish(self.observers, tokens, result)
+        return recorded
+
     def complete(self) -> None:
         with self.lock:
             self.done = True
@@ -263,17 +274,18 @@ class HookRunner:
                     return False
                 i = j
                 continue
-            result = self._run_sync(job, i, hook)
-            if not job.finish(i, result):
+            if not self._run_sync(job, i, hook):
                 return False
             i += 1
         job.complete()
         return True
 
-    def _run_sync(self, job: _Progress, index: int, hook: Hook) -> HookResult:
+    def _run_sync(self, job: _Progress, index: int, hook: Hook) -> bool:
+        """Run one sync hook; False when the supervisor gave up on this worker."""
         ctx = job.ctx
         if hook.env_keys is not None and _skip_reason(hook, ctx):
-            return HookResult(hook.name, hook.phase, "skipped", 0.0, None, hook.required, 0)
+            return job.finish(index, HookResult(hook.name, hook.phase, "skipped", 0.0, None,
+                                                hook.required, 0))
         tokens = _observe_start(job.observers, hook, ctx) if job.observers else ()
         start = time.perf_counter()
         attempt = 0
@@ -302,9 +314,7 @@ class HookRunner:
             hook.required,
             attempt + 1,
         )
-        if job.observers:
-            _observe_finish(job.observers, tokens, result)
-        return result
+        return job.settle(index, tokens, result)
 
     def _run_async_batch(self, job: _Progress, start: int, stop: int) -> bool:
         import asyncio
@@ -342,17 +352,18 @@ class HookRunner:
             for i in range(start, stop):
                 hook = job.hooks[i]
                 if hook.env_keys is not None and _skip_reason(hook, ctx):
-                    result = HookResult(hook.name, hook.phase, "skipped", 0.0, None,
-                                        hook.required, 0)
+                    alive = job.finish(i, HookResult(hook.name, hook.phase, "skipped", 0.0,
+                                                     None, hook.required, 0))
                 else:
-                    result = await self._run_async(job, i, hook, watchdog)
-                if not job.finish(i, result):
+                    alive = await self._run_async(job, i, hook, watchdog)
+                if not alive:
                     return
         finally:
             watchdog.close()
 
     async def _run_async(self, job: _Progress, index: int, hook: Hook,
-                         watchdog: _Watchdog) -> HookResult:
+                         watchdog: _Watchdog) -> bool:
+        """Run one async hook; False when the supervisor gave up on this worker."""
         import asyncio
 
         ctx = job.ctx
@@ -382,9 +393,7 @@ class HookRunner:
             attempt += 1
         result = HookResult(hook.name, hook.phase, outcome,  # type: ignore[arg-type]
                             time.perf_counter() - start, error, hook.required, attempt + 1)
-        if job.observers:
-            _observe_finish(job.observers, tokens, result)
-        return result
+        return job.settle(index, tokens, result)
 
     # -- supervisor side -------------------------------------------------------------
 

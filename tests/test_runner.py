@@ -425,6 +425,65 @@ def test_observers_see_every_hook(rehydrate_engine):
                       ("start", "a", "restore"), ("end", "a", "failed")]
 
 
+class _FinishedLog:
+    """An observer recording each ``hook_finished`` result, with a condition to wait on."""
+
+    def __init__(self):
+        self.results = {}
+        self.cond = threading.Condition()
+
+    def hook_started(self, hook, ctx):
+        return hook.name
+
+    def hook_finished(self, token, result):
+        with self.cond:
+            self.results[token] = result
+            self.cond.notify_all()
+
+    def wait(self, name):
+        with self.cond:
+            assert self.cond.wait_for(lambda: name in self.results, DEADLINE), self.results
+            return self.results[name]
+
+
+def test_abandoned_sync_hook_reports_timeout_to_observers_when_it_returns(rehydrate_engine):
+    obs = _FinishedLog()
+    rehydrate_engine.add_observer(obs)
+    release = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="slow", timeout=0.1)
+    def slow():
+        release.wait(DEADLINE)  # returns normally, long after its timeout
+
+    report = rehydrate_engine.simulate_restore()
+    assert by_name(report)["slow"].outcome == "timeout"
+    assert "slow" not in obs.results  # still running
+    release.set()
+    late = obs.wait("slow")
+    assert late.outcome == "timeout"  # not "ok": observers agree with the report
+    assert late is by_name(report)["slow"]
+
+
+def test_abandoned_async_hook_reports_timeout_to_observers(rehydrate_engine, monkeypatch):
+    from rehydrate import _runner
+
+    monkeypatch.setattr(_runner, "ASYNC_GRACE", 0.1)
+    obs = _FinishedLog()
+    rehydrate_engine.add_observer(obs)
+    release = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="blocking", timeout=0.1)
+    async def blocking():
+        release.wait(DEADLINE)  # blocks the loop: neither the watchdog nor a cancel gets in
+
+    report = rehydrate_engine.simulate_restore()
+    assert by_name(report)["blocking"].outcome == "timeout"
+    release.set()
+    late = obs.wait("blocking")
+    assert late.outcome == "timeout"
+    assert late is by_name(report)["blocking"]
+
+
 # -- containment ------------------------------------------------------------------------
 
 
