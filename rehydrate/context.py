@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from .hooks import Phase
 
@@ -25,6 +25,7 @@ __all__ = [
     "RestoreContext",
     "RestoreReport",
     "SnapshotReport",
+    "describe_error",
 ]
 
 Kind = Literal["restore", "resume", "snapshot"]
@@ -136,16 +137,24 @@ class HookResult:
             "phase": str(self.phase),
             "outcome": self.outcome,
             "duration": round(self.duration, 6),
-            "error": _describe(self.error),
+            "error": describe_error(self.error),
             "required": self.required,
             "attempts": self.attempts,
         }
 
 
-def _describe(exc: BaseException | None) -> str | None:
+@overload
+def describe_error(exc: BaseException) -> str: ...
+@overload
+def describe_error(exc: None) -> None: ...
+
+
+def describe_error(exc: BaseException | None) -> str | None:
+    """``"Type: message"`` on one line (whitespace runs collapsed), ``"Type"`` when the
+    message is empty, None for None: how reports and log lines show an error."""
     if exc is None:
         return None
-    text = str(exc)
+    text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -185,7 +194,7 @@ class Report:
             "started_at": self.started_at,
             "frozen_for": self.frozen_for,
             "env_changes": self.env_changes.to_dict(),
-            "error": _describe(self.error),
+            "error": describe_error(self.error),
             "hooks": [h.to_dict() for h in self.hooks],
         }
 
@@ -195,7 +204,7 @@ class Report:
         for h in self.hooks:
             rows.append(
                 (h.name, str(h.phase), h.outcome, f"{h.duration * 1000:.2f}",
-                 _describe(h.error) or "")
+                 describe_error(h.error) or "")
             )
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [
