@@ -25,11 +25,25 @@ handshakes present the new certificate while established connections continue.
 ``config.ssl``). :meth:`ManagedCertificate.client_context` returns a client context that
 trusts (and optionally presents) the current material; it is rebuilt after every renewal
 (a context cannot forget trust anchors), so fetch it again or :meth:`subscribe`.
+
+Before a snapshot (hook ``rehydrate.tls``, ``SECRETS`` phase) every certificate's private
+key is dropped from its :class:`Material` (the certificate itself stays readable) and the
+attached contexts get a throwaway placeholder (a self-signed certificate for a fresh key of
+the same type), so that OpenSSL lets go of its copy of the real key too. Until the next
+restore or resume, new handshakes present the placeholder, :attr:`ManagedCertificate.private_key`
+raises :class:`CertificateError`, the file watcher pauses and :meth:`~ManagedCertificate.renew`
+is refused (a key made now would be written into the image). After a *restore*, a
+self-signed or issued certificate whose renewal fails is never served with the key from
+the image: its contexts get a fresh placeholder and its hook fails.
+
+Renewals of one handle (restore hook, file watcher, :meth:`~ManagedCertificate.renew`) are
+serialised: read, validate and apply happen under one per-handle lock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -52,6 +66,7 @@ if TYPE_CHECKING:
         PrivateKeyTypes,
     )
 
+    from .context import RestoreContext
     from .lifecycle import Lifecycle
 
 __all__ = [
@@ -86,10 +101,13 @@ def _now() -> _dt.datetime:
 
 @dataclass(frozen=True)
 class Material:
-    """One certificate with its key; immutable (a renewal makes a new one)."""
+    """One certificate with its key; immutable (a renewal makes a new one).
+
+    ``private_key`` is None in the copy a handle keeps after the key was dropped before a
+    snapshot."""
 
     certificate: x509.Certificate
-    private_key: PrivateKeyTypes
+    private_key: PrivateKeyTypes | None
     chain: tuple[x509.Certificate, ...] = ()
     """Intermediates presented after the leaf (not the root)."""
     trust: tuple[x509.Certificate, ...] = ()
@@ -125,6 +143,8 @@ class Material:
         """The private key as unencrypted PKCS#8 PEM (a copy rehydrate cannot wipe)."""
         from cryptography.hazmat.primitives import serialization
 
+        if self.private_key is None:
+            raise CertificateError("the private key was dropped before a snapshot")
         return self.private_key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption())
@@ -257,6 +277,53 @@ def load_into(ctx: ssl.SSLContext, material: Material) -> None:
         os.rmdir(d)
 
 
+def _slot(public_key: Any) -> str:
+    """OpenSSL keeps one certificate/key per key type in a context (RSA, EC, Ed25519 …):
+    replacing a key means loading one of the same type."""
+    from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+
+    if isinstance(public_key, rsa.RSAPublicKey):
+        return "rsa-2048"
+    if isinstance(public_key, ed25519.Ed25519PublicKey):
+        return "ed25519"
+    if isinstance(public_key, ed448.Ed448PublicKey):
+        return "ed448"
+    if isinstance(public_key, ec.EllipticCurvePublicKey):
+        return "ec-p256"
+    return "ec-p256"  # DSA and others: not replaceable by a placeholder of their type
+
+
+def placeholder_material(slot: str = "ec-p256") -> Material:
+    """A throwaway self-signed certificate for a fresh key of the ``slot`` type, trusted by
+    nobody: what contexts present while the real key is dropped or could not be renewed.
+
+    EC and Ed25519 keys come from kernel entropy; RSA and Ed448 placeholders from
+    ``cryptography``'s generator (fast; the placeholder secures nothing)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ed448, rsa
+
+    from .keys import generate_private_key
+
+    key: Any
+    if slot == "rsa-2048":
+        key = rsa.generate_private_key(65537, 2048)
+    elif slot == "ed448":
+        key = ed448.Ed448PrivateKey.generate()
+    else:
+        key = generate_private_key(slot)
+    subject, san = _names("rehydrate placeholder (no certificate available)", ())
+    now = _now()
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - _dt.timedelta(minutes=1))
+        .not_valid_after(now + _dt.timedelta(days=1))
+        .add_extension(san, critical=False)
+        .sign(key, _signing_hash(key))
+    )
+    return Material(cert, key, (), ())
+
+
 # -- handles -----------------------------------------------------------------------------
 
 
@@ -264,13 +331,26 @@ class ManagedCertificate:
     """Base class of the certificate handles. Subclasses implement :meth:`produce`."""
 
     kind = "certificate"
+    regenerates_key = True
+    """True when every renewal makes a new key (self-signed, issued): after a restore, a
+    failed renewal must not fall back to the key from the snapshot image. False for
+    certificates read from files (their key is the file's, the same in every clone)."""
 
     def __init__(self, name: str, *, required: bool = True, manager: TLSManager) -> None:
         self.name = name
         self.required = required
         self._manager = manager
         self._lock = threading.RLock()
+        """Guards the handle's state (short holds)."""
+        self._renew_lock = threading.RLock()
+        """Serialises read-validate-apply (restore hook, watcher, renew(), drop)."""
         self._material: Material | None = None
+        self._placeholder: Material | None = None
+        """What the contexts present while there is no usable material (key dropped before
+        a snapshot, or the renewal after a restore failed)."""
+        self._slots: weakref.WeakKeyDictionary[ssl.SSLContext, set[str]] = \
+            weakref.WeakKeyDictionary()
+        """Key types this handle loaded into each context (each holds one key per type)."""
         self._servers: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
         self._clients: dict[bool, ssl.SSLContext] = {}
         self._listeners: list[Callable[[ManagedCertificate], None]] = []
@@ -292,11 +372,22 @@ class ManagedCertificate:
 
     @property
     def material(self) -> Material:
+        """The current material. Its ``private_key`` is None between the before-snapshot
+        pass and the next restore/resume."""
         m = self._material
         if m is None:
-            raise CertificateError(f"certificate {self.name!r} has no material yet"
-                                   + (f": {self.last_error}" if self.last_error else ""))
+            raise CertificateError(f"certificate {self.name!r} has no usable material"
+                                   + (f": {self.last_error}" if self.last_error else
+                                      " (created after the before-snapshot pass; "
+                                      "produced on restore/resume)"))
         return m
+
+    @property
+    def key_dropped(self) -> bool:
+        """True while the handle holds no private key (dropped before a snapshot, or no
+        usable material): contexts present a placeholder."""
+        m = self._material
+        return m is None or m.private_key is None
 
     @property
     def certificate(self) -> x509.Certificate:
@@ -304,7 +395,11 @@ class ManagedCertificate:
 
     @property
     def private_key(self) -> PrivateKeyTypes:
-        return self.material.private_key
+        key = self.material.private_key
+        if key is None:
+            raise CertificateError(f"certificate {self.name!r}: the private key was dropped "
+                                   "before a snapshot; renewed on restore/resume")
+        return key
 
     @property
     def serial(self) -> int:
@@ -312,7 +407,16 @@ class ManagedCertificate:
 
     def renew(self) -> Material:
         """Produce, validate and apply new material now. On failure the previous material
-        stays, :attr:`last_error` is set and :class:`CertificateError` raised."""
+        stays, :attr:`last_error` is set and :class:`CertificateError` raised. Refused
+        between the before-snapshot pass and the next restore/resume."""
+        with self._renew_lock:
+            if self._manager.frozen:
+                raise CertificateError(
+                    f"certificate {self.name!r}: keys were dropped before a snapshot; "
+                    "renewing now would put a key into the image (renewed on restore)")
+            return self._renew_locked()
+
+    def _renew_locked(self) -> Material:
         try:
             new = self.produce()
         except CertificateError as exc:
@@ -330,31 +434,99 @@ class ManagedCertificate:
     def _unchanged(self, new: Material) -> bool:
         """True when ``new`` is the material already in use (files re-read unchanged)."""
         cur = self._material
-        return (cur is not None and cur.certificate == new.certificate
+        return (cur is not None and cur.private_key is not None
+                and new.private_key is not None
+                and cur.certificate == new.certificate
                 and cur.chain == new.chain and cur.trust == new.trust
                 and _spki(cur.private_key.public_key()) == _spki(new.private_key.public_key()))
 
+    def _load(self, ctx: ssl.SSLContext, material: Material) -> None:
+        load_into(ctx, material)
+        self._slots.setdefault(ctx, set()).add(_slot(material.certificate.public_key()))
+
     def apply(self, material: Material) -> None:
         """Make ``material`` current: live server contexts, client contexts, listeners."""
+        if material.private_key is None:
+            raise CertificateError(f"certificate {self.name!r}: material without a key")
         errors: list[str] = []
-        with self._lock:
-            for ctx in list(self._servers):
+        with self._renew_lock:
+            with self._lock:
+                for ctx in list(self._servers):
+                    try:
+                        self._load(ctx, material)
+                    except (OSError, ssl.SSLError) as exc:
+                        errors.append(f"server context: {exc}")
+                self._material = material
+                self._placeholder = None
+                self._clients.clear()
+                self.renewals += 1
+                self.last_error = None
+            for fn in list(self._listeners):
                 try:
-                    load_into(ctx, material)
-                except (OSError, ssl.SSLError) as exc:
-                    errors.append(f"server context: {exc}")
-            self._material = material
-            self._clients.clear()
-            self.renewals += 1
-            self.last_error = None
-        for fn in list(self._listeners):
-            try:
-                fn(self)
-            except Exception as exc:
-                errors.append(f"listener {fn!r}: {type(exc).__name__}: {exc}")
+                    fn(self)
+                except Exception as exc:
+                    errors.append(f"listener {fn!r}: {type(exc).__name__}: {exc}")
         if errors:
             raise CertificateError(f"certificate {self.name!r} renewed but: "
                                    + "; ".join(errors))
+
+    def _serving(self) -> Material:
+        """What a context should present now: the material, or the placeholder while the
+        handle holds no key."""
+        m = self._material
+        if m is not None and m.private_key is not None:
+            return m
+        if self._placeholder is None:
+            self._placeholder = placeholder_material(
+                _slot(m.certificate.public_key()) if m is not None else self._default_slot())
+        return self._placeholder
+
+    def _default_slot(self) -> str:
+        algorithm = getattr(self, "algorithm", "ec-p256")
+        return "rsa-2048" if str(algorithm).startswith("rsa-") else str(algorithm)
+
+    def _install_placeholders(self, placeholders: dict[str, Material]) -> list[str]:
+        """Load a placeholder of every key type this handle put into each context (so no
+        real key is left in any of OpenSSL's per-type slots); forget client contexts.
+        Caller holds both locks. Returns errors."""
+        errors: list[str] = []
+        m = self._material
+        contexts = list(self._servers)
+        presenting = self._clients.get(True)
+        if presenting is not None:
+            contexts.append(presenting)
+        self._clients.clear()
+        for ctx in contexts:
+            slots = set(self._slots.get(ctx, ()))
+            if m is not None:
+                slots.add(_slot(m.certificate.public_key()))
+            for slot in sorted(slots):
+                ph = placeholders.get(slot)
+                if ph is None:
+                    ph = placeholders[slot] = placeholder_material(slot)
+                try:
+                    self._load(ctx, ph)
+                except (OSError, ssl.SSLError) as exc:
+                    errors.append(f"context: {exc}")
+        slot = _slot(m.certificate.public_key()) if m is not None else self._default_slot()
+        self._placeholder = placeholders.get(slot)
+        return errors
+
+    def _drop(self, placeholders: dict[str, Material]) -> None:
+        """Before a snapshot: forget the private key (keep the certificate) and replace it
+        in every context with a placeholder. Raises when a context kept the real key."""
+        self._cancel_pending()
+        with self._renew_lock, self._lock:
+            m = self._material
+            if m is not None and m.private_key is not None:
+                self._material = dataclasses.replace(m, private_key=None)
+            errors = self._install_placeholders(placeholders)
+        if errors:
+            raise CertificateError(f"certificate {self.name!r}: the private key could not be "
+                                   "replaced in every context: " + "; ".join(errors))
+
+    def _cancel_pending(self) -> None:
+        """Subclasses: stop pending background reloads."""
 
     def subscribe(self, fn: Callable[[ManagedCertificate], None]
                   ) -> Callable[[ManagedCertificate], None]:
@@ -374,9 +546,10 @@ class ManagedCertificate:
         return ctx
 
     def attach(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
-        """Load the current material into ``ctx`` now and after every renewal."""
+        """Load the current material into ``ctx`` now and after every renewal (the
+        placeholder while the handle holds no key)."""
         with self._lock:
-            load_into(ctx, self.material)
+            self._load(ctx, self._serving())
             self._servers.add(ctx)
         return ctx
 
@@ -396,23 +569,46 @@ class ManagedCertificate:
                 if m.trust:
                     ctx.load_verify_locations(cadata=m.trust_pem())
                 if present:
-                    load_into(ctx, m)
+                    if m.private_key is None:
+                        raise CertificateError(
+                            f"certificate {self.name!r}: the private key was dropped "
+                            "before a snapshot; renewed on restore/resume")
+                    self._load(ctx, m)
                 self._clients[present] = ctx
             return ctx
 
     # -- lifecycle -----------------------------------------------------------------
 
-    def _on_restore(self) -> None:
-        if not self._manager.active:
-            log.info("tls disabled: certificate %s NOT renewed", self.name)
-            return
-        previous = self._material
-        try:
-            self.renew()
-        except CertificateError as exc:
-            keep = (f"; keeping serial {previous.serial:x}" if previous is not None
-                    else "; no certificate available")
-            raise CertificateError(f"certificate {self.name!r}: {exc}{keep}") from None
+    def _on_restore(self, ctx: RestoreContext) -> None:
+        kind = getattr(ctx, "kind", "restore")
+        with self._renew_lock:
+            previous = self._material
+            held = previous is not None and previous.private_key is not None
+            if not self._manager.active:
+                if held:
+                    log.info("tls disabled: certificate %s NOT renewed", self.name)
+                    return
+                log.info("tls disabled, but certificate %s holds no key (dropped before "
+                         "the snapshot): renewing it anyway", self.name)
+            try:
+                self._renew_locked()
+                return
+            except CertificateError as exc:
+                error = exc
+            if held and previous is not None and (kind == "resume" or not self.regenerates_key):
+                # a resumed original keeps its own key; a file key is the same everywhere
+                raise CertificateError(f"certificate {self.name!r}: {error}; keeping serial "
+                                       f"{previous.serial:x}") from None
+            # A restored clone must not serve the key from the snapshot image (every clone
+            # would share it), and a dropped key is gone: present a fresh placeholder.
+            with self._lock:
+                self._material = None
+                self._install_placeholders({})
+                self.last_error = str(error)
+            raise CertificateError(
+                f"certificate {self.name!r}: {error}; no certificate available, serving a "
+                "throwaway self-signed placeholder (fresh key) until a renewal succeeds"
+            ) from None
 
     def close(self) -> None:
         """Stop managing this certificate (its contexts keep their last material)."""
@@ -422,6 +618,7 @@ class ManagedCertificate:
         m = self._material
         return {
             "kind": self.kind,
+            "key_dropped": self.key_dropped,
             "serial": f"{m.serial:x}" if m else None,
             "not_after": m.not_after.isoformat() if m else None,
             "renewals": self.renewals,
@@ -617,6 +814,7 @@ class FileCertificate(ManagedCertificate):
     """PEM files: certificate (leaf first, then intermediates), key, optional CA bundle."""
 
     kind = "files"
+    regenerates_key = False
 
     def __init__(self, name: str, *, cert: str, key: str, ca: str | None = None,
                  password: bytes | None = None, watch: bool = True,
@@ -701,33 +899,45 @@ class FileCertificate(ManagedCertificate):
             self._timer.daemon = True
             self._timer.start()
 
+    def _cancel_pending(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+
     def reload_if_changed(self) -> bool:
         """Re-read the files; apply them when they hold new, valid material. A rejected
         change keeps the previous material and logs one line (once per distinct error).
-        Returns True when new material was applied."""
-        try:
-            new = self.produce()
-        except Exception as exc:
-            msg = str(exc) if isinstance(exc, CertificateError) else (
-                f"{type(exc).__name__}: {exc}")
-            self.last_error = msg
-            if msg != self._logged_error:
-                self._logged_error = msg
-                prev = self._material
-                log.warning("tls: certificate %s: rejected new files (%s); keeping %s",
-                            self.name, msg,
-                            f"serial {prev.serial:x}" if prev else "no certificate")
-            return False
-        self._logged_error = None
-        if self._unchanged(new):
-            self.last_error = None
-            return False
-        try:
-            self.apply(new)
-        except CertificateError as exc:
-            log.warning("tls: %s", exc)
-        log.info("tls: certificate %s reloaded from files (serial %x)", self.name, new.serial)
-        return True
+        Returns True when new material was applied. Does nothing between the
+        before-snapshot pass and the next restore/resume (the restore re-reads the files).
+        """
+        with self._renew_lock:  # read, validate and apply as one step (watcher vs restore)
+            if self._manager.frozen:
+                return False
+            try:
+                new = self.produce()
+            except Exception as exc:
+                msg = str(exc) if isinstance(exc, CertificateError) else (
+                    f"{type(exc).__name__}: {exc}")
+                self.last_error = msg
+                if msg != self._logged_error:
+                    self._logged_error = msg
+                    prev = self._material
+                    log.warning("tls: certificate %s: rejected new files (%s); keeping %s",
+                                self.name, msg,
+                                f"serial {prev.serial:x}" if prev and not self.key_dropped
+                                else "no certificate (placeholder)")
+                return False
+            self._logged_error = None
+            if self._unchanged(new):
+                self.last_error = None
+                return False
+            try:
+                self.apply(new)
+            except CertificateError as exc:
+                log.warning("tls: %s", exc)
+            log.info("tls: certificate %s reloaded from files (serial %x)", self.name,
+                     new.serial)
+            return True
 
     def close(self) -> None:
         self.stop_watching()
@@ -760,11 +970,42 @@ class TLSManager:
         self.enabled = True
         self._lock = threading.Lock()
         self._certs: dict[str, ManagedCertificate] = {}
+        from .keys import snapshot_pending
+
+        self.frozen = snapshot_pending(engine)
+        """True between the before-snapshot pass and the next restore/resume: private keys
+        are dropped, renewals are refused and certificates added meanwhile get their first
+        material on restore."""
+        engine.builtins.register(self._on_snapshot, event="snapshot", phase=Phase.SECRETS,
+                                 order=100, name="rehydrate.tls", timeout=60.0)
+        engine.builtins.register(self._on_restore, phase=Phase.SECRETS, order=99,
+                                 name="rehydrate.tls", timeout=5.0)
         engine.add_status("tls", lambda: {c.name: c.status() for c in self.certificates()})
 
     @property
     def active(self) -> bool:
         return self.enabled and not is_disabled("tls", "secrets")
+
+    def _on_snapshot(self) -> None:
+        if not self.active:
+            log.info("tls disabled: certificate private keys NOT dropped before snapshot")
+            return
+        with self._lock:  # set first: add() checks it under this lock
+            self.frozen = True
+        placeholders: dict[str, Material] = {}  # one per key type for this pass
+        errors: list[str] = []
+        for cert in self.certificates():
+            try:
+                cert._drop(placeholders)
+            except CertificateError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise CertificateError("; ".join(errors))
+
+    def _on_restore(self) -> None:
+        # before the certificates' own hooks (order 100), which renew them
+        with self._lock:
+            self.frozen = False
 
     def certificates(self) -> list[ManagedCertificate]:
         with self._lock:
@@ -784,12 +1025,21 @@ class TLSManager:
                     raise ValueError(f"certificate {cert.name!r} already exists as "
                                      f"{existing.kind}")
                 return existing
-        cert.renew()
+            frozen = self.frozen
+        if frozen:  # a key made now would be written into the image: wait for the restore
+            log.info("tls: certificate %s added after the before-snapshot pass: its first "
+                     "material is produced on restore/resume", cert.name)
+        else:
+            with cert._renew_lock:
+                cert._renew_locked()
         with self._lock:
             existing = self._certs.get(cert.name)
             if existing is not None:
                 return existing
             self._certs[cert.name] = cert
+            dropped_meanwhile = self.frozen and not frozen
+        if dropped_meanwhile:  # the snapshot pass ran while the first material was made
+            cert._drop({})
         cert._hooks = (self.engine.builtins.register(
             cert._on_restore, phase=Phase.SECRETS, order=100,
             name=f"rehydrate.tls:{cert.name}", required=cert.required, timeout=60.0),)

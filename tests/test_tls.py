@@ -139,6 +139,25 @@ def served_certificate(port: int, verify: ssl.SSLContext) -> x509.Certificate:
     return x509.load_der_x509_certificate(der)
 
 
+def unverified() -> ssl.SSLContext:
+    """A client context that accepts any certificate (to see a placeholder)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def spki(cert_or_key) -> bytes:
+    pub = cert_or_key.public_key()
+    return pub.public_bytes(serialization.Encoding.DER,
+                            serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def is_placeholder(cert: x509.Certificate) -> bool:
+    cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    return "placeholder" in str(cn)
+
+
 # -- self-signed -----------------------------------------------------------------------
 
 
@@ -227,6 +246,83 @@ def test_mutual_tls_client_context_presents_the_certificate(rehydrate_engine, ht
     server_ctx.load_verify_locations(cadata=cert.material.trust_pem())
     port = https_server(server_ctx)
     assert served_certificate(port, cert.client_context(present=True)).serial_number == cert.serial
+
+
+# -- before a snapshot ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["ec-p256", "ed25519"])
+def test_snapshot_drops_the_key_and_contexts_present_a_placeholder(rehydrate_engine,
+                                                                   https_server, algorithm):
+    cert = tls.self_signed("web", algorithm=algorithm, engine=rehydrate_engine)
+    server_ctx = cert.server_context()
+    port = https_server(server_ctx)
+    presenting = cert.client_context(present=True)
+    old = served_certificate(port, cert.client_context())
+    serial = cert.serial
+
+    report = rehydrate_engine.simulate_snapshot()
+    assert report.ok, report.table()
+    assert "rehydrate.tls" in [h.name for h in report.hooks]
+    # the handle keeps the certificate, not the key
+    assert cert.material.private_key is None and cert.key_dropped
+    assert cert.serial == serial
+    with pytest.raises(CertificateError, match="dropped before a snapshot"):
+        cert.private_key  # noqa: B018
+    with pytest.raises(CertificateError, match="dropped before a snapshot"):
+        cert.material.key_pem()
+    with pytest.raises(CertificateError, match="dropped before a snapshot"):
+        cert.client_context(present=True)
+    assert rehydrate_engine.status().extra["tls"]["web"]["key_dropped"] is True
+    # the live context now holds a placeholder of the same key type: OpenSSL keeps one
+    # key per type, so the real key was replaced there too
+    served = served_certificate(port, unverified())
+    assert is_placeholder(served) and served.serial_number != serial
+    assert spki(served) != spki(old)
+    assert type(served.public_key()) is type(old.public_key())
+    # renewing now would put a new key into the image
+    with pytest.raises(CertificateError, match="dropped before a snapshot"):
+        cert.renew()
+    # a context attached in the window gets the placeholder too
+    late_ctx = cert.attach(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+    late_port = https_server(late_ctx)
+    assert is_placeholder(served_certificate(late_port, unverified()))
+
+    assert rehydrate_engine.simulate_restore().ok
+    assert not cert.key_dropped and cert.serial != serial
+    for p in (port, late_port):
+        assert served_certificate(p, cert.client_context()).serial_number == cert.serial
+    assert presenting is not cert.client_context(present=True)
+
+
+def test_resume_after_the_snapshot_pass_brings_a_key_back(rehydrate_engine, https_server):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore(kind="resume").ok
+    assert not cert.key_dropped
+    assert served_certificate(port, cert.client_context()).serial_number == cert.serial
+
+
+def test_certificate_added_after_the_snapshot_pass(rehydrate_engine, https_server):
+    """Made after the before-snapshot pass, its key would be written into the image: the
+    first material is produced on restore, a placeholder is served meanwhile."""
+    assert rehydrate_engine.simulate_snapshot().ok
+    cert = tls.self_signed("late", engine=rehydrate_engine)
+    assert cert.key_dropped
+    with pytest.raises(CertificateError, match="after the before-snapshot pass"):
+        cert.material  # noqa: B018
+    port = https_server(cert.server_context())
+    assert is_placeholder(served_certificate(port, unverified()))
+    assert rehydrate_engine.simulate_restore().ok
+    assert served_certificate(port, cert.client_context()).serial_number == cert.serial
+
+
+def test_tls_disabled_at_snapshot_keeps_the_key(rehydrate_engine, monkeypatch):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    monkeypatch.setenv("REHYDRATE_DISABLE", "tls")
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert not cert.key_dropped
 
 
 # -- CSR issuance --------------------------------------------------------------------------
@@ -327,11 +423,14 @@ def test_issued_certificate_renewed_on_restore(rehydrate_engine, ca_server, http
     ("expired", "certificate expired"),
     ("other-ca", "does not verify against the CA bundle"),
 ])
-def test_issuer_failures_keep_the_previous_certificate(rehydrate_engine, ca_server, https_server,
-                                                      caplog, mode, message):
+def test_issuer_failure_after_a_restore_never_serves_the_snapshot_key(
+        rehydrate_engine, ca_server, https_server, caplog, mode, message):
+    """Every clone of the snapshot holds the old key: a clone whose renewal failed must not
+    keep serving it. It serves a fresh-key placeholder and stays degraded."""
     issuer = tls.HTTPIssuer(ca_server.url, timeout=2.0, trust=[ca_server.ca.cert])
     cert = tls.issued("api", issuer, common_name="localhost", engine=rehydrate_engine)
     port = https_server(cert.server_context())
+    old = served_certificate(port, cert.client_context())
     serial = cert.serial
     if mode == "down":
         ca_server.close()
@@ -342,10 +441,17 @@ def test_issuer_failures_keep_the_previous_certificate(rehydrate_engine, ca_serv
     assert not report.ok
     [res] = [h for h in report.hooks if h.name == "rehydrate.tls:api"]
     assert res.outcome == "failed"
-    assert message in str(res.error) and f"keeping serial {serial:x}" in str(res.error)
-    assert cert.serial == serial and message in cert.last_error
-    assert served_certificate(port, cert.client_context()).serial_number == serial
+    assert message in str(res.error) and "placeholder" in str(res.error)
+    assert message in cert.last_error and cert.key_dropped
+    with pytest.raises(CertificateError, match=message):
+        cert.material  # noqa: B018
+    served = served_certificate(port, unverified())
+    assert is_placeholder(served) and served.serial_number != serial
+    assert spki(served) != spki(old)  # not the key every clone got from the image
+    with pytest.raises(httpx.ConnectError):  # and nobody trusts the placeholder
+        served_certificate(port, ssl.create_default_context(cadata=ca_server.ca.pem.decode()))
     assert rehydrate_engine.status().state == "degraded"
+    assert rehydrate_engine.status().extra["tls"]["api"]["serial"] is None
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and message in warnings[0].getMessage()
     assert "\n" not in warnings[0].getMessage()
@@ -353,17 +459,60 @@ def test_issuer_failures_keep_the_previous_certificate(rehydrate_engine, ca_serv
         return
     ca_server.mode = "ok"
     assert rehydrate_engine.simulate_restore().ok
-    assert cert.serial != serial and cert.last_error is None
+    assert cert.serial != serial and cert.last_error is None and not cert.key_dropped
+    assert served_certificate(port, cert.client_context()).serial_number == cert.serial
     assert rehydrate_engine.status().state == "ready"
 
 
-def test_optional_certificate_failure_keeps_ready(rehydrate_engine, ca_server):
+def test_issuer_failure_on_resume_keeps_the_previous_certificate(rehydrate_engine, ca_server,
+                                                                 https_server):
+    """A resume is the original process itself: when it still holds its key (no
+    before-snapshot pass dropped it), a failed renewal keeps the previous material."""
+    cert = tls.issued("api", tls.HTTPIssuer(ca_server.url, timeout=2.0),
+                      common_name="localhost", engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    serial = cert.serial
+    ca_server.mode = "500"
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    [res] = [h for h in report.hooks if h.name == "rehydrate.tls:api"]
+    assert res.outcome == "failed" and f"keeping serial {serial:x}" in str(res.error)
+    assert cert.serial == serial and not cert.key_dropped
+    assert served_certificate(port, cert.client_context()).serial_number == serial
+
+
+def test_issuer_failure_on_resume_after_the_snapshot_pass(rehydrate_engine, ca_server,
+                                                          https_server):
+    """After the before-snapshot pass the key is gone even from the original: a failed
+    renewal on resume leaves the placeholder (nothing to keep)."""
+    cert = tls.issued("api", tls.HTTPIssuer(ca_server.url, timeout=2.0),
+                      common_name="localhost", engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    serial = cert.serial
+    assert rehydrate_engine.simulate_snapshot().ok
+    ca_server.mode = "500"
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    [res] = [h for h in report.hooks if h.name == "rehydrate.tls:api"]
+    assert res.outcome == "failed" and "placeholder" in str(res.error)
+    served = served_certificate(port, unverified())
+    assert is_placeholder(served) and served.serial_number != serial
+    ca_server.mode = "ok"
+    assert rehydrate_engine.simulate_restore(kind="resume").ok
+    assert served_certificate(port, cert.client_context()).serial_number == cert.serial
+
+
+def test_optional_certificate_failure_keeps_ready_without_the_old_key(
+        rehydrate_engine, ca_server, https_server):
     cert = tls.issued("api", tls.HTTPIssuer(ca_server.url), common_name="localhost",
                       required=False, engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    old = served_certificate(port, cert.client_context())
     ca_server.mode = "garbage"
     report = rehydrate_engine.simulate_restore()
     assert report.ok and report.failed[0].name == "rehydrate.tls:api"
-    assert cert.last_error
+    assert cert.last_error and cert.key_dropped
+    assert rehydrate_engine.status().state == "ready"
+    served = served_certificate(port, unverified())
+    assert is_placeholder(served) and spki(served) != spki(old)
 
 
 def test_first_issuance_failure_raises(rehydrate_engine, ca_server):
@@ -523,6 +672,137 @@ def test_files_reread_on_restore_without_watching(rehydrate_engine, tmp_path):
     renewals = cert.renewals
     assert rehydrate_engine.simulate_restore().ok
     assert calls == [] and cert.renewals == renewals
+
+
+def test_file_certificate_key_dropped_before_snapshot_and_reread_on_restore(
+        rehydrate_engine, secret_dir, https_server):
+    """File keys are the same in every clone (they are on disk), but the image still should
+    not hold them: dropped from memory, re-read from the files on restore. The watcher
+    pauses in between (a reload would put the key back into memory)."""
+    ca = CA()
+    files, first = _bundle(ca)
+    secret_dir.publish(files)
+    cert = tls.from_files("files", **secret_dir.paths(), poll=False, engine=rehydrate_engine)
+    try:
+        port = https_server(cert.server_context())
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert cert.key_dropped and cert.serial == first.serial_number
+        assert is_placeholder(served_certificate(port, unverified()))
+        files2, second = _bundle(ca)
+        secret_dir.publish(files2)
+        assert cert.reload_if_changed() is False and cert.key_dropped
+
+        assert rehydrate_engine.simulate_restore().ok
+        assert not cert.key_dropped and cert.serial == second.serial_number
+        assert served_certificate(port, cert.client_context()).serial_number == \
+            second.serial_number
+    finally:
+        cert.close()
+
+
+def test_file_certificate_unchanged_files_are_reloaded_after_the_drop(rehydrate_engine,
+                                                                     tmp_path, https_server):
+    ca = CA()
+    c1, k1, first = ca.leaf()
+    (tmp_path / "c.pem").write_bytes(c1)
+    (tmp_path / "k.pem").write_bytes(k1)
+    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          watch=False, engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+    assert not cert.key_dropped and cert.serial == first.serial_number
+    trusting_ca = ssl.create_default_context(cadata=ca.pem.decode())
+    assert served_certificate(port, trusting_ca).serial_number == first.serial_number
+
+
+def test_bad_files_after_the_drop_leave_the_placeholder(rehydrate_engine, tmp_path,
+                                                        https_server):
+    """The previous key was dropped before the snapshot: with bad files on restore there
+    is nothing good to keep, so the placeholder stays and the hook fails."""
+    ca = CA()
+    c1, k1, _ = ca.leaf()
+    (tmp_path / "c.pem").write_bytes(c1)
+    (tmp_path / "k.pem").write_bytes(k1)
+    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          watch=False, engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    assert rehydrate_engine.simulate_snapshot().ok
+    (tmp_path / "k.pem").write_bytes(b"garbage")
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok and "placeholder" in str(report.failed[0].error)
+    assert is_placeholder(served_certificate(port, unverified()))
+
+
+def test_watcher_reload_and_restore_renewal_are_serialised(rehydrate_engine, tmp_path):
+    """The watcher's reload (timer thread) and the restore hook's renewal must not
+    interleave: otherwise a reload that read older files can apply them after a renewal
+    that read newer ones (stale material wins). Deterministic: the watcher's read is held
+    inside produce() until the renewal has either finished (no lock: the bug) or is
+    waiting for the handle's lock (the fix)."""
+    ca = CA()
+    c1, k1, _ = ca.leaf()
+    (tmp_path / "c.pem").write_bytes(c1)
+    (tmp_path / "k.pem").write_bytes(k1)
+    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          watch=False, engine=rehydrate_engine)
+    c2, k2, v2 = ca.leaf()
+    (tmp_path / "c.pem").write_bytes(c2)
+    (tmp_path / "k.pem").write_bytes(k2)
+
+    watcher = threading.current_thread()
+    watcher_read, release = threading.Event(), threading.Event()
+    real_produce = cert.produce
+
+    def produce():
+        m = real_produce()
+        if threading.current_thread() is watcher:
+            watcher_read.set()
+            assert release.wait(10)
+        return m
+
+    cert.produce = produce  # type: ignore[method-assign]
+
+    class SpyLock:
+        """The handle's renewal lock, noting who waits for it."""
+
+        def __init__(self, inner):
+            self.inner, self.waiting = inner, set()
+
+        def __enter__(self):
+            self.waiting.add(threading.current_thread())
+            self.inner.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            self.inner.release()
+
+    spy = SpyLock(threading.RLock())
+    cert._renew_lock = spy
+    applied: list[int] = []
+    cert.subscribe(lambda h: applied.append(h.serial))
+
+    def watch() -> None:
+        nonlocal watcher
+        watcher = threading.current_thread()
+        cert.reload_if_changed()
+
+    a = threading.Thread(target=watch)
+    a.start()
+    assert watcher_read.wait(10)  # the watcher has read v2 and is about to apply it
+    c3, k3, v3 = ca.leaf()
+    (tmp_path / "c.pem").write_bytes(c3)
+    (tmp_path / "k.pem").write_bytes(k3)
+    b = threading.Thread(target=cert.renew)  # what the restore hook calls
+    b.start()
+    wait_until(lambda: not b.is_alive() or b in spy.waiting, what="the renewal")
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert not a.is_alive() and not b.is_alive()
+    # the newest files win, each version applied once, in order
+    assert cert.serial == v3.serial_number
+    assert applied == [v2.serial_number, v3.serial_number]
 
 
 def test_validate_signature_fallback():
