@@ -91,8 +91,16 @@ def _seed_int(bits: int) -> int:
     return int.from_bytes(os.urandom((bits + 7) // 8), "big") & ((1 << bits) - 1)
 
 
+_strong_logged: set[str] = set()
+"""Type names already reported as held strongly (log once per type)."""
+
+
 class _Ref:
-    """A weak reference when the object allows one, a strong one otherwise."""
+    """A weak reference when the object allows one, a strong one otherwise.
+
+    ``random.Random`` and ``torch.Generator`` allow weak references; NumPy's ``Generator``,
+    ``RandomState`` and bit generators do not (Cython types without ``__weakref__``), so
+    they are held strongly."""
 
     __slots__ = ("_obj", "_weak")
 
@@ -105,6 +113,10 @@ class _Ref:
 
     def get(self) -> Any:
         return self._weak() if self._weak is not None else self._obj
+
+    @property
+    def weak(self) -> bool:
+        return self._weak is not None
 
 
 def _kind(obj: object) -> str:
@@ -171,12 +183,21 @@ class EntropyManager:
 
         Accepted: ``random.Random`` (and subclasses), ``numpy.random.Generator``,
         ``numpy.random.RandomState``, ``torch.Generator``, or any callable taking 32 seed
-        bytes. Generators are held weakly (when they allow it), callables strongly.
+        bytes. ``random.Random`` and ``torch.Generator`` objects are held weakly (dropping
+        them unregisters them); NumPy generators do not support weak references and, like
+        callables, are held strongly until :meth:`unregister` (one debug line says so).
         """
         kind = _kind(obj)
+        ref = _Ref(obj, strong=kind == "callable")
+        if kind != "callable" and not ref.weak:
+            name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+            if name not in _strong_logged:
+                _strong_logged.add(name)
+                log.debug("entropy: %s objects do not support weak references; registered "
+                          "ones are held strongly until unregister()", name)
         with self._lock:
             key = obj if kind == "callable" else id(obj)
-            self._objects[key] = (kind, _Ref(obj, strong=kind == "callable"))
+            self._objects[key] = (kind, ref)
         return obj
 
     def unregister(self, obj: object) -> None:

@@ -79,7 +79,7 @@ def test_registered_random_instances(rehydrate_engine):
     assert other_stream == _stream(random.Random(42))
 
 
-def test_registered_objects_are_held_weakly(rehydrate_engine):
+def test_registered_random_instances_are_held_weakly(rehydrate_engine):
     import gc
 
     r = random.Random(1)
@@ -87,6 +87,9 @@ def test_registered_objects_are_held_weakly(rehydrate_engine):
     del r
     gc.collect()
     assert rehydrate_engine.simulate_restore().ok
+    # only the global generator was reseeded: the dropped instance was forgotten
+    assert entropy.manager(rehydrate_engine).last.count("random") == 1
+    assert entropy.manager(rehydrate_engine)._objects == {}
 
 
 def test_registered_callable_gets_fresh_seed_bytes(rehydrate_engine):
@@ -166,14 +169,21 @@ def test_tempfile_without_reset_would_repeat(monkeypatch):
     assert next(seq) == "".join(copy.choices(seq.characters, k=8))
 
 
-def test_ssl_generator_gets_kernel_entropy(rehydrate_engine, monkeypatch):
+def test_restore_feeds_fresh_kernel_bytes_to_ssl_rand_add(rehydrate_engine, monkeypatch):
+    """Checks what rehydrate does — 32 fresh bytes per restore handed to ``ssl.RAND_add`` —
+    not its effect: whether the system OpenSSL's DRBG output then differs between clones
+    that keep their PID cannot be observed in one process (a fork changes the PID, which
+    makes OpenSSL reseed by itself), and no end-to-end test samples it."""
     import ssl
 
-    calls: list[tuple[int, float]] = []
+    fed: list[tuple[bytes, float]] = []
     real = ssl.RAND_add
-    monkeypatch.setattr(ssl, "RAND_add", lambda b, e: (calls.append((len(b), e)), real(b, e)))
+    monkeypatch.setattr(ssl, "RAND_add", lambda b, e: (fed.append((bytes(b), e)), real(b, e)))
     rehydrate_engine.simulate_restore()
-    assert calls == [(32, 32.0)]
+    rehydrate_engine.simulate_restore()
+    assert [(len(b), e) for b, e in fed] == [(32, 32.0), (32, 32.0)]
+    assert fed[0][0] != fed[1][0]  # fresh bytes each time, not a constant
+    assert "ssl" in entropy.manager(rehydrate_engine).last
 
 
 # -- NumPy -------------------------------------------------------------------------------
@@ -199,6 +209,27 @@ def test_numpy_global_and_registered_generators(rehydrate_engine):
     assert list(rs.random_sample(4)) != list(rs_copy.random_sample(4))
     assert list(unregistered.random(4)) == list(np.random.default_rng(7).random(4))
     assert type(gen.bit_generator).__name__ == "PCG64"  # the kind of generator is kept
+
+
+def test_numpy_generators_are_held_strongly_until_unregistered(rehydrate_engine, caplog):
+    """NumPy generators support no weak references: rehydrate keeps them alive (and says
+    so once, at debug level) until unregister()."""
+    import gc
+    import logging
+
+    np = pytest.importorskip("numpy")
+    entropy._strong_logged.clear()
+    caplog.set_level(logging.DEBUG, logger="rehydrate")
+    entropy.register(np.random.default_rng(), engine=rehydrate_engine)  # no reference kept
+    kept = entropy.register(np.random.default_rng(), engine=rehydrate_engine)
+    gc.collect()
+    assert rehydrate_engine.simulate_restore().ok
+    assert entropy.manager(rehydrate_engine).last.count("numpy-generator") == 2
+    lines = [r.getMessage() for r in caplog.records if "weak references" in r.getMessage()]
+    assert len(lines) == 1 and "held strongly" in lines[0]
+    entropy.unregister(kept, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+    assert entropy.manager(rehydrate_engine).last.count("numpy-generator") == 1
 
 
 def test_numpy_is_never_imported_by_rehydrate():
