@@ -11,7 +11,13 @@
 
 It exits 0 when the process's hooks succeeded, 1 when the report is not ok (a required
 hook failed: the platform should abort the checkpoint), 3 when the process cannot be
-reached, 2 on usage errors.
+reached, 4 when the socket is not trusted, 2 on usage errors.
+
+Trust: the client talks only to a server run by its own uid or by root (``SO_PEERCRED``
+of the listening socket, checked before anything is sent), and finds sockets on its own
+only in a default directory owned by its uid with mode 0700, like the server requires.
+A socket of another user could otherwise answer ``ok`` to ``notify save`` without running
+any hook, and the checkpoint would go ahead.
 """
 
 from __future__ import annotations
@@ -21,17 +27,21 @@ import glob
 import json
 import os
 import socket
+import stat
+import struct
 import sys
 from typing import Any
 
 from .detect.control import ENV_SOCKET, default_socket_dir
 
-__all__ = ["ControlError", "add_commands", "find_socket", "notify_main", "request"]
+__all__ = ["ControlError", "UntrustedSocket", "add_commands", "find_socket", "notify_main",
+           "request"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+EXIT_UNTRUSTED = 4
 
 MAX_REPLY = 64 * 1024 * 1024
 DEFAULT_TIMEOUT = 120.0
@@ -40,10 +50,39 @@ GVISOR_MODE = "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"
 CRIU_ACTION = "CRTOOLS_SCRIPT_ACTION"
 _NOTIFY_CMD = {"save": "prepare-snapshot", "resume": "resume", "restore": "restore"}
 _CRIU = {"pre-dump": "save", "post-resume": "restore"}
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class ControlError(RuntimeError):
     """The process could not be reached, or its reply was unreadable."""
+
+
+class UntrustedSocket(ControlError):
+    """The socket, or the directory it was found in, belongs to another user."""
+
+
+def _check_dir(directory: str) -> None:
+    """Refuse a default socket directory that is not ours alone (what the server checks)."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    me = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or st.st_mode & 0o077:
+        raise UntrustedSocket(
+            f"not trusting {directory}: it must be a directory owned by uid {me} with mode "
+            f"0700 (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it, "
+            "or pass --socket")
+
+
+def _check_peer(sock: socket.socket, path: str) -> None:
+    """Refuse a server that is neither our uid nor root."""
+    pid, uid, _gid = _CRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    me = os.geteuid()
+    if uid not in (me, 0):
+        raise UntrustedSocket(f"not trusting {path}: it is served by uid {uid} (pid {pid}); "
+                              f"only uid {me} or root may answer")
 
 
 def find_socket(explicit: str | None = None) -> str:
@@ -55,6 +94,7 @@ def find_socket(explicit: str | None = None) -> str:
     if env:
         return env
     directory = default_socket_dir()
+    _check_dir(directory)
     found = sorted(glob.glob(os.path.join(glob.escape(directory), "*.sock")))
     if len(found) == 1:
         return found[0]
@@ -74,7 +114,8 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     long this client waits for the reply (None: as long as it takes).
 
     Raises :class:`ControlError` when the socket cannot be reached, the reply does not
-    come within ``timeout`` seconds, or it is not a JSON object.
+    come within ``timeout`` seconds, or it is not a JSON object; :class:`UntrustedSocket`
+    (before sending anything) when the server runs as neither this uid nor root.
     """
     path = find_socket(socket_path)
     payload = json.dumps({"cmd": cmd, **(fields or {}), **more}).encode() + b"\n"
@@ -86,6 +127,7 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
         except OSError as exc:
             raise ControlError(f"cannot reach the process at {path}: "
                                f"{exc.strerror or exc}") from None
+        _check_peer(sock, path)
         buf = b""
         try:
             sock.sendall(payload)
@@ -155,6 +197,23 @@ def _resolve_action(arg: str | None) -> tuple[str | None, str | None]:
                   "in the environment)")
 
 
+def _call(cmd: str, args: argparse.Namespace, *, label: str | None = None,
+          timeout: float | None = None, fields: dict[str, Any] | None = None,
+          ) -> tuple[dict[str, Any] | None, int]:
+    """Send ``cmd`` for a CLI command: (reply, exit code), the reply None when there is
+    none. Failures are printed as one line prefixed with ``label`` (default ``cmd``)."""
+    label = label or cmd
+    try:
+        reply = request(cmd, socket_path=args.socket, timeout=timeout, fields=fields)
+    except ControlError as exc:
+        _err(f"{label}: {exc}")
+        return None, EXIT_UNTRUSTED if isinstance(exc, UntrustedSocket) else EXIT_UNREACHABLE
+    if not reply.get("ok"):
+        _err(f"{label}: {reply.get('error') or 'failed'}")
+        return reply, EXIT_FAILED
+    return reply, EXIT_OK
+
+
 def cmd_notify(args: argparse.Namespace) -> int:
     action, problem = _resolve_action(args.action)
     if problem:
@@ -162,30 +221,19 @@ def cmd_notify(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if action is None:
         return EXIT_OK  # a CRIU action at which the process is frozen or not involved
-    try:
-        reply = request(_NOTIFY_CMD[action], socket_path=args.socket, timeout=args.timeout)
-    except ControlError as exc:
-        _err(f"notify {action}: {exc}")
-        return EXIT_UNREACHABLE
-    if args.json:
+    reply, code = _call(_NOTIFY_CMD[action], args, label=f"notify {action}",
+                        timeout=args.timeout)
+    if reply is not None and args.json:
         _dump(reply)
-    elif reply.get("ok"):
+    elif code == EXIT_OK and reply is not None:
         print(f"{action}: ok ({_summary(reply.get('report'))})")
-    if not reply.get("ok"):
-        _err(f"notify {action}: {reply.get('error') or 'failed'}")
-        return EXIT_FAILED
-    return EXIT_OK
+    return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    try:
-        reply = request("status", socket_path=args.socket, timeout=args.timeout)
-    except ControlError as exc:
-        _err(f"status: {exc}")
-        return EXIT_UNREACHABLE
-    if not reply.get("ok"):
-        _err(f"status: {reply.get('error') or 'failed'}")
-        return EXIT_FAILED
+    reply, code = _call("status", args, timeout=args.timeout)
+    if reply is None or code != EXIT_OK:
+        return code
     status = reply.get("status") or {}
     if args.json:
         _dump(status)
@@ -200,22 +248,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_trigger(args: argparse.Namespace) -> int:
-    fields: dict[str, Any] = {}
-    if args.timeout is not None:
-        fields["timeout"] = args.timeout
-    try:
-        reply = request("trigger", socket_path=args.socket, timeout=None, fields=fields)
-    except ControlError as exc:
-        _err(f"trigger: {exc}")
-        return EXIT_UNREACHABLE
-    if args.json:
+    fields = {"timeout": args.timeout} if args.timeout is not None else None
+    reply, code = _call("trigger", args, timeout=None, fields=fields)  # waits for the answer
+    if reply is not None and args.json:
         _dump(reply)
-    elif reply.get("answer"):
+    elif reply is not None and reply.get("answer"):
         print(reply["answer"])
-    if not reply.get("ok"):
-        _err(f"trigger: {reply.get('error') or 'failed'}")
-        return EXIT_FAILED
-    return EXIT_OK
+    return code
 
 
 def _positive(text: str) -> float:

@@ -16,27 +16,19 @@ import tempfile
 import threading
 import time
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from detect_helpers import wait_for
 
 from rehydrate import Lifecycle, Registry, detect
-from rehydrate.control_client import ControlError, request
+from rehydrate.control_client import ControlError, UntrustedSocket, request
 from rehydrate.detect.control import MAX_LINE, ControlDetector, ControlServer
 from rehydrate.env import EnvRefresher
 
 DEADLINE = 5.0
 REPO = Path(__file__).resolve().parents[1]
-
-
-def wait_for(cond: Callable[[], object], timeout: float = DEADLINE,
-             what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 @pytest.fixture
@@ -48,16 +40,10 @@ def short_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def engine() -> Iterator[Lifecycle]:
-    saved = dict(os.environb)
+def engine(rehydrate_environ: None) -> Iterator[Lifecycle]:
     eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
     yield eng
     eng.close()
-    for k in [k for k in os.environb if k not in saved]:
-        del os.environb[k]
-    for k, v in saved.items():
-        if os.environb.get(k) != v:
-            os.environb[k] = v
 
 
 @pytest.fixture
@@ -500,6 +486,150 @@ def test_other_uid_is_refused(root_required: None, server: ControlServer, sock_p
     assert server.refused == 1
     assert any("refused a client with uid 65534" in r.getMessage() for r in caplog.records)
     assert request("status", socket_path=sock_path)["ok"]  # root (same uid) still served
+
+
+# -- the client trusts only a server of its own uid or root -----------------------------
+
+
+class ForeignServer:
+    """A server run by uid 65534 (a forked child drops to it before it listens) that
+    answers ``{"ok": true}`` to anything, and reports what each connection sent."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = str(directory / "evil.sock")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: serve until killed
+            try:
+                os.close(r)
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.bind(self.path)
+                s.listen(8)
+                os.write(w, b'{"ready": true}\n')
+                while True:
+                    c, _ = s.accept()
+                    c.settimeout(DEADLINE)
+                    data = b""
+                    try:
+                        while b"\n" not in data:
+                            chunk = c.recv(4096)
+                            if not chunk:
+                                break
+                            data += chunk
+                        c.sendall(b'{"ok": true, "report": {"event": "snapshot", "ok": true}}\n')
+                    except OSError:
+                        pass
+                    c.close()
+                    os.write(w, json.dumps({"received": data.decode(errors="replace")})
+                             .encode() + b"\n")
+            finally:
+                os._exit(1)
+        os.close(w)
+        self.pid = pid
+        self._pipe = r
+        self._buf = b""
+        assert self._next() == {"ready": True}
+
+    def _next(self) -> dict:  # type: ignore[type-arg]
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([self._pipe], [], [], DEADLINE)
+            assert ready, "the foreign server said nothing"
+            chunk = os.read(self._pipe, 4096)
+            assert chunk, "the foreign server died"
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def close(self) -> list[dict]:  # type: ignore[type-arg]
+        """Stop the server; what each connection before this call sent."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # a last one, as
+                s.settimeout(DEADLINE)  # a marker: the records before it are complete
+                s.connect(self.path)
+                s.sendall(b"end\n")
+                s.recv(4096)
+            records = []
+            while (rec := self._next()) != {"received": "end\n"}:
+                records.append(rec)
+            return records
+        finally:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+            os.close(self._pipe)
+
+
+@pytest.fixture
+def foreign_dir(root_required: None, short_dir: Path) -> Path:
+    """``<short_dir>/rehydrate``, owned by uid 65534 and writable by all: the default
+    socket directory when ``XDG_RUNTIME_DIR`` is ``short_dir``."""
+    os.chmod(short_dir, 0o755)
+    d = short_dir / "rehydrate"
+    d.mkdir()
+    os.chown(d, 65534, 65534)
+    os.chmod(d, 0o777)
+    return d
+
+
+@pytest.mark.root
+def test_client_refuses_a_server_of_another_uid(foreign_dir: Path) -> None:
+    srv = ForeignServer(foreign_dir)
+    try:
+        r = cli("notify", "save", "--socket", srv.path)
+        assert r.returncode == 4, (r.stdout, r.stderr)
+        assert r.stdout == ""
+        assert "served by uid 65534" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        r = cli("status", env={"REHYDRATE_CONTROL_SOCKET": srv.path})
+        assert r.returncode == 4 and "served by uid 65534" in r.stderr
+        with pytest.raises(UntrustedSocket, match="served by uid 65534"):
+            request("prepare-snapshot", socket_path=srv.path)
+    finally:
+        records = srv.close()
+    assert records == [{"received": ""}] * 3  # it connected, then sent nothing
+
+
+@pytest.mark.root
+def test_client_refuses_a_default_dir_of_another_uid(foreign_dir: Path,
+                                                     short_dir: Path) -> None:
+    """The reviewer's repro: root's ``notify save`` found uid 65534's socket in the
+    default directory and exited 0 without any hook having run."""
+    srv = ForeignServer(foreign_dir)
+    env = {"XDG_RUNTIME_DIR": str(short_dir)}
+    try:
+        r = cli("notify", "save", env=env)
+        assert r.returncode == 4, (r.stdout, r.stderr)
+        assert "found uid 65534, mode 0777" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        os.chmod(foreign_dir, 0o700)  # private, but someone else's
+        r = cli("notify", "save", env=env)
+        assert r.returncode == 4 and "found uid 65534, mode 0700" in r.stderr
+    finally:
+        records = srv.close()
+    assert records == []  # never contacted
+
+
+def test_client_finds_a_socket_only_in_a_private_default_dir(
+    engine: Lifecycle, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REHYDRATE_CONTROL_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir))
+    calls = Calls(engine)
+    assert engine.start([ControlDetector()]) == ["control"]  # <short_dir>/rehydrate/<pid>.sock
+    env = {"XDG_RUNTIME_DIR": str(short_dir)}
+    r = cli("notify", "save", env=env)
+    assert r.returncode == 0, r.stderr
+    assert calls.items[-1][0] == "snapshot-hook"
+    n = len(calls.items)
+    os.chmod(short_dir / "rehydrate", 0o755)
+    try:
+        r = cli("notify", "save", env=env)
+    finally:
+        os.chmod(short_dir / "rehydrate", 0o700)
+    assert r.returncode == 4, (r.stdout, r.stderr)
+    assert "mode 0755" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert len(calls.items) == n
 
 
 # -- the CLI -----------------------------------------------------------------------------
