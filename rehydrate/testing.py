@@ -8,11 +8,17 @@ Fixtures:
     ``rehydrate_engine.registry.after_restore`` and drive them with
     ``rehydrate_engine.simulate_restore(env=...)`` / ``simulate_snapshot()``. The engine's
     environment refresh reads no file (only what ``simulate_restore(env=...)`` passes),
-    and ``os.environ`` is restored after the test.
+    and ``os.environ`` is restored after the test (it uses ``rehydrate_environ``).
+
+``rehydrate_environ``
+    Puts ``os.environ`` back as it was (byte-exact, through ``os.environb``) after the
+    test: for tests that build their own engine, or apply an environment some other way.
+    :func:`restored_environ` is the same as a context manager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -22,7 +28,7 @@ from .env import EnvRefresher
 from .hooks import Registry
 from .lifecycle import Lifecycle
 
-__all__ = ["isolated_engine", "rehydrate_engine"]
+__all__ = ["isolated_engine", "rehydrate_engine", "rehydrate_environ", "restored_environ"]
 
 
 def isolated_engine(**env_options: object) -> Lifecycle:
@@ -30,16 +36,32 @@ def isolated_engine(**env_options: object) -> Lifecycle:
     return Lifecycle(Registry(), env=EnvRefresher(path=None, **env_options))  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def rehydrate_engine() -> Iterator[Lifecycle]:
+@contextlib.contextmanager
+def restored_environ() -> Iterator[None]:
+    """On exit, put ``os.environ`` back as it was on entry (keys added, changed, removed)."""
     saved = dict(os.environb)
-    engine = isolated_engine()
     try:
-        yield engine
+        yield
     finally:
-        engine.close()
         for k in [k for k in os.environb if k not in saved]:
             del os.environb[k]
         for k, v in saved.items():
             if os.environb.get(k) != v:
                 os.environb[k] = v
+
+
+@pytest.fixture
+def rehydrate_environ() -> Iterator[None]:
+    """``os.environ`` is put back as it was after the test."""
+    with restored_environ():
+        yield
+
+
+@pytest.fixture
+def rehydrate_engine(rehydrate_environ: None) -> Iterator[Lifecycle]:
+    """A fresh engine with its own registry, closed after the test; ``os.environ`` restored."""
+    engine = isolated_engine()
+    try:
+        yield engine
+    finally:
+        engine.close()

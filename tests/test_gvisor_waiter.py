@@ -20,10 +20,11 @@ import sys
 import threading
 import time
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from detect_helpers import wait_for
 
 from rehydrate import Lifecycle, Registry
 from rehydrate.detect import gvisor
@@ -39,26 +40,6 @@ from rehydrate.env import EnvRefresher
 DEADLINE = 5.0
 
 
-def wait_for(cond: Callable[[], object], timeout: float = DEADLINE,
-             what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
-@pytest.fixture
-def saved_environ() -> Iterator[None]:
-    saved = dict(os.environb)
-    yield
-    for k in [k for k in os.environb if k not in saved]:
-        del os.environb[k]
-    for k, v in saved.items():
-        if os.environb.get(k) != v:
-            os.environb[k] = v
-
-
 @pytest.fixture
 def proc(tmp_path: Path) -> Path:
     d = tmp_path / "gvisor"
@@ -69,7 +50,7 @@ def proc(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def engine(proc: Path, saved_environ: None) -> Iterator[Lifecycle]:
+def engine(proc: Path, rehydrate_environ: None) -> Iterator[Lifecycle]:
     eng = Lifecycle(Registry(), env=EnvRefresher(path=str(proc / "spec_environ")))
     yield eng
     eng.close()
@@ -265,7 +246,7 @@ def test_writer_that_stays_connected_is_a_stream_of_answers(
 
 
 def test_regular_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 saved_environ: None) -> None:
+                                 rehydrate_environ: None) -> None:
     (tmp_path / "checkpoint").write_text("restore\n")
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
     why = GVisorWaiter.probe()
@@ -376,7 +357,7 @@ def test_probe_explains_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_auto_start_picks_the_waiter(proc: Path, monkeypatch: pytest.MonkeyPatch,
-                                     saved_environ: None) -> None:
+                                     rehydrate_environ: None) -> None:
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))
     eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
     try:
@@ -430,7 +411,7 @@ def pty_proc(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def iso_engine(saved_environ: None) -> Iterator[Lifecycle]:
+def iso_engine(rehydrate_environ: None) -> Iterator[Lifecycle]:
     eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
     yield eng
     eng.close()
