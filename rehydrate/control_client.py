@@ -14,8 +14,10 @@ hook failed: the platform should abort the checkpoint), 3 when the process canno
 reached, 4 when the socket is not trusted, 2 on usage errors.
 
 Trust: the client talks only to a server run by its own uid or by root (``SO_PEERCRED``
-of the listening socket, checked before anything is sent), and finds sockets on its own
-only in a default directory owned by its uid with mode 0700, like the server requires.
+of the listening socket, checked before anything is sent) — or, for a socket the operator
+named (``--socket``, ``$REHYDRATE_CONTROL_SOCKET``), by the uid owning that socket file —
+and finds sockets on its own only in a default directory owned by its uid with mode 0700,
+like the server requires.
 A socket of another user could otherwise answer ``ok`` to ``notify save`` without running
 any hook, and the checkpoint would go ahead.
 """
@@ -75,14 +77,33 @@ def _check_dir(directory: str) -> None:
             "or pass --socket")
 
 
-def _check_peer(sock: socket.socket, path: str) -> None:
-    """Refuse a server that is neither our uid nor root."""
+def _check_peer(sock: socket.socket, path: str, named: bool) -> None:
+    """Refuse a server that is neither our uid nor root.
+
+    One exception, for root running ``notify`` for a workload of another uid (a CRIU action
+    script, save-restore-exec in a pod with ``runAsUser``): when the operator named the
+    socket (``--socket`` or ``$REHYDRATE_CONTROL_SOCKET``), a server of uid U is trusted if
+    U owns the socket file and the directory holding it is owned by U or root and writable
+    by nobody else — a place only U (or root) could have put a socket.
+    """
     pid, uid, _gid = _CRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     me = os.geteuid()
-    if uid not in (me, 0):
-        raise UntrustedSocket(f"not trusting {path}: it is served by uid {uid} (pid {pid}); "
-                              f"only uid {me} or root may answer")
+    if uid in (me, 0) or (named and _placed_by(uid, path)):
+        return
+    raise UntrustedSocket(f"not trusting {path}: it is served by uid {uid} (pid {pid}); "
+                          f"only uid {me} or root may answer (or, for a socket named with "
+                          f"--socket, its owner when its directory is private to that owner)")
+
+
+def _placed_by(uid: int, path: str) -> bool:
+    try:
+        sock_st = os.lstat(path)
+        dir_st = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return False
+    return (sock_st.st_uid == uid and dir_st.st_uid in (uid, 0)
+            and not dir_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def find_socket(explicit: str | None = None) -> str:
@@ -117,6 +138,7 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     come within ``timeout`` seconds, or it is not a JSON object; :class:`UntrustedSocket`
     (before sending anything) when the server runs as neither this uid nor root.
     """
+    named = bool(socket_path or os.environ.get(ENV_SOCKET))
     path = find_socket(socket_path)
     payload = json.dumps({"cmd": cmd, **(fields or {}), **more}).encode() + b"\n"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -127,7 +149,7 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
         except OSError as exc:
             raise ControlError(f"cannot reach the process at {path}: "
                                f"{exc.strerror or exc}") from None
-        _check_peer(sock, path)
+        _check_peer(sock, path, named)
         buf = b""
         try:
             sock.sendall(payload)
