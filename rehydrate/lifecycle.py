@@ -82,8 +82,15 @@ class Lifecycle:
         *,
         env: EnvRefresher | None = None,
         builtins: bool = True,
+        snapshot_deadline: float | None = None,
     ) -> None:
         self.registry = registry if registry is not None else Registry()
+        self.snapshot_deadline = (_positive_or_none(snapshot_deadline, "snapshot_deadline")
+                                  if snapshot_deadline is not None
+                                  else _deadline_from_env())
+        """Seconds after a successful before-snapshot run without a restore or resume
+        after which the resume hooks run anyway (``None``: wait for ever). Default:
+        ``$REHYDRATE_SNAPSHOT_DEADLINE``, else off."""
         self.builtins = Registry()
         self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
         self._loop_thread = LoopThread()
@@ -104,6 +111,7 @@ class Lifecycle:
         self._seen: collections.OrderedDict[str, Report] = collections.OrderedDict()
         self._last_restore_at: float | None = None
         self._last_restore_report: RestoreReport | None = None
+        self._event_seq = 0  # +1 per run (under _run_lock); ends a snapshot deadline watch
 
         self._detectors: list[Detector] = []
         self._started = False
@@ -174,6 +182,12 @@ class Lifecycle:
     @property
     def state(self) -> State:
         return self._state
+
+    @property
+    def last_restore_at(self) -> float | None:
+        """``time.monotonic()`` when the last *anchored* restore or resume was detected
+        (simulated and "carry on" runs excluded; see :meth:`restore_detected`)."""
+        return self._last_restore_at
 
     def is_ready(self) -> bool:
         return self._state in ("running", "ready")
@@ -250,13 +264,33 @@ class Lifecycle:
         frozen_for: float | None = None,
         env: Mapping[str, str | None] | None = None,
         detected_at: float | None = None,
+        anchor: bool = True,
     ) -> RestoreReport:
         """Run the restore (or resume) hooks for an event a detector noticed.
 
         Duplicate suppression: ``key`` names the event (the same key runs once); ``since``
         is the ``time.monotonic()`` at which the detector last saw the process before the
-        freeze — if another restore was detected after that moment, this notice is the same
-        restore and its report is returned without running anything.
+        freeze — if another *anchored* restore was detected after that moment, this notice
+        is the same restore and its report is returned without running anything.
+
+        ``anchor``: True (the default) when the notice is about a real freeze (a restore,
+        or a resume after a checkpoint): only such runs are remembered for ``since``.
+        Runs that follow no freeze pass False — :meth:`simulate_restore` (and the control
+        socket's ``simulate``), and the "carry on" resume runs made when no checkpoint
+        happened (before-snapshot hooks failed, the trigger failed, the platform went
+        away). They never make a later real restore look handled: a clone must always
+        get its reseed, new keys and new environment.
+
+        Choosing ``since``: a detector must pass a moment *before the freeze* that is as
+        late as it can honestly know, because every anchored restore detected after it
+        counts as this one. Two notices of ONE restore are always both detected after the
+        restore itself, so any ``since`` between "last seen before the freeze" and "the
+        restore" merges them. A notice that arrives within moments of the restore
+        (gVisor's ``restore`` answer, which the kernel delivers as the process resumes)
+        may also clamp its ``since`` to "arrival minus a short window" (bounded below by
+        when it started waiting): a descriptor opened hours ago must not swallow a real
+        restore because some other restore — or a false alarm — was handled in between.
+        ``since=None`` never deduplicates by time.
         """
         detected = time.monotonic() if detected_at is None else detected_at
         self._check_not_inside_hook()
@@ -270,8 +304,9 @@ class Lifecycle:
                          reason, last.reason)
                 return last
             report = self._run_restore(reason, kind, frozen_for, env, detected)
-            self._last_restore_at = detected
-            self._last_restore_report = report
+            if anchor:
+                self._last_restore_at = detected
+                self._last_restore_report = report
             if key is not None:
                 self._remember(key, report)
         self._publish(report)
@@ -280,7 +315,12 @@ class Lifecycle:
     def snapshot_requested(
         self, reason: str = "simulated", *, key: str | None = None
     ) -> SnapshotReport:
-        """Run the before-snapshot hooks (phases in reverse) and return their report."""
+        """Run the before-snapshot hooks (phases in reverse) and return their report.
+
+        After a successful run the state stays ``snapshotting`` (not ready) until a
+        restore or resume run. With :attr:`snapshot_deadline` set, the resume hooks run
+        (with a warning) when neither came within that many seconds.
+        """
         self._check_not_inside_hook()
         with self._run_lock:
             if key is not None and key in self._seen:
@@ -288,8 +328,44 @@ class Lifecycle:
             report = self._run_snapshot(reason)
             if key is not None:
                 self._remember(key, report)
+            if report.ok and self.snapshot_deadline is not None:
+                self._watch_deadline(self._event_seq, self.snapshot_deadline)
         self._publish(report)
         return report
+
+    def _watch_deadline(self, seq: int, deadline: float) -> None:
+        threading.Thread(target=self._deadline_main, args=(seq, deadline),
+                         name="rehydrate-snapshot-deadline", daemon=True).start()
+
+    def _deadline_main(self, seq: int, deadline: float) -> None:
+        """Resume hooks when the snapshot ``seq`` saw neither restore nor resume in time.
+
+        Waits on the engine's condition (no polling) in slices of at most 0.5 s; a
+        slice that ends much later than asked means the process was frozen — a checkpoint
+        happened and the restore/resume detectors take over, so the watch ends.
+        """
+        end = time.monotonic() + deadline
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            step = min(end - now, 0.5)
+            with self._cond:
+                if self._cond.wait_for(lambda: self._event_seq != seq, step):
+                    return
+            if time.monotonic() - now > step + _FROZEN_STEP:
+                log.debug("snapshot deadline: the process was frozen meanwhile; leaving "
+                          "the restore/resume to the detectors")
+                return
+        with self._run_lock:
+            if self._event_seq != seq or self._state != "snapshotting":
+                return
+            log.warning("no restore or resume within %gs of the before-snapshot hooks "
+                        "(snapshot_deadline): the platform seems to have given up; running "
+                        "the resume hooks", deadline)
+            report = self._run_restore("snapshot-deadline", "resume", None, None,
+                                       time.monotonic())
+        self._publish(report)
 
     def simulate_restore(
         self,
@@ -301,8 +377,11 @@ class Lifecycle:
         """Run the real engine for a restore, synchronously, and return the report.
 
         ``env`` is applied like a new spec environment (a ``None`` value removes the key).
+        A simulated run is not a freeze anchor: a later real restore notice is never taken
+        for it (see ``anchor`` in :meth:`restore_detected`).
         """
-        return self.restore_detected(reason, kind=kind, env=env, frozen_for=frozen_for)
+        return self.restore_detected(reason, kind=kind, env=env, frozen_for=frozen_for,
+                                     anchor=False)
 
     def simulate_snapshot(self, reason: str = "simulated") -> SnapshotReport:
         """Run the real before-snapshot hooks synchronously and return the report."""
@@ -359,6 +438,7 @@ class Lifecycle:
         detected: float,
     ) -> RestoreReport:
         generation = self._generation + 1 if kind == "restore" else self._generation
+        self._event_seq += 1
         ctx = RestoreContext(generation=generation, reason=reason, kind=kind,
                              frozen_for=frozen_for, detected_at=detected,
                              env=dict(env) if env is not None else None)
@@ -379,6 +459,7 @@ class Lifecycle:
         return report
 
     def _run_snapshot(self, reason: str) -> SnapshotReport:
+        self._event_seq += 1
         ctx = RestoreContext(generation=self._generation, reason=reason, kind="snapshot",
                              detected_at=time.monotonic())
         self._set_state("snapshotting")
@@ -477,9 +558,37 @@ class Lifecycle:
     def close(self) -> None:
         """Stop detectors and the engine's threads (for tests and interpreter exit)."""
         self.stop()
+        with self._cond:  # ends a snapshot deadline watch
+            self._event_seq += 1
+            self._cond.notify_all()
         self._runner.close()
         self._loop_thread.close()
         self._runner = HookRunner(self._loop_thread)
+
+
+_FROZEN_STEP = 1.5
+"""A wait that ends this much later than asked: the process was frozen meanwhile."""
+
+
+def _positive_or_none(value: float, what: str) -> float:
+    if not value > 0 or value == float("inf"):  # also rejects NaN
+        raise ValueError(f"{what} must be a positive finite number of seconds, not {value!r}")
+    return value
+
+
+def _deadline_from_env() -> float | None:
+    raw = os.environ.get("REHYDRATE_SNAPSHOT_DEADLINE", "").strip().lower()
+    if raw in ("", "0", "off", "none"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        log.warning("REHYDRATE_SNAPSHOT_DEADLINE must be a positive number of seconds (or "
+                    "off); snapshot deadline off")
+        return None
+    return value
 
 
 def _policy_from_env() -> Policy:

@@ -779,3 +779,71 @@ def test_request_client_errors(short_dir: Path, monkeypatch: pytest.MonkeyPatch)
             request("status", socket_path=str(short_dir / "mute.sock"), timeout=0.3)
     finally:
         listener.close()
+
+
+# -- review fixes: which earlier runs a notice may be a duplicate of -----------------------
+
+
+def test_restore_only_the_clock_saw_does_not_hide_a_later_notify_restore(
+    server: ControlServer, engine: Lifecycle, sock_path: str
+) -> None:
+    calls = Calls(engine)
+    # Restore #1, noticed only by the clock jump (no prepare-snapshot on this socket).
+    engine.restore_detected("clock-jump", since=time.monotonic())
+    # Later: a short freeze (no clock jump) and the operator's `notify restore`.
+    reply = request("restore", socket_path=sock_path)
+    assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2)
+    assert [c[3] for c in calls.items] == ["clock-jump", "control"]
+
+
+def test_prepare_is_consumed_by_the_first_notice(server: ControlServer, engine: Lifecycle,
+                                                 sock_path: str) -> None:
+    calls = Calls(engine)
+    assert request("prepare-snapshot", socket_path=sock_path)["ok"]
+    engine.restore_detected("clock-jump", since=time.monotonic() - 0.5)
+    assert request("restore", socket_path=sock_path)["report"]["reason"] == "clock-jump"
+    # A second restore, again only the clock saw it, then a notice with no new prepare.
+    engine.restore_detected("clock-jump", since=time.monotonic())
+    reply = request("restore", socket_path=sock_path)
+    assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 3)
+    assert [c[3] for c in calls.items if c[0] == "restore-hook"] == [
+        "clock-jump", "clock-jump", "control"]
+
+
+def test_simulate_and_carry_on_resumes_do_not_hide_a_restore(
+    server: ControlServer, engine: Lifecycle, sock_path: str
+) -> None:
+    calls = Calls(engine)
+    fail = True
+
+    @engine.registry.before_snapshot(name="flush")
+    def flush() -> None:
+        if fail:
+            raise RuntimeError("disk full")
+
+    since = time.monotonic()  # e.g. the gVisor waiter's descriptor, opened long ago
+    assert request("simulate", socket_path=sock_path)["ok"]
+    assert request("prepare-snapshot", socket_path=sock_path)["ok"] is False  # carry on
+    assert engine.last_restore_at is None
+    report = engine.restore_detected("gvisor", since=since)
+    assert (report.reason, report.generation) == ("gvisor", 2)
+    assert [c[3] for c in calls.items if c[0] == "restore-hook"] == [
+        "simulated", "control", "gvisor"]
+
+
+@pytest.mark.root
+def test_root_client_trusts_a_named_socket_in_its_owners_private_dir(
+        foreign_dir: Path) -> None:
+    """Root notifying a workload of another uid: allowed only for a socket the operator
+    named, owned by that uid, in a directory writable by that uid alone."""
+    os.chmod(foreign_dir, 0o700)
+    srv = ForeignServer(foreign_dir)
+    try:
+        r = cli("notify", "save", "--socket", srv.path)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        # found on its own (not named), the same socket is still refused
+        r = cli("notify", "save", env={"XDG_RUNTIME_DIR": str(foreign_dir.parent)})
+        assert r.returncode == 4, (r.stdout, r.stderr)
+    finally:
+        records = srv.close()
+    assert records == [{"received": '{"cmd": "prepare-snapshot"}\n'}]

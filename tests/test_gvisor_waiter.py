@@ -513,3 +513,148 @@ def test_trigger_refuses_a_fifo_and_a_missing_file(iso_engine: Lifecycle, proc: 
         trigger_snapshot(iso_engine, proc=str(proc))
     with pytest.raises(GVisorError, match="not found"):
         trigger_snapshot(iso_engine, proc=str(tmp_path / "missing"))
+
+
+# -- review fixes: freeze anchors, arming, no stuck "snapshotting" -------------------------
+
+
+def test_simulated_restore_does_not_hide_a_real_restore_answer(engine: Lifecycle,
+                                                                proc: Path) -> None:
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)  # its descriptor (its `since`) is older than...
+    engine.simulate_restore()  # ... an operator's simulate (or a carry-on resume)
+    answer(waiter, b"restore\n")  # a real checkpoint later: this process is a clone
+    calls = rec.wait(2)
+    assert [c[3] for c in calls] == ["simulated", "gvisor"]
+    assert engine.status().generation == 2
+
+
+def test_long_open_descriptor_does_not_swallow_a_later_restore(
+    engine: Lifecycle, proc: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gvisor, "ANSWER_WINDOW", 0.2)
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    # A restore only the clock jump saw (or a false alarm) while the descriptor is open.
+    engine.restore_detected("clock-jump", since=time.monotonic() - 1.0)
+    rec.wait(1)
+    handled = engine.last_restore_at
+    assert handled is not None
+    wait_for(lambda: time.monotonic() > handled + 0.4, what="the window to pass")
+    answer(waiter, b"restore\n")  # gVisor's answer for a later, real restore
+    calls = rec.wait(2)
+    assert [c[3] for c in calls] == ["clock-jump", "gvisor"]
+    assert engine.status().generation == 2
+
+
+def _slow_waiter_open(monkeypatch: pytest.MonkeyPatch, delay: float,
+                      events: list[tuple[str, float]]) -> None:
+    real_open, real_write = os.open, os.write
+
+    def slow_open(path, flags, *a):  # type: ignore[no-untyped-def]
+        if (str(path).endswith("checkpoint") and flags == gvisor._OPEN_READ
+                and threading.current_thread().name == "rehydrate-gvisor"):
+            time.sleep(delay)  # the waiter thread is slow to get into open()
+            fd = real_open(path, flags, *a)
+            events.append(("waiter-opened", time.monotonic()))
+            return fd
+        return real_open(path, flags, *a)
+
+    def rec_write(fd, data):  # type: ignore[no-untyped-def]
+        if data == b"1":
+            events.append(("trigger-wrote-1", time.monotonic()))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(gvisor.os, "open", slow_open)
+    monkeypatch.setattr(gvisor.os, "write", rec_write)
+
+
+def test_trigger_waits_until_the_waiter_descriptor_exists(
+    iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On gVisor a descriptor opened after the ``1`` is registered for the NEXT checkpoint:
+    the waiter must be armed only once open() returned."""
+    platform = FakePlatform(pty_proc, b"restore\n")
+    events: list[tuple[str, float]] = []
+    try:
+        _slow_waiter_open(monkeypatch, 0.3, events)
+        iso_engine.start([GVisorWaiter(str(pty_proc))])
+        assert iso_engine.trigger_snapshot(timeout=DEADLINE) == "restore"
+    finally:
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+    order = [e[0] for e in sorted(events, key=lambda e: e[1])]
+    assert order[:2] == ["waiter-opened", "trigger-wrote-1"], events
+
+
+def test_trigger_timeout_without_waiter_runs_resume_hooks(iso_engine: Lifecycle,
+                                                           pty_proc: Path) -> None:
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        with pytest.raises(TimeoutError, match="resume hooks ran"):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=0.3)
+    finally:
+        platform.close()
+    assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
+                                          ("restore-hook", "resume")]
+    assert iso_engine.state == "ready" and iso_engine.is_ready()
+    assert iso_engine.last_restore_at is None, "no checkpoint seen: not a freeze anchor"
+
+
+def test_trigger_bad_answer_without_waiter_runs_resume_hooks(iso_engine: Lifecycle,
+                                                              pty_proc: Path) -> None:
+    platform = FakePlatform(pty_proc, reply=b"garbage\n")
+    try:
+        rec = Recorder(iso_engine)
+        with pytest.raises(GVisorError, match="garbage"):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
+    finally:
+        platform.close()
+    assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
+                                          ("restore-hook", "resume")]
+    assert iso_engine.is_ready()
+
+
+def test_trigger_waiter_never_armed_runs_resume_hooks(
+    iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    platform = FakePlatform(pty_proc, b"restore\n")
+    events: list[tuple[str, float]] = []
+    try:
+        rec = Recorder(iso_engine)
+        _slow_waiter_open(monkeypatch, 1.0, events)
+        iso_engine.start([GVisorWaiter(str(pty_proc))])
+        with pytest.raises(TimeoutError, match="did not open"):
+            iso_engine.trigger_snapshot(timeout=0.2)
+        assert platform.triggers == [], "no 1 written: no checkpoint"
+        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
+                                              ("restore-hook", "resume")]
+        assert iso_engine.is_ready()
+    finally:
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
+def test_trigger_answer_timeout_with_waiter_leaves_hooks_to_the_late_answer(
+    iso_engine: Lifecycle, pty_proc: Path
+) -> None:
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        start_waiter(iso_engine, pty_proc)
+        with pytest.raises(TimeoutError):
+            iso_engine.trigger_snapshot(timeout=0.3)
+        assert platform.triggers == [b"1"]
+        # The checkpoint may still be under way: no resume yet, the waiter will answer.
+        assert iso_engine.state == "snapshotting"
+        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot")]
+        os.write(platform.master, b"resume\n")  # the late answer
+        assert iso_engine.wait_ready(timeout=DEADLINE)
+        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
+                                              ("restore-hook", "resume")]
+    finally:
+        iso_engine.stop()
+        platform.close()

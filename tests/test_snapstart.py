@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import snapshot_restore_py
 from awslambdaric import lambda_runtime_hooks_runner as runtime
@@ -84,3 +86,19 @@ def test_auto_start_registers_the_bridge(rehydrate_engine):
     assert "snapstart" in rehydrate_engine.start("auto")
     runtime.run_after_restore()
     assert rec.calls[0]["reason"] == "snapstart"
+
+
+@pytest.mark.parametrize("first", ["identity", "snapstart"])
+def test_restore_seen_by_another_detector_runs_hooks_once(rehydrate_engine, first):
+    rec = Recorder(rehydrate_engine)
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_before_snapshot()
+    t_freeze = time.monotonic()  # the identity detector last looked before the freeze
+    if first == "identity":
+        rehydrate_engine.restore_detected("identity", kind="restore", since=t_freeze)
+        runtime.run_after_restore()
+    else:
+        runtime.run_after_restore()
+        rehydrate_engine.restore_detected("identity", kind="restore", since=t_freeze)
+    assert [c["reason"] for c in rec.calls] == [first]
+    assert rehydrate_engine.status().generation == 1

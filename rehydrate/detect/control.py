@@ -26,9 +26,14 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
 commands and incomplete requests get an error reply and the server keeps serving.
 
-Duplicate suppression: a ``restore``/``resume`` notice passes
-``since = max(last prepare-snapshot, last restore this socket handled, socket start)``,
-so a restore the clock-jump detector already handled is not run twice.
+Duplicate suppression: a ``restore``/``resume`` notice that follows a successful
+``prepare-snapshot`` on this socket passes ``since`` = the time of that prepare (the
+freeze came after it), so a restore the clock-jump detector already handled is not run
+twice; the notice consumes the prepare. A notice without such a prepare cannot know when
+the freeze was: it passes ``since`` = the engine's last anchored restore (or the socket's
+start), so it is never taken for an earlier restore — a restore only the clock jump saw
+must not hide a later ``notify restore`` (at worst the hooks run twice, never zero
+times). ``simulate`` runs and the resume runs below are not freeze anchors.
 
 If the reply to ``prepare-snapshot`` cannot be delivered (the client went away, e.g.
 the platform's timeout killed ``rehydrate notify``), the platform aborts the
@@ -167,7 +172,7 @@ class ControlServer:
         self._conns: set[socket.socket] = set()
         self._started_at = 0.0
         self._last_prepare: float | None = None
-        self._last_handled: float | None = None
+        """A successful prepare-snapshot not yet followed by a restore/resume notice."""
         self.served = 0
         self.refused = 0
 
@@ -385,7 +390,8 @@ class ControlServer:
         if not delivered and cmd == "prepare-snapshot" and reply.get("ok"):
             log.warning("the client of prepare-snapshot went away before the reply; the "
                         "platform aborts the checkpoint, so the resume hooks run now")
-            self.engine.restore_detected("control", kind="resume")
+            self._last_prepare = None  # no checkpoint follows it
+            self.engine.restore_detected("control", kind="resume", anchor=False)
         return delivered
 
     @staticmethod
@@ -400,27 +406,32 @@ class ControlServer:
     # -- commands --------------------------------------------------------------------
 
     def _since(self) -> float:
-        return max(self._last_prepare or 0.0, self._last_handled or 0.0, self._started_at)
+        """``since`` for a restore/resume notice (see the module docstring)."""
+        if self._last_prepare is not None:
+            return self._last_prepare
+        return max(self._started_at, self.engine.last_restore_at or 0.0)
 
     def _dispatch(self, cmd: str, req: Mapping[str, Any]) -> dict[str, Any]:
         engine = self.engine
         if cmd == "status":
             return {"ok": True, "status": engine.status().to_dict(), "pid": os.getpid()}
         if cmd == "prepare-snapshot":
-            self._last_prepare = time.monotonic()
+            prepared = time.monotonic()
             snap = engine.snapshot_requested("control")
             out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict()}
+            self._last_prepare = prepared if snap.ok else None
             if not snap.ok:
                 failed = ", ".join(h.name for h in snap.failed if h.required)
-                resume = engine.restore_detected("control", kind="resume")
+                resume = engine.restore_detected("control", kind="resume", anchor=False)
                 out["resume_report"] = resume.to_dict()
                 out["error"] = (f"before-snapshot hook(s) failed: {failed}; the resume hooks "
                                 "ran, the checkpoint should be aborted")
             return out
         if cmd in ("resume", "restore"):
             kind: Literal["restore", "resume"] = "restore" if cmd == "restore" else "resume"
-            report = engine.restore_detected("control", kind=kind, since=self._since())
-            self._last_handled = time.monotonic()
+            since = self._since()
+            self._last_prepare = None  # consumed: the next notice is about a later freeze
+            report = engine.restore_detected("control", kind=kind, since=since)
             out = {"ok": report.ok, "report": report.to_dict()}
             if not report.ok:
                 failed = ", ".join(h.name for h in report.failed if h.required)

@@ -17,9 +17,13 @@ gVisor (``pkg/sentry/fsimpl/proc/checkpoint.go``) exposes a character-device-lik
 ``resume``: hooks that closed things before the snapshot reopen them), ``error`` logs a
 failed checkpoint and runs the resume hooks too (the before-snapshot hooks may have
 closed things). Anything else is logged as one error line; the waiter then re-opens the
-file for the next checkpoint. Each notice carries ``since`` = the monotonic time the
-descriptor was opened, so that another detector's notice of the same restore (the clock
-jump) runs the hooks only once.
+file for the next checkpoint. Each notice carries ``since`` = the later of the moment
+the descriptor was opened and :data:`ANSWER_WINDOW` seconds before the answer arrived,
+so that another detector's notice of the same restore (the clock jump, detected after
+the restore) runs the hooks only once, while an unrelated restore handled while the
+descriptor sat open for hours (one only the clock jump saw, or a false alarm) does not
+make this real restore look handled. Simulated runs never count (see ``anchor`` in
+:meth:`~rehydrate.lifecycle.Lifecycle.restore_detected`).
 
 Test stand-ins: ``REHYDRATE_GVISOR_PROC`` (default ``/proc/gvisor``) may point at a
 directory whose ``checkpoint`` is a FIFO: a writer that opens it and writes one answer
@@ -83,6 +87,9 @@ _OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _OPEN_WRITE = os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY
 _OPEN_FIFO = os.O_RDONLY | os.O_CLOEXEC  # blocking: waits for a writer
 _QUICK = 0.05
+ANSWER_WINDOW = 2.0
+"""gVisor delivers the answer as the restored process resumes: a restore detected by
+another detector more than this many seconds before the answer arrived is not this one."""
 """A bad answer this soon after opening may repeat at once (e.g. a regular file): back off."""
 _BACKOFF_MAX = 5.0
 
@@ -208,8 +215,14 @@ def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
     return answers, bad
 
 
-def _handle(engine: Lifecycle, answer: Answer, since: float, reason: str) -> RestoreReport:
-    """Run the hooks ``answer`` asks for (deduplicated against other detectors by ``since``)."""
+def _handle(engine: Lifecycle, answer: Answer, since: float, reason: str,
+            arrived: float) -> RestoreReport:
+    """Run the hooks ``answer`` asks for (deduplicated against other detectors by ``since``).
+
+    ``since`` (when the descriptor was opened) is clamped to ``arrived - ANSWER_WINDOW``:
+    see the module docstring.
+    """
+    since = max(since, arrived - ANSWER_WINDOW)
     if answer == "restore":
         return engine.restore_detected(reason, kind="restore", since=since)
     if answer == "error":
@@ -380,7 +393,10 @@ class GVisorWaiter(Detector):
             since = time.monotonic()
             with self._cond:
                 self._opens += 1
-                self._armed = True
+                # gVisor registers a descriptor for the next checkpoint when open()
+                # returns: armed (what trigger_snapshot waits for before writing 1) only
+                # then. A FIFO stand-in is armed while it waits in open() for a writer.
+                self._armed = fifo
                 self._in_open = fifo
                 self._cond.notify_all()
             if self._stopping:  # (stop() sets this before it looks at _in_open)
@@ -396,6 +412,9 @@ class GVisorWaiter(Detector):
             return self._bad(f"an error on open ({exc.strerror or exc})", quick=True)
         if not fifo:
             since = time.monotonic()  # gVisor: registered for the next checkpoint now
+            with self._cond:
+                self._armed = True
+                self._cond.notify_all()
         try:
             if self._stopping:
                 return False
@@ -421,7 +440,8 @@ class GVisorWaiter(Detector):
                 return self._bad(f"a read error ({exc.strerror or exc})", quick)
             if chunk is None:
                 return False  # stopped
-            quick = time.monotonic() - since < _QUICK
+            arrived = time.monotonic()
+            quick = arrived - since < _QUICK
             buf += chunk
             got_data = got_data or bool(chunk)
             if discard:
@@ -443,7 +463,8 @@ class GVisorWaiter(Detector):
                     continue
                 handled += 1
                 if word.decode("ascii", "replace") in ANSWERS:
-                    since = self._answer(cast(Answer, word.decode("ascii")), since, fifo)
+                    since = self._answer(cast(Answer, word.decode("ascii")), since, fifo,
+                                         arrived)
                 elif not self._bad(f"unknown answer {_describe_bytes(word)}", quick):
                     return False
             if len(buf) > MAX_ANSWER:
@@ -469,7 +490,7 @@ class GVisorWaiter(Detector):
         with self._cond:
             self._armed = False
 
-    def _answer(self, answer: Answer, since: float, rearm: bool) -> float:
+    def _answer(self, answer: Answer, since: float, rearm: bool, arrived: float) -> float:
         """Run the hooks for one answer; returns the ``since`` for a later answer.
 
         ``rearm``: the descriptor stays open for further answers (a FIFO stream).
@@ -481,7 +502,7 @@ class GVisorWaiter(Detector):
         log.debug("gVisor checkpoint answer: %s", answer)
         report: RestoreReport | None = None
         try:
-            report = _handle(engine, answer, since, self.name)
+            report = _handle(engine, answer, since, self.name, arrived)
         except Exception:
             log.exception("running the hooks for gVisor answer %r failed", answer)
         with self._cond:
@@ -543,6 +564,15 @@ def trigger_snapshot(
     Raises :class:`TriggerNotPermitted` (naming the annotation) when gVisor refuses the
     write, :class:`GVisorError` when the file is missing or unusable, ``TimeoutError``
     when ``timeout`` seconds pass without an answer.
+
+    A failure after the before-snapshot hooks ran never leaves the process
+    ``snapshotting``: the resume hooks run (kind ``resume``, not a freeze anchor) before
+    the error is raised — except when the running waiter timed out waiting for the
+    answer *after* the ``1`` was written: its descriptor is registered for this
+    checkpoint, so the late answer runs the restore or resume hooks then (until it comes,
+    the process stays ``snapshotting``; set ``snapshot_deadline`` on the engine for a
+    bound). Without a waiter a late answer is not read: a restore after such a timeout is
+    left to the generic detectors (clock jump …).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     waiter = engine.detector("gvisor")
@@ -569,14 +599,48 @@ def trigger_snapshot(
         raise _not_permitted(path, exc) from None
     except OSError as exc:
         raise GVisorError(f"cannot open {path} for writing: {exc.strerror or exc}") from None
-    rfd = -1
+    progress = _Progress()
     try:
         snap = engine.snapshot_requested("gvisor")
         if not snap.ok:
             log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
                       "resume hooks")
-            engine.restore_detected("gvisor", kind="resume")
+            engine.restore_detected("gvisor", kind="resume", anchor=False)
             return "error"
+        # The before-snapshot hooks ran: from here on, a failure must not leave the process
+        # "snapshotting" for ever. Unless an answer is still coming to the running waiter
+        # (which then runs the hooks), the resume hooks run before the error is raised.
+        try:
+            return _trigger(engine, waiter, path, wfd, deadline=deadline, timeout=timeout,
+                            progress=progress)
+        except Exception as exc:
+            if progress.answer_pending:
+                raise
+            log.warning("trigger failed after the before-snapshot hooks ran (%s); running "
+                        "the resume hooks, the process carries on", exc)
+            try:
+                engine.restore_detected("gvisor", kind="resume", anchor=False)
+            except Exception:
+                log.exception("running the resume hooks after a failed trigger failed")
+            raise
+    finally:
+        os.close(wfd)
+
+
+class _Progress:
+    answer_pending = False
+    """The running waiter holds a descriptor for the triggered checkpoint: its (late)
+    answer runs the restore or resume hooks."""
+
+
+def _trigger(engine: Lifecycle, waiter: GVisorWaiter | None, path: str, wfd: int, *,
+             deadline: float | None, timeout: float | None, progress: _Progress) -> Answer:
+    """Write ``1`` and wait for the answer (the part of :func:`trigger_snapshot` after the
+    before-snapshot hooks ran)."""
+    rfd = -1
+    seq = 0
+    since = 0.0
+    try:
         if waiter is not None:
             seq = waiter._wait_armed(deadline)
         else:
@@ -585,7 +649,6 @@ def trigger_snapshot(
         try:
             written = os.write(wfd, b"1")
         except OSError as exc:
-            engine.restore_detected("gvisor", kind="resume")
             if exc.errno in (errno.EPERM, errno.EACCES):
                 raise _not_permitted(path, exc) from None
             if exc.errno == errno.ENXIO:
@@ -597,17 +660,24 @@ def trigger_snapshot(
             raise GVisorError(f"short write to {path}")
         log.info("checkpoint triggered through %s; waiting for the answer", path)
         if waiter is not None:
-            answer, _report = waiter._wait_answer(seq, deadline)
+            try:
+                answer, _report = waiter._wait_answer(seq, deadline)
+            except TimeoutError:
+                # The waiter's descriptor gets the late answer and runs the hooks then.
+                progress.answer_pending = True
+                raise
             return answer
         data = _poll_read(rfd, None, deadline)
         if data is None:
-            raise TimeoutError(f"no answer from {path} within {timeout}s")
+            raise TimeoutError(f"no answer from {path} within {timeout}s; resume hooks ran "
+                               "(a late answer is not waited for)")
+        arrived = time.monotonic()
         answers, bad = _parse(data)
         if not answers:
-            raise GVisorError(f"{path} gave {'; '.join(bad)} after a trigger")
-        _handle(engine, answers[0], since, "gvisor")
+            raise GVisorError(f"{path} gave {'; '.join(bad)} after a trigger; resume hooks "
+                              "ran")
+        _handle(engine, answers[0], since, "gvisor", arrived)
         return answers[0]
     finally:
-        os.close(wfd)
         if rfd >= 0:
             os.close(rfd)

@@ -8,7 +8,11 @@ environment restored from that snapshot. When ``snapshot_restore_py`` imports,
 
 * before the snapshot: ``engine.snapshot_requested("snapstart")``; when a required hook
   failed it raises, because SnapStart aborts on the first error of a runtime hook;
-* after restore: ``engine.restore_detected("snapstart", kind="restore")`` (generation +1).
+* after restore: ``engine.restore_detected("snapstart", kind="restore", since=<the
+  monotonic time the before-snapshot bridge started>)`` (generation +1). When another
+  detector (identity, clock jump) reported this restore first, the hooks do not run again;
+  the bridge's notice returns that report. The time is consumed by the first
+  after-restore call (a second call in the same process is a new event).
   Lambda allows 10 s for after-restore work: keep restore hooks within that.
 
 The runtime pops before-snapshot callables as it runs them (newest first) and runs
@@ -22,6 +26,7 @@ import importlib
 import importlib.util
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import Detector
@@ -35,6 +40,8 @@ log = logging.getLogger("rehydrate")
 
 _lock = threading.Lock()
 _engines: list[Lifecycle] = []
+_snapshot_at: float | None = None
+"""``time.monotonic()`` when the before-snapshot bridge ran (before the freeze)."""
 
 
 class SnapStartHookFailed(RuntimeError):
@@ -42,8 +49,10 @@ class SnapStartHookFailed(RuntimeError):
 
 
 def _before_snapshot() -> None:
+    global _snapshot_at  # one bridge per process
     with _lock:
         engines = list(_engines)
+        _snapshot_at = time.monotonic()
     failed = []
     for engine in engines:
         report = engine.snapshot_requested("snapstart")
@@ -60,10 +69,12 @@ def _before_snapshot() -> None:
 
 
 def _after_restore() -> None:
+    global _snapshot_at  # one bridge per process
     with _lock:
         engines = list(_engines)
+        since, _snapshot_at = _snapshot_at, None
     for engine in engines:
-        engine.restore_detected("snapstart", kind="restore")
+        engine.restore_detected("snapstart", kind="restore", since=since)
 
 
 def _registered(entries: list[Any], fn: object) -> bool:

@@ -1,0 +1,176 @@
+"""Freeze anchors and the snapshot deadline (lifecycle engine).
+
+Only runs that follow a real freeze ("anchored") take part in ``since`` de-duplication:
+a simulated run, or a "carry on" resume after a checkpoint that never happened, must not
+make a later real restore look already handled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rehydrate import Lifecycle, Registry
+from rehydrate.env import EnvRefresher
+
+DEADLINE = 10.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _runs(engine: Lifecycle) -> list[tuple[str, str, int]]:
+    runs: list[tuple[str, str, int]] = []
+    engine.registry.after_restore(
+        lambda ctx: runs.append((ctx.reason, ctx.kind, ctx.generation)), name="test.runs")
+    return runs
+
+
+def test_simulated_restore_does_not_hide_a_real_restore(rehydrate_engine: Lifecycle) -> None:
+    runs = _runs(rehydrate_engine)
+    since = time.monotonic()  # a detector last saw the process before the simulation
+    rehydrate_engine.simulate_restore()
+    assert rehydrate_engine.last_restore_at is None
+    report = rehydrate_engine.restore_detected("gvisor", since=since)
+    assert report.reason == "gvisor" and report.generation == 2
+    assert runs == [("simulated", "restore", 1), ("gvisor", "restore", 2)]
+    assert rehydrate_engine.last_restore_at is not None
+
+
+def test_carry_on_resume_is_not_an_anchor(rehydrate_engine: Lifecycle) -> None:
+    runs = _runs(rehydrate_engine)
+    since = time.monotonic()
+    rehydrate_engine.restore_detected("control", kind="resume", anchor=False)
+    report = rehydrate_engine.restore_detected("clock-jump", since=since)
+    assert (report.reason, report.generation) == ("clock-jump", 1)
+    assert [r[0] for r in runs] == ["control", "clock-jump"]
+    # An anchored run still merges a second notice of the same restore.
+    dup = rehydrate_engine.restore_detected("identity", since=since)
+    assert dup is report and len(runs) == 2
+
+
+# -- snapshot deadline -------------------------------------------------------------------
+
+
+def _engine(**kw: object) -> Lifecycle:
+    return Lifecycle(Registry(), env=EnvRefresher(path=None), **kw)  # type: ignore[arg-type]
+
+
+def test_state_stays_snapshotting_without_deadline() -> None:
+    engine = _engine()
+    try:
+        assert engine.snapshot_deadline is None
+        assert engine.simulate_snapshot().ok
+        assert engine.state == "snapshotting"
+        assert not engine.wait_ready(timeout=0.3)
+    finally:
+        engine.close()
+
+
+def test_snapshot_deadline_runs_resume_hooks(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    engine = _engine(snapshot_deadline=0.2)
+    runs = _runs(engine)
+    try:
+        t0 = time.monotonic()
+        assert engine.simulate_snapshot().ok
+        assert engine.state == "snapshotting"
+        assert engine.wait_ready(timeout=DEADLINE)
+        assert time.monotonic() - t0 >= 0.2
+        assert runs == [("snapshot-deadline", "resume", 0)]
+        assert engine.state == "ready" and engine.generation == 0
+        assert engine.last_restore_at is None, "no freeze happened: not an anchor"
+        assert any("snapshot_deadline" in r.getMessage() for r in caplog.records)
+    finally:
+        engine.close()
+
+
+def test_snapshot_deadline_cancelled_by_restore_and_by_failure() -> None:
+    engine = _engine(snapshot_deadline=0.3)
+    runs = _runs(engine)
+    try:
+        assert engine.simulate_snapshot().ok
+        engine.restore_detected("control", kind="resume")
+        # Wait past the deadline: the watch saw the resume and ended.
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        assert runs == [("control", "resume", 0)]
+
+        @engine.registry.before_snapshot(name="boom")
+        def boom() -> None:
+            raise RuntimeError("cannot close")
+
+        assert not engine.simulate_snapshot().ok  # degraded: no watch armed
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        assert runs == [("control", "resume", 0)] and engine.state == "degraded"
+    finally:
+        engine.close()
+
+
+def test_snapshot_deadline_from_environment(monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", "12.5")
+    engine = _engine()
+    assert engine.snapshot_deadline == 12.5
+    engine.close()
+    for off in ("0", "off", ""):
+        monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", off)
+        engine = _engine()
+        assert engine.snapshot_deadline is None
+        engine.close()
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    for bad in ("soon", "-3", "nan", "inf"):
+        monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", bad)
+        engine = _engine()
+        assert engine.snapshot_deadline is None
+        engine.close()
+    assert sum("REHYDRATE_SNAPSHOT_DEADLINE" in r.getMessage() for r in caplog.records) == 4
+    with pytest.raises(ValueError, match="snapshot_deadline"):
+        _engine(snapshot_deadline=float("nan"))
+
+
+CHILD = """
+import json, sys, time
+from rehydrate import Lifecycle, Registry
+from rehydrate.env import EnvRefresher
+engine = Lifecycle(Registry(), env=EnvRefresher(path=None), snapshot_deadline=1.0)
+engine.simulate_snapshot()
+print("armed", flush=True)
+sys.stdin.readline()  # the parent stopped us (frozen) and continued us
+end = time.monotonic() + 2.0
+while time.monotonic() < end:
+    time.sleep(0.05)
+print(json.dumps({"state": engine.state}), flush=True)
+"""
+
+
+def test_snapshot_deadline_ends_when_the_process_was_frozen() -> None:
+    """A freeze (SIGSTOP here, a checkpoint for real) means the detectors take over: the
+    deadline must not fire just because the clock stepped past it while frozen."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "armed"
+        os.kill(child.pid, signal.SIGSTOP)
+        end = time.monotonic() + 2.5  # frozen for longer than the deadline (and a slice)
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        assert json.loads(line) == {"state": "snapshotting"}, line
+    finally:
+        child.kill()
+        child.wait(DEADLINE)
