@@ -410,7 +410,7 @@ class KeyManager:
         self.enabled = True
         self._lock = threading.Lock()
         self._keys: dict[str, EphemeralKey] = {}
-        self._dropped = snapshot_pending(engine)
+        self._dropped = engine.snapshot_pending
         engine.builtins.register(self._on_restore, phase=Phase.SECRETS, order=-100,
                                  name="rehydrate.keys", timeout=60.0)
         engine.builtins.register(self._on_snapshot, event="snapshot", phase=Phase.SECRETS,
@@ -487,16 +487,6 @@ class KeyManager:
             self._dropped = True
         for k in self.keys():
             k.drop()
-
-
-def snapshot_pending(engine: Lifecycle) -> bool:
-    """True when ``engine``'s last event was a before-snapshot pass and no restore or resume
-    has run since (for managers created in that window)."""
-    state = engine.state
-    if state == "snapshotting":
-        return True
-    last = getattr(engine, "_last_report", None)
-    return state == "degraded" and getattr(last, "kind", None) == "snapshot"
 
 
 def manager(engine: Lifecycle | None = None) -> KeyManager:

@@ -27,6 +27,7 @@ from .context import (
     RestoreContext,
     RestoreReport,
     SnapshotReport,
+    describe_error,
 )
 from .env import POLICIES, EnvRefresher, Policy
 from .hooks import Hook, Phase, Registry
@@ -188,6 +189,14 @@ class Lifecycle:
         """``time.monotonic()`` when the last *anchored* restore or resume was detected
         (simulated and "carry on" runs excluded; see :meth:`restore_detected`)."""
         return self._last_restore_at
+
+    @property
+    def snapshot_pending(self) -> bool:
+        """True between a before-snapshot pass and the next restore or resume: managers
+        must not create secret material then (it would be written into the image)."""
+        last = self._last_report
+        return self._state == "snapshotting" or (
+            self._state == "degraded" and last is not None and last.kind == "snapshot")
 
     def is_ready(self) -> bool:
         return self._state in ("running", "ready")
@@ -635,15 +644,9 @@ def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFai
         if r.outcome in ("failed", "timeout"):
             level = logging.ERROR if r.required else logging.WARNING
             log.log(level, "%s hook %s %s: %s", kind, r.name, r.outcome,
-                    _one_line(r.error))
+                    describe_error(r.error))
     ok = not any(r.required and r.outcome in ("failed", "timeout") for r in results)
     error = HookFailed(f"{len(errors)} {kind} hook(s) failed", errors) if errors else None
     return ok, error
 
-
-def _one_line(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

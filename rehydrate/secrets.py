@@ -146,7 +146,10 @@ class Secret:
         """How many times the value was loaded."""
         self._manager = manager(engine)
         self._hooks: tuple[Hook, ...] = ()
-        if load:
+        if load and self._manager.engine.snapshot_pending:
+            # Loaded now, the value would be written into the coming snapshot image.
+            self._reason = "wiped: created while a snapshot was pending; loads on restore"
+        elif load:
             self._load(keep_previous=False, raise_errors=True)
         self._manager.add(self)
 

@@ -970,9 +970,8 @@ class TLSManager:
         self.enabled = True
         self._lock = threading.Lock()
         self._certs: dict[str, ManagedCertificate] = {}
-        from .keys import snapshot_pending
 
-        self.frozen = snapshot_pending(engine)
+        self.frozen = engine.snapshot_pending
         """True between the before-snapshot pass and the next restore/resume: private keys
         are dropped, renewals are refused and certificates added meanwhile get their first
         material on restore."""

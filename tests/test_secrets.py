@@ -212,3 +212,19 @@ def test_collected_secret_unregisters_its_hooks(rehydrate_engine, secret_file):
     gc.collect()
     assert not any(h.name.startswith("rehydrate.secret:")
                    for h in rehydrate_engine.hooks("restore"))
+
+
+def test_a_secret_created_while_a_snapshot_is_pending_loads_only_after_restore(
+        rehydrate_engine, tmp_path):
+    path = tmp_path / "token"
+    path.write_bytes(b"late-secret")
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.snapshot_pending
+    late = Secret.from_file(path, engine=rehydrate_engine, on_wiped="raise")
+    assert not late.available  # nothing loaded into memory that the image would keep
+    with pytest.raises(SecretUnavailable, match="snapshot was pending"):
+        late.get()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert not rehydrate_engine.snapshot_pending
+    assert late.get() == b"late-secret"

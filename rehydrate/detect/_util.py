@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -79,7 +78,6 @@ class Deferral:
         self.detector = detector
         self.grace = grace
         self._event = threading.Event()
-        self._last_report_at: float | None = None
         self._engine: Lifecycle | None = None
         self._cancelled = False
 
@@ -101,7 +99,6 @@ class Deferral:
 
     def _on_report(self, report: Report) -> None:
         if report.kind in ("restore", "resume"):
-            self._last_report_at = time.monotonic()
             self._event.set()
 
     def wait(self, since: float) -> bool:
@@ -113,7 +110,7 @@ class Deferral:
         if not specific or self.grace <= 0:
             return True
         self._event.clear()
-        last = self._last_report_at
+        last = engine.last_restore_at  # anchored restores only: a simulation is no report
         if last is not None and last > since:
             return not self._cancelled  # the specific report is already in
         log.debug("%s: giving %s up to %.2fs to report first", self.detector.name,

@@ -59,6 +59,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from ..context import describe_error
 from . import Detector
 
 if TYPE_CHECKING:
@@ -133,10 +134,6 @@ def _private_dir(directory: str, *, check_owner: bool) -> None:
             f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it or "
             f"set {ENV_SOCKET}")
 
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _drain(conn: socket.socket) -> None:
@@ -377,12 +374,12 @@ class ControlServer:
             if isinstance(exc, _BadRequest):
                 what = str(exc)
             else:
-                what = f"not valid JSON ({_one_line(exc)})"
+                what = f"not valid JSON ({describe_error(exc)})"
             log.warning("control socket: bad request: %s", what)
             reply = {"ok": False, "error": f"bad request: {what}"}
         except Exception as exc:
             log.exception("control command %s failed", cmd)
-            reply = {"ok": False, "error": _one_line(exc)}
+            reply = {"ok": False, "error": describe_error(exc)}
         if req_id is not None:
             reply["id"] = req_id
         self.served += 1
