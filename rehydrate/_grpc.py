@@ -55,16 +55,16 @@ class ManagedChannel:
             return self._channel, self._gen
 
     def reset(self) -> None:
-        fresh = self._factory()
-        with self._lock:
-            old, self._channel = self._channel, fresh
-            self._gen += 1
-        if old is not None:
-            old.close()
+        self._swap(self._factory())
 
     def close_current(self) -> None:
+        self._swap(None)
+
+    def _swap(self, new: Any) -> None:
+        """Make ``new`` current (None: create one lazily on next use); close the old one."""
         with self._lock:
-            old, self._channel = self._channel, None
+            old, self._channel = self._channel, new
+            self._gen += 1
         if old is not None:
             old.close()
 

@@ -3,12 +3,14 @@
 A restore (or a resume of the original process after a snapshot) finds every outbound TCP
 connection already terminated by the platform. Connections registered here are closed
 before a snapshot (reverse registration order, ``CONNECTIONS`` phase) and, after a
-restore or resume, reopened **all at once**: each one in its own thread (sync
-``open``/``check`` functions) or as a task on the hook's event loop (``async`` ones), each
-with exponential backoff with jitter, until it succeeds or its deadline passes. The
-restore run returns only when every managed connection reopened or missed its deadline;
-a *required* connection that missed it makes the report fail (the process stays
-``degraded``, not ready) and the error names the connection and its last error.
+restore or resume, reopened **all at once**: each one by the same retry loop, a task on
+the hook's event loop (``async`` functions are awaited there, sync ones run on a fresh
+thread, a sync ``open`` and ``check`` together), with exponential backoff with jitter,
+until it succeeds or its deadline passes. A stale connection's ``close`` gets at most
+:data:`CLOSE_TIMEOUT` or half the deadline; a hung one is abandoned and named in the
+error. The restore run returns only when every managed connection reopened or missed its
+deadline; a *required* connection that missed it makes the report fail (the process
+stays ``degraded``, not ready) and the error names the connection and its last error.
 
 Registration never blocks on, nor raises for, an unreachable peer.
 
@@ -33,7 +35,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -169,10 +171,8 @@ class Connection:
         self._lock = threading.Lock()
         self._epoch = 0
         """Bumped by every reopen/close run: an abandoned attempt sees it is stale."""
-
-    @property
-    def is_async(self) -> bool:
-        return any(_is_async(f) for f in (self.open_fn, self.close_fn, self.check_fn))
+        self.step: str | None = None
+        """What the current run is doing (named when it is still running at the deadline)."""
 
     def effective_deadline(self) -> float:
         return self.deadline if self.deadline is not None else env_deadline()
@@ -208,97 +208,72 @@ class Connection:
         """Start a new run (older runs become stale); returns (epoch, previous state)."""
         with self._lock:
             self._epoch += 1
+            self.step = None
             prev, self.state = self.state, state
             return self._epoch, prev
 
-    # sync path ------------------------------------------------------------------------
+    # the retry loop (one for sync and async functions) --------------------------------
 
-    def close_sync(self) -> None:
-        if self.close_fn is not None:
-            self.close_fn(*self._args(self.close_fn))
-
-    def reopen_sync(self, epoch: int, deadline_at: float, stop: threading.Event,
-                    close_first: bool = True) -> bool:
-        """Close the stale connection (if still open), then open + check with backoff."""
-        start = time.monotonic()
-        if close_first and self.close_fn is not None:
-            try:  # the platform already dropped it: close only to release the resources
-                self.close_sync()
-            except Exception as exc:
-                log.debug("connection %s: closing the stale connection: %s", self.name,
-                          _describe(exc))
-        attempt = 0
-        while not stop.is_set():
-            attempt += 1
-            self._set(epoch, attempts=attempt)
-            try:
-                if self.open_fn is not None:
-                    value = self.open_fn()
-                    if value is not None:
-                        self.value = value
-                if self.check_fn is not None:
-                    self.check_fn(*self._args(self.check_fn))
-            except Exception as exc:
-                self._set(epoch, last_error=_describe(exc))
-                if self.check_fn is not None and self.close_fn is not None:
-                    try:
-                        self.close_sync()
-                    except Exception:
-                        log.debug("connection %s: close after a failed attempt failed",
-                                  self.name)
-            else:
-                # After the deadline the same epoch still records a late success (the
-                # report already failed; status shows "open"); a newer run wins.
-                return self._set(epoch, state="open", last_error=None,
-                                 last_duration=time.monotonic() - start)
-            remaining = deadline_at - time.monotonic()
-            if remaining <= 0:
-                break
-            if stop.wait(min(backoff_delay(attempt), remaining)):
-                break
-        return False
-
-    # async path -----------------------------------------------------------------------
-
-    async def _call_async(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Await ``fn``: a coroutine function on this loop, a sync one on its own thread."""
         if _is_async(fn):
             return await fn(*args)
         return await _in_thread(fn, *args)
 
     async def close_async(self) -> None:
         if self.close_fn is not None:
-            await self._call_async(self.close_fn, *self._args(self.close_fn))
+            await self._call(self.close_fn, *self._args(self.close_fn))
 
-    async def reopen_async(self, epoch: int, deadline_at: float,
-                           close_first: bool = True) -> bool:
+    async def _release(self, epoch: int, what: str, limit: float) -> None:
+        """Best-effort close of a dead connection (the platform already cut it): a close
+        still running after ``limit`` seconds is abandoned and recorded as hung."""
+        self._set(epoch, step=what)
+        try:
+            await asyncio.wait_for(self.close_async(), limit)
+        except asyncio.TimeoutError:
+            msg = f"{what} hung (no return within {limit:.2g}s)"
+            self._set(epoch, last_error=msg)
+            log.warning("connection %s: %s; reopening anyway", self.name, msg)
+        except Exception as exc:
+            log.debug("connection %s: %s: %s", self.name, what, _describe(exc))
+
+    async def _attempt(self, epoch: int, call: Callable[..., Awaitable[Any]]) -> None:
+        """One ``open`` then ``check``, each called through ``call``."""
+        if self.open_fn is not None:
+            self._set(epoch, step="open")
+            value = await call(self.open_fn)
+            if value is not None:
+                self._set(epoch, value=value)
+        if self.check_fn is not None:
+            self._set(epoch, step="check")
+            await call(self.check_fn, *self._args(self.check_fn))
+
+    async def reopen(self, epoch: int, deadline_at: float, close_first: bool = True) -> bool:
+        """Close the stale connection (if still open), then open + check with backoff until
+        both succeed or ``deadline_at`` passed (the first attempt always runs)."""
         start = time.monotonic()
         if close_first and self.close_fn is not None:
-            try:
-                await asyncio.wait_for(self.close_async(), CLOSE_TIMEOUT)
-            except Exception as exc:
-                log.debug("connection %s: closing the stale connection: %s", self.name,
-                          _describe(exc))
+            # at most half the time left: a hung close must leave time to reopen
+            await self._release(epoch, "close of the stale connection",
+                                min(CLOSE_TIMEOUT, max(0.0, deadline_at - start) / 2))
+        # Sync open and check run back to back on one thread: a hop through the event loop
+        # between them waits for the GIL behind every other connection's thread.
+        one_thread = not (_is_async(self.open_fn) or _is_async(self.check_fn))
         attempt = 0
         while True:
             attempt += 1
             self._set(epoch, attempts=attempt)
             try:
-                if self.open_fn is not None:
-                    value = await self._call_async(self.open_fn)
-                    if value is not None:
-                        self.value = value
-                if self.check_fn is not None:
-                    await self._call_async(self.check_fn, *self._args(self.check_fn))
+                if one_thread:
+                    await _in_thread(_run_inline, self._attempt(epoch, _inline))
+                else:
+                    await self._attempt(epoch, self._call)
             except Exception as exc:
                 self._set(epoch, last_error=_describe(exc))
                 if self.check_fn is not None and self.close_fn is not None:
-                    try:
-                        await self.close_async()
-                    except Exception:
-                        log.debug("connection %s: close after a failed attempt failed",
-                                  self.name)
+                    await self._release(epoch, "close after a failed attempt", CLOSE_TIMEOUT)
             else:
-                self._set(epoch, state="open", last_error=None,
+                self._set(epoch, state="open", last_error=None, step=None,
                           last_duration=time.monotonic() - start)
                 return True
             remaining = deadline_at - time.monotonic()
@@ -307,10 +282,27 @@ class Connection:
             await asyncio.sleep(min(backoff_delay(attempt), remaining))
 
 
+async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a sync ``fn`` right here (a coroutine that never suspends)."""
+    return fn(*args)
+
+
+def _run_inline(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run, on the calling thread, a coroutine that awaits nothing but :func:`_inline`."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("an inline coroutine suspended")
+
+
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` on a fresh daemon thread (never a bounded executor: N calls must be able
-    to run at the same time)."""
+    to run at the same time). Cancelling the caller abandons the call; the thread ends
+    when ``fn`` returns and its result is dropped."""
     fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    fut.set_running_or_notify_cancel()  # cannot be cancelled: setting the result is safe
 
     def run() -> None:
         try:
@@ -374,10 +366,7 @@ class ConnectionManager:
 
         def run() -> None:
             try:
-                if conn.is_async:
-                    ok = asyncio.run(conn.reopen_async(epoch, deadline_at, False))
-                else:
-                    ok = conn.reopen_sync(epoch, deadline_at, threading.Event(), False)
+                ok = asyncio.run(conn.reopen(epoch, deadline_at, close_first=False))
             except Exception as exc:  # never let a background open escape
                 conn._set(epoch, last_error=_describe(exc))
                 ok = False
@@ -431,7 +420,6 @@ class ConnectionManager:
         if not conns:
             return {}
         now = time.monotonic()
-        stop = threading.Event()
         tasks: list[asyncio.Future[bool]] = []
         plans: list[tuple[Connection, int, float]] = []
         for conn in conns:
@@ -440,11 +428,8 @@ class ConnectionManager:
             stale = prev != "closed"  # not closed before a snapshot: release it first
             plans.append((conn, epoch, now + deadline))
             tasks.append(asyncio.ensure_future(
-                self._guard(conn, epoch, now + deadline, stop, stale)))
-        try:
-            results = await asyncio.gather(*tasks)
-        finally:
-            stop.set()  # abandoned sync attempts stop retrying
+                self._guard(conn, epoch, now + deadline, stale)))
+        results = await asyncio.gather(*tasks)
         outcome: dict[str, bool] = {}
         missed: list[Connection] = []
         for (conn, epoch, _), ok in zip(plans, results, strict=True):
@@ -467,19 +452,18 @@ class ConnectionManager:
         return outcome
 
     async def _guard(self, conn: Connection, epoch: int, deadline_at: float,
-                     stop: threading.Event, stale: bool) -> bool:
+                     stale: bool) -> bool:
+        """Run the retry loop; an attempt still running :data:`LATE_GRACE` after the
+        deadline is abandoned (a sync call's thread finishes on its own, unheeded)."""
         wait = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
         try:
-            if conn.is_async:
-                return await asyncio.wait_for(
-                    conn.reopen_async(epoch, deadline_at, stale), wait)
-            fut = asyncio.ensure_future(
-                _in_thread(conn.reopen_sync, epoch, deadline_at, stop, stale))
-            return bool(await asyncio.wait_for(asyncio.shield(fut), wait))
+            return await asyncio.wait_for(conn.reopen(epoch, deadline_at, stale), wait)
         except asyncio.TimeoutError:
-            conn._set(epoch, last_error=(conn.last_error or "")
-                      + (" " if conn.last_error else "")
-                      + "(an open/check call was still running at the deadline)")
+            with conn._lock:
+                running = conn.step if conn._epoch == epoch else None
+            note = f"({running or 'an attempt'} was still running at the deadline)"
+            conn._set(epoch, last_error=f"{conn.last_error} {note}" if conn.last_error
+                      else note)
             return False
         except Exception as exc:
             conn._set(epoch, last_error=_describe(exc))
@@ -620,18 +604,13 @@ def sqlalchemy_engine(
     ``dispose(close=False)`` (the platform already cut the sockets: drop them without
     talking to the server) and, with ``check``, ``SELECT 1`` on a fresh connection."""
 
-    def reopen() -> None:
-        sa_engine.dispose(close=False)
-
     def ping() -> None:
         with sa_engine.connect() as c:
             c.exec_driver_sql("SELECT 1")
 
-    def close() -> None:
-        sa_engine.dispose()
-
-    register(name, open=reopen, close=close, check=ping if check else None,
-             required=required, deadline=deadline, engine=engine)
+    register(name, open=lambda: sa_engine.dispose(close=False), close=sa_engine.dispose,
+             check=ping if check else None, required=required, deadline=deadline,
+             engine=engine)
     return sa_engine
 
 
@@ -647,26 +626,21 @@ def redis_client(
     """Manage a redis-py client (sync or ``redis.asyncio``): its pool is disconnected
     before a snapshot and reset after a restore, then ``PING``-ed when ``check``."""
     pool = client.connection_pool
+    ping: Callable[[], Any]
     if inspect.iscoroutinefunction(pool.disconnect):
-        async def areset() -> None:
-            await pool.disconnect()
-
         async def aping() -> None:
             if not await client.ping():
                 raise ConnectionError("PING failed")
 
-        register(name, open=areset, close=areset, check=aping if check else None,
-                 required=required, deadline=deadline, engine=engine)
-        return client
+        ping = aping
+    else:
+        def sping() -> None:
+            if not client.ping():
+                raise ConnectionError("PING failed")
 
-    def reset() -> None:
-        pool.disconnect()
-
-    def ping() -> None:
-        if not client.ping():
-            raise ConnectionError("PING failed")
-
-    register(name, open=reset, close=reset, check=ping if check else None,
+        ping = sping
+    # a bound disconnect() (sync or async) takes no required argument: called as is
+    register(name, open=pool.disconnect, close=pool.disconnect, check=ping if check else None,
              required=required, deadline=deadline, engine=engine)
     return client
 
@@ -720,15 +694,15 @@ class ManagedSocket:
 
     def connect(self) -> socket.socket:
         s = socket.create_connection(self.address, timeout=self.timeout)
-        with self._lock:
-            old, self._sock = self._sock, s
-        if old is not None:
-            old.close()
+        self._swap(s)
         return s
 
     def close(self) -> None:
+        self._swap(None)
+
+    def _swap(self, new: socket.socket | None) -> None:
         with self._lock:
-            old, self._sock = self._sock, None
+            old, self._sock = self._sock, new
         if old is not None:
             old.close()
 

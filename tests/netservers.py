@@ -26,8 +26,10 @@ async def app(scope, receive, send):
                 "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": scope["path"].encode()})
 
+# keep idle keep-alive connections open for a minute (uvicorn's default is 5 s): tests
+# assert a reconnected client's pooled connection is still established seconds later
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
-            access_log=False)
+            access_log=False, timeout_keep_alive=60)
 '''
 
 

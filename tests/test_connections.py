@@ -65,15 +65,16 @@ def test_kill_servers_restore_backs_off_until_they_return(rehydrate_engine, http
     import redis
 
     engine = rehydrate_engine
+    # generous deadlines: restarting two servers on a loaded 2-core box can take seconds
     client = connections.httpx_client("api", base_url=http_srv.url, check_url="/health",
-                                      deadline=30, engine=engine)
+                                      deadline=60, engine=engine)
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     # redis-py's own retries (growing sleeps) would only make each attempt slower
     r = redis.Redis(host="127.0.0.1", port=redis_srv.port, socket_connect_timeout=1,
                     retry=Retry(NoBackoff(), 0))
-    connections.redis_client("cache", r, deadline=30, engine=engine)
+    connections.redis_client("cache", r, deadline=60, engine=engine)
     assert client.get("/hello").text == "/hello"
     r.set("k", "v")
     assert {http_srv.port, redis_srv.port} <= _remote_ports()
@@ -94,21 +95,32 @@ def test_kill_servers_restore_backs_off_until_they_return(rehydrate_engine, http
     try:
         # the hooks back off against the dead servers: several attempts each, not ready
         wait_for(lambda: _conn_status(engine, "api")["attempts"] >= 3
-                 and _conn_status(engine, "cache")["attempts"] >= 3, what="retries")
+                 and _conn_status(engine, "cache")["attempts"] >= 3, timeout=30,
+                 what="retries")
         assert engine.state == "restoring"
         assert engine.wait_ready(0) is False
         assert _conn_status(engine, "api")["state"] == "reconnecting"
         assert _conn_status(engine, "cache")["last_error"]
-    finally:
+        # the HTTP server comes back first: "api" reconnects, readiness still waits
         http_srv.start()
+        wait_for(lambda: _conn_status(engine, "api")["state"] == "open", timeout=30,
+                 what="api to reconnect")
+        assert _conn_status(engine, "cache")["state"] == "reconnecting"
+        assert engine.wait_ready(0) is False and not flips
+        # Redis is down until this moment: readiness may only flip after it (taken
+        # before start(), which returns a poll interval after Redis already listens)
+        redis_back_from = time.monotonic()
         redis_srv.start()
-        back_at = time.monotonic()
-    t.join(30)
+    finally:
+        for srv in (http_srv, redis_srv):
+            if srv.proc is None:
+                srv.start()
+        t.join(60)
     assert not t.is_alive()
     (report,) = reports
     assert report.ok, report.table()
     assert engine.wait_ready(0) is True
-    assert len(flips) == 1 and flips[0] > back_at  # ready only once the servers were back
+    assert len(flips) == 1 and flips[0] > redis_back_from  # ready once both were back
     hook = next(h for h in report.hooks if h.name == "rehydrate.connections")
     assert hook.outcome == "ok"
     assert {c["state"] for c in engine.status().extra["connections"]} == {"open"}
@@ -284,6 +296,25 @@ async def test_httpx_async_client_keeps_object_and_rebuilds_pool(rehydrate_engin
     await client.aclose()
 
 
+async def test_redis_asyncio_client_helper(rehydrate_engine, redis_srv):
+    import redis.asyncio as aredis
+
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)  # async hooks on the client's own loop
+    r = aredis.Redis(host="127.0.0.1", port=redis_srv.port)
+    connections.redis_client("cache", r, engine=rehydrate_engine)
+    await r.set("k", "v")
+    assert redis_srv.port in _remote_ports()
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    assert redis_srv.port not in _remote_ports()
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert redis_srv.port in _remote_ports()  # the PING check left a fresh connection
+    assert await r.get("k") == b"v"
+    await r.aclose()
+
+
 def test_sqlalchemy_engine_helper(rehydrate_engine, tmp_path):
     sqlalchemy = pytest.importorskip("sqlalchemy")
     eng = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
@@ -401,3 +432,53 @@ def test_tcp_socket_reconnects_after_restore(rehydrate_engine):
         lst.close()
         for c in accepted:
             c.close()
+
+
+def test_hung_stale_close_is_bounded_named_and_does_not_block_the_reopen(
+        rehydrate_engine, monkeypatch):
+    # Restore without a snapshot first: each connection is still "open", so its close runs
+    # first, and here it never returns (a close that waits on a black-holed peer).
+    release = threading.Event()
+    opened: list[str] = []
+
+    def hang(*_: object) -> None:
+        release.wait(30)
+
+    connections.register("quick", open=lambda: opened.append("quick"), close=hang,
+                         deadline=2, engine=rehydrate_engine)
+    connections.register("stuck", open=hang, close=hang, deadline=2,
+                         engine=rehydrate_engine)
+    try:
+        t0 = time.monotonic()
+        report = rehydrate_engine.simulate_restore()
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert took < 2 + 1.5, took  # nothing waits for the hung calls past the deadline
+    # the close got half the deadline, then "quick" reopened in time
+    assert opened == ["quick"]
+    assert _conn_status(rehydrate_engine, "quick")["state"] == "open"
+    assert not report.ok
+    msg = str(report.failed[0].error)
+    assert "quick" not in msg
+    # the error says which call hung: the stale close, then the open
+    assert "stuck after 2s and 1 attempt(s)" in msg, msg
+    assert "close of the stale connection hung (no return within 1s)" in msg, msg
+    assert "(open was still running at the deadline)" in msg, msg
+
+
+def test_hung_stale_close_is_bounded_by_close_timeout(rehydrate_engine, monkeypatch):
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 0.3)
+    release = threading.Event()
+    opened: list[int] = []
+    connections.register("x", open=lambda: opened.append(1),
+                         close=lambda: release.wait(30), deadline=20, engine=rehydrate_engine)
+    try:
+        t0 = time.monotonic()
+        report = rehydrate_engine.simulate_restore()
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert report.ok, report.table()
+    assert opened == [1]
+    assert 0.3 <= took < 5, took  # CLOSE_TIMEOUT, not the 20 s deadline (nor 10 s)
