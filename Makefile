@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+DEMO_STAMP := $(VENV)/.runtime-stamp
 
 .PHONY: demo test lint typecheck pytest bench system-deps clean
 
@@ -10,12 +11,19 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 system-deps:
 	@bash scripts/setup-system.sh
 
-demo: $(STAMP)
+# The demo needs only the runtime dependencies; `make test` adds the dev extra.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
