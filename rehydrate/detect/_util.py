@@ -13,10 +13,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from . import Detector
+
 if TYPE_CHECKING:
     from ..context import Report
     from ..lifecycle import Lifecycle
-    from . import Detector
 
 log = logging.getLogger("rehydrate")
 
@@ -144,6 +145,47 @@ class DetectorThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+class DeferringDetector(Detector):
+    """A generic detector whose :class:`DetectorThread` runs :meth:`_loop` and that defers
+    to more specific detectors through a :class:`Deferral`.
+
+    Subclasses set ``grace`` and call ``super().__init__()``, implement :meth:`_loop`,
+    and may override :meth:`_prepare` (runs under the lock before the thread starts).
+    """
+
+    grace: float
+
+    def __init__(self) -> None:
+        self._engine: Lifecycle | None = None
+        self._thread: DetectorThread | None = None
+        self._deferral = Deferral(self, self.grace)
+        self._lock = threading.Lock()
+
+    def start(self, engine: Lifecycle) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.alive:
+                return
+            self._engine = engine
+            self._prepare()
+            self._deferral = Deferral(self, self.grace)
+            self._deferral.attach(engine)
+            self._thread = DetectorThread(f"rehydrate-{self.name}", self._loop)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._deferral.detach()
+        if thread is not None:
+            thread.stop()
+
+    def _prepare(self) -> None:
+        """Per-detector setup before the thread starts (under the lock)."""
+
+    def _loop(self, stop: threading.Event) -> None:
+        raise NotImplementedError
 
 
 _GVISOR_VERSION = "#1 SMP Sun Jan 10 15:06:54 PST 2016"

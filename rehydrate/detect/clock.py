@@ -39,12 +39,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from . import Detector
-from ._util import Deferral, DetectorThread, env_flag, env_float, positive
+from ._util import DeferringDetector, env_flag, env_float, positive
 
 if TYPE_CHECKING:
     from ..context import RestoreReport
-    from ..lifecycle import Lifecycle
 
 __all__ = ["ClockJumpDetector"]
 
@@ -56,7 +54,7 @@ DEFAULT_GRACE = 1.0
 BUSY_FRACTION = 0.8
 
 
-class ClockJumpDetector(Detector):
+class ClockJumpDetector(DeferringDetector):
     """Clock jump: a sleeping thread sees CLOCK_MONOTONIC step past its sleep."""
 
     name: ClassVar[str] = "clock-jump"
@@ -98,10 +96,7 @@ class ClockJumpDetector(Detector):
         self.pending = False
         """True while a jump was seen and more specific detectors get their grace."""
         self.last_report: RestoreReport | None = None
-        self._engine: Lifecycle | None = None
-        self._thread: DetectorThread | None = None
-        self._deferral = Deferral(self, self.grace)
-        self._lock = threading.Lock()
+        super().__init__()
 
     @classmethod
     def probe(cls) -> str | None:
@@ -114,23 +109,6 @@ class ClockJumpDetector(Detector):
     def describe(self) -> str:
         return (f"wakes every {self.interval:g}s; a CLOCK_MONOTONIC step of more than "
                 f"{self.threshold:g}s beyond that is a restore")
-
-    def start(self, engine: Lifecycle) -> None:
-        with self._lock:
-            if self._thread is not None and self._thread.alive:
-                return
-            self._engine = engine
-            self._deferral = Deferral(self, self.grace)
-            self._deferral.attach(engine)
-            self._thread = DetectorThread("rehydrate-clock-jump", self._loop)
-            self._thread.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._deferral.detach()
-        if thread is not None:
-            thread.stop()
 
     # -- the thread ------------------------------------------------------------------
 

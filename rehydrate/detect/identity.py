@@ -23,13 +23,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from . import Detector
-from ._util import Deferral, DetectorThread, env_float, positive
-
-if TYPE_CHECKING:
-    from ..lifecycle import Lifecycle
+from ._util import DeferringDetector, env_float, positive
 
 __all__ = ["SOURCES", "IdentityDetector", "read_identity"]
 
@@ -63,7 +59,7 @@ def read_identity(root: str | os.PathLike[str] = "/") -> dict[str, str | None]:
     return values
 
 
-class IdentityDetector(Detector):
+class IdentityDetector(DeferringDetector):
     """Identity: hostname, kernel boot_id or /etc/machine-id changed (polled)."""
 
     name: ClassVar[str] = "identity"
@@ -85,11 +81,8 @@ class IdentityDetector(Detector):
         self.grace = grace
         self.changes = 0
         self.polls = 0
-        self._engine: Lifecycle | None = None
-        self._thread: DetectorThread | None = None
-        self._deferral = Deferral(self, grace)
-        self._lock = threading.Lock()
         self._baseline: dict[str, str | None] = {}
+        super().__init__()
 
     @classmethod
     def probe(cls) -> str | None:
@@ -102,23 +95,8 @@ class IdentityDetector(Detector):
     def describe(self) -> str:
         return f"reads hostname, boot_id and machine-id every {self.interval:g}s"
 
-    def start(self, engine: Lifecycle) -> None:
-        with self._lock:
-            if self._thread is not None and self._thread.alive:
-                return
-            self._engine = engine
-            self._baseline = read_identity(self.root)
-            self._deferral = Deferral(self, self.grace)
-            self._deferral.attach(engine)
-            self._thread = DetectorThread("rehydrate-identity", self._loop)
-            self._thread.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._deferral.detach()
-        if thread is not None:
-            thread.stop()
+    def _prepare(self) -> None:
+        self._baseline = read_identity(self.root)
 
     def _loop(self, stop: threading.Event) -> None:
         last = time.monotonic()
