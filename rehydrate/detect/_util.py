@@ -11,7 +11,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from . import Detector
 
@@ -56,6 +56,16 @@ def env_flag(name: str) -> bool | None:
         return False
     log.warning("%s should be 1 or 0; ignoring it", name)
     return None
+
+
+def env_kind(name: str) -> Literal["restore", "resume"]:
+    """``restore`` or ``resume`` from the environment (default and fallback: ``restore``)."""
+    text = os.environ.get(name, "restore").strip().lower()
+    if text == "resume":
+        return "resume"
+    if text != "restore":
+        log.warning("%s must be restore or resume; using restore", name)
+    return "restore"
 
 
 def positive(value: float, what: str) -> float:

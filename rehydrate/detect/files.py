@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from . import Detector
-from ._util import DEFAULT_WINDOW, env_flag, env_float, positive, running_under_gvisor
+from ._util import DEFAULT_WINDOW, env_flag, env_float, env_kind, positive, running_under_gvisor
 
 if TYPE_CHECKING:
     from ..lifecycle import Lifecycle
@@ -86,13 +86,8 @@ class MarkerFileDetector(Detector):
             interval if interval is not None
             else env_float("REHYDRATE_WATCH_INTERVAL", DEFAULT_INTERVAL, minimum=0.001),
             "interval")
-        if kind is None:
-            text = os.environ.get("REHYDRATE_MARKER_KIND", "restore").strip().lower()
-            if text not in ("restore", "resume"):
-                log.warning("REHYDRATE_MARKER_KIND must be restore or resume; using restore")
-                text = "restore"
-            kind = text  # type: ignore[assignment]
-        self.kind: Literal["restore", "resume"] = kind  # type: ignore[assignment]
+        self.kind: Literal["restore", "resume"] = (
+            kind if kind is not None else env_kind("REHYDRATE_MARKER_KIND"))
         self.window = window if window is not None else env_float(
             "REHYDRATE_MARKER_WINDOW", DEFAULT_WINDOW)
         self.changes = 0

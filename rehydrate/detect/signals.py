@@ -33,7 +33,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from . import Detector
-from ._util import DEFAULT_WINDOW, env_float
+from ._util import DEFAULT_WINDOW, env_float, env_kind
 
 if TYPE_CHECKING:
     from ..lifecycle import Lifecycle
@@ -93,13 +93,8 @@ class SignalDetector(Detector):
         self.signum = parse_signal(signum) if signum is not None else _configured_signal()
         if self.signum in _UNCATCHABLE:
             raise ValueError(f"{self.signum.name} cannot be caught")
-        if kind is None:
-            raw = os.environ.get("REHYDRATE_SIGNAL_KIND", "restore").strip().lower()
-            if raw not in ("restore", "resume"):
-                log.warning("REHYDRATE_SIGNAL_KIND must be restore or resume; using restore")
-                raw = "restore"
-            kind = raw  # type: ignore[assignment]
-        self.kind: Literal["restore", "resume"] = kind  # type: ignore[assignment]
+        self.kind: Literal["restore", "resume"] = (
+            kind if kind is not None else env_kind("REHYDRATE_SIGNAL_KIND"))
         self.window = window if window is not None else env_float(
             "REHYDRATE_SIGNAL_WINDOW", DEFAULT_WINDOW)
         self.received = 0
