@@ -1008,21 +1008,18 @@ class RoutesManager:
             prev = self.capture
             baseline = self._unavailable_at_capture
         problems: list[str] = []
-        routes = parts.routes
-        if routes is None:
-            if "routes" in parts.unavailable and "routes" in baseline:
-                routes = ()
-            else:
-                routes = prev.routes if prev else ()
-                problems.append(parts.failed["routes"])
+
+        def keep(part: str, fresh: tuple[_T, ...] | None, before: tuple[_T, ...]) -> tuple[_T, ...]:
+            if fresh is not None:
+                return fresh
+            if part in parts.unavailable and part in baseline:
+                return ()
+            problems.append(parts.failed[part])
+            return before
+
+        routes = keep("routes", parts.routes, prev.routes if prev else ())
         problems.extend(parts.notes)
-        nft_tables = parts.tables
-        if nft_tables is None:
-            if "nftables" in parts.unavailable and "nftables" in baseline:
-                nft_tables = ()
-            else:
-                nft_tables = prev.tables if prev else ()
-                problems.append(parts.failed["nftables"])
+        nft_tables = keep("nftables", parts.tables, prev.tables if prev else ())
         seen = set(prev.problems) if prev else set()
         for p in problems:
             if p in seen:
