@@ -653,16 +653,24 @@ def test_bad_files_at_creation_raise(rehydrate_engine, secret_dir):
         tls.from_files("files", **secret_dir.paths(), engine=rehydrate_engine)
 
 
+def _write_pair(d, cert_pem, key_pem):
+    (d / "c.pem").write_bytes(cert_pem)
+    (d / "k.pem").write_bytes(key_pem)
+
+
+def _plain_file_cert(engine, d, cert_pem, key_pem):
+    """``d/c.pem`` and ``d/k.pem`` written, then loaded without a watcher."""
+    _write_pair(d, cert_pem, key_pem)
+    return tls.from_files("plain", cert=d / "c.pem", key=d / "k.pem", watch=False,
+                          engine=engine)
+
+
 def test_files_reread_on_restore_without_watching(rehydrate_engine, tmp_path):
     ca = CA()
     c1, k1, first = ca.leaf()
-    (tmp_path / "c.pem").write_bytes(c1)
-    (tmp_path / "k.pem").write_bytes(k1)
-    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
-                          watch=False, engine=rehydrate_engine)
+    cert = _plain_file_cert(rehydrate_engine, tmp_path, c1, k1)
     c2, k2, second = ca.leaf()
-    (tmp_path / "c.pem").write_bytes(c2)
-    (tmp_path / "k.pem").write_bytes(k2)
+    _write_pair(tmp_path, c2, k2)
     assert cert.serial == first.serial_number
     assert rehydrate_engine.simulate_restore().ok
     assert cert.serial == second.serial_number
@@ -704,10 +712,7 @@ def test_file_certificate_unchanged_files_are_reloaded_after_the_drop(rehydrate_
                                                                      tmp_path, https_server):
     ca = CA()
     c1, k1, first = ca.leaf()
-    (tmp_path / "c.pem").write_bytes(c1)
-    (tmp_path / "k.pem").write_bytes(k1)
-    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
-                          watch=False, engine=rehydrate_engine)
+    cert = _plain_file_cert(rehydrate_engine, tmp_path, c1, k1)
     port = https_server(cert.server_context())
     assert rehydrate_engine.simulate_snapshot().ok
     assert rehydrate_engine.simulate_restore().ok
@@ -722,10 +727,7 @@ def test_bad_files_after_the_drop_leave_the_placeholder(rehydrate_engine, tmp_pa
     is nothing good to keep, so the placeholder stays and the hook fails."""
     ca = CA()
     c1, k1, _ = ca.leaf()
-    (tmp_path / "c.pem").write_bytes(c1)
-    (tmp_path / "k.pem").write_bytes(k1)
-    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
-                          watch=False, engine=rehydrate_engine)
+    cert = _plain_file_cert(rehydrate_engine, tmp_path, c1, k1)
     port = https_server(cert.server_context())
     assert rehydrate_engine.simulate_snapshot().ok
     (tmp_path / "k.pem").write_bytes(b"garbage")
@@ -742,13 +744,9 @@ def test_watcher_reload_and_restore_renewal_are_serialised(rehydrate_engine, tmp
     waiting for the handle's lock (the fix)."""
     ca = CA()
     c1, k1, _ = ca.leaf()
-    (tmp_path / "c.pem").write_bytes(c1)
-    (tmp_path / "k.pem").write_bytes(k1)
-    cert = tls.from_files("plain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
-                          watch=False, engine=rehydrate_engine)
+    cert = _plain_file_cert(rehydrate_engine, tmp_path, c1, k1)
     c2, k2, v2 = ca.leaf()
-    (tmp_path / "c.pem").write_bytes(c2)
-    (tmp_path / "k.pem").write_bytes(k2)
+    _write_pair(tmp_path, c2, k2)
 
     watcher = threading.current_thread()
     watcher_read, release = threading.Event(), threading.Event()
@@ -791,8 +789,7 @@ def test_watcher_reload_and_restore_renewal_are_serialised(rehydrate_engine, tmp
     a.start()
     assert watcher_read.wait(10)  # the watcher has read v2 and is about to apply it
     c3, k3, v3 = ca.leaf()
-    (tmp_path / "c.pem").write_bytes(c3)
-    (tmp_path / "k.pem").write_bytes(k3)
+    _write_pair(tmp_path, c3, k3)
     b = threading.Thread(target=cert.renew)  # what the restore hook calls
     b.start()
     wait_until(lambda: not b.is_alive() or b in spy.waiting, what="the renewal")
