@@ -289,6 +289,20 @@ def test_no_timeout_means_no_limit(rehydrate_engine):
 # -- retries ----------------------------------------------------------------------------
 
 
+def _hook_calling(body, is_async):
+    """A sync or an async hook whose whole work is ``body()``."""
+    if is_async:
+        async def ahook():
+            body()
+
+        return ahook
+
+    def hook():
+        body()
+
+    return hook
+
+
 @pytest.mark.parametrize("is_async", [False, True])
 def test_retry_succeeds_on_the_third_attempt(rehydrate_engine, is_async):
     attempts = []
@@ -298,14 +312,8 @@ def test_retry_succeeds_on_the_third_attempt(rehydrate_engine, is_async):
         if len(attempts) < 3:
             raise ConnectionError(f"attempt {len(attempts)}")
 
-    if is_async:
-        async def hook():
-            body()
-    else:
-        def hook():
-            body()
-
-    rehydrate_engine.registry.after_restore(name="flaky", retries=2)(hook)
+    rehydrate_engine.registry.after_restore(name="flaky", retries=2)(
+        _hook_calling(body, is_async))
     report = rehydrate_engine.simulate_restore()
     (res,) = user_hooks(report)
     assert (res.outcome, res.attempts, res.error) == ("ok", 3, None)
@@ -327,14 +335,8 @@ def test_retries_exhausted_report_the_last_error(rehydrate_engine, is_async):
         errors.append(exc)
         raise exc
 
-    if is_async:
-        async def hook():
-            body()
-    else:
-        def hook():
-            body()
-
-    rehydrate_engine.registry.after_restore(name="broken", retries=1)(hook)
+    rehydrate_engine.registry.after_restore(name="broken", retries=1)(
+        _hook_calling(body, is_async))
     report = rehydrate_engine.simulate_restore()
     (res,) = user_hooks(report)
     assert (res.outcome, res.attempts) == ("failed", 2)
