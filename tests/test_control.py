@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -267,28 +268,36 @@ def test_simulate(server: ControlServer, engine: Lifecycle, sock_path: str,
     assert not bad["ok"] and "event" in bad["error"]
 
 
-def test_trigger_through_the_socket(server: ControlServer, engine: Lifecycle, sock_path: str,
-                                    short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    proc = short_dir / "gvisor"
+@contextlib.contextmanager
+def fake_checkpoint(proc: Path, answer: bytes, timeout: float) -> Iterator[None]:
+    """``proc/checkpoint`` is a pty, as gVisor's; while inside, the platform side reads
+    the "1" a trigger writes and answers ``answer``."""
     proc.mkdir()
     master, slave = pty.openpty()
     tty.setraw(slave)
     os.symlink(os.ttyname(slave), proc / "checkpoint")
-    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))
 
-    def platform() -> None:  # reads the "1", answers "resume"
-        ready, _, _ = select.select([master], [], [], DEADLINE)
+    def platform() -> None:
+        ready, _, _ = select.select([master], [], [], timeout)
         if ready and os.read(master, 8) == b"1":
-            os.write(master, b"resume\n")
+            os.write(master, answer + b"\n")
 
     t = threading.Thread(target=platform)
     t.start()
     try:
-        reply = request("trigger", socket_path=sock_path, timeout=DEADLINE)
+        yield
     finally:
-        t.join(DEADLINE)
+        t.join(timeout)
         os.close(master)
         os.close(slave)
+
+
+def test_trigger_through_the_socket(server: ControlServer, engine: Lifecycle, sock_path: str,
+                                    short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = short_dir / "gvisor"
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))
+    with fake_checkpoint(proc, b"resume", DEADLINE):
+        reply = request("trigger", socket_path=sock_path, timeout=DEADLINE)
     assert reply["ok"] and reply["answer"] == "resume"
     assert reply["report"]["kind"] == "resume"
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(short_dir / "missing"))
@@ -727,25 +736,9 @@ def test_status_cli(server: ControlServer, engine: Lifecycle, sock_path: str) ->
 def test_trigger_cli(server: ControlServer, engine: Lifecycle, sock_path: str,
                      short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     proc = short_dir / "gvisor"
-    proc.mkdir()
-    master, slave = pty.openpty()
-    tty.setraw(slave)
-    os.symlink(os.ttyname(slave), proc / "checkpoint")
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))  # read by the serving process
-
-    def platform() -> None:
-        ready, _, _ = select.select([master], [], [], 30)
-        if ready and os.read(master, 8) == b"1":
-            os.write(master, b"restore\n")
-
-    t = threading.Thread(target=platform)
-    t.start()
-    try:
+    with fake_checkpoint(proc, b"restore", 30):
         r = cli("trigger", "--socket", sock_path, "--timeout", "30")
-    finally:
-        t.join(30)
-        os.close(master)
-        os.close(slave)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "restore"
     assert engine.status().generation == 1
