@@ -19,5 +19,7 @@ if [ -n "$net_missing" ]; then
   apt_stamp=/var/tmp/rehydrate-apt-updated
   [ -e "$apt_stamp" ] || { apt-get update -qq && touch "$apt_stamp"; }
   # shellcheck disable=SC2086
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $net_missing >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $net_missing >/dev/null \
+    || { apt-get update -qq && touch "$apt_stamp" &&
+         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $net_missing >/dev/null; }
 fi
