@@ -658,3 +658,53 @@ def test_trigger_answer_timeout_with_waiter_leaves_hooks_to_the_late_answer(
     finally:
         iso_engine.stop()
         platform.close()
+
+
+def test_answers_written_back_to_back_are_never_lost(engine: Lifecycle, proc: Path) -> None:
+    """A FIFO writer may come while the waiter is between the previous answer's end of
+    file and re-opening; the answer must not vanish with the descriptor being closed."""
+    rec = Recorder(engine)
+    start_waiter(engine, proc)
+    path = str(proc / "checkpoint")
+    n = 100
+    for i in range(n):
+        # Write as soon as a reader exists — do not wait for the waiter to re-open.
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as exc:  # ENXIO: no reader at this instant
+                assert exc.errno == errno.ENXIO and time.monotonic() < deadline
+        try:
+            os.write(fd, b"resume\n")
+        finally:
+            os.close(fd)
+        rec.wait(i + 1)
+    assert [c[1] for c in rec.calls] == ["resume"] * n
+
+
+def test_an_answer_written_while_the_waiter_closes_its_descriptor_is_kept(
+        engine: Lifecycle, proc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic version of the race above: a writer connects and answers exactly
+    when the waiter is closing the descriptor that just gave it end of file."""
+    rec = Recorder(engine)
+    path = str(proc / "checkpoint")
+    fifo_ino = os.stat(path).st_ino
+    real_close = os.close
+    injected: list[bool] = []
+
+    def close(fd: int) -> None:
+        if (not injected and threading.current_thread().name == "rehydrate-gvisor"
+                and os.fstat(fd).st_ino == fifo_ino):
+            injected.append(True)
+            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # a reader still exists
+            os.write(w, b"restore\n")
+            real_close(w)
+        real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+    waiter = start_waiter(engine, proc)
+    answer(waiter, b"resume\n")
+    calls = rec.wait(2)
+    assert injected and [c[1] for c in calls] == ["resume", "restore"]

@@ -257,6 +257,9 @@ class GVisorWaiter(Detector):
         self._in_open = False
         self._exited = False
         self._orphaned = False
+        self._keeper = -1
+        """FIFO stand-in only: a reader held across re-opening, so that an answer written
+        while the previous descriptor was being closed stays in the pipe."""
 
     @classmethod
     def probe(cls) -> str | None:
@@ -353,6 +356,7 @@ class GVisorWaiter(Detector):
         except Exception:  # pragma: no cover - a bug; never let the thread die silently
             log.exception("gVisor waiter failed")
         finally:
+            self._drop_keeper()
             with self._cond:
                 self._armed = False
                 self._exited = True
@@ -403,7 +407,7 @@ class GVisorWaiter(Detector):
                 self._disarm()
                 return False
             try:
-                fd = os.open(self.path, _OPEN_FIFO if fifo else _OPEN_READ)
+                fd = self._reopen_fifo() if fifo else os.open(self.path, _OPEN_READ)
             finally:
                 with self._cond:
                     self._in_open = False
@@ -424,7 +428,37 @@ class GVisorWaiter(Detector):
             return self._read_answers(fd, since, fifo)
         finally:
             self._disarm()
+            if fifo and not self._stopping:
+                self._hold_pipe()
             os.close(fd)
+
+    def _hold_pipe(self) -> None:
+        """Before closing a FIFO descriptor, open another reader: an answer a new writer
+        writes in between would otherwise vanish with the last reader."""
+        self._drop_keeper()
+        with contextlib.suppress(OSError):
+            self._keeper = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def _drop_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, -1
+        if keeper >= 0:
+            with contextlib.suppress(OSError):
+                os.close(keeper)
+
+    def _reopen_fifo(self) -> int:
+        """The next FIFO descriptor: the held reader when an answer is already waiting in
+        it, else a blocking open (no CPU until a writer comes)."""
+        keeper = self._keeper
+        if keeper >= 0:
+            poller = select.poll()
+            poller.register(keeper, select.POLLIN)
+            if any(ev & select.POLLIN for _, ev in poller.poll(0)):
+                self._keeper = -1
+                return keeper  # non-blocking, which _read_some handles
+        try:
+            return os.open(self.path, _OPEN_FIFO)
+        finally:
+            self._drop_keeper()
 
     def _read_answers(self, fd: int, since: float, fifo: bool) -> bool:  # noqa: PLR0911
         buf = b""
