@@ -17,7 +17,6 @@ Run alone: ``python benchmarks/bench_core.py`` (``make bench`` runs every benchm
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -163,17 +162,7 @@ def run() -> list[tuple[str, str, str]]:
     ]
 
 
-def _table(rows: list[tuple[str, str, str]]) -> str:
-    head = ("benchmark", "measured", "goal")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
+if __name__ == "__main__":  # the same table as `make bench`, for this module only
+    from run import main  # benchmarks/ is on sys.path when a module runs as a script
 
-
-if __name__ == "__main__":
-    if "--json" in sys.argv:
-        print(json.dumps(run(), indent=2))
-    else:
-        print(_table(run()))
+    sys.exit(main([*sys.argv[1:], Path(__file__).stem]))

@@ -115,14 +115,7 @@ def run() -> list[tuple[str, str, str]]:
     ]
 
 
-def _table(rows: list[tuple[str, str, str]]) -> str:
-    head = ("benchmark", "measured", "goal")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
-             for r in [head, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+if __name__ == "__main__":  # the same table as `make bench`, for this module only
+    from run import main  # benchmarks/ is on sys.path when a module runs as a script
 
-
-if __name__ == "__main__":
-    print(_table(run()))
+    sys.exit(main([*sys.argv[1:], Path(__file__).stem]))
