@@ -14,6 +14,7 @@ per hook. ``asyncio`` is imported on first use, not with ``rehydrate``.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import math
 import threading
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .context import HookResult, HookTimeout, Report, RestoreContext
+from .context import HookResult, HookTimeout, Outcome, Report, RestoreContext
 from .hooks import Hook
 
 if TYPE_CHECKING:
@@ -289,18 +290,21 @@ class HookRunner:
         tokens = _observe_start(job.observers, hook, ctx) if job.observers else ()
         start = time.perf_counter()
         attempt = 0
+        outcome: Outcome = "ok"
         error: BaseException | None = None
         while True:
             job.begin(index, hook.timeout)
             try:
-                if hook.arity:
-                    hook.fn(*_call_args(hook, ctx))
-                else:
-                    hook.fn()
-                error = None
+                value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
+                if inspect.isawaitable(value):  # a plain callable that returned a coroutine
+                    job.begin(index, hook.timeout + ASYNC_GRACE)
+                    self._await(job, value, hook.timeout)
+                outcome, error = "ok", None
                 break
+            except TimeoutError:
+                outcome, error = "timeout", HookTimeout(hook.name, hook.timeout)
             except BaseException as exc:  # every hook runs even when others fail
-                error = _contain(exc, hook.name)
+                outcome, error = "failed", _contain(exc, hook.name)
             if attempt >= hook.retries or job.abandoned:
                 break
             time.sleep(backoff_delay(attempt))
@@ -308,13 +312,23 @@ class HookRunner:
         result = HookResult(
             hook.name,
             hook.phase,
-            "ok" if error is None else "failed",
+            outcome,
             time.perf_counter() - start,
             error,
             hook.required,
             attempt + 1,
         )
         return job.settle(index, tokens, result)
+
+    def _await(self, job: _Progress, awaitable: Any, timeout: float) -> None:
+        """Await what a sync-looking hook returned, on the hook loop, within ``timeout``."""
+        import asyncio
+
+        async def bounded() -> None:
+            await asyncio.wait_for(awaitable, None if math.isinf(timeout) else timeout)
+
+        loop = job.loop or self._loop_thread.get()
+        asyncio.run_coroutine_threadsafe(bounded(), loop).result()
 
     def _run_async_batch(self, job: _Progress, start: int, stop: int) -> bool:
         import asyncio

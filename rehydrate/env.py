@@ -101,7 +101,8 @@ class EnvRefresher:
 
     ``policy``:
       * ``update`` (default): set every key of the new file; remove a key the previous file
-        had and the new one lacks; leave keys that never came from the file alone.
+        had and the new one lacks (``REHYDRATE_*`` excepted: they configure rehydrate
+        itself, e.g. its control socket); leave keys that never came from the file alone.
       * ``replace``: make the process environment exactly the file (keys matching
         ``protect`` and ``REHYDRATE_*`` stay).
       * ``off``: never touch the environment.
@@ -183,7 +184,8 @@ class EnvRefresher:
                 k for k in env if k not in new and not k.startswith(b"REHYDRATE_")
             ]
         else:
-            removes = [k for k in (self._previous or ()) if k not in new]
+            removes = [k for k in (self._previous or ())
+                       if k not in new and not k.startswith(b"REHYDRATE_")]
         sets = {k: v for k, v in new.items() if not self._protected(k)}
         removes = [k for k in removes if not self._protected(k)]
         changes = diff(env, sets, removes)

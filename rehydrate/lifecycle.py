@@ -120,6 +120,9 @@ class Lifecycle:
         self._merged: tuple[tuple[int, ...], dict[str, tuple[Hook, ...]]] | None = None
         if builtins:
             self._install_builtins()
+        # What the environment file holds now: a later refresh removes keys it drops,
+        # even when start() is never called (trigger_snapshot, notify-only setups).
+        self.env.baseline()
 
     # -- built-ins -------------------------------------------------------------------
 
@@ -468,6 +471,7 @@ class Lifecycle:
         return report
 
     def _run_snapshot(self, reason: str) -> SnapshotReport:
+        self.env.baseline()  # the environment file as the snapshot will remember it
         self._event_seq += 1
         ctx = RestoreContext(generation=self._generation, reason=reason, kind="snapshot",
                              detected_at=time.monotonic())

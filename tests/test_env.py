@@ -486,3 +486,33 @@ def test_a_file_behind_an_unreadable_directory_is_an_error_not_absent(open_dir):
     inner.chmod(0o700)
     out = as_unprivileged(_expect_env_error(lambda: EnvRefresher(path=spec).refresh()))
     assert "EnvError: cannot read" in out, out
+
+
+def test_update_never_removes_rehydrate_keys_the_previous_file_had(tmp_path, environ):
+    spec = write(tmp_path / "spec_environ", {b"RHT_KEEP": b"1", b"REHYDRATE_RHT_SOCK": b"/s"})
+    environ.update({b"RHT_KEEP": b"1", b"REHYDRATE_RHT_SOCK": b"/s"})
+    refresher = EnvRefresher(path=spec)
+    refresher.baseline()
+    write(tmp_path / "spec_environ", {b"RHT_NEW": b"2"})
+    changes = refresher.refresh()
+    assert changes.removed == ("RHT_KEEP",)
+    assert environ[b"REHYDRATE_RHT_SOCK"] == b"/s"
+
+
+def test_an_engine_knows_the_previous_file_without_start(tmp_path, environ, monkeypatch):
+    """Removal needs the previous file's keys; trigger_snapshot() and notify-only setups
+    never call start(), so the engine remembers the file when created and at a snapshot."""
+    spec = write(tmp_path / "spec_environ", {b"RHT_A": b"1", b"RHT_GONE": b"x"})
+    environ.update({b"RHT_A": b"1", b"RHT_GONE": b"x"})
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", spec)
+    engine = Lifecycle(Registry())
+    try:
+        assert engine.simulate_snapshot().ok
+        write(tmp_path / "spec_environ", {b"RHT_A": b"2"})
+        report = engine.restore_detected("gvisor")
+        assert report.ok, report.table()
+        assert report.env_changes.removed == ("RHT_GONE",)
+        assert report.env_changes.changed == ("RHT_A",)
+        assert b"RHT_GONE" not in environ and environ[b"RHT_A"] == b"2"
+    finally:
+        engine.close()

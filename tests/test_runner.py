@@ -592,3 +592,25 @@ def test_a_failing_observer_neither_breaks_nor_hangs_the_event(rehydrate_engine,
     report = box["r"]
     assert report.ok and calls == ["s", "a"]
     assert any("observer" in r.getMessage() for r in caplog.records)
+
+
+def test_a_plain_callable_returning_a_coroutine_is_awaited(rehydrate_engine):
+    """``after_restore(lambda: reconnect())`` with ``async def reconnect``: the coroutine
+    must run (not be dropped and reported ``ok``), within the hook's timeout."""
+    ran = []
+
+    async def reconnect():
+        await asyncio.sleep(0)
+        ran.append(threading.current_thread().name)
+
+    async def hang():
+        await asyncio.sleep(60)
+
+    reg = rehydrate_engine.registry
+    reg.after_restore(lambda: reconnect(), name="wrapped")  # noqa: PLW0108 - the point
+    reg.after_restore(lambda: hang(), name="wrapped-hang", timeout=0.2)  # noqa: PLW0108
+    report = rehydrate_engine.simulate_restore()
+    outcomes = {h.name: h.outcome for h in report.hooks}
+    assert outcomes["wrapped"] == "ok" and ran == ["rehydrate-loop"]
+    assert outcomes["wrapped-hang"] == "timeout"
+    assert isinstance(by_name(report)["wrapped-hang"].error, HookTimeout)
