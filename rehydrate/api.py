@@ -109,5 +109,12 @@ def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore
     """gVisor: run the before-snapshot hooks, checkpoint this sandbox, run the restore or
     resume hooks; returns ``"restore"`` in a clone, ``"resume"`` in the original, ``"error"``
     when the checkpoint failed. Needs the annotation
-    ``dev.gvisor.internal.checkpoint.enable=true``."""
+    ``dev.gvisor.internal.checkpoint.enable=true``.
+
+    Raises :class:`~rehydrate.detect.gvisor.GVisorError` when ``/proc/gvisor/checkpoint``
+    is missing (not gVisor) or answers garbage, its subclass ``TriggerNotPermitted`` on
+    ``EPERM`` (the annotation is missing), and ``TimeoutError`` when no answer came within
+    ``timeout`` seconds. A failure after the before-snapshot hooks ran runs the resume
+    hooks before raising, so the process is not left ``snapshotting`` (except when the
+    gVisor waiter is running and ``1`` was written: its descriptor gets the late answer)."""
     return _engine().trigger_snapshot(timeout)

@@ -229,6 +229,8 @@ def _call(cmd: str, args: argparse.Namespace, *, label: str | None = None,
         reply = request(cmd, socket_path=args.socket, timeout=timeout, fields=fields)
     except ControlError as exc:
         _err(f"{label}: {exc}")
+        if getattr(args, "json", False):  # machines read stdout: say it there too
+            _dump({"ok": False, "error": str(exc)})
         return None, EXIT_UNTRUSTED if isinstance(exc, UntrustedSocket) else EXIT_UNREACHABLE
     if not reply.get("ok"):
         _err(f"{label}: {reply.get('error') or 'failed'}")

@@ -517,7 +517,8 @@ class Lifecycle:
         *,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> list[str]:
-        """Start background detection. Idempotent: a second call changes nothing.
+        """Start background detection. Idempotent: a second call starts nothing more (a
+        ``loop`` given to it still becomes the loop async hooks run on).
 
         ``detectors``: ``"auto"`` (every detector usable here that is on by default),
         ``"none"``, or names / :class:`~rehydrate.detect.Detector` instances.

@@ -840,3 +840,12 @@ def test_root_client_trusts_a_named_socket_in_its_owners_private_dir(
     finally:
         records = srv.close()
     assert records == [{"received": '{"cmd": "prepare-snapshot"}\n'}]
+
+
+def test_json_commands_say_an_unreachable_process_on_stdout(short_dir: Path) -> None:
+    missing = str(short_dir / "nobody-here.sock")
+    for args in (("status", "--json"), ("notify", "save", "--json"), ("trigger", "--json")):
+        r = cli(*args, "--socket", missing)
+        assert r.returncode == 3, (args, r.stdout, r.stderr)
+        reply = json.loads(r.stdout)
+        assert reply["ok"] is False and "cannot reach" in reply["error"], args
