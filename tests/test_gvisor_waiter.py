@@ -45,7 +45,7 @@ def proc(tmp_path: Path) -> Path:
     d = tmp_path / "gvisor"
     d.mkdir()
     os.mkfifo(d / "checkpoint")
-    (d / "spec_environ").write_bytes(b"REHYDRATE_T_A=1\0REHYDRATE_T_B=2\0")
+    (d / "spec_environ").write_bytes(b"RHT_GV_A=1\0RHT_GV_B=2\0")
     return d
 
 
@@ -262,21 +262,21 @@ def test_regular_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_spec_environ_changes_applied_on_restore(engine: Lifecycle, proc: Path) -> None:
-    os.environ["REHYDRATE_T_A"] = "1"
-    os.environ["REHYDRATE_T_B"] = "2"
+    os.environ["RHT_GV_A"] = "1"
+    os.environ["RHT_GV_B"] = "2"
     rec = Recorder(engine)
     waiter = start_waiter(engine, proc)  # baseline: A, B come from spec_environ
     (proc / "spec_environ").write_bytes(
-        b"REHYDRATE_T_A=1\0REHYDRATE_T_C=new\0REHYDRATE_T_A=changed\0")  # last A wins
+        b"RHT_GV_A=1\0RHT_GV_C=new\0RHT_GV_A=changed\0")  # last A wins
     answer(waiter, b"restore\n")
     call = rec.wait(1)[0]
     changes = call[4]
-    assert changes.added == ("REHYDRATE_T_C",)
-    assert changes.changed == ("REHYDRATE_T_A",)
-    assert changes.removed == ("REHYDRATE_T_B",)
-    assert os.environ["REHYDRATE_T_A"] == "changed"
-    assert os.environ["REHYDRATE_T_C"] == "new"
-    assert "REHYDRATE_T_B" not in os.environ
+    assert changes.added == ("RHT_GV_C",)
+    assert changes.changed == ("RHT_GV_A",)
+    assert changes.removed == ("RHT_GV_B",)
+    assert os.environ["RHT_GV_A"] == "changed"
+    assert os.environ["RHT_GV_C"] == "new"
+    assert "RHT_GV_B" not in os.environ
     wait_for(lambda: engine.status().last_report is not None, what="the report")
     report = engine.status().last_report
     assert report is not None and report.env_changes == changes
@@ -406,7 +406,7 @@ class FakePlatform:
 def pty_proc(tmp_path: Path) -> Path:
     d = tmp_path / "gvisor-pty"
     d.mkdir()
-    (d / "spec_environ").write_bytes(b"REHYDRATE_T_A=1\0")
+    (d / "spec_environ").write_bytes(b"RHT_GV_A=1\0")
     return d
 
 
