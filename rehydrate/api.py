@@ -95,14 +95,19 @@ def simulate_restore(
     env: Mapping[str, str | None] | None = None,
     reason: str = "simulated",
     kind: Literal["restore", "resume"] = "restore",
+    frozen_for: float | None = None,
 ) -> RestoreReport:
-    """Run the restore hooks now, as after a real restore, and return the report."""
-    return _engine().simulate_restore(env=env, reason=reason, kind=kind)
+    """Run the restore hooks now, as after a real restore, and return the report.
+
+    The arguments are checked before any hook runs (``TypeError`` / ``ValueError``)."""
+    return _engine().simulate_restore(env=env, reason=reason, kind=kind,
+                                      frozen_for=frozen_for)
 
 
-def simulate_snapshot() -> SnapshotReport:
-    """Run the before-snapshot hooks now and return the report."""
-    return _engine().simulate_snapshot()
+def simulate_snapshot(reason: str = "simulated") -> SnapshotReport:
+    """Run the before-snapshot hooks now and return the report (``reason`` is recorded in
+    it and in the context the hooks get)."""
+    return _engine().simulate_snapshot(reason)
 
 
 def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore", "error"]:

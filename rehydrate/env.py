@@ -24,6 +24,7 @@ __all__ = [
     "EnvError",
     "EnvRefresher",
     "Policy",
+    "check_overlay",
     "diff",
     "parse_environ",
     "read_environ",
@@ -156,9 +157,7 @@ class EnvRefresher:
             return self._apply_file(new)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
-        for name, value in overlay.items():  # validate all first: never apply half of it
-            if not name or "=" in name or "\0" in name or (value is not None and "\0" in value):
-                raise EnvError(f"invalid environment entry {name!r} (empty key, '=' or NUL)")
+        check_overlay(overlay)  # all first: never apply half of it
         env = os.environb
         sets = {
             os.fsencode(k): os.fsencode(v)
@@ -196,6 +195,22 @@ class EnvRefresher:
             env.pop(k, None)
         self._previous = set(new)
         return changes
+
+
+def check_overlay(overlay: object) -> None:
+    """Raise (``TypeError`` for a wrong type, :class:`EnvError` for a bad entry) unless
+    ``overlay`` maps ``str`` names to ``str`` values or ``None``; names only in messages."""
+    if not isinstance(overlay, Mapping):
+        raise TypeError(f"env must be a mapping of names to str or None, "
+                        f"not {type(overlay).__name__}")
+    for name, value in overlay.items():
+        if not isinstance(name, str):
+            raise TypeError(f"env key {name!r} must be a str, not {type(name).__name__}")
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"env value for {name!r} must be a str or None, "
+                            f"not {type(value).__name__}")
+        if not name or "=" in name or "\0" in name or (value is not None and "\0" in value):
+            raise EnvError(f"invalid environment entry {name!r} (empty key, '=' or NUL)")
 
 
 def _present(path: str) -> bool:

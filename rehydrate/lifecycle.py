@@ -29,7 +29,7 @@ from .context import (
     SnapshotReport,
     describe_error,
 )
-from .env import POLICIES, EnvRefresher, Policy
+from .env import POLICIES, EnvRefresher, Policy, check_overlay
 from .hooks import Hook, Phase, Registry
 
 if TYPE_CHECKING:
@@ -391,12 +391,17 @@ class Lifecycle:
         ``env`` is applied like a new spec environment (a ``None`` value removes the key).
         A simulated run is not a freeze anchor: a later real restore notice is never taken
         for it (see ``anchor`` in :meth:`restore_detected`).
+
+        The arguments are checked before any hook runs: ``TypeError`` / ``ValueError``
+        (:class:`~rehydrate.env.EnvError` for a bad ``env`` entry) and nothing ran.
         """
+        _check_simulated(env, reason, kind, frozen_for)
         return self.restore_detected(reason, kind=kind, env=env, frozen_for=frozen_for,
                                      anchor=False)
 
     def simulate_snapshot(self, reason: str = "simulated") -> SnapshotReport:
         """Run the real before-snapshot hooks synchronously and return the report."""
+        _check_reason(reason)
         return self.snapshot_requested(reason)
 
     def trigger_snapshot(
@@ -582,6 +587,25 @@ class Lifecycle:
 
 _FROZEN_STEP = 1.5
 """A wait that ends this much later than asked: the process was frozen meanwhile."""
+
+
+def _check_reason(reason: object) -> None:
+    if not isinstance(reason, str) or not reason:
+        raise TypeError(f"reason must be a non-empty str, not {reason!r}")
+
+
+def _check_simulated(env: object, reason: object, kind: object, frozen_for: object) -> None:
+    """Reject bad :meth:`Lifecycle.simulate_restore` arguments before any hook runs."""
+    if env is not None:
+        check_overlay(env)
+    _check_reason(reason)
+    if kind not in ("restore", "resume"):
+        raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
+    if frozen_for is not None and (
+            isinstance(frozen_for, bool) or not isinstance(frozen_for, (int, float))
+            or not 0 <= frozen_for < float("inf")):
+        raise ValueError(f"frozen_for must be None or a finite number of seconds >= 0, "
+                         f"not {frozen_for!r}")
 
 
 def _positive_or_none(value: float, what: str) -> float:

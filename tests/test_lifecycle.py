@@ -838,11 +838,45 @@ def test_module_level_api_delegates_to_the_default_engine(monkeypatch):
     calls = []
     monkeypatch.setattr(engine, "simulate_restore",
                         lambda **kw: calls.append(("restore", kw)) or "R")
-    monkeypatch.setattr(engine, "simulate_snapshot", lambda: calls.append(("snap",)) or "S")
+    monkeypatch.setattr(engine, "simulate_snapshot",
+                        lambda *a: calls.append(("snap", *a)) or "S")
     assert rehydrate.simulate_restore(env={"K": "v"}, reason="t") == "R"
     assert rehydrate.simulate_snapshot() == "S"
-    assert calls == [("restore", {"env": {"K": "v"}, "reason": "t", "kind": "restore"}),
-                     ("snap",)]
+    assert rehydrate.simulate_snapshot(reason="docs") == "S"  # as docs/testing.md shows
+    assert calls == [("restore", {"env": {"K": "v"}, "reason": "t", "kind": "restore",
+                                  "frozen_for": None}),
+                     ("snap", "simulated"), ("snap", "docs")]
     assert rehydrate.status().generation == engine.generation
     assert rehydrate.is_ready() == engine.is_ready()
     assert rehydrate.wait_ready(timeout=0) == engine.is_ready()
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"env": {"N": 5}}, TypeError),
+    ({"env": {5: "x"}}, TypeError),
+    ({"env": ["N=5"]}, TypeError),
+    ({"env": {"A=B": "x"}}, ValueError),
+    ({"reason": ""}, TypeError),
+    ({"reason": None}, TypeError),
+    ({"kind": "snapshot"}, ValueError),
+    ({"frozen_for": -1}, ValueError),
+    ({"frozen_for": "3"}, ValueError),
+])
+def test_simulate_restore_checks_its_arguments_before_any_hook_runs(rehydrate_engine, kwargs,
+                                                                     error):
+    ran = []
+    rehydrate_engine.registry.after_restore(lambda: ran.append(1), name="user")
+    with pytest.raises(error):
+        rehydrate_engine.simulate_restore(**kwargs)
+    assert ran == []
+    assert rehydrate_engine.state == "running"
+    assert rehydrate_engine.generation == 0
+    assert rehydrate_engine.status().last_report is None
+
+
+def test_simulate_snapshot_takes_a_reason_at_module_level_too(rehydrate_engine, monkeypatch):
+    monkeypatch.setattr(rehydrate.api, "default_engine", rehydrate_engine, raising=False)
+    report = rehydrate.simulate_snapshot(reason="docs-example")
+    assert report.reason == "docs-example"
+    with pytest.raises(TypeError):
+        rehydrate.simulate_snapshot(reason="")
