@@ -134,12 +134,17 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         elif loop.is_running():
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(inner.aclose(), loop))
 
-    async def probe(self, url: str) -> None:
-        """GET ``url`` on a short-lived transport of the same configuration."""
-        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(**self._kwargs)) as c:
-            r = await c.get(url)
+    async def probe(self, request: httpx.Request) -> None:
+        """Send ``request`` (built by the client: base URL and default headers applied)
+        on a short-lived transport of the same configuration; < 500 counts as healthy."""
+        async with httpx.AsyncHTTPTransport(**self._kwargs) as transport:
+            r = await transport.handle_async_request(request)
+            try:
+                await r.aread()
+            finally:
+                await r.aclose()
         if r.status_code >= 500:
-            raise ConnectionError(f"{url} answered {r.status_code}")
+            raise ConnectionError(f"{request.url} answered {r.status_code}")
 
     async def aclose(self) -> None:
         await self._inner.aclose()

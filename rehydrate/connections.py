@@ -334,13 +334,17 @@ class ConnectionManager:
 
     # -- registry -------------------------------------------------------------------
 
-    def register(self, conn: Connection, open_now: bool = False) -> Connection:
+    def register(self, conn: Connection, open_now: bool = False,
+                 replace: bool = False) -> Connection:
+        """Add ``conn``; ``ValueError`` when its name is taken, unless ``replace``."""
         with self._lock:
+            if conn.name in self._conns and not replace:
+                raise ValueError(f"connection {conn.name!r} is already registered "
+                                 "(pass replace=True to replace it)")
             old = self._conns.pop(conn.name, None)
             self._conns[conn.name] = conn  # re-registering a name moves it to the end
         if old is not None:
-            log.debug("connection %s re-registered; the new callbacks replace the old",
-                      conn.name)
+            log.info("connection %s replaced; the new callbacks replace the old", conn.name)
         if open_now:
             self._open_in_background(conn)
         return conn
@@ -490,6 +494,7 @@ def register(
     engine: Lifecycle | None = None,
     value: Any = None,
     open_now: bool = False,
+    replace: bool = False,
 ) -> Connection:
     """Manage a connection: ``close`` runs before a snapshot; after a restore or resume
     ``open`` then ``check`` run (concurrently with every other connection) with backoff
@@ -500,11 +505,15 @@ def register(
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
     ``open`` runs in the background (with the same backoff); registration still returns
     at once and never raises for an unreachable peer.
+
+    A name already registered with the engine raises ``ValueError`` (a second
+    registration used to replace the first silently) unless ``replace=True``; the helpers
+    below take ``replace`` too.
     """
     if not isinstance(name, str) or not name:
         raise TypeError("connection name must be a non-empty string")
     conn = Connection(name, open, close, check, required, deadline, value)
-    return manager(engine).register(conn, open_now=open_now)
+    return manager(engine).register(conn, open_now=open_now, replace=replace)
 
 
 def unregister(name: str, *, engine: Lifecycle | None = None) -> bool:
@@ -530,6 +539,7 @@ def httpx_client(
     required: bool = True,
     deadline: float | None = None,
     engine: Lifecycle | None = None,
+    replace: bool = False,
     **client_kwargs: Any,
 ) -> Any:
     """An ``httpx.Client`` whose connection pool is rebuilt after every restore.
@@ -561,7 +571,7 @@ def httpx_client(
 
     register(name, open=transport.reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
-             engine=engine)
+             engine=engine, replace=replace)
     return client
 
 
@@ -572,22 +582,24 @@ def httpx_async_client(
     required: bool = True,
     deadline: float | None = None,
     engine: Lifecycle | None = None,
+    replace: bool = False,
     **client_kwargs: Any,
 ) -> Any:
     """An ``httpx.AsyncClient`` whose pool is rebuilt after every restore (see
     :func:`httpx_client`). The pool is bound to the application's event loop, so the
-    health check (``check_url``) uses a separate short-lived transport and the client's
-    new pool fills lazily on the application's loop."""
+    health check (``check_url``, relative to ``base_url`` and with the client's default
+    headers, as in :func:`httpx_client`) uses a separate short-lived transport and the
+    client's new pool fills lazily on the application's loop."""
     from ._httpx import make_async_client
 
     client, transport = make_async_client(client_kwargs)
 
     async def check() -> None:
-        await transport.probe(check_url)  # type: ignore[arg-type]
+        await transport.probe(client.build_request("GET", check_url))  # type: ignore[arg-type]
 
     register(name, open=transport.reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
-             engine=engine)
+             engine=engine, replace=replace)
     return client
 
 
@@ -599,6 +611,7 @@ def sqlalchemy_engine(
     required: bool = True,
     deadline: float | None = None,
     engine: Lifecycle | None = None,
+    replace: bool = False,
 ) -> Any:
     """Manage a SQLAlchemy ``Engine``: ``dispose()`` before a snapshot; after a restore
     ``dispose(close=False)`` (the platform already cut the sockets: drop them without
@@ -610,7 +623,7 @@ def sqlalchemy_engine(
 
     register(name, open=lambda: sa_engine.dispose(close=False), close=sa_engine.dispose,
              check=ping if check else None, required=required, deadline=deadline,
-             engine=engine)
+             engine=engine, replace=replace)
     return sa_engine
 
 
@@ -622,6 +635,7 @@ def redis_client(
     required: bool = True,
     deadline: float | None = None,
     engine: Lifecycle | None = None,
+    replace: bool = False,
 ) -> Any:
     """Manage a redis-py client (sync or ``redis.asyncio``): its pool is disconnected
     before a snapshot and reset after a restore, then ``PING``-ed when ``check``."""
@@ -641,7 +655,7 @@ def redis_client(
         ping = sping
     # a bound disconnect() (sync or async) takes no required argument: called as is
     register(name, open=pool.disconnect, close=pool.disconnect, check=ping if check else None,
-             required=required, deadline=deadline, engine=engine)
+             required=required, deadline=deadline, engine=engine, replace=replace)
     return client
 
 
@@ -653,6 +667,7 @@ def grpc_channel(
     required: bool = True,
     deadline: float | None = None,
     engine: Lifecycle | None = None,
+    replace: bool = False,
 ) -> Any:
     """A gRPC channel whose underlying ``grpc.Channel`` is replaced after every restore.
 
@@ -664,7 +679,7 @@ def grpc_channel(
 
     managed = ManagedChannel(factory)
     conn = register(name, open=managed.reset, close=managed.close_current,
-                    required=required, deadline=deadline, engine=engine)
+                    required=required, deadline=deadline, engine=engine, replace=replace)
     if check:
         conn.check_fn = lambda: managed.wait_ready(
             max(0.05, min(5.0, conn.effective_deadline())))
@@ -719,13 +734,14 @@ def tcp_socket(
     required: bool = True,
     deadline: float | None = None,
     engine: Lifecycle | None = None,
+    replace: bool = False,
 ) -> ManagedSocket:
     """A raw TCP client socket managed by rehydrate. The first connect runs in the
     background (registration never blocks); ``check(sock)`` may verify e.g. a greeting."""
     ms = ManagedSocket(address, timeout)
     chk = (lambda: check(ms.sock)) if check is not None else None
     register(name, open=ms.connect, close=ms.close, check=chk, required=required,
-             deadline=deadline, engine=engine, open_now=True)
+             deadline=deadline, engine=engine, open_now=True, replace=replace)
     return ms
 
 

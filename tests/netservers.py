@@ -22,7 +22,12 @@ async def app(scope, receive, send):
             elif m["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-    await send({"type": "http.response.start", "status": 200,
+    # /needs-header answers 503 unless the request carries "x-probe: yes" (tests that a
+    # client's default headers reach the server)
+    status = 200
+    if scope["path"] == "/needs-header" and (b"x-probe", b"yes") not in scope["headers"]:
+        status = 503
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": scope["path"].encode()})
 

@@ -296,6 +296,41 @@ async def test_httpx_async_client_keeps_object_and_rebuilds_pool(rehydrate_engin
     await client.aclose()
 
 
+async def test_httpx_async_client_probe_uses_base_url_and_headers(rehydrate_engine, http_srv):
+    client = connections.httpx_async_client("api", base_url=http_srv.url,
+                                            headers={"x-probe": "yes"},
+                                            check_url="/needs-header", deadline=2,
+                                            engine=rehydrate_engine)
+    loop = asyncio.get_running_loop()
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    # the same probe without the header is answered 503: the header really was sent
+    bare = connections.httpx_async_client("bare", base_url=http_srv.url,
+                                          check_url="/needs-header", deadline=0.5,
+                                          required=False, engine=rehydrate_engine)
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
+    assert status["api"]["state"] == "open"
+    assert "503" in str(status["bare"]["last_error"]), status["bare"]
+    await client.aclose()
+    await bare.aclose()
+
+
+def test_registering_a_connection_name_twice_is_an_error(rehydrate_engine):
+    first = connections.register("db", open=lambda: "one", engine=rehydrate_engine)
+    with pytest.raises(ValueError, match="'db' is already registered"):
+        connections.register("db", open=lambda: "two", engine=rehydrate_engine)
+    assert connections.get("db", engine=rehydrate_engine) is first  # the first one stands
+    with pytest.raises(ValueError, match="already registered"):
+        connections.tcp_socket("db", ("127.0.0.1", 9), engine=rehydrate_engine)
+    second = connections.register("db", open=lambda: "two", engine=rehydrate_engine,
+                                  replace=True)
+    assert connections.get("db", engine=rehydrate_engine) is second
+    assert [c.name for c in connections.connections(engine=rehydrate_engine)] == ["db"]
+    assert rehydrate_engine.simulate_restore().ok
+    assert second.value == "two"
+
+
 async def test_redis_asyncio_client_helper(rehydrate_engine, redis_srv):
     import redis.asyncio as aredis
 
