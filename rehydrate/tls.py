@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ._disable import is_disabled
+from ._files import READ_ONLY_EVENTS
 from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
@@ -871,7 +872,7 @@ class FileCertificate(ManagedCertificate):
 
         class _Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.event_type in ("opened", "closed_no_write"):
+                if event.event_type in READ_ONLY_EVENTS:
                     return
                 handle._schedule_reload()
 

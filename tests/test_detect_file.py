@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 from detect_helpers import REPO, Recorder, wait_for
@@ -102,3 +103,38 @@ def test_gvisor_is_recognised_inside_runsc():
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+def test_idle_inotify_watch_costs_no_cpu(rehydrate_engine, tmp_path):
+    """Reading the marker fires inotify open/close events; they must not wake the
+    detector again, or it re-reads the file in a loop and spins a core (issue #13.3)."""
+    import time
+
+    marker = tmp_path / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = MarkerFileDetector(marker, polling=False, window=0)
+    rehydrate_engine.start([det])
+    marker.write_text("restore 1\n")
+    rec.wait(1)
+    wait_for(lambda: det._state is not None, what="the marker to be read")
+    checks = det.checks
+    cpu = time.process_time()
+    idle = threading.Event()
+    idle.wait(1.0)  # a measurement window: the cost of one idle second, not a wait for a state
+    used = time.process_time() - cpu
+    assert det.checks - checks <= 2, f"{det.checks - checks} re-reads while idle"
+    assert used < 0.15, f"{used:.2f}s of CPU in 1s of idle watching"
+
+
+def test_fifo_at_marker_path_does_not_block(rehydrate_engine, tmp_path):
+    """A FIFO (or other non-regular file) at the marker path is no state and never blocks
+    the marker thread (issue #13.13); a regular file written after it is still seen."""
+    marker = tmp_path / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = MarkerFileDetector(marker, polling=True, interval=0.02, window=0)
+    rehydrate_engine.start([det])
+    os.mkfifo(marker)
+    wait_for(lambda: det.checks >= 1, what="the FIFO to be looked at")
+    os.unlink(marker)
+    marker.write_text("restore 1\n")
+    rec.wait(1)

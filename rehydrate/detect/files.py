@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from .._files import READ_ONLY_EVENTS, open_regular
 from . import Detector
 from ._util import DEFAULT_WINDOW, env_flag, env_float, env_kind, positive, running_under_gvisor
 
@@ -47,9 +48,15 @@ State = tuple[int, int, int, str] | None
 
 
 def marker_state(path: str) -> State:
+    """The marker's identity and content hash; None when absent or not a regular file.
+
+    Opened without blocking and only when regular: a FIFO put at the path must not hold
+    the detector thread for ever.
+    """
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
+        fd = open_regular(path)
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
             digest = hashlib.sha256(f.read(_READ_LIMIT)).hexdigest()
     except FileNotFoundError:
         return None
@@ -155,6 +162,8 @@ class MarkerFileDetector(Detector):
 
         class _Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type in READ_ONLY_EVENTS:
+                    return
                 paths = (event.src_path, getattr(event, "dest_path", ""))
                 if any(os.fsdecode(p) == target for p in paths if p):
                     wake.set()
