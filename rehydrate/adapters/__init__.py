@@ -1,0 +1,15 @@
+"""Integrations with application servers and game servers: one module per integration.
+
+``rehydrate.adapters.agones``
+    :class:`~rehydrate.adapters.agones.AgonesAdapter`: the Agones SDK sidecar (health pings,
+    ``Ready``, labels and annotations) across snapshots and restores.
+``rehydrate.adapters.gameloop``
+    :class:`~rehydrate.adapters.gameloop.TickClock`: a fixed-step clock that never replays
+    the seconds a process spent frozen.
+``rehydrate.adapters.sessions``
+    :class:`~rehydrate.adapters.sessions.MatchSessions`: session tokens and per-match
+    secrets that differ in every clone.
+``rehydrate.adapters.udp``
+    :class:`~rehydrate.adapters.udp.UdpEndpoint`: an asyncio UDP socket checked (and
+    re-bound when dead) after every restore.
+"""

@@ -1,0 +1,165 @@
+"""A fixed-step game clock that never replays the time a process spent frozen.
+
+The accumulator of Glenn Fiedler's "Fix Your Timestep!": the simulation advances in
+ticks of exactly ``1 / rate_hz`` seconds, and each frame the loop asks :meth:`TickClock.due`
+how many ticks to run now. Fiedler clamps a long frame (0.25 s) to avoid the "spiral of
+death"; after a snapshot restore the unclamped frame is the snapshot's *age* — seconds or
+days, since ``CLOCK_MONOTONIC`` includes the time frozen — and a naive loop would run
+thousands of ticks in a burst. :class:`TickClock` instead runs at most ``max_catch_up``
+ticks for such a frame and records the seconds it dropped in :attr:`TickClock.last_jump`,
+so the game can resynchronise its clients instead::
+
+    clock = TickClock(30, max_catch_up=2)
+    while running:
+        for _ in range(clock.due()):
+            world.step(clock.dt)
+        if clock.last_jump:
+            world.resync_clients(skipped=clock.last_jump)
+        render(alpha=clock.alpha)
+        await asyncio.sleep(clock.until_next())
+
+The clock also rebases itself when the rehydrate engine runs a restore (or resume): the
+next :meth:`~TickClock.due` is treated as a jump even when the frame looked short — on
+platforms whose monotonic clock does not include the time frozen, or when the loop was
+not running across the freeze.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from rehydrate import Phase
+
+from ._compat import resolve_engine
+
+if TYPE_CHECKING:
+    from rehydrate import Lifecycle
+
+__all__ = ["TickClock"]
+
+# Float products like 0.3 * 10 land a hair below the integer they mean.
+_EPSILON = 1e-9
+
+
+class TickClock:
+    """A fixed-step clock: :meth:`due` says how many ticks of ``1 / rate_hz`` s to simulate.
+
+    ``max_catch_up``: the most ticks one call returns after a jump (a frame longer than
+    ``max_frame`` seconds, or the first call after a restore); the rest of the owed time is
+    dropped and reported in :attr:`last_jump`. ``clock``: seconds, never decreasing in
+    normal operation (a step backwards owes nothing). ``engine``: the rehydrate engine
+    whose restore events rebase the clock (default: the process-wide one);
+    ``rebase_on_restore=False`` attaches to none.
+
+    Thread-safe: the game loop calls :meth:`due` while a restore hook may call
+    :meth:`rebase` from the engine's thread.
+    """
+
+    def __init__(
+        self,
+        rate_hz: float,
+        *,
+        max_catch_up: int = 0,
+        max_frame: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        engine: Lifecycle | None = None,
+        rebase_on_restore: bool = True,
+    ) -> None:
+        if not (isinstance(rate_hz, (int, float)) and math.isfinite(rate_hz) and rate_hz > 0):
+            raise ValueError(f"rate_hz must be a positive finite number, not {rate_hz!r}")
+        if isinstance(max_catch_up, bool) or not isinstance(max_catch_up, int) \
+                or max_catch_up < 0:
+            raise ValueError(f"max_catch_up must be an int >= 0, not {max_catch_up!r}")
+        if not (isinstance(max_frame, (int, float)) and max_frame > 0):  # refuses NaN
+            raise ValueError(f"max_frame must be a positive number of seconds, not "
+                             f"{max_frame!r}")
+        self.rate_hz = float(rate_hz)
+        self.dt = 1.0 / self.rate_hz
+        """Seconds per tick."""
+        self.max_catch_up = max_catch_up
+        self.max_frame = float(max_frame)
+        self._clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self._last = now
+        self._origin = now  # tick 0 of the current epoch
+        self._issued = 0  # ticks returned since _origin
+        self._rebase = False
+        self.last_jump = 0.0
+        """Seconds the latest :meth:`due` call dropped (0.0 when it dropped nothing)."""
+        self.ticks = 0
+        """Ticks returned so far."""
+        self.jumps = 0
+        """Calls that were treated as a jump."""
+        self.dropped = 0.0
+        """Seconds dropped by all jumps so far."""
+        if rebase_on_restore:
+            self._attach(resolve_engine(engine))
+
+    def _attach(self, engine: Lifecycle) -> None:
+        ref = weakref.ref(self)
+
+        def rebase_tick_clock() -> None:
+            clock = ref()
+            if clock is not None:
+                clock.rebase()
+
+        # Before the application's own hooks, so that they see a rebased clock.
+        hook = engine.builtins.register(rebase_tick_clock, phase=Phase.APPLICATION,
+                                        order=-1_000_000, timeout=5.0,
+                                        name="rehydrate.gameloop.tick_clock")
+        weakref.finalize(self, engine.builtins.unregister, hook)
+
+    def due(self) -> int:
+        """The number of ticks to simulate now (0 or more)."""
+        with self._lock:
+            now = self._clock()
+            elapsed = now - self._last
+            self._last = now
+            if elapsed < 0:  # the clock stepped back: nothing is owed, restart the phase
+                self._origin, self._issued = now, 0
+                self.last_jump = 0.0
+                return 0
+            owed = max(0, math.floor((now - self._origin) * self.rate_hz + _EPSILON)
+                       - self._issued)
+            if elapsed > self.max_frame or self._rebase:
+                n = min(owed, self.max_catch_up)
+                # Everything owed beyond those n ticks, including the partial tick.
+                jump = max(0.0, (now - self._origin) - (self._issued + n) * self.dt)
+                self._origin, self._issued = now, 0
+                self._rebase = False
+                self.last_jump = jump
+                self.jumps += 1
+                self.dropped += jump
+            else:
+                n = owed
+                self._issued += n
+                self.last_jump = 0.0
+            self.ticks += n
+            return n
+
+    def rebase(self) -> None:
+        """Treat the next :meth:`due` call as a jump (done on every rehydrate restore)."""
+        with self._lock:
+            self._rebase = True
+
+    @property
+    def alpha(self) -> float:
+        """How far (0 ≤ alpha < 1) the latest call is into the next tick: for rendering
+        interpolated between the last two simulated states."""
+        with self._lock:
+            frac = (self._last - self._origin) * self.rate_hz - self._issued
+        return min(max(frac, 0.0), 1.0 - _EPSILON)
+
+    def until_next(self) -> float:
+        """Seconds from the latest :meth:`due` call until the next tick is due."""
+        return (1.0 - self.alpha) * self.dt
+
+    def __repr__(self) -> str:
+        return (f"TickClock({self.rate_hz:g} Hz, max_catch_up={self.max_catch_up}, "
+                f"max_frame={self.max_frame:g}, ticks={self.ticks}, jumps={self.jumps})")
