@@ -122,11 +122,11 @@ class ClockJumpDetector(DeferringDetector):
             step = elapsed - interval
             if step > threshold:
                 if self.busy_check and cpu - last_cpu >= BUSY_FRACTION * elapsed:
-                    self.busy_skips += 1
                     log.warning(
                         "clock-jump: the detector thread woke %.1fs late but the process "
                         "used %.1fs of CPU meanwhile (a call held the GIL?); not a restore",
                         step, cpu - last_cpu)
+                    self.busy_skips += 1  # after the log: observers of the count see it
                 else:
                     self._report(since=last, frozen_for=step, stop=stop)
                     if stop.is_set():
