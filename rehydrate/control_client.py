@@ -77,23 +77,33 @@ def _check_dir(directory: str) -> None:
             "or pass --socket")
 
 
-def _check_peer(sock: socket.socket, path: str, named: bool) -> None:
-    """Refuse a server that is neither our uid nor root.
+def _check_peer(sock: socket.socket, path: str, named: bool,
+                expect_uid: int | None = None, expect_pid: int | None = None) -> None:
+    """Refuse a server that is neither our uid nor root, or not the one pinned.
 
     One exception, for root running ``notify`` for a workload of another uid (a CRIU action
     script, save-restore-exec in a pod with ``runAsUser``): when the operator named the
     socket (``--socket`` or ``$REHYDRATE_CONTROL_SOCKET``), a server of uid U is trusted if
     U owns the socket file and the directory holding it is owned by U or root and writable
-    by nobody else — a place only U (or root) could have put a socket.
+    by nobody else — a place only U (or root) could have put a socket. Another user who
+    created that directory first passes this test too: ``expect_uid`` / ``expect_pid``
+    (``--expect-uid`` / ``--expect-pid``) pin the server, and any other one is refused.
     """
     pid, uid, _gid = _CRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    if expect_uid is not None and uid != expect_uid:
+        raise UntrustedSocket(f"not trusting {path}: it is served by uid {uid} (pid {pid}), "
+                              f"expected uid {expect_uid}")
+    if expect_pid is not None and pid != expect_pid:
+        raise UntrustedSocket(f"not trusting {path}: it is served by pid {pid} (uid {uid}), "
+                              f"expected pid {expect_pid}")
     me = os.geteuid()
-    if uid in (me, 0) or (named and _placed_by(uid, path)):
+    if expect_uid is not None or uid in (me, 0) or (named and _placed_by(uid, path)):
         return
     raise UntrustedSocket(f"not trusting {path}: it is served by uid {uid} (pid {pid}); "
                           f"only uid {me} or root may answer (or, for a socket named with "
-                          f"--socket, its owner when its directory is private to that owner)")
+                          f"--socket, its owner when its directory is private to that owner; "
+                          f"pin it with --expect-uid)")
 
 
 def _placed_by(uid: int, path: str) -> bool:
@@ -127,7 +137,8 @@ def find_socket(explicit: str | None = None) -> str:
 
 
 def request(cmd: str, *, socket_path: str | None = None, timeout: float | None = DEFAULT_TIMEOUT,
-            fields: dict[str, Any] | None = None, **more: Any) -> dict[str, Any]:
+            fields: dict[str, Any] | None = None, expect_uid: int | None = None,
+            expect_pid: int | None = None, **more: Any) -> dict[str, Any]:
     """Send one request and return the reply (a dict with at least ``ok``).
 
     ``fields`` and keyword arguments become request fields (use ``fields`` for names that
@@ -136,7 +147,9 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
 
     Raises :class:`ControlError` when the socket cannot be reached, the reply does not
     come within ``timeout`` seconds, or it is not a JSON object; :class:`UntrustedSocket`
-    (before sending anything) when the server runs as neither this uid nor root.
+    (before sending anything) when the server runs as neither this uid nor root, or is not
+    the uid ``expect_uid`` / the pid ``expect_pid`` (pins: a server of that uid is then
+    trusted even when it is neither this uid nor root).
     """
     named = bool(socket_path or os.environ.get(ENV_SOCKET))
     path = find_socket(socket_path)
@@ -149,7 +162,7 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
         except OSError as exc:
             raise ControlError(f"cannot reach the process at {path}: "
                                f"{exc.strerror or exc}") from None
-        _check_peer(sock, path, named)
+        _check_peer(sock, path, named, expect_uid, expect_pid)
         buf = b""
         try:
             sock.sendall(payload)
@@ -226,7 +239,8 @@ def _call(cmd: str, args: argparse.Namespace, *, label: str | None = None,
     none. Failures are printed as one line prefixed with ``label`` (default ``cmd``)."""
     label = label or cmd
     try:
-        reply = request(cmd, socket_path=args.socket, timeout=timeout, fields=fields)
+        reply = request(cmd, socket_path=args.socket, timeout=timeout, fields=fields,
+                        expect_uid=args.expect_uid, expect_pid=args.expect_pid)
     except ControlError as exc:
         _err(f"{label}: {exc}")
         if getattr(args, "json", False):  # machines read stdout: say it there too
@@ -268,6 +282,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"ready:       {status.get('ready')}")
     print(f"detectors:   {', '.join(status.get('detectors') or []) or 'none'}")
     print(f"last_report: {_summary(status.get('last_report'))}")
+    for name, why in sorted((status.get("detector_errors") or {}).items()):
+        print(f"NOT RUNNING: {name}: {why}")
     return EXIT_OK
 
 
@@ -291,6 +307,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
 def notify_main(argv: list[str] | None = None) -> int:
     """``rehydrate-notify``: ``rehydrate notify`` as a program of its own.
 
@@ -311,6 +337,11 @@ def _common(p: argparse.ArgumentParser, timeout: float | None) -> None:
                    help="seconds to wait for the reply"
                         + (f" (default {timeout:g})" if timeout else ""))
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--expect-uid", type=_id, metavar="UID",
+                   help="talk only to a process of this uid (refuse any other, exit 4); "
+                        "root notifying a workload of another uid should pin it")
+    p.add_argument("--expect-pid", type=_id, metavar="PID",
+                   help="talk only to this process (refuse any other, exit 4)")
 
 
 def _notify_arguments(p: argparse.ArgumentParser) -> None:

@@ -115,6 +115,8 @@ class Lifecycle:
         self._event_seq = 0  # +1 per run (under _run_lock); ends a snapshot deadline watch
 
         self._detectors: list[Detector] = []
+        self._detector_errors: dict[str, str] = {}
+        """Detectors asked for that failed to start, and why (shown by status())."""
         self._started = False
         self._start_lock = threading.Lock()
         self._merged: tuple[tuple[int, ...], dict[str, tuple[Hook, ...]]] | None = None
@@ -217,6 +219,8 @@ class Lifecycle:
 
     def status(self) -> Status:
         extra: dict[str, Any] = {}
+        if self._detector_errors:
+            extra["detector_errors"] = dict(self._detector_errors)
         for key, fn in list(self._extra_status.items()):
             try:
                 extra[key] = fn()
@@ -540,14 +544,19 @@ class Lifecycle:
             self.env.baseline()
             chosen = detect.select(detectors)
             running: list[Detector] = []
+            errors: dict[str, str] = {}
             for d in chosen:
                 try:
                     d.start(self)
                 except Exception as exc:
-                    log.warning("detector %s could not start: %s", d.name, exc)
+                    # loud: a detector that was asked for and is missing (a squatted
+                    # control socket) must show in logs and status, not fade away
+                    log.error("detector %s could not start: %s", d.name, exc)
+                    errors[d.name] = str(exc) or type(exc).__name__
                     continue
                 running.append(d)
             self._detectors = running
+            self._detector_errors = errors
             self._started = True
             from . import fingerprint  # miss detection: a cold start where a restore was due
 
@@ -560,6 +569,7 @@ class Lifecycle:
         """Stop the detectors (hooks stay registered). Idempotent."""
         with self._start_lock:
             detectors, self._detectors = self._detectors, []
+            self._detector_errors = {}
             self._started = False
         for d in detectors:
             try:

@@ -849,3 +849,84 @@ def test_json_commands_say_an_unreachable_process_on_stdout(short_dir: Path) -> 
         assert r.returncode == 3, (args, r.stdout, r.stderr)
         reply = json.loads(r.stdout)
         assert reply["ok"] is False and "cannot reach" in reply["error"], args
+
+
+# -- impostors: a directory or a path another user got first (issue #13.2) ---------------
+
+
+@pytest.mark.root
+def test_workload_refuses_a_socket_dir_another_user_owns_or_can_write(
+        foreign_dir: Path, engine: Lifecycle, short_dir: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """uid 65534 owns the directory (mode 0777, then 0700): it could swap the socket at any
+    time, so the workload refuses to serve there, loudly (log, status)."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    for mode in (0o777, 0o700):
+        os.chmod(foreign_dir, mode)
+        path = str(foreign_dir / "ctl.sock")
+        assert engine.start([ControlDetector(path)]) == []
+        errors = engine.status().to_dict()["detector_errors"]
+        assert "owned by uid 65534" in errors["control"], errors
+        assert not os.path.exists(path)
+        engine.stop()
+    assert any(r.levelno == logging.ERROR and "owned by uid 65534" in r.getMessage()
+               for r in caplog.records)
+    group_writable = short_dir / "shared"
+    group_writable.mkdir(mode=0o770)
+    os.chmod(group_writable, 0o770)
+    assert engine.start([ControlDetector(str(group_writable / "ctl.sock"))]) == []
+    assert "writable by other users (mode 0770)" in \
+        engine.status().to_dict()["detector_errors"]["control"]
+    engine.stop()
+    sticky = short_dir / "sticky"  # like /tmp: others cannot rename what we create
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    assert engine.start([ControlDetector(str(sticky / "ctl.sock"))]) == ["control"]
+    assert "detector_errors" not in engine.status().to_dict()
+
+
+@pytest.mark.root
+def test_a_squatted_socket_path_is_a_loud_failure(
+        foreign_dir: Path, engine: Lifecycle, caplog: pytest.LogCaptureFixture) -> None:
+    """The reviewer's repro: uid 65534 serves the path first. The workload does not carry on
+    quietly: the detector is not running, status and the log say why, doctor says it."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    srv = ForeignServer(foreign_dir)
+    os.chmod(foreign_dir, 0o755)  # not even the directory check is needed: the path is live
+    try:
+        det = ControlDetector(srv.path)
+        with pytest.raises(FileExistsError, match="served by uid 65534"):
+            ControlServer(engine, srv.path)._refuse_live_socket()
+        assert engine.start([det]) == []
+        error = engine.status().to_dict()["detector_errors"]["control"]
+        assert "owned by uid 65534" in error or "served by uid 65534" in error
+        assert any(r.levelno == logging.ERROR and "control" in r.getMessage()
+                   for r in caplog.records)
+        r = cli("doctor", env={"REHYDRATE_CONTROL_SOCKET": srv.path})
+        row = next(line for line in r.stdout.splitlines() if line.startswith("control"))
+        assert " no " in row and "uid 65534" in row, r.stdout
+    finally:
+        srv.close()
+
+
+@pytest.mark.root
+def test_notify_pins_the_server_uid_and_pid(foreign_dir: Path) -> None:
+    """Root's notify for a workload of another uid can pin it: the impostor who created the
+    workload's private directory first is refused (exit 4), nothing is sent to it."""
+    os.chmod(foreign_dir, 0o700)
+    srv = ForeignServer(foreign_dir)
+    try:
+        r = cli("notify", "save", "--socket", srv.path, "--expect-uid", "4242")
+        assert r.returncode == 4, (r.stdout, r.stderr)
+        assert "served by uid 65534" in r.stderr and "expected uid 4242" in r.stderr
+        r = cli("notify", "save", "--socket", srv.path, "--expect-pid", str(srv.pid + 100000))
+        assert r.returncode == 4 and "expected pid" in r.stderr, r.stderr
+        with pytest.raises(UntrustedSocket, match="expected uid 0"):
+            request("status", socket_path=srv.path, expect_uid=0)
+        r = cli("notify", "save", "--socket", srv.path, "--expect-uid", "65534",
+                "--expect-pid", str(srv.pid))
+        assert r.returncode == 0, (r.stdout, r.stderr)
+    finally:
+        records = srv.close()
+    assert records == [{"received": ""}] * 3 + [
+        {"received": '{"cmd": "prepare-snapshot"}\n'}]

@@ -72,7 +72,10 @@ __all__ = [
     "ControlDetector",
     "ControlServer",
     "default_socket_dir",
+    "serving_peer",
     "socket_path",
+    "squatter",
+    "untrusted_dir",
 ]
 
 log = logging.getLogger("rehydrate")
@@ -116,15 +119,48 @@ def _dir_problem(directory: str) -> str | None:
         return f"{probe} is not a directory"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable by this user"
+    if probe == directory:
+        return untrusted_dir(directory)
+    return None
+
+
+def untrusted_dir(directory: str) -> str | None:
+    """Why another user could replace a socket in ``directory`` (None: nobody could).
+
+    A safe directory is owned by this uid or root and is writable by nobody else, or is
+    sticky (``/tmp``: others cannot rename or remove what this uid created). A directory
+    of another user is never safe: its owner can swap the socket at any time.
+    """
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None  # created 0700 by this uid
+    except OSError as exc:
+        return f"{directory} cannot be inspected: {exc.strerror or exc}"
+    me = os.geteuid()
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{directory} is not a directory (a symbolic link or a file)"
+    if st.st_uid not in (me, 0):
+        return (f"{directory} is owned by uid {st.st_uid} (mode {mode:04o}), not by uid {me} "
+                "or root: its owner could replace the socket")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        return (f"{directory} is writable by other users (mode {mode:04o}) and not sticky: "
+                "they could replace the socket")
     return None
 
 
 def _private_dir(directory: str, *, check_owner: bool) -> None:
-    """Create ``directory`` 0700 if missing; with ``check_owner`` refuse one that others own."""
+    """Create ``directory`` 0700 if missing; refuse one another user could write in (and,
+    with ``check_owner``, one that is not this uid's own 0700 directory)."""
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot create {directory}: {exc.strerror}") from None
+    problem = untrusted_dir(directory)
+    if problem:
+        raise PermissionError(f"not serving the control socket there: {problem}; use a "
+                              f"directory of this uid (mode 0700) in {ENV_SOCKET}")
     if not check_owner:
         return
     st = os.lstat(directory)
@@ -134,6 +170,34 @@ def _private_dir(directory: str, *, check_owner: bool) -> None:
             f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it or "
             f"set {ENV_SOCKET}")
 
+
+def serving_peer(path: str, timeout: float = 1.0) -> tuple[int, int] | None:
+    """``(pid, uid)`` of the process listening at the socket ``path``; None when nobody is."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(path)
+        pid, uid, _gid = _CRED.unpack(
+            probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return pid, uid
+
+
+def squatter(path: str) -> str | None:
+    """A description of the process of another user serving ``path``, if one does."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    peer = serving_peer(path)
+    if peer is None or peer[1] in (os.geteuid(), 0):
+        return None
+    return (f"{path} is already served by uid {peer[1]} (pid {peer[0]}): another user "
+            "squats the control socket; rehydrate notify would reach it, not this process")
 
 
 def _drain(conn: socket.socket) -> None:
@@ -212,15 +276,13 @@ class ControlServer:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise FileExistsError(f"{self.path} exists and is not a socket; not replacing it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(self.path)
-        except OSError:
+        peer = serving_peer(self.path)
+        if peer is None:
             return  # stale: nobody listens; rename() will replace it
-        finally:
-            probe.close()
-        raise FileExistsError(f"another process is serving {self.path}")
+        pid, uid = peer
+        if uid not in (os.geteuid(), 0):
+            raise FileExistsError(f"{squatter(self.path) or self.path}; refusing to start")
+        raise FileExistsError(f"another process (pid {pid}) is serving {self.path}")
 
     def stop(self, timeout: float = 5.0) -> None:
         sock, thread = self._sock, self._thread
@@ -490,7 +552,8 @@ class ControlDetector(Detector):
 
     @classmethod
     def probe(cls) -> str | None:
-        return _dir_problem(os.path.dirname(os.path.abspath(socket_path())))
+        path = socket_path()
+        return _dir_problem(os.path.dirname(os.path.abspath(path))) or squatter(path)
 
     @classmethod
     def auto_here(cls) -> str | None:
