@@ -79,7 +79,9 @@ _LAZY_SUBMODULES = ("connections", "entropy", "fingerprint", "keys", "routes", "
 
 
 def instance_id() -> str:
-    """This process's instance ID (UUIDv4), regenerated on every restore."""
+    """This process's instance ID (UUIDv4), regenerated on every restore.
+
+    Process-wide: any engine's restore run (an isolated test engine's too) renews it."""
     from .entropy import instance_id as _instance_id
 
     return _instance_id()

@@ -60,6 +60,9 @@ def instance_id() -> str:
 
     Use it for OpenTelemetry's ``service.instance.id``, log fields, lease owners … — any
     identifier that must differ between clones of one snapshot.
+
+    Process-wide, like the global generators: every engine's restore run renews it (also
+    an isolated engine's ``simulate_restore()``), and every engine reports the same value.
     """
     return _instance_id
 

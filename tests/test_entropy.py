@@ -130,6 +130,24 @@ def test_instance_id_changes_on_restore_not_on_resume(rehydrate_engine):
     assert uuid.UUID(second).version == 4
 
 
+def test_instance_id_is_process_wide_and_any_engine_renews_it(rehydrate_engine):
+    """Documented (docs/identity.md): one ID per process, whichever engine restores."""
+    from rehydrate.testing import isolated_engine
+
+    other = isolated_engine()
+    try:
+        before = other.status().extra["entropy"]["instance_id"]
+        assert before == rehydrate.instance_id()
+        rehydrate_engine.simulate_restore()  # an isolated engine's (simulated) restore ...
+        after = rehydrate.instance_id()
+        assert after != before
+        # ... changes the ID every engine (and the module-level function) reports
+        assert other.status().extra["entropy"]["instance_id"] == after
+        assert entropy.instance_id() == after
+    finally:
+        other.close()
+
+
 def test_instance_id_listener(rehydrate_engine):
     seen: list[str] = []
     entropy.on_instance_id_change(seen.append)
