@@ -29,12 +29,14 @@ if have_bookworm && have_trixie; then
 fi
 
 export DEBIAN_FRONTEND=noninteractive
+# shellcheck source=scripts/apt-wait.sh
+. "$(cd "$(dirname "$0")" && pwd)/apt-wait.sh"  # apt_get: waits for another apt's locks
 
 if ! have_bookworm; then
     log "installing Debian's runsc package"
-    if ! apt-get install -y --no-install-recommends runsc; then
-        apt-get update
-        apt-get install -y --no-install-recommends runsc
+    if ! apt_get install -y --no-install-recommends runsc; then
+        apt_get update
+        apt_get install -y --no-install-recommends runsc
     fi
 fi
 

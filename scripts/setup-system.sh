@@ -7,6 +7,8 @@ if [ "$(id -u)" != 0 ]; then
   exit 0
 fi
 here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=scripts/apt-wait.sh
+. "$here/apt-wait.sh"  # apt_get: waits for the dpkg/apt locks another apt process holds
 if [ -x "$here/install-runsc.sh" ]; then
   bash "$here/install-runsc.sh"
 fi
@@ -17,9 +19,9 @@ for p in redis-server nftables iproute2 iptables; do
 done
 if [ -n "$net_missing" ]; then
   apt_stamp=/var/tmp/rehydrate-apt-updated
-  [ -e "$apt_stamp" ] || { apt-get update -qq && touch "$apt_stamp"; }
+  [ -e "$apt_stamp" ] || { apt_get update >/dev/null && touch "$apt_stamp"; }
   # shellcheck disable=SC2086
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $net_missing >/dev/null \
-    || { apt-get update -qq && touch "$apt_stamp" &&
-         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $net_missing >/dev/null; }
+  DEBIAN_FRONTEND=noninteractive apt_get install -y --no-install-recommends $net_missing >/dev/null \
+    || { apt_get update >/dev/null && touch "$apt_stamp" &&
+         DEBIAN_FRONTEND=noninteractive apt_get install -y --no-install-recommends $net_missing >/dev/null; }
 fi
