@@ -1,5 +1,10 @@
 """Integrations with application servers and game servers: one module per integration.
 
+``rehydrate.adapters.asgi``
+    :class:`~rehydrate.adapters.asgi.ReadinessGate`, ASGI middleware (Starlette, FastAPI,
+    KServe's app …): health and readiness endpoints, 503 while not ready, drains requests
+    before a snapshot.
+
 ``rehydrate.adapters.agones``
     :class:`~rehydrate.adapters.agones.AgonesAdapter`: the Agones SDK sidecar (health pings,
     ``Ready``, labels and annotations) across snapshots and restores.
@@ -12,4 +17,13 @@
 ``rehydrate.adapters.udp``
     :class:`~rehydrate.adapters.udp.UdpEndpoint`: an asyncio UDP socket checked (and
     re-bound when dead) after every restore.
+
+Each module imports its framework (or talks to its server) only when used.
+:func:`not_ready_reason` is the one line every adapter shows for "not ready".
 """
+
+from __future__ import annotations
+
+from ._readiness import not_ready_reason
+
+__all__ = ["not_ready_reason"]

@@ -1,0 +1,280 @@
+"""ASGI middleware that keeps traffic away from a process that is not ready.
+
+Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callable)::
+
+    from rehydrate.adapters.asgi import ReadinessGate
+
+    app = ReadinessGate(FastAPI(...))
+
+* ``GET /healthz``: 200 while the process is alive (a liveness probe must not restart a
+  pod that is restoring);
+* ``GET /readyz``: 200 when ready, else 503 with ``{"ready": false, "state": ...,
+  "reason": ...}`` — point the readiness probe here;
+* ``GET /rehydrate/status``: :func:`rehydrate.status` as JSON;
+* every other request gets 503 with ``Retry-After`` while the engine is restoring,
+  snapshotting or degraded;
+* before a snapshot the gate's hook (``rehydrate.asgi.drain``, the first before-snapshot
+  hook to run) waits until the requests already admitted have finished — new ones are
+  refused from the moment the snapshot starts — and fails the snapshot when some are
+  still running after ``drain_timeout`` seconds (their connections would be cut by the
+  snapshot anyway);
+* after a restore or resume requests are admitted again only once every required restore
+  hook has succeeded (the gate asks :meth:`~rehydrate.Lifecycle.is_ready`, which says "not
+  ready" in a clone from the moment it resumes until its hooks have run);
+* lifespan: on startup the engine's detection is started (:func:`rehydrate.start`, with
+  the server's event loop for ``async`` hooks), on shutdown stopped.
+
+Pure ASGI 3: no Starlette dependency; works under uvicorn and with httpx's ASGI transport.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from .. import Phase
+from ._compat import resolve_engine
+from ._readiness import reason_of
+
+if TYPE_CHECKING:
+    from .. import Lifecycle
+    from ..detect import Detector
+
+__all__ = ["ASGIApp", "DrainTimeout", "ReadinessGate"]
+
+log = logging.getLogger("rehydrate.adapters.asgi")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_DRAIN_KEY = "rehydrate.asgi"
+_TRY_AGAIN_LATER = 1013  # WebSocket close code: "try again later"
+
+
+class DrainTimeout(RuntimeError):
+    """Requests were still in flight when the drain deadline passed (the snapshot fails)."""
+
+
+class _Drain:
+    """Per engine: requests in flight through every gate, and the before-snapshot hook
+    that waits for them."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self._cond = threading.Condition()
+        self.in_flight = 0
+        self.timeout = 0.0
+        # Before a snapshot phases run in reverse and, within one, higher orders first:
+        # APPLICATION with the highest order is the very first hook, so requests drain
+        # before any other hook closes what they use.
+        engine.builtins.register(self._wait, event="snapshot", phase=Phase.APPLICATION,
+                                 order=1_000_000, name="rehydrate.asgi.drain", timeout=None)
+
+    def enter(self) -> None:
+        with self._cond:
+            self.in_flight += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._cond.notify_all()
+
+    def _wait(self) -> None:
+        deadline = self.timeout
+        t0 = time.monotonic()
+        with self._cond:
+            if self.in_flight:
+                log.info("snapshot: waiting for %d request(s) in flight", self.in_flight)
+            if not self._cond.wait_for(lambda: self.in_flight == 0, deadline):
+                raise DrainTimeout(f"{self.in_flight} request(s) still in flight after "
+                                   f"{deadline:g}s (drain_timeout)")
+        if time.monotonic() - t0 > 0.01:
+            log.info("snapshot: requests drained in %.2fs", time.monotonic() - t0)
+
+
+class ReadinessGate:
+    """ASGI middleware: health/readiness endpoints, 503 while not ready, drain before a
+    snapshot, detection started and stopped with the server's lifespan.
+
+    ``engine``: the :class:`~rehydrate.Lifecycle` to follow (default: the process's
+    engine, the one ``rehydrate.after_restore`` & co. register with).
+    ``retry_after``: seconds sent in ``Retry-After`` with every 503.
+    ``healthz`` / ``readyz`` / ``status``: the endpoint paths; ``None`` switches one off.
+    ``exempt``: path prefixes passed to the application in every state and not counted as
+    in flight (metrics, or an endpoint that itself calls
+    :func:`rehydrate.trigger_snapshot` — the drain would wait for it).
+    ``drain_timeout``: seconds the before-snapshot hook waits for requests in flight
+    (with several gates on one engine, the longest of theirs).
+    ``lifespan``: start detection on ``lifespan.startup`` and stop it on shutdown
+    (``detectors`` as for :func:`rehydrate.start`). Applications without lifespan support
+    get it served by the gate.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        engine: Lifecycle | None = None,
+        retry_after: int = 1,
+        healthz: str | None = "/healthz",
+        readyz: str | None = "/readyz",
+        status: str | None = "/rehydrate/status",
+        exempt: Iterable[str] = (),
+        drain_timeout: float = 30.0,
+        lifespan: bool = True,
+        detectors: str | Iterable[str | Detector] = "auto",
+    ) -> None:
+        if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
+            raise ValueError(f"retry_after must be a whole number of seconds >= 0, not "
+                             f"{retry_after!r}")
+        if not drain_timeout > 0 or drain_timeout == float("inf"):  # also refuses NaN
+            raise ValueError(f"drain_timeout must be a positive finite number of seconds, "
+                             f"not {drain_timeout!r}")
+        self.app = app
+        self.engine = resolve_engine(engine)
+        self.retry_after = retry_after
+        self.exempt = tuple(exempt)
+        self.lifespan = lifespan
+        self.detectors = detectors if isinstance(detectors, str) else list(detectors)
+        self._routes: dict[str, Callable[[], tuple[int, dict[str, Any]]]] = {}
+        for path, handler in ((healthz, self._healthz), (readyz, self._readyz),
+                              (status, self._status)):
+            if path is not None:
+                self._routes[path] = handler
+        self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
+        self._drain.timeout = max(self._drain.timeout, drain_timeout)
+        self._retry_header = (b"retry-after", str(retry_after).encode())
+
+    # -- endpoints ---------------------------------------------------------------------
+
+    def _healthz(self) -> tuple[int, dict[str, Any]]:
+        return 200, {"alive": True}
+
+    def _readyz(self) -> tuple[int, dict[str, Any]]:
+        status = self.engine.status()
+        if status.ready:
+            return 200, {"ready": True, "state": status.state, "generation": status.generation}
+        return 503, {"ready": False, "state": status.state, "generation": status.generation,
+                     "reason": reason_of(status)}
+
+    def _status(self) -> tuple[int, dict[str, Any]]:
+        return 200, self.engine.status().to_dict()
+
+    # -- ASGI ----------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        handler = self._routes.get(path) if kind == "http" else None
+        if handler is not None:
+            await self._endpoint(scope, send, handler)
+            return
+        if self.exempt and path.startswith(self.exempt):
+            await self.app(scope, receive, send)
+            return
+        drain = self._drain
+        # Counted before readiness is read: a snapshot that starts after this check
+        # finds the request in flight and waits for it.
+        drain.enter()
+        try:
+            if not self.engine.is_ready():
+                await self._refuse(scope, send)
+                return
+            await self.app(scope, receive, send)
+        finally:
+            drain.leave()
+
+    async def _endpoint(self, scope: Scope, send: Send,
+                        handler: Callable[[], tuple[int, dict[str, Any]]]) -> None:
+        if scope["method"] not in ("GET", "HEAD"):
+            await _respond(send, 405, {"error": "method not allowed"},
+                           [(b"allow", b"GET, HEAD")], head=False)
+            return
+        code, body = handler()
+        await _respond(send, code, body, [self._retry_header] if code == 503 else [],
+                       head=scope["method"] == "HEAD")
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": _TRY_AGAIN_LATER,
+                        "reason": "not ready"})
+            return
+        status = self.engine.status()
+        await _respond(send, 503, {"error": "not ready", "state": status.state,
+                                   "reason": reason_of(status)},
+                       [self._retry_header], head=scope.get("method") == "HEAD")
+
+    # -- lifespan ------------------------------------------------------------------------
+
+    async def _startup(self) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(self.engine.start, self.detectors, loop=loop)
+        except Exception:  # detection is an aid: a failure must not stop the server
+            log.exception("rehydrate detection did not start")
+
+    async def _shutdown(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.engine.stop)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.lifespan:
+            await self.app(scope, receive, send)
+            return
+        received = False
+
+        async def wrapped() -> Message:
+            nonlocal received
+            message = await receive()
+            received = True
+            if message["type"] == "lifespan.startup":
+                await self._startup()
+            elif message["type"] == "lifespan.shutdown":
+                await self._shutdown()
+            return message
+
+        try:
+            await self.app(scope, wrapped, send)
+        except Exception:
+            if received:
+                raise
+            # The application does not speak lifespan (it raised before reading the
+            # first message): serve the protocol for it so detection still starts.
+            await self._own_lifespan(receive, send)
+
+    async def _own_lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self._startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self._shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _respond(send: Send, code: int, body: dict[str, Any],
+                   headers: list[tuple[bytes, bytes]], *, head: bool) -> None:
+    payload = json.dumps(body, default=str).encode()
+    await send({"type": "http.response.start", "status": code,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()),
+                            (b"cache-control", b"no-store"), *headers]})
+    await send({"type": "http.response.body", "body": b"" if head else payload})

@@ -1,0 +1,38 @@
+"""An ASGI application served by a real uvicorn on loopback, in a thread of the test process
+(so the test drives the same engine the server's gate follows)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from tests.netservers import free_port
+
+
+@contextlib.contextmanager
+def serve(app: Any, *, lifespan: str = "off", timeout: float = 15.0) -> Iterator[str]:
+    """Run ``app`` under uvicorn on 127.0.0.1; yields the base URL; shuts down on exit."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan=lifespan,
+                            log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn exited during startup")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"uvicorn not started after {timeout}s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+

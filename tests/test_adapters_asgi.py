@@ -1,0 +1,313 @@
+"""rehydrate.adapters.asgi.ReadinessGate under a real uvicorn on loopback and with httpx's
+ASGI transport, driven by an isolated engine's real restore and snapshot runs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from rehydrate.adapters import not_ready_reason
+from rehydrate.adapters.asgi import ReadinessGate
+from rehydrate.detect import Detector
+from tests.asgi_server import serve
+from tests.detect_helpers import wait_for
+
+
+class App:
+    """A bare ASGI app (no lifespan support); ``/slow`` waits until :attr:`release` is set."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.finished: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "http", scope["type"]
+        if scope["path"] == "/slow":
+            self.entered.set()
+            await asyncio.to_thread(self.release.wait, 30)
+            self.finished.append("slow")
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"served " + scope["path"].encode()})
+
+
+def in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)), daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.fixture
+def app() -> Iterator[App]:
+    app = App()
+    yield app
+    app.release.set()  # a failed test must not leave uvicorn's shutdown waiting for /slow
+
+
+@pytest.fixture
+def gate(app: App, rehydrate_engine: Any) -> ReadinessGate:
+    return ReadinessGate(app, engine=rehydrate_engine, retry_after=3, lifespan=False)
+
+
+def asgi_client(gate: ReadinessGate) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://gate")
+
+
+async def test_endpoints_when_ready(gate: ReadinessGate) -> None:
+    async with asgi_client(gate) as c:
+        assert (await c.get("/healthz")).json() == {"alive": True}
+        r = await c.get("/readyz")
+        assert r.status_code == 200
+        assert r.json() == {"ready": True, "state": "running", "generation": 0}
+        r = await c.get("/rehydrate/status")
+        assert r.status_code == 200
+        assert {"state", "generation", "ready", "detectors", "last_report"} <= set(r.json())
+        r = await c.get("/anything")
+        assert (r.status_code, r.text) == (200, "served /anything")
+        assert (await c.head("/readyz")).content == b""
+        r = await c.post("/readyz")
+        assert r.status_code == 405
+        assert r.headers["allow"] == "GET, HEAD"
+
+
+async def test_degraded_refuses_with_retry_after_and_recovers(
+        gate: ReadinessGate, rehydrate_engine: Any) -> None:
+    broken = True
+
+    @rehydrate_engine.registry.after_restore(name="reload-model")
+    def reload_model() -> None:
+        if broken:
+            raise RuntimeError("weights file missing")
+
+    report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+    assert not report.ok
+    async with asgi_client(gate) as c:
+        r = await c.get("/readyz")
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "3"
+        body = r.json()
+        assert body["ready"] is False
+        assert body["state"] == "degraded"
+        assert body["reason"] == ("restore hook(s) failed: reload-model failed "
+                                  "(RuntimeError: weights file missing)")
+        r = await c.get("/predict")
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "3"
+        assert r.json()["state"] == "degraded"
+        assert (await c.get("/healthz")).status_code == 200  # liveness is not readiness
+        broken = False
+        assert (await asyncio.to_thread(rehydrate_engine.simulate_restore)).ok
+        assert (await c.get("/readyz")).status_code == 200
+        assert (await c.get("/predict")).text == "served /predict"
+
+
+def test_restoring_under_uvicorn(app: App, rehydrate_engine: Any) -> None:
+    """While restore hooks run the gate answers 503; it admits again only after they all
+    succeeded (the last hook is still blocked when the first ones are done)."""
+    hold = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="warm-up")
+    def warm_up() -> None:
+        hold.wait(30)
+
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False)
+    with serve(gate) as url, httpx.Client(base_url=url) as c:
+        t, reports = in_thread(rehydrate_engine.simulate_restore)
+        wait_for(lambda: rehydrate_engine.state == "restoring", what="restoring")
+        r = c.get("/readyz")
+        assert r.status_code == 503
+        assert r.json()["reason"] == "restore hooks are running"
+        assert r.json()["generation"] == 1
+        r = c.get("/embed")
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        hold.set()
+        t.join(10)
+        assert reports[0].ok
+        assert c.get("/readyz").status_code == 200
+        assert c.get("/embed").text == "served /embed"
+
+
+def test_drains_in_flight_requests_before_snapshot(app: App, rehydrate_engine: Any) -> None:
+    """A request in flight when the snapshot starts finishes (200) before any other
+    before-snapshot hook runs; requests arriving meanwhile get 503; after the snapshot
+    the gate stays closed until the restore ran (a clone must not serve pre-snapshot state)."""
+    seen_running: list[bool] = []
+
+    @rehydrate_engine.registry.before_snapshot(name="close-db")
+    def close_db() -> None:
+        seen_running.append(app.entered.is_set() and not app.finished)
+
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False)
+    with serve(gate) as url, httpx.Client(base_url=url) as c, httpx.Client(base_url=url) as c2:
+        slow, slow_out = in_thread(c2.get, "/slow")
+        assert app.entered.wait(10)
+        snap, snap_out = in_thread(rehydrate_engine.simulate_snapshot)
+        wait_for(lambda: rehydrate_engine.state == "snapshotting", what="snapshotting")
+        r = c.get("/new")
+        assert r.status_code == 503
+        assert r.json()["reason"] == "before-snapshot hooks are running"
+        snap.join(0.5)  # a broken drain lets the snapshot finish here at once
+        assert snap.is_alive(), "the snapshot did not wait for the request in flight"
+        app.release.set()
+        slow.join(10)
+        snap.join(10)
+        assert slow_out[0].status_code == 200
+        assert snap_out[0].ok
+        assert seen_running == [False]
+        drain = next(h for h in snap_out[0].hooks if h.name == "rehydrate.asgi.drain")
+        assert drain.outcome == "ok"
+        r = c.get("/after-snapshot")
+        assert r.status_code == 503
+        assert r.json()["reason"] == "snapshot prepared; waiting for the restore or resume"
+        assert rehydrate_engine.simulate_restore().ok
+        assert c.get("/after-restore").status_code == 200
+
+
+def test_drain_timeout_fails_the_snapshot(app: App, rehydrate_engine: Any) -> None:
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=0.2)
+    with serve(gate) as url, httpx.Client(base_url=url) as c:
+        slow, slow_out = in_thread(c.get, "/slow")
+        assert app.entered.wait(10)
+        report = rehydrate_engine.simulate_snapshot()
+        assert not report.ok
+        drain = next(h for h in report.hooks if h.name == "rehydrate.asgi.drain")
+        assert drain.outcome == "failed"
+        assert str(drain.error) == "1 request(s) still in flight after 0.2s (drain_timeout)"
+        assert not_ready_reason(rehydrate_engine).startswith(
+            "snapshot hook(s) failed: rehydrate.asgi.drain failed (DrainTimeout: 1 request")
+        app.release.set()
+        slow.join(10)
+        assert slow_out[0].status_code == 200  # the request itself was never cut
+        assert rehydrate_engine.simulate_restore(kind="resume").ok
+        assert c.get("/ok").status_code == 200
+
+
+async def test_exempt_paths_pass_in_every_state(app: App, rehydrate_engine: Any) -> None:
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, exempt=["/metrics"],
+                         readyz="/ready", healthz=None, status=None)
+    await asyncio.to_thread(rehydrate_engine.simulate_snapshot)
+    async with asgi_client(gate) as c:
+        assert (await c.get("/metrics/x")).text == "served /metrics/x"
+        assert (await c.get("/other")).status_code == 503
+        assert (await c.get("/ready")).status_code == 503
+        # switched-off endpoints are the application's paths again (gated like any other)
+        assert (await c.get("/healthz")).status_code == 503
+    await asyncio.to_thread(rehydrate_engine.simulate_restore, kind="resume")
+    async with asgi_client(gate) as c:
+        assert (await c.get("/healthz")).text == "served /healthz"
+        assert (await c.get("/rehydrate/status")).text == "served /rehydrate/status"
+
+
+async def test_websocket_refused_with_try_again_later(gate: ReadinessGate,
+                                                      rehydrate_engine: Any) -> None:
+    await asyncio.to_thread(rehydrate_engine.simulate_snapshot)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await gate({"type": "websocket", "path": "/ws"}, receive, send)
+    assert sent == [{"type": "websocket.close", "code": 1013, "reason": "not ready"}]
+
+
+class RecordingDetector(Detector):
+    """Records the engine it was started with (the gate's lifespan starts detection)."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.started: list[Any] = []
+        self.stopped = 0
+
+    def start(self, engine: Any) -> None:
+        self.started.append(engine)
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+def test_lifespan_starts_and_stops_detection_on_the_server_loop(
+        app: App, rehydrate_engine: Any) -> None:
+    """The app does not speak lifespan: the gate serves it, starts detection with the
+    server's loop (async hooks run there) and stops it at shutdown."""
+    loops: list[Any] = []
+
+    @rehydrate_engine.registry.after_restore(name="async-hook")
+    async def async_hook() -> None:
+        loops.append(asyncio.get_running_loop())
+
+    detector = RecordingDetector()
+    gate = ReadinessGate(app, engine=rehydrate_engine, detectors=[detector])
+    server_loops: list[Any] = []
+
+    async def which_loop(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/loop":
+            server_loops.append(asyncio.get_running_loop())
+        await gate(scope, receive, send)
+
+    with serve(which_loop, lifespan="on") as url:
+        assert detector.started == [rehydrate_engine]
+        assert rehydrate_engine.status().detectors == ("recording",)
+        assert httpx.get(url + "/loop").status_code == 200
+        assert rehydrate_engine.simulate_restore().ok
+        assert loops == server_loops
+    assert detector.stopped == 1
+    assert rehydrate_engine.status().detectors == ()
+
+
+def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
+    events: list[str] = []
+
+    async def app_with_lifespan(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                events.append(m["type"] + (" started" if rehydrate_engine.status().detectors
+                                           else ""))
+                await send({"type": m["type"] + ".complete"})
+                if m["type"] == "lifespan.shutdown":
+                    return
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    detector = RecordingDetector()
+    gate = ReadinessGate(app_with_lifespan, engine=rehydrate_engine, detectors=[detector])
+    with serve(gate, lifespan="on") as url:
+        assert httpx.get(url + "/x").status_code == 204
+    # detection starts before the application's own startup runs, stops before its shutdown
+    assert events == ["lifespan.startup started", "lifespan.shutdown"]
+    assert detector.stopped == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"retry_after": -1}, "retry_after must be a whole number of seconds >= 0, not -1"),
+    ({"retry_after": 1.5}, "retry_after must be a whole number of seconds >= 0, not 1.5"),
+    ({"drain_timeout": 0}, "drain_timeout must be a positive finite number of seconds, not 0"),
+    ({"drain_timeout": float("nan")},
+     "drain_timeout must be a positive finite number of seconds, not nan"),
+])
+def test_bad_options_one_clear_error(app: App, rehydrate_engine: Any, kwargs: dict[str, Any],
+                                     message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        ReadinessGate(app, engine=rehydrate_engine, **kwargs)
+    assert str(exc.value) == message
+
+
+def test_gates_on_one_engine_share_one_drain_hook(app: App, rehydrate_engine: Any) -> None:
+    ReadinessGate(app, engine=rehydrate_engine, drain_timeout=5)
+    ReadinessGate(app, engine=rehydrate_engine, drain_timeout=7)
+    report = rehydrate_engine.simulate_snapshot()
+    names = [h.name for h in report.hooks]
+    assert names.count("rehydrate.asgi.drain") == 1
+    assert names[0] == "rehydrate.asgi.drain"  # first before-snapshot hook of all
