@@ -10,7 +10,7 @@ from awslambdaric import lambda_runtime_hooks_runner as runtime
 from detect_helpers import Recorder
 
 import rehydrate
-from rehydrate.detect import select
+from rehydrate.detect import available, select
 from rehydrate.detect.snapstart import SnapStartBridge, SnapStartHookFailed
 
 
@@ -79,7 +79,38 @@ def test_registered_once_for_many_starts_and_engines(rehydrate_engine):
         other.close()
 
 
-def test_auto_start_registers_the_bridge(rehydrate_engine):
+@pytest.fixture
+def outside_lambda(monkeypatch):
+    monkeypatch.delenv("AWS_LAMBDA_FUNCTION_NAME", raising=False)
+    monkeypatch.delenv("AWS_LAMBDA_INITIALIZATION_TYPE", raising=False)
+
+
+def test_auto_start_leaves_the_bridge_off_outside_lambda(rehydrate_engine, outside_lambda):
+    assert SnapStartBridge.probe() is None  # importable here ...
+    assert "snapstart" not in [d.name for d in select("auto")]  # ... but not Lambda
+    assert "snapstart" not in rehydrate_engine.start("auto")
+    assert snapshot_restore_py.get_after_restore() == []
+    [info] = [i for i in available() if i.name == "snapstart"]
+    assert info.usable and not info.auto
+    assert "outside AWS Lambda" in info.reason
+
+
+@pytest.mark.parametrize(("env", "auto"), [
+    ({"AWS_LAMBDA_FUNCTION_NAME": "f", "AWS_LAMBDA_INITIALIZATION_TYPE": "snap-start"}, True),
+    ({"AWS_LAMBDA_FUNCTION_NAME": "f"}, True),  # a runtime without the init type
+    ({"AWS_LAMBDA_FUNCTION_NAME": "f", "AWS_LAMBDA_INITIALIZATION_TYPE": "on-demand"}, False),
+    ({"AWS_LAMBDA_INITIALIZATION_TYPE": "snap-start"}, True),
+])
+def test_auto_follows_lambdas_documented_variables(outside_lambda, monkeypatch, env, auto):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert (SnapStartBridge.auto_here() is None) is auto
+    assert ("snapstart" in [d.name for d in select("auto")]) is auto
+
+
+def test_auto_start_registers_the_bridge(rehydrate_engine, outside_lambda, monkeypatch):
+    monkeypatch.setenv("AWS_LAMBDA_FUNCTION_NAME", "handler")
+    monkeypatch.setenv("AWS_LAMBDA_INITIALIZATION_TYPE", "snap-start")
     assert SnapStartBridge.probe() is None
     assert "snapstart" in [d.name for d in select("auto")]
     rec = Recorder(rehydrate_engine)

@@ -18,6 +18,9 @@ environment restored from that snapshot. When ``snapshot_restore_py`` imports,
 The runtime pops before-snapshot callables as it runs them (newest first) and runs
 after-restore callables in registration order; the bridge registers itself once per
 process however many engines start it, and again if the runtime already consumed it.
+
+``start("auto")`` starts the bridge only inside Lambda (see :meth:`SnapStartBridge.auto_here`);
+``start(["snapstart"])`` starts it wherever ``snapshot_restore_py`` imports (tests, emulators).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -110,6 +114,21 @@ class SnapStartBridge(Detector):
             return ("snapshot_restore_py is not importable (it comes with the Lambda Python "
                     "runtime; elsewhere: pip install 'rehydrate[snapstart]')")
         return None
+
+    @classmethod
+    def auto_here(cls) -> str | None:
+        """Automatic only inside Lambda, from its documented environment variables:
+        ``AWS_LAMBDA_INITIALIZATION_TYPE=snap-start``, or ``AWS_LAMBDA_FUNCTION_NAME`` on
+        a runtime that does not set the initialization type. ``snapshot_restore_py`` is
+        importable on any host that installed it; being importable proves nothing."""
+        init_type = os.environ.get("AWS_LAMBDA_INITIALIZATION_TYPE")
+        if init_type == "snap-start":
+            return None
+        if init_type:
+            return f"off: AWS_LAMBDA_INITIALIZATION_TYPE is {init_type!r}, not 'snap-start'"
+        if os.environ.get("AWS_LAMBDA_FUNCTION_NAME"):
+            return None
+        return "off outside AWS Lambda (no AWS_LAMBDA_FUNCTION_NAME); start('snapstart')"
 
     def describe(self) -> str:
         return "registered with snapshot_restore_py (Lambda SnapStart runtime hooks)"
