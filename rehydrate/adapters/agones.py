@@ -1,0 +1,582 @@
+"""The Agones SDK sidecar across snapshots and restores.
+
+:class:`AgonesAdapter` talks to the SDK sidecar's REST gateway (``http://localhost:PORT``,
+``AGONES_SDK_HTTP_PORT``, default 9358) with httpx, from one background thread running an
+asyncio loop of its own, so the game's loop (or lack of one) never delays a health ping.
+
+* ``install()`` registers the hooks and starts the health loop (``POST /health`` every
+  ``health_interval`` seconds) and the watch loop (``GET /watch/gameserver``, NDJSON).
+* Before a snapshot (hook ``rehydrate.agones``, ``CONNECTIONS`` phase): both loops stop and
+  the HTTP connections close — the whole Pod freezes, the sidecar too.
+* After a restore or resume (same hook): a new HTTP client; the health loop restarts with
+  an immediate ping; ``GET /gameserver`` is fetched (retried with backoff until
+  ``deadline``) and compared with what was known; every label and annotation set through
+  the adapter is applied again; the watch loop restarts. A sidecar that does not answer
+  within ``deadline`` fails the hook with a clear reason, so the server stays not ready.
+* When the engine is ready again after that restore, ``POST /ready`` goes out — only if
+  :meth:`AgonesAdapter.ready` had been called before and the GameServer is not already
+  ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``).
+
+Health and watch errors are logged (the first of a streak as a warning) and retried with
+backoff; they never fail a hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+
+from rehydrate import Phase
+
+from ._compat import resolve_engine
+
+if TYPE_CHECKING:
+    from rehydrate import Lifecycle, Report, RestoreContext
+
+__all__ = ["DEFAULT_PORT", "AgonesAdapter", "AgonesError", "AgonesUnavailable"]
+
+log = logging.getLogger("rehydrate.agones")
+
+T = TypeVar("T")
+
+DEFAULT_PORT = 9358
+PORT_ENV = "AGONES_SDK_HTTP_PORT"
+
+# States in which a restored server must not (or need not) ask to be Ready again.
+_NO_READY_STATES = frozenset({"Ready", "RequestReady", "Allocated", "Reserved", "Shutdown"})
+
+
+class AgonesError(RuntimeError):
+    """A request to the Agones SDK sidecar failed (the message names the request)."""
+
+
+class AgonesUnavailable(AgonesError):
+    """The sidecar did not answer within the deadline."""
+
+
+def _port(port: int | None) -> int:
+    if port is None:
+        raw = os.environ.get(PORT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_PORT
+        try:
+            port = int(raw)
+        except ValueError:
+            raise ValueError(f"{PORT_ENV} must be a port number, not {raw!r}") from None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"Agones SDK port must be an int in 1..65535, not {port!r}")
+    return port
+
+
+def _backoff(attempt: int, cap: float) -> float:
+    """Exponential backoff with jitter for retry ``attempt`` (1-based): in [d/2, d]."""
+    d: float = min(cap, 0.05 * 2.0 ** min(attempt - 1, 16))
+    return d / 2 + random.uniform(0, d / 2)  # noqa: S311 - jitter, not security
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _Streak:
+    """Logs the first failure of a streak as a warning, the rest at debug, and the end."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failures = 0
+
+    def failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        level = logging.WARNING if self.failures == 1 else logging.DEBUG
+        log.log(level, "Agones %s failed (%d in a row, retrying): %s", self.what,
+                self.failures, _describe(exc))
+
+    def ok(self) -> None:
+        if self.failures:
+            log.info("Agones %s works again after %d failure(s)", self.what, self.failures)
+        self.failures = 0
+
+
+class AgonesAdapter:
+    """The Agones SDK sidecar, kept in step with rehydrate's snapshots and restores.
+
+    ``port``: the sidecar's HTTP port (default ``$AGONES_SDK_HTTP_PORT``, else 9358).
+    ``health_interval``: seconds between health pings (Agones' default ``periodSeconds``
+    is 5, so 2 leaves room for two misses). ``deadline``: how long a restore waits for the
+    sidecar to answer before it fails (the server then stays not ready).
+    ``request_timeout``: per request. ``engine``: default, the process-wide engine.
+    ``transport``: an httpx transport (tests).
+
+    Sync methods block the caller; the ``a``-prefixed twins (:meth:`aready` …) await the
+    same requests from any asyncio loop. Failed requests raise :class:`AgonesError`.
+    """
+
+    key = "rehydrate.agones"
+
+    def __init__(
+        self,
+        port: int | None = None,
+        health_interval: float = 2.0,
+        *,
+        engine: Lifecycle | None = None,
+        deadline: float = 10.0,
+        request_timeout: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.port = _port(port)
+        for what, value in (("health_interval", health_interval), ("deadline", deadline),
+                            ("request_timeout", request_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0):  # refuses NaN
+                raise ValueError(f"{what} must be a positive number of seconds, not {value!r}")
+        self.base_url = f"http://localhost:{self.port}"
+        self.health_interval = float(health_interval)
+        self.deadline = float(deadline)
+        self.request_timeout = float(request_timeout)
+        self._engine_arg = engine
+        self.engine: Lifecycle | None = None
+        self._transport = transport
+
+        self._labels: dict[str, str] = {}
+        self._annotations: dict[str, str] = {}
+        self._want_ready = False
+        self._gameserver: dict[str, Any] | None = None
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.last_health_ack: float | None = None
+        """``time.monotonic()`` of the latest acknowledged health ping."""
+        self.health_acks = 0
+        self.reason = "not installed"
+        """Why the adapter is not in step with the sidecar ("" when it is)."""
+
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._ready_task: asyncio.Task[None] | None = None
+        self._hooks: tuple[Any, ...] = ()
+        # Kept across loop restarts: a streak of errors spanning a restore logs one warning.
+        self._health_streak = _Streak("health ping")
+        self._watch_streak = _Streak("GameServer watch")
+        self._installed = False
+        self._closed = False
+
+    # -- the adapter's own loop ------------------------------------------------------
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("AgonesAdapter is closed")
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="rehydrate-agones",
+                                          daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        try:
+            loop = self._ensure_loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        fut = self._submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise AgonesUnavailable(
+                f"Agones sidecar at {self.base_url} did not answer within {timeout:g}s"
+            ) from None
+
+    async def _await(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(self._submit(coro))
+
+    def _http(self) -> httpx.AsyncClient:
+        """The current client (runs on the adapter's loop)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url, timeout=self.request_timeout,
+                transport=self._transport, headers={"content-type": "application/json"})
+        return self._client
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):  # the peer may be gone: nothing to flush
+                await client.aclose()
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
+        try:
+            resp = await self._http().request(
+                method, path, json=body,
+                timeout=self.request_timeout if timeout is None else timeout)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise AgonesError(f"{method} {path} to the Agones sidecar at {self.base_url} "
+                              f"failed: {_describe(exc)}") from exc
+        if not resp.content:
+            return {}
+        try:
+            data = resp.json()
+        except ValueError:
+            raise AgonesError(f"{method} {path}: the Agones sidecar answered "
+                              "something that is not JSON") from None
+        return data if isinstance(data, dict) else {}
+
+    async def _retry(self, method: str, path: str, body: dict[str, Any] | None,
+                     until: float) -> dict[str, Any]:
+        """The request, retried with backoff until the monotonic time ``until``."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                left = max(0.01, until - time.monotonic())
+                return await self._request(method, path, body,
+                                           timeout=min(self.request_timeout, left))
+            except AgonesError as exc:
+                left = until - time.monotonic()
+                if left <= 0:
+                    raise AgonesUnavailable(
+                        f"Agones sidecar at {self.base_url} did not answer {method} {path} "
+                        f"within the {self.deadline:g}s deadline ({attempt} attempts; "
+                        f"last: {_describe(exc.__cause__ or exc)})") from None
+                await asyncio.sleep(min(left, _backoff(attempt, 1.0)))
+
+    # -- install / close -------------------------------------------------------------
+
+    def install(self, engine: Lifecycle | None = None) -> None:
+        """Register the hooks in the engine and start the health and watch loops
+        (idempotent)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("AgonesAdapter is closed")
+            if self._installed:
+                return
+            self._installed = True
+        eng = resolve_engine(engine if engine is not None else self._engine_arg)
+        self.engine = eng
+        b = eng.builtins
+        timeout = self.deadline + 10.0
+        self._hooks = (
+            b.register(self._on_restore, phase=Phase.CONNECTIONS, timeout=timeout,
+                       name="rehydrate.agones"),
+            b.register(self._on_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
+                       timeout=self.request_timeout + 5.0, name="rehydrate.agones"),
+        )
+        eng.add_listener(self._on_report)
+        eng.add_status("agones", self.status)
+        self.reason = ""
+        self._call(self._start_loops(), timeout=10.0)  # no I/O: only a busy machine waits
+
+    def close(self) -> None:
+        """Stop the loops, close the connections, detach from the engine (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            loop, thread = self._loop, self._thread
+        if loop is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._stop_loops(), loop).result(10)
+        with self._lock:
+            self._closed = True
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+        if self.engine is not None:
+            for hook in self._hooks:
+                self.engine.builtins.unregister(hook)
+            with contextlib.suppress(ValueError):
+                self.engine.remove_listener(self._on_report)
+        self.reason = "closed"
+
+    async def aclose(self) -> None:
+        """:meth:`close` without blocking the caller's loop."""
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> AgonesAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- loops -----------------------------------------------------------------------
+
+    async def _start_loops(self) -> None:
+        await self._stop_loops(keep_client=True)
+        self._health_task = asyncio.create_task(self._health_loop())
+        self._watch_task = asyncio.create_task(self._watch_loop())
+
+    async def _stop_loops(self, keep_client: bool = False) -> None:
+        tasks = [t for t in (self._health_task, self._watch_task, self._ready_task) if t]
+        self._health_task = self._watch_task = self._ready_task = None
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if not keep_client:
+            await self._drop_client()
+
+    async def _health_loop(self) -> None:
+        streak = self._health_streak
+        while True:
+            try:
+                await self._request("POST", "/health", {})
+            except AgonesError as exc:
+                streak.failed(exc.__cause__ or exc)
+                await asyncio.sleep(min(self.health_interval, _backoff(streak.failures, 1.0)))
+                continue
+            streak.ok()
+            self.last_health_ack = time.monotonic()
+            self.health_acks += 1
+            await asyncio.sleep(self.health_interval)
+
+    async def _watch_loop(self) -> None:
+        streak = self._watch_streak
+        timeout = httpx.Timeout(self.request_timeout, read=None)  # the stream idles
+        while True:
+            try:
+                async with self._http().stream("GET", "/watch/gameserver",
+                                               timeout=timeout) as resp:
+                    resp.raise_for_status()
+                    streak.ok()
+                    async for line in resp.aiter_lines():
+                        self._watched(line)
+                raise AgonesError("the watch stream ended")
+            except (httpx.HTTPError, AgonesError) as exc:
+                streak.failed(exc)
+            await asyncio.sleep(_backoff(max(streak.failures, 1), 5.0))
+
+    def _watched(self, line: str) -> None:
+        if not line.strip():
+            return
+        try:
+            result = json.loads(line)["result"]
+            if not isinstance(result, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            log.warning("Agones watch stream: ignoring a line that is not "
+                        "{\"result\": {...}} (%d bytes)", len(line))
+            return
+        self._set_gameserver(result)
+
+    def _set_gameserver(self, gs: dict[str, Any]) -> None:
+        self._gameserver = gs
+        for fn in list(self._listeners):
+            try:
+                fn(gs)
+            except Exception:
+                log.exception("GameServer listener %r failed", fn)
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def _on_snapshot(self) -> None:
+        self._call(self._stop_loops(), timeout=self.request_timeout + 4.0)
+
+    def _on_restore(self, ctx: RestoreContext) -> None:
+        self.reason = "restoring: waiting for the Agones sidecar"
+        try:
+            # _resync keeps to the deadline itself; this only bounds a stuck loop
+            self._call(self._resync(ctx.kind), timeout=self.deadline + 5.0)
+        except AgonesError as exc:
+            self.reason = str(exc)
+            raise
+
+    async def _resync(self, kind: str) -> None:
+        until = time.monotonic() + self.deadline
+        await self._stop_loops()  # a new client: pooled connections died with the freeze
+        # The health window is what a restore most risks: ping first, then the rest.
+        self._health_task = asyncio.create_task(self._health_loop())
+        before = self._gameserver
+        gs = await self._retry("GET", "/gameserver", None, until)
+        _compare(before, gs, kind)
+        self._set_gameserver(gs)
+        for key, value in list(self._labels.items()):
+            await self._retry("PUT", "/metadata/label", {"key": key, "value": value}, until)
+        for key, value in list(self._annotations.items()):
+            await self._retry("PUT", "/metadata/annotation", {"key": key, "value": value},
+                              until)
+        self._watch_task = asyncio.create_task(self._watch_loop())
+        self.reason = ""
+
+    def _on_report(self, report: Report) -> None:
+        if report.kind == "snapshot" or not self._want_ready:
+            return
+        eng = self.engine
+        if eng is None or not eng.is_ready():
+            log.warning("not marking the GameServer Ready: rehydrate is not ready (%s)",
+                        self.reason or "restore hooks failed")
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._submit(self._ready_after_restore())
+
+    async def _ready_after_restore(self) -> None:
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+        self._ready_task = asyncio.current_task()
+        state = (self._gameserver or {}).get("status", {}).get("state", "")
+        if state in _NO_READY_STATES:
+            log.info("GameServer is %s after the restore: not asking to be Ready", state)
+            return
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._request("POST", "/ready", {})
+                log.info("GameServer marked Ready again after the restore (was %s)",
+                         state or "unknown")
+                return
+            except AgonesError as exc:
+                level = logging.WARNING if attempt == 1 else logging.DEBUG
+                log.log(level, "POST /ready after the restore failed (retrying): %s",
+                        _describe(exc.__cause__ or exc))
+                await asyncio.sleep(_backoff(attempt, 5.0))
+
+    # -- the SDK ---------------------------------------------------------------------
+
+    async def _ready(self) -> None:
+        eng = self.engine
+        if eng is not None and not eng.is_ready():
+            # A restore is running or failed: Ready goes out when rehydrate is ready.
+            self._want_ready = True
+            log.info("ready() while rehydrate is not ready: deferred until it is")
+            return
+        await self._request("POST", "/ready", {})
+        self._want_ready = True
+
+    async def _metadata(self, kind: str, key: str, value: str) -> None:
+        if not isinstance(key, str) or not key or not isinstance(value, str):
+            raise ValueError(f"{kind} key and value must be strings (key non-empty)")
+        await self._request("PUT", f"/metadata/{kind}", {"key": key, "value": value})
+        (self._labels if kind == "label" else self._annotations)[key] = value
+
+    def ready(self) -> None:
+        """``POST /ready``: this server can take players. Remembered: after a restore the
+        adapter asks again when the GameServer needs it."""
+        self._call(self._ready())
+
+    async def aready(self) -> None:
+        await self._await(self._ready())
+
+    def set_label(self, key: str, value: str) -> None:
+        """``PUT /metadata/label`` (stored as ``agones.dev/sdk-<key>``); re-applied after
+        every restore."""
+        self._call(self._metadata("label", key, value))
+
+    async def aset_label(self, key: str, value: str) -> None:
+        await self._await(self._metadata("label", key, value))
+
+    def set_annotation(self, key: str, value: str) -> None:
+        """``PUT /metadata/annotation`` (stored as ``agones.dev/sdk-<key>``); re-applied
+        after every restore."""
+        self._call(self._metadata("annotation", key, value))
+
+    async def aset_annotation(self, key: str, value: str) -> None:
+        await self._await(self._metadata("annotation", key, value))
+
+    async def _simple(self, path: str, body: dict[str, Any] | None = None) -> None:
+        await self._request("POST", path, {} if body is None else body)
+
+    def allocate(self) -> None:
+        """``POST /allocate``: mark this server Allocated (self-allocation)."""
+        self._call(self._simple("/allocate"))
+
+    async def aallocate(self) -> None:
+        await self._await(self._simple("/allocate"))
+
+    def reserve(self, seconds: int) -> None:
+        """``POST /reserve``: Reserved for ``seconds`` (0: until allocated)."""
+        self._call(self._simple("/reserve", {"seconds": str(int(seconds))}))
+
+    async def areserve(self, seconds: int) -> None:
+        await self._await(self._simple("/reserve", {"seconds": str(int(seconds))}))
+
+    def shutdown(self) -> None:
+        """``POST /shutdown``: ask Agones to shut this server down. The adapter no longer
+        asks to be Ready after a restore."""
+        self._want_ready = False
+        self._call(self._simple("/shutdown"))
+
+    async def ashutdown(self) -> None:
+        self._want_ready = False
+        await self._await(self._simple("/shutdown"))
+
+    def gameserver(self) -> dict[str, Any]:
+        """``GET /gameserver``: the GameServer as the sidecar sees it (snake_case JSON)."""
+        return self._call(self._get_gameserver())
+
+    async def agameserver(self) -> dict[str, Any]:
+        return await self._await(self._get_gameserver())
+
+    async def _get_gameserver(self) -> dict[str, Any]:
+        gs = await self._request("GET", "/gameserver")
+        self._set_gameserver(gs)
+        return gs
+
+    def on_change(self, fn: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
+                                                                          None]:
+        """Call ``fn(gameserver)`` for every GameServer the watch stream (or a fetch)
+        delivers; usable as a decorator. Runs on the adapter's thread: keep it short."""
+        self._listeners.append(fn)
+        return fn
+
+    @property
+    def known_gameserver(self) -> dict[str, Any] | None:
+        """The latest GameServer seen (watch stream or fetch), without a request."""
+        return self._gameserver
+
+    def status(self) -> dict[str, Any]:
+        """What ``rehydrate status`` shows under ``agones``."""
+        gs = self._gameserver or {}
+        meta, st = gs.get("object_meta", {}), gs.get("status", {})
+        ack = self.last_health_ack
+        return {
+            "sidecar": self.base_url,
+            "gameserver": meta.get("name"),
+            "state": st.get("state"),
+            "ready_requested": self._want_ready,
+            "health_acks": self.health_acks,
+            "last_health_ack_age": None if ack is None else round(time.monotonic() - ack, 3),
+            "reason": self.reason,
+        }
+
+
+def _compare(before: dict[str, Any] | None, after: dict[str, Any], kind: str) -> None:
+    """Log what changed in the GameServer across the snapshot (name, uid, state)."""
+    def ident(gs: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+        gs = gs or {}
+        meta, st = gs.get("object_meta", {}), gs.get("status", {})
+        return meta.get("name"), meta.get("uid"), st.get("state")
+
+    old, new = ident(before), ident(after)
+    if before is None:
+        log.info("after %s: GameServer %s (%s)", kind, new[0], new[2])
+    elif old[:2] != new[:2]:
+        log.info("after %s: a new GameServer %s (uid %s, %s); was %s (uid %s, %s)",
+                 kind, new[0], new[1], new[2], *old)
+    elif old[2] != new[2]:
+        log.info("after %s: GameServer %s went %s -> %s", kind, new[0], old[2], new[2])
+    if new[2] == "Unhealthy":
+        log.warning("after %s: GameServer %s is Unhealthy: Agones will replace it",
+                    kind, new[0])

@@ -1,0 +1,294 @@
+"""AgonesAdapter against the stand-in sidecar (real HTTP on loopback, real engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+from agones_sidecar import AgonesSidecar
+
+from rehydrate.adapters.agones import AgonesAdapter, AgonesError
+
+INTERVAL = 0.2
+
+
+@pytest.fixture
+def sidecar() -> Iterator[AgonesSidecar]:
+    with AgonesSidecar() as sc:
+        sc.wait_listening()
+        yield sc
+
+
+def _adapter(sidecar: AgonesSidecar, engine, **kw) -> AgonesAdapter:
+    kw.setdefault("deadline", 3.0)
+    kw.setdefault("request_timeout", 1.0)
+    return AgonesAdapter(sidecar.port, kw.pop("health_interval", INTERVAL), engine=engine, **kw)
+
+
+@pytest.fixture
+def adapter(sidecar, rehydrate_engine) -> Iterator[AgonesAdapter]:
+    a = _adapter(sidecar, rehydrate_engine)
+    a.install()
+    try:
+        yield a
+    finally:
+        a.close()
+
+
+def _wait(cond, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_sdk_calls_hit_the_documented_endpoints(sidecar, adapter):
+    adapter.ready()
+    adapter.set_label("map", "dust")
+    adapter.set_annotation("match", "m-1")
+    gs = adapter.gameserver()
+    assert gs["status"]["state"] == "Ready"
+    assert gs["object_meta"]["labels"] == {"agones.dev/sdk-map": "dust"}
+    assert gs["object_meta"]["annotations"] == {"agones.dev/sdk-match": "m-1"}
+    assert isinstance(gs["object_meta"]["creation_timestamp"], str)  # int64 as string
+    assert [r.body for r in sidecar.calls("PUT", "/metadata/label")] == [
+        {"key": "map", "value": "dust"}]
+    assert [r.body for r in sidecar.calls("POST", "/ready")] == [{}]
+    adapter.reserve(10)
+    assert sidecar.calls("POST", "/reserve")[0].body == {"seconds": "10"}
+    adapter.allocate()
+    assert adapter.gameserver()["status"]["state"] == "Allocated"
+    adapter.shutdown()
+    assert sidecar.gs.state == "Shutdown"
+
+
+async def test_async_twins(sidecar, adapter):
+    await adapter.aready()
+    await adapter.aset_label("mode", "ctf")
+    await adapter.aset_annotation("seed", "7")
+    await adapter.aallocate()
+    gs = await adapter.agameserver()
+    assert gs["status"]["state"] == "Allocated"
+    assert gs["object_meta"]["labels"]["agones.dev/sdk-mode"] == "ctf"
+    await adapter.ashutdown()
+    assert sidecar.gs.state == "Shutdown"
+
+
+def test_health_pings_every_interval_and_watch_follows(sidecar, adapter):
+    pings = sidecar.wait_for("POST", "/health", count=3)
+    gaps = [b.mono - a.mono for a, b in zip(pings, pings[1:])]
+    assert all(g >= INTERVAL * 0.9 for g in gaps), gaps
+    seen: list[str] = []
+    adapter.on_change(lambda gs: seen.append(gs["status"]["state"]))
+    sidecar.wait_for("GET", "/watch/gameserver")
+    sidecar.set_state("Allocated")
+    _wait(lambda: "Allocated" in seen, what="the watch stream to deliver Allocated")
+    assert adapter.known_gameserver["status"]["state"] == "Allocated"
+    assert rehydrate_status(adapter)["state"] == "Allocated"
+
+
+def rehydrate_status(adapter: AgonesAdapter) -> dict:
+    return adapter.engine.status().extra["agones"]
+
+
+def test_snapshot_stops_loops_and_restore_resyncs(sidecar, rehydrate_engine):
+    adapter = _adapter(sidecar, rehydrate_engine, health_interval=1.0)
+    adapter.install()
+    try:
+        _snapshot_then_restore(sidecar, adapter, rehydrate_engine)
+    finally:
+        adapter.close()
+
+
+def _snapshot_then_restore(sidecar, adapter, rehydrate_engine):
+    adapter.ready()
+    adapter.set_label("map", "dust")
+    adapter.set_annotation("match", "m-1")
+    sidecar.wait_for("GET", "/watch/gameserver")
+    assert rehydrate_engine.simulate_snapshot().ok
+    n_health = len(sidecar.calls("POST", "/health"))
+    # The sidecar forgets what the adapter set (a new Pod's sidecar) and is not Ready.
+    with sidecar.cond:
+        sidecar.gs.labels.clear()
+        sidecar.gs.annotations.clear()
+    sidecar.set_state("Scheduled")
+    time.sleep(1.5)  # long enough for a ping, had the loop kept running
+    assert len(sidecar.calls("POST", "/health")) == n_health, "health loop kept running"
+
+    t0 = time.monotonic()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    first = sidecar.wait_for("POST", "/health", count=n_health + 1)[n_health]
+    assert first.mono - t0 < adapter.health_interval, "first ping after restore is late"
+    sidecar.wait_for("POST", "/ready", count=2)  # ready() before, and once more now
+    gs = adapter.gameserver()
+    assert gs["object_meta"]["labels"] == {"agones.dev/sdk-map": "dust"}
+    assert gs["object_meta"]["annotations"] == {"agones.dev/sdk-match": "m-1"}
+    assert gs["status"]["state"] == "Ready"
+    sidecar.wait_for("GET", "/watch/gameserver", count=2)
+    assert rehydrate_status(adapter)["reason"] == ""
+
+
+@pytest.mark.parametrize("state", ["Ready", "Allocated", "Reserved"])
+def test_no_ready_after_restore_when_state_does_not_need_it(sidecar, adapter,
+                                                            rehydrate_engine, state):
+    adapter.ready()
+    sidecar.set_state(state)
+    assert rehydrate_engine.simulate_restore().ok
+    # A barrier: the adapter's loop runs the after-restore Ready decision before this.
+    adapter.gameserver()
+    assert len(sidecar.calls("POST", "/ready")) == 1
+    assert sidecar.gs.state == state
+
+
+def test_no_ready_after_restore_when_ready_was_never_called(sidecar, adapter,
+                                                            rehydrate_engine):
+    assert rehydrate_engine.simulate_restore().ok
+    adapter.gameserver()  # barrier, as above
+    assert sidecar.calls("POST", "/ready") == []
+
+
+def test_sidecar_that_never_answers_leaves_server_not_ready(sidecar, rehydrate_engine):
+    a = _adapter(sidecar, rehydrate_engine, deadline=0.5, request_timeout=0.2)
+    a.install()
+    try:
+        a.ready()
+        sidecar.faults.hang = True
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        assert not rehydrate_engine.is_ready()
+        failed = [h for h in report.hooks if h.name == "rehydrate.agones"]
+        assert [h.outcome for h in failed] == ["failed"], report.table()
+        message = str(failed[0].error)
+        assert "did not answer GET /gameserver within the 0.5s deadline" in message
+        assert a.status()["reason"] == message
+        assert [h.outcome for h in report.hooks if h.name != "rehydrate.agones"] == \
+            ["ok"] * (len(report.hooks) - 1)
+    finally:
+        sidecar.faults.hang = False
+        a.close()
+    assert len(sidecar.calls("POST", "/ready")) == 1, "Ready must not follow a failed restore"
+
+
+def test_sidecar_down_at_first_is_waited_for(rehydrate_engine, caplog):
+    with AgonesSidecar(down_for=0.6) as sc:
+        a = _adapter(sc, rehydrate_engine, deadline=5.0, request_timeout=0.5)
+        with caplog.at_level(logging.DEBUG, logger="rehydrate.agones"):
+            a.install()  # health loop fails (connection refused) and retries
+            try:
+                report = rehydrate_engine.simulate_restore()
+                assert report.ok, report.table()
+                sc.wait_for("POST", "/health")
+            finally:
+                a.close()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING
+                and "health ping failed" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert any("works again" in r.getMessage() for r in caplog.records)
+
+
+def test_health_500s_are_retried_never_a_hook_failure(sidecar, rehydrate_engine):
+    a = _adapter(sidecar, rehydrate_engine, health_interval=1.0)
+    sidecar.fail_next(3, "/health")
+    a.install()
+    try:
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        # three 500s, then an answered ping well before the 1 s interval (backoff)
+        ok = sidecar.wait_for("POST", "/health", count=1)
+        errors = [r for r in sidecar.calls("POST", "/health") if r.status == 500]
+        assert len(errors) == 3
+        assert ok[0].mono - errors[0].mono < 1.0
+        _wait(lambda: a.health_acks >= 1, what="the adapter to see the acknowledgement")
+    finally:
+        a.close()
+
+
+def test_slow_sidecar_still_syncs(sidecar, rehydrate_engine):
+    a = _adapter(sidecar, rehydrate_engine, request_timeout=2.0)
+    a.install()
+    try:
+        a.set_label("map", "dust")
+        sidecar.faults.delay = 0.3
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert len(sidecar.calls("PUT", "/metadata/label")) == 2
+    finally:
+        sidecar.faults.delay = 0.0
+        a.close()
+
+
+def test_ready_while_not_ready_is_deferred(sidecar, adapter, rehydrate_engine):
+    fail = {"on": True}
+
+    @rehydrate_engine.registry.after_restore(name="game.flaky")
+    def flaky() -> None:
+        if fail["on"]:
+            raise RuntimeError("not yet")
+
+    assert not rehydrate_engine.simulate_restore().ok
+    adapter.ready()  # degraded: remembered, not sent
+    assert sidecar.calls("POST", "/ready") == []
+    fail["on"] = False
+    assert rehydrate_engine.simulate_restore().ok
+    sidecar.wait_for("POST", "/ready")
+
+
+def test_request_errors_are_one_clear_line(rehydrate_engine):
+    with AgonesSidecar() as sc:
+        sc.wait_listening()
+        a = _adapter(sc, rehydrate_engine)
+        try:
+            sc.fail_next(1, "/allocate")
+            with pytest.raises(AgonesError, match=r"POST /allocate .* failed: HTTP 500"):
+                a.allocate()
+            with pytest.raises(AgonesError, match="HTTP 400"):
+                a.set_label("bad key!", "x")
+            assert a.gameserver()["object_meta"]["labels"] == {}
+        finally:
+            a.close()
+
+
+def test_port_from_environment(monkeypatch):
+    monkeypatch.setenv("AGONES_SDK_HTTP_PORT", "9400")
+    assert AgonesAdapter().base_url == "http://localhost:9400"
+    monkeypatch.delenv("AGONES_SDK_HTTP_PORT")
+    assert AgonesAdapter().base_url == "http://localhost:9358"
+    monkeypatch.setenv("AGONES_SDK_HTTP_PORT", "http")
+    with pytest.raises(ValueError, match="AGONES_SDK_HTTP_PORT must be a port number"):
+        AgonesAdapter()
+    with pytest.raises(ValueError, match="health_interval"):
+        AgonesAdapter(9358, 0)
+
+
+def test_hooks_are_named_and_removed_on_close(sidecar, rehydrate_engine):
+    a = _adapter(sidecar, rehydrate_engine)
+    a.install()
+    a.install()  # idempotent
+    names = [h.name for h in rehydrate_engine.hooks("restore")]
+    assert names.count("rehydrate.agones") == 1
+    a.close()
+    assert "rehydrate.agones" not in [h.name for h in rehydrate_engine.hooks("restore")]
+    with pytest.raises(RuntimeError, match="closed"):
+        a.ready()
+
+
+async def test_async_calls_do_not_block_the_callers_loop(sidecar, adapter):
+    sidecar.faults.delay = 0.3
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    t = asyncio.create_task(ticker())
+    await adapter.aset_label("a", "b")
+    t.cancel()
+    sidecar.faults.delay = 0.0
+    assert ticks >= 10
