@@ -40,6 +40,7 @@ import httpx
 from rehydrate import Phase
 
 from ._compat import resolve_engine
+from ._readiness import not_ready_reason
 
 if TYPE_CHECKING:
     from rehydrate import Lifecycle, Report, RestoreContext
@@ -426,7 +427,7 @@ class AgonesAdapter:
         eng = self.engine
         if eng is None or not eng.is_ready():
             log.warning("not marking the GameServer Ready: rehydrate is not ready (%s)",
-                        self.reason or "restore hooks failed")
+                        not_ready_reason(eng))
             return
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore())
