@@ -51,6 +51,7 @@ __all__ = [
     "KeyManager",
     "ephemeral",
     "generate_private_key",
+    "generate_private_key_pem",
     "get",
     "manager",
 ]
@@ -118,7 +119,9 @@ _EC = {
 }
 
 
-def _ec_key(algorithm: str) -> Any:
+def _ec_key(algorithm: str, *, pem: bool = False) -> tuple[Any, bytearray | None]:
+    """A key of the EC ``algorithm`` from kernel entropy, and (``pem``) its SEC1 PEM in a
+    buffer the caller wipes."""
     from cryptography.hazmat.primitives import serialization
 
     size, order, head, tail = _EC[algorithm]
@@ -137,11 +140,73 @@ def _ec_key(algorithm: str) -> Any:
             scalar[:] = tmp
             _wipe(tmp)
             if ok:
-                return serialization.load_der_private_key(der, password=None)
+                key = serialization.load_der_private_key(der, password=None)
+                return key, (pem_armor(der, "EC PRIVATE KEY") if pem else None)
         raise RuntimeError("could not draw an EC scalar")  # pragma: no cover
     finally:
         scalar.release()
         _wipe(der)
+
+
+_B64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+_ED25519_PKCS8 = bytes.fromhex("302e020100300506032b657004220420")
+
+
+def pem_armor(der: bytearray | memoryview, label: str) -> bytearray:
+    """PEM of ``der`` (``-----BEGIN <label>-----`` …) built in a new bytearray.
+
+    Written out by hand because ``base64`` / ``binascii`` return immutable ``bytes``:
+    a private key encoded with them would stay in the heap after use.
+    """
+    n = len(der)
+    body = ((n + 2) // 3) * 4
+    head = f"-----BEGIN {label}-----\n".encode()
+    foot = f"-----END {label}-----\n".encode()
+    out = bytearray(len(head) + body + (body + 63) // 64 + len(foot))
+    out[: len(head)] = head
+    pos, col = len(head), 0
+    for i in range(0, n, 3):  # indexing, not slicing: a slice would copy key bytes
+        left = min(3, n - i)
+        v = (der[i] << 16) | ((der[i + 1] if left > 1 else 0) << 8) | (
+            der[i + 2] if left > 2 else 0)
+        for j in range(4):
+            out[pos] = _B64[(v >> (18 - 6 * j)) & 63] if j <= left else 61  # '='
+            pos += 1
+        col += 4
+        if col == 64 or i + 3 >= n:
+            out[pos] = 10
+            pos += 1
+            col = 0
+    out[pos:] = foot
+    return out
+
+
+def generate_private_key_pem(algorithm: str) -> tuple[PrivateKeyTypes, bytearray | None]:
+    """Like :func:`generate_private_key`, plus the key as unencrypted PEM in a buffer the
+    caller wipes (SEC1 ``EC PRIVATE KEY`` for EC keys, PKCS#8 for Ed25519), built from the
+    kernel's bytes without an immutable copy. ``None`` for the other algorithms: their PEM
+    can only come from ``cryptography``'s serializer, whose buffers nobody can wipe.
+    """
+    if algorithm in _EC:
+        key, pem = _ec_key(algorithm, pem=True)
+        return cast("PrivateKeyTypes", key), pem
+    if algorithm == "ed25519":
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+
+        der = bytearray(len(_ED25519_PKCS8) + 32)
+        der[: len(_ED25519_PKCS8)] = _ED25519_PKCS8
+        seed = memoryview(der)[len(_ED25519_PKCS8):]
+        tmp = bytearray(32)
+        try:
+            urandom_into(tmp)
+            seed[:] = tmp
+            _wipe(tmp)
+            return (ed25519.Ed25519PrivateKey.from_private_bytes(seed),
+                    pem_armor(der, "PRIVATE KEY"))
+        finally:
+            seed.release()
+            _wipe(der)
+    return generate_private_key(algorithm), None
 
 
 # -- RSA from kernel entropy -----------------------------------------------------------
@@ -272,7 +337,7 @@ def generate_private_key(algorithm: str) -> PrivateKeyTypes:
         finally:
             _wipe(buf)
     if algorithm in _EC:
-        return cast("PrivateKeyTypes", _ec_key(algorithm))
+        return cast("PrivateKeyTypes", _ec_key(algorithm)[0])
     if algorithm.startswith("rsa-") and algorithm in ALGORITHMS:
         return cast("PrivateKeyTypes", rsa_private_key(int(algorithm[4:])))
     raise ValueError(f"unknown key algorithm {algorithm!r}; choose one of {ALGORITHMS}")

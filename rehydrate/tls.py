@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ._disable import is_disabled
-from ._files import READ_ONLY_EVENTS
+from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
@@ -115,6 +115,10 @@ class Material:
     """Trust anchors for clients of this certificate (CA bundle, issuer root, or the
     certificate itself when self-signed)."""
     loaded_at: float = field(default_factory=time.time)
+    key_buffer: bytearray | None = field(default=None, repr=False, compare=False)
+    """The private key as unencrypted PEM in a buffer rehydrate wipes when the key is
+    dropped or replaced (None when it could not be had without an unwipeable copy: RSA
+    and Ed448 keys, encrypted key files). What contexts are loaded from."""
 
     @property
     def serial(self) -> int:
@@ -140,15 +144,29 @@ class Material:
 
         return "".join(c.public_bytes(serialization.Encoding.PEM).decode() for c in self.trust)
 
-    def key_pem(self) -> bytes:
-        """The private key as unencrypted PKCS#8 PEM (a copy rehydrate cannot wipe)."""
-        from cryptography.hazmat.primitives import serialization
+    def key_pem(self) -> bytearray:
+        """The private key as unencrypted PEM, in a new buffer: wipe it when done
+        (``pem[:] = bytes(len(pem))``) and no copy of the key is left behind.
 
+        EC keys rehydrate made come as SEC1 (``EC PRIVATE KEY``), Ed25519 keys and key
+        files as they are (PKCS#8 or SEC1). For RSA and Ed448 keys and encrypted key
+        files the PEM comes from ``cryptography``'s serializer, which leaves copies in
+        memory nobody can wipe (see docs/identity.md).
+        """
         if self.private_key is None:
             raise CertificateError("the private key was dropped before a snapshot")
-        return self.private_key.private_bytes(
+        if self.key_buffer is not None and any(self.key_buffer):
+            return bytearray(self.key_buffer)
+        from cryptography.hazmat.primitives import serialization
+
+        return bytearray(self.private_key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption())
+            serialization.NoEncryption()))
+
+    def wipe_key(self) -> None:
+        """Overwrite :attr:`key_buffer` with zeros (the key object goes with the Material)."""
+        if self.key_buffer is not None:
+            wipe(self.key_buffer)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -255,7 +273,7 @@ def _private_tmp() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
-def _write_private(path: str, data: bytes) -> None:
+def _write_private(path: str, data: bytes | bytearray) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
                  0o600)
     with os.fdopen(fd, "wb") as fh:
@@ -264,14 +282,19 @@ def _write_private(path: str, data: bytes) -> None:
 
 def load_into(ctx: ssl.SSLContext, material: Material) -> None:
     """``load_cert_chain`` the material into ``ctx`` (via 0600 files in a private 0700
-    directory on tmpfs when available, removed right after loading)."""
+    directory on tmpfs when available, removed right after loading).
+
+    The key is written from :attr:`Material.key_buffer` where there is one: OpenSSL reads
+    a SEC1 EC key without leaving a copy in the heap, where a PKCS#8 one leaves two."""
     d = tempfile.mkdtemp(prefix="rehydrate-tls-", dir=_private_tmp())
     cert_path, key_path = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+    key = material.key_pem()
     try:
         _write_private(cert_path, material.chain_pem())
-        _write_private(key_path, material.key_pem())
+        _write_private(key_path, key)
         ctx.load_cert_chain(cert_path, key_path)
     finally:
+        wipe(key)
         for p in (cert_path, key_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
@@ -303,15 +326,16 @@ def placeholder_material(slot: str = "ec-p256") -> Material:
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ed448, rsa
 
-    from .keys import generate_private_key
+    from .keys import generate_private_key_pem
 
     key: Any
+    pem: bytearray | None = None
     if slot == "rsa-2048":
         key = rsa.generate_private_key(65537, 2048)
     elif slot == "ed448":
         key = ed448.Ed448PrivateKey.generate()
     else:
-        key = generate_private_key(slot)
+        key, pem = generate_private_key_pem(slot)
     subject, san = _names("rehydrate placeholder (no certificate available)", ())
     now = _now()
     cert = (
@@ -322,7 +346,7 @@ def placeholder_material(slot: str = "ec-p256") -> Material:
         .add_extension(san, critical=False)
         .sign(key, _signing_hash(key))
     )
-    return Material(cert, key, (), ())
+    return Material(cert, key, (), (), key_buffer=pem)
 
 
 # -- handles -----------------------------------------------------------------------------
@@ -427,6 +451,7 @@ class ManagedCertificate:
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise CertificateError(self.last_error) from exc
         if self._unchanged(new):
+            new.wipe_key()
             self.last_error = None
             return self.material
         self.apply(new)
@@ -457,7 +482,9 @@ class ManagedCertificate:
                         self._load(ctx, material)
                     except (OSError, ssl.SSLError) as exc:
                         errors.append(f"server context: {exc}")
-                self._material = material
+                old, self._material = self._material, material
+                if old is not None and old.key_buffer is not material.key_buffer:
+                    old.wipe_key()
                 self._placeholder = None
                 self._clients.clear()
                 self.renewals += 1
@@ -520,7 +547,8 @@ class ManagedCertificate:
         with self._renew_lock, self._lock:
             m = self._material
             if m is not None and m.private_key is not None:
-                self._material = dataclasses.replace(m, private_key=None)
+                m.wipe_key()
+                self._material = dataclasses.replace(m, private_key=None, key_buffer=None)
             errors = self._install_placeholders(placeholders)
         if errors:
             raise CertificateError(f"certificate {self.name!r}: the private key could not be "
@@ -603,6 +631,8 @@ class ManagedCertificate:
             # A restored clone must not serve the key from the snapshot image (every clone
             # would share it), and a dropped key is gone: present a fresh placeholder.
             with self._lock:
+                if previous is not None:
+                    previous.wipe_key()
                 self._material = None
                 self._install_placeholders({})
                 self.last_error = str(error)
@@ -671,9 +701,10 @@ class SelfSignedCertificate(ManagedCertificate):
         from cryptography import x509
         from cryptography.x509.oid import ExtendedKeyUsageOID
 
-        from .keys import generate_private_key
+        from .keys import generate_private_key_pem
 
-        key = cast("CertificateIssuerPrivateKeyTypes", generate_private_key(self.algorithm))
+        raw_key, pem = generate_private_key_pem(self.algorithm)
+        key = cast("CertificateIssuerPrivateKeyTypes", raw_key)
         subject, san = _names(self.common_name, self.sans)
         now = _now()
         ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
@@ -693,7 +724,7 @@ class SelfSignedCertificate(ManagedCertificate):
                            critical=False)
             .sign(key, _signing_hash(key))
         )
-        return Material(cert, key, (), (cert,))
+        return Material(cert, key, (), (cert,), key_buffer=pem)
 
 
 class Issuer(Protocol):
@@ -704,11 +735,11 @@ class Issuer(Protocol):
               ) -> tuple[x509.Certificate, list[x509.Certificate]]: ...
 
 
-def _load_pem_list(data: bytes, what: str) -> list[x509.Certificate]:
+def _load_pem_list(data: bytes | bytearray, what: str) -> list[x509.Certificate]:
     from cryptography import x509
 
     try:
-        certs = x509.load_pem_x509_certificates(data)
+        certs = x509.load_pem_x509_certificates(bytes(data))
     except ValueError:
         raise CertificateError(f"{what} is not valid PEM") from None
     if not certs:
@@ -735,8 +766,8 @@ class HTTPIssuer:
         self.timeout = timeout
         self.verify = verify
         if isinstance(trust, (str, os.PathLike)):
-            with open(trust, "rb") as fh:
-                trust = _load_pem_list(fh.read(), f"CA bundle {os.fspath(trust)}")
+            trust = _load_pem_list(_read(os.fspath(trust), "CA bundle"),
+                                   f"CA bundle {os.fspath(trust)}")
         self.trust: tuple[x509.Certificate, ...] = tuple(trust or ())
 
     def __repr__(self) -> str:
@@ -786,11 +817,21 @@ class IssuedCertificate(ManagedCertificate):
         self.algorithm = algorithm
 
     def produce(self) -> Material:
+        from .keys import generate_private_key_pem
+
+        raw_key, pem = generate_private_key_pem(self.algorithm)
+        key = cast("CertificateIssuerPrivateKeyTypes", raw_key)
+        try:
+            return self._issue(key, pem)
+        except BaseException:
+            if pem is not None:
+                wipe(pem)
+            raise
+
+    def _issue(self, key: CertificateIssuerPrivateKeyTypes, pem: bytearray | None
+               ) -> Material:
         from cryptography import x509
 
-        from .keys import generate_private_key
-
-        key = cast("CertificateIssuerPrivateKeyTypes", generate_private_key(self.algorithm))
         subject, san = _names(self.common_name, self.sans)
         csr = (x509.CertificateSigningRequestBuilder().subject_name(subject)
                .add_extension(san, critical=False).sign(key, _signing_hash(key)))
@@ -800,13 +841,19 @@ class IssuedCertificate(ManagedCertificate):
             trust = (chain[-1],)
         intermediates = tuple(c for c in chain if c not in trust)
         validate(cert, key, intermediates, trust)
-        return Material(cert, key, intermediates, trust)
+        return Material(cert, key, intermediates, trust, key_buffer=pem)
 
 
-def _read(path: str, what: str) -> bytes:
+MAX_PEM_BYTES = 4 * 1024 * 1024
+"""Largest certificate, key or CA bundle file read (a bigger one is an error)."""
+
+
+def _read(path: str, what: str) -> bytearray:
+    """A certificate/key/CA file: regular files only, opened without blocking, at most
+    :data:`MAX_PEM_BYTES` (``/dev/zero`` or a FIFO named as a certificate is one clear
+    error, not a hang or a MemoryError)."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read()
+        return read_regular(path, MAX_PEM_BYTES)
     except OSError as exc:
         raise CertificateError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
@@ -841,17 +888,24 @@ class FileCertificate(ManagedCertificate):
                                f"certificate file {self.cert_path}")
         key_data = _read(self.key_path, "key file")
         try:
-            key = serialization.load_pem_private_key(key_data, password=self.password)
-        except (ValueError, TypeError) as exc:
-            raise CertificateError(f"key file {self.key_path} is not a usable PEM private key"
-                                   f" ({exc})") from None
-        trust: list[x509.Certificate] = []
-        if self.ca_path is not None:
-            trust = _load_pem_list(_read(self.ca_path, "CA bundle"),
-                                   f"CA bundle {self.ca_path}")
-        leaf, chain = certs[0], tuple(certs[1:])
-        validate(leaf, key, chain, trust)
-        return Material(leaf, key, chain, tuple(trust))
+            try:
+                key = serialization.load_pem_private_key(key_data, password=self.password)
+            except (ValueError, TypeError) as exc:
+                raise CertificateError(f"key file {self.key_path} is not a usable PEM "
+                                       f"private key ({exc})") from None
+            trust: list[x509.Certificate] = []
+            if self.ca_path is not None:
+                trust = _load_pem_list(_read(self.ca_path, "CA bundle"),
+                                       f"CA bundle {self.ca_path}")
+            leaf, chain = certs[0], tuple(certs[1:])
+            validate(leaf, key, chain, trust)
+        except BaseException:
+            wipe(key_data)
+            raise
+        if self.password is not None:  # contexts cannot load it without the password
+            wipe(key_data)
+            return Material(leaf, key, chain, tuple(trust))
+        return Material(leaf, key, chain, tuple(trust), key_buffer=key_data)
 
     # -- watching ------------------------------------------------------------------
 
@@ -930,6 +984,7 @@ class FileCertificate(ManagedCertificate):
                 return False
             self._logged_error = None
             if self._unchanged(new):
+                new.wipe_key()
                 self.last_error = None
                 return False
             try:

@@ -818,3 +818,30 @@ def test_tls_disabled(rehydrate_engine, monkeypatch):
     monkeypatch.setenv("REHYDRATE_DISABLE", "tls")
     assert rehydrate_engine.simulate_restore().ok
     assert cert.serial == serial
+
+
+def test_device_fifo_or_huge_file_as_certificate_is_one_clear_error(rehydrate_engine,
+                                                                    tmp_path):
+    """Issue #13.13: /dev/zero as a certificate was a MemoryError; a FIFO hung the hook."""
+    good = tls.self_signed("good", engine=rehydrate_engine).material
+    key = tmp_path / "k.pem"
+    pem = good.key_pem()
+    key.write_bytes(bytes(pem))
+    fifo = tmp_path / "fifo.pem"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.pem"
+    with open(huge, "wb") as fh:
+        fh.truncate(tls.MAX_PEM_BYTES + 1)
+    for path, why in (("/dev/zero", "not a regular file (a character device)"),
+                      (str(fifo), "not a regular file (a FIFO)"),
+                      (str(huge), f"larger than {tls.MAX_PEM_BYTES} bytes")):
+        with pytest.raises(CertificateError, match=r"cannot read certificate file .*: "
+                           + why.replace("(", r"\(").replace(")", r"\)")):
+            tls.from_files(f"bad-{len(why)}", cert=path, key=key, watch=False,
+                           engine=rehydrate_engine)
+    (tmp_path / "c.pem").write_bytes(good.chain_pem())
+    with pytest.raises(CertificateError, match=r"key file .*not a regular file \(a FIFO\)"):
+        tls.from_files("bad-key", cert=tmp_path / "c.pem", key=fifo, watch=False,
+                       engine=rehydrate_engine)
+    assert tls.from_files("ok", cert=tmp_path / "c.pem", key=key, watch=False,
+                          engine=rehydrate_engine).serial == good.serial

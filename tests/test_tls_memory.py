@@ -1,0 +1,94 @@
+"""No copy of a TLS private key is left in a live process after the before-snapshot pass
+(issue #13.1): every TLS mode, a real handshake, then a scan of ``/proc/PID/mem``.
+
+The child (tests/tls_memory_child.py) is made to draw a key this test knows; the scan
+looks for the raw scalar (big-endian, as in DER/SEC1/PKCS#8), the scalar as OpenSSL's
+BIGNUM words (little-endian on x86-64) and the base64 of the key's PEM. Where OpenSSL's
+own decoders leave a copy that no caller can wipe, the allowance is counted here and
+documented in docs/identity.md ("What stays in memory").
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from memscan import count
+
+HERE = Path(__file__).resolve().parent
+P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+# mode -> (child mode, key file format, allowed copies of the big-endian scalar)
+MODES = {
+    "self-signed": ("self-signed", None, 0),
+    "issued": ("issued", None, 0),
+    "key-pem": ("key-pem", None, 0),
+    "files-sec1": ("files", serialization.PrivateFormat.TraditionalOpenSSL, 0),
+    # OpenSSL's PKCS#8 decoders (cryptography's and Python's ssl) free a decoded copy
+    # without clearing it: at most 1 + 2, as documented.
+    "files-pkcs8": ("files", serialization.PrivateFormat.PKCS8, 3),
+}
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    while True:
+        v = int.from_bytes(os.urandom(32), "big")
+        if 0 < v < P256_ORDER:
+            return ec.derive_private_key(v, ec.SECP256R1())
+
+
+def _pem_lines(key: ec.EllipticCurvePrivateKey) -> list[bytes]:
+    out = []
+    for fmt in (serialization.PrivateFormat.PKCS8, serialization.PrivateFormat.TraditionalOpenSSL):
+        pem = key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
+        out.append(pem.splitlines()[1])  # the first base64 line holds most of the scalar
+    return out
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_no_private_key_left_in_memory_after_the_snapshot_pass(
+        mode: str, tmp_path: Path) -> None:
+    child_mode, file_format, allowed = MODES[mode]
+    key = _key()
+    scalar = key.private_numbers().private_value.to_bytes(32, "big")
+    args = [sys.executable, str(HERE / "tls_memory_child.py"), child_mode, scalar.hex()]
+    if file_format is not None:
+        key_path, cert_path = tmp_path / "tls.key", tmp_path / "tls.crt"
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, file_format,
+                                               serialization.NoEncryption()))
+        name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "localhost")])
+        now = dt.datetime.now(dt.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5))
+                .not_valid_after(now + dt.timedelta(days=1))
+                .sign(key, hashes.SHA256()))
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        args += [str(key_path), str(cert_path)]
+    needles = {"scalar": scalar, "bignum": scalar[::-1]}
+    needles.update({f"pem{i}": line for i, line in enumerate(_pem_lines(key))})
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # this checkout's rehydrate
+    child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=HERE.parent, env=env)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline()
+        assert line.strip() == "ready", f"child failed before the scan: {line!r}"
+        found = count(child.pid, needles)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert found["bignum"] == [], f"a live or freed BIGNUM of the key: {found}"
+    assert found["pem0"] == [] and found["pem1"] == [], f"PEM text of the key: {found}"
+    assert len(found["scalar"]) <= allowed, f"{mode}: raw key copies {found['scalar']}"
