@@ -74,8 +74,8 @@ __all__ = [
 
 # Identity managers load on first use so that ``import rehydrate`` stays light
 # (``rehydrate.keys`` / ``tls`` import cryptography only when a key or certificate is made).
-_LAZY_SUBMODULES = ("connections", "entropy", "fingerprint", "keys", "routes", "secrets",
-                    "telemetry", "tls")
+_LAZY_SUBMODULES = ("connections", "entropy", "files", "fingerprint", "keys", "routes",
+                    "secrets", "telemetry", "tls")
 
 
 def instance_id() -> str:

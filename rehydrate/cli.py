@@ -32,6 +32,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(text)
         return EXIT_OK
 
+    if getattr(args, "files", False):
+        from .files import doctor_report as files_report
+
+        data, text = files_report(args.pid, proc=args.proc)
+        if args.json:
+            _print_json(data)
+        else:
+            print(text)
+        return EXIT_OK
+
     infos = detect.available()
     if args.json:
         _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos]})
@@ -67,8 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--connections", action="store_true",
                         help="list the established TCP connections of a process (what to "
                              "register with rehydrate.connections before a snapshot)")
+    doctor.add_argument("--files", action="store_true",
+                        help="list a process's descriptors on volumes the snapshot does not "
+                             "hold (restored by path with no change check; a deleted one "
+                             "makes a gVisor checkpoint fail)")
     doctor.add_argument("--pid", default="self",
-                        help="process to inspect with --connections (default: this one)")
+                        help="process to inspect with --connections or --files (default: "
+                             "this one)")
+    doctor.add_argument("--proc", default="/proc", help=argparse.SUPPRESS)  # tests: fake /proc
     doctor.set_defaults(func=cmd_doctor)
 
     check = sub.add_parser(

@@ -147,6 +147,10 @@ class Lifecycle:
 
         telemetry.instrument(self)
 
+        from . import files  # the before-snapshot audit of descriptors on volumes
+
+        files.install(self)
+
     def extension(self, key: str, factory: Callable[[Lifecycle], T]) -> T:
         """The per-engine instance of a built-in manager, created by ``factory`` on first use.
 

@@ -191,7 +191,8 @@ def test_prepare_snapshot_replies_after_hooks(server: ControlServer, engine: Lif
     t.join(DEADLINE)
     assert result["ok"] and result["id"] == 7
     assert result["report"]["event"] == "snapshot"
-    assert {h["name"] for h in result["report"]["hooks"]} == {"slow", "rec-snap"}
+    assert {h["name"] for h in result["report"]["hooks"]} == {"slow", "rec-snap",
+                                                               "rehydrate.files.audit"}
     assert calls.items == [("snapshot-hook", "snapshot", 0, "control")]
 
 

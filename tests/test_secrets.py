@@ -25,7 +25,8 @@ def test_file_secret_is_wiped_and_reloaded(rehydrate_engine, secret_file):
     buf = s._buf
     report = rehydrate_engine.simulate_snapshot()
     assert report.ok
-    assert [h.name for h in report.hooks] == ["rehydrate.secret:db-password"]
+    assert [h.name for h in report.hooks] == ["rehydrate.secret:db-password",
+                                              "rehydrate.files.audit"]
     assert buf == bytearray(len(buf)) and len(buf) > 0  # the very buffer was zeroed
     assert not s.available
 

@@ -480,7 +480,10 @@ class ControlServer:
             out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict()}
             self._last_prepare = prepared if snap.ok else None
             if not snap.ok:
-                failed = ", ".join(h.name for h in snap.failed if h.required)
+                # The errors too: the platform's log then says what to fix (e.g. the path
+                # of a deleted file held open on a volume).
+                failed = "; ".join(f"{h.name} ({describe_error(h.error)})" if h.error
+                                   else h.name for h in snap.failed if h.required)
                 resume = engine.restore_detected("control", kind="resume", anchor=False)
                 out["resume_report"] = resume.to_dict()
                 out["error"] = (f"before-snapshot hook(s) failed: {failed}; the resume hooks "

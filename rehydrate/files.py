@@ -1,0 +1,877 @@
+"""Managed files, SQLite connections and shared mappings on volumes the snapshot does not hold.
+
+A checkpoint holds the process's memory and its tmpfs / root file system, but not its
+persistent volumes: ``runsc restore`` finds every open volume file again **by its path**,
+with no size, mtime or inode check. A file replaced meanwhile (rename-over, a swapped
+volume) is silently read from the old offset in the middle of the new file; a file that
+is gone makes the whole restore fail; a deleted file held open makes the checkpoint fail
+(see docs/volumes.md for the measurements).
+
+Handles made here are closed before a snapshot and reopened after a restore or resume:
+
+* :func:`open` — a file object; reopened at the same position when size, ``st_mtime_ns``
+  and ``st_ctime_ns`` are unchanged, else at offset 0 with ``.changed`` set and
+  ``on_change`` called — never a silent read from the middle of another file;
+* :func:`sqlite` — a ``sqlite3`` connection; the WAL is checkpointed and the connection
+  closed before the snapshot (a transaction still open is refused), so no ``-wal`` /
+  ``-shm`` descriptor is in the image;
+* :func:`mmap` — a ``MAP_SHARED`` mapping; flushed and unmapped before, remapped after;
+* :func:`volume` — a volume's identity file; after a restore a different volume is
+  reported and every handle on it treated as changed.
+
+A file that is gone after a restore fails the ``rehydrate.files.reopen`` hook with its
+path (required by default: the process stays ``degraded``).
+
+Every engine also runs the ``rehydrate.files.audit`` before-snapshot hook, last: it lists
+the descriptors still open on volumes (:func:`open_files`, ``rehydrate doctor --files``),
+warns about unmanaged ones and, under gVisor, **fails the pass naming the path** when a
+deleted file is held open on a volume — gVisor cannot checkpoint that, and a failed
+``rehydrate notify save`` keeps the platform from trying. Mounts the snapshot holds are
+the root file system, tmpfs and the kernel's pseudo file systems, plus the mount points
+listed in ``REHYDRATE_HELD_MOUNTS`` (comma-separated, e.g. an ``emptyDir`` backed by
+the sandbox's own memory).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import logging
+import mmap as _mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .hooks import Phase
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from .context import RestoreContext
+    from .lifecycle import Lifecycle
+
+__all__ = [
+    "HELD_FSTYPES",
+    "IDENTITY_FILE",
+    "FileGone",
+    "FilesManager",
+    "ManagedConnection",
+    "ManagedFile",
+    "ManagedMap",
+    "MountInfo",
+    "OpenFile",
+    "SnapshotRefused",
+    "Volume",
+    "audit",
+    "doctor_report",
+    "install",
+    "manager",
+    "mmap",
+    "mounts",
+    "open",
+    "open_files",
+    "sqlite",
+    "volume",
+]
+
+log = logging.getLogger("rehydrate")
+
+IDENTITY_FILE = ".rehydrate-volume"
+"""Name of the identity file :func:`volume` keeps at the root of a registered volume."""
+
+HELD_FSTYPES = frozenset({
+    "tmpfs", "ramfs", "proc", "sysfs", "devpts", "devtmpfs", "mqueue", "cgroup", "cgroup2",
+    "securityfs", "debugfs", "tracefs", "pstore", "bpf", "configfs", "fusectl",
+    "binfmt_misc", "hugetlbfs", "nsfs", "autofs", "efivarfs", "overlay",
+})
+"""File system types whose content the snapshot holds (memory-backed or pseudo)."""
+
+_DELETED = " (deleted)"
+
+
+class FileGone(FileNotFoundError):
+    """A managed file (or its volume) is missing after a restore; the message names it."""
+
+
+class SnapshotRefused(RuntimeError):
+    """A before-snapshot pass cannot safely go on (open transaction, deleted file …)."""
+
+
+# -- identity ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Identity:
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str) -> _Identity:
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _stat_after_restore(path: str) -> _Identity:
+    try:
+        return _Identity.of(path)
+    except FileNotFoundError:
+        raise FileGone(errno.ENOENT, f"managed file {path} is gone after the restore "
+                       "(deleted, moved, or its volume is not mounted)", path) from None
+
+
+# -- handles ----------------------------------------------------------------------------
+
+
+OnChange = Callable[[Any], object]
+
+
+class _Handle:
+    """What every managed handle shares: path, change tracking, registration."""
+
+    _kind = "handle"
+
+    def __init__(self, path: str | os.PathLike[str], engine: Lifecycle | None,
+                 on_change: OnChange | None, required: bool) -> None:
+        object.__setattr__(self, "path", os.path.abspath(os.fspath(path)))
+        object.__setattr__(self, "changed", False)
+        object.__setattr__(self, "on_change", on_change)
+        object.__setattr__(self, "required", required)
+        object.__setattr__(self, "_lock", threading.RLock())
+        object.__setattr__(self, "_identity", None)
+        object.__setattr__(self, "_closed_by_user", False)
+        object.__setattr__(self, "_suspended", False)
+        object.__setattr__(self, "_manager", manager(engine))
+
+    path: str
+    """Absolute path of the managed file."""
+    changed: bool
+    """True when the last reopen found another file (or volume) than the one closed."""
+    on_change: OnChange | None
+    required: bool
+    _lock: threading.RLock
+    _identity: _Identity | None
+    _closed_by_user: bool
+    _suspended: bool
+    _manager: FilesManager
+
+    def _register(self) -> None:
+        self._manager._add(self)
+
+    # subclasses: _close_now() closes the underlying object, _open_now(same) reopens it
+    def _close_now(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _open_now(self, same: bool) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _suspend(self) -> None:
+        """Before a snapshot: close, remembering what was closed."""
+        with self._lock:
+            if self._closed_by_user or self._suspended:
+                return
+            try:
+                self._close_now()
+            except SnapshotRefused:
+                raise
+            except Exception as exc:
+                raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+            object.__setattr__(self, "_identity", _Identity.of(self.path))
+            object.__setattr__(self, "_suspended", True)
+
+    def _resume(self, volume_changed: bool) -> bool:
+        """After a restore or resume: reopen; True when the file changed."""
+        with self._lock:
+            if self._closed_by_user or not self._suspended:
+                return False
+            now = _stat_after_restore(self.path)
+            same = not volume_changed and now == self._identity
+            self._open_now(same)
+            object.__setattr__(self, "_suspended", False)
+            object.__setattr__(self, "changed", not same)
+        if not same:
+            log.info("managed %s %s changed while frozen: reopened from the start",
+                     self._kind, self.path)
+            if self.on_change is not None:
+                self.on_change(self)
+        return not same
+
+    def close(self) -> None:
+        """Close for good: no longer reopened after a restore."""
+        with self._lock:
+            object.__setattr__(self, "_closed_by_user", True)
+            if not self._suspended:
+                self._close_now()
+            object.__setattr__(self, "_suspended", False)
+        self._manager._remove(self)
+
+    @property
+    def suspended(self) -> bool:
+        """True between the before-snapshot close and the reopen after restore/resume."""
+        return self._suspended
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self._kind, "path": self.path, "changed": self.changed,
+                "suspended": self._suspended, "required": self.required}
+
+
+def _reopen_mode(mode: str) -> str:
+    """The mode that reopens a file without truncating or refusing it."""
+    if "w" in mode or "x" in mode:
+        return mode.replace("w", "r").replace("x", "r").replace("+", "") + "+"
+    return mode
+
+
+class ManagedFile(_Handle):
+    """A file object closed before a snapshot and reopened after restore or resume.
+
+    Attribute access goes to the current file object (``read``, ``write``, ``seek`` …);
+    while the snapshot is pending it is closed (``ValueError: I/O operation on closed
+    file``). A mode that creates or truncates (``w``, ``x``) reopens as ``r+``.
+    """
+
+    _kind = "file"
+
+    def __init__(self, path: str | os.PathLike[str], mode: str, *, engine: Lifecycle | None,
+                 on_change: OnChange | None, required: bool, open_kwargs: dict[str, Any]
+                 ) -> None:
+        super().__init__(path, engine, on_change, required)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "_kwargs", open_kwargs)
+        object.__setattr__(self, "_pos", 0)
+        # The handle owns the file object and closes it (snapshot or close()).
+        f = builtins.open(self.path, mode, **open_kwargs)  # noqa: SIM115
+        object.__setattr__(self, "_file", f)
+        self._register()
+
+    mode: str
+    _kwargs: dict[str, Any]
+    _pos: int
+    _file: Any
+
+    def _close_now(self) -> None:
+        f = self._file
+        if not f.closed:
+            object.__setattr__(self, "_pos", f.tell())
+            f.close()
+
+    def _open_now(self, same: bool) -> None:
+        f = builtins.open(self.path, _reopen_mode(self.mode), **self._kwargs)  # noqa: SIM115
+        if same and "a" not in self.mode:
+            f.seek(self._pos)
+        object.__setattr__(self, "_file", f)
+
+    def fileno(self) -> int:
+        return int(self._file.fileno())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (__init__ failed): no recursion
+            raise AttributeError(name)
+        return getattr(self._file, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._file)
+
+    def __next__(self) -> Any:
+        return next(self._file)
+
+    def __enter__(self) -> ManagedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<rehydrate.files.ManagedFile {self.path!r} mode={self.mode!r}>"
+
+
+class ManagedConnection(_Handle):
+    """A ``sqlite3`` connection closed before a snapshot and reopened after.
+
+    Attribute access goes to the current connection; attributes set on the handle
+    (``row_factory``, ``isolation_level`` …) are set again on every new connection, and
+    ``on_connect(conn)`` runs for each (per-connection ``PRAGMA`` s). ``with handle:`` is
+    the connection's transaction context. Cursors do not outlive a snapshot.
+    """
+
+    _kind = "sqlite"
+
+    def __init__(self, path: str | os.PathLike[str], *, engine: Lifecycle | None,
+                 on_change: OnChange | None, required: bool,
+                 on_connect: Callable[[sqlite3.Connection], object] | None,
+                 connect_kwargs: dict[str, Any]) -> None:
+        if os.fspath(path) == ":memory:" or connect_kwargs.get("uri"):
+            raise ValueError("rehydrate.files.sqlite manages a database file by path: an "
+                             "in-memory database is held by the snapshot, and URIs are not "
+                             "supported")
+        super().__init__(path, engine, on_change, required)
+        # rehydrate closes and reopens the connection from its hook thread.
+        connect_kwargs["check_same_thread"] = False
+        object.__setattr__(self, "_kwargs", connect_kwargs)
+        object.__setattr__(self, "_on_connect", on_connect)
+        object.__setattr__(self, "_attrs", {})
+        object.__setattr__(self, "_conn", self._connect())
+        self._register()
+
+    _kwargs: dict[str, Any]
+    _on_connect: Callable[[sqlite3.Connection], object] | None
+    _attrs: dict[str, Any]
+    _conn: sqlite3.Connection
+
+    def _connect(self) -> sqlite3.Connection:
+        import sqlite3
+
+        conn: sqlite3.Connection = sqlite3.connect(self.path, **self._kwargs)
+        for k, v in self._attrs.items():
+            setattr(conn, k, v)
+        if self._on_connect is not None:
+            self._on_connect(conn)
+        return conn
+
+    def _close_now(self) -> None:
+        conn = self._conn
+        if conn.in_transaction:
+            raise SnapshotRefused(
+                f"SQLite database {self.path} has a transaction open: commit or roll it "
+                "back before the snapshot (its -wal/-shm files would be in the image)")
+        # Moves the WAL into the database so the host sees every committed row.
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        conn.close()
+
+    def _open_now(self, same: bool) -> None:
+        object.__setattr__(self, "_conn", self._connect())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (__init__ failed): no recursion
+            raise AttributeError(name)
+        return getattr(self._conn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._conn, name, value)
+        self._attrs[name] = value
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self._conn.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._conn.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"<rehydrate.files.ManagedConnection {self.path!r}>"
+
+
+class ManagedMap(_Handle):
+    """A ``MAP_SHARED`` mapping of a file, flushed and unmapped before a snapshot and
+    remapped after (slicing, ``len``, ``flush`` … go to the current ``mmap.mmap``).
+
+    ``length=0`` maps the whole file, whatever its size after a restore; a fixed length
+    that no longer fits the file fails the reopen hook naming the path (touching a
+    truncated shared mapping kills the process). Release ``memoryview`` s of it before a
+    snapshot: an exported buffer cannot be unmapped.
+    """
+
+    _kind = "mmap"
+
+    def __init__(self, path: str | os.PathLike[str], *, length: int, access: int, offset: int,
+                 engine: Lifecycle | None, on_change: OnChange | None, required: bool
+                 ) -> None:
+        super().__init__(path, engine, on_change, required)
+        object.__setattr__(self, "length", length)
+        object.__setattr__(self, "access", access)
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "_map", self._map_now())
+        self._register()
+
+    length: int
+    access: int
+    offset: int
+    _map: _mmap.mmap
+
+    def _map_now(self) -> _mmap.mmap:
+        mode = "rb" if self.access == _mmap.ACCESS_READ else "r+b"
+        with builtins.open(self.path, mode) as f:
+            size = os.fstat(f.fileno()).st_size
+            if self.length and size < self.offset + self.length:
+                raise FileGone(errno.ERANGE, f"managed mapping of {self.path}: the file has "
+                               f"{size} bytes, the mapping needs {self.offset + self.length}",
+                               self.path)
+            return _mmap.mmap(f.fileno(), self.length, access=self.access, offset=self.offset)
+
+    def _close_now(self) -> None:
+        m = self._map
+        if not m.closed:
+            if self.access == _mmap.ACCESS_WRITE:
+                m.flush()
+            m.close()
+
+    def _open_now(self, same: bool) -> None:
+        object.__setattr__(self, "_map", self._map_now())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (__init__ failed): no recursion
+            raise AttributeError(name)
+        return getattr(self._map, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._map[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._map[key] = value
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __enter__(self) -> ManagedMap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<rehydrate.files.ManagedMap {self.path!r} length={self.length}>"
+
+
+class Volume:
+    """A registered volume: its identity file is compared after every restore."""
+
+    def __init__(self, mount_point: str, on_change: OnChange | None) -> None:
+        self.mount_point = os.path.abspath(mount_point)
+        self.on_change = on_change
+        self.identity: str | None = self._read_or_create()
+        self.changed = False
+        """True when the last restore found another volume (or none) at the mount point."""
+        self._before: str | None = self.identity
+
+    @property
+    def identity_file(self) -> str:
+        return os.path.join(self.mount_point, IDENTITY_FILE)
+
+    def _read(self) -> str | None:
+        try:
+            with builtins.open(self.identity_file, encoding="ascii", errors="replace") as f:
+                return f.read(256).strip() or None
+        except FileNotFoundError:
+            return None
+
+    def _read_or_create(self) -> str | None:
+        ident = self._read()
+        if ident is not None:
+            return ident
+        if not os.path.isdir(self.mount_point):
+            raise FileGone(errno.ENOENT, f"volume {self.mount_point} is not a directory",
+                           self.mount_point)
+        token = secrets.token_hex(16)
+        tmp = f"{self.identity_file}.{os.getpid()}.tmp"
+        try:
+            with builtins.open(tmp, "x", encoding="ascii") as f:
+                f.write(token + "\n")
+            os.link(tmp, self.identity_file)  # never replaces an identity written meanwhile
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            log.warning("volume %s: no identity file (%s); a swapped volume is detected "
+                        "only by its files' size and times", self.mount_point,
+                        exc.strerror or exc)
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return self._read()
+
+    def _suspend(self) -> None:
+        self._before = self._read()
+
+    def _check(self) -> bool:
+        """After restore/resume: True (and a warning) when the volume is another one."""
+        now = self._read() if os.path.isdir(self.mount_point) else None
+        if self._before is not None and now != self._before:
+            self.changed = True
+            log.warning("volume %s is not the volume of the snapshot (identity %s, was %s): "
+                        "its managed handles are reopened from the start",
+                        self.mount_point, now or "missing", self._before)
+            if now is None and os.path.isdir(self.mount_point):
+                now = self._read_or_create()
+            self.identity = now
+            if self.on_change is not None:
+                self.on_change(self)
+            return True
+        self.changed = False
+        return False
+
+    def contains(self, path: str) -> bool:
+        return path == self.mount_point or path.startswith(self.mount_point.rstrip("/") + "/")
+
+    def describe(self) -> dict[str, Any]:
+        return {"mount_point": self.mount_point, "identity": self.identity,
+                "changed": self.changed}
+
+
+# -- the audit --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    """One line of ``/proc/PID/mountinfo``."""
+
+    mount_point: str
+    fstype: str
+    source: str
+    held: bool
+    """True when the snapshot holds the content (root file system, tmpfs, pseudo fs)."""
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    """A descriptor open on a volume (a mount the snapshot does not hold)."""
+
+    fd: int
+    path: str
+    deleted: bool
+    mount_point: str
+    fstype: str
+    managed: bool | None = None
+    """Whether a rehydrate handle manages it (None: unknown, another process)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fd": self.fd, "path": self.path, "deleted": self.deleted,
+                "mount_point": self.mount_point, "fstype": self.fstype,
+                "managed": self.managed}
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as ``\\ooo``."""
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _held_from_env() -> tuple[str, ...]:
+    raw = os.environ.get("REHYDRATE_HELD_MOUNTS", "")
+    return tuple(os.path.abspath(p.strip()) for p in raw.split(",") if p.strip())
+
+
+def mounts(pid: int | str = "self", *, proc: str = "/proc",
+           held: Iterable[str] | None = None) -> list[MountInfo]:
+    """The mounts of process ``pid``, each marked held by the snapshot or not.
+
+    ``held``: extra mount points the snapshot holds (default ``$REHYDRATE_HELD_MOUNTS``).
+    """
+    extra = set(_held_from_env() if held is None else (os.path.abspath(h) for h in held))
+    out = []
+    with builtins.open(f"{proc}/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, sep, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            if not sep or len(fields) < 5 or len(rest) < 2:
+                continue
+            point = _unescape(fields[4])
+            fstype = rest[0]
+            held_ = point == "/" or fstype in HELD_FSTYPES or point in extra
+            out.append(MountInfo(point, fstype, _unescape(rest[1]), held_))
+    return out
+
+
+def _mount_of(path: str, table: list[MountInfo]) -> MountInfo | None:
+    best: MountInfo | None = None
+    for m in table:
+        p = m.mount_point
+        if (path == p or path.startswith(p.rstrip("/") + "/")) and (
+                best is None or len(p) >= len(best.mount_point)):
+            best = m  # later lines over-mount earlier ones at the same point
+    return best
+
+
+def open_files(pid: int | str = "self", *, proc: str = "/proc",
+               held: Iterable[str] | None = None) -> list[OpenFile]:
+    """Descriptors of process ``pid`` open on volumes (mounts the snapshot does not hold),
+    from ``/proc/PID/fd`` and ``/proc/PID/mountinfo``; deleted files are flagged."""
+    table = mounts(pid, proc=proc, held=held)
+    fd_dir = f"{proc}/{pid}/fd"
+    out = []
+    for name in sorted(os.listdir(fd_dir), key=lambda n: int(n) if n.isdigit() else -1):
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, for one)
+        if not target.startswith("/"):
+            continue  # pipe:[…], socket:[…], anon_inode:…, host:[…]
+        deleted = target.endswith(_DELETED)
+        path = target[: -len(_DELETED)] if deleted else target
+        m = _mount_of(path, table)
+        if m is None or m.held:
+            continue
+        out.append(OpenFile(int(name), path, deleted, m.mount_point, m.fstype))
+    return out
+
+
+def _in_gvisor() -> bool:
+    try:
+        with builtins.open("/proc/version", encoding="ascii", errors="replace") as f:
+            version = f.read(512)
+    except OSError:
+        return False
+    return "Sun Jan 10 15:06:54 PST 2016" in version  # gVisor's fixed kernel build line
+
+
+# -- the per-engine manager -------------------------------------------------------------
+
+
+class FilesManager:
+    """Per-engine handles and volumes, their hooks, and the before-snapshot audit."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self._engine = weakref.ref(engine)
+        self._lock = threading.Lock()
+        self._handles: dict[int, weakref.ref[_Handle]] = {}
+        self._volumes: list[Volume] = []
+        self.fail_on_deleted: bool = _in_gvisor()
+        """Fail the before-snapshot pass on a deleted file open on a volume (default: under
+        gVisor, where the checkpoint itself would fail; elsewhere a warning)."""
+        self.last_audit: list[OpenFile] = []
+        self.proc = "/proc"
+        """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
+        self._hooked = False
+        # ENVIRONMENT runs last before a snapshot: everything else has closed its files.
+        engine.builtins.register(self._audit_hook, event="snapshot", phase=Phase.ENVIRONMENT,
+                                 order=-2_000_000, name="rehydrate.files.audit", timeout=10.0)
+        engine.add_status("files", self.status)
+
+    def _hook_in(self) -> None:
+        """Register the close/reopen hooks with the first handle or volume."""
+        engine = self._engine()
+        if self._hooked or engine is None:
+            return
+        self._hooked = True
+        b = engine.builtins
+        b.register(self._before_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
+                   order=1_000_000, name="rehydrate.files.close", timeout=30.0)
+        b.register(self._after_restore, event="restore", phase=Phase.CONNECTIONS,
+                   order=-1_000_000, name="rehydrate.files.reopen", timeout=30.0)
+
+    # registry
+    def _add(self, handle: _Handle) -> None:
+        with self._lock:
+            self._handles[id(handle)] = weakref.ref(handle)
+            self._hook_in()
+
+    def _remove(self, handle: _Handle) -> None:
+        with self._lock:
+            self._handles.pop(id(handle), None)
+
+    def handles(self) -> list[_Handle]:
+        """The live managed handles, in registration order."""
+        with self._lock:
+            refs = list(self._handles.values())
+        return [h for h in (r() for r in refs) if h is not None]
+
+    def add_volume(self, mount_point: str | os.PathLike[str],
+                   on_change: OnChange | None) -> Volume:
+        point = os.path.abspath(os.fspath(mount_point))
+        with self._lock:
+            for v in self._volumes:
+                if v.mount_point == point:
+                    return v
+        vol = Volume(point, on_change)
+        with self._lock:
+            self._volumes.append(vol)
+            self._hook_in()
+        return vol
+
+    def volumes(self) -> list[Volume]:
+        with self._lock:
+            return list(self._volumes)
+
+    def status(self) -> dict[str, Any]:
+        return {"handles": [h.describe() for h in self.handles()],
+                "volumes": [v.describe() for v in self.volumes()],
+                "last_audit": [f.to_dict() for f in self.last_audit]}
+
+    # hooks
+    def _before_snapshot(self) -> None:
+        errors: list[Exception] = []
+        for vol in self.volumes():
+            vol._suspend()
+        for h in reversed(self.handles()):
+            try:
+                h._suspend()
+            except Exception as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise SnapshotRefused("managed handles could not be closed: " + "; ".join(
+                str(e) if isinstance(e, SnapshotRefused) else f"{type(e).__name__}: {e}"
+                for e in errors))
+
+    def _after_restore(self, ctx: RestoreContext) -> None:
+        changed_volumes = [v for v in self.volumes() if v._check()]
+        failures: list[str] = []
+        for h in self.handles():
+            on_changed = any(v.contains(h.path) for v in changed_volumes)
+            try:
+                h._resume(on_changed)
+            except Exception as exc:
+                msg = f"{h.path}: {type(exc).__name__}: {exc}"
+                if h.required:
+                    failures.append(msg)
+                else:
+                    log.warning("optional managed %s not reopened after %s: %s", h._kind,
+                                ctx.kind, msg)
+        if failures:
+            raise FileGone(errno.ENOENT,
+                           "managed file(s) not reopened: " + "; ".join(failures))
+
+    def audit(self) -> list[OpenFile]:
+        """Descriptors of this process on volumes, marked managed or not."""
+        managed: set[str] = set()
+        for h in self.handles():
+            managed.update((h.path, h.path + "-wal", h.path + "-shm", h.path + "-journal"))
+        managed.update(v.identity_file for v in self.volumes())
+        return [OpenFile(f.fd, f.path, f.deleted, f.mount_point, f.fstype, f.path in managed)
+                for f in open_files(proc=self.proc)]
+
+    def _audit_hook(self) -> None:
+        found = self.audit()
+        self.last_audit = found
+        deleted = [f for f in found if f.deleted]
+        unmanaged = [f for f in found if not f.managed and not f.deleted]
+        if unmanaged:
+            log.warning("before snapshot: %d descriptor(s) open on volumes the snapshot does "
+                        "not hold, not managed by rehydrate.files (restored by path, with no "
+                        "change check): %s", len(unmanaged),
+                        ", ".join(f"{f.path} (fd {f.fd})" for f in unmanaged))
+        if not deleted:
+            return
+        text = ", ".join(f"{f.path} (fd {f.fd} on {f.mount_point})" for f in deleted)
+        if self.fail_on_deleted:
+            raise SnapshotRefused(f"deleted file(s) held open on a volume: {text}; gVisor "
+                                  "cannot checkpoint them — close them before the snapshot")
+        log.warning("before snapshot: deleted file(s) held open on a volume: %s (gVisor "
+                    "would refuse to checkpoint this)", text)
+
+
+def manager(engine: Lifecycle | None = None) -> FilesManager:
+    """The :class:`FilesManager` of ``engine`` (default: the default engine)."""
+    if engine is None:
+        from .api import default_engine
+
+        engine = default_engine
+    return engine.extension("files", FilesManager)
+
+
+def install(engine: Lifecycle) -> None:
+    """Attach the manager (and so the before-snapshot audit) to ``engine``."""
+    manager(engine)
+
+
+# -- public constructors ----------------------------------------------------------------
+
+
+def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpose
+    path: str | os.PathLike[str],
+    mode: str = "r",
+    *,
+    engine: Lifecycle | None = None,
+    on_change: OnChange | None = None,
+    required: bool = True,
+    **open_kwargs: Any,
+) -> ManagedFile:
+    """Open ``path`` like :func:`builtins.open`, closed before a snapshot and reopened after.
+
+    After a restore or resume the file is reopened at the same position when its size,
+    ``st_mtime_ns`` and ``st_ctime_ns`` match those recorded before the snapshot (and its
+    volume is the same); otherwise at offset 0 with ``.changed`` True and
+    ``on_change(handle)`` called. A file gone after restore fails the
+    ``rehydrate.files.reopen`` hook with its path (``required=False``: a warning).
+    """
+    return ManagedFile(path, mode, engine=engine, on_change=on_change, required=required,
+                       open_kwargs=open_kwargs)
+
+
+def sqlite(
+    path: str | os.PathLike[str],
+    *,
+    engine: Lifecycle | None = None,
+    on_change: OnChange | None = None,
+    on_connect: Callable[[sqlite3.Connection], object] | None = None,
+    required: bool = True,
+    **connect_kwargs: Any,
+) -> ManagedConnection:
+    """A managed ``sqlite3`` connection to the database file ``path``.
+
+    Before a snapshot it checkpoints the WAL and closes (refusing, with the path, while a
+    transaction is open), so no ``-wal``/``-shm`` file is held in the image; after a
+    restore or resume it reconnects (``.changed`` when the file changed meanwhile). The
+    connection is made with ``check_same_thread=False`` (rehydrate closes it from its own
+    thread). A volume must have one writer at a time: host and sandbox writing together
+    corrupt SQLite, snapshot or not.
+    """
+    return ManagedConnection(path, engine=engine, on_change=on_change, required=required,
+                             on_connect=on_connect, connect_kwargs=dict(connect_kwargs))
+
+
+def mmap(
+    path: str | os.PathLike[str],
+    length: int = 0,
+    *,
+    access: int = _mmap.ACCESS_WRITE,
+    offset: int = 0,
+    engine: Lifecycle | None = None,
+    on_change: OnChange | None = None,
+    required: bool = True,
+) -> ManagedMap:
+    """A managed shared mapping of ``path`` (``length=0``: the whole file); unmapped before
+    a snapshot, remapped after, with the same change check as :func:`open`."""
+    return ManagedMap(path, length=length, access=access, offset=offset, engine=engine,
+                      on_change=on_change, required=required)
+
+
+def volume(
+    mount_point: str | os.PathLike[str],
+    *,
+    engine: Lifecycle | None = None,
+    on_change: OnChange | None = None,
+) -> Volume:
+    """Register the volume mounted at ``mount_point``: an identity file
+    (:data:`IDENTITY_FILE`, a random token) is created there if missing; after a restore a
+    different or missing identity is reported (warning, ``status()["files"]``,
+    ``on_change(volume)``) and every managed handle under it is reopened as changed."""
+    return manager(engine).add_volume(mount_point, on_change)
+
+
+def audit(*, engine: Lifecycle | None = None) -> list[OpenFile]:
+    """This process's descriptors on volumes, each marked managed or not."""
+    return manager(engine).audit()
+
+
+def doctor_report(pid: int | str = "self", *, proc: str = "/proc"
+                  ) -> tuple[dict[str, Any], str]:
+    """``rehydrate doctor --files``: (JSON data, text) about process ``pid``'s descriptors
+    on volumes (mounts a snapshot does not hold)."""
+    found = open_files(pid, proc=proc)
+    data: dict[str, Any] = {"pid": str(pid), "files": [f.to_dict() for f in found]}
+    if not found:
+        return data, f"process {pid}: no descriptors open on volumes the snapshot does not hold"
+    lines = [f"process {pid}: {len(found)} descriptor(s) on volumes the snapshot does not "
+             "hold (reopened by path on restore, without any change check, unless managed "
+             "with rehydrate.files)",
+             f"  {'FD':>4}  {'MOUNT':<16}  {'FS':<6}  PATH"]
+    for f in found:
+        note = "  DELETED: gVisor cannot checkpoint this" if f.deleted else ""
+        lines.append(f"  {f.fd:>4}  {f.mount_point:<16}  {f.fstype:<6}  {f.path}{note}")
+    return data, "\n".join(lines)
+

@@ -1,0 +1,240 @@
+"""rehydrate.files on the host: managed handles across simulated snapshot/restore runs,
+the volume identity, and the before-snapshot audit (fake /proc trees for mounts the host
+does not have). The real-gVisor behaviour is in tests/gvisor/test_volumes_runsc.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from rehydrate import Lifecycle, files
+from rehydrate.cli import main as cli_main
+
+
+@pytest.fixture
+def engine():
+    eng = Lifecycle()
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def _hook(report, name):
+    return next(h for h in report.hooks if h.name == name)
+
+
+def _replace(path: Path, text: str) -> None:
+    """Rename-over: a new inode at the same path, as editors and deploy tools do."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def test_unchanged_file_reopens_at_the_same_position(engine, tmp_path: Path) -> None:
+    p = tmp_path / "data.txt"
+    p.write_text("one\ntwo\nthree\n")
+    f = files.open(p, engine=engine)
+    assert f.readline() == "one\n"
+    assert engine.simulate_snapshot().ok
+    assert f.suspended
+    with pytest.raises(ValueError):
+        f.readline()  # closed while the snapshot is pending
+    report = engine.simulate_restore()
+    assert report.ok, report.error
+    assert (f.changed, f.readline()) == (False, "two\n")
+
+
+@pytest.mark.parametrize("how", ["rename-over", "in-place"])
+def test_changed_file_reopens_from_the_start(engine, tmp_path: Path, how: str) -> None:
+    p = tmp_path / "data.txt"
+    p.write_text("old 1\nold 2\nold 3\n")
+    seen = []
+    f = files.open(p, engine=engine, on_change=seen.append)
+    f.readline()
+    assert engine.simulate_snapshot().ok
+    if how == "rename-over":
+        _replace(p, "new 1\nnew 2\n")
+    else:
+        with open(p, "r+") as w:  # same inode, new content
+            w.write("NEW 1\nNEW 2\nNEW 3\n")
+    assert engine.simulate_restore().ok
+    assert f.changed is True
+    assert seen == [f]
+    assert f.readline() == ("new 1\n" if how == "rename-over" else "NEW 1\n")
+
+
+def test_write_mode_reopens_without_truncating(engine, tmp_path: Path) -> None:
+    p = tmp_path / "out.log"
+    f = files.open(p, "w", engine=engine)
+    f.write("before\n")
+    assert engine.simulate_snapshot().ok
+    assert p.read_text() == "before\n", "flushed by the close"
+    assert engine.simulate_restore(kind="resume").ok
+    f.write("after\n")
+    f.close()
+    assert p.read_text() == "before\nafter\n"
+    assert f not in files.manager(engine).handles()
+
+
+def test_gone_file_fails_the_reopen_hook_naming_it(engine, tmp_path: Path) -> None:
+    p = tmp_path / "gone.txt"
+    p.write_text("x")
+    optional = tmp_path / "optional.txt"
+    optional.write_text("y")
+    handles = [files.open(p, engine=engine),  # held: a dropped handle is forgotten
+               files.open(optional, engine=engine, required=False)]
+    assert engine.simulate_snapshot().ok
+    p.unlink()
+    optional.unlink()
+    report = engine.simulate_restore()
+    assert not report.ok
+    hook = _hook(report, "rehydrate.files.reopen")
+    assert hook.outcome == "failed"
+    assert str(p) in str(hook.error) and str(optional) not in str(hook.error)
+    assert engine.status().state == "degraded"
+    assert [h.suspended for h in handles] == [True, True]
+
+
+def test_sqlite_wal_host_rows_seen_after_restore(engine, tmp_path: Path) -> None:
+    db = tmp_path / "app.db"
+    connected = []
+    conn = files.sqlite(db, engine=engine, on_connect=connected.append)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.row_factory = sqlite3.Row
+    with conn:
+        conn.execute("CREATE TABLE t (who TEXT)")
+        conn.execute("INSERT INTO t VALUES ('app')")
+
+    # A transaction still open refuses the snapshot, naming the database; nothing is lost.
+    conn.execute("INSERT INTO t VALUES ('pending')")
+    report = engine.simulate_snapshot()
+    assert not report.ok
+    err = str(_hook(report, "rehydrate.files.close").error)
+    assert str(db) in err and "transaction" in err
+    conn.rollback()
+    assert engine.simulate_restore(kind="resume").ok
+    assert [r["who"] for r in conn.execute("SELECT who FROM t")] == ["app"]
+
+    assert engine.simulate_snapshot().ok
+    assert not (tmp_path / "app.db-wal").exists() and not (tmp_path / "app.db-shm").exists()
+    host = sqlite3.connect(db)  # the host writes while the sandbox is frozen, then closes
+    with host:
+        host.execute("INSERT INTO t VALUES ('host')")
+    host.close()
+    assert engine.simulate_restore().ok
+    rows = conn.execute("SELECT who FROM t ORDER BY rowid").fetchall()
+    assert [r["who"] for r in rows] == ["app", "host"], "row_factory set again"
+    assert conn.changed is True
+    assert len(connected) == 2, "on_connect for the first and every new connection"
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_sqlite_refuses_memory_databases(engine) -> None:
+    with pytest.raises(ValueError, match="in-memory"):
+        files.sqlite(":memory:", engine=engine)
+
+
+def test_mmap_remapped_with_change_check(engine, tmp_path: Path) -> None:
+    p = tmp_path / "shared.bin"
+    p.write_bytes(b"\0" * 16)
+    m = files.mmap(p, engine=engine)
+    m[0:5] = b"hello"
+    assert engine.simulate_snapshot().ok
+    assert p.read_bytes()[:5] == b"hello", "flushed before unmapping"
+    assert engine.simulate_restore().ok
+    assert (m.changed, m[0:5]) == (False, b"hello")
+
+    assert engine.simulate_snapshot().ok
+    _replace(p, "x" * 32)
+    assert engine.simulate_restore().ok
+    assert m.changed and len(m) == 32 and m[0:2] == b"xx"
+
+    fixed = files.mmap(p, 32, engine=engine)
+    assert engine.simulate_snapshot().ok
+    p.write_bytes(b"short")  # truncated: touching the old length would kill the process
+    report = engine.simulate_restore()
+    assert not report.ok
+    assert str(p) in str(_hook(report, "rehydrate.files.reopen").error)
+    fixed.close()
+
+
+def test_swapped_volume_marks_its_handles_changed(engine, tmp_path: Path) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "a.txt").write_text("a\nb\n")
+    v = files.volume(vol, engine=engine)
+    ident = (vol / files.IDENTITY_FILE).read_text().strip()
+    assert v.identity == ident and len(ident) == 32
+    assert files.volume(vol, engine=engine) is v
+    f = files.open(vol / "a.txt", engine=engine)
+    f.readline()
+    assert engine.simulate_snapshot().ok
+    # Another volume with the same file names; the file's own times are set back, so only
+    # the identity file tells the volumes apart.
+    st = (vol / "a.txt").stat()
+    (vol / files.IDENTITY_FILE).write_text("another-volume\n")
+    os.utime(vol / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert engine.simulate_restore().ok
+    assert v.changed and v.identity == "another-volume"
+    assert f.changed and f.readline() == "a\n"
+    status = engine.status().extra["files"]
+    assert status["volumes"] == [{"mount_point": str(vol), "identity": "another-volume",
+                                  "changed": True}]
+
+
+def _fake_proc(root: Path, vol: Path, fds: dict[int, str]) -> Path:
+    """A /proc tree with ``self/mountinfo`` declaring ``vol`` a 9p volume, ``self/fd``."""
+    proc = root / "proc"
+    (proc / "self" / "fd").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text(
+        "16 15 0:17 / / ro - 9p none ro,trans=fd\n"
+        "23 16 0:23 / /var/tmp rw - tmpfs none rw\n"
+        f"20 16 0:20 / {str(vol).replace(' ', chr(92) + '040')} rw - 9p none rw,trans=fd\n")
+    for fd, target in fds.items():
+        os.symlink(target, proc / "self" / "fd" / str(fd))
+    return proc
+
+
+def test_open_files_lists_volume_descriptors(tmp_path: Path) -> None:
+    vol = tmp_path / "my vol"
+    proc = _fake_proc(tmp_path, vol, {
+        0: "host:[1]", 3: f"{vol}/db.sqlite", 4: "/var/tmp/x (deleted)",
+        5: f"{vol}/scratch (deleted)", 6: "/usr/lib/libc.so", 7: "socket:[99]"})
+    found = files.open_files(proc=str(proc))
+    assert [(f.fd, f.path, f.deleted, f.mount_point) for f in found] == [
+        (3, f"{vol}/db.sqlite", False, str(vol)), (5, f"{vol}/scratch", True, str(vol))]
+    assert files.open_files(proc=str(proc), held=[str(vol)]) == []
+
+
+def test_audit_fails_the_snapshot_on_a_deleted_volume_file(engine, tmp_path: Path) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    mgr = files.manager(engine)
+    mgr.proc = str(_fake_proc(tmp_path, vol, {9: f"{vol}/scratch (deleted)",
+                                               10: f"{vol}/other.txt"}))
+    mgr.fail_on_deleted = True
+    report = engine.simulate_snapshot()
+    assert not report.ok
+    err = str(_hook(report, "rehydrate.files.audit").error)
+    assert f"{vol}/scratch" in err and "other.txt" not in err
+    assert [f["path"] for f in engine.status().extra["files"]["last_audit"]] == [
+        f"{vol}/scratch", f"{vol}/other.txt"]
+
+    mgr.fail_on_deleted = False  # outside gVisor: a warning only
+    assert engine.simulate_snapshot().ok
+
+
+def test_doctor_files_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    vol = tmp_path / "vol"
+    proc = _fake_proc(tmp_path, vol, {5: f"{vol}/scratch (deleted)"})
+    assert cli_main(["doctor", "--files", "--proc", str(proc)]) == 0
+    text = capsys.readouterr().out
+    assert f"{vol}/scratch" in text and "DELETED" in text
+    assert cli_main(["doctor", "--files", "--json", "--proc", str(proc)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["files"][0]["deleted"] is True
