@@ -1,0 +1,124 @@
+"""The example server's upstream dependency: a tiny quota service on loopback.
+
+Every ``/v1/embed`` request of the inference server asks this service whether the caller
+still has quota (``POST /v1/quota`` with ``Authorization: Bearer $UPSTREAM_TOKEN``). It
+stands in for any internal HTTP dependency a real inference deployment has (quota,
+billing, feature flags, a vector store): an *outbound* connection that a snapshot ends
+and that must be reopened before the server may say it is ready.
+
+``GET /healthz`` answers 200, or 503 while in maintenance; ``POST /admin/maintenance``
+with ``{"on": true|false}`` switches maintenance (what an operator — or the example's
+runsc test — does to hold a restored clone in "not ready").
+
+Standard library only (it starts in a fraction of a second, also under gVisor)::
+
+    UPSTREAM_TOKEN=... python examples/inference_server/upstream.py --port 8001
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+DEFAULT_PORT = 8001
+
+
+class QuotaState:
+    """Requests counted per calling instance; the maintenance switch."""
+
+    def __init__(self, token: bytes) -> None:
+        self.token = token
+        self.maintenance = False
+        self.used: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def charge(self, instance: str, items: int) -> int:
+        with self.lock:
+            self.used[instance] = self.used.get(instance, 0) + items
+            return self.used[instance]
+
+
+def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
+    """A request handler class bound to ``state``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the server's pool reuses connections
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass  # one line per request would drown the example's output
+
+        def _reply(self, code: int, body: dict[str, Any]) -> None:
+            payload = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _body(self) -> dict[str, Any]:
+            length = int(self.headers.get("content-length") or 0)
+            try:
+                data = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                return {}
+            return data if isinstance(data, dict) else {}
+
+        def do_GET(self) -> None:
+            if self.path == "/healthz":
+                if state.maintenance:
+                    self._reply(503, {"ok": False, "reason": "maintenance"})
+                else:
+                    self._reply(200, {"ok": True})
+                return
+            self._reply(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            body = self._body()
+            if self.path == "/admin/maintenance":
+                state.maintenance = bool(body.get("on"))
+                self._reply(200, {"maintenance": state.maintenance})
+                return
+            if self.path != "/v1/quota":
+                self._reply(404, {"error": "not found"})
+                return
+            if state.maintenance:
+                self._reply(503, {"error": "maintenance"})
+                return
+            auth = self.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(auth, b"Bearer " + state.token):
+                self._reply(401, {"error": "bad upstream token"})
+                return
+            items = body.get("items")
+            instance = body.get("instance")
+            if not isinstance(items, int) or items < 1 or not isinstance(instance, str):
+                self._reply(400, {"error": "need items (int >= 1) and instance (str)"})
+                return
+            self._reply(200, {"allowed": True, "used": state.charge(instance, items)})
+
+    return Handler
+
+
+def serve(port: int = DEFAULT_PORT, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """A started-but-not-serving server (call ``serve_forever``); token from the env."""
+    token = os.environ.get("UPSTREAM_TOKEN")
+    if not token:
+        raise SystemExit("upstream: UPSTREAM_TOKEN is not set")
+    server = ThreadingHTTPServer((host, port), make_handler(QuotaState(token.encode())))
+    server.daemon_threads = True
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    args = parser.parse_args()
+    serve(args.port).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
