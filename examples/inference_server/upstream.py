@@ -49,7 +49,7 @@ def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the server's pool reuses connections
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: Any) -> None:
             pass  # one line per request would drown the example's output
 
         def _reply(self, code: int, body: dict[str, Any]) -> None:
