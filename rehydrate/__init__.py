@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         EnvChanges,
         HookFailed,
         HookResult,
+        HookStillRunning,
         HookTimeout,
         Report,
         RestoreContext,
@@ -45,6 +46,7 @@ __all__ = [
     "Hook",
     "HookFailed",
     "HookResult",
+    "HookStillRunning",
     "HookTimeout",
     "Lifecycle",
     "Phase",
@@ -92,7 +94,8 @@ _LAZY_NAMES = {
     "default_engine": "api",
     "Lifecycle": "lifecycle",
     "Status": "lifecycle",
-    **dict.fromkeys(("EnvChanges", "HookFailed", "HookResult", "HookTimeout", "Report",
+    **dict.fromkeys(("EnvChanges", "HookFailed", "HookResult", "HookStillRunning",
+                     "HookTimeout", "Report",
                      "RestoreContext", "RestoreReport", "SnapshotReport"), "context"),
 }
 

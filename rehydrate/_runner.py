@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .context import HookResult, HookTimeout, Outcome, Report, RestoreContext
+from .context import (
+    HookResult,
+    HookStillRunning,
+    HookTimeout,
+    Outcome,
+    Report,
+    RestoreContext,
+)
 from .hooks import Hook
 
 if TYPE_CHECKING:
@@ -182,6 +189,8 @@ class _Progress:
     done: bool = False
     abandoned: bool = False
     future: concurrent.futures.Future[None] | None = None
+    thread: threading.Thread | None = None
+    """The worker running this job (set when it takes the job)."""
 
     def begin(self, index: int, timeout: float) -> None:
         """Mark hook ``index`` as started now (also for each retry attempt)."""
@@ -227,6 +236,10 @@ class HookRunner:
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._hung: dict[Any, tuple[str, threading.Thread]] = {}
+        """Sync hooks abandoned at their timeout whose thread may still run them, by hook
+        function: such a hook is not started again until that thread has returned, so at
+        most one abandoned thread exists per hook function (the bound on leaked threads)."""
 
     # -- worker side -----------------------------------------------------------------
 
@@ -247,6 +260,7 @@ class HookRunner:
                 if self._closed or self._worker is not me:
                     return
                 job = self._jobs.pop(0)
+                job.thread = me
             try:
                 alive = self._run_job(job)
             except BaseException as exc:  # a bug here must not leave the caller waiting
@@ -287,6 +301,9 @@ class HookRunner:
         if hook.env_keys is not None and _skip_reason(hook, ctx):
             return job.finish(index, HookResult(hook.name, hook.phase, "skipped", 0.0, None,
                                                 hook.required, 0))
+        if self._still_running(hook):
+            return job.finish(index, HookResult(hook.name, hook.phase, "failed", 0.0,
+                                                HookStillRunning(hook.name), hook.required, 0))
         tokens = _observe_start(job.observers, hook, ctx) if job.observers else ()
         start = time.perf_counter()
         attempt = 0
@@ -429,8 +446,44 @@ class HookRunner:
                 self._jobs.append(job)
                 self._ensure_worker()
                 self._cv.notify_all()
-            index = self._supervise(job)
+            try:
+                index = self._supervise(job)
+            except BaseException:  # Ctrl-C in the waiting caller: give the job up
+                self._abandon(job, None)
+                raise
         return [r for r in results if r is not None]
+
+    def _still_running(self, hook: Hook) -> bool:
+        with self._cv:
+            entry = self._hung.get(hook.fn)
+            if entry is not None and not entry[1].is_alive():
+                del self._hung[hook.fn]
+                entry = None
+        return entry is not None
+
+    def hung_hooks(self) -> list[str]:
+        """Names of sync hooks abandoned at their timeout whose threads still run them."""
+        with self._cv:
+            for fn in [fn for fn, (_, t) in self._hung.items() if not t.is_alive()]:
+                del self._hung[fn]
+            return sorted(name for name, _ in self._hung.values())
+
+    def _abandon(self, job: _Progress, hook: Hook | None) -> None:
+        """Give up on ``job``'s worker (``hook``: the sync hook it is stuck in, if any)."""
+        with job.lock:
+            job.abandoned = True
+            fut, thread = job.future, job.thread
+            if hook is None and not job.done and job.index < len(job.hooks):
+                current = job.hooks[job.index]
+                hook = None if current.is_async else current
+        if fut is not None:
+            fut.cancel()
+        with self._cv:
+            if hook is not None and thread is not None and thread.is_alive():
+                self._hung[hook.fn] = (hook.name, thread)
+            if self._worker is thread or thread is None:
+                self._worker = None  # exits as soon as its hook returns
+            self._cv.notify_all()
 
     def _supervise(self, job: _Progress) -> int:
         """Wait for ``job``; on a timeout return the index to resume from, else ``len``."""
@@ -442,29 +495,26 @@ class HookRunner:
                 if now >= job.deadline:
                     i = job.index
                     hook = job.hooks[i]
-                    job.abandoned = True
+                    job.abandoned = True  # in this locked section: the worker's finish() loses
                     job.results[i] = HookResult(
                         hook.name, hook.phase, "timeout", now - job.started,
                         HookTimeout(hook.name, hook.timeout), hook.required,
                     )
-                    fut = job.future
                     break
                 job.waiting_until = job.deadline
                 job.wake.clear()
                 wait = None if math.isinf(job.deadline) else job.deadline - now
             job.wake.wait(wait)
+        self._abandon(job, None if hook.is_async else hook)
         if hook.is_async:
             log.warning("async hook %s did not give control back to its event loop within "
                         "%gs of its %gs timeout; moving on", hook.name, ASYNC_GRACE,
                         hook.timeout)
         else:
             log.warning("hook %s timed out after %gs; its thread is left to finish on its "
-                        "own (Python threads cannot be killed)", hook.name, hook.timeout)
-        if fut is not None:
-            fut.cancel()
-        with self._cv:
-            self._worker = None  # the abandoned worker exits as soon as its hook returns
-            self._cv.notify_all()
+                        "own (Python threads cannot be killed) and the hook is not started "
+                        "again until it has; hook threads still running: %d",
+                        hook.name, hook.timeout, len(self.hung_hooks()))
         # Results of the remaining hooks of an abandoned async batch are lost: resume
         # right after the hook that timed out.
         return i + 1

@@ -18,6 +18,7 @@ __all__ = [
     "EnvChanges",
     "HookFailed",
     "HookResult",
+    "HookStillRunning",
     "HookTimeout",
     "Kind",
     "Outcome",
@@ -98,6 +99,16 @@ class HookTimeout(TimeoutError):
         super().__init__(f"hook {name!r} timed out after {timeout:g}s")
         self.hook_name = name
         self.timeout = timeout
+
+
+class HookStillRunning(RuntimeError):
+    """A sync hook was not started: its thread from an earlier timed-out run still runs it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"hook {name!r} not started: it is still running in the thread "
+                         "abandoned when it timed out earlier (Python threads cannot be "
+                         "killed)")
+        self.hook_name = name
 
 
 class HookFailed(_ExceptionGroup):  # type: ignore[type-arg,misc,unused-ignore]

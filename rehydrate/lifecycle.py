@@ -120,6 +120,9 @@ class Lifecycle:
         self._started = False
         self._start_lock = threading.Lock()
         self._merged: tuple[tuple[int, ...], dict[str, tuple[Hook, ...]]] | None = None
+        # one entry per abandoned hook thread still running (at most one per hook function);
+        # a lambda: close() replaces the runner
+        self.add_status("hung_hooks", lambda: self._runner.hung_hooks())  # noqa: PLW0108
         if builtins:
             self._install_builtins()
         # What the environment file holds now: a later refresh removes keys it drops,
@@ -473,7 +476,7 @@ class Lifecycle:
             self._cond.notify_all()
         log.info("%s detected (reason %s, generation %d%s)", kind, reason, generation,
                  f", frozen for {frozen_for:.1f}s" if frozen_for is not None else "")
-        results, duration, started = self._run("restore", ctx)
+        results, duration, started = self._run_or_degrade("restore", ctx)
         ok, error = _summarise(results, kind)
         report = RestoreReport(ok=ok, generation=generation, reason=reason, kind=kind,
                                duration=duration, hooks=tuple(results), started_at=started,
@@ -490,7 +493,7 @@ class Lifecycle:
                              detected_at=time.monotonic())
         self._set_state("snapshotting")
         log.info("preparing for snapshot (reason %s)", reason)
-        results, duration, started = self._run("snapshot", ctx)
+        results, duration, started = self._run_or_degrade("snapshot", ctx)
         ok, error = _summarise(results, "snapshot")
         report = SnapshotReport(ok=ok, generation=self._generation, reason=reason,
                                 kind="snapshot", duration=duration, hooks=tuple(results),
@@ -500,6 +503,19 @@ class Lifecycle:
         if self._observers:
             _notify_observers(tuple(self._observers), "event_finished", ctx, report)
         return report
+
+    def _run_or_degrade(self, event: Literal["restore", "snapshot"],
+                        ctx: RestoreContext) -> tuple[list[HookResult], float, float]:
+        """:meth:`_run`; when the caller is interrupted while waiting (Ctrl-C in a
+        ``simulate_restore()``) the state becomes ``degraded`` — never left ``restoring``
+        or ``snapshotting`` — and the interruption propagates."""
+        try:
+            return self._run(event, ctx)
+        except BaseException as exc:
+            self._set_state("degraded")
+            log.error("%s run interrupted (%s): its hooks did not all finish; state degraded "
+                      "until the next successful run", ctx.kind, type(exc).__name__)
+            raise
 
     def _run(self, event: Literal["restore", "snapshot"],
              ctx: RestoreContext) -> tuple[list[HookResult], float, float]:

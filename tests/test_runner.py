@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import rehydrate
 from rehydrate import HookFailed, HookTimeout, Phase
 from rehydrate._runner import ASYNC_GRACE, BACKOFF_BASE, BACKOFF_MAX, backoff_delay
 
@@ -88,6 +89,78 @@ def test_sync_timeout_abandons_the_worker_and_moves_on(rehydrate_engine):
     reg.unregister("stuck")
     again = rehydrate_engine.simulate_restore()
     assert again.ok and [h.name for h in user_hooks(again)] == ["after", "after-async"]
+
+
+def _hook_threads():
+    return [t for t in threading.enumerate() if t.name == "rehydrate-hooks"]
+
+
+def test_a_hung_sync_hook_is_not_started_again_while_its_thread_runs(rehydrate_engine):
+    """Documented (concepts.md, Timeouts): a timed-out sync hook keeps running in its
+    abandoned thread and may finish after its ``timeout`` report; until it has, later
+    events do not start it again, so hung threads are bounded (one per hook function)
+    and counted in ``status()["hung_hooks"]``."""
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+    calls = []
+
+    @reg.after_restore(name="stuck", timeout=0.2)
+    def stuck_hook():
+        calls.append("started")
+        if len(calls) == 1:
+            release.wait(DEADLINE)
+        calls.append("finished")
+
+    first = rehydrate_engine.simulate_restore()
+    try:
+        assert by_name(first)["stuck"].outcome == "timeout"
+        assert rehydrate_engine.status().extra["hung_hooks"] == ["stuck"]
+        threads = []
+        for _ in range(5):
+            again = rehydrate_engine.simulate_restore()
+            result = by_name(again)["stuck"]
+            assert result.outcome == "failed" and not again.ok
+            assert isinstance(result.error, rehydrate.HookStillRunning)
+            assert "still running" in str(result.error)
+            threads.append(len(_hook_threads()))
+        assert threads == [2] * 5  # the abandoned one and one worker: none per event
+        assert rehydrate_engine.status().extra["hung_hooks"] == ["stuck"]
+        assert calls == ["started"]  # never started twice
+    finally:
+        release.set()
+    # the hook reported "timeout" does run to its end afterwards
+    assert wait_for(lambda: calls == ["started", "finished"])
+    assert wait_for(lambda: rehydrate_engine.status().extra["hung_hooks"] == [])
+    assert by_name(first)["stuck"].outcome == "timeout"  # the report is not rewritten
+    last = rehydrate_engine.simulate_restore()
+    assert last.ok and calls[-2:] == ["started", "finished"]
+
+
+def test_ctrl_c_while_waiting_for_hooks_never_leaves_restoring(rehydrate_engine):
+    import os
+    import signal
+
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+
+    @reg.after_restore(name="slow", timeout=None)
+    def slow():
+        if not release.is_set():
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the waiting main thread
+            release.wait(DEADLINE)
+
+    assert threading.current_thread() is threading.main_thread()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rehydrate_engine.simulate_restore()
+        assert rehydrate_engine.state == "degraded"
+        assert not rehydrate_engine.is_ready()
+        assert rehydrate_engine.status().extra["hung_hooks"] == ["slow"]
+    finally:
+        release.set()
+    assert wait_for(lambda: rehydrate_engine.status().extra["hung_hooks"] == [])
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok and rehydrate_engine.state == "ready"
 
 
 def test_sync_timeout_before_a_snapshot(rehydrate_engine):
