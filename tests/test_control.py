@@ -931,3 +931,23 @@ def test_notify_pins_the_server_uid_and_pid(foreign_dir: Path) -> None:
         records = srv.close()
     assert records == [{"received": ""}] * 3 + [
         {"received": '{"cmd": "prepare-snapshot"}\n'}]
+
+
+def test_deeply_nested_json_is_one_log_line_not_a_traceback(
+        server: ControlServer, sock_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue #13.13: nesting past the parser's recursion limit logged a traceback at ERROR
+    for every request."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    c = Conn(sock_path)
+    try:
+        for payload in (b"[" * 60000, b'{"cmd": ' + b"[" * 30000 + b"]" * 30000 + b"}"):
+            c.send(payload + b"\n")
+            reply = c.reply()
+            assert reply["ok"] is False and "nested too deeply" in reply["error"], reply
+        assert c.ask({"cmd": "status"})["ok"]  # the connection keeps serving
+    finally:
+        c.close()
+    records = [r for r in caplog.records if "bad request" in r.getMessage()]
+    assert len(records) == 2
+    assert all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records)

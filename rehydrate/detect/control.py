@@ -432,9 +432,13 @@ class ControlServer:
             if not isinstance(cmd, str):
                 raise _BadRequest('a request needs "cmd" (a string)')
             reply = self._dispatch(cmd, req)
-        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # JSONDecodeError is a ValueError; nesting deeper than the parser's recursion
+            # limit is a RecursionError: bad input too, one line, no traceback
             if isinstance(exc, _BadRequest):
                 what = str(exc)
+            elif isinstance(exc, RecursionError):
+                what = "not valid JSON (nested too deeply)"
             else:
                 what = f"not valid JSON ({describe_error(exc)})"
             log.warning("control socket: bad request: %s", what)
