@@ -32,6 +32,8 @@ import socket
 import stat
 import struct
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .detect.control import ENV_SOCKET, default_socket_dir
@@ -154,15 +156,55 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     named = bool(socket_path or os.environ.get(ENV_SOCKET))
     path = find_socket(socket_path)
     payload = json.dumps({"cmd": cmd, **(fields or {}), **more}).encode() + b"\n"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
-    try:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        reply = _exchange(path, payload, deadline, timeout,
+                          lambda sock: _check_peer(sock, path, named, expect_uid, expect_pid))
+        # "busy": the server refused the connection before reading it (every slot runs
+        # a request): nothing ran, so asking again is safe
+        if reply is not _BUSY:
+            return reply
+        if deadline is not None and time.monotonic() + delay > deadline:
+            raise ControlError(f"{path} stayed busy (too many clients) for {timeout:g}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+_BUSY: dict[str, Any] = {"ok": False, "error": "busy"}
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def _connect(sock: socket.socket, path: str, deadline: float | None) -> None:
+    """Connect, waiting out a full listen backlog (``EAGAIN``) until ``deadline``."""
+    delay = 0.002
+    while True:
+        sock.settimeout(_remaining(deadline))
         try:
             sock.connect(path)
+            return
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float | None,
+              check: Callable[[socket.socket], None]) -> dict[str, Any]:
+    """One connection: connect, ``check`` the peer, send, read one reply line."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        try:
+            _connect(sock, path, deadline)
         except OSError as exc:
             raise ControlError(f"cannot reach the process at {path}: "
                                f"{exc.strerror or exc}") from None
-        _check_peer(sock, path, named, expect_uid, expect_pid)
+        check(sock)
+        sock.settimeout(_remaining(deadline))
         buf = b""
         try:
             sock.sendall(payload)
@@ -190,6 +232,8 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
         raise ControlError(f"unreadable reply from {path}") from None
     if not isinstance(reply, dict) or "ok" not in reply:
         raise ControlError(f"unexpected reply from {path}")
+    if reply.get("ok") is False and str(reply.get("error", "")).startswith("busy:"):
+        return _BUSY
     return reply
 
 

@@ -951,3 +951,60 @@ def test_deeply_nested_json_is_one_log_line_not_a_traceback(
     assert len(records) == 2
     assert all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
     assert not any(r.levelno >= logging.ERROR for r in caplog.records)
+
+
+# -- idle connections and floods (issue #13.9) --------------------------------------------
+
+
+def test_a_notify_gets_through_a_flood_of_idle_clients(server: ControlServer, engine: Lifecycle,
+                                                       sock_path: str) -> None:
+    """300 same-uid clients connect and say nothing: they used to take every slot (and
+    overflow a backlog of 16: EAGAIN), so notify was answered "busy" for minutes."""
+    calls = Calls(engine)
+    flood: list[socket.socket] = []
+    refused = 0
+    try:
+        for _ in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(sock_path)
+            except BlockingIOError:
+                refused += 1
+            flood.append(s)
+        assert refused == 0, f"{refused} of 300 connects hit a full backlog"
+        reply = request("prepare-snapshot", socket_path=sock_path, timeout=DEADLINE)
+        assert reply["ok"], reply
+        r = cli("notify", "resume", "--socket", sock_path)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert [c[0] for c in calls.items] == ["snapshot-hook", "restore-hook"]
+    finally:
+        for s in flood:
+            s.close()
+
+
+def test_a_request_must_arrive_within_the_idle_limit(
+        server: ControlServer, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that trickles a request byte by byte (or sends nothing) is closed once the
+    idle limit passes, however often single bytes arrive."""
+    from rehydrate.detect import control
+
+    monkeypatch.setattr(control, "IDLE_TIMEOUT", 0.5)
+    c = Conn(sock_path)
+    try:
+        assert c.ask({"cmd": "status"})["ok"]  # a complete request resets the limit
+        started = time.monotonic()
+        c.send(b'{"cmd": "status"')  # never completed: a byte every 50 ms after it
+        answered = False
+        while not answered and time.monotonic() - started < 3.0:
+            answered = bool(select.select([c.sock], [], [], 0.05)[0])
+            if not answered:
+                c.send(b" ")
+        assert answered, "a trickling client was never closed"
+        reply = c.reply()
+        assert reply["ok"] is False and "no complete request within 0.5s" in reply["error"]
+        assert time.monotonic() - started < DEADLINE
+        with pytest.raises(EOFError):
+            c.reply()
+    finally:
+        c.close()

@@ -84,8 +84,9 @@ ENV_SOCKET = "REHYDRATE_CONTROL_SOCKET"
 MAX_LINE = 64 * 1024
 """Longest request line accepted (bytes, without the newline)."""
 MAX_CLIENTS = 32
-IDLE_TIMEOUT = 300.0
-"""A connection with no complete request for this long is closed."""
+IDLE_TIMEOUT = 10.0
+"""A connection with no complete request for this long is closed (a client sends its
+request at once; one that does not only holds a slot)."""
 COMMANDS = ("status", "prepare-snapshot", "resume", "restore", "simulate", "trigger")
 
 _CRED = struct.Struct("3i")
@@ -230,7 +231,9 @@ class ControlServer:
         self._stop_r = self._stop_w = -1
         self._stopping = False
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, list[float]] = {}
+        """Open connections -> [time of their last request or of the accept, or inf while
+        a request runs] (the idlest one is closed when a new client needs its slot)."""
         self._started_at = 0.0
         self._last_prepare: float | None = None
         """A successful prepare-snapshot not yet followed by a restore/resume notice."""
@@ -250,7 +253,7 @@ class ControlServer:
         try:
             sock.bind(tmp)
             os.chmod(tmp, 0o600)  # before listen(): nobody can connect in between
-            sock.listen(16)
+            sock.listen(socket.SOMAXCONN)  # a burst of clients waits, not EAGAIN
             os.rename(tmp, self.path)  # atomic; replaces a stale socket
         except OSError:
             sock.close()
@@ -336,15 +339,37 @@ class ControlServer:
                 continue
             conn.setblocking(True)
             with self._lock:
-                busy = len(self._conns) >= MAX_CLIENTS
+                busy = len(self._conns) >= MAX_CLIENTS and not self._evict_idlest()
                 if not busy:
-                    self._conns.add(conn)
+                    self._conns[conn] = [time.monotonic()]
             if busy:
                 self._send(conn, {"ok": False, "error": "busy: too many clients"})
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="rehydrate-control-client",
                              daemon=True).start()
+
+    def _evict_idlest(self) -> bool:
+        """Close the connection idle the longest (none is running a request) to make room
+        for a new client: idle connections, however many, never lock ``notify`` out.
+        Caller holds the lock."""
+        idle = [(state[0], id(c), c) for c, state in self._conns.items()
+                if state[0] != float("inf")]
+        if not idle:
+            return False
+        _, _, victim = min(idle)
+        del self._conns[victim]
+        log.warning("control socket: %d clients; closing the idlest connection to serve a "
+                    "new one", MAX_CLIENTS)
+        with contextlib.suppress(OSError):
+            victim.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and closes it
+        return True
+
+    def _activity(self, conn: socket.socket, running: bool) -> None:
+        with self._lock:
+            state = self._conns.get(conn)
+            if state is not None:
+                state[0] = float("inf") if running else time.monotonic()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -356,7 +381,7 @@ class ControlServer:
             log.exception("control client handler failed")
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
     def _peer_allowed(self, conn: socket.socket) -> bool:
@@ -376,7 +401,8 @@ class ControlServer:
     def _serve_conn(self, conn: socket.socket) -> None:
         if not self._peer_allowed(conn):
             return
-        conn.settimeout(IDLE_TIMEOUT)
+        idle_limit = IDLE_TIMEOUT
+        deadline = time.monotonic() + idle_limit  # for the next complete request
         buf = b""
         discarding = False
         while not self._stopping:
@@ -391,17 +417,25 @@ class ControlServer:
                 if len(line) > MAX_LINE:
                     self._oversize(conn, len(line))
                     continue
-                if not self._answer(conn, line):
-                    return
+                self._activity(conn, running=True)
+                try:
+                    if not self._answer(conn, line):
+                        return
+                finally:
+                    self._activity(conn, running=False)
+                deadline = time.monotonic() + idle_limit
             if discarding:
                 buf = b""
             elif len(buf) > MAX_LINE:
                 self._oversize(conn, len(buf))
                 discarding, buf = True, b""
             try:
+                # the whole request must come in time, however slowly its bytes trickle
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk = conn.recv(65536)
             except TimeoutError:
-                self._send(conn, {"ok": False, "error": f"idle for {IDLE_TIMEOUT:g}s; closing"})
+                self._send(conn, {"ok": False, "error": f"no complete request within "
+                                                        f"{idle_limit:g}s; closing"})
                 return
             if not chunk:
                 if buf.strip() and not discarding:
