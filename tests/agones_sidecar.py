@@ -10,7 +10,8 @@ snake_case and int64 fields are strings. Health: with ``period_seconds`` ×
 ``failure_threshold`` (after ``initial_delay_seconds``) without a ping the GameServer goes
 ``Unhealthy``, as the Agones controller would make it.
 
-Faults, for the adapter's tests: ``down_for`` (not listening at first), ``fail_next(n)``
+Faults, for the adapter's tests: ``down_for`` (not listening at first; ``None``: until
+``up()``), ``fail_next(n)``
 (answer 500), ``delay`` (slow answers), ``hang`` (accept, never answer).
 
 Every request is recorded (``requests``, and as JSON lines in ``log_path`` when given) with
@@ -100,7 +101,7 @@ class AgonesSidecar:
     """The stand-in: ``start()`` / ``stop()``, or a context manager."""
 
     def __init__(self, port: int = 0, *, name: str | None = None, game_port: int = 7654,
-                 down_for: float = 0.0, log_path: str | None = None,
+                 down_for: float | None = 0.0, log_path: str | None = None,
                  period_seconds: int = 5, failure_threshold: int = 3,
                  initial_delay_seconds: int = 5) -> None:
         self.port = port
@@ -119,6 +120,7 @@ class AgonesSidecar:
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
+        self._up = threading.Event()
         self._log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
 
     # -- lifecycle -------------------------------------------------------------------
@@ -137,8 +139,16 @@ class AgonesSidecar:
         self._threads.append(health)
         return self
 
+    def up(self) -> None:
+        """Start listening now (a sidecar created with ``down_for=None``)."""
+        self._up.set()
+
     def _serve(self) -> None:
-        if self.down_for and self._stopping.wait(self.down_for):
+        if self.down_for is None:
+            self._up.wait()
+        elif self.down_for and self._stopping.wait(self.down_for):
+            return
+        if self._stopping.is_set():
             return
         handler = type("Handler", (_Handler,), {"sidecar": self})
         server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
@@ -155,6 +165,7 @@ class AgonesSidecar:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._up.set()
         with self.cond:
             server = self._server
             self.cond.notify_all()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -159,15 +160,16 @@ def test_sidecar_that_never_answers_leaves_server_not_ready(sidecar, rehydrate_e
         a.ready()
         sidecar.faults.hang = True
         report = rehydrate_engine.simulate_restore()
-        assert not report.ok
+        assert not report.ok, report.table()
         assert not rehydrate_engine.is_ready()
         failed = [h for h in report.hooks if h.name == "rehydrate.agones"]
         assert [h.outcome for h in failed] == ["failed"], report.table()
         message = str(failed[0].error)
-        assert "did not answer GET /gameserver within the 0.5s deadline" in message
+        assert "did not answer GET /gameserver within the 0.5s deadline" in message, \
+            report.table()
         assert a.status()["reason"] == message
         assert [h.outcome for h in report.hooks if h.name != "rehydrate.agones"] == \
-            ["ok"] * (len(report.hooks) - 1)
+            ["ok"] * (len(report.hooks) - 1), report.table()
     finally:
         sidecar.faults.hang = False
         a.close()
@@ -175,19 +177,30 @@ def test_sidecar_that_never_answers_leaves_server_not_ready(sidecar, rehydrate_e
 
 
 def test_sidecar_down_at_first_is_waited_for(rehydrate_engine, caplog):
-    with AgonesSidecar(down_for=0.6) as sc:
-        a = _adapter(sc, rehydrate_engine, deadline=5.0, request_timeout=0.5)
-        with caplog.at_level(logging.DEBUG, logger="rehydrate.agones"):
-            a.install()  # health loop fails (connection refused) and retries
-            try:
-                report = rehydrate_engine.simulate_restore()
-                assert report.ok, report.table()
-                sc.wait_for("POST", "/health")
-            finally:
-                a.close()
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and "health ping failed" in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+
+    with AgonesSidecar(down_for=None) as sc, \
+            caplog.at_level(logging.DEBUG, logger="rehydrate.agones"):
+        a = _adapter(sc, rehydrate_engine, deadline=30.0, request_timeout=0.5)
+        a.install()  # health loop fails (connection refused) and retries
+        try:
+            _wait(warnings, what="a failed health ping")
+            result = {}
+            restore = threading.Thread(
+                target=lambda: result.update(report=rehydrate_engine.simulate_restore()))
+            restore.start()
+            _wait(lambda: a.status()["reason"].startswith("restoring"),
+                  what="the restore to wait for the sidecar")
+            assert not rehydrate_engine.is_ready()
+            sc.up()
+            restore.join(30)
+            assert result["report"].ok, result["report"].table()
+            _wait(lambda: a.health_acks >= 1, what="an acknowledged health ping")
+        finally:
+            a.close()
+    assert len(warnings()) == 1, [r.getMessage() for r in caplog.records]
     assert any("works again" in r.getMessage() for r in caplog.records)
 
 
