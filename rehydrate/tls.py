@@ -747,6 +747,10 @@ def _load_pem_list(data: bytes | bytearray, what: str) -> list[x509.Certificate]
     return certs
 
 
+MAX_ISSUER_RESPONSE = 1024 * 1024
+"""Largest issuer response :class:`HTTPIssuer` reads (a certificate chain is a few KiB)."""
+
+
 class HTTPIssuer:
     """POSTs ``{"csr": "<PEM>"}`` as JSON to ``url`` and reads
     ``{"certificate": "<PEM>", "chain": ["<PEM>", …]}`` back (httpx).
@@ -755,15 +759,24 @@ class HTTPIssuer:
     ``trust``: CA certificates (or a PEM bundle path) the issued chain must verify
     against, and that clients of the certificate should trust. Default: the last
     certificate of the returned chain, when it is self-signed.
+
+    ``timeout`` bounds the whole request — connect, send, and a response however slowly
+    it trickles in — not each read; a response over ``max_response`` bytes (default
+    1 MiB) is refused as soon as it is seen to be. The request runs in a worker thread
+    that holds no lock: when the deadline passes, :meth:`issue` fails at once and the
+    worker, abandoned, ends at its next read.
     """
 
     def __init__(self, url: str, *, headers: dict[str, str] | None = None,
                  timeout: float = 10.0, verify: Any = True,
-                 trust: Sequence[x509.Certificate] | str | os.PathLike[str] | None = None
-                 ) -> None:
+                 trust: Sequence[x509.Certificate] | str | os.PathLike[str] | None = None,
+                 max_response: int = MAX_ISSUER_RESPONSE) -> None:
+        if not timeout > 0 or timeout == float("inf"):
+            raise ValueError(f"timeout must be a positive finite number, not {timeout!r}")
         self.url = url
         self.headers = dict(headers or {})
         self.timeout = timeout
+        self.max_response = max_response
         self.verify = verify
         if isinstance(trust, (str, os.PathLike)):
             trust = _load_pem_list(_read(os.fspath(trust), "CA bundle"),
@@ -779,16 +792,58 @@ class HTTPIssuer:
         from cryptography.hazmat.primitives import serialization
 
         pem = csr.public_bytes(serialization.Encoding.PEM).decode()
-        try:
-            resp = httpx.post(self.url, json={"csr": pem}, headers=self.headers,
-                              timeout=self.timeout, verify=self.verify)
-        except httpx.HTTPError as exc:
+        deadline = time.monotonic() + self.timeout
+        outcome: list[Any] = []
+        done = threading.Event()
+
+        def post() -> None:
+            try:
+                outcome.append(self._post(httpx, pem, deadline))
+            except BaseException as exc:
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=post, name="rehydrate-tls-issuer", daemon=True).start()
+        if not done.wait(self.timeout):
+            raise CertificateError(f"issuer {self.url} did not answer within "
+                                   f"{self.timeout:g}s")
+        result = outcome[0]
+        if isinstance(result, CertificateError):
+            raise result
+        if isinstance(result, httpx.HTTPError):
             raise CertificateError(f"issuer {self.url} unreachable: "
-                                   f"{type(exc).__name__}: {exc}") from None
-        if resp.status_code != 200:
-            raise CertificateError(f"issuer {self.url} answered HTTP {resp.status_code}")
+                                   f"{type(result).__name__}: {result}") from None
+        if isinstance(result, BaseException):
+            raise result
+        status, body = cast("tuple[int, bytes]", result)
+        if status != 200:
+            raise CertificateError(f"issuer {self.url} answered HTTP {status}")
+        return self._parse(body)
+
+    def _post(self, httpx: Any, pem: str, deadline: float) -> tuple[int, bytes]:
+        """The request, streamed: each read waits at most until ``deadline`` and the
+        body stops at ``max_response`` bytes."""
+        body = bytearray()
+        with httpx.stream("POST", self.url, json={"csr": pem}, headers=self.headers,
+                          timeout=self.timeout, verify=self.verify) as resp:
+            if resp.status_code != 200:
+                return resp.status_code, b""
+            for chunk in resp.iter_bytes():  # decoded: a compressed bomb is capped too
+                body += chunk
+                if len(body) > self.max_response:
+                    raise CertificateError(f"issuer {self.url} sent more than "
+                                           f"{self.max_response} bytes")
+                if time.monotonic() > deadline:
+                    raise CertificateError(f"issuer {self.url} did not answer within "
+                                           f"{self.timeout:g}s")
+        return 200, bytes(body)
+
+    def _parse(self, body: bytes) -> tuple[x509.Certificate, list[x509.Certificate]]:
+        import json
+
         try:
-            data = resp.json()
+            data = json.loads(body)
             cert_pem = data["certificate"]
             chain_pem = data.get("chain") or []
             if not isinstance(cert_pem, str) or not isinstance(chain_pem, list):

@@ -845,3 +845,100 @@ def test_device_fifo_or_huge_file_as_certificate_is_one_clear_error(rehydrate_en
                        engine=rehydrate_engine)
     assert tls.from_files("ok", cert=tmp_path / "c.pem", key=key, watch=False,
                           engine=rehydrate_engine).serial == good.serial
+
+
+class _SlowServer:
+    """A raw HTTP server on loopback that answers 200 and then either trickles its body
+    one byte per ``interval`` or streams ``flood`` bytes as fast as it can."""
+
+    def __init__(self, *, interval: float = 1.0, flood: int = 0) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/sign"
+        self.interval, self.flood = interval, flood
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                size = self.flood or 10_000
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % size)
+                if self.flood:
+                    block = b" " * 65536
+                    for _ in range(self.flood // len(block)):
+                        conn.sendall(block)
+                    return
+                while not self.stop.wait(self.interval):
+                    conn.sendall(b" ")
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+def test_a_stalled_issuer_is_bounded_and_wedges_nothing(rehydrate_engine):
+    """Issue #13.4: a 1 byte/s issuer kept HTTPIssuer(timeout=2) busy for good, and the
+    renew lock with it: later renewals, restores and the snapshot pass all hung."""
+    good = CAServer()
+    slow = _SlowServer(interval=0.5)
+    try:
+        issuer = tls.HTTPIssuer(good.url, timeout=2)
+        cert = tls.issued("api", issuer, common_name="api.local", engine=rehydrate_engine)
+        serial = cert.serial
+        issuer.url = slow.url
+        errors: list[BaseException] = []
+
+        def renew() -> None:
+            try:
+                cert.renew()
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                errors.append(exc)
+
+        worker = threading.Thread(target=renew, daemon=True)
+        worker.start()
+        worker.join(6.0)  # a deadline for the check, not a wait for timing
+        assert not worker.is_alive(), "renew() against a 1 byte/0.5s issuer did not end"
+        assert len(errors) == 1 and "did not answer within 2s" in str(errors[0]), errors
+        assert cert.serial == serial and not cert.key_dropped  # the old one stays
+        report = rehydrate_engine.simulate_snapshot()  # the lock is free: the key drops
+        assert report.ok and cert.key_dropped
+        issuer.url = good.url
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert cert.serial != serial and not cert.key_dropped
+    finally:
+        slow.close()
+        good.close()
+
+
+def test_an_issuer_response_over_the_cap_is_refused_without_reading_it_all(rehydrate_engine):
+    import resource
+
+    flood = _SlowServer(flood=400 * 1024 * 1024)
+    try:
+        issuer = tls.HTTPIssuer(flood.url, timeout=30)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(CertificateError, match=r"sent more than 1048576 bytes"):
+            issuer.issue(_csr())
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        assert grown_mib < 64, f"peak RSS grew by {grown_mib:.0f} MiB"
+    finally:
+        flood.close()
+
+
+def _csr() -> x509.CertificateSigningRequest:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "api.local")])
+    return x509.CertificateSigningRequestBuilder().subject_name(name).sign(key, hashes.SHA256())
