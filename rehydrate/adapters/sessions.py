@@ -1,0 +1,99 @@
+"""Session tokens and per-match secrets that differ in every clone of a snapshot.
+
+A game server snapshotted mid-match and restored twice would hand both copies' players
+the same session tokens: a token stolen from one match would work in the other, and the
+"random" match keys are the same everywhere. :class:`MatchSessions` keys everything it
+issues on a :class:`rehydrate.secrets.Secret` drawn from the kernel (``os.urandom``):
+the secret is wiped before a snapshot and drawn again after every restore or resume (in
+the ``SECRETS`` phase), so each clone signs with its own key and tokens issued before the
+snapshot no longer verify anywhere — players rejoin.
+
+::
+
+    sessions = MatchSessions("match")
+    token = sessions.token(player_id)          # give it to the player on join
+    if not sessions.verify(player_id, token):  # on every input
+        ask_to_rejoin(player_id)
+    key = sessions.derive("chat-encryption")   # a per-match secret, per clone
+
+While the secret is wiped (between the before-snapshot pass and the restore) the calls
+raise :class:`rehydrate.secrets.SecretUnavailable` (``on_wiped="raise"``) so that an
+asyncio game loop never blocks on it; ``verify`` returns False then.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from typing import TYPE_CHECKING
+
+from cryptography.hazmat.primitives import constant_time, hashes, hmac
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from rehydrate.secrets import Secret, SecretUnavailable
+
+if TYPE_CHECKING:
+    from rehydrate import Lifecycle
+
+__all__ = ["MatchSessions"]
+
+_TOKEN_BYTES = 18  # 144 bits: unguessable, 24 base64url characters
+
+
+class MatchSessions:
+    """Per-clone session tokens and match secrets (see the module docstring).
+
+    ``name``: shown in hook names (``rehydrate.secret:sessions:<name>``) and status.
+    ``nbytes``: size of the kernel-drawn key. ``engine``: default, the process-wide one.
+    """
+
+    def __init__(self, name: str = "match", *, nbytes: int = 32,
+                 engine: Lifecycle | None = None) -> None:
+        if not isinstance(nbytes, int) or nbytes < 16:
+            raise ValueError(f"nbytes must be an int >= 16, not {nbytes!r}")
+        self.name = name
+        self._secret = Secret.from_callable(lambda: os.urandom(nbytes),
+                                            name=f"sessions:{name}", on_wiped="raise",
+                                            engine=engine)
+
+    @property
+    def epoch(self) -> int:
+        """How many keys this process has drawn (+1 per restore or resume)."""
+        return self._secret.loads
+
+    @property
+    def available(self) -> bool:
+        """False while wiped for a snapshot (tokens can be neither issued nor checked)."""
+        return self._secret.available
+
+    def _mac(self, label: bytes, message: str) -> bytes:
+        with self._secret as key:
+            mac = hmac.HMAC(key, hashes.SHA256())
+        mac.update(label + b"\0" + message.encode())
+        return mac.finalize()
+
+    def token(self, subject: str) -> str:
+        """The session token of ``subject`` (a player or connection id) in this clone."""
+        tag = self._mac(b"token", subject)[:_TOKEN_BYTES]
+        return base64.urlsafe_b64encode(tag).decode()
+
+    def verify(self, subject: str, token: str) -> bool:
+        """True when ``token`` is ``subject``'s token in this clone (constant time)."""
+        try:
+            expected = self.token(subject).encode()
+        except SecretUnavailable:
+            return False
+        return constant_time.bytes_eq(expected, token.encode()) if isinstance(
+            token, str) else False
+
+    def derive(self, purpose: str, length: int = 32) -> bytes:
+        """A secret for ``purpose`` (HKDF-SHA256 of this clone's key): e.g. a match's
+        encryption key. Differs in every clone and after every restore."""
+        with self._secret as key:
+            hkdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=None,
+                        info=b"rehydrate.sessions\0" + purpose.encode())
+            return hkdf.derive(key)
+
+    def close(self) -> None:
+        """Wipe the key and remove its hooks."""
+        self._secret.close()

@@ -1,0 +1,200 @@
+"""An asyncio UDP endpoint that is checked after every restore and re-bound when dead.
+
+A restored process keeps its sockets, but not necessarily a working one: a clone in a new
+Pod has a new Pod IP, so a socket bound to the old address receives nothing, and a
+platform may hand back a socket that no longer delivers. Nothing errors; players just
+time out. :class:`UdpEndpoint` wraps ``loop.create_datagram_endpoint``: after every
+restore or resume (hook ``rehydrate.udp:<name>``, ``NETWORK`` phase) it sends a probe
+datagram with a random nonce to its own address from a fresh socket and waits for it to
+arrive; when it does not within ``probe_timeout``, the socket is closed and bound again —
+to ``local_addr()`` evaluated anew when it is a callable (e.g. reading ``POD_IP``, which
+the ``ENVIRONMENT`` phase has refreshed by then). Probe datagrams never reach the game's
+protocol. After a re-bind the protocol's ``connection_made`` is called again with the new
+transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rehydrate import Phase
+
+from ._compat import resolve_engine
+
+if TYPE_CHECKING:
+    from rehydrate import Lifecycle
+
+__all__ = ["UdpEndpoint"]
+
+log = logging.getLogger("rehydrate.udp")
+
+Address = tuple[str, int]
+_PROBE = b"\0rehydrate-udp-probe\0"
+
+
+class _Filter(asyncio.DatagramProtocol):
+    """Passes datagrams to the game's protocol, except the endpoint's own probes."""
+
+    def __init__(self, endpoint: UdpEndpoint) -> None:
+        self.endpoint = endpoint
+
+    def connection_made(self, transport: asyncio.DatagramTransport) -> None:  # type: ignore[override]
+        self.endpoint.protocol.connection_made(transport)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if data.startswith(_PROBE):
+            waiter = self.endpoint._probes.get(data)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return
+        self.endpoint.protocol.datagram_received(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        self.endpoint.protocol.error_received(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.endpoint._rebinding:  # a re-bind is not the end of the endpoint
+            self.endpoint.protocol.connection_lost(exc)
+
+
+class UdpEndpoint:
+    """A UDP socket for ``protocol_factory`` at ``local_addr`` (a ``(host, port)`` pair,
+    or a callable returning one, evaluated at every bind).
+
+    ``await endpoint.start()`` binds it on the running loop and registers the restore
+    hook with ``engine`` (default: the process-wide engine). ``check()`` probes it,
+    ``ensure()`` probes and re-binds when dead, ``close()`` closes it.
+    """
+
+    def __init__(
+        self,
+        protocol_factory: Callable[[], asyncio.DatagramProtocol],
+        local_addr: Address | Callable[[], Address],
+        *,
+        name: str = "game",
+        probe_timeout: float = 0.5,
+        engine: Lifecycle | None = None,
+    ) -> None:
+        if not probe_timeout > 0:
+            raise ValueError(f"probe_timeout must be a positive number, not {probe_timeout!r}")
+        self.protocol = protocol_factory()
+        self._local_addr = local_addr
+        self.name = name
+        self.probe_timeout = float(probe_timeout)
+        self._engine_arg = engine
+        self.transport: asyncio.DatagramTransport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._probes: dict[bytes, asyncio.Future[None]] = {}
+        self._rebinding = False
+        self._hook: Any = None
+        self.rebinds = 0
+        """How many times the socket was bound again after a failed check."""
+
+    @property
+    def address(self) -> Address:
+        """The bound ``(host, port)``."""
+        if self.transport is None:
+            raise RuntimeError(f"UDP endpoint {self.name!r} is not started")
+        host, port = self.transport.get_extra_info("sockname")[:2]
+        return str(host), int(port)
+
+    def _wanted(self) -> Address:
+        return self._local_addr() if callable(self._local_addr) else self._local_addr
+
+    async def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: _Filter(self), local_addr=self._wanted())
+        self.transport, self.loop = transport, loop
+        if not callable(self._local_addr):
+            # port 0 meant "any": bind again where the clients already send
+            self._local_addr = self.address
+
+    async def start(self) -> asyncio.DatagramTransport:
+        """Bind the socket and register the restore hook (once)."""
+        await self._bind()
+        if self._hook is None:
+            engine = resolve_engine(self._engine_arg)
+            ref = weakref.ref(self)
+
+            def check_udp_socket() -> None:
+                endpoint = ref()
+                if endpoint is not None:
+                    endpoint._ensure_from_hook()
+
+            self._hook = engine.builtins.register(
+                check_udp_socket, phase=Phase.NETWORK, timeout=self.probe_timeout + 10.0,
+                name=f"rehydrate.udp:{self.name}")
+            weakref.finalize(self, engine.builtins.unregister, self._hook)
+        assert self.transport is not None
+        return self.transport
+
+    def _ensure_from_hook(self) -> None:
+        loop = self.loop
+        if loop is None or self.transport is None or loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.ensure(), loop).result(
+            self.probe_timeout + 9.0)
+
+    async def check(self) -> bool:
+        """True when a datagram sent to the socket's address arrives within
+        ``probe_timeout``."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        try:
+            host, port = self.address
+        except OSError:
+            return False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a wildcard bind answers on loopback
+            host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+        nonce = _PROBE + os.urandom(16)
+        waiter = asyncio.get_running_loop().create_future()
+        self._probes[nonce] = waiter
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.setblocking(False)
+                probe.sendto(nonce, (host, port))
+                await asyncio.wait_for(waiter, self.probe_timeout)
+            return True
+        except (OSError, asyncio.TimeoutError):
+            return False
+        finally:
+            self._probes.pop(nonce, None)
+
+    async def ensure(self) -> bool:
+        """Check the socket; re-bind it when the check fails. True when it was re-bound.
+        Raises ``OSError`` when binding again fails too (the hook then fails, and the
+        process is not ready)."""
+        if await self.check():
+            return False
+        old = self.transport
+        where = None
+        with contextlib.suppress(Exception):
+            where = self.address
+        log.warning("UDP socket %s at %s does not receive after the restore: binding again",
+                    self.name, where)
+        self._rebinding = True
+        try:
+            if old is not None:
+                old.close()
+            await asyncio.sleep(0)  # let the loop drop the old reader before binding
+            await self._bind()
+        finally:
+            self._rebinding = False
+        self.rebinds += 1
+        log.info("UDP socket %s bound again at %s", self.name, self.address)
+        return True
+
+    def close(self) -> None:
+        """Close the socket (the protocol's ``connection_lost`` is called)."""
+        if self.transport is not None:
+            self.transport.close()

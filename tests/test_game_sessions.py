@@ -1,0 +1,143 @@
+"""MatchSessions (per-clone tokens) and UdpEndpoint (checked and re-bound after restore)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from rehydrate.adapters.sessions import MatchSessions
+from rehydrate.adapters.udp import UdpEndpoint
+from rehydrate.secrets import SecretUnavailable
+
+
+def test_tokens_verify_and_change_on_restore(rehydrate_engine):
+    s = MatchSessions("m1", engine=rehydrate_engine)
+    tok = s.token("alice")
+    assert s.verify("alice", tok)
+    assert not s.verify("bob", tok)
+    assert not s.verify("alice", tok[:-1] + ("A" if tok[-1] != "A" else "B"))
+    assert s.token("alice") == tok  # stable within one clone and epoch
+    key = s.derive("chat")
+    assert len(key) == 32 and s.derive("chat") == key and s.derive("voice") != key
+    epoch = s.epoch
+    assert rehydrate_engine.simulate_restore().ok
+    assert s.epoch == epoch + 1
+    assert s.token("alice") != tok
+    assert not s.verify("alice", tok), "a token from before the restore must not verify"
+    assert s.derive("chat") != key
+
+
+def test_two_clones_get_different_tokens(rehydrate_engine):
+    """Two restores of one state stand for two clones: each draws its own key."""
+    s = MatchSessions("m2", engine=rehydrate_engine)
+    seen = set()
+    for _ in range(2):
+        assert rehydrate_engine.simulate_restore().ok
+        seen.add(s.token("player-1"))
+    assert len(seen) == 2
+
+
+def test_wiped_before_snapshot_never_blocks(rehydrate_engine):
+    s = MatchSessions("m3", engine=rehydrate_engine)
+    tok = s.token("alice")
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert not s.available
+    with pytest.raises(SecretUnavailable):
+        s.token("alice")
+    assert not s.verify("alice", tok)
+    assert rehydrate_engine.simulate_restore(kind="resume").ok
+    assert s.available and s.token("alice") != tok
+
+
+def test_bad_key_size_is_refused(rehydrate_engine):
+    with pytest.raises(ValueError, match="nbytes"):
+        MatchSessions("m4", nbytes=8, engine=rehydrate_engine)
+
+
+class Echo(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        self.made = 0
+        self.lost = 0
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport):
+        self.made += 1
+        self.transport = transport
+
+    def datagram_received(self, data, addr):
+        self.received.append(data)
+        self.transport.sendto(b"echo:" + data, addr)
+
+    def connection_lost(self, exc):
+        self.lost += 1
+
+
+async def _roundtrip(addr, payload: bytes) -> bytes:
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+        c.setblocking(False)
+        c.connect(addr)
+        await loop.sock_sendall(c, payload)
+        return await asyncio.wait_for(loop.sock_recv(c, 2048), 5)
+
+
+async def test_udp_endpoint_checked_after_restore_and_probes_hidden(rehydrate_engine):
+    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="t1")
+    await ep.start()
+    try:
+        assert "rehydrate.udp:t1" in [h.name for h in rehydrate_engine.hooks("restore")]
+        assert await _roundtrip(ep.address, b"hi") == b"echo:hi"
+        report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        assert ep.rebinds == 0
+        assert ep.protocol.received == [b"hi"], "probe datagrams reached the game"
+    finally:
+        ep.close()
+
+
+async def test_dead_udp_socket_is_bound_again(rehydrate_engine):
+    """The socket's descriptor is pointed at another, unbound socket (what a restore
+    that hands back a non-working socket looks like): the hook notices and re-binds at
+    the same address; the game's protocol gets the new transport and keeps serving."""
+    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="t2",
+                     probe_timeout=0.3)
+    await ep.start()
+    addr = ep.address
+    try:
+        fd = ep.transport.get_extra_info("socket").fileno()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+            os.dup2(other.fileno(), fd)  # the bound socket is gone; the port is free
+        assert not await ep.check()
+        report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        assert ep.rebinds == 1
+        assert ep.address == addr
+        assert ep.protocol.made == 2 and ep.protocol.lost == 0
+        assert await _roundtrip(addr, b"again") == b"echo:again"
+    finally:
+        ep.close()
+
+
+async def test_rebind_uses_the_address_callable_again(rehydrate_engine):
+    ports = []
+
+    def where():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ("127.0.0.1", ports[-1])
+
+    ep = UdpEndpoint(Echo, where, engine=rehydrate_engine, name="t3", probe_timeout=0.3)
+    await ep.start()
+    try:
+        ep.transport.close()  # dead
+        await asyncio.sleep(0)
+        assert await ep.ensure()
+        assert ep.address == ("127.0.0.1", ports[-1]) and len(ports) == 2
+        assert await _roundtrip(ep.address, b"x") == b"echo:x"
+    finally:
+        ep.close()
