@@ -20,7 +20,9 @@ from typing import Literal
 from .context import EnvChanges
 
 __all__ = [
+    "KEEP",
     "MAX_ENVIRON_BYTES",
+    "NEVER_FROM_FILE",
     "EnvError",
     "EnvRefresher",
     "Policy",
@@ -37,6 +39,20 @@ POLICIES: tuple[Policy, ...] = ("update", "replace", "off")
 
 MAX_ENVIRON_BYTES = 4 * 1024 * 1024
 """Larger files are refused: Linux itself caps argv+envp well below this."""
+
+NEVER_FROM_FILE: tuple[str, ...] = ("REHYDRATE_*", "LD_*", "GCONV_PATH", "GLIBC_TUNABLES",
+                                    "PYTHON*")
+"""Glob patterns of keys an environment file never sets, changes or removes: rehydrate's
+own configuration (a file must not pick the ``nft`` binary the next restore runs), and
+the dynamic loader's and the interpreter's variables, which choose code that child
+processes run (``LD_PRELOAD``, ``PYTHONPATH``, ``PYTHONSTARTUP`` …). Such keys in a file
+are ignored with one warning naming them."""
+
+KEEP: tuple[str, ...] = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "TMPDIR",
+                         "LANG", "LANGUAGE", "LC_*", "TZ", "HOSTNAME", "TERM")
+"""Glob patterns of process-critical keys a refresh never removes (policy ``replace``,
+or ``update`` when the new file lacks a key the previous one had). A file may still
+change their values."""
 
 
 class EnvError(ValueError):
@@ -102,12 +118,17 @@ class EnvRefresher:
 
     ``policy``:
       * ``update`` (default): set every key of the new file; remove a key the previous file
-        had and the new one lacks (``REHYDRATE_*`` excepted: they configure rehydrate
-        itself, e.g. its control socket); leave keys that never came from the file alone.
-      * ``replace``: make the process environment exactly the file (keys matching
-        ``protect`` and ``REHYDRATE_*`` stay).
+        had and the new one lacks; leave keys that never came from the file alone.
+      * ``replace``: make the process environment exactly the file.
       * ``off``: never touch the environment.
     ``protect``: glob patterns of keys never overwritten or removed.
+
+    Whatever the policy, a file never sets, changes or removes :data:`NEVER_FROM_FILE`
+    keys (``REHYDRATE_*``, ``LD_*``, ``PYTHON*`` …), a refresh never removes :data:`KEEP`
+    keys (``PATH``, ``HOME`` …), and a file that was configured (``path=`` or
+    ``$REHYDRATE_ENV_FILE``) but is missing is an :class:`EnvError`. Overlays
+    (``simulate_restore(env=...)``) are the caller's explicit choice: only ``protect``
+    applies to them.
     """
 
     path: str | None = "auto"
@@ -122,11 +143,17 @@ class EnvRefresher:
         self._previous: set[bytes] | None = None
 
     def _protected(self, key: bytes) -> bool:
-        name = _name(key)
-        return any(fnmatch.fnmatchcase(name, p) for p in self.protect)
+        return _matches(key, self.protect)
 
     def resolved_path(self) -> str | None:
         return default_path() if self.path == "auto" else self.path
+
+    def configured(self) -> bool:
+        """True when the file was named (``path=`` or ``$REHYDRATE_ENV_FILE``), not the
+        gVisor default: a named file that is missing is an error, the default is not."""
+        if self.path == "auto":
+            return bool(os.environ.get("REHYDRATE_ENV_FILE"))
+        return self.path is not None
 
     def baseline(self) -> None:
         """Remember which keys the file holds now, so a later refresh can tell removals."""
@@ -151,10 +178,14 @@ class EnvRefresher:
             if overlay is not None:
                 return self._apply_overlay(overlay)
             path = self.resolved_path()
-            if path is None or not _present(path):
+            if path is None:
+                return EnvChanges()
+            if not _present(path):
+                if self.configured():
+                    raise EnvError(f"{path}: the configured environment file does not exist")
                 return EnvChanges()
             new = read_environ(path)
-            return self._apply_file(new)
+            return self._apply_file(new, path)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
         check_overlay(overlay)  # all first: never apply half of it
@@ -176,17 +207,22 @@ class EnvRefresher:
             env.pop(k, None)
         return changes
 
-    def _apply_file(self, new: dict[bytes, bytes]) -> EnvChanges:
+    def _apply_file(self, new: dict[bytes, bytes], path: str) -> EnvChanges:
         env = os.environb
-        if self.policy == "replace":
-            removes = [
-                k for k in env if k not in new and not k.startswith(b"REHYDRATE_")
-            ]
-        else:
-            removes = [k for k in (self._previous or ())
-                       if k not in new and not k.startswith(b"REHYDRATE_")]
-        sets = {k: v for k, v in new.items() if not self._protected(k)}
-        removes = [k for k in removes if not self._protected(k)]
+        # a key the process already has with the same value is no attempt: no warning
+        # (gVisor's spec_environ repeats the container's REHYDRATE_* / PYTHON* settings)
+        ignored = sorted(_name(k) for k, v in new.items()
+                         if _matches(k, NEVER_FROM_FILE) and env.get(k) != v)
+        if ignored:
+            log.warning("environment file %s: ignored %s (rehydrate's configuration and "
+                        "loader/interpreter variables never come from the refreshed "
+                        "environment)", path, ", ".join(ignored))
+        candidates = env if self.policy == "replace" else (self._previous or ())
+        removes = [k for k in candidates
+                   if k not in new and not _matches(k, NEVER_FROM_FILE)
+                   and not _matches(k, KEEP) and not self._protected(k)]
+        sets = {k: v for k, v in new.items()
+                if not self._protected(k) and not _matches(k, NEVER_FROM_FILE)}
         changes = diff(env, sets, removes)
         for k, v in sets.items():
             if env.get(k) != v:
@@ -195,6 +231,11 @@ class EnvRefresher:
             env.pop(k, None)
         self._previous = set(new)
         return changes
+
+
+def _matches(key: bytes, patterns: Iterable[str]) -> bool:
+    name = _name(key)
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def check_overlay(overlay: object) -> None:

@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 
 from rehydrate import EnvChanges, Lifecycle, Registry
 from rehydrate.env import (
+    KEEP,
     MAX_ENVIRON_BYTES,
+    NEVER_FROM_FILE,
     EnvError,
     EnvRefresher,
+    _matches,
     default_path,
     diff,
     parse_environ,
@@ -236,10 +239,10 @@ def test_replace_policy_makes_the_environment_exactly_the_file(tmp_path, environ
     spec = write(tmp_path / "spec_environ",
                  {b"RHT_A": b"1", b"RHT_PROTECTED": b"overwrite?"})
     ref = EnvRefresher(path=spec, policy="replace", protect=("RHT_PROT*", "PYTEST_*"))
-    before = {k for k in environ if not k.startswith((b"REHYDRATE_", b"PYTEST_"))}
+    kept = {k for k in environ if _matches(k, (*NEVER_FROM_FILE, *KEEP, "PYTEST_*"))}
+    before = set(environ) - kept
     changes = ref.refresh()
-    assert set(environ) == {b"RHT_A", b"RHT_PROTECTED"} | {
-        k for k in environ if k.startswith((b"REHYDRATE_", b"PYTEST_"))}
+    assert set(environ) == {b"RHT_A", b"RHT_PROTECTED"} | kept
     assert environ[b"RHT_PROTECTED"] == b"keep"  # protected: not overwritten
     assert environ[b"REHYDRATE_KEEP"] == b"1"
     assert changes.added == ("RHT_A",)
@@ -300,7 +303,6 @@ def test_invalid_overlay_is_refused_before_anything_is_applied(environ, bad):
 def test_no_file_no_changes(tmp_path, environ):
     snapshot = dict(environ)
     assert EnvRefresher(path=None).refresh() == EnvChanges()
-    assert EnvRefresher(path=str(tmp_path / "absent")).refresh() == EnvChanges()
     assert dict(environ) == snapshot
 
 
@@ -516,3 +518,94 @@ def test_an_engine_knows_the_previous_file_without_start(tmp_path, environ, monk
         assert b"RHT_GONE" not in environ and environ[b"RHT_A"] == b"2"
     finally:
         engine.close()
+
+
+# -- trust: what an environment file may not do -------------------------------------------
+
+
+def test_a_file_never_sets_rehydrate_loader_or_interpreter_keys(tmp_path, environ, caplog):
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    environ[b"PYTHONPATH"] = b"/app"
+    spec = write(tmp_path / "spec_environ", {
+        b"RHT_OK": b"1", b"REHYDRATE_NFT": b"/tmp/evil-nft", b"LD_PRELOAD": b"/tmp/evil.so",
+        b"PYTHONPATH": b"/tmp/evil", b"PYTHONSTARTUP": b"/tmp/evil.py",
+        b"GCONV_PATH": b"/tmp/evil"})
+    for policy in ("update", "replace"):
+        changes = EnvRefresher(path=spec, policy=policy).refresh()
+        assert changes.added == ("RHT_OK",) and changes.changed == ()
+        assert b"REHYDRATE_NFT" not in environ and "LD_PRELOAD" not in os.environ
+        assert os.environ["PYTHONPATH"] == "/app"  # neither changed nor removed
+        assert "PYTHONSTARTUP" not in os.environ and "GCONV_PATH" not in os.environ
+        del environ[b"RHT_OK"]
+    assert "ignored GCONV_PATH, LD_PRELOAD, PYTHONPATH, PYTHONSTARTUP, REHYDRATE_NFT" in \
+        caplog.text
+    assert "/tmp/evil" not in caplog.text  # names only
+    # the same values the process already has (gVisor repeats the container's own
+    # settings in spec_environ) are no attempt: no warning
+    caplog.clear()
+    environ[b"REHYDRATE_RHT_SOCK"] = b"/run/s"
+    write(tmp_path / "spec_environ", {b"RHT_OK": b"1", b"PYTHONPATH": b"/app",
+                                      b"REHYDRATE_RHT_SOCK": b"/run/s"})
+    EnvRefresher(path=spec).refresh()
+    assert "ignored" not in caplog.text
+
+
+def test_rehydrate_configuration_in_the_file_is_not_used_in_the_same_restore(
+        tmp_path, environ, monkeypatch):
+    """The reviewer's case: REHYDRATE_* in the file took effect in the very restore."""
+    spec = write(tmp_path / "spec_environ", {b"RHT_OK": b"1",
+                                             b"REHYDRATE_ENV_POLICY": b"replace",
+                                             b"REHYDRATE_CONNECT_DEADLINE": b"0.001"})
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", str(spec))
+    engine = Lifecycle(Registry())
+    try:
+        seen = []
+        engine.registry.after_restore(
+            lambda: seen.append(os.environ.get("REHYDRATE_CONNECT_DEADLINE")))
+        report = engine.simulate_restore()
+        assert report.ok, report.table()
+        assert seen == [None] and os.environ["RHT_OK"] == "1"
+    finally:
+        engine.close()
+
+
+def test_replace_and_update_never_remove_process_critical_keys(tmp_path, environ):
+    environ.update({b"PATH": b"/usr/bin:/bin", b"HOME": b"/root", b"LC_ALL": b"C.UTF-8",
+                    b"RHT_STRAY": b"1", b"RHT_A": b"1"})
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_A": b"1", b"PATH": b"/usr/bin:/bin", b"HOME": b"/root"})
+    ref = EnvRefresher(path=str(spec))
+    ref.baseline()
+    write(spec, {b"RHT_A": b"1"})  # the new file lacks PATH and HOME
+    assert ref.refresh() == EnvChanges()
+    assert environ[b"PATH"] == b"/usr/bin:/bin" and environ[b"HOME"] == b"/root"
+
+    changes = EnvRefresher(path=str(spec), policy="replace").refresh()
+    assert "RHT_STRAY" in changes.removed
+    assert not {"PATH", "HOME", "LC_ALL"} & set(changes.removed)
+    assert environ[b"PATH"] == b"/usr/bin:/bin" and environ[b"LC_ALL"] == b"C.UTF-8"
+    # a file may still change them
+    write(spec, {b"RHT_A": b"1", b"PATH": b"/opt/bin:/usr/bin"})
+    assert EnvRefresher(path=str(spec), policy="replace").refresh().changed == ("PATH",)
+    assert environ[b"PATH"] == b"/opt/bin:/usr/bin"
+
+
+def test_a_configured_file_that_is_missing_is_an_error(tmp_path, environ, monkeypatch):
+    absent = str(tmp_path / "absent")
+    with pytest.raises(EnvError, match="configured environment file does not exist"):
+        EnvRefresher(path=absent).refresh()
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", absent)
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    with pytest.raises(EnvError, match=absent):
+        EnvRefresher().refresh()
+    engine = Lifecycle(Registry())
+    try:
+        report = engine.simulate_restore()
+        [env_hook] = [h for h in report.hooks if h.name == "rehydrate.env"]
+        assert env_hook.outcome == "failed" and not report.ok
+        assert engine.state == "degraded"
+    finally:
+        engine.close()
+    # the gVisor default that is absent (not gVisor) is no error
+    monkeypatch.delenv("REHYDRATE_ENV_FILE")
+    assert EnvRefresher().refresh() == EnvChanges()
