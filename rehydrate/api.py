@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Literal
 
-from .hooks import Registry
+from .extensions import default_engine as _engine
+from .extensions import default_registry
 
 if TYPE_CHECKING:
     import asyncio
@@ -32,30 +32,14 @@ __all__ = [
     "wait_ready",
 ]
 
-default_registry = Registry()
 if TYPE_CHECKING:
     default_engine: Lifecycle
-_engine_lock = threading.Lock()
-
-
-def _engine() -> Lifecycle:
-    """The default engine, created on first use (``import rehydrate`` stays light)."""
-    engine = globals().get("default_engine")
-    if engine is None:
-        with _engine_lock:
-            engine = globals().get("default_engine")
-            if engine is None:
-                from .lifecycle import Lifecycle
-
-                engine = Lifecycle(default_registry)
-                globals()["default_engine"] = engine
-    return engine
-
 
 def __getattr__(name: str) -> object:
     if name == "default_engine":
         return _engine()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 after_restore = default_registry.after_restore
 before_snapshot = default_registry.before_snapshot
@@ -122,4 +106,6 @@ def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore
     ``timeout`` seconds. A failure after the before-snapshot hooks ran runs the resume
     hooks before raising, so the process is not left ``snapshotting`` (except when the
     gVisor waiter is running and ``1`` was written: its descriptor gets the late answer)."""
-    return _engine().trigger_snapshot(timeout)
+    from .trigger import trigger_snapshot as trigger
+
+    return trigger(_engine(), timeout=timeout)

@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from .context import RestoreContext
+from .extensions import resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "DEFAULT_DEADLINE",
@@ -319,7 +320,7 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
 class ConnectionManager:
     """The per-engine set of managed connections and the two built-in hooks."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self._conns: dict[str, Connection] = {}
@@ -474,13 +475,9 @@ class ConnectionManager:
             return False
 
 
-def manager(engine: Lifecycle | None = None) -> ConnectionManager:
+def manager(engine: Engine | None = None) -> ConnectionManager:
     """The connection manager of ``engine`` (default: the process-wide engine)."""
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    return engine.extension("connections", ConnectionManager)
+    return resolve_engine(engine).extension("connections", ConnectionManager)
 
 
 def register(
@@ -491,7 +488,7 @@ def register(
     *,
     required: bool = True,
     deadline: float | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     value: Any = None,
     open_now: bool = False,
     replace: bool = False,
@@ -516,15 +513,15 @@ def register(
     return manager(engine).register(conn, open_now=open_now, replace=replace)
 
 
-def unregister(name: str, *, engine: Lifecycle | None = None) -> bool:
+def unregister(name: str, *, engine: Engine | None = None) -> bool:
     return manager(engine).unregister(name)
 
 
-def get(name: str, *, engine: Lifecycle | None = None) -> Connection | None:
+def get(name: str, *, engine: Engine | None = None) -> Connection | None:
     return manager(engine).get(name)
 
 
-def connections(*, engine: Lifecycle | None = None) -> list[Connection]:
+def connections(*, engine: Engine | None = None) -> list[Connection]:
     return manager(engine).all()
 
 
@@ -538,7 +535,7 @@ def httpx_client(
     check_url: str | None = None,
     required: bool = True,
     deadline: float | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     replace: bool = False,
     **client_kwargs: Any,
 ) -> Any:
@@ -581,7 +578,7 @@ def httpx_async_client(
     check_url: str | None = None,
     required: bool = True,
     deadline: float | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     replace: bool = False,
     **client_kwargs: Any,
 ) -> Any:
@@ -610,7 +607,7 @@ def sqlalchemy_engine(
     check: bool = True,
     required: bool = True,
     deadline: float | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     replace: bool = False,
 ) -> Any:
     """Manage a SQLAlchemy ``Engine``: ``dispose()`` before a snapshot; after a restore
@@ -634,7 +631,7 @@ def redis_client(
     check: bool = True,
     required: bool = True,
     deadline: float | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     replace: bool = False,
 ) -> Any:
     """Manage a redis-py client (sync or ``redis.asyncio``): its pool is disconnected
@@ -666,7 +663,7 @@ def grpc_channel(
     check: bool = True,
     required: bool = True,
     deadline: float | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     replace: bool = False,
 ) -> Any:
     """A gRPC channel whose underlying ``grpc.Channel`` is replaced after every restore.
@@ -733,7 +730,7 @@ def tcp_socket(
     check: Callable[[socket.socket], Any] | None = None,
     required: bool = True,
     deadline: float | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     replace: bool = False,
 ) -> ManagedSocket:
     """A raw TCP client socket managed by rehydrate. The first connect runs in the

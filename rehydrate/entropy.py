@@ -34,10 +34,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._disable import is_disabled
+from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "EntropyManager",
@@ -162,7 +163,7 @@ def _reseed_object(kind: str, obj: Any) -> None:
 class EntropyManager:
     """Per-engine reseeding. Created for every engine; see :func:`manager`."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.enabled = True
         """False turns the whole phase into a no-op (as ``REHYDRATE_DISABLE=entropy``)."""
@@ -286,30 +287,34 @@ def reseed_globals() -> list[str]:
     return done
 
 
-def manager(engine: Lifecycle | None = None) -> EntropyManager:
+def manager(engine: Engine | None = None) -> EntropyManager:
     """The entropy manager of ``engine`` (default: the process-wide engine)."""
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    return engine.extension("entropy", EntropyManager)
+    return resolve_engine(engine).extension("entropy", EntropyManager)
 
 
-def register(obj: object, *, engine: Lifecycle | None = None) -> object:
+def register(obj: object, *, engine: Engine | None = None) -> object:
     """Reseed ``obj`` (a generator or a callable) on every restore; see
     :meth:`EntropyManager.register`."""
     return manager(engine).register(obj)
 
 
-def unregister(obj: object, *, engine: Lifecycle | None = None) -> None:
+def unregister(obj: object, *, engine: Engine | None = None) -> None:
     manager(engine).unregister(obj)
 
 
-def reseed(*, engine: Lifecycle | None = None) -> list[str]:
+def reseed(*, engine: Engine | None = None) -> list[str]:
     """Reseed every known generator now."""
     return manager(engine).reseed()
 
 
-def install(engine: Lifecycle) -> None:
-    """Called by :class:`~rehydrate.Lifecycle` for its built-ins."""
+key = "entropy"
+
+
+def probe() -> Probe:
+    """Always usable: generators that are not imported are simply not reseeded."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Attach the ``rehydrate.entropy`` hook (every engine has it by default)."""
     manager(engine)

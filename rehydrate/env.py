@@ -15,9 +15,15 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from ._contract import Probe
 from .context import EnvChanges
+from .hooks import Phase
+
+if TYPE_CHECKING:
+    from ._contract import Engine
+    from .context import RestoreContext
 
 __all__ = [
     "KEEP",
@@ -272,3 +278,27 @@ def default_path() -> str:
         return explicit
     proc = os.environ.get("REHYDRATE_GVISOR_PROC", "/proc/gvisor")
     return os.path.join(proc, "spec_environ")
+
+
+# -- extension: the engine's environment refresh ----------------------------------------
+
+key = "env"
+
+
+def probe() -> Probe:
+    """Always usable: without an environment file only an explicit overlay is applied."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Register ``rehydrate.env``: the first restore hook, applying ``engine.env``."""
+
+    def refresh_environment(ctx: RestoreContext) -> None:
+        ctx.env_changes = engine.env.refresh(ctx.env)
+        if ctx.env_changes:
+            log.info("environment refreshed: added=%s changed=%s removed=%s",
+                     list(ctx.env_changes.added), list(ctx.env_changes.changed),
+                     list(ctx.env_changes.removed))
+
+    engine.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
+                             order=-1_000_000, name="rehydrate.env", timeout=10.0)

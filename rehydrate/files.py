@@ -47,13 +47,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
     import sqlite3
 
     from .context import RestoreContext
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "HELD_FSTYPES",
@@ -136,7 +137,7 @@ class _Handle:
 
     _kind = "handle"
 
-    def __init__(self, path: str | os.PathLike[str], engine: Lifecycle | None,
+    def __init__(self, path: str | os.PathLike[str], engine: Engine | None,
                  on_change: OnChange | None, required: bool) -> None:
         object.__setattr__(self, "path", os.path.abspath(os.fspath(path)))
         object.__setattr__(self, "changed", False)
@@ -238,7 +239,7 @@ class ManagedFile(_Handle):
 
     _kind = "file"
 
-    def __init__(self, path: str | os.PathLike[str], mode: str, *, engine: Lifecycle | None,
+    def __init__(self, path: str | os.PathLike[str], mode: str, *, engine: Engine | None,
                  on_change: OnChange | None, required: bool, open_kwargs: dict[str, Any]
                  ) -> None:
         super().__init__(path, engine, on_change, required)
@@ -302,7 +303,7 @@ class ManagedConnection(_Handle):
 
     _kind = "sqlite"
 
-    def __init__(self, path: str | os.PathLike[str], *, engine: Lifecycle | None,
+    def __init__(self, path: str | os.PathLike[str], *, engine: Engine | None,
                  on_change: OnChange | None, required: bool,
                  on_connect: Callable[[sqlite3.Connection], object] | None,
                  connect_kwargs: dict[str, Any]) -> None:
@@ -379,7 +380,7 @@ class ManagedMap(_Handle):
     _kind = "mmap"
 
     def __init__(self, path: str | os.PathLike[str], *, length: int, access: int, offset: int,
-                 engine: Lifecycle | None, on_change: OnChange | None, required: bool
+                 engine: Engine | None, on_change: OnChange | None, required: bool
                  ) -> None:
         super().__init__(path, engine, on_change, required)
         object.__setattr__(self, "length", length)
@@ -633,7 +634,7 @@ def _in_gvisor() -> bool:
 class FilesManager:
     """Per-engine handles and volumes, their hooks, and the before-snapshot audit."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = weakref.ref(engine)
         self._lock = threading.Lock()
         self._handles: dict[int, weakref.ref[_Handle]] = {}
@@ -764,16 +765,20 @@ class FilesManager:
                     "would refuse to checkpoint this)", text)
 
 
-def manager(engine: Lifecycle | None = None) -> FilesManager:
+def manager(engine: Engine | None = None) -> FilesManager:
     """The :class:`FilesManager` of ``engine`` (default: the default engine)."""
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    return engine.extension("files", FilesManager)
+    return resolve_engine(engine).extension("files", FilesManager)
 
 
-def install(engine: Lifecycle) -> None:
+key = "files"
+
+
+def probe() -> Probe:
+    """Always usable: the audit reads ``/proc/self``, and reports nothing when it cannot."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
     """Attach the manager (and so the before-snapshot audit) to ``engine``."""
     manager(engine)
 
@@ -785,7 +790,7 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     path: str | os.PathLike[str],
     mode: str = "r",
     *,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     on_change: OnChange | None = None,
     required: bool = True,
     **open_kwargs: Any,
@@ -805,7 +810,7 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
 def sqlite(
     path: str | os.PathLike[str],
     *,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     on_change: OnChange | None = None,
     on_connect: Callable[[sqlite3.Connection], object] | None = None,
     required: bool = True,
@@ -830,7 +835,7 @@ def mmap(
     *,
     access: int = _mmap.ACCESS_WRITE,
     offset: int = 0,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     on_change: OnChange | None = None,
     required: bool = True,
 ) -> ManagedMap:
@@ -843,7 +848,7 @@ def mmap(
 def volume(
     mount_point: str | os.PathLike[str],
     *,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     on_change: OnChange | None = None,
 ) -> Volume:
     """Register the volume mounted at ``mount_point``: an identity file
@@ -853,7 +858,7 @@ def volume(
     return manager(engine).add_volume(mount_point, on_change)
 
 
-def audit(*, engine: Lifecycle | None = None) -> list[OpenFile]:
+def audit(*, engine: Engine | None = None) -> list[OpenFile]:
     """This process's descriptors on volumes, each marked managed or not."""
     return manager(engine).audit()
 

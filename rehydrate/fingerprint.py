@@ -49,11 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
     from .context import RestoreContext
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "SCHEMA",
@@ -443,7 +444,7 @@ def _env_keys_from_env() -> tuple[str, ...]:
 class FingerprintManager:
     """Per-engine manifest writing, checking after restore, and miss detection."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = weakref.ref(engine)
         self.path: Path | None = None
         self.env_keys: tuple[str, ...] = ()
@@ -576,7 +577,7 @@ class FingerprintManager:
         return self.snapshot_miss
 
 
-_managed: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
+_managed: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def configure(
@@ -586,7 +587,7 @@ def configure(
     strict: bool | None = None,
     expect_restore: bool | None = None,
     root: str | os.PathLike[str] | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
 ) -> FingerprintManager:
     """Enable manifest writing (before snapshot), checking (after restore), miss detection.
 
@@ -596,17 +597,27 @@ def configure(
     ``strict``: a node mismatch after restore fails the required
     ``rehydrate.fingerprint.check`` hook (the process stays ``degraded``).
     """
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    mgr = engine.extension("fingerprint", FingerprintManager)
+    mgr = resolve_engine(engine).extension("fingerprint", FingerprintManager)
     return mgr.configure(path=path, env_keys=env_keys, strict=strict,
                          expect_restore=expect_restore, root=root)
 
 
-def engine_started(engine: Lifecycle) -> None:
-    """Called by :meth:`Lifecycle.start`: environment configuration and miss detection."""
+key = "fingerprint"
+
+
+def probe() -> Probe:
+    """Always usable; it does nothing until configured (or ``REHYDRATE_MANIFEST`` is set)."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Run :func:`engine_started` when ``engine`` starts; the manager itself (its hooks)
+    is created only by :func:`configure` or the environment."""
+    engine.add_start_listener(engine_started)
+
+
+def engine_started(engine: Engine) -> None:
+    """Start listener: environment configuration and miss detection."""
     path = os.environ.get("REHYDRATE_MANIFEST")
     if path or _env_flag("REHYDRATE_EXPECT_RESTORE"):
         configure(path=path or None, env_keys=_env_keys_from_env() or None,

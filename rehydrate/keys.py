@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ._disable import is_disabled
+from .extensions import resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
         PublicKeyTypes,
     )
 
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "ALGORITHMS",
@@ -470,7 +471,7 @@ class EphemeralKey:
 class KeyManager:
     """The ephemeral keys of one engine, and their ``rehydrate.keys`` hooks."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
@@ -554,17 +555,13 @@ class KeyManager:
             k.drop()
 
 
-def manager(engine: Lifecycle | None = None) -> KeyManager:
+def manager(engine: Engine | None = None) -> KeyManager:
     """The key manager of ``engine`` (default: the process-wide engine)."""
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    return engine.extension("keys", KeyManager)
+    return resolve_engine(engine).extension("keys", KeyManager)
 
 
 def ephemeral(name: str, algorithm: str = "ed25519", *,
-              engine: Lifecycle | None = None) -> EphemeralKey:
+              engine: Engine | None = None) -> EphemeralKey:
     """The ephemeral key named ``name`` (created on first call; the same handle after).
 
     ``algorithm``: ``ed25519`` (default), ``x25519``, ``ec-p256``, ``ec-p384``,
@@ -574,5 +571,5 @@ def ephemeral(name: str, algorithm: str = "ed25519", *,
     return manager(engine).ephemeral(name, algorithm)
 
 
-def get(name: str, *, engine: Lifecycle | None = None) -> EphemeralKey | None:
+def get(name: str, *, engine: Engine | None = None) -> EphemeralKey | None:
     return manager(engine).get(name)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, load_extension
 from ._runner import HookRunner, LoopThread, Observer, inside_hook
 from .context import (
     HookFailed,
@@ -30,7 +31,7 @@ from .context import (
     describe_error,
 )
 from .env import POLICIES, EnvRefresher, Policy, check_overlay
-from .hooks import Hook, Phase, Registry
+from .hooks import Hook, Registry
 
 if TYPE_CHECKING:
     import asyncio
@@ -72,9 +73,15 @@ class Status:
 class Lifecycle:
     """Runs hooks for snapshot and restore events and tracks readiness.
 
-    ``registry``: the user hooks (a fresh one when omitted). Built-in managers (the
-    environment refresh, and later entropy, keys, connections …) live in their own
+    ``registry``: the user hooks (a fresh one when omitted). Extensions (the environment
+    refresh, entropy, telemetry, keys, connections …) register their hooks in their own
     registry, :attr:`builtins`, merged with the user hooks at run time.
+
+    ``extensions``: what to install, as :class:`~rehydrate.extensions.Extension` objects or
+    dotted names (default: :data:`~rehydrate.extensions.DEFAULT_EXTENSIONS`; with
+    ``builtins=False``, none). An extension whose probe says it is not usable here is
+    skipped with one log line; one that fails to load or install raises when it was
+    asked for explicitly and is logged when it is a default.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class Lifecycle:
         *,
         env: EnvRefresher | None = None,
         builtins: bool = True,
+        extensions: Iterable[str | Extension] | None = None,
         snapshot_deadline: float | None = None,
     ) -> None:
         self.registry = registry if registry is not None else Registry()
@@ -107,6 +115,9 @@ class Lifecycle:
         self._extra_status: dict[str, Callable[[], Any]] = {}
         self._extensions: dict[str, Any] = {}
         self._ext_lock = threading.Lock()
+        self._start_listeners: list[Callable[[Engine], None]] = []
+        self.installed: list[str] = []
+        """Keys of the extensions installed in this engine, in installation order."""
 
         self._run_lock = threading.Lock()
         self._seen: collections.OrderedDict[str, Report] = collections.OrderedDict()
@@ -123,39 +134,35 @@ class Lifecycle:
         # one entry per abandoned hook thread still running (at most one per hook function);
         # a lambda: close() replaces the runner
         self.add_status("hung_hooks", lambda: self._runner.hung_hooks())  # noqa: PLW0108
-        if builtins:
-            self._install_builtins()
+        if extensions is not None:
+            self._install_extensions(extensions, explicit=True)
+        elif builtins:
+            self._install_extensions(DEFAULT_EXTENSIONS, explicit=False)
         # What the environment file holds now: a later refresh removes keys it drops,
         # even when start() is never called (trigger_snapshot, notify-only setups).
         self.env.baseline()
 
     # -- built-ins -------------------------------------------------------------------
 
-    def _install_builtins(self) -> None:
-        def refresh_environment(ctx: RestoreContext) -> None:
-            ctx.env_changes = self.env.refresh(ctx.env)
-            if ctx.env_changes:
-                log.info("environment refreshed: added=%s changed=%s removed=%s",
-                         list(ctx.env_changes.added), list(ctx.env_changes.changed),
-                         list(ctx.env_changes.removed))
+    def _install_extensions(self, specs: Iterable[str | Extension], *,
+                            explicit: bool) -> None:
+        for spec in specs:
+            try:
+                ext = load_extension(spec)
+                probe = ext.probe()
+                if not probe.usable:
+                    log.info("extension %s not installed: %s", ext.key, probe.reason)
+                    continue
+                ext.install(self)
+            except Exception as exc:
+                if explicit:
+                    raise
+                log.warning("extension %s could not be installed: %s", spec, exc)
+                continue
+            self.installed.append(ext.key)
 
-        self.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
-                               order=-1_000_000, name="rehydrate.env", timeout=10.0)
-
-        from . import entropy  # ENTROPY phase on by default; imports nothing heavy
-
-        entropy.install(self)
-
-        from . import telemetry  # light: OpenTelemetry itself is imported only when used
-
-        telemetry.instrument(self)
-
-        from . import files  # the before-snapshot audit of descriptors on volumes
-
-        files.install(self)
-
-    def extension(self, key: str, factory: Callable[[Lifecycle], T]) -> T:
-        """The per-engine instance of a built-in manager, created by ``factory`` on first use.
+    def extension(self, key: str, factory: Callable[[Engine], T]) -> T:
+        """The per-engine instance of an extension, created by ``factory`` on first use.
 
         Managers (keys, secrets, connections, routes, telemetry …) attach themselves this
         way: the factory typically registers the manager's hooks in :attr:`builtins`.
@@ -185,6 +192,11 @@ class Lifecycle:
     def add_status(self, key: str, fn: Callable[[], Any]) -> None:
         """Add a field to :meth:`status` (managers publish their state this way)."""
         self._extra_status[key] = fn
+
+    def add_start_listener(self, fn: Callable[[Engine], None]) -> None:
+        """Called with this engine once :meth:`start` has started the detectors (the first
+        call only); a listener that raises is logged and does not stop the others."""
+        self._start_listeners.append(fn)
 
     # -- state -----------------------------------------------------------------------
 
@@ -415,18 +427,6 @@ class Lifecycle:
         _check_reason(reason)
         return self.snapshot_requested(reason)
 
-    def trigger_snapshot(
-        self, timeout: float | None = None
-    ) -> Literal["resume", "restore", "error"]:
-        """gVisor: checkpoint this sandbox now (:func:`rehydrate.detect.gvisor.trigger_snapshot`).
-
-        Runs the before-snapshot hooks, writes ``1`` to ``/proc/gvisor/checkpoint``, waits
-        for the answer, runs the restore or resume hooks and returns the answer.
-        """
-        from .detect.gvisor import trigger_snapshot
-
-        return trigger_snapshot(self, timeout=timeout)
-
     def _remember(self, key: str, report: Report) -> None:
         self._seen[key] = report
         while len(self._seen) > _SEEN_KEYS:
@@ -578,9 +578,11 @@ class Lifecycle:
             self._detectors = running
             self._detector_errors = errors
             self._started = True
-            from . import fingerprint  # miss detection: a cold start where a restore was due
-
-            fingerprint.engine_started(self)
+            for listener in list(self._start_listeners):
+                try:
+                    listener(self)
+                except Exception:
+                    log.exception("start listener %r failed", listener)
             log.info("rehydrate started; detectors: %s",
                      ", ".join(d.name for d in running) or "none")
             return [d.name for d in running]

@@ -53,10 +53,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .context import RestoreContext
+from .extensions import resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "ApplyResult",
@@ -900,7 +901,7 @@ def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
 class RoutesManager:
     """Per-engine declarations, the last capture, and the NETWORK-phase hooks."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self.routes: list[Route] = []
@@ -1202,12 +1203,8 @@ def _summary(result: ApplyResult) -> str:
 # Module-level API
 # --------------------------------------------------------------------------------------
 
-def manager(engine: Lifecycle | None = None) -> RoutesManager:
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    return engine.extension("routes", RoutesManager)
+def manager(engine: Engine | None = None) -> RoutesManager:
+    return resolve_engine(engine).extension("routes", RoutesManager)
 
 
 def route(  # noqa: PLR0917 - the order ip-route users expect
@@ -1222,7 +1219,7 @@ def route(  # noqa: PLR0917 - the order ip-route users expect
     scope: int | None = None,
     required: bool = True,
     family: int | str | None = None,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
 ) -> Route:
     """Declare a route re-applied (``replace``) after every restore. Nothing is applied
     now; a route with the same family, destination, table and metric replaces the
@@ -1247,7 +1244,7 @@ def nftables(
     ruleset: Mapping[str, Any] | Sequence[Mapping[str, Any]] | str,
     *,
     required: bool = True,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
 ) -> list[str]:
     """Declare an nftables JSON ruleset re-applied after every restore.
 
@@ -1284,7 +1281,7 @@ def iptables(
     *,
     ipv6: bool = False,
     required: bool = True,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
 ) -> None:
     """Declare ``iptables-restore`` text (``*table`` / ``:CHAIN`` / ``-A`` / ``COMMIT``)
     re-applied with ``--noflush`` after every restore; rules that exist are not doubled."""
@@ -1297,7 +1294,7 @@ def capture(
     *,
     tables: Iterable[str] | None = None,
     required: bool = True,
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
 ) -> Capture:
     """Record the user-added routes and nftables tables (all, or ``tables`` such as
     ``["inet myapp"]``) of the current network namespace now and again before every
@@ -1306,6 +1303,6 @@ def capture(
     return manager(engine).take_capture(tables, required)
 
 
-def apply(*, engine: Lifecycle | None = None) -> ApplyResult:
+def apply(*, engine: Engine | None = None) -> ApplyResult:
     """Re-apply everything declared and captured now (what the restore hook does)."""
     return manager(engine).apply()

@@ -42,10 +42,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._disable import is_disabled
+from .extensions import resolve_engine
 from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "Secret",
@@ -124,7 +125,7 @@ class Secret:
         required: bool = True,
         strip: bool = False,
         wipe_wait: float = 2.0,
-        engine: Lifecycle | None = None,
+        engine: Engine | None = None,
         load: bool = True,
     ) -> None:
         if on_wiped not in ("block", "raise"):
@@ -330,7 +331,7 @@ def _zero(buf: bytearray) -> None:
 class SecretsManager:
     """The secrets of one engine: a wipe hook and a reload hook per secret."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
@@ -394,10 +395,6 @@ class SecretsManager:
         self._forget(id(secret), secret._hooks)
 
 
-def manager(engine: Lifecycle | None = None) -> SecretsManager:
+def manager(engine: Engine | None = None) -> SecretsManager:
     """The secrets manager of ``engine`` (default: the process-wide engine)."""
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    return engine.extension("secrets", SecretsManager)
+    return resolve_engine(engine).extension("secrets", SecretsManager)

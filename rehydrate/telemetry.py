@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .context import HookResult, Report, RestoreContext
+from .extensions import Probe, resolve_engine
 from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "EVENT_SPAN_NAMES",
@@ -158,7 +159,7 @@ class Telemetry:
     override the global providers (tests pass the SDK's in-memory ones).
     """
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = weakref.ref(engine)
         self.enabled = True
         self.tracer_provider: Any = None
@@ -511,16 +512,8 @@ def _set_instance_id(provider: Any, iid: str) -> bool:
 # -- public functions ------------------------------------------------------------------
 
 
-def _engine_or_default(engine: Lifecycle | None) -> Lifecycle:
-    if engine is None:
-        from .api import default_engine
-
-        return default_engine
-    return engine
-
-
 def instrument(
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     *,
     tracer_provider: Any = None,
     meter_provider: Any = None,
@@ -531,15 +524,28 @@ def instrument(
     Called for every engine at creation; call it again to pass explicit providers
     (otherwise the global ones are used, looked up at each event) or ``enabled=False``.
     """
-    eng = _engine_or_default(engine)
+    eng = resolve_engine(engine)
     tel = eng.extension("telemetry", Telemetry)
     tel.configure(tracer_provider=tracer_provider, meter_provider=meter_provider,
                   enabled=enabled)
     return tel
 
 
+key = "telemetry"
+
+
+def probe() -> Probe:
+    """Always usable: without an OpenTelemetry SDK every span and metric is a no-op."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Instrument ``engine`` (every engine is, by default; see :func:`instrument`)."""
+    instrument(engine)
+
+
 def record_snapshot_miss(reason: str, field: str | None = None, fields: Sequence[str] = (),
-                         *, engine: Lifecycle | None = None) -> None:
+                         *, engine: Engine | None = None) -> None:
     """Count a snapshot miss and emit a ``rehydrate.snapshot-miss`` span (no-op without SDK)."""
     try:
         instrument(engine).snapshot_miss(reason, field, fields)
@@ -547,7 +553,7 @@ def record_snapshot_miss(reason: str, field: str | None = None, fields: Sequence
         log.exception("telemetry: could not record the snapshot miss")
 
 
-def record_fingerprint_mismatch(fields: Sequence[str], *, engine: Lifecycle | None = None) -> None:
+def record_fingerprint_mismatch(fields: Sequence[str], *, engine: Engine | None = None) -> None:
     """Count manifest mismatches (per field) and add an event to the current event span."""
     try:
         instrument(engine).fingerprint_mismatch(fields)
@@ -578,7 +584,7 @@ def resource_detector() -> Any:
 def refresh_on_restore(
     *providers: Any,
     exporters: Iterable[Any] = (),
-    engine: Lifecycle | None = None,
+    engine: Engine | None = None,
     flush_timeout: float = 5.0,
 ) -> Telemetry:
     """Keep the SDK ``providers`` (tracer, meter, logger) right across snapshots.

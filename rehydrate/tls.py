@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
+from .extensions import resolve_engine
 from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     )
 
     from .context import RestoreContext
-    from .lifecycle import Lifecycle
+    from .extensions import Engine
 
 __all__ = [
     "CertificateError",
@@ -1076,7 +1077,7 @@ def _use_polling() -> bool:
 class TLSManager:
     """The managed certificates of one engine."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
@@ -1166,19 +1167,15 @@ class TLSManager:
         cert._hooks = ()
 
 
-def manager(engine: Lifecycle | None = None) -> TLSManager:
+def manager(engine: Engine | None = None) -> TLSManager:
     """The TLS manager of ``engine`` (default: the process-wide engine)."""
-    if engine is None:
-        from .api import default_engine
-
-        engine = default_engine
-    return engine.extension("tls", TLSManager)
+    return resolve_engine(engine).extension("tls", TLSManager)
 
 
 def self_signed(name: str, *, common_name: str = "localhost",
                 sans: Sequence[str] = ("localhost", "127.0.0.1"), algorithm: str = "ec-p256",
                 valid_for: _dt.timedelta = _dt.timedelta(days=7), required: bool = True,
-                engine: Lifecycle | None = None) -> SelfSignedCertificate:
+                engine: Engine | None = None) -> SelfSignedCertificate:
     """A self-signed certificate renewed (key, serial, validity) on every restore.
     The same ``name`` returns the same handle."""
     m = manager(engine)
@@ -1189,7 +1186,7 @@ def self_signed(name: str, *, common_name: str = "localhost",
 
 def issued(name: str, issuer: Issuer, *, common_name: str, sans: Sequence[str] = (),
            algorithm: str = "ec-p256", required: bool = True,
-           engine: Lifecycle | None = None) -> IssuedCertificate:
+           engine: Engine | None = None) -> IssuedCertificate:
     """A certificate for a fresh key, issued by ``issuer`` now and after every restore.
     Raises :class:`CertificateError` when the first issuance fails."""
     m = manager(engine)
@@ -1201,7 +1198,7 @@ def issued(name: str, issuer: Issuer, *, common_name: str, sans: Sequence[str] =
 def from_files(name: str, *, cert: str | os.PathLike[str], key: str | os.PathLike[str],
                ca: str | os.PathLike[str] | None = None, password: bytes | None = None,
                watch: bool = True, poll: bool | None = None, poll_interval: float = 1.0,
-               required: bool = True, engine: Lifecycle | None = None) -> FileCertificate:
+               required: bool = True, engine: Engine | None = None) -> FileCertificate:
     """A certificate read from PEM files, re-read on restore and when its directory
     changes. ``poll``: force polling (default: poll under gVisor, inotify elsewhere;
     ``REHYDRATE_WATCH=poll|inotify`` overrides). Raises :class:`CertificateError` when the

@@ -33,9 +33,9 @@ from rehydrate.detect.gvisor import (
     GVisorError,
     GVisorWaiter,
     TriggerNotPermitted,
-    trigger_snapshot,
 )
 from rehydrate.env import EnvRefresher
+from rehydrate.trigger import trigger_snapshot
 
 DEADLINE = 5.0
 
@@ -439,14 +439,14 @@ def test_trigger_with_running_waiter_runs_hooks_once(iso_engine: Lifecycle,
     try:
         rec = Recorder(iso_engine)
         start_waiter(iso_engine, pty_proc)
-        assert iso_engine.trigger_snapshot(timeout=DEADLINE) == "restore"
+        assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "restore"
         # trigger_snapshot returned after the hooks ran, and they ran once.
         assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
                                               ("restore-hook", "restore")]
         assert iso_engine.status().generation == 1
         assert platform.triggers == [b"1"]
         # The waiter carries on for the next checkpoint.
-        assert iso_engine.trigger_snapshot(timeout=DEADLINE) == "restore"
+        assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "restore"
         assert iso_engine.status().generation == 2
     finally:
         iso_engine.stop()
@@ -579,7 +579,7 @@ def test_trigger_waits_until_the_waiter_descriptor_exists(
     try:
         _slow_waiter_open(monkeypatch, 0.3, events)
         iso_engine.start([GVisorWaiter(str(pty_proc))])
-        assert iso_engine.trigger_snapshot(timeout=DEADLINE) == "restore"
+        assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "restore"
     finally:
         iso_engine.stop()
         monkeypatch.undo()
@@ -627,7 +627,7 @@ def test_trigger_waiter_never_armed_runs_resume_hooks(
         _slow_waiter_open(monkeypatch, 1.0, events)
         iso_engine.start([GVisorWaiter(str(pty_proc))])
         with pytest.raises(TimeoutError, match="did not open"):
-            iso_engine.trigger_snapshot(timeout=0.2)
+            trigger_snapshot(iso_engine, timeout=0.2)
         assert platform.triggers == [], "no 1 written: no checkpoint"
         assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
                                               ("restore-hook", "resume")]
@@ -646,7 +646,7 @@ def test_trigger_answer_timeout_with_waiter_leaves_hooks_to_the_late_answer(
         rec = Recorder(iso_engine)
         start_waiter(iso_engine, pty_proc)
         with pytest.raises(TimeoutError):
-            iso_engine.trigger_snapshot(timeout=0.3)
+            trigger_snapshot(iso_engine, timeout=0.3)
         assert platform.triggers == [b"1"]
         # The checkpoint may still be under way: no resume yet, the waiter will answer.
         assert iso_engine.state == "snapshotting"

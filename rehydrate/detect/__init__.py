@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from ..lifecycle import Lifecycle
+    from ..extensions import Engine
 
 __all__ = ["CATALOGUE", "Detector", "DetectorInfo", "available", "load", "select"]
 
@@ -47,7 +47,7 @@ class Detector:
         """
         return None if cls.auto else "off unless asked for"
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         raise NotImplementedError
 
     def stop(self) -> None:

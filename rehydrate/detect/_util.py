@@ -17,7 +17,7 @@ from . import Detector
 
 if TYPE_CHECKING:
     from ..context import Report
-    from ..lifecycle import Lifecycle
+    from ..extensions import Engine
 
 log = logging.getLogger("rehydrate")
 
@@ -89,10 +89,10 @@ class Deferral:
         self.detector = detector
         self.grace = grace
         self._event = threading.Event()
-        self._engine: Lifecycle | None = None
+        self._engine: Engine | None = None
         self._cancelled = False
 
-    def attach(self, engine: Lifecycle) -> None:
+    def attach(self, engine: Engine) -> None:
         self._engine = engine
         self._cancelled = False
         engine.add_listener(self._on_report)
@@ -168,12 +168,12 @@ class DeferringDetector(Detector):
     grace: float
 
     def __init__(self) -> None:
-        self._engine: Lifecycle | None = None
+        self._engine: Engine | None = None
         self._thread: DetectorThread | None = None
         self._deferral = Deferral(self, self.grace)
         self._lock = threading.Lock()
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         with self._lock:
             if self._thread is not None and self._thread.alive:
                 return

@@ -21,7 +21,7 @@ they finished; when a required one failed the resume hooks run and the reply is
 ``ok: false``: the platform should abort the checkpoint); ``resume`` / ``restore`` (run
 the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``resume`` or ``snapshot``, optional ``"env"``: ``{"KEY": "value" | null}``);
-``trigger`` (gVisor: :func:`~rehydrate.detect.gvisor.trigger_snapshot`, optional
+``trigger`` (gVisor: :func:`~rehydrate.trigger.trigger_snapshot`, optional
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
 ``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
 commands and incomplete requests get an error reply and the server keeps serving.
@@ -63,7 +63,7 @@ from ..context import describe_error
 from . import Detector
 
 if TYPE_CHECKING:
-    from ..lifecycle import Lifecycle
+    from ..extensions import Engine
 
 __all__ = [
     "COMMANDS",
@@ -222,7 +222,7 @@ class _BadRequest(ValueError):
 class ControlServer:
     """The socket server; :class:`ControlDetector` runs one per engine."""
 
-    def __init__(self, engine: Lifecycle, path: str | None = None) -> None:
+    def __init__(self, engine: Engine, path: str | None = None) -> None:
         self.engine = engine
         self.path = path or socket_path()
         self._sock: socket.socket | None = None
@@ -562,7 +562,8 @@ class ControlServer:
         return {"ok": report.ok, "report": report.to_dict()}
 
     def _trigger(self, req: Mapping[str, Any]) -> dict[str, Any]:
-        from .gvisor import GVisorError, trigger_snapshot
+        from ..trigger import trigger_snapshot
+        from .gvisor import GVisorError
 
         timeout = req.get("timeout")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -606,7 +607,7 @@ class ControlDetector(Detector):
     def describe(self) -> str:
         return f"listens at {self.path or socket_path()}"
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         if self.server is not None:
             raise RuntimeError("this control detector is already running")
         server = ControlServer(engine, self.path)

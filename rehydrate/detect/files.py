@@ -34,7 +34,7 @@ from . import Detector
 from ._util import DEFAULT_WINDOW, env_flag, env_float, env_kind, positive, running_under_gvisor
 
 if TYPE_CHECKING:
-    from ..lifecycle import Lifecycle
+    from ..extensions import Engine
 
 __all__ = ["MarkerFileDetector", "marker_state"]
 
@@ -100,7 +100,7 @@ class MarkerFileDetector(Detector):
         self.changes = 0
         self.checks = 0
         self._state: State = None
-        self._engine: Lifecycle | None = None
+        self._engine: Engine | None = None
         self._observer: Any = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -124,7 +124,7 @@ class MarkerFileDetector(Detector):
         how = f"polling every {self.interval:g}s" if self.polling else "inotify"
         return f"watches {self.path} ({how})"
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         with self._lock:
             if self._worker is not None:
                 return

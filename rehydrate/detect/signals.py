@@ -36,7 +36,7 @@ from . import Detector
 from ._util import DEFAULT_WINDOW, env_float, env_kind
 
 if TYPE_CHECKING:
-    from ..lifecycle import Lifecycle
+    from ..extensions import Engine
 
 __all__ = ["SignalDetector", "parse_signal"]
 
@@ -98,7 +98,7 @@ class SignalDetector(Detector):
         self.window = window if window is not None else env_float(
             "REHYDRATE_SIGNAL_WINDOW", DEFAULT_WINDOW)
         self.received = 0
-        self._engine: Lifecycle | None = None
+        self._engine: Engine | None = None
         self._previous: Any = None
         self._read_fd: int | None = None
         self._write_fd: int | None = None
@@ -115,7 +115,7 @@ class SignalDetector(Detector):
     def describe(self) -> str:
         return f"{self.signum.name} -> {self.kind}"
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         with self._lock:
             if self._thread is not None:
                 return

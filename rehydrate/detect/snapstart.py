@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from . import Detector
 
 if TYPE_CHECKING:
-    from ..lifecycle import Lifecycle
+    from ..extensions import Engine
 
 __all__ = ["SnapStartBridge", "SnapStartHookFailed"]
 
 log = logging.getLogger("rehydrate")
 
 _lock = threading.Lock()
-_engines: list[Lifecycle] = []
+_engines: list[Engine] = []
 _snapshot_at: float | None = None
 """``time.monotonic()`` when the before-snapshot bridge ran (before the freeze)."""
 
@@ -106,7 +106,7 @@ class SnapStartBridge(Detector):
     auto: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        self._engine: Lifecycle | None = None
+        self._engine: Engine | None = None
 
     @classmethod
     def probe(cls) -> str | None:
@@ -133,7 +133,7 @@ class SnapStartBridge(Detector):
     def describe(self) -> str:
         return "registered with snapshot_restore_py (Lambda SnapStart runtime hooks)"
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         module = importlib.import_module("snapshot_restore_py")
         with _lock:
             _ensure_registered(module)

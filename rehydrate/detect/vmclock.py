@@ -35,7 +35,7 @@ from . import Detector
 from ._util import DEFAULT_WINDOW, DetectorThread, env_float, positive
 
 if TYPE_CHECKING:
-    from ..lifecycle import Lifecycle
+    from ..extensions import Engine
 
 __all__ = [
     "FLAG_NOTIFICATION_PRESENT",
@@ -152,7 +152,7 @@ class VmClockDetector(Detector):
         """``poll`` (kernel notifications), ``interval`` (re-reading) or ``stopped``."""
         self.generation: int | None = None
         self.reads = 0
-        self._engine: Lifecycle | None = None
+        self._engine: Engine | None = None
         self._thread: DetectorThread | None = None
         self._wake_r: int | None = None
         self._wake_w: int | None = None
@@ -181,7 +181,7 @@ class VmClockDetector(Detector):
     def describe(self) -> str:
         return f"watches vm_generation_counter in {self.path} ({self.mode})"
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         with self._lock:
             if self._thread is not None and self._thread.alive:
                 return

@@ -1,0 +1,150 @@
+"""The extension contract's bottom layer: what the engine and its extensions agree on.
+
+Private: users import these names from :mod:`rehydrate.extensions`. They live here, below
+the engine, so that :mod:`rehydrate.lifecycle` can load extensions without importing the
+module that also holds the default engine (which imports the lifecycle).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from .context import Report, RestoreReport, SnapshotReport
+    from .detect import Detector
+    from .env import EnvRefresher
+    from .hooks import Registry
+
+__all__ = ["DEFAULT_EXTENSIONS", "Engine", "Extension", "Probe", "load_extension"]
+
+T = TypeVar("T")
+
+DEFAULT_EXTENSIONS: tuple[str, ...] = (
+    "rehydrate.env",
+    "rehydrate.entropy",
+    "rehydrate.telemetry",
+    "rehydrate.fingerprint",
+    "rehydrate.files",
+)
+"""The extensions every :class:`~rehydrate.Lifecycle` installs unless told otherwise:
+dotted names (``"package.module"`` or ``"package.module:attribute"``), imported only when
+an engine is created. Adding a default-on extension is one line here."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether an extension (or detector) can work here, and if not, why not."""
+
+    usable: bool
+    reason: str = ""
+
+
+@runtime_checkable
+class Extension(Protocol):
+    """A detector, built-in manager or adapter that plugs into an engine.
+
+    A module can be an extension itself (module-level ``key``, ``probe()`` and
+    ``install(engine)``), as the built-in managers are.
+    """
+
+    key: str
+    """Unique per engine; also the name of the per-engine singleton, if any."""
+
+    def probe(self) -> Probe:
+        """Can this extension work here? ``reason`` says why not (or how it works)."""
+        ...
+
+    def install(self, engine: Engine) -> None:
+        """Attach hooks (in ``engine.builtins``), observers, listeners and status fields."""
+        ...
+
+
+class Engine(Protocol):
+    """What extensions use of the lifecycle engine (:class:`~rehydrate.Lifecycle`)."""
+
+    registry: Registry
+    """The user hooks."""
+    builtins: Registry
+    """Where extensions register their hooks (merged with the user hooks at run time)."""
+    env: EnvRefresher
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def snapshot_pending(self) -> bool: ...
+
+    @property
+    def last_restore_at(self) -> float | None: ...
+
+    def extension(self, key: str, factory: Callable[[Engine], T]) -> T:
+        """The per-engine instance for ``key``, created by ``factory(engine)`` on first use."""
+        ...
+
+    def add_observer(self, observer: Any) -> None: ...
+
+    def remove_observer(self, observer: Any) -> None: ...
+
+    def add_listener(self, fn: Callable[[Report], None]) -> None: ...
+
+    def remove_listener(self, fn: Callable[[Report], None]) -> None: ...
+
+    def add_status(self, key: str, fn: Callable[[], Any]) -> None: ...
+
+    def add_start_listener(self, fn: Callable[[Engine], None]) -> None: ...
+
+    def is_ready(self) -> bool: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def status(self) -> Any: ...
+
+    def restore_detected(
+        self,
+        reason: str,
+        *,
+        kind: Literal["restore", "resume"] = "restore",
+        since: float | None = None,
+        key: str | None = None,
+        frozen_for: float | None = None,
+        env: Mapping[str, str | None] | None = None,
+        detected_at: float | None = None,
+        anchor: bool = True,
+    ) -> RestoreReport: ...
+
+    def snapshot_requested(self, reason: str = "simulated", *,
+                           key: str | None = None) -> SnapshotReport: ...
+
+    def simulate_restore(
+        self,
+        env: Mapping[str, str | None] | None = None,
+        reason: str = "simulated",
+        kind: Literal["restore", "resume"] = "restore",
+        frozen_for: float | None = None,
+    ) -> RestoreReport: ...
+
+    def simulate_snapshot(self, reason: str = "simulated") -> SnapshotReport: ...
+
+    def detector(self, name: str) -> Detector | None: ...
+
+    def specific_detectors(self, than: int) -> Sequence[Detector]: ...
+
+
+def load_extension(spec: str | Extension) -> Extension:
+    """The extension named by ``spec`` (``"pkg.module"`` or ``"pkg.module:attr"``), imported
+    now; an :class:`Extension` object is returned as it is."""
+    if not isinstance(spec, str):
+        return spec
+    module_name, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    if attr:
+        obj = getattr(obj, attr)
+    if not isinstance(obj, Extension):
+        raise TypeError(f"{spec} is not an extension (needs key, probe() and install(engine))")
+    return obj

@@ -1,0 +1,181 @@
+"""gVisor application-driven checkpoint, triggered from inside: :func:`trigger_snapshot`.
+
+An action, not detection: it runs the before-snapshot hooks, writes ``1`` to
+``/proc/gvisor/checkpoint`` and waits for the answer on a descriptor opened before the
+write — the running gVisor waiter's (:class:`~rehydrate.detect.gvisor.GVisorWaiter`)
+when there is one, else its own. ``rehydrate.trigger_snapshot()`` is this function on the
+default engine.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+
+from .detect.gvisor import (
+    _OPEN_READ,
+    _OPEN_WRITE,
+    ANNOTATION,
+    Answer,
+    GVisorError,
+    GVisorWaiter,
+    TriggerNotPermitted,
+    _handle,
+    _missing_reason,
+    _parse,
+    _poll_read,
+    checkpoint_path,
+)
+from .extensions import Engine, resolve_engine
+
+__all__ = ["trigger_snapshot"]
+
+log = logging.getLogger("rehydrate")
+
+
+def _not_permitted(path: str, exc: OSError) -> TriggerNotPermitted:
+    return TriggerNotPermitted(
+        f"writing to {path} was refused ({exc.strerror or exc}): application-driven "
+        f"checkpoints need the sandbox annotation {ANNOTATION} (and, on GKE, a "
+        "PodSnapshotPolicy with triggerConfig.type: workload)")
+
+
+def trigger_snapshot(
+    engine: Engine | None = None,
+    *,
+    proc: str | None = None,
+    timeout: float | None = None,
+) -> Answer:
+    """Checkpoint this sandbox now and return what happened to this process.
+
+    Runs the before-snapshot hooks, writes ``1`` to the checkpoint file, blocks until gVisor
+    answers, runs the restore (``"restore"``) or resume (``"resume"``, ``"error"``) hooks
+    and returns the answer. The answer is read on a descriptor opened before the write:
+    the running gVisor waiter's when there is one (it runs the hooks and this call waits
+    for them), else one of its own. When the before-snapshot hooks fail (``report.ok``
+    false) no checkpoint is triggered: the resume hooks run and the answer is ``"error"``.
+
+    Raises :class:`TriggerNotPermitted` (naming the annotation) when gVisor refuses the
+    write, :class:`GVisorError` when the file is missing or unusable, ``TimeoutError``
+    when ``timeout`` seconds pass without an answer.
+
+    A failure after the before-snapshot hooks ran never leaves the process
+    ``snapshotting``: the resume hooks run (kind ``resume``, not a freeze anchor) before
+    the error is raised — except when the running waiter timed out waiting for the
+    answer *after* the ``1`` was written: its descriptor is registered for this
+    checkpoint, so the late answer runs the restore or resume hooks then (until it comes,
+    the process stays ``snapshotting``; set ``snapshot_deadline`` on the engine for a
+    bound). Without a waiter a late answer is not read: a restore after such a timeout is
+    left to the generic detectors (clock jump …).
+    """
+    engine = resolve_engine(engine)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiter = engine.detector("gvisor")
+    if not isinstance(waiter, GVisorWaiter) or not waiter.running:
+        waiter = None
+    if proc is None and waiter is not None:
+        path = waiter.path
+    else:
+        path = checkpoint_path(proc)
+        if waiter is not None and os.path.abspath(waiter.path) != os.path.abspath(path):
+            waiter = None
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise GVisorError(_missing_reason(os.path.dirname(path)) or f"{path} not found"
+                          ) from None
+    if stat.S_ISFIFO(st.st_mode):
+        raise GVisorError(f"{path} is a FIFO (a test stand-in for gVisor): it cannot carry "
+                          "a trigger, the 1 written would be read back as an answer")
+    # Opening for write is where gVisor checks permission: find out before any hook runs.
+    try:
+        wfd = os.open(path, _OPEN_WRITE)
+    except PermissionError as exc:
+        raise _not_permitted(path, exc) from None
+    except OSError as exc:
+        raise GVisorError(f"cannot open {path} for writing: {exc.strerror or exc}") from None
+    progress = _Progress()
+    try:
+        snap = engine.snapshot_requested("gvisor")
+        if not snap.ok:
+            log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
+                      "resume hooks")
+            engine.restore_detected("gvisor", kind="resume", anchor=False)
+            return "error"
+        # The before-snapshot hooks ran: from here on, a failure must not leave the process
+        # "snapshotting" for ever. Unless an answer is still coming to the running waiter
+        # (which then runs the hooks), the resume hooks run before the error is raised.
+        try:
+            return _trigger(engine, waiter, path, wfd, deadline=deadline, timeout=timeout,
+                            progress=progress)
+        except Exception as exc:
+            if progress.answer_pending:
+                raise
+            log.warning("trigger failed after the before-snapshot hooks ran (%s); running "
+                        "the resume hooks, the process carries on", exc)
+            try:
+                engine.restore_detected("gvisor", kind="resume", anchor=False)
+            except Exception:
+                log.exception("running the resume hooks after a failed trigger failed")
+            raise
+    finally:
+        os.close(wfd)
+
+
+class _Progress:
+    answer_pending = False
+    """The running waiter holds a descriptor for the triggered checkpoint: its (late)
+    answer runs the restore or resume hooks."""
+
+
+def _trigger(engine: Engine, waiter: GVisorWaiter | None, path: str, wfd: int, *,
+             deadline: float | None, timeout: float | None, progress: _Progress) -> Answer:
+    """Write ``1`` and wait for the answer (the part of :func:`trigger_snapshot` after the
+    before-snapshot hooks ran)."""
+    rfd = -1
+    seq = 0
+    since = 0.0
+    try:
+        if waiter is not None:
+            seq = waiter._wait_armed(deadline)
+        else:
+            rfd = os.open(path, _OPEN_READ)
+            since = time.monotonic()
+        try:
+            written = os.write(wfd, b"1")
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.EACCES):
+                raise _not_permitted(path, exc) from None
+            if exc.errno == errno.ENXIO:
+                raise GVisorError(f"writing 1 to {path} failed: a checkpoint is already in "
+                                  "progress; resume hooks ran") from None
+            raise GVisorError(f"writing 1 to {path} failed: {exc.strerror or exc}; "
+                              "resume hooks ran, the process carries on") from None
+        if written != 1:  # pragma: no cover - a 1-byte write is all or nothing
+            raise GVisorError(f"short write to {path}")
+        log.info("checkpoint triggered through %s; waiting for the answer", path)
+        if waiter is not None:
+            try:
+                answer, _report = waiter._wait_answer(seq, deadline)
+            except TimeoutError:
+                # The waiter's descriptor gets the late answer and runs the hooks then.
+                progress.answer_pending = True
+                raise
+            return answer
+        data = _poll_read(rfd, None, deadline)
+        if data is None:
+            raise TimeoutError(f"no answer from {path} within {timeout}s; resume hooks ran "
+                               "(a late answer is not waited for)")
+        arrived = time.monotonic()
+        answers, bad = _parse(data)
+        if not answers:
+            raise GVisorError(f"{path} gave {'; '.join(bad)} after a trigger; resume hooks "
+                              "ran")
+        _handle(engine, answers[0], since, "gvisor", arrived)
+        return answers[0]
+    finally:
+        if rfd >= 0:
+            os.close(rfd)

@@ -1,0 +1,141 @@
+"""The extension contract: Lifecycle(extensions=...), probes, start listeners, defaults."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+
+import rehydrate
+from rehydrate import Lifecycle, Phase, Registry
+from rehydrate.env import EnvRefresher
+from rehydrate.extensions import (
+    DEFAULT_EXTENSIONS,
+    Engine,
+    Extension,
+    Probe,
+    load_extension,
+    resolve_engine,
+)
+
+
+@dataclass
+class Recorder:
+    """An extension that registers one hook, one status field and one start listener."""
+
+    key: str = "recorder"
+    usable: bool = True
+    ran: list[str] = field(default_factory=list)
+    started: list[Engine] = field(default_factory=list)
+
+    def probe(self) -> Probe:
+        return Probe(self.usable, "" if self.usable else "no recorder device here")
+
+    def install(self, engine: Engine) -> None:
+        engine.builtins.register(lambda: self.ran.append("restore"), phase=Phase.NETWORK,
+                                 name="test.recorder", timeout=5.0)
+        engine.add_status("recorder", lambda: len(self.ran))
+        engine.add_start_listener(self.started.append)
+
+
+def _engine(**kw: object) -> Lifecycle:
+    return Lifecycle(Registry(), env=EnvRefresher(path=None), **kw)  # type: ignore[arg-type]
+
+
+def test_default_extensions_are_installed_in_order():
+    engine = _engine()
+    try:
+        assert engine.installed == ["env", "entropy", "telemetry", "fingerprint", "files"]
+        assert [load_extension(n).key for n in DEFAULT_EXTENSIONS] == engine.installed
+        names = [h.name for h in engine.builtins.hooks("restore")]
+        assert "rehydrate.env" in names and "rehydrate.entropy" in names
+    finally:
+        engine.close()
+
+
+def test_builtins_false_installs_nothing():
+    engine = _engine(builtins=False)
+    try:
+        assert engine.installed == []
+        assert engine.builtins.hooks("restore") == ()
+    finally:
+        engine.close()
+
+
+def test_explicit_extension_hooks_status_and_start_listener():
+    rec = Recorder()
+    assert isinstance(rec, Extension)
+    engine = _engine(extensions=[rec])
+    try:
+        assert engine.installed == ["recorder"]
+        report = engine.simulate_restore()
+        assert report.ok
+        assert [h.name for h in report.hooks] == ["test.recorder"]
+        assert rec.ran == ["restore"]
+        assert engine.status().to_dict()["recorder"] == 1
+        assert rec.started == []
+        engine.start(detectors="none")
+        engine.start(detectors="none")  # idempotent: listeners run on the first start only
+        assert rec.started == [engine]
+    finally:
+        engine.close()
+
+
+def test_unusable_extension_is_skipped_with_its_reason(caplog):
+    rec = Recorder(usable=False)
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        engine = _engine(extensions=[rec])
+    try:
+        assert engine.installed == []
+        assert engine.simulate_restore().hooks == ()
+        assert "recorder not installed: no recorder device here" in caplog.text
+    finally:
+        engine.close()
+
+
+def test_extensions_by_dotted_name(monkeypatch):
+    mod = types.ModuleType("rehydrate_test_ext")
+    mod.EXT = Recorder(key="dotted")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "rehydrate_test_ext", mod)
+    engine = _engine(extensions=["rehydrate.env", "rehydrate_test_ext:EXT"])
+    try:
+        assert engine.installed == ["env", "dotted"]
+    finally:
+        engine.close()
+
+
+def test_explicit_bad_extension_raises_a_clear_error(monkeypatch):
+    with pytest.raises(ModuleNotFoundError):
+        _engine(extensions=["rehydrate_no_such_module"])
+    monkeypatch.setitem(sys.modules, "rehydrate_not_ext", types.ModuleType("rehydrate_not_ext"))
+    with pytest.raises(TypeError, match="rehydrate_not_ext is not an extension"):
+        _engine(extensions=["rehydrate_not_ext"])
+
+
+def test_a_failing_start_listener_is_logged_and_the_others_run(caplog):
+    rec = Recorder()
+    engine = _engine(extensions=[rec])
+
+    def boom(_engine: Engine) -> None:
+        raise RuntimeError("listener broke")
+
+    engine._start_listeners.insert(0, boom)
+    try:
+        with caplog.at_level(logging.ERROR, logger="rehydrate"):
+            engine.start(detectors="none")
+        assert rec.started == [engine]
+        assert "start listener" in caplog.text
+    finally:
+        engine.close()
+
+
+def test_resolve_engine():
+    engine = _engine(builtins=False)
+    try:
+        assert resolve_engine(engine) is engine
+        assert resolve_engine(None) is rehydrate.default_engine
+    finally:
+        engine.close()
