@@ -875,7 +875,7 @@ def test_simulate_restore_checks_its_arguments_before_any_hook_runs(rehydrate_en
 
 
 def test_simulate_snapshot_takes_a_reason_at_module_level_too(rehydrate_engine, monkeypatch):
-    monkeypatch.setattr(rehydrate.api, "default_engine", rehydrate_engine, raising=False)
+    monkeypatch.setattr(rehydrate.extensions, "_default", rehydrate_engine)
     report = rehydrate.simulate_snapshot(reason="docs-example")
     assert report.reason == "docs-example"
     with pytest.raises(TypeError):
