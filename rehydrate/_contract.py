@@ -83,8 +83,9 @@ class Engine(Protocol):
     @property
     def last_restore_at(self) -> float | None: ...
 
-    def extension(self, key: str, factory: Callable[[Engine], T]) -> T:
-        """The per-engine instance for ``key``, created by ``factory(engine)`` on first use."""
+    def extension(self, key: str, factory: Callable[[Any], T]) -> T:
+        """The per-engine instance for ``key``, created by ``factory(engine)`` on first use
+        (``Any``: a factory may be typed against :class:`~rehydrate.Lifecycle` itself)."""
         ...
 
     def add_observer(self, observer: Any) -> None: ...

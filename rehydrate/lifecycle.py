@@ -161,7 +161,7 @@ class Lifecycle:
                 continue
             self.installed.append(ext.key)
 
-    def extension(self, key: str, factory: Callable[[Engine], T]) -> T:
+    def extension(self, key: str, factory: Callable[[Lifecycle], T]) -> T:
         """The per-engine instance of an extension, created by ``factory`` on first use.
 
         Managers (keys, secrets, connections, routes, telemetry …) attach themselves this
