@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._compat import resolve_engine
@@ -9,7 +10,7 @@ from ._compat import resolve_engine
 if TYPE_CHECKING:
     from .. import Lifecycle, Status
 
-__all__ = ["not_ready_reason", "reason_of"]
+__all__ = ["Probe", "not_ready_reason", "probe_import", "reason_of"]
 
 
 def not_ready_reason(engine: Lifecycle | None = None) -> str:
@@ -45,3 +46,24 @@ def reason_of(status: Status) -> str:
                 parts.append(f"{h.name} {h.outcome}" + (f" ({error})" if error else ""))
             reason = f"{last.event} hook(s) failed: " + "; ".join(parts)
     return reason
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether an adapter can work here, and why not (until ``rehydrate.extensions.Probe``)."""
+
+    usable: bool
+    reason: str = ""
+
+
+def probe_import(module: str, extra: str) -> Probe:
+    """Usable when ``module`` is importable (found, not imported: probing stays cheap)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return Probe(True)
+    return Probe(False, f"{module} is not installed (pip install 'rehydrate[{extra}]')")

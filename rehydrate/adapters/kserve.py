@@ -1,0 +1,113 @@
+"""KServe's Python ``ModelServer``: readiness that knows about restores.
+
+KServe's ``GET /v2/health/ready`` answers ready regardless of its models (only a
+transformer asks its predictor), and a model's ``healthy()`` is just ``self.ready``, which
+``ModelServer.start()`` forces to True. A restored replica would therefore take traffic
+while its restore hooks (new keys, reconnections, a warm-up) are still running, or after
+they failed. :func:`install` gates both on rehydrate::
+
+    from kserve import ModelServer
+    from rehydrate.adapters import kserve as rehydrate_kserve
+
+    server = ModelServer()
+    rehydrate_kserve.install(server)
+    rehydrate.start()
+    server.start([MyModel("my-model")])
+
+From then on, while a restore or snapshot is in progress or the process is degraded:
+
+* ``GET /v2/health/ready`` (and gRPC ``ServerReady``) answer not ready (503);
+* every registered model's ``healthy()``, ``GET /v2/models/{name}/ready`` (and
+  ``/v1/models/{name}``, gRPC ``ModelReady``) say not ready — so do KServe's
+  inference endpoints, which check model readiness first (503 "model not ready");
+* ``GET /v2/health/live`` stays 200 (a liveness probe must not kill a restoring pod).
+
+They say ready again once every required restore hook has succeeded. Unknown models still
+answer 404. Gating happens on the server object's own data plane, so it covers models
+registered after :func:`install` too (``ModelServer.start(models)`` registers them then);
+run the server with one worker (``workers=1``, KServe's default).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from ._compat import resolve_engine
+from ._readiness import Probe, probe_import
+
+if TYPE_CHECKING:
+    from .. import Lifecycle
+
+__all__ = ["install", "probe"]
+
+log = logging.getLogger("rehydrate.adapters.kserve")
+
+_MARK = "_rehydrate_engine"
+
+
+def probe() -> Probe:
+    """Usable when the ``kserve`` package is installed."""
+    return probe_import("kserve", "kserve")
+
+
+def install(model_server: Any, *, engine: Lifecycle | None = None) -> None:
+    """Gate ``model_server``'s readiness (server and every model) on ``engine``'s.
+
+    ``model_server``: a ``kserve.ModelServer``. ``engine``: default, the process's engine.
+    Installing twice on one server is a no-op; installing for another engine is refused.
+    """
+    eng = resolve_engine(engine)
+    dataplane = getattr(model_server, "dataplane", None)
+    repository = getattr(model_server, "registered_models", None)
+    if dataplane is None or repository is None:
+        raise TypeError(f"install() needs a kserve.ModelServer, not "
+                        f"{type(model_server).__name__}")
+    installed = getattr(model_server, _MARK, None)
+    if installed is eng:
+        return
+    if installed is not None:
+        raise ValueError("this ModelServer is already gated on another rehydrate engine")
+    setattr(model_server, _MARK, eng)
+
+    server_ready: Callable[[], Awaitable[bool]] = dataplane.ready
+    model_ready: Callable[..., Awaitable[bool]] = dataplane.model_ready
+
+    async def ready() -> bool:
+        return eng.is_ready() and await server_ready()
+
+    async def gated_model_ready(model_name: str, *args: Any, **kwargs: Any) -> bool:
+        # the original first: an unknown model still raises ModelNotFound (404)
+        return await model_ready(model_name, *args, **kwargs) and eng.is_ready()
+
+    dataplane.ready = ready
+    # A transformer asks its predictor instead of the model's healthy(): gate that too.
+    dataplane.model_ready = gated_model_ready
+
+    for model in repository.get_models().values():
+        _gate_model(model, eng)
+    update: Callable[..., None] = repository.update
+
+    @functools.wraps(update)
+    def gated_update(model: Any, *args: Any, **kwargs: Any) -> None:
+        _gate_model(model, eng)
+        update(model, *args, **kwargs)
+
+    repository.update = gated_update
+    log.info("KServe readiness gated on rehydrate (%d model(s) registered so far)",
+             len(repository.get_models()))
+
+
+def _gate_model(model: Any, engine: Lifecycle) -> None:
+    """Make ``model.healthy()`` say False while ``engine`` is not ready."""
+    if getattr(model, _MARK, None) is engine:
+        return
+    healthy: Callable[[], Awaitable[bool]] = model.healthy
+
+    async def gated_healthy() -> bool:
+        return engine.is_ready() and await healthy()
+
+    model.healthy = gated_healthy
+    setattr(model, _MARK, engine)

@@ -1,0 +1,53 @@
+"""A real KServe ModelServer with a real kserve.Model, gated by rehydrate (run as a script).
+
+argv: HTTP port, a directory of control files, "gated" or "plain" (no adapter: the
+control case). The restore hook ``warm-up`` waits until ``<dir>/release`` exists and
+fails while ``<dir>/fail`` exists, so the test holds a restore open or makes it fail.
+The test drives restores through the control socket (``rehydrate notify restore``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import kserve
+
+import rehydrate
+from rehydrate.adapters import kserve as rehydrate_kserve
+
+
+class Echo(kserve.Model):
+    def load(self) -> bool:
+        self.ready = True
+        return self.ready
+
+    async def predict(self, payload, headers=None, response_headers=None):
+        return {"predictions": payload.get("instances", [])}
+
+
+def main() -> None:
+    port, control, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+    @rehydrate.after_restore(name="warm-up", timeout=60)
+    def warm_up() -> None:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(control, "release")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("never released")
+            time.sleep(0.01)
+        if os.path.exists(os.path.join(control, "fail")):
+            raise RuntimeError("warm-up inference failed")
+
+    server = kserve.ModelServer(http_port=port, enable_grpc=False, workers=1)
+    if mode == "gated":
+        rehydrate_kserve.install(server)
+    rehydrate.start(detectors=["control"])
+    model = Echo("echo")
+    model.load()
+    server.start([model])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""rehydrate.adapters.kserve against the real KServe 0.21 ModelServer (CPU) with a real
+kserve.Model, observed with tritonclient's HTTP client as a real v2 client would; restores
+are announced through the control socket by the real ``rehydrate notify``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tritonclient.http as httpclient
+
+from tests.detect_helpers import wait_for
+from tests.netservers import free_port, wait_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class KServe:
+    def __init__(self, tmp: Path, mode: str) -> None:
+        self.control = tmp / "control"
+        self.control.mkdir()
+        self.env = {**os.environ, "REHYDRATE_CONTROL_SOCKET": str(tmp / "rehydrate.sock"),
+                    "PYTHONPATH": str(REPO)}
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.kserve_server", str(self.port), str(self.control),
+             mode], env=self.env, cwd=REPO, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+        wait_port(self.port, timeout=60, proc=self.proc)
+        self.client = httpclient.InferenceServerClient(f"127.0.0.1:{self.port}")
+        wait_for(lambda: os.path.exists(self.env["REHYDRATE_CONTROL_SOCKET"]), 30,
+                 "the control socket")
+
+    def notify(self, action: str = "restore") -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "rehydrate", "notify", action],
+                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def ready(self) -> tuple[bool, bool, bool]:
+        """(server ready, model ready, live) as tritonclient sees them."""
+        return (self.client.is_server_ready(), self.client.is_model_ready("echo"),
+                self.client.is_server_live())
+
+    def touch(self, name: str) -> None:
+        (self.control / name).touch()
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def kserve_gated(tmp_path: Path) -> Iterator[KServe]:
+    server = KServe(tmp_path, "gated")
+    yield server
+    server.close()
+
+
+def test_not_ready_while_restoring_and_when_degraded(kserve_gated: KServe) -> None:
+    import httpx
+
+    s = kserve_gated
+    url = f"http://127.0.0.1:{s.port}"
+    assert s.ready() == (True, True, True)
+
+    # a restore whose warm-up hook is held: the server and the model say not ready
+    notify = s.notify()
+    wait_for(lambda: not s.client.is_server_ready(), 30, "server not ready during restore")
+    assert s.ready() == (False, False, True)
+    assert notify.poll() is None  # the restore is really still running
+    s.touch("release")
+    assert notify.wait(30) == 0, notify.stderr.read() if notify.stderr else ""
+    assert s.ready() == (True, True, True)
+    assert httpx.post(f"{url}/v1/models/echo:predict", json={"instances": [1]}).json() == {
+        "predictions": [1]}
+
+    # a failed required hook leaves the process degraded: not ready until a good restore
+    s.touch("fail")
+    notify = s.notify()
+    assert notify.wait(30) != 0
+    assert s.ready() == (False, False, True)
+    # KServe's inference endpoint checks model readiness: 503, not a prediction made with
+    # pre-restore state; unknown models stay 404; liveness stays 200
+    assert httpx.post(f"{url}/v1/models/echo:predict", json={"instances": [1]}
+                      ).status_code == 503
+    assert httpx.get(f"{url}/v2/models/nope/ready").status_code == 404
+    assert httpx.get(f"{url}/v2/health/live").status_code == 200
+    (s.control / "fail").unlink()
+    assert s.notify().wait(30) == 0
+    assert s.ready() == (True, True, True)
+
+
+def test_without_the_adapter_kserve_says_ready_while_restoring(tmp_path: Path) -> None:
+    """The control case: KServe's own readiness ignores the restore."""
+    s = KServe(tmp_path, "plain")
+    try:
+        notify = s.notify()
+        wait_for(lambda: notify.poll() is None and _status_state(s) == "restoring", 30,
+                 "the restore to start")
+        assert s.ready() == (True, True, True)
+        s.touch("release")
+        assert notify.wait(30) == 0
+    finally:
+        s.close()
+
+
+def _status_state(s: KServe) -> Any:
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "rehydrate", "status", "--json"], env=s.env,
+                         capture_output=True, check=False)
+    return json.loads(out.stdout)["state"] if out.returncode == 0 else None
+
+
+def test_install_refuses_what_is_not_a_model_server(rehydrate_engine: Any) -> None:
+    from rehydrate.adapters import kserve as adapter
+
+    with pytest.raises(TypeError, match="install\\(\\) needs a kserve.ModelServer, not int"):
+        adapter.install(42, engine=rehydrate_engine)
+    assert adapter.probe().usable
