@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ._contract import Probe
+from ._files import read_regular
 from .context import EnvChanges
 from .hooks import Phase
 
@@ -94,10 +95,14 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
 
 
 def read_environ(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
-    """Read and parse an environment file; :class:`EnvError` on any problem."""
+    """Read and parse an environment file; :class:`EnvError` on any problem.
+
+    Only a regular file is read, opened without blocking (a FIFO at the path would
+    otherwise hang the engine until a writer appears), and at most
+    :data:`MAX_ENVIRON_BYTES` of it.
+    """
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_ENVIRON_BYTES + 1)
+        data = bytes(read_regular(path, MAX_ENVIRON_BYTES))
     except OSError as exc:
         raise EnvError(f"cannot read {os.fspath(path)}: {exc.strerror or exc}") from None
     try:
@@ -180,17 +185,20 @@ class EnvRefresher:
         """
         if self.policy == "off":
             return EnvChanges()
-        with self._lock:
-            if overlay is not None:
+        if overlay is not None:
+            with self._lock:
                 return self._apply_overlay(overlay)
-            path = self.resolved_path()
-            if path is None:
-                return EnvChanges()
-            if not _present(path):
-                if self.configured():
-                    raise EnvError(f"{path}: the configured environment file does not exist")
-                return EnvChanges()
-            new = read_environ(path)
+        path = self.resolved_path()
+        if path is None:
+            return EnvChanges()
+        if not _present(path):
+            if self.configured():
+                raise EnvError(f"{path}: the configured environment file does not exist")
+            return EnvChanges()
+        # Read outside the lock: a read stuck on a hung mount (its hook abandoned at the
+        # timeout) must not hold the lock every later refresh needs.
+        new = read_environ(path)
+        with self._lock:
             return self._apply_file(new, path)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:

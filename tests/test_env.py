@@ -609,3 +609,65 @@ def test_a_configured_file_that_is_missing_is_an_error(tmp_path, environ, monkey
     # the gVisor default that is absent (not gVisor) is no error
     monkeypatch.delenv("REHYDRATE_ENV_FILE")
     assert EnvRefresher().refresh() == EnvChanges()
+def test_a_fifo_as_the_environment_file_never_blocks_the_engine(tmp_path, environ):
+    """Issue #13.7: a FIFO at the path hung Lifecycle() (baseline), simulate_snapshot()
+    for ever, and every restore after. Now each is one clear error and the engine keeps
+    going; once a regular file is back, the next restore applies it."""
+    import threading
+
+    spec = tmp_path / "spec_environ"
+    os.mkfifo(spec)
+    done: dict[str, object] = {}
+
+    def drive() -> None:
+        engine = Lifecycle(Registry(), env=EnvRefresher(path=str(spec)))
+        try:
+            done["snapshot"] = engine.simulate_snapshot()
+            done["restore"] = engine.simulate_restore()
+            os.unlink(spec)
+            write(spec, {b"RHT_FIFO_FIXED": b"1"})
+            done["fixed"] = engine.simulate_restore()
+        finally:
+            engine.close()
+
+    worker = threading.Thread(target=drive, daemon=True)
+    worker.start()
+    worker.join(20.0)  # a deadline for the whole sequence, not a timing assumption
+    assert not worker.is_alive(), f"the engine blocked on a FIFO (got {sorted(done)})"
+    assert done["snapshot"].ok  # type: ignore[attr-defined]
+    failed = done["restore"]
+    env_result = failed.hooks[0]  # type: ignore[attr-defined]
+    assert env_result.name == "rehydrate.env" and env_result.outcome == "failed"
+    assert "not a regular file (a FIFO)" in str(env_result.error)
+    assert done["fixed"].ok and environ[b"RHT_FIFO_FIXED"] == b"1"  # type: ignore[attr-defined]
+
+
+def test_a_read_stuck_on_a_hung_mount_holds_no_lock(tmp_path, environ, monkeypatch):
+    """A hung mount cannot be made here: ``read_environ`` is replaced by one that blocks
+    for the first call, as an open on a dead NFS server does. The abandoned refresh must
+    not keep the lock that every later refresh needs (issue #13.7)."""
+    import threading
+
+    from rehydrate import env as env_module
+
+    spec = write(tmp_path / "spec_environ", {b"RHT_AFTER_HANG": b"1"})
+    real, release, entered = env_module.read_environ, threading.Event(), threading.Event()
+
+    def first_call_hangs(path):  # type: ignore[no-untyped-def]
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return real(path)
+
+    monkeypatch.setattr(env_module, "read_environ", first_call_hangs)
+    refresher = EnvRefresher(path=spec)
+    stuck = threading.Thread(target=refresher.refresh, daemon=True)
+    stuck.start()
+    assert entered.wait(5)
+    later = threading.Thread(target=refresher.refresh, daemon=True)
+    later.start()
+    later.join(5.0)
+    release.set()
+    assert not later.is_alive(), "a refresh waited for the one stuck on the mount"
+    assert environ[b"RHT_AFTER_HANG"] == b"1"
+    stuck.join(5.0)
