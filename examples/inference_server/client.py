@@ -38,9 +38,9 @@ POLL = 0.005  # seconds between attempts while a key is not yet served
 
 
 def request(method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-            *, port: int = PORT, timeout: float = 10.0) -> dict[str, Any]:
+            *, port: int | None = None, timeout: float = 10.0) -> dict[str, Any]:
     """One request on a new connection; ``{"status", "body", "instance_id"}``."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    conn = http.client.HTTPConnection(HOST, port or PORT, timeout=timeout)
     try:
         payload = None if body is None else json.dumps(body).encode()
         hdrs = {"content-type": "application/json", **(headers or {})}

@@ -230,3 +230,26 @@ def image_bytes(image: Path) -> int:
 def new_key() -> str:
     """A fresh API key (what a platform's secret manager would hand a clone)."""
     return "sk-" + secrets.token_urlsafe(18)
+
+
+def is_app_hook(name: str) -> bool:
+    """The application's own hooks (anything not built into rehydrate)."""
+    return not name.startswith("rehydrate.")
+
+
+def rehydrate_share(report: dict[str, Any]) -> float:
+    """Seconds of a restore run that were rehydrate's own: the run's duration minus the
+    application's hooks (here the warm-up canary and the key-rotation callback)."""
+    app = sum(h["duration"] for h in report["hooks"] if is_app_hook(h["name"]))
+    return float(report["duration"]) - app
+
+
+def hook_table(report: dict[str, Any]) -> str:
+    """Every hook of a report: phase, duration, outcome (what the demo prints per clone)."""
+    rows = [("hook", "phase", "ms", "outcome")]
+    rows += [(h["name"], h["phase"], f"{h['duration'] * 1000:.1f}",
+              h["outcome"] + (f" ({h['error']})" if h.get("error") else ""))
+             for h in report["hooks"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}"
+                     for r in rows)

@@ -48,6 +48,9 @@ def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the server's pool reuses connections
+        # Headers and body go out in two writes: with Nagle on, the body waits for the
+        # client's delayed ACK (~40 ms per response on loopback).
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # one line per request would drown the example's output

@@ -1,0 +1,239 @@
+"""Restore vs cold start of the example inference server under real gVisor
+(``make bench-restore``; needs root and runsc, ~3 minutes).
+
+Each run is timed to the *first correct response*: the prober inside the sandbox
+(``examples/inference_server/client.py watch``) gets a 200 from ``POST /v1/embed`` with
+the sandbox's current API key and the cold server's embedding.
+
+* **cold start**: ``runsc run`` of the server (torch + sentence-transformers import,
+  all-MiniLM-L6-v2 load, uvicorn) until that first correct response; ``--runs`` times
+  (default 3), each in a fresh sandbox;
+* **checkpoint**: ``rehydrate notify save`` (inside the sandbox) + ``runsc checkpoint`` of
+  the last cold server, and the image's size;
+* **restore**: ``runsc restore`` of a clone with a new API key until its first correct
+  response (its restore hooks have run: env re-read, reseed, secrets reloaded, signing key
+  regenerated, upstream reconnected and checked, warm-up canary), ``--runs`` times from
+  the same image.
+
+Rehydrate's own share is read from each clone's restore report: the run's duration minus
+the application's hooks (the canary embedding and the key-rotation callback). The table
+shows medians (min-max); the figure (SVG, written by hand: no plotting dependency) has
+cold vs restore bars and the median restore's waterfall (runsc restore, each hook, first
+response). The last line is ``restore to first response: N.N(x) faster than cold start`` (with
+a multiplication sign).
+Goals: at least 20x; rehydrate's share under 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_SVG = HERE / "out" / "restore_vs_cold.svg"
+GOAL_SPEEDUP = 20.0
+GOAL_SHARE = 0.050
+
+
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sandboxed = _load("inference_server_sandboxed", ROOT / "examples/inference_server/sandboxed.py")
+run_table = _load("_bench_run", HERE / "run.py").table
+
+
+def _spread(values: list[float], unit: float = 1.0, fmt: str = "{:.2f}") -> str:
+    med = statistics.median(values)
+    lo, hi = min(values), max(values)
+    return (f"{fmt.format(med * unit)} ({fmt.format(lo * unit)}-{fmt.format(hi * unit)}, "
+            f"n={len(values)})")
+
+
+def measure(runs: int, workdir: Path) -> dict[str, Any]:
+    harness = sandboxed.GVisorHarness(workdir / "gvisor", debug_log=False)
+    sandbox = sandboxed.ExampleSandbox(harness, workdir)
+    try:
+        colds: list[float] = []
+        server = None
+        for i in range(runs):
+            print(f"cold start {i + 1}/{runs} ...", file=sys.stderr, flush=True)
+            t0 = time.time()
+            server = sandbox.start(sandboxed.new_key(), name=f"cold{i}")
+            colds.append(sandbox.wait_first_response(server)["t"] - t0)
+            if i < runs - 1:
+                harness.kill(server)
+                harness.delete(server)
+        assert server is not None
+        print("checkpoint ...", file=sys.stderr, flush=True)
+        image, checkpoint_s = sandbox.checkpoint(server)
+        clones = []
+        for i in range(runs):
+            print(f"restore {i + 1}/{runs} ...", file=sys.stderr, flush=True)
+            clone = sandbox.wait_restored(sandbox.restore(image, server, sandboxed.new_key(),
+                                                          name=f"clone{i}"))
+            if not clone.report["ok"]:
+                raise RuntimeError(f"clone {i} restore failed:\n"
+                                   f"{sandboxed.hook_table(clone.report)}")
+            clones.append(clone)
+            harness.kill(clone.container)
+            harness.delete(clone.container)
+        return {"cold": colds, "checkpoint": checkpoint_s,
+                "image_bytes": sandboxed.image_bytes(image), "clones": clones,
+                "runsc": harness.runsc}
+    finally:
+        harness.close()
+
+
+def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    clones = m["clones"]
+    restore = [c.to_first_response for c in clones]
+    runsc = [c.restore_returned_at - c.restore_called_at for c in clones]
+    hooks = [c.report["duration"] for c in clones]
+    share = [sandboxed.rehydrate_share(c.report) for c in clones]
+    app = [h - s for h, s in zip(hooks, share, strict=True)]
+    cold, med_restore = statistics.median(m["cold"]), statistics.median(restore)
+    speedup = cold / med_restore
+    return [
+        ("cold start -> first correct response (s)", _spread(m["cold"]), ""),
+        ("checkpoint: notify save + runsc checkpoint (s)", f"{m['checkpoint']:.2f}", ""),
+        ("checkpoint image (MB)", f"{m['image_bytes'] / 1e6:.0f}", ""),
+        ("restore -> first correct response (s)", _spread(restore), ""),
+        ("  runsc restore returned (s)", _spread(runsc), ""),
+        ("  restore hooks, whole run (ms)", _spread(hooks, 1000, "{:.0f}"), ""),
+        ("  rehydrate's own share (ms)", _spread(share, 1000, "{:.0f}"),
+         f"< {GOAL_SHARE * 1000:.0f}"),
+        ("  application hooks: canary, key callback (ms)", _spread(app, 1000, "{:.0f}"), ""),
+        ("reduction vs cold start", f"{(1 - med_restore / cold) * 100:.1f} %", "platform: 89 %"),
+        ("speed-up (cold / restore, medians)", f"{speedup:.1f}x", f">= {GOAL_SPEEDUP:.0f}x"),
+    ]
+
+
+# --------------------------------------------------------------------------- the figure
+
+_COLORS = {"cold": "#9e9e9e", "runsc": "#90caf9", "notice": "#cfd8dc", "rehydrate": "#1e88e5",
+           "app": "#fb8c00", "response": "#43a047"}
+
+
+def _esc(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def svg(m: dict[str, Any]) -> str:
+    """Cold vs restore bars, then the median restore's waterfall."""
+    clones = sorted(m["clones"], key=lambda c: c.to_first_response)
+    median = clones[len(clones) // 2]
+    cold = statistics.median(m["cold"])
+    restore = median.to_first_response
+    width, left, right = 900, 260, 40
+    plot = width - left - right
+    out: list[str] = []
+
+    def rect(x: float, y: float, w: float, h: float, color: str, title: str) -> None:
+        out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 1.0):.1f}" height="{h}" '
+                   f'fill="{color}"><title>{_esc(title)}</title></rect>')
+
+    def text(x: float, y: float, s: str, anchor: str = "start", size: int = 12,
+             weight: str = "normal") -> None:
+        out.append(f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+                   f'font-weight="{weight}">{_esc(s)}</text>')
+
+    # -- bars: cold vs restore, same scale
+    text(20, 28, f"Example inference server under runsc: first correct response "
+         f"({cold / restore:.1f}x faster restored)", size=15, weight="bold")
+    scale = plot / cold
+    y = 50
+    rect(left, y, cold * scale, 26, _COLORS["cold"], f"cold start {cold:.2f} s")
+    text(left - 10, y + 18, f"cold start (median of {len(m['cold'])})", "end")
+    text(left + cold * scale - 5, y + 18, f"{cold:.1f} s", "end")
+    y += 40
+    rect(left, y, restore * scale, 26, _COLORS["rehydrate"], f"restore {restore:.2f} s")
+    text(left - 10, y + 18, "restore (median clone)", "end")
+    text(left + restore * scale + 6, y + 18, f"{restore:.2f} s")
+
+    # -- waterfall of the median restore, its own scale (seconds from `runsc restore`)
+    y += 60
+    text(20, y, "Median restore, from `runsc restore` to the first correct response",
+         size=14, weight="bold")
+    y += 14
+    t0 = median.restore_called_at
+    rep = median.report
+    end = max(restore, rep["started_at"] + rep["duration"] - t0) * 1.05
+    wscale = plot / end
+    lanes: list[tuple[str, float, float, str]] = [
+        ("runsc restore (platform)", 0.0, median.restore_returned_at - t0, _COLORS["runsc"])]
+    at = rep["started_at"] - t0
+    for h in rep["hooks"]:
+        color = _COLORS["app"] if sandboxed.is_app_hook(h["name"]) else _COLORS["rehydrate"]
+        lanes.append((f"{h['name']} ({h['phase']})", at, h["duration"], color))
+        at += h["duration"]
+    lanes.append(("first correct response", restore, 0.0, _COLORS["response"]))
+    for name, start, dur, color in lanes:
+        rect(left + start * wscale, y, dur * wscale if dur else 3, 18, color,
+             f"{name}: {start * 1000:.0f} ms + {dur * 1000:.1f} ms")
+        text(left - 10, y + 13, name, "end", size=11)
+        label = f"{dur * 1000:.1f} ms" if dur else f"at {start:.2f} s"
+        text(left + (start + dur) * wscale + 5, y + 13, label, size=11)
+        y += 24
+    # axis
+    y += 6
+    out.append(f'<line x1="{left}" y1="{y}" x2="{left + plot}" y2="{y}" stroke="#555"/>')
+    step = 0.25 if end <= 2.5 else 0.5 if end <= 5 else 1.0
+    tick = 0.0
+    while tick <= end:
+        x = left + tick * wscale
+        out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#555"/>')
+        text(x, y + 16, f"{tick:g} s", "middle", size=10)
+        tick += step
+    y += 28
+    share = sandboxed.rehydrate_share(rep)
+    text(20, y, f"blue: rehydrate ({share * 1000:.0f} ms in this run)   orange: the "
+         f"application's hooks   light blue: runsc restore   green: first response",
+         size=11)
+    height = y + 20
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif">'
+            f'<rect width="100%" height="100%" fill="white"/>')
+    return "\n".join([head, *out, "</svg>"]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="restore vs cold start under runsc")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each (at least 3)")
+    parser.add_argument("--svg", type=Path, default=DEFAULT_SVG, help="where the figure goes")
+    args = parser.parse_args(argv)
+    if args.runs < 3:
+        parser.error("--runs must be at least 3 (medians)")
+    reason = sandboxed.runsc_available()
+    if reason is not None:
+        print(f"restore_vs_cold: cannot run without runsc: {reason}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rehydrate-bench-restore-") as tmp:
+        m = measure(args.runs, Path(tmp))
+    table_rows = rows(m)
+    print(run_table([(f"restore_vs_cold ({Path(m['runsc']).name})", table_rows, None,
+                      time.perf_counter() - t0)]))
+    args.svg.parent.mkdir(parents=True, exist_ok=True)
+    args.svg.write_text(svg(m))
+    print(f"figure: {args.svg}")
+    speedup = statistics.median(m["cold"]) / statistics.median(
+        [c.to_first_response for c in m["clones"]])
+    print(f"restore to first response: {speedup:.1f}\N{MULTIPLICATION SIGN} faster than cold start")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
