@@ -1,0 +1,143 @@
+"""The import structure of ``rehydrate/``: one direction, no cycles (docs/architecture.md).
+
+Every import statement counts — module level and inside functions — except those under
+``if TYPE_CHECKING:`` (never executed). The graph is built from the source with ``ast``, so
+a new cycle fails here before it can fail at import time in some unusual order.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rehydrate"
+
+# Extensions: the engine must not import any of them (it loads them by dotted name). The
+# detector interface and catalogue (``rehydrate.detect`` itself) is not one: it names its
+# detectors by dotted name too.
+EXTENSION_MODULES = ("rehydrate.detect.", "rehydrate.adapters", "rehydrate.entropy",
+                     "rehydrate.keys", "rehydrate.tls", "rehydrate.secrets",
+                     "rehydrate.routes", "rehydrate.connections", "rehydrate.telemetry",
+                     "rehydrate.fingerprint", "rehydrate.files", "rehydrate.trigger")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                # `from pkg import submodule` imports the submodule (and pkg, its parent,
+                # implicitly like every parent: not counted); any other name comes from pkg.
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod
+                           for a in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_graph_sees_function_level_imports_and_skips_type_checking():
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .a import X\n"
+        "def f():\n    from .b import Y\n")
+    names = [n.module for n in _runtime_imports(tree) if isinstance(n, ast.ImportFrom)]
+    assert names == ["typing", "b"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
+    assert cycles == [], "run-time import cycles inside rehydrate/: " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_engine_imports_no_extension():
+    graph = _graph()
+    bad = sorted(t for t in graph["rehydrate.lifecycle"]
+                 if any(t == m or t.startswith(m.rstrip(".") + ".") for m in EXTENSION_MODULES))
+    assert bad == [], f"rehydrate.lifecycle imports extension modules: {bad}"
+
+
+def test_nothing_below_the_api_imports_it():
+    importers = sorted(name for name, targets in _graph().items()
+                       if "rehydrate.api" in targets and name != "rehydrate")
+    assert importers == []
