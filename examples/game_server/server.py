@@ -1,0 +1,217 @@
+"""A small asyncio UDP game server that survives snapshot restores (rehydrate example).
+
+Players join, send inputs (a direction), and receive the world state at a fixed tick
+rate. Wired to rehydrate:
+
+* ``TickClock``: after a restore the loop runs at most ``--max-catch-up`` ticks for the
+  frozen seconds, then tells every client to resync;
+* ``MatchSessions``: session tokens differ in every clone; tokens issued before the
+  snapshot are refused ("rejoin");
+* ``UdpEndpoint``: the game socket is probed after a restore and bound again if dead;
+* ``AgonesAdapter``: health pings, ``Ready``, the match label (``--no-agones`` without a
+  sidecar).
+
+Run it (and ``client.py`` against it)::
+
+    python examples/game_server/server.py --port 7777 --no-agones
+    python examples/game_server/client.py --port 7777 --name alice
+
+Protocol: one JSON object per datagram. Client → server: ``{"op": "join", "name": N}``,
+``{"op": "input", "player": P, "token": T, "dx": -1|0|1, "dy": -1|0|1}``,
+``{"op": "leave", "player": P, "token": T}``. Server → client: ``welcome`` (player, token,
+tick, rate), ``state`` (tick, positions of every player), ``resync`` (after a jump),
+``rejoin`` (unknown player or stale token), ``busy`` (a snapshot is being taken),
+``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import rehydrate
+from rehydrate.adapters.agones import AgonesAdapter, AgonesError
+from rehydrate.adapters.gameloop import TickClock
+from rehydrate.adapters.sessions import MatchSessions
+from rehydrate.adapters.udp import UdpEndpoint
+
+log = logging.getLogger("game")
+
+WORLD = 100  # the world is a WORLD x WORLD torus
+MAX_DATAGRAM = 1200
+
+
+class Events:
+    """JSON lines for whoever watches the server (tests, dashboards)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._out = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self._out is not None:
+            self._out.write(json.dumps({"event": event, "wall": time.time(), **fields}) + "\n")
+
+
+@dataclass
+class Player:
+    name: str
+    addr: Any
+    x: int = 0
+    y: int = 0
+    dx: int = 0
+    dy: int = 0
+
+
+@dataclass
+class Match:
+    """The simulation: players move one cell per tick in their chosen direction."""
+
+    rate: float
+    tick: int = 0
+    players: dict[str, Player] = field(default_factory=dict)
+    joined: int = 0
+
+    def step(self) -> None:
+        self.tick += 1
+        for p in self.players.values():
+            p.x = (p.x + p.dx) % WORLD
+            p.y = (p.y + p.dy) % WORLD
+
+    def state(self) -> dict[str, Any]:
+        return {"op": "state", "tick": self.tick,
+                "players": {pid: [p.x, p.y] for pid, p in self.players.items()}}
+
+
+class GameProtocol(asyncio.DatagramProtocol):
+    def __init__(self, match: Match, sessions: MatchSessions) -> None:
+        self.match = match
+        self.sessions = sessions
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # again after a re-bind
+
+    def send(self, msg: dict[str, Any], addr: Any) -> None:
+        if self.transport is not None:
+            self.transport.sendto(json.dumps(msg).encode(), addr)
+
+    def broadcast(self, msg: dict[str, Any]) -> None:
+        for p in self.match.players.values():
+            self.send(msg, p.addr)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            msg = json.loads(data[:MAX_DATAGRAM])
+            op = msg["op"]
+        except (ValueError, KeyError, TypeError):
+            self.send({"op": "error", "error": "expected a JSON object with 'op'"}, addr)
+            return
+        if op == "join":
+            self.join(str(msg.get("name", "anonymous"))[:32], addr)
+        elif op in ("input", "leave"):
+            pid = str(msg.get("player", ""))
+            player = self.match.players.get(pid)
+            if player is None or not self.sessions.verify(pid, str(msg.get("token", ""))):
+                self.send({"op": "rejoin", "reason": "unknown player or stale token"}, addr)
+                return
+            player.addr = addr
+            if op == "leave":
+                del self.match.players[pid]
+                return
+            player.dx = max(-1, min(1, int(msg.get("dx", 0))))
+            player.dy = max(-1, min(1, int(msg.get("dy", 0))))
+        else:
+            self.send({"op": "error", "error": f"unknown op {op!r}"}, addr)
+
+    def join(self, name: str, addr: Any) -> None:
+        if not self.sessions.available:
+            self.send({"op": "busy", "reason": "snapshot in progress"}, addr)
+            return
+        self.match.joined += 1
+        pid = f"p{self.match.joined}"
+        self.match.players[pid] = Player(name, addr)
+        self.send({"op": "welcome", "player": pid, "token": self.sessions.token(pid),
+                   "tick": self.match.tick, "rate": self.match.rate,
+                   "instance": rehydrate.instance_id()}, addr)
+
+
+async def game_loop(match: Match, clock: TickClock, proto: GameProtocol,
+                    events: Events) -> None:
+    while True:
+        n = clock.due()
+        for _ in range(n):
+            match.step()
+        if clock.last_jump:
+            # Frozen (or restored): the skipped seconds are not simulated. Clients resync.
+            events.emit("jump", ticks=n, skipped=clock.last_jump, tick=match.tick)
+            proto.broadcast({"op": "resync", "tick": match.tick, "skipped": clock.last_jump})
+        if n:
+            proto.broadcast(match.state())
+        await asyncio.sleep(clock.until_next())
+
+
+async def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="rehydrate example: a UDP game server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=7777)
+    ap.add_argument("--rate", type=float, default=30.0, help="ticks per second")
+    ap.add_argument("--max-catch-up", type=int, default=2)
+    ap.add_argument("--health-interval", type=float, default=2.0)
+    ap.add_argument("--no-agones", action="store_true", help="run without an SDK sidecar")
+    ap.add_argument("--events", default=None, help="append JSON-line events to this file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    events = Events(args.events)
+    match = Match(rate=args.rate)
+    sessions = MatchSessions("match")
+    clock = TickClock(args.rate, max_catch_up=args.max_catch_up)
+    endpoint = UdpEndpoint(lambda: GameProtocol(match, sessions), (args.host, args.port))
+    await endpoint.start()
+    proto = endpoint.protocol
+    assert isinstance(proto, GameProtocol)
+
+    @rehydrate.after_restore(name="game.restored")
+    def restored(ctx: rehydrate.RestoreContext) -> None:
+        # Tokens changed with the key: every connected player must rejoin (a clone's
+        # players are not even connected to it).
+        proto.broadcast({"op": "rejoin", "reason": ctx.kind})
+        events.emit("restored", kind=ctx.kind, reason=ctx.reason, generation=ctx.generation,
+                    frozen_for=ctx.frozen_for, tick=match.tick, epoch=sessions.epoch,
+                    instance=rehydrate.instance_id())
+
+    engine = rehydrate.default_engine
+    engine.add_status("game", lambda: {
+        "tick": match.tick, "players": len(match.players), "jumps": clock.jumps,
+        "dropped": round(clock.dropped, 3), "rebinds": endpoint.rebinds})
+    rehydrate.start(loop=asyncio.get_running_loop())
+
+    agones = None
+    if not args.no_agones:
+        agones = AgonesAdapter(health_interval=args.health_interval)
+        agones.install()
+        try:
+            await agones.aset_label("match", f"m-{os.getpid()}-{int(time.time())}")
+            await agones.aready()
+        except AgonesError as exc:
+            log.warning("Agones: %s", exc)
+    events.emit("ready", port=endpoint.address[1], pid=os.getpid(), tick=match.tick,
+                agones=agones is not None)
+    try:
+        await game_loop(match, clock, proto, events)
+    finally:
+        endpoint.close()
+        if agones is not None:
+            await agones.aclose()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
