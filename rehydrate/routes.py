@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import select
-import shlex
 import shutil
 import socket
 import subprocess
@@ -751,12 +750,65 @@ class IptablesRules:
             elif line.startswith(":"):
                 chains.append(line)
             elif line.startswith(("-A ", "-I ")):
-                rules.append(shlex.split(line))
+                rules.append(iptables_split(line))
             else:
                 raise ValueError(f"unsupported iptables-restore line: {line[:60]!r}")
         if table is not None:
             raise ValueError(f"table {table} has no COMMIT")
         return out
+
+
+def iptables_split(line: str) -> list[str]:
+    """Split one rule line the way ``iptables-restore`` does (not a shell's way).
+
+    A double quote opens and closes a quoted part; inside one, a backslash makes the next
+    character literal (``\\"``, ``\\\\``); outside, backslashes and single quotes are
+    plain characters. Whitespace outside quotes separates arguments.
+    """
+    args: list[str] = []
+    current: list[str] = []
+    started = quoted = escaped = False
+    for ch in line:
+        if quoted:
+            if escaped:
+                current.append(ch)
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+            else:
+                current.append(ch)
+        elif ch == '"':
+            quoted = started = True
+        elif ch in " \t":
+            if started:
+                args.append("".join(current))
+                current, started = [], False
+        else:
+            current.append(ch)
+            started = True
+    if quoted:
+        raise ValueError(f"unterminated double quote in iptables rule: {line[:60]!r}")
+    if started:
+        args.append("".join(current))
+    return args
+
+
+def iptables_join(argv: Sequence[str]) -> str:
+    """The rule line ``iptables-restore`` parses back into exactly ``argv``: arguments
+    with whitespace, a double quote or a backslash (or empty ones) are double-quoted,
+    with ``"`` and ``\\`` escaped by a backslash. ``shlex.join`` quotes with single
+    quotes, which ``iptables-restore`` takes literally (``Bad argument `the'``)."""
+    out = []
+    for arg in argv:
+        if "\n" in arg or "\r" in arg:
+            raise ValueError("an iptables argument cannot contain a newline")
+        if arg and not any(c in arg for c in ' \t"\\'):
+            out.append(arg)
+        else:
+            out.append('"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return " ".join(out)
 
 
 def _run(argv: Sequence[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -785,7 +837,7 @@ def _apply_iptables(rules: IptablesRules) -> int:
         for argv in rule_list:
             if argv[1] in existing and _rule_exists(tool, table, argv):
                 continue
-            out_lines.append(shlex.join(argv))
+            out_lines.append(iptables_join(argv))
             count += 1
         out_lines.append("COMMIT")
     proc = _run([f"{tool}-restore", "--noflush", "-w"], "\n".join(out_lines) + "\n")
@@ -794,7 +846,7 @@ def _apply_iptables(rules: IptablesRules) -> int:
         if "Permission denied" in err or "not permitted" in err:
             raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
         raise NetworkError(f"{tool}-restore --noflush: {err}")
-    missing = [shlex.join(argv) for table, _, rule_list in rules.parsed()
+    missing = [iptables_join(argv) for table, _, rule_list in rules.parsed()
                for argv in rule_list if not _rule_exists(tool, table, argv)]
     if missing:
         raise NetworkError(f"{tool}: {len(missing)} rule(s) missing after applying, "

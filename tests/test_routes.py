@@ -488,3 +488,48 @@ def test_snapshot_capture_merges_the_parts_that_could_be_read(netns_pair):
     assert [p.split(":")[0] for p in out["snap3"]["problems"]] == ["routes"]
     assert out["snap4"]["routes"] == sorted(route.format(n) for n in (76, 77, 78, 79))
     assert out["snap4"]["problems"] == []
+
+
+QUOTED = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+routes.iptables(sys.argv[1], engine=engine)
+reports = [engine.simulate_restore(), engine.simulate_restore(kind="resume")]
+save = subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True).stdout
+print(json.dumps({"ok": [r.ok for r in reports], "tables": [r.table() for r in reports],
+                  "ipt_rules": [l for l in save.splitlines() if "--comment" in l]}))
+'''
+
+
+def test_iptables_rules_with_quoted_arguments_are_applied(netns_pair):
+    """Issue #13.8: ``shlex.join`` quoted with single quotes, which iptables-restore
+    takes literally: ``--comment "allow the monitoring host"`` never re-applied."""
+    if shutil.which("iptables-restore") is None:
+        _require_or_skip("iptables is not installed (scripts/setup-system.sh installs it)")
+    comments = ["allow the monitoring host", "it's $HOME #1 & <ok>; (tab\there)",
+                'say "hi" \\ back\\slash', "plain"]
+    rules = "".join(
+        f"-A OUTPUT -p tcp --dport {7000 + i} -m comment --comment "
+        + '"' + c.replace("\\", "\\\\").replace('"', '\\"') + '"' + " -j ACCEPT\n"
+        for i, c in enumerate(comments))
+    out = run_in_ns(netns_pair["a"], QUOTED.replace("sys.argv[1]", repr(
+        "*filter\n" + rules + "COMMIT\n")))
+    assert out["ok"] == [True, True], out["tables"]
+    assert len(out["ipt_rules"]) == len(comments)  # applied once, not doubled
+    from rehydrate.routes import iptables_split
+    seen = [iptables_split(line)[iptables_split(line).index("--comment") + 1]
+            for line in out["ipt_rules"]]
+    assert sorted(seen) == sorted(comments)
+
+
+def test_iptables_split_and_join_round_trip() -> None:
+    from rehydrate.routes import iptables_join, iptables_split
+
+    for argv in (["-A", "X", "--comment", "a b"], ["-A", "X", "--comment", 'q"uo\\te'],
+                 ["-A", "X", "--comment", ""], ["-A", "X", "--comment", "it's"]):
+        assert iptables_split(iptables_join(argv)) == argv
+    assert iptables_split("-A X --comment don't") == ["-A", "X", "--comment", "don't"]
+    assert iptables_split('-A X --comment "a \\"b\\""') == ["-A", "X", "--comment", 'a "b"']
