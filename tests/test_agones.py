@@ -162,13 +162,13 @@ def test_sidecar_that_never_answers_leaves_server_not_ready(sidecar, rehydrate_e
         report = rehydrate_engine.simulate_restore()
         assert not report.ok, report.table()
         assert not rehydrate_engine.is_ready()
-        failed = [h for h in report.hooks if h.name == "rehydrate.agones"]
+        failed = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
         assert [h.outcome for h in failed] == ["failed"], report.table()
         message = str(failed[0].error)
         assert "did not answer GET /gameserver within the 0.5s deadline" in message, \
             report.table()
         assert a.status()["reason"] == message
-        assert [h.outcome for h in report.hooks if h.name != "rehydrate.agones"] == \
+        assert [h.outcome for h in report.hooks if h.name != "rehydrate.agones.resync"] == \
             ["ok"] * (len(report.hooks) - 1), report.table()
     finally:
         sidecar.faults.hang = False
@@ -283,9 +283,9 @@ def test_hooks_are_named_and_removed_on_close(sidecar, rehydrate_engine):
     a.install()
     a.install()  # idempotent
     names = [h.name for h in rehydrate_engine.hooks("restore")]
-    assert names.count("rehydrate.agones") == 1
+    assert names.count("rehydrate.agones.resync") == 1
     a.close()
-    assert "rehydrate.agones" not in [h.name for h in rehydrate_engine.hooks("restore")]
+    assert "rehydrate.agones.resync" not in [h.name for h in rehydrate_engine.hooks("restore")]
     with pytest.raises(RuntimeError, match="closed"):
         a.ready()
 
@@ -305,3 +305,24 @@ async def test_async_calls_do_not_block_the_callers_loop(sidecar, adapter):
     t.cancel()
     sidecar.faults.delay = 0.0
     assert ticks >= 10
+
+
+def test_adapter_is_an_extension(sidecar, rehydrate_environ):
+    from rehydrate import Lifecycle, Registry
+    from rehydrate.env import EnvRefresher
+    from rehydrate.extensions import Extension
+
+    a = AgonesAdapter(sidecar.port, INTERVAL)
+    assert isinstance(a, Extension)
+    probe = a.probe()
+    assert probe.usable and f"localhost:{sidecar.port} (the port argument)" in probe.reason
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=None), extensions=[a])
+    try:
+        assert engine.installed == ["agones"]
+        assert a.engine is engine
+        sidecar.wait_for("POST", "/health")
+        assert engine.simulate_restore().ok
+        assert engine.status().extra["agones"]["gameserver"] == sidecar.gs.name
+    finally:
+        a.close()
+        engine.close()

@@ -89,7 +89,7 @@ async def test_udp_endpoint_checked_after_restore_and_probes_hidden(rehydrate_en
     ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="t1")
     await ep.start()
     try:
-        assert "rehydrate.udp:t1" in [h.name for h in rehydrate_engine.hooks("restore")]
+        assert "rehydrate.udp.check:t1" in [h.name for h in rehydrate_engine.hooks("restore")]
         assert await _roundtrip(ep.address, b"hi") == b"echo:hi"
         report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
         assert report.ok, report.table()

@@ -4,15 +4,17 @@
 ``AGONES_SDK_HTTP_PORT``, default 9358) with httpx, from one background thread running an
 asyncio loop of its own, so the game's loop (or lack of one) never delays a health ping.
 
-* ``install()`` registers the hooks and starts the health loop (``POST /health`` every
-  ``health_interval`` seconds) and the watch loop (``GET /watch/gameserver``, NDJSON).
-* Before a snapshot (hook ``rehydrate.agones``, ``CONNECTIONS`` phase): both loops stop and
-  the HTTP connections close — the whole Pod freezes, the sidecar too.
-* After a restore or resume (same hook): a new HTTP client; the health loop restarts with
-  an immediate ping; ``GET /gameserver`` is fetched (retried with backoff until
-  ``deadline``) and compared with what was known; every label and annotation set through
-  the adapter is applied again; the watch loop restarts. A sidecar that does not answer
-  within ``deadline`` fails the hook with a clear reason, so the server stays not ready.
+* ``install()`` (or ``Lifecycle(extensions=[adapter])``) registers the hooks and starts
+  the health loop (``POST /health`` every ``health_interval`` seconds) and the watch loop
+  (``GET /watch/gameserver``, NDJSON).
+* Before a snapshot (hook ``rehydrate.agones.pause``, ``CONNECTIONS`` phase): both loops
+  stop and the HTTP connections close — the whole Pod freezes, the sidecar too.
+* After a restore or resume (hook ``rehydrate.agones.resync``): a new HTTP client; the
+  health loop restarts with an immediate ping; ``GET /gameserver`` is fetched (retried
+  with backoff until ``deadline``) and compared with what was known; every label and
+  annotation set through the adapter is applied again; the watch loop restarts. A
+  sidecar that does not answer within ``deadline`` fails the hook with a clear reason,
+  so the server stays not ready.
 * When the engine is ready again after that restore, ``POST /ready`` goes out — only if
   :meth:`AgonesAdapter.ready` had been called before and the GameServer is not already
   ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``).
@@ -38,12 +40,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 
 from rehydrate import Phase
+from rehydrate.extensions import Engine, Probe, resolve_engine
 
-from ._compat import resolve_engine
-from ._readiness import not_ready_reason
+from ._readiness import reason_of
 
 if TYPE_CHECKING:
-    from rehydrate import Lifecycle, Report, RestoreContext
+    from rehydrate import Report, RestoreContext
 
 __all__ = ["DEFAULT_PORT", "AgonesAdapter", "AgonesError", "AgonesUnavailable"]
 
@@ -126,18 +128,19 @@ class AgonesAdapter:
     same requests from any asyncio loop. Failed requests raise :class:`AgonesError`.
     """
 
-    key = "rehydrate.agones"
+    key = "agones"
 
     def __init__(
         self,
         port: int | None = None,
         health_interval: float = 2.0,
         *,
-        engine: Lifecycle | None = None,
+        engine: Engine | None = None,
         deadline: float = 10.0,
         request_timeout: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        self._port_arg = port
         self.port = _port(port)
         for what, value in (("health_interval", health_interval), ("deadline", deadline),
                             ("request_timeout", request_timeout)):
@@ -148,7 +151,7 @@ class AgonesAdapter:
         self.deadline = float(deadline)
         self.request_timeout = float(request_timeout)
         self._engine_arg = engine
-        self.engine: Lifecycle | None = None
+        self.engine: Engine | None = None
         self._transport = transport
 
         self._labels: dict[str, str] = {}
@@ -265,7 +268,14 @@ class AgonesAdapter:
 
     # -- install / close -------------------------------------------------------------
 
-    def install(self, engine: Lifecycle | None = None) -> None:
+    def probe(self) -> Probe:
+        """Usable wherever httpx is (a core dependency); says which sidecar it talks to."""
+        origin = ("the port argument" if self._port_arg is not None
+                  else f"${PORT_ENV}" if os.environ.get(PORT_ENV, "").strip()
+                  else "the default port")
+        return Probe(True, f"Agones SDK sidecar at {self.base_url} ({origin})")
+
+    def install(self, engine: Engine | None = None) -> None:
         """Register the hooks in the engine and start the health and watch loops
         (idempotent)."""
         with self._lock:
@@ -280,9 +290,9 @@ class AgonesAdapter:
         timeout = self.deadline + 10.0
         self._hooks = (
             b.register(self._on_restore, phase=Phase.CONNECTIONS, timeout=timeout,
-                       name="rehydrate.agones"),
+                       name="rehydrate.agones.resync"),
             b.register(self._on_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
-                       timeout=self.request_timeout + 5.0, name="rehydrate.agones"),
+                       timeout=self.request_timeout + 5.0, name="rehydrate.agones.pause"),
         )
         eng.add_listener(self._on_report)
         eng.add_status("agones", self.status)
@@ -425,9 +435,11 @@ class AgonesAdapter:
         if report.kind == "snapshot" or not self._want_ready:
             return
         eng = self.engine
-        if eng is None or not eng.is_ready():
+        if eng is None:
+            return
+        if not eng.is_ready():
             log.warning("not marking the GameServer Ready: rehydrate is not ready (%s)",
-                        not_ready_reason(eng))
+                        reason_of(eng.status()))
             return
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore())

@@ -31,14 +31,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from rehydrate import Phase
-
-from ._compat import resolve_engine
-
-if TYPE_CHECKING:
-    from rehydrate import Lifecycle
+from rehydrate.extensions import Engine, resolve_engine
 
 __all__ = ["TickClock"]
 
@@ -67,7 +62,7 @@ class TickClock:
         max_catch_up: int = 0,
         max_frame: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
-        engine: Lifecycle | None = None,
+        engine: Engine | None = None,
         rebase_on_restore: bool = True,
     ) -> None:
         if not (isinstance(rate_hz, (int, float)) and math.isfinite(rate_hz) and rate_hz > 0):
@@ -101,7 +96,7 @@ class TickClock:
         if rebase_on_restore:
             self._attach(resolve_engine(engine))
 
-    def _attach(self, engine: Lifecycle) -> None:
+    def _attach(self, engine: Engine) -> None:
         ref = weakref.ref(self)
 
         def rebase_tick_clock() -> None:

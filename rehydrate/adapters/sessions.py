@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from rehydrate.secrets import Secret, SecretUnavailable
 
 if TYPE_CHECKING:
-    from rehydrate import Lifecycle
+    from rehydrate.extensions import Engine
 
 __all__ = ["MatchSessions"]
 
@@ -48,7 +48,7 @@ class MatchSessions:
     """
 
     def __init__(self, name: str = "match", *, nbytes: int = 32,
-                 engine: Lifecycle | None = None) -> None:
+                 engine: Engine | None = None) -> None:
         if not isinstance(nbytes, int) or nbytes < 16:
             raise ValueError(f"nbytes must be an int >= 16, not {nbytes!r}")
         self.name = name

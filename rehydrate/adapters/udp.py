@@ -4,7 +4,7 @@ A restored process keeps its sockets, but not necessarily a working one: a clone
 Pod has a new Pod IP, so a socket bound to the old address receives nothing, and a
 platform may hand back a socket that no longer delivers. Nothing errors; players just
 time out. :class:`UdpEndpoint` wraps ``loop.create_datagram_endpoint``: after every
-restore or resume (hook ``rehydrate.udp:<name>``, ``NETWORK`` phase) it sends a probe
+restore or resume (hook ``rehydrate.udp.check:<name>``, ``NETWORK`` phase) it sends a probe
 datagram with a random nonce to its own address from a fresh socket and waits for it to
 arrive; when it does not within ``probe_timeout``, the socket is closed and bound again —
 to ``local_addr()`` evaluated anew when it is a callable (e.g. reading ``POD_IP``, which
@@ -22,14 +22,10 @@ import os
 import socket
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rehydrate import Phase
-
-from ._compat import resolve_engine
-
-if TYPE_CHECKING:
-    from rehydrate import Lifecycle
+from rehydrate.extensions import Engine, resolve_engine
 
 __all__ = ["UdpEndpoint"]
 
@@ -80,7 +76,7 @@ class UdpEndpoint:
         *,
         name: str = "game",
         probe_timeout: float = 0.5,
-        engine: Lifecycle | None = None,
+        engine: Engine | None = None,
     ) -> None:
         if not probe_timeout > 0:
             raise ValueError(f"probe_timeout must be a positive number, not {probe_timeout!r}")
@@ -131,7 +127,7 @@ class UdpEndpoint:
 
             self._hook = engine.builtins.register(
                 check_udp_socket, phase=Phase.NETWORK, timeout=self.probe_timeout + 10.0,
-                name=f"rehydrate.udp:{self.name}")
+                name=f"rehydrate.udp.check:{self.name}")
             weakref.finalize(self, engine.builtins.unregister, self._hook)
         assert self.transport is not None
         return self.transport
