@@ -4,7 +4,12 @@
     :class:`~rehydrate.adapters.asgi.ReadinessGate`, ASGI middleware (Starlette, FastAPI,
     KServe's app …): health and readiness endpoints, 503 while not ready, drains requests
     before a snapshot.
-
+``rehydrate.adapters.vllm`` / ``rehydrate.adapters.sglang``
+    Put an inference engine to sleep (release its GPU memory) before a snapshot, wake it
+    and check one generation after a restore.
+``rehydrate.adapters.kserve``
+    :func:`~rehydrate.adapters.kserve.install`: KServe's server and model readiness follow
+    rehydrate's.
 ``rehydrate.adapters.agones``
     :class:`~rehydrate.adapters.agones.AgonesAdapter`: the Agones SDK sidecar (health pings,
     ``Ready``, labels and annotations) across snapshots and restores.

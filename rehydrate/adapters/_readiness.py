@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..extensions import Probe
 from ._compat import resolve_engine
 
 if TYPE_CHECKING:
     from .. import Lifecycle, Status
 
-__all__ = ["Probe", "not_ready_reason", "probe_import", "reason_of"]
+__all__ = ["not_ready_reason", "probe_import", "reason_of"]
 
 
 def not_ready_reason(engine: Lifecycle | None = None) -> str:
@@ -48,15 +48,7 @@ def reason_of(status: Status) -> str:
     return reason
 
 
-@dataclass(frozen=True)
-class Probe:
-    """Whether an adapter can work here, and why not (until ``rehydrate.extensions.Probe``)."""
-
-    usable: bool
-    reason: str = ""
-
-
-def probe_import(module: str, extra: str) -> Probe:
+def probe_import(module: str, install: str) -> Probe:
     """Usable when ``module`` is importable (found, not imported: probing stays cheap)."""
     import importlib.util
 
@@ -66,4 +58,4 @@ def probe_import(module: str, extra: str) -> Probe:
         found = False
     if found:
         return Probe(True)
-    return Probe(False, f"{module} is not installed (pip install 'rehydrate[{extra}]')")
+    return Probe(False, f"{module} is not installed ({install})")

@@ -35,8 +35,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..extensions import Probe
 from ._compat import resolve_engine
-from ._readiness import Probe, probe_import
+from ._readiness import probe_import
 
 if TYPE_CHECKING:
     from .. import Lifecycle
@@ -50,7 +51,7 @@ _MARK = "_rehydrate_engine"
 
 def probe() -> Probe:
     """Usable when the ``kserve`` package is installed."""
-    return probe_import("kserve", "kserve")
+    return probe_import("kserve", "pip install 'rehydrate[kserve]'")
 
 
 def install(model_server: Any, *, engine: Lifecycle | None = None) -> None:

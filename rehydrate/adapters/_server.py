@@ -1,0 +1,218 @@
+"""What the inference-server adapters (vLLM, SGLang) share: HTTP calls retried within a
+deadline that fail with the server's own reason, sync and asyncio entry points, and the
+two hooks they attach to an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import httpx
+
+from .. import Phase
+from ..extensions import Probe, resolve_engine
+
+if TYPE_CHECKING:
+    from ..extensions import Engine
+
+__all__ = ["ServerAdapter", "ServerError", "call_maybe_async", "run_sync"]
+
+log = logging.getLogger("rehydrate.adapters")
+
+T = TypeVar("T")
+
+SNAPSHOT_ORDER = 900_000
+"""Before a snapshot: right after the ASGI gate's drain (1_000_000), before every other
+hook — the engine goes to sleep once no request can reach it any more."""
+RESTORE_ORDER = -900_000
+"""After a restore: the first ``APPLICATION`` hook, so user hooks (warm-ups) find the
+engine awake; the environment, keys and connections phases have run before."""
+
+
+class ServerError(RuntimeError):
+    """An inference server refused a call or never answered it within the deadline; the
+    message carries the server's own reason."""
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion from synchronous code."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError("called from a running event loop: await the *_async variant instead")
+
+
+async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn``: awaited when async, in a worker thread when sync (an in-process engine's
+    sleep or wake-up takes seconds and must not block the event loop)."""
+    import inspect
+
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(fn, *args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def server_reason(response: httpx.Response) -> str:
+    """The server's explanation from an error response, on one line."""
+    text = ""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, Mapping):
+        for key in ("message", "detail", "error", "reason"):
+            value = body.get(key)
+            if isinstance(value, Mapping):  # OpenAI style: {"error": {"message": ...}}
+                value = value.get("message", value)
+            if value:
+                text = str(value)
+                break
+    if not text:
+        text = response.text
+    text = " ".join(text.split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return text or "empty body"
+
+
+class ServerAdapter:
+    """Base of the HTTP inference-server adapters: one server, a deadline for every hook,
+    one before-snapshot and one after-restore hook."""
+
+    kind: ClassVar[str]
+    """``vllm`` / ``sglang``: hook names are ``rehydrate.<kind>.<action>``."""
+    snapshot_action: ClassVar[str]
+    restore_action: ClassVar[str]
+    health_path: ClassVar[str] = "/health"
+
+    def __init__(self, url: str | None, *, api_key: str | None, deadline: float,
+                 request_timeout: float) -> None:
+        for what, value in (("deadline", deadline), ("request_timeout", request_timeout)):
+            if not value > 0 or value == float("inf"):  # also refuses NaN
+                raise ValueError(f"{what} must be a positive finite number of seconds, "
+                                 f"not {value!r}")
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, not {url!r}")
+        self.url = url.rstrip("/") if url is not None else None
+        self.deadline = deadline
+        self.request_timeout = request_timeout
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def install(self, engine: Engine | None = None) -> None:
+        """Attach the before-snapshot and after-restore hooks to ``engine`` (default: the
+        process's engine). Both are required: a failure fails the snapshot (the platform
+        aborts it) or leaves the process degraded (not ready)."""
+        eng = resolve_engine(engine)
+        timeout = self.deadline + 5.0  # the adapter's own deadline speaks first
+        eng.builtins.register(self._snapshot_hook, event="snapshot", phase=Phase.APPLICATION,
+                              order=SNAPSHOT_ORDER, timeout=timeout,
+                              name=f"rehydrate.{self.kind}.{self.snapshot_action}")
+        eng.builtins.register(self._restore_hook, event="restore", phase=Phase.APPLICATION,
+                              order=RESTORE_ORDER, timeout=timeout,
+                              name=f"rehydrate.{self.kind}.{self.restore_action}")
+
+    async def _snapshot_hook(self) -> None:
+        await self.before_snapshot()
+
+    async def _restore_hook(self) -> None:
+        await self.after_restore()
+
+    async def before_snapshot(self) -> None:
+        """What the before-snapshot hook does."""
+        raise NotImplementedError
+
+    async def after_restore(self) -> None:
+        """What the after-restore hook does."""
+        raise NotImplementedError
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    def client(self) -> httpx.AsyncClient:
+        """A client for one operation (hooks may run on different event loops)."""
+        assert self.url is not None
+        return httpx.AsyncClient(base_url=self.url, headers=self._headers)
+
+    def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:
+        """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
+        return None
+
+    async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
+                   until: float, params: Mapping[str, Any] | None = None,
+                   json: Any = None) -> httpx.Response:
+        """``method path``, retried on transport errors, timeouts and 5xx until ``until``
+        (``time.monotonic()``); a 4xx, or an answer :meth:`hint` recognises, fails at once.
+
+        Raises :class:`ServerError` naming the call and the server's last reason.
+        """
+        attempt = 0
+        last = "not tried"
+        what = f"{method} {path}"
+        while True:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                raise ServerError(f"{self.kind} {what}: {last} (gave up after the "
+                                  f"{self.deadline:g}s deadline)")
+            per_try = min(self.request_timeout, remaining)
+            try:
+                response = await client.request(method, path, params=params, json=json,
+                                                timeout=per_try)
+            except httpx.TimeoutException:
+                last = f"no answer within {per_try:.3g}s"
+            except httpx.TransportError as exc:
+                last = f"unreachable ({type(exc).__name__}: {exc})" if str(exc) else \
+                    f"unreachable ({type(exc).__name__})"
+            else:
+                if response.is_success:
+                    return response
+                reason = server_reason(response)
+                last = f"HTTP {response.status_code}: {reason}"
+                hint = self.hint(path, response, reason)
+                if hint is not None or (400 <= response.status_code < 500
+                                        and response.status_code not in (408, 429)):
+                    raise ServerError(f"{self.kind} {what}: {last}"
+                                      + (f" — {hint}" if hint else ""))
+            log.debug("%s %s: %s; retrying", self.kind, what, last)
+            await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0,
+                                    max(until - time.monotonic(), 0)))
+            attempt += 1
+
+    async def probe_async(self) -> Probe:
+        """Usable when the server answers its health endpoint."""
+        assert self.url is not None
+        try:
+            async with self.client() as c:
+                r = await c.get(self.health_path, timeout=min(self.request_timeout, 5.0))
+        except httpx.HTTPError as exc:
+            return Probe(False, f"{self.url} does not answer ({type(exc).__name__})")
+        if r.is_success:
+            return Probe(True, f"{self.url}{self.health_path} answers {r.status_code}")
+        return Probe(False, f"{self.url}{self.health_path} answers HTTP {r.status_code}: "
+                            f"{server_reason(r)}")
+
+    def probe(self) -> Probe:
+        """:meth:`probe_async` from synchronous code."""
+        return run_sync(self.probe_async())
+
+
+def json_or_empty(response: httpx.Response) -> Mapping[str, Any]:
+    """The JSON object of a response, or ``{}`` for the empty (or non-object) 200 some
+    server versions answer."""
+    if not response.content.strip():
+        return {}
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, Mapping) else {}
+
+

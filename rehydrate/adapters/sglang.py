@@ -1,0 +1,160 @@
+"""SGLang: GPU memory released through the snapshot, resumed and checked after a restore.
+
+::
+
+    from rehydrate.adapters import sglang
+
+    sglang.install("http://127.0.0.1:30000")                      # all memory
+    sglang.install("http://127.0.0.1:30000", tags=["kv_cache"])   # or some of it
+
+Before a snapshot (hook ``rehydrate.sglang.release``, right after the ASGI gate's drain):
+``GET /server_info`` — a warning when it shows the memory saver off
+(``--enable-memory-saver`` missing: the calls then only log on the server and the GPU
+memory stays allocated) — then ``POST /release_memory_occupation`` with
+``{"tags": [...]}`` (or ``{}``: everything). After a restore or resume (hook
+``rehydrate.sglang.resume``, the first application hook): ``POST
+/resume_memory_occupation`` with the same body — skipped when this process never released
+(an earlier snapshot attempt failed before it) — then ``GET /health_generate``, which
+generates one token, as the canary (retried while it answers 503, as SGLang does while it
+starts up).
+
+Every call is retried on connection errors, timeouts and 5xx until ``deadline``; the hook
+then fails with the server's last answer. A 200 whose JSON says ``"success": false`` fails
+with the server's message. SGLang needs an idle server for both calls: put the
+:class:`~rehydrate.adapters.asgi.ReadinessGate` in front of your app so requests drain first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from ..extensions import Probe
+from ._readiness import probe_import
+from ._server import ServerAdapter, ServerError, json_or_empty, run_sync
+
+if TYPE_CHECKING:
+    from ..extensions import Engine
+
+__all__ = ["SGLangAdapter", "ServerError", "install", "probe"]
+
+log = logging.getLogger("rehydrate.adapters.sglang")
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def probe() -> Probe:
+    """Usable in-process when ``sglang`` is installed (a server is probed with
+    :meth:`SGLangAdapter.probe`)."""
+    return probe_import("sglang",
+                        "pip install sglang; a server is probed with SGLangAdapter.probe()")
+
+
+class SGLangAdapter(ServerAdapter):
+    """Releases one SGLang server's GPU memory before a snapshot and resumes it after.
+
+    ``url``: the server's base URL. ``tags``: what to release (``weights``, ``kv_cache``,
+    ``cuda_graph``; default everything). ``canary``: check ``/health_generate`` after
+    resuming. ``api_key``: sent as a bearer token. ``deadline``: seconds each of release
+    and resume may take, retries included.
+    """
+
+    kind = "sglang"
+    snapshot_action = "release"
+    restore_action = "resume"
+
+    def __init__(self, url: str, *, tags: Iterable[str] | None = None, canary: bool = True,
+                 api_key: str | None = None, deadline: float = 120.0,
+                 request_timeout: float = 30.0) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"url must be a string, not {type(url).__name__}")
+        chosen = None if tags is None else list(tags)
+        unknown = [t for t in chosen or () if t not in TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tag(s) {', '.join(map(repr, unknown))}; "
+                             f"SGLang knows {', '.join(TAGS)}")
+        super().__init__(url, api_key=api_key, deadline=deadline,
+                         request_timeout=request_timeout)
+        self.tags = chosen
+        self.canary = canary
+        self.released = False
+        """True between a release and the next resume: a clone restored from the snapshot
+        remembers it, so a resume is sent only when a release happened."""
+
+    def __repr__(self) -> str:
+        return f"SGLangAdapter({self.url}, tags={self.tags})"
+
+    @property
+    def _body(self) -> dict[str, Any]:
+        return {"tags": self.tags} if self.tags else {}
+
+    async def release_async(self) -> None:
+        """Release the server's GPU memory (the before-snapshot hook)."""
+        until = time.monotonic() + self.deadline
+        async with self.client() as c:
+            await self._warn_without_memory_saver(c)
+            r = await self.call(c, "POST", "/release_memory_occupation", until=until,
+                                json=self._body)
+            _check_success(r, "release_memory_occupation")
+        self.released = True
+        log.info("SGLang memory released (%s)", ", ".join(self.tags or ["all"]))
+
+    async def resume_async(self) -> None:
+        """Resume the memory released before and check one generation (the after-restore
+        hook)."""
+        until = time.monotonic() + self.deadline
+        async with self.client() as c:
+            if self.released:
+                r = await self.call(c, "POST", "/resume_memory_occupation", until=until,
+                                    json=self._body)
+                _check_success(r, "resume_memory_occupation")
+                self.released = False
+            else:
+                log.info("SGLang memory was not released by this process; not resumed")
+            if self.canary:
+                await self.call(c, "GET", "/health_generate", until=until)
+        log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
+
+    def release(self) -> None:
+        """:meth:`release_async` from synchronous code."""
+        run_sync(self.release_async())
+
+    def resume(self) -> None:
+        """:meth:`resume_async` from synchronous code."""
+        run_sync(self.resume_async())
+
+    async def before_snapshot(self) -> None:
+        await self.release_async()
+
+    async def after_restore(self) -> None:
+        await self.resume_async()
+
+    async def _warn_without_memory_saver(self, client: httpx.AsyncClient) -> None:
+        try:
+            r = await client.get("/server_info", timeout=min(self.request_timeout, 5.0))
+        except httpx.HTTPError as exc:
+            log.debug("SGLang /server_info: %s", type(exc).__name__)
+            return
+        if r.is_success and json_or_empty(r).get("enable_memory_saver") is False:
+            log.warning("SGLang runs without --enable-memory-saver: release/resume of GPU "
+                        "memory do nothing (the snapshot keeps the GPU state)")
+
+
+def _check_success(response: httpx.Response, what: str) -> None:
+    body = json_or_empty(response)
+    if body.get("success") is False:
+        message = " ".join(str(body.get("message") or "no message").split())
+        raise ServerError(f"sglang {what}: the server says it failed: {message}")
+
+
+def install(url: str, *, engine: Engine | None = None, tags: Iterable[str] | None = None,
+            canary: bool = True, api_key: str | None = None,
+            deadline: float = 120.0) -> SGLangAdapter:
+    """Create an :class:`SGLangAdapter` for ``url`` and attach its hooks to ``engine``."""
+    adapter = SGLangAdapter(url, tags=tags, canary=canary, api_key=api_key, deadline=deadline)
+    adapter.install(engine)
+    return adapter

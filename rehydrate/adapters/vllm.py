@@ -1,0 +1,318 @@
+"""vLLM: the engine sleeps through the snapshot and is woken, and checked, after a restore.
+
+A snapshot of a process holding a vLLM engine should not contain its GPU state (the KV
+cache is garbage in a clone, the weights are better restored from CPU memory or reloaded),
+and vLLM's ``/health`` says 200 whether the engine sleeps or not — requests sent to a
+sleeping engine are queued, not refused — so readiness must come from rehydrate::
+
+    from rehydrate.adapters import vllm
+
+    vllm.install("http://127.0.0.1:8000")          # the OpenAI server, dev mode
+    vllm.install(llm)                              # or an in-process LLM / AsyncLLM
+
+Before a snapshot (hook ``rehydrate.vllm.sleep``, right after the ASGI gate's drain):
+``POST /sleep?level=N`` (``LLM.sleep(level)`` in-process), then ``GET /is_sleeping`` must
+say true. After a restore or resume (hook ``rehydrate.vllm.wake``, the first application
+hook): level 0/1 ``POST /wake_up``; level 2 — whose weights were discarded —
+``POST /wake_up?tags=weights``, ``POST /collective_rpc {"method": "reload_weights"}``,
+``POST /wake_up?tags=kv_cache`` (what ``vllm snapshot restore`` does); then ``/is_sleeping``
+must say false (anything still asleep is woken with a plain ``/wake_up``), and a one-token
+canary generation must succeed before the hook does. An engine already awake is not woken
+again (the canary still runs).
+
+Every call is retried on connection errors, timeouts and 5xx until ``deadline``; the hook
+then fails with the server's last answer. A server without the dev-mode endpoints (404:
+``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode (``--enable-sleep-mode``, CUDA /
+ROCm / XPU only) fails at once with that fix in the message. Responses are parsed
+leniently: older servers answer an empty 200, some say ``tags_woken``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from ..extensions import Probe
+from ._readiness import probe_import
+from ._server import ServerAdapter, ServerError, call_maybe_async, json_or_empty, run_sync
+
+if TYPE_CHECKING:
+    from ..extensions import Engine
+
+__all__ = ["ServerError", "VLLMAdapter", "install", "probe"]
+
+log = logging.getLogger("rehydrate.adapters.vllm")
+
+LEVELS = (0, 1, 2)
+MODES = ("abort", "wait", "keep")
+
+
+def probe() -> Probe:
+    """Usable for an in-process engine when ``vllm`` is installed (a server is probed with
+    :meth:`VLLMAdapter.probe`)."""
+    return probe_import("vllm", "pip install vllm; a server is probed with VLLMAdapter.probe()")
+
+
+class VLLMAdapter(ServerAdapter):
+    """Puts one vLLM engine to sleep before a snapshot and wakes it after a restore.
+
+    ``target``: the server's base URL (``http://host:port``, dev mode) or an in-process
+    ``vllm.LLM`` / ``AsyncLLM`` (anything with ``sleep``, ``wake_up``, ``collective_rpc``
+    and ``generate``). ``level``: sleep level 0, 1 (weights to CPU RAM, KV cache dropped)
+    or 2 (both dropped; reloaded after restore). ``mode``: ``abort`` / ``wait`` / ``keep``
+    for requests in flight (vLLM ≥ 0.33; omitted: the server's default). ``model``: the
+    model name for the canary (default: the first of ``/v1/models``). ``canary``: run the
+    one-token generation after waking. ``api_key``: sent as a bearer token.
+    ``deadline``: seconds each of sleep and wake may take, retries included.
+    """
+
+    kind = "vllm"
+    snapshot_action = "sleep"
+    restore_action = "wake"
+
+    def __init__(self, target: str | Any, *, level: int = 1, mode: str | None = None,
+                 model: str | None = None, canary: bool = True, canary_prompt: str = "Hello",
+                 api_key: str | None = None, deadline: float = 120.0,
+                 request_timeout: float = 10.0) -> None:
+        if isinstance(level, bool) or level not in LEVELS:
+            raise ValueError(f"level must be one of 0, 1, 2, not {level!r}")
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)} (or None), not {mode!r}")
+        in_process = not isinstance(target, str)
+        if in_process:
+            missing = [m for m in ("sleep", "wake_up") if not callable(getattr(target, m, None))]
+            if missing:
+                raise TypeError(f"target must be a URL or a vLLM LLM/AsyncLLM; "
+                                f"{type(target).__name__} has no {', '.join(missing)}()")
+        super().__init__(None if in_process else target, api_key=api_key, deadline=deadline,
+                         request_timeout=request_timeout)
+        self.llm: Any = target if in_process else None
+        self.level = level
+        self.mode = mode
+        self.model = model
+        self.canary = canary
+        self.canary_prompt = canary_prompt
+
+    def __repr__(self) -> str:
+        target = self.url or type(self.llm).__name__
+        return f"VLLMAdapter({target}, level={self.level})"
+
+    # -- public operations ---------------------------------------------------------------
+
+    async def sleep_async(self) -> None:
+        """Put the engine to sleep and confirm it sleeps (the before-snapshot hook)."""
+        until = time.monotonic() + self.deadline
+        async with self._session() as s:
+            if await s.is_sleeping(until) is True:
+                log.info("vLLM already sleeps; not put to sleep again")
+                return
+            await s.sleep(until)
+            if await s.is_sleeping(until) is False:
+                raise ServerError("vllm: the engine accepted sleep but says it is awake")
+        log.info("vLLM engine asleep (level %d)", self.level)
+
+    async def wake_async(self) -> None:
+        """Wake the engine, confirm it is awake, run the canary (the after-restore hook)."""
+        until = time.monotonic() + self.deadline
+        async with self._session() as s:
+            if await s.is_sleeping(until) is False:
+                log.info("vLLM already awake; not woken again")
+            else:
+                if self.level == 2:
+                    await s.wake_up(["weights"], until)
+                    await s.reload_weights(until)
+                    await s.wake_up(["kv_cache"], until)
+                else:
+                    await s.wake_up(None, until)
+                if await s.is_sleeping(until) is True:
+                    await s.wake_up(None, until)  # whatever the tags above did not wake
+                    if await s.is_sleeping(until) is True:
+                        raise ServerError("vllm: the engine still sleeps after wake_up")
+            if self.canary:
+                await s.canary(until)
+        log.info("vLLM engine awake%s", " and answering" if self.canary else "")
+
+    def sleep(self) -> None:
+        """:meth:`sleep_async` from synchronous code."""
+        run_sync(self.sleep_async())
+
+    def wake(self) -> None:
+        """:meth:`wake_async` from synchronous code."""
+        run_sync(self.wake_async())
+
+    async def before_snapshot(self) -> None:
+        await self.sleep_async()
+
+    async def after_restore(self) -> None:
+        await self.wake_async()
+
+    async def probe_async(self) -> Probe:
+        """Usable when the server answers ``/health`` and has the dev-mode endpoints (or
+        the in-process engine can sleep)."""
+        if self.llm is not None:
+            return Probe(True, f"in-process {type(self.llm).__name__}")
+        found = await super().probe_async()
+        if not found.usable:
+            return found
+        try:
+            async with self.client() as c:
+                r = await c.get("/is_sleeping", timeout=min(self.request_timeout, 5.0))
+        except httpx.HTTPError as exc:
+            return Probe(False, f"{self.url}/is_sleeping: {type(exc).__name__}")
+        if r.status_code == 404:
+            return Probe(False, f"{self.url} has no /is_sleeping: start vLLM with "
+                                "VLLM_SERVER_DEV_MODE=1")
+        return Probe(True, f"{self.url} answers, sleep endpoints present")
+
+    def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:
+        if response.status_code == 404 and path in ("/sleep", "/wake_up", "/is_sleeping",
+                                                    "/collective_rpc"):
+            return "start the vLLM server with VLLM_SERVER_DEV_MODE=1 (the sleep endpoints " \
+                   "exist only in dev mode)"
+        if "sleep mode" in reason.lower():
+            return "start vLLM with --enable-sleep-mode (CUDA, ROCm or XPU only)"
+        return None
+
+    def _session(self) -> _Session:
+        if self.llm is not None:
+            return _InProcess(self)
+        return _Http(self)
+
+
+class _Session:
+    """One sleep or wake operation's calls, over HTTP or in-process."""
+
+    def __init__(self, adapter: VLLMAdapter) -> None:
+        self.a = adapter
+
+    async def __aenter__(self) -> _Session:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def is_sleeping(self, until: float) -> bool | None:
+        raise NotImplementedError
+
+    async def sleep(self, until: float) -> None:
+        raise NotImplementedError
+
+    async def wake_up(self, tags: list[str] | None, until: float) -> None:
+        raise NotImplementedError
+
+    async def reload_weights(self, until: float) -> None:
+        raise NotImplementedError
+
+    async def canary(self, until: float) -> None:
+        raise NotImplementedError
+
+
+class _Http(_Session):
+    async def __aenter__(self) -> _Session:
+        self.client = self.a.client()
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.__aexit__(None, None, None)
+
+    async def is_sleeping(self, until: float) -> bool | None:
+        r = await self.a.call(self.client, "GET", "/is_sleeping", until=until)
+        value = json_or_empty(r).get("is_sleeping")
+        return value if isinstance(value, bool) else None
+
+    async def sleep(self, until: float) -> None:
+        params: dict[str, Any] = {"level": self.a.level}
+        if self.a.mode is not None:
+            params["mode"] = self.a.mode
+        await self.a.call(self.client, "POST", "/sleep", until=until, params=params)
+
+    async def wake_up(self, tags: list[str] | None, until: float) -> None:
+        r = await self.a.call(self.client, "POST", "/wake_up", until=until,
+                              params={"tags": tags} if tags else None)
+        body = json_or_empty(r)  # {"status": ..., "tags": ...}, {"tags_woken": ...} or {}
+        log.debug("vLLM wake_up%s: %s", f" {tags}" if tags else "",
+                  body.get("status") or body.get("tags_woken") or "ok")
+
+    async def reload_weights(self, until: float) -> None:
+        await self.a.call(self.client, "POST", "/collective_rpc", until=until,
+                          json={"method": "reload_weights"})
+
+    async def canary(self, until: float) -> None:
+        model = self.a.model
+        if model is None:
+            r = await self.a.call(self.client, "GET", "/v1/models", until=until)
+            data = json_or_empty(r).get("data")
+            if not data or not isinstance(data, list) or not isinstance(data[0], dict):
+                raise ServerError("vllm canary: /v1/models lists no model (pass model=)")
+            model = str(data[0].get("id"))
+        r = await self.a.call(self.client, "POST", "/v1/completions", until=until,
+                              json={"model": model, "prompt": self.a.canary_prompt,
+                                    "max_tokens": 1, "temperature": 0})
+        if not json_or_empty(r).get("choices"):
+            raise ServerError(f"vllm canary: /v1/completions answered no choices "
+                              f"({r.text[:200]!r})")
+
+
+class _InProcess(_Session):
+    async def is_sleeping(self, until: float) -> bool | None:
+        llm = self.a.llm
+        fn = getattr(llm, "is_sleeping", None) or getattr(
+            getattr(llm, "llm_engine", None), "is_sleeping", None)
+        if fn is None:
+            return None
+        value = await call_maybe_async(fn)
+        return value if isinstance(value, bool) else None
+
+    async def sleep(self, until: float) -> None:
+        kwargs: dict[str, Any] = {"level": self.a.level}
+        if self.a.mode is not None:
+            kwargs["mode"] = self.a.mode
+        await call_maybe_async(self.a.llm.sleep, **kwargs)
+
+    async def wake_up(self, tags: list[str] | None, until: float) -> None:
+        if tags:
+            await call_maybe_async(self.a.llm.wake_up, tags=tags)
+        else:
+            await call_maybe_async(self.a.llm.wake_up)
+
+    async def reload_weights(self, until: float) -> None:
+        await call_maybe_async(self.a.llm.collective_rpc, "reload_weights")
+
+    async def canary(self, until: float) -> None:
+        import inspect
+
+        llm = self.a.llm
+        params = _sampling_params()
+        if inspect.isasyncgenfunction(llm.generate):  # AsyncLLM: an async generator
+            outputs = []
+            async for out in llm.generate(self.a.canary_prompt, params,
+                                          request_id=f"rehydrate-canary-{uuid.uuid4()}"):
+                outputs.append(out)
+        else:
+            outputs = await call_maybe_async(llm.generate, [self.a.canary_prompt], params)
+        if not outputs:
+            raise ServerError("vllm canary: generate() returned no output")
+
+
+def _sampling_params() -> Any:
+    """``SamplingParams(max_tokens=1)`` when vLLM is importable, else None (its default)."""
+    try:
+        from vllm import SamplingParams  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    return SamplingParams(max_tokens=1, temperature=0)
+
+
+def install(target: str | Any, *, engine: Engine | None = None, level: int = 1,
+            mode: str | None = None, model: str | None = None, canary: bool = True,
+            api_key: str | None = None, deadline: float = 120.0) -> VLLMAdapter:
+    """Create a :class:`VLLMAdapter` for ``target`` and attach its hooks to ``engine``."""
+    adapter = VLLMAdapter(target, level=level, mode=mode, model=model, canary=canary,
+                          api_key=api_key, deadline=deadline)
+    adapter.install(engine)
+    return adapter

@@ -1,0 +1,242 @@
+"""Stand-ins for vLLM's and SGLang's servers (they need a GPU) and vLLM's in-process engines.
+
+Each implements the documented endpoints of DESIGN §4 as a plain ASGI app served by a real
+uvicorn on loopback (``tests.asgi_server.serve``), keeps the engine's memory state, logs
+every call, and can be told to fail the ways the real servers do: 500s (transient or for
+good), hangs, no dev mode (404), sleep mode / memory saver off, the empty 200 of older
+servers, ``tags_woken``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import parse_qs
+
+TAGS = ("weights", "kv_cache", "scheduling")
+
+
+class StandIn:
+    """Routing, the call log and the faults shared by both stand-ins."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.fail: dict[str, int] = {}  # path -> transient 500s to answer first
+        self.broken: dict[str, tuple[int, str]] = {}  # path -> (status, message) for good
+        self.hang: dict[str, float] = {}  # path -> seconds to wait before answering
+        self.canaries = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path, query = scope["path"], scope["query_string"].decode()
+        self.log.append(f"{scope['method']} {path}" + (f"?{query}" if query else ""))
+        if path in self.hang:
+            await asyncio.sleep(self.hang[path])
+        if self.fail.get(path):
+            self.fail[path] -= 1
+            status, payload = 500, {"message": "transient engine error"}
+        elif path in self.broken:
+            status, text = self.broken[path]
+            payload = {"object": "error", "message": text, "type": "InternalServerError",
+                       "code": status}
+        else:
+            status, payload = self.route(scope["method"], path, parse_qs(query),
+                                         json.loads(body) if body else None)
+        raw = b"" if payload is None else json.dumps(payload).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": raw})
+
+    def route(self, method: str, path: str, query: dict[str, list[str]],
+              body: Any) -> tuple[int, Any]:
+        raise NotImplementedError
+
+
+class VLLMStandIn(StandIn):
+    """vLLM 0.33's OpenAI server in dev mode with ``--enable-sleep-mode``."""
+
+    def __init__(self, *, dev_mode: bool = True, sleep_mode: bool = True,
+                 legacy: bool = False, tags_woken: bool = False) -> None:
+        super().__init__()
+        self.dev_mode, self.sleep_mode = dev_mode, sleep_mode
+        self.legacy, self.tags_woken = legacy, tags_woken
+        self.asleep: set[str] = set()
+        self.weights = "gpu"  # gpu | cpu (level 1) | discarded (level 2) | garbage
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def route(self, method: str, path: str, query: dict[str, list[str]],
+              body: Any) -> tuple[int, Any]:
+        dev = {"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc"}
+        if path in dev and not self.dev_mode:
+            return 404, {"detail": "Not Found"}
+        if (method, path) == ("GET", "/health"):
+            return 200, None  # ignores sleep, as vLLM's does
+        if (method, path) == ("GET", "/is_sleeping"):
+            return 200, {"is_sleeping": self.sleeping}
+        if (method, path) == ("POST", "/sleep"):
+            return self._sleep(int(query.get("level", ["1"])[0]))
+        if (method, path) == ("POST", "/wake_up"):
+            return self._wake(query.get("tags") or list(TAGS))
+        if (method, path) == ("POST", "/collective_rpc"):
+            if body != {"method": "reload_weights"}:
+                return 400, {"message": f"unexpected rpc {body!r}"}
+            if "weights" in self.asleep:
+                return 500, {"message": "weights memory is not allocated (still asleep)"}
+            self.weights = "gpu"
+            return 200, {"results": [None]}
+        if (method, path) == ("GET", "/v1/models"):
+            return 200, {"object": "list", "data": [{"id": "stand-in/model"}]}
+        if (method, path) == ("POST", "/v1/completions"):
+            if self.sleeping:
+                return 503, {"message": "the engine is sleeping"}
+            if self.weights != "gpu":
+                return 500, {"message": f"NaN in logits: weights are {self.weights}"}
+            assert body["max_tokens"] == 1 and body["model"] == "stand-in/model", body
+            self.canaries += 1
+            return 200, {"choices": [{"index": 0, "text": " world"}]}
+        return 404, {"detail": "Not Found"}
+
+    def _sleep(self, level: int) -> tuple[int, Any]:
+        if not self.sleep_mode:
+            return 500, {"object": "error", "type": "InternalServerError", "code": 500,
+                         "message": "Sleep mode is not enabled in the model config"}
+        self.asleep = set(TAGS)
+        self.weights = {0: "gpu", 1: "cpu", 2: "discarded"}[level]
+        return 200, None if self.legacy else {"status": "sleeping", "level": level}
+
+    def _wake(self, tags: list[str]) -> tuple[int, Any]:
+        woken = [t for t in tags if t in self.asleep]
+        self.asleep -= set(tags)
+        if "weights" in woken:
+            # level 1 weights come back from CPU RAM; level 2 memory comes back empty
+            self.weights = "gpu" if self.weights in ("gpu", "cpu") else "garbage"
+        if self.legacy:
+            return 200, None
+        if self.tags_woken:
+            return 200, {"tags_woken": woken}
+        return 200, {"status": "sleeping" if self.sleeping else "awake", "tags": woken}
+
+
+class SGLangStandIn(StandIn):
+    """SGLang 0.5's HTTP server (``--enable-memory-saver`` unless told otherwise)."""
+
+    MEMORY = ("weights", "kv_cache", "cuda_graph")
+
+    def __init__(self, *, memory_saver: bool = True) -> None:
+        super().__init__()
+        self.memory_saver = memory_saver
+        self.released: set[str] = set()
+        self.starting = 0  # /health_generate answers 503 this many more times
+        self.refuse: str | None = None  # 200 {"success": false, "message": refuse}
+
+    def route(self, method: str, path: str, query: dict[str, list[str]],
+              body: Any) -> tuple[int, Any]:
+        if (method, path) == ("GET", "/health"):
+            return 200, None
+        if (method, path) == ("GET", "/server_info"):
+            return 200, {"model_path": "stand-in/model", "enable_memory_saver": self.memory_saver}
+        if (method, path) == ("GET", "/health_generate"):
+            if self.starting:
+                self.starting -= 1
+                return 503, None
+            if self.released:
+                return 500, {"message": f"generation failed: {sorted(self.released)} released"}
+            self.canaries += 1
+            return 200, None
+        if method == "POST" and path in ("/release_memory_occupation",
+                                         "/resume_memory_occupation"):
+            if not isinstance(body, dict):
+                return 422, {"detail": "a JSON body is required"}
+            if self.refuse is not None:
+                return 200, {"success": False, "message": self.refuse}
+            tags = set(body.get("tags") or self.MEMORY)
+            if not self.memory_saver:
+                return 200, None  # SGLang only logs a warning then
+            if path == "/release_memory_occupation":
+                self.released |= tags
+            else:
+                if not tags <= self.released:
+                    return 400, {"message": "memory occupation was not released"}
+                self.released -= tags
+            return 200, None
+        return 404, {"detail": "Not Found"}
+
+
+class FakeLLM:
+    """Duck-typed ``vllm.LLM``: sync ``sleep``/``wake_up``/``collective_rpc``/``generate``
+    and ``llm_engine.is_sleeping()``, over the same state machine as the server."""
+
+    def __init__(self) -> None:
+        self.engine = VLLMStandIn()
+        self.calls: list[str] = []
+        self.llm_engine = _LLMEngine(self)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.calls.append(f"sleep({level})")
+        status, _ = self.engine._sleep(level)
+        assert status == 200
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.calls.append(f"wake_up({tags})")
+        self.engine._wake(tags or list(TAGS))
+        return not self.engine.sleeping
+
+    def collective_rpc(self, method: str) -> list[Any]:
+        self.calls.append(f"collective_rpc({method})")
+        status, body = self.engine.route("POST", "/collective_rpc", {}, {"method": method})
+        if status != 200:
+            raise RuntimeError(body["message"])
+        return [None]
+
+    def generate(self, prompts: list[str], sampling_params: Any = None) -> list[str]:
+        self.calls.append("generate")
+        status, body = self.engine.route("POST", "/v1/completions", {},
+                                         {"max_tokens": 1, "model": "stand-in/model"})
+        if status != 200:
+            raise RuntimeError(body["message"])
+        return [" world" for _ in prompts]
+
+
+class FakeAsyncLLM(FakeLLM):
+    """Duck-typed ``vllm.AsyncLLM``: the same methods as coroutines, ``generate`` an async
+    generator taking a ``request_id``."""
+
+    async def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:  # type: ignore[override]
+        FakeLLM.sleep(self, level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:  # type: ignore[override]
+        return FakeLLM.wake_up(self, tags)
+
+    async def collective_rpc(self, method: str) -> list[Any]:  # type: ignore[override]
+        return FakeLLM.collective_rpc(self, method)
+
+    async def generate(self, prompt: str, sampling_params: Any,  # type: ignore[override]
+                       request_id: str) -> AsyncIterator[str]:
+        assert request_id
+        for text in FakeLLM.generate(self, [prompt], sampling_params):
+            yield text
+
+
+class _LLMEngine:
+    """``LLM.llm_engine``: where the sync engine answers ``is_sleeping()``."""
+
+    def __init__(self, llm: FakeLLM) -> None:
+        self.llm = llm
+
+    def is_sleeping(self) -> bool:
+        self.llm.calls.append("is_sleeping")
+        return self.llm.engine.sleeping

@@ -1,0 +1,153 @@
+"""rehydrate.adapters.sglang against an SGLang stand-in server (real uvicorn on loopback),
+driven by an isolated engine's real snapshot and restore runs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rehydrate.adapters import sglang
+from rehydrate.extensions import Probe
+from tests.asgi_server import serve
+from tests.inference_standins import SGLangStandIn
+from tests.netservers import free_port
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, dict[str, Any]]]:
+    current: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await current["app"](scope, receive, send)
+
+    with serve(app) as url:
+        yield url, current
+
+
+@pytest.fixture
+def url(server: tuple[str, dict[str, Any]]) -> str:
+    return server[0]
+
+
+@pytest.fixture
+def standin(server: tuple[str, dict[str, Any]]) -> SGLangStandIn:
+    server[1]["app"] = standin = SGLangStandIn()
+    return standin
+
+
+def hook(report: Any, name: str) -> Any:
+    return next(h for h in report.hooks if h.name == name)
+
+
+@pytest.mark.parametrize("tags", [None, ["kv_cache", "cuda_graph"]])
+def test_release_then_resume_and_canary(url: str, standin: SGLangStandIn,
+                                        rehydrate_engine: Any, tags: list[str] | None) -> None:
+    sglang.install(url, engine=rehydrate_engine, tags=tags)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log == ["GET /server_info", "POST /release_memory_occupation"]
+    assert standin.released == set(tags or SGLangStandIn.MEMORY)
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log == ["POST /resume_memory_occupation", "GET /health_generate"]
+    assert standin.released == set() and standin.canaries == 1
+
+
+def test_warns_when_the_memory_saver_is_off(url: str, server: Any, rehydrate_engine: Any,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    server[1]["app"] = SGLangStandIn(memory_saver=False)
+    sglang.install(url, engine=rehydrate_engine)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert rehydrate_engine.simulate_snapshot().ok
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "SGLang runs without --enable-memory-saver: release/resume of GPU memory do "
+        "nothing (the snapshot keeps the GPU state)"]
+
+
+def test_canary_waits_while_the_server_is_starting(url: str, standin: SGLangStandIn,
+                                                   rehydrate_engine: Any) -> None:
+    sglang.install(url, engine=rehydrate_engine, deadline=10)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.starting = 2
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.log.count("GET /health_generate") == 3
+
+
+def test_500_for_good_fails_the_snapshot_with_the_servers_reason(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    standin.broken["/release_memory_occupation"] = (500, "scheduler is not idle")
+    report = rehydrate_engine.simulate_snapshot()
+    assert not report.ok
+    release = hook(report, "rehydrate.sglang.release")
+    assert str(release.error) == ("sglang POST /release_memory_occupation: HTTP 500: "
+                                  "scheduler is not idle (gave up after the 0.5s deadline)")
+    assert standin.log.count("POST /release_memory_occupation") > 1
+
+
+def test_success_false_fails_with_the_message(url: str, standin: SGLangStandIn,
+                                              rehydrate_engine: Any) -> None:
+    sglang.install(url, engine=rehydrate_engine)
+    standin.refuse = "release requires an idle server"
+    report = rehydrate_engine.simulate_snapshot()
+    assert str(hook(report, "rehydrate.sglang.release").error) == (
+        "sglang release_memory_occupation: the server says it failed: release requires "
+        "an idle server")
+
+
+def test_resume_without_a_release_only_checks(url: str, standin: SGLangStandIn,
+                                              rehydrate_engine: Any) -> None:
+    """Nothing was released by this process (e.g. its snapshot failed before): the
+    restore does not resume (the server would refuse) but still runs the canary."""
+    sglang.install(url, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore(kind="resume").ok
+    assert standin.log == ["GET /health_generate"]
+
+
+def test_failed_canary_leaves_the_process_degraded(url: str, standin: SGLangStandIn,
+                                                   rehydrate_engine: Any) -> None:
+    sglang.install(url, engine=rehydrate_engine, deadline=0.4)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.starting = 10**6  # never comes up
+    report = rehydrate_engine.simulate_restore()
+    assert str(hook(report, "rehydrate.sglang.resume").error) == (
+        "sglang GET /health_generate: HTTP 503: empty body (gave up after the 0.4s deadline)")
+    assert rehydrate_engine.state == "degraded"
+
+
+def test_server_that_never_answers(rehydrate_engine: Any) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    report = rehydrate_engine.simulate_snapshot()
+    assert str(hook(report, "rehydrate.sglang.release").error).startswith(
+        "sglang POST /release_memory_occupation: unreachable (ConnectError")
+    assert sglang.SGLangAdapter(url).probe() == Probe(False,
+                                                      f"{url} does not answer (ConnectError)")
+
+
+async def test_sync_and_asyncio_entry_points(url: str, standin: SGLangStandIn) -> None:
+    adapter = sglang.SGLangAdapter(url, canary=False)
+    await adapter.release_async()
+    assert standin.released
+    await adapter.resume_async()
+    assert not standin.released
+    with pytest.raises(RuntimeError, match="await the \\*_async variant instead"):
+        adapter.release()
+
+
+def test_sync_entry_points_and_probe(url: str, standin: SGLangStandIn) -> None:
+    adapter = sglang.SGLangAdapter(url)
+    adapter.release()
+    adapter.resume()
+    assert standin.canaries == 1
+    assert adapter.probe() == Probe(True, f"{url}/health answers 200")
+
+
+def test_bad_options(url: str) -> None:
+    with pytest.raises(ValueError, match="unknown memory tag\\(s\\) 'gpu'; SGLang knows "
+                                         "weights, kv_cache, cuda_graph"):
+        sglang.SGLangAdapter(url, tags=["gpu"])

@@ -1,0 +1,268 @@
+"""rehydrate.adapters.vllm against a vLLM stand-in server (real uvicorn on loopback) and
+duck-typed in-process LLM / AsyncLLM twins, driven by an isolated engine's real snapshot
+and restore runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rehydrate.adapters import not_ready_reason, vllm
+from rehydrate.extensions import Probe
+from tests.asgi_server import serve
+from tests.inference_standins import FakeAsyncLLM, FakeLLM, VLLMStandIn
+from tests.netservers import free_port
+
+LEVEL1_WAKE = ["GET /is_sleeping", "POST /wake_up", "GET /is_sleeping", "GET /v1/models",
+               "POST /v1/completions"]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, dict[str, Any]]]:
+    """One uvicorn for the module; each test puts its own stand-in behind it."""
+    current: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await current["app"](scope, receive, send)
+
+    with serve(app) as url:
+        yield url, current
+
+
+@pytest.fixture
+def standin(server: tuple[str, dict[str, Any]]) -> VLLMStandIn:
+    standin = VLLMStandIn()
+    server[1]["app"] = standin
+    return standin
+
+
+@pytest.fixture
+def url(server: tuple[str, dict[str, Any]]) -> str:
+    return server[0]
+
+
+def hook(report: Any, name: str) -> Any:
+    return next(h for h in report.hooks if h.name == name)
+
+
+def test_level1_sleep_and_wake_with_canary(url: str, standin: VLLMStandIn,
+                                           rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log == ["GET /is_sleeping", "POST /sleep?level=1", "GET /is_sleeping"]
+    assert standin.sleeping and standin.weights == "cpu"
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log == LEVEL1_WAKE
+    assert not standin.sleeping and standin.canaries == 1
+    assert rehydrate_engine.is_ready()
+
+
+def test_level2_wakes_weights_reloads_then_kv_cache(url: str, standin: VLLMStandIn,
+                                                    rehydrate_engine: Any) -> None:
+    """vllm snapshot restore's sequence; the stand-in's `scheduling` tag is still asleep
+    after it, so the adapter wakes the rest; the canary proves the weights are loaded."""
+    vllm.install(url, engine=rehydrate_engine, level=2, model="stand-in/model", mode="wait")
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert "POST /sleep?level=2&mode=wait" in standin.log
+    assert standin.weights == "discarded"
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log == ["GET /is_sleeping", "POST /wake_up?tags=weights",
+                           "POST /collective_rpc", "POST /wake_up?tags=kv_cache",
+                           "GET /is_sleeping", "POST /wake_up", "GET /is_sleeping",
+                           "POST /v1/completions"]
+    assert standin.weights == "gpu" and standin.canaries == 1
+
+
+@pytest.mark.parametrize("variant", ["legacy", "tags_woken"])
+def test_lenient_responses(url: str, server: Any, rehydrate_engine: Any, variant: str) -> None:
+    """Older servers answer an empty 200 to sleep and wake_up; some say tags_woken."""
+    standin = VLLMStandIn(**{variant: True})
+    server[1]["app"] = standin
+    vllm.install(url, engine=rehydrate_engine, level=2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.canaries == 1 and not standin.sleeping
+
+
+def test_already_awake_is_not_woken_again(url: str, standin: VLLMStandIn,
+                                          rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore(kind="resume").ok
+    assert standin.log == ["GET /is_sleeping", "GET /v1/models", "POST /v1/completions"]
+    # and a server already asleep is not put to sleep twice
+    standin.asleep = {"weights"}
+    standin.log.clear()
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.log == ["GET /is_sleeping"]
+
+
+def test_transient_500s_are_retried(url: str, standin: VLLMStandIn,
+                                    rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine, deadline=10)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.fail["/wake_up"] = 2
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.log.count("POST /wake_up") == 3
+
+
+def test_500_for_good_fails_the_hook_with_the_servers_reason(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine, deadline=0.5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.broken["/wake_up"] = (500, "CUDA error: out of memory")
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    wake = hook(report, "rehydrate.vllm.wake")
+    assert wake.outcome == "failed"
+    assert str(wake.error) == ("vllm POST /wake_up: HTTP 500: CUDA error: out of memory "
+                               "(gave up after the 0.5s deadline)")
+    assert standin.log.count("POST /wake_up") > 1  # retried until the deadline
+    assert rehydrate_engine.state == "degraded"
+    assert "rehydrate.vllm.wake failed (ServerError: vllm POST /wake_up: HTTP 500" in \
+        not_ready_reason(rehydrate_engine)
+
+
+def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    adapter = vllm.VLLMAdapter(url, deadline=0.8, request_timeout=0.2)
+    adapter.install(rehydrate_engine)
+    standin.hang["/is_sleeping"] = 5
+    t0 = time.monotonic()
+    report = rehydrate_engine.simulate_snapshot()
+    assert time.monotonic() - t0 < 5
+    sleep = hook(report, "rehydrate.vllm.sleep")
+    assert sleep.outcome == "failed"
+    assert str(sleep.error) == ("vllm GET /is_sleeping: no answer within 0.2s "
+                                "(gave up after the 0.8s deadline)")
+    assert not report.ok
+
+
+def test_server_that_never_answers(rehydrate_engine: Any) -> None:
+    vllm.install(f"http://127.0.0.1:{free_port()}", engine=rehydrate_engine, deadline=0.3)
+    report = rehydrate_engine.simulate_restore()
+    wake = hook(report, "rehydrate.vllm.wake")
+    assert str(wake.error).startswith("vllm GET /is_sleeping: unreachable (ConnectError")
+    assert str(wake.error).endswith("(gave up after the 0.3s deadline)")
+    assert not rehydrate_engine.is_ready()
+
+
+def test_without_dev_mode_fails_at_once_saying_so(url: str, server: Any,
+                                                  rehydrate_engine: Any) -> None:
+    server[1]["app"] = standin = VLLMStandIn(dev_mode=False)
+    vllm.install(url, engine=rehydrate_engine, deadline=30)
+    report = rehydrate_engine.simulate_snapshot()
+    sleep = hook(report, "rehydrate.vllm.sleep")
+    assert str(sleep.error) == (
+        "vllm GET /is_sleeping: HTTP 404: Not Found — start the vLLM server with "
+        "VLLM_SERVER_DEV_MODE=1 (the sleep endpoints exist only in dev mode)")
+    assert sleep.duration < 5  # no retrying a 404 until the deadline
+    assert standin.log == ["GET /is_sleeping"]
+    adapter = vllm.VLLMAdapter(url)
+    assert adapter.probe() == Probe(
+        False, f"{url} has no /is_sleeping: start vLLM with VLLM_SERVER_DEV_MODE=1")
+
+
+def test_without_sleep_mode_fails_at_once_saying_so(url: str, server: Any,
+                                                    rehydrate_engine: Any) -> None:
+    server[1]["app"] = VLLMStandIn(sleep_mode=False)
+    vllm.install(url, engine=rehydrate_engine, deadline=30)
+    report = rehydrate_engine.simulate_snapshot()
+    sleep = hook(report, "rehydrate.vllm.sleep")
+    assert str(sleep.error) == (
+        "vllm POST /sleep: HTTP 500: Sleep mode is not enabled in the model config — "
+        "start vLLM with --enable-sleep-mode (CUDA, ROCm or XPU only)")
+    assert sleep.duration < 5
+    assert rehydrate_engine.state == "degraded"
+
+
+def test_failed_canary_fails_the_wake(url: str, standin: VLLMStandIn,
+                                      rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine, deadline=0.5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.broken["/v1/completions"] = (500, "engine dead")
+    report = rehydrate_engine.simulate_restore()
+    assert str(hook(report, "rehydrate.vllm.wake").error).startswith(
+        "vllm POST /v1/completions: HTTP 500: engine dead")
+
+
+def test_sync_and_asyncio_entry_points(url: str, standin: VLLMStandIn) -> None:
+    adapter = vllm.VLLMAdapter(url, canary=False)
+    adapter.sleep()
+    assert standin.sleeping
+    adapter.wake()
+    assert not standin.sleeping
+    assert adapter.probe() == Probe(True, f"{url} answers, sleep endpoints present")
+
+
+async def test_asyncio_entry_points(url: str, standin: VLLMStandIn) -> None:
+    adapter = vllm.VLLMAdapter(url)
+    await adapter.sleep_async()
+    assert standin.sleeping
+    await adapter.wake_async()
+    assert not standin.sleeping and standin.canaries == 1
+    with pytest.raises(RuntimeError, match="await the \\*_async variant instead"):
+        adapter.sleep()
+
+
+@pytest.mark.parametrize("twin", [FakeLLM, FakeAsyncLLM])
+@pytest.mark.parametrize("level", [1, 2])
+def test_in_process_engines(rehydrate_engine: Any, twin: type[FakeLLM], level: int) -> None:
+    llm = twin()
+    vllm.install(llm, engine=rehydrate_engine, level=level)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert llm.calls == ["is_sleeping", f"sleep({level})", "is_sleeping"]
+    llm.calls.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    wake = (["wake_up(['weights'])", "collective_rpc(reload_weights)",
+             "wake_up(['kv_cache'])", "is_sleeping", "wake_up(None)"] if level == 2
+            else ["wake_up(None)"])
+    assert llm.calls == ["is_sleeping", *wake, "is_sleeping", "generate"]
+    assert llm.engine.weights == "gpu" and not llm.engine.sleeping
+
+
+def test_in_process_failure_is_the_hook_error(rehydrate_engine: Any) -> None:
+    llm = FakeLLM()
+    vllm.install(llm, engine=rehydrate_engine, level=2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    llm.engine.asleep = {"weights"}  # reload before the weights were woken
+    llm.wake_up = lambda tags=None: None  # type: ignore[method-assign]
+    report = rehydrate_engine.simulate_restore()
+    assert str(hook(report, "rehydrate.vllm.wake").error) == \
+        "weights memory is not allocated (still asleep)"
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"level": 3}, ValueError, "level must be one of 0, 1, 2, not 3"),
+    ({"mode": "later"}, ValueError,
+     "mode must be one of abort, wait, keep (or None), not 'later'"),
+    ({"deadline": 0}, ValueError, "deadline must be a positive finite number of seconds, not 0"),
+])
+def test_bad_options(url: str, kwargs: dict[str, Any], error: type[Exception],
+                     message: str) -> None:
+    with pytest.raises(error) as exc:
+        vllm.VLLMAdapter(url, **kwargs)
+    assert str(exc.value) == message
+
+
+def test_bad_targets() -> None:
+    with pytest.raises(TypeError, match="target must be a URL or a vLLM LLM/AsyncLLM; "
+                                        "object has no sleep, wake_up"):
+        vllm.VLLMAdapter(object())
+    with pytest.raises(ValueError, match="url must start with http:// or https://"):
+        vllm.VLLMAdapter("localhost:8000")
+
+
+def test_probe_of_a_server_that_is_down() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert vllm.VLLMAdapter(url).probe() == Probe(False,
+                                                       f"{url} does not answer (ConnectError)")
