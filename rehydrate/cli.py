@@ -6,8 +6,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from . import detect
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -23,19 +27,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import detect
 
     if getattr(args, "connections", False):
-        from .connections import doctor_report
-
-        data, text = doctor_report(args.pid)
-        if args.json:
-            _print_json(data)
-        else:
-            print(text)
-        return EXIT_OK
+        return _doctor_connections(args)
 
     if getattr(args, "files", False):
         from .files import doctor_report as files_report
 
-        data, text = files_report(args.pid, proc=args.proc)
+        data, text = files_report(args.pid or "self", proc=args.proc)
         if args.json:
             _print_json(data)
         else:
@@ -49,13 +46,62 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not infos:
         print("no detectors are known")
         return EXIT_OK
-    width = max(len(i.name) for i in infos)
-    for i in infos:
-        mark = "yes" if i.usable else "no "
-        auto = "auto" if (i.usable and i.auto) else "    "
-        how = f" — {i.description}" if i.usable and i.description else ""
-        print(f"{i.name.ljust(width)}  {mark}  {auto}  {i.reason}{how}")
+    print(detectors_table(infos))
     return EXIT_OK
+
+
+def _doctor_connections(args: argparse.Namespace) -> int:
+    """``doctor --connections``: by default the process behind the control socket (the
+    one a platform would notify), with its managed connections marked."""
+    from .connections import doctor_report
+    from .control_client import ControlError, request
+
+    reply: dict[str, Any] | None = None
+    problem: str | None = None
+    try:
+        reply = request("status", socket_path=args.socket, timeout=10.0)
+    except ControlError as exc:
+        problem = str(exc)
+    else:
+        if not reply.get("ok"):
+            problem = str(reply.get("error") or "status failed")
+    server_pid = reply.get("pid") if reply is not None and problem is None else None
+    pid = args.pid
+    if pid is None:
+        if server_pid is None:
+            message = (f"doctor --connections: no rehydrate process answers on the control "
+                       f"socket ({problem}); name one with --pid PID (or --pid self)")
+            print(f"rehydrate: {message}", file=sys.stderr)
+            if args.json:
+                _print_json({"ok": False, "error": message})
+            return EXIT_FAILED
+        pid = str(server_pid)
+    managed = None
+    if server_pid is not None and str(pid) == str(server_pid) and reply is not None:
+        managed = list((reply.get("status") or {}).get("connections") or [])
+    data, text = doctor_report(pid, managed)
+    if args.json:
+        _print_json(data)
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def detectors_table(infos: Sequence[detect.DetectorInfo]) -> str:
+    """``rehydrate doctor``'s text: one row per detector under column headers, and what
+    the START column means."""
+    rows = [("DETECTOR", "USABLE", "START", "WHY / HOW")]
+    for i in infos:
+        start = "-" if not i.usable else "auto" if i.auto else "on request"
+        how = f" — {i.description}" if i.usable and i.description else ""
+        rows.append((i.name, "yes" if i.usable else "no", start, i.reason + how))
+    widths = [max(len(r[k]) for r in rows) for k in range(3)]
+    lines = ["  ".join(r[k].ljust(widths[k]) for k in range(3)) + "  " + r[3] for r in rows]
+    lines.append("")
+    lines.append('START: "auto" = started by rehydrate.start() (detectors="auto"); "on request" '
+                 '= usable, but started only when named, e.g. start(["signal"]); "-" = not '
+                 "usable here")
+    return "\n".join(lines)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -72,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rehydrate {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    doctor = sub.add_parser("doctor", help="which detectors work here, and why not the others")
+    def add(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=summary)
+
+    doctor = add("doctor", "which detectors work here, and why not the others; with "
+                           "--connections / --files, what a snapshot would cut or reopen")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--connections", action="store_true",
                         help="list the established TCP connections of a process (what to "
@@ -81,15 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="list a process's descriptors on volumes the snapshot does not "
                              "hold (restored by path with no change check; a deleted one "
                              "makes a gVisor checkpoint fail)")
-    doctor.add_argument("--pid", default="self",
-                        help="process to inspect with --connections or --files (default: "
-                             "this one)")
+    doctor.add_argument("--pid", default=None,
+                        help="process to inspect (\"self\": this command). Default: "
+                             "--connections: the process behind the control socket; "
+                             "--files: this command")
+    doctor.add_argument("--socket", metavar="PATH",
+                        help="control socket of the process --connections inspects "
+                             "(default: $REHYDRATE_CONTROL_SOCKET, else the only socket in "
+                             "the default directory)")
     doctor.add_argument("--proc", default="/proc", help=argparse.SUPPRESS)  # tests: fake /proc
     doctor.set_defaults(func=cmd_doctor)
 
-    check = sub.add_parser(
-        "check", help="is this node compatible with a snapshot manifest? (0 yes, 1 no, "
-                      "2 unreadable manifest)")
+    check = add("check", "is this node compatible with a snapshot manifest? (exit 0 yes, "
+                         "1 no, 2 unreadable manifest)")
     check.add_argument("manifest", help="manifest file written by rehydrate before a snapshot")
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: fake /proc

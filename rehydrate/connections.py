@@ -35,7 +35,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -174,6 +174,9 @@ class Connection:
         """Bumped by every reopen/close run: an abandoned attempt sees it is stale."""
         self.step: str | None = None
         """What the current run is doing (named when it is still running at the deadline)."""
+        self.peers: tuple[str, ...] = ()
+        """``host:port`` of the peer(s), when known (helpers fill it in, ``register(peers=)``
+        for your own): ``rehydrate doctor --connections`` marks sockets to them managed."""
 
     def effective_deadline(self) -> float:
         return self.deadline if self.deadline is not None else env_deadline()
@@ -187,6 +190,7 @@ class Connection:
             "attempts": self.attempts,
             "last_error": self.last_error,
             "duration": None if self.last_duration is None else round(self.last_duration, 6),
+            "peers": list(self.peers),
         }
 
     def __repr__(self) -> str:
@@ -492,6 +496,7 @@ def register(
     value: Any = None,
     open_now: bool = False,
     replace: bool = False,
+    peers: Iterable[str | tuple[str, int]] = (),
 ) -> Connection:
     """Manage a connection: ``close`` runs before a snapshot; after a restore or resume
     ``open`` then ``check`` run (concurrently with every other connection) with backoff
@@ -506,10 +511,15 @@ def register(
     A name already registered with the engine raises ``ValueError`` (a second
     registration used to replace the first silently) unless ``replace=True``; the helpers
     below take ``replace`` too.
+
+    ``peers``: the ``host:port`` (or ``(host, port)``) this connection talks to, so that
+    ``rehydrate doctor --connections`` marks its sockets as managed (the helpers below
+    fill it in from the client's configuration).
     """
     if not isinstance(name, str) or not name:
         raise TypeError("connection name must be a non-empty string")
     conn = Connection(name, open, close, check, required, deadline, value)
+    conn.peers = tuple(p if isinstance(p, str) else _fmt(*p) for p in peers)
     return manager(engine).register(conn, open_now=open_now, replace=replace)
 
 
@@ -568,8 +578,15 @@ def httpx_client(
 
     register(name, open=transport.reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
-             engine=engine, replace=replace)
+             engine=engine, replace=replace, peers=_url_peers(client.base_url))
     return client
+
+
+def _url_peers(url: Any) -> tuple[str, ...]:
+    """``host:port`` of an httpx base URL (none without one)."""
+    if not url.host:
+        return ()
+    return (_fmt(url.host, url.port or (443 if url.scheme == "https" else 80)),)
 
 
 def httpx_async_client(
@@ -596,7 +613,7 @@ def httpx_async_client(
 
     register(name, open=transport.reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
-             engine=engine, replace=replace)
+             engine=engine, replace=replace, peers=_url_peers(client.base_url))
     return client
 
 
@@ -618,9 +635,11 @@ def sqlalchemy_engine(
         with sa_engine.connect() as c:
             c.exec_driver_sql("SELECT 1")
 
+    url = getattr(sa_engine, "url", None)
+    host, port = getattr(url, "host", None), getattr(url, "port", None)
     register(name, open=lambda: sa_engine.dispose(close=False), close=sa_engine.dispose,
              check=ping if check else None, required=required, deadline=deadline,
-             engine=engine, replace=replace)
+             engine=engine, replace=replace, peers=[(host, port)] if host and port else ())
     return sa_engine
 
 
@@ -651,8 +670,11 @@ def redis_client(
 
         ping = sping
     # a bound disconnect() (sync or async) takes no required argument: called as is
+    kw = getattr(pool, "connection_kwargs", {})
+    peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
     register(name, open=pool.disconnect, close=pool.disconnect, check=ping if check else None,
-             required=required, deadline=deadline, engine=engine, replace=replace)
+             required=required, deadline=deadline, engine=engine, replace=replace,
+             peers=peers)
     return client
 
 
@@ -738,7 +760,8 @@ def tcp_socket(
     ms = ManagedSocket(address, timeout)
     chk = (lambda: check(ms.sock)) if check is not None else None
     register(name, open=ms.connect, close=ms.close, check=chk, required=required,
-             deadline=deadline, engine=engine, open_now=True, replace=replace)
+             deadline=deadline, engine=engine, open_now=True, replace=replace,
+             peers=[address])
     return ms
 
 
@@ -849,19 +872,67 @@ def _status_tcp() -> list[dict[str, Any]]:
     return [c.to_dict() for c in established_tcp()]
 
 
-def doctor_report(pid: int | str = "self") -> tuple[dict[str, Any], str]:
+def _resolved(peers: Iterable[str]) -> set[tuple[str, int]]:
+    """(address, port) pairs a list of ``host:port`` peers resolves to (best effort)."""
+    out: set[tuple[str, int]] = set()
+    for peer in peers:
+        host, _, port = peer.rpartition(":")
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError):
+            continue
+        for info in infos:
+            addr = str(info[4][0])
+            out.add((addr.removeprefix("::ffff:"), int(port)))
+    return out
+
+
+def _managed_by(conn: TcpConnection, peers: dict[str, set[tuple[str, int]]]) -> str | None:
+    host, _, port = conn.remote.rpartition(":")
+    key = (host.strip("[]").removeprefix("::ffff:"), int(port))
+    return next((name for name, addrs in peers.items() if key in addrs), None)
+
+
+def doctor_report(pid: int | str = "self",
+                  managed: Sequence[Mapping[str, Any]] | None = None,
+                  ) -> tuple[dict[str, Any], str]:
     """``rehydrate doctor --connections``: (JSON data, text) about process ``pid``'s
-    established TCP connections, outbound non-loopback ones first."""
+    established TCP connections, outbound non-loopback ones first.
+
+    ``managed``: that process's managed connections (``status()["connections"]``): a
+    socket to one of their ``peers`` is marked with the connection's name. None: not
+    known (the process is not the one behind the control socket).
+    """
+    peers = {str(m.get("name")): _resolved(m.get("peers") or ()) for m in managed or ()}
     conns = sorted(established_tcp(pid), key=lambda c: (c.loopback, not c.outbound, c.remote))
-    data = {"pid": str(pid), "connections": [c.to_dict() for c in conns]}
-    if not conns:
-        return data, f"process {pid}: no established TCP connections"
-    lines = [f"process {pid}: {len(conns)} established TCP connection(s); outbound ones are "
-             "cut by a snapshot/restore unless registered with rehydrate.connections"]
-    width = max(len(c.remote) for c in conns)
+    rows = []
     for c in conns:
+        row = c.to_dict()
+        row["managed"] = None if managed is None else _managed_by(c, peers)
+        rows.append(row)
+    data: dict[str, Any] = {"pid": str(pid), "connections": rows,
+                            "managed": None if managed is None else [dict(m) for m in managed]}
+    lines = []
+    if managed is not None:
+        names = ", ".join(f"{m.get('name')} ({m.get('state')})" for m in managed) or "none"
+        lines.append(f"process {pid}: managed connections: {names}")
+    if not conns:
+        lines.append(f"process {pid}: no established TCP connections")
+        return data, "\n".join(lines)
+    lines.append(f"process {pid}: {len(conns)} established TCP connection(s); outbound ones "
+                 "are cut by a snapshot/restore unless registered with rehydrate.connections")
+    width = max(len(c.remote) for c in conns)
+    for c, row in zip(conns, rows, strict=True):
         marks = ["outbound" if c.outbound else "inbound"]
         if c.loopback:
             marks.append("loopback (survives a snapshot)")
+        if row["managed"] is not None:
+            marks.append(f"managed: {row['managed']}")
+        elif managed is not None and c.outbound and not c.loopback:
+            marks.append("NOT managed: cut by a restore")
         lines.append(f"  {c.remote.ljust(width)}  from {c.local}  {', '.join(marks)}")
+    if managed is None:
+        lines.append("(which of them are managed is known only for the process behind the "
+                     "control socket: run without --pid)")
     return data, "\n".join(lines)

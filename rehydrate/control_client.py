@@ -253,11 +253,17 @@ def _summary(report: dict[str, Any] | None) -> str:
     if not report:
         return "none"
     hooks = report.get("hooks") or []
-    failed = [h.get("name") for h in hooks if h.get("outcome") in ("failed", "timeout")]
+    bad = [h for h in hooks if h.get("outcome") in ("failed", "timeout")]
+    failed = [str(h.get("name")) for h in bad if h.get("required", True)]
+    optional = [str(h.get("name")) for h in bad if not h.get("required", True)]
     text = (f"{report.get('event')} kind={report.get('kind')} reason={report.get('reason')} "
             f"generation={report.get('generation')} ok={report.get('ok')} "
             f"{len(hooks)} hook(s) in {float(report.get('duration') or 0) * 1000:.1f} ms")
-    return text + (f", failed: {', '.join(map(str, failed))}" if failed else "")
+    if failed:
+        text += f", failed: {', '.join(failed)}"
+    if optional:  # reported, but they do not make the report fail
+        text += f", optional hook(s) failed (not fatal): {', '.join(optional)}"
+    return text
 
 
 def _resolve_action(arg: str | None) -> tuple[str | None, str | None]:
@@ -379,7 +385,7 @@ def _common(p: argparse.ArgumentParser, timeout: float | None) -> None:
                         f"in {default_socket_dir()})")
     p.add_argument("--timeout", type=_positive, default=timeout, metavar="S",
                    help="seconds to wait for the reply"
-                        + (f" (default {timeout:g})" if timeout else ""))
+                        + (f" (default {timeout:g})" if timeout else " (default: no limit)"))
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--expect-uid", type=_id, metavar="UID",
                    help="talk only to a process of this uid (refuse any other, exit 4); "
@@ -398,17 +404,21 @@ def _notify_arguments(p: argparse.ArgumentParser) -> None:
 def add_commands(sub: Any) -> None:
     """Add ``notify``, ``status`` and ``trigger`` to the ``rehydrate`` sub-parsers."""
 
-    notify = sub.add_parser(
-        "notify", help="tell the running process a snapshot is coming / it was resumed or "
-                       "restored (for gVisor save-restore-exec and CRIU action scripts)")
+    def add(name: str, summary: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = sub.add_parser(name, help=summary,
+                                                         description=summary)
+        return parser
+
+    notify = add("notify", "tell the running process a snapshot is coming / it was resumed "
+                           "or restored (for gVisor save-restore-exec and CRIU action scripts)")
     _notify_arguments(notify)
     notify.set_defaults(func=cmd_notify)
 
-    status = sub.add_parser("status", help="state, generation, readiness of the running process")
+    status = add("status", "state, generation, readiness of the running process")
     _common(status, 10.0)
     status.set_defaults(func=cmd_status)
 
-    trigger = sub.add_parser("trigger", help="ask the running process to checkpoint itself "
-                                             "(gVisor application-driven checkpoint)")
+    trigger = add("trigger", "ask the running process to checkpoint itself (gVisor "
+                             "application-driven checkpoint)")
     _common(trigger, None)
     trigger.set_defaults(func=cmd_trigger)

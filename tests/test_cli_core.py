@@ -77,3 +77,58 @@ def test_unknown_command_is_a_usage_error():
     proc = run("frobnicate")
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
+
+
+def test_doctor_text_has_column_headers_and_explains_the_start_column():
+    proc = run("doctor")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["DETECTOR", "USABLE", "START", "WHY", "/", "HOW"]
+    from rehydrate import detect
+
+    rows = {line.split()[0]: line.split()[1:3] for line in lines[1:len(detect.CATALOGUE) + 1]}
+    assert set(rows) == set(detect.CATALOGUE)
+    for usable, start in rows.values():  # no blank column: every row says something
+        assert (usable, start) in (("yes", "auto"), ("yes", "on"), ("no", "-")), rows
+    assert rows["signal"] == ["yes", "on"]  # "on request": usable, off unless named
+    legend = [line for line in lines if line.startswith("START:")]
+    assert legend and '"auto" = started by rehydrate.start()' in legend[0]
+    assert '"on request"' in legend[0]
+
+
+def _subparsers(parser):
+    import argparse
+
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def test_every_subcommand_help_has_a_description_and_names_its_defaults():
+    import argparse
+
+    for name, sub in _subparsers(cli.build_parser()).items():
+        assert sub.description, f"rehydrate {name} --help has no one-line description"
+        for action in sub._actions:
+            if action.help in (None, argparse.SUPPRESS) or isinstance(
+                    action, (argparse._HelpAction, argparse._StoreTrueAction)):
+                continue
+            if action.option_strings and action.default is not None:  # stated
+                assert "default" in action.help.lower(), f"rehydrate {name} {action.dest}"
+    proc = run("notify", "--help")
+    assert "tell the running process a snapshot is coming" in proc.stdout
+    assert "(default 120)" in proc.stdout
+
+
+def test_a_failed_optional_hook_is_called_optional_in_the_summary():
+    from rehydrate.control_client import _summary
+
+    report = {"event": "restore", "kind": "restore", "reason": "control", "generation": 1,
+              "ok": True, "duration": 0.01, "hooks": [
+                  {"name": "warm-cache", "outcome": "failed", "required": False},
+                  {"name": "db", "outcome": "ok", "required": True}]}
+    text = _summary(report)
+    assert text.endswith("optional hook(s) failed (not fatal): warm-cache"), text
+    assert ", failed:" not in text
+    report["ok"] = False
+    report["hooks"].append({"name": "api", "outcome": "timeout", "required": True})
+    assert ", failed: api, optional hook(s) failed (not fatal): warm-cache" in _summary(report)

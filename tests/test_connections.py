@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -428,6 +433,85 @@ def test_doctor_connections_cli_and_status(rehydrate_engine, capsys, http_srv):
         connections.manager(rehydrate_engine)
         tcp = rehydrate_engine.status().to_dict()["tcp_connections"]
         assert any(c["remote"] == f"127.0.0.1:{http_srv.port}" for c in tcp)
+
+
+DOCTOR_WORKLOAD = r"""
+import socket, sys, time
+import rehydrate
+from rehydrate import connections
+rehydrate.start(detectors=["control"])
+port = int(sys.argv[1])
+feed = connections.tcp_socket("feed", ("127.0.0.1", port))
+own = socket.create_server(("127.0.0.1", 0))
+stray = socket.create_connection(own.getsockname())  # opened outside rehydrate
+peer, _ = own.accept()
+deadline = time.monotonic() + 20
+while connections.get("feed").state != "open" and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("ready", stray.getsockname()[1], own.getsockname()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def doctor_workload(http_srv):
+    sock_dir = Path(tempfile.mkdtemp(prefix="rh-doc-"))  # AF_UNIX paths are short
+    sock = str(sock_dir / "c.sock")
+    env = {**os.environ, "REHYDRATE_CONTROL_SOCKET": sock}
+    proc = subprocess.Popen([sys.executable, "-c", DOCTOR_WORKLOAD, str(http_srv.port)],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()  # type: ignore[union-attr]
+        assert line and line[0] == "ready", line
+        yield {"pid": proc.pid, "socket": sock, "feed": http_srv.port, "own": int(line[2])}
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _doctor(*args: str, socket_path: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "REHYDRATE_CONTROL_SOCKET"}
+    if socket_path:
+        env["REHYDRATE_CONTROL_SOCKET"] = socket_path
+    return subprocess.run([sys.executable, "-m", "rehydrate", "doctor", "--connections", *args],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_doctor_connections_defaults_to_the_process_behind_the_control_socket(
+        doctor_workload):
+    w = doctor_workload
+    r = _doctor("--json", socket_path=w["socket"])
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["pid"] == str(w["pid"])  # not the doctor's own process
+    rows = {c["remote"]: c for c in data["connections"]}
+    assert rows[f"127.0.0.1:{w['feed']}"]["managed"] == "feed"
+    assert rows[f"127.0.0.1:{w['own']}"]["managed"] is None  # opened outside rehydrate
+    assert [m["name"] for m in data["managed"]] == ["feed"]
+    assert data["managed"][0]["peers"] == [f"127.0.0.1:{w['feed']}"]
+
+    text = _doctor(socket_path=w["socket"]).stdout
+    assert f"process {w['pid']}: managed connections: feed (open)" in text
+    [feed_line] = [ln for ln in text.splitlines()
+                   if ln.strip().startswith(f"127.0.0.1:{w['feed']} ")]
+    assert "managed: feed" in feed_line
+    [own_line] = [ln for ln in text.splitlines()
+                  if ln.strip().startswith(f"127.0.0.1:{w['own']} ")]
+    assert "managed" not in own_line
+
+    # --socket names the process too; an explicit --pid of another process: no marks
+    assert json.loads(_doctor("--json", "--socket", w["socket"]).stdout)["pid"] == \
+        str(w["pid"])
+    other = json.loads(_doctor("--json", "--pid", "self", socket_path=w["socket"]).stdout)
+    assert other["managed"] is None
+
+
+def test_doctor_connections_without_a_control_socket_says_how_to_name_a_process(tmp_path):
+    r = _doctor(socket_path=str(tmp_path / "none.sock"))
+    assert r.returncode == 1
+    assert "no rehydrate process answers on the control socket" in r.stderr
+    assert "--pid PID" in r.stderr and r.stderr.count("\n") == 1
 
 
 def test_tcp_socket_reconnects_after_restore(rehydrate_engine):

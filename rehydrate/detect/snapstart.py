@@ -128,7 +128,8 @@ class SnapStartBridge(Detector):
             return f"off: AWS_LAMBDA_INITIALIZATION_TYPE is {init_type!r}, not 'snap-start'"
         if os.environ.get("AWS_LAMBDA_FUNCTION_NAME"):
             return None
-        return "off outside AWS Lambda (no AWS_LAMBDA_FUNCTION_NAME); start('snapstart')"
+        return ("off outside AWS Lambda (no AWS_LAMBDA_FUNCTION_NAME); "
+                'start(["snapstart"]) starts it')
 
     def describe(self) -> str:
         return "registered with snapshot_restore_py (Lambda SnapStart runtime hooks)"
