@@ -824,34 +824,50 @@ def _rule_exists(tool: str, table: str, argv: list[str]) -> bool:
     return _run([tool, "-w", "-t", table, *spec]).returncode == 0
 
 
-def _apply_iptables(rules: IptablesRules) -> int:
+def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], str | None]:
+    """Apply ``rules``; return what is in force afterwards, read back rule by rule —
+    ``{table: (rules in force, rules declared)}`` — and the problem (None when every
+    rule is in force).
+
+    ``iptables-restore`` commits table by table: when ``nat`` fails, ``filter`` may
+    already be in force, so the outcome is read back, never inferred from the exit code.
+    """
     tool = rules.tool
+    parsed = rules.parsed()
     out_lines: list[str] = []
-    count = 0
-    for table, chains, rule_list in rules.parsed():
+    for table, chains, rule_list in parsed:
         saved = _run([f"{tool}-save", "-t", table])
         existing = {line.split()[0][1:] for line in saved.stdout.splitlines()
                     if line.startswith(":")} if saved.returncode == 0 else set()
         out_lines.append(f"*{table}")
         out_lines.extend(c for c in chains if c.split()[0][1:] not in existing)
-        for argv in rule_list:
-            if argv[1] in existing and _rule_exists(tool, table, argv):
-                continue
-            out_lines.append(iptables_join(argv))
-            count += 1
+        out_lines.extend(iptables_join(argv) for argv in rule_list
+                         if not (argv[1] in existing and _rule_exists(tool, table, argv)))
         out_lines.append("COMMIT")
     proc = _run([f"{tool}-restore", "--noflush", "-w"], "\n".join(out_lines) + "\n")
-    if proc.returncode != 0:
-        err = " ".join(proc.stderr.split())
-        if "Permission denied" in err or "not permitted" in err:
-            raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
-        raise NetworkError(f"{tool}-restore --noflush: {err}")
-    missing = [iptables_join(argv) for table, _, rule_list in rules.parsed()
-               for argv in rule_list if not _rule_exists(tool, table, argv)]
+    err = " ".join(proc.stderr.split()) if proc.returncode != 0 else None
+    if err is not None and ("Permission denied" in err or "not permitted" in err):
+        raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
+    in_force: dict[str, tuple[int, int]] = {}
+    missing: list[str] = []
+    for table, _, rule_list in parsed:
+        have = 0
+        for argv in rule_list:
+            if _rule_exists(tool, table, argv):
+                have += 1
+            else:
+                missing.append(f"-t {table} {iptables_join(argv)}")
+        done, total = in_force.get(table, (0, 0))
+        in_force[table] = (done + have, total + len(rule_list))
+    if not missing and err is None:
+        return in_force, None
+    counts = ", ".join(f"{t} {n}/{total}" for t, (n, total) in in_force.items())
+    problem = f"rules in force: {counts}"
     if missing:
-        raise NetworkError(f"{tool}: {len(missing)} rule(s) missing after applying, "
-                           f"e.g. {missing[0]}")
-    return count
+        problem += f"; {len(missing)} missing, e.g. {missing[0]}"
+    if err is not None:
+        problem += f"; {tool}-restore --noflush: {err}"
+    return in_force, problem
 
 
 # --------------------------------------------------------------------------------------
@@ -879,9 +895,14 @@ class ApplyResult:
     routes_skipped: int = 0
     tables: int = 0
     iptables_rules: int = 0
+    """Declared iptables rules in force after applying (read back with ``-C``)."""
     duration: float = 0.0
     errors: list[tuple[str, bool, str]] = field(default_factory=list)
     """(what, required, message) for each item that failed."""
+    in_force: list[str] = field(default_factory=list)
+    """What was read back in force after applying, failed items included: ``nftables
+    inet app``, ``iptables filter: 2/2 rule(s)`` … (a failed item may be partly or,
+    from before, wholly in force)."""
 
     @property
     def ok(self) -> bool:
@@ -890,6 +911,7 @@ class ApplyResult:
     def to_dict(self) -> dict[str, Any]:
         return {"routes": self.routes, "routes_skipped": self.routes_skipped,
                 "tables": self.tables, "iptables_rules": self.iptables_rules,
+                "in_force": list(self.in_force),
                 "duration": round(self.duration, 6),
                 "errors": [{"what": w, "required": r, "error": e} for w, r, e in self.errors]}
 
@@ -1138,11 +1160,18 @@ class RoutesManager:
         result.routes, result.routes_skipped = routes_part.routes, routes_part.routes_skipped
         result.tables = tables_part.tables
         result.errors.extend(routes_part.errors + tables_part.errors)
+        result.in_force.extend(tables_part.in_force)
         for rules in ipt:
             try:
-                result.iptables_rules += _apply_iptables(rules)
+                in_force, problem = _apply_iptables(rules)
             except Exception as exc:
                 result.errors.append((f"{rules.tool} rules", rules.required, _describe(exc)))
+                continue
+            result.iptables_rules += sum(n for n, _ in in_force.values())
+            result.in_force.extend(f"{rules.tool} {t}: {n}/{total} rule(s)"
+                                   for t, (n, total) in in_force.items())
+            if problem is not None:
+                result.errors.append((f"{rules.tool} rules", rules.required, problem))
         result.duration = time.perf_counter() - t0
         for what, req, err in result.errors:
             if req and not log_errors:
@@ -1212,8 +1241,14 @@ class RoutesManager:
         else:
             what = "nftables ruleset"
             cmds = [dict(c) for c in t.commands]
+        labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
         try:
             _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
+        except Exception as exc:
+            result.errors.append((what, t.required, _describe(exc)))
+            self._nft_in_force(labels, result, "not applied: what was there before stays")
+            return
+        try:
             if isinstance(t, NftTable):
                 back = read_table(t.family, t.name)
                 if back is None:
@@ -1226,8 +1261,23 @@ class RoutesManager:
                         raise NetworkError(f"table {fam} {name} missing after applying")
         except Exception as exc:
             result.errors.append((what, t.required, _describe(exc)))
+            self._nft_in_force(labels, result, "applied, but differs from the declaration")
             return
         result.tables += 1
+        result.in_force.extend(f"nftables {fam} {name}" for fam, name in labels)
+
+    @staticmethod
+    def _nft_in_force(labels: Iterable[tuple[str, str]], result: ApplyResult,
+                      note: str) -> None:
+        """After a failed nftables item: which of its tables are there anyway (``nft``
+        applies one transaction atomically, so a table is there from before or not)."""
+        for fam, name in labels:
+            try:
+                present = read_table(fam, name) is not None
+            except Exception:  # noqa: S112 - reading back is best effort here
+                continue
+            if present:
+                result.in_force.append(f"nftables {fam} {name} ({note})")
 
 
 def _count(declared: list[Route], captured: list[Route],

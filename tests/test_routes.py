@@ -533,3 +533,58 @@ def test_iptables_split_and_join_round_trip() -> None:
         assert iptables_split(iptables_join(argv)) == argv
     assert iptables_split("-A X --comment don't") == ["-A", "X", "--comment", "don't"]
     assert iptables_split('-A X --comment "a \\"b\\""') == ["-A", "X", "--comment", 'a "b"']
+
+
+HALF = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+routes.nftables({"nftables": [{"add": {"table": {"family": "inet", "name": "rhgood"}}}]},
+                engine=engine)
+routes.nftables({"nftables": [  # a rule in a chain that does not exist: nft refuses it
+    {"add": {"table": {"family": "inet", "name": "rhbad"}}},
+    {"add": {"rule": {"family": "inet", "table": "rhbad", "chain": "nochain",
+                      "expr": [{"accept": None}]}}}]}, engine=engine)
+routes.iptables(sys.argv[1], engine=engine)
+first = engine.simulate_restore()
+first_apply = engine.status().extra["network"]["last_apply"]
+save = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+subprocess.run(["nft", "add", "table", "inet", "rhbad"], check=True)  # an older version
+second = engine.simulate_restore(kind="resume")
+print(json.dumps({
+    "ok": [first.ok, second.ok], "first": first_apply,
+    "second": engine.status().extra["network"]["last_apply"],
+    "error": str(first.error.exceptions[0]) if first.error else None,
+    "ipt_rules": [l for l in save.splitlines() if l.startswith("-A")],
+}))
+'''
+
+
+def test_half_applied_rules_are_reported_exactly(netns_pair):
+    """Issue #13.11: iptables-restore commits table by table (filter in force, nat
+    failed was reported as 0 rules), and nftables is atomic per transaction only."""
+    if shutil.which("iptables-restore") is None:
+        _require_or_skip("iptables is not installed (scripts/setup-system.sh installs it)")
+    ipt = ("*filter\n-A OUTPUT -p tcp --dport 7001 -j ACCEPT\nCOMMIT\n"
+           "*nat\n-A POSTROUTING -j NOSUCHCHAIN\nCOMMIT\n")
+    out = run_in_ns(netns_pair["a"], HALF.replace("sys.argv[1]", repr(ipt)))
+    assert out["ok"] == [False, False]
+    assert out["ipt_rules"] == ["-A OUTPUT -p tcp -m tcp --dport 7001 -j ACCEPT"]
+    first = out["first"]
+    assert first["iptables_rules"] == 1  # the filter rule really is in force
+    assert first["tables"] == 1
+    assert first["in_force"] == ["nftables inet rhgood", "iptables filter: 1/1 rule(s)",
+                                 "iptables nat: 0/1 rule(s)"]
+    errors = {e["what"]: e["error"] for e in first["errors"]}
+    assert set(errors) == {"nftables ruleset", "iptables rules"}
+    assert errors["iptables rules"].startswith("rules in force: filter 1/1, nat 0/1; "
+                                               "1 missing, e.g. -t nat -A POSTROUTING")
+    assert "NOSUCHCHAIN" in errors["iptables rules"]
+    assert "iptables rules: rules in force: filter 1/1, nat 0/1" in out["error"]
+    # a failed nftables item whose table exists from before: said so, not counted
+    second = out["second"]
+    assert second["tables"] == 1
+    assert "nftables inet rhbad (not applied: what was there before stays)" in \
+        second["in_force"]
