@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -141,6 +142,32 @@ class Lifecycle:
         # What the environment file holds now: a later refresh removes keys it drops,
         # even when start() is never called (trigger_snapshot, notify-only setups).
         self.env.baseline()
+        _ENGINES.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a child of ``fork()``: become a clean, stopped engine.
+
+        Only the forking thread exists in the child: detector threads, the hook worker and
+        the engine's event loop stayed in the parent, and any lock one of them held is held
+        for ever here. So the child gets fresh locks and a fresh runner, forgets the
+        parent's detectors *without stopping them* (stopping would unlink the parent's
+        control socket or close its descriptors' resources), and an event the parent was
+        running is not finished here: its state becomes ``degraded``. Hooks, generation and
+        reports stay. ``start()`` in the child starts its own detectors.
+        """
+        self._cond = threading.Condition()
+        self._run_lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._ext_lock = threading.Lock()
+        self._loop_thread = LoopThread()
+        self._runner = HookRunner(self._loop_thread)
+        self._user_loop = None
+        self._detectors = []
+        self._detector_errors = {}
+        self._started = False
+        self.env._lock = threading.Lock()
+        if self._state in ("snapshotting", "restoring"):
+            self._state = "degraded"
 
     # -- built-ins -------------------------------------------------------------------
 
@@ -615,6 +642,20 @@ class Lifecycle:
         self._runner.close()
         self._loop_thread.close()
         self._runner = HookRunner(self._loop_thread)
+
+
+_ENGINES: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
+"""Every engine of this process, reset in the child after ``fork()``."""
+
+
+def _reset_engines_in_child() -> None:
+    for engine in list(_ENGINES):
+        engine._after_fork_in_child()
+    if _ENGINES:
+        log.debug("fork(): %d engine(s) reset in child %d", len(_ENGINES), os.getpid())
+
+
+os.register_at_fork(after_in_child=_reset_engines_in_child)
 
 
 _FROZEN_STEP = 1.5

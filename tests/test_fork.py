@@ -1,0 +1,112 @@
+"""``fork()`` after ``start()`` (issue #13.6): the child gets a clean, stopped engine that
+never touches the parent's resources; a child forked while a hook runs is not wedged."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from rehydrate import Lifecycle, Registry
+from rehydrate.control_client import request
+from rehydrate.detect.control import ControlDetector
+from rehydrate.env import EnvRefresher
+
+DEADLINE = 10.0
+
+
+@pytest.fixture
+def engine(rehydrate_environ: None) -> Iterator[Lifecycle]:
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def sock_path() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="rh-fork-")
+    yield os.path.join(d, "ctl.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def in_child(fn: Callable[[], dict]) -> dict:  # type: ignore[type-arg]
+    """Fork; run ``fn`` in the child (it must finish within DEADLINE: an alarm kills it);
+    return what it returned."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            import signal
+
+            signal.alarm(int(DEADLINE))  # a wedged child dies instead of hanging the test
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(w, json.dumps({"error": repr(exc)}).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, (os.waitstatus_to_exitcode(status), data)
+    return json.loads(data)  # type: ignore[no-any-return]
+
+
+def test_child_has_a_stopped_engine_and_leaves_the_parents_socket_alone(
+        engine: Lifecycle, sock_path: str) -> None:
+    calls: list[int] = []
+    engine.registry.after_restore(lambda ctx: calls.append(ctx.generation), name="rec")
+    assert engine.start([ControlDetector(sock_path)]) == ["control"]
+
+    def child() -> dict:  # type: ignore[type-arg]
+        listed = list(engine.status().detectors)
+        engine.stop()  # used to unlink the parent's socket
+        engine.close()
+        report = Lifecycle(Registry(), env=EnvRefresher(path=None)).simulate_restore()
+        return {"detectors": listed, "pid": os.getpid(), "ok": report.ok}
+
+    out = in_child(child)
+    assert out["detectors"] == [] and out["ok"]
+    assert os.path.exists(sock_path)
+    reply = request("status", socket_path=sock_path, timeout=DEADLINE)
+    assert reply["ok"] and reply["pid"] == os.getpid()
+    assert reply["status"]["detectors"] == ["control"]
+    assert engine.simulate_restore().ok and calls == [1]  # the parent carries on
+
+
+def test_a_child_forked_while_a_hook_runs_is_not_wedged(engine: Lifecycle) -> None:
+    entered, release = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def slow(ctx) -> None:  # type: ignore[no-untyped-def]
+        runs.append(os.getpid())
+        if not entered.is_set():
+            entered.set()
+            release.wait(DEADLINE)
+
+    engine.registry.after_restore(slow, name="slow")
+    parent_run = threading.Thread(target=engine.simulate_restore, daemon=True)
+    parent_run.start()
+    assert entered.wait(DEADLINE)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            state = engine.status().state
+            report = engine.simulate_restore()  # hung on the parent's locks before
+            return {"state_after_fork": state, "ok": report.ok,
+                    "ran_here": runs.count(os.getpid()), "ready": engine.is_ready()}
+
+        out = in_child(child)
+    finally:
+        release.set()
+        parent_run.join(DEADLINE)
+    assert out == {"state_after_fork": "degraded", "ok": True, "ran_here": 1,
+                   "ready": True}, out
+    assert not parent_run.is_alive() and engine.status().state == "ready"
