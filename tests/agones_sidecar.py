@@ -45,6 +45,7 @@ class Request:
     wall: float
     mono: float
     status: int = 0
+    answered: float = 0.0  # time.monotonic() once the answer was written
 
 
 @dataclass
@@ -211,7 +212,8 @@ class AgonesSidecar:
             with contextlib.suppress(ValueError):  # closed by stop()
                 self._log.write(json.dumps({"method": req.method, "path": req.path,
                                             "body": req.body, "wall": req.wall,
-                                            "mono": req.mono, "status": req.status}) + "\n")
+                                            "mono": req.mono, "status": req.status,
+                                            "answered": req.answered}) + "\n")
 
     def calls(self, method: str, path: str) -> list[Request]:
         with self.cond:
@@ -332,13 +334,15 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             status, payload = sc._apply(method, path, body)
         req.status = status
-        sc.record(req)
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+        self.wfile.flush()
+        req.answered = time.monotonic()
+        sc.record(req)
 
     def _watch(self) -> None:
         sc = self.sidecar
