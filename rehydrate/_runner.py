@@ -260,6 +260,8 @@ class HookRunner:
                 if self._closed or self._worker is not me:
                     return
                 job = self._jobs.pop(0)
+                if job.abandoned:  # its caller gave up before this worker took it
+                    continue
                 job.thread = me
             try:
                 alive = self._run_job(job)
@@ -479,6 +481,7 @@ class HookRunner:
         if fut is not None:
             fut.cancel()
         with self._cv:
+            self._jobs = [j for j in self._jobs if j is not job]  # not taken yet: drop it
             if hook is not None and thread is not None and thread.is_alive():
                 self._hung[hook.fn] = (hook.name, thread)
             if self._worker is thread or thread is None:
