@@ -21,10 +21,8 @@ DEADLINE = 10.0
 
 
 @pytest.fixture
-def engine(rehydrate_environ: None) -> Iterator[Lifecycle]:
-    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
-    yield eng
-    eng.close()
+def engine(rehydrate_engine: Lifecycle) -> Lifecycle:
+    return rehydrate_engine
 
 
 @pytest.fixture

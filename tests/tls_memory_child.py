@@ -1,9 +1,9 @@
 """Child process for tests/test_tls_memory.py: set up one TLS mode, serve one real
 handshake, run the before-snapshot pass, then wait to be scanned.
 
-argv: MODE SCALAR_HEX [KEY_FILE CERT_FILE]. The first EC P-256 key rehydrate draws from
-the kernel is made to be SCALAR (parsed digit by digit into a bytearray that is wiped
-after use, so the only copies left are rehydrate's and OpenSSL's).
+argv: MODE SCALAR_HEX handshake|no-handshake [KEY_FILE CERT_FILE]. The first 32-byte
+key rehydrate draws from the kernel is made to be SCALAR (parsed digit by digit into a
+bytearray that is wiped after use, so the only copies left are rehydrate's and OpenSSL's).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import rehydrate
 from rehydrate import keys, tls
 
-mode, scalar_hex = sys.argv[1], sys.argv[2]
+mode, scalar_hex, handshake = sys.argv[1], sys.argv[2], sys.argv[3] == "handshake"
 seed = bytearray(32)
 if mode != "files":  # there the key comes from the file: every key drawn is a new one
     for i in range(32):
@@ -75,10 +75,12 @@ class LocalIssuer:
 
 if mode in ("self-signed", "key-pem"):
     cert = tls.self_signed("web")
+elif mode == "self-signed-ed25519":
+    cert = tls.self_signed("web", algorithm="ed25519")
 elif mode == "issued":
     cert = tls.issued("web", LocalIssuer(), common_name="localhost", sans=["localhost"])
 elif mode == "files":
-    cert = tls.from_files("web", key=sys.argv[3], cert=sys.argv[4], watch=False)
+    cert = tls.from_files("web", key=sys.argv[4], cert=sys.argv[5], watch=False)
 else:
     raise SystemExit(f"unknown mode {mode}")
 
@@ -102,13 +104,14 @@ def serve() -> None:
         tls_conn.sendall(tls_conn.recv(16))
 
 
-t = threading.Thread(target=serve)
-t.start()
-with socket.create_connection(("127.0.0.1", port)) as raw, \
-        client_ctx.wrap_socket(raw, server_hostname="localhost") as c:
-    c.sendall(b"ping")
-    assert c.recv(16) == b"ping"
-t.join()
+if handshake:
+    t = threading.Thread(target=serve)
+    t.start()
+    with socket.create_connection(("127.0.0.1", port)) as raw, \
+            client_ctx.wrap_socket(raw, server_hostname="localhost") as c:
+        c.sendall(b"ping")
+        assert c.recv(16) == b"ping"
+    t.join()
 listener.close()
 
 report = rehydrate.simulate_snapshot()
