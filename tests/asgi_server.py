@@ -36,3 +36,21 @@ def serve(app: Any, *, lifespan: str = "off", timeout: float = 15.0) -> Iterator
         server.should_exit = True
         thread.join(timeout)
 
+
+
+class Switch:
+    """An ASGI app that forwards to whichever :attr:`app` a test sets: one uvicorn serves
+    a module's stand-ins one after another (each test starts from a fresh one)."""
+
+    app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+@contextlib.contextmanager
+def switchboard() -> Iterator[tuple[str, Switch]]:
+    """:func:`serve` a :class:`Switch`; yields ``(url, switch)``."""
+    switch = Switch()
+    with serve(switch) as url:
+        yield url, switch

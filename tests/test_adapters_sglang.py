@@ -11,30 +11,25 @@ import pytest
 
 from rehydrate.adapters import sglang
 from rehydrate.extensions import Probe
-from tests.asgi_server import serve
+from tests.asgi_server import Switch, switchboard
 from tests.inference_standins import SGLangStandIn
 from tests.netservers import free_port
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, dict[str, Any]]]:
-    current: dict[str, Any] = {}
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await current["app"](scope, receive, send)
-
-    with serve(app) as url:
-        yield url, current
+def server() -> Iterator[tuple[str, Switch]]:
+    with switchboard() as board:
+        yield board
 
 
 @pytest.fixture
-def url(server: tuple[str, dict[str, Any]]) -> str:
+def url(server: tuple[str, Switch]) -> str:
     return server[0]
 
 
 @pytest.fixture
-def standin(server: tuple[str, dict[str, Any]]) -> SGLangStandIn:
-    server[1]["app"] = standin = SGLangStandIn()
+def standin(server: tuple[str, Switch]) -> SGLangStandIn:
+    server[1].app = standin = SGLangStandIn()
     return standin
 
 
@@ -59,7 +54,7 @@ def test_release_then_resume_and_canary(url: str, standin: SGLangStandIn,
 
 def test_warns_when_the_memory_saver_is_off(url: str, server: Any, rehydrate_engine: Any,
                                             caplog: pytest.LogCaptureFixture) -> None:
-    server[1]["app"] = SGLangStandIn(memory_saver=False)
+    server[1].app = SGLangStandIn(memory_saver=False)
     sglang.install(url, engine=rehydrate_engine)
     with caplog.at_level(logging.WARNING, logger="rehydrate"):
         assert rehydrate_engine.simulate_snapshot().ok

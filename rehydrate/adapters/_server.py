@@ -85,7 +85,13 @@ def server_reason(response: httpx.Response) -> str:
 
 class ServerAdapter:
     """Base of the HTTP inference-server adapters: one server, a deadline for every hook,
-    one before-snapshot and one after-restore hook."""
+    one before-snapshot and one after-restore hook.
+
+    An adapter is an :class:`~rehydrate.extensions.Extension`:
+    ``Lifecycle(extensions=[VLLMAdapter(url)])`` installs it only when :meth:`probe` finds
+    the server answering (and logs why not otherwise); :meth:`install` attaches it
+    unconditionally.
+    """
 
     kind: ClassVar[str]
     """``vllm`` / ``sglang``: hook names are ``rehydrate.<kind>.<action>``."""
@@ -101,10 +107,15 @@ class ServerAdapter:
                                  f"not {value!r}")
         if url is not None and not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, not {url!r}")
+        if url is not None and httpx.URL(url).userinfo:
+            # the URL shows up in keys, probes and errors: no credentials in it
+            raise ValueError("url must not contain credentials: pass api_key= instead")
         self.url = url.rstrip("/") if url is not None else None
         self.deadline = deadline
         self.request_timeout = request_timeout
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.key = f"rehydrate.adapters.{self.kind}:{self.url or id(self)}"
+        """Unique per adapter: one engine may drive several servers."""
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -114,18 +125,12 @@ class ServerAdapter:
         aborts it) or leaves the process degraded (not ready)."""
         eng = resolve_engine(engine)
         timeout = self.deadline + 5.0  # the adapter's own deadline speaks first
-        eng.builtins.register(self._snapshot_hook, event="snapshot", phase=Phase.APPLICATION,
+        eng.builtins.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
                               order=SNAPSHOT_ORDER, timeout=timeout,
                               name=f"rehydrate.{self.kind}.{self.snapshot_action}")
-        eng.builtins.register(self._restore_hook, event="restore", phase=Phase.APPLICATION,
+        eng.builtins.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
                               order=RESTORE_ORDER, timeout=timeout,
                               name=f"rehydrate.{self.kind}.{self.restore_action}")
-
-    async def _snapshot_hook(self) -> None:
-        await self.before_snapshot()
-
-    async def _restore_hook(self) -> None:
-        await self.after_restore()
 
     async def before_snapshot(self) -> None:
         """What the before-snapshot hook does."""

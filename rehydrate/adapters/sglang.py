@@ -127,11 +127,8 @@ class SGLangAdapter(ServerAdapter):
         """:meth:`resume_async` from synchronous code."""
         run_sync(self.resume_async())
 
-    async def before_snapshot(self) -> None:
-        await self.release_async()
-
-    async def after_restore(self) -> None:
-        await self.resume_async()
+    before_snapshot = release_async
+    after_restore = resume_async
 
     async def _warn_without_memory_saver(self, client: httpx.AsyncClient) -> None:
         try:

@@ -144,11 +144,8 @@ class VLLMAdapter(ServerAdapter):
         """:meth:`wake_async` from synchronous code."""
         run_sync(self.wake_async())
 
-    async def before_snapshot(self) -> None:
-        await self.sleep_async()
-
-    async def after_restore(self) -> None:
-        await self.wake_async()
+    before_snapshot = sleep_async
+    after_restore = wake_async
 
     async def probe_async(self) -> Probe:
         """Usable when the server answers ``/health`` and has the dev-mode endpoints (or
