@@ -74,13 +74,13 @@ def test_canary_waits_while_the_server_is_starting(url: str, standin: SGLangStan
 
 def test_500_for_good_fails_the_snapshot_with_the_servers_reason(
         url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
-    sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    sglang.install(url, engine=rehydrate_engine, deadline=1.5)
     standin.broken["/release_memory_occupation"] = (500, "scheduler is not idle")
     report = rehydrate_engine.simulate_snapshot()
     assert not report.ok
     release = hook(report, "rehydrate.sglang.release")
     assert str(release.error) == ("sglang POST /release_memory_occupation: HTTP 500: "
-                                  "scheduler is not idle (gave up after the 0.5s deadline)")
+                                  "scheduler is not idle (gave up after the 1.5s deadline)")
     assert standin.log.count("POST /release_memory_occupation") > 1
 
 

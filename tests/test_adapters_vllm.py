@@ -114,7 +114,7 @@ def test_transient_500s_are_retried(url: str, standin: VLLMStandIn,
 
 def test_500_for_good_fails_the_hook_with_the_servers_reason(
         url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
-    vllm.install(url, engine=rehydrate_engine, deadline=0.5)
+    vllm.install(url, engine=rehydrate_engine, deadline=1.5)
     assert rehydrate_engine.simulate_snapshot().ok
     standin.broken["/wake_up"] = (500, "CUDA error: out of memory")
     report = rehydrate_engine.simulate_restore()
@@ -122,7 +122,7 @@ def test_500_for_good_fails_the_hook_with_the_servers_reason(
     wake = hook(report, "rehydrate.vllm.wake")
     assert wake.outcome == "failed"
     assert str(wake.error) == ("vllm POST /wake_up: HTTP 500: CUDA error: out of memory "
-                               "(gave up after the 0.5s deadline)")
+                               "(gave up after the 1.5s deadline)")
     assert standin.log.count("POST /wake_up") > 1  # retried until the deadline
     assert rehydrate_engine.state == "degraded"
     assert "rehydrate.vllm.wake failed (ServerError: vllm POST /wake_up: HTTP 500" in \
@@ -131,7 +131,7 @@ def test_500_for_good_fails_the_hook_with_the_servers_reason(
 
 def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
         url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
-    adapter = vllm.VLLMAdapter(url, deadline=0.8, request_timeout=0.2)
+    adapter = vllm.VLLMAdapter(url, deadline=1.5, request_timeout=0.2)
     adapter.install(rehydrate_engine)
     standin.hang["/is_sleeping"] = 5
     t0 = time.monotonic()
@@ -141,8 +141,8 @@ def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
     assert sleep.outcome == "failed"
     # the last attempt gets what is left of the deadline
     assert re.fullmatch(r"vllm GET /is_sleeping: no answer within 0\.[0-9]+s "
-                        r"\(gave up after the 0\.8s deadline\)", str(sleep.error))
-    assert standin.log.count("GET /is_sleeping") >= 3  # 0.2 s per attempt, retried
+                        r"\(gave up after the 1\.5s deadline\)", str(sleep.error))
+    assert standin.log.count("GET /is_sleeping") >= 2  # 0.2 s per attempt, retried
     assert not report.ok
 
 

@@ -16,6 +16,8 @@ from .. import Phase
 from ..extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
+    import ssl
+
     from ..extensions import Engine
 
 __all__ = ["ServerAdapter", "ServerError", "call_maybe_async", "run_sync"]
@@ -30,6 +32,10 @@ hook — the engine goes to sleep once no request can reach it any more."""
 RESTORE_ORDER = -900_000
 """After a restore: the first ``APPLICATION`` hook, so user hooks (warm-ups) find the
 engine awake; the environment, keys and connections phases have run before."""
+
+
+MIN_TRY = 0.5
+"""Seconds the first attempt of a call gets even when the deadline is (nearly) used up."""
 
 
 class ServerError(RuntimeError):
@@ -114,6 +120,7 @@ class ServerAdapter:
         self.deadline = deadline
         self.request_timeout = request_timeout
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._ssl: ssl.SSLContext | None = None
         self.key = f"rehydrate.adapters.{self.kind}:{self.url or id(self)}"
         """Unique per adapter: one engine may drive several servers."""
 
@@ -145,7 +152,9 @@ class ServerAdapter:
     def client(self) -> httpx.AsyncClient:
         """A client for one operation (hooks may run on different event loops)."""
         assert self.url is not None
-        return httpx.AsyncClient(base_url=self.url, headers=self._headers)
+        if self._ssl is None:  # building one costs milliseconds: once per adapter
+            self._ssl = httpx.create_ssl_context()
+        return httpx.AsyncClient(base_url=self.url, headers=self._headers, verify=self._ssl)
 
     def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:
         """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
@@ -160,14 +169,15 @@ class ServerAdapter:
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
         attempt = 0
-        last = "not tried"
+        last = ""
         what = f"{method} {path}"
         while True:
             remaining = until - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 and attempt:
                 raise ServerError(f"{self.kind} {what}: {last} (gave up after the "
                                   f"{self.deadline:g}s deadline)")
-            per_try = min(self.request_timeout, remaining)
+            # every call is tried at least once, even when earlier calls used up the deadline
+            per_try = min(self.request_timeout, max(remaining, MIN_TRY))
             try:
                 response = await client.request(method, path, params=params, json=json,
                                                 timeout=per_try)
@@ -187,9 +197,9 @@ class ServerAdapter:
                     raise ServerError(f"{self.kind} {what}: {last}"
                                       + (f" — {hint}" if hint else ""))
             log.debug("%s %s: %s; retrying", self.kind, what, last)
-            await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0,
-                                    max(until - time.monotonic(), 0)))
             attempt += 1
+            await asyncio.sleep(min(0.05 * 2 ** min(attempt - 1, 5), 1.0,
+                                    max(until - time.monotonic(), 0)))
 
     async def probe_async(self) -> Probe:
         """Usable when the server answers its health endpoint."""
