@@ -888,7 +888,8 @@ def test_workload_refuses_a_socket_dir_another_user_owns_or_can_write(
 
 @pytest.mark.root
 def test_a_squatted_socket_path_is_a_loud_failure(
-        foreign_dir: Path, engine: Lifecycle, caplog: pytest.LogCaptureFixture) -> None:
+        foreign_dir: Path, engine: Lifecycle, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The reviewer's repro: uid 65534 serves the path first. The workload does not carry on
     quietly: the detector is not running, status and the log say why, doctor says it."""
     caplog.set_level(logging.INFO, logger="rehydrate")
@@ -906,6 +907,12 @@ def test_a_squatted_socket_path_is_a_loud_failure(
         r = cli("doctor", env={"REHYDRATE_CONTROL_SOCKET": srv.path})
         row = next(line for line in r.stdout.splitlines() if line.startswith("control"))
         assert " no " in row and "uid 65534" in row, r.stdout
+        engine.stop()
+        # configured by the environment and started with "auto", as a workload does: the
+        # failing probe must not make the detector silently absent
+        monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", srv.path)
+        assert "control" not in engine.start("auto")
+        assert "uid 65534" in engine.status().to_dict()["detector_errors"]["control"]
     finally:
         srv.close()
 

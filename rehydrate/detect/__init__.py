@@ -47,6 +47,14 @@ class Detector:
         """
         return None if cls.auto else "off unless asked for"
 
+    @classmethod
+    def configured(cls) -> bool:
+        """True when the user configured this detector explicitly (e.g. its environment
+        variable is set): ``start("auto")`` then starts it even when :meth:`probe` says it
+        cannot work, so that the failure is loud (an ERROR line and
+        ``status()["detector_errors"]``), not a detector that silently is not there."""
+        return False
+
     def start(self, engine: Engine) -> None:
         raise NotImplementedError
 
@@ -126,7 +134,7 @@ def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
         for name in CATALOGUE:
             try:
                 cls = load(name)
-                if cls.auto_here() is None and cls.probe() is None:
+                if cls.auto_here() is None and (cls.probe() is None or cls.configured()):
                     chosen.append(cls())
             except Exception:  # noqa: S112 - a detector that fails its probe is skipped
                 continue

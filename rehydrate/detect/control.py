@@ -598,6 +598,10 @@ class ControlDetector(Detector):
         return _dir_problem(os.path.dirname(os.path.abspath(path))) or squatter(path)
 
     @classmethod
+    def configured(cls) -> bool:
+        return bool(os.environ.get(ENV_SOCKET))
+
+    @classmethod
     def auto_here(cls) -> str | None:
         if os.environ.get(ENV_SOCKET):
             return None
