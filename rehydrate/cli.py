@@ -12,6 +12,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from . import detect
+    from .nodefit import Fit
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -39,10 +40,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(text)
         return EXIT_OK
 
+    from .nodefit import assess, facts
+
     infos = detect.available()
+    fit = assess(facts())
     if args.json:
-        _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos]})
+        _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos],
+                     "platform": fit.to_dict()})
         return EXIT_OK
+    _print_fit(fit)
     if not infos:
         print("no detectors are known")
         return EXIT_OK
@@ -104,10 +110,29 @@ def detectors_table(infos: Sequence[detect.DetectorInfo]) -> str:
     return "\n".join(lines)
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    from .fingerprint import main_check
+def _print_fit(fit: Fit) -> None:
+    print(f"GKE Pod snapshots on this node: {fit.fit}")
+    width = max(len(c.name) for c in fit.checks)
+    for c in fit.checks:
+        print(f"  {c.name.ljust(width)}  {c.status:<7}  {c.reason}")
+    print()
 
-    return main_check(args.manifest, as_json=args.json, root=args.root)
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .fingerprint import main_check, main_labels
+
+    if args.labels:
+        if args.manifest or args.affinity or args.node or args.env_from:
+            print("rehydrate check: --labels describes this node; it takes no manifest "
+                  "or other option", file=sys.stderr)
+            return EXIT_USAGE
+        return main_labels(as_json=args.json, root=args.root)
+    if not args.manifest:
+        print("rehydrate check: a MANIFEST is needed (or --labels)", file=sys.stderr)
+        return EXIT_USAGE
+    return main_check(args.manifest, as_json=args.json, root=args.root,
+                      scope="node" if args.node else "all", env_file=args.env_from,
+                      affinity=args.affinity)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, summary: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=summary)
 
-    doctor = add("doctor", "which detectors work here, and why not the others; with "
+    doctor = add("doctor", "whether Pod snapshots can work on this node, which detectors "
+                           "work here and why not the others; with "
                            "--connections / --files, what a snapshot would cut or reopen")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--connections", action="store_true",
@@ -143,9 +169,25 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
 
     check = add("check", "is this node compatible with a snapshot manifest? (exit 0 yes, "
-                         "1 no, 2 unreadable manifest)")
-    check.add_argument("manifest", help="manifest file written by rehydrate before a snapshot")
+                         "1 no, 2 unreadable manifest); --labels / --affinity print the "
+                         "Kubernetes node labels and nodeAffinity for scheduling restores")
+    check.add_argument("manifest", nargs="?",
+                       help="manifest file written by rehydrate before a snapshot")
     check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.add_argument("--node", action="store_true",
+                       help="compare only node-level fields (CPU, kernel, gVisor, GPU "
+                            "driver, machine series): for a checker that is not the "
+                            "workload, e.g. a DaemonSet")
+    check.add_argument("--env-from", metavar="FILE",
+                       help="the workload's environment (KEY=VALUE per line or "
+                            "NUL-separated, like /proc/PID/environ) for the env.* keys "
+                            "(default: this process's environment)")
+    check.add_argument("--labels", action="store_true",
+                       help="print this node's scheduling labels as a Node patch (YAML) "
+                            "for a DaemonSet to apply")
+    check.add_argument("--affinity", action="store_true",
+                       help="print the nodeAffinity (YAML) a Pod restoring MANIFEST "
+                            "should carry to land only on matching labelled nodes")
     check.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: fake /proc
     check.set_defaults(func=cmd_check)
 

@@ -38,8 +38,6 @@ import os
 import platform
 import re
 import secrets
-import shutil
-import subprocess
 import sys
 import threading
 import types
@@ -47,7 +45,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .extensions import Probe, resolve_engine
 from .hooks import Phase
@@ -55,8 +53,10 @@ from .hooks import Phase
 if TYPE_CHECKING:
     from .context import RestoreContext
     from .extensions import Engine
+    from .nodefit import NodeFacts
 
 __all__ = [
+    "NODE_FIELDS",
     "SCHEMA",
     "FingerprintManager",
     "FingerprintMismatch",
@@ -69,6 +69,7 @@ __all__ = [
     "fingerprint",
     "load_manifest",
     "main_check",
+    "main_labels",
     "most_likely_reason",
     "write_manifest",
 ]
@@ -76,12 +77,17 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 SCHEMA = 1
-NVIDIA_SMI_TIMEOUT = 3.0
 
 # Fields compared by check(), in the order a miss is most likely explained by them
 # (GKE: gVisor and GPU driver versions and the machine series are part of the match).
-_COMPARED = ("gvisor_version", "gpu_driver", "arch", "cpu_vendor", "cpu_model", "cpu_flags",
-             "gvisor", "kernel_release", "python", "python_implementation", "distributions")
+_COMPARED = ("gvisor_version", "gpu_driver", "machine_series", "arch", "cpu_vendor",
+             "cpu_model", "cpu_flags", "gvisor", "kernel_release", "python",
+             "python_implementation", "distributions")
+NODE_FIELDS = frozenset(_COMPARED[:9])
+"""Fields a checker on the node sees as the workload would (``check --node``); the
+others (Python, distributions, ``env.*``) belong to the workload's image and environment."""
+Scope = Literal["all", "node"]
+_OPTIONAL = frozenset({"machine_series"})  # added after schema 1 shipped: may be absent
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -103,6 +109,8 @@ class Mismatch:
         return {"field": self.field, "expected": self.expected, "actual": self.actual}
 
     def describe(self) -> str:
+        if self.field == "cpu_flags":
+            return f"cpu_flags: this node lacks {_short(self.expected)}"
         return f"{self.field}: snapshot {_short(self.expected)}, this node {_short(self.actual)}"
 
 
@@ -160,26 +168,13 @@ def _gvisor(root: Path) -> tuple[bool, str | None]:
 _NVRM = re.compile(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d+(?:\.\d+)+)")
 
 
-def _gpu_driver(root: Path, nvidia_smi: bool) -> str | None:
+def _gpu_driver(root: Path, node: NodeFacts) -> str | None:
     text = _read(root / "proc/driver/nvidia/version")
     if text:
         m = _NVRM.search(text) or re.search(r"(\d+\.\d+(?:\.\d+)?)", text)
         if m:
             return m.group(1)
-    if not nvidia_smi:
-        return None
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT,
-                             check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("nvidia-smi did not answer: %s", exc)
-        return None
-    line = out.stdout.strip().splitlines()[0].strip() if out.stdout.strip() else ""
-    return line or None
+    return next((g.driver for g in node.gpus or () if g.driver), None)
 
 
 def _norm(name: str) -> str:
@@ -250,6 +245,7 @@ def fingerprint(
     root: str | os.PathLike[str] = "/",
     *,
     nvidia_smi: bool | None = None,
+    metadata: bool | None = None,
     salt: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -257,15 +253,22 @@ def fingerprint(
 
     ``env_keys``: environment keys whose values must match (stored as salted hashes,
     never in clear). ``root``: where ``proc/…`` is read (tests point it at a fake tree).
-    ``nvidia_smi``: ask ``nvidia-smi`` when ``/proc/driver/nvidia/version`` is absent
-    (default: only for the real root). No per-process field is included.
+    ``nvidia_smi``: ask ``nvidia-smi`` for GPUs (and the driver when
+    ``/proc/driver/nvidia/version`` is absent); ``metadata``: ask the GCE metadata server
+    for the machine type (both default to True only for the real root). ``platform``
+    holds :func:`rehydrate.nodefit.facts` (what ``rehydrate doctor`` judges). No
+    per-process field is included.
     """
+    from .nodefit import facts
+
     r = Path(root)
     real = r == Path("/")
     env = os.environ if environ is None else environ
     salt = salt if salt is not None else secrets.token_hex(8)
     dists = distributions()
     gvisor, gvisor_version = _gvisor(r)
+    node = facts(metadata=real if metadata is None else metadata,
+                 nvidia_smi=real if nvidia_smi is None else nvidia_smi, root=os.fspath(r))
     manifest: dict[str, Any] = {
         "schema": SCHEMA,
         "arch": platform.machine(),
@@ -273,7 +276,9 @@ def fingerprint(
         "kernel_release": _kernel_release(r),
         "gvisor": gvisor,
         "gvisor_version": gvisor_version,
-        "gpu_driver": _gpu_driver(r, real if nvidia_smi is None else nvidia_smi),
+        "gpu_driver": _gpu_driver(r, node),
+        "machine_series": node.machine_series,
+        "platform": node.to_dict(),
         "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
         "distributions": "sha256:" + hashlib.sha256("\n".join(dists).encode()).hexdigest(),
@@ -301,6 +306,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "python": (str,),
     "python_implementation": (str,),
     "distributions": (str,),
+    "machine_series": (str, type(None)),
 }
 assert set(_FIELD_TYPES) == set(_COMPARED)
 
@@ -322,7 +328,7 @@ def _validate(manifest: Any) -> dict[str, Any]:
     if type(schema) is not int or schema != SCHEMA:
         raise ManifestError(f"not a rehydrate manifest (schema {SCHEMA}): schema is {schema!r}")
     problems: list[str] = []
-    missing = [f for f in (*_COMPARED, "env") if f not in manifest]
+    missing = [f for f in (*_COMPARED, "env") if f not in manifest and f not in _OPTIONAL]
     if missing:
         problems.append("missing field(s) " + ", ".join(missing))
     for f, types_ in _FIELD_TYPES.items():
@@ -378,24 +384,31 @@ def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) ->
     os.replace(tmp, p)
 
 
-def compare(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[Mismatch]:
+def compare(expected: Mapping[str, Any], actual: Mapping[str, Any], *,
+            scope: Scope = "all") -> list[Mismatch]:
     """Every field where ``actual`` (this node) cannot restore ``expected``'s snapshot.
 
     CPU flags mismatch only when the snapshot's node had flags this one lacks (extra
     flags are harmless); ``expected`` lists the missing ones. Environment keys compare
     by hash (``actual`` must be computed with the manifest's salt, as :func:`check` does).
+    The machine series compares only when both sides know it (on GCE).
+    ``scope="node"``: only :data:`NODE_FIELDS` (no Python, distributions or ``env.*``).
     """
     out: list[Mismatch] = []
     for f in _COMPARED:
-        if f not in expected:
+        if f not in expected or (scope == "node" and f not in NODE_FIELDS):
             continue
         e, a = expected.get(f), actual.get(f)
+        if f == "machine_series" and (e is None or a is None):
+            continue
         if f == "cpu_flags":
             missing = sorted(set(e or ()) - set(a or ()))
             if missing:
                 out.append(Mismatch(f, missing, []))
         elif e != a:
             out.append(Mismatch(f, e, a))
+    if scope == "node":
+        return out
     e_env = (expected.get("env") or {}).get("keys") or {}
     a_env = (actual.get("env") or {}).get("keys") or {}
     for k in sorted(e_env):
@@ -406,17 +419,21 @@ def compare(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[Mism
 
 def check(
     manifest: Mapping[str, Any], root: str | os.PathLike[str] = "/",
-    *, nvidia_smi: bool | None = None,
+    *, nvidia_smi: bool | None = None, metadata: bool | None = None,
+    scope: Scope = "all", environ: Mapping[str, str] | None = None,
 ) -> list[Mismatch]:
     """Compare ``manifest`` with this node (empty list: compatible).
 
-    :class:`ManifestError` when ``manifest`` is not a complete schema-1 manifest.
+    ``scope="node"``: only what a checker running elsewhere on the node (a DaemonSet)
+    shares with the workload — not its Python, distributions or environment.
+    ``environ``: the workload's environment for the ``env.*`` keys (default: this
+    process's). :class:`ManifestError` when ``manifest`` is not a complete manifest.
     """
     m = _validate(manifest)
     env = m["env"]
-    current = fingerprint(env_keys=env["keys"].keys(), root=root,
-                          nvidia_smi=nvidia_smi, salt=env["salt"])
-    return compare(m, current)
+    current = fingerprint(env_keys=env["keys"].keys(), root=root, nvidia_smi=nvidia_smi,
+                          metadata=metadata, salt=env["salt"], environ=environ)
+    return compare(m, current, scope=scope)
 
 
 def most_likely_reason(mismatches: list[Mismatch]) -> tuple[str | None, str]:
@@ -635,11 +652,50 @@ def engine_started(engine: Engine) -> None:
         log.exception("snapshot-miss detection failed")
 
 
-def main_check(path: str, *, as_json: bool = False, root: str = "/") -> int:
-    """``rehydrate check``: 0 compatible, 1 mismatches (listed), 2 unreadable or invalid
-    manifest (one line on stderr, or ``{"compatible": false, "error": …}`` with ``as_json``)."""
+def _read_workload_env(path: str) -> dict[str, str]:
+    """A workload's environment from ``path``: ``KEY=VALUE`` entries separated by NULs
+    (``/proc/PID/environ``, gVisor's ``spec_environ``) or by newlines (``env`` output)."""
+    from .env import EnvError, parse_environ
+
     try:
-        mismatches = check(load_manifest(path), root)
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError as exc:
+        raise ManifestError(f"cannot read environment file {path}: "
+                            f"{exc.strerror or exc}") from None
+    if b"\0" not in data:
+        data = data.replace(b"\n", b"\0")
+    try:
+        parsed = parse_environ(data)
+    except EnvError as exc:
+        raise ManifestError(f"environment file {path}: {exc}") from None
+    return {k.decode("utf-8", "surrogateescape"): v.decode("utf-8", "surrogateescape")
+            for k, v in parsed.items()}
+
+
+def main_check(path: str, *, as_json: bool = False, root: str = "/", scope: Scope = "all",
+               env_file: str | None = None, affinity: bool = False) -> int:
+    """``rehydrate check``: 0 compatible, 1 mismatches (listed), 2 unreadable or invalid
+    manifest (one line on stderr, or ``{"compatible": false, "error": …}`` with ``as_json``).
+
+    ``scope="node"`` compares only what a node-level checker shares with the workload;
+    ``env_file`` supplies the workload's environment for ``env.*``; ``affinity`` prints
+    the ``nodeAffinity`` for Pods restoring this manifest (YAML) instead of checking.
+    """
+    try:
+        manifest = load_manifest(path)
+        if affinity:
+            from .nodefit import node_affinity, to_yaml
+
+            aff = {"affinity": node_affinity(manifest)}
+            if as_json:
+                json.dump(aff, sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                sys.stdout.write(to_yaml(aff))
+            return 0
+        environ = _read_workload_env(env_file) if env_file else None
+        mismatches = check(manifest, root, scope=scope, environ=environ)
     except (TypeError, ValueError) as exc:  # ManifestError is a ValueError
         msg = str(exc) if isinstance(exc, ManifestError) else (
             f"cannot compare manifest {path}: {type(exc).__name__}: {exc}")
@@ -650,17 +706,31 @@ def main_check(path: str, *, as_json: bool = False, root: str = "/") -> int:
         else:
             print(f"rehydrate check: {msg}", file=sys.stderr)
         return 2
+    what = " (node-level fields)" if scope == "node" else ""
     if as_json:
-        json.dump({"compatible": not mismatches,
+        json.dump({"compatible": not mismatches, "scope": scope,
                    "mismatches": [m.to_dict() for m in mismatches]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     elif mismatches:
-        print(f"incompatible: {len(mismatches)} mismatch(es) with {path}")
+        print(f"incompatible: {len(mismatches)} mismatch(es) with {path}{what}")
         for m in mismatches:
             print(f"  {m.describe()}")
     else:
-        print(f"compatible with {path}")
+        print(f"compatible with {path}{what}")
     return 1 if mismatches else 0
+
+
+def main_labels(*, as_json: bool = False, root: str = "/") -> int:
+    """``rehydrate check --labels``: this node's scheduling labels as a Node patch (YAML)."""
+    from .nodefit import node_labels, to_yaml
+
+    patch = {"metadata": {"labels": node_labels(fingerprint(root=root))}}
+    if as_json:
+        json.dump(patch, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(to_yaml(patch))
+    return 0
 
 
 class _CallableModule(types.ModuleType):

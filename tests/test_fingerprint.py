@@ -129,7 +129,7 @@ def test_check_cli_exit_codes_and_json(tmp_path):
                    check=True, timeout=60, cwd=ROOT)
     ok = run_cli("check", str(path), "--json")
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout) == {"compatible": True, "mismatches": []}
+    assert json.loads(ok.stdout) == {"compatible": True, "scope": "all", "mismatches": []}
     assert run_cli("check", str(path)).returncode == 0
 
     manifest = json.loads(path.read_text())
@@ -182,7 +182,8 @@ def _broken_manifests() -> dict[str, object]:
         "env_list": {**good, "env": []},
     }
     for field in (*fp._COMPARED, "env"):
-        out[f"without_{field}"] = {k: v for k, v in good.items() if k != field}
+        if field not in fp._OPTIONAL:  # a field added later may be missing in old manifests
+            out[f"without_{field}"] = {k: v for k, v in good.items() if k != field}
     return out
 
 
@@ -389,3 +390,55 @@ def test_distribution_list_matches_importlib_metadata():
     for d in md.distributions():
         expected.setdefault(fp._norm(d.metadata["Name"]), d.version)
     assert fp.distributions() == sorted(f"{n}=={v}" for n, v in expected.items())
+
+
+def test_check_from_a_daemonset_compares_node_fields_only(tmp_path):
+    """Issue 13 item 19, run as a DaemonSet runs it: the workload writes the manifest with
+    its environment and image; the checker is another process in another image (no
+    site-packages: another distribution set) and environment (no API_KEY)."""
+    manifest = tmp_path / "manifest.json"
+    workload_env = {**os.environ, "API_KEY": "workload-secret"}
+    subprocess.run([sys.executable, "-c",
+                    "from rehydrate.fingerprint import fingerprint, write_manifest;"
+                    f"write_manifest(fingerprint(env_keys=['API_KEY']), {str(manifest)!r})"],
+                   check=True, timeout=60, cwd=ROOT, env=workload_env)
+    daemonset_env = {k: v for k, v in os.environ.items() if k != "API_KEY"}
+    daemonset_env["PYTHONPATH"] = str(ROOT)
+
+    def daemonset(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-S", "-m", "rehydrate", "check", *args],
+                              capture_output=True, text=True, timeout=60, check=False,
+                              env=daemonset_env, cwd=tmp_path)
+
+    full = daemonset(str(manifest), "--json")
+    assert full.returncode == 1, (full.stdout, full.stderr)
+    assert {m["field"] for m in json.loads(full.stdout)["mismatches"]} == {
+        "env.API_KEY", "distributions"}, "what a DaemonSet cannot share with the workload"
+
+    node = daemonset(str(manifest), "--node")
+    assert node.returncode == 0, (node.stdout, node.stderr)
+    assert node.stdout.strip() == f"compatible with {manifest} (node-level fields)"
+
+    env_file = tmp_path / "workload.env"  # the workload's environment, given explicitly
+    env_file.write_text("API_KEY=workload-secret\nOTHER=1\n")
+    explicit = daemonset(str(manifest), "--env-from", str(env_file), "--json")
+    assert [m["field"] for m in json.loads(explicit.stdout)["mismatches"]] == [
+        "distributions"]
+    env_file.write_bytes(b"API_KEY=other\0")  # NUL-separated, like /proc/PID/environ
+    changed = daemonset(str(manifest), "--env-from", str(env_file), "--json")
+    assert "env.API_KEY" in {m["field"] for m in json.loads(changed.stdout)["mismatches"]}
+    env_file.write_text("garbage without equals sign\n")
+    bad = daemonset(str(manifest), "--env-from", str(env_file))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and str(env_file) in bad.stderr
+
+
+def test_missing_cpu_flag_names_the_flag(tmp_path):
+    m = fp.fingerprint()
+    m["cpu_flags"] = sorted([*m["cpu_flags"], "avx512_imaginary"])
+    path = tmp_path / "m.json"
+    fp.write_manifest(m, path)
+    res = run_cli("check", str(path), "--node")
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "  cpu_flags: this node lacks avx512_imaginary" in res.stdout.splitlines()
+    assert "[]" not in res.stdout

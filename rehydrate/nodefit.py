@@ -1,0 +1,313 @@
+"""Platform fit: can GKE Pod snapshots work on this node, and where may a snapshot restore?
+
+GKE's documentation lists node limits that end in a silent cold start or a failed snapshot:
+no E2 machine types, more than one GPU in a Pod only on L4, no Multi-Instance GPU, and only
+under GKE Sandbox (gVisor). :func:`facts` gathers what this node shows:
+
+* the machine type from the GCE metadata server
+  (``/computeMetadata/v1/instance/machine-type`` with ``Metadata-Flavor: Google``; host
+  ``$GCE_METADATA_HOST`` as Google's own libraries read it, else ``169.254.169.254``;
+  :data:`METADATA_TIMEOUT`, no proxy, silent off GCE);
+* GPUs, driver and MIG mode from ``nvidia-smi`` when it is installed;
+* whether this is gVisor and, where visible (``REHYDRATE_GVISOR_VERSION``), its version.
+
+:func:`assess` turns them into ``rehydrate doctor``'s verdict; :func:`node_labels` and
+:func:`node_affinity` give a DaemonSet the labels to put on nodes and a restoring Pod the
+``nodeAffinity`` that lands it only on nodes matching a manifest; :func:`to_yaml` prints
+them as Kubernetes YAML.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "LABEL_PREFIX",
+    "METADATA_TIMEOUT",
+    "NVIDIA_SMI_TIMEOUT",
+    "Check",
+    "Gpu",
+    "NodeFacts",
+    "assess",
+    "facts",
+    "gpus",
+    "in_gvisor",
+    "kube_arch",
+    "machine_type",
+    "node_affinity",
+    "node_labels",
+    "to_yaml",
+]
+
+log = logging.getLogger("rehydrate")
+
+METADATA_TIMEOUT = 0.5
+"""Seconds for the whole metadata request (the server answers in milliseconds on GCE)."""
+NVIDIA_SMI_TIMEOUT = 3.0
+LABEL_PREFIX = "rehydrate.io/"
+"""Prefix of the node labels :func:`node_labels` proposes and :func:`node_affinity` uses."""
+
+_GVISOR_BUILD = "Sun Jan 10 15:06:54 PST 2016"  # gVisor's fixed /proc/version build line
+
+
+def in_gvisor(root: str = "/") -> bool:
+    """True inside a gVisor sandbox (its ``/proc/version``, or a ``/proc/gvisor`` directory)."""
+    proc = os.environ.get("REHYDRATE_GVISOR_PROC") if root == "/" else None
+    marker = proc or os.path.join(root, "proc/gvisor")
+    try:
+        with open(os.path.join(root, "proc/version"), encoding="ascii", errors="replace") as f:
+            version = f.read(512)
+    except OSError:
+        version = ""
+    return _GVISOR_BUILD in version or os.path.isdir(marker)
+
+
+def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
+    """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently)."""
+    import urllib.error
+    import urllib.request
+
+    host = os.environ.get("GCE_METADATA_HOST") or "169.254.169.254"
+    url = f"http://{host}/computeMetadata/v1/instance/machine-type"
+    req = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            flavor = resp.headers.get("Metadata-Flavor")
+            body = resp.read(4096).decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        log.debug("GCE metadata server not reachable (%s): not on GCE", type(exc).__name__)
+        return None
+    # A real metadata server says so in a header: a captive proxy answering 200 is not one.
+    if flavor != "Google":
+        log.debug("no GCE machine type from %s (no Metadata-Flavor header)", host)
+        return None
+    name = body.strip().rsplit("/", 1)[-1]  # projects/NUM/machineTypes/NAME
+    return name if re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name) else None
+
+
+def _series(mtype: str | None) -> str | None:
+    return mtype.split("-", 1)[0] if mtype else None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    driver: str | None
+    mig: bool | None
+    """MIG mode currently enabled (None: not a MIG-capable GPU, ``[N/A]``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "driver": self.driver, "mig": self.mig}
+
+
+def gpus(timeout: float = NVIDIA_SMI_TIMEOUT) -> list[Gpu] | None:
+    """The GPUs ``nvidia-smi`` lists (name, driver, MIG mode); None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name,driver_version,mig.mode.current", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("nvidia-smi did not answer: %s", exc)
+        return None
+    if out.returncode != 0:
+        log.info("nvidia-smi exited %d: %s", out.returncode, " ".join(out.stderr.split())[:200])
+        return None
+    found = []
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3 or not parts[0]:
+            continue
+        name, driver, mig = parts
+        found.append(Gpu(name, None if driver.startswith("[") else driver,
+                         {"enabled": True, "disabled": False}.get(mig.lower())))
+    return found
+
+
+def kube_arch(machine: str | None = None) -> str:
+    """``platform.machine()`` as Kubernetes spells it (``kubernetes.io/arch``)."""
+    m = machine or platform.machine()
+    return {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386",
+            "ppc64le": "ppc64le", "s390x": "s390x"}.get(m, m.lower())
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What this node shows about snapshot support."""
+
+    machine_type: str | None
+    machine_series: str | None
+    gpus: tuple[Gpu, ...] | None
+    """None: no ``nvidia-smi`` here (no GPU, or not visible)."""
+    gvisor: bool
+    gvisor_version: str | None
+    arch: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"machine_type": self.machine_type, "machine_series": self.machine_series,
+                "gpus": None if self.gpus is None else [g.to_dict() for g in self.gpus],
+                "gvisor": self.gvisor, "gvisor_version": self.gvisor_version,
+                "arch": self.arch}
+
+
+def facts(*, metadata: bool = True, nvidia_smi: bool = True, root: str = "/") -> NodeFacts:
+    """Gather :class:`NodeFacts` (``metadata`` / ``nvidia_smi`` False: skip that source)."""
+    mtype = machine_type() if metadata else None
+    found = gpus() if nvidia_smi else None
+    return NodeFacts(mtype, _series(mtype), None if found is None else tuple(found),
+                     in_gvisor(root), os.environ.get("REHYDRATE_GVISOR_VERSION") or None,
+                     kube_arch())
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the verdict: ``ok``, ``blocked`` (snapshots cannot work) or ``unknown``."""
+
+    name: str
+    status: Literal["ok", "blocked", "unknown"]
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """:func:`assess`'s answer: ``fit`` is ``yes``, ``no`` (a check blocked) or ``unknown``."""
+
+    fit: Literal["yes", "no", "unknown"]
+    checks: tuple[Check, ...]
+    facts: NodeFacts = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fit": self.fit, "checks": [c.to_dict() for c in self.checks],
+                "facts": self.facts.to_dict()}
+
+
+_L4 = re.compile(r"\bL4\b")
+
+
+def assess(node: NodeFacts) -> Fit:
+    """Whether GKE Pod snapshots can work on ``node``, one :class:`Check` per limit."""
+    checks = []
+    if node.machine_series is None:
+        checks.append(Check("machine series", "unknown",
+                            "not on GCE (no answer from the metadata server)"))
+    elif node.machine_series == "e2":
+        checks.append(Check("machine series", "blocked",
+                            f"{node.machine_type}: E2 machine types do not support Pod "
+                            "snapshots"))
+    else:
+        checks.append(Check("machine series", "ok", f"{node.machine_type}"))
+    if node.gpus is None:
+        checks.append(Check("GPU", "ok", "no nvidia-smi: no GPU visible"))
+    elif not node.gpus:
+        checks.append(Check("GPU", "ok", "nvidia-smi lists no GPU"))
+    else:
+        names = sorted({g.name for g in node.gpus})
+        desc = f"{len(node.gpus)} x {', '.join(names)}"
+        mig = [i for i, g in enumerate(node.gpus) if g.mig]
+        if len(node.gpus) > 1 and not all(_L4.search(g.name) for g in node.gpus):
+            checks.append(Check("GPU", "blocked", f"{desc}: more than one GPU is supported "
+                                "only on L4"))
+        else:
+            checks.append(Check("GPU", "ok", desc))
+        if mig:
+            checks.append(Check("MIG", "blocked", "Multi-Instance GPU mode is enabled on "
+                                f"GPU {', '.join(map(str, mig))}: not supported"))
+        else:
+            checks.append(Check("MIG", "ok", "MIG mode off"))
+    if node.gvisor:
+        version = node.gvisor_version or ("not visible inside the sandbox (set "
+                                          "REHYDRATE_GVISOR_VERSION, e.g. from a node label)")
+        checks.append(Check("runtime", "ok", f"gVisor, version {version}"))
+    else:
+        checks.append(Check("runtime", "blocked", "not gVisor: Pod snapshots need GKE "
+                            "Sandbox (runtimeClassName: gvisor)"))
+    statuses = {c.status for c in checks}
+    fit: Literal["yes", "no", "unknown"] = (
+        "no" if "blocked" in statuses else "unknown" if "unknown" in statuses else "yes")
+    return Fit(fit, tuple(checks), node)
+
+
+# -- scheduling: labels and affinity ----------------------------------------------------
+
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
+
+
+def _label_value(value: str) -> str | None:
+    """``value`` as a valid label value (invalid characters become ``_``), or None."""
+    v = re.sub(r"[^A-Za-z0-9._-]", "_", value)[:63].strip("._-")
+    return v if v and _LABEL_VALUE.fullmatch(v) else None
+
+
+def _scheduling_facts(src: Mapping[str, Any]) -> dict[str, str]:
+    """label key → value for the fields a restore depends on (from a manifest or facts)."""
+    pairs = {
+        "machine-series": src.get("machine_series"),
+        "arch": kube_arch(src["arch"]) if isinstance(src.get("arch"), str) else None,
+        "gvisor-version": src.get("gvisor_version"),
+        "gpu-driver": src.get("gpu_driver"),
+    }
+    out = {}
+    for key, value in pairs.items():
+        if isinstance(value, str) and (v := _label_value(value)) is not None:
+            out[LABEL_PREFIX + key] = v
+    return out
+
+
+def node_labels(manifest_like: Mapping[str, Any]) -> dict[str, str]:
+    """The labels a DaemonSet should put on this node (``manifest_like``: this node's
+    :func:`rehydrate.fingerprint` manifest)."""
+    return _scheduling_facts(manifest_like)
+
+
+def node_affinity(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``affinity`` of a Pod that should restore ``manifest``'s snapshot: required
+    node labels matching every scheduling fact the manifest recorded."""
+    exprs = [{"key": k, "operator": "In", "values": [v]}
+             for k, v in _scheduling_facts(manifest).items()]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+
+
+def to_yaml(data: Any, indent: int = 0) -> str:
+    """Block-style YAML for dicts, lists, strings, numbers, booleans and None — the
+    subset Kubernetes objects need. Strings are JSON-quoted (valid YAML scalars)."""
+    import json
+
+    pad = "  " * indent
+    if isinstance(data, Mapping):
+        if not data:
+            return pad + "{}\n"
+        lines = []
+        for k, v in data.items():
+            key = k if _PLAIN_KEY.fullmatch(k) else json.dumps(k)
+            if isinstance(v, (Mapping, list)) and v:
+                lines.append(f"{pad}{key}:\n{to_yaml(v, indent + 1)}")
+            else:
+                lines.append(f"{pad}{key}: {to_yaml(v).strip()}\n")
+        return "".join(lines)
+    if isinstance(data, list):
+        if not data:
+            return pad + "[]\n"
+        lines = []
+        for item in data:
+            body = to_yaml(item, indent + 1)
+            lines.append(f"{pad}- {body.lstrip()}")
+        return "".join(lines)
+    return pad + json.dumps(data) + "\n"

@@ -1,0 +1,59 @@
+"""Stand-in for the GCE metadata server (only what rehydrate reads), on loopback.
+
+Like the real one (https://cloud.google.com/compute/docs/metadata/querying-metadata):
+``GET /computeMetadata/v1/instance/machine-type`` answers
+``projects/PROJECT_NUMBER/machineTypes/MACHINE_TYPE`` with the response header
+``Metadata-Flavor: Google``; a request without ``Metadata-Flavor: Google`` gets 403, an
+unknown path 404. Point ``GCE_METADATA_HOST`` at :attr:`MetadataServer.host`.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class MetadataServer:
+    def __init__(self, machine_type: str, *, impostor: bool = False) -> None:
+        """``impostor``: answer 200 without ``Metadata-Flavor`` (a captive proxy, not GCE)."""
+        self.machine_type = machine_type
+        self.requests: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
+                outer.requests.append(self.path)
+                if self.headers.get("Metadata-Flavor") != "Google":
+                    self._reply(403, "Missing Metadata-Flavor:Google header.")
+                elif self.path == "/computeMetadata/v1/instance/machine-type":
+                    self._reply(200, f"projects/123456789/machineTypes/{outer.machine_type}")
+                else:
+                    self._reply(404, "Not Found")
+
+            def _reply(self, code: int, body: str) -> None:
+                data = body.encode()
+                self.send_response(code)
+                if not impostor:
+                    self.send_header("Metadata-Flavor", "Google")
+                self.send_header("Content-Type", "application/text")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> MetadataServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,195 @@
+"""Platform fit (``rehydrate doctor``), the manifest's platform facts, and the scheduling
+output of ``rehydrate check --labels / --affinity`` (validated with the kubernetes client's
+models), against a stand-in GCE metadata server and a stand-in ``nvidia-smi``
+(tests/gce_metadata.py, tests/standin_bin/nvidia-smi)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from gce_metadata import MetadataServer
+from kubernetes.client import ApiClient, V1Affinity, V1ObjectMeta
+
+from rehydrate import fingerprint as fp
+from rehydrate import nodefit
+
+STANDIN_BIN = Path(__file__).parent / "standin_bin"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu(name: str, mig: str = "[N/A]", driver: str = "535.104.05") -> dict[str, str]:
+    return {"name": name, "driver_version": driver, "mig.mode.current": mig}
+
+
+L4 = _gpu("NVIDIA L4")
+A100_MIG = _gpu("NVIDIA A100-SXM4-40GB", mig="Enabled")
+A100 = _gpu("NVIDIA A100-SXM4-40GB", mig="Disabled")
+
+# (machine type, GPUs or None for no nvidia-smi, fit, the check that decides, its status)
+SCENARIOS = {
+    "E2": ("e2-standard-4", None, "no", "machine series", "blocked"),
+    "N2": ("n2-standard-8", None, "yes", "machine series", "ok"),
+    "G2 1xL4": ("g2-standard-8", [L4], "yes", "GPU", "ok"),
+    "G2 2xL4": ("g2-standard-24", [L4, L4], "yes", "GPU", "ok"),
+    "A100 MIG": ("a2-highgpu-1g", [A100_MIG], "no", "MIG", "blocked"),
+    "A100 2x": ("a2-highgpu-2g", [A100, A100], "no", "GPU", "blocked"),
+}
+
+
+@pytest.fixture
+def node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Configure the stand-ins: returns set(machine_type, gpus); gVisor is emulated by a
+    REHYDRATE_GVISOR_PROC directory (the runtime check passes)."""
+    gvisor_proc = tmp_path / "gvisor"
+    gvisor_proc.mkdir()
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(gvisor_proc))
+    monkeypatch.setenv("REHYDRATE_GVISOR_VERSION", "release-20240729.0")
+    servers: list[MetadataServer] = []
+
+    def configure(machine_type: str, gpus: list[dict[str, str]] | None) -> dict[str, str]:
+        srv = MetadataServer(machine_type).__enter__()
+        servers.append(srv)
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        path = os.environ["PATH"]
+        if gpus is not None:
+            path = f"{STANDIN_BIN}{os.pathsep}{path}"
+            monkeypatch.setenv("STANDIN_NVIDIA_GPUS", json.dumps(gpus))
+        else:  # no nvidia-smi anywhere on PATH
+            path = os.pathsep.join(p for p in path.split(os.pathsep)
+                                   if not os.path.exists(os.path.join(p, "nvidia-smi")))
+        monkeypatch.setenv("PATH", path)
+        return dict(os.environ)
+
+    yield configure
+    for srv in servers:
+        srv.__exit__()
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_platform_fit(node, scenario: str) -> None:
+    mtype, gpus, fit, check_name, status = SCENARIOS[scenario]
+    node(mtype, gpus)
+    result = nodefit.assess(nodefit.facts())
+    checks = {c.name: c for c in result.checks}
+    assert result.fit == fit, result
+    assert checks[check_name].status == status, checks
+    assert result.facts.machine_type == mtype
+    assert result.facts.machine_series == mtype.split("-")[0]
+    assert result.facts.gvisor and result.facts.gvisor_version == "release-20240729.0"
+    assert len(result.facts.gpus or ()) == len(gpus or ())
+    if status == "blocked":
+        reason = checks[check_name].reason
+        expected = {"E2": "E2 machine types", "A100 MIG": "Multi-Instance GPU",
+                    "A100 2x": "only on L4"}[scenario]
+        assert expected in reason, reason
+
+
+def test_doctor_json_and_manifest_carry_the_same_facts(node) -> None:
+    env = node("a2-highgpu-1g", [A100_MIG])
+    out = subprocess.run([sys.executable, "-m", "rehydrate", "doctor", "--json"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)
+    platform = json.loads(out.stdout)["platform"]
+    assert platform["fit"] == "no"
+    assert {"name": "MIG", "status": "blocked"}.items() <= next(
+        c for c in platform["checks"] if c["name"] == "MIG").items()
+    manifest = fp.fingerprint()
+    assert manifest["platform"] == platform["facts"]
+    assert manifest["machine_series"] == "a2"
+    assert manifest["gpu_driver"] == "535.104.05", "from nvidia-smi without /proc/driver"
+    text = subprocess.run([sys.executable, "-m", "rehydrate", "doctor"], env=env,
+                          capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)
+    assert "GKE Pod snapshots on this node: no" in text.stdout
+    assert "MIG" in text.stdout and "blocked" in text.stdout
+
+
+def test_off_gce_is_silent_and_quick(monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{port}")
+    t0 = time.perf_counter()
+    assert nodefit.machine_type() is None
+    assert time.perf_counter() - t0 < nodefit.METADATA_TIMEOUT + 0.5
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    checks = {c.name: c for c in nodefit.assess(nodefit.facts(nvidia_smi=False)).checks}
+    assert checks["machine series"].status == "unknown"
+
+
+def test_metadata_answer_without_google_header_is_not_gce(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with MetadataServer("n2-standard-8", impostor=True) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        assert nodefit.machine_type() is None
+        assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+
+
+# -- scheduling -------------------------------------------------------------------------
+
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                        r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rehydrate", *args], env=env, check=False,
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_labels_and_affinity_are_valid_kubernetes_yaml_and_match(node, tmp_path: Path) -> None:
+    env = node("g2-standard-24", [L4, L4])
+    manifest = tmp_path / "manifest.json"
+    fp.write_manifest(fp.fingerprint(), manifest)
+
+    labels_out = _cli("check", "--labels", env=env)
+    assert labels_out.returncode == 0, labels_out.stderr
+    patch = yaml.safe_load(labels_out.stdout)
+    api = ApiClient()
+    meta = api._ApiClient__deserialize(patch["metadata"], V1ObjectMeta)  # type: ignore[attr-defined]
+    labels = meta.labels
+    assert api.sanitize_for_serialization(meta) == patch["metadata"], "no unknown keys"
+    for k, v in labels.items():
+        assert _LABEL_KEY.fullmatch(k) and len(k.split("/")[-1]) <= 63, k
+        assert _LABEL_VALUE.fullmatch(v) and len(v) <= 63, v
+    assert labels["rehydrate.io/machine-series"] == "g2"
+    assert labels["rehydrate.io/gpu-driver"] == "535.104.05"
+    assert labels["rehydrate.io/gvisor-version"] == "release-20240729.0"
+    assert labels["rehydrate.io/arch"] == nodefit.kube_arch()
+
+    aff_out = _cli("check", str(manifest), "--affinity", env=env)
+    assert aff_out.returncode == 0, aff_out.stderr
+    doc = yaml.safe_load(aff_out.stdout)
+    affinity = api._ApiClient__deserialize(doc["affinity"], V1Affinity)  # type: ignore[attr-defined]
+    assert api.sanitize_for_serialization(affinity) == doc["affinity"], "no unknown keys"
+    terms = affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    (term,) = terms.node_selector_terms
+    required = {e.key: e.values for e in term.match_expressions}
+    assert {e.operator for e in term.match_expressions} == {"In"}
+    # The node labelled by the DaemonSet satisfies the affinity of its own snapshot.
+    assert required == {k: [v] for k, v in labels.items()}
+    assert json.loads(_cli("check", str(manifest), "--affinity", "--json", env=env).stdout) \
+        == doc
+
+    # Another node pool: the affinity excludes it.
+    other = node("n2-standard-8", None)
+    other_labels = yaml.safe_load(_cli("check", "--labels", env=other).stdout)
+    assert other_labels["metadata"]["labels"]["rehydrate.io/machine-series"] == "n2"
+    assert "rehydrate.io/gpu-driver" not in other_labels["metadata"]["labels"]
+
+
+def test_labels_usage_errors(node) -> None:
+    env = node("n2-standard-8", None)
+    res = _cli("check", env=env)
+    assert res.returncode == 2 and "MANIFEST" in res.stderr
+    res = _cli("check", "--labels", "--node", env=env)
+    assert res.returncode == 2 and "--labels" in res.stderr
