@@ -48,11 +48,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos],
                      "platform": fit.to_dict()})
         return EXIT_OK
+    print(detectors_table(infos) if infos else "no detectors are known")
     _print_fit(fit)
-    if not infos:
-        print("no detectors are known")
-        return EXIT_OK
-    print(detectors_table(infos))
     return EXIT_OK
 
 
@@ -111,11 +108,10 @@ def detectors_table(infos: Sequence[detect.DetectorInfo]) -> str:
 
 
 def _print_fit(fit: Fit) -> None:
-    print(f"GKE Pod snapshots on this node: {fit.fit}")
+    print(f"\nGKE Pod snapshots on this node: {fit.fit}")
     width = max(len(c.name) for c in fit.checks)
     for c in fit.checks:
         print(f"  {c.name.ljust(width)}  {c.status:<7}  {c.reason}")
-    print()
 
 
 def cmd_check(args: argparse.Namespace) -> int:
