@@ -67,8 +67,13 @@ class _Drain:
     that waits for them."""
 
     def __init__(self, engine: Lifecycle) -> None:
-        self._cond = threading.Condition()
-        self.in_flight = 0
+        # The per-request path takes no lock: list.append/pop are atomic under the GIL,
+        # and len() of the list is the number in flight. The drain publishes that it
+        # waits before it looks at the count; a request leaving looks at the count before
+        # it looks for a waiter: whichever comes last sees the other.
+        self._active: list[None] = []
+        self._idle = threading.Event()
+        self._waiting = False
         self.timeout = 0.0
         # Before a snapshot phases run in reverse and, within one, higher orders first:
         # APPLICATION with the highest order is the very first hook, so requests drain
@@ -76,27 +81,33 @@ class _Drain:
         engine.builtins.register(self._wait, event="snapshot", phase=Phase.APPLICATION,
                                  order=1_000_000, name="rehydrate.asgi.drain", timeout=None)
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
     def enter(self) -> None:
-        with self._cond:
-            self.in_flight += 1
+        self._active.append(None)
 
     def leave(self) -> None:
-        with self._cond:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._cond.notify_all()
+        self._active.pop()
+        if self._waiting and not self._active:
+            self._idle.set()
 
     def _wait(self) -> None:
         deadline = self.timeout
-        t0 = time.monotonic()
-        with self._cond:
-            if self.in_flight:
-                log.info("snapshot: waiting for %d request(s) in flight", self.in_flight)
-            if not self._cond.wait_for(lambda: self.in_flight == 0, deadline):
+        self._idle.clear()
+        self._waiting = True
+        try:
+            if not self._active:
+                return
+            log.info("snapshot: waiting for %d request(s) in flight", self.in_flight)
+            t0 = time.monotonic()
+            if not self._idle.wait(deadline):
                 raise DrainTimeout(f"{self.in_flight} request(s) still in flight after "
                                    f"{deadline:g}s (drain_timeout)")
-        if time.monotonic() - t0 > 0.01:
             log.info("snapshot: requests drained in %.2fs", time.monotonic() - t0)
+        finally:
+            self._waiting = False
 
 
 class ReadinessGate:
