@@ -91,6 +91,8 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 CLOCK_SKEW = _dt.timedelta(minutes=5)
+DROP_WAIT = 5.0
+"""Seconds the before-snapshot pass waits for a running renewal before dropping anyway."""
 
 
 class CertificateError(ValueError):
@@ -478,6 +480,11 @@ class ManagedCertificate:
         errors: list[str] = []
         with self._renew_lock:
             with self._lock:
+                if self._manager.frozen:  # a renewal that outlived the snapshot pass
+                    material.wipe_key()
+                    raise CertificateError(
+                        f"certificate {self.name!r}: keys were dropped before a snapshot "
+                        "while this renewal ran; its new key is discarded")
                 for ctx in list(self._servers):
                     try:
                         self._load(ctx, material)
@@ -545,12 +552,25 @@ class ManagedCertificate:
         """Before a snapshot: forget the private key (keep the certificate) and replace it
         in every context with a placeholder. Raises when a context kept the real key."""
         self._cancel_pending()
-        with self._renew_lock, self._lock:
-            m = self._material
-            if m is not None and m.private_key is not None:
-                m.wipe_key()
-                self._material = dataclasses.replace(m, private_key=None, key_buffer=None)
-            errors = self._install_placeholders(placeholders)
+        # A renewal stuck in an issuer holds the renew lock: wait for it a little, then
+        # drop the key anyway. apply() refuses material while keys are dropped, so what
+        # that renewal brings back later is discarded, never put into the image.
+        renewing = not self._renew_lock.acquire(timeout=DROP_WAIT)
+        try:
+            with self._lock:
+                m = self._material
+                if m is not None and m.private_key is not None:
+                    m.wipe_key()
+                    self._material = dataclasses.replace(m, private_key=None,
+                                                         key_buffer=None)
+                errors = self._install_placeholders(placeholders)
+        finally:
+            if not renewing:
+                self._renew_lock.release()
+        if renewing:
+            log.warning("tls: certificate %s: a renewal still running after %gs; the key "
+                        "was dropped anyway and that renewal's result will be discarded",
+                        self.name, DROP_WAIT)
         if errors:
             raise CertificateError(f"certificate {self.name!r}: the private key could not be "
                                    "replaced in every context: " + "; ".join(errors))

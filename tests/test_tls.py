@@ -942,3 +942,53 @@ def _csr() -> x509.CertificateSigningRequest:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "api.local")])
     return x509.CertificateSigningRequestBuilder().subject_name(name).sign(key, hashes.SHA256())
+
+
+def test_a_stuck_custom_issuer_does_not_keep_the_key_in_the_snapshot(rehydrate_engine,
+                                                                     monkeypatch):
+    """Any issuer (not only HTTPIssuer) can stall while its renewal holds the renew lock:
+    the before-snapshot pass still drops the key after DROP_WAIT, and what the stalled
+    renewal brings back afterwards is discarded, not served or put into the image."""
+    monkeypatch.setattr(tls, "DROP_WAIT", 0.2, raising=False)
+    ca = CA("Slow CA")
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowIssuer:
+        trust = (ca.cert,)
+        stall = False
+
+        def issue(self, csr):  # type: ignore[no-untyped-def]
+            if self.stall:
+                entered.set()
+                release.wait(30)
+            return ca.sign(csr.public_key()), [ca.cert]
+
+    issuer = SlowIssuer()
+    cert = tls.issued("slow", issuer, common_name="localhost", engine=rehydrate_engine)
+    first = cert.serial
+    issuer.stall = True
+    outcome: list[BaseException | None] = []
+
+    def renew() -> None:
+        try:
+            cert.renew()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=renew, daemon=True)
+    worker.start()
+    assert entered.wait(5)
+    snap: list[object] = []
+    snapper = threading.Thread(target=lambda: snap.append(rehydrate_engine.simulate_snapshot()),
+                               daemon=True)
+    snapper.start()
+    snapper.join(10.0)  # a deadline for the check: the snapshot hook's own timeout is 60 s
+    try:
+        assert not snapper.is_alive(), "the snapshot pass waited for the stuck issuer"
+        assert snap[0].ok and cert.key_dropped  # type: ignore[attr-defined]
+    finally:
+        release.set()
+        worker.join(10.0)
+    assert len(outcome) == 1 and "discarded" in str(outcome[0]), outcome
+    assert cert.key_dropped and cert.material.serial == first
