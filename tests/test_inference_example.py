@@ -1,0 +1,162 @@
+"""The example inference server (``examples/inference_server/app.py``) as a real process,
+without gVisor: the real model, uvicorn, the upstream service, HTTP over loopback, and a
+snapshot/restore announced by the real ``rehydrate notify`` over the control socket.
+
+One server process serves every test (module fixture: the model loads once). The runsc
+version of the restore story is ``tests/gvisor/test_inference_server.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+# Checked without importing it: importing sentence-transformers here would cost seconds.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
+                                reason="the example's dependencies: pip install -e '.[examples]'")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "inference_server"
+START_DEADLINE = 180.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _write_environ(path: Path, env: dict[str, str]) -> None:
+    path.write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+
+
+@dataclass
+class Server:
+    url: str
+    upstream_port: int
+    env: dict[str, str]
+    env_file: Path
+    process: subprocess.Popen[bytes]
+    upstream: subprocess.Popen[bytes] | None
+
+    def start_upstream(self) -> None:
+        self.upstream = subprocess.Popen(
+            [sys.executable, str(EXAMPLE / "upstream.py"), "--port", str(self.upstream_port)],
+            env=self.env)
+        _wait_for(lambda: _answers(f"http://127.0.0.1:{self.upstream_port}/healthz"),
+                  "the upstream")
+
+    def stop_upstream(self) -> None:
+        assert self.upstream is not None
+        self.upstream.terminate()
+        self.upstream.wait(timeout=10)
+        self.upstream = None
+
+    def notify(self, action: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rehydrate", "notify", action],
+                              env=self.env, capture_output=True, text=True, timeout=60,
+                              check=False)
+
+    def embed(self, key: str | None, body: object = None) -> httpx.Response:
+        headers = {"authorization": f"Bearer {key}"} if key is not None else {}
+        return httpx.post(f"{self.url}/v1/embed", json=body or {"texts": ["hello"]},
+                          headers=headers, timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait_for(check: object, what: str, timeout: float = START_DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not come up in {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("inference-example")
+    env_file = tmp / "spec_environ"
+    spec = {"API_KEY": "key-one", "UPSTREAM_TOKEN": "upstream-token"}
+    _write_environ(env_file, spec)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REHYDRATE_")}
+    env.update(spec, REHYDRATE_ENV_FILE=str(env_file), HF_HUB_OFFLINE="1",
+               REHYDRATE_CONTROL_SOCKET=str(tmp / "control.sock"))
+    port, up_port = _free_port(), _free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLE / "app.py"), "--port", str(port),
+         "--upstream", f"http://127.0.0.1:{up_port}"], env=env)
+    srv = Server(f"http://127.0.0.1:{port}", up_port, env, env_file, process, None)
+    try:
+        srv.start_upstream()
+        _wait_for(lambda: process.poll() is None and _answers(f"{srv.url}/readyz"),
+                  "the server")
+        yield srv
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        if srv.upstream is not None:
+            srv.stop_upstream()
+
+
+def test_requests_without_a_valid_key_or_body_get_one_clear_error(server: Server) -> None:
+    assert server.embed(None).status_code == 401
+    wrong = server.embed("not-the-key")
+    assert wrong.status_code == 401 and wrong.json() == {"detail": "invalid API key"}
+    assert server.embed("key-one", {"texts": []}).status_code == 422
+    assert server.embed("key-one", {"text": "x"}).status_code == 422
+    ok = server.embed("key-one")
+    assert ok.status_code == 200
+    body = ok.json()
+    assert len(body["embeddings"][0]) == 384
+    assert ok.headers["x-instance-id"] == body["instance_id"]
+
+
+def test_upstream_outage_is_a_502_and_the_server_recovers(server: Server) -> None:
+    server.stop_upstream()
+    try:
+        down = server.embed("key-one")
+        assert down.status_code == 502
+        assert down.json() == {"detail": "upstream quota service unavailable"}
+        assert _answers(f"{server.url}/healthz")  # still alive
+    finally:
+        server.start_upstream()
+    assert server.embed("key-one").status_code == 200
+
+
+def test_notify_restore_rotates_the_api_key_and_the_instance(server: Server) -> None:
+    before = server.embed("key-one").json()
+    saved = server.notify("save")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    held = httpx.get(f"{server.url}/readyz", timeout=5)
+    assert held.status_code == 503 and held.json()["ready"] is False
+    assert "retry-after" in held.headers
+    _write_environ(server.env_file, {"API_KEY": "key-two", "UPSTREAM_TOKEN": "upstream-token"})
+    restored = server.notify("restore")
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert server.embed("key-one").status_code == 401
+    after = server.embed("key-two")
+    assert after.status_code == 200
+    body = after.json()
+    assert body["generation"] == 1
+    assert body["instance_id"] != before["instance_id"]
+    assert body["public_key"] != before["public_key"]  # a new signing key
+    assert body["embeddings"] == before["embeddings"]
+    report = httpx.get(f"{server.url}/rehydrate/status", timeout=5).json()["last_report"]
+    hooks = {h["name"]: h["outcome"] for h in report["hooks"]}
+    assert hooks["app.warmup-canary"] == "ok" and hooks["rehydrate.connections"] == "ok"
+    assert "key-two" not in restored.stdout + restored.stderr  # names, never values
