@@ -456,6 +456,8 @@ class HookRunner:
         return [r for r in results if r is not None]
 
     def _still_running(self, hook: Hook) -> bool:
+        if not self._hung:  # the usual case: no lock on the per-hook path
+            return False
         with self._cv:
             entry = self._hung.get(hook.fn)
             if entry is not None and not entry[1].is_alive():
