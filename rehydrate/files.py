@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import errno
 import logging
 import mmap as _mmap
 import os
@@ -122,8 +121,8 @@ def _stat_after_restore(path: str) -> _Identity:
     try:
         return _Identity.of(path)
     except FileNotFoundError:
-        raise FileGone(errno.ENOENT, f"managed file {path} is gone after the restore "
-                       "(deleted, moved, or its volume is not mounted)", path) from None
+        raise FileGone(f"managed file {path} is gone after the restore (deleted, moved, or "
+                       "its volume is not mounted)") from None
 
 
 # -- handles ----------------------------------------------------------------------------
@@ -399,9 +398,8 @@ class ManagedMap(_Handle):
         with builtins.open(self.path, mode) as f:
             size = os.fstat(f.fileno()).st_size
             if self.length and size < self.offset + self.length:
-                raise FileGone(errno.ERANGE, f"managed mapping of {self.path}: the file has "
-                               f"{size} bytes, the mapping needs {self.offset + self.length}",
-                               self.path)
+                raise FileGone(f"managed mapping of {self.path}: the file has {size} bytes, "
+                               f"the mapping needs {self.offset + self.length}")
             return _mmap.mmap(f.fileno(), self.length, access=self.access, offset=self.offset)
 
     def _close_now(self) -> None:
@@ -465,8 +463,7 @@ class Volume:
         if ident is not None:
             return ident
         if not os.path.isdir(self.mount_point):
-            raise FileGone(errno.ENOENT, f"volume {self.mount_point} is not a directory",
-                           self.mount_point)
+            raise FileGone(f"volume {self.mount_point} is not a directory")
         token = secrets.token_hex(16)
         tmp = f"{self.identity_file}.{os.getpid()}.tmp"
         try:
@@ -726,15 +723,15 @@ class FilesManager:
             try:
                 h._resume(on_changed)
             except Exception as exc:
-                msg = f"{h.path}: {type(exc).__name__}: {exc}"
+                msg = str(exc) if isinstance(exc, FileGone) else (
+                    f"{h.path}: {type(exc).__name__}: {exc}")
                 if h.required:
                     failures.append(msg)
                 else:
                     log.warning("optional managed %s not reopened after %s: %s", h._kind,
                                 ctx.kind, msg)
         if failures:
-            raise FileGone(errno.ENOENT,
-                           "managed file(s) not reopened: " + "; ".join(failures))
+            raise FileGone("; ".join(failures))
 
     def audit(self) -> list[OpenFile]:
         """Descriptors of this process on volumes, marked managed or not."""

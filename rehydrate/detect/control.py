@@ -59,7 +59,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from ..context import describe_error
+from ..context import Report, describe_error
 from . import Detector
 
 if TYPE_CHECKING:
@@ -518,10 +518,7 @@ class ControlServer:
             out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict()}
             self._last_prepare = prepared if snap.ok else None
             if not snap.ok:
-                # The errors too: the platform's log then says what to fix (e.g. the path
-                # of a deleted file held open on a volume).
-                failed = "; ".join(f"{h.name} ({describe_error(h.error)})" if h.error
-                                   else h.name for h in snap.failed if h.required)
+                failed = _failed_hooks(snap)
                 resume = engine.restore_detected("control", kind="resume", anchor=False)
                 out["resume_report"] = resume.to_dict()
                 out["error"] = (f"before-snapshot hook(s) failed: {failed}; the resume hooks "
@@ -534,7 +531,7 @@ class ControlServer:
             report = engine.restore_detected("control", kind=kind, since=since)
             out = {"ok": report.ok, "report": report.to_dict()}
             if not report.ok:
-                failed = ", ".join(h.name for h in report.failed if h.required)
+                failed = _failed_hooks(report)
                 out["error"] = f"{kind} hook(s) failed: {failed}"
             return out
         if cmd == "simulate":
@@ -623,3 +620,10 @@ class ControlDetector(Detector):
         server, self.server = self.server, None
         if server is not None:
             server.stop()
+
+
+def _failed_hooks(report: Report) -> str:
+    """The failed required hooks with their errors: the platform's log then says what to
+    fix (e.g. the path of a deleted file held open on a volume, or of one gone)."""
+    return "; ".join(f"{h.name} ({describe_error(h.error)})" if h.error else h.name
+                     for h in report.failed if h.required)

@@ -10,7 +10,10 @@ file by rename, rewrites another in place and, through SQLite, adds a row to the
 workload's WAL database and closes its last connection (SQLite deletes ``-wal``/``-shm``).
 Clone 1 restores onto that volume; clone 2 onto another volume with the same file names.
 Each must restore, see every managed file as changed and read it from its first line
-(never from the old offset in the middle of the new file), and see the host's rows.
+(never from the old offset in the middle of the new file), and see the host's rows; the
+shared mapping is remapped onto the new file. Clone 3 restores onto the volume with a
+managed file deleted: the restore itself succeeds (unmanaged, gVisor would fail it naming
+nothing) and ``notify restore`` fails naming the file.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ vol = files.volume("/vol")
 a = files.open("/vol/a.txt")  # replaced by rename on the host
 b = files.open("/vol/b.txt")  # rewritten in place on the host
 first = [a.readline(), b.readline()]
+ring = files.mmap("/vol/ring.bin")  # MAP_SHARED, whole file
+ring[0:6] = b"before"
 db = files.sqlite("/vol/app.db")
 db.execute("PRAGMA journal_mode=WAL")
 with db:
@@ -68,6 +73,7 @@ def report(ctx):
     emit(event="after", kind=ctx.kind, generation=ctx.generation,
          vol_changed=vol.changed, vol_identity=vol.identity,
          a_changed=a.changed, a_line=a.readline(), b_changed=b.changed, b_line=b.readline(),
+         ring_changed=ring.changed, ring=ring[:].decode(),
          db_changed=db.changed, rows=[r[0] for r in db.execute("SELECT who FROM t ORDER BY rowid")])
 
 detectors = rehydrate.start()
@@ -80,6 +86,13 @@ while True:
 
 def _rehydrate(c: Container, *args: str) -> Any:
     return c.exec([REHYDRATE, *args], timeout=60)
+
+
+def _status(c: Container) -> dict[str, Any]:
+    proc = _rehydrate(c, "status", "--json")
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    status: dict[str, Any] = json.loads(proc.stdout)
+    return status
 
 
 def _after(c: Container, kind: str) -> dict[str, Any]:
@@ -95,6 +108,7 @@ def test_managed_volume_files_across_checkpoint_and_restore(
     vol.mkdir()
     (vol / "a.txt").write_text("a1\na2\na3\na4\n")
     (vol / "b.txt").write_text("b1\nb2\nb3\nb4\n")
+    (vol / "ring.bin").write_bytes(b"\0" * 8)
     orig = gvisor.run([sys.executable, "-c", WORKLOAD],
                       env={"REHYDRATE_CONTROL_SOCKET": SOCKET},
                       mounts=[Mount("/vol", vol, readonly=False)], name="vol")
@@ -125,6 +139,7 @@ def test_managed_volume_files_across_checkpoint_and_restore(
     assert saved.returncode == 0, (saved.returncode, saved.stdout, saved.stderr)
     assert json.loads(saved.stdout)["ok"] is True
     assert not (vol / "app.db-wal").exists(), "the WAL was checkpointed and closed"
+    assert (vol / "ring.bin").read_bytes() == b"before\0\0", "the mapping was flushed"
     image = orig.checkpoint()
 
     # -- another volume with the same file names (taken before the host's changes).
@@ -132,6 +147,9 @@ def test_managed_volume_files_across_checkpoint_and_restore(
     shutil.copytree(vol, other)
     (other / IDENTITY_FILE).write_text("another-volume\n")
     (other / "a.txt").write_text("other-a1\nother-a2\n")
+    gone = tmp_path / "gone"  # the same volume with a managed file deleted
+    shutil.copytree(vol, gone)
+    (gone / "a.txt").unlink()
     # -- the host changes the volume while the workload is frozen.
     (vol / "a.new").write_text("A1 new\nA2 new\n")
     (vol / "a.new").replace(vol / "a.txt")
@@ -142,6 +160,8 @@ def test_managed_volume_files_across_checkpoint_and_restore(
         host.execute("INSERT INTO t VALUES ('host')")
     host.close()
     assert not (vol / "app.db-wal").exists(), "the host's last connection removed the WAL"
+    (vol / "ring.new").write_bytes(b"host-ring-12")  # a longer file, renamed over the old
+    (vol / "ring.new").replace(vol / "ring.bin")
 
     clone = gvisor.restore(image, orig, name="same-vol",
                            mounts=[Mount("/vol", vol, readonly=False)])
@@ -150,6 +170,15 @@ def test_managed_volume_files_across_checkpoint_and_restore(
     for c in (clone, swapped):
         notified = _rehydrate(c, "notify", "restore")
         assert notified.returncode == 0, (notified.stdout, notified.stderr)
+    # Unmanaged, gVisor fails such a restore with "no such file or directory" naming
+    # nothing; managed, the restore succeeds and the reopen hook names the file.
+    lost = gvisor.restore(image, orig, name="gone-file",
+                          mounts=[Mount("/vol", gone, readonly=False)])
+    failed = _rehydrate(lost, "notify", "restore")
+    assert failed.returncode == 1, (failed.stdout, failed.stderr)
+    assert ("rehydrate.files.reopen (FileGone: managed file /vol/a.txt is gone after the "
+            "restore") in failed.stderr, failed.stderr
+    assert _status(lost)["state"] == "degraded"
 
     rec = _after(clone, "restore")
     assert rec["vol_changed"] is False and rec["vol_identity"] == identity, rec
@@ -157,6 +186,7 @@ def test_managed_volume_files_across_checkpoint_and_restore(
     assert (rec["b_changed"], rec["b_line"]) == (True, "B1 in place\n"), "in place: from start"
     assert rec["rows"] == ["sandbox", "host"], "the host's row, no -wal/-shm needed"
     assert rec["db_changed"] is True
+    assert (rec["ring_changed"], rec["ring"]) == (True, "host-ring-12"), "remapped, new size"
 
     rec = _after(swapped, "restore")
     assert rec["vol_changed"] is True and rec["vol_identity"] == "another-volume", rec
