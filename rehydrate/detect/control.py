@@ -543,13 +543,13 @@ class ControlServer:
     def _simulate(self, req: Mapping[str, Any]) -> dict[str, Any]:
         event = req.get("event", "restore")
         env = req.get("env")
-        if env is not None and not (
-            isinstance(env, dict)
-            and all(isinstance(k, str) and k and "=" not in k and "\0" not in k
-                    and (v is None or (isinstance(v, str) and "\0" not in v))
-                    for k, v in env.items())
-        ):
-            raise _BadRequest('"env" must map key names to strings or null')
+        if env is not None:
+            from ..env import check_overlay  # the engine's own rule, checked up front
+
+            try:
+                check_overlay(env)
+            except (TypeError, ValueError):
+                raise _BadRequest('"env" must map key names to strings or null') from None
         if event == "snapshot":
             report: Any = self.engine.simulate_snapshot()
         elif event in ("restore", "resume"):
