@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._disable import is_disabled
+from ._files import read_regular
 from .extensions import resolve_engine
 from .hooks import Hook, Phase
 
@@ -71,38 +72,13 @@ class SecretUnavailable(SecretError):
 
 
 def _read_file_into(path: str) -> bytearray:
-    """Read ``path`` straight into a new bytearray (no intermediate ``bytes``)."""
+    """Read ``path`` straight into a new bytearray (no intermediate ``bytes``): a regular
+    file only, opened without blocking (a FIFO would hang the reload), at most
+    :data:`MAX_SECRET_BYTES`."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return read_regular(path, MAX_SECRET_BYTES)
     except OSError as exc:
         raise SecretError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_SECRET_BYTES:
-            raise SecretError(f"secret file {path} is larger than {MAX_SECRET_BYTES} bytes")
-        buf = bytearray(size + 1)  # +1 to notice a file that grew
-        view = memoryview(buf)
-        got = 0
-        try:
-            while got < len(buf):
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    break
-                got += n
-        except OSError as exc:
-            raise SecretError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
-        finally:
-            view.release()
-        if got > size:  # grew while reading: read the rest the slow way
-            with os.fdopen(os.dup(fd), "rb") as fh:
-                rest = bytearray(fh.read())
-            buf[got:] = rest
-            rest[:] = bytes(len(rest))
-        else:
-            del buf[got:]
-        return buf
-    finally:
-        os.close(fd)
 
 
 class Secret:

@@ -229,3 +229,16 @@ def test_a_secret_created_while_a_snapshot_is_pending_loads_only_after_restore(
     assert report.ok, report.table()
     assert not rehydrate_engine.snapshot_pending
     assert late.get() == b"late-secret"
+
+
+def test_a_fifo_or_device_as_secret_file_is_one_clear_error(rehydrate_engine, tmp_path):
+    """Like certificates and markers: a FIFO at the path would block the load for good,
+    /dev/zero would fill the memory; both are one SecretError line."""
+    import os
+
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    for path, why in ((fifo, r"not a regular file \(a FIFO\)"),
+                      ("/dev/zero", r"not a regular file \(a character device\)")):
+        with pytest.raises(SecretError, match=r"cannot read secret file .*: " + why):
+            Secret.from_file(path, engine=rehydrate_engine)
