@@ -311,3 +311,29 @@ def test_gates_on_one_engine_share_one_drain_hook(app: App, rehydrate_engine: An
     names = [h.name for h in report.hooks]
     assert names.count("rehydrate.asgi.drain") == 1
     assert names[0] == "rehydrate.asgi.drain"  # first before-snapshot hook of all
+
+
+def test_fastapi_add_middleware_under_uvicorn(rehydrate_engine: Any) -> None:
+    """The FastAPI recipe: ``app.add_middleware(ReadinessGate, ...)``; lifespan messages
+    pass through Starlette's middleware stack, so detection starts with the server."""
+    from fastapi import FastAPI
+
+    api = FastAPI()
+
+    @api.get("/embed")
+    async def embed() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    detector = RecordingDetector()
+    api.add_middleware(ReadinessGate, engine=rehydrate_engine, detectors=[detector])
+    with serve(api, lifespan="on") as url, httpx.Client(base_url=url) as c:
+        assert detector.started == [rehydrate_engine]
+        assert c.get("/embed").json() == {"ok": "yes"}
+        assert c.get("/readyz").status_code == 200
+        rehydrate_engine.simulate_snapshot()
+        r = c.get("/embed")
+        assert (r.status_code, r.headers["retry-after"]) == (503, "1")
+        assert c.get("/healthz").status_code == 200
+        assert rehydrate_engine.simulate_restore().ok
+        assert c.get("/embed").status_code == 200
+    assert detector.stopped == 1

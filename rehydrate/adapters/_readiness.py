@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..extensions import Probe
-from ._compat import resolve_engine
+from ..extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
-    from .. import Lifecycle, Status
+    from .. import Status
+    from ..extensions import Engine
 
 __all__ = ["not_ready_reason", "probe_import", "reason_of"]
 
 
-def not_ready_reason(engine: Lifecycle | None = None) -> str:
+def not_ready_reason(engine: Engine | None = None) -> str:
     """One line saying why ``engine`` (default: the default engine) is not ready, or ``""``.
 
     What readiness probes and 503 bodies show: the state and, when degraded, which

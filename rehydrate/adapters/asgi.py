@@ -37,7 +37,6 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from .. import Phase
-from ._compat import resolve_engine
 from ._readiness import reason_of
 
 if TYPE_CHECKING:
@@ -149,7 +148,11 @@ class ReadinessGate:
             raise ValueError(f"drain_timeout must be a positive finite number of seconds, "
                              f"not {drain_timeout!r}")
         self.app = app
-        self.engine = resolve_engine(engine)
+        if engine is None:
+            from ..extensions import default_engine
+
+            engine = default_engine()
+        self.engine = engine
         self.retry_after = retry_after
         self.exempt = tuple(exempt)
         self.lifespan = lifespan

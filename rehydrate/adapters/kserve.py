@@ -35,12 +35,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..extensions import Probe
-from ._compat import resolve_engine
+from ..extensions import Probe, resolve_engine
 from ._readiness import probe_import
 
 if TYPE_CHECKING:
-    from .. import Lifecycle
+    from ..extensions import Engine
 
 __all__ = ["install", "probe"]
 
@@ -54,7 +53,7 @@ def probe() -> Probe:
     return probe_import("kserve", "pip install 'rehydrate[kserve]'")
 
 
-def install(model_server: Any, *, engine: Lifecycle | None = None) -> None:
+def install(model_server: Any, *, engine: Engine | None = None) -> None:
     """Gate ``model_server``'s readiness (server and every model) on ``engine``'s.
 
     ``model_server``: a ``kserve.ModelServer``. ``engine``: default, the process's engine.
@@ -101,7 +100,7 @@ def install(model_server: Any, *, engine: Lifecycle | None = None) -> None:
              len(repository.get_models()))
 
 
-def _gate_model(model: Any, engine: Lifecycle) -> None:
+def _gate_model(model: Any, engine: Engine) -> None:
     """Make ``model.healthy()`` say False while ``engine`` is not ready."""
     if getattr(model, _MARK, None) is engine:
         return
