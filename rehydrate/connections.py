@@ -687,18 +687,21 @@ def grpc_channel(
     deadline: float | None = None,
     engine: Engine | None = None,
     replace: bool = False,
+    peers: Iterable[str | tuple[str, int]] = (),
 ) -> Any:
     """A gRPC channel whose underlying ``grpc.Channel`` is replaced after every restore.
 
     ``factory()`` creates a channel (``grpc.insecure_channel(...)`` …). Stubs built on the
     returned object keep working: each call goes to the current channel. The check waits
-    for ``grpc.channel_ready_future``.
+    for ``grpc.channel_ready_future``. The target is hidden in ``factory``: pass
+    ``peers=["host:port"]`` for ``rehydrate doctor --connections`` to mark its sockets.
     """
     from ._grpc import ManagedChannel
 
     managed = ManagedChannel(factory)
     conn = register(name, open=managed.reset, close=managed.close_current,
-                    required=required, deadline=deadline, engine=engine, replace=replace)
+                    required=required, deadline=deadline, engine=engine, replace=replace,
+                    peers=peers)
     if check:
         conn.check_fn = lambda: managed.wait_ready(
             max(0.05, min(5.0, conn.effective_deadline())))

@@ -384,7 +384,9 @@ def test_grpc_channel_helper_keeps_stubs_working(rehydrate_engine):
     try:
         channel = connections.grpc_channel(
             "echo", lambda: grpc.insecure_channel(f"127.0.0.1:{port}"),
-            engine=rehydrate_engine, deadline=5)
+            engine=rehydrate_engine, deadline=5, peers=[f"127.0.0.1:{port}"])
+        assert connections.get("echo", engine=rehydrate_engine).peers == (
+            f"127.0.0.1:{port}",)
         say = channel.unary_unary("/t.Echo/Say")  # what a generated stub does once
         assert say(b"hi", timeout=5) == b"hi"
         first = channel.current()[0]
@@ -394,6 +396,25 @@ def test_grpc_channel_helper_keeps_stubs_working(rehydrate_engine):
         assert say(b"again", timeout=5) == b"again"
     finally:
         server.stop(None)
+
+
+def test_helpers_record_their_peers_for_doctor(rehydrate_engine):
+    import redis
+
+    e = rehydrate_engine
+    clients = [connections.httpx_client("a", base_url="http://127.0.0.1:8080", engine=e),
+               connections.httpx_client("b", base_url="https://api.example", engine=e),
+               connections.httpx_client("c", engine=e)]
+    connections.redis_client("r", redis.Redis(host="cache", port=6380), engine=e)
+    connections.tcp_socket("t", ("127.0.0.1", 9), engine=e)
+    connections.register("own", open=lambda: None, peers=[("::1", 5432), "db:5432"],
+                         engine=e)
+    peers = {c["name"]: c["peers"] for c in e.status().extra["connections"]}
+    assert peers == {"a": ["127.0.0.1:8080"], "b": ["api.example:443"], "c": [],
+                     "r": ["cache:6380"], "t": ["127.0.0.1:9"],
+                     "own": ["[::1]:5432", "db:5432"]}
+    for client in clients:
+        client.close()
 
 
 @pytest.mark.parametrize("family,host", [(socket.AF_INET, "127.0.0.1"),
