@@ -337,3 +337,20 @@ def test_fastapi_add_middleware_under_uvicorn(rehydrate_engine: Any) -> None:
         assert rehydrate_engine.simulate_restore().ok
         assert c.get("/embed").status_code == 200
     assert detector.stopped == 1
+
+
+def test_health_app_serves_probes_for_a_supervisor(rehydrate_engine: Any) -> None:
+    """health_app(): the probes on a port of their own, next to a server that is not a
+    Python ASGI app (vllm serve, SGLang); detection starts with its lifespan."""
+    from rehydrate.adapters.asgi import health_app
+
+    detector = RecordingDetector()
+    with serve(health_app(engine=rehydrate_engine, detectors=[detector]),
+               lifespan="on") as url, httpx.Client(base_url=url) as c:
+        assert detector.started == [rehydrate_engine]
+        assert c.get("/readyz").status_code == 200
+        assert c.get("/v1/completions").status_code == 404
+        rehydrate_engine.simulate_snapshot()
+        r = c.get("/readyz")
+        assert (r.status_code, r.json()["state"]) == (503, "snapshotting")
+        assert c.get("/healthz").status_code == 200

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .. import Lifecycle
     from ..detect import Detector
 
-__all__ = ["ASGIApp", "DrainTimeout", "ReadinessGate"]
+__all__ = ["ASGIApp", "DrainTimeout", "ReadinessGate", "health_app"]
 
 log = logging.getLogger("rehydrate.adapters.asgi")
 
@@ -268,8 +268,9 @@ class ReadinessGate:
         except Exception:
             if received:
                 raise
-            # The application does not speak lifespan (it raised before reading the
-            # first message): serve the protocol for it so detection still starts.
+        if not received:
+            # The application does not speak lifespan (it raised or returned before
+            # reading the first message): serve the protocol for it so detection starts.
             await self._own_lifespan(receive, send)
 
     async def _own_lifespan(self, receive: Receive, send: Send) -> None:
@@ -282,6 +283,25 @@ class ReadinessGate:
                 await self._shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def health_app(*, engine: Lifecycle | None = None, **options: Any) -> ReadinessGate:
+    """A server of its own for ``/healthz``, ``/readyz`` and ``/rehydrate/status`` (404
+    for anything else), for processes whose traffic does not pass through a Python ASGI
+    app — a supervisor next to ``vllm serve`` or an SGLang server::
+
+        uvicorn.run(health_app(), host="0.0.0.0", port=8081)   # readinessProbe: :8081/readyz
+
+    ``options`` as for :class:`ReadinessGate` (its lifespan starts detection)."""
+    return ReadinessGate(_not_found, engine=engine, **options)
+
+
+async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "http":
+        await _respond(send, 404, {"error": "not found"}, [],
+                       head=scope.get("method") == "HEAD")
+    elif scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1000})
 
 
 async def _respond(send: Send, code: int, body: dict[str, Any],
