@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -164,6 +165,11 @@ def test_failures_and_timeouts_set_error_status(otel):
 
     # the abandoned sync hook returns later: its span is not ended twice, nothing breaks
     release.set()
+    # Wait for the abandoned thread to finish: until it has, the hook is not started again.
+    deadline = time.monotonic() + 10
+    while engine.status().extra["hung_hooks"]:
+        assert time.monotonic() < deadline, "the released hook thread never finished"
+        time.sleep(0.01)
     engine.simulate_restore()
     assert len(spans_by_name(exporter)["stuck"]) == 2
 
