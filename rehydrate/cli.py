@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -31,14 +31,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return _doctor_connections(args)
 
     if getattr(args, "files", False):
-        from .files import doctor_report as files_report
-
-        data, text = files_report(args.pid or "self", proc=args.proc)
-        if args.json:
-            _print_json(data)
-        else:
-            print(text)
-        return EXIT_OK
+        return _doctor_files(args)
 
     from .nodefit import assess, facts
 
@@ -57,6 +50,26 @@ def _doctor_connections(args: argparse.Namespace) -> int:
     """``doctor --connections``: by default the process behind the control socket (the
     one a platform would notify), with its managed connections marked."""
     from .connections import doctor_report
+
+    return _doctor_process(args, "--connections", lambda pid, status: doctor_report(
+        pid, None if status is None else list(status.get("connections") or [])))
+
+
+def _doctor_files(args: argparse.Namespace) -> int:
+    """``doctor --files``: by default the process behind the control socket, with the
+    descriptors its ``rehydrate.files`` handles own marked managed."""
+    from .files import doctor_report
+
+    return _doctor_process(args, "--files", lambda pid, status: doctor_report(
+        pid, proc=args.proc, status=None if status is None else status.get("files")))
+
+
+def _doctor_process(
+    args: argparse.Namespace, option: str,
+    report: Callable[[str, dict[str, Any] | None], tuple[dict[str, Any], str]],
+) -> int:
+    """Run ``report(pid, status)`` for ``--pid`` or, by default, the process answering on
+    the control socket; ``status`` is that process's ``status()`` when ``pid`` is it."""
     from .control_client import ControlError, request
 
     reply: dict[str, Any] | None = None
@@ -72,17 +85,17 @@ def _doctor_connections(args: argparse.Namespace) -> int:
     pid = args.pid
     if pid is None:
         if server_pid is None:
-            message = (f"doctor --connections: no rehydrate process answers on the control "
+            message = (f"doctor {option}: no rehydrate process answers on the control "
                        f"socket ({problem}); name one with --pid PID (or --pid self)")
             print(f"rehydrate: {message}", file=sys.stderr)
             if args.json:
                 _print_json({"ok": False, "error": message})
             return EXIT_FAILED
         pid = str(server_pid)
-    managed = None
+    status = None
     if server_pid is not None and str(pid) == str(server_pid) and reply is not None:
-        managed = list((reply.get("status") or {}).get("connections") or [])
-    data, text = doctor_report(pid, managed)
+        status = reply.get("status") or {}
+    data, text = report(str(pid), status)
     if args.json:
         _print_json(data)
     else:
@@ -154,11 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "hold (restored by path with no change check; a deleted one "
                              "makes a gVisor checkpoint fail)")
     doctor.add_argument("--pid", default=None,
-                        help="process to inspect (\"self\": this command). Default: "
-                             "--connections: the process behind the control socket; "
-                             "--files: this command")
+                        help="process to inspect with --connections / --files (\"self\": "
+                             "this command; default: the process behind the control "
+                             "socket)")
     doctor.add_argument("--socket", metavar="PATH",
-                        help="control socket of the process --connections inspects "
+                        help="control socket of the process --connections / --files "
+                             "inspects "
                              "(default: $REHYDRATE_CONTROL_SOCKET, else the only socket in "
                              "the default directory)")
     doctor.add_argument("--proc", default="/proc", help=argparse.SUPPRESS)  # tests: fake /proc

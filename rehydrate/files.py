@@ -42,7 +42,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -735,12 +735,7 @@ class FilesManager:
 
     def audit(self) -> list[OpenFile]:
         """Descriptors of this process on volumes, marked managed or not."""
-        managed: set[str] = set()
-        for h in self.handles():
-            managed.update((h.path, h.path + "-wal", h.path + "-shm", h.path + "-journal"))
-        managed.update(v.identity_file for v in self.volumes())
-        return [OpenFile(f.fd, f.path, f.deleted, f.mount_point, f.fstype, f.path in managed)
-                for f in open_files(proc=self.proc)]
+        return _mark_managed(open_files(proc=self.proc), self.status())
 
     def _audit_hook(self) -> None:
         found = self.audit()
@@ -860,20 +855,38 @@ def audit(*, engine: Engine | None = None) -> list[OpenFile]:
     return manager(engine).audit()
 
 
-def doctor_report(pid: int | str = "self", *, proc: str = "/proc"
-                  ) -> tuple[dict[str, Any], str]:
+def _mark_managed(found: list[OpenFile], status: Mapping[str, Any]) -> list[OpenFile]:
+    """``found`` with ``managed`` set from a files status (``status()["files"]``): a
+    handle's file (and SQLite's ``-wal``/``-shm``/``-journal``) and volume identity files."""
+    managed: set[str] = set()
+    for h in status.get("handles") or ():
+        path = str(h.get("path"))
+        managed.update((path, path + "-wal", path + "-shm", path + "-journal"))
+    for v in status.get("volumes") or ():
+        managed.add(os.path.join(str(v.get("mount_point")), IDENTITY_FILE))
+    return [OpenFile(f.fd, f.path, f.deleted, f.mount_point, f.fstype, f.path in managed)
+            for f in found]
+
+
+def doctor_report(pid: int | str = "self", *, proc: str = "/proc",
+                  status: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], str]:
     """``rehydrate doctor --files``: (JSON data, text) about process ``pid``'s descriptors
-    on volumes (mounts a snapshot does not hold)."""
+    on volumes (mounts a snapshot does not hold); ``status``: that process's
+    ``status()["files"]``, to mark the descriptors its handles manage."""
     found = open_files(pid, proc=proc)
+    if status is not None:
+        found = _mark_managed(found, status)
     data: dict[str, Any] = {"pid": str(pid), "files": [f.to_dict() for f in found]}
     if not found:
         return data, f"process {pid}: no descriptors open on volumes the snapshot does not hold"
     lines = [f"process {pid}: {len(found)} descriptor(s) on volumes the snapshot does not "
              "hold (reopened by path on restore, without any change check, unless managed "
              "with rehydrate.files)",
-             f"  {'FD':>4}  {'MOUNT':<16}  {'FS':<6}  PATH"]
+             f"  {'FD':>4}  {'MOUNT':<16}  {'FS':<6}  {'MANAGED':<7}  PATH"]
     for f in found:
         note = "  DELETED: gVisor cannot checkpoint this" if f.deleted else ""
-        lines.append(f"  {f.fd:>4}  {f.mount_point:<16}  {f.fstype:<6}  {f.path}{note}")
+        managed = "?" if f.managed is None else "yes" if f.managed else "no"
+        lines.append(f"  {f.fd:>4}  {f.mount_point:<16}  {f.fstype:<6}  {managed:<7}  "
+                     f"{f.path}{note}")
     return data, "\n".join(lines)
 

@@ -232,9 +232,9 @@ def test_audit_fails_the_snapshot_on_a_deleted_volume_file(engine, tmp_path: Pat
 def test_doctor_files_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     vol = tmp_path / "vol"
     proc = _fake_proc(tmp_path, vol, {5: f"{vol}/scratch (deleted)"})
-    assert cli_main(["doctor", "--files", "--proc", str(proc)]) == 0
+    assert cli_main(["doctor", "--files", "--pid", "self", "--proc", str(proc)]) == 0
     text = capsys.readouterr().out
     assert f"{vol}/scratch" in text and "DELETED" in text
-    assert cli_main(["doctor", "--files", "--json", "--proc", str(proc)]) == 0
+    assert cli_main(["doctor", "--files", "--pid", "self", "--json", "--proc", str(proc)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["files"][0]["deleted"] is True

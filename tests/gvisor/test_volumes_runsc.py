@@ -127,10 +127,14 @@ def test_managed_volume_files_across_checkpoint_and_restore(
     resumed = _after(orig, "resume")
     assert (resumed["a_changed"], resumed["a_line"], resumed["b_line"]) == (
         False, "a2\n", "b2\n"), "unchanged files reopen at the same position"
-    doctor = _rehydrate(orig, "doctor", "--files", "--pid", "1", "--json")
+    # doctor --files inspects the process behind the control socket by default.
+    doctor = _rehydrate(orig, "doctor", "--files", "--json")
     assert doctor.returncode == 0, doctor.stderr
     listed = {f["path"]: f for f in json.loads(doctor.stdout)["files"]}
-    assert listed["/vol/scratch"]["deleted"] is True, listed
+    assert (listed["/vol/scratch"]["deleted"], listed["/vol/scratch"]["managed"]) == (
+        True, False), listed
+    assert listed["/vol/a.txt"]["managed"] is True and listed["/vol/ring.bin"]["managed"]
+    assert listed["/results/events.jsonl"]["managed"] is False, "unmanaged, on a volume"
     assert orig.status() == "running"
 
     # -- closed again: notify save succeeds, then the real checkpoint.
