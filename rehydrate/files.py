@@ -220,6 +220,21 @@ class _Handle:
         return {"kind": self._kind, "path": self.path, "changed": self.changed,
                 "suspended": self._suspended, "required": self.required}
 
+    # The handle stands for the current file object / connection / mapping.
+    def _target(self) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (__init__ failed): no recursion
+            raise AttributeError(name)
+        return getattr(self._target(), name)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.close()
+
 
 def _reopen_mode(mode: str) -> str:
     """The mode that reopens a file without truncating or refusing it."""
@@ -270,22 +285,14 @@ class ManagedFile(_Handle):
     def fileno(self) -> int:
         return int(self._file.fileno())
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # not set yet (__init__ failed): no recursion
-            raise AttributeError(name)
-        return getattr(self._file, name)
+    def _target(self) -> Any:
+        return self._file
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._file)
 
     def __next__(self) -> Any:
         return next(self._file)
-
-    def __enter__(self) -> ManagedFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<rehydrate.files.ManagedFile {self.path!r} mode={self.mode!r}>"
@@ -347,10 +354,8 @@ class ManagedConnection(_Handle):
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_conn", self._connect())
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # not set yet (__init__ failed): no recursion
-            raise AttributeError(name)
-        return getattr(self._conn, name)
+    def _target(self) -> Any:
+        return self._conn
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._conn, name, value)
@@ -412,10 +417,8 @@ class ManagedMap(_Handle):
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_map", self._map_now())
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # not set yet (__init__ failed): no recursion
-            raise AttributeError(name)
-        return getattr(self._map, name)
+    def _target(self) -> Any:
+        return self._map
 
     def __getitem__(self, key: Any) -> Any:
         return self._map[key]
@@ -425,12 +428,6 @@ class ManagedMap(_Handle):
 
     def __len__(self) -> int:
         return len(self._map)
-
-    def __enter__(self) -> ManagedMap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<rehydrate.files.ManagedMap {self.path!r} length={self.length}>"

@@ -685,14 +685,9 @@ def main_check(path: str, *, as_json: bool = False, root: str = "/", scope: Scop
     try:
         manifest = load_manifest(path)
         if affinity:
-            from .nodefit import node_affinity, to_yaml
+            from .nodefit import node_affinity, render
 
-            aff = {"affinity": node_affinity(manifest)}
-            if as_json:
-                json.dump(aff, sys.stdout, indent=2)
-                sys.stdout.write("\n")
-            else:
-                sys.stdout.write(to_yaml(aff))
+            sys.stdout.write(render({"affinity": node_affinity(manifest)}, as_json=as_json))
             return 0
         environ = _read_workload_env(env_file) if env_file else None
         mismatches = check(manifest, root, scope=scope, environ=environ)
@@ -722,14 +717,10 @@ def main_check(path: str, *, as_json: bool = False, root: str = "/", scope: Scop
 
 def main_labels(*, as_json: bool = False, root: str = "/") -> int:
     """``rehydrate check --labels``: this node's scheduling labels as a Node patch (YAML)."""
-    from .nodefit import node_labels, to_yaml
+    from .nodefit import node_labels, render
 
     patch = {"metadata": {"labels": node_labels(fingerprint(root=root))}}
-    if as_json:
-        json.dump(patch, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(to_yaml(patch))
+    sys.stdout.write(render(patch, as_json=as_json))
     return 0
 
 

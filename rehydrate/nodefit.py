@@ -44,6 +44,7 @@ __all__ = [
     "machine_type",
     "node_affinity",
     "node_labels",
+    "render",
     "to_yaml",
 ]
 
@@ -311,3 +312,10 @@ def to_yaml(data: Any, indent: int = 0) -> str:
             lines.append(f"{pad}- {body.lstrip()}")
         return "".join(lines)
     return pad + json.dumps(data) + "\n"
+
+
+def render(obj: Mapping[str, Any], *, as_json: bool = False) -> str:
+    """A Kubernetes object fragment as YAML (or indented JSON), ending with a newline."""
+    import json
+
+    return json.dumps(obj, indent=2) + "\n" if as_json else to_yaml(obj)

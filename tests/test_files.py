@@ -79,6 +79,9 @@ def test_write_mode_reopens_without_truncating(engine, tmp_path: Path) -> None:
     f.close()
     assert p.read_text() == "before\nafter\n"
     assert f not in files.manager(engine).handles()
+    with files.open(p, "a", engine=engine) as g:  # a context manager closes for good
+        g.write("more\n")
+    assert g.closed and g not in files.manager(engine).handles()
 
 
 def test_gone_file_fails_the_reopen_hook_naming_it(engine, tmp_path: Path) -> None:
