@@ -9,15 +9,15 @@ environment can set it too.
 
 from __future__ import annotations
 
-import os
+from . import _config
 
 __all__ = ["is_disabled"]
 
 
 def is_disabled(*names: str) -> bool:
     """True when any of ``names`` (or ``all``) is listed in ``$REHYDRATE_DISABLE``."""
-    raw = os.environ.get("REHYDRATE_DISABLE", "")
+    raw = _config.items("REHYDRATE_DISABLE")
     if not raw:
         return False
-    listed = {part.strip().lower() for part in raw.split(",") if part.strip()}
+    listed = {part.lower() for part in raw}
     return "all" in listed or any(n in listed for n in names)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _config
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -37,12 +38,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     infos = detect.available()
     fit = assess(facts())
+    settings = _config.effective()
     if args.json:
         _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos],
-                     "platform": fit.to_dict()})
+                     "platform": fit.to_dict(), "configuration": settings})
         return EXIT_OK
     print(detectors_table(infos) if infos else "no detectors are known")
     _print_fit(fit)
+    _print_settings(settings)
     return EXIT_OK
 
 
@@ -125,6 +128,19 @@ def _print_fit(fit: Fit) -> None:
     width = max(len(c.name) for c in fit.checks)
     for c in fit.checks:
         print(f"  {c.name.ljust(width)}  {c.status:<7}  {c.reason}")
+
+
+def _print_settings(settings: list[dict[str, object]]) -> None:
+    """The variables set in the environment with their effective values (a bad value shows
+    the default it fell back to, after the warning line); the rest only counted."""
+    chosen = [s for s in settings if s["source"] == "environment"]
+    print()
+    print(f"configuration: {len(chosen)} REHYDRATE_* variable(s) set, "
+          f"{len(settings) - len(chosen)} at their defaults (docs/configuration.md)")
+    width = max((len(str(s["name"])) for s in chosen), default=0)
+    for s in chosen:
+        bad = f"  (ignored {s['problem']})" if s["problem"] else ""
+        print(f"  {str(s['name']).ljust(width)}  {s['value']}{bad}")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from . import _config
 from .context import RestoreContext
 from .extensions import resolve_engine
 from .hooks import Phase
@@ -69,7 +70,7 @@ __all__ = [
 
 log = logging.getLogger("rehydrate")
 
-DEFAULT_DEADLINE = 30.0
+DEFAULT_DEADLINE: float = _config.default("REHYDRATE_CONNECT_DEADLINE")
 """Seconds a connection may take to reopen after a restore (``REHYDRATE_CONNECT_DEADLINE``)."""
 BACKOFF_BASE = 0.05
 BACKOFF_MAX = 1.0
@@ -125,18 +126,7 @@ def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF
 
 def env_deadline() -> float:
     """``REHYDRATE_CONNECT_DEADLINE`` in seconds, else :data:`DEFAULT_DEADLINE`."""
-    raw = os.environ.get("REHYDRATE_CONNECT_DEADLINE")
-    if not raw:
-        return DEFAULT_DEADLINE
-    try:
-        value = float(raw)
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError
-    except ValueError:
-        log.warning("REHYDRATE_CONNECT_DEADLINE is not a positive number of seconds; "
-                    "using %gs", DEFAULT_DEADLINE)
-        return DEFAULT_DEADLINE
-    return value
+    return _config.number("REHYDRATE_CONNECT_DEADLINE")
 
 
 class Connection:

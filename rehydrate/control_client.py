@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import _config
 from .detect.control import ENV_SOCKET, default_socket_dir
 
 __all__ = ["ControlError", "UntrustedSocket", "add_commands", "find_socket", "notify_main",
@@ -123,7 +124,7 @@ def find_socket(explicit: str | None = None) -> str:
     in the default directory."""
     if explicit:
         return explicit
-    env = os.environ.get(ENV_SOCKET)
+    env = _config.text(ENV_SOCKET)
     if env:
         return env
     directory = default_socket_dir()
@@ -153,7 +154,7 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     the uid ``expect_uid`` / the pid ``expect_pid`` (pins: a server of that uid is then
     trusted even when it is neither this uid nor root).
     """
-    named = bool(socket_path or os.environ.get(ENV_SOCKET))
+    named = bool(socket_path or _config.text(ENV_SOCKET))
     path = find_socket(socket_path)
     payload = json.dumps({"cmd": cmd, **(fields or {}), **more}).encode() + b"\n"
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from . import _config
 from ._contract import Probe
 from ._files import read_regular
 from .context import EnvChanges
@@ -163,7 +164,7 @@ class EnvRefresher:
         """True when the file was named (``path=`` or ``$REHYDRATE_ENV_FILE``), not the
         gVisor default: a named file that is missing is an error, the default is not."""
         if self.path == "auto":
-            return bool(os.environ.get("REHYDRATE_ENV_FILE"))
+            return bool(_config.text("REHYDRATE_ENV_FILE"))
         return self.path is not None
 
     def baseline(self) -> None:
@@ -281,10 +282,10 @@ def _present(path: str) -> bool:
 
 def default_path() -> str:
     """``$REHYDRATE_ENV_FILE``, else ``$REHYDRATE_GVISOR_PROC/spec_environ``."""
-    explicit = os.environ.get("REHYDRATE_ENV_FILE")
+    explicit = _config.text("REHYDRATE_ENV_FILE")
     if explicit:
         return explicit
-    proc = os.environ.get("REHYDRATE_GVISOR_PROC", "/proc/gvisor")
+    proc = _config.text("REHYDRATE_GVISOR_PROC") or "/proc/gvisor"
     return os.path.join(proc, "spec_environ")
 
 

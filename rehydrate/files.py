@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import _config
 from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
@@ -555,8 +556,7 @@ def _unescape(field: str) -> str:
 
 
 def _held_from_env() -> tuple[str, ...]:
-    raw = os.environ.get("REHYDRATE_HELD_MOUNTS", "")
-    return tuple(os.path.abspath(p.strip()) for p in raw.split(",") if p.strip())
+    return tuple(os.path.abspath(p) for p in _config.items("REHYDRATE_HELD_MOUNTS"))
 
 
 def mounts(pid: int | str = "self", *, proc: str = "/proc",

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from . import _config
 from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
@@ -158,11 +159,11 @@ def _kernel_release(root: Path) -> str:
 
 
 def _gvisor(root: Path) -> tuple[bool, str | None]:
-    proc = os.environ.get("REHYDRATE_GVISOR_PROC") if root == Path("/") else None
+    proc = _config.text("REHYDRATE_GVISOR_PROC") if root == Path("/") else None
     marker = Path(proc) if proc else root / "proc/gvisor"
     version = _read(root / "proc/version") or ""
     detected = marker.is_dir() or "Sun Jan 10 15:06:54 PST 2016" in version
-    return detected, (os.environ.get("REHYDRATE_GVISOR_VERSION") or None)
+    return detected, _config.text("REHYDRATE_GVISOR_VERSION")
 
 
 _NVRM = re.compile(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d+(?:\.\d+)+)")
@@ -450,12 +451,7 @@ def most_likely_reason(mismatches: list[Mismatch]) -> tuple[str | None, str]:
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
-
-
-def _env_keys_from_env() -> tuple[str, ...]:
-    raw = os.environ.get("REHYDRATE_FINGERPRINT_ENV", "")
-    return tuple(k.strip() for k in raw.split(",") if k.strip())
+    return bool(_config.flag(name))
 
 
 class FingerprintManager:
@@ -635,9 +631,9 @@ def install(engine: Engine) -> None:
 
 def engine_started(engine: Engine) -> None:
     """Start listener: environment configuration and miss detection."""
-    path = os.environ.get("REHYDRATE_MANIFEST")
+    path = _config.text("REHYDRATE_MANIFEST")
     if path or _env_flag("REHYDRATE_EXPECT_RESTORE"):
-        configure(path=path or None, env_keys=_env_keys_from_env() or None,
+        configure(path=path or None, env_keys=_config.items("REHYDRATE_FINGERPRINT_ENV") or None,
                   strict=_env_flag("REHYDRATE_FINGERPRINT_STRICT") or None, engine=engine)
     if engine not in _managed:
         return

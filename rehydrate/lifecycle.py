@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from . import _config
 from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, load_extension
 from ._runner import HookRunner, LoopThread, Observer, inside_hook
 from .context import (
@@ -688,27 +689,12 @@ def _positive_or_none(value: float, what: str) -> float:
 
 
 def _deadline_from_env() -> float | None:
-    raw = os.environ.get("REHYDRATE_SNAPSHOT_DEADLINE", "").strip().lower()
-    if raw in ("", "0", "off", "none"):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        log.warning("REHYDRATE_SNAPSHOT_DEADLINE must be a positive number of seconds (or "
-                    "off); snapshot deadline off")
-        return None
-    return value
+    return _config.optional_number("REHYDRATE_SNAPSHOT_DEADLINE")
 
 
 def _policy_from_env() -> Policy:
-    value = os.environ.get("REHYDRATE_ENV_POLICY", "update").strip().lower()
-    for policy in POLICIES:
-        if value == policy:
-            return policy
-    log.warning("REHYDRATE_ENV_POLICY must be one of %s; using 'update'", ", ".join(POLICIES))
-    return "update"
+    value = _config.choice("REHYDRATE_ENV_POLICY")
+    return next((p for p in POLICIES if p == value), "update")
 
 
 def _notify_observers(observers: Sequence[Observer], method: str, *args: Any) -> None:

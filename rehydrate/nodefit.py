@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import _config
+
 __all__ = [
     "LABEL_PREFIX",
     "METADATA_TIMEOUT",
@@ -61,7 +63,7 @@ _GVISOR_BUILD = "Sun Jan 10 15:06:54 PST 2016"  # gVisor's fixed /proc/version b
 
 def in_gvisor(root: str = "/") -> bool:
     """True inside a gVisor sandbox (its ``/proc/version``, or a ``/proc/gvisor`` directory)."""
-    proc = os.environ.get("REHYDRATE_GVISOR_PROC") if root == "/" else None
+    proc = _config.text("REHYDRATE_GVISOR_PROC") if root == "/" else None
     marker = proc or os.path.join(root, "proc/gvisor")
     try:
         with open(os.path.join(root, "proc/version"), encoding="ascii", errors="replace") as f:
@@ -167,7 +169,7 @@ def facts(*, metadata: bool = True, nvidia_smi: bool = True, root: str = "/") ->
     mtype = machine_type() if metadata else None
     found = gpus() if nvidia_smi else None
     return NodeFacts(mtype, _series(mtype), None if found is None else tuple(found),
-                     in_gvisor(root), os.environ.get("REHYDRATE_GVISOR_VERSION") or None,
+                     in_gvisor(root), _config.text("REHYDRATE_GVISOR_VERSION"),
                      kube_arch())
 
 

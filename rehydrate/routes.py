@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import _config
 from .context import RestoreContext
 from .extensions import resolve_engine
 from .hooks import Phase
@@ -119,7 +120,7 @@ def has_cap_net_admin() -> bool:
 
 
 def nft_binary() -> str | None:
-    configured = os.environ.get("REHYDRATE_NFT")
+    configured = _config.text("REHYDRATE_NFT")
     if configured is not None:
         return configured if os.access(configured, os.X_OK) else None
     return shutil.which("nft") or next(

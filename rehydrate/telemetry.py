@@ -42,6 +42,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _config
 from ._version import __version__
 from .context import HookResult, Report, RestoreContext
 from .extensions import Probe, resolve_engine
@@ -72,8 +73,7 @@ _OTEL_ENV = ("OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER")
 
 
 def _disabled_by_env() -> bool:
-    return os.environ.get("REHYDRATE_TELEMETRY", "").strip().lower() in (
-        "0", "off", "false", "no", "disabled")
+    return _config.flag("REHYDRATE_TELEMETRY") is False
 
 
 def _otel_in_use() -> bool:

@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from .extensions import resolve_engine
@@ -1082,7 +1083,7 @@ class FileCertificate(ManagedCertificate):
 
 
 def _use_polling() -> bool:
-    forced = os.environ.get("REHYDRATE_WATCH", "").strip().lower()
+    forced = _config.choice("REHYDRATE_WATCH")
     if forced in ("poll", "polling"):
         return True
     if forced in ("inotify", "native"):

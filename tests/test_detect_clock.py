@@ -97,8 +97,8 @@ def test_configuration_from_environment(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="rehydrate"):
         det = ClockJumpDetector()
     assert (det.interval, det.threshold) == (0.5, 2.0)  # the defaults
-    assert "REHYDRATE_CLOCK_THRESHOLD is not a number" in caplog.text
-    assert "REHYDRATE_CLOCK_INTERVAL must be" in caplog.text
+    assert "REHYDRATE_CLOCK_THRESHOLD='soon' is not a finite number" in caplog.text
+    assert "REHYDRATE_CLOCK_INTERVAL='-1' is not a finite number >= 0.001" in caplog.text
 
     monkeypatch.delenv("REHYDRATE_CLOCK_THRESHOLD")
     monkeypatch.delenv("REHYDRATE_CLOCK_INTERVAL")

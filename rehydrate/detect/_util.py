@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
+from .. import _config
 from . import Detector
 
 if TYPE_CHECKING:
@@ -21,51 +21,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rehydrate")
 
-DEFAULT_WINDOW = 2.0
+DEFAULT_WINDOW: float = _config.default("REHYDRATE_SIGNAL_WINDOW")
 """Event-driven detectors (signal, file, vmclock notification) cannot tell when the
 process was frozen; a restore already handled less than this many seconds before their
 notice is taken to be the same restore."""
 
 
-def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
-    """A float from the environment; a bad value keeps ``default`` and logs one line."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        log.warning("%s is not a number; using the default %g", name, default)
-        return default
-    if not math.isfinite(value) or value < minimum:
-        log.warning("%s must be a finite number >= %g; using the default %g",
-                    name, minimum, default)
-        return default
-    return value
-
-
-def env_flag(name: str) -> bool | None:
-    """``True``/``False`` for the usual spellings, ``None`` when unset or unreadable."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    log.warning("%s should be 1 or 0; ignoring it", name)
-    return None
-
-
 def env_kind(name: str) -> Literal["restore", "resume"]:
-    """``restore`` or ``resume`` from the environment (default and fallback: ``restore``)."""
-    text = os.environ.get(name, "restore").strip().lower()
-    if text == "resume":
-        return "resume"
-    if text != "restore":
-        log.warning("%s must be restore or resume; using restore", name)
-    return "restore"
+    """``restore`` or ``resume`` from a declared choice variable (default: ``restore``)."""
+    return "resume" if _config.choice(name) == "resume" else "restore"
 
 
 def positive(value: float, what: str) -> float:

@@ -39,7 +39,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from ._util import DeferringDetector, env_flag, env_float, positive
+from .. import _config
+from ._util import DeferringDetector, positive
 
 if TYPE_CHECKING:
     from ..context import RestoreReport
@@ -48,9 +49,9 @@ __all__ = ["ClockJumpDetector"]
 
 log = logging.getLogger("rehydrate")
 
-DEFAULT_INTERVAL = 0.5
-DEFAULT_THRESHOLD = 2.0
-DEFAULT_GRACE = 1.0
+DEFAULT_INTERVAL: float = _config.default("REHYDRATE_CLOCK_INTERVAL")
+DEFAULT_THRESHOLD: float = _config.default("REHYDRATE_CLOCK_THRESHOLD")
+DEFAULT_GRACE: float = _config.default("REHYDRATE_CLOCK_GRACE")
 BUSY_FRACTION = 0.8
 
 
@@ -73,16 +74,16 @@ class ClockJumpDetector(DeferringDetector):
     ) -> None:
         self.interval = positive(
             interval if interval is not None
-            else env_float("REHYDRATE_CLOCK_INTERVAL", DEFAULT_INTERVAL, minimum=0.001),
+            else _config.number("REHYDRATE_CLOCK_INTERVAL"),
             "interval")
         self.threshold = positive(
             threshold if threshold is not None
-            else env_float("REHYDRATE_CLOCK_THRESHOLD", DEFAULT_THRESHOLD, minimum=0.001),
+            else _config.number("REHYDRATE_CLOCK_THRESHOLD"),
             "threshold")
         self.grace = (grace if grace is not None
-                      else env_float("REHYDRATE_CLOCK_GRACE", DEFAULT_GRACE))
+                      else _config.number("REHYDRATE_CLOCK_GRACE"))
         if busy_check is None:
-            flag = env_flag("REHYDRATE_CLOCK_BUSY_CHECK")
+            flag = _config.flag("REHYDRATE_CLOCK_BUSY_CHECK")
             busy_check = True if flag is None else flag
         self.busy_check = busy_check
         self.clock: Callable[[], float] = clock if clock is not None else time.monotonic

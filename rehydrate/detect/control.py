@@ -59,6 +59,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from .. import _config
 from ..context import Report, describe_error
 from . import Detector
 
@@ -102,7 +103,7 @@ def default_socket_dir() -> str:
 
 def socket_path(pid: int | None = None) -> str:
     """``$REHYDRATE_CONTROL_SOCKET``, else ``<default_socket_dir()>/<pid>.sock``."""
-    explicit = os.environ.get(ENV_SOCKET)
+    explicit = _config.text(ENV_SOCKET)
     if explicit:
         return explicit
     return os.path.join(default_socket_dir(), f"{pid or os.getpid()}.sock")
@@ -600,7 +601,7 @@ class ControlDetector(Detector):
 
     @classmethod
     def auto_here(cls) -> str | None:
-        if os.environ.get(ENV_SOCKET):
+        if _config.text(ENV_SOCKET):
             return None
         where = os.path.join(default_socket_dir(), "<pid>.sock")
         return f"off unless asked for or {ENV_SOCKET} is set (would listen at {where})"

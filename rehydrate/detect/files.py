@@ -29,9 +29,10 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from .. import _config
 from .._files import READ_ONLY_EVENTS, open_regular
 from . import Detector
-from ._util import DEFAULT_WINDOW, env_flag, env_float, env_kind, positive, running_under_gvisor
+from ._util import env_kind, positive, running_under_gvisor
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -40,7 +41,7 @@ __all__ = ["MarkerFileDetector", "marker_state"]
 
 log = logging.getLogger("rehydrate")
 
-DEFAULT_INTERVAL = 0.5
+DEFAULT_INTERVAL: float = _config.default("REHYDRATE_WATCH_INTERVAL")
 _READ_LIMIT = 1 << 20
 
 State = tuple[int, int, int, str] | None
@@ -82,21 +83,20 @@ class MarkerFileDetector(Detector):
         kind: Literal["restore", "resume"] | None = None,
         window: float | None = None,
     ) -> None:
-        raw = os.fspath(path) if path is not None else os.environ.get("REHYDRATE_MARKER_FILE")
+        raw = os.fspath(path) if path is not None else _config.text("REHYDRATE_MARKER_FILE")
         if not raw:
             raise ValueError("no marker file: pass path= or set REHYDRATE_MARKER_FILE")
         self.path = os.path.abspath(raw)
         if polling is None:
-            polling = env_flag("REHYDRATE_WATCH_POLLING")
+            polling = _config.flag("REHYDRATE_WATCH_POLLING")
         self.polling = running_under_gvisor() if polling is None else polling
         self.interval = positive(
             interval if interval is not None
-            else env_float("REHYDRATE_WATCH_INTERVAL", DEFAULT_INTERVAL, minimum=0.001),
+            else _config.number("REHYDRATE_WATCH_INTERVAL"),
             "interval")
         self.kind: Literal["restore", "resume"] = (
             kind if kind is not None else env_kind("REHYDRATE_MARKER_KIND"))
-        self.window = window if window is not None else env_float(
-            "REHYDRATE_MARKER_WINDOW", DEFAULT_WINDOW)
+        self.window = window if window is not None else _config.number("REHYDRATE_MARKER_WINDOW")
         self.changes = 0
         self.checks = 0
         self._state: State = None
@@ -109,7 +109,7 @@ class MarkerFileDetector(Detector):
 
     @classmethod
     def probe(cls) -> str | None:
-        path = os.environ.get("REHYDRATE_MARKER_FILE")
+        path = _config.text("REHYDRATE_MARKER_FILE")
         if not path:
             return ("REHYDRATE_MARKER_FILE is not set (name the file your platform writes "
                     "on restore)")

@@ -50,6 +50,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
+from .. import _config
 from . import Detector
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 ENV_PROC = "REHYDRATE_GVISOR_PROC"
-DEFAULT_PROC = "/proc/gvisor"
+DEFAULT_PROC: str = _config.default(ENV_PROC)
 ANNOTATION = "dev.gvisor.internal.checkpoint.enable=true"
 PATH_ANNOTATION = "dev.gvisor.internal.checkpoint.path=<dir>"
 """On the root container: creates /proc/gvisor/{checkpoint,spec_environ}."""
@@ -103,7 +104,7 @@ class TriggerNotPermitted(GVisorError, PermissionError):
 
 def proc_dir() -> str:
     """``$REHYDRATE_GVISOR_PROC`` or ``/proc/gvisor``."""
-    return os.environ.get(ENV_PROC) or DEFAULT_PROC
+    return _config.text(ENV_PROC) or DEFAULT_PROC
 
 
 def checkpoint_path(proc: str | None = None) -> str:

@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from ._util import DeferringDetector, env_float, positive
+from .. import _config
+from ._util import DeferringDetector, positive
 
 __all__ = ["SOURCES", "IdentityDetector", "read_identity"]
 
 log = logging.getLogger("rehydrate")
 
-DEFAULT_INTERVAL = 2.0
+DEFAULT_INTERVAL: float = _config.default("REHYDRATE_IDENTITY_INTERVAL")
 DEFAULT_GRACE = 1.0
 
 SOURCES: dict[str, str] = {
@@ -75,7 +76,7 @@ class IdentityDetector(DeferringDetector):
     ) -> None:
         self.interval = positive(
             interval if interval is not None
-            else env_float("REHYDRATE_IDENTITY_INTERVAL", DEFAULT_INTERVAL, minimum=0.001),
+            else _config.number("REHYDRATE_IDENTITY_INTERVAL"),
             "interval")
         self.root = root
         self.grace = grace

@@ -32,8 +32,9 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from .. import _config
 from . import Detector
-from ._util import DEFAULT_WINDOW, env_float, env_kind
+from ._util import env_kind
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -63,7 +64,7 @@ def parse_signal(value: str | int | signal.Signals) -> signal.Signals:
 
 
 def _configured_signal() -> signal.Signals:
-    raw = os.environ.get("REHYDRATE_SIGNAL")
+    raw = _config.text("REHYDRATE_SIGNAL")
     if not raw:
         return DEFAULT_SIGNAL
     try:
@@ -95,8 +96,7 @@ class SignalDetector(Detector):
             raise ValueError(f"{self.signum.name} cannot be caught")
         self.kind: Literal["restore", "resume"] = (
             kind if kind is not None else env_kind("REHYDRATE_SIGNAL_KIND"))
-        self.window = window if window is not None else env_float(
-            "REHYDRATE_SIGNAL_WINDOW", DEFAULT_WINDOW)
+        self.window = window if window is not None else _config.number("REHYDRATE_SIGNAL_WINDOW")
         self.received = 0
         self._engine: Engine | None = None
         self._previous: Any = None

@@ -31,8 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from .. import _config
 from . import Detector
-from ._util import DEFAULT_WINDOW, DetectorThread, env_float, positive
+from ._util import DEFAULT_WINDOW, DetectorThread, positive
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -51,8 +52,8 @@ __all__ = [
 
 log = logging.getLogger("rehydrate")
 
-DEFAULT_PATH = "/dev/vmclock0"
-DEFAULT_INTERVAL = 0.5
+DEFAULT_PATH: str = _config.default("REHYDRATE_VMCLOCK_PATH")
+DEFAULT_INTERVAL: float = _config.default("REHYDRATE_VMCLOCK_INTERVAL")
 TICK = 60.0
 """In poll mode, wake this often anyway to refresh the de-duplication reference time."""
 
@@ -97,7 +98,7 @@ class VmClock:
 
 
 def default_path() -> str:
-    return os.environ.get("REHYDRATE_VMCLOCK_PATH") or DEFAULT_PATH
+    return _config.text("REHYDRATE_VMCLOCK_PATH") or DEFAULT_PATH
 
 
 def _parse(data: bytes) -> VmClock:
@@ -146,7 +147,7 @@ class VmClockDetector(Detector):
         self.path = path or default_path()
         self.interval = positive(
             interval if interval is not None
-            else env_float("REHYDRATE_VMCLOCK_INTERVAL", DEFAULT_INTERVAL, minimum=0.001),
+            else _config.number("REHYDRATE_VMCLOCK_INTERVAL"),
             "interval")
         self.mode = "stopped"
         """``poll`` (kernel notifications), ``interval`` (re-reading) or ``stopped``."""

@@ -1,0 +1,221 @@
+"""Configuration by environment: every ``REHYDRATE_*`` variable, declared once, parsed one way.
+
+:data:`VARIABLES` is the table — name, type, default, one-line meaning — that
+``docs/configuration.md`` and ``rehydrate doctor`` show. Code reads a variable only through
+the typed getters here (:func:`text`, :func:`number`, :func:`flag`, :func:`choice`,
+:func:`items`); reading an undeclared name raises ``KeyError`` and ``tests/test_config.py``
+fails on any ``REHYDRATE_*`` name in the code that the table does not declare.
+
+A bad value never stops the process: one warning line names the variable and the value
+(these are settings, not secrets; the value is shortened) and the default is used.
+Variables are read when the component that uses them starts, not at import.
+
+Adding a variable is one line in :data:`VARIABLES` (plus its row in docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
+           "optional_number", "text"]
+
+log = logging.getLogger("rehydrate")
+
+Type = Literal["text", "path", "number", "seconds", "flag", "choice", "list"]
+"""``text``/``path``: the string (empty = unset); ``number``/``seconds``: a finite float
+``>= minimum`` (``off``/``none``/``0`` mean "off" where ``off_ok``); ``flag``: 1/true/yes/on
+or 0/false/no/off; ``choice``: one of ``choices`` (case-insensitive); ``list``:
+comma-separated, blanks dropped."""
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``REHYDRATE_*`` setting."""
+
+    name: str
+    type: Type
+    default: Any
+    meaning: str
+    choices: tuple[str, ...] = ()
+    minimum: float = 0.0
+    """Numbers: the smallest accepted value; ``positive`` additionally excludes it."""
+    positive: bool = False
+    off_ok: bool = False
+    """Numbers: empty, ``0``, ``off`` or ``none`` mean "off" (``None``)."""
+
+
+_V = Variable
+VARIABLES: tuple[Variable, ...] = (
+    # engine
+    _V("REHYDRATE_ENV_POLICY", "choice", "update", "how the new environment file is applied: update, replace or off", choices=("update", "replace", "off")),  # noqa: E501
+    _V("REHYDRATE_ENV_FILE", "path", None, "the environment file read after restore (default: $REHYDRATE_GVISOR_PROC/spec_environ)"),  # noqa: E501
+    _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", None, "run the resume hooks when no restore or resume came this long after the before-snapshot hooks (off by default)", positive=True, off_ok=True),  # noqa: E501
+    _V("REHYDRATE_DISABLE", "list", (), "built-in managers to turn off (entropy, keys, tls, secrets, connections, routes, all)"),  # noqa: E501
+    # detectors
+    _V("REHYDRATE_GVISOR_PROC", "path", "/proc/gvisor", "gVisor's checkpoint/spec_environ directory (tests point it at a stand-in)"),  # noqa: E501
+    _V("REHYDRATE_CONTROL_SOCKET", "path", None, "the control socket path; setting it starts the control detector with start('auto')"),  # noqa: E501
+    _V("REHYDRATE_CLOCK_INTERVAL", "seconds", 0.5, "clock-jump detector: seconds between checks", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_CLOCK_THRESHOLD", "seconds", 2.0, "clock-jump detector: a monotonic step beyond the expected sleep by more than this is a restore", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_CLOCK_GRACE", "seconds", 1.0, "clock-jump detector: how long it lets a more specific detector report first"),  # noqa: E501
+    _V("REHYDRATE_CLOCK_BUSY_CHECK", "flag", None, "clock-jump detector: tell a busy process from a frozen one by CPU time (default: on)"),  # noqa: E501
+    _V("REHYDRATE_IDENTITY_INTERVAL", "seconds", 2.0, "identity detector: seconds between checks", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_VMCLOCK_PATH", "path", "/dev/vmclock0", "vmclock detector: the VMClock device"),
+    _V("REHYDRATE_VMCLOCK_INTERVAL", "seconds", 0.5, "vmclock detector: seconds between reads when the device cannot notify", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_MARKER_FILE", "path", None, "file detector: the file the platform writes on restore"),  # noqa: E501
+    _V("REHYDRATE_MARKER_KIND", "choice", "restore", "file detector: what a marker means, restore or resume", choices=("restore", "resume")),  # noqa: E501
+    _V("REHYDRATE_MARKER_WINDOW", "seconds", 2.0, "file detector: a restore handled this recently is the same restore"),  # noqa: E501
+    _V("REHYDRATE_WATCH_POLLING", "flag", None, "file detector: poll instead of inotify (default: poll under gVisor)"),  # noqa: E501
+    _V("REHYDRATE_WATCH_INTERVAL", "seconds", 0.5, "file detector: seconds between polls", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_SIGNAL", "text", "SIGUSR2", "signal detector: the signal (name or number) that means restore"),  # noqa: E501
+    _V("REHYDRATE_SIGNAL_WINDOW", "seconds", 2.0, "signal detector: a restore handled this recently is the same restore"),  # noqa: E501
+    _V("REHYDRATE_SIGNAL_KIND", "choice", "restore", "signal detector: what the signal means, restore or resume", choices=("restore", "resume")),  # noqa: E501
+    # managers
+    _V("REHYDRATE_CONNECT_DEADLINE", "seconds", 30.0, "connections: default seconds for a managed connection to reopen after restore", positive=True),  # noqa: E501
+    _V("REHYDRATE_NFT", "path", None, "routes: the nft binary (default: nft on PATH)"),
+    _V("REHYDRATE_WATCH", "choice", "auto", "tls: how certificate files are watched: auto, poll or inotify", choices=("auto", "poll", "polling", "inotify", "native")),  # noqa: E501
+    _V("REHYDRATE_HELD_MOUNTS", "list", (), "files: extra mount points the snapshot holds (comma-separated)"),  # noqa: E501
+    _V("REHYDRATE_TELEMETRY", "flag", True, "telemetry: 0/off turns spans and metrics off"),
+    _V("REHYDRATE_MANIFEST", "path", None, "fingerprint: where the snapshot manifest is written and read"),  # noqa: E501
+    _V("REHYDRATE_EXPECT_RESTORE", "flag", False, "fingerprint: this process should have been restored (a cold start is a snapshot miss)"),  # noqa: E501
+    _V("REHYDRATE_FINGERPRINT_ENV", "list", (), "fingerprint: environment keys whose change makes a snapshot incompatible"),  # noqa: E501
+    _V("REHYDRATE_FINGERPRINT_STRICT", "flag", False, "fingerprint: a node mismatch after restore fails readiness"),  # noqa: E501
+    _V("REHYDRATE_GVISOR_VERSION", "text", None, "fingerprint: the node's gVisor version (gVisor does not show it inside the sandbox)"),  # noqa: E501
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "disabled")
+
+
+def _declared(name: str, *types: Type) -> Variable:
+    try:
+        var = _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a declared configuration variable "
+                       "(add it to rehydrate/_config.py VARIABLES)") from None
+    if types and var.type not in types:
+        raise TypeError(f"{name} is declared as {var.type}, not {' or '.join(types)}")
+    return var
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _raw(var: Variable) -> str | None:
+    raw = os.environ.get(var.name)
+    return None if raw is None or not raw.strip() else raw
+
+
+def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 - one per type
+    """``(value, None)``, or ``(default, what was expected)`` for a bad value."""
+    value = raw.strip()
+    if var.type in ("text", "path"):
+        return value, None
+    if var.type == "list":
+        return tuple(part.strip() for part in value.split(",") if part.strip()), None
+    low = value.lower()
+    if var.type == "flag":
+        if low in _TRUE:
+            return True, None
+        if low in _FALSE:
+            return False, None
+        return var.default, "1 or 0"
+    if var.type == "choice":
+        if low in var.choices:
+            return low, None
+        return var.default, "one of " + ", ".join(var.choices)
+    if var.off_ok and low in ("0", "off", "none"):
+        return None, None
+    try:
+        number = float(low)
+    except ValueError:
+        number = math.nan
+    if math.isfinite(number) and (number > var.minimum if var.positive
+                                  else number >= var.minimum):
+        return number, None
+    rule = f"> {var.minimum:g}" if var.positive else f">= {var.minimum:g}"
+    return var.default, f"a finite number {rule}" + (" (or off)" if var.off_ok else "")
+
+
+def _get(name: str, *types: Type) -> Any:
+    var = _declared(name, *types)
+    raw = _raw(var)
+    if raw is None:
+        return var.default
+    value, problem = _parse(var, raw)
+    if problem is not None:
+        shown = raw if len(raw) <= 40 else raw[:37] + "..."
+        log.warning("%s=%r is not %s; using the default (%s)", name, shown, problem,
+                    _show(var.default))
+    return value
+
+
+def text(name: str) -> str | None:
+    """A ``text`` or ``path`` variable: its value, or the default when unset or empty."""
+    value: str | None = _get(name, "text", "path")
+    return value
+
+
+def number(name: str) -> float:
+    """A ``number``/``seconds`` variable with a default (see :func:`optional_number`)."""
+    value = optional_number(name)
+    if value is None:
+        raise TypeError(f"{name} has no default; read it with optional_number()")
+    return value
+
+
+def optional_number(name: str) -> float | None:
+    """A ``number``/``seconds`` variable; ``None`` for "off" (``off_ok``) or no default."""
+    value: float | None = _get(name, "number", "seconds")
+    return value
+
+
+def flag(name: str) -> bool | None:
+    """A ``flag`` variable: True/False for the usual spellings, else the default."""
+    value: bool | None = _get(name, "flag")
+    return value
+
+
+def choice(name: str) -> str:
+    """A ``choice`` variable, lower-cased; the default when unset or not a choice."""
+    value: str = _get(name, "choice")
+    return value
+
+
+def items(name: str) -> tuple[str, ...]:
+    """A ``list`` variable: the comma-separated entries, stripped, blanks dropped."""
+    value: tuple[str, ...] = _get(name, "list")
+    return value
+
+
+def default(name: str) -> Any:
+    """The declared default of ``name`` (modules name their defaults through this)."""
+    return _declared(name).default
+
+
+def effective() -> list[dict[str, Any]]:
+    """Every variable with its effective value, where it came from and, for a bad value,
+    what was expected (``rehydrate doctor``). Logs nothing."""
+    out = []
+    for var in VARIABLES:
+        raw = _raw(var)
+        value, problem = (var.default, None) if raw is None else _parse(var, raw)
+        out.append({"name": var.name, "type": var.type, "value": _show(value),
+                    "default": _show(var.default),
+                    "source": "default" if raw is None else "environment",
+                    "problem": (f"{raw[:40]!r} is not {problem}"
+                                if raw is not None and problem is not None else None),
+                    "meaning": var.meaning})
+    return out

@@ -1,0 +1,192 @@
+"""The configuration table: every REHYDRATE_* variable declared once and parsed one way."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from rehydrate import _config
+from rehydrate.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = re.compile(r"\bREHYDRATE_[A-Z0-9][A-Z0-9_]*\b")
+DECLARED = {v.name for v in _config.VARIABLES}
+
+
+def _sources() -> list[Path]:
+    return sorted((ROOT / "rehydrate").rglob("*.py"))
+
+
+def test_every_variable_named_in_the_code_is_declared():
+    undeclared = {}
+    for path in _sources():
+        for name in set(NAME.findall(path.read_text())) - DECLARED:
+            undeclared.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert undeclared == {}, f"declare these in rehydrate/_config.py VARIABLES: {undeclared}"
+
+
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level ``NAME = "REHYDRATE_..."`` constants (``ENV_PROC``, ``ENV_SOCKET``)."""
+    out = {}
+    for node in tree.body:
+        if (isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out.update({t.id: node.value.value for t in targets if isinstance(t, ast.Name)})
+    return out
+
+
+def _environ_reads(tree: ast.Module) -> list[tuple[int, str]]:
+    """``os.environ.get(X)``, ``os.getenv(X)``, ``os.environ[X]``, ``X in os.environ`` with
+    X a REHYDRATE_* string (literal or module constant)."""
+    consts = _string_constants(tree)
+    found = []
+
+    def name_of(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            value = node.value
+        elif isinstance(node, ast.Name):
+            value = consts.get(node.id, "")
+        else:
+            return None
+        return value if value.startswith("REHYDRATE_") else None
+
+    def is_environ(node: ast.expr) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr in ("environ", "environb")
+
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            f = node.func
+            if (f.attr == "get" and is_environ(f.value)) or f.attr == "getenv":
+                key = name_of(node.args[0])
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            key = name_of(node.slice)
+        elif (isinstance(node, ast.Compare) and len(node.comparators) == 1
+              and is_environ(node.comparators[0])):
+            key = name_of(node.left)
+        if key is not None:
+            found.append((node.lineno, key))
+    return found
+
+
+def test_no_module_reads_a_variable_around_the_table():
+    direct = {}
+    for path in _sources():
+        if path.name == "_config.py":
+            continue
+        reads = _environ_reads(ast.parse(path.read_text()))
+        if reads:
+            direct[str(path.relative_to(ROOT))] = reads
+    assert direct == {}, f"read these through rehydrate._config: {direct}"
+
+
+def test_the_read_check_sees_the_usual_spellings():
+    tree = ast.parse('ENV = "REHYDRATE_X"\nos.environ.get(ENV)\nos.getenv("REHYDRATE_Y")\n'
+                     'os.environ["REHYDRATE_Z"]\n"REHYDRATE_W" in os.environ\n'
+                     'os.environ.get("HOME")\n')
+    assert [k for _, k in _environ_reads(tree)] == ["REHYDRATE_X", "REHYDRATE_Y",
+                                                    "REHYDRATE_Z", "REHYDRATE_W"]
+
+
+def test_the_docs_list_every_variable_and_no_other():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    rows = set(re.findall(r"^\| `(REHYDRATE_[A-Z0-9_]+)` \|", page, re.M))
+    assert rows == DECLARED
+
+
+def test_table_entries_are_complete_and_unique():
+    names = [v.name for v in _config.VARIABLES]
+    assert len(names) == len(set(names))
+    for v in _config.VARIABLES:
+        assert v.meaning and v.meaning[0].islower(), v.name
+        if v.type == "choice":
+            assert v.default in v.choices, v.name
+
+
+def test_undeclared_names_and_wrong_getters_fail_loudly():
+    with pytest.raises(KeyError, match="REHYDRATE_NOPE is not a declared configuration"):
+        _config.text("REHYDRATE_NOPE")
+    with pytest.raises(TypeError, match="declared as seconds"):
+        _config.flag("REHYDRATE_CLOCK_INTERVAL")
+
+
+@pytest.mark.parametrize(("name", "raw", "value"), [
+    ("REHYDRATE_CLOCK_INTERVAL", "0.25", 0.25),
+    ("REHYDRATE_CLOCK_INTERVAL", " 3 ", 3.0),
+    ("REHYDRATE_CLOCK_INTERVAL", "", 0.5),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "off", None),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "0", None),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "12.5", 12.5),
+    ("REHYDRATE_CONNECT_DEADLINE", "2", 2.0),
+    ("REHYDRATE_TELEMETRY", "off", False),
+    ("REHYDRATE_TELEMETRY", "YES", True),
+    ("REHYDRATE_ENV_POLICY", " Replace ", "replace"),
+    ("REHYDRATE_DISABLE", "keys, ,TLS", ("keys", "TLS")),
+    ("REHYDRATE_MANIFEST", "/v/m.json", "/v/m.json"),
+])
+def test_good_values(monkeypatch, caplog, name, raw, value):
+    monkeypatch.setenv(name, raw)
+    var = next(v for v in _config.VARIABLES if v.name == name)
+    getter = {"seconds": _config.optional_number, "flag": _config.flag,
+              "choice": _config.choice, "list": _config.items, "path": _config.text}[var.type]
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert getter(name) == value
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize(("name", "raw", "expected"), [
+    ("REHYDRATE_CLOCK_INTERVAL", "soon", "a finite number >= 0.001"),
+    ("REHYDRATE_CLOCK_INTERVAL", "0", "a finite number >= 0.001"),
+    ("REHYDRATE_CLOCK_INTERVAL", "inf", "a finite number >= 0.001"),
+    ("REHYDRATE_CONNECT_DEADLINE", "0", "a finite number > 0"),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "-5", "a finite number > 0 (or off)"),
+    ("REHYDRATE_TELEMETRY", "maybe", "1 or 0"),
+    ("REHYDRATE_ENV_POLICY", "merge", "one of update, replace, off"),
+])
+def test_a_bad_value_is_one_warning_naming_variable_and_value_and_the_default_is_used(
+        monkeypatch, caplog, name, raw, expected):
+    monkeypatch.setenv(name, raw)
+    var = next(v for v in _config.VARIABLES if v.name == name)
+    getter = {"seconds": _config.optional_number, "flag": _config.flag,
+              "choice": _config.choice}[var.type]
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert getter(name) == var.default
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{name}={raw!r} is not {expected}; using the default ({_config._show(var.default)})"]
+
+
+def test_a_long_bad_value_is_shortened(monkeypatch, caplog):
+    monkeypatch.setenv("REHYDRATE_ENV_POLICY", "x" * 500)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert _config.choice("REHYDRATE_ENV_POLICY") == "update"
+    assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < 200
+
+
+def test_doctor_shows_the_effective_settings(monkeypatch, capsys):
+    for v in _config.VARIABLES:
+        monkeypatch.delenv(v.name, raising=False)
+    monkeypatch.setenv("REHYDRATE_CLOCK_THRESHOLD", "4")
+    monkeypatch.setenv("REHYDRATE_CLOCK_INTERVAL", "soon")
+    assert main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by_name = {s["name"]: s for s in data["configuration"]}
+    assert set(by_name) == DECLARED
+    assert by_name["REHYDRATE_CLOCK_THRESHOLD"]["value"] == "4"
+    assert by_name["REHYDRATE_CLOCK_THRESHOLD"]["source"] == "environment"
+    assert by_name["REHYDRATE_CLOCK_INTERVAL"]["value"] == "0.5"
+    assert "'soon' is not a finite number" in by_name["REHYDRATE_CLOCK_INTERVAL"]["problem"]
+    assert by_name["REHYDRATE_ENV_POLICY"] == {
+        **by_name["REHYDRATE_ENV_POLICY"], "value": "update", "source": "default",
+        "problem": None}
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "configuration: 2 REHYDRATE_* variable(s) set" in out
+    assert re.search(r"REHYDRATE_CLOCK_THRESHOLD\s+4\n", out)
+    assert "REHYDRATE_CLOCK_INTERVAL   0.5  (ignored 'soon' is not a finite number" in out
