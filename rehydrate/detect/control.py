@@ -597,7 +597,7 @@ class ControlDetector(Detector):
 
     @classmethod
     def configured(cls) -> bool:
-        return bool(os.environ.get(ENV_SOCKET))
+        return bool(_config.text(ENV_SOCKET))
 
     @classmethod
     def auto_here(cls) -> str | None:
