@@ -963,10 +963,12 @@ def test_deeply_nested_json_is_one_log_line_not_a_traceback(
 # -- idle connections and floods (issue #13.9) --------------------------------------------
 
 
-def test_a_notify_gets_through_a_flood_of_idle_clients(server: ControlServer, engine: Lifecycle,
-                                                       sock_path: str) -> None:
+def test_a_notify_gets_through_a_flood_of_idle_clients(
+        server: ControlServer, engine: Lifecycle, sock_path: str,
+        caplog: pytest.LogCaptureFixture) -> None:
     """300 same-uid clients connect and say nothing: they used to take every slot (and
     overflow a backlog of 16: EAGAIN), so notify was answered "busy" for minutes."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
     calls = Calls(engine)
     flood: list[socket.socket] = []
     refused = 0
@@ -985,6 +987,9 @@ def test_a_notify_gets_through_a_flood_of_idle_clients(server: ControlServer, en
         r = cli("notify", "resume", "--socket", sock_path)
         assert r.returncode == 0, (r.stdout, r.stderr)
         assert [c[0] for c in calls.items] == ["snapshot-hook", "restore-hook"]
+        assert server.evicted >= 300 - 32
+        evictions = [r for r in caplog.records if "idlest" in r.getMessage()]
+        assert len(evictions) == 1  # one line for the whole flood
     finally:
         for s in flood:
             s.close()

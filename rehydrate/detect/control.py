@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import select
@@ -240,6 +241,9 @@ class ControlServer:
         """A successful prepare-snapshot not yet followed by a restore/resume notice."""
         self.served = 0
         self.refused = 0
+        self.evicted = 0
+        """Idle connections closed to make room for a new client."""
+        self._evict_logged = -math.inf
 
     # -- setup -----------------------------------------------------------------------
 
@@ -360,8 +364,12 @@ class ControlServer:
             return False
         _, _, victim = min(idle)
         del self._conns[victim]
-        log.warning("control socket: %d clients; closing the idlest connection to serve a "
-                    "new one", MAX_CLIENTS)
+        self.evicted += 1
+        now = time.monotonic()
+        if now - self._evict_logged >= 10.0:  # a flood is one line per 10 s, not per client
+            self._evict_logged = now
+            log.warning("control socket: %d clients; closing the idlest connections to serve "
+                        "new ones (%d so far)", MAX_CLIENTS, self.evicted)
         with contextlib.suppress(OSError):
             victim.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and closes it
         return True
@@ -576,7 +584,8 @@ class ControlServer:
                 **({"error": "the checkpoint failed"} if answer == "error" else {})}
 
     def info(self) -> dict[str, Any]:
-        return {"socket": self.path, "served": self.served, "refused": self.refused}
+        return {"socket": self.path, "served": self.served, "refused": self.refused,
+                "evicted": self.evicted}
 
 
 class ControlDetector(Detector):
