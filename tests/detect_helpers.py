@@ -88,3 +88,36 @@ class Child:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+def in_forked_child(fn: Callable[[], dict[str, Any]], deadline: float = 10.0
+                    ) -> dict[str, Any]:
+    """Fork; run ``fn`` in the child and return the JSON-able dict it returned.
+
+    The child dies by ``SIGALRM`` after ``deadline`` seconds instead of hanging the test;
+    an exception in it fails the test with its repr. (A fork needs no interpreter the
+    child may execute — tests that drop to uid 65534 rely on that.)
+    """
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            signal.alarm(max(1, int(deadline)))
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(w, json.dumps({"error": repr(exc)}).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, (os.waitstatus_to_exitcode(status), data)
+    result: dict[str, Any] = json.loads(data)
+    return result
+

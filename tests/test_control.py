@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from detect_helpers import wait_for
+from detect_helpers import in_forked_child, wait_for
 
 from rehydrate import Lifecycle, Registry, detect
 from rehydrate.control_client import ControlError, UntrustedSocket, request
@@ -433,47 +433,28 @@ def root_required() -> None:
 
 
 def _client_as_nobody(path: str) -> dict:  # type: ignore[type-arg]
-    """Fork a child that drops to uid/gid 65534, connects, asks for status.
+    """Fork a child that drops to uid/gid 65534, connects, asks for status."""
 
-    (A subprocess would need an interpreter uid 65534 may execute; a fork needs none.)
-    """
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: only async-signal-safe-ish work, then _exit
-        code = 1
+    def client() -> dict:  # type: ignore[type-arg]
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
         try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(5)
-            try:
-                s.connect(path)
-            except OSError as exc:
-                out = {"connect_error": exc.errno}
-            else:
-                s.sendall(b'{"cmd": "status"}\n')
-                data = b""
-                while b"\n" not in data:
-                    chunk = s.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
-                out = {"reply": data.decode(), "closed": s.recv(4096) == b"",
-                       "uid": os.getuid()}
-            os.write(w, json.dumps(out).encode())
-            code = 0
-        except BaseException as exc:  # noqa: BLE001
-            os.write(w, repr(exc).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, data
-    return json.loads(data)  # type: ignore[no-any-return]
+            s.connect(path)
+        except OSError as exc:
+            return {"connect_error": exc.errno}
+        s.sendall(b'{"cmd": "status"}\n')
+        data = b""
+        while b"\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        return {"reply": data.decode(), "closed": s.recv(4096) == b"", "uid": os.getuid()}
+
+    return in_forked_child(client)
 
 
 @pytest.mark.root

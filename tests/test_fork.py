@@ -3,14 +3,14 @@ never touches the parent's resources; a child forked while a hook runs is not we
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from detect_helpers import in_forked_child
 
 from rehydrate import Lifecycle, Registry
 from rehydrate.control_client import request
@@ -32,32 +32,6 @@ def sock_path() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def in_child(fn: Callable[[], dict]) -> dict:  # type: ignore[type-arg]
-    """Fork; run ``fn`` in the child (it must finish within DEADLINE: an alarm kills it);
-    return what it returned."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            import signal
-
-            signal.alarm(int(DEADLINE))  # a wedged child dies instead of hanging the test
-            os.write(w, json.dumps(fn()).encode())
-            code = 0
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            os.write(w, json.dumps({"error": repr(exc)}).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, (os.waitstatus_to_exitcode(status), data)
-    return json.loads(data)  # type: ignore[no-any-return]
-
-
 def test_child_has_a_stopped_engine_and_leaves_the_parents_socket_alone(
         engine: Lifecycle, sock_path: str) -> None:
     calls: list[int] = []
@@ -71,7 +45,7 @@ def test_child_has_a_stopped_engine_and_leaves_the_parents_socket_alone(
         report = Lifecycle(Registry(), env=EnvRefresher(path=None)).simulate_restore()
         return {"detectors": listed, "pid": os.getpid(), "ok": report.ok}
 
-    out = in_child(child)
+    out = in_forked_child(child, DEADLINE)
     assert out["detectors"] == [] and out["ok"]
     assert os.path.exists(sock_path)
     reply = request("status", socket_path=sock_path, timeout=DEADLINE)
@@ -101,7 +75,7 @@ def test_a_child_forked_while_a_hook_runs_is_not_wedged(engine: Lifecycle) -> No
             return {"state_after_fork": state, "ok": report.ok,
                     "ran_here": runs.count(os.getpid()), "ready": engine.is_ready()}
 
-        out = in_child(child)
+        out = in_forked_child(child, DEADLINE)
     finally:
         release.set()
         parent_run.join(DEADLINE)
