@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from agones_sidecar import AgonesSidecar
+from detect_helpers import wait_for
 
 from rehydrate.adapters.agones import AgonesAdapter, AgonesError
 
@@ -37,14 +38,6 @@ def adapter(sidecar, rehydrate_engine) -> Iterator[AgonesAdapter]:
         yield a
     finally:
         a.close()
-
-
-def _wait(cond, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_sdk_calls_hit_the_documented_endpoints(sidecar, adapter):
@@ -87,7 +80,7 @@ def test_health_pings_every_interval_and_watch_follows(sidecar, adapter):
     adapter.on_change(lambda gs: seen.append(gs["status"]["state"]))
     sidecar.wait_for("GET", "/watch/gameserver")
     sidecar.set_state("Allocated")
-    _wait(lambda: "Allocated" in seen, what="the watch stream to deliver Allocated")
+    wait_for(lambda: "Allocated" in seen, what="the watch stream to deliver Allocated")
     assert adapter.known_gameserver["status"]["state"] == "Allocated"
     assert rehydrate_status(adapter)["state"] == "Allocated"
 
@@ -186,18 +179,18 @@ def test_sidecar_down_at_first_is_waited_for(rehydrate_engine, caplog):
         a = _adapter(sc, rehydrate_engine, deadline=30.0, request_timeout=0.5)
         a.install()  # health loop fails (connection refused) and retries
         try:
-            _wait(warnings, what="a failed health ping")
+            wait_for(warnings, what="a failed health ping")
             result = {}
             restore = threading.Thread(
                 target=lambda: result.update(report=rehydrate_engine.simulate_restore()))
             restore.start()
-            _wait(lambda: a.status()["reason"].startswith("restoring"),
+            wait_for(lambda: a.status()["reason"].startswith("restoring"),
                   what="the restore to wait for the sidecar")
             assert not rehydrate_engine.is_ready()
             sc.up()
             restore.join(30)
             assert result["report"].ok, result["report"].table()
-            _wait(lambda: a.health_acks >= 1, what="an acknowledged health ping")
+            wait_for(lambda: a.health_acks >= 1, what="an acknowledged health ping")
         finally:
             a.close()
     assert len(warnings()) == 1, [r.getMessage() for r in caplog.records]
@@ -216,7 +209,7 @@ def test_health_500s_are_retried_never_a_hook_failure(sidecar, rehydrate_engine)
         errors = [r for r in sidecar.calls("POST", "/health") if r.status == 500]
         assert len(errors) == 3
         assert ok[0].mono - errors[0].mono < 1.0
-        _wait(lambda: a.health_acks >= 1, what="the adapter to see the acknowledgement")
+        wait_for(lambda: a.health_acks >= 1, what="the adapter to see the acknowledgement")
     finally:
         a.close()
 

@@ -229,8 +229,9 @@ class AgonesAdapter:
     async def _drop_client(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception):  # the peer may be gone: nothing to flush
-                await client.aclose()
+            # The peer may be gone or hung: nothing to flush, never wait on it for long.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.aclose(), 1.0)
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                        timeout: float | None = None) -> dict[str, Any]:
