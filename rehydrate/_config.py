@@ -58,7 +58,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_DISABLE", "list", (), "built-in managers to turn off (entropy, keys, tls, secrets, connections, routes, all)"),  # noqa: E501
     # detectors
     _V("REHYDRATE_GVISOR_PROC", "path", "/proc/gvisor", "gVisor's checkpoint/spec_environ directory (tests point it at a stand-in)"),  # noqa: E501
-    _V("REHYDRATE_CONTROL_SOCKET", "path", None, "the control socket path; setting it starts the control detector with start('auto')"),  # noqa: E501
+    _V("REHYDRATE_CONTROL_SOCKET", "path", None, "the control socket path; setting it starts the control detector with start('auto'), which fails loudly for a directory or path another user controls"),  # noqa: E501
     _V("REHYDRATE_CLOCK_INTERVAL", "seconds", 0.5, "clock-jump detector: seconds between checks", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_CLOCK_THRESHOLD", "seconds", 2.0, "clock-jump detector: a monotonic step beyond the expected sleep by more than this is a restore", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_CLOCK_GRACE", "seconds", 1.0, "clock-jump detector: how long it lets a more specific detector report first"),  # noqa: E501
