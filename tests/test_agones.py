@@ -319,3 +319,18 @@ def test_adapter_is_an_extension(sidecar, rehydrate_environ):
     finally:
         a.close()
         engine.close()
+
+
+def test_blocking_call_from_a_listener_is_refused_not_a_deadlock(sidecar, adapter):
+    errors: list[BaseException] = []
+
+    def listener(gs):
+        try:
+            adapter.set_label("from", "listener")
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    adapter.on_change(listener)
+    adapter.gameserver()  # a fetch delivers the GameServer to the listeners
+    assert errors and "a-prefixed twin" in str(errors[0])
+    assert adapter.gameserver()["object_meta"]["labels"] == {}

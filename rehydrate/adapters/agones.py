@@ -202,6 +202,11 @@ class AgonesAdapter:
         return asyncio.run_coroutine_threadsafe(coro, loop)
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking AgonesAdapter call from the adapter's own thread "
+                               "(an on_change listener) would wait for ever: use the "
+                               "a-prefixed twin with asyncio.ensure_future")
         fut = self._submit(coro)
         try:
             return fut.result(timeout)
