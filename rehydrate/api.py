@@ -67,6 +67,7 @@ def status() -> Status:
 
 
 def is_ready() -> bool:
+    """True while the process may take work: never between a restore and its hooks' end."""
     return _engine().is_ready()
 
 
@@ -109,3 +110,10 @@ def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore
     from .trigger import trigger_snapshot as trigger
 
     return trigger(_engine(), timeout=timeout)
+
+
+# Users call these as ``rehydrate.start()`` & co.: reprs and the API reference say so.
+for _public in (start, stop, status, is_ready, wait_ready, simulate_restore, simulate_snapshot,
+                trigger_snapshot):
+    _public.__module__ = "rehydrate"
+del _public

@@ -514,14 +514,17 @@ def register(
 
 
 def unregister(name: str, *, engine: Engine | None = None) -> bool:
+    """Stop managing the connection ``name``; False when there was none."""
     return manager(engine).unregister(name)
 
 
 def get(name: str, *, engine: Engine | None = None) -> Connection | None:
+    """The managed connection registered as ``name``, or ``None``."""
     return manager(engine).get(name)
 
 
 def connections(*, engine: Engine | None = None) -> list[Connection]:
+    """Every managed connection of ``engine``."""
     return manager(engine).all()
 
 

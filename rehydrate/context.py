@@ -239,3 +239,10 @@ class RestoreReport(Report):
 @dataclass(frozen=True)
 class SnapshotReport(Report):
     """Report of the before-snapshot run."""
+
+
+# Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.
+for _public in (EnvChanges, HookFailed, HookResult, HookStillRunning, HookTimeout, Report,
+                RestoreContext, RestoreReport, SnapshotReport):
+    _public.__module__ = "rehydrate"
+del _public

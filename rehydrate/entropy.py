@@ -299,6 +299,7 @@ def register(obj: object, *, engine: Engine | None = None) -> object:
 
 
 def unregister(obj: object, *, engine: Engine | None = None) -> None:
+    """Stop reseeding ``obj``."""
     manager(engine).unregister(obj)
 
 

@@ -369,3 +369,9 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<rehydrate.Registry hooks={len(self)}>"
+
+
+# Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.
+for _public in (Hook, Phase, Registry):
+    _public.__module__ = "rehydrate"
+del _public

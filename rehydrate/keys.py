@@ -572,4 +572,5 @@ def ephemeral(name: str, algorithm: str = "ed25519", *,
 
 
 def get(name: str, *, engine: Engine | None = None) -> EphemeralKey | None:
+    """The ephemeral key registered as ``name``, or ``None``."""
     return manager(engine).get(name)

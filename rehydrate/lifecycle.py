@@ -738,3 +738,9 @@ def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFai
     return ok, error
 
 
+
+
+# Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.
+for _public in (Lifecycle, Status):
+    _public.__module__ = "rehydrate"
+del _public

@@ -1307,6 +1307,7 @@ def _summary(result: ApplyResult) -> str:
 # --------------------------------------------------------------------------------------
 
 def manager(engine: Engine | None = None) -> RoutesManager:
+    """The routes manager of ``engine`` (default: the process-wide engine)."""
     return resolve_engine(engine).extension("routes", RoutesManager)
 
 

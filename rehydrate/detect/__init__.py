@@ -93,6 +93,8 @@ class DetectorInfo:
 
 
 def load(name: str) -> type[Detector]:
+    """The detector class for catalogue key ``name`` (imported now); ``ValueError`` names
+    the known keys for an unknown one."""
     try:
         target = CATALOGUE[name]
     except KeyError:
