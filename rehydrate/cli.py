@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _config
 from ._version import __version__
@@ -144,20 +144,74 @@ def _print_settings(settings: list[dict[str, object]]) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .fingerprint import main_check, main_labels
-
     if args.labels:
         if args.manifest or args.affinity or args.node or args.env_from:
             print("rehydrate check: --labels describes this node; it takes no manifest "
                   "or other option", file=sys.stderr)
             return EXIT_USAGE
-        return main_labels(as_json=args.json, root=args.root)
+        return print_node_labels(as_json=args.json, root=args.root)
     if not args.manifest:
         print("rehydrate check: a MANIFEST is needed (or --labels)", file=sys.stderr)
         return EXIT_USAGE
-    return main_check(args.manifest, as_json=args.json, root=args.root,
-                      scope="node" if args.node else "all", env_file=args.env_from,
-                      affinity=args.affinity)
+    return check_manifest(args.manifest, as_json=args.json, root=args.root,
+                          scope="node" if args.node else "all", env_file=args.env_from,
+                          affinity=args.affinity)
+
+
+def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
+                   scope: Literal["all", "node"] = "all", env_file: str | None = None,
+                   affinity: bool = False) -> int:
+    """``rehydrate check MANIFEST``: 0 compatible, 1 mismatches (listed), 2 unreadable or
+    invalid manifest (one line on stderr, or ``{"compatible": false, "error": …}`` with
+    ``as_json``).
+
+    ``scope="node"`` compares only what a node-level checker shares with the workload;
+    ``env_file`` supplies the workload's environment for ``env.*``; ``affinity`` prints
+    the ``nodeAffinity`` for Pods restoring this manifest (YAML) instead of checking.
+    """
+    from . import fingerprint
+
+    try:
+        manifest = fingerprint.load_manifest(path)
+        if affinity:
+            from .nodefit import node_affinity, render
+
+            sys.stdout.write(render({"affinity": node_affinity(manifest)}, as_json=as_json))
+            return 0
+        environ = fingerprint._read_workload_env(env_file) if env_file else None
+        mismatches = fingerprint.check(manifest, root, scope=scope, environ=environ)
+    except (TypeError, ValueError) as exc:  # ManifestError is a ValueError
+        msg = str(exc) if isinstance(exc, fingerprint.ManifestError) else (
+            f"cannot compare manifest {path}: {type(exc).__name__}: {exc}")
+        msg = " ".join(msg.split())  # one line
+        if as_json:
+            json.dump({"compatible": False, "error": msg, "mismatches": []}, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            print(f"rehydrate check: {msg}", file=sys.stderr)
+        return 2
+    what = " (node-level fields)" if scope == "node" else ""
+    if as_json:
+        json.dump({"compatible": not mismatches, "scope": scope,
+                   "mismatches": [m.to_dict() for m in mismatches]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif mismatches:
+        print(f"incompatible: {len(mismatches)} mismatch(es) with {path}{what}")
+        for m in mismatches:
+            print(f"  {m.describe()}")
+    else:
+        print(f"compatible with {path}{what}")
+    return 1 if mismatches else 0
+
+
+def print_node_labels(*, as_json: bool = False, root: str = "/") -> int:
+    """``rehydrate check --labels``: this node's scheduling labels as a Node patch (YAML)."""
+    from . import fingerprint
+    from .nodefit import node_labels, render
+
+    patch = {"metadata": {"labels": node_labels(fingerprint.fingerprint(root=root))}}
+    sys.stdout.write(render(patch, as_json=as_json))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

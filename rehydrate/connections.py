@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _config
 from .context import RestoreContext
-from .extensions import resolve_engine
+from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
@@ -472,6 +472,19 @@ class ConnectionManager:
 def manager(engine: Engine | None = None) -> ConnectionManager:
     """The connection manager of ``engine`` (default: the process-wide engine)."""
     return resolve_engine(engine).extension("connections", ConnectionManager)
+
+
+key = "connections"
+
+
+def probe() -> Probe:
+    """Always usable: connections are reopened with the clients' own APIs."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Attach the connections manager to ``engine`` now (its functions also do on first use)."""
+    manager(engine)
 
 
 def register(

@@ -69,8 +69,7 @@ __all__ = [
     "engine_started",
     "fingerprint",
     "load_manifest",
-    "main_check",
-    "main_labels",
+    "manager",
     "most_likely_reason",
     "write_manifest",
 ]
@@ -610,9 +609,14 @@ def configure(
     ``strict``: a node mismatch after restore fails the required
     ``rehydrate.fingerprint.check`` hook (the process stays ``degraded``).
     """
-    mgr = resolve_engine(engine).extension("fingerprint", FingerprintManager)
-    return mgr.configure(path=path, env_keys=env_keys, strict=strict,
+    return manager(engine).configure(path=path, env_keys=env_keys, strict=strict,
                          expect_restore=expect_restore, root=root)
+
+
+def manager(engine: Engine | None = None) -> FingerprintManager:
+    """The fingerprint manager of ``engine`` (default: the process-wide engine), created
+    (with its hooks) on first use; :func:`configure` also configures it."""
+    return resolve_engine(engine).extension("fingerprint", FingerprintManager)
 
 
 key = "fingerprint"
@@ -667,57 +671,6 @@ def _read_workload_env(path: str) -> dict[str, str]:
         raise ManifestError(f"environment file {path}: {exc}") from None
     return {k.decode("utf-8", "surrogateescape"): v.decode("utf-8", "surrogateescape")
             for k, v in parsed.items()}
-
-
-def main_check(path: str, *, as_json: bool = False, root: str = "/", scope: Scope = "all",
-               env_file: str | None = None, affinity: bool = False) -> int:
-    """``rehydrate check``: 0 compatible, 1 mismatches (listed), 2 unreadable or invalid
-    manifest (one line on stderr, or ``{"compatible": false, "error": …}`` with ``as_json``).
-
-    ``scope="node"`` compares only what a node-level checker shares with the workload;
-    ``env_file`` supplies the workload's environment for ``env.*``; ``affinity`` prints
-    the ``nodeAffinity`` for Pods restoring this manifest (YAML) instead of checking.
-    """
-    try:
-        manifest = load_manifest(path)
-        if affinity:
-            from .nodefit import node_affinity, render
-
-            sys.stdout.write(render({"affinity": node_affinity(manifest)}, as_json=as_json))
-            return 0
-        environ = _read_workload_env(env_file) if env_file else None
-        mismatches = check(manifest, root, scope=scope, environ=environ)
-    except (TypeError, ValueError) as exc:  # ManifestError is a ValueError
-        msg = str(exc) if isinstance(exc, ManifestError) else (
-            f"cannot compare manifest {path}: {type(exc).__name__}: {exc}")
-        msg = " ".join(msg.split())  # one line
-        if as_json:
-            json.dump({"compatible": False, "error": msg, "mismatches": []}, sys.stdout)
-            sys.stdout.write("\n")
-        else:
-            print(f"rehydrate check: {msg}", file=sys.stderr)
-        return 2
-    what = " (node-level fields)" if scope == "node" else ""
-    if as_json:
-        json.dump({"compatible": not mismatches, "scope": scope,
-                   "mismatches": [m.to_dict() for m in mismatches]}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    elif mismatches:
-        print(f"incompatible: {len(mismatches)} mismatch(es) with {path}{what}")
-        for m in mismatches:
-            print(f"  {m.describe()}")
-    else:
-        print(f"compatible with {path}{what}")
-    return 1 if mismatches else 0
-
-
-def main_labels(*, as_json: bool = False, root: str = "/") -> int:
-    """``rehydrate check --labels``: this node's scheduling labels as a Node patch (YAML)."""
-    from .nodefit import node_labels, render
-
-    patch = {"metadata": {"labels": node_labels(fingerprint(root=root))}}
-    sys.stdout.write(render(patch, as_json=as_json))
-    return 0
 
 
 class _CallableModule(types.ModuleType):

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ._disable import is_disabled
-from .extensions import resolve_engine
+from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
@@ -558,6 +558,19 @@ class KeyManager:
 def manager(engine: Engine | None = None) -> KeyManager:
     """The key manager of ``engine`` (default: the process-wide engine)."""
     return resolve_engine(engine).extension("keys", KeyManager)
+
+
+key = "keys"
+
+
+def probe() -> Probe:
+    """Always usable: key material comes from the kernel (``os.urandom``)."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Attach the keys manager to ``engine`` now (its functions also do on first use)."""
+    manager(engine)
 
 
 def ephemeral(name: str, algorithm: str = "ed25519", *,

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _config
 from .context import RestoreContext
-from .extensions import resolve_engine
+from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
 if TYPE_CHECKING:
@@ -1309,6 +1309,20 @@ def _summary(result: ApplyResult) -> str:
 def manager(engine: Engine | None = None) -> RoutesManager:
     """The routes manager of ``engine`` (default: the process-wide engine)."""
     return resolve_engine(engine).extension("routes", RoutesManager)
+
+
+key = "routes"
+
+
+def probe() -> Probe:
+    """Usable with pyroute2 (``pip install 'rehydrate[routes]'``); nftables/iptables rules
+    also need their binaries and ``CAP_NET_ADMIN`` when applied."""
+    return Probe(True) if _pyroute2_available() else Probe(False, f"missing {PYROUTE2_MISSING}")
+
+
+def install(engine: Engine) -> None:
+    """Attach the routes manager to ``engine`` now (its functions also do on first use)."""
+    manager(engine)
 
 
 def route(  # noqa: PLR0917 - the order ip-route users expect

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._disable import is_disabled
 from ._files import read_regular
-from .extensions import resolve_engine
+from .extensions import Probe, resolve_engine
 from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
@@ -374,3 +374,16 @@ class SecretsManager:
 def manager(engine: Engine | None = None) -> SecretsManager:
     """The secrets manager of ``engine`` (default: the process-wide engine)."""
     return resolve_engine(engine).extension("secrets", SecretsManager)
+
+
+key = "secrets"
+
+
+def probe() -> Probe:
+    """Always usable: secrets live in memory rehydrate can wipe."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Attach the secrets manager to ``engine`` now (its functions also do on first use)."""
+    manager(engine)

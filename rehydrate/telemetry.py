@@ -55,6 +55,7 @@ __all__ = [
     "EVENT_SPAN_NAMES",
     "Telemetry",
     "instrument",
+    "manager",
     "record_fingerprint_mismatch",
     "record_snapshot_miss",
     "refresh_on_restore",
@@ -524,11 +525,16 @@ def instrument(
     Called for every engine at creation; call it again to pass explicit providers
     (otherwise the global ones are used, looked up at each event) or ``enabled=False``.
     """
-    eng = resolve_engine(engine)
-    tel = eng.extension("telemetry", Telemetry)
+    tel = manager(engine)
     tel.configure(tracer_provider=tracer_provider, meter_provider=meter_provider,
                   enabled=enabled)
     return tel
+
+
+def manager(engine: Engine | None = None) -> Telemetry:
+    """The telemetry observer of ``engine`` (default: the process-wide engine), as it is;
+    :func:`instrument` also configures it."""
+    return resolve_engine(engine).extension("telemetry", Telemetry)
 
 
 key = "telemetry"

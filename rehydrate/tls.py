@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
-from .extensions import resolve_engine
+from .extensions import Probe, resolve_engine
 from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
@@ -1191,6 +1191,19 @@ class TLSManager:
 def manager(engine: Engine | None = None) -> TLSManager:
     """The TLS manager of ``engine`` (default: the process-wide engine)."""
     return resolve_engine(engine).extension("tls", TLSManager)
+
+
+key = "tls"
+
+
+def probe() -> Probe:
+    """Always usable (certificates need ``cryptography``, a dependency)."""
+    return Probe(True)
+
+
+def install(engine: Engine) -> None:
+    """Attach the tls manager to ``engine`` now (its functions also do on first use)."""
+    manager(engine)
 
 
 def self_signed(name: str, *, common_name: str = "localhost",

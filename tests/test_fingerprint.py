@@ -14,6 +14,7 @@ import pytest
 
 import rehydrate
 from rehydrate import fingerprint as fp
+from rehydrate.cli import check_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,10 +231,10 @@ def test_main_check_maps_errors_from_comparing_to_exit_2(tmp_path, monkeypatch, 
         raise TypeError("unhashable type: 'dict'\nsecond line")
 
     monkeypatch.setattr(fp, "check", broken)
-    assert fp.main_check(str(path), as_json=True) == 2
+    assert check_manifest(str(path), as_json=True) == 2
     out = json.loads(capsys.readouterr().out)
     assert out["compatible"] is False and "TypeError" in out["error"]
-    assert fp.main_check(str(path)) == 2
+    assert check_manifest(str(path)) == 2
     err = capsys.readouterr().err
     (line,) = err.strip().splitlines()
     assert "TypeError" in line and str(path) in line
