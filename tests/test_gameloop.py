@@ -140,6 +140,24 @@ def test_restore_event_rebases_the_clock(rehydrate_engine):
     assert clock.due() == 2
 
 
+def test_a_freeze_seen_by_the_loop_is_not_rebased_twice(rehydrate_engine):
+    fake = FakeClock()
+    clock = TickClock(20, max_catch_up=1, clock=fake, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    fake.now += 30.0  # frozen; the loop runs before the restore hooks do
+    assert clock.due() == 1 and clock.jumps == 1
+    fake.now += 0.05
+    assert clock.due() == 1
+    assert rehydrate_engine.simulate_restore().ok
+    fake.now += 0.1
+    assert clock.due() == 2, "the restore made an ordinary frame a second jump"
+    assert clock.last_jump == 0.0 and clock.jumps == 1
+    # the next restore with no jump seen by the loop rebases again
+    assert rehydrate_engine.simulate_restore().ok
+    fake.now += 0.1
+    assert clock.due() == 1 and clock.jumps == 2
+
+
 def test_hook_goes_away_with_the_clock(rehydrate_engine):
     import gc
 

@@ -21,7 +21,9 @@ so the game can resynchronise its clients instead::
 The clock also rebases itself when the rehydrate engine runs a restore (or resume): the
 next :meth:`~TickClock.due` is treated as a jump even when the frame looked short — on
 platforms whose monotonic clock does not include the time frozen, or when the loop was
-not running across the freeze.
+not running across the freeze. When the loop already took a jump since the previous
+snapshot or restore event (it saw the freeze before the hooks ran), the restore does not
+add a second one.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class TickClock:
         """Calls that were treated as a jump."""
         self.dropped = 0.0
         """Seconds dropped by all jumps so far."""
+        self._jumps_mark = 0  # jumps at the latest snapshot or restore event
         if rebase_on_restore:
             self._attach(resolve_engine(engine))
 
@@ -102,13 +105,31 @@ class TickClock:
         def rebase_tick_clock() -> None:
             clock = ref()
             if clock is not None:
-                clock.rebase()
+                clock._on_event(restore=True)
+
+        def mark_tick_clock() -> None:
+            clock = ref()
+            if clock is not None:
+                clock._on_event(restore=False)
 
         # Before the application's own hooks, so that they see a rebased clock.
-        hook = engine.builtins.register(rebase_tick_clock, phase=Phase.APPLICATION,
-                                        order=-1_000_000, timeout=5.0,
-                                        name="rehydrate.gameloop.tick_clock")
-        weakref.finalize(self, engine.builtins.unregister, hook)
+        b = engine.builtins
+        hooks = (
+            b.register(rebase_tick_clock, phase=Phase.APPLICATION, order=-1_000_000,
+                       timeout=5.0, name="rehydrate.gameloop.tick_clock"),
+            b.register(mark_tick_clock, event="snapshot", phase=Phase.APPLICATION,
+                       order=-1_000_000, timeout=5.0, name="rehydrate.gameloop.tick_clock"),
+        )
+        for hook in hooks:
+            weakref.finalize(self, b.unregister, hook)
+
+    def _on_event(self, *, restore: bool) -> None:
+        """Rebase on a restore — unless the loop already took a jump since the previous
+        snapshot or restore event (it saw the freeze first: one resync is enough)."""
+        with self._lock:
+            if restore and self.jumps == self._jumps_mark:
+                self._rebase = True
+            self._jumps_mark = self.jumps
 
     def due(self) -> int:
         """The number of ticks to simulate now (0 or more)."""
