@@ -66,6 +66,7 @@ __all__ = [
     "ManagedMap",
     "MountInfo",
     "OpenFile",
+    "ReopenFailed",
     "SnapshotRefused",
     "Volume",
     "audit",
@@ -97,6 +98,11 @@ _DELETED = " (deleted)"
 
 class FileGone(FileNotFoundError):
     """A managed file (or its volume) is missing after a restore; the message names it."""
+
+
+class ReopenFailed(RuntimeError):
+    """Managed handles could not be reopened after a restore or resume (``on_change``
+    raised, a mapping no longer fits its file …); the message names each."""
 
 
 class SnapshotRefused(RuntimeError):
@@ -400,18 +406,18 @@ class ManagedMap(_Handle):
     _map: _mmap.mmap
 
     def _map_now(self) -> _mmap.mmap:
-        mode = "rb" if self.access == _mmap.ACCESS_READ else "r+b"
+        mode = "rb" if self.access in (_mmap.ACCESS_READ, _mmap.ACCESS_COPY) else "r+b"
         with builtins.open(self.path, mode) as f:
             size = os.fstat(f.fileno()).st_size
             if self.length and size < self.offset + self.length:
-                raise FileGone(f"managed mapping of {self.path}: the file has {size} bytes, "
-                               f"the mapping needs {self.offset + self.length}")
+                raise ReopenFailed(f"managed mapping of {self.path}: the file has {size} "
+                                   f"bytes, the mapping needs {self.offset + self.length}")
             return _mmap.mmap(f.fileno(), self.length, access=self.access, offset=self.offset)
 
     def _close_now(self) -> None:
         m = self._map
         if not m.closed:
-            if self.access == _mmap.ACCESS_WRITE:
+            if self.access in (_mmap.ACCESS_WRITE, _mmap.ACCESS_DEFAULT):
                 m.flush()
             m.close()
 
@@ -715,12 +721,15 @@ class FilesManager:
     def _after_restore(self, ctx: RestoreContext) -> None:
         changed_volumes = [v for v in self.volumes() if v._check()]
         failures: list[str] = []
+        gone: list[str] = []
         for h in self.handles():
             on_changed = any(v.contains(h.path) for v in changed_volumes)
             try:
                 h._resume(on_changed)
             except Exception as exc:
-                msg = str(exc) if isinstance(exc, FileGone) else (
+                if isinstance(exc, FileGone):
+                    gone.append(h.path)
+                msg = str(exc) if isinstance(exc, (FileGone, ReopenFailed)) else (
                     f"{h.path}: {type(exc).__name__}: {exc}")
                 if h.required:
                     failures.append(msg)
@@ -728,7 +737,8 @@ class FilesManager:
                     log.warning("optional managed %s not reopened after %s: %s", h._kind,
                                 ctx.kind, msg)
         if failures:
-            raise FileGone("; ".join(failures))
+            text = "; ".join(failures)
+            raise FileGone(text) if len(gone) == len(failures) else ReopenFailed(text)
 
     def audit(self) -> list[OpenFile]:
         """Descriptors of this process on volumes, marked managed or not."""

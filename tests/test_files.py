@@ -241,3 +241,20 @@ def test_doctor_files_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert cli_main(["doctor", "--files", "--pid", "self", "--json", "--proc", str(proc)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["files"][0]["deleted"] is True
+
+
+def test_on_change_error_fails_the_reopen_naming_the_file(engine, tmp_path: Path) -> None:
+    p = tmp_path / "cfg.txt"
+    p.write_text("a\n")
+
+    def boom(handle):
+        raise RuntimeError("cannot rebuild")
+
+    f = files.open(p, engine=engine, on_change=boom)
+    assert engine.simulate_snapshot().ok
+    _replace(p, "b\n")
+    report = engine.simulate_restore()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert isinstance(error, files.ReopenFailed) and not report.ok
+    assert f"{p}: RuntimeError: cannot rebuild" in str(error)
+    assert f.read() == "b\n", "reopened before on_change ran"
