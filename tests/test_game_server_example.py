@@ -1,0 +1,83 @@
+"""examples/game_server without gVisor: a snapshot and a restore told by the real
+``rehydrate notify`` over the control socket (as save-restore-exec would), the stand-in
+sidecar on loopback, the example's own UDP client. The same server under real runsc with
+two clones is tests/gvisor/test_game_server_gvisor.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agones_sidecar import AgonesSidecar
+from detect_helpers import wait_for
+from netservers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = ROOT / "examples" / "game_server" / "server.py"
+CLIENT = ROOT / "examples" / "game_server" / "client.py"
+REHYDRATE = str(Path(sys.executable).parent / "rehydrate")
+
+
+@pytest.fixture
+def game(tmp_path: Path) -> Iterator[tuple[AgonesSidecar, dict[str, str], int, Path]]:
+    port = free_port()
+    events = tmp_path / "events.jsonl"
+    with AgonesSidecar() as sidecar:
+        sidecar.wait_listening()
+        env = {**os.environ, "AGONES_SDK_HTTP_PORT": str(sidecar.port),
+               "REHYDRATE_CONTROL_SOCKET": str(tmp_path / "ctl.sock"),
+               "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVER), "--port", str(port), "--health-interval", "1",
+             "--events", str(events)], env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: events.exists() and "ready" in events.read_text(), 30,
+                     "the server to be ready")
+            yield sidecar, env, port, events
+        finally:
+            proc.kill()
+            proc.wait(10)
+
+
+def _run(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def test_example_server_across_a_notified_snapshot_and_restore(game):
+    sidecar, env, port, events = game
+    client = [sys.executable, str(CLIENT), "--port", str(port)]
+    before = _run([*client, "--name", "alice", "--inputs", "10", "--stay"], env)
+    assert before["states"] >= 3 and before["position"][0] > 0, before
+    assert sidecar.gs.state == "Ready"
+    assert sidecar.gs.labels.keys() == {"agones.dev/sdk-match"}
+
+    assert _run([REHYDRATE, "notify", "save", "--json"], env)["ok"]
+    n_health = len(sidecar.calls("POST", "/health"))
+    with sidecar.cond:  # a new Pod's sidecar: nothing set, not Ready
+        sidecar.gs.labels.clear()
+    sidecar.set_state("Scheduled")
+    assert _run([REHYDRATE, "notify", "restore", "--json"], env)["ok"]
+
+    sidecar.wait_for("POST", "/health", count=n_health + 1)
+    sidecar.wait_for("POST", "/ready", count=2)
+    assert sidecar.gs.labels.keys() == {"agones.dev/sdk-match"}
+    after = _run([*client, "--name", "bob", "--inputs", "10",
+                  "--stale", f"{before['player']}:{before['token']}"], env)
+    assert after["stale_reply"] == "rejoin"
+    assert after["token"] != before["token"] and after["states"] >= 3
+    restored = [json.loads(line) for line in events.read_text().splitlines()
+                if '"restored"' in line]
+    assert [(r["kind"], r["generation"]) for r in restored] == [("restore", 1)]
+    status = _run([REHYDRATE, "status", "--json"], env)
+    assert status["ready"] and status["agones"]["reason"] == "" and status["game"]["tick"] > 0
