@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from ..extensions import Engine
 
-__all__ = ["ServerAdapter", "ServerError", "call_maybe_async", "run_sync"]
+__all__ = ["ServerAdapter", "ServerError", "call_maybe_async", "run_sync", "sync_variant"]
 
 log = logging.getLogger("rehydrate.adapters")
 
@@ -51,6 +51,19 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
     coro.close()
     raise RuntimeError("called from a running event loop: await the *_async variant instead")
+
+
+def sync_variant(method: Callable[[Any], Coroutine[Any, Any, None]]) -> Callable[[Any], None]:
+    """The synchronous twin of an ``async`` method without arguments (``sleep`` of
+    ``sleep_async``)."""
+
+    def sync(self: Any) -> None:
+        run_sync(method(self))
+
+    sync.__doc__ = f":meth:`{method.__name__}` from synchronous code."
+    sync.__name__ = method.__name__.removesuffix("_async")
+    sync.__qualname__ = method.__qualname__.removesuffix("_async")
+    return sync
 
 
 async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

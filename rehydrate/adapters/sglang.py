@@ -35,7 +35,7 @@ import httpx
 
 from ..extensions import Probe
 from ._readiness import probe_import
-from ._server import ServerAdapter, ServerError, json_or_empty, run_sync
+from ._server import ServerAdapter, ServerError, json_or_empty, sync_variant
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -119,14 +119,8 @@ class SGLangAdapter(ServerAdapter):
                 await self.call(c, "GET", "/health_generate", until=until)
         log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
 
-    def release(self) -> None:
-        """:meth:`release_async` from synchronous code."""
-        run_sync(self.release_async())
-
-    def resume(self) -> None:
-        """:meth:`resume_async` from synchronous code."""
-        run_sync(self.resume_async())
-
+    release = sync_variant(release_async)
+    resume = sync_variant(resume_async)
     before_snapshot = release_async
     after_restore = resume_async
 

@@ -38,7 +38,13 @@ import httpx
 
 from ..extensions import Probe
 from ._readiness import probe_import
-from ._server import ServerAdapter, ServerError, call_maybe_async, json_or_empty, run_sync
+from ._server import (
+    ServerAdapter,
+    ServerError,
+    call_maybe_async,
+    json_or_empty,
+    sync_variant,
+)
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -136,14 +142,8 @@ class VLLMAdapter(ServerAdapter):
                 await s.canary(until)
         log.info("vLLM engine awake%s", " and answering" if self.canary else "")
 
-    def sleep(self) -> None:
-        """:meth:`sleep_async` from synchronous code."""
-        run_sync(self.sleep_async())
-
-    def wake(self) -> None:
-        """:meth:`wake_async` from synchronous code."""
-        run_sync(self.wake_async())
-
+    sleep = sync_variant(sleep_async)
+    wake = sync_variant(wake_async)
     before_snapshot = sleep_async
     after_restore = wake_async
 
