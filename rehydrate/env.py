@@ -112,6 +112,36 @@ def read_environ(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
         raise EnvError(f"{os.fspath(path)}: {exc}") from None
 
 
+READ_TIMEOUT = 5.0
+
+
+def _read_within(path: str, timeout: float) -> dict[bytes, bytes]:
+    """:func:`read_environ` in a worker thread, waited for at most ``timeout`` seconds.
+
+    An ``open()`` or ``read()`` on a hung network mount blocks in the kernel whatever the
+    flags: the engine's constructor, ``simulate_snapshot()`` or a restore must not block
+    with it. The worker, abandoned, holds no lock and ends whenever the mount answers.
+    """
+    outcome: list[dict[bytes, bytes] | BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            outcome.append(read_environ(path))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=read, name="rehydrate-env-read", daemon=True).start()
+    if not done.wait(timeout):
+        raise EnvError(f"{path}: no answer within {timeout:g}s (a hung mount?)")
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 def diff(
     current: Mapping[bytes, bytes],
     new: Mapping[bytes, bytes],
@@ -147,6 +177,8 @@ class EnvRefresher:
     """The environment file; ``"auto"``: :func:`default_path` at each use; None: no file."""
     policy: Policy = "update"
     protect: tuple[str, ...] = ()
+    read_timeout: float = READ_TIMEOUT
+    """Seconds a read of the file may take (a hung mount): then :class:`EnvError`."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -173,7 +205,7 @@ class EnvRefresher:
         if path is None or self._previous is not None or not _present(path):
             return
         try:
-            self._previous = set(read_environ(path))
+            self._previous = set(_read_within(path, self.read_timeout))
         except EnvError:
             self._previous = None
 
@@ -198,7 +230,7 @@ class EnvRefresher:
             return EnvChanges()
         # Read outside the lock: a read stuck on a hung mount (its hook abandoned at the
         # timeout) must not hold the lock every later refresh needs.
-        new = read_environ(path)
+        new = _read_within(path, self.read_timeout)
         with self._lock:
             return self._apply_file(new, path)
 

@@ -642,32 +642,40 @@ def test_a_fifo_as_the_environment_file_never_blocks_the_engine(tmp_path, enviro
     assert done["fixed"].ok and environ[b"RHT_FIFO_FIXED"] == b"1"  # type: ignore[attr-defined]
 
 
-def test_a_read_stuck_on_a_hung_mount_holds_no_lock(tmp_path, environ, monkeypatch):
-    """A hung mount cannot be made here: ``read_environ`` is replaced by one that blocks
-    for the first call, as an open on a dead NFS server does. The abandoned refresh must
-    not keep the lock that every later refresh needs (issue #13.7)."""
+def test_a_read_stuck_on_a_hung_mount_blocks_nothing(tmp_path, environ, monkeypatch):
+    """A hung mount cannot be made here: ``read_environ`` is replaced by one that blocks,
+    as an open on a dead NFS server does, until the test releases it. The engine's
+    constructor and a refresh give up after ``read_timeout`` with one clear error, and
+    the abandoned read keeps no lock: once the file answers, the next refresh works
+    (issue #13.7)."""
     import threading
+    import time
 
     from rehydrate import env as env_module
 
     spec = write(tmp_path / "spec_environ", {b"RHT_AFTER_HANG": b"1"})
-    real, release, entered = env_module.read_environ, threading.Event(), threading.Event()
+    real, hung = env_module.read_environ, threading.Event()
+    hung.set()
+    release = threading.Event()
 
-    def first_call_hangs(path):  # type: ignore[no-untyped-def]
-        if not entered.is_set():
-            entered.set()
+    def hangs_while_hung(path):  # type: ignore[no-untyped-def]
+        if hung.is_set():
             release.wait(30)
         return real(path)
 
-    monkeypatch.setattr(env_module, "read_environ", first_call_hangs)
-    refresher = EnvRefresher(path=spec)
-    stuck = threading.Thread(target=refresher.refresh, daemon=True)
-    stuck.start()
-    assert entered.wait(5)
-    later = threading.Thread(target=refresher.refresh, daemon=True)
-    later.start()
-    later.join(5.0)
-    release.set()
-    assert not later.is_alive(), "a refresh waited for the one stuck on the mount"
-    assert environ[b"RHT_AFTER_HANG"] == b"1"
-    stuck.join(5.0)
+    monkeypatch.setattr(env_module, "read_environ", hangs_while_hung)
+    refresher = EnvRefresher(path=spec, read_timeout=0.3)
+    started = time.monotonic()
+    engine = Lifecycle(Registry(), env=refresher)  # baseline(): used to hang here
+    try:
+        assert time.monotonic() - started < 5.0
+        report = engine.simulate_restore()
+        env_result = report.hooks[0]
+        assert env_result.name == "rehydrate.env" and env_result.outcome == "failed"
+        assert "no answer within 0.3s (a hung mount?)" in str(env_result.error)
+        hung.clear()  # the mount answers again; the stuck reads are still stuck
+        assert engine.simulate_restore().ok
+        assert environ[b"RHT_AFTER_HANG"] == b"1"
+    finally:
+        release.set()
+        engine.close()
