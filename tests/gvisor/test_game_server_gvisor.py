@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from detect_helpers import wait_for
 
 from .harness import REPO_ROOT, Container, GVisorHarness, read_jsonl
 
@@ -62,14 +63,14 @@ def _sidecar_log(c: Container) -> list[dict[str, Any]]:
 
 
 def _wait_ready(c: Container, timeout: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = _status(c)
-        if status["ready"] and status["generation"] >= 1:
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"clone {c.id} never became ready: {status}")
-        time.sleep(0.1)
+    last: dict[str, Any] = {}
+
+    def ready() -> bool:
+        last.update(_status(c))
+        return bool(last["ready"] and last["generation"] >= 1)
+
+    wait_for(ready, timeout, f"clone {c.id} to be ready")
+    return last
 
 
 @pytest.mark.gvisor
