@@ -3,7 +3,7 @@
 A game server snapshotted mid-match and restored twice would hand both copies' players
 the same session tokens: a token stolen from one match would work in the other, and the
 "random" match keys are the same everywhere. :class:`MatchSessions` keys everything it
-issues on a :class:`rehydrate.secrets.Secret` drawn from the kernel (``os.urandom``):
+issues on a :class:`rehydrate.secrets.Secret` drawn from the kernel (``/dev/urandom``):
 the secret is wiped before a snapshot and drawn again after every restore or resume (in
 the ``SECRETS`` phase), so each clone signs with its own key and tokens issued before the
 snapshot no longer verify anywhere — players rejoin.
@@ -24,12 +24,12 @@ asyncio game loop never blocks on it; ``verify`` returns False then.
 from __future__ import annotations
 
 import base64
-import os
 from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import constant_time, hashes, hmac
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from rehydrate.keys import urandom_into
 from rehydrate.secrets import Secret, SecretUnavailable
 
 if TYPE_CHECKING:
@@ -52,8 +52,14 @@ class MatchSessions:
         if not isinstance(nbytes, int) or nbytes < 16:
             raise ValueError(f"nbytes must be an int >= 16, not {nbytes!r}")
         self.name = name
-        self._secret = Secret.from_callable(lambda: os.urandom(nbytes),
-                                            name=f"sessions:{name}", on_wiped="raise",
+        def draw() -> bytearray:
+            # Straight from the kernel into a buffer the Secret wipes after copying it:
+            # no immutable copy of the key is left behind for a snapshot image.
+            buf = bytearray(nbytes)
+            urandom_into(buf)
+            return buf
+
+        self._secret = Secret.from_callable(draw, name=f"sessions:{name}", on_wiped="raise",
                                             engine=engine)
 
     @property
