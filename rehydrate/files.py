@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _config
+from .detect._util import running_under_gvisor
 from .extensions import Probe, resolve_engine
 from .hooks import Phase
 
@@ -619,15 +620,6 @@ def open_files(pid: int | str = "self", *, proc: str = "/proc",
     return out
 
 
-def _in_gvisor() -> bool:
-    try:
-        with builtins.open("/proc/version", encoding="ascii", errors="replace") as f:
-            version = f.read(512)
-    except OSError:
-        return False
-    return "Sun Jan 10 15:06:54 PST 2016" in version  # gVisor's fixed kernel build line
-
-
 # -- the per-engine manager -------------------------------------------------------------
 
 
@@ -639,7 +631,7 @@ class FilesManager:
         self._lock = threading.Lock()
         self._handles: dict[int, weakref.ref[_Handle]] = {}
         self._volumes: list[Volume] = []
-        self.fail_on_deleted: bool = _in_gvisor()
+        self.fail_on_deleted: bool = running_under_gvisor()
         """Fail the before-snapshot pass on a deleted file open on a volume (default: under
         gVisor, where the checkpoint itself would fail; elsewhere a warning)."""
         self.last_audit: list[OpenFile] = []

@@ -157,14 +157,6 @@ def _kernel_release(root: Path) -> str:
     return fake.strip() if fake is not None else platform.release()
 
 
-def _gvisor(root: Path) -> tuple[bool, str | None]:
-    proc = _config.text("REHYDRATE_GVISOR_PROC") if root == Path("/") else None
-    marker = Path(proc) if proc else root / "proc/gvisor"
-    version = _read(root / "proc/version") or ""
-    detected = marker.is_dir() or "Sun Jan 10 15:06:54 PST 2016" in version
-    return detected, _config.text("REHYDRATE_GVISOR_VERSION")
-
-
 _NVRM = re.compile(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d+(?:\.\d+)+)")
 
 
@@ -266,7 +258,6 @@ def fingerprint(
     env = os.environ if environ is None else environ
     salt = salt if salt is not None else secrets.token_hex(8)
     dists = distributions()
-    gvisor, gvisor_version = _gvisor(r)
     node = facts(metadata=real if metadata is None else metadata,
                  nvidia_smi=real if nvidia_smi is None else nvidia_smi, root=os.fspath(r))
     manifest: dict[str, Any] = {
@@ -274,8 +265,8 @@ def fingerprint(
         "arch": platform.machine(),
         **_cpu(r),
         "kernel_release": _kernel_release(r),
-        "gvisor": gvisor,
-        "gvisor_version": gvisor_version,
+        "gvisor": node.gvisor,
+        "gvisor_version": node.gvisor_version,
         "gpu_driver": _gpu_driver(r, node),
         "machine_series": node.machine_series,
         "platform": node.to_dict(),
