@@ -746,6 +746,12 @@ class FilesManager:
                         "not hold, not managed by rehydrate.files (restored by path, with no "
                         "change check): %s", len(unmanaged),
                         ", ".join(f"{f.path} (fd {f.fd})" for f in unmanaged))
+        wal = sorted({f.path[:-4] for f in unmanaged if f.path.endswith(("-wal", "-shm"))})
+        if wal:
+            log.warning("before snapshot: SQLite database(s) %s in WAL mode held open "
+                        "unmanaged: if the host's last connection closes before the restore, "
+                        "SQLite deletes the -wal/-shm files and the restore fails; open them "
+                        "with rehydrate.files.sqlite()", ", ".join(wal))
         if not deleted:
             return
         text = ", ".join(f"{f.path} (fd {f.fd} on {f.mount_point})" for f in deleted)

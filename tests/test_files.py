@@ -214,19 +214,24 @@ def test_open_files_lists_volume_descriptors(tmp_path: Path) -> None:
     assert files.open_files(proc=str(proc), held=[str(vol)]) == []
 
 
-def test_audit_fails_the_snapshot_on_a_deleted_volume_file(engine, tmp_path: Path) -> None:
+def test_audit_fails_the_snapshot_on_a_deleted_volume_file(
+        engine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     vol = tmp_path / "vol"
     vol.mkdir()
     mgr = files.manager(engine)
     mgr.proc = str(_fake_proc(tmp_path, vol, {9: f"{vol}/scratch (deleted)",
-                                               10: f"{vol}/other.txt"}))
+                                               10: f"{vol}/other.txt",
+                                               11: f"{vol}/app.db-wal"}))
     mgr.fail_on_deleted = True
     report = engine.simulate_snapshot()
     assert not report.ok
     err = str(_hook(report, "rehydrate.files.audit").error)
     assert f"{vol}/scratch" in err and "other.txt" not in err
     assert [f["path"] for f in engine.status().extra["files"]["last_audit"]] == [
-        f"{vol}/scratch", f"{vol}/other.txt"]
+        f"{vol}/scratch", f"{vol}/other.txt", f"{vol}/app.db-wal"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == 30]
+    assert any(f"{vol}/other.txt (fd 10)" in w for w in warnings), warnings
+    assert any(f"SQLite database(s) {vol}/app.db in WAL mode" in w for w in warnings)
 
     mgr.fail_on_deleted = False  # outside gVisor: a warning only
     assert engine.simulate_snapshot().ok
