@@ -37,6 +37,9 @@ class StandIn:
             if not message.get("more_body"):
                 break
         path, query = scope["path"], scope["query_string"].decode()
+        if path.startswith("/stand-in/"):  # the tests' own controls, not logged
+            await _json(send, 200, self.control(path, json.loads(body) if body else None))
+            return
         self.log.append(f"{scope['method']} {path}" + (f"?{query}" if query else ""))
         if path in self.hang:
             await asyncio.sleep(self.hang[path])
@@ -50,14 +53,28 @@ class StandIn:
         else:
             status, payload = self.route(scope["method"], path, parse_qs(query),
                                          json.loads(body) if body else None)
-        raw = b"" if payload is None else json.dumps(payload).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": raw})
+        await _json(send, status, payload)
+
+    def control(self, path: str, body: Any) -> Any:
+        """``/stand-in/fault`` sets ``fail[path] = count``; ``/stand-in/state`` reports."""
+        if path == "/stand-in/fault":
+            self.fail[body["path"]] = body["count"]
+        return {"log": self.log, "canaries": self.canaries, "fail": self.fail,
+                **self.state()}
+
+    def state(self) -> dict[str, Any]:
+        return {}
 
     def route(self, method: str, path: str, query: dict[str, list[str]],
               body: Any) -> tuple[int, Any]:
         raise NotImplementedError
+
+
+async def _json(send: Any, status: int, payload: Any) -> None:
+    raw = b"" if payload is None else json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": raw})
 
 
 class VLLMStandIn(StandIn):
@@ -74,6 +91,9 @@ class VLLMStandIn(StandIn):
     @property
     def sleeping(self) -> bool:
         return bool(self.asleep)
+
+    def state(self) -> dict[str, Any]:
+        return {"sleeping": self.sleeping, "weights": self.weights}
 
     def route(self, method: str, path: str, query: dict[str, list[str]],
               body: Any) -> tuple[int, Any]:
