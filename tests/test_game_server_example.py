@@ -81,3 +81,23 @@ def test_example_server_across_a_notified_snapshot_and_restore(game):
     assert [(r["kind"], r["generation"]) for r in restored] == [("restore", 1)]
     status = _run([REHYDRATE, "status", "--json"], env)
     assert status["ready"] and status["agones"]["reason"] == "" and status["game"]["tick"] > 0
+
+
+def test_example_server_answers_bad_datagrams_with_one_error(game):
+    import socket
+
+    _, _, port, _ = game
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(10)
+        s.connect(("127.0.0.1", port))
+        for bad in (b"not json", b"[1]", b'{"op": "fly"}'):
+            s.send(bad)
+            assert json.loads(s.recv(2048))["op"] == "error"
+        s.send(b'{"op": "join", "name": "x"}')
+        welcome = json.loads(s.recv(2048))
+        assert welcome["op"] == "welcome"
+        s.send(json.dumps({"op": "input", "player": welcome["player"],
+                           "token": welcome["token"], "dx": "left"}).encode())
+        while (reply := json.loads(s.recv(2048)))["op"] == "state":
+            pass
+        assert reply == {"op": "error", "error": "dx and dy must be integers"}

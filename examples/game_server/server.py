@@ -109,6 +109,8 @@ class GameProtocol(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
             msg = json.loads(data[:MAX_DATAGRAM])
+            if not isinstance(msg, dict):
+                raise TypeError
             op = msg["op"]
         except (ValueError, KeyError, TypeError):
             self.send({"op": "error", "error": "expected a JSON object with 'op'"}, addr)
@@ -125,8 +127,12 @@ class GameProtocol(asyncio.DatagramProtocol):
             if op == "leave":
                 del self.match.players[pid]
                 return
-            player.dx = max(-1, min(1, int(msg.get("dx", 0))))
-            player.dy = max(-1, min(1, int(msg.get("dy", 0))))
+            try:
+                dx, dy = int(msg.get("dx", 0)), int(msg.get("dy", 0))
+            except (TypeError, ValueError):
+                self.send({"op": "error", "error": "dx and dy must be integers"}, addr)
+                return
+            player.dx, player.dy = max(-1, min(1, dx)), max(-1, min(1, dy))
         else:
             self.send({"op": "error", "error": f"unknown op {op!r}"}, addr)
 
