@@ -54,15 +54,16 @@ VARIABLES: tuple[Variable, ...] = (
     # engine
     _V("REHYDRATE_ENV_POLICY", "choice", "update", "how the new environment file is applied: update, replace or off", choices=("update", "replace", "off")),  # noqa: E501
     _V("REHYDRATE_ENV_FILE", "path", None, "the environment file read after restore (default: $REHYDRATE_GVISOR_PROC/spec_environ)"),  # noqa: E501
-    _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", None, "run the resume hooks when no restore or resume came this long after the before-snapshot hooks (off by default)", positive=True, off_ok=True),  # noqa: E501
+    _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", 300.0, "the last resort: run the resume hooks when no restore, resume or checkpoint freeze came this long after the before-snapshot hooks (off: wait for ever)", positive=True, off_ok=True),  # noqa: E501
     _V("REHYDRATE_DISABLE", "list", (), "built-in managers to turn off (entropy, keys, tls, secrets, connections, routes, all)"),  # noqa: E501
     # detectors
     _V("REHYDRATE_GVISOR_PROC", "path", "/proc/gvisor", "gVisor's checkpoint/spec_environ directory (tests point it at a stand-in)"),  # noqa: E501
     _V("REHYDRATE_CONTROL_SOCKET", "path", None, "the control socket path; setting it starts the control detector with start('auto'), which fails loudly for a directory or path another user controls"),  # noqa: E501
     _V("REHYDRATE_CLOCK_INTERVAL", "seconds", 0.5, "clock-jump detector: seconds between checks", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_CLOCK_THRESHOLD", "seconds", 2.0, "clock-jump detector: a monotonic step beyond the expected sleep by more than this is a restore", minimum=0.001),  # noqa: E501
-    _V("REHYDRATE_CLOCK_GRACE", "seconds", 1.0, "clock-jump detector: how long it lets a more specific detector report first"),  # noqa: E501
-    _V("REHYDRATE_CLOCK_BUSY_CHECK", "flag", None, "clock-jump detector: tell a busy process from a frozen one by CPU time (default: on)"),  # noqa: E501
+    _V("REHYDRATE_CLOCK_PENDING_THRESHOLD", "seconds", 0.1, "clock-jump detector: while a snapshot is pending, a freeze longer than this is the checkpoint (ends it with the restore hooks)", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_CLOCK_GRACE", "seconds", 0.0, "clock-jump detector: how long it lets a more specific detector report first (0: the first notice runs the hooks at once)"),  # noqa: E501
+    _V("REHYDRATE_CLOCK_BUSY_CHECK", "flag", None, "clock-jump detector: tell a busy or GIL-stalled process from a frozen one (default: on)"),  # noqa: E501
     _V("REHYDRATE_IDENTITY_INTERVAL", "seconds", 2.0, "identity detector: seconds between checks", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_VMCLOCK_PATH", "path", "/dev/vmclock0", "vmclock detector: the VMClock device"),
     _V("REHYDRATE_VMCLOCK_INTERVAL", "seconds", 0.5, "vmclock detector: seconds between reads when the device cannot notify", minimum=0.001),  # noqa: E501

@@ -82,6 +82,11 @@ class RestoreContext:
     """``restore`` (a clone), ``resume`` (the original after a snapshot) or ``snapshot``."""
     env_changes: EnvChanges = field(default_factory=EnvChanges)
     frozen_for: float | None = None
+    confirmed_by: tuple[str, ...] = ()
+    """Reasons of later notices recognised as this same restore (they ran nothing)."""
+    deduplicated: bool = False
+    """True on the copy returned to a notice that was recognised as an earlier run (the
+    hooks did not run again for it); the stored report keeps False."""
     """Seconds spent frozen, when the detector knows it."""
     detected_at: float = 0.0
     """``time.monotonic()`` when the detector noticed the event."""
@@ -185,6 +190,11 @@ class Report:
     """One exception nesting every hook error (:class:`HookFailed`), or None."""
     env_changes: EnvChanges = field(default_factory=EnvChanges)
     frozen_for: float | None = None
+    confirmed_by: tuple[str, ...] = ()
+    """Reasons of later notices recognised as this same restore (they ran nothing)."""
+    deduplicated: bool = False
+    """True on the copy returned to a notice that was recognised as an earlier run (the
+    hooks did not run again for it); the stored report keeps False."""
 
     @property
     def event(self) -> str:
@@ -204,6 +214,8 @@ class Report:
             "duration": round(self.duration, 6),
             "started_at": self.started_at,
             "frozen_for": self.frozen_for,
+            "confirmed_by": list(self.confirmed_by),
+            "deduplicated": self.deduplicated,
             "env_changes": self.env_changes.to_dict(),
             "error": describe_error(self.error),
             "hooks": [h.to_dict() for h in self.hooks],

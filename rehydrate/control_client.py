@@ -315,7 +315,9 @@ def cmd_notify(args: argparse.Namespace) -> int:
     if reply is not None and args.json:
         _dump(reply)
     elif code == EXIT_OK and reply is not None:
-        print(f"{action}: ok ({_summary(reply.get('report'))})")
+        dedup = (" — de-duplicated: this restore had already run, nothing ran again"
+                 if reply.get("deduplicated") else "")
+        print(f"{action}: ok ({_summary(reply.get('report'))}){dedup}")
     return code
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -101,7 +103,7 @@ class Lifecycle:
                                   else _deadline_from_env())
         """Seconds after a successful before-snapshot run without a restore or resume
         after which the resume hooks run anyway (``None``: wait for ever). Default:
-        ``$REHYDRATE_SNAPSHOT_DEADLINE``, else off."""
+        ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
         self.builtins = Registry()
         self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
         self._loop_thread = LoopThread()
@@ -126,6 +128,12 @@ class Lifecycle:
         self._last_restore_at: float | None = None
         self._last_restore_report: RestoreReport | None = None
         self._event_seq = 0  # +1 per run (under _run_lock); ends a snapshot deadline watch
+
+        # Freeze watch (see heartbeat()): fed by a watcher thread, read by is_ready().
+        self._beat: float | None = None
+        self._beat_limit = math.inf
+        self._gap_since: float | None = None
+        self._freeze_noticed_at: float | None = None
 
         self._detectors: list[Detector] = []
         self._detector_errors: dict[str, str] = {}
@@ -251,7 +259,17 @@ class Lifecycle:
             self._state == "degraded" and last is not None and last.kind == "snapshot")
 
     def is_ready(self) -> bool:
-        return self._state in ("running", "ready")
+        """True in the original before any snapshot and after a successful restore run.
+
+        False from the moment a clone resumes until that restore's hooks ran: besides the
+        state, it checks the freeze watch (when one runs, see :meth:`heartbeat`) — a
+        heartbeat older than its limit means the process was frozen and the detectors
+        have not caught up yet. Costs one clock read.
+        """
+        if self._state not in ("running", "ready") or self._freeze_noticed_at is not None:
+            return False
+        beat = self._beat
+        return beat is None or time.monotonic() - beat <= self._beat_limit
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until ready (True) or until ``timeout`` seconds passed (False).
@@ -261,7 +279,7 @@ class Lifecycle:
         """
         if inside_hook.get() is self._runner and not self.is_ready():
             raise RuntimeError("wait_ready() inside a hook would wait for its own event")
-        with self._cond:
+        with self._cond:  # every change of readiness notifies (runs, heartbeats after a gap)
             return self._cond.wait_for(self.is_ready, timeout)
 
     def status(self) -> Status:
@@ -273,10 +291,14 @@ class Lifecycle:
                 extra[key] = fn()
             except Exception as exc:  # a status field must never break status()
                 extra[key] = f"unavailable: {type(exc).__name__}"
+        ready = self.is_ready()
+        state = self._state
+        if not ready and state in ("running", "ready"):
+            state = "restoring"  # frozen and resumed: the detectors have not caught up yet
         return Status(
-            state=self._state,
+            state=state,
             generation=self._generation,
-            ready=self.is_ready(),
+            ready=ready,
             detectors=tuple(d.name for d in self._detectors),
             last_report=self._last_report,
             extra=extra,
@@ -286,6 +308,60 @@ class Lifecycle:
         with self._cond:
             self._state = state
             self._cond.notify_all()
+
+    # -- freeze watch ----------------------------------------------------------------
+
+    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None) -> None:
+        """A freeze watcher (the clock-jump detector's thread) saw the process running.
+
+        ``now``: its ``time.monotonic()`` reading; ``limit``: seconds after which a missing
+        heartbeat means the process was frozen (:meth:`is_ready` then says False until the
+        watcher caught up); ``gap_since``: the previous heartbeat, when this one came
+        noticeably late — a freeze too short to be reported as a restore, which still
+        makes a later notice without a time of its own a new restore (see
+        :meth:`freeze_since`).
+        """
+        with self._cond:
+            beat = self._beat
+            stale = beat is not None and now - beat > self._beat_limit
+            if beat is None and self._gap_since is None:
+                self._gap_since = now  # no freeze seen since the watch began
+            if gap_since is not None:
+                self._gap_since = gap_since
+            self._beat, self._beat_limit = now, limit
+            if stale:
+                self._cond.notify_all()
+
+    def freeze_noticed(self, since: float, now: float) -> None:
+        """A freeze watcher saw a freeze that began after ``since``: not ready until a
+        restore (or resume) run handled it."""
+        with self._cond:
+            self._freeze_noticed_at = now
+            self._gap_since = since
+            self._beat = now
+
+    def heartbeat_stopped(self) -> None:
+        """The freeze watcher stopped: readiness no longer checks its heartbeat."""
+        with self._cond:
+            self._beat, self._beat_limit = None, math.inf
+            self._freeze_noticed_at = None
+            self._cond.notify_all()
+
+    def freeze_since(self) -> float | None:
+        """For a notice that cannot tell when its freeze was (``notify restore`` without a
+        ``save`` before it): a ``time.monotonic()`` moment before the latest freeze this
+        engine knows of, or None when no freeze watch runs.
+
+        A restore already run after that moment is the notice's restore (nothing froze
+        since); a freeze not noticed yet (the heartbeat is late right now) makes it new.
+        """
+        with self._cond:
+            beat = self._beat
+            if beat is None:
+                return None
+            if time.monotonic() - beat > self._beat_limit:
+                return beat
+            return self._gap_since
 
     # -- hooks -----------------------------------------------------------------------
 
@@ -363,9 +439,7 @@ class Lifecycle:
                 return self._seen[key]  # type: ignore[return-value]
             last_at, last = self._last_restore_at, self._last_restore_report
             if since is not None and last is not None and last_at is not None and last_at > since:
-                log.info("restore notice from %s is the restore already handled (reason %s)",
-                         reason, last.reason)
-                return last
+                return self._confirm(last, reason)
             report = self._run_restore(reason, kind, frozen_for, env, detected)
             if anchor:
                 self._last_restore_at = detected
@@ -374,6 +448,30 @@ class Lifecycle:
                 self._remember(key, report)
         self._publish(report)
         return report
+
+    def _confirm(self, last: RestoreReport, reason: str) -> RestoreReport:
+        """A later notice of the restore ``last`` ran for: record it, run nothing.
+
+        Under ``_run_lock``. The stored report gains ``reason`` in ``confirmed_by``; the
+        notice gets a copy flagged ``deduplicated``.
+        """
+        log.info("restore notice from %s is the restore already handled (reason %s)",
+                 reason, last.reason)
+        confirmed = dataclasses.replace(last, confirmed_by=(*last.confirmed_by, reason))
+        self._last_restore_report = confirmed
+        with self._cond:
+            if self._last_report is last:
+                self._last_report = confirmed
+            self._freeze_handled(time.monotonic())
+        return dataclasses.replace(confirmed, deduplicated=True)
+
+    def _freeze_handled(self, detected: float) -> None:
+        """A restore run (or a recognised duplicate) covers a freeze noticed before
+        ``detected``. Under ``_cond``."""
+        noticed = self._freeze_noticed_at
+        if noticed is not None and noticed <= detected:
+            self._freeze_noticed_at = None
+            self._cond.notify_all()
 
     def snapshot_requested(
         self, reason: str = "simulated", *, key: str | None = None
@@ -509,7 +607,10 @@ class Lifecycle:
         report = RestoreReport(ok=ok, generation=generation, reason=reason, kind=kind,
                                duration=duration, hooks=tuple(results), started_at=started,
                                error=error, env_changes=ctx.env_changes, frozen_for=frozen_for)
-        self._set_state("ready" if ok else "degraded")
+        with self._cond:
+            self._state = "ready" if ok else "degraded"
+            self._freeze_handled(detected)
+            self._cond.notify_all()
         if self._observers:
             _notify_observers(tuple(self._observers), "event_finished", ctx, report)
         return report
@@ -686,6 +787,11 @@ def _positive_or_none(value: float, what: str) -> float:
     if not value > 0 or value == float("inf"):  # also rejects NaN
         raise ValueError(f"{what} must be a positive finite number of seconds, not {value!r}")
     return value
+
+
+DEFAULT_SNAPSHOT_DEADLINE: float = _config.default("REHYDRATE_SNAPSHOT_DEADLINE")
+"""The last resort after a before-snapshot pass when no restore, resume or checkpoint
+freeze is ever noticed (``REHYDRATE_SNAPSHOT_DEADLINE``; ``off`` disables it)."""
 
 
 def _deadline_from_env() -> float | None:

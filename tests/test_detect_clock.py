@@ -131,9 +131,32 @@ def test_specific_detector_reports_first_and_hooks_run_once(rehydrate_engine):
     assert rec.calls == []  # it is giving the specific detector its grace
     report = rehydrate_engine.restore_detected("gvisor", kind="restore")
     wait_for(lambda: det.last_report is not None, what="the clock-jump notice")
-    assert det.last_report is report  # the same restore: its report, nothing ran again
+    # the same restore: its report, flagged as a confirmation; nothing ran again
+    assert det.last_report.started_at == report.started_at
+    assert det.last_report.deduplicated and det.last_report.confirmed_by == ("clock-jump",)
     assert [c["reason"] for c in rec.calls] == ["gvisor"]
     assert rehydrate_engine.status().generation == 1
+
+
+def test_no_grace_by_default_the_later_specific_notice_confirms(rehydrate_engine):
+    """Issue 10: the first notice runs the hooks at once, even with a more specific
+    detector running; that detector's later notice only confirms the restore."""
+    rec = Recorder(rehydrate_engine)
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
+    assert det.grace == 0
+    rehydrate_engine.start([det, FakeSpecific()])
+    wait_for(lambda: det.ticks >= 2)
+    clock.offset += 8.0
+    rec.wait(1, timeout=1.0)
+    assert [c["reason"] for c in rec.calls] == ["clock-jump"]
+    later = rehydrate_engine.restore_detected("gvisor", since=time.monotonic() - 2.0)
+    assert later.deduplicated and later.reason == "clock-jump"
+    assert later.confirmed_by == ("gvisor",)
+    stored = rehydrate_engine.status().last_report
+    assert stored.confirmed_by == ("gvisor",) and not stored.deduplicated
+    assert stored.to_dict()["confirmed_by"] == ["gvisor"]
+    assert len(rec.calls) == 1
 
 
 def test_without_a_specific_report_the_grace_ends(rehydrate_engine):
@@ -224,5 +247,110 @@ def test_real_freeze_seen_by_two_detectors_runs_hooks_once_with_the_specific_rea
         assert done["jumps"] == 1  # the clock jump was seen and reported …
         assert done["clock_report"] == "signal"  # … as a duplicate of the signal's restore
         assert done["calls"] == ["signal"]
+    finally:
+        child.close()
+
+
+READY_LOOP = textwrap.dedent("""
+    import json, os, sys, time
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock import ClockJumpDetector
+
+    def say(**kw):
+        sys.stdout.write(json.dumps(kw) + "\\n"); sys.stdout.flush()
+
+    engine = isolated_engine()
+    ran = []
+    engine.registry.after_restore(lambda ctx: ran.append(time.monotonic()))
+    det = ClockJumpDetector(interval=0.5, threshold=1.0)
+    engine.start([det])
+    pending = os.environ.get("MODE") == "pending"
+    if pending:
+        engine.simulate_snapshot()
+    say(event="ready", pid=os.getpid(), state=engine.state)
+    last = time.monotonic()
+    lies = 0
+    while True:
+        now = time.monotonic()
+        if now - last > 1.0:  # this loop itself was frozen: the process has just resumed
+            if engine.is_ready() and not ran:
+                lies += 1  # ready before the restore hooks ran
+            break
+        last = now
+        time.sleep(0.001)
+    if pending:
+        ticks = det.ticks
+        while det.ticks < ticks + 3:
+            time.sleep(0.01)
+        say(event="after-stop", state=engine.state, ran=len(ran), stop_skips=det.stop_skips,
+            jumps=det.jumps)
+    else:
+        ok = engine.wait_ready(timeout=10)
+        say(event="resumed", ok=ok, lies=lies, ran=len(ran), waited=time.monotonic() - now,
+            status=engine.status().state, generation=engine.generation)
+""")
+
+
+def test_not_ready_right_after_a_freeze_until_the_hooks_ran():
+    """Issue 10: a loop that asks is_ready() the moment the process runs again never sees
+    True before the restore hooks ran, and wait_ready() returns as soon as they did."""
+    child = Child(READY_LOOP, env={"MODE": "ready"})
+    try:
+        ready = child.next()
+        _freeze(ready["pid"], 1.8)
+        resumed = child.next()
+        assert resumed["event"] == "resumed"
+        assert resumed["lies"] == 0, resumed
+        assert resumed["ok"] and resumed["ran"] == 1 and resumed["generation"] == 1, resumed
+        assert resumed["waited"] < 1.0, "wait_ready() waited for the hooks, not a grace"
+        assert resumed["status"] == "ready"
+    finally:
+        child.close()
+
+
+def test_job_control_stop_during_a_pending_snapshot_is_not_the_checkpoint():
+    """Issue 13 item 5: a SIGSTOP after the before-snapshot hooks (a stall, not a dump)
+    must not end the snapshot: no restore hooks, still snapshotting."""
+    child = Child(READY_LOOP, env={"MODE": "pending"})
+    try:
+        ready = child.next()
+        assert ready["state"] == "snapshotting"
+        _freeze(ready["pid"], 1.5)
+        after = child.next()
+        assert after["event"] == "after-stop"
+        assert (after["state"], after["ran"], after["jumps"]) == ("snapshotting", 0, 0), after
+        assert after["stop_skips"] == 1, after
+    finally:
+        child.close()
+
+
+GIL_STALL = textwrap.dedent("""
+    import ctypes, json, sys, time
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock import ClockJumpDetector
+
+    engine = isolated_engine()
+    ran = []
+    engine.registry.after_restore(lambda ctx: ran.append(ctx.reason))
+    det = ClockJumpDetector(interval=0.1, threshold=1.0)
+    engine.start([det])
+    while det.ticks < 3:
+        time.sleep(0.01)
+    ctypes.PyDLL(None).usleep(2500000)  # a C call that sleeps holding the GIL
+    ticks = det.ticks
+    while det.ticks < ticks + 3:
+        time.sleep(0.01)
+    print(json.dumps({"ran": ran, "busy_skips": det.busy_skips, "jumps": det.jumps,
+                      "generation": engine.generation}), flush=True)
+""")
+
+
+def test_a_gil_stall_without_cpu_is_not_a_restore():
+    """Issue 13 item 5: a 2.5 s C call holding the GIL (sleeping: no CPU) is a stall; the
+    detector thread's own wake-ups while it waited for the GIL tell it from a freeze."""
+    child = Child(GIL_STALL)
+    try:
+        out = child.next(timeout=20)
+        assert out == {"ran": [], "busy_skips": 1, "jumps": 0, "generation": 0}, out
     finally:
         child.close()

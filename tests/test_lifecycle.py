@@ -405,16 +405,23 @@ def test_since_semantics_from_many_threads_runs_hooks_once(rehydrate_engine):
         lambda i: rehydrate_engine.restore_detected(
             ["clock-jump", "gvisor", "identity", "signal"][i % 4], since=since))
     assert len(runs) == 1
-    assert all(r is reports[0] for r in reports)
+    ran = [r for r in reports if not r.deduplicated]
+    assert len(ran) == 1
+    assert all(r.started_at == ran[0].started_at for r in reports)
+    # every later notice is recorded on the report, with its reason
+    confirmed = rehydrate_engine.status().last_report.confirmed_by
+    assert len(confirmed) == 15
+    assert sorted(confirmed + (ran[0].reason,)) == sorted(
+        ["clock-jump", "gvisor", "identity", "signal"] * 4)
     assert rehydrate_engine.generation == 1
 
     # a notice whose `since` is before the last handled restore is that restore
     late = rehydrate_engine.restore_detected("clock-jump", since=since)
-    assert late is reports[0] and len(runs) == 1
+    assert late.deduplicated and late.started_at == ran[0].started_at and len(runs) == 1
     # a detector that saw the process after the last restore reports a new one
     since2 = time.monotonic()
     fresh = rehydrate_engine.restore_detected("clock-jump", since=since2)
-    assert fresh is not reports[0] and len(runs) == 2 and fresh.generation == 2
+    assert not fresh.deduplicated and len(runs) == 2 and fresh.generation == 2
     # no `since`, no key: every notice is a new event
     rehydrate_engine.restore_detected("manual")
     assert len(runs) == 3

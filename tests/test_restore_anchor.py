@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 
 from rehydrate import Lifecycle, Registry
+from rehydrate.cli import main as cli_main
+from rehydrate.control_client import request
+from rehydrate.detect.control import ControlServer
 from rehydrate.env import EnvRefresher
+from rehydrate.lifecycle import DEFAULT_SNAPSHOT_DEADLINE
 
 DEADLINE = 10.0
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +56,54 @@ def test_carry_on_resume_is_not_an_anchor(rehydrate_engine: Lifecycle) -> None:
     assert [r[0] for r in runs] == ["control", "clock-jump"]
     # An anchored run still merges a second notice of the same restore.
     dup = rehydrate_engine.restore_detected("identity", since=since)
-    assert dup is report and len(runs) == 2
+    assert dup.deduplicated and dup.started_at == report.started_at and len(runs) == 2
+
+
+# -- freeze watch: readiness and "no new freeze since" de-duplication ----------------------
+
+
+def test_freeze_watch_readiness_and_late_notices(rehydrate_engine: Lifecycle, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 10: a stale heartbeat means not ready; a late ``notify restore`` without a
+    ``notify save`` after the clock jump ran is a duplicate (flagged in the reply, the
+    text and ``confirmed_by``); after another freeze the same notice runs again."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    server = ControlServer(engine, str(tmp_path / "c.sock"))
+    server.start()
+    try:
+        t = time.monotonic()
+        engine.heartbeat(t - 10, 1.0)  # the watch began
+        engine.heartbeat(t - 3, 1.0)   # the last heartbeat before a freeze
+        assert not engine.is_ready() and not engine.wait_ready(timeout=0.01)
+        assert engine.status().state == "restoring" and not engine.status().ready
+        engine.freeze_noticed(t - 3, t)  # what the clock-jump detector does, then its run
+        first = engine.restore_detected("clock-jump", since=t - 3, detected_at=t)
+        assert engine.is_ready() and first.generation == 1
+
+        reply = request("restore", socket_path=server.path)
+        assert reply["ok"] and reply["deduplicated"] is True, reply
+        assert reply["report"]["reason"] == "clock-jump"
+        assert reply["report"]["confirmed_by"] == ["control"]
+        assert engine.status().last_report.confirmed_by == ("control",)
+        assert cli_main(["notify", "restore", "--socket", server.path]) == 0
+        assert "de-duplicated" in capsys.readouterr().out
+        assert runs == [("clock-jump", "restore", 1)]
+
+        # The clone is checkpointed and restored again: a new freeze, noticed first by
+        # the notice itself (the heartbeat is late): a new restore.
+        engine.heartbeat(time.monotonic(), 0.05)  # the last heartbeat before that freeze
+        deadline = time.monotonic() + 5
+        while engine.is_ready():  # the heartbeat goes stale: the process "was frozen"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        reply = request("restore", socket_path=server.path)
+        assert reply["deduplicated"] is False and reply["report"]["generation"] == 2
+        assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
+        engine.heartbeat(time.monotonic(), 1.0)
+        assert engine.is_ready()
+    finally:
+        server.stop()
 
 
 # -- snapshot deadline -------------------------------------------------------------------
@@ -62,7 +113,8 @@ def _engine(**kw: object) -> Lifecycle:
     return Lifecycle(Registry(), env=EnvRefresher(path=None), **kw)  # type: ignore[arg-type]
 
 
-def test_state_stays_snapshotting_without_deadline() -> None:
+def test_state_stays_snapshotting_without_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", "off")
     engine = _engine()
     try:
         assert engine.snapshot_deadline is None
@@ -122,16 +174,25 @@ def test_snapshot_deadline_from_environment(monkeypatch: pytest.MonkeyPatch,
     engine = _engine()
     assert engine.snapshot_deadline == 12.5
     engine.close()
-    for off in ("0", "off", ""):
+    for off in ("0", "off", "none"):
         monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", off)
         engine = _engine()
         assert engine.snapshot_deadline is None
+        engine.close()
+    # Issue 10: bounded by default, the last resort when no resume notice ever comes.
+    for unset in ("", None):
+        if unset is None:
+            monkeypatch.delenv("REHYDRATE_SNAPSHOT_DEADLINE")
+        else:
+            monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", unset)
+        engine = _engine()
+        assert engine.snapshot_deadline == DEFAULT_SNAPSHOT_DEADLINE
         engine.close()
     caplog.set_level(logging.WARNING, logger="rehydrate")
     for bad in ("soon", "-3", "nan", "inf"):
         monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", bad)
         engine = _engine()
-        assert engine.snapshot_deadline is None
+        assert engine.snapshot_deadline == DEFAULT_SNAPSHOT_DEADLINE
         engine.close()
     assert sum("REHYDRATE_SNAPSHOT_DEADLINE" in r.getMessage() for r in caplog.records) == 4
     with pytest.raises(ValueError, match="snapshot_deadline"):
@@ -141,7 +202,11 @@ def test_snapshot_deadline_from_environment(monkeypatch: pytest.MonkeyPatch,
 CHILD = """
 import json, sys, time
 from rehydrate import Lifecycle, Registry
+from rehydrate.cli import main as cli_main
+from rehydrate.control_client import request
+from rehydrate.detect.control import ControlServer
 from rehydrate.env import EnvRefresher
+from rehydrate.lifecycle import DEFAULT_SNAPSHOT_DEADLINE
 engine = Lifecycle(Registry(), env=EnvRefresher(path=None), snapshot_deadline=1.0)
 engine.simulate_snapshot()
 print("armed", flush=True)

@@ -15,10 +15,35 @@ restores a VM with its guest clock carried over (a Firecracker snapshot restores
 kvm-clock from the snapshot) may show no step at all — use the vmclock detector or the
 SnapStart bridge there.
 
-A Python thread also wakes late when another thread holds the GIL in a long C call. That
-looks like a jump, but the process was busy, not frozen: its CPU time advanced. A step
-during which the process used CPU for at least 80 % of the elapsed wall time is logged
-and not reported (``busy_check``; a frozen process uses no CPU while frozen).
+A Python thread also wakes late when another thread holds the GIL. That looks like a
+jump, but the process was stalled, not frozen, and the detector thread itself can tell:
+while it waits for the GIL it wakes every 5 ms (the interpreter's switch interval) to ask
+for it, which shows in its own voluntary context switches (``getrusage(RUSAGE_THREAD)``,
+native Linux) and in its own CPU time (gVisor, which counts no context switches: measured
+under runsc, a 3.1 s GIL-holding C call cost the waiting thread 0.3 s of CPU, a 4.6 s
+checkpoint/restore freeze 0.01 s). A frozen thread does neither. Such a stall, and a step
+during which the process used CPU for at least 80 % of the elapsed time, is logged and
+not reported (``busy_check``).
+
+Freeze watch: every wake-up is a heartbeat for the engine
+(:meth:`~rehydrate.lifecycle.Lifecycle.heartbeat`). A clone whose main loop asks
+``is_ready()`` right after it resumed — before this thread has run — gets False, because
+the last heartbeat is older than ``interval + threshold``; the hooks run, then it is ready.
+
+No grace: the first notice of a restore runs the hooks at once. A more specific detector
+(the gVisor waiter, ``notify restore``) reporting the same restore later only confirms it
+(``confirmed_by`` in the report).
+
+While a snapshot is pending (after the before-snapshot hooks, before any restore or
+resume notice) the checkpoint itself is the freeze to look for, and it can be short
+(measured: 0.13-0.21 s for ``runsc checkpoint --leave-running``). A step of more than
+``pending_threshold`` (default 0.1 s) is then taken for the checkpoint and ends it with
+the restore hooks (kind ``restore``: without a notice the original after a checkpoint that
+left it running cannot be told from a clone, and a fresh identity is the safe side). A
+job-control stop is not a checkpoint: when the detector was started from the main thread
+and ``SIGCONT`` has no handler, it records ``SIGCONT`` (a stopped process receives it
+when continued; checkpoints and freezers send none), and a freeze that ended with one
+leaves the snapshot pending. A GIL stall never ends it either.
 
 Detection latency: after a freeze the pending sleep is already overdue, so the thread
 wakes as soon as the process runs again; ``interval`` bounds only the part of the
@@ -26,17 +51,19 @@ freeze that can go unnoticed (a step is measured from the last wake-up). Idle co
 one wake-up per ``interval``.
 
 Configuration: ``REHYDRATE_CLOCK_INTERVAL`` (seconds, default 0.5),
-``REHYDRATE_CLOCK_THRESHOLD`` (default 2.0), ``REHYDRATE_CLOCK_GRACE`` (how long to let
-a more specific detector report first, default 1.0), ``REHYDRATE_CLOCK_BUSY_CHECK``
-(1/0, default 1).
+``REHYDRATE_CLOCK_THRESHOLD`` (default 2.0), ``REHYDRATE_CLOCK_PENDING_THRESHOLD``
+(default 0.1), ``REHYDRATE_CLOCK_GRACE`` (how long to let a more specific detector report
+first, default 0: none), ``REHYDRATE_CLOCK_BUSY_CHECK`` (1/0, default 1).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from .. import _config
@@ -44,6 +71,7 @@ from ._util import DeferringDetector, positive
 
 if TYPE_CHECKING:
     from ..context import RestoreReport
+    from ..lifecycle import Lifecycle
 
 __all__ = ["ClockJumpDetector"]
 
@@ -51,8 +79,80 @@ log = logging.getLogger("rehydrate")
 
 DEFAULT_INTERVAL: float = _config.default("REHYDRATE_CLOCK_INTERVAL")
 DEFAULT_THRESHOLD: float = _config.default("REHYDRATE_CLOCK_THRESHOLD")
+DEFAULT_PENDING_THRESHOLD: float = _config.default("REHYDRATE_CLOCK_PENDING_THRESHOLD")
 DEFAULT_GRACE: float = _config.default("REHYDRATE_CLOCK_GRACE")
 BUSY_FRACTION = 0.8
+GIL_WAKEUPS_PER_S = 20.0
+"""A thread waiting for the GIL wakes about 200 times a second; a frozen one never."""
+GIL_CPU_FRACTION = 0.03
+"""gVisor: the waiting thread's own CPU share while it waits for the GIL (measured 10 %)."""
+GAP_SLACK = 0.1
+"""A heartbeat this much later than the sleep is a gap: a freeze too short to report,
+remembered so that a later notice without a time of its own counts as a new restore."""
+_CONT_WAIT = 0.2
+"""How long a freeze seen while a snapshot is pending waits for the SIGCONT handler."""
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """What one wake-up of the detector thread measured."""
+
+    now: float
+    cpu: float
+    thread_cpu: float
+    switches: int
+
+
+def _switches() -> int:
+    """Voluntary context switches of the calling thread (0 where not counted: gVisor)."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw)
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - non-Linux
+        return 0
+
+
+class _ContWatch:
+    """Records SIGCONT (a job-control stop ended) for the whole process, once."""
+
+    installed = False
+    last: float | None = None
+    event = threading.Event()
+
+    @classmethod
+    def install(cls) -> bool:
+        if cls.installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        try:
+            if signal.getsignal(signal.SIGCONT) not in (signal.SIG_DFL, None):
+                return False  # the application's own handler: leave it alone
+            signal.signal(signal.SIGCONT, cls._handler)
+        except (ValueError, OSError, AttributeError):  # pragma: no cover
+            return False
+        cls.installed = True
+        return True
+
+    @classmethod
+    def _handler(cls, signum: int, frame: object) -> None:
+        cls.last = time.monotonic()
+        cls.event.set()
+
+    @classmethod
+    def continued_since(cls, since: float) -> bool:
+        """Was a SIGCONT handled after ``since``? Waits briefly for a pending handler
+        (Python runs it in the main thread, which may still be waking up)."""
+        if not cls.installed:
+            return False
+        last = cls.last
+        if last is not None and last > since:
+            return True
+        cls.event.clear()
+        cls.event.wait(_CONT_WAIT)
+        last = cls.last
+        return last is not None and last > since
 
 
 class ClockJumpDetector(DeferringDetector):
@@ -68,6 +168,7 @@ class ClockJumpDetector(DeferringDetector):
         threshold: float | None = None,
         grace: float | None = None,
         *,
+        pending_threshold: float | None = None,
         clock: Callable[[], float] | None = None,
         cpu_clock: Callable[[], float] | None = None,
         busy_check: bool | None = None,
@@ -80,6 +181,10 @@ class ClockJumpDetector(DeferringDetector):
             threshold if threshold is not None
             else _config.number("REHYDRATE_CLOCK_THRESHOLD"),
             "threshold")
+        self.pending_threshold = positive(
+            pending_threshold if pending_threshold is not None
+            else _config.number("REHYDRATE_CLOCK_PENDING_THRESHOLD"),
+            "pending_threshold")
         self.grace = (grace if grace is not None
                       else _config.number("REHYDRATE_CLOCK_GRACE"))
         if busy_check is None:
@@ -92,7 +197,9 @@ class ClockJumpDetector(DeferringDetector):
         self.jumps = 0
         """Steps reported as restores (duplicates included)."""
         self.busy_skips = 0
-        """Steps ignored because the process was busy, not frozen."""
+        """Steps ignored because the process was busy or stalled on the GIL, not frozen."""
+        self.stop_skips = 0
+        """Freezes during a pending snapshot that were job-control stops (SIGCONT)."""
         self.ticks = 0
         self.pending = False
         """True while a jump was seen and more specific detectors get their grace."""
@@ -113,34 +220,82 @@ class ClockJumpDetector(DeferringDetector):
 
     # -- the thread ------------------------------------------------------------------
 
-    def _loop(self, stop: threading.Event) -> None:
-        interval, threshold = self.interval, self.threshold
-        last, last_cpu = self.clock(), self.cpu_clock()
-        while not stop.wait(interval):
-            now, cpu = self.clock(), self.cpu_clock()
-            self.ticks += 1
-            elapsed = now - last
-            step = elapsed - interval
-            if step > threshold:
-                if self.busy_check and cpu - last_cpu >= BUSY_FRACTION * elapsed:
-                    log.warning(
-                        "clock-jump: the detector thread woke %.1fs late but the process "
-                        "used %.1fs of CPU meanwhile (a call held the GIL?); not a restore",
-                        step, cpu - last_cpu)
-                    self.busy_skips += 1  # after the log: observers of the count see it
-                else:
-                    self._report(since=last, frozen_for=step, stop=stop)
-                    if stop.is_set():
-                        return
-                    # The hooks took time: measure the next sleep from now.
-                    now, cpu = self.clock(), self.cpu_clock()
-            last, last_cpu = now, cpu
+    def _prepare(self) -> None:
+        _ContWatch.install()
 
-    def _report(self, since: float, frozen_for: float, stop: threading.Event) -> None:
+    def _marks(self) -> _Marks:
+        return _Marks(self.clock(), self.cpu_clock(), time.thread_time(), _switches())
+
+    def _stall(self, before: _Marks, after: _Marks) -> str | None:
+        """Why a late wake-up was a stall of a running process (None: a freeze)."""
+        if not self.busy_check:
+            return None
+        elapsed = after.now - before.now
+        cpu = after.cpu - before.cpu
+        if cpu >= BUSY_FRACTION * elapsed:
+            return f"the process used {cpu:.1f}s of CPU meanwhile (a call held the GIL?)"
+        woke = after.switches - before.switches
+        if woke >= max(10.0, GIL_WAKEUPS_PER_S * elapsed):
+            return f"this thread woke {woke} times meanwhile (waiting for the GIL)"
+        own = after.thread_cpu - before.thread_cpu
+        if own >= max(0.03, GIL_CPU_FRACTION * elapsed):
+            return f"this thread used {own:.2f}s of CPU meanwhile (waiting for the GIL)"
+        return None
+
+    def _loop(self, stop: threading.Event) -> None:
+        if self._engine is None:
+            return
+        # The engine compares heartbeats with time.monotonic(): an injected clock (tests)
+        # feeds a private stand-in instead.
+        engine = self._engine if self.clock is time.monotonic else _NoWatch(self._engine)
+        interval, threshold = self.interval, self.threshold
+        limit = interval + threshold
+        last = self._marks()
+        engine.heartbeat(last.now, limit)
+        try:
+            while not stop.wait(interval):
+                marks = self._marks()
+                self.ticks += 1
+                step = marks.now - last.now - interval
+                pending = engine.snapshot_pending
+                if step > (self.pending_threshold if pending else threshold):
+                    stall = self._stall(last, marks)
+                    stopped = (stall is None and pending
+                               and _ContWatch.continued_since(last.now))
+                    if stopped:
+                        stall = "it ended with SIGCONT (a job-control stop)"
+                    if stall is not None:
+                        log.warning("clock-jump: the detector thread woke %.2fs late but %s; "
+                                    "not a %s", step, stall,
+                                    "checkpoint" if pending else "restore")
+                        # counted after the log line: tests wait on the count
+                        if stopped:
+                            self.stop_skips += 1
+                        else:
+                            self.busy_skips += 1
+                        engine.heartbeat(marks.now, limit, gap_since=last.now)
+                    else:
+                        engine.freeze_noticed(last.now, marks.now)
+                        self._report(since=last.now, frozen_for=step, stop=stop,
+                                     detected=marks.now)
+                        if stop.is_set():
+                            return
+                        # The hooks took time: measure the next sleep from now.
+                        marks = self._marks()
+                        engine.heartbeat(marks.now, limit)
+                else:
+                    engine.heartbeat(marks.now, limit,
+                                     gap_since=last.now if step > GAP_SLACK else None)
+                last = marks
+        finally:
+            engine.heartbeat_stopped()
+
+    def _report(self, since: float, frozen_for: float, stop: threading.Event,
+                detected: float) -> None:
         engine = self._engine
         if engine is None:
             return
-        log.info("clock-jump: CLOCK_MONOTONIC stepped %.1fs beyond the expected sleep",
+        log.info("clock-jump: CLOCK_MONOTONIC stepped %.2fs beyond the expected sleep",
                  frozen_for)
         self.pending = True
         try:
@@ -148,8 +303,29 @@ class ClockJumpDetector(DeferringDetector):
                 return
             self.jumps += 1
             self.last_report = engine.restore_detected(
-                "clock-jump", kind="restore", since=since, frozen_for=frozen_for)
+                "clock-jump", kind="restore", since=since, frozen_for=frozen_for,
+                detected_at=detected)
         except Exception:
             log.exception("clock-jump: running the restore hooks failed")
         finally:
             self.pending = False
+
+
+class _NoWatch:
+    """The engine as seen by a detector on an injected clock: no freeze watch."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self._engine = engine
+
+    @property
+    def snapshot_pending(self) -> bool:
+        return self._engine.snapshot_pending
+
+    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None) -> None:
+        pass
+
+    def freeze_noticed(self, since: float, now: float) -> None:
+        pass
+
+    def heartbeat_stopped(self) -> None:
+        pass

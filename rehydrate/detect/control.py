@@ -26,14 +26,20 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
 commands and incomplete requests get an error reply and the server keeps serving.
 
-Duplicate suppression: a ``restore``/``resume`` notice that follows a successful
-``prepare-snapshot`` on this socket passes ``since`` = the time of that prepare (the
-freeze came after it), so a restore the clock-jump detector already handled is not run
-twice; the notice consumes the prepare. A notice without such a prepare cannot know when
-the freeze was: it passes ``since`` = the engine's last anchored restore (or the socket's
-start), so it is never taken for an earlier restore — a restore only the clock jump saw
-must not hide a later ``notify restore`` (at worst the hooks run twice, never zero
-times). ``simulate`` runs and the resume runs below are not freeze anchors.
+Duplicate suppression: a ``restore``/``resume`` notice is the restore already handled
+when no freeze happened since that restore ran. It passes ``since`` = the later of the
+last successful ``prepare-snapshot`` on this socket (the freeze came after it; the notice
+consumes the prepare) and the engine's freeze watch
+(:meth:`~rehydrate.lifecycle.Lifecycle.freeze_since`: the clock-jump detector's heartbeat
+knows when the process last froze, even briefly), so a ``notify restore`` after the clock
+jump ran the hooks — with or without ``notify save`` — only confirms that run (the reply
+says ``"deduplicated": true`` and the report lists ``control`` in ``confirmed_by``), while
+a clone that is checkpointed and restored again still runs them again. Without a freeze
+watch (the clock-jump detector not running) and without a prepare, a notice cannot know
+when the freeze was: it passes ``since`` = the engine's last anchored restore (or the
+socket's start), so it is never taken for an earlier restore (at worst the hooks run
+twice, never zero times). ``simulate`` runs and the resume runs below are not freeze
+anchors.
 
 If the reply to ``prepare-snapshot`` cannot be delivered (the client went away, e.g.
 the platform's timeout killed ``rehydrate notify``), the platform aborts the
@@ -513,8 +519,11 @@ class ControlServer:
 
     def _since(self) -> float:
         """``since`` for a restore/resume notice (see the module docstring)."""
+        freeze = self.engine.freeze_since()
         if self._last_prepare is not None:
-            return self._last_prepare
+            return max(self._last_prepare, freeze or 0.0)
+        if freeze is not None:
+            return freeze
         return max(self._started_at, self.engine.last_restore_at or 0.0)
 
     def _dispatch(self, cmd: str, req: Mapping[str, Any]) -> dict[str, Any]:
@@ -538,7 +547,8 @@ class ControlServer:
             since = self._since()
             self._last_prepare = None  # consumed: the next notice is about a later freeze
             report = engine.restore_detected("control", kind=kind, since=since)
-            out = {"ok": report.ok, "report": report.to_dict()}
+            out = {"ok": report.ok, "report": report.to_dict(),
+                   "deduplicated": report.deduplicated}
             if not report.ok:
                 failed = _failed_hooks(report)
                 out["error"] = f"{kind} hook(s) failed: {failed}"
