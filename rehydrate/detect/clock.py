@@ -86,9 +86,11 @@ GIL_WAKEUPS_PER_S = 20.0
 """A thread waiting for the GIL wakes about 200 times a second; a frozen one never."""
 GIL_CPU_FRACTION = 0.03
 """gVisor: the waiting thread's own CPU share while it waits for the GIL (measured 10 %)."""
-GAP_SLACK = 0.1
+GAP_SLACK = 0.5
 """A heartbeat this much later than the sleep is a gap: a freeze too short to report,
-remembered so that a later notice without a time of its own counts as a new restore."""
+remembered so that a later notice without a time of its own counts as a new restore.
+Well above scheduling noise: on a loaded 2-core host 0.1 s late wake-ups are common, and
+each would make a late ``notify restore`` run the hooks a second time."""
 _CONT_WAIT = 0.2
 """How long a freeze seen while a snapshot is pending waits for the SIGCONT handler."""
 
@@ -284,8 +286,8 @@ class ClockJumpDetector(DeferringDetector):
                         marks = self._marks()
                         engine.heartbeat(marks.now, limit)
                 else:
-                    engine.heartbeat(marks.now, limit,
-                                     gap_since=last.now if step > GAP_SLACK else None)
+                    gap = step > GAP_SLACK and self._stall(last, marks) is None
+                    engine.heartbeat(marks.now, limit, gap_since=last.now if gap else None)
                 last = marks
         finally:
             engine.heartbeat_stopped()

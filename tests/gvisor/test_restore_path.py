@@ -1,0 +1,212 @@
+"""The restore path under real runsc, for each configuration a user deploys (issue 10).
+
+Every clone runs a loop that asks ``rehydrate.is_ready()`` the moment it notices it was
+frozen (its 1 ms sleep came back seconds late): it must never see True before that
+restore's hooks ran (0 of N clones), ``wait_ready()`` must return as soon as the hooks
+ran (no fixed grace), and the hooks run exactly once per restore.
+
+Configurations (one checkpoint image each, shared by the clones of that configuration):
+
+* clock-jump only (no control socket);
+* ``REHYDRATE_CONTROL_SOCKET`` set, no ``notify`` at all;
+* the same image, and a late ``notify restore`` (no ``notify save`` before the
+  checkpoint): a duplicate, flagged as such;
+* ``notify save`` + ``runsc checkpoint --leave-running`` (trixie's runsc): the original
+  is ready again within a few seconds without ``notify resume``; its clones get
+  ``notify restore`` right away (racing the clock jump): one run.
+
+What is emulated: ``/proc/gvisor`` (neither Debian runsc has it) by a bind-mounted
+directory with ``spec_environ`` only, so the detectors in play are the clock jump and
+the control socket — the configurations without the gVisor waiter.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .harness import Container, GVisorHarness, Mount
+
+PROC = "/etc/rehydrate-gvisor"
+SOCKET = "/var/tmp/rehydrate.sock"
+REHYDRATE = str(Path(sys.executable).parent / "rehydrate")
+FROZEN = 2.5  # seconds between checkpoint and restore (> threshold + interval)
+GAP = 1.0  # the workload's loop takes a step this long for "I was frozen"
+
+WORKLOAD = f"""
+import json, os, threading, time
+import rehydrate
+
+out = open("/results/ev.jsonl", "a", buffering=1)
+lock = threading.Lock()
+hooks = []  # time.monotonic() at which each restore hook ran
+
+def emit(**rec):
+    with lock:
+        out.write(json.dumps(rec) + "\\n")
+
+@rehydrate.after_restore(name="app.after_restore")
+def after_restore(ctx):
+    hooks.append(time.monotonic())
+    emit(event="hook", reason=ctx.reason, kind=ctx.kind, generation=ctx.generation,
+         n=len(hooks), at=hooks[-1], detected_at=ctx.detected_at, frozen_for=ctx.frozen_for)
+
+emit(event="ready", detectors=rehydrate.start(), pid=os.getpid())
+last = time.monotonic()
+while True:
+    time.sleep(0.001)
+    now = time.monotonic()
+    if now - last > {GAP}:  # this loop was frozen: the process has just resumed
+        ready = rehydrate.is_ready()
+        after = time.monotonic()
+        lie = ready and not any(last < h < after for h in list(hooks))
+        ok = rehydrate.wait_ready(timeout=30)
+        emit(event="resumed", lie=lie, ready_at_once=ready, ok=ok, gap=now - last,
+             waited=time.monotonic() - now, state=rehydrate.status().state)
+    last = now
+"""
+
+
+def _spec_environ(path: Path, env: dict[str, str]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "spec_environ").write_bytes(
+        b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+
+
+def _original(gvisor: GVisorHarness, tmp_path: Path, name: str,
+              socket: bool) -> tuple[Container, Mount]:
+    proc = tmp_path / f"proc-{name}"
+    _spec_environ(proc, {"APP": "original"})
+    env = {"APP": "original", "REHYDRATE_GVISOR_PROC": PROC}
+    if socket:
+        env["REHYDRATE_CONTROL_SOCKET"] = SOCKET
+    mount = Mount(PROC, proc)
+    c = gvisor.run([sys.executable, "-c", WORKLOAD], env=env, mounts=[mount], name=name)
+    ready = c.wait_for("ev.jsonl", lambda r: r["event"] == "ready", timeout=60)
+    assert ("control" in ready["detectors"]) is socket, ready
+    assert "clock-jump" in ready["detectors"], ready
+    return c, mount
+
+
+def _frozen_until(t_checkpoint: float) -> None:
+    while time.monotonic() - t_checkpoint < FROZEN:
+        time.sleep(0.05)
+
+
+def _clones(gvisor: GVisorHarness, image: Path, orig: Container, tmp_path: Path,
+            name: str, n: int) -> list[Container]:
+    clones = []
+    for k in range(n):
+        proc = tmp_path / f"proc-{name}{k}"
+        _spec_environ(proc, {"APP": f"{name}{k}"})
+        clones.append(gvisor.restore(image, orig, name=f"{name}{k}", mounts=[Mount(PROC, proc)]))
+    return clones
+
+
+def _restored(clone: Container) -> dict[str, Any]:
+    """The clone's "resumed" record, after checking the readiness promise in it."""
+    rec = clone.wait_for("ev.jsonl", lambda r: r["event"] == "resumed", timeout=60)
+    assert rec["gap"] >= FROZEN - 0.5, rec
+    assert rec["lie"] is False, f"{clone.id}: is_ready() was True before the hooks ran: {rec}"
+    assert rec["ok"] is True and rec["state"] == "ready", rec
+    # No fixed grace: the old clock-jump grace held every restore for 1 s.
+    assert rec["waited"] < 0.9, f"{clone.id}: wait_ready() blocked {rec['waited']:.2f}s"
+    return rec
+
+
+def _runs(c: Container) -> list[dict[str, Any]]:
+    return [r for r in c.records("ev.jsonl") if r["event"] == "hook"]
+
+
+def _notify(c: Container, action: str) -> dict[str, Any]:
+    proc = c.exec([REHYDRATE, "notify", action, "--json"], timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    reply: dict[str, Any] = json.loads(proc.stdout)
+    return reply
+
+
+def _settled(c: Container, timeout: float = 15.0) -> dict[str, Any]:
+    """Status once the clone's clock-jump detector has seen its restore (run or confirmed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = c.exec([REHYDRATE, "status", "--json"], timeout=60)
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        status: dict[str, Any] = json.loads(proc.stdout)
+        last = status["last_report"] or {}
+        if "clock-jump" in [last.get("reason"), *last.get("confirmed_by", [])]:
+            return status
+        assert time.monotonic() < deadline, f"{c.id}: the clock jump never reported: {status}"
+        time.sleep(0.1)
+
+
+@pytest.mark.gvisor
+def test_clock_jump_only_and_control_socket_without_notify(
+        gvisor_uncompressed: GVisorHarness, tmp_path: Path) -> None:
+    gvisor = gvisor_uncompressed
+    plain, _ = _original(gvisor, tmp_path, "plain", socket=False)
+    sock, _ = _original(gvisor, tmp_path, "sock", socket=True)
+    t = time.monotonic()
+    plain_image = plain.checkpoint()
+    sock_image = sock.checkpoint()
+    _frozen_until(t)
+    clones = {
+        "clock-jump only": _clones(gvisor, plain_image, plain, tmp_path, "plain", 3),
+        "control socket, no notify": _clones(gvisor, sock_image, sock, tmp_path, "sock", 3),
+        "late notify restore": _clones(gvisor, sock_image, sock, tmp_path, "late", 2),
+    }
+    for config, group in clones.items():
+        for clone in group:
+            _restored(clone)
+            runs = _runs(clone)
+            assert [(r["reason"], r["kind"], r["generation"]) for r in runs] == [
+                ("clock-jump", "restore", 1)], (config, runs)
+    # A late notify restore, no notify save before the checkpoint: the same restore.
+    for clone in clones["late notify restore"]:
+        reply = _notify(clone, "restore")
+        assert reply["deduplicated"] is True, reply
+        assert reply["report"]["reason"] == "clock-jump", reply
+        assert reply["report"]["confirmed_by"] == ["control"], reply
+        text = clone.exec([REHYDRATE, "notify", "restore"], timeout=60)
+        assert text.returncode == 0 and "de-duplicated" in text.stdout, text
+        assert len(_runs(clone)) == 1, _runs(clone)
+
+
+@pytest.mark.gvisor
+def test_notify_save_then_leave_running_checkpoint_and_notify_restore(
+        gvisor_uncompressed: GVisorHarness, tmp_path: Path) -> None:
+    gvisor = gvisor_uncompressed
+    orig, _ = _original(gvisor, tmp_path, "saved", socket=True)
+    saved = _notify(orig, "save")
+    assert saved["ok"] is True, saved
+    t = time.monotonic()
+    image = orig.checkpoint(leave_running=True)
+    # The original comes back by itself: no notify resume.
+    deadline = time.monotonic() + 5.0
+    while not _runs(orig):
+        assert time.monotonic() < deadline, "the original is not ready again 5 s after the checkpoint"
+        time.sleep(0.05)
+    status = json.loads(orig.exec([REHYDRATE, "status", "--json"], timeout=60).stdout)
+    assert status["ready"] is True and status["state"] == "ready", status
+    assert [r["reason"] for r in _runs(orig)] == ["clock-jump"], _runs(orig)
+    print(f"\noriginal ready again {time.monotonic() - t:.2f}s after the checkpoint began; "
+          f"frozen for {_runs(orig)[0]['frozen_for']:.3f}s")
+
+    _frozen_until(t)
+    clones = _clones(gvisor, image, orig, tmp_path, "saved", 2)
+    replies = [_notify(c, "restore") for c in clones]  # right away, racing the clock jump
+    for clone, reply in zip(clones, replies):
+        _restored(clone)
+        status = _settled(clone)
+        runs = _runs(clone)
+        assert len(runs) == 1 and runs[0]["generation"] == 1, runs
+        assert status["generation"] == 1, status
+        last = status["last_report"]
+        # whichever came first ran the hooks; the other confirmed it
+        assert sorted([last["reason"], *last["confirmed_by"]]) == ["clock-jump", "control"], last
+        assert reply["report"]["started_at"] == last["started_at"], (reply, last)
+    assert len(_runs(orig)) == 1, "the clones' notices never reached the original"
