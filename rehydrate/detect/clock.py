@@ -206,6 +206,7 @@ class ClockJumpDetector(DeferringDetector):
         self.pending = False
         """True while a jump was seen and more specific detectors get their grace."""
         self.last_report: RestoreReport | None = None
+        self._based = threading.Event()
         super().__init__()
 
     @classmethod
@@ -224,6 +225,13 @@ class ClockJumpDetector(DeferringDetector):
 
     def _prepare(self) -> None:
         _ContWatch.install()
+        self._based = threading.Event()
+
+    def start(self, engine: Lifecycle) -> None:
+        """Start the thread; return once it has taken its first reading (at most 1 s):
+        a checkpoint right after ``start()`` is then still measured from before it."""
+        super().start(engine)
+        self._based.wait(1.0)
 
     def _marks(self) -> _Marks:
         return _Marks(self.clock(), self.cpu_clock(), time.thread_time(), _switches())
@@ -254,6 +262,7 @@ class ClockJumpDetector(DeferringDetector):
         limit = interval + threshold
         last = self._marks()
         engine.heartbeat(last.now, limit)
+        self._based.set()
         try:
             while not stop.wait(interval):
                 marks = self._marks()

@@ -188,7 +188,7 @@ def test_notify_save_then_leave_running_checkpoint_and_notify_restore(
     # The original comes back by itself: no notify resume.
     deadline = time.monotonic() + 5.0
     while not _runs(orig):
-        assert time.monotonic() < deadline, "the original is not ready again 5 s after the checkpoint"
+        assert time.monotonic() < deadline, "the original is not ready 5 s after the checkpoint"
         time.sleep(0.05)
     status = json.loads(orig.exec([REHYDRATE, "status", "--json"], timeout=60).stdout)
     assert status["ready"] is True and status["state"] == "ready", status

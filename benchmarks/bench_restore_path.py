@@ -1,0 +1,204 @@
+"""The restore path under real runsc: resume -> ready per configuration, and the notifier.
+
+Everything runs in real gVisor sandboxes (the test harness, ``tests/gvisor/harness.py``;
+root and runsc needed — without them this module fails with the reason). One workload
+loop per sandbox sleeps 1 ms at a time; when a sleep comes back more than 1 s late the
+process has just been restored, and it then waits for readiness and writes one record.
+
+* restore -> ready: from the start of ``runsc restore`` (host clock) until the clone's
+  record appears in its results file (polled every 2 ms), median of the clones; beside
+  it the same for a bare workload (no rehydrate: its record is written at once), and the
+  ratio. This is what a user sees: platform restore plus rehydrate.
+* resume -> ready (rehydrate's share): inside the clone, from the loop's first moment
+  after the freeze to ``wait_ready()`` returning (the hooks ran), median.
+* Configurations: clock-jump only; ``REHYDRATE_CONTROL_SOCKET`` set and no notice;
+  ``runsc exec … rehydrate notify restore`` sent right after the restore (the notice
+  races the clock jump; the first one runs the hooks).
+* leave-running: ``notify save``, then ``runsc checkpoint --leave-running``; the time
+  from the start of the checkpoint command until the original ran its hooks and is
+  ready again (no ``notify resume``), beside the checkpoint command's own duration.
+* notifier start: ``runsc exec`` of each form of the notifier against a running clone
+  (its restore already handled, so the notice is only confirmed and the time is the
+  notifier's own), median of 5, beside ``runsc exec /bin/true`` and ``python -c pass``.
+
+Run alone: ``python benchmarks/bench_restore_path.py`` (as root).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.gvisor.harness import (  # noqa: E402 - the harness lives in the test tree
+    Container,
+    GVisorHarness,
+    find_runsc,
+    runsc_available,
+    supports_uncompressed_checkpoint,
+)
+
+CLONES = 3
+EXECS = 5
+FROZEN = 2.5
+SOCKET = "/var/tmp/rehydrate.sock"
+BIN = Path(sys.executable).parent
+
+_WORKLOAD = """
+import json, os, time
+BARE = os.environ["MODE"] == "bare"
+if not BARE:
+    import rehydrate
+    rehydrate.after_restore(name="app.after_restore")(lambda: None)
+    rehydrate.start()
+out = open("/results/ev.jsonl", "a", buffering=1)
+out.write(json.dumps({"event": "started"}) + "\\n")
+last = time.monotonic()
+while True:
+    time.sleep(0.001)
+    now = time.monotonic()
+    if now - last > 1.0:
+        if not BARE:
+            rehydrate.wait_ready(timeout=30)
+        out.write(json.dumps({"event": "ready", "resume_to_ready": time.monotonic() - now})
+                  + "\\n")
+    last = now
+"""
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1000:.1f} ms"
+
+
+def _wait(check: Callable[[], bool], timeout: float = 60.0, interval: float = 0.002) -> float:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the workload never reported")
+        time.sleep(interval)
+    return time.monotonic()
+
+
+def _records(c: Container) -> list[dict[str, Any]]:
+    return [r for r in c.records("ev.jsonl") if r.get("event") == "ready"]
+
+
+def _start(h: GVisorHarness, name: str, mode: str, socket: bool) -> Container:
+    env = {"MODE": mode}
+    if socket:
+        env["REHYDRATE_CONTROL_SOCKET"] = SOCKET
+    c = h.run([sys.executable, "-c", _WORKLOAD], env=env, name=name)
+    c.wait_for("ev.jsonl", lambda r: r["event"] == "started", timeout=60)
+    return c
+
+
+def _clones(h: GVisorHarness, image: Path, orig: Container, name: str,
+            notify: bool) -> tuple[list[float], list[float]]:
+    """(restore -> ready on the host, resume -> ready in the clone) per clone."""
+    outside, inside = [], []
+    for k in range(CLONES):
+        t0 = time.monotonic()
+        clone = h.restore(image, orig, name=f"{name}{k}")
+        if notify:
+            h.exec(clone, [str(BIN / "rehydrate"), "notify", "restore"], timeout=60)
+        t1 = _wait(lambda c=clone: bool(_records(c)))  # type: ignore[misc]
+        outside.append(t1 - t0)
+        inside.append(_records(clone)[0]["resume_to_ready"])
+        h.kill(clone)
+        h.delete(clone)
+    return outside, inside
+
+
+def _exec_times(h: GVisorHarness, c: Container, argv: list[str]) -> list[float]:
+    times = []
+    for _ in range(EXECS):
+        t0 = time.monotonic()
+        proc = h.exec(c, argv, timeout=60)
+        times.append(time.monotonic() - t0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{argv} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    return times
+
+
+def run() -> list[tuple[str, str, str]]:
+    why = runsc_available()
+    if why is not None:
+        raise RuntimeError(f"needs real runsc: {why}")
+    runsc = find_runsc()
+    assert runsc is not None
+    if not supports_uncompressed_checkpoint(runsc):
+        raise RuntimeError(f"{runsc} is not trixie's runsc (scripts/install-runsc.sh)")
+    rows: list[tuple[str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="rh-bench-restore-") as tmp, \
+            GVisorHarness(Path(tmp), runsc=runsc, debug_log=False) as h:
+        origs = {"bare": _start(h, "bare", "bare", False),
+                 "clock": _start(h, "clock", "rehydrate", False),
+                 "sock": _start(h, "sock", "rehydrate", True)}
+        t = time.monotonic()
+        images = {key: h.checkpoint(c) for key, c in origs.items()}
+        while time.monotonic() - t < FROZEN:
+            time.sleep(0.05)
+        configs = [("bare process (no rehydrate)", "bare", False),
+                   ("clock-jump only", "clock", False),
+                   ("control socket set, no notify", "sock", False),
+                   ("notify restore right after restore", "sock", True)]
+        bare_out: list[float] = []
+        for name, key, notify in configs:
+            outside, inside = _clones(h, images[key], origs[key], f"{key}{int(notify)}",
+                                      notify)
+            if not bare_out:
+                bare_out = outside
+                rows.append((f"restore -> ready: {name} ({CLONES} clones)", _ms(outside),
+                             "baseline"))
+                continue
+            ratio = statistics.median(outside) / statistics.median(bare_out)
+            rows.append((f"restore -> ready: {name}",
+                         f"{_ms(outside)} ({ratio:.2f}x bare)", "close to bare"))
+            rows.append((f"  resume -> ready inside the clone: {name}", _ms(inside),
+                         "median < 20 ms"))
+
+        saved = _start(h, "saved", "rehydrate", True)
+        h.exec(saved, [str(BIN / "rehydrate"), "notify", "save"], timeout=60, check=True)
+        t0 = time.monotonic()
+        h.checkpoint(saved, leave_running=True)
+        t_cmd = time.monotonic() - t0
+        t_ready = _wait(lambda: '"ready": true' in h.exec(
+            saved, [str(BIN / "rehydrate"), "status", "--json"], timeout=60).stdout,
+            interval=0.05) - t0
+        rows.append(("leave-running: checkpoint start -> original ready (no notify resume)",
+                     f"{t_ready * 1000:.0f} ms (checkpoint command {t_cmd * 1000:.0f} ms)",
+                     "a few seconds"))
+
+        clone = h.restore(images["sock"], origs["sock"], name="notifier")
+        _wait(lambda: bool(_records(clone)))
+        floor = _exec_times(h, clone, ["/bin/true"])
+        python = _exec_times(h, clone, [sys.executable, "-c", "pass"])
+        rows.append(("notifier: runsc exec /bin/true", _ms(floor), "floor"))
+        rows.append(("notifier: runsc exec python -c pass", _ms(python), "interpreter"))
+        forms = {
+            "rehydrate notify restore": [str(BIN / "rehydrate"), "notify", "restore"],
+            "rehydrate-notify restore": [str(BIN / "rehydrate-notify"), "restore"],
+            "python -m rehydrate notify restore": [sys.executable, "-m", "rehydrate",
+                                                   "notify", "restore"],
+        }
+        for label, argv in forms.items():
+            times = _exec_times(h, clone, argv)
+            over = statistics.median(times) - statistics.median(floor)
+            rows.append((f"notifier: runsc exec {label}",
+                         f"{_ms(times)} (+{over * 1000:.0f} ms over /bin/true, "
+                         f"{statistics.median(times) / statistics.median(python):.2f}x python)",
+                         "close to python -c pass"))
+    return rows
+
+
+if __name__ == "__main__":  # the same table as `make bench`, for this module only
+    from run import main  # benchmarks/ is on sys.path when a module runs as a script
+
+    sys.exit(main([*sys.argv[1:], Path(__file__).stem]))
