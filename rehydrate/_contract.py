@@ -136,6 +136,16 @@ class Engine(Protocol):
 
     def specific_detectors(self, than: int) -> Sequence[Detector]: ...
 
+    # The freeze watch (fed by the clock-jump detector; see Lifecycle.heartbeat).
+
+    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None) -> None: ...
+
+    def freeze_noticed(self, since: float, now: float) -> None: ...
+
+    def heartbeat_stopped(self) -> None: ...
+
+    def freeze_since(self) -> float | None: ...
+
 
 def load_extension(spec: str | Extension) -> Extension:
     """The extension named by ``spec`` (``"pkg.module"`` or ``"pkg.module:attr"``), imported

@@ -175,6 +175,9 @@ class Lifecycle:
         self._detector_errors = {}
         self._started = False
         self.env._lock = threading.Lock()
+        # The parent's clock-jump thread is not here: its heartbeat would go stale and
+        # make the child look frozen for ever.
+        self._beat, self._beat_limit, self._freeze_noticed_at = None, math.inf, None
         if self._state in ("snapshotting", "restoring"):
             self._state = "degraded"
 

@@ -106,6 +106,20 @@ def test_freeze_watch_readiness_and_late_notices(rehydrate_engine: Lifecycle, tm
         server.stop()
 
 
+def test_a_forked_child_does_not_inherit_the_freeze_watch(rehydrate_engine: Lifecycle) -> None:
+    """The parent's heartbeat thread does not exist in a fork()ed child: the child must
+    not look frozen for ever."""
+    engine = rehydrate_engine
+    engine.heartbeat(time.monotonic(), 0.05)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if it is ready once the beat is stale
+        time.sleep(0.2)
+        os._exit(0 if engine.is_ready() and engine.wait_ready(timeout=1) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    engine.heartbeat_stopped()
+
+
 # -- snapshot deadline -------------------------------------------------------------------
 
 

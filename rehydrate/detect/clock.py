@@ -70,8 +70,8 @@ from .. import _config
 from ._util import DeferringDetector, positive
 
 if TYPE_CHECKING:
+    from .._contract import Engine
     from ..context import RestoreReport
-    from ..lifecycle import Lifecycle
 
 __all__ = ["ClockJumpDetector"]
 
@@ -227,7 +227,7 @@ class ClockJumpDetector(DeferringDetector):
         _ContWatch.install()
         self._based = threading.Event()
 
-    def start(self, engine: Lifecycle) -> None:
+    def start(self, engine: Engine) -> None:
         """Start the thread; return once it has taken its first reading (at most 1 s):
         a checkpoint right after ``start()`` is then still measured from before it."""
         super().start(engine)
@@ -325,7 +325,7 @@ class ClockJumpDetector(DeferringDetector):
 class _NoWatch:
     """The engine as seen by a detector on an injected clock: no freeze watch."""
 
-    def __init__(self, engine: Lifecycle) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     @property
