@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _config
-from .detect.control import ENV_SOCKET, default_socket_dir
+from ._socket_path import ENV_SOCKET, default_socket_dir
 
 __all__ = ["ControlError", "UntrustedSocket", "add_commands", "find_socket", "notify_main",
            "request"]

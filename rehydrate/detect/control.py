@@ -67,6 +67,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
+from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from ..context import Report, describe_error
 from . import Detector
 
@@ -88,7 +89,6 @@ __all__ = [
 
 log = logging.getLogger("rehydrate")
 
-ENV_SOCKET = "REHYDRATE_CONTROL_SOCKET"
 MAX_LINE = 64 * 1024
 """Longest request line accepted (bytes, without the newline)."""
 MAX_CLIENTS = 32
@@ -98,22 +98,6 @@ request at once; one that does not only holds a slot)."""
 COMMANDS = ("status", "prepare-snapshot", "resume", "restore", "simulate", "trigger")
 
 _CRED = struct.Struct("3i")
-
-
-def default_socket_dir() -> str:
-    """``$XDG_RUNTIME_DIR/rehydrate`` when that directory exists, else ``/tmp/rehydrate-<uid>``."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
-        return os.path.join(xdg, "rehydrate")
-    return f"/tmp/rehydrate-{os.getuid()}"  # noqa: S108 - private 0700 dir, ownership checked
-
-
-def socket_path(pid: int | None = None) -> str:
-    """``$REHYDRATE_CONTROL_SOCKET``, else ``<default_socket_dir()>/<pid>.sock``."""
-    explicit = _config.text(ENV_SOCKET)
-    if explicit:
-        return explicit
-    return os.path.join(default_socket_dir(), f"{pid or os.getpid()}.sock")
 
 
 def _dir_problem(directory: str) -> str | None:
