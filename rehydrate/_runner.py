@@ -243,6 +243,14 @@ class HookRunner:
 
     # -- worker side -----------------------------------------------------------------
 
+    def prestart(self) -> None:
+        """Start the hook worker now rather than at the first event: a snapshot taken
+        after this carries a waiting worker, so a clone's first restore does not create a
+        thread (measured under runsc: 10-54 ms from the event to its first hook)."""
+        with self._cv:
+            if not self._closed:
+                self._ensure_worker()
+
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(

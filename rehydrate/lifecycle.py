@@ -694,6 +694,7 @@ class Lifecycle:
             if self._started:
                 return [d.name for d in self._detectors]
             self.env.baseline()
+            self._runner.prestart()  # prepared before any snapshot, not in the clone
             chosen = detect.select(detectors)
             running: list[Detector] = []
             errors: dict[str, str] = {}
