@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_STAMP := $(VENV)/.runtime-stamp
 EXAMPLES_STAMP := $(VENV)/.examples-stamp
 
-.PHONY: demo demo-quick test lint typecheck pytest bench bench-restore runsc system-deps clean
+.PHONY: demo demo-quick test lint typecheck pytest bench bench-restore bench-restore-path runsc system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,11 @@ bench: $(STAMP)
 # Restore vs cold start of the example server under runsc (root; ~3 min): table + SVG.
 bench-restore: $(STAMP) runsc
 	$(BIN)/python benchmarks/restore_vs_cold.py
+
+# The restore path under runsc (root; ~1 min): resume -> ready per detector configuration,
+# leave-running, and the notifier's start, each beside the bare process.
+bench-restore-path: $(STAMP) runsc
+	$(BIN)/python benchmarks/run.py restore_path
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,7 @@
 """The restore path under real runsc: resume -> ready per configuration, and the notifier.
 
 Everything runs in real gVisor sandboxes (the test harness, ``tests/gvisor/harness.py``;
-root and runsc needed — without them this module fails with the reason). One workload
+root and trixie's runsc needed — without them the table says so in one row). One workload
 loop per sandbox sleeps 1 ms at a time; when a sleep comes back more than 1 s late the
 process has just been restored, and it then waits for readiness and writes one record.
 
@@ -129,12 +129,11 @@ def _exec_times(h: GVisorHarness, c: Container, argv: list[str]) -> list[float]:
 
 def run() -> list[tuple[str, str, str]]:
     why = runsc_available()
-    if why is not None:
-        raise RuntimeError(f"needs real runsc: {why}")
     runsc = find_runsc()
-    assert runsc is not None
-    if not supports_uncompressed_checkpoint(runsc):
-        raise RuntimeError(f"{runsc} is not trixie's runsc (scripts/install-runsc.sh)")
+    if why is None and runsc is not None and not supports_uncompressed_checkpoint(runsc):
+        why = f"{runsc} is not trixie's runsc (scripts/install-runsc.sh)"
+    if why is not None or runsc is None:  # `make bench` as a user: say so, measure the rest
+        return [("restore path under runsc", f"not measured: {why}", "root + trixie runsc")]
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="rh-bench-restore-") as tmp, \
             GVisorHarness(Path(tmp), runsc=runsc, debug_log=False) as h:
