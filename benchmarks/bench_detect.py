@@ -43,10 +43,10 @@ _IDLE_CHILD = textwrap.dedent("""
     engine = None
     if sys.argv[1] == "waiter":
         from rehydrate.detect.control import ControlDetector
-        from rehydrate.detect.gvisor import GVisorWaiter
+        from rehydrate.detect.gvisor import GVisorDetector
         os.mkfifo(os.path.join(d, "checkpoint"))
         engine = isolated_engine()
-        engine.start([GVisorWaiter(d), ControlDetector(os.path.join(d, "c.sock"))])
+        engine.start([GVisorDetector(d), ControlDetector(os.path.join(d, "c.sock"))])
     time.sleep(0.3)
     c0, w0 = time.process_time(), time.monotonic()
     time.sleep(float(sys.argv[2]))
@@ -92,7 +92,7 @@ def _ms(values: list[float]) -> str:
 
 
 def bench_gvisor_answer() -> list[float]:
-    from rehydrate.detect.gvisor import GVisorWaiter
+    from rehydrate.detect.gvisor import GVisorDetector
     from rehydrate.testing import isolated_engine
 
     d = tempfile.mkdtemp(prefix="rh-bench-")
@@ -101,7 +101,7 @@ def bench_gvisor_answer() -> list[float]:
     obs = _FirstHook()
     engine.add_observer(obs)
     engine.registry.after_restore(lambda: None, name="app")
-    waiter = GVisorWaiter(d)
+    waiter = GVisorDetector(d)
     engine.start([waiter])
     out = []
     try:

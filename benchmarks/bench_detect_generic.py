@@ -33,7 +33,7 @@ FREEZE_SECONDS = 2.6
 _CLOCK_CHILD = textwrap.dedent("""
     import json, os, sys, time
     from rehydrate.testing import isolated_engine
-    from rehydrate.detect.clock import ClockJumpDetector
+    from rehydrate.detect.clock_jump import ClockJumpDetector
 
     def say(**kw):
         sys.stdout.write(json.dumps(kw) + "\\n"); sys.stdout.flush()

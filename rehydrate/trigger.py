@@ -2,7 +2,7 @@
 
 An action, not detection: it runs the before-snapshot hooks, writes ``1`` to
 ``/proc/gvisor/checkpoint`` and waits for the answer on a descriptor opened before the
-write — the running gVisor waiter's (:class:`~rehydrate.detect.gvisor.GVisorWaiter`)
+write — the running gVisor waiter's (:class:`~rehydrate.detect.gvisor.GVisorDetector`)
 when there is one, else its own. ``rehydrate.trigger_snapshot()`` is this function on the
 default engine.
 """
@@ -20,8 +20,8 @@ from .detect.gvisor import (
     _OPEN_WRITE,
     ANNOTATION,
     Answer,
+    GVisorDetector,
     GVisorError,
-    GVisorWaiter,
     TriggerNotPermitted,
     _handle,
     _missing_reason,
@@ -74,7 +74,7 @@ def trigger_snapshot(
     engine = resolve_engine(engine)
     deadline = None if timeout is None else time.monotonic() + timeout
     waiter = engine.detector("gvisor")
-    if not isinstance(waiter, GVisorWaiter) or not waiter.running:
+    if not isinstance(waiter, GVisorDetector) or not waiter.running:
         waiter = None
     if proc is None and waiter is not None:
         path = waiter.path
@@ -131,7 +131,7 @@ class _Progress:
     answer runs the restore or resume hooks."""
 
 
-def _trigger(engine: Engine, waiter: GVisorWaiter | None, path: str, wfd: int, *,
+def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int, *,
              deadline: float | None, timeout: float | None, progress: _Progress) -> Answer:
     """Write ``1`` and wait for the answer (the part of :func:`trigger_snapshot` after the
     before-snapshot hooks ran)."""

@@ -13,7 +13,7 @@ import pytest
 from detect_helpers import Child, Recorder, wait_for
 
 from rehydrate.detect import Detector
-from rehydrate.detect.clock import ClockJumpDetector
+from rehydrate.detect.clock_jump import ClockJumpDetector
 
 
 class SteppedClock:
@@ -175,8 +175,8 @@ def test_without_a_specific_report_the_grace_ends(rehydrate_engine):
 CHILD = textwrap.dedent("""
     import json, os, signal, sys, threading, time
     from rehydrate.testing import isolated_engine
-    from rehydrate.detect.clock import ClockJumpDetector
-    from rehydrate.detect.signals import SignalDetector
+    from rehydrate.detect.clock_jump import ClockJumpDetector
+    from rehydrate.detect.signal import SignalDetector
 
     def say(**kw):
         sys.stdout.write(json.dumps(kw) + "\\n"); sys.stdout.flush()

@@ -12,7 +12,7 @@ import pytest
 from detect_helpers import REPO, Child, Recorder, wait_for
 
 from rehydrate.detect._util import running_under_gvisor
-from rehydrate.detect.files import MarkerFileDetector
+from rehydrate.detect.file import FileDetector
 
 
 @pytest.fixture(params=["inotify", "polling"])
@@ -23,7 +23,7 @@ def mode(request):  # type: ignore[no-untyped-def]
 def test_marker_written_is_a_restore(rehydrate_engine, tmp_path, mode):
     marker = tmp_path / "restored"
     rec = Recorder(rehydrate_engine)
-    det = MarkerFileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
+    det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
     rehydrate_engine.start([det])
 
     # It appears with its content in one step (a hard link to a written file: an inotify
@@ -54,7 +54,7 @@ def test_a_burst_of_writes_is_one_restore(rehydrate_engine, tmp_path):
     marker = tmp_path / "state.json"
     marker.write_text("{}")
     rec = Recorder(rehydrate_engine)
-    det = MarkerFileDetector(marker, polling=False, window=30)
+    det = FileDetector(marker, polling=False, window=30)
     rehydrate_engine.start([det])
     with open(marker, "w") as f:  # truncate …
         f.flush()
@@ -69,22 +69,22 @@ def test_a_burst_of_writes_is_one_restore(rehydrate_engine, tmp_path):
 
 def test_configuration(monkeypatch, tmp_path):
     monkeypatch.delenv("REHYDRATE_MARKER_FILE", raising=False)
-    assert "REHYDRATE_MARKER_FILE is not set" in (MarkerFileDetector.probe() or "")
+    assert "REHYDRATE_MARKER_FILE is not set" in (FileDetector.probe() or "")
     with pytest.raises(ValueError):
-        MarkerFileDetector()
+        FileDetector()
     monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "nodir" / "m"))
-    assert "does not exist" in (MarkerFileDetector.probe() or "")
+    assert "does not exist" in (FileDetector.probe() or "")
     monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "m"))
-    assert MarkerFileDetector.probe() is None
+    assert FileDetector.probe() is None
 
     monkeypatch.setenv("REHYDRATE_WATCH_POLLING", "1")
     monkeypatch.setenv("REHYDRATE_WATCH_INTERVAL", "0.1")
-    det = MarkerFileDetector()
+    det = FileDetector()
     assert (det.polling, det.interval, det.path) == (True, 0.1, str(tmp_path / "m"))
     monkeypatch.setenv("REHYDRATE_WATCH_POLLING", "0")
-    assert MarkerFileDetector().polling is False
+    assert FileDetector().polling is False
     monkeypatch.delenv("REHYDRATE_WATCH_POLLING")
-    assert MarkerFileDetector().polling is running_under_gvisor()
+    assert FileDetector().polling is running_under_gvisor()
 
 
 def test_not_gvisor_here():
@@ -114,13 +114,13 @@ def test_gvisor_is_recognised_inside_runsc():
 IDLE_WATCHER = r"""
 import json, sys, threading
 from rehydrate import Lifecycle, Registry
-from rehydrate.detect.files import MarkerFileDetector
+from rehydrate.detect.file import FileDetector
 from rehydrate.env import EnvRefresher
 
 engine = Lifecycle(Registry(), env=EnvRefresher(path=None))
 restored = threading.Event()
 engine.registry.after_restore(lambda: restored.set(), name="rec")
-det = MarkerFileDetector(sys.argv[1], polling=False, window=0)
+det = FileDetector(sys.argv[1], polling=False, window=0)
 engine.start([det])
 print(json.dumps({"started": True}), flush=True)
 assert restored.wait(10)
@@ -158,7 +158,7 @@ def test_fifo_at_marker_path_does_not_block(rehydrate_engine, tmp_path):
     the marker thread (issue #13.13); a regular file written after it is still seen."""
     marker = tmp_path / "restored"
     rec = Recorder(rehydrate_engine)
-    det = MarkerFileDetector(marker, polling=True, interval=0.02, window=0)
+    det = FileDetector(marker, polling=True, interval=0.02, window=0)
     rehydrate_engine.start([det])
     os.mkfifo(marker)
     wait_for(lambda: det.checks >= 1, what="the FIFO to be looked at")

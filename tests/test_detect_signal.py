@@ -10,7 +10,7 @@ import pytest
 from detect_helpers import Recorder, wait_for
 
 from rehydrate.detect import select
-from rehydrate.detect.signals import SignalDetector, parse_signal
+from rehydrate.detect.signal import SignalDetector, parse_signal
 
 
 def test_signal_runs_restore_hooks_on_a_worker_thread(rehydrate_engine):

@@ -30,8 +30,8 @@ from rehydrate import Lifecycle, Registry
 from rehydrate.detect import gvisor
 from rehydrate.detect.gvisor import (
     ANNOTATION,
+    GVisorDetector,
     GVisorError,
-    GVisorWaiter,
     TriggerNotPermitted,
 )
 from rehydrate.env import EnvRefresher
@@ -84,14 +84,14 @@ class Recorder:
             return list(self.calls)
 
 
-def start_waiter(eng: Lifecycle, proc: Path) -> GVisorWaiter:
-    waiter = GVisorWaiter(str(proc))
+def start_waiter(eng: Lifecycle, proc: Path) -> GVisorDetector:
+    waiter = GVisorDetector(str(proc))
     assert eng.start([waiter]) == ["gvisor"]
     wait_for(lambda: waiter.status()["waiting"], what="the waiter to open the checkpoint file")
     return waiter
 
 
-def answer(waiter: GVisorWaiter, data: bytes, *, after: int | None = None) -> None:
+def answer(waiter: GVisorDetector, data: bytes, *, after: int | None = None) -> None:
     """Play gVisor: wait until the waiter has the FIFO open (for a fresh checkpoint), write."""
     seq = waiter.status()["answers"] if after is None else after
     wait_for(lambda: waiter.status()["waiting"] and waiter.status()["answers"] >= seq,
@@ -253,12 +253,12 @@ def test_regular_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                  rehydrate_environ: None) -> None:
     (tmp_path / "checkpoint").write_text("restore\n")
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
-    why = GVisorWaiter.probe()
+    why = GVisorDetector.probe()
     assert why is not None and "regular file" in why
     eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
     try:
         with pytest.raises(GVisorError, match="regular file"):
-            GVisorWaiter(str(tmp_path)).start(eng)
+            GVisorDetector(str(tmp_path)).start(eng)
         assert "gvisor" not in eng.start("auto")
         assert eng.status().generation == 0
     finally:
@@ -321,9 +321,9 @@ _IDLE_CHILD = """
 import json, os, sys, threading, time
 from rehydrate import Lifecycle, Registry
 from rehydrate.env import EnvRefresher
-from rehydrate.detect.gvisor import GVisorWaiter
+from rehydrate.detect.gvisor import GVisorDetector
 eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
-waiter = GVisorWaiter(sys.argv[1])
+waiter = GVisorDetector(sys.argv[1])
 eng.start([waiter])
 while not waiter.status()["waiting"]:
     time.sleep(0.001)
@@ -346,18 +346,18 @@ def test_idle_waiter_uses_no_cpu(proc: Path) -> None:
 
 def test_probe_explains_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path / "nope"))
-    why = GVisorWaiter.probe()
+    why = GVisorDetector.probe()
     assert why is not None and str(tmp_path / "nope") in why
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
-    why = GVisorWaiter.probe()
+    why = GVisorDetector.probe()
     assert why is not None and "no checkpoint file" in why
     monkeypatch.delenv("REHYDRATE_GVISOR_PROC")
     if not os.path.exists("/proc/gvisor/checkpoint"):
-        why = GVisorWaiter.probe()
+        why = GVisorDetector.probe()
         assert why is not None and "not running under gVisor" in why
     os.mkfifo(tmp_path / "checkpoint")
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
-    assert GVisorWaiter.probe() is None
+    assert GVisorDetector.probe() is None
 
 
 def test_auto_start_picks_the_waiter(proc: Path, monkeypatch: pytest.MonkeyPatch,
@@ -368,7 +368,7 @@ def test_auto_start_picks_the_waiter(proc: Path, monkeypatch: pytest.MonkeyPatch
         names = eng.start("auto")
         assert "gvisor" in names
         waiter = eng.detector("gvisor")
-        assert isinstance(waiter, GVisorWaiter) and waiter.path == str(proc / "checkpoint")
+        assert isinstance(waiter, GVisorDetector) and waiter.path == str(proc / "checkpoint")
     finally:
         eng.close()
 
@@ -582,7 +582,7 @@ def test_trigger_waits_until_the_waiter_descriptor_exists(
     events: list[tuple[str, float]] = []
     try:
         _slow_waiter_open(monkeypatch, 0.3, events)
-        iso_engine.start([GVisorWaiter(str(pty_proc))])
+        iso_engine.start([GVisorDetector(str(pty_proc))])
         assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "restore"
     finally:
         iso_engine.stop()
@@ -629,7 +629,7 @@ def test_trigger_waiter_never_armed_runs_resume_hooks(
     try:
         rec = Recorder(iso_engine)
         _slow_waiter_open(monkeypatch, 1.0, events)
-        iso_engine.start([GVisorWaiter(str(pty_proc))])
+        iso_engine.start([GVisorDetector(str(pty_proc))])
         with pytest.raises(TimeoutError, match="did not open"):
             trigger_snapshot(iso_engine, timeout=0.2)
         assert platform.triggers == [], "no 1 written: no checkpoint"

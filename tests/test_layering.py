@@ -141,3 +141,14 @@ def test_nothing_below_the_api_imports_it():
     importers = sorted(name for name, targets in _graph().items()
                        if "rehydrate.api" in targets and name != "rehydrate")
     assert importers == []
+
+
+def test_detectors_are_named_after_their_catalogue_keys():
+    from rehydrate import detect
+
+    for key, target in detect.CATALOGUE.items():
+        module, _, cls = target.partition(":")
+        assert module == "rehydrate.detect." + key.replace("-", "_"), key
+        camel = "".join(part.capitalize() for part in key.split("-"))
+        assert cls.lower() == (camel + "Detector").lower(), key
+        assert detect.load(key).name == key

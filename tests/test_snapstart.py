@@ -11,7 +11,7 @@ from detect_helpers import Recorder
 
 import rehydrate
 from rehydrate.detect import available, select
-from rehydrate.detect.snapstart import SnapStartBridge, SnapStartHookFailed
+from rehydrate.detect.snapstart import SnapStartDetector, SnapStartHookFailed
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +86,7 @@ def outside_lambda(monkeypatch):
 
 
 def test_auto_start_leaves_the_bridge_off_outside_lambda(rehydrate_engine, outside_lambda):
-    assert SnapStartBridge.probe() is None  # importable here ...
+    assert SnapStartDetector.probe() is None  # importable here ...
     assert "snapstart" not in [d.name for d in select("auto")]  # ... but not Lambda
     assert "snapstart" not in rehydrate_engine.start("auto")
     assert snapshot_restore_py.get_after_restore() == []
@@ -104,14 +104,14 @@ def test_auto_start_leaves_the_bridge_off_outside_lambda(rehydrate_engine, outsi
 def test_auto_follows_lambdas_documented_variables(outside_lambda, monkeypatch, env, auto):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert (SnapStartBridge.auto_here() is None) is auto
+    assert (SnapStartDetector.auto_here() is None) is auto
     assert ("snapstart" in [d.name for d in select("auto")]) is auto
 
 
 def test_auto_start_registers_the_bridge(rehydrate_engine, outside_lambda, monkeypatch):
     monkeypatch.setenv("AWS_LAMBDA_FUNCTION_NAME", "handler")
     monkeypatch.setenv("AWS_LAMBDA_INITIALIZATION_TYPE", "snap-start")
-    assert SnapStartBridge.probe() is None
+    assert SnapStartDetector.probe() is None
     assert "snapstart" in [d.name for d in select("auto")]
     rec = Recorder(rehydrate_engine)
     assert "snapstart" in rehydrate_engine.start("auto")

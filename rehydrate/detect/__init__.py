@@ -68,13 +68,13 @@ class Detector:
 
 # name -> "module:Class", imported lazily. Order = order of `doctor` output.
 CATALOGUE: dict[str, str] = {
-    "gvisor": "rehydrate.detect.gvisor:GVisorWaiter",
+    "gvisor": "rehydrate.detect.gvisor:GVisorDetector",
     "control": "rehydrate.detect.control:ControlDetector",
-    "snapstart": "rehydrate.detect.snapstart:SnapStartBridge",
+    "snapstart": "rehydrate.detect.snapstart:SnapStartDetector",
     "vmclock": "rehydrate.detect.vmclock:VmClockDetector",
-    "file": "rehydrate.detect.files:MarkerFileDetector",
-    "signal": "rehydrate.detect.signals:SignalDetector",
-    "clock-jump": "rehydrate.detect.clock:ClockJumpDetector",
+    "file": "rehydrate.detect.file:FileDetector",
+    "signal": "rehydrate.detect.signal:SignalDetector",
+    "clock-jump": "rehydrate.detect.clock_jump:ClockJumpDetector",
     "identity": "rehydrate.detect.identity:IdentityDetector",
 }
 

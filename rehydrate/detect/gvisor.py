@@ -11,7 +11,7 @@ gVisor (``pkg/sentry/fsimpl/proc/checkpoint.go``) exposes a character-device-lik
   ``EPERM`` unless the sandbox has the annotation
   ``dev.gvisor.internal.checkpoint.enable=true``.
 
-:class:`GVisorWaiter` is a daemon thread that opens the file read-only and blocks in
+:class:`GVisorDetector` is a daemon thread that opens the file read-only and blocks in
 ``poll()`` on it and on a private stop pipe: no polling loop, no CPU while waiting.
 ``restore`` runs the restore hooks (kind ``restore``), ``resume`` the resume hooks (kind
 ``resume``: hooks that closed things before the snapshot reopen them), ``error`` logs a
@@ -62,8 +62,8 @@ __all__ = [
     "DEFAULT_PROC",
     "ENV_PROC",
     "Answer",
+    "GVisorDetector",
     "GVisorError",
-    "GVisorWaiter",
     "TriggerNotPermitted",
     "checkpoint_path",
     "proc_dir",
@@ -232,7 +232,7 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
     return engine.restore_detected(reason, kind="resume", since=since)
 
 
-class GVisorWaiter(Detector):
+class GVisorDetector(Detector):
     """gVisor checkpoint file: a thread blocked in read() learns restore / resume / error."""
 
     name: ClassVar[str] = "gvisor"
@@ -571,3 +571,7 @@ class GVisorWaiter(Detector):
                 self._cond.wait(left)
             assert self._last is not None
             return self._last
+
+
+GVisorWaiter = GVisorDetector
+"""Former name of :class:`GVisorDetector` (named after its catalogue key now)."""

@@ -19,7 +19,7 @@ The runtime pops before-snapshot callables as it runs them (newest first) and ru
 after-restore callables in registration order; the bridge registers itself once per
 process however many engines start it, and again if the runtime already consumed it.
 
-``start("auto")`` starts the bridge only inside Lambda (see :meth:`SnapStartBridge.auto_here`);
+``start("auto")`` starts the bridge only inside Lambda (see :meth:`SnapStartDetector.auto_here`);
 ``start(["snapstart"])`` starts it wherever ``snapshot_restore_py`` imports (tests, emulators).
 """
 
@@ -38,7 +38,7 @@ from . import Detector
 if TYPE_CHECKING:
     from ..extensions import Engine
 
-__all__ = ["SnapStartBridge", "SnapStartHookFailed"]
+__all__ = ["SnapStartDetector", "SnapStartHookFailed"]
 
 log = logging.getLogger("rehydrate")
 
@@ -98,7 +98,7 @@ def _ensure_registered(module: Any) -> None:
         module.register_after_restore(_after_restore)
 
 
-class SnapStartBridge(Detector):
+class SnapStartDetector(Detector):
     """SnapStart: rehydrate's hooks run as snapshot_restore_py runtime hooks."""
 
     name: ClassVar[str] = "snapstart"
@@ -151,3 +151,7 @@ class SnapStartBridge(Detector):
             # snapshot_restore_py has no unregister: the bridge stays registered and
             # does nothing for an engine that stopped.
             _engines[:] = [e for e in _engines if e is not engine]
+
+
+SnapStartBridge = SnapStartDetector
+"""Former name of :class:`SnapStartDetector` (named after its catalogue key now)."""

@@ -17,7 +17,7 @@ from .harness import GVisorHarness
 WORKLOAD = """
 import json, time
 from rehydrate.testing import isolated_engine
-from rehydrate.detect.clock import ClockJumpDetector
+from rehydrate.detect.clock_jump import ClockJumpDetector
 
 out = open("/results/clock.jsonl", "a", buffering=1)
 engine = isolated_engine()

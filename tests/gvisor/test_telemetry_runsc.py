@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from rehydrate import fingerprint, telemetry
-from rehydrate.detect.clock import ClockJumpDetector
+from rehydrate.detect.clock_jump import ClockJumpDetector
 from rehydrate.testing import isolated_engine
 
 out = open("/results/otel.jsonl", "a", buffering=1)

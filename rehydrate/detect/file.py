@@ -37,7 +37,7 @@ from ._util import env_kind, positive, running_under_gvisor
 if TYPE_CHECKING:
     from ..extensions import Engine
 
-__all__ = ["MarkerFileDetector", "marker_state"]
+__all__ = ["FileDetector", "marker_state"]
 
 log = logging.getLogger("rehydrate")
 
@@ -67,7 +67,7 @@ def marker_state(path: str) -> State:
     return (st.st_ino, st.st_size, st.st_mtime_ns, digest)
 
 
-class MarkerFileDetector(Detector):
+class FileDetector(Detector):
     """File: the marker file in REHYDRATE_MARKER_FILE changed (watchdog)."""
 
     name: ClassVar[str] = "file"
@@ -211,3 +211,7 @@ class MarkerFileDetector(Detector):
                 engine.restore_detected("file", kind=self.kind, since=noticed - self.window)
             except Exception:
                 log.exception("marker file: running the restore hooks failed")
+
+
+MarkerFileDetector = FileDetector
+"""Former name of :class:`FileDetector` (named after its catalogue key now)."""
