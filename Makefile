@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_STAMP := $(VENV)/.runtime-stamp
 EXAMPLES_STAMP := $(VENV)/.examples-stamp
 
-.PHONY: demo demo-quick test lint typecheck pytest bench bench-restore bench-restore-path runsc system-deps clean
+.PHONY: demo demo-quick test lint typecheck docs pytest bench bench-restore bench-restore-path runsc system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,7 +55,12 @@ typecheck: $(STAMP)
 pytest: $(STAMP) system-deps
 	$(BIN)/python -m pytest
 
-test: lint typecheck pytest
+test: lint typecheck docs pytest
+
+# The documentation site (mkdocs-material; API reference by mkdocstrings from the
+# docstrings): --strict, so a broken link or reference fails `make test` too.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
@@ -70,4 +75,4 @@ bench-restore-path: $(STAMP) runsc
 	$(BIN)/python benchmarks/run.py restore_path
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .site

@@ -21,7 +21,7 @@ which keeps no copy of file contents in the sandbox's page cache (files of the r
 file system are cached, and that cache is part of the image).
 
 The certificate is deliberately *not* loaded into an ``ssl.SSLContext`` here. rehydrate
-does replace the key in live contexts before a snapshot (tests/test_tls.py shows the
+does replace the key in live contexts before a snapshot (tests/managers/test_tls.py shows the
 context presenting a placeholder), but the system OpenSSL behind the ``ssl`` module leaves
 copies of the raw key in *freed* heap memory when ``load_cert_chain`` parses the PEM
 (measured outside gVisor: two copies of an Ed25519 key per load, with or without PEM

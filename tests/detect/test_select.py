@@ -10,7 +10,7 @@ import time
 
 import pytest
 from detect_helpers import REPO
-from test_detect_vmclock import FakeVmClock
+from detect.test_vmclock import FakeVmClock
 
 from rehydrate.detect import CATALOGUE, available, load, select
 

@@ -29,7 +29,7 @@ from rehydrate.detect.control import MAX_LINE, ControlDetector, ControlServer
 from rehydrate.env import EnvRefresher
 
 DEADLINE = 5.0
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

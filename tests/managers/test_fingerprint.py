@@ -16,7 +16,7 @@ import rehydrate
 from rehydrate import fingerprint as fp
 from rehydrate.cli import check_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel

@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.root
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _require_or_skip(reason: str) -> None:

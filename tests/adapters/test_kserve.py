@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 from tests.detect_helpers import wait_for
 from tests.netservers import free_port, wait_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class KServe:

@@ -1,0 +1,1 @@
+"""Tests of rehydrate.adapters (see tests/conftest.py for the layout)."""

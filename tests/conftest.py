@@ -1,0 +1,22 @@
+"""Shared test setup. The tests are grouped like the code:
+
+* ``tests/test_*.py`` — the engine and its contract: hooks, lifecycle, runner, extensions,
+  configuration, layering, public API, CLI, leaks, fork safety;
+* ``tests/detect/`` — one file per detector (named after its catalogue key) plus selection;
+* ``tests/managers/`` — one file per built-in manager (env, entropy, keys, tls, secrets,
+  connections, routes, telemetry, fingerprint, files);
+* ``tests/adapters/`` — one file per adapter (asgi, vllm, sglang, kserve, agones, …);
+* ``tests/gvisor/`` — real ``runsc`` checkpoint/restore (root; see its conftest.py).
+
+Helpers shared across groups (``detect_helpers``, ``netservers``, the stand-ins) live in
+``tests/`` itself, importable from every group.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:  # the helper modules, from tests/<group>/ too
+    sys.path.insert(0, _TESTS)

@@ -1,0 +1,1 @@
+"""Tests of rehydrate.detect (see tests/conftest.py for the layout)."""

@@ -1,0 +1,1 @@
+"""Tests of rehydrate.managers (see tests/conftest.py for the layout)."""
