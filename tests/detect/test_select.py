@@ -10,8 +10,8 @@ import time
 
 import pytest
 from detect_helpers import REPO
-from detect.test_vmclock import FakeVmClock
 
+from detect.test_vmclock import FakeVmClock
 from rehydrate.detect import CATALOGUE, available, load, select
 
 GENERIC = ("clock-jump", "identity", "vmclock", "signal", "file", "snapstart")
