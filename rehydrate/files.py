@@ -190,8 +190,12 @@ class _Handle:
             except Exception as exc:
                 raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
                                       f"{type(exc).__name__}: {exc}") from exc
-            object.__setattr__(self, "_identity", _Identity.of(self.path))
             object.__setattr__(self, "_suspended", True)
+            try:
+                ident: _Identity | None = _Identity.of(self.path)
+            except OSError:
+                ident = None  # already gone: the snapshot is safe, the reopen reports it
+            object.__setattr__(self, "_identity", ident)
 
     def _resume(self, volume_changed: bool) -> bool:
         """After a restore or resume: reopen; True when the file changed."""
@@ -210,12 +214,15 @@ class _Handle:
                 self.on_change(self)
         return not same
 
+    def _close_for_good(self) -> None:
+        self._close_now()
+
     def close(self) -> None:
         """Close for good: no longer reopened after a restore."""
         with self._lock:
             object.__setattr__(self, "_closed_by_user", True)
             if not self._suspended:
-                self._close_now()
+                self._close_for_good()
             object.__setattr__(self, "_suspended", False)
         self._manager._remove(self)
 
@@ -361,6 +368,9 @@ class ManagedConnection(_Handle):
 
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_conn", self._connect())
+
+    def _close_for_good(self) -> None:
+        self._conn.close()  # sqlite3's close(): an open transaction is rolled back
 
     def _target(self) -> Any:
         return self._conn

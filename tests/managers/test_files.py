@@ -263,3 +263,21 @@ def test_on_change_error_fails_the_reopen_naming_the_file(engine, tmp_path: Path
     assert isinstance(error, files.ReopenFailed) and not report.ok
     assert f"{p}: RuntimeError: cannot rebuild" in str(error)
     assert f.read() == "b\n", "reopened before on_change ran"
+
+
+def test_user_close_of_sqlite_with_open_transaction_and_file_gone_before_snapshot(
+        engine, tmp_path: Path) -> None:
+    conn = files.sqlite(tmp_path / "x.db", engine=engine)
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("INSERT INTO t VALUES (1)")  # implicit transaction left open
+    conn.close()  # like sqlite3: closes (and rolls back), never refuses
+    assert conn not in files.manager(engine).handles()
+
+    p = tmp_path / "early.txt"
+    p.write_text("x")
+    f = files.open(p, engine=engine)
+    p.unlink()  # gone before the snapshot: nothing is held, so the snapshot is fine
+    assert engine.simulate_snapshot().ok
+    report = engine.simulate_restore()
+    assert not report.ok and str(p) in str(_hook(report, "rehydrate.files.reopen").error)
+    assert f.suspended
