@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Literal
 
-from .extensions import default_engine as _engine
-from .extensions import default_registry
+from .hooks import default_registry
 
 if TYPE_CHECKING:
     import asyncio
@@ -34,6 +33,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     default_engine: Lifecycle
+
+def _engine() -> Lifecycle:
+    # Imported on first use: the extension contract loads dataclasses and typing machinery
+    # that ``import rehydrate`` does without.
+    from .extensions import default_engine
+
+    return default_engine()
+
 
 def __getattr__(name: str) -> object:
     if name == "default_engine":

@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, Probe, load_extension
-from .hooks import Registry
+from .hooks import default_registry
 
 if TYPE_CHECKING:
     from .lifecycle import Lifecycle
@@ -32,9 +32,6 @@ __all__ = [
     "load_extension",
     "resolve_engine",
 ]
-
-default_registry = Registry()
-"""The registry of the module-level decorators (``rehydrate.after_restore`` …)."""
 
 _default: Lifecycle | None = None
 _lock = threading.Lock()

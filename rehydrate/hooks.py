@@ -17,6 +17,7 @@ __all__ = [
     "HookFn",
     "Phase",
     "Registry",
+    "default_registry",
 ]
 
 HookFn = Callable[..., Any]
@@ -369,6 +370,11 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<rehydrate.Registry hooks={len(self)}>"
+
+
+default_registry = Registry()
+"""The registry of the module-level decorators (``rehydrate.after_restore`` …) and of the
+default engine."""
 
 
 # Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.
