@@ -19,7 +19,7 @@ process has just been restored, and it then waits for readiness and writes one r
   ready again (no ``notify resume``), beside the checkpoint command's own duration.
 * notifier start: ``runsc exec`` of each form of the notifier against a running clone
   (its restore already handled, so the notice is only confirmed and the time is the
-  notifier's own), median of 5, beside ``runsc exec /bin/true`` and ``python -c pass``.
+  notifier's own), median of 7, beside ``runsc exec /bin/true`` and ``python -c pass``.
 
 Run alone: ``python benchmarks/bench_restore_path.py`` (as root).
 """
@@ -45,8 +45,8 @@ from tests.gvisor.harness import (  # noqa: E402 - the harness lives in the test
     supports_uncompressed_checkpoint,
 )
 
-CLONES = 3
-EXECS = 5
+CLONES = 5
+EXECS = 7
 FROZEN = 2.5
 SOCKET = "/var/tmp/rehydrate.sock"
 BIN = Path(sys.executable).parent
