@@ -232,6 +232,7 @@ class _Handle:
         return self._suspended
 
     def describe(self) -> dict[str, Any]:
+        """What ``status()["files"]`` shows for this handle."""
         return {"kind": self._kind, "path": self.path, "changed": self.changed,
                 "suspended": self._suspended, "required": self.required}
 
@@ -298,6 +299,7 @@ class ManagedFile(_Handle):
         object.__setattr__(self, "_file", f)
 
     def fileno(self) -> int:
+        """The current descriptor (a new one after every reopen)."""
         return int(self._file.fileno())
 
     def _target(self) -> Any:
@@ -464,6 +466,7 @@ class Volume:
 
     @property
     def identity_file(self) -> str:
+        """Path of the volume's identity file."""
         return os.path.join(self.mount_point, IDENTITY_FILE)
 
     def _read(self) -> str | None:
@@ -518,9 +521,11 @@ class Volume:
         return False
 
     def contains(self, path: str) -> bool:
+        """True when ``path`` lies on this volume."""
         return path == self.mount_point or path.startswith(self.mount_point.rstrip("/") + "/")
 
     def describe(self) -> dict[str, Any]:
+        """What ``status()["files"]`` shows for this handle."""
         return {"mount_point": self.mount_point, "identity": self.identity,
                 "changed": self.changed}
 
@@ -552,6 +557,7 @@ class OpenFile:
     """Whether a rehydrate handle manages it (None: unknown, another process)."""
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``doctor --files --json``, ``status()``)."""
         return {"fd": self.fd, "path": self.path, "deleted": self.deleted,
                 "mount_point": self.mount_point, "fstype": self.fstype,
                 "managed": self.managed}
@@ -683,6 +689,7 @@ class FilesManager:
 
     def add_volume(self, mount_point: str | os.PathLike[str],
                    on_change: OnChange | None) -> Volume:
+        """Register the volume at ``mount_point`` (once; a second call returns it)."""
         point = os.path.abspath(os.fspath(mount_point))
         with self._lock:
             for v in self._volumes:
@@ -695,10 +702,12 @@ class FilesManager:
         return vol
 
     def volumes(self) -> list[Volume]:
+        """The registered volumes."""
         with self._lock:
             return list(self._volumes)
 
     def status(self) -> dict[str, Any]:
+        """``status()["files"]``: handles, volumes and the last audit."""
         return {"handles": [h.describe() for h in self.handles()],
                 "volumes": [v.describe() for v in self.volumes()],
                 "last_audit": [f.to_dict() for f in self.last_audit]}

@@ -103,12 +103,15 @@ def _series(mtype: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class Gpu:
+    """One GPU as ``nvidia-smi`` lists it."""
+
     name: str
     driver: str | None
     mig: bool | None
     """MIG mode currently enabled (None: not a MIG-capable GPU, ``[N/A]``)."""
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``doctor --json``, the manifest's ``platform``)."""
         return {"name": self.name, "driver": self.driver, "mig": self.mig}
 
 
@@ -158,6 +161,7 @@ class NodeFacts:
     arch: str
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``doctor --json``, the manifest's ``platform``)."""
         return {"machine_type": self.machine_type, "machine_series": self.machine_series,
                 "gpus": None if self.gpus is None else [g.to_dict() for g in self.gpus],
                 "gvisor": self.gvisor, "gvisor_version": self.gvisor_version,
@@ -182,6 +186,7 @@ class Check:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``doctor --json``, the manifest's ``platform``)."""
         return {"name": self.name, "status": self.status, "reason": self.reason}
 
 
@@ -194,6 +199,7 @@ class Fit:
     facts: NodeFacts = field(repr=False)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``doctor --json``, the manifest's ``platform``)."""
         return {"fit": self.fit, "checks": [c.to_dict() for c in self.checks],
                 "facts": self.facts.to_dict()}
 
