@@ -148,7 +148,9 @@ def test_no_grace_by_default_the_later_specific_notice_confirms(rehydrate_engine
     rehydrate_engine.start([det, FakeSpecific()])
     wait_for(lambda: det.ticks >= 2)
     clock.offset += 8.0
-    rec.wait(1, timeout=1.0)
+    # "No grace" is det.grace == 0 above; a 1 s deadline here only measured how soon a
+    # loaded CI box schedules the detector thread (speed belongs in benchmarks/).
+    rec.wait(1)
     assert [c["reason"] for c in rec.calls] == ["clock-jump"]
     later = rehydrate_engine.restore_detected("gvisor", since=time.monotonic() - 2.0)
     assert later.deduplicated and later.reason == "clock-jump"
