@@ -256,7 +256,7 @@ def test_real_freeze_seen_by_two_detectors_runs_hooks_once_with_the_specific_rea
 READY_LOOP = textwrap.dedent("""
     import json, os, sys, time
     from rehydrate.testing import isolated_engine
-    from rehydrate.detect.clock import ClockJumpDetector
+    from rehydrate.detect.clock_jump import ClockJumpDetector
 
     def say(**kw):
         sys.stdout.write(json.dumps(kw) + "\\n"); sys.stdout.flush()
@@ -334,13 +334,15 @@ def test_job_control_stop_during_a_pending_snapshot_is_not_the_checkpoint():
 GIL_STALL = textwrap.dedent("""
     import ctypes, json, sys, time
     from rehydrate.testing import isolated_engine
-    from rehydrate.detect.clock import ClockJumpDetector
+    from rehydrate.detect.clock_jump import ClockJumpDetector
 
     engine = isolated_engine()
     ran = []
     engine.registry.after_restore(lambda ctx: ran.append(ctx.reason))
     det = ClockJumpDetector(interval=0.1, threshold=1.0)
     engine.start([det])
+    if PENDING:  # after the before-snapshot hooks: a stall before the dump
+        engine.simulate_snapshot()
     while det.ticks < 3:
         time.sleep(0.01)
     ctypes.PyDLL(None).usleep(2500000)  # a C call that sleeps holding the GIL
@@ -348,16 +350,19 @@ GIL_STALL = textwrap.dedent("""
     while det.ticks < ticks + 3:
         time.sleep(0.01)
     print(json.dumps({"ran": ran, "busy_skips": det.busy_skips, "jumps": det.jumps,
-                      "generation": engine.generation}), flush=True)
+                      "generation": engine.generation, "state": engine.state}), flush=True)
 """)
 
 
-def test_a_gil_stall_without_cpu_is_not_a_restore():
-    """Issue 13 item 5: a 2.5 s C call holding the GIL (sleeping: no CPU) is a stall; the
-    detector thread's own wake-ups while it waited for the GIL tell it from a freeze."""
-    child = Child(GIL_STALL)
+@pytest.mark.parametrize("pending", [False, True], ids=["running", "snapshot-pending"])
+def test_a_gil_stall_without_cpu_is_not_a_restore(pending):
+    """Issue 13 item 5: a 2.5 s C call holding the GIL (sleeping: no CPU) is a stall, also
+    right after the before-snapshot hooks; the detector thread's own wake-ups while it
+    waited for the GIL tell it from a freeze."""
+    child = Child(f"PENDING = {pending}\n" + GIL_STALL)
     try:
         out = child.next(timeout=20)
-        assert out == {"ran": [], "busy_skips": 1, "jumps": 0, "generation": 0}, out
+        assert out == {"ran": [], "busy_skips": 1, "jumps": 0, "generation": 0,
+                       "state": "snapshotting" if pending else "running"}, out
     finally:
         child.close()
