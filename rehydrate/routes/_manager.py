@@ -1,0 +1,495 @@
+"""The routes manager: capture before a snapshot, re-apply and verify after restore."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..context import RestoreContext
+from ..hooks import Phase
+
+if TYPE_CHECKING:
+    from ..extensions import Engine
+from ._iptables import IptablesRules, _apply_iptables
+from ._model import (
+    _T,
+    PYROUTE2_MISSING,
+    NetworkError,
+    NetworkUnavailable,
+    Route,
+    _describe,
+    _pyroute2_available,
+    _rtnetlink_available,
+    has_cap_net_admin,
+    nft_binary,
+)
+from ._netlink import _Encoder, _off_loop, _route_msg, _Rtnl, read_routes
+from ._nftables import NftCommands, NftTable, _nft, read_table, read_tables
+
+log = logging.getLogger("rehydrate")
+
+
+
+def missing_prerequisites(*, routes: bool = True, nft: bool = True,
+                          iptables: bool = False) -> list[str]:
+    """What stops re-applying the given kinds of state here (empty: nothing)."""
+    missing: list[str] = []
+    cap = has_cap_net_admin()
+    if (routes or nft or iptables) and not cap:
+        missing.append(f"CAP_NET_ADMIN (uid {os.geteuid()} runs without it)")
+    if routes and not _pyroute2_available():
+        missing.append(PYROUTE2_MISSING)
+    elif routes and not _rtnetlink_available():
+        missing.append("rtnetlink (NETLINK_ROUTE sockets are not supported here)")
+    if nft:
+        binary = nft_binary()
+        if binary is None:
+            missing.append("the nft binary (install nftables, or set REHYDRATE_NFT)")
+        elif cap:
+            try:
+                _nft(["list", "tables"])
+            except NetworkUnavailable as exc:
+                missing.append(f"nftables support ({exc})")
+            except Exception as exc:
+                missing.append(f"a working nft ({_describe(exc)})")
+    if iptables:
+        for b in ("iptables-restore", "iptables"):
+            if shutil.which(b) is None and not os.access(f"/usr/sbin/{b}", os.X_OK):
+                missing.append(f"the {b} binary")
+    return missing
+
+
+@dataclass(frozen=True)
+class Capture:
+    """User-added routes and nftables tables of one network namespace at one moment."""
+
+    routes: tuple[Route, ...]
+    tables: tuple[NftTable, ...]
+    taken_at: float
+    problems: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"routes": [r.to_dict() for r in self.routes],
+                "tables": {t.label: t.to_json() for t in self.tables},
+                "taken_at": self.taken_at, "problems": list(self.problems)}
+
+
+@dataclass
+class ApplyResult:
+    routes: int = 0
+    routes_skipped: int = 0
+    tables: int = 0
+    iptables_rules: int = 0
+    """Declared iptables rules in force after applying (read back with ``-C``)."""
+    duration: float = 0.0
+    errors: list[tuple[str, bool, str]] = field(default_factory=list)
+    """(what, required, message) for each item that failed."""
+    in_force: list[str] = field(default_factory=list)
+    """What was read back in force after applying, failed items included: ``nftables
+    inet app``, ``iptables filter: 2/2 rule(s)`` … (a failed item may be partly or,
+    from before, wholly in force)."""
+
+    @property
+    def ok(self) -> bool:
+        return not any(req for _, req, _ in self.errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"routes": self.routes, "routes_skipped": self.routes_skipped,
+                "tables": self.tables, "iptables_rules": self.iptables_rules,
+                "in_force": list(self.in_force),
+                "duration": round(self.duration, 6),
+                "errors": [{"what": w, "required": r, "error": e} for w, r, e in self.errors]}
+
+
+@dataclass
+class _Parts:
+    """What one capture could read: each part is None when reading it failed."""
+
+    routes: tuple[Route, ...] | None = None
+    tables: tuple[NftTable, ...] | None = None
+    failed: dict[str, str] = field(default_factory=dict)
+    """part ("routes"/"nftables") -> the problem that stopped reading it"""
+    unavailable: set[str] = field(default_factory=set)
+    """parts that failed because a prerequisite is missing (not a transient error)"""
+    notes: list[str] = field(default_factory=list)
+    """problems of single items (a table skipped)"""
+
+    def problems(self) -> tuple[str, ...]:
+        out = [self.failed["routes"]] if "routes" in self.failed else []
+        out.extend(self.notes)
+        if "nftables" in self.failed:
+            out.append(self.failed["nftables"])
+        return tuple(out)
+
+
+def _prerequisite_missing(exc: BaseException) -> bool:
+    return isinstance(exc, NetworkUnavailable) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT))
+
+
+def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
+    parts = _Parts()
+    try:
+        parts.routes = tuple(replace(r, required=required)
+                             for r in read_routes(user_only=True))
+    except Exception as exc:
+        parts.failed["routes"] = f"routes: {_describe(exc)}"
+        if _prerequisite_missing(exc):
+            parts.unavailable.add("routes")
+    nft_tables: list[NftTable] = []
+    notes: list[str] = []
+    try:
+        wanted = {" ".join(t.split()) for t in tables} if tables is not None else None
+        for t in read_tables():
+            if wanted is not None and t.label not in wanted and t.name not in wanted:
+                continue
+            if t.uses_xt():
+                notes.append(f"nftables table {t.label} holds iptables-nft rules; "
+                             "declare them with rehydrate.routes.iptables()")
+                continue
+            nft_tables.append(replace(t, required=required))
+    except Exception as exc:
+        parts.failed["nftables"] = f"nftables: {_describe(exc)}"
+        if _prerequisite_missing(exc):
+            parts.unavailable.add("nftables")
+    else:
+        parts.tables, parts.notes = tuple(nft_tables), notes
+    return parts
+
+
+class RoutesManager:
+    """Per-engine declarations, the last capture, and the NETWORK-phase hooks."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self.routes: list[Route] = []
+        self.rulesets: list[NftTable | NftCommands] = []
+        self.iptables: list[IptablesRules] = []
+        self.capture: Capture | None = None
+        self._capture_spec: tuple[tuple[str, ...] | None, bool] | None = None
+        self._unavailable_at_capture: frozenset[str] = frozenset()
+        self.last: ApplyResult | None = None
+        self._encoder = _Encoder()
+        engine.builtins.register(self._after_restore, event="restore", phase=Phase.NETWORK,
+                                 name="rehydrate.routes", timeout=60.0)
+        engine.builtins.register(self._before_snapshot, event="snapshot",
+                                 phase=Phase.NETWORK, name="rehydrate.routes.capture",
+                                 timeout=30.0, required=False)
+        engine.add_status("network", self.status)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            cap = self.capture
+            return {
+                "declared_routes": len(self.routes),
+                "declared_rulesets": len(self.rulesets) + len(self.iptables),
+                "captured_routes": len(cap.routes) if cap else 0,
+                "captured_tables": [t.label for t in cap.tables] if cap else [],
+                "last_apply": self.last.to_dict() if self.last else None,
+            }
+
+    # -- declarations ---------------------------------------------------------------
+
+    def add_route(self, r: Route) -> None:
+        with self._lock:
+            self.routes = [x for x in self.routes if x.key() != r.key()] + [r]
+
+    def add_ruleset(self, items: Sequence[NftTable | NftCommands]) -> None:
+        with self._lock:
+            labels = {t.label for t in items if isinstance(t, NftTable)}
+            self.rulesets = [x for x in self.rulesets
+                             if not (isinstance(x, NftTable) and x.label in labels)]
+            self.rulesets.extend(items)
+
+    def add_iptables(self, rules: IptablesRules) -> None:
+        with self._lock:
+            self.iptables.append(rules)
+
+    def take_capture(self, tables: Iterable[str] | None, required: bool) -> Capture:
+        spec = (tuple(tables) if tables is not None else None, required)
+        parts = _read_parts(spec[0], required)
+        cap = Capture(parts.routes or (), parts.tables or (), time.time(), parts.problems())
+        for p in cap.problems:
+            log.warning("network capture: %s", p)
+        with self._lock:
+            self._capture_spec = spec
+            self._unavailable_at_capture = frozenset(parts.unavailable)
+            self.capture = cap
+        self._prepare()
+        return cap
+
+    def _prepare(self) -> None:
+        """Encode the route messages of the declarations and the capture now (before
+        the snapshot), so that a restore only sends them."""
+        with self._lock:
+            todo = [*self.routes, *(self.capture.routes if self.capture else ())]
+        if not todo or not _pyroute2_available():
+            return
+
+        def encode() -> None:
+            rtnl = _Rtnl()
+            try:
+                by_name = {v: k for k, v in rtnl.links().items()}
+            finally:
+                rtnl.close()
+            msgs = []
+            for r in todo:
+                try:
+                    msgs.append(_route_msg(r, by_name))
+                except NetworkError:
+                    continue  # its device is not there (yet): encoded when applied
+            self._encoder.warm(msgs)
+
+        try:
+            _off_loop(encode)
+        except Exception as exc:  # only a lost optimisation: applying encodes anyway
+            log.debug("network: route messages not pre-encoded: %s", _describe(exc))
+
+    # -- hooks ----------------------------------------------------------------------
+
+    def _before_snapshot(self, ctx: RestoreContext) -> None:
+        with self._lock:
+            spec = self._capture_spec
+        if spec is not None:
+            self._recapture(*spec)
+        # import pyroute2 (a few hundred ms, once) and encode the route messages now,
+        # not in the restore
+        self._prepare()
+
+    def _recapture(self, tables: tuple[str, ...] | None, required: bool) -> None:
+        """Capture again before a snapshot, part by part: a part (routes, nftables
+        tables) that cannot be read now keeps what the previous capture read, the other
+        part is replaced. A part whose prerequisite was already missing at
+        :func:`capture` (no ``nft`` binary, no nftables as on gVisor) is simply empty:
+        :func:`capture` reported that once."""
+        parts = _read_parts(tables, required)
+        with self._lock:
+            prev = self.capture
+            baseline = self._unavailable_at_capture
+        problems: list[str] = []
+
+        def keep(part: str, fresh: tuple[_T, ...] | None, before: tuple[_T, ...]) -> tuple[_T, ...]:
+            if fresh is not None:
+                return fresh
+            if part in parts.unavailable and part in baseline:
+                return ()
+            problems.append(parts.failed[part])
+            return before
+
+        routes = keep("routes", parts.routes, prev.routes if prev else ())
+        problems.extend(parts.notes)
+        nft_tables = keep("nftables", parts.tables, prev.tables if prev else ())
+        seen = set(prev.problems) if prev else set()
+        for p in problems:
+            if p in seen:
+                continue  # said at the previous capture already
+            kept = ("; keeping the routes captured before" if p.startswith("routes: ") else
+                    "; keeping the tables captured before" if p.startswith("nftables: ")
+                    else "")
+            log.warning("network capture before the snapshot: %s%s", p, kept)
+        cap = Capture(routes, nft_tables, time.time(), tuple(problems))
+        with self._lock:
+            self.capture = cap
+
+    def _after_restore(self, ctx: RestoreContext) -> None:
+        result = self.apply(log_errors=False)  # the engine logs the hook's one failure
+        if not result.ok:
+            raise NetworkError(_summary(result))
+
+    def apply(self, *, log_errors: bool = True) -> ApplyResult:
+        """Re-apply declarations and the capture now; read back and compare."""
+        with self._lock:
+            declared = list(self.routes)
+            rulesets = list(self.rulesets)
+            ipt = list(self.iptables)
+            cap = self.capture
+        captured_routes = list(cap.routes) if cap else []
+        captured_tables = list(cap.tables) if cap else []
+        declared_labels = {t.label for t in rulesets if isinstance(t, NftTable)}
+        tables: list[NftTable | NftCommands] = [
+            t for t in captured_tables if t.label not in declared_labels]
+        tables.extend(rulesets)
+        result = ApplyResult()
+        t0 = time.perf_counter()
+        if not (declared or captured_routes or tables or ipt):
+            return result
+        missing = missing_prerequisites(routes=bool(declared or captured_routes),
+                                        nft=bool(tables), iptables=bool(ipt))
+        if missing:
+            items = _count(declared, captured_routes, tables, ipt)
+            required = any(x.required for x in [*declared, *captured_routes, *tables, *ipt])
+            msg = f"cannot re-apply {items}: missing {', '.join(missing)}"
+            if log_errors:
+                log.error("network: %s", msg)
+            result.errors.append(("network", required, msg))
+            self.last = result
+            return result
+        routes_part, tables_part = ApplyResult(), ApplyResult()
+        if declared or captured_routes:
+            # routes (rtnetlink, on a thread of their own) and nftables tables (nft
+            # subprocesses, here) do not depend on each other: apply them concurrently
+            with ThreadPoolExecutor(1, thread_name_prefix="rehydrate-routes") as pool:
+                routes_done = pool.submit(self._apply_routes, declared, captured_routes,
+                                          routes_part)
+                for t in tables:
+                    self._apply_nft(t, tables_part)
+                try:
+                    routes_done.result()
+                except Exception as exc:
+                    req = any(r.required for r in [*declared, *captured_routes])
+                    routes_part.errors.append(("routes", req, _describe(exc)))
+        else:
+            for t in tables:
+                self._apply_nft(t, tables_part)
+        result.routes, result.routes_skipped = routes_part.routes, routes_part.routes_skipped
+        result.tables = tables_part.tables
+        result.errors.extend(routes_part.errors + tables_part.errors)
+        result.in_force.extend(tables_part.in_force)
+        for rules in ipt:
+            try:
+                in_force, problem = _apply_iptables(rules)
+            except Exception as exc:
+                result.errors.append((f"{rules.tool} rules", rules.required, _describe(exc)))
+                continue
+            result.iptables_rules += sum(n for n, _ in in_force.values())
+            result.in_force.extend(f"{rules.tool} {t}: {n}/{total} rule(s)"
+                                   for t, (n, total) in in_force.items())
+            if problem is not None:
+                result.errors.append((f"{rules.tool} rules", rules.required, problem))
+        result.duration = time.perf_counter() - t0
+        for what, req, err in result.errors:
+            if req and not log_errors:
+                continue
+            log.log(logging.ERROR if req else logging.WARNING, "network: %s: %s", what, err)
+        self.last = result
+        return result
+
+    def _apply_routes(self, declared: list[Route], captured: list[Route],
+                      result: ApplyResult) -> None:
+        try:
+            backend = _Rtnl()
+        except Exception as exc:
+            req = any(r.required for r in [*declared, *captured])
+            result.errors.append(("routes", req, _describe(exc)))
+            return
+        try:
+            by_name = {v: k for k, v in backend.links().items()}
+            current_keys = {r.key(): r for r in read_routes(backend=backend)}
+            todo: list[Route] = list(declared)
+            declared_keys = {r.key() for r in declared}
+            for r in captured:
+                if r.key() in declared_keys:
+                    continue
+                have = current_keys.get(r.key())
+                if have is not None:
+                    if not r.matches(have):
+                        log.info("route %s: the platform re-created %s; leaving it", r, have)
+                    result.routes_skipped += 1
+                    continue
+                todo.append(r)
+            # routes without a gateway (on-link) first: gateways may depend on them
+            todo.sort(key=lambda r: r.gateway is not None)
+            ready: list[tuple[Route, dict[str, Any]]] = []
+            for r in todo:
+                try:
+                    ready.append((r, _route_msg(r, by_name)))
+                except NetworkError as exc:
+                    result.errors.append((f"route {r}", r.required, str(exc)))
+            errors = backend.replace([msg for _, msg in ready], self._encoder) if ready else []
+            applied: list[Route] = []
+            for (r, _), failure in zip(ready, errors, strict=True):
+                if failure is None:
+                    applied.append(r)
+                    continue
+                err = _describe(failure)
+                if "Operation not permitted" in err:
+                    err += " (needs CAP_NET_ADMIN)"
+                result.errors.append((f"route {r}", r.required, err))
+            if applied:
+                after: dict[tuple[int, str, int], list[Route]] = {}
+                for x in read_routes(backend=backend):
+                    after.setdefault(x.key()[:3], []).append(x)
+                for r in applied:
+                    if any(r.matches(x) for x in after.get(r.key()[:3], ())):
+                        result.routes += 1
+                    else:
+                        result.errors.append((f"route {r}", r.required,
+                                              "not in the routing table after applying"))
+        finally:
+            backend.close()
+
+    def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult) -> None:
+        if isinstance(t, NftTable):
+            what = f"nftables table {t.label}"
+            cmds = t.commands()
+        else:
+            what = "nftables ruleset"
+            cmds = [dict(c) for c in t.commands]
+        labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
+        try:
+            _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
+        except Exception as exc:
+            result.errors.append((what, t.required, _describe(exc)))
+            self._nft_in_force(labels, result, "not applied: what was there before stays")
+            return
+        try:
+            if isinstance(t, NftTable):
+                back = read_table(t.family, t.name)
+                if back is None:
+                    raise NetworkError("table missing after applying")
+                if back.canonical() != t.canonical():
+                    raise NetworkError("read back differs from what was applied")
+            else:
+                for fam, name in t.tables():
+                    if read_table(fam, name) is None:
+                        raise NetworkError(f"table {fam} {name} missing after applying")
+        except Exception as exc:
+            result.errors.append((what, t.required, _describe(exc)))
+            self._nft_in_force(labels, result, "applied, but differs from the declaration")
+            return
+        result.tables += 1
+        result.in_force.extend(f"nftables {fam} {name}" for fam, name in labels)
+
+    @staticmethod
+    def _nft_in_force(labels: Iterable[tuple[str, str]], result: ApplyResult,
+                      note: str) -> None:
+        """After a failed nftables item: which of its tables are there anyway (``nft``
+        applies one transaction atomically, so a table is there from before or not)."""
+        for fam, name in labels:
+            try:
+                present = read_table(fam, name) is not None
+            except Exception:  # noqa: S112 - reading back is best effort here
+                continue
+            if present:
+                result.in_force.append(f"nftables {fam} {name} ({note})")
+
+
+def _count(declared: list[Route], captured: list[Route],
+           tables: Sequence[NftTable | NftCommands], ipt: list[IptablesRules]) -> str:
+    parts = []
+    if declared or captured:
+        parts.append(f"{len(declared) + len(captured)} route(s)")
+    if tables:
+        parts.append(f"{len(tables)} nftables ruleset(s)")
+    if ipt:
+        parts.append(f"{len(ipt)} iptables ruleset(s)")
+    return " and ".join(parts)
+
+
+def _summary(result: ApplyResult) -> str:
+    req = [(w, e) for w, r, e in result.errors if r]
+    if len(req) == 1 and req[0][0] == "network":
+        return req[0][1]
+    head = "; ".join(f"{w}: {e}" for w, e in req[:5])
+    more = f" (and {len(req) - 5} more)" if len(req) > 5 else ""
+    return f"{len(req)} required network item(s) not re-applied: {head}{more}"

@@ -1,0 +1,195 @@
+"""Routes and rules as values, the errors, and what applying them needs here."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .. import _config
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("rehydrate")
+
+
+CAP_NET_ADMIN = 12
+NETLINK_ROUTE = 0
+RTPROT_STATIC = 4
+RT_TABLE_COMPAT = 252
+RT_TABLE_MAIN = 254
+RT_TABLE_LOCAL = 255
+_SKIP_PROTOS = {2: "kernel", 9: "ra", 16: "dhcp"}
+_ROUTE_TYPES = {1: "unicast", 6: "blackhole", 7: "unreachable", 8: "prohibit"}
+_TYPE_CODES = {v: k for k, v in _ROUTE_TYPES.items()}
+NFT_TIMEOUT = 20.0
+RTNL_TIMEOUT = 10.0
+_BATCH = 256  # routes per sendto (a route message is at most ~120 bytes)
+_SEQ_BASE = 0x10000000  # our batch's sequence numbers, far from pyroute2's own
+
+_T = TypeVar("_T")
+
+
+class NetworkError(RuntimeError):
+    """Some routes or rules could not be re-applied or did not read back as applied."""
+
+
+class NetworkUnavailable(NetworkError):
+    """A prerequisite is missing (capability, binary, module, kernel support)."""
+
+
+def has_cap_net_admin() -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def nft_binary() -> str | None:
+    configured = _config.text("REHYDRATE_NFT")
+    if configured is not None:
+        return configured if os.access(configured, os.X_OK) else None
+    return shutil.which("nft") or next(
+        (p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+
+
+PYROUTE2_MISSING = "pyroute2 (pip install 'rehydrate[routes]')"
+
+
+def _pyroute2_available() -> bool:
+    try:
+        import pyroute2  # type: ignore[import-untyped,unused-ignore]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rtnetlink_available() -> bool:
+    try:
+        socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE).close()
+    except OSError as exc:
+        return exc.errno not in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT)
+    return True
+
+
+_FAMILY_NAMES: dict[int, str] = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}
+_FAMILIES: dict[object, int] = {
+    None: 0, socket.AF_INET: socket.AF_INET, socket.AF_INET6: socket.AF_INET6,
+    4: socket.AF_INET, 6: socket.AF_INET6, "inet": socket.AF_INET, "inet6": socket.AF_INET6,
+    "ipv4": socket.AF_INET, "ipv6": socket.AF_INET6}
+
+
+def _family_of_text(r: Route) -> int | None:
+    """The family the route's addresses imply (None for ``default`` without addresses)."""
+    for probe in (r.dst, r.gateway, r.src):
+        if probe is not None and probe != "default":
+            return socket.AF_INET6 if ":" in probe else socket.AF_INET
+    return None
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route. ``dst`` is ``"default"`` or a prefix such as ``"10.0.0.0/24"``.
+
+    ``family`` is ``socket.AF_INET`` or ``socket.AF_INET6``; left out (0), it is taken
+    from the addresses (``"::/0"`` is IPv6) and is IPv4 for ``"default"`` without one.
+    It is a field, not a guess from the text, so it survives :meth:`normalized` (which
+    writes ``::/0`` as ``default``) and routes read from the kernel keep their family.
+    """
+
+    dst: str
+    gateway: str | None = None
+    dev: str | None = None
+    table: int | None = None
+    metric: int | None = None
+    src: str | None = None
+    type: str = "unicast"
+    scope: int | None = None
+    required: bool = field(default=True, compare=False)
+    family: int = 0
+
+    def __post_init__(self) -> None:
+        family = int(self.family) or _family_of_text(self) or socket.AF_INET
+        if family not in _FAMILY_NAMES:
+            raise ValueError(f"route family must be AF_INET or AF_INET6, not {self.family!r}")
+        object.__setattr__(self, "family", family)
+
+    @property
+    def family_name(self) -> str:
+        return _FAMILY_NAMES[self.family]
+
+    def normalized(self) -> Route:
+        dst = self.dst
+        if dst in ("default", "0.0.0.0/0", "::/0"):
+            dst = "default"
+        elif "/" not in dst:
+            dst = f"{dst}/{128 if self.family == socket.AF_INET6 else 32}"
+        return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN)
+
+    def key(self) -> tuple[int, str, int, int | None]:
+        """What the kernel identifies a route by (family, destination, table, metric)."""
+        n = self.normalized()
+        return (n.family, n.dst, n.table or RT_TABLE_MAIN, n.metric)
+
+    def matches(self, other: Route) -> bool:
+        """``other`` (read back from the kernel) satisfies this (possibly partial) route."""
+        a, b = self.normalized(), other.normalized()
+        if (a.family, a.dst, a.table, a.type) != (b.family, b.dst, b.table, b.type):
+            return False
+        return all(getattr(a, f) is None or getattr(a, f) == getattr(b, f)
+                   for f in ("gateway", "dev", "metric", "src", "scope"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in (("dst", self.dst), ("gateway", self.gateway),
+                                  ("dev", self.dev), ("table", self.table),
+                                  ("metric", self.metric), ("src", self.src),
+                                  ("family", self.family_name), ("type", self.type),
+                                  ("scope", self.scope)) if v is not None}
+
+    def __str__(self) -> str:
+        parts = [self.dst]
+        for label, v in (("via", self.gateway), ("dev", self.dev), ("table", self.table),
+                         ("metric", self.metric), ("src", self.src)):
+            if v is not None:
+                parts.append(f"{label} {v}")
+        if self.type != "unicast":
+            parts.insert(0, self.type)
+        if self.family == socket.AF_INET6:  # as `ip -6 route` would need it spelled out
+            parts.insert(0, "inet6")
+        return " ".join(str(p) for p in parts)
+
+
+def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope: int,
+                kind: int, gateway: str | None, oif: int | None, priority: int | None,
+                prefsrc: str | None, multipath: bool, links: Mapping[int, str]
+                ) -> Route | None:
+    """A kernel route as a :class:`Route`; None when not expressible (multipath,
+    local/broadcast/multicast types)."""
+    rtype = _ROUTE_TYPES.get(kind)
+    if rtype is None or multipath:
+        return None
+    dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
+    default_scope = 253 if (rtype == "unicast" and gateway is None
+                            and family == socket.AF_INET) else 0
+    # the kernel reports IPv6 blackhole/unreachable/prohibit routes on "lo", but refuses
+    # a device for these types when they are added
+    dev = links.get(oif) if oif is not None and rtype == "unicast" else None
+    return Route(
+        dst=dst_s, gateway=gateway, dev=dev, table=table, metric=priority, src=prefsrc,
+        type=rtype, scope=None if scope == default_scope else scope, family=family,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

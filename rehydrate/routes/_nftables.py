@@ -1,0 +1,162 @@
+"""nftables rulesets: read with ``nft -j``, compared, re-applied as one batch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+from ._model import NFT_TIMEOUT, NetworkError, NetworkUnavailable, nft_binary
+
+log = logging.getLogger("rehydrate")
+
+
+def _nft(args: Sequence[str], stdin: str | None = None) -> str:
+    binary = nft_binary()
+    if binary is None:
+        raise NetworkUnavailable("the nft binary is missing (install nftables, or set "
+                                 "REHYDRATE_NFT)")
+    proc = subprocess.run([binary, *args], input=stdin, capture_output=True, text=True,
+                          timeout=NFT_TIMEOUT, check=False)
+    if proc.returncode != 0:
+        err = " ".join(proc.stderr.split()) or f"exit status {proc.returncode}"
+        if any(s in err for s in ("Operation not permitted", "Permission denied")):
+            raise NetworkUnavailable(f"nft {' '.join(args[:3])}: {err} (needs CAP_NET_ADMIN)")
+        if any(s in err for s in ("not supported", "Protocol not supported",
+                                  "Could not process rule: No such file or directory"
+                                  " (netlink)")):
+            raise NetworkUnavailable(f"nftables is not supported here: {err}")
+        raise NetworkError(f"nft {' '.join(args[:3])}: {err}")
+    return proc.stdout
+
+
+_OBJ_KINDS = ("table", "chain", "set", "map", "flowtable", "counter", "quota", "ct helper",
+              "limit", "ct timeout", "ct expectation", "secmark", "synproxy", "element",
+              "rule")
+
+
+def _strip(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k != "handle"}
+
+
+def _normalize_expr(value: Any) -> Any:
+    """Drop what changes by itself (counter values) so read-backs compare equal."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k == "counter" and isinstance(v, dict) and ("packets" in v or "bytes" in v):
+                out[k] = {kk: vv for kk, vv in v.items() if kk not in ("packets", "bytes")}
+            elif k == "counter" and v is None:
+                out[k] = {}
+            else:
+                out[k] = _normalize_expr(v)
+        return out
+    if isinstance(value, list):
+        return [_normalize_expr(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class NftTable:
+    """One nftables table as the list of objects ``nft -j list table`` prints."""
+
+    family: str
+    name: str
+    objects: tuple[Mapping[str, Any], ...]
+    required: bool = field(default=True, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} {self.name}"
+
+    def commands(self) -> list[dict[str, Any]]:
+        """Replace the table atomically: ensure it exists, delete it, add it back."""
+        ident = {"family": self.family, "name": self.name}
+        cmds: list[dict[str, Any]] = [{"add": {"table": dict(ident)}},
+                                      {"delete": {"table": dict(ident)}}]
+        for obj in self.objects:
+            ((kind, body),) = obj.items()
+            cmds.append({"add": {kind: _strip(body)}})
+        return cmds
+
+    def canonical(self) -> list[tuple[str, Any]]:
+        """Objects without handles and counter values, for comparison."""
+        return [(kind, _normalize_expr(_strip(body)))
+                for obj in self.objects for kind, body in obj.items()]
+
+    def uses_xt(self) -> bool:
+        return '"xt"' in json.dumps(self.objects)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nftables": [dict(o) for o in self.objects]}
+
+
+def _tables_from_listing(data: Mapping[str, Any], required: bool = True) -> list[NftTable]:
+    """Group the objects of an ``nft -j list`` document by table."""
+    order: list[tuple[str, str]] = []
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for obj in data.get("nftables", []):
+        if not isinstance(obj, Mapping) or len(obj) != 1:
+            raise ValueError("each nftables item must be one object")
+        ((kind, body),) = obj.items()
+        if kind == "metainfo":
+            continue
+        if kind not in _OBJ_KINDS or not isinstance(body, Mapping):
+            raise ValueError(f"unexpected nftables item {kind!r}")
+        if kind == "table":
+            key = (str(body["family"]), str(body["name"]))
+        else:
+            key = (str(body["family"]), str(body["table"]))
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(obj)
+    tables = []
+    for key in order:
+        objs = groups[key]
+        if not any("table" in o for o in objs):
+            objs.insert(0, {"table": {"family": key[0], "name": key[1]}})
+        tables.append(NftTable(key[0], key[1], tuple(objs), required))
+    return tables
+
+
+def read_table(family: str, name: str) -> NftTable | None:
+    """The table as nft lists it now, or None when it does not exist."""
+    try:
+        out = _nft(["-j", "list", "table", family, name])
+    except NetworkUnavailable:
+        raise
+    except NetworkError as exc:
+        if "No such file or directory" in str(exc):
+            return None
+        raise
+    tables = _tables_from_listing(json.loads(out))
+    return tables[0] if tables else None
+
+
+def read_tables() -> list[NftTable]:
+    """Every table of the current network namespace's ruleset."""
+    return _tables_from_listing(json.loads(_nft(["-j", "list", "ruleset"])))
+
+
+@dataclass(frozen=True)
+class NftCommands:
+    """A declared ruleset in command form (``[{"add": …}, {"flush": …}]``): applied as is,
+    verified by checking its tables exist."""
+
+    commands: tuple[Mapping[str, Any], ...]
+    required: bool = field(default=True, compare=False)
+
+    def tables(self) -> list[tuple[str, str]]:
+        out = []
+        for cmd in self.commands:
+            for verb, body in cmd.items():
+                if verb in ("add", "create") and isinstance(body, Mapping) and "table" in body:
+                    t = body["table"]
+                    out.append((str(t["family"]), str(t["name"])))
+        return out
