@@ -66,6 +66,8 @@ class Clone:
     restore_returned_at: float
     first_response: dict[str, Any] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
+    rerun: dict[str, Any] = field(default_factory=dict)
+    """The report of the same hooks run again (:meth:`ExampleSandbox.rerun_hooks`)."""
 
     @property
     def to_first_response(self) -> float:
@@ -121,21 +123,23 @@ class ExampleSandbox:
 
     def wait_first_response(self, c: Container, timeout: float = 180.0,
                             progress: bool = False) -> dict[str, Any]:
-        """The prober's record of the first correct response (waits for it)."""
-        seen = 0
-
-        def check(rec: dict[str, Any]) -> bool:
-            nonlocal seen
+        """The prober's record of the first correct response (waits for it); with
+        ``progress`` the server's events (model loading, ...) go to ``on_event`` meanwhile."""
+        deadline = time.monotonic() + timeout
+        shown = 0
+        while True:
             if progress:
                 events = c.records("events.jsonl")
-                for ev in events[seen:]:
+                for ev in events[shown:]:
                     self.on_event(_describe(ev))
-                seen = len(events)
-            return rec.get("event") == "first-response"
-
-        if progress:  # poll the events file too while waiting
-            return _wait(c, "probe.jsonl", check, timeout)
-        return c.wait_for("probe.jsonl", check, timeout=timeout)
+                shown = len(events)
+            left = deadline - time.monotonic()
+            try:
+                return c.wait_for("probe.jsonl", _is_first_response,
+                                  timeout=min(1.0, left) if progress else left)
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
 
     def client(self, c: Container, *args: str, timeout: float = 60) -> dict[str, Any]:
         """Run ``client.py ARGS`` inside the sandbox; its JSON answer."""
@@ -153,6 +157,15 @@ class ExampleSandbox:
                                f"{proc.stdout[-1000:]} {proc.stderr[-1000:]}")
         result: dict[str, Any] = json.loads(proc.stdout)
         return result
+
+    def rerun_hooks(self, clone: Clone) -> dict[str, Any]:
+        """The same hooks run again in a restored clone (``notify resume``): what they cost
+        once the clone's restored memory has been touched. Returns that run's report."""
+        for _ in range(3):  # a notice right after the restore only confirms it
+            report: dict[str, Any] = self.notify(clone.container, "resume")["report"]
+            if report["started_at"] != clone.report["started_at"]:
+                return report
+        raise RuntimeError("notify resume kept confirming the restore instead of running")
 
     def checkpoint(self, c: Container) -> tuple[Path, float]:
         """``notify save`` then ``runsc checkpoint``; the image and the checkpoint seconds
@@ -179,8 +192,8 @@ class ExampleSandbox:
 
     def wait_restored(self, clone: Clone, timeout: float = 120.0) -> Clone:
         """Wait for the clone's first correct response and its restore report."""
-        clone.first_response = clone.container.wait_for(
-            "probe.jsonl", lambda r: r.get("event") == "first-response", timeout=timeout)
+        clone.first_response = clone.container.wait_for("probe.jsonl", _is_first_response,
+                                                        timeout=timeout)
         rec = clone.container.wait_for(
             "events.jsonl",
             lambda r: r.get("event") == "report" and r["report"]["kind"] == "restore",
@@ -189,23 +202,8 @@ class ExampleSandbox:
         return clone
 
 
-def _wait(c: Container, name: str, check: Callable[[dict[str, Any]], bool],
-          timeout: float) -> dict[str, Any]:
-    """Like ``Container.wait_for`` but calls ``check`` on every poll (progress output)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = c.records(name)
-        found = [r for r in records if check(r)]
-        if not records:
-            check({})
-        if found:
-            return found[0]
-        reason = c.dead_reason()
-        if reason is not None:
-            raise RuntimeError(reason)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {name} record after {timeout:.0f}s")
-        time.sleep(0.2)
+def _is_first_response(rec: dict[str, Any]) -> bool:
+    return rec.get("event") == "first-response"
 
 
 def _describe(ev: dict[str, Any]) -> str:
