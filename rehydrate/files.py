@@ -673,8 +673,17 @@ class FilesManager:
 
     # registry
     def _add(self, handle: _Handle) -> None:
+        key = id(handle)
+        handles = self._handles
+
+        def forget(ref: weakref.ref[_Handle]) -> None:
+            # Runs inside garbage collection, maybe under self._lock: no lock here (the
+            # GIL makes the check-and-pop safe enough; a reused id holds another ref).
+            if handles.get(key) is ref:
+                handles.pop(key, None)
+
         with self._lock:
-            self._handles[id(handle)] = weakref.ref(handle)
+            handles[key] = weakref.ref(handle, forget)
             self._hook_in()
 
     def _remove(self, handle: _Handle) -> None:

@@ -281,3 +281,15 @@ def test_user_close_of_sqlite_with_open_transaction_and_file_gone_before_snapsho
     report = engine.simulate_restore()
     assert not report.ok and str(p) in str(_hook(report, "rehydrate.files.reopen").error)
     assert f.suspended
+
+
+def test_dropped_handles_are_forgotten(engine, tmp_path: Path) -> None:
+    import gc
+
+    p = tmp_path / "x.txt"
+    p.write_text("x")
+    mgr = files.manager(engine)
+    for _ in range(50):
+        files.open(p, engine=engine)  # dropped at once
+    gc.collect()
+    assert mgr.handles() == [] and len(mgr._handles) == 0
