@@ -99,6 +99,11 @@ def _doctor_process(
     if server_pid is not None and str(pid) == str(server_pid) and reply is not None:
         status = reply.get("status") or {}
     data, text = report(str(pid), status)
+    if data.get("error"):
+        print(f"rehydrate: doctor {option}: {data['error']}", file=sys.stderr)
+        if args.json:
+            _print_json(data)
+        return EXIT_FAILED
     if args.json:
         _print_json(data)
     else:

@@ -765,7 +765,11 @@ class FilesManager:
         return _mark_managed(open_files(proc=self.proc), self.status())
 
     def _audit_hook(self) -> None:
-        found = self.audit()
+        try:
+            found = self.audit()
+        except OSError as exc:  # no /proc here (not Linux, a locked-down sandbox)
+            log.info("before-snapshot audit of open files skipped: %s", exc.strerror or exc)
+            return
         self.last_audit = found
         deleted = [f for f in found if f.deleted]
         unmanaged = [f for f in found if not f.managed and not f.deleted]
@@ -906,7 +910,11 @@ def doctor_report(pid: int | str = "self", *, proc: str = "/proc",
     """``rehydrate doctor --files``: (JSON data, text) about process ``pid``'s descriptors
     on volumes (mounts a snapshot does not hold); ``status``: that process's
     ``status()["files"]``, to mark the descriptors its handles manage."""
-    found = open_files(pid, proc=proc)
+    try:
+        found = open_files(pid, proc=proc)
+    except OSError as exc:
+        msg = f"cannot list the descriptors of process {pid}: {exc.strerror or exc}"
+        return {"pid": str(pid), "files": [], "error": msg}, msg
     if status is not None:
         found = _mark_managed(found, status)
     data: dict[str, Any] = {"pid": str(pid), "files": [f.to_dict() for f in found]}

@@ -293,3 +293,13 @@ def test_dropped_handles_are_forgotten(engine, tmp_path: Path) -> None:
         files.open(p, engine=engine)  # dropped at once
     gc.collect()
     assert mgr.handles() == [] and len(mgr._handles) == 0
+
+
+def test_no_proc_skips_the_audit_and_doctor_says_why(
+        engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files.manager(engine).proc = str(tmp_path / "no-proc")
+    assert engine.simulate_snapshot().ok, "no /proc: nothing to audit, never a failure"
+    assert cli_main(["doctor", "--files", "--pid", "999999999"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rehydrate: doctor --files: cannot list the descriptors of process "
+                   "999999999: No such file or directory"], err
