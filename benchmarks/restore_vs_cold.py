@@ -226,9 +226,10 @@ def svg(m: dict[str, Any]) -> str:
     share = sandboxed.rehydrate_share(rep)
     text(20, y, f"blue: rehydrate ({share * 1000:.0f} ms in this run) \N{MIDDLE DOT} orange: "
          f"the application's hooks \N{MIDDLE DOT} light blue: runsc restore \N{MIDDLE DOT} "
-         f"green: first response \N{MIDDLE DOT} gap before the hooks: the restore being "
-         f"noticed", size=11)
-    height = y + 20
+         f"green: first response", size=11)
+    text(20, y + 16, "the gap before the first hook: the restore being noticed (clock jump)",
+         size=11)
+    height = y + 34
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" font-family="sans-serif">'
             f'<rect width="100%" height="100%" fill="white"/>')
