@@ -378,16 +378,35 @@ class AgonesAdapter:
         timeout = httpx.Timeout(self.request_timeout, read=None)  # the stream idles
         while True:
             try:
-                async with self._http().stream("GET", "/watch/gameserver",
-                                               timeout=timeout) as resp:
+                resp = await self._open_watch(timeout)
+                try:
                     resp.raise_for_status()
                     streak.ok()
                     async for line in resp.aiter_lines():
                         self._watched(line)
+                finally:
+                    await resp.aclose()
                 raise AgonesError("the watch stream ended")
             except (httpx.HTTPError, AgonesError) as exc:
                 streak.failed(exc)
             await asyncio.sleep(_backoff(max(streak.failures, 1), 5.0))
+
+    async def _open_watch(self, timeout: httpx.Timeout) -> httpx.Response:
+        """The watch response, whose headers must come within ``request_timeout`` (only
+        its body may idle). Not ``asyncio.wait_for``: before Python 3.12 it can swallow
+        the cancellation that stops this loop before a snapshot."""
+        client = self._http()
+        request = client.build_request("GET", "/watch/gameserver", timeout=timeout)
+        send = asyncio.ensure_future(client.send(request, stream=True))
+        try:
+            done, _ = await asyncio.wait({send}, timeout=self.request_timeout)
+        finally:
+            if not send.done():
+                send.cancel()
+        if not done:
+            raise AgonesError(f"GET /watch/gameserver: no answer within "
+                              f"{self.request_timeout:g}s")
+        return send.result()
 
     def _watched(self, line: str) -> None:
         if not line.strip():
@@ -429,16 +448,21 @@ class AgonesAdapter:
         await self._stop_loops()  # a new client: pooled connections died with the freeze
         # The health window is what a restore most risks: ping first, then the rest.
         self._health_task = asyncio.create_task(self._health_loop())
-        before = self._gameserver
-        gs = await self._retry("GET", "/gameserver", None, until)
-        _compare(before, gs, kind)
-        self._set_gameserver(gs)
-        for key, value in list(self._labels.items()):
-            await self._retry("PUT", "/metadata/label", {"key": key, "value": value}, until)
-        for key, value in list(self._annotations.items()):
-            await self._retry("PUT", "/metadata/annotation", {"key": key, "value": value},
-                              until)
-        self._watch_task = asyncio.create_task(self._watch_loop())
+        try:
+            before = self._gameserver
+            gs = await self._retry("GET", "/gameserver", None, until)
+            _compare(before, gs, kind)
+            self._set_gameserver(gs)
+            for key, value in list(self._labels.items()):
+                await self._retry("PUT", "/metadata/label", {"key": key, "value": value},
+                                  until)
+            for key, value in list(self._annotations.items()):
+                await self._retry("PUT", "/metadata/annotation",
+                                  {"key": key, "value": value}, until)
+        finally:
+            # Also after a missed deadline: the stream retries on its own and shows the
+            # GameServer again once the sidecar answers.
+            self._watch_task = asyncio.create_task(self._watch_loop())
         self.reason = ""
 
     def _on_report(self, report: Report) -> None:

@@ -163,6 +163,10 @@ def test_sidecar_that_never_answers_leaves_server_not_ready(sidecar, rehydrate_e
         assert a.status()["reason"] == message
         assert [h.outcome for h in report.hooks if h.name != "rehydrate.agones.resync"] == \
             ["ok"] * (len(report.hooks) - 1), report.table()
+        # the watch stream keeps retrying: once the sidecar answers, it is back
+        n_watch = len(sidecar.calls("GET", "/watch/gameserver"))
+        sidecar.faults.hang = False
+        sidecar.wait_for("GET", "/watch/gameserver", count=n_watch + 1, timeout=15)
     finally:
         sidecar.faults.hang = False
         a.close()
