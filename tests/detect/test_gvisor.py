@@ -312,7 +312,9 @@ def test_stop_is_prompt_and_closes_everything(engine: Lifecycle, proc: Path) -> 
     assert thread is not None
     t0 = time.monotonic()
     engine.stop()
-    assert time.monotonic() - t0 < 0.5
+    # Prompt: woken by its stop pipe, not left to the 5 s join timeout (0.5 s here was
+    # a loaded 2-core box's scheduling latency, not the waiter's).
+    assert time.monotonic() - t0 < 2.0
     assert not thread.is_alive()
     assert len(os.listdir("/proc/self/fd")) <= fds_before
 
