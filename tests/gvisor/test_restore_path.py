@@ -170,10 +170,9 @@ def test_clock_jump_only_and_control_socket_without_notify(
     gvisor = gvisor_uncompressed
     plain, _ = _original(gvisor, tmp_path, "plain", socket=False)
     sock, _ = _original(gvisor, tmp_path, "sock", socket=True)
-    t = time.monotonic()
     plain_image = plain.checkpoint()
     sock_image = sock.checkpoint()
-    _frozen_until(t)
+    _frozen_until(time.monotonic())  # every clone frozen at least FROZEN s
     clones = {
         "clock-jump only": _clones(gvisor, plain_image, plain, tmp_path, "plain", 3),
         "control socket, no notify": _clones(gvisor, sock_image, sock, tmp_path, "sock", 3),
