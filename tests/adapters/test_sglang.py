@@ -4,6 +4,8 @@ driven by an isolated engine's real snapshot and restore runs."""
 from __future__ import annotations
 
 import logging
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +84,22 @@ def test_500_for_good_fails_the_snapshot_with_the_servers_reason(
     assert str(release.error) == ("sglang POST /release_memory_occupation: HTTP 500: "
                                   "scheduler is not idle (gave up after the 1.5s deadline)")
     assert standin.log.count("POST /release_memory_occupation") > 1
+
+
+def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """A server that accepts and never answers: each call is cut at request_timeout and
+    retried, and the required hook fails once the deadline passed (never hangs)."""
+    sglang.SGLangAdapter(url, deadline=1.5, request_timeout=0.2).install(rehydrate_engine)
+    standin.hang["/release_memory_occupation"] = 5
+    t0 = time.monotonic()
+    report = rehydrate_engine.simulate_snapshot()
+    assert time.monotonic() - t0 < 5
+    release = hook(report, "rehydrate.sglang.release")
+    assert release.outcome == "failed" and not report.ok
+    assert re.fullmatch(r"sglang POST /release_memory_occupation: no answer within "
+                        r"0\.[0-9]+s \(gave up after the 1\.5s deadline\)", str(release.error))
+    assert standin.log.count("POST /release_memory_occupation") >= 2  # retried
 
 
 def test_success_false_fails_with_the_message(url: str, standin: SGLangStandIn,
