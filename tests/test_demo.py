@@ -56,3 +56,14 @@ def test_inference_demo_without_runsc_simulates_the_restore():
                  "rehydrate.connections", "app.warmup-canary"):
         assert hook in out
     assert "demo-key-" not in out and "demo-upstream-token" not in out  # names, never values
+
+
+def test_readme_starts_with_the_two_commands():
+    """A new user's first read: the README opens with `make demo` and `make test`, and
+    nothing else in that block."""
+    readme = (DEMO.parent.parent / "README.md").read_text()
+    first_block = readme.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert commands == ["make demo", "make test"], commands
+    assert readme.index("```sh") < readme.index("**rehydrate**")
