@@ -214,7 +214,7 @@ def test_snapshot_deadline_from_environment(monkeypatch: pytest.MonkeyPatch,
 
 
 CHILD = """
-import json, sys, time
+import json, os, signal, sys, time
 from rehydrate import Lifecycle, Registry
 from rehydrate.cli import main as cli_main
 from rehydrate.control_client import request
@@ -223,8 +223,9 @@ from rehydrate.env import EnvRefresher
 from rehydrate.lifecycle import DEFAULT_SNAPSHOT_DEADLINE
 engine = Lifecycle(Registry(), env=EnvRefresher(path=None), snapshot_deadline=1.0)
 engine.simulate_snapshot()
-print("armed", flush=True)
-sys.stdin.readline()  # the parent stopped us (frozen) and continued us
+# Frozen at once: a parent that stops us on reading "armed" may, on a loaded box, come
+# later than the deadline. The parent keeps us stopped and continues us.
+os.kill(os.getpid(), signal.SIGSTOP)
 end = time.monotonic() + 2.0
 while time.monotonic() < end:
     time.sleep(0.05)
@@ -235,19 +236,22 @@ print(json.dumps({"state": engine.state}), flush=True)
 def test_snapshot_deadline_ends_when_the_process_was_frozen() -> None:
     """A freeze (SIGSTOP here, a checkpoint for real) means the detectors take over: the
     deadline must not fire just because the clock stepped past it while frozen."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "armed"
-        os.kill(child.pid, signal.SIGSTOP)
+        assert child.stdout is not None
+        give_up = time.monotonic() + 60
+        while True:  # until the child has stopped itself right after arming the deadline
+            pid, status = os.waitpid(child.pid, os.WNOHANG | os.WUNTRACED)
+            if pid:
+                assert os.WIFSTOPPED(status), f"child ended before stopping ({status})"
+                break
+            assert time.monotonic() < give_up, "the child never stopped itself"
+            time.sleep(0.01)
         end = time.monotonic() + 2.5  # frozen for longer than the deadline (and a slice)
         while time.monotonic() < end:
             time.sleep(0.05)
         os.kill(child.pid, signal.SIGCONT)
-        child.stdin.write("go\n")
-        child.stdin.flush()
         line = child.stdout.readline()
         assert json.loads(line) == {"state": "snapshotting"}, line
     finally:
