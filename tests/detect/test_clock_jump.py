@@ -286,7 +286,9 @@ READY_LOOP = textwrap.dedent("""
     lies = 0
     while True:
         now = time.monotonic()
-        if now - last > 1.0:  # this loop itself was frozen: the process has just resumed
+        # This loop itself was frozen (2.5 s): the process has just resumed. (Not 1 s: a
+        # loaded 2-core box can leave a sleeping loop unscheduled that long, unfrozen.)
+        if now - last > 2.0:
             if engine.is_ready() and not ran:
                 lies += 1  # ready before the restore hooks ran
             break
