@@ -215,21 +215,26 @@ class AgonesSidecar:
                                             "mono": req.mono, "status": req.status,
                                             "answered": req.answered}) + "\n")
 
-    def calls(self, method: str, path: str) -> list[Request]:
+    def calls(self, method: str, path: str, since: float = 0.0) -> list[Request]:
+        """Requests to ``method path`` that arrived at ``since`` (monotonic) or later.
+        (A request is logged once answered, so count by arrival, not by log order.)"""
         with self.cond:
-            return [r for r in self.requests if r.method == method and r.path == path]
+            return [r for r in self.requests
+                    if r.method == method and r.path == path and r.mono >= since]
 
     def wait_for(self, method: str, path: str, count: int = 1, timeout: float = 10.0,
-                 status: int = 200) -> list[Request]:
-        """Block until ``count`` answered requests to ``method path`` arrived."""
-        def done() -> bool:
-            return len([r for r in self.calls(method, path) if r.status == status]) >= count
+                 status: int = 200, since: float = 0.0) -> list[Request]:
+        """Block until ``count`` answered requests to ``method path`` arrived (at
+        ``since`` or later); they are returned in order of arrival."""
+        def answered() -> list[Request]:
+            return sorted((r for r in self.calls(method, path, since) if r.status == status),
+                          key=lambda r: r.mono)
         with self.cond:
-            if not self.cond.wait_for(done, timeout):
+            if not self.cond.wait_for(lambda: len(answered()) >= count, timeout):
                 got = [(r.method, r.path, r.status) for r in self.requests]
                 raise TimeoutError(f"{count} x {method} {path} ({status}) not seen within "
                                    f"{timeout}s; got {got}")
-        return [r for r in self.calls(method, path) if r.status == status]
+            return answered()
 
     def _health_checker(self) -> None:
         """Unhealthy when pings lapse, like the Agones controller."""

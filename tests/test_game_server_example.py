@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,13 +64,13 @@ def test_example_server_across_a_notified_snapshot_and_restore(game):
     assert sidecar.gs.labels.keys() == {"agones.dev/sdk-match"}
 
     assert _run([REHYDRATE, "notify", "save", "--json"], env)["ok"]
-    n_health = len(sidecar.calls("POST", "/health"))
+    t_saved = time.monotonic()
     with sidecar.cond:  # a new Pod's sidecar: nothing set, not Ready
         sidecar.gs.labels.clear()
     sidecar.set_state("Scheduled")
     assert _run([REHYDRATE, "notify", "restore", "--json"], env)["ok"]
 
-    sidecar.wait_for("POST", "/health", count=n_health + 1)
+    sidecar.wait_for("POST", "/health", since=t_saved)
     sidecar.wait_for("POST", "/ready", count=2)
     assert sidecar.gs.labels.keys() == {"agones.dev/sdk-match"}
     after = _run([*client, "--name", "bob", "--inputs", "10",

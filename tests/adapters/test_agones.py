@@ -104,19 +104,19 @@ def _snapshot_then_restore(sidecar, adapter, rehydrate_engine):
     adapter.set_annotation("match", "m-1")
     sidecar.wait_for("GET", "/watch/gameserver")
     assert rehydrate_engine.simulate_snapshot().ok
-    n_health = len(sidecar.calls("POST", "/health"))
+    t_snap = time.monotonic()
     # The sidecar forgets what the adapter set (a new Pod's sidecar) and is not Ready.
     with sidecar.cond:
         sidecar.gs.labels.clear()
         sidecar.gs.annotations.clear()
     sidecar.set_state("Scheduled")
     time.sleep(1.5)  # long enough for a ping, had the loop kept running
-    assert len(sidecar.calls("POST", "/health")) == n_health, "health loop kept running"
+    assert sidecar.calls("POST", "/health", since=t_snap) == [], "health loop kept running"
 
     t0 = time.monotonic()
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
-    first = sidecar.wait_for("POST", "/health", count=n_health + 1)[n_health]
+    first = sidecar.wait_for("POST", "/health", since=t0)[0]
     assert first.mono - t0 < adapter.health_interval, "first ping after restore is late"
     sidecar.wait_for("POST", "/ready", count=2)  # ready() before, and once more now
     gs = adapter.gameserver()

@@ -106,10 +106,12 @@ def test_game_server_checkpointed_mid_match_restores_into_two_clones(
     # -- the before-snapshot pass (what save-restore-exec runs): loops stop
     saved = orig.exec([REHYDRATE, "notify", "save"], timeout=60)
     assert saved.returncode == 0, (saved.stdout, saved.stderr)
-    n_before = len(_sidecar_log(orig))
+    t_saved = time.time()  # the sandbox's realtime clock is the host's
     image = orig.checkpoint()
     t_frozen = time.monotonic()
-    pings_after_save = [r for r in _sidecar_log(orig)[n_before:] if r["path"] == "/health"]
+    # by arrival time: a ping sent before the loop stopped may be logged a moment later
+    pings_after_save = [r for r in _sidecar_log(orig)
+                        if r["path"] == "/health" and r["wall"] > t_saved]
     assert pings_after_save == [], "health pings went on after the before-snapshot pass"
     while time.monotonic() - t_frozen < FROZEN:
         time.sleep(0.05)
