@@ -139,6 +139,7 @@ def _notify(c: Container, action: str) -> dict[str, Any]:
 
 
 def _status_until(c: Container, ok: Any, timeout: float = 15.0) -> dict[str, Any]:
+    """The clone's status (``rehydrate status --json`` in it) once ``ok(status)`` holds."""
     deadline = time.monotonic() + timeout
     while True:
         proc = c.exec([REHYDRATE, "status", "--json"], timeout=60)
@@ -150,18 +151,13 @@ def _status_until(c: Container, ok: Any, timeout: float = 15.0) -> dict[str, Any
         time.sleep(0.1)
 
 
-def _settled(c: Container, timeout: float = 15.0) -> dict[str, Any]:
+def _settled(c: Container) -> dict[str, Any]:
     """Status once the clone's clock-jump detector has seen its restore (run or confirmed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc = c.exec([REHYDRATE, "status", "--json"], timeout=60)
-        assert proc.returncode == 0, (proc.stdout, proc.stderr)
-        status: dict[str, Any] = json.loads(proc.stdout)
+    def seen(status: dict[str, Any]) -> bool:
         last = status["last_report"] or {}
-        if "clock-jump" in [last.get("reason"), *last.get("confirmed_by", [])]:
-            return status
-        assert time.monotonic() < deadline, f"{c.id}: the clock jump never reported: {status}"
-        time.sleep(0.1)
+        return "clock-jump" in [last.get("reason"), *last.get("confirmed_by", [])]
+
+    return _status_until(c, seen)
 
 
 @pytest.mark.gvisor
