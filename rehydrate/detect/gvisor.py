@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from .. import _config
 from . import Detector
+from ._util import running_under_gvisor
 
 if TYPE_CHECKING:
     from ..context import RestoreReport
@@ -257,6 +258,7 @@ class GVisorDetector(Detector):
         self._in_open = False
         self._exited = False
         self._orphaned = False
+        self._poll_keeper = not running_under_gvisor()
         self._keeper = -1
         """FIFO stand-in only: a reader held across re-opening, so that an answer written
         while the previous descriptor was being closed stays in the pipe."""
@@ -447,8 +449,18 @@ class GVisorDetector(Detector):
 
     def _reopen_fifo(self) -> int:
         """The next FIFO descriptor: the held reader when an answer is already waiting in
-        it, else a blocking open (no CPU until a writer comes)."""
+        it, else a blocking open (no CPU until a writer comes).
+
+        On Linux the held reader is always the next descriptor: poll() on it sleeps until
+        an answer arrives or a writer leaves. Checking it and then opening is a race: a
+        writer that answers and leaves in between leaves its answer in the pipe, and the
+        blocking open waits for the next writer. gVisor reports a writerless FIFO as hung
+        up at once, so there it is checked and opened as before.
+        """
         keeper = self._keeper
+        if keeper >= 0 and self._poll_keeper:
+            self._keeper = -1
+            return keeper  # non-blocking, which _read_some handles
         if keeper >= 0:
             poller = select.poll()
             poller.register(keeper, select.POLLIN)
