@@ -91,12 +91,26 @@ def start_waiter(eng: Lifecycle, proc: Path) -> GVisorDetector:
     return waiter
 
 
+def open_writer(path: str) -> int:
+    """Connect to the FIFO as gVisor's writer as soon as a reader is there. "waiting" is
+    announced just before the waiter's open() of the FIFO, so until that thread runs
+    again there may be no reader yet: ENXIO, on a loaded machine for a while."""
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
+
+
 def answer(waiter: GVisorDetector, data: bytes, *, after: int | None = None) -> None:
     """Play gVisor: wait until the waiter has the FIFO open (for a fresh checkpoint), write."""
     seq = waiter.status()["answers"] if after is None else after
     wait_for(lambda: waiter.status()["waiting"] and waiter.status()["answers"] >= seq,
              what="the waiter to be waiting")
-    fd = os.open(waiter.path, os.O_WRONLY | os.O_NONBLOCK)  # a reader is there: no ENXIO
+    fd = open_writer(waiter.path)
     try:
         if data:
             os.write(fd, data)
@@ -223,7 +237,7 @@ def test_writer_that_stays_connected_is_a_stream_of_answers(
     caplog.set_level(logging.INFO, logger="rehydrate")
     rec = Recorder(engine)
     waiter = start_waiter(engine, proc)
-    fd = os.open(waiter.path, os.O_WRONLY | os.O_NONBLOCK)
+    fd = open_writer(waiter.path)
     answered = 0
     try:
         for data in [b"restore\n", b"bogus\n", b"x" * 600, b"yyy\n", b"res", b"ume\n",
@@ -674,14 +688,7 @@ def test_answers_written_back_to_back_are_never_lost(engine: Lifecycle, proc: Pa
     path = str(proc / "checkpoint")
     n = 100
     for i in range(n):
-        # Write as soon as a reader exists — do not wait for the waiter to re-open.
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-                break
-            except OSError as exc:  # ENXIO: no reader at this instant
-                assert exc.errno == errno.ENXIO and time.monotonic() < deadline
+        fd = open_writer(path)  # as soon as a reader exists, not once the waiter re-opened
         try:
             os.write(fd, b"resume\n")
         finally:
