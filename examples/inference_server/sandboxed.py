@@ -159,13 +159,21 @@ class ExampleSandbox:
         return result
 
     def rerun_hooks(self, clone: Clone) -> dict[str, Any]:
-        """The same hooks run again in a restored clone (``notify resume``): what they cost
-        once the clone's restored memory has been touched. Returns that run's report."""
-        for _ in range(3):  # a notice right after the restore only confirms it
-            report: dict[str, Any] = self.notify(clone.container, "resume")["report"]
-            if report["started_at"] != clone.report["started_at"]:
-                return report
-        raise RuntimeError("notify resume kept confirming the restore instead of running")
+        """The same hooks run again in a restored clone: what they cost once the clone's
+        restored memory has been touched. Returns that run's report.
+
+        A ``notify resume`` right after the restore only confirms it (no freeze since the
+        hooks ran), so this asks the control socket to *simulate* a resume instead."""
+        code = ("import json; from rehydrate.control_client import request; "
+                "print(json.dumps(request('simulate', event='resume', timeout=120)))")
+        proc = clone.container.exec([PYTHON, "-c", code], timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"simulate resume exited {proc.returncode}: {proc.stderr[-1000:]}")
+        reply: dict[str, Any] = json.loads(proc.stdout)
+        if "report" not in reply:
+            raise RuntimeError(f"simulate resume: {reply.get('error', reply)}")
+        report: dict[str, Any] = reply["report"]
+        return report
 
     def checkpoint(self, c: Container) -> tuple[Path, float]:
         """``notify save`` then ``runsc checkpoint``; the image and the checkpoint seconds
