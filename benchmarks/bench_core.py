@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rehydrate._hooks import Registry  # noqa: E402
+from rehydrate._lifecycle import Lifecycle  # noqa: E402
 from rehydrate.env import EnvRefresher  # noqa: E402 - after the sys.path insert
-from rehydrate.hooks import Registry  # noqa: E402
-from rehydrate.lifecycle import Lifecycle  # noqa: E402
 
 HOOKS = 1000
 ROUNDS = 30

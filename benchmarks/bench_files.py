@@ -73,7 +73,8 @@ def _pass_times(n_files: int, n_db: int, d: Path) -> list[float]:
 
 
 def run() -> list[tuple[str, str, str]]:
-    from rehydrate import files, nodefit
+    from rehydrate import _nodefit as nodefit
+    from rehydrate import files
 
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from agones_sidecar import AgonesSidecar  # noqa: E402 - after the sys.path insert
 
-from rehydrate import control_client  # noqa: E402
+from rehydrate import _control_client as control_client  # noqa: E402
 
 RATE = 60
 FREEZE = 1.0

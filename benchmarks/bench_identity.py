@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rehydrate import entropy, keys, tls  # noqa: E402 - after the sys.path insert
-from rehydrate.hooks import Phase  # noqa: E402
+from rehydrate._hooks import Phase  # noqa: E402
 from rehydrate.secrets import Secret  # noqa: E402
 from rehydrate.testing import isolated_engine  # noqa: E402
 

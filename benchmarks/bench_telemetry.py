@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rehydrate import telemetry
+from rehydrate._hooks import Registry
+from rehydrate._lifecycle import Lifecycle
 from rehydrate.env import EnvRefresher
 from rehydrate.fingerprint import distributions, fingerprint
-from rehydrate.hooks import Registry
-from rehydrate.lifecycle import Lifecycle
 
 HOOKS = 50
 ROUNDS = 120
@@ -45,7 +45,7 @@ def _restore_time(engine: Lifecycle) -> float:
 def _observer_cost(engine: Lifecycle) -> tuple[float, float]:
     """µs per hook for exactly what the runner adds per hook with a no-op observer, and
     µs per event for event_started + event_finished."""
-    from rehydrate.context import HookResult, RestoreContext
+    from rehydrate._context import HookResult, RestoreContext
 
     tel = telemetry.instrument(engine)
     observers = (tel,)

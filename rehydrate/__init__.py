@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._version import __version__
-from .api import (
+from ._api import (
     after_restore,
     before_snapshot,
     default_registry,
@@ -24,11 +23,12 @@ from .api import (
     unregister,
     wait_ready,
 )
-from .hooks import Hook, Phase, Registry
+from ._hooks import Hook, Phase, Registry
+from ._version import __version__
 
 if TYPE_CHECKING:
-    from .api import default_engine
-    from .context import (
+    from ._api import default_engine
+    from ._context import (
         EnvChanges,
         HookFailed,
         HookResult,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
         RestoreReport,
         SnapshotReport,
     )
-    from .lifecycle import Lifecycle, Status
+    from ._lifecycle import Lifecycle, Status
 
 __all__ = [
     "EnvChanges",
@@ -91,12 +91,12 @@ def instance_id() -> str:
 
 # The engine and report types load on first use too: registering hooks needs neither.
 _LAZY_NAMES = {
-    "default_engine": "api",
-    "Lifecycle": "lifecycle",
-    "Status": "lifecycle",
+    "default_engine": "_api",
+    "Lifecycle": "_lifecycle",
+    "Status": "_lifecycle",
     **dict.fromkeys(("EnvChanges", "HookFailed", "HookResult", "HookStillRunning",
                      "HookTimeout", "Report",
-                     "RestoreContext", "RestoreReport", "SnapshotReport"), "context"),
+                     "RestoreContext", "RestoreReport", "SnapshotReport"), "_context"),
 }
 
 

@@ -1,7 +1,7 @@
 """The extension contract's bottom layer: what the engine and its extensions agree on.
 
 Private: users import these names from :mod:`rehydrate.extensions`. They live here, below
-the engine, so that :mod:`rehydrate.lifecycle` can load extensions without importing the
+the engine, so that :mod:`rehydrate._lifecycle` can load extensions without importing the
 module that also holds the default engine (which imports the lifecycle).
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
-    from .context import Report, RestoreReport, SnapshotReport
+    from ._context import Report, RestoreReport, SnapshotReport
+    from ._hooks import Registry
     from .detect import Detector
     from .env import EnvRefresher
-    from .hooks import Registry
 
 __all__ = ["DEFAULT_EXTENSIONS", "Engine", "Extension", "Probe", "load_extension"]
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .context import (
+from ._context import (
     HookResult,
     HookStillRunning,
     HookTimeout,
@@ -31,7 +31,7 @@ from .context import (
     Report,
     RestoreContext,
 )
-from .hooks import Hook
+from ._hooks import Hook
 
 if TYPE_CHECKING:
     import asyncio

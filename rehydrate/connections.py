@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _config
-from .context import RestoreContext
+from ._context import RestoreContext
+from ._hooks import Phase
 from .extensions import Probe, resolve_engine
-from .hooks import Phase
 
 if TYPE_CHECKING:
     from .extensions import Engine

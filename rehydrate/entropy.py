@@ -34,8 +34,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._disable import is_disabled
+from ._hooks import Phase
 from .extensions import Probe, resolve_engine
-from .hooks import Phase
 
 if TYPE_CHECKING:
     from .extensions import Engine

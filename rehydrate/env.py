@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from . import _config
+from ._context import EnvChanges
 from ._contract import Probe
 from ._files import read_regular
-from .context import EnvChanges
-from .hooks import Phase
+from ._hooks import Phase
 
 if TYPE_CHECKING:
+    from ._context import RestoreContext
     from ._contract import Engine
-    from .context import RestoreContext
 
 __all__ = [
     "KEEP",

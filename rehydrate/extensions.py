@@ -17,10 +17,10 @@ import threading
 from typing import TYPE_CHECKING
 
 from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, Probe, load_extension
-from .hooks import default_registry
+from ._hooks import default_registry
 
 if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
+    from ._lifecycle import Lifecycle
 
 __all__ = [
     "DEFAULT_EXTENSIONS",
@@ -46,7 +46,7 @@ def default_engine() -> Lifecycle:
         with _lock:
             engine = _default
             if engine is None:
-                from .lifecycle import Lifecycle
+                from ._lifecycle import Lifecycle
 
                 engine = _default = Lifecycle(default_registry)
     return engine

@@ -47,14 +47,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _config
+from ._hooks import Phase
 from .detect._util import running_under_gvisor
 from .extensions import Probe, resolve_engine
-from .hooks import Phase
 
 if TYPE_CHECKING:
     import sqlite3
 
-    from .context import RestoreContext
+    from ._context import RestoreContext
     from .extensions import Engine
 
 __all__ = [

@@ -48,13 +48,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _config
+from ._hooks import Phase
 from .extensions import Probe, resolve_engine
-from .hooks import Phase
 
 if TYPE_CHECKING:
-    from .context import RestoreContext
+    from ._context import RestoreContext
+    from ._nodefit import NodeFacts
     from .extensions import Engine
-    from .nodefit import NodeFacts
 
 __all__ = [
     "NODE_FIELDS",
@@ -248,10 +248,10 @@ def fingerprint(
     ``nvidia_smi``: ask ``nvidia-smi`` for GPUs (and the driver when
     ``/proc/driver/nvidia/version`` is absent); ``metadata``: ask the GCE metadata server
     for the machine type (both default to True only for the real root). ``platform``
-    holds :func:`rehydrate.nodefit.facts` (what ``rehydrate doctor`` judges). No
+    holds :func:`rehydrate.fingerprint.facts` (what ``rehydrate doctor`` judges). No
     per-process field is included.
     """
-    from .nodefit import facts
+    from ._nodefit import facts
 
     r = Path(root)
     real = r == Path("/")

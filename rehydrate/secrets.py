@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ._disable import is_disabled
 from ._files import read_regular
+from ._hooks import Hook, Phase
 from .extensions import Probe, resolve_engine
-from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
     from .extensions import Engine

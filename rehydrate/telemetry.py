@@ -43,10 +43,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _config
+from ._context import HookResult, Report, RestoreContext
+from ._hooks import Hook, Phase
 from ._version import __version__
-from .context import HookResult, Report, RestoreContext
 from .extensions import Probe, resolve_engine
-from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
     from .extensions import Engine

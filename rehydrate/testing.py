@@ -24,9 +24,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from ._hooks import Registry
+from ._lifecycle import Lifecycle
 from .env import EnvRefresher
-from .hooks import Registry
-from .lifecycle import Lifecycle
 
 __all__ = ["isolated_engine", "rehydrate_engine", "rehydrate_environ", "restored_environ"]
 

@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
+from ._hooks import Hook, Phase
 from .extensions import Probe, resolve_engine
-from .hooks import Hook, Phase
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
         PrivateKeyTypes,
     )
 
-    from .context import RestoreContext
+    from ._context import RestoreContext
     from .extensions import Engine
 
 __all__ = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rehydrate
-from rehydrate import cli
+from rehydrate import _cli as cli
 
 
 def run(*args, entry="module"):
@@ -120,7 +120,7 @@ def test_every_subcommand_help_has_a_description_and_names_its_defaults():
 
 
 def test_a_failed_optional_hook_is_called_optional_in_the_summary():
-    from rehydrate.control_client import _summary
+    from rehydrate._control_client import _summary
 
     report = {"event": "restore", "kind": "restore", "reason": "control", "generation": 1,
               "ok": True, "duration": 0.01, "hooks": [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rehydrate import _config
-from rehydrate.cli import main
+from rehydrate._cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"\bREHYDRATE_[A-Z0-9][A-Z0-9_]*\b")

@@ -13,7 +13,7 @@ import pytest
 from detect_helpers import in_forked_child
 
 from rehydrate import Lifecycle, Registry
-from rehydrate.control_client import request
+from rehydrate._control_client import request
 from rehydrate.detect.control import ControlDetector
 from rehydrate.env import EnvRefresher
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import rehydrate
 from rehydrate import Phase, Registry, RestoreContext
-from rehydrate.hooks import DEFAULT_TIMEOUT
+from rehydrate._hooks import DEFAULT_TIMEOUT
 from rehydrate.testing import isolated_engine
 
 

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rehydrate"
 EXTENSION_MODULES = ("rehydrate.detect.", "rehydrate.adapters", "rehydrate.entropy",
                      "rehydrate.keys", "rehydrate.tls", "rehydrate.secrets",
                      "rehydrate.routes", "rehydrate.connections", "rehydrate.telemetry",
-                     "rehydrate.fingerprint", "rehydrate.files", "rehydrate.trigger")
+                     "rehydrate.fingerprint", "rehydrate.files", "rehydrate._trigger")
 
 
 def _modules() -> dict[str, Path]:
@@ -132,14 +132,14 @@ def test_no_import_cycles():
 
 def test_the_engine_imports_no_extension():
     graph = _graph()
-    bad = sorted(t for t in graph["rehydrate.lifecycle"]
+    bad = sorted(t for t in graph["rehydrate._lifecycle"]
                  if any(t == m or t.startswith(m.rstrip(".") + ".") for m in EXTENSION_MODULES))
-    assert bad == [], f"rehydrate.lifecycle imports extension modules: {bad}"
+    assert bad == [], f"rehydrate._lifecycle imports extension modules: {bad}"
 
 
 def test_nothing_below_the_api_imports_it():
     importers = sorted(name for name, targets in _graph().items()
-                       if "rehydrate.api" in targets and name != "rehydrate")
+                       if "rehydrate._api" in targets and name != "rehydrate")
     assert importers == []
 
 

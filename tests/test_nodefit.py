@@ -18,8 +18,8 @@ import yaml
 from gce_metadata import MetadataServer
 from kubernetes.client import ApiClient, V1Affinity, V1ObjectMeta
 
+from rehydrate import _nodefit as nodefit
 from rehydrate import fingerprint as fp
-from rehydrate import nodefit
 
 STANDIN_BIN = Path(__file__).parent / "standin_bin"
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pkgutil
 
 import pytest
 
@@ -28,12 +29,22 @@ EXTENSIONS_API = [
 
 # Modules the docs tell users to import; each declares its public names in __all__.
 DOCUMENTED_MODULES = [
-    "rehydrate.extensions", "rehydrate.hooks", "rehydrate.context", "rehydrate.lifecycle",
-    "rehydrate.env", "rehydrate.entropy", "rehydrate.keys", "rehydrate.tls",
-    "rehydrate.secrets", "rehydrate.connections", "rehydrate.routes", "rehydrate.telemetry",
-    "rehydrate.fingerprint", "rehydrate.files", "rehydrate.trigger", "rehydrate.detect",
+    "rehydrate.extensions", "rehydrate.env", "rehydrate.entropy", "rehydrate.keys",
+    "rehydrate.tls", "rehydrate.secrets", "rehydrate.connections", "rehydrate.routes",
+    "rehydrate.telemetry", "rehydrate.fingerprint", "rehydrate.files", "rehydrate.detect",
     "rehydrate.testing",
 ]
+
+# Every module whose dotted path has no underscore-led part is public. A new module is
+# either added here (and documented) or named with a leading underscore.
+PUBLIC_MODULES = sorted(DOCUMENTED_MODULES + [
+    "rehydrate.adapters", "rehydrate.adapters.agones", "rehydrate.adapters.asgi",
+    "rehydrate.adapters.gameloop", "rehydrate.adapters.kserve", "rehydrate.adapters.sessions",
+    "rehydrate.adapters.sglang", "rehydrate.adapters.udp", "rehydrate.adapters.vllm",
+    "rehydrate.detect.clock_jump", "rehydrate.detect.control", "rehydrate.detect.file",
+    "rehydrate.detect.gvisor", "rehydrate.detect.identity", "rehydrate.detect.signal",
+    "rehydrate.detect.snapstart", "rehydrate.detect.vmclock",
+])
 
 
 def test_package_all_is_pinned():
@@ -62,3 +73,9 @@ def test_documented_modules_declare_resolvable_documented_names(module_name):
         obj = getattr(module, name)
         if inspect.isclass(obj) or inspect.isfunction(obj):
             assert (obj.__doc__ or "").strip(), f"{module_name}.{name} has no docstring"
+
+
+def test_every_module_without_a_leading_underscore_is_a_pinned_public_module():
+    found = sorted(m.name for m in pkgutil.walk_packages(rehydrate.__path__, "rehydrate.")
+                   if not any(part.startswith("_") for part in m.name.split(".")[1:]))
+    assert found == PUBLIC_MODULES

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from rehydrate import Lifecycle, Registry
-from rehydrate.cli import main as cli_main
-from rehydrate.control_client import request
+from rehydrate._cli import main as cli_main
+from rehydrate._control_client import request
+from rehydrate._lifecycle import DEFAULT_SNAPSHOT_DEADLINE
 from rehydrate.detect.control import ControlServer
 from rehydrate.env import EnvRefresher
-from rehydrate.lifecycle import DEFAULT_SNAPSHOT_DEADLINE
 
 DEADLINE = 10.0
 REPO = Path(__file__).resolve().parents[1]
@@ -216,11 +216,11 @@ def test_snapshot_deadline_from_environment(monkeypatch: pytest.MonkeyPatch,
 CHILD = """
 import json, os, signal, sys, time
 from rehydrate import Lifecycle, Registry
-from rehydrate.cli import main as cli_main
-from rehydrate.control_client import request
+from rehydrate._cli import main as cli_main
+from rehydrate._control_client import request
 from rehydrate.detect.control import ControlServer
 from rehydrate.env import EnvRefresher
-from rehydrate.lifecycle import DEFAULT_SNAPSHOT_DEADLINE
+from rehydrate._lifecycle import DEFAULT_SNAPSHOT_DEADLINE
 engine = Lifecycle(Registry(), env=EnvRefresher(path=None), snapshot_deadline=1.0)
 engine.simulate_snapshot()
 # Frozen at once: a parent that stops us on reading "armed" may, on a loaded box, come

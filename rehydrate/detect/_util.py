@@ -16,7 +16,7 @@ from .. import _config
 from . import Detector
 
 if TYPE_CHECKING:
-    from ..context import Report
+    from .._context import Report
     from ..extensions import Engine
 
 log = logging.getLogger("rehydrate")

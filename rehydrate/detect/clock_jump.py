@@ -26,7 +26,7 @@ during which the process used CPU for at least 80 % of the elapsed time, is logg
 not reported (``busy_check``).
 
 Freeze watch: every wake-up is a heartbeat for the engine
-(:meth:`~rehydrate.lifecycle.Lifecycle.heartbeat`). A clone whose main loop asks
+(:meth:`~rehydrate._lifecycle.Lifecycle.heartbeat`). A clone whose main loop asks
 ``is_ready()`` right after it resumed — before this thread has run — gets False, because
 the last heartbeat is older than ``interval + threshold``; the hooks run, then it is ready.
 
@@ -70,8 +70,8 @@ from .. import _config
 from ._util import DeferringDetector, positive
 
 if TYPE_CHECKING:
+    from .._context import RestoreReport
     from .._contract import Engine
-    from ..context import RestoreReport
 
 __all__ = ["ClockJumpDetector"]
 

@@ -21,7 +21,7 @@ they finished; when a required one failed the resume hooks run and the reply is
 ``ok: false``: the platform should abort the checkpoint); ``resume`` / ``restore`` (run
 the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``resume`` or ``snapshot``, optional ``"env"``: ``{"KEY": "value" | null}``);
-``trigger`` (gVisor: :func:`~rehydrate.trigger.trigger_snapshot`, optional
+``trigger`` (gVisor: :func:`~rehydrate.trigger_snapshot`, optional
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
 ``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
 commands and incomplete requests get an error reply and the server keeps serving.
@@ -30,7 +30,7 @@ Duplicate suppression: a ``restore``/``resume`` notice is the restore already ha
 when no freeze happened since that restore ran. It passes ``since`` = the later of the
 last successful ``prepare-snapshot`` on this socket (the freeze came after it; the notice
 consumes the prepare) and the engine's freeze watch
-(:meth:`~rehydrate.lifecycle.Lifecycle.freeze_since`: the clock-jump detector's heartbeat
+(:meth:`~rehydrate._lifecycle.Lifecycle.freeze_since`: the clock-jump detector's heartbeat
 knows when the process last froze, even briefly), so a ``notify restore`` after the clock
 jump ran the hooks — with or without ``notify save`` — only confirms that run (the reply
 says ``"deduplicated": true`` and the report lists ``control`` in ``confirmed_by``), while
@@ -67,8 +67,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
+from .._context import Report, describe_error
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
-from ..context import Report, describe_error
 from . import Detector
 
 if TYPE_CHECKING:
@@ -562,7 +562,7 @@ class ControlServer:
         return {"ok": report.ok, "report": report.to_dict()}
 
     def _trigger(self, req: Mapping[str, Any]) -> dict[str, Any]:
-        from ..trigger import trigger_snapshot
+        from .._trigger import trigger_snapshot
         from .gvisor import GVisorError
 
         timeout = req.get("timeout")

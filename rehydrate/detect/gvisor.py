@@ -23,7 +23,7 @@ so that another detector's notice of the same restore (the clock jump, detected 
 the restore) runs the hooks only once, while an unrelated restore handled while the
 descriptor sat open for hours (one only the clock jump saw, or a false alarm) does not
 make this real restore look handled. Simulated runs never count (see ``anchor`` in
-:meth:`~rehydrate.lifecycle.Lifecycle.restore_detected`).
+:meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`).
 
 Test stand-ins: ``REHYDRATE_GVISOR_PROC`` (default ``/proc/gvisor``) may point at a
 directory whose ``checkpoint`` is a FIFO: a writer that opens it and writes one answer
@@ -34,7 +34,7 @@ without writing costs one log line, never a spin (under gVisor a FIFO without wr
 reads as end of file at once, so a non-blocking reader would spin). The ``since`` of a
 FIFO answer is the moment the waiter started to open it (before the freeze). A FIFO
 cannot carry a trigger (the ``1`` would be read back as an answer);
-:func:`rehydrate.trigger.trigger_snapshot` needs the real file, or a stand-in that is a
+:func:`rehydrate.trigger_snapshot` needs the real file, or a stand-in that is a
 pseudo-terminal (writes reach the platform side, reads return what the platform side
 writes).
 """
@@ -55,7 +55,7 @@ from . import Detector
 from ._util import running_under_gvisor
 
 if TYPE_CHECKING:
-    from ..context import RestoreReport
+    from .._context import RestoreReport
     from ..extensions import Engine
 
 __all__ = [
@@ -558,7 +558,7 @@ class GVisorDetector(Detector):
             self._cond.notify_all()
         return time.monotonic()  # a later answer on this descriptor is a later checkpoint
 
-    # -- used by rehydrate.trigger ------------------------------------------------------
+    # -- used by rehydrate._trigger ------------------------------------------------------
 
     def _wait_armed(self, deadline: float | None) -> int:
         with self._cond:

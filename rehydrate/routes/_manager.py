@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..context import RestoreContext
-from ..hooks import Phase
+from .._context import RestoreContext
+from .._hooks import Phase
 
 if TYPE_CHECKING:
     from ..extensions import Engine

@@ -24,7 +24,7 @@ import pytest
 from detect_helpers import in_forked_child, wait_for
 
 from rehydrate import Lifecycle, Registry, detect
-from rehydrate.control_client import ControlError, UntrustedSocket, request
+from rehydrate._control_client import ControlError, UntrustedSocket, request
 from rehydrate.detect.control import MAX_LINE, ControlDetector, ControlServer
 from rehydrate.env import EnvRefresher
 

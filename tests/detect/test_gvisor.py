@@ -27,6 +27,7 @@ import pytest
 from detect_helpers import wait_for
 
 from rehydrate import Lifecycle, Registry
+from rehydrate._trigger import trigger_snapshot
 from rehydrate.detect import gvisor
 from rehydrate.detect.gvisor import (
     ANNOTATION,
@@ -35,7 +36,6 @@ from rehydrate.detect.gvisor import (
     TriggerNotPermitted,
 )
 from rehydrate.env import EnvRefresher
-from rehydrate.trigger import trigger_snapshot
 
 DEADLINE = 5.0
 

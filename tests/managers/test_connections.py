@@ -19,7 +19,7 @@ import pytest
 from netservers import free_port, redis_binary, redis_server, uvicorn_server
 
 from rehydrate import connections
-from rehydrate.cli import main as cli_main
+from rehydrate._cli import main as cli_main
 
 
 def _require_or_skip(reason: str) -> None:

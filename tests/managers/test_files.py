@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rehydrate import Lifecycle, files
-from rehydrate.cli import main as cli_main
+from rehydrate._cli import main as cli_main
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 import rehydrate
 from rehydrate import fingerprint as fp
-from rehydrate.cli import check_manifest
+from rehydrate._cli import check_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from . import detect
-    from .nodefit import Fit
+    from ._nodefit import Fit
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -34,7 +34,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if getattr(args, "files", False):
         return _doctor_files(args)
 
-    from .nodefit import assess, facts
+    from ._nodefit import assess, facts
 
     infos = detect.available()
     fit = assess(facts())
@@ -73,7 +73,7 @@ def _doctor_process(
 ) -> int:
     """Run ``report(pid, status)`` for ``--pid`` or, by default, the process answering on
     the control socket; ``status`` is that process's ``status()`` when ``pid`` is it."""
-    from .control_client import ControlError, request
+    from ._control_client import ControlError, request
 
     reply: dict[str, Any] | None = None
     problem: str | None = None
@@ -179,7 +179,7 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
     try:
         manifest = fingerprint.load_manifest(path)
         if affinity:
-            from .nodefit import node_affinity, render
+            from ._nodefit import node_affinity, render
 
             sys.stdout.write(render({"affinity": node_affinity(manifest)}, as_json=as_json))
             return 0
@@ -212,7 +212,7 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
 def print_node_labels(*, as_json: bool = False, root: str = "/") -> int:
     """``rehydrate check --labels``: this node's scheduling labels as a Node patch (YAML)."""
     from . import fingerprint
-    from .nodefit import node_labels, render
+    from ._nodefit import node_labels, render
 
     patch = {"metadata": {"labels": node_labels(fingerprint.fingerprint(root=root))}}
     sys.stdout.write(render(patch, as_json=as_json))
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: fake /proc
     check.set_defaults(func=cmd_check)
 
-    from .control_client import add_commands  # notify, status, trigger (control socket)
+    from ._control_client import add_commands  # notify, status, trigger (control socket)
 
     add_commands(sub)
     return parser

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Literal
 
-from .hooks import default_registry
+from ._hooks import default_registry
 
 if TYPE_CHECKING:
     import asyncio
 
-    from .context import RestoreReport, SnapshotReport
+    from ._context import RestoreReport, SnapshotReport
+    from ._lifecycle import Lifecycle, Status
     from .detect import Detector
-    from .lifecycle import Lifecycle, Status
 
 __all__ = [
     "after_restore",
@@ -114,7 +114,7 @@ def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore
     ``timeout`` seconds. A failure after the before-snapshot hooks ran runs the resume
     hooks before raising, so the process is not left ``snapshotting`` (except when the
     gVisor waiter is running and ``1`` was written: its descriptor gets the late answer)."""
-    from .trigger import trigger_snapshot as trigger
+    from ._trigger import trigger_snapshot as trigger
 
     return trigger(_engine(), timeout=timeout)
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
-from .hooks import Phase
+from ._hooks import Phase
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
     from builtins import ExceptionGroup as _ExceptionGroup

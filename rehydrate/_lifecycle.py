@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _config
-from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, load_extension
-from ._runner import HookRunner, LoopThread, Observer, inside_hook
-from .context import (
+from ._context import (
     HookFailed,
     HookResult,
     Kind,
@@ -34,8 +32,10 @@ from .context import (
     SnapshotReport,
     describe_error,
 )
+from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, load_extension
+from ._hooks import Hook, Registry
+from ._runner import HookRunner, LoopThread, Observer, inside_hook
 from .env import POLICIES, EnvRefresher, Policy, check_overlay
-from .hooks import Hook, Registry
 
 if TYPE_CHECKING:
     import asyncio

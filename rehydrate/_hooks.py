@@ -1,6 +1,6 @@
 """Phases, hook records, the registry and its decorators.
 
-This module only *marks and stores* hooks; :mod:`rehydrate.lifecycle` calls them.
+This module only *marks and stores* hooks; :mod:`rehydrate._lifecycle` calls them.
 """
 
 from __future__ import annotations
