@@ -70,10 +70,12 @@ def test_sync_timeout_abandons_the_worker_and_moves_on(rehydrate_engine):
         assert isinstance(hooks["stuck"].error, HookTimeout)
         assert isinstance(hooks["stuck"].error, TimeoutError)
         assert hooks["stuck"].error.hook_name == "stuck" and hooks["stuck"].error.timeout == 0.2
-        assert 0.2 <= hooks["stuck"].duration < 2.0
+        # Not joined: the stuck hook blocks until ``release`` (set below), so a runner that
+        # waited for it would take DEADLINE; these bounds are causal, not about speed.
+        assert 0.2 <= hooks["stuck"].duration < DEADLINE
         assert hooks["after"].outcome == "ok" and hooks["after-async"].outcome == "ok"
         assert calls == ["after", "after-async"]  # later hooks ran; the stuck one still runs
-        assert elapsed < 2.0
+        assert elapsed < DEADLINE
         assert not report.ok and isinstance(report.error, HookFailed)
         # the stuck worker was abandoned, not joined: it is still alive, and the rest ran
         # on a fresh worker

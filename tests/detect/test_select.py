@@ -14,6 +14,8 @@ from detect_helpers import REPO
 from detect.test_vmclock import FakeVmClock
 from rehydrate.detect import CATALOGUE, available, load, select
 
+INTERVAL = 60.0
+
 GENERIC = ("clock-jump", "identity", "vmclock", "signal", "file", "snapstart")
 
 
@@ -94,8 +96,17 @@ def test_doctor_names_every_detector_and_why():
     assert all(d["reason"] for d in by_name.values())
 
 
-def test_auto_detectors_cost_little_to_start_and_stop(rehydrate_engine):
+def test_auto_detectors_stop_without_waiting_out_their_interval(rehydrate_engine,
+                                                                 monkeypatch):
+    """stop() wakes the detector threads instead of waiting for their next check: with
+    checks 60 s apart, a detector that slept its interval out would hold stop() for a
+    minute."""
+    for name in ("REHYDRATE_CLOCK_INTERVAL", "REHYDRATE_IDENTITY_INTERVAL",
+                 "REHYDRATE_VMCLOCK_INTERVAL", "REHYDRATE_WATCH_INTERVAL"):
+        monkeypatch.setenv(name, str(INTERVAL))
     t0 = time.monotonic()
-    rehydrate_engine.start("auto")
+    started = rehydrate_engine.start("auto")
+    assert "clock-jump" in started, started
     rehydrate_engine.stop()
-    assert time.monotonic() - t0 < 2.0
+    assert not rehydrate_engine.status().detectors
+    assert time.monotonic() - t0 < INTERVAL / 2
