@@ -10,8 +10,10 @@ cookies, event hooks — across restores. Imported only when an httpx helper is 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import ssl
+import sys
 import threading
 from typing import Any
 
@@ -25,6 +27,18 @@ log = logging.getLogger("rehydrate")
 TRANSPORT_KWARGS = ("verify", "cert", "trust_env", "http1", "http2", "limits", "proxy",
                     "retries", "local_address", "uds")
 """``httpx.Client`` options that configure its transport: they go to the inner one."""
+
+
+def _remember_missing_sniffio() -> None:
+    """httpcore's async locks run ``import sniffio`` on every acquire, and sniffio is no
+    longer installed with httpx/anyio: each is then a failed import that stats every
+    ``sys.path`` entry — right after a gVisor restore, walks through the gofer that
+    measured tens of milliseconds of a connection's reopen. When sniffio cannot be found
+    now, record that the way the import system itself does (``None`` in
+    ``sys.modules``): every later ``import sniffio`` fails at once, as it would have
+    after the search. Done when the helper builds its client, i.e. before a snapshot."""
+    if "sniffio" not in sys.modules and importlib.util.find_spec("sniffio") is None:
+        sys.modules["sniffio"] = None  # type: ignore[assignment]
 
 
 def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -161,6 +175,7 @@ def make_client(kwargs: dict[str, Any]) -> tuple[httpx.Client, ReconnectingTrans
 def make_async_client(
     kwargs: dict[str, Any],
 ) -> tuple[httpx.AsyncClient, AsyncReconnectingTransport]:
+    _remember_missing_sniffio()
     client_kwargs, transport_kwargs = _split(dict(kwargs))
     transport = AsyncReconnectingTransport(**transport_kwargs)
     return httpx.AsyncClient(transport=transport, **client_kwargs), transport

@@ -26,7 +26,6 @@ connections opened outside rehydrate, which it cannot reach, can at least be see
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
@@ -293,22 +292,13 @@ def _run_inline(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` on a fresh daemon thread (never a bounded executor: N calls must be able
-    to run at the same time). Cancelling the caller abandons the call; the thread ends
-    when ``fn`` returns and its result is dropped."""
-    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    fut.set_running_or_notify_cancel()  # cannot be cancelled: setting the result is safe
+    """Run ``fn`` on a thread of :data:`~rehydrate._threads.blocking` (never a bounded
+    executor: N calls must be able to run at the same time; its threads outlive the call,
+    so a clone reuses the one that closed the connection before the snapshot). Cancelling
+    the caller abandons the call; its result is dropped."""
+    from ._threads import blocking
 
-    def run() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    threading.Thread(target=run, name="rehydrate-conn", daemon=True).start()
-    return await asyncio.wrap_future(fut)
+    return await asyncio.wrap_future(blocking.submit(fn, *args))
 
 
 class ConnectionManager:
@@ -340,6 +330,11 @@ class ConnectionManager:
             self._conns[conn.name] = conn  # re-registering a name moves it to the end
         if old is not None:
             log.info("connection %s replaced; the new callbacks replace the old", conn.name)
+        if any(f is not None and not _is_async(f)
+               for f in (conn.open_fn, conn.close_fn, conn.check_fn)):
+            from ._threads import blocking
+
+            blocking.prestart()  # a thread for the sync callbacks exists before a snapshot
         if open_now:
             self._open_in_background(conn)
         return conn
@@ -582,10 +577,23 @@ def httpx_client(
         if response.status_code >= 500:
             raise ConnectionError(f"{check_url} answered {response.status_code}")
 
+    _prebuild(client, check_url)
     register(name, open=transport.reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
              engine=engine, replace=replace, peers=_url_peers(client.base_url))
     return client
+
+
+def _prebuild(client: Any, check_url: str | None) -> None:
+    """Build the health check's request once now and drop it: the first build runs
+    httpx's URL parsing, header merging and ABC instance checks for the first time
+    (~10 ms of first-touch work in a gVisor clone). The clone still builds its own from
+    the client's then-current base URL and headers."""
+    if check_url is not None:
+        try:
+            client.build_request("GET", check_url)
+        except Exception as exc:  # a bad URL fails the check itself, named there
+            log.debug("health check request not prepared: %s", _describe(exc))
 
 
 def _url_peers(url: Any) -> tuple[str, ...]:
@@ -617,7 +625,11 @@ def httpx_async_client(
     async def check() -> None:
         await transport.probe(client.build_request("GET", check_url))  # type: ignore[arg-type]
 
-    register(name, open=transport.reset, close=transport.close_pool,
+    async def reset() -> None:  # non-blocking: runs on the loop, no thread hop
+        transport.reset()
+
+    _prebuild(client, check_url)
+    register(name, open=reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
              engine=engine, replace=replace, peers=_url_peers(client.base_url))
     return client

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from .. import Status
     from ..extensions import Engine
 
-__all__ = ["not_ready_reason", "probe_import", "reason_of"]
+__all__ = ["not_ready_reason", "probe_import", "readiness", "reason_of"]
 
 
 def not_ready_reason(engine: Engine | None = None) -> str:
@@ -21,6 +21,21 @@ def not_ready_reason(engine: Engine | None = None) -> str:
     environment, which hooks do not put in their errors).
     """
     return reason_of(resolve_engine(engine).status())
+
+
+def readiness(engine: Engine) -> tuple[bool, str, str]:
+    """``(ready, state, reason)`` as ``engine.status()`` and :func:`reason_of` give them,
+    without building a whole status while a restore runs: its diagnostic fields (the
+    ``/proc`` scan of TCP connections, ...) cost milliseconds per call under gVisor, and a
+    gate answers every request that arrives during the restore — on the event loop and
+    under the GIL that the restore hooks need."""
+    if engine.is_ready():
+        return True, engine.state, ""
+    state = engine.state
+    if state in ("running", "ready", "restoring"):  # frozen and resumed, or hooks running
+        return False, "restoring", "restore hooks are running"
+    status = engine.status()  # snapshotting / degraded: the reason needs the last report
+    return status.ready, status.state, reason_of(status)
 
 
 def reason_of(status: Status) -> str:

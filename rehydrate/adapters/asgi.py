@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from .. import Phase
-from ._readiness import reason_of
+from ._readiness import readiness
 
 if TYPE_CHECKING:
     from .. import Lifecycle
@@ -172,11 +172,12 @@ class ReadinessGate:
         return 200, {"alive": True}
 
     def _readyz(self) -> tuple[int, dict[str, Any]]:
-        status = self.engine.status()
-        if status.ready:
-            return 200, {"ready": True, "state": status.state, "generation": status.generation}
-        return 503, {"ready": False, "state": status.state, "generation": status.generation,
-                     "reason": reason_of(status)}
+        generation = self.engine.generation
+        ready, state, reason = readiness(self.engine)
+        if ready:
+            return 200, {"ready": True, "state": state, "generation": generation}
+        return 503, {"ready": False, "state": state, "generation": generation,
+                     "reason": reason}
 
     def _status(self) -> tuple[int, dict[str, Any]]:
         return 200, self.engine.status().to_dict()
@@ -226,9 +227,8 @@ class ReadinessGate:
             await send({"type": "websocket.close", "code": _TRY_AGAIN_LATER,
                         "reason": "not ready"})
             return
-        status = self.engine.status()
-        await _respond(send, 503, {"error": "not ready", "state": status.state,
-                                   "reason": reason_of(status)},
+        _, state, reason = readiness(self.engine)
+        await _respond(send, 503, {"error": "not ready", "state": state, "reason": reason},
                        [self._retry_header], head=scope.get("method") == "HEAD")
 
     # -- lifespan ------------------------------------------------------------------------

@@ -135,6 +135,44 @@ def test_restoring_under_uvicorn(app: App, rehydrate_engine: Any) -> None:
         assert c.get("/embed").text == "served /embed"
 
 
+async def test_answers_during_a_restore_build_no_status_diagnostics(
+        gate: ReadinessGate, rehydrate_engine: Any) -> None:
+    """Every request arriving while the restore hooks run is answered on the loop the
+    hooks share: refusals and /readyz give state and reason without building a whole
+    status (its diagnostic fields, such as the /proc scan of TCP connections, cost
+    milliseconds each under gVisor). /rehydrate/status still builds it."""
+    built: list[int] = []
+    rehydrate_engine.add_status("rht-diagnostics", lambda: built.append(1))
+    hold = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="slow-hook")
+    def slow_hook() -> None:
+        hold.wait(30)
+
+    async with asgi_client(gate) as c:
+        t, reports = in_thread(rehydrate_engine.simulate_restore)
+        try:
+            await asyncio.to_thread(wait_for, lambda: rehydrate_engine.state == "restoring",
+                                    what="restoring")
+            for _ in range(5):
+                r = await c.get("/predict")
+                assert r.status_code == 503
+                assert r.json() == {"error": "not ready", "state": "restoring",
+                                    "reason": "restore hooks are running"}
+                r = await c.get("/readyz")
+                assert (r.status_code, r.json()) == (503, {
+                    "ready": False, "state": "restoring", "generation": 1,
+                    "reason": "restore hooks are running"})
+            assert built == []
+            assert "rht-diagnostics" in (await c.get("/rehydrate/status")).json()
+            assert built == [1]
+        finally:
+            hold.set()
+            await asyncio.to_thread(t.join, 10)
+        assert reports[0].ok
+        assert (await c.get("/readyz")).status_code == 200
+
+
 def test_drains_in_flight_requests_before_snapshot(app: App, rehydrate_engine: Any) -> None:
     """A request in flight when the snapshot starts finishes (200) before any other
     before-snapshot hook runs; requests arriving meanwhile get 503; after the snapshot

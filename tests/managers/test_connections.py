@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import shutil
@@ -319,6 +320,71 @@ async def test_httpx_async_client_probe_uses_base_url_and_headers(rehydrate_engi
     assert "503" in str(status["bare"]["last_error"]), status["bare"]
     await client.aclose()
     await bare.aclose()
+
+
+async def test_a_clone_reopens_httpx_clients_without_starting_threads(rehydrate_engine,
+                                                                     http_srv, monkeypatch):
+    """Starting a thread right after a gVisor restore costs milliseconds: the async
+    client's reopen runs on the event loop, the sync client's open and check on the pool
+    thread that closed it before the snapshot. Both really reconnect and check."""
+    aclient = connections.httpx_async_client("a", base_url=http_srv.url,
+                                             check_url="/health", engine=rehydrate_engine)
+    sclient = connections.httpx_client("s", base_url=http_srv.url, check_url="/health",
+                                       engine=rehydrate_engine)
+    assert (await aclient.get("/one")).text == "/one"
+    assert sclient.get("/one").text == "/one"
+    loop = asyncio.get_running_loop()
+    caller = concurrent.futures.ThreadPoolExecutor(1)  # one thread runs both events
+    snap = await loop.run_in_executor(caller, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def recording_start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    report = await loop.run_in_executor(caller, rehydrate_engine.simulate_restore)
+    monkeypatch.undo()
+    caller.shutdown()
+    assert report.ok, report.table()
+    assert started == []
+    for name in ("a", "s"):  # opened and checked (the check needs an answer below 500)
+        conn = connections.get(name, engine=rehydrate_engine)
+        assert conn is not None and conn.state == "open" and conn.last_error is None
+    assert aclient._transport.generation == sclient._transport.generation == 1
+    assert (await aclient.get("/two")).text == "/two"
+    assert sclient.get("/two").text == "/two"
+    await aclient.aclose()
+    sclient.close()
+
+
+def test_a_missing_sniffio_is_remembered_once(monkeypatch):
+    """httpcore asks ``import sniffio`` on every async lock; when it is not installed the
+    miss is recorded like the import system does (None in sys.modules), so each later ask
+    fails at once instead of searching sys.path (a walk through the gofer after a gVisor
+    restore). An installed sniffio is left alone."""
+    import importlib.util
+
+    from rehydrate import _httpx
+
+    monkeypatch.delitem(sys.modules, "sniffio", raising=False)
+    real_find_spec = importlib.util.find_spec
+    installed = real_find_spec("sniffio") is not None
+    _httpx._remember_missing_sniffio()
+    if installed:
+        assert "sniffio" not in sys.modules
+    else:
+        assert "sniffio" in sys.modules and sys.modules["sniffio"] is None
+        with pytest.raises(ModuleNotFoundError):
+            import sniffio  # noqa: F401
+    # pretend it is installed: nothing is recorded
+    monkeypatch.delitem(sys.modules, "sniffio", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        object() if name == "sniffio" else real_find_spec(name, *a)))
+    _httpx._remember_missing_sniffio()
+    assert "sniffio" not in sys.modules
 
 
 def test_registering_a_connection_name_twice_is_an_error(rehydrate_engine):

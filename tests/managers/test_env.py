@@ -679,3 +679,56 @@ def test_a_read_stuck_on_a_hung_mount_blocks_nothing(tmp_path, environ, monkeypa
     finally:
         release.set()
         engine.close()
+
+
+@settings(max_examples=300)
+@given(st.text(alphabet="ABCLPRTY_*?[]!-Za0é\n", max_size=12))
+def test_compiled_key_patterns_match_exactly_like_fnmatchcase(name):
+    """The patterns are compiled into one expression (before a snapshot, not in the
+    clone); that expression matches exactly the names ``fnmatchcase`` matches."""
+    import fnmatch
+
+    patterns = (*NEVER_FROM_FILE, *KEEP, "A?[BC]*", "[!L]X")
+    key = name.encode("utf-8", "surrogateescape")
+    assert _matches(key, patterns) == any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    assert not _matches(key, ())
+
+
+def test_a_clone_reads_its_environment_on_a_thread_from_before_the_snapshot(
+        tmp_path, environ, monkeypatch):
+    """Starting a thread right after a gVisor restore costs milliseconds: the read of the
+    new environment file runs on the thread that read the file before the snapshot."""
+    import threading
+
+    from rehydrate import env as env_module
+
+    spec = write(tmp_path / "spec_environ", {b"RHT_THREAD": b"1"})
+    readers: list[int] = []
+    real = env_module.read_environ
+
+    def recording(path):  # type: ignore[no-untyped-def]
+        readers.append(threading.get_ident())
+        return real(path)
+
+    monkeypatch.setattr(env_module, "read_environ", recording)
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=spec))
+    try:
+        assert engine.simulate_snapshot().ok
+        before = {t.ident for t in threading.enumerate()}
+        write(tmp_path / "spec_environ", {b"RHT_THREAD": b"2"})
+        started: list[str] = []
+        real_start = threading.Thread.start
+
+        def recording_start(thread: threading.Thread) -> None:
+            started.append(thread.name)
+            real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", recording_start)
+        report = engine.simulate_restore()
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert report.ok, report.table()
+        assert environ[b"RHT_THREAD"] == b"2"  # type: ignore[attr-defined]
+        assert readers[-1] in before
+        assert started == []
+    finally:
+        engine.close()

@@ -1,0 +1,106 @@
+"""Reusable daemon threads for blocking calls made during a restore.
+
+Starting a thread right after a gVisor restore costs milliseconds (measured under runsc:
+10-50 ms, the sandbox sets up the new task's host context on its first run), while waking
+a thread that already existed when the snapshot was taken costs little. So the blocking
+calls of the restore path (reading the environment file, users' sync ``open``/``check``
+of managed connections) run on :data:`blocking`, whose threads stay and wait for the next
+call instead of exiting: a thread used before the snapshot serves the clone.
+
+The pool is never bounded — a call never waits for a free thread: when every thread is
+busy (a call stuck on a hung mount or peer) a new one starts. Threads idle for longer than
+``idle_exit`` beyond the first ``keep`` exit. After ``fork()`` the child starts afresh.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import concurrent.futures
+
+__all__ = ["ThreadPool", "blocking"]
+
+
+class ThreadPool:
+    """Unbounded pool of reusable daemon threads (see the module docstring)."""
+
+    def __init__(self, name: str, keep: int = 2, idle_exit: float = 60.0) -> None:
+        self.name = name
+        self.keep = keep
+        self.idle_exit = idle_exit
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._cv = threading.Condition(threading.Lock())
+        self._jobs: collections.deque[tuple[concurrent.futures.Future[Any],
+                                            Callable[..., Any], tuple[Any, ...]]]
+        self._jobs = collections.deque()
+        self._threads = 0
+        self._idle = 0
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's threads are not here
+            self._reset()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args)`` on a pool thread; its future (which cannot be cancelled)."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()  # not cancellable: setting the result is safe
+        self._check_fork()
+        with self._cv:
+            self._jobs.append((fut, fn, args))
+            if self._idle >= len(self._jobs):
+                self._cv.notify()
+                return fut
+            self._start_locked()
+        return fut
+
+    def prestart(self) -> None:
+        """Make sure one idle thread waits (call before a snapshot: the clone reuses it)."""
+        self._check_fork()
+        with self._cv:
+            if self._idle == 0:
+                self._start_locked()
+
+    def _start_locked(self) -> None:
+        # A starting thread counts as idle: it takes the next job without being woken.
+        self._threads += 1
+        self._idle += 1
+        threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
+    def _work(self) -> None:
+        cv = self._cv  # a fork replaces it; this thread keeps serving its own pool state
+        cv.acquire()
+        try:
+            while True:
+                while not self._jobs:
+                    woke = cv.wait(None if self._threads <= self.keep else self.idle_exit)
+                    if not woke and not self._jobs and self._threads > self.keep:
+                        self._threads -= 1
+                        self._idle -= 1
+                        return
+                fut, fn, args = self._jobs.popleft()
+                self._idle -= 1
+                cv.release()
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # the caller gets it, the thread lives on
+                    fut.set_exception(exc)
+                finally:
+                    del fut, fn, args  # drop references while idle
+                    cv.acquire()
+                    self._idle += 1
+        finally:
+            cv.release()
+
+
+blocking = ThreadPool("rehydrate-io")
+"""The process-wide pool for blocking calls of the restore path."""

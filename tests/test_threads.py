@@ -1,0 +1,91 @@
+"""rehydrate._threads: the reusable, never-bounded pool for the restore path's blocking
+calls (a clone reuses threads instead of starting them right after the restore)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from rehydrate._threads import ThreadPool
+from tests.detect_helpers import wait_for
+
+
+def named(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def test_sequential_calls_reuse_one_thread() -> None:
+    pool = ThreadPool("rht-reuse")
+    first = pool.submit(threading.get_ident).result(5)
+    assert [pool.submit(threading.get_ident).result(5) for _ in range(20)] == [first] * 20
+    assert len(named("rht-reuse")) == 1
+
+
+def test_prestart_leaves_an_idle_thread_that_serves_the_next_call() -> None:
+    pool = ThreadPool("rht-prestart")
+    pool.prestart()
+    pool.prestart()  # one idle thread is enough
+    wait_for(lambda: len(named("rht-prestart")) == 1, what="the prestarted thread")
+    (idle,) = named("rht-prestart")
+    assert pool.submit(threading.get_ident).result(5) == idle.ident
+    assert named("rht-prestart") == [idle]
+
+
+def test_a_call_never_waits_for_a_busy_thread() -> None:
+    """A call stuck on a hung mount or peer must not delay the next one."""
+    pool = ThreadPool("rht-busy")
+    release = threading.Event()
+    stuck = [pool.submit(release.wait, 30) for _ in range(3)]
+    try:
+        assert pool.submit(lambda: "answered").result(5) == "answered"
+        assert not any(f.done() for f in stuck)
+        assert len(named("rht-busy")) == 4
+    finally:
+        release.set()
+    assert all(f.result(5) for f in stuck)
+
+
+def test_exceptions_reach_the_caller_and_the_thread_lives_on() -> None:
+    pool = ThreadPool("rht-raise")
+    first = pool.submit(threading.get_ident).result(5)
+
+    def boom() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        pool.submit(boom).result(5)
+    with pytest.raises(SystemExit):  # not even SystemExit ends the thread
+        pool.submit(lambda: exec("raise SystemExit(3)")).result(5)
+    assert pool.submit(threading.get_ident).result(5) == first
+
+
+def test_idle_threads_beyond_keep_exit() -> None:
+    pool = ThreadPool("rht-keep", keep=1, idle_exit=0.05)
+    release = threading.Event()
+    stuck = [pool.submit(release.wait, 30) for _ in range(3)]
+    wait_for(lambda: len(named("rht-keep")) == 3, what="three busy threads")
+    release.set()
+    assert all(f.result(5) for f in stuck)
+    wait_for(lambda: len(named("rht-keep")) == 1, what="extra idle threads to exit")
+    assert pool.submit(lambda: 7).result(5) == 7
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_gets_threads_of_its_own() -> None:
+    """The parent's idle thread does not exist in a child: the child's first call must
+    start one rather than wait for it."""
+    pool = ThreadPool("rht-fork")
+    pool.prestart()
+    wait_for(lambda: len(named("rht-fork")) == 1, what="the idle thread")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            ok = pool.submit(lambda: 42).result(5) == 42
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pool.submit(lambda: 1).result(5) == 1  # the parent's pool is untouched
