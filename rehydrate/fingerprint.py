@@ -418,10 +418,17 @@ def check(
     ``scope="node"``: only what a checker running elsewhere on the node (a DaemonSet)
     shares with the workload — not its Python, distributions or environment.
     ``environ``: the workload's environment for the ``env.*`` keys (default: this
-    process's). :class:`ManifestError` when ``manifest`` is not a complete manifest.
+    process's). ``metadata`` (default): ask the GCE metadata server only when the
+    manifest records a machine series. :class:`ManifestError` when ``manifest`` is not a
+    complete manifest.
     """
     m = _validate(manifest)
     env = m["env"]
+    if metadata is None:
+        # The machine series compares only when both sides know it, so a snapshot taken
+        # off GCE never needs the metadata server — where nothing answers, asking would
+        # add its whole timeout to every restore.
+        metadata = m.get("machine_series") is not None and Path(root) == Path("/")
     current = fingerprint(env_keys=env["keys"].keys(), root=root, nvidia_smi=nvidia_smi,
                           metadata=metadata, salt=env["salt"], environ=environ)
     return compare(m, current, scope=scope)

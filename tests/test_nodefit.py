@@ -193,3 +193,30 @@ def test_labels_usage_errors(node) -> None:
     assert res.returncode == 2 and "MANIFEST" in res.stderr
     res = _cli("check", "--labels", "--node", env=env)
     assert res.returncode == 2 and "--labels" in res.stderr
+
+
+def test_check_asks_the_metadata_server_only_when_the_snapshot_knew_its_series(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off GCE the series is unknown at save time and never compared, so the check after a
+    restore must not wait on a metadata server (where nothing answers it costs the whole
+    timeout); a snapshot taken on GCE is checked against the node it lands on."""
+    with MetadataServer("n2-standard-8") as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        _check_asks_only_when_known(srv)
+
+
+def _check_asks_only_when_known(srv: MetadataServer) -> None:
+    off_gce = fp.fingerprint(metadata=False, nvidia_smi=False)
+    assert off_gce["machine_series"] is None
+    srv.requests.clear()
+    assert fp.check(off_gce, nvidia_smi=False) == []
+    assert srv.requests == []
+
+    on_gce = fp.fingerprint(nvidia_smi=False)
+    assert on_gce["machine_series"] == "n2"
+    srv.requests.clear()
+    srv.machine_type = "e2-standard-8"
+    mismatches = fp.check(on_gce, nvidia_smi=False)
+    assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+    assert [(m.field, m.expected, m.actual) for m in mismatches] == [
+        ("machine_series", "n2", "e2")]
