@@ -50,8 +50,11 @@ class Extension(Protocol):
     ``install(engine)``), as the built-in managers are.
     """
 
-    key: str
-    """Unique per engine; also the name of the per-engine singleton, if any."""
+    @property
+    def key(self) -> str:
+        """Unique per engine; also the name of the per-engine singleton, if any (read-only:
+        a class-level constant, as a detector's, or a module-level one, as a manager's)."""
+        ...
 
     def probe(self) -> Probe:
         """Can this extension work here? ``reason`` says why not (or how it works)."""
@@ -132,7 +135,11 @@ class Engine(Protocol):
 
     def simulate_snapshot(self, reason: str = "simulated") -> SnapshotReport: ...
 
-    def detector(self, name: str) -> Detector | None: ...
+    def add_detector(self, detector: Detector) -> None:
+        """Install a detector: started by every ``start()``, stopped by ``stop()``."""
+        ...
+
+    def detector(self, key: str) -> Detector | None: ...
 
     def specific_detectors(self, than: int) -> Sequence[Detector]: ...
 
@@ -149,13 +156,16 @@ class Engine(Protocol):
 
 def load_extension(spec: str | Extension) -> Extension:
     """The extension named by ``spec`` (``"pkg.module"`` or ``"pkg.module:attr"``), imported
-    now; an :class:`Extension` object is returned as it is."""
+    now; a class there (a detector's, an adapter's) is instantiated without arguments. An
+    :class:`Extension` object is returned as it is."""
     if not isinstance(spec, str):
         return spec
     module_name, _, attr = spec.partition(":")
     obj: Any = importlib.import_module(module_name)
     if attr:
         obj = getattr(obj, attr)
+        if isinstance(obj, type):
+            obj = obj()
     if not isinstance(obj, Extension):
         raise TypeError(f"{spec} is not an extension (needs key, probe() and install(engine))")
     return obj

@@ -138,6 +138,8 @@ class Lifecycle:
         self._detectors: list[Detector] = []
         self._detector_errors: dict[str, str] = {}
         """Detectors asked for that failed to start, and why (shown by status())."""
+        self._installed_detectors: dict[str, Detector] = {}
+        """Detectors installed as extensions (add_detector): started by every start()."""
         self._started = False
         self._start_lock = threading.Lock()
         self._merged: tuple[tuple[int, ...], dict[str, tuple[Hook, ...]]] | None = None
@@ -173,6 +175,7 @@ class Lifecycle:
         self._user_loop = None
         self._detectors = []
         self._detector_errors = {}
+        self._installed_detectors = {}  # instances wired to the parent's threads and files
         self._started = False
         self.env._lock = threading.Lock()
         # The parent's clock-jump thread is not here: its heartbeat would go stale and
@@ -302,7 +305,7 @@ class Lifecycle:
             state=state,
             generation=self._generation,
             ready=ready,
-            detectors=tuple(d.name for d in self._detectors),
+            detectors=tuple(d.key for d in self._detectors),
             last_report=self._last_report,
             extra=extra,
         )
@@ -682,9 +685,10 @@ class Lifecycle:
         ``loop`` given to it still becomes the loop async hooks run on).
 
         ``detectors``: ``"auto"`` (every detector usable here that is on by default),
-        ``"none"``, or names / :class:`~rehydrate.detect.Detector` instances.
-        ``loop``: run ``async`` hooks on this (the application's) event loop.
-        Returns the names of the detectors now running.
+        ``"none"``, or keys / :class:`~rehydrate.detect.Detector` instances; detectors
+        installed as extensions (:meth:`add_detector`) start too, in place of a selected
+        one with the same key. ``loop``: run ``async`` hooks on this (the application's)
+        event loop. Returns the keys of the detectors now running.
         """
         from . import detect
 
@@ -692,33 +696,47 @@ class Lifecycle:
             if loop is not None:
                 self._user_loop = loop
             if self._started:
-                return [d.name for d in self._detectors]
+                return [d.key for d in self._detectors]
             self.env.baseline()
             self._runner.prestart()  # prepared before any snapshot, not in the clone
-            chosen = detect.select(detectors)
-            running: list[Detector] = []
-            errors: dict[str, str] = {}
+            installed = self._installed_detectors
+            chosen = [*installed.values(),
+                      *(d for d in detect.select(detectors) if d.key not in installed)]
+            self._detectors = []
+            self._detector_errors = {}
             for d in chosen:
-                try:
-                    d.start(self)
-                except Exception as exc:
-                    # loud: a detector that was asked for and is missing (a squatted
-                    # control socket) must show in logs and status, not fade away
-                    log.error("detector %s could not start: %s", d.name, exc)
-                    errors[d.name] = str(exc) or type(exc).__name__
-                    continue
-                running.append(d)
-            self._detectors = running
-            self._detector_errors = errors
+                self._start_detector(d)
             self._started = True
             for listener in list(self._start_listeners):
                 try:
                     listener(self)
                 except Exception:
                     log.exception("start listener %r failed", listener)
-            log.info("rehydrate started; detectors: %s",
-                     ", ".join(d.name for d in running) or "none")
-            return [d.name for d in running]
+            running = [d.key for d in self._detectors]
+            log.info("rehydrate started; detectors: %s", ", ".join(running) or "none")
+            return running
+
+    def _start_detector(self, d: Detector) -> None:
+        """Start ``d`` into :attr:`_detectors`; a failure is loud: a detector that was
+        asked for and is missing (a squatted control socket) must show in logs and
+        ``status()["detector_errors"]``, not fade away."""
+        try:
+            d.start(self)
+        except Exception as exc:
+            log.error("detector %s could not start: %s", d.key, exc)
+            self._detector_errors[d.key] = str(exc) or type(exc).__name__
+            return
+        self._detectors.append(d)
+
+    def add_detector(self, detector: Detector) -> None:
+        """Install ``detector`` (what :meth:`Detector.install
+        <rehydrate.detect.Detector.install>` calls): every :meth:`start` starts it — now,
+        when this engine runs already — :meth:`status` lists it and :meth:`stop` stops
+        it. It replaces an installed detector with the same key."""
+        with self._start_lock:
+            self._installed_detectors[detector.key] = detector
+            if self._started and self.detector(detector.key) is None:
+                self._start_detector(detector)
 
     def stop(self) -> None:
         """Stop the detectors (hooks stay registered). Idempotent."""
@@ -730,10 +748,11 @@ class Lifecycle:
             try:
                 d.stop()
             except Exception:
-                log.exception("detector %s did not stop cleanly", d.name)
+                log.exception("detector %s did not stop cleanly", d.key)
 
-    def detector(self, name: str) -> Detector | None:
-        return next((d for d in self._detectors if d.name == name), None)
+    def detector(self, key: str) -> Detector | None:
+        """The running detector with this key, if any."""
+        return next((d for d in self._detectors if d.key == key), None)
 
     def specific_detectors(self, than: int) -> Sequence[Detector]:
         """Running detectors whose reason is more specific than ``than``."""

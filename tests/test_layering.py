@@ -146,9 +146,11 @@ def test_nothing_below_the_api_imports_it():
 def test_detectors_are_named_after_their_catalogue_keys():
     from rehydrate import detect
 
-    for key, target in detect.CATALOGUE.items():
+    assert len(set(detect.catalogue_keys())) == len(detect.DETECTORS)
+    for target in detect.DETECTORS:
+        key = detect.key_of(target)
         module, _, cls = target.partition(":")
         assert module == "rehydrate.detect." + key.replace("-", "_"), key
         camel = "".join(part.capitalize() for part in key.split("-"))
         assert cls.lower() == (camel + "Detector").lower(), key
-        assert detect.load(key).name == key
+        assert detect.load(key).key == key

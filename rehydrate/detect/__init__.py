@@ -1,8 +1,13 @@
 """Event sources: each module notices one kind of snapshot/restore event.
 
-Every detector has the same small interface (:class:`Detector`): a class-level
-:meth:`~Detector.probe` saying whether it can work here (and why not), and
-``start(engine)`` / ``stop()``. Detector modules are imported only when used, so
+Every detector is an extension (:class:`~rehydrate.extensions.Extension`): a ``key`` (its
+catalogue key, also the ``reason`` of the restores it reports), a class-level
+:meth:`~Detector.probe` returning a :class:`~rehydrate.extensions.Probe` (can it work
+here, and if not, why not), and ``install(engine)``, which hands it to the engine
+(started by the engine's ``start()``, listed in ``status()``, stopped by ``stop()``).
+The engine drives it with ``start(engine)`` / ``stop()``.
+
+:data:`DETECTORS` lists the built-in ones as dotted names, imported only when used, so
 ``import rehydrate`` stays light. ``start(detectors="auto")`` picks every detector whose
 probe succeeds and that is on by default; ``rehydrate doctor`` prints every probe.
 """
@@ -10,33 +15,65 @@ probe succeeds and that is on by default; ``rehydrate doctor`` prints every prob
 from __future__ import annotations
 
 import importlib
+import types
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .._contract import Probe
 
 if TYPE_CHECKING:
     from ..extensions import Engine
 
-__all__ = ["CATALOGUE", "Detector", "DetectorInfo", "available", "load", "select"]
+__all__ = ["DETECTORS", "Detector", "DetectorInfo", "available", "catalogue_keys", "key_of", "load",
+           "probe_of", "select"]
+
+
+class _DeprecatedName:
+    """``Detector.name``: the former spelling of :attr:`Detector.key`."""
+
+    def __get__(self, obj: object, owner: type[Detector]) -> str:
+        warnings.warn("Detector.name is deprecated; use Detector.key", DeprecationWarning,
+                      stacklevel=2)
+        return owner.key
 
 
 class Detector:
-    """Base class of event sources.
+    """Base class of event sources; every detector is an extension.
 
     ``specificity`` ranks reasons when two detectors see the same restore: the generic
     ones (clock jump, identity change) defer briefly to a more specific running detector
     so that the report carries the most specific reason.
+
+    A subclass sets :attr:`key`, overrides :meth:`probe` (a classmethod: it is asked
+    before any instance exists), :meth:`start` and :meth:`stop`.
     """
 
-    name: ClassVar[str] = "detector"
+    key: ClassVar[str] = "detector"
+    """The catalogue key: ``start(["<key>"])``, ``status()["detectors"]``, the reason of
+    the restores it reports, and the module name (``-`` as ``_``)."""
     specificity: ClassVar[int] = 0
     auto: ClassVar[bool] = True
     """Started by ``start(detectors="auto")`` when usable."""
 
+    name: ClassVar[Any] = _DeprecatedName()
+    """Deprecated spelling of :attr:`key` (a ``DeprecationWarning`` when read)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if isinstance(own.get("name"), str) and "key" not in own:
+            # a detector written against the former interface: `name = "mine"`
+            warnings.warn(f"{cls.__qualname__}: name the detector with `key`, not `name` "
+                          "(deprecated)", DeprecationWarning, stacklevel=2)
+            cls.key = own["name"]
+            cls.name = _DeprecatedName()
+
     @classmethod
-    def probe(cls) -> str | None:
-        """``None`` when this detector can work here, else the reason it cannot."""
-        return None
+    def probe(cls) -> Probe:
+        """Whether this detector can work here; when not, ``reason`` says why in one line."""
+        return Probe(True)
 
     @classmethod
     def auto_here(cls) -> str | None:
@@ -55,10 +92,19 @@ class Detector:
         ``status()["detector_errors"]``), not a detector that silently is not there."""
         return False
 
+    def install(self, engine: Engine) -> None:
+        """Hand this detector to ``engine`` (the extension contract): every
+        ``engine.start()`` starts it — at once when the engine runs already — whatever
+        ``detectors=`` selects, ``status()`` lists it and ``engine.stop()`` stops it."""
+        engine.add_detector(self)
+
     def start(self, engine: Engine) -> None:
+        """Begin watching; report events with ``engine.restore_detected()`` /
+        ``engine.snapshot_requested()``. Called by the engine; raise when it cannot start."""
         raise NotImplementedError
 
     def stop(self) -> None:
+        """Stop watching (idempotent). Called by the engine."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -66,21 +112,45 @@ class Detector:
         return (self.__doc__ or "").strip().splitlines()[0] if self.__doc__ else ""
 
 
-# name -> "module:Class", imported lazily. Order = order of `doctor` output.
-CATALOGUE: dict[str, str] = {
-    "gvisor": "rehydrate.detect.gvisor:GVisorDetector",
-    "control": "rehydrate.detect.control:ControlDetector",
-    "snapstart": "rehydrate.detect.snapstart:SnapStartDetector",
-    "vmclock": "rehydrate.detect.vmclock:VmClockDetector",
-    "file": "rehydrate.detect.file:FileDetector",
-    "signal": "rehydrate.detect.signal:SignalDetector",
-    "clock-jump": "rehydrate.detect.clock_jump:ClockJumpDetector",
-    "identity": "rehydrate.detect.identity:IdentityDetector",
-}
+DETECTORS: list[str] = [
+    "rehydrate.detect.gvisor:GVisorDetector",
+    "rehydrate.detect.control:ControlDetector",
+    "rehydrate.detect.snapstart:SnapStartDetector",
+    "rehydrate.detect.vmclock:VmClockDetector",
+    "rehydrate.detect.file:FileDetector",
+    "rehydrate.detect.signal:SignalDetector",
+    "rehydrate.detect.clock_jump:ClockJumpDetector",
+    "rehydrate.detect.identity:IdentityDetector",
+]
+"""The known detectors as dotted names (``"package.module:Class"``), imported only when
+used; the order is that of ``rehydrate doctor``. A detector's key is its module's name
+with ``_`` as ``-`` (:func:`key_of`). Adding a detector is one module and one line here."""
+
+
+def key_of(spec: str) -> str:
+    """The catalogue key of a :data:`DETECTORS` entry, without importing it:
+    ``"rehydrate.detect.clock_jump:ClockJumpDetector"`` → ``"clock-jump"``."""
+    return spec.partition(":")[0].rpartition(".")[2].replace("_", "-")
+
+
+def catalogue_keys() -> list[str]:
+    """The catalogue keys of :data:`DETECTORS`, in order."""
+    return [key_of(spec) for spec in DETECTORS]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CATALOGUE":  # the former key -> "module:Class" dict
+        warnings.warn("rehydrate.detect.CATALOGUE is deprecated; use rehydrate.detect.DETECTORS "
+                      "(dotted names) and rehydrate.detect.catalogue_keys()", DeprecationWarning,
+                      stacklevel=2)
+        return types.MappingProxyType({key_of(spec): spec for spec in DETECTORS})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
 class DetectorInfo:
+    """One row of ``rehydrate doctor``: whether a detector works here and why (not)."""
+
     name: str
     usable: bool
     auto: bool
@@ -88,40 +158,61 @@ class DetectorInfo:
     description: str
 
     def to_dict(self) -> dict[str, object]:
+        """JSON-ready form (``rehydrate doctor --json``)."""
         return {"name": self.name, "usable": self.usable, "auto": self.auto,
                 "reason": self.reason, "description": self.description}
 
 
-def load(name: str) -> type[Detector]:
-    """The detector class for catalogue key ``name`` (imported now); ``ValueError`` names
+def load(key: str) -> type[Detector]:
+    """The detector class for catalogue key ``key`` (imported now); ``ValueError`` names
     the known keys for an unknown one."""
-    try:
-        target = CATALOGUE[name]
-    except KeyError:
-        known = ", ".join(CATALOGUE) or "none"
-        raise ValueError(f"unknown detector {name!r} (known: {known})") from None
-    module, _, cls = target.partition(":")
-    loaded: type[Detector] = getattr(importlib.import_module(module), cls)
-    return loaded
+    spec = next((s for s in DETECTORS if key_of(s) == key), None)
+    if spec is None:
+        known = ", ".join(catalogue_keys()) or "none"
+        raise ValueError(f"unknown detector {key!r} (known: {known})")
+    module, _, attr = spec.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Detector)) or cls.key != key:
+        raise TypeError(f"{spec} is not a Detector with key {key!r}")
+    return cls
+
+
+def probe_of(cls: type[Detector]) -> Probe:
+    """``cls.probe()`` as a :class:`~rehydrate.extensions.Probe`; a detector written
+    against the former interface (a reason string, or ``None`` when usable) still works,
+    with a ``DeprecationWarning``."""
+    found: object = cls.probe()
+    if isinstance(found, Probe):
+        return found
+    if found is None or isinstance(found, str):
+        warnings.warn(f"{cls.__qualname__}.probe() must return a rehydrate.extensions.Probe, "
+                      "not a reason string or None (deprecated)", DeprecationWarning,
+                      stacklevel=2)
+        return Probe(found is None, found or "")
+    raise TypeError(f"{cls.__qualname__}.probe() returned {type(found).__name__}, not a Probe")
 
 
 def available() -> list[DetectorInfo]:
     """Every known detector, whether it works here and why (not)."""
     infos = []
-    for name in CATALOGUE:
+    for key in catalogue_keys():
         try:
-            cls = load(name)
-            why = cls.probe()
+            cls = load(key)
+            found = probe_of(cls)
         except Exception as exc:  # a broken probe must not break doctor
-            infos.append(DetectorInfo(name, False, False, f"probe failed: {exc}", ""))
+            infos.append(DetectorInfo(key, False, False, f"probe failed: {exc}", ""))
             continue
         doc = (cls.__doc__ or "").strip().splitlines()
         off = cls.auto_here()
+        if found.usable:
+            reason = "; ".join(r for r in ("usable", found.reason, off) if r)
+        else:
+            reason = found.reason or "not usable here"
         infos.append(DetectorInfo(
-            name=name,
-            usable=why is None,
+            name=key,
+            usable=found.usable,
             auto=off is None,
-            reason=why or ("usable" + ("" if off is None else f"; {off}")),
+            reason=reason,
             description=doc[0] if doc else "",
         ))
     return infos
@@ -133,10 +224,10 @@ def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
         return []
     if spec == "auto":
         chosen: list[Detector] = []
-        for name in CATALOGUE:
+        for key in catalogue_keys():
             try:
-                cls = load(name)
-                if cls.auto_here() is None and (cls.probe() is None or cls.configured()):
+                cls = load(key)
+                if cls.auto_here() is None and (probe_of(cls).usable or cls.configured()):
                     chosen.append(cls())
             except Exception:  # noqa: S112 - a detector that fails its probe is skipped
                 continue
@@ -149,8 +240,16 @@ def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
             result.append(item)
             continue
         cls = load(item)
-        why = cls.probe()
-        if why is not None:
-            raise RuntimeError(f"detector {item} is not usable here: {why}")
+        found = probe_of(cls)
+        if not found.usable:
+            raise RuntimeError(f"detector {item} is not usable here: {found.reason}")
         result.append(cls())
     return result
+
+
+
+if TYPE_CHECKING:
+    from ..extensions import Extension
+
+    def _a_detector_is_an_extension(d: Detector) -> Extension:
+        return d  # mypy --strict fails here when Detector drifts from the contract

@@ -88,8 +88,8 @@ class Deferral:
         last = engine.last_restore_at  # anchored restores only: a simulation is no report
         if last is not None and last > since:
             return not self._cancelled  # the specific report is already in
-        log.debug("%s: giving %s up to %.2fs to report first", self.detector.name,
-                  ", ".join(d.name for d in specific), self.grace)
+        log.debug("%s: giving %s up to %.2fs to report first", self.detector.key,
+                  ", ".join(d.key for d in specific), self.grace)
         self._event.wait(self.grace)
         return not self._cancelled
 
@@ -145,7 +145,7 @@ class DeferringDetector(Detector):
             self._prepare()
             self._deferral = Deferral(self, self.grace)
             self._deferral.attach(engine)
-            self._thread = DetectorThread(f"rehydrate-{self.name}", self._loop)
+            self._thread = DetectorThread(f"rehydrate-{self.key}", self._loop)
             self._thread.start()
 
     def stop(self) -> None:

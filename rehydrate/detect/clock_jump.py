@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from .. import _config
+from .._contract import Probe
 from ._util import DeferringDetector, positive
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class _ContWatch:
 class ClockJumpDetector(DeferringDetector):
     """Clock jump: a sleeping thread sees CLOCK_MONOTONIC step past its sleep."""
 
-    name: ClassVar[str] = "clock-jump"
+    key: ClassVar[str] = "clock-jump"
     specificity: ClassVar[int] = 10
     auto: ClassVar[bool] = True
 
@@ -210,12 +211,12 @@ class ClockJumpDetector(DeferringDetector):
         super().__init__()
 
     @classmethod
-    def probe(cls) -> str | None:
+    def probe(cls) -> Probe:
         try:
             time.clock_gettime(time.CLOCK_MONOTONIC)
         except (AttributeError, OSError) as exc:  # pragma: no cover - every Linux has it
-            return f"CLOCK_MONOTONIC is not readable here: {exc}"
-        return None
+            return Probe(False, f"CLOCK_MONOTONIC is not readable here: {exc}")
+        return Probe(True)
 
     def describe(self) -> str:
         return (f"wakes every {self.interval:g}s; a CLOCK_MONOTONIC step of more than "

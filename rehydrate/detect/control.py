@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
 from .._context import Report, describe_error
+from .._contract import Probe
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from . import Detector
 
@@ -585,7 +586,7 @@ class ControlServer:
 class ControlDetector(Detector):
     """Control socket: `rehydrate notify` / platforms announce snapshots and restores."""
 
-    name: ClassVar[str] = "control"
+    key: ClassVar[str] = "control"
     specificity: ClassVar[int] = 90
     auto: ClassVar[bool] = True
 
@@ -594,9 +595,10 @@ class ControlDetector(Detector):
         self.server: ControlServer | None = None
 
     @classmethod
-    def probe(cls) -> str | None:
+    def probe(cls) -> Probe:
         path = socket_path()
-        return _dir_problem(os.path.dirname(os.path.abspath(path))) or squatter(path)
+        why = _dir_problem(os.path.dirname(os.path.abspath(path))) or squatter(path)
+        return Probe(why is None, why or "")
 
     @classmethod
     def configured(cls) -> bool:

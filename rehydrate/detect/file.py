@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
+from .._contract import Probe
 from .._files import READ_ONLY_EVENTS, open_regular
 from . import Detector
 from ._util import env_kind, positive, running_under_gvisor
@@ -70,7 +71,7 @@ def marker_state(path: str) -> State:
 class FileDetector(Detector):
     """File: the marker file in REHYDRATE_MARKER_FILE changed (watchdog)."""
 
-    name: ClassVar[str] = "file"
+    key: ClassVar[str] = "file"
     specificity: ClassVar[int] = 50
     auto: ClassVar[bool] = True
 
@@ -108,17 +109,17 @@ class FileDetector(Detector):
         self._lock = threading.Lock()
 
     @classmethod
-    def probe(cls) -> str | None:
+    def probe(cls) -> Probe:
         path = _config.text("REHYDRATE_MARKER_FILE")
         if not path:
-            return ("REHYDRATE_MARKER_FILE is not set (name the file your platform writes "
-                    "on restore)")
+            return Probe(False, "REHYDRATE_MARKER_FILE is not set (name the file your "
+                         "platform writes on restore)")
         if importlib.util.find_spec("watchdog") is None:
-            return "the watchdog package is not installed"
+            return Probe(False, "the watchdog package is not installed")
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
-            return f"the marker file's directory {parent} does not exist"
-        return None
+            return Probe(False, f"the marker file's directory {parent} does not exist")
+        return Probe(True)
 
     def describe(self) -> str:
         how = f"polling every {self.interval:g}s" if self.polling else "inotify"

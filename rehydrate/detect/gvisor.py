@@ -51,6 +51,7 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from .. import _config
+from .._contract import Probe
 from . import Detector
 from ._util import running_under_gvisor
 
@@ -236,7 +237,7 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
 class GVisorDetector(Detector):
     """gVisor checkpoint file: a thread blocked in read() learns restore / resume / error."""
 
-    name: ClassVar[str] = "gvisor"
+    key: ClassVar[str] = "gvisor"
     specificity: ClassVar[int] = 100
     auto: ClassVar[bool] = True
 
@@ -264,8 +265,9 @@ class GVisorDetector(Detector):
         while the previous descriptor was being closed stays in the pipe."""
 
     @classmethod
-    def probe(cls) -> str | None:
-        return _missing_reason(proc_dir())
+    def probe(cls) -> Probe:
+        why = _missing_reason(proc_dir())
+        return Probe(why is None, why or "")
 
     def describe(self) -> str:
         return f"waits in poll() on {self.path}"
@@ -548,7 +550,7 @@ class GVisorDetector(Detector):
         log.debug("gVisor checkpoint answer: %s", answer)
         report: RestoreReport | None = None
         try:
-            report = _handle(engine, answer, since, self.name, arrived)
+            report = _handle(engine, answer, since, self.key, arrived)
         except Exception:
             log.exception("running the hooks for gVisor answer %r failed", answer)
         with self._cond:

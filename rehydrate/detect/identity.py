@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from .. import _config
+from .._contract import Probe
 from ._util import DeferringDetector, positive
 
 __all__ = ["SOURCES", "IdentityDetector", "read_identity"]
@@ -63,7 +64,7 @@ def read_identity(root: str | os.PathLike[str] = "/") -> dict[str, str | None]:
 class IdentityDetector(DeferringDetector):
     """Identity: hostname, kernel boot_id or /etc/machine-id changed (polled)."""
 
-    name: ClassVar[str] = "identity"
+    key: ClassVar[str] = "identity"
     specificity: ClassVar[int] = 5
     auto: ClassVar[bool] = True
 
@@ -86,12 +87,12 @@ class IdentityDetector(DeferringDetector):
         super().__init__()
 
     @classmethod
-    def probe(cls) -> str | None:
+    def probe(cls) -> Probe:
         values = read_identity()
         if not any(values.values()):
-            return ("none of hostname, /proc/sys/kernel/random/boot_id or /etc/machine-id "
-                    "is readable")
-        return None
+            return Probe(False, "none of hostname, /proc/sys/kernel/random/boot_id or "
+                         "/etc/machine-id is readable")
+        return Probe(True)
 
     def describe(self) -> str:
         return f"reads hostname, boot_id and machine-id every {self.interval:g}s"

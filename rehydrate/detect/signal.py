@@ -33,6 +33,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
+from .._contract import Probe
 from . import Detector
 from ._util import env_kind
 
@@ -80,7 +81,7 @@ _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 class SignalDetector(Detector):
     """Signal: a POSIX signal (default SIGUSR2) announces a restore; off unless asked."""
 
-    name: ClassVar[str] = "signal"
+    key: ClassVar[str] = "signal"
     specificity: ClassVar[int] = 60
     auto: ClassVar[bool] = False
 
@@ -106,11 +107,11 @@ class SignalDetector(Detector):
         self._lock = threading.Lock()
 
     @classmethod
-    def probe(cls) -> str | None:
+    def probe(cls) -> Probe:
         if threading.current_thread() is not threading.main_thread():
-            return ("signal handlers can only be installed from the main thread; call "
-                    "rehydrate.start() from the main thread to use this detector")
-        return None
+            return Probe(False, "signal handlers can only be installed from the main thread; "
+                         "call rehydrate.start() from the main thread to use this detector")
+        return Probe(True)
 
     def describe(self) -> str:
         return f"{self.signum.name} -> {self.kind}"

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .._contract import Probe
 from . import Detector
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def _ensure_registered(module: Any) -> None:
 class SnapStartDetector(Detector):
     """SnapStart: rehydrate's hooks run as snapshot_restore_py runtime hooks."""
 
-    name: ClassVar[str] = "snapstart"
+    key: ClassVar[str] = "snapstart"
     specificity: ClassVar[int] = 90
     auto: ClassVar[bool] = True
 
@@ -109,11 +110,11 @@ class SnapStartDetector(Detector):
         self._engine: Engine | None = None
 
     @classmethod
-    def probe(cls) -> str | None:
+    def probe(cls) -> Probe:
         if importlib.util.find_spec("snapshot_restore_py") is None:
-            return ("snapshot_restore_py is not importable (it comes with the Lambda Python "
-                    "runtime; elsewhere: pip install 'rehydrate[snapstart]')")
-        return None
+            return Probe(False, "snapshot_restore_py is not importable (it comes with the "
+                         "Lambda Python runtime; elsewhere: pip install 'rehydrate[snapstart]')")
+        return Probe(True)
 
     @classmethod
     def auto_here(cls) -> str | None:

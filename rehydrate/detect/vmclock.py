@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from .. import _config
+from .._contract import Probe
 from . import Detector
 from ._util import DEFAULT_WINDOW, DetectorThread, positive
 
@@ -139,7 +140,7 @@ def read_vmclock(path: str | None = None) -> VmClock:
 class VmClockDetector(Detector):
     """vmclock: the hypervisor bumped vm_generation_counter in /dev/vmclock0."""
 
-    name: ClassVar[str] = "vmclock"
+    key: ClassVar[str] = "vmclock"
     specificity: ClassVar[int] = 80
     auto: ClassVar[bool] = True
 
@@ -160,8 +161,9 @@ class VmClockDetector(Detector):
         self._lock = threading.Lock()
 
     @classmethod
-    def probe(cls) -> str | None:
-        return cls._probe_path(default_path())
+    def probe(cls) -> Probe:
+        why = cls._probe_path(default_path())
+        return Probe(why is None, why or "")
 
     @staticmethod
     def _probe_path(path: str) -> str | None:

@@ -262,7 +262,7 @@ async def test_websocket_refused_with_try_again_later(gate: ReadinessGate,
 class RecordingDetector(Detector):
     """Records the engine it was started with (the gate's lifespan starts detection)."""
 
-    name = "recording"
+    key = "recording"
 
     def __init__(self) -> None:
         self.started: list[Any] = []

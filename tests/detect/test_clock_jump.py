@@ -29,7 +29,7 @@ class SteppedClock:
 class FakeSpecific(Detector):
     """A stand-in for a more specific detector (the gVisor waiter): the test fires it."""
 
-    name = "fake-specific"
+    key = "fake-specific"
     specificity = 100
 
     def start(self, engine) -> None:  # type: ignore[no-untyped-def]

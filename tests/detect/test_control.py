@@ -146,11 +146,11 @@ def test_auto_start_only_with_the_environment_variable(
     monkeypatch: pytest.MonkeyPatch, sock_path: str
 ) -> None:
     monkeypatch.delenv("REHYDRATE_CONTROL_SOCKET", raising=False)
-    assert "control" not in [d.name for d in detect.select("auto")]
+    assert "control" not in [d.key for d in detect.select("auto")]
     info = {i.name: i for i in detect.available()}["control"]
     assert info.usable and not info.auto and "REHYDRATE_CONTROL_SOCKET" in info.reason
     monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", sock_path)
-    assert "control" in [d.name for d in detect.select("auto")]
+    assert "control" in [d.key for d in detect.select("auto")]
     info = {i.name: i for i in detect.available()}["control"]
     assert info.usable and info.auto
 

@@ -69,13 +69,13 @@ def test_a_burst_of_writes_is_one_restore(rehydrate_engine, tmp_path):
 
 def test_configuration(monkeypatch, tmp_path):
     monkeypatch.delenv("REHYDRATE_MARKER_FILE", raising=False)
-    assert "REHYDRATE_MARKER_FILE is not set" in (FileDetector.probe() or "")
+    assert "REHYDRATE_MARKER_FILE is not set" in FileDetector.probe().reason
     with pytest.raises(ValueError):
         FileDetector()
     monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "nodir" / "m"))
-    assert "does not exist" in (FileDetector.probe() or "")
+    assert "does not exist" in FileDetector.probe().reason
     monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "m"))
-    assert FileDetector.probe() is None
+    assert FileDetector.probe().usable
 
     monkeypatch.setenv("REHYDRATE_WATCH_POLLING", "1")
     monkeypatch.setenv("REHYDRATE_WATCH_INTERVAL", "0.1")

@@ -268,7 +268,7 @@ def test_regular_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     (tmp_path / "checkpoint").write_text("restore\n")
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
     why = GVisorDetector.probe()
-    assert why is not None and "regular file" in why
+    assert not why.usable and "regular file" in why.reason
     eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
     try:
         with pytest.raises(GVisorError, match="regular file"):
@@ -363,17 +363,17 @@ def test_idle_waiter_uses_no_cpu(proc: Path) -> None:
 def test_probe_explains_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path / "nope"))
     why = GVisorDetector.probe()
-    assert why is not None and str(tmp_path / "nope") in why
+    assert not why.usable and str(tmp_path / "nope") in why.reason
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
     why = GVisorDetector.probe()
-    assert why is not None and "no checkpoint file" in why
+    assert not why.usable and "no checkpoint file" in why.reason
     monkeypatch.delenv("REHYDRATE_GVISOR_PROC")
     if not os.path.exists("/proc/gvisor/checkpoint"):
         why = GVisorDetector.probe()
-        assert why is not None and "not running under gVisor" in why
+        assert not why.usable and "not running under gVisor" in why.reason
     os.mkfifo(tmp_path / "checkpoint")
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
-    assert GVisorDetector.probe() is None
+    assert GVisorDetector.probe().usable
 
 
 def test_auto_start_picks_the_waiter(proc: Path, monkeypatch: pytest.MonkeyPatch,

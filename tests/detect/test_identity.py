@@ -24,7 +24,7 @@ def test_reads_the_real_identity_here():
     values = read_identity()
     assert values["hostname"]
     assert values["boot_id"] and len(values["boot_id"]) == 36
-    assert IdentityDetector.probe() is None
+    assert IdentityDetector.probe().usable
 
 
 def test_boot_id_change_is_a_restore(rehydrate_engine, tmp_path):

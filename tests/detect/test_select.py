@@ -12,7 +12,7 @@ import pytest
 from detect_helpers import REPO
 
 from detect.test_vmclock import FakeVmClock
-from rehydrate.detect import CATALOGUE, available, load, select
+from rehydrate.detect import available, catalogue_keys, load, select
 
 INTERVAL = 60.0
 
@@ -28,14 +28,14 @@ def plain_environment(monkeypatch):  # type: ignore[no-untyped-def]
 def test_catalogue_has_every_generic_detector():
     for name in GENERIC:
         cls = load(name)
-        assert cls.name == name
+        assert cls.key == name
         assert (cls.__doc__ or "").strip()
 
 
 def test_auto_picks_what_is_usable_here(rehydrate_engine, tmp_path, monkeypatch):
     monkeypatch.delenv("AWS_LAMBDA_FUNCTION_NAME", raising=False)
     monkeypatch.delenv("AWS_LAMBDA_INITIALIZATION_TYPE", raising=False)
-    names = [d.name for d in select("auto")]
+    names = [d.key for d in select("auto")]
     assert {"clock-jump", "identity"} <= set(names)
     assert "snapstart" not in names  # importable here, but this is not Lambda
     assert "signal" not in names  # usable, but off unless asked for
@@ -62,7 +62,7 @@ def test_explicit_unusable_detector_is_refused_with_the_reason():
 
 def test_available_gives_every_detector_a_reason():
     infos = {i.name: i for i in available()}
-    assert set(infos) == set(CATALOGUE)
+    assert set(infos) == set(catalogue_keys())
     for info in infos.values():
         assert info.reason, info
     assert infos["clock-jump"].usable and infos["clock-jump"].auto
@@ -84,7 +84,7 @@ def _doctor(*args: str) -> str:
 def test_doctor_names_every_detector_and_why():
     text = _doctor()
     lines = {line.split()[0]: line for line in text.splitlines() if line.strip()}
-    for name in CATALOGUE:
+    for name in catalogue_keys():
         assert name in lines, text
     assert "no /dev/vmclock0" in lines["vmclock"] or os.path.exists("/dev/vmclock0")
     assert "REHYDRATE_MARKER_FILE is not set" in lines["file"]
@@ -92,7 +92,7 @@ def test_doctor_names_every_detector_and_why():
 
     data = json.loads(_doctor("--json"))
     by_name = {d["name"]: d for d in data["detectors"]}
-    assert set(by_name) == set(CATALOGUE)
+    assert set(by_name) == set(catalogue_keys())
     assert all(d["reason"] for d in by_name.values())
 
 

@@ -70,7 +70,7 @@ def test_only_from_the_main_thread(rehydrate_engine):
     out: dict[str, object] = {}
 
     def other() -> None:
-        out["probe"] = SignalDetector.probe()
+        out["probe"] = SignalDetector.probe().reason
         try:
             SignalDetector().start(rehydrate_engine)
         except RuntimeError as exc:
@@ -81,7 +81,7 @@ def test_only_from_the_main_thread(rehydrate_engine):
     t.join()
     assert "main thread" in str(out["probe"])
     assert "main thread" in str(out["error"])
-    assert SignalDetector.probe() is None  # pytest runs tests on the main thread
+    assert SignalDetector.probe().usable  # pytest runs tests on the main thread
 
 
 def test_parsing_and_configuration(monkeypatch):
@@ -104,4 +104,4 @@ def test_parsing_and_configuration(monkeypatch):
 
 def test_off_unless_asked_for():
     assert SignalDetector.auto is False
-    assert "signal" not in [d.name for d in select("auto")]
+    assert "signal" not in [d.key for d in select("auto")]

@@ -86,8 +86,8 @@ def outside_lambda(monkeypatch):
 
 
 def test_auto_start_leaves_the_bridge_off_outside_lambda(rehydrate_engine, outside_lambda):
-    assert SnapStartDetector.probe() is None  # importable here ...
-    assert "snapstart" not in [d.name for d in select("auto")]  # ... but not Lambda
+    assert SnapStartDetector.probe().usable  # importable here ...
+    assert "snapstart" not in [d.key for d in select("auto")]  # ... but not Lambda
     assert "snapstart" not in rehydrate_engine.start("auto")
     assert snapshot_restore_py.get_after_restore() == []
     [info] = [i for i in available() if i.name == "snapstart"]
@@ -105,14 +105,14 @@ def test_auto_follows_lambdas_documented_variables(outside_lambda, monkeypatch, 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert (SnapStartDetector.auto_here() is None) is auto
-    assert ("snapstart" in [d.name for d in select("auto")]) is auto
+    assert ("snapstart" in [d.key for d in select("auto")]) is auto
 
 
 def test_auto_start_registers_the_bridge(rehydrate_engine, outside_lambda, monkeypatch):
     monkeypatch.setenv("AWS_LAMBDA_FUNCTION_NAME", "handler")
     monkeypatch.setenv("AWS_LAMBDA_INITIALIZATION_TYPE", "snap-start")
-    assert SnapStartDetector.probe() is None
-    assert "snapstart" in [d.name for d in select("auto")]
+    assert SnapStartDetector.probe().usable
+    assert "snapstart" in [d.key for d in select("auto")]
     rec = Recorder(rehydrate_engine)
     assert "snapstart" in rehydrate_engine.start("auto")
     runtime.run_after_restore()

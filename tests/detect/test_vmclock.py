@@ -68,30 +68,30 @@ def test_reads_vm_generation_counter_at_its_abi_offset(tmp_path):
 def test_probe_explains_why_not(tmp_path, monkeypatch):
     monkeypatch.delenv("REHYDRATE_VMCLOCK_PATH", raising=False)
     if not os.path.exists("/dev/vmclock0"):
-        assert "no /dev/vmclock0" in (VmClockDetector.probe() or "")
+        assert "no /dev/vmclock0" in VmClockDetector.probe().reason
 
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "missing"))
-    assert "no " in (VmClockDetector.probe() or "")
+    assert "no " in VmClockDetector.probe().reason
 
     FakeVmClock(tmp_path / "bad", magic=0x12345678)
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "bad"))
-    assert "bad magic" in (VmClockDetector.probe() or "")
+    assert "bad magic" in VmClockDetector.probe().reason
 
     FakeVmClock(tmp_path / "v2", version=2)
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "v2"))
-    assert "version 2" in (VmClockDetector.probe() or "")
+    assert "version 2" in VmClockDetector.probe().reason
 
     FakeVmClock(tmp_path / "nogen", flags=0)
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "nogen"))
-    assert "VMCLOCK_FLAG_VM_GEN_COUNTER_PRESENT" in (VmClockDetector.probe() or "")
+    assert "VMCLOCK_FLAG_VM_GEN_COUNTER_PRESENT" in VmClockDetector.probe().reason
 
     (tmp_path / "short").write_bytes(b"VCLK")
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "short"))
-    assert "short read" in (VmClockDetector.probe() or "")
+    assert "short read" in VmClockDetector.probe().reason
 
     FakeVmClock(tmp_path / "good")
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "good"))
-    assert VmClockDetector.probe() is None
+    assert VmClockDetector.probe().usable
 
 
 def test_generation_change_is_a_restore(rehydrate_engine, tmp_path):

@@ -1,0 +1,192 @@
+"""Every detector is an extension: ``key``, ``probe() -> Probe`` and ``install(engine)``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import string
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rehydrate import Lifecycle, Registry, detect
+from rehydrate.detect import (
+    DETECTORS,
+    Detector,
+    available,
+    catalogue_keys,
+    key_of,
+    load,
+    probe_of,
+)
+from rehydrate.env import EnvRefresher
+from rehydrate.extensions import Extension, Probe
+
+
+def _unusable(key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Probe]:
+    """Make detector ``key`` unusable the way a real host would; the probe to call."""
+    cls = load(key)
+    if key == "gvisor":
+        monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path / "no-gvisor"))
+    elif key == "control":
+        (tmp_path / "file").write_text("")  # the socket's directory is a regular file
+        monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", str(tmp_path / "file" / "c.sock"))
+    elif key == "snapstart":
+        monkeypatch.setitem(sys.modules, "snapshot_restore_py", None)  # not importable
+    elif key == "vmclock":
+        monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "vmclock0"))
+    elif key == "file":
+        monkeypatch.delenv("REHYDRATE_MARKER_FILE", raising=False)
+    elif key == "signal":  # asked from another thread than the main one
+        def off_main() -> Probe:
+            out: list[Probe] = []
+            t = threading.Thread(target=lambda: out.append(cls.probe()))
+            t.start()
+            t.join()
+            return out[0]
+        return off_main
+    elif key == "clock-jump":
+        def no_clock(clk_id: int) -> float:
+            raise OSError(22, "Invalid argument")
+        monkeypatch.setattr(time, "clock_gettime", no_clock)
+    elif key == "identity":
+        monkeypatch.setattr(sys.modules[cls.__module__], "read_identity",
+                            lambda: dict.fromkeys(("hostname", "boot_id", "machine_id")))
+    else:  # a new detector: add how a host makes it unusable here
+        pytest.fail(f"no unusable setup for detector {key!r}")
+    return cls.probe
+
+
+@pytest.mark.parametrize("key", catalogue_keys())
+def test_each_detector_is_an_extension(key: str, tmp_path: Path) -> None:
+    cls = load(key)
+    assert cls.key == key
+    kwargs = {"file": {"path": tmp_path / "marker"}}.get(key, {})
+    detector = cls(**kwargs)
+    assert isinstance(detector, Extension)
+    assert detector.key == key
+    assert isinstance(detector.probe(), Probe)
+
+
+@pytest.mark.parametrize("key", catalogue_keys())
+def test_each_probe_says_why_not_in_one_readable_line(
+        key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        rehydrate_environ: None) -> None:
+    found = _unusable(key, tmp_path, monkeypatch)()
+    assert isinstance(found, Probe) and not found.usable
+    reason = found.reason
+    assert len(reason) > 15 and "\n" not in reason, reason
+    assert set(reason) <= set(string.printable) | {"—"}, reason
+    assert not reason.startswith(("<", "None", "Traceback")), reason
+    if key != "signal":  # doctor shows the same reason (signal: doctor runs on main)
+        [info] = [i for i in available() if i.name == key]
+        assert not info.usable and info.reason == reason
+
+
+class Recording(Detector):
+    """Recording: a detector that only records start and stop."""
+
+    key = "recording"
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def start(self, engine: Any) -> None:
+        self.events.append("start")
+
+    def stop(self) -> None:
+        self.events.append("stop")
+
+
+@pytest.fixture
+def bare_engine() -> Any:
+    engines: list[Lifecycle] = []
+
+    def make(extensions: list[Any]) -> Lifecycle:
+        engines.append(Lifecycle(Registry(), env=EnvRefresher(path=None),
+                                 extensions=extensions))
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        e.close()
+
+
+def test_an_installed_detector_runs_with_every_start(bare_engine: Any) -> None:
+    rec = Recording()
+    engine = bare_engine([rec])
+    assert engine.installed == ["recording"]
+    assert rec.events == []  # installing starts nothing
+    assert engine.start("none") == ["recording"]
+    assert engine.status().detectors == ("recording",)
+    engine.stop()
+    assert rec.events == ["start", "stop"] and engine.status().detectors == ()
+    assert engine.start("none") == ["recording"]  # still installed after a stop
+    assert rec.events == ["start", "stop", "start"]
+
+
+def test_an_installed_detector_takes_the_place_of_a_selected_one(bare_engine: Any) -> None:
+    class Identity(Recording):
+        key = "identity"
+
+    mine = Identity()
+    engine = bare_engine([mine])
+    assert engine.start(["identity", "clock-jump"]) == ["identity", "clock-jump"]
+    assert engine.detector("identity") is mine
+
+
+def test_installing_into_a_running_engine_starts_at_once(bare_engine: Any) -> None:
+    engine = bare_engine([])
+    engine.start("none")
+    rec = Recording()
+    rec.install(engine)
+    assert rec.events == ["start"] and engine.detector("recording") is rec
+    assert engine.status().detectors == ("recording",)
+
+
+def test_a_real_detector_by_dotted_name(bare_engine: Any, rehydrate_environ: None) -> None:
+    spec = next(s for s in DETECTORS if key_of(s) == "clock-jump")
+    engine = bare_engine([spec])
+    assert engine.installed == ["clock-jump"]
+    assert engine.start("none") == ["clock-jump"]
+    assert any(t.name == "rehydrate-clock-jump" for t in threading.enumerate())
+    engine.stop()
+    assert not any(t.name == "rehydrate-clock-jump" and t.is_alive()
+                   for t in threading.enumerate())
+
+
+def test_an_unusable_detector_is_not_installed_and_says_why(
+        bare_engine: Any, tmp_path: Path, rehydrate_environ: None,
+        caplog: pytest.LogCaptureFixture) -> None:
+    os.environ["REHYDRATE_GVISOR_PROC"] = str(tmp_path / "none")
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        engine = bare_engine(["rehydrate.detect.gvisor:GVisorDetector"])
+    assert engine.installed == []
+    assert f"extension gvisor not installed: {tmp_path / 'none'}" in caplog.text
+
+
+def test_the_former_detector_interface_still_works_with_warnings() -> None:
+    with pytest.warns(DeprecationWarning, match="name the detector with `key`"):
+        class Old(Detector):
+            name = "old"
+
+            @classmethod
+            def probe(cls) -> Any:  # the former shape: a reason or None
+                return "no old device here"
+
+    assert Old.key == "old"
+    with pytest.warns(DeprecationWarning, match="must return a rehydrate.extensions.Probe"):
+        assert probe_of(Old) == Probe(False, "no old device here")
+    with pytest.warns(DeprecationWarning, match="Detector.name is deprecated"):
+        assert Old().name == "old"
+    with pytest.warns(DeprecationWarning, match="CATALOGUE is deprecated"):
+        catalogue = detect.CATALOGUE
+    assert list(catalogue) == catalogue_keys()
+    assert catalogue["clock-jump"] == "rehydrate.detect.clock_jump:ClockJumpDetector"
+    with pytest.raises(TypeError):  # read-only: adding a detector there would do nothing
+        catalogue["mine"] = "pkg.mine:MineDetector"  # type: ignore[index]
