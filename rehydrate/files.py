@@ -37,9 +37,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
-import mmap as _mmap
 import os
-import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -48,10 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import _config
 from ._hooks import Phase
-from .detect._util import running_under_gvisor
 from .extensions import Probe, resolve_engine
 
+# mmap, secrets and the gVisor check are imported where a mapping, a volume or the audit
+# needs them: this module is a default extension, loaded with every engine.
 if TYPE_CHECKING:
+    import mmap as _mmap
     import sqlite3
 
     from ._context import RestoreContext
@@ -419,6 +419,8 @@ class ManagedMap(_Handle):
     _map: _mmap.mmap
 
     def _map_now(self) -> _mmap.mmap:
+        import mmap as _mmap
+
         mode = "rb" if self.access in (_mmap.ACCESS_READ, _mmap.ACCESS_COPY) else "r+b"
         with builtins.open(self.path, mode) as f:
             size = os.fstat(f.fileno()).st_size
@@ -428,6 +430,8 @@ class ManagedMap(_Handle):
             return _mmap.mmap(f.fileno(), self.length, access=self.access, offset=self.offset)
 
     def _close_now(self) -> None:
+        import mmap as _mmap
+
         m = self._map
         if not m.closed:
             if self.access in (_mmap.ACCESS_WRITE, _mmap.ACCESS_DEFAULT):
@@ -482,6 +486,8 @@ class Volume:
             return ident
         if not os.path.isdir(self.mount_point):
             raise FileGone(f"volume {self.mount_point} is not a directory")
+        import secrets
+
         token = secrets.token_hex(16)
         tmp = f"{self.identity_file}.{os.getpid()}.tmp"
         try:
@@ -647,9 +653,7 @@ class FilesManager:
         self._lock = threading.Lock()
         self._handles: dict[int, weakref.ref[_Handle]] = {}
         self._volumes: list[Volume] = []
-        self.fail_on_deleted: bool = running_under_gvisor()
-        """Fail the before-snapshot pass on a deleted file open on a volume (default: under
-        gVisor, where the checkpoint itself would fail; elsewhere a warning)."""
+        self._fail_on_deleted: bool | None = None
         self.last_audit: list[OpenFile] = []
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
@@ -658,6 +662,21 @@ class FilesManager:
         engine.builtins.register(self._audit_hook, event="snapshot", phase=Phase.ENVIRONMENT,
                                  order=-2_000_000, name="rehydrate.files.audit", timeout=10.0)
         engine.add_status("files", self.status)
+
+    @property
+    def fail_on_deleted(self) -> bool:
+        """Fail the before-snapshot pass on a deleted file open on a volume (default: under
+        gVisor, where the checkpoint itself would fail; elsewhere a warning). Decided at
+        the first audit, not when the engine is made."""
+        if self._fail_on_deleted is None:
+            from .detect._util import running_under_gvisor
+
+            self._fail_on_deleted = running_under_gvisor()
+        return self._fail_on_deleted
+
+    @fail_on_deleted.setter
+    def fail_on_deleted(self, value: bool) -> None:
+        self._fail_on_deleted = value
 
     def _hook_in(self) -> None:
         """Register the close/reopen hooks with the first handle or volume."""
@@ -862,16 +881,20 @@ def mmap(
     path: str | os.PathLike[str],
     length: int = 0,
     *,
-    access: int = _mmap.ACCESS_WRITE,
+    access: int | None = None,
     offset: int = 0,
     engine: Engine | None = None,
     on_change: OnChange | None = None,
     required: bool = True,
 ) -> ManagedMap:
-    """A managed shared mapping of ``path`` (``length=0``: the whole file); unmapped before
-    a snapshot, remapped after, with the same change check as :func:`open`."""
-    return ManagedMap(path, length=length, access=access, offset=offset, engine=engine,
-                      on_change=on_change, required=required)
+    """A managed shared mapping of ``path`` (``length=0``: the whole file; ``access``:
+    ``mmap.ACCESS_WRITE`` unless given); unmapped before a snapshot, remapped after, with
+    the same change check as :func:`open`."""
+    import mmap as _mmap
+
+    return ManagedMap(path, length=length,
+                      access=_mmap.ACCESS_WRITE if access is None else access,
+                      offset=offset, engine=engine, on_change=on_change, required=required)
 
 
 def volume(

@@ -31,27 +31,26 @@ sandbox).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import platform
 import re
-import secrets
 import sys
 import threading
 import types
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _config
 from ._hooks import Phase
 from .extensions import Probe, resolve_engine
 
+# hashlib, json, pathlib, platform and secrets are imported where a manifest is made or
+# read: this module is a default extension, loaded with every engine.
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ._context import RestoreContext
     from ._nodefit import NodeFacts
     from .extensions import Engine
@@ -151,7 +150,9 @@ def _cpu(root: Path) -> dict[str, Any]:
 
 
 def _kernel_release(root: Path) -> str:
-    if root == Path("/"):
+    import platform
+
+    if os.fspath(root) == "/":
         return platform.release()
     fake = _read(root / "proc/sys/kernel/osrelease")
     return fake.strip() if fake is not None else platform.release()
@@ -217,6 +218,8 @@ def distributions(paths: Iterable[str] | None = None) -> list[str]:
             if fname.endswith(".dist-info") and stem.count("-") == 1:
                 name, version = stem.split("-")
             else:
+                from pathlib import Path
+
                 name, version = _metadata_fields(Path(entry or ".", fname))
             if not name or not version:
                 log.debug("distribution %s in %s skipped: no name or version", fname, entry)
@@ -226,6 +229,8 @@ def distributions(paths: Iterable[str] | None = None) -> list[str]:
 
 
 def _hash_env(salt: str, key: str, value: str | None) -> str | None:
+    import hashlib
+
     if value is None:
         return None
     h = hashlib.sha256(f"{salt}\0{key}\0{value}".encode("utf-8", "surrogateescape"))
@@ -251,6 +256,11 @@ def fingerprint(
     holds :func:`rehydrate.fingerprint.facts` (what ``rehydrate doctor`` judges). No
     per-process field is included.
     """
+    import hashlib
+    import platform
+    import secrets
+    from pathlib import Path
+
     from ._nodefit import facts
 
     r = Path(root)
@@ -355,6 +365,9 @@ def _validate(manifest: Any) -> dict[str, Any]:
 
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a manifest file; :class:`ManifestError` when it cannot be used."""
+    import json
+    from pathlib import Path
+
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -368,6 +381,9 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """Write ``manifest`` atomically (temporary file, then rename)."""
+    import json
+    from pathlib import Path
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
@@ -482,6 +498,8 @@ class FingerprintManager:
                   expect_restore: bool | None = None,
                   root: str | os.PathLike[str] | None = None) -> FingerprintManager:
         if path is not None:
+            from pathlib import Path
+
             self.path = Path(path)
         if env_keys is not None:
             self.env_keys = tuple(env_keys)

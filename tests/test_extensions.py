@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +142,29 @@ def test_resolve_engine():
         assert resolve_engine(None) is rehydrate.default_engine
     finally:
         engine.close()
+
+
+def test_a_dotted_name_of_a_class_is_instantiated(monkeypatch):
+    mod = types.ModuleType("rehydrate_test_cls")
+    mod.Rec = Recorder  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "rehydrate_test_cls", mod)
+    ext = load_extension("rehydrate_test_cls:Rec")
+    assert isinstance(ext, Recorder) and ext.key == "recorder"
+
+
+# What the default extensions need only when their feature is used (a manifest, a
+# volume, a mapping): creating the engine must not import them.
+LAZY_FOR_ENGINE_CREATION = ("json", "hashlib", "ipaddress", "urllib", "pathlib", "mmap")
+
+
+def test_engine_creation_leaves_feature_modules_unimported():
+    code = ("import sys, rehydrate\n"
+            "rehydrate.after_restore(lambda: None)\n"
+            "assert rehydrate.status().to_dict()['files'] is not None\n"
+            f"print(' '.join(m for m in {LAZY_FOR_ENGINE_CREATION!r} if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REHYDRATE_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [], f"engine creation imported {out.stdout.strip()}"
