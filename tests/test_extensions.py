@@ -152,19 +152,22 @@ def test_a_dotted_name_of_a_class_is_instantiated(monkeypatch):
     assert isinstance(ext, Recorder) and ext.key == "recorder"
 
 
-# What the default extensions need only when their feature is used (a manifest, a
-# volume, a mapping): creating the engine must not import them.
-LAZY_FOR_ENGINE_CREATION = ("json", "hashlib", "ipaddress", "urllib", "pathlib", "mmap")
+# What the default extensions and the detectors need only when a feature is used (a
+# manifest, a volume, a mapping, a control request): creating the engine and starting
+# the default detectors must not import them.
+LAZY_FOR_FIRST_USE = ("json", "hashlib", "ipaddress", "urllib", "pathlib", "mmap")
 
 
-def test_engine_creation_leaves_feature_modules_unimported():
+def test_engine_creation_and_first_start_leave_feature_modules_unimported():
     code = ("import sys, rehydrate\n"
             "rehydrate.after_restore(lambda: None)\n"
             "assert rehydrate.status().to_dict()['files'] is not None\n"
-            f"print(' '.join(m for m in {LAZY_FOR_ENGINE_CREATION!r} if m in sys.modules))")
+            "assert rehydrate.start()\n"
+            "rehydrate.stop()\n"
+            f"print(' '.join(m for m in {LAZY_FOR_FIRST_USE!r} if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("REHYDRATE_")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [], f"engine creation imported {out.stdout.strip()}"
+    assert out.stdout.split() == [], f"first use imported {out.stdout.strip()}"

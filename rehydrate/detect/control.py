@@ -52,11 +52,9 @@ otherwise on request (``start(detectors=[..., "control"])``) at the default path
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import secrets
 import select
 import socket
 import stat
@@ -244,6 +242,8 @@ class ControlServer:
         directory = os.path.dirname(os.path.abspath(self.path))
         _private_dir(directory, check_owner=directory == default_socket_dir())
         self._refuse_live_socket()
+        import secrets  # here, not at import: start("auto") imports every detector to probe
+
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         tmp = os.path.join(directory, f".rh{secrets.token_hex(4)}")
         try:
@@ -453,6 +453,8 @@ class ControlServer:
 
     def _answer(self, conn: socket.socket, line: bytes) -> bool:
         """Handle one request line; False when the client is gone."""
+        import json  # here, not at import: start("auto") imports every detector to probe
+
         if not line.strip():
             return True  # blank lines are keep-alives
         req_id: Any = None
@@ -493,6 +495,8 @@ class ControlServer:
 
     @staticmethod
     def _send(conn: socket.socket, reply: Mapping[str, Any]) -> bool:
+        import json
+
         data = json.dumps(reply, default=str, separators=(",", ":")).encode() + b"\n"
         try:
             conn.sendall(data, socket.MSG_NOSIGNAL)

@@ -20,7 +20,6 @@ be the same restore. ``REHYDRATE_MARKER_KIND``: ``restore`` (default) or ``resum
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -55,6 +54,8 @@ def marker_state(path: str) -> State:
     Opened without blocking and only when regular: a FIFO put at the path must not hold
     the detector thread for ever.
     """
+    import hashlib  # here, not at import: start("auto") imports every detector to probe
+
     try:
         fd = open_regular(path)
         with open(fd, "rb") as f:

@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import ClassVar
 
 from .. import _config
@@ -48,15 +47,15 @@ _MAX = 4096
 
 def read_identity(root: str | os.PathLike[str] = "/") -> dict[str, str | None]:
     """The current identity values (``None`` for a source that cannot be read)."""
-    base = Path(root)
+    base = os.fspath(root)
     values: dict[str, str | None] = {}
     for field, rel in SOURCES.items():
         try:
-            with open(base / rel, "rb") as f:
+            with open(os.path.join(base, rel), "rb") as f:
                 values[field] = f.read(_MAX).decode("utf-8", "replace").strip() or None
         except OSError:
             values[field] = None
-    if values["hostname"] is None and base == Path("/"):
+    if values["hostname"] is None and os.path.normpath(base) == "/":
         values["hostname"] = os.uname().nodename or None
     return values
 
