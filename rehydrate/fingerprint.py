@@ -438,6 +438,8 @@ def check(
     manifest records a machine series. :class:`ManifestError` when ``manifest`` is not a
     complete manifest.
     """
+    from pathlib import Path
+
     m = _validate(manifest)
     env = m["env"]
     if metadata is None:
