@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,63 @@ DOCUMENTED_MODULES = [
     "rehydrate.telemetry", "rehydrate.fingerprint", "rehydrate.files", "rehydrate.detect",
     "rehydrate.testing",
 ]
+
+# The documented modules' __all__, pinned like the package's.
+SUBMODULE_API = {
+    "rehydrate.env": [
+        "EnvError", "EnvRefresher", "KEEP", "MAX_ENVIRON_BYTES", "NEVER_FROM_FILE", "Policy",
+        "check_overlay", "diff", "parse_environ", "read_environ"
+    ],
+    "rehydrate.entropy": [
+        "EntropyManager", "instance_id", "manager", "register", "reseed", "unregister"
+    ],
+    "rehydrate.keys": [
+        "ALGORITHMS", "Algorithm", "EphemeralKey", "KeyDroppedError", "KeyManager", "ephemeral",
+        "generate_private_key", "generate_private_key_pem", "get", "manager"
+    ],
+    "rehydrate.tls": [
+        "CertificateError", "FileCertificate", "HTTPIssuer", "IssuedCertificate", "Issuer",
+        "ManagedCertificate", "Material", "SelfSignedCertificate", "TLSManager", "from_files",
+        "issued", "manager", "self_signed", "validate"
+    ],
+    "rehydrate.secrets": [
+        "Secret", "SecretError", "SecretUnavailable", "SecretsManager", "manager"
+    ],
+    "rehydrate.connections": [
+        "Connection", "ConnectionManager", "ConnectionsNotReady", "DEFAULT_DEADLINE",
+        "ManagedSocket", "TcpConnection", "connections", "established_tcp", "get", "grpc_channel",
+        "httpx_async_client", "httpx_client", "manager", "redis_client", "register",
+        "sqlalchemy_engine", "tcp_socket", "unregister"
+    ],
+    "rehydrate.routes": [
+        "ApplyResult", "Capture", "NetworkError", "NetworkUnavailable", "Route", "RoutesManager",
+        "apply", "capture", "iptables", "manager", "missing_prerequisites", "nftables",
+        "read_routes", "read_table", "route"
+    ],
+    "rehydrate.telemetry": [
+        "EVENT_SPAN_NAMES", "Telemetry", "instrument", "manager", "record_fingerprint_mismatch",
+        "record_snapshot_miss", "refresh_on_restore", "resource_attributes", "resource_detector",
+        "restorable_metric_exporter", "restorable_span_exporter"
+    ],
+    "rehydrate.fingerprint": [
+        "FingerprintManager", "FingerprintMismatch", "ManifestError", "Mismatch", "NODE_FIELDS",
+        "SCHEMA", "check", "compare", "configure", "engine_started", "fingerprint",
+        "load_manifest", "manager", "most_likely_reason", "write_manifest"
+    ],
+    "rehydrate.files": [
+        "FileGone", "FilesManager", "HELD_FSTYPES", "IDENTITY_FILE", "ManagedConnection",
+        "ManagedFile", "ManagedMap", "MountInfo", "OpenFile", "ReopenFailed", "SnapshotRefused",
+        "Volume", "audit", "doctor_report", "install", "manager", "mmap", "mounts", "open",
+        "open_files", "sqlite", "volume"
+    ],
+    "rehydrate.detect": [
+        "DETECTORS", "Detector", "DetectorInfo", "available", "catalogue_keys", "key_of", "load",
+        "probe_of", "select"
+    ],
+    "rehydrate.testing": [
+        "isolated_engine", "rehydrate_engine", "rehydrate_environ", "restored_environ"
+    ],
+}
 
 # Every module whose dotted path has no underscore-led part is public. A new module is
 # either added here (and documented) or named with a leading underscore.
@@ -79,3 +138,42 @@ def test_every_module_without_a_leading_underscore_is_a_pinned_public_module():
     found = sorted(m.name for m in pkgutil.walk_packages(rehydrate.__path__, "rehydrate.")
                    if not any(part.startswith("_") for part in m.name.split(".")[1:]))
     assert found == PUBLIC_MODULES
+
+
+@pytest.mark.parametrize("module_name", sorted(SUBMODULE_API))
+def test_documented_submodule_all_is_pinned(module_name):
+    assert set(DOCUMENTED_MODULES) == {"rehydrate.extensions", *SUBMODULE_API}
+    module = importlib.import_module(module_name)
+    assert sorted(module.__all__) == SUBMODULE_API[module_name], (
+        f"{module_name}.__all__ changed: an API change (update SUBMODULE_API, CHANGELOG.md "
+        "and the docs together)")
+
+
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference"
+_MEMBERS = re.compile(r"^[ \t]+members: \[(.*)\]", re.M)
+
+
+def _reference_blocks() -> dict[str, list[str] | None]:
+    """``::: module`` blocks of docs/reference/*.md: module -> its ``members:`` or None."""
+    blocks: dict[str, list[str] | None] = {}
+    for page in sorted(REFERENCE.glob("*.md")):
+        text = page.read_text()
+        starts = [m.start() for m in re.finditer(r"^::: ", text, re.M)] + [len(text)]
+        for begin, end in zip(starts, starts[1:]):
+            head, _, options = text[begin:end].partition("\n")
+            members = _MEMBERS.search(options.split("\n\n")[0])
+            blocks[head.split()[1]] = ([n.strip() for n in members.group(1).split(",")]
+                                       if members else None)
+    return blocks
+
+
+def test_the_reference_renders_the_public_surface_and_nothing_private():
+    """Every public module is in docs/reference/; a private module appears only for names
+    users import from ``rehydrate`` or ``rehydrate.extensions`` (listed as members)."""
+    blocks = _reference_blocks()
+    assert set(PUBLIC_MODULES) <= set(blocks)
+    exported = set(PACKAGE_API) | set(EXTENSIONS_API)
+    for module, members in blocks.items():
+        if any(part.startswith("_") for part in module.split(".")[1:]):
+            assert members is not None, f"{module}: list the exported names as members"
+            assert set(members) <= exported, (module, sorted(set(members) - exported))
