@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import _config
+from ._gvisor import running_under_gvisor
 
 __all__ = [
     "LABEL_PREFIX",
@@ -58,19 +59,11 @@ NVIDIA_SMI_TIMEOUT = 3.0
 LABEL_PREFIX = "rehydrate.io/"
 """Prefix of the node labels :func:`node_labels` proposes and :func:`node_affinity` uses."""
 
-_GVISOR_BUILD = "Sun Jan 10 15:06:54 PST 2016"  # gVisor's fixed /proc/version build line
-
-
 def in_gvisor(root: str = "/") -> bool:
-    """True inside a gVisor sandbox (its ``/proc/version``, or a ``/proc/gvisor`` directory)."""
+    """True inside a gVisor sandbox (:func:`rehydrate._gvisor.running_under_gvisor` under
+    ``root``); on the real root a ``REHYDRATE_GVISOR_PROC`` stand-in counts as gVisor."""
     proc = _config.text("REHYDRATE_GVISOR_PROC") if root == "/" else None
-    marker = proc or os.path.join(root, "proc/gvisor")
-    try:
-        with open(os.path.join(root, "proc/version"), encoding="ascii", errors="replace") as f:
-            version = f.read(512)
-    except OSError:
-        version = ""
-    return _GVISOR_BUILD in version or os.path.isdir(marker)
+    return running_under_gvisor(root, marker=proc)
 
 
 def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:

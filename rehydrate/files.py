@@ -669,7 +669,7 @@ class FilesManager:
         gVisor, where the checkpoint itself would fail; elsewhere a warning). Decided at
         the first audit, not when the engine is made."""
         if self._fail_on_deleted is None:
-            from .detect._util import running_under_gvisor
+            from ._gvisor import running_under_gvisor
 
             self._fail_on_deleted = running_under_gvisor()
         return self._fail_on_deleted

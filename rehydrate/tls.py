@@ -1088,10 +1088,8 @@ def _use_polling() -> bool:
         return True
     if forced in ("inotify", "native"):
         return False
-    try:
-        from .detect._util import running_under_gvisor
-    except ImportError:  # pragma: no cover
-        return os.path.isdir("/proc/gvisor")
+    from ._gvisor import running_under_gvisor
+
     return running_under_gvisor()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
@@ -160,29 +159,3 @@ class DeferringDetector(Detector):
 
     def _loop(self, stop: threading.Event) -> None:
         raise NotImplementedError
-
-
-_GVISOR_VERSION = "#1 SMP Sun Jan 10 15:06:54 PST 2016"
-
-
-def running_under_gvisor() -> bool:
-    """Best-effort: is this process inside a gVisor sandbox?
-
-    Checks, cheapest first: ``/proc/gvisor`` exists (runsc with application-driven
-    checkpointing); ``/proc/version`` is gVisor's fixed fake (``Linux version 4.4.0 #1 SMP
-    Sun Jan 10 15:06:54 PST 2016``); ``/proc/self/cgroup`` lists gVisor's own ``job``
-    controller. Verified with runsc 20240729, whose sandbox has no ``/proc/gvisor``.
-    """
-    if os.path.isdir("/proc/gvisor"):
-        return True
-    try:
-        with open("/proc/version", encoding="utf-8", errors="replace") as f:
-            if _GVISOR_VERSION in f.read(512):
-                return True
-    except OSError:
-        pass
-    try:
-        with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
-            return any(line.split(":")[1:2] == ["job"] for line in f.read(8192).splitlines())
-    except OSError:
-        return False

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from .. import _config
 from .._contract import Probe
 from .._files import READ_ONLY_EVENTS, open_regular
+from .._gvisor import running_under_gvisor
 from . import Detector
-from ._util import env_kind, positive, running_under_gvisor
+from ._util import env_kind, positive
 
 if TYPE_CHECKING:
     from ..extensions import Engine

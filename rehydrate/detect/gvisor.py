@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from .. import _config
 from .._contract import Probe
+from .._gvisor import running_under_gvisor
 from . import Detector
-from ._util import running_under_gvisor
 
 if TYPE_CHECKING:
     from .._context import RestoreReport

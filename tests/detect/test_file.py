@@ -11,7 +11,7 @@ import threading
 import pytest
 from detect_helpers import REPO, Child, Recorder, wait_for
 
-from rehydrate.detect._util import running_under_gvisor
+from rehydrate._gvisor import running_under_gvisor
 from rehydrate.detect.file import FileDetector
 
 
@@ -103,12 +103,13 @@ def test_gvisor_is_recognised_inside_runsc():
             pytest.fail(f"REHYDRATE_REQUIRE_GVISOR=1 but {reason}")
         pytest.skip(reason)
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-            "from rehydrate.detect._util import running_under_gvisor as g; "
-            "print(g())")
+            "from rehydrate._gvisor import running_under_gvisor as g; "
+            "from rehydrate._nodefit import in_gvisor; "
+            "print(g(), in_gvisor())")
     out = subprocess.run([runsc, "--network=none", "do", sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "True"
+    assert out.stdout.strip() == "True True"  # the detectors' check and the doctor's
 
 
 IDLE_WATCHER = r"""
