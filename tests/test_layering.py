@@ -154,3 +154,50 @@ def test_detectors_are_named_after_their_catalogue_keys():
         camel = "".join(part.capitalize() for part in key.split("-"))
         assert cls.lower() == (camel + "Detector").lower(), key
         assert detect.load(key).key == key
+
+
+# The layers of docs/architecture.md, lowest first; a module imports from its own layer or
+# below (function-level imports included). A module not named here takes its family's
+# layer: ``rehydrate.detect.*`` detectors, ``rehydrate.adapters.*`` adapters, any other
+# public module (and its private submodules, ``routes._model``) managers, any other
+# private top-level module (``_config``, ``_files`` …) the bottom.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "bottom": ("rehydrate.env", "rehydrate.detect"),  # + private helpers (default)
+    "engine": ("rehydrate._lifecycle", "rehydrate._runner"),
+    "contract": ("rehydrate.extensions",),
+    "detectors": ("rehydrate._trigger",),  # + rehydrate.detect.* (default)
+    "managers": (),  # entropy, keys, tls, secrets, routes, connections, telemetry, … (default)
+    "facade": ("rehydrate", "rehydrate._api"),
+    "adapters": (),  # rehydrate.adapters.* (default)
+    "entry": ("rehydrate.__main__", "rehydrate._cli", "rehydrate._control_client",
+              "rehydrate.testing"),
+}
+
+
+def _layer(module: str) -> int:
+    names = list(LAYERS)
+    for i, members in enumerate(LAYERS.values()):
+        if module in members:
+            return i
+    parts = module.split(".")
+    if parts[1:2] == ["detect"]:
+        return names.index("detectors")
+    if parts[1:2] == ["adapters"]:
+        return names.index("adapters")
+    return names.index("bottom" if parts[1].startswith("_") else "managers")
+
+
+def test_imports_point_to_the_same_layer_or_below():
+    names = list(LAYERS)
+    upward = sorted(f"{m} ({names[_layer(m)]}) imports {t} ({names[_layer(t)]})"
+                    for m, targets in _graph().items() for t in targets
+                    if _layer(t) > _layer(m))
+    assert upward == [], "imports against the layers of docs/architecture.md:\n" + "\n".join(
+        upward)
+
+
+def test_the_layer_rules_see_an_upward_import():
+    assert _layer("rehydrate.keys") > _layer("rehydrate.detect.gvisor") > _layer(
+        "rehydrate.extensions") > _layer("rehydrate._lifecycle") > _layer("rehydrate._config")
+    assert _layer("rehydrate.routes._model") == _layer("rehydrate.routes")
+    assert _layer("rehydrate.adapters._server") > _layer("rehydrate")
