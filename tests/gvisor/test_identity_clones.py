@@ -3,8 +3,12 @@
 Every clone of a snapshot starts with the same memory: PRNG states, keys, certificates,
 instance ID. With rehydrate's ENTROPY and SECRETS phases the five clones' ``random``
 streams, NumPy streams (global legacy state and a registered ``Generator``), tempfile
-names, ``instance_id()``, ephemeral public keys (Ed25519, EC P-256) and self-signed
-certificate serials are pairwise different.
+names, ``instance_id()``, ephemeral public keys (Ed25519, EC P-256), self-signed
+certificate serials and TLS client randoms are pairwise different. The TLS handshake uses
+the ``SSLContext`` that ``connections.httpx_client`` builds once before the snapshot and
+reuses in every clone (it holds no secrets; OpenSSL's generator is reseeded by the
+ENTROPY phase): each clone's handshake is a fresh one (no session resumed) with its own
+client random.
 
 The control case proves the test can fail: the same workload with
 ``REHYDRATE_DISABLE=entropy,secrets`` is checkpointed side by side and restored into two
@@ -42,6 +46,37 @@ cert = rehydrate.tls.self_signed("web")
 fd, path = tempfile.mkstemp()  # tempfile's name sequence now exists (and is cloned)
 os.close(fd)
 
+import socket, ssl, threading
+from rehydrate import connections
+listener = socket.create_server(("127.0.0.1", 0))
+port = listener.getsockname()[1]
+server_ctx = cert.server_context()
+
+def serve():
+    while True:
+        conn, _ = listener.accept()
+        try:
+            with server_ctx.wrap_socket(conn, server_side=True) as s:
+                s.recv(1)
+        except OSError:
+            pass
+
+threading.Thread(target=serve, daemon=True).start()
+peer = connections.httpx_client("tls-peer", base_url=f"https://127.0.0.1:{port}", verify=False)
+tls_ctx = peer._transport._kwargs["verify"]  # built once, reused by every rebuilt pool
+assert isinstance(tls_ctx, ssl.SSLContext)
+
+def handshake():
+    log = f"/results/keylog-{time.monotonic_ns()}"
+    tls_ctx.keylog_filename = log
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        with tls_ctx.wrap_socket(raw, server_hostname="localhost") as s:
+            reused = s.session_reused
+    tls_ctx.keylog_filename = None
+    with open(log) as f:
+        secrets = [line.split() for line in f if not line.startswith("#")]
+    return secrets[0][1], reused  # NSS key log: LABEL CLIENT_RANDOM SECRET
+
 def identity():
     return {"instance_id": rehydrate.instance_id(),
             "ed25519": ed.public_bytes_raw().hex(), "ec_p256": ec.public_bytes_raw().hex(),
@@ -51,7 +86,9 @@ def identity():
 def sample(ctx):
     fd, path = tempfile.mkstemp()
     os.close(fd)
+    client_random, reused = handshake()
     out.write(json.dumps({
+        "tls_client_random": client_random, "tls_session_reused": reused,
         "event": "restored", "reason": ctx.reason, "kind": ctx.kind,
         "generation": ctx.generation,
         "random": [str(random.getrandbits(64)) for _ in range(4)],
@@ -68,7 +105,7 @@ while True:
 """
 
 FIELDS = ("random", "numpy", "numpy_generator", "tempfile", "instance_id", "ed25519",
-          "ec_p256", "cert_serial")
+          "ec_p256", "cert_serial", "tls_client_random")
 IDENTITY = ("instance_id", "ed25519", "ec_p256", "cert_serial")
 
 
@@ -114,6 +151,7 @@ def test_clones_are_distinct_and_collide_without_entropy_and_secrets(
 
     # -- with rehydrate: pairwise different, and different from the original.
     recs = _restored(clones)
+    assert not any(r["tls_session_reused"] for r in recs), recs
     for field in FIELDS:
         values = [_value(r, field) for r in recs]
         assert len(set(values)) == CLONES, f"{field} collides between clones: {values}"
