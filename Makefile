@@ -66,13 +66,15 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
 # Restore vs cold start of the example server under runsc (root; ~3 min): table + SVG.
+# BASELINE=DIR (a checkout of an older commit) measures its rehydrate side by side.
 bench-restore: $(STAMP) runsc
-	$(BIN)/python benchmarks/restore_vs_cold.py
+	$(BIN)/python benchmarks/restore_vs_cold.py $(if $(BASELINE),--baseline-tree $(BASELINE))
 
 # The restore path under runsc (root; ~1 min): resume -> ready per detector configuration,
 # leave-running, and the notifier's start, each beside the bare process.
+# BASELINE=DIR adds the clock-jump configuration on that checkout.
 bench-restore-path: $(STAMP) runsc
-	$(BIN)/python benchmarks/run.py restore_path
+	$(if $(BASELINE),BENCH_BASELINE_TREE=$(BASELINE)) $(BIN)/python benchmarks/run.py restore_path
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .site

@@ -24,11 +24,16 @@ process has just been restored, and it then waits for readiness and writes one r
 Clones and execs go round robin over the configurations, so that load drifting during
 the run (a shared 2-core host) hits each of them alike.
 
+With ``BENCH_BASELINE_TREE=DIR`` (a checkout of an older commit, e.g. ``git worktree add
+DIR COMMIT``) the clock-jump configuration also runs on that checkout's rehydrate, in the
+same round robin: old and new side by side.
+
 Run alone: ``python benchmarks/bench_restore_path.py`` (as root).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -94,10 +99,13 @@ def _records(c: Container) -> list[dict[str, Any]]:
     return [r for r in c.records("ev.jsonl") if r.get("event") == "ready"]
 
 
-def _start(h: GVisorHarness, name: str, mode: str, socket: bool) -> Container:
+def _start(h: GVisorHarness, name: str, mode: str, socket: bool,
+           tree: str | None = None) -> Container:
     env = {"MODE": mode}
     if socket:
         env["REHYDRATE_CONTROL_SOCKET"] = SOCKET
+    if tree:  # rehydrate imported from an older checkout
+        env["PYTHONPATH"] = tree
     c = h.run([sys.executable, "-c", _WORKLOAD], env=env, name=name)
     c.wait_for("ev.jsonl", lambda r: r["event"] == "started", timeout=60)
     return c
@@ -148,6 +156,9 @@ def run() -> list[tuple[str, str, str]]:
         origs = {"bare": _start(h, "bare", "bare", False),
                  "clock": _start(h, "clock", "rehydrate", False),
                  "sock": _start(h, "sock", "rehydrate", True)}
+        baseline = os.environ.get("BENCH_BASELINE_TREE")
+        if baseline:
+            origs["old"] = _start(h, "old", "rehydrate", False, str(Path(baseline).resolve()))
         t = time.monotonic()
         images = {key: h.checkpoint(c) for key, c in origs.items()}
         while time.monotonic() - t < FROZEN:
@@ -156,6 +167,8 @@ def run() -> list[tuple[str, str, str]]:
                    ("clock-jump only", "clock", False),
                    ("control socket set, no notify", "sock", False),
                    ("notify restore right after restore", "sock", True)]
+        if baseline:
+            configs.append((f"clock-jump only, baseline tree {baseline}", "old", False))
         outside: dict[str, list[float]] = {name: [] for name, _, _ in configs}
         inside: dict[str, list[float]] = {name: [] for name, _, _ in configs}
         for k in range(CLONES):  # round robin: load drift hits every configuration alike

@@ -16,6 +16,11 @@ the sandbox's current API key and the cold server's embedding.
   the same image; then the same hooks once more in that clone (``rehydrate notify
   resume``), for what they cost when the restored memory is no longer touched first.
 
+With ``--baseline-tree DIR`` (a checkout of an older commit) the same server also runs on
+that checkout's rehydrate (``PYTHONPATH`` inside the sandboxes; this tree's example app):
+one cold start and checkpoint, then its clones restored alternately with this tree's,
+and its share and hooks shown beside this tree's.
+
 Rehydrate's own share is read from each clone's restore report: the run's duration minus
 the application's hooks (the canary embedding and the key-rotation callback). The table
 shows medians (min-max); the figure (SVG, written by hand: no plotting dependency) has
@@ -63,7 +68,7 @@ def _spread(values: list[float], unit: float = 1.0, fmt: str = "{:.2f}") -> str:
             f"n={len(values)})")
 
 
-def measure(runs: int, workdir: Path) -> dict[str, Any]:
+def measure(runs: int, workdir: Path, baseline: Path | None = None) -> dict[str, Any]:
     harness = sandboxed.GVisorHarness(workdir / "gvisor", debug_log=False)
     sandbox = sandboxed.ExampleSandbox(harness, workdir)
     try:
@@ -80,23 +85,40 @@ def measure(runs: int, workdir: Path) -> dict[str, Any]:
         assert server is not None
         print("checkpoint ...", file=sys.stderr, flush=True)
         image, checkpoint_s = sandbox.checkpoint(server)
-        clones = []
-        for i in range(runs):
+        old = None
+        if baseline is not None:  # the same server on the older rehydrate, one cold start
+            print(f"baseline ({baseline}): cold start + checkpoint ...", file=sys.stderr,
+                  flush=True)
+            old_box = sandboxed.ExampleSandbox(harness, workdir / "baseline",
+                                               rehydrate_tree=baseline)
+            old_server = old_box.start(sandboxed.new_key(), name="basecold")
+            old_box.wait_first_response(old_server)
+            old = (old_box, old_server, old_box.checkpoint(old_server)[0])
+        clones, old_clones = [], []
+        for i in range(runs):  # alternating: load drifting during the run hits both alike
             print(f"restore {i + 1}/{runs} ...", file=sys.stderr, flush=True)
-            clone = sandbox.wait_restored(sandbox.restore(image, server, sandboxed.new_key(),
-                                                          name=f"clone{i}"))
-            if not clone.report["ok"]:
-                raise RuntimeError(f"clone {i} restore failed:\n"
-                                   f"{sandboxed.hook_table(clone.report)}")
-            clone.rerun = sandbox.rerun_hooks(clone)
-            clones.append(clone)
-            harness.kill(clone.container)
-            harness.delete(clone.container)
+            clones.append(_clone(harness, sandbox, image, server, f"clone{i}"))
+            if old is not None:
+                old_clones.append(_clone(harness, old[0], old[2], old[1], f"baseclone{i}"))
         return {"cold": colds, "checkpoint": checkpoint_s,
                 "image_bytes": sandboxed.image_bytes(image), "clones": clones,
-                "runsc": harness.runsc}
+                "baseline": old_clones, "runsc": harness.runsc}
     finally:
         harness.close()
+
+
+def _clone(harness: Any, sandbox: Any, image: Path, server: Any, name: str) -> Any:
+    """One restored clone, its report, the same hooks re-run in it; then it is removed."""
+    clone = sandbox.wait_restored(sandbox.restore(image, server, sandboxed.new_key(),
+                                                  name=name))
+    try:
+        if not clone.report["ok"]:
+            raise RuntimeError(f"{name} restore failed:\n{sandboxed.hook_table(clone.report)}")
+        clone.rerun = sandbox.rerun_hooks(clone)
+    finally:
+        harness.kill(clone.container)
+        harness.delete(clone.container)
+    return clone
 
 
 def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -126,8 +148,30 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("  application hooks (ms)",
          _spread([c.rerun["duration"] - sandboxed.rehydrate_share(c.rerun) for c in clones],
                  1000, "{:.0f}"), ""),
+        *_baseline_rows(m),
         ("reduction vs cold start", f"{(1 - med_restore / cold) * 100:.1f} %", "platform: 89 %"),
         ("speed-up (cold / restore, medians)", f"{speedup:.1f}x", f">= {GOAL_SPEEDUP:.0f}x"),
+    ]
+
+
+def _baseline_rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The same restores on the older rehydrate (``--baseline-tree``), side by side."""
+    old = m["baseline"]
+    if not old:
+        return []
+    new_share = statistics.median(sandboxed.rehydrate_share(c.report) for c in m["clones"])
+    old_share = statistics.median(sandboxed.rehydrate_share(c.report) for c in old)
+    return [
+        (f"baseline tree {m['baseline_tree']} (same server and clones, older rehydrate):",
+         "", ""),
+        ("  restore -> first correct response (s)",
+         _spread([c.to_first_response for c in old]), ""),
+        ("  rehydrate's own share (ms)",
+         _spread([sandboxed.rehydrate_share(c.report) for c in old], 1000, "{:.0f}"),
+         f"this tree: {new_share / old_share:.2f}x"),
+        *[("  " + name, value, goal) for name, value, goal in _builtin_rows(old)],
+        ("  same hooks run again: rehydrate's own share (ms)",
+         _spread([sandboxed.rehydrate_share(c.rerun) for c in old], 1000, "{:.0f}"), ""),
     ]
 
 
@@ -240,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="restore vs cold start under runsc")
     parser.add_argument("--runs", type=int, default=3, help="runs of each (at least 3)")
     parser.add_argument("--svg", type=Path, default=DEFAULT_SVG, help="where the figure goes")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="a checkout of an older commit (e.g. `git worktree add DIR "
+                             "COMMIT`): its rehydrate serves the same example in clones "
+                             "restored alternately with this tree's, shown side by side")
     args = parser.parse_args(argv)
     if args.runs < 3:
         parser.error("--runs must be at least 3 (medians)")
@@ -249,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rehydrate-bench-restore-") as tmp:
-        m = measure(args.runs, Path(tmp))
+        baseline = args.baseline_tree.resolve() if args.baseline_tree else None
+        m = measure(args.runs, Path(tmp), baseline)
+        m["baseline_tree"] = baseline
     table_rows = rows(m)
     print(run_table([(f"restore_vs_cold ({Path(m['runsc']).name})", table_rows, None,
                       time.perf_counter() - t0)]))

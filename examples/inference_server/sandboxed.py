@@ -79,9 +79,13 @@ class ExampleSandbox:
     """Runs the example server in gVisor sandboxes made by one :class:`GVisorHarness`."""
 
     def __init__(self, harness: GVisorHarness, workdir: Path,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None,
+                 rehydrate_tree: Path | None = None) -> None:
         self.harness = harness
         self.workdir = workdir
+        self.rehydrate_tree = rehydrate_tree
+        """Import rehydrate from this checkout inside the sandboxes (``PYTHONPATH``) instead
+        of this one: ``make bench-restore`` measures an older commit beside this one."""
         self.upstream_token = secrets.token_urlsafe(16)
         self.on_event = on_event or (lambda line: None)
         self._count = 0
@@ -100,6 +104,7 @@ class ExampleSandbox:
             "REHYDRATE_CLOCK_THRESHOLD": str(CLOCK_THRESHOLD),
             "REHYDRATE_CLOCK_GRACE": "0",
             "REHYDRATE_CONNECT_DEADLINE": "60",
+            **({"PYTHONPATH": str(self.rehydrate_tree)} if self.rehydrate_tree else {}),
         }
 
     def _proc_mount(self, name: str, env: dict[str, str]) -> Mount:
