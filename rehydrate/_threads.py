@@ -8,8 +8,10 @@ of managed connections) run on :data:`blocking`, whose threads stay and wait for
 call instead of exiting: a thread used before the snapshot serves the clone.
 
 The pool is never bounded — a call never waits for a free thread: when every thread is
-busy (a call stuck on a hung mount or peer) a new one starts. Threads idle for longer than
-``idle_exit`` beyond the first ``keep`` exit. After ``fork()`` the child starts afresh.
+busy (a call stuck on a hung mount or peer) a new one starts. Whoever will need a thread
+in a restore reserves one beforehand (:meth:`~ThreadPool.reserve`): that many idle threads are
+started and kept; other idle threads exit after ``idle_exit`` seconds (beyond ``keep``).
+After ``fork()`` the child starts afresh.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ThreadPool:
         self._jobs = collections.deque()
         self._threads = 0
         self._idle = 0
+        self._reserved = 0
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():  # a forked child: the parent's threads are not here
@@ -63,12 +66,19 @@ class ThreadPool:
             self._start_locked()
         return fut
 
-    def prestart(self) -> None:
-        """Make sure one idle thread waits (call before a snapshot: the clone reuses it)."""
+    def reserve(self) -> None:
+        """One more thread will be wanted at the same time in a restore (a connection's
+        sync callbacks, the control socket's client): keep one more idle thread, started
+        now — before a snapshot, so that the clone finds it waiting."""
         self._check_fork()
         with self._cv:
-            if self._idle == 0:
+            self._reserved += 1
+            while self._idle < self._reserved:
                 self._start_locked()
+
+    @property
+    def _kept(self) -> int:
+        return max(self.keep, self._reserved)
 
     def _start_locked(self) -> None:
         # A starting thread counts as idle: it takes the next job without being woken.
@@ -82,8 +92,8 @@ class ThreadPool:
         try:
             while True:
                 while not self._jobs:
-                    woke = cv.wait(None if self._threads <= self.keep else self.idle_exit)
-                    if not woke and not self._jobs and self._threads > self.keep:
+                    woke = cv.wait(None if self._threads <= self._kept else self.idle_exit)
+                    if not woke and not self._jobs and self._threads > self._kept:
                         self._threads -= 1
                         self._idle -= 1
                         return

@@ -334,7 +334,7 @@ class ConnectionManager:
                for f in (conn.open_fn, conn.close_fn, conn.check_fn)):
             from ._threads import blocking
 
-            blocking.prestart()  # a thread for the sync callbacks exists before a snapshot
+            blocking.reserve()  # a thread for the sync callbacks exists before a snapshot
         if open_now:
             self._open_in_background(conn)
         return conn

@@ -179,6 +179,7 @@ class EnvRefresher:
             raise ValueError(f"env policy must be one of {POLICIES}, not {self.policy!r}")
         self._lock = threading.Lock()
         self._previous: set[bytes] | None = None
+        self._reserved = False
 
     def _protected(self, key: bytes) -> bool:
         return _matches(key, self.protect)
@@ -200,7 +201,14 @@ class EnvRefresher:
         for patterns in (NEVER_FROM_FILE, KEEP, self.protect):
             _pattern(tuple(patterns))
         path = self.resolved_path()
-        if path is None or self._previous is not None or not _present(path):
+        if path is None or not _present(path):
+            return
+        if not self._reserved:  # the thread a clone's refresh reads the file on
+            from ._threads import blocking
+
+            blocking.reserve()
+            self._reserved = True
+        if self._previous is not None:
             return
         try:
             self._previous = set(_read_within(path, self.read_timeout))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -23,14 +24,20 @@ def test_sequential_calls_reuse_one_thread() -> None:
     assert len(named("rht-reuse")) == 1
 
 
-def test_prestart_leaves_an_idle_thread_that_serves_the_next_call() -> None:
-    pool = ThreadPool("rht-prestart")
-    pool.prestart()
-    pool.prestart()  # one idle thread is enough
-    wait_for(lambda: len(named("rht-prestart")) == 1, what="the prestarted thread")
-    (idle,) = named("rht-prestart")
-    assert pool.submit(threading.get_ident).result(5) == idle.ident
-    assert named("rht-prestart") == [idle]
+def test_reserved_threads_wait_idle_and_serve_the_next_calls() -> None:
+    """Each reserve() keeps one more idle thread, started at once (before a snapshot);
+    they serve later calls, also at the same time, without starting any thread."""
+    pool = ThreadPool("rht-reserve", keep=0, idle_exit=0.05)
+    pool.reserve()
+    pool.reserve()
+    wait_for(lambda: len(named("rht-reserve")) == 2, what="the reserved threads")
+    reserved = {t.ident for t in named("rht-reserve")}
+    together = threading.Barrier(2, timeout=10)  # both calls run at the same time
+    both = [pool.submit(lambda: (together.wait(), threading.get_ident())[1])
+            for _ in range(2)]
+    assert {f.result(10) for f in both} == reserved
+    time.sleep(0.2)  # well past idle_exit: reserved threads stay
+    assert {t.ident for t in named("rht-reserve")} == reserved
 
 
 def test_a_call_never_waits_for_a_busy_thread() -> None:
@@ -77,7 +84,7 @@ def test_a_forked_child_gets_threads_of_its_own() -> None:
     """The parent's idle thread does not exist in a child: the child's first call must
     start one rather than wait for it."""
     pool = ThreadPool("rht-fork")
-    pool.prestart()
+    pool.reserve()
     wait_for(lambda: len(named("rht-fork")) == 1, what="the idle thread")
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child

@@ -68,6 +68,7 @@ from .. import _config
 from .._context import Report, describe_error
 from .._contract import Probe
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
+from .._threads import blocking
 from . import Detector
 
 if TYPE_CHECKING:
@@ -266,6 +267,7 @@ class ControlServer:
         self._thread = threading.Thread(target=self._accept_loop, name="rehydrate-control",
                                         daemon=True)
         self._thread.start()
+        blocking.reserve()  # for a client, maybe a clone's `notify restore`
         log.info("control socket listening at %s", self.path)
 
     def _refuse_live_socket(self) -> None:
@@ -342,8 +344,9 @@ class ControlServer:
                 self._send(conn, {"ok": False, "error": "busy: too many clients"})
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="rehydrate-control-client",
-                             daemon=True).start()
+            # a reusable thread: one started right after a gVisor restore (the
+            # `notify restore` that races the clock jump) costs milliseconds
+            blocking.submit(self._serve, conn)
 
     def _evict_idlest(self) -> bool:
         """Close the connection idle the longest (none is running a request) to make room
