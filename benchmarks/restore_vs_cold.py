@@ -68,7 +68,8 @@ def _spread(values: list[float], unit: float = 1.0, fmt: str = "{:.2f}") -> str:
             f"n={len(values)})")
 
 
-def measure(runs: int, workdir: Path, baseline: Path | None = None) -> dict[str, Any]:
+def measure(runs: int, workdir: Path, baseline: Path | None = None,
+            clones: int | None = None) -> dict[str, Any]:
     harness = sandboxed.GVisorHarness(workdir / "gvisor", debug_log=False)
     sandbox = sandboxed.ExampleSandbox(harness, workdir)
     try:
@@ -94,14 +95,15 @@ def measure(runs: int, workdir: Path, baseline: Path | None = None) -> dict[str,
             old_server = old_box.start(sandboxed.new_key(), name="basecold")
             old_box.wait_first_response(old_server)
             old = (old_box, old_server, old_box.checkpoint(old_server)[0])
-        clones, old_clones = [], []
-        for i in range(runs):  # alternating: load drifting during the run hits both alike
-            print(f"restore {i + 1}/{runs} ...", file=sys.stderr, flush=True)
-            clones.append(_clone(harness, sandbox, image, server, f"clone{i}"))
+        restored, old_clones = [], []
+        n = clones or runs
+        for i in range(n):  # alternating: load drifting during the run hits both alike
+            print(f"restore {i + 1}/{n} ...", file=sys.stderr, flush=True)
+            restored.append(_clone(harness, sandbox, image, server, f"clone{i}"))
             if old is not None:
                 old_clones.append(_clone(harness, old[0], old[2], old[1], f"baseclone{i}"))
         return {"cold": colds, "checkpoint": checkpoint_s,
-                "image_bytes": sandboxed.image_bytes(image), "clones": clones,
+                "image_bytes": sandboxed.image_bytes(image), "clones": restored,
                 "baseline": old_clones, "runsc": harness.runsc}
     finally:
         harness.close()
@@ -283,14 +285,17 @@ def svg(m: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="restore vs cold start under runsc")
     parser.add_argument("--runs", type=int, default=3, help="runs of each (at least 3)")
+    parser.add_argument("--clones", type=int, default=None,
+                        help="clones restored from the image (default: --runs); more give "
+                             "steadier medians of the restore rows on a shared host")
     parser.add_argument("--svg", type=Path, default=DEFAULT_SVG, help="where the figure goes")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="a checkout of an older commit (e.g. `git worktree add DIR "
                              "COMMIT`): its rehydrate serves the same example in clones "
                              "restored alternately with this tree's, shown side by side")
     args = parser.parse_args(argv)
-    if args.runs < 3:
-        parser.error("--runs must be at least 3 (medians)")
+    if args.runs < 3 or (args.clones is not None and args.clones < 3):
+        parser.error("--runs and --clones must be at least 3 (medians)")
     reason = sandboxed.runsc_available()
     if reason is not None:
         print(f"restore_vs_cold: cannot run without runsc: {reason}", file=sys.stderr)
@@ -298,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rehydrate-bench-restore-") as tmp:
         baseline = args.baseline_tree.resolve() if args.baseline_tree else None
-        m = measure(args.runs, Path(tmp), baseline)
+        m = measure(args.runs, Path(tmp), baseline, args.clones)
         m["baseline_tree"] = baseline
     table_rows = rows(m)
     print(run_table([(f"restore_vs_cold ({Path(m['runsc']).name})", table_rows, None,
