@@ -158,13 +158,13 @@ def _kernel_release(root: Path) -> str:
     return fake.strip() if fake is not None else platform.release()
 
 
-_NVRM = re.compile(r"Kernel Module\s+(?:for\s+\S+\s+)?(\d+(?:\.\d+)+)")
+_NVRM = r"Kernel Module\s+(?:for\s+\S+\s+)?(\d+(?:\.\d+)+)"  # compiled (and cached) by re when used
 
 
 def _gpu_driver(root: Path, node: NodeFacts) -> str | None:
     text = _read(root / "proc/driver/nvidia/version")
     if text:
-        m = _NVRM.search(text) or re.search(r"(\d+\.\d+(?:\.\d+)?)", text)
+        m = re.search(_NVRM, text) or re.search(r"(\d+\.\d+(?:\.\d+)?)", text)
         if m:
             return m.group(1)
     return next((g.driver for g in node.gpus or () if g.driver), None)
