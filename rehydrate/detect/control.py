@@ -243,7 +243,10 @@ class ControlServer:
         directory = os.path.dirname(os.path.abspath(self.path))
         _private_dir(directory, check_owner=directory == default_socket_dir())
         self._refuse_live_socket()
-        import secrets  # here, not at import: start("auto") imports every detector to probe
+        # Here, not at import (start("auto") imports every detector to probe): json is
+        # loaded before any snapshot, so a clone's first request does not import it.
+        import json  # noqa: F401
+        import secrets
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         tmp = os.path.join(directory, f".rh{secrets.token_hex(4)}")
