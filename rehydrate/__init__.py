@@ -6,28 +6,26 @@ resume after a snapshot) runs them phase by phase before the process reports rea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ._api import (
-    after_restore,
-    before_snapshot,
-    default_registry,
-    is_ready,
-    on_env_change,
-    simulate_restore,
-    simulate_snapshot,
-    start,
-    status,
-    stop,
-    trigger_snapshot,
-    unregister,
-    wait_ready,
-)
-from ._hooks import Hook, Phase, Registry
 from ._version import __version__
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ._api import default_engine
+    from ._api import (
+        after_restore,
+        before_snapshot,
+        default_engine,
+        default_registry,
+        is_ready,
+        on_env_change,
+        simulate_restore,
+        simulate_snapshot,
+        start,
+        status,
+        stop,
+        trigger_snapshot,
+        unregister,
+        wait_ready,
+    )
     from ._context import (
         EnvChanges,
         HookFailed,
@@ -39,6 +37,7 @@ if TYPE_CHECKING:
         RestoreReport,
         SnapshotReport,
     )
+    from ._hooks import Hook, Phase, Registry
     from ._lifecycle import Lifecycle, Status
 
 __all__ = [
@@ -89,14 +88,21 @@ def instance_id() -> str:
     return _instance_id()
 
 
-# The engine and report types load on first use too: registering hooks needs neither.
+# Every API name loads on first use (PEP 562): ``import rehydrate`` runs this file and
+# ``_version`` only. ``rehydrate notify`` imports the package inside a sandbox at every
+# checkpoint and restore, where the registry, the engine and their imports (threading,
+# logging, typing …) cost tens of milliseconds; an application pays for them when it
+# registers its first hook.
 _LAZY_NAMES = {
-    "default_engine": "_api",
-    "Lifecycle": "_lifecycle",
-    "Status": "_lifecycle",
+    **dict.fromkeys(("after_restore", "before_snapshot", "default_engine", "default_registry",
+                     "is_ready", "on_env_change", "simulate_restore", "simulate_snapshot",
+                     "start", "status", "stop", "trigger_snapshot", "unregister",
+                     "wait_ready"), "_api"),
+    **dict.fromkeys(("Hook", "Phase", "Registry"), "_hooks"),
+    **dict.fromkeys(("Lifecycle", "Status"), "_lifecycle"),
     **dict.fromkeys(("EnvChanges", "HookFailed", "HookResult", "HookStillRunning",
-                     "HookTimeout", "Report",
-                     "RestoreContext", "RestoreReport", "SnapshotReport"), "_context"),
+                     "HookTimeout", "Report", "RestoreContext", "RestoreReport",
+                     "SnapshotReport"), "_context"),
 }
 
 

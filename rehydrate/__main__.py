@@ -1,3 +1,47 @@
-from ._cli import main
+"""Entry points: ``rehydrate`` (also ``python -m rehydrate``) and ``rehydrate-notify``.
 
-raise SystemExit(main())
+``notify`` runs inside the sandbox at every checkpoint and restore, where each imported
+module costs a millisecond or more: a well-formed ``notify`` command line goes straight to
+the light client (:mod:`rehydrate._notify`, no argparse). Everything else — the other
+commands, ``--help``, a command line to explain — goes to the argparse CLI.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rehydrate COMMAND …``."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["notify"]:
+        code = _fast_notify(args[1:])
+        if code is not None:
+            return code
+    from ._cli import main as cli_main
+
+    return cli_main(args)
+
+
+def notify_main(argv: list[str] | None = None) -> int:
+    """``rehydrate-notify [save|resume|restore] [options]``: ``rehydrate notify`` as a
+    program of its own, for platforms that take one executable path and no arguments (a
+    CRIU ``--action-script``, a save-restore-exec argv you would rather not split)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    code = _fast_notify(args)
+    if code is not None:
+        return code
+    from ._control_client import notify_main as explained
+
+    return explained(args)
+
+
+def _fast_notify(argv: list[str]) -> int | None:
+    from ._notify import notify, parse
+
+    options = parse(argv)
+    return None if options is None else notify(options)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

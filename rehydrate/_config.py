@@ -15,38 +15,49 @@ Adding a variable is one line in :data:`VARIABLES` (plus its row in docs/configu
 
 from __future__ import annotations
 
-import logging
-import math
 import os
-from dataclasses import dataclass
-from typing import Any, Literal
+
+# Only ``os`` at import: ``rehydrate notify`` reads its socket path here inside a sandbox at
+# every checkpoint and restore, where dataclasses, typing, logging and math cost ~40 ms to
+# import (measured under runsc). They load when a warning or a number needs them.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Literal
+
+    Type = Literal["text", "path", "number", "seconds", "flag", "choice", "list"]
+    """``text``/``path``: the string (empty = unset); ``number``/``seconds``: a finite float
+    ``>= minimum`` (``off``/``none``/``0`` mean "off" where ``off_ok``); ``flag``:
+    1/true/yes/on or 0/false/no/off; ``choice``: one of ``choices`` (case-insensitive);
+    ``list``: comma-separated, blanks dropped."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
            "optional_number", "text"]
 
-log = logging.getLogger("rehydrate")
 
-Type = Literal["text", "path", "number", "seconds", "flag", "choice", "list"]
-"""``text``/``path``: the string (empty = unset); ``number``/``seconds``: a finite float
-``>= minimum`` (``off``/``none``/``0`` mean "off" where ``off_ok``); ``flag``: 1/true/yes/on
-or 0/false/no/off; ``choice``: one of ``choices`` (case-insensitive); ``list``:
-comma-separated, blanks dropped."""
-
-
-@dataclass(frozen=True)
 class Variable:
-    """One ``REHYDRATE_*`` setting."""
+    """One ``REHYDRATE_*`` setting (read-only by convention).
 
-    name: str
-    type: Type
-    default: Any
-    meaning: str
-    choices: tuple[str, ...] = ()
-    minimum: float = 0.0
-    """Numbers: the smallest accepted value; ``positive`` additionally excludes it."""
-    positive: bool = False
-    off_ok: bool = False
-    """Numbers: empty, ``0``, ``off`` or ``none`` mean "off" (``None``)."""
+    ``minimum``: numbers: the smallest accepted value; ``positive`` additionally excludes
+    it. ``off_ok``: numbers: empty, ``0``, ``off`` or ``none`` mean "off" (``None``).
+    """
+
+    __slots__ = ("choices", "default", "meaning", "minimum", "name", "off_ok", "positive",
+                 "type")
+
+    def __init__(self, name: str, type: Type, default: Any, meaning: str, *,
+                 choices: tuple[str, ...] = (), minimum: float = 0.0, positive: bool = False,
+                 off_ok: bool = False) -> None:
+        self.name = name
+        self.type = type
+        self.default = default
+        self.meaning = meaning
+        self.choices = choices
+        self.minimum = minimum
+        self.positive = positive
+        self.off_ok = off_ok
+
+    def __repr__(self) -> str:
+        return f"Variable({self.name!r}, {self.type!r}, default={self.default!r})"
 
 
 _V = Variable
@@ -139,6 +150,8 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
         return var.default, "one of " + ", ".join(var.choices)
     if var.off_ok and low in ("0", "off", "none"):
         return None, None
+    import math
+
     try:
         number = float(low)
     except ValueError:
@@ -158,8 +171,10 @@ def _get(name: str, *types: Type) -> Any:
     value, problem = _parse(var, raw)
     if problem is not None:
         shown = raw if len(raw) <= 40 else raw[:37] + "..."
-        log.warning("%s=%r is not %s; using the default (%s)", name, shown, problem,
-                    _show(var.default))
+        import logging
+
+        logging.getLogger("rehydrate").warning(
+            "%s=%r is not %s; using the default (%s)", name, shown, problem, _show(var.default))
     return value
 
 

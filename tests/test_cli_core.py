@@ -121,7 +121,7 @@ def test_every_subcommand_help_has_a_description_and_names_its_defaults():
 
 
 def test_a_failed_optional_hook_is_called_optional_in_the_summary():
-    from rehydrate._control_client import _summary
+    from rehydrate._notify import summary as _summary
 
     report = {"event": "restore", "kind": "restore", "reason": "control", "generation": 1,
               "ok": True, "duration": 0.01, "hooks": [

@@ -1,0 +1,463 @@
+"""The control-socket client (:mod:`rehydrate.detect.control`), light enough for ``notify``.
+
+``rehydrate notify [save|resume|restore]`` is built to be run by platforms:
+
+* gVisor's save-restore-exec binary: without an argument it reads
+  ``GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE`` (``save``, ``resume``, ``restore``);
+* a CRIU ``--action-script``: it reads ``CRTOOLS_SCRIPT_ACTION``; ``pre-dump`` means save,
+  ``post-resume`` means restore, every other action exits 0 at once without contacting
+  the process (at ``post-dump`` and ``post-restore`` the tasks are frozen and would never
+  answer).
+
+It exits 0 when the process's hooks succeeded, 1 when the report is not ok (a required
+hook failed: the platform should abort the checkpoint), 3 when the process cannot be
+reached, 4 when the socket is not trusted, 2 on usage errors.
+
+Trust: the client talks only to a server run by its own uid or by root (``SO_PEERCRED``
+of the listening socket, checked before anything is sent) — or, for a socket the operator
+named (``--socket``, ``$REHYDRATE_CONTROL_SOCKET``), by the uid owning that socket file —
+and finds sockets on its own only in a default directory owned by its uid with mode 0700,
+like the server requires.
+A socket of another user could otherwise answer ``ok`` to ``notify save`` without running
+any hook, and the checkpoint would go ahead.
+
+Why this module imports so little: ``notify`` runs inside the sandbox at every checkpoint
+and restore, where each module imported costs a millisecond or more (measured under runsc:
+``socket`` 12-32 ms with ``enum``/``selectors``, ``json`` 17 ms with ``re``, ``argparse``
+25 ms once it formats anything). So it reads its command line itself
+(:func:`parse`; anything unusual goes to the argparse CLI, which words errors and help),
+talks through the C modules ``_socket`` and ``_json`` that the ``socket`` and ``json``
+modules wrap, and imports ``json`` only to print ``--json`` output or to send a request
+with fields. ``rehydrate.control_client`` is the argparse side (``status``, ``trigger``,
+``--help``) on top of this module.
+"""
+
+from __future__ import annotations
+
+import _json
+import _socket
+import os
+import stat
+import sys
+import time
+
+from . import _config
+from ._socket_path import ENV_SOCKET, default_socket_dir
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+__all__ = ["ControlError", "Options", "UntrustedSocket", "find_socket", "notify", "parse",
+           "request"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_UNTRUSTED = 4
+
+MAX_REPLY = 64 * 1024 * 1024
+DEFAULT_TIMEOUT = 120.0
+
+GVISOR_MODE = "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"
+CRIU_ACTION = "CRTOOLS_SCRIPT_ACTION"
+NOTIFY_CMD = {"save": "prepare-snapshot", "resume": "resume", "restore": "restore"}
+"""``notify`` action -> control command."""
+_CRIU = {"pre-dump": "save", "post-resume": "restore"}
+_UCRED = 12  # struct ucred: pid, uid, gid (three C ints)
+
+
+class ControlError(RuntimeError):
+    """The process could not be reached, or its reply was unreadable."""
+
+
+class UntrustedSocket(ControlError):
+    """The socket, or the directory it was found in, belongs to another user."""
+
+
+# -- trust -------------------------------------------------------------------------------
+
+
+def _check_dir(directory: str) -> None:
+    """Refuse a default socket directory that is not ours alone (what the server checks)."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    me = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or st.st_mode & 0o077:
+        raise UntrustedSocket(
+            f"not trusting {directory}: it must be a directory owned by uid {me} with mode "
+            f"0700 (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it, "
+            "or pass --socket")
+
+
+def _check_peer(sock: _socket.socket, path: str, named: bool,
+                expect_uid: int | None = None, expect_pid: int | None = None) -> None:
+    """Refuse a server that is neither our uid nor root, or not the one pinned.
+
+    One exception, for root running ``notify`` for a workload of another uid (a CRIU action
+    script, save-restore-exec in a pod with ``runAsUser``): when the operator named the
+    socket (``--socket`` or ``$REHYDRATE_CONTROL_SOCKET``), a server of uid U is trusted if
+    U owns the socket file and the directory holding it is owned by U or root and writable
+    by nobody else — a place only U (or root) could have put a socket. Another user who
+    created that directory first passes this test too: ``expect_uid`` / ``expect_pid``
+    (``--expect-uid`` / ``--expect-pid``) pin the server, and any other one is refused.
+    """
+    cred = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED)
+    pid, uid = (int.from_bytes(cred[i:i + 4], sys.byteorder, signed=True) for i in (0, 4))
+    if expect_uid is not None and uid != expect_uid:
+        raise UntrustedSocket(f"not trusting {path}: it is served by uid {uid} (pid {pid}), "
+                              f"expected uid {expect_uid}")
+    if expect_pid is not None and pid != expect_pid:
+        raise UntrustedSocket(f"not trusting {path}: it is served by pid {pid} (uid {uid}), "
+                              f"expected pid {expect_pid}")
+    me = os.geteuid()
+    if expect_uid is not None or uid in (me, 0) or (named and _placed_by(uid, path)):
+        return
+    raise UntrustedSocket(f"not trusting {path}: it is served by uid {uid} (pid {pid}); "
+                          f"only uid {me} or root may answer (or, for a socket named with "
+                          f"--socket, its owner when its directory is private to that owner; "
+                          f"pin it with --expect-uid)")
+
+
+def _placed_by(uid: int, path: str) -> bool:
+    try:
+        sock_st = os.lstat(path)
+        dir_st = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return False
+    return (sock_st.st_uid == uid and dir_st.st_uid in (uid, 0)
+            and not dir_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def find_socket(explicit: str | None = None) -> str:
+    """The socket to talk to: ``explicit``, ``$REHYDRATE_CONTROL_SOCKET``, or the only one
+    in the default directory."""
+    if explicit:
+        return explicit
+    env = _config.text(ENV_SOCKET)
+    if env:
+        return env
+    directory = default_socket_dir()
+    _check_dir(directory)
+    try:  # what the glob ``*.sock`` matches: no hidden names (the server's temporary ones)
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    found = sorted(os.path.join(directory, n) for n in names
+                   if n.endswith(".sock") and not n.startswith("."))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ControlError(f"no control socket: {ENV_SOCKET} is not set and {directory} has "
+                           "none (set it for the process and here, or pass --socket)")
+    raise ControlError(f"{len(found)} control sockets in {directory}: pass --socket "
+                       f"(one of {', '.join(os.path.basename(f) for f in found)})")
+
+
+# -- one request -------------------------------------------------------------------------
+
+
+def request(cmd: str, *, socket_path: str | None = None, timeout: float | None = DEFAULT_TIMEOUT,
+            fields: dict[str, Any] | None = None, expect_uid: int | None = None,
+            expect_pid: int | None = None, **more: Any) -> dict[str, Any]:
+    """Send one request and return the reply (a dict with at least ``ok``).
+
+    ``fields`` and keyword arguments become request fields (use ``fields`` for names that
+    clash with this function's own, e.g. the ``timeout`` of ``trigger``); ``timeout`` is how
+    long this client waits for the reply (None: as long as it takes).
+
+    Raises :class:`ControlError` when the socket cannot be reached, the reply does not
+    come within ``timeout`` seconds, or it is not a JSON object; :class:`UntrustedSocket`
+    (before sending anything) when the server runs as neither this uid nor root, or is not
+    the uid ``expect_uid`` / the pid ``expect_pid`` (pins: a server of that uid is then
+    trusted even when it is neither this uid nor root).
+    """
+    named = bool(socket_path or _config.text(ENV_SOCKET))
+    path = find_socket(socket_path)
+    payload = _encode({"cmd": cmd, **(fields or {}), **more})
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        reply = _exchange(path, payload, deadline, timeout,
+                          lambda sock: _check_peer(sock, path, named, expect_uid, expect_pid))
+        # "busy": the server refused the connection before reading it (every slot runs
+        # a request): nothing ran, so asking again is safe
+        if reply is not _BUSY:
+            return reply
+        if deadline is not None and time.monotonic() + delay > deadline:
+            raise ControlError(f"{path} stayed busy (too many clients) for {timeout:g}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+_BUSY: dict[str, Any] = {"ok": False, "error": "busy"}
+
+
+def _encode(req: dict[str, Any]) -> bytes:
+    """One request line. ``{"cmd": …}`` alone (every ``notify``) needs no encoder module."""
+    if len(req) == 1 and isinstance(req["cmd"], str):
+        return b'{"cmd": ' + _json.encode_basestring_ascii(req["cmd"]).encode() + b"}\n"
+    import json
+
+    return json.dumps(req).encode() + b"\n"
+
+
+class _Decoding:
+    """The settings ``json.loads`` gives its C scanner: plain dicts, lists, floats, ints."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = {"NaN": float("nan"), "Infinity": float("inf"),
+                      "-Infinity": float("-inf")}.__getitem__
+
+
+# typeshed names the context's type make_scanner; the C code only reads these attributes
+_scan = _json.make_scanner(_Decoding())  # type: ignore[arg-type]
+
+
+def _decode(line: bytes) -> object:
+    """``json.loads(line)`` through the C scanner that ``json`` itself uses, without
+    importing ``json`` (and ``re``): ValueError when ``line`` is not one JSON value."""
+    text = line.decode().strip()
+    try:
+        value, end = _scan(text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(text):
+        raise ValueError("extra data after the JSON value")
+    return value
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def _connect(sock: _socket.socket, path: str, deadline: float | None) -> None:
+    """Connect, waiting out a full listen backlog (``EAGAIN``) until ``deadline``."""
+    delay = 0.002
+    while True:
+        sock.settimeout(_remaining(deadline))
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float | None,
+              check: Callable[[_socket.socket], None]) -> dict[str, Any]:
+    """One connection: connect, ``check`` the peer, send, read one reply line."""
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        try:
+            _connect(sock, path, deadline)
+        except OSError as exc:
+            raise ControlError(f"cannot reach the process at {path}: "
+                               f"{exc.strerror or exc}") from None
+        check(sock)
+        sock.settimeout(_remaining(deadline))
+        buf = b""
+        try:
+            sock.sendall(payload)
+            while b"\n" not in buf:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                if len(buf) > MAX_REPLY:
+                    raise ControlError("reply too large")
+        except TimeoutError:
+            raise ControlError(f"no reply from {path} within {timeout:g}s") from None
+        except OSError as exc:
+            if not buf:
+                raise ControlError(f"connection to {path} failed: "
+                                   f"{exc.strerror or exc}") from None
+    finally:
+        sock.close()
+    line = buf.split(b"\n", 1)[0]
+    if not line:
+        raise ControlError(f"{path} closed the connection without a reply")
+    try:
+        reply = _decode(line)
+    except ValueError:  # UnicodeDecodeError is one too
+        raise ControlError(f"unreadable reply from {path}") from None
+    if not isinstance(reply, dict) or "ok" not in reply:
+        raise ControlError(f"unexpected reply from {path}")
+    if reply.get("ok") is False and str(reply.get("error", "")).startswith("busy:"):
+        return _BUSY
+    return reply
+
+
+# -- the commands' output ----------------------------------------------------------------
+
+
+def err(message: str) -> None:
+    """One line on stderr, prefixed ``rehydrate:``."""
+    print(f"rehydrate: {message}", file=sys.stderr)
+
+
+def dump(data: object) -> None:
+    """``data`` as indented JSON on stdout (``--json``)."""
+    import json
+
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def summary(report: dict[str, Any] | None) -> str:
+    """One line for a report dict: event, kind, reason, generation, ok, hooks, failures."""
+    if not report:
+        return "none"
+    hooks = report.get("hooks") or []
+    bad = [h for h in hooks if h.get("outcome") in ("failed", "timeout")]
+    failed = [str(h.get("name")) for h in bad if h.get("required", True)]
+    optional = [str(h.get("name")) for h in bad if not h.get("required", True)]
+    text = (f"{report.get('event')} kind={report.get('kind')} reason={report.get('reason')} "
+            f"generation={report.get('generation')} ok={report.get('ok')} "
+            f"{len(hooks)} hook(s) in {float(report.get('duration') or 0) * 1000:.1f} ms")
+    if failed:
+        text += f", failed: {', '.join(failed)}"
+    if optional:  # reported, but they do not make the report fail
+        text += f", optional hook(s) failed (not fatal): {', '.join(optional)}"
+    return text
+
+
+def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None,
+         as_json: bool, expect_uid: int | None, expect_pid: int | None,
+         fields: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, int]:
+    """Send ``cmd`` for a CLI command: (reply, exit code), the reply None when there is
+    none. A failure is one line on stderr prefixed with ``label`` (and, with ``as_json``,
+    ``{"ok": false, "error": …}`` on stdout when there is no reply)."""
+    try:
+        reply = request(cmd, socket_path=socket_path, timeout=timeout, fields=fields,
+                        expect_uid=expect_uid, expect_pid=expect_pid)
+    except ControlError as exc:
+        err(f"{label}: {exc}")
+        if as_json:  # machines read stdout: say it there too
+            dump({"ok": False, "error": str(exc)})
+        return None, EXIT_UNTRUSTED if isinstance(exc, UntrustedSocket) else EXIT_UNREACHABLE
+    if not reply.get("ok"):
+        err(f"{label}: {reply.get('error') or 'failed'}")
+        return reply, EXIT_FAILED
+    return reply, EXIT_OK
+
+
+# -- notify ------------------------------------------------------------------------------
+
+
+class Options:
+    """A ``notify`` command line: what :func:`parse` reads (the argparse CLI fills the same
+    fields)."""
+
+    __slots__ = ("action", "expect_pid", "expect_uid", "json", "socket", "timeout")
+
+    def __init__(self, action: str | None = None, *, socket: str | None = None,
+                 timeout: float | None = DEFAULT_TIMEOUT, json: bool = False,
+                 expect_uid: int | None = None, expect_pid: int | None = None) -> None:
+        self.action = action
+        self.socket = socket
+        self.timeout = timeout
+        self.json = json
+        self.expect_uid = expect_uid
+        self.expect_pid = expect_pid
+
+
+def positive(text: str) -> float:
+    """``--timeout``: a number > 0 (ValueError with the reason otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def ident(text: str) -> int:
+    """``--expect-uid`` / ``--expect-pid``: an integer >= 0 (ValueError otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+_VALUED: dict[str, tuple[str, Callable[[str], object]]] = {
+    "--socket": ("socket", str), "--timeout": ("timeout", positive),
+    "--expect-uid": ("expect_uid", ident), "--expect-pid": ("expect_pid", ident)}
+
+
+def parse(argv: list[str]) -> Options | None:
+    """The options of a plain ``notify`` command line (after ``notify``), or None for
+    anything else — ``--help``, an abbreviated or unknown option, a bad value, a second
+    action — which the argparse CLI then answers exactly as it always did."""
+    opts = Options()
+    args = iter(argv)
+    for arg in args:
+        if arg == "--json":
+            opts.json = True
+            continue
+        if arg in NOTIFY_CMD and opts.action is None:
+            opts.action = arg
+            continue
+        name, eq, value = arg.partition("=")
+        if name not in _VALUED:
+            return None
+        if not eq:
+            value = next(args, "-")
+            if value.startswith("-"):  # argparse's call: a value or an option
+                return None
+        field, convert = _VALUED[name]
+        try:
+            setattr(opts, field, convert(value))
+        except ValueError:
+            return None
+    return opts
+
+
+def _resolve_action(arg: str | None) -> tuple[str | None, str | None]:
+    """(action, None), (None, None) for "nothing to do", or (None, usage error)."""
+    if arg:
+        return arg, None
+    mode = os.environ.get(GVISOR_MODE)
+    if mode:
+        if mode in NOTIFY_CMD:
+            return mode, None
+        return None, f"{GVISOR_MODE}={mode!r} is not save, resume or restore"
+    action = os.environ.get(CRIU_ACTION)
+    if action:
+        return _CRIU.get(action), None
+    return None, (f"notify needs save, resume or restore (or {GVISOR_MODE} / {CRIU_ACTION} "
+                  "in the environment)")
+
+
+def notify(opts: Options) -> int:
+    """Run ``rehydrate notify``: the exit status (see the module docstring)."""
+    action, problem = _resolve_action(opts.action)
+    if problem:
+        err(problem)
+        return EXIT_USAGE
+    if action is None:
+        return EXIT_OK  # a CRIU action at which the process is frozen or not involved
+    reply, code = call(NOTIFY_CMD[action], label=f"notify {action}", socket_path=opts.socket,
+                       timeout=opts.timeout, as_json=opts.json, expect_uid=opts.expect_uid,
+                       expect_pid=opts.expect_pid)
+    if reply is not None and opts.json:
+        dump(reply)
+    elif code == EXIT_OK and reply is not None:
+        dedup = (" — de-duplicated: this restore had already run, nothing ran again"
+                 if reply.get("deduplicated") else "")
+        print(f"{action}: ok ({summary(reply.get('report'))}){dedup}")
+    return code

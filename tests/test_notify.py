@@ -1,0 +1,195 @@
+"""``rehydrate notify``'s fast path (rehydrate._notify): a real control socket, what it
+imports, and the command lines it takes itself versus those argparse answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rehydrate import Lifecycle, Registry
+from rehydrate import __main__ as entry
+from rehydrate._control_client import notify_parser
+from rehydrate._notify import Options, parse
+from rehydrate.detect.control import ControlDetector
+from rehydrate.env import EnvRefresher
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+
+# What a notifier must not import: each costs milliseconds inside a sandbox (see
+# rehydrate/_notify.py), and the engine's modules would mean the whole package loads.
+HEAVY = {"argparse", "json", "re", "socket", "typing", "dataclasses", "logging", "threading",
+         "enum", "asyncio", "glob", "struct", "selectors", "inspect"}
+LIGHT = {"rehydrate", "rehydrate.__main__", "rehydrate._version", "rehydrate._notify",
+         "rehydrate._config", "rehydrate._socket_path"}
+
+
+@pytest.fixture
+def sock_path(rehydrate_environ: None) -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="rh-notify-")  # AF_UNIX paths: pytest's tmp_path is too long
+    yield os.path.join(d, "ctl.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def engine(sock_path: str) -> Iterator[Lifecycle]:
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    assert eng.start([ControlDetector(sock_path)]) == ["control"]
+    yield eng
+    eng.close()
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE", "CRTOOLS_SCRIPT_ACTION",
+                        "REHYDRATE_CONTROL_SOCKET", "PYTHONPROFILEIMPORTTIME")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _imported(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run ``python -X importtime ARGV…``: the process and every module it imported."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], env=_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    modules = set()
+    rest = []
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:"):
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "imported package":
+                modules.add(name)
+        else:
+            rest.append(line)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout,
+                                       "\n".join(rest)), modules
+
+
+FORMS = {
+    "python -m rehydrate notify": (["-m", "rehydrate", "notify"], ["-c", "import runpy"]),
+    "rehydrate notify": ([str(BIN / "rehydrate"), "notify"], ["-c", "pass"]),
+    "rehydrate-notify": ([str(BIN / "rehydrate-notify")], ["-c", "pass"]),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_notifier_runs_the_hooks_and_imports_only_light_modules(
+        form: str, engine: Lifecycle, sock_path: str) -> None:
+    argv, baseline = FORMS[form]
+    if argv[0] != "-m" and not Path(argv[0]).exists():
+        pytest.fail(f"{argv[0]} is not installed: pip install -e . installs the scripts")
+    ran = []
+    engine.registry.after_restore(name="app")(lambda ctx: ran.append(ctx.reason))
+    proc, modules = _imported([*argv, "restore", "--socket", sock_path])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("restore: ok (restore kind=restore reason=control "), proc
+    assert ran == ["control"]
+
+    _, before = _imported(baseline)  # what the interpreter (and runpy for -m) load anyway
+    assert not (modules - before) & HEAVY, sorted((modules - before) & HEAVY)
+    ours = {m for m in modules if m == "rehydrate" or m.startswith("rehydrate.")}
+    assert ours <= LIGHT, sorted(ours - LIGHT)
+
+
+def test_a_failing_check_of_the_imports_is_possible() -> None:
+    """The check above can fail: the argparse CLI (any other command) loads what it bans."""
+    proc, modules = _imported(["-m", "rehydrate", "doctor", "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert {"argparse", "rehydrate._cli"} <= modules
+
+
+def test_de_duplicated_flag_and_json_on_the_fast_path(engine: Lifecycle,
+                                                      sock_path: str) -> None:
+    def clock_jump_after_a_save() -> None:
+        assert entry.main(["notify", "save", "--socket", sock_path]) == 0
+        # the freeze began after the save: the clock jump's notice runs the hooks
+        report = engine.restore_detected("clock-jump", since=time.monotonic())
+        assert not report.deduplicated
+
+    clock_jump_after_a_save()
+    proc, _ = _imported(["-m", "rehydrate", "notify", "restore", "--socket", sock_path])
+    assert proc.returncode == 0, proc.stderr
+    assert "reason=clock-jump" in proc.stdout and "de-duplicated" in proc.stdout, proc.stdout
+
+    clock_jump_after_a_save()
+    proc, _ = _imported(["-m", "rehydrate", "notify", "--json", "restore",
+                         f"--socket={sock_path}", "--timeout", "30"])
+    assert proc.returncode == 0, proc.stderr
+    reply = json.loads(proc.stdout)
+    assert reply["deduplicated"] is True and reply["report"]["confirmed_by"] == ["control"]
+    assert engine.generation == 2  # two restores, each ran once
+
+
+def test_unreachable_and_untrusted_exit_codes_are_kept(sock_path: str,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    assert entry.main(["notify", "restore", "--socket", sock_path + ".none"]) == 3
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and len(err.strip().splitlines()) == 1
+    assert entry.notify_main(["restore", "--socket", sock_path + ".none", "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+def test_a_server_of_another_pid_is_refused_before_anything_is_sent(
+        engine: Lifecycle, sock_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ran = []
+    engine.registry.after_restore(name="app")(lambda: ran.append(1))
+    code = entry.main(["notify", "restore", "--socket", sock_path,
+                       "--expect-pid", str(os.getpid() + 1)])
+    assert code == 4 and ran == []
+    assert "not trusting" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--timeout", "0"], "must be > 0"),
+    (["--timeout=soon"], "not a number"),
+    (["bogus"], "invalid choice"),
+    (["restore", "save"], "unrecognized arguments"),
+    (["--expect-uid", "-1"], "must be >= 0"),
+    (["--sock"], "expected one argument"),  # an abbreviation: argparse's call
+])
+def test_bad_command_lines_get_argparse_usage_errors(
+        argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(argv) is None
+    for run in (lambda: entry.main(["notify", *argv]), lambda: entry.notify_main(argv)):
+        with pytest.raises(SystemExit) as exc:
+            run()
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: rehydrate") and words in err, err
+
+
+def test_help_is_argparse_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        entry.main(["notify", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rehydrate notify") and "--expect-uid" in out
+
+
+TOKENS = ["save", "resume", "restore", "bogus", "--json", "--json=1", "--socket", "/s",
+          "--socket=/t", "--timeout", "5", "--timeout=0.5", "0", "-1", "nan", "--expect-uid",
+          "--expect-pid=7", "12", "--sock", "--", "-h", "=", ""]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(TOKENS), max_size=6))
+def test_the_fast_parser_agrees_with_argparse(argv: list[str]) -> None:
+    """Every command line the fast path takes, argparse reads the same way; one it does not
+    take goes to argparse (which may still accept it, e.g. an abbreviation)."""
+    fast = parse(argv)
+    if fast is None:
+        return
+    slow = notify_parser().parse_args(argv)  # SystemExit (a failure) if it refuses them
+    for field in Options.__slots__:
+        assert getattr(fast, field) == getattr(slow, field), (argv, field)
