@@ -145,7 +145,7 @@ def find_socket(explicit: str | None = None) -> str:
     _check_dir(directory)
     try:  # what the glob ``*.sock`` matches: no hidden names (the server's temporary ones)
         names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # missing or unreadable: no socket found there, as glob would say
         names = []
     found = sorted(os.path.join(directory, n) for n in names
                    if n.endswith(".sock") and not n.startswith("."))
