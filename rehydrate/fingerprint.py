@@ -87,7 +87,6 @@ NODE_FIELDS = frozenset(_COMPARED[:9])
 others (Python, distributions, ``env.*``) belong to the workload's image and environment."""
 Scope = Literal["all", "node"]
 _OPTIONAL = frozenset({"machine_series"})  # added after schema 1 shipped: may be absent
-_TRUE = ("1", "true", "yes", "on")
 
 
 class ManifestError(ValueError):
