@@ -16,8 +16,8 @@ the sandbox's current API key and the cold server's embedding.
   the same image; then the same hooks once more in that clone (``rehydrate notify
   resume``), for what they cost when the restored memory is no longer touched first.
 
-With ``--baseline-tree DIR`` (a checkout of an older commit) the same server also runs on
-that checkout's rehydrate (``PYTHONPATH`` inside the sandboxes; this tree's example app):
+With ``--baseline-tree DIR`` (a checkout of an older commit) that checkout's example
+server also runs, on that checkout's rehydrate (``PYTHONPATH`` inside the sandboxes):
 one cold start and checkpoint, then its clones restored alternately with this tree's,
 and its share and hooks shown beside this tree's.
 
@@ -164,7 +164,7 @@ def _baseline_rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
     new_share = statistics.median(sandboxed.rehydrate_share(c.report) for c in m["clones"])
     old_share = statistics.median(sandboxed.rehydrate_share(c.report) for c in old)
     return [
-        (f"baseline tree {m['baseline_tree']} (same server and clones, older rehydrate):",
+        (f"baseline tree {m['baseline_tree']} (its example and rehydrate, same clones):",
          "", ""),
         ("  restore -> first correct response (s)",
          _spread([c.to_first_response for c in old]), ""),

@@ -84,8 +84,11 @@ class ExampleSandbox:
         self.harness = harness
         self.workdir = workdir
         self.rehydrate_tree = rehydrate_tree
-        """Import rehydrate from this checkout inside the sandboxes (``PYTHONPATH``) instead
-        of this one: ``make bench-restore`` measures an older commit beside this one."""
+        """Run rehydrate and this example from that checkout inside the sandboxes
+        (``PYTHONPATH``, its ``examples/inference_server``) instead of this one: ``make
+        bench-restore BASELINE=...`` measures an older commit beside this one."""
+        self.example = (rehydrate_tree / "examples" / "inference_server"
+                        if rehydrate_tree is not None else HERE)
         self.upstream_token = secrets.token_urlsafe(16)
         self.on_event = on_event or (lambda line: None)
         self._count = 0
@@ -119,8 +122,9 @@ class ExampleSandbox:
     def start(self, api_key: str, name: str = "server") -> Container:
         """``runsc run`` the server, its upstream and the prober; returns at once."""
         env = self.spec_env(api_key)
-        command = (f"{PYTHON} {HERE / 'client.py'} watch --env-file {PROC}/spec_environ "
-                   f"--out /results/probe.jsonl & exec {PYTHON} {HERE / 'app.py'} "
+        command = (f"{PYTHON} {self.example / 'client.py'} watch --env-file "
+                   f"{PROC}/spec_environ --out /results/probe.jsonl & exec {PYTHON} "
+                   f"{self.example / 'app.py'} "
                    f"--with-upstream --events /results/events.jsonl")
         return self.harness.run(["/bin/sh", "-c", command], env=env,
                                 mounts=[self._proc_mount(name, env)], name=name,
@@ -148,7 +152,7 @@ class ExampleSandbox:
 
     def client(self, c: Container, *args: str, timeout: float = 60) -> dict[str, Any]:
         """Run ``client.py ARGS`` inside the sandbox; its JSON answer."""
-        proc = c.exec([PYTHON, str(HERE / "client.py"), *args], timeout=timeout)
+        proc = c.exec([PYTHON, str(self.example / "client.py"), *args], timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"client {args} exited {proc.returncode}: {proc.stderr[-2000:]}")
         result: dict[str, Any] = json.loads(proc.stdout)
