@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -9,11 +10,29 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def threads_started() -> Iterator[list[str]]:
+    """The names of the threads started inside the ``with`` block (``Thread.start`` is
+    wrapped meanwhile): a restore must find the threads it needs already waiting."""
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def recording_start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    threading.Thread.start = recording_start  # type: ignore[method-assign]
+    try:
+        yield started
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:

@@ -21,6 +21,7 @@ from netservers import free_port, redis_binary, redis_server, uvicorn_server
 
 from rehydrate import connections
 from rehydrate._cli import main as cli_main
+from tests.detect_helpers import threads_started
 
 
 def _require_or_skip(reason: str) -> None:
@@ -323,7 +324,7 @@ async def test_httpx_async_client_probe_uses_base_url_and_headers(rehydrate_engi
 
 
 async def test_a_clone_reopens_httpx_clients_without_starting_threads(rehydrate_engine,
-                                                                     http_srv, monkeypatch):
+                                                                     http_srv):
     """Starting a thread right after a gVisor restore costs milliseconds: the async
     client's reopen runs on the event loop, the sync client's open and check on the pool
     thread that closed it before the snapshot. Both really reconnect and check."""
@@ -337,16 +338,8 @@ async def test_a_clone_reopens_httpx_clients_without_starting_threads(rehydrate_
     caller = concurrent.futures.ThreadPoolExecutor(1)  # one thread runs both events
     snap = await loop.run_in_executor(caller, rehydrate_engine.simulate_snapshot)
     assert snap.ok, snap.table()
-    started: list[str] = []
-    real_start = threading.Thread.start
-
-    def recording_start(thread: threading.Thread) -> None:
-        started.append(thread.name)
-        real_start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", recording_start)
-    report = await loop.run_in_executor(caller, rehydrate_engine.simulate_restore)
-    monkeypatch.undo()
+    with threads_started() as started:
+        report = await loop.run_in_executor(caller, rehydrate_engine.simulate_restore)
     caller.shutdown()
     assert report.ok, report.table()
     assert started == []

@@ -701,6 +701,7 @@ def test_a_clone_reads_its_environment_on_a_thread_from_before_the_snapshot(
     import threading
 
     from rehydrate import env as env_module
+    from tests.detect_helpers import threads_started
 
     spec = write(tmp_path / "spec_environ", {b"RHT_THREAD": b"1"})
     readers: list[int] = []
@@ -716,16 +717,8 @@ def test_a_clone_reads_its_environment_on_a_thread_from_before_the_snapshot(
         assert engine.simulate_snapshot().ok
         before = {t.ident for t in threading.enumerate()}
         write(tmp_path / "spec_environ", {b"RHT_THREAD": b"2"})
-        started: list[str] = []
-        real_start = threading.Thread.start
-
-        def recording_start(thread: threading.Thread) -> None:
-            started.append(thread.name)
-            real_start(thread)
-
-        monkeypatch.setattr(threading.Thread, "start", recording_start)
-        report = engine.simulate_restore()
-        monkeypatch.setattr(threading.Thread, "start", real_start)
+        with threads_started() as started:
+            report = engine.simulate_restore()
         assert report.ok, report.table()
         assert environ[b"RHT_THREAD"] == b"2"  # type: ignore[attr-defined]
         assert readers[-1] in before
