@@ -9,9 +9,9 @@ call instead of exiting: a thread used before the snapshot serves the clone.
 
 The pool is never bounded — a call never waits for a free thread: when every thread is
 busy (a call stuck on a hung mount or peer) a new one starts. Whoever will need a thread
-in a restore reserves one beforehand (:meth:`~ThreadPool.reserve`): that many idle threads are
-started and kept; other idle threads exit after ``idle_exit`` seconds (beyond ``keep``).
-After ``fork()`` the child starts afresh.
+in a restore reserves one beforehand, by name (:meth:`~ThreadPool.reserve`): that many
+idle threads (at most ``max_reserved``) are started and kept; other idle threads exit
+after ``idle_exit`` seconds (beyond ``keep``). After ``fork()`` the child starts afresh.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ __all__ = ["ThreadPool", "blocking"]
 class ThreadPool:
     """Unbounded pool of reusable daemon threads (see the module docstring)."""
 
-    def __init__(self, name: str, keep: int = 2, idle_exit: float = 60.0) -> None:
+    def __init__(self, name: str, keep: int = 2, idle_exit: float = 60.0,
+                 max_reserved: int = 8) -> None:
         self.name = name
         self.keep = keep
         self.idle_exit = idle_exit
+        self.max_reserved = max_reserved
         self._reset()
 
     def _reset(self) -> None:
@@ -45,7 +47,7 @@ class ThreadPool:
         self._jobs = collections.deque()
         self._threads = 0
         self._idle = 0
-        self._reserved = 0
+        self._reserved: set[str] = set()
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():  # a forked child: the parent's threads are not here
@@ -66,19 +68,25 @@ class ThreadPool:
             self._start_locked()
         return fut
 
-    def reserve(self) -> None:
-        """One more thread will be wanted at the same time in a restore (a connection's
-        sync callbacks, the control socket's client): keep one more idle thread, started
-        now — before a snapshot, so that the clone finds it waiting."""
+    def reserve(self, key: str) -> None:
+        """``key`` (the environment reader, a connection, the control socket's client)
+        will want a thread at the same time as the others in a restore: keep one idle
+        thread per distinct key (up to ``max_reserved``), started now — before a
+        snapshot, so that the clone finds them waiting. Reserving a key again (another
+        engine, a re-registered connection) adds nothing."""
         self._check_fork()
         with self._cv:
-            self._reserved += 1
-            while self._idle < self._reserved:
+            self._reserved.add(key)
+            while self._idle < self._wanted:
                 self._start_locked()
 
     @property
+    def _wanted(self) -> int:
+        return min(len(self._reserved), self.max_reserved)
+
+    @property
     def _kept(self) -> int:
-        return max(self.keep, self._reserved)
+        return max(self.keep, self._wanted)
 
     def _start_locked(self) -> None:
         # A starting thread counts as idle: it takes the next job without being woken.

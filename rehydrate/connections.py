@@ -334,7 +334,8 @@ class ConnectionManager:
                for f in (conn.open_fn, conn.close_fn, conn.check_fn)):
             from ._threads import blocking
 
-            blocking.reserve()  # a thread for the sync callbacks exists before a snapshot
+            # a thread for the sync callbacks exists before a snapshot
+            blocking.reserve(f"connection:{conn.name}")
         if open_now:
             self._open_in_background(conn)
         return conn

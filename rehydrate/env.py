@@ -179,7 +179,6 @@ class EnvRefresher:
             raise ValueError(f"env policy must be one of {POLICIES}, not {self.policy!r}")
         self._lock = threading.Lock()
         self._previous: set[bytes] | None = None
-        self._reserved = False
 
     def _protected(self, key: bytes) -> bool:
         return _matches(key, self.protect)
@@ -203,11 +202,9 @@ class EnvRefresher:
         path = self.resolved_path()
         if path is None or not _present(path):
             return
-        if not self._reserved:  # the thread a clone's refresh reads the file on
-            from ._threads import blocking
+        from ._threads import blocking
 
-            blocking.reserve()
-            self._reserved = True
+        blocking.reserve("env")  # the thread a clone's refresh reads the file on
         if self._previous is not None:
             return
         try:

@@ -25,11 +25,12 @@ def test_sequential_calls_reuse_one_thread() -> None:
 
 
 def test_reserved_threads_wait_idle_and_serve_the_next_calls() -> None:
-    """Each reserve() keeps one more idle thread, started at once (before a snapshot);
-    they serve later calls, also at the same time, without starting any thread."""
+    """Each distinct reserved key keeps one idle thread, started at once (before a
+    snapshot); they serve later calls, also at the same time, without starting any."""
     pool = ThreadPool("rht-reserve", keep=0, idle_exit=0.05)
-    pool.reserve()
-    pool.reserve()
+    pool.reserve("a")
+    pool.reserve("b")
+    pool.reserve("a")  # again: nothing more
     wait_for(lambda: len(named("rht-reserve")) == 2, what="the reserved threads")
     reserved = {t.ident for t in named("rht-reserve")}
     together = threading.Barrier(2, timeout=10)  # both calls run at the same time
@@ -38,6 +39,16 @@ def test_reserved_threads_wait_idle_and_serve_the_next_calls() -> None:
     assert {f.result(10) for f in both} == reserved
     time.sleep(0.2)  # well past idle_exit: reserved threads stay
     assert {t.ident for t in named("rht-reserve")} == reserved
+
+
+def test_reservations_are_bounded() -> None:
+    """Many engines or connections reserving cannot pile up idle threads for ever."""
+    pool = ThreadPool("rht-bounded", keep=0, idle_exit=0.05, max_reserved=3)
+    for i in range(10):
+        pool.reserve(f"connection:{i}")
+    wait_for(lambda: len(named("rht-bounded")) == 3, what="three reserved threads")
+    assert pool.submit(lambda: 5).result(5) == 5
+    assert len(named("rht-bounded")) == 3
 
 
 def test_a_call_never_waits_for_a_busy_thread() -> None:
@@ -84,7 +95,7 @@ def test_a_forked_child_gets_threads_of_its_own() -> None:
     """The parent's idle thread does not exist in a child: the child's first call must
     start one rather than wait for it."""
     pool = ThreadPool("rht-fork")
-    pool.reserve()
+    pool.reserve("fork-test")
     wait_for(lambda: len(named("rht-fork")) == 1, what="the idle thread")
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child

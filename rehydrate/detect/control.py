@@ -270,7 +270,7 @@ class ControlServer:
         self._thread = threading.Thread(target=self._accept_loop, name="rehydrate-control",
                                         daemon=True)
         self._thread.start()
-        blocking.reserve()  # for a client, maybe a clone's `notify restore`
+        blocking.reserve("control")  # for a client, maybe a clone's `notify restore`
         log.info("control socket listening at %s", self.path)
 
     def _refuse_live_socket(self) -> None:
