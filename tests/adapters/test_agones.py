@@ -214,11 +214,13 @@ def test_health_500s_are_retried_never_a_hook_failure(sidecar, rehydrate_engine)
     try:
         report = rehydrate_engine.simulate_restore()
         assert report.ok, report.table()
-        # three 500s, then an answered ping well before the 1 s interval (backoff)
+        # three 500s, then an answered ping: retried with backoff (at most 0.35 s in all),
+        # not paced by the 1 s interval (3 s for three retries); the rest of the bound is
+        # room for a loaded machine
         ok = sidecar.wait_for("POST", "/health", count=1)
         errors = [r for r in sidecar.calls("POST", "/health") if r.status == 500]
         assert len(errors) == 3
-        assert ok[0].mono - errors[0].mono < 1.0
+        assert ok[0].mono - errors[0].mono < 2.0
         wait_for(lambda: a.health_acks >= 1, what="the adapter to see the acknowledgement")
     finally:
         a.close()

@@ -228,7 +228,10 @@ def test_real_freeze_with_sigstop_is_detected():
         assert hook["event"] == "hook"
         assert (hook["reason"], hook["kind"], hook["generation"]) == ("clock-jump", "restore", 1)
         assert 1.3 <= hook["frozen_for"] <= 3.5
-        assert hook["at"] - resumed < 1.0  # detected right after the process ran again
+        # detected right after the process ran again: checks are 0.1 s apart, and the 3 s
+        # grace (there is no more specific detector to wait for) must not apply; the rest
+        # of the bound is room for a loaded machine's scheduling
+        assert hook["at"] - resumed < 2.0
         done = child.next()
         assert done["calls"] == ["clock-jump"]
     finally:
