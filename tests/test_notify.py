@@ -86,8 +86,11 @@ FORMS = {
 def test_the_notifier_runs_the_hooks_and_imports_only_light_modules(
         form: str, engine: Lifecycle, sock_path: str) -> None:
     argv, baseline = FORMS[form]
-    if argv[0] != "-m" and not Path(argv[0]).exists():
-        pytest.fail(f"{argv[0]} is not installed: pip install -e . installs the scripts")
+    if argv[0] != "-m":
+        script = Path(argv[0])
+        if not script.exists() or "rehydrate.__main__" not in script.read_text():
+            pytest.fail(f"{script} is missing or from before the entry points moved to "
+                        "rehydrate.__main__: pip install -e . (re)writes the scripts")
     ran = []
     engine.registry.after_restore(name="app")(lambda ctx: ran.append(ctx.reason))
     proc, modules = _imported([*argv, "restore", "--socket", sock_path])
