@@ -108,6 +108,25 @@ def test_configuration_from_environment(monkeypatch, caplog):
         ClockJumpDetector(interval=0)
 
 
+def test_a_pending_snapshot_wakes_the_thread_and_a_short_freeze_is_the_checkpoint(
+        rehydrate_engine):
+    """A freeze inside one long sleep does not delay its wake-up (the deadline is on the
+    clock that counts through it): the before-snapshot pass must end a 60 s sleep, and
+    the thread must then watch in slices, so that a 0.3 s freeze is seen."""
+    rec = Recorder(rehydrate_engine)
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=60, threshold=1.5, clock=clock)
+    rehydrate_engine.start([det])
+    assert det.pending_slice == pytest.approx(0.02)
+    rehydrate_engine.simulate_snapshot()
+    wait_for(lambda: det.ticks >= 3, what="ticks in slices after the before-snapshot pass")
+    assert rec.calls == []
+    clock.offset += 0.3  # the checkpoint's short freeze
+    calls = rec.wait(1)
+    assert (calls[0]["reason"], calls[0]["kind"]) == ("clock-jump", "restore"), calls
+    assert rehydrate_engine.status().state == "ready"
+
+
 def test_stop_is_prompt_even_with_a_long_interval(rehydrate_engine):
     det = ClockJumpDetector(interval=60)
     rehydrate_engine.start([det])
