@@ -83,7 +83,9 @@ def backoff_delay(attempt: int) -> float:
     import random
 
     cap: float = min(BACKOFF_MAX, BACKOFF_BASE * (2.0**attempt))
-    return cap / 2 + random.uniform(0, cap / 2)  # noqa: S311 - jitter, not security
+    # The OS's generator, not the module-level one: a library must not advance the
+    # application's seeded ``random`` stream, and clones must not retry in lockstep.
+    return cap / 2 + random.SystemRandom().uniform(0, cap / 2)
 
 
 def _observe_start(observers: Sequence[Observer], hook: Hook,

@@ -69,6 +69,10 @@ __all__ = [
 
 log = logging.getLogger("rehydrate")
 
+# Retry jitter from the OS's generator, not the module-level one: a library must not
+# advance the application's seeded ``random`` stream, and clones must not retry in lockstep.
+_JITTER = random.SystemRandom()
+
 DEFAULT_DEADLINE: float = _config.default("REHYDRATE_CONNECT_DEADLINE")
 """Seconds a connection may take to reopen after a restore (``REHYDRATE_CONNECT_DEADLINE``)."""
 BACKOFF_BASE = 0.05
@@ -120,7 +124,7 @@ def _describe(exc: BaseException) -> str:
 def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_MAX) -> float:
     """Exponential backoff with jitter for retry ``attempt`` (1-based): in [d/2, d]."""
     d = min(cap, base * (2.0 ** max(0, attempt - 1)))
-    return d / 2 + random.uniform(0, d / 2)  # noqa: S311 - jitter, not security
+    return d / 2 + _JITTER.uniform(0, d / 2)
 
 
 def env_deadline() -> float:

@@ -51,6 +51,10 @@ __all__ = ["DEFAULT_PORT", "AgonesAdapter", "AgonesError", "AgonesUnavailable"]
 
 log = logging.getLogger("rehydrate.agones")
 
+# Retry jitter from the OS's generator, not the module-level one: a library must not
+# advance the application's seeded ``random`` stream, and clones must not retry in lockstep.
+_JITTER = random.SystemRandom()
+
 T = TypeVar("T")
 
 DEFAULT_PORT = 9358
@@ -85,7 +89,7 @@ def _port(port: int | None) -> int:
 def _backoff(attempt: int, cap: float) -> float:
     """Exponential backoff with jitter for retry ``attempt`` (1-based): in [d/2, d]."""
     d: float = min(cap, 0.05 * 2.0 ** min(attempt - 1, 16))
-    return d / 2 + random.uniform(0, d / 2)  # noqa: S311 - jitter, not security
+    return d / 2 + _JITTER.uniform(0, d / 2)
 
 
 def _describe(exc: BaseException) -> str:
