@@ -252,7 +252,7 @@ def fingerprint(
     ``nvidia_smi``: ask ``nvidia-smi`` for GPUs (and the driver when
     ``/proc/driver/nvidia/version`` is absent); ``metadata``: ask the GCE metadata server
     for the machine type (both default to True only for the real root). ``platform``
-    holds :func:`rehydrate.fingerprint.facts` (what ``rehydrate doctor`` judges). No
+    holds the node facts ``rehydrate doctor`` judges (``rehydrate._nodefit.facts``). No
     per-process field is included.
     """
     import hashlib
