@@ -79,7 +79,7 @@ class EventObserver(Protocol):
 
 
 def backoff_delay(attempt: int) -> float:
-    """Exponential backoff with full jitter for retry ``attempt`` (0-based)."""
+    """Exponential backoff with jitter for retry ``attempt`` (0-based): in [cap/2, cap]."""
     import random
 
     cap: float = min(BACKOFF_MAX, BACKOFF_BASE * (2.0**attempt))
