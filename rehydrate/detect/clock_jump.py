@@ -322,6 +322,9 @@ class ClockJumpDetector(DeferringDetector):
                                and _ContWatch.continued_since(last.now))
                     if stopped:
                         stall = "it ended with SIGCONT (a job-control stop)"
+                        # Measure on from after the handler ran: a reading taken before it
+                        # would make the next freeze (the checkpoint) look continued too.
+                        marks = self._marks()
                     if stall is not None:
                         log.warning("clock-jump: the detector thread woke %.2fs late but %s; "
                                     "not a %s", step, stall,

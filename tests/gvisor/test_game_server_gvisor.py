@@ -73,6 +73,19 @@ def _wait_ready(c: Container, timeout: float = 30.0) -> dict[str, Any]:
     return last
 
 
+def _restore_run(c: Container) -> dict[str, Any]:
+    """The clone's "restored" event; if it never comes, fail with what the detectors saw
+    (the clone's status and rehydrate's log lines), not only the harness's runsc logs."""
+    try:
+        return c.wait_for("events.jsonl", lambda r: r["event"] == "restored", timeout=60)
+    except TimeoutError as exc:
+        lines = c.stderr.read_text(errors="replace").splitlines()
+        ours = [line for line in lines if " rehydrate" in line][-30:]
+        raise AssertionError(
+            f"{c.id}: its restore never ran: {exc}\nstatus: {_status(c)}\n"
+            "rehydrate log:\n" + "\n".join(ours)) from exc
+
+
 @pytest.mark.gvisor
 def test_game_server_checkpointed_mid_match_restores_into_two_clones(
     gvisor: GVisorHarness,
@@ -123,8 +136,7 @@ def test_game_server_checkpointed_mid_match_restores_into_two_clones(
         jump = clone.wait_for("events.jsonl", lambda r: r["event"] == "jump", timeout=60)
         assert jump["ticks"] <= MAX_CATCH_UP, jump
         assert jump["skipped"] >= FROZEN - 0.5, jump
-        restored = clone.wait_for("events.jsonl", lambda r: r["event"] == "restored",
-                                  timeout=60)
+        restored = _restore_run(clone)
         assert (restored["kind"], restored["generation"]) == ("restore", 1), restored
 
         # Agones: a health ping within one interval of the clone running
