@@ -25,6 +25,9 @@ def _print_json(data: object) -> None:
     sys.stdout.write("\n")
 
 
+__all__ = ["build_parser", "check_manifest", "main"]
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from . import detect
 

@@ -159,6 +159,9 @@ def load_extension(spec: str | Extension) -> Extension:
     now; a class there (a detector's, an adapter's) is instantiated without arguments. An
     :class:`Extension` object is returned as it is."""
     if not isinstance(spec, str):
+        if not isinstance(spec, Extension):
+            raise TypeError(f"{spec!r} ({type(spec).__name__}) is not an extension: give a "
+                            "dotted name or an object with key, probe() and install(engine)")
         return spec
     module_name, _, attr = spec.partition(":")
     obj: Any = importlib.import_module(module_name)

@@ -9,6 +9,8 @@ import importlib
 import inspect
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,10 +136,34 @@ def test_documented_modules_declare_resolvable_documented_names(module_name):
             assert (obj.__doc__ or "").strip(), f"{module_name}.{name} has no docstring"
 
 
+# The old public paths of modules that became private: they warn and re-export.
+MOVED_PATHS = ["api", "cli", "context", "control_client", "hooks", "lifecycle", "nodefit",
+               "trigger"]
+
+
 def test_every_module_without_a_leading_underscore_is_a_pinned_public_module():
     found = sorted(m.name for m in pkgutil.walk_packages(rehydrate.__path__, "rehydrate.")
                    if not any(part.startswith("_") for part in m.name.split(".")[1:]))
-    assert found == PUBLIC_MODULES
+    assert found == sorted(PUBLIC_MODULES + [f"rehydrate.{m}" for m in MOVED_PATHS])
+
+
+@pytest.mark.parametrize("old", MOVED_PATHS)
+def test_moved_paths_still_import_with_a_deprecation_warning(old: str) -> None:
+    """Each old path warns once, naming its private module, and gives the same objects."""
+    code = (f"import warnings; warnings.simplefilter('error')\n"
+            f"try:\n    import rehydrate.{old}\n"
+            f"except DeprecationWarning as w:\n    print(w)\n"
+            f"warnings.simplefilter('ignore')\n"
+            f"import rehydrate.{old} as o, rehydrate._{old} as n\n"
+            f"assert o.__all__ and all(getattr(o, k) is getattr(n, k) for k in n.__all__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert f"rehydrate.{old} is deprecated: it is private now (rehydrate._{old})" in out.stdout
+
+
+def test_an_object_that_is_not_an_extension_is_refused_in_one_line() -> None:
+    with pytest.raises(TypeError, match=r"^42 \(int\) is not an extension"):
+        rehydrate.Lifecycle(extensions=[42])
 
 
 @pytest.mark.parametrize("module_name", sorted(SUBMODULE_API))
