@@ -9,7 +9,9 @@ test plays gVisor's part by writing the answer into it with ``runsc exec`` (a ho
 cannot be opened inside the sandbox). The clock-jump detector is given a long grace, so
 it waits for the more specific waiter, as it does when the real file answers at once.
 
-Covered: resume, garbage and error answers in the original; checkpoint, two clones each
+Covered: resume, garbage and error answers in the original; in each clone, is_ready()
+asked the moment the workload notices its freeze says "restoring" (the waiter has not
+been answered yet); checkpoint, two clones each
 answered ``restore`` (hooks once, reason ``gvisor``, generation 1, the clock-jump notice
 of the same restore recognised as a duplicate); a clone checkpointed again and its clone
 answered ``restore`` (generation 2).
@@ -27,6 +29,7 @@ from .harness import Container, GVisorHarness
 
 PROC = "/var/tmp/gv"  # on the sandbox's tmpfs
 FROZEN = 2.5  # seconds between checkpoint and restore (> clock threshold + interval)
+GAP = 2.0  # a pause of the workload's own loop this long is the freeze (FROZEN - 0.5)
 
 WORKLOAD = f"""
 import json, logging, os, threading, time
@@ -57,8 +60,17 @@ def after_restore(ctx):
          calls=calls[ctx.kind])
 
 emit(event="ready", detectors=rehydrate.start(), pid=os.getpid())
+# The readiness promise on the waiter path: this loop notices its own freeze and asks
+# is_ready() at once. The test answers the waiter only later (and the clock-jump detector
+# waits out its grace), so no restore hook can have run yet: True would be a lie.
+last = time.monotonic()
 while True:
-    time.sleep(3600)
+    time.sleep(0.01)
+    now = time.monotonic()
+    if now - last > {GAP}:
+        emit(event="resumed", ready=rehydrate.is_ready(), state=rehydrate.status().state,
+             gap=now - last, hooks_so_far=calls["restore"])
+    last = now
 """
 
 
@@ -82,6 +94,10 @@ def _wait_log(c: Container, needle: str, timeout: float = 30.0) -> None:
 
 
 def _restored_once(clone: Container, generation: int, calls: int) -> None:
+    resumed = clone.wait_for("events.jsonl", lambda r: r["event"] == "resumed", timeout=60)
+    assert resumed["hooks_so_far"] == calls - 1, resumed
+    assert resumed["ready"] is False and resumed["state"] == "restoring", (
+        f"{clone.id}: ready before its restore hooks ran: {resumed}")
     _answer(clone, "restore\\n")
     rec = clone.wait_for("events.jsonl",
                          lambda r: r["event"] == "after_restore" and r["kind"] == "restore",
