@@ -124,6 +124,8 @@ def test_a_pending_snapshot_wakes_the_thread_and_a_short_freeze_is_the_checkpoin
     clock.offset += 0.3  # the checkpoint's short freeze
     calls = rec.wait(1)
     assert (calls[0]["reason"], calls[0]["kind"]) == ("clock-jump", "restore"), calls
+    # the hook ran; the run that called it finishes a moment later
+    assert rehydrate_engine.wait_ready(timeout=5), rehydrate_engine.status()
     assert rehydrate_engine.status().state == "ready"
 
 
