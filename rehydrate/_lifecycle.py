@@ -732,11 +732,21 @@ class Lifecycle:
         """Install ``detector`` (what :meth:`Detector.install
         <rehydrate.detect.Detector.install>` calls): every :meth:`start` starts it — now,
         when this engine runs already — :meth:`status` lists it and :meth:`stop` stops
-        it. It replaces an installed detector with the same key."""
+        it. It replaces an installed detector with the same key (stopping it when it
+        runs)."""
         with self._start_lock:
             self._installed_detectors[detector.key] = detector
-            if self._started and self.detector(detector.key) is None:
-                self._start_detector(detector)
+            old = self.detector(detector.key)
+            if not self._started or old is detector:
+                return
+            if old is not None:
+                self._detectors.remove(old)
+            self._start_detector(detector)
+        if old is not None:  # outside the lock: its thread may be waiting for it
+            try:
+                old.stop()
+            except Exception:
+                log.exception("detector %s did not stop cleanly", old.key)
 
     def stop(self) -> None:
         """Stop the detectors (hooks stay registered). Idempotent."""

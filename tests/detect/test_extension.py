@@ -149,6 +149,21 @@ def test_installing_into_a_running_engine_starts_at_once(bare_engine: Any) -> No
     assert engine.status().detectors == ("recording",)
 
 
+def test_installing_the_same_key_into_a_running_engine_replaces_the_running_one(
+        bare_engine: Any) -> None:
+    engine = bare_engine([])
+    engine.start("none")
+    first, second = Recording(), Recording()
+    first.install(engine)
+    first.install(engine)  # the same object again: nothing restarts
+    second.install(engine)
+    assert first.events == ["start", "stop"] and second.events == ["start"]
+    assert engine.detector("recording") is second
+    assert engine.status().detectors == ("recording",)
+    engine.stop()
+    assert second.events == ["start", "stop"] and first.events == ["start", "stop"]
+
+
 def test_a_real_detector_by_dotted_name(bare_engine: Any, rehydrate_environ: None) -> None:
     spec = next(s for s in DETECTORS if key_of(s) == "clock-jump")
     engine = bare_engine([spec])
