@@ -14,11 +14,21 @@ JSON object.
 from the start, reads the API key from the environment file the platform gives the
 sandbox (the emulated ``/proc/gvisor/spec_environ``, as a client would read it from its
 secret store) and, whenever that key is one it has not yet been served with, sends
-``/v1/embed`` every few milliseconds until the answer is 200 with the embedding of the
-first answer it ever got (the cold server's). Then it appends one record
+``/v1/embed`` at once — in a clone that request arrives before the restore may even have
+been noticed, and must be refused (503), never served with the pre-snapshot key — then
+waits for readiness with one ``GET /readyz?wait=`` (the gate answers it the moment the
+restore hooks have run) and sends ``/v1/embed`` again, until the answer is 200 with the
+embedding of the first answer it ever got (the cold server's). Then it appends one record
 (``first-response``: wall time, instance ID, generation, how many 503 / 401 / connection
 errors it saw first) to ``--out``. A restored clone's prober is a restored copy too: it
 wakes with the clone and times the clone's first correct response the same way.
+
+Waiting with one held request rather than polling every few milliseconds matters for
+what is measured: every refused request is answered on the server's event loop, under
+the GIL the restore hooks need (a prober sending ``/v1/embed`` every 5 ms put ~10
+requests into each restore and made rehydrate's hooks ~40 ms slower in a clone). A
+platform's readiness probe asks once a second at most; nothing else reaches a pod that
+is not ready.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ PORT = 8000
 UPSTREAM_PORT = 8001
 PROBE_TEXT = "restore me in a second"
 POLL = 0.005  # seconds between attempts while a key is not yet served
+READY_WAIT = 30.0  # seconds one GET /readyz?wait= may be held
 
 
 def request(method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
@@ -90,6 +101,10 @@ def watch(env_file: str, out_path: str) -> None:
             continue
         try:
             r = embed(key, [PROBE_TEXT], timeout=30.0)
+            if r["status"] != 200:
+                counts[str(r["status"]) if str(r["status"]) in counts else "other"] += 1
+                request("GET", f"/readyz?wait={READY_WAIT:g}", timeout=READY_WAIT + 10)
+                r = embed(key, [PROBE_TEXT], timeout=30.0)
         except OSError:
             counts["errors"] += 1
             time.sleep(POLL)

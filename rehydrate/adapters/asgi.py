@@ -9,7 +9,11 @@ Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callabl
 * ``GET /healthz``: 200 while the process is alive (a liveness probe must not restart a
   pod that is restoring);
 * ``GET /readyz``: 200 when ready, else 503 with ``{"ready": false, "state": ...,
-  "reason": ...}`` — point the readiness probe here;
+  "reason": ...}`` — point the readiness probe here; ``GET /readyz?wait=S`` holds the
+  answer until the process is ready or ``S`` seconds (at most ``max_wait``) have passed:
+  one request for a deploy script, a test or a benchmark to wait with, instead of a
+  polling loop whose requests the event loop would have to answer while the restore
+  hooks need the GIL;
 * ``GET /rehydrate/status``: :func:`rehydrate.status` as JSON;
 * every other request gets 503 with ``Retry-After`` while the engine is restoring,
   snapshotting or degraded;
@@ -29,8 +33,10 @@ Pure ASGI 3: no Starlette dependency; works under uvicorn and with httpx's ASGI 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -54,6 +60,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _DRAIN_KEY = "rehydrate.asgi"
+_RECHECK = 0.05
+"""Seconds between readiness checks of a waiting ``/readyz?wait=``: a report wakes it at
+once; this bounds the wait when readiness changes without one (a freeze that was no
+restore)."""
 _TRY_AGAIN_LATER = 1013  # WebSocket close code: "try again later"
 
 
@@ -122,6 +132,7 @@ class ReadinessGate:
     :func:`rehydrate.trigger_snapshot` — the drain would wait for it).
     ``drain_timeout``: seconds the before-snapshot hook waits for requests in flight
     (with several gates on one engine, the longest of theirs).
+    ``max_wait``: the longest ``GET /readyz?wait=S`` is held (longer waits are cut to it).
     ``lifespan``: start detection on ``lifespan.startup`` and stop it on shutdown
     (``detectors`` as for :func:`rehydrate.start`). Applications without lifespan support
     get it served by the gate.
@@ -138,6 +149,7 @@ class ReadinessGate:
         status: str | None = "/rehydrate/status",
         exempt: Iterable[str] = (),
         drain_timeout: float = 30.0,
+        max_wait: float = 60.0,
         lifespan: bool = True,
         detectors: str | Iterable[str | Detector] = "auto",
     ) -> None:
@@ -147,6 +159,9 @@ class ReadinessGate:
         if not drain_timeout > 0 or drain_timeout == float("inf"):  # also refuses NaN
             raise ValueError(f"drain_timeout must be a positive finite number of seconds, "
                              f"not {drain_timeout!r}")
+        if not 0 <= max_wait < float("inf"):  # also refuses NaN
+            raise ValueError(f"max_wait must be a finite number of seconds >= 0, not "
+                             f"{max_wait!r}")
         self.app = app
         if engine is None:
             from ..extensions import default_engine
@@ -165,6 +180,10 @@ class ReadinessGate:
         self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
         self._drain.timeout = max(self._drain.timeout, drain_timeout)
         self._retry_header = (b"retry-after", str(retry_after).encode())
+        self.max_wait = float(max_wait)
+        self._readyz_path = readyz
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+        self._listening = False
 
     # -- endpoints ---------------------------------------------------------------------
 
@@ -182,6 +201,33 @@ class ReadinessGate:
     def _status(self) -> tuple[int, dict[str, Any]]:
         return 200, self.engine.status().to_dict()
 
+    async def _wait_ready(self, seconds: float) -> None:
+        """Return once the engine is ready or ``seconds`` have passed. Woken by the
+        engine's reports (a listener, added at the first wait), rechecked every
+        :data:`_RECHECK` seconds; costs the event loop nothing in between."""
+        if not self._listening:
+            self._listening = True
+            self.engine.add_listener(self._wake_waiters)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while not self.engine.is_ready():
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            waiter = (loop, loop.create_future())
+            self._waiters.add(waiter)
+            try:
+                await asyncio.wait_for(waiter[1], min(left, _RECHECK))
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(waiter)
+
+    def _wake_waiters(self, report: object) -> None:
+        for loop, fut in list(self._waiters):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, fut)
+
     # -- ASGI ----------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -195,6 +241,14 @@ class ReadinessGate:
         path: str = scope["path"]
         handler = self._routes.get(path) if kind == "http" else None
         if handler is not None:
+            if path == self._readyz_path and scope.get("query_string"):
+                wait = _wait_seconds(scope["query_string"])
+                if isinstance(wait, str):
+                    await _respond(send, 400, {"error": wait}, [],
+                                   head=scope["method"] == "HEAD")
+                    return
+                if wait > 0 and scope["method"] in ("GET", "HEAD"):
+                    await self._wait_ready(min(wait, self.max_wait))
             await self._endpoint(scope, send, handler)
             return
         if self.exempt and path.startswith(self.exempt):
@@ -294,6 +348,27 @@ def health_app(*, engine: Lifecycle | None = None, **options: Any) -> ReadinessG
 
     ``options`` as for :class:`ReadinessGate` (its lifespan starts detection)."""
     return ReadinessGate(_not_found, engine=engine, **options)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _wait_seconds(query: bytes) -> float | str:
+    """The ``wait`` of a ``/readyz`` query string (0 without one), or why it is invalid."""
+    from urllib.parse import parse_qs
+
+    values = parse_qs(query.decode("latin-1")).get("wait")
+    if not values:
+        return 0.0
+    try:
+        wait = float(values[-1])
+    except ValueError:
+        wait = math.nan
+    if not 0 <= wait < math.inf:
+        return "wait must be a number of seconds >= 0"
+    return wait
 
 
 async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:

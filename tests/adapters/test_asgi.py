@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,6 +174,78 @@ async def test_answers_during_a_restore_build_no_status_diagnostics(
         assert (await c.get("/readyz")).status_code == 200
 
 
+def test_readyz_wait_answers_when_the_restore_hooks_finish(
+        app: App, rehydrate_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GET /readyz?wait=S`` is held while the hooks run, without holding the event loop
+    (``/healthz`` answers meanwhile), and answers 200 once the restore's report is out:
+    woken by the report, not by its periodic recheck (made 60 s here)."""
+    monkeypatch.setattr("rehydrate.adapters.asgi._RECHECK", 60.0)
+    hold = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="warm-up")
+    def warm_up() -> None:
+        hold.wait(30)
+
+    published: list[float] = []
+    rehydrate_engine.add_listener(lambda report: published.append(time.monotonic()))
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False)
+    with serve(gate) as url, httpx.Client(base_url=url, timeout=30) as c:
+        t, reports = in_thread(rehydrate_engine.simulate_restore)
+        wait_for(lambda: rehydrate_engine.state == "restoring", what="restoring")
+        waiting, answers = in_thread(lambda: (c.get("/readyz?wait=20"), time.monotonic()))
+        wait_for(lambda: bool(gate._waiters), what="the /readyz?wait request waiting")
+        with httpx.Client(base_url=url) as other:
+            assert other.get("/healthz").status_code == 200  # the loop is free meanwhile
+            assert other.get("/readyz").status_code == 503
+        assert waiting.is_alive()
+        hold.set()
+        waiting.join(15)
+        t.join(10)
+        assert reports[0].ok
+        response, answered_at = answers[0]
+        assert response.status_code == 200
+        assert response.json()["ready"] is True
+        assert answered_at >= published[0]  # after the report, and long before 60 s
+        assert not gate._waiters
+
+
+async def test_readyz_wait_gives_up_after_wait_or_max_wait(
+        app: App, rehydrate_engine: Any) -> None:
+    """Not ready for the whole wait: 503 with the reason once ``wait`` (or the gate's
+    ``max_wait``, when shorter) has passed; ``wait=0`` and no wait answer at once."""
+    hold = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="slow-hook")
+    def slow_hook() -> None:
+        hold.wait(30)
+
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, max_wait=0.3)
+    async with asgi_client(gate) as c:
+        t, _ = in_thread(rehydrate_engine.simulate_restore)
+        try:
+            await asyncio.to_thread(wait_for, lambda: rehydrate_engine.state == "restoring",
+                                    what="restoring")
+            for query, at_least in (("?wait=0.2", 0.2), ("?wait=600", 0.3)):
+                t0 = time.monotonic()
+                r = await c.get("/readyz" + query)
+                assert time.monotonic() - t0 >= at_least
+                assert r.status_code == 503
+                assert r.json()["reason"] == "restore hooks are running"
+            assert (await c.get("/readyz?wait=0")).status_code == 503
+        finally:
+            hold.set()
+            await asyncio.to_thread(t.join, 10)
+        assert (await c.get("/readyz?wait=5")).status_code == 200
+
+
+@pytest.mark.parametrize("query", ["wait=soon", "wait=-1", "wait=nan", "wait=inf"])
+async def test_readyz_bad_wait_one_clear_error(gate: ReadinessGate, query: str) -> None:
+    async with asgi_client(gate) as c:
+        r = await c.get(f"/readyz?{query}")
+    assert r.status_code == 400
+    assert r.json() == {"error": "wait must be a number of seconds >= 0"}
+
+
 def test_drains_in_flight_requests_before_snapshot(app: App, rehydrate_engine: Any) -> None:
     """A request in flight when the snapshot starts finishes (200) before any other
     before-snapshot hook runs; requests arriving meanwhile get 503; after the snapshot
@@ -334,6 +407,8 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
     ({"drain_timeout": 0}, "drain_timeout must be a positive finite number of seconds, not 0"),
     ({"drain_timeout": float("nan")},
      "drain_timeout must be a positive finite number of seconds, not nan"),
+    ({"max_wait": -1}, "max_wait must be a finite number of seconds >= 0, not -1"),
+    ({"max_wait": float("inf")}, "max_wait must be a finite number of seconds >= 0, not inf"),
 ])
 def test_bad_options_one_clear_error(app: App, rehydrate_engine: Any, kwargs: dict[str, Any],
                                      message: str) -> None:
