@@ -69,6 +69,22 @@ class Clone:
     rerun: dict[str, Any] = field(default_factory=dict)
     """The report of the same hooks run again (:meth:`ExampleSandbox.rerun_hooks`)."""
 
+    upstream_health: float | None = None
+    """:meth:`upstream_health_time`, taken by :meth:`ExampleSandbox.wait_restored`."""
+
+    def upstream_health_time(self) -> float | None:
+        """Seconds the (restored) upstream spent answering the health checks of this
+        clone's restore run, by its own ``UPSTREAM_TIMINGS`` records (waiting for a
+        worker + handling); None when it kept none (an older example)."""
+        path = self.container.result_file("upstream.jsonl")
+        if not path.exists() or not self.report:
+            return None
+        start = float(self.report["started_at"])
+        end = start + float(self.report["duration"])
+        return sum(r["queued_s"] + r["handled_s"]
+                   for r in self.container.records("upstream.jsonl")
+                   if r.get("path") == "/healthz" and start <= r["t"] <= end)
+
     @property
     def to_first_response(self) -> float:
         """Seconds from ``runsc restore`` to the clone's first correct response."""
@@ -107,6 +123,7 @@ class ExampleSandbox:
             "REHYDRATE_CLOCK_THRESHOLD": str(CLOCK_THRESHOLD),
             "REHYDRATE_CLOCK_GRACE": "0",
             "REHYDRATE_CONNECT_DEADLINE": "60",
+            "UPSTREAM_TIMINGS": "/results/upstream.jsonl",
             **({"PYTHONPATH": str(self.rehydrate_tree)} if self.rehydrate_tree else {}),
         }
 
@@ -216,6 +233,7 @@ class ExampleSandbox:
             lambda r: r.get("event") == "report" and r["report"]["kind"] == "restore",
             timeout=timeout)
         clone.report = rec["report"]
+        clone.upstream_health = clone.upstream_health_time()
         return clone
 
 

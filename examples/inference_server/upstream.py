@@ -10,6 +10,12 @@ and that must be reopened before the server may say it is ready.
 with ``{"on": true|false}`` switches maintenance (what an operator — or the example's
 runsc test — does to hold a restored clone in "not ready").
 
+With ``UPSTREAM_TIMINGS=FILE`` in its environment it appends one JSON line per request
+to ``FILE`` (path, status, seconds the connection waited for a worker, seconds spent on
+the request, wall time at the end): ``make bench-restore`` reads them to show how much
+of a clone's health check was this service — restored together with the server inside
+the sandbox — answering, a cost a real upstream outside the sandbox does not have.
+
 Standard library only (it starts in a fraction of a second, also under gVisor)::
 
     UPSTREAM_TOKEN=... python examples/inference_server/upstream.py --port 8001
@@ -23,10 +29,12 @@ import json
 import os
 import queue
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 DEFAULT_PORT = 8001
+TIMINGS = os.environ.get("UPSTREAM_TIMINGS")
 
 
 class QuotaState:
@@ -56,6 +64,10 @@ def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             pass  # one line per request would drown the example's output
 
+        def parse_request(self) -> bool:
+            self._began = time.perf_counter()  # the request line has been read
+            return super().parse_request()
+
         def _reply(self, code: int, body: dict[str, Any]) -> None:
             payload = json.dumps(body).encode()
             self.send_response(code)
@@ -63,6 +75,9 @@ def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
             self.send_header("content-length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
+            if TIMINGS:
+                _record_timing(TIMINGS, self.server, self.path, code,
+                               time.perf_counter() - self._began)
 
         def _body(self) -> dict[str, Any]:
             length = int(self.headers.get("content-length") or 0)
@@ -107,6 +122,21 @@ def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _record_timing(out_path: str, server: Any, path: str, status: int,
+                   handled: float) -> None:
+    local = getattr(server, "local", None)
+    queued = getattr(local, "queued", 0.0)
+    if local is not None:
+        local.queued = 0.0  # only the connection's first request waited for the worker
+    line = json.dumps({"path": path, "status": status, "queued_s": round(queued, 6),
+                       "handled_s": round(handled, 6), "t": time.time()})
+    try:
+        with open(out_path, "a") as out:
+            out.write(line + "\n")
+    except OSError:
+        pass  # timings are a diagnostic: never fail a request over them
+
+
 class PooledHTTPServer(HTTPServer):
     """Each connection is served by one of ``workers`` threads started up front, not by a
     thread started per connection (``ThreadingHTTPServer``): inside the sandbox this
@@ -117,16 +147,18 @@ class PooledHTTPServer(HTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
                  workers: int = 8) -> None:
         super().__init__(address, handler)
-        self._queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, Any, float]] = queue.SimpleQueue()
+        self.local = threading.local()
         for i in range(workers):
             threading.Thread(target=self._work, name=f"upstream-{i}", daemon=True).start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        self._queue.put((request, client_address))
+        self._queue.put((request, client_address, time.perf_counter()))
 
     def _work(self) -> None:
         while True:
-            request, client_address = self._queue.get()
+            request, client_address, accepted = self._queue.get()
+            self.local.queued = time.perf_counter() - accepted
             try:
                 self.finish_request(request, client_address)
             except Exception:
