@@ -34,6 +34,7 @@ Pure ASGI 3: no Starlette dependency; works under uvicorn and with httpx's ASGI 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -225,7 +226,7 @@ class ReadinessGate:
 
     def _wake_waiters(self, report: object) -> None:
         for loop, fut in list(self._waiters):
-            if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # that loop closed meanwhile
                 loop.call_soon_threadsafe(_resolve, fut)
 
     # -- ASGI ----------------------------------------------------------------------------
