@@ -65,7 +65,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
-# Restore vs cold start of the example server under runsc (root; ~3 min): table + SVG.
+# Restore vs cold start of the example server under runsc (root; ~2 min): table + SVG.
 # BASELINE=DIR (a checkout of an older commit) measures its rehydrate side by side.
 bench-restore: $(STAMP) runsc
 	$(BIN)/python benchmarks/restore_vs_cold.py $(if $(BASELINE),--baseline-tree $(BASELINE))

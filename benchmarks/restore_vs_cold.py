@@ -1,5 +1,5 @@
 """Restore vs cold start of the example inference server under real gVisor
-(``make bench-restore``; needs root and runsc, ~3 minutes).
+(``make bench-restore``; needs root and runsc, ~2 minutes on a quiet host).
 
 Each run is timed to the *first correct response*: the prober inside the sandbox
 (``examples/inference_server/client.py watch``) gets a 200 from ``POST /v1/embed`` with
@@ -12,8 +12,8 @@ the sandbox's current API key and the cold server's embedding.
   the last cold server, and the image's size;
 * **restore**: ``runsc restore`` of a clone with a new API key until its first correct
   response (its restore hooks have run: env re-read, reseed, secrets reloaded, signing key
-  regenerated, upstream reconnected and checked, warm-up canary), ``--runs`` times from
-  the same image; then the same hooks once more in that clone (``rehydrate notify
+  regenerated, upstream reconnected and checked, warm-up canary), ``--clones`` times
+  (default 8) from the same image; then the same hooks once more in that clone (``rehydrate notify
   resume``), for what they cost when the restored memory is no longer touched first.
 
 With ``--baseline-tree DIR`` (a checkout of an older commit) that checkout's example
@@ -50,6 +50,7 @@ ROOT = HERE.parent
 DEFAULT_SVG = HERE / "out" / "restore_vs_cold.svg"
 GOAL_SPEEDUP = 20.0
 GOAL_SHARE = 0.050
+DEFAULT_CLONES = 8
 
 
 def _load(name: str, path: Path) -> Any:
@@ -306,16 +307,17 @@ def svg(m: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="restore vs cold start under runsc")
     parser.add_argument("--runs", type=int, default=3, help="runs of each (at least 3)")
-    parser.add_argument("--clones", type=int, default=None,
-                        help="clones restored from the image (default: --runs); more give "
-                             "steadier medians of the restore rows on a shared host")
+    parser.add_argument("--clones", type=int, default=DEFAULT_CLONES,
+                        help=f"clones restored from the image (default {DEFAULT_CLONES}: "
+                             "one clone's share spans 22-135 ms on a quiet 2-core host, "
+                             "so medians of 3 swing by tens of ms)")
     parser.add_argument("--svg", type=Path, default=DEFAULT_SVG, help="where the figure goes")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="a checkout of an older commit (e.g. `git worktree add DIR "
                              "COMMIT`): its rehydrate serves the same example in clones "
                              "restored alternately with this tree's, shown side by side")
     args = parser.parse_args(argv)
-    if args.runs < 3 or (args.clones is not None and args.clones < 3):
+    if args.runs < 3 or args.clones < 3:
         parser.error("--runs and --clones must be at least 3 (medians)")
     reason = sandboxed.runsc_available()
     if reason is not None:
