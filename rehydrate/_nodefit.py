@@ -68,19 +68,26 @@ def in_gvisor(root: str = "/") -> bool:
 
 def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
     """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently)."""
-    import urllib.error
-    import urllib.request
+    # http.client, not urllib.request: the same request without urllib's opener machinery
+    # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
+    import http.client
 
     host = os.environ.get("GCE_METADATA_HOST") or "169.254.169.254"
-    url = f"http://{host}/computeMetadata/v1/instance/machine-type"
-    req = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
     try:
-        with opener.open(req, timeout=timeout) as resp:
-            flavor = resp.headers.get("Metadata-Flavor")
+        conn = http.client.HTTPConnection(host, timeout=timeout)
+        try:
+            conn.request("GET", "/computeMetadata/v1/instance/machine-type",
+                         headers={"Metadata-Flavor": "Google"})
+            resp = conn.getresponse()
+            status, flavor = resp.status, resp.getheader("Metadata-Flavor")
             body = resp.read(4096).decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        finally:
+            conn.close()
+    except (http.client.HTTPException, OSError, ValueError) as exc:
         log.debug("GCE metadata server not reachable (%s): not on GCE", type(exc).__name__)
+        return None
+    if status != 200:
+        log.debug("GCE metadata server at %s answered %d: no machine type", host, status)
         return None
     # A real metadata server says so in a header: a captive proxy answering 200 is not one.
     if flavor != "Google":

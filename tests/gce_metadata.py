@@ -14,8 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class MetadataServer:
-    def __init__(self, machine_type: str, *, impostor: bool = False) -> None:
-        """``impostor``: answer 200 without ``Metadata-Flavor`` (a captive proxy, not GCE)."""
+    def __init__(self, machine_type: str, *, impostor: bool = False,
+                 status: int = 200) -> None:
+        """``impostor``: answer 200 without ``Metadata-Flavor`` (a captive proxy, not GCE);
+        ``status``: answer the machine type's path with this status and the body
+        ``unavailable`` instead (an error page that would parse as a machine type)."""
         self.machine_type = machine_type
         self.requests: list[str] = []
         outer = self
@@ -26,7 +29,8 @@ class MetadataServer:
                 if self.headers.get("Metadata-Flavor") != "Google":
                     self._reply(403, "Missing Metadata-Flavor:Google header.")
                 elif self.path == "/computeMetadata/v1/instance/machine-type":
-                    self._reply(200, f"projects/123456789/machineTypes/{outer.machine_type}")
+                    self._reply(status, f"projects/123456789/machineTypes/{outer.machine_type}"
+                                if status == 200 else "unavailable")
                 else:
                     self._reply(404, "Not Found")
 

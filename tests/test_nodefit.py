@@ -134,6 +134,16 @@ def test_metadata_answer_without_google_header_is_not_gce(
         assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
 
 
+@pytest.mark.parametrize("status", [403, 404, 500, 503])
+def test_metadata_error_answer_is_no_machine_type(monkeypatch: pytest.MonkeyPatch,
+                                                  status: int) -> None:
+    """The real metadata server's header on an error answer: still no machine type."""
+    with MetadataServer("n2-standard-8", status=status) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        assert nodefit.machine_type() is None
+        assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+
+
 # -- scheduling -------------------------------------------------------------------------
 
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
