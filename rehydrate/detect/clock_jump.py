@@ -337,8 +337,13 @@ class ClockJumpDetector(DeferringDetector):
                         engine.heartbeat(marks.now, limit, gap_since=last.now)
                     else:
                         engine.freeze_noticed(last.now, marks.now)
-                        self._report(since=last.now, frozen_for=step, stop=stop,
-                                     detected=marks.now)
+                        # The freeze began after last.now and, since the wake-up came
+                        # late, no later than last.now + nap; it ended after that. So a
+                        # run detected up to last.now + nap (a resume answered just
+                        # before the checkpoint) came before the freeze, not after it:
+                        # only later runs are this restore's.
+                        self._report(since=last.now + min(nap, step), frozen_for=step,
+                                     stop=stop, detected=marks.now)
                         if stop.is_set():
                             return
                         # The hooks took time: measure the next sleep from now.

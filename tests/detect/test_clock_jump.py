@@ -182,6 +182,25 @@ def test_no_grace_by_default_the_later_specific_notice_confirms(rehydrate_engine
     assert len(rec.calls) == 1
 
 
+def test_a_run_just_before_the_freeze_does_not_make_the_restore_look_handled(
+        rehydrate_engine):
+    """A resume run (another detector's notice) after the thread's last wake-up but
+    before the checkpoint froze the process is not this restore's: the clock jump still
+    runs the restore hooks. (Under runsc: a gVisor "error" answer shortly before a real
+    checkpoint left a clone ready, its restore taken as handled, before any hook ran.)"""
+    rec = Recorder(rehydrate_engine)
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=2.0, threshold=1.5, clock=clock)
+    rehydrate_engine.start([det])
+    wait_for(det._based.is_set, what="the detector's first reading")
+    rehydrate_engine.restore_detected("gvisor", kind="resume")  # before the freeze
+    clock.offset += 8.0  # the freeze: the sleeping thread wakes 8 s late
+    calls = rec.wait(2)
+    assert [(c["reason"], c["kind"]) for c in calls] == [("gvisor", "resume"),
+                                                         ("clock-jump", "restore")]
+    assert rehydrate_engine.status().generation == 1
+
+
 def test_without_a_specific_report_the_grace_ends(rehydrate_engine):
     rec = Recorder(rehydrate_engine)
     clock = SteppedClock()
