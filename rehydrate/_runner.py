@@ -32,7 +32,6 @@ from ._context import (
     RestoreContext,
 )
 from ._hooks import Hook
-from ._threads import IDLE_WAKE
 
 if TYPE_CHECKING:
     import asyncio
@@ -137,14 +136,12 @@ def _skip_reason(hook: Hook, ctx: RestoreContext) -> bool:
 
 
 class LoopThread:
-    """A private event loop on a daemon thread, started on first use. Idle, it wakes
-    every :data:`~rehydrate._threads.IDLE_WAKE` seconds (after a restore: at once)."""
+    """A private event loop on a daemon thread, started on first use."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.idle_wakes = 0
 
     def get(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -154,14 +151,9 @@ class LoopThread:
                 loop = asyncio.new_event_loop()
                 ready = threading.Event()
 
-                def tick() -> None:
-                    self.idle_wakes += 1
-                    loop.call_later(IDLE_WAKE, tick)
-
                 def run() -> None:
                     asyncio.set_event_loop(loop)
                     loop.call_soon(ready.set)
-                    loop.call_later(IDLE_WAKE, tick)
                     loop.run_forever()
 
                 self._thread = threading.Thread(target=run, name="rehydrate-loop", daemon=True)
@@ -261,11 +253,6 @@ class HookRunner:
             if not self._closed:
                 self._ensure_worker()
 
-    idle_wakes = 0
-    """Times the worker woke by itself (every :data:`~rehydrate._threads.IDLE_WAKE`
-    seconds) with no job: in a clone the first such wake-up comes at resume, so the
-    worker's first run after the restore is not paid when the restore hands it its job."""
-
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(
@@ -279,8 +266,7 @@ class HookRunner:
         while True:
             with self._cv:
                 while not self._jobs and not self._closed and self._worker is me:
-                    if not self._cv.wait(IDLE_WAKE):
-                        self.idle_wakes += 1
+                    self._cv.wait()
                 if self._closed or self._worker is not me:
                     return
                 job = self._jobs.pop(0)

@@ -7,13 +7,6 @@ calls of the restore path (reading the environment file, users' sync ``open``/``
 of managed connections) run on :data:`blocking`, whose threads stay and wait for the next
 call instead of exiting: a thread used before the snapshot serves the clone.
 
-Idle threads of the restore path do not wait indefinitely: they wake every
-:data:`IDLE_WAKE` seconds and go back to sleep. A wait's deadline is on a clock that
-counts through a freeze, so in a restored clone every such thread finds its deadline
-passed and runs at once — its first run after the restore (measured under runsc: a
-median of ~3 ms, up to 8 ms, for the hook worker) happens then, beside the detector's,
-instead of on the restore path when the first hook is handed to it.
-
 The pool is never bounded — a call never waits for a free thread: when every thread is
 busy (a call stuck on a hung mount or peer) a new one starts. Whoever will need a thread
 in a restore reserves one beforehand, by name (:meth:`~ThreadPool.reserve`): that many
@@ -26,20 +19,13 @@ from __future__ import annotations
 import collections
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import concurrent.futures
 
-__all__ = ["IDLE_WAKE", "ThreadPool", "blocking"]
-
-IDLE_WAKE = 0.5
-"""Seconds an idle thread of the restore path (the hook worker, the pool's threads,
-rehydrate's own event loop) sleeps at a time: after a restore it is running again as
-soon as the process is (see the module docstring). As often as the clock-jump detector
-wakes by default; each wake-up costs microseconds."""
+__all__ = ["ThreadPool", "blocking"]
 
 
 class ThreadPool:
@@ -62,8 +48,6 @@ class ThreadPool:
         self._threads = 0
         self._idle = 0
         self._reserved: set[str] = set()
-        self.idle_wakes = 0
-        """Times an idle thread woke by itself (:data:`IDLE_WAKE`) with nothing to do."""
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():  # a forked child: the parent's threads are not here
@@ -115,12 +99,9 @@ class ThreadPool:
         cv.acquire()
         try:
             while True:
-                idle_since = time.monotonic()
                 while not self._jobs:
-                    if not cv.wait(IDLE_WAKE):
-                        self.idle_wakes += 1
-                    if (not self._jobs and self._threads > self._kept
-                            and time.monotonic() - idle_since >= self.idle_exit):
+                    woke = cv.wait(None if self._threads <= self._kept else self.idle_exit)
+                    if not woke and not self._jobs and self._threads > self._kept:
                         self._threads -= 1
                         self._idle -= 1
                         return

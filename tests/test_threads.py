@@ -107,31 +107,3 @@ def test_a_forked_child_gets_threads_of_its_own() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert pool.submit(lambda: 1).result(5) == 1  # the parent's pool is untouched
-
-
-def test_idle_threads_of_the_restore_path_wake_by_themselves(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hook worker, the pool's idle threads and rehydrate's own event loop never wait
-    without a deadline: after a freeze (a restore) each finds its deadline passed and runs
-    at once, beside the detector, instead of on the restore path when work is handed to
-    it (under runsc that first run cost the hook worker a median of ~3 ms). Here
-    IDLE_WAKE is shortened so the wake-ups show without any work submitted."""
-    from rehydrate import _runner, _threads
-
-    monkeypatch.setattr(_threads, "IDLE_WAKE", 0.01)
-    monkeypatch.setattr(_runner, "IDLE_WAKE", 0.01)
-    pool = ThreadPool("rht-wake", keep=1)
-    pool.reserve("idle")
-    loop_thread = _runner.LoopThread()
-    runner = _runner.HookRunner(loop_thread)
-    try:
-        runner.prestart()
-        loop_thread.get()
-        wait_for(lambda: pool.idle_wakes >= 3, what="the pool's idle thread waking")
-        wait_for(lambda: runner.idle_wakes >= 3, what="the hook worker waking")
-        wait_for(lambda: loop_thread.idle_wakes >= 3, what="rehydrate's loop waking")
-        assert len(named("rht-wake")) == 1  # woke, did nothing, stayed
-        assert pool.submit(lambda: 11).result(5) == 11
-    finally:
-        runner.close()
-        loop_thread.close()
