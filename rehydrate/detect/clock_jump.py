@@ -16,14 +16,21 @@ kvm-clock from the snapshot) may show no step at all — use the vmclock detecto
 SnapStart bridge there.
 
 A Python thread also wakes late when another thread holds the GIL. That looks like a
-jump, but the process was stalled, not frozen, and the detector thread itself can tell:
-while it waits for the GIL it wakes every 5 ms (the interpreter's switch interval) to ask
-for it, which shows in its own voluntary context switches (``getrusage(RUSAGE_THREAD)``,
-native Linux) and in its own CPU time (gVisor, which counts no context switches: measured
-under runsc, a 3.1 s GIL-holding C call cost the waiting thread 0.3 s of CPU, a 4.6 s
-checkpoint/restore freeze 0.01 s). A frozen thread does neither. Such a stall, and a step
-during which the process used CPU for at least 80 % of the elapsed time, is logged and
-not reported (``busy_check``).
+jump, but the process was stalled, not frozen. First question: did the sleep itself end
+late? The thread sleeps in ``read()`` on a periodic ``timerfd`` (``_sleeper``), and the
+kernel counts the expirations up to the moment that read returns — before the thread
+asks for the GIL. A sleep that ended more than the threshold late was a freeze, whatever
+followed (a restored process's threads all want the GIL at once: under runsc a clone's
+detector thread was charged 0.10 s of CPU across a 3 s freeze that way, and the CPU clue
+below took it for a stall, so the clone never became ready). Otherwise the sleep ended on
+time, or the process froze while the thread already waited for the GIL; the thread then
+tells a stall by its own GIL wake-ups: while it waits it wakes every 5 ms (the
+interpreter's switch interval) to ask for it, which shows in its own voluntary context
+switches (``getrusage(RUSAGE_THREAD)``, native Linux) and in its own CPU time (gVisor,
+which counts no context switches: measured under runsc, a 3.1 s GIL-holding C call cost
+the waiting thread 0.3 s of CPU, a 4.6 s checkpoint/restore freeze 0.01 s). A frozen
+thread does neither. Such a stall, and a step during which the process used CPU for at
+least 80 % of the elapsed time, is logged and not reported (``busy_check``).
 
 Freeze watch: every wake-up is a heartbeat for the engine
 (:meth:`~rehydrate._lifecycle.Lifecycle.heartbeat`). A clone whose main loop asks
@@ -73,6 +80,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .. import _config
 from .._contract import Probe
+from ._sleeper import Sleeper, open_sleeper
 from ._util import DeferringDetector, positive
 
 if TYPE_CHECKING:
@@ -101,6 +109,8 @@ PENDING_SLICE = 0.2
 """While a snapshot is pending the thread sleeps this fraction of ``pending_threshold``."""
 _CONT_WAIT = 0.2
 """How long a freeze seen while a snapshot is pending waits for the SIGCONT handler."""
+KERNEL_PERIOD = 0.005
+"""Resolution of the kernel's measure of how late a sleep ended (see ``_sleeper``)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +228,7 @@ class ClockJumpDetector(DeferringDetector):
         """True while a jump was seen and more specific detectors get their grace."""
         self.last_report: RestoreReport | None = None
         self._based = threading.Event()
-        self._wake = threading.Event()
+        self._sleeper = Sleeper()
         self._listens_to: Engine | None = None
         super().__init__()
 
@@ -239,7 +249,9 @@ class ClockJumpDetector(DeferringDetector):
     def _prepare(self) -> None:
         _ContWatch.install()
         self._based = threading.Event()
-        self._wake = threading.Event()
+        # The kernel's view of a late wake-up needs the real clock: an injected one
+        # (tests) would disagree with it.
+        self._sleeper = open_sleeper(KERNEL_PERIOD, kernel=self.clock is time.monotonic)
 
     def start(self, engine: Engine) -> None:
         """Start the thread; return once it has taken its first reading (at most 1 s):
@@ -256,7 +268,7 @@ class ClockJumpDetector(DeferringDetector):
         thread = self._thread
         if thread is not None:
             thread.stop_event.set()
-        self._wake.set()  # the loop sleeps on this event, not on its stop event
+        self._sleeper.wake()  # the loop sleeps on this, not on its stop event
         super().stop()
 
     def _unlisten(self) -> None:
@@ -267,9 +279,14 @@ class ClockJumpDetector(DeferringDetector):
     def _marks(self) -> _Marks:
         return _Marks(self.clock(), self.cpu_clock(), time.thread_time(), _switches())
 
-    def _stall(self, before: _Marks, after: _Marks) -> str | None:
+    def _stall(self, before: _Marks, after: _Marks, kernel_late: float | None,
+               limit: float) -> str | None:
         """Why a late wake-up was a stall of a running process (None: a freeze)."""
         if not self.busy_check:
+            return None
+        if kernel_late is not None and kernel_late > limit:
+            # The thread's sleep itself ended that late: it did not run at all, whatever
+            # CPU time it was charged afterwards (a wait for the GIL once resumed).
             return None
         elapsed = after.now - before.now
         cpu = after.cpu - before.cpu
@@ -291,7 +308,7 @@ class ClockJumpDetector(DeferringDetector):
         engine = self._engine if self.clock is time.monotonic else _NoWatch(self._engine)
         interval, threshold = self.interval, self.threshold
         limit = interval + threshold
-        wake = self._wake
+        sleeper = self._sleeper
         last = self._marks()
         engine.heartbeat(last.now, limit)
         self._based.set()
@@ -302,10 +319,9 @@ class ClockJumpDetector(DeferringDetector):
                 # at all. While a snapshot is pending the checkpoint's short freeze is the
                 # thing to see, so the sleeps are short slices of pending_threshold.
                 nap = self.pending_slice if engine.snapshot_pending else interval
-                wake.wait(nap)
+                kernel_late = sleeper.sleep(nap)
                 if stop.is_set():
                     return
-                wake.clear()
                 marks = self._marks()
                 self.ticks += 1
                 step = marks.now - last.now - nap
@@ -313,11 +329,12 @@ class ClockJumpDetector(DeferringDetector):
                 if step > self.pending_threshold:  # what the stall check will weigh
                     log.debug("clock-jump: woke %.3fs late after a %.3fs sleep (snapshot "
                               "pending: %s); meanwhile process CPU %.3fs, own CPU %.3fs, "
-                              "%d switches", step, nap, pending, marks.cpu - last.cpu,
-                              marks.thread_cpu - last.thread_cpu,
-                              marks.switches - last.switches)
-                if step > (self.pending_threshold if pending else threshold):
-                    stall = self._stall(last, marks)
+                              "%d switches; late in the kernel: %s", step, nap, pending,
+                              marks.cpu - last.cpu, marks.thread_cpu - last.thread_cpu,
+                              marks.switches - last.switches, kernel_late)
+                limit_step = self.pending_threshold if pending else threshold
+                if step > limit_step:
+                    stall = self._stall(last, marks, kernel_late, limit_step)
                     stopped = (stall is None and pending
                                and _ContWatch.continued_since(last.now))
                     if stopped:
@@ -350,17 +367,19 @@ class ClockJumpDetector(DeferringDetector):
                         marks = self._marks()
                         engine.heartbeat(marks.now, limit)
                 else:
-                    gap = step > GAP_SLACK and self._stall(last, marks) is None
+                    gap = (step > GAP_SLACK
+                           and self._stall(last, marks, kernel_late, GAP_SLACK) is None)
                     engine.heartbeat(marks.now, limit, gap_since=last.now if gap else None)
                 last = marks
         finally:
+            sleeper.close()
             engine.heartbeat_stopped()
 
     def _snapshot_begun(self, report: Report) -> None:
         """Engine listener: a before-snapshot pass finished; the checkpoint may follow at
         once, so end the current (long) sleep and watch in short slices from now on."""
         if report.kind == "snapshot":
-            self._wake.set()
+            self._sleeper.wake()
 
     def _report(self, since: float, frozen_for: float, stop: threading.Event,
                 detected: float) -> None:

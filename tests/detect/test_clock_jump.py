@@ -425,3 +425,61 @@ def test_a_gil_stall_without_cpu_is_not_a_restore(pending):
                        "state": "snapshotting" if pending else "running"}, out
     finally:
         child.close()
+
+
+FREEZE_THEN_GIL = textwrap.dedent("""
+    import ctypes, json, signal, sys, threading, time
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock_jump import ClockJumpDetector
+
+    engine = isolated_engine()
+    ran = []
+    engine.registry.after_restore(lambda ctx: ran.append(ctx.reason))
+    det = ClockJumpDetector(interval=0.1, threshold=1.0, pending_threshold=0.3)
+    # Started off the main thread: no SIGCONT handler, as when a checkpoint (which sends
+    # none) freezes the process; this test's SIGSTOP stands in for that freeze.
+    starter = threading.Thread(target=engine.start, args=([det],))
+    starter.start()
+    starter.join()
+    if PENDING:
+        engine.simulate_snapshot()
+    while det.ticks < 3:
+        time.sleep(0.01)
+    libc = ctypes.PyDLL(None)  # PyDLL: each call keeps holding the GIL
+    print(json.dumps({"event": "stopping"}), flush=True)
+    getattr(libc, "raise")(signal.SIGSTOP)  # the freeze begins while this holds the GIL
+    libc.usleep(1500000)  # right after the freeze: 1.5 s more holding the GIL
+    ticks = det.ticks
+    while det.ticks < ticks + 3:
+        time.sleep(0.01)
+    print(json.dumps({"ran": ran, "busy_skips": det.busy_skips, "jumps": det.jumps,
+                      "generation": engine.generation, "state": engine.state}), flush=True)
+""")
+
+
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    wait_for(stopped, timeout=timeout, what=f"process {pid} stopped")
+
+
+@pytest.mark.parametrize("pending", [False, True], ids=["running", "snapshot-pending"])
+def test_a_freeze_followed_by_a_wait_for_the_gil_is_a_restore(pending):
+    """The detector thread's sleep ended long after its deadline (the process was frozen),
+    and once resumed the thread waited 1.5 s for the GIL: the CPU-time clues of a GIL
+    stall (its many wake-ups asking for the GIL) must not hide the freeze — a restored
+    clone whose detector took its restore for a stall never became ready (caught under
+    runsc in CI, where the restored process's threads all wanted the GIL at once)."""
+    child = Child(f"PENDING = {pending}\n" + FREEZE_THEN_GIL)
+    try:
+        assert child.next()["event"] == "stopping"
+        pid = child.proc.pid
+        _wait_stopped(pid)
+        time.sleep(2.0)  # the freeze: well past threshold (1.0) and pending_threshold
+        os.kill(pid, signal.SIGCONT)
+        out = child.next(timeout=20)
+        assert out == {"ran": ["clock-jump"], "busy_skips": 0, "jumps": 1, "generation": 1,
+                       "state": "ready"}, out
+    finally:
+        child.close()
