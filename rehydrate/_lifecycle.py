@@ -207,7 +207,9 @@ class Lifecycle:
         """The per-engine instance of an extension, created by ``factory`` on first use.
 
         Managers (keys, secrets, connections, routes, telemetry …) attach themselves this
-        way: the factory typically registers the manager's hooks in :attr:`builtins`.
+        way: the factory typically registers the manager's hooks in :attr:`builtins`. An
+        instance with a ``close()`` method has it called by :meth:`close` (work it runs in
+        the background ends with the engine).
         """
         with self._ext_lock:
             if key not in self._extensions:
@@ -769,8 +771,18 @@ class Lifecycle:
         return [d for d in self._detectors if d.specificity > than]
 
     def close(self) -> None:
-        """Stop detectors and the engine's threads (for tests and interpreter exit)."""
+        """Stop detectors, close the per-engine extension instances that have ``close()``
+        (newest first) and stop the engine's threads (for tests and interpreter exit)."""
         self.stop()
+        with self._ext_lock:
+            instances = list(self._extensions.values())
+        for instance in reversed(instances):
+            close = getattr(instance, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:
+                    log.exception("closing extension %s failed", type(instance).__name__)
         with self._cond:  # ends a snapshot deadline watch
             self._event_seq += 1
             self._cond.notify_all()

@@ -202,6 +202,15 @@ class Connection:
                 setattr(self, k, v)
             return True
 
+    def _current(self, epoch: int) -> bool:
+        with self._lock:
+            return epoch == self._epoch
+
+    def _retire(self) -> None:
+        """No longer managed: a run still in progress (a background open) stops."""
+        with self._lock:
+            self._epoch += 1
+
     def _begin(self, state: State) -> tuple[int, State]:
         """Start a new run (older runs become stale); returns (epoch, previous state)."""
         with self._lock:
@@ -240,8 +249,17 @@ class Connection:
         if self.open_fn is not None:
             self._set(epoch, step="open")
             value = await call(self.open_fn)
-            if value is not None:
-                self._set(epoch, value=value)
+            if not self._set(epoch, **({} if value is None else {"value": value})):
+                # A newer run (a snapshot, a restore) or unregister() took over while this
+                # open ran: what it opened is nobody's, so close it when that can be said.
+                if (value is not None and self.close_fn is not None
+                        and _arity(self.close_fn) >= 1):
+                    try:
+                        await call(self.close_fn, value)
+                    except Exception as exc:
+                        log.debug("connection %s: closing a superseded open: %s",
+                                  self.name, _describe(exc))
+                raise _Superseded
         if self.check_fn is not None:
             self._set(epoch, step="check")
             await call(self.check_fn, *self._args(self.check_fn))
@@ -258,7 +276,7 @@ class Connection:
         # between them waits for the GIL behind every other connection's thread.
         one_thread = not (_is_async(self.open_fn) or _is_async(self.check_fn))
         attempt = 0
-        while True:
+        while self._current(epoch):
             attempt += 1
             self._set(epoch, attempts=attempt)
             try:
@@ -266,6 +284,8 @@ class Connection:
                     await _in_thread(_run_inline, self._attempt(epoch, _inline))
                 else:
                     await self._attempt(epoch, self._call)
+            except _Superseded:
+                return False
             except Exception as exc:
                 self._set(epoch, last_error=_describe(exc))
                 if self.check_fn is not None and self.close_fn is not None:
@@ -278,6 +298,11 @@ class Connection:
             if remaining <= 0:
                 return False
             await asyncio.sleep(min(backoff_delay(attempt), remaining))
+        return False
+
+
+class _Superseded(Exception):
+    """A newer run of the same connection took over while an attempt was running."""
 
 
 async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
@@ -333,6 +358,7 @@ class ConnectionManager:
             old = self._conns.pop(conn.name, None)
             self._conns[conn.name] = conn  # re-registering a name moves it to the end
         if old is not None:
+            old._retire()
             log.info("connection %s replaced; the new callbacks replace the old", conn.name)
         if any(f is not None and not _is_async(f)
                for f in (conn.open_fn, conn.close_fn, conn.check_fn)):
@@ -345,8 +371,18 @@ class ConnectionManager:
         return conn
 
     def unregister(self, name: str) -> bool:
+        """Stop managing ``name`` (an open still retrying in the background stops too)."""
         with self._lock:
-            return self._conns.pop(name, None) is not None
+            conn = self._conns.pop(name, None)
+        if conn is None:
+            return False
+        conn._retire()
+        return True
+
+    def close(self) -> None:
+        """The engine is closing: background opens stop; the connections stay as they are."""
+        for conn in self.all():
+            conn._retire()
 
     def get(self, name: str) -> Connection | None:
         with self._lock:

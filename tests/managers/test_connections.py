@@ -19,6 +19,7 @@ import httpx
 import pytest
 from netservers import free_port, redis_binary, redis_server, uvicorn_server
 
+import rehydrate.testing
 from rehydrate import connections
 from rehydrate._cli import main as cli_main
 from tests.detect_helpers import threads_started
@@ -522,6 +523,7 @@ def test_doctor_connections_cli_and_status(rehydrate_engine, capsys, http_srv):
 DOCTOR_WORKLOAD = r"""
 import socket, sys, time
 import rehydrate
+import rehydrate.testing
 from rehydrate import connections
 rehydrate.start(detectors=["control"])
 port = int(sys.argv[1])
@@ -685,3 +687,69 @@ def test_hung_stale_close_is_bounded_by_close_timeout(rehydrate_engine, monkeypa
     assert report.ok, report.table()
     assert opened == [1]
     assert 0.3 <= took < 5, took  # CLOSE_TIMEOUT, not the 20 s deadline (nor 10 s)
+
+
+def _background_open(name: str) -> threading.Thread:
+    [thread] = [t for t in threading.enumerate() if t.name == f"rehydrate-open-{name}"]
+    return thread
+
+
+def _refused_forever(calls: list[float]) -> object:
+    def open_() -> None:
+        calls.append(time.monotonic())
+        raise ConnectionRefusedError("peer down")
+    return open_
+
+
+@pytest.mark.parametrize("how", ["unregister", "replace", "engine-close"])
+def test_a_background_open_stops_when_the_connection_is_no_longer_managed(how):
+    """A peer that is down keeps a background open retrying until its deadline (here 60 s);
+    unregistering the connection, replacing it, or closing the engine ends that at once —
+    it used to retry (and warn "did not open") long after, into other tests' logs."""
+    engine = rehydrate.testing.isolated_engine()
+    calls: list[float] = []
+    try:
+        connections.register("db", open=_refused_forever(calls), engine=engine,
+                             open_now=True, deadline=60)
+        wait_for(lambda: len(calls) >= 2, what="two refused attempts")
+        thread = _background_open("db")
+        if how == "unregister":
+            assert connections.unregister("db", engine=engine)
+        elif how == "replace":
+            connections.register("db", open=lambda: None, engine=engine, replace=True)
+        else:
+            engine.close()
+        thread.join(10)  # backoff after two attempts is < 1 s; the deadline 60 s
+        assert not thread.is_alive(), f"the background open still retries ({len(calls)} calls)"
+        n = len(calls)
+        assert n <= 3, calls  # at most the attempt that was running
+    finally:
+        engine.close()
+
+
+def test_an_open_that_finishes_after_it_was_superseded_is_closed():
+    """unregister() while a background open is still inside ``open``: what that open
+    returns belongs to nobody, so ``close(value)`` gets it and the connection keeps none."""
+    engine = rehydrate.testing.isolated_engine()
+    entered, release = threading.Event(), threading.Event()
+    closed: list[object] = []
+    opened = object()
+
+    def open_() -> object:
+        entered.set()
+        assert release.wait(10)
+        return opened
+
+    try:
+        conn = connections.register("db", open=open_, close=closed.append, engine=engine,
+                                    open_now=True, deadline=60)
+        assert entered.wait(10)
+        thread = _background_open("db")
+        connections.unregister("db", engine=engine)
+        release.set()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert closed == [opened]
+        assert conn.value is None
+    finally:
+        engine.close()
