@@ -231,6 +231,8 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
         log.warning("gVisor reports that the checkpoint failed; the process carries on "
                     "(running the resume hooks, since before-snapshot hooks may have "
                     "closed things)")
+        # Nothing froze: like every carry-on run, no anchor for a later real restore.
+        return engine.restore_detected(reason, kind="resume", since=since, anchor=False)
     return engine.restore_detected(reason, kind="resume", since=since)
 
 

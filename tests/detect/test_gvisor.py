@@ -156,6 +156,24 @@ def test_error_answer_logs_failed_checkpoint_and_resumes(
     assert len(failed) == 1 and failed[0].levelno == logging.WARNING
 
 
+def test_an_error_answer_does_not_hide_a_real_restore_right_after(
+    engine: Lifecycle, proc: Path
+) -> None:
+    """``error``: the checkpoint failed and nothing froze, so its carry-on resume is no
+    freeze anchor (as the docs say of carry-on runs): a clock-jump notice whose freeze
+    began before that answer — a real checkpoint retried at once — still runs the
+    restore hooks instead of being taken for the failed checkpoint's resume."""
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+    before = time.monotonic()  # the clock-jump thread's last look before the freeze
+    answer(waiter, b"error\n")
+    rec.wait(1)
+    engine.restore_detected("clock-jump", since=before)
+    calls = rec.wait(2)
+    assert [(c[1], c[3]) for c in calls] == [("resume", "gvisor"), ("restore", "clock-jump")]
+    assert engine.status().generation == 1
+
+
 def test_answer_without_newline_then_eof(engine: Lifecycle, proc: Path) -> None:
     rec = Recorder(engine)
     waiter = start_waiter(engine, proc)
