@@ -347,11 +347,8 @@ def install(engine: Engine) -> None:
     """Register ``rehydrate.env``: the first restore hook, applying ``engine.env``."""
 
     def refresh_environment(ctx: RestoreContext) -> None:
+        # The key names are logged with the run's summary line, after readiness changed.
         ctx.env_changes = engine.env.refresh(ctx.env)
-        if ctx.env_changes:
-            log.info("environment refreshed: added=%s changed=%s removed=%s",
-                     list(ctx.env_changes.added), list(ctx.env_changes.changed),
-                     list(ctx.env_changes.removed))
 
     engine.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
                              order=-1_000_000, name="rehydrate.env", timeout=10.0)

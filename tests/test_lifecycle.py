@@ -15,6 +15,7 @@ import pytest
 
 import rehydrate
 from rehydrate import HookFailed, Phase, RestoreReport, SnapshotReport
+from rehydrate.testing import restored_environ
 
 if sys.version_info >= (3, 11):
     from builtins import ExceptionGroup
@@ -887,3 +888,27 @@ def test_simulate_snapshot_takes_a_reason_at_module_level_too(rehydrate_engine, 
     assert report.reason == "docs-example"
     with pytest.raises(TypeError):
         rehydrate.simulate_snapshot(reason="")
+
+
+def test_a_restore_is_logged_once_after_readiness_changed(rehydrate_engine, caplog):
+    """Nothing is logged at INFO while the hooks run (a log line is I/O, to a pipe that
+    may be full, and slow right after a restore); one line after the run says what
+    happened — the environment's key names, never its values."""
+    caplog.set_level(logging.DEBUG, logger="rehydrate")
+    during: list[list[str]] = []
+    at_listener: list[list[str]] = []
+
+    def info() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+
+    rehydrate_engine.registry.after_restore(lambda: during.append(info()))
+    rehydrate_engine.add_listener(lambda report: at_listener.append(info()))
+    with restored_environ():
+        report = rehydrate_engine.simulate_restore(env={"RHT_LOGGED_TOKEN": "s3cret-value"},
+                                                   frozen_for=4.0)
+    assert report.ok
+    assert during == [[]] and at_listener == [[]]  # the listener (readiness) comes first
+    [line] = info()
+    assert line.startswith("restore (reason simulated, generation 1, frozen for 4.0s): "
+                           "hooks ran in "), line
+    assert "ready" in line and "RHT_LOGGED_TOKEN" in line and "s3cret" not in line

@@ -483,3 +483,22 @@ def test_a_freeze_followed_by_a_wait_for_the_gil_is_a_restore(pending):
                        "state": "ready"}, out
     finally:
         child.close()
+
+
+def test_nothing_is_logged_between_the_jump_and_the_hooks(rehydrate_engine, caplog):
+    """The detector's notice is logged at DEBUG (the engine's one INFO line comes after
+    the run): in a restored clone the first log line costs milliseconds before any hook."""
+    caplog.set_level(logging.DEBUG, logger="rehydrate")
+    seen: list[list[str]] = []
+    rehydrate_engine.registry.after_restore(lambda: seen.append(
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]))
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, grace=0, clock=clock)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.ticks >= 3, what="a few ordinary ticks")
+    caplog.clear()
+    clock.offset += 10.0
+    wait_for(lambda: det.last_report is not None, what="the restore run")
+    assert seen == [[]]
+    assert any("stepped" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.DEBUG)
