@@ -195,6 +195,9 @@ class Report:
     deduplicated: bool = False
     """True on the copy returned to a notice that was recognised as an earlier run (the
     hooks did not run again for it); the stored report keeps False."""
+    notice_to_run: float | None = None
+    """Seconds from the first notice (``ctx.detected_at``: when the detector saw the
+    event) to the start of the run: the detector's and the engine's own handling first."""
 
     @property
     def event(self) -> str:
@@ -216,6 +219,8 @@ class Report:
             "frozen_for": self.frozen_for,
             "confirmed_by": list(self.confirmed_by),
             "deduplicated": self.deduplicated,
+            "notice_to_run": (None if self.notice_to_run is None
+                                else round(self.notice_to_run, 6)),
             "env_changes": self.env_changes.to_dict(),
             "error": describe_error(self.error),
             "hooks": [h.to_dict() for h in self.hooks],

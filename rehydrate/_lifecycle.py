@@ -614,11 +614,12 @@ class Lifecycle:
         # pipe that may be full — and in a restored clone the first one is slow besides
         # (measured under runsc: 3-40 ms); readiness must not wait for either.
         log.debug("%s detected (reason %s, generation %d)", kind, reason, generation)
-        results, duration, started = self._run_or_degrade("restore", ctx)
+        results, duration, started, waited = self._run_or_degrade("restore", ctx)
         ok, error = _summarise(results, kind)
         report = RestoreReport(ok=ok, generation=generation, reason=reason, kind=kind,
                                duration=duration, hooks=tuple(results), started_at=started,
-                               error=error, env_changes=ctx.env_changes, frozen_for=frozen_for)
+                               error=error, env_changes=ctx.env_changes, frozen_for=frozen_for,
+                               notice_to_run=waited)
         with self._cond:
             self._state = "ready" if ok else "degraded"
             self._freeze_handled(detected)
@@ -634,11 +635,11 @@ class Lifecycle:
                              detected_at=time.monotonic())
         self._set_state("snapshotting")
         log.info("preparing for snapshot (reason %s)", reason)
-        results, duration, started = self._run_or_degrade("snapshot", ctx)
+        results, duration, started, waited = self._run_or_degrade("snapshot", ctx)
         ok, error = _summarise(results, "snapshot")
         report = SnapshotReport(ok=ok, generation=self._generation, reason=reason,
                                 kind="snapshot", duration=duration, hooks=tuple(results),
-                                started_at=started, error=error)
+                                started_at=started, error=error, notice_to_run=waited)
         if not ok:
             self._set_state("degraded")
         if self._observers:
@@ -646,7 +647,7 @@ class Lifecycle:
         return report
 
     def _run_or_degrade(self, event: Literal["restore", "snapshot"],
-                        ctx: RestoreContext) -> tuple[list[HookResult], float, float]:
+                        ctx: RestoreContext) -> tuple[list[HookResult], float, float, float]:
         """:meth:`_run`; when the caller is interrupted while waiting (Ctrl-C in a
         ``simulate_restore()``) the state becomes ``degraded`` — never left ``restoring``
         or ``snapshotting`` — and the interruption propagates."""
@@ -659,15 +660,18 @@ class Lifecycle:
             raise
 
     def _run(self, event: Literal["restore", "snapshot"],
-             ctx: RestoreContext) -> tuple[list[HookResult], float, float]:
+             ctx: RestoreContext) -> tuple[list[HookResult], float, float, float]:
+        """The hooks' results, the run's duration, its wall-clock start and the seconds
+        from the notice (``ctx.detected_at``) to that start."""
         hooks = self.hooks(event)
         observers = tuple(self._observers)
         if observers:
             _notify_observers(observers, "event_started", ctx)
         started = time.time()
+        waited = max(0.0, time.monotonic() - ctx.detected_at)
         t0 = time.perf_counter()
         results = self._runner.run(hooks, ctx, self._loop_for_this_call(), observers)
-        return results, time.perf_counter() - t0, started
+        return results, time.perf_counter() - t0, started, waited
 
     def _publish(self, report: Report) -> None:
         with self._cond:

@@ -912,3 +912,14 @@ def test_a_restore_is_logged_once_after_readiness_changed(rehydrate_engine, capl
     assert line.startswith("restore (reason simulated, generation 1, frozen for 4.0s): "
                            "hooks ran in "), line
     assert "ready" in line and "RHT_LOGGED_TOKEN" in line and "s3cret" not in line
+
+
+def test_the_report_says_how_long_the_run_waited_after_the_notice(rehydrate_engine):
+    """``notice_to_run``: from the detector's notice (``detected_at``) to the run's start —
+    the part of resume -> ready that the report's ``duration`` does not cover."""
+    noticed = time.monotonic() - 0.25  # the detector saw the restore a while ago
+    report = rehydrate_engine.restore_detected("test", detected_at=noticed)
+    assert report.notice_to_run is not None and 0.25 <= report.notice_to_run < 5
+    assert report.to_dict()["notice_to_run"] == round(report.notice_to_run, 6)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.notice_to_run is not None and 0 <= snap.notice_to_run < 5
