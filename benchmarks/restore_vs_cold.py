@@ -78,7 +78,10 @@ def _spread(values: list[float], unit: float = 1.0, fmt: str = "{:.2f}") -> str:
 def measure(runs: int, workdir: Path, baseline: Path | None = None,
             clones: int | None = None) -> dict[str, Any]:
     harness = sandboxed.GVisorHarness(workdir / "gvisor", debug_log=False)
-    sandbox = sandboxed.ExampleSandbox(harness, workdir)
+    # With a baseline, this tree's rehydrate is put on PYTHONPATH as the baseline's is, so
+    # that both sides import it the same way (else it comes from the virtualenv's path).
+    sandbox = sandboxed.ExampleSandbox(harness, workdir,
+                                       rehydrate_tree=ROOT if baseline is not None else None)
     try:
         colds: list[float] = []
         server = None
@@ -106,8 +109,12 @@ def measure(runs: int, workdir: Path, baseline: Path | None = None,
         n = clones or runs
         for i in range(n):  # alternating: load drifting during the run hits both alike
             print(f"restore {i + 1}/{n} ...", file=sys.stderr, flush=True)
+            # Which tree goes first alternates too: with this tree always first, a run
+            # of the same commit on both sides measured this side's share 1.34x the other's.
+            if old is not None and i % 2:
+                old_clones.append(_clone(harness, old[0], old[2], old[1], f"baseclone{i}"))
             restored.append(_clone(harness, sandbox, image, server, f"clone{i}"))
-            if old is not None:
+            if old is not None and not i % 2:
                 old_clones.append(_clone(harness, old[0], old[2], old[1], f"baseclone{i}"))
         return {"cold": colds, "checkpoint": checkpoint_s,
                 "image_bytes": sandboxed.image_bytes(image), "clones": restored,
