@@ -109,8 +109,8 @@ def measure(runs: int, workdir: Path, baseline: Path | None = None,
         n = clones or runs
         for i in range(n):  # alternating: load drifting during the run hits both alike
             print(f"restore {i + 1}/{n} ...", file=sys.stderr, flush=True)
-            # Which tree goes first alternates too: with this tree always first, a run
-            # of the same commit on both sides measured this side's share 1.34x the other's.
+            # Which tree goes first alternates too (same commit on both sides, this tree
+            # always first: its share measured 1.34x the other's; see the example README).
             if old is not None and i % 2:
                 old_clones.append(_clone(harness, old[0], old[2], old[1], f"baseclone{i}"))
             restored.append(_clone(harness, sandbox, image, server, f"clone{i}"))
