@@ -523,7 +523,6 @@ def test_doctor_connections_cli_and_status(rehydrate_engine, capsys, http_srv):
 DOCTOR_WORKLOAD = r"""
 import socket, sys, time
 import rehydrate
-import rehydrate.testing
 from rehydrate import connections
 rehydrate.start(detectors=["control"])
 port = int(sys.argv[1])
