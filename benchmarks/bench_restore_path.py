@@ -13,7 +13,8 @@ process has just been restored, and it then waits for readiness and writes one r
   after the freeze to ``wait_ready()`` returning (the hooks ran), median.
 * Configurations: clock-jump only; ``REHYDRATE_CONTROL_SOCKET`` set and no notice;
   ``runsc exec … rehydrate notify restore`` sent right after the restore (the notice
-  races the clock jump; the first one runs the hooks).
+  races the clock jump; the first one runs the hooks); ``notify save`` before the
+  checkpoint and no notice after the restore (the clock jump with the snapshot pending).
 * leave-running: ``notify save``, then ``runsc checkpoint --leave-running``; the time
   from the start of the checkpoint command until the original ran its hooks and is
   ready again (no ``notify resume``), beside the checkpoint command's own duration.
@@ -28,7 +29,7 @@ the run (a shared 2-core host) hits each of them alike.
 
 With ``BENCH_BASELINE_TREE=DIR`` (a checkout of an older commit, e.g. ``git worktree add
 DIR COMMIT``) the clock-jump configuration also runs on that checkout's rehydrate, in the
-same round robin: old and new side by side.
+same round robin (as does the ``notify save`` one): old and new side by side.
 
 Run alone: ``python benchmarks/bench_restore_path.py`` (as root).
 """
@@ -158,10 +159,17 @@ def run() -> list[tuple[str, str, str]]:
             GVisorHarness(Path(tmp), runsc=runsc, debug_log=False) as h:
         origs = {"bare": _start(h, "bare", "bare", False),
                  "clock": _start(h, "clock", "rehydrate", False),
-                 "sock": _start(h, "sock", "rehydrate", True)}
+                 "sock": _start(h, "sock", "rehydrate", True),
+                 "save": _start(h, "save", "rehydrate", True)}
+        h.exec(origs["save"], [str(BIN / "rehydrate"), "notify", "save"], timeout=60,
+               check=True)
         baseline = os.environ.get("BENCH_BASELINE_TREE")
         if baseline:
-            origs["old"] = _start(h, "old", "rehydrate", False, str(Path(baseline).resolve()))
+            tree = str(Path(baseline).resolve())
+            origs["old"] = _start(h, "old", "rehydrate", False, tree)
+            origs["oldsave"] = _start(h, "oldsave", "rehydrate", True, tree)
+            h.exec(origs["oldsave"], [str(BIN / "rehydrate"), "notify", "save"], timeout=60,
+                   check=True)
         t = time.monotonic()
         images = {key: h.checkpoint(c) for key, c in origs.items()}
         while time.monotonic() - t < FROZEN:
@@ -169,9 +177,12 @@ def run() -> list[tuple[str, str, str]]:
         configs = [("bare process (no rehydrate)", "bare", False),
                    ("clock-jump only", "clock", False),
                    ("control socket set, no notify", "sock", False),
-                   ("notify restore right after restore", "sock", True)]
+                   ("notify restore right after restore", "sock", True),
+                   ("notify save before, no notice after", "save", False)]
         if baseline:
             configs.append((f"clock-jump only, baseline tree {baseline}", "old", False))
+            configs.append((f"notify save before, no notice after, baseline tree {baseline}",
+                            "oldsave", False))
         outside: dict[str, list[float]] = {name: [] for name, _, _ in configs}
         inside: dict[str, list[float]] = {name: [] for name, _, _ in configs}
         for k in range(CLONES):  # round robin: load drift hits every configuration alike

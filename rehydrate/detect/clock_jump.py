@@ -54,8 +54,11 @@ it with the restore hooks (kind ``restore``: without a notice the original after
 left it running cannot be told from a clone, and a fresh identity is the safe side). A
 job-control stop is not a checkpoint: when the detector was started from the main thread
 and ``SIGCONT`` has no handler, it records ``SIGCONT`` (a stopped process receives it
-when continued; checkpoints and freezers send none), and a freeze that ended with one
-leaves the snapshot pending. A GIL stall never ends it either.
+when continued; checkpoints and freezers send none), and a freeze of up to ``threshold``
+that ended with one leaves the snapshot pending. Telling them apart waits up to 0.2 s
+for the handler (Python runs it in the main thread); a longer freeze is a restore
+whether a snapshot is pending or not, so a clone restored after ``notify save`` runs its
+hooks at once. A GIL stall never ends a pending snapshot either.
 
 Detection latency: after a freeze the pending sleep is already overdue, so the thread
 wakes as soon as the process runs again; ``interval`` bounds only the part of the
@@ -335,7 +338,11 @@ class ClockJumpDetector(DeferringDetector):
                 limit_step = self.pending_threshold if pending else threshold
                 if step > limit_step:
                     stall = self._stall(last, marks, kernel_late, limit_step)
-                    stopped = (stall is None and pending
+                    # Only a freeze that counts because a snapshot is pending is weighed
+                    # against a job-control stop: one longer than the restore threshold
+                    # is a restore as it would be without the pending snapshot, and it
+                    # must not wait for a SIGCONT that a restored clone never receives.
+                    stopped = (stall is None and pending and step <= threshold
                                and _ContWatch.continued_since(last.now))
                     if stopped:
                         stall = "it ended with SIGCONT (a job-control stop)"

@@ -129,6 +129,30 @@ def test_a_pending_snapshot_wakes_the_thread_and_a_short_freeze_is_the_checkpoin
     assert rehydrate_engine.status().state == "ready"
 
 
+def test_a_restore_after_notify_save_does_not_wait_for_a_sigcont(rehydrate_engine,
+                                                                  monkeypatch):
+    """A clone restored from an image taken after ``notify save`` wakes with the snapshot
+    pending and receives no SIGCONT. Its freeze is longer than the restore threshold, so
+    it is a restore as it would be without the pending snapshot: the hooks run at once.
+    They used to wait the whole SIGCONT allowance first (0.2 s per clone under runsc);
+    stretched to 60 s here, that wait would outlast the 5 s the recorder allows."""
+    from rehydrate.detect import clock_jump
+
+    monkeypatch.setattr(clock_jump, "_CONT_WAIT", 60.0)
+    rec = Recorder(rehydrate_engine)
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=60, threshold=1.5, clock=clock)
+    rehydrate_engine.start([det])
+    assert clock_jump._ContWatch.installed  # started in the main thread: SIGCONT is watched
+    rehydrate_engine.simulate_snapshot()
+    wait_for(lambda: det.ticks >= 3, what="ticks in slices after the before-snapshot pass")
+    clock.offset += 10.0  # frozen from the checkpoint until this clone was restored
+    calls = rec.wait(1)
+    assert (calls[0]["reason"], calls[0]["kind"]) == ("clock-jump", "restore"), calls
+    assert det.stop_skips == 0
+    assert rehydrate_engine.wait_ready(timeout=5), rehydrate_engine.status()
+
+
 def test_stop_is_prompt_even_with_a_long_interval(rehydrate_engine):
     det = ClockJumpDetector(interval=60)
     rehydrate_engine.start([det])
@@ -309,7 +333,7 @@ READY_LOOP = textwrap.dedent("""
     ran = []
     # (when the hook ran, when the restore was first detected)
     engine.registry.after_restore(lambda ctx: ran.append((time.monotonic(), ctx.detected_at)))
-    det = ClockJumpDetector(interval=0.5, threshold=1.0)
+    det = ClockJumpDetector(interval=0.5, threshold=float(os.environ.get("THRESHOLD", "1")))
     # A control socket that is never notified: a more specific detector the clock jump
     # must not wait for (the old grace held every restore 1 s for it).
     engine.start([det, ControlDetector(os.path.join(os.environ["SOCK_DIR"], "c.sock"))])
@@ -374,18 +398,29 @@ def test_not_ready_right_after_a_freeze_until_the_hooks_ran(tmp_path):
         child.close()
 
 
-def test_job_control_stop_during_a_pending_snapshot_is_not_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("threshold", [5.0, 1.0])
+def test_job_control_stop_during_a_pending_snapshot_is_not_the_checkpoint(tmp_path,
+                                                                          threshold):
     """Issue 13 item 5: a SIGSTOP after the before-snapshot hooks (a stall, not a dump)
-    must not end the snapshot: no restore hooks, still snapshotting."""
-    child = Child(READY_LOOP, env={"MODE": "pending", "SOCK_DIR": str(tmp_path)})
+    must not end the snapshot: no restore hooks, still snapshotting — when the stop is
+    shorter than the restore threshold. A longer one is a restore, as it is without a
+    pending snapshot (a clone restored after ``notify save`` gets no SIGCONT and must
+    not wait for one)."""
+    child = Child(READY_LOOP, env={"MODE": "pending", "SOCK_DIR": str(tmp_path),
+                                   "THRESHOLD": str(threshold)})
     try:
         ready = child.next()
         assert ready["state"] == "snapshotting"
         _freeze(ready["pid"], 1.5)
         after = child.next(timeout=30)
         assert after["event"] == "after-stop"
-        assert (after["state"], after["ran"], after["jumps"]) == ("snapshotting", 0, 0), after
-        assert after["stop_skips"] == 1, after
+        if threshold > 1.5:
+            assert (after["state"], after["ran"], after["jumps"]) == (
+                "snapshotting", 0, 0), after
+            assert after["stop_skips"] == 1, after
+        else:
+            assert (after["state"], after["ran"], after["jumps"]) == ("ready", 1, 1), after
+            assert after["stop_skips"] == 0, after
     finally:
         child.close()
 

@@ -11,6 +11,8 @@ Configurations (one checkpoint image each, shared by the clones of that configur
 * ``REHYDRATE_CONTROL_SOCKET`` set, no ``notify`` at all;
 * the same image, and a late ``notify restore`` (no ``notify save`` before the
   checkpoint): a duplicate, flagged as such;
+* ``notify save`` before the checkpoint and no notice after the restore: the clock jump
+  alone, with the snapshot pending in every clone;
 * ``notify save`` + ``runsc checkpoint --leave-running`` (trixie's runsc): the original
   is ready again within a few seconds of the checkpoint without ``notify resume``; its
   clones get ``notify restore`` right away (racing the clock jump): one run;
@@ -61,6 +63,9 @@ def after_restore(ctx):
     emit(event="hook", reason=ctx.reason, kind=ctx.kind, generation=ctx.generation,
          n=len(hooks), at=hooks[-1], detected_at=ctx.detected_at, frozen_for=ctx.frozen_for)
 
+if os.environ.get("CONT_WAIT"):  # stretch the SIGCONT allowance: a wait for it shows
+    import rehydrate.detect.clock_jump
+    rehydrate.detect.clock_jump._CONT_WAIT = float(os.environ["CONT_WAIT"])
 emit(event="ready", detectors=rehydrate.start(), pid=os.getpid())
 clock = rehydrate.default_engine.detector("clock-jump")
 rehydrate.default_engine.add_status("test_clock", lambda: {{
@@ -201,6 +206,27 @@ def test_clock_jump_only_and_control_socket_without_notify(
         text = clone.exec([REHYDRATE, "notify", "restore"], timeout=60)
         assert text.returncode == 0 and "de-duplicated" in text.stdout, text
         assert len(_runs(clone)) == 1, _runs(clone)
+
+
+@pytest.mark.gvisor
+def test_notify_save_then_only_the_clock_jump_notices_the_restore(
+        gvisor_uncompressed: GVisorHarness, tmp_path: Path) -> None:
+    """``notify save`` before the checkpoint, and no notice after the restore: each clone
+    wakes with the snapshot pending, and only the clock jump sees the restore. The freeze
+    is far longer than the restore threshold, so the hooks run at once: they used to wait
+    for a SIGCONT (a job-control stop?) that a restored clone never gets, 0.2 s per clone;
+    stretched to 30 s here, that wait would fail ``_restored``'s bound."""
+    gvisor = gvisor_uncompressed
+    orig, _ = _original(gvisor, tmp_path, "saveonly", socket=True,
+                        extra_env={"CONT_WAIT": "30"})
+    assert _notify(orig, "save")["ok"] is True
+    image = orig.checkpoint()
+    _frozen_until(time.monotonic())
+    for clone in _clones(gvisor, image, orig, tmp_path, "saveonly", 3):
+        _restored(clone)
+        runs = _runs(clone)
+        assert [(r["reason"], r["kind"], r["generation"]) for r in runs] == [
+            ("clock-jump", "restore", 1)], runs
 
 
 @pytest.mark.gvisor
