@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _backoff
 from ._context import (
     HookResult,
     HookStillRunning,
@@ -79,13 +80,9 @@ class EventObserver(Protocol):
 
 
 def backoff_delay(attempt: int) -> float:
-    """Exponential backoff with jitter for retry ``attempt`` (0-based): in [cap/2, cap]."""
-    import random
-
-    cap: float = min(BACKOFF_MAX, BACKOFF_BASE * (2.0**attempt))
-    # The OS's generator, not the module-level one: a library must not advance the
-    # application's seeded ``random`` stream, and clones must not retry in lockstep.
-    return cap / 2 + random.SystemRandom().uniform(0, cap / 2)
+    """Seconds before a hook's retry ``attempt`` (0-based): in [cap/2, cap], where
+    cap = min(BACKOFF_MAX, BACKOFF_BASE * 2**attempt)."""
+    return _backoff.backoff_delay(attempt, BACKOFF_BASE, BACKOFF_MAX)
 
 
 def _observe_start(observers: Sequence[Observer], hook: Hook,

@@ -30,7 +30,6 @@ import inspect
 import logging
 import math
 import os
-import random
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _config
+from . import _backoff, _config
 from ._context import RestoreContext
 from ._hooks import Phase
 from .extensions import Probe, resolve_engine
@@ -68,10 +67,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("rehydrate")
-
-# Retry jitter from the OS's generator, not the module-level one: a library must not
-# advance the application's seeded ``random`` stream, and clones must not retry in lockstep.
-_JITTER = random.SystemRandom()
 
 DEFAULT_DEADLINE: float = _config.default("REHYDRATE_CONNECT_DEADLINE")
 """Seconds a connection may take to reopen after a restore (``REHYDRATE_CONNECT_DEADLINE``)."""
@@ -123,8 +118,7 @@ def _describe(exc: BaseException) -> str:
 
 def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_MAX) -> float:
     """Exponential backoff with jitter for retry ``attempt`` (1-based): in [d/2, d]."""
-    d = min(cap, base * (2.0 ** max(0, attempt - 1)))
-    return d / 2 + _JITTER.uniform(0, d / 2)
+    return _backoff.backoff_delay(attempt - 1, base, cap)
 
 
 def env_deadline() -> float:
