@@ -458,6 +458,11 @@ def test_backoff_delay_is_exponential_with_bounded_jitter(attempt):
         assert cap / 2 <= d <= cap
 
 
+def test_backoff_delay_stays_at_its_cap_for_any_attempt():
+    """``hook(retries=N)`` takes any N: 2.0 ** 1100 would overflow a float."""
+    assert BACKOFF_MAX / 2 <= backoff_delay(5000) <= BACKOFF_MAX
+
+
 # -- batches, observers ----------------------------------------------------------------
 
 
