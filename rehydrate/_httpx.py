@@ -118,10 +118,13 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         self._lock = threading.Lock()
         self._inner = httpx.AsyncHTTPTransport(**self._kwargs)
         self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the current pool's connections belong to (None: none opened yet)."""
+        self._home: asyncio.AbstractEventLoop | None = None
+        """The loop the application last sent a request on, kept across :meth:`reset`."""
         self.generation = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self._loop = asyncio.get_running_loop()
+        self._loop = self._home = asyncio.get_running_loop()
         return await self._inner.handle_async_request(request)
 
     def reset(self) -> None:
@@ -149,14 +152,31 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(inner.aclose(), loop))
 
     async def probe(self, request: httpx.Request) -> None:
-        """Send ``request`` (built by the client: base URL and default headers applied)
-        on a short-lived transport of the same configuration; < 500 counts as healthy."""
-        async with httpx.AsyncHTTPTransport(**self._kwargs) as transport:
-            r = await transport.handle_async_request(request)
-            try:
-                await r.aread()
-            finally:
-                await r.aclose()
+        """Send ``request`` (built by the client: base URL and default headers applied);
+        < 500 counts as healthy. On the loop the application sends its requests on (the
+        hooks run there when the engine was given that loop: ``ReadinessGate`` does), it
+        goes through the client's fresh pool, whose connection the application's first
+        request then reuses; on any other loop, whose connections the application's loop
+        could not use, through a short-lived transport of the same configuration."""
+        running = asyncio.get_running_loop()
+        with self._lock:
+            inner = self._inner
+            home = self._home
+            if running is home:
+                self._loop = running
+        if running is home:
+            await self._send(inner, request)
+        else:
+            async with httpx.AsyncHTTPTransport(**self._kwargs) as transport:
+                await self._send(transport, request)
+
+    @staticmethod
+    async def _send(transport: httpx.AsyncHTTPTransport, request: httpx.Request) -> None:
+        r = await transport.handle_async_request(request)
+        try:
+            await r.aread()
+        finally:
+            await r.aclose()
         if r.status_code >= 500:
             raise ConnectionError(f"{request.url} answered {r.status_code}")
 

@@ -649,10 +649,13 @@ def httpx_async_client(
     **client_kwargs: Any,
 ) -> Any:
     """An ``httpx.AsyncClient`` whose pool is rebuilt after every restore (see
-    :func:`httpx_client`). The pool is bound to the application's event loop, so the
-    health check (``check_url``, relative to ``base_url`` and with the client's default
-    headers, as in :func:`httpx_client`) uses a separate short-lived transport and the
-    client's new pool fills lazily on the application's loop."""
+    :func:`httpx_client`). The pool's connections belong to the event loop the
+    application sends on. When the hooks run on that loop (the engine was started with
+    it: ``rehydrate.start(loop=...)``, as ``ReadinessGate`` does), the health check
+    (``check_url``, relative to ``base_url`` and with the client's default headers, as in
+    :func:`httpx_client`) goes through the new pool, and the application's first request
+    after the restore reuses its connection; otherwise it uses a separate short-lived
+    transport and the new pool fills on the application's loop."""
     from ._httpx import make_async_client
 
     client, transport = make_async_client(client_kwargs)

@@ -304,6 +304,30 @@ async def test_httpx_async_client_keeps_object_and_rebuilds_pool(rehydrate_engin
     await client.aclose()
 
 
+async def test_the_first_request_after_a_restore_reuses_the_health_checks_connection(
+        rehydrate_engine, http_srv):
+    """The hooks run on the loop the application sends on (the engine was given it): the
+    health check goes through the client's new pool, so the first request after the
+    restore finds its connection open instead of connecting once more."""
+    client = connections.httpx_async_client("api", base_url=http_srv.url,
+                                            check_url="/health", engine=rehydrate_engine)
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)
+    assert (await client.get("/one")).text == "/one"
+    assert (await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)).ok
+    assert http_srv.port not in _remote_ports()
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    open_after_check = [c for c in connections.established_tcp()
+                        if c.remote.endswith(f":{http_srv.port}")]
+    assert len(open_after_check) == 1, open_after_check  # the check's, kept in the pool
+    r = await client.get("/two")
+    used = r.extensions["network_stream"].get_extra_info("client_addr")
+    assert open_after_check[0].local.rsplit(":", 1)[1] == str(used[1]), (used,
+                                                                        open_after_check)
+    await client.aclose()
+
+
 async def test_httpx_async_client_probe_uses_base_url_and_headers(rehydrate_engine, http_srv):
     client = connections.httpx_async_client("api", base_url=http_srv.url,
                                             headers={"x-probe": "yes"},
