@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -66,13 +67,19 @@ class KernelSleeper(Sleeper):
         _OPEN.add(self)
 
     def sleep(self, seconds: float) -> float | None:
+        armed = time.monotonic()
         self._settime(self._fd, seconds, self.period)
         # wake() sets the flag before it re-arms: seen here, or its arming ends the read.
         if self._woken.is_set():
             self._woken.clear()
             return 0.0
+        entered = time.monotonic()
         data = os.read(self._fd, 8)
         self._woken.clear()
+        if entered - armed > seconds:
+            # The deadline passed before the read began (this thread waited for the GIL
+            # after arming): the expirations count that wait, not a sleep. Unknown.
+            return None
         expirations = int.from_bytes(data, sys.byteorder)
         return max(0, expirations - 1) * self.period
 
@@ -119,7 +126,10 @@ def _timerfd() -> tuple[int, SetTime]:
     libc = ctypes.CDLL(None, use_errno=True)
     create = libc.timerfd_create
     create.argtypes = [ctypes.c_int, ctypes.c_int]
-    arm = libc.timerfd_settime
+    # Armed with the GIL held (PyDLL: the call does not release it): released there, the
+    # GIL could go to a thread that then holds it past the deadline before this thread
+    # reads, and that wait would count as expirations like a freeze.
+    arm = ctypes.PyDLL(None, use_errno=True).timerfd_settime
     arm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
     def failed(call: str) -> OSError:

@@ -103,3 +103,22 @@ def test_without_the_kernel_timer_lateness_is_unknown():
     t0 = time.monotonic()
     s.sleep(30)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_wait_between_arming_and_reading_is_not_lateness():
+    """The thread armed its timer, then (waiting for the GIL) reached its read() only
+    after the deadline: the read returns at once with the expirations of that wait, which
+    must not be taken for a freeze. Here the wait is a sleep inside the arming call."""
+    from rehydrate.detect._sleeper import _timerfd
+
+    fd, settime = _timerfd()
+
+    def arm_then_stall(fd: int, first: float, period: float) -> None:
+        settime(fd, first, period)
+        time.sleep(first + 0.3)
+
+    s = KernelSleeper(fd, arm_then_stall, 0.005)
+    try:
+        assert s.sleep(0.05) is None
+    finally:
+        s.close()
