@@ -160,11 +160,10 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         could not use, through a short-lived transport of the same configuration."""
         running = asyncio.get_running_loop()
         with self._lock:
-            inner = self._inner
-            home = self._home
-            if running is home:
+            inner, pooled = self._inner, running is self._home
+            if pooled:
                 self._loop = running
-        if running is home:
+        if pooled:
             await self._send(inner, request)
         else:
             async with httpx.AsyncHTTPTransport(**self._kwargs) as transport:
