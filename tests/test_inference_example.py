@@ -45,6 +45,7 @@ class Server:
     upstream_port: int
     env: dict[str, str]
     env_file: Path
+    log_file: Path
     process: subprocess.Popen[bytes]
     upstream: subprocess.Popen[bytes] | None
 
@@ -97,10 +98,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env.update(spec, REHYDRATE_ENV_FILE=str(env_file), HF_HUB_OFFLINE="1",
                REHYDRATE_CONTROL_SOCKET=str(tmp / "control.sock"))
     port, up_port = _free_port(), _free_port()
-    process = subprocess.Popen(
-        [sys.executable, str(EXAMPLE / "app.py"), "--port", str(port),
-         "--upstream", f"http://127.0.0.1:{up_port}"], env=env)
-    srv = Server(f"http://127.0.0.1:{port}", up_port, env, env_file, process, None)
+    log_file = tmp / "server.log"
+    with log_file.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(EXAMPLE / "app.py"), "--port", str(port),
+             "--upstream", f"http://127.0.0.1:{up_port}"], env=env, stderr=log)
+    srv = Server(f"http://127.0.0.1:{port}", up_port, env, env_file, log_file, process, None)
     try:
         srv.start_upstream()
         _wait_for(lambda: process.poll() is None and _answers(f"{srv.url}/readyz"),
@@ -160,3 +163,6 @@ def test_notify_restore_rotates_the_api_key_and_the_instance(server: Server) -> 
     hooks = {h["name"]: h["outcome"] for h in report["hooks"]}
     assert hooks["app.warmup-canary"] == "ok" and hooks["rehydrate.connections"] == "ok"
     assert "key-two" not in restored.stdout + restored.stderr  # names, never values
+    server_log = server.log_file.read_text()
+    assert "API_KEY rotated (generation 1)" in server_log
+    assert "key-one" not in server_log and "key-two" not in server_log
