@@ -190,3 +190,22 @@ def test_doctor_shows_the_effective_settings(monkeypatch, capsys):
     assert "configuration: 2 REHYDRATE_* variable(s) set" in out
     assert re.search(r"REHYDRATE_CLOCK_THRESHOLD\s+4\n", out)
     assert "REHYDRATE_CLOCK_INTERVAL   0.5  (ignored 'soon' is not a finite number" in out
+
+
+def _disable_names_checked() -> set[str]:
+    """Every name a manager passes to ``is_disabled(...)`` in the package's source."""
+    names: set[str] = set()
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "is_disabled"):
+                names.update(a.value for a in node.args
+                             if isinstance(a, ast.Constant) and isinstance(a.value, str))
+    return names
+
+
+def test_rehydrate_disable_documents_exactly_the_names_the_managers_check() -> None:
+    meaning = next(v.meaning for v in _config.VARIABLES if v.name == "REHYDRATE_DISABLE")
+    documented = set(re.findall(r"[a-z]+", meaning.split(":", 1)[1])) & (
+        _disable_names_checked() | {"all", "connections", "routes", "volumes", "files"})
+    assert documented == _disable_names_checked() | {"all"}

@@ -144,8 +144,9 @@ def _check_success(response: httpx.Response, what: str) -> None:
 
 def install(url: str, *, engine: Engine | None = None, tags: Iterable[str] | None = None,
             canary: bool = True, api_key: str | None = None,
-            deadline: float = 120.0) -> SGLangAdapter:
+            deadline: float = 120.0, request_timeout: float = 30.0) -> SGLangAdapter:
     """Create an :class:`SGLangAdapter` for ``url`` and attach its hooks to ``engine``."""
-    adapter = SGLangAdapter(url, tags=tags, canary=canary, api_key=api_key, deadline=deadline)
+    adapter = SGLangAdapter(url, tags=tags, canary=canary, api_key=api_key, deadline=deadline,
+                            request_timeout=request_timeout)
     adapter.install(engine)
     return adapter

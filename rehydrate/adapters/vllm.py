@@ -307,9 +307,10 @@ def _sampling_params() -> Any:
 
 def install(target: str | Any, *, engine: Engine | None = None, level: int = 1,
             mode: str | None = None, model: str | None = None, canary: bool = True,
-            api_key: str | None = None, deadline: float = 120.0) -> VLLMAdapter:
+            api_key: str | None = None, deadline: float = 120.0,
+            request_timeout: float = 10.0) -> VLLMAdapter:
     """Create a :class:`VLLMAdapter` for ``target`` and attach its hooks to ``engine``."""
     adapter = VLLMAdapter(target, level=level, mode=mode, model=model, canary=canary,
-                          api_key=api_key, deadline=deadline)
+                          api_key=api_key, deadline=deadline, request_timeout=request_timeout)
     adapter.install(engine)
     return adapter

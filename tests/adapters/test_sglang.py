@@ -86,11 +86,15 @@ def test_500_for_good_fails_the_snapshot_with_the_servers_reason(
     assert standin.log.count("POST /release_memory_occupation") > 1
 
 
+@pytest.mark.parametrize("via", ["adapter", "install"])
 def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
-        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any, via: str) -> None:
     """A server that accepts and never answers: each call is cut at request_timeout and
     retried, and the required hook fails once the deadline passed (never hangs)."""
-    sglang.SGLangAdapter(url, deadline=1.5, request_timeout=0.2).install(rehydrate_engine)
+    if via == "install":
+        sglang.install(url, engine=rehydrate_engine, deadline=1.5, request_timeout=0.2)
+    else:
+        sglang.SGLangAdapter(url, deadline=1.5, request_timeout=0.2).install(rehydrate_engine)
     standin.hang["/release_memory_occupation"] = 5
     t0 = time.monotonic()
     report = rehydrate_engine.simulate_snapshot()

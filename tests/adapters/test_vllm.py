@@ -129,10 +129,13 @@ def test_500_for_good_fails_the_hook_with_the_servers_reason(
         not_ready_reason(rehydrate_engine)
 
 
+@pytest.mark.parametrize("via", ["adapter", "install"])
 def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
-        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
-    adapter = vllm.VLLMAdapter(url, deadline=1.5, request_timeout=0.2)
-    adapter.install(rehydrate_engine)
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any, via: str) -> None:
+    if via == "install":
+        vllm.install(url, engine=rehydrate_engine, deadline=1.5, request_timeout=0.2)
+    else:
+        vllm.VLLMAdapter(url, deadline=1.5, request_timeout=0.2).install(rehydrate_engine)
     standin.hang["/is_sleeping"] = 5
     t0 = time.monotonic()
     report = rehydrate_engine.simulate_snapshot()
