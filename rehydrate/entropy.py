@@ -152,8 +152,15 @@ def _reseed_object(kind: str, obj: Any) -> None:
         fresh = type(bg)(np.random.SeedSequence(_seed_int(128)))
         bg.state = fresh.state
     elif kind == "numpy-randomstate":
+        # seed() accepts only MT19937; a RandomState may wrap any bit generator, whose
+        # kind is kept: a fresh one of the same kind lends its state (set_state takes it).
         np = sys.modules["numpy"]
-        obj.seed(np.frombuffer(_seed_bytes(32), dtype=np.uint32))
+        name = obj.get_state(legacy=False)["bit_generator"]
+        bit_generator = getattr(np.random, name, None)
+        if bit_generator is None:
+            raise TypeError(f"cannot reseed a RandomState over {name}: not a numpy.random "
+                            "bit generator; register a callable that reseeds it")
+        obj.set_state(bit_generator(np.random.SeedSequence(_seed_int(128))).state)
     elif kind == "torch-generator":
         obj.manual_seed(_seed_int(63))
     else:  # callable

@@ -229,6 +229,23 @@ def test_numpy_global_and_registered_generators(rehydrate_engine):
     assert type(gen.bit_generator).__name__ == "PCG64"  # the kind of generator is kept
 
 
+def test_a_random_state_over_any_bit_generator_is_reseeded_and_keeps_its_kind(
+        rehydrate_engine):
+    np = pytest.importorskip("numpy")
+    rs = np.random.RandomState(np.random.PCG64(7))
+    rs_copy = np.random.RandomState(np.random.PCG64(7))
+    rs.random_sample(3)  # mid-stream, with a cached gauss below
+    rs_copy.random_sample(3)
+    rs.standard_normal()
+    rs_copy.standard_normal()
+    entropy.register(rs, engine=rehydrate_engine)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert list(rs.random_sample(4)) != list(rs_copy.random_sample(4))
+    assert rs.get_state(legacy=False)["bit_generator"] == "PCG64"
+    assert rs.get_state(legacy=False)["has_gauss"] == 0  # no cached pre-restore normal
+
+
 def test_numpy_generators_are_held_strongly_until_unregistered(rehydrate_engine, caplog):
     """NumPy generators support no weak references: rehydrate keeps them alive (and says
     so once, at debug level) until unregister()."""
