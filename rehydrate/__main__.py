@@ -20,7 +20,27 @@ def main(argv: list[str] | None = None) -> int:
             return code
     from ._cli import main as cli_main
 
-    return cli_main(args)
+    try:
+        code = cli_main(args)
+        sys.stdout.flush()  # inside the try: a reader gone shows here, not at exit
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+EXIT_READER_GONE = 141
+"""``rehydrate status --json | head``: the reader closed the pipe. Like a shell tool
+killed by SIGPIPE (128 + 13), without a traceback."""
+
+
+def _reader_gone() -> int:
+    import os
+
+    # The interpreter flushes stdout once more at exit: point it at /dev/null first.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_READER_GONE
 
 
 def notify_main(argv: list[str] | None = None) -> int:

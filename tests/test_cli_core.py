@@ -133,3 +133,20 @@ def test_a_failed_optional_hook_is_called_optional_in_the_summary():
     report["ok"] = False
     report["hooks"].append({"name": "api", "outcome": "timeout", "required": True})
     assert ", failed: api, optional hook(s) failed (not fatal): warm-cache" in _summary(report)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """``rehydrate doctor --json | head -1``: the pipe's reader is gone before the output
+    is written — exit 141 (as SIGPIPE would), no traceback."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rehydrate", "doctor", "--json"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=60, check=False)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""
