@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import sys
 
+EXIT_READER_GONE = 141
+"""``rehydrate status --json | head``: the reader closed the pipe. Like a shell tool
+killed by SIGPIPE (128 + 13), without a traceback."""
+
 
 def main(argv: list[str] | None = None) -> int:
     """``rehydrate COMMAND …``."""
@@ -26,11 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_gone()
     return code
-
-
-EXIT_READER_GONE = 141
-"""``rehydrate status --json | head``: the reader closed the pipe. Like a shell tool
-killed by SIGPIPE (128 + 13), without a traceback."""
 
 
 def _reader_gone() -> int:
