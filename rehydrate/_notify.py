@@ -372,15 +372,27 @@ class Options:
         self.expect_pid = expect_pid
 
 
+MAX_TIMEOUT = 31_536_000.0
+"""A year: a longer wait is a mistake, and beyond ~2**33 s the platform's clocks overflow."""
+
+
+def timeout_value(value: object) -> float:
+    """A timeout in seconds: a number (not a bool), > 0 and at most :data:`MAX_TIMEOUT`
+    (``ValueError`` with the reason otherwise; NaN and infinity are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"not a number of seconds: {value!r}")
+    if not 0 < value <= MAX_TIMEOUT:
+        raise ValueError(f"must be > 0 and at most {MAX_TIMEOUT:.0f} (a year), not {value!r}")
+    return float(value)
+
+
 def positive(text: str) -> float:
-    """``--timeout``: a number > 0 (ValueError with the reason otherwise)."""
+    """``--timeout``: :func:`timeout_value` of a command-line word."""
     try:
         value = float(text)
     except ValueError:
         raise ValueError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise ValueError("must be > 0")
-    return value
+    return timeout_value(value)
 
 
 def ident(text: str) -> int:

@@ -15,6 +15,7 @@ import os
 import stat
 import time
 
+from ._notify import timeout_value
 from .detect.gvisor import (
     _OPEN_READ,
     _OPEN_WRITE,
@@ -60,7 +61,8 @@ def trigger_snapshot(
 
     Raises :class:`TriggerNotPermitted` (naming the annotation) when gVisor refuses the
     write, :class:`GVisorError` when the file is missing or unusable, ``TimeoutError``
-    when ``timeout`` seconds pass without an answer.
+    when ``timeout`` seconds pass without an answer, ``ValueError`` (before anything runs)
+    when ``timeout`` is not a number of seconds > 0 and at most a year.
 
     A failure after the before-snapshot hooks ran never leaves the process
     ``snapshotting``: the resume hooks run (kind ``resume``, not a freeze anchor) before
@@ -71,6 +73,8 @@ def trigger_snapshot(
     bound). Without a waiter a late answer is not read: a restore after such a timeout is
     left to the generic detectors (clock jump …).
     """
+    if timeout is not None:
+        timeout = timeout_value(timeout)  # ValueError before any hook runs
     engine = resolve_engine(engine)
     deadline = None if timeout is None else time.monotonic() + timeout
     waiter = engine.detector("gvisor")

@@ -155,6 +155,9 @@ def test_a_server_of_another_pid_is_refused_before_anything_is_sent(
 
 @pytest.mark.parametrize("argv, words", [
     (["--timeout", "0"], "must be > 0"),
+    (["--timeout", "inf"], "at most"),
+    (["--timeout", "1e400"], "at most"),
+    (["--timeout", "nan"], "must be > 0"),
     (["--timeout=soon"], "not a number"),
     (["bogus"], "invalid choice"),
     (["restore", "save"], "unrecognized arguments"),

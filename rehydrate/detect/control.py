@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from .. import _config
 from .._context import Report, describe_error
 from .._contract import Probe
+from .._notify import timeout_value
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
 from . import Detector
@@ -473,21 +474,24 @@ class ControlServer:
             cmd = req.get("cmd")  # type: ignore[assignment]
             if not isinstance(cmd, str):
                 raise _BadRequest('a request needs "cmd" (a string)')
-            reply = self._dispatch(cmd, req)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             # JSONDecodeError is a ValueError; nesting deeper than the parser's recursion
             # limit is a RecursionError: bad input too, one line, no traceback
             if isinstance(exc, _BadRequest):
-                what = str(exc)
+                reply = _bad_request(str(exc))
             elif isinstance(exc, RecursionError):
-                what = "not valid JSON (nested too deeply)"
+                reply = _bad_request("not valid JSON (nested too deeply)")
             else:
-                what = f"not valid JSON ({describe_error(exc)})"
-            log.warning("control socket: bad request: %s", what)
-            reply = {"ok": False, "error": f"bad request: {what}"}
-        except Exception as exc:
-            log.exception("control command %s failed", cmd)
-            reply = {"ok": False, "error": describe_error(exc)}
+                reply = _bad_request(f"not valid JSON ({describe_error(exc)})")
+        else:
+            # Outside the parsing above: a ValueError from a command is no JSON error.
+            try:
+                reply = self._dispatch(cmd, req)
+            except _BadRequest as exc:
+                reply = _bad_request(str(exc))
+            except Exception as exc:
+                log.exception("control command %s failed", cmd)
+                reply = {"ok": False, "error": describe_error(exc)}
         if req_id is not None:
             reply["id"] = req_id
         self.served += 1
@@ -577,8 +581,11 @@ class ControlServer:
         from .gvisor import GVisorError
 
         timeout = req.get("timeout")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise _BadRequest('"timeout" must be a positive number of seconds')
+        if timeout is not None:
+            try:
+                timeout = timeout_value(timeout)
+            except ValueError as exc:  # checked before any hook runs or anything is written
+                raise _BadRequest(f'"timeout": {exc}') from None
         try:
             answer = trigger_snapshot(self.engine, timeout=timeout)
         except (GVisorError, TimeoutError) as exc:
@@ -591,6 +598,11 @@ class ControlServer:
     def info(self) -> dict[str, Any]:
         return {"socket": self.path, "served": self.served, "refused": self.refused,
                 "evicted": self.evicted}
+
+
+def _bad_request(what: str) -> dict[str, Any]:
+    log.warning("control socket: bad request: %s", what)
+    return {"ok": False, "error": f"bad request: {what}"}
 
 
 class ControlDetector(Detector):

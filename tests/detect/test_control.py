@@ -323,6 +323,45 @@ def test_garbage_json_gets_error_and_connection_keeps_serving(server: ControlSer
         c.close()
 
 
+def test_a_bad_trigger_timeout_is_refused_before_anything_runs(
+        server: ControlServer, engine: Lifecycle, sock_path: str, short_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN, infinity, a bool, a string, a negative or absurd number: a bad request, before
+    any before-snapshot hook runs or anything is written to the checkpoint file."""
+    proc = short_dir / "gvisor"
+    proc.mkdir()
+    (proc / "checkpoint").write_text("")
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(proc))
+    ran: list[int] = []
+    engine.registry.before_snapshot(name="app")(lambda: ran.append(1))
+    c = Conn(sock_path)
+    try:
+        for bad in (b"NaN", b"Infinity", b"true", b"-1", b"1e12", b'"5"'):
+            c.send(b'{"cmd": "trigger", "timeout": ' + bad + b"}\n")
+            reply = c.reply()
+            assert reply["ok"] is False, (bad, reply)
+            assert reply["error"].startswith('bad request: "timeout": '), (bad, reply)
+    finally:
+        c.close()
+    assert ran == [] and (proc / "checkpoint").read_text() == ""
+
+
+def test_a_failing_command_is_not_called_bad_json(server: ControlServer, engine: Lifecycle,
+                                                  sock_path: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("something inside the command")
+
+    monkeypatch.setattr(engine, "status", broken)
+    c = Conn(sock_path)
+    try:
+        reply = c.ask({"cmd": "status"})
+    finally:
+        c.close()
+    assert reply["ok"] is False and "not valid JSON" not in reply["error"]
+    assert "something inside the command" in reply["error"]
+
+
 def test_unknown_command(server: ControlServer, sock_path: str) -> None:
     reply = request("reboot", socket_path=sock_path, id="x1")
     assert reply == {"ok": False, "id": "x1",

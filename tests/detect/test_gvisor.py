@@ -545,6 +545,20 @@ def test_trigger_times_out_without_answer(iso_engine: Lifecycle, pty_proc: Path)
     assert platform.triggers == [b"1"]
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, 1e12, True, "5"])
+def test_a_bad_trigger_timeout_is_refused_before_anything_runs(
+        iso_engine: Lifecycle, pty_proc: Path, timeout: object) -> None:
+    ran: list[int] = []
+    iso_engine.registry.before_snapshot(name="app")(lambda: ran.append(1))
+    platform = FakePlatform(pty_proc, reply=b"resume")
+    try:
+        with pytest.raises(ValueError, match="seconds|at most"):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=timeout)  # type: ignore[arg-type]
+    finally:
+        platform.close()
+    assert ran == [] and platform.triggers == []
+
+
 def test_trigger_refuses_a_fifo_and_a_missing_file(iso_engine: Lifecycle, proc: Path,
                                                    tmp_path: Path) -> None:
     with pytest.raises(GVisorError, match="FIFO"):
