@@ -74,7 +74,10 @@ def _name(key: bytes) -> str:
 
 
 def parse_environ(data: bytes) -> dict[bytes, bytes]:
-    """Parse ``KEY=VALUE\\0KEY=VALUE\\0…``. A repeated key: the last one wins.
+    """Parse ``KEY=VALUE\\0KEY=VALUE\\0…`` (``/proc/PID/environ``, gVisor's
+    ``spec_environ``). A repeated key: the last one wins. Data without any NUL is one
+    entry per line (``env`` output, a hand-written file): ``KEY=VALUE\\n`` must not set a
+    value ending in a newline, nor ``A=1\\nB=2`` one variable ``A`` holding both.
 
     Raises :class:`EnvError` (naming the entry, never its value) for an entry without
     ``=``, an empty key, or a file with no entries at all, so that a half-written or
@@ -82,8 +85,9 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     """
     if len(data) > MAX_ENVIRON_BYTES:
         raise EnvError(f"larger than the {MAX_ENVIRON_BYTES} bytes accepted")
+    separator = b"\0" if b"\0" in data else b"\n"
     result: dict[bytes, bytes] = {}
-    for index, entry in enumerate(data.split(b"\0"), start=1):
+    for index, entry in enumerate(data.split(separator), start=1):
         if not entry:
             continue  # the trailing NUL, or an empty slot between two NULs
         key, sep, value = entry.partition(b"=")

@@ -369,6 +369,9 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     try:
         data = json.loads(Path(path).read_text())
+    except RecursionError:
+        raise ManifestError(f"cannot read manifest {os.fspath(path)}: not a manifest "
+                            "(JSON nested too deeply)") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ManifestError(f"cannot read manifest {os.fspath(path)}: "
                             f"{type(exc).__name__}: {exc}") from exc
@@ -672,16 +675,14 @@ def engine_started(engine: Engine) -> None:
 def _read_workload_env(path: str) -> dict[str, str]:
     """A workload's environment from ``path``: ``KEY=VALUE`` entries separated by NULs
     (``/proc/PID/environ``, gVisor's ``spec_environ``) or by newlines (``env`` output)."""
-    from .env import EnvError, parse_environ
+    from .env import MAX_ENVIRON_BYTES, EnvError, parse_environ
 
     try:
         with open(path, "rb") as f:
-            data = f.read(1 << 20)
+            data = f.read(MAX_ENVIRON_BYTES + 1)  # one more: a larger file is refused
     except OSError as exc:
         raise ManifestError(f"cannot read environment file {path}: "
                             f"{exc.strerror or exc}") from None
-    if b"\0" not in data:
-        data = data.replace(b"\n", b"\0")
     try:
         parsed = parse_environ(data)
     except EnvError as exc:

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rehydrate import EnvChanges, Lifecycle, Registry
@@ -92,7 +92,18 @@ def test_parse_round_trips_any_bytes(entries, trailing_nul):
     data = b"\0".join(k + b"=" + v for k, v in entries.items())
     if trailing_nul:
         data += b"\0"
+    # without any NUL the data is one entry per line (next test)
+    assume(b"\0" in data or b"\n" not in data)
     assert parse_environ(data) == entries
+
+
+def test_data_without_a_nul_is_one_entry_per_line():
+    assert parse_environ(b"API_KEY=new\nDB_URL=x\n") == {b"API_KEY": b"new", b"DB_URL": b"x"}
+    assert parse_environ(b"A=1\n\nB=2") == {b"A": b"1", b"B": b"2"}
+    with pytest.raises(EnvError, match="entry 2 has no '='"):
+        parse_environ(b"PEM=-----BEGIN\nabc\n")  # never half a value
+    # one NUL anywhere: the NUL format, where a value may hold newlines
+    assert parse_environ(b"PEM=a\nb\0") == {b"PEM": b"a\nb"}
 
 
 # -- diff -------------------------------------------------------------------------------

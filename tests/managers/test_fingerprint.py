@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import rehydrate
+from rehydrate import env as fp_env
 from rehydrate import fingerprint as fp
 from rehydrate._cli import check_manifest
 
@@ -221,6 +222,22 @@ def test_check_cli_exit_2_for_invalid_manifest_with_one_readable_line(tmp_path):
         (line,) = res.stderr.strip().splitlines()
         assert line.startswith("rehydrate check: ") and str(path) in line
     assert "cpu_flags" in line
+
+
+def test_check_exit_2_for_a_manifest_nested_too_deeply_and_an_oversized_env_file(
+        tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert check_manifest(str(deep)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "nested too deeply" in line and str(deep) in line
+    manifest = tmp_path / "m.json"
+    fp.write_manifest(fp.fingerprint(env_keys=["HOME"]), manifest)
+    env_file = tmp_path / "big.env"  # what a 1 MiB read used to cut short, then compare
+    env_file.write_bytes(b"PAD=" + b"x" * (fp_env.MAX_ENVIRON_BYTES + 10) + b"\nHOME=/x\n")
+    assert check_manifest(str(manifest), env_file=str(env_file)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "larger than" in line and str(env_file) in line
 
 
 def test_main_check_maps_errors_from_comparing_to_exit_2(tmp_path, monkeypatch, capsys):
