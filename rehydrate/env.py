@@ -315,6 +315,13 @@ def check_overlay(overlay: object) -> None:
                             f"not {type(value).__name__}")
         if not name or "=" in name or "\0" in name or (value is not None and "\0" in value):
             raise EnvError(f"invalid environment entry {name!r} (empty key, '=' or NUL)")
+        try:  # what applying it does: a lone surrogate would fail there, half applied
+            os.fsencode(name)
+            if value is not None:
+                os.fsencode(value)
+        except UnicodeEncodeError:
+            raise EnvError(f"invalid environment entry {name!a} (not encodable "
+                           "for the environment)") from None
 
 
 def _present(path: str) -> bool:

@@ -267,6 +267,10 @@ def test_simulate(server: ControlServer, engine: Lifecycle, sock_path: str,
     assert not bad["ok"] and "env" in bad["error"]
     bad = request("simulate", socket_path=sock_path, event="explode")
     assert not bad["ok"] and "event" in bad["error"]
+    before = (engine.state, engine.generation)
+    bad = request("simulate", socket_path=sock_path, env={"A": "lone \ud800"})
+    assert not bad["ok"] and bad["error"].startswith("bad request"), bad
+    assert (engine.state, engine.generation) == before  # nothing ran
 
 
 @contextlib.contextmanager

@@ -303,7 +303,8 @@ def test_overlay_sets_and_removes(environ):
     assert b"RHT_X" not in environ and environ[b"RHT_Y"] == b"2"
 
 
-@pytest.mark.parametrize("bad", [{"": "x"}, {"A=B": "x"}, {"A": "nul\0inside"}])
+@pytest.mark.parametrize("bad", [{"": "x"}, {"A=B": "x"}, {"A": "nul\0inside"},
+                                 {"RHT_S": "lone \ud800 surrogate"}, {"RHT_\udfff": "x"}])
 def test_invalid_overlay_is_refused_before_anything_is_applied(environ, bad):
     snapshot = dict(environ)
     with pytest.raises(EnvError):
