@@ -34,6 +34,11 @@ __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "i
            "optional_number", "text"]
 
 
+MAX_SECONDS = 31_536_000.0
+"""A year: the most any ``seconds`` setting (or timeout) may be. A longer wait is a mistake,
+and from about 2**33 s the platform's clocks and thread waits overflow."""
+
+
 class Variable:
     """One ``REHYDRATE_*`` setting (read-only by convention).
 
@@ -156,10 +161,13 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
         number = float(low)
     except ValueError:
         number = math.nan
+    at_most = MAX_SECONDS if var.type == "seconds" else math.inf
     if math.isfinite(number) and (number > var.minimum if var.positive
-                                  else number >= var.minimum):
+                                  else number >= var.minimum) and number <= at_most:
         return number, None
     rule = f"> {var.minimum:g}" if var.positive else f">= {var.minimum:g}"
+    if var.type == "seconds":
+        rule += f" and <= {MAX_SECONDS:.0f} (a year)"
     return var.default, f"a finite number {rule}" + (" (or off)" if var.off_ok else "")
 
 

@@ -372,8 +372,7 @@ class Options:
         self.expect_pid = expect_pid
 
 
-MAX_TIMEOUT = 31_536_000.0
-"""A year: a longer wait is a mistake, and beyond ~2**33 s the platform's clocks overflow."""
+MAX_TIMEOUT = _config.MAX_SECONDS
 
 
 def timeout_value(value: object) -> float:

@@ -141,11 +141,13 @@ def test_good_values(monkeypatch, caplog, name, raw, value):
 
 
 @pytest.mark.parametrize(("name", "raw", "expected"), [
-    ("REHYDRATE_CLOCK_INTERVAL", "soon", "a finite number >= 0.001"),
-    ("REHYDRATE_CLOCK_INTERVAL", "0", "a finite number >= 0.001"),
-    ("REHYDRATE_CLOCK_INTERVAL", "inf", "a finite number >= 0.001"),
-    ("REHYDRATE_CONNECT_DEADLINE", "0", "a finite number > 0"),
-    ("REHYDRATE_SNAPSHOT_DEADLINE", "-5", "a finite number > 0 (or off)"),
+    ("REHYDRATE_CLOCK_INTERVAL", "soon", "a finite number >= 0.001 and <= 31536000 (a year)"),
+    ("REHYDRATE_CLOCK_INTERVAL", "0", "a finite number >= 0.001 and <= 31536000 (a year)"),
+    ("REHYDRATE_CLOCK_INTERVAL", "inf", "a finite number >= 0.001 and <= 31536000 (a year)"),
+    ("REHYDRATE_IDENTITY_INTERVAL", "1e10",  # a thread waiting that long overflows
+     "a finite number >= 0.001 and <= 31536000 (a year)"),
+    ("REHYDRATE_CONNECT_DEADLINE", "0", "a finite number > 0 and <= 31536000 (a year)"),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "-5", "a finite number > 0 and <= 31536000 (a year) (or off)"),
     ("REHYDRATE_TELEMETRY", "maybe", "1 or 0"),
     ("REHYDRATE_ENV_POLICY", "merge", "one of update, replace, off"),
 ])

@@ -32,8 +32,9 @@ def env_kind(name: str) -> Literal["restore", "resume"]:
 
 
 def positive(value: float, what: str) -> float:
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{what} must be a positive finite number of seconds, not {value!r}")
+    if not 0 < value <= _config.MAX_SECONDS:
+        raise ValueError(f"{what} must be a number of seconds > 0 and at most "
+                         f"{_config.MAX_SECONDS:.0f} (a year), not {value!r}")
     return value
 
 

@@ -69,10 +69,14 @@ def _configured_signal() -> signal.Signals:
     if not raw:
         return DEFAULT_SIGNAL
     try:
-        return parse_signal(raw)
+        signum = parse_signal(raw)
     except ValueError:
         log.warning("REHYDRATE_SIGNAL is not a signal name or number; using SIGUSR2")
         return DEFAULT_SIGNAL
+    if signum in _UNCATCHABLE:
+        log.warning("REHYDRATE_SIGNAL=%s cannot be caught; using SIGUSR2", signum.name)
+        return DEFAULT_SIGNAL
+    return signum
 
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}

@@ -106,6 +106,8 @@ def test_configuration_from_environment(monkeypatch, caplog):
     assert det.threshold <= 5.0  # DESIGN: the default is at most 5 s
     with pytest.raises(ValueError):
         ClockJumpDetector(interval=0)
+    with pytest.raises(ValueError, match="at most 31536000"):
+        ClockJumpDetector(interval=1e10)  # its thread's wait would overflow
 
 
 def test_a_pending_snapshot_wakes_the_thread_and_a_short_freeze_is_the_checkpoint(

@@ -100,6 +100,9 @@ def test_parsing_and_configuration(monkeypatch):
     assert (det.signum, det.kind) == (signal.SIGHUP, "resume")
     monkeypatch.setenv("REHYDRATE_SIGNAL", "bogus")
     assert SignalDetector().signum is signal.SIGUSR2
+    for uncatchable in ("SIGKILL", "9", "STOP"):  # a setting: a warning, not a crash
+        monkeypatch.setenv("REHYDRATE_SIGNAL", uncatchable)
+        assert SignalDetector().signum is signal.SIGUSR2
 
 
 def test_off_unless_asked_for():
