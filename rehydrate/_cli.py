@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -70,6 +71,13 @@ def _doctor_files(args: argparse.Namespace) -> int:
         pid, proc=args.proc, status=None if status is None else status.get("files")))
 
 
+def _pid_arg(text: str) -> str:
+    """``--pid``: ``self`` or a process ID (a whole number > 0)."""
+    if text == "self" or (text.isdigit() and int(text) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"not a process ID (a number > 0) or 'self': {text!r}")
+
+
 def _doctor_process(
     args: argparse.Namespace, option: str,
     report: Callable[[str, dict[str, Any] | None], tuple[dict[str, Any], str]],
@@ -98,6 +106,12 @@ def _doctor_process(
                 _print_json({"ok": False, "error": message})
             return EXIT_FAILED
         pid = str(server_pid)
+    if pid != "self" and not os.path.isdir(os.path.join(args.proc, str(pid))):
+        message = f"doctor {option}: no process {pid} here"
+        print(f"rehydrate: {message}", file=sys.stderr)
+        if args.json:
+            _print_json({"ok": False, "error": message})
+        return EXIT_FAILED
     status = None
     if server_pid is not None and str(pid) == str(server_pid) and reply is not None:
         status = reply.get("status") or {}
@@ -244,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="list a process's descriptors on volumes the snapshot does not "
                              "hold (restored by path with no change check; a deleted one "
                              "makes a gVisor checkpoint fail)")
-    doctor.add_argument("--pid", default=None,
+    doctor.add_argument("--pid", default=None, type=_pid_arg,
                         help="process to inspect with --connections / --files (\"self\": "
                              "this command; default: the process behind the control "
                              "socket)")

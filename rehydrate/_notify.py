@@ -239,6 +239,19 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
+def not_a_socket(path: str) -> str | None:
+    """Why ``path`` cannot be a control socket although something is there, else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    kind = "a directory" if stat.S_ISDIR(mode) else (
+        "a regular file" if stat.S_ISREG(mode) else "not a socket")
+    return f"{path} exists and is {kind}, not a socket"
+
+
 def _connect(sock: _socket.socket, path: str, deadline: float | None) -> None:
     """Connect, waiting out a full listen backlog (``EAGAIN``) until ``deadline``."""
     delay = 0.002
@@ -262,8 +275,8 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
         try:
             _connect(sock, path, deadline)
         except OSError as exc:
-            raise ControlError(f"cannot reach the process at {path}: "
-                               f"{exc.strerror or exc}") from None
+            why = not_a_socket(path) or exc.strerror or str(exc)
+            raise ControlError(f"cannot reach the process at {path}: {why}") from None
         check(sock)
         sock.settimeout(_remaining(deadline))
         buf = b""

@@ -150,3 +150,15 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
         os.close(write_end)
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("option", ["--connections", "--files"])
+def test_doctor_refuses_a_pid_that_is_not_one(option, capsys):
+    for bad in ("abc", "-1", "0"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["doctor", option, "--pid", bad])
+        assert exc.value.code == 2
+        assert "not a process ID" in capsys.readouterr().err
+    assert cli.main(["doctor", option, "--pid", "999999999"]) == 1  # no such process
+    err = capsys.readouterr().err
+    assert err == f"rehydrate: doctor {option}: no process 999999999 here\n"

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from .. import _config
 from .._context import Report, describe_error
 from .._contract import Probe
-from .._notify import timeout_value
+from .._notify import not_a_socket, timeout_value
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
 from . import Detector
@@ -619,7 +619,8 @@ class ControlDetector(Detector):
     @classmethod
     def probe(cls) -> Probe:
         path = socket_path()
-        why = _dir_problem(os.path.dirname(os.path.abspath(path))) or squatter(path)
+        why = (_dir_problem(os.path.dirname(os.path.abspath(path))) or not_a_socket(path)
+               or squatter(path))
         return Probe(why is None, why or "")
 
     @classmethod

@@ -784,6 +784,18 @@ def test_doctor_lists_gvisor_and_control() -> None:
     assert "gvisor" in r.stdout and "control" in r.stdout
 
 
+def test_a_path_that_is_not_a_socket_is_named_as_such(short_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    regular = short_dir / "regular"
+    regular.write_text("")
+    for path, kind in ((regular, "a regular file"), (short_dir, "a directory")):
+        with pytest.raises(ControlError, match=f"exists and is {kind}, not a socket"):
+            request("status", socket_path=str(path))
+        monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", str(path))
+        probe = ControlDetector.probe()
+        assert not probe.usable and f"exists and is {kind}" in probe.reason, probe
+
+
 def test_request_client_errors(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("REHYDRATE_CONTROL_SOCKET", raising=False)
     with pytest.raises(ControlError, match="cannot reach"):
