@@ -15,13 +15,16 @@ from ._notify import (
     CRIU_ACTION,
     DEFAULT_TIMEOUT,
     EXIT_OK,
+    EXIT_UNREACHABLE,
     GVISOR_MODE,
     NOTIFY_CMD,
     ControlError,
     Options,
     UntrustedSocket,
+    as_list,
     call,
     dump,
+    err,
     find_socket,
     ident,
     notify,
@@ -55,6 +58,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if reply is None or code != EXIT_OK:
         return code
     status = reply.get("status") or {}
+    if not isinstance(status, dict):
+        err(f"status: the process answered a status of an unexpected shape "
+            f"({type(status).__name__}): another rehydrate version?")
+        return EXIT_UNREACHABLE
     if args.json:
         dump(status)
         return EXIT_OK
@@ -62,9 +69,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"state:       {status.get('state')}")
     print(f"generation:  {status.get('generation')}")
     print(f"ready:       {status.get('ready')}")
-    print(f"detectors:   {', '.join(status.get('detectors') or []) or 'none'}")
+    print(f"detectors:   {', '.join(map(str, as_list(status.get('detectors')))) or 'none'}")
     print(f"last_report: {summary(status.get('last_report'))}")
-    for name, why in sorted((status.get("detector_errors") or {}).items()):
+    errors = status.get("detector_errors")
+    for name, why in sorted((errors if isinstance(errors, dict) else {}).items()):
         print(f"NOT RUNNING: {name}: {why}")
     return EXIT_OK
 

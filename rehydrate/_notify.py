@@ -302,7 +302,7 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
         raise ControlError(f"{path} closed the connection without a reply")
     try:
         reply = _decode(line)
-    except ValueError:  # UnicodeDecodeError is one too
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
         raise ControlError(f"unreadable reply from {path}") from None
     if not isinstance(reply, dict) or "ok" not in reply:
         raise ControlError(f"unexpected reply from {path}")
@@ -327,22 +327,34 @@ def dump(data: object) -> None:
     sys.stdout.write("\n")
 
 
-def summary(report: dict[str, Any] | None) -> str:
-    """One line for a report dict: event, kind, reason, generation, ok, hooks, failures."""
+def summary(report: object) -> str:
+    """One line for a report dict: event, kind, reason, generation, ok, hooks, failures
+    (a reply of another shape — another rehydrate version — is said to be one)."""
     if not report:
         return "none"
-    hooks = report.get("hooks") or []
+    if not isinstance(report, dict):
+        return f"a report of an unexpected shape ({type(report).__name__})"
+    hooks = [h for h in as_list(report.get("hooks")) if isinstance(h, dict)]
     bad = [h for h in hooks if h.get("outcome") in ("failed", "timeout")]
     failed = [str(h.get("name")) for h in bad if h.get("required", True)]
     optional = [str(h.get("name")) for h in bad if not h.get("required", True)]
     text = (f"{report.get('event')} kind={report.get('kind')} reason={report.get('reason')} "
             f"generation={report.get('generation')} ok={report.get('ok')} "
-            f"{len(hooks)} hook(s) in {float(report.get('duration') or 0) * 1000:.1f} ms")
+            f"{len(hooks)} hook(s) in {_number(report.get('duration')) * 1000:.1f} ms")
     if failed:
         text += f", failed: {', '.join(failed)}"
     if optional:  # reported, but they do not make the report fail
         text += f", optional hook(s) failed (not fatal): {', '.join(optional)}"
     return text
+
+
+def as_list(value: object) -> list[Any]:
+    """``value`` when a reply gave a list, else empty (a reply is data, not trusted code)."""
+    return value if isinstance(value, list) else []
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None,

@@ -1056,3 +1056,54 @@ def test_a_request_must_arrive_within_the_idle_limit(
             c.reply()
     finally:
         c.close()
+
+
+@contextlib.contextmanager
+def _fake_server(path: str, reply: bytes) -> Iterator[None]:
+    """A server on ``path`` that answers every request with ``reply`` (another rehydrate
+    version, or a bug): what the client makes of replies of the wrong shape."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply + b"\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
+        listener.close()
+
+
+@pytest.mark.parametrize("reply", [
+    b'{"ok": true, "status": "x", "report": 5}',
+    b'{"ok": true, "status": {"detectors": 5, "detector_errors": [1], "last_report": 7}}',
+    b'{"ok": true, "status": {"last_report": {"hooks": 3, "duration": "slow"}}}',
+    b'{"ok": true, "report": {"hooks": [1, {"outcome": "failed"}]}}',
+    b'{"ok": true, "report": 5}',
+    b"[" * 100_000 + b"]" * 100_000,
+])
+def test_replies_of_an_unexpected_shape_are_one_line_not_a_traceback(
+        short_dir: Path, capsys: pytest.CaptureFixture[str], reply: bytes) -> None:
+    from rehydrate.__main__ import main
+
+    path = str(short_dir / "fake.sock")
+    with _fake_server(path, reply):
+        for argv in (["status", "--socket", path], ["notify", "restore", "--socket", path]):
+            code = main(argv)  # no exception escapes
+            out, err = capsys.readouterr()
+            assert code in (0, 2, 3), (argv, code, out, err)
+            assert "Traceback" not in err and len(err.splitlines()) <= 1, err
