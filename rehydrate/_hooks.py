@@ -126,6 +126,12 @@ def _arity(fn: HookFn) -> int:
     return n
 
 
+def _is_generator(fn: HookFn) -> bool:
+    import inspect
+
+    return inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+
+
 def _is_async(fn: HookFn) -> bool:
     import inspect
 
@@ -175,12 +181,25 @@ class Registry:
         """Register ``fn`` and return its record (pass it to :meth:`unregister`)."""
         if not callable(fn):
             raise TypeError(f"hook must be callable, got {type(fn).__name__}")
+        if _is_generator(fn):
+            # calling one only builds a generator: the body would never run
+            raise TypeError(f"hook {_default_name(fn)} is a generator function; a hook "
+                            "must be a plain or async function")
         if event not in ("restore", "snapshot"):
             raise ValueError(f"event must be 'restore' or 'snapshot', not {event!r}")
         phase = Phase(phase)
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))):
+            raise TypeError(f"timeout must be a number of seconds or None, "
+                            f"not {type(timeout).__name__}")
         if timeout is not None and not timeout > 0:  # also refuses NaN
             raise ValueError(f"timeout must be a positive number of seconds (or None for no "
                              f"limit), not {timeout!r}")
+        if not isinstance(required, bool):
+            raise TypeError(f"required must be True or False, not {required!r}")
+        if name is not None and (not isinstance(name, str) or not name.strip()
+                                 or not name.isprintable()):
+            raise TypeError(f"name must be a non-empty printable str, not {name!r}")
         for what, value in (("order", order), ("retries", retries)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{what} must be an int, not {type(value).__name__}")

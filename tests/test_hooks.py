@@ -125,6 +125,14 @@ def test_module_level_decorators_use_the_default_registry():
         ({"order": "1"}, TypeError),
         ({"order": None}, TypeError),
         ({"event": "boot"}, ValueError),
+        ({"timeout": True}, TypeError),
+        ({"timeout": "5"}, TypeError),
+        ({"required": "no"}, TypeError),
+        ({"required": 0}, TypeError),
+        ({"name": 5}, TypeError),  # report.table() would fail on it later
+        ({"name": ["x"]}, TypeError),
+        ({"name": ""}, TypeError),
+        ({"name": "a\nb"}, TypeError),  # one report row, one log line
     ],
 )
 def test_invalid_options_are_refused(kwargs, exc):
@@ -481,3 +489,17 @@ def test_swapping_the_engine_registry_takes_effect(rehydrate_engine):
     rehydrate_engine.registry = second
     rehydrate_engine.simulate_restore()
     assert calls == ["first", "second"]
+
+
+def test_generator_functions_are_refused_their_body_would_never_run():
+    def gen():
+        yield
+
+    async def agen():
+        yield
+
+    reg = Registry()
+    for fn in (gen, agen):
+        with pytest.raises(TypeError, match="is a generator function"):
+            reg.register(fn)
+    assert len(reg) == 0
