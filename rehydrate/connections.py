@@ -803,6 +803,15 @@ class ManagedSocket:
         return getattr(self.sock, item)
 
 
+def _check_address(address: object) -> None:
+    """Refuse at registration what a connect would fail on (or, for a port above 65535,
+    silently wrap into another port) in the background for the whole deadline."""
+    if (not isinstance(address, tuple) or len(address) != 2
+            or not isinstance(address[0], str) or isinstance(address[1], bool)
+            or not isinstance(address[1], int) or not 0 <= address[1] <= 65535):
+        raise ValueError(f"address must be (host, port) with a port 0-65535, not {address!r}")
+
+
 def tcp_socket(
     name: str,
     address: tuple[str, int],
@@ -815,7 +824,9 @@ def tcp_socket(
     replace: bool = False,
 ) -> ManagedSocket:
     """A raw TCP client socket managed by rehydrate. The first connect runs in the
-    background (registration never blocks); ``check(sock)`` may verify e.g. a greeting."""
+    background (registration never blocks); ``check(sock)`` may verify e.g. a greeting.
+    ``address``: ``(host, port)``, port 0-65535 (``ValueError`` otherwise, at once)."""
+    _check_address(address)
     ms = ManagedSocket(address, timeout)
     chk = (lambda: check(ms.sock)) if check is not None else None
     register(name, open=ms.connect, close=ms.close, check=chk, required=required,

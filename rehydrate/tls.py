@@ -688,6 +688,19 @@ def _signing_hash(key: Any) -> Any:
     return hashes.SHA256()
 
 
+def _san_list(sans: Sequence[str] | str) -> tuple[str, ...]:
+    """``sans`` as a tuple of names: one string is one name (``tuple("localhost")`` would
+    be nine one-letter names), anything else must hold only strings."""
+    if isinstance(sans, str):
+        return (sans,)
+    names = tuple(sans)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise TypeError(f"sans must be non-empty strings (DNS names or IP addresses), "
+                        f"not {bad[0]!r}")
+    return names
+
+
 def _names(common_name: str, sans: Sequence[str]) -> tuple[Any, Any]:
     import ipaddress
 
@@ -715,7 +728,7 @@ class SelfSignedCertificate(ManagedCertificate):
                  required: bool = True, manager: TLSManager) -> None:
         super().__init__(name, required=required, manager=manager)
         self.common_name = common_name
-        self.sans = tuple(sans)
+        self.sans = _san_list(sans)
         self.algorithm = algorithm
         self.valid_for = valid_for
 
@@ -890,7 +903,7 @@ class IssuedCertificate(ManagedCertificate):
         super().__init__(name, required=required, manager=manager)
         self.issuer = issuer
         self.common_name = common_name
-        self.sans = tuple(sans)
+        self.sans = _san_list(sans)
         self.algorithm = algorithm
 
     def produce(self) -> Material:

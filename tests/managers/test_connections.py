@@ -776,3 +776,14 @@ def test_an_open_that_finishes_after_it_was_superseded_is_closed():
         assert conn.value is None
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("address", [("127.0.0.1", 99999), ("127.0.0.1", -1), "127.0.0.1:80",
+                                     ("127.0.0.1",), ("127.0.0.1", "80"), (None, 80),
+                                     ("127.0.0.1", True)])
+def test_tcp_socket_refuses_a_bad_address_at_registration(rehydrate_engine, address):
+    """Not a background connect failing until the deadline, nor a port that wraps
+    (99999 would connect to 34463)."""
+    with pytest.raises(ValueError, match=r"address must be \(host, port\)"):
+        connections.tcp_socket("bad", address, engine=rehydrate_engine)
+    assert connections.manager(rehydrate_engine).get("bad") is None

@@ -994,3 +994,12 @@ def test_a_stuck_custom_issuer_does_not_keep_the_key_in_the_snapshot(rehydrate_e
         worker.join(10.0)
     assert len(outcome) == 1 and "discarded" in str(outcome[0]), outcome
     assert cert.key_dropped and cert.material.serial == first
+
+
+def test_one_string_of_sans_is_one_name(rehydrate_engine):
+    cert = tls.self_signed("one", sans="localhost", engine=rehydrate_engine)
+    names = cert.certificate.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert names == ["localhost"]  # not ["l", "o", "c", ...]
+    with pytest.raises(TypeError, match="sans must be non-empty strings"):
+        tls.self_signed("bad", sans=["localhost", 5], engine=rehydrate_engine)
