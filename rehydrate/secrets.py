@@ -47,6 +47,7 @@ from ._hooks import Hook, Phase
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
+    from ._context import RestoreContext
     from .extensions import Engine
 
 __all__ = [
@@ -121,6 +122,8 @@ class Secret:
         self._reason = "not loaded yet"
         self.loads = 0
         """How many times the value was loaded."""
+        self.last_error = ""
+        """Why the latest failed load failed (the source's error, never the value)."""
         self._manager = manager(engine)
         self._hooks: tuple[Hook, ...] = ()
         if load and self._manager.engine.snapshot_pending:
@@ -187,6 +190,9 @@ class Secret:
             reason = str(exc) if isinstance(exc, SecretError) else (
                 f"source of secret {self.name!r} failed: {type(exc).__name__}"
             )
+            self.last_error = reason
+            if not keep_previous and self._buf is not None:
+                self.wipe()  # a restored clone must not go on serving the snapshot's value
             with self._cond:
                 if not (keep_previous and self._buf is not None):
                     self._reason = reason
@@ -209,8 +215,9 @@ class Secret:
         and False returned."""
         ok = self._load(keep_previous=True, raise_errors=False)
         if not ok:
-            log.warning("secret %s: reload failed, keeping the previous value: %s",
-                        self.name, self._reason or "error")
+            log.warning("secret %s: reload failed (%s); %s", self.name, self.last_error,
+                        "keeping the previous value" if self.available
+                        else "it stays unavailable")
         return ok
 
     def wipe(self) -> None:
@@ -331,13 +338,16 @@ class SecretsManager:
         key = id(secret)
         ref = weakref.ref(secret)
 
-        def on_restore() -> None:
+        def on_restore(ctx: RestoreContext) -> None:
             s = ref()
             if s is None:
                 return
             if not self.active and s.available:
                 return
-            s._load(keep_previous=True, raise_errors=True)
+            # A clone restored without a before-snapshot pass still holds the image's value:
+            # when its reload fails that value (perhaps revoked since) must not be served.
+            # The original resuming keeps its own.
+            s._load(keep_previous=ctx.kind != "restore", raise_errors=True)
 
         def on_snapshot() -> None:
             s = ref()

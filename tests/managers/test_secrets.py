@@ -182,6 +182,23 @@ def test_manual_reload_keeps_previous_value(rehydrate_engine, secret_file, caplo
     assert s.get().startswith(b"hunter2")
     assert len(caplog.records) == 1
     assert "hunter2" not in caplog.text
+    assert "keeping the previous value" in caplog.text and str(secret_file) in caplog.text
+
+
+def test_a_clone_whose_reload_fails_does_not_serve_the_snapshots_value(
+        rehydrate_engine, monkeypatch):
+    """No before-snapshot pass (a platform that only checkpoints): the clone still holds
+    the image's value. When the new environment drops the variable, that value (revoked,
+    perhaps) must not be served; the original resuming keeps its own."""
+    monkeypatch.setenv("RHT_TOKEN", "image-token")
+    s = Secret.from_env("RHT_TOKEN", engine=rehydrate_engine, on_wiped="raise")
+    resumed = rehydrate_engine.simulate_restore(env={"RHT_TOKEN": None}, kind="resume")
+    assert not resumed.ok and s.get() == b"image-token"
+    monkeypatch.setenv("RHT_TOKEN", "image-token")
+    restored = rehydrate_engine.simulate_restore(env={"RHT_TOKEN": None})
+    assert not restored.ok and not s.available
+    with pytest.raises(SecretUnavailable, match="RHT_TOKEN is not set"):
+        s.get()
 
 
 def test_missing_env_var(rehydrate_engine, monkeypatch):
