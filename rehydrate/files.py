@@ -758,9 +758,18 @@ class FilesManager:
                 for e in errors))
 
     def _after_restore(self, ctx: RestoreContext) -> None:
-        changed_volumes = [v for v in self.volumes() if v._check()]
+        changed_volumes: list[Volume] = []
         failures: list[str] = []
         gone: list[str] = []
+        for vol in self.volumes():
+            try:
+                if vol._check():
+                    changed_volumes.append(vol)
+            except Exception as exc:
+                # Its identity is unknown (unreadable) or its on_change failed: its handles
+                # are reopened from the start, and every other handle is reopened anyway.
+                changed_volumes.append(vol)
+                failures.append(f"volume {vol.mount_point}: {type(exc).__name__}: {exc}")
         for h in self.handles():
             on_changed = any(v.contains(h.path) for v in changed_volumes)
             try:

@@ -265,6 +265,36 @@ def test_on_change_error_fails_the_reopen_naming_the_file(engine, tmp_path: Path
     assert f.read() == "b\n", "reopened before on_change ran"
 
 
+@pytest.mark.parametrize("trouble", ["on_change raises", "identity file is a directory"])
+def test_a_volume_problem_fails_the_reopen_naming_it_and_every_handle_is_reopened(
+        engine, tmp_path: Path, trouble: str) -> None:
+    vol, other = tmp_path / "vol", tmp_path / "other"
+    vol.mkdir()
+    other.mkdir()
+    (vol / "a.txt").write_text("a\n")
+    (other / "b.txt").write_text("b\n")
+
+    def boom(volume):
+        raise RuntimeError("cannot rebuild")
+
+    files.volume(vol, engine=engine,
+                 on_change=boom if trouble == "on_change raises" else None)
+    a = files.open(vol / "a.txt", engine=engine)
+    b = files.open(other / "b.txt", engine=engine)
+    assert engine.simulate_snapshot().ok
+    identity = vol / files.IDENTITY_FILE
+    identity.unlink()
+    if trouble == "on_change raises":
+        identity.write_text("another-volume\n")
+    else:
+        identity.mkdir()
+    report = engine.simulate_restore()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert isinstance(error, files.ReopenFailed) and not report.ok
+    assert f"volume {vol}: " in str(error)
+    assert a.read() == "a\n" and b.read() == "b\n", "every handle reopened all the same"
+
+
 def test_user_close_of_sqlite_with_open_transaction_and_file_gone_before_snapshot(
         engine, tmp_path: Path) -> None:
     conn = files.sqlite(tmp_path / "x.db", engine=engine)
