@@ -468,12 +468,13 @@ class ConnectionManager:
                 if conn.required:  # named in the hook's error, which the engine logs
                     missed.append(conn)
                 else:
-                    log.warning("optional connection %s not reopened within %gs: %s",
-                                conn.name, conn.effective_deadline(), conn.last_error)
+                    log.warning("optional connection %s%s not reopened within %gs: %s",
+                                conn.name, _to(conn), conn.effective_deadline(),
+                                conn.last_error)
         if missed:
             raise ConnectionsNotReady(
                 "required connection(s) not reopened before their deadline: "
-                + "; ".join(f"{c.name} after {c.effective_deadline():g}s and {c.attempts} "
+                + "; ".join(f"{c.name}{_to(c)} after {c.effective_deadline():g}s and {c.attempts} "
                             f"attempt(s), last error: {c.last_error or 'none'}"
                             for c in missed),
                 [c.name for c in missed],
@@ -497,6 +498,11 @@ class ConnectionManager:
         except Exception as exc:
             conn._set(epoch, last_error=_describe(exc))
             return False
+
+
+def _to(conn: Connection) -> str:
+    """`` (to host:port)`` when the peer is known: which server was down, in one line."""
+    return f" (to {', '.join(conn.peers)})" if conn.peers else ""
 
 
 def manager(engine: Engine | None = None) -> ConnectionManager:

@@ -351,7 +351,10 @@ class ManagedConnection(_Handle):
     def _connect(self) -> sqlite3.Connection:
         import sqlite3
 
-        conn: sqlite3.Connection = sqlite3.connect(self.path, **self._kwargs)
+        try:
+            conn: sqlite3.Connection = sqlite3.connect(self.path, **self._kwargs)
+        except sqlite3.OperationalError as exc:  # "unable to open database file": which?
+            raise sqlite3.OperationalError(f"{self.path}: {exc}") from exc
         for k, v in self._attrs.items():
             setattr(conn, k, v)
         if self._on_connect is not None:
@@ -481,11 +484,12 @@ class Volume:
             return None
 
     def _read_or_create(self) -> str | None:
+        if not os.path.isdir(self.mount_point):
+            what = "is not a directory" if os.path.exists(self.mount_point) else "does not exist"
+            raise FileGone(f"volume {self.mount_point} {what}")
         ident = self._read()
         if ident is not None:
             return ident
-        if not os.path.isdir(self.mount_point):
-            raise FileGone(f"volume {self.mount_point} is not a directory")
         import secrets
 
         token = secrets.token_hex(16)

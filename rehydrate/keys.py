@@ -506,6 +506,10 @@ class KeyManager:
             return self._keys.get(name)
 
     def ephemeral(self, name: str, algorithm: str = "ed25519") -> EphemeralKey:
+        if not isinstance(name, str) or not name.strip() or not name.isprintable():
+            # it names the key in status(), logs and reports: one readable line each
+            raise TypeError(f"an ephemeral key's name must be a non-empty printable str, "
+                            f"not {name!r}")
         with self._lock:
             key = self._keys.get(name)
             if key is None:

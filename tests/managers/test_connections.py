@@ -787,3 +787,12 @@ def test_tcp_socket_refuses_a_bad_address_at_registration(rehydrate_engine, addr
     with pytest.raises(ValueError, match=r"address must be \(host, port\)"):
         connections.tcp_socket("bad", address, engine=rehydrate_engine)
     assert connections.manager(rehydrate_engine).get("bad") is None
+
+
+def test_a_connection_that_cannot_reopen_names_its_peer(rehydrate_engine):
+    """Which server was down, in the report's one line: the peer is known."""
+    refused = ("127.0.0.1", free_port())
+    connections.tcp_socket("db", refused, deadline=0.3, engine=rehydrate_engine)
+    report = rehydrate_engine.simulate_restore()
+    (hook,) = [h for h in report.hooks if h.name == "rehydrate.connections"]
+    assert not report.ok and f"db (to 127.0.0.1:{refused[1]}) after" in str(hook.error)

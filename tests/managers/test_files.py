@@ -332,3 +332,16 @@ def test_no_proc_skips_the_audit_and_doctor_says_why(
     assert cli_main(["doctor", "--files", "--pid", "999999999"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["rehydrate: doctor --files: no process 999999999 here"], err
+
+
+def test_a_volume_or_database_that_cannot_be_used_is_named(engine, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(files.FileGone, match=f"volume {afile} is not a directory$"):
+        files.volume(afile, engine=engine)
+    with pytest.raises(files.FileGone, match=f"volume {tmp_path / 'missing'} does not exist$"):
+        files.volume(tmp_path / "missing", engine=engine)
+    import sqlite3
+
+    with pytest.raises(sqlite3.OperationalError, match=f"^{tmp_path / 'no' / 'x.db'}: "):
+        files.sqlite(tmp_path / "no" / "x.db", engine=engine)

@@ -218,3 +218,9 @@ def test_urandom_into_fills_in_place():
     buf = bytearray(64)
     keys.urandom_into(buf)
     assert any(buf) and len(buf) == 64
+
+
+@pytest.mark.parametrize("name", [None, 5, "", "  ", "a\nb"])
+def test_a_key_name_that_cannot_name_it_is_refused(rehydrate_engine, name):
+    with pytest.raises(TypeError, match="name must be a non-empty printable str"):
+        keys.ephemeral(name, engine=rehydrate_engine)
