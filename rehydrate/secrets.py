@@ -161,6 +161,9 @@ class Secret:
                       name: str | None = None, **kwargs: Any) -> Secret:
         """Whatever ``fn()`` returns (``str`` is UTF-8 encoded). A returned ``bytearray`` is
         wiped after being copied into the secret's buffer."""
+        if not callable(fn):
+            raise TypeError(f"from_callable needs a callable returning the value, not "
+                            f"{type(fn).__name__}")
         label = name or str(getattr(fn, "__name__", "secret"))
         return cls(fn, name=label, source="callable",
                    **kwargs)

@@ -776,6 +776,10 @@ def _load_pem_list(data: bytes | bytearray, what: str) -> list[x509.Certificate]
     try:
         certs = x509.load_pem_x509_certificates(bytes(data))
     except ValueError:
+        if b"-----BEGIN " in data and b"CERTIFICATE-----" not in data:
+            # valid PEM of something else: the usual mistake is a key given as the cert
+            raise CertificateError(f"{what} holds no certificate (PEM of another kind: a "
+                                   "key given as the certificate?)") from None
         raise CertificateError(f"{what} is not valid PEM") from None
     if not certs:
         raise CertificateError(f"{what} holds no certificate")

@@ -259,3 +259,8 @@ def test_a_fifo_or_device_as_secret_file_is_one_clear_error(rehydrate_engine, tm
                       ("/dev/zero", r"not a regular file \(a character device\)")):
         with pytest.raises(SecretError, match=r"cannot read secret file .*: " + why):
             Secret.from_file(path, engine=rehydrate_engine)
+
+
+def test_from_callable_refuses_what_it_cannot_call(rehydrate_engine):
+    with pytest.raises(TypeError, match="from_callable needs a callable"):
+        Secret.from_callable("literal-value", engine=rehydrate_engine)  # type: ignore[arg-type]

@@ -604,11 +604,13 @@ def _bad_bundles(ca: CA) -> dict[str, tuple[dict[str, bytes], str]]:
                          "private key does not match the certificate"),
         "expired": (expired, "certificate expired"),
         "ca-mismatch": (rogue, "does not verify against the CA bundle"),
+        "key-as-cert": ({**good, "tls.crt": good["tls.key"]},
+                        "holds no certificate (PEM of another kind: a key given as"),
     }
 
 
 @pytest.mark.parametrize("case", ["corrupt-pem", "corrupt-key", "key-mismatch", "expired",
-                                  "ca-mismatch"])
+                                  "ca-mismatch", "key-as-cert"])
 def test_bad_files_keep_previous_material(rehydrate_engine, secret_dir, caplog, case):
     ca = CA()
     files, first = _bundle(ca)
