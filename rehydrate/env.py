@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KEEP",
     "MAX_ENVIRON_BYTES",
+    "MAX_ENVIRON_ENTRIES",
     "NEVER_FROM_FILE",
     "EnvError",
     "EnvRefresher",
@@ -49,6 +50,11 @@ POLICIES: tuple[Policy, ...] = ("update", "replace", "off")
 
 MAX_ENVIRON_BYTES = 4 * 1024 * 1024
 """Larger files are refused: Linux itself caps argv+envp well below this."""
+
+MAX_ENVIRON_ENTRIES = 32_768
+"""Files with more entries are refused: each new key is a ``putenv`` that scans the whole
+environment, so applying 60,000 took 8 s here — past the hook's timeout, which would
+abandon the run with ``os.environ`` half changed."""
 
 NEVER_FROM_FILE: tuple[str, ...] = ("REHYDRATE_*", "LD_*", "GCONV_PATH", "GLIBC_TUNABLES",
                                     "PYTHON*")
@@ -80,16 +86,21 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     value ending in a newline, nor ``A=1\\nB=2`` one variable ``A`` holding both.
 
     Raises :class:`EnvError` (naming the entry, never its value) for an entry without
-    ``=``, an empty key, or a file with no entries at all, so that a half-written or
+    ``=``, an empty key, a file with no entries at all or more than
+    :data:`MAX_ENVIRON_ENTRIES`, so that a half-written or
     corrupt file is never applied. Bytes that are not UTF-8 are kept as bytes.
     """
     if len(data) > MAX_ENVIRON_BYTES:
         raise EnvError(f"larger than the {MAX_ENVIRON_BYTES} bytes accepted")
     separator = b"\0" if b"\0" in data else b"\n"
     result: dict[bytes, bytes] = {}
+    entries = 0
     for index, entry in enumerate(data.split(separator), start=1):
         if not entry:
             continue  # the trailing NUL, or an empty slot between two NULs
+        entries += 1
+        if entries > MAX_ENVIRON_ENTRIES:
+            raise EnvError(f"more than {MAX_ENVIRON_ENTRIES} entries")
         key, sep, value = entry.partition(b"=")
         if not sep:
             raise EnvError(f"entry {index} has no '='")

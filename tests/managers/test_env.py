@@ -18,6 +18,7 @@ from rehydrate import EnvChanges, Lifecycle, Registry
 from rehydrate.env import (
     KEEP,
     MAX_ENVIRON_BYTES,
+    MAX_ENVIRON_ENTRIES,
     NEVER_FROM_FILE,
     EnvError,
     EnvRefresher,
@@ -69,6 +70,8 @@ def test_parse_basic_forms():
         (b"\0\0\0\0", "no KEY=VALUE entries"),
         (b"", "no KEY=VALUE entries"),
         (b"x" * (MAX_ENVIRON_BYTES + 1), "larger than"),
+        (b"".join(b"K%d=v\0" % i for i in range(MAX_ENVIRON_ENTRIES + 1)),
+         f"more than {MAX_ENVIRON_ENTRIES} entries"),
     ],
 )
 def test_parse_rejects_malformed_input(data, message):
