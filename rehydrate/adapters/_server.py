@@ -132,6 +132,7 @@ class ServerAdapter:
         self.url = url.rstrip("/") if url is not None else None
         self.deadline = deadline
         self.request_timeout = request_timeout
+        api_key = _checked_api_key(api_key)
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._ssl: ssl.SSLContext | None = None
         self.key = f"rehydrate.adapters.{self.kind}:{self.url or id(self)}"
@@ -196,6 +197,10 @@ class ServerAdapter:
                                                 timeout=per_try)
             except httpx.TimeoutException:
                 last = f"no answer within {per_try:.3g}s"
+            except httpx.LocalProtocolError as exc:
+                # never its message: it quotes the offending header, i.e. the API key
+                raise ServerError(f"{self.kind} {what}: the request could not be sent "
+                                  f"({type(exc).__name__})") from None
             except httpx.TransportError as exc:
                 last = f"unreachable ({type(exc).__name__}: {exc})" if str(exc) else \
                     f"unreachable ({type(exc).__name__})"
@@ -230,6 +235,20 @@ class ServerAdapter:
     def probe(self) -> Probe:
         """:meth:`probe_async` from synchronous code."""
         return run_sync(self.probe_async())
+
+
+def _checked_api_key(api_key: str | None) -> str | None:
+    """The key without surrounding whitespace (one read from a file ends in a newline);
+    ``ValueError`` — never quoting the key — for one no HTTP header can carry."""
+    if api_key is None:
+        return None
+    if not isinstance(api_key, str):
+        raise TypeError(f"api_key must be a str, not {type(api_key).__name__}")
+    key = api_key.strip()
+    if not key or not all("!" <= ch <= "~" for ch in key):
+        raise ValueError("api_key must be visible ASCII characters (no spaces, newlines or "
+                         "control characters inside); the value is not shown")
+    return key
 
 
 def json_or_empty(response: httpx.Response) -> Mapping[str, Any]:

@@ -295,6 +295,19 @@ def test_api_key_is_sent_as_a_bearer_token(url: str, server: Any) -> None:
     server[1].app = app
     vllm.VLLMAdapter(url, api_key="k-123", canary=False).wake()
     assert seen and set(seen) == {"Bearer k-123"}
+    seen.clear()  # a key read from a file ends in a newline: sent without it
+    vllm.VLLMAdapter(url, api_key="k-123\n", canary=False).wake()
+    assert seen and set(seen) == {"Bearer k-123"}
+
+
+@pytest.mark.parametrize("key", ["sk-live SECRET", "sk-\nlive-SECRET", "  ", "sk-é-SECRET"])
+def test_an_api_key_no_header_can_carry_is_refused_without_showing_it(url: str,
+                                                                       key: str) -> None:
+    """Sent, it would fail in the HTTP client with a message quoting the header — the key —
+    into logs, reports and the public /readyz."""
+    with pytest.raises(ValueError, match="api_key must be visible ASCII") as exc:
+        vllm.VLLMAdapter(url, api_key=key, canary=False)
+    assert "SECRET" not in str(exc.value)
 
 
 def test_probe_of_a_server_that_is_down() -> None:
