@@ -163,6 +163,15 @@ class ReadinessGate:
         if not 0 <= max_wait < float("inf"):  # also refuses NaN
             raise ValueError(f"max_wait must be a finite number of seconds >= 0, not "
                              f"{max_wait!r}")
+        # one string is one prefix: tuple("/metrics") would exempt "/", i.e. everything
+        exempt = (exempt,) if isinstance(exempt, str) else tuple(exempt)
+        if not all(isinstance(p, str) and p.startswith("/") for p in exempt):
+            raise ValueError(f"exempt must be path prefixes starting with '/', not {exempt!r}")
+        paths = [p for p in (healthz, readyz, status) if p is not None]
+        if not all(isinstance(p, str) and p.startswith("/") for p in paths) or \
+                len(set(paths)) != len(paths):
+            raise ValueError("healthz, readyz and status must be distinct paths starting "
+                             f"with '/' (or None), not {healthz!r}, {readyz!r}, {status!r}")
         self.app = app
         if engine is None:
             from ..extensions import default_engine
@@ -170,7 +179,7 @@ class ReadinessGate:
             engine = default_engine()
         self.engine = engine
         self.retry_after = retry_after
-        self.exempt = tuple(exempt)
+        self.exempt = exempt
         self.lifespan = lifespan
         self.detectors = detectors if isinstance(detectors, str) else list(detectors)
         self._routes: dict[str, Callable[[], tuple[int, dict[str, Any]]]] = {}

@@ -301,8 +301,10 @@ def test_drain_timeout_fails_the_snapshot(app: App, rehydrate_engine: Any) -> No
         assert c.get("/ok").status_code == 200
 
 
-async def test_exempt_paths_pass_in_every_state(app: App, rehydrate_engine: Any) -> None:
-    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, exempt=["/metrics"],
+@pytest.mark.parametrize("exempt", [["/metrics"], "/metrics"])  # one string: one prefix
+async def test_exempt_paths_pass_in_every_state(app: App, rehydrate_engine: Any,
+                                                exempt: Any) -> None:
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, exempt=exempt,
                          readyz="/ready", healthz=None, status=None)
     await asyncio.to_thread(rehydrate_engine.simulate_snapshot)
     async with asgi_client(gate) as c:
@@ -409,6 +411,14 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
      "drain_timeout must be a positive finite number of seconds, not nan"),
     ({"max_wait": -1}, "max_wait must be a finite number of seconds >= 0, not -1"),
     ({"max_wait": float("inf")}, "max_wait must be a finite number of seconds >= 0, not inf"),
+    ({"exempt": ["metrics"]}, "exempt must be path prefixes starting with '/', not ('metrics',)"),
+    ({"healthz": "/x", "readyz": "/x"},  # liveness would answer 503 while restoring
+     "healthz, readyz and status must be distinct paths starting with '/' (or None), not "
+     "'/x', '/x', '/rehydrate/status'"),
+    ({"readyz": "readyz"}, "healthz, readyz and status must be distinct paths starting with "
+                           "'/' (or None), not '/healthz', 'readyz', '/rehydrate/status'"),
+    ({"status": ""}, "healthz, readyz and status must be distinct paths starting with '/' "
+                     "(or None), not '/healthz', '/readyz', ''"),
 ])
 def test_bad_options_one_clear_error(app: App, rehydrate_engine: Any, kwargs: dict[str, Any],
                                      message: str) -> None:
