@@ -43,6 +43,7 @@ from ._server import (
     ServerError,
     call_maybe_async,
     json_or_empty,
+    server_reason,
     sync_variant,
 )
 
@@ -220,7 +221,12 @@ class _Http(_Session):
     async def is_sleeping(self, until: float) -> bool | None:
         r = await self.a.call(self.client, "GET", "/is_sleeping", until=until)
         value = json_or_empty(r).get("is_sleeping")
-        return value if isinstance(value, bool) else None
+        if not isinstance(value, bool):
+            # every vLLM with the endpoint answers {"is_sleeping": bool}: anything else (a
+            # proxy's page, another server) cannot confirm a sleep the snapshot relies on
+            raise ServerError(f"vllm GET /is_sleeping: no true/false is_sleeping in the "
+                              f"answer ({server_reason(r)}); is {self.a.url} a vLLM server?")
+        return value
 
     async def sleep(self, until: float) -> None:
         params: dict[str, Any] = {"level": self.a.level}

@@ -314,3 +314,24 @@ def test_probe_of_a_server_that_is_down() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert vllm.VLLMAdapter(url).probe() == Probe(False,
                                                        f"{url} does not answer (ConnectError)")
+
+
+@pytest.mark.parametrize("body", [b"<html>Welcome to nginx</html>", b"{not json",
+                                  b"[true]", b'{"is_sleeping": "yes"}'])
+def test_an_is_sleeping_answer_that_cannot_confirm_fails_the_sleep(
+        url: str, server: Any, rehydrate_engine: Any, body: bytes) -> None:
+    """A 200 that is no vLLM answer (a proxy's page, another server) must not count as
+    "asleep": the snapshot would be taken of an engine still holding its memory."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/is_sleeping":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await VLLMStandIn()(scope, receive, send)
+
+    server[1].app = app
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    report = rehydrate_engine.simulate_snapshot()
+    sleep = hook(report, "rehydrate.vllm.sleep")
+    assert not report.ok and sleep.outcome == "failed"
+    assert "no true/false is_sleeping in the answer" in str(sleep.error)
