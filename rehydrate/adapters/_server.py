@@ -126,6 +126,8 @@ class ServerAdapter:
                                  f"not {value!r}")
         if url is not None and not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, not {url!r}")
+        if url is not None and not _has_host_and_port(url):
+            raise ValueError(f"url must name a host (and a port 1-65535, if any), not {url!r}")
         if url is not None and httpx.URL(url).userinfo:
             # the URL shows up in keys, probes and errors: no credentials in it
             raise ValueError("url must not contain credentials: pass api_key= instead")
@@ -235,6 +237,15 @@ class ServerAdapter:
     def probe(self) -> Probe:
         """:meth:`probe_async` from synchronous code."""
         return run_sync(self.probe_async())
+
+
+def _has_host_and_port(url: str) -> bool:
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError):
+        return False
+    return bool(parsed.host) and " " not in url and (
+        parsed.port is None or 0 < parsed.port <= 65535)
 
 
 def _checked_api_key(api_key: str | None) -> str | None:

@@ -72,6 +72,12 @@ class SGLangAdapter(ServerAdapter):
                  request_timeout: float = 30.0) -> None:
         if not isinstance(url, str):
             raise TypeError(f"url must be a string, not {type(url).__name__}")
+        if isinstance(tags, str):
+            tags = [tags]  # one tag: list("kv_cache") would be eight one-letter tags
+        elif tags is not None and not isinstance(tags, Iterable):
+            raise TypeError(f"tags must be a list of tag names, not {type(tags).__name__}")
+        if not isinstance(canary, bool):
+            raise TypeError(f"canary must be True or False, not {canary!r}")
         chosen = None if tags is None else list(tags)
         unknown = [t for t in chosen or () if t not in TAGS]
         if unknown:

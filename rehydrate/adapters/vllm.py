@@ -85,8 +85,10 @@ class VLLMAdapter(ServerAdapter):
                  model: str | None = None, canary: bool = True, canary_prompt: str = "Hello",
                  api_key: str | None = None, deadline: float = 120.0,
                  request_timeout: float = 10.0) -> None:
-        if isinstance(level, bool) or level not in LEVELS:
+        if isinstance(level, bool) or not isinstance(level, int) or level not in LEVELS:
             raise ValueError(f"level must be one of 0, 1, 2, not {level!r}")
+        if not isinstance(canary, bool):
+            raise TypeError(f"canary must be True or False, not {canary!r}")
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)} (or None), not {mode!r}")
         in_process = not isinstance(target, str)

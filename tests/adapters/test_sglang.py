@@ -168,3 +168,8 @@ def test_bad_options(url: str) -> None:
     with pytest.raises(ValueError, match="unknown memory tag\\(s\\) 'gpu'; SGLang knows "
                                          "weights, kv_cache, cuda_graph"):
         sglang.SGLangAdapter(url, tags=["gpu"])
+    assert sglang.SGLangAdapter(url, tags="kv_cache").tags == ["kv_cache"]  # one string: one tag
+    with pytest.raises(TypeError, match="tags must be a list of tag names, not int"):
+        sglang.SGLangAdapter(url, tags=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="canary must be True or False"):
+        sglang.SGLangAdapter(url, canary="no")  # type: ignore[arg-type]

@@ -249,6 +249,8 @@ def test_in_process_failure_is_the_hook_error(rehydrate_engine: Any) -> None:
     ({"mode": "later"}, ValueError,
      "mode must be one of abort, wait, keep (or None), not 'later'"),
     ({"deadline": 0}, ValueError, "deadline must be a positive finite number of seconds, not 0"),
+    ({"level": 1.0}, ValueError, "level must be one of 0, 1, 2, not 1.0"),
+    ({"canary": "no"}, TypeError, "canary must be True or False, not 'no'"),  # "no" is truthy
 ])
 def test_bad_options(url: str, kwargs: dict[str, Any], error: type[Exception],
                      message: str) -> None:
@@ -263,6 +265,9 @@ def test_bad_targets() -> None:
         vllm.VLLMAdapter(object())
     with pytest.raises(ValueError, match="url must start with http:// or https://"):
         vllm.VLLMAdapter("localhost:8000")
+    for bad in ("http://", "http:///x", "http://h:99999", "http://a b"):  # not at hook time
+        with pytest.raises(ValueError, match=r"url must name a host \(and a port 1-65535"):
+            vllm.VLLMAdapter(bad)
     with pytest.raises(ValueError) as exc:
         vllm.VLLMAdapter("http://user:s3cret@localhost:8000")
     assert str(exc.value) == "url must not contain credentials: pass api_key= instead"
