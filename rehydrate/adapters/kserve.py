@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..extensions import Probe, resolve_engine
@@ -60,9 +60,12 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
     Installing twice on one server is a no-op; installing for another engine is refused.
     """
     eng = resolve_engine(engine)
-    dataplane = getattr(model_server, "dataplane", None)
-    repository = getattr(model_server, "registered_models", None)
-    if dataplane is None or repository is None:
+    dataplane: Any = getattr(model_server, "dataplane", None)
+    repository: Any = getattr(model_server, "registered_models", None)
+    needed = ((dataplane, "ready"), (dataplane, "model_ready"), (repository, "get_models"),
+              (repository, "update"))
+    if not all(callable(getattr(obj, attr, None)) for obj, attr in needed):
+        # all checked before anything is patched: a failed install leaves nothing half done
         raise TypeError(f"install() needs a kserve.ModelServer, not "
                         f"{type(model_server).__name__}")
     installed = getattr(model_server, _MARK, None)
@@ -70,6 +73,10 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
         return
     if installed is not None:
         raise ValueError("this ModelServer is already gated on another rehydrate engine")
+    models = repository.get_models()
+    if not isinstance(models, Mapping):
+        raise TypeError(f"install() needs a kserve.ModelServer: its registered_models."
+                        f"get_models() returned {type(models).__name__}, not a mapping")
     setattr(model_server, _MARK, eng)
 
     server_ready: Callable[[], Awaitable[bool]] = dataplane.ready
@@ -86,7 +93,7 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
     # A transformer asks its predictor instead of the model's healthy(): gate that too.
     dataplane.model_ready = gated_model_ready
 
-    for model in repository.get_models().values():
+    for model in models.values():
         _gate_model(model, eng)
     update: Callable[..., None] = repository.update
 

@@ -127,3 +127,23 @@ def test_install_refuses_what_is_not_a_model_server(rehydrate_engine: Any) -> No
     with pytest.raises(TypeError, match="install\\(\\) needs a kserve.ModelServer, not int"):
         adapter.install(42, engine=rehydrate_engine)
     assert adapter.probe().usable
+
+
+def test_a_failed_install_patches_nothing_and_a_retry_gates(rehydrate_engine: Any) -> None:
+    """A server-like object missing a piece: refused before anything is patched, so that
+    installing again once it is complete really gates it (not a silent no-op)."""
+    from types import SimpleNamespace
+
+    from rehydrate.adapters import kserve as adapter
+
+    async def ready() -> bool:
+        return True
+
+    dataplane = SimpleNamespace(ready=ready, model_ready=ready)
+    server = SimpleNamespace(dataplane=dataplane, registered_models=SimpleNamespace())
+    with pytest.raises(TypeError, match="needs a kserve.ModelServer, not SimpleNamespace"):
+        adapter.install(server, engine=rehydrate_engine)
+    assert dataplane.ready is ready and dataplane.model_ready is ready  # untouched
+    server.registered_models = SimpleNamespace(get_models=dict, update=lambda model: None)
+    adapter.install(server, engine=rehydrate_engine)
+    assert dataplane.ready is not ready  # gated now
