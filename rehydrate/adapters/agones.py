@@ -417,7 +417,7 @@ class AgonesAdapter:
             return
         try:
             result = json.loads(line)["result"]
-            if not isinstance(result, dict):
+            if not _gameserver_shaped(result):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
             log.warning("Agones watch stream: ignoring a line that is not "
@@ -454,7 +454,7 @@ class AgonesAdapter:
         self._health_task = asyncio.create_task(self._health_loop())
         try:
             before = self._gameserver
-            gs = await self._retry("GET", "/gameserver", None, until)
+            gs = self._checked(await self._retry("GET", "/gameserver", None, until))
             _compare(before, gs, kind)
             self._set_gameserver(gs)
             for key, value in list(self._labels.items()):
@@ -581,8 +581,15 @@ class AgonesAdapter:
         return await self._await(self._get_gameserver())
 
     async def _get_gameserver(self) -> dict[str, Any]:
-        gs = await self._request("GET", "/gameserver")
+        gs = self._checked(await self._request("GET", "/gameserver"))
         self._set_gameserver(gs)
+        return gs
+
+    def _checked(self, gs: dict[str, Any]) -> dict[str, Any]:
+        if not _gameserver_shaped(gs):
+            raise AgonesError(f"GET /gameserver: the Agones sidecar at {self.base_url} "
+                              "answered something that is not a GameServer (object_meta "
+                              "and status must be objects)")
         return gs
 
     def on_change(self, fn: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
@@ -611,6 +618,13 @@ class AgonesAdapter:
             "last_health_ack_age": None if ack is None else round(time.monotonic() - ack, 3),
             "reason": self.reason,
         }
+
+
+def _gameserver_shaped(gs: object) -> bool:
+    """An object whose ``object_meta`` and ``status`` (when there) are objects: what the
+    rest of the adapter reads with ``.get()``."""
+    return isinstance(gs, dict) and all(isinstance(gs.get(k, {}), dict)
+                                        for k in ("object_meta", "status"))
 
 
 def _compare(before: dict[str, Any] | None, after: dict[str, Any], kind: str) -> None:

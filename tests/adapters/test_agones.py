@@ -346,3 +346,22 @@ def test_blocking_call_from_a_listener_is_refused_not_a_deadlock(sidecar, adapte
     adapter.gameserver()  # a fetch delivers the GameServer to the listeners
     assert errors and "a-prefixed twin" in str(errors[0])
     assert adapter.gameserver()["object_meta"]["labels"] == {}
+
+
+def test_a_gameserver_of_another_shape_is_one_clear_error_or_ignored(sidecar, adapter,
+                                                                     monkeypatch, caplog):
+    """{"status": "Ready"} (a string where the GameServer has an object) used to fail the
+    restore hook with an AttributeError naming nothing, and a watch line like it was
+    kept, breaking status() afterwards."""
+    before = adapter.known_gameserver
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        adapter._watched('{"result": {"status": "Ready", "object_meta": "x"}}')
+    assert adapter.known_gameserver is before and "ignoring a line" in caplog.text
+
+    async def shapeless(*args, **kwargs):
+        return {"status": "Ready"}
+
+    monkeypatch.setattr(adapter, "_request", shapeless)
+    with pytest.raises(AgonesError, match="answered something that is not a GameServer"):
+        adapter.gameserver()
+    assert isinstance(adapter.status()["state"], (str, type(None)))
