@@ -121,6 +121,8 @@ class ServerAdapter:
     def __init__(self, url: str | None, *, api_key: str | None, deadline: float,
                  request_timeout: float) -> None:
         for what, value in (("deadline", deadline), ("request_timeout", request_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{what} must be a number of seconds, not {value!r}")
             if not value > 0 or value == float("inf"):  # also refuses NaN
                 raise ValueError(f"{what} must be a positive finite number of seconds, "
                                  f"not {value!r}")

@@ -157,6 +157,9 @@ class ReadinessGate:
         if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
             raise ValueError(f"retry_after must be a whole number of seconds >= 0, not "
                              f"{retry_after!r}")
+        for what, value in (("drain_timeout", drain_timeout), ("max_wait", max_wait)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{what} must be a number of seconds, not {value!r}")
         if not drain_timeout > 0 or drain_timeout == float("inf"):  # also refuses NaN
             raise ValueError(f"drain_timeout must be a positive finite number of seconds, "
                              f"not {drain_timeout!r}")

@@ -419,10 +419,12 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
                            "'/' (or None), not '/healthz', 'readyz', '/rehydrate/status'"),
     ({"status": ""}, "healthz, readyz and status must be distinct paths starting with '/' "
                      "(or None), not '/healthz', '/readyz', ''"),
+    ({"drain_timeout": "30"}, "drain_timeout must be a number of seconds, not '30'"),
+    ({"max_wait": "5"}, "max_wait must be a number of seconds, not '5'"),
 ])
 def test_bad_options_one_clear_error(app: App, rehydrate_engine: Any, kwargs: dict[str, Any],
                                      message: str) -> None:
-    with pytest.raises(ValueError) as exc:
+    with pytest.raises((ValueError, TypeError)) as exc:
         ReadinessGate(app, engine=rehydrate_engine, **kwargs)
     assert str(exc.value) == message
 

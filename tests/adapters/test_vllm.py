@@ -251,6 +251,7 @@ def test_in_process_failure_is_the_hook_error(rehydrate_engine: Any) -> None:
     ({"deadline": 0}, ValueError, "deadline must be a positive finite number of seconds, not 0"),
     ({"level": 1.0}, ValueError, "level must be one of 0, 1, 2, not 1.0"),
     ({"canary": "no"}, TypeError, "canary must be True or False, not 'no'"),  # "no" is truthy
+    ({"deadline": "5"}, TypeError, "deadline must be a number of seconds, not '5'"),
 ])
 def test_bad_options(url: str, kwargs: dict[str, Any], error: type[Exception],
                      message: str) -> None:
