@@ -42,8 +42,8 @@ DOCUMENTED_MODULES = [
 # The documented modules' __all__, pinned like the package's.
 SUBMODULE_API = {
     "rehydrate.env": [
-        "EnvError", "EnvRefresher", "KEEP", "MAX_ENVIRON_BYTES", "NEVER_FROM_FILE", "Policy",
-        "check_overlay", "diff", "parse_environ", "read_environ"
+        "EnvError", "EnvRefresher", "KEEP", "MAX_ENVIRON_BYTES", "MAX_ENVIRON_ENTRIES",
+        "NEVER_FROM_FILE", "Policy", "check_overlay", "diff", "parse_environ", "read_environ"
     ],
     "rehydrate.entropy": [
         "EntropyManager", "instance_id", "manager", "register", "reseed", "unregister"
