@@ -53,8 +53,8 @@ MAX_ENVIRON_BYTES = 4 * 1024 * 1024
 
 MAX_ENVIRON_ENTRIES = 32_768
 """Files with more entries are refused: each new key is a ``putenv`` that scans the whole
-environment, so applying 60,000 took 8 s here — past the hook's timeout, which would
-abandon the run with ``os.environ`` half changed."""
+environment (quadratic: 10,000 new keys took 0.3 s here, 30,000 more 3.7 s), and a run
+past the hook's timeout would be abandoned with ``os.environ`` half changed."""
 
 NEVER_FROM_FILE: tuple[str, ...] = ("REHYDRATE_*", "LD_*", "GCONV_PATH", "GLIBC_TUNABLES",
                                     "PYTHON*")
