@@ -24,14 +24,15 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-    Type = Literal["text", "path", "number", "seconds", "flag", "choice", "list"]
-    """``text``/``path``: the string (empty = unset); ``number``/``seconds``: a finite float
+    Type = Literal["text", "path", "number", "seconds", "flag", "choice", "list", "signal"]
+    """``text``/``path``: the string (empty = unset); ``signal``: a signal name or number
+    that can be caught, as its name (``SIGUSR2``); ``number``/``seconds``: a finite float
     ``>= minimum`` (``off``/``none``/``0`` mean "off" where ``off_ok``); ``flag``:
     1/true/yes/on or 0/false/no/off; ``choice``: one of ``choices`` (case-insensitive);
     ``list``: comma-separated, blanks dropped."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "optional_number", "text"]
+           "optional_number", "signal_from_text", "signal_name", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
@@ -88,7 +89,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_MARKER_WINDOW", "seconds", 2.0, "file detector: a restore handled this recently is the same restore"),  # noqa: E501
     _V("REHYDRATE_WATCH_POLLING", "flag", None, "file detector: poll instead of inotify (default: poll under gVisor)"),  # noqa: E501
     _V("REHYDRATE_WATCH_INTERVAL", "seconds", 0.5, "file detector: seconds between polls", minimum=0.001),  # noqa: E501
-    _V("REHYDRATE_SIGNAL", "text", "SIGUSR2", "signal detector: the signal (name or number) that means restore"),  # noqa: E501
+    _V("REHYDRATE_SIGNAL", "signal", "SIGUSR2", "signal detector: the signal (name or number) that means restore; KILL and STOP cannot be caught"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_WINDOW", "seconds", 2.0, "signal detector: a restore handled this recently is the same restore"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_KIND", "choice", "restore", "signal detector: what the signal means, restore or resume", choices=("restore", "resume")),  # noqa: E501
     # managers
@@ -140,6 +141,14 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
     value = raw.strip()
     if var.type in ("text", "path"):
         return value, None
+    if var.type == "signal":
+        try:
+            name = signal_from_text(value).name
+        except ValueError:
+            name = None
+        if name is None or name in ("SIGKILL", "SIGSTOP"):
+            return var.default, "a signal name or number that can be caught (not KILL or STOP)"
+        return name, None
     if var.type == "list":
         return tuple(part.strip() for part in value.split(",") if part.strip()), None
     low = value.lower()
@@ -190,6 +199,27 @@ def text(name: str) -> str | None:
     """A ``text`` or ``path`` variable: its value, or the default when unset or empty."""
     value: str | None = _get(name, "text", "path")
     return value
+
+
+def signal_name(name: str) -> str:
+    """A ``signal`` variable: the name of the signal it names (``SIGUSR2``), else the
+    default."""
+    value: str = _get(name, "signal")
+    return value
+
+
+def signal_from_text(text: str) -> Any:
+    """``"USR2"``, ``"SIGUSR2"`` or ``"12"`` -> ``signal.SIGUSR2`` (a ``signal.Signals``);
+    ``ValueError`` when it names no signal."""
+    import signal
+
+    name = text.strip().upper()
+    try:
+        if name.isdigit():
+            return signal.Signals(int(name))
+        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    except (KeyError, ValueError):
+        raise ValueError(f"unknown signal {text!r}") from None
 
 
 def number(name: str) -> float:

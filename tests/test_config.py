@@ -129,15 +129,22 @@ def test_undeclared_names_and_wrong_getters_fail_loudly():
     ("REHYDRATE_ENV_POLICY", " Replace ", "replace"),
     ("REHYDRATE_DISABLE", "keys, ,TLS", ("keys", "TLS")),
     ("REHYDRATE_MANIFEST", "/v/m.json", "/v/m.json"),
+    ("REHYDRATE_SIGNAL", "usr1", "SIGUSR1"),
+    ("REHYDRATE_SIGNAL", " 12 ", "SIGUSR2"),
+    ("REHYDRATE_SIGNAL", "SIGHUP", "SIGHUP"),
 ])
 def test_good_values(monkeypatch, caplog, name, raw, value):
     monkeypatch.setenv(name, raw)
     var = next(v for v in _config.VARIABLES if v.name == name)
     getter = {"seconds": _config.optional_number, "flag": _config.flag,
-              "choice": _config.choice, "list": _config.items, "path": _config.text}[var.type]
+              "choice": _config.choice, "list": _config.items, "path": _config.text,
+              "signal": _config.signal_name}[var.type]
     with caplog.at_level(logging.WARNING, logger="rehydrate"):
         assert getter(name) == value
     assert caplog.records == []
+
+
+_SIGNAL_RULE = "a signal name or number that can be caught (not KILL or STOP)"
 
 
 @pytest.mark.parametrize(("name", "raw", "expected"), [
@@ -150,13 +157,17 @@ def test_good_values(monkeypatch, caplog, name, raw, value):
     ("REHYDRATE_SNAPSHOT_DEADLINE", "-5", "a finite number > 0 and <= 31536000 (a year) (or off)"),
     ("REHYDRATE_TELEMETRY", "maybe", "1 or 0"),
     ("REHYDRATE_ENV_POLICY", "merge", "one of update, replace, off"),
+    ("REHYDRATE_SIGNAL", "bogus", _SIGNAL_RULE),
+    ("REHYDRATE_SIGNAL", "999", _SIGNAL_RULE),
+    ("REHYDRATE_SIGNAL", "KILL", _SIGNAL_RULE),  # the detector would never hear it
+    ("REHYDRATE_SIGNAL", "19", _SIGNAL_RULE),  # SIGSTOP
 ])
 def test_a_bad_value_is_one_warning_naming_variable_and_value_and_the_default_is_used(
         monkeypatch, caplog, name, raw, expected):
     monkeypatch.setenv(name, raw)
     var = next(v for v in _config.VARIABLES if v.name == name)
     getter = {"seconds": _config.optional_number, "flag": _config.flag,
-              "choice": _config.choice}[var.type]
+              "choice": _config.choice, "signal": _config.signal_name}[var.type]
     with caplog.at_level(logging.WARNING, logger="rehydrate"):
         assert getter(name) == var.default
     assert [r.getMessage() for r in caplog.records] == [
@@ -175,6 +186,7 @@ def test_doctor_shows_the_effective_settings(monkeypatch, capsys):
         monkeypatch.delenv(v.name, raising=False)
     monkeypatch.setenv("REHYDRATE_CLOCK_THRESHOLD", "4")
     monkeypatch.setenv("REHYDRATE_CLOCK_INTERVAL", "soon")
+    monkeypatch.setenv("REHYDRATE_SIGNAL", "SIGKILL")
     assert main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     by_name = {s["name"]: s for s in data["configuration"]}
@@ -183,15 +195,18 @@ def test_doctor_shows_the_effective_settings(monkeypatch, capsys):
     assert by_name["REHYDRATE_CLOCK_THRESHOLD"]["source"] == "environment"
     assert by_name["REHYDRATE_CLOCK_INTERVAL"]["value"] == "0.5"
     assert "'soon' is not a finite number" in by_name["REHYDRATE_CLOCK_INTERVAL"]["problem"]
+    assert by_name["REHYDRATE_SIGNAL"]["value"] == "SIGUSR2"  # what the detector will use
+    assert by_name["REHYDRATE_SIGNAL"]["problem"] == f"'SIGKILL' is not {_SIGNAL_RULE}"
     assert by_name["REHYDRATE_ENV_POLICY"] == {
         **by_name["REHYDRATE_ENV_POLICY"], "value": "update", "source": "default",
         "problem": None}
 
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "configuration: 2 REHYDRATE_* variable(s) set" in out
+    assert "configuration: 3 REHYDRATE_* variable(s) set" in out
     assert re.search(r"REHYDRATE_CLOCK_THRESHOLD\s+4\n", out)
-    assert "REHYDRATE_CLOCK_INTERVAL   0.5  (ignored 'soon' is not a finite number" in out
+    assert re.search(r"REHYDRATE_CLOCK_INTERVAL\s+0.5  \(ignored 'soon' is not a finite", out)
+    assert re.search(r"REHYDRATE_SIGNAL\s+SIGUSR2  \(ignored 'SIGKILL' is not a signal", out)
 
 
 def _disable_names_checked() -> set[str]:

@@ -44,8 +44,6 @@ __all__ = ["SignalDetector", "parse_signal"]
 
 log = logging.getLogger("rehydrate")
 
-DEFAULT_SIGNAL = signal.SIGUSR2
-
 
 def parse_signal(value: str | int | signal.Signals) -> signal.Signals:
     """``"USR2"``, ``"SIGUSR2"``, ``"12"``, ``12`` or ``signal.SIGUSR2`` -> ``SIGUSR2``."""
@@ -53,30 +51,13 @@ def parse_signal(value: str | int | signal.Signals) -> signal.Signals:
         return value
     if isinstance(value, int):
         return signal.Signals(value)
-    text = value.strip().upper()
-    if text.isdigit():
-        return signal.Signals(int(text))
-    if not text.startswith("SIG"):
-        text = "SIG" + text
-    try:
-        return signal.Signals[text]
-    except KeyError:
-        raise ValueError(f"unknown signal {value!r}") from None
+    parsed: signal.Signals = _config.signal_from_text(value)
+    return parsed
 
 
 def _configured_signal() -> signal.Signals:
-    raw = _config.text("REHYDRATE_SIGNAL")
-    if not raw:
-        return DEFAULT_SIGNAL
-    try:
-        signum = parse_signal(raw)
-    except ValueError:
-        log.warning("REHYDRATE_SIGNAL is not a signal name or number; using SIGUSR2")
-        return DEFAULT_SIGNAL
-    if signum in _UNCATCHABLE:
-        log.warning("REHYDRATE_SIGNAL=%s cannot be caught; using SIGUSR2", signum.name)
-        return DEFAULT_SIGNAL
-    return signum
+    # _config refuses names of no signal and of uncatchable ones, with a warning line.
+    return signal.Signals[_config.signal_name("REHYDRATE_SIGNAL")]
 
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
