@@ -252,9 +252,12 @@ class _Http(_Session):
         if model is None:
             r = await self.a.call(self.client, "GET", "/v1/models", until=until)
             data = json_or_empty(r).get("data")
-            if not data or not isinstance(data, list) or not isinstance(data[0], dict):
-                raise ServerError("vllm canary: /v1/models lists no model (pass model=)")
-            model = str(data[0].get("id"))
+            first = data[0] if isinstance(data, list) and data else None
+            if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+                what = ("lists no model" if data == [] else
+                        'answered no model list (expected {"data": [{"id": ...}]})')
+                raise ServerError(f"vllm canary: /v1/models {what} (pass model=)")
+            model = first["id"]
         r = await self.a.call(self.client, "POST", "/v1/completions", until=until,
                               json={"model": model, "prompt": self.a.canary_prompt,
                                     "max_tokens": 1, "temperature": 0})

@@ -197,6 +197,29 @@ def test_failed_canary_fails_the_wake(url: str, standin: VLLMStandIn,
         "vllm POST /v1/completions: HTTP 500: engine dead")
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    (b'{"object": "list", "data": []}', "/v1/models lists no model (pass model=)"),
+    (b"<html>proxy</html>", "/v1/models answered no model list"),
+    (b'{"data": [{"name": "m"}]}', "/v1/models answered no model list"),
+    (b'{"data": {"id": "m"}}', "/v1/models answered no model list"),
+])
+def test_a_models_answer_naming_no_model_fails_the_canary_saying_which(
+        url: str, server: Any, standin: VLLMStandIn, rehydrate_engine: Any, body: bytes,
+        message: str) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/models":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await standin(scope, receive, send)
+
+    server[1].app = app
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    error = str(hook(rehydrate_engine.simulate_restore(), "rehydrate.vllm.wake").error)
+    assert f"vllm canary: {message}" in error
+
+
 def test_sync_and_asyncio_entry_points(url: str, standin: VLLMStandIn) -> None:
     adapter = vllm.VLLMAdapter(url, canary=False)
     adapter.sleep()
