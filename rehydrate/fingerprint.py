@@ -31,6 +31,7 @@ sandbox).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -236,6 +237,19 @@ def _hash_env(salt: str, key: str, value: str | None) -> str | None:
     return "sha256:" + h.hexdigest()
 
 
+def _key_names(env_keys: Iterable[str]) -> tuple[str, ...]:
+    """``env_keys`` as a tuple of key names; ``TypeError`` for one string (it would be
+    taken letter by letter) or for anything that is not a string."""
+    if isinstance(env_keys, (str, bytes)):
+        raise TypeError(f"fingerprint: env_keys is a list of key names, not one string "
+                        f"({env_keys!r}: write [{env_keys!r}])")
+    keys = tuple(env_keys)
+    bad = [k for k in keys if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"fingerprint: env_keys must be strings, not {type(bad[0]).__name__}")
+    return keys
+
+
 def fingerprint(
     env_keys: Iterable[str] = (),
     root: str | os.PathLike[str] = "/",
@@ -262,6 +276,7 @@ def fingerprint(
 
     from ._nodefit import facts
 
+    env_keys = _key_names(env_keys)
     r = Path(root)
     real = r == Path("/")
     env = os.environ if environ is None else environ
@@ -362,13 +377,19 @@ def _validate(manifest: Any) -> dict[str, Any]:
     return dict(manifest)
 
 
+_MANIFEST_LIMIT = 1 << 20
+"""The largest manifest file read (a real one is a few KB): a FIFO, device or huge file at
+the configured path is an error, never a hang or a memory blow-up."""
+
+
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a manifest file; :class:`ManifestError` when it cannot be used."""
     import json
-    from pathlib import Path
+
+    from ._files import read_regular
 
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(read_regular(path, _MANIFEST_LIMIT).decode())
     except RecursionError:
         raise ManifestError(f"cannot read manifest {os.fspath(path)}: not a manifest "
                             "(JSON nested too deeply)") from None
@@ -384,13 +405,25 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """Write ``manifest`` atomically (temporary file, then rename)."""
     import json
+    import secrets
     from pathlib import Path
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, p)
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    # A new file of a random name (O_EXCL): a symlink planted at a predictable temporary
+    # name would have the manifest written through it. 0o644 less the umask, as before.
+    tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def compare(expected: Mapping[str, Any], actual: Mapping[str, Any], *,
@@ -501,12 +534,19 @@ class FingerprintManager:
                   env_keys: Iterable[str] | None = None, strict: bool | None = None,
                   expect_restore: bool | None = None,
                   root: str | os.PathLike[str] | None = None) -> FingerprintManager:
+        # Everything is checked before anything changes: a bad argument leaves the
+        # manager (and its registered check hook) as it was.
+        keys = None if env_keys is None else _key_names(env_keys)
+        for what, value in (("strict", strict), ("expect_restore", expect_restore)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"fingerprint: {what} must be True or False, not "
+                                f"{type(value).__name__}")
         if path is not None:
             from pathlib import Path
 
             self.path = Path(path)
-        if env_keys is not None:
-            self.env_keys = tuple(env_keys)
+        if keys is not None:
+            self.env_keys = keys
         if root is not None:
             self.root = os.fspath(root)
         if expect_restore is not None:
@@ -577,8 +617,11 @@ class FingerprintManager:
         by: str | None = None
         if self.expect_restore or _env_flag("REHYDRATE_EXPECT_RESTORE"):
             by = "REHYDRATE_EXPECT_RESTORE"
-        elif self.path is not None and self.path.exists():
+        elif self.path is not None and self.path.is_file():
             by = f"manifest {self.path}"
+        elif self.path is not None and self.path.exists():
+            log.warning("fingerprint: %s is not a file; no snapshot manifest is read from "
+                        "it (check REHYDRATE_MANIFEST or configure(path=...))", self.path)
         if by is None:
             return None
         manifest: dict[str, Any] | None = None

@@ -460,3 +460,69 @@ def test_missing_cpu_flag_names_the_flag(tmp_path):
     assert res.returncode == 1, (res.stdout, res.stderr)
     assert "  cpu_flags: this node lacks avx512_imaginary" in res.stdout.splitlines()
     assert "[]" not in res.stdout
+
+
+def test_a_manifest_path_that_is_no_regular_file_is_one_error_not_a_hang(tmp_path, capsys):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer for ever
+    with pytest.raises(fp.ManifestError, match=r"not a regular file \(a FIFO\)"):
+        fp.load_manifest(fifo)
+    assert check_manifest(str(fifo)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "a FIFO" in line and str(fifo) in line
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(b" " * (2 << 20) + b"{}")
+    with pytest.raises(fp.ManifestError, match="larger than"):
+        fp.load_manifest(huge)
+
+
+def test_a_directory_configured_as_the_manifest_is_named_not_taken_for_a_miss(tmp_path):
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    st, err = _start({"REHYDRATE_MANIFEST": str(folder)})
+    assert st is not None and st["snapshot_miss"] is None
+    assert "snapshot-miss" not in err
+    assert f"fingerprint: {folder} is not a file" in err
+
+
+def test_write_manifest_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    path = tmp_path / "manifest.json"
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    for name in (f".manifest.json.{os.getpid()}.tmp", ".manifest.json.tmp"):
+        (tmp_path / name).symlink_to(victim)  # the names a predictable writer would use
+    fp.write_manifest({"schema": fp.SCHEMA}, path)
+    assert victim.read_text() == "keep me"
+    assert not path.is_symlink() and json.loads(path.read_text()) == {"schema": fp.SCHEMA}
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644 & ~_umask())
+    # a rename that fails leaves no temporary file behind
+    target = tmp_path / "taken"
+    (target / "inside").mkdir(parents=True)
+    with pytest.raises(OSError):
+        fp.write_manifest({"schema": fp.SCHEMA}, target)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".taken")) == []
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_configure_checks_every_argument_before_changing_anything(rehydrate_engine, tmp_path):
+    engine = rehydrate_engine
+    root = make_root(tmp_path / "node")
+    manager = fp.configure(env_keys=["HOME"], root=root, engine=engine)
+    for bad in ({"strict": "no"}, {"expect_restore": "no"}, {"env_keys": "API_KEY"},
+                {"env_keys": ["A", 1]}, {"strict": True, "env_keys": "X"}):
+        with pytest.raises(TypeError, match="fingerprint: "):
+            fp.configure(**bad, path=tmp_path / "other.json", engine=engine)
+        assert (manager.strict, manager.expect_restore, manager.env_keys, manager.path) == (
+            False, False, ("HOME",), None), bad
+    assert engine.simulate_snapshot().ok
+    report = engine.simulate_restore()  # the check hook is still registered
+    assert [h.outcome for h in report.hooks if h.name == "rehydrate.fingerprint.check"] == [
+        "ok"]
+    assert engine.status().extra["fingerprint"]["compatible"] is True
+    with pytest.raises(TypeError, match=r"not one string \('HOME': write \['HOME'\]\)"):
+        fp.fingerprint("HOME")
