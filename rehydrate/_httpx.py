@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 __all__ = ["AsyncReconnectingTransport", "ReconnectingTransport", "make_async_client",
-           "make_client"]
+           "make_client", "shown"]
 
 log = logging.getLogger("rehydrate")
 
@@ -39,6 +39,12 @@ def _remember_missing_sniffio() -> None:
     after the search. Done when the helper builds its client, i.e. before a snapshot."""
     if "sniffio" not in sys.modules and importlib.util.find_spec("sniffio") is None:
         sys.modules["sniffio"] = None  # type: ignore[assignment]
+
+
+def shown(url: httpx.URL) -> str:
+    """``url`` for messages: scheme, host, port and path only. User info and the query
+    string (``?api_key=...``, a client's default ``params``) may carry secrets."""
+    return str(url.copy_with(username=None, password=None, query=None, fragment=None))
 
 
 def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -177,7 +183,7 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         finally:
             await r.aclose()
         if r.status_code >= 500:
-            raise ConnectionError(f"{request.url} answered {r.status_code}")
+            raise ConnectionError(f"{shown(request.url)} answered {r.status_code}")
 
     async def aclose(self) -> None:
         await self._inner.aclose()

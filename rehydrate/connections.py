@@ -602,7 +602,7 @@ def httpx_client(
     counts as healthy; the client's auth flow and event hooks are not involved), which
     also leaves one live connection in it.
     """
-    from ._httpx import make_client
+    from ._httpx import make_client, shown
 
     client, transport = make_client(client_kwargs)
 
@@ -616,7 +616,7 @@ def httpx_client(
         finally:
             response.close()
         if response.status_code >= 500:
-            raise ConnectionError(f"{check_url} answered {response.status_code}")
+            raise ConnectionError(f"{shown(request.url)} answered {response.status_code}")
 
     _prebuild(client, check_url)
     register(name, open=transport.reset, close=transport.close_pool,

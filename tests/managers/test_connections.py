@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import shutil
 import socket
@@ -796,3 +797,30 @@ def test_a_connection_that_cannot_reopen_names_its_peer(rehydrate_engine):
     report = rehydrate_engine.simulate_restore()
     (hook,) = [h for h in report.hooks if h.name == "rehydrate.connections"]
     assert not report.ok and f"db (to 127.0.0.1:{refused[1]}) after" in str(hook.error)
+
+
+async def test_a_failed_http_health_check_never_shows_credentials_or_the_query(
+        rehydrate_engine, http_srv, caplog):
+    """User info in the base URL and query parameters (a client's default ``params``) are
+    where API keys go: the "answered 503" error lands in the log, the report, status()
+    and the readiness endpoints, so it names the scheme, host, port and path only."""
+    secret_url = http_srv.url.replace("http://", "http://user:PW-secret@")
+    aclient = connections.httpx_async_client(
+        "a", base_url=secret_url, params={"api_key": "K-secret"}, check_url="/needs-header",
+        deadline=0.3, required=False, engine=rehydrate_engine)
+    sclient = connections.httpx_client(
+        "s", base_url=secret_url, params={"api_key": "K-secret"},
+        check_url="/needs-header?token=T-secret", deadline=0.3, required=False,
+        engine=rehydrate_engine)
+    loop = asyncio.get_running_loop()
+    with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+        report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
+    seen = [str(status[n]["last_error"]) for n in "as"]
+    assert all(f"{http_srv.url}/needs-header answered 503" in e for e in seen), seen
+    everything = "\n".join([*seen, report.table(), json.dumps(report.to_dict(), default=str),
+                            caplog.text])
+    for secret in ("PW-secret", "K-secret", "T-secret"):
+        assert secret not in everything
+    await aclient.aclose()
+    sclient.close()
