@@ -119,6 +119,21 @@ def _rule_exists(tool: str, table: str, argv: list[str]) -> bool:
     return _run([tool, "-w", "-t", table, *spec]).returncode == 0
 
 
+def _policy(chain_line: str) -> str:
+    """The policy of a ``:CHAIN POLICY [p:b]`` line (``-`` for a user chain)."""
+    parts = chain_line.split()
+    return parts[1] if len(parts) > 1 else "-"
+
+
+def _chain_policies(tool: str, table: str) -> dict[str, str]:
+    """``{chain: policy}`` of ``table`` as it is now (``-`` for user chains)."""
+    saved = _run([f"{tool}-save", "-t", table])
+    if saved.returncode != 0:
+        return {}
+    return {line.split()[0][1:]: _policy(line) for line in saved.stdout.splitlines()
+            if line.startswith(":")}
+
+
 def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], str | None]:
     """Apply ``rules``; return what is in force afterwards, read back rule by rule —
     ``{table: (rules in force, rules declared)}`` — and the problem (None when every
@@ -131,11 +146,13 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
     parsed = rules.parsed()
     out_lines: list[str] = []
     for table, chains, rule_list in parsed:
-        saved = _run([f"{tool}-save", "-t", table])
-        existing = {line.split()[0][1:] for line in saved.stdout.splitlines()
-                    if line.startswith(":")} if saved.returncode == 0 else set()
+        existing = _chain_policies(tool, table)
         out_lines.append(f"*{table}")
-        out_lines.extend(c for c in chains if c.split()[0][1:] not in existing)
+        # With --noflush, a chain line for a user chain that exists flushes it, so those
+        # are left out; for a built-in chain (its policy is not "-") it only sets the
+        # policy, which is kept: ":INPUT DROP" is part of the rules.
+        out_lines.extend(c for c in chains if c.split()[0][1:] not in existing
+                         or (existing[c.split()[0][1:]] != "-" and _policy(c) != "-"))
         out_lines.extend(iptables_join(argv) for argv in rule_list
                          if not (argv[1] in existing and _rule_exists(tool, table, argv)))
         out_lines.append("COMMIT")
@@ -145,7 +162,13 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
         raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
     in_force: dict[str, tuple[int, int]] = {}
     missing: list[str] = []
-    for table, _, rule_list in parsed:
+    for table, chains, rule_list in parsed:
+        now = _chain_policies(tool, table)
+        for line in chains:
+            chain, policy = line.split()[0][1:], _policy(line)
+            if policy != "-" and now.get(chain, policy) != policy:
+                missing.append(f"-t {table} -P {chain} {policy} (the policy is "
+                               f"{now[chain]})")
         have = 0
         for argv in rule_list:
             if _rule_exists(tool, table, argv):

@@ -588,3 +588,38 @@ def test_half_applied_rules_are_reported_exactly(netns_pair):
     assert second["tables"] == 1
     assert "nftables inet rhbad (not applied: what was there before stays)" in \
         second["in_force"]
+
+
+POLICY = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+routes.iptables(sys.argv[1], engine=engine)
+subprocess.run(["iptables", "-N", "RHUSER"], check=True)
+subprocess.run(["iptables", "-A", "RHUSER", "-j", "RETURN"], check=True)
+first = engine.simulate_restore()
+policies = subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout
+subprocess.run(["iptables", "-P", "FORWARD", "ACCEPT"], check=True)  # someone resets it
+second = engine.simulate_restore(kind="resume")
+after = subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout
+print(json.dumps({"ok": [first.ok, second.ok], "first": policies.splitlines(),
+                  "after": after.splitlines(), "table": second.table()}))
+'''
+
+
+def test_iptables_built_in_chain_policies_are_applied_and_checked(netns_pair):
+    """``:INPUT DROP`` in the rules was dropped (built-in chains always exist, and lines
+    of existing chains were left out so as not to flush them): the report said ok while
+    the policy stayed ACCEPT. A user chain that exists is still not flushed."""
+    if shutil.which("iptables-restore") is None:
+        _require_or_skip("iptables is not installed (scripts/setup-system.sh installs it)")
+    ipt = ("*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n"
+           ":RHUSER - [0:0]\n-A INPUT -i lo -j ACCEPT\nCOMMIT\n")
+    out = run_in_ns(netns_pair["a"], POLICY.replace("sys.argv[1]", repr(ipt)))
+    assert out["ok"] == [True, True], out["table"]
+    for rules in (out["first"], out["after"]):
+        assert "-P INPUT DROP" in rules and "-P FORWARD DROP" in rules, rules
+        assert "-A RHUSER -j RETURN" in rules  # the existing user chain kept its rule
+        assert "-A INPUT -i lo -j ACCEPT" in rules
