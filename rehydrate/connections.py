@@ -218,8 +218,8 @@ class Connection:
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Await ``fn``: a coroutine function on this loop, a sync one on its own thread."""
         if _is_async(fn):
-            return await fn(*args)
-        return await _in_thread(fn, *args)
+            return await _guarded_async(fn, *args)
+        return await _in_thread(_guarded, fn, *args)
 
     async def close_async(self) -> None:
         if self.close_fn is not None:
@@ -301,7 +301,43 @@ class _Superseded(Exception):
 
 async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
     """Call a sync ``fn`` right here (a coroutine that never suspends)."""
-    return fn(*args)
+    return _guarded(fn, *args)
+
+
+def _escaped(exc: BaseException, fn: Callable[..., Any]) -> Exception:
+    """What to record for a ``BaseException`` that is no ``Exception`` (``SystemExit``,
+    ``KeyboardInterrupt``) out of the user's function: that connection's failure. Let
+    through, it would end the event loop thread every connection's reopen runs on, and
+    the restore would never finish."""
+    return RuntimeError(f"{getattr(fn, '__qualname__', 'the function')} raised {exc!r}")
+
+
+def _guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a sync user function; see :func:`_escaped`."""
+    try:
+        return fn(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise _escaped(exc, fn) from exc
+
+
+async def _guarded_async(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await a coroutine function of the user's; see :func:`_escaped`. A
+    ``CancelledError`` it raises by itself (its task was not cancelled) is its failure
+    too; a cancellation of this task (a superseding run, a deadline) goes on."""
+    try:
+        return await fn(*args)
+    except Exception:
+        raise
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+        if cancelling is None or cancelling():
+            raise
+        raise _escaped(exc, fn) from exc
+    except BaseException as exc:
+        raise _escaped(exc, fn) from exc
 
 
 def _run_inline(coro: Coroutine[Any, Any, Any]) -> Any:

@@ -824,3 +824,43 @@ async def test_a_failed_http_health_check_never_shows_credentials_or_the_query(
         assert secret not in everything
     await aclient.aclose()
     sclient.close()
+
+
+def _exits() -> None:
+    sys.exit(3)
+
+
+def _interrupted(value: object) -> None:
+    raise KeyboardInterrupt
+
+
+async def _cancels_itself() -> None:
+    raise asyncio.CancelledError
+
+
+def test_an_open_or_check_raising_systemexit_or_cancelling_itself_fails_only_that_connection(
+        rehydrate_engine):
+    """``SystemExit`` / ``KeyboardInterrupt`` out of a sync open or check ended the event
+    loop thread every reopen runs on: the restore never finished (``restoring`` for good)
+    and every later one hung. They are now that connection's failure, by name."""
+    opened = []
+    connections.register("exits", open=_exits, deadline=0.2, engine=rehydrate_engine)
+    connections.register("interrupted", open=lambda: "conn", check=_interrupted, deadline=0.2,
+                         required=False, engine=rehydrate_engine)
+    connections.register("cancels", open=_cancels_itself, deadline=0.2, required=False,
+                         engine=rehydrate_engine)
+    connections.register("fine", open=lambda: opened.append(1), engine=rehydrate_engine)
+    for _ in range(2):  # the second restore proves the loop thread survived the first
+        done = concurrent.futures.ThreadPoolExecutor(1).submit(
+            rehydrate_engine.simulate_restore)
+        report = done.result(timeout=20)
+        assert not report.ok and rehydrate_engine.state == "degraded"
+        status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
+        assert status["exits"]["last_error"] == "RuntimeError: _exits raised SystemExit(3)"
+        assert status["interrupted"]["last_error"] == (
+            "RuntimeError: _interrupted raised KeyboardInterrupt()")
+        assert status["cancels"]["last_error"] == (
+            "RuntimeError: _cancels_itself raised CancelledError()")
+        assert {n: c["state"] for n, c in status.items()} == {
+            "exits": "failed", "interrupted": "failed", "cancels": "failed", "fine": "open"}
+    assert opened == [1, 1]
