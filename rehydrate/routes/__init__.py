@@ -137,13 +137,73 @@ def route(  # noqa: PLR0917 - the order ip-route users expect
     fam = _FAMILIES.get(family.lower() if isinstance(family, str) else family)
     if fam is None:
         raise ValueError(f"route family must be 'inet' or 'inet6', not {family!r}")
-    r = Route(dst, gateway, dev, table, metric, src, type, scope, required, fam)
-    implied = socket.AF_INET6 if ":" in dst else socket.AF_INET
-    if dst != "default" and implied != r.family:
-        raise ValueError(f"route {dst}: its address is not of family {_FAMILY_NAMES[r.family]}")
-    r.normalized()
+    r = _checked_route(dst, gateway=gateway, dev=dev, table=table, metric=metric, src=src,
+                       kind=type, scope=scope, required=required, family=fam)
     manager(engine).add_route(r)
     return r
+
+
+_UINT32 = 2**32 - 1
+
+
+def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
+                   metric: object, src: object, kind: str, scope: object, required: object,
+                   family: int) -> Route:
+    """The declared route with its addresses in canonical form (as the kernel reports
+    them, so that reading back compares equal) and metric 0 as the kernel stores it;
+    ``ValueError``/``TypeError`` naming the field for anything the kernel would refuse
+    or misread — checked here, so that one bad route cannot fail every route later."""
+    import ipaddress
+
+    if not isinstance(dst, str):
+        raise TypeError(f"route destination must be a string such as '10.0.0.0/24' or "
+                        f"'default', not {_type_name(dst)}")
+    what = f"route {dst!r}"
+    net = None
+    if dst != "default":
+        try:
+            net = ipaddress.ip_network(dst.strip())
+        except ValueError as exc:
+            raise ValueError(f"{what}: not a network address ({exc})") from None
+    addresses = {}
+    for name, value in (("gateway", gateway), ("src", src)):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{what}: {name} must be an address string, not "
+                            f"{_type_name(value)}")
+        try:
+            addresses[name] = ipaddress.ip_address(value.strip())
+        except ValueError as exc:
+            raise ValueError(f"{what}: {name}: {exc}") from None
+    versions = {a.version for a in [*([net] if net else []), *addresses.values()]}
+    if len(versions) > 1:
+        raise ValueError(f"{what}: mixes IPv4 and IPv6 addresses")
+    implied = {4: socket.AF_INET, 6: socket.AF_INET6}[versions.pop()] if versions else None
+    if family and implied is not None and implied != family:
+        raise ValueError(f"{what}: its address is not of family {_FAMILY_NAMES[family]}")
+    family = family or implied or socket.AF_INET
+    if dev is not None and (not isinstance(dev, str) or not dev or len(dev) > 15
+                            or any(c.isspace() or c == "/" for c in dev)):
+        raise ValueError(f"{what}: dev must be a network device name (1-15 characters, "
+                         f"no spaces or '/'), not {dev!r}")
+    for name, value, low, high in (("table", table, 1, _UINT32), ("metric", metric, 0, _UINT32),
+                                   ("scope", scope, 0, 255)):
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise ValueError(f"{what}: {name} must be a whole number {low}-{high}, not "
+                             f"{value!r}")
+    if not isinstance(required, bool):
+        raise TypeError(f"{what}: required must be True or False, not {_type_name(required)}")
+    if metric == 0:  # the kernel's default metric: none stored (IPv4), 1024 (IPv6)
+        metric = 1024 if family == socket.AF_INET6 else None
+    gw, sr = addresses.get("gateway"), addresses.get("src")
+    return Route("default" if net is None else str(net), None if gw is None else str(gw),
+                 dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
+                 kind, scope, required, family)  # type: ignore[arg-type]
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
 
 
 def nftables(

@@ -405,6 +405,8 @@ class RoutesManager:
                     ready.append((r, _route_msg(r, by_name)))
                 except NetworkError as exc:
                     result.errors.append((f"route {r}", r.required, str(exc)))
+                except Exception as exc:  # a Route no declaration checked: only this one
+                    result.errors.append((f"route {r}", r.required, _describe(exc)))
             errors = backend.replace([msg for _, msg in ready], self._encoder) if ready else []
             applied: list[Route] = []
             for (r, _), failure in zip(ready, errors, strict=True):

@@ -300,7 +300,7 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
         attrs.append(("RTA_GATEWAY", n.gateway))
     if n.dev is not None:
         if n.dev not in links_by_name:
-            raise NetworkError(f"route {r}: device {n.dev!r} does not exist")
+            raise NetworkError(f"device {n.dev!r} does not exist")
         attrs.append(("RTA_OIF", links_by_name[n.dev]))
     if n.metric is not None:
         attrs.append(("RTA_PRIORITY", n.metric))
