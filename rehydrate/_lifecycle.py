@@ -439,6 +439,8 @@ class Lifecycle:
         restore because some other restore — or a false alarm — was handled in between.
         ``since=None`` never deduplicates by time.
         """
+        if kind not in ("restore", "resume"):  # else hooks would run as kind "bogus"
+            raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
         detected = time.monotonic() if detected_at is None else detected_at
         self._check_not_inside_hook()
         with self._run_lock:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _config
+from ._files import read_regular
 from ._hooks import Phase
 from .extensions import Probe, resolve_engine
 
@@ -477,11 +478,12 @@ class Volume:
         return os.path.join(self.mount_point, IDENTITY_FILE)
 
     def _read(self) -> str | None:
+        # Never blocks (a FIFO put there) and reads only a small regular file.
         try:
-            with builtins.open(self.identity_file, encoding="ascii", errors="replace") as f:
-                return f.read(256).strip() or None
+            data = read_regular(self.identity_file, 256, truncate=True)
         except FileNotFoundError:
             return None
+        return data.decode("ascii", "replace").strip() or None
 
     def _read_or_create(self) -> str | None:
         if not os.path.isdir(self.mount_point):

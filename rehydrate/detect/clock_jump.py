@@ -211,8 +211,8 @@ class ClockJumpDetector(DeferringDetector):
         self.pending_slice = self.pending_threshold * PENDING_SLICE
         """Seconds per sleep while a snapshot is pending: a checkpoint freezing the process
         for more than ``pending_threshold + pending_slice`` is always seen."""
-        self.grace = (grace if grace is not None
-                      else _config.number("REHYDRATE_CLOCK_GRACE"))
+        self.grace = positive(grace if grace is not None
+                              else _config.number("REHYDRATE_CLOCK_GRACE"), "grace", zero_ok=True)
         if busy_check is None:
             flag = _config.flag("REHYDRATE_CLOCK_BUSY_CHECK")
             busy_check = True if flag is None else flag

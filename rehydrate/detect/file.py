@@ -33,7 +33,7 @@ from .._contract import Probe
 from .._files import READ_ONLY_EVENTS, open_regular
 from .._gvisor import running_under_gvisor
 from . import Detector
-from ._util import env_kind, positive
+from ._util import checked_kind, env_kind, positive
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -98,8 +98,10 @@ class FileDetector(Detector):
             else _config.number("REHYDRATE_WATCH_INTERVAL"),
             "interval")
         self.kind: Literal["restore", "resume"] = (
-            kind if kind is not None else env_kind("REHYDRATE_MARKER_KIND"))
-        self.window = window if window is not None else _config.number("REHYDRATE_MARKER_WINDOW")
+            checked_kind(kind) if kind is not None else env_kind("REHYDRATE_MARKER_KIND"))
+        self.window = positive(window if window is not None
+                               else _config.number("REHYDRATE_MARKER_WINDOW"), "window",
+                               zero_ok=True)
         self.changes = 0
         self.checks = 0
         self._state: State = None

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 from .. import _config
 from .._contract import Probe
+from .._files import read_regular
 from ._util import DeferringDetector, positive
 
 __all__ = ["SOURCES", "IdentityDetector", "read_identity"]
@@ -50,11 +51,12 @@ def read_identity(root: str | os.PathLike[str] = "/") -> dict[str, str | None]:
     base = os.fspath(root)
     values: dict[str, str | None] = {}
     for field, rel in SOURCES.items():
-        try:
-            with open(os.path.join(base, rel), "rb") as f:
-                values[field] = f.read(_MAX).decode("utf-8", "replace").strip() or None
+        try:  # without blocking: a FIFO there must not hold start() for ever
+            data = read_regular(os.path.join(base, rel), _MAX, truncate=True)
         except OSError:
             values[field] = None
+        else:
+            values[field] = data.decode("utf-8", "replace").strip() or None
     if values["hostname"] is None and os.path.normpath(base) == "/":
         values["hostname"] = os.uname().nodename or None
     return values
@@ -79,7 +81,7 @@ class IdentityDetector(DeferringDetector):
             else _config.number("REHYDRATE_IDENTITY_INTERVAL"),
             "interval")
         self.root = root
-        self.grace = grace
+        self.grace = positive(grace, "grace", zero_ok=True)
         self.changes = 0
         self.polls = 0
         self._baseline: dict[str, str | None] = {}

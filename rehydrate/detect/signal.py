@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from .. import _config
 from .._contract import Probe
 from . import Detector
-from ._util import env_kind
+from ._util import checked_kind, env_kind, positive
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -81,8 +81,10 @@ class SignalDetector(Detector):
         if self.signum in _UNCATCHABLE:
             raise ValueError(f"{self.signum.name} cannot be caught")
         self.kind: Literal["restore", "resume"] = (
-            kind if kind is not None else env_kind("REHYDRATE_SIGNAL_KIND"))
-        self.window = window if window is not None else _config.number("REHYDRATE_SIGNAL_WINDOW")
+            checked_kind(kind) if kind is not None else env_kind("REHYDRATE_SIGNAL_KIND"))
+        self.window = positive(window if window is not None
+                               else _config.number("REHYDRATE_SIGNAL_WINDOW"), "window",
+                               zero_ok=True)
         self.received = 0
         self._engine: Engine | None = None
         self._previous: Any = None

@@ -128,9 +128,20 @@ def _read_fd(fd: int, attempts: int = 1000) -> VmClock:
     raise VmClockError("seq_count never settled (update in progress)")
 
 
+def _open(path: str) -> int:
+    """Open the device (or a regular file standing in for it) without blocking: a FIFO
+    at the configured path would otherwise hold ``doctor`` and ``start()`` for ever."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISCHR(mode) or stat.S_ISREG(mode)):
+        os.close(fd)
+        raise VmClockError("not a character device or regular file")
+    return fd
+
+
 def read_vmclock(path: str | None = None) -> VmClock:
     """Read and validate the vmclock structure at ``path`` (default: the device)."""
-    fd = os.open(path or default_path(), os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open(path or default_path())
     try:
         return _read_fd(fd)
     finally:
@@ -154,6 +165,7 @@ class VmClockDetector(Detector):
         """``poll`` (kernel notifications), ``interval`` (re-reading) or ``stopped``."""
         self.generation: int | None = None
         self.reads = 0
+        self.read_failures = 0
         self._engine: Engine | None = None
         self._thread: DetectorThread | None = None
         self._wake_r: int | None = None
@@ -176,6 +188,9 @@ class VmClockDetector(Detector):
             return f"{path} is not a vmclock structure: {exc}"
         except OSError as exc:
             return f"cannot read {path}: {exc.strerror or exc}"
+        if clock.size < LAYOUT.size:
+            return (f"{path}: the structure is {clock.size} bytes, too short to hold "
+                    f"vm_generation_counter ({LAYOUT.size} needed)")
         if not clock.has_generation:
             return (f"{path}: the hypervisor does not provide vm_generation_counter "
                     "(VMCLOCK_FLAG_VM_GEN_COUNTER_PRESENT unset)")
@@ -191,7 +206,7 @@ class VmClockDetector(Detector):
             why = self._probe_path(self.path)
             if why is not None:
                 raise RuntimeError(why)
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _open(self.path)
             try:
                 clock = _read_fd(fd)
                 notify = clock.notifies and stat.S_ISCHR(os.fstat(fd).st_mode)
@@ -228,6 +243,7 @@ class VmClockDetector(Detector):
     def _loop(self, stop: threading.Event, fd: int) -> None:
         try:
             last = time.monotonic()
+            failing = False
             poller: select.poll | None = None
             if self.mode == "poll" and self._wake_r is not None:
                 poller = select.poll()
@@ -248,10 +264,17 @@ class VmClockDetector(Detector):
                 try:
                     clock = _read_fd(fd)  # also re-arms poll() for this descriptor
                 except OSError as exc:
-                    log.warning("vmclock: cannot read %s: %s; retrying", self.path, exc)
+                    # one warning per spell of failures, not one a second for ever
+                    log.log(logging.DEBUG if failing else logging.WARNING,
+                            "vmclock: cannot read %s: %s; retrying", self.path, exc)
+                    failing = True
+                    self.read_failures += 1
                     if stop.wait(max(self.interval, 1.0)):
                         return
                     continue
+                if failing:
+                    log.info("vmclock: %s is readable again", self.path)
+                    failing = False
                 self.reads += 1
                 gen = clock.vm_generation_counter
                 if gen != self.generation:

@@ -73,3 +73,13 @@ def test_interval_from_environment(monkeypatch):
     assert IdentityDetector().interval == 7.5
     monkeypatch.setenv("REHYDRATE_IDENTITY_INTERVAL", "x")
     assert IdentityDetector().interval == 2.0
+
+
+def test_a_fifo_among_the_identity_sources_is_no_value_not_a_hang(tmp_path):
+    """``/etc/machine-id`` as a FIFO held ``start()`` waiting for a writer."""
+    import os
+
+    root = make_root(tmp_path, hostname="h1", boot_id="b1")
+    (root / SOURCES["machine_id"]).parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(root / SOURCES["machine_id"])
+    assert read_identity(root) == {"hostname": "h1", "boot_id": "b1", "machine_id": None}

@@ -13,6 +13,10 @@ from detect_helpers import REPO
 
 from detect.test_vmclock import FakeVmClock
 from rehydrate.detect import available, catalogue_keys, load, select
+from rehydrate.detect.clock_jump import ClockJumpDetector
+from rehydrate.detect.file import FileDetector
+from rehydrate.detect.identity import IdentityDetector
+from rehydrate.detect.signal import SignalDetector
 
 INTERVAL = 60.0
 
@@ -110,3 +114,31 @@ def test_auto_detectors_stop_without_waiting_out_their_interval(rehydrate_engine
     rehydrate_engine.stop()
     assert not rehydrate_engine.status().detectors
     assert time.monotonic() - t0 < INTERVAL / 2
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda: FileDetector("/tmp/m", window="x"), TypeError,
+     "window must be a number of seconds >= 0 and at most 31536000 (a year), not str"),
+    (lambda: FileDetector("/tmp/m", window=-1), ValueError, "window must be a number"),
+    (lambda: FileDetector("/tmp/m", kind="bogus"), ValueError,
+     "kind must be 'restore' or 'resume', not 'bogus'"),
+    (lambda: SignalDetector(kind="bogus"), ValueError, "kind must be 'restore' or 'resume'"),
+    (lambda: SignalDetector(window=float("nan")), ValueError, "window must be a number"),
+    (lambda: IdentityDetector(grace="x"), TypeError, "grace must be a number of seconds"),
+    (lambda: ClockJumpDetector(grace=-1), ValueError, "grace must be a number of seconds"),
+    (lambda: ClockJumpDetector(interval="1"), TypeError, "interval must be a number"),
+    (lambda: ClockJumpDetector(interval=True), TypeError, "interval must be a number"),
+])
+def test_bad_detector_arguments_are_refused_when_constructed(make, error, message):
+    """Accepted, they failed later in the detector's thread: every change logged "running
+    the restore hooks failed" with a TypeError, or the identity thread died, or the hooks
+    ran as kind "bogus" without a new generation."""
+    with pytest.raises(error) as caught:
+        make()
+    assert message in str(caught.value)
+
+
+def test_restore_detected_refuses_an_unknown_kind(rehydrate_engine):
+    with pytest.raises(ValueError, match="kind must be 'restore' or 'resume', not 'bogus'"):
+        rehydrate_engine.restore_detected("test", kind="bogus")
+    assert rehydrate_engine.generation == 0 and rehydrate_engine.is_ready()

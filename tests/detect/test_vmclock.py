@@ -6,6 +6,7 @@ independently of the module's struct layout, so a layout mistake fails here.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from pathlib import Path
@@ -85,6 +86,16 @@ def test_probe_explains_why_not(tmp_path, monkeypatch):
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "nogen"))
     assert "VMCLOCK_FLAG_VM_GEN_COUNTER_PRESENT" in VmClockDetector.probe().reason
 
+    FakeVmClock(tmp_path / "small", size=64)  # the flag set, the structure too short
+    monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "small"))
+    assert "the structure is 64 bytes, too short" in VmClockDetector.probe().reason
+
+    os.mkfifo(tmp_path / "fifo")  # opening it blocked doctor and start() for ever
+    monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "fifo"))
+    assert "not a character device or regular file" in VmClockDetector.probe().reason
+    with pytest.raises(OSError, match="not a character device or regular file"):
+        read_vmclock(str(tmp_path / "fifo"))
+
     (tmp_path / "short").write_bytes(b"VCLK")
     monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(tmp_path / "short"))
     assert "short read" in VmClockDetector.probe().reason
@@ -132,3 +143,21 @@ def test_generation_change_is_a_restore(rehydrate_engine, tmp_path):
 def test_start_refuses_a_file_without_generation_counter(rehydrate_engine, tmp_path):
     fake = FakeVmClock(tmp_path / "vmclock0", flags=0)
     assert rehydrate_engine.start([VmClockDetector(str(fake.path))]) == []  # logged, skipped
+
+
+def test_a_device_that_stops_reading_well_is_one_warning_not_one_a_second(
+        rehydrate_engine, tmp_path, caplog):
+    fake = FakeVmClock(tmp_path / "vmclock0")
+    det = VmClockDetector(str(fake.path), interval=0.001)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.reads >= 1)
+    good = fake.path.read_bytes()
+    with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+        fake.path.write_bytes(b"VCLK")  # truncated: every read fails
+        wait_for(lambda: det.read_failures >= 3, timeout=15)
+        reads = det.reads
+        fake.path.write_bytes(good)
+        wait_for(lambda: det.reads > reads, timeout=15)
+    failures = [r for r in caplog.records if "vmclock: cannot read" in r.getMessage()]
+    assert [r.levelno for r in failures][:3] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert any(f"{fake.path} is readable again" in r.getMessage() for r in caplog.records)

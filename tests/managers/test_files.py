@@ -4,6 +4,7 @@ does not have). The real-gVisor behaviour is in tests/gvisor/test_volumes_runsc.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sqlite3
@@ -345,3 +346,27 @@ def test_a_volume_or_database_that_cannot_be_used_is_named(engine, tmp_path: Pat
 
     with pytest.raises(sqlite3.OperationalError, match=f"^{tmp_path / 'no' / 'x.db'}: "):
         files.sqlite(tmp_path / "no" / "x.db", engine=engine)
+
+
+def test_a_volume_identity_file_that_is_no_regular_file_is_named_never_waited_on(
+        engine, tmp_path: Path) -> None:
+    """A FIFO as ``.rehydrate-volume`` held ``volume()`` (and, put there later, every
+    snapshot's hook until its timeout, leaving a thread stuck) waiting for a writer."""
+    fifo_vol, dir_vol = tmp_path / "fifo-vol", tmp_path / "dir-vol"
+    fifo_vol.mkdir()
+    dir_vol.mkdir()
+    os.mkfifo(fifo_vol / files.IDENTITY_FILE)
+    (dir_vol / files.IDENTITY_FILE).mkdir()
+    for vol, kind in ((fifo_vol, "a FIFO"), (dir_vol, "a directory")):
+        with pytest.raises(OSError, match=rf"not a regular file \({kind}\)"):
+            files.volume(vol, engine=engine)
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    files.volume(vol, engine=engine)
+    (vol / files.IDENTITY_FILE).unlink()
+    os.mkfifo(vol / files.IDENTITY_FILE)
+    done = concurrent.futures.ThreadPoolExecutor(1).submit(engine.simulate_snapshot)
+    report = done.result(timeout=20)  # the hook's own timeout is 30 s
+    assert not report.ok
+    error = _hook(report, "rehydrate.files.close").error
+    assert "a FIFO" in str(error) and str(vol / files.IDENTITY_FILE) in str(error)
