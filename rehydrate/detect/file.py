@@ -10,8 +10,14 @@ inotify natively, and a polling observer under gVisor, where inotify does not se
 changes made to a bind mount from outside the sandbox. ``REHYDRATE_WATCH_POLLING=1``
 forces polling (other container runtimes, network file systems), ``=0`` forces inotify;
 ``REHYDRATE_WATCH_INTERVAL`` is the polling interval (default 0.5 s). The polling
-observer lists only the marker's own entry of the directory, so its cost does not grow
-with the directory.
+observer looks only at the marker's own entry of the directory (one ``lstat``, never a
+listing), so its cost does not grow with the directory.
+
+A marker that is there but cannot be read (permissions, not a regular file) keeps its
+last state, with one warning: becoming readable again unchanged is no restore. When the
+marker's directory is removed, the detector says so and watches it again once it is
+back. Setting ``REHYDRATE_MARKER_FILE`` makes ``start("auto")`` start the detector even
+when it cannot work, so that the reason is an error (``status()["detector_errors"]``).
 
 A burst of writes (truncate, then write) is one notice: a restore handled in the
 ``window`` seconds before the change (default 2, ``REHYDRATE_MARKER_WINDOW``) is taken to
@@ -55,19 +61,35 @@ def marker_state(path: str) -> State:
     Opened without blocking and only when regular: a FIFO put at the path must not hold
     the detector thread for ever.
     """
+    try:
+        return _read_state(path)
+    except OSError as exc:
+        log.debug("marker file %s unreadable: %s", path, exc)
+        return None
+
+
+def _read_state(path: str) -> State:
+    """:func:`marker_state`, with ``OSError`` for a marker that is there but cannot be
+    read (permissions, not a regular file): that is no news about a restore."""
     import hashlib  # here, not at import: start("auto") imports every detector to probe
 
     try:
         fd = open_regular(path)
-        with open(fd, "rb") as f:
-            st = os.fstat(fd)
-            digest = hashlib.sha256(f.read(_READ_LIMIT)).hexdigest()
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        log.debug("marker file %s unreadable: %s", path, exc)
-        return None
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        digest = hashlib.sha256(f.read(_READ_LIMIT)).hexdigest()
     return (st.st_ino, st.st_size, st.st_mtime_ns, digest)
+
+
+class _Named:
+    """The one field of an ``os.DirEntry`` that watchdog's polling snapshot reads."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
 
 class FileDetector(Detector):
@@ -105,9 +127,14 @@ class FileDetector(Detector):
         self.changes = 0
         self.checks = 0
         self._state: State = None
+        self._unreadable = False
+        self._adopt = False
         self._engine: Engine | None = None
         self._observer: Any = None
         self._wake = threading.Event()
+        self._lost = threading.Event()
+        self._handler: Any = None
+        self.rewatches = 0
         self._stopping = threading.Event()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -125,6 +152,10 @@ class FileDetector(Detector):
             return Probe(False, f"the marker file's directory {parent} does not exist")
         return Probe(True)
 
+    @classmethod
+    def configured(cls) -> bool:
+        return bool(_config.text("REHYDRATE_MARKER_FILE"))
+
     def describe(self) -> str:
         how = f"polling every {self.interval:g}s" if self.polling else "inotify"
         return f"watches {self.path} ({how})"
@@ -137,7 +168,13 @@ class FileDetector(Detector):
             if not os.path.isdir(parent):
                 raise RuntimeError(f"the marker file's directory {parent} does not exist")
             self._engine = engine
-            self._state = marker_state(self.path)
+            try:
+                self._state, self._unreadable = _read_state(self.path), False
+            except OSError as exc:
+                # No baseline yet: the first state read is taken as it, not as news.
+                log.warning("marker file %s cannot be read (%s); its first readable state "
+                            "is taken as the baseline", self.path, exc.strerror or exc)
+                self._state, self._unreadable, self._adopt = None, True, True
             self._stopping.clear()
             self._wake.clear()
             observer = self._make_observer(parent)
@@ -163,11 +200,16 @@ class FileDetector(Detector):
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
 
         target = self.path
-        wake = self._wake
+        wake, lost = self._wake, self._lost
 
         class _Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
                 if event.event_type in READ_ONLY_EVENTS:
+                    return
+                if (event.is_directory and event.event_type in ("deleted", "moved")
+                        and os.fsdecode(event.src_path) == parent):
+                    lost.set()  # watchdog stops watching a directory that went away
+                    wake.set()
                     return
                 paths = (event.src_path, getattr(event, "dest_path", ""))
                 if any(os.fsdecode(p) == target for p in paths if p):
@@ -179,9 +221,13 @@ class FileDetector(Detector):
 
             name = os.path.basename(self.path)
 
+            entry = _Named(name)
+
             def only_marker(directory: str | None) -> Iterator[os.DirEntry[str]]:
-                with os.scandir(directory) as entries:
-                    return iter([e for e in entries if e.name == name])
+                # One lstat, never a listing: the cost does not grow with the directory.
+                # (watchdog reads only .name of what this returns.)
+                there = os.path.lexists(os.path.join(directory or ".", name))
+                return iter([entry] if there else [])  # type: ignore[list-item]
 
             observer = PollingObserverVFS(os.stat, only_marker,
                                           polling_interval=self.interval)
@@ -189,7 +235,8 @@ class FileDetector(Detector):
             from watchdog.observers import Observer
 
             observer = Observer()
-        observer.schedule(_Handler(), parent, recursive=False)
+        self._handler = _Handler()
+        observer.schedule(self._handler, parent, recursive=False)
         observer.name = "rehydrate-marker-watch"
         observer.daemon = True
         return observer
@@ -200,10 +247,28 @@ class FileDetector(Detector):
             if self._stopping.is_set():
                 return
             self._wake.clear()
+            if self._lost.is_set() and not self._watch_again():
+                return
             noticed = time.monotonic()
-            state = marker_state(self.path)
+            try:
+                state = _read_state(self.path)
+            except OSError as exc:
+                # Keep the last state: a marker made unreadable for a moment and then
+                # readable again, unchanged, must not count as a new restore.
+                self.checks += 1
+                if not self._unreadable:
+                    log.warning("marker file %s cannot be read (%s); keeping its last state",
+                                self.path, exc.strerror or exc)
+                self._unreadable = True
+                continue
+            if self._unreadable:
+                log.info("marker file %s is readable again", self.path)
+                self._unreadable = False
             self.checks += 1
             previous, self._state = self._state, state
+            if self._adopt:
+                self._adopt = False
+                continue
             if state is None or state == previous:
                 continue
             self.changes += 1
@@ -216,6 +281,31 @@ class FileDetector(Detector):
                 engine.restore_detected("file", kind=self.kind, since=noticed - self.window)
             except Exception:
                 log.exception("marker file: running the restore hooks failed")
+
+
+    def _watch_again(self) -> bool:
+        """The marker's directory went away, and watchdog with it: wait for the directory
+        to be back, then watch it again (False: the detector is stopping meanwhile)."""
+        self._lost.clear()
+        parent = os.path.dirname(self.path)
+        log.warning("marker file: its directory %s was removed; watching for it to come "
+                    "back", parent)
+        while not self._stopping.wait(self.interval):
+            if not os.path.isdir(parent):
+                continue
+            with self._lock:
+                observer = self._observer
+                if observer is None:
+                    return False
+                try:
+                    observer.unschedule_all()
+                    observer.schedule(self._handler, parent, recursive=False)
+                except OSError:
+                    continue  # not there (yet)
+            self.rewatches += 1
+            log.info("marker file: watching %s again", parent)
+            return True
+        return False
 
 
 MarkerFileDetector = FileDetector

@@ -196,6 +196,11 @@ class VmClockDetector(Detector):
                     "(VMCLOCK_FLAG_VM_GEN_COUNTER_PRESENT unset)")
         return None
 
+    @classmethod
+    def configured(cls) -> bool:
+        # another path than the default device: someone meant this detector to run
+        return bool(_config.text("REHYDRATE_VMCLOCK_PATH") != DEFAULT_PATH)
+
     def describe(self) -> str:
         return f"watches vm_generation_counter in {self.path} ({self.mode})"
 

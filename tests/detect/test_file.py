@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -166,3 +167,100 @@ def test_fifo_at_marker_path_does_not_block(rehydrate_engine, tmp_path):
     os.unlink(marker)
     marker.write_text("restore 1\n")
     rec.wait(1)
+
+
+def test_a_removed_and_recreated_directory_is_watched_again(rehydrate_engine, tmp_path, mode,
+                                                            caplog):
+    """watchdog stops watching a directory that is removed: the detector used to go deaf
+    for good without a word, and a marker written after the directory came back was
+    never seen."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    marker = folder / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        rehydrate_engine.start([det])
+        shutil.rmtree(folder)
+        wait_for(lambda: "was removed; watching for it to come back" in caplog.text,
+                 what="the removal to be noticed")
+        folder.mkdir()
+        wait_for(lambda: det.rewatches == 1, what="the directory to be watched again")
+        tmp = tmp_path / "restored.tmp"
+        tmp.write_text("restore 1\n")
+        os.replace(tmp, marker)
+        calls = rec.wait(1)
+    assert (calls[0]["reason"], calls[0]["generation"]) == ("file", 1)
+    assert f"marker file: watching {folder} again" in caplog.text
+
+
+def test_a_marker_unreadable_for_a_while_is_no_restore(tmp_path):
+    """chmod 000, then back, the content unchanged: the detector took the unreadable spell
+    for "absent" and the marker's return for a new restore (new keys, a reseed)."""
+    marker = tmp_path / "restored"
+    marker.write_text("restore 1\n")
+    script = f"""
+import logging, os, sys, threading, time
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from rehydrate.detect.file import FileDetector
+from rehydrate.testing import isolated_engine
+
+def wait(cond):
+    end = time.monotonic() + 10
+    while not cond() and time.monotonic() < end:
+        threading.Event().wait(0.01)
+    assert cond()
+
+engine = isolated_engine()
+det = FileDetector({str(marker)!r}, polling=False, window=0)  # inotify sees a chmod
+engine.start([det])
+os.chmod({str(marker)!r}, 0)
+wait(lambda: det.checks == 1)
+os.chmod({str(marker)!r}, 0o644)
+wait(lambda: det.checks == 2)
+print("generation", engine.generation)
+"""
+    # as root, without the capabilities that read any file regardless of its mode
+    prefix = (["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+              if os.geteuid() == 0 else [])
+    proc = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["generation", "0"], proc.stderr
+    assert proc.stderr.count("cannot be read (Permission denied); keeping its last state") == 1
+    assert "is readable again" in proc.stderr
+
+
+def test_polling_never_lists_the_directory(tmp_path):
+    """The polling observer looks at the marker's own entry only (one lstat), so its cost
+    does not grow with the directory — and a directory that may be searched but not
+    listed (mode 0o111) works. It used to list the whole directory at every poll."""
+    folder = tmp_path / "no-listing"
+    folder.mkdir()
+    marker = folder / "restored"
+    script = f"""
+import os, sys, threading, time
+from rehydrate.detect.file import FileDetector
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+det = FileDetector({str(marker)!r}, polling=True, interval=0.02, window=0)
+engine.start([det])
+os.chmod({str(folder)!r}, 0o311)  # write + search, no read: cannot be listed
+with open({str(marker) + ".tmp"!r}, "w") as f:
+    f.write("restore 1")
+os.replace({str(marker) + ".tmp"!r}, {str(marker)!r})
+end = time.monotonic() + 10
+while engine.generation == 0 and time.monotonic() < end:
+    threading.Event().wait(0.01)
+print("generation", engine.generation)
+"""
+    prefix = (["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+              if os.geteuid() == 0 else [])
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True,
+                              text=True, timeout=60, cwd=REPO, check=False)
+    finally:
+        folder.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["generation", "1"], proc.stderr

@@ -142,3 +142,19 @@ def test_restore_detected_refuses_an_unknown_kind(rehydrate_engine):
     with pytest.raises(ValueError, match="kind must be 'restore' or 'resume', not 'bogus'"):
         rehydrate_engine.restore_detected("test", kind="bogus")
     assert rehydrate_engine.generation == 0 and rehydrate_engine.is_ready()
+
+
+def test_a_configured_detector_that_cannot_work_is_a_loud_error_not_absent(
+        rehydrate_engine, tmp_path, monkeypatch):
+    """REHYDRATE_MARKER_FILE in a directory that does not exist, or REHYDRATE_VMCLOCK_PATH
+    at something that is no vmclock: start("auto") left both out without a word."""
+    monkeypatch.setenv("REHYDRATE_MARKER_FILE", str(tmp_path / "missing" / "marker"))
+    garbage = tmp_path / "vmclock"
+    garbage.write_bytes(b"not a vmclock structure")
+    monkeypatch.setenv("REHYDRATE_VMCLOCK_PATH", str(garbage))
+    started = rehydrate_engine.start("auto")
+    assert "file" not in started and "vmclock" not in started
+    errors = rehydrate_engine.status().to_dict()["detector_errors"]
+    assert f"the marker file's directory {tmp_path / 'missing'} does not exist" in \
+        errors["file"]
+    assert "not a vmclock structure" in errors["vmclock"]
