@@ -147,7 +147,9 @@ class _Handle:
 
     def __init__(self, path: str | os.PathLike[str], engine: Engine | None,
                  on_change: OnChange | None, required: bool) -> None:
-        object.__setattr__(self, "path", os.path.abspath(os.fspath(path)))
+        # Always text: a bytes path broke status() (JSON) and the volume checks of the
+        # reopen hook, which then left every other handle closed.
+        object.__setattr__(self, "path", os.path.abspath(os.fsdecode(path)))
         object.__setattr__(self, "changed", False)
         object.__setattr__(self, "on_change", on_change)
         object.__setattr__(self, "required", required)

@@ -184,6 +184,16 @@ class Telemetry:
 
     def configure(self, *, tracer_provider: Any = None, meter_provider: Any = None,
                   enabled: bool | None = None) -> None:
+        # Checked before anything changes: a wrong object here used to be accepted and
+        # then logged a traceback at every event.
+        for what, provider, method in (("tracer_provider", tracer_provider, "get_tracer"),
+                                       ("meter_provider", meter_provider, "get_meter")):
+            if provider is not None and not callable(getattr(provider, method, None)):
+                raise TypeError(f"telemetry: {what} has no {method}() (a "
+                                f"{type(provider).__name__}, not an OpenTelemetry provider)")
+        if enabled is not None and not isinstance(enabled, bool):
+            raise TypeError(f"telemetry: enabled must be True or False, not "
+                            f"{type(enabled).__name__}")
         if tracer_provider is not None:
             self.tracer_provider = tracer_provider
         if meter_provider is not None:
@@ -612,14 +622,24 @@ def refresh_on_restore(
     ``rehydrate.telemetry.identity`` (neither required: a telemetry problem never makes
     the process unready).
     """
+    from ._notify import timeout_value
+
+    # Everything is checked before anything changes (a bad argument used to leave the
+    # hooks half-installed: a corrected second call then installed none).
+    try:
+        timeout = timeout_value(flush_timeout)
+    except ValueError as exc:
+        raise ValueError(f"telemetry: flush_timeout {exc}") from None
+    exporters = list(exporters)
+    for e in exporters:
+        if not callable(getattr(e, "rebuild", None)):
+            raise TypeError(f"{e!r} has no rebuild(): wrap it with restorable_span_exporter()")
     tel = instrument(engine)
-    tel._flush_timeout = flush_timeout
+    tel._flush_timeout = timeout
     for p in providers:
         if all(p is not q for q in tel._managed_providers):
             tel._managed_providers.append(p)
     for e in exporters:
-        if not callable(getattr(e, "rebuild", None)):
-            raise TypeError(f"{e!r} has no rebuild(): wrap it with restorable_span_exporter()")
         if all(e is not q for q in tel._exporters):
             tel._exporters.append(e)
     tel._install_refresh_hooks()

@@ -370,3 +370,21 @@ def test_a_volume_identity_file_that_is_no_regular_file_is_named_never_waited_on
     assert not report.ok
     error = _hook(report, "rehydrate.files.close").error
     assert "a FIFO" in str(error) and str(vol / files.IDENTITY_FILE) in str(error)
+
+
+def test_a_bytes_path_is_managed_as_text(engine, tmp_path: Path) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "a.txt").write_text("a\n")
+    (vol / "b.txt").write_text("b\n")
+    files.volume(vol, engine=engine)
+    a = files.open(os.fsencode(vol / "a.txt"), engine=engine)
+    b = files.open(vol / "b.txt", engine=engine)
+    assert a.path == str(vol / "a.txt")
+    json.dumps(engine.status().to_dict())  # used to fail on the bytes path
+    assert engine.simulate_snapshot().ok
+    ident = vol / files.IDENTITY_FILE
+    ident.write_text("another-volume\n")  # a swapped volume: every handle is checked
+    report = engine.simulate_restore()
+    assert report.ok, report.table()
+    assert a.read() == "a\n" and b.read() == "b\n" and a.changed and b.changed

@@ -492,3 +492,28 @@ def test_a_broken_provider_never_breaks_hooks(rehydrate_engine, caplog):
     report = rehydrate_engine.simulate_restore()
     assert report.ok and ran == [1]
     assert "exporter misconfigured" in caplog.text
+
+
+def test_bad_refresh_or_instrument_arguments_change_nothing(otel):
+    """``refresh_on_restore(tp, flush_timeout=nan)`` raised after marking its hooks
+    installed: the corrected call then installed none, and clones kept the original's
+    ``service.instance.id``. ``instrument(tracer_provider="garbage")`` was accepted and
+    logged a traceback at every event."""
+    engine, _, _, _, mp = otel
+    tp = TracerProvider(resource=Resource.create({"service.name": "svc",
+                                                  **telemetry.resource_attributes()}))
+    for bad in (float("nan"), -1, "5", True):
+        with pytest.raises(ValueError, match="telemetry: flush_timeout"):
+            telemetry.refresh_on_restore(tp, engine=engine, flush_timeout=bad)
+    with pytest.raises(TypeError, match="has no rebuild"):
+        telemetry.refresh_on_restore(tp, exporters=[object()], engine=engine)
+    with pytest.raises(TypeError, match="tracer_provider has no get_tracer"):
+        telemetry.instrument(engine, tracer_provider="garbage")
+    with pytest.raises(TypeError, match="meter_provider has no get_meter"):
+        telemetry.instrument(engine, meter_provider=tp)
+    telemetry.refresh_on_restore(tp, engine=engine, flush_timeout=2)
+    old_id = tp.resource.attributes["service.instance.id"]
+    report = engine.simulate_restore()
+    assert report.ok, report.table()
+    assert tp.resource.attributes["service.instance.id"] not in (old_id, None)
+    assert [h.name for h in report.hooks].count("rehydrate.telemetry.identity") == 1
