@@ -80,6 +80,9 @@ class MatchSessions:
 
     def token(self, subject: str) -> str:
         """The session token of ``subject`` (a player or connection id) in this clone."""
+        if not isinstance(subject, str):
+            raise TypeError(f"subject must be a str (a player or connection id), not "
+                            f"{type(subject).__name__}")
         tag = self._mac(b"token", subject)[:_TOKEN_BYTES]
         return base64.urlsafe_b64encode(tag).decode()
 
@@ -94,7 +97,13 @@ class MatchSessions:
 
     def derive(self, purpose: str, length: int = 32) -> bytes:
         """A secret for ``purpose`` (HKDF-SHA256 of this clone's key): e.g. a match's
-        encryption key. Differs in every clone and after every restore."""
+        encryption key. Differs in every clone and after every restore. ``length``: 16 to
+        8160 bytes (HKDF-SHA256's limit)."""
+        if not isinstance(purpose, str):
+            raise TypeError(f"purpose must be a str, not {type(purpose).__name__}")
+        if isinstance(length, bool) or not isinstance(length, int) or not 16 <= length <= 8160:
+            raise ValueError(f"length must be a whole number of bytes from 16 to 8160, not "
+                             f"{length!r}")
         with self._secret as key:
             hkdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=None,
                         info=b"rehydrate.sessions\0" + purpose.encode())

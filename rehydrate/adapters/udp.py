@@ -33,6 +33,7 @@ log = logging.getLogger("rehydrate.udp")
 
 Address = tuple[str, int]
 _PROBE = b"\0rehydrate-udp-probe\0"
+_MAX_PROBE_TIMEOUT = 3600.0  # a probe waits for one datagram to itself: an hour is absurd
 
 
 class _Filter(asyncio.DatagramProtocol):
@@ -78,8 +79,10 @@ class UdpEndpoint:
         probe_timeout: float = 0.5,
         engine: Engine | None = None,
     ) -> None:
-        if not probe_timeout > 0:
-            raise ValueError(f"probe_timeout must be a positive number, not {probe_timeout!r}")
+        if (isinstance(probe_timeout, bool) or not isinstance(probe_timeout, (int, float))
+                or not 0 < probe_timeout <= _MAX_PROBE_TIMEOUT):
+            raise ValueError(f"probe_timeout must be a number of seconds > 0 and at most "
+                             f"{_MAX_PROBE_TIMEOUT:.0f}, not {probe_timeout!r}")
         self.protocol = protocol_factory()
         self._local_addr = local_addr
         self.name = name
@@ -90,6 +93,7 @@ class UdpEndpoint:
         self._probes: dict[bytes, asyncio.Future[None]] = {}
         self._rebinding = False
         self._hook: Any = None
+        self._closed = False
         self.rebinds = 0
         """How many times the socket was bound again after a failed check."""
 
@@ -115,6 +119,10 @@ class UdpEndpoint:
 
     async def start(self) -> asyncio.DatagramTransport:
         """Bind the socket and register the restore hook (once)."""
+        if self.transport is not None and not self.transport.is_closing():
+            raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
+                               f"{self.address}")
+        self._closed = False
         await self._bind()
         if self._hook is None:
             engine = resolve_engine(self._engine_arg)
@@ -134,8 +142,11 @@ class UdpEndpoint:
 
     def _ensure_from_hook(self) -> None:
         loop = self.loop
-        if loop is None or self.transport is None or loop.is_closed():
-            return
+        if self._closed or loop is None or self.transport is None or loop.is_closed():
+            return  # closed by the application: nothing to keep working
+        if not loop.is_running():
+            raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop is not running, "
+                               "so its socket cannot be checked")
         asyncio.run_coroutine_threadsafe(self.ensure(), loop).result(
             self.probe_timeout + 9.0)
 
@@ -191,6 +202,8 @@ class UdpEndpoint:
         return True
 
     def close(self) -> None:
-        """Close the socket (the protocol's ``connection_lost`` is called)."""
+        """Close the socket (the protocol's ``connection_lost`` is called); restores no
+        longer check or re-bind it, until :meth:`start` binds it again."""
+        self._closed = True
         if self.transport is not None:
             self.transport.close()

@@ -141,3 +141,58 @@ async def test_rebind_uses_the_address_callable_again(rehydrate_engine):
         assert await _roundtrip(ep.address, b"x") == b"echo:x"
     finally:
         ep.close()
+
+
+async def test_a_closed_udp_endpoint_stays_closed_across_restores(rehydrate_engine):
+    """close() did not stick: the next restore "re-bound" the closed endpoint on the same
+    port and called the protocol's connection_made after its connection_lost."""
+    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="t-closed",
+                     probe_timeout=0.2)
+    await ep.start()
+    ep.close()
+    await asyncio.sleep(0)  # the loop runs the transport's close
+    report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert ep.rebinds == 0 and ep.protocol.made == 1 and ep.protocol.lost == 1
+    await ep.start()  # started again: bound and checked again
+    try:
+        with pytest.raises(RuntimeError, match="is already started at"):
+            await ep.start()
+        assert ep.protocol.made == 2
+    finally:
+        ep.close()
+
+
+def test_a_udp_endpoint_whose_loop_stopped_fails_its_hook_saying_so(rehydrate_engine):
+    loop = asyncio.new_event_loop()
+    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="t-stopped")
+    loop.run_until_complete(ep.start())  # the loop stops, but is not closed
+    try:
+        report = rehydrate_engine.simulate_restore()
+        (hook,) = [h for h in report.hooks if h.name == "rehydrate.udp.check:t-stopped"]
+        assert str(hook.error) == ("UDP endpoint 't-stopped': its event loop is not "
+                                   "running, so its socket cannot be checked")
+        assert hook.duration < 1.0  # it waited 9 s before, then said "timed out"
+    finally:
+        ep.close()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), 1e12, float("nan"), True, "1"])
+def test_udp_probe_timeout_must_be_a_sensible_number(bad):
+    with pytest.raises(ValueError, match="probe_timeout must be a number of seconds"):
+        UdpEndpoint(Echo, ("127.0.0.1", 0), probe_timeout=bad)
+
+
+def test_session_arguments_that_would_weaken_or_break_are_refused(rehydrate_engine):
+    """``derive("x", 0)`` returned an empty key; ``token(123)`` an AttributeError."""
+    s = MatchSessions("m-args", engine=rehydrate_engine)
+    for bad in (0, 8, 8161, True, "32"):
+        with pytest.raises(ValueError, match="length must be a whole number of bytes"):
+            s.derive("x", bad)
+    assert len(s.derive("x", 16)) == 16
+    with pytest.raises(TypeError, match="subject must be a str"):
+        s.token(123)
+    with pytest.raises(TypeError, match="purpose must be a str"):
+        s.derive(b"x")
