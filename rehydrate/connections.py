@@ -102,6 +102,16 @@ def _arity(fn: Callable[..., Any]) -> int:
     return n
 
 
+def _required_args(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` cannot be called without (0 when unknown)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               and p.default is p.empty for p in params)
+
+
 def _is_async(fn: Callable[..., Any] | None) -> bool:
     if fn is None:
         return False
@@ -140,11 +150,23 @@ class Connection:
         deadline: float | None,
         value: Any = None,
     ) -> None:
-        if deadline is not None and (not math.isfinite(deadline) or deadline <= 0):
-            raise ValueError("deadline must be a positive number of seconds")
-        for label, fn in (("open", open), ("close", close), ("check", check)):
-            if fn is not None and not callable(fn):
+        if deadline is not None and (isinstance(deadline, bool)
+                                     or not isinstance(deadline, (int, float))
+                                     or not math.isfinite(deadline) or deadline <= 0):
+            raise ValueError(f"connection {name!r}: deadline must be a positive number of "
+                             f"seconds, not {deadline!r}")
+        # Checked here: a function of the wrong shape failed with a TypeError at every
+        # attempt until the deadline, at every restore.
+        for label, fn, most in (("open", open, 0), ("close", close, 1), ("check", check, 1)):
+            if fn is None:
+                continue
+            if not callable(fn):
                 raise TypeError(f"connection {name!r}: {label} must be callable")
+            needs = _required_args(fn)
+            if needs > most:
+                takes = "no argument" if most == 0 else "at most one argument (the value)"
+                raise TypeError(f"connection {name!r}: {label} is called with {takes}, but "
+                                f"{getattr(fn, '__qualname__', fn)!r} requires {needs}")
         self.name = name
         self.open_fn = open
         self.close_fn = close
@@ -591,8 +613,12 @@ def register(
     ``rehydrate doctor --connections`` marks its sockets as managed (the helpers below
     fill it in from the client's configuration).
     """
-    if not isinstance(name, str) or not name:
-        raise TypeError("connection name must be a non-empty string")
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise TypeError(f"connection name must be a non-empty string of printable "
+                        f"characters, not {name!r}")
+    if isinstance(peers, (str, bytes)):  # one peer, not one per character
+        raise TypeError(f"connection {name!r}: peers is a list of host:port, not one "
+                        f"string (write [{peers!r}])")
     conn = Connection(name, open, close, check, required, deadline, value)
     conn.peers = tuple(p if isinstance(p, str) else _fmt(*p) for p in peers)
     return manager(engine).register(conn, open_now=open_now, replace=replace)
@@ -654,23 +680,31 @@ def httpx_client(
         if response.status_code >= 500:
             raise ConnectionError(f"{shown(request.url)} answered {response.status_code}")
 
-    _prebuild(client, check_url)
+    _prebuild(name, client, check_url)
     register(name, open=transport.reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
              engine=engine, replace=replace, peers=_url_peers(client.base_url))
     return client
 
 
-def _prebuild(client: Any, check_url: str | None) -> None:
+def _prebuild(name: str, client: Any, check_url: str | None) -> None:
     """Build the health check's request once now and drop it: the first build runs
     httpx's URL parsing, header merging and ABC instance checks for the first time
     (~10 ms of first-touch work in a gVisor clone). The clone still builds its own from
-    the client's then-current base URL and headers."""
-    if check_url is not None:
-        try:
-            client.build_request("GET", check_url)
-        except Exception as exc:  # a bad URL fails the check itself, named there
-            log.debug("health check request not prepared: %s", _describe(exc))
+    the client's then-current base URL and headers. A URL that cannot be built is a
+    ``ValueError`` now: it would fail every attempt of every restore until the deadline."""
+    if check_url is None:
+        return
+    import httpx
+
+    try:
+        request = client.build_request("GET", check_url)
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol, TypeError, ValueError) as exc:
+        raise ValueError(f"connection {name!r}: check_url {check_url!r} is not a usable "
+                         f"URL ({_describe(exc)})") from None
+    if not request.url.host:
+        raise ValueError(f"connection {name!r}: check_url {check_url!r} names no host "
+                         "(give the client a base_url, or an absolute URL)")
 
 
 def _url_peers(url: Any) -> tuple[str, ...]:
@@ -708,7 +742,7 @@ def httpx_async_client(
     async def reset() -> None:  # non-blocking: runs on the loop, no thread hop
         transport.reset()
 
-    _prebuild(client, check_url)
+    _prebuild(name, client, check_url)
     register(name, open=reset, close=transport.close_pool,
              check=check if check_url else None, required=required, deadline=deadline,
              engine=engine, replace=replace, peers=_url_peers(client.base_url))
@@ -850,8 +884,9 @@ def _check_address(address: object) -> None:
     silently wrap into another port) in the background for the whole deadline."""
     if (not isinstance(address, tuple) or len(address) != 2
             or not isinstance(address[0], str) or isinstance(address[1], bool)
-            or not isinstance(address[1], int) or not 0 <= address[1] <= 65535):
-        raise ValueError(f"address must be (host, port) with a port 0-65535, not {address!r}")
+            or not isinstance(address[1], int) or not 1 <= address[1] <= 65535):
+        # port 0 is "any" for a bind; a connect to it is refused every time
+        raise ValueError(f"address must be (host, port) with a port 1-65535, not {address!r}")
 
 
 def tcp_socket(
@@ -867,7 +902,7 @@ def tcp_socket(
 ) -> ManagedSocket:
     """A raw TCP client socket managed by rehydrate. The first connect runs in the
     background (registration never blocks); ``check(sock)`` may verify e.g. a greeting.
-    ``address``: ``(host, port)``, port 0-65535 (``ValueError`` otherwise, at once)."""
+    ``address``: ``(host, port)``, port 1-65535 (``ValueError`` otherwise, at once)."""
     _check_address(address)
     ms = ManagedSocket(address, timeout)
     chk = (lambda: check(ms.sock)) if check is not None else None

@@ -781,7 +781,7 @@ def test_an_open_that_finishes_after_it_was_superseded_is_closed():
 
 @pytest.mark.parametrize("address", [("127.0.0.1", 99999), ("127.0.0.1", -1), "127.0.0.1:80",
                                      ("127.0.0.1",), ("127.0.0.1", "80"), (None, 80),
-                                     ("127.0.0.1", True)])
+                                     ("127.0.0.1", True), ("127.0.0.1", 0)])
 def test_tcp_socket_refuses_a_bad_address_at_registration(rehydrate_engine, address):
     """Not a background connect failing until the deadline, nor a port that wraps
     (99999 would connect to 34463)."""
@@ -864,3 +864,37 @@ def test_an_open_or_check_raising_systemexit_or_cancelling_itself_fails_only_tha
         assert {n: c["state"] for n, c in status.items()} == {
             "exits": "failed", "interrupted": "failed", "cancels": "failed", "fine": "open"}
     assert opened == [1, 1]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"open": lambda ctx: None}, "open is called with no argument, but"),
+    ({"check": lambda a, b: None}, "check is called with at most one argument (the value)"),
+    ({"close": lambda a, b, c: None}, "close is called with at most one argument"),
+    ({"deadline": True}, "deadline must be a positive number of seconds, not True"),
+    ({"deadline": "5"}, "deadline must be a positive number of seconds"),
+    ({"peers": "cache:6379"}, "peers is a list of host:port, not one string"),
+])
+def test_register_refuses_what_would_fail_every_attempt(rehydrate_engine, kwargs, message):
+    """Accepted, these failed with a TypeError at every attempt until the deadline, at
+    every restore, or (peers) became one peer per character."""
+    with pytest.raises((TypeError, ValueError)) as caught:
+        connections.register("x", **kwargs, engine=rehydrate_engine)
+    assert message in str(caught.value)
+    assert connections.get("x", engine=rehydrate_engine) is None
+
+
+def test_a_connection_name_must_be_printable(rehydrate_engine):
+    with pytest.raises(TypeError, match="printable"):
+        connections.register("db\nforged line", open=lambda: None, engine=rehydrate_engine)
+
+
+def test_an_http_check_url_naming_no_host_is_refused_at_registration(rehydrate_engine):
+    """Without a base_url, check_url="/health" failed every attempt for the whole
+    deadline (30 s by default) at every restore."""
+    for helper in (connections.httpx_client, connections.httpx_async_client):
+        with pytest.raises(ValueError, match="check_url '/health' names no host"):
+            helper("api", check_url="/health", engine=rehydrate_engine)
+    assert connections.get("api", engine=rehydrate_engine) is None
+    ok = connections.httpx_client("api", base_url="http://127.0.0.1:9", check_url="/health",
+                                  engine=rehydrate_engine)
+    ok.close()
