@@ -238,6 +238,8 @@ def nftables(
     else:
         decl = list(_tables_from_listing(data, required))
         labels = [t.label for t in decl if isinstance(t, NftTable)]
+    if not decl:
+        raise ValueError("the nftables ruleset declares nothing (no table, no command)")
     manager(engine).add_ruleset(decl)
     return labels
 
@@ -265,7 +267,11 @@ def capture(
     """Record the user-added routes and nftables tables (all, or ``tables`` such as
     ``["inet myapp"]``) of the current network namespace now and again before every
     snapshot; they are re-applied after each restore. Never raises: what could not be
-    read is listed in ``Capture.problems`` (and logged)."""
+    read is listed in ``Capture.problems`` (and logged); ``tables`` given as one string
+    is a ``TypeError`` (it would be taken letter by letter and capture nothing)."""
+    if isinstance(tables, str):
+        raise TypeError(f"tables is a list of 'family name' strings, not one string "
+                        f"(write [{tables!r}])")
     return manager(engine).take_capture(tables, required)
 
 

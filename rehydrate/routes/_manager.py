@@ -31,6 +31,7 @@ from ._model import (
     _rtnetlink_available,
     has_cap_net_admin,
     nft_binary,
+    nft_missing,
 )
 from ._netlink import _Encoder, _off_loop, _route_msg, _Rtnl, read_routes
 from ._nftables import NftCommands, NftTable, _nft, read_table, read_tables
@@ -53,7 +54,7 @@ def missing_prerequisites(*, routes: bool = True, nft: bool = True,
     if nft:
         binary = nft_binary()
         if binary is None:
-            missing.append("the nft binary (install nftables, or set REHYDRATE_NFT)")
+            missing.append(nft_missing())
         elif cap:
             try:
                 _nft(["list", "tables"])
@@ -149,14 +150,18 @@ def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
     notes: list[str] = []
     try:
         wanted = {" ".join(t.split()) for t in tables} if tables is not None else None
+        found: set[str] = set()
         for t in read_tables():
             if wanted is not None and t.label not in wanted and t.name not in wanted:
                 continue
+            found.update((t.label, t.name))
             if t.uses_xt():
                 notes.append(f"nftables table {t.label} holds iptables-nft rules; "
                              "declare them with rehydrate.routes.iptables()")
                 continue
             nft_tables.append(replace(t, required=required))
+        notes.extend(f"nftables table {w} does not exist here (nothing captured for it)"
+                     for w in sorted(wanted or ()) if w not in found)
     except Exception as exc:
         parts.failed["nftables"] = f"nftables: {_describe(exc)}"
         if _prerequisite_missing(exc):

@@ -63,6 +63,15 @@ def nft_binary() -> str | None:
         (p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
 
 
+def nft_missing() -> str:
+    """What is missing when :func:`nft_binary` found none, naming REHYDRATE_NFT's value
+    when that is what points nowhere."""
+    configured = _config.text("REHYDRATE_NFT")
+    if configured is not None:
+        return f"the nft binary REHYDRATE_NFT names ({configured}: not an executable file)"
+    return "the nft binary (install nftables, or set REHYDRATE_NFT)"
+
+
 PYROUTE2_MISSING = "pyroute2 (pip install 'rehydrate[routes]')"
 
 

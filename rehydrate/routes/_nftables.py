@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
-from ._model import NFT_TIMEOUT, NetworkError, NetworkUnavailable, nft_binary
+from ._model import NFT_TIMEOUT, NetworkError, NetworkUnavailable, nft_binary, nft_missing
 
 log = logging.getLogger("rehydrate")
 
@@ -19,8 +19,7 @@ log = logging.getLogger("rehydrate")
 def _nft(args: Sequence[str], stdin: str | None = None) -> str:
     binary = nft_binary()
     if binary is None:
-        raise NetworkUnavailable("the nft binary is missing (install nftables, or set "
-                                 "REHYDRATE_NFT)")
+        raise NetworkUnavailable(f"missing {nft_missing()}")
     proc = subprocess.run([binary, *args], input=stdin, capture_output=True, text=True,
                           timeout=NFT_TIMEOUT, check=False)
     if proc.returncode != 0:
@@ -108,10 +107,11 @@ def _tables_from_listing(data: Mapping[str, Any], required: bool = True) -> list
             continue
         if kind not in _OBJ_KINDS or not isinstance(body, Mapping):
             raise ValueError(f"unexpected nftables item {kind!r}")
-        if kind == "table":
-            key = (str(body["family"]), str(body["name"]))
-        else:
-            key = (str(body["family"]), str(body["table"]))
+        field = "name" if kind == "table" else "table"
+        missing = [f for f in ("family", field) if f not in body]
+        if missing:
+            raise ValueError(f"nftables {kind} item has no {' or '.join(map(repr, missing))}")
+        key = (str(body["family"]), str(body[field]))
         if key not in groups:
             groups[key] = []
             order.append(key)

@@ -690,3 +690,54 @@ def test_routes_with_metric_0_or_uncanonical_ipv6_read_back_as_applied(netns_pai
     out = run_in_ns(a, READ_BACK.replace("sys.argv[1]", repr(va)))
     assert out["ok"], (out["table"], out["last"]["errors"])
     assert out["last"]["routes"] == 3 and out["last"]["errors"] == []
+
+
+@pytest.mark.parametrize(("ruleset", "message"), [
+    ("[]", "the nftables ruleset declares nothing"),
+    ({"nftables": [{"metainfo": {"version": "1.0"}}]}, "declares nothing"),
+    ({"nftables": [{"table": {"family": "inet"}}]}, "nftables table item has no 'name'"),
+    ({"nftables": [{"chain": {"family": "inet", "name": "c"}}]},
+     "nftables chain item has no 'table'"),
+])
+def test_an_nftables_ruleset_that_declares_nothing_usable_is_refused(rehydrate_engine,
+                                                                    ruleset, message):
+    with pytest.raises(ValueError, match=message):
+        routes.nftables(ruleset, engine=rehydrate_engine)
+    assert routes.manager(rehydrate_engine).rulesets == []
+
+
+CAPTURE_NAMED = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+subprocess.run(["nft", "add", "table", "inet", "rhapp"], check=True)
+engine = isolated_engine()
+try:
+    routes.capture(tables="inet rhapp", engine=engine)
+    one_string = None
+except TypeError as exc:
+    one_string = str(exc)
+cap = routes.capture(tables=["inet rhapp", "inet nosuch"], engine=engine)
+print(json.dumps({"one_string": one_string, "tables": [t.label for t in cap.tables],
+                  "problems": list(cap.problems)}))
+'''
+
+
+def test_capture_of_named_tables_says_which_do_not_exist(netns_pair):
+    out = run_in_ns(netns_pair["a"], CAPTURE_NAMED)
+    assert out["one_string"] == ("tables is a list of 'family name' strings, not one string "
+                                 "(write ['inet rhapp'])")
+    assert out["tables"] == ["inet rhapp"]
+    assert out["problems"] == [
+        "nftables table inet nosuch does not exist here (nothing captured for it)"]
+
+
+def test_a_missing_nft_binary_named_by_the_variable_is_said_so(rehydrate_engine, monkeypatch):
+    monkeypatch.setenv("REHYDRATE_NFT", "/nowhere/nft")
+    from rehydrate.routes._model import nft_missing
+
+    assert nft_missing() == ("the nft binary REHYDRATE_NFT names (/nowhere/nft: not an "
+                             "executable file)")
+    monkeypatch.delenv("REHYDRATE_NFT")
+    assert nft_missing() == "the nft binary (install nftables, or set REHYDRATE_NFT)"
