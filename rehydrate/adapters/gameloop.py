@@ -22,8 +22,9 @@ The clock also rebases itself when the rehydrate engine runs a restore (or resum
 next :meth:`~TickClock.due` is treated as a jump even when the frame looked short — on
 platforms whose monotonic clock does not include the time frozen, or when the loop was
 not running across the freeze. When the loop already took a jump since the previous
-snapshot or restore event (it saw the freeze before the hooks ran), the restore does not
-add a second one.
+snapshot or restore event, no more than :data:`SAW_FREEZE_WINDOW` seconds before the
+hooks ran (it saw the freeze first), the restore does not add a second one; an older
+jump (a level load) does not count.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ __all__ = ["TickClock"]
 
 # Float products like 0.3 * 10 land a hair below the integer they mean.
 _EPSILON = 1e-9
+_MAX_RATE = 1e6  # ticks per second; far above any game, far below float overflow
+_MAX_FRAME = 3600.0  # a longer "normal" frame would replay hours of ticks in one burst
+SAW_FREEZE_WINDOW = 5.0
+"""A jump the loop took at most this many seconds before a restore's hooks ran is taken
+to be the loop seeing that restore's freeze (the hooks run within moments of the resume,
+however the restore is noticed); an older one — a level load — is not."""
 
 
 class TickClock:
@@ -67,14 +74,17 @@ class TickClock:
         engine: Engine | None = None,
         rebase_on_restore: bool = True,
     ) -> None:
-        if not (isinstance(rate_hz, (int, float)) and math.isfinite(rate_hz) and rate_hz > 0):
-            raise ValueError(f"rate_hz must be a positive finite number, not {rate_hz!r}")
+        if (isinstance(rate_hz, bool) or not isinstance(rate_hz, (int, float))
+                or not 0 < rate_hz <= _MAX_RATE):  # refuses NaN
+            raise ValueError(f"rate_hz must be a number > 0 and at most {_MAX_RATE:g}, not "
+                             f"{rate_hz!r}")
         if isinstance(max_catch_up, bool) or not isinstance(max_catch_up, int) \
                 or max_catch_up < 0:
             raise ValueError(f"max_catch_up must be an int >= 0, not {max_catch_up!r}")
-        if not (isinstance(max_frame, (int, float)) and max_frame > 0):  # refuses NaN
-            raise ValueError(f"max_frame must be a positive number of seconds, not "
-                             f"{max_frame!r}")
+        if (isinstance(max_frame, bool) or not isinstance(max_frame, (int, float))
+                or not 0 < max_frame <= _MAX_FRAME):  # refuses NaN and infinity
+            raise ValueError(f"max_frame must be a number of seconds > 0 and at most "
+                             f"{_MAX_FRAME:g}, not {max_frame!r}")
         self.rate_hz = float(rate_hz)
         self.dt = 1.0 / self.rate_hz
         """Seconds per tick."""
@@ -96,6 +106,7 @@ class TickClock:
         self.dropped = 0.0
         """Seconds dropped by all jumps so far."""
         self._jumps_mark = 0  # jumps at the latest snapshot or restore event
+        self._last_jump_at = -math.inf
         if rebase_on_restore:
             self._attach(resolve_engine(engine))
 
@@ -127,7 +138,9 @@ class TickClock:
         """Rebase on a restore — unless the loop already took a jump since the previous
         snapshot or restore event (it saw the freeze first: one resync is enough)."""
         with self._lock:
-            if restore and self.jumps == self._jumps_mark:
+            saw_it = (self.jumps != self._jumps_mark
+                      and self._clock() - self._last_jump_at <= SAW_FREEZE_WINDOW)
+            if restore and not saw_it:
                 self._rebase = True
             self._jumps_mark = self.jumps
 
@@ -150,6 +163,7 @@ class TickClock:
                 self._origin, self._issued = now, 0
                 self._rebase = False
                 self.last_jump = jump
+                self._last_jump_at = now
                 self.jumps += 1
                 self.dropped += jump
             else:

@@ -158,6 +158,21 @@ def test_a_freeze_seen_by_the_loop_is_not_rebased_twice(rehydrate_engine):
     assert clock.due() == 1 and clock.jumps == 2
 
 
+def test_a_level_load_long_before_the_restore_does_not_stop_the_rebase(rehydrate_engine):
+    """A long frame any time before a restore (a level load) with no before-snapshot event
+    was taken for the loop seeing the freeze: the restore did not rebase at all."""
+    fake = FakeClock()
+    clock = TickClock(20, max_catch_up=0, clock=fake, engine=rehydrate_engine)
+    fake.now += 3.0  # a level load
+    assert clock.due() == 0 and clock.jumps == 1
+    for _ in range(200):  # then ten seconds of ordinary frames
+        fake.now += 0.05
+        assert clock.due() == 1
+    assert rehydrate_engine.simulate_restore().ok  # no snapshot event came before it
+    fake.now += 0.05
+    assert clock.due() == 0 and clock.jumps == 2, "the restore must rebase the clock"
+
+
 def test_hook_goes_away_with_the_clock(rehydrate_engine):
     import gc
 
@@ -186,6 +201,9 @@ def test_alpha_and_until_next():
     ({"rate_hz": 30, "max_catch_up": 1.5}, "max_catch_up"),
     ({"rate_hz": 30, "max_frame": 0}, "max_frame"),
     ({"rate_hz": 30, "max_frame": float("nan")}, "max_frame"),
+    ({"rate_hz": 30, "max_frame": float("inf")}, "max_frame"),  # 108,000 ticks in a burst
+    ({"rate_hz": True}, "rate_hz"),
+    ({"rate_hz": 1e300}, "rate_hz"),  # due() raised OverflowError
 ])
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
