@@ -292,8 +292,17 @@ class Lifecycle:
 
     def status(self) -> Status:
         extra: dict[str, Any] = {}
-        if self._detector_errors:
-            extra["detector_errors"] = dict(self._detector_errors)
+        errors = dict(self._detector_errors)
+        for d in list(self._detectors):
+            try:
+                report = getattr(d, "failure", None)  # detectors not derived from Detector
+                failure = report() if report is not None else None
+            except Exception as exc:  # a detector's report must never break status()
+                failure = f"unavailable: {type(exc).__name__}"
+            if failure:
+                errors[d.key] = failure
+        if errors:
+            extra["detector_errors"] = errors
         for key, fn in list(self._extra_status.items()):
             try:
                 extra[key] = fn()

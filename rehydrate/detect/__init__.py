@@ -107,6 +107,12 @@ class Detector:
         """Stop watching (idempotent). Called by the engine."""
         raise NotImplementedError
 
+    def failure(self) -> str | None:
+        """Why this started detector no longer watches (its thread died), else ``None``.
+        ``status()["detector_errors"]`` shows it: a detector that stopped must not look
+        as if it still watched."""
+        return None
+
     def describe(self) -> str:
         """One line for ``rehydrate doctor`` about how this detector works here."""
         return (self.__doc__ or "").strip().splitlines()[0] if self.__doc__ else ""

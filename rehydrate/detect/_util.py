@@ -114,12 +114,15 @@ class DetectorThread:
         self.stop_event = threading.Event()
         self._target = target
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: str | None = None
+        """Why the thread ended while it was not asked to stop (``None`` while it runs)."""
 
     def _run(self) -> None:
         try:
             self._target(self.stop_event)
-        except Exception:
+        except Exception as exc:
             log.exception("detector thread %s died", self._thread.name)
+            self.error = f"its thread died: {type(exc).__name__}: {exc}"
 
     def start(self) -> None:
         self._thread.start()
@@ -132,6 +135,11 @@ class DetectorThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def thread_failure(thread: DetectorThread | None) -> str | None:
+    """:meth:`Detector.failure` of a detector running on ``thread``."""
+    return None if thread is None else thread.error
 
 
 class DeferringDetector(Detector):
@@ -149,6 +157,9 @@ class DeferringDetector(Detector):
         self._thread: DetectorThread | None = None
         self._deferral = Deferral(self, self.grace)
         self._lock = threading.Lock()
+
+    def failure(self) -> str | None:
+        return thread_failure(self._thread)
 
     def start(self, engine: Engine) -> None:
         with self._lock:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 from .. import _config
 from .._contract import Probe
 from . import Detector
-from ._util import DEFAULT_WINDOW, DetectorThread, positive
+from ._util import DEFAULT_WINDOW, DetectorThread, positive, thread_failure
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -195,6 +195,9 @@ class VmClockDetector(Detector):
             return (f"{path}: the hypervisor does not provide vm_generation_counter "
                     "(VMCLOCK_FLAG_VM_GEN_COUNTER_PRESENT unset)")
         return None
+
+    def failure(self) -> str | None:
+        return thread_failure(self._thread)
 
     @classmethod
     def configured(cls) -> bool:

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from detect_helpers import REPO
+from detect_helpers import REPO, wait_for
 
 from detect.test_vmclock import FakeVmClock
 from rehydrate.detect import available, catalogue_keys, load, select
@@ -158,3 +158,20 @@ def test_a_configured_detector_that_cannot_work_is_a_loud_error_not_absent(
     assert f"the marker file's directory {tmp_path / 'missing'} does not exist" in \
         errors["file"]
     assert "not a vmclock structure" in errors["vmclock"]
+
+
+def test_a_detector_whose_thread_died_is_shown_in_status(rehydrate_engine, tmp_path):
+    """A detector thread that dies logs the exception once; status() kept listing the
+    detector as if it still watched."""
+    det = IdentityDetector(interval=0.01, root=tmp_path)
+
+    def broken(stop):
+        raise RuntimeError("cannot read the identity")
+
+    det._loop = broken  # what any unexpected error in the loop does
+    assert rehydrate_engine.start([det]) == ["identity"]
+    wait_for(lambda: not det._thread.alive, what="the thread to end")
+    errors = rehydrate_engine.status().to_dict()["detector_errors"]
+    assert errors == {"identity": "its thread died: RuntimeError: cannot read the identity"}
+    rehydrate_engine.stop()
+    assert "detector_errors" not in rehydrate_engine.status().to_dict()
