@@ -475,7 +475,11 @@ class ManagedCertificate:
         self._slots.setdefault(ctx, set()).add(_slot(material.certificate.public_key()))
 
     def apply(self, material: Material) -> None:
-        """Make ``material`` current: live server contexts, client contexts, listeners."""
+        """Make ``material`` current: live server contexts, client contexts, listeners.
+
+        All or nothing for the contexts: material OpenSSL refuses (a key or CA key below
+        its security level, which :func:`validate` does not see without a CA bundle) is
+        a :class:`CertificateError` and every context keeps serving what it served."""
         if material.private_key is None:
             raise CertificateError(f"certificate {self.name!r}: material without a key")
         errors: list[str] = []
@@ -486,11 +490,7 @@ class ManagedCertificate:
                     raise CertificateError(
                         f"certificate {self.name!r}: keys were dropped before a snapshot "
                         "while this renewal ran; its new key is discarded")
-                for ctx in list(self._servers):
-                    try:
-                        self._load(ctx, material)
-                    except (OSError, ssl.SSLError) as exc:
-                        errors.append(f"server context: {exc}")
+                self._load_everywhere(material)
                 old, self._material = self._material, material
                 if old is not None and old.key_buffer is not material.key_buffer:
                     old.wipe_key()
@@ -506,6 +506,29 @@ class ManagedCertificate:
         if errors:
             raise CertificateError(f"certificate {self.name!r} renewed but: "
                                    + "; ".join(errors))
+
+    def _load_everywhere(self, material: Material) -> None:
+        """Load ``material`` into every live server context, or into none: OpenSSL may
+        install the new certificate before refusing it (and drop the old key), so a
+        refusal puts back what each context served. Without a live context a throwaway
+        one tries it, so that what is reported current can be loaded later."""
+        servers = list(self._servers)
+        loaded: list[ssl.SSLContext] = []
+        try:
+            for ctx in servers or [ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)]:
+                loaded.append(ctx)
+                load_into(ctx, material)
+        except (OSError, ssl.SSLError) as exc:
+            previous = self._serving()
+            for ctx in loaded if servers else ():
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    load_into(ctx, previous)
+            material.wipe_key()
+            reason = getattr(exc, "reason", None) or exc
+            raise CertificateError(f"certificate {self.name!r}: OpenSSL refuses the new "
+                                   f"certificate ({reason})") from None
+        for ctx in servers:
+            self._slots.setdefault(ctx, set()).add(_slot(material.certificate.public_key()))
 
     def _serving(self) -> Material:
         """What a context should present now: the material, or the placeholder while the
@@ -646,9 +669,12 @@ class ManagedCertificate:
                 return
             except CertificateError as exc:
                 error = exc
+            if self._material is not previous:  # renewed; a listener failed afterwards
+                raise error
             if held and previous is not None and (kind == "resume" or not self.regenerates_key):
                 # a resumed original keeps its own key; a file key is the same everywhere
-                raise CertificateError(f"certificate {self.name!r}: {error}; keeping serial "
+                detail = str(error).removeprefix(f"certificate {self.name!r}: ")
+                raise CertificateError(f"certificate {self.name!r}: {detail}; keeping serial "
                                        f"{previous.serial:x}") from None
             # A restored clone must not serve the key from the snapshot image (every clone
             # would share it), and a dropped key is gone: present a fresh placeholder.
@@ -1084,7 +1110,11 @@ class FileCertificate(ManagedCertificate):
             try:
                 self.apply(new)
             except CertificateError as exc:
-                log.warning("tls: %s", exc)
+                self.last_error = str(exc)
+                log.warning("tls: %s; keeping %s", exc, f"serial {self._material.serial:x}"
+                            if self._material is not None and not self.key_dropped
+                            else "no certificate (placeholder)")
+                return False
             log.info("tls: certificate %s reloaded from files (serial %x)", self.name,
                      new.serial)
             return True

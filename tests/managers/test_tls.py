@@ -1005,3 +1005,55 @@ def test_one_string_of_sans_is_one_name(rehydrate_engine):
     assert names == ["localhost"]  # not ["l", "o", "c", ...]
     with pytest.raises(TypeError, match="sans must be non-empty strings"):
         tls.self_signed("bad", sans=["localhost", 5], engine=rehydrate_engine)
+
+
+def _weak_bundles(ca: CA) -> dict[str, tuple[bytes, bytes]]:
+    """Material ``validate()`` accepts without a CA bundle but OpenSSL refuses at its
+    default security level: an RSA-1024 leaf key, or an RSA-1024 intermediate CA."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    pem = serialization.Encoding.PEM
+    weak = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    weak_pem = weak.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption())
+    inter = CA("Weak Intermediate")
+    inter.key = weak
+    inter.cert = ca.sign(weak.public_key(), "Weak Intermediate")
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    leaf = inter.sign(leaf_key.public_key())
+    leaf_key_pem = leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption())
+    return {
+        "weak-leaf-key": (ca.sign(weak.public_key()).public_bytes(pem), weak_pem),
+        "weak-intermediate": (leaf.public_bytes(pem) + inter.cert.public_bytes(pem),
+                              leaf_key_pem),
+    }
+
+
+@pytest.mark.parametrize("case", ["weak-leaf-key", "weak-intermediate"])
+def test_material_openssl_refuses_leaves_every_context_serving_the_old_certificate(
+        rehydrate_engine, tmp_path, https_server, caplog, case):
+    """OpenSSL installed the new certificate before refusing it (and dropped the old key):
+    every handshake failed while status() showed the new serial without an error, and
+    the next restore, seeing the files unchanged, reported ok."""
+    ca = CA()
+    c1, k1, first = ca.leaf()
+    cert = _plain_file_cert(rehydrate_engine, tmp_path, c1, k1)
+    port = https_server(cert.server_context())
+    trust = ssl.create_default_context(cadata=ca.pem.decode())
+    assert served_certificate(port, trust).serial_number == first.serial_number
+    _write_pair(tmp_path, *_weak_bundles(ca)[case])
+    for _ in range(2):  # the files stay as they are: the second restore fails the same way
+        report = rehydrate_engine.simulate_restore()
+        (hook,) = [h for h in report.hooks if h.name == "rehydrate.tls:plain"]
+        assert hook.outcome == "failed" and not report.ok
+        message = str(hook.error)
+        assert message.startswith("certificate 'plain': OpenSSL refuses the new certificate")
+        assert message.endswith(f"; keeping serial {first.serial_number:x}")
+        assert message.count("certificate 'plain'") == 1
+        assert cert.serial == first.serial_number
+        assert served_certificate(port, trust).serial_number == first.serial_number
+    assert cert.reload_if_changed() is False
+    assert "OpenSSL refuses the new certificate" in cert.last_error
+    assert cert.status()["serial"] == f"{first.serial_number:x}"
+    assert served_certificate(port, trust).serial_number == first.serial_number
