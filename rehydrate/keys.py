@@ -436,6 +436,13 @@ class EphemeralKey:
     def _rotate_unlocked(self) -> None:
         private = generate_private_key(self.algorithm)
         with self._cond:
+            # The before-snapshot pass may have dropped the keys while this one was being
+            # generated (RSA takes a while): storing it would put it into the image.
+            if self._manager.dropped:
+                del private
+                raise KeyDroppedError(
+                    f"ephemeral key {self.name!r}: private keys were dropped before a "
+                    "snapshot while this rotation ran; its new key is discarded")
             self._private = private
             self._public = private.public_key()
             self.generation += 1

@@ -64,6 +64,10 @@ OnWiped = Literal["block", "raise"]
 MAX_SECRET_BYTES = 16 * 1024 * 1024
 
 
+_PENDING = ("a snapshot is pending (loaded now, the value would be in the image); it loads "
+            "on restore/resume")
+
+
 class SecretError(RuntimeError):
     """A secret's source could not be read. The message never contains the value."""
 
@@ -107,6 +111,13 @@ class Secret:
     ) -> None:
         if on_wiped not in ("block", "raise"):
             raise ValueError("on_wiped must be 'block' or 'raise'")
+        # Checked before the value is loaded: a name the hooks refuse used to leave a
+        # loaded, never-wiped buffer behind.
+        if not isinstance(name, str) or not name or not name.isprintable():
+            raise TypeError(f"secret name must be a non-empty string of printable "
+                            f"characters, not {name!r}")
+        if not callable(loader):
+            raise TypeError(f"secret {name!r}: loader must be callable")
         self.name = name
         self.source = source
         self.on_wiped: OnWiped = on_wiped
@@ -125,6 +136,9 @@ class Secret:
         self.last_error = ""
         """Why the latest failed load failed (the source's error, never the value)."""
         self._manager = manager(engine)
+        if any(s.name == name for s in self._manager.secrets()):
+            raise ValueError(f"a secret named {name!r} is already managed (status() and its "
+                             "hooks go by the name: give this one another name=)")
         self._hooks: tuple[Hook, ...] = ()
         if load and self._manager.engine.snapshot_pending:
             # Loaded now, the value would be written into the coming snapshot image.
@@ -204,18 +218,33 @@ class Secret:
                 raise SecretError(reason) from None
             return False
         with self._cond:
-            old = self._buf
-            self._buf = fresh  # a new buffer: views of the old one may still be open
-            self.loads += 1
-            self._reason = ""
-            self._cond.notify_all()
+            # A before-snapshot pass that came while this load ran: keeping the value
+            # would write it into the image.
+            pending = self._manager.engine.snapshot_pending
+            if not pending:
+                old = self._buf
+                self._buf = fresh  # a new buffer: views of the old one may still be open
+                self.loads += 1
+                self._reason = ""
+                self._cond.notify_all()
+        if pending:
+            _zero(fresh)
+            self.last_error = _PENDING
+            if raise_errors:
+                raise SecretError(f"secret {self.name!r}: {_PENDING}")
+            return False
         if old is not None:
             _zero(old)
         return True
 
     def reload(self) -> bool:
         """Load the value again now. On failure the previous value is kept (one log line)
-        and False returned."""
+        and False returned. Between a before-snapshot pass and the next restore/resume it
+        loads nothing (the value would be written into the image): False, one line."""
+        if self._manager.engine.snapshot_pending:
+            self.last_error = _PENDING
+            log.warning("secret %s: not reloaded: %s", self.name, _PENDING)
+            return False
         ok = self._load(keep_previous=True, raise_errors=False)
         if not ok:
             log.warning("secret %s: reload failed (%s); %s", self.name, self.last_error,

@@ -224,3 +224,27 @@ def test_urandom_into_fills_in_place():
 def test_a_key_name_that_cannot_name_it_is_refused(rehydrate_engine, name):
     with pytest.raises(TypeError, match="name must be a non-empty printable str"):
         keys.ephemeral(name, engine=rehydrate_engine)
+
+
+def test_a_rotation_overtaken_by_the_snapshot_pass_discards_its_key(rehydrate_engine,
+                                                                    monkeypatch):
+    """rotate() checked "dropped" before generating (an RSA key takes a while) and stored
+    the key afterwards: a before-snapshot pass in between left a private key in the
+    image while the manager reported every key dropped."""
+    from rehydrate import keys as keys_module
+
+    k = keys_module.ephemeral("slow", "ed25519", engine=rehydrate_engine)
+    real = keys_module.generate_private_key
+
+    def overtaken(algorithm):
+        key = real(algorithm)
+        assert rehydrate_engine.simulate_snapshot().ok  # the pass runs meanwhile
+        return key
+
+    monkeypatch.setattr(keys_module, "generate_private_key", overtaken)
+    with pytest.raises(keys_module.KeyDroppedError, match="its new key is discarded"):
+        k.rotate()
+    assert k.dropped and keys_module.manager(rehydrate_engine).dropped
+    assert rehydrate_engine.status().extra["keys"]["slow"]["dropped"] is True
+    monkeypatch.setattr(keys_module, "generate_private_key", real)
+    assert rehydrate_engine.simulate_restore().ok and not k.dropped

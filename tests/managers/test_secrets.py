@@ -264,3 +264,54 @@ def test_a_fifo_or_device_as_secret_file_is_one_clear_error(rehydrate_engine, tm
 def test_from_callable_refuses_what_it_cannot_call(rehydrate_engine):
     with pytest.raises(TypeError, match="from_callable needs a callable"):
         Secret.from_callable("literal-value", engine=rehydrate_engine)  # type: ignore[arg-type]
+
+
+def test_reload_between_the_snapshot_pass_and_the_restore_loads_nothing(rehydrate_engine,
+                                                                       caplog):
+    """reload() then put the value back into memory, and so into the image."""
+    from rehydrate.secrets import Secret
+
+    values = iter([b"one", b"two", b"three"])
+    s = Secret.from_callable(lambda: next(values), name="rl", engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok and not s.available
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert s.reload() is False
+    assert not s.available
+    assert "secret rl: not reloaded: a snapshot is pending" in caplog.text
+    assert rehydrate_engine.simulate_restore().ok
+    assert s.get() == b"two"  # loaded by the restore, not before it
+
+
+def test_a_load_overtaken_by_the_snapshot_pass_keeps_nothing(rehydrate_engine):
+    from rehydrate.secrets import Secret
+
+    def load() -> bytes:
+        if s_holder:  # the reload: a before-snapshot pass comes while it reads
+            assert rehydrate_engine.simulate_snapshot().ok
+        return b"value"
+
+    s_holder: list[object] = []
+    s = Secret.from_callable(load, name="race", engine=rehydrate_engine)
+    s_holder.append(s)
+    assert s.reload() is False
+    assert not s.available
+
+
+def test_a_bad_or_duplicate_secret_name_is_refused_before_anything_is_loaded(
+        rehydrate_engine):
+    """A name the hooks refuse used to leave the loaded value in an orphan buffer that
+    was never wiped; a duplicate name hid one of the two from status()."""
+    from rehydrate.secrets import Secret
+
+    loads = []
+
+    def loader() -> bytes:
+        loads.append(1)
+        return b"value"
+
+    with pytest.raises(TypeError, match="secret name must be a non-empty string"):
+        Secret.from_callable(loader, name="bad\nname", engine=rehydrate_engine)
+    first = Secret.from_callable(loader, name="dup", engine=rehydrate_engine)
+    with pytest.raises(ValueError, match="a secret named 'dup' is already managed"):
+        Secret.from_callable(loader, name="dup", engine=rehydrate_engine)
+    assert loads == [1] and first.get() == b"value"
