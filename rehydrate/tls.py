@@ -816,6 +816,21 @@ MAX_ISSUER_RESPONSE = 1024 * 1024
 """Largest issuer response :class:`HTTPIssuer` reads (a certificate chain is a few KiB)."""
 
 
+def _without_credentials(url: str) -> str:
+    """``scheme://host[:port]/path`` of ``url``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = host if parts.port is None else f"{host}:{parts.port}"
+    except ValueError:
+        return "<unparsable URL>"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 class HTTPIssuer:
     """POSTs ``{"csr": "<PEM>"}`` as JSON to ``url`` and reads
     ``{"certificate": "<PEM>", "chain": ["<PEM>", …]}`` back (httpx).
@@ -839,6 +854,9 @@ class HTTPIssuer:
         if not timeout > 0 or timeout == float("inf"):
             raise ValueError(f"timeout must be a positive finite number, not {timeout!r}")
         self.url = url
+        self.shown_url = _without_credentials(url)
+        """``url`` for messages, logs and ``status()``: no user info, query or fragment
+        (where tokens go)."""
         self.headers = dict(headers or {})
         self.timeout = timeout
         self.max_response = max_response
@@ -849,7 +867,7 @@ class HTTPIssuer:
         self.trust: tuple[x509.Certificate, ...] = tuple(trust or ())
 
     def __repr__(self) -> str:
-        return f"<HTTPIssuer {self.url}>"
+        return f"<HTTPIssuer {self.shown_url}>"
 
     def issue(self, csr: x509.CertificateSigningRequest
               ) -> tuple[x509.Certificate, list[x509.Certificate]]:
@@ -871,19 +889,19 @@ class HTTPIssuer:
 
         threading.Thread(target=post, name="rehydrate-tls-issuer", daemon=True).start()
         if not done.wait(self.timeout):
-            raise CertificateError(f"issuer {self.url} did not answer within "
+            raise CertificateError(f"issuer {self.shown_url} did not answer within "
                                    f"{self.timeout:g}s")
         result = outcome[0]
         if isinstance(result, CertificateError):
             raise result
         if isinstance(result, httpx.HTTPError):
-            raise CertificateError(f"issuer {self.url} unreachable: "
+            raise CertificateError(f"issuer {self.shown_url} unreachable: "
                                    f"{type(result).__name__}: {result}") from None
         if isinstance(result, BaseException):
             raise result
         status, body = cast("tuple[int, bytes]", result)
         if status != 200:
-            raise CertificateError(f"issuer {self.url} answered HTTP {status}")
+            raise CertificateError(f"issuer {self.shown_url} answered HTTP {status}")
         return self._parse(body)
 
     def _post(self, httpx: Any, pem: str, deadline: float) -> tuple[int, bytes]:
@@ -897,10 +915,10 @@ class HTTPIssuer:
             for chunk in resp.iter_bytes():  # decoded: a compressed bomb is capped too
                 body += chunk
                 if len(body) > self.max_response:
-                    raise CertificateError(f"issuer {self.url} sent more than "
+                    raise CertificateError(f"issuer {self.shown_url} sent more than "
                                            f"{self.max_response} bytes")
                 if time.monotonic() > deadline:
-                    raise CertificateError(f"issuer {self.url} did not answer within "
+                    raise CertificateError(f"issuer {self.shown_url} did not answer within "
                                            f"{self.timeout:g}s")
         return 200, bytes(body)
 
@@ -914,11 +932,11 @@ class HTTPIssuer:
             if not isinstance(cert_pem, str) or not isinstance(chain_pem, list):
                 raise TypeError
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise CertificateError(f"issuer {self.url} returned no JSON "
+            raise CertificateError(f"issuer {self.shown_url} returned no JSON "
                                    '{"certificate": PEM, "chain": [...]}') from None
-        cert = _load_pem_list(cert_pem.encode(), f"certificate from issuer {self.url}")[0]
+        cert = _load_pem_list(cert_pem.encode(), f"certificate from issuer {self.shown_url}")[0]
         chain = [c for p in chain_pem
-                 for c in _load_pem_list(str(p).encode(), f"chain from issuer {self.url}")]
+                 for c in _load_pem_list(str(p).encode(), f"chain from issuer {self.shown_url}")]
         return cert, chain
 
 
@@ -1195,6 +1213,11 @@ class TLSManager:
     def add(self, cert: ManagedCertificate) -> ManagedCertificate:
         """Produce the first material (raises :class:`CertificateError` when unusable),
         register the restore hook, start watching files."""
+        # Checked before any material is made: a name the hook registry refuses used to
+        # leave a stored certificate without a restore hook (never renewed after it).
+        if not isinstance(cert.name, str) or not cert.name or not cert.name.isprintable():
+            raise TypeError(f"certificate name must be a non-empty string of printable "
+                            f"characters, not {cert.name!r}")
         with self._lock:
             existing = self._certs.get(cert.name)
             if existing is not None:
@@ -1211,7 +1234,9 @@ class TLSManager:
                 cert._renew_locked()
         with self._lock:
             existing = self._certs.get(cert.name)
-            if existing is not None:
+            if existing is not None:  # added by another thread meanwhile: keep no copy
+                if cert._material is not None:
+                    cert._material.wipe_key()
                 return existing
             self._certs[cert.name] = cert
             dropped_meanwhile = self.frozen and not frozen

@@ -1057,3 +1057,31 @@ def test_material_openssl_refuses_leaves_every_context_serving_the_old_certifica
     assert "OpenSSL refuses the new certificate" in cert.last_error
     assert cert.status()["serial"] == f"{first.serial_number:x}"
     assert served_certificate(port, trust).serial_number == first.serial_number
+
+
+def test_an_issuer_url_with_credentials_never_shows_them(rehydrate_engine, ca_server, caplog):
+    """``HTTPIssuer("https://user:pw@ca/sign?token=...")`` put the whole URL in its repr,
+    every error, the log and status()."""
+    url = ca_server.url.replace("http://", "http://user:PW-secret@") + "?token=T-secret"
+    issuer = tls.HTTPIssuer(url, timeout=2.0)
+    assert "secret" not in repr(issuer)
+    cert = tls.issued("creds", issuer, common_name="localhost", engine=rehydrate_engine)
+    ca_server.mode = "500"
+    with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+        report = rehydrate_engine.simulate_restore()
+    [hook] = [h for h in report.hooks if h.name == "rehydrate.tls:creds"]
+    assert f"issuer {ca_server.url} answered HTTP 500" in str(hook.error)
+    shown = "\n".join([str(hook.error), report.table(), caplog.text, repr(issuer),
+                       json.dumps(rehydrate_engine.status().to_dict(), default=str)])
+    assert "PW-secret" not in shown and "T-secret" not in shown
+    cert.close()
+
+
+def test_a_certificate_name_the_hooks_refuse_is_refused_before_a_key_is_made(
+        rehydrate_engine):
+    """It used to be stored without a restore hook: dropped before the snapshot, never
+    renewed, and a second call returned it silently."""
+    for _ in range(2):
+        with pytest.raises(TypeError, match="certificate name must be a non-empty string"):
+            tls.self_signed("a\nb", engine=rehydrate_engine)
+    assert tls.manager(rehydrate_engine).get("a\nb") is None
