@@ -510,17 +510,18 @@ class ManagedCertificate:
     def _load_everywhere(self, material: Material) -> None:
         """Load ``material`` into every live server context, or into none: OpenSSL may
         install the new certificate before refusing it (and drop the old key), so a
-        refusal puts back what each context served. Without a live context a throwaway
-        one tries it, so that what is reported current can be loaded later."""
+        refusal puts back what each context served. (No throwaway context tries it when
+        none is live: OpenSSL would leave a copy of the key in the heap; a context made
+        later says so, see :meth:`attach`.)"""
         servers = list(self._servers)
         loaded: list[ssl.SSLContext] = []
         try:
-            for ctx in servers or [ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)]:
+            for ctx in servers:
                 loaded.append(ctx)
                 load_into(ctx, material)
         except (OSError, ssl.SSLError) as exc:
             previous = self._serving()
-            for ctx in loaded if servers else ():
+            for ctx in loaded:
                 with contextlib.suppress(OSError, ssl.SSLError):
                     load_into(ctx, previous)
             material.wipe_key()
@@ -623,7 +624,12 @@ class ManagedCertificate:
         """Load the current material into ``ctx`` now and after every renewal (the
         placeholder while the handle holds no key)."""
         with self._lock:
-            self._load(ctx, self._serving())
+            try:
+                self._load(ctx, self._serving())
+            except ssl.SSLError as exc:
+                reason = getattr(exc, "reason", None) or exc
+                raise CertificateError(f"certificate {self.name!r}: OpenSSL refuses the "
+                                       f"certificate ({reason})") from None
             self._servers.add(ctx)
         return ctx
 
@@ -647,7 +653,12 @@ class ManagedCertificate:
                         raise CertificateError(
                             f"certificate {self.name!r}: the private key was dropped "
                             "before a snapshot; renewed on restore/resume")
-                    self._load(ctx, m)
+                    try:
+                        self._load(ctx, m)
+                    except ssl.SSLError as exc:
+                        reason = getattr(exc, "reason", None) or exc
+                        raise CertificateError(f"certificate {self.name!r}: OpenSSL "
+                                               f"refuses the certificate ({reason})") from None
                 self._clients[present] = ctx
             return ctx
 
