@@ -136,6 +136,8 @@ class Lifecycle:
         self._freeze_noticed_at: float | None = None
 
         self._detectors: list[Detector] = []
+        self._notices = 0
+        """Restore notices being handled or waiting for the run lock (never ready then)."""
         self._detector_errors: dict[str, str] = {}
         """Detectors asked for that failed to start, and why (shown by status())."""
         self._installed_detectors: dict[str, Detector] = {}
@@ -175,6 +177,7 @@ class Lifecycle:
         self._user_loop = None
         self._detectors = []
         self._detector_errors = {}
+        self._notices = 0  # the parent's threads waiting with a notice are not here
         self._installed_detectors = {}  # instances wired to the parent's threads and files
         self._started = False
         self.env._lock = threading.Lock()
@@ -274,7 +277,8 @@ class Lifecycle:
         heartbeat older than its limit means the process was frozen and the detectors
         have not caught up yet. Costs one clock read.
         """
-        if self._state not in ("running", "ready") or self._freeze_noticed_at is not None:
+        if (self._notices or self._state not in ("running", "ready")
+                or self._freeze_noticed_at is not None):
             return False
         beat = self._beat
         return beat is None or time.monotonic() - beat <= self._beat_limit
@@ -452,19 +456,29 @@ class Lifecycle:
             raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
         detected = time.monotonic() if detected_at is None else detected_at
         self._check_not_inside_hook()
-        with self._run_lock:
-            if key is not None and key in self._seen:
-                log.debug("restore notice %s from %s: already handled", key, reason)
-                return self._seen[key]  # type: ignore[return-value]
-            last_at, last = self._last_restore_at, self._last_restore_report
-            if since is not None and last is not None and last_at is not None and last_at > since:
-                return self._confirm(last, reason)
-            report = self._run_restore(reason, kind, frozen_for, env, detected)
-            if anchor:
-                self._last_restore_at = detected
-                self._last_restore_report = report
-            if key is not None:
-                self._remember(key, report)
+        # Not ready from the moment a notice arrives, also while it waits for a run in
+        # progress (which would otherwise end in "ready" with this restore still to run).
+        with self._cond:
+            self._notices += 1
+        try:
+            with self._run_lock:
+                if key is not None and key in self._seen:
+                    log.debug("restore notice %s from %s: already handled", key, reason)
+                    return self._seen[key]  # type: ignore[return-value]
+                last_at, last = self._last_restore_at, self._last_restore_report
+                if (since is not None and last is not None and last_at is not None
+                        and last_at > since):
+                    return self._confirm(last, reason)
+                report = self._run_restore(reason, kind, frozen_for, env, detected)
+                if anchor:
+                    self._last_restore_at = detected
+                    self._last_restore_report = report
+                if key is not None:
+                    self._remember(key, report)
+        finally:
+            with self._cond:
+                self._notices -= 1
+                self._cond.notify_all()
         self._publish(report)
         _log_run(report)
         return report

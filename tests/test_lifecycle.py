@@ -923,3 +923,44 @@ def test_the_report_says_how_long_the_run_waited_after_the_notice(rehydrate_engi
     assert report.to_dict()["notice_to_run"] == round(report.notice_to_run, 6)
     snap = rehydrate_engine.simulate_snapshot()
     assert snap.notice_to_run is not None and 0 <= snap.notice_to_run < 5
+
+
+def test_a_restore_notice_queued_behind_a_run_keeps_the_process_not_ready(rehydrate_engine):
+    """A notice arriving while another run is in progress waited for the run lock while
+    that run ended in "ready": wait_ready() returned and requests were served with the
+    state of before this restore, whose hooks had not run yet."""
+    engine = rehydrate_engine
+    gate, entered = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    @engine.registry.after_restore(name="app")
+    def app(ctx) -> None:
+        runs.append(ctx.reason)
+        if ctx.reason == "first":
+            entered.set()
+            gate.wait(10)
+
+    seen_at_first_report: list[bool] = []
+    engine.add_listener(lambda r: seen_at_first_report.append(engine.is_ready())
+                        if getattr(r, "reason", None) == "first" else None)
+    first = threading.Thread(target=engine.restore_detected, args=("first",))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=engine.restore_detected, args=("second",),
+                              kwargs={"since": time.monotonic()})
+    second.start()
+    ready_when: list[list[str]] = []
+    waiter = threading.Thread(target=lambda: (engine.wait_ready(10),
+                                              ready_when.append(list(runs))))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while engine._notices < 2 and time.monotonic() < deadline:  # the second is queued
+        threading.Event().wait(0.005)
+    assert not engine.is_ready()
+    gate.set()
+    for t in (first, second, waiter):
+        t.join(10)
+    assert runs == ["first", "second"]
+    assert seen_at_first_report == [False], "ready between the two restores"
+    assert ready_when == [["first", "second"]], "wait_ready() returned before the hooks"
+    assert engine.is_ready()
