@@ -229,6 +229,7 @@ class ControlServer:
         a request runs] (the idlest one is closed when a new client needs its slot)."""
         self._started_at = 0.0
         self._last_prepare: float | None = None
+        self._notices = 0  # restore/resume notices received (see prepare-snapshot)
         """A successful prepare-snapshot not yet followed by a restore/resume notice."""
         self.served = 0
         self.refused = 0
@@ -530,19 +531,24 @@ class ControlServer:
         if cmd == "status":
             return {"ok": True, "status": engine.status().to_dict(), "pid": os.getpid()}
         if cmd == "prepare-snapshot":
-            prepared = time.monotonic()
+            prepared, notices = time.monotonic(), self._notices
             snap = engine.snapshot_requested("control")
             out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict()}
-            self._last_prepare = prepared if snap.ok else None
+            # A restore/resume notice that came while the hooks ran consumed this prepare
+            # already: recording it now would make the next real restore a "duplicate".
+            self._last_prepare = prepared if snap.ok and self._notices == notices else None
             if not snap.ok:
                 failed = _failed_hooks(snap)
                 resume = engine.restore_detected("control", kind="resume", anchor=False)
                 out["resume_report"] = resume.to_dict()
-                out["error"] = (f"before-snapshot hook(s) failed: {failed}; the resume hooks "
-                                "ran, the checkpoint should be aborted")
+                ran = ("the resume hooks ran" if resume.ok else
+                       f"the resume hooks failed too ({_failed_hooks(resume)}): degraded")
+                out["error"] = (f"before-snapshot hook(s) failed: {failed}; {ran}, the "
+                                "checkpoint should be aborted")
             return out
         if cmd in ("resume", "restore"):
             kind: Literal["restore", "resume"] = "restore" if cmd == "restore" else "resume"
+            self._notices += 1
             since = self._since()
             self._last_prepare = None  # consumed: the next notice is about a later freeze
             report = engine.restore_detected("control", kind=kind, since=since)

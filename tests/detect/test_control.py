@@ -1107,3 +1107,55 @@ def test_replies_of_an_unexpected_shape_are_one_line_not_a_traceback(
             out, err = capsys.readouterr()
             assert code in (0, 2, 3), (argv, code, out, err)
             assert "Traceback" not in err and len(err.splitlines()) <= 1, err
+
+
+def test_a_restore_notice_during_a_slow_save_leaves_no_stale_prepare(
+        server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    """``notify restore`` arriving while ``notify save`` still ran its hooks: the save
+    recorded its prepare after the notice had consumed it, and the next real restore was
+    taken for a duplicate — its hooks ran zero times."""
+    calls = Calls(engine)
+    entered, release = threading.Event(), threading.Event()
+
+    @engine.registry.before_snapshot(name="slow")
+    def slow() -> None:
+        entered.set()
+        release.wait(DEADLINE)
+
+    saved: dict = {}  # type: ignore[type-arg]
+    t = threading.Thread(target=lambda: saved.update(
+        request("prepare-snapshot", socket_path=sock_path)))
+    t.start()
+    assert entered.wait(DEADLINE)
+    restored: dict = {}  # type: ignore[type-arg]
+    r = threading.Thread(target=lambda: restored.update(
+        request("restore", socket_path=sock_path)))
+    r.start()
+    deadline = time.monotonic() + DEADLINE
+    while server.engine._notices < 1 and time.monotonic() < deadline:  # queued behind it
+        threading.Event().wait(0.005)
+    release.set()
+    t.join(DEADLINE)
+    r.join(DEADLINE)
+    assert saved["ok"] and restored["ok"] and not restored["deduplicated"]
+    reply = request("restore", socket_path=sock_path)  # the next real restore
+    assert reply["ok"] and not reply["deduplicated"], reply
+    assert [c[3] for c in calls.items if c[0] == "restore-hook"] == ["control", "control"]
+
+
+def test_a_failed_save_whose_resume_fails_too_says_so(server: ControlServer,
+                                                     engine: Lifecycle,
+                                                     sock_path: str) -> None:
+    @engine.registry.before_snapshot(name="flush-db")
+    def flush() -> None:
+        raise RuntimeError("disk full")
+
+    @engine.registry.after_restore(name="reopen-db")
+    def reopen() -> None:
+        raise RuntimeError("still full")
+
+    reply = request("prepare-snapshot", socket_path=sock_path)
+    assert reply["ok"] is False
+    assert ("the resume hooks failed too (reopen-db (RuntimeError: still full)): degraded"
+            in reply["error"])
+    assert engine.status().state == "degraded"
