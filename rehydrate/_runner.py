@@ -190,11 +190,14 @@ class _Progress:
     future: concurrent.futures.Future[None] | None = None
     thread: threading.Thread | None = None
     """The worker running this job (set when it takes the job)."""
+    entered: bool = True
+    """False while hook ``index`` waits for its event loop to get to it."""
 
-    def begin(self, index: int, timeout: float) -> None:
+    def begin(self, index: int, timeout: float, *, entered: bool = True) -> None:
         """Mark hook ``index`` as started now (also for each retry attempt)."""
         now = time.monotonic()
         with self.lock:
+            self.entered = entered
             self.index = index
             self.started = now
             self.deadline = now + timeout
@@ -360,6 +363,10 @@ class HookRunner:
         import asyncio
 
         loop = job.loop or self._loop_thread.get()
+        # The first hook's clock starts now, not when the loop gets to it: a loop still
+        # blocked by an earlier hook (a sync call inside an async hook) would otherwise
+        # hold the whole event, and every later one, without any limit.
+        job.begin(start, job.hooks[start].timeout + ASYNC_GRACE, entered=False)
         fut = asyncio.run_coroutine_threadsafe(self._async_batch(job, start, stop), loop)
         with job.lock:
             if job.abandoned:
@@ -508,6 +515,7 @@ class HookRunner:
                     i = job.index
                     hook = job.hooks[i]
                     job.abandoned = True  # in this locked section: the worker's finish() loses
+                    entered = job.entered
                     job.results[i] = HookResult(
                         hook.name, hook.phase, "timeout", now - job.started,
                         HookTimeout(hook.name, hook.timeout), hook.required,
@@ -518,7 +526,11 @@ class HookRunner:
                 wait = None if math.isinf(job.deadline) else job.deadline - now
             job.wake.wait(wait)
         self._abandon(job, None if hook.is_async else hook)
-        if hook.is_async:
+        if hook.is_async and not entered:
+            log.warning("async hook %s did not start within %gs: its event loop is still "
+                        "blocked (an earlier hook made a blocking call); moving on",
+                        hook.name, hook.timeout + ASYNC_GRACE)
+        elif hook.is_async:
             log.warning("async hook %s did not give control back to its event loop within "
                         "%gs of its %gs timeout; moving on", hook.name, ASYNC_GRACE,
                         hook.timeout)

@@ -4,6 +4,7 @@ observers, and containment of odd exceptions."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import sys
 import threading
@@ -287,6 +288,38 @@ def test_async_hook_blocking_its_loop_is_given_up_after_the_grace(rehydrate_engi
     assert elapsed >= 0.1 + ASYNC_GRACE
     assert any("did not give control back" in r.getMessage() for r in caplog.records)
     assert returned.wait(DEADLINE)
+
+
+def test_async_hooks_after_one_that_blocks_the_loop_are_bounded_too(rehydrate_engine,
+                                                                    monkeypatch, caplog):
+    """The next async hook's clock started only when the (blocked) loop got to it: the
+    supervisor waited without limit, the event stayed "restoring" until the blocking call
+    returned, and every later event queued behind it."""
+    from rehydrate import _runner
+
+    monkeypatch.setattr(_runner, "ASYNC_GRACE", 0.1)
+    release = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="blocks-loop", timeout=0.1)
+    async def blocks_loop():
+        release.wait(DEADLINE)  # a sync call inside an async hook
+
+    @rehydrate_engine.registry.after_restore(name="after-it", timeout=0.1)
+    async def after_it():
+        pass
+
+    try:
+        done = concurrent.futures.ThreadPoolExecutor(1).submit(
+            rehydrate_engine.simulate_restore)
+        report = done.result(timeout=DEADLINE / 2)  # long before the loop is free
+        assert not release.is_set()
+        assert [by_name(report)[n].outcome for n in ("blocks-loop", "after-it")] == [
+            "timeout", "timeout"]
+        assert rehydrate_engine.status().state == "degraded"
+        assert any("async hook after-it did not start within 0.2s: its event loop is still "
+                   "blocked" in r.getMessage() for r in caplog.records)
+    finally:
+        release.set()
 
 
 def test_async_hook_swallowing_cancellation_is_still_a_timeout(rehydrate_engine):
