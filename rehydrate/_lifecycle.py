@@ -287,8 +287,18 @@ class Lifecycle:
         """Block until ready (True) or until ``timeout`` seconds passed (False).
 
         From inside one of this engine's hooks it raises ``RuntimeError`` while not ready:
-        readiness comes only after the hook itself has finished.
+        readiness comes only after the hook itself has finished. ``timeout``: seconds
+        (``None``, infinity or more than a year: no limit); not a number or NaN is a
+        ``TypeError``/``ValueError`` at once, ready or not.
         """
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"wait_ready(): timeout must be a number of seconds or None, "
+                                f"not {type(timeout).__name__}")
+            if math.isnan(timeout):
+                raise ValueError("wait_ready(): timeout is NaN")
+            if timeout > _config.MAX_SECONDS:  # the thread wait overflows from ~2**33 s
+                timeout = None
         if inside_hook.get() is self._runner and not self.is_ready():
             raise RuntimeError("wait_ready() inside a hook would wait for its own event")
         with self._cond:  # every change of readiness notifies (runs, heartbeats after a gap)
@@ -784,7 +794,12 @@ class Lifecycle:
                 log.exception("detector %s did not stop cleanly", old.key)
 
     def stop(self) -> None:
-        """Stop the detectors (hooks stay registered). Idempotent."""
+        """Stop the detectors (hooks stay registered). Idempotent. Refused from inside a
+        hook (``RuntimeError``): the detector that started the event waits for it, so
+        stopping it there would wait for itself."""
+        if inside_hook.get() is self._runner:
+            raise RuntimeError("stop() cannot be called from inside a hook (the detector "
+                               "running this event waits for it); call it afterwards")
         with self._start_lock:
             detectors, self._detectors = self._detectors, []
             self._detector_errors = {}
@@ -805,7 +820,12 @@ class Lifecycle:
 
     def close(self) -> None:
         """Stop detectors, close the per-engine extension instances that have ``close()``
-        (newest first) and stop the engine's threads (for tests and interpreter exit)."""
+        (newest first) and stop the engine's threads (for tests and interpreter exit).
+        Refused from inside a hook, like :meth:`stop` (it would close the thread and event
+        loop the hook runs on)."""
+        if inside_hook.get() is self._runner:
+            raise RuntimeError("close() cannot be called from inside a hook (it would stop "
+                               "the thread the hook runs on); call it afterwards")
         self.stop()
         with self._ext_lock:
             instances = list(self._extensions.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -964,3 +965,63 @@ def test_a_restore_notice_queued_behind_a_run_keeps_the_process_not_ready(rehydr
     assert seen_at_first_report == [False], "ready between the two restores"
     assert ready_when == [["first", "second"]], "wait_ready() returned before the hooks"
     assert engine.is_ready()
+
+
+def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
+    """inf or 1e10 raised OverflowError from inside threading, NaN blocked for ever and
+    "1" raised a TypeError from inside threading — only when not ready."""
+    engine = rehydrate_engine
+    gate, entered = threading.Event(), threading.Event()
+
+    @engine.registry.after_restore(name="slow")
+    def slow() -> None:
+        entered.set()
+        gate.wait(10)
+
+    run = threading.Thread(target=engine.simulate_restore)
+    run.start()
+    assert entered.wait(10)
+    try:
+        assert engine.wait_ready(0.01) is False
+        with pytest.raises(ValueError, match="timeout is NaN"):
+            engine.wait_ready(float("nan"))
+        with pytest.raises(TypeError, match="timeout must be a number of seconds or None"):
+            engine.wait_ready("1")
+        results: list[bool] = []
+        waiters = [threading.Thread(target=lambda t=t: results.append(engine.wait_ready(t)))
+                   for t in (math.inf, 1e10)]
+        for w in waiters:
+            w.start()
+    finally:
+        gate.set()
+    run.join(10)
+    for w in waiters:
+        w.join(10)
+    assert results == [True, True]
+
+
+def test_stop_and_close_are_refused_inside_a_hook(rehydrate_engine):
+    """close() inside an async hook joined its own loop thread and left the engine unable
+    to run any later event; stop() inside a hook run by the clock-jump detector stalled
+    the hook 5 s joining the thread that waited for it."""
+    engine = rehydrate_engine
+    errors: list[str] = []
+
+    @engine.registry.after_restore(name="sync-stop")
+    def sync_stop() -> None:
+        for call in (engine.stop, engine.close):
+            try:
+                call()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+    @engine.registry.after_restore(name="async-close")
+    async def async_close() -> None:
+        try:
+            engine.close()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    assert engine.simulate_restore().ok
+    assert [e.split(" cannot")[0] for e in errors] == ["stop()", "close()", "close()"]
+    assert engine.simulate_restore().ok and engine.is_ready()  # the engine still works
