@@ -474,7 +474,10 @@ class Lifecycle:
             with self._run_lock:
                 if key is not None and key in self._seen:
                     log.debug("restore notice %s from %s: already handled", key, reason)
-                    return self._seen[key]  # type: ignore[return-value]
+                    seen: RestoreReport = self._seen[key]  # type: ignore[assignment]
+                    if seen is self._last_restore_report:
+                        return self._confirm(seen, reason)
+                    return dataclasses.replace(seen, deduplicated=True)
                 last_at, last = self._last_restore_at, self._last_restore_report
                 if (since is not None and last is not None and last_at is not None
                         and last_at > since):

@@ -1025,3 +1025,13 @@ def test_stop_and_close_are_refused_inside_a_hook(rehydrate_engine):
     assert engine.simulate_restore().ok
     assert [e.split(" cannot")[0] for e in errors] == ["stop()", "close()", "close()"]
     assert engine.simulate_restore().ok and engine.is_ready()  # the engine still works
+
+
+def test_a_repeated_keyed_notice_is_flagged_as_a_duplicate(rehydrate_engine):
+    engine = rehydrate_engine
+    first = engine.restore_detected("vmclock", key="vmclock:8")
+    again = engine.restore_detected("control", key="vmclock:8")
+    assert not first.deduplicated and again.deduplicated
+    assert again.generation == first.generation == 1
+    assert again.confirmed_by == ("control",)
+    assert engine.status().last_report.confirmed_by == ("control",)

@@ -468,7 +468,9 @@ class ControlServer:
         req_id: Any = None
         cmd = "?"
         try:
-            req = json.loads(line)
+            # UTF-8 only: json.loads(bytes) would guess UTF-16/32 from the first bytes and
+            # answer garbage with a codec error
+            req = json.loads(line.decode("utf-8"))
             if not isinstance(req, dict):
                 raise _BadRequest("a request must be a JSON object")
             req_id = req.get("id")
@@ -482,6 +484,9 @@ class ControlServer:
                 reply = _bad_request(str(exc))
             elif isinstance(exc, RecursionError):
                 reply = _bad_request("not valid JSON (nested too deeply)")
+            elif isinstance(exc, UnicodeDecodeError):
+                reply = _bad_request(f"not UTF-8 (byte 0x{line[exc.start]:02x} at "
+                                     f"{exc.start})")
             else:
                 reply = _bad_request(f"not valid JSON ({describe_error(exc)})")
         else:

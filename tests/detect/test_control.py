@@ -322,6 +322,8 @@ def test_garbage_json_gets_error_and_connection_keeps_serving(server: ControlSer
             c.send(garbage)
             reply = c.reply()
             assert reply["ok"] is False and reply["error"].startswith("bad request"), garbage
+            if garbage.startswith(b"\xff"):  # json.loads guessed UTF-16 from these bytes
+                assert reply["error"] == "bad request: not UTF-8 (byte 0xff at 0)", reply
         assert c.ask({"cmd": "status"})["ok"]
     finally:
         c.close()
