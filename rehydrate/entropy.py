@@ -206,8 +206,11 @@ class EntropyManager:
                 _strong_logged.add(name)
                 log.debug("entropy: %s objects do not support weak references; registered "
                           "ones are held strongly until unregister()", name)
+        key: object = id(obj)
+        if kind == "callable":  # by equality where it can be (bound methods), else by id
+            with contextlib.suppress(TypeError):
+                key = (hash(obj), obj)[1]
         with self._lock:
-            key = obj if kind == "callable" else id(obj)
             self._objects[key] = (kind, ref)
         return obj
 

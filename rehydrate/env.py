@@ -85,6 +85,10 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     entry per line (``env`` output, a hand-written file): ``KEY=VALUE\\n`` must not set a
     value ending in a newline, nor ``A=1\\nB=2`` one variable ``A`` holding both.
 
+    In line mode a line may end in CRLF (the ``\r`` is not part of the value), and a key
+    with white space in it (``export A=1``: a shell script, not an environment file) is
+    refused.
+
     Raises :class:`EnvError` (naming the entry, never its value) for an entry without
     ``=``, an empty key, a file with no entries at all or more than
     :data:`MAX_ENVIRON_ENTRIES`, so that a half-written or
@@ -101,11 +105,15 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
         entries += 1
         if entries > MAX_ENVIRON_ENTRIES:
             raise EnvError(f"more than {MAX_ENVIRON_ENTRIES} entries")
-        key, sep, value = entry.partition(b"=")
+        line = entry[:-1] if separator == b"\n" and entry.endswith(b"\r") else entry
+        key, sep, value = line.partition(b"=")
         if not sep:
             raise EnvError(f"entry {index} has no '='")
         if not key:
             raise EnvError(f"entry {index} has an empty key")
+        if separator == b"\n" and key.split() != [key]:
+            raise EnvError(f"entry {index}: the key has white space in it (a shell line "
+                           "such as 'export KEY=value'? one KEY=value per line)")
         result[key] = value
     if not result:
         raise EnvError("no KEY=VALUE entries")
@@ -276,8 +284,10 @@ class EnvRefresher:
         env = os.environb
         # a key the process already has with the same value is no attempt: no warning
         # (gVisor's spec_environ repeats the container's REHYDRATE_* / PYTHON* settings)
-        ignored = sorted(_name(k) for k, v in new.items()
-                         if _matches(k, NEVER_FROM_FILE) and env.get(k) != v)
+        # names escaped when not printable: a key with a newline must not forge a log line
+        ignored = sorted(n if n.isprintable() else ascii(n)
+                         for n, k in ((_name(k), k) for k, v in new.items()
+                                      if _matches(k, NEVER_FROM_FILE) and env.get(k) != v))
         if ignored:
             log.warning("environment file %s: ignored %s (rehydrate's configuration and "
                         "loader/interpreter variables never come from the refreshed "

@@ -308,3 +308,25 @@ def test_torch_cpu_generators(rehydrate_engine):
     assert not torch.equal(after_g, torch.rand(4, generator=g))
     if not torch.cuda.is_available():
         assert not torch.cuda.is_initialized()  # reseeding never initialises CUDA
+
+
+def test_an_unhashable_callable_can_be_registered_and_unregistered(rehydrate_engine):
+    """It raised a bare "TypeError: unhashable type" (unregister already expected it)."""
+    from rehydrate import entropy as entropy_module
+
+    class Reseeder:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __init__(self) -> None:
+            self.seeds: list[bytes] = []
+
+        def __call__(self, seed: bytes) -> None:
+            self.seeds.append(seed)
+
+    r = Reseeder()
+    entropy_module.register(r, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+    assert len(r.seeds) == 1 and len(r.seeds[0]) == 32
+    entropy_module.unregister(r, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+    assert len(r.seeds) == 1

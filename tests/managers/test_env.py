@@ -60,6 +60,8 @@ def test_parse_basic_forms():
     assert parse_environ(b"\0A=1\0\0\0B=2\0\0") == {b"A": b"1", b"B": b"2"}  # empty slots
     assert parse_environ(b"A=1\0A=2\0") == {b"A": b"2"}  # repeated key: last wins
     assert parse_environ(b"K=\xff\xfe\0\xc3(=x\0") == {b"K": b"\xff\xfe", b"\xc3(": b"x"}
+    # line mode: a Windows-edited file's CRLF is no part of the values
+    assert parse_environ(b"A=1\r\nB=two words\r\n") == {b"A": b"1", b"B": b"two words"}
 
 
 @pytest.mark.parametrize(
@@ -67,6 +69,7 @@ def test_parse_basic_forms():
     [
         (b"A=1\0garbage\0", "entry 2 has no '='"),
         (b"=value\0", "entry 1 has an empty key"),
+        (b"A=1\nexport B=2\n", "entry 2: the key has white space in it"),
         (b"\0\0\0\0", "no KEY=VALUE entries"),
         (b"", "no KEY=VALUE entries"),
         (b"x" * (MAX_ENVIRON_BYTES + 1), "larger than"),
@@ -95,8 +98,10 @@ def test_parse_round_trips_any_bytes(entries, trailing_nul):
     data = b"\0".join(k + b"=" + v for k, v in entries.items())
     if trailing_nul:
         data += b"\0"
-    # without any NUL the data is one entry per line (next test)
-    assume(b"\0" in data or b"\n" not in data)
+    # without any NUL the data is one entry per line (next test), where a CR ending a
+    # line and a key with white space in it mean something else
+    assume(b"\0" in data or (b"\n" not in data and not data.endswith(b"\r")
+                             and all(k.split() == [k] for k in entries)))
     assert parse_environ(data) == entries
 
 
@@ -555,6 +560,12 @@ def test_a_file_never_sets_rehydrate_loader_or_interpreter_keys(tmp_path, enviro
     assert "ignored GCONV_PATH, LD_PRELOAD, PYTHONPATH, PYTHONSTARTUP, REHYDRATE_NFT" in \
         caplog.text
     assert "/tmp/evil" not in caplog.text  # names only
+    caplog.clear()
+    forged = write(tmp_path / "forged", {b"RHT_OK": b"1",
+                                         b"LD_X\nrehydrate: all clear": b"x"})
+    EnvRefresher(path=forged).refresh()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "ignored 'LD_X\\nrehydrate: all clear'" in line and "\n" not in line
     # the same values the process already has (gVisor repeats the container's own
     # settings in spec_environ) are no attempt: no warning
     caplog.clear()
