@@ -201,12 +201,16 @@ class Secret:
         return buf
 
     def _load(self, *, keep_previous: bool, raise_errors: bool) -> bool:
+        reason: str | None = None
         try:
             fresh = self._fetch()
         except Exception as exc:
             reason = str(exc) if isinstance(exc, SecretError) else (
                 f"source of secret {self.name!r} failed: {type(exc).__name__}"
             )
+        if reason is not None:
+            # Handled out here, not in the except block: an error raised there would keep
+            # the source's exception (its message, perhaps the value) as __context__.
             self.last_error = reason
             if not keep_previous and self._buf is not None:
                 self.wipe()  # a restored clone must not go on serving the snapshot's value
@@ -234,6 +238,11 @@ class Secret:
                 raise SecretError(f"secret {self.name!r}: {_PENDING}")
             return False
         if old is not None:
+            with self._cond:  # like wipe(): views of the old value may still be open
+                if self._readers and not self._cond.wait_for(lambda: self._readers == 0,
+                                                             self.wipe_wait):
+                    log.warning("secret %s: %d reader(s) still hold a view of the previous "
+                                "value; wiping it under them", self.name, self._readers)
             _zero(old)
         return True
 

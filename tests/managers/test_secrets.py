@@ -315,3 +315,45 @@ def test_a_bad_or_duplicate_secret_name_is_refused_before_anything_is_loaded(
     with pytest.raises(ValueError, match="a secret named 'dup' is already managed"):
         Secret.from_callable(loader, name="dup", engine=rehydrate_engine)
     assert loads == [1] and first.get() == b"value"
+
+
+def test_a_failed_load_keeps_no_trace_of_the_sources_exception(rehydrate_engine):
+    """``SecretError(...) from None`` still carried the loader's exception — message
+    included — as ``__context__``, for any tool that walks it."""
+    def leaky() -> bytes:
+        raise ValueError("could not parse token=SECRET-VALUE")
+
+    with pytest.raises(SecretError) as info:
+        Secret.from_callable(leaky, name="leaky", engine=rehydrate_engine)
+    err: BaseException | None = info.value
+    while err is not None:
+        assert "SECRET-VALUE" not in str(err)
+        err = err.__cause__ or err.__context__
+
+
+def test_reload_waits_for_open_views_of_the_previous_value(rehydrate_engine):
+    """reload() zeroed the previous buffer at once, under a reader's open view; wipe()
+    already waited up to ``wipe_wait`` for readers."""
+    values = iter([b"one", b"two"])
+    s = Secret.from_callable(lambda: next(values), name="views", wipe_wait=5,
+                             engine=rehydrate_engine)
+    entered, release = threading.Event(), threading.Event()
+    seen: list[bytes] = []
+
+    def reader() -> None:
+        with s as view:
+            entered.set()
+            release.wait(5)
+            seen.append(bytes(view))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert entered.wait(5)
+    reloading = threading.Thread(target=s.reload)
+    reloading.start()
+    reloading.join(0.2)
+    assert reloading.is_alive()  # waiting for the reader, not zeroing under it
+    release.set()
+    t.join(5)
+    reloading.join(5)
+    assert seen == [b"one"] and s.get() == b"two"
