@@ -1,7 +1,9 @@
 """A real KServe ModelServer with a real kserve.Model, gated by rehydrate (run as a script).
 
 argv: HTTP port, a directory of control files, "gated" or "plain" (no adapter: the
-control case). The restore hook ``warm-up`` waits until ``<dir>/release`` exists and
+control case), and optionally a gRPC port. Every ``load()`` appends a line to
+``<dir>/loads`` (KServe reloads a model it finds not healthy). The restore hook
+``warm-up`` waits until ``<dir>/release`` exists and
 fails while ``<dir>/fail`` exists, so the test holds a restore open or makes it fail.
 The test drives restores through the control socket (``rehydrate notify restore``).
 """
@@ -20,11 +22,22 @@ from rehydrate.adapters import kserve as rehydrate_kserve
 
 class Echo(kserve.Model):
     def load(self) -> bool:
+        with open(os.path.join(sys.argv[2], "loads"), "a") as f:
+            f.write("load\n")
         self.ready = True
         return self.ready
 
     async def predict(self, payload, headers=None, response_headers=None):
-        return {"predictions": payload.get("instances", [])}
+        if isinstance(payload, dict):  # REST v1
+            return {"predictions": payload.get("instances", [])}
+        first = payload.inputs[0]  # Open Inference Protocol v2 (REST or gRPC)
+        values = first.as_numpy()
+        out = kserve.InferOutput(name="echo", shape=list(values.shape),
+                                 datatype=first.datatype)
+        # gRPC answers carry raw contents; a JSON answer carries the list
+        out.set_data_from_numpy(values, binary_data=bool(getattr(payload, "from_grpc", 0)))
+        return kserve.InferResponse(model_name=self.name, infer_outputs=[out],
+                                    response_id=payload.id or "echo")
 
 
 def main() -> None:
@@ -40,7 +53,9 @@ def main() -> None:
         if os.path.exists(os.path.join(control, "fail")):
             raise RuntimeError("warm-up inference failed")
 
-    server = kserve.ModelServer(http_port=port, enable_grpc=False, workers=1)
+    grpc_port = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    server = kserve.ModelServer(http_port=port, enable_grpc=grpc_port is not None,
+                                grpc_port=grpc_port or 8081, workers=1)
     if mode == "gated":
         rehydrate_kserve.install(server)
     rehydrate.start(detectors=["control"])

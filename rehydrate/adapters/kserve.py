@@ -20,7 +20,15 @@ From then on, while a restore or snapshot is in progress or the process is degra
 * every registered model's ``healthy()``, ``GET /v2/models/{name}/ready`` (and
   ``/v1/models/{name}``, gRPC ``ModelReady``) say not ready — so do KServe's
   inference endpoints, which check model readiness first (503 "model not ready");
+* inference itself (REST v1/v2 predict/infer/explain, gRPC ``ModelInfer``) is refused
+  with KServe's ``ModelNotReady`` (HTTP 503, gRPC ``UNAVAILABLE``) — also a request whose
+  readiness check passed just before a snapshot began — and the model is not reloaded
+  (KServe calls ``load()`` on a model that is not healthy);
 * ``GET /v2/health/live`` stays 200 (a liveness probe must not kill a restoring pod).
+
+In-flight requests are not drained before a snapshot (KServe offers no hook for it):
+put :class:`~rehydrate.adapters.asgi.ReadinessGate` in front of KServe's app when a
+request may still run when the checkpoint begins.
 
 They say ready again once every required restore hook has succeeded. Unknown models still
 answer 404. Gating happens on the server object's own data plane, so it covers models
@@ -62,7 +70,8 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
     eng = resolve_engine(engine)
     dataplane: Any = getattr(model_server, "dataplane", None)
     repository: Any = getattr(model_server, "registered_models", None)
-    needed = ((dataplane, "ready"), (dataplane, "model_ready"), (repository, "get_models"),
+    needed = ((dataplane, "ready"), (dataplane, "model_ready"), (dataplane, "get_model"),
+              (dataplane, "get_model_from_registry"), (repository, "get_models"),
               (repository, "update"))
     if not all(callable(getattr(obj, attr, None)) for obj, attr in needed):
         # all checked before anything is patched: a failed install leaves nothing half done
@@ -89,9 +98,27 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
         # the original first: an unknown model still raises ModelNotFound (404)
         return await model_ready(model_name, *args, **kwargs) and eng.is_ready()
 
+    get_model: Callable[..., Awaitable[Any]] = dataplane.get_model
+
+    async def gated_get_model(name: str, *args: Any, **kwargs: Any) -> Any:
+        # Every inference (REST v1/v2 and gRPC ModelInfer, explain) fetches its model
+        # here, and KServe calls model.load() for a model that is not healthy: while
+        # not ready, refuse (503 / UNAVAILABLE) instead of serving or reloading it.
+        if not eng.is_ready():
+            dataplane.get_model_from_registry(name)  # an unknown model stays a 404
+            from kserve.errors import ModelNotReady  # type: ignore[import-untyped]
+
+            refused = ModelNotReady(name, f"rehydrate: {eng.status().state}")
+            # KServe 0.21's gRPC interceptor reads .reason, which ModelNotReady lacks
+            # (an AttributeError would make it an UNKNOWN error instead of UNAVAILABLE).
+            refused.reason = str(refused)
+            raise refused
+        return await get_model(name, *args, **kwargs)
+
     dataplane.ready = ready
     # A transformer asks its predictor instead of the model's healthy(): gate that too.
     dataplane.model_ready = gated_model_ready
+    dataplane.get_model = gated_get_model
 
     for model in models.values():
         _gate_model(model, eng)

@@ -21,17 +21,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class KServe:
-    def __init__(self, tmp: Path, mode: str) -> None:
+    def __init__(self, tmp: Path, mode: str, grpc: bool = False) -> None:
         self.control = tmp / "control"
         self.control.mkdir()
         self.env = {**os.environ, "REHYDRATE_CONTROL_SOCKET": str(tmp / "rehydrate.sock"),
                     "PYTHONPATH": str(REPO)}
         self.port = free_port()
+        self.grpc_port = free_port() if grpc else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.kserve_server", str(self.port), str(self.control),
-             mode], env=self.env, cwd=REPO, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)
+             mode, *([str(self.grpc_port)] if grpc else [])], env=self.env, cwd=REPO,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_port(self.port, timeout=60, proc=self.proc)
+        if self.grpc_port is not None:
+            wait_port(self.grpc_port, timeout=60, proc=self.proc)
         self.client = httpclient.InferenceServerClient(f"127.0.0.1:{self.port}")
         wait_for(lambda: os.path.exists(self.env["REHYDRATE_CONTROL_SOCKET"]), 30,
                  "the control socket")
@@ -139,7 +142,11 @@ def test_a_failed_install_patches_nothing_and_a_retry_gates(rehydrate_engine: An
     async def ready() -> bool:
         return True
 
-    dataplane = SimpleNamespace(ready=ready, model_ready=ready)
+    async def get_model(name: str) -> object:
+        return object()
+
+    dataplane = SimpleNamespace(ready=ready, model_ready=ready, get_model=get_model,
+                                get_model_from_registry=lambda name: object())
     server = SimpleNamespace(dataplane=dataplane, registered_models=SimpleNamespace())
     with pytest.raises(TypeError, match="needs a kserve.ModelServer, not SimpleNamespace"):
         adapter.install(server, engine=rehydrate_engine)
@@ -147,3 +154,43 @@ def test_a_failed_install_patches_nothing_and_a_retry_gates(rehydrate_engine: An
     server.registered_models = SimpleNamespace(get_models=dict, update=lambda model: None)
     adapter.install(server, engine=rehydrate_engine)
     assert dataplane.ready is not ready  # gated now
+
+
+def _loads(s: KServe) -> int:
+    return len((s.control / "loads").read_text().splitlines())
+
+
+def test_inference_is_refused_during_a_restore_over_grpc_and_rest(tmp_path: Path) -> None:
+    """gRPC ``ModelInfer`` served predictions during a restore (only the readiness RPCs
+    were gated), and every call reloaded the model: KServe calls ``load()`` on a model
+    that is not healthy."""
+    import httpx
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    s = KServe(tmp_path, "gated", grpc=True)
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+        data = grpcclient.InferInput("in", [1], "INT32")
+        data.set_data_from_numpy(np.array([7], dtype=np.int32))
+        v2 = {"inputs": [{"name": "in", "shape": [1], "datatype": "INT32", "data": [7]}]}
+        url = f"http://127.0.0.1:{s.port}/v2/models/echo/infer"
+        assert client.infer("echo", [data]).as_numpy("echo").tolist() == [7]
+        loads = _loads(s)
+        notify = s.notify()
+        wait_for(lambda: not s.client.is_server_ready(), 30, "not ready during the restore")
+        for _ in range(2):
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("echo", [data])
+            assert "is not ready" in str(refused.value)
+            assert httpx.post(url, json=v2).status_code == 503
+        assert not client.is_server_ready() and not client.is_model_ready("echo")
+        assert _loads(s) == loads, "the model was reloaded during the restore"
+        s.touch("release")
+        assert notify.wait(30) == 0
+        assert client.infer("echo", [data]).as_numpy("echo").tolist() == [7]
+        assert httpx.post(url, json=v2).json()["outputs"][0]["data"] == [7]
+        client.close()
+    finally:
+        s.close()
