@@ -388,9 +388,10 @@ def test_same_key_from_many_threads_runs_hooks_once(rehydrate_engine):
     assert rehydrate_engine.generation == 1
     # a new event key is a new restore
     again = rehydrate_engine.restore_detected("gvisor", key="restore-43")
-    assert again is not reports[0] and len(runs) == 2 and rehydrate_engine.generation == 2
+    assert again.generation == 2 and len(runs) == 2 and rehydrate_engine.generation == 2
     # an old key stays handled
-    assert rehydrate_engine.restore_detected("gvisor", key="restore-42") is reports[0]
+    old = rehydrate_engine.restore_detected("gvisor", key="restore-42")
+    assert old.deduplicated and old.generation == 1
     assert len(runs) == 2
 
 
