@@ -37,6 +37,7 @@ from ._hooks import Hook
 if TYPE_CHECKING:
     import asyncio
     import concurrent.futures
+    from collections.abc import Callable, Coroutine
 
 log = logging.getLogger("rehydrate")
 
@@ -360,14 +361,12 @@ class HookRunner:
         asyncio.run_coroutine_threadsafe(bounded(), loop).result()
 
     def _run_async_batch(self, job: _Progress, start: int, stop: int) -> bool:
-        import asyncio
-
         loop = job.loop or self._loop_thread.get()
         # The first hook's clock starts now, not when the loop gets to it: a loop still
         # blocked by an earlier hook (a sync call inside an async hook) would otherwise
         # hold the whole event, and every later one, without any limit.
         job.begin(start, job.hooks[start].timeout + ASYNC_GRACE, entered=False)
-        fut = asyncio.run_coroutine_threadsafe(self._async_batch(job, start, stop), loop)
+        fut = _submit(loop, lambda: self._async_batch(job, start, stop))
         with job.lock:
             if job.abandoned:
                 fut.cancel()
@@ -550,6 +549,44 @@ class HookRunner:
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=5)
+
+
+def _submit(loop: asyncio.AbstractEventLoop,
+            make: Callable[[], Coroutine[Any, Any, None]]) -> concurrent.futures.Future[None]:
+    """``run_coroutine_threadsafe(make(), loop)``, except that the coroutine is made on the
+    loop, when it gets to it: one abandoned while the loop was blocked, and never started,
+    leaves no coroutine that was never awaited. Cancelling the returned future cancels
+    the task."""
+    import concurrent.futures
+    import contextlib
+
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def start() -> None:
+        if fut.cancelled():
+            return  # abandoned before the loop got here: nothing to run
+        task = loop.create_task(make())
+
+        def copy(t: asyncio.Task[None]) -> None:
+            if fut.done():
+                return
+            if t.cancelled():
+                fut.cancel()
+            elif t.exception() is not None:
+                fut.set_exception(t.exception())
+            else:
+                fut.set_result(None)
+
+        def cancel(f: concurrent.futures.Future[None]) -> None:
+            if f.cancelled() and not task.done():
+                with contextlib.suppress(RuntimeError):  # the loop is closed already
+                    loop.call_soon_threadsafe(task.cancel)
+
+        task.add_done_callback(copy)
+        fut.add_done_callback(cancel)
+
+    loop.call_soon_threadsafe(start)
+    return fut
 
 
 class _Watchdog:
