@@ -54,6 +54,7 @@ class Faults:
     delay: float = 0.0  # seconds before every answer
     hang: bool = False  # accept, never answer
     paths: tuple[str, ...] = ()  # faults apply only to these paths (empty: all)
+    answer: dict[str, Any] = field(default_factory=dict)  # path -> a 200 answer instead
 
 
 @dataclass
@@ -329,6 +330,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if fault is not None:
             status, payload = fault, {"error": "injected fault"}
+        elif path in sc.faults.answer:
+            status, payload = 200, sc.faults.answer[path]
         elif body is ValueError:
             status, payload = 400, {"error": "body is not JSON"}
         elif method == "GET" and path == "/watch/gameserver":

@@ -490,6 +490,10 @@ class AgonesAdapter:
         if state in _NO_READY_STATES:
             log.info("GameServer is %s after the restore: not asking to be Ready", state)
             return
+        if not state:  # never Ready blind: an Allocated server would be allocated twice
+            log.warning("not marking the GameServer Ready: its state after the restore is "
+                        "unknown")
+            return
         attempt = 0
         while True:
             attempt += 1
@@ -589,7 +593,7 @@ class AgonesAdapter:
         if not _gameserver_shaped(gs):
             raise AgonesError(f"GET /gameserver: the Agones sidecar at {self.base_url} "
                               "answered something that is not a GameServer (object_meta "
-                              "and status must be objects)")
+                              "must be an object and status.state a string)")
         return gs
 
     def on_change(self, fn: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
@@ -621,10 +625,14 @@ class AgonesAdapter:
 
 
 def _gameserver_shaped(gs: object) -> bool:
-    """An object whose ``object_meta`` and ``status`` (when there) are objects: what the
-    rest of the adapter reads with ``.get()``."""
-    return isinstance(gs, dict) and all(isinstance(gs.get(k, {}), dict)
-                                        for k in ("object_meta", "status"))
+    """An object whose ``object_meta`` is an object and whose ``status.state`` is a
+    non-empty string: every GameServer has one, and the adapter decides on it (an empty
+    answer taken for a GameServer of unknown state once marked an Allocated one Ready)."""
+    if not isinstance(gs, dict) or not isinstance(gs.get("object_meta", {}), dict):
+        return False
+    status = gs.get("status")
+    return isinstance(status, dict) and isinstance(status.get("state"), str) and bool(
+        status["state"])
 
 
 def _compare(before: dict[str, Any] | None, after: dict[str, Any], kind: str) -> None:

@@ -145,6 +145,25 @@ def test_no_ready_after_restore_when_state_does_not_need_it(sidecar, adapter,
     assert sidecar.gs.state == state
 
 
+@pytest.mark.parametrize("answer", [[], {}, {"object_meta": {}, "status": {}}])
+def test_an_allocated_server_is_never_marked_ready_on_an_answer_of_unknown_state(
+        sidecar, adapter, rehydrate_engine, answer):
+    """A sidecar answering GET /gameserver with 200 ``[]`` or ``{}`` after the restore:
+    taken for a GameServer of unknown state, it got a POST /ready — an Allocated server
+    (a match in progress) became Ready, to be allocated a second time."""
+    adapter.ready()
+    sidecar.set_state("Allocated")
+    sidecar.faults.answer["/gameserver"] = answer
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
+    assert "answered something that is not a GameServer" in str(resync.error)
+    sidecar.faults.answer.clear()
+    adapter.gameserver()  # barrier: the adapter's loop has made its Ready decision
+    assert len(sidecar.calls("POST", "/ready")) == 1  # the one before the snapshot
+    assert sidecar.gs.state == "Allocated"
+
+
 def test_no_ready_after_restore_when_ready_was_never_called(sidecar, adapter,
                                                             rehydrate_engine):
     assert rehydrate_engine.simulate_restore().ok
