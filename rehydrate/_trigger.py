@@ -94,6 +94,9 @@ def trigger_snapshot(
     if stat.S_ISFIFO(st.st_mode):
         raise GVisorError(f"{path} is a FIFO (a test stand-in for gVisor): it cannot carry "
                           "a trigger, the 1 written would be read back as an answer")
+    if stat.S_ISREG(st.st_mode):  # the 1 would be written into it, read back as garbage
+        raise GVisorError(f"{path} is a regular file, not gVisor's checkpoint file (a "
+                          "leftover, or REHYDRATE_GVISOR_PROC pointing elsewhere)")
     # Opening for write is where gVisor checks permission: find out before any hook runs.
     try:
         wfd = os.open(path, _OPEN_WRITE)
@@ -148,6 +151,11 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
         else:
             rfd = os.open(path, _OPEN_READ)
             since = time.monotonic()
+        if deadline is not None and time.monotonic() >= deadline:
+            # The before-snapshot hooks used up the time: a checkpoint started now would
+            # go ahead while the caller is told it timed out (and the resume hooks run).
+            raise TimeoutError(f"the before-snapshot hooks took the whole {timeout}s: "
+                               "checkpoint not triggered; resume hooks ran")
         try:
             written = os.write(wfd, b"1")
         except OSError as exc:

@@ -255,6 +255,8 @@ class GVisorDetector(Detector):
         self._armed = False
         self._seq = 0
         self._last: tuple[Answer, RestoreReport | None] | None = None
+        self._last_bad: tuple[int, str] = (-1, "")
+        """(sequence number, what) of the latest bad answer."""
         self._bad_streak = 0
         self._backoff_due = False
         self._opens = 0
@@ -377,7 +379,12 @@ class GVisorDetector(Detector):
         return not ready
 
     def _bad(self, what: str, quick: bool) -> bool:
-        """Log one line for a bad answer; back off before re-opening if it came at once."""
+        """Log one line for a bad answer; back off before re-opening if it came at once.
+        A trigger waiting for this descriptor's answer gets it as an error."""
+        with self._cond:
+            self._seq += 1
+            self._last_bad = (self._seq, what)
+            self._cond.notify_all()
         self._bad_streak += 1
         self._backoff_due = self._backoff_due or quick
         n = self._bad_streak
@@ -585,6 +592,9 @@ class GVisorDetector(Detector):
                 if left is not None and left <= 0:
                     raise TimeoutError("no checkpoint answer before the timeout")
                 self._cond.wait(left)
+            bad_seq, what = self._last_bad
+            if bad_seq == self._seq:
+                raise GVisorError(f"{self.path} gave {what} after the trigger")
             assert self._last is not None
             return self._last
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import logging
@@ -753,3 +754,51 @@ def test_an_answer_written_while_the_waiter_closes_its_descriptor_is_kept(
     answer(waiter, b"resume\n")
     calls = rec.wait(2)
     assert injected and [c[1] for c in calls] == ["resume", "restore"]
+
+
+def test_trigger_bad_answer_with_a_running_waiter_fails_and_runs_resume_hooks(
+        iso_engine: Lifecycle, pty_proc: Path) -> None:
+    """The waiter logged the garbage answer but never told the trigger: it waited for
+    ever (``rehydrate trigger`` hung) and the process stayed ``snapshotting``."""
+    platform = FakePlatform(pty_proc, reply=b"garbage\n")
+    try:
+        rec = Recorder(iso_engine)
+        start_waiter(iso_engine, pty_proc)
+        done = concurrent.futures.ThreadPoolExecutor(1).submit(trigger_snapshot, iso_engine)
+        with pytest.raises(GVisorError, match="gave unknown answer b'garbage' after the trig"):
+            done.result(timeout=DEADLINE)  # no timeout given to trigger_snapshot itself
+        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
+                                              ("restore-hook", "resume")]
+        assert iso_engine.is_ready()
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
+def test_no_checkpoint_is_triggered_once_the_timeout_has_passed(iso_engine: Lifecycle,
+                                                                pty_proc: Path) -> None:
+    """Before-snapshot hooks that used up the timeout: the 1 was still written — a
+    checkpoint went ahead while the caller was told it timed out and the resume hooks
+    reopened everything."""
+    platform = FakePlatform(pty_proc, reply=b"restore\n")
+    release = threading.Event()
+    iso_engine.registry.before_snapshot(name="slow")(lambda: release.wait(0.6))
+    try:
+        rec = Recorder(iso_engine)
+        with pytest.raises(TimeoutError, match="checkpoint not triggered"):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=0.3)
+    finally:
+        platform.close()
+    assert platform.triggers == []
+    assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
+                                          ("restore-hook", "resume")]
+    assert iso_engine.is_ready()
+
+
+def test_trigger_refuses_a_regular_file_before_any_hook(iso_engine: Lifecycle,
+                                                        tmp_path: Path) -> None:
+    (tmp_path / "checkpoint").write_text("restore\n")
+    rec = Recorder(iso_engine)
+    with pytest.raises(GVisorError, match="is a regular file, not gVisor's checkpoint"):
+        trigger_snapshot(iso_engine, proc=str(tmp_path), timeout=DEADLINE)
+    assert rec.calls == [] and (tmp_path / "checkpoint").read_text() == "restore\n"
