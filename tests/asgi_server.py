@@ -15,11 +15,13 @@ from tests.netservers import free_port
 
 
 @contextlib.contextmanager
-def serve(app: Any, *, lifespan: str = "off", timeout: float = 15.0) -> Iterator[str]:
-    """Run ``app`` under uvicorn on 127.0.0.1; yields the base URL; shuts down on exit."""
+def serve(app: Any, *, lifespan: str = "off", timeout: float = 15.0,
+          **config: Any) -> Iterator[str]:
+    """Run ``app`` under uvicorn on 127.0.0.1; yields the base URL; shuts down on exit.
+    ``config``: more ``uvicorn.Config`` settings (``root_path``, ``ws``)."""
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan=lifespan,
-                            log_level="warning", access_log=False)
+                            log_level="warning", access_log=False, **config)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()

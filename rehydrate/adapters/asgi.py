@@ -120,6 +120,16 @@ class _Drain:
             self._waiting = False
 
 
+def _app_path(scope: Scope) -> str:
+    """The request path inside the application: without the ``root_path`` a proxy mounts
+    it under (uvicorn ``--root-path``), which ASGI servers include in ``path``."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 class ReadinessGate:
     """ASGI middleware: health/readiness endpoints, 503 while not ready, drain before a
     snapshot, detection started and stopped with the server's lifespan.
@@ -251,21 +261,22 @@ class ReadinessGate:
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
-        handler = self._routes.get(path) if kind == "http" else None
+        path = _app_path(scope)
+        handler = self._routes.get(path.rstrip("/") or "/") if kind == "http" else None
         if handler is not None:
-            if path == self._readyz_path and scope.get("query_string"):
-                wait = _wait_seconds(scope["query_string"])
-                if isinstance(wait, str):
-                    await _respond(send, 400, {"error": wait}, [],
-                                   head=scope["method"] == "HEAD")
-                    return
-                if wait > 0 and scope["method"] in ("GET", "HEAD"):
-                    await self._wait_ready(min(wait, self.max_wait))
-            await self._endpoint(scope, send, handler)
+            await self._own(scope, send, handler)
             return
-        if self.exempt and path.startswith(self.exempt):
+        if self.exempt and any(path == p or path.startswith(p.rstrip("/") + "/")
+                               for p in self.exempt):
             await self.app(scope, receive, send)
+            return
+        if kind == "websocket":
+            # Long-lived: counted in flight, one open socket would fail every snapshot's
+            # drain. Admitted only when ready; what it holds is the app's to close.
+            if self.engine.is_ready():
+                await self.app(scope, receive, send)
+            else:
+                await self._refuse(scope, send, receive)
             return
         drain = self._drain
         # Counted before readiness is read: a snapshot that starts after this check
@@ -273,11 +284,24 @@ class ReadinessGate:
         drain.enter()
         try:
             if not self.engine.is_ready():
-                await self._refuse(scope, send)
+                await self._refuse(scope, send, receive)
                 return
             await self.app(scope, receive, send)
         finally:
             drain.leave()
+
+    async def _own(self, scope: Scope, send: Send,
+                   handler: Callable[[], tuple[int, dict[str, Any]]]) -> None:
+        """One of the gate's own endpoints (``/readyz?wait=S`` first waits)."""
+        if handler == self._readyz and scope.get("query_string"):
+            wait = _wait_seconds(scope["query_string"])
+            if isinstance(wait, str):
+                await _respond(send, 400, {"error": wait}, [],
+                               head=scope["method"] == "HEAD")
+                return
+            if wait > 0 and scope["method"] in ("GET", "HEAD"):
+                await self._wait_ready(min(wait, self.max_wait))
+        await self._endpoint(scope, send, handler)
 
     async def _endpoint(self, scope: Scope, send: Send,
                         handler: Callable[[], tuple[int, dict[str, Any]]]) -> None:
@@ -289,10 +313,15 @@ class ReadinessGate:
         await _respond(send, code, body, [self._retry_header] if code == 503 else [],
                        head=scope["method"] == "HEAD")
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
+    async def _refuse(self, scope: Scope, send: Send, receive: Receive) -> None:
         if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": _TRY_AGAIN_LATER,
-                        "reason": "not ready"})
+            # Closed before the handshake, a server answers HTTP 403 — "do not retry".
+            # Accepted and closed with 1013, the client sees "try again later".
+            message = await receive()
+            if message.get("type") == "websocket.connect":
+                await send({"type": "websocket.accept"})
+                await send({"type": "websocket.close", "code": _TRY_AGAIN_LATER,
+                            "reason": "not ready"})
             return
         _, state, reason = readiness(self.engine)
         await _respond(send, 503, {"error": "not ready", "state": state, "reason": reason},

@@ -331,7 +331,8 @@ async def test_websocket_refused_with_try_again_later(gate: ReadinessGate,
         sent.append(message)
 
     await gate({"type": "websocket", "path": "/ws"}, receive, send)
-    assert sent == [{"type": "websocket.close", "code": 1013, "reason": "not ready"}]
+    assert sent == [{"type": "websocket.accept"},
+                    {"type": "websocket.close", "code": 1013, "reason": "not ready"}]
 
 
 class RecordingDetector(Detector):
@@ -479,3 +480,64 @@ def test_health_app_serves_probes_for_a_supervisor(rehydrate_engine: Any) -> Non
         r = c.get("/readyz")
         assert (r.status_code, r.json()["state"]) == (503, "snapshotting")
         assert c.get("/healthz").status_code == 200
+
+
+class EchoSocket:
+    """A WebSocket endpoint that echoes one message (and plain HTTP answers 200)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        while True:
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return
+            await send({"type": "websocket.send", "text": "echo:" + message["text"]})
+
+
+def test_websockets_under_uvicorn_refused_with_1013_and_never_block_a_snapshot(
+        rehydrate_engine: Any) -> None:
+    """Closed before the handshake, uvicorn answered the refused WebSocket HTTP 403 ("do
+    not retry") instead of the documented close code 1013; and one admitted WebSocket
+    counted as in flight for its whole life, failing every snapshot's drain."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    gate = ReadinessGate(EchoSocket(), engine=rehydrate_engine, drain_timeout=0.5,
+                         lifespan=False)
+    with serve(gate) as url:
+        ws_url = url.replace("http://", "ws://") + "/ws"
+        with connect(ws_url) as open_socket:
+            open_socket.send("a")
+            assert open_socket.recv(timeout=5) == "echo:a"
+            report = rehydrate_engine.simulate_snapshot()  # the socket stays open
+            assert report.ok, report.table()
+            with connect(ws_url) as refused, pytest.raises(ConnectionClosed) as closed:
+                refused.recv(timeout=5)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+        assert rehydrate_engine.simulate_restore().ok
+        with connect(ws_url) as again:
+            again.send("b")
+            assert again.recv(timeout=5) == "echo:b"
+
+
+def test_the_gate_under_a_root_path(app: App, rehydrate_engine: Any) -> None:
+    """Behind a proxy mounting the app at /api (uvicorn --root-path), ASGI servers put
+    the root path into ``path``: the gate never matched its own endpoints — /readyz was
+    the app's 404 (readiness never passed) and /healthz answered 503 while snapshotting
+    (the liveness probe restarted the pod)."""
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, exempt="/metrics")
+    # requests as the proxy forwards them (it strips /api; uvicorn puts it back in path)
+    with serve(gate, root_path="/api") as url:
+        assert httpx.get(f"{url}/readyz").json()["ready"] is True
+        assert httpx.get(f"{url}/healthz/").json() == {"alive": True}
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        assert httpx.get(f"{url}/readyz").status_code == 503
+        assert httpx.get(f"{url}/work").status_code == 503
+        assert httpx.get(f"{url}/metrics").text == "served /api/metrics"
+        assert httpx.get(f"{url}/metricsfoo").status_code == 503  # not a prefix match
