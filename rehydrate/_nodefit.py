@@ -54,7 +54,9 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 METADATA_TIMEOUT = 0.5
-"""Seconds for the whole metadata request (the server answers in milliseconds on GCE)."""
+"""Seconds for each step of the metadata request — connect, and each read of the answer
+(the server answers in milliseconds on GCE; one that sends a byte at a time can take
+longer in total)."""
 NVIDIA_SMI_TIMEOUT = 3.0
 LABEL_PREFIX = "rehydrate.io/"
 """Prefix of the node labels :func:`node_labels` proposes and :func:`node_affinity` uses."""
@@ -115,21 +117,31 @@ class Gpu:
         return {"name": self.name, "driver": self.driver, "mig": self.mig}
 
 
+class GpuQueryFailed(RuntimeError):
+    """``nvidia-smi`` is there but did not answer (a broken driver): GPUs are unknown."""
+
+
+_NO_DEVICES = 6  # nvidia-smi's exit status for "No devices were found"
+
+
 def gpus(timeout: float = NVIDIA_SMI_TIMEOUT) -> list[Gpu] | None:
-    """The GPUs ``nvidia-smi`` lists (name, driver, MIG mode); None without nvidia-smi."""
+    """The GPUs ``nvidia-smi`` lists (name, driver, MIG mode); None without nvidia-smi.
+    :class:`GpuQueryFailed` when it fails or hangs: that is no "no GPU"."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
         out = subprocess.run(
             [exe, "--query-gpu=name,driver_version,mig.mode.current", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=timeout, check=False)
+            capture_output=True, text=True, encoding="utf-8", errors="replace",
+            timeout=timeout, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
-        log.info("nvidia-smi did not answer: %s", exc)
-        return None
+        raise GpuQueryFailed(f"nvidia-smi did not answer: {exc}") from None
+    if out.returncode == _NO_DEVICES:
+        return []
     if out.returncode != 0:
-        log.info("nvidia-smi exited %d: %s", out.returncode, " ".join(out.stderr.split())[:200])
-        return None
+        said = " ".join((out.stderr or out.stdout).split())[:200]
+        raise GpuQueryFailed(f"nvidia-smi exited {out.returncode}: {said}")
     found = []
     for line in out.stdout.splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -159,22 +171,31 @@ class NodeFacts:
     gvisor: bool
     gvisor_version: str | None
     arch: str
+    gpu_problem: str | None = None
+    """Why the GPUs are unknown (``nvidia-smi`` failed); ``gpus`` is None then."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``doctor --json``, the manifest's ``platform``)."""
-        return {"machine_type": self.machine_type, "machine_series": self.machine_series,
-                "gpus": None if self.gpus is None else [g.to_dict() for g in self.gpus],
-                "gvisor": self.gvisor, "gvisor_version": self.gvisor_version,
-                "arch": self.arch}
+        out = {"machine_type": self.machine_type, "machine_series": self.machine_series,
+               "gpus": None if self.gpus is None else [g.to_dict() for g in self.gpus],
+               "gvisor": self.gvisor, "gvisor_version": self.gvisor_version,
+               "arch": self.arch}
+        if self.gpu_problem is not None:
+            out["gpu_problem"] = self.gpu_problem
+        return out
 
 
 def facts(*, metadata: bool = True, nvidia_smi: bool = True, root: str = "/") -> NodeFacts:
     """Gather :class:`NodeFacts` (``metadata`` / ``nvidia_smi`` False: skip that source)."""
     mtype = machine_type() if metadata else None
-    found = gpus() if nvidia_smi else None
+    problem = None
+    try:
+        found = gpus() if nvidia_smi else None
+    except GpuQueryFailed as exc:
+        found, problem = None, str(exc)
     return NodeFacts(mtype, _series(mtype), None if found is None else tuple(found),
                      in_gvisor(root), _config.text("REHYDRATE_GVISOR_VERSION"),
-                     kube_arch())
+                     kube_arch(), problem)
 
 
 @dataclass(frozen=True)
@@ -219,7 +240,10 @@ def assess(node: NodeFacts) -> Fit:
                             "snapshots"))
     else:
         checks.append(Check("machine series", "ok", f"{node.machine_type}"))
-    if node.gpus is None:
+    if node.gpu_problem is not None:
+        checks.append(Check("GPU", "unknown", f"{node.gpu_problem}: the GPUs cannot be "
+                            "checked"))
+    elif node.gpus is None:
         checks.append(Check("GPU", "ok", "no nvidia-smi: no GPU visible"))
     elif not node.gpus:
         checks.append(Check("GPU", "ok", "nvidia-smi lists no GPU"))

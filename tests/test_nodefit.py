@@ -230,3 +230,26 @@ def _check_asks_only_when_known(srv: MetadataServer) -> None:
     assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
     assert [(m.field, m.expected, m.actual) for m in mismatches] == [
         ("machine_series", "n2", "e2")]
+
+
+def test_a_broken_nvidia_smi_makes_the_gpu_check_unknown_not_a_crash(node, monkeypatch,
+                                                                     capsys) -> None:
+    """nvidia-smi printing bytes that are not UTF-8 crashed doctor and fingerprint() with a
+    UnicodeDecodeError; one that failed (a driver mismatch) or hung was reported as
+    "no nvidia-smi: no GPU visible" — GPU ok on a GPU node with a broken driver."""
+    node("g2-standard-8", [L4])
+    monkeypatch.setenv("STANDIN_NVIDIA_BROKEN", "1")
+    result = nodefit.assess(nodefit.facts())
+    gpu = {c.name: c for c in result.checks}["GPU"]
+    assert gpu.status == "unknown" and result.fit == "unknown"
+    assert gpu.reason.startswith("nvidia-smi exited 9: ")
+    assert "Driver/library version mismatch" in gpu.reason
+    assert fp.fingerprint()["platform"]["gpu_problem"].startswith("nvidia-smi exited 9")
+    from rehydrate._cli import main
+
+    assert main(["doctor"]) == 0
+    assert "nvidia-smi exited 9" in capsys.readouterr().out
+    monkeypatch.delenv("STANDIN_NVIDIA_BROKEN")
+    monkeypatch.setenv("STANDIN_NVIDIA_GPUS", "[]")  # exit 6: "No devices were found"
+    gpu = {c.name: c for c in nodefit.assess(nodefit.facts()).checks}["GPU"]
+    assert (gpu.status, gpu.reason) == ("ok", "nvidia-smi lists no GPU")
