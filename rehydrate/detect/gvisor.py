@@ -89,10 +89,10 @@ _OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _OPEN_WRITE = os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY
 _OPEN_FIFO = os.O_RDONLY | os.O_CLOEXEC  # blocking: waits for a writer
 _QUICK = 0.05
+"""A bad answer this soon after opening may repeat at once (e.g. a regular file): back off."""
 ANSWER_WINDOW = 2.0
 """gVisor delivers the answer as the restored process resumes: a restore detected by
 another detector more than this many seconds before the answer arrived is not this one."""
-"""A bad answer this soon after opening may repeat at once (e.g. a regular file): back off."""
 _BACKOFF_MAX = 5.0
 
 
@@ -122,6 +122,8 @@ def _missing_reason(proc: str) -> str | None:  # noqa: PLR0911
         if os.path.isfile(path):
             return (f"{path} is a regular file, not gVisor's checkpoint file (a test "
                     "stand-in must be a FIFO)")
+        if os.path.isdir(path):
+            return f"{path} is a directory, not gVisor's checkpoint file"
         return None
     if proc == DEFAULT_PROC and not os.path.isdir("/proc/self"):
         return "/proc is not mounted, so /proc/gvisor/checkpoint cannot exist"
@@ -262,6 +264,7 @@ class GVisorDetector(Detector):
         self._opens = 0
         self._in_open = False
         self._exited = False
+        self._failure: str | None = None
         self._orphaned = False
         self._poll_keeper = not running_under_gvisor()
         self._keeper = -1
@@ -287,12 +290,16 @@ class GVisorDetector(Detector):
         self._engine = engine
         self._stopping = False
         self._exited = False
+        self._failure = None
         self._orphaned = False
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         engine.add_status("gvisor", self.status)
         self._thread = threading.Thread(target=self._main, name="rehydrate-gvisor",
                                         daemon=True)
         self._thread.start()
+
+    def failure(self) -> str | None:
+        return self._failure
 
     def stop(self, timeout: float = 5.0) -> None:
         thread = self._thread
@@ -304,8 +311,9 @@ class GVisorDetector(Detector):
         with self._cond:
             self._cond.notify_all()
         if thread is not threading.current_thread():
-            self._unblock_fifo_open(thread, time.monotonic() + timeout)
-            thread.join(max(0.0, timeout))
+            deadline = time.monotonic() + timeout
+            self._unblock_fifo_open(thread, deadline)
+            thread.join(max(0.0, deadline - time.monotonic()))  # one timeout in all
         with self._cond:
             self._thread = None
             if not self._exited:
@@ -313,8 +321,9 @@ class GVisorDetector(Detector):
                 # the pipe itself when it ends.
                 self._orphaned = True
                 if thread is not threading.current_thread():
-                    log.warning("gVisor waiter still running hooks after %.0fs; left to "
-                                "finish in the background", timeout)
+                    log.warning("gVisor waiter still busy (running hooks, or blocked opening "
+                                "%s) after %.0fs; left to finish in the background",
+                                self.path, timeout)
                 return
         self._close_pipe()
 
@@ -361,8 +370,9 @@ class GVisorDetector(Detector):
                     self._backoff_due = False
                     if not self._backoff():
                         break
-        except Exception:  # pragma: no cover - a bug; never let the thread die silently
+        except Exception as exc:  # a bug; never let the thread die silently
             log.exception("gVisor waiter failed")
+            self._failure = f"its thread died: {type(exc).__name__}: {exc}"
         finally:
             self._drop_keeper()
             with self._cond:

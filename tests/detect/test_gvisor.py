@@ -802,3 +802,28 @@ def test_trigger_refuses_a_regular_file_before_any_hook(iso_engine: Lifecycle,
     with pytest.raises(GVisorError, match="is a regular file, not gVisor's checkpoint"):
         trigger_snapshot(iso_engine, proc=str(tmp_path), timeout=DEADLINE)
     assert rec.calls == [] and (tmp_path / "checkpoint").read_text() == "restore\n"
+
+
+def test_a_directory_at_the_checkpoint_path_is_not_usable(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          rehydrate_environ: None) -> None:
+    """It was "usable": the waiter then logged a read error with backoff for ever."""
+    (tmp_path / "checkpoint").mkdir()
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    why = GVisorDetector.probe()
+    assert not why.usable and why.reason.endswith("is a directory, not gVisor's checkpoint "
+                                                  "file")
+
+
+def test_a_waiter_whose_thread_died_is_shown_in_status(engine: Lifecycle, proc: Path,
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    def broken(self: GVisorDetector) -> bool:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(GVisorDetector, "_wait_once", broken)
+    det = GVisorDetector(str(proc))
+    assert engine.start([det]) == ["gvisor"]
+    wait_for(lambda: det._exited, what="the waiter thread to end")
+    errors = engine.status().to_dict()["detector_errors"]
+    assert errors == {"gvisor": "its thread died: RuntimeError: a bug"}
