@@ -206,6 +206,8 @@ class ReadinessGate:
         self.max_wait = float(max_wait)
         self._readyz_path = readyz
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+        self._closing = False
+        """Set on lifespan shutdown: held ``/readyz?wait`` requests answer at once."""
         self._listening = False
 
     # -- endpoints ---------------------------------------------------------------------
@@ -233,7 +235,7 @@ class ReadinessGate:
             self.engine.add_listener(self._wake_waiters)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while not self.engine.is_ready():
+        while not self.engine.is_ready() and not self._closing:
             left = deadline - loop.time()
             if left <= 0:
                 return
@@ -264,7 +266,7 @@ class ReadinessGate:
         path = _app_path(scope)
         handler = self._routes.get(path.rstrip("/") or "/") if kind == "http" else None
         if handler is not None:
-            await self._own(scope, send, handler)
+            await self._own(scope, receive, send, handler)
             return
         if self.exempt and any(path == p or path.startswith(p.rstrip("/") + "/")
                                for p in self.exempt):
@@ -290,18 +292,36 @@ class ReadinessGate:
         finally:
             drain.leave()
 
-    async def _own(self, scope: Scope, send: Send,
+    async def _own(self, scope: Scope, receive: Receive, send: Send,
                    handler: Callable[[], tuple[int, dict[str, Any]]]) -> None:
         """One of the gate's own endpoints (``/readyz?wait=S`` first waits)."""
-        if handler == self._readyz and scope.get("query_string"):
+        if (handler == self._readyz and scope.get("query_string")
+                and scope["method"] in ("GET", "HEAD")):
             wait = _wait_seconds(scope["query_string"])
             if isinstance(wait, str):
                 await _respond(send, 400, {"error": wait}, [],
                                head=scope["method"] == "HEAD")
                 return
-            if wait > 0 and scope["method"] in ("GET", "HEAD"):
-                await self._wait_ready(min(wait, self.max_wait))
+            if wait > 0 and not await self._wait_unless_gone(receive,
+                                                             min(wait, self.max_wait)):
+                return  # the client went away: nobody to answer, nothing held any more
         await self._endpoint(scope, send, handler)
+
+    async def _wait_unless_gone(self, receive: Receive, seconds: float) -> bool:
+        """:meth:`_wait_ready`, cut short when the client disconnects (False then): a
+        waiter whose client gave up must not hold a slot, nor the server's shutdown."""
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        waiting = asyncio.ensure_future(self._wait_ready(seconds))
+        disconnect = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({waiting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiting, disconnect):
+                task.cancel()
+        return not disconnect.done() or disconnect.cancelled()
 
     async def _endpoint(self, scope: Scope, send: Send,
                         handler: Callable[[], tuple[int, dict[str, Any]]]) -> None:
@@ -330,8 +350,7 @@ class ReadinessGate:
     # -- lifespan ------------------------------------------------------------------------
 
     async def _startup(self) -> None:
-        import asyncio
-
+        self._closing = False
         loop = asyncio.get_running_loop()
         try:
             await asyncio.to_thread(self.engine.start, self.detectors, loop=loop)
@@ -339,8 +358,8 @@ class ReadinessGate:
             log.exception("rehydrate detection did not start")
 
     async def _shutdown(self) -> None:
-        import asyncio
-
+        self._closing = True  # held /readyz?wait requests answer now
+        self._wake_waiters(None)
         await asyncio.to_thread(self.engine.stop)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:

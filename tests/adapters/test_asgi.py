@@ -541,3 +541,17 @@ def test_the_gate_under_a_root_path(app: App, rehydrate_engine: Any) -> None:
         assert httpx.get(f"{url}/work").status_code == 503
         assert httpx.get(f"{url}/metrics").text == "served /api/metrics"
         assert httpx.get(f"{url}/metricsfoo").status_code == 503  # not a prefix match
+
+
+def test_a_held_readyz_wait_ends_with_its_client(app: App, rehydrate_engine: Any) -> None:
+    """The client gave up after a second, but its /readyz?wait=30 stayed held for the
+    whole wait (max_wait, 60 s by default, beyond a pod's termination grace), holding the
+    server's shutdown too."""
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, max_wait=30)
+    assert rehydrate_engine.simulate_snapshot().ok  # not ready from now on
+    with serve(gate) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.get(f"{url}/readyz?wait=30", timeout=0.5)
+        wait_for(lambda: not gate._waiters, what="the abandoned wait to end")
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 10, "shutdown waited for the abandoned request"
