@@ -303,6 +303,10 @@ class AgonesAdapter:
         b = eng.builtins
         timeout = self.deadline + 10.0
         self._hooks = (
+            # First of all restore hooks: the health window is what a restore most risks,
+            # and the connections phase may wait long for other peers before the resync.
+            b.register(self._on_restore_ping, phase=Phase.ENVIRONMENT, order=-2_000_000,
+                       timeout=self.request_timeout + 5.0, name="rehydrate.agones.ping"),
             b.register(self._on_restore, phase=Phase.CONNECTIONS, timeout=timeout,
                        name="rehydrate.agones.resync"),
             b.register(self._on_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
@@ -438,6 +442,15 @@ class AgonesAdapter:
     def _on_snapshot(self) -> None:
         self._call(self._stop_loops(), timeout=self.request_timeout + 4.0)
 
+    def _on_restore_ping(self) -> None:
+        self._call(self._restart_health(), timeout=self.request_timeout + 4.0)
+
+    async def _restart_health(self) -> None:
+        """A new client (pooled connections died with the freeze) and the health loop
+        pinging at once; the resync later reuses both."""
+        await self._stop_loops()
+        self._health_task = asyncio.create_task(self._health_loop())
+
     def _on_restore(self, ctx: RestoreContext) -> None:
         self.reason = "restoring: waiting for the Agones sidecar"
         try:
@@ -449,9 +462,8 @@ class AgonesAdapter:
 
     async def _resync(self, kind: str) -> None:
         until = time.monotonic() + self.deadline
-        await self._stop_loops()  # a new client: pooled connections died with the freeze
-        # The health window is what a restore most risks: ping first, then the rest.
-        self._health_task = asyncio.create_task(self._health_loop())
+        if self._health_task is None or self._health_task.done():
+            await self._restart_health()  # the ping hook did not run (removed, disabled)
         try:
             before = self._gameserver
             gs = self._checked(await self._retry("GET", "/gameserver", None, until))

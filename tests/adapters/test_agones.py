@@ -384,3 +384,31 @@ def test_a_gameserver_of_another_shape_is_one_clear_error_or_ignored(sidecar, ad
     with pytest.raises(AgonesError, match="answered something that is not a GameServer"):
         adapter.gameserver()
     assert isinstance(adapter.status()["state"], (str, type(None)))
+
+
+def test_the_first_ping_after_a_restore_does_not_wait_for_other_hooks(sidecar,
+                                                                      rehydrate_engine):
+    """A managed connection to an unreachable peer, registered before the adapter, ran
+    first in the connections phase: the first health ping waited for its whole deadline
+    (30 s by default) — longer than Agones' health window, so the server went Unhealthy."""
+    from rehydrate import connections
+
+    def refused() -> None:
+        raise ConnectionRefusedError("peer down")
+
+    connections.register("peer", open=refused, deadline=2.0, required=False,
+                         engine=rehydrate_engine)
+    a = _adapter(sidecar, rehydrate_engine)
+    a.install()
+    try:
+        assert rehydrate_engine.simulate_snapshot().ok  # the health loop stops here
+        t0 = time.monotonic()
+        run = threading.Thread(target=rehydrate_engine.simulate_restore)
+        run.start()
+        first = sidecar.wait_for("POST", "/health", since=t0)[0]
+        run.join(30)
+        finished = time.monotonic()
+        assert first.mono - t0 < 1.0, first.mono - t0
+        assert finished - t0 >= 2.0  # the connection's deadline: the run really waited
+    finally:
+        a.close()
