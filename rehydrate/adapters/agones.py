@@ -161,6 +161,7 @@ class AgonesAdapter:
         self._labels: dict[str, str] = {}
         self._annotations: dict[str, str] = {}
         self._want_ready = False
+        self._paused = False  # between the before-snapshot pause and the restore
         self._gameserver: dict[str, Any] | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self.last_health_ack: float | None = None
@@ -274,8 +275,10 @@ class AgonesAdapter:
             except AgonesError as exc:
                 left = until - time.monotonic()
                 if left <= 0:
+                    answered = isinstance(exc.__cause__, httpx.HTTPStatusError)
+                    what = ("kept refusing" if answered else "did not answer")
                     raise AgonesUnavailable(
-                        f"Agones sidecar at {self.base_url} did not answer {method} {path} "
+                        f"Agones sidecar at {self.base_url} {what} {method} {path} "
                         f"within the {self.deadline:g}s deadline ({attempt} attempts; "
                         f"last: {_describe(exc.__cause__ or exc)})") from None
                 await asyncio.sleep(min(left, _backoff(attempt, 1.0)))
@@ -440,6 +443,7 @@ class AgonesAdapter:
     # -- hooks -----------------------------------------------------------------------
 
     def _on_snapshot(self) -> None:
+        self._paused = True
         self._call(self._stop_loops(), timeout=self.request_timeout + 4.0)
 
     def _on_restore_ping(self) -> None:
@@ -449,6 +453,7 @@ class AgonesAdapter:
         """A new client (pooled connections died with the freeze) and the health loop
         pinging at once; the resync later reuses both."""
         await self._stop_loops()
+        self._paused = False
         self._health_task = asyncio.create_task(self._health_loop())
 
     def _on_restore(self, ctx: RestoreContext) -> None:
@@ -535,6 +540,13 @@ class AgonesAdapter:
     async def _metadata(self, kind: str, key: str, value: str) -> None:
         if not isinstance(key, str) or not key or not isinstance(value, str):
             raise ValueError(f"{kind} key and value must be strings (key non-empty)")
+        if self._paused:
+            # Between the pause and the restore a request would open a connection that
+            # the snapshot freezes; the resync PUTs every remembered one anyway.
+            (self._labels if kind == "label" else self._annotations)[key] = value
+            log.debug("%s %s set while paused for a snapshot: sent after the restore",
+                      kind, key)
+            return
         await self._request("PUT", f"/metadata/{kind}", {"key": key, "value": value})
         (self._labels if kind == "label" else self._annotations)[key] = value
 

@@ -412,3 +412,28 @@ def test_the_first_ping_after_a_restore_does_not_wait_for_other_hooks(sidecar,
         assert finished - t0 >= 2.0  # the connection's deadline: the run really waited
     finally:
         a.close()
+
+
+def test_a_label_set_between_the_pause_and_the_restore_is_sent_after_it(
+        sidecar, adapter, rehydrate_engine):
+    """Sent at once, it opened a keep-alive connection that the snapshot froze."""
+    assert rehydrate_engine.simulate_snapshot().ok
+    t_pause = time.monotonic()
+    adapter.set_label("map", "dust")
+    assert sidecar.calls("PUT", "/metadata/label", since=t_pause) == []
+    assert rehydrate_engine.simulate_restore().ok
+    assert [r.body for r in sidecar.calls("PUT", "/metadata/label", since=t_pause)] == [
+        {"key": "map", "value": "dust"}]
+    assert adapter.gameserver()["object_meta"]["labels"] == {"agones.dev/sdk-map": "dust"}
+
+
+def test_a_sidecar_that_keeps_refusing_is_not_said_to_be_silent(sidecar, rehydrate_engine):
+    a = _adapter(sidecar, rehydrate_engine, deadline=0.5, request_timeout=0.2)
+    a.install()
+    try:
+        sidecar.faults.fail, sidecar.faults.paths = 1000, ("/gameserver",)
+        report = rehydrate_engine.simulate_restore()
+        [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
+        assert "kept refusing GET /gameserver within the 0.5s deadline" in str(resync.error)
+    finally:
+        a.close()
