@@ -378,8 +378,14 @@ class ReadinessGate:
                 await self._shutdown()
             return message
 
+        async def watched(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                # The server exits without a shutdown message: stop what startup started.
+                await self._shutdown()
+            await send(message)
+
         try:
-            await self.app(scope, wrapped, send)
+            await self.app(scope, wrapped, watched)
         except Exception:
             if received:
                 raise

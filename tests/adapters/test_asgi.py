@@ -555,3 +555,28 @@ def test_a_held_readyz_wait_ends_with_its_client(app: App, rehydrate_engine: Any
         wait_for(lambda: not gate._waiters, what="the abandoned wait to end")
         stopping = time.monotonic()
     assert time.monotonic() - stopping < 10, "shutdown waited for the abandoned request"
+
+
+async def test_a_failed_application_startup_stops_detection(rehydrate_engine: Any) -> None:
+    """The server exits after ``lifespan.startup.failed`` without a shutdown message: the
+    detection the gate had started stayed running."""
+    async def failing_app(scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "lifespan"
+        await receive()  # lifespan.startup
+        await send({"type": "lifespan.startup.failed", "message": "no database"})
+
+    detector = RecordingDetector()
+    gate = ReadinessGate(failing_app, engine=rehydrate_engine, detectors=[detector])
+    messages = [{"type": "lifespan.startup"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await gate({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
+    assert sent == [{"type": "lifespan.startup.failed", "message": "no database"}]
+    assert detector.started == [rehydrate_engine] and detector.stopped == 1
+    assert rehydrate_engine.status().detectors == ()
