@@ -842,9 +842,23 @@ class Lifecycle:
         with self._cond:  # ends a snapshot deadline watch
             self._event_seq += 1
             self._cond.notify_all()
-        self._runner.close()
-        self._loop_thread.close()
-        self._runner = HookRunner(self._loop_thread)
+        # Let a run in progress finish first (bounded: a hung hook must not hold close()):
+        # closed under it, its remaining hooks failed with "hook runner is closed".
+        finishing = self._run_lock.acquire(timeout=CLOSE_WAIT)
+        if not finishing:
+            log.warning("close(): a lifecycle event still runs after %gs; closing under it",
+                        CLOSE_WAIT)
+        try:
+            self._runner.close()
+            self._loop_thread.close()
+            self._runner = HookRunner(self._loop_thread)
+        finally:
+            if finishing:
+                self._run_lock.release()
+
+
+CLOSE_WAIT = 10.0
+"""Seconds :meth:`Lifecycle.close` waits for a lifecycle event in progress to finish."""
 
 
 _ENGINES: weakref.WeakSet[Lifecycle] = weakref.WeakSet()

@@ -1037,3 +1037,36 @@ def test_a_repeated_keyed_notice_is_flagged_as_a_duplicate(rehydrate_engine):
     assert again.generation == first.generation == 1
     assert again.confirmed_by == ("control",)
     assert engine.status().last_report.confirmed_by == ("control",)
+
+
+def test_close_from_another_thread_lets_a_run_in_progress_finish(rehydrate_engine):
+    """Closed under a running event, its remaining hooks failed with "hook runner is
+    closed" and the process ended degraded."""
+    engine = rehydrate_engine
+    gate, entered = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    @engine.registry.after_restore(name="first", phase=Phase.ENTROPY)
+    def first() -> None:
+        entered.set()
+        gate.wait(10)
+
+    @engine.registry.after_restore(name="second", phase=Phase.APPLICATION)
+    async def second() -> None:
+        ran.append("second")
+
+    reports: list[RestoreReport] = []
+    run = threading.Thread(target=lambda: reports.append(engine.simulate_restore()))
+    run.start()
+    assert entered.wait(10)
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive()  # waiting for the run, not closing under it
+    later = threading.Thread(target=lambda: reports.append(engine.simulate_restore()))
+    later.start()  # an event arriving while close() runs
+    gate.set()
+    for t in (run, closing, later):
+        t.join(15)
+    assert [r.ok for r in reports] == [True, True], [r.table() for r in reports]
+    assert ran == ["second", "second"]
