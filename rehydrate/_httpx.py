@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from ._urls import without_credentials
+
 __all__ = ["AsyncReconnectingTransport", "ReconnectingTransport", "make_async_client",
            "make_client", "shown"]
 
@@ -42,9 +44,9 @@ def _remember_missing_sniffio() -> None:
 
 
 def shown(url: httpx.URL) -> str:
-    """``url`` for messages: scheme, host, port and path only. User info and the query
-    string (``?api_key=...``, a client's default ``params``) may carry secrets."""
-    return str(url.copy_with(username=None, password=None, query=None, fragment=None))
+    """``url`` for messages (:func:`rehydrate._urls.without_credentials`): a client's
+    default ``params`` land in the query (``?api_key=...``)."""
+    return without_credentials(str(url))
 
 
 def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

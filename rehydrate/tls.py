@@ -60,6 +60,7 @@ from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from ._hooks import Hook, Phase
+from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -525,11 +526,15 @@ class ManagedCertificate:
                 with contextlib.suppress(OSError, ssl.SSLError):
                     load_into(ctx, previous)
             material.wipe_key()
-            reason = getattr(exc, "reason", None) or exc
-            raise CertificateError(f"certificate {self.name!r}: OpenSSL refuses the new "
-                                   f"certificate ({reason})") from None
+            raise self._refused(exc, "the new certificate") from None
         for ctx in servers:
             self._slots.setdefault(ctx, set()).add(_slot(material.certificate.public_key()))
+
+    def _refused(self, exc: BaseException, what: str = "the certificate") -> CertificateError:
+        """OpenSSL's refusal (``EE_KEY_TOO_SMALL`` …) as one line naming this handle."""
+        reason = getattr(exc, "reason", None) or exc
+        return CertificateError(f"certificate {self.name!r}: OpenSSL refuses {what} "
+                                f"({reason})")
 
     def _serving(self) -> Material:
         """What a context should present now: the material, or the placeholder while the
@@ -627,9 +632,7 @@ class ManagedCertificate:
             try:
                 self._load(ctx, self._serving())
             except ssl.SSLError as exc:
-                reason = getattr(exc, "reason", None) or exc
-                raise CertificateError(f"certificate {self.name!r}: OpenSSL refuses the "
-                                       f"certificate ({reason})") from None
+                raise self._refused(exc) from None
             self._servers.add(ctx)
         return ctx
 
@@ -656,9 +659,7 @@ class ManagedCertificate:
                     try:
                         self._load(ctx, m)
                     except ssl.SSLError as exc:
-                        reason = getattr(exc, "reason", None) or exc
-                        raise CertificateError(f"certificate {self.name!r}: OpenSSL "
-                                               f"refuses the certificate ({reason})") from None
+                        raise self._refused(exc) from None
                 self._clients[present] = ctx
             return ctx
 
@@ -827,21 +828,6 @@ MAX_ISSUER_RESPONSE = 1024 * 1024
 """Largest issuer response :class:`HTTPIssuer` reads (a certificate chain is a few KiB)."""
 
 
-def _without_credentials(url: str) -> str:
-    """``scheme://host[:port]/path`` of ``url``."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = host if parts.port is None else f"{host}:{parts.port}"
-    except ValueError:
-        return "<unparsable URL>"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
 class HTTPIssuer:
     """POSTs ``{"csr": "<PEM>"}`` as JSON to ``url`` and reads
     ``{"certificate": "<PEM>", "chain": ["<PEM>", …]}`` back (httpx).
@@ -865,7 +851,7 @@ class HTTPIssuer:
         if not timeout > 0 or timeout == float("inf"):
             raise ValueError(f"timeout must be a positive finite number, not {timeout!r}")
         self.url = url
-        self.shown_url = _without_credentials(url)
+        self.shown_url = without_credentials(url)
         """``url`` for messages, logs and ``status()``: no user info, query or fragment
         (where tokens go)."""
         self.headers = dict(headers or {})
