@@ -120,6 +120,9 @@ class _Drain:
             self._waiting = False
 
 
+_PLAIN_WAIT = 1.0
+"""Seconds a ``/readyz?wait`` waits before it also watches for its client leaving."""
+
 def _app_path(scope: Scope) -> str:
     """The request path inside the application: without the ``root_path`` a proxy mounts
     it under (uvicorn ``--root-path``), which ASGI servers include in ``path``."""
@@ -310,11 +313,18 @@ class ReadinessGate:
     async def _wait_unless_gone(self, receive: Receive, seconds: float) -> bool:
         """:meth:`_wait_ready`, cut short when the client disconnects (False then): a
         waiter whose client gave up must not hold a slot, nor the server's shutdown."""
+        # The first second plainly: a restore usually ends within it, and the watcher's
+        # two tasks would run on the loop the restore's async hooks share.
+        first = min(seconds, _PLAIN_WAIT)
+        await self._wait_ready(first)
+        if seconds <= first or self.engine.is_ready() or self._closing:
+            return True
+
         async def gone() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        waiting = asyncio.ensure_future(self._wait_ready(seconds))
+        waiting = asyncio.ensure_future(self._wait_ready(seconds - first))
         disconnect = asyncio.ensure_future(gone())
         try:
             await asyncio.wait({waiting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
