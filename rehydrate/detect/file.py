@@ -169,7 +169,7 @@ class FileDetector(Detector):
                 raise RuntimeError(f"the marker file's directory {parent} does not exist")
             self._engine = engine
             try:
-                self._state, self._unreadable = _read_state(self.path), False
+                self._state, self._unreadable, self._adopt = _read_state(self.path), False, False
             except OSError as exc:
                 # No baseline yet: the first state read is taken as it, not as news.
                 log.warning("marker file %s cannot be read (%s); its first readable state "

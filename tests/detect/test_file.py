@@ -264,3 +264,23 @@ print("generation", engine.generation)
         folder.chmod(0o755)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["generation", "1"], proc.stderr
+
+
+def test_a_restart_with_a_readable_marker_takes_the_next_change_as_news(rehydrate_engine,
+                                                                       tmp_path):
+    """Started while the marker could not be read (here: a FIFO), the detector takes the
+    first readable state as its baseline; stopped and started again with a readable
+    marker, that leftover must not swallow the next real change."""
+    marker = tmp_path / "restored"
+    os.mkfifo(marker)
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(marker, polling=True, interval=0.02, window=0)
+    rehydrate_engine.start([det])
+    rehydrate_engine.stop()
+    marker.unlink()
+    marker.write_text("restore 1\n")
+    rehydrate_engine.start([det])
+    tmp = tmp_path / "restored.tmp"
+    tmp.write_text("restore 2\n")
+    os.replace(tmp, marker)
+    assert rec.wait(1)[0]["reason"] == "file"
