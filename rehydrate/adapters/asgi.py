@@ -202,12 +202,11 @@ class ReadinessGate:
         for path, handler in ((healthz, self._healthz), (readyz, self._readyz),
                               (status, self._status)):
             if path is not None:
-                self._routes[path] = handler
+                self._routes[path.rstrip("/") or "/"] = handler  # matched without one
         self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
         self._drain.timeout = max(self._drain.timeout, drain_timeout)
         self._retry_header = (b"retry-after", str(retry_after).encode())
         self.max_wait = float(max_wait)
-        self._readyz_path = readyz
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
         self._closing = False
         """Set on lifespan shutdown: held ``/readyz?wait`` requests answer at once."""

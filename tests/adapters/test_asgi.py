@@ -580,3 +580,11 @@ async def test_a_failed_application_startup_stops_detection(rehydrate_engine: An
     assert sent == [{"type": "lifespan.startup.failed", "message": "no database"}]
     assert detector.started == [rehydrate_engine] and detector.stopped == 1
     assert rehydrate_engine.status().detectors == ()
+
+
+async def test_an_endpoint_configured_with_a_trailing_slash_still_answers(
+        app: App, rehydrate_engine: Any) -> None:
+    gate = ReadinessGate(app, engine=rehydrate_engine, healthz="/live/", lifespan=False)
+    async with asgi_client(gate) as c:
+        assert (await c.get("/live/")).json() == {"alive": True}
+        assert (await c.get("/live")).json() == {"alive": True}

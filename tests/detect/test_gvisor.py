@@ -411,6 +411,10 @@ def test_auto_start_picks_the_waiter(proc: Path, monkeypatch: pytest.MonkeyPatch
 # -- trigger_snapshot --------------------------------------------------------------------
 
 
+CARRIED_ON = [("snapshot-hook", "snapshot"), ("restore-hook", "resume")]
+"""The calls of a trigger that failed after the before-snapshot hooks: the resume hooks ran."""
+
+
 class FakePlatform:
     """gVisor's side of a pty stand-in: reads the ``1`` triggers, writes answers."""
 
@@ -650,8 +654,7 @@ def test_trigger_timeout_without_waiter_runs_resume_hooks(iso_engine: Lifecycle,
             trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=0.3)
     finally:
         platform.close()
-    assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
-                                          ("restore-hook", "resume")]
+    assert [c[:2] for c in rec.calls] == CARRIED_ON
     assert iso_engine.state == "ready" and iso_engine.is_ready()
     assert iso_engine.last_restore_at is None, "no checkpoint seen: not a freeze anchor"
 
@@ -665,8 +668,7 @@ def test_trigger_bad_answer_without_waiter_runs_resume_hooks(iso_engine: Lifecyc
             trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
     finally:
         platform.close()
-    assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
-                                          ("restore-hook", "resume")]
+    assert [c[:2] for c in rec.calls] == CARRIED_ON
     assert iso_engine.is_ready()
 
 
@@ -682,8 +684,7 @@ def test_trigger_waiter_never_armed_runs_resume_hooks(
         with pytest.raises(TimeoutError, match="did not open"):
             trigger_snapshot(iso_engine, timeout=0.2)
         assert platform.triggers == [], "no 1 written: no checkpoint"
-        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
-                                              ("restore-hook", "resume")]
+        assert [c[:2] for c in rec.calls] == CARRIED_ON
         assert iso_engine.is_ready()
     finally:
         iso_engine.stop()
@@ -706,8 +707,7 @@ def test_trigger_answer_timeout_with_waiter_leaves_hooks_to_the_late_answer(
         assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot")]
         os.write(platform.master, b"resume\n")  # the late answer
         assert iso_engine.wait_ready(timeout=DEADLINE)
-        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
-                                              ("restore-hook", "resume")]
+        assert [c[:2] for c in rec.calls] == CARRIED_ON
     finally:
         iso_engine.stop()
         platform.close()
@@ -767,8 +767,7 @@ def test_trigger_bad_answer_with_a_running_waiter_fails_and_runs_resume_hooks(
         done = concurrent.futures.ThreadPoolExecutor(1).submit(trigger_snapshot, iso_engine)
         with pytest.raises(GVisorError, match="gave unknown answer b'garbage' after the trig"):
             done.result(timeout=DEADLINE)  # no timeout given to trigger_snapshot itself
-        assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
-                                              ("restore-hook", "resume")]
+        assert [c[:2] for c in rec.calls] == CARRIED_ON
         assert iso_engine.is_ready()
     finally:
         iso_engine.stop()
@@ -790,8 +789,7 @@ def test_no_checkpoint_is_triggered_once_the_timeout_has_passed(iso_engine: Life
     finally:
         platform.close()
     assert platform.triggers == []
-    assert [c[:2] for c in rec.calls] == [("snapshot-hook", "snapshot"),
-                                          ("restore-hook", "resume")]
+    assert [c[:2] for c in rec.calls] == CARRIED_ON
     assert iso_engine.is_ready()
 
 
