@@ -32,12 +32,30 @@ if TYPE_CHECKING:
     ``list``: comma-separated, blanks dropped."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "optional_number", "signal_from_text", "signal_name", "text"]
+           "optional_number", "seconds", "signal_from_text", "signal_name", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
 """A year: the most any ``seconds`` setting (or timeout) may be. A longer wait is a mistake,
 and from about 2**33 s the platform's clocks and thread waits overflow."""
+
+
+def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
+    """``value`` as a float when it is a number of seconds: an int or float (not a bool),
+    > 0 (``zero_ok``: >= 0) and at most :data:`MAX_SECONDS`; otherwise ``TypeError`` (not
+    a number) or ``ValueError`` (NaN, infinity, out of range) naming ``what``.
+
+    The one rule for arguments in seconds (detector settings, timeouts, deadlines), checked
+    where the value enters — a constructor, a command line, a control request — and not
+    later in a thread, which an exception there would end.
+    """
+    rule = (f"{what} must be a number of seconds {'>= 0' if zero_ok else '> 0'} and at most "
+            f"{MAX_SECONDS:.0f} (a year)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{rule}, not {type(value).__name__}")
+    if not ((value >= 0 if zero_ok else value > 0) and value <= MAX_SECONDS):
+        raise ValueError(f"{rule}, not {value!r}")
+    return float(value)
 
 
 class Variable:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar, overload
+
+from . import _config
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -188,13 +191,13 @@ class Registry:
         if event not in ("restore", "snapshot"):
             raise ValueError(f"event must be 'restore' or 'snapshot', not {event!r}")
         phase = Phase(phase)
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float))):
-            raise TypeError(f"timeout must be a number of seconds or None, "
-                            f"not {type(timeout).__name__}")
-        if timeout is not None and not timeout > 0:  # also refuses NaN
-            raise ValueError(f"timeout must be a positive number of seconds (or None for no "
-                             f"limit), not {timeout!r}")
+        if timeout is not None and timeout != math.inf:
+            # Capped at a year: the runner's thread wait for a longer (finite) timeout
+            # overflowed, and every restore run of the engine ended in that error.
+            try:
+                _config.seconds(timeout, "timeout")
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (None or math.inf: no limit)") from None
         if not isinstance(required, bool):
             raise TypeError(f"required must be True or False, not {required!r}")
         if name is not None and (not isinstance(name, str) or not name.strip()

@@ -397,17 +397,13 @@ class Options:
         self.expect_pid = expect_pid
 
 
-MAX_TIMEOUT = _config.MAX_SECONDS
-
-
-def timeout_value(value: object) -> float:
-    """A timeout in seconds: a number (not a bool), > 0 and at most :data:`MAX_TIMEOUT`
-    (``ValueError`` with the reason otherwise; NaN and infinity are refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"not a number of seconds: {value!r}")
-    if not 0 < value <= MAX_TIMEOUT:
-        raise ValueError(f"must be > 0 and at most {MAX_TIMEOUT:.0f} (a year), not {value!r}")
-    return float(value)
+def timeout_value(value: object, what: str = "timeout") -> float:
+    """A timeout: :func:`rehydrate._config.seconds`, every refusal a ``ValueError`` (what a
+    command line or a control request answers as a bad argument)."""
+    try:
+        return _config.seconds(value, what)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def positive(text: str) -> float:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import os
 import socket
 import threading
@@ -150,11 +149,8 @@ class Connection:
         deadline: float | None,
         value: Any = None,
     ) -> None:
-        if deadline is not None and (isinstance(deadline, bool)
-                                     or not isinstance(deadline, (int, float))
-                                     or not math.isfinite(deadline) or deadline <= 0):
-            raise ValueError(f"connection {name!r}: deadline must be a positive number of "
-                             f"seconds, not {deadline!r}")
+        if deadline is not None:
+            deadline = _config.seconds(deadline, f"connection {name!r}: deadline")
         # Checked here: a function of the wrong shape failed with a TypeError at every
         # attempt until the deadline, at every restore.
         for label, fn, most in (("open", open, 0), ("close", close, 1), ("check", check, 1)):

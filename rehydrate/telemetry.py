@@ -626,10 +626,7 @@ def refresh_on_restore(
 
     # Everything is checked before anything changes (a bad argument used to leave the
     # hooks half-installed: a corrected second call then installed none).
-    try:
-        timeout = timeout_value(flush_timeout)
-    except ValueError as exc:
-        raise ValueError(f"telemetry: flush_timeout {exc}") from None
+    timeout = timeout_value(flush_timeout, "telemetry: flush_timeout")
     exporters = list(exporters)
     for e in exporters:
         if not callable(getattr(e, "rebuild", None)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from unittest import mock
 
@@ -147,13 +148,30 @@ def test_decorators_refuse_bad_options_with_a_clear_message(decorator):
     reg = Registry()
     deco = getattr(reg, decorator)
     keys = ("K",) if decorator == "on_env_change" else ()
-    with pytest.raises(ValueError, match=r"timeout must be a positive number.*nan"):
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds > 0 .*nan"):
         deco(*keys, timeout=float("nan"))(lambda: None)
     with pytest.raises(TypeError, match="order must be an int, not bool"):
         deco(*keys, order=True)(lambda: None)
     with pytest.raises(TypeError, match="retries must be an int, not float"):
         deco(*keys, retries=2.0)(lambda: None)
     assert len(reg) == 0
+
+
+def test_a_finite_timeout_beyond_a_year_is_refused_and_infinity_means_no_limit():
+    """Before: ``timeout=1e10`` was accepted, and every restore run then ended in the
+    runner's ``OverflowError`` (a thread wait that long overflows) with the engine
+    degraded. ``None`` and ``math.inf`` still mean no limit."""
+    reg = Registry()
+    with pytest.raises(ValueError, match=r"at most 31536000 \(a year\), not 10000000000.0 "
+                                         r"\(None or math.inf: no limit\)"):
+        reg.after_restore(timeout=1e10)(lambda: None)
+    with pytest.raises(TypeError, match="timeout must be a number of seconds > 0"):
+        reg.after_restore(timeout="5")(lambda: None)
+    assert len(reg) == 0
+    reg.after_restore(timeout=None, name="none")(lambda: None)
+    reg.after_restore(timeout=math.inf, name="inf")(lambda: None)
+    reg.after_restore(timeout=31_536_000, name="year")(lambda: None)
+    assert sorted(h.timeout for h in reg.hooks("restore")) == [31_536_000.0, math.inf, math.inf]
 
 
 def test_nan_timeout_no_longer_means_no_limit():

@@ -31,19 +31,6 @@ def env_kind(name: str) -> Literal["restore", "resume"]:
     return "resume" if _config.choice(name) == "resume" else "restore"
 
 
-def positive(value: float, what: str, *, zero_ok: bool = False) -> float:
-    """``value`` if it is a number of seconds > 0 (``zero_ok``: >= 0) and at most a year;
-    else ``TypeError``/``ValueError`` naming ``what`` — at construction, not in the
-    detector's thread where it would end the detector."""
-    rule = f"{'>= 0' if zero_ok else '> 0'} and at most {_config.MAX_SECONDS:.0f} (a year)"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds {rule}, not "
-                        f"{type(value).__name__}")
-    if not ((value >= 0 if zero_ok else value > 0) and value <= _config.MAX_SECONDS):
-        raise ValueError(f"{what} must be a number of seconds {rule}, not {value!r}")
-    return value
-
-
 def checked_kind(kind: str) -> Literal["restore", "resume"]:
     """``kind`` if it is ``restore`` or ``resume``; else ``ValueError``."""
     if kind not in ("restore", "resume"):

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, ClassVar
 from .. import _config
 from .._contract import Probe
 from ._sleeper import Sleeper, open_sleeper
-from ._util import DeferringDetector, positive
+from ._util import DeferringDetector
 
 if TYPE_CHECKING:
     from .._context import Report, RestoreReport
@@ -196,22 +196,22 @@ class ClockJumpDetector(DeferringDetector):
         cpu_clock: Callable[[], float] | None = None,
         busy_check: bool | None = None,
     ) -> None:
-        self.interval = positive(
+        self.interval = _config.seconds(
             interval if interval is not None
             else _config.number("REHYDRATE_CLOCK_INTERVAL"),
             "interval")
-        self.threshold = positive(
+        self.threshold = _config.seconds(
             threshold if threshold is not None
             else _config.number("REHYDRATE_CLOCK_THRESHOLD"),
             "threshold")
-        self.pending_threshold = positive(
+        self.pending_threshold = _config.seconds(
             pending_threshold if pending_threshold is not None
             else _config.number("REHYDRATE_CLOCK_PENDING_THRESHOLD"),
             "pending_threshold")
         self.pending_slice = self.pending_threshold * PENDING_SLICE
         """Seconds per sleep while a snapshot is pending: a checkpoint freezing the process
         for more than ``pending_threshold + pending_slice`` is always seen."""
-        self.grace = positive(grace if grace is not None
+        self.grace = _config.seconds(grace if grace is not None
                               else _config.number("REHYDRATE_CLOCK_GRACE"), "grace", zero_ok=True)
         if busy_check is None:
             flag = _config.flag("REHYDRATE_CLOCK_BUSY_CHECK")

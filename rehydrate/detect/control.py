@@ -594,9 +594,9 @@ class ControlServer:
         timeout = req.get("timeout")
         if timeout is not None:
             try:
-                timeout = timeout_value(timeout)
+                timeout = timeout_value(timeout, '"timeout"')
             except ValueError as exc:  # checked before any hook runs or anything is written
-                raise _BadRequest(f'"timeout": {exc}') from None
+                raise _BadRequest(str(exc)) from None
         try:
             answer = trigger_snapshot(self.engine, timeout=timeout)
         except (GVisorError, TimeoutError) as exc:

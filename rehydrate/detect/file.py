@@ -39,7 +39,7 @@ from .._contract import Probe
 from .._files import READ_ONLY_EVENTS, open_regular
 from .._gvisor import running_under_gvisor
 from . import Detector
-from ._util import checked_kind, env_kind, positive
+from ._util import checked_kind, env_kind
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -115,13 +115,13 @@ class FileDetector(Detector):
         if polling is None:
             polling = _config.flag("REHYDRATE_WATCH_POLLING")
         self.polling = running_under_gvisor() if polling is None else polling
-        self.interval = positive(
+        self.interval = _config.seconds(
             interval if interval is not None
             else _config.number("REHYDRATE_WATCH_INTERVAL"),
             "interval")
         self.kind: Literal["restore", "resume"] = (
             checked_kind(kind) if kind is not None else env_kind("REHYDRATE_MARKER_KIND"))
-        self.window = positive(window if window is not None
+        self.window = _config.seconds(window if window is not None
                                else _config.number("REHYDRATE_MARKER_WINDOW"), "window",
                                zero_ok=True)
         self.changes = 0

@@ -27,7 +27,7 @@ from typing import ClassVar
 from .. import _config
 from .._contract import Probe
 from .._files import read_regular
-from ._util import DeferringDetector, positive
+from ._util import DeferringDetector
 
 __all__ = ["SOURCES", "IdentityDetector", "read_identity"]
 
@@ -76,12 +76,12 @@ class IdentityDetector(DeferringDetector):
         root: str | os.PathLike[str] = "/",
         grace: float = DEFAULT_GRACE,
     ) -> None:
-        self.interval = positive(
+        self.interval = _config.seconds(
             interval if interval is not None
             else _config.number("REHYDRATE_IDENTITY_INTERVAL"),
             "interval")
         self.root = root
-        self.grace = positive(grace, "grace", zero_ok=True)
+        self.grace = _config.seconds(grace, "grace", zero_ok=True)
         self.changes = 0
         self.polls = 0
         self._baseline: dict[str, str | None] = {}

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from .. import _config
 from .._contract import Probe
 from . import Detector
-from ._util import checked_kind, env_kind, positive
+from ._util import checked_kind, env_kind
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -82,7 +82,7 @@ class SignalDetector(Detector):
             raise ValueError(f"{self.signum.name} cannot be caught")
         self.kind: Literal["restore", "resume"] = (
             checked_kind(kind) if kind is not None else env_kind("REHYDRATE_SIGNAL_KIND"))
-        self.window = positive(window if window is not None
+        self.window = _config.seconds(window if window is not None
                                else _config.number("REHYDRATE_SIGNAL_WINDOW"), "window",
                                zero_ok=True)
         self.received = 0

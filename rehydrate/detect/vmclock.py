@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 from .. import _config
 from .._contract import Probe
 from . import Detector
-from ._util import DEFAULT_WINDOW, DetectorThread, positive, thread_failure
+from ._util import DEFAULT_WINDOW, DetectorThread, thread_failure
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -157,7 +157,7 @@ class VmClockDetector(Detector):
 
     def __init__(self, path: str | None = None, interval: float | None = None) -> None:
         self.path = path or default_path()
-        self.interval = positive(
+        self.interval = _config.seconds(
             interval if interval is not None
             else _config.number("REHYDRATE_VMCLOCK_INTERVAL"),
             "interval")

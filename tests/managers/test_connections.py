@@ -870,8 +870,11 @@ def test_an_open_or_check_raising_systemexit_or_cancelling_itself_fails_only_tha
     ({"open": lambda ctx: None}, "open is called with no argument, but"),
     ({"check": lambda a, b: None}, "check is called with at most one argument (the value)"),
     ({"close": lambda a, b, c: None}, "close is called with at most one argument"),
-    ({"deadline": True}, "deadline must be a positive number of seconds, not True"),
-    ({"deadline": "5"}, "deadline must be a positive number of seconds"),
+    ({"deadline": True}, "connection 'x': deadline must be a number of seconds > 0 and at "
+                         "most 31536000 (a year), not bool"),
+    ({"deadline": "5"}, "deadline must be a number of seconds > 0"),
+    ({"deadline": float("inf")}, "deadline must be a number of seconds > 0"),
+    ({"deadline": 1e10}, "and at most 31536000 (a year), not 10000000000.0"),
     ({"peers": "cache:6379"}, "peers is a list of host:port, not one string"),
 ])
 def test_register_refuses_what_would_fail_every_attempt(rehydrate_engine, kwargs, message):
