@@ -170,7 +170,10 @@ def describe_error(exc: BaseException | None) -> str | None:
     message is empty, None for None: how reports and log lines show an error."""
     if exc is None:
         return None
-    text = " ".join(str(exc).split())
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:  # an exception class whose __str__ fails must not break a report
+        text = "<its message could not be formatted>"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

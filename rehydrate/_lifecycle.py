@@ -652,8 +652,7 @@ class Lifecycle:
         # pipe that may be full — and in a restored clone the first one is slow besides
         # (measured under runsc: 3-40 ms); readiness must not wait for either.
         log.debug("%s detected (reason %s, generation %d)", kind, reason, generation)
-        results, duration, started, waited = self._run_or_degrade("restore", ctx)
-        ok, error = _summarise(results, kind)
+        results, duration, started, waited, ok, error = self._run_or_degrade("restore", ctx)
         report = RestoreReport(ok=ok, generation=generation, reason=reason, kind=kind,
                                duration=duration, hooks=tuple(results), started_at=started,
                                error=error, env_changes=ctx.env_changes, frozen_for=frozen_for,
@@ -673,8 +672,7 @@ class Lifecycle:
                              detected_at=time.monotonic())
         self._set_state("snapshotting")
         log.info("preparing for snapshot (reason %s)", reason)
-        results, duration, started, waited = self._run_or_degrade("snapshot", ctx)
-        ok, error = _summarise(results, "snapshot")
+        results, duration, started, waited, ok, error = self._run_or_degrade("snapshot", ctx)
         report = SnapshotReport(ok=ok, generation=self._generation, reason=reason,
                                 kind="snapshot", duration=duration, hooks=tuple(results),
                                 started_at=started, error=error, notice_to_run=waited)
@@ -684,18 +682,22 @@ class Lifecycle:
             _notify_observers(tuple(self._observers), "event_finished", ctx, report)
         return report
 
-    def _run_or_degrade(self, event: Literal["restore", "snapshot"],
-                        ctx: RestoreContext) -> tuple[list[HookResult], float, float, float]:
-        """:meth:`_run`; when the caller is interrupted while waiting (Ctrl-C in a
-        ``simulate_restore()``) the state becomes ``degraded`` — never left ``restoring``
-        or ``snapshotting`` — and the interruption propagates."""
+    def _run_or_degrade(
+        self, event: Literal["restore", "snapshot"], ctx: RestoreContext,
+    ) -> tuple[list[HookResult], float, float, float, bool, HookFailed | None]:
+        """:meth:`_run` and its summary (ok, the errors); when the caller is interrupted
+        while waiting (Ctrl-C in a ``simulate_restore()``), or the summary fails, the state
+        becomes ``degraded`` — never left ``restoring`` or ``snapshotting`` — and the
+        exception propagates."""
         try:
-            return self._run(event, ctx)
+            results, duration, started, waited = self._run(event, ctx)
+            ok, error = _summarise(results, ctx.kind)
         except BaseException as exc:
             self._set_state("degraded")
             log.error("%s run interrupted (%s): its hooks did not all finish; state degraded "
                       "until the next successful run", ctx.kind, type(exc).__name__)
             raise
+        return results, duration, started, waited, ok, error
 
     def _run(self, event: Literal["restore", "snapshot"],
              ctx: RestoreContext) -> tuple[list[HookResult], float, float, float]:
@@ -932,16 +934,17 @@ def _notify_observers(observers: Sequence[Observer], method: str, *args: Any) ->
 
 def _add_note(exc: BaseException, note: str) -> None:
     """PEP 678 note; on 3.10 the ``__notes__`` list directly (shown by ``exceptiongroup``)."""
-    notes = getattr(exc, "__notes__", None)
-    if isinstance(notes, list) and note in notes:
-        return
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-        return
-    if isinstance(notes, list):  # pragma: no cover - Python 3.10
-        notes.append(note)
-    else:  # pragma: no cover
-        with contextlib.suppress(Exception):  # a type refusing new attributes: no note
+    # Never raises: a hook's exception may carry anything as __notes__ (a tuple makes
+    # add_note raise TypeError), and this runs before the state leaves "restoring".
+    with contextlib.suppress(Exception):
+        notes = getattr(exc, "__notes__", None)
+        if isinstance(notes, list) and note in notes:
+            return
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        elif isinstance(notes, list):  # pragma: no cover - Python 3.10
+            notes.append(note)
+        else:  # pragma: no cover - a type refusing new attributes: no note
             exc.__notes__ = [note]  # type: ignore[attr-defined,unused-ignore]
 
 

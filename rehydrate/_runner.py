@@ -109,10 +109,17 @@ def _observe_finish(observers: Sequence[Observer], tokens: Sequence[object],
 
 def _contain(exc: BaseException, name: str) -> Exception:
     """An ``Exception`` to report for ``exc`` (``SystemExit`` and friends get wrapped, so
-    that they neither kill the engine's threads nor break the report's exception group)."""
+    that they neither kill the engine's threads nor break the report's exception group; one
+    whose message cannot be formatted gets wrapped too: every report and log line shows it)."""
     if isinstance(exc, Exception):
-        return exc
-    wrapped = RuntimeError(f"hook {name!r} raised {type(exc).__name__}")
+        try:
+            str(exc)  # reports, logs and the exception group format it
+            return exc
+        except Exception as broken:
+            wrapped = RuntimeError(f"hook {name!r} raised {type(exc).__name__}, whose message "
+                                   f"could not be formatted ({type(broken).__name__})")
+    else:
+        wrapped = RuntimeError(f"hook {name!r} raised {type(exc).__name__}")
     wrapped.__cause__ = exc
     return wrapped
 

@@ -733,3 +733,43 @@ def test_a_plain_callable_returning_a_coroutine_is_awaited(rehydrate_engine):
     assert outcomes["wrapped"] == "ok" and ran == ["rehydrate-loop"]
     assert outcomes["wrapped-hang"] == "timeout"
     assert isinstance(by_name(report)["wrapped-hang"].error, HookTimeout)
+
+
+class _Unprintable(Exception):
+    """A library exception whose __str__ reads an attribute it never set."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code  # no super().__init__: no args either
+
+    def __str__(self) -> str:
+        return f"error {self.code}: {self.detail}"  # type: ignore[attr-defined]
+
+
+def _tuple_notes() -> ValueError:
+    exc = ValueError("boom")
+    exc.__notes__ = ("from a library",)  # type: ignore[assignment]  # add_note refuses it
+    return exc
+
+
+@pytest.mark.parametrize(("make", "shown"), [
+    (lambda: _Unprintable(42), "RuntimeError: hook 'db' raised _Unprintable, whose message "
+                               "could not be formatted (AttributeError)"),
+    (_tuple_notes, "ValueError: boom"),
+])
+@pytest.mark.parametrize("required", [False, True])
+def test_an_awkward_exception_from_a_hook_still_ends_the_run(rehydrate_engine, make, shown,
+                                                             required):
+    """Before: formatting the error (its __str__) or noting the hook on it (a tuple of
+    __notes__) raised after the hooks ran, so the run raised instead of reporting and the
+    engine stayed ``restoring`` — not ready — until some later event."""
+    def db() -> None:
+        raise make()
+
+    rehydrate_engine.registry.after_restore(name="db", required=required)(db)
+    report = rehydrate_engine.simulate_restore()
+    (result,) = [h for h in report.hooks if h.name == "db"]
+    assert result.outcome == "failed"
+    assert result.to_dict()["error"] == shown
+    assert report.ok is not required
+    assert rehydrate_engine.status().state == ("degraded" if required else "ready")
+    assert rehydrate_engine.status().to_dict()["last_report"]["hooks"][-1]["error"] == shown
