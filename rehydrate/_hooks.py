@@ -6,6 +6,7 @@ This module only *marks and stores* hooks; :mod:`rehydrate._lifecycle` calls the
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import threading
@@ -144,7 +145,18 @@ def _is_async(fn: HookFn) -> bool:
     )
 
 
+def _same_function(registered: object, given: object) -> bool:
+    if registered is given:
+        return True
+    try:
+        return bool(registered == given)
+    except Exception:  # an __eq__ that fails (or returns an array) matches nothing
+        return False
+
+
 def _default_name(fn: HookFn) -> str:
+    while isinstance(fn, functools.partial):  # else every partial is "functools.partial"
+        fn = fn.func
     module = getattr(fn, "__module__", None) or ""
     qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{module}.{qual}" if module else qual
@@ -240,12 +252,12 @@ class Registry:
     def unregister(self, hook: Hook | HookFn | str) -> int:
         """Remove hooks by record, function or name. Returns how many were removed."""
         with self._lock:
-            if isinstance(hook, Hook):
-                doomed = [hook.seq] if hook.seq in self._hooks else []
+            if isinstance(hook, Hook):  # this very record: seq numbers restart per registry
+                doomed = [hook.seq] if self._hooks.get(hook.seq) is hook else []
             elif isinstance(hook, str):
                 doomed = [s for s, h in self._hooks.items() if h.name == hook]
-            else:
-                doomed = [s for s, h in self._hooks.items() if h.fn is hook]
+            else:  # == too: ``obj.method`` is a new bound-method object at every access
+                doomed = [s for s, h in self._hooks.items() if _same_function(h.fn, hook)]
             for s in doomed:
                 del self._hooks[s]
             if doomed:

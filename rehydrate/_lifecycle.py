@@ -398,15 +398,18 @@ class Lifecycle:
 
     def hooks(self, event: Literal["restore", "snapshot"]) -> tuple[Hook, ...]:
         """Built-in and user hooks for ``event``, in run order."""
+        # The key is read before the lists: a registration in between then leaves the
+        # merge under the older version, and the next call merges again (read after, the
+        # new version would keep a merge without the new hook for good). ids too:
+        # ``engine.registry`` may be swapped for another registry at the same version.
+        key = (id(self.registry), self.registry.version, id(self.builtins),
+               self.builtins.version)
         user = self.registry.hooks(event)
         builtin = self.builtins.hooks(event)
         if not builtin:
             return user
         if not user:
             return builtin
-        # ids too: ``engine.registry`` may be swapped for another registry at the same version
-        key = (id(self.registry), self.registry.version, id(self.builtins),
-               self.builtins.version)
         merged = self._merged
         if merged is None or merged[0] != key:
             merged = (key, {})

@@ -13,6 +13,7 @@ per hook. ``asyncio`` is imported on first use, not with ``rehydrate``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -105,6 +106,21 @@ def _observe_finish(observers: Sequence[Observer], tokens: Sequence[object],
             o.hook_finished(t, result)
         except Exception:
             log.exception("observer %r failed in hook_finished", o)
+
+
+class _Expired(Exception):
+    """The limit of an awaitable returned by a sync-looking hook passed."""
+
+
+def _fn_key(fn: object) -> object:
+    """How :attr:`HookRunner._hung` knows a hook function: the function itself (bound
+    methods of one object compare equal), or its id when it cannot be hashed (an
+    instance of a callable dataclass)."""
+    try:
+        hash(fn)
+    except TypeError:
+        return id(fn)
+    return fn
 
 
 def _contain(exc: BaseException, name: str) -> Exception:
@@ -345,7 +361,7 @@ class HookRunner:
                     self._await(job, value, hook.timeout)
                 outcome, error = "ok", None
                 break
-            except TimeoutError:
+            except _Expired:  # only the awaitable's own limit: a hook's TimeoutError failed
                 outcome, error = "timeout", HookTimeout(hook.name, hook.timeout)
             except BaseException as exc:  # every hook runs even when others fail
                 outcome, error = "failed", _contain(exc, hook.name)
@@ -369,7 +385,17 @@ class HookRunner:
         import asyncio
 
         async def bounded() -> None:
-            await asyncio.wait_for(awaitable, None if math.isinf(timeout) else timeout)
+            # Not wait_for: a TimeoutError raised by the awaitable itself (a client's
+            # connect timeout) must be reported as the hook's failure, not as its timeout.
+            task = asyncio.ensure_future(awaitable)
+            done, _ = await asyncio.wait({task}, timeout=None if math.isinf(timeout)
+                                         else timeout)
+            if not done:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise _Expired
+            task.result()
 
         loop = job.loop or self._loop_thread.get()
         asyncio.run_coroutine_threadsafe(bounded(), loop).result()
@@ -486,9 +512,9 @@ class HookRunner:
         if not self._hung:  # the usual case: no lock on the per-hook path
             return False
         with self._cv:
-            entry = self._hung.get(hook.fn)
+            entry = self._hung.get(_fn_key(hook.fn))
             if entry is not None and not entry[1].is_alive():
-                del self._hung[hook.fn]
+                del self._hung[_fn_key(hook.fn)]
                 entry = None
         return entry is not None
 
@@ -512,7 +538,7 @@ class HookRunner:
         with self._cv:
             self._jobs = [j for j in self._jobs if j is not job]  # not taken yet: drop it
             if hook is not None and thread is not None and thread.is_alive():
-                self._hung[hook.fn] = (hook.name, thread)
+                self._hung[_fn_key(hook.fn)] = (hook.name, thread)
             if self._worker is thread or thread is None:
                 self._worker = None  # exits as soon as its hook returns
             self._cv.notify_all()

@@ -521,3 +521,38 @@ def test_generator_functions_are_refused_their_body_would_never_run():
         with pytest.raises(TypeError, match="is a generator function"):
             reg.register(fn)
     assert len(reg) == 0
+
+
+def test_unregister_by_record_removes_only_that_record():
+    """Before: a record matched by its seq number alone, and seq numbers restart in every
+    registry: unregistering another registry's record removed an unrelated hook."""
+    mine, other = Registry(), Registry()
+    kept = mine.register(lambda: None, name="kept")
+    foreign = other.register(lambda: None, name="foreign")
+    assert kept.seq == foreign.seq
+    assert mine.unregister(foreign) == 0
+    assert [h.name for h in mine.hooks("restore")] == ["kept"]
+    assert mine.unregister(kept) == 1 and len(mine) == 0
+
+
+def test_unregister_by_bound_method_removes_its_registrations():
+    """Before: ``unregister(obj.method)`` compared with ``is`` and every attribute access
+    makes a new bound-method object, so nothing was removed."""
+    class Pool:
+        def reconnect(self) -> None: ...
+
+    a, b = Pool(), Pool()
+    reg = Registry()
+    reg.after_restore(a.reconnect)
+    reg.after_restore(b.reconnect)
+    assert reg.unregister(a.reconnect) == 1
+    assert [h.fn for h in reg.hooks("restore")] == [b.reconnect]
+
+
+def test_a_partial_is_named_after_the_function_it_wraps():
+    def reconnect(pool: str) -> None: ...
+
+    reg = Registry()
+    hook = reg.register(functools.partial(functools.partial(reconnect), "db"))
+    assert hook.name.endswith("test_a_partial_is_named_after_the_function_it_wraps."
+                              "<locals>.reconnect"), hook.name

@@ -1070,3 +1070,29 @@ def test_close_from_another_thread_lets_a_run_in_progress_finish(rehydrate_engin
         t.join(15)
     assert [r.ok for r in reports] == [True, True], [r.table() for r in reports]
     assert ran == ["second", "second"]
+
+
+def test_a_hook_registered_while_the_run_order_is_merged_runs_from_the_next_event(
+        rehydrate_engine, monkeypatch):
+    """Before: the engine read the user hooks, then the registry's version for its merge
+    cache; a registration in between stored the old list under the new version, and the
+    new hook was missing from every later event (until yet another registration)."""
+    engine = rehydrate_engine
+    ran: list[str] = []
+    engine.registry.after_restore(name="early")(lambda: ran.append("early"))
+    real = engine.registry.hooks
+    calls = 0
+
+    def hooks_then_register(event):
+        nonlocal calls
+        result = real(event)
+        calls += 1
+        if calls == 1:  # another thread registers right after this read
+            engine.registry.after_restore(name="late")(lambda: ran.append("late"))
+        return result
+
+    monkeypatch.setattr(engine.registry, "hooks", hooks_then_register)
+    assert [h.name for h in engine.hooks("restore")][-1] == "early"
+    assert "late" in [h.name for h in engine.hooks("restore")]
+    engine.simulate_restore()
+    assert ran == ["early", "late"]

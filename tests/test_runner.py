@@ -773,3 +773,93 @@ def test_an_awkward_exception_from_a_hook_still_ends_the_run(rehydrate_engine, m
     assert report.ok is not required
     assert rehydrate_engine.status().state == ("degraded" if required else "ready")
     assert rehydrate_engine.status().to_dict()["last_report"]["hooks"][-1]["error"] == shown
+
+
+def test_a_timeout_error_raised_by_a_hook_is_its_failure_not_a_timeout(rehydrate_engine):
+    """Before: ``except TimeoutError`` around a sync hook also caught the hook's own
+    (a client's connect timeout): reported as rehydrate's "timed out after 30s", duration
+    0, the real error lost — while the same error from an async hook was ``failed``."""
+    async def connect() -> None:
+        raise TimeoutError("connect to db:5432 timed out")
+
+    def sync_db() -> None:
+        raise TimeoutError("connect to db:5432 timed out")
+
+    def returns_a_coroutine():
+        return connect()
+
+    reg = rehydrate_engine.registry
+    reg.after_restore(name="sync", required=False)(sync_db)
+    reg.after_restore(name="coro", required=False)(returns_a_coroutine)
+    reg.after_restore(name="async", required=False)(connect)
+    report = rehydrate_engine.simulate_restore()
+    for name in ("sync", "coro", "async"):
+        (result,) = [h for h in report.hooks if h.name == name]
+        assert result.outcome == "failed", name
+        assert result.to_dict()["error"] == "TimeoutError: connect to db:5432 timed out", name
+
+
+def test_a_coroutine_returned_by_a_sync_hook_still_times_out(rehydrate_engine):
+    never = threading.Event()
+
+    async def slow() -> None:
+        while not never.is_set():
+            await asyncio.sleep(0.01)
+
+    def returns_a_coroutine():  # a sync function: the runner awaits what it returns
+        return slow()
+
+    rehydrate_engine.registry.after_restore(name="slow", timeout=0.2,
+                                            required=False)(returns_a_coroutine)
+    report = rehydrate_engine.simulate_restore()
+    (result,) = [h for h in report.hooks if h.name == "slow"]
+    assert result.outcome == "timeout"
+    assert isinstance(result.error, HookTimeout)
+
+
+class _CallableRecord:
+    """A callable that cannot be hashed (like a @dataclass instance with __call__)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, block: threading.Event | None = None) -> None:
+        self.block = block
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.block is not None:
+            self.block.wait(30)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CallableRecord) and other.block is self.block
+
+
+@pytest.mark.parametrize("hung_is_unhashable", [True, False])
+def test_unhashable_callable_hooks_survive_an_abandoned_hook(rehydrate_engine,
+                                                             hung_is_unhashable):
+    """Before: abandoned hooks were remembered in a dict keyed by the function, so an
+    unhashable callable object that timed out raised TypeError out of the run (later
+    hooks never ran), and one that ran while another hook was hung failed with TypeError
+    at every event."""
+    release = threading.Event()
+    stuck: object
+    if hung_is_unhashable:
+        stuck = _CallableRecord(release)
+    else:
+        def stuck() -> None:
+            release.wait(30)
+    fine = _CallableRecord()
+    reg = rehydrate_engine.registry
+    reg.after_restore(name="stuck", timeout=0.2, required=False)(stuck)
+    reg.after_restore(name="fine")(fine)
+    try:
+        for _ in range(2):
+            report = rehydrate_engine.simulate_restore()
+            outcomes = {h.name: h.outcome for h in report.hooks}
+            assert outcomes["fine"] == "ok", report.to_dict()
+            assert outcomes["stuck"] in ("timeout", "failed")  # failed: still running
+        assert fine.calls == 2
+        assert rehydrate_engine.status().state == "ready"
+    finally:
+        release.set()
