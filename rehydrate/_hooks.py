@@ -127,13 +127,19 @@ def _arity(fn: HookFn) -> int:
             return _ANY_ARITY
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
             n += 1
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty:  # hooks get positional ones
+            raise TypeError(f"hook {_default_name(fn)} has a required keyword-only "
+                            f"parameter {p.name!r}; hooks are called with positional "
+                            "arguments only")
     return n
 
 
 def _is_generator(fn: HookFn) -> bool:
     import inspect
 
-    return inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 - a callable object's method
+    return any(inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f)
+               for f in (fn, call) if f is not None)
 
 
 def _is_async(fn: HookFn) -> bool:
@@ -220,6 +226,15 @@ class Registry:
                 raise TypeError(f"{what} must be an int, not {type(value).__name__}")
         if retries < 0:
             raise ValueError("retries must be >= 0")
+        if env_keys is not None:
+            if isinstance(env_keys, (str, bytes)):  # else one key per character
+                raise TypeError(f"env_keys must be a list of key names, not one "
+                                f"{type(env_keys).__name__} (write [{env_keys!r}])")
+            env_keys = tuple(env_keys)
+            if not all(isinstance(k, str) and k for k in env_keys):
+                raise TypeError(f"env_keys must be non-empty str key names, not {env_keys!r}")
+            if event != "restore":  # a snapshot run changes no environment: always skipped
+                raise ValueError("env_keys applies to restore hooks only")
         arity = _arity(fn)
         max_arity = 2 if env_keys is not None else 1
         if arity == _ANY_ARITY:  # f(*args), a Mock, a generic wrapper

@@ -74,6 +74,10 @@ class Status:
         return out
 
 
+_CORE_STATUS = frozenset({"state", "generation", "ready", "detectors", "last_report"})
+"""The fields of :meth:`Status.to_dict` that are not extensions' (``add_status``)."""
+
+
 class Lifecycle:
     """Runs hooks for snapshot and restore events and tracks readiness.
 
@@ -237,7 +241,14 @@ class Lifecycle:
         self._listeners.remove(fn)
 
     def add_status(self, key: str, fn: Callable[[], Any]) -> None:
-        """Add a field to :meth:`status` (managers publish their state this way)."""
+        """Add a field to :meth:`status` (managers publish their state this way).
+
+        The core fields (``state``, ``generation``, ``ready``, ``detectors``,
+        ``last_report``) are refused: an extension's field replaced them in
+        ``status().to_dict()`` — what the CLI, the control socket and ``/readyz`` show.
+        """
+        if key in _CORE_STATUS:
+            raise ValueError(f"status field {key!r} is the engine's own; choose another name")
         self._extra_status[key] = fn
 
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None:

@@ -171,3 +171,12 @@ def test_engine_creation_and_first_start_leave_feature_modules_unimported():
                          env=env, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [], f"first use imported {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("key", ["state", "generation", "ready", "detectors", "last_report"])
+def test_an_extension_cannot_replace_a_core_status_field(rehydrate_engine, key):
+    """Before: ``add_status("state", ...)`` replaced the engine's state in
+    ``status().to_dict()`` — what the CLI, the control socket and /readyz show."""
+    with pytest.raises(ValueError, match=f"status field {key!r} is the engine's own"):
+        rehydrate_engine.add_status(key, lambda: "overridden")
+    assert rehydrate_engine.status().to_dict()[key] != "overridden"

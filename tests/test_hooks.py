@@ -556,3 +556,40 @@ def test_a_partial_is_named_after_the_function_it_wraps():
     hook = reg.register(functools.partial(functools.partial(reconnect), "db"))
     assert hook.name.endswith("test_a_partial_is_named_after_the_function_it_wraps."
                               "<locals>.reconnect"), hook.name
+
+
+class _GeneratorCall:
+    def __call__(self):
+        yield  # calling the object only builds a generator: the body never runs
+
+
+class _AsyncGeneratorCall:
+    async def __call__(self):
+        yield
+
+
+def _keyword_only(*, ctx) -> None: ...
+
+
+@pytest.mark.parametrize(("fn", "options", "error", "message"), [
+    (_keyword_only, {}, TypeError, "required keyword-only parameter 'ctx'"),
+    (_GeneratorCall(), {}, TypeError, "is a generator function"),
+    (_AsyncGeneratorCall(), {}, TypeError, "is a generator function"),
+    (lambda ctx, changes: None, {"env_keys": "API_KEY"}, TypeError,
+     "env_keys must be a list of key names, not one str (write ['API_KEY'])"),
+    (lambda ctx, changes: None, {"env_keys": ["API_KEY", 3]}, TypeError,
+     "env_keys must be non-empty str key names"),
+    (lambda ctx, changes: None, {"env_keys": ["API_KEY"], "event": "snapshot"}, ValueError,
+     "env_keys applies to restore hooks only"),
+])
+def test_hooks_that_would_fail_or_never_run_in_the_clone_are_refused(fn, options, error,
+                                                                     message):
+    """Before, each was accepted: a required keyword-only parameter failed with TypeError
+    at every restore; a callable object whose ``__call__`` is a generator was reported
+    ``ok`` with its body never run; ``env_keys="API_KEY"`` watched the keys A, P, I …;
+    ``env_keys`` on a snapshot hook made it ``skipped`` at every snapshot."""
+    reg = Registry()
+    with pytest.raises(error) as caught:
+        reg.register(fn, **options)
+    assert message in str(caught.value)
+    assert len(reg) == 0
