@@ -59,7 +59,12 @@ def _fast_notify(argv: list[str]) -> int | None:
     from ._notify import notify, parse
 
     options = parse(argv)
-    return None if options is None else notify(options)
+    if options is None:
+        return None
+    try:
+        return notify(options)
+    except BrokenPipeError:  # ``notify … --json | head -1``
+        return _reader_gone()
 
 
 if __name__ == "__main__":

@@ -279,14 +279,21 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
             raise ControlError(f"cannot reach the process at {path}: {why}") from None
         check(sock)
         sock.settimeout(_remaining(deadline))
-        buf = b""
+        buf = bytearray()
         try:
             sock.sendall(payload)
-            while b"\n" not in buf:
+            while True:
+                # The limit is on the whole reply: a socket timeout alone restarts at every
+                # chunk, and a server trickling bytes held the command without any limit.
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError
+                sock.settimeout(_remaining(deadline))
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 buf += chunk
+                if b"\n" in chunk:  # only the new chunk: rescanning it all was quadratic
+                    break
                 if len(buf) > MAX_REPLY:
                     raise ControlError("reply too large")
         except TimeoutError:
@@ -297,7 +304,7 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
                                    f"{exc.strerror or exc}") from None
     finally:
         sock.close()
-    line = buf.split(b"\n", 1)[0]
+    line = bytes(buf.split(b"\n", 1)[0])
     if not line:
         raise ControlError(f"{path} closed the connection without a reply")
     try:
@@ -486,10 +493,19 @@ def notify(opts: Options) -> int:
     reply, code = call(NOTIFY_CMD[action], label=f"notify {action}", socket_path=opts.socket,
                        timeout=opts.timeout, as_json=opts.json, expect_uid=opts.expect_uid,
                        expect_pid=opts.expect_pid)
-    if reply is not None and opts.json:
-        dump(reply)
-    elif code == EXIT_OK and reply is not None:
-        dedup = (" — de-duplicated: this restore had already run, nothing ran again"
-                 if reply.get("deduplicated") else "")
-        print(f"{action}: ok ({summary(reply.get('report'))}){dedup}")
+    try:
+        if reply is not None and opts.json:
+            dump(reply)
+        elif code == EXIT_OK and reply is not None:
+            dedup = (" — de-duplicated: this restore had already run, nothing ran again"
+                     if reply.get("deduplicated") else "")
+            print(f"{action}: ok ({summary(reply.get('report'))}){dedup}")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader is gone: the entry point answers that (exit 141)
+    except OSError as exc:
+        # The exit status tells the platform how the notice went (1 would say a required
+        # hook failed); a full disk under stdout does not change that.
+        err(f"notify {action}: the answer could not be written to stdout "
+            f"({exc.strerror or exc}); exit status {code} is the notice's")
     return code

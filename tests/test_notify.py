@@ -199,3 +199,73 @@ def test_the_fast_parser_agrees_with_argparse(argv: list[str]) -> None:
     slow = notify_parser().parse_args(argv)  # SystemExit (a failure) if it refuses them
     for field in Options.__slots__:
         assert getattr(fast, field) == getattr(slow, field), (argv, field)
+
+
+def test_timeout_bounds_the_whole_reply_not_each_read(sock_path: str,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """Before: the socket timeout restarted at every chunk, so a server trickling one
+    byte at a time (hung mid-reply) held ``notify --timeout 1`` — and a CRIU action
+    script waiting on it — without any limit."""
+    import socket
+    import threading
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(1)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            end = time.monotonic() + 15  # without the limit the client waits this long
+            while not stop.wait(0.05) and time.monotonic() < end:  # never a newline
+                try:
+                    conn.sendall(b" ")
+                except OSError:  # the client gave up: what this test wants
+                    return
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    try:
+        t0 = time.monotonic()
+        code = entry.main(["notify", "restore", "--socket", sock_path, "--timeout", "1"])
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        server.join(10)
+        srv.close()
+    assert code == 3
+    assert f"no reply from {sock_path} within 1s" in capsys.readouterr().err
+    assert elapsed < 10, elapsed  # 1 s and the interpreter's own pace; before: for ever
+
+
+@pytest.mark.parametrize("notifier", [["-m", "rehydrate", "notify"],
+                                      ["-c", "from rehydrate.__main__ import notify_main; "
+                                             "raise SystemExit(notify_main())"]])
+def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
+        notifier: list[str], engine: Lifecycle, sock_path: str) -> None:
+    """Before: the fast path printed a traceback and exited 1 ("a required hook failed")
+    when stdout was full, although the hooks had run; a reader gone (``| head``) too."""
+    ran: list[int] = []
+    engine.registry.after_restore(name="app")(lambda: ran.append(1))
+    argv = [sys.executable, *notifier, "restore", "--socket", sock_path, "--json"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(argv, env=_env(), stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60, check=False)
+    assert ran == [1]
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "rehydrate: notify restore: the answer could not be written to stdout (No space "
+        "left on device); exit status 0 is the notice's"]
+
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before the answer comes
+    proc = subprocess.run(argv, env=_env(), stdout=writer, stderr=subprocess.PIPE, text=True,
+                          timeout=60, check=False)
+    os.close(writer)
+    assert ran == [1, 1]
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""
