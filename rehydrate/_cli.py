@@ -73,7 +73,7 @@ def _doctor_files(args: argparse.Namespace) -> int:
 
 def _pid_arg(text: str) -> str:
     """``--pid``: ``self`` or a process ID (a whole number > 0)."""
-    if text == "self" or (text.isdigit() and int(text) > 0):
+    if text == "self" or (text.isascii() and text.isdigit() and int(text) > 0):
         return text
     raise argparse.ArgumentTypeError(f"not a process ID (a number > 0) or 'self': {text!r}")
 
@@ -184,8 +184,8 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
                    scope: Literal["all", "node"] = "all", env_file: str | None = None,
                    affinity: bool = False) -> int:
     """``rehydrate check MANIFEST``: 0 compatible, 1 mismatches (listed), 2 unreadable or
-    invalid manifest (one line on stderr, or ``{"compatible": false, "error": …}`` with
-    ``as_json``).
+    invalid manifest (one line on stderr, or ``{"compatible": false, "scope": …, "error": …,
+    "mismatches": []}`` with ``as_json``: the same keys as the other answers).
 
     ``scope="node"`` compares only what a node-level checker shares with the workload;
     ``env_file`` supplies the workload's environment for ``env.*``; ``affinity`` prints
@@ -207,7 +207,8 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
             f"cannot compare manifest {path}: {type(exc).__name__}: {exc}")
         msg = " ".join(msg.split())  # one line
         if as_json:
-            json.dump({"compatible": False, "error": msg, "mismatches": []}, sys.stdout)
+            json.dump({"compatible": False, "scope": scope, "error": msg, "mismatches": []},
+                      sys.stdout)
             sys.stdout.write("\n")
         else:
             print(f"rehydrate check: {msg}", file=sys.stderr)

@@ -56,6 +56,8 @@ def cmd_notify(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     reply, code = _call("status", args, timeout=args.timeout)
     if reply is None or code != EXIT_OK:
+        if reply is not None and args.json:  # machines read stdout: the refusal goes there
+            dump(reply)
         return code
     status = reply.get("status") or {}
     if not isinstance(status, dict):

@@ -88,10 +88,12 @@ def _check_dir(directory: str) -> None:
         return
     me = os.geteuid()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or st.st_mode & 0o077:
+        found = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else
+                 f"uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+                 + ("" if stat.S_ISDIR(st.st_mode) else ", not a directory"))
         raise UntrustedSocket(
             f"not trusting {directory}: it must be a directory owned by uid {me} with mode "
-            f"0700 (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it, "
-            "or pass --socket")
+            f"0700 (found {found}); remove it, or pass --socket")
 
 
 def _check_peer(sock: _socket.socket, path: str, named: bool,
@@ -136,7 +138,9 @@ def _placed_by(uid: int, path: str) -> bool:
 def find_socket(explicit: str | None = None) -> str:
     """The socket to talk to: ``explicit``, ``$REHYDRATE_CONTROL_SOCKET``, or the only one
     in the default directory."""
-    if explicit:
+    if explicit is not None:
+        if not explicit:  # ``--socket "$SOCK"`` with SOCK unset: not "find one for me"
+            raise ControlError("the socket path given is empty (an unset variable?)")
         return explicit
     env = _config.text(ENV_SOCKET)
     if env:

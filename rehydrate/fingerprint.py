@@ -718,11 +718,12 @@ def engine_started(engine: Engine) -> None:
 def _read_workload_env(path: str) -> dict[str, str]:
     """A workload's environment from ``path``: ``KEY=VALUE`` entries separated by NULs
     (``/proc/PID/environ``, gVisor's ``spec_environ``) or by newlines (``env`` output)."""
+    from ._files import read_regular
     from .env import MAX_ENVIRON_BYTES, EnvError, parse_environ
 
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_ENVIRON_BYTES + 1)  # one more: a larger file is refused
+    try:  # not blocking on a FIFO (it waited for a writer for ever); /proc files are regular
+        data = bytes(read_regular(path, MAX_ENVIRON_BYTES + 1,  # one more: larger is refused
+                                  truncate=True))
     except OSError as exc:
         raise ManifestError(f"cannot read environment file {path}: "
                             f"{exc.strerror or exc}") from None

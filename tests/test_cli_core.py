@@ -154,7 +154,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
 
 @pytest.mark.parametrize("option", ["--connections", "--files"])
 def test_doctor_refuses_a_pid_that_is_not_one(option, capsys):
-    for bad in ("abc", "-1", "0"):
+    for bad in ("abc", "-1", "0", "²"):  # "²".isdigit(), int("²") fails
         with pytest.raises(SystemExit) as exc:
             cli.main(["doctor", option, "--pid", bad])
         assert exc.value.code == 2

@@ -446,7 +446,9 @@ class ControlServer:
                                                         f"{idle_limit:g}s; closing"})
                 return
             if not chunk:
-                if buf.strip() and not discarding:
+                with self._lock:  # evicted: this server closed it, already logged (rate-limited)
+                    evicted = conn not in self._conns
+                if buf.strip() and not discarding and not evicted:
                     log.warning("control client disconnected mid-request (%d bytes without "
                                 "a newline); ignored", len(buf))
                     self._send(conn, {"ok": False, "error": "incomplete request: end of "
@@ -474,6 +476,10 @@ class ControlServer:
             if not isinstance(req, dict):
                 raise _BadRequest("a request must be a JSON object")
             req_id = req.get("id")
+            if isinstance(req_id, float) and not math.isfinite(req_id):
+                # echoed as NaN/Infinity, the reply would not be JSON to a strict parser
+                req_id = None
+                raise _BadRequest('"id" must be a string or a finite number')
             cmd = req.get("cmd")  # type: ignore[assignment]
             if not isinstance(cmd, str):
                 raise _BadRequest('a request needs "cmd" (a string)')

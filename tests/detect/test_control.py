@@ -369,11 +369,48 @@ def test_a_failing_command_is_not_called_bad_json(server: ControlServer, engine:
     assert "something inside the command" in reply["error"]
 
 
+def test_status_json_prints_a_failed_reply_on_stdout(server: ControlServer, engine: Lifecycle,
+                                                     sock_path: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: ``status --json`` printed nothing on stdout when the process answered
+    ``ok: false`` (``notify --json`` and ``trigger --json`` did): a script parsing stdout
+    got empty input."""
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("something inside the command")
+
+    monkeypatch.setattr(engine, "status", broken)
+    r = cli("status", "--json", "--socket", sock_path)
+    assert r.returncode == 1
+    assert json.loads(r.stdout) == {"ok": False,
+                                    "error": "ValueError: something inside the command"}
+    assert r.stderr.strip().splitlines() == [
+        "rehydrate: status: ValueError: something inside the command"]
+
+
 def test_unknown_command(server: ControlServer, sock_path: str) -> None:
     reply = request("reboot", socket_path=sock_path, id="x1")
     assert reply == {"ok": False, "id": "x1",
                      "error": "bad request: unknown command 'reboot' (known: status, "
                               "prepare-snapshot, resume, restore, simulate, trigger)"}
+
+
+@pytest.mark.parametrize("bad", [b"NaN", b"Infinity", b"-Infinity"])
+def test_a_non_finite_request_id_gets_a_strict_json_reply(server: ControlServer,
+                                                          sock_path: str, bad: bytes) -> None:
+    """Before: the id was echoed as ``NaN``, which a strict JSON parser refuses."""
+    c = Conn(sock_path)
+    try:
+        c.send(b'{"cmd": "status", "id": ' + bad + b"}\n")
+        while b"\n" not in c.buf:
+            chunk = c.sock.recv(65536)
+            assert chunk, c.buf
+            c.buf += chunk
+    finally:
+        c.close()
+    raw = c.buf.split(b"\n", 1)[0]
+    reply = json.loads(raw, parse_constant=lambda name: pytest.fail(f"{name} in {raw!r}"))
+    assert reply == {"ok": False,
+                     "error": 'bad request: "id" must be a string or a finite number'}
 
 
 def test_oversize_line_refused_and_server_keeps_serving(server: ControlServer,
@@ -891,6 +928,24 @@ def test_json_commands_say_an_unreachable_process_on_stdout(short_dir: Path) -> 
         assert reply["ok"] is False and "cannot reach" in reply["error"], args
 
 
+def test_an_empty_socket_path_and_a_symlinked_default_dir_are_named(short_dir: Path) -> None:
+    """Before: ``--socket ""`` (an unset variable) quietly searched the default directory,
+    and a default directory that is a symbolic link was reported as "mode 0777"."""
+    r = cli("status", "--socket", "")
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert r.stderr == "rehydrate: status: the socket path given is empty (an unset variable?)\n"
+    r = cli("notify", "save", "--socket", "")
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "the socket path given is empty" in r.stderr
+    target = short_dir / "elsewhere"
+    target.mkdir(mode=0o700)
+    (short_dir / "rehydrate").symlink_to(target)
+    r = cli("status", env={"XDG_RUNTIME_DIR": str(short_dir)})
+    assert r.returncode == 4, (r.stdout, r.stderr)
+    assert f"not trusting {short_dir}/rehydrate: it must be a directory owned by uid " in r.stderr
+    assert "(found a symbolic link); remove it, or pass --socket" in r.stderr
+
+
 # -- impostors: a directory or a path another user got first (issue #13.2) ---------------
 
 
@@ -1032,6 +1087,42 @@ def test_a_notify_gets_through_a_flood_of_idle_clients(
     finally:
         for s in flood:
             s.close()
+
+
+def test_evicted_half_sent_clients_are_closed_without_a_line_each(
+        server: ControlServer, sock_path: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the eviction warning was one line per 10 s, but every evicted client that
+    had sent part of a request then logged "disconnected mid-request" (and was sent a
+    reply about it): a flood still wrote a line per client."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    ended = threading.Semaphore(0)
+    real = ControlServer._serve
+
+    def counted(self: ControlServer, conn: socket.socket) -> None:
+        try:
+            real(self, conn)
+        finally:
+            ended.release()
+
+    monkeypatch.setattr(ControlServer, "_serve", counted)
+    flood = []
+    try:
+        for _ in range(120):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(sock_path)
+            s.sendall(b'{"cmd": "st')  # half a request, never finished
+            flood.append(s)
+        wait_for(lambda: server.evicted >= 120 - 32, timeout=DEADLINE, what="evictions")
+        for _ in range(server.evicted):  # each evicted client's handler has returned
+            assert ended.acquire(timeout=DEADLINE)
+        # (the clients still connected log theirs when they hang up: that line is right)
+        lines = [r.getMessage() for r in caplog.records if r.name == "rehydrate"]
+    finally:
+        for s in flood:
+            s.close()
+    assert not [m for m in lines if "mid-request" in m], len(lines)
+    assert len([m for m in lines if "idlest" in m]) == 1
 
 
 def test_a_request_must_arrive_within_the_idle_limit(

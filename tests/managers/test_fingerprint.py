@@ -215,6 +215,7 @@ def test_check_cli_exit_2_for_invalid_manifest_with_one_readable_line(tmp_path):
         assert "Traceback" not in res.stderr
         out = json.loads(res.stdout)
         assert out["compatible"] is False and out["mismatches"] == []
+        assert out["scope"] == "all"  # the keys of every other answer, and "error"
         assert "invalid rehydrate manifest" in out["error"] and "\n" not in out["error"]
         res = run_cli("check", str(path))
         assert res.returncode == 2, (name, res.stdout, res.stderr)
@@ -449,6 +450,15 @@ def test_check_from_a_daemonset_compares_node_fields_only(tmp_path):
     bad = daemonset(str(manifest), "--env-from", str(env_file))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and str(env_file) in bad.stderr
+    # a FIFO is refused at once (it waited for a writer for ever); /proc/PID/environ works
+    fifo = tmp_path / "workload.fifo"
+    os.mkfifo(fifo)
+    refused = daemonset(str(manifest), "--env-from", str(fifo))
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert refused.stderr.strip().splitlines() == [
+        f"rehydrate check: cannot read environment file {fifo}: not a regular file (a FIFO)"]
+    own = daemonset(str(manifest), "--env-from", f"/proc/{os.getpid()}/environ", "--json")
+    assert own.returncode in (0, 1) and "mismatches" in json.loads(own.stdout)
 
 
 def test_missing_cpu_flag_names_the_flag(tmp_path):
