@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
     from ..extensions import Engine
 
-__all__ = ["ServerAdapter", "ServerError", "call_maybe_async", "run_sync", "sync_variant"]
+__all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "call_maybe_async", "run_sync",
+           "sync_variant"]
 
 log = logging.getLogger("rehydrate.adapters")
 
@@ -41,6 +42,20 @@ MIN_TRY = 0.5
 class ServerError(RuntimeError):
     """An inference server refused a call or never answered it within the deadline; the
     message carries the server's own reason."""
+
+
+class Unconfirmed(ServerError):
+    """A state-changing call that reached the server but got no (complete) answer: the
+    server may have performed it, or may still be performing it, so it is not sent again —
+    the caller checks the state instead where it can."""
+
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+# failures after the request may have reached the server (a state-changing call is not
+# re-sent after these); every other transport error means it was never sent
+SENT_ERRORS = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.WriteError,
+               httpx.RemoteProtocolError)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -181,26 +196,44 @@ class ServerAdapter:
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
                    json: Any = None) -> httpx.Response:
-        """``method path``, retried on transport errors, timeouts and 5xx until ``until``
-        (``time.monotonic()``); a 4xx, or an answer :meth:`hint` recognises, fails at once.
+        """``method path`` until ``until`` (``time.monotonic()``).
+
+        A ``GET`` is retried on transport errors, timeouts and 5xx, each try cut at
+        ``request_timeout``. A state-changing ``POST`` (sleep, wake-up, reload, release,
+        resume: seconds to minutes) gets what is left of the deadline to answer in one try
+        and is sent again only when it certainly was not performed — no connection, or an
+        error answer; after it was sent and no answer came it raises :class:`Unconfirmed`.
+        A 4xx, or an answer :meth:`hint` recognises, fails at once.
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
         attempt = 0
         last = ""
         what = f"{method} {path}"
+        safe = method.upper() in SAFE_METHODS
         while True:
             remaining = until - time.monotonic()
             if remaining <= 0 and attempt:
                 raise ServerError(f"{self.kind} {what}: {last} (gave up after the "
                                   f"{self.deadline:g}s deadline)")
             # every call is tried at least once, even when earlier calls used up the deadline
-            per_try = min(self.request_timeout, max(remaining, MIN_TRY))
+            budget = max(remaining, MIN_TRY)
+            per_try = min(self.request_timeout, budget)
+            # re-sending a slow state-changing call would queue a second one behind it
+            read = per_try if safe else budget
             try:
                 response = await client.request(method, path, params=params, json=json,
-                                                timeout=per_try)
-            except httpx.TimeoutException:
-                last = f"no answer within {per_try:.3g}s"
+                                                timeout=httpx.Timeout(per_try, read=read))
+            except SENT_ERRORS as exc:
+                if isinstance(exc, httpx.TimeoutException):
+                    last = f"no answer within {read:.3g}s"
+                else:
+                    last = f"connection lost before the answer ({type(exc).__name__})"
+                if not safe:
+                    raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
+                                      f"server may have performed it") from None
+            except httpx.TimeoutException:  # connect / pool: the request was never sent
+                last = f"no connection within {per_try:.3g}s"
             except httpx.LocalProtocolError as exc:
                 # never its message: it quotes the offending header, i.e. the API key
                 raise ServerError(f"{self.kind} {what}: the request could not be sent "

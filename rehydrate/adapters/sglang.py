@@ -18,7 +18,8 @@ memory stays allocated) — then ``POST /release_memory_occupation`` with
 generates one token, as the canary (retried while it answers 503, as SGLang does while it
 starts up).
 
-Every call is retried on connection errors, timeouts and 5xx until ``deadline``; the hook
+Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
+timeout; a POST is never sent again once it may have reached the server); the hook
 then fails with the server's last answer. A 200 whose JSON says ``"success": false`` fails
 with the server's message. SGLang needs an idle server for both calls: put the
 :class:`~rehydrate.adapters.asgi.ReadinessGate` in front of your app so requests drain first.

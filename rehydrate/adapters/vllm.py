@@ -20,7 +20,8 @@ must say false (anything still asleep is woken with a plain ``/wake_up``), and a
 canary generation must succeed before the hook does. An engine already awake is not woken
 again (the canary still runs).
 
-Every call is retried on connection errors, timeouts and 5xx until ``deadline``; the hook
+Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
+timeout; a POST is never sent again once it may have reached the server); the hook
 then fails with the server's last answer. A server without the dev-mode endpoints (404:
 ``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode (``--enable-sleep-mode``, CUDA /
 ROCm / XPU only) fails at once with that fix in the message. Responses are parsed
@@ -41,6 +42,7 @@ from ._readiness import probe_import
 from ._server import (
     ServerAdapter,
     ServerError,
+    Unconfirmed,
     call_maybe_async,
     json_or_empty,
     server_reason,
@@ -119,7 +121,13 @@ class VLLMAdapter(ServerAdapter):
             if await s.is_sleeping(until) is True:
                 log.info("vLLM already sleeps; not put to sleep again")
                 return
-            await s.sleep(until)
+            try:
+                await s.sleep(until)
+            except Unconfirmed:
+                # no answer, but the sleep may have happened: the engine's state decides
+                if await s.is_sleeping(until) is not True:
+                    raise
+                log.info("vLLM sleep went unanswered but the engine sleeps")
             if await s.is_sleeping(until) is False:
                 raise ServerError("vllm: the engine accepted sleep but says it is awake")
         log.info("vLLM engine asleep (level %d)", self.level)
@@ -136,14 +144,24 @@ class VLLMAdapter(ServerAdapter):
                     await s.reload_weights(until)
                     await s.wake_up(["kv_cache"], until)
                 else:
-                    await s.wake_up(None, until)
+                    await self._wake_all(s, until)
                 if await s.is_sleeping(until) is True:
-                    await s.wake_up(None, until)  # whatever the tags above did not wake
+                    await self._wake_all(s, until)  # whatever the tags above did not wake
                     if await s.is_sleeping(until) is True:
                         raise ServerError("vllm: the engine still sleeps after wake_up")
             if self.canary:
                 await s.canary(until)
         log.info("vLLM engine awake%s", " and answering" if self.canary else "")
+
+    @staticmethod
+    async def _wake_all(s: _Session, until: float) -> None:
+        try:
+            await s.wake_up(None, until)
+        except Unconfirmed:
+            # no answer, but the engine may be awake (or still waking: not woken twice)
+            if await s.is_sleeping(until) is not False:
+                raise
+            log.info("vLLM wake_up went unanswered but the engine is awake")
 
     sleep = sync_variant(sleep_async)
     wake = sync_variant(wake_async)

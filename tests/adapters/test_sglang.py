@@ -89,21 +89,38 @@ def test_500_for_good_fails_the_snapshot_with_the_servers_reason(
 @pytest.mark.parametrize("via", ["adapter", "install"])
 def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
         url: str, standin: SGLangStandIn, rehydrate_engine: Any, via: str) -> None:
-    """A server that accepts and never answers: each call is cut at request_timeout and
+    """A server that accepts and never answers: each GET is cut at request_timeout and
     retried, and the required hook fails once the deadline passed (never hangs)."""
     if via == "install":
         sglang.install(url, engine=rehydrate_engine, deadline=1.5, request_timeout=0.2)
     else:
         sglang.SGLangAdapter(url, deadline=1.5, request_timeout=0.2).install(rehydrate_engine)
-    standin.hang["/release_memory_occupation"] = 5
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.hang["/health_generate"] = 5
     t0 = time.monotonic()
-    report = rehydrate_engine.simulate_snapshot()
+    report = rehydrate_engine.simulate_restore()
     assert time.monotonic() - t0 < 5
-    release = hook(report, "rehydrate.sglang.release")
-    assert release.outcome == "failed" and not report.ok
-    assert re.fullmatch(r"sglang POST /release_memory_occupation: no answer within "
-                        r"0\.[0-9]+s \(gave up after the 1\.5s deadline\)", str(release.error))
-    assert standin.log.count("POST /release_memory_occupation") >= 2  # retried
+    resume = hook(report, "rehydrate.sglang.resume")
+    assert resume.outcome == "failed" and not report.ok
+    assert re.fullmatch(r"sglang GET /health_generate: no answer within "
+                        r"0\.[0-9]+s \(gave up after the 1\.5s deadline\)", str(resume.error))
+    assert standin.log.count("GET /health_generate") >= 2  # retried
+
+
+def test_a_release_slower_than_request_timeout_is_sent_once_and_waited_for(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """Re-sent on every request_timeout, a slow release would queue behind itself and
+    the hook fail although the server released."""
+    sglang.install(url, engine=rehydrate_engine, deadline=5, request_timeout=0.2)
+    standin.hang["/release_memory_occupation"] = 0.6
+    standin.hang["/resume_memory_occupation"] = 0.6
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.released == set(SGLangStandIn.MEMORY)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    assert standin.log.count("POST /resume_memory_occupation") == 1
+    assert standin.released == set() and standin.canaries == 1
 
 
 def test_success_false_fails_with_the_message(url: str, standin: SGLangStandIn,

@@ -364,3 +364,44 @@ def test_an_is_sleeping_answer_that_cannot_confirm_fails_the_sleep(
     sleep = hook(report, "rehydrate.vllm.sleep")
     assert not report.ok and sleep.outcome == "failed"
     assert "no true/false is_sleeping in the answer" in str(sleep.error)
+
+
+def test_a_reload_slower_than_request_timeout_is_sent_once_and_waited_for(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    """reload_weights takes minutes for a big model: re-sent on every request_timeout it
+    would queue reloads behind each other and the kv_cache never be woken."""
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=5, request_timeout=0.2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.hang["/collective_rpc"] = 0.6
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /collective_rpc") == 1
+    assert "POST /wake_up?tags=kv_cache" in standin.log
+    assert standin.weights == "gpu" and not standin.sleeping
+
+
+@pytest.mark.parametrize("path", ["/sleep", "/wake_up"])
+def test_an_unanswered_sleep_or_wake_is_not_sent_again_the_engine_state_decides(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any, path: str) -> None:
+    vllm.install(url, engine=rehydrate_engine, deadline=1, request_timeout=0.2, canary=False)
+    if path == "/wake_up":
+        assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add(path)
+    standin.log.clear()
+    report = rehydrate_engine.simulate_snapshot() if path == "/sleep" else \
+        rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert sum(line.startswith(f"POST {path}") for line in standin.log) == 1
+    assert standin.sleeping is (path == "/sleep")
+
+
+def test_an_unanswered_reload_fails_the_wake_without_sending_it_again(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=1, request_timeout=0.2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add("/collective_rpc")
+    report = rehydrate_engine.simulate_restore()
+    assert re.fullmatch(r"vllm POST /collective_rpc: no answer within (0\.9[0-9]*|1)s; not "
+                        r"sent again: the server may have performed it",
+                        str(hook(report, "rehydrate.vllm.wake").error))
+    assert standin.log.count("POST /collective_rpc") == 1
