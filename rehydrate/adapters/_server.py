@@ -41,7 +41,11 @@ MIN_TRY = 0.5
 
 class ServerError(RuntimeError):
     """An inference server refused a call or never answered it within the deadline; the
-    message carries the server's own reason."""
+    message carries the server's own reason (``reason``: that alone, when it answered)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Unconfirmed(ServerError):
@@ -250,7 +254,7 @@ class ServerAdapter:
                 if hint is not None or (400 <= response.status_code < 500
                                         and response.status_code not in (408, 429)):
                     raise ServerError(f"{self.kind} {what}: {last}"
-                                      + (f" — {hint}" if hint else ""))
+                                      + (f" — {hint}" if hint else ""), reason=reason)
             log.debug("%s %s: %s; retrying", self.kind, what, last)
             attempt += 1
             await asyncio.sleep(min(0.05 * 2 ** min(attempt - 1, 5), 1.0,
