@@ -5,6 +5,7 @@ two hooks they attach to an engine."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -274,8 +275,15 @@ class ServerAdapter:
                             f"{server_reason(r)}")
 
     def probe(self) -> Probe:
-        """:meth:`probe_async` from synchronous code."""
-        return run_sync(self.probe_async())
+        """:meth:`probe_async` from synchronous code, also inside a running event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.probe_async())
+        # Lifecycle(extensions=[...]) probes synchronously, and is often built in an async
+        # main or next to an AsyncLLM: the probe gets a loop of its own on a thread
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rehydrate-probe") as p:
+            return p.submit(asyncio.run, self.probe_async()).result()
 
 
 def _has_host_and_port(url: str) -> bool:

@@ -168,6 +168,11 @@ class VLLMAdapter(ServerAdapter):
     before_snapshot = sleep_async
     after_restore = wake_async
 
+    def probe(self) -> Probe:
+        if self.llm is not None:  # nothing to ask: no event loop needed
+            return Probe(True, f"in-process {type(self.llm).__name__}")
+        return super().probe()
+
     async def probe_async(self) -> Probe:
         """Usable when the server answers ``/health`` and has the dev-mode endpoints (or
         the in-process engine can sleep)."""

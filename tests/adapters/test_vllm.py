@@ -405,3 +405,17 @@ def test_an_unanswered_reload_fails_the_wake_without_sending_it_again(
                         r"sent again: the server may have performed it",
                         str(hook(report, "rehydrate.vllm.wake").error))
     assert standin.log.count("POST /collective_rpc") == 1
+
+
+async def test_an_adapter_extension_is_probed_inside_a_running_event_loop(
+        url: str, standin: VLLMStandIn) -> None:
+    """Lifecycle(extensions=[...]) probes synchronously; an async main (every AsyncLLM
+    user) builds it inside a running loop."""
+    http, in_process = vllm.VLLMAdapter(url), vllm.VLLMAdapter(FakeAsyncLLM())
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=None), extensions=[http, in_process])
+    try:
+        assert engine.installed == [http.key, in_process.key]
+    finally:
+        engine.close()
+    assert http.probe() == Probe(True, f"{url} answers, sleep endpoints present")
+    assert in_process.probe() == Probe(True, "in-process FakeAsyncLLM")
