@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -146,13 +147,8 @@ class ServerAdapter:
             if not value > 0 or value == float("inf"):  # also refuses NaN
                 raise ValueError(f"{what} must be a positive finite number of seconds, "
                                  f"not {value!r}")
-        if url is not None and not url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, not {url!r}")
-        if url is not None and not _has_host_and_port(url):
-            raise ValueError(f"url must name a host (and a port 1-65535, if any), not {url!r}")
-        if url is not None and httpx.URL(url).userinfo:
-            # the URL shows up in keys, probes and errors: no credentials in it
-            raise ValueError("url must not contain credentials: pass api_key= instead")
+        if url is not None:
+            _check_url(url)
         self.url = url.rstrip("/") if url is not None else None
         self.deadline = deadline
         self.request_timeout = request_timeout
@@ -284,6 +280,33 @@ class ServerAdapter:
         # main or next to an AsyncLLM: the probe gets a loop of its own on a thread
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rehydrate-probe") as p:
             return p.submit(asyncio.run, self.probe_async()).result()
+
+
+def _shown(url: str) -> str:
+    """``url`` for a message: without user info, query and fragment (where passwords and
+    tokens go), even when it does not parse."""
+    url = re.split(r"[?#]", url, maxsplit=1)[0]
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/@]*@", r"\1", url)
+
+
+def _check_url(url: str) -> None:
+    """``ValueError`` for a base URL no adapter can use; the URL shows up in keys, probes,
+    logs and errors, so it must carry no secret, and a message quotes none."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, not {_shown(url)!r}")
+    if "?" in url or "#" in url:
+        raise ValueError(f"url must not contain a query or fragment (the part after ? or # "
+                         f"is not shown): give the server root, and a token as api_key=, "
+                         f"not {_shown(url)!r}")
+    if not _has_host_and_port(url):
+        raise ValueError(f"url must name a host (and a port 1-65535, if any), "
+                         f"not {_shown(url)!r}")
+    if httpx.URL(url).userinfo:
+        raise ValueError("url must not contain credentials: pass api_key= instead")
+    if httpx.URL(url).path.rstrip("/").endswith("/v1"):
+        # every endpoint would be /v1/<endpoint>: 404s read as "dev mode is off"
+        raise ValueError(f"url must be the server root, not the OpenAI base URL: drop the "
+                         f"/v1 from {_shown(url)!r}")
 
 
 def _has_host_and_port(url: str) -> bool:

@@ -189,6 +189,10 @@ class VLLMAdapter(ServerAdapter):
         if r.status_code == 404:
             return Probe(False, f"{self.url} has no /is_sleeping: start vLLM with "
                                 "VLLM_SERVER_DEV_MODE=1")
+        if not r.is_success or not isinstance(json_or_empty(r).get("is_sleeping"), bool):
+            # a gateway's page or another server: the hooks would fail on it
+            return Probe(False, f"{self.url}/is_sleeping answers HTTP {r.status_code} "
+                                f"without a true/false is_sleeping: is it a vLLM server?")
         return Probe(True, f"{self.url} answers, sleep endpoints present")
 
     def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from rehydrate import Lifecycle, Registry
-from rehydrate.adapters import not_ready_reason, vllm
+from rehydrate.adapters import not_ready_reason, sglang, vllm
 from rehydrate.env import EnvRefresher
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
@@ -419,3 +419,50 @@ async def test_an_adapter_extension_is_probed_inside_a_running_event_loop(
         engine.close()
     assert http.probe() == Probe(True, f"{url} answers, sleep endpoints present")
     assert in_process.probe() == Probe(True, "in-process FakeAsyncLLM")
+
+
+@pytest.mark.parametrize("bad", ["http://127.0.0.1:8000/?api-key=SECRET123",
+                                 "http://127.0.0.1:8000?token=SECRET123",
+                                 "http://127.0.0.1:8000/#SECRET123",
+                                 "http://127.0.0.1:99999/?api-key=SECRET123",
+                                 "localhost:8000/?api-key=SECRET123"])
+def test_a_url_with_a_query_or_fragment_is_refused_without_showing_it(bad: str) -> None:
+    """A gateway token in the query would show up in the extension key, probe reasons,
+    logs and errors (and be joined into every request path)."""
+    with pytest.raises(ValueError) as exc:
+        vllm.VLLMAdapter(bad)
+    assert "SECRET123" not in str(exc.value)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="url must not contain a query or fragment"):
+        vllm.VLLMAdapter("http://127.0.0.1:8000/?api-key=SECRET123")
+
+
+def test_a_url_with_credentials_that_is_bad_otherwise_is_refused_without_them() -> None:
+    with pytest.raises(ValueError) as exc:
+        vllm.VLLMAdapter("http://user:s3cret@localhost:99999")
+    assert "s3cret" not in str(exc.value)
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+def test_the_openai_base_url_is_refused_saying_to_give_the_server_root(url: str,
+                                                                         suffix: str) -> None:
+    """Every call would 404 and read as "enable dev mode", which is on."""
+    for make in (vllm.VLLMAdapter, sglang.SGLangAdapter):
+        with pytest.raises(ValueError) as exc:
+            make(url + suffix)
+        assert str(exc.value) == (f"url must be the server root, not the OpenAI base URL: "
+                                  f"drop the /v1 from '{url}{suffix}'")
+    assert vllm.VLLMAdapter(url + "/vllm").url == url + "/vllm"  # a proxy's prefix is fine
+
+
+@pytest.mark.parametrize("body", [b"<html>gateway</html>", b'{"is_sleeping": "no"}'])
+def test_probe_wants_a_vllm_is_sleeping_answer(url: str, server: Any, body: bytes) -> None:
+    """A gateway answering 200 to everything is not a vLLM server in dev mode."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    server[1].app = app
+    assert vllm.VLLMAdapter(url).probe() == Probe(
+        False, f"{url}/is_sleeping answers HTTP 200 without a true/false is_sleeping: is it "
+               "a vLLM server?")
