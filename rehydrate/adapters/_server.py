@@ -242,14 +242,25 @@ class ServerAdapter:
             except httpx.TransportError as exc:
                 last = f"unreachable ({type(exc).__name__}: {exc})" if str(exc) else \
                     f"unreachable ({type(exc).__name__})"
+            except httpx.DecodingError:
+                # answered, but garbled (a proxy's wrong Content-Encoding): it will stay so
+                raise (ServerError if safe else Unconfirmed)(
+                    f"{self.kind} {what}: unreadable answer (DecodingError)") from None
             else:
                 if response.is_success:
                     return response
+                if response.is_redirect or 300 <= response.status_code < 400:
+                    location = response.headers.get("location")
+                    where = f" to {_shown(location)}" if location else ""
+                    raise ServerError(f"{self.kind} {what}: HTTP {response.status_code} "
+                                      f"redirect{where} — point url= at the server itself "
+                                      f"(redirects are not followed)")
                 reason = server_reason(response)
                 last = f"HTTP {response.status_code}: {reason}"
                 hint = self.hint(path, response, reason)
-                if hint is not None or (400 <= response.status_code < 500
-                                        and response.status_code not in (408, 429)):
+                if hint is not None or response.status_code in (501, 505) or (
+                        400 <= response.status_code < 500
+                        and response.status_code not in (408, 429)):
                     raise ServerError(f"{self.kind} {what}: {last}"
                                       + (f" — {hint}" if hint else ""), reason=reason)
             log.debug("%s %s: %s; retrying", self.kind, what, last)

@@ -466,3 +466,49 @@ def test_probe_wants_a_vllm_is_sleeping_answer(url: str, server: Any, body: byte
     assert vllm.VLLMAdapter(url).probe() == Probe(
         False, f"{url}/is_sleeping answers HTTP 200 without a true/false is_sleeping: is it "
                "a vLLM server?")
+
+
+def raw_app(status: int, headers: list[tuple[bytes, bytes]], body: bytes = b"") -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        app.calls += 1  # type: ignore[attr-defined]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    app.calls = 0  # type: ignore[attr-defined]
+    return app
+
+
+@pytest.mark.parametrize("location", [b"https://gw.example/x?sig=SECRET123", None])
+def test_a_redirect_fails_at_once_saying_where_without_its_query(
+        url: str, server: Any, location: bytes | None) -> None:
+    """Not followed (it could take the bearer token elsewhere), and no transient answer to
+    retry until the deadline."""
+    server[1].app = app = raw_app(308, [(b"location", location)] if location else [])
+    adapter = vllm.VLLMAdapter(url, deadline=30, canary=False)
+    t0 = time.monotonic()
+    with pytest.raises(vllm.ServerError) as exc:
+        adapter.wake()
+    assert time.monotonic() - t0 < 5 and app.calls == 1
+    where = " to https://gw.example/x" if location else ""
+    assert str(exc.value) == (f"vllm GET /is_sleeping: HTTP 308 redirect{where} — point url= "
+                              "at the server itself (redirects are not followed)")
+
+
+@pytest.mark.parametrize("status", [501, 505])
+def test_not_implemented_fails_at_once(url: str, server: Any, status: int) -> None:
+    server[1].app = app = raw_app(status, [], b'{"message": "no"}')
+    with pytest.raises(vllm.ServerError, match=f"vllm GET /is_sleeping: HTTP {status}: no$"):
+        vllm.VLLMAdapter(url, deadline=30, canary=False).wake()
+    assert app.calls == 1
+
+
+def test_an_unreadable_answer_is_a_server_error_naming_the_call(url: str, server: Any) -> None:
+    """A proxy's Content-Encoding on a plain body: httpx's DecodingError is no transport
+    error and escaped unwrapped."""
+    server[1].app = raw_app(200, [(b"content-encoding", b"gzip")], b'{"is_sleeping": false}')
+    with pytest.raises(vllm.ServerError) as exc:
+        vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
+    assert str(exc.value) == "vllm GET /is_sleeping: unreadable answer (DecodingError)"
+    with pytest.raises(sglang.ServerError) as exc:
+        sglang.SGLangAdapter(url, deadline=5, canary=False).release()
+    assert str(exc.value) == ("sglang POST /release_memory_occupation: unreadable answer "
+                              "(DecodingError)")
