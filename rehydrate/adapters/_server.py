@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import logging
 import re
+import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import httpx
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
     from ..extensions import Engine
 
 __all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "call_maybe_async", "run_sync",
-           "sync_variant"]
+           "sync_variant", "within"]
 
 log = logging.getLogger("rehydrate.adapters")
 
@@ -94,10 +97,48 @@ async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
+    result = await _in_daemon_thread(fn, *args, **kwargs)
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``asyncio.to_thread`` on a thread of its own: a call given up at its deadline must
+    not hold ``asyncio.run`` (which joins the default executor's threads) until it ends."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = (True, context.run(fn, *args, **kwargs))
+        except Exception as exc:
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="rehydrate-engine-call", daemon=True).start()
+    return await future
+
+
+async def within(aw: Awaitable[T], seconds: float, what: str) -> T:
+    """``aw``, or :class:`ServerError` ``what`` once ``seconds`` have passed. Unlike
+    ``asyncio.wait_for`` it never takes the awaited call's own ``TimeoutError`` for its
+    own."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        raise ServerError(what)
+    return task.result()
 
 
 def server_reason(response: httpx.Response) -> str:
@@ -223,8 +264,16 @@ class ServerAdapter:
             # re-sending a slow state-changing call would queue a second one behind it
             read = per_try if safe else budget
             try:
-                response = await client.request(method, path, params=params, json=json,
-                                                timeout=httpx.Timeout(per_try, read=read))
+                # httpx's timeout bounds each read: an answer trickling in would hold the try
+                response = await within(
+                    client.request(method, path, params=params, json=json,
+                                   timeout=httpx.Timeout(per_try, read=read)),
+                    read, f"no answer within {read:.3g}s")
+            except ServerError as exc:  # within()'s: the request was sent
+                last = str(exc)
+                if not safe:
+                    raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
+                                      f"server may have performed it") from None
             except SENT_ERRORS as exc:
                 if isinstance(exc, httpx.TimeoutException):
                     last = f"no answer within {read:.3g}s"

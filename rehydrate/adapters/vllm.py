@@ -40,6 +40,7 @@ import httpx
 from ..extensions import Probe
 from ._readiness import probe_import
 from ._server import (
+    MIN_TRY,
     ServerAdapter,
     ServerError,
     Unconfirmed,
@@ -47,6 +48,7 @@ from ._server import (
     json_or_empty,
     server_reason,
     sync_variant,
+    within,
 )
 
 if TYPE_CHECKING:
@@ -294,29 +296,37 @@ class _Http(_Session):
 
 
 class _InProcess(_Session):
+    async def _call(self, what: str, until: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # a worker thread cannot be stopped: given up at the deadline, it ends on its own
+        seconds = max(until - time.monotonic(), MIN_TRY)
+        return await within(call_maybe_async(fn, *args, **kwargs), seconds,
+                            f"vllm {what}: not finished within {seconds:.3g}s (the "
+                            f"{self.a.deadline:g}s deadline)")
+
     async def is_sleeping(self, until: float) -> bool | None:
         llm = self.a.llm
         fn = getattr(llm, "is_sleeping", None) or getattr(
             getattr(llm, "llm_engine", None), "is_sleeping", None)
         if fn is None:
             return None
-        value = await call_maybe_async(fn)
+        value = await self._call("is_sleeping()", until, fn)
         return value if isinstance(value, bool) else None
 
     async def sleep(self, until: float) -> None:
         kwargs: dict[str, Any] = {"level": self.a.level}
         if self.a.mode is not None:
             kwargs["mode"] = self.a.mode
-        await call_maybe_async(self.a.llm.sleep, **kwargs)
+        await self._call("sleep()", until, self.a.llm.sleep, **kwargs)
 
     async def wake_up(self, tags: list[str] | None, until: float) -> None:
         if tags:
-            await call_maybe_async(self.a.llm.wake_up, tags=tags)
+            await self._call(f"wake_up({tags})", until, self.a.llm.wake_up, tags=tags)
         else:
-            await call_maybe_async(self.a.llm.wake_up)
+            await self._call("wake_up()", until, self.a.llm.wake_up)
 
     async def reload_weights(self, until: float) -> None:
-        await call_maybe_async(self.a.llm.collective_rpc, "reload_weights")
+        await self._call("collective_rpc(reload_weights)", until, self.a.llm.collective_rpc,
+                         "reload_weights")
 
     async def canary(self, until: float) -> None:
         import inspect
@@ -324,12 +334,17 @@ class _InProcess(_Session):
         llm = self.a.llm
         params = _sampling_params()
         if inspect.isasyncgenfunction(llm.generate):  # AsyncLLM: an async generator
-            outputs = []
-            async for out in llm.generate(self.a.canary_prompt, params,
-                                          request_id=f"rehydrate-canary-{uuid.uuid4()}"):
-                outputs.append(out)
+            async def collect() -> list[Any]:
+                return [out async for out in llm.generate(
+                    self.a.canary_prompt, params,
+                    request_id=f"rehydrate-canary-{uuid.uuid4()}")]
+            seconds = max(until - time.monotonic(), MIN_TRY)
+            outputs = await within(collect(), seconds, f"vllm canary generate(): not "
+                                   f"finished within {seconds:.3g}s (the "
+                                   f"{self.a.deadline:g}s deadline)")
         else:
-            outputs = await call_maybe_async(llm.generate, [self.a.canary_prompt], params)
+            outputs = await self._call("canary generate()", until, llm.generate,
+                                       [self.a.canary_prompt], params)
         if not outputs:
             raise ServerError("vllm canary: generate() returned no output")
 

@@ -4,8 +4,10 @@ and restore runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -512,3 +514,46 @@ def test_an_unreadable_answer_is_a_server_error_naming_the_call(url: str, server
         sglang.SGLangAdapter(url, deadline=5, canary=False).release()
     assert str(exc.value) == ("sglang POST /release_memory_occupation: unreadable answer "
                               "(DecodingError)")
+
+
+def test_an_answer_trickling_in_is_cut_at_the_deadline(url: str, server: Any) -> None:
+    """httpx's timeout bounds each read, not the answer: a byte every 0.1 s held a try
+    (and the hook) for as long as the server liked."""
+    body = b'{"is_sleeping": false}' + b" " * 200
+
+    async def trickle(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        for i in range(len(body)):
+            await send({"type": "http.response.body", "body": body[i:i + 1],
+                        "more_body": True})
+            await asyncio.sleep(0.1)
+
+    server[1].app = trickle
+    adapter = vllm.VLLMAdapter(url, deadline=1, request_timeout=0.3, canary=False)
+    t0 = time.monotonic()
+    with pytest.raises(vllm.ServerError) as exc:
+        adapter.wake()
+    assert time.monotonic() - t0 < 4  # the answer would take 20 s
+    assert re.fullmatch(r"vllm GET /is_sleeping: no answer within 0\.[0-9]+s "
+                        r"\(gave up after the 1s deadline\)", str(exc.value))
+
+
+@pytest.mark.parametrize("twin", [FakeLLM, FakeAsyncLLM])
+def test_an_in_process_call_is_cut_at_the_deadline(twin: type[FakeLLM]) -> None:
+    release = threading.Event()
+
+    class Stuck(twin):  # type: ignore[misc,valid-type]
+        def sleep(self, level: int = 1, mode: str = "abort") -> None:  # type: ignore[override]
+            release.wait(30)
+
+    llm = Stuck()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(vllm.ServerError) as exc:
+            vllm.VLLMAdapter(llm, deadline=0.5).sleep()
+        assert time.monotonic() - t0 < 4
+        assert re.fullmatch(r"vllm sleep\(\): not finished within 0\.[0-9]+s \(the 0\.5s "
+                            r"deadline\)", str(exc.value))
+    finally:
+        release.set()
