@@ -26,6 +26,9 @@ class StandIn:
         self.fail: dict[str, int] = {}  # path -> transient 500s to answer first
         self.broken: dict[str, tuple[int, str]] = {}  # path -> (status, message) for good
         self.hang: dict[str, float] = {}  # path -> seconds to wait before answering
+        # paths performed at once but never answered: the connection is held until the
+        # client gives up (a slow reload, a lost answer) -- the state has changed regardless
+        self.unanswered: set[str] = set()
         self.canaries = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -53,6 +56,10 @@ class StandIn:
         else:
             status, payload = self.route(scope["method"], path, parse_qs(query),
                                          json.loads(body) if body else None)
+        if path in self.unanswered:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            return
         await _json(send, status, payload)
 
     def control(self, path: str, body: Any) -> Any:

@@ -5,9 +5,14 @@ two hooks they attach to an engine."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
 import logging
+import re
+import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import httpx
@@ -20,7 +25,8 @@ if TYPE_CHECKING:
 
     from ..extensions import Engine
 
-__all__ = ["ServerAdapter", "ServerError", "call_maybe_async", "run_sync", "sync_variant"]
+__all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "call_maybe_async", "run_sync",
+           "sync_variant", "within"]
 
 log = logging.getLogger("rehydrate.adapters")
 
@@ -40,7 +46,25 @@ MIN_TRY = 0.5
 
 class ServerError(RuntimeError):
     """An inference server refused a call or never answered it within the deadline; the
-    message carries the server's own reason."""
+    message carries the server's own reason (``reason``: that alone, when it answered)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Unconfirmed(ServerError):
+    """A state-changing call that reached the server but got no (complete) answer: the
+    server may have performed it, or may still be performing it, so it is not sent again —
+    the caller checks the state instead where it can."""
+
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+# failures after the request may have reached the server (a state-changing call is not
+# re-sent after these); every other transport error means it was never sent
+SENT_ERRORS = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.WriteError,
+               httpx.RemoteProtocolError)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -73,10 +97,48 @@ async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
+    result = await _in_daemon_thread(fn, *args, **kwargs)
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``asyncio.to_thread`` on a thread of its own: a call given up at its deadline must
+    not hold ``asyncio.run`` (which joins the default executor's threads) until it ends."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = (True, context.run(fn, *args, **kwargs))
+        except Exception as exc:
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="rehydrate-engine-call", daemon=True).start()
+    return await future
+
+
+async def within(aw: Awaitable[T], seconds: float, what: str) -> T:
+    """``aw``, or :class:`ServerError` ``what`` once ``seconds`` have passed. Unlike
+    ``asyncio.wait_for`` it never takes the awaited call's own ``TimeoutError`` for its
+    own."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        raise ServerError(what)
+    return task.result()
 
 
 def server_reason(response: httpx.Response) -> str:
@@ -126,13 +188,8 @@ class ServerAdapter:
             if not value > 0 or value == float("inf"):  # also refuses NaN
                 raise ValueError(f"{what} must be a positive finite number of seconds, "
                                  f"not {value!r}")
-        if url is not None and not url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, not {url!r}")
-        if url is not None and not _has_host_and_port(url):
-            raise ValueError(f"url must name a host (and a port 1-65535, if any), not {url!r}")
-        if url is not None and httpx.URL(url).userinfo:
-            # the URL shows up in keys, probes and errors: no credentials in it
-            raise ValueError("url must not contain credentials: pass api_key= instead")
+        if url is not None:
+            _check_url(url)
         self.url = url.rstrip("/") if url is not None else None
         self.deadline = deadline
         self.request_timeout = request_timeout
@@ -181,26 +238,52 @@ class ServerAdapter:
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
                    json: Any = None) -> httpx.Response:
-        """``method path``, retried on transport errors, timeouts and 5xx until ``until``
-        (``time.monotonic()``); a 4xx, or an answer :meth:`hint` recognises, fails at once.
+        """``method path`` until ``until`` (``time.monotonic()``).
+
+        A ``GET`` is retried on transport errors, timeouts and 5xx, each try cut at
+        ``request_timeout``. A state-changing ``POST`` (sleep, wake-up, reload, release,
+        resume: seconds to minutes) gets what is left of the deadline to answer in one try
+        and is sent again only when it certainly was not performed — no connection, or an
+        error answer; after it was sent and no answer came it raises :class:`Unconfirmed`.
+        A 4xx, or an answer :meth:`hint` recognises, fails at once.
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
         attempt = 0
         last = ""
         what = f"{method} {path}"
+        safe = method.upper() in SAFE_METHODS
         while True:
             remaining = until - time.monotonic()
             if remaining <= 0 and attempt:
                 raise ServerError(f"{self.kind} {what}: {last} (gave up after the "
                                   f"{self.deadline:g}s deadline)")
             # every call is tried at least once, even when earlier calls used up the deadline
-            per_try = min(self.request_timeout, max(remaining, MIN_TRY))
+            budget = max(remaining, MIN_TRY)
+            per_try = min(self.request_timeout, budget)
+            # re-sending a slow state-changing call would queue a second one behind it
+            read = per_try if safe else budget
             try:
-                response = await client.request(method, path, params=params, json=json,
-                                                timeout=per_try)
-            except httpx.TimeoutException:
-                last = f"no answer within {per_try:.3g}s"
+                # httpx's timeout bounds each read: an answer trickling in would hold the try
+                response = await within(
+                    client.request(method, path, params=params, json=json,
+                                   timeout=httpx.Timeout(per_try, read=read)),
+                    read, f"no answer within {read:.3g}s")
+            except ServerError as exc:  # within()'s: the request was sent
+                last = str(exc)
+                if not safe:
+                    raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
+                                      f"server may have performed it") from None
+            except SENT_ERRORS as exc:
+                if isinstance(exc, httpx.TimeoutException):
+                    last = f"no answer within {read:.3g}s"
+                else:
+                    last = f"connection lost before the answer ({type(exc).__name__})"
+                if not safe:
+                    raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
+                                      f"server may have performed it") from None
+            except httpx.TimeoutException:  # connect / pool: the request was never sent
+                last = f"no connection within {per_try:.3g}s"
             except httpx.LocalProtocolError as exc:
                 # never its message: it quotes the offending header, i.e. the API key
                 raise ServerError(f"{self.kind} {what}: the request could not be sent "
@@ -208,16 +291,27 @@ class ServerAdapter:
             except httpx.TransportError as exc:
                 last = f"unreachable ({type(exc).__name__}: {exc})" if str(exc) else \
                     f"unreachable ({type(exc).__name__})"
+            except httpx.DecodingError:
+                # answered, but garbled (a proxy's wrong Content-Encoding): it will stay so
+                raise (ServerError if safe else Unconfirmed)(
+                    f"{self.kind} {what}: unreadable answer (DecodingError)") from None
             else:
                 if response.is_success:
                     return response
+                if response.is_redirect or 300 <= response.status_code < 400:
+                    location = response.headers.get("location")
+                    where = f" to {_shown(location)}" if location else ""
+                    raise ServerError(f"{self.kind} {what}: HTTP {response.status_code} "
+                                      f"redirect{where} — point url= at the server itself "
+                                      f"(redirects are not followed)")
                 reason = server_reason(response)
                 last = f"HTTP {response.status_code}: {reason}"
                 hint = self.hint(path, response, reason)
-                if hint is not None or (400 <= response.status_code < 500
-                                        and response.status_code not in (408, 429)):
+                if hint is not None or response.status_code in (501, 505) or (
+                        400 <= response.status_code < 500
+                        and response.status_code not in (408, 429)):
                     raise ServerError(f"{self.kind} {what}: {last}"
-                                      + (f" — {hint}" if hint else ""))
+                                      + (f" — {hint}" if hint else ""), reason=reason)
             log.debug("%s %s: %s; retrying", self.kind, what, last)
             attempt += 1
             await asyncio.sleep(min(0.05 * 2 ** min(attempt - 1, 5), 1.0,
@@ -237,8 +331,42 @@ class ServerAdapter:
                             f"{server_reason(r)}")
 
     def probe(self) -> Probe:
-        """:meth:`probe_async` from synchronous code."""
-        return run_sync(self.probe_async())
+        """:meth:`probe_async` from synchronous code, also inside a running event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.probe_async())
+        # Lifecycle(extensions=[...]) probes synchronously, and is often built in an async
+        # main or next to an AsyncLLM: the probe gets a loop of its own on a thread
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rehydrate-probe") as p:
+            return p.submit(asyncio.run, self.probe_async()).result()
+
+
+def _shown(url: str) -> str:
+    """``url`` for a message: without user info, query and fragment (where passwords and
+    tokens go), even when it does not parse."""
+    url = re.split(r"[?#]", url, maxsplit=1)[0]
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/@]*@", r"\1", url)
+
+
+def _check_url(url: str) -> None:
+    """``ValueError`` for a base URL no adapter can use; the URL shows up in keys, probes,
+    logs and errors, so it must carry no secret, and a message quotes none."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, not {_shown(url)!r}")
+    if "?" in url or "#" in url:
+        raise ValueError(f"url must not contain a query or fragment (the part after ? or # "
+                         f"is not shown): give the server root, and a token as api_key=, "
+                         f"not {_shown(url)!r}")
+    if not _has_host_and_port(url):
+        raise ValueError(f"url must name a host (and a port 1-65535, if any), "
+                         f"not {_shown(url)!r}")
+    if httpx.URL(url).userinfo:
+        raise ValueError("url must not contain credentials: pass api_key= instead")
+    if httpx.URL(url).path.rstrip("/").endswith("/v1"):
+        # every endpoint would be /v1/<endpoint>: 404s read as "dev mode is off"
+        raise ValueError(f"url must be the server root, not the OpenAI base URL: drop the "
+                         f"/v1 from {_shown(url)!r}")
 
 
 def _has_host_and_port(url: str) -> bool:

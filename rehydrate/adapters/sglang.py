@@ -13,12 +13,14 @@ Before a snapshot (hook ``rehydrate.sglang.release``, right after the ASGI gate'
 memory stays allocated) — then ``POST /release_memory_occupation`` with
 ``{"tags": [...]}`` (or ``{}``: everything). After a restore or resume (hook
 ``rehydrate.sglang.resume``, the first application hook): ``POST
-/resume_memory_occupation`` with the same body — skipped when this process never released
-(an earlier snapshot attempt failed before it) — then ``GET /health_generate``, which
+/resume_memory_occupation`` with the same body — skipped when this process never sent a
+release (an earlier snapshot attempt failed before it); after an unanswered release or
+resume a "not released" refusal counts as resumed — then ``GET /health_generate``, which
 generates one token, as the canary (retried while it answers 503, as SGLang does while it
 starts up).
 
-Every call is retried on connection errors, timeouts and 5xx until ``deadline``; the hook
+Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
+timeout; a POST is never sent again once it may have reached the server); the hook
 then fails with the server's last answer. A 200 whose JSON says ``"success": false`` fails
 with the server's message. SGLang needs an idle server for both calls: put the
 :class:`~rehydrate.adapters.asgi.ReadinessGate` in front of your app so requests drain first.
@@ -27,6 +29,7 @@ with the server's message. SGLang needs an idle server for both calls: put the
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -35,7 +38,7 @@ import httpx
 
 from ..extensions import Probe
 from ._readiness import probe_import
-from ._server import ServerAdapter, ServerError, json_or_empty, sync_variant
+from ._server import ServerAdapter, ServerError, Unconfirmed, json_or_empty, sync_variant
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -45,6 +48,9 @@ __all__ = ["SGLangAdapter", "ServerError", "install", "probe"]
 log = logging.getLogger("rehydrate.adapters.sglang")
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
+
+NOT_RELEASED = re.compile(r"\bnot (been |yet )?(released|paused)\b", re.IGNORECASE)
+"""A resume refused because nothing is released."""
 
 
 def probe() -> Probe:
@@ -88,8 +94,12 @@ class SGLangAdapter(ServerAdapter):
         self.tags = chosen
         self.canary = canary
         self.released = False
-        """True between a release and the next resume: a clone restored from the snapshot
-        remembers it, so a resume is sent only when a release happened."""
+        """True from the moment a release is sent until a resume succeeded: a clone restored
+        from the snapshot remembers it, so a resume is sent only when a release may have
+        happened."""
+        self.unconfirmed = False
+        """True when the last release or resume went unanswered: whether the memory is
+        released is unknown, so a resume refused with "not released" is no failure."""
 
     def __repr__(self) -> str:
         return f"SGLangAdapter({self.url}, tags={self.tags})"
@@ -103,10 +113,12 @@ class SGLangAdapter(ServerAdapter):
         until = time.monotonic() + self.deadline
         async with self.client() as c:
             await self._warn_without_memory_saver(c)
+            # before sending: a release performed but answered late still needs its resume
+            self.released = self.unconfirmed = True
             r = await self.call(c, "POST", "/release_memory_occupation", until=until,
                                 json=self._body)
             _check_success(r, "release_memory_occupation")
-        self.released = True
+            self.unconfirmed = False
         log.info("SGLang memory released (%s)", ", ".join(self.tags or ["all"]))
 
     async def resume_async(self) -> None:
@@ -115,15 +127,28 @@ class SGLangAdapter(ServerAdapter):
         until = time.monotonic() + self.deadline
         async with self.client() as c:
             if self.released:
-                r = await self.call(c, "POST", "/resume_memory_occupation", until=until,
-                                    json=self._body)
-                _check_success(r, "resume_memory_occupation")
-                self.released = False
+                await self._resume(c, until)
             else:
                 log.info("SGLang memory was not released by this process; not resumed")
             if self.canary:
                 await self.call(c, "GET", "/health_generate", until=until)
         log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
+
+    async def _resume(self, client: httpx.AsyncClient, until: float) -> None:
+        try:
+            r = await self.call(client, "POST", "/resume_memory_occupation", until=until,
+                                json=self._body)
+            _check_success(r, "resume_memory_occupation")
+        except Unconfirmed:
+            self.unconfirmed = True
+            raise
+        except ServerError as exc:
+            # after an unanswered release or resume, "not released" is the state we want
+            if not (self.unconfirmed and exc.reason and NOT_RELEASED.search(exc.reason)):
+                raise
+            log.info("SGLang says its memory is not released (the last release or resume "
+                     "went unanswered): nothing to resume")
+        self.released = self.unconfirmed = False
 
     release = sync_variant(release_async)
     resume = sync_variant(resume_async)
@@ -145,7 +170,8 @@ def _check_success(response: httpx.Response, what: str) -> None:
     body = json_or_empty(response)
     if body.get("success") is False:
         message = " ".join(str(body.get("message") or "no message").split())
-        raise ServerError(f"sglang {what}: the server says it failed: {message}")
+        raise ServerError(f"sglang {what}: the server says it failed: {message}",
+                          reason=message)
 
 
 def install(url: str, *, engine: Engine | None = None, tags: Iterable[str] | None = None,

@@ -20,7 +20,8 @@ must say false (anything still asleep is woken with a plain ``/wake_up``), and a
 canary generation must succeed before the hook does. An engine already awake is not woken
 again (the canary still runs).
 
-Every call is retried on connection errors, timeouts and 5xx until ``deadline``; the hook
+Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
+timeout; a POST is never sent again once it may have reached the server); the hook
 then fails with the server's last answer. A server without the dev-mode endpoints (404:
 ``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode (``--enable-sleep-mode``, CUDA /
 ROCm / XPU only) fails at once with that fix in the message. Responses are parsed
@@ -39,12 +40,15 @@ import httpx
 from ..extensions import Probe
 from ._readiness import probe_import
 from ._server import (
+    MIN_TRY,
     ServerAdapter,
     ServerError,
+    Unconfirmed,
     call_maybe_async,
     json_or_empty,
     server_reason,
     sync_variant,
+    within,
 )
 
 if TYPE_CHECKING:
@@ -119,7 +123,13 @@ class VLLMAdapter(ServerAdapter):
             if await s.is_sleeping(until) is True:
                 log.info("vLLM already sleeps; not put to sleep again")
                 return
-            await s.sleep(until)
+            try:
+                await s.sleep(until)
+            except Unconfirmed:
+                # no answer, but the sleep may have happened: the engine's state decides
+                if await s.is_sleeping(until) is not True:
+                    raise
+                log.info("vLLM sleep went unanswered but the engine sleeps")
             if await s.is_sleeping(until) is False:
                 raise ServerError("vllm: the engine accepted sleep but says it is awake")
         log.info("vLLM engine asleep (level %d)", self.level)
@@ -136,19 +146,34 @@ class VLLMAdapter(ServerAdapter):
                     await s.reload_weights(until)
                     await s.wake_up(["kv_cache"], until)
                 else:
-                    await s.wake_up(None, until)
+                    await self._wake_all(s, until)
                 if await s.is_sleeping(until) is True:
-                    await s.wake_up(None, until)  # whatever the tags above did not wake
+                    await self._wake_all(s, until)  # whatever the tags above did not wake
                     if await s.is_sleeping(until) is True:
                         raise ServerError("vllm: the engine still sleeps after wake_up")
             if self.canary:
                 await s.canary(until)
         log.info("vLLM engine awake%s", " and answering" if self.canary else "")
 
+    @staticmethod
+    async def _wake_all(s: _Session, until: float) -> None:
+        try:
+            await s.wake_up(None, until)
+        except Unconfirmed:
+            # no answer, but the engine may be awake (or still waking: not woken twice)
+            if await s.is_sleeping(until) is not False:
+                raise
+            log.info("vLLM wake_up went unanswered but the engine is awake")
+
     sleep = sync_variant(sleep_async)
     wake = sync_variant(wake_async)
     before_snapshot = sleep_async
     after_restore = wake_async
+
+    def probe(self) -> Probe:
+        if self.llm is not None:  # nothing to ask: no event loop needed
+            return Probe(True, f"in-process {type(self.llm).__name__}")
+        return super().probe()
 
     async def probe_async(self) -> Probe:
         """Usable when the server answers ``/health`` and has the dev-mode endpoints (or
@@ -166,6 +191,10 @@ class VLLMAdapter(ServerAdapter):
         if r.status_code == 404:
             return Probe(False, f"{self.url} has no /is_sleeping: start vLLM with "
                                 "VLLM_SERVER_DEV_MODE=1")
+        if not r.is_success or not isinstance(json_or_empty(r).get("is_sleeping"), bool):
+            # a gateway's page or another server: the hooks would fail on it
+            return Probe(False, f"{self.url}/is_sleeping answers HTTP {r.status_code} "
+                                f"without a true/false is_sleeping: is it a vLLM server?")
         return Probe(True, f"{self.url} answers, sleep endpoints present")
 
     def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:
@@ -267,29 +296,37 @@ class _Http(_Session):
 
 
 class _InProcess(_Session):
+    async def _call(self, what: str, until: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # a worker thread cannot be stopped: given up at the deadline, it ends on its own
+        seconds = max(until - time.monotonic(), MIN_TRY)
+        return await within(call_maybe_async(fn, *args, **kwargs), seconds,
+                            f"vllm {what}: not finished within {seconds:.3g}s (the "
+                            f"{self.a.deadline:g}s deadline)")
+
     async def is_sleeping(self, until: float) -> bool | None:
         llm = self.a.llm
         fn = getattr(llm, "is_sleeping", None) or getattr(
             getattr(llm, "llm_engine", None), "is_sleeping", None)
         if fn is None:
             return None
-        value = await call_maybe_async(fn)
+        value = await self._call("is_sleeping()", until, fn)
         return value if isinstance(value, bool) else None
 
     async def sleep(self, until: float) -> None:
         kwargs: dict[str, Any] = {"level": self.a.level}
         if self.a.mode is not None:
             kwargs["mode"] = self.a.mode
-        await call_maybe_async(self.a.llm.sleep, **kwargs)
+        await self._call("sleep()", until, self.a.llm.sleep, **kwargs)
 
     async def wake_up(self, tags: list[str] | None, until: float) -> None:
         if tags:
-            await call_maybe_async(self.a.llm.wake_up, tags=tags)
+            await self._call(f"wake_up({tags})", until, self.a.llm.wake_up, tags=tags)
         else:
-            await call_maybe_async(self.a.llm.wake_up)
+            await self._call("wake_up()", until, self.a.llm.wake_up)
 
     async def reload_weights(self, until: float) -> None:
-        await call_maybe_async(self.a.llm.collective_rpc, "reload_weights")
+        await self._call("collective_rpc(reload_weights)", until, self.a.llm.collective_rpc,
+                         "reload_weights")
 
     async def canary(self, until: float) -> None:
         import inspect
@@ -297,12 +334,17 @@ class _InProcess(_Session):
         llm = self.a.llm
         params = _sampling_params()
         if inspect.isasyncgenfunction(llm.generate):  # AsyncLLM: an async generator
-            outputs = []
-            async for out in llm.generate(self.a.canary_prompt, params,
-                                          request_id=f"rehydrate-canary-{uuid.uuid4()}"):
-                outputs.append(out)
+            async def collect() -> list[Any]:
+                return [out async for out in llm.generate(
+                    self.a.canary_prompt, params,
+                    request_id=f"rehydrate-canary-{uuid.uuid4()}")]
+            seconds = max(until - time.monotonic(), MIN_TRY)
+            outputs = await within(collect(), seconds, f"vllm canary generate(): not "
+                                   f"finished within {seconds:.3g}s (the "
+                                   f"{self.a.deadline:g}s deadline)")
         else:
-            outputs = await call_maybe_async(llm.generate, [self.a.canary_prompt], params)
+            outputs = await self._call("canary generate()", until, llm.generate,
+                                       [self.a.canary_prompt], params)
         if not outputs:
             raise ServerError("vllm canary: generate() returned no output")
 

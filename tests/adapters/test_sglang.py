@@ -89,21 +89,38 @@ def test_500_for_good_fails_the_snapshot_with_the_servers_reason(
 @pytest.mark.parametrize("via", ["adapter", "install"])
 def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
         url: str, standin: SGLangStandIn, rehydrate_engine: Any, via: str) -> None:
-    """A server that accepts and never answers: each call is cut at request_timeout and
+    """A server that accepts and never answers: each GET is cut at request_timeout and
     retried, and the required hook fails once the deadline passed (never hangs)."""
     if via == "install":
         sglang.install(url, engine=rehydrate_engine, deadline=1.5, request_timeout=0.2)
     else:
         sglang.SGLangAdapter(url, deadline=1.5, request_timeout=0.2).install(rehydrate_engine)
-    standin.hang["/release_memory_occupation"] = 5
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.hang["/health_generate"] = 5
     t0 = time.monotonic()
-    report = rehydrate_engine.simulate_snapshot()
+    report = rehydrate_engine.simulate_restore()
     assert time.monotonic() - t0 < 5
-    release = hook(report, "rehydrate.sglang.release")
-    assert release.outcome == "failed" and not report.ok
-    assert re.fullmatch(r"sglang POST /release_memory_occupation: no answer within "
-                        r"0\.[0-9]+s \(gave up after the 1\.5s deadline\)", str(release.error))
-    assert standin.log.count("POST /release_memory_occupation") >= 2  # retried
+    resume = hook(report, "rehydrate.sglang.resume")
+    assert resume.outcome == "failed" and not report.ok
+    assert re.fullmatch(r"sglang GET /health_generate: no answer within "
+                        r"0\.[0-9]+s \(gave up after the 1\.5s deadline\)", str(resume.error))
+    assert standin.log.count("GET /health_generate") >= 2  # retried
+
+
+def test_a_release_slower_than_request_timeout_is_sent_once_and_waited_for(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """Re-sent on every request_timeout, a slow release would queue behind itself and
+    the hook fail although the server released."""
+    sglang.install(url, engine=rehydrate_engine, deadline=5, request_timeout=0.2)
+    standin.hang["/release_memory_occupation"] = 0.6
+    standin.hang["/resume_memory_occupation"] = 0.6
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.released == set(SGLangStandIn.MEMORY)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    assert standin.log.count("POST /resume_memory_occupation") == 1
+    assert standin.released == set() and standin.canaries == 1
 
 
 def test_success_false_fails_with_the_message(url: str, standin: SGLangStandIn,
@@ -173,3 +190,76 @@ def test_bad_options(url: str) -> None:
         sglang.SGLangAdapter(url, tags=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="canary must be True or False"):
         sglang.SGLangAdapter(url, canary="no")  # type: ignore[arg-type]
+
+
+def test_a_release_that_went_unanswered_is_still_resumed(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """The server released, its answer never came: the snapshot fails, but the restore
+    (or resume) must still send the resume, or the replica never generates again."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=1, request_timeout=0.2)
+    standin.unanswered.add("/release_memory_occupation")
+    snap = rehydrate_engine.simulate_snapshot()
+    assert not snap.ok
+    assert standin.released == set(SGLangStandIn.MEMORY)
+    standin.unanswered.clear()
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert standin.log.count("POST /resume_memory_occupation") == 1
+    assert standin.released == set() and standin.canaries == 1
+    assert not adapter.released
+
+
+def test_a_release_that_never_reached_the_server_refused_on_resume_is_no_failure(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any) -> None:
+    """Unanswered, the release may not have happened either: "not released" is then the
+    answer the resume hoped for."""
+    sglang.install(url, engine=rehydrate_engine, deadline=1, request_timeout=0.2)
+
+    async def lost_before_performing(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/release_memory_occupation":
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            return
+        await standin(scope, receive, send)
+
+    server[1].app = lost_before_performing
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert standin.released == set()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log == ["GET /server_info", "POST /resume_memory_occupation",
+                           "GET /health_generate"]
+
+
+def test_a_resume_that_went_unanswered_is_confirmed_by_the_next_restore(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """The server resumed, its answer never came: that restore fails; the next one's
+    resume is refused with "not released" — which is what it wanted — and every later
+    restore runs clean instead of failing the same way for ever."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=1, request_timeout=0.2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add("/resume_memory_occupation")
+    first = rehydrate_engine.simulate_restore()
+    assert str(hook(first, "rehydrate.sglang.resume").error).startswith(
+        "sglang POST /resume_memory_occupation: no answer within")
+    assert standin.released == set()
+    standin.unanswered.clear()
+    standin.log.clear()
+    second = rehydrate_engine.simulate_restore()
+    assert second.ok, second.table()
+    assert standin.log == ["POST /resume_memory_occupation", "GET /health_generate"]
+    assert not adapter.released
+    standin.log.clear()
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.log == ["GET /health_generate"]
+
+
+def test_a_confirmed_release_refused_on_resume_still_fails(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    sglang.install(url, engine=rehydrate_engine, deadline=1)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.released.clear()  # resumed behind the adapter's back
+    report = rehydrate_engine.simulate_restore()
+    assert str(hook(report, "rehydrate.sglang.resume").error) == (
+        "sglang POST /resume_memory_occupation: HTTP 400: memory occupation was not released")

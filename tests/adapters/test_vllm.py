@@ -4,8 +4,10 @@ and restore runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 
 from rehydrate import Lifecycle, Registry
-from rehydrate.adapters import not_ready_reason, vllm
+from rehydrate.adapters import not_ready_reason, sglang, vllm
 from rehydrate.env import EnvRefresher
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
@@ -364,3 +366,194 @@ def test_an_is_sleeping_answer_that_cannot_confirm_fails_the_sleep(
     sleep = hook(report, "rehydrate.vllm.sleep")
     assert not report.ok and sleep.outcome == "failed"
     assert "no true/false is_sleeping in the answer" in str(sleep.error)
+
+
+def test_a_reload_slower_than_request_timeout_is_sent_once_and_waited_for(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    """reload_weights takes minutes for a big model: re-sent on every request_timeout it
+    would queue reloads behind each other and the kv_cache never be woken."""
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=5, request_timeout=0.2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.hang["/collective_rpc"] = 0.6
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /collective_rpc") == 1
+    assert "POST /wake_up?tags=kv_cache" in standin.log
+    assert standin.weights == "gpu" and not standin.sleeping
+
+
+@pytest.mark.parametrize("path", ["/sleep", "/wake_up"])
+def test_an_unanswered_sleep_or_wake_is_not_sent_again_the_engine_state_decides(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any, path: str) -> None:
+    vllm.install(url, engine=rehydrate_engine, deadline=1, request_timeout=0.2, canary=False)
+    if path == "/wake_up":
+        assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add(path)
+    standin.log.clear()
+    report = rehydrate_engine.simulate_snapshot() if path == "/sleep" else \
+        rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert sum(line.startswith(f"POST {path}") for line in standin.log) == 1
+    assert standin.sleeping is (path == "/sleep")
+
+
+def test_an_unanswered_reload_fails_the_wake_without_sending_it_again(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=1, request_timeout=0.2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add("/collective_rpc")
+    report = rehydrate_engine.simulate_restore()
+    assert re.fullmatch(r"vllm POST /collective_rpc: no answer within (0\.9[0-9]*|1)s; not "
+                        r"sent again: the server may have performed it",
+                        str(hook(report, "rehydrate.vllm.wake").error))
+    assert standin.log.count("POST /collective_rpc") == 1
+
+
+async def test_an_adapter_extension_is_probed_inside_a_running_event_loop(
+        url: str, standin: VLLMStandIn) -> None:
+    """Lifecycle(extensions=[...]) probes synchronously; an async main (every AsyncLLM
+    user) builds it inside a running loop."""
+    http, in_process = vllm.VLLMAdapter(url), vllm.VLLMAdapter(FakeAsyncLLM())
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=None), extensions=[http, in_process])
+    try:
+        assert engine.installed == [http.key, in_process.key]
+    finally:
+        engine.close()
+    assert http.probe() == Probe(True, f"{url} answers, sleep endpoints present")
+    assert in_process.probe() == Probe(True, "in-process FakeAsyncLLM")
+
+
+@pytest.mark.parametrize("bad", ["http://127.0.0.1:8000/?api-key=SECRET123",
+                                 "http://127.0.0.1:8000?token=SECRET123",
+                                 "http://127.0.0.1:8000/#SECRET123",
+                                 "http://127.0.0.1:99999/?api-key=SECRET123",
+                                 "localhost:8000/?api-key=SECRET123"])
+def test_a_url_with_a_query_or_fragment_is_refused_without_showing_it(bad: str) -> None:
+    """A gateway token in the query would show up in the extension key, probe reasons,
+    logs and errors (and be joined into every request path)."""
+    with pytest.raises(ValueError) as exc:
+        vllm.VLLMAdapter(bad)
+    assert "SECRET123" not in str(exc.value)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="url must not contain a query or fragment"):
+        vllm.VLLMAdapter("http://127.0.0.1:8000/?api-key=SECRET123")
+
+
+def test_a_url_with_credentials_that_is_bad_otherwise_is_refused_without_them() -> None:
+    with pytest.raises(ValueError) as exc:
+        vllm.VLLMAdapter("http://user:s3cret@localhost:99999")
+    assert "s3cret" not in str(exc.value)
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+def test_the_openai_base_url_is_refused_saying_to_give_the_server_root(url: str,
+                                                                         suffix: str) -> None:
+    """Every call would 404 and read as "enable dev mode", which is on."""
+    for make in (vllm.VLLMAdapter, sglang.SGLangAdapter):
+        with pytest.raises(ValueError) as exc:
+            make(url + suffix)
+        assert str(exc.value) == (f"url must be the server root, not the OpenAI base URL: "
+                                  f"drop the /v1 from '{url}{suffix}'")
+    assert vllm.VLLMAdapter(url + "/vllm").url == url + "/vllm"  # a proxy's prefix is fine
+
+
+@pytest.mark.parametrize("body", [b"<html>gateway</html>", b'{"is_sleeping": "no"}'])
+def test_probe_wants_a_vllm_is_sleeping_answer(url: str, server: Any, body: bytes) -> None:
+    """A gateway answering 200 to everything is not a vLLM server in dev mode."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    server[1].app = app
+    assert vllm.VLLMAdapter(url).probe() == Probe(
+        False, f"{url}/is_sleeping answers HTTP 200 without a true/false is_sleeping: is it "
+               "a vLLM server?")
+
+
+def raw_app(status: int, headers: list[tuple[bytes, bytes]], body: bytes = b"") -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        app.calls += 1  # type: ignore[attr-defined]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    app.calls = 0  # type: ignore[attr-defined]
+    return app
+
+
+@pytest.mark.parametrize("location", [b"https://gw.example/x?sig=SECRET123", None])
+def test_a_redirect_fails_at_once_saying_where_without_its_query(
+        url: str, server: Any, location: bytes | None) -> None:
+    """Not followed (it could take the bearer token elsewhere), and no transient answer to
+    retry until the deadline."""
+    server[1].app = app = raw_app(308, [(b"location", location)] if location else [])
+    adapter = vllm.VLLMAdapter(url, deadline=30, canary=False)
+    t0 = time.monotonic()
+    with pytest.raises(vllm.ServerError) as exc:
+        adapter.wake()
+    assert time.monotonic() - t0 < 5 and app.calls == 1
+    where = " to https://gw.example/x" if location else ""
+    assert str(exc.value) == (f"vllm GET /is_sleeping: HTTP 308 redirect{where} — point url= "
+                              "at the server itself (redirects are not followed)")
+
+
+@pytest.mark.parametrize("status", [501, 505])
+def test_not_implemented_fails_at_once(url: str, server: Any, status: int) -> None:
+    server[1].app = app = raw_app(status, [], b'{"message": "no"}')
+    with pytest.raises(vllm.ServerError, match=f"vllm GET /is_sleeping: HTTP {status}: no$"):
+        vllm.VLLMAdapter(url, deadline=30, canary=False).wake()
+    assert app.calls == 1
+
+
+def test_an_unreadable_answer_is_a_server_error_naming_the_call(url: str, server: Any) -> None:
+    """A proxy's Content-Encoding on a plain body: httpx's DecodingError is no transport
+    error and escaped unwrapped."""
+    server[1].app = raw_app(200, [(b"content-encoding", b"gzip")], b'{"is_sleeping": false}')
+    with pytest.raises(vllm.ServerError) as exc:
+        vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
+    assert str(exc.value) == "vllm GET /is_sleeping: unreadable answer (DecodingError)"
+    with pytest.raises(sglang.ServerError) as exc:
+        sglang.SGLangAdapter(url, deadline=5, canary=False).release()
+    assert str(exc.value) == ("sglang POST /release_memory_occupation: unreadable answer "
+                              "(DecodingError)")
+
+
+def test_an_answer_trickling_in_is_cut_at_the_deadline(url: str, server: Any) -> None:
+    """httpx's timeout bounds each read, not the answer: a byte every 0.1 s held a try
+    (and the hook) for as long as the server liked."""
+    body = b'{"is_sleeping": false}' + b" " * 200
+
+    async def trickle(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        for i in range(len(body)):
+            await send({"type": "http.response.body", "body": body[i:i + 1],
+                        "more_body": True})
+            await asyncio.sleep(0.1)
+
+    server[1].app = trickle
+    adapter = vllm.VLLMAdapter(url, deadline=1, request_timeout=0.3, canary=False)
+    t0 = time.monotonic()
+    with pytest.raises(vllm.ServerError) as exc:
+        adapter.wake()
+    assert time.monotonic() - t0 < 4  # the answer would take 20 s
+    assert re.fullmatch(r"vllm GET /is_sleeping: no answer within 0\.[0-9]+s "
+                        r"\(gave up after the 1s deadline\)", str(exc.value))
+
+
+@pytest.mark.parametrize("twin", [FakeLLM, FakeAsyncLLM])
+def test_an_in_process_call_is_cut_at_the_deadline(twin: type[FakeLLM]) -> None:
+    release = threading.Event()
+
+    class Stuck(twin):  # type: ignore[misc,valid-type]
+        def sleep(self, level: int = 1, mode: str = "abort") -> None:  # type: ignore[override]
+            release.wait(30)
+
+    llm = Stuck()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(vllm.ServerError) as exc:
+            vllm.VLLMAdapter(llm, deadline=0.5).sleep()
+        assert time.monotonic() - t0 < 4
+        assert re.fullmatch(r"vllm sleep\(\): not finished within 0\.[0-9]+s \(the 0\.5s "
+                            r"deadline\)", str(exc.value))
+    finally:
+        release.set()
