@@ -24,6 +24,50 @@ SERVER = ROOT / "examples" / "game_server" / "server.py"
 CLIENT = ROOT / "examples" / "game_server" / "client.py"
 REHYDRATE = str(Path(sys.executable).parent / "rehydrate")
 
+# Runs server.main() on a thread of its own (as asyncio.run would on the main thread) in a
+# fresh interpreter (the server uses the process-wide engine), restores from another
+# thread, and reports which of the server's broadcasts ran off the game loop's thread.
+_IN_PROCESS = r"""
+import asyncio, json, sys, threading
+sys.path.insert(0, sys.argv[1])
+import rehydrate
+import server
+
+ready = threading.Event()
+emit = server.Events.emit
+def emitted(self, event, **fields):
+    emit(self, event, **fields)
+    if event == "ready":
+        ready.set()
+server.Events.emit = emitted
+
+off_loop = []
+broadcast = server.GameProtocol.broadcast
+def checked(self, msg):
+    if threading.current_thread() is not game:
+        off_loop.append(msg["op"])
+    broadcast(self, msg)
+server.GameProtocol.broadcast = checked
+
+game = threading.Thread(target=lambda: asyncio.run(server.main(
+    ["--port", "0", "--no-agones", *sys.argv[2:]])), daemon=True)
+game.start()
+assert ready.wait(30), "the server never became ready"
+report = rehydrate.simulate_restore()
+print(json.dumps({"ok": report.ok, "off_loop": off_loop,
+                  "game": rehydrate.status().to_dict()["game"]}))
+"""
+
+
+def _in_process(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("REHYDRATE_CONTROL_SOCKET", None)
+    proc = subprocess.run([sys.executable, "-c", _IN_PROCESS, str(SERVER.parent), *args],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return result
+
 
 @pytest.fixture
 def game(tmp_path: Path) -> Iterator[tuple[AgonesSidecar, dict[str, str], int, Path]]:
@@ -102,3 +146,12 @@ def test_example_server_answers_bad_datagrams_with_one_error(game):
         while (reply := json.loads(s.recv(2048)))["op"] == "state":
             pass
         assert reply == {"op": "error", "error": "dx and dy must be integers"}
+
+
+def test_the_restore_hook_touches_the_players_only_on_the_game_loop():
+    """The sync restore hook ran on rehydrate's worker thread and iterated the players
+    while the loop added joining ones: "dictionary changed size during iteration", a
+    failed required hook, a degraded server."""
+    result = _in_process()
+    assert result["ok"], result
+    assert result["off_loop"] == [], result

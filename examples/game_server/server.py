@@ -185,7 +185,10 @@ async def main(argv: list[str] | None = None) -> None:
     assert isinstance(proto, GameProtocol)
 
     @rehydrate.after_restore(name="game.restored")
-    def restored(ctx: rehydrate.RestoreContext) -> None:
+    async def restored(ctx: rehydrate.RestoreContext) -> None:
+        # async, so it runs on this loop (rehydrate.start(loop=...) below), the one thread
+        # that touches match.players: a sync hook ran on rehydrate's worker thread and
+        # iterated the players while joins added some ("dictionary changed size").
         # Tokens changed with the key: every connected player must rejoin (a clone's
         # players are not even connected to it).
         proto.broadcast({"op": "rejoin", "reason": ctx.kind})
