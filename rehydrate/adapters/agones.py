@@ -200,6 +200,8 @@ class AgonesAdapter:
         self._labels: dict[str, str] = {}
         self._annotations: dict[str, str] = {}
         self._want_ready = False
+        self._ready_deferred = False  # ready() came while not ready; guarded by _lock
+        self._ready_waiter = False  # a thread waits for readiness to send it; by _lock
         self._paused = False  # between the before-snapshot pause and the restore
         self._gameserver: dict[str, Any] | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -547,6 +549,8 @@ class AgonesAdapter:
     def _on_report(self, report: Report) -> None:
         if report.kind == "snapshot" or not self._want_ready:
             return
+        with self._lock:
+            self._ready_deferred = False  # this report decides, by the GameServer's state
         eng = self.engine
         if eng is None:
             return
@@ -557,7 +561,46 @@ class AgonesAdapter:
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore())
 
-    async def _ready_after_restore(self) -> None:
+    def _defer_ready(self, eng: Engine) -> None:
+        """Send Ready once ``eng`` is ready: readiness can come back without a report (a
+        late heartbeat judged a busy stall, not a restore), and a report alone was awaited."""
+        with self._lock:
+            if self._closed:
+                return
+            self._ready_deferred = True
+            if self._ready_waiter:
+                return
+            self._ready_waiter = True
+        threading.Thread(target=self._wait_then_ready, args=(eng,), daemon=True,
+                         name="rehydrate-agones-ready").start()
+
+    def _wait_then_ready(self, eng: Engine) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._ready_deferred:
+                    self._ready_waiter = False
+                    return
+            if eng.wait_ready(0.5):  # bounded, so that close() is noticed
+                with self._lock:
+                    self._ready_waiter = False
+                    if self._closed or not self._ready_deferred:
+                        return
+                    self._ready_deferred = False
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    self._submit(self._deferred_ready(eng))
+                return
+
+    async def _deferred_ready(self, eng: Engine) -> None:
+        if not self._want_ready:
+            return  # shutdown() since
+        if not eng.is_ready():
+            self._defer_ready(eng)  # not ready again already: wait once more
+            return
+        await self._ready_after_restore(asked=True)
+
+    async def _ready_after_restore(self, asked: bool = False) -> None:
+        """``asked``: ready() itself was deferred, not a restore: an unknown state (no
+        GameServer fetched yet) does not stop it, as it would not have stopped ready()."""
         if self._ready_task is not None:
             self._ready_task.cancel()
         self._ready_task = asyncio.current_task()
@@ -565,7 +608,7 @@ class AgonesAdapter:
         if state in _NO_READY_STATES:
             log.info("GameServer is %s after the restore: not asking to be Ready", state)
             return
-        if not state:  # never Ready blind: an Allocated server would be allocated twice
+        if not state and not asked:  # never Ready blind: an Allocated one would be allocated twice
             log.warning("not marking the GameServer Ready: its state after the restore is "
                         "unknown")
             return
@@ -591,6 +634,7 @@ class AgonesAdapter:
             # A restore is running or failed: Ready goes out when rehydrate is ready.
             self._want_ready = True
             log.info("ready() while rehydrate is not ready: deferred until it is")
+            self._defer_ready(eng)
             return
         await self._request("POST", "/ready", {})
         self._want_ready = True

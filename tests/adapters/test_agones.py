@@ -273,6 +273,27 @@ def test_ready_while_not_ready_is_deferred(sidecar, adapter, rehydrate_engine):
     fail["on"] = False
     assert rehydrate_engine.simulate_restore().ok
     sidecar.wait_for("POST", "/ready")
+    wait_for(lambda: "rehydrate-agones-ready" not in [t.name for t in threading.enumerate()],
+             what="the readiness waiter to end")
+    adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
+    assert len(sidecar.calls("POST", "/ready")) == 1  # the report and the waiter: once
+
+
+def test_ready_deferred_while_not_ready_goes_out_when_readiness_returns_without_a_report(
+        sidecar, adapter, rehydrate_engine):
+    """ready() during a late freeze-watch heartbeat (a stall the clock-jump detector then
+    judged no restore: no report follows) waited for a report that never came; status
+    said ready_requested while POST /ready was never sent."""
+    # What the clock-jump detector calls: a beat older than its limit, then a fresh one.
+    rehydrate_engine.heartbeat(time.monotonic() - 3.0, 1.0)
+    assert not rehydrate_engine.is_ready()
+    adapter.ready()
+    assert sidecar.calls("POST", "/ready") == []
+    assert adapter.status()["ready_requested"]
+    rehydrate_engine.heartbeat(time.monotonic(), 1.0)
+    assert rehydrate_engine.is_ready() and rehydrate_engine.status().last_report is None
+    sidecar.wait_for("POST", "/ready")
+    assert sidecar.gs.state == "Ready"
 
 
 def test_request_errors_are_one_clear_line(rehydrate_engine):
