@@ -166,3 +166,33 @@ def test_notify_restore_rotates_the_api_key_and_the_instance(server: Server) -> 
     server_log = server.log_file.read_text()
     assert "API_KEY rotated (generation 1)" in server_log
     assert "key-one" not in server_log and "key-two" not in server_log
+
+
+def test_upstream_refuses_a_bad_content_length_and_keeps_serving(tmp_path: Path) -> None:
+    """Content-Length: -1 made the quota service read until the client closed, holding one
+    of its 8 workers (8 such connections hung it, /healthz too); "abc" dropped the
+    connection with a traceback. No model needed: upstream.py alone."""
+    port = _free_port()
+    env = {**os.environ, "UPSTREAM_TOKEN": "upstream-token"}
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE / "upstream.py"), "--port",
+                             str(port)], env=env, stdin=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), "the upstream")
+        held = []
+        for length, status in (("-1", b"400"), ("abc", b"400"), ("1_0", b"400"),
+                               (str(10**9), b"413")):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)  # upper bound
+            held.append(s)  # kept open: a worker waiting on it would stay taken
+            s.sendall(b"POST /v1/quota HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n"
+                      b"\r\n{}" % length.encode())
+            assert s.recv(200).split(b" ")[1] == status, length
+        for _ in range(8):  # as many as the service has workers
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            held.append(s)
+            s.sendall(b"POST /v1/quota HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+        for s in held:
+            s.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
