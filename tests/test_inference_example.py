@@ -196,3 +196,71 @@ def test_upstream_refuses_a_bad_content_length_and_keeps_serving(tmp_path: Path)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+class _CountingService:
+    """Stands in for InferenceService (no model): counts what is charged."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.charged: list[int] = []
+        self.fail = fail
+        self.embedder = self
+
+    def encode(self, texts: list[str]) -> list[list[float]]:
+        if self.fail:
+            raise RuntimeError("the model failed")
+        return [[0.0] for _ in texts]
+
+    def authorized(self, header: str | None) -> bool:
+        return True
+
+    async def charge(self, items: int) -> dict[str, int]:
+        self.charged.append(items)
+        return {"used": items}
+
+    def sign(self, payload: bytes) -> dict[str, str]:
+        return {}
+
+
+def _example_app(service: _CountingService) -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("inference_example_app",
+                                                  EXAMPLE / "app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic resolves the models' annotations there
+    spec.loader.exec_module(module)
+    return module.create_app(service)
+
+
+@pytest.mark.parametrize("body", [b'{"texts": ["\\ud800"]}', b'{"texts": ["ok", "a\\udfffb"]}',
+                                  b'{"texts": ["' + b"a" * 8193 + b'"]}'])
+def test_texts_the_model_cannot_take_are_a_422_and_cost_no_quota(rehydrate_environ,
+                                                                 body: bytes) -> None:
+    """A lone surrogate passed validation and crashed the tokenizer (a bare 500 and the
+    connection reset) after the quota was charged; a 2 MB text took 1.6 s."""
+    from starlette.testclient import TestClient
+
+    service = _CountingService()
+    with TestClient(_example_app(service), raise_server_exceptions=False) as client:
+        r = client.post("/v1/embed", content=body,
+                        headers={"content-type": "application/json",
+                                 "authorization": "Bearer k"})
+        assert r.status_code == 422, r.text
+        [error] = r.json()["detail"]
+        assert error["loc"][:2] == ["body", "texts"] and "input" not in error
+        assert service.charged == []
+        ok = client.post("/v1/embed", json={"texts": ["fine", "\u00e9t\u00e9"]},
+                         headers={"authorization": "Bearer k"})
+        assert ok.status_code == 200 and service.charged == [2]
+
+
+def test_a_request_the_model_fails_on_costs_no_quota(rehydrate_environ) -> None:
+    from starlette.testclient import TestClient
+
+    service = _CountingService(fail=True)
+    with TestClient(_example_app(service), raise_server_exceptions=False) as client:
+        r = client.post("/v1/embed", json={"texts": ["x"]}, headers={"authorization": "Bearer k"})
+        assert r.status_code == 500
+    assert service.charged == []
