@@ -11,8 +11,9 @@ snake_case and int64 fields are strings. Health: with ``period_seconds`` ×
 ``Unhealthy``, as the Agones controller would make it.
 
 Faults, for the adapter's tests: ``down_for`` (not listening at first; ``None``: until
-``up()``), ``fail_next(n)``
-(answer 500), ``delay`` (slow answers), ``hang`` (accept, never answer).
+``up()``), ``fail_next(n)`` (answer 500, or ``status=``), ``delay`` (slow answers),
+``hang`` (accept, never answer), ``refuse_keys`` (metadata keys answered with 400, as a
+sidecar refusing them would).
 
 Every request is recorded (``requests``, and as JSON lines in ``log_path`` when given) with
 its wall-clock and monotonic time. Run it as a process (inside a gVisor sandbox too)::
@@ -50,11 +51,13 @@ class Request:
 
 @dataclass
 class Faults:
-    fail: int = 0  # answer 500 to this many requests
+    fail: int = 0  # answer ``fail_status`` to this many requests
+    fail_status: int = 500
     delay: float = 0.0  # seconds before every answer
     hang: bool = False  # accept, never answer
     paths: tuple[str, ...] = ()  # faults apply only to these paths (empty: all)
     answer: dict[str, Any] = field(default_factory=dict)  # path -> a 200 answer instead
+    refuse_keys: set[str] = field(default_factory=set)  # metadata keys answered with 400
 
 
 @dataclass
@@ -200,10 +203,11 @@ class AgonesSidecar:
         self.gs.resource_version += 1
         self.cond.notify_all()
 
-    def fail_next(self, n: int, *paths: str) -> None:
+    def fail_next(self, n: int, *paths: str, status: int = 500) -> None:
         with self.cond:
             self.faults.fail = n
             self.faults.paths = paths
+            self.faults.fail_status = status
 
     def record(self, req: Request) -> None:
         with self.cond:
@@ -275,6 +279,8 @@ class AgonesSidecar:
                     and isinstance(body.get("value"), str)):
                 return 400, {"error": "body must be {\"key\": str, \"value\": str}"}
             key = body["key"]
+            if key in self.faults.refuse_keys:
+                return 400, {"error": f"refused key {key!r}"}
             if path.endswith("label") and not _LABEL_KEY.match(key):
                 return 400, {"error": f"invalid label key {key!r}"}
             target = g.labels if path.endswith("label") else g.annotations
@@ -316,7 +322,7 @@ class _Handler(BaseHTTPRequestHandler):
         with sc.cond:
             if f.fail > 0:
                 f.fail -= 1
-                return 500
+                return f.fail_status
         return None
 
     def _handle(self, method: str) -> None:

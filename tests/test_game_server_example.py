@@ -5,8 +5,10 @@ two clones is tests/gvisor/test_game_server_gvisor.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -24,9 +26,54 @@ SERVER = ROOT / "examples" / "game_server" / "server.py"
 CLIENT = ROOT / "examples" / "game_server" / "client.py"
 REHYDRATE = str(Path(sys.executable).parent / "rehydrate")
 
+# Runs server.main() on a thread of its own (as asyncio.run would on the main thread) in a
+# fresh interpreter (the server uses the process-wide engine), restores from another
+# thread, and reports which of the server's broadcasts ran off the game loop's thread.
+_IN_PROCESS = r"""
+import asyncio, json, sys, threading
+sys.path.insert(0, sys.argv[1])
+import rehydrate
+import server
 
-@pytest.fixture
-def game(tmp_path: Path) -> Iterator[tuple[AgonesSidecar, dict[str, str], int, Path]]:
+ready = threading.Event()
+emit = server.Events.emit
+def emitted(self, event, **fields):
+    emit(self, event, **fields)
+    if event == "ready":
+        ready.set()
+server.Events.emit = emitted
+
+off_loop = []
+broadcast = server.GameProtocol.broadcast
+def checked(self, msg):
+    if threading.current_thread() is not game:
+        off_loop.append(msg["op"])
+    broadcast(self, msg)
+server.GameProtocol.broadcast = checked
+
+game = threading.Thread(target=lambda: asyncio.run(server.main(
+    ["--port", "0", "--no-agones", *sys.argv[2:]])), daemon=True)
+game.start()
+assert ready.wait(30), "the server never became ready"
+report = rehydrate.simulate_restore()
+print(json.dumps({"ok": report.ok, "off_loop": off_loop,
+                  "game": rehydrate.status().to_dict()["game"]}))
+"""
+
+
+def _in_process(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("REHYDRATE_CONTROL_SOCKET", None)
+    proc = subprocess.run([sys.executable, "-c", _IN_PROCESS, str(SERVER.parent), *args],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return result
+
+
+@contextlib.contextmanager
+def _game(tmp_path: Path, *extra: str) -> Iterator[tuple[AgonesSidecar, dict[str, str], int,
+                                                      Path]]:
     port = free_port()
     events = tmp_path / "events.jsonl"
     with AgonesSidecar() as sidecar:
@@ -36,7 +83,7 @@ def game(tmp_path: Path) -> Iterator[tuple[AgonesSidecar, dict[str, str], int, P
                "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(
             [sys.executable, str(SERVER), "--port", str(port), "--health-interval", "1",
-             "--events", str(events)], env=env, stdout=subprocess.DEVNULL,
+             "--events", str(events), *extra], env=env, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: events.exists() and "ready" in events.read_text(), 30,
@@ -45,6 +92,12 @@ def game(tmp_path: Path) -> Iterator[tuple[AgonesSidecar, dict[str, str], int, P
         finally:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture
+def game(tmp_path: Path) -> Iterator[tuple[AgonesSidecar, dict[str, str], int, Path]]:
+    with _game(tmp_path) as g:
+        yield g
 
 
 def _run(args: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -85,8 +138,6 @@ def test_example_server_across_a_notified_snapshot_and_restore(game):
 
 
 def test_example_server_answers_bad_datagrams_with_one_error(game):
-    import socket
-
     _, _, port, _ = game
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(10)
@@ -101,4 +152,72 @@ def test_example_server_answers_bad_datagrams_with_one_error(game):
                            "token": welcome["token"], "dx": "left"}).encode())
         while (reply := json.loads(s.recv(2048)))["op"] == "state":
             pass
-        assert reply == {"op": "error", "error": "dx and dy must be integers"}
+        assert reply == {"op": "error", "error": "dx and dy must be -1, 0 or 1"}
+
+
+def test_the_restore_hook_touches_the_players_only_on_the_game_loop():
+    """The sync restore hook ran on rehydrate's worker thread and iterated the players
+    while the loop added joining ones: "dictionary changed size during iteration", a
+    failed required hook, a degraded server."""
+    result = _in_process()
+    assert result["ok"], result
+    assert result["off_loop"] == [], result
+
+
+def _ask(s: socket.socket, msg: dict[str, Any] | bytes, want: str) -> dict[str, Any]:
+    """Send ``msg``; the first reply with op ``want`` (states in between are skipped)."""
+    s.send(msg if isinstance(msg, bytes) else json.dumps(msg).encode())
+    while (reply := json.loads(s.recv(65536)))["op"] != want:
+        pass
+    return reply
+
+
+def _client(port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(10)  # an upper bound for a reply that must come
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def test_out_of_range_or_overflowing_inputs_get_one_error_reply(game):
+    """dx = 1e999 (inf in JSON) made int() raise OverflowError: no reply, and a traceback
+    from the loop for every such datagram."""
+    _, _, port, _ = game
+    with _client(port) as s:
+        w = _ask(s, {"op": "join", "name": "x"}, "welcome")
+        who = f'"player": "{w["player"]}", "token": "{w["token"]}"'.encode()
+        for dx in (b"1e999", b"-1e999", b"NaN", b"true", b"2", b"0.5", b'"1"'):
+            reply = _ask(s, b'{"op": "input", %s, "dx": %s}' % (who, dx), "error")
+            assert reply == {"op": "error", "error": "dx and dy must be -1, 0 or 1"}, dx
+        _ask(s, {"op": "input", "player": w["player"], "token": w["token"], "dx": 1,
+                 "dy": -1}, "state")  # the valid values still work, the player is still in
+
+
+def test_a_restore_drops_the_players_it_told_to_rejoin(game):
+    """Old players stayed after a restore: ghosts moving in every state, unable to leave
+    (their tokens no longer verify), and a rejoined client got every state twice."""
+    _, env, port, _ = game
+    with _client(port) as s:
+        w = _ask(s, {"op": "join", "name": "alice"}, "welcome")
+        assert _run([REHYDRATE, "status", "--json"], env)["game"]["players"] == 1
+        assert _run([REHYDRATE, "notify", "save", "--json"], env)["ok"]
+        assert _run([REHYDRATE, "notify", "restore", "--json"], env)["ok"]
+        assert _run([REHYDRATE, "status", "--json"], env)["game"]["players"] == 0
+        _ask(s, {"op": "leave", "player": w["player"], "token": w["token"]}, "rejoin")
+        again = _ask(s, {"op": "join", "name": "alice"}, "welcome")
+        state = _ask(s, {"op": "input", "player": again["player"], "token": again["token"],
+                         "dx": 1}, "state")
+        assert list(state["players"]) == [again["player"]]
+
+
+def test_idle_players_are_dropped_and_a_full_match_answers_busy(tmp_path):
+    """No idle timeout and no cap: 1,168 joins from clients that never came back stalled
+    the tick, and every one of them stayed in every state."""
+    with _game(tmp_path, "--max-players", "2", "--idle-timeout", "1") as (_, env, port, _e), \
+            _client(port) as a, _client(port) as b, _client(port) as c:
+        _ask(a, {"op": "join", "name": "a"}, "welcome")
+        _ask(b, {"op": "join", "name": "b"}, "welcome")
+        assert _ask(c, {"op": "join", "name": "c"}, "busy")["reason"] == "match full"
+        wait_for(lambda: _run([REHYDRATE, "status", "--json"], env)["game"]["players"] == 0,
+                 30, "the idle players to be dropped")
+        _ask(c, {"op": "join", "name": "c"}, "welcome")

@@ -166,3 +166,123 @@ def test_notify_restore_rotates_the_api_key_and_the_instance(server: Server) -> 
     server_log = server.log_file.read_text()
     assert "API_KEY rotated (generation 1)" in server_log
     assert "key-one" not in server_log and "key-two" not in server_log
+
+
+def test_upstream_refuses_a_bad_content_length_and_keeps_serving(tmp_path: Path) -> None:
+    """Content-Length: -1 made the quota service read until the client closed, holding one
+    of its 8 workers (8 such connections hung it, /healthz too); "abc" dropped the
+    connection with a traceback. No model needed: upstream.py alone."""
+    port = _free_port()
+    env = {**os.environ, "UPSTREAM_TOKEN": "upstream-token"}
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE / "upstream.py"), "--port",
+                             str(port)], env=env, stdin=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), "the upstream")
+        held = []
+        for length, status in (("-1", b"400"), ("abc", b"400"), ("1_0", b"400"),
+                               (str(10**9), b"413")):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)  # upper bound
+            held.append(s)  # kept open: a worker waiting on it would stay taken
+            s.sendall(b"POST /v1/quota HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n"
+                      b"\r\n{}" % length.encode())
+            assert s.recv(200).split(b" ")[1] == status, length
+        for _ in range(8):  # as many as the service has workers
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            held.append(s)
+            s.sendall(b"POST /v1/quota HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+        for s in held:
+            s.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+class _CountingService:
+    """Stands in for InferenceService (no model): counts what is charged."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.charged: list[int] = []
+        self.fail = fail
+        self.embedder = self
+
+    def encode(self, texts: list[str]) -> list[list[float]]:
+        if self.fail:
+            raise RuntimeError("the model failed")
+        return [[0.0] for _ in texts]
+
+    def authorized(self, header: str | None) -> bool:
+        return True
+
+    async def charge(self, items: int) -> dict[str, int]:
+        self.charged.append(items)
+        return {"used": items}
+
+    def sign(self, payload: bytes) -> dict[str, str]:
+        return {}
+
+
+def _example_app(service: _CountingService) -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("inference_example_app",
+                                                  EXAMPLE / "app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic resolves the models' annotations there
+    spec.loader.exec_module(module)
+    return module.create_app(service)
+
+
+@pytest.mark.parametrize("body", [b'{"texts": ["\\ud800"]}', b'{"texts": ["ok", "a\\udfffb"]}',
+                                  b'{"texts": ["' + b"a" * 8193 + b'"]}'])
+def test_texts_the_model_cannot_take_are_a_422_and_cost_no_quota(rehydrate_environ,
+                                                                 body: bytes) -> None:
+    """A lone surrogate passed validation and crashed the tokenizer (a bare 500 and the
+    connection reset) after the quota was charged; a 2 MB text took 1.6 s."""
+    from starlette.testclient import TestClient
+
+    service = _CountingService()
+    with TestClient(_example_app(service), raise_server_exceptions=False) as client:
+        r = client.post("/v1/embed", content=body,
+                        headers={"content-type": "application/json",
+                                 "authorization": "Bearer k"})
+        assert r.status_code == 422, r.text
+        [error] = r.json()["detail"]
+        assert error["loc"][:2] == ["body", "texts"] and "input" not in error
+        assert service.charged == []
+        ok = client.post("/v1/embed", json={"texts": ["fine", "\u00e9t\u00e9"]},
+                         headers={"authorization": "Bearer k"})
+        assert ok.status_code == 200 and service.charged == [2]
+
+
+def test_a_request_the_model_fails_on_costs_no_quota(rehydrate_environ) -> None:
+    from starlette.testclient import TestClient
+
+    service = _CountingService(fail=True)
+    with TestClient(_example_app(service), raise_server_exceptions=False) as client:
+        r = client.post("/v1/embed", json={"texts": ["x"]}, headers={"authorization": "Bearer k"})
+        assert r.status_code == 500
+    assert service.charged == []
+
+
+def test_a_clone_given_an_empty_api_key_is_not_ready_and_says_why(rehydrate_engine,
+                                                                 monkeypatch) -> None:
+    """API_KEY="" in a clone's environment loaded an empty key: the clone reported ready
+    and then answered 401 to every request."""
+    _example_app(_CountingService())  # loads the module
+    env_secret = sys.modules["inference_example_app"].env_secret
+    monkeypatch.setenv("API_KEY", "key-one")
+    key = env_secret("API_KEY", "api-key", engine=rehydrate_engine)
+    report = rehydrate_engine.simulate_restore(env={"API_KEY": ""})
+    assert not report.ok and not rehydrate_engine.is_ready()
+    [failed] = [h for h in report.hooks if h.outcome != "ok"]
+    assert "api-key" in failed.name and "API_KEY is empty" in str(failed.error)
+    assert "key-one" not in report.table()
+    report = rehydrate_engine.simulate_restore(env={"API_KEY": "key-two"})
+    assert report.ok and key.get() == b"key-two"
+    monkeypatch.setenv("API_KEY", "")
+    from rehydrate.secrets import SecretError
+
+    with pytest.raises(SecretError, match="API_KEY is empty"):
+        env_secret("API_KEY", "api-key-2", engine=rehydrate_engine)

@@ -20,8 +20,9 @@ Protocol: one JSON object per datagram. Client → server: ``{"op": "join", "nam
 ``{"op": "input", "player": P, "token": T, "dx": -1|0|1, "dy": -1|0|1}``,
 ``{"op": "leave", "player": P, "token": T}``. Server → client: ``welcome`` (player, token,
 tick, rate), ``state`` (tick, positions of every player), ``resync`` (after a jump),
-``rejoin`` (unknown player or stale token), ``busy`` (a snapshot is being taken),
-``error``.
+``rejoin`` (unknown player or stale token; to everyone after a restore, which also drops
+every player), ``busy`` (a snapshot is being taken, or ``--max-players`` are in), ``error``.
+A player not heard from for ``--idle-timeout`` seconds is dropped.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Player:
     y: int = 0
     dx: int = 0
     dy: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Match:
     """The simulation: players move one cell per tick in their chosen direction."""
 
     rate: float
+    max_players: int = 64
+    idle_timeout: float = 30.0
     tick: int = 0
     players: dict[str, Player] = field(default_factory=dict)
     joined: int = 0
@@ -83,6 +87,15 @@ class Match:
         for p in self.players.values():
             p.x = (p.x + p.dx) % WORLD
             p.y = (p.y + p.dy) % WORLD
+
+    def drop_idle(self, now: float) -> list[str]:
+        """Players not heard from for ``idle_timeout`` s: a client that vanished without
+        ``leave`` would otherwise stay in every state, and hold a slot, for ever."""
+        gone = [pid for pid, p in self.players.items()
+                if now - p.last_seen > self.idle_timeout]
+        for pid in gone:
+            del self.players[pid]
+        return gone
 
     def state(self) -> dict[str, Any]:
         return {"op": "state", "tick": self.tick,
@@ -124,21 +137,26 @@ class GameProtocol(asyncio.DatagramProtocol):
                 self.send({"op": "rejoin", "reason": "unknown player or stale token"}, addr)
                 return
             player.addr = addr
+            player.last_seen = time.monotonic()
             if op == "leave":
                 del self.match.players[pid]
                 return
-            try:
-                dx, dy = int(msg.get("dx", 0)), int(msg.get("dy", 0))
-            except (TypeError, ValueError):
-                self.send({"op": "error", "error": "dx and dy must be integers"}, addr)
+            dx, dy = msg.get("dx", 0), msg.get("dy", 0)
+            # Exactly the protocol's values: int() of a JSON 1e999 (inf) raised an
+            # OverflowError that reached the loop's exception handler, with no reply.
+            if not all(type(d) is int and -1 <= d <= 1 for d in (dx, dy)):
+                self.send({"op": "error", "error": "dx and dy must be -1, 0 or 1"}, addr)
                 return
-            player.dx, player.dy = max(-1, min(1, dx)), max(-1, min(1, dy))
+            player.dx, player.dy = dx, dy
         else:
             self.send({"op": "error", "error": f"unknown op {op!r}"}, addr)
 
     def join(self, name: str, addr: Any) -> None:
         if not self.sessions.available:
             self.send({"op": "busy", "reason": "snapshot in progress"}, addr)
+            return
+        if len(self.match.players) >= self.match.max_players:
+            self.send({"op": "busy", "reason": "match full"}, addr)
             return
         self.match.joined += 1
         pid = f"p{self.match.joined}"
@@ -159,6 +177,8 @@ async def game_loop(match: Match, clock: TickClock, proto: GameProtocol,
             events.emit("jump", ticks=n, skipped=clock.last_jump, tick=match.tick)
             proto.broadcast({"op": "resync", "tick": match.tick, "skipped": clock.last_jump})
         if n:
+            for pid in match.drop_idle(time.monotonic()):
+                events.emit("idle", player=pid, tick=match.tick)
             proto.broadcast(match.state())
         await asyncio.sleep(clock.until_next())
 
@@ -169,6 +189,9 @@ async def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=7777)
     ap.add_argument("--rate", type=float, default=30.0, help="ticks per second")
     ap.add_argument("--max-catch-up", type=int, default=2)
+    ap.add_argument("--max-players", type=int, default=64)
+    ap.add_argument("--idle-timeout", type=float, default=30.0,
+                    help="drop a player not heard from for this many seconds")
     ap.add_argument("--health-interval", type=float, default=2.0)
     ap.add_argument("--no-agones", action="store_true", help="run without an SDK sidecar")
     ap.add_argument("--events", default=None, help="append JSON-line events to this file")
@@ -176,7 +199,10 @@ async def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     events = Events(args.events)
-    match = Match(rate=args.rate)
+    if args.max_players < 1 or not args.idle_timeout > 0:
+        ap.error("--max-players must be at least 1 and --idle-timeout positive")
+    match = Match(rate=args.rate, max_players=args.max_players,
+                  idle_timeout=args.idle_timeout)
     sessions = MatchSessions("match")
     clock = TickClock(args.rate, max_catch_up=args.max_catch_up)
     endpoint = UdpEndpoint(lambda: GameProtocol(match, sessions), (args.host, args.port))
@@ -185,13 +211,20 @@ async def main(argv: list[str] | None = None) -> None:
     assert isinstance(proto, GameProtocol)
 
     @rehydrate.after_restore(name="game.restored")
-    def restored(ctx: rehydrate.RestoreContext) -> None:
+    async def restored(ctx: rehydrate.RestoreContext) -> None:
+        # async, so it runs on this loop (rehydrate.start(loop=...) below), the one thread
+        # that touches match.players: a sync hook ran on rehydrate's worker thread and
+        # iterated the players while joins added some ("dictionary changed size").
         # Tokens changed with the key: every connected player must rejoin (a clone's
         # players are not even connected to it).
         proto.broadcast({"op": "rejoin", "reason": ctx.kind})
+        # Their tokens no longer verify, so kept entries were ghosts: unable to leave,
+        # moving in every state, and a rejoined client got each state twice.
+        dropped = len(match.players)
+        match.players.clear()
         events.emit("restored", kind=ctx.kind, reason=ctx.reason, generation=ctx.generation,
                     frozen_for=ctx.frozen_for, tick=match.tick, epoch=sessions.epoch,
-                    instance=rehydrate.instance_id())
+                    instance=rehydrate.instance_id(), dropped=dropped)
 
     engine = rehydrate.default_engine
     engine.add_status("game", lambda: {

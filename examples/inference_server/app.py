@@ -42,11 +42,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
-from fastapi import FastAPI, Header, HTTPException
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, StringConstraints, field_validator
 from starlette.concurrency import run_in_threadpool
 
 import rehydrate
@@ -62,6 +64,7 @@ HERE = Path(__file__).resolve().parent
 MODEL_NAME = "all-MiniLM-L6-v2"
 CANARY_TEXT = "rehydrate warm-up canary"
 CANARY_TOLERANCE = 1e-5
+MAX_TEXT_CHARS = 8192  # the model reads 256 tokens; a 2 MB text took 1.6 s to tokenize
 DEFAULT_PORT = 8000
 UPSTREAM_PORT = 8001
 
@@ -82,6 +85,22 @@ class EventLog:
         line = json.dumps({"event": event, "t": time.time(), **fields}, default=str)
         with self._lock:
             self._out.write(line + "\n")
+
+
+def env_secret(key: str, name: str, **kwargs: Any) -> Secret:
+    """``Secret.from_env``, except that an empty value is refused: at start (exit with the
+    reason) and after a restore (the secret's hook fails, so the clone stays not ready and
+    says why). A clone given ``API_KEY=""`` by a templating slip otherwise reported ready
+    and answered 401 to every request. The previous key is not kept: it is wiped before the
+    snapshot, and serving a clone with the image's key is what rotation is there to stop.
+    """
+    def load() -> bytes:
+        value = os.environb.get(os.fsencode(key))
+        if not value:
+            raise SecretError(f"environment variable {key} is "
+                              f"{'not set' if value is None else 'empty'}")
+        return value
+    return Secret(load, name=name, source=f"env:{key}", **kwargs)
 
 
 class Embedder:
@@ -116,8 +135,8 @@ class InferenceService:
         self.events = events
         self.upstream_url = upstream_url
         # Credentials first: a missing one fails in a second, not after the model load.
-        self.api_key = Secret.from_env("API_KEY", name="api-key")
-        self.upstream_token = Secret.from_env("UPSTREAM_TOKEN", name="upstream-token")
+        self.api_key = env_secret("API_KEY", "api-key")
+        self.upstream_token = env_secret("UPSTREAM_TOKEN", "upstream-token")
         events.emit("loading-model", model=MODEL_NAME)
         t0 = time.monotonic()
         self.embedder = Embedder()
@@ -190,12 +209,36 @@ class InferenceService:
 class EmbedRequest(BaseModel):
     """Body of ``POST /v1/embed``."""
 
-    texts: list[str] = Field(min_length=1, max_length=64)
+    texts: list[Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]] = Field(
+        min_length=1, max_length=64)
+
+    @field_validator("texts")
+    @classmethod
+    def _encodable(cls, texts: list[str]) -> list[str]:
+        # JSON lets "\ud800" through as a lone surrogate, which the tokenizer cannot take:
+        # it raised inside the model (a bare 500, the connection reset). pydantic's length
+        # check happens to refuse it too; this does not depend on that.
+        for i, text in enumerate(texts):
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"texts[{i}] is not valid Unicode (a lone "
+                                     "surrogate)") from None
+        return texts
 
 
 def create_app(service: InferenceService) -> Any:
     """The FastAPI application behind rehydrate's ReadinessGate and an instance-ID header."""
     api = FastAPI(title="rehydrate example: embeddings")
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Where and why, not the input: echoing a lone surrogate back made the 422
+        # itself fail to encode (a 500), and an 8 KiB text is no use in an error.
+        return JSONResponse(status_code=422, content={"detail": [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()]})
 
     def identity() -> dict[str, Any]:
         return {"instance_id": rehydrate.instance_id(),
@@ -206,8 +249,9 @@ def create_app(service: InferenceService) -> Any:
                     authorization: str | None = Header(default=None)) -> dict[str, Any]:
         if not service.authorized(authorization):
             raise HTTPException(401, detail="invalid API key")
-        quota = await service.charge(len(req.texts))
         vectors = await run_in_threadpool(service.embedder.encode, req.texts)
+        # Charged once the work is done: a request the model fails on costs no quota.
+        quota = await service.charge(len(req.texts))
         digest = hashlib.sha256(json.dumps(vectors).encode()).digest()
         return {"model": MODEL_NAME, "embeddings": vectors, "quota_used": quota["used"],
                 **service.sign(digest), **identity()}

@@ -35,6 +35,7 @@ from typing import Any
 
 DEFAULT_PORT = 8001
 TIMINGS = os.environ.get("UPSTREAM_TIMINGS")
+MAX_BODY = 64 * 1024  # a quota request is a few dozen bytes
 
 
 class QuotaState:
@@ -79,8 +80,20 @@ def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
                 _record_timing(TIMINGS, self.server, self.path, code,
                                time.perf_counter() - self._began)
 
-        def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("content-length") or 0)
+        def _body(self) -> dict[str, Any] | None:
+            """The JSON body, or None once a 400/413 went out for its Content-Length:
+            ``-1`` made ``rfile.read(-1)`` wait for the client to close, holding one of
+            the few workers; ``abc`` raised and dropped the connection."""
+            raw = (self.headers.get("content-length") or "0").strip()
+            if not raw.isascii() or not raw.isdigit():
+                self.close_connection = True  # where the body ends is unknown
+                self._reply(400, {"error": "Content-Length must be a non-negative integer"})
+                return None
+            length = int(raw)
+            if length > MAX_BODY:
+                self.close_connection = True
+                self._reply(413, {"error": f"body larger than {MAX_BODY} bytes"})
+                return None
             try:
                 data = json.loads(self.rfile.read(length) or b"{}")
             except ValueError:
@@ -98,6 +111,8 @@ def make_handler(state: QuotaState) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = self._body()
+            if body is None:
+                return
             if self.path == "/admin/maintenance":
                 state.maintenance = bool(body.get("on"))
                 self._reply(200, {"maintenance": state.maintenance})

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -63,6 +64,15 @@ PORT_ENV = "AGONES_SDK_HTTP_PORT"
 # States in which a restored server must not (or need not) ask to be Ready again.
 _NO_READY_STATES = frozenset({"Ready", "RequestReady", "Allocated", "Reserved", "Shutdown"})
 
+# Agones stores a key as the Kubernetes label or annotation key ``agones.dev/sdk-<key>``:
+# ``sdk-<key>`` must be a Kubernetes name (at most 63 characters, alphanumerics at both
+# ends, ``-_.`` inside). Checked here because a key stored while paused for a snapshot is
+# only sent after the restore, when nobody is left to see the sidecar refuse it.
+_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+_MAX_NAME = 63
+_KEY_PREFIX = "sdk-"
+
 
 class AgonesError(RuntimeError):
     """A request to the Agones SDK sidecar failed (the message names the request)."""
@@ -90,6 +100,35 @@ def _backoff(attempt: int, cap: float) -> float:
     """Exponential backoff with jitter for retry ``attempt`` (1-based): in [d/2, d]."""
     d: float = min(cap, 0.05 * 2.0 ** min(attempt - 1, 16))
     return d / 2 + _JITTER.uniform(0, d / 2)
+
+
+def _check_metadata(kind: str, key: object, value: object) -> None:
+    """ValueError (one line, never the value) for what the sidecar would refuse."""
+    if not isinstance(key, str) or not key or not isinstance(value, str):
+        raise ValueError(f"{kind} key and value must be strings (key non-empty)")
+    name = _KEY_PREFIX + key
+    if len(name) > _MAX_NAME or not _NAME.fullmatch(name):
+        shown = key if len(key) <= 80 else key[:80] + "..."
+        raise ValueError(
+            f"{kind} key {shown!r} is not valid: Agones stores it as agones.dev/sdk-<key>, "
+            f"so it must be at most {_MAX_NAME - len(_KEY_PREFIX)} characters of letters, "
+            "digits, '-', '_' and '.', ending with a letter or digit")
+    if kind == "label" and (len(value) > _MAX_NAME or not _LABEL_VALUE.fullmatch(value)):
+        raise ValueError(
+            f"label value for {key!r} is not a valid Kubernetes label value ({len(value)} "
+            f"characters): at most {_MAX_NAME} letters, digits, '-', '_' and '.', "
+            "beginning and ending with a letter or digit (or empty)")
+
+
+def _refusal(exc: BaseException) -> int | None:
+    """The HTTP status when the sidecar refused the request itself (a 4xx other than
+    408 and 429): sending the same request again cannot succeed."""
+    cause = exc.__cause__ if isinstance(exc, AgonesError) else exc
+    if isinstance(cause, httpx.HTTPStatusError):
+        code = cause.response.status_code
+        if 400 <= code < 500 and code not in (408, 429):
+            return code
+    return None
 
 
 def _describe(exc: BaseException) -> str:
@@ -161,6 +200,8 @@ class AgonesAdapter:
         self._labels: dict[str, str] = {}
         self._annotations: dict[str, str] = {}
         self._want_ready = False
+        self._ready_deferred = False  # ready() came while not ready; guarded by _lock
+        self._ready_waiter = False  # a thread waits for readiness to send it; by _lock
         self._paused = False  # between the before-snapshot pause and the restore
         self._gameserver: dict[str, Any] | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -264,7 +305,8 @@ class AgonesAdapter:
 
     async def _retry(self, method: str, path: str, body: dict[str, Any] | None,
                      until: float) -> dict[str, Any]:
-        """The request, retried with backoff until the monotonic time ``until``."""
+        """The request, retried with backoff until the monotonic time ``until``; a refusal
+        (4xx but 408 and 429) is raised at once: it would only be refused again."""
         attempt = 0
         while True:
             attempt += 1
@@ -273,6 +315,8 @@ class AgonesAdapter:
                 return await self._request(method, path, body,
                                            timeout=min(self.request_timeout, left))
             except AgonesError as exc:
+                if _refusal(exc) is not None:
+                    raise
                 left = until - time.monotonic()
                 if left <= 0:
                     answered = isinstance(exc.__cause__, httpx.HTTPStatusError)
@@ -474,21 +518,39 @@ class AgonesAdapter:
             gs = self._checked(await self._retry("GET", "/gameserver", None, until))
             _compare(before, gs, kind)
             self._set_gameserver(gs)
-            for key, value in list(self._labels.items()):
-                await self._retry("PUT", "/metadata/label", {"key": key, "value": value},
-                                  until)
-            for key, value in list(self._annotations.items()):
-                await self._retry("PUT", "/metadata/annotation",
-                                  {"key": key, "value": value}, until)
+            for what, store in (("label", self._labels),
+                                ("annotation", self._annotations)):
+                for item in list(store.items()):
+                    await self._reapply(what, item, until, kind)
         finally:
             # Also after a missed deadline: the stream retries on its own and shows the
             # GameServer again once the sidecar answers.
             self._watch_task = asyncio.create_task(self._watch_loop())
         self.reason = ""
 
+    async def _reapply(self, what: str, item: tuple[str, str], until: float,
+                       kind: str) -> None:
+        key, value = item
+        store = self._labels if what == "label" else self._annotations
+        try:
+            await self._retry("PUT", f"/metadata/{what}", {"key": key, "value": value},
+                              until)
+        except AgonesError as exc:
+            code = _refusal(exc)
+            if code is None:
+                raise
+            # Refused now means refused after every restore: keeping it would fail each
+            # resync (and so keep the server from Ready) for one bad key.
+            if store.get(key) == value:
+                del store[key]
+            log.warning("Agones sidecar refused %s %r after the %s (HTTP %d): dropped, "
+                        "the others are applied", what, key, kind, code)
+
     def _on_report(self, report: Report) -> None:
         if report.kind == "snapshot" or not self._want_ready:
             return
+        with self._lock:
+            self._ready_deferred = False  # this report decides, by the GameServer's state
         eng = self.engine
         if eng is None:
             return
@@ -499,7 +561,46 @@ class AgonesAdapter:
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore())
 
-    async def _ready_after_restore(self) -> None:
+    def _defer_ready(self, eng: Engine) -> None:
+        """Send Ready once ``eng`` is ready: readiness can come back without a report (a
+        late heartbeat judged a busy stall, not a restore), and a report alone was awaited."""
+        with self._lock:
+            if self._closed:
+                return
+            self._ready_deferred = True
+            if self._ready_waiter:
+                return
+            self._ready_waiter = True
+        threading.Thread(target=self._wait_then_ready, args=(eng,), daemon=True,
+                         name="rehydrate-agones-ready").start()
+
+    def _wait_then_ready(self, eng: Engine) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._ready_deferred:
+                    self._ready_waiter = False
+                    return
+            if eng.wait_ready(0.5):  # bounded, so that close() is noticed
+                with self._lock:
+                    self._ready_waiter = False
+                    if self._closed or not self._ready_deferred:
+                        return
+                    self._ready_deferred = False
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    self._submit(self._deferred_ready(eng))
+                return
+
+    async def _deferred_ready(self, eng: Engine) -> None:
+        if not self._want_ready:
+            return  # shutdown() since
+        if not eng.is_ready():
+            self._defer_ready(eng)  # not ready again already: wait once more
+            return
+        await self._ready_after_restore(asked=True)
+
+    async def _ready_after_restore(self, asked: bool = False) -> None:
+        """``asked``: ready() itself was deferred, not a restore: an unknown state (no
+        GameServer fetched yet) does not stop it, as it would not have stopped ready()."""
         if self._ready_task is not None:
             self._ready_task.cancel()
         self._ready_task = asyncio.current_task()
@@ -507,7 +608,7 @@ class AgonesAdapter:
         if state in _NO_READY_STATES:
             log.info("GameServer is %s after the restore: not asking to be Ready", state)
             return
-        if not state:  # never Ready blind: an Allocated server would be allocated twice
+        if not state and not asked:  # never Ready blind: an Allocated one would be allocated twice
             log.warning("not marking the GameServer Ready: its state after the restore is "
                         "unknown")
             return
@@ -533,13 +634,13 @@ class AgonesAdapter:
             # A restore is running or failed: Ready goes out when rehydrate is ready.
             self._want_ready = True
             log.info("ready() while rehydrate is not ready: deferred until it is")
+            self._defer_ready(eng)
             return
         await self._request("POST", "/ready", {})
         self._want_ready = True
 
     async def _metadata(self, kind: str, key: str, value: str) -> None:
-        if not isinstance(key, str) or not key or not isinstance(value, str):
-            raise ValueError(f"{kind} key and value must be strings (key non-empty)")
+        _check_metadata(kind, key, value)
         if self._paused:
             # Between the pause and the restore a request would open a connection that
             # the snapshot freezes; the resync PUTs every remembered one anyway.

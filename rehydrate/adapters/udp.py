@@ -16,10 +16,13 @@ transport.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import socket
+import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +96,8 @@ class UdpEndpoint:
         self._probes: dict[bytes, asyncio.Future[None]] = {}
         self._rebinding = False
         self._hook: Any = None
+        self._engine: Engine | None = None
+        self._loop_thread: int | None = None
         self._closed = False
         self.rebinds = 0
         """How many times the socket was bound again after a failed check."""
@@ -113,6 +118,7 @@ class UdpEndpoint:
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _Filter(self), local_addr=self._wanted())
         self.transport, self.loop = transport, loop
+        self._loop_thread = threading.get_ident()
         if not callable(self._local_addr):
             # port 0 meant "any": bind again where the clients already send
             self._local_addr = self.address
@@ -125,7 +131,7 @@ class UdpEndpoint:
         self._closed = False
         await self._bind()
         if self._hook is None:
-            engine = resolve_engine(self._engine_arg)
+            engine = self._engine = resolve_engine(self._engine_arg)
             ref = weakref.ref(self)
 
             def check_udp_socket() -> None:
@@ -147,8 +153,37 @@ class UdpEndpoint:
         if not loop.is_running():
             raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop is not running, "
                                "so its socket cannot be checked")
-        asyncio.run_coroutine_threadsafe(self.ensure(), loop).result(
-            self.probe_timeout + 9.0)
+        if self._loop_waits_for_the_event():
+            # The check needs that loop, which is blocked waiting for this very hook: it
+            # would only time out (~9 s) and fail anyway.
+            raise RuntimeError(
+                f"UDP endpoint {self.name!r}: the restore was started on its event loop's "
+                "thread, which waits for it, so its socket cannot be checked; start it "
+                "from another thread (e.g. await asyncio.to_thread(...))")
+        limit = self.probe_timeout + 9.0
+        fut = asyncio.run_coroutine_threadsafe(self.ensure(), loop)
+        try:
+            fut.result(limit)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # no re-bind half done after the hook has given up
+            raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop did not check "
+                               f"the socket within {limit:g}s") from None
+
+    def _loop_waits_for_the_event(self) -> bool:
+        """True when the loop's thread is inside one of the engine's restore entry points
+        (so it waits for the hooks, this one included)."""
+        engine, ident = self._engine, self._loop_thread
+        if engine is None or ident is None or ident == threading.get_ident():
+            return False
+        codes = {getattr(getattr(type(engine), name, None), "__code__", None)
+                 for name in ("simulate_restore", "restore_detected")}
+        codes.discard(None)
+        frame = sys._current_frames().get(ident)
+        while frame is not None:
+            if frame.f_code in codes:
+                return True
+            frame = frame.f_back
+        return False
 
     async def check(self) -> bool:
         """True when a datagram sent to the socket's address arrives within

@@ -273,6 +273,27 @@ def test_ready_while_not_ready_is_deferred(sidecar, adapter, rehydrate_engine):
     fail["on"] = False
     assert rehydrate_engine.simulate_restore().ok
     sidecar.wait_for("POST", "/ready")
+    wait_for(lambda: "rehydrate-agones-ready" not in [t.name for t in threading.enumerate()],
+             what="the readiness waiter to end")
+    adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
+    assert len(sidecar.calls("POST", "/ready")) == 1  # the report and the waiter: once
+
+
+def test_ready_deferred_while_not_ready_goes_out_when_readiness_returns_without_a_report(
+        sidecar, adapter, rehydrate_engine):
+    """ready() during a late freeze-watch heartbeat (a stall the clock-jump detector then
+    judged no restore: no report follows) waited for a report that never came; status
+    said ready_requested while POST /ready was never sent."""
+    # What the clock-jump detector calls: a beat older than its limit, then a fresh one.
+    rehydrate_engine.heartbeat(time.monotonic() - 3.0, 1.0)
+    assert not rehydrate_engine.is_ready()
+    adapter.ready()
+    assert sidecar.calls("POST", "/ready") == []
+    assert adapter.status()["ready_requested"]
+    rehydrate_engine.heartbeat(time.monotonic(), 1.0)
+    assert rehydrate_engine.is_ready() and rehydrate_engine.status().last_report is None
+    sidecar.wait_for("POST", "/ready")
+    assert sidecar.gs.state == "Ready"
 
 
 def test_request_errors_are_one_clear_line(rehydrate_engine):
@@ -283,7 +304,10 @@ def test_request_errors_are_one_clear_line(rehydrate_engine):
             sc.fail_next(1, "/allocate")
             with pytest.raises(AgonesError, match=r"POST /allocate .* failed: HTTP 500"):
                 a.allocate()
+            sc.faults.refuse_keys.add("refused")
             with pytest.raises(AgonesError, match="HTTP 400"):
+                a.set_label("refused", "x")
+            with pytest.raises(ValueError, match=r"label key 'bad key!' is not valid"):
                 a.set_label("bad key!", "x")
             assert a.gameserver()["object_meta"]["labels"] == {}
         finally:
@@ -435,5 +459,95 @@ def test_a_sidecar_that_keeps_refusing_is_not_said_to_be_silent(sidecar, rehydra
         report = rehydrate_engine.simulate_restore()
         [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
         assert "kept refusing GET /gameserver within the 0.5s deadline" in str(resync.error)
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize(("kind", "key", "value"), [
+    ("label", "bad key!", "v"), ("label", "k" * 60, "v"), ("label", "x.", "v"),
+    ("label", "map", "not a value"), ("label", "map", "v" * 64),
+    ("annotation", "a/b", "any value at all"),
+])
+def test_metadata_the_sidecar_would_refuse_is_refused_at_once_even_while_paused(
+        sidecar, adapter, rehydrate_engine, kind, key, value):
+    """While paused for a snapshot, set_label("bad key!", ...) used to be stored silently;
+    every restore then PUT it again for the whole deadline and failed the resync."""
+    setter = adapter.set_label if kind == "label" else adapter.set_annotation
+    with pytest.raises(ValueError, match="is not (a )?valid") as outside:
+        setter(key, value)
+    assert rehydrate_engine.simulate_snapshot().ok
+    with pytest.raises(ValueError, match="is not (a )?valid") as paused:
+        setter(key, value)
+    assert str(paused.value) == str(outside.value) and "\n" not in str(paused.value)
+    if kind == "label" and value != "v":
+        assert value not in str(paused.value)  # a value is never echoed
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert sidecar.calls("PUT", f"/metadata/{kind}") == []
+
+
+def test_a_refused_label_is_dropped_once_and_the_others_still_applied(
+        sidecar, rehydrate_engine, caplog):
+    """A key the sidecar refuses (HTTP 400) was retried like an outage for the whole
+    deadline after every restore, failing the resync so POST /ready never went out."""
+    a = _adapter(sidecar, rehydrate_engine, deadline=30.0)
+    a.install()
+    try:
+        a.ready()
+        assert rehydrate_engine.simulate_snapshot().ok
+        a.set_label("refused", "x")
+        a.set_label("map", "dust")
+        a.set_annotation("match", "m-1")
+        sidecar.faults.refuse_keys.add("refused")
+        sidecar.set_state("Scheduled")  # a new Pod's GameServer: Ready is asked again
+        with caplog.at_level(logging.WARNING, logger="rehydrate.agones"):
+            report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        refused = [r for r in sidecar.calls("PUT", "/metadata/label")
+                   if r.body["key"] == "refused"]
+        assert len(refused) == 1, "a refusal must not be retried"
+        warnings = [r.getMessage() for r in caplog.records
+                    if r.levelno == logging.WARNING and "refused label 'refused'" in
+                    r.getMessage()]
+        assert len(warnings) == 1, caplog.text
+        gs = a.gameserver()
+        assert gs["object_meta"]["labels"] == {"agones.dev/sdk-map": "dust"}
+        assert gs["object_meta"]["annotations"] == {"agones.dev/sdk-match": "m-1"}
+        sidecar.wait_for("POST", "/ready", count=2)
+        assert a.status()["reason"] == ""
+        # dropped for good: the next restore does not send it again
+        assert rehydrate_engine.simulate_restore().ok
+        assert len([r for r in sidecar.calls("PUT", "/metadata/label")
+                    if r.body["key"] == "refused"]) == 1
+    finally:
+        a.close()
+
+
+def test_a_refused_gameserver_fetch_fails_the_resync_without_retrying(sidecar,
+                                                                     rehydrate_engine):
+    a = _adapter(sidecar, rehydrate_engine, deadline=30.0)
+    a.install()
+    try:
+        t0 = time.monotonic()
+        sidecar.fail_next(1000, "/gameserver", status=403)
+        report = rehydrate_engine.simulate_restore()
+        [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
+        assert resync.outcome == "failed" and "HTTP 403" in str(resync.error)
+        assert len(sidecar.calls("GET", "/gameserver", since=t0)) == 1
+    finally:
+        sidecar.faults.fail = 0
+        a.close()
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_a_sidecar_asking_to_retry_later_is_retried(sidecar, rehydrate_engine, status):
+    a = _adapter(sidecar, rehydrate_engine)
+    a.install()
+    try:
+        sidecar.fail_next(2, "/gameserver", status=status)
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        sidecar.wait_for("GET", "/gameserver")  # recorded once answered: may lag the report
+        assert len(sidecar.wait_for("GET", "/gameserver", count=2, status=status)) == 2
     finally:
         a.close()

@@ -179,6 +179,26 @@ def test_a_udp_endpoint_whose_loop_stopped_fails_its_hook_saying_so(rehydrate_en
         loop.close()
 
 
+async def test_a_restore_run_on_the_endpoints_own_loop_fails_its_hook_at_once(
+        rehydrate_engine):
+    """The hook waited ~9.5 s for the very loop blocked in simulate_restore(), then failed
+    with a bare timeout (the engine runs an event from its loop's thread, with a warning)."""
+    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="t-own")
+    await ep.start()
+    try:
+        report = rehydrate_engine.simulate_restore()  # on this loop's thread
+        (hook,) = [h for h in report.hooks if h.name == "rehydrate.udp.check:t-own"]
+        assert hook.outcome == "failed"
+        assert "the restore was started on its event loop's thread" in str(hook.error)
+        assert hook.duration < 1.0
+        # from another thread, as the message says, the same endpoint checks fine
+        report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        assert await _roundtrip(ep.address, b"still") == b"echo:still"
+    finally:
+        ep.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), 1e12, float("nan"), True, "1"])
 def test_udp_probe_timeout_must_be_a_sensible_number(bad):
     with pytest.raises(ValueError, match="probe_timeout must be a number of seconds"):
