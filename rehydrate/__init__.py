@@ -10,6 +10,16 @@ from ._version import __version__
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    # the lazily loaded submodules, as attributes (``rehydrate.keys``) for type checkers
+    from . import connections as connections
+    from . import entropy as entropy
+    from . import files as files
+    from . import fingerprint as fingerprint
+    from . import keys as keys
+    from . import routes as routes
+    from . import secrets as secrets
+    from . import telemetry as telemetry
+    from . import tls as tls
     from ._api import (
         after_restore,
         before_snapshot,
@@ -110,16 +120,18 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__) | set(_LAZY_SUBMODULES))
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY_NAMES.get(name)
-    if module is not None:
-        import importlib
+if not TYPE_CHECKING:  # a type checker sees the imports above: rehydrate.wait_redy is an error
 
-        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-        globals()[name] = value
-        return value
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    def __getattr__(name: str) -> object:
+        module = _LAZY_NAMES.get(name)
+        if module is not None:
+            import importlib
 
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+            value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+            globals()[name] = value
+            return value
+        if name in _LAZY_SUBMODULES:
+            import importlib
+
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

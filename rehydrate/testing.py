@@ -1,4 +1,9 @@
-"""Testing helpers and the pytest plugin (registered through the ``pytest11`` entry point).
+"""Testing helpers, and the fixtures of rehydrate's pytest plugin (``rehydrate._pytest_plugin``,
+registered through the ``pytest11`` entry point).
+
+This module does not import pytest: :func:`isolated_engine` and :func:`restored_environ`
+work in any test framework, or none. pytest finds the fixtures through the plugin, in
+every test of a project that has rehydrate installed: nothing to import.
 
 Fixtures:
 
@@ -22,13 +27,11 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-import pytest
-
 from ._hooks import Registry
 from ._lifecycle import Lifecycle
 from .env import EnvRefresher
 
-__all__ = ["isolated_engine", "rehydrate_engine", "rehydrate_environ", "restored_environ"]
+__all__ = ["isolated_engine", "restored_environ"]
 
 
 def isolated_engine(**env_options: object) -> Lifecycle:
@@ -49,19 +52,3 @@ def restored_environ() -> Iterator[None]:
             if os.environb.get(k) != v:
                 os.environb[k] = v
 
-
-@pytest.fixture
-def rehydrate_environ() -> Iterator[None]:
-    """``os.environ`` is put back as it was after the test."""
-    with restored_environ():
-        yield
-
-
-@pytest.fixture
-def rehydrate_engine(rehydrate_environ: None) -> Iterator[Lifecycle]:
-    """A fresh engine with its own registry, closed after the test; ``os.environ`` restored."""
-    engine = isolated_engine()
-    try:
-        yield engine
-    finally:
-        engine.close()

@@ -171,7 +171,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "facade": ("rehydrate", "rehydrate._api"),
     "adapters": (),  # rehydrate.adapters.* (default)
     "entry": ("rehydrate.__main__", "rehydrate._cli", "rehydrate._control_client",
-              "rehydrate.testing"),
+              "rehydrate.testing", "rehydrate._pytest_plugin"),
     # The deprecated old paths of modules made private: each re-exports its module.
     "moved": tuple(f"rehydrate.{m}" for m in ("api", "cli", "context", "control_client",
                                                 "hooks", "lifecycle", "nodefit", "trigger")),

@@ -91,9 +91,7 @@ SUBMODULE_API = {
         "DETECTORS", "Detector", "DetectorInfo", "available", "catalogue_keys", "key_of", "load",
         "probe_of", "select"
     ],
-    "rehydrate.testing": [
-        "isolated_engine", "rehydrate_engine", "rehydrate_environ", "restored_environ"
-    ],
+    "rehydrate.testing": ["isolated_engine", "restored_environ"],
 }
 
 # Every module whose dotted path has no underscore-led part is public. A new module is
@@ -203,3 +201,39 @@ def test_the_reference_renders_the_public_surface_and_nothing_private():
         if any(part.startswith("_") for part in module.split(".")[1:]):
             assert members is not None, f"{module}: list the exported names as members"
             assert set(members) <= exported, (module, sorted(set(members) - exported))
+
+
+def test_a_type_checker_sees_the_public_names_and_refuses_a_typo(tmp_path: Path) -> None:
+    """Before: the package's PEP 562 ``__getattr__`` (returning ``object``) was visible to
+    type checkers, so ``rehydrate.wait_redy(...)`` type-checked as a call of ``object`` —
+    "object not callable" instead of "no attribute"."""
+    from mypy import api
+
+    user = tmp_path / "user.py"
+    user.write_text("import rehydrate\n\n"
+                    "ready: bool = rehydrate.wait_ready(timeout=5)\n"
+                    "key = rehydrate.keys.EphemeralKey\n"
+                    "rehydrate.wait_redy(timeout=5)\n")
+    out, _, status = api.run(["--strict", "--no-error-summary", "--cache-dir",
+                              str(tmp_path / "cache"), str(user)])
+    assert status == 1
+    assert out.splitlines() == [
+        f'{user}:5: error: Module has no attribute "wait_redy"; maybe "wait_ready"?  '
+        "[attr-defined]"]
+
+
+def test_the_testing_helpers_import_without_pytest() -> None:
+    """Before: ``rehydrate.testing`` imported pytest at the top, so the helpers the docs
+    offer "outside pytest" failed with ModuleNotFoundError where pytest is not installed."""
+    code = ("import sys\n"
+            "sys.modules['pytest'] = None  # as if not installed: importing it fails\n"
+            "from rehydrate.testing import isolated_engine, restored_environ\n"
+            "engine = isolated_engine()\n"
+            "with restored_environ():\n"
+            "    assert engine.simulate_restore(env={'K': 'v'}).ok\n"
+            "engine.close()\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "ok\n"

@@ -185,6 +185,7 @@ class RoutesManager:
         self._unavailable_at_capture: frozenset[str] = frozenset()
         self.last: ApplyResult | None = None
         self._encoder = _Encoder()
+        self._missing_warned = False  # pyroute2 missing: said once, at the first route
         engine.builtins.register(self._after_restore, event="restore", phase=Phase.NETWORK,
                                  name="rehydrate.routes", timeout=60.0)
         engine.builtins.register(self._before_snapshot, event="snapshot",
@@ -208,6 +209,11 @@ class RoutesManager:
     def add_route(self, r: Route) -> None:
         with self._lock:
             self.routes = [x for x in self.routes if x.key() != r.key()] + [r]
+            warn = not self._missing_warned and not _pyroute2_available()
+            self._missing_warned |= warn
+        if warn:  # said here, where it is deployed, not first in a restored clone's report
+            log.warning("route %s declared, but it cannot be re-applied after a restore "
+                        "without %s", r.dst, PYROUTE2_MISSING)
 
     def add_ruleset(self, items: Sequence[NftTable | NftCommands]) -> None:
         with self._lock:

@@ -373,20 +373,30 @@ import json, sys
 sys.modules["pyroute2"] = None  # as if the routes extra were not installed
 from rehydrate import routes
 from rehydrate.testing import isolated_engine
+import logging
+said = []
+logging.getLogger("rehydrate").addHandler(
+    type("H", (logging.Handler,), {"emit": lambda self, r: said.append(r.getMessage())})())
 
 engine = isolated_engine()
 routes.route("10.200.9.0/24", dev="lo", engine=engine)
+routes.route("10.200.10.0/24", dev="lo", engine=engine)
+declared = list(said)
 report = engine.simulate_restore()
 hook = next(h for h in report.hooks if h.name == "rehydrate.routes")
-print(json.dumps({"ok": report.ok, "error": str(hook.error),
+print(json.dumps({"ok": report.ok, "error": str(hook.error), "declared": declared,
                   "capture": list(routes.capture(engine=engine).problems)}))
 '''
 
 
 def test_without_pyroute2_one_clear_message(netns_pair):
     out = run_in_ns(netns_pair["a"], NO_PYROUTE2)
+    # said once where it is deployed (before: first in a restored clone's report)
+    assert out["declared"] == ["route 10.200.9.0/24 declared, but it cannot be re-applied "
+                               "after a restore without pyroute2 (pip install "
+                               "'rehydrate[routes]')"]
     assert out["ok"] is False
-    assert out["error"] == ("cannot re-apply 1 route(s): missing pyroute2 "
+    assert out["error"] == ("cannot re-apply 2 route(s): missing pyroute2 "
                             "(pip install 'rehydrate[routes]')")
     assert out["capture"] == ["routes: NetworkUnavailable: missing pyroute2 "
                               "(pip install 'rehydrate[routes]')"]

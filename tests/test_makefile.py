@@ -1,0 +1,38 @@
+"""The Makefile's own setup steps (what `make test` and `make demo` do first on a fresh
+machine), run in a copy of the Makefile in a temporary directory."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_make_recreates_a_virtualenv_left_without_pip(tmp_path):
+    """Debian's ``python3 -m venv`` without python3-venv fails but leaves ``.venv/bin/python``
+    behind; the Makefile used to take that for a virtualenv, and every later ``make test`` /
+    ``make demo`` failed with "No module named pip" until someone ran ``make clean``."""
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    debian = tmp_path / "python3-without-venv"
+    debian.write_text(
+        "#!/bin/sh\n"
+        f'{sys.executable} -m venv --without-pip "$3"\n'
+        'echo "The virtual environment was not created successfully because ensurepip is '
+        'not available." >&2\nexit 1\n')
+    debian.chmod(0o755)
+    first = subprocess.run(["make", "-s", "venv", f"PYTHON={debian}"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert first.returncode != 0
+    assert ("cannot create .venv with '" + str(debian) + " -m venv' (Debian/Ubuntu: apt-get "
+            "install python3-venv)") in first.stderr
+    assert (tmp_path / ".venv" / "bin" / "python").exists()  # what Debian leaves behind
+    # python3-venv installed: the next run makes the virtualenv again instead of using it
+    again = subprocess.run(["make", "-s", "venv", f"PYTHON={sys.executable}"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stderr
+    pip = subprocess.run([str(tmp_path / ".venv" / "bin" / "python"), "-m", "pip", "--version"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert pip.returncode == 0, pip.stderr
