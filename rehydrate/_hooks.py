@@ -124,8 +124,9 @@ def _arity(fn: HookFn) -> int:
     n = 0
     for p in sig.parameters.values():
         if p.kind is p.VAR_POSITIONAL:
-            return _ANY_ARITY
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
+            n = _ANY_ARITY  # keyword-only parameters may still follow: checked below
+        elif (p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+              and p.default is p.empty and n != _ANY_ARITY):
             n += 1
         if p.kind is p.KEYWORD_ONLY and p.default is p.empty:  # hooks get positional ones
             raise TypeError(f"hook {_default_name(fn)} has a required keyword-only "

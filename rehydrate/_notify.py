@@ -334,6 +334,8 @@ def dump(data: object) -> None:
     """``data`` as indented JSON on stdout (``--json``)."""
     import json
 
+    if sys.stdout is None:  # started with fd 1 closed: nobody reads it
+        return
     json.dump(data, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
 
@@ -504,7 +506,8 @@ def notify(opts: Options) -> int:
             dedup = (" — de-duplicated: this restore had already run, nothing ran again"
                      if reply.get("deduplicated") else "")
             print(f"{action}: ok ({summary(reply.get('report'))}){dedup}")
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None: started with fd 1 closed (print() writes nothing)
+            sys.stdout.flush()
     except BrokenPipeError:
         raise  # the reader is gone: the entry point answers that (exit 141)
     except OSError as exc:

@@ -571,8 +571,12 @@ class _AsyncGeneratorCall:
 def _keyword_only(*, ctx) -> None: ...
 
 
+def _star_keyword_only(*args, flag) -> None: ...
+
+
 @pytest.mark.parametrize(("fn", "options", "error", "message"), [
     (_keyword_only, {}, TypeError, "required keyword-only parameter 'ctx'"),
+    (_star_keyword_only, {}, TypeError, "required keyword-only parameter 'flag'"),
     (_GeneratorCall(), {}, TypeError, "is a generator function"),
     (_AsyncGeneratorCall(), {}, TypeError, "is a generator function"),
     (lambda ctx, changes: None, {"env_keys": "API_KEY"}, TypeError,

@@ -247,7 +247,8 @@ def test_timeout_bounds_the_whole_reply_not_each_read(sock_path: str,
 def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
         notifier: list[str], engine: Lifecycle, sock_path: str) -> None:
     """Before: the fast path printed a traceback and exited 1 ("a required hook failed")
-    when stdout was full, although the hooks had run; a reader gone (``| head``) too."""
+    when stdout was full, although the hooks had run; a reader gone (``| head``) too; and
+    a notifier started with fd 1 closed (``sys.stdout`` is None) must exit 0 as well."""
     ran: list[int] = []
     engine.registry.after_restore(name="app")(lambda: ran.append(1))
     argv = [sys.executable, *notifier, "restore", "--socket", sock_path, "--json"]
@@ -261,11 +262,18 @@ def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
         "rehydrate: notify restore: the answer could not be written to stdout (No space "
         "left on device); exit status 0 is the notice's"]
 
+    for extra in ([], ["--json"]):  # started with fd 1 closed: sys.stdout is None
+        proc = subprocess.run(argv[:-1] + extra, env=_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+                              preexec_fn=lambda: os.close(1))
+        assert proc.returncode == 0 and proc.stderr == "", (extra, proc.stderr)
+    assert ran == [1, 1, 1]
+
     reader, writer = os.pipe()
     os.close(reader)  # the reader is gone before the answer comes
     proc = subprocess.run(argv, env=_env(), stdout=writer, stderr=subprocess.PIPE, text=True,
                           timeout=60, check=False)
     os.close(writer)
-    assert ran == [1, 1]
+    assert ran == [1, 1, 1, 1]
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == ""

@@ -134,11 +134,22 @@ async def within(aw: Awaitable[T], seconds: float, what: str) -> T:
     ``asyncio.wait_for`` it never takes the awaited call's own ``TimeoutError`` for its
     own."""
     task = asyncio.ensure_future(aw)
-    done, _ = await asyncio.wait({task}, timeout=seconds)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except BaseException:  # the caller was cancelled (a hook timeout): so is the call
+        _abandon(task)
+        raise
     if not done:
-        task.cancel()
+        _abandon(task)
         raise ServerError(what)
     return task.result()
+
+
+def _abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and collect its outcome whenever it comes (else asyncio logs "Task
+    exception was never retrieved" for a request that failed as its client closed)."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def server_reason(response: httpx.Response) -> str:

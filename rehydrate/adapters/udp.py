@@ -165,7 +165,8 @@ class UdpEndpoint:
         try:
             fut.result(limit)
         except concurrent.futures.TimeoutError:
-            fut.cancel()  # no re-bind half done after the hook has given up
+            # Not cancelled: cancelling between closing the old socket and binding the new
+            # one would leave none; left to finish, a late re-bind still recovers it.
             raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop did not check "
                                f"the socket within {limit:g}s") from None
 

@@ -557,3 +557,30 @@ def test_an_in_process_call_is_cut_at_the_deadline(twin: type[FakeLLM]) -> None:
                             r"deadline\)", str(exc.value))
     finally:
         release.set()
+
+
+def test_a_call_cancelled_from_outside_cancels_the_request_it_waits_for() -> None:
+    """Before: each HTTP try ran as a task of its own awaited through ``asyncio.wait``; a
+    hook cancelled at its timeout left that task going — a sleep or wake-up POST carried
+    on after the hook had given up, and failed as its client closed."""
+    from rehydrate.adapters._server import within
+
+    async def main() -> None:
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def request() -> None:
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        outer = asyncio.ensure_future(within(request(), 30, "never"))
+        await started.wait()
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        await asyncio.wait_for(cancelled.wait(), 5)  # before: still sleeping
+
+    asyncio.run(main())
