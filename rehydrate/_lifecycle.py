@@ -202,13 +202,43 @@ class Lifecycle:
                 if not probe.usable:
                     log.info("extension %s not installed: %s", ext.key, probe.reason)
                     continue
-                ext.install(self)
+                self._install_or_undo(ext)
             except Exception as exc:
                 if explicit:
                     raise
                 log.warning("extension %s could not be installed: %s", spec, exc)
                 continue
             self.installed.append(ext.key)
+
+    def _install_or_undo(self, ext: Extension) -> None:
+        """``ext.install(self)``; when it raises, what it had attached already (hooks,
+        status fields, observers, listeners, per-engine instances) is taken off again — a
+        half-installed extension's hooks ran at every event although it was "not
+        installed"."""
+        hooks = {r: {h.seq for e in ("restore", "snapshot") for h in r.hooks(e)}
+                 for r in (self.builtins, self.registry)}
+        lists = [(lst, len(lst)) for lst in (self._observers, self._listeners,
+                                              self._start_listeners)]
+        status, instances = set(self._extra_status), set(self._extensions)
+        try:
+            ext.install(self)
+        except BaseException:
+            for registry, before in hooks.items():
+                for event in ("restore", "snapshot"):
+                    for h in registry.hooks(event):
+                        if h.seq not in before:
+                            registry.unregister(h)
+            for lst, n in lists:
+                del lst[n:]
+            for key in set(self._extra_status) - status:
+                del self._extra_status[key]
+            for key in set(self._extensions) - instances:
+                instance = self._extensions.pop(key)
+                close = getattr(instance, "close", None)
+                if callable(close):
+                    with contextlib.suppress(Exception):
+                        close()
+            raise
 
     def extension(self, key: str, factory: Callable[[Lifecycle], T]) -> T:
         """The per-engine instance of an extension, created by ``factory`` on first use.

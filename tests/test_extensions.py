@@ -180,3 +180,51 @@ def test_an_extension_cannot_replace_a_core_status_field(rehydrate_engine, key):
     with pytest.raises(ValueError, match=f"status field {key!r} is the engine's own"):
         rehydrate_engine.add_status(key, lambda: "overridden")
     assert rehydrate_engine.status().to_dict()[key] != "overridden"
+
+
+class _HalfInstall:
+    """Attaches one of everything, then fails."""
+
+    key = "half"
+    closed = False
+
+    def probe(self) -> Probe:
+        return Probe(True)
+
+    def install(self, engine: Lifecycle) -> None:
+        ran = self.ran = []
+        engine.builtins.register(lambda: ran.append("builtin"), name="half.builtin")
+        engine.registry.register(lambda: ran.append("user"), name="half.user")
+        engine.add_status("half", lambda: "attached")
+        engine.add_listener(lambda report: ran.append("listener"))
+        half = self
+
+        class Manager:
+            def close(self) -> None:
+                half.closed = True
+
+        engine.extension("half", lambda e: Manager())
+        raise RuntimeError("install failed midway")
+
+
+def test_an_extension_whose_install_fails_leaves_nothing_attached() -> None:
+    """Before: the hooks (and status fields, listeners …) an extension had attached before
+    its ``install()`` raised stayed, and ran at every event although it was reported as
+    not installed — and, for an explicitly requested one, in the caller's own registry."""
+    registry = Registry()
+    half = _HalfInstall()
+    with pytest.raises(RuntimeError, match="install failed midway"):
+        Lifecycle(registry, extensions=[half], env=EnvRefresher(path=None))
+    assert len(registry) == 0 and half.closed
+
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    try:
+        other = _HalfInstall()
+        engine._install_extensions([other], explicit=False)  # as for a default extension
+        assert "half" not in engine.installed and other.closed
+        report = engine.simulate_restore()
+        assert other.ran == []
+        assert [h.name for h in report.hooks if h.name.startswith("half")] == []
+        assert "half" not in engine.status().to_dict()
+    finally:
+        engine.close()
