@@ -434,15 +434,18 @@ class EphemeralKey:
         self._listeners.remove(fn)
 
     def _rotate_unlocked(self) -> None:
+        epoch = self._manager.epoch  # before generating: RSA takes a while
         private = generate_private_key(self.algorithm)
         with self._cond:
             # The before-snapshot pass may have dropped the keys while this one was being
-            # generated (RSA takes a while): storing it would put it into the image.
-            if self._manager.dropped:
+            # generated: storing it would put it into the image. Or the rotation outlived
+            # a snapshot and the restore after it (or a restore with no snapshot pass):
+            # its key was made before, so every clone has it.
+            if self._manager.dropped or epoch != self._manager.epoch:
                 del private
                 raise KeyDroppedError(
-                    f"ephemeral key {self.name!r}: private keys were dropped before a "
-                    "snapshot while this rotation ran; its new key is discarded")
+                    f"ephemeral key {self.name!r}: a snapshot or restore happened while "
+                    "this rotation ran; its new key is discarded")
             self._private = private
             self._public = private.public_key()
             self.generation += 1
@@ -484,6 +487,9 @@ class KeyManager:
         self._lock = threading.Lock()
         self._keys: dict[str, EphemeralKey] = {}
         self._dropped = engine.snapshot_pending
+        self.epoch = 0
+        """+1 at every before-snapshot pass and restore/resume run: a rotation that began
+        before one of them has its key discarded."""
         engine.builtins.register(self._on_restore, phase=Phase.SECRETS, order=-100,
                                  name="rehydrate.keys", timeout=60.0)
         engine.builtins.register(self._on_snapshot, event="snapshot", phase=Phase.SECRETS,
@@ -539,6 +545,7 @@ class KeyManager:
     def _on_restore(self) -> None:
         with self._lock:
             self._dropped = False
+            self.epoch += 1
         if not self.active:
             log.info("keys disabled: ephemeral keys NOT regenerated")
             for k in self.keys():  # still usable: give back a key if it was dropped
@@ -562,6 +569,7 @@ class KeyManager:
             return
         with self._lock:  # set before dropping: ephemeral() checks it under this lock
             self._dropped = True
+            self.epoch += 1
         for k in self.keys():
             k.drop()
 

@@ -66,6 +66,8 @@ MAX_SECRET_BYTES = 16 * 1024 * 1024
 
 _PENDING = ("a snapshot is pending (loaded now, the value would be in the image); it loads "
             "on restore/resume")
+_RESTORED = ("a restore happened while this load ran: its value is the snapshot's, "
+             "discarded (the restore loads the clone's own)")
 
 
 class SecretError(RuntimeError):
@@ -202,6 +204,8 @@ class Secret:
 
     def _load(self, *, keep_previous: bool, raise_errors: bool) -> bool:
         reason: str | None = None
+        engine = self._manager.engine
+        generation = engine.generation  # before fetching: a source may take long
         try:
             fresh = self._fetch()
         except Exception as exc:
@@ -223,8 +227,10 @@ class Secret:
             return False
         with self._cond:
             # A before-snapshot pass that came while this load ran: keeping the value
-            # would write it into the image.
-            pending = self._manager.engine.snapshot_pending
+            # would write it into the image. A restore since it began: the value is the
+            # image's (every clone's), and the restore's own load has the clone's.
+            restored = engine.generation != generation
+            pending = engine.snapshot_pending or restored
             if not pending:
                 old = self._buf
                 self._buf = fresh  # a new buffer: views of the old one may still be open
@@ -233,9 +239,10 @@ class Secret:
                 self._cond.notify_all()
         if pending:
             _zero(fresh)
-            self.last_error = _PENDING
+            why = _RESTORED if restored else _PENDING
+            self.last_error = why
             if raise_errors:
-                raise SecretError(f"secret {self.name!r}: {_PENDING}")
+                raise SecretError(f"secret {self.name!r}: {why}")
             return False
         if old is not None:
             with self._cond:  # like wipe(): views of the old value may still be open

@@ -447,6 +447,7 @@ class ManagedCertificate:
             return self._renew_locked()
 
     def _renew_locked(self) -> Material:
+        epoch = self._manager.epoch  # before produce(): an issuer may take long
         try:
             new = self.produce()
         except CertificateError as exc:
@@ -459,7 +460,7 @@ class ManagedCertificate:
             new.wipe_key()
             self.last_error = None
             return self.material
-        self.apply(new)
+        self.apply(new, epoch=epoch)
         return new
 
     def _unchanged(self, new: Material) -> bool:
@@ -475,12 +476,16 @@ class ManagedCertificate:
         load_into(ctx, material)
         self._slots.setdefault(ctx, set()).add(_slot(material.certificate.public_key()))
 
-    def apply(self, material: Material) -> None:
+    def apply(self, material: Material, *, epoch: int | None = None) -> None:
         """Make ``material`` current: live server contexts, client contexts, listeners.
 
         All or nothing for the contexts: material OpenSSL refuses (a key or CA key below
         its security level, which :func:`validate` does not see without a CA bundle) is
-        a :class:`CertificateError` and every context keeps serving what it served."""
+        a :class:`CertificateError` and every context keeps serving what it served.
+
+        ``epoch``: the manager's :attr:`TLSManager.epoch` read before the material was
+        made; when a snapshot pass or a restore/resume run began since, the material
+        existed before it (in the image, the same in every clone) and is discarded."""
         if material.private_key is None:
             raise CertificateError(f"certificate {self.name!r}: material without a key")
         errors: list[str] = []
@@ -491,6 +496,13 @@ class ManagedCertificate:
                     raise CertificateError(
                         f"certificate {self.name!r}: keys were dropped before a snapshot "
                         "while this renewal ran; its new key is discarded")
+                if epoch is not None and epoch != self._manager.epoch:
+                    # it outlived a snapshot and the restore after it, or a restore of
+                    # the whole process: its key was made before, so every clone has it
+                    material.wipe_key()
+                    raise CertificateError(
+                        f"certificate {self.name!r}: a snapshot or restore happened while "
+                        "this renewal ran; its new key is discarded")
                 self._load_everywhere(material)
                 old, self._material = self._material, material
                 if old is not None and old.key_buffer is not material.key_buffer:
@@ -1103,6 +1115,7 @@ class FileCertificate(ManagedCertificate):
         with self._renew_lock:  # read, validate and apply as one step (watcher vs restore)
             if self._manager.frozen:
                 return False
+            epoch = self._manager.epoch
             try:
                 new = self.produce()
             except Exception as exc:
@@ -1123,7 +1136,7 @@ class FileCertificate(ManagedCertificate):
                 self.last_error = None
                 return False
             try:
-                self.apply(new)
+                self.apply(new, epoch=epoch)
             except CertificateError as exc:
                 self.last_error = str(exc)
                 log.warning("tls: %s; keeping %s", exc, f"serial {self._material.serial:x}"
@@ -1168,6 +1181,9 @@ class TLSManager:
         """True between the before-snapshot pass and the next restore/resume: private keys
         are dropped, renewals are refused and certificates added meanwhile get their first
         material on restore."""
+        self.epoch = 0
+        """+1 at every before-snapshot pass and restore/resume run: a renewal that began
+        before one of them (an issuer that took long) has its material discarded."""
         engine.builtins.register(self._on_snapshot, event="snapshot", phase=Phase.SECRETS,
                                  order=100, name="rehydrate.tls", timeout=60.0)
         engine.builtins.register(self._on_restore, phase=Phase.SECRETS, order=99,
@@ -1184,6 +1200,7 @@ class TLSManager:
             return
         with self._lock:  # set first: add() checks it under this lock
             self.frozen = True
+            self.epoch += 1
         placeholders: dict[str, Material] = {}  # one per key type for this pass
         errors: list[str] = []
         for cert in self.certificates():
@@ -1198,6 +1215,7 @@ class TLSManager:
         # before the certificates' own hooks (order 100), which renew them
         with self._lock:
             self.frozen = False
+            self.epoch += 1
 
     def certificates(self) -> list[ManagedCertificate]:
         with self._lock:

@@ -248,3 +248,53 @@ def test_a_rotation_overtaken_by_the_snapshot_pass_discards_its_key(rehydrate_en
     assert rehydrate_engine.status().extra["keys"]["slow"]["dropped"] is True
     monkeypatch.setattr(keys_module, "generate_private_key", real)
     assert rehydrate_engine.simulate_restore().ok and not k.dropped
+
+
+@pytest.mark.parametrize("snapshot_pass", [True, False])
+def test_a_rotation_that_outlives_the_restore_keeps_the_restore_s_key(rehydrate_engine,
+                                                                      monkeypatch,
+                                                                      snapshot_pass):
+    """Before: a rotation still generating across the snapshot *and the restore* (or a
+    restore with no snapshot pass) stored its key in the clone afterwards — a key made
+    before the snapshot, the same in every clone (for RSA: primes two clones share) —
+    replacing the restore's fresh key, and told the listeners; only ``dropped`` was
+    checked, and the restore had cleared it."""
+    real = keys.generate_private_key
+    entered, release = threading.Event(), threading.Event()
+    stale: list[bytes] = []
+
+    def slow_once(algorithm):  # type: ignore[no-untyped-def]
+        k = real(algorithm)
+        if not stale:
+            stale.append(k.public_key().public_bytes_raw())
+            entered.set()
+            release.wait(30)
+        return k
+
+    handle = keys.ephemeral("session", algorithm="ed25519", engine=rehydrate_engine)
+    told: list[bytes] = []
+    handle.subscribe(lambda h: told.append(h.public_key.public_bytes_raw()))
+    monkeypatch.setattr(keys, "generate_private_key", slow_once)
+    outcome: list[BaseException | None] = []
+
+    def rotate() -> None:
+        try:
+            handle.rotate()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=rotate, daemon=True)
+    worker.start()
+    assert entered.wait(5)
+    if snapshot_pass:
+        assert rehydrate_engine.simulate_snapshot().ok
+    try:  # the restore runs (and rotates) while the stale rotation still generates
+        assert rehydrate_engine.simulate_restore().ok
+        fresh = handle.public_key.public_bytes_raw()
+    finally:
+        release.set()  # the stale rotation comes back only now
+        worker.join(10.0)
+    assert len(outcome) == 1 and isinstance(outcome[0], KeyDroppedError), outcome
+    assert handle.public_key.public_bytes_raw() == fresh != stale[0]
+    assert stale[0] not in told

@@ -357,3 +357,38 @@ def test_reload_waits_for_open_views_of_the_previous_value(rehydrate_engine):
     t.join(5)
     reloading.join(5)
     assert seen == [b"one"] and s.get() == b"two"
+
+
+@pytest.mark.parametrize("snapshot_pass", [True, False])
+def test_a_reload_that_outlives_the_restore_keeps_the_clone_s_value(rehydrate_engine,
+                                                                    snapshot_pass):
+    """Before: a ``reload()`` whose source answered only after the snapshot *and the
+    restore* stored the value it fetched before — the snapshot's, every clone's —
+    over the value the restore had just loaded; only ``snapshot_pending`` was checked."""
+    source = {"value": b"parent-token", "stall": False}
+    entered, release = threading.Event(), threading.Event()
+
+    def fetch() -> bytes:
+        value = source["value"]
+        if source["stall"]:
+            source["stall"] = False
+            entered.set()
+            release.wait(30)
+        return value
+
+    secret = Secret.from_callable(fetch, name="vault", engine=rehydrate_engine)
+    source["stall"] = True
+    worker = threading.Thread(target=secret.reload, daemon=True)
+    worker.start()
+    assert entered.wait(5)
+    if snapshot_pass:
+        assert rehydrate_engine.simulate_snapshot().ok
+    source["value"] = b"clone-token"  # what the source answers the clone
+    try:
+        assert rehydrate_engine.simulate_restore().ok
+        assert secret.get() == b"clone-token"
+    finally:
+        release.set()  # the stale reload comes back only now
+        worker.join(10.0)
+    assert secret.get() == b"clone-token"
+    assert "a restore happened while this load ran" in (secret.last_error or "")

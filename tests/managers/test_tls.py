@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from rehydrate import tls
+from rehydrate import Phase, tls
 from rehydrate.tls import CertificateError
 
 NOW = dt.datetime.now(dt.timezone.utc)
@@ -942,6 +942,11 @@ def test_an_issuer_response_over_the_cap_is_refused_without_reading_it_all(rehyd
         flood.close()
 
 
+def _spki(key) -> bytes:  # type: ignore[no-untyped-def]
+    return key.public_bytes(serialization.Encoding.DER,
+                            serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
 def _csr() -> x509.CertificateSigningRequest:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "api.local")])
@@ -996,6 +1001,68 @@ def test_a_stuck_custom_issuer_does_not_keep_the_key_in_the_snapshot(rehydrate_e
         worker.join(10.0)
     assert len(outcome) == 1 and "discarded" in str(outcome[0]), outcome
     assert cert.key_dropped and cert.material.serial == first
+
+
+@pytest.mark.parametrize("snapshot_pass", [True, False])
+def test_a_renewal_that_outlives_the_restore_is_discarded(rehydrate_engine, monkeypatch,
+                                                         snapshot_pass):
+    """Before: a renewal stuck in its issuer across the snapshot *and the restore* (or
+    across a restore with no snapshot pass) was applied in the clone once the issuer
+    answered — its key made before the snapshot, the same in every clone — since only
+    ``frozen`` was checked, and the restore had cleared it."""
+    monkeypatch.setattr(tls, "DROP_WAIT", 0.1, raising=False)
+    ca = CA("Slow CA")
+    entered, release = threading.Event(), threading.Event()
+    stale: list[bytes] = []
+
+    class SlowIssuer:
+        trust = (ca.cert,)
+        stall = False
+
+        def issue(self, csr):  # type: ignore[no-untyped-def]
+            if self.stall:
+                self.stall = False
+                stale.append(_spki(csr.public_key()))
+                entered.set()
+                release.wait(30)
+            return ca.sign(csr.public_key()), [ca.cert]
+
+    issuer = SlowIssuer()
+    cert = tls.issued("slow", issuer, common_name="localhost", engine=rehydrate_engine)
+    applied: list[bytes] = []
+    cert.subscribe(lambda c: applied.append(_spki(c.certificate.public_key())))
+    issuer.stall = True
+    outcome: list[BaseException | None] = []
+
+    def renew() -> None:
+        try:
+            cert.renew()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=renew, daemon=True)
+    worker.start()
+    assert entered.wait(5)
+    if snapshot_pass:
+        assert rehydrate_engine.simulate_snapshot().ok
+    began = threading.Event()  # runs right after the tls manager's own restore hook
+    rehydrate_engine.registry.after_restore(phase=Phase.SECRETS, order=99,
+                                            name="test.tls-restore-began")(began.set)
+    restored: list[object] = []
+    restorer = threading.Thread(
+        target=lambda: restored.append(rehydrate_engine.simulate_restore()), daemon=True)
+    restorer.start()
+    try:  # the restore has begun (its certificate hook waits for the renew lock) ...
+        assert began.wait(10)
+    finally:
+        release.set()  # ... and only then does the stale renewal come back
+        worker.join(10.0)
+        restorer.join(30.0)
+    assert len(outcome) == 1 and "discarded" in str(outcome[0]), outcome
+    assert restored[0].ok  # type: ignore[attr-defined]
+    assert stale[0] not in applied, "the pre-snapshot key was applied after the restore"
+    assert _spki(cert.certificate.public_key()) != stale[0]
 
 
 def test_one_string_of_sans_is_one_name(rehydrate_engine):
