@@ -349,6 +349,14 @@ class Secret:
         self.wipe()
         self._manager.remove(self)
 
+    def __del__(self) -> None:
+        # Dropped without close(): the buffer would stay in freed heap memory — and in
+        # every snapshot image taken later. (No locks here: nobody else holds the object.)
+        buf = getattr(self, "_buf", None)
+        if buf is not None:
+            with contextlib.suppress(Exception):  # at interpreter exit globals may be gone
+                _zero(buf)
+
 
 def _zero(buf: bytearray) -> None:
     n = len(buf)

@@ -47,6 +47,7 @@ import dataclasses
 import datetime as _dt
 import logging
 import os
+import re
 import ssl
 import tempfile
 import threading
@@ -382,6 +383,9 @@ class ManagedCertificate:
             weakref.WeakKeyDictionary()
         """Key types this handle loaded into each context (each holds one key per type)."""
         self._servers: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
+        self._presenting: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
+        """Every client context made to present the certificate, also those a renewal
+        replaced (an application may still hold one): each holds a private key."""
         self._clients: dict[bool, ssl.SSLContext] = {}
         self._listeners: list[Callable[[ManagedCertificate], None]] = []
         self.last_error: str | None = None
@@ -569,10 +573,9 @@ class ManagedCertificate:
         Caller holds both locks. Returns errors."""
         errors: list[str] = []
         m = self._material
-        contexts = list(self._servers)
-        presenting = self._clients.get(True)
-        if presenting is not None:
-            contexts.append(presenting)
+        # every presenting client context, not only the current one: one a renewal
+        # replaced still holds its (older, real) key, and would carry it into the image
+        contexts = list(self._servers) + list(self._presenting)
         self._clients.clear()
         for ctx in contexts:
             slots = set(self._slots.get(ctx, ()))
@@ -672,6 +675,7 @@ class ManagedCertificate:
                         self._load(ctx, m)
                     except ssl.SSLError as exc:
                         raise self._refused(exc) from None
+                    self._presenting.add(ctx)
                 self._clients[present] = ctx
             return ctx
 
@@ -820,11 +824,17 @@ class Issuer(Protocol):
               ) -> tuple[x509.Certificate, list[x509.Certificate]]: ...
 
 
+_CERT_BLOCK = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+
+
 def _load_pem_list(data: bytes | bytearray, what: str) -> list[x509.Certificate]:
     from cryptography import x509
 
+    # Only the certificate blocks are copied (cryptography wants bytes, which cannot be
+    # wiped): a bundle.pem holding the key too leaves no copy of the key's text behind.
+    blocks = b"\n".join(bytes(m.group(0)) for m in _CERT_BLOCK.finditer(data))
     try:
-        certs = x509.load_pem_x509_certificates(bytes(data))
+        certs = x509.load_pem_x509_certificates(blocks)
     except ValueError:
         if b"-----BEGIN " in data and b"CERTIFICATE-----" not in data:
             # valid PEM of something else: the usual mistake is a key given as the cert
@@ -867,6 +877,15 @@ class HTTPIssuer:
         """``url`` for messages, logs and ``status()``: no user info, query or fragment
         (where tokens go)."""
         self.headers = dict(headers or {})
+        for name, value in self.headers.items():
+            # Checked here, never quoting the value: httpx's refusal of such a header
+            # quotes it (a bearer token read with its newline) into errors and status.
+            if not isinstance(name, str) or not isinstance(value, str):
+                raise TypeError("HTTPIssuer headers must map str names to str values")
+            if any(c in name + value for c in "\r\n\0"):
+                raise ValueError(f"HTTPIssuer header {name!r}: its value (not shown) or "
+                                 "name holds a line break or NUL; strip it (a token read "
+                                 "from a file keeps its newline)")
         self.timeout = timeout
         self.max_response = max_response
         self.verify = verify
@@ -904,8 +923,10 @@ class HTTPIssuer:
         if isinstance(result, CertificateError):
             raise result
         if isinstance(result, httpx.HTTPError):
-            raise CertificateError(f"issuer {self.shown_url} unreachable: "
-                                   f"{type(result).__name__}: {result}") from None
+            # A protocol error's message may quote what was sent (headers: tokens)
+            detail = (type(result).__name__ if isinstance(result, httpx.ProtocolError)
+                      else f"{type(result).__name__}: {result}")
+            raise CertificateError(f"issuer {self.shown_url} unreachable: {detail}") from None
         if isinstance(result, BaseException):
             raise result
         status, body = cast("tuple[int, bytes]", result)
@@ -1031,8 +1052,11 @@ class FileCertificate(ManagedCertificate):
     def produce(self) -> Material:
         from cryptography.hazmat.primitives import serialization
 
-        certs = _load_pem_list(_read(self.cert_path, "certificate file"),
-                               f"certificate file {self.cert_path}")
+        cert_data = _read(self.cert_path, "certificate file")
+        try:  # wiped: it may be one bundle.pem holding the key as well
+            certs = _load_pem_list(cert_data, f"certificate file {self.cert_path}")
+        finally:
+            wipe(cert_data)
         key_data = _read(self.key_path, "key file")
         try:
             try:

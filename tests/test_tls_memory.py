@@ -32,6 +32,10 @@ MODES = {
     "issued": ("issued", None, 0),
     "key-pem": ("key-pem", None, 0),
     "files-sec1": ("files", serialization.PrivateFormat.TraditionalOpenSSL, 0),
+    # one bundle.pem given as both files (certificate and key in it): its certificate
+    # read kept a copy of the key's text (a bytes copy for the parser) until wiped/parsed
+    # by blocks
+    "files-bundle": ("files", serialization.PrivateFormat.TraditionalOpenSSL, 0),
     # OpenSSL's PKCS#8 decoders for EC keys (Python's ssl; cryptography's) free a decoded
     # copy without clearing it: measured 2, allowed 3, as documented.
     "files-pkcs8": ("files", serialization.PrivateFormat.PKCS8, 3),
@@ -85,6 +89,10 @@ def test_no_private_key_left_in_memory_after_the_snapshot_pass(
                 .not_valid_after(now + dt.timedelta(days=1))
                 .sign(key, hashes.SHA256()))
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        if mode == "files-bundle":
+            cert_path = key_path  # tls.key now holds the certificate, then the key
+            key_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM)
+                                 + key_path.read_bytes())
         args += [str(key_path), str(cert_path)]
     needles = {"scalar": scalar, "bignum": scalar[::-1]}
     needles.update({f"pem{i}": line for i, line in enumerate(_pem_lines(key))})

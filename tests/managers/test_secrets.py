@@ -392,3 +392,20 @@ def test_a_reload_that_outlives_the_restore_keeps_the_clone_s_value(rehydrate_en
         worker.join(10.0)
     assert secret.get() == b"clone-token"
     assert "a restore happened while this load ran" in (secret.last_error or "")
+
+
+def test_a_secret_dropped_without_close_is_wiped(rehydrate_engine):
+    """Before: only ``close()`` and the before-snapshot pass wiped the value; a Secret
+    that was simply garbage-collected left it in freed heap memory — and in every
+    snapshot image taken later."""
+    import weakref
+
+    secret = Secret.from_callable(lambda: b"s3cr3t-token-value", name="dropped",
+                                  engine=rehydrate_engine)
+    buffer = secret._buf  # the memory the value lives in
+    assert bytes(buffer) == b"s3cr3t-token-value"
+    alive = weakref.ref(secret)
+    del secret
+    gc.collect()
+    assert alive() is None
+    assert bytes(buffer) == bytes(len(buffer))

@@ -295,6 +295,50 @@ def test_snapshot_drops_the_key_and_contexts_present_a_placeholder(rehydrate_eng
     assert presenting is not cert.client_context(present=True)
 
 
+def _presented_by(client_ctx: ssl.SSLContext, trusted: x509.Certificate,
+                  engine) -> x509.Certificate | None:  # type: ignore[no-untyped-def]
+    """The certificate ``client_ctx`` presents to a server that requires one issued by
+    ``trusted`` (a handshake over memory BIOs); None when the handshake fails."""
+    server = tls.self_signed("recorder", engine=engine).server_context()
+    server.verify_mode = ssl.CERT_REQUIRED
+    server.load_verify_locations(cadata=trusted.public_bytes(serialization.Encoding.PEM)
+                                 .decode())
+    client_ctx.check_hostname = False
+    client_ctx.verify_mode = ssl.CERT_NONE
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    client = client_ctx.wrap_bio(c_in, c_out, server_side=False)
+    srv = server.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(20):
+        for end, out, peer_in in ((client, c_out, s_in), (srv, s_out, c_in)):
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError:
+                return None
+            data = out.read()
+            if data:
+                peer_in.write(data)
+    der = srv.getpeercert(binary_form=True)
+    return x509.load_der_x509_certificate(der) if der else None
+
+
+def test_a_replaced_presenting_client_context_keeps_no_key_through_the_snapshot(
+        rehydrate_engine):
+    """Before: only the current presenting client context got the placeholder; one a
+    renewal had replaced (an HTTP client built at start-up keeps it) still held the real
+    key through the snapshot — into the image — and presented it from every clone."""
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    first = cert.certificate
+    kept = cert.client_context(present=True)  # given to a client once, at start-up
+    assert _presented_by(kept, first, rehydrate_engine) == first
+    cert.renew()  # the application never asks for the new context
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert _presented_by(kept, first, rehydrate_engine) is None  # a placeholder now
+    assert rehydrate_engine.simulate_restore().ok
+    assert _presented_by(kept, first, rehydrate_engine) is None
+
+
 def test_resume_after_the_snapshot_pass_brings_a_key_back(rehydrate_engine, https_server):
     cert = tls.self_signed("web", engine=rehydrate_engine)
     port = https_server(cert.server_context())
@@ -1152,3 +1196,15 @@ def test_a_certificate_name_the_hooks_refuse_is_refused_before_a_key_is_made(
         with pytest.raises(TypeError, match="certificate name must be a non-empty string"):
             tls.self_signed("a\nb", engine=rehydrate_engine)
     assert tls.manager(rehydrate_engine).get("a\nb") is None
+
+
+@pytest.mark.parametrize("value", ["Bearer s3cr3t-TOKEN\n", "Bearer s3cr3t-TOKEN\r", "s3cr3t\0"])
+def test_an_issuer_header_with_a_line_break_is_refused_without_its_value(value):
+    """Before: accepted, then httpx refused to send it with a message quoting the value
+    (a bearer token read from a file with its newline) — into the error, ``last_error``,
+    ``status()``, the ERROR log line and the restore report."""
+    with pytest.raises(ValueError) as caught:
+        tls.HTTPIssuer("http://127.0.0.1:9/sign", headers={"Authorization": value})
+    assert "s3cr3t" not in str(caught.value)
+    assert str(caught.value).startswith("HTTPIssuer header 'Authorization': its value "
+                                        "(not shown)")
