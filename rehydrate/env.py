@@ -322,6 +322,13 @@ def _pattern(patterns: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
 
 
+def _name_only(name: str) -> str:
+    """A key for a message, never what follows an ``=``: a whole ``KEY=VALUE`` pair given
+    as the key would otherwise put the value into the error (and the logs)."""
+    key, sep, _ = name.partition("=")
+    return repr(key) + (" (followed by '=' and a value, not shown)" if sep else "")
+
+
 def check_overlay(overlay: object) -> None:
     """Raise (``TypeError`` for a wrong type, :class:`EnvError` for a bad entry) unless
     ``overlay`` maps ``str`` names to ``str`` values or ``None``; names only in messages."""
@@ -330,12 +337,13 @@ def check_overlay(overlay: object) -> None:
                         f"not {type(overlay).__name__}")
     for name, value in overlay.items():
         if not isinstance(name, str):
-            raise TypeError(f"env key {name!r} must be a str, not {type(name).__name__}")
+            raise TypeError(f"env keys must be str, not {type(name).__name__}")
+        shown = _name_only(name)
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"env value for {name!r} must be a str or None, "
+            raise TypeError(f"env value for {shown} must be a str or None, "
                             f"not {type(value).__name__}")
         if not name or "=" in name or "\0" in name or (value is not None and "\0" in value):
-            raise EnvError(f"invalid environment entry {name!r} (empty key, '=' or NUL)")
+            raise EnvError(f"invalid environment entry {shown} (empty key, '=' or NUL)")
         try:  # what applying it does: a lone surrogate would fail there, half applied
             os.fsencode(name)
             if value is not None:

@@ -751,3 +751,14 @@ def test_a_clone_reads_its_environment_on_a_thread_from_before_the_snapshot(
         assert started == []
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("env", [{"DB_PASSWORD=hunter2-s3cr3t": "x"},
+                                 {"DB_PASSWORD=hunter2-s3cr3t": 5}])
+def test_a_whole_pair_given_as_the_key_is_refused_without_its_value(rehydrate_engine, env):
+    """Before: ``simulate_restore(env={"PW=secret": ...})`` quoted the whole key — the
+    value after the ``=`` — into the error (and so the logs)."""
+    with pytest.raises((EnvError, TypeError)) as caught:
+        rehydrate_engine.simulate_restore(env=env)
+    assert "hunter2" not in str(caught.value)
+    assert "'DB_PASSWORD' (followed by '=' and a value, not shown)" in str(caught.value)
