@@ -388,3 +388,40 @@ def test_a_bytes_path_is_managed_as_text(engine, tmp_path: Path) -> None:
     report = engine.simulate_restore()
     assert report.ok, report.table()
     assert a.read() == "a\n" and b.read() == "b\n" and a.changed and b.changed
+
+
+@pytest.mark.parametrize("kind", ["file", "mmap", "sqlite"])
+def test_a_file_replaced_before_the_snapshot_reopens_as_changed(
+        engine, tmp_path: Path, kind: str) -> None:
+    # Renamed over while the handle still held the old file (atomic config update, log
+    # rotation, ConfigMap symlink swap) and then left alone: the identity saved before
+    # the snapshot used to be the new file's, so the restore found it "unchanged" and
+    # read it from the old file's position.
+    p = tmp_path / "data"
+    seen = []
+    if kind == "sqlite":
+        with sqlite3.connect(p) as c:
+            c.execute("CREATE TABLE t (v)")
+        c.close()
+        h: files._Handle = files.sqlite(p, engine=engine, on_change=seen.append)
+        new = tmp_path / "new.db"
+        with sqlite3.connect(new) as c:
+            c.execute("CREATE TABLE u (v)")
+        c.close()
+        os.replace(new, p)
+    else:
+        p.write_text("OLD-LINE-1\nOLD-LINE-2\n")
+        if kind == "file":
+            f = files.open(p, engine=engine, on_change=seen.append)
+            assert f.readline() == "OLD-LINE-1\n"
+            h = f
+        else:
+            h = files.mmap(p, engine=engine, on_change=seen.append)
+        _replace(p, "NEW CONTENT: another file\nnew 2\n")
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore().ok
+    assert h.changed is True and seen == [h]
+    if kind == "file":
+        assert f.readline() == "NEW CONTENT: another file\n"
+    h.close()
+
