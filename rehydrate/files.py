@@ -336,10 +336,17 @@ class ManagedFile(_Handle):
         return self._file
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._file)
+        return self
 
     def __next__(self) -> Any:
-        return next(self._file)
+        # readline(), not next(file): a text file's next() disables tell() until EOF
+        # ("telling position disabled by next() call"), which the before-snapshot close
+        # needs — a `for line in f: ... break` would refuse every snapshot. Iterating the
+        # handle (not the file object) also follows it to the file reopened after one.
+        line = self._file.readline()
+        if not line:
+            raise StopIteration
+        return line
 
     def __repr__(self) -> str:
         return f"<rehydrate.files.ManagedFile {self.path!r} mode={self.mode!r}>"

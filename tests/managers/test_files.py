@@ -425,3 +425,23 @@ def test_a_file_replaced_before_the_snapshot_reopens_as_changed(
         assert f.readline() == "NEW CONTENT: another file\n"
     h.close()
 
+
+def test_partial_iteration_of_a_text_file_does_not_refuse_the_snapshot(
+        engine, tmp_path: Path) -> None:
+    # next() on a text file object disables its tell() until EOF, which the close before
+    # the snapshot needs: the whole pass was refused.
+    p = tmp_path / "lines.txt"
+    p.write_text("header\nrow1\nrow2\nrow3\n")
+    f = files.open(p, engine=engine)
+    assert next(f) == "header\n"
+    for line in f:
+        assert line == "row1\n"
+        break
+    report = engine.simulate_snapshot()
+    assert report.ok, report.table()
+    assert engine.simulate_restore().ok
+    assert f.changed is False
+    assert list(f) == ["row2\n", "row3\n"]
+    with pytest.raises(StopIteration):
+        next(f)
+
