@@ -324,7 +324,9 @@ class ManagedFile(_Handle):
 
     def _open_now(self, same: bool) -> None:
         f = builtins.open(self.path, _reopen_mode(self.mode), **self._kwargs)  # noqa: SIM115
-        if same and "a" not in self.mode:
+        if same:
+            # "a"/"a+" too: an "a+" reader continues where it read (O_APPEND still sends
+            # every write to the end).
             f.seek(self._pos)
         self._set_file(f)
 

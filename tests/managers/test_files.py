@@ -445,3 +445,17 @@ def test_partial_iteration_of_a_text_file_does_not_refuse_the_snapshot(
     with pytest.raises(StopIteration):
         next(f)
 
+
+def test_an_append_plus_reader_reopens_at_its_position(engine, tmp_path: Path) -> None:
+    p = tmp_path / "journal.log"
+    p.write_text("e1\ne2\ne3\n")
+    f = files.open(p, "a+", engine=engine)
+    f.seek(0)
+    assert f.readline() == "e1\n"
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore().ok
+    assert (f.changed, f.readline()) == (False, "e2\n")
+    f.write("e4\n")  # O_APPEND: still to the end
+    f.close()
+    assert p.read_text() == "e1\ne2\ne3\ne4\n"
+
