@@ -193,13 +193,19 @@ class _Handle:
         with self._lock:
             if self._closed_by_user or self._suspended:
                 return
+            failed: Exception | None = None
             try:
                 self._close_now()
             except SnapshotRefused:
                 raise
             except Exception as exc:
-                raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                if not self._is_closed():
+                    raise SnapshotRefused(f"managed {self._kind} {self.path} could not be "
+                                          f"closed: {type(exc).__name__}: {exc}") from exc
+                # The close failed but closed the object anyway: carry on as suspended so
+                # the restore or resume reopens it — otherwise the application's handle
+                # stayed closed for good — and refuse the pass below.
+                failed = exc
             object.__setattr__(self, "_suspended", True)
             try:
                 st = os.stat(self.path)
@@ -218,6 +224,13 @@ class _Handle:
                 # Stat after the close, so the size and times include its last write-back.
                 ident = _Identity(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             object.__setattr__(self, "_identity", ident)
+            if failed is not None:
+                raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
+                                      f"{type(failed).__name__}: {failed}") from failed
+
+    def _is_closed(self) -> bool:
+        """After a failed ``_close_now``: True when the underlying object is closed anyway."""
+        return False
 
     def _resume(self, volume_changed: bool) -> bool:
         """After a restore or resume: reopen; True when the file changed."""
@@ -319,8 +332,16 @@ class ManagedFile(_Handle):
     def _close_now(self) -> None:
         f = self._file
         if not f.closed:
+            # Flush first: a write-back error (volume full) then leaves the file open and
+            # usable, and the pass is refused; close() would report it with the file
+            # already closed and its buffer lost.
+            if f.writable():
+                f.flush()
             object.__setattr__(self, "_pos", f.tell())
             f.close()
+
+    def _is_closed(self) -> bool:
+        return bool(self._file.closed)
 
     def _open_now(self, same: bool) -> None:
         f = builtins.open(self.path, _reopen_mode(self.mode), **self._kwargs)  # noqa: SIM115
@@ -488,6 +509,9 @@ class ManagedMap(_Handle):
             if self.access in (_mmap.ACCESS_WRITE, _mmap.ACCESS_DEFAULT):
                 m.flush()
             m.close()
+
+    def _is_closed(self) -> bool:
+        return bool(self._map.closed)
 
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_map", self._map_now())
