@@ -126,6 +126,10 @@ class _Identity:
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def _file_key(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
 def _stat_after_restore(path: str) -> _Identity:
     try:
         return _Identity.of(path)
@@ -155,6 +159,7 @@ class _Handle:
         object.__setattr__(self, "required", required)
         object.__setattr__(self, "_lock", threading.RLock())
         object.__setattr__(self, "_identity", None)
+        object.__setattr__(self, "_opened_key", None)
         object.__setattr__(self, "_closed_by_user", False)
         object.__setattr__(self, "_suspended", False)
         object.__setattr__(self, "_manager", manager(engine))
@@ -167,6 +172,8 @@ class _Handle:
     required: bool
     _lock: threading.RLock
     _identity: _Identity | None
+    _opened_key: tuple[int, int] | None
+    """(st_dev, st_ino) of the file the handle opened, set by each subclass when it opens."""
     _closed_by_user: bool
     _suspended: bool
     _manager: FilesManager
@@ -186,19 +193,44 @@ class _Handle:
         with self._lock:
             if self._closed_by_user or self._suspended:
                 return
+            failed: Exception | None = None
             try:
                 self._close_now()
             except SnapshotRefused:
                 raise
             except Exception as exc:
-                raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                if not self._is_closed():
+                    raise SnapshotRefused(f"managed {self._kind} {self.path} could not be "
+                                          f"closed: {type(exc).__name__}: {exc}") from exc
+                # The close failed but closed the object anyway: carry on as suspended so
+                # the restore or resume reopens it — otherwise the application's handle
+                # stayed closed for good — and refuse the pass below.
+                failed = exc
             object.__setattr__(self, "_suspended", True)
             try:
-                ident: _Identity | None = _Identity.of(self.path)
+                st = os.stat(self.path)
             except OSError:
-                ident = None  # already gone: the snapshot is safe, the reopen reports it
+                st = None  # already gone: the snapshot is safe, the reopen reports it
+            ident: _Identity | None = None
+            if st is not None and self._opened_key not in (None, _file_key(st)):
+                # The path names another file than the one the handle had open (renamed
+                # over, a rotated log, a ConfigMap symlink swap) before the snapshot: the
+                # stat would describe the new file, and the reopen would seek it to the
+                # old file's position as "unchanged". An unknown identity makes the
+                # reopen start from offset 0 with .changed set.
+                log.info("managed %s %s was replaced before the snapshot: reopened from "
+                         "the start after it", self._kind, self.path)
+            elif st is not None:
+                # Stat after the close, so the size and times include its last write-back.
+                ident = _Identity(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             object.__setattr__(self, "_identity", ident)
+            if failed is not None:
+                raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
+                                      f"{type(failed).__name__}: {failed}") from failed
+
+    def _is_closed(self) -> bool:
+        """After a failed ``_close_now``: True when the underlying object is closed anyway."""
+        return False
 
     def _resume(self, volume_changed: bool) -> bool:
         """After a restore or resume: reopen; True when the file changed."""
@@ -281,7 +313,7 @@ class ManagedFile(_Handle):
         object.__setattr__(self, "_pos", 0)
         # The handle owns the file object and closes it (snapshot or close()).
         f = builtins.open(self.path, mode, **open_kwargs)  # noqa: SIM115
-        object.__setattr__(self, "_file", f)
+        self._set_file(f)
         self._register()
 
     mode: str
@@ -289,17 +321,35 @@ class ManagedFile(_Handle):
     _pos: int
     _file: Any
 
+    def _set_file(self, f: Any) -> None:
+        try:
+            key: tuple[int, int] | None = _file_key(os.fstat(f.fileno()))
+        except (OSError, ValueError, AttributeError):  # pragma: no cover - no descriptor
+            key = None
+        object.__setattr__(self, "_opened_key", key)
+        object.__setattr__(self, "_file", f)
+
     def _close_now(self) -> None:
         f = self._file
         if not f.closed:
+            # Flush first: a write-back error (volume full) then leaves the file open and
+            # usable, and the pass is refused; close() would report it with the file
+            # already closed and its buffer lost.
+            if f.writable():
+                f.flush()
             object.__setattr__(self, "_pos", f.tell())
             f.close()
 
+    def _is_closed(self) -> bool:
+        return bool(self._file.closed)
+
     def _open_now(self, same: bool) -> None:
         f = builtins.open(self.path, _reopen_mode(self.mode), **self._kwargs)  # noqa: SIM115
-        if same and "a" not in self.mode:
+        if same:
+            # "a"/"a+" too: an "a+" reader continues where it read (O_APPEND still sends
+            # every write to the end).
             f.seek(self._pos)
-        object.__setattr__(self, "_file", f)
+        self._set_file(f)
 
     def fileno(self) -> int:
         """The current descriptor (a new one after every reopen)."""
@@ -309,10 +359,17 @@ class ManagedFile(_Handle):
         return self._file
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._file)
+        return self
 
     def __next__(self) -> Any:
-        return next(self._file)
+        # readline(), not next(file): a text file's next() disables tell() until EOF
+        # ("telling position disabled by next() call"), which the before-snapshot close
+        # needs — a `for line in f: ... break` would refuse every snapshot. Iterating the
+        # handle (not the file object) also follows it to the file reopened after one.
+        line = self._file.readline()
+        if not line:
+            raise StopIteration
+        return line
 
     def __repr__(self) -> str:
         return f"<rehydrate.files.ManagedFile {self.path!r} mode={self.mode!r}>"
@@ -358,6 +415,13 @@ class ManagedConnection(_Handle):
             conn: sqlite3.Connection = sqlite3.connect(self.path, **self._kwargs)
         except sqlite3.OperationalError as exc:  # "unable to open database file": which?
             raise sqlite3.OperationalError(f"{self.path}: {exc}") from exc
+        # sqlite3 does not give its descriptor: stat the path just after connecting (the
+        # file sqlite3 opened, unless it was replaced in between).
+        try:
+            key: tuple[int, int] | None = _file_key(os.stat(self.path))
+        except OSError:
+            key = None
+        object.__setattr__(self, "_opened_key", key)
         for k, v in self._attrs.items():
             setattr(conn, k, v)
         if self._on_connect is not None:
@@ -429,7 +493,9 @@ class ManagedMap(_Handle):
 
         mode = "rb" if self.access in (_mmap.ACCESS_READ, _mmap.ACCESS_COPY) else "r+b"
         with builtins.open(self.path, mode) as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            object.__setattr__(self, "_opened_key", _file_key(st))
+            size = st.st_size
             if self.length and size < self.offset + self.length:
                 raise ReopenFailed(f"managed mapping of {self.path}: the file has {size} "
                                    f"bytes, the mapping needs {self.offset + self.length}")
@@ -443,6 +509,9 @@ class ManagedMap(_Handle):
             if self.access in (_mmap.ACCESS_WRITE, _mmap.ACCESS_DEFAULT):
                 m.flush()
             m.close()
+
+    def _is_closed(self) -> bool:
+        return bool(self._map.closed)
 
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_map", self._map_now())

@@ -49,6 +49,8 @@ from ._version import __version__
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
+    import concurrent.futures
+
     from .extensions import Engine
 
 __all__ = [
@@ -175,6 +177,9 @@ class Telemetry:
         self._managed_providers: list[Any] = []
         self._exporters: list[Any] = []
         self._flush_timeout = 5.0
+        # id(provider) -> the future of its last force_flush (the provider itself is kept
+        # alive by _managed_providers, so its id is not reused)
+        self._flushing: dict[int, concurrent.futures.Future[Any]] = {}
         self._hooks_installed = False
         self._flush_at_end: RestoreContext | None = None
         self.last_instance_id: str | None = None
@@ -453,23 +458,44 @@ class Telemetry:
             raise RuntimeError("telemetry flush incomplete: " + "; ".join(errors))
 
     def _flush(self) -> list[str]:
-        """``force_flush()`` every managed provider; the problems, one string each."""
-        ms = int(self._flush_timeout * 1000)
+        """``force_flush()`` every managed provider, waiting ``flush_timeout`` at most in
+        all; the problems, one string each."""
+        import concurrent.futures
+
+        from ._threads import blocking
+
+        timeout = self._flush_timeout
+        ms = int(timeout * 1000)
         errors: list[str] = []
+        running: list[tuple[Any, concurrent.futures.Future[Any]]] = []
         for p in list(self._managed_providers):
             flush = getattr(p, "force_flush", None)
             if flush is None:
                 continue
-            try:
-                try:
-                    done = flush(timeout_millis=ms)
-                except TypeError:
-                    done = flush()
-            except Exception as exc:  # telemetry must never break a snapshot
-                errors.append(f"{type(p).__name__}: {type(exc).__name__}: {exc}")
+            prev = self._flushing.get(id(p))
+            if prev is not None and not prev.done():
+                # Still stuck in the last flush: another call would only stack a second
+                # stuck thread on it.
+                errors.append(f"{type(p).__name__}: an earlier flush has not returned")
                 continue
-            if done is False:
-                errors.append(f"{type(p).__name__}: not flushed within {self._flush_timeout}s")
+            # On a pool thread, never in the caller's: the SDK passes the timeout to the
+            # exporter, which need not honour it (a black-holed collector), and this runs
+            # inside snapshot_requested() — a stuck flush blocked the snapshot for ever.
+            fut = blocking.submit(_force_flush, flush, ms)
+            self._flushing[id(p)] = fut
+            running.append((p, fut))
+        if running:
+            concurrent.futures.wait([f for _, f in running], timeout=timeout)
+        for p, fut in running:
+            name = type(p).__name__
+            if not fut.done():
+                errors.append(f"{name}: not flushed within {timeout}s")
+                continue
+            exc = fut.exception()
+            if exc is not None:  # telemetry must never break a snapshot
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            elif fut.result() is False:
+                errors.append(f"{name}: not flushed within {timeout}s")
         return errors
 
     def _refresh(self, ctx: RestoreContext) -> None:
@@ -487,6 +513,13 @@ class Telemetry:
                 errors.append(f"exporter {type(exp).__name__}: {type(exc).__name__}: {exc}")
         if errors:
             raise RuntimeError("telemetry refresh incomplete: " + "; ".join(errors))
+
+
+def _force_flush(flush: Callable[..., Any], ms: int) -> Any:
+    try:
+        return flush(timeout_millis=ms)
+    except TypeError:  # a provider whose force_flush() takes no timeout
+        return flush()
 
 
 def _instance_id() -> str:

@@ -517,3 +517,44 @@ def test_bad_refresh_or_instrument_arguments_change_nothing(otel):
     assert report.ok, report.table()
     assert tp.resource.attributes["service.instance.id"] not in (old_id, None)
     assert [h.name for h in report.hooks].count("rehydrate.telemetry.identity") == 1
+
+
+class _StuckProvider:
+    """A provider whose force_flush() ignores its timeout and blocks (an exporter stuck on
+    a black-holed collector) until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def force_flush(self, timeout_millis: float = 30_000) -> bool:
+        self.calls += 1
+        self.release.wait()
+        return True
+
+
+def test_a_stuck_flush_does_not_block_the_snapshot(rehydrate_engine, caplog):
+    # force_flush ran in the caller's thread: snapshot_requested() / simulate_snapshot()
+    # never returned, whatever flush_timeout said.
+    engine = rehydrate_engine
+    stuck = _StuckProvider()
+    telemetry.refresh_on_restore(stuck, engine=engine, flush_timeout=0.2)
+    done: list[Any] = []
+    try:
+        for _ in range(2):
+            caplog.clear()
+            t = threading.Thread(target=lambda: done.append(engine.simulate_snapshot()),
+                                 daemon=True)
+            t.start()
+            t.join(60)  # only bounds a failure: the snapshot returns after flush_timeout
+            assert not t.is_alive(), "simulate_snapshot() blocked by the stuck flush"
+            assert engine.simulate_restore(kind="resume").ok
+            warnings = [r.getMessage() for r in caplog.records
+                        if r.levelname == "WARNING" and "telemetry" in r.getMessage()]
+            assert len(warnings) == 1, warnings
+            assert "_StuckProvider" in warnings[0]
+        assert [r.ok for r in done] == [True, True]
+        # the second snapshot did not stack another stuck flush on the first
+        assert stuck.calls == 1
+    finally:
+        stuck.release.set()
