@@ -26,6 +26,7 @@ connections opened outside rehydrate, which it cannot reach, can at least be see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -771,6 +772,66 @@ def sqlalchemy_engine(
     return sa_engine
 
 
+class _AsyncRedisPool:
+    """The event loop a ``redis.asyncio`` client's connections belong to, and what may be
+    done with them from the loop the hooks run on.
+
+    Their streams, and the pool's lock, belong to the application's loop: a
+    ``disconnect()`` awaited on rehydrate's own loop (an engine started without
+    ``loop=``) fails with "attached to a different loop", which refused every snapshot,
+    and a ``PING`` there put a connection of that loop into the application's pool, which
+    its next command then failed on. Like :class:`rehydrate._httpx.AsyncReconnectingTransport`
+    this remembers the loop the application last took a connection on, sends
+    ``disconnect()`` there, and checks on a short-lived connection of its own when the
+    hooks run on another loop."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.pool = client.connection_pool
+        self.home: asyncio.AbstractEventLoop | None = None
+        # registered from a coroutine: most likely the loop the client is used on
+        with contextlib.suppress(RuntimeError):
+            self.home = asyncio.get_running_loop()
+        take = self.pool.get_connection
+
+        async def get_connection(*args: Any, **kwargs: Any) -> Any:
+            # every command, pipeline and pubsub of the client takes its connection here
+            self.home = asyncio.get_running_loop()
+            return await take(*args, **kwargs)
+
+        self.pool.get_connection = get_connection
+
+    async def disconnect(self) -> None:
+        home, running = self.home, asyncio.get_running_loop()
+        if home is None or home is running:
+            await self.pool.disconnect()
+        elif home.is_running():
+            await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self.pool.disconnect(), home))
+        elif home.is_closed():
+            # nothing can talk to streams of a closed loop any more: forget them
+            self.pool.reset()
+        else:
+            raise RuntimeError("the redis.asyncio client's event loop is not running: its "
+                               "connections cannot be closed from another loop")
+
+    async def ping(self) -> None:
+        if asyncio.get_running_loop() is self.home:
+            # the application's loop: the check's connection stays in the pool for it
+            ok = await self.client.ping()
+        else:
+            import redis.asyncio as aredis
+
+            pool = aredis.ConnectionPool(connection_class=self.pool.connection_class,
+                                         **self.pool.connection_kwargs)
+            try:
+                ok = await aredis.Redis(connection_pool=pool).ping()
+            finally:
+                await pool.disconnect()
+        if not ok:
+            raise ConnectionError("PING failed")
+
+
 def redis_client(
     name: str,
     client: Any,
@@ -782,25 +843,30 @@ def redis_client(
     replace: bool = False,
 ) -> Any:
     """Manage a redis-py client (sync or ``redis.asyncio``): its pool is disconnected
-    before a snapshot and reset after a restore, then ``PING``-ed when ``check``."""
+    before a snapshot and reset after a restore, then ``PING``-ed when ``check``.
+
+    A ``redis.asyncio`` client's connections belong to the event loop the application
+    sends its commands on: ``disconnect()`` is sent to that loop (the last one a command
+    ran on, or the one ``redis_client`` was called from), which must be running; when
+    the hooks run on another loop (the engine was started without ``loop=``) the
+    ``PING`` goes over a short-lived connection of its own and the pool refills on the
+    application's first command."""
     pool = client.connection_pool
     ping: Callable[[], Any]
+    disconnect: Callable[[], Any]
     if inspect.iscoroutinefunction(pool.disconnect):
-        async def aping() -> None:
-            if not await client.ping():
-                raise ConnectionError("PING failed")
-
-        ping = aping
+        apool = _AsyncRedisPool(client)
+        ping, disconnect = apool.ping, apool.disconnect
     else:
         def sping() -> None:
             if not client.ping():
                 raise ConnectionError("PING failed")
 
-        ping = sping
-    # a bound disconnect() (sync or async) takes no required argument: called as is
+        # a bound disconnect() takes no required argument: called as is
+        ping, disconnect = sping, pool.disconnect
     kw = getattr(pool, "connection_kwargs", {})
     peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
-    register(name, open=pool.disconnect, close=pool.disconnect, check=ping if check else None,
+    register(name, open=disconnect, close=disconnect, check=ping if check else None,
              required=required, deadline=deadline, engine=engine, replace=replace,
              peers=peers)
     return client

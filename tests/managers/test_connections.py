@@ -440,6 +440,32 @@ async def test_redis_asyncio_client_helper(rehydrate_engine, redis_srv):
     await r.aclose()
 
 
+async def test_redis_asyncio_client_on_rehydrates_own_loop(rehydrate_engine, redis_srv):
+    """Started without ``loop=``, the hooks run on rehydrate's own loop, but the client's
+    connections (and its pool's lock) belong to the application's: the disconnect before
+    a snapshot used to fail there ("attached to a different loop", every snapshot
+    refused) and the PING after a restore put a connection of that loop into the
+    application's pool, which its next command failed on."""
+    import redis.asyncio as aredis
+
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none")
+    r = aredis.Redis(host="127.0.0.1", port=redis_srv.port)
+    connections.redis_client("cache", r, engine=rehydrate_engine)
+    await r.set("k", "v")
+    assert redis_srv.port in _remote_ports()
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    assert redis_srv.port not in _remote_ports()
+    for _ in range(2):  # after a snapshot, and a restore without one (stale close)
+        report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        # the check's own connection is closed: nothing of another loop in the pool
+        assert redis_srv.port not in _remote_ports()
+        assert await asyncio.wait_for(r.get("k"), 5) == b"v"
+    await r.aclose()
+
+
 def test_sqlalchemy_engine_helper(rehydrate_engine, tmp_path):
     sqlalchemy = pytest.importorskip("sqlalchemy")
     eng = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
