@@ -244,24 +244,32 @@ class Connection:
         if self.close_fn is not None:
             await self._call(self.close_fn, *self._args(self.close_fn))
 
-    async def _release(self, epoch: int, what: str, limit: float) -> None:
+    async def _release(self, epoch: int, what: str, limit: float,
+                       after: str | None = None) -> None:
         """Best-effort close of a dead connection (the platform already cut it): a close
-        still running after ``limit`` seconds is abandoned and recorded as hung."""
+        still running after ``limit`` seconds is abandoned and recorded as hung (after
+        ``after``, the error that made it necessary, which stays the one to read)."""
         self._set(epoch, step=what)
         try:
             await asyncio.wait_for(self.close_async(), limit)
         except asyncio.TimeoutError:
             msg = f"{what} hung (no return within {limit:.2g}s)"
-            self._set(epoch, last_error=msg)
+            self._set(epoch, last_error=f"{after} ({msg})" if after else msg)
             log.warning("connection %s: %s; reopening anyway", self.name, msg)
         except Exception as exc:
             log.debug("connection %s: %s: %s", self.name, what, _describe(exc))
 
-    async def _attempt(self, epoch: int, call: Callable[..., Awaitable[Any]]) -> None:
-        """One ``open`` then ``check``, each called through ``call``."""
+    async def _attempt(self, epoch: int, call: Callable[..., Awaitable[Any]],
+                       opened: list[bool]) -> None:
+        """One ``open`` then ``check``, each called through ``call``. ``opened`` gets
+        True when this attempt's ``open`` returned something ``close`` may release."""
         if self.open_fn is not None:
             self._set(epoch, step="open")
             value = await call(self.open_fn)
+            # open() returning None leaves the previous value in place: a close that
+            # takes the value would only close that stale one again
+            opened[0] = value is not None or (self.close_fn is not None
+                                              and _arity(self.close_fn) == 0)
             if not self._set(epoch, **({} if value is None else {"value": value})):
                 # A newer run (a snapshot, a restore) or unregister() took over while this
                 # open ran: what it opened is nobody's, so close it when that can be said.
@@ -292,17 +300,27 @@ class Connection:
         while self._current(epoch):
             attempt += 1
             self._set(epoch, attempts=attempt)
+            opened = [False]
             try:
                 if one_thread:
-                    await _in_thread(_run_inline, self._attempt(epoch, _inline))
+                    await _in_thread(_run_inline, self._attempt(epoch, _inline, opened))
                 else:
-                    await self._attempt(epoch, self._call)
+                    await self._attempt(epoch, self._call, opened)
             except _Superseded:
                 return False
             except Exception as exc:
-                self._set(epoch, last_error=_describe(exc))
-                if self.check_fn is not None and self.close_fn is not None:
-                    await self._release(epoch, "close after a failed attempt", CLOSE_TIMEOUT)
+                error = _describe(exc)
+                self._set(epoch, last_error=error)
+                # Only what this attempt's open() made (its check then failed): after a
+                # failed open() the value is the stale one, already released, and its
+                # close (a goodbye to a peer that is gone) may hang. Bounded like the
+                # stale close, a hung one must leave time for the next attempts; past
+                # the deadline a prompt close still gets the grace the guard allows.
+                if opened[0] and self.close_fn is not None:
+                    remaining = max(0.0, deadline_at - time.monotonic())
+                    await self._release(epoch, "close after a failed attempt",
+                                        min(CLOSE_TIMEOUT, max(remaining, LATE_GRACE) / 2),
+                                        after=error)
             else:
                 self._set(epoch, state="open", last_error=None, step=None,
                           last_duration=time.monotonic() - start)

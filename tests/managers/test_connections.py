@@ -739,6 +739,77 @@ def test_hung_stale_close_is_bounded_by_close_timeout(rehydrate_engine, monkeypa
     assert 0.3 <= took < 5, took  # CLOSE_TIMEOUT, not the 20 s deadline (nor 10 s)
 
 
+def test_a_failed_open_does_not_close_the_stale_value_again(rehydrate_engine):
+    """After a failed open() the value is still the one closed before the snapshot: it
+    used to be closed again after every failed attempt, each time for up to CLOSE_TIMEOUT
+    (5 s) whatever the deadline; a close that hangs (a goodbye to a peer that is gone)
+    then used up the deadline and a peer back in time was never reopened."""
+    release = threading.Event()
+    closed: list[str] = []
+    opens: list[int] = []
+
+    def close(value: str) -> None:
+        closed.append(value)
+        if value == "old":  # dead after the restore: its goodbye never returns
+            release.wait(30)
+
+    def open_() -> str:
+        opens.append(1)
+        if len(opens) < 3:
+            raise ConnectionRefusedError("peer down")
+        return "new"
+
+    conn = connections.register("db", open=open_, close=close, check=lambda v: None,
+                                value="old", deadline=1, engine=rehydrate_engine)
+    release.set()  # the close before the snapshot is a clean one
+    assert rehydrate_engine.simulate_snapshot().ok
+    release.clear()
+    closed.clear()
+    try:
+        report = rehydrate_engine.simulate_restore()
+    finally:
+        release.set()
+    assert report.ok, report.table()
+    assert conn.value == "new" and len(opens) == 3
+    assert closed == []  # neither the stale value again nor anything else
+
+
+def test_the_close_after_a_failed_check_is_bounded_by_the_deadline(rehydrate_engine):
+    """What a failed check leaves (this attempt's open) is released, but a close that hangs
+    gets at most half the time left, like the stale close, not CLOSE_TIMEOUT."""
+    release = threading.Event()
+    closed: list[int] = []
+    opens: list[int] = []
+
+    def close(value: int) -> None:
+        closed.append(value)
+        release.wait(30)
+
+    def open_() -> int:
+        opens.append(len(opens) + 1)
+        return opens[-1]
+
+    def check(value: int) -> None:
+        if value == 1:
+            raise ConnectionError("not ready")
+
+    conn = connections.register("db", open=open_, close=close, check=check, deadline=2,
+                                engine=rehydrate_engine)
+    release.set()
+    assert rehydrate_engine.simulate_snapshot().ok
+    release.clear()
+    closed.clear()
+    try:
+        t0 = time.monotonic()
+        report = rehydrate_engine.simulate_restore()
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert report.ok, report.table()
+    assert conn.value == 2 and closed == [1]  # the failed check's value, once
+    assert took < 2, took
+
+
 def _background_open(name: str) -> threading.Thread:
     [thread] = [t for t in threading.enumerate() if t.name == f"rehydrate-open-{name}"]
     return thread
