@@ -75,8 +75,33 @@ def _reuse_ssl_context(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _env_mounts(client_kwargs: dict[str, Any], transport_kwargs: dict[str, Any],
+                make: Any) -> list[Any]:
+    """httpx mounts the proxies of ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` (and the
+    exceptions of ``NO_PROXY``) only when it builds the transport itself, never with
+    ``transport=``, which the helpers always pass: a managed client went straight to
+    every host. Mount them here as httpx would (same map, ``mounts=`` given by the
+    caller win), each a reconnecting transport through that proxy (``make(proxy=...)``),
+    reset with the client's own; returns those transports."""
+    if not transport_kwargs.get("trust_env", True) or "proxy" in transport_kwargs:
+        return []  # as httpx: an explicit proxy replaces the environment's
+    from httpx._utils import get_environment_proxies  # what httpx.Client itself reads
+
+    env = get_environment_proxies()
+    if not env:
+        return []
+    mounts: dict[str, Any] = {
+        pattern: None if url is None else make(proxy=url, **transport_kwargs)
+        for pattern, url in env.items()
+    }
+    mounts.update(client_kwargs.get("mounts") or {})
+    client_kwargs["mounts"] = mounts
+    return [t for t in mounts.values() if isinstance(t, (ReconnectingTransport,
+                                                         AsyncReconnectingTransport))]
+
+
 def _close_mounts(client: httpx.Client | httpx.AsyncClient | None) -> None:
-    """Proxy transports that httpx mounted from the environment have their own pools."""
+    """Transports mounted by the caller (``mounts=``) have their own pools."""
     mounts = getattr(client, "_mounts", None) or {}
     for t in mounts.values():
         if isinstance(t, httpx.HTTPTransport):
@@ -91,6 +116,8 @@ class ReconnectingTransport(httpx.BaseTransport):
         self._lock = threading.Lock()
         self._inner = httpx.HTTPTransport(**self._kwargs)
         self.client: httpx.Client | None = None
+        self.proxies: list[ReconnectingTransport] = []
+        """The environment's proxy mounts (:func:`_env_mounts`), reset with this one."""
         self.generation = 0
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -107,11 +134,15 @@ class ReconnectingTransport(httpx.BaseTransport):
             _close_mounts(self.client)
         except Exception as exc:  # closing sockets the platform already cut
             log.debug("closing the previous httpx pool: %s", exc)
+        for proxy in self.proxies:
+            proxy.reset()
 
     def close_pool(self) -> None:
         """Close every pooled connection (before a snapshot); the pool stays usable."""
         self._inner.close()
         _close_mounts(self.client)
+        for proxy in self.proxies:
+            proxy.close_pool()
 
     def close(self) -> None:
         self._inner.close()
@@ -129,6 +160,8 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         """The loop the current pool's connections belong to (None: none opened yet)."""
         self._home: asyncio.AbstractEventLoop | None = None
         """The loop the application last sent a request on, kept across :meth:`reset`."""
+        self.proxies: list[AsyncReconnectingTransport] = []
+        """The environment's proxy mounts (:func:`_env_mounts`), reset with this one."""
         self.generation = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -144,8 +177,12 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         if loop is not None and loop.is_running() and not loop.is_closed():
             fut = asyncio.run_coroutine_threadsafe(old.aclose(), loop)
             fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
+        for proxy in self.proxies:
+            proxy.reset()
 
     async def close_pool(self) -> None:
+        for proxy in self.proxies:
+            await proxy.close_pool()
         with self._lock:
             inner, loop = self._inner, self._loop
         if loop is None or loop.is_closed():
@@ -194,6 +231,8 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
 def make_client(kwargs: dict[str, Any]) -> tuple[httpx.Client, ReconnectingTransport]:
     client_kwargs, transport_kwargs = _split(dict(kwargs))
     transport = ReconnectingTransport(**transport_kwargs)
+    # transport._kwargs: the proxies share its SSL context
+    transport.proxies = _env_mounts(client_kwargs, transport._kwargs, ReconnectingTransport)
     client = httpx.Client(transport=transport, **client_kwargs)
     transport.client = client
     return client, transport
@@ -205,4 +244,6 @@ def make_async_client(
     _remember_missing_sniffio()
     client_kwargs, transport_kwargs = _split(dict(kwargs))
     transport = AsyncReconnectingTransport(**transport_kwargs)
+    transport.proxies = _env_mounts(client_kwargs, transport._kwargs,
+                                    AsyncReconnectingTransport)
     return httpx.AsyncClient(transport=transport, **client_kwargs), transport

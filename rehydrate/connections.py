@@ -687,7 +687,8 @@ def httpx_client(
         # Straight to the new pool (base URL and default headers applied; no auth flow,
         # redirects or event hooks): any answer below 500 means the peer is back.
         request = client.build_request("GET", check_url)  # type: ignore[arg-type]
-        response = transport.handle_request(request)
+        # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
+        response = client._transport_for_url(request.url).handle_request(request)
         try:
             response.read()
         finally:
@@ -747,12 +748,16 @@ def httpx_async_client(
     :func:`httpx_client`) goes through the new pool, and the application's first request
     after the restore reuses its connection; otherwise it uses a separate short-lived
     transport and the new pool fills on the application's loop."""
-    from ._httpx import make_async_client
+    from ._httpx import AsyncReconnectingTransport, make_async_client
 
     client, transport = make_async_client(client_kwargs)
 
     async def check() -> None:
-        await transport.probe(client.build_request("GET", check_url))  # type: ignore[arg-type]
+        request = client.build_request("GET", check_url)  # type: ignore[arg-type]
+        # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
+        via = client._transport_for_url(request.url)
+        await (via if isinstance(via, AsyncReconnectingTransport) else transport).probe(
+            request)
 
     async def reset() -> None:  # non-blocking: runs on the loop, no thread hop
         transport.reset()

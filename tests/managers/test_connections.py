@@ -379,6 +379,103 @@ async def test_a_clone_reopens_httpx_clients_without_starting_threads(rehydrate_
     sclient.close()
 
 
+class _ForwardProxy:
+    """A stand-in HTTP forward proxy on loopback: answers every request with the target
+    it was asked for (``GET http://host/path`` arrives in absolute form); counts the
+    connections it accepted."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(c)
+            threading.Thread(target=self._answer, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _answer(c: socket.socket) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = c.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                target = head.split(b"\r\n", 1)[0].split(b" ")[1]
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(target), target))
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.accepted:
+            c.close()
+
+
+def _proxy_env(monkeypatch, **env: str) -> None:
+    for var in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.upper(), raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+
+
+def test_httpx_client_honours_the_environments_proxies(rehydrate_engine, monkeypatch,
+                                                      http_srv):
+    """httpx mounts HTTP(S)_PROXY/NO_PROXY only when it builds the transport itself, and
+    the helper always passes one: managed clients went straight to every host. The
+    health check takes the proxy too, and the proxy's pool is rebuilt on restore."""
+    proxy = _ForwardProxy()
+    _proxy_env(monkeypatch, HTTP_PROXY=proxy.url, NO_PROXY="127.0.0.1")
+    try:
+        client = connections.httpx_client("api", check_url="http://example.invalid/health",
+                                          deadline=5, engine=rehydrate_engine)
+        assert client.get("http://example.invalid/abc").text == "http://example.invalid/abc"
+        assert client.get(f"{http_srv.url}/direct").text == "/direct"  # NO_PROXY
+        assert len(proxy.accepted) == 1
+        assert rehydrate_engine.simulate_snapshot().ok
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert len(proxy.accepted) == 2  # the check, through the proxy's new pool
+        assert client.get("http://example.invalid/x").text == "http://example.invalid/x"
+        assert len(proxy.accepted) == 2  # reused the check's connection
+        client.close()
+    finally:
+        proxy.close()
+
+
+async def test_httpx_async_client_honours_the_environments_proxies(rehydrate_engine,
+                                                                  monkeypatch):
+    proxy = _ForwardProxy()
+    _proxy_env(monkeypatch, HTTP_PROXY=proxy.url)
+    loop = asyncio.get_running_loop()
+    try:
+        client = connections.httpx_async_client(
+            "api", check_url="http://example.invalid/health", deadline=5,
+            engine=rehydrate_engine)
+        r = await client.get("http://example.invalid/abc")
+        assert r.text == "http://example.invalid/abc"
+        snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+        assert snap.ok, snap.table()
+        report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        r = await client.get("http://example.invalid/y")
+        assert r.text == "http://example.invalid/y"
+        await client.aclose()
+    finally:
+        proxy.close()
+
+
 def test_a_missing_sniffio_is_remembered_once(monkeypatch):
     """httpcore asks ``import sniffio`` on every async lock; when it is not installed the
     miss is recorded like the import system does (None in sys.modules), so each later ask
