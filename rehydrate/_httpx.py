@@ -162,7 +162,23 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         """The loop the application last sent a request on, kept across :meth:`reset`."""
         self.proxies: list[AsyncReconnectingTransport] = []
         """The environment's proxy mounts (:func:`_env_mounts`), reset with this one."""
+        self.client: httpx.AsyncClient | None = None
+        """For the transports mounted by the caller (``mounts=``), closed with the pool."""
         self.generation = 0
+
+    def _mounted(self) -> list[httpx.AsyncHTTPTransport]:
+        mounts = getattr(self.client, "_mounts", None) or {}
+        return [t for t in mounts.values() if isinstance(t, httpx.AsyncHTTPTransport)]
+
+    def _mounts_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the caller's mounted pools belong to: the application's, as far as
+        this transport saw it (else the running one)."""
+        if self._home is not None:
+            return self._home
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            return None
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._loop = self._home = asyncio.get_running_loop()
@@ -179,10 +195,24 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
         for proxy in self.proxies:
             proxy.reset()
+        # the sync transport closes the caller's mounts too: they kept the sockets from
+        # before the restore. Their connections belong to the application's loop.
+        home = self._mounts_loop()
+        if home is not None and home.is_running() and not home.is_closed():
+            for mount in self._mounted():
+                fut = asyncio.run_coroutine_threadsafe(mount.aclose(), home)
+                fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
 
     async def close_pool(self) -> None:
         for proxy in self.proxies:
             await proxy.close_pool()
+        home, here = self._mounts_loop(), asyncio.get_running_loop()
+        for mount in self._mounted():
+            if home is here:
+                await mount.aclose()
+            elif home is not None and home.is_running():
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(mount.aclose(),
+                                                                           home))
         with self._lock:
             inner, loop = self._inner, self._loop
         if loop is None or loop.is_closed():
@@ -246,4 +276,6 @@ def make_async_client(
     transport = AsyncReconnectingTransport(**transport_kwargs)
     transport.proxies = _env_mounts(client_kwargs, transport._kwargs,
                                     AsyncReconnectingTransport)
-    return httpx.AsyncClient(transport=transport, **client_kwargs), transport
+    client = httpx.AsyncClient(transport=transport, **client_kwargs)
+    transport.client = client
+    return client, transport

@@ -476,6 +476,27 @@ async def test_httpx_async_client_honours_the_environments_proxies(rehydrate_eng
         proxy.close()
 
 
+async def test_httpx_async_client_closes_the_callers_mounted_pools(rehydrate_engine,
+                                                                   http_srv):
+    """As the sync client does, the async one closes the pools of the transports given
+    in ``mounts=`` before a snapshot (on the application's loop): they kept their
+    connections, cut by the platform, past the restore."""
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)
+    mount = httpx.AsyncHTTPTransport()
+    client = connections.httpx_async_client("a", mounts={http_srv.url: mount},
+                                            engine=rehydrate_engine)
+    assert (await client.get(f"{http_srv.url}/x")).text == "/x"
+    assert http_srv.port in _remote_ports()
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    assert http_srv.port not in _remote_ports()
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert (await client.get(f"{http_srv.url}/y")).text == "/y"  # the mount still works
+    await client.aclose()
+
+
 def test_a_missing_sniffio_is_remembered_once(monkeypatch):
     """httpcore asks ``import sniffio`` on every async lock; when it is not installed the
     miss is recorded like the import system does (None in sys.modules), so each later ask
