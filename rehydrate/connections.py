@@ -180,6 +180,9 @@ class Connection:
         """Bumped by every reopen/close run: an abandoned attempt sees it is stale."""
         self.step: str | None = None
         """What the current run is doing (named when it is still running at the deadline)."""
+        self.deadline_at: float | None = None
+        """``time.monotonic()`` by which the current reopen run must be done (an ``open``
+        that blocks, such as :func:`tcp_socket`'s connect, caps its timeout with it)."""
         self.peers: tuple[str, ...] = ()
         """``host:port`` of the peer(s), when known (helpers fill it in, ``register(peers=)``
         for your own): ``rehydrate doctor --connections`` marks sockets to them managed."""
@@ -289,6 +292,7 @@ class Connection:
         """Close the stale connection (if still open), then open + check with backoff until
         both succeed or ``deadline_at`` passed (the first attempt always runs)."""
         start = time.monotonic()
+        self._set(epoch, deadline_at=deadline_at)
         if close_first and self.close_fn is not None:
             # at most half the time left: a hung close must leave time to reopen
             await self._release(epoch, "close of the stale connection",
@@ -946,8 +950,18 @@ class ManagedSocket:
                                   "connected (yet)")
         return s
 
-    def connect(self) -> socket.socket:
-        s = socket.create_connection(self.address, timeout=self.timeout)
+    def connect(self, deadline_at: float | None = None) -> socket.socket:
+        """Connect (with ``timeout``, but never past ``deadline_at``, a
+        ``time.monotonic()``): a connect abandoned at the deadline otherwise kept its
+        thread and file descriptor for the whole timeout (minutes of SYN retries with
+        ``timeout=None`` to a peer that drops packets), once per restore."""
+        timeout = self.timeout
+        if deadline_at is not None:
+            left = max(0.01, deadline_at - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        s = socket.create_connection(self.address, timeout=timeout)
+        if timeout != self.timeout:
+            s.settimeout(self.timeout)  # the cap is for the connect only
         self._swap(s)
         return s
 
@@ -991,9 +1005,15 @@ def tcp_socket(
     _check_address(address)
     ms = ManagedSocket(address, timeout)
     chk = (lambda: check(ms.sock)) if check is not None else None
-    register(name, open=ms.connect, close=ms.close, check=chk, required=required,
-             deadline=deadline, engine=engine, open_now=True, replace=replace,
-             peers=[address])
+    managed: list[Connection] = []
+
+    def connect() -> socket.socket:  # capped by the deadline of the run it is part of
+        return ms.connect(managed[0].deadline_at if managed else None)
+
+    managed.append(register(name, open=connect, close=ms.close, check=chk,
+                            required=required, deadline=deadline, engine=engine,
+                            replace=replace, peers=[address]))
+    manager(engine)._open_in_background(managed[0])  # now that connect() can see it
     return ms
 
 

@@ -994,6 +994,29 @@ def test_an_open_that_finishes_after_it_was_superseded_is_closed():
         engine.close()
 
 
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_tcp_socket_connect_is_capped_by_the_deadline(rehydrate_engine, monkeypatch,
+                                                      timeout):
+    """A connect abandoned at the deadline kept its thread and file descriptor for its
+    whole timeout (with None, the kernel's SYN retries: minutes), once per restore
+    against a peer that drops packets: it now never waits past the deadline."""
+    real = socket.create_connection
+    asked: list[float | None] = []
+    peer = ("192.0.2.1", 9)  # TEST-NET-1; here a stand-in for a black-holed peer
+
+    def create_connection(address, timeout=None, *args, **kwargs):
+        if tuple(address) != peer:
+            return real(address, timeout, *args, **kwargs)
+        asked.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    connections.tcp_socket("feed", peer, timeout=timeout, deadline=0.3,
+                           engine=rehydrate_engine)
+    assert not rehydrate_engine.simulate_restore().ok
+    assert asked and all(t is not None and 0 < t <= 0.3 for t in asked), asked
+
+
 @pytest.mark.parametrize("address", [("127.0.0.1", 99999), ("127.0.0.1", -1), "127.0.0.1:80",
                                      ("127.0.0.1",), ("127.0.0.1", "80"), (None, 80),
                                      ("127.0.0.1", True), ("127.0.0.1", 0)])
