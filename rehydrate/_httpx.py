@@ -75,8 +75,33 @@ def _reuse_ssl_context(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _env_mounts(client_kwargs: dict[str, Any], transport_kwargs: dict[str, Any],
+                make: Any) -> list[Any]:
+    """httpx mounts the proxies of ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` (and the
+    exceptions of ``NO_PROXY``) only when it builds the transport itself, never with
+    ``transport=``, which the helpers always pass: a managed client went straight to
+    every host. Mount them here as httpx would (same map, ``mounts=`` given by the
+    caller win), each a reconnecting transport through that proxy (``make(proxy=...)``),
+    reset with the client's own; returns those transports."""
+    if not transport_kwargs.get("trust_env", True) or "proxy" in transport_kwargs:
+        return []  # as httpx: an explicit proxy replaces the environment's
+    from httpx._utils import get_environment_proxies  # what httpx.Client itself reads
+
+    env = get_environment_proxies()
+    if not env:
+        return []
+    mounts: dict[str, Any] = {
+        pattern: None if url is None else make(proxy=url, **transport_kwargs)
+        for pattern, url in env.items()
+    }
+    mounts.update(client_kwargs.get("mounts") or {})
+    client_kwargs["mounts"] = mounts
+    return [t for t in mounts.values() if isinstance(t, (ReconnectingTransport,
+                                                         AsyncReconnectingTransport))]
+
+
 def _close_mounts(client: httpx.Client | httpx.AsyncClient | None) -> None:
-    """Proxy transports that httpx mounted from the environment have their own pools."""
+    """Transports mounted by the caller (``mounts=``) have their own pools."""
     mounts = getattr(client, "_mounts", None) or {}
     for t in mounts.values():
         if isinstance(t, httpx.HTTPTransport):
@@ -91,6 +116,8 @@ class ReconnectingTransport(httpx.BaseTransport):
         self._lock = threading.Lock()
         self._inner = httpx.HTTPTransport(**self._kwargs)
         self.client: httpx.Client | None = None
+        self.proxies: list[ReconnectingTransport] = []
+        """The environment's proxy mounts (:func:`_env_mounts`), reset with this one."""
         self.generation = 0
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -107,11 +134,15 @@ class ReconnectingTransport(httpx.BaseTransport):
             _close_mounts(self.client)
         except Exception as exc:  # closing sockets the platform already cut
             log.debug("closing the previous httpx pool: %s", exc)
+        for proxy in self.proxies:
+            proxy.reset()
 
     def close_pool(self) -> None:
         """Close every pooled connection (before a snapshot); the pool stays usable."""
         self._inner.close()
         _close_mounts(self.client)
+        for proxy in self.proxies:
+            proxy.close_pool()
 
     def close(self) -> None:
         self._inner.close()
@@ -129,7 +160,25 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         """The loop the current pool's connections belong to (None: none opened yet)."""
         self._home: asyncio.AbstractEventLoop | None = None
         """The loop the application last sent a request on, kept across :meth:`reset`."""
+        self.proxies: list[AsyncReconnectingTransport] = []
+        """The environment's proxy mounts (:func:`_env_mounts`), reset with this one."""
+        self.client: httpx.AsyncClient | None = None
+        """For the transports mounted by the caller (``mounts=``), closed with the pool."""
         self.generation = 0
+
+    def _mounted(self) -> list[httpx.AsyncHTTPTransport]:
+        mounts = getattr(self.client, "_mounts", None) or {}
+        return [t for t in mounts.values() if isinstance(t, httpx.AsyncHTTPTransport)]
+
+    def _mounts_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the caller's mounted pools belong to: the application's, as far as
+        this transport saw it (else the running one)."""
+        if self._home is not None:
+            return self._home
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            return None
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._loop = self._home = asyncio.get_running_loop()
@@ -144,8 +193,26 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         if loop is not None and loop.is_running() and not loop.is_closed():
             fut = asyncio.run_coroutine_threadsafe(old.aclose(), loop)
             fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
+        for proxy in self.proxies:
+            proxy.reset()
+        # the sync transport closes the caller's mounts too: they kept the sockets from
+        # before the restore. Their connections belong to the application's loop.
+        home = self._mounts_loop()
+        if home is not None and home.is_running() and not home.is_closed():
+            for mount in self._mounted():
+                fut = asyncio.run_coroutine_threadsafe(mount.aclose(), home)
+                fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
 
     async def close_pool(self) -> None:
+        for proxy in self.proxies:
+            await proxy.close_pool()
+        home, here = self._mounts_loop(), asyncio.get_running_loop()
+        for mount in self._mounted():
+            if home is here:
+                await mount.aclose()
+            elif home is not None and home.is_running():
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(mount.aclose(),
+                                                                           home))
         with self._lock:
             inner, loop = self._inner, self._loop
         if loop is None or loop.is_closed():
@@ -194,6 +261,8 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
 def make_client(kwargs: dict[str, Any]) -> tuple[httpx.Client, ReconnectingTransport]:
     client_kwargs, transport_kwargs = _split(dict(kwargs))
     transport = ReconnectingTransport(**transport_kwargs)
+    # transport._kwargs: the proxies share its SSL context
+    transport.proxies = _env_mounts(client_kwargs, transport._kwargs, ReconnectingTransport)
     client = httpx.Client(transport=transport, **client_kwargs)
     transport.client = client
     return client, transport
@@ -205,4 +274,8 @@ def make_async_client(
     _remember_missing_sniffio()
     client_kwargs, transport_kwargs = _split(dict(kwargs))
     transport = AsyncReconnectingTransport(**transport_kwargs)
-    return httpx.AsyncClient(transport=transport, **client_kwargs), transport
+    transport.proxies = _env_mounts(client_kwargs, transport._kwargs,
+                                    AsyncReconnectingTransport)
+    client = httpx.AsyncClient(transport=transport, **client_kwargs)
+    transport.client = client
+    return client, transport

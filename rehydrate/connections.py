@@ -26,6 +26,7 @@ connections opened outside rehydrate, which it cannot reach, can at least be see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -179,6 +180,9 @@ class Connection:
         """Bumped by every reopen/close run: an abandoned attempt sees it is stale."""
         self.step: str | None = None
         """What the current run is doing (named when it is still running at the deadline)."""
+        self.deadline_at: float | None = None
+        """``time.monotonic()`` by which the current reopen run must be done (an ``open``
+        that blocks, such as :func:`tcp_socket`'s connect, caps its timeout with it)."""
         self.peers: tuple[str, ...] = ()
         """``host:port`` of the peer(s), when known (helpers fill it in, ``register(peers=)``
         for your own): ``rehydrate doctor --connections`` marks sockets to them managed."""
@@ -243,24 +247,32 @@ class Connection:
         if self.close_fn is not None:
             await self._call(self.close_fn, *self._args(self.close_fn))
 
-    async def _release(self, epoch: int, what: str, limit: float) -> None:
+    async def _release(self, epoch: int, what: str, limit: float,
+                       after: str | None = None) -> None:
         """Best-effort close of a dead connection (the platform already cut it): a close
-        still running after ``limit`` seconds is abandoned and recorded as hung."""
+        still running after ``limit`` seconds is abandoned and recorded as hung (after
+        ``after``, the error that made it necessary, which stays the one to read)."""
         self._set(epoch, step=what)
         try:
             await asyncio.wait_for(self.close_async(), limit)
         except asyncio.TimeoutError:
             msg = f"{what} hung (no return within {limit:.2g}s)"
-            self._set(epoch, last_error=msg)
+            self._set(epoch, last_error=f"{after} ({msg})" if after else msg)
             log.warning("connection %s: %s; reopening anyway", self.name, msg)
         except Exception as exc:
             log.debug("connection %s: %s: %s", self.name, what, _describe(exc))
 
-    async def _attempt(self, epoch: int, call: Callable[..., Awaitable[Any]]) -> None:
-        """One ``open`` then ``check``, each called through ``call``."""
+    async def _attempt(self, epoch: int, call: Callable[..., Awaitable[Any]],
+                       opened: list[bool]) -> None:
+        """One ``open`` then ``check``, each called through ``call``. ``opened`` gets
+        True when this attempt's ``open`` returned something ``close`` may release."""
         if self.open_fn is not None:
             self._set(epoch, step="open")
             value = await call(self.open_fn)
+            # open() returning None leaves the previous value in place: a close that
+            # takes the value would only close that stale one again
+            opened[0] = value is not None or (self.close_fn is not None
+                                              and _arity(self.close_fn) == 0)
             if not self._set(epoch, **({} if value is None else {"value": value})):
                 # A newer run (a snapshot, a restore) or unregister() took over while this
                 # open ran: what it opened is nobody's, so close it when that can be said.
@@ -280,6 +292,7 @@ class Connection:
         """Close the stale connection (if still open), then open + check with backoff until
         both succeed or ``deadline_at`` passed (the first attempt always runs)."""
         start = time.monotonic()
+        self._set(epoch, deadline_at=deadline_at)
         if close_first and self.close_fn is not None:
             # at most half the time left: a hung close must leave time to reopen
             await self._release(epoch, "close of the stale connection",
@@ -291,17 +304,27 @@ class Connection:
         while self._current(epoch):
             attempt += 1
             self._set(epoch, attempts=attempt)
+            opened = [False]
             try:
                 if one_thread:
-                    await _in_thread(_run_inline, self._attempt(epoch, _inline))
+                    await _in_thread(_run_inline, self._attempt(epoch, _inline, opened))
                 else:
-                    await self._attempt(epoch, self._call)
+                    await self._attempt(epoch, self._call, opened)
             except _Superseded:
                 return False
             except Exception as exc:
-                self._set(epoch, last_error=_describe(exc))
-                if self.check_fn is not None and self.close_fn is not None:
-                    await self._release(epoch, "close after a failed attempt", CLOSE_TIMEOUT)
+                error = _describe(exc)
+                self._set(epoch, last_error=error)
+                # Only what this attempt's open() made (its check then failed): after a
+                # failed open() the value is the stale one, already released, and its
+                # close (a goodbye to a peer that is gone) may hang. Bounded like the
+                # stale close, a hung one must leave time for the next attempts; past
+                # the deadline a prompt close still gets the grace the guard allows.
+                if opened[0] and self.close_fn is not None:
+                    remaining = max(0.0, deadline_at - time.monotonic())
+                    await self._release(epoch, "close after a failed attempt",
+                                        min(CLOSE_TIMEOUT, max(remaining, LATE_GRACE) / 2),
+                                        after=error)
             else:
                 self._set(epoch, state="open", last_error=None, step=None,
                           last_duration=time.monotonic() - start)
@@ -668,7 +691,8 @@ def httpx_client(
         # Straight to the new pool (base URL and default headers applied; no auth flow,
         # redirects or event hooks): any answer below 500 means the peer is back.
         request = client.build_request("GET", check_url)  # type: ignore[arg-type]
-        response = transport.handle_request(request)
+        # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
+        response = client._transport_for_url(request.url).handle_request(request)
         try:
             response.read()
         finally:
@@ -728,12 +752,16 @@ def httpx_async_client(
     :func:`httpx_client`) goes through the new pool, and the application's first request
     after the restore reuses its connection; otherwise it uses a separate short-lived
     transport and the new pool fills on the application's loop."""
-    from ._httpx import make_async_client
+    from ._httpx import AsyncReconnectingTransport, make_async_client
 
     client, transport = make_async_client(client_kwargs)
 
     async def check() -> None:
-        await transport.probe(client.build_request("GET", check_url))  # type: ignore[arg-type]
+        request = client.build_request("GET", check_url)  # type: ignore[arg-type]
+        # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
+        via = client._transport_for_url(request.url)
+        await (via if isinstance(via, AsyncReconnectingTransport) else transport).probe(
+            request)
 
     async def reset() -> None:  # non-blocking: runs on the loop, no thread hop
         transport.reset()
@@ -771,6 +799,66 @@ def sqlalchemy_engine(
     return sa_engine
 
 
+class _AsyncRedisPool:
+    """The event loop a ``redis.asyncio`` client's connections belong to, and what may be
+    done with them from the loop the hooks run on.
+
+    Their streams, and the pool's lock, belong to the application's loop: a
+    ``disconnect()`` awaited on rehydrate's own loop (an engine started without
+    ``loop=``) fails with "attached to a different loop", which refused every snapshot,
+    and a ``PING`` there put a connection of that loop into the application's pool, which
+    its next command then failed on. Like :class:`rehydrate._httpx.AsyncReconnectingTransport`
+    this remembers the loop the application last took a connection on, sends
+    ``disconnect()`` there, and checks on a short-lived connection of its own when the
+    hooks run on another loop."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.pool = client.connection_pool
+        self.home: asyncio.AbstractEventLoop | None = None
+        # registered from a coroutine: most likely the loop the client is used on
+        with contextlib.suppress(RuntimeError):
+            self.home = asyncio.get_running_loop()
+        take = self.pool.get_connection
+
+        async def get_connection(*args: Any, **kwargs: Any) -> Any:
+            # every command, pipeline and pubsub of the client takes its connection here
+            self.home = asyncio.get_running_loop()
+            return await take(*args, **kwargs)
+
+        self.pool.get_connection = get_connection
+
+    async def disconnect(self) -> None:
+        home, running = self.home, asyncio.get_running_loop()
+        if home is None or home is running:
+            await self.pool.disconnect()
+        elif home.is_running():
+            await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self.pool.disconnect(), home))
+        elif home.is_closed():
+            # nothing can talk to streams of a closed loop any more: forget them
+            self.pool.reset()
+        else:
+            raise RuntimeError("the redis.asyncio client's event loop is not running: its "
+                               "connections cannot be closed from another loop")
+
+    async def ping(self) -> None:
+        if asyncio.get_running_loop() is self.home:
+            # the application's loop: the check's connection stays in the pool for it
+            ok = await self.client.ping()
+        else:
+            import redis.asyncio as aredis
+
+            pool = aredis.ConnectionPool(connection_class=self.pool.connection_class,
+                                         **self.pool.connection_kwargs)
+            try:
+                ok = await aredis.Redis(connection_pool=pool).ping()
+            finally:
+                await pool.disconnect()
+        if not ok:
+            raise ConnectionError("PING failed")
+
+
 def redis_client(
     name: str,
     client: Any,
@@ -782,25 +870,30 @@ def redis_client(
     replace: bool = False,
 ) -> Any:
     """Manage a redis-py client (sync or ``redis.asyncio``): its pool is disconnected
-    before a snapshot and reset after a restore, then ``PING``-ed when ``check``."""
+    before a snapshot and reset after a restore, then ``PING``-ed when ``check``.
+
+    A ``redis.asyncio`` client's connections belong to the event loop the application
+    sends its commands on: ``disconnect()`` is sent to that loop (the last one a command
+    ran on, or the one ``redis_client`` was called from), which must be running; when
+    the hooks run on another loop (the engine was started without ``loop=``) the
+    ``PING`` goes over a short-lived connection of its own and the pool refills on the
+    application's first command."""
     pool = client.connection_pool
     ping: Callable[[], Any]
+    disconnect: Callable[[], Any]
     if inspect.iscoroutinefunction(pool.disconnect):
-        async def aping() -> None:
-            if not await client.ping():
-                raise ConnectionError("PING failed")
-
-        ping = aping
+        apool = _AsyncRedisPool(client)
+        ping, disconnect = apool.ping, apool.disconnect
     else:
         def sping() -> None:
             if not client.ping():
                 raise ConnectionError("PING failed")
 
-        ping = sping
-    # a bound disconnect() (sync or async) takes no required argument: called as is
+        # a bound disconnect() takes no required argument: called as is
+        ping, disconnect = sping, pool.disconnect
     kw = getattr(pool, "connection_kwargs", {})
     peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
-    register(name, open=pool.disconnect, close=pool.disconnect, check=ping if check else None,
+    register(name, open=disconnect, close=disconnect, check=ping if check else None,
              required=required, deadline=deadline, engine=engine, replace=replace,
              peers=peers)
     return client
@@ -857,8 +950,18 @@ class ManagedSocket:
                                   "connected (yet)")
         return s
 
-    def connect(self) -> socket.socket:
-        s = socket.create_connection(self.address, timeout=self.timeout)
+    def connect(self, deadline_at: float | None = None) -> socket.socket:
+        """Connect (with ``timeout``, but never past ``deadline_at``, a
+        ``time.monotonic()``): a connect abandoned at the deadline otherwise kept its
+        thread and file descriptor for the whole timeout (minutes of SYN retries with
+        ``timeout=None`` to a peer that drops packets), once per restore."""
+        timeout = self.timeout
+        if deadline_at is not None:
+            left = max(0.01, deadline_at - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        s = socket.create_connection(self.address, timeout=timeout)
+        if timeout != self.timeout:
+            s.settimeout(self.timeout)  # the cap is for the connect only
         self._swap(s)
         return s
 
@@ -902,9 +1005,15 @@ def tcp_socket(
     _check_address(address)
     ms = ManagedSocket(address, timeout)
     chk = (lambda: check(ms.sock)) if check is not None else None
-    register(name, open=ms.connect, close=ms.close, check=chk, required=required,
-             deadline=deadline, engine=engine, open_now=True, replace=replace,
-             peers=[address])
+    managed: list[Connection] = []
+
+    def connect() -> socket.socket:  # capped by the deadline of the run it is part of
+        return ms.connect(managed[0].deadline_at if managed else None)
+
+    managed.append(register(name, open=connect, close=ms.close, check=chk,
+                            required=required, deadline=deadline, engine=engine,
+                            replace=replace, peers=[address]))
+    manager(engine)._open_in_background(managed[0])  # now that connect() can see it
     return ms
 
 

@@ -379,6 +379,124 @@ async def test_a_clone_reopens_httpx_clients_without_starting_threads(rehydrate_
     sclient.close()
 
 
+class _ForwardProxy:
+    """A stand-in HTTP forward proxy on loopback: answers every request with the target
+    it was asked for (``GET http://host/path`` arrives in absolute form); counts the
+    connections it accepted."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(c)
+            threading.Thread(target=self._answer, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _answer(c: socket.socket) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = c.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                target = head.split(b"\r\n", 1)[0].split(b" ")[1]
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(target), target))
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.accepted:
+            c.close()
+
+
+def _proxy_env(monkeypatch, **env: str) -> None:
+    for var in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.upper(), raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+
+
+def test_httpx_client_honours_the_environments_proxies(rehydrate_engine, monkeypatch,
+                                                      http_srv):
+    """httpx mounts HTTP(S)_PROXY/NO_PROXY only when it builds the transport itself, and
+    the helper always passes one: managed clients went straight to every host. The
+    health check takes the proxy too, and the proxy's pool is rebuilt on restore."""
+    proxy = _ForwardProxy()
+    _proxy_env(monkeypatch, HTTP_PROXY=proxy.url, NO_PROXY="127.0.0.1")
+    try:
+        client = connections.httpx_client("api", check_url="http://example.invalid/health",
+                                          deadline=5, engine=rehydrate_engine)
+        assert client.get("http://example.invalid/abc").text == "http://example.invalid/abc"
+        assert client.get(f"{http_srv.url}/direct").text == "/direct"  # NO_PROXY
+        assert len(proxy.accepted) == 1
+        assert rehydrate_engine.simulate_snapshot().ok
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert len(proxy.accepted) == 2  # the check, through the proxy's new pool
+        assert client.get("http://example.invalid/x").text == "http://example.invalid/x"
+        assert len(proxy.accepted) == 2  # reused the check's connection
+        client.close()
+    finally:
+        proxy.close()
+
+
+async def test_httpx_async_client_honours_the_environments_proxies(rehydrate_engine,
+                                                                  monkeypatch):
+    proxy = _ForwardProxy()
+    _proxy_env(monkeypatch, HTTP_PROXY=proxy.url)
+    loop = asyncio.get_running_loop()
+    try:
+        client = connections.httpx_async_client(
+            "api", check_url="http://example.invalid/health", deadline=5,
+            engine=rehydrate_engine)
+        r = await client.get("http://example.invalid/abc")
+        assert r.text == "http://example.invalid/abc"
+        snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+        assert snap.ok, snap.table()
+        report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        r = await client.get("http://example.invalid/y")
+        assert r.text == "http://example.invalid/y"
+        await client.aclose()
+    finally:
+        proxy.close()
+
+
+async def test_httpx_async_client_closes_the_callers_mounted_pools(rehydrate_engine,
+                                                                   http_srv):
+    """As the sync client does, the async one closes the pools of the transports given
+    in ``mounts=`` before a snapshot (on the application's loop): they kept their
+    connections, cut by the platform, past the restore."""
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)
+    mount = httpx.AsyncHTTPTransport()
+    client = connections.httpx_async_client("a", mounts={http_srv.url: mount},
+                                            engine=rehydrate_engine)
+    assert (await client.get(f"{http_srv.url}/x")).text == "/x"
+    assert http_srv.port in _remote_ports()
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    assert http_srv.port not in _remote_ports()
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert (await client.get(f"{http_srv.url}/y")).text == "/y"  # the mount still works
+    await client.aclose()
+
+
 def test_a_missing_sniffio_is_remembered_once(monkeypatch):
     """httpcore asks ``import sniffio`` on every async lock; when it is not installed the
     miss is recorded like the import system does (None in sys.modules), so each later ask
@@ -437,6 +555,32 @@ async def test_redis_asyncio_client_helper(rehydrate_engine, redis_srv):
     assert report.ok, report.table()
     assert redis_srv.port in _remote_ports()  # the PING check left a fresh connection
     assert await r.get("k") == b"v"
+    await r.aclose()
+
+
+async def test_redis_asyncio_client_on_rehydrates_own_loop(rehydrate_engine, redis_srv):
+    """Started without ``loop=``, the hooks run on rehydrate's own loop, but the client's
+    connections (and its pool's lock) belong to the application's: the disconnect before
+    a snapshot used to fail there ("attached to a different loop", every snapshot
+    refused) and the PING after a restore put a connection of that loop into the
+    application's pool, which its next command failed on."""
+    import redis.asyncio as aredis
+
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none")
+    r = aredis.Redis(host="127.0.0.1", port=redis_srv.port)
+    connections.redis_client("cache", r, engine=rehydrate_engine)
+    await r.set("k", "v")
+    assert redis_srv.port in _remote_ports()
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    assert redis_srv.port not in _remote_ports()
+    for _ in range(2):  # after a snapshot, and a restore without one (stale close)
+        report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        # the check's own connection is closed: nothing of another loop in the pool
+        assert redis_srv.port not in _remote_ports()
+        assert await asyncio.wait_for(r.get("k"), 5) == b"v"
     await r.aclose()
 
 
@@ -713,6 +857,77 @@ def test_hung_stale_close_is_bounded_by_close_timeout(rehydrate_engine, monkeypa
     assert 0.3 <= took < 5, took  # CLOSE_TIMEOUT, not the 20 s deadline (nor 10 s)
 
 
+def test_a_failed_open_does_not_close_the_stale_value_again(rehydrate_engine):
+    """After a failed open() the value is still the one closed before the snapshot: it
+    used to be closed again after every failed attempt, each time for up to CLOSE_TIMEOUT
+    (5 s) whatever the deadline; a close that hangs (a goodbye to a peer that is gone)
+    then used up the deadline and a peer back in time was never reopened."""
+    release = threading.Event()
+    closed: list[str] = []
+    opens: list[int] = []
+
+    def close(value: str) -> None:
+        closed.append(value)
+        if value == "old":  # dead after the restore: its goodbye never returns
+            release.wait(30)
+
+    def open_() -> str:
+        opens.append(1)
+        if len(opens) < 3:
+            raise ConnectionRefusedError("peer down")
+        return "new"
+
+    conn = connections.register("db", open=open_, close=close, check=lambda v: None,
+                                value="old", deadline=1, engine=rehydrate_engine)
+    release.set()  # the close before the snapshot is a clean one
+    assert rehydrate_engine.simulate_snapshot().ok
+    release.clear()
+    closed.clear()
+    try:
+        report = rehydrate_engine.simulate_restore()
+    finally:
+        release.set()
+    assert report.ok, report.table()
+    assert conn.value == "new" and len(opens) == 3
+    assert closed == []  # neither the stale value again nor anything else
+
+
+def test_the_close_after_a_failed_check_is_bounded_by_the_deadline(rehydrate_engine):
+    """What a failed check leaves (this attempt's open) is released, but a close that hangs
+    gets at most half the time left, like the stale close, not CLOSE_TIMEOUT."""
+    release = threading.Event()
+    closed: list[int] = []
+    opens: list[int] = []
+
+    def close(value: int) -> None:
+        closed.append(value)
+        release.wait(30)
+
+    def open_() -> int:
+        opens.append(len(opens) + 1)
+        return opens[-1]
+
+    def check(value: int) -> None:
+        if value == 1:
+            raise ConnectionError("not ready")
+
+    conn = connections.register("db", open=open_, close=close, check=check, deadline=2,
+                                engine=rehydrate_engine)
+    release.set()
+    assert rehydrate_engine.simulate_snapshot().ok
+    release.clear()
+    closed.clear()
+    try:
+        t0 = time.monotonic()
+        report = rehydrate_engine.simulate_restore()
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert report.ok, report.table()
+    assert conn.value == 2 and closed == [1]  # the failed check's value, once
+    assert took < 2, took
+
+
 def _background_open(name: str) -> threading.Thread:
     [thread] = [t for t in threading.enumerate() if t.name == f"rehydrate-open-{name}"]
     return thread
@@ -777,6 +992,29 @@ def test_an_open_that_finishes_after_it_was_superseded_is_closed():
         assert conn.value is None
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_tcp_socket_connect_is_capped_by_the_deadline(rehydrate_engine, monkeypatch,
+                                                      timeout):
+    """A connect abandoned at the deadline kept its thread and file descriptor for its
+    whole timeout (with None, the kernel's SYN retries: minutes), once per restore
+    against a peer that drops packets: it now never waits past the deadline."""
+    real = socket.create_connection
+    asked: list[float | None] = []
+    peer = ("192.0.2.1", 9)  # TEST-NET-1; here a stand-in for a black-holed peer
+
+    def create_connection(address, timeout=None, *args, **kwargs):
+        if tuple(address) != peer:
+            return real(address, timeout, *args, **kwargs)
+        asked.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    connections.tcp_socket("feed", peer, timeout=timeout, deadline=0.3,
+                           engine=rehydrate_engine)
+    assert not rehydrate_engine.simulate_restore().ok
+    assert asked and all(t is not None and 0 < t <= 0.3 for t in asked), asked
 
 
 @pytest.mark.parametrize("address", [("127.0.0.1", 99999), ("127.0.0.1", -1), "127.0.0.1:80",
