@@ -130,6 +130,9 @@ class Lifecycle:
         self._run_lock = threading.Lock()
         self._seen: collections.OrderedDict[str, Report] = collections.OrderedDict()
         self._last_restore_at: float | None = None
+        self._last_snapshot_at = -math.inf
+        """``time.monotonic()`` of the last before-snapshot pass: a restore handled before
+        it is never the restore a later notice is about."""
         self._last_restore_report: RestoreReport | None = None
         self._event_seq = 0  # +1 per run (under _run_lock); ends a snapshot deadline watch
 
@@ -395,7 +398,9 @@ class Lifecycle:
         """
         with self._cond:
             beat = self._beat
-            stale = beat is not None and now - beat > self._beat_limit
+            # by the clock now too: a waiter may have judged the beat stale after the
+            # watcher read ``now`` (GIL, a log write in between), and waits to be woken
+            stale = beat is not None and max(now, time.monotonic()) - beat > self._beat_limit
             if beat is None and self._gap_since is None:
                 self._gap_since = now  # no freeze seen since the watch began
             if gap_since is not None:
@@ -523,8 +528,10 @@ class Lifecycle:
                         return self._confirm(seen, reason)
                     return dataclasses.replace(seen, deduplicated=True)
                 last_at, last = self._last_restore_at, self._last_restore_report
+                # Not the last restore when a before-snapshot pass ran after it: this is a
+                # clone of that newer snapshot, however far back the notice's window goes.
                 if (since is not None and last is not None and last_at is not None
-                        and last_at > since):
+                        and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason)
                 report = self._run_restore(reason, kind, frozen_for, env, detected)
                 if anchor:
@@ -712,6 +719,7 @@ class Lifecycle:
     def _run_snapshot(self, reason: str) -> SnapshotReport:
         self.env.baseline()  # the environment file as the snapshot will remember it
         self._event_seq += 1
+        self._last_snapshot_at = time.monotonic()
         ctx = RestoreContext(generation=self._generation, reason=reason, kind="snapshot",
                              detected_at=time.monotonic())
         self._set_state("snapshotting")

@@ -257,3 +257,49 @@ def test_snapshot_deadline_ends_when_the_process_was_frozen() -> None:
     finally:
         child.kill()
         child.wait(DEADLINE)
+
+
+def test_a_restore_after_a_new_snapshot_pass_is_never_the_previous_one(
+        rehydrate_engine: Lifecycle) -> None:
+    """Before: a clone of a snapshot taken within a notice's window (2 s for the signal
+    and file detectors) after the previous restore was taken for that restore: its hooks
+    never ran (no reseed, no new keys), the generation stayed, and it stayed
+    ``snapshotting`` — not ready — until the snapshot deadline."""
+    engine = rehydrate_engine
+    engine.snapshot_deadline = None
+    runs: list[int] = []
+    engine.registry.after_restore(name="reseed")(lambda ctx: runs.append(ctx.generation))
+    first = engine.restore_detected("signal", since=time.monotonic() - 2.0)
+    assert first.ok and runs == [1]
+    assert engine.snapshot_requested("control").ok  # the warmed clone is snapshotted again
+    # the new clone's notice: its window reaches back before the first restore
+    second = engine.restore_detected("signal", since=time.monotonic() - 2.0)
+    assert not second.deduplicated
+    assert runs == [1, 2] and engine.generation == 2
+    assert engine.is_ready() and engine.status().state == "ready"
+    # and a second notice of that same restore is still recognised as it
+    again = engine.restore_detected("file", since=time.monotonic() - 2.0)
+    assert again.deduplicated and runs == [1, 2]
+
+
+def test_a_late_heartbeat_wakes_a_waiter_that_saw_it_stale(rehydrate_engine: Lifecycle
+                                                           ) -> None:
+    """Before: ``heartbeat()`` woke waiters only when the beat was stale by the watcher's
+    own reading; one read just inside the limit but delivered just after it (GIL, a log
+    write) woke nobody, and ``wait_ready()`` slept through a ready engine."""
+    import threading
+
+    engine = rehydrate_engine
+    t0 = time.monotonic()
+    engine.heartbeat(t0, 1.0)
+    while time.monotonic() - t0 <= 1.0:  # the watcher is late: not ready meanwhile
+        time.sleep(0.01)
+    assert not engine.is_ready()
+    returned: list[tuple[bool, float]] = []
+    waiter = threading.Thread(
+        target=lambda: returned.append((engine.wait_ready(10), time.monotonic())))
+    waiter.start()
+    engine.heartbeat(t0 + 0.9, 1.0)  # read at t0 + 0.9, delivered now
+    waiter.join(15)
+    assert returned and returned[0][0] is True
+    assert returned[0][1] < t0 + 1.9, "woken only by a later change, not by this heartbeat"

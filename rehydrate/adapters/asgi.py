@@ -286,10 +286,13 @@ class ReadinessGate:
         # Counted before readiness is read: a snapshot that starts after this check
         # finds the request in flight and waits for it.
         drain.enter()
+        if not self.engine.is_ready():
+            # not admitted: writing its 503 (to a client that reads slowly) must not
+            # count as a request in flight, which would fail a snapshot's drain
+            drain.leave()
+            await self._refuse(scope, send, receive)
+            return
         try:
-            if not self.engine.is_ready():
-                await self._refuse(scope, send, receive)
-                return
             await self.app(scope, receive, send)
         finally:
             drain.leave()

@@ -588,3 +588,36 @@ async def test_an_endpoint_configured_with_a_trailing_slash_still_answers(
     async with asgi_client(gate) as c:
         assert (await c.get("/live/")).json() == {"alive": True}
         assert (await c.get("/live")).json() == {"alive": True}
+
+
+def test_a_refused_request_is_not_counted_in_flight(app: App, rehydrate_engine: Any) -> None:
+    """Before: a request the gate refused stayed counted while its 503 was written, so a
+    slow reader of that 503 failed the next snapshot's drain with no admitted request
+    running."""
+    gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False)
+    assert rehydrate_engine.simulate_snapshot().ok  # not ready until the restore
+
+    async def main() -> int:
+        writing, release = asyncio.Event(), asyncio.Event()
+        statuses: list[int] = []
+
+        async def slow_send(message: dict[str, Any]) -> None:  # a client reading slowly
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+            writing.set()
+            await release.wait()
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": "GET", "path": "/x", "root_path": "",
+                 "query_string": b"", "headers": []}
+        request = asyncio.ensure_future(gate(scope, receive, slow_send))
+        await writing.wait()
+        counted = gate._drain.in_flight  # while its 503 is being written
+        release.set()
+        await request
+        assert statuses == [503]
+        return counted
+
+    assert asyncio.run(main()) == 0
