@@ -39,6 +39,15 @@ _OBJ_KINDS = ("table", "chain", "set", "map", "flowtable", "counter", "quota", "
               "rule")
 
 
+_ADD_RANK = {"table": 0, "chain": 1, "element": 3, "rule": 4}  # any other kind: 2
+
+
+def _add_rank(obj: Mapping[str, Any]) -> int:
+    """Where an object goes in a batch that adds a table back: the table, its chains, its
+    sets/maps/flowtables/stateful objects, separate elements, then the rules."""
+    return _ADD_RANK.get(next(iter(obj)), 2)
+
+
 def _strip(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k != "handle"}
 
@@ -78,7 +87,9 @@ class NftTable:
         ident = {"family": self.family, "name": self.name}
         cmds: list[dict[str, Any]] = [{"add": {"table": dict(ident)}},
                                       {"delete": {"table": dict(ident)}}]
-        for obj in self.objects:
+        # in dependency order, not the order ``nft -j list`` prints (maps and sets before
+        # chains): a verdict map's ``jump c`` needs chain c, a rule needs its sets
+        for obj in sorted(self.objects, key=_add_rank):
             ((kind, body),) = obj.items()
             cmds.append({"add": {kind: _strip(body)}})
         return cmds

@@ -751,3 +751,55 @@ def test_a_missing_nft_binary_named_by_the_variable_is_said_so(rehydrate_engine,
                              "executable file)")
     monkeypatch.delenv("REHYDRATE_NFT")
     assert nft_missing() == "the nft binary (install nftables, or set REHYDRATE_NFT)"
+
+
+VMAP_TABLE = """table inet rhvmap {
+    map ports {
+        type inet_service : verdict
+        elements = { 22 : jump ssh }
+    }
+    chain ssh {
+        accept
+    }
+    chain input {
+        type filter hook input priority 0; policy drop;
+        tcp dport vmap @ports
+    }
+}
+"""
+
+VMAP_RESTORE = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+cap = routes.capture(engine=engine)
+listing = subprocess.run(["nft", "-j", "list", "table", "inet", "rhvmap"],
+                         capture_output=True, text=True, check=True).stdout
+before = [t.canonical() for t in routes.read_tables()]
+subprocess.run(["nft", "flush", "ruleset"], check=True)
+captured = engine.simulate_restore()
+after_captured = [t.canonical() for t in routes.read_tables()]
+subprocess.run(["nft", "flush", "ruleset"], check=True)
+declared_engine = isolated_engine()
+routes.nftables(listing, engine=declared_engine)
+declared = declared_engine.simulate_restore()
+after_declared = [t.canonical() for t in routes.read_tables()]
+print(json.dumps({"tables": [t.label for t in cap.tables],
+                  "ok": [captured.ok, declared.ok],
+                  "report": [captured.table(), declared.table()],
+                  "same": [after_captured == before, after_declared == before]}))
+'''
+
+
+def test_a_table_whose_verdict_map_jumps_to_its_chains_is_re_applied(netns_pair):
+    """``nft -j list`` prints maps before chains: re-added in that order, the map's
+    ``jump ssh`` came before chain ssh existed and nft refused the whole table."""
+    a = netns_pair["a"]
+    subprocess.run(["ip", "netns", "exec", a, "nft", "-f", "-"], input=VMAP_TABLE,
+                   text=True, check=True)
+    out = run_in_ns(a, VMAP_RESTORE)
+    assert out["tables"] == ["inet rhvmap"]
+    assert out["ok"] == [True, True], out["report"]
+    assert out["same"] == [True, True]
