@@ -803,3 +803,47 @@ def test_a_table_whose_verdict_map_jumps_to_its_chains_is_re_applied(netns_pair)
     assert out["tables"] == ["inet rhvmap"]
     assert out["ok"] == [True, True], out["report"]
     assert out["same"] == [True, True]
+
+
+IPV6_DECLARED_AND_CAPTURED = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+va = sys.argv[1]
+engine = isolated_engine()
+routes.route("fd00:41::/64", dev="rhopt0", required=False, engine=engine)
+first = engine.simulate_restore()
+cap = routes.capture(engine=engine)  # captures fd00:20::/64 via fd00::2 and fd00:41::/64
+routes.route("fd00:20::/64", gateway="fd00::3", dev=va, engine=engine)  # declared: wins
+subprocess.run(["ip", "-6", "route", "del", "fd00:20::/64"], check=True)
+subprocess.run(["ip", "link", "del", "rhopt0"], check=True)  # the optional one cannot be
+report = engine.simulate_restore()
+last = routes.manager(engine).last
+print(json.dumps({
+    "first": first.ok, "captured": sorted(str(r) for r in cap.routes),
+    "ok": report.ok, "table": report.table(),
+    "errors": [[w, req] for w, req, _ in last.errors],
+    "kernel": subprocess.run(["ip", "-6", "route", "show", "fd00:20::/64"],
+                             capture_output=True, text=True).stdout.split(),
+}))
+'''
+
+
+def test_an_ipv6_route_declared_without_metric_is_not_overridden_by_its_capture(netns_pair):
+    """The kernel stores an IPv6 route without metric at metric 1024: its captured copy
+    had another key than the declaration, was applied after it and overrode it, and an
+    optional declared route became required through its (required) captured copy."""
+    a, va = netns_pair["a"], netns_pair["va"]
+    sh(f"ip -n {a} addr add fd00::1/64 dev {va} nodad")
+    sh(f"ip -n {a} link add rhopt0 type veth peer name rhopt1 && "
+       f"ip -n {a} link set rhopt0 up && ip -n {a} link set rhopt1 up")
+    sh(f"ip -n {a} -6 route add fd00:20::/64 via fd00::2 dev {va}")
+    out = run_in_ns(a, IPV6_DECLARED_AND_CAPTURED.replace("sys.argv[1]", repr(va)))
+    assert out["first"]
+    assert out["captured"] == [
+        f"inet6 fd00:20::/64 via fd00::2 dev {va} table 254 metric 1024",
+        "inet6 fd00:41::/64 dev rhopt0 table 254 metric 1024"]
+    assert out["kernel"][:3] == ["fd00:20::/64", "via", "fd00::3"], out["kernel"]
+    assert out["ok"], out["table"]
+    assert out["errors"] == [["route inet6 fd00:41::/64 dev rhopt0", False]]
