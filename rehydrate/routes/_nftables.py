@@ -169,5 +169,22 @@ class NftCommands:
             for verb, body in cmd.items():
                 if verb in ("add", "create") and isinstance(body, Mapping) and "table" in body:
                     t = body["table"]
-                    out.append((str(t["family"]), str(t["name"])))
+                    label = (str(t["family"]), str(t["name"]))
+                    if label not in out:
+                        out.append(label)
         return out
+
+    @property
+    def labels(self) -> set[str]:
+        return {f"{f} {n}" for f, n in self.tables()}
+
+    def batch(self) -> list[dict[str, Any]]:
+        """The commands, after emptying each table they create (``add table`` +
+        ``delete table``, as :meth:`NftTable.commands` does): applied again on every
+        restore and resume, they replace their tables instead of adding their rules
+        once more (and the captured copy of such a table is not applied beside them)."""
+        cmds: list[dict[str, Any]] = []
+        for family, name in self.tables():
+            ident = {"family": family, "name": name}
+            cmds += [{"add": {"table": dict(ident)}}, {"delete": {"table": dict(ident)}}]
+        return cmds + [dict(c) for c in self.commands]

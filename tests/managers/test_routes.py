@@ -847,3 +847,47 @@ def test_an_ipv6_route_declared_without_metric_is_not_overridden_by_its_capture(
     assert out["kernel"][:3] == ["fd00:20::/64", "via", "fd00::3"], out["kernel"]
     assert out["ok"], out["table"]
     assert out["errors"] == [["route inet6 fd00:41::/64 dev rhopt0", False]]
+
+
+NFT_COMMANDS_REPEATED = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+cmds = {"nftables": [
+    {"add": {"table": {"family": "inet", "name": "rhcmd"}}},
+    {"add": {"chain": {"family": "inet", "table": "rhcmd", "name": "out", "type": "filter",
+                       "hook": "output", "prio": 0, "policy": "accept"}}},
+    {"add": {"rule": {"family": "inet", "table": "rhcmd", "chain": "out", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+                   "right": 9}}, {"drop": None}]}}}]}
+
+def rules():
+    return subprocess.run(["nft", "list", "chain", "inet", "rhcmd", "out"],
+                          capture_output=True, text=True).stdout.count("dport 9")
+
+subprocess.run(["nft", "-j", "-f", "-"], input=json.dumps(cmds), text=True, check=True)
+engine = isolated_engine()
+routes.nftables(cmds, engine=engine)
+routes.nftables(cmds, engine=engine)  # the same declaration again: one declaration
+declared = len(routes.manager(engine).rulesets)
+cap = routes.capture(engine=engine)
+subprocess.run(["nft", "delete", "table", "inet", "rhcmd"], check=True)
+oks, counts = [], []
+for kind in ("restore", "resume", "resume"):
+    report = engine.simulate_restore(kind=kind)
+    oks.append(report.ok)
+    counts.append(rules())
+print(json.dumps({"declared": declared, "captured": [t.label for t in cap.tables],
+                  "ok": oks, "rules": counts}))
+'''
+
+
+def test_an_nftables_ruleset_in_command_form_is_applied_once_per_restore(netns_pair):
+    """Command form was applied as written: every restore and resume added its rules once
+    more, and the captured copy of its table was applied beside it (rules doubled)."""
+    out = run_in_ns(netns_pair["a"], NFT_COMMANDS_REPEATED)
+    assert out["declared"] == 1
+    assert out["captured"] == ["inet rhcmd"]
+    assert out["ok"] == [True, True, True]
+    assert out["rules"] == [1, 1, 1]
