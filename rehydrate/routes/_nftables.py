@@ -61,12 +61,45 @@ def _normalize_expr(value: Any) -> Any:
                 out[k] = {kk: vv for kk, vv in v.items() if kk not in ("packets", "bytes")}
             elif k == "counter" and v is None:
                 out[k] = {}
+            elif k == "expires":
+                continue
             else:
                 out[k] = _normalize_expr(v)
         return out
     if isinstance(value, list):
         return [_normalize_expr(v) for v in value]
     return value
+
+
+def _flags(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def _dynamic_sets(objects: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Names of the sets rules fill (``update @s { … }``, ``add @s``, meters)."""
+    names: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            target = value.get("set")
+            if (isinstance(target, dict) and isinstance(target.get("set"), str)
+                    and target.get("op") in ("add", "update", "delete")):
+                names.add(target["set"].lstrip("@"))
+            meter = value.get("meter")
+            if isinstance(meter, dict) and isinstance(meter.get("name"), str):
+                names.add(meter["name"])
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    for obj in objects:
+        if "rule" in obj:
+            walk(obj["rule"])
+    return names
 
 
 @dataclass(frozen=True)
@@ -95,9 +128,23 @@ class NftTable:
         return cmds
 
     def canonical(self) -> list[tuple[str, Any]]:
-        """Objects without handles and counter values, for comparison."""
-        return [(kind, _normalize_expr(_strip(body)))
-                for obj in self.objects for kind, body in obj.items()]
+        """Objects without handles and what changes by itself, for comparison: counter
+        values, a quota's bytes used, elements' ``expires`` countdowns, and the elements
+        of sets the datapath fills or expires (``flags timeout``/``dynamic``, the target
+        of an ``update @set``/``add @set`` rule or a meter)."""
+        dynamic = _dynamic_sets(self.objects)
+        out = []
+        for obj in self.objects:
+            for kind, raw in obj.items():
+                body = _strip(raw)
+                if kind in ("set", "map") and (
+                        body.get("name") in dynamic
+                        or {"timeout", "dynamic"} & set(_flags(body.get("flags")))):
+                    body.pop("elem", None)
+                elif kind == "quota":
+                    body.pop("used", None)
+                out.append((kind, _normalize_expr(body)))
+        return out
 
     def uses_xt(self) -> bool:
         return '"xt"' in json.dumps(self.objects)

@@ -891,3 +891,60 @@ def test_an_nftables_ruleset_in_command_form_is_applied_once_per_restore(netns_p
     assert out["captured"] == ["inet rhcmd"]
     assert out["ok"] == [True, True, True]
     assert out["rules"] == [1, 1, 1]
+
+
+TIMEOUT_SET_DECLARED = r'''
+import json
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+# as a program would write it: the kernel reads the element back with its countdown
+# ("expires": 3599 …), which changes every second
+routes.nftables({"nftables": [
+    {"table": {"family": "inet", "name": "rhttl"}},
+    {"set": {"family": "inet", "table": "rhttl", "name": "seen", "type": "ipv4_addr",
+             "flags": ["timeout"], "timeout": 3600,
+             "elem": [{"elem": {"val": "10.200.9.9", "expires": 0}}]}},
+    {"chain": {"family": "inet", "table": "rhttl", "name": "c", "type": "filter",
+               "hook": "input", "prio": 0, "policy": "accept"}},
+    {"rule": {"family": "inet", "table": "rhttl", "chain": "c", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                   "right": "@seen"}}, {"drop": None}]}}]}, engine=engine)
+report = engine.simulate_restore()
+print(json.dumps({"ok": report.ok, "table": report.table(),
+                  "in_force": routes.manager(engine).last.in_force}))
+'''
+
+
+def test_sets_whose_elements_expire_or_are_filled_by_rules_compare_equal(netns_pair):
+    """Elements carry an ``expires`` countdown and dynamic sets are filled by the
+    datapath: the read-back of such a table never compared equal, and the restore failed
+    though the table was applied."""
+    from rehydrate.routes import NftTable
+
+    out = run_in_ns(netns_pair["a"], TIMEOUT_SET_DECLARED)
+    assert out["ok"], out["table"]
+    assert out["in_force"] == ["nftables inet rhttl"]
+
+    def table(expires: int, filled: list[str], used: int) -> NftTable:
+        base = {"family": "inet", "table": "t"}
+        return NftTable("inet", "t", (
+            {"table": {"family": "inet", "name": "t", "handle": 1}},
+            {"quota": {**base, "name": "q", "bytes": 1000, "used": used}},
+            {"set": {**base, "name": "ttl", "type": "ipv4_addr", "flags": ["timeout"],
+                     "elem": [{"elem": {"val": "10.0.0.1", "expires": expires}}]}},
+            {"set": {**base, "name": "d", "type": "ipv4_addr", "size": 10,
+                     "elem": filled}},
+            {"set": {**base, "name": "static", "type": "ipv4_addr", "elem": ["10.0.0.3"]}},
+            {"rule": {**base, "chain": "c", "expr": [{"set": {
+                "op": "update", "elem": {"payload": {"protocol": "ip", "field": "daddr"}},
+                "set": "@d"}}]}}))
+
+    assert table(3599, ["10.0.0.2"], 100).canonical() == table(3000, [], 900).canonical()
+    changed = table(3599, [], 100)
+    static = changed.objects[4]["set"]
+    other = NftTable("inet", "t", (*changed.objects[:4],
+                                   {"set": {**static, "elem": ["10.0.0.4"]}},
+                                   changed.objects[5]))
+    assert other.canonical() != changed.canonical()  # a static set's elements still count
