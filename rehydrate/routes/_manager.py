@@ -217,9 +217,12 @@ class RoutesManager:
 
     def add_ruleset(self, items: Sequence[NftTable | NftCommands]) -> None:
         with self._lock:
-            labels = {t.label for t in items if isinstance(t, NftTable)}
+            # a table declared again replaces the earlier declaration of it: a listed
+            # table, or a command set all of whose tables are declared again (and an
+            # identical command set declared again is the same declaration)
+            labels = set().union(*(_labels(t) for t in items))
             self.rulesets = [x for x in self.rulesets
-                             if not (isinstance(x, NftTable) and x.label in labels)]
+                             if x not in items and not (_labels(x) and _labels(x) <= labels)]
             self.rulesets.extend(items)
 
     def add_iptables(self, rules: IptablesRules) -> None:
@@ -326,7 +329,7 @@ class RoutesManager:
             cap = self.capture
         captured_routes = list(cap.routes) if cap else []
         captured_tables = list(cap.tables) if cap else []
-        declared_labels = {t.label for t in rulesets if isinstance(t, NftTable)}
+        declared_labels = set().union(*(_labels(t) for t in rulesets))
         tables: list[NftTable | NftCommands] = [
             t for t in captured_tables if t.label not in declared_labels]
         tables.extend(rulesets)
@@ -447,7 +450,7 @@ class RoutesManager:
             cmds = t.commands()
         else:
             what = "nftables ruleset"
-            cmds = [dict(c) for c in t.commands]
+            cmds = t.batch()
         labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
         try:
             _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
@@ -485,6 +488,11 @@ class RoutesManager:
                 continue
             if present:
                 result.in_force.append(f"nftables {fam} {name} ({note})")
+
+
+def _labels(t: NftTable | NftCommands) -> set[str]:
+    """The labels (``inet app``) of the tables a declaration replaces."""
+    return {t.label} if isinstance(t, NftTable) else t.labels
 
 
 def _count(declared: list[Route], captured: list[Route],

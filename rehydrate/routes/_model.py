@@ -25,6 +25,7 @@ RTPROT_STATIC = 4
 RT_TABLE_COMPAT = 252
 RT_TABLE_MAIN = 254
 RT_TABLE_LOCAL = 255
+_IPV6_DEFAULT_METRIC = 1024
 _SKIP_PROTOS = {2: "kernel", 9: "ra", 16: "dhcp"}
 _ROUTE_TYPES = {1: "unicast", 6: "blackhole", 7: "unreachable", 8: "prohibit"}
 _TYPE_CODES = {v: k for k, v in _ROUTE_TYPES.items()}
@@ -143,10 +144,19 @@ class Route:
             dst = "default"
         elif "/" not in dst:
             dst = f"{dst}/{128 if self.family == socket.AF_INET6 else 32}"
-        return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN)
+        # no metric is what the kernel stores as 0 (IPv4: none) or 1024 (IPv6), as
+        # route() does for metric=0: a declared IPv6 route without one is the same route
+        # as its captured copy (metric 1024)
+        metric = self.metric
+        if self.family == socket.AF_INET6 and not metric:
+            metric = _IPV6_DEFAULT_METRIC
+        elif self.family == socket.AF_INET and metric == 0:
+            metric = None
+        return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN, metric=metric)
 
     def key(self) -> tuple[int, str, int, int | None]:
-        """What the kernel identifies a route by (family, destination, table, metric)."""
+        """What the kernel identifies a route by (family, destination, table, metric;
+        no metric is the kernel's default: none for IPv4, 1024 for IPv6)."""
         n = self.normalized()
         return (n.family, n.dst, n.table or RT_TABLE_MAIN, n.metric)
 

@@ -39,6 +39,15 @@ _OBJ_KINDS = ("table", "chain", "set", "map", "flowtable", "counter", "quota", "
               "rule")
 
 
+_ADD_RANK = {"table": 0, "chain": 1, "element": 3, "rule": 4}  # any other kind: 2
+
+
+def _add_rank(obj: Mapping[str, Any]) -> int:
+    """Where an object goes in a batch that adds a table back: the table, its chains, its
+    sets/maps/flowtables/stateful objects, separate elements, then the rules."""
+    return _ADD_RANK.get(next(iter(obj)), 2)
+
+
 def _strip(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k != "handle"}
 
@@ -52,12 +61,45 @@ def _normalize_expr(value: Any) -> Any:
                 out[k] = {kk: vv for kk, vv in v.items() if kk not in ("packets", "bytes")}
             elif k == "counter" and v is None:
                 out[k] = {}
+            elif k == "expires":
+                continue
             else:
                 out[k] = _normalize_expr(v)
         return out
     if isinstance(value, list):
         return [_normalize_expr(v) for v in value]
     return value
+
+
+def _flags(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def _dynamic_sets(objects: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Names of the sets rules fill (``update @s { … }``, ``add @s``, meters)."""
+    names: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            target = value.get("set")
+            if (isinstance(target, dict) and isinstance(target.get("set"), str)
+                    and target.get("op") in ("add", "update", "delete")):
+                names.add(target["set"].lstrip("@"))
+            meter = value.get("meter")
+            if isinstance(meter, dict) and isinstance(meter.get("name"), str):
+                names.add(meter["name"])
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    for obj in objects:
+        if "rule" in obj:
+            walk(obj["rule"])
+    return names
 
 
 @dataclass(frozen=True)
@@ -78,15 +120,31 @@ class NftTable:
         ident = {"family": self.family, "name": self.name}
         cmds: list[dict[str, Any]] = [{"add": {"table": dict(ident)}},
                                       {"delete": {"table": dict(ident)}}]
-        for obj in self.objects:
+        # in dependency order, not the order ``nft -j list`` prints (maps and sets before
+        # chains): a verdict map's ``jump c`` needs chain c, a rule needs its sets
+        for obj in sorted(self.objects, key=_add_rank):
             ((kind, body),) = obj.items()
             cmds.append({"add": {kind: _strip(body)}})
         return cmds
 
     def canonical(self) -> list[tuple[str, Any]]:
-        """Objects without handles and counter values, for comparison."""
-        return [(kind, _normalize_expr(_strip(body)))
-                for obj in self.objects for kind, body in obj.items()]
+        """Objects without handles and what changes by itself, for comparison: counter
+        values, a quota's bytes used, elements' ``expires`` countdowns, and the elements
+        of sets the datapath fills or expires (``flags timeout``/``dynamic``, the target
+        of an ``update @set``/``add @set`` rule or a meter)."""
+        dynamic = _dynamic_sets(self.objects)
+        out = []
+        for obj in self.objects:
+            for kind, raw in obj.items():
+                body = _strip(raw)
+                if kind in ("set", "map") and (
+                        body.get("name") in dynamic
+                        or {"timeout", "dynamic"} & set(_flags(body.get("flags")))):
+                    body.pop("elem", None)
+                elif kind == "quota":
+                    body.pop("used", None)
+                out.append((kind, _normalize_expr(body)))
+        return out
 
     def uses_xt(self) -> bool:
         return '"xt"' in json.dumps(self.objects)
@@ -158,5 +216,22 @@ class NftCommands:
             for verb, body in cmd.items():
                 if verb in ("add", "create") and isinstance(body, Mapping) and "table" in body:
                     t = body["table"]
-                    out.append((str(t["family"]), str(t["name"])))
+                    label = (str(t["family"]), str(t["name"]))
+                    if label not in out:
+                        out.append(label)
         return out
+
+    @property
+    def labels(self) -> set[str]:
+        return {f"{f} {n}" for f, n in self.tables()}
+
+    def batch(self) -> list[dict[str, Any]]:
+        """The commands, after emptying each table they create (``add table`` +
+        ``delete table``, as :meth:`NftTable.commands` does): applied again on every
+        restore and resume, they replace their tables instead of adding their rules
+        once more (and the captured copy of such a table is not applied beside them)."""
+        cmds: list[dict[str, Any]] = []
+        for family, name in self.tables():
+            ident = {"family": family, "name": name}
+            cmds += [{"add": {"table": dict(ident)}}, {"delete": {"table": dict(ident)}}]
+        return cmds + [dict(c) for c in self.commands]

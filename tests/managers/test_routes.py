@@ -751,3 +751,200 @@ def test_a_missing_nft_binary_named_by_the_variable_is_said_so(rehydrate_engine,
                              "executable file)")
     monkeypatch.delenv("REHYDRATE_NFT")
     assert nft_missing() == "the nft binary (install nftables, or set REHYDRATE_NFT)"
+
+
+VMAP_TABLE = """table inet rhvmap {
+    map ports {
+        type inet_service : verdict
+        elements = { 22 : jump ssh }
+    }
+    chain ssh {
+        accept
+    }
+    chain input {
+        type filter hook input priority 0; policy drop;
+        tcp dport vmap @ports
+    }
+}
+"""
+
+VMAP_RESTORE = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+cap = routes.capture(engine=engine)
+listing = subprocess.run(["nft", "-j", "list", "table", "inet", "rhvmap"],
+                         capture_output=True, text=True, check=True).stdout
+before = [t.canonical() for t in routes.read_tables()]
+subprocess.run(["nft", "flush", "ruleset"], check=True)
+captured = engine.simulate_restore()
+after_captured = [t.canonical() for t in routes.read_tables()]
+subprocess.run(["nft", "flush", "ruleset"], check=True)
+declared_engine = isolated_engine()
+routes.nftables(listing, engine=declared_engine)
+declared = declared_engine.simulate_restore()
+after_declared = [t.canonical() for t in routes.read_tables()]
+print(json.dumps({"tables": [t.label for t in cap.tables],
+                  "ok": [captured.ok, declared.ok],
+                  "report": [captured.table(), declared.table()],
+                  "same": [after_captured == before, after_declared == before]}))
+'''
+
+
+def test_a_table_whose_verdict_map_jumps_to_its_chains_is_re_applied(netns_pair):
+    """``nft -j list`` prints maps before chains: re-added in that order, the map's
+    ``jump ssh`` came before chain ssh existed and nft refused the whole table."""
+    a = netns_pair["a"]
+    subprocess.run(["ip", "netns", "exec", a, "nft", "-f", "-"], input=VMAP_TABLE,
+                   text=True, check=True)
+    out = run_in_ns(a, VMAP_RESTORE)
+    assert out["tables"] == ["inet rhvmap"]
+    assert out["ok"] == [True, True], out["report"]
+    assert out["same"] == [True, True]
+
+
+IPV6_DECLARED_AND_CAPTURED = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+va = sys.argv[1]
+engine = isolated_engine()
+routes.route("fd00:41::/64", dev="rhopt0", required=False, engine=engine)
+first = engine.simulate_restore()
+cap = routes.capture(engine=engine)  # captures fd00:20::/64 via fd00::2 and fd00:41::/64
+routes.route("fd00:20::/64", gateway="fd00::3", dev=va, engine=engine)  # declared: wins
+subprocess.run(["ip", "-6", "route", "del", "fd00:20::/64"], check=True)
+subprocess.run(["ip", "link", "del", "rhopt0"], check=True)  # the optional one cannot be
+report = engine.simulate_restore()
+last = routes.manager(engine).last
+print(json.dumps({
+    "first": first.ok, "captured": sorted(str(r) for r in cap.routes),
+    "ok": report.ok, "table": report.table(),
+    "errors": [[w, req] for w, req, _ in last.errors],
+    "kernel": subprocess.run(["ip", "-6", "route", "show", "fd00:20::/64"],
+                             capture_output=True, text=True).stdout.split(),
+}))
+'''
+
+
+def test_an_ipv6_route_declared_without_metric_is_not_overridden_by_its_capture(netns_pair):
+    """The kernel stores an IPv6 route without metric at metric 1024: its captured copy
+    had another key than the declaration, was applied after it and overrode it, and an
+    optional declared route became required through its (required) captured copy."""
+    a, va = netns_pair["a"], netns_pair["va"]
+    sh(f"ip -n {a} addr add fd00::1/64 dev {va} nodad")
+    sh(f"ip -n {a} link add rhopt0 type veth peer name rhopt1 && "
+       f"ip -n {a} link set rhopt0 up && ip -n {a} link set rhopt1 up")
+    sh(f"ip -n {a} -6 route add fd00:20::/64 via fd00::2 dev {va}")
+    out = run_in_ns(a, IPV6_DECLARED_AND_CAPTURED.replace("sys.argv[1]", repr(va)))
+    assert out["first"]
+    assert out["captured"] == [
+        f"inet6 fd00:20::/64 via fd00::2 dev {va} table 254 metric 1024",
+        "inet6 fd00:41::/64 dev rhopt0 table 254 metric 1024"]
+    assert out["kernel"][:3] == ["fd00:20::/64", "via", "fd00::3"], out["kernel"]
+    assert out["ok"], out["table"]
+    assert out["errors"] == [["route inet6 fd00:41::/64 dev rhopt0", False]]
+
+
+NFT_COMMANDS_REPEATED = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+cmds = {"nftables": [
+    {"add": {"table": {"family": "inet", "name": "rhcmd"}}},
+    {"add": {"chain": {"family": "inet", "table": "rhcmd", "name": "out", "type": "filter",
+                       "hook": "output", "prio": 0, "policy": "accept"}}},
+    {"add": {"rule": {"family": "inet", "table": "rhcmd", "chain": "out", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+                   "right": 9}}, {"drop": None}]}}}]}
+
+def rules():
+    return subprocess.run(["nft", "list", "chain", "inet", "rhcmd", "out"],
+                          capture_output=True, text=True).stdout.count("dport 9")
+
+subprocess.run(["nft", "-j", "-f", "-"], input=json.dumps(cmds), text=True, check=True)
+engine = isolated_engine()
+routes.nftables(cmds, engine=engine)
+routes.nftables(cmds, engine=engine)  # the same declaration again: one declaration
+declared = len(routes.manager(engine).rulesets)
+cap = routes.capture(engine=engine)
+subprocess.run(["nft", "delete", "table", "inet", "rhcmd"], check=True)
+oks, counts = [], []
+for kind in ("restore", "resume", "resume"):
+    report = engine.simulate_restore(kind=kind)
+    oks.append(report.ok)
+    counts.append(rules())
+print(json.dumps({"declared": declared, "captured": [t.label for t in cap.tables],
+                  "ok": oks, "rules": counts}))
+'''
+
+
+def test_an_nftables_ruleset_in_command_form_is_applied_once_per_restore(netns_pair):
+    """Command form was applied as written: every restore and resume added its rules once
+    more, and the captured copy of its table was applied beside it (rules doubled)."""
+    out = run_in_ns(netns_pair["a"], NFT_COMMANDS_REPEATED)
+    assert out["declared"] == 1
+    assert out["captured"] == ["inet rhcmd"]
+    assert out["ok"] == [True, True, True]
+    assert out["rules"] == [1, 1, 1]
+
+
+TIMEOUT_SET_DECLARED = r'''
+import json
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+# as a program would write it: the kernel reads the element back with its countdown
+# ("expires": 3599 …), which changes every second
+routes.nftables({"nftables": [
+    {"table": {"family": "inet", "name": "rhttl"}},
+    {"set": {"family": "inet", "table": "rhttl", "name": "seen", "type": "ipv4_addr",
+             "flags": ["timeout"], "timeout": 3600,
+             "elem": [{"elem": {"val": "10.200.9.9", "expires": 0}}]}},
+    {"chain": {"family": "inet", "table": "rhttl", "name": "c", "type": "filter",
+               "hook": "input", "prio": 0, "policy": "accept"}},
+    {"rule": {"family": "inet", "table": "rhttl", "chain": "c", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                   "right": "@seen"}}, {"drop": None}]}}]}, engine=engine)
+report = engine.simulate_restore()
+print(json.dumps({"ok": report.ok, "table": report.table(),
+                  "in_force": routes.manager(engine).last.in_force}))
+'''
+
+
+def test_sets_whose_elements_expire_or_are_filled_by_rules_compare_equal(netns_pair):
+    """Elements carry an ``expires`` countdown and dynamic sets are filled by the
+    datapath: the read-back of such a table never compared equal, and the restore failed
+    though the table was applied."""
+    from rehydrate.routes import NftTable
+
+    out = run_in_ns(netns_pair["a"], TIMEOUT_SET_DECLARED)
+    assert out["ok"], out["table"]
+    assert out["in_force"] == ["nftables inet rhttl"]
+
+    def table(expires: int, filled: list[str], used: int) -> NftTable:
+        base = {"family": "inet", "table": "t"}
+        return NftTable("inet", "t", (
+            {"table": {"family": "inet", "name": "t", "handle": 1}},
+            {"quota": {**base, "name": "q", "bytes": 1000, "used": used}},
+            {"set": {**base, "name": "ttl", "type": "ipv4_addr", "flags": ["timeout"],
+                     "elem": [{"elem": {"val": "10.0.0.1", "expires": expires}}]}},
+            {"set": {**base, "name": "d", "type": "ipv4_addr", "size": 10,
+                     "elem": filled}},
+            {"set": {**base, "name": "static", "type": "ipv4_addr", "elem": ["10.0.0.3"]}},
+            {"rule": {**base, "chain": "c", "expr": [{"set": {
+                "op": "update", "elem": {"payload": {"protocol": "ip", "field": "daddr"}},
+                "set": "@d"}}]}}))
+
+    assert table(3599, ["10.0.0.2"], 100).canonical() == table(3000, [], 900).canonical()
+    changed = table(3599, [], 100)
+    static = changed.objects[4]["set"]
+    other = NftTable("inet", "t", (*changed.objects[:4],
+                                   {"set": {**static, "elem": ["10.0.0.4"]}},
+                                   changed.objects[5]))
+    assert other.canonical() != changed.canonical()  # a static set's elements still count
