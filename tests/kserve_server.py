@@ -2,9 +2,10 @@
 
 argv: HTTP port, a directory of control files, "gated" or "plain" (no adapter: the
 control case), and optionally a gRPC port. Every ``load()`` appends a line to
-``<dir>/loads`` (KServe reloads a model it finds not healthy). The restore hook
-``warm-up`` waits until ``<dir>/release`` exists and
-fails while ``<dir>/fail`` exists, so the test holds a restore open or makes it fail.
+``<dir>/loads`` (``<dir>/ts-loads`` for the time-series model; KServe reloads a model it
+finds not healthy). The restore hook ``warm-up`` waits until ``<dir>/release`` exists and
+fails while ``<dir>/fail`` exists, so the test holds a restore open or makes it fail; then
+it reloads the time-series model (a hook's own ``load()`` must run).
 The test drives restores through the control socket (``rehydrate notify restore``).
 """
 
@@ -40,8 +41,24 @@ class Echo(kserve.Model):
                                     response_id=payload.id or "echo")
 
 
+class HuggingFaceTimeSeriesModel(kserve.Model):
+    """KServe 0.21 serves ``POST /v1/timeseries/forecast`` for models of this class name,
+    from a data plane of its own over a copy of the server's registry."""
+
+    def load(self) -> bool:
+        with open(os.path.join(sys.argv[2], "ts-loads"), "a") as f:
+            f.write("load\n")
+        self.ready = True
+        return self.ready
+
+    async def forecast(self, request, context=None):
+        return {"model": request.model, "forecasts": [
+            {"name": series.name, "last": series.series[-1]} for series in request.inputs]}
+
+
 def main() -> None:
     port, control, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    forecaster = HuggingFaceTimeSeriesModel("forecaster")
 
     @rehydrate.after_restore(name="warm-up", timeout=60)
     def warm_up() -> None:
@@ -52,6 +69,7 @@ def main() -> None:
             time.sleep(0.01)
         if os.path.exists(os.path.join(control, "fail")):
             raise RuntimeError("warm-up inference failed")
+        forecaster.load()  # e.g. with new credentials: not refused, the restore is ours
 
     grpc_port = int(sys.argv[4]) if len(sys.argv) > 4 else None
     server = kserve.ModelServer(http_port=port, enable_grpc=grpc_port is not None,
@@ -61,7 +79,8 @@ def main() -> None:
     rehydrate.start(detectors=["control"])
     model = Echo("echo")
     model.load()
-    server.start([model])
+    forecaster.load()
+    server.start([model, forecaster])
 
 
 if __name__ == "__main__":

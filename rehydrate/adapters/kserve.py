@@ -20,10 +20,12 @@ From then on, while a restore or snapshot is in progress or the process is degra
 * every registered model's ``healthy()``, ``GET /v2/models/{name}/ready`` (and
   ``/v1/models/{name}``, gRPC ``ModelReady``) say not ready — so do KServe's
   inference endpoints, which check model readiness first (503 "model not ready");
-* inference itself (REST v1/v2 predict/infer/explain, gRPC ``ModelInfer``) is refused
-  with KServe's ``ModelNotReady`` (HTTP 503, gRPC ``UNAVAILABLE``) — also a request whose
-  readiness check passed just before a snapshot began — and the model is not reloaded
-  (KServe calls ``load()`` on a model that is not healthy);
+* inference itself (REST v1/v2 predict/infer/explain, gRPC ``ModelInfer``, and the
+  routes KServe serves from data planes of their own: ``POST /v1/timeseries/forecast``,
+  the OpenAI ``/openai/v1/...`` routes) is refused with KServe's ``ModelNotReady`` (HTTP
+  503, gRPC ``UNAVAILABLE``) — also a request whose readiness check passed just before a
+  snapshot began — and the model is not reloaded (KServe calls ``load()`` on a model that
+  is not healthy);
 * ``GET /v2/health/live`` stays 200 (a liveness probe must not kill a restoring pod).
 
 In-flight requests are not drained before a snapshot (KServe offers no hook for it):
@@ -31,13 +33,18 @@ put :class:`~rehydrate.adapters.asgi.ReadinessGate` in front of KServe's app whe
 request may still run when the checkpoint begins.
 
 They say ready again once every required restore hook has succeeded. Unknown models still
-answer 404. Gating happens on the server object's own data plane, so it covers models
-registered after :func:`install` too (``ModelServer.start(models)`` registers them then);
-run the server with one worker (``workers=1``, KServe's default).
+answer 404. Gating happens on the server object's own data plane and on every model
+registered with it, so it covers models registered after :func:`install` too
+(``ModelServer.start(models)`` registers them then) and the time-series and OpenAI data
+planes KServe builds over copies of its registry (the server does not keep them): their
+``get_model()`` asks the model's gated ``healthy()``, then calls ``load()``, and that
+``load()`` is refused. A ``load()`` called otherwise — a restore hook reloading the model —
+runs. Run the server with one worker (``workers=1``, KServe's default).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -54,6 +61,11 @@ __all__ = ["install", "probe"]
 log = logging.getLogger("rehydrate.adapters.kserve")
 
 _MARK = "_rehydrate_engine"
+
+# The model whose gated healthy() last said not ready in this context (a request's task):
+# KServe's get_model() calls that model's load() right after, which is then refused.
+_vetoed: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "rehydrate_kserve_vetoed", default=None)
 
 
 def probe() -> Probe:
@@ -106,13 +118,7 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
         # not ready, refuse (503 / UNAVAILABLE) instead of serving or reloading it.
         if not eng.is_ready():
             dataplane.get_model_from_registry(name)  # an unknown model stays a 404
-            from kserve.errors import ModelNotReady  # type: ignore[import-untyped]
-
-            refused = ModelNotReady(name, f"rehydrate: {eng.status().state}")
-            # KServe 0.21's gRPC interceptor reads .reason, which ModelNotReady lacks
-            # (an AttributeError would make it an UNKNOWN error instead of UNAVAILABLE).
-            refused.reason = str(refused)
-            raise refused
+            raise _not_ready(name, eng)
         return await get_model(name, *args, **kwargs)
 
     dataplane.ready = ready
@@ -134,14 +140,48 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
              len(repository.get_models()))
 
 
+def _not_ready(name: str, engine: Engine) -> Exception:
+    """KServe's ``ModelNotReady`` (HTTP 503, gRPC ``UNAVAILABLE``) for ``name``."""
+    from kserve.errors import ModelNotReady  # type: ignore[import-untyped]
+
+    refused = ModelNotReady(name, f"rehydrate: {engine.status().state}")
+    # KServe 0.21's gRPC interceptor reads .reason, which ModelNotReady lacks
+    # (an AttributeError would make it an UNKNOWN error instead of UNAVAILABLE).
+    refused.reason = str(refused)
+    return refused  # type: ignore[no-any-return]
+
+
 def _gate_model(model: Any, engine: Engine) -> None:
-    """Make ``model.healthy()`` say False while ``engine`` is not ready."""
+    """Make ``model.healthy()`` say False while ``engine`` is not ready, and refuse the
+    ``load()`` KServe then calls.
+
+    KServe builds the time-series and OpenAI data planes over copies of the server's
+    registry, holding the same model objects: their ``get_model()`` is not the one
+    :func:`install` gates. It awaits ``healthy()`` and, on False, calls ``load()`` and
+    serves the request. Here, a ``load()`` that follows this gate's "not ready" in the same
+    context (the request's task) raises ``ModelNotReady`` (503) instead: neither a reload
+    nor a request served during a restore. Other ``load()`` calls (a restore hook
+    reloading the model) run.
+    """
     if getattr(model, _MARK, None) is engine:
         return
     healthy: Callable[[], Awaitable[bool]] = model.healthy
+    load: Callable[..., Any] = model.load
 
     async def gated_healthy() -> bool:
-        return engine.is_ready() and await healthy()
+        if not engine.is_ready():
+            _vetoed.set(model)
+            return False
+        _vetoed.set(None)
+        return await healthy()
+
+    @functools.wraps(load)
+    def gated_load(*args: Any, **kwargs: Any) -> Any:
+        if _vetoed.get() is model:
+            _vetoed.set(None)
+            raise _not_ready(str(getattr(model, "name", model)), engine)
+        return load(*args, **kwargs)
 
     model.healthy = gated_healthy
+    model.load = gated_load
     setattr(model, _MARK, engine)

@@ -156,8 +156,8 @@ def test_a_failed_install_patches_nothing_and_a_retry_gates(rehydrate_engine: An
     assert dataplane.ready is not ready  # gated now
 
 
-def _loads(s: KServe) -> int:
-    return len((s.control / "loads").read_text().splitlines())
+def _loads(s: KServe, name: str = "loads") -> int:
+    return len((s.control / name).read_text().splitlines())
 
 
 def test_inference_is_refused_during_a_restore_over_grpc_and_rest(tmp_path: Path) -> None:
@@ -194,3 +194,36 @@ def test_inference_is_refused_during_a_restore_over_grpc_and_rest(tmp_path: Path
         client.close()
     finally:
         s.close()
+
+
+def test_time_series_forecasts_are_refused_during_a_restore(kserve_gated: KServe) -> None:
+    """KServe serves ``POST /v1/timeseries/forecast`` from a data plane of its own, over a
+    copy of its registry: it ignored the gate on the server's data plane, found the model
+    not healthy, reloaded it and served the forecast in the middle of a restore."""
+    import httpx
+
+    s = kserve_gated
+    url = f"http://127.0.0.1:{s.port}"
+    body = {"model": "forecaster", "options": {"horizon": 1}, "inputs": [
+        {"type": "univariate_time_series", "name": "s", "series": [1.0, 2.0],
+         "frequency": "H"}]}
+    expected = {"model": "forecaster", "forecasts": [{"name": "s", "last": 2.0}]}
+    assert httpx.post(f"{url}/v1/timeseries/forecast", json=body).json() == expected
+    loads = _loads(s, "ts-loads")
+    notify = s.notify()
+    wait_for(lambda: not s.client.is_server_ready(), 30, "not ready during the restore")
+    for _ in range(2):
+        refused = httpx.post(f"{url}/v1/timeseries/forecast", json=body)
+        assert refused.status_code == 503, refused.text
+        assert "is not ready" in refused.json()["error"]
+    assert not s.client.is_model_ready("forecaster")
+    assert httpx.get(f"{url}/v2/health/live").status_code == 200
+    assert _loads(s, "ts-loads") == loads, "the model was reloaded during the restore"
+    assert notify.poll() is None  # the restore is really still running
+    s.touch("release")
+    assert notify.wait(30) == 0
+    # the warm-up hook's own reload ran; the next forecast is served without another one
+    assert _loads(s, "ts-loads") == loads + 1
+    assert httpx.post(f"{url}/v1/timeseries/forecast", json=body).json() == expected
+    assert _loads(s, "ts-loads") == loads + 1
+    assert s.client.is_model_ready("forecaster")
