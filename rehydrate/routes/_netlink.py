@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     pass
 from ._model import (
     _BATCH,
+    _PREF_CODES,
     _SEQ_BASE,
     _SKIP_PROTOS,
     _T,
@@ -25,6 +26,7 @@ from ._model import (
     RT_TABLE_COMPAT,
     RT_TABLE_LOCAL,
     RT_TABLE_MAIN,
+    RTNH_F_ONLINK,
     RTNL_TIMEOUT,
     RTPROT_STATIC,
     NetworkError,
@@ -93,7 +95,9 @@ class _Rtnl:
                 scope=int(m["scope"]), kind=int(m["type"]),
                 gateway=m.get_attr("RTA_GATEWAY"), oif=m.get_attr("RTA_OIF"),
                 priority=m.get_attr("RTA_PRIORITY"), prefsrc=m.get_attr("RTA_PREFSRC"),
-                multipath=m.get_attr("RTA_MULTIPATH") is not None, links=links)
+                multipath=m.get_attr("RTA_MULTIPATH") is not None, links=links,
+                flags=int(m["flags"]), metrics=m.get_attr("RTA_METRICS"),
+                pref=m.get_attr("RTA_PREF"))
             if r is not None:
                 out.append((r, int(m["proto"])))
         return out
@@ -230,7 +234,11 @@ class _Encoder:
         seq = self._seq()
         m = rtmsg()
         for k, v in fields.items():
-            m[k] = list(v) if k == "attrs" else v  # pyroute2 rewrites the list in place
+            # pyroute2 rewrites the list in place; a nested attribute (RTA_METRICS) is
+            # kept as a tuple of pairs (hashable: the cache key) and given as pyroute2's
+            # {"attrs": [...]}
+            m[k] = ([(n, {"attrs": list(x)} if isinstance(x, tuple) else x) for n, x in v]
+                    if k == "attrs" else v)
         m["header"]["type"] = RTM_NEWROUTE
         m["header"]["flags"] = (NLM_F_REQUEST | NLM_F_CREATE | NLM_F_REPLACE
                                 | (NLM_F_ACK if ack else 0))
@@ -306,8 +314,13 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
         attrs.append(("RTA_PRIORITY", n.metric))
     if n.src is not None:
         attrs.append(("RTA_PREFSRC", n.src))
+    if n.metrics:
+        attrs.append(("RTA_METRICS", tuple((f"RTAX_{k.upper()}", v) for k, v in n.metrics)))
+    if n.pref is not None and n.family == socket.AF_INET6:
+        attrs.append(("RTA_PREF", _PREF_CODES[n.pref]))
     return {"family": n.family, "dst_len": int(plen) if plen else 0,
             "table": table if table < 256 else RT_TABLE_COMPAT, "proto": RTPROT_STATIC,
-            "scope": scope, "type": _TYPE_CODES.get(n.type, 1), "attrs": attrs}
+            "scope": scope, "type": _TYPE_CODES.get(n.type, 1),
+            "flags": RTNH_F_ONLINK if n.onlink else 0, "attrs": attrs}
 
 
