@@ -27,8 +27,14 @@ RT_TABLE_MAIN = 254
 RT_TABLE_LOCAL = 255
 _IPV6_DEFAULT_METRIC = 1024
 _SKIP_PROTOS = {2: "kernel", 9: "ra", 16: "dhcp"}
-_ROUTE_TYPES = {1: "unicast", 6: "blackhole", 7: "unreachable", 8: "prohibit"}
+_ROUTE_TYPES = {1: "unicast", 2: "local", 6: "blackhole", 7: "unreachable", 8: "prohibit",
+                9: "throw"}
 _TYPE_CODES = {v: k for k, v in _ROUTE_TYPES.items()}
+# the types a route of ours cannot be (named in the note of a route not captured)
+_OTHER_TYPES = {0: "unspec", 3: "broadcast", 4: "anycast", 5: "multicast", 10: "nat",
+                11: "xresolve"}
+RT_SCOPE_HOST = 254
+RT_SCOPE_LINK = 253
 RTNH_F_ONLINK = 4
 # RTA_PREF (IPv6 route preference, RFC 4191): medium (0) is the kernel's default
 _PREFS = {3: "low", 0: "medium", 1: "high"}
@@ -224,16 +230,16 @@ def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope
                 flags: int = 0, metrics: Any = None, pref: int | None = None
                 ) -> Route | None:
     """A kernel route as a :class:`Route`; None when not expressible (multipath,
-    local/broadcast/multicast types)."""
+    broadcast/anycast/multicast/nat types: see :func:`_not_expressible`)."""
     rtype = _ROUTE_TYPES.get(kind)
     if rtype is None or multipath:
         return None
     dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
-    default_scope = 253 if (rtype == "unicast" and gateway is None
-                            and family == socket.AF_INET) else 0
-    # the kernel reports IPv6 blackhole/unreachable/prohibit routes on "lo", but refuses
-    # a device for these types when they are added
-    dev = links.get(oif) if oif is not None and rtype == "unicast" else None
+    default_scope = _default_scope(rtype, gateway, family)
+    # the kernel reports IPv6 blackhole/unreachable/prohibit/throw routes on "lo", but
+    # refuses a device for these types when they are added
+    dev = (links.get(oif) if oif is not None and rtype in ("unicast", "local")
+           else None)
     return Route(
         dst=dst_s, gateway=gateway, dev=dev, table=table, metric=priority, src=prefsrc,
         type=rtype, scope=None if scope == default_scope else scope, family=family,
@@ -242,6 +248,29 @@ def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope
         # medium, the default, is left out (as for a route declared without one)
         pref=None if not pref or family != socket.AF_INET6 else _PREFS.get(pref),
     )
+
+
+def _default_scope(rtype: str, gateway: str | None, family: int) -> int:
+    """The scope ``ip route add`` gives a route of this type (IPv6 routes have none)."""
+    if family != socket.AF_INET:
+        return 0
+    if rtype == "local":
+        return RT_SCOPE_HOST
+    return RT_SCOPE_LINK if rtype == "unicast" and gateway is None else 0
+
+
+def _not_expressible(*, dst: str | None, dst_len: int, table: int, kind: int,
+                     multipath: bool, family: int) -> str:
+    """Why a kernel route :func:`_make_route` cannot express is not captured, naming it
+    (a ``Capture.problems`` note)."""
+    dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
+    what = " ".join(p for p in (
+        "inet6" if family == socket.AF_INET6 else "",
+        "" if multipath else _OTHER_TYPES.get(kind, f"type {kind}"),
+        dst_s, f"table {table}") if p)
+    why = ("multipath routes are not supported" if multipath
+           else f"{_OTHER_TYPES.get(kind, f'type {kind}')} routes are not supported")
+    return f"route {what} not captured: {why}"
 
 
 def _describe(exc: BaseException) -> str:
