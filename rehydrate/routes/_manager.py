@@ -140,8 +140,10 @@ def _prerequisite_missing(exc: BaseException) -> bool:
 def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
     parts = _Parts()
     try:
+        skipped: list[str] = []
         parts.routes = tuple(replace(r, required=required)
-                             for r in read_routes(user_only=True))
+                             for r in read_routes(user_only=True, skipped=skipped))
+        parts.notes.extend(skipped)
     except Exception as exc:
         parts.failed["routes"] = f"routes: {_describe(exc)}"
         if _prerequisite_missing(exc):
@@ -167,7 +169,8 @@ def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
         if _prerequisite_missing(exc):
             parts.unavailable.add("nftables")
     else:
-        parts.tables, parts.notes = tuple(nft_tables), notes
+        parts.tables = tuple(nft_tables)
+        parts.notes.extend(notes)
     return parts
 
 

@@ -27,8 +27,18 @@ RT_TABLE_MAIN = 254
 RT_TABLE_LOCAL = 255
 _IPV6_DEFAULT_METRIC = 1024
 _SKIP_PROTOS = {2: "kernel", 9: "ra", 16: "dhcp"}
-_ROUTE_TYPES = {1: "unicast", 6: "blackhole", 7: "unreachable", 8: "prohibit"}
+_ROUTE_TYPES = {1: "unicast", 2: "local", 6: "blackhole", 7: "unreachable", 8: "prohibit",
+                9: "throw"}
 _TYPE_CODES = {v: k for k, v in _ROUTE_TYPES.items()}
+# the types a route of ours cannot be (named in the note of a route not captured)
+_OTHER_TYPES = {0: "unspec", 3: "broadcast", 4: "anycast", 5: "multicast", 10: "nat",
+                11: "xresolve"}
+RT_SCOPE_HOST = 254
+RT_SCOPE_LINK = 253
+RTNH_F_ONLINK = 4
+# RTA_PREF (IPv6 route preference, RFC 4191): medium (0) is the kernel's default
+_PREFS = {3: "low", 0: "medium", 1: "high"}
+_PREF_CODES = {v: k for k, v in _PREFS.items()}
 NFT_TIMEOUT = 20.0
 RTNL_TIMEOUT = 10.0
 _BATCH = 256  # routes per sendto (a route message is at most ~120 bytes)
@@ -115,6 +125,13 @@ class Route:
     from the addresses (``"::/0"`` is IPv6) and is IPv4 for ``"default"`` without one.
     It is a field, not a guess from the text, so it survives :meth:`normalized` (which
     writes ``::/0`` as ``default``) and routes read from the kernel keep their family.
+
+    ``onlink`` is the nexthop flag of ``ip route … onlink`` (the gateway is on the link
+    even though no prefix of the device covers it); ``metrics`` the route's
+    ``RTA_METRICS`` as sorted (name, value) pairs in pyroute2's names without the
+    ``RTAX_`` prefix, lower case (``(("advmss", 1360), ("mtu", 1400))``; ``lock`` is the
+    bit mask of the locked ones); ``pref`` an IPv6 route's preference (``"low"``,
+    ``"high"``; None is the kernel's default, ``"medium"``).
     """
 
     dst: str
@@ -127,12 +144,20 @@ class Route:
     scope: int | None = None
     required: bool = field(default=True, compare=False)
     family: int = 0
+    onlink: bool = False
+    metrics: tuple[tuple[str, int | str], ...] = ()
+    pref: str | None = None
 
     def __post_init__(self) -> None:
         family = int(self.family) or _family_of_text(self) or socket.AF_INET
         if family not in _FAMILY_NAMES:
             raise ValueError(f"route family must be AF_INET or AF_INET6, not {self.family!r}")
         object.__setattr__(self, "family", family)
+        object.__setattr__(self, "metrics", tuple(sorted(
+            (str(k).lower().removeprefix("rtax_"), v) for k, v in self.metrics)))
+        if self.pref is not None and self.pref not in _PREF_CODES:
+            raise ValueError(f"route pref must be one of {sorted(_PREF_CODES)}, "
+                             f"not {self.pref!r}")
 
     @property
     def family_name(self) -> str:
@@ -152,7 +177,9 @@ class Route:
             metric = _IPV6_DEFAULT_METRIC
         elif self.family == socket.AF_INET and metric == 0:
             metric = None
-        return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN, metric=metric)
+        pref = None if self.pref == "medium" else self.pref
+        return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN, metric=metric,
+                       pref=pref)
 
     def key(self) -> tuple[int, str, int, int | None]:
         """What the kernel identifies a route by (family, destination, table, metric;
@@ -165,15 +192,19 @@ class Route:
         a, b = self.normalized(), other.normalized()
         if (a.family, a.dst, a.table, a.type) != (b.family, b.dst, b.table, b.type):
             return False
-        return all(getattr(a, f) is None or getattr(a, f) == getattr(b, f)
-                   for f in ("gateway", "dev", "metric", "src", "scope"))
+        return (all(getattr(a, f) is None or getattr(a, f) == getattr(b, f)
+                    for f in ("gateway", "dev", "metric", "src", "scope", "pref"))
+                and (not a.onlink or b.onlink) and set(a.metrics) <= set(b.metrics))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in (("dst", self.dst), ("gateway", self.gateway),
                                   ("dev", self.dev), ("table", self.table),
                                   ("metric", self.metric), ("src", self.src),
                                   ("family", self.family_name), ("type", self.type),
-                                  ("scope", self.scope)) if v is not None}
+                                  ("scope", self.scope), ("pref", self.pref),
+                                  ("onlink", self.onlink or None),
+                                  ("metrics", dict(self.metrics) or None))
+                if v is not None}
 
     def __str__(self) -> str:
         parts = [self.dst]
@@ -181,6 +212,11 @@ class Route:
                          ("metric", self.metric), ("src", self.src)):
             if v is not None:
                 parts.append(f"{label} {v}")
+        if self.onlink:
+            parts.append("onlink")
+        parts.extend(f"{k} {v}" for k, v in self.metrics)
+        if self.pref is not None:
+            parts.append(f"pref {self.pref}")
         if self.type != "unicast":
             parts.insert(0, self.type)
         if self.family == socket.AF_INET6:  # as `ip -6 route` would need it spelled out
@@ -190,23 +226,51 @@ class Route:
 
 def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope: int,
                 kind: int, gateway: str | None, oif: int | None, priority: int | None,
-                prefsrc: str | None, multipath: bool, links: Mapping[int, str]
+                prefsrc: str | None, multipath: bool, links: Mapping[int, str],
+                flags: int = 0, metrics: Any = None, pref: int | None = None
                 ) -> Route | None:
     """A kernel route as a :class:`Route`; None when not expressible (multipath,
-    local/broadcast/multicast types)."""
+    broadcast/anycast/multicast/nat types: see :func:`_not_expressible`)."""
     rtype = _ROUTE_TYPES.get(kind)
     if rtype is None or multipath:
         return None
     dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
-    default_scope = 253 if (rtype == "unicast" and gateway is None
-                            and family == socket.AF_INET) else 0
-    # the kernel reports IPv6 blackhole/unreachable/prohibit routes on "lo", but refuses
-    # a device for these types when they are added
-    dev = links.get(oif) if oif is not None and rtype == "unicast" else None
+    default_scope = _default_scope(rtype, gateway, family)
+    # the kernel reports IPv6 blackhole/unreachable/prohibit/throw routes on "lo", but
+    # refuses a device for these types when they are added
+    dev = (links.get(oif) if oif is not None and rtype in ("unicast", "local")
+           else None)
     return Route(
         dst=dst_s, gateway=gateway, dev=dev, table=table, metric=priority, src=prefsrc,
         type=rtype, scope=None if scope == default_scope else scope, family=family,
+        onlink=bool(flags & RTNH_F_ONLINK),
+        metrics=tuple((k, v) for k, v in (metrics or {}).get("attrs", ())),
+        # medium, the default, is left out (as for a route declared without one)
+        pref=None if not pref or family != socket.AF_INET6 else _PREFS.get(pref),
     )
+
+
+def _default_scope(rtype: str, gateway: str | None, family: int) -> int:
+    """The scope ``ip route add`` gives a route of this type (IPv6 routes have none)."""
+    if family != socket.AF_INET:
+        return 0
+    if rtype == "local":
+        return RT_SCOPE_HOST
+    return RT_SCOPE_LINK if rtype == "unicast" and gateway is None else 0
+
+
+def _not_expressible(*, dst: str | None, dst_len: int, table: int, kind: int,
+                     multipath: bool, family: int) -> str:
+    """Why a kernel route :func:`_make_route` cannot express is not captured, naming it
+    (a ``Capture.problems`` note)."""
+    dst_s = "default" if dst is None or dst_len == 0 else f"{dst}/{dst_len}"
+    what = " ".join(p for p in (
+        "inet6" if family == socket.AF_INET6 else "",
+        "" if multipath else _OTHER_TYPES.get(kind, f"type {kind}"),
+        dst_s, f"table {table}") if p)
+    why = ("multipath routes are not supported" if multipath
+           else f"{_OTHER_TYPES.get(kind, f'type {kind}')} routes are not supported")
+    return f"route {what} not captured: {why}"
 
 
 def _describe(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     pass
 from ._model import (
     _BATCH,
+    _PREF_CODES,
     _SEQ_BASE,
     _SKIP_PROTOS,
     _T,
@@ -25,12 +26,15 @@ from ._model import (
     RT_TABLE_COMPAT,
     RT_TABLE_LOCAL,
     RT_TABLE_MAIN,
+    RTNH_F_ONLINK,
     RTNL_TIMEOUT,
     RTPROT_STATIC,
     NetworkError,
     NetworkUnavailable,
     Route,
+    _default_scope,
     _make_route,
+    _not_expressible,
 )
 
 log = logging.getLogger("rehydrate")
@@ -77,9 +81,11 @@ class _Rtnl:
                            for m in self.ipr.get_links()}
         return self._links
 
-    def routes(self) -> list[tuple[Route, int]]:
+    def routes(self, skipped: list[tuple[str, int, int]] | None = None
+               ) -> list[tuple[Route, int]]:
         """Every expressible IPv4/IPv6 route of the namespace (one dump of every family
-        and table) and its protocol number."""
+        and table) and its protocol number; each other one is added to ``skipped`` as
+        (why it is left out, table, protocol)."""
         links = self.links()
         out: list[tuple[Route, int]] = []
         for m in self.ipr.get_routes():
@@ -93,9 +99,17 @@ class _Rtnl:
                 scope=int(m["scope"]), kind=int(m["type"]),
                 gateway=m.get_attr("RTA_GATEWAY"), oif=m.get_attr("RTA_OIF"),
                 priority=m.get_attr("RTA_PRIORITY"), prefsrc=m.get_attr("RTA_PREFSRC"),
-                multipath=m.get_attr("RTA_MULTIPATH") is not None, links=links)
+                multipath=m.get_attr("RTA_MULTIPATH") is not None, links=links,
+                flags=int(m["flags"]), metrics=m.get_attr("RTA_METRICS"),
+                pref=m.get_attr("RTA_PREF"))
             if r is not None:
                 out.append((r, int(m["proto"])))
+            elif skipped is not None:
+                t = int(table if table is not None else m["table"])
+                skipped.append((_not_expressible(
+                    dst=m.get_attr("RTA_DST"), dst_len=int(m["dst_len"]), table=t,
+                    kind=int(m["type"]), multipath=m.get_attr("RTA_MULTIPATH") is not None,
+                    family=family), t, int(m["proto"])))
         return out
 
     def replace(self, msgs: Sequence[Mapping[str, Any]],
@@ -230,7 +244,11 @@ class _Encoder:
         seq = self._seq()
         m = rtmsg()
         for k, v in fields.items():
-            m[k] = list(v) if k == "attrs" else v  # pyroute2 rewrites the list in place
+            # pyroute2 rewrites the list in place; a nested attribute (RTA_METRICS) is
+            # kept as a tuple of pairs (hashable: the cache key) and given as pyroute2's
+            # {"attrs": [...]}
+            m[k] = ([(n, {"attrs": list(x)} if isinstance(x, tuple) else x) for n, x in v]
+                    if k == "attrs" else v)
         m["header"]["type"] = RTM_NEWROUTE
         m["header"]["flags"] = (NLM_F_REQUEST | NLM_F_CREATE | NLM_F_REPLACE
                                 | (NLM_F_ACK if ack else 0))
@@ -259,15 +277,24 @@ class _Encoder:
             self._cache = keep
 
 
-def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None) -> list[Route]:
+def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
+                skipped: list[str] | None = None) -> list[Route]:
     """The routes of the current network namespace (IPv4 and IPv6, every table).
 
     ``user_only``: what :func:`capture` keeps — not the ``local`` table, not protocols
-    ``kernel``/``ra``/``dhcp``. Needs pyroute2 (the ``routes`` extra).
+    ``kernel``/``ra``/``dhcp``. ``skipped`` gets one note per route (among those) that
+    a :class:`Route` cannot express (multipath, broadcast …). Needs pyroute2 (the
+    ``routes`` extra).
     """
+    def left_out(table: int | None, proto: int) -> bool:
+        return user_only and (table == RT_TABLE_LOCAL or proto in _SKIP_PROTOS)
+
     def read(b: _Rtnl) -> list[Route]:
-        return [r for r, proto in b.routes()
-                if not (user_only and (r.table == RT_TABLE_LOCAL or proto in _SKIP_PROTOS))]
+        others: list[tuple[str, int, int]] = []
+        found = [r for r, proto in b.routes(others) if not left_out(r.table, proto)]
+        if skipped is not None:
+            skipped.extend(why for why, table, proto in others if not left_out(table, proto))
+        return found
 
     if backend is not None:
         return read(backend)
@@ -286,12 +313,9 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
     """The ``rtmsg`` fields and attributes of ``ip route replace`` for this route."""
     n = r.normalized()
     table = n.table or RT_TABLE_MAIN
-    if n.scope is not None:
-        scope = n.scope
-    elif n.type == "unicast" and n.gateway is None and n.family == socket.AF_INET:
-        scope = 253  # link scope, as `ip route add PREFIX dev DEV` does
-    else:
-        scope = 0
+    # by default link scope for `ip route add PREFIX dev DEV`, host scope for a local
+    # route, as ip-route gives them
+    scope = n.scope if n.scope is not None else _default_scope(n.type, n.gateway, n.family)
     addr, _, plen = ("" if n.dst == "default" else n.dst).partition("/")
     attrs: list[tuple[str, Any]] = [("RTA_TABLE", table)]
     if addr:
@@ -306,8 +330,13 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
         attrs.append(("RTA_PRIORITY", n.metric))
     if n.src is not None:
         attrs.append(("RTA_PREFSRC", n.src))
+    if n.metrics:
+        attrs.append(("RTA_METRICS", tuple((f"RTAX_{k.upper()}", v) for k, v in n.metrics)))
+    if n.pref is not None and n.family == socket.AF_INET6:
+        attrs.append(("RTA_PREF", _PREF_CODES[n.pref]))
     return {"family": n.family, "dst_len": int(plen) if plen else 0,
             "table": table if table < 256 else RT_TABLE_COMPAT, "proto": RTPROT_STATIC,
-            "scope": scope, "type": _TYPE_CODES.get(n.type, 1), "attrs": attrs}
+            "scope": scope, "type": _TYPE_CODES.get(n.type, 1),
+            "flags": RTNH_F_ONLINK if n.onlink else 0, "attrs": attrs}
 
 
