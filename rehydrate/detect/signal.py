@@ -23,17 +23,23 @@ runs nothing twice. ``REHYDRATE_SIGNAL`` picks the signal (``USR2``, ``SIGUSR1``
 :meth:`stop` waits up to 5 s for the worker; one still running a hook then keeps its
 read end of the pipe and closes it when the hook returns (closed under it, the number
 could be reused by the application, whose bytes the worker would read as signals), and
-runs nothing more.
+runs nothing more. A child made with ``fork()`` does not keep the handler: it would
+write into the pipe the *parent's* worker reads, so a signal sent to the child alone
+would run the parent's restore hooks. In the child the application's previous handler
+(or ``SIG_DFL``) is back and the inherited pipe ends are closed, as after :meth:`stop`;
+``rehydrate.start()`` in the child installs its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import signal
 import threading
 import time
+import weakref
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -79,6 +85,7 @@ class _Run:
         self.read_fd = read_fd
         self.write_fd: int | None = write_fd
         self.engine = engine
+        self.pid = os.getpid()
         self.stopped = False
 
 
@@ -147,15 +154,17 @@ class SignalDetector(Detector):
             self._thread = threading.Thread(target=self._work, args=(run,),
                                             name="rehydrate-signal", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
 
     def stop(self) -> None:
         with self._lock:
             thread, self._thread = self._thread, None
             run, self._run = self._run, None
+            _RUNNING.discard(self)
             if thread is None or run is None:
                 return
             run.stopped = True  # a notice read from now on runs nothing
-            self._restore_handler()
+            self._restore_handler(stopping=True)
             w, run.write_fd = run.write_fd, None
             if w is not None:
                 os.close(w)  # EOF ends the worker's read()
@@ -167,20 +176,38 @@ class SignalDetector(Detector):
                         "running a restore hook after %gs; it runs nothing more and ends "
                         "when the hook returns", STOP_WAIT)
 
-    def _restore_handler(self) -> None:
+    def _restore_handler(self, *, stopping: bool) -> None:
         try:
             if signal.getsignal(self.signum) == self._handler:
                 signal.signal(self.signum, self._previous
                               if self._previous is not None else signal.SIG_DFL)
-        except ValueError:  # not the main thread: leave the (now inert) handler
-            log.warning("signal detector stopped outside the main thread; the %s "
-                        "handler stays installed but does nothing", self.signum.name)
+        except (ValueError, OSError):  # not the main thread: leave the (inert) handler
+            if stopping:
+                log.warning("signal detector stopped outside the main thread; the %s "
+                            "handler stays installed but does nothing", self.signum.name)
+
+    def _after_fork_in_child(self) -> None:
+        """In a child of ``fork()``: the worker stayed in the parent. Forget the run
+        without touching the parent's (the pipe ends here are copies)."""
+        self._lock = threading.Lock()
+        run, self._run, self._thread = self._run, None, None
+        if run is None:
+            return
+        run.stopped = True
+        w, run.write_fd = run.write_fd, None
+        for fd in (run.read_fd, w):
+            if fd is not None:
+                with contextlib.suppress(OSError):  # closed by the application already
+                    os.close(fd)
+        self._restore_handler(stopping=False)
 
     # -- handler and worker ------------------------------------------------------------
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         run = self._run
-        w = run.write_fd if run is not None else None
+        if run is None or run.pid != os.getpid():
+            return  # stopped, or a forked child whose handler could not be restored
+        w = run.write_fd
         if w is None:
             return
         try:
@@ -213,3 +240,16 @@ class SignalDetector(Detector):
                     log.exception("signal detector: running the restore hooks failed")
         finally:
             os.close(r)
+
+
+_RUNNING: weakref.WeakSet[SignalDetector] = weakref.WeakSet()
+"""Started signal detectors of this process, forgotten in the child after ``fork()``."""
+
+
+def _forget_in_child() -> None:
+    for detector in list(_RUNNING):
+        detector._after_fork_in_child()
+    _RUNNING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -164,3 +164,39 @@ def test_stop_while_a_hook_runs_leaves_the_pipe_to_the_worker(rehydrate_engine,
         os.close(app_w)
     assert calls == [1]  # the notice read after stop() ran nothing
     assert det.received == 2
+
+
+def test_a_signal_to_a_forked_child_is_not_the_parents_restore(rehydrate_engine):
+    """A child made with fork() must not keep the parent's handler: it wrote into the
+    pipe the parent's worker reads, so a signal sent to the child alone ran the parent's
+    restore hooks. The child gets the application's handler back."""
+    from detect_helpers import in_forked_child
+
+    rec = Recorder(rehydrate_engine)
+    app_calls: list[int] = []
+
+    def app_handler(signum, frame):  # type: ignore[no-untyped-def]
+        app_calls.append(signum)
+
+    old = signal.signal(signal.SIGUSR2, app_handler)
+    try:
+        det = SignalDetector("USR2", window=0)
+        rehydrate_engine.start([det])
+
+        def child() -> dict[str, object]:
+            apps = signal.getsignal(signal.SIGUSR2) is app_handler
+            os.kill(os.getpid(), signal.SIGUSR2)
+            if apps:
+                wait_for(lambda: app_calls, what="the application's handler in the child")
+            return {"app_handler": apps, "app_calls": len(app_calls)}
+
+        in_child = in_forked_child(child)
+        os.kill(os.getpid(), signal.SIGUSR2)  # the parent's own notice still works
+        rec.wait(1)
+        rehydrate_engine.stop()  # joins the worker: everything in the pipe was read
+        assert det.received == 1  # the child wrote nothing into the parent's pipe
+        assert [c["generation"] for c in rec.calls] == [1]
+        assert app_calls == []  # not in the parent: the detector's handler ran there
+        assert in_child == {"app_handler": True, "app_calls": 1}
+    finally:
+        signal.signal(signal.SIGUSR2, old)
