@@ -276,6 +276,18 @@ class GVisorDetector(Detector):
         why = _missing_reason(proc_dir())
         return Probe(why is None, why or "")
 
+    @classmethod
+    def configured(cls) -> bool:
+        """Another directory than gVisor's own that does not exist (a typo), or whose
+        ``checkpoint`` is there but unusable: someone meant this detector to run, so
+        that is an error, not a silent skip. A directory that exists without a
+        ``checkpoint`` is not: it may serve only ``spec_environ`` to the environment
+        refresh (a runsc without ``/proc/gvisor``, see docs/platforms/runsc.md)."""
+        proc = proc_dir()
+        if proc == DEFAULT_PROC:
+            return False
+        return not os.path.isdir(proc) or os.path.lexists(checkpoint_path(proc))
+
     def describe(self) -> str:
         return f"waits in poll() on {self.path}"
 

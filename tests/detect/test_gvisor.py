@@ -825,3 +825,27 @@ def test_a_waiter_whose_thread_died_is_shown_in_status(engine: Lifecycle, proc: 
     wait_for(lambda: det._exited, what="the waiter thread to end")
     errors = engine.status().to_dict()["detector_errors"]
     assert errors == {"gvisor": "its thread died: RuntimeError: a bug"}
+
+
+def test_a_configured_stand_in_that_is_missing_is_a_loud_error(rehydrate_engine, tmp_path,
+                                                               monkeypatch):
+    """REHYDRATE_GVISOR_PROC pointing at no checkpoint file (a typo, a FIFO not made
+    yet): start("auto") left the waiter out without a word, while the marker file and
+    vmclock detectors report the same mistake."""
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path / "typo"))
+    started = rehydrate_engine.start("auto")
+    assert "gvisor" not in started
+    errors = rehydrate_engine.status().to_dict()["detector_errors"]
+    assert f"{tmp_path / 'typo' / 'checkpoint'} not found" in errors["gvisor"]
+    rehydrate_engine.stop()
+
+    from rehydrate.detect.gvisor import GVisorDetector
+    env_only = tmp_path / "env-only"  # serves only spec_environ (the runsc bundle recipe)
+    env_only.mkdir()
+    (env_only / "spec_environ").write_bytes(b"A=1\0")
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(env_only))
+    assert GVisorDetector.configured() is False
+    (env_only / "checkpoint").write_text("")  # there but unusable: meant to be used
+    assert GVisorDetector.configured() is True
+    monkeypatch.delenv("REHYDRATE_GVISOR_PROC")
+    assert GVisorDetector.configured() is False  # gVisor's own /proc/gvisor: only probed
