@@ -62,8 +62,11 @@ hooks at once. A GIL stall never ends a pending snapshot either.
 
 Detection latency: after a freeze the pending sleep is already overdue, so the thread
 wakes as soon as the process runs again; ``interval`` bounds only the part of the
-freeze that can go unnoticed (a step is measured from the last wake-up). Idle cost is
-one wake-up per ``interval`` (50 a second while a snapshot is pending).
+freeze that can go unnoticed (a step is measured from the last wake-up, or from after
+the detector's own log line about it: a log write that blocks — a full stderr pipe, a
+slow disk — leaves the thread without CPU or GIL wake-ups like a freeze, so that time is
+not counted). Idle cost is one wake-up per ``interval`` (50 a second while a snapshot is
+pending).
 
 Configuration: ``REHYDRATE_CLOCK_INTERVAL`` (seconds, default 0.5),
 ``REHYDRATE_CLOCK_THRESHOLD`` (default 2.0), ``REHYDRATE_CLOCK_PENDING_THRESHOLD``
@@ -329,7 +332,11 @@ class ClockJumpDetector(DeferringDetector):
                 self.ticks += 1
                 step = marks.now - last.now - nap
                 pending = engine.snapshot_pending
-                if step > self.pending_threshold:  # what the stall check will weigh
+                # A log line may block (a full stderr pipe, a slow disk): the thread then
+                # waits without CPU or GIL wake-ups, like a frozen one. The next step is
+                # measured from after any logging, so that wait never counts as a freeze.
+                logged = step > self.pending_threshold and log.isEnabledFor(logging.DEBUG)
+                if logged:  # what the stall check will weigh
                     log.debug("clock-jump: woke %.3fs late after a %.3fs sleep (snapshot "
                               "pending: %s); meanwhile process CPU %.3fs, own CPU %.3fs, "
                               "%d switches; late in the kernel: %s", step, nap, pending,
@@ -358,6 +365,7 @@ class ClockJumpDetector(DeferringDetector):
                             self.stop_skips += 1
                         else:
                             self.busy_skips += 1
+                        marks = self._marks()  # the next step starts after the log line
                         engine.heartbeat(marks.now, limit, gap_since=last.now)
                     else:
                         engine.freeze_noticed(last.now, marks.now)
@@ -376,6 +384,8 @@ class ClockJumpDetector(DeferringDetector):
                 else:
                     gap = (step > GAP_SLACK
                            and self._stall(last, marks, kernel_late, GAP_SLACK) is None)
+                    if logged:
+                        marks = self._marks()
                     engine.heartbeat(marks.now, limit, gap_since=last.now if gap else None)
                 last = marks
         finally:

@@ -16,8 +16,14 @@ listing), so its cost does not grow with the directory.
 A marker that is there but cannot be read (permissions, not a regular file) keeps its
 last state, with one warning: becoming readable again unchanged is no restore. When the
 marker's directory is removed, the detector says so and watches it again once it is
-back. Setting ``REHYDRATE_MARKER_FILE`` makes ``start("auto")`` start the detector even
-when it cannot work, so that the reason is an error (``status()["detector_errors"]``).
+back (with inotify the directory above is watched too: a directory renamed away takes
+its watch along, and a new one put in its place is watched again). The marker may be a
+symlink: a change of any entry of its directory that resolving it passes through wakes
+the detector too — a Kubernetes ConfigMap, Secret, downward-API or projected volume
+updates ``marker -> ..data/marker`` by swapping the ``..data`` symlink, with no event
+about the marker's own name. Setting ``REHYDRATE_MARKER_FILE`` makes ``start("auto")``
+start the detector even when it cannot work, so that the reason is an error
+(``status()["detector_errors"]``).
 
 A burst of writes (truncate, then write) is one notice: a restore handled in the
 ``window`` seconds before the change (default 2, ``REHYDRATE_MARKER_WINDOW``) is taken to
@@ -83,6 +89,41 @@ def _read_state(path: str) -> State:
     return (st.st_ino, st.st_size, st.st_mtime_ns, digest)
 
 
+def _entries_through(path: str, parent: str) -> frozenset[str]:
+    """The entries of ``parent`` that reading ``path`` passes through: the path itself and
+    the symlinks (and directories) its resolution visits there. A Kubernetes ConfigMap,
+    Secret or downward-API volume is ``marker -> ..data/marker`` with ``..data`` a
+    symlink to a versioned directory; an update swaps ``..data`` (a rename over it) and
+    fires no event about ``marker`` itself."""
+    seen = {path}
+    current = path
+    for _ in range(40):  # the kernel's limit of symlinks in one resolution
+        prefix, link = os.sep, None
+        for part in current.strip(os.sep).split(os.sep):
+            prefix = os.path.join(prefix, part)
+            seen.add(prefix)
+            if os.path.islink(prefix):
+                link = prefix
+                break
+        if link is None:
+            break
+        try:
+            target = os.readlink(link)
+        except OSError:
+            break
+        rest = os.path.relpath(current, link)
+        current = os.path.normpath(os.path.join(os.path.dirname(link), target, rest))
+    return frozenset(p for p in seen if os.path.dirname(p) == parent)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 class _Named:
     """The one field of an ``os.DirEntry`` that watchdog's polling snapshot reads."""
 
@@ -134,6 +175,10 @@ class FileDetector(Detector):
         self._wake = threading.Event()
         self._lost = threading.Event()
         self._handler: Any = None
+        self._watched: tuple[int, int] | None = None
+        """(device, inode) of the directory watched (None: it went away)."""
+        self._through: frozenset[str] = frozenset()
+        """Entries of the marker's directory whose change can change what it reads."""
         self.rewatches = 0
         self._stopping = threading.Event()
         self._worker: threading.Thread | None = None
@@ -175,8 +220,10 @@ class FileDetector(Detector):
                 log.warning("marker file %s cannot be read (%s); its first readable state "
                             "is taken as the baseline", self.path, exc.strerror or exc)
                 self._state, self._unreadable, self._adopt = None, True, True
+            self._through = _entries_through(self.path, parent)
             self._stopping.clear()
             self._wake.clear()
+            self._lost.clear()
             observer = self._make_observer(parent)
             observer.start()
             self._observer = observer
@@ -199,20 +246,31 @@ class FileDetector(Detector):
     def _make_observer(self, parent: str) -> Any:
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
 
-        target = self.path
         wake, lost = self._wake, self._lost
+        detector = self
 
         class _Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
                 if event.event_type in READ_ONLY_EVENTS:
                     return
-                if (event.is_directory and event.event_type in ("deleted", "moved")
-                        and os.fsdecode(event.src_path) == parent):
-                    lost.set()  # watchdog stops watching a directory that went away
+                paths = [os.fsdecode(p) for p in
+                         (event.src_path, getattr(event, "dest_path", "")) if p]
+                if event.is_directory and parent in paths and event.event_type in (
+                        "deleted", "moved", "created"):
+                    if event.event_type == "created" or parent != paths[0]:
+                        # Another directory took its place: news unless it is the one
+                        # watched already (watched again after it went away).
+                        if _identity(parent) == detector._watched:
+                            return
+                    else:
+                        # It went away (watchdog stops watching it) or was renamed away
+                        # (the watch follows the moved directory).
+                        detector._watched = None
+                    lost.set()
                     wake.set()
                     return
-                paths = (event.src_path, getattr(event, "dest_path", ""))
-                if any(os.fsdecode(p) == target for p in paths if p):
+                through = detector._through
+                if any(p in through for p in paths):
                     wake.set()
 
         observer: Any
@@ -236,10 +294,23 @@ class FileDetector(Detector):
 
             observer = Observer()
         self._handler = _Handler()
-        observer.schedule(self._handler, parent, recursive=False)
+        self._schedule(observer, parent)
         observer.name = "rehydrate-marker-watch"
         observer.daemon = True
         return observer
+
+    def _schedule(self, observer: Any, parent: str) -> None:
+        self._watched = _identity(parent)
+        observer.schedule(self._handler, parent, recursive=False)
+        above = os.path.dirname(parent)
+        if not self.polling and above != parent:
+            # inotify: a watch follows its directory's inode, and a directory renamed
+            # away fires nothing watchdog reports; the watch on the directory above sees
+            # the rename (and a new directory put in its place).
+            try:
+                observer.schedule(self._handler, above, recursive=False)
+            except OSError as exc:  # not readable: a rename away goes unseen
+                log.debug("marker file: cannot watch %s (%s)", above, exc)
 
     def _work(self) -> None:
         while True:
@@ -261,6 +332,7 @@ class FileDetector(Detector):
                                 self.path, exc.strerror or exc)
                 self._unreadable = True
                 continue
+            self._through = _entries_through(self.path, os.path.dirname(self.path))
             if self._unreadable:
                 log.info("marker file %s is readable again", self.path)
                 self._unreadable = False
@@ -288,6 +360,9 @@ class FileDetector(Detector):
         to be back, then watch it again (False: the detector is stopping meanwhile)."""
         self._lost.clear()
         parent = os.path.dirname(self.path)
+        watched = self._watched
+        if watched is not None and _identity(parent) == watched:
+            return True  # the directory there is the one watched already
         log.warning("marker file: its directory %s was removed; watching for it to come "
                     "back", parent)
         while not self._stopping.wait(self.interval):
@@ -299,7 +374,7 @@ class FileDetector(Detector):
                     return False
                 try:
                     observer.unschedule_all()
-                    observer.schedule(self._handler, parent, recursive=False)
+                    self._schedule(observer, parent)
                 except OSError:
                     continue  # not there (yet)
             self.rewatches += 1

@@ -266,6 +266,9 @@ class GVisorDetector(Detector):
         self._exited = False
         self._failure: str | None = None
         self._orphaned = False
+        self._orphan: threading.Thread | None = None
+        """The thread a timed-out stop() left running (it owns the stop pipe until it
+        ends): start() refuses to run a second one beside it."""
         self._poll_keeper = not running_under_gvisor()
         self._keeper = -1
         """FIFO stand-in only: a reader held across re-opening, so that an answer written
@@ -276,6 +279,18 @@ class GVisorDetector(Detector):
         why = _missing_reason(proc_dir())
         return Probe(why is None, why or "")
 
+    @classmethod
+    def configured(cls) -> bool:
+        """Another directory than gVisor's own that does not exist (a typo), or whose
+        ``checkpoint`` is there but unusable: someone meant this detector to run, so
+        that is an error, not a silent skip. A directory that exists without a
+        ``checkpoint`` is not: it may serve only ``spec_environ`` to the environment
+        refresh (a runsc without ``/proc/gvisor``, see docs/platforms/runsc.md)."""
+        proc = proc_dir()
+        if proc == DEFAULT_PROC:
+            return False
+        return not os.path.isdir(proc) or os.path.lexists(checkpoint_path(proc))
+
     def describe(self) -> str:
         return f"waits in poll() on {self.path}"
 
@@ -284,6 +299,14 @@ class GVisorDetector(Detector):
     def start(self, engine: Engine) -> None:
         if self._thread is not None:
             raise RuntimeError("this gVisor waiter is already running")
+        orphan = self._orphan
+        if orphan is not None and orphan.is_alive():
+            # It still uses this instance's stop pipe and state: a second thread beside
+            # it would leave two waiters, a leaked pipe and a stray thread.
+            raise RuntimeError("this gVisor waiter's previous thread is still running "
+                               "(in a restore hook, after a stop() that timed out); start "
+                               "it again once that has ended, or use a new GVisorDetector")
+        self._orphan = None
         why = _missing_reason(self.proc)
         if why is not None:
             raise GVisorError(why)
@@ -320,6 +343,7 @@ class GVisorDetector(Detector):
                 # Still inside a hook (or stop() called from a hook): the thread closes
                 # the pipe itself when it ends.
                 self._orphaned = True
+                self._orphan = thread
                 if thread is not threading.current_thread():
                     log.warning("gVisor waiter still busy (running hooks, or blocked opening "
                                 "%s) after %.0fs; left to finish in the background",

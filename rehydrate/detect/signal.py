@@ -19,16 +19,27 @@ the signal arrived (default 2, ``REHYDRATE_SIGNAL_WINDOW``) is taken to be the r
 the signal is about, so a signal sent right after a restore another detector already saw
 runs nothing twice. ``REHYDRATE_SIGNAL`` picks the signal (``USR2``, ``SIGUSR1``, ``12``);
 ``REHYDRATE_SIGNAL_KIND`` is ``restore`` (default) or ``resume``.
+
+:meth:`stop` waits up to 5 s for the worker; one still running a hook then keeps its
+read end of the pipe and closes it when the hook returns (closed under it, the number
+could be reused by the application, whose bytes the worker would read as signals), and
+runs nothing more. A child made with ``fork()`` does not keep the handler: it would
+write into the pipe the *parent's* worker reads, so a signal sent to the child alone
+would run the parent's restore hooks. In the child the application's previous handler
+(or ``SIG_DFL``) is back and the inherited pipe ends are closed, as after :meth:`stop`;
+``rehydrate.start()`` in the child installs its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import signal
 import threading
 import time
+import weakref
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -62,6 +73,21 @@ def _configured_signal() -> signal.Signals:
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
+STOP_WAIT = 5.0
+"""Seconds :meth:`SignalDetector.stop` waits for a worker that is running a hook."""
+
+
+class _Run:
+    """One start()..stop() of a detector: its pipe, engine and stop flag. The worker
+    owns the read end and closes it when it ends."""
+
+    def __init__(self, read_fd: int, write_fd: int, engine: Engine) -> None:
+        self.read_fd = read_fd
+        self.write_fd: int | None = write_fd
+        self.engine = engine
+        self.pid = os.getpid()
+        self.stopped = False
+
 
 class SignalDetector(Detector):
     """Signal: a POSIX signal (default SIGUSR2) announces a restore; off unless asked."""
@@ -86,10 +112,8 @@ class SignalDetector(Detector):
                                else _config.number("REHYDRATE_SIGNAL_WINDOW"), "window",
                                zero_ok=True)
         self.received = 0
-        self._engine: Engine | None = None
         self._previous: Any = None
-        self._read_fd: int | None = None
-        self._write_fd: int | None = None
+        self._run: _Run | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -114,49 +138,76 @@ class SignalDetector(Detector):
                     "only in the main thread; call rehydrate.start() from the main thread")
             r, w = os.pipe2(os.O_CLOEXEC)
             os.set_blocking(w, False)
-            self._read_fd, self._write_fd = r, w
+            run = _Run(r, w, engine)
+            self._run = run
             try:
                 previous = signal.signal(self.signum, self._handler)
             except BaseException:
+                self._run = None
                 os.close(r)
                 os.close(w)
-                self._read_fd = self._write_fd = None
                 raise
             if previous not in (signal.SIG_DFL, signal.SIG_IGN, None):
                 log.warning("signal detector: replaced the application's %s handler "
                             "(restored on stop())", self.signum.name)
             self._previous = previous
-            self._engine = engine
-            self._thread = threading.Thread(target=self._work, name="rehydrate-signal",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._work, args=(run,),
+                                            name="rehydrate-signal", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
 
     def stop(self) -> None:
         with self._lock:
             thread, self._thread = self._thread, None
-            if thread is None:
+            run, self._run = self._run, None
+            _RUNNING.discard(self)
+            if thread is None or run is None:
                 return
-            try:
-                if signal.getsignal(self.signum) == self._handler:
-                    signal.signal(self.signum, self._previous
-                                  if self._previous is not None else signal.SIG_DFL)
-            except ValueError:  # not the main thread: leave the (now inert) handler
-                log.warning("signal detector stopped outside the main thread; the %s "
-                            "handler stays installed but does nothing", self.signum.name)
-            w = self._write_fd
-            self._write_fd = None
+            run.stopped = True  # a notice read from now on runs nothing
+            self._restore_handler(stopping=True)
+            w, run.write_fd = run.write_fd, None
             if w is not None:
                 os.close(w)  # EOF ends the worker's read()
-        thread.join(5.0)
-        with self._lock:
-            if self._read_fd is not None:
-                os.close(self._read_fd)
-                self._read_fd = None
+        thread.join(STOP_WAIT)
+        if thread.is_alive():
+            # Its read end stays open until it ends: closed here, the number could be
+            # reused by the application and the worker would read that as signals.
+            log.warning("signal detector: stop() did not wait for its worker, still "
+                        "running a restore hook after %gs; it runs nothing more and ends "
+                        "when the hook returns", STOP_WAIT)
+
+    def _restore_handler(self, *, stopping: bool) -> None:
+        try:
+            if signal.getsignal(self.signum) == self._handler:
+                signal.signal(self.signum, self._previous
+                              if self._previous is not None else signal.SIG_DFL)
+        except (ValueError, OSError):  # not the main thread: leave the (inert) handler
+            if stopping:
+                log.warning("signal detector stopped outside the main thread; the %s "
+                            "handler stays installed but does nothing", self.signum.name)
+
+    def _after_fork_in_child(self) -> None:
+        """In a child of ``fork()``: the worker stayed in the parent. Forget the run
+        without touching the parent's (the pipe ends here are copies)."""
+        self._lock = threading.Lock()
+        run, self._run, self._thread = self._run, None, None
+        if run is None:
+            return
+        run.stopped = True
+        w, run.write_fd = run.write_fd, None
+        for fd in (run.read_fd, w):
+            if fd is not None:
+                with contextlib.suppress(OSError):  # closed by the application already
+                    os.close(fd)
+        self._restore_handler(stopping=False)
 
     # -- handler and worker ------------------------------------------------------------
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        w = self._write_fd
+        run = self._run
+        if run is None or run.pid != os.getpid():
+            return  # stopped, or a forked child whose handler could not be restored
+        w = run.write_fd
         if w is None:
             return
         try:
@@ -165,27 +216,40 @@ class SignalDetector(Detector):
             if exc.errno not in (errno.EAGAIN, errno.EBADF):
                 raise
 
-    def _work(self) -> None:
-        r = self._read_fd
-        if r is None:
-            return
-        while True:
-            try:
-                data = os.read(r, 64)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-                continue
-            except OSError:
-                return
-            if not data:
-                return  # stop() closed the write end
-            received = time.monotonic()
-            self.received += len(data)
-            engine = self._engine
-            if engine is None:
-                continue
-            log.info("signal detector: %s received", self.signum.name)
-            try:
-                engine.restore_detected("signal", kind=self.kind,
-                                        since=received - self.window)
-            except Exception:
-                log.exception("signal detector: running the restore hooks failed")
+    def _work(self, run: _Run) -> None:
+        r = run.read_fd
+        try:
+            while True:
+                try:
+                    data = os.read(r, 64)
+                except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return  # stop() closed the write end
+                received = time.monotonic()
+                self.received += len(data)
+                if run.stopped:
+                    return
+                log.info("signal detector: %s received", self.signum.name)
+                try:
+                    run.engine.restore_detected("signal", kind=self.kind,
+                                                since=received - self.window)
+                except Exception:
+                    log.exception("signal detector: running the restore hooks failed")
+        finally:
+            os.close(r)
+
+
+_RUNNING: weakref.WeakSet[SignalDetector] = weakref.WeakSet()
+"""Started signal detectors of this process, forgotten in the child after ``fork()``."""
+
+
+def _forget_in_child() -> None:
+    for detector in list(_RUNNING):
+        detector._after_fork_in_child()
+    _RUNNING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

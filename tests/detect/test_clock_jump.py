@@ -539,3 +539,42 @@ def test_nothing_is_logged_between_the_jump_and_the_hooks(rehydrate_engine, capl
     assert seen == [[]]
     assert any("stepped" in r.getMessage() for r in caplog.records
                if r.levelno == logging.DEBUG)
+
+
+def test_time_blocked_in_a_log_handler_is_not_a_freeze(rehydrate_engine):
+    """A log write that blocks after the detector's own "not a restore" line (a full
+    stderr pipe, a slow disk) leaves its thread without CPU or GIL wake-ups, like a
+    frozen one: that time must not count into the next sleep's step (it was taken for a
+    freeze: a false restore)."""
+    rec = Recorder(rehydrate_engine)
+    clock, cpu = SteppedClock(), SteppedClock()
+    entered, release = threading.Event(), threading.Event()
+
+    class BlockingHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "not a restore" in record.getMessage() and not entered.is_set():
+                entered.set()
+                assert release.wait(10.0)
+
+    handler = BlockingHandler(logging.WARNING)
+    logger = logging.getLogger("rehydrate")
+    logger.addHandler(handler)
+    try:
+        det = ClockJumpDetector(interval=0.02, threshold=1.5, grace=0, clock=clock,
+                                cpu_clock=cpu)
+        rehydrate_engine.start([det])
+        wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
+        cpu.offset += 3.0  # a busy stall: logged, not a restore ...
+        clock.offset += 3.0
+        assert entered.wait(5.0), "the stall was not logged"
+        clock.offset += 5.0  # ... and the log write blocks for 5 s without CPU
+        release.set()
+        wait_for(lambda: det.busy_skips == 1, what="the stall to be counted")
+        ticks = det.ticks
+        wait_for(lambda: det.ticks >= ticks + 3, what="more ticks")
+    finally:
+        release.set()
+        logger.removeHandler(handler)
+    assert rec.calls == []
+    assert det.jumps == 0
+    assert rehydrate_engine.status().generation == 0

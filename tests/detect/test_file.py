@@ -284,3 +284,60 @@ def test_a_restart_with_a_readable_marker_takes_the_next_change_as_news(rehydrat
     tmp.write_text("restore 2\n")
     os.replace(tmp, marker)
     assert rec.wait(1)[0]["reason"] == "file"
+
+
+def test_a_kubernetes_volume_update_is_seen(rehydrate_engine, tmp_path, mode):
+    """A ConfigMap/Secret/downward-API volume (kubelet's AtomicWriter): ``marker`` is a
+    symlink to ``..data/marker`` and an update swaps the ``..data`` symlink to a new
+    versioned directory. No event names the marker itself: with inotify the detector
+    slept through it."""
+    vol = tmp_path / "podinfo"
+    vol.mkdir()
+
+    def version(name: str, content: str) -> None:
+        (vol / name).mkdir()
+        (vol / name / "marker").write_text(content)
+
+    version("..2024_A", "gen-1")
+    os.symlink("..2024_A", vol / "..data")
+    os.symlink("..data/marker", vol / "marker")
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(vol / "marker", polling=(mode == "polling"), interval=0.02,
+                       window=0)
+    rehydrate_engine.start([det])
+    version("..2024_B", "restored")
+    os.symlink("..2024_B", vol / "..data_tmp")
+    os.rename(vol / "..data_tmp", vol / "..data")
+    shutil.rmtree(vol / "..2024_A")
+    calls = rec.wait(1, timeout=10)
+    assert (calls[0]["reason"], calls[0]["generation"]) == ("file", 1)
+
+    version("..2024_C", "restored again")  # the next swap: watched through the new link
+    os.symlink("..2024_C", vol / "..data_tmp")
+    os.rename(vol / "..data_tmp", vol / "..data")
+    rec.wait(2, timeout=10)
+    assert rec.calls[1]["generation"] == 2
+
+
+def test_a_directory_renamed_away_and_recreated_is_watched_again(rehydrate_engine,
+                                                                 tmp_path, mode):
+    """A renamed directory takes its inotify watch along: the detector watched the moved
+    one (where nothing is written any more) and missed the marker in the new one."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    marker = folder / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
+    rehydrate_engine.start([det])
+    os.rename(folder, tmp_path / "state.old")
+    folder.mkdir()
+    wait_for(lambda: det.rewatches == 1, timeout=10,
+             what="the new directory to be watched")
+    (tmp_path / "state.old" / "restored").write_text("old\n")  # the moved-away one
+    tmp = tmp_path / "restored.tmp"
+    tmp.write_text("restore 1\n")
+    os.replace(tmp, marker)
+    calls = rec.wait(1, timeout=10)
+    assert (calls[0]["reason"], calls[0]["generation"]) == ("file", 1)
+    rehydrate_engine.stop()  # joins the worker: everything it was woken for was read
+    assert len(rec.calls) == 1

@@ -825,3 +825,64 @@ def test_a_waiter_whose_thread_died_is_shown_in_status(engine: Lifecycle, proc: 
     wait_for(lambda: det._exited, what="the waiter thread to end")
     errors = engine.status().to_dict()["detector_errors"]
     assert errors == {"gvisor": "its thread died: RuntimeError: a bug"}
+
+
+def test_a_configured_stand_in_that_is_missing_is_a_loud_error(rehydrate_engine, tmp_path,
+                                                               monkeypatch):
+    """REHYDRATE_GVISOR_PROC pointing at no checkpoint file (a typo, a FIFO not made
+    yet): start("auto") left the waiter out without a word, while the marker file and
+    vmclock detectors report the same mistake."""
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path / "typo"))
+    started = rehydrate_engine.start("auto")
+    assert "gvisor" not in started
+    errors = rehydrate_engine.status().to_dict()["detector_errors"]
+    assert f"{tmp_path / 'typo' / 'checkpoint'} not found" in errors["gvisor"]
+    rehydrate_engine.stop()
+
+    from rehydrate.detect.gvisor import GVisorDetector
+    env_only = tmp_path / "env-only"  # serves only spec_environ (the runsc bundle recipe)
+    env_only.mkdir()
+    (env_only / "spec_environ").write_bytes(b"A=1\0")
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(env_only))
+    assert GVisorDetector.configured() is False
+    (env_only / "checkpoint").write_text("")  # there but unusable: meant to be used
+    assert GVisorDetector.configured() is True
+    monkeypatch.delenv("REHYDRATE_GVISOR_PROC")
+    assert GVisorDetector.configured() is False  # gVisor's own /proc/gvisor: only probed
+
+
+def test_a_restart_while_the_stopped_thread_runs_a_hook_is_refused(engine: Lifecycle,
+                                                                   proc: Path) -> None:
+    """stop() that timed out (the thread still in a hook) and start() again: the second
+    thread shared the first one's stop pipe and flags — two waiters, a leaked pipe and a
+    stray thread. start() refuses until the first has ended, then works."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_hook() -> None:
+        entered.set()
+        assert release.wait(10.0)
+
+    engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    fds_before = set(os.listdir("/proc/self/fd"))
+    waiter = GVisorDetector(str(proc))
+    waiter.start(engine)
+    answer(waiter, b"restore\n")
+    assert entered.wait(DEADLINE), "the restore hook did not run"
+    first = waiter._thread
+    assert first is not None
+    waiter.stop(timeout=0.05)  # gives up: the thread is in the hook
+    assert first.is_alive()
+    try:
+        with pytest.raises(RuntimeError, match="previous thread is still running"):
+            waiter.start(engine)
+        assert [t for t in threading.enumerate() if t.name == "rehydrate-gvisor"] == [first]
+    finally:
+        release.set()
+    first.join(DEADLINE)
+    assert not first.is_alive()
+    waiter.start(engine)  # the first has ended: a restart works
+    second = waiter._thread
+    assert second is not None
+    waiter.stop()
+    assert not second.is_alive()
+    assert set(os.listdir("/proc/self/fd")) <= fds_before  # no pipe left behind

@@ -108,3 +108,95 @@ def test_parsing_and_configuration(monkeypatch):
 def test_off_unless_asked_for():
     assert SignalDetector.auto is False
     assert "signal" not in [d.key for d in select("auto")]
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe."""
+    import array
+    import fcntl
+    import termios
+
+    buf = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return buf[0]
+
+
+def test_stop_while_a_hook_runs_leaves_the_pipe_to_the_worker(rehydrate_engine,
+                                                              monkeypatch):
+    """stop() gives up waiting for a worker stuck in a hook: it must not close the
+    worker's read end under it (the application reuses the number and the worker reads
+    the application's bytes as signals), and a notice still in the pipe runs nothing."""
+    from rehydrate.detect import signal as signal_module
+
+    monkeypatch.setattr(signal_module, "STOP_WAIT", 0.05)
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow_hook() -> None:
+        calls.append(1)
+        entered.set()
+        assert release.wait(10.0)
+
+    rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    det = SignalDetector("USR2", window=0)
+    rehydrate_engine.start([det])
+    worker = det._thread
+    assert worker is not None
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert entered.wait(5.0), "the hook did not run"
+    os.kill(os.getpid(), signal.SIGUSR2)  # pending in the pipe when stop() is called
+    run = det._run
+    assert run is not None
+    wait_for(lambda: _unread(run.read_fd) == 1, what="the second notice in the pipe")
+    det.stop()
+    assert worker.is_alive()  # stop() gave up on it
+    app_r, app_w = os.pipe()  # the application's next descriptors
+    try:
+        os.write(app_w, b"APPDATA")
+        release.set()
+        worker.join(10.0)
+        assert not worker.is_alive()
+        os.set_blocking(app_r, False)
+        assert os.read(app_r, 100) == b"APPDATA"  # not consumed by the worker
+    finally:
+        release.set()
+        os.close(app_r)
+        os.close(app_w)
+    assert calls == [1]  # the notice read after stop() ran nothing
+    assert det.received == 2
+
+
+def test_a_signal_to_a_forked_child_is_not_the_parents_restore(rehydrate_engine):
+    """A child made with fork() must not keep the parent's handler: it wrote into the
+    pipe the parent's worker reads, so a signal sent to the child alone ran the parent's
+    restore hooks. The child gets the application's handler back."""
+    from detect_helpers import in_forked_child
+
+    rec = Recorder(rehydrate_engine)
+    app_calls: list[int] = []
+
+    def app_handler(signum, frame):  # type: ignore[no-untyped-def]
+        app_calls.append(signum)
+
+    old = signal.signal(signal.SIGUSR2, app_handler)
+    try:
+        det = SignalDetector("USR2", window=0)
+        rehydrate_engine.start([det])
+
+        def child() -> dict[str, object]:
+            apps = signal.getsignal(signal.SIGUSR2) is app_handler
+            os.kill(os.getpid(), signal.SIGUSR2)
+            if apps:
+                wait_for(lambda: app_calls, what="the application's handler in the child")
+            return {"app_handler": apps, "app_calls": len(app_calls)}
+
+        in_child = in_forked_child(child)
+        os.kill(os.getpid(), signal.SIGUSR2)  # the parent's own notice still works
+        rec.wait(1)
+        rehydrate_engine.stop()  # joins the worker: everything in the pipe was read
+        assert det.received == 1  # the child wrote nothing into the parent's pipe
+        assert [c["generation"] for c in rec.calls] == [1]
+        assert app_calls == []  # not in the parent: the detector's handler ran there
+        assert in_child == {"app_handler": True, "app_calls": 1}
+    finally:
+        signal.signal(signal.SIGUSR2, old)
