@@ -997,41 +997,55 @@ def _csr() -> x509.CertificateSigningRequest:
     return x509.CertificateSigningRequestBuilder().subject_name(name).sign(key, hashes.SHA256())
 
 
+class _StuckRenewal:
+    """A certificate from an issuer that answers at once, then a renewal of it, started on
+    a thread, that stalls in the issuer until :attr:`release` is set. :attr:`outcome`
+    gets what ``renew()`` returned or raised; :attr:`stale` the stalled request's key."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        ca = CA("Slow CA")
+        entered, self.release = threading.Event(), threading.Event()
+        self.stale: list[bytes] = []
+        stall: list[bool] = []
+
+        class SlowIssuer:
+            trust = (ca.cert,)
+
+            def issue(_, csr):  # type: ignore[no-untyped-def]
+                if stall:
+                    stall.clear()
+                    self.stale.append(_spki(csr.public_key()))
+                    entered.set()
+                    self.release.wait(30)
+                return ca.sign(csr.public_key()), [ca.cert]
+
+        self.cert = tls.issued("slow", SlowIssuer(), common_name="localhost", engine=engine)
+        self.first = self.cert.serial
+        self.outcome: list[BaseException | None] = []
+        stall.append(True)
+        self.worker = threading.Thread(target=self._renew, daemon=True)
+        self.worker.start()
+        assert entered.wait(5)
+
+    def _renew(self) -> None:
+        try:
+            self.cert.renew()
+            self.outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked by the tests
+            self.outcome.append(exc)
+
+    def finish(self) -> None:
+        self.release.set()
+        self.worker.join(10.0)
+
+
 def test_a_stuck_custom_issuer_does_not_keep_the_key_in_the_snapshot(rehydrate_engine,
                                                                      monkeypatch):
     """Any issuer (not only HTTPIssuer) can stall while its renewal holds the renew lock:
     the before-snapshot pass still drops the key after DROP_WAIT, and what the stalled
     renewal brings back afterwards is discarded, not served or put into the image."""
     monkeypatch.setattr(tls, "DROP_WAIT", 0.2, raising=False)
-    ca = CA("Slow CA")
-    entered, release = threading.Event(), threading.Event()
-
-    class SlowIssuer:
-        trust = (ca.cert,)
-        stall = False
-
-        def issue(self, csr):  # type: ignore[no-untyped-def]
-            if self.stall:
-                entered.set()
-                release.wait(30)
-            return ca.sign(csr.public_key()), [ca.cert]
-
-    issuer = SlowIssuer()
-    cert = tls.issued("slow", issuer, common_name="localhost", engine=rehydrate_engine)
-    first = cert.serial
-    issuer.stall = True
-    outcome: list[BaseException | None] = []
-
-    def renew() -> None:
-        try:
-            cert.renew()
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            outcome.append(exc)
-
-    worker = threading.Thread(target=renew, daemon=True)
-    worker.start()
-    assert entered.wait(5)
+    stuck = _StuckRenewal(rehydrate_engine)
     snap: list[object] = []
     snapper = threading.Thread(target=lambda: snap.append(rehydrate_engine.simulate_snapshot()),
                                daemon=True)
@@ -1039,12 +1053,11 @@ def test_a_stuck_custom_issuer_does_not_keep_the_key_in_the_snapshot(rehydrate_e
     snapper.join(10.0)  # a deadline for the check: the snapshot hook's own timeout is 60 s
     try:
         assert not snapper.is_alive(), "the snapshot pass waited for the stuck issuer"
-        assert snap[0].ok and cert.key_dropped  # type: ignore[attr-defined]
+        assert snap[0].ok and stuck.cert.key_dropped  # type: ignore[attr-defined]
     finally:
-        release.set()
-        worker.join(10.0)
-    assert len(outcome) == 1 and "discarded" in str(outcome[0]), outcome
-    assert cert.key_dropped and cert.material.serial == first
+        stuck.finish()
+    assert len(stuck.outcome) == 1 and "discarded" in str(stuck.outcome[0]), stuck.outcome
+    assert stuck.cert.key_dropped and stuck.cert.material.serial == stuck.first
 
 
 @pytest.mark.parametrize("snapshot_pass", [True, False])
@@ -1055,39 +1068,9 @@ def test_a_renewal_that_outlives_the_restore_is_discarded(rehydrate_engine, monk
     answered — its key made before the snapshot, the same in every clone — since only
     ``frozen`` was checked, and the restore had cleared it."""
     monkeypatch.setattr(tls, "DROP_WAIT", 0.1, raising=False)
-    ca = CA("Slow CA")
-    entered, release = threading.Event(), threading.Event()
-    stale: list[bytes] = []
-
-    class SlowIssuer:
-        trust = (ca.cert,)
-        stall = False
-
-        def issue(self, csr):  # type: ignore[no-untyped-def]
-            if self.stall:
-                self.stall = False
-                stale.append(_spki(csr.public_key()))
-                entered.set()
-                release.wait(30)
-            return ca.sign(csr.public_key()), [ca.cert]
-
-    issuer = SlowIssuer()
-    cert = tls.issued("slow", issuer, common_name="localhost", engine=rehydrate_engine)
+    stuck = _StuckRenewal(rehydrate_engine)
     applied: list[bytes] = []
-    cert.subscribe(lambda c: applied.append(_spki(c.certificate.public_key())))
-    issuer.stall = True
-    outcome: list[BaseException | None] = []
-
-    def renew() -> None:
-        try:
-            cert.renew()
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            outcome.append(exc)
-
-    worker = threading.Thread(target=renew, daemon=True)
-    worker.start()
-    assert entered.wait(5)
+    stuck.cert.subscribe(lambda c: applied.append(_spki(c.certificate.public_key())))
     if snapshot_pass:
         assert rehydrate_engine.simulate_snapshot().ok
     began = threading.Event()  # runs right after the tls manager's own restore hook
@@ -1100,13 +1083,12 @@ def test_a_renewal_that_outlives_the_restore_is_discarded(rehydrate_engine, monk
     try:  # the restore has begun (its certificate hook waits for the renew lock) ...
         assert began.wait(10)
     finally:
-        release.set()  # ... and only then does the stale renewal come back
-        worker.join(10.0)
+        stuck.finish()  # ... and only then does the stale renewal come back
         restorer.join(30.0)
-    assert len(outcome) == 1 and "discarded" in str(outcome[0]), outcome
+    assert len(stuck.outcome) == 1 and "discarded" in str(stuck.outcome[0]), stuck.outcome
     assert restored[0].ok  # type: ignore[attr-defined]
-    assert stale[0] not in applied, "the pre-snapshot key was applied after the restore"
-    assert _spki(cert.certificate.public_key()) != stale[0]
+    assert stuck.stale[0] not in applied, "the pre-snapshot key was applied after the restore"
+    assert _spki(stuck.cert.certificate.public_key()) != stuck.stale[0]
 
 
 def test_one_string_of_sans_is_one_name(rehydrate_engine):
