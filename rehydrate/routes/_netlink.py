@@ -104,6 +104,12 @@ class _Rtnl:
                 pref=m.get_attr("RTA_PREF"))
             if r is not None:
                 out.append((r, int(m["proto"])))
+                dropped = _not_kept(m)
+                if dropped and skipped is not None:  # said, not silently re-applied without
+                    skipped.append((f"route {r} captured without its {', '.join(dropped)} "
+                                    "(not re-applied)",
+                                    int(table if table is not None else m["table"]),
+                                    int(m["proto"])))
             elif skipped is not None:
                 t = int(table if table is not None else m["table"])
                 skipped.append((_not_expressible(
@@ -277,13 +283,27 @@ class _Encoder:
             self._cache = keep
 
 
+def _not_kept(m: Any) -> list[str]:
+    """What a kernel route has that a :class:`Route` does not carry (so a re-applied copy
+    lacks it): named in ``Capture.problems`` instead of dropped without a word."""
+    return [name for name, present in (
+        ("tos", int(m["tos"]) != 0),
+        ("source prefix (from)", int(m["src_len"]) != 0),
+        ("encapsulation", m.get_attr("RTA_ENCAP") is not None),
+        ("nexthop object", m.get_attr("RTA_NH_ID") is not None),
+        ("realm", m.get_attr("RTA_FLOW") is not None),
+    ) if present]
+
+
 def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
                 skipped: list[str] | None = None) -> list[Route]:
     """The routes of the current network namespace (IPv4 and IPv6, every table).
 
     ``user_only``: what :func:`capture` keeps — not the ``local`` table, not protocols
     ``kernel``/``ra``/``dhcp``. ``skipped`` gets one note per route (among those) that
-    a :class:`Route` cannot express (multipath, broadcast …). Needs pyroute2 (the
+    a :class:`Route` cannot express (multipath, broadcast …), and one per route read
+    without something it has (tos, a source prefix, encapsulation, a nexthop object, a
+    realm). Needs pyroute2 (the
     ``routes`` extra).
     """
     def left_out(table: int | None, proto: int) -> bool:

@@ -1046,6 +1046,20 @@ print(json.dumps({"captured": sorted(str(r) for r in cap.routes),
 '''
 
 
+def test_what_a_captured_route_loses_is_named_in_the_problems(netns_pair):
+    """A route with a tos, a realm or an IPv6 source prefix was captured and re-applied
+    without it — reported ok, no word in ``Capture.problems``."""
+    a, va = netns_pair["a"], netns_pair["va"]
+    sh(f"ip -n {a} route add 10.82.0.0/16 via 10.200.1.2 dev {va} tos 0x10 table 100")
+    sh(f"ip -n {a} route add 10.83.0.0/16 via 10.200.1.2 dev {va} realm 5 table 100")
+    out = run_in_ns(a, THROW_LOCAL_RESTORE)
+    assert sorted(out["problems"]) == [
+        f"route 10.82.0.0/16 via 10.200.1.2 dev {va} table 100 captured without its tos "
+        "(not re-applied)",
+        f"route 10.83.0.0/16 via 10.200.1.2 dev {va} table 100 captured without its realm "
+        "(not re-applied)"], out["problems"]
+
+
 def test_throw_and_local_routes_are_captured_and_skipped_routes_are_named(netns_pair):
     """``throw`` routes and ``local`` routes outside the local table (TPROXY's ``local
     0.0.0.0/0 dev lo table 100``) were left out of the capture, and multipath (or
