@@ -598,7 +598,6 @@ def _submit(loop: asyncio.AbstractEventLoop,
     leaves no coroutine that was never awaited. Cancelling the returned future cancels
     the task."""
     import concurrent.futures
-    import contextlib
 
     fut: concurrent.futures.Future[None] = concurrent.futures.Future()
 
