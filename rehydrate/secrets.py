@@ -28,6 +28,11 @@ when the source fails.
 What rehydrate cannot wipe: values in ``os.environ`` and the process's C environment
 (``Secret.from_env`` reads from there — use ``from_file`` or ``from_callable`` for secrets
 that must stay out of the image), and any copy the application made.
+
+APIs that take a password (``tls.from_files(password=...)``) take it as a
+:class:`SecretSource`: a :class:`Secret` or a callable is read each time the password is
+needed and nothing is kept in between; plain ``bytes``/``bytearray``/``str`` are copied
+into a buffer that is wiped after the first use.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Secret",
     "SecretError",
+    "SecretSource",
     "SecretUnavailable",
     "SecretsManager",
     "manager",
@@ -365,6 +371,157 @@ def _zero(buf: bytearray) -> None:
     except BufferError:  # pragma: no cover - same-size assignment never resizes
         for i in range(n):
             buf[i] = 0
+
+
+def utf8_into(text: str) -> bytearray:
+    """``text`` encoded as UTF-8 straight into a new ``bytearray`` the caller wipes.
+
+    Written out by hand because ``str.encode`` returns an immutable ``bytes`` copy that
+    stays in freed memory (and so in a snapshot image) after use. A lone surrogate, which
+    ``str.encode`` refuses too, is a ``ValueError`` (without the text)."""
+    size = 0
+    for ch in text:
+        c = ord(ch)
+        size += 1 if c < 0x80 else 2 if c < 0x800 else 3 if c < 0x10000 else 4
+    out = bytearray(size)
+    i = 0
+    for ch in text:
+        c = ord(ch)
+        if c < 0x80:
+            out[i] = c
+            i += 1
+        elif c < 0x800:
+            out[i], out[i + 1] = 0xC0 | c >> 6, 0x80 | c & 0x3F
+            i += 2
+        elif c < 0x10000:
+            if 0xD800 <= c < 0xE000:
+                _zero(out)
+                raise ValueError("text with a lone surrogate is not encodable as UTF-8")
+            out[i], out[i + 1], out[i + 2] = (0xE0 | c >> 12, 0x80 | (c >> 6) & 0x3F,
+                                              0x80 | c & 0x3F)
+            i += 3
+        else:
+            out[i], out[i + 1], out[i + 2], out[i + 3] = (
+                0xF0 | c >> 18, 0x80 | (c >> 12) & 0x3F, 0x80 | (c >> 6) & 0x3F,
+                0x80 | c & 0x3F)
+            i += 4
+    return out
+
+
+class SecretSource:
+    """Where a value needed now and then (a private key's password) comes from, so that
+    it is held only while it is used.
+
+    * a :class:`Secret`: lent as a view of the secret's own buffer (no copy). The secret
+      is wiped before a snapshot and reloaded after restore, before the ``SECRETS``-phase
+      users that come after it (certificates) read it;
+    * a callable returning ``bytes``, ``bytearray`` or ``str``: called at every use; the
+      result is lent and wiped right after (a returned ``bytearray`` itself; ``bytes``
+      and ``str`` results are copied into a buffer that is wiped — the callable's own
+      object cannot be);
+    * plain ``bytes``, ``bytearray`` or ``str``: copied now into a buffer rehydrate owns
+      (the caller's object is not kept), lent at the first use only and wiped right
+      after it: :attr:`spent` is then True and later uses get ``None``. The caller's own
+      object cannot be wiped by rehydrate (``bytes``/``str`` are immutable): drop it, or
+      pass a :class:`Secret` or a callable.
+
+    ``repr`` never shows the value; errors name the source, never the value.
+    """
+
+    def __init__(self, value: Secret | Callable[[], bytes | bytearray | str] | bytes
+                 | bytearray | str, *, what: str = "password") -> None:
+        self.what = what
+        self._secret: Secret | None = None
+        self._loader: Callable[[], bytes | bytearray | str] | None = None
+        self._plain: bytearray | None = None
+        if isinstance(value, Secret):
+            self._secret, self.kind = value, "secret"
+        elif isinstance(value, (bytes, bytearray)):
+            self._plain, self.kind = bytearray(value), "plain"
+        elif isinstance(value, str):
+            try:
+                self._plain = utf8_into(value)
+            except ValueError as exc:
+                raise ValueError(f"{what}: {exc}") from None
+            self.kind = "plain"
+        elif callable(value):
+            self._loader, self.kind = value, "callable"
+        else:
+            raise TypeError(f"{what} must be a rehydrate.secrets.Secret, a callable "
+                            "returning bytes, or bytes/bytearray/str, not "
+                            f"{type(value).__name__}")
+        self.spent = False
+        """True once a plain value was used (and wiped): it cannot be lent again."""
+
+    @property
+    def secret(self) -> Secret | None:
+        """The :class:`Secret` behind this source, if it is one."""
+        return self._secret
+
+    def __repr__(self) -> str:
+        detail = (f" {self._secret.name!r}" if self._secret is not None
+                  else " spent" if self.spent else "")
+        return f"<SecretSource {self.what}: {self.kind}{detail}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("SecretSource objects cannot be pickled")
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[memoryview | None]:
+        """The value as a read-only ``memoryview`` for the block, wiped (or released)
+        after it; ``None`` for a plain value already spent. Raises :class:`SecretError`
+        (one line naming the source, never the value) when the source fails."""
+        if self._secret is not None:
+            with self._secret.view() as view:  # SecretUnavailable is a SecretError
+                yield view
+            return
+        buf = self._plain if self._loader is None else self._call()
+        if buf is None:
+            yield None
+            return
+        view = memoryview(buf).toreadonly()
+        try:
+            yield view
+        finally:
+            view.release()
+            _zero(buf)
+            if self._loader is None:
+                self._plain, self.spent = None, True
+
+    def _call(self) -> bytearray:
+        assert self._loader is not None
+        reason = None
+        try:
+            value = self._loader()
+        except Exception as exc:
+            reason = (str(exc) if isinstance(exc, SecretError)
+                      else f"the {self.what} callable failed: {type(exc).__name__}")
+        if reason is not None:  # out here: no exception carries the source's message
+            raise SecretError(reason)
+        if isinstance(value, bytearray):
+            return value  # handed over: wiped after use, like Secret.from_callable's
+        if isinstance(value, bytes):
+            return bytearray(value)
+        if isinstance(value, str):
+            try:
+                return utf8_into(value)
+            except ValueError as exc:
+                raise SecretError(f"the {self.what} callable's result: {exc}") from None
+        raise SecretError(f"the {self.what} callable returned {type(value).__name__}, "
+                          "expected bytes, bytearray or str")
+
+    def wipe(self) -> None:
+        """Wipe a plain value now, used or not (nothing to do for the other kinds)."""
+        buf, self._plain = self._plain, None
+        if buf is not None:
+            _zero(buf)
+            self.spent = True
+
+    def __del__(self) -> None:
+        buf = getattr(self, "_plain", None)
+        if buf is not None:
+            with contextlib.suppress(Exception):  # at interpreter exit globals may be gone
+                _zero(buf)
 
 
 class SecretsManager:

@@ -55,7 +55,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, Union, cast
 
 from . import _config
 from ._disable import is_disabled
@@ -63,6 +63,7 @@ from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from ._hooks import Hook, Phase
 from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
+from .secrets import Secret, SecretError, SecretSource
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -82,6 +83,7 @@ __all__ = [
     "Issuer",
     "ManagedCertificate",
     "Material",
+    "Password",
     "SelfSignedCertificate",
     "TLSManager",
     "from_files",
@@ -1026,6 +1028,31 @@ def _read(path: str, what: str) -> bytearray:
         raise CertificateError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
+_ENCRYPTED_PEM = (b"-----BEGIN ENCRYPTED PRIVATE KEY-----", b"Proc-Type: 4,ENCRYPTED")
+"""How an encrypted PEM private key announces itself (PKCS#8, and OpenSSL's traditional
+PEM encryption): only such a key makes :func:`from_files` read its password."""
+
+Password = Union[Secret, SecretSource, Callable[[], Union[bytes, bytearray, str]], bytes,
+                 bytearray, str]
+"""What ``password=`` takes: a :class:`~rehydrate.secrets.Secret`, a callable returning
+the password, or the password itself (see :class:`~rehydrate.secrets.SecretSource`)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _password_source(password: Password, manager: TLSManager) -> SecretSource:
+    source = password if isinstance(password, SecretSource) else SecretSource(
+        password, what="key password")
+    secret = source.secret
+    if secret is not None and secret._manager.engine is not manager.engine:
+        raise ValueError(f"the key password secret {secret.name!r} belongs to another "
+                         "engine: its reload would not run before this certificate's "
+                         "(create it with the same engine=)")
+    return source
+
+
 class FileCertificate(ManagedCertificate):
     """PEM files: certificate (leaf first, then intermediates), key, optional CA bundle."""
 
@@ -1033,14 +1060,17 @@ class FileCertificate(ManagedCertificate):
     regenerates_key = False
 
     def __init__(self, name: str, *, cert: str, key: str, ca: str | None = None,
-                 password: bytes | None = None, watch: bool = True,
+                 password: Password | None = None, watch: bool = True,
                  poll: bool | None = None, poll_interval: float = 1.0,
                  debounce: float = 0.2, required: bool = True, manager: TLSManager) -> None:
+        # First: a password of the wrong kind (or a Secret of another engine) is refused
+        # before anything is read or kept.
+        self._password = _password_source(password, manager) if password is not None \
+            else None
         super().__init__(name, required=required, manager=manager)
         self.cert_path = os.fspath(cert)
         self.key_path = os.fspath(key)
         self.ca_path = os.fspath(ca) if ca is not None else None
-        self.password = password
         self.debounce = debounce
         self.poll_interval = poll_interval
         self.polling = _use_polling() if poll is None else poll
@@ -1058,12 +1088,9 @@ class FileCertificate(ManagedCertificate):
         finally:
             wipe(cert_data)
         key_data = _read(self.key_path, "key file")
+        encrypted = any(marker in key_data for marker in _ENCRYPTED_PEM)
         try:
-            try:
-                key = serialization.load_pem_private_key(key_data, password=self.password)
-            except (ValueError, TypeError) as exc:
-                raise CertificateError(f"key file {self.key_path} is not a usable PEM "
-                                       f"private key ({exc})") from None
+            key = self._load_key(key_data, encrypted)
             trust: list[x509.Certificate] = []
             if self.ca_path is not None:
                 trust = _load_pem_list(_read(self.ca_path, "CA bundle"),
@@ -1073,10 +1100,56 @@ class FileCertificate(ManagedCertificate):
         except BaseException:
             wipe(key_data)
             raise
-        if self.password is not None:  # contexts cannot load it without the password
+        if encrypted:  # contexts cannot load it without the password
             wipe(key_data)
             return Material(leaf, key, chain, tuple(trust))
         return Material(leaf, key, chain, tuple(trust), key_buffer=key_data)
+
+    def _load_key(self, data: bytearray, encrypted: bool) -> PrivateKeyTypes:
+        """The private key in ``data``; the password is read only for an encrypted key,
+        lent for the load and wiped (or released) right after it. Every failure is one
+        :class:`CertificateError` line naming the file — never the password or key text."""
+        from cryptography.hazmat.primitives import serialization
+
+        source, where = self._password, f"key file {self.key_path}"
+        first_plain = source is not None and source.kind == "plain" and not source.spent
+        error: str | None = None
+        try:
+            if not encrypted:
+                return serialization.load_pem_private_key(data, password=None)
+            if source is None:
+                error = f"{where} is encrypted and no password was given (password=)"
+            else:
+                with source.lend() as password:
+                    if password is not None:
+                        key = serialization.load_pem_private_key(data, password=password)
+                        if first_plain:
+                            log.warning("tls: certificate %s: its key password was given as "
+                                        "plain bytes/str: used for this load, then wiped; "
+                                        "the key cannot be re-read after a restore or a file "
+                                        "change unless the password is a "
+                                        "rehydrate.secrets.Secret or a callable", self.name)
+                        return key
+                error = (f"{where} is encrypted and its password, given as plain "
+                         "bytes/str, was wiped after the first load: pass password= a "
+                         "rehydrate.secrets.Secret or a callable so that it can be read again")
+        except SecretError as exc:
+            error = f"password for {where}: {_one_line(exc)}"
+        except TypeError as exc:  # cryptography: encrypted without a password, or not
+            error = f"{where} is not a usable PEM private key ({_one_line(exc)})"
+        except ValueError as exc:
+            error = (f"{where}: wrong password (the key could not be decrypted)"
+                     if encrypted and "password" in str(exc).lower() else
+                     f"{where} is not a usable PEM private key ({_one_line(exc)})")
+        finally:
+            if first_plain:
+                # wiped as soon as the key is loaded (also when it was not needed): the
+                # first load is its only use
+                assert source is not None
+                source.wipe()
+        # raised out here, not in an except block: no chained exception carries the
+        # source's or cryptography's error along
+        raise CertificateError(error)
 
     # -- watching ------------------------------------------------------------------
 
@@ -1339,13 +1412,30 @@ def issued(name: str, issuer: Issuer, *, common_name: str, sans: Sequence[str] =
 
 
 def from_files(name: str, *, cert: str | os.PathLike[str], key: str | os.PathLike[str],
-               ca: str | os.PathLike[str] | None = None, password: bytes | None = None,
+               ca: str | os.PathLike[str] | None = None, password: Password | None = None,
                watch: bool = True, poll: bool | None = None, poll_interval: float = 1.0,
                required: bool = True, engine: Engine | None = None) -> FileCertificate:
     """A certificate read from PEM files, re-read on restore and when its directory
     changes. ``poll``: force polling (default: poll under gVisor, inotify elsewhere;
     ``REHYDRATE_WATCH=poll|inotify`` overrides). Raises :class:`CertificateError` when the
-    files are unusable now."""
+    files are unusable now.
+
+    ``password`` (for an encrypted key file; read only when the key file is encrypted):
+
+    * a :class:`rehydrate.secrets.Secret` (of the same engine) — read at every load of
+      the key, straight from the secret's buffer; the secret is wiped before a snapshot
+      and reloaded after restore before this certificate re-reads its key. Nothing of
+      the password is kept in between: the way to keep it out of snapshot images;
+    * a callable returning ``bytes``, ``bytearray`` or ``str`` — called at every load;
+      its result is wiped right after (a returned ``bytearray`` in place; the immutable
+      ``bytes``/``str`` it returns cannot be);
+    * ``bytes``, ``bytearray`` or ``str`` — copied into a buffer rehydrate wipes right
+      after the first load (the caller's object is not kept, and cannot be wiped by
+      rehydrate). A later re-read of an encrypted key (file change, restore) then fails
+      with one line and the previous key stays (after a snapshot: the placeholder).
+
+    A wrong password, a missing one or a broken key file is one :class:`CertificateError`
+    line naming the file, never the password or the key."""
     m = manager(engine)
     return cast(FileCertificate, m.add(FileCertificate(
         name, cert=os.fspath(cert), key=os.fspath(key),
