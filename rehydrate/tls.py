@@ -55,7 +55,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Union, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 from . import _config
 from ._disable import is_disabled
@@ -1032,8 +1032,8 @@ _ENCRYPTED_PEM = (b"-----BEGIN ENCRYPTED PRIVATE KEY-----", b"Proc-Type: 4,ENCRY
 """How an encrypted PEM private key announces itself (PKCS#8, and OpenSSL's traditional
 PEM encryption): only such a key makes :func:`from_files` read its password."""
 
-Password = Union[Secret, SecretSource, Callable[[], Union[bytes, bytearray, str]], bytes,
-                 bytearray, str]
+Password: TypeAlias = (Secret | SecretSource | Callable[[], bytes | bytearray | str] | bytes
+                       | bytearray | str)
 """What ``password=`` takes: a :class:`~rehydrate.secrets.Secret`, a callable returning
 the password, or the password itself (see :class:`~rehydrate.secrets.SecretSource`)."""
 
@@ -1080,8 +1080,6 @@ class FileCertificate(ManagedCertificate):
         self._watch = watch
 
     def produce(self) -> Material:
-        from cryptography.hazmat.primitives import serialization
-
         cert_data = _read(self.cert_path, "certificate file")
         try:  # wiped: it may be one bundle.pem holding the key as well
             certs = _load_pem_list(cert_data, f"certificate file {self.cert_path}")
@@ -1122,7 +1120,9 @@ class FileCertificate(ManagedCertificate):
             else:
                 with source.lend() as password:
                     if password is not None:
-                        key = serialization.load_pem_private_key(data, password=password)
+                        # typed bytes, but any buffer is read in place: no bytes copy
+                        key = serialization.load_pem_private_key(
+                            data, password=cast(bytes, password))
                         if first_plain:
                             log.warning("tls: certificate %s: its key password was given as "
                                         "plain bytes/str: used for this load, then wiped; "
