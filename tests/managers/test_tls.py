@@ -1190,3 +1190,243 @@ def test_an_issuer_header_with_a_line_break_is_refused_without_its_value(value):
     assert "s3cr3t" not in str(caught.value)
     assert str(caught.value).startswith("HTTPIssuer header 'Authorization': its value "
                                         "(not shown)")
+
+
+# -- key passwords -------------------------------------------------------------------------
+
+
+def _encrypted_leaf(ca: CA, password: bytes,
+                    fmt: serialization.PrivateFormat = serialization.PrivateFormat.PKCS8
+                    ) -> tuple[bytes, bytes, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = ca.sign(key.public_key())
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, fmt,
+                              serialization.BestAvailableEncryption(password)), cert)
+
+
+def _trusting(ca: CA) -> ssl.SSLContext:
+    return ssl.create_default_context(cadata=ca.pem.decode())
+
+
+def _pem_body_lines(pem: bytes) -> list[str]:
+    return [ln.decode() for ln in pem.splitlines() if ln and not ln.startswith(b"-")
+            and b":" not in ln]
+
+
+@pytest.mark.parametrize("fmt", [serialization.PrivateFormat.PKCS8,
+                                 serialization.PrivateFormat.TraditionalOpenSSL],
+                         ids=["pkcs8", "traditional"])
+@pytest.mark.parametrize("kind", ["secret", "callable"])
+def test_a_secret_or_callable_key_password_is_read_again_after_a_restore(
+        rehydrate_engine, tmp_path, https_server, kind, fmt):
+    """The password is read when the key is loaded — at creation and again on restore,
+    after the secret was wiped before the snapshot and reloaded — never kept between."""
+    from rehydrate.secrets import Secret
+
+    ca = CA()
+    pw_file = tmp_path / "password"
+    pw_file.write_bytes(b"first password")
+    c1, k1, first = _encrypted_leaf(ca, b"first password", fmt)
+    _write_pair(tmp_path, c1, k1)
+    calls = []
+
+    def read_password() -> bytearray:
+        calls.append(1)
+        return bytearray(pw_file.read_bytes())
+
+    password = (Secret.from_file(pw_file, name="tls-pw", engine=rehydrate_engine)
+                if kind == "secret" else read_password)
+    cert = tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=password, watch=False, engine=rehydrate_engine)
+    assert cert.serial == first.serial_number
+    port = https_server(cert.server_context())
+    assert served_certificate(port, _trusting(ca)).serial_number == first.serial_number
+
+    # the platform rotated the key and its password while the process was frozen
+    c2, k2, second = _encrypted_leaf(ca, b"second password", fmt)
+    assert rehydrate_engine.simulate_snapshot().ok
+    if kind == "secret":
+        assert not password.available  # wiped before the snapshot
+    _write_pair(tmp_path, c2, k2)
+    pw_file.write_bytes(b"second password")
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.failed
+    assert cert.serial == second.serial_number and not cert.key_dropped
+    assert served_certificate(port, _trusting(ca)).serial_number == \
+        second.serial_number
+    if kind == "callable":
+        assert len(calls) == 2  # creation, restore: read only when the key is loaded
+
+
+def test_a_key_password_is_not_read_for_an_unencrypted_key(rehydrate_engine, tmp_path):
+    ca = CA()
+    c1, k1, first = ca.leaf()
+    _write_pair(tmp_path, c1, k1)
+    calls = []
+    cert = tls.from_files("plain-key", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=lambda: calls.append(1) or b"unused", watch=False,
+                          engine=rehydrate_engine)
+    assert cert.serial == first.serial_number and calls == []
+    assert cert.material.key_buffer is not None  # loaded into contexts from a wiped buffer
+
+
+@pytest.mark.parametrize("kind", ["bytes", "str", "bytearray"])
+def test_a_plain_key_password_is_copied_used_once_and_wiped(rehydrate_engine, tmp_path,
+                                                            https_server, caplog, kind):
+    import sys
+
+    ca = CA()
+    secret = os.urandom(12).hex()
+    password = {"bytes": secret.encode(), "str": secret,
+                "bytearray": bytearray(secret.encode())}[kind]
+    c1, k1, first = _encrypted_leaf(ca, secret.encode())
+    _write_pair(tmp_path, c1, k1)
+    refs = sys.getrefcount(password)
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    cert = tls.from_files("plain-pw", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=password, watch=False, engine=rehydrate_engine)
+    assert cert.serial == first.serial_number
+    # the caller's object is not kept (rehydrate could not wipe it), nor changed
+    assert sys.getrefcount(password) == refs
+    assert password == {"bytes": secret.encode(), "str": secret,
+                        "bytearray": bytearray(secret.encode())}[kind]
+    assert cert._password is not None and cert._password.spent  # its copy: wiped
+    assert secret not in repr(cert._password) and not hasattr(cert, "password")
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "used for this load, then wiped" in warning
+
+    # nothing left to re-read the key with: a changed key file is rejected, the
+    # previous certificate stays
+    port = https_server(cert.server_context())
+    c2, k2, _ = _encrypted_leaf(ca, secret.encode())
+    _write_pair(tmp_path, c2, k2)
+    assert cert.reload_if_changed() is False
+    assert "wiped after the first load" in cert.last_error
+    assert served_certificate(port, _trusting(ca)).serial_number == first.serial_number
+    # after the snapshot pass dropped the key, the restore cannot bring it back: one line
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    [failed] = report.failed
+    message = str(failed.error)
+    assert "wiped after the first load" in message and "Secret or a callable" in message
+    assert "\n" not in message and secret not in message
+    assert is_placeholder(served_certificate(port, unverified()))
+    assert all(secret not in r.getMessage() for r in caplog.records)
+
+
+def _password_failures(ca: CA, password: bytes) -> dict[str, tuple[Callable[..., object],
+                                                                   bytes, str]]:
+    """case -> (password callable, key file, expected message). Each callable's own
+    error text holds the password: it must not reach any message."""
+    c_other, k_other, _ = _encrypted_leaf(ca, b"another password")
+    _, k_good, _ = _encrypted_leaf(ca, password)
+    lines = k_good.splitlines()
+    broken = b"\n".join(lines[:2] + [b"A" * len(lines[2])] + lines[3:]) + b"\n"
+
+    def raising() -> bytes:
+        raise RuntimeError(f"vault said no to {password.decode()}")
+
+    return {
+        "wrong-password": (lambda: password, k_other, "wrong password"),
+        "broken-key-file": (lambda: password, b"-----BEGIN ENCRYPTED PRIVATE KEY-----\n"
+                            b"garbage\n-----END ENCRYPTED PRIVATE KEY-----\n",
+                            "not a usable PEM private key"),
+        "corrupted-key": (lambda: password, broken, "k.pem"),
+        "raising-source": (raising, k_good, "key password callable failed: RuntimeError"),
+        "wrong-type": (lambda: 42, k_good, "returned int, expected bytes"),
+    }
+
+
+@pytest.mark.parametrize("case", ["wrong-password", "broken-key-file", "corrupted-key",
+                                  "raising-source", "wrong-type"])
+def test_a_bad_password_or_key_file_is_one_line_and_keeps_the_previous_key(
+        rehydrate_engine, tmp_path, https_server, caplog, case):
+    ca = CA()
+    password = os.urandom(12).hex().encode()
+    c1, k1, first = _encrypted_leaf(ca, password)
+    _write_pair(tmp_path, c1, k1)
+    source = {"fn": lambda: password}
+
+    def current_source() -> object:  # the vault: answers well first, then badly
+        return source["fn"]()
+
+    cert = tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=current_source, watch=False, engine=rehydrate_engine)
+    port = https_server(cert.server_context())
+    fn, key_pem, message = _password_failures(ca, password)[case]
+    source["fn"] = fn
+    (tmp_path / "k.pem").write_bytes(key_pem)
+    forbidden = [password.decode(), *_pem_body_lines(key_pem), *_pem_body_lines(k1)]
+
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    assert cert.reload_if_changed() is False  # the watcher's path: one line, logged
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    with pytest.raises(CertificateError) as caught:  # renew(): the same line, raised
+        cert.renew()
+    error = str(caught.value)
+    assert caught.value.__cause__ is None and caught.value.__context__ is None
+    for text in (line, error, cert.last_error):
+        assert message in text and "\n" not in text, text
+        assert not any(f in text for f in forbidden), text
+    assert "keeping serial" in line
+    assert cert.serial == first.serial_number and not cert.key_dropped
+    assert served_certificate(port, _trusting(ca)).serial_number == first.serial_number
+
+    # and at creation: the same one line, raised
+    with pytest.raises(CertificateError, match=message) as caught:
+        tls.from_files("enc-new", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                       password=fn, watch=False, engine=rehydrate_engine)
+    assert "\n" not in str(caught.value)
+    assert not any(f in str(caught.value) for f in forbidden)
+    assert tls.manager(rehydrate_engine).get("enc-new") is None
+
+
+def test_an_encrypted_key_without_a_password_is_one_line(rehydrate_engine, tmp_path):
+    c1, k1, _ = _encrypted_leaf(CA(), b"pw")
+    _write_pair(tmp_path, c1, k1)
+    with pytest.raises(CertificateError, match="is encrypted and no password was given"):
+        tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem", watch=False,
+                       engine=rehydrate_engine)
+
+
+def test_a_key_password_of_the_wrong_kind_is_refused_before_anything_is_read(
+        rehydrate_engine, tmp_path):
+    from rehydrate.secrets import Secret
+    from rehydrate.testing import isolated_engine
+
+    c1, k1, _ = _encrypted_leaf(CA(), b"pw")
+    _write_pair(tmp_path, c1, k1)
+    with pytest.raises(TypeError, match="Secret, a callable returning bytes, or bytes"):
+        tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem", password=5,
+                       watch=False, engine=rehydrate_engine)
+    (tmp_path / "pw").write_bytes(b"pw")
+    other = isolated_engine()
+    try:
+        foreign = Secret.from_file(tmp_path / "pw", engine=other)
+        with pytest.raises(ValueError, match="belongs to another engine"):
+            tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                           password=foreign, watch=False, engine=rehydrate_engine)
+    finally:
+        other.close()
+    assert tls.manager(rehydrate_engine).get("enc") is None
+
+
+def test_an_unavailable_password_secret_fails_the_restore_in_one_line(rehydrate_engine,
+                                                                      tmp_path):
+    from rehydrate.secrets import Secret
+
+    c1, k1, _ = _encrypted_leaf(CA(), b"pw")
+    _write_pair(tmp_path, c1, k1)
+    (tmp_path / "pw").write_bytes(b"pw")
+    secret = Secret.from_file(tmp_path / "pw", name="tls-pw", engine=rehydrate_engine)
+    cert = tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=secret, watch=False, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    (tmp_path / "pw").unlink()  # the clone's secret volume lacks the file
+    report = rehydrate_engine.simulate_restore()
+    errors = {r.name: str(r.error) for r in report.failed}
+    assert set(errors) == {"rehydrate.secret:tls-pw", "rehydrate.tls:enc"}, errors
+    assert "password for key file" in errors["rehydrate.tls:enc"]
+    assert "secret 'tls-pw' is unavailable" in errors["rehydrate.tls:enc"]
+    assert "\n" not in errors["rehydrate.tls:enc"] and cert.key_dropped
