@@ -409,3 +409,84 @@ def test_a_secret_dropped_without_close_is_wiped(rehydrate_engine):
     gc.collect()
     assert alive() is None
     assert bytes(buffer) == bytes(len(buffer))
+
+
+# -- SecretSource: a value lent only while it is used ----------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "ascii pass", "pässwörd", "пароль", "密码", "🔑key🔑",
+                                  "\x00\x7f\x80\u07ff\u0800\uffff\U00010000\U0010ffff"])
+def test_utf8_into_is_str_encode_without_an_immutable_copy(text):
+    from rehydrate.secrets import utf8_into
+
+    out = utf8_into(text)
+    assert isinstance(out, bytearray) and out == text.encode("utf-8")
+
+
+def test_utf8_into_refuses_a_lone_surrogate_without_the_text():
+    from rehydrate.secrets import SecretSource, utf8_into
+
+    with pytest.raises(ValueError, match="lone surrogate") as caught:
+        utf8_into("secret\ud800")
+    assert "secret" not in str(caught.value)
+    with pytest.raises(ValueError, match="^key password: text with a lone surrogate"):
+        SecretSource("secret\ud800", what="key password")
+
+
+def test_a_plain_source_is_copied_lent_once_then_wiped():
+    from rehydrate.secrets import SecretSource
+
+    value = bytearray(b"hunter2-plain")
+    source = SecretSource(value)
+    buf = source._plain
+    assert buf is not value and value == b"hunter2-plain"  # the caller's object untouched
+    with source.lend() as view:
+        assert bytes(view) == b"hunter2-plain" and view.readonly
+    assert buf == bytearray(len(buf)) and source.spent  # wiped right after the use
+    with source.lend() as view:
+        assert view is None
+    assert "hunter2" not in repr(source)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(SecretSource(b"x"))
+
+
+def test_a_callable_source_is_called_at_every_use_and_its_bytearray_wiped():
+    from rehydrate.secrets import SecretSource
+
+    returned: list[bytearray] = []
+
+    def fetch() -> bytearray:
+        returned.append(bytearray(b"from-the-vault"))
+        return returned[-1]
+
+    source = SecretSource(fetch)
+    for n in (1, 2):
+        with source.lend() as view:
+            assert bytes(view) == b"from-the-vault"
+        assert len(returned) == n and returned[-1] == bytearray(len(b"from-the-vault"))
+    assert not source.spent
+
+
+def test_a_failing_callable_source_is_one_line_without_its_message():
+    from rehydrate.secrets import SecretSource
+
+    def fetch() -> bytes:
+        raise RuntimeError("token hunter2 rejected")
+
+    with pytest.raises(SecretError) as caught, SecretSource(fetch).lend():
+        pass
+    assert str(caught.value) == "the password callable failed: RuntimeError"
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+
+
+def test_a_secret_source_lends_the_secret_buffer_itself(rehydrate_engine, secret_file):
+    from rehydrate.secrets import SecretSource
+
+    s = Secret.from_file(secret_file, strip=True, engine=rehydrate_engine)
+    source = SecretSource(s)
+    with source.lend() as view:
+        assert view.obj is s._buf  # no copy
+    assert rehydrate_engine.simulate_snapshot().ok
+    s.on_wiped = "raise"
+    with pytest.raises(SecretUnavailable), source.lend():
+        pass
