@@ -11,7 +11,9 @@ private key, chain, trust anchors). After every restore (and resume) its built-i
 * :func:`from_files` — PEM certificate (+ chain), key and optional CA bundle, re-read on
   restore and whenever the directory holding them changes (watched with watchdog; polled
   under gVisor, where inotify misses changes made outside the sandbox). Kubernetes' atomic
-  ``..data`` symlink swap is seen because the directory, not the file, is watched.
+  ``..data`` symlink swap is seen because the directory, not the file, is watched. An
+  encrypted key's password is read only when the key is (a ``Secret`` or a callable, at
+  every load; a plain value once, then wiped): the handle keeps none of it.
 
 New material is validated before use — the key matches the certificate, the certificate is
 inside its validity window, and the chain verifies against the CA bundle when one is given.
