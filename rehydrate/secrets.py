@@ -62,6 +62,7 @@ __all__ = [
     "SecretUnavailable",
     "SecretsManager",
     "manager",
+    "utf8_into",
 ]
 
 log = logging.getLogger("rehydrate")

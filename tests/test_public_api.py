@@ -54,11 +54,12 @@ SUBMODULE_API = {
     ],
     "rehydrate.tls": [
         "CertificateError", "FileCertificate", "HTTPIssuer", "IssuedCertificate", "Issuer",
-        "ManagedCertificate", "Material", "SelfSignedCertificate", "TLSManager", "from_files",
-        "issued", "manager", "self_signed", "validate"
+        "ManagedCertificate", "Material", "Password", "SelfSignedCertificate", "TLSManager",
+        "from_files", "issued", "manager", "self_signed", "validate"
     ],
     "rehydrate.secrets": [
-        "Secret", "SecretError", "SecretUnavailable", "SecretsManager", "manager"
+        "Secret", "SecretError", "SecretSource", "SecretUnavailable", "SecretsManager",
+        "manager", "utf8_into"
     ],
     "rehydrate.connections": [
         "Connection", "ConnectionManager", "ConnectionsNotReady", "DEFAULT_DEADLINE",
