@@ -1082,6 +1082,15 @@ class FileCertificate(ManagedCertificate):
         self._watch = watch
 
     def produce(self) -> Material:
+        try:
+            return self._read_files()
+        finally:
+            if self._password is not None and self._password.kind == "plain":
+                # a plain password serves the first load only, whatever its outcome (an
+                # unreadable certificate file too): not kept for a retry
+                self._password.wipe()
+
+    def _read_files(self) -> Material:
         cert_data = _read(self.cert_path, "certificate file")
         try:  # wiped: it may be one bundle.pem holding the key as well
             certs = _load_pem_list(cert_data, f"certificate file {self.cert_path}")
@@ -1248,6 +1257,8 @@ class FileCertificate(ManagedCertificate):
 
     def close(self) -> None:
         self.stop_watching()
+        if self._password is not None:
+            self._password.wipe()  # a plain password not used yet (created while frozen)
         super().close()
 
     def status(self) -> dict[str, Any]:

@@ -1430,3 +1430,18 @@ def test_an_unavailable_password_secret_fails_the_restore_in_one_line(rehydrate_
     assert "password for key file" in errors["rehydrate.tls:enc"]
     assert "secret 'tls-pw' is unavailable" in errors["rehydrate.tls:enc"]
     assert "\n" not in errors["rehydrate.tls:enc"] and cert.key_dropped
+
+
+def test_a_plain_key_password_is_wiped_when_the_first_load_fails_early(rehydrate_engine,
+                                                                      tmp_path):
+    """An unreadable certificate file fails before the key is read: the plain password is
+    wiped all the same (not kept for a retry that would need a new call anyway)."""
+    from rehydrate.secrets import SecretSource
+
+    _, k1, _ = _encrypted_leaf(CA(), b"pw")
+    (tmp_path / "k.pem").write_bytes(k1)
+    source = SecretSource(bytearray(b"pw"))
+    with pytest.raises(CertificateError, match="cannot read certificate file"):
+        tls.from_files("enc", cert=tmp_path / "missing.pem", key=tmp_path / "k.pem",
+                       password=source, watch=False, engine=rehydrate_engine)
+    assert source.spent and source._plain is None
