@@ -32,7 +32,7 @@ that must stay out of the image), and any copy the application made.
 APIs that take a password (``tls.from_files(password=...)``) take it as a
 :class:`SecretSource`: a :class:`Secret` or a callable is read each time the password is
 needed and nothing is kept in between; plain ``bytes``/``bytearray``/``str`` are copied
-into a buffer that is wiped after the first use.
+into a buffer rehydrate keeps (and wipes on close) — so they are in snapshot images.
 """
 
 from __future__ import annotations
@@ -421,10 +421,11 @@ class SecretSource:
       and ``str`` results are copied into a buffer that is wiped — the callable's own
       object cannot be);
     * plain ``bytes``, ``bytearray`` or ``str``: copied now into a buffer rehydrate owns
-      (the caller's object is not kept), lent at the first use only and wiped right
-      after it: :attr:`spent` is then True and later uses get ``None``. The caller's own
-      object cannot be wiped by rehydrate (``bytes``/``str`` are immutable): drop it, or
-      pass a :class:`Secret` or a callable.
+      (the caller's object is not kept) and lent at every use until :meth:`wipe`
+      (:attr:`spent` is then True and later uses get ``None``). That buffer has to
+      survive a snapshot to be used after the restore, so the value is in every
+      snapshot image: pass a :class:`Secret` or a callable to keep it out. The caller's
+      own object cannot be wiped by rehydrate (``bytes``/``str`` are immutable).
 
     ``repr`` never shows the value; errors name the source, never the value.
     """
@@ -452,7 +453,7 @@ class SecretSource:
                             "returning bytes, or bytes/bytearray/str, not "
                             f"{type(value).__name__}")
         self.spent = False
-        """True once a plain value was used (and wiped): it cannot be lent again."""
+        """True once a plain value was wiped: it cannot be lent again."""
 
     @property
     def secret(self) -> Secret | None:
@@ -469,25 +470,28 @@ class SecretSource:
 
     @contextlib.contextmanager
     def lend(self) -> Iterator[memoryview | None]:
-        """The value as a read-only ``memoryview`` for the block, wiped (or released)
-        after it; ``None`` for a plain value already spent. Raises :class:`SecretError`
-        (one line naming the source, never the value) when the source fails."""
+        """The value as a read-only ``memoryview`` for the block, released after it (a
+        callable's result also wiped); ``None`` for a plain value already wiped. Raises
+        :class:`SecretError` (one line naming the source, never the value) when the source
+        fails."""
         if self._secret is not None:
             with self._secret.view() as view:  # SecretUnavailable is a SecretError
                 yield view
             return
-        buf = self._plain if self._loader is None else self._call()
-        if buf is None:
-            yield None
+        if self._loader is None:
+            if self._plain is None:
+                yield None
+                return
+            with memoryview(self._plain).toreadonly() as kept:
+                yield kept
             return
+        buf = self._call()
         view = memoryview(buf).toreadonly()
         try:
             yield view
         finally:
             view.release()
             _zero(buf)
-            if self._loader is None:
-                self._plain, self.spent = None, True
 
     def _call(self) -> bytearray:
         assert self._loader is not None

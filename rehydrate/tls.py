@@ -13,7 +13,8 @@ private key, chain, trust anchors). After every restore (and resume) its built-i
   under gVisor, where inotify misses changes made outside the sandbox). Kubernetes' atomic
   ``..data`` symlink swap is seen because the directory, not the file, is watched. An
   encrypted key's password is read only when the key is (a ``Secret`` or a callable, at
-  every load; a plain value once, then wiped): the handle keeps none of it.
+  every load, nothing kept in between; a plain value from rehydrate's own copy, which is
+  therefore in snapshot images).
 
 New material is validated before use — the key matches the certificate, the certificate is
 inside its validity window, and the chain verifies against the CA bundle when one is given.
@@ -725,6 +726,12 @@ class ManagedCertificate:
         """Stop managing this certificate (its contexts keep their last material)."""
         self._manager.remove(self)
 
+    def _discard(self) -> None:
+        """A handle :meth:`TLSManager.add` did not keep (failed, or the name exists):
+        wipe what it made."""
+        if self._material is not None:
+            self._material.wipe_key()
+
     def status(self) -> dict[str, Any]:
         m = self._material
         return {
@@ -1080,15 +1087,10 @@ class FileCertificate(ManagedCertificate):
         self._timer: threading.Timer | None = None
         self._logged_error: str | None = None
         self._watch = watch
+        self._warned_plain = False
 
     def produce(self) -> Material:
-        try:
-            return self._read_files()
-        finally:
-            if self._password is not None and self._password.kind == "plain":
-                # a plain password serves the first load only, whatever its outcome (an
-                # unreadable certificate file too): not kept for a retry
-                self._password.wipe()
+        return self._read_files()
 
     def _read_files(self) -> Material:
         cert_data = _read(self.cert_path, "certificate file")
@@ -1121,7 +1123,6 @@ class FileCertificate(ManagedCertificate):
         from cryptography.hazmat.primitives import serialization
 
         source, where = self._password, f"key file {self.key_path}"
-        first_plain = source is not None and source.kind == "plain" and not source.spent
         error: str | None = None
         try:
             if not encrypted:
@@ -1134,16 +1135,17 @@ class FileCertificate(ManagedCertificate):
                         # typed bytes, but any buffer is read in place: no bytes copy
                         key = serialization.load_pem_private_key(
                             data, password=cast(bytes, password))
-                        if first_plain:
+                        if source.kind == "plain" and not self._warned_plain:
+                            self._warned_plain = True
                             log.warning("tls: certificate %s: its key password was given as "
-                                        "plain bytes/str: used for this load, then wiped; "
-                                        "the key cannot be re-read after a restore or a file "
-                                        "change unless the password is a "
-                                        "rehydrate.secrets.Secret or a callable", self.name)
+                                        "plain bytes/str, which rehydrate keeps to re-read "
+                                        "the key after a restore or a file change, so it is "
+                                        "in every snapshot image; pass a "
+                                        "rehydrate.secrets.Secret or a callable to keep it "
+                                        "out", self.name)
                         return key
                 error = (f"{where} is encrypted and its password, given as plain "
-                         "bytes/str, was wiped after the first load: pass password= a "
-                         "rehydrate.secrets.Secret or a callable so that it can be read again")
+                         "bytes/str, was wiped when the certificate was closed")
         except SecretError as exc:
             error = f"password for {where}: {_one_line(exc)}"
         except TypeError as exc:  # cryptography: encrypted without a password, or not
@@ -1152,12 +1154,6 @@ class FileCertificate(ManagedCertificate):
             error = (f"{where}: wrong password (the key could not be decrypted)"
                      if encrypted and "password" in str(exc).lower() else
                      f"{where} is not a usable PEM private key ({_one_line(exc)})")
-        finally:
-            if first_plain:
-                # wiped as soon as the key is loaded (also when it was not needed): the
-                # first load is its only use
-                assert source is not None
-                source.wipe()
         # raised out here, not in an except block: no chained exception carries the
         # source's or cryptography's error along
         raise CertificateError(error)
@@ -1258,8 +1254,13 @@ class FileCertificate(ManagedCertificate):
     def close(self) -> None:
         self.stop_watching()
         if self._password is not None:
-            self._password.wipe()  # a plain password not used yet (created while frozen)
+            self._password.wipe()  # a plain password is kept until then
         super().close()
+
+    def _discard(self) -> None:
+        super()._discard()
+        if self._password is not None:
+            self._password.wipe()
 
     def status(self) -> dict[str, Any]:
         out = super().status()
@@ -1346,6 +1347,7 @@ class TLSManager:
         with self._lock:
             existing = self._certs.get(cert.name)
             if existing is not None:
+                cert._discard()
                 if type(existing) is not type(cert):
                     raise ValueError(f"certificate {cert.name!r} already exists as "
                                      f"{existing.kind}")
@@ -1355,13 +1357,16 @@ class TLSManager:
             log.info("tls: certificate %s added after the before-snapshot pass: its first "
                      "material is produced on restore/resume", cert.name)
         else:
-            with cert._renew_lock:
-                cert._renew_locked()
+            try:
+                with cert._renew_lock:
+                    cert._renew_locked()
+            except BaseException:
+                cert._discard()
+                raise
         with self._lock:
             existing = self._certs.get(cert.name)
             if existing is not None:  # added by another thread meanwhile: keep no copy
-                if cert._material is not None:
-                    cert._material.wipe_key()
+                cert._discard()
                 return existing
             self._certs[cert.name] = cert
             dropped_meanwhile = self.frozen and not frozen
@@ -1442,10 +1447,10 @@ def from_files(name: str, *, cert: str | os.PathLike[str], key: str | os.PathLik
     * a callable returning ``bytes``, ``bytearray`` or ``str`` — called at every load;
       its result is wiped right after (a returned ``bytearray`` in place; the immutable
       ``bytes``/``str`` it returns cannot be);
-    * ``bytes``, ``bytearray`` or ``str`` — copied into a buffer rehydrate wipes right
-      after the first load (the caller's object is not kept, and cannot be wiped by
-      rehydrate). A later re-read of an encrypted key (file change, restore) then fails
-      with one line and the previous key stays (after a snapshot: the placeholder).
+    * ``bytes``, ``bytearray`` or ``str`` — copied into a buffer rehydrate keeps to
+      re-read the key (file change, restore) and wipes on close; the caller's object is
+      not kept (and cannot be wiped by rehydrate). That copy survives the snapshot, so
+      the password is in every image: one warning line at the first load says so.
 
     A wrong password, a missing one or a broken key file is one :class:`CertificateError`
     line naming the file, never the password or the key."""

@@ -433,16 +433,19 @@ def test_utf8_into_refuses_a_lone_surrogate_without_the_text():
         SecretSource("secret\ud800", what="key password")
 
 
-def test_a_plain_source_is_copied_lent_once_then_wiped():
+def test_a_plain_source_is_copied_lent_at_every_use_and_wiped_on_wipe():
     from rehydrate.secrets import SecretSource
 
     value = bytearray(b"hunter2-plain")
     source = SecretSource(value)
     buf = source._plain
     assert buf is not value and value == b"hunter2-plain"  # the caller's object untouched
-    with source.lend() as view:
-        assert bytes(view) == b"hunter2-plain" and view.readonly
-    assert buf == bytearray(len(buf)) and source.spent  # wiped right after the use
+    for _ in range(2):
+        with source.lend() as view:
+            assert bytes(view) == b"hunter2-plain" and view.readonly
+    assert buf == b"hunter2-plain" and not source.spent  # kept for the next use
+    source.wipe()
+    assert buf == bytearray(len(buf)) and source.spent
     with source.lend() as view:
         assert view is None
     assert "hunter2" not in repr(source)

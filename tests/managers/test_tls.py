@@ -1272,8 +1272,8 @@ def test_a_key_password_is_not_read_for_an_unencrypted_key(rehydrate_engine, tmp
 
 
 @pytest.mark.parametrize("kind", ["bytes", "str", "bytearray"])
-def test_a_plain_key_password_is_copied_used_once_and_wiped(rehydrate_engine, tmp_path,
-                                                            https_server, caplog, kind):
+def test_a_plain_key_password_is_copied_kept_for_rereads_and_warned_about(
+        rehydrate_engine, tmp_path, https_server, caplog, kind):
     import sys
 
     ca = CA()
@@ -1291,27 +1291,26 @@ def test_a_plain_key_password_is_copied_used_once_and_wiped(rehydrate_engine, tm
     assert sys.getrefcount(password) == refs
     assert password == {"bytes": secret.encode(), "str": secret,
                         "bytearray": bytearray(secret.encode())}[kind]
-    assert cert._password is not None and cert._password.spent  # its copy: wiped
+    assert cert._password is not None and not cert._password.spent  # rehydrate's copy
     assert secret not in repr(cert._password) and not hasattr(cert, "password")
     [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "used for this load, then wiped" in warning
+    assert "in every snapshot image" in warning and "Secret or a callable" in warning
 
-    # nothing left to re-read the key with: a changed key file is rejected, the
-    # previous certificate stays
+    # the copy re-reads a changed key file, and the key after a restore (no new warning)
     port = https_server(cert.server_context())
-    c2, k2, _ = _encrypted_leaf(ca, secret.encode())
+    c2, k2, second = _encrypted_leaf(ca, secret.encode())
     _write_pair(tmp_path, c2, k2)
-    assert cert.reload_if_changed() is False
-    assert "wiped after the first load" in cert.last_error
-    assert served_certificate(port, _trusting(ca)).serial_number == first.serial_number
-    # after the snapshot pass dropped the key, the restore cannot bring it back: one line
+    assert cert.reload_if_changed() is True
+    assert served_certificate(port, _trusting(ca)).serial_number == second.serial_number
     assert rehydrate_engine.simulate_snapshot().ok
-    report = rehydrate_engine.simulate_restore()
-    [failed] = report.failed
-    message = str(failed.error)
-    assert "wiped after the first load" in message and "Secret or a callable" in message
-    assert "\n" not in message and secret not in message
-    assert is_placeholder(served_certificate(port, unverified()))
+    assert rehydrate_engine.simulate_restore().ok
+    assert served_certificate(port, _trusting(ca)).serial_number == second.serial_number
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    # closed: the copy is wiped
+    buf = cert._password._plain
+    assert buf is not None
+    cert.close()
+    assert cert._password.spent and buf == bytearray(len(buf))
     assert all(secret not in r.getMessage() for r in caplog.records)
 
 
@@ -1432,10 +1431,10 @@ def test_an_unavailable_password_secret_fails_the_restore_in_one_line(rehydrate_
     assert "\n" not in errors["rehydrate.tls:enc"] and cert.key_dropped
 
 
-def test_a_plain_key_password_is_wiped_when_the_first_load_fails_early(rehydrate_engine,
-                                                                      tmp_path):
-    """An unreadable certificate file fails before the key is read: the plain password is
-    wiped all the same (not kept for a retry that would need a new call anyway)."""
+def test_a_plain_key_password_is_wiped_when_the_first_load_fails(rehydrate_engine,
+                                                                   tmp_path):
+    """An unreadable certificate file fails before the key is read: the certificate is
+    not created, so the plain password's copy is wiped (no handle is left to close)."""
     from rehydrate.secrets import SecretSource
 
     _, k1, _ = _encrypted_leaf(CA(), b"pw")
@@ -1444,4 +1443,22 @@ def test_a_plain_key_password_is_wiped_when_the_first_load_fails_early(rehydrate
     with pytest.raises(CertificateError, match="cannot read certificate file"):
         tls.from_files("enc", cert=tmp_path / "missing.pem", key=tmp_path / "k.pem",
                        password=source, watch=False, engine=rehydrate_engine)
+    assert source.spent and source._plain is None
+
+
+def test_a_plain_key_password_given_for_a_name_that_exists_is_wiped(rehydrate_engine,
+                                                                    tmp_path):
+    """``from_files`` with a name already managed returns the existing handle: the new
+    call's plain password has no handle to be closed with, so its copy is wiped at once."""
+    from rehydrate.secrets import SecretSource
+
+    ca = CA()
+    c1, k1, _ = _encrypted_leaf(ca, b"pw")
+    _write_pair(tmp_path, c1, k1)
+    first = tls.from_files("dup", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                           password=b"pw", watch=False, engine=rehydrate_engine)
+    source = SecretSource(bytearray(b"pw"))
+    again = tls.from_files("dup", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                           password=source, watch=False, engine=rehydrate_engine)
+    assert again is first
     assert source.spent and source._plain is None
