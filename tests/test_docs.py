@@ -152,7 +152,7 @@ _COMMANDS = ("doctor", "status", "notify", "trigger", "check")
 def _argv(usage: str) -> list[str] | None:
     """A usage line's first form as an argv: ``[x]`` taken as ``x``, ``a|b`` as ``a``,
     placeholders by sample values; ``None`` when it is not a command line."""
-    usage = usage.split(" # ")[0].split("  ")[0].strip()
+    usage = usage.split(" # ", maxsplit=1)[0].split("  ", maxsplit=1)[0].strip()
     usage = re.sub(r"\[([^\[\]]*)\]", r"\1", usage)
     usage = re.sub(r"(\S+?)\|\S+", r"\1", usage)
     usage = usage.replace("…", " ").replace("...", " ")
@@ -308,6 +308,8 @@ def test_every_public_name_is_in_the_api_reference() -> None:
         for name in importlib.import_module(module_name).__all__:
             if not module[name].has_docstrings:
                 undocumented.append(f"{module_name}.{name}")
+    undocumented += [f"rehydrate.{name}" for name in PACKAGE_API
+                     if not name.startswith("_") and not package[name].has_docstrings]
     assert undocumented == [], f"no docstring, so not in the API reference: {undocumented}"
 
     listed = {m for members in _reference_blocks().values() for m in members or ()}
