@@ -33,6 +33,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     default_engine: Lifecycle
+    """The process-wide engine that the module-level functions drive (created on first use;
+    ``rehydrate.extensions.default_engine()``)."""
 
 def _engine() -> Lifecycle:
     # Imported on first use: the extension contract loads dataclasses and typing machinery
@@ -49,9 +51,18 @@ def __getattr__(name: str) -> object:
 
 
 after_restore = default_registry.after_restore
+"""Register a restore/resume hook in the default registry: ``@after_restore`` or
+``@after_restore(phase=..., order=..., timeout=..., required=..., name=..., retries=...)``
+(:meth:`Registry.after_restore`)."""
 before_snapshot = default_registry.before_snapshot
+"""Register a before-snapshot hook in the default registry, with the same options
+(:meth:`Registry.before_snapshot`)."""
 on_env_change = default_registry.on_env_change
+"""Register a hook for changed environment keys: ``@on_env_change("API_KEY", ...)``, no
+names for any change; the hook may take ``(ctx, changes)`` (:meth:`Registry.on_env_change`)."""
 unregister = default_registry.unregister
+"""Remove hooks from the default registry by record, function or name; returns how many
+(:meth:`Registry.unregister`)."""
 
 
 def start(

@@ -125,6 +125,10 @@ class HookFailed(_ExceptionGroup):  # type: ignore[type-arg,misc,unused-ignore]
 
 @dataclass(frozen=True, init=False)
 class HookResult:
+    """One hook's result in a report: its ``name`` and ``phase``, the ``outcome`` (``ok``,
+    ``failed``, ``timeout`` or ``skipped``), ``duration`` in seconds, the ``error`` it raised
+    (or ``None``), whether it was ``required`` and how many ``attempts`` it took."""
+
     name: str
     phase: Phase
     outcome: Outcome

@@ -423,6 +423,8 @@ class Registry:
 
 
 default_registry = Registry()
+"""The registry of the module-level decorators (``rehydrate.after_restore`` …), run by
+``rehydrate.default_engine``."""
 """The registry of the module-level decorators (``rehydrate.after_restore`` …) and of the
 default engine."""
 

@@ -55,6 +55,10 @@ _SEEN_KEYS = 256
 
 @dataclass(frozen=True)
 class Status:
+    """What :meth:`Lifecycle.status` returns: ``state``, ``generation``, ``ready``, the running
+    ``detectors``, the ``last_report``, and in ``extra`` the fields managers publish;
+    :meth:`to_dict` is what ``rehydrate status --json`` prints."""
+
     state: State
     generation: int
     ready: bool

@@ -15,6 +15,7 @@ from . import _config
 __all__ = ["ENV_SOCKET", "default_socket_dir", "socket_path"]
 
 ENV_SOCKET = "REHYDRATE_CONTROL_SOCKET"
+"""The variable naming the control socket's path (server and clients read the same one)."""
 
 
 def default_socket_dir() -> str:

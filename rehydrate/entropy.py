@@ -44,6 +44,7 @@ __all__ = [
     "EntropyManager",
     "instance_id",
     "manager",
+    "on_instance_id_change",
     "register",
     "reseed",
     "unregister",

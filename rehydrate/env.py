@@ -46,6 +46,7 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 Policy = Literal["update", "replace", "off"]
+"""How a new environment file is applied (``REHYDRATE_ENV_POLICY``; docs/concepts.md)."""
 POLICIES: tuple[Policy, ...] = ("update", "replace", "off")
 
 MAX_ENVIRON_BYTES = 4 * 1024 * 1024

@@ -77,6 +77,7 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 SCHEMA = 1
+"""The manifest format version written as ``schema``."""
 
 # Fields compared by check(), in the order a miss is most likely explained by them
 # (GKE: gVisor and GPU driver versions and the machine series are part of the match).
@@ -100,6 +101,8 @@ class FingerprintMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class Mismatch:
+    """One field where this node differs from the manifest: what was recorded, what is here."""
+
     field: str
     expected: Any
     actual: Any

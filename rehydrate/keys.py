@@ -62,9 +62,11 @@ log = logging.getLogger("rehydrate")
 Algorithm = Literal[
     "ed25519", "x25519", "ec-p256", "ec-p384", "rsa-2048", "rsa-3072", "rsa-4096"
 ]
+"""A key algorithm name, as :func:`ephemeral` takes it."""
 ALGORITHMS: tuple[str, ...] = (
     "ed25519", "x25519", "ec-p256", "ec-p384", "rsa-2048", "rsa-3072", "rsa-4096",
 )
+"""Every :data:`Algorithm`, for checks and listings."""
 
 
 class KeyDroppedError(RuntimeError):

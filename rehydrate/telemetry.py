@@ -72,6 +72,7 @@ log = logging.getLogger("rehydrate")
 SCOPE = "rehydrate"
 EVENT_SPAN_NAMES = {"restore": "rehydrate.restore", "resume": "rehydrate.restore",
                     "snapshot": "rehydrate.snapshot"}
+"""The event span's name per event kind (a resume is a ``rehydrate.restore`` span)."""
 _OTEL_ENV = ("OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER")
 
 

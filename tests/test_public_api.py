@@ -46,7 +46,8 @@ SUBMODULE_API = {
         "NEVER_FROM_FILE", "Policy", "check_overlay", "diff", "parse_environ", "read_environ"
     ],
     "rehydrate.entropy": [
-        "EntropyManager", "instance_id", "manager", "register", "reseed", "unregister"
+        "EntropyManager", "instance_id", "manager", "on_instance_id_change", "register", "reseed",
+        "unregister"
     ],
     "rehydrate.keys": [
         "ALGORITHMS", "Algorithm", "EphemeralKey", "KeyDroppedError", "KeyManager", "ephemeral",

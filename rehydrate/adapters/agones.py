@@ -59,6 +59,7 @@ _JITTER = random.SystemRandom()
 T = TypeVar("T")
 
 DEFAULT_PORT = 9358
+"""The SDK sidecar's HTTP port when ``$AGONES_SDK_HTTP_PORT`` is not set."""
 PORT_ENV = "AGONES_SDK_HTTP_PORT"
 
 # States in which a restored server must not (or need not) ask to be Ready again.

@@ -59,6 +59,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+"""An ASGI 3 application: ``await app(scope, receive, send)``."""
 
 _DRAIN_KEY = "rehydrate.asgi"
 _RECHECK = 0.05

@@ -97,6 +97,7 @@ IDLE_TIMEOUT = 10.0
 """A connection with no complete request for this long is closed (a client sends its
 request at once; one that does not only holds a slot)."""
 COMMANDS = ("status", "prepare-snapshot", "resume", "restore", "simulate", "trigger")
+"""The requests the control socket serves (``{"cmd": ...}``; docs/control-socket.md)."""
 
 _CRED = struct.Struct("3i")
 

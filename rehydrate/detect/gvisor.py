@@ -74,12 +74,17 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 ENV_PROC = "REHYDRATE_GVISOR_PROC"
+"""The variable naming another directory than ``/proc/gvisor`` (test stand-ins)."""
 DEFAULT_PROC: str = _config.default(ENV_PROC)
+"""Where gVisor serves ``checkpoint`` and ``spec_environ``: ``/proc/gvisor``."""
 ANNOTATION = "dev.gvisor.internal.checkpoint.enable=true"
+"""The sandbox annotation without which gVisor refuses the trigger's write (``EPERM``)."""
 PATH_ANNOTATION = "dev.gvisor.internal.checkpoint.path=<dir>"
 """On the root container: creates /proc/gvisor/{checkpoint,spec_environ}."""
 
 Answer = Literal["resume", "restore", "error"]
+"""What gVisor answers on a checkpoint descriptor: the original carries on (``resume``),
+this is a restored copy (``restore``), or the checkpoint failed (``error``)."""
 ANSWERS: tuple[Answer, ...] = ("resume", "restore", "error")
 
 MAX_ANSWER = 256
@@ -110,6 +115,7 @@ def proc_dir() -> str:
 
 
 def checkpoint_path(proc: str | None = None) -> str:
+    """The checkpoint file: ``checkpoint`` in ``proc``, else in :func:`proc_dir`."""
     return os.path.join(proc or proc_dir(), "checkpoint")
 
 

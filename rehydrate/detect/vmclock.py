@@ -59,8 +59,11 @@ TICK = 60.0
 """In poll mode, wake this often anyway to refresh the de-duplication reference time."""
 
 MAGIC = 0x4B4C4356  # "VCLK"
+"""``struct vmclock_abi``'s ``magic``: a page that does not start with it is no vmclock."""
 FLAG_VM_GEN_COUNTER_PRESENT = 1 << 8
+"""``flags`` bit: the hypervisor maintains ``vm_generation_counter``."""
 FLAG_NOTIFICATION_PRESENT = 1 << 9
+"""``flags`` bit: the device notifies (``poll()``) when the counter changes."""
 
 # struct vmclock_abi, little endian, 112 bytes:
 #   0 magic u32, 4 size u32, 8 version u16, 10 counter_id u8, 11 time_type u8,
@@ -71,6 +74,7 @@ FLAG_NOTIFICATION_PRESENT = 1 << 9
 #  72 time_sec u64, 80 time_frac_sec u64, 88 time_esterror_nanosec u64,
 #  96 time_maxerror_nanosec u64, 104 vm_generation_counter u64.
 LAYOUT = struct.Struct("<IIHBBIQQ2sBBhBBQQQQQQQQQ")
+"""The 112 bytes of ``struct vmclock_abi`` as read from the device (little endian)."""
 assert LAYOUT.size == 112
 GENERATION_OFFSET = 104
 
@@ -81,6 +85,8 @@ class VmClockError(OSError):
 
 @dataclass(frozen=True)
 class VmClock:
+    """The fields of one consistent read of ``struct vmclock_abi`` that the detector uses."""
+
     magic: int
     size: int
     version: int
@@ -99,6 +105,7 @@ class VmClock:
 
 
 def default_path() -> str:
+    """``$REHYDRATE_VMCLOCK_PATH``, else ``/dev/vmclock0``."""
     return _config.text("REHYDRATE_VMCLOCK_PATH") or DEFAULT_PATH
 
 
