@@ -228,3 +228,39 @@ def test_an_extension_whose_install_fails_leaves_nothing_attached() -> None:
         assert "half" not in engine.status().to_dict()
     finally:
         engine.close()
+
+
+def test_an_extension_listed_twice_is_refused_not_installed_twice(caplog):
+    """Lifecycle(extensions=["rehydrate.env", "rehydrate.env"]) installed the manager
+    twice: its hook ran twice at every restore and `installed` listed "env" twice,
+    although a key is unique per engine."""
+    with pytest.raises(ValueError, match=r"extension 'env' is installed already"):
+        _engine(extensions=["rehydrate.env", "rehydrate.env"])
+    rec = Recorder()
+    with pytest.raises(ValueError, match=r"extension 'recorder' is installed already"):
+        _engine(extensions=[rec, Recorder()])
+    # Among the defaults (logged, not raised), the first copy stays, once.
+    engine = _engine(extensions=None, builtins=True)
+    try:
+        caplog.set_level(logging.WARNING, logger="rehydrate")
+        engine._install_extensions(["rehydrate.env"], explicit=False)
+        assert engine.installed.count("env") == 1
+        assert "extension 'env' is installed already" in caplog.text
+        names = [h.name for h in engine.simulate_restore().hooks]
+        assert names.count("rehydrate.env") == 1
+    finally:
+        engine.close()
+
+
+def test_an_extension_whose_probe_or_key_is_malformed_gets_a_clear_error():
+    """probe() returning True failed with "'bool' object has no attribute 'usable'"."""
+
+    class BoolProbe(Recorder):
+        def probe(self) -> Probe:
+            return True  # type: ignore[return-value]
+
+    with pytest.raises(TypeError, match=r"extension 'recorder': probe\(\) must return a "
+                                        r"Probe, not bool"):
+        _engine(extensions=[BoolProbe()])
+    with pytest.raises(TypeError, match=r"key must be a non-empty str, not None"):
+        _engine(extensions=[Recorder(key=None)])  # type: ignore[arg-type]
