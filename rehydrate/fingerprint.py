@@ -363,7 +363,10 @@ def _validate(manifest: Any) -> dict[str, Any]:
                             "not an object")
     schema = manifest.get("schema")
     if type(schema) is not int or schema != SCHEMA:
-        raise ManifestError(f"not a rehydrate manifest (schema {SCHEMA}): schema is {schema!r}")
+        # At most 60 characters of it: the line is printed, and the file may hold 1 MB.
+        shown = repr(schema)
+        shown = shown if len(shown) <= 60 else shown[:59] + "…"
+        raise ManifestError(f"not a rehydrate manifest (schema {SCHEMA}): schema is {shown}")
     problems: list[str] = []
     missing = [f for f in (*_COMPARED, "env") if f not in manifest and f not in _OPTIONAL]
     if missing:

@@ -592,3 +592,14 @@ def test_env_mismatches_are_described_by_key_name_only(rehydrate_engine, monkeyp
                  "env.RHT_FP_GONE: unset in the snapshot, set on this node",
                  "env.RHT_FP_LEFT: set in the snapshot, unset on this node"):
         assert text in caplog.text and text in str(hook.error)
+
+
+def test_a_huge_schema_value_is_not_echoed_whole(tmp_path, capsys):
+    """A file with {"schema": "<300 KB>"} made `rehydrate check` print a 300 KB line: the
+    error quoted the whole value."""
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"schema": "A" * 300_000}))
+    assert check_manifest(str(path)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "schema is 'AAAA" in line and str(path) in line
+    assert len(line) < 200 + len(str(path)), len(line)
