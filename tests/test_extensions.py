@@ -264,3 +264,21 @@ def test_an_extension_whose_probe_or_key_is_malformed_gets_a_clear_error():
         _engine(extensions=[BoolProbe()])
     with pytest.raises(TypeError, match=r"key must be a non-empty str, not None"):
         _engine(extensions=[Recorder(key=None)])  # type: ignore[arg-type]
+
+
+def test_a_detector_class_given_instead_of_an_instance_is_named():
+    """Lifecycle(extensions=[ControlDetector]) passed the protocol check (a class has
+    key and probe) and failed in install() with "missing 1 required positional argument:
+    'engine'"; GVisorDetector was skipped quietly wherever its probe said no."""
+    from rehydrate.detect.control import ControlDetector
+    from rehydrate.detect.gvisor import GVisorDetector
+
+    for cls in (ControlDetector, GVisorDetector):
+        with pytest.raises(TypeError, match=rf"{cls.__name__} is a class, not an extension "
+                                            rf"object: pass an instance .*'{cls.__module__}:"):
+            _engine(extensions=[cls])
+        with pytest.raises(TypeError, match="is a class"):
+            load_extension(cls)  # type: ignore[arg-type]
+    # The dotted name of a class is still instantiated.
+    assert isinstance(load_extension("rehydrate.detect.control:ControlDetector"),
+                      ControlDetector)
