@@ -689,6 +689,32 @@ def test_a_closed_grpc_channel_stays_closed(rehydrate_engine):
     assert len(made) == 1  # nothing reopened
 
 
+def test_a_refused_grpc_channel_closes_the_channel_it_made(rehydrate_engine):
+    """grpc_channel() calls the factory before registering: a refused registration (the
+    name is taken) left that channel open, unreachable by anyone."""
+    grpc = pytest.importorskip("grpc")
+    closed: list[str] = []
+
+    class Recorded:  # the application's channel, as its factory returns it
+        def __init__(self, label: str) -> None:
+            self.label, self._channel = label, grpc.insecure_channel("127.0.0.1:9")
+
+        def close(self) -> None:
+            closed.append(self.label)
+            self._channel.close()
+
+    connections.grpc_channel("taken", lambda: Recorded("first"), check=False,
+                             engine=rehydrate_engine)
+    with pytest.raises(ValueError, match="already registered"):
+        connections.grpc_channel("taken", lambda: Recorded("second"), check=False,
+                                 engine=rehydrate_engine)
+    with pytest.raises((TypeError, ValueError)):
+        connections.grpc_channel("bad-peers", lambda: Recorded("third"), check=False,
+                                 engine=rehydrate_engine, peers=[42])  # type: ignore[list-item]
+    assert closed == ["second", "third"]
+    connections.unregister("taken", engine=rehydrate_engine)
+
+
 def test_helpers_record_their_peers_for_doctor(rehydrate_engine):
     import redis
 
