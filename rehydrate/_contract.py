@@ -159,6 +159,13 @@ def load_extension(spec: str | Extension) -> Extension:
     now; a class there (a detector's, an adapter's) is instantiated without arguments. An
     :class:`Extension` object is returned as it is."""
     if not isinstance(spec, str):
+        if isinstance(spec, type):
+            # A detector class passes the protocol check (class-level key and probe), then
+            # failed in install() with "missing 1 required positional argument", or was
+            # skipped quietly when its probe said no.
+            raise TypeError(f"{spec.__qualname__} is a class, not an extension object: pass "
+                            f"an instance ({spec.__qualname__}(...)) or its dotted name "
+                            f"('{spec.__module__}:{spec.__qualname__}')")
         if not isinstance(spec, Extension):
             raise TypeError(f"{spec!r} ({type(spec).__name__}) is not an extension: give a "
                             "dotted name or an object with key, probe() and install(engine)")

@@ -17,6 +17,10 @@ import grpc  # type: ignore[import-untyped,unused-ignore]
 __all__ = ["ManagedChannel"]
 
 
+_CLOSED = "Cannot invoke RPC on closed channel!"
+"""grpc's own message for a call on a closed channel (``ValueError``)."""
+
+
 class _LazyMultiCallable:
     def __init__(self, owner: ManagedChannel, kind: str, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
@@ -39,22 +43,39 @@ class _LazyMultiCallable:
 
 
 class ManagedChannel:
-    """Looks like a ``grpc.Channel``; forwards to the current one made by ``factory``."""
+    """Looks like a ``grpc.Channel``; forwards to the current one made by ``factory``.
+
+    Connectivity subscriptions follow the current channel: a callback subscribed once is
+    subscribed again on every channel made after a restore. :meth:`close` is final, as
+    for a ``grpc.Channel``: calls raise ``ValueError`` and a restore does not reopen it.
+    """
 
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._factory = factory
         self._lock = threading.Lock()
+        self._subscriptions: list[tuple[Callable[..., Any], bool]] = []
+        self._closed = False
         self._channel: Any = factory()
         self._gen = 0
 
     def current(self) -> tuple[Any, int]:
         with self._lock:
+            if self._closed:
+                raise ValueError(_CLOSED)
             if self._channel is None:
-                self._channel = self._factory()
+                self._channel = self._adopt(self._factory())
                 self._gen += 1
             return self._channel, self._gen
 
+    def _adopt(self, channel: Any) -> Any:
+        """``channel`` with the current subscriptions (under ``_lock``)."""
+        for callback, try_to_connect in self._subscriptions:
+            channel.subscribe(callback, try_to_connect)
+        return channel
+
     def reset(self) -> None:
+        if self._closed:
+            return  # closed by the application: a restore does not bring it back
         self._swap(self._factory())
 
     def close_current(self) -> None:
@@ -63,12 +84,18 @@ class ManagedChannel:
     def _swap(self, new: Any) -> None:
         """Make ``new`` current (None: create one lazily on next use); close the old one."""
         with self._lock:
-            old, self._channel = self._channel, new
-            self._gen += 1
+            if self._closed and new is not None:
+                old, new = new, None  # closed meanwhile: the new channel is not used
+            else:
+                old, self._channel = self._channel, (None if new is None
+                                                     else self._adopt(new))
+                self._gen += 1
         if old is not None:
             old.close()
 
     def wait_ready(self, timeout: float) -> None:
+        if self._closed:
+            return  # closed by the application: nothing to wait for
         channel, _ = self.current()
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -88,13 +115,30 @@ class ManagedChannel:
         return _LazyMultiCallable(self, "stream_stream", args, kwargs)
 
     def subscribe(self, callback: Callable[..., Any], try_to_connect: bool = False) -> None:
-        self.current()[0].subscribe(callback, try_to_connect)
+        """Subscribe ``callback`` to the current channel's connectivity, and to every
+        channel that replaces it (a restore makes a new one)."""
+        with self._lock:
+            if self._closed:
+                raise ValueError(_CLOSED)
+            self._subscriptions.append((callback, try_to_connect))
+            if self._channel is not None:
+                self._channel.subscribe(callback, try_to_connect)
 
     def unsubscribe(self, callback: Callable[..., Any]) -> None:
-        self.current()[0].unsubscribe(callback)
+        with self._lock:
+            self._subscriptions = [s for s in self._subscriptions if s[0] != callback]
+            if self._channel is not None:
+                self._channel.unsubscribe(callback)
 
     def close(self) -> None:
-        self.close_current()
+        """Close for good (``grpc.Channel.close``): later calls raise ``ValueError``, and
+        the restore hooks neither reopen it nor wait for it."""
+        with self._lock:
+            self._closed = True
+            old, self._channel = self._channel, None
+            self._subscriptions.clear()
+        if old is not None:
+            old.close()
 
     def __enter__(self) -> ManagedChannel:
         return self

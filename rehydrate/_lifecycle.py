@@ -32,7 +32,7 @@ from ._context import (
     SnapshotReport,
     describe_error,
 )
-from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, load_extension
+from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, Probe, load_extension
 from ._hooks import Hook, Registry
 from ._runner import HookRunner, LoopThread, Observer, inside_hook
 from .env import POLICIES, EnvRefresher, Policy, check_overlay
@@ -205,7 +205,19 @@ class Lifecycle:
         for spec in specs:
             try:
                 ext = load_extension(spec)
+                key = ext.key
+                if not isinstance(key, str) or not key:
+                    raise TypeError(f"extension {spec!r:.80}: key must be a non-empty str, "
+                                    f"not {key!r:.40}")
+                if key in self.installed:
+                    # A key is unique per engine: a second copy registered every hook
+                    # twice (a manager) or silently replaced the first (a detector).
+                    raise ValueError(f"extension {key!r} is installed already in this "
+                                     "engine (listed twice?)")
                 probe = ext.probe()
+                if not isinstance(probe, Probe):
+                    raise TypeError(f"extension {key!r}: probe() must return a Probe, not "
+                                    f"{type(probe).__name__}")
                 if not probe.usable:
                     log.info("extension %s not installed: %s", ext.key, probe.reason)
                     continue

@@ -100,7 +100,13 @@ def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
 
 
 def _series(mtype: str | None) -> str | None:
-    return mtype.split("-", 1)[0] if mtype else None
+    """The machine series of a machine type: its first word (``n2-standard-8``: ``n2``,
+    ``e2-custom-4-8192``: ``e2``) — except N1's custom types, named ``custom-CPUS-MEM``
+    without a series (GCE's custom machine type names), which are ``n1``."""
+    if not mtype:
+        return None
+    first = mtype.split("-", 1)[0]
+    return "n1" if first == "custom" else first
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,11 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
         if waiter is not None:
             seq = waiter._wait_armed(deadline)
         else:
-            rfd = os.open(path, _OPEN_READ)
+            try:
+                rfd = os.open(path, _OPEN_READ)
+            except OSError as exc:  # EMFILE, or the file went away: GVisorError, as documented
+                raise GVisorError(f"cannot open {path} for reading: "
+                                  f"{exc.strerror or exc}; resume hooks ran") from None
             since = time.monotonic()
         if deadline is not None and time.monotonic() >= deadline:
             # The before-snapshot hooks used up the time: a checkpoint started now would
@@ -177,7 +181,11 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
                 progress.answer_pending = True
                 raise
             return answer
-        data = _poll_read(rfd, None, deadline)
+        try:
+            data = _poll_read(rfd, None, deadline)
+        except OSError as exc:
+            raise GVisorError(f"reading the answer from {path} failed: "
+                              f"{exc.strerror or exc}; resume hooks ran") from None
         if data is None:
             raise TimeoutError(f"no answer from {path} within {timeout}s; resume hooks ran "
                                "(a late answer is not waited for)")

@@ -920,9 +920,13 @@ def grpc_channel(
     from ._grpc import ManagedChannel
 
     managed = ManagedChannel(factory)
-    conn = register(name, open=managed.reset, close=managed.close_current,
-                    required=required, deadline=deadline, engine=engine, replace=replace,
-                    peers=peers)
+    try:
+        conn = register(name, open=managed.reset, close=managed.close_current,
+                        required=required, deadline=deadline, engine=engine,
+                        replace=replace, peers=peers)
+    except BaseException:
+        managed.close()  # refused (a name taken, bad peers): its channel was made already
+        raise
     if check:
         conn.check_fn = lambda: managed.wait_ready(
             max(0.05, min(5.0, conn.effective_deadline())))

@@ -13,6 +13,7 @@ first use. See ``docs/architecture.md`` for the layers and the checklists.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -55,3 +56,14 @@ def default_engine() -> Lifecycle:
 def resolve_engine(engine: Engine | None) -> Engine:
     """``engine``, or the default engine when it is ``None`` (every manager's ``engine=``)."""
     return engine if engine is not None else default_engine()
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent may hold the lock at fork() (it was creating the default
+    # engine): that thread does not exist in the child, so the child's first use of
+    # rehydrate waited for the lock for ever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)

@@ -113,6 +113,15 @@ class Mismatch:
     def describe(self) -> str:
         if self.field == "cpu_flags":
             return f"cpu_flags: this node lacks {_short(self.expected)}"
+        if self.field.startswith("env."):
+            # Key name only: the hashes are of environment values (salted, but the salt
+            # is in the manifest and a low-entropy value can be guessed), and this text
+            # goes to the log, the strict hook's error and the report.
+            if self.expected is None:
+                return f"{self.field}: unset in the snapshot, set on this node"
+            if self.actual is None:
+                return f"{self.field}: set in the snapshot, unset on this node"
+            return f"{self.field}: value differs from the snapshot's"
         return f"{self.field}: snapshot {_short(self.expected)}, this node {_short(self.actual)}"
 
 
@@ -253,6 +262,19 @@ def _key_names(env_keys: Iterable[str]) -> tuple[str, ...]:
     return keys
 
 
+def _path_arg(what: str, value: str | os.PathLike[str]) -> str:
+    """``value`` as a str path; ``TypeError`` naming ``what`` for anything else (bytes
+    too: the manifest path and root are text, like the rest of the configuration)."""
+    try:
+        text = os.fspath(value)
+    except TypeError:
+        raise TypeError(f"fingerprint: {what} must be a path (str or os.PathLike), not "
+                        f"{type(value).__name__}") from None
+    if not isinstance(text, str):
+        raise TypeError(f"fingerprint: {what} must be a str path, not {type(text).__name__}")
+    return text
+
+
 def fingerprint(
     env_keys: Iterable[str] = (),
     root: str | os.PathLike[str] = "/",
@@ -344,7 +366,10 @@ def _validate(manifest: Any) -> dict[str, Any]:
                             "not an object")
     schema = manifest.get("schema")
     if type(schema) is not int or schema != SCHEMA:
-        raise ManifestError(f"not a rehydrate manifest (schema {SCHEMA}): schema is {schema!r}")
+        # At most 60 characters of it: the line is printed, and the file may hold 1 MB.
+        shown = repr(schema)
+        shown = shown if len(shown) <= 60 else shown[:59] + "…"
+        raise ManifestError(f"not a rehydrate manifest (schema {SCHEMA}): schema is {shown}")
     problems: list[str] = []
     missing = [f for f in (*_COMPARED, "env") if f not in manifest and f not in _OPTIONAL]
     if missing:
@@ -429,6 +454,13 @@ def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) ->
         raise
 
 
+def _check_scope(scope: object) -> None:
+    # A misspelt scope ("nodes") compared everything: a DaemonSet checker then reported
+    # every node incompatible (its own Python and packages) without saying why.
+    if scope not in ("all", "node"):
+        raise ValueError(f"fingerprint: scope must be 'all' or 'node', not {scope!r:.40}")
+
+
 def compare(expected: Mapping[str, Any], actual: Mapping[str, Any], *,
             scope: Scope = "all") -> list[Mismatch]:
     """Every field where ``actual`` (this node) cannot restore ``expected``'s snapshot.
@@ -439,6 +471,7 @@ def compare(expected: Mapping[str, Any], actual: Mapping[str, Any], *,
     The machine series compares only when both sides know it (on GCE).
     ``scope="node"``: only :data:`NODE_FIELDS` (no Python, distributions or ``env.*``).
     """
+    _check_scope(scope)
     out: list[Mismatch] = []
     for f in _COMPARED:
         if f not in expected or (scope == "node" and f not in NODE_FIELDS):
@@ -478,6 +511,7 @@ def check(
     """
     from pathlib import Path
 
+    _check_scope(scope)  # before the node is examined (nvidia-smi, metadata server)
     m = _validate(manifest)
     env = m["env"]
     if metadata is None:
@@ -544,14 +578,16 @@ class FingerprintManager:
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"fingerprint: {what} must be True or False, not "
                                 f"{type(value).__name__}")
-        if path is not None:
+        new_path = None if path is None else _path_arg("path", path)
+        new_root = None if root is None else _path_arg("root", root)
+        if new_path is not None:
             from pathlib import Path
 
-            self.path = Path(path)
+            self.path = Path(new_path)
         if keys is not None:
             self.env_keys = keys
-        if root is not None:
-            self.root = os.fspath(root)
+        if new_root is not None:
+            self.root = new_root
         if expect_restore is not None:
             self.expect_restore = expect_restore
         if strict is not None and strict != self.strict:

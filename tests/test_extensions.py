@@ -228,3 +228,57 @@ def test_an_extension_whose_install_fails_leaves_nothing_attached() -> None:
         assert "half" not in engine.status().to_dict()
     finally:
         engine.close()
+
+
+def test_an_extension_listed_twice_is_refused_not_installed_twice(caplog):
+    """Lifecycle(extensions=["rehydrate.env", "rehydrate.env"]) installed the manager
+    twice: its hook ran twice at every restore and `installed` listed "env" twice,
+    although a key is unique per engine."""
+    with pytest.raises(ValueError, match=r"extension 'env' is installed already"):
+        _engine(extensions=["rehydrate.env", "rehydrate.env"])
+    rec = Recorder()
+    with pytest.raises(ValueError, match=r"extension 'recorder' is installed already"):
+        _engine(extensions=[rec, Recorder()])
+    # Among the defaults (logged, not raised), the first copy stays, once.
+    engine = _engine(extensions=None, builtins=True)
+    try:
+        caplog.set_level(logging.WARNING, logger="rehydrate")
+        engine._install_extensions(["rehydrate.env"], explicit=False)
+        assert engine.installed.count("env") == 1
+        assert "extension 'env' is installed already" in caplog.text
+        names = [h.name for h in engine.simulate_restore().hooks]
+        assert names.count("rehydrate.env") == 1
+    finally:
+        engine.close()
+
+
+def test_an_extension_whose_probe_or_key_is_malformed_gets_a_clear_error():
+    """probe() returning True failed with "'bool' object has no attribute 'usable'"."""
+
+    class BoolProbe(Recorder):
+        def probe(self) -> Probe:
+            return True  # type: ignore[return-value]
+
+    with pytest.raises(TypeError, match=r"extension 'recorder': probe\(\) must return a "
+                                        r"Probe, not bool"):
+        _engine(extensions=[BoolProbe()])
+    with pytest.raises(TypeError, match=r"key must be a non-empty str, not None"):
+        _engine(extensions=[Recorder(key=None)])  # type: ignore[arg-type]
+
+
+def test_a_detector_class_given_instead_of_an_instance_is_named():
+    """Lifecycle(extensions=[ControlDetector]) passed the protocol check (a class has
+    key and probe) and failed in install() with "missing 1 required positional argument:
+    'engine'"; GVisorDetector was skipped quietly wherever its probe said no."""
+    from rehydrate.detect.control import ControlDetector
+    from rehydrate.detect.gvisor import GVisorDetector
+
+    for cls in (ControlDetector, GVisorDetector):
+        with pytest.raises(TypeError, match=rf"{cls.__name__} is a class, not an extension "
+                                            rf"object: pass an instance .*'{cls.__module__}:"):
+            _engine(extensions=[cls])
+        with pytest.raises(TypeError, match="is a class"):
+            load_extension(cls)  # type: ignore[arg-type]
+    # The dotted name of a class is still instantiated.
+    assert isinstance(load_extension("rehydrate.detect.control:ControlDetector"),
+                      ControlDetector)

@@ -82,3 +82,33 @@ def test_a_child_forked_while_a_hook_runs_is_not_wedged(engine: Lifecycle) -> No
     assert out == {"state_after_fork": "degraded", "ok": True, "ran_here": 1,
                    "ready": True}, out
     assert not parent_run.is_alive() and engine.status().state == "ready"
+
+
+def test_a_child_forked_while_the_default_engine_is_being_created_is_not_wedged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread creating the default engine holds its lock; a child forked meanwhile
+    inherited the lock held by a thread it does not have, and its first use of rehydrate
+    (``default_engine()``) waited for ever."""
+    import rehydrate.extensions as extensions
+
+    monkeypatch.setattr(extensions, "_default", None)  # not created yet in this process
+    holding, release = threading.Event(), threading.Event()
+
+    def creating() -> None:  # what a thread inside default_engine()'s creation holds
+        with extensions._lock:
+            holding.set()
+            release.wait(DEADLINE)
+
+    creator = threading.Thread(target=creating, daemon=True)
+    creator.start()
+    assert holding.wait(DEADLINE)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            engine = extensions.default_engine()  # hung on the inherited lock before
+            return {"same": extensions.default_engine() is engine}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        creator.join(DEADLINE)
+    assert out == {"same": True}

@@ -253,3 +253,21 @@ def test_a_broken_nvidia_smi_makes_the_gpu_check_unknown_not_a_crash(node, monke
     monkeypatch.setenv("STANDIN_NVIDIA_GPUS", "[]")  # exit 6: "No devices were found"
     gpu = {c.name: c for c in nodefit.assess(nodefit.facts()).checks}["GPU"]
     assert (gpu.status, gpu.reason) == ("ok", "nvidia-smi lists no GPU")
+
+
+@pytest.mark.parametrize(("mtype", "series", "fit"), [
+    ("custom-4-8192", "n1", "yes"),  # N1 custom types carry no series in their name
+    ("custom-2-15360-ext", "n1", "yes"),
+    ("n2-custom-4-8192", "n2", "yes"),
+    ("e2-custom-4-8192", "e2", "no"),
+])
+def test_custom_machine_types_belong_to_their_series(node, mtype: str, series: str,
+                                                     fit: str) -> None:
+    """An N1 custom node (machine type "custom-4-8192") was recorded as series "custom":
+    its label and the manifest disagreed with every n1 node of the same pool."""
+    node(mtype, None)
+    facts = nodefit.facts()
+    assert (facts.machine_type, facts.machine_series) == (mtype, series)
+    assert nodefit.assess(facts).fit == fit
+    labels = nodefit.node_labels(fp.fingerprint(nvidia_smi=False))
+    assert labels["rehydrate.io/machine-series"] == series

@@ -886,3 +886,42 @@ def test_a_restart_while_the_stopped_thread_runs_a_hook_is_refused(engine: Lifec
     waiter.stop()
     assert not second.is_alive()
     assert set(os.listdir("/proc/self/fd")) <= fds_before  # no pipe left behind
+
+
+@pytest.mark.parametrize("fault", ["open", "read"])
+def test_trigger_open_or_read_failure_is_a_gvisor_error_naming_the_file(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
+        fault: str) -> None:
+    """Without a waiter, opening the file for the answer (EMFILE: the process ran out of
+    descriptors) or reading it (EIO) raised a bare OSError ("[Errno 24] Too many open
+    files", no path) where GVisorError is documented — and an EACCES would have looked
+    like TriggerNotPermitted's base class to a caller catching PermissionError."""
+    from rehydrate import _trigger
+
+    platform = FakePlatform(pty_proc, b"restore\n")
+    if fault == "open":
+        real_open = os.open
+
+        def failing_open(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if flags == gvisor._OPEN_READ and os.fspath(path).endswith("checkpoint"):
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", failing_open)
+        expected = r"cannot open .*checkpoint for reading: Too many open files; resume"
+    else:
+        def failing_read(*args: object) -> bytes:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(_trigger, "_poll_read", failing_read)
+        expected = r"reading the answer from .*checkpoint failed: Input/output error; resume"
+    try:
+        rec = Recorder(iso_engine)
+        with pytest.raises(GVisorError, match=expected) as info:
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
+        assert not isinstance(info.value, PermissionError)
+    finally:
+        monkeypatch.undo()
+        platform.close()
+    assert [c[:2] for c in rec.calls] == CARRIED_ON
+    assert iso_engine.is_ready()

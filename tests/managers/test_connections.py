@@ -614,6 +614,107 @@ def test_grpc_channel_helper_keeps_stubs_working(rehydrate_engine):
         server.stop(None)
 
 
+def _echo_server():  # -> (server, port)
+    grpc = pytest.importorskip("grpc")
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.Echo", {"Say": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_grpc_channel_subscriptions_follow_the_channel_across_a_restore(rehydrate_engine):
+    """A connectivity callback subscribed on the managed channel stayed on the channel a
+    restore closed: the new channel never reported to it. It is subscribed again on every
+    new channel (grpc delivers the state at once on subscribe), and unsubscribe is kept."""
+    import queue
+
+    grpc = pytest.importorskip("grpc")
+    server, port = _echo_server()
+    try:
+        channel = connections.grpc_channel(
+            "subs", lambda: grpc.insecure_channel(f"127.0.0.1:{port}"),
+            engine=rehydrate_engine, deadline=5)
+        states: queue.Queue[object] = queue.Queue()
+        channel.subscribe(states.put, try_to_connect=True)
+        other: queue.Queue[object] = queue.Queue()
+        channel.subscribe(other.put)
+        channel.unsubscribe(other.put)
+
+        def wait_for_ready() -> None:
+            while states.get(timeout=10) != grpc.ChannelConnectivity.READY:
+                pass
+
+        wait_for_ready()
+        for _ in range(2):  # each restore makes a new channel
+            first = channel.current()[0]
+            assert rehydrate_engine.simulate_snapshot().ok
+            assert rehydrate_engine.simulate_restore().ok
+            assert channel.current()[0] is not first
+            wait_for_ready()  # reported by the new channel
+        # Unsubscribed: its callback was not carried to the new channels.
+        drained = []
+        while not other.empty():
+            drained.append(other.get_nowait())
+        assert grpc.ChannelConnectivity.READY not in drained
+    finally:
+        server.stop(None)
+
+
+def test_a_closed_grpc_channel_stays_closed(rehydrate_engine):
+    """close() (or leaving `with`) dropped the channel, but the next call made a new one
+    and the next restore reopened it (and waited for it, deadline and all): a closed
+    channel came back to life. Like a grpc.Channel, it now stays closed."""
+    grpc = pytest.importorskip("grpc")
+    made: list[object] = []
+
+    def factory():
+        made.append(grpc.insecure_channel("127.0.0.1:9"))  # nothing listens there
+        return made[-1]
+
+    with connections.grpc_channel("closed", factory, engine=rehydrate_engine,
+                                  deadline=1) as channel:
+        say = channel.unary_unary("/t.Echo/Say")
+    assert len(made) == 1
+    with pytest.raises(ValueError, match="Cannot invoke RPC on closed channel"):
+        say(b"hi", timeout=1)
+    with pytest.raises(ValueError, match="closed channel"):
+        channel.current()
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, [(h.name, h.outcome, h.error) for h in report.hooks]
+    assert len(made) == 1  # nothing reopened
+
+
+def test_a_refused_grpc_channel_closes_the_channel_it_made(rehydrate_engine):
+    """grpc_channel() calls the factory before registering: a refused registration (the
+    name is taken) left that channel open, unreachable by anyone."""
+    grpc = pytest.importorskip("grpc")
+    closed: list[str] = []
+
+    class Recorded:  # the application's channel, as its factory returns it
+        def __init__(self, label: str) -> None:
+            self.label, self._channel = label, grpc.insecure_channel("127.0.0.1:9")
+
+        def close(self) -> None:
+            closed.append(self.label)
+            self._channel.close()
+
+    connections.grpc_channel("taken", lambda: Recorded("first"), check=False,
+                             engine=rehydrate_engine)
+    with pytest.raises(ValueError, match="already registered"):
+        connections.grpc_channel("taken", lambda: Recorded("second"), check=False,
+                                 engine=rehydrate_engine)
+    with pytest.raises((TypeError, ValueError)):
+        connections.grpc_channel("bad-peers", lambda: Recorded("third"), check=False,
+                                 engine=rehydrate_engine, peers=[42])  # type: ignore[list-item]
+    assert closed == ["second", "third"]
+    connections.unregister("taken", engine=rehydrate_engine)
+
+
 def test_helpers_record_their_peers_for_doctor(rehydrate_engine):
     import redis
 

@@ -536,3 +536,70 @@ def test_configure_checks_every_argument_before_changing_anything(rehydrate_engi
     assert engine.status().extra["fingerprint"]["compatible"] is True
     with pytest.raises(TypeError, match=r"not one string \('HOME': write \['HOME'\]\)"):
         fp.fingerprint("HOME")
+
+
+def test_configure_refuses_a_bad_root_or_path_before_changing_anything(rehydrate_engine,
+                                                                        tmp_path):
+    """configure(path=..., env_keys=..., root=5) set the path and the keys, then raised on
+    the root: the manager was left half-configured (a manifest written elsewhere)."""
+    engine = rehydrate_engine
+    manager = fp.configure(path=tmp_path / "m1.json", env_keys=["A"], engine=engine)
+    for bad in ({"root": 5}, {"root": b"/"}, {"path": 3.5}, {"path": b"/tmp/x.json"}):
+        with pytest.raises(TypeError, match=r"fingerprint: (root|path) must be a"):
+            fp.configure(**{"path": tmp_path / "m2.json", "env_keys": ["B"], **bad},
+                         engine=engine)
+        assert (manager.path, manager.env_keys, manager.root) == (
+            tmp_path / "m1.json", ("A",), "/"), bad
+
+
+def test_a_misspelt_scope_is_refused_not_taken_for_all(tmp_path):
+    """scope="nodes" compared every field (Python, packages, env.*): a DaemonSet checker
+    then called every node incompatible without a word about the typo."""
+    root = make_root(tmp_path / "node")
+    manifest = fp.fingerprint(root=root)
+    other = dict(manifest, python="0.0.0")
+    assert fp.compare(manifest, other, scope="node") == []
+    for bad in ("nodes", "ALL", None):
+        with pytest.raises(ValueError, match=r"scope must be 'all' or 'node', not "):
+            fp.compare(manifest, other, scope=bad)
+        with pytest.raises(ValueError, match=r"scope must be 'all' or 'node'"):
+            fp.check(manifest, root, scope=bad)
+
+
+def test_env_mismatches_are_described_by_key_name_only(rehydrate_engine, monkeypatch,
+                                                        caplog):
+    """The log line (and the strict hook's error) of an env.* mismatch printed the
+    salted hashes of the values; the salt sits in the manifest, so a low-entropy value
+    could be recovered from the log. They name the key and what changed, nothing more."""
+    engine = rehydrate_engine
+    monkeypatch.setenv("RHT_FP_TOKEN", "1234")
+    monkeypatch.delenv("RHT_FP_GONE", raising=False)
+    monkeypatch.setenv("RHT_FP_LEFT", "x")
+    fp.configure(env_keys=["RHT_FP_TOKEN", "RHT_FP_GONE", "RHT_FP_LEFT"], strict=True,
+                 engine=engine)
+    assert engine.simulate_snapshot().ok
+    hashes = set(engine.status().extra["fingerprint"]["manifest"]["env"]["keys"].values())
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    report = engine.simulate_restore(env={"RHT_FP_TOKEN": "5678", "RHT_FP_GONE": "now",
+                                          "RHT_FP_LEFT": None})
+    (hook,) = [h for h in report.hooks if h.name == "rehydrate.fingerprint.check"]
+    assert hook.outcome == "failed"
+    said = caplog.text + str(hook.error)
+    new = {m["actual"] for m in engine.status().extra["fingerprint"]["mismatches"]}
+    leaked = [h for h in (hashes | new) - {None} if h[len("sha256:"):][:16] in said]
+    assert not leaked and "sha256" not in said
+    for text in ("env.RHT_FP_TOKEN: value differs from the snapshot's",
+                 "env.RHT_FP_GONE: unset in the snapshot, set on this node",
+                 "env.RHT_FP_LEFT: set in the snapshot, unset on this node"):
+        assert text in caplog.text and text in str(hook.error)
+
+
+def test_a_huge_schema_value_is_not_echoed_whole(tmp_path, capsys):
+    """A file with {"schema": "<300 KB>"} made `rehydrate check` print a 300 KB line: the
+    error quoted the whole value."""
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"schema": "A" * 300_000}))
+    assert check_manifest(str(path)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "schema is 'AAAA" in line and str(path) in line
+    assert len(line) < 200 + len(str(path)), len(line)
