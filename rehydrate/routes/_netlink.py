@@ -59,7 +59,8 @@ class _Rtnl:
     its per-call request machinery costs about 0.5 ms per route (``IPBatch``, which
     compiles through the same machinery, too): 90-110 ms for 200 routes. Each
     route is instead one pyroute2 ``rtmsg`` (``RTM_NEWROUTE`` with ``NLM_F_CREATE |
-    NLM_F_REPLACE``, what ``route("replace", ...)`` sends), encoded by pyroute2 into one
+    NLM_F_REPLACE``, what ``route("replace", ...)`` sends, or ``NLM_F_CREATE |
+    NLM_F_EXCL``, ``route("add", ...)``, for a captured route), encoded by pyroute2 into one
     buffer that goes out in one ``sendto``; the answers are decoded by pyroute2's parser.
     Not thread-safe; close it when done.
     """
@@ -81,37 +82,35 @@ class _Rtnl:
                            for m in self.ipr.get_links()}
         return self._links
 
-    def routes(self, skipped: list[tuple[str, int, int]] | None = None
-               ) -> list[tuple[Route, int]]:
+    def routes(self, skipped: list[tuple[str, int, int]] | None = None) -> list[Route]:
         """Every expressible IPv4/IPv6 route of the namespace (one dump of every family
-        and table) and its protocol number; each other one is added to ``skipped`` as
+        and table), its protocol included; each other one is added to ``skipped`` as
         (why it is left out, table, protocol)."""
         links = self.links()
-        out: list[tuple[Route, int]] = []
+        out: list[Route] = []
         for m in self.ipr.get_routes():
             family = int(m["family"])
             if family not in (socket.AF_INET, socket.AF_INET6):
                 continue
             table = m.get_attr("RTA_TABLE")
+            t = int(table if table is not None else m["table"])
             r = _make_route(
                 family=family, dst=m.get_attr("RTA_DST"), dst_len=int(m["dst_len"]),
-                table=int(table if table is not None else m["table"]),
-                scope=int(m["scope"]), kind=int(m["type"]),
+                table=t, scope=int(m["scope"]), kind=int(m["type"]),
                 gateway=m.get_attr("RTA_GATEWAY"), oif=m.get_attr("RTA_OIF"),
                 priority=m.get_attr("RTA_PRIORITY"), prefsrc=m.get_attr("RTA_PREFSRC"),
                 multipath=m.get_attr("RTA_MULTIPATH") is not None, links=links,
                 flags=int(m["flags"]), metrics=m.get_attr("RTA_METRICS"),
-                pref=m.get_attr("RTA_PREF"))
+                pref=m.get_attr("RTA_PREF"), proto=int(m["proto"]), tos=int(m["tos"]),
+                src=m.get_attr("RTA_SRC"), src_len=int(m["src_len"]),
+                flow=m.get_attr("RTA_FLOW"))
             if r is not None:
-                out.append((r, int(m["proto"])))
+                out.append(r)
                 dropped = _not_kept(m)
                 if dropped and skipped is not None:  # said, not silently re-applied without
                     skipped.append((f"route {r} captured without its {', '.join(dropped)} "
-                                    "(not re-applied)",
-                                    int(table if table is not None else m["table"]),
-                                    int(m["proto"])))
+                                    "(not re-applied)", t, int(m["proto"])))
             elif skipped is not None:
-                t = int(table if table is not None else m["table"])
                 skipped.append((_not_expressible(
                     dst=m.get_attr("RTA_DST"), dst_len=int(m["dst_len"]), table=t,
                     kind=int(m["type"]), multipath=m.get_attr("RTA_MULTIPATH") is not None,
@@ -120,9 +119,10 @@ class _Rtnl:
 
     def replace(self, msgs: Sequence[Mapping[str, Any]],
                 encoder: _Encoder | None = None) -> list[Exception | None]:
-        """Send one ``RTM_NEWROUTE`` (create | replace) per message (rtmsg fields and
-        ``attrs``), in batches of one ``sendto`` each; return one error (or None) per
-        message. ``encoder`` may hold messages encoded earlier (before the snapshot).
+        """Send one ``RTM_NEWROUTE`` (create | replace, or create | excl when the message
+        is create-only) per message (rtmsg fields and ``attrs``), in batches of one
+        ``sendto`` each; return one error (or None) per message. ``encoder`` may hold
+        messages encoded earlier (before the snapshot).
 
         Only the last message of a batch asks for an ACK: the kernel handles a batch in
         order within ``sendto`` and answers every failed message with an error anyway,
@@ -203,6 +203,11 @@ def _os_error(err: BaseException) -> OSError:
     return OSError(code, text)
 
 
+# a key of a route message's fields that is no rtmsg field: send it create-only
+# (NLM_F_CREATE | NLM_F_EXCL, ``ip route add``) instead of create-or-replace
+_CREATE_ONLY = "create_only"
+
+
 def _msg_key(fields: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple((k, tuple(v) if k == "attrs" else v) for k, v in sorted(fields.items()))
 
@@ -241,6 +246,7 @@ class _Encoder:
         from pyroute2.netlink import (  # type: ignore[import-untyped,unused-ignore]
             NLM_F_ACK,
             NLM_F_CREATE,
+            NLM_F_EXCL,
             NLM_F_REPLACE,
             NLM_F_REQUEST,
         )
@@ -250,13 +256,16 @@ class _Encoder:
         seq = self._seq()
         m = rtmsg()
         for k, v in fields.items():
+            if k == _CREATE_ONLY:
+                continue
             # pyroute2 rewrites the list in place; a nested attribute (RTA_METRICS) is
             # kept as a tuple of pairs (hashable: the cache key) and given as pyroute2's
             # {"attrs": [...]}
             m[k] = ([(n, {"attrs": list(x)} if isinstance(x, tuple) else x) for n, x in v]
                     if k == "attrs" else v)
         m["header"]["type"] = RTM_NEWROUTE
-        m["header"]["flags"] = (NLM_F_REQUEST | NLM_F_CREATE | NLM_F_REPLACE
+        m["header"]["flags"] = (NLM_F_REQUEST | NLM_F_CREATE
+                                | (NLM_F_EXCL if fields.get(_CREATE_ONLY) else NLM_F_REPLACE)
                                 | (NLM_F_ACK if ack else 0))
         m["header"]["sequence_number"] = seq
         m.encode()
@@ -283,15 +292,24 @@ class _Encoder:
             self._cache = keep
 
 
+RTA_NH_ID = 30  # pyroute2 0.9 does not know it: it decodes it as ("UNKNOWN", {type 30})
+
+
 def _not_kept(m: Any) -> list[str]:
     """What a kernel route has that a :class:`Route` does not carry (so a re-applied copy
-    lacks it): named in ``Capture.problems`` instead of dropped without a word."""
+    lacks it): named in ``Capture.problems`` instead of dropped without a word.
+
+    An encapsulation (``encap mpls|seg6|ip …``) has many kinds, each its own nested
+    attributes; a nexthop object (``nhid``) is a kernel object of its own that a restore
+    loses too (the kernel also reports its gateway and device, so the route is re-applied
+    through them, without the object)."""
+    nh_id = m.get_attr("RTA_NH_ID") is not None or any(
+        name == "UNKNOWN" and isinstance(value, Mapping)
+        and value.get("header", {}).get("type") == RTA_NH_ID
+        for name, value in m["attrs"])
     return [name for name, present in (
-        ("tos", int(m["tos"]) != 0),
-        ("source prefix (from)", int(m["src_len"]) != 0),
         ("encapsulation", m.get_attr("RTA_ENCAP") is not None),
-        ("nexthop object", m.get_attr("RTA_NH_ID") is not None),
-        ("realm", m.get_attr("RTA_FLOW") is not None),
+        ("nexthop object", nh_id),
     ) if present]
 
 
@@ -311,7 +329,7 @@ def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
 
     def read(b: _Rtnl) -> list[Route]:
         others: list[tuple[str, int, int]] = []
-        found = [r for r, proto in b.routes(others) if not left_out(r.table, proto)]
+        found = [r for r in b.routes(others) if not left_out(r.table, r.proto or 0)]
         if skipped is not None:
             skipped.extend(why for why, table, proto in others if not left_out(table, proto))
         return found
@@ -329,8 +347,12 @@ def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
     return _off_loop(own)
 
 
-def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
-    """The ``rtmsg`` fields and attributes of ``ip route replace`` for this route."""
+def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
+               create_only: bool = False) -> dict[str, Any]:
+    """The ``rtmsg`` fields and attributes of ``ip route replace`` for this route (of
+    ``ip route add``, refused where a route with the same key exists, if
+    ``create_only``): its protocol (``static`` when it has none), tos, source prefix and
+    realm included."""
     n = r.normalized()
     table = n.table or RT_TABLE_MAIN
     # by default link scope for `ip route add PREFIX dev DEV`, host scope for a local
@@ -354,9 +376,19 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
         attrs.append(("RTA_METRICS", tuple((f"RTAX_{k.upper()}", v) for k, v in n.metrics)))
     if n.pref is not None and n.family == socket.AF_INET6:
         attrs.append(("RTA_PREF", _PREF_CODES[n.pref]))
-    return {"family": n.family, "dst_len": int(plen) if plen else 0,
-            "table": table if table < 256 else RT_TABLE_COMPAT, "proto": RTPROT_STATIC,
-            "scope": scope, "type": _TYPE_CODES.get(n.type, 1),
-            "flags": RTNH_F_ONLINK if n.onlink else 0, "attrs": attrs}
+    src_addr, _, src_len = (n.from_prefix or "").partition("/")
+    if src_addr:
+        attrs.append(("RTA_SRC", src_addr))
+    if n.realm:
+        attrs.append(("RTA_FLOW", n.realm))
+    fields = {"family": n.family, "dst_len": int(plen) if plen else 0,
+              "src_len": int(src_len) if src_len else 0, "tos": n.tos,
+              "table": table if table < 256 else RT_TABLE_COMPAT,
+              "proto": RTPROT_STATIC if n.proto is None else n.proto,
+              "scope": scope, "type": _TYPE_CODES.get(n.type, 1),
+              "flags": RTNH_F_ONLINK if n.onlink else 0, "attrs": attrs}
+    if create_only:
+        fields[_CREATE_ONLY] = True
+    return fields
 
 
