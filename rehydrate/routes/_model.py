@@ -263,7 +263,10 @@ class Route:
             parts.append(f"from {self.from_prefix}")
         if self.tos:
             parts.append(f"tos {self.tos:#04x}")
-        for label, v in (("via", self.gateway), ("dev", self.dev), ("table", self.table),
+        via = self.gateway
+        if via is not None and self.family == socket.AF_INET and ":" in via:
+            via = f"inet6 {via}"  # an IPv4 route through an IPv6 gateway, as ip spells it
+        for label, v in (("via", via), ("dev", self.dev), ("table", self.table),
                          ("metric", self.metric), ("src", self.src)):
             if v is not None:
                 parts.append(f"{label} {v}")

@@ -97,7 +97,7 @@ class _Rtnl:
             r = _make_route(
                 family=family, dst=m.get_attr("RTA_DST"), dst_len=int(m["dst_len"]),
                 table=t, scope=int(m["scope"]), kind=int(m["type"]),
-                gateway=m.get_attr("RTA_GATEWAY"), oif=m.get_attr("RTA_OIF"),
+                gateway=_gateway(m), oif=m.get_attr("RTA_OIF"),
                 priority=m.get_attr("RTA_PRIORITY"), prefsrc=m.get_attr("RTA_PREFSRC"),
                 multipath=m.get_attr("RTA_MULTIPATH") is not None, links=links,
                 flags=int(m["flags"]), metrics=m.get_attr("RTA_METRICS"),
@@ -258,11 +258,9 @@ class _Encoder:
         for k, v in fields.items():
             if k == _CREATE_ONLY:
                 continue
-            # pyroute2 rewrites the list in place; a nested attribute (RTA_METRICS) is
-            # kept as a tuple of pairs (hashable: the cache key) and given as pyroute2's
-            # {"attrs": [...]}
-            m[k] = ([(n, {"attrs": list(x)} if isinstance(x, tuple) else x) for n, x in v]
-                    if k == "attrs" else v)
+            # pyroute2 rewrites the list in place; a structured attribute is kept as a
+            # tuple of pairs (hashable: the cache key) and given in pyroute2's form
+            m[k] = [(n, _nla_value(n, x)) for n, x in v] if k == "attrs" else v
         m["header"]["type"] = RTM_NEWROUTE
         m["header"]["flags"] = (NLM_F_REQUEST | NLM_F_CREATE
                                 | (NLM_F_EXCL if fields.get(_CREATE_ONLY) else NLM_F_REPLACE)
@@ -290,6 +288,25 @@ class _Encoder:
                 continue
         with self._lock:
             self._cache = keep
+
+
+def _nla_value(name: str, value: Any) -> Any:
+    """An attribute value as pyroute2 encodes it: RTA_VIA's (family, addr) pairs as its
+    dict, a nested attribute's (RTA_METRICS) pairs as ``{"attrs": [...]}``."""
+    if not isinstance(value, tuple):
+        return value
+    return dict(value) if name == "RTA_VIA" else {"attrs": list(value)}
+
+
+def _gateway(m: Any) -> str | None:
+    """The route's gateway: RTA_GATEWAY, or RTA_VIA's address (an IPv4 route through an
+    IPv6 gateway, ``via inet6 fe80::1``, as BGP unnumbered sets up: RFC 5549)."""
+    gateway = m.get_attr("RTA_GATEWAY")
+    if gateway is None:
+        via = m.get_attr("RTA_VIA")
+        if isinstance(via, Mapping) and via.get("addr"):
+            gateway = via["addr"]
+    return None if gateway is None else str(gateway)
 
 
 RTA_NH_ID = 30  # pyroute2 0.9 does not know it: it decodes it as ("UNKNOWN", {type 30})
@@ -363,7 +380,10 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
     if addr:
         attrs.append(("RTA_DST", addr))
     if n.gateway is not None:
-        attrs.append(("RTA_GATEWAY", n.gateway))
+        if n.family == socket.AF_INET and ":" in n.gateway:  # via inet6 (RFC 5549)
+            attrs.append(("RTA_VIA", (("family", socket.AF_INET6), ("addr", n.gateway))))
+        else:
+            attrs.append(("RTA_GATEWAY", n.gateway))
     if n.dev is not None:
         if n.dev not in links_by_name:
             raise NetworkError(f"device {n.dev!r} does not exist")

@@ -1112,7 +1112,7 @@ def show():  # what `ip -d route` says of ours, every attribute spelled out
 engine = isolated_engine()
 before = show()
 cap = routes.capture(engine=engine)
-subprocess.run("for f in -4 -6; do for p in boot static bird zebra babel 250; do "
+subprocess.run("for f in -4 -6; do for p in boot static bird zebra babel bgp 250; do "
                "ip $f route flush proto $p table all; done; done", shell=True, check=True)
 flushed = show()
 report = engine.simulate_restore()
@@ -1130,7 +1130,8 @@ def test_captured_routes_keep_protocol_tos_source_prefix_and_realm(netns_pair):
     """Captured routes were re-applied as ``proto static`` whatever their protocol (so a
     routing daemon, which owns routes by protocol, saw foreign routes), and without
     their tos, IPv6 source prefix (``from``) or realm; two routes that differ only in
-    tos or source prefix were taken for one."""
+    tos or source prefix were taken for one; an IPv4 route through an IPv6 gateway
+    (``via inet6``, RTA_VIA) came back as a device route without its gateway."""
     a, va = netns_pair["a"], netns_pair["va"]
     sh(f"ip -n {a} addr add fd00::1/64 dev {va} nodad")
     for spec in (
@@ -1139,6 +1140,7 @@ def test_captured_routes_keep_protocol_tos_source_prefix_and_realm(netns_pair):
             f"10.85.0.0/16 via 10.200.1.2 dev {va} table 100",  # same, but no tos
             f"10.86.0.0/16 via 10.200.1.2 dev {va} realm 7 proto 250",
             f"10.87.0.0/16 dev {va} proto static",
+            f"10.88.0.0/16 via inet6 fd00::2 dev {va} proto bgp",  # RFC 5549
             f"fd00:84::/64 from fd00:1::/64 via fd00::2 dev {va} proto babel",
             f"fd00:84::/64 via fd00::2 dev {va}",  # same, but no source prefix
             f"fd00:85::/64 via fd00::2 dev {va} proto bird metric 300"):
@@ -1151,6 +1153,7 @@ def test_captured_routes_keep_protocol_tos_source_prefix_and_realm(netns_pair):
         f"10.85.0.0/16 via 10.200.1.2 dev {va} table 100",
         f"10.86.0.0/16 via 10.200.1.2 dev {va} table 254 proto 250 realm 7",
         f"10.87.0.0/16 dev {va} table 254 proto static",
+        f"10.88.0.0/16 via inet6 fd00::2 dev {va} table 254 proto bgp",
         f"inet6 fd00:84::/64 from fd00:1::/64 via fd00::2 dev {va} table 254 metric 1024 "
         "proto babel",
         f"inet6 fd00:84::/64 via fd00::2 dev {va} table 254 metric 1024",
@@ -1158,9 +1161,9 @@ def test_captured_routes_keep_protocol_tos_source_prefix_and_realm(netns_pair):
     assert {"dst": "10.85.0.0/16", "gateway": "10.200.1.2", "dev": va, "table": 100,
             "family": "inet", "type": "unicast", "proto": "zebra", "tos": 16,
             "realm": 0x30005} in out["dicts"]
-    assert len(out["before"]) == 8 and out["flushed"] == []
+    assert len(out["before"]) == 9 and out["flushed"] == []
     assert out["ok"], out["table"]
-    assert (out["routes"], out["skipped"]) == (8, 0)
+    assert (out["routes"], out["skipped"]) == (9, 0)
     # the kernel's own account (`ip -d route`: protocol, tos, from, realms) is as before
     assert out["after"] == out["before"], out["after"]
     assert out["read_back"] == out["captured"]
