@@ -337,9 +337,9 @@ def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
     ``user_only``: what :func:`capture` keeps — not the ``local`` table, not protocols
     ``kernel``/``ra``/``dhcp``. ``skipped`` gets one note per route (among those) that
     a :class:`Route` cannot express (multipath, broadcast …), and one per route read
-    without something it has (tos, a source prefix, encapsulation, a nexthop object, a
-    realm). Needs pyroute2 (the
-    ``routes`` extra).
+    without something it has (an encapsulation, a nexthop object). Each route carries
+    its protocol, tos, IPv6 source prefix and realm. Needs pyroute2 (the ``routes``
+    extra).
     """
     def left_out(table: int | None, proto: int) -> bool:
         return user_only and (table == RT_TABLE_LOCAL or proto in _SKIP_PROTOS)
