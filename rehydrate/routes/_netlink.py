@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -70,7 +72,14 @@ class _Rtnl:
             from pyroute2 import IPRoute  # type: ignore[import-untyped,unused-ignore]
         except ImportError as exc:
             raise NetworkUnavailable(f"missing {PYROUTE2_MISSING}") from exc
-        self.ipr: Any = IPRoute(groups=0, ext_ack=True)
+        try:
+            self.ipr: Any = IPRoute(groups=0, ext_ack=True)
+        except OSError as exc:
+            # gVisor's netlink has no NETLINK_EXT_ACK (ENOPROTOOPT): without it the
+            # kernel's errors come without their explanation, nothing else is lost
+            if exc.errno != errno.ENOPROTOOPT:
+                raise
+            self.ipr = IPRoute(groups=0)
         self._links: dict[int, str] | None = None
 
     def close(self) -> None:
@@ -182,15 +191,50 @@ class _Rtnl:
                 data = self.ipr.recv(1 << 20)
             except BlockingIOError:
                 continue
-            for m in self.ipr.marshal.parse(data):
-                seq = int(m["header"]["sequence_number"])
-                if m["header"]["type"] != NLMSG_ERROR or seq not in seqs:
+            for kind, seq, err in self._answers(data):
+                if kind != NLMSG_ERROR or seq not in seqs:
                     continue
-                err = m["header"].get("error")
                 if err is not None:
-                    results[seqs[seq]] = _os_error(err)
+                    results[seqs[seq]] = err
                 if seq == last:
                     return
+
+    def _answers(self, data: bytes) -> list[tuple[int, int, OSError | None]]:
+        """(type, sequence number, error) of each answer in ``data``, as pyroute2 decodes
+        them; where pyroute2's parser fails, from the netlink headers themselves.
+
+        It fails on gVisor's answers: their NLMSG_ERROR carries the request's header but
+        not its body (as with NETLINK_CAP_ACK, yet without the NLM_F_CAPPED flag), and
+        pyroute2 reads the body the header's length promises, past the end."""
+        try:
+            return [(int(m["header"]["type"]), int(m["header"]["sequence_number"]),
+                     None if m["header"].get("error") is None
+                     else _os_error(m["header"]["error"]))
+                    for m in self.ipr.marshal.parse(data)]
+        except struct.error:
+            return _raw_answers(data)
+
+
+def _raw_answers(data: bytes) -> list[tuple[int, int, OSError | None]]:
+    """(type, sequence number, error) of each netlink message in ``data``: an nlmsghdr is
+    u32 length, u16 type, u16 flags, u32 sequence number, u32 port; an NLMSG_ERROR body
+    starts with the negative errno (0: an ACK). No extended-ACK text (gVisor sends none)."""
+    from pyroute2.netlink import NLMSG_ERROR  # type: ignore[import-untyped,unused-ignore]
+
+    out: list[tuple[int, int, OSError | None]] = []
+    off = 0
+    while off + 16 <= len(data):
+        length, kind, _, seq, _ = struct.unpack_from("=IHHII", data, off)
+        if length < 16:
+            break
+        err = None
+        if kind == NLMSG_ERROR and off + 20 <= len(data):
+            code = -struct.unpack_from("=i", data, off + 16)[0]
+            if code:
+                err = OSError(code, os.strerror(code))
+        out.append((kind, seq, err))
+        off += (length + 3) & ~3  # NLMSG_ALIGN
+    return out
 
 
 def _os_error(err: BaseException) -> OSError:
@@ -376,7 +420,9 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
     # route, as ip-route gives them
     scope = n.scope if n.scope is not None else _default_scope(n.type, n.gateway, n.family)
     addr, _, plen = ("" if n.dst == "default" else n.dst).partition("/")
-    attrs: list[tuple[str, Any]] = [("RTA_TABLE", table)]
+    # RTA_TABLE only for a table rtm_table cannot hold (> 255), as iproute2 does: gVisor
+    # refuses a route with RTA_TABLE (EOPNOTSUPP)
+    attrs: list[tuple[str, Any]] = [("RTA_TABLE", table)] if table > 255 else []
     if addr:
         attrs.append(("RTA_DST", addr))
     if n.gateway is not None:

@@ -7,10 +7,12 @@ deletes; no packet leaves them.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import select
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -1278,3 +1280,26 @@ def test_route_tos_source_prefix_realm_and_protocol_are_kept_and_checked():
                          ({"dst": "10.9.0.0/16", "tos": "0x10"}, "tos")):
         with pytest.raises(ValueError, match=said):
             routes.Route(**kwargs)
+
+
+def test_route_messages_and_answers_gvisor_understands():
+    """gVisor refuses a route message with RTA_TABLE (EOPNOTSUPP) and answers with an
+    NLMSG_ERROR carrying the request's header only, which pyroute2's parser reads past
+    (tests/gvisor/test_routes_runsc.py runs the real thing)."""
+    from pyroute2.netlink.rtnl.marshal import MarshalRtnl
+
+    from rehydrate.routes import _netlink
+
+    main = routes._route_msg(routes.Route("10.9.0.0/16", dev="lo"), {"lo": 1})
+    assert main["table"] == 254 and all(n != "RTA_TABLE" for n, _ in main["attrs"])
+    big = routes._route_msg(routes.Route("10.9.0.0/16", dev="lo", table=1000), {"lo": 1})
+    assert big["table"] == 252 and ("RTA_TABLE", 1000) in big["attrs"]
+    # what gVisor sent back for an RTM_NEWROUTE (sequence 0x10000000) it refused
+    answer = bytes.fromhex("24000000020000000000001000000000a1ffffff"
+                           "34000000180005050000001000000000")
+    with pytest.raises(struct.error):
+        list(MarshalRtnl().parse(answer))
+    [(kind, seq, err)] = _netlink._raw_answers(answer)
+    assert (kind, seq, err.errno) == (2, 0x10000000, errno.EOPNOTSUPP)
+    ack = answer[:16] + bytes(4) + answer[20:]
+    assert _netlink._raw_answers(ack) == [(2, 0x10000000, None)]
