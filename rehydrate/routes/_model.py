@@ -181,7 +181,7 @@ class Route:
                 raise ValueError(f"route {self.dst}: {name} must be a whole number "
                                  f"0-{high}, not {value!r}")
         # what the kernel refuses (tos on IPv6) or, worse, silently drops (a source
-        # prefix or a realm on IPv6 / IPv4 respectively): refused here, by name
+        # prefix on IPv4, a realm on IPv6): refused here, by name
         if family == socket.AF_INET6 and self.tos:
             raise ValueError(f"route {self.dst}: tos is for IPv4 routes only")
         if family == socket.AF_INET and self.from_prefix is not None:
@@ -232,7 +232,8 @@ class Route:
 
     def matches(self, other: Route) -> bool:
         """``other`` (read back from the kernel) satisfies this (possibly partial) route:
-        the same key and type, and each attribute this route sets (None: any)."""
+        the same family, destination, table, type, tos and source prefix, and each
+        attribute this route sets (None: any)."""
         a, b = self.normalized(), other.normalized()
         if ((a.family, a.dst, a.table, a.type, a.tos, a.from_prefix)
                 != (b.family, b.dst, b.table, b.type, b.tos, b.from_prefix)):
