@@ -5,10 +5,11 @@ snapshots say so; a gVisor restore rebuilds the network stack). This module re-c
 them, either from declarations or from a capture taken before the snapshot:
 
 * :func:`route` declares a route (destination, gateway, device, table, metric, source),
-  applied as ``ip route replace`` does — idempotent — with pyroute2 (the ``routes``
-  extra): every route is one pyroute2 ``rtmsg`` (``RTM_NEWROUTE``, ``NLM_F_CREATE |
-  NLM_F_REPLACE``), encoded by pyroute2 before the snapshot (by :func:`capture` and the
-  before-snapshot hook) and kept; after a restore all of them go out in one ``sendto``
+  applied as ``ip route replace`` does — idempotent, protocol ``static`` — with pyroute2
+  (the ``routes`` extra): every route is one pyroute2 ``rtmsg`` (``RTM_NEWROUTE``,
+  ``NLM_F_CREATE | NLM_F_REPLACE``; a captured route ``NLM_F_CREATE | NLM_F_EXCL``),
+  encoded by pyroute2 before the snapshot (by :func:`capture` and the before-snapshot
+  hook) and kept; after a restore all of them go out in one ``sendto``
   on an ``IPRoute`` socket and pyroute2 decodes the errors, reported per route. (Measured
   in a netns, replacing 200 routes: ``IPRoute.route("replace", ...)`` one by one ~93 ms,
   ``IPBatch`` + one send ~101 ms, ``AsyncIPRoute`` + ``asyncio.gather`` ~87 ms, this
@@ -22,8 +23,12 @@ them, either from declarations or from a capture taken before the snapshot:
   not ``kernel``, ``ra`` or ``dhcp`` — so not the kernel's link and address routes, nor
   router advertisements or DHCP leases that the platform re-creates) and the nftables
   tables of the current network namespace, now and again before every snapshot; after a
-  restore they are re-applied with no declaration at all. A captured route whose
-  destination the platform already re-created differently is left to the platform.
+  restore they are re-applied with no declaration at all, each route as it was captured
+  (its protocol — ``boot``, ``bird`` … —, tos, IPv6 source prefix, realm, metrics …). A
+  captured route is only added where no route with its key (destination, table, metric,
+  tos, source prefix) exists after the restore: one that the platform or a routing
+  daemon re-created since, whatever its protocol, is newer and stays (the kernel
+  refuses ours: create-only); a declared route replaces it.
 
 Routes (over rtnetlink, on a worker thread) and nftables tables (``nft`` subprocesses)
 are applied concurrently. Everything applied is read back and compared (routes: one
@@ -266,8 +271,11 @@ def capture(
 ) -> Capture:
     """Record the user-added routes and nftables tables (all, or ``tables`` such as
     ``["inet myapp"]``) of the current network namespace now and again before every
-    snapshot; they are re-applied after each restore. Never raises: what could not be
-    read is listed in ``Capture.problems`` (and logged); ``tables`` given as one string
+    snapshot; they are re-applied after each restore as they were captured (protocol,
+    tos, source prefix, realm … included), where no route with the same key was made
+    since. Never raises: what could not be read, or a route that cannot be re-applied
+    whole (an encapsulation, a nexthop object), is listed in ``Capture.problems`` (and
+    logged); ``tables`` given as one string
     is a ``TypeError`` (it would be taken letter by letter and capture nothing)."""
     if isinstance(tables, str):
         raise TypeError(f"tables is a list of 'family name' strings, not one string "

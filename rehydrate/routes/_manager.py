@@ -33,7 +33,7 @@ from ._model import (
     nft_binary,
     nft_missing,
 )
-from ._netlink import _Encoder, _off_loop, _route_msg, _Rtnl, read_routes
+from ._netlink import _CREATE_ONLY, _Encoder, _off_loop, _route_msg, _Rtnl, read_routes
 from ._nftables import NftCommands, NftTable, _nft, read_table, read_tables
 
 log = logging.getLogger("rehydrate")
@@ -249,7 +249,9 @@ class RoutesManager:
         """Encode the route messages of the declarations and the capture now (before
         the snapshot), so that a restore only sends them."""
         with self._lock:
-            todo = [*self.routes, *(self.capture.routes if self.capture else ())]
+            # (route, create-only) as _apply_routes sends them: the flag is in the message
+            todo = [*((r, False) for r in self.routes),
+                    *((r, True) for r in (self.capture.routes if self.capture else ()))]
         if not todo or not _pyroute2_available():
             return
 
@@ -260,9 +262,9 @@ class RoutesManager:
             finally:
                 rtnl.close()
             msgs = []
-            for r in todo:
+            for r, create_only in todo:
                 try:
-                    msgs.append(_route_msg(r, by_name))
+                    msgs.append(_route_msg(r, by_name, create_only=create_only))
                 except NetworkError:
                     continue  # its device is not there (yet): encoded when applied
             self._encoder.warm(msgs)
@@ -402,42 +404,51 @@ class RoutesManager:
         try:
             by_name = {v: k for k, v in backend.links().items()}
             current_keys = {r.key(): r for r in read_routes(backend=backend)}
-            todo: list[Route] = list(declared)
+            # (route, create-only): a declaration replaces whatever has its key; a
+            # captured route is only added where nothing has its key (see _left_alone)
+            todo: list[tuple[Route, bool]] = [(r, False) for r in declared]
             declared_keys = {r.key() for r in declared}
             for r in captured:
                 if r.key() in declared_keys:
                     continue
                 have = current_keys.get(r.key())
                 if have is not None:
-                    if not r.matches(have):
-                        log.info("route %s: the platform re-created %s; leaving it", r, have)
+                    _left_alone(r, have)
                     result.routes_skipped += 1
                     continue
-                todo.append(r)
+                todo.append((r, True))
             # routes without a gateway (on-link) first: gateways may depend on them
-            todo.sort(key=lambda r: r.gateway is not None)
+            todo.sort(key=lambda item: item[0].gateway is not None)
             ready: list[tuple[Route, dict[str, Any]]] = []
-            for r in todo:
+            for r, create_only in todo:
                 try:
-                    ready.append((r, _route_msg(r, by_name)))
+                    ready.append((r, _route_msg(r, by_name, create_only=create_only)))
                 except NetworkError as exc:
                     result.errors.append((f"route {r}", r.required, str(exc)))
                 except Exception as exc:  # a Route no declaration checked: only this one
                     result.errors.append((f"route {r}", r.required, _describe(exc)))
             errors = backend.replace([msg for _, msg in ready], self._encoder) if ready else []
             applied: list[Route] = []
-            for (r, _), failure in zip(ready, errors, strict=True):
+            taken: list[Route] = []  # captured, but something got its key first
+            for (r, msg), failure in zip(ready, errors, strict=True):
                 if failure is None:
                     applied.append(r)
+                    continue
+                if msg.get(_CREATE_ONLY) and getattr(failure, "errno", None) == errno.EEXIST:
+                    taken.append(r)
+                    result.routes_skipped += 1
                     continue
                 err = _describe(failure)
                 if "Operation not permitted" in err:
                     err += " (needs CAP_NET_ADMIN)"
                 result.errors.append((f"route {r}", r.required, err))
-            if applied:
+            if applied or taken:
                 after: dict[tuple[int, str, int], list[Route]] = {}
                 for x in read_routes(backend=backend):
                     after.setdefault(x.key()[:3], []).append(x)
+                for r in taken:
+                    _left_alone(r, next((x for x in after.get(r.key()[:3], ())
+                                         if x.key() == r.key()), None))
                 for r in applied:
                     if any(r.matches(x) for x in after.get(r.key()[:3], ())):
                         result.routes += 1
@@ -491,6 +502,21 @@ class RoutesManager:
                 continue
             if present:
                 result.in_force.append(f"nftables {fam} {name} ({note})")
+
+
+def _left_alone(captured: Route, have: Route | None) -> None:
+    """Say (INFO) that a captured route is not re-applied because a route with its key
+    (destination, table, metric, tos, source prefix) exists after the restore: made by
+    the platform, a routing daemon or the application since, whatever its protocol. That
+    one is newer than the capture and belongs to whoever made it; replacing it would
+    take it from its owner (a daemon that owns routes by protocol would find its route
+    gone). Same-key routes are exclusive in the kernel, so the captured one stays out."""
+    if have is None:  # one a Route cannot express (multipath …) has the key
+        log.info("route %s: a route with its key exists after the restore (multipath or "
+                 "otherwise not expressible); leaving it", captured)
+    elif not captured.matches(have):
+        log.info("route %s: %s exists after the restore (the platform or a routing "
+                 "daemon re-created it); leaving it", captured, have)
 
 
 def _labels(t: NftTable | NftCommands) -> set[str]:

@@ -21,12 +21,19 @@ log = logging.getLogger("rehydrate")
 
 CAP_NET_ADMIN = 12
 NETLINK_ROUTE = 0
-RTPROT_STATIC = 4
+RTPROT_BOOT = 3  # what `ip route add` gives a route; `ip route` leaves it unsaid
+RTPROT_STATIC = 4  # what route() declarations are applied with
 RT_TABLE_COMPAT = 252
 RT_TABLE_MAIN = 254
 RT_TABLE_LOCAL = 255
 _IPV6_DEFAULT_METRIC = 1024
 _SKIP_PROTOS = {2: "kernel", 9: "ra", 16: "dhcp"}
+# the names iproute2 gives route protocols (/usr/share/iproute2/rt_protos), for str() and
+# to_dict(); a captured route keeps its number whatever it is
+_PROTO_NAMES = {0: "unspec", 1: "redirect", 2: "kernel", 3: "boot", 4: "static", 8: "gated",
+                9: "ra", 10: "mrt", 11: "zebra", 12: "bird", 13: "dnrouted", 14: "xorp",
+                15: "ntk", 16: "dhcp", 17: "mrouted", 18: "keepalived", 42: "babel",
+                99: "openr", 186: "bgp", 187: "isis", 188: "ospf", 189: "rip", 192: "eigrp"}
 _ROUTE_TYPES = {1: "unicast", 2: "local", 6: "blackhole", 7: "unreachable", 8: "prohibit",
                 9: "throw"}
 _TYPE_CODES = {v: k for k, v in _ROUTE_TYPES.items()}
@@ -132,6 +139,17 @@ class Route:
     ``RTAX_`` prefix, lower case (``(("advmss", 1360), ("mtu", 1400))``; ``lock`` is the
     bit mask of the locked ones); ``pref`` an IPv6 route's preference (``"low"``,
     ``"high"``; None is the kernel's default, ``"medium"``).
+
+    ``proto`` is the route's protocol number (``ip route … proto``: 3 ``boot``, what
+    ``ip route add`` gives, 4 ``static``, 12 ``bird`` …): a captured route keeps the one
+    the kernel reported, so that whoever owns routes by protocol (a routing daemon, a
+    DHCP client) still recognises it after re-application; None (a declaration) is
+    applied as ``static`` and accepts any protocol when compared. ``tos`` (IPv4: the
+    route matches only packets with this DS field) and ``from_prefix`` (IPv6: a source
+    prefix, ``ip -6 route … from fd00:1::/64``) are part of what the kernel identifies a
+    route by, like the destination. ``realm`` is the route's ``RTA_FLOW`` (IPv4) as the
+    kernel keeps it, ``source realm << 16 | destination realm`` (``ip route … realm 5``
+    is 5, ``realms 3/5`` is 0x30005).
     """
 
     dst: str
@@ -147,12 +165,31 @@ class Route:
     onlink: bool = False
     metrics: tuple[tuple[str, int | str], ...] = ()
     pref: str | None = None
+    proto: int | None = None
+    tos: int = 0
+    from_prefix: str | None = None
+    realm: int | None = None
 
     def __post_init__(self) -> None:
         family = int(self.family) or _family_of_text(self) or socket.AF_INET
         if family not in _FAMILY_NAMES:
             raise ValueError(f"route family must be AF_INET or AF_INET6, not {self.family!r}")
         object.__setattr__(self, "family", family)
+        for name, value, high in (("proto", self.proto, 255), ("tos", self.tos, 255),
+                                  ("realm", self.realm, 2**32 - 1)):
+            if value is not None and (type(value) is not int or not 0 <= value <= high):
+                raise ValueError(f"route {self.dst}: {name} must be a whole number "
+                                 f"0-{high}, not {value!r}")
+        # what the kernel refuses (tos on IPv6) or, worse, silently drops (a source
+        # prefix on IPv4, a realm on IPv6): refused here, by name
+        if family == socket.AF_INET6 and self.tos:
+            raise ValueError(f"route {self.dst}: tos is for IPv4 routes only")
+        if family == socket.AF_INET and self.from_prefix is not None:
+            raise ValueError(f"route {self.dst}: a source prefix (from) is for IPv6 routes "
+                             "only (the kernel ignores it on IPv4)")
+        if family == socket.AF_INET6 and self.realm:
+            raise ValueError(f"route {self.dst}: realm is for IPv4 routes only (the kernel "
+                             "ignores it on IPv6)")
         object.__setattr__(self, "metrics", tuple(sorted(
             (str(k).lower().removeprefix("rtax_"), v) for k, v in self.metrics)))
         if self.pref is not None and self.pref not in _PREF_CODES:
@@ -178,22 +215,32 @@ class Route:
         elif self.family == socket.AF_INET and metric == 0:
             metric = None
         pref = None if self.pref == "medium" else self.pref
+        # a source prefix of length 0 is no source prefix (the kernel reports none)
+        from_prefix = self.from_prefix
+        if from_prefix is not None and from_prefix.endswith("/0"):
+            from_prefix = None
         return replace(self, dst=dst, table=self.table or RT_TABLE_MAIN, metric=metric,
-                       pref=pref)
+                       pref=pref, from_prefix=from_prefix, realm=self.realm or None)
 
-    def key(self) -> tuple[int, str, int, int | None]:
-        """What the kernel identifies a route by (family, destination, table, metric;
-        no metric is the kernel's default: none for IPv4, 1024 for IPv6)."""
+    def key(self) -> tuple[int, str, int, int | None, int, str | None]:
+        """What the kernel identifies a route by: family, destination, table, metric (no
+        metric is the kernel's default: none for IPv4, 1024 for IPv6), tos (IPv4) and
+        source prefix (IPv6). Two routes with the same key cannot both exist: adding
+        one replaces (or, create-only, is refused by) the other."""
         n = self.normalized()
-        return (n.family, n.dst, n.table or RT_TABLE_MAIN, n.metric)
+        return (n.family, n.dst, n.table or RT_TABLE_MAIN, n.metric, n.tos, n.from_prefix)
 
     def matches(self, other: Route) -> bool:
-        """``other`` (read back from the kernel) satisfies this (possibly partial) route."""
+        """``other`` (read back from the kernel) satisfies this (possibly partial) route:
+        the same family, destination, table, type, tos and source prefix, and each
+        attribute this route sets (None: any)."""
         a, b = self.normalized(), other.normalized()
-        if (a.family, a.dst, a.table, a.type) != (b.family, b.dst, b.table, b.type):
+        if ((a.family, a.dst, a.table, a.type, a.tos, a.from_prefix)
+                != (b.family, b.dst, b.table, b.type, b.tos, b.from_prefix)):
             return False
         return (all(getattr(a, f) is None or getattr(a, f) == getattr(b, f)
-                    for f in ("gateway", "dev", "metric", "src", "scope", "pref"))
+                    for f in ("gateway", "dev", "metric", "src", "scope", "pref", "proto",
+                              "realm"))
                 and (not a.onlink or b.onlink) and set(a.metrics) <= set(b.metrics))
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,15 +250,32 @@ class Route:
                                   ("family", self.family_name), ("type", self.type),
                                   ("scope", self.scope), ("pref", self.pref),
                                   ("onlink", self.onlink or None),
-                                  ("metrics", dict(self.metrics) or None))
+                                  ("metrics", dict(self.metrics) or None),
+                                  ("proto", None if self.proto is None
+                                   else _PROTO_NAMES.get(self.proto, self.proto)),
+                                  ("tos", self.tos or None),
+                                  ("from", self.from_prefix), ("realm", self.realm))
                 if v is not None}
 
     def __str__(self) -> str:
+        """As ``ip route`` spells it (protocol ``boot``, its default, left unsaid)."""
         parts = [self.dst]
-        for label, v in (("via", self.gateway), ("dev", self.dev), ("table", self.table),
+        if self.from_prefix is not None:
+            parts.append(f"from {self.from_prefix}")
+        if self.tos:
+            parts.append(f"tos {self.tos:#04x}")
+        via = self.gateway
+        if via is not None and self.family == socket.AF_INET and ":" in via:
+            via = f"inet6 {via}"  # an IPv4 route through an IPv6 gateway, as ip spells it
+        for label, v in (("via", via), ("dev", self.dev), ("table", self.table),
                          ("metric", self.metric), ("src", self.src)):
             if v is not None:
                 parts.append(f"{label} {v}")
+        if self.proto is not None and self.proto != RTPROT_BOOT:
+            parts.append(f"proto {_PROTO_NAMES.get(self.proto, self.proto)}")
+        if self.realm:
+            parts.append(f"realms {self.realm >> 16}/{self.realm & 0xFFFF}"
+                         if self.realm >> 16 else f"realm {self.realm}")
         if self.onlink:
             parts.append("onlink")
         parts.extend(f"{k} {v}" for k, v in self.metrics)
@@ -227,8 +291,9 @@ class Route:
 def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope: int,
                 kind: int, gateway: str | None, oif: int | None, priority: int | None,
                 prefsrc: str | None, multipath: bool, links: Mapping[int, str],
-                flags: int = 0, metrics: Any = None, pref: int | None = None
-                ) -> Route | None:
+                flags: int = 0, metrics: Any = None, pref: int | None = None,
+                proto: int | None = None, tos: int = 0, src: str | None = None,
+                src_len: int = 0, flow: int | None = None) -> Route | None:
     """A kernel route as a :class:`Route`; None when not expressible (multipath,
     broadcast/anycast/multicast/nat types: see :func:`_not_expressible`)."""
     rtype = _ROUTE_TYPES.get(kind)
@@ -247,6 +312,8 @@ def _make_route(*, family: int, dst: str | None, dst_len: int, table: int, scope
         metrics=tuple((k, v) for k, v in (metrics or {}).get("attrs", ())),
         # medium, the default, is left out (as for a route declared without one)
         pref=None if not pref or family != socket.AF_INET6 else _PREFS.get(pref),
+        proto=proto, tos=tos, realm=flow or None,
+        from_prefix=f"{src}/{src_len}" if src is not None and src_len else None,
     )
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,7 +61,8 @@ class _Rtnl:
     its per-call request machinery costs about 0.5 ms per route (``IPBatch``, which
     compiles through the same machinery, too): 90-110 ms for 200 routes. Each
     route is instead one pyroute2 ``rtmsg`` (``RTM_NEWROUTE`` with ``NLM_F_CREATE |
-    NLM_F_REPLACE``, what ``route("replace", ...)`` sends), encoded by pyroute2 into one
+    NLM_F_REPLACE``, what ``route("replace", ...)`` sends, or ``NLM_F_CREATE |
+    NLM_F_EXCL``, ``route("add", ...)``, for a captured route), encoded by pyroute2 into one
     buffer that goes out in one ``sendto``; the answers are decoded by pyroute2's parser.
     Not thread-safe; close it when done.
     """
@@ -69,7 +72,14 @@ class _Rtnl:
             from pyroute2 import IPRoute  # type: ignore[import-untyped,unused-ignore]
         except ImportError as exc:
             raise NetworkUnavailable(f"missing {PYROUTE2_MISSING}") from exc
-        self.ipr: Any = IPRoute(groups=0, ext_ack=True)
+        try:
+            self.ipr: Any = IPRoute(groups=0, ext_ack=True)
+        except OSError as exc:
+            # gVisor's netlink has no NETLINK_EXT_ACK (ENOPROTOOPT): without it the
+            # kernel's errors come without their explanation, nothing else is lost
+            if exc.errno != errno.ENOPROTOOPT:
+                raise
+            self.ipr = IPRoute(groups=0)
         self._links: dict[int, str] | None = None
 
     def close(self) -> None:
@@ -81,37 +91,35 @@ class _Rtnl:
                            for m in self.ipr.get_links()}
         return self._links
 
-    def routes(self, skipped: list[tuple[str, int, int]] | None = None
-               ) -> list[tuple[Route, int]]:
+    def routes(self, skipped: list[tuple[str, int, int]] | None = None) -> list[Route]:
         """Every expressible IPv4/IPv6 route of the namespace (one dump of every family
-        and table) and its protocol number; each other one is added to ``skipped`` as
+        and table), its protocol included; each other one is added to ``skipped`` as
         (why it is left out, table, protocol)."""
         links = self.links()
-        out: list[tuple[Route, int]] = []
+        out: list[Route] = []
         for m in self.ipr.get_routes():
             family = int(m["family"])
             if family not in (socket.AF_INET, socket.AF_INET6):
                 continue
             table = m.get_attr("RTA_TABLE")
+            t = int(table if table is not None else m["table"])
             r = _make_route(
                 family=family, dst=m.get_attr("RTA_DST"), dst_len=int(m["dst_len"]),
-                table=int(table if table is not None else m["table"]),
-                scope=int(m["scope"]), kind=int(m["type"]),
-                gateway=m.get_attr("RTA_GATEWAY"), oif=m.get_attr("RTA_OIF"),
+                table=t, scope=int(m["scope"]), kind=int(m["type"]),
+                gateway=_gateway(m), oif=m.get_attr("RTA_OIF"),
                 priority=m.get_attr("RTA_PRIORITY"), prefsrc=m.get_attr("RTA_PREFSRC"),
                 multipath=m.get_attr("RTA_MULTIPATH") is not None, links=links,
                 flags=int(m["flags"]), metrics=m.get_attr("RTA_METRICS"),
-                pref=m.get_attr("RTA_PREF"))
+                pref=m.get_attr("RTA_PREF"), proto=int(m["proto"]), tos=int(m["tos"]),
+                src=m.get_attr("RTA_SRC"), src_len=int(m["src_len"]),
+                flow=m.get_attr("RTA_FLOW"))
             if r is not None:
-                out.append((r, int(m["proto"])))
+                out.append(r)
                 dropped = _not_kept(m)
                 if dropped and skipped is not None:  # said, not silently re-applied without
                     skipped.append((f"route {r} captured without its {', '.join(dropped)} "
-                                    "(not re-applied)",
-                                    int(table if table is not None else m["table"]),
-                                    int(m["proto"])))
+                                    "(not re-applied)", t, int(m["proto"])))
             elif skipped is not None:
-                t = int(table if table is not None else m["table"])
                 skipped.append((_not_expressible(
                     dst=m.get_attr("RTA_DST"), dst_len=int(m["dst_len"]), table=t,
                     kind=int(m["type"]), multipath=m.get_attr("RTA_MULTIPATH") is not None,
@@ -120,9 +128,10 @@ class _Rtnl:
 
     def replace(self, msgs: Sequence[Mapping[str, Any]],
                 encoder: _Encoder | None = None) -> list[Exception | None]:
-        """Send one ``RTM_NEWROUTE`` (create | replace) per message (rtmsg fields and
-        ``attrs``), in batches of one ``sendto`` each; return one error (or None) per
-        message. ``encoder`` may hold messages encoded earlier (before the snapshot).
+        """Send one ``RTM_NEWROUTE`` (create | replace, or create | excl when the message
+        is create-only) per message (rtmsg fields and ``attrs``), in batches of one
+        ``sendto`` each; return one error (or None) per message. ``encoder`` may hold
+        messages encoded earlier (before the snapshot).
 
         Only the last message of a batch asks for an ACK: the kernel handles a batch in
         order within ``sendto`` and answers every failed message with an error anyway,
@@ -182,15 +191,50 @@ class _Rtnl:
                 data = self.ipr.recv(1 << 20)
             except BlockingIOError:
                 continue
-            for m in self.ipr.marshal.parse(data):
-                seq = int(m["header"]["sequence_number"])
-                if m["header"]["type"] != NLMSG_ERROR or seq not in seqs:
+            for kind, seq, err in self._answers(data):
+                if kind != NLMSG_ERROR or seq not in seqs:
                     continue
-                err = m["header"].get("error")
                 if err is not None:
-                    results[seqs[seq]] = _os_error(err)
+                    results[seqs[seq]] = err
                 if seq == last:
                     return
+
+    def _answers(self, data: bytes) -> list[tuple[int, int, OSError | None]]:
+        """(type, sequence number, error) of each answer in ``data``, as pyroute2 decodes
+        them; where pyroute2's parser fails, from the netlink headers themselves.
+
+        It fails on gVisor's answers: their NLMSG_ERROR carries the request's header but
+        not its body (as with NETLINK_CAP_ACK, yet without the NLM_F_CAPPED flag), and
+        pyroute2 reads the body the header's length promises, past the end."""
+        try:
+            return [(int(m["header"]["type"]), int(m["header"]["sequence_number"]),
+                     None if m["header"].get("error") is None
+                     else _os_error(m["header"]["error"]))
+                    for m in self.ipr.marshal.parse(data)]
+        except struct.error:
+            return _raw_answers(data)
+
+
+def _raw_answers(data: bytes) -> list[tuple[int, int, OSError | None]]:
+    """(type, sequence number, error) of each netlink message in ``data``: an nlmsghdr is
+    u32 length, u16 type, u16 flags, u32 sequence number, u32 port; an NLMSG_ERROR body
+    starts with the negative errno (0: an ACK). No extended-ACK text (gVisor sends none)."""
+    from pyroute2.netlink import NLMSG_ERROR  # type: ignore[import-untyped,unused-ignore]
+
+    out: list[tuple[int, int, OSError | None]] = []
+    off = 0
+    while off + 16 <= len(data):
+        length, kind, _, seq, _ = struct.unpack_from("=IHHII", data, off)
+        if length < 16:
+            break
+        err = None
+        if kind == NLMSG_ERROR and off + 20 <= len(data):
+            code = -struct.unpack_from("=i", data, off + 16)[0]
+            if code:
+                err = OSError(code, os.strerror(code))
+        out.append((kind, seq, err))
+        off += (length + 3) & ~3  # NLMSG_ALIGN
+    return out
 
 
 def _os_error(err: BaseException) -> OSError:
@@ -201,6 +245,11 @@ def _os_error(err: BaseException) -> OSError:
     if detail and detail != text:
         text = f"{text} ({detail})"
     return OSError(code, text)
+
+
+# a key of a route message's fields that is no rtmsg field: send it create-only
+# (NLM_F_CREATE | NLM_F_EXCL, ``ip route add``) instead of create-or-replace
+_CREATE_ONLY = "create_only"
 
 
 def _msg_key(fields: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -241,6 +290,7 @@ class _Encoder:
         from pyroute2.netlink import (  # type: ignore[import-untyped,unused-ignore]
             NLM_F_ACK,
             NLM_F_CREATE,
+            NLM_F_EXCL,
             NLM_F_REPLACE,
             NLM_F_REQUEST,
         )
@@ -250,13 +300,14 @@ class _Encoder:
         seq = self._seq()
         m = rtmsg()
         for k, v in fields.items():
-            # pyroute2 rewrites the list in place; a nested attribute (RTA_METRICS) is
-            # kept as a tuple of pairs (hashable: the cache key) and given as pyroute2's
-            # {"attrs": [...]}
-            m[k] = ([(n, {"attrs": list(x)} if isinstance(x, tuple) else x) for n, x in v]
-                    if k == "attrs" else v)
+            if k == _CREATE_ONLY:
+                continue
+            # pyroute2 rewrites the list in place; a structured attribute is kept as a
+            # tuple of pairs (hashable: the cache key) and given in pyroute2's form
+            m[k] = [(n, _nla_value(n, x)) for n, x in v] if k == "attrs" else v
         m["header"]["type"] = RTM_NEWROUTE
-        m["header"]["flags"] = (NLM_F_REQUEST | NLM_F_CREATE | NLM_F_REPLACE
+        m["header"]["flags"] = (NLM_F_REQUEST | NLM_F_CREATE
+                                | (NLM_F_EXCL if fields.get(_CREATE_ONLY) else NLM_F_REPLACE)
                                 | (NLM_F_ACK if ack else 0))
         m["header"]["sequence_number"] = seq
         m.encode()
@@ -283,15 +334,43 @@ class _Encoder:
             self._cache = keep
 
 
+def _nla_value(name: str, value: Any) -> Any:
+    """An attribute value as pyroute2 encodes it: RTA_VIA's (family, addr) pairs as its
+    dict, a nested attribute's (RTA_METRICS) pairs as ``{"attrs": [...]}``."""
+    if not isinstance(value, tuple):
+        return value
+    return dict(value) if name == "RTA_VIA" else {"attrs": list(value)}
+
+
+def _gateway(m: Any) -> str | None:
+    """The route's gateway: RTA_GATEWAY, or RTA_VIA's address (an IPv4 route through an
+    IPv6 gateway, ``via inet6 fe80::1``, as BGP unnumbered sets up: RFC 5549)."""
+    gateway = m.get_attr("RTA_GATEWAY")
+    if gateway is None:
+        via = m.get_attr("RTA_VIA")
+        if isinstance(via, Mapping) and via.get("addr"):
+            gateway = via["addr"]
+    return None if gateway is None else str(gateway)
+
+
+RTA_NH_ID = 30  # pyroute2 0.9 does not know it: it decodes it as ("UNKNOWN", {type 30})
+
+
 def _not_kept(m: Any) -> list[str]:
     """What a kernel route has that a :class:`Route` does not carry (so a re-applied copy
-    lacks it): named in ``Capture.problems`` instead of dropped without a word."""
+    lacks it): named in ``Capture.problems`` instead of dropped without a word.
+
+    An encapsulation (``encap mpls|seg6|ip …``) has many kinds, each its own nested
+    attributes; a nexthop object (``nhid``) is a kernel object of its own that a restore
+    loses too (the kernel also reports its gateway and device, so the route is re-applied
+    through them, without the object)."""
+    nh_id = m.get_attr("RTA_NH_ID") is not None or any(
+        name == "UNKNOWN" and isinstance(value, Mapping)
+        and value.get("header", {}).get("type") == RTA_NH_ID
+        for name, value in m["attrs"])
     return [name for name, present in (
-        ("tos", int(m["tos"]) != 0),
-        ("source prefix (from)", int(m["src_len"]) != 0),
         ("encapsulation", m.get_attr("RTA_ENCAP") is not None),
-        ("nexthop object", m.get_attr("RTA_NH_ID") is not None),
-        ("realm", m.get_attr("RTA_FLOW") is not None),
+        ("nexthop object", nh_id),
     ) if present]
 
 
@@ -302,16 +381,16 @@ def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
     ``user_only``: what :func:`capture` keeps — not the ``local`` table, not protocols
     ``kernel``/``ra``/``dhcp``. ``skipped`` gets one note per route (among those) that
     a :class:`Route` cannot express (multipath, broadcast …), and one per route read
-    without something it has (tos, a source prefix, encapsulation, a nexthop object, a
-    realm). Needs pyroute2 (the
-    ``routes`` extra).
+    without something it has (an encapsulation, a nexthop object). Each route carries
+    its protocol, tos, IPv6 source prefix and realm. Needs pyroute2 (the ``routes``
+    extra).
     """
     def left_out(table: int | None, proto: int) -> bool:
         return user_only and (table == RT_TABLE_LOCAL or proto in _SKIP_PROTOS)
 
     def read(b: _Rtnl) -> list[Route]:
         others: list[tuple[str, int, int]] = []
-        found = [r for r, proto in b.routes(others) if not left_out(r.table, proto)]
+        found = [r for r in b.routes(others) if not left_out(r.table, r.proto or 0)]
         if skipped is not None:
             skipped.extend(why for why, table, proto in others if not left_out(table, proto))
         return found
@@ -329,19 +408,28 @@ def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
     return _off_loop(own)
 
 
-def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
-    """The ``rtmsg`` fields and attributes of ``ip route replace`` for this route."""
+def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
+               create_only: bool = False) -> dict[str, Any]:
+    """The ``rtmsg`` fields and attributes of ``ip route replace`` for this route (of
+    ``ip route add``, refused where a route with the same key exists, if
+    ``create_only``): its protocol (``static`` when it has none), tos, source prefix and
+    realm included."""
     n = r.normalized()
     table = n.table or RT_TABLE_MAIN
     # by default link scope for `ip route add PREFIX dev DEV`, host scope for a local
     # route, as ip-route gives them
     scope = n.scope if n.scope is not None else _default_scope(n.type, n.gateway, n.family)
     addr, _, plen = ("" if n.dst == "default" else n.dst).partition("/")
-    attrs: list[tuple[str, Any]] = [("RTA_TABLE", table)]
+    # RTA_TABLE only for a table rtm_table cannot hold (> 255), as iproute2 does: gVisor
+    # refuses a route with RTA_TABLE (EOPNOTSUPP)
+    attrs: list[tuple[str, Any]] = [("RTA_TABLE", table)] if table > 255 else []
     if addr:
         attrs.append(("RTA_DST", addr))
     if n.gateway is not None:
-        attrs.append(("RTA_GATEWAY", n.gateway))
+        if n.family == socket.AF_INET and ":" in n.gateway:  # via inet6 (RFC 5549)
+            attrs.append(("RTA_VIA", (("family", socket.AF_INET6), ("addr", n.gateway))))
+        else:
+            attrs.append(("RTA_GATEWAY", n.gateway))
     if n.dev is not None:
         if n.dev not in links_by_name:
             raise NetworkError(f"device {n.dev!r} does not exist")
@@ -354,9 +442,19 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int]) -> dict[str, Any]:
         attrs.append(("RTA_METRICS", tuple((f"RTAX_{k.upper()}", v) for k, v in n.metrics)))
     if n.pref is not None and n.family == socket.AF_INET6:
         attrs.append(("RTA_PREF", _PREF_CODES[n.pref]))
-    return {"family": n.family, "dst_len": int(plen) if plen else 0,
-            "table": table if table < 256 else RT_TABLE_COMPAT, "proto": RTPROT_STATIC,
-            "scope": scope, "type": _TYPE_CODES.get(n.type, 1),
-            "flags": RTNH_F_ONLINK if n.onlink else 0, "attrs": attrs}
+    src_addr, _, src_len = (n.from_prefix or "").partition("/")
+    if src_addr:
+        attrs.append(("RTA_SRC", src_addr))
+    if n.realm:
+        attrs.append(("RTA_FLOW", n.realm))
+    fields = {"family": n.family, "dst_len": int(plen) if plen else 0,
+              "src_len": int(src_len) if src_len else 0, "tos": n.tos,
+              "table": table if table < 256 else RT_TABLE_COMPAT,
+              "proto": RTPROT_STATIC if n.proto is None else n.proto,
+              "scope": scope, "type": _TYPE_CODES.get(n.type, 1),
+              "flags": RTNH_F_ONLINK if n.onlink else 0, "attrs": attrs}
+    if create_only:
+        fields[_CREATE_ONLY] = True
+    return fields
 
 
