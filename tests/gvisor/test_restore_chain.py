@@ -72,7 +72,7 @@ def identity():
     st = rehydrate.status()
     key.wait(30)
     return dict(instance_id=rehydrate.instance_id(), key=key.public_bytes_raw().hex(),
-                status_generation=st.generation, status_state=st.state)
+                status_generation=st.generation, status_state=st.state, app=os.environ["APP"])
 
 @rehydrate.after_restore(name="app.after_restore")
 def after_restore(ctx):
@@ -165,6 +165,8 @@ def _resumed(c: Container, generation: int, chain: Chain, level: str) -> dict[st
     """The clone's readiness checks (test_restore_path's ``_restored``), its hook runs
     (one, for this restore, at this generation) and its status once ready."""
     rec = _restored(c)
+    assert [r for r in c.records("ev.jsonl") if r["event"] == "resumed" and r["lie"]] == []
+    assert rec["app"] == c.id.rsplit("-", 2)[0], (rec, c.id)  # its own spec_environ
     assert [(r["reason"], r["kind"], r["generation"]) for r in _runs(c)] == [
         ("clock-jump", "restore", generation)], (level, _runs(c))
     assert (rec["status_generation"], rec["status_state"]) == (generation, "ready"), rec
@@ -302,3 +304,5 @@ def test_chain_leave_running_clone_of_a_clone(
     after = _status_until(a, lambda s: s["test_loops"] > before["test_loops"])
     assert (after["state"], after["generation"], after["ready"]) == ("ready", 2, True), after
     assert len(_runs(a)) == 2, _runs(a)
+    # (a dump that froze A's loop for more than GAP: it was not ready before its hook ran)
+    assert [r for r in a.records("ev.jsonl") if r["event"] == "resumed" and r["lie"]] == []
