@@ -36,7 +36,6 @@ import pytest
 
 from .harness import Container, GVisorHarness, Mount
 from .test_restore_path import (
-    FROZEN,
     GAP,
     PROC,
     REHYDRATE,
@@ -82,7 +81,24 @@ def after_restore(ctx):
          instance_id=rehydrate.instance_id(), key=key.public_bytes_raw().hex())
 
 detectors = rehydrate.start()
+clock = rehydrate.default_engine.detector("clock-jump")
 rehydrate.default_engine.add_status("test_loops", lambda: loops)
+rehydrate.default_engine.add_status("test_clock_ticks", lambda: clock.ticks)
+if os.environ.get("HOLD_CLOCK"):
+    # Test instrumentation: in a clone whose /proc/gvisor stand-in holds a "hold" file,
+    # the clock-jump thread's first wake-up waits until /var/tmp/release exists — the
+    # platform's notice comes before that thread has run (descheduled, GIL, a log write).
+    hold = os.path.join(os.environ["REHYDRATE_GVISOR_PROC"], "hold")
+    sleeper = clock._sleeper
+    sleep = sleeper.sleep
+
+    def held(nap):
+        late = sleep(nap)
+        while os.path.exists(hold) and not os.path.exists("/var/tmp/release"):
+            time.sleep(0.01)
+        return late
+
+    sleeper.sleep = held
 emit(event="ready", detectors=detectors, **identity())
 last = time.monotonic()
 while True:
@@ -116,10 +132,10 @@ class Chain:
 
 
 def _start(gvisor: GVisorHarness, tmp_path: Path, name: str, *, socket: bool,
-           ballast_mb: int = 0) -> Chain:
+           ballast_mb: int = 0, extra_env: dict[str, str] | None = None) -> Chain:
     proc = tmp_path / f"proc-{name}"
     _spec_environ(proc, {"APP": "original"})
-    env = {"APP": "original", "REHYDRATE_GVISOR_PROC": PROC}
+    env = {"APP": "original", "REHYDRATE_GVISOR_PROC": PROC, **(extra_env or {})}
     if socket:
         env["REHYDRATE_CONTROL_SOCKET"] = SOCKET
     if ballast_mb:  # the leave-running checkpoint freezes A long enough to be seen
@@ -154,9 +170,12 @@ def _save(c: Container, generation: int) -> None:
         c.id, st)
 
 
-def _restore(gvisor: GVisorHarness, tmp_path: Path, template: Container, name: str) -> Container:
+def _restore(gvisor: GVisorHarness, tmp_path: Path, template: Container, name: str, *,
+             hold: bool = False) -> Container:
     proc = tmp_path / f"proc-{name}"
     _spec_environ(proc, {"APP": name})
+    if hold:  # see HOLD_CLOCK in the workload
+        (proc / "hold").touch()
     assert template.image is not None
     return gvisor.restore(template.image, template, name=name, mounts=[Mount(PROC, proc)])
 
@@ -306,3 +325,45 @@ def test_chain_leave_running_clone_of_a_clone(
     assert len(_runs(a)) == 2, _runs(a)
     # (a dump that froze A's loop for more than GAP: it was not ready before its hook ran)
     assert [r for r in a.records("ev.jsonl") if r["event"] == "resumed" and r["lie"]] == []
+
+
+@pytest.mark.gvisor
+def test_chain_notify_restore_before_the_clock_jump_thread_wakes(
+        gvisor_uncompressed: GVisorHarness, tmp_path: Path) -> None:
+    """The platform's ``notify restore`` is the restore notice at both levels (no ``notify
+    save``); the clock jump's threshold (20 s) is above these freezes, so for its thread
+    each one is only a gap. In B the notice comes before that thread has woken (held by
+    the workload). B's memory is A's, and the last freeze A's watch had recorded was the
+    one before A's restore: B's notice was taken for A's restore (``deduplicated``,
+    generation 1) and B's hooks never ran — A's key and instance id in B. Now the
+    heartbeat, overdue by more than a sleep and the gap slack, makes it a new restore."""
+    gvisor = gvisor_uncompressed
+    chain = _start(gvisor, tmp_path, "early", socket=True,
+                   extra_env={"REHYDRATE_CLOCK_THRESHOLD": "20", "HOLD_CLOCK": "1"})
+    _ready(chain)
+    _checkpoint_all([chain], "orig")
+    a = chain.a = _restore(gvisor, tmp_path, chain.orig, "early-A")
+    reply = _notify(a, "restore")
+    assert reply["deduplicated"] is False, reply
+    assert [(r["reason"], r["kind"], r["generation"]) for r in _runs(a)] == [
+        ("control", "restore", 1)], _runs(a)
+    chain.seen["A"] = _runs(a)[0]
+    _checkpoint_all([chain], "a")
+    b = chain.b = _restore(gvisor, tmp_path, a, "early-B", hold=True)
+    reply = _notify(b, "restore")
+    assert reply["deduplicated"] is False, ("B's restore taken for A's", reply)
+    assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2), reply
+    assert [(r["reason"], r["kind"], r["generation"]) for r in _runs(b)] == [
+        ("control", "restore", 2)], _runs(b)
+    chain.seen["B"] = _runs(b)[0]
+    _distinct(chain)
+    # B's clock-jump thread wakes: a gap, not a restore; a second notice is B's restore.
+    ticks = _status(b)["test_clock_ticks"]
+    assert b.exec(["/bin/touch", "/var/tmp/release"], timeout=60).returncode == 0
+    _status_until(b, lambda st: st["test_clock_ticks"] > ticks + 1)
+    again = _notify(b, "restore")
+    assert again["deduplicated"] is True, again
+    assert (again["report"]["reason"], again["report"]["generation"]) == ("control", 2), again
+    st = _status(b)
+    assert (st["state"], st["generation"], st["ready"]) == ("ready", 2, True), st
+    assert len(_runs(b)) == 1 and len(_runs(a)) == 1, (_runs(a), _runs(b))
