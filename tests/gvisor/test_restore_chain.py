@@ -20,6 +20,10 @@ before B's hook ran; B's instance id and managed key differ from A's and the ori
 is configured, a late ``notify restore`` to B (after the clock jump ran B's hooks) is a
 duplicate of B's restore — B's report, generation 2 — not of A's, and runs nothing.
 
+And one where ``notify restore`` is the restore notice at both levels and reaches B
+before B's clock-jump thread has woken (held by the workload): it used to be taken for
+A's restore, and B's hooks never ran.
+
 ``/proc/gvisor`` is emulated as in test_restore_path (``spec_environ`` only).
 """
 
