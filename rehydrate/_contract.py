@@ -145,7 +145,8 @@ class Engine(Protocol):
 
     # The freeze watch (fed by the clock-jump detector; see Lifecycle.heartbeat).
 
-    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None) -> None: ...
+    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None,
+                  due: float | None = None) -> None: ...
 
     def freeze_noticed(self, since: float, now: float) -> None: ...
 

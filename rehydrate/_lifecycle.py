@@ -143,8 +143,12 @@ class Lifecycle:
         # Freeze watch (see heartbeat()): fed by a watcher thread, read by is_ready().
         self._beat: float | None = None
         self._beat_limit = math.inf
+        self._beat_due = math.inf
         self._gap_since: float | None = None
         self._freeze_noticed_at: float | None = None
+        self._run_ended = -math.inf
+        """``time.monotonic()`` at the end of the last restore/resume run: the process ran
+        then, although the freeze watcher that ran it has not beaten since."""
 
         self._detectors: list[Detector] = []
         self._notices = 0
@@ -195,6 +199,7 @@ class Lifecycle:
         # The parent's clock-jump thread is not here: its heartbeat would go stale and
         # make the child look frozen for ever.
         self._beat, self._beat_limit, self._freeze_noticed_at = None, math.inf, None
+        self._beat_due = math.inf
         if self._state in ("snapshotting", "restoring"):
             self._state = "degraded"
 
@@ -402,7 +407,8 @@ class Lifecycle:
 
     # -- freeze watch ----------------------------------------------------------------
 
-    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None) -> None:
+    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None,
+                  due: float | None = None) -> None:
         """A freeze watcher (the clock-jump detector's thread) saw the process running.
 
         ``now``: its ``time.monotonic()`` reading; ``limit``: seconds after which a missing
@@ -410,7 +416,8 @@ class Lifecycle:
         watcher caught up); ``gap_since``: the previous heartbeat, when this one came
         noticeably late — a freeze too short to be reported as a restore, which still
         makes a later notice without a time of its own a new restore (see
-        :meth:`freeze_since`).
+        :meth:`freeze_since`); ``due`` (at most ``limit``, the default): seconds after
+        which a missing heartbeat may hide such a gap that the watcher has not seen yet.
         """
         with self._cond:
             beat = self._beat
@@ -422,6 +429,7 @@ class Lifecycle:
             if gap_since is not None:
                 self._gap_since = gap_since
             self._beat, self._beat_limit = now, limit
+            self._beat_due = limit if due is None else min(due, limit)
             if stale:
                 self._cond.notify_all()
 
@@ -436,7 +444,7 @@ class Lifecycle:
     def heartbeat_stopped(self) -> None:
         """The freeze watcher stopped: readiness no longer checks its heartbeat."""
         with self._cond:
-            self._beat, self._beat_limit = None, math.inf
+            self._beat, self._beat_limit, self._beat_due = None, math.inf, math.inf
             self._freeze_noticed_at = None
             self._cond.notify_all()
 
@@ -446,14 +454,26 @@ class Lifecycle:
         engine knows of, or None when no freeze watch runs.
 
         A restore already run after that moment is the notice's restore (nothing froze
-        since); a freeze not noticed yet (the heartbeat is late right now) makes it new.
+        since); a freeze not noticed yet (the heartbeat is overdue right now) makes it new.
+
+        Overdue means later than the watcher's ``due`` (its sleep and the gap slack), not
+        only past the readiness limit: in a clone of a clone the last freeze the watch knows
+        of is the one before the parent's restore (the clone's memory is the parent's), so
+        a notice that comes before the watcher has woken from a freeze shorter than that
+        limit was taken for the parent's restore, and the clone's hooks never ran. And it
+        is measured from the end of the last run too: the watcher that ran it (its hooks
+        may take longer than the limit) beats only afterwards, and the restore it noticed
+        began after the gap it recorded then — a notice for it meanwhile is that restore.
         """
         with self._cond:
             beat = self._beat
             if beat is None:
                 return None
-            if time.monotonic() - beat > self._beat_limit:
-                return beat
+            if self._freeze_noticed_at is not None:  # noticed, being handled: that freeze
+                return self._gap_since
+            seen = max(beat, self._run_ended)  # the process surely ran then
+            if time.monotonic() - seen > self._beat_due:
+                return seen
             return self._gap_since
 
     # -- hooks -----------------------------------------------------------------------
@@ -726,6 +746,7 @@ class Lifecycle:
                                notice_to_run=waited)
         with self._cond:
             self._state = "ready" if ok else "degraded"
+            self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()
         if self._observers:

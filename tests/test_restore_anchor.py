@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -102,6 +103,96 @@ def test_freeze_watch_readiness_and_late_notices(rehydrate_engine: Lifecycle, tm
         assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
         engine.heartbeat(time.monotonic(), 1.0)
         assert engine.is_ready()
+    finally:
+        server.stop()
+
+
+def test_a_clone_of_a_clone_noticed_first_by_notify_restore_is_a_new_restore(
+        rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
+    """Original -> A -> B. B's memory is A's: A's restore report, and A's freeze watch
+    whose last known freeze is the one before A's restore. Before: a ``notify restore``
+    reaching B before B's clock-jump thread had woken (a freeze shorter than the readiness
+    limit, interval + threshold) got ``since`` = that old freeze, so B's restore was taken
+    for A's: ``deduplicated``, no hooks ever ran in B (A's keys, A's instance id, A's
+    environment, generation 1). The heartbeat is overdue by more than a sleep and the gap
+    slack, so a freeze may have happened since: the notice is a new restore."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    server = ControlServer(engine, str(tmp_path / "c.sock"))
+    server.start()
+    try:
+        t = time.monotonic()
+        # limit 30 s (a high threshold): B's freeze is shorter, only a gap for the watcher
+        engine.heartbeat(t - 20, 30.0, due=0.3)  # the original's watch began
+        engine.heartbeat(t - 15, 30.0, due=0.3)  # its last heartbeat before its checkpoint
+        engine.freeze_noticed(t - 15, t - 10)  # A resumed: its clock jump runs the hooks
+        a = engine.restore_detected("clock-jump", since=t - 15, detected_at=t - 10)
+        assert a.generation == 1
+        last = time.monotonic()
+        engine.heartbeat(last, 30.0, due=0.3)  # A's last heartbeat before its checkpoint
+        while time.monotonic() - last <= 0.6:  # A is checkpointed, B restored from it
+            time.sleep(0.02)
+        # B runs; its watcher has not woken yet when the platform's notice comes.
+        reply = request("restore", socket_path=server.path)
+        assert reply["deduplicated"] is False, reply
+        assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2)
+        assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
+        # B's watcher wakes (the step, shorter than the threshold, is a gap) and a second
+        # notice of B's restore is B's, not a third restore.
+        engine.heartbeat(time.monotonic(), 30.0, gap_since=last, due=0.3)
+        again = request("restore", socket_path=server.path)
+        assert again["deduplicated"] is True and again["report"]["generation"] == 2, again
+        assert len(runs) == 2
+    finally:
+        server.stop()
+
+
+def test_a_notice_racing_slow_restore_hooks_is_that_restore(rehydrate_engine: Lifecycle,
+                                                            tmp_path: Path) -> None:
+    """The clock jump runs a restore whose hooks take longer than the readiness limit (a
+    connection with a slow peer); ``notify restore`` for the same restore arrives while
+    they run. Before: the heartbeat (last set when the freeze was noticed) was stale by
+    then, so the notice's ``since`` was the very moment the run was detected, not before
+    it: the hooks ran a second time (generation 2, keys rotated twice)."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    server = ControlServer(engine, str(tmp_path / "c.sock"))
+    server.start()
+    replies: list[dict[str, object]] = []
+    t = time.monotonic()
+
+    def slow(ctx: object) -> None:
+        if len(runs) != 1:
+            return
+        # The clock jump's run; the heartbeat goes stale (limit 1 s) while it runs...
+        while time.monotonic() - t <= 1.2:
+            time.sleep(0.01)
+        # ... and the platform's notice for this restore comes: it takes its ``since``
+        # and waits for this run (the engine counts it then).
+        threading.Thread(target=lambda: replies.append(
+            request("restore", socket_path=server.path)), daemon=True).start()
+        deadline = time.monotonic() + 10
+        while engine._notices < 2:
+            assert time.monotonic() < deadline, "the notice never reached the engine"
+            time.sleep(0.01)
+
+    engine.registry.after_restore(slow, name="test.slow")
+    try:
+        engine.heartbeat(t - 10, 1.0, due=1.0)
+        engine.heartbeat(t - 3, 1.0, due=1.0)  # the last heartbeat before the freeze
+        engine.freeze_noticed(t - 3, t)
+        first = engine.restore_detected("clock-jump", since=t - 3, detected_at=t)
+        deadline = time.monotonic() + 10
+        while not replies:
+            assert time.monotonic() < deadline, "no reply to the racing notice"
+            time.sleep(0.01)
+        assert replies[0]["deduplicated"] is True, replies
+        assert runs == [("clock-jump", "restore", 1)]
+        assert first.generation == 1 and engine.generation == 1
+        # the same just after the run, before the watcher's next heartbeat (which comes
+        # once the run has returned to it)
+        late = request("restore", socket_path=server.path)
+        assert late["deduplicated"] is True and len(runs) == 1, late
     finally:
         server.stop()
 

@@ -314,9 +314,12 @@ class ClockJumpDetector(DeferringDetector):
         engine = self._engine if self.clock is time.monotonic else _NoWatch(self._engine)
         interval, threshold = self.interval, self.threshold
         limit = interval + threshold
+        # A heartbeat this overdue may hide a gap not seen yet (a notice must not take the
+        # restore before it for its own: see Lifecycle.freeze_since).
+        due = interval + GAP_SLACK
         sleeper = self._sleeper
         last = self._marks()
-        engine.heartbeat(last.now, limit)
+        engine.heartbeat(last.now, limit, due=due)
         self._based.set()
         try:
             while True:
@@ -366,7 +369,7 @@ class ClockJumpDetector(DeferringDetector):
                         else:
                             self.busy_skips += 1
                         marks = self._marks()  # the next step starts after the log line
-                        engine.heartbeat(marks.now, limit, gap_since=last.now)
+                        engine.heartbeat(marks.now, limit, gap_since=last.now, due=due)
                     else:
                         engine.freeze_noticed(last.now, marks.now)
                         # The freeze began after last.now and, since the wake-up came
@@ -380,13 +383,14 @@ class ClockJumpDetector(DeferringDetector):
                             return
                         # The hooks took time: measure the next sleep from now.
                         marks = self._marks()
-                        engine.heartbeat(marks.now, limit)
+                        engine.heartbeat(marks.now, limit, due=due)
                 else:
                     gap = (step > GAP_SLACK
                            and self._stall(last, marks, kernel_late, GAP_SLACK) is None)
                     if logged:
                         marks = self._marks()
-                    engine.heartbeat(marks.now, limit, gap_since=last.now if gap else None)
+                    engine.heartbeat(marks.now, limit, gap_since=last.now if gap else None,
+                                     due=due)
                 last = marks
         finally:
             sleeper.close()
@@ -430,7 +434,8 @@ class _NoWatch:
     def snapshot_pending(self) -> bool:
         return self._engine.snapshot_pending
 
-    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None) -> None:
+    def heartbeat(self, now: float, limit: float, *, gap_since: float | None = None,
+                  due: float | None = None) -> None:
         pass
 
     def freeze_noticed(self, since: float, now: float) -> None:
