@@ -40,6 +40,13 @@ __all__ = ["MatchSessions"]
 _TOKEN_BYTES = 18  # 144 bits: unguessable, 24 base64url characters
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8, lone surrogates included: a client's JSON may carry ``"\\udcff"``
+    (``json.loads`` accepts it), and strict UTF-8 would raise on it. ``surrogatepass`` is
+    one-to-one, and no well-formed string encodes to the same bytes."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 class MatchSessions:
     """Per-clone session tokens and match secrets (see the module docstring).
 
@@ -75,7 +82,7 @@ class MatchSessions:
     def _mac(self, label: bytes, message: str) -> bytes:
         with self._secret as key:
             mac = hmac.HMAC(key, hashes.SHA256())
-        mac.update(label + b"\0" + message.encode())
+        mac.update(label + b"\0" + _utf8(message))
         return mac.finalize()
 
     def token(self, subject: str) -> str:
@@ -92,7 +99,8 @@ class MatchSessions:
             expected = self.token(subject).encode()
         except SecretUnavailable:
             return False
-        return constant_time.bytes_eq(expected, token.encode()) if isinstance(
+        # A token is whatever a client sent: anything but this clone's token is False.
+        return constant_time.bytes_eq(expected, _utf8(token)) if isinstance(
             token, str) else False
 
     def derive(self, purpose: str, length: int = 32) -> bytes:
@@ -106,7 +114,7 @@ class MatchSessions:
                              f"{length!r}")
         with self._secret as key:
             hkdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=None,
-                        info=b"rehydrate.sessions\0" + purpose.encode())
+                        info=b"rehydrate.sessions\0" + _utf8(purpose))
             return hkdf.derive(key)
 
     def close(self) -> None:
