@@ -157,7 +157,7 @@ def server_reason(response: httpx.Response) -> str:
     text = ""
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json can parse
         body = None
     if isinstance(body, Mapping):
         for key in ("message", "detail", "error", "reason"):
@@ -169,7 +169,9 @@ def server_reason(response: httpx.Response) -> str:
                 break
     if not text:
         text = response.text
-    text = " ".join(text.split())
+    # One printable line: the reason goes into logs, status and 503 bodies, where a
+    # server's escape sequences (ANSI colours, a terminal title) have no business.
+    text = "".join(ch if ch.isprintable() else "?" for ch in " ".join(text.split()))
     if len(text) > 300:
         text = text[:297] + "..."
     return text or "empty body"
@@ -410,7 +412,7 @@ def json_or_empty(response: httpx.Response) -> Mapping[str, Any]:
         return {}
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." deeper than json parses
         return {}
     return body if isinstance(body, Mapping) else {}
 

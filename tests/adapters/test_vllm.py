@@ -584,3 +584,30 @@ def test_a_call_cancelled_from_outside_cancels_the_request_it_waits_for() -> Non
         await asyncio.wait_for(cancelled.wait(), 5)  # before: still sleeping
 
     asyncio.run(main())
+
+
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # valid JSON that json.loads cannot nest into
+
+
+@pytest.mark.parametrize("status", [200, 400])
+def test_json_nested_too_deep_for_the_parser_is_a_server_error(url: str, server: Any,
+                                                               status: int) -> None:
+    """A broken proxy or hostile peer answering deeply nested JSON: json.loads raises
+    RecursionError (no ValueError), which escaped the adapter instead of a one-line
+    ServerError naming the call."""
+    server[1].app = raw_app(status, [(b"content-type", b"application/json")], DEEP_JSON)
+    with pytest.raises(vllm.ServerError) as exc:
+        vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
+    message = str(exc.value)
+    assert message.startswith("vllm GET /is_sleeping: ") and "\n" not in message
+    assert len(message) < 500
+
+
+def test_the_servers_reason_is_shown_without_its_control_characters(url: str,
+                                                                    server: Any) -> None:
+    """The reason lands in logs, status and 503 bodies: no terminal escape sequences."""
+    server[1].app = raw_app(400, [], b'\x1b]0;owned\x07\x1b[31mbad request\x1b[0m\x00')
+    with pytest.raises(vllm.ServerError) as exc:
+        vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
+    assert str(exc.value) == "vllm GET /is_sleeping: HTTP 400: ?]0;owned??[31mbad request?[0m?"
+    assert exc.value.reason == "?]0;owned??[31mbad request?[0m?"
