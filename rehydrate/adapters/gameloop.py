@@ -23,8 +23,8 @@ next :meth:`~TickClock.due` is treated as a jump even when the frame looked shor
 platforms whose monotonic clock does not include the time frozen, or when the loop was
 not running across the freeze. When the loop already took a jump since the previous
 snapshot or restore event, no more than :data:`SAW_FREEZE_WINDOW` seconds before the
-hooks ran (it saw the freeze first), the restore does not add a second one; an older
-jump (a level load) does not count.
+restore's hooks began (it saw the freeze first), the restore does not add a second one; an
+older jump (a level load) does not count.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ _EPSILON = 1e-9
 _MAX_RATE = 1e6  # ticks per second; far above any game, far below float overflow
 _MAX_FRAME = 3600.0  # a longer "normal" frame would replay hours of ticks in one burst
 SAW_FREEZE_WINDOW = 5.0
-"""A jump the loop took at most this many seconds before a restore's hooks ran is taken
-to be the loop seeing that restore's freeze (the hooks run within moments of the resume,
+"""A jump the loop took at most this many seconds before a restore's hooks began is taken
+to be the loop seeing that restore's freeze (the run begins within moments of the resume,
 however the restore is noticed); an older one — a level load — is not."""
 
 
@@ -123,10 +123,14 @@ class TickClock:
             if clock is not None:
                 clock._on_event(restore=False)
 
-        # Before the application's own hooks, so that they see a rebased clock.
+        # Among the first hooks of a restore run: whether the loop already saw the freeze is
+        # judged as the run begins, not after the earlier phases — a reconnect in the
+        # CONNECTIONS phase may take up to its deadline (30 s), which would age the
+        # loop's own jump past SAW_FREEZE_WINDOW and make a second one. The application's
+        # hooks (and everything else) then see a rebased clock.
         b = engine.builtins
         hooks = (
-            b.register(rebase_tick_clock, phase=Phase.APPLICATION, order=-1_000_000,
+            b.register(rebase_tick_clock, phase=Phase.ENVIRONMENT, order=-1_000_000,
                        timeout=5.0, name="rehydrate.gameloop.tick_clock"),
             b.register(mark_tick_clock, event="snapshot", phase=Phase.APPLICATION,
                        order=-1_000_000, timeout=5.0, name="rehydrate.gameloop.tick_clock"),
