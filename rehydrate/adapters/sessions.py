@@ -24,6 +24,7 @@ asyncio game loop never blocks on it; ``verify`` returns False then.
 from __future__ import annotations
 
 import base64
+import numbers
 from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import constant_time, hashes, hmac
@@ -47,6 +48,15 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def _whole(value: object, low: int, high: int | None, rule: str) -> int:
+    """``value`` as an int within ``low``..``high``, else ``ValueError`` "``rule``, not …".
+    ``numbers.Integral``: a NumPy integer is a whole number too; a bool is not."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or int(value) < low or (high is not None and int(value) > high)):
+        raise ValueError(f"{rule}, not {value!r}")
+    return int(value)
+
+
 class MatchSessions:
     """Per-clone session tokens and match secrets (see the module docstring).
 
@@ -56,8 +66,7 @@ class MatchSessions:
 
     def __init__(self, name: str = "match", *, nbytes: int = 32,
                  engine: Engine | None = None) -> None:
-        if not isinstance(nbytes, int) or nbytes < 16:
-            raise ValueError(f"nbytes must be an int >= 16, not {nbytes!r}")
+        nbytes = _whole(nbytes, 16, None, "nbytes must be an int >= 16")
         self.name = name
         def draw() -> bytearray:
             # Straight from the kernel into a buffer the Secret wipes after copying it:
@@ -109,9 +118,8 @@ class MatchSessions:
         8160 bytes (HKDF-SHA256's limit)."""
         if not isinstance(purpose, str):
             raise TypeError(f"purpose must be a str, not {type(purpose).__name__}")
-        if isinstance(length, bool) or not isinstance(length, int) or not 16 <= length <= 8160:
-            raise ValueError(f"length must be a whole number of bytes from 16 to 8160, not "
-                             f"{length!r}")
+        length = _whole(length, 16, 8160, "length must be a whole number of bytes from 16 to "
+                                          "8160")
         with self._secret as key:
             hkdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=None,
                         info=b"rehydrate.sessions\0" + _utf8(purpose))

@@ -233,3 +233,19 @@ def test_alpha_and_until_next():
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TickClock(**kwargs, rebase_on_restore=False)
+
+
+def test_numpy_numbers_are_numbers():
+    """A rate read from a config array is a NumPy scalar: it was refused as "must be a
+    number > 0 …, not np.int64(30)"."""
+    import numpy as np
+
+    fake = FakeClock()
+    clock = TickClock(np.int64(30), max_catch_up=np.int64(2), max_frame=np.float32(0.25),
+                      clock=fake, rebase_on_restore=False)
+    assert (clock.rate_hz, clock.max_catch_up) == (30.0, 2)
+    assert type(clock.max_catch_up) is int and type(clock.rate_hz) is float
+    fake.now += 0.1
+    assert clock.due() == 3
+    fake.now += 60.0
+    assert clock.due() == 2

@@ -59,7 +59,7 @@ def test_a_token_with_lone_surrogates_is_refused_not_an_exception(rehydrate_engi
     out of the datagram handler."""
     s = MatchSessions("m5", engine=rehydrate_engine)
     good = s.token("p1")
-    hostile = json.loads('{"token": "\\udcff%s"}' % good[1:])["token"]
+    hostile = json.loads('{"token": "\\udcff' + good[1:] + '"}')["token"]
     assert not s.verify("p1", hostile)
     assert s.verify("p1", good)
     # A subject or purpose that came from the network the same way is keyed like any other:
@@ -234,3 +234,13 @@ def test_session_arguments_that_would_weaken_or_break_are_refused(rehydrate_engi
         s.token(123)
     with pytest.raises(TypeError, match="purpose must be a str"):
         s.derive(b"x")
+
+
+def test_numpy_integers_are_whole_numbers_of_bytes(rehydrate_engine):
+    import numpy as np
+
+    s = MatchSessions("m6", nbytes=np.int64(32), engine=rehydrate_engine)
+    assert len(s.derive("chat", np.int64(48))) == 48
+    assert s.verify("p1", s.token("p1"))
+    with pytest.raises(ValueError, match="nbytes"):
+        MatchSessions("m7", nbytes=True, engine=rehydrate_engine)
