@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     import ssl
 
     from ..extensions import Engine
+    from ..hooks import Hook, Registry
 
 __all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "call_maybe_async", "run_sync",
            "sync_variant", "within"]
@@ -38,6 +40,13 @@ hook — the engine goes to sleep once no request can reach it any more."""
 RESTORE_ORDER = -900_000
 """After a restore: the first ``APPLICATION`` hook, so user hooks (warm-ups) find the
 engine awake; the environment, keys and connections phases have run before."""
+
+
+_installed: weakref.WeakKeyDictionary[Registry, dict[str, tuple[Hook, Hook]]] = (
+    weakref.WeakKeyDictionary())
+"""The hooks of the adapter installed per server (``ServerAdapter.key``), per engine
+(its ``builtins`` registry): one server gets one pair, whoever installs it again."""
+_installed_lock = threading.Lock()
 
 
 MIN_TRY = 0.5
@@ -217,15 +226,31 @@ class ServerAdapter:
     def install(self, engine: Engine | None = None) -> None:
         """Attach the before-snapshot and after-restore hooks to ``engine`` (default: the
         process's engine). Both are required: a failure fails the snapshot (the platform
-        aborts it) or leaves the process degraded (not ready)."""
+        aborts it) or leaves the process degraded (not ready).
+
+        Once per server and engine: installing this adapter again, or another one for the
+        same server (``install(url)`` called twice, or next to ``Lifecycle(extensions=…)``),
+        replaces the hooks attached before — two pairs would put the server to sleep twice
+        and wake it twice, and a second SGLang resume is refused."""
         eng = resolve_engine(engine)
+        b = eng.builtins
         timeout = self.deadline + 5.0  # the adapter's own deadline speaks first
-        eng.builtins.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
-                              order=SNAPSHOT_ORDER, timeout=timeout,
-                              name=f"rehydrate.{self.kind}.{self.snapshot_action}")
-        eng.builtins.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
-                              order=RESTORE_ORDER, timeout=timeout,
-                              name=f"rehydrate.{self.kind}.{self.restore_action}")
+        with _installed_lock:
+            per_server = _installed.setdefault(b, {})
+            previous = per_server.pop(self.key, ())
+            for hook in previous:
+                b.unregister(hook)
+            if previous:
+                log.info("%s adapter for %s installed again: it replaces the one before",
+                         self.kind, self.url or "an in-process engine")
+            per_server[self.key] = (
+                b.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
+                           order=SNAPSHOT_ORDER, timeout=timeout,
+                           name=f"rehydrate.{self.kind}.{self.snapshot_action}"),
+                b.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
+                           order=RESTORE_ORDER, timeout=timeout,
+                           name=f"rehydrate.{self.kind}.{self.restore_action}"),
+            )
 
     async def before_snapshot(self) -> None:
         """What the before-snapshot hook does."""

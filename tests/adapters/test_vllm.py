@@ -611,3 +611,56 @@ def test_the_servers_reason_is_shown_without_its_control_characters(url: str,
         vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
     assert str(exc.value) == "vllm GET /is_sleeping: HTTP 400: ?]0;owned??[31mbad request?[0m?"
     assert exc.value.reason == "?]0;owned??[31mbad request?[0m?"
+
+
+def test_installing_again_replaces_the_hooks_it_does_not_add_a_second_pair(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any, caplog: Any) -> None:
+    """vllm.install(url) twice (an app factory run twice, or beside
+    Lifecycle(extensions=[...])) attached two pairs of hooks: two sleeps, two wake-ups,
+    two canaries per restore. The latest install wins."""
+    vllm.install(url, engine=rehydrate_engine, level=2)
+    with caplog.at_level(logging.INFO, logger="rehydrate.adapters"):
+        vllm.install(url, engine=rehydrate_engine)  # level 1 now
+    assert [h.name for h in rehydrate_engine.hooks("snapshot")].count("rehydrate.vllm.sleep") == 1
+    assert "installed again: it replaces the one before" in caplog.text
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.log == ["GET /is_sleeping", "POST /sleep?level=1", "GET /is_sleeping"]
+    standin.log.clear()
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.log == LEVEL1_WAKE and standin.canaries == 1
+    # another engine is another engine: its own pair
+    other = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    try:
+        vllm.install(url, engine=other)
+        assert [h.name for h in other.hooks("restore")].count("rehydrate.vllm.wake") == 1
+        assert [h.name for h in rehydrate_engine.hooks("restore")].count(
+            "rehydrate.vllm.wake") == 1
+    finally:
+        other.close()
+
+
+def test_an_in_process_engine_installed_twice_is_put_to_sleep_once(
+        rehydrate_engine: Any) -> None:
+    llm = FakeLLM()
+    vllm.install(llm, engine=rehydrate_engine)
+    vllm.install(llm, engine=rehydrate_engine)
+    vllm.install(FakeLLM(), engine=rehydrate_engine)  # another engine object: its own hooks
+    names = [h.name for h in rehydrate_engine.hooks("snapshot")]
+    assert names.count("rehydrate.vllm.sleep") == 2
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert llm.calls == ["is_sleeping", "sleep(1)", "is_sleeping"]
+
+
+def test_sglang_installed_twice_restores(url: str, server: Any, rehydrate_engine: Any) -> None:
+    """Two resume hooks for one server: the second resume was refused (nothing released
+    any more) and the restore failed."""
+    from tests.inference_standins import SGLangStandIn
+
+    server[1].app = standin = SGLangStandIn()
+    sglang.install(url, engine=rehydrate_engine)
+    sglang.install(url, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /resume_memory_occupation") == 1
