@@ -267,7 +267,11 @@ class ServerAdapter:
         assert self.url is not None
         if self._ssl is None:  # building one costs milliseconds: once per adapter
             self._ssl = httpx.create_ssl_context()
-        return httpx.AsyncClient(base_url=self.url, headers=self._headers, verify=self._ssl)
+        # A proxy from HTTP_PROXY cannot reach this host's loopback (its own is another):
+        # a server on 127.0.0.1 / localhost is called directly, as Go's ProxyFromEnvironment
+        # does — a Pod with an egress proxy configured otherwise "does not answer".
+        return httpx.AsyncClient(base_url=self.url, headers=self._headers, verify=self._ssl,
+                                 trust_env=not _is_loopback(self.url))
 
     def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:
         """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
@@ -378,6 +382,20 @@ class ServerAdapter:
         # main or next to an AsyncLLM: the probe gets a loop of its own on a thread
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rehydrate-probe") as p:
             return p.submit(asyncio.run, self.probe_async()).result()
+
+
+def _is_loopback(url: str) -> bool:
+    """True when ``url``'s host is this machine's loopback: ``localhost`` (and names
+    under ``.localhost``, RFC 6761), 127.0.0.0/8 or ``::1``."""
+    import ipaddress
+
+    host = httpx.URL(url).host.rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _shown(url: str) -> str:

@@ -664,3 +664,25 @@ def test_sglang_installed_twice_restores(url: str, server: Any, rehydrate_engine
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
     assert standin.log.count("POST /resume_memory_occupation") == 1
+
+
+def test_a_loopback_server_is_called_directly_despite_an_egress_proxy(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any, monkeypatch: Any) -> None:
+    """A Pod with HTTP_PROXY set for egress (and no NO_PROXY for 127.0.0.1): the adapter's
+    calls to the engine on loopback went to the proxy — which cannot reach this Pod's
+    loopback — and the engine "did not answer"."""
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:1")  # nothing listens there
+    assert url.startswith("http://127.0.0.1:")
+    assert vllm.VLLMAdapter(url, canary=False).probe().usable
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.canaries == 1
+    # a remote server still goes through the proxy the environment names
+    assert vllm.VLLMAdapter("http://10.1.2.3:8000").client().trust_env
+    for local in ("http://localhost:8000", "http://[::1]:8000", "http://127.8.9.10",
+                  "http://api.localhost:1"):
+        assert not vllm.VLLMAdapter(local).client().trust_env, local
