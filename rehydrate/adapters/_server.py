@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     import ssl
 
     from ..extensions import Engine
+    from ..hooks import Hook, Registry
 
 __all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "call_maybe_async", "run_sync",
            "sync_variant", "within"]
@@ -38,6 +40,13 @@ hook — the engine goes to sleep once no request can reach it any more."""
 RESTORE_ORDER = -900_000
 """After a restore: the first ``APPLICATION`` hook, so user hooks (warm-ups) find the
 engine awake; the environment, keys and connections phases have run before."""
+
+
+_installed: weakref.WeakKeyDictionary[Registry, dict[str, tuple[Hook, Hook]]] = (
+    weakref.WeakKeyDictionary())
+"""The hooks of the adapter installed per server (``ServerAdapter.key``), per engine
+(its ``builtins`` registry): one server gets one pair, whoever installs it again."""
+_installed_lock = threading.Lock()
 
 
 MIN_TRY = 0.5
@@ -157,7 +166,7 @@ def server_reason(response: httpx.Response) -> str:
     text = ""
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json can parse
         body = None
     if isinstance(body, Mapping):
         for key in ("message", "detail", "error", "reason"):
@@ -169,7 +178,9 @@ def server_reason(response: httpx.Response) -> str:
                 break
     if not text:
         text = response.text
-    text = " ".join(text.split())
+    # One printable line: the reason goes into logs, status and 503 bodies, where a
+    # server's escape sequences (ANSI colours, a terminal title) have no business.
+    text = "".join(ch if ch.isprintable() else "?" for ch in " ".join(text.split()))
     if len(text) > 300:
         text = text[:297] + "..."
     return text or "empty body"
@@ -215,15 +226,31 @@ class ServerAdapter:
     def install(self, engine: Engine | None = None) -> None:
         """Attach the before-snapshot and after-restore hooks to ``engine`` (default: the
         process's engine). Both are required: a failure fails the snapshot (the platform
-        aborts it) or leaves the process degraded (not ready)."""
+        aborts it) or leaves the process degraded (not ready).
+
+        Once per server and engine: installing this adapter again, or another one for the
+        same server (``install(url)`` called twice, or next to ``Lifecycle(extensions=…)``),
+        replaces the hooks attached before — two pairs would put the server to sleep twice
+        and wake it twice, and a second SGLang resume is refused."""
         eng = resolve_engine(engine)
+        b = eng.builtins
         timeout = self.deadline + 5.0  # the adapter's own deadline speaks first
-        eng.builtins.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
-                              order=SNAPSHOT_ORDER, timeout=timeout,
-                              name=f"rehydrate.{self.kind}.{self.snapshot_action}")
-        eng.builtins.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
-                              order=RESTORE_ORDER, timeout=timeout,
-                              name=f"rehydrate.{self.kind}.{self.restore_action}")
+        with _installed_lock:
+            per_server = _installed.setdefault(b, {})
+            previous = per_server.pop(self.key, ())
+            for hook in previous:
+                b.unregister(hook)
+            if previous:
+                log.info("%s adapter for %s installed again: it replaces the one before",
+                         self.kind, self.url or "an in-process engine")
+            per_server[self.key] = (
+                b.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
+                           order=SNAPSHOT_ORDER, timeout=timeout,
+                           name=f"rehydrate.{self.kind}.{self.snapshot_action}"),
+                b.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
+                           order=RESTORE_ORDER, timeout=timeout,
+                           name=f"rehydrate.{self.kind}.{self.restore_action}"),
+            )
 
     async def before_snapshot(self) -> None:
         """What the before-snapshot hook does."""
@@ -240,7 +267,11 @@ class ServerAdapter:
         assert self.url is not None
         if self._ssl is None:  # building one costs milliseconds: once per adapter
             self._ssl = httpx.create_ssl_context()
-        return httpx.AsyncClient(base_url=self.url, headers=self._headers, verify=self._ssl)
+        # A proxy from HTTP_PROXY cannot reach this host's loopback (its own is another):
+        # a server on 127.0.0.1 / localhost is called directly, as Go's ProxyFromEnvironment
+        # does — a Pod with an egress proxy configured otherwise "does not answer".
+        return httpx.AsyncClient(base_url=self.url, headers=self._headers, verify=self._ssl,
+                                 trust_env=not _is_loopback(self.url))
 
     def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:
         """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
@@ -353,6 +384,20 @@ class ServerAdapter:
             return p.submit(asyncio.run, self.probe_async()).result()
 
 
+def _is_loopback(url: str) -> bool:
+    """True when ``url``'s host is this machine's loopback: ``localhost`` (and names
+    under ``.localhost``, RFC 6761), 127.0.0.0/8 or ``::1``."""
+    import ipaddress
+
+    host = httpx.URL(url).host.rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _shown(url: str) -> str:
     """``url`` for a message: without user info, query and fragment (where passwords and
     tokens go), even when it does not parse."""
@@ -410,7 +455,7 @@ def json_or_empty(response: httpx.Response) -> Mapping[str, Any]:
         return {}
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." deeper than json parses
         return {}
     return body if isinstance(body, Mapping) else {}
 

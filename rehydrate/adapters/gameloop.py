@@ -23,13 +23,14 @@ next :meth:`~TickClock.due` is treated as a jump even when the frame looked shor
 platforms whose monotonic clock does not include the time frozen, or when the loop was
 not running across the freeze. When the loop already took a jump since the previous
 snapshot or restore event, no more than :data:`SAW_FREEZE_WINDOW` seconds before the
-hooks ran (it saw the freeze first), the restore does not add a second one; an older
-jump (a level load) does not count.
+restore's hooks began (it saw the freeze first), the restore does not add a second one; an
+older jump (a level load) does not count.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import time
 import weakref
@@ -45,9 +46,26 @@ _EPSILON = 1e-9
 _MAX_RATE = 1e6  # ticks per second; far above any game, far below float overflow
 _MAX_FRAME = 3600.0  # a longer "normal" frame would replay hours of ticks in one burst
 SAW_FREEZE_WINDOW = 5.0
-"""A jump the loop took at most this many seconds before a restore's hooks ran is taken
-to be the loop seeing that restore's freeze (the hooks run within moments of the resume,
+"""A jump the loop took at most this many seconds before a restore's hooks began is taken
+to be the loop seeing that restore's freeze (the run begins within moments of the resume,
 however the restore is noticed); an older one — a level load — is not."""
+
+
+def _number(value: object, high: float, rule: str) -> float:
+    """``value`` as a float in (0, ``high``], else ``ValueError`` "``rule``, not …".
+    ``numbers.Real``: NumPy's scalars (a rate from a config array) are numbers too; a
+    bool is not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not 0 < float(value) <= high:
+        raise ValueError(f"{rule}, not {value!r}")
+    return float(value)
+
+
+def _count(value: object, rule: str) -> int:
+    """``value`` as an int >= 0 (a NumPy integer too, a bool not), else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
+        raise ValueError(f"{rule}, not {value!r}")
+    return int(value)
 
 
 class TickClock:
@@ -74,21 +92,14 @@ class TickClock:
         engine: Engine | None = None,
         rebase_on_restore: bool = True,
     ) -> None:
-        if (isinstance(rate_hz, bool) or not isinstance(rate_hz, (int, float))
-                or not 0 < rate_hz <= _MAX_RATE):  # refuses NaN
-            raise ValueError(f"rate_hz must be a number > 0 and at most {_MAX_RATE:g}, not "
-                             f"{rate_hz!r}")
-        if isinstance(max_catch_up, bool) or not isinstance(max_catch_up, int) \
-                or max_catch_up < 0:
-            raise ValueError(f"max_catch_up must be an int >= 0, not {max_catch_up!r}")
-        if (isinstance(max_frame, bool) or not isinstance(max_frame, (int, float))
-                or not 0 < max_frame <= _MAX_FRAME):  # refuses NaN and infinity
-            raise ValueError(f"max_frame must be a number of seconds > 0 and at most "
-                             f"{_MAX_FRAME:g}, not {max_frame!r}")
-        self.rate_hz = float(rate_hz)
+        self.rate_hz = _number(rate_hz, _MAX_RATE, "rate_hz must be a number > 0 and at "
+                               f"most {_MAX_RATE:g}")  # refuses NaN
+        catch_up = _count(max_catch_up, "max_catch_up must be an int >= 0")
+        max_frame = _number(max_frame, _MAX_FRAME, "max_frame must be a number of seconds "
+                            f"> 0 and at most {_MAX_FRAME:g}")  # refuses NaN and infinity
         self.dt = 1.0 / self.rate_hz
         """Seconds per tick."""
-        self.max_catch_up = max_catch_up
+        self.max_catch_up = catch_up
         self.max_frame = float(max_frame)
         self._clock = clock
         self._lock = threading.Lock()
@@ -123,10 +134,14 @@ class TickClock:
             if clock is not None:
                 clock._on_event(restore=False)
 
-        # Before the application's own hooks, so that they see a rebased clock.
+        # Among the first hooks of a restore run: whether the loop already saw the freeze is
+        # judged as the run begins, not after the earlier phases — a reconnect in the
+        # CONNECTIONS phase may take up to its deadline (30 s), which would age the
+        # loop's own jump past SAW_FREEZE_WINDOW and make a second one. The application's
+        # hooks (and everything else) then see a rebased clock.
         b = engine.builtins
         hooks = (
-            b.register(rebase_tick_clock, phase=Phase.APPLICATION, order=-1_000_000,
+            b.register(rebase_tick_clock, phase=Phase.ENVIRONMENT, order=-1_000_000,
                        timeout=5.0, name="rehydrate.gameloop.tick_clock"),
             b.register(mark_tick_clock, event="snapshot", phase=Phase.APPLICATION,
                        order=-1_000_000, timeout=5.0, name="rehydrate.gameloop.tick_clock"),

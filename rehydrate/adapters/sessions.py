@@ -24,6 +24,7 @@ asyncio game loop never blocks on it; ``verify`` returns False then.
 from __future__ import annotations
 
 import base64
+import numbers
 from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import constant_time, hashes, hmac
@@ -40,6 +41,22 @@ __all__ = ["MatchSessions"]
 _TOKEN_BYTES = 18  # 144 bits: unguessable, 24 base64url characters
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8, lone surrogates included: a client's JSON may carry ``"\\udcff"``
+    (``json.loads`` accepts it), and strict UTF-8 would raise on it. ``surrogatepass`` is
+    one-to-one, and no well-formed string encodes to the same bytes."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _whole(value: object, low: int, high: int | None, rule: str) -> int:
+    """``value`` as an int within ``low``..``high``, else ``ValueError`` "``rule``, not …".
+    ``numbers.Integral``: a NumPy integer is a whole number too; a bool is not."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or int(value) < low or (high is not None and int(value) > high)):
+        raise ValueError(f"{rule}, not {value!r}")
+    return int(value)
+
+
 class MatchSessions:
     """Per-clone session tokens and match secrets (see the module docstring).
 
@@ -49,8 +66,7 @@ class MatchSessions:
 
     def __init__(self, name: str = "match", *, nbytes: int = 32,
                  engine: Engine | None = None) -> None:
-        if not isinstance(nbytes, int) or nbytes < 16:
-            raise ValueError(f"nbytes must be an int >= 16, not {nbytes!r}")
+        nbytes = _whole(nbytes, 16, None, "nbytes must be an int >= 16")
         self.name = name
         def draw() -> bytearray:
             # Straight from the kernel into a buffer the Secret wipes after copying it:
@@ -75,7 +91,7 @@ class MatchSessions:
     def _mac(self, label: bytes, message: str) -> bytes:
         with self._secret as key:
             mac = hmac.HMAC(key, hashes.SHA256())
-        mac.update(label + b"\0" + message.encode())
+        mac.update(label + b"\0" + _utf8(message))
         return mac.finalize()
 
     def token(self, subject: str) -> str:
@@ -92,7 +108,8 @@ class MatchSessions:
             expected = self.token(subject).encode()
         except SecretUnavailable:
             return False
-        return constant_time.bytes_eq(expected, token.encode()) if isinstance(
+        # A token is whatever a client sent: anything but this clone's token is False.
+        return constant_time.bytes_eq(expected, _utf8(token)) if isinstance(
             token, str) else False
 
     def derive(self, purpose: str, length: int = 32) -> bytes:
@@ -101,12 +118,11 @@ class MatchSessions:
         8160 bytes (HKDF-SHA256's limit)."""
         if not isinstance(purpose, str):
             raise TypeError(f"purpose must be a str, not {type(purpose).__name__}")
-        if isinstance(length, bool) or not isinstance(length, int) or not 16 <= length <= 8160:
-            raise ValueError(f"length must be a whole number of bytes from 16 to 8160, not "
-                             f"{length!r}")
+        length = _whole(length, 16, 8160, "length must be a whole number of bytes from 16 to "
+                                          "8160")
         with self._secret as key:
             hkdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=None,
-                        info=b"rehydrate.sessions\0" + purpose.encode())
+                        info=b"rehydrate.sessions\0" + _utf8(purpose))
             return hkdf.derive(key)
 
     def close(self) -> None:

@@ -104,6 +104,9 @@ class VLLMAdapter(ServerAdapter):
         super().__init__(None if in_process else target, api_key=api_key, deadline=deadline,
                          request_timeout=request_timeout)
         self.llm: Any = target if in_process else None
+        if in_process:
+            # One adapter per engine object, as one per URL (see ServerAdapter.install).
+            self.key = f"rehydrate.adapters.vllm:{type(target).__name__}@{id(target):#x}"
         self.level = level
         self.mode = mode
         self.model = model

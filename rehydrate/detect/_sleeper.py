@@ -136,12 +136,16 @@ def _timerfd() -> tuple[int, SetTime]:
         err = ctypes.get_errno()
         return OSError(err, f"{call}: {os.strerror(err)}")
 
-    def timespec(seconds: float) -> Timespec:
-        whole = int(seconds)
-        return Timespec(whole, round((seconds - whole) * 1e9))
+    def timespec(seconds: float, *, at_least: int = 0) -> Timespec:
+        # Rounded as a whole, not its fraction alone: 0.9999999999 s made tv_nsec 1e9,
+        # which the kernel refuses (EINVAL).
+        sec, nsec = divmod(max(at_least, round(seconds * 1e9)), 1_000_000_000)
+        return Timespec(sec, nsec)
 
     def settime(fd: int, first: float, period: float) -> None:
-        spec = ITimerSpec(timespec(period), timespec(first))
+        # A first expiry of zero would disarm the timer and the read would block for
+        # good: a sleep of 0 (or of less than 0.5 ns) ends at once instead.
+        spec = ITimerSpec(timespec(period), timespec(first, at_least=1))
         if arm(fd, 0, ctypes.byref(spec), None) != 0:
             raise failed("timerfd_settime")
 

@@ -259,6 +259,7 @@ class VmClockDetector(Detector):
         try:
             last = time.monotonic()
             failing = False
+            absent = False  # the hypervisor stopped providing vm_generation_counter
             poller: select.poll | None = None
             if self.mode == "poll" and self._wake_r is not None:
                 poller = select.poll()
@@ -291,6 +292,19 @@ class VmClockDetector(Detector):
                     log.info("vmclock: %s is readable again", self.path)
                     failing = False
                 self.reads += 1
+                if not clock.has_generation:
+                    # The ABI defines the counter only while the flag says it is there; a
+                    # host without the feature (after a live migration) leaves it 0, and
+                    # that is no new generation. The last real value stays the reference.
+                    if not absent:
+                        log.warning("vmclock: %s no longer provides vm_generation_counter "
+                                    "(flag unset); ignoring it until it does", self.path)
+                        absent = True
+                    last = time.monotonic()
+                    continue
+                if absent:
+                    log.info("vmclock: %s provides vm_generation_counter again", self.path)
+                    absent = False
                 gen = clock.vm_generation_counter
                 if gen != self.generation:
                     previous, self.generation = self.generation, gen

@@ -158,6 +158,31 @@ def test_a_freeze_seen_by_the_loop_is_not_rebased_twice(rehydrate_engine):
     assert clock.due() == 1 and clock.jumps == 2
 
 
+def test_a_slow_restore_phase_does_not_make_the_freeze_a_second_jump(rehydrate_engine):
+    """The loop saw the freeze; then a CONNECTIONS hook took 8 s (a reconnect within its
+    30 s deadline) while the loop ran on. Judged when the APPLICATION phase came, the
+    loop's jump was older than SAW_FREEZE_WINDOW: a second jump for one restore, which
+    with max_catch_up=0 dropped a tick and asked the game to resync its clients again."""
+    from rehydrate import Phase
+
+    fake = FakeClock()
+    clock = TickClock(30, clock=fake, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    fake.now += 3600.0  # frozen; the loop runs before the restore hooks do
+    assert clock.due() == 0 and clock.jumps == 1
+
+    @rehydrate_engine.registry.after_restore(phase=Phase.CONNECTIONS, name="slow-reconnect")
+    def slow_reconnect() -> None:
+        for _ in range(240):  # 8 s of ordinary frames meanwhile
+            fake.now += 1 / 30
+            assert clock.due() == 1
+
+    assert rehydrate_engine.simulate_restore().ok
+    fake.now += 1 / 30
+    assert clock.due() == 1, "the restore made an ordinary frame a second jump"
+    assert (clock.jumps, clock.last_jump) == (1, 0.0)
+
+
 def test_a_level_load_long_before_the_restore_does_not_stop_the_rebase(rehydrate_engine):
     """A long frame any time before a restore (a level load) with no before-snapshot event
     was taken for the loop seeing the freeze: the restore did not rebase at all."""
@@ -208,3 +233,19 @@ def test_alpha_and_until_next():
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TickClock(**kwargs, rebase_on_restore=False)
+
+
+def test_numpy_numbers_are_numbers():
+    """A rate read from a config array is a NumPy scalar: it was refused as "must be a
+    number > 0 …, not np.int64(30)"."""
+    import numpy as np
+
+    fake = FakeClock()
+    clock = TickClock(np.int64(30), max_catch_up=np.int64(2), max_frame=np.float32(0.25),
+                      clock=fake, rebase_on_restore=False)
+    assert (clock.rate_hz, clock.max_catch_up) == (30.0, 2)
+    assert type(clock.max_catch_up) is int and type(clock.rate_hz) is float
+    fake.now += 0.1
+    assert clock.due() == 3
+    fake.now += 60.0
+    assert clock.due() == 2

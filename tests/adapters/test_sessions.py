@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 
@@ -50,6 +51,23 @@ def test_wiped_before_snapshot_never_blocks(rehydrate_engine):
     assert not s.verify("alice", tok)
     assert rehydrate_engine.simulate_restore(kind="resume").ok
     assert s.available and s.token("alice") != tok
+
+
+def test_a_token_with_lone_surrogates_is_refused_not_an_exception(rehydrate_engine):
+    """A client's JSON may escape a lone surrogate; json.loads gives a str that strict
+    UTF-8 cannot encode. verify() must say False (the game replies "rejoin"), not raise
+    out of the datagram handler."""
+    s = MatchSessions("m5", engine=rehydrate_engine)
+    good = s.token("p1")
+    hostile = json.loads('{"token": "\\udcff' + good[1:] + '"}')["token"]
+    assert not s.verify("p1", hostile)
+    assert s.verify("p1", good)
+    # A subject or purpose that came from the network the same way is keyed like any other:
+    # stable, distinct from its neighbours, verifiable.
+    odd = json.loads('"p\\ud800"')
+    assert s.token(odd) == s.token(odd) != s.token("p")
+    assert s.verify(odd, s.token(odd)) and not s.verify("p", s.token(odd))
+    assert len(s.derive(odd)) == 32 and s.derive(odd) != s.derive("p")
 
 
 def test_bad_key_size_is_refused(rehydrate_engine):
@@ -216,3 +234,13 @@ def test_session_arguments_that_would_weaken_or_break_are_refused(rehydrate_engi
         s.token(123)
     with pytest.raises(TypeError, match="purpose must be a str"):
         s.derive(b"x")
+
+
+def test_numpy_integers_are_whole_numbers_of_bytes(rehydrate_engine):
+    import numpy as np
+
+    s = MatchSessions("m6", nbytes=np.int64(32), engine=rehydrate_engine)
+    assert len(s.derive("chat", np.int64(48))) == 48
+    assert s.verify("p1", s.token("p1"))
+    with pytest.raises(ValueError, match="nbytes"):
+        MatchSessions("m7", nbytes=True, engine=rehydrate_engine)

@@ -584,3 +584,105 @@ def test_a_call_cancelled_from_outside_cancels_the_request_it_waits_for() -> Non
         await asyncio.wait_for(cancelled.wait(), 5)  # before: still sleeping
 
     asyncio.run(main())
+
+
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # valid JSON that json.loads cannot nest into
+
+
+@pytest.mark.parametrize("status", [200, 400])
+def test_json_nested_too_deep_for_the_parser_is_a_server_error(url: str, server: Any,
+                                                               status: int) -> None:
+    """A broken proxy or hostile peer answering deeply nested JSON: json.loads raises
+    RecursionError (no ValueError), which escaped the adapter instead of a one-line
+    ServerError naming the call."""
+    server[1].app = raw_app(status, [(b"content-type", b"application/json")], DEEP_JSON)
+    with pytest.raises(vllm.ServerError) as exc:
+        vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
+    message = str(exc.value)
+    assert message.startswith("vllm GET /is_sleeping: ") and "\n" not in message
+    assert len(message) < 500
+
+
+def test_the_servers_reason_is_shown_without_its_control_characters(url: str,
+                                                                    server: Any) -> None:
+    """The reason lands in logs, status and 503 bodies: no terminal escape sequences."""
+    server[1].app = raw_app(400, [], b'\x1b]0;owned\x07\x1b[31mbad request\x1b[0m\x00')
+    with pytest.raises(vllm.ServerError) as exc:
+        vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
+    assert str(exc.value) == "vllm GET /is_sleeping: HTTP 400: ?]0;owned??[31mbad request?[0m?"
+    assert exc.value.reason == "?]0;owned??[31mbad request?[0m?"
+
+
+def test_installing_again_replaces_the_hooks_it_does_not_add_a_second_pair(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any, caplog: Any) -> None:
+    """vllm.install(url) twice (an app factory run twice, or beside
+    Lifecycle(extensions=[...])) attached two pairs of hooks: two sleeps, two wake-ups,
+    two canaries per restore. The latest install wins."""
+    vllm.install(url, engine=rehydrate_engine, level=2)
+    with caplog.at_level(logging.INFO, logger="rehydrate.adapters"):
+        vllm.install(url, engine=rehydrate_engine)  # level 1 now
+    assert [h.name for h in rehydrate_engine.hooks("snapshot")].count("rehydrate.vllm.sleep") == 1
+    assert "installed again: it replaces the one before" in caplog.text
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.log == ["GET /is_sleeping", "POST /sleep?level=1", "GET /is_sleeping"]
+    standin.log.clear()
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.log == LEVEL1_WAKE and standin.canaries == 1
+    # another engine is another engine: its own pair
+    other = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    try:
+        vllm.install(url, engine=other)
+        assert [h.name for h in other.hooks("restore")].count("rehydrate.vllm.wake") == 1
+        assert [h.name for h in rehydrate_engine.hooks("restore")].count(
+            "rehydrate.vllm.wake") == 1
+    finally:
+        other.close()
+
+
+def test_an_in_process_engine_installed_twice_is_put_to_sleep_once(
+        rehydrate_engine: Any) -> None:
+    llm = FakeLLM()
+    vllm.install(llm, engine=rehydrate_engine)
+    vllm.install(llm, engine=rehydrate_engine)
+    vllm.install(FakeLLM(), engine=rehydrate_engine)  # another engine object: its own hooks
+    names = [h.name for h in rehydrate_engine.hooks("snapshot")]
+    assert names.count("rehydrate.vllm.sleep") == 2
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert llm.calls == ["is_sleeping", "sleep(1)", "is_sleeping"]
+
+
+def test_sglang_installed_twice_restores(url: str, server: Any, rehydrate_engine: Any) -> None:
+    """Two resume hooks for one server: the second resume was refused (nothing released
+    any more) and the restore failed."""
+    from tests.inference_standins import SGLangStandIn
+
+    server[1].app = standin = SGLangStandIn()
+    sglang.install(url, engine=rehydrate_engine)
+    sglang.install(url, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /resume_memory_occupation") == 1
+
+
+def test_a_loopback_server_is_called_directly_despite_an_egress_proxy(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any, monkeypatch: Any) -> None:
+    """A Pod with HTTP_PROXY set for egress (and no NO_PROXY for 127.0.0.1): the adapter's
+    calls to the engine on loopback went to the proxy — which cannot reach this Pod's
+    loopback — and the engine "did not answer"."""
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:1")  # nothing listens there
+    assert url.startswith("http://127.0.0.1:")
+    assert vllm.VLLMAdapter(url, canary=False).probe().usable
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.canaries == 1
+    # a remote server still goes through the proxy the environment names
+    assert vllm.VLLMAdapter("http://10.1.2.3:8000").client().trust_env
+    for local in ("http://localhost:8000", "http://[::1]:8000", "http://127.8.9.10",
+                  "http://api.localhost:1"):
+        assert not vllm.VLLMAdapter(local).client().trust_env, local

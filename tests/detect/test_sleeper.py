@@ -122,3 +122,26 @@ def test_a_wait_between_arming_and_reading_is_not_lateness():
         assert s.sleep(0.05) is None
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("seconds", [0.0, 1e-10, -1.0, 0.9999999999])
+def test_any_sleep_length_ends_and_none_is_refused_by_the_kernel(sleeper, seconds):
+    """The timerfd is armed with the first expiry as a timespec: a zero one disarms the
+    timer (the read then blocked for good), and a fraction rounding up to 1e9 ns was
+    refused (EINVAL, ending the detector's thread)."""
+    outcome: list[object] = []
+
+    def sleep() -> None:
+        try:
+            outcome.append(sleeper.sleep(seconds))
+        except OSError as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=sleep, daemon=True)
+    t.start()
+    t.join(10.0)
+    if t.is_alive():
+        sleeper.wake()  # release the test's thread
+        t.join(5.0)
+        pytest.fail(f"sleep({seconds!r}) never ended by itself")
+    assert len(outcome) == 1 and not isinstance(outcome[0], OSError), outcome

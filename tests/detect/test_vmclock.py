@@ -55,6 +55,9 @@ class FakeVmClock:
     def set_seq(self, value: int) -> None:
         self._pwrite(12, struct.pack("<I", value))
 
+    def set_flags(self, value: int) -> None:
+        self._pwrite(24, struct.pack("<Q", value))
+
 
 def test_reads_vm_generation_counter_at_its_abi_offset(tmp_path):
     fake = FakeVmClock(tmp_path / "vmclock0", generation=0x1122334455667788,
@@ -161,3 +164,33 @@ def test_a_device_that_stops_reading_well_is_one_warning_not_one_a_second(
     failures = [r for r in caplog.records if "vmclock: cannot read" in r.getMessage()]
     assert [r.levelno for r in failures][:3] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     assert any(f"{fake.path} is readable again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_counter_without_its_present_flag_is_no_restore(rehydrate_engine, tmp_path, caplog):
+    """vm_generation_counter means something only while VMCLOCK_FLAG_VM_GEN_COUNTER_PRESENT
+    is set (vmclock-abi.h): a host without the feature — after a live migration — leaves
+    the field 0. That, and the flag coming back with the value from before, are not
+    restores; a different value once the flag is back is one."""
+    fake = FakeVmClock(tmp_path / "vmclock0", generation=7)
+    rec = Recorder(rehydrate_engine)
+    det = VmClockDetector(str(fake.path), interval=0.01)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.reads >= 2)
+
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        fake.set_flags(0)
+        fake.set_generation(0)
+        reads = det.reads
+        wait_for(lambda: det.reads >= reads + 5)
+        assert rec.calls == []
+        fake.set_generation(7)
+        fake.set_flags(GEN_PRESENT)
+        reads = det.reads
+        wait_for(lambda: det.reads >= reads + 5)
+        assert rec.calls == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("no longer provides vm_generation_counter" in m for m in messages) == 1
+    assert any("provides vm_generation_counter again" in m for m in messages)
+
+    fake.set_generation(8)
+    assert [(c["reason"], c["generation"]) for c in rec.wait(1)] == [("vmclock", 1)]
