@@ -309,6 +309,7 @@ class AgonesAdapter:
         """The request, retried with backoff until the monotonic time ``until``; a refusal
         (4xx but 408 and 429) is raised at once: it would only be refused again."""
         attempt = 0
+        answered = False  # by any attempt: the last one may only have had a sliver of time
         while True:
             attempt += 1
             try:
@@ -318,9 +319,9 @@ class AgonesAdapter:
             except AgonesError as exc:
                 if _refusal(exc) is not None:
                     raise
+                answered = answered or isinstance(exc.__cause__, httpx.HTTPStatusError)
                 left = until - time.monotonic()
                 if left <= 0:
-                    answered = isinstance(exc.__cause__, httpx.HTTPStatusError)
                     what = ("kept refusing" if answered else "did not answer")
                     raise AgonesUnavailable(
                         f"Agones sidecar at {self.base_url} {what} {method} {path} "

@@ -452,10 +452,27 @@ def test_a_label_set_between_the_pause_and_the_restore_is_sent_after_it(
 
 
 def test_a_sidecar_that_keeps_refusing_is_not_said_to_be_silent(sidecar, rehydrate_engine):
-    a = _adapter(sidecar, rehydrate_engine, deadline=0.5, request_timeout=0.2)
+    a = _adapter(sidecar, rehydrate_engine, deadline=0.5, request_timeout=0.45)
     a.install()
     try:
         sidecar.faults.fail, sidecar.faults.paths = 1000, ("/gameserver",)
+        report = rehydrate_engine.simulate_restore()
+        [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
+        assert "kept refusing GET /gameserver within the 0.5s deadline" in str(resync.error)
+    finally:
+        a.close()
+
+
+def test_a_refusing_sidecar_is_named_so_though_the_last_attempt_ran_out_of_time(
+        sidecar, rehydrate_engine):
+    """The message was taken from the last attempt alone, which the deadline may cut to
+    a sliver (10 ms): a sidecar that answered 500 every time it had the time to was
+    reported as one that "did not answer"."""
+    a = _adapter(sidecar, rehydrate_engine, deadline=0.5, request_timeout=0.45)
+    a.install()
+    try:
+        sidecar.faults.fail, sidecar.faults.paths = 1000, ("/gameserver",)
+        sidecar.faults.delay = 0.15  # the first attempt is answered, the last cannot be
         report = rehydrate_engine.simulate_restore()
         [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
         assert "kept refusing GET /gameserver within the 0.5s deadline" in str(resync.error)
