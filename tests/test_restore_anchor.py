@@ -201,10 +201,14 @@ def test_a_forked_child_does_not_inherit_the_freeze_watch(rehydrate_engine: Life
     """The parent's heartbeat thread does not exist in a fork()ed child: the child must
     not look frozen for ever."""
     engine = rehydrate_engine
-    engine.heartbeat(time.monotonic(), 0.05)
+    # A beat already stale: the child checks and exits at once. A child of this
+    # many-threaded test process (gRPC, torch, gevent loaded by earlier tests) that lived
+    # on for a while was once killed by SIGSEGV in a thread some library's fork handler
+    # started in it.
+    engine.heartbeat(time.monotonic() - 1.0, 0.05)
+    assert not engine.is_ready()  # the parent: frozen by its watch's reckoning
     pid = os.fork()
-    if pid == 0:  # the child: exit status 0 only if it is ready once the beat is stale
-        time.sleep(0.2)
+    if pid == 0:  # the child: exit status 0 only if it is ready though the beat is stale
         os._exit(0 if engine.is_ready() and engine.wait_ready(timeout=1) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
