@@ -1046,7 +1046,8 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 def _log_run(report: RestoreReport) -> None:
     """The one INFO line of a restore or resume run, written after readiness changed."""
-    frozen = f", frozen for {report.frozen_for:.1f}s" if report.frozen_for is not None else ""
+    frozen = ("" if report.frozen_for is None else ", not frozen" if report.frozen_for == 0
+              else f", frozen for {report.frozen_for:.1f}s")
     env = report.env_changes
     changes = (f"; environment refreshed: added={list(env.added)} "
                f"changed={list(env.changed)} removed={list(env.removed)}" if env else "")
