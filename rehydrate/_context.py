@@ -82,12 +82,14 @@ class RestoreContext:
     """``restore`` (a clone), ``resume`` (the original after a snapshot) or ``snapshot``."""
     env_changes: EnvChanges = field(default_factory=EnvChanges)
     frozen_for: float | None = None
+    """Seconds spent frozen, when known; ``None`` when not. ``0.0``: nothing froze — a
+    "carry on" resume after a snapshot that never happened (the before-snapshot hooks
+    failed, the checkpoint was aborted before it began, the snapshot deadline passed)."""
     confirmed_by: tuple[str, ...] = ()
     """Reasons of later notices recognised as this same restore (they ran nothing)."""
     deduplicated: bool = False
     """True on the copy returned to a notice that was recognised as an earlier run (the
     hooks did not run again for it); the stored report keeps False."""
-    """Seconds spent frozen, when the detector knows it."""
     detected_at: float = 0.0
     """``time.monotonic()`` when the detector noticed the event."""
     env: Mapping[str, str | None] | None = field(default=None, repr=False)

@@ -534,7 +534,9 @@ class Lifecycle:
         socket's ``simulate``), and the "carry on" resume runs made when no checkpoint
         happened (before-snapshot hooks failed, the trigger failed, the platform went
         away). They never make a later real restore look handled: a clone must always
-        get its reseed, new keys and new environment.
+        get its reseed, new keys and new environment. Those that know no freeze happened
+        also pass ``frozen_for=0.0`` (hooks such as the game loop's tick clock then do
+        not treat the run as a freeze); ``None`` means "not known".
 
         Choosing ``since``: a detector must pass a moment *before the freeze* that is as
         late as it can honestly know, because every anchored restore detected after it
@@ -655,11 +657,16 @@ class Lifecycle:
         with self._run_lock:
             if self._event_seq != seq or self._state != "snapshotting":
                 return
+            detected = time.monotonic()
+            # Every slice of the watch ended on time: nothing froze, and hooks that act
+            # only on a freeze (the game's tick clock) must know it (frozen_for 0). A
+            # gap since the last slice (a freeze just now, unnoticed yet): unknown.
+            frozen_for = 0.0 if detected - now <= _FROZEN_STEP else None
             log.warning("no restore or resume within %gs of the before-snapshot hooks "
                         "(snapshot_deadline): the platform seems to have given up; running "
                         "the resume hooks", deadline)
-            report = self._run_restore("snapshot-deadline", "resume", None, None,
-                                       time.monotonic())
+            report = self._run_restore("snapshot-deadline", "resume", frozen_for, None,
+                                       detected)
         self._publish(report)
         _log_run(report)
 
@@ -1039,7 +1046,8 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 def _log_run(report: RestoreReport) -> None:
     """The one INFO line of a restore or resume run, written after readiness changed."""
-    frozen = f", frozen for {report.frozen_for:.1f}s" if report.frozen_for is not None else ""
+    frozen = ("" if report.frozen_for is None else ", not frozen" if report.frozen_for == 0
+              else f", frozen for {report.frozen_for:.1f}s")
     env = report.env_changes
     changes = (f"; environment refreshed: added={list(env.added)} "
                f"changed={list(env.changed)} removed={list(env.removed)}" if env else "")

@@ -110,7 +110,7 @@ def trigger_snapshot(
         if not snap.ok:
             log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
                       "resume hooks")
-            engine.restore_detected("gvisor", kind="resume", anchor=False)
+            engine.restore_detected("gvisor", kind="resume", anchor=False, frozen_for=0.0)
             return "error"
         # The before-snapshot hooks ran: from here on, a failure must not leave the process
         # "snapshotting" for ever. Unless an answer is still coming to the running waiter
@@ -123,8 +123,12 @@ def trigger_snapshot(
                 raise
             log.warning("trigger failed after the before-snapshot hooks ran (%s); running "
                         "the resume hooks, the process carries on", exc)
+            # Before the 1 was written nothing can have frozen; after it, a checkpoint
+            # may have paused the sandbox while no answer came: not known.
+            frozen_for = None if progress.written else 0.0
             try:
-                engine.restore_detected("gvisor", kind="resume", anchor=False)
+                engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                        frozen_for=frozen_for)
             except Exception:
                 log.exception("running the resume hooks after a failed trigger failed")
             raise
@@ -136,6 +140,8 @@ class _Progress:
     answer_pending = False
     """The running waiter holds a descriptor for the triggered checkpoint: its (late)
     answer runs the restore or resume hooks."""
+    written = False
+    """The ``1`` was written: a checkpoint may have begun (and paused the sandbox)."""
 
 
 def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int, *,
@@ -170,6 +176,7 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
                                   "progress; resume hooks ran") from None
             raise GVisorError(f"writing 1 to {path} failed: {exc.strerror or exc}; "
                               "resume hooks ran, the process carries on") from None
+        progress.written = True
         if written != 1:  # pragma: no cover - a 1-byte write is all or nothing
             raise GVisorError(f"short write to {path}")
         log.info("checkpoint triggered through %s; waiting for the answer", path)

@@ -164,6 +164,71 @@ def test_the_restore_hook_touches_the_players_only_on_the_game_loop():
     assert result["off_loop"] == [], result
 
 
+# The server's TickClock on a clock only this script moves (no real frame is ever long,
+# however loaded the machine): a snapshot the platform never takes (the snapshot deadline
+# runs the resume hooks), then an ordinary frame. Prints what the game loop made of it.
+_CARRY_ON = r"""
+import asyncio, json, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import rehydrate
+import server
+from rehydrate.adapters.gameloop import TickClock
+
+class Clock:
+    now = 1000.0
+    def __call__(self):
+        return self.now
+
+fake, clocks = Clock(), []
+def tick_clock(rate, **kwargs):
+    clocks.append(TickClock(rate, clock=fake, **kwargs))
+    return clocks[-1]
+server.TickClock = tick_clock
+
+ready = threading.Event()
+emit = server.Events.emit
+def emitted(self, event, **fields):
+    emit(self, event, **fields)
+    if event == "ready":
+        ready.set()
+server.Events.emit = emitted
+
+threading.Thread(target=lambda: asyncio.run(server.main(
+    ["--port", "0", "--no-agones", "--rate", "30", "--max-catch-up", "2"])),
+    daemon=True).start()
+assert ready.wait(30), "the server never became ready"
+clock = clocks[0]
+rehydrate.default_engine.snapshot_deadline = 0.05
+assert rehydrate.simulate_snapshot().ok
+assert rehydrate.wait_ready(30), "the snapshot deadline did not run the resume hooks"
+report = rehydrate.status().last_report
+ticks = clock.ticks
+fake.now += 0.1  # an ordinary frame: three ticks owed
+end = time.monotonic() + 30
+while clock.ticks == ticks and time.monotonic() < end:
+    time.sleep(0.01)  # the loop polls its clock every tick (a real 1/30 s)
+print(json.dumps({"reason": report.reason, "kind": report.kind,
+                  "frozen_for": report.frozen_for, "ticks": clock.ticks - ticks,
+                  "game": rehydrate.status().to_dict()["game"]}))
+"""
+
+
+def test_a_snapshot_never_taken_makes_no_jump_and_no_resync():
+    """The snapshot deadline (and a failed before-snapshot pass) runs the resume hooks
+    although the process was never frozen: the tick clock still forced a jump, so the
+    server dropped a frame and told every client to resync for nothing."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("REHYDRATE_CONTROL_SOCKET", None)
+    proc = subprocess.run([sys.executable, "-c", _CARRY_ON, str(SERVER.parent)], env=env,
+                          capture_output=True, text=True, timeout=90, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert (result["reason"], result["kind"], result["frozen_for"]) == (
+        "snapshot-deadline", "resume", 0.0), result
+    assert result["ticks"] == 3, result
+    assert result["game"]["jumps"] == 0 and result["game"]["dropped"] == 0, result
+
+
 def _ask(s: socket.socket, msg: dict[str, Any] | bytes, want: str) -> dict[str, Any]:
     """Send ``msg``; the first reply with op ``want`` (states in between are skipped)."""
     s.send(msg if isinstance(msg, bytes) else json.dumps(msg).encode())

@@ -917,6 +917,16 @@ def test_a_restore_is_logged_once_after_readiness_changed(rehydrate_engine, capl
     assert "ready" in line and "RHT_LOGGED_TOKEN" in line and "s3cret" not in line
 
 
+def test_a_carry_on_resume_is_logged_as_not_frozen(rehydrate_engine, caplog):
+    """A resume that followed no freeze (frozen_for 0.0) was logged "frozen for 0.0s", as
+    if the process had been frozen for a moment."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    assert rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                             frozen_for=0.0).ok
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert line.startswith("resume (reason control, generation 0, not frozen): "), line
+
+
 def test_the_report_says_how_long_the_run_waited_after_the_notice(rehydrate_engine):
     """``notice_to_run``: from the detector's notice (``detected_at``) to the run's start —
     the part of resume -> ready that the report's ``duration`` does not cover."""

@@ -247,6 +247,8 @@ def test_snapshot_deadline_runs_resume_hooks(caplog: pytest.LogCaptureFixture) -
         assert runs == [("snapshot-deadline", "resume", 0)]
         assert engine.state == "ready" and engine.generation == 0
         assert engine.last_restore_at is None, "no freeze happened: not an anchor"
+        # ... and the run says so to its hooks (the game's tick clock jumped on None).
+        assert engine.status().last_report.frozen_for == 0.0
         assert any("snapshot_deadline" in r.getMessage() for r in caplog.records)
     finally:
         engine.close()

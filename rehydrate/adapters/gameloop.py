@@ -24,7 +24,11 @@ platforms whose monotonic clock does not include the time frozen, or when the lo
 not running across the freeze. When the loop already took a jump since the previous
 snapshot or restore event, no more than :data:`SAW_FREEZE_WINDOW` seconds before the
 restore's hooks began (it saw the freeze first), the restore does not add a second one; an
-older jump (a level load) does not count.
+older jump (a level load) does not count. A resume run that followed no freeze
+(``RestoreContext.frozen_for == 0``: the before-snapshot hooks failed, the checkpoint was
+aborted before it began, or the snapshot deadline passed) does not rebase either: the
+loop ran on throughout, and a jump would only drop a frame and resync every client for
+nothing. When the engine cannot tell (``frozen_for`` is ``None``), it rebases.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from rehydrate import Phase
+from rehydrate import Phase, RestoreContext
 from rehydrate.extensions import Engine, resolve_engine
 
 __all__ = ["TickClock"]
@@ -124,10 +128,11 @@ class TickClock:
     def _attach(self, engine: Engine) -> None:
         ref = weakref.ref(self)
 
-        def rebase_tick_clock() -> None:
+        def rebase_tick_clock(ctx: RestoreContext) -> None:
             clock = ref()
             if clock is not None:
-                clock._on_event(restore=True)
+                # frozen_for 0: a carry-on resume, nothing froze (None: not known, rebase).
+                clock._on_event(restore=ctx.frozen_for != 0)
 
         def mark_tick_clock() -> None:
             clock = ref()
@@ -150,8 +155,9 @@ class TickClock:
             weakref.finalize(self, b.unregister, hook)
 
     def _on_event(self, *, restore: bool) -> None:
-        """Rebase on a restore — unless the loop already took a jump since the previous
-        snapshot or restore event (it saw the freeze first: one resync is enough)."""
+        """Rebase on a restore (``restore``: an event that followed a freeze, or may have)
+        — unless the loop already took a jump since the previous snapshot or restore event
+        (it saw the freeze first: one resync is enough). Any event starts a new count."""
         with self._lock:
             saw_it = (self.jumps != self._jumps_mark
                       and self._clock() - self._last_jump_at <= SAW_FREEZE_WINDOW)
@@ -189,7 +195,8 @@ class TickClock:
             return n
 
     def rebase(self) -> None:
-        """Treat the next :meth:`due` call as a jump (done on every rehydrate restore)."""
+        """Treat the next :meth:`due` call as a jump (done on every rehydrate restore or
+        resume that followed a freeze, or may have)."""
         with self._lock:
             self._rebase = True
 

@@ -513,7 +513,9 @@ class ControlServer:
             log.warning("the client of prepare-snapshot went away before the reply; the "
                         "platform aborts the checkpoint, so the resume hooks run now")
             self._last_prepare = None  # no checkpoint follows it
-            self.engine.restore_detected("control", kind="resume", anchor=False)
+            # The platform aborts before it pauses anything: nothing froze.
+            self.engine.restore_detected("control", kind="resume", anchor=False,
+                                         frozen_for=0.0)
         return delivered
 
     @staticmethod
@@ -551,7 +553,10 @@ class ControlServer:
             self._last_prepare = prepared if snap.ok and self._notices == notices else None
             if not snap.ok:
                 failed = _failed_hooks(snap)
-                resume = engine.restore_detected("control", kind="resume", anchor=False)
+                # `notify save` exits non-zero: the platform aborts before it pauses
+                # anything, so nothing froze.
+                resume = engine.restore_detected("control", kind="resume", anchor=False,
+                                                 frozen_for=0.0)
                 out["resume_report"] = resume.to_dict()
                 ran = ("the resume hooks ran" if resume.ok else
                        f"the resume hooks failed too ({_failed_hooks(resume)}): degraded")

@@ -239,7 +239,10 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
         log.warning("gVisor reports that the checkpoint failed; the process carries on "
                     "(running the resume hooks, since before-snapshot hooks may have "
                     "closed things)")
-        # Nothing froze: like every carry-on run, no anchor for a later real restore.
+        # No clone: like every carry-on run, no anchor for a later real restore. Whether
+        # the sandbox was paused is not known (frozen_for None): gVisor answers "error"
+        # both when the save is refused before the pause (a failing save-restore-exec)
+        # and when it fails after pausing (writing the image, or resuming, failed).
         return engine.restore_detected(reason, kind="resume", since=since, anchor=False)
     return engine.restore_detected(reason, kind="resume", since=since)
 

@@ -198,6 +198,49 @@ def test_a_level_load_long_before_the_restore_does_not_stop_the_rebase(rehydrate
     assert clock.due() == 0 and clock.jumps == 2, "the restore must rebase the clock"
 
 
+@pytest.mark.parametrize(("kind", "frozen_for", "jumps"), [
+    ("resume", 0.0, False),   # a carry-on resume: nothing froze
+    ("resume", None, True),   # a resume after a real checkpoint, freeze length unknown
+    ("resume", 2.5, True),
+    ("restore", None, True),  # a clone
+    ("restore", 40.0, True),
+])
+def test_only_a_run_after_a_freeze_rebases(rehydrate_engine, kind, frozen_for, jumps):
+    """A resume run that followed no freeze (frozen_for 0.0) forced a jump anyway: a
+    frame dropped and every client told to resync for nothing. Unknown (None) still
+    rebases, as does any known freeze."""
+    fake = FakeClock()
+    clock = TickClock(30, max_catch_up=2, clock=fake, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.restore_detected("test", kind=kind, frozen_for=frozen_for,
+                                             anchor=False).ok
+    fake.now += 0.1  # an ordinary frame: three ticks owed
+    if jumps:
+        assert clock.due() == 2 and clock.jumps == 1
+        assert clock.last_jump == pytest.approx(0.1 - 2 / 30)
+    else:
+        assert clock.due() == 3, "a run that followed no freeze made the frame a jump"
+        assert (clock.jumps, clock.last_jump, clock.dropped) == (0, 0.0, 0.0)
+
+
+def test_snapshot_deadline_resume_does_not_jump(rehydrate_engine):
+    """The snapshot deadline ran the resume hooks although the process was never frozen
+    (the platform gave up): the tick clock forced a jump."""
+    fake = FakeClock()
+    clock = TickClock(30, max_catch_up=2, clock=fake, engine=rehydrate_engine)
+    rehydrate_engine.snapshot_deadline = 0.05
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.wait_ready(timeout=30)
+    last = rehydrate_engine.status().last_report
+    assert (last.reason, last.kind, last.frozen_for) == ("snapshot-deadline", "resume", 0.0)
+    fake.now += 0.1
+    assert clock.due() == 3 and clock.jumps == 0
+    # A real restore afterwards still rebases.
+    assert rehydrate_engine.simulate_restore().ok
+    fake.now += 0.1
+    assert clock.due() == 2 and clock.jumps == 1
+
+
 def test_hook_goes_away_with_the_clock(rehydrate_engine):
     import gc
 

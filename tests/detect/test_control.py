@@ -208,6 +208,9 @@ def test_prepare_snapshot_failure_runs_resume_hooks(server: ControlServer, engin
     assert reply["ok"] is False
     assert "flush-db" in reply["error"]
     assert reply["resume_report"]["kind"] == "resume"
+    # The platform aborts before pausing anything: the run says nothing froze (it said
+    # None, "not known", like a real resume, and the game's tick clock jumped).
+    assert reply["resume_report"]["frozen_for"] == 0.0
     assert ("restore-hook", "resume", 0, "control") in calls.items
 
 
@@ -218,6 +221,8 @@ def test_restore_and_resume(server: ControlServer, engine: Lifecycle, sock_path:
     assert reply["report"]["reason"] == "control" and reply["report"]["generation"] == 1
     reply = request("resume", socket_path=sock_path)
     assert reply["ok"] and reply["report"]["kind"] == "resume"
+    # A real resume (after a checkpoint left running): frozen, for how long not known.
+    assert reply["report"]["frozen_for"] is None
     assert calls.items == [("restore-hook", "restore", 1, "control"),
                            ("restore-hook", "resume", 1, "control")]
 
@@ -479,7 +484,9 @@ def test_prepare_client_gone_before_reply_runs_resume_hooks(
     release.set()
     wait_for(lambda: ("restore-hook", "resume", 0, "control") in calls.items,
              what="the resume hooks")
-    assert request("status", socket_path=sock_path)["ok"]
+    status = request("status", socket_path=sock_path)
+    assert status["ok"]
+    assert status["status"]["last_report"]["frozen_for"] == 0.0, "nothing froze"
 
 
 def test_concurrent_clients(server: ControlServer, engine: Lifecycle, sock_path: str) -> None:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import json
 import logging
@@ -925,3 +926,49 @@ def test_trigger_open_or_read_failure_is_a_gvisor_error_naming_the_file(
         platform.close()
     assert [c[:2] for c in rec.calls] == CARRIED_ON
     assert iso_engine.is_ready()
+
+
+@pytest.mark.parametrize(("case", "frozen_for"), [
+    ("before-snapshot hooks fail", 0.0),  # no checkpoint triggered
+    ("answer file cannot be opened", 0.0),  # fails before the 1 is written
+    ("answer cannot be read", None),  # after the 1: a checkpoint may have paused us
+    ("error", None),  # gVisor says "error" before the pause and after it alike
+    ("resume", None),  # a real checkpoint left running: frozen, for how long unknown
+])
+def test_trigger_resume_runs_say_whether_anything_froze(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
+        case: str, frozen_for: float | None) -> None:
+    """The carry-on resume runs of a trigger that never checkpointed had frozen_for None,
+    like a real resume: hooks (the game's tick clock) took them for a freeze."""
+    from rehydrate import _trigger
+
+    reply = {"error": b"error\n", "resume": b"resume\n"}.get(case, b"restore\n")
+    platform = FakePlatform(pty_proc, reply)
+    if case == "before-snapshot hooks fail":
+        @iso_engine.registry.before_snapshot(name="boom")
+        def boom() -> None:
+            raise RuntimeError("cannot close")
+
+    elif case == "answer file cannot be opened":
+        real_open = os.open
+
+        def failing_open(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if flags == gvisor._OPEN_READ and os.fspath(path).endswith("checkpoint"):
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", failing_open)
+    elif case == "answer cannot be read":
+        def failing_read(*args: object) -> bytes:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(_trigger, "_poll_read", failing_read)
+    try:
+        with contextlib.suppress(GVisorError):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
+    finally:
+        monkeypatch.undo()
+        platform.close()
+    last = iso_engine.status().last_report
+    assert last.kind == "resume" and last.reason == "gvisor", last
+    assert last.frozen_for == frozen_for
