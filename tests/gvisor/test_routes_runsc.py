@@ -15,26 +15,10 @@ nor metric, table or type (everything reads back ``proto unspec`` in ``main``).
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import pytest
 
 from .harness import GVisorHarness
-
-
-def _with_net_admin(gvisor: GVisorHarness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sandbox's process gets CAP_NET_ADMIN (runsc spec's default set lacks it)."""
-    make_spec = gvisor.make_spec
-
-    def spec(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        out = make_spec(*args, **kwargs)
-        caps = out["process"].setdefault("capabilities", {})
-        for kind in ("bounding", "effective", "permitted"):
-            caps.setdefault(kind, []).append("CAP_NET_ADMIN")
-        return out
-
-    monkeypatch.setattr(gvisor, "make_spec", spec)
-
 
 WORKLOAD = r"""
 import json, os, subprocess, time
@@ -71,11 +55,10 @@ while True:
 
 
 @pytest.mark.gvisor
-def test_routes_across_a_runsc_checkpoint_and_restore(
-    gvisor: GVisorHarness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _with_net_admin(gvisor, monkeypatch)
-    orig = gvisor.run([sys.executable, "-c", WORKLOAD], name="routes")
+def test_routes_across_a_runsc_checkpoint_and_restore(gvisor: GVisorHarness) -> None:
+    # runsc spec's default capability set lacks CAP_NET_ADMIN; the clone keeps the spec's
+    orig = gvisor.run([sys.executable, "-c", WORKLOAD], name="routes",
+                      capabilities=["NET_ADMIN"])
     before = orig.wait_for("routes.jsonl", lambda r: r["i"] >= 2, timeout=60)
     image = orig.checkpoint()
     clone = gvisor.restore(image, orig, name="routes-clone")
