@@ -4,8 +4,9 @@ Snapshot platforms do not restore user-added routes nor iptables/nftables rules 
 snapshots say so; a gVisor restore rebuilds the network stack). This module re-creates
 them, either from declarations or from a capture taken before the snapshot:
 
-* :func:`route` declares a route (destination, gateway, device, table, metric, source),
-  applied as ``ip route replace`` does — idempotent, protocol ``static`` — with pyroute2
+* :func:`route` declares a route (destination, gateway, device, table, metric, source;
+  protocol, tos, IPv6 source prefix, realm), applied as ``ip route replace`` does —
+  idempotent, protocol ``static`` unless it names one — with pyroute2
   (the ``routes`` extra): every route is one pyroute2 ``rtmsg`` (``RTM_NEWROUTE``,
   ``NLM_F_CREATE | NLM_F_REPLACE``; a captured route ``NLM_F_CREATE | NLM_F_EXCL``),
   encoded by pyroute2 before the snapshot (by :func:`capture` and the before-snapshot
@@ -54,6 +55,7 @@ from ._manager import ApplyResult, Capture, RoutesManager, missing_prerequisites
 from ._model import (
     _FAMILIES,
     _FAMILY_NAMES,
+    _PROTO_NAMES,
     _TYPE_CODES,
     PYROUTE2_MISSING,
     NetworkError,
@@ -128,32 +130,47 @@ def route(  # noqa: PLR0917 - the order ip-route users expect
     *,
     type: str = "unicast",
     scope: int | None = None,
+    proto: int | str | None = None,
+    tos: int = 0,
+    from_prefix: str | None = None,
+    realm: int | str | None = None,
     required: bool = True,
     family: int | str | None = None,
     engine: Engine | None = None,
 ) -> Route:
     """Declare a route re-applied (``replace``) after every restore. Nothing is applied
-    now; a route with the same family, destination, table and metric replaces the
-    earlier one. ``family`` (``"inet"``/``"inet6"``, 4/6 or ``socket.AF_INET*``) is
-    taken from the addresses when not given; ``"default"`` alone is IPv4, ``"::/0"``
-    (or ``family="inet6"``) the IPv6 default route."""
+    now; a route with the same key (family, destination, table, metric, tos, source
+    prefix) replaces the earlier one. ``family`` (``"inet"``/``"inet6"``, 4/6 or
+    ``socket.AF_INET*``) is taken from the addresses when not given; ``"default"``
+    alone is IPv4, ``"::/0"`` (or ``family="inet6"``, or a ``from_prefix``) the IPv6
+    default route.
+
+    As ``ip route`` spells them: ``proto`` is the route's protocol, a number 0-255 or
+    its iproute2 name (``"bird"``, ``"zebra"`` …; default ``static``); ``tos`` (IPv4)
+    the DS field the route matches (``0x10``); ``from_prefix`` (IPv6) a source prefix
+    (``ip -6 route … from fd00:1::/64``); ``realm`` (IPv4) a destination realm (``5``
+    or ``"5"``), ``"3/5"`` for source/destination realms, or the ``RTA_FLOW`` value
+    (:attr:`Route.realm`)."""
     if type not in _TYPE_CODES:
         raise ValueError(f"route type must be one of {sorted(_TYPE_CODES)}")
     fam = _FAMILIES.get(family.lower() if isinstance(family, str) else family)
     if fam is None:
         raise ValueError(f"route family must be 'inet' or 'inet6', not {family!r}")
     r = _checked_route(dst, gateway=gateway, dev=dev, table=table, metric=metric, src=src,
-                       kind=type, scope=scope, required=required, family=fam)
+                       kind=type, scope=scope, required=required, family=fam, proto=proto,
+                       tos=tos, from_prefix=from_prefix, realm=realm)
     manager(engine).add_route(r)
     return r
 
 
 _UINT32 = 2**32 - 1
+_PROTO_CODES = {v: k for k, v in _PROTO_NAMES.items()}
 
 
 def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
                    metric: object, src: object, kind: str, scope: object, required: object,
-                   family: int) -> Route:
+                   family: int, proto: object = None, tos: object = 0,
+                   from_prefix: object = None, realm: object = None) -> Route:
     """The declared route with its addresses in canonical form (as the kernel reports
     them, so that reading back compares equal) and metric 0 as the kernel stores it;
     ``ValueError``/``TypeError`` naming the field for anything the kernel would refuse
@@ -187,7 +204,19 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     implied = {4: socket.AF_INET, 6: socket.AF_INET6}[versions.pop()] if versions else None
     if family and implied is not None and implied != family:
         raise ValueError(f"{what}: its address is not of family {_FAMILY_NAMES[family]}")
-    family = family or implied or socket.AF_INET
+    tos = 0 if tos is None else tos  # no tos, as for the other fields
+    source = _source_prefix(what, from_prefix)
+    # a source prefix exists only on IPv6 routes: `default from fd00:1::/64` is IPv6
+    family = family or implied or (socket.AF_INET6 if source else socket.AF_INET)
+    ipv4_only = [name for name, given in (("tos", tos != 0), ("realm", realm not in (None, 0)))
+                 if given]
+    if source is not None and family != socket.AF_INET6:
+        raise ValueError(f"{what}: from_prefix (a source prefix) is for IPv6 routes only "
+                         "(the kernel ignores it on IPv4)")
+    if ipv4_only and family != socket.AF_INET:
+        raise ValueError(f"{what}: {ipv4_only[0]} is for IPv4 routes only"
+                         + (" (the kernel ignores it on IPv6)" if ipv4_only[0] == "realm"
+                            else ""))
     if dev is not None and (not isinstance(dev, str) or not dev or len(dev) > 15
                             or any(c.isspace() or c == "/" for c in dev)):
         raise ValueError(f"{what}: dev must be a network device name (1-15 characters, "
@@ -199,12 +228,63 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
                              f"{value!r}")
     if not isinstance(required, bool):
         raise TypeError(f"{what}: required must be True or False, not {_type_name(required)}")
+    # the kernel refuses a tos with either ECN bit set ("ECN bits must be 0")
+    if type(tos) is not int or not 0 <= tos <= 255 or tos & 3:
+        raise ValueError(f"{what}: tos must be a whole number 0-255 with the two ECN bits "
+                         f"clear (a DS field such as 0x10 or 0xb8), not {tos!r}")
     if metric == 0:  # the kernel's default metric: none stored (IPv4), 1024 (IPv6)
         metric = 1024 if family == socket.AF_INET6 else None
     gw, sr = addresses.get("gateway"), addresses.get("src")
     return Route("default" if net is None else str(net), None if gw is None else str(gw),
                  dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
-                 kind, scope, required, family)  # type: ignore[arg-type]
+                 kind, scope, required, family,  # type: ignore[arg-type]
+                 proto=_protocol(what, proto), tos=tos, from_prefix=source,
+                 realm=_realm(what, realm))
+
+
+def _source_prefix(what: str, value: object) -> str | None:
+    """An IPv6 source prefix in the kernel's spelling (host bits refused, as for the
+    destination)."""
+    import ipaddress
+
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{what}: from_prefix must be a prefix string such as "
+                        f"'fd00:1::/64', not {_type_name(value)}")
+    try:
+        net = ipaddress.ip_network(value.strip())
+    except ValueError as exc:
+        raise ValueError(f"{what}: from_prefix: not a network address ({exc})") from None
+    if net.version != 6:
+        raise ValueError(f"{what}: from_prefix (a source prefix) is for IPv6 routes only "
+                         "(the kernel ignores it on IPv4)")
+    return str(net)
+
+
+def _protocol(what: str, value: object) -> int | None:
+    """A route protocol as its number: 0-255, or the name iproute2 gives it."""
+    if value is None or (type(value) is int and 0 <= value <= 255):
+        return value
+    code = _PROTO_CODES.get(value.strip().lower()) if isinstance(value, str) else None
+    if code is None:
+        raise ValueError(f"{what}: proto must be a whole number 0-255 or one of "
+                         f"{', '.join(sorted(_PROTO_CODES))}, not {value!r}")
+    return code
+
+
+def _realm(what: str, value: object) -> int | None:
+    """The ``RTA_FLOW`` value of ``realm 5`` (5), ``realms 3/5`` (0x30005) or of an
+    ``RTA_FLOW`` number given as such."""
+    if value is None or (type(value) is int and 0 <= value <= _UINT32):
+        return value or None
+    if isinstance(value, str):
+        parts = value.strip().split("/")
+        if len(parts) <= 2 and all(p.isascii() and p.isdigit() and int(p) <= 0xFFFF for p in parts):
+            flow = int(parts[0]) << 16 | int(parts[1]) if len(parts) == 2 else int(parts[0])
+            return flow or None  # realm 0 is no realm, as the kernel reports it
+    raise ValueError(f"{what}: realm must be a realm 0-65535, 'source/destination' realms "
+                     f"such as '3/5', or a whole number 0-{_UINT32} (RTA_FLOW), not {value!r}")
 
 
 def _type_name(value: object) -> str:

@@ -143,8 +143,8 @@ class Route:
     ``proto`` is the route's protocol number (``ip route … proto``: 3 ``boot``, what
     ``ip route add`` gives, 4 ``static``, 12 ``bird`` …): a captured route keeps the one
     the kernel reported, so that whoever owns routes by protocol (a routing daemon, a
-    DHCP client) still recognises it after re-application; None (a declaration) is
-    applied as ``static`` and accepts any protocol when compared. ``tos`` (IPv4: the
+    DHCP client) still recognises it after re-application; None (a declaration that
+    names none) is applied as ``static`` and accepts any protocol when compared. ``tos`` (IPv4: the
     route matches only packets with this DS field) and ``from_prefix`` (IPv6: a source
     prefix, ``ip -6 route … from fd00:1::/64``) are part of what the kernel identifies a
     route by, like the destination. ``realm`` is the route's ``RTA_FLOW`` (IPv4) as the

@@ -11,7 +11,9 @@ visible inside the sandbox unchanged. Each container also gets
   (:func:`wait_for_record`);
 * any extra bind mounts (:class:`Mount`), e.g. a host file standing in for
   ``/proc/gvisor/spec_environ`` that the test rewrites between checkpoint and
-  restore.
+  restore;
+* any extra Linux capabilities (``capabilities=["NET_ADMIN"]``: ``runsc spec``'s
+  default set lacks CAP_NET_ADMIN, which changing the sandbox's routes needs).
 
 A restored clone keeps the checkpointed process's memory, so it cannot learn
 "which clone am I" from its environment: instead every clone gets a different
@@ -535,8 +537,16 @@ class GVisorHarness:
         mounts: Iterable[Mount] = (),
         results_source: Path,
         annotations: Mapping[str, str] | None = None,
+        capabilities: Iterable[str] = (),
     ) -> dict[str, Any]:
-        """An OCI config: host ``/`` read-only, tmpfs /var/tmp, rw /results, no tty."""
+        """An OCI config: host ``/`` read-only, tmpfs /var/tmp, rw /results, no tty.
+
+        ``capabilities`` (``"NET_ADMIN"`` or ``"CAP_NET_ADMIN"`` …) are added to the
+        process's bounding, effective, permitted and inheritable sets, on top of
+        ``runsc spec``'s defaults (``CAP_AUDIT_WRITE``, ``CAP_KILL``,
+        ``CAP_NET_BIND_SERVICE``); a clone restored from the container keeps them.
+        """
+        caps = _capability_names(capabilities)  # a bad name fails before any runsc call
         spec = self.base_spec()
         spec["root"] = {"path": "/", "readonly": True}
         proc = spec["process"]
@@ -574,6 +584,11 @@ class GVisorHarness:
         spec["mounts"].extend(m.to_oci() for m in mounts)
         if annotations:
             spec.setdefault("annotations", {}).update(annotations)
+        if caps:
+            sets = proc.setdefault("capabilities", {})
+            for kind in ("bounding", "effective", "permitted", "inheritable"):
+                held = sets.setdefault(kind, [])
+                held.extend(c for c in caps if c not in held)
         return spec
 
     def _prepare(
@@ -666,16 +681,22 @@ class GVisorHarness:
         cwd: str = "/",
         mounts: Iterable[Mount] = (),
         annotations: Mapping[str, str] | None = None,
+        capabilities: Iterable[str] = (),
         name: str = "run",
         timeout: float | None = None,
     ) -> Container:
-        """Start ``args`` in a new detached sandbox and return at once."""
+        """Start ``args`` in a new detached sandbox and return at once.
+
+        ``capabilities``: extra Linux capabilities of the process (see :meth:`make_spec`),
+        e.g. ``["NET_ADMIN"]`` to change the sandbox's routes.
+        """
         spec = self.make_spec(
             args,
             env=env,
             cwd=cwd,
             mounts=mounts,
             annotations=annotations,
+            capabilities=capabilities,
             results_source=Path("/nonexistent"),
         )
         container = self._prepare(name, spec)
@@ -691,11 +712,18 @@ class GVisorHarness:
         *,
         env: Mapping[str, str] | None = None,
         mounts: Iterable[Mount] = (),
+        capabilities: Iterable[str] = (),
         name: str = "once",
         timeout: float | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run ``args`` to completion in a sandbox; its output and exit code."""
-        spec = self.make_spec(args, env=env, mounts=mounts, results_source=Path("/nonexistent"))
+        spec = self.make_spec(
+            args,
+            env=env,
+            mounts=mounts,
+            capabilities=capabilities,
+            results_source=Path("/nonexistent"),
+        )
         container = self._prepare(name, spec)
         self.containers.append(container)
         with open(container.stdout, "ab") as out, open(container.stderr, "ab") as err:
@@ -992,6 +1020,23 @@ def _read_status(fd: int, timeout: float) -> int | None:
         return int(data)
     except ValueError:
         return _REAPER_DIED
+
+
+def _capability_names(names: Iterable[str]) -> list[str]:
+    """``names`` as OCI spells them (``CAP_NET_ADMIN``), in order, without repeats.
+
+    One string is refused rather than taken letter by letter."""
+    if isinstance(names, str):
+        raise TypeError(f"capabilities is a list of names, not one string (write [{names!r}])")
+    out: list[str] = []
+    for name in names:
+        cap = name.strip().upper() if isinstance(name, str) else ""
+        cap = cap if cap.startswith("CAP_") else f"CAP_{cap}"
+        if not cap[4:] or not cap[4:].replace("_", "").isalnum():
+            raise ValueError(f"not a capability name: {name!r} (e.g. 'NET_ADMIN')")
+        if cap not in out:
+            out.append(cap)
+    return out
 
 
 def _seed(src: Path, dst: Path, mode: str) -> None:

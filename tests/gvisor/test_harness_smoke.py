@@ -191,3 +191,29 @@ def test_image_contains_counts_across_files(tmp_path: Path) -> None:
     (tmp_path / "empty.img").write_bytes(b"")
     assert image_contains(tmp_path, b"NEEDLE") == 4
     assert image_contains(tmp_path, b"HAYSTACK") == 0
+
+
+CAPS = r"""
+for line in open("/proc/self/status"):
+    if line.startswith(("CapEff:", "CapBnd:")):
+        print(line.split()[0], int(line.split()[1], 16) >> 12 & 1)  # CAP_NET_ADMIN
+"""
+
+
+@pytest.mark.gvisor
+def test_capabilities_are_added_to_the_sandboxed_process(gvisor: GVisorHarness) -> None:
+    """``capabilities=`` gives the process capabilities ``runsc spec``'s default set lacks
+    (CAP_NET_ADMIN, to change routes), and only when asked."""
+    plain = gvisor.run_once([sys.executable, "-c", CAPS], name="caps-plain")
+    admin = gvisor.run_once([sys.executable, "-c", CAPS], name="caps-admin",
+                            capabilities=["NET_ADMIN", "CAP_NET_ADMIN"])
+    assert (plain.returncode, admin.returncode) == (0, 0), (plain.stderr, admin.stderr)
+    assert plain.stdout.split() == ["CapEff:", "0", "CapBnd:", "0"], plain.stdout
+    assert admin.stdout.split() == ["CapEff:", "1", "CapBnd:", "1"], admin.stdout
+    spec = gvisor.make_spec(["true"], results_source=Path("/nonexistent"),
+                            capabilities=["net_admin"])
+    assert spec["process"]["capabilities"]["bounding"].count("CAP_NET_ADMIN") == 1
+    with pytest.raises(ValueError, match="not a capability name: 'NET ADMIN'"):
+        gvisor.run_once(["true"], capabilities=["NET ADMIN"])
+    with pytest.raises(TypeError, match="not one string"):
+        gvisor.run_once(["true"], capabilities="NET_ADMIN")

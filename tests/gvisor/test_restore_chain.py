@@ -24,7 +24,8 @@ And one where ``notify restore`` is the restore notice at both levels and reache
 before B's clock-jump thread has woken (held by the workload): it used to be taken for
 A's restore, and B's hooks never ran.
 
-``/proc/gvisor`` is emulated as in test_restore_path (``spec_environ`` only).
+``/proc/gvisor`` is emulated as for test_restore_path (``spec_environ`` only; see
+restore_helpers).
 """
 
 from __future__ import annotations
@@ -39,17 +40,17 @@ from typing import Any
 import pytest
 
 from .harness import Container, GVisorHarness, Mount
-from .test_restore_path import (
+from .restore_helpers import (
     GAP,
     PROC,
     REHYDRATE,
     SOCKET,
-    _frozen_until,
-    _notify,
-    _restored,
-    _runs,
-    _spec_environ,
-    _status_until,
+    frozen_until,
+    hook_runs,
+    notify,
+    restored,
+    status_until,
+    write_spec_environ,
 )
 
 # test_restore_path's workload, plus what tells the processes of a chain apart: the
@@ -138,7 +139,7 @@ class Chain:
 def _start(gvisor: GVisorHarness, tmp_path: Path, name: str, *, socket: bool,
            ballast_mb: int = 0, extra_env: dict[str, str] | None = None) -> Chain:
     proc = tmp_path / f"proc-{name}"
-    _spec_environ(proc, {"APP": "original"})
+    write_spec_environ(proc, {"APP": "original"})
     env = {"APP": "original", "REHYDRATE_GVISOR_PROC": PROC, **(extra_env or {})}
     if socket:
         env["REHYDRATE_CONTROL_SOCKET"] = SOCKET
@@ -167,7 +168,7 @@ def _status(c: Container) -> dict[str, Any]:
 
 def _save(c: Container, generation: int) -> None:
     """``notify save`` (what save-restore-exec runs before a checkpoint)."""
-    reply = _notify(c, "save")
+    reply = notify(c, "save")
     assert reply["ok"] is True, reply
     st = _status(c)
     assert (st["state"], st["generation"], st["ready"]) == ("snapshotting", generation, False), (
@@ -177,7 +178,7 @@ def _save(c: Container, generation: int) -> None:
 def _restore(gvisor: GVisorHarness, tmp_path: Path, template: Container, name: str, *,
              hold: bool = False) -> Container:
     proc = tmp_path / f"proc-{name}"
-    _spec_environ(proc, {"APP": name})
+    write_spec_environ(proc, {"APP": name})
     if hold:  # see HOLD_CLOCK in the workload
         (proc / "hold").touch()
     assert template.image is not None
@@ -185,15 +186,15 @@ def _restore(gvisor: GVisorHarness, tmp_path: Path, template: Container, name: s
 
 
 def _resumed(c: Container, generation: int, chain: Chain, level: str) -> dict[str, Any]:
-    """The clone's readiness checks (test_restore_path's ``_restored``), its hook runs
+    """The clone's readiness checks (``restore_helpers.restored``), its hook runs
     (one, for this restore, at this generation) and its status once ready."""
-    rec = _restored(c)
+    rec = restored(c)
     assert [r for r in c.records("ev.jsonl") if r["event"] == "resumed" and r["lie"]] == []
     assert rec["app"] == c.id.rsplit("-", 2)[0], (rec, c.id)  # its own spec_environ
-    assert [(r["reason"], r["kind"], r["generation"]) for r in _runs(c)] == [
-        ("clock-jump", "restore", generation)], (level, _runs(c))
+    assert [(r["reason"], r["kind"], r["generation"]) for r in hook_runs(c)] == [
+        ("clock-jump", "restore", generation)], (level, hook_runs(c))
     assert (rec["status_generation"], rec["status_state"]) == (generation, "ready"), rec
-    hook = _runs(c)[0]
+    hook = hook_runs(c)[0]
     assert (hook["instance_id"], hook["key"]) == (rec["instance_id"], rec["key"]), (hook, rec)
     if chain.socket:
         st = _status(c)
@@ -214,14 +215,14 @@ def _distinct(chain: Chain) -> None:
 def _late_notify(b: Container) -> None:
     """A ``notify restore`` to B after B's clock jump ran its hooks: B's restore, again."""
     last = _status(b)["last_report"]
-    reply = _notify(b, "restore")
+    reply = notify(b, "restore")
     assert reply["deduplicated"] is True, reply
     report = reply["report"]
     assert (report["reason"], report["kind"], report["generation"]) == (
         "clock-jump", "restore", 2), reply
     assert report["started_at"] == last["started_at"], (reply, last)
     assert report["confirmed_by"] == ["control"], reply
-    assert len(_runs(b)) == 1, _runs(b)
+    assert len(hook_runs(b)) == 1, hook_runs(b)
     st = _status(b)
     assert (st["state"], st["generation"], st["ready"]) == ("ready", 2, True), st
     assert st["last_report"]["confirmed_by"] == ["control"], st
@@ -232,7 +233,7 @@ def _checkpoint_all(chains: list[Chain], attr: str) -> None:
     enough for its clone's clock jump (a restore, not a stall)."""
     for chain in chains:
         getattr(chain, attr).checkpoint()
-    _frozen_until(time.monotonic())
+    frozen_until(time.monotonic())
 
 
 @pytest.mark.gvisor
@@ -258,7 +259,7 @@ def test_chain_clock_jump_only(gvisor_uncompressed: GVisorHarness, tmp_path: Pat
         assert chain.a is not None and chain.b is not None
         _resumed(chain.b, 2, chain, "B")
         _distinct(chain)
-        assert len(_runs(chain.a)) == 1, _runs(chain.a)
+        assert len(hook_runs(chain.a)) == 1, hook_runs(chain.a)
     sock = chains[1]
     assert sock.b is not None
     _late_notify(sock.b)
@@ -281,7 +282,7 @@ def test_chain_notify_save_then_only_the_clock_jump(
     chain.b = _restore(gvisor, tmp_path, chain.a, "save-B")
     _resumed(chain.b, 2, chain, "B")
     _distinct(chain)
-    assert len(_runs(chain.a)) == 1, _runs(chain.a)
+    assert len(hook_runs(chain.a)) == 1, hook_runs(chain.a)
     _late_notify(chain.b)
 
 
@@ -305,18 +306,18 @@ def test_chain_leave_running_clone_of_a_clone(
     a.checkpoint(leave_running=True)
     # A comes back by itself: no notify resume.
     deadline = time.monotonic() + 5.0
-    while len(_runs(a)) < 2:
+    while len(hook_runs(a)) < 2:
         assert time.monotonic() < deadline, ("A is not ready 5 s after the checkpoint",
-                                             _status(a), _runs(a))
+                                             _status(a), hook_runs(a))
         time.sleep(0.05)
-    assert [(r["reason"], r["kind"], r["generation"]) for r in _runs(a)] == [
-        ("clock-jump", "restore", 1), ("clock-jump", "restore", 2)], _runs(a)
+    assert [(r["reason"], r["kind"], r["generation"]) for r in hook_runs(a)] == [
+        ("clock-jump", "restore", 1), ("clock-jump", "restore", 2)], hook_runs(a)
     st = _status(a)
     assert (st["state"], st["generation"], st["ready"]) == ("ready", 2, True), st
-    again = _runs(a)[1]
+    again = hook_runs(a)[1]
     chain.seen["A after its checkpoint"] = again
 
-    _frozen_until(time.monotonic())
+    frozen_until(time.monotonic())
     b = chain.b = _restore(gvisor, tmp_path, a, "leave-B")
     _resumed(b, 2, chain, "B")
     _distinct(chain)
@@ -324,9 +325,9 @@ def test_chain_leave_running_clone_of_a_clone(
     # A kept serving through all that, unaffected by B: same runs, still ready, its main
     # loop still turning.
     before = _status(a)
-    after = _status_until(a, lambda s: s["test_loops"] > before["test_loops"])
+    after = status_until(a, lambda s: s["test_loops"] > before["test_loops"])
     assert (after["state"], after["generation"], after["ready"]) == ("ready", 2, True), after
-    assert len(_runs(a)) == 2, _runs(a)
+    assert len(hook_runs(a)) == 2, hook_runs(a)
     # (a dump that froze A's loop for more than GAP: it was not ready before its hook ran)
     assert [r for r in a.records("ev.jsonl") if r["event"] == "resumed" and r["lie"]] == []
 
@@ -347,27 +348,27 @@ def test_chain_notify_restore_before_the_clock_jump_thread_wakes(
     _ready(chain)
     _checkpoint_all([chain], "orig")
     a = chain.a = _restore(gvisor, tmp_path, chain.orig, "early-A")
-    reply = _notify(a, "restore")
+    reply = notify(a, "restore")
     assert reply["deduplicated"] is False, reply
-    assert [(r["reason"], r["kind"], r["generation"]) for r in _runs(a)] == [
-        ("control", "restore", 1)], _runs(a)
-    chain.seen["A"] = _runs(a)[0]
+    assert [(r["reason"], r["kind"], r["generation"]) for r in hook_runs(a)] == [
+        ("control", "restore", 1)], hook_runs(a)
+    chain.seen["A"] = hook_runs(a)[0]
     _checkpoint_all([chain], "a")
     b = chain.b = _restore(gvisor, tmp_path, a, "early-B", hold=True)
-    reply = _notify(b, "restore")
+    reply = notify(b, "restore")
     assert reply["deduplicated"] is False, ("B's restore taken for A's", reply)
     assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2), reply
-    assert [(r["reason"], r["kind"], r["generation"]) for r in _runs(b)] == [
-        ("control", "restore", 2)], _runs(b)
-    chain.seen["B"] = _runs(b)[0]
+    assert [(r["reason"], r["kind"], r["generation"]) for r in hook_runs(b)] == [
+        ("control", "restore", 2)], hook_runs(b)
+    chain.seen["B"] = hook_runs(b)[0]
     _distinct(chain)
     # B's clock-jump thread wakes: a gap, not a restore; a second notice is B's restore.
     ticks = _status(b)["test_clock_ticks"]
     assert b.exec(["/bin/touch", "/var/tmp/release"], timeout=60).returncode == 0
-    _status_until(b, lambda st: st["test_clock_ticks"] > ticks + 1)
-    again = _notify(b, "restore")
+    status_until(b, lambda st: st["test_clock_ticks"] > ticks + 1)
+    again = notify(b, "restore")
     assert again["deduplicated"] is True, again
     assert (again["report"]["reason"], again["report"]["generation"]) == ("control", 2), again
     st = _status(b)
     assert (st["state"], st["generation"], st["ready"]) == ("ready", 2, True), st
-    assert len(_runs(b)) == 1 and len(_runs(a)) == 1, (_runs(a), _runs(b))
+    assert len(hook_runs(b)) == 1 and len(hook_runs(a)) == 1, (hook_runs(a), hook_runs(b))

@@ -36,12 +36,18 @@ from typing import Any
 import pytest
 
 from .harness import Container, GVisorHarness, Mount
-
-PROC = "/etc/rehydrate-gvisor"
-SOCKET = "/var/tmp/rehydrate.sock"
-REHYDRATE = str(Path(sys.executable).parent / "rehydrate")
-FROZEN = 2.5  # seconds between checkpoint and restore (> threshold + interval)
-GAP = 1.0  # the workload's loop takes a step this long for "I was frozen"
+from .restore_helpers import (
+    GAP,
+    PROC,
+    REHYDRATE,
+    SOCKET,
+    frozen_until,
+    hook_runs,
+    notify,
+    restored,
+    status_until,
+    write_spec_environ,
+)
 
 WORKLOAD = f"""
 import json, os, threading, time
@@ -85,17 +91,11 @@ while True:
 """
 
 
-def _spec_environ(path: Path, env: dict[str, str]) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "spec_environ").write_bytes(
-        b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
-
-
 def _original(gvisor: GVisorHarness, tmp_path: Path, name: str, socket: bool,
               ballast_mb: int = 0, extra_env: dict[str, str] | None = None,
               ) -> tuple[Container, Mount]:
     proc = tmp_path / f"proc-{name}"
-    _spec_environ(proc, {"APP": "original"})
+    write_spec_environ(proc, {"APP": "original"})
     env = {"APP": "original", "REHYDRATE_GVISOR_PROC": PROC, "BALLAST_MB": str(ballast_mb),
            **(extra_env or {})}
     if socket:
@@ -108,64 +108,14 @@ def _original(gvisor: GVisorHarness, tmp_path: Path, name: str, socket: bool,
     return c, mount
 
 
-def _frozen_until(t_checkpoint: float) -> None:
-    while time.monotonic() - t_checkpoint < FROZEN:
-        time.sleep(0.05)
-
-
 def _clones(gvisor: GVisorHarness, image: Path, orig: Container, tmp_path: Path,
             name: str, n: int) -> list[Container]:
     clones = []
     for k in range(n):
         proc = tmp_path / f"proc-{name}{k}"
-        _spec_environ(proc, {"APP": f"{name}{k}"})
+        write_spec_environ(proc, {"APP": f"{name}{k}"})
         clones.append(gvisor.restore(image, orig, name=f"{name}{k}", mounts=[Mount(PROC, proc)]))
     return clones
-
-
-def _restored(clone: Container) -> dict[str, Any]:
-    """The clone's "resumed" record, after checking the readiness promise in it."""
-    rec = clone.wait_for("ev.jsonl", lambda r: r["event"] == "resumed", timeout=60)
-    assert rec["gap"] >= FROZEN - 0.5, rec
-    assert rec["lie"] is False, f"{clone.id}: is_ready() was True before the hooks ran: {rec}"
-    assert rec["ok"] is True and rec["state"] == "ready", rec
-    # Causality rather than wall time (CI shares 2 cores: any step can be descheduled for
-    # a while): this freeze was seen, then the hooks ran, then wait_ready() returned.
-    runs = _runs(clone)  # written before the "resumed" record: the hook ran first
-    assert runs, rec
-    hook = runs[0]
-    assert rec["frozen_at"] < hook["detected_at"] <= hook["at"] <= rec["returned_at"], (
-        rec, hook)
-    # No fixed grace: the old clock-jump grace held the hooks 1 s after the jump was seen
-    # (waiting for the control socket); now only the hand-off to the runner separates them.
-    assert hook["at"] - hook["detected_at"] < 0.9, (
-        f"{clone.id}: the hooks ran {hook['at'] - hook['detected_at']:.2f}s after detection",
-        clone.exec([REHYDRATE, "status", "--json"], timeout=60).stdout, runs)
-    return rec
-
-
-def _runs(c: Container) -> list[dict[str, Any]]:
-    return [r for r in c.records("ev.jsonl") if r["event"] == "hook"]
-
-
-def _notify(c: Container, action: str) -> dict[str, Any]:
-    proc = c.exec([REHYDRATE, "notify", action, "--json"], timeout=60)
-    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
-    reply: dict[str, Any] = json.loads(proc.stdout)
-    return reply
-
-
-def _status_until(c: Container, ok: Any, timeout: float = 15.0) -> dict[str, Any]:
-    """The clone's status (``rehydrate status --json`` in it) once ``ok(status)`` holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc = c.exec([REHYDRATE, "status", "--json"], timeout=60)
-        assert proc.returncode == 0, (proc.stdout, proc.stderr)
-        status: dict[str, Any] = json.loads(proc.stdout)
-        if ok(status):
-            return status
-        assert time.monotonic() < deadline, f"{c.id}: never got there: {status}"
-        time.sleep(0.1)
 
 
 def _settled(c: Container) -> dict[str, Any]:
@@ -174,7 +124,7 @@ def _settled(c: Container) -> dict[str, Any]:
         last = status["last_report"] or {}
         return "clock-jump" in [last.get("reason"), *last.get("confirmed_by", [])]
 
-    return _status_until(c, seen)
+    return status_until(c, seen)
 
 
 @pytest.mark.gvisor
@@ -185,7 +135,7 @@ def test_clock_jump_only_and_control_socket_without_notify(
     sock, _ = _original(gvisor, tmp_path, "sock", socket=True)
     plain_image = plain.checkpoint()
     sock_image = sock.checkpoint()
-    _frozen_until(time.monotonic())  # every clone frozen at least FROZEN s
+    frozen_until(time.monotonic())  # every clone frozen at least FROZEN s
     clones = {
         "clock-jump only": _clones(gvisor, plain_image, plain, tmp_path, "plain", 3),
         "control socket, no notify": _clones(gvisor, sock_image, sock, tmp_path, "sock", 3),
@@ -193,19 +143,19 @@ def test_clock_jump_only_and_control_socket_without_notify(
     }
     for config, group in clones.items():
         for clone in group:
-            _restored(clone)
-            runs = _runs(clone)
+            restored(clone)
+            runs = hook_runs(clone)
             assert [(r["reason"], r["kind"], r["generation"]) for r in runs] == [
                 ("clock-jump", "restore", 1)], (config, runs)
     # A late notify restore, no notify save before the checkpoint: the same restore.
     for clone in clones["late notify restore"]:
-        reply = _notify(clone, "restore")
+        reply = notify(clone, "restore")
         assert reply["deduplicated"] is True, reply
         assert reply["report"]["reason"] == "clock-jump", reply
         assert reply["report"]["confirmed_by"] == ["control"], reply
         text = clone.exec([REHYDRATE, "notify", "restore"], timeout=60)
         assert text.returncode == 0 and "de-duplicated" in text.stdout, text
-        assert len(_runs(clone)) == 1, _runs(clone)
+        assert len(hook_runs(clone)) == 1, hook_runs(clone)
 
 
 @pytest.mark.gvisor
@@ -215,16 +165,16 @@ def test_notify_save_then_only_the_clock_jump_notices_the_restore(
     wakes with the snapshot pending, and only the clock jump sees the restore. The freeze
     is far longer than the restore threshold, so the hooks run at once: they used to wait
     for a SIGCONT (a job-control stop?) that a restored clone never gets, 0.2 s per clone;
-    stretched to 30 s here, that wait would fail ``_restored``'s bound."""
+    stretched to 30 s here, that wait would fail ``restored``'s bound."""
     gvisor = gvisor_uncompressed
     orig, _ = _original(gvisor, tmp_path, "saveonly", socket=True,
                         extra_env={"CONT_WAIT": "30"})
-    assert _notify(orig, "save")["ok"] is True
+    assert notify(orig, "save")["ok"] is True
     image = orig.checkpoint()
-    _frozen_until(time.monotonic())
+    frozen_until(time.monotonic())
     for clone in _clones(gvisor, image, orig, tmp_path, "saveonly", 3):
-        _restored(clone)
-        runs = _runs(clone)
+        restored(clone)
+        runs = hook_runs(clone)
         assert [(r["reason"], r["kind"], r["generation"]) for r in runs] == [
             ("clock-jump", "restore", 1)], runs
 
@@ -236,35 +186,35 @@ def test_notify_save_then_leave_running_checkpoint_and_notify_restore(
     # 64 MB that do not compress: the checkpoint freezes the original for 0.4-2 s, as with
     # a real model (a bare interpreter's shorter dump: the test at the end of this file).
     orig, _ = _original(gvisor, tmp_path, "saved", socket=True, ballast_mb=64)
-    saved = _notify(orig, "save")
+    saved = notify(orig, "save")
     assert saved["ok"] is True, saved
     t = time.monotonic()
     image = orig.checkpoint(leave_running=True)
     # The original comes back by itself: no notify resume.
     deadline = time.monotonic() + 5.0
-    while not _runs(orig):
+    while not hook_runs(orig):
         assert time.monotonic() < deadline, "the original is not ready 5 s after the checkpoint"
         time.sleep(0.05)
     status = json.loads(orig.exec([REHYDRATE, "status", "--json"], timeout=60).stdout)
     assert status["ready"] is True and status["state"] == "ready", status
-    assert [r["reason"] for r in _runs(orig)] == ["clock-jump"], _runs(orig)
+    assert [r["reason"] for r in hook_runs(orig)] == ["clock-jump"], hook_runs(orig)
     print(f"\noriginal ready again {time.monotonic() - t:.2f}s after the checkpoint began; "
-          f"frozen for {_runs(orig)[0]['frozen_for']:.3f}s")
+          f"frozen for {hook_runs(orig)[0]['frozen_for']:.3f}s")
 
-    _frozen_until(time.monotonic())  # the checkpoint itself may have taken that long
+    frozen_until(time.monotonic())  # the checkpoint itself may have taken that long
     clones = _clones(gvisor, image, orig, tmp_path, "saved", 2)
-    replies = [_notify(c, "restore") for c in clones]  # right away, racing the clock jump
+    replies = [notify(c, "restore") for c in clones]  # right away, racing the clock jump
     for clone, reply in zip(clones, replies):
-        _restored(clone)
+        restored(clone)
         status = _settled(clone)
-        runs = _runs(clone)
+        runs = hook_runs(clone)
         assert len(runs) == 1 and runs[0]["generation"] == 1, runs
         assert status["generation"] == 1, status
         last = status["last_report"]
         # whichever came first ran the hooks; the other confirmed it
         assert sorted([last["reason"], *last["confirmed_by"]]) == ["clock-jump", "control"], last
         assert reply["report"]["started_at"] == last["started_at"], (reply, last)
-    assert len(_runs(orig)) == 1, "the clones' notices never reached the original"
+    assert len(hook_runs(orig)) == 1, "the clones' notices never reached the original"
 
 
 @pytest.mark.gvisor
@@ -286,7 +236,7 @@ def test_leave_running_checkpoints_inside_one_long_sleep_are_seen(
     orig, _ = _original(gvisor_uncompressed, tmp_path, "idle", socket=True, ballast_mb=64,
                         extra_env={"REHYDRATE_CLOCK_INTERVAL": "5"})
     for n in (1, 2):
-        assert _notify(orig, "save")["ok"] is True
+        assert notify(orig, "save")["ok"] is True
         if n == 1:
             # 0.8 s: far above the pending threshold, below the workload loop's GAP (the
             # loop must not take the stop for a restore and wait in it).
@@ -295,19 +245,19 @@ def test_leave_running_checkpoints_inside_one_long_sleep_are_seen(
             while time.monotonic() - stopped < 0.8:
                 time.sleep(0.02)
             gvisor_uncompressed.runsc_call("kill", orig.id, "CONT")
-            status = _status_until(orig, lambda st: st["test_clock"]["stop_skips"] >= 1)
+            status = status_until(orig, lambda st: st["test_clock"]["stop_skips"] >= 1)
             assert (status["state"], status["test_clock"]["jumps"]) == ("snapshotting", 0), (
                 status)
-            assert _runs(orig) == [], "the stop was taken for the checkpoint"
+            assert hook_runs(orig) == [], "the stop was taken for the checkpoint"
         orig.checkpoint(leave_running=True)
         deadline = time.monotonic() + 5.0
-        while len(_runs(orig)) < n:
+        while len(hook_runs(orig)) < n:
             assert time.monotonic() < deadline, (
                 f"checkpoint {n}: the original is not ready 5 s after it",
                 orig.exec([REHYDRATE, "status", "--json"], timeout=60).stdout)
             time.sleep(0.05)
         status = json.loads(orig.exec([REHYDRATE, "status", "--json"], timeout=60).stdout)
         assert (status["ready"], status["state"]) == (True, "ready"), status
-        runs = _runs(orig)
+        runs = hook_runs(orig)
         assert [(r["reason"], r["generation"]) for r in runs] == [
             ("clock-jump", k) for k in range(1, n + 1)], runs

@@ -659,6 +659,25 @@ def test_iptables_built_in_chain_policies_are_applied_and_checked(netns_pair):
     ({"dst": "10.9.0.0/16", "dev": ""}, "dev must be a network device name"),
     ({"dst": None}, "route destination must be a string"),
     ({"dst": "10.9.0.0/16", "required": "no"}, "required must be True or False"),
+    ({"dst": "10.9.0.0/16", "proto": "birdd"}, "proto must be a whole number 0-255 or one of"),
+    ({"dst": "10.9.0.0/16", "proto": 256}, "proto must be a whole number 0-255"),
+    ({"dst": "10.9.0.0/16", "proto": True}, "proto must be a whole number 0-255"),
+    ({"dst": "10.9.0.0/16", "tos": 0x11}, "tos must be a whole number 0-255 with the two ECN"),
+    ({"dst": "10.9.0.0/16", "tos": "0x10"}, "tos must be a whole number 0-255"),
+    ({"dst": "10.9.0.0/16", "tos": 256}, "tos must be a whole number 0-255"),
+    ({"dst": "fd00:9::/64", "tos": 0x10}, "route 'fd00:9::/64': tos is for IPv4 routes only"),
+    ({"dst": "10.9.0.0/16", "from_prefix": "fd00:1::/64"},
+     "from_prefix (a source prefix) is for IPv6 routes only"),
+    ({"dst": "default", "from_prefix": "10.1.0.0/16"},
+     "from_prefix (a source prefix) is for IPv6 routes only"),
+    ({"dst": "fd00:9::/64", "from_prefix": "fd00:1::1/64"},
+     "from_prefix: not a network address (fd00:1::1/64 has host bits set)"),
+    ({"dst": "fd00:9::/64", "from_prefix": 64}, "from_prefix must be a prefix string"),
+    ({"dst": "10.9.0.0/16", "realm": "70000/5"}, "realm must be a realm 0-65535"),
+    ({"dst": "10.9.0.0/16", "realm": "3/"}, "realm must be a realm 0-65535"),
+    ({"dst": "10.9.0.0/16", "realm": -1}, "realm must be a realm 0-65535"),
+    ({"dst": "10.9.0.0/16", "realm": 2**32}, "or a whole number 0-4294967295 (RTA_FLOW)"),
+    ({"dst": "fd00:9::/64", "realm": 5}, "route 'fd00:9::/64': realm is for IPv4 routes only"),
 ])
 def test_a_route_the_kernel_would_refuse_is_refused_when_declared(rehydrate_engine, kwargs,
                                                                  message):
@@ -668,6 +687,22 @@ def test_a_route_the_kernel_would_refuse_is_refused_when_declared(rehydrate_engi
         routes.route(**kwargs, engine=rehydrate_engine)
     assert message in str(caught.value)
     assert routes.manager(rehydrate_engine).routes == []
+
+
+def test_a_declared_route_takes_protocol_tos_source_prefix_and_realm(rehydrate_engine):
+    r = routes.route("10.9.0.0/16", "10.0.0.1", proto="Bird", tos=0x10, realm="3/5",
+                     engine=rehydrate_engine)
+    assert (r.proto, r.tos, r.realm) == (12, 0x10, 0x30005)
+    assert routes.route("10.9.0.0/16", realm="7", proto=250,
+                        engine=rehydrate_engine).to_dict()["realm"] == 7
+    # a source prefix makes the route IPv6, in the kernel's spelling
+    v6 = routes.route("default", dev="lo", from_prefix="FD00:1:0::/64",
+                      engine=rehydrate_engine)
+    assert (v6.family_name, v6.from_prefix, v6.proto) == ("inet6", "fd00:1::/64", None)
+    # tos is part of the key (protocol and realm are not): this replaces the realm 7
+    # route, not the one with tos 0x10
+    last = routes.route("10.9.0.0/16", "10.0.0.1", engine=rehydrate_engine)
+    assert routes.manager(rehydrate_engine).routes == [r, v6, last]
 
 
 def test_declared_routes_are_canonical_so_that_they_read_back_equal(rehydrate_engine):
@@ -1251,6 +1286,70 @@ def test_a_route_re_created_after_the_restore_keeps_its_owner(netns_pair):
     assert any("10.90.0.0/16 via 10.200.1.3" in s and "proto zebra" in s
                for s in out["said"]), out["said"]
     assert sum("multipath or otherwise not expressible" in s for s in out["said"]) == 2
+
+
+DECLARED_ATTRIBUTES = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+va = sys.argv[1]
+
+def show():  # what `ip -d route` says of ours, every attribute spelled out
+    return sorted(" ".join(line.split())
+                  for f in ("-4", "-6")
+                  for line in subprocess.run(["ip", "-d", f, "route", "show", "table", "all"],
+                                             capture_output=True, text=True
+                                             ).stdout.splitlines()
+                  if " 10.9" in line or " fd00:9" in line)
+
+engine = isolated_engine()
+declared = [
+    routes.route("10.94.0.0/16", "10.200.1.2", va, table=100, proto="zebra", tos=0x10,
+                 realm="3/5", engine=engine),
+    routes.route("10.94.0.0/16", "10.200.1.2", va, table=100, engine=engine),
+    routes.route("10.95.0.0/16", "10.200.1.2", va, proto=250, realm=7, engine=engine),
+    routes.route("fd00:94::/64", "fd00::2", va, from_prefix="fd00:1::/64", proto="babel",
+                 engine=engine),
+    routes.route("fd00:94::/64", "fd00::2", va, engine=engine),
+]
+# a route of another protocol with a declared route's key: the declaration replaces it
+subprocess.run(["ip", "route", "add", "10.95.0.0/16", "via", "10.200.1.2", "dev", va,
+                "proto", "bird"], check=True)
+out = {"declared": [str(r) for r in declared], "before": show()}
+for n in (1, 2):  # a second restore replaces them again, doubles nothing
+    report = engine.simulate_restore()
+    last = routes.manager(engine).last
+    out[f"restore{n}"] = {"ok": report.ok, "table": report.table(), "routes": last.routes,
+                          "errors": last.errors, "after": show()}
+print(json.dumps(out))
+'''
+
+
+def test_declared_routes_are_applied_with_protocol_tos_source_prefix_and_realm(netns_pair):
+    """``route()`` could not declare a route's protocol, tos, IPv6 source prefix or realm
+    (a TypeError), though a captured route keeps them: now a declared route is applied
+    with them — ``proto static`` still the default — and read back with them."""
+    a, va = netns_pair["a"], netns_pair["va"]
+    sh(f"ip -n {a} addr add fd00::1/64 dev {va} nodad")
+    out = run_in_ns(a, DECLARED_ATTRIBUTES.replace("sys.argv[1]", repr(va)))
+    assert out["before"] == [f"unicast 10.95.0.0/16 via 10.200.1.2 dev {va} table main "
+                             "proto bird scope global"], out["before"]
+    expected = sorted([
+        f"unicast 10.94.0.0/16 tos 0x10 via 10.200.1.2 dev {va} table 100 proto zebra "
+        "scope global realms 3/5",
+        f"unicast 10.94.0.0/16 via 10.200.1.2 dev {va} table 100 proto static scope global",
+        f"unicast 10.95.0.0/16 via 10.200.1.2 dev {va} table main proto 250 scope global "
+        "realm 7",
+        f"unicast fd00:94::/64 from fd00:1::/64 via fd00::2 dev {va} table main proto babel "
+        "scope global metric 1024 pref medium",
+        f"unicast fd00:94::/64 via fd00::2 dev {va} table main proto static scope global "
+        "metric 1024 pref medium"])
+    for n in (1, 2):
+        done = out[f"restore{n}"]
+        assert done["ok"], done["table"]
+        assert (done["routes"], done["errors"]) == (5, []), done
+        assert done["after"] == expected, done["after"]
 
 
 def test_route_tos_source_prefix_realm_and_protocol_are_kept_and_checked():
