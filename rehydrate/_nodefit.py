@@ -20,6 +20,7 @@ them as Kubernetes YAML.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import re
@@ -322,26 +323,93 @@ def node_affinity(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+# YAML 1.1 — what kubectl and the API server read (sigs.k8s.io/yaml, go-yaml v2), and
+# PyYAML — resolves these plain words (in any of their usual cases) to booleans or null:
+# a key spelt like one (a label value reaching a key, ``on:``) is quoted.
+_YAML11_WORDS = frozenset({"y", "yes", "n", "no", "true", "false", "on", "off", "null"})
+# In a double-quoted scalar only printable ASCII other than ``"`` and ``\`` stays as is.
+_NEEDS_ESCAPE = re.compile(r'[^\x20\x21\x23-\x5b\x5d-\x7e]')
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+_IMPLICIT_KEY_MAX = 1024
+"""YAML reads a ``key: value`` key of at most 1024 characters (PyYAML and go-yaml enforce it)."""
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    if ch in _ESCAPES:
+        return _ESCAPES[ch]
+    o = ord(ch)
+    # YAML's own escapes, not JSON's: JSON writes a character beyond U+FFFF as a
+    # surrogate pair, which YAML reads back as two lone surrogates.
+    return f"\\x{o:02x}" if o <= 0xFF else f"\\u{o:04x}" if o <= 0xFFFF else f"\\U{o:08x}"
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar (ASCII only: any encoding reads it)."""
+    return '"' + _NEEDS_ESCAPE.sub(_escape, text) + '"'
+
+
+def _key(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"to_yaml: mapping keys must be strings, not {type(key).__name__}")
+    if _PLAIN_KEY.fullmatch(key) and key.lower() not in _YAML11_WORDS:
+        return key
+    return _quoted(key)
+
+
+def _scalar(value: object) -> str:
+    """A scalar that YAML 1.1 and 1.2 read back as the same value and type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return _float(value)
+    if isinstance(value, str):
+        return _quoted(value)
+    raise TypeError(f"to_yaml: cannot write a {type(value).__name__}")
+
+
+def _float(value: float) -> str:
+    if math.isnan(value):
+        return ".nan"  # json.dumps writes NaN / Infinity: strings to YAML
+    if math.isinf(value):
+        return ".inf" if value > 0 else "-.inf"
+    text = repr(float(value))
+    mantissa, e, exponent = text.partition("e")
+    # YAML 1.1 floats need a dot: 1e+100 would be the string "1e+100".
+    return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
 
 
 def to_yaml(data: Any, indent: int = 0) -> str:
     """Block-style YAML for dicts, lists, strings, numbers, booleans and None — the
-    subset Kubernetes objects need. Strings are JSON-quoted (valid YAML scalars)."""
-    import json
-
+    subset Kubernetes objects need — that a YAML 1.1 reader (kubectl) and a YAML 1.2
+    one read back as ``data``: strings double-quoted, keys YAML would take for a boolean
+    or null (``on``, ``no``, ``null``…) quoted, NaN and infinities as ``.nan`` / ``.inf``,
+    a key longer than YAML allows in ``key: value`` as an explicit ``? key``.
+    ``TypeError`` for anything else (or a key that is not a string)."""
     pad = "  " * indent
     if isinstance(data, Mapping):
         if not data:
             return pad + "{}\n"
         lines = []
         for k, v in data.items():
-            key = k if _PLAIN_KEY.fullmatch(k) else json.dumps(k)
-            if isinstance(v, (Mapping, list)) and v:
-                lines.append(f"{pad}{key}:\n{to_yaml(v, indent + 1)}")
+            key = _key(k)
+            if len(key) < _IMPLICIT_KEY_MAX:
+                head = f"{pad}{key}:"
+            else:  # too long for a plain "key: value": an explicit "? key" then ": value"
+                lines.append(f"{pad}? {key}\n")
+                head = f"{pad}:"
+            if isinstance(v, (Mapping, list, tuple)) and v:
+                lines.append(f"{head}\n{to_yaml(v, indent + 1)}")
             else:
-                lines.append(f"{pad}{key}: {to_yaml(v).strip()}\n")
+                lines.append(f"{head} {to_yaml(v).strip()}\n")
         return "".join(lines)
-    if isinstance(data, list):
+    if isinstance(data, (list, tuple)):
         if not data:
             return pad + "[]\n"
         lines = []
@@ -349,7 +417,7 @@ def to_yaml(data: Any, indent: int = 0) -> str:
             body = to_yaml(item, indent + 1)
             lines.append(f"{pad}- {body.lstrip()}")
         return "".join(lines)
-    return pad + json.dumps(data) + "\n"
+    return pad + _scalar(data) + "\n"
 
 
 def render(obj: Mapping[str, Any], *, as_json: bool = False) -> str:

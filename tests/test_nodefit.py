@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 from gce_metadata import MetadataServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kubernetes.client import ApiClient, V1Affinity, V1ObjectMeta
 
 from rehydrate import _nodefit as nodefit
@@ -271,3 +273,59 @@ def test_custom_machine_types_belong_to_their_series(node, mtype: str, series: s
     assert nodefit.assess(facts).fit == fit
     labels = nodefit.node_labels(fp.fingerprint(nvidia_smi=False))
     assert labels["rehydrate.io/machine-series"] == series
+
+
+# -- to_yaml: what it writes, a YAML 1.1 reader (PyYAML, like kubectl) reads back ----------
+
+def _same(a: object, b: object) -> bool:
+    """Equal, with NaN equal to NaN and types kept (True is not 1, 1.0 is not 1)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)  # type: ignore[attr-defined]
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))  # type: ignore[arg-type]
+    return a == b
+
+
+def test_to_yaml_quotes_what_yaml_1_1_would_read_as_booleans_null_or_numbers() -> None:
+    """Keys ``on``/``yes``/``no``/``null`` came out plain (YAML 1.1: True/False/None keys),
+    NaN as ``NaN`` and 1e100 as ``1e+100`` (both strings to YAML), a character beyond
+    U+FFFF as a JSON surrogate pair (two lone surrogates to YAML), a key longer than
+    1024 characters as an implicit key (a parse error)."""
+    data = {
+        "on": 1, "yes": "x", "no": True, "null": None, "Off": "y", "True": 2, "~": 3,
+        "labels": {"a": "on", "b": "1.0", "c": "yes", "d": "~", "e": "null", "f": "0x1F"},
+        "nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"),
+        "big": 1e100, "small": 1e-05, "emoji": "😀", "😀": ["\u2028", "\x85", "\x7f"],
+        "\u0100" * 300: {"nested": [1]},  # escaped, beyond YAML's 1024-character keys
+    }
+    out = nodefit.to_yaml(data)
+    assert _same(yaml.safe_load(out), data), out
+    # go-yaml v2 (kubectl) also reads y / n as booleans; PyYAML does not, so look.
+    assert '"y": 1\n' in nodefit.to_yaml({"y": 1})
+    assert '"N": 1\n' in nodefit.to_yaml({"N": 1})
+    assert out.isascii()
+
+
+_scalars = (st.none() | st.booleans() | st.integers() | st.floats() | st.text())
+_documents = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.dictionaries(st.text(), _documents, max_size=5))
+def test_to_yaml_round_trips_through_a_real_yaml_parser(data: dict[str, object]) -> None:
+    out = nodefit.to_yaml(data)
+    assert _same(yaml.safe_load(out), data), out
+
+
+def test_to_yaml_refuses_what_it_cannot_write() -> None:
+    with pytest.raises(TypeError, match="keys must be strings"):
+        nodefit.to_yaml({1: "x"})
+    with pytest.raises(TypeError, match="cannot write a bytes"):
+        nodefit.to_yaml({"k": b"x"})
