@@ -161,8 +161,11 @@ def gpus(timeout: float = NVIDIA_SMI_TIMEOUT) -> list[Gpu] | None:
 
 
 def kube_arch(machine: str | None = None) -> str:
-    """``platform.machine()`` as Kubernetes spells it (``kubernetes.io/arch``)."""
-    m = machine or platform.machine()
+    """``machine`` (default: this node's ``platform.machine()``) as Kubernetes spells it
+    (``kubernetes.io/arch``). An empty ``machine`` (unknown: ``platform.machine()``
+    gives ``""`` where it cannot tell) stays ``""`` — never the caller's own architecture:
+    a manifest recorded elsewhere is not labelled with the checker's."""
+    m = platform.machine() if machine is None else machine
     return {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386",
             "ppc64le": "ppc64le", "s390x": "s390x"}.get(m, m.lower())
 
@@ -315,9 +318,18 @@ def node_labels(manifest_like: Mapping[str, Any]) -> dict[str, str]:
 
 def node_affinity(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """The ``affinity`` of a Pod that should restore ``manifest``'s snapshot: required
-    node labels matching every scheduling fact the manifest recorded."""
+    node labels matching every scheduling fact the manifest recorded.
+
+    ``ValueError`` when it recorded none (no machine series, architecture, gVisor version
+    or GPU driver that makes a label value): Kubernetes reads a term without expressions
+    as matching no node, and leaving the term out would let the Pod land anywhere — both
+    silently, so neither is printed."""
     exprs = [{"key": k, "operator": "In", "values": [v]}
              for k, v in _scheduling_facts(manifest).items()]
+    if not exprs:
+        raise ValueError("the manifest records no scheduling fact (machine series, arch, "
+                         "gVisor version or GPU driver): no nodeAffinity can select its "
+                         "nodes")
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
 

@@ -329,3 +329,43 @@ def test_to_yaml_refuses_what_it_cannot_write() -> None:
         nodefit.to_yaml({1: "x"})
     with pytest.raises(TypeError, match="cannot write a bytes"):
         nodefit.to_yaml({"k": b"x"})
+
+
+def test_kube_arch_of_an_unknown_machine_is_not_the_checkers_own() -> None:
+    """kube_arch("") fell back to platform.machine(): a manifest that recorded no
+    architecture was labelled (and its affinity pinned) with the checker's."""
+    import platform
+
+    assert nodefit.kube_arch("") == ""
+    assert nodefit.kube_arch() == nodefit.kube_arch(platform.machine())
+    assert nodefit.kube_arch("aarch64") == "arm64"
+    assert nodefit.node_labels({"arch": "", "machine_series": "n2"}) == {
+        "rehydrate.io/machine-series": "n2"}
+
+
+def test_affinity_without_any_scheduling_fact_is_an_error_not_an_empty_term(
+        tmp_path: Path) -> None:
+    """A manifest with no scheduling fact gave ``matchExpressions: []``, a term that
+    Kubernetes matches against no node: the restoring Pod stayed Pending for ever."""
+    with pytest.raises(ValueError, match="records no scheduling fact"):
+        nodefit.node_affinity({"arch": "", "machine_series": None, "gvisor_version": None,
+                               "gpu_driver": None})
+    with pytest.raises(ValueError, match="records no scheduling fact"):
+        nodefit.node_affinity({"arch": "???"})  # no valid label value left of it
+    only_series = nodefit.node_affinity({"arch": "", "machine_series": "n2"})
+    (term,) = only_series["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert term["matchExpressions"] == [
+        {"key": "rehydrate.io/machine-series", "operator": "In", "values": ["n2"]}]
+
+    manifest = fp.fingerprint(metadata=False, nvidia_smi=False)
+    manifest.update(arch="", gvisor_version=None, gpu_driver=None, machine_series=None)
+    path = tmp_path / "manifest.json"
+    fp.write_manifest(manifest, path)
+    env = dict(os.environ)  # --affinity reads only the manifest, not this node
+    res = _cli("check", str(path), "--affinity", env=env)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.count("\n") == 1 and "records no scheduling fact" in res.stderr
+    res = _cli("check", str(path), "--affinity", "--json", env=env)
+    assert res.returncode == 2 and res.stderr == ""
+    assert "records no scheduling fact" in json.loads(res.stdout)["error"]
