@@ -32,6 +32,7 @@ sandbox).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -431,7 +432,9 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``manifest`` atomically (temporary file, then rename)."""
+    """Write ``manifest`` atomically and durably (temporary file synced to disk, renamed
+    over ``path``, then the directory synced): after a crash ``path`` holds the old
+    manifest or the new one, never an empty or partial file. An error leaves the old one."""
     import json
     import secrets
     from pathlib import Path
@@ -447,11 +450,37 @@ def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) ->
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            # On disk before the rename: a crash after it could otherwise leave the new
+            # name on an empty file (the rename reached the journal, the data did not).
+            os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _sync_dir(p.parent)
+
+
+# A filesystem that cannot sync a directory (EINVAL: some FUSE and network ones) or a
+# directory writable but not readable (EACCES on the open): nothing more can be done.
+_DIR_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EACCES})
+
+
+def _sync_dir(directory: Path) -> None:
+    """Sync ``directory`` so that a rename in it survives a crash (the new entry is
+    directory data, not the file's)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_SYNC_UNSUPPORTED:
+            raise
+        log.debug("cannot sync directory %s (%s): the manifest's rename is not synced",
+                  directory, os.strerror(exc.errno or 0))
 
 
 def _check_scope(scope: object) -> None:
