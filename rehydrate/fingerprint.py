@@ -112,24 +112,35 @@ class Mismatch:
         return {"field": self.field, "expected": self.expected, "actual": self.actual}
 
     def describe(self) -> str:
+        """One line (a key name or value with a newline or other control character is
+        shown escaped and quoted, ``env.'A\\nB'``)."""
         if self.field == "cpu_flags":
             return f"cpu_flags: this node lacks {_short(self.expected)}"
         if self.field.startswith("env."):
             # Key name only: the hashes are of environment values (salted, but the salt
             # is in the manifest and a low-entropy value can be guessed), and this text
             # goes to the log, the strict hook's error and the report.
+            name = "env." + _printable(self.field[4:])
             if self.expected is None:
-                return f"{self.field}: unset in the snapshot, set on this node"
+                return f"{name}: unset in the snapshot, set on this node"
             if self.actual is None:
-                return f"{self.field}: set in the snapshot, unset on this node"
-            return f"{self.field}: value differs from the snapshot's"
-        return f"{self.field}: snapshot {_short(self.expected)}, this node {_short(self.actual)}"
+                return f"{name}: set in the snapshot, unset on this node"
+            return f"{name}: value differs from the snapshot's"
+        return (f"{_printable(self.field)}: snapshot {_short(self.expected)}, "
+                f"this node {_short(self.actual)}")
+
+
+def _printable(text: str) -> str:
+    """``text`` as is when every character prints, else quoted with escapes (``repr``):
+    a manifest's key names and values reach terminal and log lines, where a newline or an
+    escape sequence would forge another line or hide this one."""
+    return text if text.isprintable() else repr(text)
 
 
 def _short(v: Any) -> str:
     if isinstance(v, list):
-        return " ".join(map(str, v)) if v else "[]"
-    return "none" if v is None else str(v)
+        return " ".join(_printable(str(x)) for x in v) if v else "[]"
+    return "none" if v is None else _printable(str(v))
 
 
 # -- collecting ----------------------------------------------------------------------

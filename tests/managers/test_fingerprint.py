@@ -652,3 +652,28 @@ def test_write_manifest_keeps_the_old_manifest_when_the_sync_fails(tmp_path, mon
     monkeypatch.setattr(os, "fsync", no_dir_sync)
     fp.write_manifest({"schema": fp.SCHEMA, "new": True}, path)
     assert json.loads(path.read_text()) == {"schema": fp.SCHEMA, "new": True}
+
+
+def test_check_shows_control_characters_in_key_names_and_values_escaped(tmp_path, capsys):
+    """An env key name with a newline printed across two lines of `rehydrate check`
+    (and of the log line): the second line looked like a mismatch of its own; an escape
+    sequence in one recoloured or hid the terminal's text."""
+    keys = ["A\n  env.FAKE: unset in the snapshot", "B\x1b[2K", "C\u2028D"]
+    manifest = fp.fingerprint(env_keys=keys, environ=dict.fromkeys(keys, "x"))
+    manifest["gvisor_version"] = "release-1\nforged"
+    path = tmp_path / "manifest.json"
+    fp.write_manifest(manifest, path)
+    assert check_manifest(str(path)) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 1 + 4, out  # the heading, then one line per mismatch
+    assert "  env.'A\\n  env.FAKE: unset in the snapshot': set in the snapshot, unset on " \
+           "this node" in lines
+    assert "  env.'B\\x1b[2K': set in the snapshot, unset on this node" in lines
+    assert "  env.'C\\u2028D': set in the snapshot, unset on this node" in lines
+    assert any(line.startswith("  gvisor_version: snapshot 'release-1\\nforged', this node")
+               for line in lines), out
+    assert "\x1b" not in out and "\u2028" not in out
+    # printable names stay as they are
+    assert fp.Mismatch("env.API_KEY", None, "h").describe() == (
+        "env.API_KEY: unset in the snapshot, set on this node")
