@@ -1301,3 +1301,40 @@ def test_an_http_check_url_naming_no_host_is_refused_at_registration(rehydrate_e
     ok = connections.httpx_client("api", base_url="http://127.0.0.1:9", check_url="/health",
                                   engine=rehydrate_engine)
     ok.close()
+
+
+def test_replacing_a_grpc_channel_closes_the_one_it_replaces(rehydrate_engine):
+    """After grpc_channel(name, ..., replace=True) the first ManagedChannel went on
+    working unmanaged: not closed before a snapshot, never given a new channel after a
+    restore. It is closed now; the new one is the managed one."""
+    made: list[_FakeChannel] = []
+
+    def factory(label: str):
+        def make() -> _FakeChannel:
+            made.append(_FakeChannel(f"{label}{len(made)}"))
+            return made[-1]
+        return make
+
+    first = connections.grpc_channel("model", factory("a"), check=False,
+                                     engine=rehydrate_engine)
+    old_stub = first.unary_unary("/t.Echo/Say")
+    assert old_stub(b"hi") == "a0"
+    second = connections.grpc_channel("model", factory("b"), check=False,
+                                      engine=rehydrate_engine, replace=True)
+    with pytest.raises(ValueError, match="Cannot invoke RPC on closed channel"):
+        old_stub(b"hi")
+    assert made[0].closed
+    new_stub = second.unary_unary("/t.Echo/Say")
+    assert new_stub(b"hi") == "b1"
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+    assert new_stub(b"hi") == "b2"  # the new one is the managed one
+    assert len(made) == 3, "a restore never reopens the replaced channel"
+    # A refused replacement (replace=False) leaves the registered channel alone.
+    with pytest.raises(ValueError, match="already registered"):
+        connections.grpc_channel("model", factory("c"), check=False,
+                                 engine=rehydrate_engine)
+    assert new_stub(b"hi") == "b2"
+    # unregister() hands the channel back to the application: not closed.
+    connections.unregister("model", engine=rehydrate_engine)
+    assert new_stub(b"hi") == "b2"
