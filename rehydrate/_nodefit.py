@@ -25,7 +25,9 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -55,9 +57,8 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 METADATA_TIMEOUT = 0.5
-"""Seconds for each step of the metadata request — connect, and each read of the answer
-(the server answers in milliseconds on GCE; one that sends a byte at a time can take
-longer in total)."""
+"""Seconds for the whole metadata request — connect, send, and every read of the answer
+(the server answers in milliseconds on GCE)."""
 NVIDIA_SMI_TIMEOUT = 3.0
 LABEL_PREFIX = "rehydrate.io/"
 """Prefix of the node labels :func:`node_labels` proposes and :func:`node_affinity` uses."""
@@ -69,16 +70,55 @@ def in_gvisor(root: str = "/") -> bool:
     return running_under_gvisor(root, marker=proc)
 
 
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose every send and receive ends by one ``deadline`` (a
+    ``time.monotonic()``): a plain socket timeout applies to each read, so a server
+    sending a byte at a time never trips it."""
+
+    deadline = 0.0
+
+    @classmethod
+    def adopt(cls, sock: socket.socket, deadline: float) -> _DeadlineSocket:
+        """``sock``'s connection as a :class:`_DeadlineSocket` (``sock`` is detached)."""
+        new = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        new.deadline = deadline
+        return new
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(left)
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:  # what makefile() reads with
+        self._arm()
+        return super().recv_into(*args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        self._arm()
+        return super().recv(*args, **kwargs)
+
+    def sendall(self, *args: Any, **kwargs: Any) -> None:
+        self._arm()
+        super().sendall(*args, **kwargs)
+
+
 def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
-    """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently)."""
+    """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently).
+    ``timeout`` bounds the whole request (not the name lookup of a ``GCE_METADATA_HOST``
+    given as a host name)."""
     # http.client, not urllib.request: the same request without urllib's opener machinery
     # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
     import http.client
 
     host = os.environ.get("GCE_METADATA_HOST") or "169.254.169.254"
+    deadline = time.monotonic() + timeout
     try:
         conn = http.client.HTTPConnection(host, timeout=timeout)
         try:
+            conn.connect()
+            # Sending the request and reading the answer end by the same deadline.
+            conn.sock = _DeadlineSocket.adopt(conn.sock, deadline)
             conn.request("GET", "/computeMetadata/v1/instance/machine-type",
                          headers={"Metadata-Flavor": "Google"})
             resp = conn.getresponse()

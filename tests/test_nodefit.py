@@ -10,12 +10,13 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from gce_metadata import MetadataServer
+from gce_metadata import MetadataServer, TricklingServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes.client import ApiClient, V1Affinity, V1ObjectMeta
@@ -134,6 +135,24 @@ def test_metadata_answer_without_google_header_is_not_gce(
         monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
         assert nodefit.machine_type() is None
         assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+
+
+
+def test_a_metadata_server_trickling_its_answer_is_cut_off_at_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """machine_type() had only a per-read timeout: a server sending a byte every 50 ms
+    (its header never ends) held it — and fingerprint(), doctor, the save hook — for
+    hours. The timeout now bounds the whole request."""
+    with TricklingServer(interval=0.05) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        result: list[str | None] = []
+        caller = threading.Thread(
+            target=lambda: result.append(nodefit.machine_type(timeout=0.5)), daemon=True)
+        caller.start()
+        caller.join(20)  # 0.5 s expected; a generous bound, not a timing measurement
+        assert not caller.is_alive(), f"still reading after 20 s ({srv.sent} bytes came)"
+        assert result == [None]
+        assert srv.requests == 1
 
 
 @pytest.mark.parametrize("status", [403, 404, 500, 503])
