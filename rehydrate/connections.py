@@ -434,7 +434,11 @@ class ConnectionManager:
         if old is not None:
             old._retire()
             if old._on_replaced is not None:
-                old._on_replaced()
+                try:
+                    old._on_replaced()
+                except Exception as exc:  # the new one is registered: that stands
+                    log.warning("connection %s replaced; closing the one it replaces "
+                                "failed: %s", conn.name, _describe(exc))
             log.info("connection %s replaced; the new callbacks replace the old", conn.name)
         if any(f is not None and not _is_async(f)
                for f in (conn.open_fn, conn.close_fn, conn.check_fn)):

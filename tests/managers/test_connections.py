@@ -1338,3 +1338,19 @@ def test_replacing_a_grpc_channel_closes_the_one_it_replaces(rehydrate_engine):
     # unregister() hands the channel back to the application: not closed.
     connections.unregister("model", engine=rehydrate_engine)
     assert new_stub(b"hi") == "b2"
+
+
+def test_a_replaced_grpc_channel_that_fails_to_close_does_not_undo_the_replacement(
+        rehydrate_engine, caplog):
+    class Stubborn(_FakeChannel):
+        def close(self) -> None:
+            raise RuntimeError("close failed")
+
+    connections.grpc_channel("svc", lambda: Stubborn("old"), check=False,
+                             engine=rehydrate_engine)
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    second = connections.grpc_channel("svc", lambda: _FakeChannel("new"), check=False,
+                                      engine=rehydrate_engine, replace=True)
+    assert second.unary_unary("/t.Echo/Say")(b"hi") == "new"
+    assert "closing the one it replaces failed: RuntimeError: close failed" in caplog.text
+    connections.unregister("svc", engine=rehydrate_engine)
