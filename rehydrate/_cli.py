@@ -203,8 +203,9 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
         environ = fingerprint._read_workload_env(env_file) if env_file else None
         mismatches = fingerprint.check(manifest, root, scope=scope, environ=environ)
     except (TypeError, ValueError) as exc:  # ManifestError is a ValueError
+        doing = "make a nodeAffinity for" if affinity else "compare"
         msg = str(exc) if isinstance(exc, fingerprint.ManifestError) else (
-            f"cannot compare manifest {path}: {type(exc).__name__}: {exc}")
+            f"cannot {doing} manifest {path}: {type(exc).__name__}: {exc}")
         msg = " ".join(msg.split())  # one line
         if as_json:
             json.dump({"compatible": False, "scope": scope, "error": msg, "mismatches": []},

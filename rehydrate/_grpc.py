@@ -25,15 +25,20 @@ class _LazyMultiCallable:
     def __init__(self, owner: ManagedChannel, kind: str, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
         self._owner, self._kind, self._args, self._kwargs = owner, kind, args, kwargs
-        self._gen = -1
-        self._target: Any = None
+        # (generation, multi-callable of that generation's channel), replaced as one
+        # object: with two attributes, two threads resolving across a restore could
+        # leave the old channel's callable stored under the new generation — every later
+        # call then went to the closed channel until the next restore. A stale pair
+        # written last only costs one rebuild. No lock: calls do not wait on each other.
+        self._cached: tuple[int, Any] = (-1, None)
 
     def _resolve(self) -> Any:
         channel, gen = self._owner.current()
-        if gen != self._gen:
-            self._target = getattr(channel, self._kind)(*self._args, **self._kwargs)
-            self._gen = gen
-        return self._target
+        cached_gen, target = self._cached
+        if cached_gen != gen:
+            target = getattr(channel, self._kind)(*self._args, **self._kwargs)
+            self._cached = (gen, target)
+        return target
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._resolve()(*args, **kwargs)

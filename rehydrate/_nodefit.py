@@ -20,11 +20,14 @@ them as Kubernetes YAML.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -54,9 +57,8 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 METADATA_TIMEOUT = 0.5
-"""Seconds for each step of the metadata request — connect, and each read of the answer
-(the server answers in milliseconds on GCE; one that sends a byte at a time can take
-longer in total)."""
+"""Seconds for the whole metadata request — connect, send, and every read of the answer
+(the server answers in milliseconds on GCE)."""
 NVIDIA_SMI_TIMEOUT = 3.0
 LABEL_PREFIX = "rehydrate.io/"
 """Prefix of the node labels :func:`node_labels` proposes and :func:`node_affinity` uses."""
@@ -68,16 +70,55 @@ def in_gvisor(root: str = "/") -> bool:
     return running_under_gvisor(root, marker=proc)
 
 
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose every send and receive ends by one ``deadline`` (a
+    ``time.monotonic()``): a plain socket timeout applies to each read, so a server
+    sending a byte at a time never trips it."""
+
+    deadline = 0.0
+
+    @classmethod
+    def adopt(cls, sock: socket.socket, deadline: float) -> _DeadlineSocket:
+        """``sock``'s connection as a :class:`_DeadlineSocket` (``sock`` is detached)."""
+        new = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        new.deadline = deadline
+        return new
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(left)
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:  # what makefile() reads with
+        self._arm()
+        return super().recv_into(*args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        self._arm()
+        return super().recv(*args, **kwargs)
+
+    def sendall(self, *args: Any, **kwargs: Any) -> None:
+        self._arm()
+        super().sendall(*args, **kwargs)
+
+
 def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
-    """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently)."""
+    """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently).
+    ``timeout`` bounds the whole request (not the name lookup of a ``GCE_METADATA_HOST``
+    given as a host name)."""
     # http.client, not urllib.request: the same request without urllib's opener machinery
     # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
     import http.client
 
     host = os.environ.get("GCE_METADATA_HOST") or "169.254.169.254"
+    deadline = time.monotonic() + timeout
     try:
         conn = http.client.HTTPConnection(host, timeout=timeout)
         try:
+            conn.connect()
+            # Sending the request and reading the answer end by the same deadline.
+            conn.sock = _DeadlineSocket.adopt(conn.sock, deadline)
             conn.request("GET", "/computeMetadata/v1/instance/machine-type",
                          headers={"Metadata-Flavor": "Google"})
             resp = conn.getresponse()
@@ -160,8 +201,11 @@ def gpus(timeout: float = NVIDIA_SMI_TIMEOUT) -> list[Gpu] | None:
 
 
 def kube_arch(machine: str | None = None) -> str:
-    """``platform.machine()`` as Kubernetes spells it (``kubernetes.io/arch``)."""
-    m = machine or platform.machine()
+    """``machine`` (default: this node's ``platform.machine()``) as Kubernetes spells it
+    (``kubernetes.io/arch``). An empty ``machine`` (unknown: ``platform.machine()``
+    gives ``""`` where it cannot tell) stays ``""`` — never the caller's own architecture:
+    a manifest recorded elsewhere is not labelled with the checker's."""
+    m = platform.machine() if machine is None else machine
     return {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386",
             "ppc64le": "ppc64le", "s390x": "s390x"}.get(m, m.lower())
 
@@ -314,34 +358,110 @@ def node_labels(manifest_like: Mapping[str, Any]) -> dict[str, str]:
 
 def node_affinity(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """The ``affinity`` of a Pod that should restore ``manifest``'s snapshot: required
-    node labels matching every scheduling fact the manifest recorded."""
+    node labels matching every scheduling fact the manifest recorded.
+
+    ``ValueError`` when it recorded none (no machine series, architecture, gVisor version
+    or GPU driver that makes a label value): Kubernetes reads a term without expressions
+    as matching no node, and leaving the term out would let the Pod land anywhere — both
+    silently, so neither is printed."""
     exprs = [{"key": k, "operator": "In", "values": [v]}
              for k, v in _scheduling_facts(manifest).items()]
+    if not exprs:
+        raise ValueError("the manifest records no scheduling fact (machine series, arch, "
+                         "gVisor version or GPU driver): no nodeAffinity can select its "
+                         "nodes")
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+# YAML 1.1 — what kubectl and the API server read (sigs.k8s.io/yaml, go-yaml v2), and
+# PyYAML — resolves these plain words (in any of their usual cases) to booleans or null:
+# a key spelt like one (a label value reaching a key, ``on:``) is quoted.
+_YAML11_WORDS = frozenset({"y", "yes", "n", "no", "true", "false", "on", "off", "null"})
+# In a double-quoted scalar only printable ASCII other than ``"`` and ``\`` stays as is.
+_NEEDS_ESCAPE = re.compile(r'[^\x20\x21\x23-\x5b\x5d-\x7e]')
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+_IMPLICIT_KEY_MAX = 1024
+"""YAML reads a ``key: value`` key of at most 1024 characters (PyYAML and go-yaml enforce it)."""
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    if ch in _ESCAPES:
+        return _ESCAPES[ch]
+    o = ord(ch)
+    # YAML's own escapes, not JSON's: JSON writes a character beyond U+FFFF as a
+    # surrogate pair, which YAML reads back as two lone surrogates.
+    return f"\\x{o:02x}" if o <= 0xFF else f"\\u{o:04x}" if o <= 0xFFFF else f"\\U{o:08x}"
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar (ASCII only: any encoding reads it)."""
+    return '"' + _NEEDS_ESCAPE.sub(_escape, text) + '"'
+
+
+def _key(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"to_yaml: mapping keys must be strings, not {type(key).__name__}")
+    if _PLAIN_KEY.fullmatch(key) and key.lower() not in _YAML11_WORDS:
+        return key
+    return _quoted(key)
+
+
+def _scalar(value: object) -> str:
+    """A scalar that YAML 1.1 and 1.2 read back as the same value and type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return _float(value)
+    if isinstance(value, str):
+        return _quoted(value)
+    raise TypeError(f"to_yaml: cannot write a {type(value).__name__}")
+
+
+def _float(value: float) -> str:
+    if math.isnan(value):
+        return ".nan"  # json.dumps writes NaN / Infinity: strings to YAML
+    if math.isinf(value):
+        return ".inf" if value > 0 else "-.inf"
+    text = repr(float(value))
+    mantissa, e, exponent = text.partition("e")
+    # YAML 1.1 floats need a dot: 1e+100 would be the string "1e+100".
+    return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
 
 
 def to_yaml(data: Any, indent: int = 0) -> str:
     """Block-style YAML for dicts, lists, strings, numbers, booleans and None — the
-    subset Kubernetes objects need. Strings are JSON-quoted (valid YAML scalars)."""
-    import json
-
+    subset Kubernetes objects need — that a YAML 1.1 reader (kubectl) and a YAML 1.2
+    one read back as ``data``: strings double-quoted, keys YAML would take for a boolean
+    or null (``on``, ``no``, ``null``…) quoted, NaN and infinities as ``.nan`` / ``.inf``,
+    a key longer than YAML allows in ``key: value`` as an explicit ``? key``.
+    ``TypeError`` for anything else (or a key that is not a string)."""
     pad = "  " * indent
     if isinstance(data, Mapping):
         if not data:
             return pad + "{}\n"
         lines = []
         for k, v in data.items():
-            key = k if _PLAIN_KEY.fullmatch(k) else json.dumps(k)
-            if isinstance(v, (Mapping, list)) and v:
-                lines.append(f"{pad}{key}:\n{to_yaml(v, indent + 1)}")
+            key = _key(k)
+            if len(key) < _IMPLICIT_KEY_MAX:
+                head = f"{pad}{key}:"
+            else:  # too long for a plain "key: value": an explicit "? key" then ": value"
+                lines.append(f"{pad}? {key}\n")
+                head = f"{pad}:"
+            if isinstance(v, (Mapping, list, tuple)) and v:
+                lines.append(f"{head}\n{to_yaml(v, indent + 1)}")
             else:
-                lines.append(f"{pad}{key}: {to_yaml(v).strip()}\n")
+                lines.append(f"{head} {to_yaml(v).strip()}\n")
         return "".join(lines)
-    if isinstance(data, list):
+    if isinstance(data, (list, tuple)):
         if not data:
             return pad + "[]\n"
         lines = []
@@ -349,7 +469,7 @@ def to_yaml(data: Any, indent: int = 0) -> str:
             body = to_yaml(item, indent + 1)
             lines.append(f"{pad}- {body.lstrip()}")
         return "".join(lines)
-    return pad + json.dumps(data) + "\n"
+    return pad + _scalar(data) + "\n"
 
 
 def render(obj: Mapping[str, Any], *, as_json: bool = False) -> str:

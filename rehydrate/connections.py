@@ -186,6 +186,9 @@ class Connection:
         self.peers: tuple[str, ...] = ()
         """``host:port`` of the peer(s), when known (helpers fill it in, ``register(peers=)``
         for your own): ``rehydrate doctor --connections`` marks sockets to them managed."""
+        self._on_replaced: Callable[[], None] | None = None
+        """What a ``replace=True`` registration of the same name does to the object a
+        helper handed out (:func:`grpc_channel`: close it)."""
 
     def effective_deadline(self) -> float:
         return self.deadline if self.deadline is not None else env_deadline()
@@ -430,6 +433,12 @@ class ConnectionManager:
             self._conns[conn.name] = conn  # re-registering a name moves it to the end
         if old is not None:
             old._retire()
+            if old._on_replaced is not None:
+                try:
+                    old._on_replaced()
+                except Exception as exc:  # the new one is registered: that stands
+                    log.warning("connection %s replaced; closing the one it replaces "
+                                "failed: %s", conn.name, _describe(exc))
             log.info("connection %s replaced; the new callbacks replace the old", conn.name)
         if any(f is not None and not _is_async(f)
                for f in (conn.open_fn, conn.close_fn, conn.check_fn)):
@@ -916,6 +925,11 @@ def grpc_channel(
     returned object keep working: each call goes to the current channel. The check waits
     for ``grpc.channel_ready_future``. The target is hidden in ``factory``: pass
     ``peers=["host:port"]`` for ``rehydrate doctor --connections`` to mark its sockets.
+
+    ``replace=True`` closes the channel previously returned for ``name``. Unmanaged, it
+    would go on working until a snapshot, which it would enter with its connections open
+    and leave without a new channel in any clone; its stubs raise ``ValueError`` at once
+    instead, as for a closed ``grpc.Channel``. Build stubs on the new channel.
     """
     from ._grpc import ManagedChannel
 
@@ -927,6 +941,7 @@ def grpc_channel(
     except BaseException:
         managed.close()  # refused (a name taken, bad peers): its channel was made already
         raise
+    conn._on_replaced = managed.close
     if check:
         conn.check_fn = lambda: managed.wait_ready(
             max(0.05, min(5.0, conn.effective_deadline())))

@@ -32,6 +32,7 @@ sandbox).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -111,24 +112,35 @@ class Mismatch:
         return {"field": self.field, "expected": self.expected, "actual": self.actual}
 
     def describe(self) -> str:
+        """One line (a key name or value with a newline or other control character is
+        shown escaped and quoted, ``env.'A\\nB'``)."""
         if self.field == "cpu_flags":
             return f"cpu_flags: this node lacks {_short(self.expected)}"
         if self.field.startswith("env."):
             # Key name only: the hashes are of environment values (salted, but the salt
             # is in the manifest and a low-entropy value can be guessed), and this text
             # goes to the log, the strict hook's error and the report.
+            name = "env." + _printable(self.field[4:])
             if self.expected is None:
-                return f"{self.field}: unset in the snapshot, set on this node"
+                return f"{name}: unset in the snapshot, set on this node"
             if self.actual is None:
-                return f"{self.field}: set in the snapshot, unset on this node"
-            return f"{self.field}: value differs from the snapshot's"
-        return f"{self.field}: snapshot {_short(self.expected)}, this node {_short(self.actual)}"
+                return f"{name}: set in the snapshot, unset on this node"
+            return f"{name}: value differs from the snapshot's"
+        return (f"{_printable(self.field)}: snapshot {_short(self.expected)}, "
+                f"this node {_short(self.actual)}")
+
+
+def _printable(text: str) -> str:
+    """``text`` as is when every character prints, else quoted with escapes (``repr``):
+    a manifest's key names and values reach terminal and log lines, where a newline or an
+    escape sequence would forge another line or hide this one."""
+    return text if text.isprintable() else repr(text)
 
 
 def _short(v: Any) -> str:
     if isinstance(v, list):
-        return " ".join(map(str, v)) if v else "[]"
-    return "none" if v is None else str(v)
+        return " ".join(_printable(str(x)) for x in v) if v else "[]"
+    return "none" if v is None else _printable(str(v))
 
 
 # -- collecting ----------------------------------------------------------------------
@@ -431,7 +443,9 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``manifest`` atomically (temporary file, then rename)."""
+    """Write ``manifest`` atomically and durably (temporary file synced to disk, renamed
+    over ``path``, then the directory synced): after a crash ``path`` holds the old
+    manifest or the new one, never an empty or partial file. An error leaves the old one."""
     import json
     import secrets
     from pathlib import Path
@@ -447,11 +461,37 @@ def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) ->
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            # On disk before the rename: a crash after it could otherwise leave the new
+            # name on an empty file (the rename reached the journal, the data did not).
+            os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _sync_dir(p.parent)
+
+
+# A filesystem that cannot sync a directory (EINVAL: some FUSE and network ones) or a
+# directory writable but not readable (EACCES on the open): nothing more can be done.
+_DIR_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EACCES})
+
+
+def _sync_dir(directory: Path) -> None:
+    """Sync ``directory`` so that a rename in it survives a crash (the new entry is
+    directory data, not the file's)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_SYNC_UNSUPPORTED:
+            raise
+        log.debug("cannot sync directory %s (%s): the manifest's rename is not synced",
+                  directory, os.strerror(exc.errno or 0))
 
 
 def _check_scope(scope: object) -> None:

@@ -5,10 +5,13 @@ Like the real one (https://cloud.google.com/compute/docs/metadata/querying-metad
 ``projects/PROJECT_NUMBER/machineTypes/MACHINE_TYPE`` with the response header
 ``Metadata-Flavor: Google``; a request without ``Metadata-Flavor: Google`` gets 403, an
 unknown path 404. Point ``GCE_METADATA_HOST`` at :attr:`MetadataServer.host`.
+:class:`TricklingServer` is a broken one that never finishes its answer.
 """
 
 from __future__ import annotations
 
+import itertools
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -61,3 +64,50 @@ class MetadataServer:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class TricklingServer:
+    """A metadata server that answers one byte at a time, each well within a per-read
+    timeout, for ever (a header that never ends): only a bound on the whole request
+    ends a client's wait. ``sent`` counts the bytes it got out."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.sent = 0
+        self.requests = 0
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by __exit__
+            with conn:
+                conn.recv(65536)  # the request
+                self.requests += 1
+                head = b"HTTP/1.1 200 OK\r\nMetadata-Flavor: Google\r\nX-Padding: "
+                data = itertools.chain(head, itertools.repeat(ord("a")))
+                for byte in data:
+                    if self._stop.wait(self.interval):
+                        return
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:
+                        break  # the client gave up
+                    self.sent += 1
+
+    def __enter__(self) -> TricklingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(10)

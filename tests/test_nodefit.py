@@ -10,12 +10,15 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from gce_metadata import MetadataServer
+from gce_metadata import MetadataServer, TricklingServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kubernetes.client import ApiClient, V1Affinity, V1ObjectMeta
 
 from rehydrate import _nodefit as nodefit
@@ -132,6 +135,24 @@ def test_metadata_answer_without_google_header_is_not_gce(
         monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
         assert nodefit.machine_type() is None
         assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+
+
+
+def test_a_metadata_server_trickling_its_answer_is_cut_off_at_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """machine_type() had only a per-read timeout: a server sending a byte every 50 ms
+    (its header never ends) held it — and fingerprint(), doctor, the save hook — for
+    hours. The timeout now bounds the whole request."""
+    with TricklingServer(interval=0.05) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        result: list[str | None] = []
+        caller = threading.Thread(
+            target=lambda: result.append(nodefit.machine_type(timeout=0.5)), daemon=True)
+        caller.start()
+        caller.join(20)  # 0.5 s expected; a generous bound, not a timing measurement
+        assert not caller.is_alive(), f"still reading after 20 s ({srv.sent} bytes came)"
+        assert result == [None]
+        assert srv.requests == 1
 
 
 @pytest.mark.parametrize("status", [403, 404, 500, 503])
@@ -271,3 +292,99 @@ def test_custom_machine_types_belong_to_their_series(node, mtype: str, series: s
     assert nodefit.assess(facts).fit == fit
     labels = nodefit.node_labels(fp.fingerprint(nvidia_smi=False))
     assert labels["rehydrate.io/machine-series"] == series
+
+
+# -- to_yaml: what it writes, a YAML 1.1 reader (PyYAML, like kubectl) reads back ----------
+
+def _same(a: object, b: object) -> bool:
+    """Equal, with NaN equal to NaN and types kept (True is not 1, 1.0 is not 1)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)  # type: ignore[attr-defined]
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))  # type: ignore[arg-type]
+    return a == b
+
+
+def test_to_yaml_quotes_what_yaml_1_1_would_read_as_booleans_null_or_numbers() -> None:
+    """Keys ``on``/``yes``/``no``/``null`` came out plain (YAML 1.1: True/False/None keys),
+    NaN as ``NaN`` and 1e100 as ``1e+100`` (both strings to YAML), a character beyond
+    U+FFFF as a JSON surrogate pair (two lone surrogates to YAML), a key longer than
+    1024 characters as an implicit key (a parse error)."""
+    data = {
+        "on": 1, "yes": "x", "no": True, "null": None, "Off": "y", "True": 2, "~": 3,
+        "labels": {"a": "on", "b": "1.0", "c": "yes", "d": "~", "e": "null", "f": "0x1F"},
+        "nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"),
+        "big": 1e100, "small": 1e-05, "emoji": "😀", "😀": ["\u2028", "\x85", "\x7f"],
+        "\u0100" * 300: {"nested": [1]},  # escaped, beyond YAML's 1024-character keys
+    }
+    out = nodefit.to_yaml(data)
+    assert _same(yaml.safe_load(out), data), out
+    # go-yaml v2 (kubectl) also reads y / n as booleans; PyYAML does not, so look.
+    assert '"y": 1\n' in nodefit.to_yaml({"y": 1})
+    assert '"N": 1\n' in nodefit.to_yaml({"N": 1})
+    assert out.isascii()
+
+
+_scalars = (st.none() | st.booleans() | st.integers() | st.floats() | st.text())
+_documents = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.dictionaries(st.text(), _documents, max_size=5))
+def test_to_yaml_round_trips_through_a_real_yaml_parser(data: dict[str, object]) -> None:
+    out = nodefit.to_yaml(data)
+    assert _same(yaml.safe_load(out), data), out
+
+
+def test_to_yaml_refuses_what_it_cannot_write() -> None:
+    with pytest.raises(TypeError, match="keys must be strings"):
+        nodefit.to_yaml({1: "x"})
+    with pytest.raises(TypeError, match="cannot write a bytes"):
+        nodefit.to_yaml({"k": b"x"})
+
+
+def test_kube_arch_of_an_unknown_machine_is_not_the_checkers_own() -> None:
+    """kube_arch("") fell back to platform.machine(): a manifest that recorded no
+    architecture was labelled (and its affinity pinned) with the checker's."""
+    import platform
+
+    assert nodefit.kube_arch("") == ""
+    assert nodefit.kube_arch() == nodefit.kube_arch(platform.machine())
+    assert nodefit.kube_arch("aarch64") == "arm64"
+    assert nodefit.node_labels({"arch": "", "machine_series": "n2"}) == {
+        "rehydrate.io/machine-series": "n2"}
+
+
+def test_affinity_without_any_scheduling_fact_is_an_error_not_an_empty_term(
+        tmp_path: Path) -> None:
+    """A manifest with no scheduling fact gave ``matchExpressions: []``, a term that
+    Kubernetes matches against no node: the restoring Pod stayed Pending for ever."""
+    with pytest.raises(ValueError, match="records no scheduling fact"):
+        nodefit.node_affinity({"arch": "", "machine_series": None, "gvisor_version": None,
+                               "gpu_driver": None})
+    with pytest.raises(ValueError, match="records no scheduling fact"):
+        nodefit.node_affinity({"arch": "???"})  # no valid label value left of it
+    only_series = nodefit.node_affinity({"arch": "", "machine_series": "n2"})
+    (term,) = only_series["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert term["matchExpressions"] == [
+        {"key": "rehydrate.io/machine-series", "operator": "In", "values": ["n2"]}]
+
+    manifest = fp.fingerprint(metadata=False, nvidia_smi=False)
+    manifest.update(arch="", gvisor_version=None, gpu_driver=None, machine_series=None)
+    path = tmp_path / "manifest.json"
+    fp.write_manifest(manifest, path)
+    env = dict(os.environ)  # --affinity reads only the manifest, not this node
+    res = _cli("check", str(path), "--affinity", env=env)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.count("\n") == 1 and "records no scheduling fact" in res.stderr
+    res = _cli("check", str(path), "--affinity", "--json", env=env)
+    assert res.returncode == 2 and res.stderr == ""
+    assert "records no scheduling fact" in json.loads(res.stdout)["error"]

@@ -724,6 +724,80 @@ def test_a_refused_grpc_channel_closes_the_channel_it_made(rehydrate_engine):
     connections.unregister("taken", engine=rehydrate_engine)
 
 
+
+class _FakeChannel:
+    """A grpc.Channel stand-in: its multi-callables answer with the channel's label, or
+    raise grpc's ValueError once it is closed; building one may be held (``hold``)."""
+
+    def __init__(self, label: str, hold: threading.Event | None = None,
+                 building: threading.Event | None = None) -> None:
+        self.label, self.closed = label, False
+        self._hold, self._building = hold, building
+
+    def unary_unary(self, method: str, *args: object, **kwargs: object):
+        if self._hold is not None and self._building is not None:
+            self._building.set()
+            assert self._hold.wait(10)
+        def call(request: object, **kw: object) -> str:
+            if self.closed:
+                raise ValueError("Cannot invoke RPC on closed channel!")
+            return self.label
+        return call
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_stub_resolved_across_a_restore_never_stays_on_the_closed_channel(monkeypatch):
+    """Two threads resolving a stub while a restore swapped the channel: one built its
+    multi-callable on the old channel, the other on the new one, and their writes of
+    (target, generation) interleaved so that the old channel's callable was stored with
+    the new generation. Every later call then went to the closed channel, until the next
+    restore. The interleaving is forced: thread B stops right after its first write to
+    the stub and waits until thread A (which had resolved the old channel) is done."""
+    from rehydrate._grpc import ManagedChannel, _LazyMultiCallable
+
+    hold, building = threading.Event(), threading.Event()
+    made = [_FakeChannel("first", hold, building), _FakeChannel("second")]
+    managed = ManagedChannel(lambda: made.pop(0))
+    say = managed.unary_unary("/t.Echo/Say")
+    a_done, b_wrote = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def call(who: str) -> None:
+        try:
+            results[who] = say(b"hi")
+        except ValueError as exc:  # A's call may reach the closed first channel: fine
+            results[who] = exc
+        finally:
+            if who == "A":
+                a_done.set()
+
+    a = threading.Thread(target=call, args=("A",))
+    a.start()
+    assert building.wait(10)  # A resolved the first channel, is building its callable
+    managed.reset()  # the restore: second channel current, first closed
+    real_setattr = _LazyMultiCallable.__setattr__
+
+    def setattr_pausing_b(self: object, name: str, value: object) -> None:
+        real_setattr(self, name, value)
+        if threading.current_thread() is b and not b_wrote.is_set():
+            b_wrote.set()
+            assert a_done.wait(10)  # A finishes in between B's writes
+
+    monkeypatch.setattr(_LazyMultiCallable, "__setattr__", setattr_pausing_b)
+    b = threading.Thread(target=call, args=("B",))
+    b.start()
+    assert b_wrote.wait(10)
+    hold.set()  # A goes on: stores what it built on the closed first channel
+    a.join(10)
+    b.join(10)
+    monkeypatch.undo()
+    assert not a.is_alive() and not b.is_alive()
+    assert say(b"again") == "second", "the stub stayed on the closed channel"
+    assert results["B"] == "second", "B resolved the second channel: it calls that one"
+
+
 def test_helpers_record_their_peers_for_doctor(rehydrate_engine):
     import redis
 
@@ -1236,3 +1310,56 @@ def test_an_http_check_url_naming_no_host_is_refused_at_registration(rehydrate_e
     ok = connections.httpx_client("api", base_url="http://127.0.0.1:9", check_url="/health",
                                   engine=rehydrate_engine)
     ok.close()
+
+
+def test_replacing_a_grpc_channel_closes_the_one_it_replaces(rehydrate_engine):
+    """After grpc_channel(name, ..., replace=True) the first ManagedChannel went on
+    working unmanaged: not closed before a snapshot, never given a new channel after a
+    restore. It is closed now; the new one is the managed one."""
+    made: list[_FakeChannel] = []
+
+    def factory(label: str):
+        def make() -> _FakeChannel:
+            made.append(_FakeChannel(f"{label}{len(made)}"))
+            return made[-1]
+        return make
+
+    first = connections.grpc_channel("model", factory("a"), check=False,
+                                     engine=rehydrate_engine)
+    old_stub = first.unary_unary("/t.Echo/Say")
+    assert old_stub(b"hi") == "a0"
+    second = connections.grpc_channel("model", factory("b"), check=False,
+                                      engine=rehydrate_engine, replace=True)
+    with pytest.raises(ValueError, match="Cannot invoke RPC on closed channel"):
+        old_stub(b"hi")
+    assert made[0].closed
+    new_stub = second.unary_unary("/t.Echo/Say")
+    assert new_stub(b"hi") == "b1"
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+    assert new_stub(b"hi") == "b2"  # the new one is the managed one
+    assert len(made) == 3, "a restore never reopens the replaced channel"
+    # A refused replacement (replace=False) leaves the registered channel alone.
+    with pytest.raises(ValueError, match="already registered"):
+        connections.grpc_channel("model", factory("c"), check=False,
+                                 engine=rehydrate_engine)
+    assert new_stub(b"hi") == "b2"
+    # unregister() hands the channel back to the application: not closed.
+    connections.unregister("model", engine=rehydrate_engine)
+    assert new_stub(b"hi") == "b2"
+
+
+def test_a_replaced_grpc_channel_that_fails_to_close_does_not_undo_the_replacement(
+        rehydrate_engine, caplog):
+    class Stubborn(_FakeChannel):
+        def close(self) -> None:
+            raise RuntimeError("close failed")
+
+    connections.grpc_channel("svc", lambda: Stubborn("old"), check=False,
+                             engine=rehydrate_engine)
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    second = connections.grpc_channel("svc", lambda: _FakeChannel("new"), check=False,
+                                      engine=rehydrate_engine, replace=True)
+    assert second.unary_unary("/t.Echo/Say")(b"hi") == "new"
+    assert "closing the one it replaces failed: RuntimeError: close failed" in caplog.text
+    connections.unregister("svc", engine=rehydrate_engine)

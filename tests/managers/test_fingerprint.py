@@ -603,3 +603,77 @@ def test_a_huge_schema_value_is_not_echoed_whole(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "schema is 'AAAA" in line and str(path) in line
     assert len(line) < 200 + len(str(path)), len(line)
+
+
+def test_write_manifest_syncs_the_file_before_the_rename_and_the_directory_after(
+        tmp_path, monkeypatch):
+    """The manifest was renamed into place without an fsync of the file or of its
+    directory: after a node crash the path could name an empty file (or the old one)."""
+    path = tmp_path / "meta" / "manifest.json"
+    fp.write_manifest({"schema": fp.SCHEMA, "old": True}, path)
+    synced: list[tuple[str, str | None]] = []  # (what was synced, the manifest then)
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        real_fsync(fd)
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        shown = "directory" if target == str(path.parent) else (
+            "new file" if Path(target).name.startswith(".manifest.json.") else target)
+        synced.append((shown, path.read_text()))
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    fp.write_manifest({"schema": fp.SCHEMA, "new": True}, path)
+    old, new = (json.dumps({"schema": fp.SCHEMA, k: True}, indent=2, sort_keys=True) + "\n"
+                for k in ("old", "new"))
+    assert synced == [("new file", old), ("directory", new)]
+
+
+def test_write_manifest_keeps_the_old_manifest_when_the_sync_fails(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "manifest.json"
+    fp.write_manifest({"schema": fp.SCHEMA, "old": True}, path)
+    before = path.read_text()
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        fp.write_manifest({"schema": fp.SCHEMA, "new": True}, path)
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"], "no temporary left"
+
+    # A filesystem that cannot sync a directory (EINVAL) still gets the manifest written.
+    def no_dir_sync(fd: int) -> None:
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", no_dir_sync)
+    fp.write_manifest({"schema": fp.SCHEMA, "new": True}, path)
+    assert json.loads(path.read_text()) == {"schema": fp.SCHEMA, "new": True}
+
+
+def test_check_shows_control_characters_in_key_names_and_values_escaped(tmp_path, capsys):
+    """An env key name with a newline printed across two lines of `rehydrate check`
+    (and of the log line): the second line looked like a mismatch of its own; an escape
+    sequence in one recoloured or hid the terminal's text."""
+    keys = ["A\n  env.FAKE: unset in the snapshot", "B\x1b[2K", "C\u2028D"]
+    manifest = fp.fingerprint(env_keys=keys, environ=dict.fromkeys(keys, "x"))
+    manifest["gvisor_version"] = "release-1\nforged"
+    path = tmp_path / "manifest.json"
+    fp.write_manifest(manifest, path)
+    assert check_manifest(str(path)) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 1 + 4, out  # the heading, then one line per mismatch
+    assert "  env.'A\\n  env.FAKE: unset in the snapshot': set in the snapshot, unset on " \
+           "this node" in lines
+    assert "  env.'B\\x1b[2K': set in the snapshot, unset on this node" in lines
+    assert "  env.'C\\u2028D': set in the snapshot, unset on this node" in lines
+    assert any(line.startswith("  gvisor_version: snapshot 'release-1\\nforged', this node")
+               for line in lines), out
+    assert "\x1b" not in out and "\u2028" not in out
+    # printable names stay as they are
+    assert fp.Mismatch("env.API_KEY", None, "h").describe() == (
+        "env.API_KEY: unset in the snapshot, set on this node")
