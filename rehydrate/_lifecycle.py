@@ -144,6 +144,10 @@ class Lifecycle:
         self._beat: float | None = None
         self._beat_limit = math.inf
         self._beat_due = math.inf
+        self._beat_seq = 0
+        """Counts heartbeats and noticed freezes: a notice waiting for the watcher's
+        verdict wakes on the next one."""
+        self._verdict_waiters = 0
         self._gap_since: float | None = None
         self._freeze_noticed_at: float | None = None
         self._run_ended = -math.inf
@@ -200,6 +204,7 @@ class Lifecycle:
         # make the child look frozen for ever.
         self._beat, self._beat_limit, self._freeze_noticed_at = None, math.inf, None
         self._beat_due = math.inf
+        self._verdict_waiters = 0  # the parent's notice threads are not here either
         if self._state in ("snapshotting", "restoring"):
             self._state = "degraded"
 
@@ -430,7 +435,8 @@ class Lifecycle:
                 self._gap_since = gap_since
             self._beat, self._beat_limit = now, limit
             self._beat_due = limit if due is None else min(due, limit)
-            if stale:
+            self._beat_seq += 1
+            if stale or self._verdict_waiters:
                 self._cond.notify_all()
 
     def freeze_noticed(self, since: float, now: float) -> None:
@@ -440,6 +446,8 @@ class Lifecycle:
             self._freeze_noticed_at = now
             self._gap_since = since
             self._beat = now
+            self._beat_seq += 1
+            self._cond.notify_all()
 
     def heartbeat_stopped(self) -> None:
         """The freeze watcher stopped: readiness no longer checks its heartbeat."""
@@ -464,17 +472,42 @@ class Lifecycle:
         is measured from the end of the last run too: the watcher that ran it (its hooks
         may take longer than the limit) beats only afterwards, and the restore it noticed
         began after the gap it recorded then — a notice for it meanwhile is that restore.
+
+        Overdue but not yet stale (past ``due``, within the limit) is ambiguous: a short
+        freeze, or a watcher that waited for the GIL (a long C call), for a CPU on a loaded
+        host or for a blocked log write. The notice then waits — at most until the
+        heartbeat would be stale — for the watcher's next heartbeat, which weighs exactly
+        that (a gap, a freeze noticed, or a stall that is neither): taken as a freeze, a
+        stall made a late duplicate notice run the hooks a second time.
         """
         with self._cond:
-            beat = self._beat
-            if beat is None:
+            if self._beat is None:
                 return None
             if self._freeze_noticed_at is not None:  # noticed, being handled: that freeze
                 return self._gap_since
-            seen = max(beat, self._run_ended)  # the process surely ran then
-            if time.monotonic() - seen > self._beat_due:
-                return seen
-            return self._gap_since
+            seen = max(self._beat, self._run_ended)  # the process surely ran then
+            overdue = time.monotonic() - seen
+            if overdue <= self._beat_due:
+                return self._gap_since
+            if overdue > self._beat_limit:
+                return seen  # stale: frozen since, for all the watch can tell
+            return self._watch_verdict(seen, self._beat_limit - overdue)
+
+    def _watch_verdict(self, seen: float, timeout: float) -> float | None:
+        """:meth:`freeze_since` for an overdue heartbeat, called with ``_cond`` held: wait
+        for the watcher's next one. A freeze noticed or a gap moves ``_gap_since`` past
+        ``seen`` (a new restore); a stall leaves it where it was; no heartbeat within
+        ``timeout`` means frozen since ``seen``, for all the watch can tell."""
+        seq = self._beat_seq
+        self._verdict_waiters += 1
+        try:
+            came = self._cond.wait_for(lambda: self._beat_seq != seq or self._beat is None,
+                                       timeout)
+        finally:
+            self._verdict_waiters -= 1
+        if self._beat is None:
+            return None
+        return self._gap_since if came else seen
 
     # -- hooks -----------------------------------------------------------------------
 

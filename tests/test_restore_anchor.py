@@ -107,6 +107,27 @@ def test_freeze_watch_readiness_and_late_notices(rehydrate_engine: Lifecycle, tm
         server.stop()
 
 
+def _notice_waiting_for_the_watcher(engine: Lifecycle,
+                                    path: str) -> tuple[threading.Thread, list[dict]]:
+    """``notify restore`` sent on a thread; returns once it waits for the watcher's next
+    heartbeat (its verdict on an overdue one)."""
+    replies: list[dict] = []
+    thread = threading.Thread(target=lambda: replies.append(request("restore",
+                                                                    socket_path=path)))
+    thread.start()
+    deadline = time.monotonic() + DEADLINE
+    while engine._verdict_waiters == 0:
+        assert time.monotonic() < deadline, f"the notice did not wait: {replies}"
+        assert thread.is_alive(), f"the notice did not wait: {replies}"
+        time.sleep(0.01)
+    return thread, replies
+
+
+def _overdue(since: float, by: float) -> None:
+    while time.monotonic() - since <= by:
+        time.sleep(0.02)
+
+
 def test_a_clone_of_a_clone_noticed_first_by_notify_restore_is_a_new_restore(
         rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
     """Original -> A -> B. B's memory is A's: A's restore report, and A's freeze watch
@@ -115,7 +136,7 @@ def test_a_clone_of_a_clone_noticed_first_by_notify_restore_is_a_new_restore(
     limit, interval + threshold) got ``since`` = that old freeze, so B's restore was taken
     for A's: ``deduplicated``, no hooks ever ran in B (A's keys, A's instance id, A's
     environment, generation 1). The heartbeat is overdue by more than a sleep and the gap
-    slack, so a freeze may have happened since: the notice is a new restore."""
+    slack: the notice waits for the watcher's verdict — here a gap — and is a new restore."""
     engine = rehydrate_engine
     runs = _runs(engine)
     server = ControlServer(engine, str(tmp_path / "c.sock"))
@@ -130,19 +151,77 @@ def test_a_clone_of_a_clone_noticed_first_by_notify_restore_is_a_new_restore(
         assert a.generation == 1
         last = time.monotonic()
         engine.heartbeat(last, 30.0, due=0.3)  # A's last heartbeat before its checkpoint
-        while time.monotonic() - last <= 0.6:  # A is checkpointed, B restored from it
-            time.sleep(0.02)
-        # B runs; its watcher has not woken yet when the platform's notice comes.
-        reply = request("restore", socket_path=server.path)
+        _overdue(last, 0.6)  # A is checkpointed, B restored from it
+        # B runs; its watcher has not woken yet when the platform's notice comes...
+        thread, replies = _notice_waiting_for_the_watcher(engine, server.path)
+        # ... then it wakes: the step, shorter than the threshold, is a gap
+        engine.heartbeat(time.monotonic(), 30.0, gap_since=last, due=0.3)
+        thread.join(DEADLINE)
+        [reply] = replies
         assert reply["deduplicated"] is False, reply
         assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2)
         assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
-        # B's watcher wakes (the step, shorter than the threshold, is a gap) and a second
-        # notice of B's restore is B's, not a third restore.
-        engine.heartbeat(time.monotonic(), 30.0, gap_since=last, due=0.3)
+        # A second notice of B's restore is B's, not a third restore.
+        engine.heartbeat(time.monotonic(), 30.0, due=30.0)
         again = request("restore", socket_path=server.path)
         assert again["deduplicated"] is True and again["report"]["generation"] == 2, again
         assert len(runs) == 2
+    finally:
+        server.stop()
+
+
+def test_a_late_notice_while_the_watcher_waits_for_the_gil_is_a_duplicate(
+        rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
+    """One restore, run by the clock jump; the platform's ``notify restore`` for it comes
+    while the watcher's next heartbeat is overdue but not stale (it waits for the GIL held
+    by a long C call, for a CPU, or for a blocked log write). Before: an overdue heartbeat
+    was taken for a freeze, and the duplicate notice ran the hooks a second time
+    (generation 2, keys rotated twice). Now the notice waits for the watcher's verdict:
+    a stall, no gap — the same restore."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    server = ControlServer(engine, str(tmp_path / "c.sock"))
+    server.start()
+    try:
+        t = time.monotonic()
+        engine.heartbeat(t - 10.5, 30.0, due=0.3)
+        engine.heartbeat(t - 10, 30.0, due=0.3)  # the last heartbeat before the checkpoint
+        engine.freeze_noticed(t - 10, t)  # restored: the watcher woke, a 10 s step
+        engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)
+        beat = time.monotonic()
+        engine.heartbeat(beat, 30.0, due=0.3)  # the watcher's beat after the run
+        _overdue(beat, 0.6)  # its next one is late: the GIL
+        thread, replies = _notice_waiting_for_the_watcher(engine, server.path)
+        engine.heartbeat(time.monotonic(), 30.0, due=0.3)  # a stall: no gap
+        thread.join(DEADLINE)
+        [reply] = replies
+        assert reply["deduplicated"] is True, reply
+        assert runs == [("clock-jump", "restore", 1)]
+    finally:
+        server.stop()
+
+
+def test_a_notice_whose_watcher_never_beats_again_is_a_new_restore(
+        rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
+    """The overdue heartbeat never comes before it would be stale: for all the watch can
+    tell the process was frozen since, so the notice is a new restore (at worst twice,
+    never zero) — after waiting no longer than the heartbeat's limit."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    server = ControlServer(engine, str(tmp_path / "c.sock"))
+    server.start()
+    try:
+        t = time.monotonic()
+        engine.heartbeat(t - 10, 1.0, due=0.3)
+        engine.freeze_noticed(t - 10, t)
+        engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)
+        beat = time.monotonic()
+        engine.heartbeat(beat, 1.0, due=0.3)
+        _overdue(beat, 0.4)
+        reply = request("restore", socket_path=server.path)
+        assert reply["deduplicated"] is False, reply
+        assert time.monotonic() - beat > 1.0  # it waited for the heartbeat's limit
+        assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
     finally:
         server.stop()
 
