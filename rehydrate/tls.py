@@ -1076,6 +1076,9 @@ class FileCertificate(ManagedCertificate):
         # before anything is read or kept.
         self._password = _password_source(password, manager) if password is not None \
             else None
+        # A SecretSource the caller made may serve other certificates too: only one made
+        # here from a plain value is this handle's to wipe.
+        self._owns_password = password is not None and not isinstance(password, SecretSource)
         super().__init__(name, required=required, manager=manager)
         self.cert_path = os.fspath(cert)
         self.key_path = os.fspath(key)
@@ -1253,14 +1256,16 @@ class FileCertificate(ManagedCertificate):
 
     def close(self) -> None:
         self.stop_watching()
-        if self._password is not None:
-            self._password.wipe()  # a plain password is kept until then
+        self._wipe_password()
         super().close()
 
     def _discard(self) -> None:
         super()._discard()
-        if self._password is not None:
-            self._password.wipe()
+        self._wipe_password()
+
+    def _wipe_password(self) -> None:
+        if self._password is not None and self._owns_password:
+            self._password.wipe()  # a plain password is kept until then
 
     def status(self) -> dict[str, Any]:
         out = super().status()

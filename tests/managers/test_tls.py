@@ -1447,18 +1447,52 @@ def test_a_plain_key_password_is_wiped_when_the_first_load_fails(rehydrate_engin
 
 
 def test_a_plain_key_password_given_for_a_name_that_exists_is_wiped(rehydrate_engine,
-                                                                    tmp_path):
+                                                                    tmp_path, monkeypatch):
     """``from_files`` with a name already managed returns the existing handle: the new
     call's plain password has no handle to be closed with, so its copy is wiped at once."""
     from rehydrate.secrets import SecretSource
 
+    wiped: list[str] = []
+    real_wipe = SecretSource.wipe
+
+    def spy(self: SecretSource) -> None:
+        wiped.append(self.kind)
+        real_wipe(self)
+
+    monkeypatch.setattr(SecretSource, "wipe", spy)
     ca = CA()
     c1, k1, _ = _encrypted_leaf(ca, b"pw")
     _write_pair(tmp_path, c1, k1)
     first = tls.from_files("dup", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
                            password=b"pw", watch=False, engine=rehydrate_engine)
-    source = SecretSource(bytearray(b"pw"))
+    assert wiped == []
     again = tls.from_files("dup", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
-                           password=source, watch=False, engine=rehydrate_engine)
-    assert again is first
-    assert source.spent and source._plain is None
+                           password=bytearray(b"pw"), watch=False, engine=rehydrate_engine)
+    assert again is first and wiped == ["plain"]  # the second call's copy, not the first's
+    assert first._password is not None and not first._password.spent
+
+
+def test_a_password_source_the_caller_shares_is_never_wiped_by_a_certificate(
+        rehydrate_engine, tmp_path):
+    """A ``SecretSource`` the application made may serve several certificates: closing
+    one, or a second ``from_files`` with a name that exists, wiped it under the others
+    (their next re-read of the key failed, the restore left a placeholder)."""
+    from rehydrate.secrets import SecretSource
+
+    ca = CA()
+    shared = SecretSource(bytearray(b"pw"))
+    pairs = {}
+    for name in ("a", "b"):
+        cert_pem, key_pem, _ = _encrypted_leaf(ca, b"pw")
+        (tmp_path / name).mkdir()
+        _write_pair(tmp_path / name, cert_pem, key_pem)
+        pairs[name] = tls.from_files(name, cert=tmp_path / name / "c.pem",
+                                     key=tmp_path / name / "k.pem", password=shared,
+                                     watch=False, engine=rehydrate_engine)
+    tls.from_files("a", cert=tmp_path / "a" / "c.pem", key=tmp_path / "a" / "k.pem",
+                   password=shared, watch=False, engine=rehydrate_engine)
+    pairs["a"].close()
+    assert not shared.spent
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok  # b re-reads its key with the password
+    assert not pairs["b"].key_dropped
