@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,17 @@ def _runs(engine: Lifecycle) -> list[tuple[str, str, int]]:
     engine.registry.after_restore(
         lambda ctx: runs.append((ctx.reason, ctx.kind, ctx.generation)), name="test.runs")
     return runs
+
+
+@pytest.fixture
+def control(rehydrate_engine: Lifecycle, tmp_path: Path) -> Iterator[ControlServer]:
+    """The engine's control socket, as ``rehydrate notify`` reaches it."""
+    server = ControlServer(rehydrate_engine, str(tmp_path / "c.sock"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def test_simulated_restore_does_not_hide_a_real_restore(rehydrate_engine: Lifecycle) -> None:
@@ -63,48 +75,44 @@ def test_carry_on_resume_is_not_an_anchor(rehydrate_engine: Lifecycle) -> None:
 # -- freeze watch: readiness and "no new freeze since" de-duplication ----------------------
 
 
-def test_freeze_watch_readiness_and_late_notices(rehydrate_engine: Lifecycle, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_freeze_watch_readiness_and_late_notices(
+        rehydrate_engine: Lifecycle, control: ControlServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 10: a stale heartbeat means not ready; a late ``notify restore`` without a
     ``notify save`` after the clock jump ran is a duplicate (flagged in the reply, the
     text and ``confirmed_by``); after another freeze the same notice runs again."""
     engine = rehydrate_engine
     runs = _runs(engine)
-    server = ControlServer(engine, str(tmp_path / "c.sock"))
-    server.start()
-    try:
-        t = time.monotonic()
-        engine.heartbeat(t - 10, 1.0)  # the watch began
-        engine.heartbeat(t - 3, 1.0)   # the last heartbeat before a freeze
-        assert not engine.is_ready() and not engine.wait_ready(timeout=0.01)
-        assert engine.status().state == "restoring" and not engine.status().ready
-        engine.freeze_noticed(t - 3, t)  # what the clock-jump detector does, then its run
-        first = engine.restore_detected("clock-jump", since=t - 3, detected_at=t)
-        assert engine.is_ready() and first.generation == 1
+    t = time.monotonic()
+    engine.heartbeat(t - 10, 1.0)  # the watch began
+    engine.heartbeat(t - 3, 1.0)   # the last heartbeat before a freeze
+    assert not engine.is_ready() and not engine.wait_ready(timeout=0.01)
+    assert engine.status().state == "restoring" and not engine.status().ready
+    engine.freeze_noticed(t - 3, t)  # what the clock-jump detector does, then its run
+    first = engine.restore_detected("clock-jump", since=t - 3, detected_at=t)
+    assert engine.is_ready() and first.generation == 1
 
-        reply = request("restore", socket_path=server.path)
-        assert reply["ok"] and reply["deduplicated"] is True, reply
-        assert reply["report"]["reason"] == "clock-jump"
-        assert reply["report"]["confirmed_by"] == ["control"]
-        assert engine.status().last_report.confirmed_by == ("control",)
-        assert cli_main(["notify", "restore", "--socket", server.path]) == 0
-        assert "de-duplicated" in capsys.readouterr().out
-        assert runs == [("clock-jump", "restore", 1)]
+    reply = request("restore", socket_path=control.path)
+    assert reply["ok"] and reply["deduplicated"] is True, reply
+    assert reply["report"]["reason"] == "clock-jump"
+    assert reply["report"]["confirmed_by"] == ["control"]
+    assert engine.status().last_report.confirmed_by == ("control",)
+    assert cli_main(["notify", "restore", "--socket", control.path]) == 0
+    assert "de-duplicated" in capsys.readouterr().out
+    assert runs == [("clock-jump", "restore", 1)]
 
-        # The clone is checkpointed and restored again: a new freeze, noticed first by
-        # the notice itself (the heartbeat is late): a new restore.
-        engine.heartbeat(time.monotonic(), 0.05)  # the last heartbeat before that freeze
-        deadline = time.monotonic() + 5
-        while engine.is_ready():  # the heartbeat goes stale: the process "was frozen"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        reply = request("restore", socket_path=server.path)
-        assert reply["deduplicated"] is False and reply["report"]["generation"] == 2
-        assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
-        engine.heartbeat(time.monotonic(), 1.0)
-        assert engine.is_ready()
-    finally:
-        server.stop()
+    # The clone is checkpointed and restored again: a new freeze, noticed first by
+    # the notice itself (the heartbeat is late): a new restore.
+    engine.heartbeat(time.monotonic(), 0.05)  # the last heartbeat before that freeze
+    deadline = time.monotonic() + 5
+    while engine.is_ready():  # the heartbeat goes stale: the process "was frozen"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    reply = request("restore", socket_path=control.path)
+    assert reply["deduplicated"] is False and reply["report"]["generation"] == 2
+    assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
+    engine.heartbeat(time.monotonic(), 1.0)
+    assert engine.is_ready()
 
 
 def _notice_waiting_for_the_watcher(engine: Lifecycle,
@@ -129,7 +137,7 @@ def _overdue(since: float, by: float) -> None:
 
 
 def test_a_clone_of_a_clone_noticed_first_by_notify_restore_is_a_new_restore(
-        rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
     """Original -> A -> B. B's memory is A's: A's restore report, and A's freeze watch
     whose last known freeze is the one before A's restore. Before: a ``notify restore``
     reaching B before B's clock-jump thread had woken (a freeze shorter than the readiness
@@ -139,39 +147,34 @@ def test_a_clone_of_a_clone_noticed_first_by_notify_restore_is_a_new_restore(
     slack: the notice waits for the watcher's verdict — here a gap — and is a new restore."""
     engine = rehydrate_engine
     runs = _runs(engine)
-    server = ControlServer(engine, str(tmp_path / "c.sock"))
-    server.start()
-    try:
-        t = time.monotonic()
-        # limit 30 s (a high threshold): B's freeze is shorter, only a gap for the watcher
-        engine.heartbeat(t - 20, 30.0, due=0.3)  # the original's watch began
-        engine.heartbeat(t - 15, 30.0, due=0.3)  # its last heartbeat before its checkpoint
-        engine.freeze_noticed(t - 15, t - 10)  # A resumed: its clock jump runs the hooks
-        a = engine.restore_detected("clock-jump", since=t - 15, detected_at=t - 10)
-        assert a.generation == 1
-        last = time.monotonic()
-        engine.heartbeat(last, 30.0, due=0.3)  # A's last heartbeat before its checkpoint
-        _overdue(last, 0.6)  # A is checkpointed, B restored from it
-        # B runs; its watcher has not woken yet when the platform's notice comes...
-        thread, replies = _notice_waiting_for_the_watcher(engine, server.path)
-        # ... then it wakes: the step, shorter than the threshold, is a gap
-        engine.heartbeat(time.monotonic(), 30.0, gap_since=last, due=0.3)
-        thread.join(DEADLINE)
-        [reply] = replies
-        assert reply["deduplicated"] is False, reply
-        assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2)
-        assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
-        # A second notice of B's restore is B's, not a third restore.
-        engine.heartbeat(time.monotonic(), 30.0, due=30.0)
-        again = request("restore", socket_path=server.path)
-        assert again["deduplicated"] is True and again["report"]["generation"] == 2, again
-        assert len(runs) == 2
-    finally:
-        server.stop()
+    t = time.monotonic()
+    # limit 30 s (a high threshold): B's freeze is shorter, only a gap for the watcher
+    engine.heartbeat(t - 20, 30.0, due=0.3)  # the original's watch began
+    engine.heartbeat(t - 15, 30.0, due=0.3)  # its last heartbeat before its checkpoint
+    engine.freeze_noticed(t - 15, t - 10)  # A resumed: its clock jump runs the hooks
+    a = engine.restore_detected("clock-jump", since=t - 15, detected_at=t - 10)
+    assert a.generation == 1
+    last = time.monotonic()
+    engine.heartbeat(last, 30.0, due=0.3)  # A's last heartbeat before its checkpoint
+    _overdue(last, 0.6)  # A is checkpointed, B restored from it
+    # B runs; its watcher has not woken yet when the platform's notice comes...
+    thread, replies = _notice_waiting_for_the_watcher(engine, control.path)
+    # ... then it wakes: the step, shorter than the threshold, is a gap
+    engine.heartbeat(time.monotonic(), 30.0, gap_since=last, due=0.3)
+    thread.join(DEADLINE)
+    [reply] = replies
+    assert reply["deduplicated"] is False, reply
+    assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2)
+    assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
+    # A second notice of B's restore is B's, not a third restore.
+    engine.heartbeat(time.monotonic(), 30.0, due=30.0)
+    again = request("restore", socket_path=control.path)
+    assert again["deduplicated"] is True and again["report"]["generation"] == 2, again
+    assert len(runs) == 2
 
 
 def test_a_late_notice_while_the_watcher_waits_for_the_gil_is_a_duplicate(
-        rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
     """One restore, run by the clock jump; the platform's ``notify restore`` for it comes
     while the watcher's next heartbeat is overdue but not stale (it waits for the GIL held
     by a long C call, for a CPU, or for a blocked log write). Before: an overdue heartbeat
@@ -180,50 +183,40 @@ def test_a_late_notice_while_the_watcher_waits_for_the_gil_is_a_duplicate(
     a stall, no gap — the same restore."""
     engine = rehydrate_engine
     runs = _runs(engine)
-    server = ControlServer(engine, str(tmp_path / "c.sock"))
-    server.start()
-    try:
-        t = time.monotonic()
-        engine.heartbeat(t - 10.5, 30.0, due=0.3)
-        engine.heartbeat(t - 10, 30.0, due=0.3)  # the last heartbeat before the checkpoint
-        engine.freeze_noticed(t - 10, t)  # restored: the watcher woke, a 10 s step
-        engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)
-        beat = time.monotonic()
-        engine.heartbeat(beat, 30.0, due=0.3)  # the watcher's beat after the run
-        _overdue(beat, 0.6)  # its next one is late: the GIL
-        thread, replies = _notice_waiting_for_the_watcher(engine, server.path)
-        engine.heartbeat(time.monotonic(), 30.0, due=0.3)  # a stall: no gap
-        thread.join(DEADLINE)
-        [reply] = replies
-        assert reply["deduplicated"] is True, reply
-        assert runs == [("clock-jump", "restore", 1)]
-    finally:
-        server.stop()
+    t = time.monotonic()
+    engine.heartbeat(t - 10.5, 30.0, due=0.3)
+    engine.heartbeat(t - 10, 30.0, due=0.3)  # the last heartbeat before the checkpoint
+    engine.freeze_noticed(t - 10, t)  # restored: the watcher woke, a 10 s step
+    engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)
+    beat = time.monotonic()
+    engine.heartbeat(beat, 30.0, due=0.3)  # the watcher's beat after the run
+    _overdue(beat, 0.6)  # its next one is late: the GIL
+    thread, replies = _notice_waiting_for_the_watcher(engine, control.path)
+    engine.heartbeat(time.monotonic(), 30.0, due=0.3)  # a stall: no gap
+    thread.join(DEADLINE)
+    [reply] = replies
+    assert reply["deduplicated"] is True, reply
+    assert runs == [("clock-jump", "restore", 1)]
 
 
 def test_a_notice_whose_watcher_never_beats_again_is_a_new_restore(
-        rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
     """The overdue heartbeat never comes before it would be stale: for all the watch can
     tell the process was frozen since, so the notice is a new restore (at worst twice,
     never zero) — after waiting no longer than the heartbeat's limit."""
     engine = rehydrate_engine
     runs = _runs(engine)
-    server = ControlServer(engine, str(tmp_path / "c.sock"))
-    server.start()
-    try:
-        t = time.monotonic()
-        engine.heartbeat(t - 10, 1.0, due=0.3)
-        engine.freeze_noticed(t - 10, t)
-        engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)
-        beat = time.monotonic()
-        engine.heartbeat(beat, 1.0, due=0.3)
-        _overdue(beat, 0.4)
-        reply = request("restore", socket_path=server.path)
-        assert reply["deduplicated"] is False, reply
-        assert time.monotonic() - beat > 1.0  # it waited for the heartbeat's limit
-        assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
-    finally:
-        server.stop()
+    t = time.monotonic()
+    engine.heartbeat(t - 10, 1.0, due=0.3)
+    engine.freeze_noticed(t - 10, t)
+    engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)
+    beat = time.monotonic()
+    engine.heartbeat(beat, 1.0, due=0.3)
+    _overdue(beat, 0.4)
+    reply = request("restore", socket_path=control.path)
+    assert reply["deduplicated"] is False, reply
+    assert time.monotonic() - beat > 1.0  # it waited for the heartbeat's limit
+    assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
 
 
 def test_a_notice_racing_slow_restore_hooks_is_that_restore(rehydrate_engine: Lifecycle,
