@@ -120,6 +120,8 @@ class Engine(Protocol):
         env: Mapping[str, str | None] | None = None,
         detected_at: float | None = None,
         anchor: bool = True,
+        undoes: float | None = None,
+        abort: Literal["announced", "answered"] | None = None,
     ) -> RestoreReport: ...
 
     def snapshot_requested(self, reason: str = "simulated", *,

@@ -53,6 +53,20 @@ State = Literal["running", "snapshotting", "restoring", "ready", "degraded"]
 _SEEN_KEYS = 256
 
 
+@dataclass
+class _Pass:
+    """The latest before-snapshot pass and the run that ended it (see ``undoes`` in
+    :meth:`Lifecycle.restore_detected`)."""
+
+    started: float
+    """``time.monotonic()`` when its hooks began."""
+    undone_by: RestoreReport | None = None
+    """The first restore or resume run after it: its hooks reopened what the pass closed."""
+    abort_announced: bool = False
+    """That run was a carry-on that told the platform to abort the pass's checkpoint
+    (``notify save`` failed): the platform's answer that the checkpoint failed is due."""
+
+
 @dataclass(frozen=True)
 class Status:
     """What :meth:`Lifecycle.status` returns: ``state``, ``generation``, ``ready``, the running
@@ -138,6 +152,7 @@ class Lifecycle:
         """``time.monotonic()`` of the last before-snapshot pass: a restore handled before
         it is never the restore a later notice is about."""
         self._last_restore_report: RestoreReport | None = None
+        self._pass: _Pass | None = None
         self._event_seq = 0  # +1 per run (under _run_lock); ends a snapshot deadline watch
 
         # Freeze watch (see heartbeat()): fed by a watcher thread, read by is_ready().
@@ -553,6 +568,8 @@ class Lifecycle:
         env: Mapping[str, str | None] | None = None,
         detected_at: float | None = None,
         anchor: bool = True,
+        undoes: float | None = None,
+        abort: Literal["announced", "answered"] | None = None,
     ) -> RestoreReport:
         """Run the restore (or resume) hooks for an event a detector noticed.
 
@@ -581,9 +598,25 @@ class Lifecycle:
         when it started waiting): a descriptor opened hours ago must not swallow a real
         restore because some other restore — or a false alarm — was handled in between.
         ``since=None`` never deduplicates by time.
+
+        ``undoes``: the notice ends, without a checkpoint of it completing, the latest
+        before-snapshot pass if that pass began at or after this ``time.monotonic()``
+        moment — a carry-on run (``notify save`` failed or its client went away), or a
+        platform's answer that the checkpoint failed. Every run undoes the latest pass
+        (its hooks reopen what the pass closed), so when a run already followed that pass
+        this notice only confirms it (its reason goes into that report's
+        ``confirmed_by``; nothing runs) — with one exception: ``abort="answered"`` (the
+        platform says the checkpoint failed: gVisor's ``error``) confirms only a run made
+        with ``abort="announced"`` (a carry-on that told the platform to abort, so that
+        it is known nothing was paused in between); after any other run — a carry-on that
+        expected no checkpoint at all, the snapshot deadline — the hooks run again. With
+        no pass after ``undoes``, or one not undone yet, the hooks run (exactly once: a
+        later notice for the same pass is then the duplicate).
         """
         if kind not in ("restore", "resume"):  # else hooks would run as kind "bogus"
             raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
+        if abort not in (None, "announced", "answered"):
+            raise ValueError(f"abort must be None, 'announced' or 'answered', not {abort!r}")
         detected = time.monotonic() if detected_at is None else detected_at
         self._check_not_inside_hook()
         # Not ready from the moment a notice arrives, also while it waits for a run in
@@ -604,7 +637,15 @@ class Lifecycle:
                 if (since is not None and last is not None and last_at is not None
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason)
+                ended = self._pass
+                if undoes is None or (ended is not None and ended.started < undoes):
+                    ended = None  # no pass named, or an older one than the notice's
+                if ended is not None and ended.undone_by is not None and (
+                        abort != "answered" or ended.abort_announced):
+                    return self._confirm_carry_on(ended.undone_by, reason)
                 report = self._run_restore(reason, kind, frozen_for, env, detected)
+                if ended is not None and ended.undone_by is report:
+                    ended.abort_announced = abort == "announced"
                 if anchor:
                     self._last_restore_at = detected
                     self._last_restore_report = report
@@ -626,13 +667,35 @@ class Lifecycle:
         """
         log.info("restore notice from %s is the restore already handled (reason %s)",
                  reason, last.reason)
-        confirmed = dataclasses.replace(last, confirmed_by=(*last.confirmed_by, reason))
-        self._last_restore_report = confirmed
+        confirmed = self._record_confirmation(last, reason)
         with self._cond:
-            if self._last_report is last:
-                self._last_report = confirmed
             self._freeze_handled(time.monotonic())
         return dataclasses.replace(confirmed, deduplicated=True)
+
+    def _confirm_carry_on(self, run: RestoreReport, reason: str) -> RestoreReport:
+        """A notice for a before-snapshot pass that ``run`` already undid (see ``undoes``
+        in :meth:`restore_detected`): record it, run nothing. Under ``_run_lock``.
+
+        Unlike :meth:`_confirm` it marks no freeze handled: nothing froze (a freeze the
+        watch noticed meanwhile still gets its own run).
+        """
+        log.info("%s notice for the before-snapshot pass that the %s run (reason %s) already "
+                 "undid: nothing run again", reason, run.kind, run.reason)
+        return dataclasses.replace(self._record_confirmation(run, reason), deduplicated=True)
+
+    def _record_confirmation(self, report: RestoreReport, reason: str) -> RestoreReport:
+        """``report`` with ``reason`` added to ``confirmed_by``, put wherever the engine
+        keeps ``report`` (so ``status()`` and the next duplicate see it). Under
+        ``_run_lock``."""
+        confirmed = dataclasses.replace(report, confirmed_by=(*report.confirmed_by, reason))
+        if self._last_restore_report is report:
+            self._last_restore_report = confirmed
+        if self._pass is not None and self._pass.undone_by is report:
+            self._pass.undone_by = confirmed
+        with self._cond:
+            if self._last_report is report:
+                self._last_report = confirmed
+        return confirmed
 
     def _freeze_handled(self, detected: float) -> None:
         """A restore run (or a recognised duplicate) covers a freeze noticed before
@@ -784,6 +847,8 @@ class Lifecycle:
                                duration=duration, hooks=tuple(results), started_at=started,
                                error=error, env_changes=ctx.env_changes, frozen_for=frozen_for,
                                notice_to_run=waited)
+        if self._pass is not None and self._pass.undone_by is None:
+            self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
             self._run_ended = time.monotonic()
@@ -797,6 +862,7 @@ class Lifecycle:
         self.env.baseline()  # the environment file as the snapshot will remember it
         self._event_seq += 1
         self._last_snapshot_at = time.monotonic()
+        self._pass = _Pass(self._last_snapshot_at)
         ctx = RestoreContext(generation=self._generation, reason=reason, kind="snapshot",
                              detected_at=time.monotonic())
         self._set_state("snapshotting")

@@ -472,3 +472,74 @@ def test_a_late_heartbeat_wakes_a_waiter_that_saw_it_stale(rehydrate_engine: Lif
     waiter.join(15)
     assert returned and returned[0][0] is True
     assert returned[0][1] < t0 + 1.9, "woken only by a later change, not by this heartbeat"
+
+
+# -- carry-on notices that name a before-snapshot pass (``undoes``) ------------------------
+
+
+def _failing_snapshot(engine: Lifecycle) -> None:
+    @engine.registry.before_snapshot(name="test.flush")
+    def flush() -> None:
+        raise RuntimeError("disk full")
+
+
+def test_an_abort_answer_confirms_the_carry_on_that_announced_the_abort(
+        rehydrate_engine: Lifecycle) -> None:
+    """``notify save`` failed: its carry-on run told the platform to abort; the platform's
+    answer that the checkpoint failed (gVisor's ``error``) runs nothing again."""
+    runs = _runs(rehydrate_engine)
+    _failing_snapshot(rehydrate_engine)
+    opened = time.monotonic()  # the waiter's descriptor, opened before the pass
+    before_pass = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("control").ok
+    carried = rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                                frozen_for=0.0, undoes=before_pass,
+                                                abort="announced")
+    dup = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                            undoes=opened, abort="answered")
+    assert runs == [("control", "resume", 0)]
+    assert dup.deduplicated and dup.started_at == carried.started_at
+    assert dup.confirmed_by == ("gvisor",)
+    assert rehydrate_engine.status().last_report.confirmed_by == ("gvisor",)
+    # A descriptor opened after that pass is not about it: a later failure runs again.
+    later = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                              undoes=time.monotonic(), abort="answered")
+    assert not later.deduplicated and [r[0] for r in runs] == ["control", "gvisor"]
+
+
+def test_a_carry_on_for_a_pass_an_answer_already_undid_is_a_confirmation(
+        rehydrate_engine: Lifecycle) -> None:
+    runs = _runs(rehydrate_engine)
+    _failing_snapshot(rehydrate_engine)
+    before_pass = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("control").ok
+    first = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                              undoes=before_pass, abort="answered")
+    second = rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                               frozen_for=0.0, undoes=before_pass,
+                                               abort="announced")
+    assert runs == [("gvisor", "resume", 0)]
+    assert not first.deduplicated and second.deduplicated
+    assert second.confirmed_by == ("control",)
+
+
+def test_an_abort_answer_after_a_run_that_announced_no_abort_runs_again(
+        rehydrate_engine: Lifecycle) -> None:
+    """A pass ended by a run that expected no checkpoint (the trigger's carry-on, the
+    snapshot deadline): whether a later failed checkpoint paused the sandbox is not known,
+    so its ``error`` runs the hooks."""
+    runs = _runs(rehydrate_engine)
+    opened = time.monotonic()
+    assert rehydrate_engine.simulate_snapshot().ok
+    rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False, frozen_for=0.0)
+    again = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                              undoes=opened, abort="answered")
+    assert not again.deduplicated and len(runs) == 2
+
+
+def test_a_bad_abort_value_is_refused_before_anything_runs(
+        rehydrate_engine: Lifecycle) -> None:
+    runs = _runs(rehydrate_engine)
+    with pytest.raises(ValueError, match="abort must be None, 'announced' or 'answered'"):
+        rehydrate_engine.restore_detected("gvisor", kind="resume", abort="maybe")  # type: ignore[arg-type]
+    assert runs == [] and rehydrate_engine.status().last_report is None

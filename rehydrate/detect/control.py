@@ -45,6 +45,12 @@ If the reply to ``prepare-snapshot`` cannot be delivered (the client went away, 
 the platform's timeout killed ``rehydrate notify``), the platform aborts the
 checkpoint, so the resume hooks run at once.
 
+These carry-on runs undo the pass once, whichever notice comes first: the platform's
+answer that the aborted checkpoint failed (gVisor's ``error``, to the gVisor waiter)
+only confirms such a run, and a carry-on for a pass that answer already undid only
+confirms the answer's run (``undoes`` in
+:meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`).
+
 Started by ``start(detectors="auto")`` only when ``REHYDRATE_CONTROL_SOCKET`` is set;
 otherwise on request (``start(detectors=[..., "control"])``) at the default path.
 """
@@ -470,6 +476,7 @@ class ControlServer:
             return True  # blank lines are keep-alives
         req_id: Any = None
         cmd = "?"
+        received = time.monotonic()  # before a prepare-snapshot's pass began
         try:
             # UTF-8 only: json.loads(bytes) would guess UTF-16/32 from the first bytes and
             # answer garbage with a codec error
@@ -508,15 +515,25 @@ class ControlServer:
         if req_id is not None:
             reply["id"] = req_id
         self.served += 1
-        delivered = self._send(conn, reply)
-        if not delivered and cmd == "prepare-snapshot" and reply.get("ok"):
-            log.warning("the client of prepare-snapshot went away before the reply; the "
-                        "platform aborts the checkpoint, so the resume hooks run now")
-            self._last_prepare = None  # no checkpoint follows it
-            # The platform aborts before it pauses anything: nothing froze.
-            self.engine.restore_detected("control", kind="resume", anchor=False,
-                                         frozen_for=0.0)
-        return delivered
+        if cmd == "prepare-snapshot" and reply.get("ok"):
+            return self._deliver_prepared(conn, reply, received)
+        return self._send(conn, reply)
+
+    def _deliver_prepared(self, conn: socket.socket, reply: Mapping[str, Any],
+                          received: float) -> bool:
+        """Send a successful prepare-snapshot's reply; when it cannot be delivered, the
+        platform aborts the checkpoint, so the resume hooks run now."""
+        if self._send(conn, reply):
+            return True
+        log.warning("the client of prepare-snapshot went away before the reply; the "
+                    "platform aborts the checkpoint, so the resume hooks run now")
+        self._last_prepare = None  # no checkpoint follows it
+        # The platform aborts before it pauses anything: nothing froze. Its answer that
+        # the checkpoint failed (gVisor's "error") confirms this run (abort="announced"),
+        # and if that answer came first and ran the hooks, this run is the confirmation.
+        self.engine.restore_detected("control", kind="resume", anchor=False,
+                                     frozen_for=0.0, undoes=received, abort="announced")
+        return False
 
     @staticmethod
     def _send(conn: socket.socket, reply: Mapping[str, Any]) -> bool:
@@ -554,12 +571,19 @@ class ControlServer:
             if not snap.ok:
                 failed = _failed_hooks(snap)
                 # `notify save` exits non-zero: the platform aborts before it pauses
-                # anything, so nothing froze.
+                # anything, so nothing froze. Its answer that the checkpoint failed
+                # (gVisor's "error") then only confirms this run (abort="announced"); if
+                # that answer came first (the platform's timeout killed the notifier
+                # while the hooks ran) and ran the resume hooks, this confirms that run.
                 resume = engine.restore_detected("control", kind="resume", anchor=False,
-                                                 frozen_for=0.0)
+                                                 frozen_for=0.0, undoes=prepared,
+                                                 abort="announced")
                 out["resume_report"] = resume.to_dict()
-                ran = ("the resume hooks ran" if resume.ok else
-                       f"the resume hooks failed too ({_failed_hooks(resume)}): degraded")
+                already = (f" (run already, for the {resume.reason} notice)"
+                           if resume.deduplicated else "")
+                ran = (f"the resume hooks ran{already}" if resume.ok else
+                       f"the resume hooks failed too{already} ({_failed_hooks(resume)}): "
+                       "degraded")
                 out["error"] = (f"before-snapshot hook(s) failed: {failed}; {ran}, the "
                                 "checkpoint should be aborted")
             return out

@@ -16,7 +16,9 @@ gVisor (``pkg/sentry/fsimpl/proc/checkpoint.go``) exposes a character-device-lik
 ``restore`` runs the restore hooks (kind ``restore``), ``resume`` the resume hooks (kind
 ``resume``: hooks that closed things before the snapshot reopen them), ``error`` logs a
 failed checkpoint and runs the resume hooks too (the before-snapshot hooks may have
-closed things). Anything else is logged as one error line; the waiter then re-opens the
+closed things) — unless the failure is the abort a failed ``notify save`` asked for: the
+control socket ran the resume hooks for that pass already, and the answer only confirms
+that run (``confirmed_by``). Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
 the descriptor was opened and :data:`ANSWER_WINDOW` seconds before the answer arrived,
 so that another detector's notice of the same restore (the clock jump, detected after
@@ -230,20 +232,27 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
     """Run the hooks ``answer`` asks for (deduplicated against other detectors by ``since``).
 
     ``since`` (when the descriptor was opened) is clamped to ``arrived - ANSWER_WINDOW``:
-    see the module docstring.
+    see the module docstring. An ``error`` answer for a checkpoint whose before-snapshot
+    pass a carry-on run already undid (a failed ``notify save``) runs nothing: it
+    confirms that run.
     """
-    since = max(since, arrived - ANSWER_WINDOW)
+    opened, since = since, max(since, arrived - ANSWER_WINDOW)
     if answer == "restore":
         return engine.restore_detected(reason, kind="restore", since=since)
     if answer == "error":
-        log.warning("gVisor reports that the checkpoint failed; the process carries on "
-                    "(running the resume hooks, since before-snapshot hooks may have "
-                    "closed things)")
+        log.warning("gVisor reports that the checkpoint failed; the process carries on")
         # No clone: like every carry-on run, no anchor for a later real restore. Whether
         # the sandbox was paused is not known (frozen_for None): gVisor answers "error"
         # both when the save is refused before the pause (a failing save-restore-exec)
         # and when it fails after pausing (writing the image, or resuming, failed).
-        return engine.restore_detected(reason, kind="resume", since=since, anchor=False)
+        # The resume hooks run for a before-snapshot pass still pending (they may have
+        # closed things). When `notify save` failed, the control socket's carry-on run
+        # undid this checkpoint's pass already and told the platform to abort: this
+        # answer is that abort, and only confirms the run (abort="answered"). The pass
+        # must have begun after this descriptor was opened: gVisor answers a descriptor
+        # for the next checkpoint to end after its open.
+        return engine.restore_detected(reason, kind="resume", since=since, anchor=False,
+                                       undoes=opened, abort="answered")
     return engine.restore_detected(reason, kind="resume", since=since)
 
 
