@@ -120,6 +120,7 @@ class Engine(Protocol):
         env: Mapping[str, str | None] | None = None,
         detected_at: float | None = None,
         anchor: bool = True,
+        deadline: float | None = None,
     ) -> RestoreReport: ...
 
     def snapshot_requested(self, reason: str = "simulated", *,

@@ -520,8 +520,16 @@ class Lifecycle:
         env: Mapping[str, str | None] | None = None,
         detected_at: float | None = None,
         anchor: bool = True,
+        deadline: float | None = None,
     ) -> RestoreReport:
         """Run the restore (or resume) hooks for an event a detector noticed.
+
+        ``deadline``: seconds from the notice (``detected_at``) by which the whole run must
+        be over — for platforms that kill a restore taking longer (Lambda SnapStart: 10 s).
+        The wait for a run in progress counts; a hook still running at the deadline is
+        reported ``timeout`` and the hooks after it are reported ``timeout`` without being
+        started (:class:`~rehydrate.HookTimeout` says which); hooks see it as
+        :attr:`RestoreContext.deadline`. None (the default): only per-hook timeouts.
 
         Duplicate suppression: ``key`` names the event (the same key runs once); ``since``
         is the ``time.monotonic()`` at which the detector last saw the process before the
@@ -549,6 +557,8 @@ class Lifecycle:
         """
         if kind not in ("restore", "resume"):  # else hooks would run as kind "bogus"
             raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
+        if deadline is not None:
+            deadline = _config.seconds(deadline, "deadline")
         detected = time.monotonic() if detected_at is None else detected_at
         self._check_not_inside_hook()
         # Not ready from the moment a notice arrives, also while it waits for a run in
@@ -569,7 +579,8 @@ class Lifecycle:
                 if (since is not None and last is not None and last_at is not None
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason)
-                report = self._run_restore(reason, kind, frozen_for, env, detected)
+                report = self._run_restore(reason, kind, frozen_for, env, detected,
+                                           None if deadline is None else detected + deadline)
                 if anchor:
                     self._last_restore_at = detected
                     self._last_restore_report = report
@@ -725,12 +736,14 @@ class Lifecycle:
         frozen_for: float | None,
         env: Mapping[str, str | None] | None,
         detected: float,
+        deadline_at: float | None = None,
     ) -> RestoreReport:
         generation = self._generation + 1 if kind == "restore" else self._generation
         self._event_seq += 1
         ctx = RestoreContext(generation=generation, reason=reason, kind=kind,
                              frozen_for=frozen_for, detected_at=detected,
-                             env=dict(env) if env is not None else None)
+                             env=dict(env) if env is not None else None,
+                             deadline=deadline_at)
         with self._cond:
             self._generation = generation
             self._state = "restoring"

@@ -7,13 +7,27 @@ environment restored from that snapshot. When ``snapshot_restore_py`` imports,
 ``rehydrate.start()`` registers one pair of bridge functions there:
 
 * before the snapshot: ``engine.snapshot_requested("snapstart")``; when a required hook
-  failed it raises, because SnapStart aborts on the first error of a runtime hook;
+  failed it raises :class:`SnapStartHookFailed`, because that is the only way to stop
+  SnapStart from snapshotting a half-prepared process (the runtime reports an init
+  error and exits; publishing the version fails);
 * after restore: ``engine.restore_detected("snapstart", kind="restore", since=<the
-  monotonic time the before-snapshot bridge started>)`` (generation +1). When another
-  detector (identity, clock jump) reported this restore first, the hooks do not run again;
-  the bridge's notice returns that report. The time is consumed by the first
-  after-restore call (a second call in the same process is a new event).
-  Lambda allows 10 s for after-restore work: keep restore hooks within that.
+  monotonic time the before-snapshot bridge started>, deadline=<the restore budget>)``
+  (generation +1). When another detector (identity, clock jump) reported this restore
+  first, the hooks do not run again; the bridge's notice returns that report. The time is
+  consumed by the first after-restore call (a second call in the same process is a new
+  event). When a required hook failed or timed out — in this run or in the one it
+  confirms — it raises :class:`SnapStartHookFailed` (one line: the hooks and their
+  errors) after the report was published and logged: Lambda has no readiness probe, so
+  failing the runtime hook is the only way to make it discard the environment instead of
+  sending invocations to a degraded process.
+
+Lambda allows 10 s for after-restore work and ends the restore without any report when
+it takes longer. So the run has a total deadline (``REHYDRATE_SNAPSTART_DEADLINE``,
+default :data:`DEFAULT_DEADLINE` s from the bridge's call, or ``SnapStartDetector(deadline=…)``):
+a hook still running then is reported ``timeout``, later hooks are not started, the
+connections manager cuts its reconnect deadlines to it, and the bridge then fails with
+the report's line, well inside Lambda's limit. With several engines the deadline is one
+moment shared by all of them.
 
 The runtime pops before-snapshot callables as it runs them (newest first) and runs
 after-restore callables in registration order; the bridge registers itself once per
@@ -33,6 +47,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .. import _config
+from .._context import Report, describe_error
 from .._contract import Probe
 from . import Detector
 
@@ -43,20 +59,41 @@ __all__ = ["SnapStartDetector", "SnapStartHookFailed"]
 
 log = logging.getLogger("rehydrate")
 
+LAMBDA_RESTORE_LIMIT = 10.0
+"""Seconds Lambda allows the after-restore runtime hooks (then the restore fails)."""
+DEFAULT_DEADLINE: float = _config.default("REHYDRATE_SNAPSTART_DEADLINE")
+"""Seconds the after-restore run may take by default: under :data:`LAMBDA_RESTORE_LIMIT`
+with room for the runtime's own work and for user runtime hooks registered after the
+bridge."""
+
 _lock = threading.Lock()
-_engines: list[Engine] = []
+_engines: list[tuple[Engine, float]] = []
+"""The engines the bridge runs, each with its after-restore deadline (seconds)."""
 _snapshot_at: float | None = None
 """``time.monotonic()`` when the before-snapshot bridge ran (before the freeze)."""
 
 
 class SnapStartHookFailed(RuntimeError):
-    """Raised from the before-snapshot bridge so that SnapStart aborts the snapshot."""
+    """Raised from a bridge function when a required hook failed or timed out: before the
+    snapshot it makes SnapStart abort the snapshot, after a restore it makes Lambda discard
+    the restored environment. The message is one line naming the hooks and their errors."""
+
+
+def _failure_line(when: str, failed: list[Report]) -> str:
+    """``rehydrate <when> hooks failed: name outcome (Type: message); …`` on one line: the
+    same error texts the engine logged (hook names and exception messages, never
+    environment values)."""
+    parts = [f"{h.name} {h.outcome} ({describe_error(h.error)})" if h.error is not None
+             else f"{h.name} {h.outcome}"
+             for r in failed for h in r.hooks
+             if h.required and h.outcome in ("failed", "timeout")]
+    return f"rehydrate {when} hooks failed: {'; '.join(parts) or 'see the report'}"
 
 
 def _before_snapshot() -> None:
     global _snapshot_at  # one bridge per process
     with _lock:
-        engines = list(_engines)
+        engines = [engine for engine, _ in _engines]
         _snapshot_at = time.monotonic()
     failed = []
     for engine in engines:
@@ -64,22 +101,28 @@ def _before_snapshot() -> None:
         if not report.ok:
             failed.append(report)
     if failed:
-        names = "; ".join(
-            f"{h.name} {h.outcome}" + (f" ({type(h.error).__name__}: {h.error})"
-                                       if h.error is not None else "")
-            for r in failed for h in r.hooks
-            if h.required and h.outcome in ("failed", "timeout"))
-        raise SnapStartHookFailed(f"rehydrate before-snapshot hooks failed: {names}") \
+        raise SnapStartHookFailed(_failure_line("before-snapshot", failed)) \
             from failed[0].error
 
 
 def _after_restore() -> None:
     global _snapshot_at  # one bridge per process
     with _lock:
-        engines = list(_engines)
+        entries = list(_engines)
         since, _snapshot_at = _snapshot_at, None
-    for engine in engines:
-        engine.restore_detected("snapstart", kind="restore", since=since)
+    # One notice time for every engine: each deadline counts from it, so engines run one
+    # after another still end within the budget of the first.
+    noticed = time.monotonic()
+    failed = []
+    for engine, deadline in entries:
+        # Every engine runs (and publishes its report) before the bridge fails.
+        report = engine.restore_detected("snapstart", kind="restore", since=since,
+                                         detected_at=noticed, deadline=deadline)
+        if not report.ok:
+            failed.append(report)
+    if failed:
+        raise SnapStartHookFailed(_failure_line("after-restore", failed)) \
+            from failed[0].error
 
 
 def _registered(entries: list[Any], fn: object) -> bool:
@@ -106,8 +149,12 @@ class SnapStartDetector(Detector):
     specificity: ClassVar[int] = 90
     auto: ClassVar[bool] = True
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None = None) -> None:
+        """``deadline``: seconds the whole after-restore run may take (default:
+        ``REHYDRATE_SNAPSTART_DEADLINE``, read at :meth:`start`)."""
         self._engine: Engine | None = None
+        self.deadline = (None if deadline is None
+                         else _config.seconds(deadline, "SnapStartDetector deadline"))
 
     @classmethod
     def probe(cls) -> Probe:
@@ -133,14 +180,25 @@ class SnapStartDetector(Detector):
                 'start(["snapstart"]) starts it')
 
     def describe(self) -> str:
-        return "registered with snapshot_restore_py (Lambda SnapStart runtime hooks)"
+        return ("registered with snapshot_restore_py (Lambda SnapStart runtime hooks); "
+                f"restore deadline {self._deadline():g}s")
+
+    def _deadline(self) -> float:
+        if self.deadline is not None:
+            return self.deadline
+        return _config.number("REHYDRATE_SNAPSTART_DEADLINE")
 
     def start(self, engine: Engine) -> None:
         module = importlib.import_module("snapshot_restore_py")
+        deadline = self._deadline()
+        if deadline >= LAMBDA_RESTORE_LIMIT:
+            log.warning("SnapStart restore deadline %gs is not under Lambda's %gs limit: "
+                        "Lambda may end a slow restore before rehydrate reports it",
+                        deadline, LAMBDA_RESTORE_LIMIT)
         with _lock:
             _ensure_registered(module)
-            if not any(e is engine for e in _engines):
-                _engines.append(engine)
+            _engines[:] = [(e, d) for e, d in _engines if e is not engine]
+            _engines.append((engine, deadline))
         self._engine = engine
         log.debug("SnapStart bridge registered with snapshot_restore_py")
 
@@ -151,7 +209,7 @@ class SnapStartDetector(Detector):
         with _lock:
             # snapshot_restore_py has no unregister: the bridge stays registered and
             # does nothing for an engine that stopped.
-            _engines[:] = [e for e in _engines if e is not engine]
+            _engines[:] = [(e, d) for e, d in _engines if e is not engine]
 
 
 SnapStartBridge = SnapStartDetector
