@@ -125,6 +125,9 @@ class Lifecycle:
         self._generation = 0
         self._last_report: Report | None = None
         self._extra_status: dict[str, Callable[[], Any]] = {}
+        self._restore_deadlines: dict[str, float] = {}
+        """Source -> seconds every restore/resume run must end within (see
+        :meth:`set_restore_deadline`)."""
         self._extensions: dict[str, Any] = {}
         self._ext_lock = threading.Lock()
         self._start_listeners: list[Callable[[Engine], None]] = []
@@ -194,6 +197,7 @@ class Lifecycle:
         self._detector_errors = {}
         self._notices = 0  # the parent's threads waiting with a notice are not here
         self._installed_detectors = {}  # instances wired to the parent's threads and files
+        self._restore_deadlines = {}  # set by those detectors (the SnapStart bridge)
         self._started = False
         self.env._lock = threading.Lock()
         # The parent's clock-jump thread is not here: its heartbeat would go stale and
@@ -304,6 +308,31 @@ class Lifecycle:
         if key in _CORE_STATUS:
             raise ValueError(f"status field {key!r} is the engine's own; choose another name")
         self._extra_status[key] = fn
+
+    def set_restore_deadline(self, source: str, seconds: float | None) -> None:
+        """Bound every restore or resume run of this engine, whichever detector noticed
+        it, to ``seconds`` from its notice while ``source`` asks for it (``None``: no longer).
+
+        For platforms that end a restore taking longer (the SnapStart bridge sets it:
+        a clock jump noticed before Lambda's runtime hook must not run past Lambda's
+        limit, since that hook waits for it). The tightest of the sources and of the
+        notice's own ``deadline`` applies; see ``deadline`` in :meth:`restore_detected`.
+        """
+        if seconds is not None:
+            seconds = _config.seconds(seconds, f"{source} restore deadline")
+        with self._cond:
+            if seconds is None:
+                self._restore_deadlines.pop(source, None)
+            else:
+                self._restore_deadlines[source] = seconds
+
+    def _deadline_at(self, detected: float, deadline: float | None) -> float | None:
+        """The ``time.monotonic()`` a run noticed at ``detected`` must end by, or None."""
+        with self._cond:
+            limits = list(self._restore_deadlines.values())
+        if deadline is not None:
+            limits.append(deadline)
+        return detected + min(limits) if limits else None
 
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None:
         """Called with this engine once :meth:`start` has started the detectors (the first
@@ -529,7 +558,8 @@ class Lifecycle:
         The wait for a run in progress counts; a hook still running at the deadline is
         reported ``timeout`` and the hooks after it are reported ``timeout`` without being
         started (:class:`~rehydrate.HookTimeout` says which); hooks see it as
-        :attr:`RestoreContext.deadline`. None (the default): only per-hook timeouts.
+        :attr:`RestoreContext.deadline`. None (the default): only per-hook timeouts and
+        the deadlines set with :meth:`set_restore_deadline` (the tightest applies).
 
         Duplicate suppression: ``key`` names the event (the same key runs once); ``since``
         is the ``time.monotonic()`` at which the detector last saw the process before the
@@ -580,7 +610,7 @@ class Lifecycle:
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason)
                 report = self._run_restore(reason, kind, frozen_for, env, detected,
-                                           None if deadline is None else detected + deadline)
+                                           self._deadline_at(detected, deadline))
                 if anchor:
                     self._last_restore_at = detected
                     self._last_restore_report = report
@@ -669,8 +699,9 @@ class Lifecycle:
             log.warning("no restore or resume within %gs of the before-snapshot hooks "
                         "(snapshot_deadline): the platform seems to have given up; running "
                         "the resume hooks", deadline)
-            report = self._run_restore("snapshot-deadline", "resume", None, None,
-                                       time.monotonic())
+            now = time.monotonic()
+            report = self._run_restore("snapshot-deadline", "resume", None, None, now,
+                                       self._deadline_at(now, None))
         self._publish(report)
         _log_run(report)
 

@@ -11,8 +11,7 @@ environment restored from that snapshot. When ``snapshot_restore_py`` imports,
   SnapStart from snapshotting a half-prepared process (the runtime reports an init
   error and exits; publishing the version fails);
 * after restore: ``engine.restore_detected("snapstart", kind="restore", since=<the
-  monotonic time the before-snapshot bridge started>, deadline=<the restore budget>)``
-  (generation +1). When another detector (identity, clock jump) reported this restore
+  monotonic time the before-snapshot bridge started>)`` (generation +1). When another detector (identity, clock jump) reported this restore
   first, the hooks do not run again; the bridge's notice returns that report. The time is
   consumed by the first after-restore call (a second call in the same process is a new
   event). When a required hook failed or timed out — in this run or in the one it
@@ -22,12 +21,14 @@ environment restored from that snapshot. When ``snapshot_restore_py`` imports,
   sending invocations to a degraded process.
 
 Lambda allows 10 s for after-restore work and ends the restore without any report when
-it takes longer. So the run has a total deadline (``REHYDRATE_SNAPSTART_DEADLINE``,
-default :data:`DEFAULT_DEADLINE` s from the bridge's call, or ``SnapStartDetector(deadline=…)``):
-a hook still running then is reported ``timeout``, later hooks are not started, the
-connections manager cuts its reconnect deadlines to it, and the bridge then fails with
-the report's line, well inside Lambda's limit. With several engines the deadline is one
-moment shared by all of them.
+it takes longer. So while the bridge runs, every restore run of the engine has a total
+deadline (``REHYDRATE_SNAPSTART_DEADLINE``, default :data:`DEFAULT_DEADLINE` s from its
+notice, or ``SnapStartDetector(deadline=…)``; ``engine.set_restore_deadline``) — also a
+run another detector started first, which the runtime hook waits for: a hook still
+running then is reported ``timeout``, later hooks are not started, the connections
+manager cuts its reconnect deadlines to it, and the bridge then fails with the report's
+line, inside Lambda's limit. With several engines the deadline is one moment shared by
+all of them.
 
 The runtime pops before-snapshot callables as it runs them (newest first) and runs
 after-restore callables in registration order; the bridge registers itself once per
@@ -67,8 +68,7 @@ with room for the runtime's own work and for user runtime hooks registered after
 bridge."""
 
 _lock = threading.Lock()
-_engines: list[tuple[Engine, float]] = []
-"""The engines the bridge runs, each with its after-restore deadline (seconds)."""
+_engines: list[Engine] = []
 _snapshot_at: float | None = None
 """``time.monotonic()`` when the before-snapshot bridge ran (before the freeze)."""
 
@@ -93,7 +93,7 @@ def _failure_line(when: str, failed: list[Report]) -> str:
 def _before_snapshot() -> None:
     global _snapshot_at  # one bridge per process
     with _lock:
-        engines = [engine for engine, _ in _engines]
+        engines = list(_engines)
         _snapshot_at = time.monotonic()
     failed = []
     for engine in engines:
@@ -108,16 +108,16 @@ def _before_snapshot() -> None:
 def _after_restore() -> None:
     global _snapshot_at  # one bridge per process
     with _lock:
-        entries = list(_engines)
+        engines = list(_engines)
         since, _snapshot_at = _snapshot_at, None
-    # One notice time for every engine: each deadline counts from it, so engines run one
-    # after another still end within the budget of the first.
+    # One notice time for every engine: each one's restore deadline (set by start())
+    # counts from it, so engines run one after another all end within the budget.
     noticed = time.monotonic()
     failed = []
-    for engine, deadline in entries:
+    for engine in engines:
         # Every engine runs (and publishes its report) before the bridge fails.
         report = engine.restore_detected("snapstart", kind="restore", since=since,
-                                         detected_at=noticed, deadline=deadline)
+                                         detected_at=noticed)
         if not report.ok:
             failed.append(report)
     if failed:
@@ -195,10 +195,14 @@ class SnapStartDetector(Detector):
             log.warning("SnapStart restore deadline %gs is not under Lambda's %gs limit: "
                         "Lambda may end a slow restore before rehydrate reports it",
                         deadline, LAMBDA_RESTORE_LIMIT)
+        # On the engine, not only on the bridge's notices: another detector (a clock jump
+        # seen as the VM resumes) may run this restore first, and the runtime hook then
+        # waits for that run.
+        engine.set_restore_deadline(self.key, deadline)
         with _lock:
             _ensure_registered(module)
-            _engines[:] = [(e, d) for e, d in _engines if e is not engine]
-            _engines.append((engine, deadline))
+            if not any(e is engine for e in _engines):
+                _engines.append(engine)
         self._engine = engine
         log.debug("SnapStart bridge registered with snapshot_restore_py")
 
@@ -209,7 +213,8 @@ class SnapStartDetector(Detector):
         with _lock:
             # snapshot_restore_py has no unregister: the bridge stays registered and
             # does nothing for an engine that stopped.
-            _engines[:] = [(e, d) for e, d in _engines if e is not engine]
+            _engines[:] = [e for e in _engines if e is not engine]
+        engine.set_restore_deadline(self.key, None)
 
 
 SnapStartBridge = SnapStartDetector

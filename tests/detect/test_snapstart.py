@@ -439,3 +439,42 @@ def test_lambda_carries_on_after_a_good_restore(rehydrate_engine):
     bootstrap.on_init_complete(client, bootstrap.StandardLogSink())
     assert [c[0] for c in client.calls] == ["restore_next"]
     assert rehydrate_engine.status().state == "ready"
+
+
+def test_restore_run_by_another_detector_first_is_bounded_too(rehydrate_engine, monkeypatch,
+                                                              release):
+    """A clock jump seen as the VM resumes may start the restore run before the runtime
+    calls the bridge; the bridge's notice then waits for that run, so it must end in
+    time as well."""
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "1")
+    entered = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="slow", timeout=30)
+    def slow() -> None:
+        entered.set()
+        release.wait()
+
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_before_snapshot()
+    t_freeze = time.monotonic()
+    t0 = time.monotonic()
+    first = threading.Thread(target=rehydrate_engine.restore_detected, args=("clock-jump",),
+                             kwargs={"since": t_freeze})
+    first.start()
+    try:
+        assert entered.wait(30)  # the clock-jump run is in its slow hook
+        with pytest.raises(SnapStartHookFailed, match=r"slow timeout .*1s deadline"):
+            runtime.run_after_restore()
+        assert time.monotonic() - t0 < 10
+    finally:
+        first.join(30)
+    report = rehydrate_engine.status().last_report
+    assert (report.reason, report.confirmed_by) == ("clock-jump", ("snapstart",))
+
+    rehydrate_engine.stop()  # the bound goes with the bridge
+    release.set()
+    budgets: list[float | None] = []
+    rehydrate_engine.registry.after_restore(lambda ctx: budgets.append(ctx.deadline),
+                                            name="budget")
+    rehydrate_engine.simulate_restore()
+    assert budgets == [None]
