@@ -146,8 +146,9 @@ def _contain(exc: BaseException, name: str) -> Exception:
 
 
 def _run_budget(ctx: RestoreContext) -> float | None:
-    """The run's deadline in seconds from its notice (for messages), or None."""
-    return None if ctx.deadline is None else max(0.0, ctx.deadline - ctx.detected_at)
+    """The run's deadline in seconds from its notice, to the millisecond (the notice time
+    plus the deadline, less the notice time, is not exactly the deadline), or None."""
+    return None if ctx.deadline is None else max(0.0, round(ctx.deadline - ctx.detected_at, 3))
 
 
 def _timed_out(hook: Hook, ctx: RestoreContext, started: float) -> HookTimeout:
