@@ -610,7 +610,7 @@ class Lifecycle:
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason)
                 report = self._run_restore(reason, kind, frozen_for, env, detected,
-                                           self._deadline_at(detected, deadline))
+                                           deadline_at=self._deadline_at(detected, deadline))
                 if anchor:
                     self._last_restore_at = detected
                     self._last_restore_report = report
@@ -701,7 +701,7 @@ class Lifecycle:
                         "the resume hooks", deadline)
             now = time.monotonic()
             report = self._run_restore("snapshot-deadline", "resume", None, None, now,
-                                       self._deadline_at(now, None))
+                                       deadline_at=self._deadline_at(now, None))
         self._publish(report)
         _log_run(report)
 
@@ -767,6 +767,7 @@ class Lifecycle:
         frozen_for: float | None,
         env: Mapping[str, str | None] | None,
         detected: float,
+        *,
         deadline_at: float | None = None,
     ) -> RestoreReport:
         generation = self._generation + 1 if kind == "restore" else self._generation

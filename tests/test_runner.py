@@ -934,8 +934,10 @@ def test_run_deadline_cuts_an_awaitable_returned_by_a_sync_hook(rehydrate_engine
     async def forever():
         await asyncio.Event().wait()
 
-    rehydrate_engine.registry.after_restore(lambda: forever(), name="wrapped",
-                                            timeout=DEADLINE * 3)
+    def wrapped():  # a plain callable that returns a coroutine
+        return forever()
+
+    rehydrate_engine.registry.after_restore(wrapped, name="wrapped", timeout=DEADLINE * 3)
     report = rehydrate_engine.restore_detected("test", deadline=0.3)
     h = by_name(report)["wrapped"]
     assert h.outcome == "timeout" and h.error.run_deadline == 0.3 and h.error.started

@@ -11,14 +11,15 @@ environment restored from that snapshot. When ``snapshot_restore_py`` imports,
   SnapStart from snapshotting a half-prepared process (the runtime reports an init
   error and exits; publishing the version fails);
 * after restore: ``engine.restore_detected("snapstart", kind="restore", since=<the
-  monotonic time the before-snapshot bridge started>)`` (generation +1). When another detector (identity, clock jump) reported this restore
-  first, the hooks do not run again; the bridge's notice returns that report. The time is
-  consumed by the first after-restore call (a second call in the same process is a new
-  event). When a required hook failed or timed out — in this run or in the one it
-  confirms — it raises :class:`SnapStartHookFailed` (one line: the hooks and their
-  errors) after the report was published and logged: Lambda has no readiness probe, so
-  failing the runtime hook is the only way to make it discard the environment instead of
-  sending invocations to a degraded process.
+  monotonic time the before-snapshot bridge started>)`` (generation +1). When another
+  detector (identity, clock jump) reported this restore first, the hooks do not run
+  again; the bridge's notice returns that report. The time is consumed by the first
+  after-restore call (a second call in the same process is a new event). When a required
+  hook failed or timed out — in this run or in the one it confirms — it raises
+  :class:`SnapStartHookFailed` (one line: the hooks and their errors) after the report
+  was published and logged: Lambda has no readiness probe, so failing the runtime hook is
+  the only way to make it discard the environment instead of sending invocations to a
+  degraded process.
 
 Lambda allows 10 s for after-restore work and ends the restore without any report when
 it takes longer. So while the bridge runs, every restore run of the engine has a total
@@ -27,8 +28,8 @@ notice, or ``SnapStartDetector(deadline=…)``; ``engine.set_restore_deadline``)
 run another detector started first, which the runtime hook waits for: a hook still
 running then is reported ``timeout``, later hooks are not started, the connections
 manager cuts its reconnect deadlines to it, and the bridge then fails with the report's
-line, inside Lambda's limit. With several engines the deadline is one moment shared by
-all of them.
+line, inside Lambda's limit. With several engines every deadline counts from the same
+notice, so engines run one after another all end within it.
 
 The runtime pops before-snapshot callables as it runs them (newest first) and runs
 after-restore callables in registration order; the bridge registers itself once per
@@ -46,6 +47,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _config
@@ -79,7 +81,7 @@ class SnapStartHookFailed(RuntimeError):
     the restored environment. The message is one line naming the hooks and their errors."""
 
 
-def _failure_line(when: str, failed: list[Report]) -> str:
+def _failure_line(when: str, failed: Sequence[Report]) -> str:
     """``rehydrate <when> hooks failed: name outcome (Type: message); …`` on one line: the
     same error texts the engine logged (hook names and exception messages, never
     environment values)."""
