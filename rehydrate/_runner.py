@@ -400,18 +400,18 @@ class HookRunner:
                 value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
                 if inspect.isawaitable(value):  # a plain callable that returned a coroutine
                     job.begin(index, hook.timeout + ASYNC_GRACE)
-                    self._await(job, value,
-                                max(0.0, min(hook.timeout, began + hook.timeout - time.monotonic(),
-                                             job.time_left())))
+                    began = job.started  # the awaitable's own limit counts from here
+                    self._await(job, value, max(0.0, min(hook.timeout, job.time_left())))
                 outcome, error = "ok", None
                 break
             except _Expired:  # only the awaitable's own limit: a hook's TimeoutError failed
                 outcome, error = "timeout", _timed_out(hook, ctx, began)
             except BaseException as exc:  # every hook runs even when others fail
                 outcome, error = "failed", _contain(exc, hook.name)
+            if attempt >= hook.retries or job.abandoned:
+                break
             delay = backoff_delay(attempt)
-            # no retry that could not even start before the run's deadline
-            if attempt >= hook.retries or job.abandoned or delay >= job.time_left():
+            if delay >= job.time_left():  # no retry that could not start before the deadline
                 break
             time.sleep(delay)
             attempt += 1
@@ -523,9 +523,10 @@ class HookRunner:
                 outcome, error = "failed", _contain(exc, hook.name)
             if watchdog.disarm():  # ran past its timeout (however the hook reacted)
                 outcome, error = "timeout", _timed_out(hook, ctx, began)
+            if outcome == "ok" or attempt >= hook.retries or job.abandoned:
+                break
             delay = backoff_delay(attempt)
-            if (outcome == "ok" or attempt >= hook.retries or job.abandoned
-                    or delay >= job.time_left()):
+            if delay >= job.time_left():  # no retry that could not start before the deadline
                 break
             await asyncio.sleep(delay)
             attempt += 1
