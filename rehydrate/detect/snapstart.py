@@ -157,6 +157,8 @@ class SnapStartDetector(Detector):
         self._engine: Engine | None = None
         self.deadline = (None if deadline is None
                          else _config.seconds(deadline, "SnapStartDetector deadline"))
+        self._in_effect: float | None = None
+        """The deadline :meth:`start` set on the engine (None while stopped)."""
 
     @classmethod
     def probe(cls) -> Probe:
@@ -183,7 +185,7 @@ class SnapStartDetector(Detector):
 
     def describe(self) -> str:
         return ("registered with snapshot_restore_py (Lambda SnapStart runtime hooks); "
-                f"restore deadline {self._deadline():g}s")
+                f"restore deadline {self._in_effect or self._deadline():g}s")
 
     def _deadline(self) -> float:
         if self.deadline is not None:
@@ -201,6 +203,7 @@ class SnapStartDetector(Detector):
         # seen as the VM resumes) may run this restore first, and the runtime hook then
         # waits for that run.
         engine.set_restore_deadline(self.key, deadline)
+        self._in_effect = deadline
         with _lock:
             _ensure_registered(module)
             if not any(e is engine for e in _engines):
@@ -210,6 +213,7 @@ class SnapStartDetector(Detector):
 
     def stop(self) -> None:
         engine, self._engine = self._engine, None
+        self._in_effect = None
         if engine is None:
             return
         with _lock:

@@ -310,6 +310,7 @@ def test_deadline_defaults_under_lambdas_limit_and_is_configurable(rehydrate_eng
     rehydrate_engine.start([SnapStartDetector(deadline=3)])
     runtime.run_after_restore()
     assert budgets[-1] == 3.0
+    assert rehydrate_engine.detector("snapstart").describe().endswith("restore deadline 3s")
     assert rehydrate_engine.status().state == "ready"
 
 
