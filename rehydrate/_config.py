@@ -110,6 +110,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_SIGNAL", "signal", "SIGUSR2", "signal detector: the signal (name or number) that means restore; KILL and STOP cannot be caught"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_WINDOW", "seconds", 2.0, "signal detector: a restore handled this recently is the same restore"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_KIND", "choice", "restore", "signal detector: what the signal means, restore or resume", choices=("restore", "resume")),  # noqa: E501
+    _V("REHYDRATE_SNAPSTART_DEADLINE", "seconds", 8.0, "snapstart: seconds the whole after-restore run may take (Lambda allows 10); hooks still running then are reported timeout and the runtime hook fails", positive=True),  # noqa: E501
     # managers
     _V("REHYDRATE_CONNECT_DEADLINE", "seconds", 30.0, "connections: default seconds for a managed connection to reopen after restore", positive=True),  # noqa: E501
     _V("REHYDRATE_NFT", "path", None, "routes: the nft binary (default: nft on PATH)"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
@@ -92,20 +93,44 @@ class RestoreContext:
     hooks did not run again for it); the stored report keeps False."""
     detected_at: float = 0.0
     """``time.monotonic()`` when the detector noticed the event."""
+    deadline: float | None = None
+    """``time.monotonic()`` by which the whole run must be over (None: no such limit; set
+    by ``restore_detected(deadline=…)``, e.g. by the SnapStart bridge). A hook still
+    running then is reported ``timeout`` and later hooks are not started; a hook that
+    waits for something (the connections manager) ends its wait by then."""
     env: Mapping[str, str | None] | None = field(default=None, repr=False)
     """The new environment handed to this event (by a simulator or a detector), if any.
     Kept out of ``repr()``: it holds values, which must never reach a log."""
     data: dict[str, Any] = field(default_factory=dict)
     """Scratch space hooks of one event may use to talk to each other."""
 
+    def time_left(self) -> float | None:
+        """Seconds until :attr:`deadline` (at least 0), or None when the run has none."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic())
+
 
 class HookTimeout(TimeoutError):
-    """A hook ran past its timeout."""
+    """A hook ran past its timeout — or past the deadline of the whole run
+    (:attr:`RestoreContext.deadline`), or was not started because that had passed.
 
-    def __init__(self, name: str, timeout: float) -> None:
-        super().__init__(f"hook {name!r} timed out after {timeout:g}s")
+    ``timeout``: the hook's own limit; ``run_deadline``: the run's limit in seconds when
+    that is what stopped the hook (else None); ``started``: False when it never ran."""
+
+    def __init__(self, name: str, timeout: float, *, run_deadline: float | None = None,
+                 started: bool = True) -> None:
+        if run_deadline is None:
+            message = f"hook {name!r} timed out after {timeout:g}s"
+        elif started:
+            message = f"hook {name!r} ran past the run's {run_deadline:g}s deadline"
+        else:
+            message = f"hook {name!r} not started: the run's {run_deadline:g}s deadline had passed"
+        super().__init__(message)
         self.hook_name = name
         self.timeout = timeout
+        self.run_deadline = run_deadline
+        self.started = started
 
 
 class HookStillRunning(RuntimeError):

@@ -103,6 +103,10 @@ class Engine(Protocol):
 
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None: ...
 
+    def set_restore_deadline(self, source: str, seconds: float | None) -> None:
+        """Bound every restore/resume run to ``seconds`` from its notice (None: unset)."""
+        ...
+
     def is_ready(self) -> bool: ...
 
     def wait_ready(self, timeout: float | None = None) -> bool: ...
@@ -122,6 +126,7 @@ class Engine(Protocol):
         anchor: bool = True,
         undoes: float | None = None,
         abort: Literal["announced", "answered"] | None = None,
+        deadline: float | None = None,
     ) -> RestoreReport: ...
 
     def snapshot_requested(self, reason: str = "simulated", *,

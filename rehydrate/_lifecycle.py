@@ -139,6 +139,9 @@ class Lifecycle:
         self._generation = 0
         self._last_report: Report | None = None
         self._extra_status: dict[str, Callable[[], Any]] = {}
+        self._restore_deadlines: dict[str, float] = {}
+        """Source -> seconds every restore/resume run must end within (see
+        :meth:`set_restore_deadline`)."""
         self._extensions: dict[str, Any] = {}
         self._ext_lock = threading.Lock()
         self._start_listeners: list[Callable[[Engine], None]] = []
@@ -213,6 +216,7 @@ class Lifecycle:
         self._detector_errors = {}
         self._notices = 0  # the parent's threads waiting with a notice are not here
         self._installed_detectors = {}  # instances wired to the parent's threads and files
+        self._restore_deadlines = {}  # set by those detectors (the SnapStart bridge)
         self._started = False
         self.env._lock = threading.Lock()
         # The parent's clock-jump thread is not here: its heartbeat would go stale and
@@ -324,6 +328,31 @@ class Lifecycle:
         if key in _CORE_STATUS:
             raise ValueError(f"status field {key!r} is the engine's own; choose another name")
         self._extra_status[key] = fn
+
+    def set_restore_deadline(self, source: str, seconds: float | None) -> None:
+        """Bound every restore or resume run of this engine, whichever detector noticed
+        it, to ``seconds`` from its notice while ``source`` asks for it (``None``: no longer).
+
+        For platforms that end a restore taking longer (the SnapStart bridge sets it:
+        a clock jump noticed before Lambda's runtime hook must not run past Lambda's
+        limit, since that hook waits for it). The tightest of the sources and of the
+        notice's own ``deadline`` applies; see ``deadline`` in :meth:`restore_detected`.
+        """
+        if seconds is not None:
+            seconds = _config.seconds(seconds, f"{source} restore deadline")
+        with self._cond:
+            if seconds is None:
+                self._restore_deadlines.pop(source, None)
+            else:
+                self._restore_deadlines[source] = seconds
+
+    def _deadline_at(self, detected: float, deadline: float | None) -> float | None:
+        """The ``time.monotonic()`` a run noticed at ``detected`` must end by, or None."""
+        with self._cond:
+            limits = list(self._restore_deadlines.values())
+        if deadline is not None:
+            limits.append(deadline)
+        return detected + min(limits) if limits else None
 
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None:
         """Called with this engine once :meth:`start` has started the detectors (the first
@@ -570,8 +599,17 @@ class Lifecycle:
         anchor: bool = True,
         undoes: float | None = None,
         abort: Literal["announced", "answered"] | None = None,
+        deadline: float | None = None,
     ) -> RestoreReport:
         """Run the restore (or resume) hooks for an event a detector noticed.
+
+        ``deadline``: seconds from the notice (``detected_at``) by which the whole run must
+        be over — for platforms that kill a restore taking longer (Lambda SnapStart: 10 s).
+        The wait for a run in progress counts; a hook still running at the deadline is
+        reported ``timeout`` and the hooks after it are reported ``timeout`` without being
+        started (:class:`~rehydrate.HookTimeout` says which); hooks see it as
+        :attr:`RestoreContext.deadline`. None (the default): only per-hook timeouts and
+        the deadlines set with :meth:`set_restore_deadline` (the tightest applies).
 
         Duplicate suppression: ``key`` names the event (the same key runs once); ``since``
         is the ``time.monotonic()`` at which the detector last saw the process before the
@@ -617,6 +655,8 @@ class Lifecycle:
             raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
         if abort not in (None, "announced", "answered"):
             raise ValueError(f"abort must be None, 'announced' or 'answered', not {abort!r}")
+        if deadline is not None:
+            deadline = _config.seconds(deadline, "deadline")
         detected = time.monotonic() if detected_at is None else detected_at
         self._check_not_inside_hook()
         # Not ready from the moment a notice arrives, also while it waits for a run in
@@ -643,7 +683,8 @@ class Lifecycle:
                 if ended is not None and ended.undone_by is not None and (
                         abort != "answered" or ended.abort_announced):
                     return self._confirm_carry_on(ended.undone_by, reason)
-                report = self._run_restore(reason, kind, frozen_for, env, detected)
+                report = self._run_restore(reason, kind, frozen_for, env, detected,
+                                           deadline_at=self._deadline_at(detected, deadline))
                 if ended is not None and ended.undone_by is report:
                     ended.abort_announced = abort == "announced"
                 if anchor:
@@ -762,7 +803,7 @@ class Lifecycle:
                         "(snapshot_deadline): the platform seems to have given up; running "
                         "the resume hooks", deadline)
             report = self._run_restore("snapshot-deadline", "resume", frozen_for, None,
-                                       detected)
+                                       detected, deadline_at=self._deadline_at(detected, None))
         self._publish(report)
         _log_run(report)
 
@@ -828,12 +869,15 @@ class Lifecycle:
         frozen_for: float | None,
         env: Mapping[str, str | None] | None,
         detected: float,
+        *,
+        deadline_at: float | None = None,
     ) -> RestoreReport:
         generation = self._generation + 1 if kind == "restore" else self._generation
         self._event_seq += 1
         ctx = RestoreContext(generation=generation, reason=reason, kind=kind,
                              frozen_for=frozen_for, detected_at=detected,
-                             env=dict(env) if env is not None else None)
+                             env=dict(env) if env is not None else None,
+                             deadline=deadline_at)
         with self._cond:
             self._generation = generation
             self._state = "restoring"

@@ -9,6 +9,11 @@ as one batch, each under its own timeout, and cancelled when it passes (one watc
 per batch, re-armed lazily, instead of an ``asyncio.timeout`` per hook). The worker only
 wakes the supervisor when a deadline moves earlier, so dispatch costs a few microseconds
 per hook. ``asyncio`` is imported on first use, not with ``rehydrate``.
+
+A run may also have a deadline of its own (:attr:`RestoreContext.deadline`, e.g. Lambda
+SnapStart's restore budget): every hook's limit is cut to it, a hook still running then is
+reported ``timeout`` (and abandoned like any other), and hooks not started by then are
+reported ``timeout`` without being started, so the run returns by that moment.
 """
 
 from __future__ import annotations
@@ -140,6 +145,31 @@ def _contain(exc: BaseException, name: str) -> Exception:
     return wrapped
 
 
+def _run_budget(ctx: RestoreContext) -> float | None:
+    """The run's deadline in seconds from its notice, to the millisecond (the notice time
+    plus the deadline, less the notice time, is not exactly the deadline), or None."""
+    return None if ctx.deadline is None else max(0.0, round(ctx.deadline - ctx.detected_at, 3))
+
+
+def _timed_out(hook: Hook, ctx: RestoreContext, started: float) -> HookTimeout:
+    """The error of a hook stopped at whichever came first: its own timeout (counted from
+    ``started``, a ``time.monotonic()``) or the run's deadline."""
+    if ctx.deadline is not None and ctx.deadline < started + hook.timeout:
+        return HookTimeout(hook.name, hook.timeout, run_deadline=_run_budget(ctx))
+    return HookTimeout(hook.name, hook.timeout)
+
+
+def _unstarted(hook: Hook, ctx: RestoreContext) -> HookResult:
+    """The result of a hook the run's deadline left no time for: ``timeout``, never run
+    (``skipped`` when it would have been skipped anyway: no key it watches changed)."""
+    if hook.env_keys is not None and _skip_reason(hook, ctx):
+        return HookResult(hook.name, hook.phase, "skipped", 0.0, None, hook.required, 0)
+    return HookResult(hook.name, hook.phase, "timeout", 0.0,
+                      HookTimeout(hook.name, hook.timeout, run_deadline=_run_budget(ctx),
+                                  started=False),
+                      hook.required, 0)
+
+
 def _call_args(hook: Hook, ctx: RestoreContext) -> tuple[Any, ...]:
     if hook.arity == 0:
         return ()
@@ -216,6 +246,8 @@ class _Progress:
     """The worker running this job (set when it takes the job)."""
     entered: bool = True
     """False while hook ``index`` waits for its event loop to get to it."""
+    run_end: float = math.inf
+    """``time.monotonic()`` by which the whole run must be over (``ctx.deadline``)."""
 
     def begin(self, index: int, timeout: float, *, entered: bool = True) -> None:
         """Mark hook ``index`` as started now (also for each retry attempt).
@@ -230,10 +262,14 @@ class _Progress:
             self.entered = entered
             self.index = index
             self.started = now
-            self.deadline = now + timeout
+            self.deadline = min(now + timeout, self.run_end)
             if self.deadline < self.waiting_until and (
                     entered or math.isinf(self.waiting_until)):
                 self.wake.set()
+
+    def time_left(self) -> float:
+        """Seconds until the run's deadline (``inf`` without one; may be negative)."""
+        return self.run_end - time.monotonic()
 
     def finish(self, index: int, result: HookResult) -> bool:
         """Record a result; False when the supervisor already gave up on this worker."""
@@ -323,6 +359,11 @@ class HookRunner:
         i = job.index
         n = len(hooks)
         while i < n:
+            if job.time_left() <= 0:  # the run's deadline passed: start nothing more
+                for k in range(i, n):
+                    if not job.finish(k, _unstarted(hooks[k], job.ctx)):
+                        return False
+                break
             hook = hooks[i]
             if hook.is_async:
                 j = i
@@ -354,20 +395,25 @@ class HookRunner:
         error: BaseException | None = None
         while True:
             job.begin(index, hook.timeout)
+            began = job.started
             try:
                 value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
                 if inspect.isawaitable(value):  # a plain callable that returned a coroutine
                     job.begin(index, hook.timeout + ASYNC_GRACE)
-                    self._await(job, value, hook.timeout)
+                    began = job.started  # the awaitable's own limit counts from here
+                    self._await(job, value, max(0.0, min(hook.timeout, job.time_left())))
                 outcome, error = "ok", None
                 break
             except _Expired:  # only the awaitable's own limit: a hook's TimeoutError failed
-                outcome, error = "timeout", HookTimeout(hook.name, hook.timeout)
+                outcome, error = "timeout", _timed_out(hook, ctx, began)
             except BaseException as exc:  # every hook runs even when others fail
                 outcome, error = "failed", _contain(exc, hook.name)
             if attempt >= hook.retries or job.abandoned:
                 break
-            time.sleep(backoff_delay(attempt))
+            delay = backoff_delay(attempt)
+            if delay >= job.time_left():  # no retry that could not start before the deadline
+                break
+            time.sleep(delay)
             attempt += 1
         result = HookResult(
             hook.name,
@@ -440,6 +486,8 @@ class HookRunner:
                 if hook.env_keys is not None and _skip_reason(hook, ctx):
                     alive = job.finish(i, HookResult(hook.name, hook.phase, "skipped", 0.0,
                                                      None, hook.required, 0))
+                elif job.time_left() <= 0:
+                    alive = job.finish(i, _unstarted(hook, ctx))
                 else:
                     alive = await self._run_async(job, i, hook, watchdog)
                 if not alive:
@@ -460,7 +508,9 @@ class HookRunner:
         error: BaseException | None = None
         while True:
             job.begin(index, hook.timeout + ASYNC_GRACE)
-            watchdog.arm(hook.timeout)
+            began = job.started
+            # cancelled at its own timeout or the run's deadline, whichever comes first
+            watchdog.arm(max(0.0, min(hook.timeout, job.time_left())))
             try:
                 await (hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn())
                 outcome, error = "ok", None
@@ -472,10 +522,13 @@ class HookRunner:
             except BaseException as exc:
                 outcome, error = "failed", _contain(exc, hook.name)
             if watchdog.disarm():  # ran past its timeout (however the hook reacted)
-                outcome, error = "timeout", HookTimeout(hook.name, hook.timeout)
+                outcome, error = "timeout", _timed_out(hook, ctx, began)
             if outcome == "ok" or attempt >= hook.retries or job.abandoned:
                 break
-            await asyncio.sleep(backoff_delay(attempt))
+            delay = backoff_delay(attempt)
+            if delay >= job.time_left():  # no retry that could not start before the deadline
+                break
+            await asyncio.sleep(delay)
             attempt += 1
         result = HookResult(hook.name, hook.phase, outcome,  # type: ignore[arg-type]
                             time.perf_counter() - start, error, hook.required, attempt + 1)
@@ -494,7 +547,8 @@ class HookRunner:
         results: list[HookResult | None] = [None] * len(hooks)
         index = 0
         while index < len(hooks):
-            job = _Progress(hooks, ctx, results, index, observers, loop)
+            job = _Progress(hooks, ctx, results, index, observers, loop,
+                            run_end=math.inf if ctx.deadline is None else ctx.deadline)
             with self._cv:
                 if self._closed:
                     raise RuntimeError("hook runner is closed")
@@ -555,9 +609,10 @@ class HookRunner:
                     hook = job.hooks[i]
                     job.abandoned = True  # in this locked section: the worker's finish() loses
                     entered = job.entered
+                    error = _timed_out(hook, job.ctx, job.started)
                     job.results[i] = HookResult(
-                        hook.name, hook.phase, "timeout", now - job.started,
-                        HookTimeout(hook.name, hook.timeout), hook.required,
+                        hook.name, hook.phase, "timeout", now - job.started, error,
+                        hook.required,
                     )
                     break
                 job.waiting_until = job.deadline
@@ -565,7 +620,9 @@ class HookRunner:
                 wait = None if math.isinf(job.deadline) else job.deadline - now
             job.wake.wait(wait)
         self._abandon(job, None if hook.is_async else hook)
-        if hook.is_async and not entered:
+        if hook.is_async and error.run_deadline is not None:
+            log.warning("%s; moving on", error)
+        elif hook.is_async and not entered:
             log.warning("async hook %s did not start within %gs: its event loop is still "
                         "blocked (an earlier hook made a blocking call); moving on",
                         hook.name, hook.timeout + ASYNC_GRACE)
@@ -574,10 +631,9 @@ class HookRunner:
                         "%gs of its %gs timeout; moving on", hook.name, ASYNC_GRACE,
                         hook.timeout)
         else:
-            log.warning("hook %s timed out after %gs; its thread is left to finish on its "
-                        "own (Python threads cannot be killed) and the hook is not started "
-                        "again until it has; hook threads still running: %d",
-                        hook.name, hook.timeout, len(self.hung_hooks()))
+            log.warning("%s; its thread is left to finish on its own (Python threads cannot "
+                        "be killed) and the hook is not started again until it has; hook "
+                        "threads still running: %d", error, len(self.hung_hooks()))
         # Results of the remaining hooks of an abandoned async batch are lost: resume
         # right after the hook that timed out.
         return i + 1

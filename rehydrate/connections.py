@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import os
 import socket
 import threading
@@ -76,6 +77,9 @@ CLOSE_TIMEOUT = 5.0
 """Seconds one ``close`` may take before a snapshot before it is reported as failed."""
 LATE_GRACE = 0.25
 """Seconds past its deadline an attempt still running is given before it is abandoned."""
+RUN_DEADLINE_MARGIN = 2 * LATE_GRACE
+"""Seconds before a restore run's deadline (``RestoreContext.deadline``) at which the
+connections' own deadlines end: the hook then reports which connections missed it."""
 
 State = Literal["registered", "opening", "open", "closing", "closed", "reconnecting", "failed"]
 
@@ -526,44 +530,53 @@ class ConnectionManager:
             )
 
     async def _after_restore(self, ctx: RestoreContext) -> None:
-        await self.reopen_all()
+        await self.reopen_all(until=ctx.deadline)
 
-    async def reopen_all(self) -> dict[str, bool]:
+    async def reopen_all(self, *, until: float | None = None) -> dict[str, bool]:
         """Reopen every managed connection concurrently; raise if a required one missed
-        its deadline. Returns name -> reopened."""
+        its deadline. Returns name -> reopened.
+
+        ``until``: a ``time.monotonic()`` moment the whole run must end by (the restore
+        run's deadline, e.g. SnapStart's): every connection's deadline is cut so that
+        this returns — naming the connections that missed it — just before then, instead
+        of the hook being stopped there without a word about which peer was slow."""
         conns = self.all()
         if not conns:
             return {}
         now = time.monotonic()
+        # room for an attempt's LATE_GRACE and for raising the error before ``until``
+        cap = math.inf if until is None else max(now, until - RUN_DEADLINE_MARGIN)
         tasks: list[asyncio.Future[bool]] = []
         plans: list[tuple[Connection, int, float]] = []
         for conn in conns:
-            deadline = conn.effective_deadline()
+            deadline_at = min(now + conn.effective_deadline(), cap)
             epoch, prev = conn._begin("reconnecting")
             stale = prev != "closed"  # not closed before a snapshot: release it first
-            plans.append((conn, epoch, now + deadline))
+            plans.append((conn, epoch, deadline_at))
             tasks.append(asyncio.ensure_future(
-                self._guard(conn, epoch, now + deadline, stale)))
+                self._guard(conn, epoch, deadline_at, stale)))
         results = await asyncio.gather(*tasks)
         outcome: dict[str, bool] = {}
-        missed: list[Connection] = []
-        for (conn, epoch, _), ok in zip(plans, results, strict=True):
+        missed: list[tuple[Connection, str]] = []
+        for (conn, epoch, deadline_at), ok in zip(plans, results, strict=True):
             outcome[conn.name] = ok
             if not ok:
                 conn._set(epoch, state="failed")
+                within = (f"{deadline_at - now:.1f}s (cut to the restore run's deadline)"
+                          if deadline_at < now + conn.effective_deadline()
+                          else f"{conn.effective_deadline():g}s")
                 if conn.required:  # named in the hook's error, which the engine logs
-                    missed.append(conn)
+                    missed.append((conn, within))
                 else:
-                    log.warning("optional connection %s%s not reopened within %gs: %s",
-                                conn.name, _to(conn), conn.effective_deadline(),
-                                conn.last_error)
+                    log.warning("optional connection %s%s not reopened within %s: %s",
+                                conn.name, _to(conn), within, conn.last_error)
         if missed:
             raise ConnectionsNotReady(
                 "required connection(s) not reopened before their deadline: "
-                + "; ".join(f"{c.name}{_to(c)} after {c.effective_deadline():g}s and {c.attempts} "
+                + "; ".join(f"{c.name}{_to(c)} after {within} and {c.attempts} "
                             f"attempt(s), last error: {c.last_error or 'none'}"
-                            for c in missed),
-                [c.name for c in missed],
+                            for c, within in missed),
+                [c.name for c, _ in missed],
             )
         return outcome
 

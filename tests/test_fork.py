@@ -112,3 +112,18 @@ def test_a_child_forked_while_the_default_engine_is_being_created_is_not_wedged(
         release.set()
         creator.join(DEADLINE)
     assert out == {"same": True}
+
+
+def test_child_forgets_the_restore_deadlines_of_the_parents_detectors(
+        engine: Lifecycle) -> None:
+    budgets: list[float | None] = []
+    engine.registry.after_restore(lambda ctx: budgets.append(ctx.deadline), name="rec")
+    engine.set_restore_deadline("snapstart", 5.0)  # as the parent's SnapStart bridge does
+
+    def child() -> dict:  # type: ignore[type-arg]
+        engine.simulate_restore()
+        return {"deadline": budgets[-1]}
+
+    assert in_forked_child(child, DEADLINE) == {"deadline": None}
+    engine.simulate_restore()
+    assert budgets[-1] is not None  # the parent keeps its bridge's bound

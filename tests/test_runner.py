@@ -863,3 +863,141 @@ def test_unhashable_callable_hooks_survive_an_abandoned_hook(rehydrate_engine,
         assert rehydrate_engine.status().state == "ready"
     finally:
         release.set()
+
+
+# -- a deadline for the whole run (restore_detected(deadline=...), set_restore_deadline) --
+
+
+def test_run_deadline_cuts_the_running_hook_and_starts_no_more(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+    calls = []
+
+    @reg.after_restore(name="stuck", timeout=DEADLINE * 3, phase=Phase.CONNECTIONS)
+    def stuck():
+        release.wait(DEADLINE * 3)
+
+    @reg.after_restore(name="later-async")
+    async def later_async():
+        calls.append("later-async")
+
+    @reg.after_restore(name="later-sync")
+    def later_sync():
+        calls.append("later-sync")
+
+    @reg.on_env_change("NEVER_CHANGED", phase=Phase.APPLICATION, name="watcher")
+    def watcher(ctx, changes):
+        calls.append("watcher")
+
+    t0 = time.monotonic()
+    try:
+        report = rehydrate_engine.restore_detected("test", deadline=0.3)
+        elapsed = time.monotonic() - t0
+    finally:
+        release.set()
+    hooks = by_name(report)
+    assert elapsed < DEADLINE  # not the stuck hook's own (tripled) limit
+    assert not report.ok and rehydrate_engine.status().state == "degraded"
+    err = hooks["stuck"].error
+    assert (hooks["stuck"].outcome, type(err), err.run_deadline, err.started) == \
+        ("timeout", HookTimeout, 0.3, True)
+    assert str(err) == "hook 'stuck' ran past the run's 0.3s deadline"
+    for name in ("later-async", "later-sync"):
+        h = hooks[name]
+        assert (h.outcome, h.attempts, h.duration, h.error.started) == ("timeout", 0, 0.0, False)
+        assert str(h.error) == f"hook {name!r} not started: the run's 0.3s deadline had passed"
+    assert hooks["watcher"].outcome == "skipped"  # would not have run anyway: no failure
+    assert calls == []
+
+
+def test_run_deadline_cuts_an_async_batch(rehydrate_engine):
+    reg = rehydrate_engine.registry
+    calls = []
+
+    @reg.after_restore(name="stuck", timeout=DEADLINE * 3)
+    async def stuck():
+        await asyncio.Event().wait()
+
+    @reg.after_restore(name="next")
+    async def nxt():
+        calls.append("next")
+
+    report = rehydrate_engine.restore_detected("test", deadline=0.3)
+    hooks = by_name(report)
+    assert hooks["stuck"].outcome == "timeout" and hooks["stuck"].error.run_deadline == 0.3
+    assert hooks["stuck"].error.started
+    assert hooks["next"].outcome == "timeout" and not hooks["next"].error.started
+    assert calls == []
+
+
+def test_run_deadline_cuts_an_awaitable_returned_by_a_sync_hook(rehydrate_engine):
+    async def forever():
+        await asyncio.Event().wait()
+
+    def wrapped():  # a plain callable that returns a coroutine
+        return forever()
+
+    rehydrate_engine.registry.after_restore(wrapped, name="wrapped", timeout=DEADLINE * 3)
+    report = rehydrate_engine.restore_detected("test", deadline=0.3)
+    h = by_name(report)["wrapped"]
+    assert h.outcome == "timeout" and h.error.run_deadline == 0.3 and h.error.started
+
+
+def test_retries_stop_at_the_run_deadline(rehydrate_engine):
+    attempts = []
+
+    @rehydrate_engine.registry.after_restore(name="flaky", retries=100_000)
+    def flaky():
+        attempts.append(1)
+        raise ConnectionRefusedError("refused")
+
+    t0 = time.monotonic()
+    report = rehydrate_engine.restore_detected("test", deadline=0.5)
+    assert time.monotonic() - t0 < DEADLINE
+    h = by_name(report)["flaky"]
+    # the hook's own failure, not a timeout: no retry was begun that could not start in time
+    assert h.outcome == "failed" and isinstance(h.error, ConnectionRefusedError)
+    assert 1 <= h.attempts == len(attempts) < 100_000
+
+
+def test_hooks_see_the_run_deadline(rehydrate_engine):
+    seen = []
+    rehydrate_engine.registry.after_restore(
+        lambda ctx: seen.append((ctx.deadline, ctx.detected_at, ctx.time_left())))
+    rehydrate_engine.restore_detected("test", deadline=4.0)
+    rehydrate_engine.simulate_restore()  # no deadline
+    (end, noticed, left), unbounded = seen
+    assert end == noticed + 4.0 and 0 < left <= 4.0
+    assert unbounded[0] is None and unbounded[2] is None
+
+
+@pytest.mark.parametrize(("bad", "error"), [(0, ValueError), (-1.0, ValueError),
+                                            (float("nan"), ValueError), ("5", TypeError),
+                                            (True, TypeError)])
+def test_bad_run_deadline_is_refused_before_anything_runs(rehydrate_engine, bad, error):
+    calls = []
+    rehydrate_engine.registry.after_restore(lambda: calls.append(1))
+    with pytest.raises(error, match=r"^deadline must be a number of seconds > 0"):
+        rehydrate_engine.restore_detected("test", deadline=bad)
+    assert calls == [] and rehydrate_engine.status().generation == 0
+    with pytest.raises(error, match=r"^x restore deadline must be a number of seconds > 0"):
+        rehydrate_engine.set_restore_deadline("x", bad)
+
+
+def test_set_restore_deadline_bounds_every_restore_run(rehydrate_engine):
+    budgets = []
+    rehydrate_engine.registry.after_restore(
+        lambda ctx: budgets.append(None if ctx.deadline is None
+                                   else round(ctx.deadline - ctx.detected_at, 6)))
+    rehydrate_engine.set_restore_deadline("platform", 5.0)
+    rehydrate_engine.restore_detected("clock-jump")
+    rehydrate_engine.restore_detected("clock-jump", deadline=2.0)  # the tightest applies
+    rehydrate_engine.set_restore_deadline("other", 3.0)
+    rehydrate_engine.simulate_restore(kind="resume")
+    with pytest.raises(ValueError):  # refused; the bounds set stay as they were
+        rehydrate_engine.set_restore_deadline("platform", -1)
+    rehydrate_engine.restore_detected("identity")
+    rehydrate_engine.set_restore_deadline("platform", None)
+    rehydrate_engine.set_restore_deadline("other", None)
+    rehydrate_engine.restore_detected("identity")
+    assert budgets == [5.0, 2.0, 3.0, 3.0, None]

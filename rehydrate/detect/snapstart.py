@@ -7,13 +7,29 @@ environment restored from that snapshot. When ``snapshot_restore_py`` imports,
 ``rehydrate.start()`` registers one pair of bridge functions there:
 
 * before the snapshot: ``engine.snapshot_requested("snapstart")``; when a required hook
-  failed it raises, because SnapStart aborts on the first error of a runtime hook;
+  failed it raises :class:`SnapStartHookFailed`, because that is the only way to stop
+  SnapStart from snapshotting a half-prepared process (the runtime reports an init
+  error and exits; publishing the version fails);
 * after restore: ``engine.restore_detected("snapstart", kind="restore", since=<the
   monotonic time the before-snapshot bridge started>)`` (generation +1). When another
-  detector (identity, clock jump) reported this restore first, the hooks do not run again;
-  the bridge's notice returns that report. The time is consumed by the first
-  after-restore call (a second call in the same process is a new event).
-  Lambda allows 10 s for after-restore work: keep restore hooks within that.
+  detector (identity, clock jump) reported this restore first, the hooks do not run
+  again; the bridge's notice returns that report. The time is consumed by the first
+  after-restore call (a second call in the same process is a new event). When a required
+  hook failed or timed out — in this run or in the one it confirms — it raises
+  :class:`SnapStartHookFailed` (one line: the hooks and their errors) after the report
+  was published and logged: Lambda has no readiness probe, so failing the runtime hook is
+  the only way to make it discard the environment instead of sending invocations to a
+  degraded process.
+
+Lambda allows 10 s for after-restore work and ends the restore without any report when
+it takes longer. So while the bridge runs, every restore run of the engine has a total
+deadline (``REHYDRATE_SNAPSTART_DEADLINE``, default :data:`DEFAULT_DEADLINE` s from its
+notice, or ``SnapStartDetector(deadline=…)``; ``engine.set_restore_deadline``) — also a
+run another detector started first, which the runtime hook waits for: a hook still
+running then is reported ``timeout``, later hooks are not started, the connections
+manager cuts its reconnect deadlines to it, and the bridge then fails with the report's
+line, inside Lambda's limit. With several engines every deadline counts from the same
+notice, so engines run one after another all end within it.
 
 The runtime pops before-snapshot callables as it runs them (newest first) and runs
 after-restore callables in registration order; the bridge registers itself once per
@@ -31,8 +47,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .. import _config
+from .._context import Report, describe_error
 from .._contract import Probe
 from . import Detector
 
@@ -43,6 +62,13 @@ __all__ = ["SnapStartDetector", "SnapStartHookFailed"]
 
 log = logging.getLogger("rehydrate")
 
+LAMBDA_RESTORE_LIMIT = 10.0
+"""Seconds Lambda allows the after-restore runtime hooks (then the restore fails)."""
+DEFAULT_DEADLINE: float = _config.default("REHYDRATE_SNAPSTART_DEADLINE")
+"""Seconds the after-restore run may take by default: under :data:`LAMBDA_RESTORE_LIMIT`
+with room for the runtime's own work and for user runtime hooks registered after the
+bridge."""
+
 _lock = threading.Lock()
 _engines: list[Engine] = []
 _snapshot_at: float | None = None
@@ -50,7 +76,20 @@ _snapshot_at: float | None = None
 
 
 class SnapStartHookFailed(RuntimeError):
-    """Raised from the before-snapshot bridge so that SnapStart aborts the snapshot."""
+    """Raised from a bridge function when a required hook failed or timed out: before the
+    snapshot it makes SnapStart abort the snapshot, after a restore it makes Lambda discard
+    the restored environment. The message is one line naming the hooks and their errors."""
+
+
+def _failure_line(when: str, failed: Sequence[Report]) -> str:
+    """``rehydrate <when> hooks failed: name outcome (Type: message); …`` on one line: the
+    same error texts the engine logged (hook names and exception messages, never
+    environment values)."""
+    parts = [f"{h.name} {h.outcome} ({describe_error(h.error)})" if h.error is not None
+             else f"{h.name} {h.outcome}"
+             for r in failed for h in r.hooks
+             if h.required and h.outcome in ("failed", "timeout")]
+    return f"rehydrate {when} hooks failed: {'; '.join(parts) or 'see the report'}"
 
 
 def _before_snapshot() -> None:
@@ -64,12 +103,7 @@ def _before_snapshot() -> None:
         if not report.ok:
             failed.append(report)
     if failed:
-        names = "; ".join(
-            f"{h.name} {h.outcome}" + (f" ({type(h.error).__name__}: {h.error})"
-                                       if h.error is not None else "")
-            for r in failed for h in r.hooks
-            if h.required and h.outcome in ("failed", "timeout"))
-        raise SnapStartHookFailed(f"rehydrate before-snapshot hooks failed: {names}") \
+        raise SnapStartHookFailed(_failure_line("before-snapshot", failed)) \
             from failed[0].error
 
 
@@ -78,8 +112,19 @@ def _after_restore() -> None:
     with _lock:
         engines = list(_engines)
         since, _snapshot_at = _snapshot_at, None
+    # One notice time for every engine: each one's restore deadline (set by start())
+    # counts from it, so engines run one after another all end within the budget.
+    noticed = time.monotonic()
+    failed = []
     for engine in engines:
-        engine.restore_detected("snapstart", kind="restore", since=since)
+        # Every engine runs (and publishes its report) before the bridge fails.
+        report = engine.restore_detected("snapstart", kind="restore", since=since,
+                                         detected_at=noticed)
+        if not report.ok:
+            failed.append(report)
+    if failed:
+        raise SnapStartHookFailed(_failure_line("after-restore", failed)) \
+            from failed[0].error
 
 
 def _registered(entries: list[Any], fn: object) -> bool:
@@ -106,8 +151,14 @@ class SnapStartDetector(Detector):
     specificity: ClassVar[int] = 90
     auto: ClassVar[bool] = True
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None = None) -> None:
+        """``deadline``: seconds the whole after-restore run may take (default:
+        ``REHYDRATE_SNAPSTART_DEADLINE``, read at :meth:`start`)."""
         self._engine: Engine | None = None
+        self.deadline = (None if deadline is None
+                         else _config.seconds(deadline, "SnapStartDetector deadline"))
+        self._in_effect: float | None = None
+        """The deadline :meth:`start` set on the engine (None while stopped)."""
 
     @classmethod
     def probe(cls) -> Probe:
@@ -133,10 +184,26 @@ class SnapStartDetector(Detector):
                 'start(["snapstart"]) starts it')
 
     def describe(self) -> str:
-        return "registered with snapshot_restore_py (Lambda SnapStart runtime hooks)"
+        return ("registered with snapshot_restore_py (Lambda SnapStart runtime hooks); "
+                f"restore deadline {self._in_effect or self._deadline():g}s")
+
+    def _deadline(self) -> float:
+        if self.deadline is not None:
+            return self.deadline
+        return _config.number("REHYDRATE_SNAPSTART_DEADLINE")
 
     def start(self, engine: Engine) -> None:
         module = importlib.import_module("snapshot_restore_py")
+        deadline = self._deadline()
+        if deadline >= LAMBDA_RESTORE_LIMIT:
+            log.warning("SnapStart restore deadline %gs is not under Lambda's %gs limit: "
+                        "Lambda may end a slow restore before rehydrate reports it",
+                        deadline, LAMBDA_RESTORE_LIMIT)
+        # On the engine, not only on the bridge's notices: another detector (a clock jump
+        # seen as the VM resumes) may run this restore first, and the runtime hook then
+        # waits for that run.
+        engine.set_restore_deadline(self.key, deadline)
+        self._in_effect = deadline
         with _lock:
             _ensure_registered(module)
             if not any(e is engine for e in _engines):
@@ -146,12 +213,14 @@ class SnapStartDetector(Detector):
 
     def stop(self) -> None:
         engine, self._engine = self._engine, None
+        self._in_effect = None
         if engine is None:
             return
         with _lock:
             # snapshot_restore_py has no unregister: the bridge stays registered and
             # does nothing for an engine that stopped.
             _engines[:] = [e for e in _engines if e is not engine]
+        engine.set_restore_deadline(self.key, None)
 
 
 SnapStartBridge = SnapStartDetector

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import pytest
 import snapshot_restore_py
@@ -133,3 +135,347 @@ def test_restore_seen_by_another_detector_runs_hooks_once(rehydrate_engine, firs
         rehydrate_engine.restore_detected("identity", kind="restore", since=t_freeze)
     assert [c["reason"] for c in rec.calls] == [first]
     assert rehydrate_engine.status().generation == 1
+
+
+# -- a failed or slow restore, as Lambda sees it ----------------------------------------
+#
+# Lambda has no readiness probe: the only way to refuse a bad restore is to fail the
+# after-restore runtime hook (the runtime then reports the error and the environment is
+# discarded). And Lambda ends a restore whose runtime hooks take over 10 s, without a word.
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text, text
+    return text
+
+
+def test_failed_required_restore_hook_fails_the_runtime_hook(rehydrate_engine, caplog):
+    @rehydrate_engine.registry.after_restore(name="db")
+    def reconnect() -> None:
+        raise ConnectionRefusedError("db.internal:5432 refused\nafter 3 tries")
+
+    @rehydrate_engine.registry.after_restore(name="warm", required=False)
+    def warm() -> None:
+        raise OSError("cache cold")
+
+    reached: list[str] = []
+    rehydrate_engine.registry.after_restore(lambda: reached.append("later"), name="later")
+    rehydrate_engine.start(["snapstart"])
+    caplog.set_level("INFO", logger="rehydrate")
+
+    with pytest.raises(SnapStartHookFailed) as info:
+        runtime.run_after_restore()
+
+    line = _one_line(info.value)
+    assert line == ("rehydrate after-restore hooks failed: db failed "
+                    "(ConnectionRefusedError: db.internal:5432 refused after 3 tries)")
+    assert reached == ["later"]  # every hook ran (CRaC semantics) before the bridge failed
+    # The report was recorded and logged before the runtime hook failed.
+    status = rehydrate_engine.status()
+    assert (status.state, status.ready, status.generation) == ("degraded", False, 1)
+    assert status.last_report.reason == "snapstart" and not status.last_report.ok
+    assert any("restore (reason snapstart, generation 1)" in r.getMessage()
+               and "degraded" in r.getMessage() for r in caplog.records)
+
+
+def test_failed_optional_restore_hook_keeps_the_environment(rehydrate_engine):
+    @rehydrate_engine.registry.after_restore(name="warm", required=False)
+    def warm() -> None:
+        raise OSError("cache cold")
+
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_after_restore()  # does not raise: the restore is good
+    assert rehydrate_engine.status().state == "ready"
+
+
+def test_failed_restore_run_by_another_detector_still_fails_the_runtime_hook(rehydrate_engine):
+    calls: list[str] = []
+
+    @rehydrate_engine.registry.after_restore(name="db")
+    def reconnect(ctx) -> None:
+        calls.append(ctx.reason)
+        raise ConnectionRefusedError("refused")
+
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_before_snapshot()
+    t_freeze = time.monotonic()
+    rehydrate_engine.restore_detected("identity", kind="restore", since=t_freeze)
+    with pytest.raises(SnapStartHookFailed, match=r"db failed \(ConnectionRefusedError"):
+        runtime.run_after_restore()  # the same restore: not run again, but it failed
+    assert calls == ["identity"]
+
+
+def test_multi_line_before_snapshot_error_is_one_line(rehydrate_engine):
+    @rehydrate_engine.registry.before_snapshot(name="flush")
+    def flush() -> None:
+        raise OSError("disk full\non /var/tmp")
+
+    rehydrate_engine.start(["snapstart"])
+    with pytest.raises(SnapStartHookFailed) as info:
+        runtime.run_before_snapshot()
+    assert _one_line(info.value) == ("rehydrate before-snapshot hooks failed: flush failed "
+                                     "(OSError: disk full on /var/tmp)")
+
+
+@pytest.fixture
+def release():  # type: ignore[no-untyped-def]
+    """An event that blocked hooks wait on; set at the end so their threads end."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def test_slow_restore_is_cut_at_the_snapstart_deadline(rehydrate_engine, monkeypatch, release):
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "1")
+    reached: list[str] = []
+
+    @rehydrate_engine.registry.after_restore(name="slow", timeout=30)
+    def slow() -> None:
+        release.wait()  # a peer that never answers
+
+    rehydrate_engine.registry.after_restore(lambda: reached.append("next"), name="next")
+    rehydrate_engine.start(["snapstart"])
+
+    t0 = time.monotonic()
+    with pytest.raises(SnapStartHookFailed) as info:
+        runtime.run_after_restore()
+    took = time.monotonic() - t0
+    # Without the deadline this waits for the hook's own 30 s timeout, and Lambda would
+    # have ended the restore at 10 s without any report.
+    assert took < 10, took
+
+    assert _one_line(info.value) == (
+        "rehydrate after-restore hooks failed: "
+        "slow timeout (HookTimeout: hook 'slow' ran past the run's 1s deadline); "
+        "next timeout (HookTimeout: hook 'next' not started: the run's 1s deadline had passed)")
+    report = rehydrate_engine.status().last_report
+    by_name = {h.name: h for h in report.hooks}
+    assert (by_name["slow"].outcome, by_name["slow"].error.run_deadline,
+            by_name["slow"].error.started) == ("timeout", 1.0, True)
+    assert (by_name["next"].outcome, by_name["next"].attempts,
+            by_name["next"].error.started) == ("timeout", 0, False)
+    assert reached == []
+    assert isinstance(by_name["next"].error, rehydrate.HookTimeout)
+
+
+def test_slow_async_restore_hook_is_cancelled_at_the_deadline(rehydrate_engine, monkeypatch):
+    import asyncio
+
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "1")
+    cancelled: list[bool] = []
+
+    @rehydrate_engine.registry.after_restore(name="stream", timeout=30)
+    async def stream() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    rehydrate_engine.start(["snapstart"])
+    t0 = time.monotonic()
+    with pytest.raises(SnapStartHookFailed, match=r"stream timeout .*1s deadline"):
+        runtime.run_after_restore()
+    assert time.monotonic() - t0 < 10
+    [hook] = [h for h in rehydrate_engine.status().last_report.hooks if h.name == "stream"]
+    assert hook.outcome == "timeout" and hook.error.run_deadline == 1.0
+
+
+def test_deadline_defaults_under_lambdas_limit_and_is_configurable(rehydrate_engine,
+                                                                   monkeypatch, caplog):
+    budgets: list[float] = []
+    rehydrate_engine.registry.after_restore(
+        lambda ctx: budgets.append(ctx.deadline - ctx.detected_at), name="budget")
+
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_after_restore()
+    assert budgets == [8.0]  # the default: under Lambda's 10 s, with room to report
+
+    rehydrate_engine.stop()
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "5.5")
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_after_restore()
+    assert budgets[-1] == 5.5
+
+    rehydrate_engine.stop()  # a bad value: one warning line, and the default
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "soon")
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_after_restore()
+    assert budgets[-1] == 8.0
+    assert any("REHYDRATE_SNAPSTART_DEADLINE='soon' is not" in r.getMessage()
+               for r in caplog.records)
+
+    rehydrate_engine.stop()  # in code, per detector
+    rehydrate_engine.start([SnapStartDetector(deadline=3)])
+    runtime.run_after_restore()
+    assert budgets[-1] == 3.0
+    assert rehydrate_engine.detector("snapstart").describe().endswith("restore deadline 3s")
+    assert rehydrate_engine.status().state == "ready"
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
+def test_bad_deadline_is_refused_in_one_line(bad):
+    with pytest.raises(ValueError, match=r"^SnapStartDetector deadline must be a number of "
+                       r"seconds > 0 and at most \d+ \(a year\), not "):
+        SnapStartDetector(deadline=bad)
+
+
+def test_deadline_past_lambdas_limit_is_warned_about(rehydrate_engine, caplog):
+    rehydrate_engine.start([SnapStartDetector(deadline=12)])
+    assert any("not under Lambda's 10s limit" in r.getMessage() for r in caplog.records)
+
+
+def test_several_engines_share_one_deadline(rehydrate_engine, monkeypatch, release):
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "1")
+    other = rehydrate.testing.isolated_engine()
+    try:
+        ends: list[float] = []
+        for engine in (rehydrate_engine, other):
+            engine.registry.after_restore(lambda ctx: ends.append(ctx.deadline), name="end")
+            engine.registry.after_restore(release.wait, name="slow", timeout=30)
+            engine.start(["snapstart"])
+        t0 = time.monotonic()
+        with pytest.raises(SnapStartHookFailed):
+            runtime.run_after_restore()
+        assert time.monotonic() - t0 < 10
+        assert len(ends) == 1  # the second engine's run began after the deadline ...
+        [end] = [h for h in other.status().last_report.hooks if h.name == "end"]
+        assert end.outcome == "timeout" and not end.error.started  # ... and says so
+    finally:
+        other.close()
+
+
+def test_connections_are_cut_to_the_deadline_and_named(rehydrate_engine, monkeypatch):
+    import socket
+
+    from rehydrate import connections
+
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "2")
+    with socket.socket() as s:  # a port nobody listens on: every connect is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    connections.register(
+        "db", lambda: socket.create_connection(("127.0.0.1", port), timeout=1),
+        lambda sock: sock.close(), engine=rehydrate_engine, peers=[("127.0.0.1", port)])
+    rehydrate_engine.start(["snapstart"])
+
+    t0 = time.monotonic()
+    with pytest.raises(SnapStartHookFailed) as info:
+        runtime.run_after_restore()
+    assert time.monotonic() - t0 < 10  # the connection's own deadline is 30 s
+    line = _one_line(info.value)
+    assert f"db (to 127.0.0.1:{port}) after 1.5s (cut to the restore run's deadline)" in line
+    assert "ConnectionRefusedError" in line
+    [hook] = [h for h in rehydrate_engine.status().last_report.hooks
+              if h.name == "rehydrate.connections"]
+    assert hook.outcome == "failed"  # reported by the manager, not stopped by the runner
+
+
+# -- what the Lambda runtime does with it ----------------------------------------------
+
+
+class _RuntimeClient:
+    """Records what awslambdaric's bootstrap tells the Lambda Runtime API."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def restore_next(self) -> None:
+        self.calls.append(("restore_next", None))
+
+    def post_init_error(self, error: dict[str, Any], error_type: str | None = None) -> None:
+        self.calls.append(("post_init_error", (error, error_type)))
+
+    def report_restore_error(self, error: dict[str, Any]) -> None:
+        self.calls.append(("report_restore_error", error))
+
+
+def test_lambda_reports_a_failed_restore_and_discards_the_environment(rehydrate_engine,
+                                                                      capsys):
+    from awslambdaric import bootstrap
+
+    @rehydrate_engine.registry.after_restore(name="db")
+    def reconnect() -> None:
+        raise ConnectionRefusedError("refused")
+
+    rehydrate_engine.start(["snapstart"])
+    client = _RuntimeClient()
+    with pytest.raises(SystemExit) as exited:
+        bootstrap.on_init_complete(client, bootstrap.StandardLogSink())
+    assert exited.value.code == 65  # the runtime's "after-restore hook failed" exit
+    [(_, _), (what, error)] = client.calls
+    assert what == "report_restore_error"
+    assert error["errorType"] == "SnapStartHookFailed"
+    assert error["errorMessage"] == ("rehydrate after-restore hooks failed: db failed "
+                                     "(ConnectionRefusedError: refused)")
+    assert "SnapStartHookFailed: rehydrate after-restore hooks failed" in capsys.readouterr().out
+
+
+def test_lambda_aborts_the_snapshot_when_a_before_snapshot_hook_fails(rehydrate_engine,
+                                                                       capsys):
+    from awslambdaric import bootstrap
+    from awslambdaric.lambda_runtime_exception import FaultException
+
+    @rehydrate_engine.registry.before_snapshot(name="flush")
+    def flush() -> None:
+        raise OSError("disk full")
+
+    rehydrate_engine.start(["snapstart"])
+    client = _RuntimeClient()
+    with pytest.raises(SystemExit) as exited:
+        bootstrap.on_init_complete(client, bootstrap.StandardLogSink())
+    assert exited.value.code == 64  # no snapshot is taken of this process
+    [(what, (error, error_type))] = client.calls  # restore_next never came
+    assert (what, error_type) == ("post_init_error", FaultException.BEFORE_SNAPSHOT_ERROR)
+    assert error["errorMessage"] == ("rehydrate before-snapshot hooks failed: flush failed "
+                                     "(OSError: disk full)")
+
+
+def test_lambda_carries_on_after_a_good_restore(rehydrate_engine):
+    from awslambdaric import bootstrap
+
+    rehydrate_engine.start(["snapstart"])
+    client = _RuntimeClient()
+    bootstrap.on_init_complete(client, bootstrap.StandardLogSink())
+    assert [c[0] for c in client.calls] == ["restore_next"]
+    assert rehydrate_engine.status().state == "ready"
+
+
+def test_restore_run_by_another_detector_first_is_bounded_too(rehydrate_engine, monkeypatch,
+                                                              release):
+    """A clock jump seen as the VM resumes may start the restore run before the runtime
+    calls the bridge; the bridge's notice then waits for that run, so it must end in
+    time as well."""
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "1")
+    entered = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="slow", timeout=30)
+    def slow() -> None:
+        entered.set()
+        release.wait()
+
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_before_snapshot()
+    t_freeze = time.monotonic()
+    t0 = time.monotonic()
+    first = threading.Thread(target=rehydrate_engine.restore_detected, args=("clock-jump",),
+                             kwargs={"since": t_freeze})
+    first.start()
+    try:
+        assert entered.wait(30)  # the clock-jump run is in its slow hook
+        with pytest.raises(SnapStartHookFailed, match=r"slow timeout .*1s deadline"):
+            runtime.run_after_restore()
+        assert time.monotonic() - t0 < 10
+    finally:
+        first.join(30)
+    report = rehydrate_engine.status().last_report
+    assert (report.reason, report.confirmed_by) == ("clock-jump", ("snapstart",))
+
+    rehydrate_engine.stop()  # the bound goes with the bridge
+    release.set()
+    budgets: list[float | None] = []
+    rehydrate_engine.registry.after_restore(lambda ctx: budgets.append(ctx.deadline),
+                                            name="budget")
+    rehydrate_engine.simulate_restore()
+    assert budgets == [None]
