@@ -1431,25 +1431,8 @@ def test_an_unavailable_password_secret_fails_the_restore_in_one_line(rehydrate_
     assert "\n" not in errors["rehydrate.tls:enc"] and cert.key_dropped
 
 
-def test_a_plain_key_password_is_wiped_when_the_first_load_fails(rehydrate_engine,
-                                                                   tmp_path):
-    """An unreadable certificate file fails before the key is read: the certificate is
-    not created, so the plain password's copy is wiped (no handle is left to close)."""
-    from rehydrate.secrets import SecretSource
-
-    _, k1, _ = _encrypted_leaf(CA(), b"pw")
-    (tmp_path / "k.pem").write_bytes(k1)
-    source = SecretSource(bytearray(b"pw"))
-    with pytest.raises(CertificateError, match="cannot read certificate file"):
-        tls.from_files("enc", cert=tmp_path / "missing.pem", key=tmp_path / "k.pem",
-                       password=source, watch=False, engine=rehydrate_engine)
-    assert source.spent and source._plain is None
-
-
-def test_a_plain_key_password_given_for_a_name_that_exists_is_wiped(rehydrate_engine,
-                                                                    tmp_path, monkeypatch):
-    """``from_files`` with a name already managed returns the existing handle: the new
-    call's plain password has no handle to be closed with, so its copy is wiped at once."""
+def _record_wipes(monkeypatch) -> list[str]:
+    """The kind of every SecretSource wiped from now on."""
     from rehydrate.secrets import SecretSource
 
     wiped: list[str] = []
@@ -1460,6 +1443,27 @@ def test_a_plain_key_password_given_for_a_name_that_exists_is_wiped(rehydrate_en
         real_wipe(self)
 
     monkeypatch.setattr(SecretSource, "wipe", spy)
+    return wiped
+
+
+def test_a_plain_key_password_is_wiped_when_the_first_load_fails(rehydrate_engine,
+                                                                   tmp_path, monkeypatch):
+    """An unreadable certificate file fails before the key is read: the certificate is
+    not created, so the plain password's copy is wiped (no handle is left to close)."""
+    wiped = _record_wipes(monkeypatch)
+    _, k1, _ = _encrypted_leaf(CA(), b"pw")
+    (tmp_path / "k.pem").write_bytes(k1)
+    with pytest.raises(CertificateError, match="cannot read certificate file"):
+        tls.from_files("enc", cert=tmp_path / "missing.pem", key=tmp_path / "k.pem",
+                       password=bytearray(b"pw"), watch=False, engine=rehydrate_engine)
+    assert wiped == ["plain"]
+
+
+def test_a_plain_key_password_given_for_a_name_that_exists_is_wiped(rehydrate_engine,
+                                                                    tmp_path, monkeypatch):
+    """``from_files`` with a name already managed returns the existing handle: the new
+    call's plain password has no handle to be closed with, so its copy is wiped at once."""
+    wiped = _record_wipes(monkeypatch)
     ca = CA()
     c1, k1, _ = _encrypted_leaf(ca, b"pw")
     _write_pair(tmp_path, c1, k1)
