@@ -75,6 +75,8 @@ _PENDING = ("a snapshot is pending (loaded now, the value would be in the image)
             "on restore/resume")
 _RESTORED = ("a restore happened while this load ran: its value is the snapshot's, "
              "discarded (the restore loads the clone's own)")
+_WIPED = "wiped before a snapshot; reloaded after restore/resume"
+_CLOSED = "closed (Secret.close() was called: it is never loaded again)"
 
 
 class SecretError(RuntimeError):
@@ -140,6 +142,7 @@ class Secret:
         self._readers = 0
         self._local = threading.local()
         self._reason = "not loaded yet"
+        self._closed = False  # by _cond: once True, nothing loads and every read fails
         self.loads = 0
         """How many times the value was loaded."""
         self.last_error = ""
@@ -210,6 +213,11 @@ class Secret:
         return buf
 
     def _load(self, *, keep_previous: bool, raise_errors: bool) -> bool:
+        if self._closed:  # its hooks are gone: a value loaded now would never be wiped
+            self.last_error = _CLOSED
+            if raise_errors:
+                raise SecretUnavailable(f"secret {self.name!r} is {_CLOSED}")
+            return False
         reason: str | None = None
         engine = self._manager.engine
         generation = engine.generation  # before fetching: a source may take long
@@ -226,7 +234,7 @@ class Secret:
             if not keep_previous and self._buf is not None:
                 self.wipe()  # a restored clone must not go on serving the snapshot's value
             with self._cond:
-                if not (keep_previous and self._buf is not None):
+                if not (keep_previous and self._buf is not None) and not self._closed:
                     self._reason = reason
                 self._cond.notify_all()  # blocked readers now fail with the reason
             if raise_errors:
@@ -237,7 +245,8 @@ class Secret:
             # would write it into the image. A restore since it began: the value is the
             # image's (every clone's), and the restore's own load has the clone's.
             restored = engine.generation != generation
-            pending = engine.snapshot_pending or restored
+            closed = self._closed  # close() came while the source was read
+            pending = engine.snapshot_pending or restored or closed
             if not pending:
                 old = self._buf
                 self._buf = fresh  # a new buffer: views of the old one may still be open
@@ -246,7 +255,7 @@ class Secret:
                 self._cond.notify_all()
         if pending:
             _zero(fresh)
-            why = _RESTORED if restored else _PENDING
+            why = _CLOSED if closed else _RESTORED if restored else _PENDING
             self.last_error = why
             if raise_errors:
                 raise SecretError(f"secret {self.name!r}: {why}")
@@ -283,7 +292,8 @@ class Secret:
                 log.warning("secret %s: %d reader(s) still hold a view; wiping under them",
                             self.name, self._readers)
             buf, self._buf = self._buf, None
-            self._reason = "wiped before a snapshot; reloaded after restore/resume"
+            self._reason = _CLOSED if self._closed else _WIPED
+            self._cond.notify_all()  # after close(), blocked readers fail now, not at timeout
         if buf is not None:
             _zero(buf)
 
@@ -296,6 +306,7 @@ class Secret:
     def _wait(self) -> bytearray:
         """Called with the lock held: the buffer, waiting or raising per ``on_wiped``."""
         if self._buf is None:
+            # "wiped…": a reload is coming (never for a closed secret: its reason says so)
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
                 deadline = time.monotonic() + self.timeout
                 while self._buf is None and self._reason.startswith("wiped"):
@@ -352,7 +363,11 @@ class Secret:
         raise TypeError("Secret objects cannot be pickled")
 
     def close(self) -> None:
-        """Wipe the value and stop managing this secret."""
+        """Wipe the value and stop managing this secret (idempotent). Reading it afterwards
+        raises :class:`SecretUnavailable` saying it is closed, at once (also for
+        ``on_wiped="block"``: no reload is coming), and nothing loads it again."""
+        with self._cond:
+            self._closed = True
         self.wipe()
         self._manager.remove(self)
 

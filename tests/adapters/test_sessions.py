@@ -244,3 +244,18 @@ def test_numpy_integers_are_whole_numbers_of_bytes(rehydrate_engine):
     assert s.verify("p1", s.token("p1"))
     with pytest.raises(ValueError, match="nbytes"):
         MatchSessions("m7", nbytes=True, engine=rehydrate_engine)
+
+
+def test_closed_sessions_say_so(rehydrate_engine):
+    """After close() the calls raised "wiped before a snapshot; reloaded after
+    restore/resume": no reload ever comes for closed sessions."""
+    s = MatchSessions("m-closed", engine=rehydrate_engine)
+    tok = s.token("alice")
+    s.close()
+    with pytest.raises(SecretUnavailable, match=r"sessions:m-closed' is unavailable: closed"):
+        s.token("alice")
+    with pytest.raises(SecretUnavailable, match="closed"):
+        s.derive("chat")
+    assert not s.verify("alice", tok)
+    assert rehydrate_engine.simulate_restore().ok  # its hooks are gone: nothing reloads it
+    assert not s.available

@@ -493,3 +493,75 @@ def test_a_secret_source_lends_the_secret_buffer_itself(rehydrate_engine, secret
     s.on_wiped = "raise"
     with pytest.raises(SecretUnavailable), source.lend():
         pass
+
+
+def test_a_closed_secret_says_it_is_closed_at_once(rehydrate_engine):
+    """After close() a read said "wiped before a snapshot; reloaded after restore/resume",
+    and a blocking read waited its whole timeout for a reload that never comes."""
+    s = Secret.from_callable(lambda: b"v", name="closing", timeout=600.0,
+                             engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok  # wiped: a blocking read now waits
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            s.get()
+        except SecretUnavailable as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()  # blocked on the wiped value, or about to be: either way it must fail
+    s.close()
+    reader.join(30.0)  # far below its 600 s timeout: close() woke it
+    assert not reader.is_alive(), "a read of a closed secret waited for a reload"
+    assert len(errors) == 1 and "closed" in str(errors[0]) and "wiped" not in str(errors[0])
+    with pytest.raises(SecretUnavailable, match=r"secret 'closing' is unavailable: closed"):
+        s.get()
+    with pytest.raises(SecretUnavailable, match="closed"), s.view():
+        pass
+    s.close()  # idempotent
+
+
+def test_a_closed_secret_is_never_loaded_again(rehydrate_engine):
+    """reload() after close() filled a buffer no hook would ever wipe (its hooks are
+    gone): the value went into every later snapshot image."""
+    calls = []
+
+    def source() -> bytes:
+        calls.append(1)
+        return b"value"
+
+    s = Secret.from_callable(source, name="gone", engine=rehydrate_engine)
+    s.close()
+    assert s.reload() is False
+    assert not s.available and s.loads == 1 and len(calls) == 1
+    assert "closed" in s.last_error
+    with pytest.raises(SecretUnavailable, match="closed"):
+        s.get()
+
+
+def test_a_load_that_was_running_when_the_secret_closed_is_discarded(rehydrate_engine):
+    release = threading.Event()
+    entered = threading.Event()
+    first = [True]
+
+    def source() -> bytearray:
+        if first[0]:
+            first[0] = False
+            return bytearray(b"first")
+        entered.set()
+        release.wait(30.0)
+        return bytearray(b"second")
+
+    s = Secret.from_callable(source, name="racing", engine=rehydrate_engine)
+    results: list[bool] = []
+    t = threading.Thread(target=lambda: results.append(s.reload()))
+    t.start()
+    assert entered.wait(30.0)
+    s.close()
+    release.set()
+    t.join(30.0)
+    assert results == [False]
+    assert not s.available and s.loads == 1
+    with pytest.raises(SecretUnavailable, match="closed"):
+        s.get()
