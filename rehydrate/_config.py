@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     ``list``: comma-separated, blanks dropped."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "optional_number", "seconds", "signal_from_text", "signal_name", "text"]
+           "optional_number", "seconds", "shown", "signal_from_text", "signal_name", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
@@ -54,8 +54,26 @@ def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{rule}, not {type(value).__name__}")
     if not ((value >= 0 if zero_ok else value > 0) and value <= MAX_SECONDS):
-        raise ValueError(f"{rule}, not {value!r}")
+        raise ValueError(f"{rule}, not {shown(value)}")
     return float(value)
+
+
+def shown(value: object) -> str:
+    """``value`` for a one-line error message: its ``repr``, but an integer too long to
+    read as ``1e+400`` (its repr would be hundreds of digits, and from 4300 digits Python
+    refuses to make one: the error became "Exceeds the limit … for integer string
+    conversion", naming neither the argument nor the rule), and any other repr cut to
+    60 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**16:
+        import math
+
+        exponent = int(math.log10(abs(value)))  # exact enough: ints convert to log10 fine
+        mantissa = value / 10**exponent  # true division of ints: a float, no overflow
+        if abs(mantissa) >= 10:  # log10 rounded up across a power of ten
+            exponent, mantissa = exponent + 1, mantissa / 10
+        return f"{mantissa:.3g}e+{exponent}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Variable:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -277,3 +278,29 @@ def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
     assert ran == [1, 1, 1, 1]
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize(("value", "shown"), [(10**400, "1e+400"), (-(10**400), "-1e+400"),
+                                              (10**5000, "1e+5000"), (2**64, "1.84e+19")],
+                         ids=["1e400", "-1e400", "1e5000", "2**64"])
+def test_a_huge_timeout_is_shown_shortened(value: int, shown: str) -> None:
+    """``timeout=10**400`` was echoed as a 401-digit number; from 4300 digits Python
+    refused to print it at all and the error named neither the timeout nor the rule."""
+    from rehydrate._notify import timeout_value
+    from rehydrate._trigger import trigger_snapshot
+
+    for refuse in (timeout_value, lambda v: trigger_snapshot(timeout=v)):
+        with pytest.raises(ValueError) as info:
+            refuse(value)
+        message = str(info.value)
+        assert message.startswith("timeout must be a number of seconds > 0 and at most")
+        assert message.endswith(f", not {shown}") and len(message) < 120
+
+
+def test_ordinary_timeouts_are_still_shown_exactly() -> None:
+    from rehydrate._notify import timeout_value
+
+    for value, shown in ((0, "0"), (-5, "-5"), (31_536_001, "31536001"), (1e300, "1e+300"),
+                         (10**16 - 1, "9999999999999999")):
+        with pytest.raises(ValueError, match=rf", not {re.escape(shown)}$"):
+            timeout_value(value)

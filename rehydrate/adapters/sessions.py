@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives import constant_time, hashes, hmac
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from rehydrate._config import shown
 from rehydrate.keys import urandom_into
 from rehydrate.secrets import Secret, SecretUnavailable
 
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["MatchSessions"]
 
 _TOKEN_BYTES = 18  # 144 bits: unguessable, 24 base64url characters
+MAX_KEY_BYTES = 1024
+"""The largest key ``nbytes`` may ask for. HMAC-SHA256 hashes a key longer than 64 bytes
+down to 32 anyway; a size far beyond this is a mistake (``2**40`` ran out of memory inside
+the key's source, an error naming neither the argument nor the limit)."""
 
 
 def _utf8(text: str) -> bytes:
@@ -53,7 +58,7 @@ def _whole(value: object, low: int, high: int | None, rule: str) -> int:
     ``numbers.Integral``: a NumPy integer is a whole number too; a bool is not."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
             or int(value) < low or (high is not None and int(value) > high)):
-        raise ValueError(f"{rule}, not {value!r}")
+        raise ValueError(f"{rule}, not {shown(value)}")
     return int(value)
 
 
@@ -61,12 +66,14 @@ class MatchSessions:
     """Per-clone session tokens and match secrets (see the module docstring).
 
     ``name``: shown in hook names (``rehydrate.secret:sessions:<name>``) and status.
-    ``nbytes``: size of the kernel-drawn key. ``engine``: default, the process-wide one.
+    ``nbytes``: size of the kernel-drawn key, 16 to :data:`MAX_KEY_BYTES` (1024).
+    ``engine``: default, the process-wide one.
     """
 
     def __init__(self, name: str = "match", *, nbytes: int = 32,
                  engine: Engine | None = None) -> None:
-        nbytes = _whole(nbytes, 16, None, "nbytes must be an int >= 16")
+        nbytes = _whole(nbytes, 16, MAX_KEY_BYTES,
+                        f"nbytes must be a whole number of bytes from 16 to {MAX_KEY_BYTES}")
         self.name = name
         def draw() -> bytearray:
             # Straight from the kernel into a buffer the Secret wipes after copying it:

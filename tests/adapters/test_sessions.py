@@ -259,3 +259,17 @@ def test_closed_sessions_say_so(rehydrate_engine):
     assert not s.verify("alice", tok)
     assert rehydrate_engine.simulate_restore().ok  # its hooks are gone: nothing reloads it
     assert not s.available
+
+
+@pytest.mark.parametrize(("nbytes", "shown"), [(2**40, "1099511627776"), (1025, "1025"),
+                                               (10**400, "1e+400"), (10**5000, "1e+5000")],
+                         ids=["2**40", "1025", "1e400", "1e5000"])
+def test_an_absurd_key_size_is_refused_up_front(rehydrate_engine, nbytes, shown):
+    """``nbytes=2**40`` ran out of memory inside the key's source: one SecretError
+    wrapping a MemoryError, after trying to allocate a terabyte."""
+    with pytest.raises(ValueError) as info:
+        MatchSessions("huge", nbytes=nbytes, engine=rehydrate_engine)
+    assert str(info.value) == ("nbytes must be a whole number of bytes from 16 to 1024, "
+                               f"not {shown}")
+    s = MatchSessions("huge", nbytes=1024, engine=rehydrate_engine)  # the name stayed free
+    assert s.verify("p", s.token("p"))
