@@ -152,6 +152,9 @@ class DeferringDetector(Detector):
         with self._lock:
             if self._thread is not None and self._thread.alive:
                 return
+            # Started again after its thread died, without stop(): the old deferral's
+            # report listener is still attached (a leak, and one more per restart).
+            self._deferral.detach()
             self._engine = engine
             self._prepare()
             self._deferral = Deferral(self, self.grace)

@@ -230,6 +230,11 @@ class VmClockDetector(Detector):
                 raise
             self._engine = engine
             self.generation = clock.vm_generation_counter
+            # Started again after its thread died, without stop(): that thread's wake-up
+            # pipe is still open (two descriptors leaked per restart).
+            for old in (self._wake_r, self._wake_w):
+                if old is not None:
+                    os.close(old)
             self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             self.mode = "poll" if notify else "interval"
             self._thread = DetectorThread("rehydrate-vmclock",

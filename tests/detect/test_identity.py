@@ -83,3 +83,39 @@ def test_a_fifo_among_the_identity_sources_is_no_value_not_a_hang(tmp_path):
     (root / SOURCES["machine_id"]).parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(root / SOURCES["machine_id"])
     assert read_identity(root) == {"hostname": "h1", "boot_id": "b1", "machine_id": None}
+
+
+def test_started_again_after_its_thread_died_it_leaves_no_listener_behind(
+        rehydrate_engine, tmp_path, monkeypatch):
+    """start() after the thread died (without stop()) attached a new deferral and left
+    the old one's report listener on the engine: one more per restart, never removed."""
+    import rehydrate.detect.identity as identity
+    from rehydrate.detect._util import Deferral
+
+    def deferrals() -> int:
+        return sum(isinstance(getattr(fn, "__self__", None), Deferral)
+                   for fn in rehydrate_engine._listeners)
+
+    root = make_root(tmp_path, hostname="pod-a", boot_id="b1", machine_id="0" * 32)
+    det = IdentityDetector(interval=0.02, root=root)
+    rehydrate_engine.start([det])
+    assert deferrals() == 1
+
+    real = identity.read_identity
+
+    def broken(root: object = "/") -> dict[str, str | None]:
+        raise RuntimeError("unreadable")
+
+    monkeypatch.setattr(identity, "read_identity", broken)
+    wait_for(lambda: det.failure() is not None, what="the detector thread to die")
+    monkeypatch.setattr(identity, "read_identity", real)
+
+    for _ in range(3):
+        det.start(rehydrate_engine)
+        assert det.failure() is None
+        assert deferrals() == 1
+    rec = Recorder(rehydrate_engine)
+    (root / SOURCES["boot_id"]).write_text("b2\n")
+    assert [c["reason"] for c in rec.wait(1)] == ["identity"]
+    rehydrate_engine.stop()
+    assert deferrals() == 0

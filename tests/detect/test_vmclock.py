@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,35 @@ def test_a_counter_without_its_present_flag_is_no_restore(rehydrate_engine, tmp_
 
     fake.set_generation(8)
     assert [(c["reason"], c["generation"]) for c in rec.wait(1)] == [("vmclock", 1)]
+
+
+def test_started_again_after_its_thread_died_it_leaks_no_descriptor(rehydrate_engine,
+                                                                    tmp_path, monkeypatch):
+    """start() after the thread died (without stop()) opened a new wake-up pipe over the
+    old one: two descriptors leaked per restart."""
+    import rehydrate.detect.vmclock as vmclock
+
+    fake = FakeVmClock(tmp_path / "vmclock0")
+    det = VmClockDetector(str(fake.path), interval=0.01)
+    rehydrate_engine.start([det])
+    real = vmclock._read_fd
+    started = threading.Event()
+
+    def broken(fd: int) -> object:
+        if started.is_set():
+            raise RuntimeError("garbled")
+        return real(fd)
+
+    monkeypatch.setattr(vmclock, "_read_fd", broken)
+    fds = len(os.listdir("/proc/self/fd"))  # the thread's own device descriptor included
+    started.set()
+    wait_for(lambda: det.failure() is not None, what="the detector thread to die")
+    started.clear()
+    for _ in range(3):
+        det.start(rehydrate_engine)
+        wait_for(lambda: det.reads > 0 and det.failure() is None)
+        assert len(os.listdir("/proc/self/fd")) == fds
+        started.set()
+        wait_for(lambda: det.failure() is not None, what="the detector thread to die")
+        started.clear()
+    rehydrate_engine.stop()
