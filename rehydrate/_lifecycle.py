@@ -1009,13 +1009,28 @@ class Lifecycle:
         """Start ``d`` into :attr:`_detectors`; a failure is loud: a detector that was
         asked for and is missing (a squatted control socket) must show in logs and
         ``status()["detector_errors"]``, not fade away."""
+        if any(running is d for running in self._detectors):
+            return  # the same instance listed twice (start([d, d])): it runs once
         try:
-            d.start(self)
+            _claim(d, self)
+            try:
+                d.start(self)
+            except BaseException:
+                _release(d, self)
+                raise
         except Exception as exc:
             log.error("detector %s could not start: %s", d.key, exc)
             self._detector_errors[d.key] = str(exc) or type(exc).__name__
             return
         self._detectors.append(d)
+
+    def _stop_detector(self, d: Detector) -> None:
+        try:
+            d.stop()
+        except Exception:
+            log.exception("detector %s did not stop cleanly", d.key)
+        finally:
+            _release(d, self)
 
     def add_detector(self, detector: Detector) -> None:
         """Install ``detector`` (what :meth:`Detector.install
@@ -1032,10 +1047,7 @@ class Lifecycle:
                 self._detectors.remove(old)
             self._start_detector(detector)
         if old is not None:  # outside the lock: its thread may be waiting for it
-            try:
-                old.stop()
-            except Exception:
-                log.exception("detector %s did not stop cleanly", old.key)
+            self._stop_detector(old)
 
     def stop(self) -> None:
         """Stop the detectors (hooks stay registered). Idempotent. Refused from inside a
@@ -1049,10 +1061,7 @@ class Lifecycle:
             self._detector_errors = {}
             self._started = False
         for d in detectors:
-            try:
-                d.stop()
-            except Exception:
-                log.exception("detector %s did not stop cleanly", d.key)
+            self._stop_detector(d)
 
     def detector(self, key: str) -> Detector | None:
         """The running detector with this key, if any."""
@@ -1105,8 +1114,44 @@ CLOSE_WAIT = 10.0
 _ENGINES: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
 """Every engine of this process, reset in the child after ``fork()``."""
 
+_RUNNING_ON: dict[int, tuple[Detector, weakref.ref[Lifecycle]]] = {}
+"""``id(detector)`` -> the detector and the engine that started it, while it runs."""
+_RUNNING_ON_LOCK = threading.Lock()
+
+
+def _claim(d: Detector, engine: Lifecycle) -> None:
+    """Record that ``engine`` starts ``d``; ``RuntimeError`` when another engine runs it.
+
+    A detector instance reports to the one engine its ``start()`` got: started by a second
+    engine, it said "already running" (or nothing) and went on reporting to the first,
+    while the second listed it as watching. Refused here, for every detector — the
+    built-in ones and any written against the extension contract."""
+    with _RUNNING_ON_LOCK:
+        held = _RUNNING_ON.get(id(d))
+        owner = held[1]() if held is not None and held[0] is d else None
+        if owner is not None and owner is not engine:
+            raise RuntimeError(
+                f"this {type(d).__qualname__} instance already runs on another engine "
+                "(it reports there): a detector instance serves one engine at a time; "
+                "stop it there first, or give this engine its own instance")
+        _RUNNING_ON[id(d)] = (d, weakref.ref(engine))
+
+
+def _release(d: Detector, engine: Lifecycle) -> None:
+    with _RUNNING_ON_LOCK:
+        held = _RUNNING_ON.get(id(d))
+        if held is not None and held[0] is d:
+            owner = held[1]()
+            if owner is None or owner is engine:
+                del _RUNNING_ON[id(d)]
+
 
 def _reset_engines_in_child() -> None:
+    global _RUNNING_ON_LOCK
+    # Every engine forgets its detectors in the child (the threads stayed in the parent):
+    # so do the claims, and a lock a parent thread held would be held for ever here.
+    _RUNNING_ON_LOCK = threading.Lock()
+    _RUNNING_ON.clear()
     for engine in list(_ENGINES):
         engine._after_fork_in_child()
     if _ENGINES:

@@ -100,7 +100,9 @@ class Detector:
 
     def start(self, engine: Engine) -> None:
         """Begin watching; report events with ``engine.restore_detected()`` /
-        ``engine.snapshot_requested()``. Called by the engine; raise when it cannot start."""
+        ``engine.snapshot_requested()``. Called by the engine; raise when it cannot start.
+        An instance serves one engine at a time: the engines refuse to start one that
+        another engine runs (so a detector need not check that itself)."""
         raise NotImplementedError
 
     def stop(self) -> None:

@@ -205,3 +205,68 @@ def test_the_former_detector_interface_still_works_with_warnings() -> None:
     assert catalogue["clock-jump"] == "rehydrate.detect.clock_jump:ClockJumpDetector"
     with pytest.raises(TypeError):  # read-only: adding a detector there would do nothing
         catalogue["mine"] = "pkg.mine:MineDetector"  # type: ignore[index]
+
+
+class Reporting(Recording):
+    """Recording, and which engine each start() got (where its reports would go)."""
+
+    key = "reporting"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engines: list[Any] = []
+
+    def start(self, engine: Any) -> None:
+        super().start(engine)
+        self.engines.append(engine)
+
+
+def test_one_detector_instance_is_refused_by_a_second_engine(bare_engine: Any,
+                                                            caplog: Any) -> None:
+    """A detector started by a second engine while the first ran it: the second listed it
+    as running, but it went on reporting to the first (the built-in ones said "already
+    running", or nothing at all). One instance serves one engine at a time."""
+    det = Reporting()
+    first, second = bare_engine([]), bare_engine([])
+    assert first.start([det]) == ["reporting"]
+    with caplog.at_level(logging.ERROR, logger="rehydrate"):
+        assert second.start([det]) == []
+    assert second.status().detectors == ()
+    error = second.status().extra["detector_errors"]["reporting"]
+    assert "already runs on another engine" in error and "\n" not in error
+    assert "already runs on another engine" in caplog.text
+    second.add_detector(det)  # installing it there is refused the same way
+    assert second.detector("reporting") is None and det.engines == [first]
+    assert first.status().detectors == ("reporting",)
+
+    first.stop()  # released: now the second engine may have it
+    second.stop()
+    assert second.start([det]) == ["reporting"] and det.engines == [first, second]
+    assert first.start([det]) == []
+
+
+def test_a_built_in_detector_is_refused_by_a_second_engine(bare_engine: Any,
+                                                          tmp_path: Path) -> None:
+    from rehydrate.detect.identity import SOURCES, IdentityDetector
+
+    for field, rel in SOURCES.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"{field}-1\n")
+    det = IdentityDetector(interval=60.0, root=tmp_path)
+    first, second = bare_engine([]), bare_engine([])
+    try:
+        assert first.start([det]) == ["identity"]
+        assert second.start([det]) == []
+        assert "another engine" in second.status().extra["detector_errors"]["identity"]
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_the_same_instance_listed_twice_runs_once(bare_engine: Any) -> None:
+    det = Reporting()
+    engine = bare_engine([])
+    assert engine.start([det, det]) == ["reporting"]
+    assert det.events == ["start"] and "detector_errors" not in engine.status().extra
+    engine.stop()
+    assert det.events == ["start", "stop"]
