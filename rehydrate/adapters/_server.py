@@ -20,6 +20,7 @@ import httpx
 
 from .. import Phase
 from ..extensions import Probe, resolve_engine
+from . import _bodies
 
 if TYPE_CHECKING:
     import ssl
@@ -165,8 +166,8 @@ def server_reason(response: httpx.Response) -> str:
     """The server's explanation from an error response, on one line."""
     text = ""
     try:
-        body = response.json()
-    except (ValueError, RecursionError):  # not JSON, or nested deeper than json can parse
+        body = _bodies.loads(response.content)
+    except ValueError:  # not JSON, or nested deeper than json can parse
         body = None
     if isinstance(body, Mapping):
         for key in ("message", "detail", "error", "reason"):
@@ -270,8 +271,11 @@ class ServerAdapter:
         # A proxy from HTTP_PROXY cannot reach this host's loopback (its own is another):
         # a server on 127.0.0.1 / localhost is called directly, as Go's ProxyFromEnvironment
         # does — a Pod with an egress proxy configured otherwise "does not answer".
-        return httpx.AsyncClient(base_url=self.url, headers=self._headers, verify=self._ssl,
-                                 trust_env=not _is_loopback(self.url))
+        # No compression: the answers are small, and a compressed one could inflate far
+        # beyond the bytes read before the cut (_bodies.request).
+        return httpx.AsyncClient(base_url=self.url,
+                                 headers={**self._headers, "accept-encoding": "identity"},
+                                 verify=self._ssl, trust_env=not _is_loopback(self.url))
 
     def hint(self, path: str, response: httpx.Response, reason: str) -> str | None:
         """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
@@ -307,9 +311,11 @@ class ServerAdapter:
             read = per_try if safe else budget
             try:
                 # httpx's timeout bounds each read: an answer trickling in would hold the try
+                # At most MAX_BODY bytes of the answer: a proxy streaming for ever (cut
+                # at the deadline) or a huge error page must not fill memory.
                 response = await within(
-                    client.request(method, path, params=params, json=json,
-                                   timeout=httpx.Timeout(per_try, read=read)),
+                    _bodies.request(client, method, path, params=params, json=json,
+                                    timeout=httpx.Timeout(per_try, read=read)),
                     read, f"no answer within {read:.3g}s")
             except ServerError as exc:  # within()'s: the request was sent
                 last = str(exc)
@@ -364,7 +370,8 @@ class ServerAdapter:
         assert self.url is not None
         try:
             async with self.client() as c:
-                r = await c.get(self.health_path, timeout=min(self.request_timeout, 5.0))
+                r = await _bodies.request(c, "GET", self.health_path,
+                                          timeout=min(self.request_timeout, 5.0))
         except httpx.HTTPError as exc:
             return Probe(False, f"{self.url} does not answer ({type(exc).__name__})")
         if r.is_success:
@@ -454,8 +461,8 @@ def json_or_empty(response: httpx.Response) -> Mapping[str, Any]:
     if not response.content.strip():
         return {}
     try:
-        body = response.json()
-    except (ValueError, RecursionError):  # RecursionError: "[[[[..." deeper than json parses
+        body = _bodies.loads(response.content)
+    except ValueError:  # also "[[[[..." deeper than json parses, and a body cut short
         return {}
     return body if isinstance(body, Mapping) else {}
 

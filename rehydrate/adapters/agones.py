@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import random
@@ -43,6 +42,7 @@ import httpx
 from rehydrate import Phase
 from rehydrate.extensions import Engine, Probe, resolve_engine
 
+from . import _bodies
 from ._readiness import reason_of
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ class AgonesAdapter:
                 base_url=self.base_url, timeout=self.request_timeout,
                 verify=False,  # noqa: S501 - http://localhost only: there is no TLS
                 trust_env=False, transport=self._transport,
-                headers={"content-type": "application/json"})
+                headers={"content-type": "application/json", "accept-encoding": "identity"})
         return self._client
 
     async def _drop_client(self) -> None:
@@ -288,8 +288,8 @@ class AgonesAdapter:
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                        timeout: float | None = None) -> dict[str, Any]:
         try:
-            resp = await self._http().request(
-                method, path, json=body,
+            resp = await _bodies.request(  # at most MAX_BODY bytes of the answer
+                self._http(), method, path, json=body,
                 timeout=self.request_timeout if timeout is None else timeout)
             resp.raise_for_status()
         except httpx.HTTPError as exc:
@@ -297,8 +297,8 @@ class AgonesAdapter:
                               f"failed: {_describe(exc)}") from exc
         if not resp.content:
             return {}
-        try:
-            data = resp.json()
+        try:  # also "[[[[…" nested deeper than json parses: RecursionError escaped the hook
+            data = _bodies.loads(resp.content)
         except ValueError:
             raise AgonesError(f"{method} {path}: the Agones sidecar answered "
                               "something that is not JSON") from None
@@ -468,8 +468,8 @@ class AgonesAdapter:
     def _watched(self, line: str) -> None:
         if not line.strip():
             return
-        try:
-            result = json.loads(line)["result"]
+        try:  # _bodies.loads: a line nested too deep for json ended the watch loop
+            result = _bodies.loads(line)["result"]
             if not _gameserver_shaped(result):
                 raise TypeError
         except (ValueError, KeyError, TypeError):

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..extensions import Probe
+from . import _bodies
 from ._readiness import probe_import
 from ._server import ServerAdapter, ServerError, Unconfirmed, json_or_empty, sync_variant
 
@@ -157,7 +158,8 @@ class SGLangAdapter(ServerAdapter):
 
     async def _warn_without_memory_saver(self, client: httpx.AsyncClient) -> None:
         try:
-            r = await client.get("/server_info", timeout=min(self.request_timeout, 5.0))
+            r = await _bodies.request(client, "GET", "/server_info",
+                                      timeout=min(self.request_timeout, 5.0))
         except httpx.HTTPError as exc:
             log.debug("SGLang /server_info: %s", type(exc).__name__)
             return

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..extensions import Probe
+from . import _bodies
 from ._readiness import probe_import
 from ._server import (
     MIN_TRY,
@@ -188,7 +189,8 @@ class VLLMAdapter(ServerAdapter):
             return found
         try:
             async with self.client() as c:
-                r = await c.get("/is_sleeping", timeout=min(self.request_timeout, 5.0))
+                r = await _bodies.request(c, "GET", "/is_sleeping",
+                                          timeout=min(self.request_timeout, 5.0))
         except httpx.HTTPError as exc:
             return Probe(False, f"{self.url}/is_sleeping: {type(exc).__name__}")
         if r.status_code == 404:

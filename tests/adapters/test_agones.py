@@ -568,3 +568,38 @@ def test_a_sidecar_asking_to_retry_later_is_retried(sidecar, rehydrate_engine, s
         assert len(sidecar.wait_for("GET", "/gameserver", count=2, status=status)) == 2
     finally:
         a.close()
+
+
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # valid JSON that json.loads cannot nest into
+
+
+def test_json_nested_too_deep_for_the_parser_is_not_json(rehydrate_engine):
+    """resp.json() caught only ValueError: an answer nested deeper than json parses raised
+    RecursionError out of the resync hook, and a watch line like it ended the watch loop
+    for good (its errors are to be logged and retried)."""
+    import httpx
+
+    watches = []
+
+    def sidecar(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/watch/gameserver":
+            watches.append(1)
+            return httpx.Response(200, content=b'{"result": ' + DEEP_JSON + b"}\n")
+        if request.url.path == "/gameserver":
+            return httpx.Response(200, content=DEEP_JSON)
+        return httpx.Response(200, json={})
+
+    a = AgonesAdapter(9358, INTERVAL, engine=rehydrate_engine, deadline=0.5,
+                      request_timeout=1.0, transport=httpx.MockTransport(sidecar))
+    a.install()
+    try:
+        wait_for(lambda: len(watches) >= 3, timeout=30.0,
+                 what="the watch loop to go on after a line nested too deep")
+        with pytest.raises(AgonesError, match="answered something that is not JSON"):
+            a.gameserver()
+        report = rehydrate_engine.simulate_restore()
+        [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
+        assert resync.outcome == "failed"
+        assert "not JSON" in str(resync.error) and "Recursion" not in str(resync.error)
+    finally:
+        a.close()

@@ -686,3 +686,39 @@ def test_a_loopback_server_is_called_directly_despite_an_egress_proxy(
     for local in ("http://localhost:8000", "http://[::1]:8000", "http://127.8.9.10",
                   "http://api.localhost:1"):
         assert not vllm.VLLMAdapter(local).client().trust_env, local
+
+
+def stalling_app(status: int, size: int) -> Any:
+    """Answers ``size`` bytes of body and then never ends the answer (a broken proxy
+    streaming for ever, stalled here so that an uncapped client waits instead of filling
+    this test's memory); it returns when the client goes away."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain")]})
+        chunk = b"x" * 65536
+        for _ in range(size // len(chunk)):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    return app
+
+
+@pytest.mark.parametrize("status", [200, 400])
+def test_an_answer_is_read_up_to_a_cap_not_to_its_end(url: str, server: Any,
+                                                      status: int) -> None:
+    """Bodies were read whole, with no size cap: a proxy streaming without end (or a huge
+    error page) filled memory during a restore, and one that stalled mid-body held the
+    call until its timeout. The adapters read at most MAX_BODY bytes (1 MiB) of an
+    answer: here more than that arrives and the body never ends, yet the call fails at
+    once on what it read."""
+    from rehydrate.adapters._bodies import MAX_BODY
+
+    server[1].app = stalling_app(status, MAX_BODY + 512 * 1024)
+    adapter = vllm.VLLMAdapter(url, deadline=30, request_timeout=30, canary=False)
+    with pytest.raises(vllm.ServerError) as exc:
+        adapter.wake()  # GET /is_sleeping: no true/false in 1 MiB of "x" (or an HTTP 400)
+    message = str(exc.value)
+    assert "no answer within" not in message and "\n" not in message, message
+    expected = ("vllm GET /is_sleeping: no true/false is_sleeping" if status == 200
+                else "vllm GET /is_sleeping: HTTP 400: xxxx")
+    assert message.startswith(expected) and len(message) < 600
