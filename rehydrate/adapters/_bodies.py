@@ -10,11 +10,12 @@ instead of ``ValueError`` — out of a hook or a background loop.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-__all__ = ["MAX_BODY", "TRUNCATED", "loads", "request"]
+__all__ = ["MAX_BODY", "TRUNCATED", "lines", "loads", "request"]
 
 MAX_BODY = 1 << 20
 """Bytes of an answer read at most (1 MiB). What the adapters use of an answer — a state,
@@ -65,3 +66,24 @@ async def request(client: httpx.AsyncClient, method: str, url: str, *,
     return httpx.Response(response.status_code, headers=headers, content=bytes(body),
                           request=sent, extensions={**response.extensions, TRUNCATED: cut},
                           default_encoding=response.default_encoding)
+
+
+async def lines(response: httpx.Response, limit: int = MAX_BODY) -> AsyncIterator[str]:
+    """The lines of a streamed ``response`` (``aiter_lines()``, ``\n``-separated, a
+    trailing ``\r`` dropped), ``ValueError`` for one longer than ``limit`` characters: a
+    stream that never sends a newline grew one line in memory for ever."""
+    pending: list[str] = []
+    size = 0
+    async for text in response.aiter_text():
+        *ends, rest = text.split("\n")
+        for part in ends:
+            pending.append(part)
+            line = "".join(pending)
+            pending, size = [], 0
+            yield line.removesuffix("\r")
+        pending.append(rest)
+        size += len(rest)
+        if size > limit:
+            raise ValueError(f"a line longer than {limit} characters (no newline)")
+    if size:
+        yield "".join(pending).removesuffix("\r")

@@ -439,12 +439,14 @@ class AgonesAdapter:
                 try:
                     resp.raise_for_status()
                     streak.ok()
-                    async for line in resp.aiter_lines():
+                    # bounded: a stream that never sends a newline must not grow a line
+                    # in memory for ever (a ValueError, retried like any stream error)
+                    async for line in _bodies.lines(resp):
                         self._watched(line)
                 finally:
                     await resp.aclose()
                 raise AgonesError("the watch stream ended")
-            except (httpx.HTTPError, AgonesError) as exc:
+            except (httpx.HTTPError, AgonesError, ValueError) as exc:
                 streak.failed(exc)
             await asyncio.sleep(_backoff(max(streak.failures, 1), 5.0))
 

@@ -603,3 +603,34 @@ def test_json_nested_too_deep_for_the_parser_is_not_json(rehydrate_engine):
         assert "not JSON" in str(resync.error) and "Recursion" not in str(resync.error)
     finally:
         a.close()
+
+
+def test_a_watch_line_without_end_is_refused_and_the_watch_retried(rehydrate_engine):
+    """The watch stream was read with aiter_lines(): a stream that never sends a newline
+    grew one line in memory for ever. A line longer than 1 MiB is now a stream error,
+    retried like any other."""
+    import asyncio
+
+    import httpx
+
+    watches = []
+
+    async def no_newline():
+        for _ in range(64):  # 4 MiB, then stalled: what an uncapped reader would wait on
+            yield b"x" * 65536
+        await asyncio.Event().wait()
+
+    def sidecar(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/watch/gameserver":
+            watches.append(1)
+            return httpx.Response(200, content=no_newline())
+        return httpx.Response(200, json={})
+
+    a = AgonesAdapter(9358, INTERVAL, engine=rehydrate_engine, deadline=0.5,
+                      request_timeout=1.0, transport=httpx.MockTransport(sidecar))
+    a.install()
+    try:
+        wait_for(lambda: len(watches) >= 2, timeout=30.0,
+                 what="the watch loop to give up the endless line and watch again")
+    finally:
+        a.close()
