@@ -1185,9 +1185,9 @@ def _check_simulated(env: object, reason: object, kind: object, frozen_for: obje
 
 
 def _positive_or_none(value: float, what: str) -> float:
-    if not value > 0 or value == float("inf"):  # also rejects NaN
-        raise ValueError(f"{what} must be a positive finite number of seconds, not {value!r}")
-    return value
+    # At most a year, as the variable: 10**400 (or 1e300) was accepted, and the deadline
+    # watch's thread then died of an OverflowError — no resume ever ran.
+    return _config.seconds(value, what)
 
 
 DEFAULT_SNAPSHOT_DEADLINE: float = _config.default("REHYDRATE_SNAPSHOT_DEADLINE")

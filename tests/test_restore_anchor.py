@@ -543,3 +543,14 @@ def test_a_bad_abort_value_is_refused_before_anything_runs(
     with pytest.raises(ValueError, match="abort must be None, 'announced' or 'answered'"):
         rehydrate_engine.restore_detected("gvisor", kind="resume", abort="maybe")  # type: ignore[arg-type]
     assert runs == [] and rehydrate_engine.status().last_report is None
+
+
+@pytest.mark.parametrize("deadline", [10**400, 1e300, 31_536_001],
+                         ids=["1e400", "1e300", "a-year-and-a-second"])
+def test_a_snapshot_deadline_beyond_a_year_is_refused(deadline: float) -> None:
+    """``snapshot_deadline=10**400`` (or ``1e300``) was accepted; after a before-snapshot
+    pass the deadline watch's thread died of an OverflowError, so its last-resort resume
+    never ran. ``REHYDRATE_SNAPSHOT_DEADLINE`` has always been at most a year."""
+    with pytest.raises(ValueError, match=r"^snapshot_deadline must be a number of seconds > 0 "
+                                         r"and at most 31536000 \(a year\), not \S+$"):
+        _engine(snapshot_deadline=deadline)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import httpx
 
-from .. import Phase
+from .. import Phase, _config
 from ..extensions import Probe, resolve_engine
 from . import _bodies
 
@@ -205,12 +205,10 @@ class ServerAdapter:
 
     def __init__(self, url: str | None, *, api_key: str | None, deadline: float,
                  request_timeout: float) -> None:
-        for what, value in (("deadline", deadline), ("request_timeout", request_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{what} must be a number of seconds, not {value!r}")
-            if not value > 0 or value == float("inf"):  # also refuses NaN
-                raise ValueError(f"{what} must be a positive finite number of seconds, "
-                                 f"not {value!r}")
+        # At most a year: deadline=10**400 was accepted and every hook then failed with
+        # an OverflowError ("int too large to convert to float") naming no argument.
+        deadline = _config.seconds(deadline, "deadline")
+        request_timeout = _config.seconds(request_timeout, "request_timeout")
         if url is not None:
             _check_url(url)
         self.url = url.rstrip("/") if url is not None else None

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
-from rehydrate import Phase
+from rehydrate import Phase, _config
 from rehydrate.extensions import Engine, Probe, resolve_engine
 
 from . import _bodies
@@ -186,14 +186,11 @@ class AgonesAdapter:
     ) -> None:
         self._port_arg = port
         self.port = _port(port)
-        for what, value in (("health_interval", health_interval), ("deadline", deadline),
-                            ("request_timeout", request_timeout)):
-            if not (isinstance(value, (int, float)) and value > 0):  # refuses NaN
-                raise ValueError(f"{what} must be a positive number of seconds, not {value!r}")
         self.base_url = f"http://localhost:{self.port}"
-        self.health_interval = float(health_interval)
-        self.deadline = float(deadline)
-        self.request_timeout = float(request_timeout)
+        # At most a year: deadline=10**400 failed with an OverflowError naming nothing.
+        self.health_interval = _config.seconds(health_interval, "health_interval")
+        self.deadline = _config.seconds(deadline, "deadline")
+        self.request_timeout = _config.seconds(request_timeout, "request_timeout")
         self._engine_arg = engine
         self.engine: Engine | None = None
         self._transport = transport

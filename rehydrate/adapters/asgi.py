@@ -43,7 +43,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from .. import Phase
+from .. import Phase, _config
 from ._readiness import readiness
 
 if TYPE_CHECKING:
@@ -171,15 +171,9 @@ class ReadinessGate:
         if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
             raise ValueError(f"retry_after must be a whole number of seconds >= 0, not "
                              f"{retry_after!r}")
-        for what, value in (("drain_timeout", drain_timeout), ("max_wait", max_wait)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{what} must be a number of seconds, not {value!r}")
-        if not drain_timeout > 0 or drain_timeout == float("inf"):  # also refuses NaN
-            raise ValueError(f"drain_timeout must be a positive finite number of seconds, "
-                             f"not {drain_timeout!r}")
-        if not 0 <= max_wait < float("inf"):  # also refuses NaN
-            raise ValueError(f"max_wait must be a finite number of seconds >= 0, not "
-                             f"{max_wait!r}")
+        # At most a year: a huge one (10**400) was accepted and overflowed a wait later.
+        drain_timeout = _config.seconds(drain_timeout, "drain_timeout")
+        max_wait = _config.seconds(max_wait, "max_wait", zero_ok=True)
         # one string is one prefix: tuple("/metrics") would exempt "/", i.e. everything
         exempt = (exempt,) if isinstance(exempt, str) else tuple(exempt)
         if not all(isinstance(p, str) and p.startswith("/") for p in exempt):

@@ -634,3 +634,16 @@ def test_a_watch_line_without_end_is_refused_and_the_watch_retried(rehydrate_eng
                  what="the watch loop to give up the endless line and watch again")
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("kwargs", [{"deadline": 10**400}, {"request_timeout": 1e300},
+                                    {"health_interval": 0}, {"deadline": float("nan")}],
+                         ids=["deadline-1e400", "request_timeout-1e300", "health-0", "nan"])
+def test_a_number_of_seconds_out_of_range_is_one_clear_error(kwargs):
+    """deadline=10**400 failed with OverflowError: int too large to convert to float."""
+    [(what, value)] = kwargs.items()
+    with pytest.raises(ValueError) as info:
+        AgonesAdapter(9358, **kwargs)
+    assert str(info.value).startswith(f"{what} must be a number of seconds > 0 and at most "
+                                      "31536000 (a year), not ")
+    assert len(str(info.value)) < 120

@@ -407,11 +407,16 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"retry_after": -1}, "retry_after must be a whole number of seconds >= 0, not -1"),
     ({"retry_after": 1.5}, "retry_after must be a whole number of seconds >= 0, not 1.5"),
-    ({"drain_timeout": 0}, "drain_timeout must be a positive finite number of seconds, not 0"),
+    ({"drain_timeout": 0},
+     "drain_timeout must be a number of seconds > 0 and at most 31536000 (a year), not 0"),
     ({"drain_timeout": float("nan")},
-     "drain_timeout must be a positive finite number of seconds, not nan"),
-    ({"max_wait": -1}, "max_wait must be a finite number of seconds >= 0, not -1"),
-    ({"max_wait": float("inf")}, "max_wait must be a finite number of seconds >= 0, not inf"),
+     "drain_timeout must be a number of seconds > 0 and at most 31536000 (a year), not nan"),
+    ({"drain_timeout": 10**400},  # accepted before, and overflowed a wait later
+     "drain_timeout must be a number of seconds > 0 and at most 31536000 (a year), not 1e+400"),
+    ({"max_wait": -1},
+     "max_wait must be a number of seconds >= 0 and at most 31536000 (a year), not -1"),
+    ({"max_wait": float("inf")},
+     "max_wait must be a number of seconds >= 0 and at most 31536000 (a year), not inf"),
     ({"exempt": ["metrics"]}, "exempt must be path prefixes starting with '/', not ('metrics',)"),
     ({"healthz": "/x", "readyz": "/x"},  # liveness would answer 503 while restoring
      "healthz, readyz and status must be distinct paths starting with '/' (or None), not "
@@ -420,8 +425,10 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
                            "'/' (or None), not '/healthz', 'readyz', '/rehydrate/status'"),
     ({"status": ""}, "healthz, readyz and status must be distinct paths starting with '/' "
                      "(or None), not '/healthz', '/readyz', ''"),
-    ({"drain_timeout": "30"}, "drain_timeout must be a number of seconds, not '30'"),
-    ({"max_wait": "5"}, "max_wait must be a number of seconds, not '5'"),
+    ({"drain_timeout": "30"},
+     "drain_timeout must be a number of seconds > 0 and at most 31536000 (a year), not str"),
+    ({"max_wait": "5"},
+     "max_wait must be a number of seconds >= 0 and at most 31536000 (a year), not str"),
 ])
 def test_bad_options_one_clear_error(app: App, rehydrate_engine: Any, kwargs: dict[str, Any],
                                      message: str) -> None:

@@ -273,10 +273,16 @@ def test_in_process_failure_is_the_hook_error(rehydrate_engine: Any) -> None:
     ({"level": 3}, ValueError, "level must be one of 0, 1, 2, not 3"),
     ({"mode": "later"}, ValueError,
      "mode must be one of abort, wait, keep (or None), not 'later'"),
-    ({"deadline": 0}, ValueError, "deadline must be a positive finite number of seconds, not 0"),
+    ({"deadline": 0}, ValueError,
+     "deadline must be a number of seconds > 0 and at most 31536000 (a year), not 0"),
+    ({"deadline": 10**400}, ValueError,  # accepted: every hook failed with OverflowError
+     "deadline must be a number of seconds > 0 and at most 31536000 (a year), not 1e+400"),
+    ({"request_timeout": 1e300}, ValueError,
+     "request_timeout must be a number of seconds > 0 and at most 31536000 (a year), not 1e+300"),
     ({"level": 1.0}, ValueError, "level must be one of 0, 1, 2, not 1.0"),
     ({"canary": "no"}, TypeError, "canary must be True or False, not 'no'"),  # "no" is truthy
-    ({"deadline": "5"}, TypeError, "deadline must be a number of seconds, not '5'"),
+    ({"deadline": "5"}, TypeError,
+     "deadline must be a number of seconds > 0 and at most 31536000 (a year), not str"),
 ])
 def test_bad_options(url: str, kwargs: dict[str, Any], error: type[Exception],
                      message: str) -> None:
