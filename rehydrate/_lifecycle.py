@@ -1043,6 +1043,11 @@ class Lifecycle:
             old = self.detector(detector.key)
             if not self._started or old is detector:
                 return
+            elsewhere = _runs_elsewhere(detector, self)
+            if elsewhere is not None:  # refused before stopping ours: we keep one running
+                log.error("detector %s could not start: %s", detector.key, elsewhere)
+                self._detector_errors[detector.key] = elsewhere
+                return
             if old is not None:
                 self._detectors.remove(old)
             self._start_detector(detector)
@@ -1127,14 +1132,21 @@ def _claim(d: Detector, engine: Lifecycle) -> None:
     while the second listed it as watching. Refused here, for every detector — the
     built-in ones and any written against the extension contract."""
     with _RUNNING_ON_LOCK:
-        held = _RUNNING_ON.get(id(d))
-        owner = held[1]() if held is not None and held[0] is d else None
-        if owner is not None and owner is not engine:
-            raise RuntimeError(
-                f"this {type(d).__qualname__} instance already runs on another engine "
-                "(it reports there): a detector instance serves one engine at a time; "
-                "stop it there first, or give this engine its own instance")
+        elsewhere = _runs_elsewhere(d, engine)
+        if elsewhere is not None:
+            raise RuntimeError(elsewhere)
         _RUNNING_ON[id(d)] = (d, weakref.ref(engine))
+
+
+def _runs_elsewhere(d: Detector, engine: Lifecycle) -> str | None:
+    """Why ``engine`` cannot start ``d`` (another engine runs it), else ``None``."""
+    held = _RUNNING_ON.get(id(d))
+    owner = held[1]() if held is not None and held[0] is d else None
+    if owner is None or owner is engine:
+        return None
+    return (f"this {type(d).__qualname__} instance already runs on another engine (it "
+            "reports there): a detector instance serves one engine at a time; stop it "
+            "there first, or give this engine its own instance")
 
 
 def _release(d: Detector, engine: Lifecycle) -> None:

@@ -270,3 +270,15 @@ def test_the_same_instance_listed_twice_runs_once(bare_engine: Any) -> None:
     assert det.events == ["start"] and "detector_errors" not in engine.status().extra
     engine.stop()
     assert det.events == ["start", "stop"]
+
+
+def test_a_refused_replacement_leaves_the_running_detector_in_place(bare_engine: Any) -> None:
+    """add_detector() of an instance another engine runs must not stop the detector with
+    that key this engine runs: it would be left with neither."""
+    mine, theirs = Reporting(), Reporting()
+    engine, other = bare_engine([]), bare_engine([])
+    assert engine.start([mine]) == ["reporting"] and other.start([theirs]) == ["reporting"]
+    engine.add_detector(theirs)
+    assert engine.detector("reporting") is mine and mine.events == ["start"]
+    assert "another engine" in engine.status().extra["detector_errors"]["reporting"]
+    assert theirs.engines == [other]
