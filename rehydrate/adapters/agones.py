@@ -306,7 +306,9 @@ class AgonesAdapter:
         """The request, retried with backoff until the monotonic time ``until``; a refusal
         (4xx but 408 and 429) is raised at once: it would only be refused again."""
         attempt = 0
-        answered = False  # by any attempt: the last one may only have had a sliver of time
+        # what the answers said, from any attempt: the last may only have had a sliver of
+        # time and timed out
+        answered: str | None = None
         while True:
             attempt += 1
             try:
@@ -316,10 +318,13 @@ class AgonesAdapter:
             except AgonesError as exc:
                 if _refusal(exc) is not None:
                     raise
-                answered = answered or isinstance(exc.__cause__, httpx.HTTPStatusError)
+                if isinstance(exc.__cause__, httpx.HTTPStatusError):
+                    answered = "kept refusing"
+                elif exc.__cause__ is None:  # an answer, but not JSON
+                    answered = answered or "kept answering what is not JSON to"
                 left = until - time.monotonic()
                 if left <= 0:
-                    what = ("kept refusing" if answered else "did not answer")
+                    what = answered or "did not answer"
                     raise AgonesUnavailable(
                         f"Agones sidecar at {self.base_url} {what} {method} {path} "
                         f"within the {self.deadline:g}s deadline ({attempt} attempts; "

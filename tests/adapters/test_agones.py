@@ -601,6 +601,8 @@ def test_json_nested_too_deep_for_the_parser_is_not_json(rehydrate_engine):
         [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
         assert resync.outcome == "failed"
         assert "not JSON" in str(resync.error) and "Recursion" not in str(resync.error)
+        # every attempt was answered: not "did not answer"
+        assert "kept answering what is not JSON to GET /gameserver" in str(resync.error)
     finally:
         a.close()
 
