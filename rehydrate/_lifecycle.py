@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -391,7 +392,7 @@ class Lifecycle:
         heartbeat older than its limit means the process was frozen and the detectors
         have not caught up yet. Costs one clock read.
         """
-        if (self._notices or self._state not in ("running", "ready")
+        if (self._notices or self._verdict_waiters or self._state not in ("running", "ready")
                 or self._freeze_noticed_at is not None):
             return False
         beat = self._beat
@@ -542,16 +543,29 @@ class Lifecycle:
         for the watcher's next one. A freeze noticed or a gap moves ``_gap_since`` past
         ``seen`` (a new restore); a stall leaves it where it was; no heartbeat within
         ``timeout`` means frozen since ``seen``, for all the watch can tell."""
-        seq = self._beat_seq
+        end = time.monotonic() + timeout
         self._verdict_waiters += 1
         try:
-            came = self._cond.wait_for(lambda: self._beat_seq != seq or self._beat is None,
-                                       timeout)
+            while True:
+                came = self._cond.wait_for(functools.partial(self._beat_moved, self._beat_seq),
+                                           max(0.0, end - time.monotonic()))
+                if self._beat is None:
+                    return None
+                if not came:
+                    return seen
+                if self._freeze_noticed_at is not None:
+                    return self._gap_since
+                # a verdict only from a heartbeat that saw the process run after the
+                # overdue stretch (not one read before a freeze and delivered late)
+                if time.monotonic() - max(self._beat, self._run_ended) <= self._beat_due:
+                    return self._gap_since
         finally:
             self._verdict_waiters -= 1
-        if self._beat is None:
-            return None
-        return self._gap_since if came else seen
+            self._cond.notify_all()
+
+    def _beat_moved(self, seq: int) -> bool:
+        """A heartbeat or a noticed freeze since ``seq``, or the watch stopped."""
+        return self._beat_seq != seq or self._beat is None
 
     # -- hooks -----------------------------------------------------------------------
 

@@ -219,6 +219,31 @@ def test_a_notice_whose_watcher_never_beats_again_is_a_new_restore(
     assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
 
 
+def test_a_heartbeat_read_before_the_freeze_is_no_verdict(
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
+    """The watcher read its clock just before the checkpoint (a normal step, no gap) and
+    was frozen before it called ``heartbeat()``; in the clone that heartbeat arrives while
+    a notice waits for the verdict. Before: any heartbeat was the verdict, this one said
+    "no gap", and the clone's restore was taken for its parent's (no hooks ever ran). A
+    verdict must come from a heartbeat that is current again; none came, so the notice is
+    a new restore once the heartbeat would be stale."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    t = time.monotonic()
+    engine.heartbeat(t - 20, 1.5, due=0.3)
+    engine.freeze_noticed(t - 20, t - 10)
+    engine.restore_detected("clock-jump", since=t - 20, detected_at=t - 10)  # the parent's
+    read = time.monotonic()  # the watcher's reading, just before the clone's checkpoint
+    _overdue(read, 0.4)  # the clone resumed; its watcher has not run yet
+    thread, replies = _notice_waiting_for_the_watcher(engine, control.path)
+    assert not engine.is_ready()  # a notice is waiting: readiness must not say True
+    engine.heartbeat(read, 1.5, due=0.3)  # the heartbeat in flight, from before the freeze
+    thread.join(DEADLINE)
+    [reply] = replies
+    assert reply["deduplicated"] is False, reply
+    assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
+
+
 def test_a_notice_racing_slow_restore_hooks_is_that_restore(rehydrate_engine: Lifecycle,
                                                             tmp_path: Path) -> None:
     """The clock jump runs a restore whose hooks take longer than the readiness limit (a
