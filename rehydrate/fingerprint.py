@@ -445,7 +445,9 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """Write ``manifest`` atomically and durably (temporary file synced to disk, renamed
     over ``path``, then the directory synced): after a crash ``path`` holds the old
-    manifest or the new one, never an empty or partial file. An error leaves the old one."""
+    manifest or the new one, never an empty or partial file. An error before the rename
+    leaves the old one; a failed sync of the directory after it raises with the new one in
+    place (not yet durable)."""
     import json
     import secrets
     from pathlib import Path
