@@ -49,6 +49,9 @@ log = logging.getLogger("rehydrate")
 
 ASYNC_GRACE = 2.0
 """Extra seconds the supervisor allows an async hook past its own (cancelling) timeout."""
+RUN_DEADLINE_GRACE = 0.25
+"""The same past a run's own deadline (which is there because a platform kills the restore
+soon after it: Lambda SnapStart): a cancelled hook's cleanup usually takes milliseconds."""
 
 BACKOFF_BASE = 0.05
 BACKOFF_MAX = 5.0
@@ -249,11 +252,14 @@ class _Progress:
     run_end: float = math.inf
     """``time.monotonic()`` by which the whole run must be over (``ctx.deadline``)."""
 
-    def begin(self, index: int, timeout: float, *, entered: bool = True) -> None:
+    def begin(self, index: int, timeout: float, *, entered: bool = True,
+              grace: float = 0.0) -> None:
         """Mark hook ``index`` as started now (also for each retry attempt).
 
-        ``entered=False``: handed to its event loop, not started yet. The supervisor is
-        then woken only when it waits without any limit: one that waits for an earlier
+        ``grace``: what the supervisor allows past ``timeout`` (async hooks, which are
+        cancelled at it and may clean up), at most :data:`RUN_DEADLINE_GRACE` past the
+        run's deadline. ``entered=False``: handed to its event loop, not started yet. The
+        supervisor is then woken only when it waits without any limit: one that waits for an earlier
         deadline still gives up in bounded time, and waking it costs a GIL hand-off in
         the middle of a restore (measured: the engine's dispatch between hooks doubled).
         """
@@ -262,7 +268,8 @@ class _Progress:
             self.entered = entered
             self.index = index
             self.started = now
-            self.deadline = min(now + timeout, self.run_end)
+            self.deadline = min(now + timeout + grace,
+                                self.run_end + min(grace, RUN_DEADLINE_GRACE))
             if self.deadline < self.waiting_until and (
                     entered or math.isinf(self.waiting_until)):
                 self.wake.set()
@@ -399,7 +406,7 @@ class HookRunner:
             try:
                 value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
                 if inspect.isawaitable(value):  # a plain callable that returned a coroutine
-                    job.begin(index, hook.timeout + ASYNC_GRACE)
+                    job.begin(index, hook.timeout, grace=ASYNC_GRACE)
                     began = job.started  # the awaitable's own limit counts from here
                     self._await(job, value, max(0.0, min(hook.timeout, job.time_left())))
                 outcome, error = "ok", None
@@ -451,7 +458,7 @@ class HookRunner:
         # The first hook's clock starts now, not when the loop gets to it: a loop still
         # blocked by an earlier hook (a sync call inside an async hook) would otherwise
         # hold the whole event, and every later one, without any limit.
-        job.begin(start, job.hooks[start].timeout + ASYNC_GRACE, entered=False)
+        job.begin(start, job.hooks[start].timeout, entered=False, grace=ASYNC_GRACE)
         fut = _submit(loop, lambda: self._async_batch(job, start, stop))
         with job.lock:
             if job.abandoned:
@@ -507,7 +514,7 @@ class HookRunner:
         outcome = "ok"
         error: BaseException | None = None
         while True:
-            job.begin(index, hook.timeout + ASYNC_GRACE)
+            job.begin(index, hook.timeout, grace=ASYNC_GRACE)
             began = job.started
             # cancelled at its own timeout or the run's deadline, whichever comes first
             watchdog.arm(max(0.0, min(hook.timeout, job.time_left())))

@@ -943,6 +943,33 @@ def test_run_deadline_cuts_an_awaitable_returned_by_a_sync_hook(rehydrate_engine
     assert h.outcome == "timeout" and h.error.run_deadline == 0.3 and h.error.started
 
 
+def test_an_async_hook_cancelled_at_the_run_deadline_finishes_its_cleanup_in_the_run(
+        rehydrate_engine):
+    """The supervisor gave up on an async hook at the very moment the run's deadline
+    cancelled it, so its cleanup ran after the run had returned (and the hook was counted
+    as hung meanwhile). It allows a short grace past the run's
+    deadline, as it does past a hook's own timeout."""
+    reg = rehydrate_engine.registry
+    cleaned: list[str] = []
+
+    @reg.after_restore(name="stuck", timeout=DEADLINE * 3)
+    async def stuck():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.02)  # cleanup on cancel, e.g. closing a connection
+            cleaned.append("stuck")
+
+    for _ in range(3):
+        cleaned.clear()
+        report = rehydrate_engine.restore_detected("test", deadline=0.3)
+        hooks = by_name(report)
+        assert hooks["stuck"].outcome == "timeout" and hooks["stuck"].error.started
+        # done when the run returned, not after it
+        assert cleaned[:1] == ["stuck"], cleaned
+        assert rehydrate_engine._runner.hung_hooks() == []
+
+
 def test_retries_stop_at_the_run_deadline(rehydrate_engine):
     attempts = []
 
