@@ -881,8 +881,9 @@ class HTTPIssuer:
                  timeout: float = 10.0, verify: Any = True,
                  trust: Sequence[x509.Certificate] | str | os.PathLike[str] | None = None,
                  max_response: int = MAX_ISSUER_RESPONSE) -> None:
-        if not timeout > 0 or timeout == float("inf"):
-            raise ValueError(f"timeout must be a positive finite number, not {timeout!r}")
+        # the one rule for seconds: 10**400 passed a "> 0 and finite" check, then failed
+        # every issue() with OverflowError in the worker's join
+        timeout = _config.seconds(timeout, "HTTPIssuer timeout")
         self.url = url
         self.shown_url = without_credentials(url)
         """``url`` for messages, logs and ``status()``: no user info, query or fragment

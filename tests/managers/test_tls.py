@@ -1500,3 +1500,15 @@ def test_a_password_source_the_caller_shares_is_never_wiped_by_a_certificate(
     assert rehydrate_engine.simulate_snapshot().ok
     assert rehydrate_engine.simulate_restore().ok  # b re-reads its key with the password
     assert not pairs["b"].key_dropped
+
+
+@pytest.mark.parametrize(("timeout", "error", "shown"), [
+    (10**400, ValueError, "1e+400"), (float("nan"), ValueError, "nan"),
+    (0, ValueError, "0"), (True, TypeError, "bool"), ("5", TypeError, "str"),
+])
+def test_an_issuer_timeout_follows_the_seconds_rule(timeout, error, shown):
+    """``HTTPIssuer(timeout=10**400)`` passed its "> 0 and finite" check and failed every
+    ``issue()`` later with OverflowError; a huge one is refused at once, shown short."""
+    with pytest.raises(error, match="HTTPIssuer timeout must be a number of seconds") as e:
+        tls.HTTPIssuer("https://ca.example/sign", timeout=timeout)
+    assert shown in str(e.value) and len(str(e.value)) < 200
