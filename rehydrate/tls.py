@@ -836,6 +836,25 @@ class Issuer(Protocol):
 
 
 _CERT_BLOCK = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+_KEY_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]*PRIVATE KEY)-----.+?-----END \1-----", re.S)
+
+
+def _key_block(data: bytearray) -> bytearray:
+    """The first private-key PEM block of ``data`` in a new buffer, ``data`` wiped; ``data``
+    itself when it holds none (the parser then says what is wrong with it).
+
+    A bundle.pem given as the key file holds certificates too: kept whole, every parse and
+    every context load reads them ahead of the key, a path on which a scan once found the
+    key's text in freed heap (the key-only file never showed it)."""
+    found = _KEY_BLOCK.search(data)
+    if found is None:
+        return data
+    block = bytearray(found.end() - found.start() + 1)
+    with memoryview(data) as view:
+        block[:-1] = view[found.start():found.end()]
+    block[-1:] = b"\n"
+    wipe(data)
+    return block
 
 
 def _load_pem_list(data: bytes | bytearray, what: str) -> list[x509.Certificate]:
@@ -1102,7 +1121,7 @@ class FileCertificate(ManagedCertificate):
             certs = _load_pem_list(cert_data, f"certificate file {self.cert_path}")
         finally:
             wipe(cert_data)
-        key_data = _read(self.key_path, "key file")
+        key_data = _key_block(_read(self.key_path, "key file"))
         encrypted = any(marker in key_data for marker in _ENCRYPTED_PEM)
         try:
             key = self._load_key(key_data, encrypted)

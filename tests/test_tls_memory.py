@@ -34,7 +34,8 @@ MODES = {
     "files-sec1": ("files", serialization.PrivateFormat.TraditionalOpenSSL, 0),
     # one bundle.pem given as both files (certificate and key in it): its certificate
     # read kept a copy of the key's text (a bytes copy for the parser) until wiped/parsed
-    # by blocks
+    # by blocks; loading contexts from the whole bundle once left the key's text in
+    # freed heap (CI), so only the key block is kept for them
     "files-bundle": ("files", serialization.PrivateFormat.TraditionalOpenSSL, 0),
     # OpenSSL's PKCS#8 decoders for EC keys (Python's ssl; cryptography's) free a decoded
     # copy without clearing it: measured 2, allowed 3, as documented.

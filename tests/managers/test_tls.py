@@ -1512,3 +1512,24 @@ def test_an_issuer_timeout_follows_the_seconds_rule(timeout, error, shown):
     with pytest.raises(error, match="HTTPIssuer timeout must be a number of seconds") as e:
         tls.HTTPIssuer("https://ca.example/sign", timeout=timeout)
     assert shown in str(e.value) and len(str(e.value)) < 200
+
+
+def test_bundle_given_as_key_file_keeps_only_the_key_block(rehydrate_engine, tmp_path,
+                                                           https_server):
+    """A bundle.pem (certificate, then key) named as both files: only the key's PEM block is
+    kept for re-loading contexts, so no load reads the certificates ahead of the key text
+    (that path once left the key's text in freed heap), and the bundle still serves."""
+    ca = CA()
+    cert_pem, key_pem, leaf = ca.leaf()
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(cert_pem + key_pem)
+    cert = tls.from_files("bundle", cert=bundle, key=bundle, watch=False,
+                          engine=rehydrate_engine)
+    try:
+        kept = cert._material.key_buffer
+        assert kept is not None and b"CERTIFICATE" not in kept
+        assert bytes(kept).strip() == key_pem.strip()
+        port = https_server(cert.server_context())
+        assert served_certificate(port, unverified()).serial_number == leaf.serial_number
+    finally:
+        cert.close()
