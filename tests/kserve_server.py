@@ -5,7 +5,9 @@ control case), and optionally a gRPC port. Every ``load()`` appends a line to
 ``<dir>/loads`` (``<dir>/ts-loads`` for the time-series model; KServe reloads a model it
 finds not healthy). The restore hook ``warm-up`` waits until ``<dir>/release`` exists and
 fails while ``<dir>/fail`` exists, so the test holds a restore open or makes it fail; then
-it reloads the time-series model (a hook's own ``load()`` must run).
+the async restore hook ``reload-forecaster`` asks the time-series model's ``healthy()`` and
+reloads it (a hook's own ``load()`` must run). Every ``rehydrate.status()`` built appends a
+line to ``<dir>/status-builds``.
 The test drives restores through the control socket (``rehydrate notify restore``).
 """
 
@@ -19,6 +21,7 @@ import kserve
 
 import rehydrate
 from rehydrate.adapters import kserve as rehydrate_kserve
+from rehydrate.extensions import default_engine
 
 
 class Echo(kserve.Model):
@@ -69,7 +72,21 @@ def main() -> None:
             time.sleep(0.01)
         if os.path.exists(os.path.join(control, "fail")):
             raise RuntimeError("warm-up inference failed")
-        forecaster.load()  # e.g. with new credentials: not refused, the restore is ours
+
+    @rehydrate.after_restore(name="reload-forecaster", order=1)  # after the warm-up
+    async def reload_forecaster() -> None:
+        # What KServe's own get_model() does: ask healthy() (gated: False while the
+        # restore runs), then reload, e.g. with new credentials. Not refused: the restore
+        # is ours, not a request.
+        if not await forecaster.healthy():
+            forecaster.load()
+
+    def status_built() -> None:
+        with open(os.path.join(control, "status-builds"), "a") as f:
+            f.write("built\n")
+
+    # every whole status() built appends a line: refusals must not build one
+    default_engine().add_status("status-builds", status_built)
 
     grpc_port = int(sys.argv[4]) if len(sys.argv) > 4 else None
     server = kserve.ModelServer(http_port=port, enable_grpc=grpc_port is not None,

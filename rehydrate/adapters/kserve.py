@@ -38,8 +38,9 @@ registered with it, so it covers models registered after :func:`install` too
 (``ModelServer.start(models)`` registers them then) and the time-series and OpenAI data
 planes KServe builds over copies of its registry (the server does not keep them): their
 ``get_model()`` asks the model's gated ``healthy()``, then calls ``load()``, and that
-``load()`` is refused. A ``load()`` called otherwise — a restore hook reloading the model —
-runs. Run the server with one worker (``workers=1``, KServe's default).
+``load()`` is refused. A ``load()`` called otherwise — a restore hook reloading the model,
+also after asking its ``healthy()`` — runs. Run the server with one worker (``workers=1``,
+KServe's default).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._runner import inside_hook
 from ..extensions import Probe, resolve_engine
-from ._readiness import probe_import
+from ._readiness import probe_import, readiness
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -144,7 +146,10 @@ def _not_ready(name: str, engine: Engine) -> Exception:
     """KServe's ``ModelNotReady`` (HTTP 503, gRPC ``UNAVAILABLE``) for ``name``."""
     from kserve.errors import ModelNotReady  # type: ignore[import-untyped]
 
-    refused = ModelNotReady(name, f"rehydrate: {engine.status().state}")
+    # readiness(), not engine.status(): this answers every request that arrives during a
+    # restore, on the server's loop, and a whole status (its /proc scan of TCP
+    # connections, ...) costs milliseconds per call under gVisor.
+    refused = ModelNotReady(name, f"rehydrate: {readiness(engine)[1]}")
     # KServe 0.21's gRPC interceptor reads .reason, which ModelNotReady lacks
     # (an AttributeError would make it an UNKNOWN error instead of UNAVAILABLE).
     refused.reason = str(refused)
@@ -161,7 +166,7 @@ def _gate_model(model: Any, engine: Engine) -> None:
     serves the request. Here, a ``load()`` that follows this gate's "not ready" in the same
     context (the request's task) raises ``ModelNotReady`` (503) instead: neither a reload
     nor a request served during a restore. Other ``load()`` calls (a restore hook
-    reloading the model) run.
+    reloading the model, also after asking ``healthy()`` itself) run.
     """
     if getattr(model, _MARK, None) is engine:
         return
@@ -170,7 +175,9 @@ def _gate_model(model: Any, engine: Engine) -> None:
 
     async def gated_healthy() -> bool:
         if not engine.is_ready():
-            _vetoed.set(model)
+            # Not from a rehydrate hook: a restore hook that asks healthy() (False while
+            # it runs) and then reloads the model is the restore itself, not a request.
+            _vetoed.set(model if inside_hook.get() is None else None)
             return False
         _vetoed.set(None)
         return await healthy()

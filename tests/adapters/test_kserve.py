@@ -160,6 +160,12 @@ def _loads(s: KServe, name: str = "loads") -> int:
     return len((s.control / name).read_text().splitlines())
 
 
+def _builds(s: KServe) -> int:
+    """How many whole ``rehydrate.status()`` the server has built."""
+    path = s.control / "status-builds"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def test_inference_is_refused_during_a_restore_over_grpc_and_rest(tmp_path: Path) -> None:
     """gRPC ``ModelInfer`` served predictions during a restore (only the readiness RPCs
     were gated), and every call reloaded the model: KServe calls ``load()`` on a model
@@ -199,7 +205,12 @@ def test_inference_is_refused_during_a_restore_over_grpc_and_rest(tmp_path: Path
 def test_time_series_forecasts_are_refused_during_a_restore(kserve_gated: KServe) -> None:
     """KServe serves ``POST /v1/timeseries/forecast`` from a data plane of its own, over a
     copy of its registry: it ignored the gate on the server's data plane, found the model
-    not healthy, reloaded it and served the forecast in the middle of a restore."""
+    not healthy, reloaded it and served the forecast in the middle of a restore.
+
+    The server's async restore hook asks the model's ``healthy()`` and reloads it, as
+    KServe's own ``get_model()`` does: that ``load()`` was refused like a request's (the
+    restore failed, every time). And each refusal built a whole ``rehydrate.status()``
+    (its /proc scan costs milliseconds per request under gVisor)."""
     import httpx
 
     s = kserve_gated
@@ -212,6 +223,7 @@ def test_time_series_forecasts_are_refused_during_a_restore(kserve_gated: KServe
     loads = _loads(s, "ts-loads")
     notify = s.notify()
     wait_for(lambda: not s.client.is_server_ready(), 30, "not ready during the restore")
+    builds = _builds(s)
     for _ in range(2):
         refused = httpx.post(f"{url}/v1/timeseries/forecast", json=body)
         assert refused.status_code == 503, refused.text
@@ -219,10 +231,11 @@ def test_time_series_forecasts_are_refused_during_a_restore(kserve_gated: KServe
     assert not s.client.is_model_ready("forecaster")
     assert httpx.get(f"{url}/v2/health/live").status_code == 200
     assert _loads(s, "ts-loads") == loads, "the model was reloaded during the restore"
+    assert _builds(s) == builds, "a refusal built a whole status"
     assert notify.poll() is None  # the restore is really still running
     s.touch("release")
-    assert notify.wait(30) == 0
-    # the warm-up hook's own reload ran; the next forecast is served without another one
+    assert notify.wait(30) == 0, notify.stderr.read() if notify.stderr else ""
+    # the restore hook's own reload ran; the next forecast is served without another one
     assert _loads(s, "ts-loads") == loads + 1
     assert httpx.post(f"{url}/v1/timeseries/forecast", json=body).json() == expected
     assert _loads(s, "ts-loads") == loads + 1
