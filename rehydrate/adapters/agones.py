@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import numbers
 import os
 import random
 import re
@@ -119,6 +120,22 @@ def _check_metadata(kind: str, key: object, value: object) -> None:
             f"label value for {key!r} is not a valid Kubernetes label value ({len(value)} "
             f"characters): at most {_MAX_NAME} letters, digits, '-', '_' and '.', "
             "beginning and ending with a letter or digit (or empty)")
+
+
+def _reserve_seconds(seconds: object) -> str:
+    """``seconds`` for ``POST /reserve`` (an int64 as a string), else ``ValueError``.
+
+    Checked here because ``int()`` took anything: a negative number (Agones reserves for
+    ever for anything not above 0, like 0), ``True`` (1 s), ``"10"``, 2.9 (cut to 2), and
+    NaN or infinity failed with an error naming neither the argument nor the rule."""
+    rule = (f"reserve(): seconds must be a whole number from 0 (until allocated) to "
+            f"{_config.MAX_SECONDS:.0f} (a year)")
+    if isinstance(seconds, float) and seconds.is_integer():
+        seconds = int(seconds)  # 30.0: a whole number
+    if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Integral)
+            or not 0 <= int(seconds) <= _config.MAX_SECONDS):
+        raise ValueError(f"{rule}, not {_config.shown(seconds)}")
+    return str(int(seconds))
 
 
 def _refusal(exc: BaseException) -> int | None:
@@ -692,11 +709,14 @@ class AgonesAdapter:
         await self._await(self._simple("/allocate"))
 
     def reserve(self, seconds: int) -> None:
-        """``POST /reserve``: Reserved for ``seconds`` (0: until allocated)."""
-        self._call(self._simple("/reserve", {"seconds": str(int(seconds))}))
+        """``POST /reserve``: Reserved for ``seconds`` (0: until allocated), a whole number
+        up to a year."""
+        body = {"seconds": _reserve_seconds(seconds)}
+        self._call(self._simple("/reserve", body))
 
     async def areserve(self, seconds: int) -> None:
-        await self._await(self._simple("/reserve", {"seconds": str(int(seconds))}))
+        body = {"seconds": _reserve_seconds(seconds)}
+        await self._await(self._simple("/reserve", body))
 
     def shutdown(self) -> None:
         """``POST /shutdown``: ask Agones to shut this server down. The adapter no longer

@@ -649,3 +649,28 @@ def test_a_number_of_seconds_out_of_range_is_one_clear_error(kwargs):
     assert str(info.value).startswith(f"{what} must be a number of seconds > 0 and at most "
                                       "31536000 (a year), not ")
     assert len(str(info.value)) < 120
+
+
+@pytest.mark.parametrize("seconds", [-5, True, "10", 2.5, float("nan"), float("inf"),
+                                     pytest.param(10**400, id="1e400"), None])
+def test_reserve_refuses_what_is_no_whole_number_of_seconds(sidecar, adapter, seconds):
+    """``int(seconds)`` took anything: -5 went out (Agones reserves for ever for anything
+    not above 0), True reserved for 1 s, "10" and 2.5 (cut to 2) passed, NaN and infinity
+    failed naming neither the argument nor the rule. Nothing is sent, the state stays."""
+    adapter.ready()
+    with pytest.raises(ValueError, match=r"^reserve\(\): seconds must be a whole number "
+                                         r"from 0 \(until allocated\) to 31536000 \(a year\)"
+                                         r", not "):
+        adapter.reserve(seconds)
+    with pytest.raises(ValueError, match=r"^reserve\(\): seconds must be"):
+        asyncio.run(adapter.areserve(seconds))
+    assert sidecar.calls("POST", "/reserve") == []
+    assert sidecar.gs.state == "Ready"
+
+
+def test_reserve_takes_whole_numbers_up_to_a_year(sidecar, adapter):
+    import numpy as np
+
+    for seconds, sent in ((0, "0"), (30.0, "30"), (np.int64(7), "7"), (31_536_000, "31536000")):
+        adapter.reserve(seconds)
+        assert sidecar.calls("POST", "/reserve")[-1].body == {"seconds": sent}
