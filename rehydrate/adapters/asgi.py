@@ -26,7 +26,8 @@ Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callabl
   hook has succeeded (the gate asks :meth:`~rehydrate.Lifecycle.is_ready`, which says "not
   ready" in a clone from the moment it resumes until its hooks have run);
 * lifespan: on startup the engine's detection is started (:func:`rehydrate.start`, with
-  the server's event loop for ``async`` hooks), on shutdown stopped.
+  the server's event loop for ``async`` hooks), on shutdown stopped — by the last of the
+  servers in the process whose gates share the engine.
 
 Pure ASGI 3: no Starlette dependency; works under uvicorn and with httpx's ASGI transport.
 """
@@ -62,6 +63,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 """An ASGI 3 application: ``await app(scope, receive, send)``."""
 
 _DRAIN_KEY = "rehydrate.asgi"
+_DETECTION_KEY = "rehydrate.asgi.detection"
 _RECHECK = 0.05
 """Seconds between readiness checks of a waiting ``/readyz?wait=``: a report wakes it at
 once; this bounds the wait when readiness changes without one (a freeze that was no
@@ -119,6 +121,31 @@ class _Drain:
             log.info("snapshot: requests drained in %.2fs", time.monotonic() - t0)
         finally:
             self._waiting = False
+
+
+class _Detection:
+    """Per engine: how many lifespans (of every gate on it) have started detection.
+
+    Only the last one to shut down stops it: two servers in one process — the API and
+    :func:`health_app` on a port of its own — share the engine, and the first to shut
+    down stopped detection under the other, which served on deaf to restores."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()  # held across start()/stop(): count and state agree
+        self.holders = 0
+
+    def hold(self, detectors: str | list[str | Detector],
+             loop: asyncio.AbstractEventLoop) -> None:
+        with self.lock:
+            self.holders += 1
+            self.engine.start(detectors, loop=loop)
+
+    def release(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0:
+                self.engine.stop()
 
 
 _PLAIN_WAIT = 1.0
@@ -199,6 +226,7 @@ class ReadinessGate:
             if path is not None:
                 self._routes[path.rstrip("/") or "/"] = handler  # matched without one
         self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
+        self._detection = self.engine.extension(_DETECTION_KEY, _Detection)
         self._drain.timeout = max(self._drain.timeout, drain_timeout)
         self._retry_header = (b"retry-after", str(retry_after).encode())
         self.max_wait = float(max_wait)
@@ -360,35 +388,48 @@ class ReadinessGate:
         self._closing = False
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(self.engine.start, self.detectors, loop=loop)
+            await asyncio.to_thread(self._detection.hold, self.detectors, loop)
         except Exception:  # detection is an aid: a failure must not stop the server
             log.exception("rehydrate detection did not start")
 
     async def _shutdown(self) -> None:
         self._closing = True  # held /readyz?wait requests answer now
         self._wake_waiters(None)
-        await asyncio.to_thread(self.engine.stop)
+        await asyncio.to_thread(self._detection.release)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.lifespan:
             await self.app(scope, receive, send)
             return
         received = False
+        started = False  # this lifespan holds detection: released once, by it alone
+
+        async def startup() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await self._startup()
+
+        async def shutdown() -> None:
+            nonlocal started
+            if started:
+                started = False
+                await self._shutdown()
 
         async def wrapped() -> Message:
             nonlocal received
             message = await receive()
             received = True
             if message["type"] == "lifespan.startup":
-                await self._startup()
+                await startup()
             elif message["type"] == "lifespan.shutdown":
-                await self._shutdown()
+                await shutdown()
             return message
 
         async def watched(message: Message) -> None:
             if message["type"] == "lifespan.startup.failed":
                 # The server exits without a shutdown message: stop what startup started.
-                await self._shutdown()
+                await shutdown()
             await send(message)
 
         try:
@@ -399,16 +440,18 @@ class ReadinessGate:
         if not received:
             # The application does not speak lifespan (it raised or returned before
             # reading the first message): serve the protocol for it so detection starts.
-            await self._own_lifespan(receive, send)
+            await self._own_lifespan(receive, send, startup, shutdown)
 
-    async def _own_lifespan(self, receive: Receive, send: Send) -> None:
+    async def _own_lifespan(self, receive: Receive, send: Send,
+                            startup: Callable[[], Awaitable[None]],
+                            shutdown: Callable[[], Awaitable[None]]) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await self._startup()
+                await startup()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self._shutdown()
+                await shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

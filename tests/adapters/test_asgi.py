@@ -628,3 +628,26 @@ def test_a_refused_request_is_not_counted_in_flight(app: App, rehydrate_engine: 
         return counted
 
     assert asyncio.run(main()) == 0
+
+
+@pytest.mark.parametrize("second", ["health_app", "the same gate"])
+def test_detection_runs_until_the_last_server_on_the_engine_shuts_down(
+        app: App, rehydrate_engine: Any, second: str) -> None:
+    """Two servers in one process share the engine: the API behind its gate and the probes
+    on a port of their own (``health_app()``), or one gate served on two ports. Before,
+    the first to shut down stopped detection under the other, which served on, deaf to
+    restores (a clone answered with pre-snapshot state)."""
+    from rehydrate.adapters.asgi import health_app
+
+    detector = RecordingDetector()
+    api = ReadinessGate(app, engine=rehydrate_engine, detectors=[detector])
+    other = (health_app(engine=rehydrate_engine, detectors=[detector])
+             if second == "health_app" else api)
+    with serve(api, lifespan="on") as url:
+        with serve(other, lifespan="on") as other_url:
+            assert httpx.get(other_url + "/readyz").status_code == 200
+        assert detector.stopped == 0, "the other server's shutdown stopped detection"
+        assert rehydrate_engine.status().detectors == ("recording",)
+        assert httpx.get(url + "/x").status_code == 200
+    assert detector.started == [rehydrate_engine] and detector.stopped == 1
+    assert rehydrate_engine.status().detectors == ()
