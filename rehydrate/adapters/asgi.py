@@ -167,7 +167,7 @@ class ReadinessGate:
 
     ``engine``: the :class:`~rehydrate.Lifecycle` to follow (default: the process's
     engine, the one ``rehydrate.after_restore`` & co. register with).
-    ``retry_after``: seconds sent in ``Retry-After`` with every 503.
+    ``retry_after``: seconds sent in ``Retry-After`` with every 503 (whole, at most a year).
     ``healthz`` / ``readyz`` / ``status``: the endpoint paths; ``None`` switches one off.
     ``exempt``: path prefixes passed to the application in every state and not counted as
     in flight (metrics, or an endpoint that itself calls
@@ -195,9 +195,14 @@ class ReadinessGate:
         lifespan: bool = True,
         detectors: str | Iterable[str | Detector] = "auto",
     ) -> None:
-        if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
-            raise ValueError(f"retry_after must be a whole number of seconds >= 0, not "
-                             f"{retry_after!r}")
+        # At most a year, like every other number of seconds: 10**400 was sent to every
+        # refused client as a 401-digit Retry-After (one it honours never retries), and
+        # from 4300 digits str() failed here with a message naming nothing.
+        if (isinstance(retry_after, bool) or not isinstance(retry_after, int)
+                or not 0 <= retry_after <= _config.MAX_SECONDS):
+            raise ValueError(f"retry_after must be a whole number of seconds >= 0 and at most "
+                             f"{_config.MAX_SECONDS:.0f} (a year), not "
+                             f"{_config.shown(retry_after)}")
         # At most a year: a huge one (10**400) was accepted and overflowed a wait later.
         drain_timeout = _config.seconds(drain_timeout, "drain_timeout")
         max_wait = _config.seconds(max_wait, "max_wait", zero_ok=True)

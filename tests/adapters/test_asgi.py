@@ -405,8 +405,16 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"retry_after": -1}, "retry_after must be a whole number of seconds >= 0, not -1"),
-    ({"retry_after": 1.5}, "retry_after must be a whole number of seconds >= 0, not 1.5"),
+    ({"retry_after": -1}, "retry_after must be a whole number of seconds >= 0 and at most "
+                          "31536000 (a year), not -1"),
+    ({"retry_after": 1.5}, "retry_after must be a whole number of seconds >= 0 and at most "
+                           "31536000 (a year), not 1.5"),
+    ({"retry_after": 10**400},  # sent as a 401-digit Retry-After before
+     "retry_after must be a whole number of seconds >= 0 and at most 31536000 (a year), "
+     "not 1e+400"),
+    ({"retry_after": 10**5000},  # str() of it failed, naming nothing
+     "retry_after must be a whole number of seconds >= 0 and at most 31536000 (a year), "
+     "not 1e+5000"),
     ({"drain_timeout": 0},
      "drain_timeout must be a number of seconds > 0 and at most 31536000 (a year), not 0"),
     ({"drain_timeout": float("nan")},
