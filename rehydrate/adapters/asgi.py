@@ -224,7 +224,7 @@ class ReadinessGate:
         self.retry_after = retry_after
         self.exempt = exempt
         self.lifespan = lifespan
-        self.detectors = detectors if isinstance(detectors, str) else list(detectors)
+        self.detectors = _checked_detectors(detectors)
         self._routes: dict[str, Callable[[], tuple[int, dict[str, Any]]]] = {}
         for path, handler in ((healthz, self._healthz), (readyz, self._readyz),
                               (status, self._status)):
@@ -470,6 +470,34 @@ def health_app(*, engine: Lifecycle | None = None, **options: Any) -> ReadinessG
 
     ``options`` as for :class:`ReadinessGate` (its lifespan starts detection)."""
     return ReadinessGate(_not_found, engine=engine, **options)
+
+
+def _checked_detectors(detectors: object) -> str | list[str | Detector]:
+    """``detectors`` as :func:`rehydrate.start` takes them, checked now: the lifespan
+    startup only logs a failure to start detection (it must not stop the server), so a
+    mistyped key was one log line and a server deaf to restores, serving a clone with
+    its parent's state. Whether a detector is usable is still judged at startup, where
+    it runs."""
+    from .. import detect
+    from ..detect import Detector
+
+    if isinstance(detectors, str):
+        if detectors in ("auto", "none"):
+            return detectors
+        keys: list[object] = [k.strip() for k in detectors.split(",") if k.strip()]
+    elif isinstance(detectors, Iterable):
+        keys = list(detectors)
+    else:
+        raise TypeError(f"detectors must be 'auto', 'none', or detector keys and Detector "
+                        f"instances, not {type(detectors).__name__}")
+    known = detect.catalogue_keys()
+    checked: list[str | Detector] = []
+    for key in keys:
+        if not isinstance(key, Detector) and (not isinstance(key, str) or key not in known):
+            raise ValueError(f"unknown detector {_config.shown(key)} (known: "
+                             f"{', '.join(known)})")
+        checked.append(key)
+    return detectors if isinstance(detectors, str) else checked
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

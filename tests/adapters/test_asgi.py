@@ -659,3 +659,27 @@ def test_detection_runs_until_the_last_server_on_the_engine_shuts_down(
         assert httpx.get(url + "/x").status_code == 200
     assert detector.started == [rehydrate_engine] and detector.stopped == 1
     assert rehydrate_engine.status().detectors == ()
+
+
+@pytest.mark.parametrize("detectors", [["contrl"], "control,clock-jmp", [42], ("auto",)])
+def test_an_unknown_detector_is_refused_when_the_gate_is_built(
+        app: App, rehydrate_engine: Any, detectors: Any) -> None:
+    """Before: accepted, and the lifespan startup only logged that detection did not start
+    (a failure there must not stop the server): the server served on, deaf to restores —
+    a clone answered with its parent's state."""
+    from rehydrate import detect
+
+    with pytest.raises(ValueError, match=r"^unknown detector .* \(known: ") as refused:
+        ReadinessGate(app, engine=rehydrate_engine, detectors=detectors)
+    assert ", ".join(detect.catalogue_keys()) in str(refused.value)
+    with pytest.raises(TypeError, match="^detectors must be 'auto', 'none', or detector keys"):
+        ReadinessGate(app, engine=rehydrate_engine, detectors=7)  # type: ignore[arg-type]
+
+
+def test_detector_keys_and_instances_are_taken(app: App, rehydrate_engine: Any) -> None:
+    detector = RecordingDetector()
+    for detectors, kept in (("auto", "auto"), ("none", "none"),
+                            (" control , clock-jump ", " control , clock-jump "),
+                            (iter(["control", detector]), ["control", detector])):
+        assert ReadinessGate(app, engine=rehydrate_engine,
+                             detectors=detectors).detectors == kept
