@@ -41,6 +41,7 @@ import logging
 import math
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -431,7 +432,12 @@ class ReadinessGate:
                 await shutdown()
             return message
 
+        answered = False  # the application answered the startup (complete or failed)
+
         async def watched(message: Message) -> None:
+            nonlocal answered
+            if message["type"].startswith("lifespan.startup."):
+                answered = True
             if message["type"] == "lifespan.startup.failed":
                 # The server exits without a shutdown message: stop what startup started.
                 await shutdown()
@@ -440,6 +446,13 @@ class ReadinessGate:
         try:
             await self.app(scope, wrapped, watched)
         except Exception:
+            if received and started and not answered:
+                # Its startup raised without saying so (a bare app; Starlette sends this
+                # itself). Said for it, as Starlette does, the server exits ("startup
+                # failed") instead of serving without lifespan, and detection stops: no
+                # shutdown message would ever come to stop it.
+                await watched({"type": "lifespan.startup.failed",
+                               "message": traceback.format_exc()})
             if received:
                 raise
         if not received:

@@ -683,3 +683,45 @@ def test_detector_keys_and_instances_are_taken(app: App, rehydrate_engine: Any) 
                             (iter(["control", detector]), ["control", detector])):
         assert ReadinessGate(app, engine=rehydrate_engine,
                              detectors=detectors).detectors == kept
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_an_application_startup_that_raises_stops_detection(rehydrate_engine: Any,
+                                                            mode: str) -> None:
+    """A bare app whose lifespan startup raises (without sending ``startup.failed``, which
+    Starlette sends itself): uvicorn never sends a shutdown then, so detection stayed
+    running after the server was gone — and with ``--lifespan auto`` uvicorn took the
+    exception for "no lifespan support" and served the app whose startup had failed.
+    The gate says the startup failed for it: the server exits, detection stops."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "lifespan"
+        await receive()  # lifespan.startup
+        raise RuntimeError("database unreachable")
+
+    import uvicorn
+
+    from tests.netservers import free_port
+
+    detector = RecordingDetector()
+    gate = ReadinessGate(app, engine=rehydrate_engine, detectors=[detector])
+    server = uvicorn.Server(uvicorn.Config(gate, host="127.0.0.1", port=free_port(),
+                                           lifespan=mode, log_level="critical"))
+    exits: list[Any] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except SystemExit as exc:  # uvicorn's "startup failed" exit
+            exits.append(exc.code)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), 30, "startup or exit")
+        assert not server.started, "uvicorn served an app whose startup had failed"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+    assert exits and exits[0] != 0
+    assert detector.started == [rehydrate_engine] and detector.stopped == 1
+    assert rehydrate_engine.status().detectors == ()
