@@ -323,15 +323,17 @@ def _checked_protect(protect: object) -> tuple[str, ...]:
         raise TypeError(f"protect must be a tuple of glob patterns, not a "
                         f"{type(protect).__name__}: protect=({protect!r},)")
     try:
-        patterns = tuple(protect)  # type: ignore[call-overload]
+        patterns: tuple[object, ...] = tuple(protect)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"protect must be a tuple of glob patterns, not "
                         f"{type(protect).__name__}") from None
+    checked: list[str] = []
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f"protect patterns must be non-empty str, not "
                             f"{_config.shown(pattern)}")
-    return patterns
+        checked.append(pattern)
+    return tuple(checked)
 
 
 def _matches(key: bytes, patterns: Iterable[str]) -> bool:
