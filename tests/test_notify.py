@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from one_answer import OneAnswer
 
 from rehydrate import Lifecycle, Registry
 from rehydrate import __main__ as entry
@@ -306,39 +307,6 @@ def test_ordinary_timeouts_are_still_shown_exactly() -> None:
             timeout_value(value)
 
 
-class _OneAnswer:
-    """A control socket that answers every request with one fixed line (garbage, or a
-    reply of another shape), as a broken or foreign server would."""
-
-    def __init__(self, path: str, answer: bytes) -> None:
-        import socket
-        import threading
-
-        self.answer = answer
-        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.srv.bind(path)
-        self.srv.listen(8)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:  # closed: the test is over
-                return
-            with conn:
-                conn.recv(65536)
-                conn.sendall(self.answer)
-
-    def close(self) -> None:
-        import socket
-
-        self.srv.shutdown(socket.SHUT_RDWR)
-        self.srv.close()
-        self.thread.join(10)
-
-
 @pytest.mark.parametrize("answer", [b'{"ok": "false"}\n', b'{"ok": 1, "report": {}}\n',
                                     b'{"ok": null}\n', b'{"ok": [true]}\n'])
 @pytest.mark.parametrize("command", [["notify", "save"], ["status"], ["trigger"]])
@@ -347,7 +315,7 @@ def test_a_reply_whose_ok_is_not_a_boolean_is_unexpected_not_a_success(
         capsys: pytest.CaptureFixture[str]) -> None:
     """Before: any truthy "ok" was a success — `{"ok": "false"}` made `notify save` exit 0
     ("save: ok"), and the platform took the checkpoint without the hooks having run."""
-    server = _OneAnswer(sock_path, answer)
+    server = OneAnswer(sock_path, answer)
     try:
         code = entry.main([*command, "--socket", sock_path])
     finally:
@@ -364,7 +332,7 @@ def test_an_error_from_the_socket_is_printed_as_one_line(
     """A server's error holding a newline or a terminal escape was printed raw: a second,
     forged "rehydrate:" line on stderr, or colours and cursor moves on the terminal."""
     answer = (b'{"ok": false, "error": "bad\\nrehydrate: notify save: ok\\u001b[2K"}\n')
-    server = _OneAnswer(sock_path, answer)
+    server = OneAnswer(sock_path, answer)
     try:
         code = entry.main([*command, "--socket", sock_path])
     finally:
@@ -380,7 +348,7 @@ def test_status_text_shows_each_field_on_its_own_line(
               "detectors": ["control\x1b[8m"], "last_report": None,
               "detector_errors": {"gvisor": "no /proc/gvisor\nNOT RUNNING: none"}}
     answer = json.dumps({"ok": True, "pid": 42, "status": status}).encode() + b"\n"
-    server = _OneAnswer(sock_path, answer)
+    server = OneAnswer(sock_path, answer)
     try:
         assert entry.main(["status", "--socket", sock_path]) == 0
     finally:
