@@ -132,3 +132,20 @@ def test_a_directly_started_detector_refuses_a_second_engine(
         assert _engine_of(det) is second
     finally:
         det.stop()
+
+
+def test_an_engine_starting_a_detector_started_directly_elsewhere_says_so(
+        tmp_path: Path, engines: Callable[[], Lifecycle]) -> None:
+    """The engine's own claim knows only detectors engines started: one started directly
+    for another engine passed it, and the engine listed it as watching while every
+    report went to the other. Now the detector's refusal lands in detector_errors."""
+    det = _make("file", tmp_path)
+    first, second = engines(), engines()
+    det.start(first)
+    try:
+        assert second.start([det]) == []
+        error = second.status().extra["detector_errors"]["file"]
+        assert ELSEWHERE in error and "\n" not in error
+        assert _engine_of(det) is first
+    finally:
+        det.stop()
