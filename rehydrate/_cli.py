@@ -58,8 +58,13 @@ def _doctor_connections(args: argparse.Namespace) -> int:
     one a platform would notify), with its managed connections marked."""
     from .connections import doctor_report
 
+    def managed(status: dict[str, Any]) -> list[dict[str, Any]]:
+        # The reply is data: entries of another shape are left out, not a traceback.
+        return [{**m, "peers": [p for p in _list(m.get("peers")) if isinstance(p, str)]}
+                for m in _list(status.get("connections")) if isinstance(m, dict)]
+
     return _doctor_process(args, "--connections", lambda pid, status: doctor_report(
-        pid, None if status is None else list(status.get("connections") or [])))
+        pid, None if status is None else managed(status)))
 
 
 def _doctor_files(args: argparse.Namespace) -> int:
@@ -67,8 +72,19 @@ def _doctor_files(args: argparse.Namespace) -> int:
     descriptors its ``rehydrate.files`` handles own marked managed."""
     from .files import doctor_report
 
+    def handles(status: dict[str, Any]) -> dict[str, Any] | None:
+        files = status.get("files")
+        if not isinstance(files, dict):
+            return None  # not known: nothing is marked managed
+        return {k: [e for e in _list(files.get(k)) if isinstance(e, dict)]
+                for k in ("handles", "volumes")}
+
     return _doctor_process(args, "--files", lambda pid, status: doctor_report(
-        pid, proc=args.proc, status=None if status is None else status.get("files")))
+        pid, proc=args.proc, status=None if status is None else handles(status)))
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def _pid_arg(text: str) -> str:
@@ -85,6 +101,7 @@ def _doctor_process(
     """Run ``report(pid, status)`` for ``--pid`` or, by default, the process answering on
     the control socket; ``status`` is that process's ``status()`` when ``pid`` is it."""
     from ._control_client import ControlError, request
+    from ._notify import err
 
     reply: dict[str, Any] | None = None
     problem: str | None = None
@@ -96,12 +113,21 @@ def _doctor_process(
         if not reply.get("ok"):
             problem = str(reply.get("error") or "status failed")
     server_pid = reply.get("pid") if reply is not None and problem is None else None
+    if server_pid is not None and (type(server_pid) is not int or server_pid <= 0):
+        # "self" made the command inspect itself, "1/../../x" a path under /proc.
+        problem = f"its status reply names no process ID: pid {_config.shown(server_pid)}"
+        server_pid = None
+    status_shape = reply.get("status") if reply is not None and problem is None else None
+    if server_pid is not None and not isinstance(status_shape, (dict, type(None))):
+        problem = (f"its status reply is of an unexpected shape "
+                   f"({type(status_shape).__name__}): another rehydrate version?")
+        server_pid = None
     pid = args.pid
     if pid is None:
         if server_pid is None:
             message = (f"doctor {option}: no rehydrate process answers on the control "
                        f"socket ({problem}); name one with --pid PID (or --pid self)")
-            print(f"rehydrate: {message}", file=sys.stderr)
+            err(message)  # one line: problem may be the process's own error text
             if args.json:
                 _print_json({"ok": False, "error": message})
             return EXIT_FAILED

@@ -162,6 +162,22 @@ class Engine(Protocol):
     def freeze_since(self) -> float | None: ...
 
 
+def refuse_another_engine(detector: object, running_on: Engine | None,
+                          engine: Engine) -> None:
+    """``RuntimeError`` when ``detector`` runs on an engine other than ``engine``.
+
+    One instance serves one engine at a time (it reports to the engine its ``start()``
+    got). The engines refuse a second one; a detector started directly
+    (``det.start(engine)``, outside an engine) refuses it too, with this same line, rather
+    than going on reporting to the first engine while the caller thinks it watches for
+    the second."""
+    if running_on is not None and running_on is not engine:
+        raise RuntimeError(
+            f"this {type(detector).__qualname__} instance already runs on another engine "
+            "(it reports there): a detector instance serves one engine at a time; stop it "
+            "there first, or give this engine its own instance")
+
+
 def load_extension(spec: str | Extension) -> Extension:
     """The extension named by ``spec`` (``"pkg.module"`` or ``"pkg.module:attr"``), imported
     now; a class there (a detector's, an adapter's) is instantiated without arguments. An

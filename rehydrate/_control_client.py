@@ -28,6 +28,7 @@ from ._notify import (
     find_socket,
     ident,
     notify,
+    one_line,
     positive,
     request,
     summary,
@@ -67,15 +68,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         dump(status)
         return EXIT_OK
-    print(f"pid:         {reply.get('pid')}")
-    print(f"state:       {status.get('state')}")
-    print(f"generation:  {status.get('generation')}")
-    print(f"ready:       {status.get('ready')}")
-    print(f"detectors:   {', '.join(map(str, as_list(status.get('detectors')))) or 'none'}")
-    print(f"last_report: {summary(status.get('last_report'))}")
+    # Each field one line (one_line): what the process answered is data, and a value
+    # holding a newline or a terminal escape would otherwise forge the lines after it.
+    lines = [f"pid:         {reply.get('pid')}",
+             f"state:       {status.get('state')}",
+             f"generation:  {status.get('generation')}",
+             f"ready:       {status.get('ready')}",
+             f"detectors:   {', '.join(map(str, as_list(status.get('detectors')))) or 'none'}",
+             f"last_report: {summary(status.get('last_report'))}"]
     errors = status.get("detector_errors")
-    for name, why in sorted((errors if isinstance(errors, dict) else {}).items()):
-        print(f"NOT RUNNING: {name}: {why}")
+    lines += [f"NOT RUNNING: {name}: {why}"
+              for name, why in sorted((errors if isinstance(errors, dict) else {}).items(),
+                                      key=lambda item: str(item[0]))]
+    for line in lines:
+        print(one_line(line))
     return EXIT_OK
 
 
@@ -85,7 +91,7 @@ def cmd_trigger(args: argparse.Namespace) -> int:
     if reply is not None and args.json:
         dump(reply)
     elif reply is not None and reply.get("answer"):
-        print(reply["answer"])
+        print(one_line(str(reply["answer"])))
     return code
 
 

@@ -16,7 +16,7 @@ import errno
 import os
 import stat
 
-__all__ = ["READ_ONLY_EVENTS", "open_regular", "read_regular", "wipe"]
+__all__ = ["READ_ONLY_EVENTS", "kind_name", "open_regular", "read_regular", "wipe"]
 
 READ_ONLY_EVENTS = frozenset({"opened", "closed_no_write"})
 """watchdog event types that reading a watched file fires: a watcher that reads the file
@@ -28,6 +28,12 @@ _FLAGS = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
           stat.S_IFDIR: "a directory"}
+
+
+def kind_name(kind: int) -> str:
+    """What a ``stat.S_IFMT`` value that is not a regular file is, for a message
+    ("a FIFO", "a directory" …)."""
+    return _KINDS.get(kind, "not a regular file")
 
 
 def wipe(buf: bytearray) -> None:
@@ -44,7 +50,7 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+            kind = kind_name(stat.S_IFMT(mode))
             raise OSError(errno.EINVAL, f"not a regular file ({kind})", os.fspath(path))
         return fd
     except BaseException:

@@ -33,7 +33,14 @@ from ._context import (
     SnapshotReport,
     describe_error,
 )
-from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, Probe, load_extension
+from ._contract import (
+    DEFAULT_EXTENSIONS,
+    Engine,
+    Extension,
+    Probe,
+    load_extension,
+    refuse_another_engine,
+)
 from ._hooks import Hook, Registry
 from ._runner import HookRunner, LoopThread, Observer, inside_hook
 from .env import POLICIES, EnvRefresher, Policy, check_overlay
@@ -1156,11 +1163,11 @@ def _runs_elsewhere(d: Detector, engine: Lifecycle) -> str | None:
     """Why ``engine`` cannot start ``d`` (another engine runs it), else ``None``."""
     held = _RUNNING_ON.get(id(d))
     owner = held[1]() if held is not None and held[0] is d else None
-    if owner is None or owner is engine:
-        return None
-    return (f"this {type(d).__qualname__} instance already runs on another engine (it "
-            "reports there): a detector instance serves one engine at a time; stop it "
-            "there first, or give this engine its own instance")
+    try:
+        refuse_another_engine(d, owner, engine)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def _release(d: Detector, engine: Lifecycle) -> None:

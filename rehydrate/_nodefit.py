@@ -27,6 +27,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,13 +78,6 @@ class _DeadlineSocket(socket.socket):
 
     deadline = 0.0
 
-    @classmethod
-    def adopt(cls, sock: socket.socket, deadline: float) -> _DeadlineSocket:
-        """``sock``'s connection as a :class:`_DeadlineSocket` (``sock`` is detached)."""
-        new = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        new.deadline = deadline
-        return new
-
     def _arm(self) -> None:
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -103,10 +97,60 @@ class _DeadlineSocket(socket.socket):
         super().sendall(*args, **kwargs)
 
 
+def _resolve(host: str, port: int, deadline: float) -> list[tuple[Any, ...]]:
+    """``getaddrinfo`` for a TCP connection to ``host``, ended by ``deadline``.
+
+    ``getaddrinfo`` takes no timeout, and neither http.client's nor httpx's connect timeout
+    covers it: a resolver that does not answer held ``fingerprint()``, ``doctor`` and the
+    save hook for as long as it liked. A host name is looked up on a daemon thread,
+    abandoned at the deadline (it ends when the resolver gives up); an address literal
+    needs no lookup and no thread."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                  flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass  # a host name
+    found: list[list[tuple[Any, ...]]] = []
+    failed: list[OSError] = []
+
+    def lookup() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            failed.append(exc)
+
+    resolver = threading.Thread(target=lookup, name="rehydrate-metadata-dns", daemon=True)
+    resolver.start()
+    resolver.join(max(0.0, deadline - time.monotonic()))
+    if failed:
+        raise failed[0]
+    if not found:
+        raise TimeoutError("name lookup timed out")
+    return found[0]
+
+
+def _connect(host: str, port: int, deadline: float) -> _DeadlineSocket:
+    """A connection to ``host``:``port`` (each address in turn, as
+    ``socket.create_connection``) whose lookup, connect and every later send and receive
+    end by ``deadline``."""
+    error: OSError = TimeoutError("timed out")
+    for family, kind, proto, _, address in _resolve(host, port, deadline):
+        sock = _DeadlineSocket(family, kind, proto)
+        sock.deadline = deadline
+        try:
+            sock._arm()
+            sock.connect(address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error
+
+
 def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
     """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently).
-    ``timeout`` bounds the whole request (not the name lookup of a ``GCE_METADATA_HOST``
-    given as a host name)."""
+    ``timeout`` bounds the whole request, the name lookup of a ``GCE_METADATA_HOST`` given
+    as a host name included."""
     # http.client, not urllib.request: the same request without urllib's opener machinery
     # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
     import http.client
@@ -116,9 +160,9 @@ def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
     try:
         conn = http.client.HTTPConnection(host, timeout=timeout)
         try:
-            conn.connect()
-            # Sending the request and reading the answer end by the same deadline.
-            conn.sock = _DeadlineSocket.adopt(conn.sock, deadline)
+            # Resolving, connecting, sending the request and reading the answer all end
+            # by the same deadline (conn.connect() would resolve without one).
+            conn.sock = _connect(conn.host, conn.port, deadline)
             conn.request("GET", "/computeMetadata/v1/instance/machine-type",
                          headers={"Metadata-Flavor": "Google"})
             resp = conn.getresponse()

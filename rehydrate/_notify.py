@@ -315,7 +315,9 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
         reply = _decode(line)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
         raise ControlError(f"unreadable reply from {path}") from None
-    if not isinstance(reply, dict) or "ok" not in reply:
+    # "ok" is a JSON boolean in every reply: anything else ("false", 1) is garbage, not a
+    # verdict — read as truthy, a save notice said ok and the checkpoint went ahead.
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
         raise ControlError(f"unexpected reply from {path}")
     if reply.get("ok") is False and str(reply.get("error", "")).startswith("busy:"):
         return _BUSY
@@ -325,9 +327,18 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
 # -- the commands' output ----------------------------------------------------------------
 
 
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable shown as an escape (``\\n``,
+    ``\\x1b``): what a reply carries (an error, a state) is printed as one line, and
+    cannot forge further lines or send terminal control sequences."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def err(message: str) -> None:
     """One line on stderr, prefixed ``rehydrate:``."""
-    print(f"rehydrate: {message}", file=sys.stderr)
+    print(f"rehydrate: {one_line(message)}", file=sys.stderr)
 
 
 def dump(data: object) -> None:
@@ -505,7 +516,7 @@ def notify(opts: Options) -> int:
         elif code == EXIT_OK and reply is not None:
             dedup = (" — de-duplicated: this restore had already run, nothing ran again"
                      if reply.get("deduplicated") else "")
-            print(f"{action}: ok ({summary(reply.get('report'))}){dedup}")
+            print(one_line(f"{action}: ok ({summary(reply.get('report'))}){dedup}"))
         if sys.stdout is not None:  # None: started with fd 1 closed (print() writes nothing)
             sys.stdout.flush()
     except BrokenPipeError:

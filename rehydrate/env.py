@@ -201,6 +201,10 @@ class EnvRefresher:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"env policy must be one of {POLICIES}, not {self.policy!r}")
+        self.protect = _checked_protect(self.protect)
+        # Checked here, not at the restore: NaN, 0 or a negative number made every
+        # refresh "no answer within nans", infinity an OverflowError in the hook.
+        self.read_timeout = _config.seconds(self.read_timeout, "read_timeout")
         self._lock = threading.Lock()
         self._previous: set[bytes] | None = None
 
@@ -307,6 +311,29 @@ class EnvRefresher:
             env.pop(k, None)
         self._previous = set(new)
         return changes
+
+
+def _checked_protect(protect: object) -> tuple[str, ...]:
+    """``protect`` as a tuple of glob patterns; ``TypeError`` (one line) otherwise.
+
+    A single string was taken as a sequence of one-character patterns: ``protect="DB_*"``
+    protected every key (its ``*``), so a refresh silently changed nothing, and a
+    non-string pattern failed only at the restore."""
+    if isinstance(protect, (str, bytes)):
+        raise TypeError(f"protect must be a tuple of glob patterns, not a "
+                        f"{type(protect).__name__}: protect=({protect!r},)")
+    try:
+        patterns: tuple[object, ...] = tuple(protect)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"protect must be a tuple of glob patterns, not "
+                        f"{type(protect).__name__}") from None
+    checked: list[str] = []
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"protect patterns must be non-empty str, not "
+                            f"{_config.shown(pattern)}")
+        checked.append(pattern)
+    return tuple(checked)
 
 
 def _matches(key: bytes, patterns: Iterable[str]) -> bool:

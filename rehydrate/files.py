@@ -38,6 +38,7 @@ import builtins
 import contextlib
 import logging
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _config
-from ._files import read_regular
+from ._files import kind_name, read_regular
 from ._hooks import Phase
 from .extensions import Probe, resolve_engine
 
@@ -119,11 +120,16 @@ class _Identity:
     size: int
     mtime_ns: int
     ctime_ns: int
+    kind: int = stat.S_IFREG
+    """``stat.S_IFMT`` of the mode: a file that became a FIFO is another file."""
 
     @classmethod
     def of(cls, path: str) -> _Identity:
-        st = os.stat(path)
-        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return cls.from_stat(os.stat(path))
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> _Identity:
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IFMT(st.st_mode))
 
 
 def _file_key(st: os.stat_result) -> tuple[int, int]:
@@ -222,7 +228,7 @@ class _Handle:
                          "the start after it", self._kind, self.path)
             elif st is not None:
                 # Stat after the close, so the size and times include its last write-back.
-                ident = _Identity(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                ident = _Identity.from_stat(st)
             object.__setattr__(self, "_identity", ident)
             if failed is not None:
                 raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
@@ -238,6 +244,14 @@ class _Handle:
             if self._closed_by_user or not self._suspended:
                 return False
             now = _stat_after_restore(self.path)
+            expected = self._identity.kind if self._identity is not None else stat.S_IFREG
+            if now.kind not in (stat.S_IFREG, expected):
+                # A FIFO put at the path while frozen: open() waited for a writer for
+                # ever, the reopen hook timed out holding this handle's lock, the handles
+                # after it stayed closed, and no later restore ran the hook again.
+                raise ReopenFailed(f"managed {self._kind} {self.path} is now "
+                                   f"{kind_name(now.kind)}, not a regular file: not reopened "
+                                   "(opening it could wait for ever)")
             same = not volume_changed and now == self._identity
             self._open_now(same)
             object.__setattr__(self, "_suspended", False)

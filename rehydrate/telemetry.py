@@ -661,6 +661,14 @@ def refresh_on_restore(
     # Everything is checked before anything changes (a bad argument used to leave the
     # hooks half-installed: a corrected second call then installed none).
     timeout = timeout_value(flush_timeout, "telemetry: flush_timeout")
+    for p in providers:
+        # An SDK provider (tracer, meter, logger) has force_flush(): anything else (a
+        # Tracer, the API's proxy provider, a string) was accepted, never flushed, and
+        # failed every restore's identity hook with "no SDK resource found".
+        if not callable(getattr(p, "force_flush", None)):
+            raise TypeError(f"telemetry: {type(p).__name__} is not an OpenTelemetry SDK "
+                            "provider (it has no force_flush()): pass the TracerProvider, "
+                            "MeterProvider or LoggerProvider itself")
     exporters = list(exporters)
     for e in exporters:
         if not callable(getattr(e, "rebuild", None)):

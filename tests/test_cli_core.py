@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -162,3 +163,60 @@ def test_doctor_refuses_a_pid_that_is_not_one(option, capsys):
     assert cli.main(["doctor", option, "--pid", "999999999"]) == 1  # no such process
     err = capsys.readouterr().err
     assert err == f"rehydrate: doctor {option}: no process 999999999 here\n"
+
+
+@pytest.fixture
+def short_sock():
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="rh-cli-")  # AF_UNIX paths: pytest's tmp_path is too long
+    yield os.path.join(d, "ctl.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("option", ["--connections", "--files"])
+@pytest.mark.parametrize("pid", ['"self"', '"1/../../tmp"', "0", "true", "1.5", "[1]"])
+def test_doctor_refuses_a_socket_pid_that_is_not_one(option, pid, short_sock, capsys):
+    """The pid of the status reply was used as it came: "self" made doctor inspect the
+    command itself, "1/../../tmp" a path under /proc, both reported as the process."""
+    from one_answer import OneAnswer
+
+    server = OneAnswer(short_sock, b'{"ok": true, "pid": %s, "status": {}}\n' % pid.encode())
+    try:
+        code = cli.main(["doctor", option, "--socket", short_sock])
+    finally:
+        server.close()
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err.startswith(f"rehydrate: doctor {option}: no rehydrate process answers on the "
+                          "control socket (its status reply names no process ID: pid ")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("option", ["--connections", "--files"])
+@pytest.mark.parametrize("status", [
+    '[1]', '"up"',
+    '{"files": "garbage", "connections": 5}',
+    '{"files": {"handles": [1, "x"], "volumes": 3}, "connections": [1, {"name": "db", '
+    '"peers": 5}]}',
+    '{"files": {"handles": [{"path": 7}], "volumes": [{"mount_point": null}]}, '
+    '"connections": [{"name": "db", "peers": [5, "127.0.0.1:5432"]}]}',
+])
+def test_doctor_reads_a_status_of_another_shape_without_a_traceback(
+        option, status, short_sock, capsys):
+    """A status reply of another shape (another rehydrate version, garbage) ended doctor
+    --files / --connections with a traceback ('str' object has no attribute 'get')."""
+    from one_answer import OneAnswer
+
+    answer = b'{"ok": true, "pid": %d, "status": %s}\n' % (os.getpid(), status.encode())
+    server = OneAnswer(short_sock, answer)
+    try:
+        code = cli.main(["doctor", option, "--socket", short_sock])
+    finally:
+        server.close()
+    out, err = capsys.readouterr()
+    if status.startswith("{"):  # read as far as it goes: no managed handle is known
+        assert code == 0 and err == "" and f"process {os.getpid()}" in out
+    else:
+        assert code == 1 and out == ""
+        assert "its status reply is of an unexpected shape" in err and err.count("\n") == 1

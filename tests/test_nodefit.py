@@ -155,6 +155,47 @@ def test_a_metadata_server_trickling_its_answer_is_cut_off_at_the_timeout(
         assert srv.requests == 1
 
 
+def test_a_hanging_name_lookup_of_the_metadata_host_is_cut_off_at_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GCE_METADATA_HOST given as a host name was resolved with no deadline: a resolver
+    that never answered held machine_type() — and fingerprint(), doctor, the save hook —
+    for as long as it hung. The lookup is inside the timeout now."""
+    import socket
+
+    real = socket.getaddrinfo
+    release = threading.Event()
+    asked: list[object] = []
+
+    def hanging(host: object, *args: object, **kwargs: object) -> object:
+        numeric = int(kwargs.get("flags", 0)) & socket.AI_NUMERICHOST  # type: ignore[call-overload]
+        if host == "metadata.hangs.invalid" and not numeric:  # numeric: no DNS asked
+            asked.append(host)
+            release.wait(60)  # a resolver that does not answer (until the test ends)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    monkeypatch.setenv("GCE_METADATA_HOST", "metadata.hangs.invalid")
+    result: list[str | None] = []
+    caller = threading.Thread(
+        target=lambda: result.append(nodefit.machine_type(timeout=0.3)), daemon=True)
+    caller.start()
+    try:
+        caller.join(20)  # 0.3 s expected; a generous bound, not a timing measurement
+        assert not caller.is_alive(), "still resolving after 20 s"
+        assert result == [None] and asked == ["metadata.hangs.invalid"]
+    finally:
+        release.set()
+
+
+def test_the_metadata_host_by_name_still_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup on a helper thread still connects to a host given by name (and port)."""
+    with MetadataServer("n2-standard-8") as srv:
+        port = srv.host.rsplit(":", 1)[1]
+        monkeypatch.setenv("GCE_METADATA_HOST", f"localhost:{port}")
+        assert nodefit.machine_type(timeout=10) == "n2-standard-8"
+
+
 @pytest.mark.parametrize("status", [403, 404, 500, 503])
 def test_metadata_error_answer_is_no_machine_type(monkeypatch: pytest.MonkeyPatch,
                                                   status: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from one_answer import OneAnswer
 
 from rehydrate import Lifecycle, Registry
 from rehydrate import __main__ as entry
@@ -304,3 +305,59 @@ def test_ordinary_timeouts_are_still_shown_exactly() -> None:
                          (10**16 - 1, "9999999999999999")):
         with pytest.raises(ValueError, match=rf", not {re.escape(shown)}$"):
             timeout_value(value)
+
+
+@pytest.mark.parametrize("answer", [b'{"ok": "false"}\n', b'{"ok": 1, "report": {}}\n',
+                                    b'{"ok": null}\n', b'{"ok": [true]}\n'])
+@pytest.mark.parametrize("command", [["notify", "save"], ["status"], ["trigger"]])
+def test_a_reply_whose_ok_is_not_a_boolean_is_unexpected_not_a_success(
+        sock_path: str, answer: bytes, command: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: any truthy "ok" was a success — `{"ok": "false"}` made `notify save` exit 0
+    ("save: ok"), and the platform took the checkpoint without the hooks having run."""
+    server = OneAnswer(sock_path, answer)
+    try:
+        code = entry.main([*command, "--socket", sock_path])
+    finally:
+        server.close()
+    out, err = capsys.readouterr()
+    assert code == 3, (out, err)
+    assert err == f"rehydrate: {' '.join(command)}: unexpected reply from {sock_path}\n"
+    assert "ok" not in out
+
+
+@pytest.mark.parametrize("command", [["notify", "save"], ["status"], ["trigger"]])
+def test_an_error_from_the_socket_is_printed_as_one_line(
+        sock_path: str, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A server's error holding a newline or a terminal escape was printed raw: a second,
+    forged "rehydrate:" line on stderr, or colours and cursor moves on the terminal."""
+    answer = (b'{"ok": false, "error": "bad\\nrehydrate: notify save: ok\\u001b[2K"}\n')
+    server = OneAnswer(sock_path, answer)
+    try:
+        code = entry.main([*command, "--socket", sock_path])
+    finally:
+        server.close()
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert err == f"rehydrate: {' '.join(command)}: bad\\nrehydrate: notify save: ok\\x1b[2K\n"
+
+
+def test_status_text_shows_each_field_on_its_own_line(
+        sock_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status = {"state": "running\nready:       True", "generation": 3, "ready": False,
+              "detectors": ["control\x1b[8m"], "last_report": None,
+              "detector_errors": {"gvisor": "no /proc/gvisor\nNOT RUNNING: none"}}
+    answer = json.dumps({"ok": True, "pid": 42, "status": status}).encode() + b"\n"
+    server = OneAnswer(sock_path, answer)
+    try:
+        assert entry.main(["status", "--socket", sock_path]) == 0
+    finally:
+        server.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["pid:         42",
+                     "state:       running\\nready:       True",
+                     "generation:  3",
+                     "ready:       False",
+                     "detectors:   control\\x1b[8m",
+                     "last_report: none",
+                     "NOT RUNNING: gvisor: no /proc/gvisor\\nNOT RUNNING: none"]

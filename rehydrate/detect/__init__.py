@@ -102,7 +102,9 @@ class Detector:
         """Begin watching; report events with ``engine.restore_detected()`` /
         ``engine.snapshot_requested()``. Called by the engine; raise when it cannot start.
         An instance serves one engine at a time: the engines refuse to start one that
-        another engine runs (so a detector need not check that itself)."""
+        another engine runs (so a detector need not check that itself). The built-in
+        detectors refuse it too when started directly, outside an engine (the same
+        ``RuntimeError`` line)."""
         raise NotImplementedError
 
     def stop(self) -> None:

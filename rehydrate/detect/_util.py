@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from .. import _config
+from .._contract import refuse_another_engine
 from . import Detector
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ class DeferringDetector(Detector):
     def start(self, engine: Engine) -> None:
         with self._lock:
             if self._thread is not None and self._thread.alive:
+                refuse_another_engine(self, self._engine, engine)
                 return
             # Started again after its thread died, without stop(): the old deferral's
             # report listener is still attached (a leak, and one more per restart).

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
 from .._context import Report, describe_error
-from .._contract import Probe
+from .._contract import Probe, refuse_another_engine
 from .._notify import not_a_socket, timeout_value
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
@@ -686,6 +686,7 @@ class ControlDetector(Detector):
 
     def start(self, engine: Engine) -> None:
         if self.server is not None:
+            refuse_another_engine(self, self.server.engine, engine)
             raise RuntimeError("this control detector is already running")
         server = ControlServer(engine, self.path)
         server.start()

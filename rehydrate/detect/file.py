@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
-from .._contract import Probe
+from .._contract import Probe, refuse_another_engine
 from .._files import READ_ONLY_EVENTS, open_regular
 from .._gvisor import running_under_gvisor
 from . import Detector
@@ -208,6 +208,7 @@ class FileDetector(Detector):
     def start(self, engine: Engine) -> None:
         with self._lock:
             if self._worker is not None:
+                refuse_another_engine(self, self._engine, engine)
                 return
             parent = os.path.dirname(self.path)
             if not os.path.isdir(parent):

@@ -53,7 +53,7 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from .. import _config
-from .._contract import Probe
+from .._contract import Probe, refuse_another_engine
 from .._gvisor import running_under_gvisor
 from . import Detector
 
@@ -316,6 +316,7 @@ class GVisorDetector(Detector):
 
     def start(self, engine: Engine) -> None:
         if self._thread is not None:
+            refuse_another_engine(self, self._engine, engine)
             raise RuntimeError("this gVisor waiter is already running")
         orphan = self._orphan
         if orphan is not None and orphan.is_alive():

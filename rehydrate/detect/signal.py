@@ -44,7 +44,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
-from .._contract import Probe
+from .._contract import Probe, refuse_another_engine
 from . import Detector
 from ._util import checked_kind, env_kind
 
@@ -130,6 +130,7 @@ class SignalDetector(Detector):
     def start(self, engine: Engine) -> None:
         with self._lock:
             if self._thread is not None:
+                refuse_another_engine(self, self._run.engine if self._run else None, engine)
                 return
             if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError(

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _config
 from .._context import Report, describe_error
-from .._contract import Probe
+from .._contract import Probe, refuse_another_engine
 from . import Detector
 
 if TYPE_CHECKING:
@@ -193,6 +193,9 @@ class SnapStartDetector(Detector):
         return _config.number("REHYDRATE_SNAPSTART_DEADLINE")
 
     def start(self, engine: Engine) -> None:
+        # Before anything changes: started directly for a second engine, it took that
+        # engine's deadline, bridged to both and let stop() release only the second.
+        refuse_another_engine(self, self._engine, engine)
         module = importlib.import_module("snapshot_restore_py")
         deadline = self._deadline()
         if deadline >= LAMBDA_RESTORE_LIMIT:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from .. import _config
-from .._contract import Probe
+from .._contract import Probe, refuse_another_engine
 from . import Detector
 from ._util import DEFAULT_WINDOW, DetectorThread, thread_failure
 
@@ -217,6 +217,7 @@ class VmClockDetector(Detector):
     def start(self, engine: Engine) -> None:
         with self._lock:
             if self._thread is not None and self._thread.alive:
+                refuse_another_engine(self, self._engine, engine)
                 return
             why = self._probe_path(self.path)
             if why is not None:

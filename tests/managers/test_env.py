@@ -285,6 +285,34 @@ def test_invalid_policy_is_refused():
         EnvRefresher(path=None, policy="merge")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", ["RHT_SECRET_*", b"RHT_*", 5, [1], ("",), (None,)])
+def test_a_protect_that_is_not_a_tuple_of_patterns_is_refused(bad, tmp_path, environ):
+    """protect="DB_*" was taken as the patterns D, B, _ and * — the last protecting every
+    key, so a refresh silently changed nothing; a non-str pattern failed only at the
+    restore. Refused when the refresher is made, in one line."""
+    with pytest.raises(TypeError, match="protect") as refused:
+        EnvRefresher(path=None, protect=bad)
+    assert "\n" not in str(refused.value)
+
+
+def test_protect_given_as_a_list_still_works(tmp_path, environ):
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_SECRET_X": b"2", b"RHT_PLAIN": b"2"})
+    environ[b"RHT_SECRET_X"] = b"1"
+    ref = EnvRefresher(path=str(spec), protect=["RHT_SECRET_*"])  # type: ignore[arg-type]
+    assert ref.protect == ("RHT_SECRET_*",)
+    assert ref.refresh() == EnvChanges(added=("RHT_PLAIN",))
+    assert environ[b"RHT_SECRET_X"] == b"1"
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True, 10**400])
+def test_a_read_timeout_that_is_not_seconds_is_refused(bad):
+    """read_timeout=nan (or 0, -1) made every refresh fail with "no answer within nans";
+    infinity an OverflowError in the hook. The seconds rule applies when it is made."""
+    with pytest.raises((TypeError, ValueError), match="read_timeout must be a number"):
+        EnvRefresher(path=None, read_timeout=bad)
+
+
 def test_protect_list_blocks_set_and_removal(tmp_path, environ):
     spec = tmp_path / "spec_environ"
     write(spec, {b"RHT_SECRET_X": b"1", b"RHT_PLAIN": b"1", b"RHT_GONE": b"1"})

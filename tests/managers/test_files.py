@@ -504,3 +504,41 @@ def test_a_close_that_fails_after_closing_is_reopened_by_the_resume(
     f.write(b"two\n")
     f.close()
     assert p.read_bytes() == b"one\ntwo\n"
+
+
+@pytest.mark.parametrize("mode", ["r", "a", "rb"])
+def test_a_file_replaced_by_a_fifo_while_frozen_fails_its_reopen_without_waiting(
+        engine, tmp_path: Path, mode: str) -> None:
+    """A managed file that is a FIFO after the restore: open() waited for a writer for
+    ever — the reopen hook timed out holding the handle's lock, the handles after it stayed
+    closed, and later restores never ran the hook again (it was still running)."""
+    import threading
+
+    fifo, after = tmp_path / "fifo-now.txt", tmp_path / "after.txt"
+    fifo.write_text("x\n")
+    after.write_text("y\n")
+    replaced = files.open(fifo, mode, engine=engine)
+    later = files.open(after, engine=engine)  # reopened after it, in registration order
+    assert engine.simulate_snapshot().ok
+    fifo.unlink()
+    os.mkfifo(fifo)
+    reports: list = []
+    runner = threading.Thread(target=lambda: reports.append(engine.simulate_restore()),
+                              daemon=True)
+    runner.start()
+    runner.join(20)  # at once expected; the hook's own timeout is 30 s
+    if runner.is_alive():  # let the stuck open() finish so the engine can close
+        os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+        runner.join(60)
+        pytest.fail("the reopen waited on the FIFO")
+    hook = _hook(reports[0], "rehydrate.files.reopen")
+    assert hook.outcome == "failed"
+    assert str(hook.error) == (f"managed file {fifo} is now a FIFO, not a regular file: "
+                               "not reopened (opening it could wait for ever)")
+    assert replaced.suspended and not later.suspended and later.readline() == "y\n"
+    fifo.unlink()  # the file is back: the next restore reopens it, from the start
+    fifo.write_text("new\n")
+    assert engine.simulate_restore().ok
+    assert replaced.changed and not replaced.suspended
+    if "r" in mode:
+        assert replaced.readline() in ("new\n", b"new\n")

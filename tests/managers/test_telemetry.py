@@ -519,6 +519,23 @@ def test_bad_refresh_or_instrument_arguments_change_nothing(otel):
     assert [h.name for h in report.hooks].count("rehydrate.telemetry.identity") == 1
 
 
+@pytest.mark.parametrize("bad", ["nope", None, "tracer", "proxy"])
+def test_refresh_refuses_what_is_not_an_sdk_provider(otel, bad):
+    """refresh_on_restore(tracer) or (the API's proxy provider) was accepted: nothing was
+    ever flushed before a snapshot and every restore's identity hook failed with "no SDK
+    resource found" (or, for a Tracer, quietly flushed nothing)."""
+    from opentelemetry.trace import ProxyTracerProvider
+
+    engine, _, _, tp, _ = otel
+    arg = {"tracer": tp.get_tracer("app"), "proxy": ProxyTracerProvider()}.get(bad, bad)
+    with pytest.raises(TypeError, match="not an OpenTelemetry SDK provider"):
+        telemetry.refresh_on_restore(tp, arg, engine=engine)
+    # nothing changed: no hooks, no provider managed
+    assert telemetry.manager(engine)._managed_providers == []
+    assert "rehydrate.telemetry.identity" not in [
+        h.name for h in engine.simulate_restore().hooks]
+
+
 class _StuckProvider:
     """A provider whose force_flush() ignores its timeout and blocks (an exporter stuck on
     a black-holed collector) until released."""
