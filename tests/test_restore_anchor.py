@@ -562,6 +562,43 @@ def test_an_abort_answer_after_a_run_that_announced_no_abort_runs_again(
     assert not again.deduplicated and len(runs) == 2
 
 
+@pytest.mark.parametrize("attempt_one", ["failed", "ok"])
+def test_an_answer_for_an_earlier_pass_does_not_undo_the_latest_one(
+        rehydrate_engine: Lifecycle, attempt_one: str) -> None:
+    """A checkpoint retried before the waiter handled the first attempt's ``error``: that
+    answer names the first pass after its descriptor was opened, not the retry's pass,
+    which stays pending (before: the resume hooks ran and undid the retry's pass)."""
+    runs = _runs(rehydrate_engine)
+    fail = [attempt_one == "failed"]
+
+    @rehydrate_engine.registry.before_snapshot(name="test.flush")
+    def flush() -> None:
+        if fail[0]:
+            raise RuntimeError("disk full")
+
+    opened = time.monotonic()  # the waiter's descriptor, before attempt 1
+    first = rehydrate_engine.snapshot_requested("control")
+    if attempt_one == "failed":
+        assert not first.ok
+        rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                          frozen_for=0.0, undoes=opened,
+                                          abort="announced")
+    fail[0] = False
+    reopened = time.monotonic()  # the waiter's next descriptor, before attempt 2
+    assert rehydrate_engine.snapshot_requested("control").ok  # attempt 2
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                             undoes=opened, abort="answered")
+    assert late.deduplicated
+    assert len(runs) == (1 if attempt_one == "failed" else 0)
+    assert rehydrate_engine.status().state == "snapshotting"
+    assert not rehydrate_engine.is_ready()
+    # Attempt 2's own answer (on the descriptor opened before it) runs them.
+    own = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                            undoes=reopened, abort="answered")
+    assert not own.deduplicated and runs[-1] == ("gvisor", "resume", 0)
+    assert rehydrate_engine.is_ready()
+
+
 def test_a_bad_abort_value_is_refused_before_anything_runs(
         rehydrate_engine: Lifecycle) -> None:
     runs = _runs(rehydrate_engine)

@@ -311,3 +311,49 @@ def test_an_error_after_a_carry_on_that_expected_no_checkpoint_still_runs(
     finally:
         engine.stop()
         platform.close()
+
+
+@pytest.mark.parametrize("second", ["resume", "restore", "error"])
+def test_a_late_error_for_attempt_one_does_not_undo_the_retry_pass(
+        sandbox: Sandbox, engine: Lifecycle, monkeypatch: pytest.MonkeyPatch,
+        second: str) -> None:
+    """Attempt 1's ``notify save`` fails (carry-on run), gVisor answers ``error`` for it,
+    and the platform retries at once: attempt 2's ``notify save`` (a new before-snapshot
+    pass) runs before the waiter thread has handled attempt 1's ``error``. That late answer
+    belongs to attempt 1's pass: it ran the resume hooks while attempt 2's checkpoint was
+    pending (undoing attempt 2's pass) before the fix."""
+    fail = [True]
+    _failing_pass(engine, fail)
+    retried = threading.Event()
+    arrived = threading.Event()
+    real = engine.restore_detected
+
+    def slow_waiter(name: str, **kwargs: Any) -> Any:
+        if name == "gvisor" and not retried.is_set():
+            arrived.set()  # the waiter read attempt 1's answer; the thread is slow now
+            assert retried.wait(DEADLINE), "attempt 2 did not come"
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(engine, "restore_detected", slow_waiter)
+    first = request("prepare-snapshot", socket_path=sandbox.socket,
+                    fields={"in_checkpoint": True})
+    assert first["ok"] is False
+    assert sandbox.runs() == [("resume", "control", 0.0)]
+    answer(sandbox.waiter, b"error\n")  # gVisor: attempt 1 failed
+    assert arrived.wait(DEADLINE)
+
+    fail[0] = False  # attempt 2's before-snapshot pass succeeds
+    assert request("prepare-snapshot", socket_path=sandbox.socket,
+                   fields={"in_checkpoint": True})["ok"] is True
+    retried.set()
+    wait_for(lambda: sandbox.waiter.status()["answers"] >= 1, what="attempt 1's answer")
+    assert sandbox.runs() == [("resume", "control", 0.0)], "attempt 2's pass was undone"
+    assert engine.status().state == "snapshotting" and not engine.is_ready()
+    late = sandbox.waiter_report()
+    assert late.deduplicated and late.reason == "control"
+
+    sandbox.gvisor_answers(f"{second}\n".encode())  # attempt 2's own answer
+    kind = "restore" if second == "restore" else "resume"
+    assert [(k, r) for k, r, _ in sandbox.runs()] == [("resume", "control"), (kind, "gvisor")]
+    assert not sandbox.waiter_report().deduplicated
+    assert engine.is_ready()
