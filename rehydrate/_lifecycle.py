@@ -946,7 +946,7 @@ class Lifecycle:
                                duration=duration, hooks=tuple(results), started_at=started,
                                error=error, env_changes=ctx.env_changes, frozen_for=frozen_for,
                                notice_to_run=waited)
-        if self._pass is not None and self._pass.undone_by is None:
+        if self._pass is not None and self._pass.undone_by is None and _reopened(report):
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
@@ -1298,6 +1298,15 @@ def _add_note(exc: BaseException, note: str) -> None:
             notes.append(note)
         else:  # pragma: no cover - a type refusing new attributes: no note
             exc.__notes__ = [note]  # type: ignore[attr-defined,unused-ignore]
+
+
+def _reopened(report: RestoreReport) -> bool:
+    """Whether ``report``'s run may have reopened what a before-snapshot pass closed: it
+    started a hook, or had none to start. A run whose deadline had passed before any hook
+    began (each reported ``timeout``, never started), or whose hooks all still ran in
+    threads abandoned earlier, did not: a later notice for that pass must run them."""
+    runnable = [h for h in report.hooks if h.outcome != "skipped"]
+    return not runnable or any(h.attempts > 0 for h in runnable)
 
 
 def _log_run(report: RestoreReport) -> None:

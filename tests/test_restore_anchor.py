@@ -599,6 +599,37 @@ def test_an_answer_for_an_earlier_pass_does_not_undo_the_latest_one(
     assert rehydrate_engine.is_ready()
 
 
+def test_a_carry_on_that_started_no_hook_is_not_the_pass_undone(
+        rehydrate_engine: Lifecycle) -> None:
+    """A run deadline (the SnapStart bridge's, on every run of the engine) had passed by
+    the time the announced carry-on got the engine (it waited for a run in progress): no
+    hook started, nothing was reopened. gVisor's ``error`` for that pass then runs the
+    resume hooks (before: it confirmed the empty run, and the engine stayed degraded)."""
+    runs = _runs(rehydrate_engine)
+    _failing_snapshot(rehydrate_engine)
+    rehydrate_engine.set_restore_deadline("snapstart", 8.0)
+    opened = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("control").ok
+    late = rehydrate_engine.restore_detected(
+        "control", kind="resume", anchor=False, frozen_for=0.0, undoes=opened,
+        abort="announced", detected_at=time.monotonic() - 9.0)  # 9 s waiting for the lock
+    assert runs == [] and not late.ok
+    assert late.hooks and {(h.outcome, h.attempts, getattr(h.error, "started", None))
+                           for h in late.hooks} == {("timeout", 0, False)}
+    assert rehydrate_engine.status().state == "degraded"
+
+    answered = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                                 undoes=opened, abort="answered")
+    assert not answered.deduplicated and answered.ok
+    assert runs == [("gvisor", "resume", 0)]
+    assert rehydrate_engine.is_ready() and rehydrate_engine.status().state == "ready"
+    # That run undid the pass: another notice for it is the confirmation.
+    again = rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                              frozen_for=0.0, undoes=opened,
+                                              abort="announced")
+    assert again.deduplicated and runs == [("gvisor", "resume", 0)]
+
+
 def test_a_bad_abort_value_is_refused_before_anything_runs(
         rehydrate_engine: Lifecycle) -> None:
     runs = _runs(rehydrate_engine)
