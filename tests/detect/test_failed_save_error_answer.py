@@ -108,8 +108,11 @@ class Sandbox:
 
 
 @pytest.fixture
-def sandbox(engine: Lifecycle, short_dir: Path) -> Sandbox:
-    return Sandbox(engine, short_dir)
+def sandbox(engine: Lifecycle, short_dir: Path) -> Iterator[Sandbox]:
+    yield Sandbox(engine, short_dir)
+    # Before short_dir is removed: a waiter that got no answer sits in a blocking open()
+    # of the FIFO, which stop() ends by opening it as a writer — by its path.
+    engine.stop()
 
 
 def _failing_pass(engine: Lifecycle, fail: list[bool] | None = None) -> None:
