@@ -59,6 +59,8 @@ T = TypeVar("T")
 State = Literal["running", "snapshotting", "restoring", "ready", "degraded"]
 
 _SEEN_KEYS = 256
+_PASSES = 16
+"""Before-snapshot passes remembered for notices that name one (``undoes``)."""
 
 
 @dataclass
@@ -164,6 +166,11 @@ class Lifecycle:
         it is never the restore a later notice is about."""
         self._last_restore_report: RestoreReport | None = None
         self._pass: _Pass | None = None
+        """The latest before-snapshot pass (the last of :attr:`_passes`)."""
+        self._passes: collections.deque[_Pass] = collections.deque(maxlen=_PASSES)
+        """The latest passes, oldest first: a late notice names the pass it is about,
+        which may be older than the latest (a checkpoint retried before the waiter read
+        the earlier attempt's answer)."""
         self._event_seq = 0  # +1 per run (under _run_lock); ends a snapshot deadline watch
 
         # Freeze watch (see heartbeat()): fed by a watcher thread, read by is_ready().
@@ -658,10 +665,14 @@ class Lifecycle:
         restore because some other restore — or a false alarm — was handled in between.
         ``since=None`` never deduplicates by time.
 
-        ``undoes``: the notice ends, without a checkpoint of it completing, the latest
-        before-snapshot pass if that pass began at or after this ``time.monotonic()``
-        moment — a carry-on run (``notify save`` failed or its client went away), or a
-        platform's answer that the checkpoint failed. Every run undoes the latest pass
+        ``undoes``: the notice ends, without a checkpoint of it completing, the first
+        before-snapshot pass that began at or after this ``time.monotonic()`` moment — a
+        carry-on run (``notify save`` failed or its client went away), or a platform's
+        answer that the checkpoint failed (a waiter's descriptor is answered for the first
+        checkpoint to end after it was opened). When a newer pass has begun since that one
+        (the checkpoint was retried before this notice was handled), nothing runs: the
+        resume hooks would undo the newer pass, whose own notice runs them; the notice
+        confirms the run that undid its pass, if any. Every run undoes the latest pass
         (its hooks reopen what the pass closed), so when a run already followed that pass
         this notice only confirms it (its reason goes into that report's
         ``confirmed_by``; nothing runs) — with one exception: ``abort="answered"`` (the
@@ -698,9 +709,12 @@ class Lifecycle:
                 if (since is not None and last is not None and last_at is not None
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason)
-                ended = self._pass
-                if undoes is None or (ended is not None and ended.started < undoes):
-                    ended = None  # no pass named, or an older one than the notice's
+                ended = None if undoes is None else self._named_pass(undoes)
+                if ended is not None and ended is not self._pass:
+                    # About an earlier attempt, and a newer pass has closed things since
+                    # (its checkpoint is pending, or was answered on its own): running
+                    # the resume hooks now would undo that pass, not this one.
+                    return self._superseded(ended, reason)
                 if ended is not None and ended.undone_by is not None and (
                         abort != "answered" or ended.abort_announced):
                     return self._confirm_carry_on(ended.undone_by, reason)
@@ -734,6 +748,32 @@ class Lifecycle:
             self._freeze_handled(time.monotonic())
         return dataclasses.replace(confirmed, deduplicated=True)
 
+    def _named_pass(self, undoes: float) -> _Pass | None:
+        """The pass a notice with ``undoes`` is about: the first that began at or after
+        that moment (a platform answers a waiter's descriptor for the first checkpoint to
+        end after it was opened; a later pass belongs to a later checkpoint). None when no
+        pass began since. Under ``_run_lock``."""
+        passes = self._passes
+        if not passes or passes[-1].started < undoes:
+            return None
+        if len(passes) == passes.maxlen and passes[0].started >= undoes:
+            return _Pass(-math.inf)  # older than every pass kept: superseded for sure
+        return next(p for p in passes if p.started >= undoes)
+
+    def _superseded(self, ended: _Pass, reason: str) -> RestoreReport:
+        """A notice for a before-snapshot pass that a newer pass has followed: run
+        nothing (the newer pass's own notice runs the hooks). Under ``_run_lock``."""
+        log.info("%s notice for an earlier before-snapshot pass than the latest one (a "
+                 "checkpoint retried meanwhile): nothing run for it", reason)
+        if ended.undone_by is not None:
+            run = self._record_confirmation(ended.undone_by, reason)
+            return dataclasses.replace(run, deduplicated=True)
+        # That pass was never undone, and the newer pass closed things again: there is no
+        # run to point at; an empty report says nothing ran.
+        return RestoreReport(ok=True, generation=self._generation, reason=reason,
+                             kind="resume", duration=0.0, hooks=(), started_at=time.time(),
+                             deduplicated=True)
+
     def _confirm_carry_on(self, run: RestoreReport, reason: str) -> RestoreReport:
         """A notice for a before-snapshot pass that ``run`` already undid (see ``undoes``
         in :meth:`restore_detected`): record it, run nothing. Under ``_run_lock``.
@@ -752,8 +792,9 @@ class Lifecycle:
         confirmed = dataclasses.replace(report, confirmed_by=(*report.confirmed_by, reason))
         if self._last_restore_report is report:
             self._last_restore_report = confirmed
-        if self._pass is not None and self._pass.undone_by is report:
-            self._pass.undone_by = confirmed
+        for done in self._passes:
+            if done.undone_by is report:
+                done.undone_by = confirmed
         with self._cond:
             if self._last_report is report:
                 self._last_report = confirmed
@@ -912,7 +953,7 @@ class Lifecycle:
                                duration=duration, hooks=tuple(results), started_at=started,
                                error=error, env_changes=ctx.env_changes, frozen_for=frozen_for,
                                notice_to_run=waited)
-        if self._pass is not None and self._pass.undone_by is None:
+        if self._pass is not None and self._pass.undone_by is None and _reopened(report):
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
@@ -928,6 +969,7 @@ class Lifecycle:
         self._event_seq += 1
         self._last_snapshot_at = time.monotonic()
         self._pass = _Pass(self._last_snapshot_at)
+        self._passes.append(self._pass)
         ctx = RestoreContext(generation=self._generation, reason=reason, kind="snapshot",
                              detected_at=time.monotonic())
         self._set_state("snapshotting")
@@ -1263,6 +1305,15 @@ def _add_note(exc: BaseException, note: str) -> None:
             notes.append(note)
         else:  # pragma: no cover - a type refusing new attributes: no note
             exc.__notes__ = [note]  # type: ignore[attr-defined,unused-ignore]
+
+
+def _reopened(report: RestoreReport) -> bool:
+    """Whether ``report``'s run may have reopened what a before-snapshot pass closed: it
+    started a hook, or had none to start. A run whose deadline had passed before any hook
+    began (each reported ``timeout``, never started), or whose hooks all still ran in
+    threads abandoned earlier, did not: a later notice for that pass must run them."""
+    runnable = [h for h in report.hooks if h.outcome != "skipped"]
+    return not runnable or any(h.attempts > 0 for h in runnable)
 
 
 def _log_run(report: RestoreReport) -> None:

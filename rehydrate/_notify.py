@@ -202,9 +202,13 @@ _BUSY: dict[str, Any] = {"ok": False, "error": "busy"}
 
 
 def _encode(req: dict[str, Any]) -> bytes:
-    """One request line. ``{"cmd": …}`` alone (every ``notify``) needs no encoder module."""
-    if len(req) == 1 and isinstance(req["cmd"], str):
-        return b'{"cmd": ' + _json.encode_basestring_ascii(req["cmd"]).encode() + b"}\n"
+    """One request line. ``{"cmd": …}`` with nothing but flags set to true (every
+    ``notify``) needs no encoder module."""
+    if isinstance(req["cmd"], str) and all(
+            isinstance(k, str) and (k == "cmd" or v is True) for k, v in req.items()):
+        enc = _json.encode_basestring_ascii
+        return ("{" + ", ".join(f"{enc(k)}: {enc(v) if k == 'cmd' else 'true'}"
+                                for k, v in req.items()) + "}\n").encode()
     import json
 
     return json.dumps(req).encode() + b"\n"
@@ -507,9 +511,15 @@ def notify(opts: Options) -> int:
         return EXIT_USAGE
     if action is None:
         return EXIT_OK  # a CRIU action at which the process is frozen or not involved
+    # Run by gVisor's save-restore-exec, a failure here aborts the checkpoint in progress,
+    # and gVisor answers that abort ("error") to the process's waiter: the process may then
+    # take that answer for this save's (see "in_checkpoint" in rehydrate.detect.control).
+    # A save run by hand has no checkpoint behind it, whose answer could be expected.
+    fields = ({"in_checkpoint": True}
+              if action == "save" and os.environ.get(GVISOR_MODE) == "save" else None)
     reply, code = call(NOTIFY_CMD[action], label=f"notify {action}", socket_path=opts.socket,
                        timeout=opts.timeout, as_json=opts.json, expect_uid=opts.expect_uid,
-                       expect_pid=opts.expect_pid)
+                       expect_pid=opts.expect_pid, fields=fields)
     try:
         if reply is not None and opts.json:
             dump(reply)

@@ -274,6 +274,14 @@ class _Progress:
                     entered or math.isinf(self.waiting_until)):
                 self.wake.set()
 
+    def backoff(self, seconds: float) -> None:
+        """Hook ``index`` waits ``seconds`` before its next attempt and then gets its full
+        timeout: the supervisor's limit is moved past both (never past the run's
+        deadline), or it would report the wait as the last attempt's ``timeout`` and
+        abandon a worker that then starts the retry after the run was reported."""
+        with self.lock:
+            self.deadline = min(time.monotonic() + seconds, self.run_end)
+
     def time_left(self) -> float:
         """Seconds until the run's deadline (``inf`` without one; may be negative)."""
         return self.run_end - time.monotonic()
@@ -420,7 +428,10 @@ class HookRunner:
             delay = backoff_delay(attempt)
             if delay >= job.time_left():  # no retry that could not start before the deadline
                 break
+            job.backoff(delay + hook.timeout)
             time.sleep(delay)
+            if job.abandoned:  # given up meanwhile (the caller interrupted): no late retry
+                break
             attempt += 1
         result = HookResult(
             hook.name,
@@ -535,6 +546,7 @@ class HookRunner:
             delay = backoff_delay(attempt)
             if delay >= job.time_left():  # no retry that could not start before the deadline
                 break
+            job.backoff(delay + hook.timeout + ASYNC_GRACE)
             await asyncio.sleep(delay)
             attempt += 1
         result = HookResult(hook.name, hook.phase, outcome,  # type: ignore[arg-type]

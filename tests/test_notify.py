@@ -106,6 +106,44 @@ def test_the_notifier_runs_the_hooks_and_imports_only_light_modules(
     assert ours <= LIGHT, sorted(ours - LIGHT)
 
 
+@pytest.mark.parametrize("caller", ["save-restore-exec", "by hand"])
+def test_a_save_says_whether_it_runs_inside_a_gvisor_checkpoint(
+        caller: str, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gVisor's save-restore-exec (``GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE=save``) sends
+    ``"in_checkpoint": true``: its failure aborts a checkpoint whose ``error`` answer is
+    then due. ``notify save`` by hand does not. Still only light modules either way."""
+    from rehydrate.detect.control import ControlServer
+
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    seen: list[dict[str, object]] = []
+    real = ControlServer._dispatch
+
+    def record(self: ControlServer, cmd: str, req: dict[str, object]) -> dict[str, object]:
+        seen.append(dict(req))
+        return real(self, cmd, req)
+
+    monkeypatch.setattr(ControlServer, "_dispatch", record)
+    try:
+        assert eng.start([ControlDetector(sock_path)]) == ["control"]
+        env = _env()
+        if caller == "by hand":
+            argv = [str(BIN / "rehydrate-notify"), "save", "--socket", sock_path]
+        else:
+            argv = [str(BIN / "rehydrate-notify"), "--socket", sock_path]
+            env["GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"] = "save"
+        proc = subprocess.run([sys.executable, "-X", "importtime", *argv], env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr
+        modules = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+                   if line.startswith("import time:")}
+        assert not modules & {"json", "re"}, sorted(modules & {"json", "re"})
+    finally:
+        eng.close()
+    expected = ({"cmd": "prepare-snapshot", "in_checkpoint": True}
+                if caller == "save-restore-exec" else {"cmd": "prepare-snapshot"})
+    assert seen == [expected]
+
+
 def test_a_failing_check_of_the_imports_is_possible() -> None:
     """The check above can fail: the argparse CLI (any other command) loads what it bans."""
     proc, modules = _imported(["-m", "rehydrate", "doctor", "--help"])

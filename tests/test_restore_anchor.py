@@ -562,6 +562,74 @@ def test_an_abort_answer_after_a_run_that_announced_no_abort_runs_again(
     assert not again.deduplicated and len(runs) == 2
 
 
+@pytest.mark.parametrize("attempt_one", ["failed", "ok"])
+def test_an_answer_for_an_earlier_pass_does_not_undo_the_latest_one(
+        rehydrate_engine: Lifecycle, attempt_one: str) -> None:
+    """A checkpoint retried before the waiter handled the first attempt's ``error``: that
+    answer names the first pass after its descriptor was opened, not the retry's pass,
+    which stays pending (before: the resume hooks ran and undid the retry's pass)."""
+    runs = _runs(rehydrate_engine)
+    fail = [attempt_one == "failed"]
+
+    @rehydrate_engine.registry.before_snapshot(name="test.flush")
+    def flush() -> None:
+        if fail[0]:
+            raise RuntimeError("disk full")
+
+    opened = time.monotonic()  # the waiter's descriptor, before attempt 1
+    first = rehydrate_engine.snapshot_requested("control")
+    if attempt_one == "failed":
+        assert not first.ok
+        rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                          frozen_for=0.0, undoes=opened,
+                                          abort="announced")
+    fail[0] = False
+    reopened = time.monotonic()  # the waiter's next descriptor, before attempt 2
+    assert rehydrate_engine.snapshot_requested("control").ok  # attempt 2
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                             undoes=opened, abort="answered")
+    assert late.deduplicated
+    assert len(runs) == (1 if attempt_one == "failed" else 0)
+    assert rehydrate_engine.status().state == "snapshotting"
+    assert not rehydrate_engine.is_ready()
+    # Attempt 2's own answer (on the descriptor opened before it) runs them.
+    own = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                            undoes=reopened, abort="answered")
+    assert not own.deduplicated and runs[-1] == ("gvisor", "resume", 0)
+    assert rehydrate_engine.is_ready()
+
+
+def test_a_carry_on_that_started_no_hook_is_not_the_pass_undone(
+        rehydrate_engine: Lifecycle) -> None:
+    """A run deadline (the SnapStart bridge's, on every run of the engine) had passed by
+    the time the announced carry-on got the engine (it waited for a run in progress): no
+    hook started, nothing was reopened. gVisor's ``error`` for that pass then runs the
+    resume hooks (before: it confirmed the empty run, and the engine stayed degraded)."""
+    runs = _runs(rehydrate_engine)
+    _failing_snapshot(rehydrate_engine)
+    rehydrate_engine.set_restore_deadline("snapstart", 8.0)
+    opened = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("control").ok
+    late = rehydrate_engine.restore_detected(
+        "control", kind="resume", anchor=False, frozen_for=0.0, undoes=opened,
+        abort="announced", detected_at=time.monotonic() - 9.0)  # 9 s waiting for the lock
+    assert runs == [] and not late.ok
+    assert late.hooks and {(h.outcome, h.attempts, getattr(h.error, "started", None))
+                           for h in late.hooks} == {("timeout", 0, False)}
+    assert rehydrate_engine.status().state == "degraded"
+
+    answered = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                                 undoes=opened, abort="answered")
+    assert not answered.deduplicated and answered.ok
+    assert runs == [("gvisor", "resume", 0)]
+    assert rehydrate_engine.is_ready() and rehydrate_engine.status().state == "ready"
+    # That run undid the pass: another notice for it is the confirmation.
+    again = rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                              frozen_for=0.0, undoes=opened,
+                                              abort="announced")
+    assert again.deduplicated and runs == [("gvisor", "resume", 0)]
+
+
 def test_a_bad_abort_value_is_refused_before_anything_runs(
         rehydrate_engine: Lifecycle) -> None:
     runs = _runs(rehydrate_engine)

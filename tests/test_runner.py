@@ -483,6 +483,33 @@ def test_async_retry_after_a_timeout(rehydrate_engine):
     assert (res.outcome, res.attempts, len(attempts)) == ("ok", 2, 2)
 
 
+@pytest.mark.parametrize("is_async", [False, True])
+def test_the_wait_before_a_retry_is_no_part_of_the_attempts_timeout(
+        rehydrate_engine, monkeypatch, is_async):
+    """The backoff wait came after the attempt's deadline: the supervisor, still on the
+    failed attempt's limit, reported the hook ``timeout`` while it only waited, and gave
+    up on its worker — which then started the retry after the run was reported (a sync
+    hook's second attempt ran with nobody watching; the hook counted as hung)."""
+    timeout = 1.0 if not is_async else 0.2
+    # Longer than what the supervisor allowed past the failed attempt's start.
+    delay = timeout + (0.2 if not is_async else ASYNC_GRACE + 0.2)
+    monkeypatch.setattr("rehydrate._runner.backoff_delay", lambda attempt: delay)
+    calls = []
+
+    def body():
+        calls.append(time.monotonic())
+        raise ConnectionError(f"attempt {len(calls)}")
+
+    rehydrate_engine.registry.after_restore(name="flaky", timeout=timeout, retries=1)(
+        _hook_calling(body, is_async))
+    report = rehydrate_engine.simulate_restore()
+    (res,) = user_hooks(report)
+    assert (res.outcome, res.attempts, str(res.error)) == ("failed", 2, "attempt 2")
+    assert len(calls) == 2  # both attempts inside the run, none after it
+    assert rehydrate_engine.status().extra["hung_hooks"] == []
+    assert calls[1] - calls[0] >= delay
+
+
 @given(st.integers(min_value=0, max_value=40))
 def test_backoff_delay_is_exponential_with_bounded_jitter(attempt):
     cap = min(BACKOFF_MAX, BACKOFF_BASE * 2.0**attempt)

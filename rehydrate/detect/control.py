@@ -47,8 +47,11 @@ checkpoint, so the resume hooks run at once.
 
 These carry-on runs undo the pass once, whichever notice comes first: the platform's
 answer that the aborted checkpoint failed (gVisor's ``error``, to the gVisor waiter)
-only confirms such a run, and a carry-on for a pass that answer already undid only
-confirms the answer's run (``undoes`` in
+only confirms such a run when the request said ``"in_checkpoint": true`` (``rehydrate
+notify`` run by gVisor's save-restore-exec: its failure aborts the checkpoint in
+progress, whose failure gVisor answers; a save run by hand has no checkpoint behind it,
+and a later ``error`` is another checkpoint's), and a carry-on for a pass that answer
+already undid only confirms the answer's run (``undoes`` in
 :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`).
 
 Started by ``start(detectors="auto")`` only when ``REHYDRATE_CONTROL_SOCKET`` is set;
@@ -475,6 +478,7 @@ class ControlServer:
         if not line.strip():
             return True  # blank lines are keep-alives
         req_id: Any = None
+        req: Mapping[str, Any] = {}
         cmd = "?"
         received = time.monotonic()  # before a prepare-snapshot's pass began
         try:
@@ -516,11 +520,11 @@ class ControlServer:
             reply["id"] = req_id
         self.served += 1
         if cmd == "prepare-snapshot" and reply.get("ok"):
-            return self._deliver_prepared(conn, reply, received)
+            return self._deliver_prepared(conn, reply, received, _in_checkpoint(req))
         return self._send(conn, reply)
 
     def _deliver_prepared(self, conn: socket.socket, reply: Mapping[str, Any],
-                          received: float) -> bool:
+                          received: float, in_checkpoint: bool) -> bool:
         """Send a successful prepare-snapshot's reply; when it cannot be delivered, the
         platform aborts the checkpoint, so the resume hooks run now."""
         if self._send(conn, reply):
@@ -528,11 +532,13 @@ class ControlServer:
         log.warning("the client of prepare-snapshot went away before the reply; the "
                     "platform aborts the checkpoint, so the resume hooks run now")
         self._last_prepare = None  # no checkpoint follows it
-        # The platform aborts before it pauses anything: nothing froze. Its answer that
-        # the checkpoint failed (gVisor's "error") confirms this run (abort="announced"),
-        # and if that answer came first and ran the hooks, this run is the confirmation.
+        # The platform aborts before it pauses anything: nothing froze. Inside a gVisor
+        # checkpoint, its answer that the checkpoint failed ("error") confirms this run
+        # (abort="announced"); if that answer came first and ran the hooks, this run is the
+        # confirmation.
         self.engine.restore_detected("control", kind="resume", anchor=False,
-                                     frozen_for=0.0, undoes=received, abort="announced")
+                                     frozen_for=0.0, undoes=received,
+                                     abort="announced" if in_checkpoint else None)
         return False
 
     @staticmethod
@@ -562,6 +568,7 @@ class ControlServer:
         if cmd == "status":
             return {"ok": True, "status": engine.status().to_dict(), "pid": os.getpid()}
         if cmd == "prepare-snapshot":
+            _in_checkpoint(req)  # a bad value is refused before any hook runs
             prepared, notices = time.monotonic(), self._notices
             snap = engine.snapshot_requested("control")
             out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict()}
@@ -575,9 +582,12 @@ class ControlServer:
                 # (gVisor's "error") then only confirms this run (abort="announced"); if
                 # that answer came first (the platform's timeout killed the notifier
                 # while the hooks ran) and ran the resume hooks, this confirms that run.
-                resume = engine.restore_detected("control", kind="resume", anchor=False,
-                                                 frozen_for=0.0, undoes=prepared,
-                                                 abort="announced")
+                # Only inside a checkpoint (gVisor's save-restore-exec) is that answer
+                # due: after a save run by hand, a later "error" is another checkpoint's,
+                # which may have paused the sandbox, and runs the hooks.
+                resume = engine.restore_detected(
+                    "control", kind="resume", anchor=False, frozen_for=0.0,
+                    undoes=prepared, abort="announced" if _in_checkpoint(req) else None)
                 out["resume_report"] = resume.to_dict()
                 already = (f" (run already, for the {resume.reason} notice)"
                            if resume.deduplicated else "")
@@ -697,6 +707,16 @@ class ControlDetector(Detector):
         server, self.server = self.server, None
         if server is not None:
             server.stop()
+
+
+def _in_checkpoint(req: Mapping[str, Any]) -> bool:
+    """A ``prepare-snapshot``'s ``"in_checkpoint"``: true when it runs inside a checkpoint
+    that its failure aborts and whose failure the platform answers (gVisor's
+    save-restore-exec: ``error`` to the waiter); absent or false when run by hand."""
+    value = req.get("in_checkpoint", False)
+    if not isinstance(value, bool):
+        raise _BadRequest('"in_checkpoint" must be true or false')
+    return value
 
 
 def _failed_hooks(report: Report) -> str:

@@ -40,6 +40,9 @@ from rehydrate.env import EnvRefresher
 from .test_gvisor import FakePlatform, answer, start_waiter
 
 DEADLINE = 10.0
+IN_CHECKPOINT = {"in_checkpoint": True}
+"""What ``rehydrate notify`` adds to ``prepare-snapshot`` when gVisor's save-restore-exec
+runs it: the save belongs to a checkpoint in progress, whose failure gVisor answers."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -73,13 +76,17 @@ class Sandbox:
                                                                              "control"]
         wait_for(lambda: self.waiter.status()["waiting"], what="the waiter to open the FIFO")
 
-    def notify_save(self) -> subprocess.CompletedProcess[str]:
+    def notify_save(self, by_hand: bool = False) -> subprocess.CompletedProcess[str]:
         """What gVisor's save-restore-exec runs before saving (``rehydrate notify`` with
-        ``GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE=save``)."""
-        env = {k: v for k, v in os.environ.items() if k != "CRTOOLS_SCRIPT_ACTION"}
-        env.update(REHYDRATE_CONTROL_SOCKET=self.socket,
-                   GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE="save")
-        return subprocess.run([sys.executable, "-m", "rehydrate", "notify"], env=env,
+        ``GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE=save``); ``by_hand``: ``rehydrate notify
+        save`` as an operator runs it (``runsc exec``), with no checkpoint behind it."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("CRTOOLS_SCRIPT_ACTION", "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE")}
+        env.update(REHYDRATE_CONTROL_SOCKET=self.socket)
+        if not by_hand:
+            env.update(GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE="save")
+        return subprocess.run([sys.executable, "-m", "rehydrate", "notify",
+                               *(["save"] if by_hand else [])], env=env,
                               cwd=REPO, capture_output=True, text=True, timeout=60,
                               check=False)
 
@@ -101,8 +108,11 @@ class Sandbox:
 
 
 @pytest.fixture
-def sandbox(engine: Lifecycle, short_dir: Path) -> Sandbox:
-    return Sandbox(engine, short_dir)
+def sandbox(engine: Lifecycle, short_dir: Path) -> Iterator[Sandbox]:
+    yield Sandbox(engine, short_dir)
+    # Before short_dir is removed: a waiter that got no answer sits in a blocking open()
+    # of the FIFO, which stop() ends by opening it as a writer — by its path.
+    engine.stop()
 
 
 def _failing_pass(engine: Lifecycle, fail: list[bool] | None = None) -> None:
@@ -197,7 +207,8 @@ def test_error_answer_during_the_failing_save_runs_the_resume_hooks_once(
                     arrived)
     reply: dict[str, Any] = {}
     t = threading.Thread(target=lambda: reply.update(
-        request("prepare-snapshot", socket_path=sandbox.socket, timeout=DEADLINE)))
+        request("prepare-snapshot", socket_path=sandbox.socket, timeout=DEADLINE,
+                fields=IN_CHECKPOINT)))
     t.start()
     assert entered.wait(DEADLINE)
     answer(sandbox.waiter, b"error\n")  # the checkpoint failed while the hooks ran
@@ -238,7 +249,7 @@ def test_notify_save_killed_before_the_reply_and_error_answer_run_the_hooks_once
         _hold_until(engine, "gvisor", lambda: len(sandbox.rec.calls) >= 1, monkeypatch,
                     arrived)
     client = Conn(sandbox.socket)
-    client.send(b'{"cmd": "prepare-snapshot"}\n')
+    client.send(b'{"cmd": "prepare-snapshot", "in_checkpoint": true}\n')
     assert entered.wait(DEADLINE)
     client.close()  # killed by the platform's timeout
     answer(sandbox.waiter, b"error\n")
@@ -272,12 +283,14 @@ def test_a_second_checkpoint_attempt_right_after_runs_its_own_hooks(
     pass, whose answer runs its hooks — the confirmation does not carry over."""
     fail = [True]
     _failing_pass(engine, fail)
-    assert request("prepare-snapshot", socket_path=sandbox.socket)["ok"] is False
+    assert request("prepare-snapshot", socket_path=sandbox.socket,
+                   fields=IN_CHECKPOINT)["ok"] is False
     sandbox.gvisor_answers(b"error\n")
     assert sandbox.runs() == [("resume", "control", 0.0)]
 
     fail[0] = False
-    assert request("prepare-snapshot", socket_path=sandbox.socket)["ok"] is True
+    assert request("prepare-snapshot", socket_path=sandbox.socket,
+                   fields=IN_CHECKPOINT)["ok"] is True
     sandbox.gvisor_answers(f"{second}\n".encode())
     kind = "restore" if second == "restore" else "resume"
     assert [(k, r) for k, r, _ in sandbox.runs()] == [("resume", "control"), (kind, "gvisor")]
@@ -311,3 +324,78 @@ def test_an_error_after_a_carry_on_that_expected_no_checkpoint_still_runs(
     finally:
         engine.stop()
         platform.close()
+
+
+@pytest.mark.parametrize("second", ["resume", "restore", "error"])
+def test_a_late_error_for_attempt_one_does_not_undo_the_retry_pass(
+        sandbox: Sandbox, engine: Lifecycle, monkeypatch: pytest.MonkeyPatch,
+        second: str) -> None:
+    """Attempt 1's ``notify save`` fails (carry-on run), gVisor answers ``error`` for it,
+    and the platform retries at once: attempt 2's ``notify save`` (a new before-snapshot
+    pass) runs before the waiter thread has handled attempt 1's ``error``. That late answer
+    belongs to attempt 1's pass: it ran the resume hooks while attempt 2's checkpoint was
+    pending (undoing attempt 2's pass) before the fix."""
+    fail = [True]
+    _failing_pass(engine, fail)
+    retried = threading.Event()
+    arrived = threading.Event()
+    real = engine.restore_detected
+
+    def slow_waiter(name: str, **kwargs: Any) -> Any:
+        if name == "gvisor" and not retried.is_set():
+            arrived.set()  # the waiter read attempt 1's answer; the thread is slow now
+            assert retried.wait(DEADLINE), "attempt 2 did not come"
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(engine, "restore_detected", slow_waiter)
+    first = request("prepare-snapshot", socket_path=sandbox.socket,
+                    fields=IN_CHECKPOINT)
+    assert first["ok"] is False
+    assert sandbox.runs() == [("resume", "control", 0.0)]
+    answer(sandbox.waiter, b"error\n")  # gVisor: attempt 1 failed
+    assert arrived.wait(DEADLINE)
+
+    fail[0] = False  # attempt 2's before-snapshot pass succeeds
+    assert request("prepare-snapshot", socket_path=sandbox.socket,
+                   fields=IN_CHECKPOINT)["ok"] is True
+    retried.set()
+    wait_for(lambda: sandbox.waiter.status()["answers"] >= 1, what="attempt 1's answer")
+    assert sandbox.runs() == [("resume", "control", 0.0)], "attempt 2's pass was undone"
+    assert engine.status().state == "snapshotting" and not engine.is_ready()
+    late = sandbox.waiter_report()
+    assert late.deduplicated and late.reason == "control"
+
+    sandbox.gvisor_answers(f"{second}\n".encode())  # attempt 2's own answer
+    kind = "restore" if second == "restore" else "resume"
+    assert [(k, r) for k, r, _ in sandbox.runs()] == [("resume", "control"), (kind, "gvisor")]
+    assert not sandbox.waiter_report().deduplicated
+    assert engine.is_ready()
+
+
+def test_a_hand_run_failing_save_does_not_swallow_a_later_checkpoints_error(
+        sandbox: Sandbox, engine: Lifecycle) -> None:
+    """``rehydrate notify save`` run by hand fails: nothing checkpoints after it, so no
+    ``error`` is due for it. A later, unrelated checkpoint (no ``notify save`` of its own)
+    that fails answers ``error`` on the same descriptor: it may have paused the sandbox,
+    and its resume hooks must run (before: it was taken for the hand-run save's abort,
+    and nothing ran)."""
+    _failing_pass(engine)
+    saved = sandbox.notify_save(by_hand=True)
+    assert saved.returncode == 1, (saved.stdout, saved.stderr)
+    assert sandbox.runs() == [("resume", "control", 0.0)]
+
+    sandbox.gvisor_answers(b"error\n")  # some other checkpoint failed, later
+    assert sandbox.runs() == [("resume", "control", 0.0), ("resume", "gvisor", None)]
+    report = sandbox.waiter_report()
+    assert not report.deduplicated and report.confirmed_by == ()
+    assert engine.is_ready()
+
+
+def test_a_bad_in_checkpoint_value_is_refused_before_any_hook_runs(
+        sandbox: Sandbox, engine: Lifecycle) -> None:
+    _failing_pass(engine)
+    reply = request("prepare-snapshot", socket_path=sandbox.socket,
+                    fields={"in_checkpoint": "yes"})
+    assert reply == {"ok": False,
+                     "error": 'bad request: "in_checkpoint" must be true or false'}
+    assert sandbox.runs() == [] and engine.status().state == "running"

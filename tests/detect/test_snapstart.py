@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import snapshot_restore_py
 from awslambdaric import lambda_runtime_hooks_runner as runtime
-from detect_helpers import Recorder
+from detect_helpers import Recorder, wait_for
 
 import rehydrate
 from rehydrate.detect import available, select
@@ -257,6 +257,48 @@ def test_slow_restore_is_cut_at_the_snapstart_deadline(rehydrate_engine, monkeyp
             by_name["next"].error.started) == ("timeout", 0, False)
     assert reached == []
     assert isinstance(by_name["next"].error, rehydrate.HookTimeout)
+
+
+def test_a_sync_hook_cut_at_the_deadline_that_finishes_later_changes_nothing(
+        rehydrate_engine, monkeypatch, release):
+    """An optional sync hook cut at the SnapStart deadline: the report is ok, Lambda keeps
+    the environment, and the hook's thread runs on (it cannot be killed). When it returns
+    later, the report, readiness and generation stay as reported; meanwhile a later run
+    does not start a second copy of it (``HookStillRunning``) and its other hooks run."""
+    monkeypatch.setenv("REHYDRATE_SNAPSTART_DEADLINE", "0.5")
+    finished: list[tuple[int, str]] = []
+    later: list[int] = []
+
+    @rehydrate_engine.registry.after_restore(name="warm", required=False, order=1)
+    def warm(ctx: rehydrate.RestoreContext) -> None:
+        if ctx.generation == 1:
+            release.wait()  # a cache warm-up stuck on a slow peer
+        finished.append((ctx.generation, rehydrate_engine.status().state))
+
+    rehydrate_engine.registry.after_restore(
+        lambda ctx: later.append(ctx.generation), name="other", order=0)
+    rehydrate_engine.start(["snapstart"])
+    runtime.run_after_restore()  # does not raise: the cut hook is optional
+    report = rehydrate_engine.status().last_report
+    assert report.ok and {h.name: h.outcome for h in report.hooks}["warm"] == "timeout"
+    assert rehydrate_engine.is_ready() and rehydrate_engine.status().extra[
+        "hung_hooks"] == ["warm"]
+
+    again = rehydrate_engine.simulate_restore()  # while the cut hook still runs
+    result = {h.name: h for h in again.hooks}["warm"]
+    assert isinstance(result.error, rehydrate.HookStillRunning) and result.attempts == 0
+    assert later == [1, 2] and finished == []  # no second copy of "warm"
+
+    release.set()
+    wait_for(lambda: rehydrate_engine.status().extra["hung_hooks"] == [],
+             what="the cut hook's thread to end")
+    assert finished == [(1, "ready")]  # its side effects land late, as generation 1's
+    status = rehydrate_engine.status()
+    assert status.last_report is again and (status.state, status.generation) == ("ready", 2)
+    assert {h.name: h.outcome for h in report.hooks}["warm"] == "timeout"  # never rewritten
+    third = rehydrate_engine.simulate_restore()  # its thread ended: it runs again
+    assert {h.name: h.outcome for h in third.hooks}["warm"] == "ok"
+    assert finished[-1][0] == 3
 
 
 def test_slow_async_restore_hook_is_cancelled_at_the_deadline(rehydrate_engine, monkeypatch):

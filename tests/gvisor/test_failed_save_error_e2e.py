@@ -8,7 +8,9 @@ plays gVisor's answer on the waiter's descriptor.
 
 1. the before-snapshot hook fails: ``notify save`` exits 1 after the resume hooks ran; the
    ``error`` answer for the aborted checkpoint only confirms that run (the resume hooks ran
-   twice before the fix);
+   twice before the fix); then ``notify save`` run by hand fails the same way, and a later
+   unrelated checkpoint's ``error`` runs the resume hooks (it was taken for the hand-run
+   save's abort, and nothing ran);
 2. the retry succeeds and the save fails later: its ``error`` runs the resume hooks once;
 3. a third attempt succeeds and a real ``runsc checkpoint`` follows: the clone's
    ``restore`` answer runs the restore hooks once, generation 1 — the confirmations
@@ -115,12 +117,21 @@ def test_failed_save_then_error_answer_runs_the_resume_hooks_once(
     _error_answer(orig, "already undid")
     assert _runs(orig) == [("resume", "control", 0)], "the error answer ran the hooks again"
 
+    # 1b. `notify save` run by hand (runsc exec, no checkpoint behind it) fails as well: its
+    # carry-on runs, and a later, unrelated checkpoint's "error" is no abort it announced —
+    # that checkpoint may have paused the sandbox: its resume hooks run (nothing ran before).
+    by_hand = orig.exec([NOTIFY, "save"], timeout=60)
+    assert by_hand.returncode == 1, (by_hand.returncode, by_hand.stdout, by_hand.stderr)
+    assert _runs(orig) == [("resume", "control", 0)] * 2
+    _error_answer(orig, "resume (reason gvisor")
+    assert _runs(orig) == [("resume", "control", 0)] * 2 + [("resume", "gvisor", 0)]
+
     # 2. the retry's notify save succeeds; the save itself fails later: "error" runs them.
     orig.exec(["/bin/rm", FAIL_FLAG], check=True)
     saved = _notify_save(orig)
     assert saved.returncode == 0, (saved.returncode, saved.stdout, saved.stderr)
     _error_answer(orig, "resume (reason gvisor")
-    assert _runs(orig) == [("resume", "control", 0), ("resume", "gvisor", 0)]
+    assert _runs(orig) == [("resume", "control", 0)] * 2 + [("resume", "gvisor", 0)] * 2
 
     # 3. a third attempt that really checkpoints: the clone runs its restore hooks once.
     saved = _notify_save(orig)
