@@ -656,7 +656,7 @@ def register(
     """
     if not isinstance(name, str) or not name or not name.isprintable():
         raise TypeError(f"connection name must be a non-empty string of printable "
-                        f"characters, not {name!r}")
+                        f"characters, not {_config.shown(name)}")
     if isinstance(peers, (str, bytes)):  # one peer, not one per character
         raise TypeError(f"connection {name!r}: peers is a list of host:port, not one "
                         f"string (write [{peers!r}])")
@@ -1017,7 +1017,8 @@ def _check_address(address: object) -> None:
             or not isinstance(address[0], str) or isinstance(address[1], bool)
             or not isinstance(address[1], int) or not 1 <= address[1] <= 65535):
         # port 0 is "any" for a bind; a connect to it is refused every time
-        raise ValueError(f"address must be (host, port) with a port 1-65535, not {address!r}")
+        raise ValueError("address must be (host, port) with a port 1-65535, not "
+                         f"{_config.shown(address)}")
 
 
 def tcp_socket(

@@ -200,7 +200,8 @@ class EnvRefresher:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"env policy must be one of {POLICIES}, not {self.policy!r}")
+            raise ValueError(f"env policy must be one of {POLICIES}, not "
+                             f"{_config.shown(self.policy)}")
         self._lock = threading.Lock()
         self._previous: set[bytes] | None = None
 
