@@ -72,8 +72,26 @@ def shown(value: object) -> str:
         if abs(mantissa) >= 10:  # log10 rounded up across a power of ten
             exponent, mantissa = exponent + 1, mantissa / 10
         return f"{mantissa:.3g}e+{exponent}"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # a message about a bad value must not fail itself
+        # a huge int inside a tuple/list/dict (an address, a key list) fails the same
+        # way, and so may a caller's own __repr__: show the container, ints shortened
+        text = _repr_short_ints(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _repr_short_ints(value: object) -> str:
+    """``repr(value)`` through :mod:`reprlib` (which shortens containers and survives a
+    failing ``__repr__``), its integers spelled as :func:`shown` spells them: ``reprlib``
+    itself calls ``repr()`` on them, which fails past 4300 digits."""
+    import reprlib
+
+    class ShortInts(reprlib.Repr):
+        def repr_int(self, x: int, level: int) -> str:
+            return shown(x)
+
+    return ShortInts().repr(value)
 
 
 class Variable:

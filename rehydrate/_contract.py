@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
+from ._config import shown
+
 if TYPE_CHECKING:
     from ._context import Report, RestoreReport, SnapshotReport
     from ._hooks import Registry
@@ -191,7 +193,7 @@ def load_extension(spec: str | Extension) -> Extension:
                             f"an instance ({spec.__qualname__}(...)) or its dotted name "
                             f"('{spec.__module__}:{spec.__qualname__}')")
         if not isinstance(spec, Extension):
-            raise TypeError(f"{spec!r} ({type(spec).__name__}) is not an extension: give a "
+            raise TypeError(f"{shown(spec)} ({type(spec).__name__}) is not an extension: give a "
                             "dotted name or an object with key, probe() and install(engine)")
         return spec
     module_name, _, attr = spec.partition(":")

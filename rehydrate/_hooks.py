@@ -208,7 +208,7 @@ class Registry:
             raise TypeError(f"hook {_default_name(fn)} is a generator function; a hook "
                             "must be a plain or async function")
         if event not in ("restore", "snapshot"):
-            raise ValueError(f"event must be 'restore' or 'snapshot', not {event!r}")
+            raise ValueError(f"event must be 'restore' or 'snapshot', not {_config.shown(event)}")
         phase = Phase(phase)
         if timeout is not None and timeout != math.inf:
             # Capped at a year: the runner's thread wait for a longer (finite) timeout
@@ -218,10 +218,10 @@ class Registry:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{exc} (None or math.inf: no limit)") from None
         if not isinstance(required, bool):
-            raise TypeError(f"required must be True or False, not {required!r}")
+            raise TypeError(f"required must be True or False, not {_config.shown(required)}")
         if name is not None and (not isinstance(name, str) or not name.strip()
                                  or not name.isprintable()):
-            raise TypeError(f"name must be a non-empty printable str, not {name!r}")
+            raise TypeError(f"name must be a non-empty printable str, not {_config.shown(name)}")
         for what, value in (("order", order), ("retries", retries)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{what} must be an int, not {type(value).__name__}")
@@ -233,7 +233,8 @@ class Registry:
                                 f"{type(env_keys).__name__} (write [{env_keys!r}])")
             env_keys = tuple(env_keys)
             if not all(isinstance(k, str) and k for k in env_keys):
-                raise TypeError(f"env_keys must be non-empty str key names, not {env_keys!r}")
+                raise TypeError(f"env_keys must be non-empty str key names, not "
+                                f"{_config.shown(env_keys)}")
             if event != "restore":  # a snapshot run changes no environment: always skipped
                 raise ValueError("env_keys applies to restore hooks only")
         arity = _arity(fn)

@@ -165,6 +165,8 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         self.client: httpx.AsyncClient | None = None
         """For the transports mounted by the caller (``mounts=``), closed with the pool."""
         self.generation = 0
+        self.retired = False
+        """Closed for good by :meth:`retire`: requests raise, no pool is opened again."""
 
     def _mounted(self) -> list[httpx.AsyncHTTPTransport]:
         mounts = getattr(self.client, "_mounts", None) or {}
@@ -181,8 +183,21 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             return None
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.retired:
+            raise RuntimeError("Cannot send a request, as the client has been closed "
+                               "(its rehydrate connection was replaced).")
         self._loop = self._home = asyncio.get_running_loop()
         return await self._inner.handle_async_request(request)
+
+    def retire(self) -> None:
+        """Close for good, without awaiting: what ``AsyncClient.aclose()`` does, for a
+        registration replaced from sync code or another loop. Requests raise as on a
+        closed client; the pools are closed on the loop their connections belong to
+        (as :meth:`reset` does), since nothing will close them before a snapshot."""
+        self.retired = True
+        for proxy in self.proxies:
+            proxy.retired = True
+        self.reset()
 
     def reset(self) -> None:
         fresh = httpx.AsyncHTTPTransport(**self._kwargs)

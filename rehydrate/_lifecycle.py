@@ -251,8 +251,8 @@ class Lifecycle:
                 ext = load_extension(spec)
                 key = ext.key
                 if not isinstance(key, str) or not key:
-                    raise TypeError(f"extension {spec!r:.80}: key must be a non-empty str, "
-                                    f"not {key!r:.40}")
+                    raise TypeError(f"extension {_config.shown(spec)}: key must be a "
+                                    f"non-empty str, not {_config.shown(key)}")
                 if key in self.installed:
                     # A key is unique per engine: a second copy registered every hook
                     # twice (a manager) or silently replaced the first (a detector).
@@ -684,9 +684,10 @@ class Lifecycle:
         later notice for the same pass is then the duplicate).
         """
         if kind not in ("restore", "resume"):  # else hooks would run as kind "bogus"
-            raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
+            raise ValueError(f"kind must be 'restore' or 'resume', not {_config.shown(kind)}")
         if abort not in (None, "announced", "answered"):
-            raise ValueError(f"abort must be None, 'announced' or 'answered', not {abort!r}")
+            raise ValueError(f"abort must be None, 'announced' or 'answered', not "
+                             f"{_config.shown(abort)}")
         if deadline is not None:
             deadline = _config.seconds(deadline, "deadline")
         detected = time.monotonic() if detected_at is None else detected_at
@@ -1242,7 +1243,7 @@ _FROZEN_STEP = 1.5
 
 def _check_reason(reason: object) -> None:
     if not isinstance(reason, str) or not reason:
-        raise TypeError(f"reason must be a non-empty str, not {reason!r}")
+        raise TypeError(f"reason must be a non-empty str, not {_config.shown(reason)}")
 
 
 def _check_simulated(env: object, reason: object, kind: object, frozen_for: object) -> None:
@@ -1251,12 +1252,12 @@ def _check_simulated(env: object, reason: object, kind: object, frozen_for: obje
         check_overlay(env)
     _check_reason(reason)
     if kind not in ("restore", "resume"):
-        raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
+        raise ValueError(f"kind must be 'restore' or 'resume', not {_config.shown(kind)}")
     if frozen_for is not None and (
             isinstance(frozen_for, bool) or not isinstance(frozen_for, (int, float))
             or not 0 <= frozen_for < float("inf")):
         raise ValueError(f"frozen_for must be None or a finite number of seconds >= 0, "
-                         f"not {frozen_for!r}")
+                         f"not {_config.shown(frozen_for)}")
 
 
 def _positive_or_none(value: float, what: str) -> float:

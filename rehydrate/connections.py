@@ -191,8 +191,15 @@ class Connection:
         """``host:port`` of the peer(s), when known (helpers fill it in, ``register(peers=)``
         for your own): ``rehydrate doctor --connections`` marks sockets to them managed."""
         self._on_replaced: Callable[[], None] | None = None
-        """What a ``replace=True`` registration of the same name does to the object a
-        helper handed out (:func:`grpc_channel`: close it)."""
+        """What a ``replace=True`` registration of the same name does instead of running
+        ``close``: close for good the object a helper made and handed out (a
+        ``ManagedChannel``, an httpx client, a ``ManagedSocket``). Quick, never blocks."""
+        self._subject: object = None
+        """The caller's own object a helper manages (a SQLAlchemy engine, a redis
+        client); for :func:`register`, ``value``. Registered again with ``replace=True``
+        it is handed over, not closed."""
+        self._replaced_close: threading.Thread | None = None
+        """The background ``close`` a ``replace=True`` registration started (tests join it)."""
 
     def effective_deadline(self) -> float:
         return self.deadline if self.deadline is not None else env_deadline()
@@ -437,12 +444,7 @@ class ConnectionManager:
             self._conns[conn.name] = conn  # re-registering a name moves it to the end
         if old is not None:
             old._retire()
-            if old._on_replaced is not None:
-                try:
-                    old._on_replaced()
-                except Exception as exc:  # the new one is registered: that stands
-                    log.warning("connection %s replaced; closing the one it replaces "
-                                "failed: %s", conn.name, _describe(exc))
+            self._close_replaced(old, conn)
             log.info("connection %s replaced; the new callbacks replace the old", conn.name)
         if any(f is not None and not _is_async(f)
                for f in (conn.open_fn, conn.close_fn, conn.check_fn)):
@@ -478,6 +480,43 @@ class ConnectionManager:
 
     def status(self) -> list[dict[str, Any]]:
         return [c.to_dict() for c in self.all()]
+
+    def _close_replaced(self, old: Connection, new: Connection) -> None:
+        """Close the connection a ``replace=True`` registration replaced: unmanaged, it
+        kept its sockets (and pool threads) open, entered a snapshot with them and was
+        never reopened after a restore, so code still holding it used a dead connection.
+        A helper's own object is closed for good at once (``_on_replaced``); otherwise
+        ``close`` runs in the background (registration never blocks), bounded as before a
+        snapshot. The caller's object registered again under the name is handed over."""
+        subject = old._subject if old._subject is not None else old.value
+        if subject is not None and subject is (
+                new._subject if new._subject is not None else new.value):
+            return
+        if old._on_replaced is not None:
+            try:
+                old._on_replaced()
+            except Exception as exc:  # the new one is registered: that stands
+                log.warning("connection %s replaced; closing the one it replaces "
+                            "failed: %s", old.name, _describe(exc))
+            return
+        if old.close_fn is None:
+            return
+
+        async def close() -> None:
+            await asyncio.wait_for(old.close_async(), CLOSE_TIMEOUT)
+
+        def run() -> None:
+            try:
+                asyncio.run(close())
+            except Exception as exc:
+                msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
+                       if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
+                log.warning("connection %s replaced; closing the one it replaces "
+                            "failed: %s", old.name, msg)
+
+        old._replaced_close = threading.Thread(
+            target=run, name=f"rehydrate-close-{old.name}", daemon=True)
+        old._replaced_close.start()
 
     def _open_in_background(self, conn: Connection) -> None:
         epoch, _ = conn._begin("opening")
@@ -650,19 +689,46 @@ def register(
     registration used to replace the first silently) unless ``replace=True``; the helpers
     below take ``replace`` too.
 
+    ``replace=True`` closes the connection it replaces: its ``close`` runs (with its
+    value) in the background, bounded as before a snapshot — unless the new registration
+    is given the same ``value``. To hand the same connection to new callbacks without
+    closing it, ``unregister(name)`` first.
+
     ``peers``: the ``host:port`` (or ``(host, port)``) this connection talks to, so that
     ``rehydrate doctor --connections`` marks its sockets as managed (the helpers below
     fill it in from the client's configuration).
     """
+    conn = _connection(name, open, close, check, required=required, deadline=deadline,
+                       value=value, peers=peers)
+    return manager(engine).register(conn, open_now=open_now, replace=replace)
+
+
+def _connection(
+    name: str,
+    open: Callable[..., Any] | None = None,
+    close: Callable[..., Any] | None = None,
+    check: Callable[..., Any] | None = None,
+    *,
+    required: bool = True,
+    deadline: float | None = None,
+    value: Any = None,
+    peers: Iterable[str | tuple[str, int]] = (),
+    subject: object = None,
+    on_replaced: Callable[[], None] | None = None,
+) -> Connection:
+    """A checked :class:`Connection`, not registered yet (the helpers set what a
+    ``replace=True`` registration does to their object before it can happen)."""
     if not isinstance(name, str) or not name or not name.isprintable():
         raise TypeError(f"connection name must be a non-empty string of printable "
-                        f"characters, not {name!r}")
+                        f"characters, not {_config.shown(name)}")
     if isinstance(peers, (str, bytes)):  # one peer, not one per character
         raise TypeError(f"connection {name!r}: peers is a list of host:port, not one "
                         f"string (write [{peers!r}])")
     conn = Connection(name, open, close, check, required, deadline, value)
     conn.peers = tuple(p if isinstance(p, str) else _fmt(*p) for p in peers)
-    return manager(engine).register(conn, open_now=open_now, replace=replace)
+    conn._subject = subject
+    conn._on_replaced = on_replaced
+    return conn
 
 
 def unregister(name: str, *, engine: Engine | None = None) -> bool:
@@ -723,9 +789,12 @@ def httpx_client(
             raise ConnectionError(f"{shown(request.url)} answered {response.status_code}")
 
     _prebuild(name, client, check_url)
-    register(name, open=transport.reset, close=transport.close_pool,
-             check=check if check_url else None, required=required, deadline=deadline,
-             engine=engine, replace=replace, peers=_url_peers(client.base_url))
+    # replaced (replace=True): closed as httpx closes a client (requests then raise)
+    conn = _connection(name, open=transport.reset, close=transport.close_pool,
+                       check=check if check_url else None, required=required,
+                       deadline=deadline, peers=_url_peers(client.base_url),
+                       on_replaced=client.close)
+    manager(engine).register(conn, replace=replace)
     return client
 
 
@@ -789,9 +858,12 @@ def httpx_async_client(
         transport.reset()
 
     _prebuild(name, client, check_url)
-    register(name, open=reset, close=transport.close_pool,
-             check=check if check_url else None, required=required, deadline=deadline,
-             engine=engine, replace=replace, peers=_url_peers(client.base_url))
+    # replaced (replace=True): requests raise, the pools close on their own loop
+    conn = _connection(name, open=reset, close=transport.close_pool,
+                       check=check if check_url else None, required=required,
+                       deadline=deadline, peers=_url_peers(client.base_url),
+                       on_replaced=transport.retire)
+    manager(engine).register(conn, replace=replace)
     return client
 
 
@@ -815,9 +887,11 @@ def sqlalchemy_engine(
 
     url = getattr(sa_engine, "url", None)
     host, port = getattr(url, "host", None), getattr(url, "port", None)
-    register(name, open=lambda: sa_engine.dispose(close=False), close=sa_engine.dispose,
-             check=ping if check else None, required=required, deadline=deadline,
-             engine=engine, replace=replace, peers=[(host, port)] if host and port else ())
+    conn = _connection(name, open=lambda: sa_engine.dispose(close=False),
+                       close=sa_engine.dispose, check=ping if check else None,
+                       required=required, deadline=deadline,
+                       peers=[(host, port)] if host and port else (), subject=sa_engine)
+    manager(engine).register(conn, replace=replace)
     return sa_engine
 
 
@@ -915,9 +989,10 @@ def redis_client(
         ping, disconnect = sping, pool.disconnect
     kw = getattr(pool, "connection_kwargs", {})
     peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
-    register(name, open=disconnect, close=disconnect, check=ping if check else None,
-             required=required, deadline=deadline, engine=engine, replace=replace,
-             peers=peers)
+    conn = _connection(name, open=disconnect, close=disconnect,
+                       check=ping if check else None, required=required, deadline=deadline,
+                       peers=peers, subject=client)
+    manager(engine).register(conn, replace=replace)
     return client
 
 
@@ -948,13 +1023,14 @@ def grpc_channel(
 
     managed = ManagedChannel(factory)
     try:
-        conn = register(name, open=managed.reset, close=managed.close_current,
-                        required=required, deadline=deadline, engine=engine,
-                        replace=replace, peers=peers)
+        conn = manager(engine).register(
+            _connection(name, open=managed.reset, close=managed.close_current,
+                        required=required, deadline=deadline, peers=peers,
+                        on_replaced=managed.close),
+            replace=replace)
     except BaseException:
         managed.close()  # refused (a name taken, bad peers): its channel was made already
         raise
-    conn._on_replaced = managed.close
     if check:
         conn.check_fn = lambda: managed.wait_ready(
             max(0.05, min(5.0, conn.effective_deadline())))
@@ -973,10 +1049,15 @@ class ManagedSocket:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._final = False
+        """Closed for good (:meth:`close_for_good`): no later connect keeps its socket."""
 
     @property
     def sock(self) -> socket.socket:
         s = self._sock
+        if s is None and self._final:
+            raise ConnectionError(f"socket to {self.address[0]}:{self.address[1]} is "
+                                  "closed for good (its connection was replaced)")
         if s is None:
             raise ConnectionError(f"socket to {self.address[0]}:{self.address[1]} is not "
                                   "connected (yet)")
@@ -995,14 +1076,28 @@ class ManagedSocket:
         if timeout != self.timeout:
             s.settimeout(self.timeout)  # the cap is for the connect only
         self._swap(s)
+        if self._final:  # closed meanwhile: _swap closed s
+            return self.sock  # raises ConnectionError
         return s
 
     def close(self) -> None:
         self._swap(None)
 
-    def _swap(self, new: socket.socket | None) -> None:
+    def close_for_good(self) -> None:
+        """Close, and refuse every later connect: a ``replace=True`` registration of its
+        name replaced it, and a connect still running (a background open) would
+        otherwise leave an open socket in an object nothing manages."""
         with self._lock:
-            old, self._sock = self._sock, new
+            self._final = True
+        self._swap(None)
+
+    def _swap(self, new: socket.socket | None) -> None:
+        old: socket.socket | None
+        with self._lock:
+            if self._final and new is not None:
+                old = new  # closed for good: a late connect's socket is closed, not kept
+            else:
+                old, self._sock = self._sock, new
         if old is not None:
             old.close()
 
@@ -1017,7 +1112,8 @@ def _check_address(address: object) -> None:
             or not isinstance(address[0], str) or isinstance(address[1], bool)
             or not isinstance(address[1], int) or not 1 <= address[1] <= 65535):
         # port 0 is "any" for a bind; a connect to it is refused every time
-        raise ValueError(f"address must be (host, port) with a port 1-65535, not {address!r}")
+        raise ValueError("address must be (host, port) with a port 1-65535, not "
+                         f"{_config.shown(address)}")
 
 
 def tcp_socket(
@@ -1042,9 +1138,10 @@ def tcp_socket(
     def connect() -> socket.socket:  # capped by the deadline of the run it is part of
         return ms.connect(managed[0].deadline_at if managed else None)
 
-    managed.append(register(name, open=connect, close=ms.close, check=chk,
-                            required=required, deadline=deadline, engine=engine,
-                            replace=replace, peers=[address]))
+    managed.append(manager(engine).register(
+        _connection(name, open=connect, close=ms.close, check=chk, required=required,
+                    deadline=deadline, peers=[address], on_replaced=ms.close_for_good),
+        replace=replace))
     manager(engine)._open_in_background(managed[0])  # now that connect() can see it
     return ms
 

@@ -200,7 +200,8 @@ class EnvRefresher:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"env policy must be one of {POLICIES}, not {self.policy!r}")
+            raise ValueError(f"env policy must be one of {POLICIES}, not "
+                             f"{_config.shown(self.policy)}")
         self.protect = _checked_protect(self.protect)
         # Checked here, not at the restore: NaN, 0 or a negative number made every
         # refresh "no answer within nans", infinity an OverflowError in the hook.
@@ -321,7 +322,7 @@ def _checked_protect(protect: object) -> tuple[str, ...]:
     non-string pattern failed only at the restore."""
     if isinstance(protect, (str, bytes)):
         raise TypeError(f"protect must be a tuple of glob patterns, not a "
-                        f"{type(protect).__name__}: protect=({protect!r},)")
+                        f"{type(protect).__name__}: protect=({_config.shown(protect)},)")
     try:
         patterns: tuple[object, ...] = tuple(protect)  # type: ignore[arg-type]
     except TypeError:

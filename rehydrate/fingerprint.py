@@ -500,7 +500,8 @@ def _check_scope(scope: object) -> None:
     # A misspelt scope ("nodes") compared everything: a DaemonSet checker then reported
     # every node incompatible (its own Python and packages) without saying why.
     if scope not in ("all", "node"):
-        raise ValueError(f"fingerprint: scope must be 'all' or 'node', not {scope!r:.40}")
+        raise ValueError(f"fingerprint: scope must be 'all' or 'node', "
+                         f"not {_config.shown(scope)}")
 
 
 def compare(expected: Mapping[str, Any], actual: Mapping[str, Any], *,

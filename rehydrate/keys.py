@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from ._config import shown
 from ._disable import is_disabled
 from ._hooks import Phase
 from .extensions import Probe, resolve_engine
@@ -343,7 +344,7 @@ def generate_private_key(algorithm: str) -> PrivateKeyTypes:
         return cast("PrivateKeyTypes", _ec_key(algorithm)[0])
     if algorithm.startswith("rsa-") and algorithm in ALGORITHMS:
         return cast("PrivateKeyTypes", rsa_private_key(int(algorithm[4:])))
-    raise ValueError(f"unknown key algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    raise ValueError(f"unknown key algorithm {shown(algorithm)}; choose one of {ALGORITHMS}")
 
 
 # -- handles ---------------------------------------------------------------------------
@@ -356,7 +357,8 @@ class EphemeralKey:
     def __init__(self, name: str, algorithm: str, manager: KeyManager, *,
                  generate: bool = True) -> None:
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown key algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+            raise ValueError(f"unknown key algorithm {shown(algorithm)}; choose one of "
+                             f"{ALGORITHMS}")
         self.name = name
         self.algorithm = algorithm
         self._manager = manager
@@ -524,7 +526,7 @@ class KeyManager:
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
             # it names the key in status(), logs and reports: one readable line each
             raise TypeError(f"an ephemeral key's name must be a non-empty printable str, "
-                            f"not {name!r}")
+                            f"not {shown(name)}")
         with self._lock:
             key = self._keys.get(name)
             if key is None:

@@ -46,6 +46,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._config import shown
 from ._disable import is_disabled
 from ._files import read_regular
 from ._hooks import Hook, Phase
@@ -126,7 +127,7 @@ class Secret:
         # loaded, never-wiped buffer behind.
         if not isinstance(name, str) or not name or not name.isprintable():
             raise TypeError(f"secret name must be a non-empty string of printable "
-                            f"characters, not {name!r}")
+                            f"characters, not {shown(name)}")
         if not callable(loader):
             raise TypeError(f"secret {name!r}: loader must be callable")
         self.name = name

@@ -762,7 +762,7 @@ def _san_list(sans: Sequence[str] | str) -> tuple[str, ...]:
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
         raise TypeError(f"sans must be non-empty strings (DNS names or IP addresses), "
-                        f"not {bad[0]!r}")
+                        f"not {_config.shown(bad[0])}")
     return names
 
 
@@ -1368,7 +1368,7 @@ class TLSManager:
         # leave a stored certificate without a restore hook (never renewed after it).
         if not isinstance(cert.name, str) or not cert.name or not cert.name.isprintable():
             raise TypeError(f"certificate name must be a non-empty string of printable "
-                            f"characters, not {cert.name!r}")
+                            f"characters, not {_config.shown(cert.name)}")
         with self._lock:
             existing = self._certs.get(cert.name)
             if existing is not None:

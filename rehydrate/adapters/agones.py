@@ -92,9 +92,11 @@ def _port(port: int | None) -> int:
         try:
             port = int(raw)
         except ValueError:
-            raise ValueError(f"{PORT_ENV} must be a port number, not {raw!r}") from None
+            raise ValueError(f"{PORT_ENV} must be a port number, not "
+                             f"{_config.shown(raw)}") from None
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"Agones SDK port must be an int in 1..65535, not {port!r}")
+        raise ValueError(f"Agones SDK port must be an int in 1..65535, not "
+                         f"{_config.shown(port)}")
     return port
 
 

@@ -210,12 +210,14 @@ class ReadinessGate:
         # one string is one prefix: tuple("/metrics") would exempt "/", i.e. everything
         exempt = (exempt,) if isinstance(exempt, str) else tuple(exempt)
         if not all(isinstance(p, str) and p.startswith("/") for p in exempt):
-            raise ValueError(f"exempt must be path prefixes starting with '/', not {exempt!r}")
+            raise ValueError("exempt must be path prefixes starting with '/', not "
+                             f"{_config.shown(exempt)}")
         paths = [p for p in (healthz, readyz, status) if p is not None]
         if not all(isinstance(p, str) and p.startswith("/") for p in paths) or \
                 len(set(paths)) != len(paths):
             raise ValueError("healthz, readyz and status must be distinct paths starting "
-                             f"with '/' (or None), not {healthz!r}, {readyz!r}, {status!r}")
+                             f"with '/' (or None), not {_config.shown(healthz)}, "
+                             f"{_config.shown(readyz)}, {_config.shown(status)}")
         self.app = app
         if engine is None:
             from ..extensions import default_engine

@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Callable
 
 from rehydrate import Phase, RestoreContext
+from rehydrate._config import shown
 from rehydrate.extensions import Engine, resolve_engine
 
 __all__ = ["TickClock"]
@@ -59,16 +60,21 @@ def _number(value: object, high: float, rule: str) -> float:
     """``value`` as a float in (0, ``high``], else ``ValueError`` "``rule``, not …".
     ``numbers.Real``: NumPy's scalars (a rate from a config array) are numbers too; a
     bool is not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not 0 < float(value) <= high:
-        raise ValueError(f"{rule}, not {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{rule}, not {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # 10**400: float() raised this, naming no parameter
+        number = math.inf
+    if not 0 < number <= high:
+        raise ValueError(f"{rule}, not {shown(value)}")
+    return number
 
 
 def _count(value: object, rule: str) -> int:
     """``value`` as an int >= 0 (a NumPy integer too, a bool not), else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
-        raise ValueError(f"{rule}, not {value!r}")
+        raise ValueError(f"{rule}, not {shown(value)}")
     return int(value)
 
 

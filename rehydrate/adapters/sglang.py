@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from .._config import shown
 from ..extensions import Probe
 from . import _bodies
 from ._readiness import probe_import
@@ -84,11 +85,11 @@ class SGLangAdapter(ServerAdapter):
         elif tags is not None and not isinstance(tags, Iterable):
             raise TypeError(f"tags must be a list of tag names, not {type(tags).__name__}")
         if not isinstance(canary, bool):
-            raise TypeError(f"canary must be True or False, not {canary!r}")
+            raise TypeError(f"canary must be True or False, not {shown(canary)}")
         chosen = None if tags is None else list(tags)
         unknown = [t for t in chosen or () if t not in TAGS]
         if unknown:
-            raise ValueError(f"unknown memory tag(s) {', '.join(map(repr, unknown))}; "
+            raise ValueError(f"unknown memory tag(s) {', '.join(map(shown, unknown))}; "
                              f"SGLang knows {', '.join(TAGS)}")
         super().__init__(url, api_key=api_key, deadline=deadline,
                          request_timeout=request_timeout)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rehydrate import Phase
+from rehydrate._config import shown
 from rehydrate.extensions import Engine, resolve_engine
 
 __all__ = ["UdpEndpoint"]
@@ -85,7 +86,7 @@ class UdpEndpoint:
         if (isinstance(probe_timeout, bool) or not isinstance(probe_timeout, (int, float))
                 or not 0 < probe_timeout <= _MAX_PROBE_TIMEOUT):
             raise ValueError(f"probe_timeout must be a number of seconds > 0 and at most "
-                             f"{_MAX_PROBE_TIMEOUT:.0f}, not {probe_timeout!r}")
+                             f"{_MAX_PROBE_TIMEOUT:.0f}, not {shown(probe_timeout)}")
         self.protocol = protocol_factory()
         self._local_addr = local_addr
         self.name = name

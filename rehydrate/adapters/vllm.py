@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from .._config import shown
 from ..extensions import Probe
 from . import _bodies
 from ._readiness import probe_import
@@ -91,11 +92,11 @@ class VLLMAdapter(ServerAdapter):
                  api_key: str | None = None, deadline: float = 120.0,
                  request_timeout: float = 10.0) -> None:
         if isinstance(level, bool) or not isinstance(level, int) or level not in LEVELS:
-            raise ValueError(f"level must be one of 0, 1, 2, not {level!r}")
+            raise ValueError(f"level must be one of 0, 1, 2, not {shown(level)}")
         if not isinstance(canary, bool):
-            raise TypeError(f"canary must be True or False, not {canary!r}")
+            raise TypeError(f"canary must be True or False, not {shown(canary)}")
         if mode is not None and mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)} (or None), not {mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(MODES)} (or None), not {shown(mode)}")
         in_process = not isinstance(target, str)
         if in_process:
             missing = [m for m in ("sleep", "wake_up") if not callable(getattr(target, m, None))]

@@ -179,7 +179,9 @@ def load(key: str) -> type[Detector]:
     spec = next((s for s in DETECTORS if key_of(s) == key), None)
     if spec is None:
         known = ", ".join(catalogue_keys()) or "none"
-        raise ValueError(f"unknown detector {key!r} (known: {known})")
+        from .._config import shown
+
+        raise ValueError(f"unknown detector {shown(key)} (known: {known})")
     module, _, attr = spec.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Detector)) or cls.key != key:

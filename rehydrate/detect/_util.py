@@ -35,7 +35,7 @@ def env_kind(name: str) -> Literal["restore", "resume"]:
 def checked_kind(kind: str) -> Literal["restore", "resume"]:
     """``kind`` if it is ``restore`` or ``resume``; else ``ValueError``."""
     if kind not in ("restore", "resume"):
-        raise ValueError(f"kind must be 'restore' or 'resume', not {kind!r}")
+        raise ValueError(f"kind must be 'restore' or 'resume', not {_config.shown(kind)}")
     return kind  # type: ignore[return-value]
 
 

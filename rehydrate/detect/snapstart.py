@@ -74,6 +74,9 @@ _engines: list[Engine] = []
 _snapshot_at: float | None = None
 """``time.monotonic()`` when the before-snapshot bridge ran (before the freeze)."""
 
+_OTHER_INIT_TYPES = ("on-demand", "provisioned-concurrency")
+"""Lambda's documented ``AWS_LAMBDA_INITIALIZATION_TYPE`` values besides ``snap-start``."""
+
 
 class SnapStartHookFailed(RuntimeError):
     """Raised from a bridge function when a required hook failed or timed out: before the
@@ -177,7 +180,10 @@ class SnapStartDetector(Detector):
         if init_type == "snap-start":
             return None
         if init_type:
-            return f"off: AWS_LAMBDA_INITIALIZATION_TYPE is {init_type!r}, not 'snap-start'"
+            # Lambda's own values are named; anything else is an environment value that
+            # is not rehydrate's to repeat (key names only).
+            shown = repr(init_type) if init_type in _OTHER_INIT_TYPES else "another value"
+            return f"off: AWS_LAMBDA_INITIALIZATION_TYPE is {shown}, not 'snap-start'"
         if os.environ.get("AWS_LAMBDA_FUNCTION_NAME"):
             return None
         return ("off outside AWS Lambda (no AWS_LAMBDA_FUNCTION_NAME); "

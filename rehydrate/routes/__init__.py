@@ -47,6 +47,7 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .._config import shown
 from ..extensions import Probe, resolve_engine
 from ._iptables import IptablesRules as IptablesRules
 from ._iptables import iptables_join as iptables_join
@@ -155,7 +156,7 @@ def route(  # noqa: PLR0917 - the order ip-route users expect
         raise ValueError(f"route type must be one of {sorted(_TYPE_CODES)}")
     fam = _FAMILIES.get(family.lower() if isinstance(family, str) else family)
     if fam is None:
-        raise ValueError(f"route family must be 'inet' or 'inet6', not {family!r}")
+        raise ValueError(f"route family must be 'inet' or 'inet6', not {shown(family)}")
     r = _checked_route(dst, gateway=gateway, dev=dev, table=table, metric=metric, src=src,
                        kind=type, scope=scope, required=required, family=fam, proto=proto,
                        tos=tos, from_prefix=from_prefix, realm=realm)
@@ -220,18 +221,18 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     if dev is not None and (not isinstance(dev, str) or not dev or len(dev) > 15
                             or any(c.isspace() or c == "/" for c in dev)):
         raise ValueError(f"{what}: dev must be a network device name (1-15 characters, "
-                         f"no spaces or '/'), not {dev!r}")
+                         f"no spaces or '/'), not {shown(dev)}")
     for name, value, low, high in (("table", table, 1, _UINT32), ("metric", metric, 0, _UINT32),
                                    ("scope", scope, 0, 255)):
         if value is not None and (type(value) is not int or not low <= value <= high):
             raise ValueError(f"{what}: {name} must be a whole number {low}-{high}, not "
-                             f"{value!r}")
+                             f"{shown(value)}")
     if not isinstance(required, bool):
         raise TypeError(f"{what}: required must be True or False, not {_type_name(required)}")
     # the kernel refuses a tos with either ECN bit set ("ECN bits must be 0")
     if type(tos) is not int or not 0 <= tos <= 255 or tos & 3:
         raise ValueError(f"{what}: tos must be a whole number 0-255 with the two ECN bits "
-                         f"clear (a DS field such as 0x10 or 0xb8), not {tos!r}")
+                         f"clear (a DS field such as 0x10 or 0xb8), not {shown(tos)}")
     if metric == 0:  # the kernel's default metric: none stored (IPv4), 1024 (IPv6)
         metric = 1024 if family == socket.AF_INET6 else None
     gw, sr = addresses.get("gateway"), addresses.get("src")
@@ -269,7 +270,7 @@ def _protocol(what: str, value: object) -> int | None:
     code = _PROTO_CODES.get(value.strip().lower()) if isinstance(value, str) else None
     if code is None:
         raise ValueError(f"{what}: proto must be a whole number 0-255 or one of "
-                         f"{', '.join(sorted(_PROTO_CODES))}, not {value!r}")
+                         f"{', '.join(sorted(_PROTO_CODES))}, not {shown(value)}")
     return code
 
 
@@ -284,7 +285,7 @@ def _realm(what: str, value: object) -> int | None:
             flow = int(parts[0]) << 16 | int(parts[1]) if len(parts) == 2 else int(parts[0])
             return flow or None  # realm 0 is no realm, as the kernel reports it
     raise ValueError(f"{what}: realm must be a realm 0-65535, 'source/destination' realms "
-                     f"such as '3/5', or a whole number 0-{_UINT32} (RTA_FLOW), not {value!r}")
+                     f"such as '3/5', or a whole number 0-{_UINT32} (RTA_FLOW), not {shown(value)}")
 
 
 def _type_name(value: object) -> str:

@@ -173,13 +173,14 @@ class Route:
     def __post_init__(self) -> None:
         family = int(self.family) or _family_of_text(self) or socket.AF_INET
         if family not in _FAMILY_NAMES:
-            raise ValueError(f"route family must be AF_INET or AF_INET6, not {self.family!r}")
+            raise ValueError("route family must be AF_INET or AF_INET6, not "
+                             f"{_config.shown(self.family)}")
         object.__setattr__(self, "family", family)
         for name, value, high in (("proto", self.proto, 255), ("tos", self.tos, 255),
                                   ("realm", self.realm, 2**32 - 1)):
             if value is not None and (type(value) is not int or not 0 <= value <= high):
                 raise ValueError(f"route {self.dst}: {name} must be a whole number "
-                                 f"0-{high}, not {value!r}")
+                                 f"0-{high}, not {_config.shown(value)}")
         # what the kernel refuses (tos on IPv6) or, worse, silently drops (a source
         # prefix on IPv4, a realm on IPv6): refused here, by name
         if family == socket.AF_INET6 and self.tos:
@@ -194,7 +195,7 @@ class Route:
             (str(k).lower().removeprefix("rtax_"), v) for k, v in self.metrics)))
         if self.pref is not None and self.pref not in _PREF_CODES:
             raise ValueError(f"route pref must be one of {sorted(_PREF_CODES)}, "
-                             f"not {self.pref!r}")
+                             f"not {_config.shown(self.pref)}")
 
     @property
     def family_name(self) -> str:

@@ -521,3 +521,16 @@ def test_restore_run_by_another_detector_first_is_bounded_too(rehydrate_engine, 
                                             name="budget")
     rehydrate_engine.simulate_restore()
     assert budgets == [None]
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("on-demand", "'on-demand'"),
+    ("provisioned-concurrency", "'provisioned-concurrency'"),
+    ("s3cr3t-from-a-misused-variable", "another value"),
+])
+def test_the_off_reason_repeats_only_lambdas_own_init_types(outside_lambda, monkeypatch,
+                                                            value, said):
+    """Key names only: a value Lambda does not document is not echoed into the reason."""
+    monkeypatch.setenv("AWS_LAMBDA_INITIALIZATION_TYPE", value)
+    reason = SnapStartDetector.auto_here()
+    assert reason == f"off: AWS_LAMBDA_INITIALIZATION_TYPE is {said}, not 'snap-start'"

@@ -1363,3 +1363,201 @@ def test_a_replaced_grpc_channel_that_fails_to_close_does_not_undo_the_replaceme
     assert second.unary_unary("/t.Echo/Say")(b"hi") == "new"
     assert "closing the one it replaces failed: RuntimeError: close failed" in caplog.text
     connections.unregister("svc", engine=rehydrate_engine)
+
+
+# -- replace=True closes what it replaces (one rule for every kind, as for gRPC) -----------
+
+def _join_replaced_close(old) -> None:
+    """Wait for the background close a replace=True registration started, if any."""
+    thread = getattr(old, "_replaced_close", None)
+    if thread is not None:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def _ports_to(port: int) -> int:
+    return sum(1 for c in connections.established_tcp()
+               if int(c.remote.rsplit(":", 1)[1]) == port)
+
+
+def test_replacing_an_httpx_client_closes_the_one_it_replaces(rehydrate_engine, http_srv):
+    """The replaced client kept its pooled connection open, unmanaged: not closed before
+    a snapshot, never rebuilt after a restore. It is closed now, as httpx closes one."""
+    first = connections.httpx_client("api", base_url=http_srv.url, engine=rehydrate_engine)
+    assert first.get("/one").text == "/one"
+    assert _ports_to(http_srv.port) == 1
+    second = connections.httpx_client("api", base_url=http_srv.url, engine=rehydrate_engine,
+                                      replace=True)
+    assert _ports_to(http_srv.port) == 0, "the replaced client's connection is still open"
+    with pytest.raises(RuntimeError, match="client has been closed"):
+        first.get("/one")
+    assert second.get("/two").text == "/two"
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert _ports_to(http_srv.port) == 0
+    assert rehydrate_engine.simulate_restore().ok
+    assert second.get("/three").text == "/three"
+
+
+async def test_replacing_an_httpx_async_client_closes_the_one_it_replaces(rehydrate_engine,
+                                                                          http_srv):
+    first = connections.httpx_async_client("api", base_url=http_srv.url,
+                                           engine=rehydrate_engine)
+    assert (await first.get("/one")).text == "/one"
+    assert _ports_to(http_srv.port) == 1
+    # replaced from the client's own loop (the usual case): its pool closes on that loop
+    second = connections.httpx_async_client("api", base_url=http_srv.url,
+                                            engine=rehydrate_engine, replace=True)
+    with pytest.raises(RuntimeError, match="client has been closed"):
+        await first.get("/one")
+    for _ in range(1000):  # the close scheduled on this loop runs when the test yields
+        if _ports_to(http_srv.port) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert _ports_to(http_srv.port) == 0, "the replaced client's connection is still open"
+    assert (await second.get("/two")).text == "/two"
+    await second.aclose()
+
+
+def test_replacing_a_redis_client_closes_the_connections_of_the_one_it_replaces(
+        rehydrate_engine, redis_srv):
+    import redis
+
+    r1 = redis.Redis(host="127.0.0.1", port=redis_srv.port)
+    connections.redis_client("cache", r1, engine=rehydrate_engine)
+    r1.set("k", "v")
+    assert _ports_to(redis_srv.port) == 1
+    # the same client registered again (to change a setting) is handed over, not closed
+    connections.redis_client("cache", r1, deadline=10, engine=rehydrate_engine, replace=True)
+    assert _ports_to(redis_srv.port) == 1
+    old = connections.get("cache", engine=rehydrate_engine)
+    r2 = redis.Redis(host="127.0.0.1", port=redis_srv.port)
+    connections.redis_client("cache", r2, engine=rehydrate_engine, replace=True)
+    _join_replaced_close(old)
+    assert _ports_to(redis_srv.port) == 0, "the replaced client's connection is still open"
+    assert r2.get("k") == b"v"
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+    assert r2.get("k") == b"v"
+    r1.close()
+    r2.close()
+
+
+async def test_replacing_a_redis_asyncio_client_closes_its_connections_on_its_loop(
+        rehydrate_engine, redis_srv):
+    """The replaced client's connections belong to the application's loop: the
+    background close sends its disconnect() there (this loop, free while we await)."""
+    import redis.asyncio as aredis
+
+    loop = asyncio.get_running_loop()
+    r1 = aredis.Redis(host="127.0.0.1", port=redis_srv.port)
+    connections.redis_client("cache", r1, engine=rehydrate_engine)
+    await r1.set("k", "v")
+    assert _ports_to(redis_srv.port) == 1
+    old = connections.get("cache", engine=rehydrate_engine)
+    r2 = aredis.Redis(host="127.0.0.1", port=redis_srv.port)
+    connections.redis_client("cache", r2, engine=rehydrate_engine, replace=True)
+    await loop.run_in_executor(None, _join_replaced_close, old)
+    assert _ports_to(redis_srv.port) == 0, "the replaced client's connection is still open"
+    assert await asyncio.wait_for(r2.get("k"), 5) == b"v"
+    await r1.aclose()
+    await r2.aclose()
+
+
+def test_replacing_a_sqlalchemy_engine_disposes_the_one_it_replaces(rehydrate_engine,
+                                                                   tmp_path):
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    e1 = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'one.sqlite'}")
+    connections.sqlalchemy_engine("db", e1, engine=rehydrate_engine)
+    with e1.connect() as c:
+        c.exec_driver_sql("SELECT 1")
+    pool = e1.pool
+    assert pool.checkedin() == 1
+    connections.sqlalchemy_engine("db", e1, deadline=10, engine=rehydrate_engine,
+                                  replace=True)  # the same engine: handed over
+    assert e1.pool is pool and pool.checkedin() == 1
+    old = connections.get("db", engine=rehydrate_engine)
+    e2 = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'two.sqlite'}")
+    connections.sqlalchemy_engine("db", e2, engine=rehydrate_engine, replace=True)
+    _join_replaced_close(old)
+    assert pool.checkedin() == 0, "the replaced engine's pooled connection is still open"
+    assert rehydrate_engine.simulate_restore().ok
+    assert e2.pool.checkedin() == 1  # the new one is the managed one (its SELECT 1)
+
+
+def test_replacing_a_tcp_socket_closes_the_one_it_replaces(rehydrate_engine):
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(8)
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = lst.accept()
+            except OSError:
+                return
+            accepted.append(c)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        first = connections.tcp_socket("feed", lst.getsockname(), engine=rehydrate_engine)
+        wait_for(lambda: _conn_status(rehydrate_engine, "feed")["state"] == "open"
+                 and len(accepted) == 1, what="background connect")
+        second = connections.tcp_socket("feed", lst.getsockname(), engine=rehydrate_engine,
+                                        replace=True)
+        accepted[0].settimeout(10)
+        assert accepted[0].recv(1) == b"", "the replaced socket is still open"
+        with pytest.raises(ConnectionError, match="closed for good"):
+            first.sendall(b"x")
+        wait_for(lambda: _conn_status(rehydrate_engine, "feed")["state"] == "open",
+                 what="the new socket's connect")
+        second.sendall(b"y")
+        assert rehydrate_engine.simulate_restore().ok
+        with pytest.raises(ConnectionError, match="closed for good"):
+            first.sendall(b"x")  # a restore never reconnects the replaced one
+    finally:
+        lst.close()
+        for c in accepted:
+            c.close()
+
+
+def test_a_replaced_socket_connecting_in_the_background_keeps_no_socket():
+    """A connect still running when its registration is replaced must not leave an open
+    socket in the object nothing manages any more."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(8)
+    try:
+        ms = connections.ManagedSocket(lst.getsockname())
+        ms.close_for_good()
+        with pytest.raises(ConnectionError, match="closed for good"):
+            ms.connect()
+        with pytest.raises(ConnectionError, match="closed for good"):
+            ms.sock  # noqa: B018 - the property raises
+    finally:
+        lst.close()
+
+
+def test_replacing_a_registered_connection_runs_its_close(rehydrate_engine):
+    closed: list[object] = []
+    connections.register("db", open=lambda: "one", close=closed.append,
+                         engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok  # value is now "one"
+    closed.clear()  # that restore closed it first (never closed before a snapshot)
+    old = connections.get("db", engine=rehydrate_engine)
+    connections.register("db", open=lambda: "two", close=closed.append,
+                         engine=rehydrate_engine, replace=True)
+    _join_replaced_close(old)
+    assert closed == ["one"]
+    # the same value registered again is handed over, not closed
+    shared = object()
+    old = connections.get("db", engine=rehydrate_engine)
+    connections.register("db", close=closed.append, value=shared, engine=rehydrate_engine,
+                         replace=True)
+    _join_replaced_close(old)
+    assert closed == ["one", None]  # "two" was never opened: its close gets no value
+    old = connections.get("db", engine=rehydrate_engine)
+    connections.register("db", close=closed.append, value=shared, engine=rehydrate_engine,
+                         replace=True)
+    _join_replaced_close(old)
+    assert closed == ["one", None]
