@@ -75,6 +75,8 @@ class _Pass:
     abort_announced: bool = False
     """That run was a carry-on that told the platform to abort the pass's checkpoint
     (``notify save`` failed): the platform's answer that the checkpoint failed is due."""
+    undone_at: float | None = None
+    """``time.monotonic()`` when :attr:`undone_by` ended it."""
 
 
 @dataclass(frozen=True)
@@ -716,9 +718,9 @@ class Lifecycle:
                     # (its checkpoint is pending, or was answered on its own): running
                     # the resume hooks now would undo that pass, not this one.
                     return self._superseded(ended, reason)
-                if ended is not None and ended.undone_by is not None and (
-                        abort != "answered" or ended.abort_announced):
-                    return self._confirm_carry_on(ended.undone_by, reason)
+                undone = self._undone_already(ended, undoes, abort)
+                if undone is not None:
+                    return self._confirm_carry_on(undone, reason)
                 report = self._run_restore(reason, kind, frozen_for, env, detected,
                                            deadline_at=self._deadline_at(detected, deadline))
                 if ended is not None and ended.undone_by is report:
@@ -751,15 +753,38 @@ class Lifecycle:
 
     def _named_pass(self, undoes: float) -> _Pass | None:
         """The pass a notice with ``undoes`` is about: the first that began at or after
-        that moment (a platform answers a waiter's descriptor for the first checkpoint to
-        end after it was opened; a later pass belongs to a later checkpoint). None when no
-        pass began since. Under ``_run_lock``."""
+        that moment and can still be owed an answer (a platform answers a waiter's
+        descriptor for the first checkpoint to end after it was opened; a later pass
+        belongs to a later checkpoint). None when no pass began since. Under
+        ``_run_lock``."""
         passes = self._passes
         if not passes or passes[-1].started < undoes:
             return None
-        if len(passes) == passes.maxlen and passes[0].started >= undoes:
-            return _Pass(-math.inf)  # older than every pass kept: superseded for sure
-        return next(p for p in passes if p.started >= undoes)
+        # Only a pass that can still be owed the platform's answer: the latest one, one
+        # not undone yet, or one whose carry-on announced an abort. A pass no checkpoint
+        # followed (a failed trigger_snapshot, a hand-run `notify save` + `resume`, a
+        # simulated snapshot) is answered by nobody: naming it made a later checkpoint's
+        # `error` look superseded, and that checkpoint's pass stayed closed.
+        return next(p for p in passes if p.started >= undoes and (
+            p is passes[-1] or p.undone_by is None or p.abort_announced))
+
+    def _undone_already(self, ended: _Pass | None, undoes: float | None,
+                        abort: str | None) -> RestoreReport | None:
+        """The run that already undid the pass a notice is about (the notice then only
+        confirms it), or None. Under ``_run_lock``."""
+        if ended is not None:
+            if ended.undone_by is not None and (abort != "answered" or ended.abort_announced):
+                return ended.undone_by
+            return None
+        latest = self._pass
+        if (undoes is not None and abort == "answered" and latest is not None
+                and latest.abort_announced and latest.undone_at is not None
+                and latest.undone_at >= undoes):
+            # The waiter reopened its descriptor after the latest pass began but before
+            # its carry-on announced the abort: that checkpoint failed after the
+            # descriptor was opened, so this is its answer (it ran the hooks twice).
+            return latest.undone_by
+        return None
 
     def _superseded(self, ended: _Pass, reason: str) -> RestoreReport:
         """A notice for a before-snapshot pass that a newer pass has followed: run
@@ -956,6 +981,7 @@ class Lifecycle:
                                notice_to_run=waited)
         if self._pass is not None and self._pass.undone_by is None and _reopened(report):
             self._pass.undone_by = report  # its hooks reopened what the pass closed
+            self._pass.undone_at = time.monotonic()
         with self._cond:
             self._state = "ready" if ok else "degraded"
             self._run_ended = time.monotonic()

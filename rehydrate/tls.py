@@ -850,9 +850,11 @@ def _key_block(data: bytearray) -> bytearray:
     if found is None:
         return data
     block = bytearray(found.end() - found.start() + 1)
-    with memoryview(data) as view:
-        block[:-1] = view[found.start():found.end()]
-    block[-1:] = b"\n"
+    # view to view: a bytearray slice assigned from a memoryview goes through an unwiped
+    # temporary bytearray (CPython), one more copy of the key text in freed heap
+    with memoryview(data) as view, memoryview(block) as into:
+        into[:-1] = view[found.start():found.end()]
+        into[-1] = 0x0A  # the block ends with its newline
     wipe(data)
     return block
 

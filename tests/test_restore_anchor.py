@@ -599,6 +599,71 @@ def test_an_answer_for_an_earlier_pass_does_not_undo_the_latest_one(
     assert rehydrate_engine.is_ready()
 
 
+@pytest.mark.parametrize("between", ["simulated", "simulated-20-times", "failed-trigger"])
+def test_a_pass_nobody_checkpointed_does_not_swallow_a_later_checkpoints_error(
+        rehydrate_engine: Lifecycle, between: str) -> None:
+    """A pass no checkpoint followed (a simulated snapshot and resume, or a before-snapshot
+    pass that failed and carried on without announcing an abort) began after the waiter's
+    descriptor was opened; then a real checkpoint's pass, and gVisor answers ``error``
+    for it. The answer is that checkpoint's: the resume hooks run and the process is
+    ready (before: it named the older pass, looked superseded, and nothing ran — the
+    process stayed ``snapshotting``)."""
+    runs = _runs(rehydrate_engine)
+    fail = [between == "failed-trigger"]
+
+    @rehydrate_engine.registry.before_snapshot(name="test.flush")
+    def flush() -> None:
+        if fail[0]:
+            raise RuntimeError("disk full")
+
+    opened = time.monotonic()  # the waiter's descriptor
+    if between.startswith("simulated"):  # 20: more passes than the engine keeps (16)
+        for _ in range(20 if between.endswith("times") else 1):
+            assert rehydrate_engine.simulate_snapshot("by-hand").ok
+            assert rehydrate_engine.simulate_restore(kind="resume").ok
+    else:  # trigger_snapshot's hooks failed: it carries on, no checkpoint, no abort told
+        prepared = time.monotonic()
+        assert not rehydrate_engine.snapshot_requested("trigger").ok
+        rehydrate_engine.restore_detected("trigger", kind="resume", anchor=False,
+                                          frozen_for=0.0, undoes=prepared)
+        fail[0] = False
+    before = len(runs)
+    assert rehydrate_engine.snapshot_requested("control").ok  # the real checkpoint's pass
+    answer = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                               undoes=opened, abort="answered")
+    assert not answer.deduplicated and len(runs) == before + 1
+    assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()
+
+
+def test_an_error_on_a_descriptor_opened_mid_pass_confirms_the_announced_carry_on(
+        rehydrate_engine: Lifecycle) -> None:
+    """Both attempts' ``notify save`` fail. The waiter handled attempt 1's late ``error``
+    after attempt 2's pass began and reopened its descriptor before attempt 2's carry-on
+    announced the abort: attempt 2's ``error`` on that descriptor is the answer that
+    carry-on announced — nothing runs again (before: the resume hooks ran twice)."""
+    runs = _runs(rehydrate_engine)
+    _failing_snapshot(rehydrate_engine)
+    opened = time.monotonic()  # the waiter's first descriptor
+    first = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("control").ok
+    rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                      frozen_for=0.0, undoes=first, abort="announced")
+    second = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("control").ok  # the retry's pass
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                             undoes=opened, abort="answered")
+    assert late.deduplicated  # attempt 1's answer: superseded by the retry's pass
+    reopened = time.monotonic()  # the waiter's next descriptor, mid-pass
+    rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                      frozen_for=0.0, undoes=second, abort="announced")
+    assert len(runs) == 2
+    answer = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                               undoes=reopened, abort="answered")
+    assert answer.deduplicated and len(runs) == 2
+    assert answer.confirmed_by[-1] == "gvisor"
+    assert rehydrate_engine.is_ready()
+
+
 def test_a_carry_on_that_started_no_hook_is_not_the_pass_undone(
         rehydrate_engine: Lifecycle) -> None:
     """A run deadline (the SnapStart bridge's, on every run of the engine) had passed by

@@ -1533,3 +1533,32 @@ def test_bundle_given_as_key_file_keeps_only_the_key_block(rehydrate_engine, tmp
         assert served_certificate(port, unverified()).serial_number == leaf.serial_number
     finally:
         cert.close()
+
+
+def test_the_key_block_is_copied_without_a_temporary(monkeypatch):
+    """The block is copied view to view: a slice assignment from a memoryview would make
+    an unwiped temporary bytearray of the whole block (one more copy of the key text)."""
+    import ctypes
+    import tracemalloc
+
+    from rehydrate import tls as tls_module
+    from rehydrate.tls import _key_block
+
+    def wipe_in_place(buf: bytearray) -> None:  # measured apart: zeros are no key text
+        ctypes.memset((ctypes.c_char * len(buf)).from_buffer(buf), 0, len(buf))
+
+    monkeypatch.setattr(tls_module, "wipe", wipe_in_place)
+
+    size = 4 * 1024 * 1024
+    data = bytearray(b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n"
+                     b"-----BEGIN PRIVATE KEY-----\n" + b"A" * size
+                     + b"\n-----END PRIVATE KEY-----\n")
+    tracemalloc.start()
+    try:
+        block = _key_block(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert block.startswith(b"-----BEGIN PRIVATE KEY-----") and block.endswith(b"-----\n")
+    assert not any(data)  # the whole read was wiped
+    assert peak < 1.5 * size, f"peak {peak} bytes: a temporary copy of the {size}-byte block"
