@@ -534,8 +534,8 @@ class ConnectionManager:
             def done(fut: concurrent.futures.Future[None]) -> None:
                 if fut.cancelled():
                     failed(RuntimeError("its event loop stopped first"))
-                elif fut.exception() is not None:
-                    failed(fut.exception())  # type: ignore[arg-type]
+                elif (exc := fut.exception()) is not None:
+                    failed(exc)
 
             try:
                 fut = asyncio.run_coroutine_threadsafe(close(), self.engine.hook_loop())

@@ -1578,8 +1578,10 @@ async def _wait_replaced_close(old) -> None:
         await asyncio.get_running_loop().run_in_executor(None, _join_replaced_close, old)
 
 
+@pytest.mark.parametrize("from_the_loop", [True, False])
 async def test_a_replaced_async_close_runs_on_the_applications_loop(rehydrate_engine,
-                                                                     http_srv, caplog):
+                                                                     http_srv, caplog,
+                                                                     from_the_loop):
     """A plain register()'s async close of the registration replace=True replaces ran
     with asyncio.run() on a thread of its own: a private loop. Before a snapshot it runs
     on the application's loop (start(loop=...)), which the streams it closes belong to;
@@ -1599,9 +1601,16 @@ async def test_a_replaced_async_close_runs_on_the_applications_loop(rehydrate_en
     connections.register("feed", close=close, value=await dial(), engine=rehydrate_engine)
     old = connections.get("feed", engine=rehydrate_engine)
     assert _ports_to(http_srv.port) == 1
-    # replaced from the application's loop itself (the usual case in async code)
-    connections.register("feed", close=close, value=await dial(), engine=rehydrate_engine,
-                         replace=True)
+    new_value = await dial()
+
+    def replace() -> None:
+        connections.register("feed", close=close, value=new_value, engine=rehydrate_engine,
+                             replace=True)
+
+    if from_the_loop:  # the usual case in async code: never blocks this loop
+        replace()
+    else:  # sync code on another thread
+        await loop.run_in_executor(None, replace)
     await _wait_replaced_close(old)
     assert "closing the one it replaces failed" not in caplog.text
     assert _ports_to(http_srv.port) == 1, "the replaced stream is still open"
