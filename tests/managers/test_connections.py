@@ -1689,3 +1689,28 @@ def test_doctor_connections_escapes_names_and_states_from_the_answer(http_srv, c
     assert ("managed connections: db\\nrehydrate: doctor: all clear\\x1b[2K (ok\\x1b[2K)"
             in out)
     assert "managed: db\\nrehydrate: doctor: all clear\\x1b[2K" in out
+
+
+async def test_a_replaced_async_close_that_fails_is_a_warning_naming_it(rehydrate_engine,
+                                                                         caplog):
+    """Scheduled on the hooks' loop and never awaited by the registration: its failure
+    is reported from the future's callback, with the connection's name."""
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)
+
+    async def close() -> None:
+        raise RuntimeError("close failed")
+
+    connections.register("feed", close=close, engine=rehydrate_engine)
+    old = connections.get("feed", engine=rehydrate_engine)
+    connections.register("feed", engine=rehydrate_engine, replace=True)
+    assert isinstance(old._replaced_close, concurrent.futures.Future)
+    with pytest.raises(RuntimeError, match="close failed"):
+        await asyncio.wait_for(asyncio.wrap_future(old._replaced_close), 10)
+    for _ in range(1000):  # the callback runs right after the future's waiters wake
+        if "failed: RuntimeError: close failed" in caplog.text:
+            break
+        await asyncio.sleep(0.01)
+    assert ("connection feed replaced; closing the one it replaces failed: "
+            "RuntimeError: close failed") in caplog.text
