@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 from ._config import shown
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ._context import Report, RestoreReport, SnapshotReport
     from ._hooks import Registry
     from .detect import Detector
@@ -107,6 +109,12 @@ class Engine(Protocol):
 
     def set_restore_deadline(self, source: str, seconds: float | None) -> None:
         """Bound every restore/resume run to ``seconds`` from its notice (None: unset)."""
+        ...
+
+    def hook_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop async hooks run on: the application's under ``start(loop=...)``
+        while it runs, else rehydrate's own. For work an extension schedules there
+        without waiting for it (closing what belongs to that loop)."""
         ...
 
     def is_ready(self) -> bool: ...

@@ -932,6 +932,15 @@ class Lifecycle:
                 "(it would wait for itself)"
             )
 
+    def hook_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop async hooks run on (see :meth:`_loop_for_this_call`), for work
+        scheduled there without waiting: no deadlock to avoid, so the application's loop
+        even when called on its own thread."""
+        loop = self._user_loop
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            return loop
+        return self._loop_thread.get()
+
     def _loop_for_this_call(self) -> asyncio.AbstractEventLoop | None:
         loop = self._user_loop
         if loop is None or loop.is_closed() or not loop.is_running():

@@ -26,6 +26,7 @@ connections opened outside rehydrate, which it cannot reach, can at least be see
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import logging
@@ -198,8 +199,22 @@ class Connection:
         """The caller's own object a helper manages (a SQLAlchemy engine, a redis
         client); for :func:`register`, ``value``. Registered again with ``replace=True``
         it is handed over, not closed."""
-        self._replaced_close: threading.Thread | None = None
-        """The background ``close`` a ``replace=True`` registration started (tests join it)."""
+        self._resource: Callable[[], object] | None = None
+        """What ``close`` acts on, when that is not the subject itself but something
+        other objects can share (a redis client's ``connection_pool``, a SQLAlchemy
+        engine's ``pool``), read when a ``replace=True`` registration compares: a new
+        registration over the same one is a handover too, since closing it would cut
+        the new object's connections."""
+        self._replaced_close: threading.Thread | concurrent.futures.Future[None] | None = None
+        """The background ``close`` a ``replace=True`` registration started (tests wait
+        for it): a thread for a sync ``close``, the future of the one scheduled on the
+        hooks' event loop for an async one."""
+
+    def _closes(self) -> object:
+        """What closing this registration would close (see ``_resource``)."""
+        if self._resource is not None:
+            return self._resource()
+        return self._subject if self._subject is not None else self.value
 
     def effective_deadline(self) -> float:
         return self.deadline if self.deadline is not None else env_deadline()
@@ -488,9 +503,8 @@ class ConnectionManager:
         A helper's own object is closed for good at once (``_on_replaced``); otherwise
         ``close`` runs in the background (registration never blocks), bounded as before a
         snapshot. The caller's object registered again under the name is handed over."""
-        subject = old._subject if old._subject is not None else old.value
-        if subject is not None and subject is (
-                new._subject if new._subject is not None else new.value):
+        subject = old._closes()
+        if subject is not None and subject is new._closes():
             return
         if old._on_replaced is not None:
             try:
@@ -502,17 +516,41 @@ class ConnectionManager:
         if old.close_fn is None:
             return
 
+        def failed(exc: BaseException) -> None:
+            msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
+                   if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
+            log.warning("connection %s replaced; closing the one it replaces "
+                        "failed: %s", old.name, msg)
+
         async def close() -> None:
             await asyncio.wait_for(old.close_async(), CLOSE_TIMEOUT)
+
+        if _is_async(old.close_fn):
+            # On the loop a before-snapshot pass would await it on (the application's
+            # under start(loop=...)): what an async close releases (asyncio streams, an
+            # asyncpg or aiohttp pool) belongs to that loop, and fails on any other with
+            # "attached to a different loop". Scheduled, never awaited here: the caller
+            # may be that loop's own thread.
+            def done(fut: concurrent.futures.Future[None]) -> None:
+                if fut.cancelled():
+                    failed(RuntimeError("its event loop stopped first"))
+                elif (exc := fut.exception()) is not None:
+                    failed(exc)
+
+            try:
+                fut = asyncio.run_coroutine_threadsafe(close(), self.engine.hook_loop())
+            except RuntimeError as exc:  # that loop closed in between
+                failed(exc)
+                return
+            fut.add_done_callback(done)
+            old._replaced_close = fut
+            return
 
         def run() -> None:
             try:
                 asyncio.run(close())
             except Exception as exc:
-                msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
-                       if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
-                log.warning("connection %s replaced; closing the one it replaces "
-                            "failed: %s", old.name, msg)
+                failed(exc)
 
         old._replaced_close = threading.Thread(
             target=run, name=f"rehydrate-close-{old.name}", daemon=True)
@@ -714,6 +752,7 @@ def _connection(
     value: Any = None,
     peers: Iterable[str | tuple[str, int]] = (),
     subject: object = None,
+    resource: Callable[[], object] | None = None,
     on_replaced: Callable[[], None] | None = None,
 ) -> Connection:
     """A checked :class:`Connection`, not registered yet (the helpers set what a
@@ -727,6 +766,7 @@ def _connection(
     conn = Connection(name, open, close, check, required, deadline, value)
     conn.peers = tuple(p if isinstance(p, str) else _fmt(*p) for p in peers)
     conn._subject = subject
+    conn._resource = resource
     conn._on_replaced = on_replaced
     return conn
 
@@ -890,7 +930,9 @@ def sqlalchemy_engine(
     conn = _connection(name, open=lambda: sa_engine.dispose(close=False),
                        close=sa_engine.dispose, check=ping if check else None,
                        required=required, deadline=deadline,
-                       peers=[(host, port)] if host and port else (), subject=sa_engine)
+                       peers=[(host, port)] if host and port else (), subject=sa_engine,
+                       # engine.execution_options() makes an engine sharing this pool
+                       resource=lambda: sa_engine.pool)
     manager(engine).register(conn, replace=replace)
     return sa_engine
 
@@ -991,7 +1033,9 @@ def redis_client(
     peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
     conn = _connection(name, open=disconnect, close=disconnect,
                        check=ping if check else None, required=required, deadline=deadline,
-                       peers=peers, subject=client)
+                       peers=peers, subject=client,
+                       # Redis(connection_pool=pool): clients sharing one pool
+                       resource=lambda: pool)
     manager(engine).register(conn, replace=replace)
     return client
 
@@ -1294,9 +1338,14 @@ def doctor_report(pid: int | str = "self",
         rows.append(row)
     data: dict[str, Any] = {"pid": str(pid), "connections": rows,
                             "managed": None if managed is None else [dict(m) for m in managed]}
+    from ._notify import one_line
+
+    # Names and states come from the process's answer: data, escaped (one_line), or a
+    # name holding a newline or a terminal escape would forge the lines after it.
     lines = []
     if managed is not None:
-        names = ", ".join(f"{m.get('name')} ({m.get('state')})" for m in managed) or "none"
+        names = ", ".join(one_line(f"{m.get('name')} ({m.get('state')})")
+                          for m in managed) or "none"
         lines.append(f"process {pid}: managed connections: {names}")
     if not conns:
         lines.append(f"process {pid}: no established TCP connections")
@@ -1309,7 +1358,7 @@ def doctor_report(pid: int | str = "self",
         if c.loopback:
             marks.append("loopback (survives a snapshot)")
         if row["managed"] is not None:
-            marks.append(f"managed: {row['managed']}")
+            marks.append(f"managed: {one_line(row['managed'])}")
         elif managed is not None and c.outbound and not c.loopback:
             marks.append("NOT managed: cut by a restore")
         lines.append(f"  {c.remote.ljust(width)}  from {c.local}  {', '.join(marks)}")

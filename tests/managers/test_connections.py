@@ -1368,11 +1368,14 @@ def test_a_replaced_grpc_channel_that_fails_to_close_does_not_undo_the_replaceme
 # -- replace=True closes what it replaces (one rule for every kind, as for gRPC) -----------
 
 def _join_replaced_close(old) -> None:
-    """Wait for the background close a replace=True registration started, if any."""
-    thread = getattr(old, "_replaced_close", None)
-    if thread is not None:
-        thread.join(10)
-        assert not thread.is_alive()
+    """Wait for the background close a replace=True registration started, if any: a
+    thread (a sync close) or the future of one scheduled on the hooks' loop (async)."""
+    started = getattr(old, "_replaced_close", None)
+    if isinstance(started, concurrent.futures.Future):
+        started.result(10)
+    elif started is not None:
+        started.join(10)
+        assert not started.is_alive()
 
 
 def _ports_to(port: int) -> int:
@@ -1561,3 +1564,153 @@ def test_replacing_a_registered_connection_runs_its_close(rehydrate_engine):
                          replace=True)
     _join_replaced_close(old)
     assert closed == ["one", None]
+
+
+# -- replace=True: an async close runs on the hooks' loop; a shared pool is handed over --
+
+async def _wait_replaced_close(old) -> None:
+    """Await the close a replace=True registration started: a thread (a sync close) or
+    the future of the one scheduled on the hooks' loop (an async close)."""
+    started = getattr(old, "_replaced_close", None)
+    if isinstance(started, concurrent.futures.Future):
+        await asyncio.wait_for(asyncio.wrap_future(started), 10)
+    elif started is not None:
+        await asyncio.get_running_loop().run_in_executor(None, _join_replaced_close, old)
+
+
+@pytest.mark.parametrize("from_the_loop", [True, False])
+async def test_a_replaced_async_close_runs_on_the_applications_loop(rehydrate_engine,
+                                                                     http_srv, caplog,
+                                                                     from_the_loop):
+    """A plain register()'s async close of the registration replace=True replaces ran
+    with asyncio.run() on a thread of its own: a private loop. Before a snapshot it runs
+    on the application's loop (start(loop=...)), which the streams it closes belong to;
+    on the private one it failed ("attached to a different loop") and the connection
+    stayed open, unmanaged."""
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)
+
+    async def dial() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", http_srv.port)
+
+    async def close(value: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+        value[1].close()
+        await value[1].wait_closed()
+
+    connections.register("feed", close=close, value=await dial(), engine=rehydrate_engine)
+    old = connections.get("feed", engine=rehydrate_engine)
+    assert _ports_to(http_srv.port) == 1
+    new_value = await dial()
+
+    def replace() -> None:
+        connections.register("feed", close=close, value=new_value, engine=rehydrate_engine,
+                             replace=True)
+
+    if from_the_loop:  # the usual case in async code: never blocks this loop
+        replace()
+    else:  # sync code on another thread
+        await loop.run_in_executor(None, replace)
+    await _wait_replaced_close(old)
+    assert "closing the one it replaces failed" not in caplog.text
+    assert _ports_to(http_srv.port) == 1, "the replaced stream is still open"
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok, snap.table()
+    assert _ports_to(http_srv.port) == 0
+
+
+def test_replacing_a_redis_client_by_one_sharing_its_pool_keeps_the_pool(rehydrate_engine,
+                                                                        redis_srv):
+    """Redis(connection_pool=pool) is redis-py's way to share a pool: replacing client A
+    by B over the same pool disconnected that pool, B's connections with it, including
+    one B had checked out (a pubsub, a WATCH-ing pipeline). Same pool: a handover."""
+    import redis
+
+    pool = redis.ConnectionPool(host="127.0.0.1", port=redis_srv.port)
+    a, b = redis.Redis(connection_pool=pool), redis.Redis(connection_pool=pool)
+    connections.redis_client("cache", a, engine=rehydrate_engine)
+    a.set("k", "v")
+    sub = b.pubsub()
+    sub.subscribe("ch")  # a connection checked out of the pool, in use by b
+    assert sub.get_message(timeout=5)["type"] == "subscribe"
+    assert _ports_to(redis_srv.port) == 1  # the pool's one connection, b's pubsub now
+    old = connections.get("cache", engine=rehydrate_engine)
+    connections.redis_client("cache", b, engine=rehydrate_engine, replace=True)
+    _join_replaced_close(old)
+    assert sub.connection is not None and sub.connection._sock is not None, \
+        "b's in-use connection was cut"
+    assert _ports_to(redis_srv.port) == 1
+    assert b.publish("ch", "x") == 1  # the subscription is still there
+    assert b.get("k") == b"v"
+    sub.close()
+    pool.disconnect()
+
+
+def test_replacing_a_sqlalchemy_engine_by_one_sharing_its_pool_keeps_the_pool(
+        rehydrate_engine, tmp_path):
+    """engine.execution_options() makes an engine over the same pool: replacing the
+    first by it disposed that pool (the one the new engine uses)."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    e1 = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'one.sqlite'}")
+    connections.sqlalchemy_engine("db", e1, engine=rehydrate_engine)
+    with e1.connect() as c:
+        c.exec_driver_sql("SELECT 1")
+    pool = e1.pool
+    assert pool.checkedin() == 1
+    e2 = e1.execution_options(isolation_level="AUTOCOMMIT")
+    old = connections.get("db", engine=rehydrate_engine)
+    connections.sqlalchemy_engine("db", e2, engine=rehydrate_engine, replace=True)
+    _join_replaced_close(old)
+    assert e2.pool is pool and pool.checkedin() == 1, "the shared pool was disposed"
+
+
+def test_doctor_connections_escapes_names_and_states_from_the_answer(http_srv, capsys):
+    """The managed connections' names and states come from the process's answer: a
+    name holding a newline and a terminal escape forged a line of doctor's output."""
+    from one_answer import OneAnswer
+
+    forged = "db\nrehydrate: doctor: all clear\x1b[2K"
+    status = {"connections": [{"name": forged, "state": "ok\x1b[2K",
+                               "peers": [f"127.0.0.1:{http_srv.port}"]}], "files": {}}
+    sock_dir = tempfile.mkdtemp(prefix="rh-doc-")  # AF_UNIX paths are short
+    sock = os.path.join(sock_dir, "c.sock")
+    server = OneAnswer(sock, json.dumps({"ok": True, "pid": os.getpid(),
+                                         "status": status}).encode() + b"\n")
+    try:
+        with httpx.Client(base_url=http_srv.url) as client:
+            client.get("/")  # an established connection to the named peer
+            assert cli_main(["doctor", "--connections", "--socket", sock]) == 0
+    finally:
+        server.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert not any(line.startswith("rehydrate: doctor: all clear") for line in out.splitlines())
+    assert ("managed connections: db\\nrehydrate: doctor: all clear\\x1b[2K (ok\\x1b[2K)"
+            in out)
+    assert "managed: db\\nrehydrate: doctor: all clear\\x1b[2K" in out
+
+
+async def test_a_replaced_async_close_that_fails_is_a_warning_naming_it(rehydrate_engine,
+                                                                         caplog):
+    """Scheduled on the hooks' loop and never awaited by the registration: its failure
+    is reported from the future's callback, with the connection's name."""
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)
+
+    async def close() -> None:
+        raise RuntimeError("close failed")
+
+    connections.register("feed", close=close, engine=rehydrate_engine)
+    old = connections.get("feed", engine=rehydrate_engine)
+    connections.register("feed", engine=rehydrate_engine, replace=True)
+    assert isinstance(old._replaced_close, concurrent.futures.Future)
+    with pytest.raises(RuntimeError, match="close failed"):
+        await asyncio.wait_for(asyncio.wrap_future(old._replaced_close), 10)
+    for _ in range(1000):  # the callback runs right after the future's waiters wake
+        if "failed: RuntimeError: close failed" in caplog.text:
+            break
+        await asyncio.sleep(0.01)
+    assert ("connection feed replaced; closing the one it replaces failed: "
+            "RuntimeError: close failed") in caplog.text
