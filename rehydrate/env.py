@@ -141,8 +141,9 @@ def read_environ(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
 READ_TIMEOUT = 5.0
 
 
-def _read_within(path: str, timeout: float) -> dict[bytes, bytes]:
-    """:func:`read_environ` on a pool thread, waited for at most ``timeout`` seconds.
+def _read_within(path: str, timeout: float | None) -> dict[bytes, bytes]:
+    """:func:`read_environ` on a pool thread, waited for at most ``timeout`` seconds
+    (``None``: as long as it takes).
 
     An ``open()`` or ``read()`` on a hung network mount blocks in the kernel whatever the
     flags: the engine's constructor, ``simulate_snapshot()`` or a restore must not block
@@ -195,8 +196,9 @@ class EnvRefresher:
     """The environment file; ``"auto"``: :func:`default_path` at each use; None: no file."""
     policy: Policy = "update"
     protect: tuple[str, ...] = ()
-    read_timeout: float = READ_TIMEOUT
-    """Seconds a read of the file may take (a hung mount): then :class:`EnvError`."""
+    read_timeout: float | None = READ_TIMEOUT
+    """Seconds a read of the file may take (a hung mount): then :class:`EnvError`.
+    ``None``: no limit (the read waits for the mount however long it takes)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -204,8 +206,10 @@ class EnvRefresher:
                              f"{_config.shown(self.policy)}")
         self.protect = _checked_protect(self.protect)
         # Checked here, not at the restore: NaN, 0 or a negative number made every
-        # refresh "no answer within nans", infinity an OverflowError in the hook.
-        self.read_timeout = _config.seconds(self.read_timeout, "read_timeout")
+        # refresh "no answer within nans", infinity an OverflowError in the hook. None
+        # stays "no limit", as it always was (Future.result(None) waits however long).
+        if self.read_timeout is not None:
+            self.read_timeout = _config.seconds(self.read_timeout, "read_timeout")
         self._lock = threading.Lock()
         self._previous: set[bytes] | None = None
 

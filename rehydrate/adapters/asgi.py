@@ -72,6 +72,10 @@ restore)."""
 _TRY_AGAIN_LATER = 1013  # WebSocket close code: "try again later"
 
 
+class _NotLifespan(Exception):
+    """Raised to an application that sent a non-lifespan message on the lifespan scope."""
+
+
 class DrainTimeout(RuntimeError):
     """Requests were still in flight when the drain deadline passed (the snapshot fails)."""
 
@@ -125,28 +129,41 @@ class _Drain:
 
 
 class _Detection:
-    """Per engine: how many lifespans (of every gate on it) have started detection.
+    """Per engine: the lifespans (of every gate on it) that have started detection, each
+    with its server's event loop.
 
     Only the last one to shut down stops it: two servers in one process — the API and
     :func:`health_app` on a port of its own — share the engine, and the first to shut
-    down stopped detection under the other, which served on deaf to restores."""
+    down stopped detection under the other, which served on deaf to restores. The async
+    hooks run on the loop of the latest holder; when that one shuts down they move to a
+    holder still running (they fell back to rehydrate's private loop, away from the
+    surviving server's clients and locks)."""
 
     def __init__(self, engine: Lifecycle) -> None:
         self.engine = engine
-        self.lock = threading.Lock()  # held across start()/stop(): count and state agree
-        self.holders = 0
+        self.lock = threading.Lock()  # held across start()/stop(): holders and state agree
+        self.holders: list[tuple[asyncio.AbstractEventLoop, str | list[str | Detector]]] = []
 
     def hold(self, detectors: str | list[str | Detector],
              loop: asyncio.AbstractEventLoop) -> None:
         with self.lock:
-            self.holders += 1
+            self.holders.append((loop, detectors))
             self.engine.start(detectors, loop=loop)
 
-    def release(self) -> None:
+    def release(self, loop: asyncio.AbstractEventLoop) -> None:
         with self.lock:
-            self.holders -= 1
-            if self.holders == 0:
+            for i in range(len(self.holders) - 1, -1, -1):
+                if self.holders[i][0] is loop:
+                    del self.holders[i]
+                    break
+            if not self.holders:
                 self.engine.stop()
+                return
+            for other, detectors in reversed(self.holders):
+                if other is not loop and other.is_running() and not other.is_closed():
+                    # start() while running starts nothing more: it only moves the loop
+                    self.engine.start(detectors, loop=other)
+                    return
 
 
 _PLAIN_WAIT = 1.0
@@ -240,7 +257,10 @@ class ReadinessGate:
         self.max_wait = float(max_wait)
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
         self._closing = False
-        """Set on lifespan shutdown: held ``/readyz?wait`` requests answer at once."""
+        """Set when the last of this gate's lifespans shuts down: held ``/readyz?wait``
+        requests answer at once."""
+        self._lifespans = 0  # this gate's lifespans started and not yet shut down
+        self._lifespans_lock = threading.Lock()  # servers on two loops share the gate
         self._listening = False
 
     # -- endpoints ---------------------------------------------------------------------
@@ -393,7 +413,9 @@ class ReadinessGate:
     # -- lifespan ------------------------------------------------------------------------
 
     async def _startup(self) -> None:
-        self._closing = False
+        with self._lifespans_lock:
+            self._lifespans += 1
+            self._closing = False
         loop = asyncio.get_running_loop()
         try:
             await asyncio.to_thread(self._detection.hold, self.detectors, loop)
@@ -401,9 +423,14 @@ class ReadinessGate:
             log.exception("rehydrate detection did not start")
 
     async def _shutdown(self) -> None:
-        self._closing = True  # held /readyz?wait requests answer now
-        self._wake_waiters(None)
-        await asyncio.to_thread(self._detection.release)
+        # One gate served on two ports: the first server's shutdown made the other's
+        # /readyz?wait=N answer 503 at once. Only the last one's answers them now.
+        with self._lifespans_lock:
+            self._lifespans -= 1
+            self._closing = self._lifespans == 0
+        if self._closing:
+            self._wake_waiters(None)
+        await asyncio.to_thread(self._detection.release, asyncio.get_running_loop())
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.lifespan:
@@ -435,9 +462,16 @@ class ReadinessGate:
             return message
 
         answered = False  # the application answered the startup (complete or failed)
+        foreign = False  # it sent a message of another protocol: it does not speak lifespan
 
         async def watched(message: Message) -> None:
-            nonlocal answered
+            nonlocal answered, foreign
+            if not str(message["type"]).startswith("lifespan."):
+                # A lifespan-unaware app that read the startup message as a request and
+                # answers it (http.response.start): not forwarded — the server would
+                # raise inside it, and the gate would report its startup as failed.
+                foreign = True
+                raise _NotLifespan(f"{message['type']} sent on the lifespan scope")
             if message["type"].startswith("lifespan.startup."):
                 answered = True
             if message["type"] == "lifespan.startup.failed":
@@ -448,6 +482,9 @@ class ReadinessGate:
         try:
             await self.app(scope, wrapped, watched)
         except Exception:
+            if foreign and not answered:
+                await self._serve_lifespan_for(send, receive, startup, shutdown, started)
+                return
             if received and started and not answered:
                 # Its startup raised without saying so (a bare app; Starlette sends this
                 # itself). Said for it, as Starlette does, the server exits ("startup
@@ -457,10 +494,26 @@ class ReadinessGate:
                                "message": traceback.format_exc()})
             if received:
                 raise
+        if foreign and not answered:  # it swallowed the refusal of its message
+            await self._serve_lifespan_for(send, receive, startup, shutdown, started)
+            return
         if not received:
             # The application does not speak lifespan (it raised or returned before
             # reading the first message): serve the protocol for it so detection starts.
             await self._own_lifespan(receive, send, startup, shutdown)
+
+    async def _serve_lifespan_for(self, send: Send, receive: Receive,
+                                  startup: Callable[[], Awaitable[None]],
+                                  shutdown: Callable[[], Awaitable[None]],
+                                  started: bool) -> None:
+        """The application answered the lifespan scope with another protocol's message:
+        it does not speak lifespan, as a server alone would conclude ("lifespan
+        unsupported") and serve it. The gate serves the protocol for it, so the server
+        starts and its shutdown still stops detection."""
+        log.debug("the application does not speak lifespan: the gate serves it")
+        if started:  # the startup it read (and took for a request) started detection
+            await send({"type": "lifespan.startup.complete"})
+        await self._own_lifespan(receive, send, startup, shutdown)
 
     async def _own_lifespan(self, receive: Receive, send: Send,
                             startup: Callable[[], Awaitable[None]],

@@ -725,3 +725,140 @@ def test_an_application_startup_that_raises_stops_detection(rehydrate_engine: An
     assert exits and exits[0] != 0
     assert detector.started == [rehydrate_engine] and detector.stopped == 1
     assert rehydrate_engine.status().detectors == ()
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_an_app_that_reads_the_startup_as_a_request_is_served(rehydrate_engine: Any,
+                                                              mode: str) -> None:
+    """A lifespan-unaware app that reads ``receive()`` first and answers with
+    ``http.response.start`` on the lifespan scope: uvicorn alone serves it ("lifespan
+    appears unsupported"). Once the gate said ``startup.failed`` for apps that raise in
+    the lifespan, uvicorn refused to start with it (exit 3) under the default ``auto``.
+    Its message is not forwarded; the gate serves the lifespan for it: the server starts,
+    detection runs, and the shutdown stops it."""
+    async def naive(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # the request body, it believes
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"hello"})
+
+    detector = RecordingDetector()
+    gate = ReadinessGate(naive, engine=rehydrate_engine, detectors=[detector])
+    with serve(gate, lifespan=mode) as url:
+        r = httpx.get(url + "/")
+        assert (r.status_code, r.text) == (200, "hello")
+        assert detector.started == [rehydrate_engine] and detector.stopped == 0
+        assert rehydrate_engine.status().detectors == ("recording",)
+    assert detector.stopped == 1
+    assert rehydrate_engine.status().detectors == ()
+
+
+class _LifespanDriver:
+    """Drives one lifespan of ``gate`` on an event loop of its own thread: one server."""
+
+    def __init__(self, gate: ReadinessGate) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.sent: list[str] = []
+        self.queue: asyncio.Queue[Any] = self.call(self._queue())
+        self.done = asyncio.run_coroutine_threadsafe(
+            gate({"type": "lifespan", "asgi": {"version": "3.0"}}, self.queue.get,
+                 self._send), self.loop)
+
+    async def _queue(self) -> asyncio.Queue[Any]:
+        return asyncio.Queue()
+
+    async def _send(self, message: Any) -> None:
+        self.sent.append(message["type"])
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(15)
+
+    def startup(self) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, {"type": "lifespan.startup"})
+        wait_for(lambda: "lifespan.startup.complete" in self.sent, 15, "startup complete")
+
+    def shutdown(self) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, {"type": "lifespan.shutdown"})
+        self.done.result(15)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        if not self.done.done():
+            self.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(15)
+        self.loop.close()
+
+
+def test_async_hooks_move_to_a_server_still_running_when_another_stops(
+        app: App, rehydrate_engine: Any) -> None:
+    """Two servers on two event loops share the engine (the API, and ``health_app`` on a
+    port of its own). Hooks ran on the loop of the last one started; once that one shut
+    down they ran on rehydrate's private loop, away from the surviving server's clients,
+    although its lifespan still held detection. They run on the surviving loop now."""
+    from rehydrate.adapters.asgi import health_app
+
+    loops: list[Any] = []
+
+    @rehydrate_engine.registry.after_restore(name="async-hook")
+    async def async_hook() -> None:
+        loops.append(asyncio.get_running_loop())
+
+    api = _LifespanDriver(ReadinessGate(app, engine=rehydrate_engine, detectors="none"))
+    probes = _LifespanDriver(health_app(engine=rehydrate_engine, detectors="none"))
+    try:
+        api.startup()
+        probes.startup()
+        assert rehydrate_engine.simulate_restore().ok
+        assert loops == [probes.loop]  # the latest server's loop
+        probes.shutdown()
+        probes.close()
+        assert rehydrate_engine.simulate_restore().ok
+        assert loops[1] is api.loop, "async hooks left the surviving server's loop"
+    finally:
+        probes.close()
+        api.close()
+    assert rehydrate_engine.status().detectors == ()
+
+
+def test_readyz_wait_holds_on_a_server_still_running_after_another_stops(
+        app: App, rehydrate_engine: Any) -> None:
+    """One gate served on two ports: the first server's shutdown marked the whole gate
+    closing, so ``/readyz?wait=N`` on the surviving server answered 503 at once instead
+    of waiting for the restore in progress to finish."""
+    hold = threading.Event()
+
+    @rehydrate_engine.registry.after_restore(name="warm-up")
+    def warm_up() -> None:
+        hold.wait(30)
+
+    gate = ReadinessGate(app, engine=rehydrate_engine, detectors="none")
+    first, second = _LifespanDriver(gate), _LifespanDriver(gate)
+    restoring: tuple[threading.Thread, list[Any]] | None = None
+    try:
+        first.startup()
+        second.startup()
+        second.shutdown()
+        restoring = in_thread(rehydrate_engine.simulate_restore)
+        wait_for(lambda: not rehydrate_engine.is_ready(), 15, "the restore to begin")
+
+        async def readyz_wait() -> httpx.Response:
+            async with asgi_client(gate) as c:
+                return await c.get("/readyz?wait=30")
+
+        # on the surviving server's loop; the hook holds the restore until it waits
+        answer = asyncio.run_coroutine_threadsafe(readyz_wait(), first.loop)
+        wait_for(lambda: gate._waiters or answer.done(), 15, "the wait to begin")
+        assert not answer.done(), f"answered at once: {answer.result().text}"
+        hold.set()
+        assert answer.result(30).status_code == 200
+        restoring[0].join(30)
+        assert restoring[1][0].ok
+    finally:
+        hold.set()
+        if restoring is not None:
+            restoring[0].join(30)
+        first.close()
+        second.close()

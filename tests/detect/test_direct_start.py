@@ -9,7 +9,9 @@ report went on to the first.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ def _vmclock_page(path: Path) -> None:
     path.write_bytes(bytes(page))
 
 
-def _make(key: str, tmp_path: Path) -> Detector:
+def _make(key: str, tmp_path: Path, sock_dir: Path | None = None) -> Detector:
     if key == "file":
         from rehydrate.detect.file import FileDetector
         return FileDetector(str(tmp_path / "marker"), polling=True, interval=60, window=0)
@@ -63,7 +65,8 @@ def _make(key: str, tmp_path: Path) -> Detector:
         return GVisorDetector(str(tmp_path / "gvisor"))
     if key == "control":
         from rehydrate.detect.control import ControlDetector
-        return ControlDetector(str(tmp_path / "c.sock"))
+        assert sock_dir is not None
+        return ControlDetector(str(sock_dir / "c.sock"))
     assert key == "snapstart"
     from rehydrate.detect.snapstart import SnapStartDetector
     return SnapStartDetector()
@@ -76,6 +79,15 @@ def _engine_of(det: Detector) -> Any:
     if det.key == "control":
         return det.server.engine if det.server else None  # type: ignore[attr-defined]
     return det._engine  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # AF_UNIX paths are limited to 108 bytes: pytest's tmp_path can be longer (a long
+    # --basetemp), and the control socket could then not be bound at all.
+    d = Path(tempfile.mkdtemp(prefix="rh-direct-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -103,9 +115,9 @@ def clean_snapstart() -> Iterator[None]:
 @pytest.mark.parametrize("key", ["file", "identity", "clock-jump", "vmclock", "signal",
                                  "gvisor", "control", "snapstart"])
 def test_a_directly_started_detector_refuses_a_second_engine(
-        key: str, tmp_path: Path, engines: Callable[[], Lifecycle],
+        key: str, tmp_path: Path, short_dir: Path, engines: Callable[[], Lifecycle],
         clean_snapstart: None) -> None:
-    det = _make(key, tmp_path)
+    det = _make(key, tmp_path, short_dir)
     first, second = engines(), engines()
     det.start(first)
     try:

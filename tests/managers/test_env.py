@@ -313,6 +313,18 @@ def test_a_read_timeout_that_is_not_seconds_is_refused(bad):
         EnvRefresher(path=None, read_timeout=bad)
 
 
+def test_read_timeout_none_still_means_no_limit(tmp_path, environ):
+    """``read_timeout=None`` (no limit) worked until the seconds rule was applied to it,
+    then made every refresher a TypeError; it reads the file as before."""
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_NO_LIMIT": b"1"})
+    refresher = EnvRefresher(path=str(spec), read_timeout=None)
+    assert refresher.read_timeout is None
+    refresher.baseline()
+    assert refresher.refresh() == EnvChanges(added=("RHT_NO_LIMIT",))
+    assert environ[b"RHT_NO_LIMIT"] == b"1"
+
+
 def test_protect_list_blocks_set_and_removal(tmp_path, environ):
     spec = tmp_path / "spec_environ"
     write(spec, {b"RHT_SECRET_X": b"1", b"RHT_PLAIN": b"1", b"RHT_GONE": b"1"})
