@@ -326,6 +326,21 @@ def test_port_from_environment(monkeypatch):
         AgonesAdapter(9358, 0)
 
 
+@pytest.mark.parametrize("raw", ["http", "s3cret-token", "70000", "0", "-1", "+9_358",
+                                 "9" * 5000, "٩٣٥٨"])
+def test_a_bad_port_in_the_environment_is_named_without_its_value(monkeypatch, caplog, raw):
+    """An invalid AGONES_SDK_HTTP_PORT was quoted in the error (a value out of range even
+    as "Agones SDK port must be an int in 1..65535, not 70000"): environment values are
+    never repeated, key names only. Nothing is built."""
+    monkeypatch.setenv("AGONES_SDK_HTTP_PORT", raw)
+    with pytest.raises(ValueError) as info:
+        AgonesAdapter()
+    message = str(info.value)
+    assert message == ("AGONES_SDK_HTTP_PORT must be a port number 1-65535 (its value is "
+                       "not shown: environment values never are)")
+    assert raw not in caplog.text
+
+
 def test_hooks_are_named_and_removed_on_close(sidecar, rehydrate_engine):
     a = _adapter(sidecar, rehydrate_engine)
     a.install()
