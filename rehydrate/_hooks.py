@@ -17,6 +17,8 @@ from . import _config
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_RETRIES",
+    "ORDER_LIMIT",
     "Hook",
     "HookFn",
     "Phase",
@@ -29,6 +31,16 @@ F = TypeVar("F", bound=HookFn)
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds a hook may run before it is reported as ``timeout``."""
+
+ORDER_LIMIT = 1_000_000_000
+"""A hook's ``order`` is an int from ``-ORDER_LIMIT`` to ``ORDER_LIMIT`` (the built-in hooks
+use up to two million either way). Unbounded, ``order=10**5000`` was accepted and then
+broke ``repr()`` of the hook and of every report naming it (past 4300 digits Python
+refuses to turn an int into text)."""
+MAX_RETRIES = 1000
+"""The most ``retries`` a hook may have: a run's deadline ends retries anyway, and a run
+without one would retry a hook that keeps failing (every 5 s at most) for about 80 minutes
+— a larger number is a mistake, not a policy."""
 
 Event = Literal["restore", "snapshot"]
 
@@ -222,11 +234,13 @@ class Registry:
         if name is not None and (not isinstance(name, str) or not name.strip()
                                  or not name.isprintable()):
             raise TypeError(f"name must be a non-empty printable str, not {_config.shown(name)}")
-        for what, value in (("order", order), ("retries", retries)):
+        for what, value, low, high in (("order", order, -ORDER_LIMIT, ORDER_LIMIT),
+                                       ("retries", retries, 0, MAX_RETRIES)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-        if retries < 0:
-            raise ValueError("retries must be >= 0")
+            if not low <= value <= high:
+                raise ValueError(f"{what} must be an int from {low} to {high}, not "
+                                 f"{_config.shown(value)}")
         if env_keys is not None:
             if isinstance(env_keys, (str, bytes)):  # else one key per character
                 raise TypeError(f"env_keys must be a list of key names, not one "
@@ -426,8 +440,6 @@ class Registry:
 default_registry = Registry()
 """The registry of the module-level decorators (``rehydrate.after_restore`` …), run by
 ``rehydrate.default_engine``."""
-"""The registry of the module-level decorators (``rehydrate.after_restore`` …) and of the
-default engine."""
 
 
 # Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.

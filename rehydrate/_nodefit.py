@@ -27,13 +27,12 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import _config
+from . import _config, _dns
 from ._gvisor import running_under_gvisor
 
 __all__ = [
@@ -97,44 +96,15 @@ class _DeadlineSocket(socket.socket):
         super().sendall(*args, **kwargs)
 
 
-def _resolve(host: str, port: int, deadline: float) -> list[tuple[Any, ...]]:
-    """``getaddrinfo`` for a TCP connection to ``host``, ended by ``deadline``.
-
-    ``getaddrinfo`` takes no timeout, and neither http.client's nor httpx's connect timeout
-    covers it: a resolver that does not answer held ``fingerprint()``, ``doctor`` and the
-    save hook for as long as it liked. A host name is looked up on a daemon thread,
-    abandoned at the deadline (it ends when the resolver gives up); an address literal
-    needs no lookup and no thread."""
-    try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                  flags=socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        pass  # a host name
-    found: list[list[tuple[Any, ...]]] = []
-    failed: list[OSError] = []
-
-    def lookup() -> None:
-        try:
-            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-        except OSError as exc:
-            failed.append(exc)
-
-    resolver = threading.Thread(target=lookup, name="rehydrate-metadata-dns", daemon=True)
-    resolver.start()
-    resolver.join(max(0.0, deadline - time.monotonic()))
-    if failed:
-        raise failed[0]
-    if not found:
-        raise TimeoutError("name lookup timed out")
-    return found[0]
-
-
 def _connect(host: str, port: int, deadline: float) -> _DeadlineSocket:
     """A connection to ``host``:``port`` (each address in turn, as
     ``socket.create_connection``) whose lookup, connect and every later send and receive
     end by ``deadline``."""
     error: OSError = TimeoutError("timed out")
-    for family, kind, proto, _, address in _resolve(host, port, deadline):
+    # the lookup too: GCE_METADATA_HOST may be a host name, and a resolver that does not
+    # answer held fingerprint(), doctor and the save hook for as long as it liked
+    addresses = _dns.resolve(host, port, deadline, thread_name="rehydrate-metadata-dns")
+    for family, kind, proto, _, address in addresses:
         sock = _DeadlineSocket(family, kind, proto)
         sock.deadline = deadline
         try:

@@ -495,7 +495,10 @@ def _resolve_action(arg: str | None) -> tuple[str | None, str | None]:
     if mode:
         if mode in NOTIFY_CMD:
             return mode, None
-        return None, f"{GVISOR_MODE}={mode!r} is not save, resume or restore"
+        # gVisor's own values are the three above; anything else is an environment
+        # value that is not rehydrate's to repeat (key names only)
+        return None, (f"{GVISOR_MODE} is not save, resume or restore (its value is not "
+                      "shown: environment values never are)")
     action = os.environ.get(CRIU_ACTION)
     if action:
         return _CRIU.get(action), None

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import _backoff, _config
+from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
 from .extensions import Probe, resolve_engine
@@ -1297,14 +1297,27 @@ def _status_tcp() -> list[dict[str, Any]]:
     return [c.to_dict() for c in established_tcp()]
 
 
-def _resolved(peers: Iterable[str]) -> set[tuple[str, int]]:
-    """(address, port) pairs a list of ``host:port`` peers resolves to (best effort)."""
+_PEER_LOOKUP_TIMEOUT = 2.0
+"""Seconds ``doctor --connections`` gives the name lookups of all managed peers together:
+``getaddrinfo`` has no timeout of its own, and a resolver that did not answer hung the
+command (the sockets it lists are already known; only the managed marks wait for names)."""
+
+
+def _resolved(peers: Iterable[str], deadline: float,
+              late: list[str] | None = None) -> set[tuple[str, int]]:
+    """(address, port) pairs a list of ``host:port`` peers resolves to (best effort), the
+    lookups ended by ``deadline`` (a ``time.monotonic()``); the peers whose lookup did not
+    answer by then are appended to ``late``."""
     out: set[tuple[str, int]] = set()
     for peer in peers:
         host, _, port = peer.rpartition(":")
         host = host.strip("[]")
         try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            infos = _dns.resolve(host, int(port), deadline)
+        except TimeoutError:
+            if late is not None:
+                late.append(peer)
+            continue
         except (OSError, ValueError):
             continue
         for info in infos:
@@ -1329,7 +1342,10 @@ def doctor_report(pid: int | str = "self",
     socket to one of their ``peers`` is marked with the connection's name. None: not
     known (the process is not the one behind the control socket).
     """
-    peers = {str(m.get("name")): _resolved(m.get("peers") or ()) for m in managed or ()}
+    deadline = time.monotonic() + _PEER_LOOKUP_TIMEOUT
+    late: list[str] = []
+    peers = {str(m.get("name")): _resolved(m.get("peers") or (), deadline, late)
+             for m in managed or ()}
     conns = sorted(established_tcp(pid), key=lambda c: (c.loopback, not c.outbound, c.remote))
     rows = []
     for c in conns:
@@ -1337,16 +1353,20 @@ def doctor_report(pid: int | str = "self",
         row["managed"] = None if managed is None else _managed_by(c, peers)
         rows.append(row)
     data: dict[str, Any] = {"pid": str(pid), "connections": rows,
-                            "managed": None if managed is None else [dict(m) for m in managed]}
+                            "managed": None if managed is None else [dict(m) for m in managed],
+                            "peers_not_resolved": late}
     from ._notify import one_line
 
-    # Names and states come from the process's answer: data, escaped (one_line), or a
-    # name holding a newline or a terminal escape would forge the lines after it.
+    # Names, states and peers come from the process's answer: data, escaped (one_line),
+    # or a name holding a newline or a terminal escape would forge the lines after it.
     lines = []
     if managed is not None:
         names = ", ".join(one_line(f"{m.get('name')} ({m.get('state')})")
                           for m in managed) or "none"
         lines.append(f"process {pid}: managed connections: {names}")
+    if late:
+        lines.append(f"peer names not resolved within {_PEER_LOOKUP_TIMEOUT:g} s (sockets to "
+                     f"them are not marked managed): {one_line(', '.join(late))}")
     if not conns:
         lines.append(f"process {pid}: no established TCP connections")
         return data, "\n".join(lines)

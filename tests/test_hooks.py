@@ -157,6 +157,37 @@ def test_decorators_refuse_bad_options_with_a_clear_message(decorator):
     assert len(reg) == 0
 
 
+@pytest.mark.parametrize(("option", "value", "shown"), [
+    ("order", 10**5000, "1e+5000"),  # was accepted; repr(hook) then raised "Exceeds the limit"
+    ("order", -(10**9) - 1, "-1000000001"),
+    ("order", 10**9 + 1, "1000000001"),
+    ("retries", 10**5000, "1e+5000"),  # was accepted: retried until the run's deadline
+    ("retries", 1001, "1001"),
+    ("retries", -1, "-1"),
+], ids=lambda v: v if isinstance(v, str) else "")  # no str() of a 5000-digit int
+def test_order_and_retries_out_of_range_are_refused_in_one_line(option, value, shown):
+    reg = Registry()
+    kept = reg.register(lambda: None, name="kept")
+    for register in (lambda: reg.register(lambda: None, **{option: value}),
+                     lambda: reg.after_restore(**{option: value})(lambda: None),
+                     lambda: reg.on_env_change("K", **{option: value})(lambda: None)):
+        with pytest.raises(ValueError) as info:
+            register()
+        message = str(info.value)
+        low, high = ("-1000000000", "1000000000") if option == "order" else ("0", "1000")
+        assert message == f"{option} must be an int from {low} to {high}, not {shown}"
+        assert "\n" not in message and len(message) < 120
+    assert reg.hooks("restore") == (kept,)  # the previous state kept
+
+
+def test_order_and_retries_at_their_limits_are_accepted():
+    reg = Registry()
+    low = reg.register(lambda: None, name="low", order=-(10**9), retries=0)
+    high = reg.register(lambda: None, name="high", order=10**9, retries=1000)
+    assert (low.order, high.order, high.retries) == (-(10**9), 10**9, 1000)
+    assert "order=1000000000" in repr(high)
+
+
 def test_a_finite_timeout_beyond_a_year_is_refused_and_infinity_means_no_limit():
     """Before: ``timeout=1e10`` was accepted, and every restore run then ended in the
     runner's ``OverflowError`` (a thread wait that long overflows) with the engine

@@ -89,11 +89,14 @@ def _port(port: int | None) -> int:
         raw = os.environ.get(PORT_ENV, "").strip()
         if not raw:
             return DEFAULT_PORT
-        try:
-            port = int(raw)
-        except ValueError:
-            raise ValueError(f"{PORT_ENV} must be a port number, not "
-                             f"{_config.shown(raw)}") from None
+        # Agones' variable, not a rehydrate setting: its value is not rehydrate's to
+        # repeat (environment values never are; key names only), so the error names the
+        # variable and the rule. Digits only, at most 5: int() would take "+9_358".
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 5
+                and 0 < int(raw) < 65536):
+            raise ValueError(f"{PORT_ENV} must be a port number 1-65535 (its value is not "
+                             "shown: environment values never are)")
+        return int(raw)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"Agones SDK port must be an int in 1..65535, not "
                          f"{_config.shown(port)}")

@@ -58,10 +58,12 @@ from ._model import (
     _FAMILY_NAMES,
     _PROTO_NAMES,
     _TYPE_CODES,
+    _UINT32,
     PYROUTE2_MISSING,
     NetworkError,
     NetworkUnavailable,
     Route,
+    _checked_fields,
     _pyroute2_available,
 )
 from ._model import (
@@ -164,7 +166,6 @@ def route(  # noqa: PLR0917 - the order ip-route users expect
     return r
 
 
-_UINT32 = 2**32 - 1
 _PROTO_CODES = {v: k for k, v in _PROTO_NAMES.items()}
 
 
@@ -178,10 +179,9 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     or misread — checked here, so that one bad route cannot fail every route later."""
     import ipaddress
 
-    if not isinstance(dst, str):
-        raise TypeError(f"route destination must be a string such as '10.0.0.0/24' or "
-                        f"'default', not {_type_name(dst)}")
-    what = f"route {dst!r}"
+    what = _checked_fields(dst, gateway=gateway, src=src, from_prefix=from_prefix, dev=dev,
+                           table=table, metric=metric, scope=scope, required=required)
+    assert isinstance(dst, str)  # checked above
     net = None
     if dst != "default":
         try:
@@ -192,9 +192,7 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     for name, value in (("gateway", gateway), ("src", src)):
         if value is None:
             continue
-        if not isinstance(value, str):
-            raise TypeError(f"{what}: {name} must be an address string, not "
-                            f"{_type_name(value)}")
+        assert isinstance(value, str)  # checked above
         try:
             addresses[name] = ipaddress.ip_address(value.strip())
         except ValueError as exc:
@@ -218,17 +216,6 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
         raise ValueError(f"{what}: {ipv4_only[0]} is for IPv4 routes only"
                          + (" (the kernel ignores it on IPv6)" if ipv4_only[0] == "realm"
                             else ""))
-    if dev is not None and (not isinstance(dev, str) or not dev or len(dev) > 15
-                            or any(c.isspace() or c == "/" for c in dev)):
-        raise ValueError(f"{what}: dev must be a network device name (1-15 characters, "
-                         f"no spaces or '/'), not {shown(dev)}")
-    for name, value, low, high in (("table", table, 1, _UINT32), ("metric", metric, 0, _UINT32),
-                                   ("scope", scope, 0, 255)):
-        if value is not None and (type(value) is not int or not low <= value <= high):
-            raise ValueError(f"{what}: {name} must be a whole number {low}-{high}, not "
-                             f"{shown(value)}")
-    if not isinstance(required, bool):
-        raise TypeError(f"{what}: required must be True or False, not {_type_name(required)}")
     # the kernel refuses a tos with either ECN bit set ("ECN bits must be 0")
     if type(tos) is not int or not 0 <= tos <= 255 or tos & 3:
         raise ValueError(f"{what}: tos must be a whole number 0-255 with the two ECN bits "

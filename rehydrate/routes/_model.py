@@ -124,6 +124,42 @@ def _family_of_text(r: Route) -> int | None:
     return None
 
 
+_UINT32 = 2**32 - 1
+
+
+def _checked_fields(dst: object, *, gateway: object, src: object, from_prefix: object,
+                    dev: object, table: object, metric: object, scope: object,
+                    required: object) -> str:
+    """``route 'dst'`` (the prefix of every message about the route) once the fields that
+    need no address parsing are of the right type and range: ``TypeError``/``ValueError``
+    naming the field otherwise, the value through :func:`rehydrate._config.shown`. One
+    rule for :func:`rehydrate.routes.route` and a :class:`Route` built directly."""
+    if not isinstance(dst, str):
+        raise TypeError(f"route destination must be a string such as '10.0.0.0/24' or "
+                        f"'default', not {type(dst).__name__}")
+    what = f"route {_config.shown(dst)}"
+    for name, value in (("gateway", gateway), ("src", src)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{what}: {name} must be an address string, not "
+                            f"{type(value).__name__}")
+    if from_prefix is not None and not isinstance(from_prefix, str):
+        raise TypeError(f"{what}: from_prefix must be a prefix string such as "
+                        f"'fd00:1::/64', not {type(from_prefix).__name__}")
+    if dev is not None and (not isinstance(dev, str) or not dev or len(dev) > 15
+                            or any(c.isspace() or c == "/" for c in dev)):
+        raise ValueError(f"{what}: dev must be a network device name (1-15 characters, "
+                         f"no spaces or '/'), not {_config.shown(dev)}")
+    for name, value, low, high in (("table", table, 1, _UINT32), ("metric", metric, 0, _UINT32),
+                                   ("scope", scope, 0, 255)):
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise ValueError(f"{what}: {name} must be a whole number {low}-{high}, not "
+                             f"{_config.shown(value)}")
+    if not isinstance(required, bool):
+        raise TypeError(f"{what}: required must be True or False, not "
+                        f"{type(required).__name__}")
+    return what
+
+
 @dataclass(frozen=True)
 class Route:
     """One route. ``dst`` is ``"default"`` or a prefix such as ``"10.0.0.0/24"``.
@@ -171,6 +207,21 @@ class Route:
     realm: int | None = None
 
     def __post_init__(self) -> None:
+        # A Route built directly gets the checks of route() that need no parsing: a
+        # non-string dst ended in "argument of type 'int' is not iterable", a bad table
+        # or metric only when the route was applied, with every other route.
+        what = _checked_fields(self.dst, gateway=self.gateway, src=self.src,
+                               from_prefix=self.from_prefix, dev=self.dev, table=self.table,
+                               metric=self.metric, scope=self.scope, required=self.required)
+        if self.type not in _TYPE_CODES:
+            raise ValueError(f"{what}: type must be one of {sorted(_TYPE_CODES)}, not "
+                             f"{_config.shown(self.type)}")
+        if isinstance(self.family, bool) or not isinstance(self.family, int):
+            raise TypeError(f"{what}: family must be socket.AF_INET or AF_INET6, not "
+                            f"{type(self.family).__name__}")
+        if not isinstance(self.onlink, bool):
+            raise TypeError(f"{what}: onlink must be True or False, not "
+                            f"{type(self.onlink).__name__}")
         family = int(self.family) or _family_of_text(self) or socket.AF_INET
         if family not in _FAMILY_NAMES:
             raise ValueError("route family must be AF_INET or AF_INET6, not "
@@ -179,17 +230,17 @@ class Route:
         for name, value, high in (("proto", self.proto, 255), ("tos", self.tos, 255),
                                   ("realm", self.realm, 2**32 - 1)):
             if value is not None and (type(value) is not int or not 0 <= value <= high):
-                raise ValueError(f"route {self.dst}: {name} must be a whole number "
+                raise ValueError(f"{what}: {name} must be a whole number "
                                  f"0-{high}, not {_config.shown(value)}")
         # what the kernel refuses (tos on IPv6) or, worse, silently drops (a source
         # prefix on IPv4, a realm on IPv6): refused here, by name
         if family == socket.AF_INET6 and self.tos:
-            raise ValueError(f"route {self.dst}: tos is for IPv4 routes only")
+            raise ValueError(f"{what}: tos is for IPv4 routes only")
         if family == socket.AF_INET and self.from_prefix is not None:
-            raise ValueError(f"route {self.dst}: a source prefix (from) is for IPv6 routes "
+            raise ValueError(f"{what}: a source prefix (from) is for IPv6 routes "
                              "only (the kernel ignores it on IPv4)")
         if family == socket.AF_INET6 and self.realm:
-            raise ValueError(f"route {self.dst}: realm is for IPv4 routes only (the kernel "
+            raise ValueError(f"{what}: realm is for IPv4 routes only (the kernel "
                              "ignores it on IPv6)")
         object.__setattr__(self, "metrics", tuple(sorted(
             (str(k).lower().removeprefix("rtax_"), v) for k, v in self.metrics)))

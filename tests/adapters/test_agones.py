@@ -253,6 +253,7 @@ def test_slow_sidecar_still_syncs(sidecar, rehydrate_engine):
         sidecar.faults.delay = 0.3
         report = rehydrate_engine.simulate_restore()
         assert report.ok, report.table()
+        sidecar.wait_for("PUT", "/metadata/label", count=2)  # logged once answered
         assert len(sidecar.calls("PUT", "/metadata/label")) == 2
     finally:
         sidecar.faults.delay = 0.0
@@ -324,6 +325,21 @@ def test_port_from_environment(monkeypatch):
         AgonesAdapter()
     with pytest.raises(ValueError, match="health_interval"):
         AgonesAdapter(9358, 0)
+
+
+@pytest.mark.parametrize("raw", ["http", "s3cret-token", "70000", "0", "-1", "+9_358",
+                                 "9" * 5000, "٩٣٥٨"])
+def test_a_bad_port_in_the_environment_is_named_without_its_value(monkeypatch, caplog, raw):
+    """An invalid AGONES_SDK_HTTP_PORT was quoted in the error (a value out of range even
+    as "Agones SDK port must be an int in 1..65535, not 70000"): environment values are
+    never repeated, key names only. Nothing is built."""
+    monkeypatch.setenv("AGONES_SDK_HTTP_PORT", raw)
+    with pytest.raises(ValueError) as info:
+        AgonesAdapter()
+    message = str(info.value)
+    assert message == ("AGONES_SDK_HTTP_PORT must be a port number 1-65535 (its value is "
+                       "not shown: environment values never are)")
+    assert raw not in caplog.text
 
 
 def test_hooks_are_named_and_removed_on_close(sidecar, rehydrate_engine):
@@ -550,6 +566,8 @@ def test_a_refused_gameserver_fetch_fails_the_resync_without_retrying(sidecar,
         report = rehydrate_engine.simulate_restore()
         [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
         assert resync.outcome == "failed" and "HTTP 403" in str(resync.error)
+        # recorded once answered: may lag the report (CI saw 0 here)
+        sidecar.wait_for("GET", "/gameserver", status=403, since=t0)
         assert len(sidecar.calls("GET", "/gameserver", since=t0)) == 1
     finally:
         sidecar.faults.fail = 0

@@ -1714,3 +1714,45 @@ async def test_a_replaced_async_close_that_fails_is_a_warning_naming_it(rehydrat
         await asyncio.sleep(0.01)
     assert ("connection feed replaced; closing the one it replaces failed: "
             "RuntimeError: close failed") in caplog.text
+
+
+def test_doctor_connections_does_not_wait_for_a_hanging_name_lookup(monkeypatch):
+    """``doctor --connections`` resolved the managed peers' host names with no deadline:
+    a resolver that never answered hung the command. The lookups end by a deadline now;
+    an address literal still matches, the late name is listed."""
+    real = socket.getaddrinfo
+    release = threading.Event()
+    asked: list[object] = []
+
+    def hanging(host, *args, **kwargs):
+        numeric = int(kwargs.get("flags", 0)) & socket.AI_NUMERICHOST
+        if host == "db.hangs.invalid" and not numeric:  # numeric: no DNS asked
+            asked.append(host)
+            release.wait(60)  # a resolver that does not answer (until the test ends)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    monkeypatch.setattr(connections, "_PEER_LOOKUP_TIMEOUT", 0.3, raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            managed = [{"name": "db", "state": "open", "peers": [f"db.hangs.invalid:{port}"]},
+                       {"name": "feed", "state": "open", "peers": [f"127.0.0.1:{port}"]}]
+            result: list[tuple[dict, str]] = []
+            caller = threading.Thread(
+                target=lambda: result.append(connections.doctor_report("self", managed)),
+                daemon=True)
+            caller.start()
+            try:
+                caller.join(20)  # 0.3 s expected; a generous bound, not a timing measurement
+                assert not caller.is_alive(), "doctor still resolving after 20 s"
+            finally:
+                release.set()
+            local = f"127.0.0.1:{client.getsockname()[1]}"
+    data, text = result[0]
+    assert asked == ["db.hangs.invalid"]
+    assert data["peers_not_resolved"] == [f"db.hangs.invalid:{port}"]
+    rows = [c for c in data["connections"] if c["local"] == local]
+    assert [r["managed"] for r in rows] == ["feed"]  # the literal still matched
+    assert "not resolved within 0.3 s" in text and f"db.hangs.invalid:{port}" in text

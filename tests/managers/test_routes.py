@@ -689,6 +689,51 @@ def test_a_route_the_kernel_would_refuse_is_refused_when_declared(rehydrate_engi
     assert routes.manager(rehydrate_engine).routes == []
 
 
+@pytest.mark.parametrize(("kwargs", "exc", "message"), [
+    # a non-string dst ended in "argument of type 'int' is not iterable"
+    ({"dst": 5}, TypeError, "route destination must be a string such as '10.0.0.0/24' or "
+     "'default', not int"),
+    ({"dst": None}, TypeError, "route destination must be a string"),
+    ({"dst": b"10.9.0.0/16"}, TypeError, "route destination must be a string"),
+    # a huge int dst: no 5000-digit text, no "Exceeds the limit"
+    ({"dst": 10**5000, "proto": 999}, TypeError, "route destination must be a string"),
+    # a long or multi-line dst is shown as route() shows it: quoted, shortened, one line
+    ({"dst": "x\ny", "proto": 999}, ValueError,
+     "route 'x\\ny': proto must be a whole number 0-255, not 999"),
+    ({"dst": "1" * 200, "tos": 256}, ValueError, "route '" + "1" * 56 + "...: tos must"),
+    ({"dst": "10.9.0.0/16", "gateway": 5}, TypeError, "gateway must be an address string"),
+    ({"dst": "10.9.0.0/16", "src": ["10.0.0.1"]}, TypeError, "src must be an address string"),
+    ({"dst": "10.9.0.0/16", "table": "main"}, ValueError,
+     "route '10.9.0.0/16': table must be a whole number 1-4294967295, not 'main'"),
+    ({"dst": "10.9.0.0/16", "metric": 10**5000}, ValueError,
+     "metric must be a whole number 0-4294967295, not 1e+5000"),
+    ({"dst": "10.9.0.0/16", "scope": 256}, ValueError, "scope must be a whole number 0-255"),
+    ({"dst": "10.9.0.0/16", "dev": "a b"}, ValueError, "dev must be a network device name"),
+    ({"dst": "10.9.0.0/16", "required": "no"}, TypeError, "required must be True or False"),
+    ({"dst": "10.9.0.0/16", "type": "bogus"}, ValueError, "type must be one of"),
+    ({"dst": "10.9.0.0/16", "family": "inet"}, TypeError, "family must be socket.AF_INET"),
+    ({"dst": "10.9.0.0/16", "onlink": "yes"}, TypeError, "onlink must be True or False"),
+    ({"dst": "fd00::/64", "from_prefix": 64}, TypeError, "from_prefix must be a prefix string"),
+])
+def test_a_route_built_directly_checks_its_fields_as_route_does(kwargs, exc, message):
+    """``Route(...)`` built directly put ``dst`` into messages with plain ``str()`` and
+    took any type: a non-string dst failed with an unrelated error, a bad table or
+    metric only when the route was applied. It checks its fields as ``route()`` does."""
+    with pytest.raises(exc) as caught:
+        routes.Route(**kwargs)
+    text = str(caught.value)
+    assert message in text and "\n" not in text and len(text) < 200
+
+
+def test_a_route_built_directly_with_good_fields_is_unchanged():
+    import socket
+
+    r = routes.Route("10.9.0.0/16", gateway="10.0.0.1", dev="eth0", table=200, metric=5,
+                     scope=0, family=socket.AF_INET, onlink=True)
+    assert (r.dst, r.table, r.metric, r.family_name) == ("10.9.0.0/16", 200, 5, "inet")
+    assert routes.Route("default", family=socket.AF_INET6).family_name == "inet6"
+
+
 def test_a_declared_route_takes_protocol_tos_source_prefix_and_realm(rehydrate_engine):
     r = routes.route("10.9.0.0/16", "10.0.0.1", proto="Bird", tos=0x10, realm="3/5",
                      engine=rehydrate_engine)

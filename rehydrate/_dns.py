@@ -1,0 +1,53 @@
+"""Name lookups with a deadline.
+
+``socket.getaddrinfo`` takes no timeout, and neither http.client's nor httpx's connect
+timeout covers it: a resolver that does not answer holds its caller for as long as it
+likes (the system resolver's own retries: tens of seconds, or for ever with a stuck NSS
+module). :func:`resolve` looks a host name up on a daemon thread abandoned at the deadline
+(it ends when the resolver gives up); an address literal needs no lookup and no thread.
+Used where a command or hook must answer in bounded time: the GCE metadata request
+(:mod:`rehydrate._nodefit`) and ``doctor --connections``' peer names
+(:mod:`rehydrate.connections`).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+__all__ = ["resolve"]
+
+
+def resolve(host: str, port: int, deadline: float, *,
+            thread_name: str = "rehydrate-dns") -> list[tuple[Any, ...]]:
+    """``getaddrinfo`` for a TCP connection to ``host``:``port``, ended by ``deadline`` (a
+    ``time.monotonic()``): ``TimeoutError`` when the lookup has not answered by then, the
+    lookup's own ``OSError`` when it failed. An address literal is converted even after
+    the deadline (no lookup is asked)."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                  flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass  # a host name
+    found: list[list[tuple[Any, ...]]] = []
+    failed: list[OSError] = []
+
+    def lookup() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            failed.append(exc)
+
+    left = deadline - time.monotonic()
+    if left <= 0:  # no thread for a lookup that could not be waited for
+        raise TimeoutError("name lookup timed out")
+    resolver = threading.Thread(target=lookup, name=thread_name, daemon=True)
+    resolver.start()
+    resolver.join(left)
+    if failed:
+        raise failed[0]
+    if not found:
+        raise TimeoutError("name lookup timed out")
+    return found[0]
