@@ -75,8 +75,13 @@ class _Pass:
     abort_announced: bool = False
     """That run was a carry-on that told the platform to abort the pass's checkpoint
     (``notify save`` failed): the platform's answer that the checkpoint failed is due."""
-    undone_at: float | None = None
-    """``time.monotonic()`` when :attr:`undone_by` ended it."""
+    abort_answered: bool = False
+    """The platform's answer to that announced abort came (it was confirmed)."""
+    settled: bool = False
+    """Its checkpoint is over, or there never was one (a resume or restore notice, a
+    carry-on that announced no abort, an answer that it failed): no answer is owed for it
+    any more. The snapshot deadline's run does not settle a pass — its checkpoint may
+    still be in flight and answered later."""
 
 
 @dataclass(frozen=True)
@@ -391,6 +396,11 @@ class Lifecycle:
         """``time.monotonic()`` when the last *anchored* restore or resume was detected
         (simulated and "carry on" runs excluded; see :meth:`restore_detected`)."""
         return self._last_restore_at
+
+    @property
+    def started(self) -> bool:
+        """True between :meth:`start` and :meth:`stop` (or :meth:`close`)."""
+        return self._started
 
     @property
     def snapshot_pending(self) -> bool:
@@ -720,11 +730,18 @@ class Lifecycle:
                     return self._superseded(ended, reason)
                 undone = self._undone_already(ended, undoes, abort)
                 if undone is not None:
+                    if abort == "answered":
+                        answered = ended if ended is not None else self._pass
+                        if answered is not None:
+                            answered.abort_answered = answered.settled = True
                     return self._confirm_carry_on(undone, reason)
                 report = self._run_restore(reason, kind, frozen_for, env, detected,
                                            deadline_at=self._deadline_at(detected, deadline))
                 if ended is not None and ended.undone_by is report:
                     ended.abort_announced = abort == "announced"
+                if self._pass is not None and abort != "announced":
+                    # whether or not its hooks started: no answer is owed for it now
+                    self._pass.settled = True
                 if anchor:
                     self._last_restore_at = detected
                     self._last_restore_report = report
@@ -760,29 +777,31 @@ class Lifecycle:
         passes = self._passes
         if not passes or passes[-1].started < undoes:
             return None
-        # Only a pass that can still be owed the platform's answer: the latest one, one
-        # not undone yet, or one whose carry-on announced an abort. A pass no checkpoint
-        # followed (a failed trigger_snapshot, a hand-run `notify save` + `resume`, a
-        # simulated snapshot) is answered by nobody: naming it made a later checkpoint's
-        # `error` look superseded, and that checkpoint's pass stayed closed.
+        # Only a pass that can still be owed the platform's answer: the latest one or an
+        # unsettled one. A settled pass (a failed trigger_snapshot, a hand-run `notify
+        # save` + `resume`, a simulated snapshot, an answered abort) is answered by
+        # nobody: naming it made a later checkpoint's `error` look superseded, and that
+        # checkpoint's pass stayed closed.
         return next(p for p in passes if p.started >= undoes and (
-            p is passes[-1] or p.undone_by is None or p.abort_announced))
+            p is passes[-1] or not p.settled))
 
     def _undone_already(self, ended: _Pass | None, undoes: float | None,
                         abort: str | None) -> RestoreReport | None:
         """The run that already undid the pass a notice is about (the notice then only
         confirms it), or None. Under ``_run_lock``."""
         if ended is not None:
-            if ended.undone_by is not None and (abort != "answered" or ended.abort_announced):
+            if ended.undone_by is not None and (abort != "answered" or (
+                    ended.abort_announced and not ended.abort_answered)):
                 return ended.undone_by
             return None
         latest = self._pass
         if (undoes is not None and abort == "answered" and latest is not None
-                and latest.abort_announced and latest.undone_at is not None
-                and latest.undone_at >= undoes):
-            # The waiter reopened its descriptor after the latest pass began but before
-            # its carry-on announced the abort: that checkpoint failed after the
-            # descriptor was opened, so this is its answer (it ran the hooks twice).
+                and latest.abort_announced and not latest.abort_answered):
+            # The waiter reopened its descriptor after the latest pass began (it was
+            # busy with the previous attempt's answer): the abort that pass's carry-on
+            # announced is still unanswered, and this is its answer (it ran the hooks
+            # twice). Only save-restore-exec announces aborts, and under it every
+            # checkpoint has a pass, so no other checkpoint's answer can be meant.
             return latest.undone_by
         return None
 
@@ -990,7 +1009,6 @@ class Lifecycle:
                                notice_to_run=waited)
         if self._pass is not None and self._pass.undone_by is None and _reopened(report):
             self._pass.undone_by = report  # its hooks reopened what the pass closed
-            self._pass.undone_at = time.monotonic()
         with self._cond:
             self._state = "ready" if ok else "degraded"
             self._run_ended = time.monotonic()

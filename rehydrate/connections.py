@@ -213,7 +213,12 @@ class Connection:
     def _closes(self) -> object:
         """What closing this registration would close (see ``_resource``)."""
         if self._resource is not None:
-            return self._resource()
+            try:  # a wrapper or double without the attribute: the subject stands for it
+                shared = self._resource()
+            except Exception:  # noqa: BLE001 - any failure means "not known"
+                shared = None
+            if shared is not None:
+                return shared
         return self._subject if self._subject is not None else self.value
 
     def effective_deadline(self) -> float:

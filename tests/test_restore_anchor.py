@@ -664,6 +664,91 @@ def test_an_error_on_a_descriptor_opened_mid_pass_confirms_the_announced_carry_o
     assert rehydrate_engine.is_ready()
 
 
+def test_a_late_error_does_not_undo_a_retry_after_the_snapshot_deadline(
+        rehydrate_engine: Lifecycle) -> None:
+    """The snapshot deadline ran the resume hooks for attempt 1 (its checkpoint may still
+    be in flight: the deadline does not settle the pass), then the platform retried:
+    attempt 1's late ``error`` names attempt 1's pass and runs nothing — the resume hooks
+    would undo the retry's pending pass (it did, for one commit, when every pass undone
+    without an announced abort was skipped)."""
+    runs = _runs(rehydrate_engine)
+    rehydrate_engine.snapshot_deadline = 0.3
+    opened = time.monotonic()  # the waiter's descriptor
+    assert rehydrate_engine.snapshot_requested("control").ok  # attempt 1
+    end = time.monotonic() + 30
+    while not runs and time.monotonic() < end:  # the deadline's run, within its bound
+        time.sleep(0.05)
+    assert [r[0] for r in runs] == ["snapshot-deadline"]
+    assert rehydrate_engine.snapshot_requested("control").ok  # the retry, pending
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                             undoes=opened, abort="answered")
+    assert late.deduplicated and len(runs) == 1
+    assert rehydrate_engine.status().state == "snapshotting"
+    assert not rehydrate_engine.is_ready()
+
+
+def test_a_failed_trigger_whose_carry_on_started_no_hook_is_settled(
+        rehydrate_engine: Lifecycle) -> None:
+    """A failed trigger's carry-on reached the engine after its run deadline (no hook
+    started, nothing reopened): its pass had no checkpoint all the same, so the next real
+    checkpoint's ``error`` is that checkpoint's and runs the hooks (before: it named the
+    trigger's pass, looked superseded, and the process stayed ``snapshotting``)."""
+    runs = _runs(rehydrate_engine)
+    fail = [True]
+
+    @rehydrate_engine.registry.before_snapshot(name="test.flush")
+    def flush() -> None:
+        if fail[0]:
+            raise RuntimeError("disk full")
+
+    opened = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("trigger").ok
+    empty = rehydrate_engine.restore_detected("trigger", kind="resume", anchor=False,
+                                              frozen_for=0.0,
+                                              detected_at=time.monotonic() - 2, deadline=1.0)
+    assert {h.attempts for h in empty.hooks} == {0} and not runs
+    fail[0] = False
+    assert rehydrate_engine.snapshot_requested("control").ok  # the real checkpoint
+    answer = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                               undoes=opened, abort="answered")
+    assert not answer.deduplicated and len(runs) == 1
+    assert rehydrate_engine.status().state == "ready"
+
+
+def test_an_announced_abort_is_answered_once_whichever_descriptor_carries_it(
+        rehydrate_engine: Lifecycle) -> None:
+    """The retry's carry-on announced its abort before the waiter had handled attempt 1's
+    late ``error`` and reopened: the retry's ``error`` on the reopened descriptor names no
+    pass, and is the announced abort's answer — nothing runs again (before: only when the
+    waiter had reopened before the carry-on). A second ``error`` after it is something
+    else and runs the hooks."""
+    runs = _runs(rehydrate_engine)
+    fail = [False]
+
+    @rehydrate_engine.registry.before_snapshot(name="test.flush")
+    def flush() -> None:
+        if fail[0]:
+            raise RuntimeError("disk full")
+
+    opened = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("control").ok  # attempt 1, fails later
+    fail[0] = True
+    second = time.monotonic()
+    assert not rehydrate_engine.snapshot_requested("control").ok  # the retry's save fails
+    rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                      frozen_for=0.0, undoes=second, abort="announced")
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                             undoes=opened, abort="answered")
+    assert late.deduplicated and len(runs) == 1
+    reopened = time.monotonic()
+    answer = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                               undoes=reopened, abort="answered")
+    assert answer.deduplicated and len(runs) == 1
+    again = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                              undoes=time.monotonic(), abort="answered")
+    assert not again.deduplicated and len(runs) == 2
+
+
 def test_a_carry_on_that_started_no_hook_is_not_the_pass_undone(
         rehydrate_engine: Lifecycle) -> None:
     """A run deadline (the SnapStart bridge's, on every run of the engine) had passed by

@@ -159,6 +159,10 @@ class _Detection:
             if not self.holders:
                 self.engine.stop()
                 return
+            if not self.engine.started:
+                # the application stopped or closed the engine itself: moving the loop
+                # with start() would start detection again behind its back
+                return
             for other, detectors in reversed(self.holders):
                 if other is not loop and other.is_running() and not other.is_closed():
                     # start() while running starts nothing more: it only moves the loop

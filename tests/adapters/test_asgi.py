@@ -823,6 +823,25 @@ def test_async_hooks_move_to_a_server_still_running_when_another_stops(
     assert rehydrate_engine.status().detectors == ()
 
 
+def test_a_server_shutting_down_does_not_restart_an_engine_the_app_stopped(
+        app: App, rehydrate_engine: Any) -> None:
+    """Moving the hooks' loop to a surviving server calls ``start(loop=)``: after the
+    application had stopped the engine itself, a server's shutdown started detection
+    again behind its back."""
+    api = _LifespanDriver(ReadinessGate(app, engine=rehydrate_engine, detectors="none"))
+    probes = _LifespanDriver(ReadinessGate(app, engine=rehydrate_engine, detectors="none"))
+    try:
+        api.startup()
+        probes.startup()
+        assert rehydrate_engine.started
+        rehydrate_engine.stop()  # the application's own shutdown, before the servers'
+        probes.shutdown()
+        assert not rehydrate_engine.started
+    finally:
+        probes.close()
+        api.close()
+
+
 def test_readyz_wait_holds_on_a_server_still_running_after_another_stops(
         app: App, rehydrate_engine: Any) -> None:
     """One gate served on two ports: the first server's shutdown marked the whole gate

@@ -1756,3 +1756,32 @@ def test_doctor_connections_does_not_wait_for_a_hanging_name_lookup(monkeypatch)
     rows = [c for c in data["connections"] if c["local"] == local]
     assert [r["managed"] for r in rows] == ["feed"]  # the literal still matched
     assert "not resolved within 0.3 s" in text and f"db.hangs.invalid:{port}" in text
+
+
+def test_replacing_an_engine_double_without_a_pool_still_replaces(rehydrate_engine):
+    """A duck-typed SQLAlchemy engine (a wrapper, a test double: ``dispose`` and
+    ``connect``, no ``pool``) replaced with ``replace=True``: the shared-pool check found
+    no pool and raised AttributeError out of the registration, after the swap; now the
+    engine object itself stands for it and the replaced one is disposed."""
+    disposed: list[str] = []
+
+    class Double:
+        url = None
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def dispose(self, close: bool = True) -> None:
+            disposed.append(self.name)
+
+        def connect(self) -> None:
+            raise NotImplementedError
+
+    first, second = Double("first"), Double("second")
+    connections.sqlalchemy_engine("db", first, check=False, engine=rehydrate_engine)
+    old = connections.get("db", engine=rehydrate_engine)
+    connections.sqlalchemy_engine("db", second, check=False, engine=rehydrate_engine,
+                                  replace=True)
+    assert connections.get("db", engine=rehydrate_engine)._subject is second
+    _join_replaced_close(old)
+    assert disposed == ["first"]
