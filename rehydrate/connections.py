@@ -215,7 +215,7 @@ class Connection:
         if self._resource is not None:
             try:  # a wrapper or double without the attribute: the subject stands for it
                 shared = self._resource()
-            except Exception:  # noqa: BLE001 - any failure means "not known"
+            except Exception:  # any failure means "not known"
                 shared = None
             if shared is not None:
                 return shared
