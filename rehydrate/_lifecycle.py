@@ -183,9 +183,6 @@ class Lifecycle:
         self._verdict_waiters = 0
         self._gap_since: float | None = None
         self._freeze_noticed_at: float | None = None
-        self._run_ended = -math.inf
-        """``time.monotonic()`` at the end of the last restore/resume run: the process ran
-        then, although the freeze watcher that ran it has not beaten since."""
 
         self._detectors: list[Detector] = []
         self._notices = 0
@@ -527,10 +524,12 @@ class Lifecycle:
         only past the readiness limit: in a clone of a clone the last freeze the watch knows
         of is the one before the parent's restore (the clone's memory is the parent's), so
         a notice that comes before the watcher has woken from a freeze shorter than that
-        limit was taken for the parent's restore, and the clone's hooks never ran. And it
-        is measured from the end of the last run too: the watcher that ran it (its hooks
-        may take longer than the limit) beats only afterwards, and the restore it noticed
-        began after the gap it recorded then — a notice for it meanwhile is that restore.
+        limit was taken for the parent's restore, and the clone's hooks never ran. The
+        watcher beats while a run is in progress too (it hands its notices to a thread of
+        their own), so this holds during and right after a run: a clone checkpointed while
+        its parent's hooks ran wakes with a freeze noticed and being handled — the
+        parent's — and a stale heartbeat; its notice is not the parent's restore unless the
+        watcher's verdict says nothing froze since (a stall).
 
         Overdue but not yet stale (past ``due``, within the limit) is ambiguous: a short
         freeze, or a watcher that waited for the GIL (a long C call), for a CPU on a loaded
@@ -542,12 +541,15 @@ class Lifecycle:
         with self._cond:
             if self._beat is None:
                 return None
-            if self._freeze_noticed_at is not None:  # noticed, being handled: that freeze
-                return self._gap_since
-            seen = max(self._beat, self._run_ended)  # the process surely ran then
+            seen = self._beat  # the process surely ran then
             overdue = time.monotonic() - seen
             if overdue <= self._beat_due:
                 return self._gap_since
+            if self._freeze_noticed_at is not None:
+                # A freeze is being handled and the watch is late: a freeze since (a clone
+                # made mid-run), or only the watcher not scheduled yet — its next beat says
+                # which (it wakes at once from an overdue sleep).
+                return self._watch_verdict(seen, self._beat_limit)
             if overdue > self._beat_limit:
                 return seen  # stale: frozen since, for all the watch can tell
             return self._watch_verdict(seen, self._beat_limit - overdue)
@@ -558,6 +560,7 @@ class Lifecycle:
         ``seen`` (a new restore); a stall leaves it where it was; no heartbeat within
         ``timeout`` means frozen since ``seen``, for all the watch can tell."""
         end = time.monotonic() + timeout
+        noticed = self._freeze_noticed_at  # a freeze being handled already is no verdict
         self._verdict_waiters += 1
         try:
             while True:
@@ -567,11 +570,11 @@ class Lifecycle:
                     return None
                 if not came:
                     return seen
-                if self._freeze_noticed_at is not None:
+                if self._freeze_noticed_at not in (None, noticed):
                     return self._gap_since
                 # a verdict only from a heartbeat that saw the process run after the
                 # overdue stretch (not one read before a freeze and delivered late)
-                if time.monotonic() - max(self._beat, self._run_ended) <= self._beat_due:
+                if time.monotonic() - self._beat <= self._beat_due:
                     return self._gap_since
         finally:
             self._verdict_waiters -= 1
@@ -958,7 +961,6 @@ class Lifecycle:
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
-            self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()
         if self._observers:

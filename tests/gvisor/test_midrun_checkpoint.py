@@ -58,7 +58,7 @@ def slow_restore(ctx):
     emit(event="hook", reason=ctx.reason, kind=ctx.kind, generation=ctx.generation,
          at=time.monotonic(), **ident())
 
-detectors = rehydrate.start()
+detectors = rehydrate.start(["clock-jump"])  # only the clock jump watches
 clock = rehydrate.default_engine.detector("clock-jump")
 rehydrate.default_engine.add_status("test_jumps", lambda: clock.jumps)
 emit(event="ready", detectors=detectors, **ident())
