@@ -37,6 +37,15 @@ Freeze watch: every wake-up is a heartbeat for the engine
 ``is_ready()`` right after it resumed — before this thread has run — gets False, because
 the last heartbeat is older than ``interval + threshold``; the hooks run, then it is ready.
 
+The watch never waits for a run: the thread hands each restore notice to a reporter
+thread (started with it) that calls the engine and waits for the hooks, and goes on
+sleeping and beating meanwhile. A process checkpointed while its restore hooks run (a
+clone made mid-run) wakes in its parent's run; the watch sees that freeze too, and the
+engine's ``since`` rule gives it exactly one more full run after the current one
+(freezes seen while a notice waits merge into it). Before, the thread waiting for the
+run was the watch: such a clone finished its parent's run and became ready with the
+parent's keys and instance id.
+
 No grace: the first notice of a restore runs the hooks at once. A more specific detector
 (the gVisor waiter, ``notify restore``) reporting the same restore later only confirms it
 (``confirmed_by`` in the report).
@@ -66,7 +75,7 @@ freeze that can go unnoticed (a step is measured from the last wake-up, or from 
 the detector's own log line about it: a log write that blocks — a full stderr pipe, a
 slow disk — leaves the thread without CPU or GIL wake-ups like a freeze, so that time is
 not counted). Idle cost is one wake-up per ``interval`` (50 a second while a snapshot is
-pending).
+pending); the reporter thread idles without wake-ups.
 
 Configuration: ``REHYDRATE_CLOCK_INTERVAL`` (seconds, default 0.5),
 ``REHYDRATE_CLOCK_THRESHOLD`` (default 2.0), ``REHYDRATE_CLOCK_PENDING_THRESHOLD``
