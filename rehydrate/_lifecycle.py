@@ -183,6 +183,11 @@ class Lifecycle:
         self._verdict_waiters = 0
         self._gap_since: float | None = None
         self._freeze_noticed_at: float | None = None
+        self._run_ended = -math.inf
+        """``time.monotonic()`` at the end of the last restore/resume run: the process ran
+        then. Not a heartbeat (a run can span a freeze: a clone made mid-run ends its
+        parent's run before its watcher woke), only a bound on when a freeze the watch has
+        not judged yet began (see :meth:`freeze_since`)."""
 
         self._detectors: list[Detector] = []
         self._notices = 0
@@ -541,10 +546,12 @@ class Lifecycle:
         with self._cond:
             if self._beat is None:
                 return None
-            seen = self._beat  # the process surely ran then
-            overdue = time.monotonic() - seen
+            overdue = time.monotonic() - self._beat
             if overdue <= self._beat_due:
                 return self._gap_since
+            # The process surely ran then: a freeze not judged yet began later (a run that
+            # ended after the last heartbeat is not this notice's restore).
+            seen = max(self._beat, self._run_ended)
             if self._freeze_noticed_at is not None:
                 # A freeze is being handled and the watch is late: a freeze since (a clone
                 # made mid-run), or only the watcher not scheduled yet — its next beat says
@@ -961,6 +968,7 @@ class Lifecycle:
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
+            self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()
         if self._observers:

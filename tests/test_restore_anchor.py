@@ -358,6 +358,23 @@ def test_a_notice_in_a_clone_made_mid_run_is_that_clone_s_restore(
     assert dup.deduplicated and dup.reason == "control" and len(runs) == 2
 
 
+def test_a_run_after_the_last_heartbeat_is_not_the_next_clone_s_restore(
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
+    """A's restore notice (``notify restore``) runs A's hooks less than a sleep after A's
+    watcher last beat; A is checkpointed before it beats again, and B's notice comes
+    before B's watcher wakes: stale, frozen since — since the end of A's run, not since
+    that heartbeat, which came before A's run (taken from it, B's restore was A's)."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    beat = time.monotonic()
+    engine.heartbeat(beat, 1.0, due=0.3)  # A's watcher, just before A's notice
+    engine.restore_detected("control")  # A's restore
+    _overdue(beat, 1.1)  # A is checkpointed; B resumes, its watcher not awake yet
+    reply = request("restore", socket_path=control.path)
+    assert reply["deduplicated"] is False, reply
+    assert runs == [("control", "restore", 1), ("control", "restore", 2)]
+
+
 def test_a_forked_child_does_not_inherit_the_freeze_watch(rehydrate_engine: Lifecycle) -> None:
     """The parent's heartbeat thread does not exist in a fork()ed child: the child must
     not look frozen for ever."""
