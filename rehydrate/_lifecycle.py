@@ -546,17 +546,20 @@ class Lifecycle:
         with self._cond:
             if self._beat is None:
                 return None
-            overdue = time.monotonic() - self._beat
-            if overdue <= self._beat_due:
+            now = time.monotonic()
+            if now - self._beat <= self._beat_due:
                 return self._gap_since
             # The process surely ran then: a freeze not judged yet began later (a run that
-            # ended after the last heartbeat is not this notice's restore).
+            # ended after the last heartbeat is not this notice's restore). Only a bound:
+            # a run may have spanned a freeze (a clone made mid-run ends its parent's run
+            # before its watcher wakes), so a recent end still waits for the verdict.
             seen = max(self._beat, self._run_ended)
             if self._freeze_noticed_at is not None:
                 # A freeze is being handled and the watch is late: a freeze since (a clone
                 # made mid-run), or only the watcher not scheduled yet — its next beat says
                 # which (it wakes at once from an overdue sleep).
                 return self._watch_verdict(seen, self._beat_limit)
+            overdue = now - seen
             if overdue > self._beat_limit:
                 return seen  # stale: frozen since, for all the watch can tell
             return self._watch_verdict(seen, self._beat_limit - overdue)

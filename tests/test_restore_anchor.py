@@ -233,7 +233,6 @@ def test_a_heartbeat_read_before_the_freeze_is_no_verdict(
     engine.heartbeat(t - 20, 1.5, due=0.3)
     engine.freeze_noticed(t - 20, t - 10)
     engine.restore_detected("clock-jump", since=t - 20, detected_at=t - 10)  # the parent's
-    engine.heartbeat(time.monotonic(), 1.5, due=0.3)  # the watch beats on after the run
     read = time.monotonic()  # the watcher's reading, just before the clone's checkpoint
     _overdue(read, 0.4)  # the clone resumed; its watcher has not run yet
     thread, replies = _notice_waiting_for_the_watcher(engine, control.path)
@@ -356,6 +355,38 @@ def test_a_notice_in_a_clone_made_mid_run_is_that_clone_s_restore(
     # the watcher's own notice of B's freeze comes after: B's restore, run already
     dup = engine.restore_detected("clock-jump", since=last + 0.1, detected_at=woke)
     assert dup.deduplicated and dup.reason == "control" and len(runs) == 2
+
+
+@pytest.mark.parametrize("watcher", ["notices a freeze", "was stalled"])
+def test_a_notice_right_after_a_run_with_the_watch_late_waits_for_its_verdict(
+        rehydrate_engine: Lifecycle, control: ControlServer, watcher: str) -> None:
+    """The clock jump's run ends with its watcher's heartbeat overdue; a notice comes
+    before the watcher's next one. Either the run spanned a freeze — a clone made
+    mid-run finishes its parent's run before its watcher wakes, and the notice must not
+    be taken for the parent's restore (the end of the run made the watch look current) —
+    or the watcher was stalled (a hook holding the GIL past the readiness limit), and
+    the notice is that run's restore (the stale heartbeat alone made it a new one). The
+    notice waits for the watcher's verdict either way."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    t = time.monotonic()
+    engine.heartbeat(t - 10, 1.0, due=0.3)
+    engine.freeze_noticed(t - 10, t)  # the restore; the watch beats during its run ...
+    last = time.monotonic()
+    engine.heartbeat(last, 1.0, due=0.3)
+    frozen = watcher == "notices a freeze"
+    _overdue(last, 0.4 if frozen else 1.1)  # ... until a checkpoint, or a GIL stall
+    engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)  # the run ends
+    thread, replies = _notice_waiting_for_the_watcher(engine, control.path)
+    if frozen:
+        engine.freeze_noticed(last, time.monotonic())  # the clone's freeze
+    else:
+        engine.heartbeat(time.monotonic(), 1.0, due=0.3)  # a stall: no gap
+    thread.join(DEADLINE)
+    [reply] = replies
+    assert reply["deduplicated"] is not frozen, reply
+    assert runs == [("clock-jump", "restore", 1)] + (
+        [("control", "restore", 2)] if frozen else []), runs
 
 
 def test_a_run_after_the_last_heartbeat_is_not_the_next_clone_s_restore(
