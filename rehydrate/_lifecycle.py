@@ -192,7 +192,9 @@ class Lifecycle:
         self._freeze_noticed_at: float | None = None
         self._run_ended = -math.inf
         """``time.monotonic()`` at the end of the last restore/resume run: the process ran
-        then, although the freeze watcher that ran it has not beaten since."""
+        then. Not a heartbeat (a run can span a freeze: a clone made mid-run ends its
+        parent's run before its watcher woke), only a bound on when a freeze the watch has
+        not judged yet began (see :meth:`freeze_since`)."""
 
         self._detectors: list[Detector] = []
         self._notices = 0
@@ -539,10 +541,12 @@ class Lifecycle:
         only past the readiness limit: in a clone of a clone the last freeze the watch knows
         of is the one before the parent's restore (the clone's memory is the parent's), so
         a notice that comes before the watcher has woken from a freeze shorter than that
-        limit was taken for the parent's restore, and the clone's hooks never ran. And it
-        is measured from the end of the last run too: the watcher that ran it (its hooks
-        may take longer than the limit) beats only afterwards, and the restore it noticed
-        began after the gap it recorded then — a notice for it meanwhile is that restore.
+        limit was taken for the parent's restore, and the clone's hooks never ran. The
+        watcher beats while a run is in progress too (it hands its notices to a thread of
+        their own), so this holds during and right after a run: a clone checkpointed while
+        its parent's hooks ran wakes with a freeze noticed and being handled — the
+        parent's — and a stale heartbeat; its notice is not the parent's restore unless the
+        watcher's verdict says nothing froze since (a stall).
 
         Overdue but not yet stale (past ``due``, within the limit) is ambiguous: a short
         freeze, or a watcher that waited for the GIL (a long C call), for a CPU on a loaded
@@ -554,12 +558,20 @@ class Lifecycle:
         with self._cond:
             if self._beat is None:
                 return None
-            if self._freeze_noticed_at is not None:  # noticed, being handled: that freeze
+            now = time.monotonic()
+            if now - self._beat <= self._beat_due:
                 return self._gap_since
-            seen = max(self._beat, self._run_ended)  # the process surely ran then
-            overdue = time.monotonic() - seen
-            if overdue <= self._beat_due:
-                return self._gap_since
+            # The process surely ran then: a freeze not judged yet began later (a run that
+            # ended after the last heartbeat is not this notice's restore). Only a bound:
+            # a run may have spanned a freeze (a clone made mid-run ends its parent's run
+            # before its watcher wakes), so a recent end still waits for the verdict.
+            seen = max(self._beat, self._run_ended)
+            if self._freeze_noticed_at is not None:
+                # A freeze is being handled and the watch is late: a freeze since (a clone
+                # made mid-run), or only the watcher not scheduled yet — its next beat says
+                # which (it wakes at once from an overdue sleep).
+                return self._watch_verdict(seen, self._beat_limit)
+            overdue = now - seen
             if overdue > self._beat_limit:
                 return seen  # stale: frozen since, for all the watch can tell
             return self._watch_verdict(seen, self._beat_limit - overdue)
@@ -570,6 +582,7 @@ class Lifecycle:
         ``seen`` (a new restore); a stall leaves it where it was; no heartbeat within
         ``timeout`` means frozen since ``seen``, for all the watch can tell."""
         end = time.monotonic() + timeout
+        noticed = self._freeze_noticed_at  # a freeze being handled already is no verdict
         self._verdict_waiters += 1
         try:
             while True:
@@ -579,11 +592,11 @@ class Lifecycle:
                     return None
                 if not came:
                     return seen
-                if self._freeze_noticed_at is not None:
+                if self._freeze_noticed_at not in (None, noticed):
                     return self._gap_since
                 # a verdict only from a heartbeat that saw the process run after the
                 # overdue stretch (not one read before a freeze and delivered late)
-                if time.monotonic() - max(self._beat, self._run_ended) <= self._beat_due:
+                if time.monotonic() - self._beat <= self._beat_due:
                     return self._gap_since
         finally:
             self._verdict_waiters -= 1

@@ -250,7 +250,9 @@ def test_a_notice_racing_slow_restore_hooks_is_that_restore(rehydrate_engine: Li
     connection with a slow peer); ``notify restore`` for the same restore arrives while
     they run. Before: the heartbeat (last set when the freeze was noticed) was stale by
     then, so the notice's ``since`` was the very moment the run was detected, not before
-    it: the hooks ran a second time (generation 2, keys rotated twice)."""
+    it: the hooks ran a second time (generation 2, keys rotated twice). The watcher beats
+    during runs now; here it is late (a hook holding the GIL): the notice waits for its
+    verdict — a stall, no gap — and is that restore."""
     engine = rehydrate_engine
     runs = _runs(engine)
     server = ControlServer(engine, str(tmp_path / "c.sock"))
@@ -264,11 +266,16 @@ def test_a_notice_racing_slow_restore_hooks_is_that_restore(rehydrate_engine: Li
         # The clock jump's run; the heartbeat goes stale (limit 1 s) while it runs...
         while time.monotonic() - t <= 1.2:
             time.sleep(0.01)
-        # ... and the platform's notice for this restore comes: it takes its ``since``
-        # and waits for this run (the engine counts it then).
+        # ... and the platform's notice for this restore comes: it waits for the
+        # watcher's verdict on the overdue heartbeat ...
         threading.Thread(target=lambda: replies.append(
             request("restore", socket_path=server.path)), daemon=True).start()
         deadline = time.monotonic() + 10
+        while engine._verdict_waiters == 0:
+            assert time.monotonic() < deadline, f"the notice did not wait: {replies}"
+            time.sleep(0.01)
+        engine.heartbeat(time.monotonic(), 1.0, due=1.0)  # a stall: no gap
+        # ... takes its ``since`` and waits for this run (the engine counts it then).
         while engine._notices < 2:
             assert time.monotonic() < deadline, "the notice never reached the engine"
             time.sleep(0.01)
@@ -286,12 +293,117 @@ def test_a_notice_racing_slow_restore_hooks_is_that_restore(rehydrate_engine: Li
         assert replies[0]["deduplicated"] is True, replies
         assert runs == [("clock-jump", "restore", 1)]
         assert first.generation == 1 and engine.generation == 1
-        # the same just after the run, before the watcher's next heartbeat (which comes
-        # once the run has returned to it)
+        # the same just after the run, the watcher beating on (no gap)
+        engine.heartbeat(time.monotonic(), 30.0, due=30.0)
         late = request("restore", socket_path=server.path)
         assert late["deduplicated"] is True and len(runs) == 1, late
     finally:
         server.stop()
+
+
+def test_a_notice_in_a_clone_made_mid_run_is_that_clone_s_restore(
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
+    """The clock jump runs A's restore; while its hooks run, A is checkpointed and clone
+    B restored from that image: B wakes in A's run, with A's freeze noticed and being
+    handled and the heartbeat overdue. The platform's ``notify restore`` reaches B before
+    B's watcher has woken. Before: a freeze being handled answered every notice ("that
+    freeze"), so B's restore was taken for A's — ``deduplicated``, B's hooks never ran
+    (A's keys). Now the notice waits for the watcher's verdict: it notices B's freeze,
+    and the notice runs B's hooks once more, after A's run; the watcher's own notice of
+    that freeze is then the duplicate."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(ctx: object) -> None:
+        if len(runs) == 1:
+            entered.set()
+            release.wait(DEADLINE)
+
+    engine.registry.after_restore(slow, name="test.slow", timeout=60)
+    t = time.monotonic()
+    engine.heartbeat(t - 10, 1.0, due=0.3)  # the original's last heartbeat
+    engine.freeze_noticed(t - 10, t)  # A resumed: its clock jump reports the restore
+    a_run = threading.Thread(target=lambda: engine.restore_detected(
+        "clock-jump", since=t - 9.5, detected_at=t))
+    a_run.start()
+    replies: list[dict] = []
+    notice = threading.Thread(target=lambda: replies.append(
+        request("restore", socket_path=control.path)))
+    try:
+        assert entered.wait(DEADLINE), "A's hooks did not run"
+        last = time.monotonic()
+        engine.heartbeat(last, 1.0, due=0.3)  # the watch beats during the run ...
+        _overdue(last, 0.4)  # ... until A is checkpointed; B resumes from that image
+        notice.start()
+        deadline = time.monotonic() + DEADLINE
+        while engine._verdict_waiters == 0 and engine._notices < 2:
+            assert time.monotonic() < deadline, f"the notice did not arrive: {replies}"
+            time.sleep(0.01)
+        woke = time.monotonic()
+        engine.freeze_noticed(last, woke)  # B's watcher wakes: a step, B's restore
+        assert not engine.is_ready()
+    finally:
+        release.set()
+        notice.join(DEADLINE)
+        a_run.join(DEADLINE)
+    [reply] = replies
+    assert reply["deduplicated"] is False, reply
+    assert (reply["report"]["reason"], reply["report"]["generation"]) == ("control", 2)
+    assert runs == [("clock-jump", "restore", 1), ("control", "restore", 2)]
+    assert engine.is_ready()
+    # the watcher's own notice of B's freeze comes after: B's restore, run already
+    dup = engine.restore_detected("clock-jump", since=last + 0.1, detected_at=woke)
+    assert dup.deduplicated and dup.reason == "control" and len(runs) == 2
+
+
+@pytest.mark.parametrize("watcher", ["notices a freeze", "was stalled"])
+def test_a_notice_right_after_a_run_with_the_watch_late_waits_for_its_verdict(
+        rehydrate_engine: Lifecycle, control: ControlServer, watcher: str) -> None:
+    """The clock jump's run ends with its watcher's heartbeat overdue; a notice comes
+    before the watcher's next one. Either the run spanned a freeze — a clone made
+    mid-run finishes its parent's run before its watcher wakes, and the notice must not
+    be taken for the parent's restore (the end of the run made the watch look current) —
+    or the watcher was stalled (a hook holding the GIL past the readiness limit), and
+    the notice is that run's restore (the stale heartbeat alone made it a new one). The
+    notice waits for the watcher's verdict either way."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    t = time.monotonic()
+    engine.heartbeat(t - 10, 1.0, due=0.3)
+    engine.freeze_noticed(t - 10, t)  # the restore; the watch beats during its run ...
+    last = time.monotonic()
+    engine.heartbeat(last, 1.0, due=0.3)
+    frozen = watcher == "notices a freeze"
+    _overdue(last, 0.4 if frozen else 1.1)  # ... until a checkpoint, or a GIL stall
+    engine.restore_detected("clock-jump", since=t - 9.5, detected_at=t)  # the run ends
+    thread, replies = _notice_waiting_for_the_watcher(engine, control.path)
+    if frozen:
+        engine.freeze_noticed(last, time.monotonic())  # the clone's freeze
+    else:
+        engine.heartbeat(time.monotonic(), 1.0, due=0.3)  # a stall: no gap
+    thread.join(DEADLINE)
+    [reply] = replies
+    assert reply["deduplicated"] is not frozen, reply
+    assert runs == [("clock-jump", "restore", 1)] + (
+        [("control", "restore", 2)] if frozen else []), runs
+
+
+def test_a_run_after_the_last_heartbeat_is_not_the_next_clone_s_restore(
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
+    """A's restore notice (``notify restore``) runs A's hooks less than a sleep after A's
+    watcher last beat; A is checkpointed before it beats again, and B's notice comes
+    before B's watcher wakes: stale, frozen since — since the end of A's run, not since
+    that heartbeat, which came before A's run (taken from it, B's restore was A's)."""
+    engine = rehydrate_engine
+    runs = _runs(engine)
+    beat = time.monotonic()
+    engine.heartbeat(beat, 1.0, due=0.3)  # A's watcher, just before A's notice
+    engine.restore_detected("control")  # A's restore
+    _overdue(beat, 1.1)  # A is checkpointed; B resumes, its watcher not awake yet
+    reply = request("restore", socket_path=control.path)
+    assert reply["deduplicated"] is False, reply
+    assert runs == [("control", "restore", 1), ("control", "restore", 2)]
 
 
 def test_a_forked_child_does_not_inherit_the_freeze_watch(rehydrate_engine: Lifecycle) -> None:

@@ -37,6 +37,15 @@ Freeze watch: every wake-up is a heartbeat for the engine
 ``is_ready()`` right after it resumed — before this thread has run — gets False, because
 the last heartbeat is older than ``interval + threshold``; the hooks run, then it is ready.
 
+The watch never waits for a run: the thread hands each restore notice to a reporter
+thread (started with it) that calls the engine and waits for the hooks, and goes on
+sleeping and beating meanwhile. A process checkpointed while its restore hooks run (a
+clone made mid-run) wakes in its parent's run; the watch sees that freeze too, and the
+engine's ``since`` rule gives it exactly one more full run after the current one
+(freezes seen while a notice waits merge into it). Before, the thread waiting for the
+run was the watch: such a clone finished its parent's run and became ready with the
+parent's keys and instance id.
+
 No grace: the first notice of a restore runs the hooks at once. A more specific detector
 (the gVisor waiter, ``notify restore``) reporting the same restore later only confirms it
 (``confirmed_by`` in the report).
@@ -66,7 +75,7 @@ freeze that can go unnoticed (a step is measured from the last wake-up, or from 
 the detector's own log line about it: a log write that blocks — a full stderr pipe, a
 slow disk — leaves the thread without CPU or GIL wake-ups like a freeze, so that time is
 not counted). Idle cost is one wake-up per ``interval`` (50 a second while a snapshot is
-pending).
+pending); the reporter thread idles without wake-ups.
 
 Configuration: ``REHYDRATE_CLOCK_INTERVAL`` (seconds, default 0.5),
 ``REHYDRATE_CLOCK_THRESHOLD`` (default 2.0), ``REHYDRATE_CLOCK_PENDING_THRESHOLD``
@@ -318,6 +327,7 @@ class ClockJumpDetector(DeferringDetector):
         # restore before it for its own: see Lifecycle.freeze_since).
         due = interval + GAP_SLACK
         sleeper = self._sleeper
+        reporter = _Reporter(self._report, stop)
         last = self._marks()
         engine.heartbeat(last.now, limit, due=due)
         self._based.set()
@@ -376,14 +386,10 @@ class ClockJumpDetector(DeferringDetector):
                         # late, no later than last.now + nap; it ended after that. So a
                         # run detected up to last.now + nap (a resume answered just
                         # before the checkpoint) came before the freeze, not after it:
-                        # only later runs are this restore's.
-                        self._report(since=last.now + min(nap, step), frozen_for=step,
-                                     stop=stop, detected=marks.now)
-                        if stop.is_set():
-                            return
-                        # The hooks took time: measure the next sleep from now.
-                        marks = self._marks()
-                        engine.heartbeat(marks.now, limit, due=due)
+                        # only later runs are this restore's. Handed to the reporter:
+                        # this thread goes on watching while the hooks run.
+                        reporter.submit(_Notice(since=last.now + min(nap, step),
+                                                frozen_for=step, detected=marks.now))
                 else:
                     gap = (step > GAP_SLACK
                            and self._stall(last, marks, kernel_late, GAP_SLACK) is None)
@@ -395,6 +401,7 @@ class ClockJumpDetector(DeferringDetector):
         finally:
             sleeper.close()
             engine.heartbeat_stopped()
+            reporter.close()
 
     def _snapshot_begun(self, report: Report) -> None:
         """Engine listener: a before-snapshot pass finished; the checkpoint may follow at
@@ -402,26 +409,94 @@ class ClockJumpDetector(DeferringDetector):
         if report.kind == "snapshot":
             self._sleeper.wake()
 
-    def _report(self, since: float, frozen_for: float, stop: threading.Event,
-                detected: float) -> None:
+    def _report(self, notice: _Notice, stop: threading.Event) -> None:
+        """Report ``notice`` and wait for its run (on the reporter's thread)."""
         engine = self._engine
         if engine is None:
             return
         # DEBUG: the engine logs the run (with frozen_for) once the hooks ran.
         log.debug("clock-jump: CLOCK_MONOTONIC stepped %.2fs beyond the expected sleep",
-                  frozen_for)
+                  notice.frozen_for)
         self.pending = True
         try:
-            if not self._deferral.wait(since) or stop.is_set():
+            if not self._deferral.wait(notice.since) or stop.is_set():
                 return
             self.jumps += 1
             self.last_report = engine.restore_detected(
-                "clock-jump", kind="restore", since=since, frozen_for=frozen_for,
-                detected_at=detected)
+                "clock-jump", kind="restore", since=notice.since,
+                frozen_for=notice.frozen_for, detected_at=notice.detected)
         except Exception:
             log.exception("clock-jump: running the restore hooks failed")
         finally:
             self.pending = False
+
+
+@dataclass(frozen=True)
+class _Notice:
+    """A freeze the watch reported as a restore: ``since`` and ``detected`` as in
+    :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`, ``frozen_for`` its step."""
+
+    since: float
+    frozen_for: float
+    detected: float
+
+    def then(self, later: _Notice) -> _Notice:
+        """This notice and ``later`` (both waiting for a run in progress) as one: one
+        run after the current one covers both freezes — it is detected after the later
+        one, and nothing run since the earlier one's freeze began is theirs."""
+        return _Notice(since=self.since, frozen_for=self.frozen_for + later.frozen_for,
+                       detected=later.detected)
+
+
+class _Reporter:
+    """The thread that reports the watch's freezes to the engine and waits for their runs.
+
+    The watch must go on while a run is in progress: a checkpoint taken then (a clone made
+    mid-run) is a new restore, and the thread waiting for that run could not see it — the
+    clone finished its parent's run, keys and instance id included, and became ready. So
+    the watching thread only hands each notice over; the engine's rule "a restore run
+    detected after ``since`` is this one" gives the freeze seen mid-run exactly one more
+    run after the current one. Freezes seen while an earlier one waits merge into it (one
+    run covers them). Started with the watch, the thread idles without wake-ups; the
+    hand-off is one condition notify.
+    """
+
+    def __init__(self, report: Callable[[_Notice, threading.Event], None],
+                 stop: threading.Event) -> None:
+        self._report = report
+        self._stop = stop
+        self._cond = threading.Condition()
+        self._next: _Notice | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._main, name="rehydrate-clock-jump-run",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, notice: _Notice) -> None:
+        with self._cond:
+            queued = self._next
+            self._next = notice if queued is None else queued.then(notice)
+            self._cond.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the thread: a notice not taken yet is dropped (the watch stopped); a run in
+        progress is waited for up to ``timeout`` seconds, like the watching thread's."""
+        with self._cond:
+            self._closed = True
+            self._next = None
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._next is not None or self._closed)
+                if self._closed:
+                    return
+                notice, self._next = self._next, None
+            if notice is not None:
+                self._report(notice, self._stop)
 
 
 class _NoWatch:

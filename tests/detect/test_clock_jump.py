@@ -578,3 +578,126 @@ def test_time_blocked_in_a_log_handler_is_not_a_freeze(rehydrate_engine):
     assert rec.calls == []
     assert det.jumps == 0
     assert rehydrate_engine.status().generation == 0
+
+
+# -- a checkpoint taken while a restore's hooks run ----------------------------------------
+
+
+def test_the_watch_goes_on_while_a_run_is_in_progress_and_a_freeze_then_gets_one_more_run(
+        rehydrate_engine):
+    """A clone made from a process checkpointed while its restore hooks ran wakes in that
+    run. Before: the clock-jump thread was the one waiting for the run, so it saw no
+    freeze until the run was over, and then measured from scratch: the clone finished
+    its parent's run and never ran its own (the parent's keys and instance id). Now the
+    watch ticks on during the run, and the freezes seen meanwhile (two here) get exactly
+    one more full run after it."""
+    clock = SteppedClock()
+    entered, release = threading.Event(), threading.Event()
+    runs: list[tuple[str, int]] = []
+
+    def slow(ctx):  # type: ignore[no-untyped-def]
+        runs.append((ctx.reason, ctx.generation))
+        if len(runs) == 1:
+            entered.set()
+            release.wait(30.0)
+
+    rehydrate_engine.registry.after_restore(slow, name="test.slow", timeout=60)
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
+    rehydrate_engine.start([det])
+    try:
+        wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
+        clock.offset += 10.0  # the restore: its hooks run, and block
+        assert entered.wait(5.0), "the restore hooks did not run"
+        for _ in range(2):  # checkpointed mid-run (twice): restored again
+            ticks = det.ticks
+            clock.offset += 10.0
+            wait_for(lambda: det.ticks >= ticks + 3,  # noqa: B023 - waited for at once
+                     what="the watch to go on while the run is in progress")
+        assert runs == [("clock-jump", 1)]
+        assert not rehydrate_engine.is_ready()
+    finally:
+        release.set()
+    wait_for(lambda: len(runs) == 2 and rehydrate_engine.is_ready(),
+             what="one more run after the one in progress")
+    assert runs == [("clock-jump", 1), ("clock-jump", 2)]
+    report = det.last_report
+    assert report is not None and not report.deduplicated and report.generation == 2
+    assert 19.9 <= report.frozen_for <= 21.0  # both freezes it covers
+    ticks = det.ticks
+    wait_for(lambda: det.ticks >= ticks + 3, what="more ticks")
+    assert len(runs) == 2 and det.jumps == 2  # exactly one more
+    assert rehydrate_engine.status().generation == 2
+
+
+MIDRUN_CHILD = textwrap.dedent("""
+    import json, os, sys, threading, time
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock_jump import ClockJumpDetector
+
+    out = threading.Lock()
+    def say(**kw):
+        with out:
+            sys.stdout.write(json.dumps(kw) + "\\n"); sys.stdout.flush()
+
+    engine = isolated_engine()
+    calls = []
+    def hook(ctx):
+        calls.append(ctx.generation)
+        say(event="hook-start", generation=ctx.generation, at=time.monotonic())
+        while not os.path.exists(os.environ["RELEASE"]):  # the test releases it
+            time.sleep(0.01)
+        say(event="hook", generation=ctx.generation, reason=ctx.reason, kind=ctx.kind,
+            at=time.monotonic())
+    engine.registry.after_restore(hook, timeout=60)
+    clock = ClockJumpDetector(interval=0.05, threshold=0.5)
+    engine.start([clock])
+    say(event="ready", pid=os.getpid(), ready=engine.is_ready())
+    was, deadline = True, time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ready = engine.is_ready()
+        if ready != was:  # every change, after the reading
+            say(event="readiness", ready=ready, at=time.monotonic())
+            was = ready
+        if ready and len(calls) == 2:
+            ticks = clock.ticks
+            while clock.ticks < ticks + 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            break
+        time.sleep(0.001)
+    say(event="done", calls=calls, jumps=clock.jumps, generation=engine.generation,
+        ready=engine.is_ready())
+""")
+
+
+def test_a_real_freeze_while_the_restore_hooks_run_gets_its_own_run(tmp_path):
+    """The same with real freezes (SIGSTOP) and the real freeze watch: the second freeze
+    comes while the first restore's hook is still running. The hooks run once more after
+    that run, and ``is_ready()`` is never True in between — from the first freeze until
+    the second run's hook has finished."""
+    release = tmp_path / "release"
+    child = Child(MIDRUN_CHILD, env={"RELEASE": str(release)})
+    try:
+        ready = child.next()
+        assert ready["event"] == "ready" and ready["ready"] is True
+        first = _freeze(ready["pid"], 1.0)  # > threshold + interval: a restore
+        started = child.next()
+        while started["event"] == "readiness":
+            assert not started["ready"], started
+            started = child.next()
+        assert (started["event"], started["generation"]) == ("hook-start", 1), started
+        _freeze(ready["pid"], 1.0)  # checkpointed while that hook runs: restored again
+        release.touch()
+        records = []
+        while not records or records[-1]["event"] != "done":
+            records.append(child.next(timeout=30))
+        done = records[-1]
+        hooks = [r for r in records if r["event"] == "hook"]
+        assert [(h["generation"], h["reason"], h["kind"]) for h in hooks] == [
+            (1, "clock-jump", "restore"), (2, "clock-jump", "restore")], records
+        assert (done["calls"], done["jumps"], done["generation"], done["ready"]) == (
+            [1, 2], 2, 2, True), done
+        became_ready = [r["at"] for r in records if r["event"] == "readiness" and r["ready"]]
+        assert became_ready, records
+        assert all(first < hooks[1]["at"] < at for at in became_ready), records
+    finally:
+        child.close()
