@@ -735,7 +735,15 @@ class Lifecycle:
                 if (since is not None and last is not None and last_at is not None
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason)
-                ended = None if undoes is None else self._named_pass(undoes)
+                ended = None if undoes is None else self._named_pass(undoes, abort)
+                if (ended is not None and ended is not self._pass and abort == "answered"
+                        and self._pass is not None and self._pass.started <= detected):
+                    # Every newer pass began before the answer arrived (gVisor answers as
+                    # the checkpoint ends, and a retry can only begin after that): they
+                    # are the answered checkpoint's own (a trigger's pass, then its
+                    # save-restore-exec pass) or passes no checkpoint followed, not a
+                    # retry. The answer is about the latest pass.
+                    ended = self._pass
                 if ended is not None and ended is not self._pass:
                     # About an earlier attempt, and a newer pass has closed things since
                     # (its checkpoint is pending, or was answered on its own): running
@@ -781,7 +789,7 @@ class Lifecycle:
             self._freeze_handled(time.monotonic())
         return dataclasses.replace(confirmed, deduplicated=True)
 
-    def _named_pass(self, undoes: float) -> _Pass | None:
+    def _named_pass(self, undoes: float, abort: str | None) -> _Pass | None:
         """The pass a notice with ``undoes`` is about: the first that began at or after
         that moment and can still be owed an answer (a platform answers a waiter's
         descriptor for the first checkpoint to end after it was opened; a later pass
@@ -795,8 +803,10 @@ class Lifecycle:
         # save` + `resume`, a simulated snapshot, an answered abort) is answered by
         # nobody: naming it made a later checkpoint's `error` look superseded, and that
         # checkpoint's pass stayed closed.
+        # A carry-on (not a platform's answer) names its own pass, settled or not: its
+        # ``undoes`` is the moment just before that pass began.
         return next(p for p in passes if p.started >= undoes and (
-            p is passes[-1] or not p.settled))
+            p is passes[-1] or not p.settled or abort != "answered"))
 
     def _undone_already(self, ended: _Pass | None, undoes: float | None,
                         abort: str | None) -> RestoreReport | None:

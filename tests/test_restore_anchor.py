@@ -699,7 +699,8 @@ def test_an_answer_for_an_earlier_pass_does_not_undo_the_latest_one(
     reopened = time.monotonic()  # the waiter's next descriptor, before attempt 2
     assert rehydrate_engine.snapshot_requested("control").ok  # attempt 2
     late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
-                                             undoes=opened, abort="answered")
+                                             undoes=opened, abort="answered",
+                                             detected_at=reopened)
     assert late.deduplicated
     assert len(runs) == (1 if attempt_one == "failed" else 0)
     assert rehydrate_engine.status().state == "snapshotting"
@@ -763,7 +764,8 @@ def test_an_error_on_a_descriptor_opened_mid_pass_confirms_the_announced_carry_o
     second = time.monotonic()
     assert not rehydrate_engine.snapshot_requested("control").ok  # the retry's pass
     late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
-                                             undoes=opened, abort="answered")
+                                             undoes=opened, abort="answered",
+                                             detected_at=second)
     assert late.deduplicated  # attempt 1's answer: superseded by the retry's pass
     reopened = time.monotonic()  # the waiter's next descriptor, mid-pass
     rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
@@ -791,9 +793,11 @@ def test_a_late_error_does_not_undo_a_retry_after_the_snapshot_deadline(
     while not runs and time.monotonic() < end:  # the deadline's run, within its bound
         time.sleep(0.05)
     assert [r[0] for r in runs] == ["snapshot-deadline"]
+    arrived = time.monotonic()
     assert rehydrate_engine.snapshot_requested("control").ok  # the retry, pending
     late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
-                                             undoes=opened, abort="answered")
+                                             undoes=opened, abort="answered",
+                                             detected_at=arrived)
     assert late.deduplicated and len(runs) == 1
     assert rehydrate_engine.status().state == "snapshotting"
     assert not rehydrate_engine.is_ready()
@@ -850,7 +854,8 @@ def test_an_announced_abort_is_answered_once_whichever_descriptor_carries_it(
     rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
                                       frozen_for=0.0, undoes=second, abort="announced")
     late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
-                                             undoes=opened, abort="answered")
+                                             undoes=opened, abort="answered",
+                                             detected_at=second)
     assert late.deduplicated and len(runs) == 1
     reopened = time.monotonic()
     answer = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
@@ -859,6 +864,46 @@ def test_an_announced_abort_is_answered_once_whichever_descriptor_carries_it(
     again = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
                                               undoes=time.monotonic(), abort="answered")
     assert not again.deduplicated and len(runs) == 2
+
+
+def test_an_error_after_a_trigger_and_its_save_restore_exec_pass_runs_the_hooks(
+        rehydrate_engine: Lifecycle) -> None:
+    """``trigger_snapshot()`` with gVisor's save-restore-exec: the trigger's pass, then
+    the same checkpoint's ``notify save`` pass; the checkpoint fails and gVisor answers
+    ``error`` on the descriptor opened before both. Every pass began before the answer
+    arrived: no retry, the answer undoes the latest pass (before: it named the trigger's
+    pass, looked superseded, and the process stayed ``snapshotting``)."""
+    runs = _runs(rehydrate_engine)
+    opened = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # the trigger's pass
+    assert rehydrate_engine.snapshot_requested("control").ok  # its notify save pass
+    answer = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                               undoes=opened, abort="answered",
+                                               detected_at=time.monotonic())
+    assert not answer.deduplicated and len(runs) == 1
+    assert rehydrate_engine.status().state == "ready"
+
+
+def test_a_carry_on_names_its_own_pass_even_when_an_answer_settled_it(
+        rehydrate_engine: Lifecycle) -> None:
+    """Attempt 1's ``notify save`` was killed while its hooks ran; gVisor's ``error`` got
+    the engine first (and settled pass 1), then the retry's pass, then attempt 1's
+    carry-on: it is about pass 1, which a newer pass followed — nothing runs (before: it
+    skipped the settled pass 1, named the retry's pending pass and undid it)."""
+    runs = _runs(rehydrate_engine)
+    opened = time.monotonic()
+    received = time.monotonic()  # the control socket's moment before pass 1
+    assert rehydrate_engine.snapshot_requested("control").ok  # pass 1
+    rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                      undoes=opened, abort="answered",
+                                      detected_at=time.monotonic())
+    assert len(runs) == 1
+    assert rehydrate_engine.snapshot_requested("control").ok  # the retry's pass, pending
+    late = rehydrate_engine.restore_detected("control", kind="resume", anchor=False,
+                                             frozen_for=0.0, undoes=received,
+                                             abort="announced")
+    assert late.deduplicated and len(runs) == 1
+    assert rehydrate_engine.status().state == "snapshotting"
 
 
 def test_a_carry_on_that_started_no_hook_is_not_the_pass_undone(

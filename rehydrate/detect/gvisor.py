@@ -252,7 +252,7 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
         # must have begun after this descriptor was opened: gVisor answers a descriptor
         # for the next checkpoint to end after its open.
         return engine.restore_detected(reason, kind="resume", since=since, anchor=False,
-                                       undoes=opened, abort="answered")
+                                       undoes=opened, abort="answered", detected_at=arrived)
     return engine.restore_detected(reason, kind="resume", since=since)
 
 
