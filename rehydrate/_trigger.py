@@ -105,12 +105,17 @@ def trigger_snapshot(
     except OSError as exc:
         raise GVisorError(f"cannot open {path} for writing: {exc.strerror or exc}") from None
     progress = _Progress()
+    # Carry-ons name this trigger's own pass: when a platform's checkpoint ran its
+    # `notify save` pass after it (the write of 1 then fails with ENXIO, "a checkpoint is
+    # already in progress"), the resume hooks must not undo that pending pass.
+    prepared = time.monotonic()
     try:
         snap = engine.snapshot_requested("gvisor")
         if not snap.ok:
             log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
                       "resume hooks")
-            engine.restore_detected("gvisor", kind="resume", anchor=False, frozen_for=0.0)
+            engine.restore_detected("gvisor", kind="resume", anchor=False, frozen_for=0.0,
+                                    undoes=prepared)
             return "error"
         # The before-snapshot hooks ran: from here on, a failure must not leave the process
         # "snapshotting" for ever. Unless an answer is still coming to the running waiter
@@ -128,7 +133,7 @@ def trigger_snapshot(
             frozen_for = None if progress.written else 0.0
             try:
                 engine.restore_detected("gvisor", kind="resume", anchor=False,
-                                        frozen_for=frozen_for)
+                                        frozen_for=frozen_for, undoes=prepared)
             except Exception:
                 log.exception("running the resume hooks after a failed trigger failed")
             raise

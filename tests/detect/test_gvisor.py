@@ -889,6 +889,34 @@ def test_a_restart_while_the_stopped_thread_runs_a_hook_is_refused(engine: Lifec
     assert set(os.listdir("/proc/self/fd")) <= fds_before  # no pipe left behind
 
 
+def test_a_trigger_refused_for_a_checkpoint_in_progress_leaves_its_pass_pending(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A platform's checkpoint ran its ``notify save`` pass right after the trigger's, and
+    the trigger's write of ``1`` is refused (ENXIO: a checkpoint is already in progress).
+    The trigger's carry-on is about its own pass, which a newer one followed: it runs
+    nothing (before: the resume hooks undid the platform's pending pass, and that
+    checkpoint captured everything reopened); the platform's own answer runs them."""
+    platform = FakePlatform(pty_proc, reply=None)
+    real_write = os.write
+
+    def refused(fd: int, data: bytes) -> int:
+        if data == b"1":
+            assert iso_engine.snapshot_requested("control").ok  # the platform's pass
+            raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", refused)
+    try:
+        rec = Recorder(iso_engine)
+        with pytest.raises(GVisorError, match="already in progress"):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
+    finally:
+        monkeypatch.undo()
+        platform.close()
+    assert [c for c in rec.calls if c[1] != "snapshot"] == []
+    assert iso_engine.state == "snapshotting" and not iso_engine.is_ready()
+
+
 @pytest.mark.parametrize("fault", ["open", "read"])
 def test_trigger_open_or_read_failure_is_a_gvisor_error_naming_the_file(
         iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
