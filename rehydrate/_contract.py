@@ -142,6 +142,11 @@ class Engine(Protocol):
     def snapshot_requested(self, reason: str = "simulated", *,
                            key: str | None = None) -> SnapshotReport: ...
 
+    def pass_started(self, report: SnapshotReport) -> float | None:
+        """When the before-snapshot pass that produced ``report`` began (monotonic): the
+        ``undoes=`` of a carry-on about exactly that pass."""
+        ...
+
     def simulate_restore(
         self,
         env: Mapping[str, str | None] | None = None,

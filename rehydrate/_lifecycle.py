@@ -77,6 +77,8 @@ class _Pass:
     (``notify save`` failed): the platform's answer that the checkpoint failed is due."""
     abort_answered: bool = False
     """The platform's answer to that announced abort came (it was confirmed)."""
+    report: SnapshotReport | None = None
+    """The before-snapshot pass's report (see :meth:`Lifecycle.pass_started`)."""
     settled: bool = False
     """Its checkpoint is over, or there never was one (a resume or restore notice, a
     carry-on that announced no abort, an answer that it failed): no answer is owed for it
@@ -727,14 +729,14 @@ class Lifecycle:
                     log.debug("restore notice %s from %s: already handled", key, reason)
                     seen: RestoreReport = self._seen[key]  # type: ignore[assignment]
                     if seen is self._last_restore_report:
-                        return self._confirm(seen, reason)
+                        return self._confirm(seen, reason, detected)
                     return dataclasses.replace(seen, deduplicated=True)
                 last_at, last = self._last_restore_at, self._last_restore_report
                 # Not the last restore when a before-snapshot pass ran after it: this is a
                 # clone of that newer snapshot, however far back the notice's window goes.
                 if (since is not None and last is not None and last_at is not None
                         and last_at > since and last_at > self._last_snapshot_at):
-                    return self._confirm(last, reason)
+                    return self._confirm(last, reason, detected)
                 ended = None if undoes is None else self._named_pass(undoes, abort)
                 if (ended is not None and ended is not self._pass and abort == "answered"
                         and self._pass is not None and self._pass.started <= detected):
@@ -776,7 +778,7 @@ class Lifecycle:
         _log_run(report)
         return report
 
-    def _confirm(self, last: RestoreReport, reason: str) -> RestoreReport:
+    def _confirm(self, last: RestoreReport, reason: str, detected: float) -> RestoreReport:
         """A later notice of the restore ``last`` ran for: record it, run nothing.
 
         Under ``_run_lock``. The stored report gains ``reason`` in ``confirmed_by``; the
@@ -786,8 +788,17 @@ class Lifecycle:
                  reason, last.reason)
         confirmed = self._record_confirmation(last, reason)
         with self._cond:
-            self._freeze_handled(time.monotonic())
+            # Up to this notice only: a freeze noticed after it (a clone made while the
+            # run it waited for went on) is not this restore's, and keeps readiness False.
+            self._freeze_handled(detected)
         return dataclasses.replace(confirmed, deduplicated=True)
+
+    def pass_started(self, report: SnapshotReport) -> float | None:
+        """``time.monotonic()`` when the before-snapshot pass that produced ``report``
+        began — the ``undoes=`` of a carry-on about exactly that pass (a moment taken
+        before asking for the pass may precede another pass that got the engine first).
+        None once the engine no longer keeps that pass (it keeps the last 16)."""
+        return next((p.started for p in reversed(self._passes) if p.report is report), None)
 
     def _named_pass(self, undoes: float, abort: str | None) -> _Pass | None:
         """The pass a notice with ``undoes`` is about: the first that began at or after
@@ -1045,8 +1056,8 @@ class Lifecycle:
         self.env.baseline()  # the environment file as the snapshot will remember it
         self._event_seq += 1
         self._last_snapshot_at = time.monotonic()
-        self._pass = _Pass(self._last_snapshot_at)
-        self._passes.append(self._pass)
+        this_pass = self._pass = _Pass(self._last_snapshot_at)
+        self._passes.append(this_pass)
         ctx = RestoreContext(generation=self._generation, reason=reason, kind="snapshot",
                              detected_at=time.monotonic())
         self._set_state("snapshotting")
@@ -1055,6 +1066,7 @@ class Lifecycle:
         report = SnapshotReport(ok=ok, generation=self._generation, reason=reason,
                                 kind="snapshot", duration=duration, hooks=tuple(results),
                                 started_at=started, error=error, notice_to_run=waited)
+        this_pass.report = report
         if not ok:
             self._set_state("degraded")
         if self._observers:

@@ -108,9 +108,11 @@ def trigger_snapshot(
     # Carry-ons name this trigger's own pass: when a platform's checkpoint ran its
     # `notify save` pass after it (the write of 1 then fails with ENXIO, "a checkpoint is
     # already in progress"), the resume hooks must not undo that pending pass.
-    prepared = time.monotonic()
+    prepared = time.monotonic()  # a lower bound until the pass is known
     try:
         snap = engine.snapshot_requested("gvisor")
+        # its own pass exactly (another may have got the engine first, after `prepared`)
+        prepared = engine.pass_started(snap) or prepared
         if not snap.ok:
             log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
                       "resume hooks")

@@ -906,6 +906,113 @@ def test_a_carry_on_names_its_own_pass_even_when_an_answer_settled_it(
     assert rehydrate_engine.status().state == "snapshotting"
 
 
+def _another_pass_first(engine: Lifecycle, reason: str, other: str) -> None:
+    """``engine.snapshot_requested(reason)`` loses the engine once to another pass (and
+    its resume), as when that one took the run lock after the caller's own moment."""
+    real = engine.snapshot_requested
+    first = [True]
+
+    def snapshot_requested(why: str = "simulated", **kw):  # type: ignore[no-untyped-def]
+        if why == reason and first[0]:
+            first[0] = False
+            assert real(other).ok
+            engine.restore_detected(other, kind="resume", anchor=False)
+        return real(why, **kw)
+
+    engine.snapshot_requested = snapshot_requested  # type: ignore[method-assign]
+
+
+def _second_pass_fails(engine: Lifecycle) -> list[str]:
+    log: list[str] = []
+    count = [0]
+
+    @engine.registry.before_snapshot(name="test.flush")
+    def flush() -> None:
+        count[0] += 1
+        log.append(f"pass {count[0]}")
+        if count[0] == 2:
+            raise RuntimeError("disk full")
+
+    engine.registry.after_restore(lambda ctx: log.append(f"resume {ctx.reason}"),
+                                  name="test.reopen")
+    return log
+
+
+def test_a_failed_notify_save_undoes_its_own_pass_when_another_got_the_engine_first(
+        rehydrate_engine: Lifecycle, control: ControlServer) -> None:
+    """Another pass (and its resume) took the engine between the control socket's moment
+    and its own pass, which then failed: the carry-on must undo the failed pass itself
+    (before: it named the other, already undone pass and only confirmed it — the process
+    stayed degraded, connections closed, while the reply said the hooks ran)."""
+    log = _second_pass_fails(rehydrate_engine)
+    _another_pass_first(rehydrate_engine, "control", "simulated")
+    reply = request("prepare-snapshot", socket_path=control.path)
+    assert reply["ok"] is False
+    assert log == ["pass 1", "resume simulated", "pass 2", "resume control"]
+    assert rehydrate_engine.is_ready()
+
+
+def test_a_failed_trigger_undoes_its_own_pass_when_another_got_the_engine_first(
+        rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
+    """The same for ``trigger_snapshot()``: a platform checkpoint (``notify save``, the
+    checkpoint, ``notify resume``) got the engine before the trigger's own pass, which
+    failed — the trigger's carry-on undoes the trigger's pass."""
+    from rehydrate._trigger import trigger_snapshot
+
+    (tmp_path / "checkpoint").symlink_to("/dev/null")
+    log = _second_pass_fails(rehydrate_engine)
+    _another_pass_first(rehydrate_engine, "gvisor", "control")
+    assert trigger_snapshot(rehydrate_engine, proc=str(tmp_path)) == "error"
+    assert log == ["pass 1", "resume control", "pass 2", "resume gvisor"]
+    assert rehydrate_engine.is_ready()
+
+
+def test_a_duplicate_confirmed_after_a_newer_freeze_leaves_that_freeze_unhandled(
+        rehydrate_engine: Lifecycle) -> None:
+    """A second notice of restore 0 waits while restore 0's hooks run; meanwhile the
+    process is checkpointed and this clone resumes (the watch notices the freeze). The
+    duplicate is confirmed after the run: it must not count the clone's freeze as
+    handled — readiness stays False until the clone's own run (before: True, with the
+    parent's keys, until the clock-jump reporter's notice got the engine)."""
+    engine = rehydrate_engine
+    entered, release = threading.Event(), threading.Event()
+
+    @engine.registry.after_restore(name="test.slow", timeout=60)
+    def slow(ctx: object) -> None:
+        if getattr(ctx, "generation", 0) == 1:
+            entered.set()
+            release.wait(30)
+
+    t0 = time.monotonic()
+    engine.heartbeat(t0, 60.0, due=60.0)
+    engine.freeze_noticed(t0 - 10, t0)
+    results: list[object] = []
+    first = threading.Thread(target=lambda: results.append(engine.restore_detected(
+        "clock-jump", since=t0 - 9.5, detected_at=t0)))
+    first.start()
+    try:
+        assert entered.wait(30)
+        duplicate = threading.Thread(target=lambda: results.append(engine.restore_detected(
+            "gvisor", kind="restore", since=t0 - 1.0, detected_at=time.monotonic())))
+        duplicate.start()
+        end = time.monotonic() + 30
+        while engine._notices < 2 and time.monotonic() < end:  # it waits for the run
+            time.sleep(0.01)
+        assert engine._notices == 2
+        last = time.monotonic()
+        engine.heartbeat(last, 60.0, due=60.0)
+        engine.freeze_noticed(last, time.monotonic())  # the clone's freeze, mid-run
+    finally:
+        release.set()
+        first.join(30)
+    duplicate.join(30)
+    assert getattr(results[-1], "deduplicated", None) is True
+    engine.heartbeat(time.monotonic(), 60.0, due=60.0)
+    assert not engine.is_ready(), "ready before the clone's own run"
+    clone = engine.restore_detected("clock-jump", since=last, detected_at=time.monotonic())
+    assert not clone.deduplicated and clone.generation == 2 and engine.is_ready()
+
+
 def test_a_carry_on_that_started_no_hook_is_not_the_pass_undone(
         rehydrate_engine: Lifecycle) -> None:
     """A run deadline (the SnapStart bridge's, on every run of the engine) had passed by

@@ -379,7 +379,12 @@ class ClockJumpDetector(DeferringDetector):
                         else:
                             self.busy_skips += 1
                         marks = self._marks()  # the next step starts after the log line
-                        engine.heartbeat(marks.now, limit, gap_since=last.now, due=due)
+                        # A GIL stall is no gap (a hook holding the GIL past the
+                        # threshold, now that this watch goes on during runs, made the
+                        # platform's notice of the same restore a new one); a job-control
+                        # stop is.
+                        engine.heartbeat(marks.now, limit,
+                                         gap_since=last.now if stopped else None, due=due)
                     else:
                         engine.freeze_noticed(last.now, marks.now)
                         # The freeze began after last.now and, since the wake-up came
@@ -443,8 +448,9 @@ class _Notice:
     def then(self, later: _Notice) -> _Notice:
         """This notice and ``later`` (both waiting for a run in progress) as one: one
         run after the current one covers both freezes — it is detected after the later
-        one, and nothing run since the earlier one's freeze began is theirs."""
-        return _Notice(since=self.since, frozen_for=self.frozen_for + later.frozen_for,
+        one. ``since`` is the later one's: a run between the two freezes (another
+        detector's, for the earlier one) is not the later clone's restore."""
+        return _Notice(since=later.since, frozen_for=self.frozen_for + later.frozen_for,
                        detected=later.detected)
 
 

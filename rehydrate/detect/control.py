@@ -110,6 +110,10 @@ COMMANDS = ("status", "prepare-snapshot", "resume", "restore", "simulate", "trig
 
 _CRED = struct.Struct("3i")
 
+_PREPARED_AT = "_prepared_at"
+"""Key under which ``prepare-snapshot``'s reply carries its pass's start to the reply's
+delivery (removed before sending)."""
+
 
 def _dir_problem(directory: str) -> str | None:
     """Why a socket cannot be created in ``directory`` (None: it can, or can be made)."""
@@ -516,11 +520,13 @@ class ControlServer:
             except Exception as exc:
                 log.exception("control command %s failed", cmd)
                 reply = {"ok": False, "error": describe_error(exc)}
+        own = reply.pop(_PREPARED_AT, None)  # internal: never sent
         if req_id is not None:
             reply["id"] = req_id
         self.served += 1
         if cmd == "prepare-snapshot" and reply.get("ok"):
-            return self._deliver_prepared(conn, reply, received, _in_checkpoint(req))
+            undoes = own if isinstance(own, float) else received
+            return self._deliver_prepared(conn, reply, undoes, _in_checkpoint(req))
         return self._send(conn, reply)
 
     def _deliver_prepared(self, conn: socket.socket, reply: Mapping[str, Any],
@@ -571,7 +577,11 @@ class ControlServer:
             _in_checkpoint(req)  # a bad value is refused before any hook runs
             prepared, notices = time.monotonic(), self._notices
             snap = engine.snapshot_requested("control")
-            out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict()}
+            # Carry-ons name this pass exactly: `prepared` may precede a pass that got
+            # the engine first (and was resumed), which they would then only confirm.
+            own = engine.pass_started(snap) or prepared
+            out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict(),
+                                   _PREPARED_AT: own}
             # A restore/resume notice that came while the hooks ran consumed this prepare
             # already: recording it now would make the next real restore a "duplicate".
             self._last_prepare = prepared if snap.ok and self._notices == notices else None
@@ -587,7 +597,7 @@ class ControlServer:
                 # which may have paused the sandbox, and runs the hooks.
                 resume = engine.restore_detected(
                     "control", kind="resume", anchor=False, frozen_for=0.0,
-                    undoes=prepared, abort="announced" if _in_checkpoint(req) else None)
+                    undoes=own, abort="announced" if _in_checkpoint(req) else None)
                 out["resume_report"] = resume.to_dict()
                 already = (f" (run already, for the {resume.reason} notice)"
                            if resume.deduplicated else "")
