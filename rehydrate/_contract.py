@@ -218,3 +218,13 @@ def load_extension(spec: str | Extension) -> Extension:
     if not isinstance(obj, Extension):
         raise TypeError(f"{spec} is not an extension (needs key, probe() and install(engine))")
     return obj
+
+
+def own_pass_started(engine: Engine, snap: SnapshotReport, prepared: float) -> float:
+    """When ``snap``'s before-snapshot pass began (:meth:`Engine.pass_started`), else
+    ``prepared`` — a moment taken before asking for the pass, a lower bound: a carry-on
+    must run even on an engine without ``pass_started`` or when the lookup fails."""
+    try:
+        return engine.pass_started(snap) or prepared
+    except Exception:  # an older engine, a failed lookup: the bound will do
+        return prepared

@@ -798,7 +798,8 @@ class Lifecycle:
         began — the ``undoes=`` of a carry-on about exactly that pass (a moment taken
         before asking for the pass may precede another pass that got the engine first).
         None once the engine no longer keeps that pass (it keeps the last 16)."""
-        return next((p.started for p in reversed(self._passes) if p.report is report), None)
+        passes = tuple(self._passes)  # copied at once: a pass may begin meanwhile
+        return next((p.started for p in reversed(passes) if p.report is report), None)
 
     def _named_pass(self, undoes: float, abort: str | None) -> _Pass | None:
         """The pass a notice with ``undoes`` is about: the first that began at or after

@@ -15,6 +15,7 @@ import os
 import stat
 import time
 
+from ._contract import own_pass_started
 from ._notify import timeout_value
 from .detect.gvisor import (
     _OPEN_READ,
@@ -112,7 +113,7 @@ def trigger_snapshot(
     try:
         snap = engine.snapshot_requested("gvisor")
         # its own pass exactly (another may have got the engine first, after `prepared`)
-        prepared = engine.pass_started(snap) or prepared
+        prepared = own_pass_started(engine, snap, prepared)
         if not snap.ok:
             log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
                       "resume hooks")

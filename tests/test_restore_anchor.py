@@ -952,6 +952,26 @@ def test_a_failed_notify_save_undoes_its_own_pass_when_another_got_the_engine_fi
     assert rehydrate_engine.is_ready()
 
 
+def test_a_failed_notify_save_runs_its_carry_on_when_the_pass_lookup_fails(
+        rehydrate_engine: Lifecycle, control: ControlServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pass_started`` raising (an engine without it, a lookup racing a new pass): the
+    carry-on falls back to the moment before the pass and still runs (before: the reply
+    was that error, and no resume hook ran — the process stayed degraded)."""
+    log = _second_pass_fails(rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok  # pass 1, then its resume
+    assert rehydrate_engine.simulate_restore(kind="resume").ok
+
+    def broken(report: object) -> float:
+        raise RuntimeError("deque mutated during iteration")
+
+    monkeypatch.setattr(rehydrate_engine, "pass_started", broken)
+    reply = request("prepare-snapshot", socket_path=control.path)
+    assert reply["ok"] is False and "resume hooks ran" in reply["error"]
+    assert log[-2:] == ["pass 2", "resume control"]
+    assert rehydrate_engine.is_ready()
+
+
 def test_a_failed_trigger_undoes_its_own_pass_when_another_got_the_engine_first(
         rehydrate_engine: Lifecycle, tmp_path: Path) -> None:
     """The same for ``trigger_snapshot()``: a platform checkpoint (``notify save``, the

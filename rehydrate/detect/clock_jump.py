@@ -379,12 +379,12 @@ class ClockJumpDetector(DeferringDetector):
                         else:
                             self.busy_skips += 1
                         marks = self._marks()  # the next step starts after the log line
-                        # A GIL stall is no gap (a hook holding the GIL past the
-                        # threshold, now that this watch goes on during runs, made the
-                        # platform's notice of the same restore a new one); a job-control
-                        # stop is.
-                        engine.heartbeat(marks.now, limit,
-                                         gap_since=last.now if stopped else None, due=due)
+                        # Still a gap: a real freeze can hide inside a stall (a clone
+                        # restored while a hook held the GIL), and a later notice must
+                        # then run the clone's hooks. The price: the platform's notice of
+                        # a restore whose hook held the GIL past the threshold runs the
+                        # hooks a second time (twice at worst, never zero times).
+                        engine.heartbeat(marks.now, limit, gap_since=last.now, due=due)
                     else:
                         engine.freeze_noticed(last.now, marks.now)
                         # The freeze began after last.now and, since the wake-up came

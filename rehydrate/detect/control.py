@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
 from .._context import Report, describe_error
-from .._contract import Probe, refuse_another_engine
+from .._contract import Probe, own_pass_started, refuse_another_engine
 from .._notify import not_a_socket, timeout_value
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
@@ -579,7 +579,7 @@ class ControlServer:
             snap = engine.snapshot_requested("control")
             # Carry-ons name this pass exactly: `prepared` may precede a pass that got
             # the engine first (and was resumed), which they would then only confirm.
-            own = engine.pass_started(snap) or prepared
+            own = own_pass_started(engine, snap, prepared)
             out: dict[str, Any] = {"ok": snap.ok, "report": snap.to_dict(),
                                    _PREPARED_AT: own}
             # A restore/resume notice that came while the hooks ran consumed this prepare

@@ -703,50 +703,6 @@ def test_a_real_freeze_while_the_restore_hooks_run_gets_its_own_run(tmp_path):
         child.close()
 
 
-HOOK_HOLDS_THE_GIL = textwrap.dedent("""
-    import ctypes, json, time
-    from rehydrate.testing import isolated_engine
-    from rehydrate.detect.clock_jump import ClockJumpDetector
-
-    engine = isolated_engine()
-    runs = []
-
-    def hook(ctx):
-        runs.append(ctx.generation)
-        if len(runs) == 1:
-            ctypes.PyDLL(None).usleep(1200000)  # a C call holding the GIL past the threshold
-
-    engine.registry.after_restore(hook, timeout=60)
-    det = ClockJumpDetector(interval=0.1, threshold=0.5)
-    engine.start([det])
-    print(json.dumps({"event": "ready"}), flush=True)
-    deadline = time.monotonic() + 30
-    while (not runs or det.busy_skips < 1) and time.monotonic() < deadline:
-        time.sleep(0.01)  # the restore's run, and the watch's verdict on the stall
-    while not engine.is_ready() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    # the platform's `notify restore` of the same restore, as the control socket sends it
-    notice = engine.restore_detected("control", kind="restore", since=engine.freeze_since())
-    print(json.dumps({"runs": runs, "busy_skips": det.busy_skips,
-                      "deduplicated": notice.deduplicated}), flush=True)
-""")
-
-
-def test_a_hook_holding_the_gil_leaves_a_later_notice_of_its_restore_a_duplicate():
-    """The watch goes on while its run's hooks work: a hook holding the GIL past the
-    threshold makes its wake-up late, which is no gap — the platform's notice of the same
-    restore after it is that restore (before: the stall counted as a gap, the notice as
-    a new restore, and every hook ran twice: keys and instance id rotated twice)."""
-    child = Child(HOOK_HOLDS_THE_GIL)
-    try:
-        assert child.next()["event"] == "ready"
-        _freeze(child.proc.pid, 1.5)
-        out = child.next(timeout=60)
-        assert out["busy_skips"] >= 1, out  # the stall was seen and judged a stall
-        assert out == {**out, "runs": [1], "deduplicated": True}, out
-    finally:
-        child.close()
-
 
 def test_merged_notices_keep_the_later_freezes_since():
     """Two freezes seen while a run is in progress become one notice. Its ``since`` is the
