@@ -715,3 +715,105 @@ def test_merged_notices_keep_the_later_freezes_since():
     merged = _Notice(since=1.0, frozen_for=3.0, detected=4.0).then(
         _Notice(since=6.0, frozen_for=2.0, detected=8.0))
     assert (merged.since, merged.frozen_for, merged.detected) == (6.0, 5.0, 8.0)
+
+
+def _reports_by_thread(det: ClockJumpDetector) -> list[str]:
+    """Record which thread runs each of ``det``'s notices (set before it starts)."""
+    threads: list[str] = []
+    report = det._report
+
+    def recorded(notice, stop):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        report(notice, stop)
+
+    det._report = recorded  # type: ignore[method-assign]
+    return threads
+
+
+def test_the_thread_that_sees_the_freeze_runs_it_and_the_other_watches_meanwhile(
+        rehydrate_engine):
+    """No thread wake-up between a notice and its run: right after a restore that wake-up
+    is itself a first touch (under runsc, notice → run start 23-25 ms on the embedding
+    workload when a reporter thread took every notice, 6 ms when the watching thread ran
+    it). The thread that saw the freeze runs it; a freeze seen by the other one meanwhile
+    is run next by the thread already running (one more run); the next freeze after that
+    is the other thread's, which holds the watch by then."""
+    clock = SteppedClock()
+    entered, release = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def slow(ctx):  # type: ignore[no-untyped-def]
+        runs.append(ctx.generation)
+        if len(runs) == 1:
+            entered.set()
+            release.wait(30.0)
+
+    rehydrate_engine.registry.after_restore(slow, name="test.slow", timeout=60)
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
+    threads = _reports_by_thread(det)
+    rehydrate_engine.start([det])
+    try:
+        wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
+        clock.offset += 10.0
+        assert entered.wait(5.0), "the restore hooks did not run"
+        ticks = det.ticks
+        clock.offset += 10.0  # checkpointed mid-run
+        wait_for(lambda: det.ticks >= ticks + 3, what="the other thread to watch on")
+    finally:
+        release.set()
+    wait_for(lambda: len(runs) == 2 and rehydrate_engine.is_ready(), what="one more run")
+    clock.offset += 10.0  # restored once more, later
+    wait_for(lambda: len(runs) == 3 and rehydrate_engine.is_ready(), what="a third run")
+    assert threads == ["rehydrate-clock-jump", "rehydrate-clock-jump",
+                       "rehydrate-clock-jump-standby"]
+    assert runs == [1, 2, 3] and det.jumps == 3
+
+
+def test_a_freeze_while_the_watch_changes_hands_is_seen(rehydrate_engine, monkeypatch):
+    """The thread taking the watch over measures its first step from the last reading of
+    the thread that gave it up: a checkpoint taken in between (the new holder still
+    waiting for the CPU) is a step like any other, and the clone gets its run."""
+    from rehydrate.detect import clock_jump
+
+    clock = SteppedClock()
+    handing_over, go_on = threading.Event(), threading.Event()
+    take_over = clock_jump._Watch.take_over
+
+    def slow_take_over(self):  # type: ignore[no-untyped-def]
+        handing_over.set()
+        go_on.wait(30.0)
+        take_over(self)
+
+    monkeypatch.setattr(clock_jump._Watch, "take_over", slow_take_over)
+    rec = Recorder(rehydrate_engine)
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
+    clock.offset += 10.0
+    rec.wait(1)
+    assert handing_over.wait(5.0), "the standby thread was not asked to take the watch"
+    clock.offset += 10.0  # checkpointed while nobody sleeps on the watch
+    go_on.set()
+    calls = rec.wait(2)
+    assert [c["generation"] for c in calls] == [1, 2]
+    assert 9.9 <= calls[1]["frozen_for"] <= 11.0
+
+
+def test_a_dead_standby_thread_is_the_detectors_failure(rehydrate_engine, monkeypatch):
+    """The watch is never left to one thread silently: a standby thread that dies ends
+    the watch, and the detector reports why (``failure()``, shown by ``status()``)."""
+    from rehydrate.detect import clock_jump
+
+    def broken(self):  # type: ignore[no-untyped-def]
+        raise RuntimeError("take-over broke")
+
+    monkeypatch.setattr(clock_jump._Watch, "take_over", broken)
+    clock = SteppedClock()
+    rec = Recorder(rehydrate_engine)
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
+    clock.offset += 10.0
+    rec.wait(1)  # the notice still runs, on the thread that saw it
+    wait_for(lambda: det.failure() is not None, what="the failure to be reported")
+    assert det.failure() == "its thread died: RuntimeError: take-over broke"
