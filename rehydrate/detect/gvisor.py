@@ -228,13 +228,17 @@ def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
 
 
 def _handle(engine: Engine, answer: Answer, since: float, reason: str,
-            arrived: float) -> RestoreReport:
+            arrived: float, older_than: float | None = None) -> RestoreReport:
     """Run the hooks ``answer`` asks for (deduplicated against other detectors by ``since``).
 
     ``since`` (when the descriptor was opened) is clamped to ``arrived - ANSWER_WINDOW``:
     see the module docstring. An ``error`` answer for a checkpoint whose before-snapshot
     pass a carry-on run already undid (a failed ``notify save``) runs nothing: it
-    confirms that run.
+    confirms that run. A ``resume`` or ``error`` answer is about a checkpoint that was
+    over when it ``arrived``: a before-snapshot pass begun after that (or after
+    ``older_than``: a trigger that had not written its ``1`` yet) is a later
+    checkpoint's, and the answer runs nothing for it (``older_than`` in
+    :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`). A ``restore`` always runs.
     """
     opened, since = since, max(since, arrived - ANSWER_WINDOW)
     if answer == "restore":
@@ -252,8 +256,12 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
         # must have begun after this descriptor was opened: gVisor answers a descriptor
         # for the next checkpoint to end after its open.
         return engine.restore_detected(reason, kind="resume", since=since, anchor=False,
-                                       undoes=opened, abort="answered", detected_at=arrived)
-    return engine.restore_detected(reason, kind="resume", since=since)
+                                       undoes=opened, abort="answered", detected_at=arrived,
+                                       older_than=older_than)
+    # The original carried on after the checkpoint that ended as the answer arrived: a
+    # pass begun since (a retried trigger's) is not this answer's to end.
+    return engine.restore_detected(reason, kind="resume", since=since, detected_at=arrived,
+                                   older_than=older_than)
 
 
 class GVisorDetector(Detector):
