@@ -765,25 +765,27 @@ class Lifecycle:
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason, detected)
                 latest = self._pass
-                if horizon is not None and latest is not None and latest.started > horizon:
+                late = horizon is not None and latest is not None and latest.started > horizon
+                if late and horizon is not None:
                     # The latest pass began after this answer arrived: it is a later
-                    # checkpoint's (pending), and the resume hooks would end it.
-                    return self._superseded(self._answered_pass(horizon, undoes), reason,
-                                            settle=True)
-                ended = None if undoes is None else self._named_pass(undoes, abort)
-                if (ended is not None and ended is not self._pass and abort == "answered"
-                        and self._pass is not None and self._pass.started <= detected):
+                    # checkpoint's (pending), and the resume hooks would end it. The
+                    # answer settles the pass it is about.
+                    ended = self._answered_pass(horizon, undoes)
+                else:
+                    ended = None if undoes is None else self._named_pass(undoes, abort)
+                if (ended is not None and ended is not latest and abort == "answered"
+                        and not late and latest is not None and latest.started <= detected):
                     # Every newer pass began before the answer arrived (gVisor answers as
                     # the checkpoint ends, and a retry can only begin after that): they
                     # are the answered checkpoint's own (a trigger's pass, then its
                     # save-restore-exec pass) or passes no checkpoint followed, not a
                     # retry. The answer is about the latest pass.
-                    ended = self._pass
-                if ended is not None and ended is not self._pass:
+                    ended = latest
+                if late or (ended is not None and ended is not latest):
                     # About an earlier attempt, and a newer pass has closed things since
                     # (its checkpoint is pending, or was answered on its own): running
                     # the resume hooks now would undo that pass, not this one.
-                    return self._superseded(ended, reason)
+                    return self._superseded(ended, reason, settle=late)
                 undone = self._undone_already(ended, undoes, abort)
                 if undone is not None:
                     if abort == "answered":

@@ -1184,3 +1184,44 @@ def test_an_answer_older_than_a_trigger_that_has_not_written_runs_nothing(
         rehydrate_engine.restore_detected("gvisor", kind="resume",
                                           older_than="soon")  # type: ignore[arg-type]
     assert runs == []
+
+
+def test_a_resume_notice_received_before_a_newer_pass_does_not_end_it(
+        rehydrate_engine: Lifecycle, control: ControlServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``notify resume`` for checkpoint 1 reached the control socket, which then waited
+    (for the freeze watch's verdict) while a newer before-snapshot pass began: the notice
+    is about checkpoint 1 and runs nothing for the newer pass (before: its resume hooks
+    ended that pass and the process said ready while its checkpoint was pending). A
+    ``notify restore`` in the same order still runs (a clone always does)."""
+    runs = _runs(rehydrate_engine)
+    assert rehydrate_engine.snapshot_requested("control").ok  # checkpoint 1's save
+    waiting, go = threading.Event(), threading.Event()
+    real = rehydrate_engine.freeze_since
+
+    def slow_verdict() -> float | None:
+        waiting.set()
+        assert go.wait(DEADLINE)
+        return real()
+
+    monkeypatch.setattr(rehydrate_engine, "freeze_since", slow_verdict)
+    replies: dict[str, dict[str, object]] = {}
+
+    def notify(cmd: str) -> None:
+        replies[cmd] = request(cmd, socket_path=control.path)
+
+    for cmd in ("resume", "restore"):
+        waiting.clear()
+        go.clear()
+        client = threading.Thread(target=notify, args=(cmd,))
+        client.start()
+        assert waiting.wait(DEADLINE)  # received, not handled yet
+        assert rehydrate_engine.snapshot_requested("control").ok  # the newer pass
+        go.set()
+        client.join(DEADLINE)
+        if cmd == "resume":
+            assert replies["resume"]["ok"] and replies["resume"]["deduplicated"]
+            assert runs == []
+            assert rehydrate_engine.status().state == "snapshotting"
+    assert not replies["restore"]["deduplicated"]
+    assert runs == [("control", "restore", 1)]
