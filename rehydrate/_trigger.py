@@ -77,6 +77,15 @@ def trigger_snapshot(
     the process stays ``snapshotting``; set ``snapshot_deadline`` on the engine for a
     bound). Without a waiter a late answer is not read: a restore after such a timeout is
     left to the generic detectors (clock jump …).
+
+    While such a late answer is due to the running waiter, a later call never makes the
+    process ready before it: when that call fails too (its ``1`` refused with ``ENXIO``
+    because the earlier checkpoint is still in progress, or its before-snapshot hooks
+    failed) the resume hooks are left to the due answer (the error says so). And an
+    answer that arrives before this call wrote its ``1`` is the earlier checkpoint's: it
+    does not end this call's pass and is not returned as this call's answer (without a
+    waiter, one already readable before the write is handled as such, and this call's
+    own answer is read on a new descriptor).
     """
     if timeout is not None:
         timeout = timeout_value(timeout)  # ValueError before any hook runs

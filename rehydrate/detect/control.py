@@ -39,7 +39,9 @@ watch (the clock-jump detector not running) and without a prepare, a notice cann
 when the freeze was: it passes ``since`` = the engine's last anchored restore (or the
 socket's start), so it is never taken for an earlier restore (at worst the hooks run
 twice, never zero times). ``simulate`` runs and the resume runs below are not freeze
-anchors.
+anchors. A ``resume`` notice is about a checkpoint that was over when the request came
+(``detected_at`` = the moment it was read): a before-snapshot pass that began after that
+(while the notice waited) is a later checkpoint's, and the notice runs nothing for it.
 
 If the reply to ``prepare-snapshot`` cannot be delivered (the client went away, e.g.
 the platform's timeout killed ``rehydrate notify``), the platform aborts the

@@ -18,7 +18,12 @@ gVisor (``pkg/sentry/fsimpl/proc/checkpoint.go``) exposes a character-device-lik
 failed checkpoint and runs the resume hooks too (the before-snapshot hooks may have
 closed things) — unless the failure is the abort a failed ``notify save`` asked for: the
 control socket ran the resume hooks for that pass already, and the answer only confirms
-that run (``confirmed_by``). Anything else is logged as one error line; the waiter then re-opens the
+that run (``confirmed_by``). A ``resume`` or ``error`` that arrived before the latest
+before-snapshot pass began — or while a :func:`rehydrate.trigger_snapshot` had begun and not
+yet written its ``1`` — is an earlier checkpoint's (a timed-out trigger's) and runs nothing
+for that pass (``older_than`` in
+:meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`); a ``restore`` always runs.
+Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
 the descriptor was opened and :data:`ANSWER_WINDOW` seconds before the answer arrived,
 so that another detector's notice of the same restore (the clock jump, detected after
