@@ -368,6 +368,7 @@ class GVisorDetector(Detector):
             raise GVisorError(why)
         self._engine = engine
         self._stopping = False
+        self._due = None  # an answer due to a stopped waiter's descriptor never comes
         self._exited = False
         self._failure = None
         self._orphaned = False
