@@ -137,6 +137,7 @@ class Engine(Protocol):
         undoes: float | None = None,
         abort: Literal["announced", "answered"] | None = None,
         deadline: float | None = None,
+        older_than: float | None = None,
     ) -> RestoreReport: ...
 
     def snapshot_requested(self, reason: str = "simulated", *,

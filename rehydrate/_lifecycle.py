@@ -655,6 +655,7 @@ class Lifecycle:
         undoes: float | None = None,
         abort: Literal["announced", "answered"] | None = None,
         deadline: float | None = None,
+        older_than: float | None = None,
     ) -> RestoreReport:
         """Run the restore (or resume) hooks for an event a detector noticed.
 
@@ -709,6 +710,20 @@ class Lifecycle:
         expected no checkpoint at all, the snapshot deadline — the hooks run again. With
         no pass after ``undoes``, or one not undone yet, the hooks run (exactly once: a
         later notice for the same pass is then the duplicate).
+
+        A platform's word that the original carried on — a ``resume`` notice (anchored,
+        no ``undoes``) or an answer that the checkpoint failed (``abort="answered"``) — is
+        about a checkpoint that was over when it arrived (``detected_at``): a
+        before-snapshot pass that began after that moment belongs to a later checkpoint
+        (a ``trigger_snapshot()`` retried after one timed out, whose checkpoint is still
+        pending). Such a notice runs nothing when the latest pass began after it: the
+        resume hooks would end that pass and say ready while its checkpoint is pending;
+        that pass's own notice runs them. The pass the notice is about (the latest that
+        began before it) is settled, and a run that already undid it is confirmed.
+        ``older_than``: an earlier moment from which on the notice is known to be about
+        no pass (the gVisor waiter's answer that came while a ``trigger_snapshot()`` had
+        begun and not yet written its ``1``: that trigger's checkpoint had not started).
+        Never for a ``restore`` notice: a clone always runs its restore hooks.
         """
         if kind not in ("restore", "resume"):  # else hooks would run as kind "bogus"
             raise ValueError(f"kind must be 'restore' or 'resume', not {_config.shown(kind)}")
@@ -717,7 +732,19 @@ class Lifecycle:
                              f"{_config.shown(abort)}")
         if deadline is not None:
             deadline = _config.seconds(deadline, "deadline")
+        if older_than is not None and (isinstance(older_than, bool)
+                                       or not isinstance(older_than, (int, float))
+                                       or math.isnan(older_than)):
+            raise ValueError(f"older_than must be None or a time.monotonic() moment, not "
+                             f"{_config.shown(older_than)}")
         detected = time.monotonic() if detected_at is None else detected_at
+        # A platform's word that a checkpoint is over (resume, or failed): about no pass
+        # that began after it arrived. Not a restore (a clone always runs its hooks), not
+        # a carry-on (it names its own pass) nor a simulated run.
+        answer = kind == "resume" and (abort == "answered"
+                                       or (anchor and abort is None and undoes is None))
+        horizon = (None if not answer else detected if older_than is None
+                   else min(detected, older_than))
         self._check_not_inside_hook()
         # Not ready from the moment a notice arrives, also while it waits for a run in
         # progress (which would otherwise end in "ready" with this restore still to run).
@@ -737,20 +764,28 @@ class Lifecycle:
                 if (since is not None and last is not None and last_at is not None
                         and last_at > since and last_at > self._last_snapshot_at):
                     return self._confirm(last, reason, detected)
-                ended = None if undoes is None else self._named_pass(undoes, abort)
-                if (ended is not None and ended is not self._pass and abort == "answered"
-                        and self._pass is not None and self._pass.started <= detected):
+                latest = self._pass
+                late = horizon is not None and latest is not None and latest.started > horizon
+                if late and horizon is not None:
+                    # The latest pass began after this answer arrived: it is a later
+                    # checkpoint's (pending), and the resume hooks would end it. The
+                    # answer settles the pass it is about.
+                    ended = self._answered_pass(horizon, undoes)
+                else:
+                    ended = None if undoes is None else self._named_pass(undoes, abort)
+                if (ended is not None and ended is not latest and abort == "answered"
+                        and not late and latest is not None and latest.started <= detected):
                     # Every newer pass began before the answer arrived (gVisor answers as
                     # the checkpoint ends, and a retry can only begin after that): they
                     # are the answered checkpoint's own (a trigger's pass, then its
                     # save-restore-exec pass) or passes no checkpoint followed, not a
                     # retry. The answer is about the latest pass.
-                    ended = self._pass
-                if ended is not None and ended is not self._pass:
+                    ended = latest
+                if late or (ended is not None and ended is not latest):
                     # About an earlier attempt, and a newer pass has closed things since
                     # (its checkpoint is pending, or was answered on its own): running
                     # the resume hooks now would undo that pass, not this one.
-                    return self._superseded(ended, reason)
+                    return self._superseded(ended, reason, settle=late)
                 undone = self._undone_already(ended, undoes, abort)
                 if undone is not None:
                     if abort == "answered":
@@ -840,11 +875,27 @@ class Lifecycle:
             return latest.undone_by
         return None
 
-    def _superseded(self, ended: _Pass, reason: str) -> RestoreReport:
-        """A notice for a before-snapshot pass that a newer pass has followed: run
-        nothing (the newer pass's own notice runs the hooks). Under ``_run_lock``."""
-        log.info("%s notice for an earlier before-snapshot pass than the latest one (a "
-                 "checkpoint retried meanwhile): nothing run for it", reason)
+    def _answered_pass(self, horizon: float, undoes: float | None) -> _Pass | None:
+        """The pass an answer that arrived at ``horizon`` is about: the latest that began
+        by then (and at or after ``undoes``, the answered descriptor's open), if any.
+        Under ``_run_lock``."""
+        return next((p for p in reversed(self._passes) if p.started <= horizon
+                     and (undoes is None or p.started >= undoes)), None)
+
+    def _superseded(self, ended: _Pass | None, reason: str, *,
+                    settle: bool = False) -> RestoreReport:
+        """A notice for a before-snapshot pass (or a checkpoint without one: ``None``)
+        that a newer pass has followed: run nothing (the newer pass's own notice runs the
+        hooks). ``settle``: the notice says that pass's checkpoint is over. Under
+        ``_run_lock``."""
+        log.info("%s notice for an earlier checkpoint than the latest before-snapshot "
+                 "pass (begun since; its checkpoint is pending): nothing run for it", reason)
+        if ended is None:
+            return RestoreReport(ok=True, generation=self._generation, reason=reason,
+                                 kind="resume", duration=0.0, hooks=(),
+                                 started_at=time.time(), deduplicated=True)
+        if settle:
+            ended.settled = True
         if ended.undone_by is not None:
             run = self._record_confirmation(ended.undone_by, reason)
             return dataclasses.replace(run, deduplicated=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import stat
 import time
 
@@ -30,6 +31,9 @@ from .detect.gvisor import (
     _parse,
     _poll_read,
     checkpoint_path,
+)
+from .detect.gvisor import (
+    _Trigger as _Ticket,
 )
 from .extensions import Engine, resolve_engine
 
@@ -73,6 +77,15 @@ def trigger_snapshot(
     the process stays ``snapshotting``; set ``snapshot_deadline`` on the engine for a
     bound). Without a waiter a late answer is not read: a restore after such a timeout is
     left to the generic detectors (clock jump …).
+
+    While such a late answer is due to the running waiter, a later call never makes the
+    process ready before it: when that call fails too (its ``1`` refused with ``ENXIO``
+    because the earlier checkpoint is still in progress, or its before-snapshot hooks
+    failed) the resume hooks are left to the due answer (the error says so). And an
+    answer that arrives before this call wrote its ``1`` is the earlier checkpoint's: it
+    does not end this call's pass and is not returned as this call's answer (without a
+    waiter, one already readable before the write is handled as such, and this call's
+    own answer is read on a new descriptor).
     """
     if timeout is not None:
         timeout = timeout_value(timeout)  # ValueError before any hook runs
@@ -106,15 +119,23 @@ def trigger_snapshot(
     except OSError as exc:
         raise GVisorError(f"cannot open {path} for writing: {exc.strerror or exc}") from None
     progress = _Progress()
+    # Answers the waiter gets before this trigger writes its 1 are an earlier
+    # checkpoint's (a timed-out trigger's): registered before the pass begins, so that
+    # such an answer does not end this trigger's pass.
+    ticket = waiter._trigger_begins() if waiter is not None else None
     # Carry-ons name this trigger's own pass: when a platform's checkpoint ran its
     # `notify save` pass after it (the write of 1 then fails with ENXIO, "a checkpoint is
     # already in progress"), the resume hooks must not undo that pending pass.
-    prepared = time.monotonic()  # a lower bound until the pass is known
+    prepared = asked = time.monotonic()  # a lower bound until the pass is known
     try:
         snap = engine.snapshot_requested("gvisor")
         # its own pass exactly (another may have got the engine first, after `prepared`)
         prepared = own_pass_started(engine, snap, prepared)
         if not snap.ok:
+            if _answer_due(waiter, ticket):
+                log.error("before-snapshot hooks failed: checkpoint not triggered; %s",
+                          _LEFT_TO_ANSWER)
+                return "error"
             log.error("before-snapshot hooks failed: checkpoint not triggered; running the "
                       "resume hooks")
             engine.restore_detected("gvisor", kind="resume", anchor=False, frozen_for=0.0,
@@ -125,10 +146,17 @@ def trigger_snapshot(
         # (which then runs the hooks), the resume hooks run before the error is raised.
         try:
             return _trigger(engine, waiter, path, wfd, deadline=deadline, timeout=timeout,
-                            progress=progress)
+                            progress=progress, ticket=ticket, begun=asked)
         except Exception as exc:
             if progress.answer_pending:
                 raise
+            if _answer_due(waiter, ticket):
+                # An earlier trigger's checkpoint (timed out), or the one under way that
+                # refused this write, is still to be answered: the process is not ready
+                # until then, and that answer runs the resume hooks for this pass too.
+                log.warning("trigger failed after the before-snapshot hooks ran (%s); %s",
+                            exc, _LEFT_TO_ANSWER)
+                raise _left_to_answer(exc) from exc.__cause__
             log.warning("trigger failed after the before-snapshot hooks ran (%s); running "
                         "the resume hooks, the process carries on", exc)
             # Before the 1 was written nothing can have frozen; after it, a checkpoint
@@ -141,7 +169,66 @@ def trigger_snapshot(
                 log.exception("running the resume hooks after a failed trigger failed")
             raise
     finally:
+        if ticket is not None:
+            waiter._trigger_ends(ticket)  # type: ignore[union-attr]
         os.close(wfd)
+
+
+_LEFT_TO_ANSWER = ("a checkpoint under way is still to be answered to the gVisor waiter, "
+                   "whose answer runs the resume hooks")
+_RAN = "resume hooks ran"
+
+
+def _answer_due(waiter: GVisorDetector | None, ticket: _Ticket | None) -> bool:
+    """Whether an earlier checkpoint's answer is still due to the running waiter (it
+    then runs the resume hooks; see :meth:`GVisorDetector._trigger_ends`)."""
+    return waiter is not None and ticket is not None and waiter._trigger_ends(ticket)
+
+
+def _left_to_answer(exc: Exception) -> Exception:
+    """``exc`` saying that the resume hooks run at the pending answer, not now."""
+    text = str(exc)
+    if _RAN not in text or not isinstance(exc, (GVisorError, TimeoutError)):
+        return exc
+    try:
+        return type(exc)(text.replace(_RAN, "the resume hooks run when the checkpoint "
+                                            "under way is answered"))
+    except Exception:  # pragma: no cover - a subclass with another signature
+        return exc
+
+
+def _skip_earlier_answer(engine: Engine, path: str, rfd: int, since: float,
+                         begun: float | None) -> tuple[int, float]:
+    """Without a waiter: an answer already readable before the ``1`` is written is an
+    earlier checkpoint's (a timed-out trigger's, which ended after ``rfd`` was opened):
+    not this trigger's, and not about its pass (``older_than``). Handled as such, then
+    ``rfd`` is opened again, for this trigger's checkpoint."""
+    poller = select.poll()
+    poller.register(rfd, select.POLLIN | select.POLLPRI)
+    if not poller.poll(0):  # no wait: already there, or not
+        return rfd, since
+    arrived = time.monotonic()
+    try:
+        fresh = os.open(path, _OPEN_READ)  # registered for the next checkpoint: this one's
+    except OSError as exc:
+        raise GVisorError(f"cannot open {path} for reading: {exc.strerror or exc}; resume "
+                          "hooks ran") from None
+    try:
+        data = _poll_read(rfd, None, None) or b""  # ready: an answer line, or end of file
+    except OSError:
+        data = b""
+    os.close(rfd)
+    answers, bad = _parse(data)
+    log.info("%s gave %s before this trigger wrote its 1: an earlier checkpoint's answer",
+             path, answers[0] if answers else "; ".join(bad))
+    if answers:
+        try:
+            _handle(engine, answers[0], since, "gvisor", arrived,
+                    older_than=arrived if begun is None else min(begun, arrived))
+        except Exception:
+            os.close(fresh)
+            raise
+    return fresh, time.monotonic()
 
 
 class _Progress:
@@ -153,9 +240,11 @@ class _Progress:
 
 
 def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int, *,
-             deadline: float | None, timeout: float | None, progress: _Progress) -> Answer:
+             deadline: float | None, timeout: float | None, progress: _Progress,
+             ticket: _Ticket | None = None, begun: float | None = None) -> Answer:
     """Write ``1`` and wait for the answer (the part of :func:`trigger_snapshot` after the
-    before-snapshot hooks ran)."""
+    before-snapshot hooks ran). ``ticket``: this trigger's record with the waiter;
+    ``begun``: a moment before its before-snapshot pass began."""
     rfd = -1
     seq = 0
     since = 0.0
@@ -174,9 +263,16 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
             # go ahead while the caller is told it timed out (and the resume hooks run).
             raise TimeoutError(f"the before-snapshot hooks took the whole {timeout}s: "
                                "checkpoint not triggered; resume hooks ran")
+        if rfd >= 0:
+            rfd, since = _skip_earlier_answer(engine, path, rfd, since, begun)
+        if waiter is not None and ticket is not None:
+            waiter._trigger_writes(ticket)
+        before_write = time.monotonic()
         try:
             written = os.write(wfd, b"1")
         except OSError as exc:
+            if waiter is not None and ticket is not None and exc.errno != errno.ENXIO:
+                waiter._trigger_unwritten(ticket)  # no checkpoint, no answer due for it
             if exc.errno in (errno.EPERM, errno.EACCES):
                 raise _not_permitted(path, exc) from None
             if exc.errno == errno.ENXIO:
@@ -190,7 +286,9 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
         log.info("checkpoint triggered through %s; waiting for the answer", path)
         if waiter is not None:
             try:
-                answer, _report = waiter._wait_answer(seq, deadline)
+                answer, _report = waiter._wait_answer(
+                    seq, deadline, ticket.writing if ticket is not None and
+                    ticket.writing is not None else before_write)
             except TimeoutError:
                 # The waiter's descriptor gets the late answer and runs the hooks then.
                 progress.answer_pending = True

@@ -118,9 +118,10 @@ def test_a_save_says_whether_it_runs_inside_a_gvisor_checkpoint(
     seen: list[dict[str, object]] = []
     real = ControlServer._dispatch
 
-    def record(self: ControlServer, cmd: str, req: dict[str, object]) -> dict[str, object]:
+    def record(self: ControlServer, cmd: str, req: dict[str, object],
+               **kw: object) -> dict[str, object]:
         seen.append(dict(req))
-        return real(self, cmd, req)
+        return real(self, cmd, req, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ControlServer, "_dispatch", record)
     try:

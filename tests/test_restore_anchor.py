@@ -1081,3 +1081,147 @@ def test_a_snapshot_deadline_beyond_a_year_is_refused(deadline: float) -> None:
     with pytest.raises(ValueError, match=r"^snapshot_deadline must be a number of seconds > 0 "
                                          r"and at most 31536000 \(a year\), not \S+$"):
         _engine(snapshot_deadline=deadline)
+
+
+@pytest.mark.parametrize("earlier", ["trigger-pass", "no-pass", "deadline-ran"])
+def test_a_late_resume_does_not_end_a_newer_pass(rehydrate_engine: Lifecycle,
+                                                 earlier: str) -> None:
+    """``trigger_snapshot(timeout=...)`` timed out (its pass pending, the answer still to
+    come), the application triggered again, and checkpoint 1's ``resume`` — which arrived
+    before trigger 2's pass began — got the engine only after it. It is checkpoint 1's:
+    nothing runs, trigger 2's pass stays pending (before: the resume hooks ran and the
+    process said ready while checkpoint 2 was pending). Also for a checkpoint without a
+    pass of its own (a platform's ``runsc checkpoint``), and after the snapshot deadline
+    undid pass 1 (its run is confirmed)."""
+    runs = _runs(rehydrate_engine)
+    if earlier == "deadline-ran":
+        rehydrate_engine.snapshot_deadline = 0.3
+    if earlier != "no-pass":
+        assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 1, timed out
+    if earlier == "deadline-ran":
+        end = time.monotonic() + 30
+        while not runs and time.monotonic() < end:  # the deadline's run, within its bound
+            time.sleep(0.05)
+        assert [r[0] for r in runs] == ["snapshot-deadline"]
+        rehydrate_engine.snapshot_deadline = None
+    before = len(runs)
+    arrived = time.monotonic()  # checkpoint 1's resume answer
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 2's pass
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", since=arrived - 2.0,
+                                             detected_at=arrived)
+    assert late.deduplicated and late.kind == "resume" and len(runs) == before
+    assert rehydrate_engine.status().state == "snapshotting"
+    assert not rehydrate_engine.is_ready()
+    # Checkpoint 2's own resume (it arrived after trigger 2's pass) runs the hooks.
+    own = rehydrate_engine.restore_detected("gvisor", kind="resume", since=arrived)
+    assert not own.deduplicated and len(runs) == before + 1
+    assert rehydrate_engine.is_ready() and rehydrate_engine.status().state == "ready"
+
+
+def test_a_late_resume_settles_the_pass_it_answers(rehydrate_engine: Lifecycle) -> None:
+    """The late ``resume`` says checkpoint 1 is over: its pass is settled, so a later
+    checkpoint's ``error`` on a descriptor opened before pass 1 is not taken for pass 1's
+    (which would look superseded and leave the latest pass pending for ever)."""
+    runs = _runs(rehydrate_engine)
+    opened = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 1, timed out
+    arrived = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 2
+    assert rehydrate_engine.restore_detected("gvisor", kind="resume",
+                                             detected_at=arrived).deduplicated
+    failed = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                               undoes=opened, abort="answered")
+    assert not failed.deduplicated and len(runs) == 1
+    assert rehydrate_engine.is_ready()
+
+
+def test_a_late_restore_still_runs_its_restore_hooks(rehydrate_engine: Lifecycle) -> None:
+    """Only ``resume`` and ``error`` answers are held to the newer pass: a clone must run
+    its restore hooks (new keys, reseeded entropy) however late its notice."""
+    runs = _runs(rehydrate_engine)
+    arrived = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("gvisor").ok
+    report = rehydrate_engine.restore_detected("gvisor", kind="restore", detected_at=arrived,
+                                               older_than=arrived)
+    assert not report.deduplicated and runs == [("gvisor", "restore", 1)]
+
+
+def test_an_error_that_arrived_before_a_newer_pass_does_not_end_it(
+        rehydrate_engine: Lifecycle) -> None:
+    """A checkpoint without a pass of its own after the waiter's descriptor was opened
+    failed; its ``error`` arrived, and a pass began before the waiter handled it. That
+    pass is the only one after the descriptor's open, but the answer came before it
+    (before: it was taken for that pass's answer and the resume hooks ended it)."""
+    runs = _runs(rehydrate_engine)
+    opened = time.monotonic()
+    arrived = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("gvisor").ok
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", anchor=False,
+                                             undoes=opened, abort="answered",
+                                             detected_at=arrived)
+    assert late.deduplicated and runs == []
+    assert rehydrate_engine.status().state == "snapshotting"
+
+
+@pytest.mark.parametrize("answer", ["resume", "error"])
+def test_an_answer_older_than_a_trigger_that_has_not_written_runs_nothing(
+        rehydrate_engine: Lifecycle, answer: str) -> None:
+    """The answer arrived after trigger 2's pass began, but before trigger 2 wrote its
+    ``1`` (the waiter says so with ``older_than``): it is checkpoint 1's, and trigger 2's
+    pass stays pending."""
+    runs = _runs(rehydrate_engine)
+    opened = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 1, timed out
+    begun = time.monotonic()  # trigger 2 began
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 2's pass
+    extra: dict[str, object] = ({"anchor": False, "undoes": opened, "abort": "answered"}
+                                if answer == "error" else {})
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", older_than=begun,
+                                             **extra)  # type: ignore[arg-type]
+    assert late.deduplicated and runs == []
+    assert rehydrate_engine.status().state == "snapshotting"
+    with pytest.raises(ValueError, match="older_than must be None"):
+        rehydrate_engine.restore_detected("gvisor", kind="resume",
+                                          older_than="soon")  # type: ignore[arg-type]
+    assert runs == []
+
+
+def test_a_resume_notice_received_before_a_newer_pass_does_not_end_it(
+        rehydrate_engine: Lifecycle, control: ControlServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``notify resume`` for checkpoint 1 reached the control socket, which then waited
+    (for the freeze watch's verdict) while a newer before-snapshot pass began: the notice
+    is about checkpoint 1 and runs nothing for the newer pass (before: its resume hooks
+    ended that pass and the process said ready while its checkpoint was pending). A
+    ``notify restore`` in the same order still runs (a clone always does)."""
+    runs = _runs(rehydrate_engine)
+    assert rehydrate_engine.snapshot_requested("control").ok  # checkpoint 1's save
+    waiting, go = threading.Event(), threading.Event()
+    real = rehydrate_engine.freeze_since
+
+    def slow_verdict() -> float | None:
+        waiting.set()
+        assert go.wait(DEADLINE)
+        return real()
+
+    monkeypatch.setattr(rehydrate_engine, "freeze_since", slow_verdict)
+    replies: dict[str, dict[str, object]] = {}
+
+    def notify(cmd: str) -> None:
+        replies[cmd] = request(cmd, socket_path=control.path)
+
+    for cmd in ("resume", "restore"):
+        waiting.clear()
+        go.clear()
+        client = threading.Thread(target=notify, args=(cmd,))
+        client.start()
+        assert waiting.wait(DEADLINE)  # received, not handled yet
+        assert rehydrate_engine.snapshot_requested("control").ok  # the newer pass
+        go.set()
+        client.join(DEADLINE)
+        if cmd == "resume":
+            assert replies["resume"]["ok"] and replies["resume"]["deduplicated"]
+            assert runs == []
+            assert rehydrate_engine.status().state == "snapshotting"
+    assert not replies["restore"]["deduplicated"]
+    assert runs == [("control", "restore", 1)]

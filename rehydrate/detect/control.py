@@ -39,7 +39,9 @@ watch (the clock-jump detector not running) and without a prepare, a notice cann
 when the freeze was: it passes ``since`` = the engine's last anchored restore (or the
 socket's start), so it is never taken for an earlier restore (at worst the hooks run
 twice, never zero times). ``simulate`` runs and the resume runs below are not freeze
-anchors.
+anchors. A ``resume`` notice is about a checkpoint that was over when the request came
+(``detected_at`` = the moment it was read): a before-snapshot pass that began after that
+(while the notice waited) is a later checkpoint's, and the notice runs nothing for it.
 
 If the reply to ``prepare-snapshot`` cannot be delivered (the client went away, e.g.
 the platform's timeout killed ``rehydrate notify``), the platform aborts the
@@ -514,7 +516,7 @@ class ControlServer:
         else:
             # Outside the parsing above: a ValueError from a command is no JSON error.
             try:
-                reply = self._dispatch(cmd, req)
+                reply = self._dispatch(cmd, req, received=received)
             except _BadRequest as exc:
                 reply = _bad_request(str(exc))
             except Exception as exc:
@@ -569,7 +571,9 @@ class ControlServer:
             return freeze
         return max(self._started_at, self.engine.last_restore_at or 0.0)
 
-    def _dispatch(self, cmd: str, req: Mapping[str, Any]) -> dict[str, Any]:
+    def _dispatch(self, cmd: str, req: Mapping[str, Any], *,
+                  received: float | None = None) -> dict[str, Any]:
+        """Serve one request; ``received``: ``time.monotonic()`` when it was read."""
         engine = self.engine
         if cmd == "status":
             return {"ok": True, "status": engine.status().to_dict(), "pid": os.getpid()}
@@ -612,7 +616,13 @@ class ControlServer:
             self._notices += 1
             since = self._since()
             self._last_prepare = None  # consumed: the next notice is about a later freeze
-            report = engine.restore_detected("control", kind=kind, since=since)
+            # A resume is about a checkpoint that was over when the request came: a
+            # before-snapshot pass begun since (while this waited for the freeze watch's
+            # verdict or for a run) is a later checkpoint's, which it must not end. A
+            # restore keeps the moment of its run (a clone always runs its hooks).
+            at = received if kind == "resume" else None
+            report = engine.restore_detected("control", kind=kind, since=since,
+                                             detected_at=at)
             out = {"ok": report.ok, "report": report.to_dict(),
                    "deduplicated": report.deduplicated}
             if not report.ok:

@@ -18,7 +18,12 @@ gVisor (``pkg/sentry/fsimpl/proc/checkpoint.go``) exposes a character-device-lik
 failed checkpoint and runs the resume hooks too (the before-snapshot hooks may have
 closed things) — unless the failure is the abort a failed ``notify save`` asked for: the
 control socket ran the resume hooks for that pass already, and the answer only confirms
-that run (``confirmed_by``). Anything else is logged as one error line; the waiter then re-opens the
+that run (``confirmed_by``). A ``resume`` or ``error`` that arrived before the latest
+before-snapshot pass began — or while a :func:`rehydrate.trigger_snapshot` had begun and not
+yet written its ``1`` — is an earlier checkpoint's (a timed-out trigger's) and runs nothing
+for that pass (``older_than`` in
+:meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`); a ``restore`` always runs.
+Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
 the descriptor was opened and :data:`ANSWER_WINDOW` seconds before the answer arrived,
 so that another detector's notice of the same restore (the clock jump, detected after
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import stat
@@ -228,13 +234,17 @@ def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
 
 
 def _handle(engine: Engine, answer: Answer, since: float, reason: str,
-            arrived: float) -> RestoreReport:
+            arrived: float, *, older_than: float | None = None) -> RestoreReport:
     """Run the hooks ``answer`` asks for (deduplicated against other detectors by ``since``).
 
     ``since`` (when the descriptor was opened) is clamped to ``arrived - ANSWER_WINDOW``:
     see the module docstring. An ``error`` answer for a checkpoint whose before-snapshot
     pass a carry-on run already undid (a failed ``notify save``) runs nothing: it
-    confirms that run.
+    confirms that run. A ``resume`` or ``error`` answer is about a checkpoint that was
+    over when it ``arrived``: a before-snapshot pass begun after that (or after
+    ``older_than``: a trigger that had not written its ``1`` yet) is a later
+    checkpoint's, and the answer runs nothing for it (``older_than`` in
+    :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`). A ``restore`` always runs.
     """
     opened, since = since, max(since, arrived - ANSWER_WINDOW)
     if answer == "restore":
@@ -252,8 +262,24 @@ def _handle(engine: Engine, answer: Answer, since: float, reason: str,
         # must have begun after this descriptor was opened: gVisor answers a descriptor
         # for the next checkpoint to end after its open.
         return engine.restore_detected(reason, kind="resume", since=since, anchor=False,
-                                       undoes=opened, abort="answered", detected_at=arrived)
-    return engine.restore_detected(reason, kind="resume", since=since)
+                                       undoes=opened, abort="answered", detected_at=arrived,
+                                       older_than=older_than)
+    # The original carried on after the checkpoint that ended as the answer arrived: a
+    # pass begun since (a retried trigger's) is not this answer's to end.
+    return engine.restore_detected(reason, kind="resume", since=since, detected_at=arrived,
+                                   older_than=older_than)
+
+
+class _Trigger:
+    """A :func:`~rehydrate.trigger_snapshot` in progress that waits on this waiter."""
+
+    def __init__(self) -> None:
+        self.begun = time.monotonic()
+        """Before its before-snapshot pass began."""
+        self.writing: float | None = None
+        """Just before it wrote its ``1``: its checkpoint's answer arrives after this."""
+        self.owes: float | None = None
+        """The waiter's ``_due`` this trigger set (undone when its write fails)."""
 
 
 class GVisorDetector(Detector):
@@ -273,8 +299,19 @@ class GVisorDetector(Detector):
         self._stopping = False
         self._cond = threading.Condition()
         self._armed = False
+        self._armed_fd = -1
+        """The armed descriptor (gVisor's file, not a FIFO stand-in), while armed."""
         self._seq = 0
         self._last: tuple[Answer, RestoreReport | None] | None = None
+        self._last_at = -float("inf")
+        """``time.monotonic()`` when the latest answer (or bad answer) arrived."""
+        self._triggers: list[_Trigger] = []
+        """Triggers in progress: an answer that arrives before one of them wrote its
+        ``1`` is an earlier checkpoint's, not about that trigger's pass."""
+        self._due: float | None = None
+        """A trigger's checkpoint is under way and its answer has not come (a trigger
+        that timed out, or one refused because a checkpoint was in progress): the moment
+        before its ``1`` was written, after which that answer arrives."""
         self._last_bad: tuple[int, str] = (-1, "")
         """(sequence number, what) of the latest bad answer."""
         self._bad_streak = 0
@@ -331,6 +368,7 @@ class GVisorDetector(Detector):
             raise GVisorError(why)
         self._engine = engine
         self._stopping = False
+        self._due = None  # an answer due to a stopped waiter's descriptor never comes
         self._exited = False
         self._failure = None
         self._orphaned = False
@@ -436,7 +474,9 @@ class GVisorDetector(Detector):
         A trigger waiting for this descriptor's answer gets it as an error."""
         with self._cond:
             self._seq += 1
+            self._last_at = time.monotonic()
             self._last_bad = (self._seq, what)
+            self._settle_due(self._last_at)
             self._cond.notify_all()
         self._bad_streak += 1
         self._backoff_due = self._backoff_due or quick
@@ -484,6 +524,7 @@ class GVisorDetector(Detector):
             since = time.monotonic()  # gVisor: registered for the next checkpoint now
             with self._cond:
                 self._armed = True
+                self._armed_fd = fd
                 self._cond.notify_all()
         try:
             if self._stopping:
@@ -599,6 +640,7 @@ class GVisorDetector(Detector):
     def _disarm(self) -> None:
         with self._cond:
             self._armed = False
+            self._armed_fd = -1  # closed right after
 
     def _answer(self, answer: Answer, since: float, rearm: bool, arrived: float) -> float:
         """Run the hooks for one answer; returns the ``since`` for a later answer.
@@ -607,44 +649,133 @@ class GVisorDetector(Detector):
         """
         engine = self._engine
         assert engine is not None
-        self._disarm()
+        with self._cond:
+            self._armed = False
+            # A trigger that had not written its 1 when this answer arrived: its
+            # checkpoint had not begun, so the answer is an earlier one's and must not
+            # end that trigger's pass (it may have begun already).
+            older_than = min((t.begun for t in self._triggers
+                              if t.writing is None or t.writing > arrived), default=None)
+            # At once, not after the hooks: a trigger ending meanwhile must see that no
+            # answer is due any more, and run its own carry-on (see _trigger_ends).
+            self._settle_due(arrived)
         self._bad_streak = 0
         log.debug("gVisor checkpoint answer: %s", answer)
         report: RestoreReport | None = None
         try:
-            report = _handle(engine, answer, since, self.key, arrived)
+            report = _handle(engine, answer, since, self.key, arrived,
+                             older_than=older_than)
         except Exception:
             log.exception("running the hooks for gVisor answer %r failed", answer)
         with self._cond:
             self._seq += 1
             self._last = (answer, report)
+            self._last_at = arrived
             self._armed = rearm
             self._cond.notify_all()
         return time.monotonic()  # a later answer on this descriptor is a later checkpoint
 
+    def _settle_due(self, at: float) -> None:
+        """An answer arrived at ``at``: the due one if it came after that ``1`` (an
+        earlier checkpoint's otherwise). Under ``_cond``."""
+        if self._due is not None and at >= self._due:
+            self._due = None
+
     # -- used by rehydrate._trigger ------------------------------------------------------
+
+    def _trigger_begins(self) -> _Trigger:
+        """A trigger is about to run its before-snapshot pass (see :attr:`_triggers`)."""
+        trigger = _Trigger()
+        with self._cond:
+            self._triggers.append(trigger)
+        return trigger
+
+    def _trigger_writes(self, trigger: _Trigger) -> None:
+        """``trigger`` writes its ``1`` now: its checkpoint's answer is due (set before
+        the write: the answer may come before the write returns)."""
+        with self._cond:
+            trigger.writing = time.monotonic()
+            if self._due is None:
+                self._due = trigger.owes = trigger.writing
+
+    def _trigger_unwritten(self, trigger: _Trigger) -> None:
+        """``trigger``'s write failed: no checkpoint of its own, no answer due for it."""
+        with self._cond:
+            if trigger.owes is not None and self._due == trigger.owes:
+                self._due = None
+            trigger.writing = trigger.owes = None
+
+    def _trigger_ends(self, trigger: _Trigger) -> bool:
+        """``trigger`` is over; whether a checkpoint's answer is still due to this waiter
+        (a timed-out trigger's, or the one under way when this trigger's write was
+        refused): that answer then runs the resume hooks — a carry-on now would say
+        ready while that checkpoint is pending. One step under the lock: an answer
+        arriving meanwhile either came first (and is no longer due: the carry-on runs)
+        or finds the trigger gone (and ends its pass)."""
+        with self._cond:
+            with contextlib.suppress(ValueError):
+                self._triggers.remove(trigger)
+            return self._due is not None and self.running
 
     def _wait_armed(self, deadline: float | None) -> int:
         with self._cond:
-            while not self._armed:
-                if not self.running:
-                    raise GVisorError("the gVisor waiter stopped")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("the gVisor waiter did not open the checkpoint file")
-                self._cond.wait(left)
-            return self._seq
+            while True:
+                while not self._armed:
+                    self._wait_some(deadline, "the gVisor waiter did not open the "
+                                              "checkpoint file")
+                if not self._answer_waiting():
+                    return self._seq
+                # The armed descriptor holds an answer already: an earlier checkpoint's
+                # (this trigger has not written its 1). Writing now, the waiter would
+                # take that answer for this trigger's: wait until it has handled it (as
+                # an earlier one's) and opened the file again.
+                seq = self._seq
+                while self._seq == seq:
+                    self._wait_some(deadline, "the gVisor waiter did not take an earlier "
+                                              "checkpoint's answer")
 
-    def _wait_answer(self, seq: int, deadline: float | None
+    def _wait_some(self, deadline: float | None, what: str) -> None:
+        """One wait on ``_cond`` (held) for a trigger: GVisorError when the waiter
+        stopped, TimeoutError (``what``) past ``deadline``."""
+        if not self.running:
+            raise GVisorError("the gVisor waiter stopped")
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(what)
+        self._cond.wait(left)
+
+    def _answer_waiting(self) -> bool:
+        """Whether the armed descriptor is readable already (no wait). Under ``_cond``:
+        the thread disarms under it before closing the descriptor."""
+        fd = self._armed_fd
+        if fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        try:
+            return any(ev & (select.POLLIN | select.POLLPRI) for _, ev in poller.poll(0))
+        except OSError:  # pragma: no cover - the descriptor is open while armed
+            return False
+
+    def _wait_answer(self, seq: int, deadline: float | None, written: float = -math.inf
                      ) -> tuple[Answer, RestoreReport | None]:
+        """The first answer after ``seq`` that arrived after ``written`` (the moment
+        before the trigger wrote its ``1``): one that arrived before is an earlier
+        checkpoint's (a timed-out trigger's, whose descriptor this waiter held)."""
         with self._cond:
-            while self._seq <= seq:
-                if not self.running:
-                    raise GVisorError("the gVisor waiter stopped before the answer came")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("no checkpoint answer before the timeout")
-                self._cond.wait(left)
+            while True:
+                while self._seq <= seq:
+                    if not self.running:
+                        raise GVisorError("the gVisor waiter stopped before the answer came")
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError("no checkpoint answer before the timeout")
+                    self._cond.wait(left)
+                if self._last_at >= written:
+                    break
+                log.info("gVisor answer for an earlier checkpoint (it came before this "
+                         "trigger wrote its 1); waiting for this one's")
+                seq = self._seq
             bad_seq, what = self._last_bad
             if bad_seq == self._seq:
                 raise GVisorError(f"{self.path} gave {what} after the trigger")

@@ -1000,3 +1000,210 @@ def test_trigger_resume_runs_say_whether_anything_froze(
     last = iso_engine.status().last_report
     assert last.kind == "resume" and last.reason == "gvisor", last
     assert last.frozen_for == frozen_for
+
+
+# -- a late answer of an earlier trigger after a newer trigger began --------------------
+
+SNAP = ("snapshot-hook", "snapshot")
+RESUMED = ("restore-hook", "resume")
+
+
+def _timed_out_trigger(eng: Lifecycle, platform: FakePlatform) -> None:
+    """Trigger 1: its ``1`` written, no answer within its timeout; the running waiter's
+    descriptor will get checkpoint 1's late answer."""
+    with pytest.raises(TimeoutError):
+        trigger_snapshot(eng, timeout=0.3)
+    assert b"".join(platform.triggers) == b"1"
+    assert eng.state == "snapshotting"
+
+
+def _second_trigger_pending(eng: Lifecycle, platform: FakePlatform, rec: Recorder,
+                            pool: concurrent.futures.ThreadPoolExecutor, *,
+                            calls_before: int) -> concurrent.futures.Future[str]:
+    """Trigger 2 in the background, up to its ``1``: its checkpoint is pending, so the
+    process is not ready and no resume hook ran since ``calls_before`` calls."""
+    second = pool.submit(trigger_snapshot, eng, timeout=4 * DEADLINE)
+    wait_for(lambda: b"".join(platform.triggers) == b"11" or second.done(),
+             what="trigger 2's 1")
+    assert not second.done(), f"trigger 2 returned {second.result()!r} before its answer"
+    assert [c[:2] for c in rec.calls[calls_before:]] == [SNAP]
+    assert eng.status().state == "snapshotting" and not eng.is_ready()
+    return second
+
+
+def _answer_checkpoint_2(eng: Lifecycle, platform: FakePlatform, rec: Recorder,
+                         second: concurrent.futures.Future[str], calls_before: int) -> None:
+    os.write(platform.master, b"resume\n")  # checkpoint 2's own answer
+    assert second.result(DEADLINE) == "resume"
+    assert [c[:2] for c in rec.calls[calls_before:]] == [SNAP, RESUMED]
+    assert eng.is_ready() and eng.status().state == "ready"
+
+
+def test_a_late_resume_read_before_a_retried_trigger_does_not_end_its_pass(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoint 1's late ``resume`` arrived before trigger 2's pass began, and the
+    waiter got to the engine only after it (its thread was slow): the answer is
+    checkpoint 1's and runs nothing (before: the resume hooks ended trigger 2's pass, and
+    the process said ready while checkpoint 2 was pending)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    read, go = threading.Event(), threading.Event()
+    real_handle = gvisor._handle
+
+    def slow_handle(*args, **kwargs):  # type: ignore[no-untyped-def]
+        read.set()
+        assert go.wait(DEADLINE)
+        return real_handle(*args, **kwargs)
+
+    try:
+        rec = Recorder(iso_engine)
+        start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        monkeypatch.setattr(gvisor, "_handle", slow_handle)
+        os.write(platform.master, b"resume\n")  # checkpoint 1's late answer
+        assert read.wait(DEADLINE)  # read (it has arrived); not handled yet
+        iso_engine.registry.before_snapshot(go.set, name="trigger-2-began")
+        before = len(rec.calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = _second_trigger_pending(iso_engine, platform, rec, pool,
+                                             calls_before=before)
+            _answer_checkpoint_2(iso_engine, platform, rec, second, before)
+    finally:
+        go.set()
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
+def test_a_late_resume_during_a_retried_triggers_pass_does_not_end_it(
+        iso_engine: Lifecycle, pty_proc: Path) -> None:
+    """The brief's order: trigger 2's before-snapshot pass is running when checkpoint 1's
+    late ``resume`` arrives. Trigger 2 has not written its ``1``, so the answer cannot be
+    its checkpoint's: nothing runs (before: the resume hooks ran after the pass, and the
+    process said ready while checkpoint 2 was pending)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+
+        @iso_engine.registry.before_snapshot(name="checkpoint-1-ends-now")
+        def late_answer() -> None:
+            os.write(platform.master, b"resume\n")
+
+        before = len(rec.calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = _second_trigger_pending(iso_engine, platform, rec, pool,
+                                             calls_before=before)
+            iso_engine.registry.unregister(late_answer)
+            _answer_checkpoint_2(iso_engine, platform, rec, second, before)
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
+def test_a_late_resume_just_before_a_retried_triggers_write_is_not_its_answer(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoint 1's late ``resume`` arrives after trigger 2 found the waiter armed (on
+    the descriptor registered for checkpoint 1) and before it wrote its ``1``: it is not
+    trigger 2's answer — trigger 2 waits for its own (before: it returned ``resume`` at
+    once, and the resume hooks ran, while checkpoint 2 was pending)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        waiter = start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        real_armed = waiter._wait_armed
+
+        def armed_then_late_answer(deadline: float | None) -> int:
+            seq = real_armed(deadline)
+            os.write(platform.master, b"resume\n")  # checkpoint 1 ends now
+            wait_for(lambda: waiter.status()["answers"] > seq, what="the late answer")
+            return seq
+
+        monkeypatch.setattr(waiter, "_wait_armed", armed_then_late_answer)
+        before = len(rec.calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = _second_trigger_pending(iso_engine, platform, rec, pool,
+                                             calls_before=before)
+            _answer_checkpoint_2(iso_engine, platform, rec, second, before)
+    finally:
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
+@pytest.mark.parametrize("failure", ["write refused: a checkpoint in progress",
+                                     "before-snapshot hooks failed"])
+def test_a_retried_trigger_that_fails_leaves_the_resume_to_the_due_answer(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
+        failure: str) -> None:
+    """Trigger 1 timed out (its checkpoint under way, the answer due to the waiter);
+    trigger 2 fails — gVisor refuses its ``1`` (ENXIO: checkpoint 1 is still in progress),
+    or its own before-snapshot hooks fail. Its carry-on must not say ready while
+    checkpoint 1 is pending (before: it ran the resume hooks); checkpoint 1's answer then
+    runs them, and the process is ready again."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        before = len(rec.calls)
+        if failure.startswith("write refused"):
+            real_write = os.write
+
+            def refused(fd: int, data: bytes) -> int:
+                if data == b"1":
+                    raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+                return real_write(fd, data)
+
+            monkeypatch.setattr(os, "write", refused)
+            with pytest.raises(GVisorError, match="already in progress; the resume hooks "
+                                                  "run when the checkpoint under way"):
+                trigger_snapshot(iso_engine, timeout=DEADLINE)
+            monkeypatch.undo()
+            assert iso_engine.state == "snapshotting"
+        else:
+            @iso_engine.registry.before_snapshot(name="boom")
+            def boom() -> None:
+                raise RuntimeError("cannot close")
+
+            assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "error"
+            iso_engine.registry.unregister(boom)
+            assert iso_engine.state == "degraded"
+        assert [c[:2] for c in rec.calls[before:]] == [SNAP]
+        assert not iso_engine.is_ready()
+        os.write(platform.master, b"resume\n")  # checkpoint 1's answer, at last
+        assert iso_engine.wait_ready(timeout=DEADLINE)
+        assert [c[:2] for c in rec.calls[before:]] == [SNAP, RESUMED]
+    finally:
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
+def test_without_a_waiter_an_earlier_answer_is_not_the_retried_triggers(
+        iso_engine: Lifecycle, pty_proc: Path) -> None:
+    """No waiter: trigger 1 timed out (and carried on); checkpoint 1's late ``resume``
+    is already readable when trigger 2 opens the file for its answer. It is not trigger
+    2's: trigger 2 writes its ``1`` and waits for its own (before: it read checkpoint 1's
+    answer right after its write, returned ``resume`` and ran the resume hooks while
+    checkpoint 2 was pending)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        with pytest.raises(TimeoutError):
+            trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=0.3)
+        assert iso_engine.is_ready()  # no waiter: trigger 1 carried on
+        os.write(platform.master, b"resume\n")  # checkpoint 1's late answer
+        before = len(rec.calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(trigger_snapshot, iso_engine, proc=str(pty_proc),
+                                 timeout=4 * DEADLINE)
+            wait_for(lambda: b"".join(platform.triggers) == b"11" or second.done(),
+                     what="trigger 2's 1")
+            assert not second.done(), f"trigger 2 returned {second.result()!r} early"
+            assert [c[:2] for c in rec.calls[before:]] == [SNAP]
+            assert iso_engine.status().state == "snapshotting"
+            _answer_checkpoint_2(iso_engine, platform, rec, second, before)
+    finally:
+        platform.close()
