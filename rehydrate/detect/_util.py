@@ -108,7 +108,7 @@ class DetectorThread:
     def _run(self) -> None:
         try:
             self._target(self.stop_event)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the detector is dead either way
             log.exception("detector thread %s died", self._thread.name)
             self.error = f"its thread died: {type(exc).__name__}: {exc}"
 

@@ -321,16 +321,21 @@ class ClockJumpDetector(DeferringDetector):
         # The engine compares heartbeats with time.monotonic(): an injected clock (tests)
         # feeds a private stand-in instead.
         engine = self._engine if self.clock is time.monotonic else _NoWatch(self._engine)
-        watch = _Watch(self, engine, stop)
+        sleeper = self._sleeper  # a restart puts a new one there
+        watch = _Watch(self, engine, stop, sleeper)
         self._based.set()
-        crew = _Crew(watch, self._report, stop)
+        crew: _Crew | None = None
         try:
+            crew = _Crew(watch, self._report, stop)
             crew.work(watching=True)
         finally:
-            crew.close()
-            self._sleeper.close()
-            engine.heartbeat_stopped()
-        if crew.failure is not None:
+            stop.set()  # the other thread may hold the watch: it ends too
+            watch.wake()
+            watch.end()
+            if crew is not None:
+                crew.close()
+            sleeper.close()
+        if crew is not None and crew.failure is not None:
             raise crew.failure  # the standby thread died: this detector's failure()
 
     def _snapshot_begun(self, report: Report) -> None:
@@ -386,8 +391,11 @@ class _Watch:
     holder to the next, so a freeze during a hand-over still shows as a step."""
 
     def __init__(self, detector: ClockJumpDetector, engine: Engine | _NoWatch,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, sleeper: Sleeper) -> None:
         self._detector = detector
+        self._sleeper = sleeper
+        self._ended = False
+        self._end_lock = threading.Lock()
         self._engine = engine
         self._stop = stop
         self._limit = detector.interval + detector.threshold
@@ -400,23 +408,29 @@ class _Watch:
         is this plus the sleep."""
         engine.heartbeat(self._last.now, self._limit, due=self._due)
 
-    def take_over(self) -> None:
-        """Called by the thread that takes the watch over. The next step is measured from
-        the last reading (a freeze during the hand-over counts); this thread's own CPU
-        time and wake-ups, which the stall check weighs, from now: they are per thread."""
-        mine = self._detector._marks()
+    def take_over(self, mine: _Marks) -> None:
+        """``mine``: this thread's reading from before it began to wait for the watch."""
+        now = self._detector.clock()
         self._last = _Marks(self._last.now, self._last.cpu, mine.thread_cpu, mine.switches)
-        self._slept_from = mine.now
+        self._slept_from = now
 
     def wake(self) -> None:
         """End the holder's current sleep (it then sees a stop)."""
-        self._detector._sleeper.wake()
+        self._sleeper.wake()
+
+    def end(self) -> None:
+        """The watch is over: stop the heartbeat once (not later, under a newer watch)."""
+        with self._end_lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._engine.heartbeat_stopped()
 
     def until_notice(self) -> _Notice | None:
         """Watch until a freeze is seen (its notice) or the detector stops (None)."""
         detector, engine, stop = self._detector, self._engine, self._stop
         threshold, limit, due = detector.threshold, self._limit, self._due
-        sleeper = detector._sleeper
+        sleeper = self._sleeper
         while True:
             last = self._last
             # A sleep's deadline is absolute on a clock that counts through a freeze: a
@@ -426,6 +440,7 @@ class _Watch:
             nap = detector.pending_slice if engine.snapshot_pending else detector.interval
             kernel_late = sleeper.sleep(nap)
             if stop.is_set():
+                self.end()
                 return None
             marks = detector._marks()
             detector.ticks += 1
@@ -479,7 +494,7 @@ class _Watch:
                     # a run detected up to that deadline (a resume answered just before
                     # the checkpoint) came before the freeze, not after it: only later
                     # runs are this restore's.
-                    notice = _Notice(since=self._slept_from + min(nap, step),
+                    notice = _Notice(since=self._slept_from + nap,
                                      frozen_for=step, detected=marks.now)
             else:
                 gap = (step > GAP_SLACK
@@ -532,12 +547,13 @@ class _Crew:
         watch, cond = self._watch, self._cond
         while True:
             if not watching:
+                mine = self._watch._detector._marks()  # before any wait for the GIL
                 with cond:
                     cond.wait_for(lambda: self._watch_free or self._closed)
                     if self._closed:
                         return
                     self._watch_free = False
-                watch.take_over()
+                watch.take_over(mine)
                 watching = True
             notice = watch.until_notice()
             with cond:

@@ -779,10 +779,10 @@ def test_a_freeze_while_the_watch_changes_hands_is_seen(rehydrate_engine, monkey
     handing_over, go_on = threading.Event(), threading.Event()
     take_over = clock_jump._Watch.take_over
 
-    def slow_take_over(self):  # type: ignore[no-untyped-def]
+    def slow_take_over(self, mine):  # type: ignore[no-untyped-def]
         handing_over.set()
         go_on.wait(30.0)
-        take_over(self)
+        take_over(self, mine)
 
     monkeypatch.setattr(clock_jump._Watch, "take_over", slow_take_over)
     rec = Recorder(rehydrate_engine)
@@ -804,7 +804,7 @@ def test_a_dead_standby_thread_is_the_detectors_failure(rehydrate_engine, monkey
     the watch, and the detector reports why (``failure()``, shown by ``status()``)."""
     from rehydrate.detect import clock_jump
 
-    def broken(self):  # type: ignore[no-untyped-def]
+    def broken(self, mine):  # type: ignore[no-untyped-def]
         raise RuntimeError("take-over broke")
 
     monkeypatch.setattr(clock_jump._Watch, "take_over", broken)
@@ -817,3 +817,160 @@ def test_a_dead_standby_thread_is_the_detectors_failure(rehydrate_engine, monkey
     rec.wait(1)  # the notice still runs, on the thread that saw it
     wait_for(lambda: det.failure() is not None, what="the failure to be reported")
     assert det.failure() == "its thread died: RuntimeError: take-over broke"
+
+
+def test_a_gil_stall_during_the_hand_over_is_no_freeze(rehydrate_engine):
+    """The GIL is held 2.5 s without CPU (a C call; page faults right after a restore)
+    just after a notice, before the standby thread could take the watch over. That wait
+    is a stall — the standby's own GIL wake-ups show it, counted from before it began to
+    wait — not a second freeze: one run, one busy skip. (Counted from when it got the
+    GIL, the wait looked like a freeze and the hooks ran twice.)"""
+    import ctypes
+
+    usleep = ctypes.PyDLL(None).usleep  # PyDLL: the GIL stays held during the call
+    usleep.argtypes = [ctypes.c_uint]
+    runs: list[int] = []
+    rehydrate_engine.registry.after_restore(lambda ctx: runs.append(ctx.generation),
+                                            name="test.runs")
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, grace=0, clock=clock)
+    report = det._report
+
+    def gil_first(notice, stop):  # type: ignore[no-untyped-def]
+        if not runs:
+            usleep(2_500_000)
+        report(notice, stop)
+
+    det._report = gil_first  # type: ignore[method-assign]
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
+    clock.offset += 10.0
+    wait_for(lambda: runs and (det.busy_skips >= 1 or len(runs) >= 2), timeout=10.0,
+             what="the hand-over's wait judged")
+    assert (runs, det.busy_skips) == ([1], 1)
+
+
+def test_a_standby_thread_that_cannot_start_stops_the_heartbeat(rehydrate_engine,
+                                                                  monkeypatch):
+    """No thread left to watch (``can't start new thread``: a pids limit): the detector
+    reports the failure and stops its heartbeat, so readiness does not go stale for good
+    in a process that was never frozen."""
+    real_start = threading.Thread.start
+
+    def start(self):  # type: ignore[no-untyped-def]
+        if self.name == "rehydrate-clock-jump-standby":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    det = ClockJumpDetector(interval=0.2, threshold=0.5, grace=0)
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.failure() is not None, what="the failure to be reported")
+    assert det.failure() == "its thread died: RuntimeError: can't start new thread"
+    assert rehydrate_engine._beat is None  # readiness no longer weighs a heartbeat
+    assert rehydrate_engine.is_ready()
+
+
+def test_the_freeze_since_is_the_sleeps_deadline_also_when_the_interval_is_long(
+        rehydrate_engine):
+    """``since`` must not be earlier than the latest moment the freeze can have begun: the
+    sleep's deadline. A run detected before ``since`` counts as before the freeze, one after
+    it as this restore's — so a ``since`` too early takes a run from before the freeze for
+    the clone's, and the clone keeps its parent's keys. With an interval longer than the
+    threshold a step can be shorter than the sleep, and ``since`` was the sleep's start plus
+    the step (here 0.6 s) instead of plus the sleep (1 s)."""
+    seen = []
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=1.0, threshold=0.3, grace=0, clock=clock)
+    report = det._report
+
+    def recorded(notice, stop):  # type: ignore[no-untyped-def]
+        seen.append(notice)
+        report(notice, stop)
+
+    det._report = recorded  # type: ignore[method-assign]
+    rehydrate_engine.start([det])
+    clock.offset += 0.6  # during the first 1 s sleep: it ends 0.6 s late
+    wait_for(lambda: seen, what="the notice")
+    notice = seen[0]
+    assert 0.55 < notice.frozen_for < 0.9
+    # detected = the sleep's start + 1 s + the step; since = the sleep's start + 1 s
+    assert abs(notice.detected - notice.since - notice.frozen_for) < 0.05, notice
+
+
+RESTART_CHILD = textwrap.dedent("""
+    import json, os, sys, threading, time
+    from rehydrate.detect import _util
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock_jump import ClockJumpDetector
+
+    _util.DetectorThread.stop.__defaults__ = (0.2,)  # give up joining a long run soon
+    def say(**kw):
+        sys.stdout.write(json.dumps(kw) + "\\n"); sys.stdout.flush()
+
+    engine = isolated_engine()
+    started = threading.Event()
+    def hook(ctx):
+        say(event="hook-start", generation=ctx.generation)
+        started.set()
+        while not os.path.exists(os.environ["RELEASE"]):
+            time.sleep(0.01)
+    engine.registry.after_restore(hook, timeout=60)
+    det = ClockJumpDetector(interval=0.05, threshold=0.5)
+    engine.start([det])
+    say(event="ready", pid=os.getpid())
+    started.wait(30)  # the parent froze this process: the hook runs now
+    det.stop()  # its thread is the one running the hook: the join gives up
+    det.start(engine)  # the same detector again: a new thread and a new timer
+    open(os.environ["RELEASE"], "w").close()
+    deadline = time.monotonic() + 20
+    while len([t for t in threading.enumerate() if t.name == "rehydrate-clock-jump"]) > 1:
+        time.sleep(0.01)
+        assert time.monotonic() < deadline
+    ticks = det.ticks
+    while det.ticks < ticks + 5 and det.failure() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    say(event="done", failure=det.failure(), ticked=det.ticks - ticks >= 5,
+        beating=engine._beat is not None)
+""")
+
+
+def test_restarting_the_detector_during_a_long_run_keeps_the_new_watch(tmp_path):
+    """stop() gives up joining a thread that runs a long restore run, and start() begins a
+    new watch with a new timer. The old thread, once its run ends, must not close the new
+    timer or stop the new watch's heartbeat (it did: the new thread died with EBADF and
+    readiness no longer had a freeze watch)."""
+    release = tmp_path / "release"
+    child = Child(RESTART_CHILD, env={"RELEASE": str(release)})
+    try:
+        ready = child.next()
+        assert ready["event"] == "ready"
+        _freeze(ready["pid"], 1.0)
+        started = child.next()
+        assert started["event"] == "hook-start", started
+        done = child.next(timeout=30)
+        assert done == {"event": "done", "failure": None, "ticked": True, "beating": True}, done
+    finally:
+        child.close()
+
+
+def test_a_detector_thread_killed_by_a_base_exception_ends_the_watch(rehydrate_engine):
+    """``SystemExit`` raised on the detector's own thread (from a report listener, say)
+    ends the watch for both threads and is the detector's ``failure()``. Before, the
+    standby thread watched on alone for the stop's join and beat after the heartbeat was
+    stopped, and ``failure()`` stayed None."""
+    clock = SteppedClock()
+    det = ClockJumpDetector(interval=0.02, threshold=1.5, grace=0, clock=clock)
+
+    def exits(notice, stop):  # type: ignore[no-untyped-def]
+        raise SystemExit("a listener exited")
+
+    det._report = exits  # type: ignore[method-assign]
+    rehydrate_engine.start([det])
+    wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
+    clock.offset += 10.0
+    wait_for(lambda: det.failure() is not None, what="the failure to be reported")
+    assert det.failure() == "its thread died: SystemExit: a listener exited"
+    wait_for(lambda: not any(t.name.startswith("rehydrate-clock-jump")
+                             for t in threading.enumerate()),
+             what="both threads to end")
