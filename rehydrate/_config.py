@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     ``list``: comma-separated, blanks dropped."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "optional_number", "seconds", "shown", "signal_from_text", "signal_name", "text"]
+           "optional_number", "optional_seconds", "seconds", "shown", "signal_from_text",
+           "signal_name", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
@@ -56,6 +57,20 @@ def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
     if not ((value >= 0 if zero_ok else value > 0) and value <= MAX_SECONDS):
         raise ValueError(f"{rule}, not {shown(value)}")
     return float(value)
+
+
+def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float | None:
+    """A public ``timeout=`` argument: ``None`` (no limit) as is, anything else through
+    :func:`seconds` (``zero_ok`` by default: 0 = do not wait), its error saying that None
+    is the way to wait without a limit. Infinity is refused like any out-of-range value:
+    one spelling of "no limit" — and ``10**5000`` or ``inf`` reached the thread wait as
+    a bare ``OverflowError``."""
+    if value is None:
+        return None
+    try:
+        return seconds(value, what, zero_ok=zero_ok)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} (None: no limit)") from None
 
 
 def shown(value: object) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -1196,6 +1197,18 @@ def test_tcp_socket_refuses_a_bad_address_at_registration(rehydrate_engine, addr
     (99999 would connect to 34463)."""
     with pytest.raises(ValueError, match=r"address must be \(host, port\)"):
         connections.tcp_socket("bad", address, engine=rehydrate_engine)
+    assert connections.manager(rehydrate_engine).get("bad") is None
+
+
+@pytest.mark.parametrize("timeout", [10**5000, -1, 0, math.inf, math.nan, "5"],
+                         ids=["1e5000", "-1", "0", "inf", "nan", "str"])
+def test_tcp_socket_refuses_a_bad_timeout_at_registration(rehydrate_engine, timeout):
+    """The socket module refused a negative or NaN timeout (an OverflowError for 10**5000)
+    only at the connect, in the background, at every restore until the deadline."""
+    with pytest.raises((TypeError, ValueError),
+                       match=r"^tcp_socket\(\): timeout must be a number of seconds > 0 "):
+        connections.tcp_socket("bad", ("127.0.0.1", 9), timeout=timeout,
+                               engine=rehydrate_engine)
     assert connections.manager(rehydrate_engine).get("bad") is None
 
 
