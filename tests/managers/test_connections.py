@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from netservers import free_port, redis_binary, redis_server, uvicorn_server
+from netservers import redis_binary, redis_server, uvicorn_server
 
 import rehydrate.testing
 from rehydrate import connections
@@ -171,9 +171,9 @@ def test_required_connection_that_never_returns_leaves_process_degraded(
     assert _conn_status(engine, "cache")["attempts"] >= 2
 
 
-def test_env_deadline_applies(rehydrate_engine, monkeypatch):
+def test_env_deadline_applies(rehydrate_engine, monkeypatch, refused_port):
     monkeypatch.setenv("REHYDRATE_CONNECT_DEADLINE", "0.4")
-    port = free_port()  # nothing listens there
+    port = refused_port  # nothing listens there
     connections.register("db", open=lambda: socket.create_connection(("127.0.0.1", port)),
                          close=lambda s: s and s.close(), engine=rehydrate_engine)
     t0 = time.monotonic()
@@ -184,7 +184,8 @@ def test_env_deadline_applies(rehydrate_engine, monkeypatch):
     assert "ConnectionRefusedError" in str(report.failed[0].error)
 
 
-def test_registration_never_blocks_or_raises_for_unreachable_peers(rehydrate_engine):
+def test_registration_never_blocks_or_raises_for_unreachable_peers(rehydrate_engine,
+                                                                   refused_port):
     # A peer that never answers: a listener with a full accept queue drops new SYNs, so a
     # connect() to it hangs (the loopback equivalent of a black-holed address).
     lst = socket.socket()
@@ -197,7 +198,7 @@ def test_registration_never_blocks_or_raises_for_unreachable_peers(rehydrate_eng
         s.setblocking(False)
         s.connect_ex(hang_addr)
         fillers.append(s)
-    refused = ("127.0.0.1", free_port())
+    refused = ("127.0.0.1", refused_port)
     try:
         t0 = time.monotonic()
         hang = connections.tcp_socket("hang", hang_addr, timeout=30, deadline=0.5,
@@ -1212,9 +1213,9 @@ def test_tcp_socket_refuses_a_bad_timeout_at_registration(rehydrate_engine, time
     assert connections.manager(rehydrate_engine).get("bad") is None
 
 
-def test_a_connection_that_cannot_reopen_names_its_peer(rehydrate_engine):
+def test_a_connection_that_cannot_reopen_names_its_peer(rehydrate_engine, refused_port):
     """Which server was down, in the report's one line: the peer is known."""
-    refused = ("127.0.0.1", free_port())
+    refused = ("127.0.0.1", refused_port)
     connections.tcp_socket("db", refused, deadline=0.3, engine=rehydrate_engine)
     report = rehydrate_engine.simulate_restore()
     (hook,) = [h for h in report.hooks if h.name == "rehydrate.connections"]
