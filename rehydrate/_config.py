@@ -60,12 +60,16 @@ def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
 
 
 def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float | None:
-    """A public ``timeout=`` argument: ``None`` (no limit) as is, anything else through
-    :func:`seconds` (``zero_ok`` by default: 0 = do not wait), its error saying that None
-    is the way to wait without a limit. Infinity is refused like any out-of-range value:
-    one spelling of "no limit" — and ``10**5000`` or ``inf`` reached the thread wait as
-    a bare ``OverflowError``."""
+    """A public ``timeout=`` argument: ``None``, infinity or more than a year (a huge int
+    too) mean no limit (``None``); 0 is "do not wait" (unless ``zero_ok`` is False); a
+    negative, NaN or non-number is a one-line ``ValueError``/``TypeError`` naming the
+    argument. Before, ``10**5000`` reached ``math.isnan`` or the thread wait as a bare
+    ``OverflowError``, and a negative timeout returned at once as if it were 0."""
     if value is None:
+        return None
+    # int against float compares exactly: no OverflowError for 10**5000
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value > MAX_SECONDS):
         return None
     try:
         return seconds(value, what, zero_ok=zero_ok)

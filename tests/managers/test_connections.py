@@ -1240,8 +1240,8 @@ def test_tcp_socket_refuses_a_bad_address_at_registration(rehydrate_engine, addr
     assert connections.manager(rehydrate_engine).get("bad") is None
 
 
-@pytest.mark.parametrize("timeout", [10**5000, -1, 0, math.inf, math.nan, "5"],
-                         ids=["1e5000", "-1", "0", "inf", "nan", "str"])
+@pytest.mark.parametrize("timeout", [-10**5000, -1, 0, math.nan, "5"],
+                         ids=["-1e5000", "-1", "0", "nan", "str"])
 def test_tcp_socket_refuses_a_bad_timeout_at_registration(rehydrate_engine, timeout):
     """The socket module refused a negative or NaN timeout (an OverflowError for 10**5000)
     only at the connect, in the background, at every restore until the deadline."""
