@@ -84,15 +84,11 @@ def gate_rows() -> list[tuple[str, str, str]]:
 
 def _standin(factory: str) -> tuple[Any, str]:
     """A stand-in server in its own process (it must not share this process's GIL)."""
-    import subprocess
+    from tests.netservers import start_listening
 
-    from tests.netservers import free_port, wait_port
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", factory,
-                             "--port", str(port), "--log-level", "warning",
-                             "--no-access-log"], cwd=ROOT)
-    wait_port(port, proc=proc)
+    proc, port = start_listening(  # a port taken meanwhile by another process: another
+        lambda p: [sys.executable, "-m", "uvicorn", "--factory", factory, "--port", str(p),
+                   "--log-level", "warning", "--no-access-log"], cwd=ROOT)
     return proc, f"http://127.0.0.1:{port}"
 
 

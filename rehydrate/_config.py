@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     ``list``: comma-separated, blanks dropped."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "optional_number", "seconds", "shown", "signal_from_text", "signal_name", "text"]
+           "optional_number", "optional_seconds", "seconds", "shown", "signal_from_text",
+           "signal_name", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
@@ -56,6 +57,24 @@ def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
     if not ((value >= 0 if zero_ok else value > 0) and value <= MAX_SECONDS):
         raise ValueError(f"{rule}, not {shown(value)}")
     return float(value)
+
+
+def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float | None:
+    """A public ``timeout=`` argument: ``None``, infinity or more than a year (a huge int
+    too) mean no limit (``None``); 0 is "do not wait" (unless ``zero_ok`` is False); a
+    negative, NaN or non-number is a one-line ``ValueError``/``TypeError`` naming the
+    argument. Before, ``10**5000`` reached ``math.isnan`` or the thread wait as a bare
+    ``OverflowError``, and a negative timeout returned at once as if it were 0."""
+    if value is None:
+        return None
+    # int against float compares exactly: no OverflowError for 10**5000
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value > MAX_SECONDS):
+        return None
+    try:
+        return seconds(value, what, zero_ok=zero_ok)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} (None: no limit)") from None
 
 
 def shown(value: object) -> str:

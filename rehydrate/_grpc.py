@@ -9,6 +9,7 @@ Imported only when :func:`rehydrate.connections.grpc_channel` is used.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,35 @@ __all__ = ["ManagedChannel"]
 
 _CLOSED = "Cannot invoke RPC on closed channel!"
 """grpc's own message for a call on a closed channel (``ValueError``)."""
+
+POLLER_WAIT = 2.0
+"""The most :func:`_close` waits for grpc's connectivity poller to end (it wakes every
+0.2 s; longer only when someone else is still subscribed — then it closes anyway)."""
+
+
+def _close(channel: Any, callbacks: list[Callable[..., Any]]) -> None:
+    """Close ``channel``, on which ``callbacks`` are subscribed: unsubscribe them first and
+    let grpc's connectivity poller thread notice and end, then close.
+
+    grpc's own ``close()`` unsubscribes too, but its poller may already be past its "any
+    subscribers?" check and then calls into the closed channel: an unhandled
+    ``ValueError: Cannot invoke RPC: Channel closed!`` in a grpc thread (grpc issue
+    18995) — at every restore and every close of a channel an application subscribed
+    to, most often right after a state change (the poller is then between its check and
+    its call). The poller ends at its next wake-up once nothing is subscribed."""
+    if callbacks:
+        for callback in callbacks:
+            try:
+                channel.unsubscribe(callback)
+            except Exception:  # noqa: S112 - not subscribed there (or not a grpc channel)
+                continue
+        # grpc's private poller state: without it (another grpc version, a stand-in),
+        # the channel is closed at once, as before
+        state = getattr(channel, "_connectivity_state", None)
+        until = time.monotonic() + POLLER_WAIT
+        while getattr(state, "polling", False) is True and time.monotonic() < until:
+            time.sleep(0.005)
+    channel.close()
 
 
 class _LazyMultiCallable:
@@ -89,14 +119,16 @@ class ManagedChannel:
     def _swap(self, new: Any) -> None:
         """Make ``new`` current (None: create one lazily on next use); close the old one."""
         with self._lock:
+            callbacks = [callback for callback, _ in self._subscriptions]
             if self._closed and new is not None:
                 old, new = new, None  # closed meanwhile: the new channel is not used
+                callbacks = []  # never adopted: nothing of ours subscribed on it
             else:
                 old, self._channel = self._channel, (None if new is None
                                                      else self._adopt(new))
                 self._gen += 1
         if old is not None:
-            old.close()
+            _close(old, callbacks)
 
     def wait_ready(self, timeout: float) -> None:
         if self._closed:
@@ -141,9 +173,10 @@ class ManagedChannel:
         with self._lock:
             self._closed = True
             old, self._channel = self._channel, None
+            callbacks = [callback for callback, _ in self._subscriptions]
             self._subscriptions.clear()
         if old is not None:
-            old.close()
+            _close(old, callbacks)
 
     def __enter__(self) -> ManagedChannel:
         return self

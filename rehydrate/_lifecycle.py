@@ -432,18 +432,12 @@ class Lifecycle:
         """Block until ready (True) or until ``timeout`` seconds passed (False).
 
         From inside one of this engine's hooks it raises ``RuntimeError`` while not ready:
-        readiness comes only after the hook itself has finished. ``timeout``: seconds
-        (``None``, infinity or more than a year: no limit); not a number or NaN is a
-        ``TypeError``/``ValueError`` at once, ready or not.
+        readiness comes only after the hook itself has finished. ``timeout``: ``None`` (no
+        limit), 0 (do not wait) or seconds up to a year; anything else (negative, NaN,
+        infinity, a huge int, not a number) is a one-line ``ValueError``/``TypeError`` at
+        once, ready or not.
         """
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"wait_ready(): timeout must be a number of seconds or None, "
-                                f"not {type(timeout).__name__}")
-            if math.isnan(timeout):
-                raise ValueError("wait_ready(): timeout is NaN")
-            if timeout > _config.MAX_SECONDS:  # the thread wait overflows from ~2**33 s
-                timeout = None
+        timeout = _config.optional_seconds(timeout, "wait_ready(): timeout")
         if inside_hook.get() is self._runner and not self.is_ready():
             raise RuntimeError("wait_ready() inside a hook would wait for its own event")
         with self._cond:  # every change of readiness notifies (runs, heartbeats after a gap)

@@ -125,7 +125,10 @@ def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
     # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
     import http.client
 
-    host = os.environ.get("GCE_METADATA_HOST") or "169.254.169.254"
+    configured = os.environ.get("GCE_METADATA_HOST")
+    host = configured or "169.254.169.254"
+    # GCE_METADATA_HOST is another platform's variable: logs name it, never its value
+    where = "$GCE_METADATA_HOST" if configured else host
     deadline = time.monotonic() + timeout
     try:
         conn = http.client.HTTPConnection(host, timeout=timeout)
@@ -144,11 +147,11 @@ def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
         log.debug("GCE metadata server not reachable (%s): not on GCE", type(exc).__name__)
         return None
     if status != 200:
-        log.debug("GCE metadata server at %s answered %d: no machine type", host, status)
+        log.debug("GCE metadata server at %s answered %d: no machine type", where, status)
         return None
     # A real metadata server says so in a header: a captive proxy answering 200 is not one.
     if flavor != "Google":
-        log.debug("no GCE machine type from %s (no Metadata-Flavor header)", host)
+        log.debug("no GCE machine type from %s (no Metadata-Flavor header)", where)
         return None
     name = body.strip().rsplit("/", 1)[-1]  # projects/NUM/machineTypes/NAME
     return name if re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name) else None

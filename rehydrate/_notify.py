@@ -180,6 +180,9 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     the uid ``expect_uid`` / the pid ``expect_pid`` (pins: a server of that uid is then
     trusted even when it is neither this uid nor root).
     """
+    # one line before any connect: a huge int overflowed the deadline sum, a negative
+    # one timed out at once, NaN never did
+    timeout = _config.optional_seconds(timeout, "request(): timeout", zero_ok=False)
     named = bool(socket_path or _config.text(ENV_SOCKET))
     path = find_socket(socket_path)
     payload = _encode({"cmd": cmd, **(fields or {}), **more})

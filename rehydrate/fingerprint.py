@@ -19,8 +19,14 @@ and nothing errors. The manifest records what a restore depends on, so that:
 
 The manifest has no per-process field (PID, time, instance ID): a fresh manifest passes
 ``check`` on the node that wrote it. Environment values are stored only as salted
-SHA-256 hashes (the salt is in the manifest); a hash of a low-entropy value can still be
-guessed, so list keys whose *change* matters, not secrets you need to hide.
+SHA-256 hashes, in the manifest itself (the file, :func:`fingerprint`'s dict): the salt
+must be beside them, because another process — a cold start, ``rehydrate check`` in an
+init container — recomputes them from its own environment, and there is no secret it
+could share with the process that wrote them. A hash of a low-entropy value can be
+guessed by whoever reads the file, so list keys whose *change* matters, not secrets you
+need to hide. Nothing rehydrate shows carries them: ``status()``, mismatches (``rehydrate
+check --json``, logs, reports) name the keys and whether each was changed, added or
+removed.
 
 Configuration by environment: ``REHYDRATE_MANIFEST`` (path), ``REHYDRATE_EXPECT_RESTORE``
 (``1``: this Pod should have been restored), ``REHYDRATE_FINGERPRINT_ENV`` (comma-separated
@@ -107,9 +113,24 @@ class Mismatch:
     field: str
     expected: Any
     actual: Any
+    """For an ``env.*`` field: ``"set"`` or ``"unset"``, never a value or a hash of one."""
+
+    @property
+    def change(self) -> str | None:
+        """``env.*`` fields: ``"changed"``, ``"added"`` (set on this node only) or
+        ``"removed"`` (set in the snapshot only); None for the other fields."""
+        if not self.field.startswith("env."):
+            return None
+        if self.expected == "unset":
+            return "added"
+        return "removed" if self.actual == "unset" else "changed"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"field": self.field, "expected": self.expected, "actual": self.actual}
+        out = {"field": self.field, "expected": self.expected, "actual": self.actual}
+        change = self.change
+        if change is not None:
+            out["change"] = change
+        return out
 
     def describe(self) -> str:
         """One line (a key name or value with a newline or other control character is
@@ -117,15 +138,12 @@ class Mismatch:
         if self.field == "cpu_flags":
             return f"cpu_flags: this node lacks {_short(self.expected)}"
         if self.field.startswith("env."):
-            # Key name only: the hashes are of environment values (salted, but the salt
-            # is in the manifest and a low-entropy value can be guessed), and this text
-            # goes to the log, the strict hook's error and the report.
+            # Key name only (compare() keeps no value or hash of one in a Mismatch): this
+            # text goes to the log, the strict hook's error and the report.
             name = "env." + _printable(self.field[4:])
-            if self.expected is None:
-                return f"{name}: unset in the snapshot, set on this node"
-            if self.actual is None:
-                return f"{name}: set in the snapshot, unset on this node"
-            return f"{name}: value differs from the snapshot's"
+            return {"added": f"{name}: unset in the snapshot, set on this node",
+                    "removed": f"{name}: set in the snapshot, unset on this node",
+                    }.get(self.change or "", f"{name}: value differs from the snapshot's")
         return (f"{_printable(self.field)}: snapshot {_short(self.expected)}, "
                 f"this node {_short(self.actual)}")
 
@@ -534,7 +552,25 @@ def compare(expected: Mapping[str, Any], actual: Mapping[str, Any], *,
     a_env = (actual.get("env") or {}).get("keys") or {}
     for k in sorted(e_env):
         if e_env[k] != a_env.get(k):
-            out.append(Mismatch(f"env.{k}", e_env[k], a_env.get(k)))
+            # Only whether the key is set: a salted hash (its salt is in the manifest)
+            # of a low-entropy value ("true", a short PIN) is guessed offline, and a
+            # mismatch goes to status(), `rehydrate check --json`, logs and reports.
+            out.append(Mismatch(f"env.{k}", _presence(e_env[k]), _presence(a_env.get(k))))
+    return out
+
+
+def _presence(digest: object) -> str:
+    return "unset" if digest is None else "set"
+
+
+def _public_view(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``manifest`` as rehydrate shows it (``status()["fingerprint"]["manifest"]``): the
+    ``env`` part is the key names only — no salt, no hashes of values."""
+    out = dict(manifest)
+    env = manifest.get("env")
+    if isinstance(env, Mapping):
+        keys = env.get("keys")
+        out["env"] = {"keys": sorted(keys) if isinstance(keys, Mapping) else []}
     return out
 
 
@@ -648,7 +684,7 @@ class FingerprintManager:
         return {
             "path": os.fspath(self.path) if self.path else None,
             "strict": self.strict,
-            "manifest": self.manifest,
+            "manifest": None if self.manifest is None else _public_view(self.manifest),
             "compatible": self.compatible,
             "mismatches": [m.to_dict() for m in self.mismatches],
             "snapshot_miss": self.snapshot_miss,
@@ -750,7 +786,8 @@ def configure(
 
     ``path``: where the manifest is written before a snapshot and read at start (put it on
     a volume that outlives the Pod to detect misses by its presence); without it the
-    manifest is only kept in memory and shown in ``status()["fingerprint"]["manifest"]``.
+    manifest is only kept in memory and shown (environment key names only) in
+    ``status()["fingerprint"]["manifest"]``.
     ``strict``: a node mismatch after restore fails the required
     ``rehydrate.fingerprint.check`` hook (the process stays ``degraded``).
     """

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from ._config import shown
+from ._config import optional_seconds, shown
 from ._disable import is_disabled
 from ._hooks import Phase
 from .extensions import Probe, resolve_engine
@@ -417,7 +417,11 @@ class EphemeralKey:
                                             serialization.PublicFormat.SubjectPublicKeyInfo))
 
     def wait(self, timeout: float | None = None) -> PrivateKeyTypes:
-        """Block until the private key is available; :class:`KeyDroppedError` on timeout."""
+        """Block until the private key is available; :class:`KeyDroppedError` on timeout.
+
+        ``timeout``: ``None`` (no limit), 0 (do not wait) or seconds up to a year; anything
+        else is a ``ValueError``/``TypeError`` at once."""
+        timeout = optional_seconds(timeout, "wait(): timeout")
         with self._cond:
             if not self._cond.wait_for(lambda: self._private is not None, timeout):
                 raise KeyDroppedError(

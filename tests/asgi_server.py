@@ -11,16 +11,15 @@ from typing import Any
 
 import uvicorn
 
-from tests.netservers import free_port
-
 
 @contextlib.contextmanager
 def serve(app: Any, *, lifespan: str = "off", timeout: float = 15.0,
           **config: Any) -> Iterator[str]:
     """Run ``app`` under uvicorn on 127.0.0.1; yields the base URL; shuts down on exit.
     ``config``: more ``uvicorn.Config`` settings (``root_path``, ``ws``)."""
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan=lifespan,
+    # port 0: the server binds a free port itself (a port picked here and bound later
+    # could be taken by a test running beside this one meanwhile); asked once it listens
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan=lifespan,
                             log_level="warning", access_log=False, **config)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
@@ -33,7 +32,8 @@ def serve(app: Any, *, lifespan: str = "off", timeout: float = 15.0,
             raise TimeoutError(f"uvicorn not started after {timeout}s")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        (listener,) = [sock for srv in server.servers for sock in srv.sockets]
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout)

@@ -15,8 +15,21 @@ Helpers shared across groups (``detect_helpers``, ``netservers``, the stand-ins)
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:  # the helper modules, from tests/<group>/ too
     sys.path.insert(0, _TESTS)
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A loopback port every connect to is refused, reserved for the test (see
+    :func:`netservers.refused_port`)."""
+    from netservers import refused_port as reserve
+
+    with reserve() as port:
+        yield port

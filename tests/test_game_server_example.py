@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 from agones_sidecar import AgonesSidecar
 from detect_helpers import wait_for
-from netservers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "examples" / "game_server" / "server.py"
@@ -71,10 +70,19 @@ def _in_process(*args: str) -> dict[str, Any]:
     return result
 
 
+def _ready_port(events: Path) -> int | None:
+    """The port the server's "ready" event names (None before it was written)."""
+    if not events.exists():
+        return None
+    for line in events.read_text().splitlines():
+        if '"event": "ready"' in line:
+            return int(json.loads(line)["port"])
+    return None
+
+
 @contextlib.contextmanager
 def _game(tmp_path: Path, *extra: str) -> Iterator[tuple[AgonesSidecar, dict[str, str], int,
                                                       Path]]:
-    port = free_port()
     events = tmp_path / "events.jsonl"
     with AgonesSidecar() as sidecar:
         sidecar.wait_listening()
@@ -82,12 +90,16 @@ def _game(tmp_path: Path, *extra: str) -> Iterator[tuple[AgonesSidecar, dict[str
                "REHYDRATE_CONTROL_SOCKET": str(tmp_path / "ctl.sock"),
                "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(
-            [sys.executable, str(SERVER), "--port", str(port), "--health-interval", "1",
+            # port 0: the server binds a free port itself and names it in its "ready"
+            # event (a port picked here could be taken before it binds); a restore
+            # binds that same port again (UdpEndpoint)
+            [sys.executable, str(SERVER), "--port", "0", "--health-interval", "1",
              "--events", str(events), *extra], env=env, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
         try:
-            wait_for(lambda: events.exists() and "ready" in events.read_text(), 30,
-                     "the server to be ready")
+            wait_for(lambda: _ready_port(events) is not None, 30, "the server to be ready")
+            port = _ready_port(events)
+            assert port is not None
             yield sidecar, env, port, events
         finally:
             proc.kill()

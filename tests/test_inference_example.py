@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from netservers import start_listening
 
 # Checked without importing it: importing sentence-transformers here would cost seconds.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
@@ -29,10 +30,15 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "inference_server"
 START_DEADLINE = 180.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _start_upstream(env: dict[str, str], port: int | None = None,
+                    ) -> tuple[subprocess.Popen[bytes], int]:
+    """The quota service, listening: on ``port``, or on one picked (again when another
+    process took it first); ``(process, port)``."""
+    proc, port = start_listening(
+        lambda p: [sys.executable, str(EXAMPLE / "upstream.py"), "--port", str(p)], port,
+        env=env, stdin=subprocess.DEVNULL)
+    _wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), "the upstream")
+    return proc, port
 
 
 def _write_environ(path: Path, env: dict[str, str]) -> None:
@@ -50,11 +56,8 @@ class Server:
     upstream: subprocess.Popen[bytes] | None
 
     def start_upstream(self) -> None:
-        self.upstream = subprocess.Popen(
-            [sys.executable, str(EXAMPLE / "upstream.py"), "--port", str(self.upstream_port)],
-            env=self.env)
-        _wait_for(lambda: _answers(f"http://127.0.0.1:{self.upstream_port}/healthz"),
-                  "the upstream")
+        """Again on the port the server was told (after an outage the test made)."""
+        self.upstream, _ = _start_upstream(self.env, self.upstream_port)
 
     def stop_upstream(self) -> None:
         assert self.upstream is not None
@@ -97,23 +100,30 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REHYDRATE_")}
     env.update(spec, REHYDRATE_ENV_FILE=str(env_file), HF_HUB_OFFLINE="1",
                REHYDRATE_CONTROL_SOCKET=str(tmp / "control.sock"))
-    port, up_port = _free_port(), _free_port()
-    log_file = tmp / "server.log"
-    with log_file.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, str(EXAMPLE / "app.py"), "--port", str(port),
-             "--upstream", f"http://127.0.0.1:{up_port}"], env=env, stderr=log)
-    srv = Server(f"http://127.0.0.1:{port}", up_port, env, env_file, log_file, process, None)
+    # Ports are picked and bound by the servers later (they take them on the command
+    # line): start_listening picks again when a process beside this one took one first.
+    upstream, up_port = _start_upstream(env)
+    process, srv = None, None
     try:
-        srv.start_upstream()
+        log_file = tmp / "server.log"
+        with log_file.open("wb") as log:
+            process, port = start_listening(
+                lambda p: [sys.executable, str(EXAMPLE / "app.py"), "--port", str(p),
+                           "--upstream", f"http://127.0.0.1:{up_port}"],
+                env=env, stderr=log, timeout=START_DEADLINE)
+        srv = Server(f"http://127.0.0.1:{port}", up_port, env, env_file, log_file, process,
+                     upstream)
         _wait_for(lambda: process.poll() is None and _answers(f"{srv.url}/readyz"),
                   "the server")
         yield srv
     finally:
-        process.terminate()
-        process.wait(timeout=30)
-        if srv.upstream is not None:
-            srv.stop_upstream()
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)
+        upstream = srv.upstream if srv is not None else upstream  # a test restarts it
+        if upstream is not None:
+            upstream.terminate()
+            upstream.wait(timeout=10)
 
 
 def test_requests_without_a_valid_key_or_body_get_one_clear_error(server: Server) -> None:
@@ -172,12 +182,8 @@ def test_upstream_refuses_a_bad_content_length_and_keeps_serving(tmp_path: Path)
     """Content-Length: -1 made the quota service read until the client closed, holding one
     of its 8 workers (8 such connections hung it, /healthz too); "abc" dropped the
     connection with a traceback. No model needed: upstream.py alone."""
-    port = _free_port()
-    env = {**os.environ, "UPSTREAM_TOKEN": "upstream-token"}
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE / "upstream.py"), "--port",
-                             str(port)], env=env, stdin=subprocess.DEVNULL)
+    proc, port = _start_upstream({**os.environ, "UPSTREAM_TOKEN": "upstream-token"})
     try:
-        _wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), "the upstream")
         held = []
         for length, status in (("-1", b"400"), ("abc", b"400"), ("1_0", b"400"),
                                (str(10**9), b"413")):

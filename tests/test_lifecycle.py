@@ -981,7 +981,8 @@ def test_a_restore_notice_queued_behind_a_run_keeps_the_process_not_ready(rehydr
 
 def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
     """inf or 1e10 raised OverflowError from inside threading, NaN blocked for ever and
-    "1" raised a TypeError from inside threading — only when not ready."""
+    "1" raised a TypeError from inside threading — only when not ready. The largest
+    accepted timeout (a year) still waits and returns when the hooks ran."""
     engine = rehydrate_engine
     gate, entered = threading.Event(), threading.Event()
 
@@ -995,13 +996,16 @@ def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
     assert entered.wait(10)
     try:
         assert engine.wait_ready(0.01) is False
-        with pytest.raises(ValueError, match="timeout is NaN"):
+        assert engine.wait_ready(0) is False
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
             engine.wait_ready(float("nan"))
-        with pytest.raises(TypeError, match="timeout must be a number of seconds or None"):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
             engine.wait_ready("1")
         results: list[bool] = []
+        # no limit: None, infinity, more than a year, an int too big for a float (which
+        # raised a bare OverflowError from math.isnan)
         waiters = [threading.Thread(target=lambda t=t: results.append(engine.wait_ready(t)))
-                   for t in (math.inf, 1e10)]
+                   for t in (None, 31_536_000, math.inf, 1e10, 10**5000)]
         for w in waiters:
             w.start()
     finally:
@@ -1009,7 +1013,50 @@ def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
     run.join(10)
     for w in waiters:
         w.join(10)
-    assert results == [True, True]
+    assert results == [True] * 5
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.5, -math.inf, math.nan, -10**5000, "5", True,
+                                     [1]],
+                         ids=["-1", "-0.5", "-inf", "nan", "-huge-int", "str", "bool",
+                              "list"])
+@pytest.mark.parametrize("ready", [True, False], ids=["ready", "restoring"])
+def test_wait_ready_refuses_a_bad_timeout_in_one_line(rehydrate_engine, timeout, ready):
+    """``wait_ready(-1)`` returned True: every timeout goes through the one seconds rule —
+    None, infinity or more than a year no limit, 0 do not wait, a negative, NaN or
+    non-number a one-line error naming the argument — for the engine method and
+    ``rehydrate.wait_ready`` alike, ready or not."""
+    engine = rehydrate_engine
+    gate, entered = threading.Event(), threading.Event()
+    if not ready:
+        @engine.registry.after_restore(name="slow")
+        def slow() -> None:
+            entered.set()
+            gate.wait(10)
+
+        run = threading.Thread(target=engine.simulate_restore)
+        run.start()
+        assert entered.wait(10)
+    try:
+        assert engine.is_ready() is ready
+        for call in (engine.wait_ready, rehydrate.wait_ready):
+            if call is rehydrate.wait_ready and not ready:
+                continue  # the module function runs the default engine, which is ready
+            with pytest.raises((TypeError, ValueError)) as caught:
+                call(timeout)
+            message = str(caught.value)
+            assert type(caught.value) is (TypeError if isinstance(timeout, (str, bool, list))
+                                          else ValueError)
+            assert "\n" not in message and len(message) < 200, message
+            assert message.startswith("wait_ready(): timeout must be a number of seconds"), \
+                message
+            assert "(None: no limit)" in message
+        assert engine.wait_ready(0) is ready
+    finally:
+        gate.set()
+        if not ready:
+            run.join(10)
+    assert engine.wait_ready(None) is True
 
 
 def test_stop_and_close_are_refused_inside_a_hook(rehydrate_engine):

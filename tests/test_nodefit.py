@@ -6,6 +6,7 @@ models), against a stand-in GCE metadata server and a stand-in ``nvidia-smi``
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -204,6 +205,23 @@ def test_metadata_error_answer_is_no_machine_type(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
         assert nodefit.machine_type() is None
         assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+
+
+@pytest.mark.parametrize("kind", ["impostor", "error"])
+def test_the_metadata_host_s_value_is_never_logged(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture,
+                                                   kind: str) -> None:
+    """GCE_METADATA_HOST is an environment value (not a rehydrate setting): the debug
+    lines about a metadata server that is not GCE's named its value."""
+    with MetadataServer("n2-standard-8", impostor=kind == "impostor",
+                        status=503 if kind == "error" else 200) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+            assert nodefit.machine_type() is None
+    port = srv.host.rsplit(":", 1)[1]
+    lines = [r.getMessage() for r in caplog.records if "metadata" in r.getMessage().lower()]
+    assert lines and all("$GCE_METADATA_HOST" in line for line in lines), lines
+    assert not [line for line in lines if srv.host in line or port in line], lines
 
 
 # -- scheduling -------------------------------------------------------------------------

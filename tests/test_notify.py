@@ -337,6 +337,23 @@ def test_a_huge_timeout_is_shown_shortened(value: int, shown: str) -> None:
         assert message.endswith(f", not {shown}") and len(message) < 120
 
 
+@pytest.mark.parametrize("value", [-10**5000, -1, 0, float("nan"), "5"],
+                         ids=["-1e5000", "-1", "0", "nan", "str"])
+def test_request_refuses_a_bad_timeout_before_connecting(engine: Lifecycle, sock_path: str,
+                                                         value: object) -> None:
+    """``request(timeout=10**5000)`` raised a bare OverflowError (the deadline sum), -1 or
+    0 a "no reply within -1s" after connecting, NaN waited for ever: one line, nothing
+    sent (a server is listening and would have answered)."""
+    from rehydrate._control_client import request
+
+    with pytest.raises((TypeError, ValueError),
+                       match=r"^request\(\): timeout must be a number of seconds > 0 .*"
+                             r"\(None: no limit\)$"):
+        request("status", socket_path=sock_path, timeout=value)
+    for no_limit in (None, float("inf"), 10**5000):  # 10**5000: a bare OverflowError before
+        assert request("status", socket_path=sock_path, timeout=no_limit)["ok"] is True
+
+
 def test_ordinary_timeouts_are_still_shown_exactly() -> None:
     from rehydrate._notify import timeout_value
 

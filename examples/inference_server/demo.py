@@ -138,17 +138,26 @@ def _serving(app_module: Any, workdir: Path) -> Iterator[tuple[Any, int]]:
     import rehydrate
 
     os.environ["REHYDRATE_CONTROL_SOCKET"] = str(workdir / "control.sock")
-    up_port, port = _free_port(), _free_port()
+    up_port = _free_port()
     upstream = app_module.start_upstream(up_port)
     server = None
     try:
         service = app_module.InferenceService(f"http://127.0.0.1:{up_port}",
                                               app_module.EventLog(None))
-        config = uvicorn.Config(app_module.create_app(service), host="127.0.0.1", port=port,
+        # port 0: uvicorn binds a free port itself (one picked here and bound later could
+        # be taken meanwhile by another process); asked once it listens
+        config = uvicorn.Config(app_module.create_app(service), host="127.0.0.1", port=0,
                                 log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
-        threading.Thread(target=server.run, daemon=True).start()
-        yield service, port
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 300  # the model loads during the startup
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        (listener,) = [sock for srv in server.servers for sock in srv.sockets]
+        yield service, int(listener.getsockname()[1])
     finally:
         if server is not None:
             server.should_exit = True

@@ -700,11 +700,9 @@ def test_an_application_startup_that_raises_stops_detection(rehydrate_engine: An
 
     import uvicorn
 
-    from tests.netservers import free_port
-
     detector = RecordingDetector()
     gate = ReadinessGate(app, engine=rehydrate_engine, detectors=[detector])
-    server = uvicorn.Server(uvicorn.Config(gate, host="127.0.0.1", port=free_port(),
+    server = uvicorn.Server(uvicorn.Config(gate, host="127.0.0.1", port=0,
                                            lifespan=mode, log_level="critical"))
     exits: list[Any] = []
 

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from tests.detect_helpers import wait_for
-from tests.netservers import free_port, wait_port
+from tests.netservers import PICK_ATTEMPTS, PortTaken, free_port, wait_listening
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,15 +26,25 @@ class KServe:
         self.control.mkdir()
         self.env = {**os.environ, "REHYDRATE_CONTROL_SOCKET": str(tmp / "rehydrate.sock"),
                     "PYTHONPATH": str(REPO)}
-        self.port = free_port()
-        self.grpc_port = free_port() if grpc else None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kserve_server", str(self.port), str(self.control),
-             mode, *([str(self.grpc_port)] if grpc else [])], env=self.env, cwd=REPO,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_port(self.port, timeout=60, proc=self.proc)
-        if self.grpc_port is not None:
-            wait_port(self.grpc_port, timeout=60, proc=self.proc)
+        # kserve takes its ports on the command line (no port 0): picked here, and picked
+        # again when the server exits on its bind (a test beside this one took a port)
+        for attempt in range(PICK_ATTEMPTS):
+            self.port = free_port()
+            self.grpc_port = free_port() if grpc else None
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.kserve_server", str(self.port),
+                 str(self.control), mode, *([str(self.grpc_port)] if grpc else [])],
+                env=self.env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                for port in (self.port, self.grpc_port):
+                    if port is not None:
+                        wait_listening(port, self.proc, timeout=60)
+            except PortTaken:
+                if attempt == PICK_ATTEMPTS - 1:
+                    raise
+                self.proc.wait(10)
+                continue
+            break
         self.client = httpclient.InferenceServerClient(f"127.0.0.1:{self.port}")
         wait_for(lambda: os.path.exists(self.env["REHYDRATE_CONTROL_SOCKET"]), 30,
                  "the control socket")

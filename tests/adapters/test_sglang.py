@@ -15,7 +15,6 @@ from rehydrate.adapters import sglang
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
 from tests.inference_standins import SGLangStandIn
-from tests.netservers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +152,8 @@ def test_failed_canary_leaves_the_process_degraded(url: str, standin: SGLangStan
     assert rehydrate_engine.state == "degraded"
 
 
-def test_server_that_never_answers(rehydrate_engine: Any) -> None:
-    url = f"http://127.0.0.1:{free_port()}"
+def test_server_that_never_answers(rehydrate_engine: Any, refused_port: int) -> None:
+    url = f"http://127.0.0.1:{refused_port}"
     sglang.install(url, engine=rehydrate_engine, deadline=0.3)
     report = rehydrate_engine.simulate_snapshot()
     assert str(hook(report, "rehydrate.sglang.release").error).startswith(

@@ -20,7 +20,6 @@ from rehydrate.env import EnvRefresher
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
 from tests.inference_standins import FakeAsyncLLM, FakeLLM, VLLMStandIn
-from tests.netservers import free_port
 
 LEVEL1_WAKE = ["GET /is_sleeping", "POST /wake_up", "GET /is_sleeping", "GET /v1/models",
                "POST /v1/completions"]
@@ -151,8 +150,8 @@ def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
     assert not report.ok
 
 
-def test_server_that_never_answers(rehydrate_engine: Any) -> None:
-    vllm.install(f"http://127.0.0.1:{free_port()}", engine=rehydrate_engine, deadline=0.3)
+def test_server_that_never_answers(rehydrate_engine: Any, refused_port: int) -> None:
+    vllm.install(f"http://127.0.0.1:{refused_port}", engine=rehydrate_engine, deadline=0.3)
     report = rehydrate_engine.simulate_restore()
     wake = hook(report, "rehydrate.vllm.wake")
     assert str(wake.error).startswith("vllm GET /is_sleeping: unreachable (ConnectError")
@@ -306,9 +305,10 @@ def test_bad_targets() -> None:
 
 
 def test_an_adapter_is_an_extension_installed_only_when_its_server_answers(
-        url: str, standin: VLLMStandIn, caplog: pytest.LogCaptureFixture) -> None:
+        url: str, standin: VLLMStandIn, caplog: pytest.LogCaptureFixture,
+        refused_port: int) -> None:
     up = vllm.VLLMAdapter(url)
-    down_url = f"http://127.0.0.1:{free_port()}"
+    down_url = f"http://127.0.0.1:{refused_port}"
     down = vllm.VLLMAdapter(down_url)
     with caplog.at_level(logging.INFO, logger="rehydrate"):
         engine = Lifecycle(Registry(), env=EnvRefresher(path=None), extensions=[up, down])
@@ -347,8 +347,8 @@ def test_an_api_key_no_header_can_carry_is_refused_without_showing_it(url: str,
     assert "SECRET" not in str(exc.value)
 
 
-def test_probe_of_a_server_that_is_down() -> None:
-    url = f"http://127.0.0.1:{free_port()}"
+def test_probe_of_a_server_that_is_down(refused_port: int) -> None:
+    url = f"http://127.0.0.1:{refused_port}"
     assert vllm.VLLMAdapter(url).probe() == Probe(False,
                                                        f"{url} does not answer (ConnectError)")
 

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from netservers import free_port, redis_binary, redis_server, uvicorn_server
+from netservers import redis_binary, redis_server, uvicorn_server
 
 import rehydrate.testing
 from rehydrate import connections
@@ -170,9 +171,9 @@ def test_required_connection_that_never_returns_leaves_process_degraded(
     assert _conn_status(engine, "cache")["attempts"] >= 2
 
 
-def test_env_deadline_applies(rehydrate_engine, monkeypatch):
+def test_env_deadline_applies(rehydrate_engine, monkeypatch, refused_port):
     monkeypatch.setenv("REHYDRATE_CONNECT_DEADLINE", "0.4")
-    port = free_port()  # nothing listens there
+    port = refused_port  # nothing listens there
     connections.register("db", open=lambda: socket.create_connection(("127.0.0.1", port)),
                          close=lambda s: s and s.close(), engine=rehydrate_engine)
     t0 = time.monotonic()
@@ -183,7 +184,8 @@ def test_env_deadline_applies(rehydrate_engine, monkeypatch):
     assert "ConnectionRefusedError" in str(report.failed[0].error)
 
 
-def test_registration_never_blocks_or_raises_for_unreachable_peers(rehydrate_engine):
+def test_registration_never_blocks_or_raises_for_unreachable_peers(rehydrate_engine,
+                                                                   refused_port):
     # A peer that never answers: a listener with a full accept queue drops new SYNs, so a
     # connect() to it hangs (the loopback equivalent of a black-holed address).
     lst = socket.socket()
@@ -196,7 +198,7 @@ def test_registration_never_blocks_or_raises_for_unreachable_peers(rehydrate_eng
         s.setblocking(False)
         s.connect_ex(hang_addr)
         fillers.append(s)
-    refused = ("127.0.0.1", free_port())
+    refused = ("127.0.0.1", refused_port)
     try:
         t0 = time.monotonic()
         hang = connections.tcp_socket("hang", hang_addr, timeout=30, deadline=0.5,
@@ -671,6 +673,45 @@ def test_grpc_channel_subscriptions_follow_the_channel_across_a_restore(rehydrat
         if channel is not None:
             channel.close()  # its connectivity thread must not outlive the test (fork)
         server.stop(None)
+
+
+@pytest.mark.parametrize("how", ["close", "snapshot"])
+def test_closing_a_subscribed_grpc_channel_leaves_no_thread_error(rehydrate_engine,
+                                                                   monkeypatch, how):
+    """A channel closed (by close() or before a snapshot) while an application callback
+    was subscribed left grpc's connectivity poller calling into the closed channel:
+    "ValueError: Cannot invoke RPC: Channel closed!" unhandled in a grpc thread. grpc's own
+    close unsubscribes first and still races; ours waits for the poller to end."""
+    grpc = pytest.importorskip("grpc")
+    errors: list[str] = []
+    monkeypatch.setattr(threading, "excepthook",
+                        lambda args: errors.append(f"{args.exc_type.__name__}: "
+                                                   f"{args.exc_value}"))
+    before = set(threading.enumerate())
+    states: list[object] = []
+    if how == "close":
+        for i in range(20):  # unfixed, most rounds raised
+            channel = connections.grpc_channel(
+                f"subs{i}", lambda: grpc.insecure_channel("127.0.0.1:9"), check=False,
+                engine=rehydrate_engine)
+            channel.subscribe(states.append, try_to_connect=True)
+            channel.close()
+    else:
+        channel = connections.grpc_channel(
+            "subs", lambda: grpc.insecure_channel("127.0.0.1:9"), check=False,
+            engine=rehydrate_engine)
+        channel.subscribe(states.append, try_to_connect=True)
+        for _ in range(20):  # each resume subscribes it on a new channel, closed at once
+            assert rehydrate_engine.simulate_snapshot().ok
+            assert rehydrate_engine.simulate_restore(kind="resume").ok
+        assert rehydrate_engine.simulate_snapshot().ok
+    # grpc's poller and delivery threads (named "Thread-N (_run)") end once closed
+    for thread in set(threading.enumerate()) - before:
+        if thread.name.endswith("(_run)"):
+            thread.join(10)
+            assert not thread.is_alive()
+    assert errors == []
+    assert states  # the callbacks were subscribed and got states
 
 
 def test_a_closed_grpc_channel_stays_closed(rehydrate_engine):
@@ -1199,9 +1240,21 @@ def test_tcp_socket_refuses_a_bad_address_at_registration(rehydrate_engine, addr
     assert connections.manager(rehydrate_engine).get("bad") is None
 
 
-def test_a_connection_that_cannot_reopen_names_its_peer(rehydrate_engine):
+@pytest.mark.parametrize("timeout", [-10**5000, -1, 0, math.nan, "5"],
+                         ids=["-1e5000", "-1", "0", "nan", "str"])
+def test_tcp_socket_refuses_a_bad_timeout_at_registration(rehydrate_engine, timeout):
+    """The socket module refused a negative or NaN timeout (an OverflowError for 10**5000)
+    only at the connect, in the background, at every restore until the deadline."""
+    with pytest.raises((TypeError, ValueError),
+                       match=r"^tcp_socket\(\): timeout must be a number of seconds > 0 "):
+        connections.tcp_socket("bad", ("127.0.0.1", 9), timeout=timeout,
+                               engine=rehydrate_engine)
+    assert connections.manager(rehydrate_engine).get("bad") is None
+
+
+def test_a_connection_that_cannot_reopen_names_its_peer(rehydrate_engine, refused_port):
     """Which server was down, in the report's one line: the peer is known."""
-    refused = ("127.0.0.1", free_port())
+    refused = ("127.0.0.1", refused_port)
     connections.tcp_socket("db", refused, deadline=0.3, engine=rehydrate_engine)
     report = rehydrate_engine.simulate_restore()
     (hook,) = [h for h in report.hooks if h.name == "rehydrate.connections"]

@@ -290,7 +290,9 @@ def test_manifest_written_before_snapshot_and_checked_after_restore(rehydrate_en
     assert engine.simulate_snapshot().ok
     written = fp.load_manifest(path)
     assert written["gpu_driver"] == "535.104.05"
-    assert engine.status().extra["fingerprint"]["manifest"] == written
+    # shown with the environment's key names only (none configured here)
+    assert engine.status().extra["fingerprint"]["manifest"] == {**written,
+                                                                 "env": {"keys": []}}
 
     # restore on a node with the same properties: compatible
     report = engine.simulate_restore()
@@ -578,20 +580,88 @@ def test_env_mismatches_are_described_by_key_name_only(rehydrate_engine, monkeyp
     fp.configure(env_keys=["RHT_FP_TOKEN", "RHT_FP_GONE", "RHT_FP_LEFT"], strict=True,
                  engine=engine)
     assert engine.simulate_snapshot().ok
-    hashes = set(engine.status().extra["fingerprint"]["manifest"]["env"]["keys"].values())
+    hashes = set(fp.manager(engine).manifest["env"]["keys"].values())
     caplog.set_level(logging.WARNING, logger="rehydrate")
     report = engine.simulate_restore(env={"RHT_FP_TOKEN": "5678", "RHT_FP_GONE": "now",
                                           "RHT_FP_LEFT": None})
     (hook,) = [h for h in report.hooks if h.name == "rehydrate.fingerprint.check"]
     assert hook.outcome == "failed"
     said = caplog.text + str(hook.error)
-    new = {m["actual"] for m in engine.status().extra["fingerprint"]["mismatches"]}
-    leaked = [h for h in (hashes | new) - {None} if h[len("sha256:"):][:16] in said]
+    leaked = [h for h in hashes - {None} if h[len("sha256:"):][:16] in said]
     assert not leaked and "sha256" not in said
     for text in ("env.RHT_FP_TOKEN: value differs from the snapshot's",
                  "env.RHT_FP_GONE: unset in the snapshot, set on this node",
                  "env.RHT_FP_LEFT: set in the snapshot, unset on this node"):
         assert text in caplog.text and text in str(hook.error)
+
+
+def test_status_and_check_json_show_env_key_names_never_hashes(rehydrate_engine,
+                                                              monkeypatch, tmp_path):
+    """status()["fingerprint"] (the manifest and the mismatches) and `rehydrate check
+    --json` showed the salted hashes of environment values with the salt beside them: a
+    low-entropy value ("true", a 4-digit PIN) was guessed offline in a few thousand
+    tries. They show the key names, and for a mismatch whether the key was changed, added
+    or removed; the manifest file still compares across processes."""
+    import hashlib
+
+    engine = rehydrate_engine
+    monkeypatch.setenv("RHT_FP_PIN", "1234")
+    monkeypatch.setenv("RHT_FP_FLAG", "true")
+    monkeypatch.setenv("RHT_FP_GONE", "x")
+    monkeypatch.delenv("RHT_FP_NEW", raising=False)
+    keys = ["RHT_FP_PIN", "RHT_FP_FLAG", "RHT_FP_GONE", "RHT_FP_NEW"]
+    path = tmp_path / "manifest.json"
+    fp.configure(path=path, env_keys=keys, engine=engine)
+    assert engine.simulate_snapshot().ok
+    written = fp.load_manifest(path)
+    salt = written["env"]["salt"]
+
+    def guessable(text: str) -> list[str]:
+        """The salt and the hashes (of the old values and the new) found in ``text``."""
+        values = (("RHT_FP_PIN", "1234"), ("RHT_FP_FLAG", "true"), ("RHT_FP_GONE", "x"),
+                  ("RHT_FP_PIN", "5678"), ("RHT_FP_FLAG", "false"), ("RHT_FP_NEW", "y"))
+        digests = [hashlib.sha256(f"{salt}\0{k}\0{v}".encode()).hexdigest()
+                   for k, v in values]
+        assert digests[0] == written["env"]["keys"]["RHT_FP_PIN"][len("sha256:"):]
+        return [d for d in (salt, *digests) if d[:16] in text]
+
+    shown = engine.status().extra["fingerprint"]["manifest"]
+    assert shown["env"] == {"keys": sorted(keys)}
+    assert guessable(json.dumps(engine.status().to_dict()["fingerprint"])) == []
+
+    report = engine.simulate_restore(env={"RHT_FP_PIN": "5678", "RHT_FP_FLAG": "false",
+                                          "RHT_FP_GONE": None, "RHT_FP_NEW": "y"})
+    assert report.ok
+    status = engine.status().to_dict()["fingerprint"]
+    assert guessable(json.dumps(status)) == []
+    by_field = {m["field"]: m for m in status["mismatches"]}
+    assert by_field == {
+        "env.RHT_FP_FLAG": {"field": "env.RHT_FP_FLAG", "expected": "set", "actual": "set",
+                            "change": "changed"},
+        "env.RHT_FP_GONE": {"field": "env.RHT_FP_GONE", "expected": "set",
+                            "actual": "unset", "change": "removed"},
+        "env.RHT_FP_NEW": {"field": "env.RHT_FP_NEW", "expected": "unset", "actual": "set",
+                           "change": "added"},
+        "env.RHT_FP_PIN": {"field": "env.RHT_FP_PIN", "expected": "set", "actual": "set",
+                           "change": "changed"},
+    }
+
+    # another process, the workload's new environment given explicitly: the persisted
+    # manifest still compares, and its JSON answer names keys only
+    env_file = tmp_path / "workload.env"
+    env_file.write_text("RHT_FP_PIN=5678\nRHT_FP_FLAG=true\nRHT_FP_GONE=x\n")
+    out = run_cli("check", str(path), "--node", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-m", "rehydrate", "check", str(path), "--env-from",
+                          str(env_file), "--json"], capture_output=True, text=True,
+                         timeout=60, check=False, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 1, out.stdout + out.stderr
+    answer = json.loads(out.stdout)
+    assert guessable(out.stdout) == []
+    env_mismatches = [m for m in answer["mismatches"] if m["field"].startswith("env.")]
+    assert env_mismatches == [{"field": "env.RHT_FP_PIN", "expected": "set",
+                               "actual": "set", "change": "changed"}]
 
 
 def test_a_huge_schema_value_is_not_echoed_whole(tmp_path, capsys):
@@ -675,5 +745,5 @@ def test_check_shows_control_characters_in_key_names_and_values_escaped(tmp_path
                for line in lines), out
     assert "\x1b" not in out and "\u2028" not in out
     # printable names stay as they are
-    assert fp.Mismatch("env.API_KEY", None, "h").describe() == (
+    assert fp.Mismatch("env.API_KEY", "unset", "set").describe() == (
         "env.API_KEY: unset in the snapshot, set on this node")

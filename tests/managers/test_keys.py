@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -135,6 +136,26 @@ def test_wait_blocks_until_restore(rehydrate_engine):
     rehydrate_engine.simulate_restore()
     waiter.join(timeout=30)
     assert got and got[0] is handle.private_key
+
+
+@pytest.mark.parametrize("timeout", [-1, -10**5000, math.nan, "1"],
+                         ids=["-1", "-1e5000", "nan", "str"])
+def test_wait_refuses_a_bad_timeout_in_one_line(rehydrate_engine, timeout):
+    """``handle.wait(10**5000)`` raised a bare OverflowError from inside threading and
+    ``wait(-1)`` returned at once: the one seconds rule (None, infinity or more than a
+    year: no limit), checked whether or not the key is there."""
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+    assert handle.wait(10**5000) is handle.private_key  # no limit, not an OverflowError
+    pattern = r"^wait\(\): timeout must be a number of seconds .*\(None: no limit\)$"
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        handle.wait(timeout)  # the key is there
+    rehydrate_engine.simulate_snapshot()
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        handle.wait(timeout)  # dropped
+    with pytest.raises(KeyDroppedError):
+        handle.wait(0)  # 0: do not wait
+    rehydrate_engine.simulate_restore()
+    assert handle.wait(0) is handle.private_key
 
 
 @pytest.mark.parametrize("kind", ["restore", "resume"])
