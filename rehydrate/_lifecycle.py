@@ -180,6 +180,10 @@ class Lifecycle:
         """The latest passes, oldest first: a late notice names the pass it is about,
         which may be older than the latest (a checkpoint retried before the waiter read
         the earlier attempt's answer)."""
+        self._late_answer: tuple[float, _Pass | None] | None = None
+        """The latest platform answer that came after a newer pass had begun (arrival, the
+        pass it settled): the original's resume. A restore notice of the same freeze
+        (the clock jump's) that was detected before that newer pass is its duplicate."""
         self._event_seq = 0  # +1 per run (under _run_lock); ends a snapshot deadline watch
 
         # Freeze watch (see heartbeat()): fed by a watcher thread, read by is_ready().
@@ -752,13 +756,10 @@ class Lifecycle:
                     if seen is self._last_restore_report:
                         return self._confirm(seen, reason, detected)
                     return dataclasses.replace(seen, deduplicated=True)
-                last_at, last = self._last_restore_at, self._last_restore_report
-                # Not the last restore when a before-snapshot pass ran after it: this is a
-                # clone of that newer snapshot, however far back the notice's window goes.
-                if (since is not None and last is not None and last_at is not None
-                        and last_at > since and last_at > self._last_snapshot_at):
-                    return self._confirm(last, reason, detected)
                 latest = self._pass
+                handled = self._handled_already(reason, since, detected, answer=answer)
+                if handled is not None:
+                    return handled
                 late = horizon is not None and latest is not None and latest.started > horizon
                 if late and horizon is not None:
                     # The latest pass began after this answer arrived: it is a later
@@ -779,6 +780,8 @@ class Lifecycle:
                     # About an earlier attempt, and a newer pass has closed things since
                     # (its checkpoint is pending, or was answered on its own): running
                     # the resume hooks now would undo that pass, not this one.
+                    if late:
+                        self._late_answer = (detected, ended)
                     return self._superseded(ended, reason, settle=late)
                 undone = self._undone_already(ended, undoes, abort)
                 if undone is not None:
@@ -806,6 +809,32 @@ class Lifecycle:
         self._publish(report)
         _log_run(report)
         return report
+
+    def _handled_already(self, reason: str, since: float | None, detected: float, *,
+                         answer: bool) -> RestoreReport | None:
+        """The report of a notice whose freeze was handled already (run nothing), else
+        None. Under ``_run_lock``."""
+        if since is None:
+            return None
+        last_at, last = self._last_restore_at, self._last_restore_report
+        latest = self._pass
+        # Detected before the latest pass began: not a clone of its snapshot, so a run
+        # after this notice's freeze (before that pass) was this restore's.
+        before_latest = latest is not None and detected < latest.started
+        # Not the last restore when a before-snapshot pass ran after it (unless detected
+        # before that pass): this is a clone of that newer snapshot, however far back the
+        # notice's window goes.
+        if (last is not None and last_at is not None and last_at > since
+                and (last_at > self._last_snapshot_at or before_latest)):
+            return self._confirm(last, reason, detected)
+        late_answer = self._late_answer
+        if (not answer and before_latest and late_answer is not None
+                and since < late_answer[0]):
+            # The same freeze as a platform answer that came too late to run (the
+            # original's resume, after a retried trigger's pass began): running now would
+            # end that newer pass while its checkpoint is pending.
+            return self._superseded(late_answer[1], reason)
+        return None
 
     def _confirm(self, last: RestoreReport, reason: str, detected: float) -> RestoreReport:
         """A later notice of the restore ``last`` ran for: record it, run nothing.

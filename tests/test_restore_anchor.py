@@ -1225,3 +1225,57 @@ def test_a_resume_notice_received_before_a_newer_pass_does_not_end_it(
             assert rehydrate_engine.status().state == "snapshotting"
     assert not replies["restore"]["deduplicated"]
     assert runs == [("control", "restore", 1)]
+
+
+def test_the_clock_jumps_notice_of_a_late_answers_freeze_does_not_end_the_newer_pass(
+        rehydrate_engine: Lifecycle) -> None:
+    """Trigger 1 timed out; checkpoint 1 froze the original; on resume the application
+    triggered again before the notices were handled. gVisor's ``resume`` (arrived before
+    trigger 2's pass) is checkpoint 1's and runs nothing; the clock jump's notice of the
+    same freeze (detected before trigger 2's pass too) is its duplicate. Before, it ran
+    the restore hooks on the original: a new identity, and ready while checkpoint 2 was
+    pending."""
+    runs = _runs(rehydrate_engine)
+    beat = time.monotonic()  # the watch's last wake-up before checkpoint 1's freeze
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 1, timed out
+    arrived = noticed = time.monotonic()  # after the freeze: the answer, the clock jump
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 2's pass
+    late = rehydrate_engine.restore_detected("gvisor", kind="resume", since=arrived - 2.0,
+                                             detected_at=arrived)
+    assert late.deduplicated and runs == []
+    jump = rehydrate_engine.restore_detected("clock-jump", kind="restore", since=beat,
+                                             frozen_for=5.0, detected_at=noticed)
+    assert jump.deduplicated and runs == []
+    assert rehydrate_engine.status().state == "snapshotting"
+    assert rehydrate_engine.generation == 0 and not rehydrate_engine.is_ready()
+    # Checkpoint 2's resume runs the resume hooks once; a clone of checkpoint 2 (a freeze
+    # after trigger 2's pass began) still runs its restore hooks.
+    resumed = time.monotonic()
+    assert not rehydrate_engine.restore_detected("gvisor", kind="resume",
+                                                 since=resumed - 2.0).deduplicated
+    assert [r[:2] for r in runs] == [("gvisor", "resume")] and rehydrate_engine.is_ready()
+    clone = rehydrate_engine.restore_detected("clock-jump", kind="restore",
+                                              since=time.monotonic(), frozen_for=5.0)
+    assert not clone.deduplicated and runs[-1] == ("clock-jump", "restore", 1)
+
+
+def test_a_restore_notice_detected_before_a_newer_pass_confirms_the_run_before_it(
+        rehydrate_engine: Lifecycle) -> None:
+    """Checkpoint 1's ``resume`` ran the resume hooks before trigger 2's pass; the clock
+    jump's notice of the same freeze, detected before that pass but handled after it, is
+    a duplicate of that run (it cannot be a clone of checkpoint 2: it was detected before
+    checkpoint 2's pass began). Before, it ran the restore hooks and ended trigger 2's
+    pass: ready while checkpoint 2 was pending."""
+    runs = _runs(rehydrate_engine)
+    beat = time.monotonic()
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 1
+    opened = time.monotonic()
+    assert not rehydrate_engine.restore_detected("gvisor", kind="resume",
+                                                 since=opened).deduplicated
+    noticed = time.monotonic()  # the clock jump saw the freeze, before trigger 2's pass
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # trigger 2
+    jump = rehydrate_engine.restore_detected("clock-jump", kind="restore", since=beat,
+                                             frozen_for=1.0, detected_at=noticed)
+    assert jump.deduplicated and [r[:2] for r in runs] == [("gvisor", "resume")]
+    assert rehydrate_engine.status().state == "snapshotting"
+    assert not rehydrate_engine.is_ready()
