@@ -37,14 +37,14 @@ Freeze watch: every wake-up is a heartbeat for the engine
 ``is_ready()`` right after it resumed — before this thread has run — gets False, because
 the last heartbeat is older than ``interval + threshold``; the hooks run, then it is ready.
 
-The watch never waits for a run. Two threads take turns: the one that sees a freeze runs
-its notice at once (no thread wake-up between the notice and the hooks) and hands the
-watch to the other, which goes on sleeping and beating meanwhile. A process checkpointed
-while its restore hooks run (a clone made mid-run) wakes in its parent's run; the watch
-sees that freeze too, and the engine's ``since`` rule gives it exactly one more full run
-after the current one (freezes seen while a run is in progress merge into one). Before,
-the thread waiting for the run was the watch: such a clone finished its parent's run and
-became ready with the parent's keys and instance id.
+The watch never waits for a run: the thread hands each restore notice to a reporter
+thread (started with it) that calls the engine and waits for the hooks, and goes on
+sleeping and beating meanwhile. A process checkpointed while its restore hooks run (a
+clone made mid-run) wakes in its parent's run; the watch sees that freeze too, and the
+engine's ``since`` rule gives it exactly one more full run after the current one
+(freezes seen while a notice waits merge into it). Before, the thread waiting for the
+run was the watch: such a clone finished its parent's run and became ready with the
+parent's keys and instance id.
 
 No grace: the first notice of a restore runs the hooks at once. A more specific detector
 (the gVisor waiter, ``notify restore``) reporting the same restore later only confirms it
@@ -75,7 +75,7 @@ freeze that can go unnoticed (a step is measured from the last wake-up, or from 
 the detector's own log line about it: a log write that blocks — a full stderr pipe, a
 slow disk — leaves the thread without CPU or GIL wake-ups like a freeze, so that time is
 not counted). Idle cost is one wake-up per ``interval`` (50 a second while a snapshot is
-pending); the standby thread idles without wake-ups.
+pending); the reporter thread idles without wake-ups.
 
 Configuration: ``REHYDRATE_CLOCK_INTERVAL`` (seconds, default 0.5),
 ``REHYDRATE_CLOCK_THRESHOLD`` (default 2.0), ``REHYDRATE_CLOCK_PENDING_THRESHOLD``
@@ -321,22 +321,95 @@ class ClockJumpDetector(DeferringDetector):
         # The engine compares heartbeats with time.monotonic(): an injected clock (tests)
         # feeds a private stand-in instead.
         engine = self._engine if self.clock is time.monotonic else _NoWatch(self._engine)
-        sleeper = self._sleeper  # a restart puts a new one there
-        watch = _Watch(self, engine, stop, sleeper)
+        interval, threshold = self.interval, self.threshold
+        limit = interval + threshold
+        # A heartbeat this overdue may hide a gap not seen yet (a notice must not take the
+        # restore before it for its own: see Lifecycle.freeze_since).
+        due = interval + GAP_SLACK
+        sleeper = self._sleeper
+        reporter = _Reporter(self._report, stop)
+        last = self._marks()
+        engine.heartbeat(last.now, limit, due=due)
         self._based.set()
-        crew: _Crew | None = None
         try:
-            crew = _Crew(watch, self._report, stop)
-            crew.work(watching=True)
+            while True:
+                # A sleep's deadline is absolute on a clock that counts through a freeze: a
+                # freeze that begins and ends within one sleep does not delay the wake-up
+                # at all. While a snapshot is pending the checkpoint's short freeze is the
+                # thing to see, so the sleeps are short slices of pending_threshold.
+                nap = self.pending_slice if engine.snapshot_pending else interval
+                kernel_late = sleeper.sleep(nap)
+                if stop.is_set():
+                    return
+                marks = self._marks()
+                self.ticks += 1
+                step = marks.now - last.now - nap
+                pending = engine.snapshot_pending
+                # A log line may block (a full stderr pipe, a slow disk): the thread then
+                # waits without CPU or GIL wake-ups, like a frozen one. The next step is
+                # measured from after any logging, so that wait never counts as a freeze.
+                logged = step > self.pending_threshold and log.isEnabledFor(logging.DEBUG)
+                if logged:  # what the stall check will weigh
+                    log.debug("clock-jump: woke %.3fs late after a %.3fs sleep (snapshot "
+                              "pending: %s); meanwhile process CPU %.3fs, own CPU %.3fs, "
+                              "%d switches; late in the kernel: %s", step, nap, pending,
+                              marks.cpu - last.cpu, marks.thread_cpu - last.thread_cpu,
+                              marks.switches - last.switches, kernel_late)
+                limit_step = self.pending_threshold if pending else threshold
+                if step > limit_step:
+                    stall = self._stall(last, marks, kernel_late, limit_step)
+                    # Only a freeze that counts because a snapshot is pending is weighed
+                    # against a job-control stop: one longer than the restore threshold
+                    # is a restore as it would be without the pending snapshot, and it
+                    # must not wait for a SIGCONT that a restored clone never receives.
+                    stopped = (stall is None and pending and step <= threshold
+                               and _ContWatch.continued_since(last.now))
+                    if stopped:
+                        stall = "it ended with SIGCONT (a job-control stop)"
+                        # Measure on from after the handler ran: a reading taken before it
+                        # would make the next freeze (the checkpoint) look continued too.
+                        marks = self._marks()
+                    if stall is not None:
+                        log.warning("clock-jump: the detector thread woke %.2fs late but %s; "
+                                    "not a %s", step, stall,
+                                    "checkpoint" if pending else "restore")
+                        # counted after the log line: tests wait on the count
+                        if stopped:
+                            self.stop_skips += 1
+                        else:
+                            self.busy_skips += 1
+                        marks = self._marks()  # the next step starts after the log line
+                        # Still a gap: a real freeze can hide inside a stall (a clone
+                        # restored while a hook held the GIL), and a later notice must
+                        # then run the clone's hooks. The price: the platform's notice of
+                        # a restore whose hook held the GIL past the threshold runs the
+                        # hooks a second time (twice at worst, never zero times).
+                        engine.heartbeat(marks.now, limit, gap_since=last.now, due=due)
+                    else:
+                        engine.freeze_noticed(last.now, marks.now)
+                        # The freeze began after last.now and, since the wake-up came
+                        # late, no later than last.now + nap; it ended after that. So a
+                        # run detected up to last.now + nap (a resume answered just
+                        # before the checkpoint) came before the freeze, not after it:
+                        # only later runs are this restore's (not last.now + step: with
+                        # an interval above the threshold a step can be shorter than the
+                        # sleep, and a run from before the freeze was taken for the
+                        # clone's). Handed to the reporter: this thread goes on watching
+                        # while the hooks run.
+                        reporter.submit(_Notice(since=last.now + nap,
+                                                frozen_for=step, detected=marks.now))
+                else:
+                    gap = (step > GAP_SLACK
+                           and self._stall(last, marks, kernel_late, GAP_SLACK) is None)
+                    if logged:
+                        marks = self._marks()
+                    engine.heartbeat(marks.now, limit, gap_since=last.now if gap else None,
+                                     due=due)
+                last = marks
         finally:
-            stop.set()  # the other thread may hold the watch: it ends too
-            watch.wake()
-            watch.end()
-            if crew is not None:
-                crew.close()
             sleeper.close()
-        if crew is not None and crew.failure is not None:
-            raise crew.failure  # the standby thread died: this detector's failure()
+            engine.heartbeat_stopped()
+            reporter.close()
 
     def _snapshot_begun(self, report: Report) -> None:
         """Engine listener: a before-snapshot pass finished; the checkpoint may follow at
@@ -345,7 +418,7 @@ class ClockJumpDetector(DeferringDetector):
             self._sleeper.wake()
 
     def _report(self, notice: _Notice, stop: threading.Event) -> None:
-        """Report ``notice`` and wait for its run (on the thread that saw it)."""
+        """Report ``notice`` and wait for its run (on the reporter's thread)."""
         engine = self._engine
         if engine is None:
             return
@@ -384,225 +457,59 @@ class _Notice:
                        detected=later.detected)
 
 
-class _Watch:
-    """The watch itself: sleep, measure the wake-up, beat, and return the first freeze.
-
-    Held by one thread at a time (see :class:`_Crew`); its readings carry over from one
-    holder to the next, so a freeze during a hand-over still shows as a step."""
-
-    def __init__(self, detector: ClockJumpDetector, engine: Engine | _NoWatch,
-                 stop: threading.Event, sleeper: Sleeper) -> None:
-        self._detector = detector
-        self._sleeper = sleeper
-        self._ended = False
-        self._end_lock = threading.Lock()
-        self._engine = engine
-        self._stop = stop
-        self._limit = detector.interval + detector.threshold
-        # A heartbeat this overdue may hide a gap not seen yet (a notice must not take the
-        # restore before it for its own: see Lifecycle.freeze_since).
-        self._due = detector.interval + GAP_SLACK
-        self._last = detector._marks()
-        self._slept_from = self._last.now
-        """When the current sleep was armed: the latest a freeze seen by it can have begun
-        is this plus the sleep."""
-        engine.heartbeat(self._last.now, self._limit, due=self._due)
-
-    def take_over(self, mine: _Marks) -> None:
-        """``mine``: this thread's reading from before it began to wait for the watch."""
-        now = self._detector.clock()
-        self._last = _Marks(self._last.now, self._last.cpu, mine.thread_cpu, mine.switches)
-        self._slept_from = now
-
-    def wake(self) -> None:
-        """End the holder's current sleep (it then sees a stop)."""
-        self._sleeper.wake()
-
-    def end(self) -> None:
-        """The watch is over: stop the heartbeat once (not later, under a newer watch)."""
-        with self._end_lock:
-            if self._ended:
-                return
-            self._ended = True
-        self._engine.heartbeat_stopped()
-
-    def until_notice(self) -> _Notice | None:
-        """Watch until a freeze is seen (its notice) or the detector stops (None)."""
-        detector, engine, stop = self._detector, self._engine, self._stop
-        threshold, limit, due = detector.threshold, self._limit, self._due
-        sleeper = self._sleeper
-        while True:
-            last = self._last
-            # A sleep's deadline is absolute on a clock that counts through a freeze: a
-            # freeze that begins and ends within one sleep does not delay the wake-up
-            # at all. While a snapshot is pending the checkpoint's short freeze is the
-            # thing to see, so the sleeps are short slices of pending_threshold.
-            nap = detector.pending_slice if engine.snapshot_pending else detector.interval
-            kernel_late = sleeper.sleep(nap)
-            if stop.is_set():
-                self.end()
-                return None
-            marks = detector._marks()
-            detector.ticks += 1
-            step = marks.now - last.now - nap
-            pending = engine.snapshot_pending
-            # A log line may block (a full stderr pipe, a slow disk): the thread then
-            # waits without CPU or GIL wake-ups, like a frozen one. The next step is
-            # measured from after any logging, so that wait never counts as a freeze.
-            logged = step > detector.pending_threshold and log.isEnabledFor(logging.DEBUG)
-            if logged:  # what the stall check will weigh
-                log.debug("clock-jump: woke %.3fs late after a %.3fs sleep (snapshot "
-                          "pending: %s); meanwhile process CPU %.3fs, own CPU %.3fs, "
-                          "%d switches; late in the kernel: %s", step, nap, pending,
-                          marks.cpu - last.cpu, marks.thread_cpu - last.thread_cpu,
-                          marks.switches - last.switches, kernel_late)
-            limit_step = detector.pending_threshold if pending else threshold
-            notice: _Notice | None = None
-            if step > limit_step:
-                stall = detector._stall(last, marks, kernel_late, limit_step)
-                # Only a freeze that counts because a snapshot is pending is weighed
-                # against a job-control stop: one longer than the restore threshold
-                # is a restore as it would be without the pending snapshot, and it
-                # must not wait for a SIGCONT that a restored clone never receives.
-                stopped = (stall is None and pending and step <= threshold
-                           and _ContWatch.continued_since(last.now))
-                if stopped:
-                    stall = "it ended with SIGCONT (a job-control stop)"
-                    # Measure on from after the handler ran: a reading taken before it
-                    # would make the next freeze (the checkpoint) look continued too.
-                    marks = detector._marks()
-                if stall is not None:
-                    log.warning("clock-jump: the detector thread woke %.2fs late but %s; "
-                                "not a %s", step, stall,
-                                "checkpoint" if pending else "restore")
-                    # counted after the log line: tests wait on the count
-                    if stopped:
-                        detector.stop_skips += 1
-                    else:
-                        detector.busy_skips += 1
-                    marks = detector._marks()  # the next step starts after the log line
-                    # Still a gap: a real freeze can hide inside a stall (a clone
-                    # restored while a hook held the GIL), and a later notice must
-                    # then run the clone's hooks. The price: the platform's notice of
-                    # a restore whose hook held the GIL past the threshold runs the
-                    # hooks a second time (twice at worst, never zero times).
-                    engine.heartbeat(marks.now, limit, gap_since=last.now, due=due)
-                else:
-                    engine.freeze_noticed(last.now, marks.now)
-                    # The freeze began after last.now and, since the wake-up came
-                    # late, no later than the sleep's deadline; it ended after that. So
-                    # a run detected up to that deadline (a resume answered just before
-                    # the checkpoint) came before the freeze, not after it: only later
-                    # runs are this restore's.
-                    notice = _Notice(since=self._slept_from + nap,
-                                     frozen_for=step, detected=marks.now)
-            else:
-                gap = (step > GAP_SLACK
-                       and detector._stall(last, marks, kernel_late, GAP_SLACK) is None)
-                if logged:
-                    marks = detector._marks()
-                engine.heartbeat(marks.now, limit, gap_since=last.now if gap else None,
-                                 due=due)
-            self._last = marks
-            self._slept_from = marks.now
-            if notice is not None:
-                return notice
-
-
-class _Crew:
-    """Two threads that take turns: one watches, and the one that sees a freeze runs it.
+class _Reporter:
+    """The thread that reports the watch's freezes to the engine and waits for their runs.
 
     The watch must go on while a run is in progress: a checkpoint taken then (a clone made
     mid-run) is a new restore, and the thread waiting for that run could not see it — the
-    clone finished its parent's run, keys and instance id included, and became ready. A
-    thread of its own for the runs put a thread wake-up between every notice and its run,
-    and right after a restore that wake-up is itself a first touch (measured on the
-    embedding workload under runsc: notice → run start 23-25 ms, against 6 ms when the
-    watching thread ran the notice itself). So the thread that sees the freeze runs it at
-    once, and hands the watch to the other one, which waits without wake-ups until then.
-    A freeze seen while a run is in progress is queued for the running thread (the
-    engine's rule "a restore run detected after ``since`` is this one" gives it exactly
-    one more run after the current one); freezes queued meanwhile merge into it.
+    clone finished its parent's run, keys and instance id included, and became ready. So
+    the watching thread only hands each notice over; the engine's rule "a restore run
+    detected after ``since`` is this one" gives the freeze seen mid-run exactly one more
+    run after the current one. Freezes seen while an earlier one waits merge into it (one
+    run covers them). Started with the watch, the thread idles without wake-ups; the
+    hand-off is one condition notify.
     """
 
-    def __init__(self, watch: _Watch, report: Callable[[_Notice, threading.Event], None],
+    def __init__(self, report: Callable[[_Notice, threading.Event], None],
                  stop: threading.Event) -> None:
-        self._watch = watch
         self._report = report
         self._stop = stop
         self._cond = threading.Condition()
-        self._watch_free = False
-        """True while nobody holds the watch (its holder is running a notice)."""
-        self._running = False
-        self._queued: _Notice | None = None
+        self._next: _Notice | None = None
         self._closed = False
-        self.failure: BaseException | None = None
-        """Why the standby thread died (the detector's thread raises it on its way out)."""
-        self._standby = threading.Thread(target=self._standby_main, daemon=True,
-                                         name="rehydrate-clock-jump-standby")
-        self._standby.start()
+        self._thread = threading.Thread(target=self._main, name="rehydrate-clock-jump-run",
+                                        daemon=True)
+        self._thread.start()
 
-    def work(self, *, watching: bool) -> None:
-        """Take turns until closed; ``watching``: this thread holds the watch already."""
-        watch, cond = self._watch, self._cond
-        while True:
-            if not watching:
-                mine = self._watch._detector._marks()  # before any wait for the GIL
-                with cond:
-                    cond.wait_for(lambda: self._watch_free or self._closed)
-                    if self._closed:
-                        return
-                    self._watch_free = False
-                watch.take_over(mine)
-                watching = True
-            notice = watch.until_notice()
-            with cond:
-                if notice is None:  # the detector stops
-                    self._closed = True
-                    self._queued = None
-                    cond.notify_all()
-                    return
-                if self._running:  # the other thread runs a notice: it takes this one next
-                    queued = self._queued
-                    self._queued = notice if queued is None else queued.then(notice)
-                    continue
-                self._running = True
-                self._watch_free = True
-                cond.notify_all()
-            watching = False
-            next_notice: _Notice | None = notice
-            while next_notice is not None:
-                self._report(next_notice, self._stop)
-                with cond:
-                    next_notice, self._queued = self._queued, None
-                    if self._closed:
-                        next_notice = None  # the watch stopped: a notice not run is dropped
-                    if next_notice is None:
-                        self._running = False
-
-    def _standby_main(self) -> None:
-        try:
-            self.work(watching=False)
-        except BaseException as exc:
-            log.exception("clock-jump: the standby thread died")
-            self.failure = exc
-            # End the watch for both: the detector's thread raises this on its way out,
-            # so the detector reports the failure instead of watching on alone.
-            self._stop.set()
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            self._watch.wake()
+    def submit(self, notice: _Notice) -> None:
+        with self._cond:
+            queued = self._next
+            self._next = notice if queued is None else queued.then(notice)
+            self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the turns: a queued notice is dropped (the watch stopped); a run in progress
-        on the other thread is waited for up to ``timeout`` seconds, like the detector's."""
+        """End the thread: a notice not taken yet is dropped (the watch stopped); a run in
+        progress is waited for up to ``timeout`` seconds, like the watching thread's."""
         with self._cond:
             self._closed = True
-            self._queued = None
-            self._cond.notify_all()
-        if self._standby is not threading.current_thread():
-            self._standby.join(timeout)
+            self._next = None
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._next is not None or self._closed)
+                if self._closed:
+                    return
+                notice, self._next = self._next, None
+            if notice is not None:
+                try:
+                    self._report(notice, self._stop)
+                except BaseException:  # SystemExit from a report listener, say
+                    # The thread must live on: every later freeze is reported through it.
+                    log.exception("clock-jump: reporting a restore failed")
 
 
 class _NoWatch:

@@ -717,114 +717,10 @@ def test_merged_notices_keep_the_later_freezes_since():
     assert (merged.since, merged.frozen_for, merged.detected) == (6.0, 5.0, 8.0)
 
 
-def _reports_by_thread(det: ClockJumpDetector) -> list[str]:
-    """Record which thread runs each of ``det``'s notices (set before it starts)."""
-    threads: list[str] = []
-    report = det._report
-
-    def recorded(notice, stop):  # type: ignore[no-untyped-def]
-        threads.append(threading.current_thread().name)
-        report(notice, stop)
-
-    det._report = recorded  # type: ignore[method-assign]
-    return threads
-
-
-def test_the_thread_that_sees_the_freeze_runs_it_and_the_other_watches_meanwhile(
-        rehydrate_engine):
-    """No thread wake-up between a notice and its run: right after a restore that wake-up
-    is itself a first touch (under runsc, notice → run start 23-25 ms on the embedding
-    workload when a reporter thread took every notice, 6 ms when the watching thread ran
-    it). The thread that saw the freeze runs it; a freeze seen by the other one meanwhile
-    is run next by the thread already running (one more run); the next freeze after that
-    is the other thread's, which holds the watch by then."""
-    clock = SteppedClock()
-    entered, release = threading.Event(), threading.Event()
-    runs: list[int] = []
-
-    def slow(ctx):  # type: ignore[no-untyped-def]
-        runs.append(ctx.generation)
-        if len(runs) == 1:
-            entered.set()
-            release.wait(30.0)
-
-    rehydrate_engine.registry.after_restore(slow, name="test.slow", timeout=60)
-    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
-    threads = _reports_by_thread(det)
-    rehydrate_engine.start([det])
-    try:
-        wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
-        clock.offset += 10.0
-        assert entered.wait(5.0), "the restore hooks did not run"
-        ticks = det.ticks
-        clock.offset += 10.0  # checkpointed mid-run
-        wait_for(lambda: det.ticks >= ticks + 3, what="the other thread to watch on")
-    finally:
-        release.set()
-    wait_for(lambda: len(runs) == 2 and rehydrate_engine.is_ready(), what="one more run")
-    clock.offset += 10.0  # restored once more, later
-    wait_for(lambda: len(runs) == 3 and rehydrate_engine.is_ready(), what="a third run")
-    assert threads == ["rehydrate-clock-jump", "rehydrate-clock-jump",
-                       "rehydrate-clock-jump-standby"]
-    assert runs == [1, 2, 3] and det.jumps == 3
-
-
-def test_a_freeze_while_the_watch_changes_hands_is_seen(rehydrate_engine, monkeypatch):
-    """The thread taking the watch over measures its first step from the last reading of
-    the thread that gave it up: a checkpoint taken in between (the new holder still
-    waiting for the CPU) is a step like any other, and the clone gets its run."""
-    from rehydrate.detect import clock_jump
-
-    clock = SteppedClock()
-    handing_over, go_on = threading.Event(), threading.Event()
-    take_over = clock_jump._Watch.take_over
-
-    def slow_take_over(self, mine):  # type: ignore[no-untyped-def]
-        handing_over.set()
-        go_on.wait(30.0)
-        take_over(self, mine)
-
-    monkeypatch.setattr(clock_jump._Watch, "take_over", slow_take_over)
-    rec = Recorder(rehydrate_engine)
-    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
-    rehydrate_engine.start([det])
-    wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
-    clock.offset += 10.0
-    rec.wait(1)
-    assert handing_over.wait(5.0), "the standby thread was not asked to take the watch"
-    clock.offset += 10.0  # checkpointed while nobody sleeps on the watch
-    go_on.set()
-    calls = rec.wait(2)
-    assert [c["generation"] for c in calls] == [1, 2]
-    assert 9.9 <= calls[1]["frozen_for"] <= 11.0
-
-
-def test_a_dead_standby_thread_is_the_detectors_failure(rehydrate_engine, monkeypatch):
-    """The watch is never left to one thread silently: a standby thread that dies ends
-    the watch, and the detector reports why (``failure()``, shown by ``status()``)."""
-    from rehydrate.detect import clock_jump
-
-    def broken(self, mine):  # type: ignore[no-untyped-def]
-        raise RuntimeError("take-over broke")
-
-    monkeypatch.setattr(clock_jump._Watch, "take_over", broken)
-    clock = SteppedClock()
-    rec = Recorder(rehydrate_engine)
-    det = ClockJumpDetector(interval=0.02, threshold=1.5, clock=clock)
-    rehydrate_engine.start([det])
-    wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
-    clock.offset += 10.0
-    rec.wait(1)  # the notice still runs, on the thread that saw it
-    wait_for(lambda: det.failure() is not None, what="the failure to be reported")
-    assert det.failure() == "its thread died: RuntimeError: take-over broke"
-
-
-def test_a_gil_stall_during_the_hand_over_is_no_freeze(rehydrate_engine):
-    """The GIL is held 2.5 s without CPU (a C call; page faults right after a restore)
-    just after a notice, before the standby thread could take the watch over. That wait
-    is a stall — the standby's own GIL wake-ups show it, counted from before it began to
-    wait — not a second freeze: one run, one busy skip. (Counted from when it got the
-    GIL, the wait looked like a freeze and the hooks ran twice.)"""
+def test_a_gil_stall_as_the_run_starts_is_no_second_freeze(rehydrate_engine):
+    """The GIL is held 2.5 s without CPU (a C call; page faults right after a restore) as
+    the first restore's run starts. The watching thread's wait for the GIL is a stall —
+    its own GIL wake-ups show it — not a second freeze: one run, one busy skip."""
     import ctypes
 
     usleep = ctypes.PyDLL(None).usleep  # PyDLL: the GIL stays held during the call
@@ -850,15 +746,15 @@ def test_a_gil_stall_during_the_hand_over_is_no_freeze(rehydrate_engine):
     assert (runs, det.busy_skips) == ([1], 1)
 
 
-def test_a_standby_thread_that_cannot_start_stops_the_heartbeat(rehydrate_engine,
-                                                                  monkeypatch):
-    """No thread left to watch (``can't start new thread``: a pids limit): the detector
-    reports the failure and stops its heartbeat, so readiness does not go stale for good
-    in a process that was never frozen."""
+def test_a_reporter_thread_that_cannot_start_leaves_no_heartbeat(rehydrate_engine,
+                                                                   monkeypatch):
+    """No thread to report with (``can't start new thread``: a pids limit): the detector
+    reports the failure and leaves no heartbeat behind, so readiness does not go stale
+    for good in a process that was never frozen."""
     real_start = threading.Thread.start
 
     def start(self):  # type: ignore[no-untyped-def]
-        if self.name == "rehydrate-clock-jump-standby":
+        if self.name == "rehydrate-clock-jump-run":
             raise RuntimeError("can't start new thread")
         real_start(self)
 
@@ -954,23 +850,30 @@ def test_restarting_the_detector_during_a_long_run_keeps_the_new_watch(tmp_path)
         child.close()
 
 
-def test_a_detector_thread_killed_by_a_base_exception_ends_the_watch(rehydrate_engine):
-    """``SystemExit`` raised on the detector's own thread (from a report listener, say)
-    ends the watch for both threads and is the detector's ``failure()``. Before, the
-    standby thread watched on alone for the stop's join and beat after the heartbeat was
-    stopped, and ``failure()`` stayed None."""
+def test_the_reporter_thread_survives_a_base_exception(rehydrate_engine):
+    """``SystemExit`` raised while a restore is reported (from a report listener, say)
+    is logged, and the next freeze is still reported and run. Before, it ended the
+    reporter thread silently: no later freeze ran its hooks, and ``failure()`` was None."""
     clock = SteppedClock()
+    rec = Recorder(rehydrate_engine)
     det = ClockJumpDetector(interval=0.02, threshold=1.5, grace=0, clock=clock)
+    report = det._report
+    attempts: list[float] = []
 
-    def exits(notice, stop):  # type: ignore[no-untyped-def]
-        raise SystemExit("a listener exited")
+    def exits_once(notice, stop):  # type: ignore[no-untyped-def]
+        attempts.append(notice.frozen_for)
+        if len(attempts) == 1:
+            raise SystemExit("a listener exited")
+        report(notice, stop)
 
-    det._report = exits  # type: ignore[method-assign]
+    det._report = exits_once  # type: ignore[method-assign]
     rehydrate_engine.start([det])
     wait_for(lambda: det.ticks >= 2, what="a few ordinary ticks")
     clock.offset += 10.0
-    wait_for(lambda: det.failure() is not None, what="the failure to be reported")
-    assert det.failure() == "its thread died: SystemExit: a listener exited"
-    wait_for(lambda: not any(t.name.startswith("rehydrate-clock-jump")
-                             for t in threading.enumerate()),
-             what="both threads to end")
+    wait_for(lambda: attempts, what="the first notice")
+    ticks = det.ticks
+    wait_for(lambda: det.ticks >= ticks + 2, what="the watch to go on")
+    clock.offset += 10.0
+    calls = rec.wait(1)
+    assert len(attempts) == 2 and calls[0]["reason"] == "clock-jump"
+    assert det.failure() is None
