@@ -818,21 +818,27 @@ class Lifecycle:
             return None
         last_at, last = self._last_restore_at, self._last_restore_report
         latest = self._pass
-        # Detected before the latest pass began: not a clone of its snapshot, so a run
-        # after this notice's freeze (before that pass) was this restore's.
-        before_latest = latest is not None and detected < latest.started
-        # Not the last restore when a before-snapshot pass ran after it (unless detected
-        # before that pass): this is a clone of that newer snapshot, however far back the
-        # notice's window goes.
+        # Judged against the passes that existed when the notice was DETECTED: its freeze
+        # came after the latest of them (a clone of that pass's snapshot, or the original
+        # resuming from it); a pass begun since (queued on the lock, a retry in a clone)
+        # says nothing about it.
+        then: _Pass | None = latest
+        if latest is not None and detected < latest.started:
+            then = next((p for p in reversed(self._passes) if p.started <= detected), None)
+            if then is None and len(self._passes) == self._passes.maxlen:
+                return None  # older than the history: not known, so run (a clone must)
+        snap_then = then.started if then is not None else -math.inf
+        # Not the last restore when a before-snapshot pass ran after it: this is a clone of
+        # that newer snapshot, however far back the notice's window goes.
         if (last is not None and last_at is not None and last_at > since
-                and (last_at > self._last_snapshot_at or before_latest)):
+                and last_at > snap_then):
             return self._confirm(last, reason, detected)
         late_answer = self._late_answer
-        if (not answer and before_latest and late_answer is not None
-                and since < late_answer[0]):
-            # The same freeze as a platform answer that came too late to run (the
-            # original's resume, after a retried trigger's pass began): running now would
-            # end that newer pass while its checkpoint is pending.
+        if (not answer and then is not latest and late_answer is not None
+                and late_answer[1] is then and since < late_answer[0]):
+            # The same freeze as a platform answer about the same pass that came too late
+            # to run (the original's resume, after a retried trigger's pass began):
+            # running now would end that newer pass while its checkpoint is pending.
             return self._superseded(late_answer[1], reason)
         return None
 

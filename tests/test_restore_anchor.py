@@ -1279,3 +1279,31 @@ def test_a_restore_notice_detected_before_a_newer_pass_confirms_the_run_before_i
     assert jump.deduplicated and [r[:2] for r in runs] == [("gvisor", "resume")]
     assert rehydrate_engine.status().state == "snapshotting"
     assert not rehydrate_engine.is_ready()
+
+
+@pytest.mark.parametrize("earlier", ["resume-ran", "late-resume"])
+def test_a_clone_whose_own_pass_gets_the_engine_first_still_runs_its_restore_hooks(
+        rehydrate_engine: Lifecycle, earlier: str) -> None:
+    """A clone of checkpoint 2 whose restore notice has a wide window (a signal or file
+    detector: received minus 2 s) and whose next pass (the application retrying, the next
+    link of a chain) gets the engine before that notice. The notice is judged against the
+    passes that existed when it was detected: the run of checkpoint 1 — or checkpoint 1's
+    late answer — copied from the parent's memory is not this clone's restore. (Judged
+    against "some pass began after it", the clone kept its parent's keys.)"""
+    runs = _runs(rehydrate_engine)
+    assert rehydrate_engine.snapshot_requested("gvisor").ok  # pass 1
+    arrived = time.monotonic()  # checkpoint 1's resume
+    if earlier == "late-resume":
+        assert rehydrate_engine.snapshot_requested("gvisor").ok  # pass 2, a retry
+    answer = rehydrate_engine.restore_detected("gvisor", kind="resume",
+                                               since=arrived - 2.0, detected_at=arrived)
+    assert answer.deduplicated is (earlier == "late-resume")
+    if earlier == "resume-ran":
+        assert rehydrate_engine.snapshot_requested("gvisor").ok  # pass 2
+    before = len(runs)
+    received = time.monotonic()  # checkpoint 2 froze; in the clone the signal comes
+    assert rehydrate_engine.snapshot_requested("control").ok  # the clone's own next pass
+    clone = rehydrate_engine.restore_detected("signal", kind="restore",
+                                              since=received - 2.0, detected_at=received)
+    assert not clone.deduplicated
+    assert runs[before:] == [("signal", "restore", 1)]
