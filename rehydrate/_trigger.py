@@ -16,7 +16,7 @@ import select
 import stat
 import time
 
-from ._contract import own_pass_started
+from ._contract import left_to_answer, own_pass_started
 from ._notify import timeout_value
 from .detect.gvisor import (
     _OPEN_READ,
@@ -131,8 +131,14 @@ def trigger_snapshot(
         snap = engine.snapshot_requested("gvisor")
         # its own pass exactly (another may have got the engine first, after `prepared`)
         prepared = own_pass_started(engine, snap, prepared)
+        if ticket is not None:
+            # An answer to this trigger's own checkpoint ends this pass, however long
+            # before it another trigger registered (see GVisorDetector._older_than).
+            waiter._trigger_prepared(ticket, prepared)  # type: ignore[union-attr]
         if not snap.ok:
-            if _answer_due(waiter, ticket):
+            # Left to the due answer only with the snapshot deadline bounding the wait
+            # (else degraded for good when that answer never comes).
+            if _answer_due(waiter, ticket) and left_to_answer(engine, snap):
                 log.error("before-snapshot hooks failed: checkpoint not triggered; %s",
                           _LEFT_TO_ANSWER)
                 return "error"
