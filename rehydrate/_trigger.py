@@ -81,7 +81,9 @@ def trigger_snapshot(
     While such a late answer is due to the running waiter, a later call never makes the
     process ready before it: when that call fails too (its ``1`` refused with ``ENXIO``
     because the earlier checkpoint is still in progress, or its before-snapshot hooks
-    failed) the resume hooks are left to the due answer (the error says so). And an
+    failed) the resume hooks are left to the due answer (the error says so) — bounded
+    by the engine's ``snapshot_deadline``, and only while that checkpoint's pass is still
+    pending (once a run ended it, the snapshot deadline's, this call carries on). And an
     answer that arrives before this call wrote its ``1`` is the earlier checkpoint's: it
     does not end this call's pass and is not returned as this call's answer (without a
     waiter, one already readable before the write is handled as such, and this call's

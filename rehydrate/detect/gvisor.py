@@ -20,8 +20,9 @@ closed things) — unless the failure is the abort a failed ``notify save`` aske
 control socket ran the resume hooks for that pass already, and the answer only confirms
 that run (``confirmed_by``). A ``resume`` or ``error`` that arrived before the latest
 before-snapshot pass began — or while a :func:`rehydrate.trigger_snapshot` had begun and not
-yet written its ``1`` — is an earlier checkpoint's (a timed-out trigger's) and runs nothing
-for that pass (``older_than`` in
+yet written its ``1``, unless that trigger's pass began no later than the pass of the
+latest trigger that did write (the answer may be that one's own) — is an earlier
+checkpoint's (a timed-out trigger's) and runs nothing for that pass (``older_than`` in
 :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`); a ``restore`` always runs.
 Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
