@@ -148,6 +148,11 @@ class Engine(Protocol):
         ``undoes=`` of a carry-on about exactly that pass."""
         ...
 
+    def await_answer(self, report: SnapshotReport) -> bool:
+        """The resume hooks for the failed pass ``report`` are left to a checkpoint's
+        answer still due: bound that wait by the snapshot deadline. False: run them now."""
+        ...
+
     def simulate_restore(
         self,
         env: Mapping[str, str | None] | None = None,
@@ -229,3 +234,15 @@ def own_pass_started(engine: Engine, snap: SnapshotReport, prepared: float) -> f
         return engine.pass_started(snap) or prepared
     except Exception:  # an older engine, a failed lookup: the bound will do
         return prepared
+
+
+def left_to_answer(engine: Engine, snap: SnapshotReport) -> bool:
+    """Whether the resume hooks for the failed pass ``snap`` can be left to a checkpoint's
+    answer still due (:meth:`Engine.await_answer`: bounded by the snapshot deadline).
+    False — run them now — on an engine without ``await_answer`` or when it fails: a
+    failed pass left to an answer with nothing to bound the wait could stay degraded for
+    good."""
+    try:
+        return engine.await_answer(snap) is True
+    except Exception:  # an older engine, a failed call: the carry-on runs now
+        return False

@@ -989,12 +989,36 @@ class Lifecycle:
         self._publish(report)
         return report
 
-    def _watch_deadline(self, seq: int, deadline: float) -> None:
-        threading.Thread(target=self._deadline_main, args=(seq, deadline),
+    def await_answer(self, report: SnapshotReport) -> bool:
+        """The resume hooks for the failed before-snapshot pass that produced ``report``
+        are left to a checkpoint's answer still due (the gVisor trigger's: a run now would
+        say ready while that checkpoint is pending): bound that wait like a successful
+        pass's. With :attr:`snapshot_deadline` set, the resume hooks run when neither a
+        restore nor a resume came within that many seconds; with it off, the answer is
+        waited for as long as it takes (as after a successful pass).
+
+        False when the wait cannot be left to the answer: ``report`` is not the latest
+        pass, or a run followed it already — the caller then runs its carry-on (it only
+        confirms that run). A failed pass nobody calls this for keeps no watch: it stays
+        ``degraded`` until the next run (the caller's carry-on, as before)."""
+        self._check_not_inside_hook()
+        with self._run_lock:
+            latest = self._pass
+            if latest is None or latest.report is not report or latest.undone_by is not None:
+                return False
+            if self.snapshot_deadline is not None:
+                self._watch_deadline(self._event_seq, self.snapshot_deadline, failed=True)
+        return True
+
+    def _watch_deadline(self, seq: int, deadline: float, *, failed: bool = False) -> None:
+        threading.Thread(target=self._deadline_main, args=(seq, deadline, failed),
                          name="rehydrate-snapshot-deadline", daemon=True).start()
 
-    def _deadline_main(self, seq: int, deadline: float) -> None:
+    def _deadline_main(self, seq: int, deadline: float, failed: bool = False) -> None:
         """Resume hooks when the snapshot ``seq`` saw neither restore nor resume in time.
+
+        ``failed``: the pass failed (state ``degraded``) and its resume hooks were left to
+        a checkpoint's answer (:meth:`await_answer`).
 
         Waits on the engine's condition (no polling) in slices of at most 0.5 s; a
         slice that ends much later than asked means the process was frozen — a checkpoint
@@ -1014,7 +1038,9 @@ class Lifecycle:
                           "the restore/resume to the detectors")
                 return
         with self._run_lock:
-            if self._event_seq != seq or self._state != "snapshotting":
+            # No run since the pass (seq): its state is still the pass's own.
+            if self._event_seq != seq or self._state not in (
+                    ("snapshotting", "degraded") if failed else ("snapshotting",)):
                 return
             detected = time.monotonic()
             # Every slice of the watch ended on time: nothing froze, and hooks that act

@@ -16,7 +16,7 @@ import select
 import stat
 import time
 
-from ._contract import own_pass_started
+from ._contract import left_to_answer, own_pass_started
 from ._notify import timeout_value
 from .detect.gvisor import (
     _OPEN_READ,
@@ -81,7 +81,9 @@ def trigger_snapshot(
     While such a late answer is due to the running waiter, a later call never makes the
     process ready before it: when that call fails too (its ``1`` refused with ``ENXIO``
     because the earlier checkpoint is still in progress, or its before-snapshot hooks
-    failed) the resume hooks are left to the due answer (the error says so). And an
+    failed) the resume hooks are left to the due answer (the error says so) — bounded
+    by the engine's ``snapshot_deadline``, and only while that checkpoint's pass is still
+    pending (once a run ended it, the snapshot deadline's, this call carries on). And an
     answer that arrives before this call wrote its ``1`` is the earlier checkpoint's: it
     does not end this call's pass and is not returned as this call's answer (without a
     waiter, one already readable before the write is handled as such, and this call's
@@ -131,8 +133,14 @@ def trigger_snapshot(
         snap = engine.snapshot_requested("gvisor")
         # its own pass exactly (another may have got the engine first, after `prepared`)
         prepared = own_pass_started(engine, snap, prepared)
+        if ticket is not None:
+            # An answer to this trigger's own checkpoint ends this pass, however long
+            # before it another trigger registered (see GVisorDetector._older_than).
+            waiter._trigger_prepared(ticket, prepared)  # type: ignore[union-attr]
         if not snap.ok:
-            if _answer_due(waiter, ticket):
+            # Left to the due answer only with the snapshot deadline bounding the wait
+            # (else degraded for good when that answer never comes).
+            if _answer_due(waiter, ticket) and left_to_answer(engine, snap):
                 log.error("before-snapshot hooks failed: checkpoint not triggered; %s",
                           _LEFT_TO_ANSWER)
                 return "error"

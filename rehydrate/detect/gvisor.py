@@ -20,8 +20,9 @@ closed things) — unless the failure is the abort a failed ``notify save`` aske
 control socket ran the resume hooks for that pass already, and the answer only confirms
 that run (``confirmed_by``). A ``resume`` or ``error`` that arrived before the latest
 before-snapshot pass began — or while a :func:`rehydrate.trigger_snapshot` had begun and not
-yet written its ``1`` — is an earlier checkpoint's (a timed-out trigger's) and runs nothing
-for that pass (``older_than`` in
+yet written its ``1``, unless that trigger's pass began no later than the pass of the
+latest trigger that did write (the answer may be that one's own) — is an earlier
+checkpoint's (a timed-out trigger's) and runs nothing for that pass (``older_than`` in
 :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`); a ``restore`` always runs.
 Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
@@ -280,6 +281,11 @@ class _Trigger:
         """Just before it wrote its ``1``: its checkpoint's answer arrives after this."""
         self.owes: float | None = None
         """The waiter's ``_due`` this trigger set (undone when its write fails)."""
+        self.started: float | None = None
+        """When its own before-snapshot pass began, once known (``own_pass_started``)."""
+        self.replaced: tuple[float, float | None] | None = None
+        """The waiter's ``_written`` before this trigger wrote (put back when the write
+        fails)."""
 
 
 class GVisorDetector(Detector):
@@ -312,6 +318,10 @@ class GVisorDetector(Detector):
         """A trigger's checkpoint is under way and its answer has not come (a trigger
         that timed out, or one refused because a checkpoint was in progress): the moment
         before its ``1`` was written, after which that answer arrives."""
+        self._written: tuple[float, float | None] | None = None
+        """(the moment before its ``1`` was written, when its pass began) of the latest
+        trigger that wrote: an answer arriving after that write is about that pass or an
+        earlier one's checkpoint — that pass's checkpoint has begun."""
         self._last_bad: tuple[int, str] = (-1, "")
         """(sequence number, what) of the latest bad answer."""
         self._bad_streak = 0
@@ -651,11 +661,7 @@ class GVisorDetector(Detector):
         assert engine is not None
         with self._cond:
             self._armed = False
-            # A trigger that had not written its 1 when this answer arrived: its
-            # checkpoint had not begun, so the answer is an earlier one's and must not
-            # end that trigger's pass (it may have begun already).
-            older_than = min((t.begun for t in self._triggers
-                              if t.writing is None or t.writing > arrived), default=None)
+            older_than = self._older_than(arrived)
             # At once, not after the hooks: a trigger ending meanwhile must see that no
             # answer is due any more, and run its own carry-on (see _trigger_ends).
             self._settle_due(arrived)
@@ -675,6 +681,26 @@ class GVisorDetector(Detector):
             self._cond.notify_all()
         return time.monotonic()  # a later answer on this descriptor is a later checkpoint
 
+    def _older_than(self, arrived: float) -> float | None:
+        """``older_than`` for an answer that arrived at ``arrived`` (see :func:`_handle`).
+        Under ``_cond``.
+
+        A trigger that had not written its ``1`` by then: its checkpoint had not begun, so
+        the answer is an earlier one's and must not end that trigger's pass — begun
+        already, or about to (its ``begun``, a moment before its pass, is the bound: its
+        pass may be under way and not known here yet). But a pass that began no later
+        than that of the latest trigger that did write before the answer (a concurrent
+        trigger that got the engine first: its own answer) belongs to a checkpoint that
+        has begun: the bound never reaches back before it, or that trigger's own answer
+        would run nothing and leave the process ``snapshotting``."""
+        older_than = min((t.begun for t in self._triggers
+                          if t.writing is None or t.writing > arrived), default=None)
+        written = self._written
+        if (older_than is not None and written is not None and written[0] <= arrived
+                and written[1] is not None):
+            older_than = max(older_than, written[1])
+        return older_than
+
     def _settle_due(self, at: float) -> None:
         """An answer arrived at ``at``: the due one if it came after that ``1`` (an
         earlier checkpoint's otherwise). Under ``_cond``."""
@@ -686,15 +712,28 @@ class GVisorDetector(Detector):
     def _trigger_begins(self) -> _Trigger:
         """A trigger is about to run its before-snapshot pass (see :attr:`_triggers`)."""
         trigger = _Trigger()
+        engine = self._engine
         with self._cond:
             self._triggers.append(trigger)
+            if self._due is not None and engine is not None and not engine.snapshot_pending:
+                # A run ended the pass of the checkpoint still to be answered (the snapshot
+                # deadline's, the last resort): the process is ready already, so that
+                # answer no longer holds this trigger's carry-on back (left to it, a
+                # failed pass stayed degraded: no pass of its own to end).
+                self._due = None
         return trigger
+
+    def _trigger_prepared(self, trigger: _Trigger, started: float) -> None:
+        """``trigger``'s own before-snapshot pass began at ``started``."""
+        with self._cond:
+            trigger.started = started
 
     def _trigger_writes(self, trigger: _Trigger) -> None:
         """``trigger`` writes its ``1`` now: its checkpoint's answer is due (set before
         the write: the answer may come before the write returns)."""
         with self._cond:
             trigger.writing = time.monotonic()
+            trigger.replaced, self._written = self._written, (trigger.writing, trigger.started)
             if self._due is None:
                 self._due = trigger.owes = trigger.writing
 
@@ -703,6 +742,9 @@ class GVisorDetector(Detector):
         with self._cond:
             if trigger.owes is not None and self._due == trigger.owes:
                 self._due = None
+            if (trigger.writing is not None and self._written is not None
+                    and self._written[0] == trigger.writing):
+                self._written = trigger.replaced
             trigger.writing = trigger.owes = None
 
     def _trigger_ends(self, trigger: _Trigger) -> bool:

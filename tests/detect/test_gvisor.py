@@ -1181,6 +1181,172 @@ def test_a_retried_trigger_that_fails_leaves_the_resume_to_the_due_answer(
         platform.close()
 
 
+def _failing_pass(eng: Lifecycle) -> None:
+    @eng.registry.before_snapshot(name="boom")
+    def boom() -> None:
+        raise RuntimeError("cannot close")
+
+
+def test_a_failed_retry_after_the_snapshot_deadline_carries_on_at_once(
+        iso_engine: Lifecycle, pty_proc: Path) -> None:
+    """Trigger 1 timed out and the platform never answered: the snapshot deadline ran the
+    resume hooks (ready). Trigger 2's before-snapshot hooks fail: its carry-on runs at
+    once and the process is ready (before: the resume hooks were left to checkpoint 1's
+    answer, still counted due, and the process stayed degraded for good — no deadline
+    watches a failed pass)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        iso_engine.snapshot_deadline = 0.3
+        start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        assert iso_engine.wait_ready(timeout=DEADLINE)  # the deadline's resume run
+        assert iso_engine.status().last_report.reason == "snapshot-deadline"
+        before = len(rec.calls)
+        _failing_pass(iso_engine)
+        assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "error"
+        assert iso_engine.is_ready() and iso_engine.state == "ready"
+        assert [c[:2] for c in rec.calls[before:]] == [SNAP, RESUMED]
+        assert iso_engine.status().last_report.reason == "gvisor"  # the carry-on
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
+def test_a_failed_retry_left_to_a_due_answer_is_bounded_by_the_snapshot_deadline(
+        iso_engine: Lifecycle, pty_proc: Path) -> None:
+    """Trigger 1 timed out (no deadline watched its pass); trigger 2's before-snapshot
+    hooks fail while checkpoint 1's answer is due, and that answer never comes. The
+    resume hooks are left to it — but only as long as the snapshot deadline: then they
+    run (before: nothing watched the failed pass, and the process stayed degraded for
+    good)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        iso_engine.snapshot_deadline = None  # pass 1 unwatched: only pass 2's bound counts
+        start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        iso_engine.snapshot_deadline = 0.3
+        before = len(rec.calls)
+        _failing_pass(iso_engine)
+        assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "error"
+        assert iso_engine.wait_ready(timeout=DEADLINE), iso_engine.state
+        assert [c[:2] for c in rec.calls[before:]] == [SNAP, RESUMED]
+        # left to the answer, then the deadline's run — not the trigger's carry-on
+        assert iso_engine.status().last_report.reason == "snapshot-deadline"
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
+def test_a_failed_pass_with_no_answer_due_keeps_no_deadline_watch() -> None:
+    """:meth:`Lifecycle.await_answer` bounds only the latest pass, not yet undone: for an
+    older one (a run followed) it says no, and the caller carries on itself."""
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None), snapshot_deadline=0.2)
+    try:
+        _failing_pass(eng)
+        snap = eng.simulate_snapshot()
+        assert not snap.ok and eng.state == "degraded"
+        eng.restore_detected("test", kind="resume", anchor=False, frozen_for=0.0)
+        assert eng.is_ready()
+        assert eng.await_answer(snap) is False
+    finally:
+        eng.close()
+
+
+def _trigger_b_held(waiter: GVisorDetector, monkeypatch: pytest.MonkeyPatch, step: str
+                    ) -> tuple[threading.Event, threading.Event]:
+    """Hold trigger B (a thread named ``B…``) right after its registration with the
+    waiter (``_trigger_begins``), or after its pass, just before it waits for the waiter
+    to be armed and writes (``_wait_armed``): B is slow to go on (scheduling)."""
+    real = getattr(waiter, step)
+    held, release = threading.Event(), threading.Event()
+
+    def hold(*args):  # type: ignore[no-untyped-def]
+        after = step == "_trigger_begins"
+        out = real(*args) if after else None
+        if threading.current_thread().name.startswith("B"):
+            held.set()
+            assert release.wait(DEADLINE)
+        return out if after else real(*args)
+
+    monkeypatch.setattr(waiter, step, hold)
+    return held, release
+
+
+@pytest.mark.parametrize("held_after", ["_trigger_begins", "_wait_armed"])
+def test_a_concurrent_triggers_own_answer_ends_its_pass(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
+        held_after: str) -> None:
+    """Trigger B registered with the waiter first (``_trigger_begins``; or even ran its
+    pass, ``_wait_armed``), then trigger A's pass ran (the latest), A wrote its
+    ``1`` and checkpoint A answered ``resume`` while B had not written. That answer is
+    A's own: the resume hooks run and the process is ready (before: B's registration
+    counted the answer as an earlier checkpoint's — A returned ``resume`` with no resume
+    hook run, and the process stayed snapshotting). B then gets its own answer."""
+    platform = FakePlatform(pty_proc, reply=b"resume\n")
+    try:
+        rec = Recorder(iso_engine)
+        waiter = start_waiter(iso_engine, pty_proc)
+        held, release = _trigger_b_held(waiter, monkeypatch, held_after)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="B") as pool:
+            b = pool.submit(trigger_snapshot, iso_engine, timeout=DEADLINE)
+            try:
+                assert held.wait(DEADLINE)
+                b_pass = [SNAP] if held_after == "_wait_armed" else []
+                assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "resume"  # A
+                assert [c[:2] for c in rec.calls] == [*b_pass, SNAP, RESUMED]
+                assert iso_engine.is_ready() and iso_engine.state == "ready"
+            finally:
+                release.set()
+            assert b.result(DEADLINE) == "resume"
+        assert b"".join(platform.triggers) == b"11"
+        assert [c[:2] for c in rec.calls][-1] == RESUMED
+        assert iso_engine.is_ready() and iso_engine.state == "ready"
+    finally:
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
+def test_a_concurrent_triggers_answer_does_not_end_a_later_triggers_pass(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trigger A wrote its ``1``; trigger B's pass ran after A's (the latest), and B has
+    not written yet when checkpoint A answers ``resume``. That answer is A's, but B's
+    pass belongs to B's checkpoint, still to come: nothing runs, the process stays
+    snapshotting until B's own answer (the bound never reaches back before the latest
+    pass just because A's pass was answered)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        waiter = start_waiter(iso_engine, pty_proc)
+        held, release = _trigger_b_held(waiter, monkeypatch, "_wait_armed")
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="A") as pa, \
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="B") as pb:
+            a = pa.submit(trigger_snapshot, iso_engine, timeout=DEADLINE)
+            try:
+                wait_for(lambda: b"".join(platform.triggers) == b"1" or a.done(),
+                         what="trigger A's 1")
+                b = pb.submit(trigger_snapshot, iso_engine, timeout=DEADLINE)
+                assert held.wait(DEADLINE)  # B's pass ran; B has not written
+                os.write(platform.master, b"resume\n")  # checkpoint A's answer
+                assert a.result(DEADLINE) == "resume"
+                assert [c[:2] for c in rec.calls] == [SNAP, SNAP]
+                assert iso_engine.state == "snapshotting" and not iso_engine.is_ready()
+            finally:
+                release.set()
+            wait_for(lambda: b"".join(platform.triggers) == b"11" or b.done(),
+                     what="trigger B's 1")
+            os.write(platform.master, b"resume\n")  # checkpoint B's answer
+            assert b.result(DEADLINE) == "resume"
+        assert [c[:2] for c in rec.calls] == [SNAP, SNAP, RESUMED]
+        assert iso_engine.is_ready() and iso_engine.state == "ready"
+    finally:
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
 def test_without_a_waiter_an_earlier_answer_is_not_the_retried_triggers(
         iso_engine: Lifecycle, pty_proc: Path) -> None:
     """No waiter: trigger 1 timed out (and carried on); checkpoint 1's late ``resume``
