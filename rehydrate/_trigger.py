@@ -133,10 +133,6 @@ def trigger_snapshot(
         snap = engine.snapshot_requested("gvisor")
         # its own pass exactly (another may have got the engine first, after `prepared`)
         prepared = own_pass_started(engine, snap, prepared)
-        if ticket is not None:
-            # An answer to this trigger's own checkpoint ends this pass, however long
-            # before it another trigger registered (see GVisorDetector._older_than).
-            waiter._trigger_prepared(ticket, prepared)  # type: ignore[union-attr]
         if not snap.ok:
             # Left to the due answer only with the snapshot deadline bounding the wait
             # (else degraded for good when that answer never comes).

@@ -281,11 +281,6 @@ class _Trigger:
         """Just before it wrote its ``1``: its checkpoint's answer arrives after this."""
         self.owes: float | None = None
         """The waiter's ``_due`` this trigger set (undone when its write fails)."""
-        self.started: float | None = None
-        """When its own before-snapshot pass began, once known (``own_pass_started``)."""
-        self.replaced: tuple[float, float | None] | None = None
-        """The waiter's ``_written`` before this trigger wrote (put back when the write
-        fails)."""
 
 
 class GVisorDetector(Detector):
@@ -318,10 +313,6 @@ class GVisorDetector(Detector):
         """A trigger's checkpoint is under way and its answer has not come (a trigger
         that timed out, or one refused because a checkpoint was in progress): the moment
         before its ``1`` was written, after which that answer arrives."""
-        self._written: tuple[float, float | None] | None = None
-        """(the moment before its ``1`` was written, when its pass began) of the latest
-        trigger that wrote: an answer arriving after that write is about that pass or an
-        earlier one's checkpoint — that pass's checkpoint has begun."""
         self._last_bad: tuple[int, str] = (-1, "")
         """(sequence number, what) of the latest bad answer."""
         self._bad_streak = 0
@@ -688,18 +679,13 @@ class GVisorDetector(Detector):
         A trigger that had not written its ``1`` by then: its checkpoint had not begun, so
         the answer is an earlier one's and must not end that trigger's pass — begun
         already, or about to (its ``begun``, a moment before its pass, is the bound: its
-        pass may be under way and not known here yet). But a pass that began no later
-        than that of the latest trigger that did write before the answer (a concurrent
-        trigger that got the engine first: its own answer) belongs to a checkpoint that
-        has begun: the bound never reaches back before it, or that trigger's own answer
-        would run nothing and leave the process ``snapshotting``."""
-        older_than = min((t.begun for t in self._triggers
-                          if t.writing is None or t.writing > arrived), default=None)
-        written = self._written
-        if (older_than is not None and written is not None and written[0] <= arrived
-                and written[1] is not None):
-            older_than = max(older_than, written[1])
-        return older_than
+        pass may be under way and not known here yet). With two triggers at once that
+        holds back the answer of the one that wrote first too, when the other registered
+        earlier: the process stays ``snapshotting`` until the other's own answer. Moving
+        the bound up to the writer's pass let the answer reopen what the other's pass had
+        closed, and the other then wrote its ``1`` while the process said ready."""
+        return min((t.begun for t in self._triggers
+                    if t.writing is None or t.writing > arrived), default=None)
 
     def _settle_due(self, at: float) -> None:
         """An answer arrived at ``at``: the due one if it came after that ``1`` (an
@@ -723,17 +709,11 @@ class GVisorDetector(Detector):
                 self._due = None
         return trigger
 
-    def _trigger_prepared(self, trigger: _Trigger, started: float) -> None:
-        """``trigger``'s own before-snapshot pass began at ``started``."""
-        with self._cond:
-            trigger.started = started
-
     def _trigger_writes(self, trigger: _Trigger) -> None:
         """``trigger`` writes its ``1`` now: its checkpoint's answer is due (set before
         the write: the answer may come before the write returns)."""
         with self._cond:
             trigger.writing = time.monotonic()
-            trigger.replaced, self._written = self._written, (trigger.writing, trigger.started)
             if self._due is None:
                 self._due = trigger.owes = trigger.writing
 
@@ -742,9 +722,6 @@ class GVisorDetector(Detector):
         with self._cond:
             if trigger.owes is not None and self._due == trigger.owes:
                 self._due = None
-            if (trigger.writing is not None and self._written is not None
-                    and self._written[0] == trigger.writing):
-                self._written = trigger.replaced
             trigger.writing = trigger.owes = None
 
     def _trigger_ends(self, trigger: _Trigger) -> bool:

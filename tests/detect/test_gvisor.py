@@ -1275,33 +1275,44 @@ def _trigger_b_held(waiter: GVisorDetector, monkeypatch: pytest.MonkeyPatch, ste
 
 
 @pytest.mark.parametrize("held_after", ["_trigger_begins", "_wait_armed"])
-def test_a_concurrent_triggers_own_answer_ends_its_pass(
+def test_concurrent_triggers_are_never_ready_before_the_last_ones_answer(
         iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
         held_after: str) -> None:
     """Trigger B registered with the waiter first (``_trigger_begins``; or even ran its
-    pass, ``_wait_armed``), then trigger A's pass ran (the latest), A wrote its
-    ``1`` and checkpoint A answered ``resume`` while B had not written. That answer is
-    A's own: the resume hooks run and the process is ready (before: B's registration
-    counted the answer as an earlier checkpoint's — A returned ``resume`` with no resume
-    hook run, and the process stayed snapshotting). B then gets its own answer."""
+    pass, ``_wait_armed``), then trigger A's pass ran, A wrote its ``1`` and checkpoint A
+    answered ``resume`` while B had not written. The resume hooks must not run yet: B's
+    checkpoint is still to come, and with B's pass already run they would reopen what it
+    closed, so that B wrote its ``1`` while the process said ready (a fix that ran them
+    for A did that). The process stays snapshotting until B's own answer."""
     platform = FakePlatform(pty_proc, reply=b"resume\n")
     try:
         rec = Recorder(iso_engine)
         waiter = start_waiter(iso_engine, pty_proc)
         held, release = _trigger_b_held(waiter, monkeypatch, held_after)
+        at_write: list[tuple[str, str, bool]] = []
+        writes = waiter._trigger_writes
+
+        def recorded(ticket):  # type: ignore[no-untyped-def]
+            at_write.append((threading.current_thread().name[:1], iso_engine.state,
+                             iso_engine.is_ready()))
+            writes(ticket)
+
+        monkeypatch.setattr(waiter, "_trigger_writes", recorded)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="B") as pool:
             b = pool.submit(trigger_snapshot, iso_engine, timeout=DEADLINE)
             try:
                 assert held.wait(DEADLINE)
                 b_pass = [SNAP] if held_after == "_wait_armed" else []
                 assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "resume"  # A
-                assert [c[:2] for c in rec.calls] == [*b_pass, SNAP, RESUMED]
-                assert iso_engine.is_ready() and iso_engine.state == "ready"
+                assert [c[:2] for c in rec.calls] == [*b_pass, SNAP]
+                assert iso_engine.state == "snapshotting" and not iso_engine.is_ready()
             finally:
                 release.set()
             assert b.result(DEADLINE) == "resume"
         assert b"".join(platform.triggers) == b"11"
+        assert [w for w in at_write if w[0] == "B"] == [("B", "snapshotting", False)]
         assert [c[:2] for c in rec.calls][-1] == RESUMED
+        assert [c[:2] for c in rec.calls].count(RESUMED) == 1
         assert iso_engine.is_ready() and iso_engine.state == "ready"
     finally:
         iso_engine.stop()
