@@ -1020,11 +1020,16 @@ class Lifecycle:
         ``failed``: the pass failed (state ``degraded``) and its resume hooks were left to
         a checkpoint's answer (:meth:`await_answer`).
 
-        Waits on the engine's condition (no polling) in slices of at most 0.5 s; a
-        slice that ends much later than asked means the process was frozen — a checkpoint
-        happened and the restore/resume detectors take over, so the watch ends.
+        Waits on the engine's condition (no polling) in slices of at most 0.5 s. A slice
+        that ends much later than asked means the process was frozen (a checkpoint: the
+        restore/resume detectors' run ends the watch) or stalled (the GIL held, a short
+        job-control stop: the detectors leave those pending), so the deadline starts
+        again from there. When it passes after a freeze with no run, the hooks that run
+        are the *restore* hooks: the freeze may have been a checkpoint that made this
+        process a clone, and a fresh identity is the safe side.
         """
         end = time.monotonic() + deadline
+        froze = False
         while True:
             now = time.monotonic()
             if now >= end:
@@ -1034,9 +1039,13 @@ class Lifecycle:
                 if self._cond.wait_for(lambda: self._event_seq != seq, step):
                     return
             if time.monotonic() - now > step + _FROZEN_STEP:
-                log.debug("snapshot deadline: the process was frozen meanwhile; leaving "
-                          "the restore/resume to the detectors")
-                return
+                # Ending the watch here left a stall (which the detectors do not count as
+                # a checkpoint) with nobody to end the pass: snapshotting, or degraded,
+                # for good when the platform's answer never came.
+                log.debug("snapshot deadline: the process was frozen or stalled meanwhile; "
+                          "the deadline starts again")
+                froze = True
+                end = time.monotonic() + deadline
         with self._run_lock:
             # No run since the pass (seq): its state is still the pass's own.
             if self._event_seq != seq or self._state not in (
@@ -1046,11 +1055,12 @@ class Lifecycle:
             # Every slice of the watch ended on time: nothing froze, and hooks that act
             # only on a freeze (the game's tick clock) must know it (frozen_for 0). A
             # gap since the last slice (a freeze just now, unnoticed yet): unknown.
-            frozen_for = 0.0 if detected - now <= _FROZEN_STEP else None
+            frozen_for = 0.0 if not froze and detected - now <= _FROZEN_STEP else None
+            kind: Literal["restore", "resume"] = "restore" if froze else "resume"
             log.warning("no restore or resume within %gs of the before-snapshot hooks "
                         "(snapshot_deadline): the platform seems to have given up; running "
-                        "the resume hooks", deadline)
-            report = self._run_restore("snapshot-deadline", "resume", frozen_for, None,
+                        "the %s hooks", deadline, kind)
+            report = self._run_restore("snapshot-deadline", kind, frozen_for, None,
                                        detected, deadline_at=self._deadline_at(detected, None))
         self._publish(report)
         _log_run(report)

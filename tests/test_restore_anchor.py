@@ -527,21 +527,29 @@ from rehydrate._control_client import request
 from rehydrate.detect.control import ControlServer
 from rehydrate.env import EnvRefresher
 from rehydrate._lifecycle import DEFAULT_SNAPSHOT_DEADLINE
-engine = Lifecycle(Registry(), env=EnvRefresher(path=None), snapshot_deadline=1.0)
+engine = Lifecycle(Registry(), env=EnvRefresher(path=None), snapshot_deadline=2.0)
+runs = []
+engine.registry.after_restore(lambda ctx: runs.append((ctx.reason, ctx.kind)))
 engine.simulate_snapshot()
 # Frozen at once: a parent that stops us on reading "armed" may, on a loaded box, come
 # later than the deadline. The parent keeps us stopped and continues us.
 os.kill(os.getpid(), signal.SIGSTOP)
-end = time.monotonic() + 2.0
+end = time.monotonic() + 0.3
 while time.monotonic() < end:
     time.sleep(0.05)
-print(json.dumps({"state": engine.state}), flush=True)
+print(json.dumps({"state": engine.state, "runs": runs}), flush=True)
+ready = engine.wait_ready(30)
+print(json.dumps({"ready": ready, "runs": runs}), flush=True)
 """
 
 
-def test_snapshot_deadline_ends_when_the_process_was_frozen() -> None:
-    """A freeze (SIGSTOP here, a checkpoint for real) means the detectors take over: the
-    deadline must not fire just because the clock stepped past it while frozen."""
+def test_snapshot_deadline_starts_again_after_a_freeze() -> None:
+    """A freeze (SIGSTOP here, a checkpoint for real) gives the detectors a whole deadline
+    from its end: the deadline must not fire just because the clock stepped past it while
+    frozen. When nothing came by then (a stall the detectors did not count, an answer that
+    never came), the deadline runs the restore hooks — the freeze may have made this
+    process a clone. Before, the watch ended at the freeze, and such a process stayed
+    snapshotting for good."""
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
                              text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -554,12 +562,15 @@ def test_snapshot_deadline_ends_when_the_process_was_frozen() -> None:
                 break
             assert time.monotonic() < give_up, "the child never stopped itself"
             time.sleep(0.01)
-        end = time.monotonic() + 2.5  # frozen for longer than the deadline (and a slice)
+        end = time.monotonic() + 3.5  # frozen for longer than the deadline (and a slice)
         while time.monotonic() < end:
             time.sleep(0.05)
         os.kill(child.pid, signal.SIGCONT)
         line = child.stdout.readline()
-        assert json.loads(line) == {"state": "snapshotting"}, line
+        assert json.loads(line) == {"state": "snapshotting", "runs": []}, line
+        line = child.stdout.readline()
+        assert json.loads(line) == {"ready": True,
+                                    "runs": [["snapshot-deadline", "restore"]]}, line
     finally:
         child.kill()
         child.wait(DEADLINE)
@@ -1307,3 +1318,36 @@ def test_a_clone_whose_own_pass_gets_the_engine_first_still_runs_its_restore_hoo
                                               since=received - 2.0, detected_at=received)
     assert not clone.deduplicated
     assert runs[before:] == [("signal", "restore", 1)]
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["pass-ok", "pass-failed"])
+def test_a_gil_stall_does_not_end_the_snapshot_deadline_watch(
+        rehydrate_engine: Lifecycle, passed: bool) -> None:
+    """A long C call holding the GIL right after the before-snapshot pass looks like a
+    freeze to the deadline watch. The detectors do not count such a stall as a
+    checkpoint, so before, nobody ended the pass: ``snapshotting`` (or, for a failed pass
+    left to a due answer, ``degraded``) for good when the platform's answer never came.
+    Now the deadline starts again after it and then runs the (restore) hooks."""
+    import ctypes
+
+    usleep = ctypes.PyDLL(None).usleep  # PyDLL: the GIL stays held during the call
+    usleep.argtypes = [ctypes.c_uint]
+    runs = _runs(rehydrate_engine)
+    rehydrate_engine.snapshot_deadline = 0.5
+    if not passed:
+        @rehydrate_engine.registry.before_snapshot(name="test.fails")
+        def fails() -> None:
+            raise RuntimeError("cannot close")
+
+    report = rehydrate_engine.snapshot_requested("gvisor")
+    assert report.ok is passed
+    if not passed:
+        assert rehydrate_engine.await_answer(report)  # as a retried trigger does
+    give_up = time.monotonic() + 10
+    while not rehydrate_engine._cond._waiters:  # type: ignore[attr-defined]
+        # the watch is inside its first slice: the stall is inside it
+        assert time.monotonic() < give_up, "the deadline watch never began waiting"
+        time.sleep(0.001)
+    usleep(2_500_000)  # a stall past the deadline (and a slice)
+    assert rehydrate_engine.wait_ready(20)
+    assert [r[:2] for r in runs] == [("snapshot-deadline", "restore")]
