@@ -143,7 +143,8 @@ class Lifecycle:
                                   if snapshot_deadline is not None
                                   else _deadline_from_env())
         """Seconds after a successful before-snapshot run without a restore or resume
-        after which the resume hooks run anyway (``None``: wait for ever). Default:
+        after which the resume hooks run anyway (``None``: wait for ever); a freeze or
+        stall meanwhile starts it again, and then it runs the restore hooks. Default:
         ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
         self.builtins = Registry()
         self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
@@ -975,7 +976,9 @@ class Lifecycle:
 
         After a successful run the state stays ``snapshotting`` (not ready) until a
         restore or resume run. With :attr:`snapshot_deadline` set, the resume hooks run
-        (with a warning) when neither came within that many seconds.
+        (with a warning) when neither came within that many seconds — the restore hooks
+        when the process was frozen or stalled meanwhile (the deadline then starts again
+        from the freeze).
         """
         self._check_not_inside_hook()
         with self._run_lock:
@@ -993,8 +996,9 @@ class Lifecycle:
         """The resume hooks for the failed before-snapshot pass that produced ``report``
         are left to a checkpoint's answer still due (the gVisor trigger's: a run now would
         say ready while that checkpoint is pending): bound that wait like a successful
-        pass's. With :attr:`snapshot_deadline` set, the resume hooks run when neither a
-        restore nor a resume came within that many seconds; with it off, the answer is
+        pass's. With :attr:`snapshot_deadline` set, the resume (after a freeze: restore)
+        hooks run when neither a restore nor a resume came within that many seconds;
+        with it off, the answer is
         waited for as long as it takes (as after a successful pass).
 
         False when the wait cannot be left to the answer: ``report`` is not the latest
@@ -1057,9 +1061,10 @@ class Lifecycle:
             # gap since the last slice (a freeze just now, unnoticed yet): unknown.
             frozen_for = 0.0 if not froze and detected - now <= _FROZEN_STEP else None
             kind: Literal["restore", "resume"] = "restore" if froze else "resume"
-            log.warning("no restore or resume within %gs of the before-snapshot hooks "
+            log.warning("no restore or resume within %gs of the before-snapshot hooks%s "
                         "(snapshot_deadline): the platform seems to have given up; running "
-                        "the %s hooks", deadline, kind)
+                        "the %s hooks", deadline, " (or of a freeze since)" if froze else "",
+                        kind)
             report = self._run_restore("snapshot-deadline", kind, frozen_for, None,
                                        detected, deadline_at=self._deadline_at(detected, None))
         self._publish(report)
