@@ -437,10 +437,10 @@ class Lifecycle:
         """Block until ready (True) or until ``timeout`` seconds passed (False).
 
         From inside one of this engine's hooks it raises ``RuntimeError`` while not ready:
-        readiness comes only after the hook itself has finished. ``timeout``: ``None`` (no
-        limit), 0 (do not wait) or seconds up to a year; anything else (negative, NaN,
-        infinity, a huge int, not a number) is a one-line ``ValueError``/``TypeError`` at
-        once, ready or not.
+        readiness comes only after the hook itself has finished. ``timeout``: seconds, 0
+        (do not wait); ``None``, infinity or more than a year: no limit. A negative, NaN
+        or non-number timeout is a one-line ``ValueError``/``TypeError`` at once, ready
+        or not.
         """
         timeout = _config.optional_seconds(timeout, "wait_ready(): timeout")
         if inside_hook.get() is self._runner and not self.is_ready():
@@ -998,8 +998,8 @@ class Lifecycle:
         say ready while that checkpoint is pending): bound that wait like a successful
         pass's. With :attr:`snapshot_deadline` set, the resume (after a freeze: restore)
         hooks run when neither a restore nor a resume came within that many seconds;
-        with it off, the answer is
-        waited for as long as it takes (as after a successful pass).
+        with it off, the answer is waited for as long as it takes (as after a successful
+        pass).
 
         False when the wait cannot be left to the answer: ``report`` is not the latest
         pass, or a run followed it already — the caller then runs its carry-on (it only

@@ -1179,8 +1179,9 @@ def tcp_socket(
     """A raw TCP client socket managed by rehydrate. The first connect runs in the
     background (registration never blocks); ``check(sock)`` may verify e.g. a greeting.
     ``address``: ``(host, port)``, port 1-65535 (``ValueError`` otherwise, at once);
-    ``timeout``: the socket timeout, ``None`` or seconds > 0 up to a year (checked here:
-    the socket module refused a bad one only at the connect, in the background)."""
+    ``timeout``: the socket timeout in seconds > 0 (``None``, infinity or more than a
+    year: none); checked here — the socket module refused a bad one only at the
+    connect, in the background."""
     _check_address(address)
     timeout = _config.optional_seconds(timeout, "tcp_socket(): timeout", zero_ok=False)
     ms = ManagedSocket(address, timeout)
