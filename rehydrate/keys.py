@@ -419,8 +419,9 @@ class EphemeralKey:
     def wait(self, timeout: float | None = None) -> PrivateKeyTypes:
         """Block until the private key is available; :class:`KeyDroppedError` on timeout.
 
-        ``timeout``: ``None`` (no limit), 0 (do not wait) or seconds up to a year; anything
-        else is a ``ValueError``/``TypeError`` at once."""
+        ``timeout``: seconds, 0 (do not wait); ``None``, infinity or more than a year: no
+        limit. A negative, NaN or non-number timeout is a ``ValueError``/``TypeError`` at
+        once."""
         timeout = optional_seconds(timeout, "wait(): timeout")
         with self._cond:
             if not self._cond.wait_for(lambda: self._private is not None, timeout):

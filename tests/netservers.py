@@ -62,7 +62,7 @@ def refused_port() -> Iterator[int]:
         yield int(holder.getsockname()[1])
 
 
-def _listening_inodes(port: int) -> set[str]:
+def _listening_inodes(port: int) -> set[int]:
     """The socket inodes listening on TCP ``port`` (any address, IPv4 or IPv6: gRPC
     servers bind ``[::]``)."""
     found = set()
@@ -75,29 +75,16 @@ def _listening_inodes(port: int) -> set[str]:
         for line in lines:
             fields = line.split()
             if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                found.add(fields[9])
+                found.add(int(fields[9]))
     return found
 
 
 def listens(pid: int, port: int) -> bool:
     """True when the process ``pid`` itself listens on ``port`` — not merely "something
     answers there", which another test's server on the same port would."""
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return False
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            target = os.readlink(os.path.join(fd_dir, fd))
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            return True
-    return False
+    from rehydrate.connections import _socket_inodes  # the same /proc/PID/fd scan
+
+    return bool(_listening_inodes(port) & _socket_inodes(str(pid)))
 
 
 class PortTaken(RuntimeError):

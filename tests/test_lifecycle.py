@@ -979,11 +979,9 @@ def test_a_restore_notice_queued_behind_a_run_keeps_the_process_not_ready(rehydr
     assert engine.is_ready()
 
 
-def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
-    """inf or 1e10 raised OverflowError from inside threading, NaN blocked for ever and
-    "1" raised a TypeError from inside threading — only when not ready. The largest
-    accepted timeout (a year) still waits and returns when the hooks ran."""
-    engine = rehydrate_engine
+def _restoring(engine):  # type: ignore[no-untyped-def]
+    """A simulated restore whose hook blocks until the returned gate is set (the engine
+    is ``restoring`` meanwhile), and the thread running it."""
     gate, entered = threading.Event(), threading.Event()
 
     @engine.registry.after_restore(name="slow")
@@ -994,6 +992,15 @@ def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
     run = threading.Thread(target=engine.simulate_restore)
     run.start()
     assert entered.wait(10)
+    return gate, run
+
+
+def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
+    """inf or 1e10 raised OverflowError from inside threading, NaN blocked for ever and
+    "1" raised a TypeError from inside threading — only when not ready. The largest
+    accepted timeout (a year) still waits and returns when the hooks ran."""
+    engine = rehydrate_engine
+    gate, run = _restoring(engine)
     try:
         assert engine.wait_ready(0.01) is False
         assert engine.wait_ready(0) is False
@@ -1027,16 +1034,7 @@ def test_wait_ready_refuses_a_bad_timeout_in_one_line(rehydrate_engine, timeout,
     non-number a one-line error naming the argument — for the engine method and
     ``rehydrate.wait_ready`` alike, ready or not."""
     engine = rehydrate_engine
-    gate, entered = threading.Event(), threading.Event()
-    if not ready:
-        @engine.registry.after_restore(name="slow")
-        def slow() -> None:
-            entered.set()
-            gate.wait(10)
-
-        run = threading.Thread(target=engine.simulate_restore)
-        run.start()
-        assert entered.wait(10)
+    gate, run = _restoring(engine) if not ready else (threading.Event(), None)
     try:
         assert engine.is_ready() is ready
         for call in (engine.wait_ready, rehydrate.wait_ready):
@@ -1054,7 +1052,7 @@ def test_wait_ready_refuses_a_bad_timeout_in_one_line(rehydrate_engine, timeout,
         assert engine.wait_ready(0) is ready
     finally:
         gate.set()
-        if not ready:
+        if run is not None:
             run.join(10)
     assert engine.wait_ready(None) is True
 

@@ -20,9 +20,8 @@ closed things) — unless the failure is the abort a failed ``notify save`` aske
 control socket ran the resume hooks for that pass already, and the answer only confirms
 that run (``confirmed_by``). A ``resume`` or ``error`` that arrived before the latest
 before-snapshot pass began — or while a :func:`rehydrate.trigger_snapshot` had begun and not
-yet written its ``1``, unless that trigger's pass began no later than the pass of the
-latest trigger that did write (the answer may be that one's own) — is an earlier
-checkpoint's (a timed-out trigger's) and runs nothing for that pass (``older_than`` in
+yet written its ``1`` — is an earlier checkpoint's (a timed-out trigger's) and runs
+nothing for that pass (``older_than`` in
 :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`); a ``restore`` always runs.
 Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
@@ -753,11 +752,12 @@ class GVisorDetector(Detector):
                     self._wait_some(deadline, "the gVisor waiter did not take an earlier "
                                               "checkpoint's answer")
 
-    def _wait_some(self, deadline: float | None, what: str) -> None:
-        """One wait on ``_cond`` (held) for a trigger: GVisorError when the waiter
-        stopped, TimeoutError (``what``) past ``deadline``."""
+    def _wait_some(self, deadline: float | None, what: str,
+                   stopped: str = "the gVisor waiter stopped") -> None:
+        """One wait on ``_cond`` (held) for a trigger: GVisorError (``stopped``) when the
+        waiter stopped, TimeoutError (``what``) past ``deadline``."""
         if not self.running:
-            raise GVisorError("the gVisor waiter stopped")
+            raise GVisorError(stopped)
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise TimeoutError(what)
@@ -784,12 +784,8 @@ class GVisorDetector(Detector):
         with self._cond:
             while True:
                 while self._seq <= seq:
-                    if not self.running:
-                        raise GVisorError("the gVisor waiter stopped before the answer came")
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError("no checkpoint answer before the timeout")
-                    self._cond.wait(left)
+                    self._wait_some(deadline, "no checkpoint answer before the timeout",
+                                    "the gVisor waiter stopped before the answer came")
                 if self._last_at >= written:
                     break
                 log.info("gVisor answer for an earlier checkpoint (it came before this "
