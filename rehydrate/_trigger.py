@@ -270,7 +270,9 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
         if rfd >= 0:
             rfd, since = _skip_earlier_answer(engine, path, rfd, since, begun)
         if waiter is not None and ticket is not None:
-            waiter._trigger_writes(ticket)
+            # Checks again, and records the write in the same step: an earlier answer
+            # that came since _wait_armed is then seen, never taken for this one's.
+            seq = waiter._trigger_writes(ticket, deadline)
         before_write = time.monotonic()
         try:
             written = os.write(wfd, b"1")

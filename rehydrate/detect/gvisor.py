@@ -23,6 +23,10 @@ before-snapshot pass began — or while a :func:`rehydrate.trigger_snapshot` had
 yet written its ``1`` — is an earlier checkpoint's (a timed-out trigger's) and runs
 nothing for that pass (``older_than`` in
 :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`); a ``restore`` always runs.
+An answer arrives when ``poll()`` wakes for it (stamped before it is read), and a
+trigger writes only while the descriptor holds no answer and none is being taken out
+of it, so such an answer is never taken for that trigger's, however late the thread
+gets to it.
 Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
 the descriptor was opened and :data:`ANSWER_WINDOW` seconds before the answer arrived,
@@ -195,19 +199,14 @@ def _poll_read(fd: int, stop_fd: int | None, deadline: float | None) -> bytes | 
             return buf
 
 
-def _read_some(fd: int, stop_fd: int) -> bytes | None:
-    """One read once ``fd`` is ready (``b""``: end of file); None when ``stop_fd`` fired."""
+def _wait_readable(fd: int, stop_fd: int) -> bool:
+    """Sleep in ``poll()`` until ``fd`` is ready (data, end of file or an error to read):
+    True; False when ``stop_fd`` fired."""
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLPRI)
     poller.register(stop_fd, select.POLLIN)
-    while True:
-        events = poller.poll()
-        if any(e[0] == stop_fd for e in events):
-            return None
-        try:
-            return os.read(fd, 4096)
-        except BlockingIOError:
-            continue  # readiness without data (a FIFO writer still writing)
+    events = poller.poll()
+    return not any(e[0] == stop_fd for e in events)
 
 
 def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
@@ -277,7 +276,9 @@ class _Trigger:
         self.begun = time.monotonic()
         """Before its before-snapshot pass began."""
         self.writing: float | None = None
-        """Just before it wrote its ``1``: its checkpoint's answer arrives after this."""
+        """Just before it wrote its ``1``, when the waiter's descriptor held no answer
+        (:meth:`GVisorDetector._trigger_writes`): its checkpoint's answer arrives after
+        this, an earlier one's before."""
         self.owes: float | None = None
         """The waiter's ``_due`` this trigger set (undone when its write fails)."""
 
@@ -314,6 +315,10 @@ class GVisorDetector(Detector):
         before its ``1`` was written, after which that answer arrives."""
         self._last_bad: tuple[int, str] = (-1, "")
         """(sequence number, what) of the latest bad answer."""
+        self._arriving: float | None = None
+        """When the answer the thread is taking out of the armed descriptor arrived
+        (stamped at ``poll()`` wake, before the read; None once handled): a trigger does
+        not write its ``1`` meanwhile (see :meth:`_arrives`)."""
         self._bad_streak = 0
         self._backoff_due = False
         self._opens = 0
@@ -458,6 +463,7 @@ class GVisorDetector(Detector):
             self._drop_keeper()
             with self._cond:
                 self._armed = False
+                self._arriving = None
                 self._exited = True
                 self._cond.notify_all()
                 if self._orphaned:
@@ -469,12 +475,13 @@ class GVisorDetector(Detector):
         ready, _, _ = select.select([self._stop_r], [], [], delay)
         return not ready
 
-    def _bad(self, what: str, quick: bool) -> bool:
+    def _bad(self, what: str, quick: bool, arrived: float | None = None) -> bool:
         """Log one line for a bad answer; back off before re-opening if it came at once.
-        A trigger waiting for this descriptor's answer gets it as an error."""
+        A trigger waiting for this descriptor's answer gets it as an error, unless it
+        ``arrived`` (default: now) before that trigger wrote its ``1``."""
         with self._cond:
             self._seq += 1
-            self._last_at = time.monotonic()
+            self._last_at = time.monotonic() if arrived is None else arrived
             self._last_bad = (self._seq, what)
             self._settle_due(self._last_at)
             self._cond.notify_all()
@@ -583,15 +590,22 @@ class GVisorDetector(Detector):
         handled = 0
         discard = False  # inside an oversize line: drop bytes up to its newline
         while True:
+            if not buf and not discard:
+                self._taken()  # no answer in hand: a trigger may write its 1
+            arrived: float | None = None
             try:
-                chunk = _read_some(fd, self._stop_r)
+                if not _wait_readable(fd, self._stop_r):
+                    return False  # stopped
+                # Stamped before the read, while the answer is still readable: see
+                # _arrives.
+                arrived = self._arrives()
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                continue  # readiness without data (a FIFO writer still writing)
             except OSError as exc:
                 self._disarm()
                 quick = time.monotonic() - since < _QUICK
-                return self._bad(f"a read error ({exc.strerror or exc})", quick)
-            if chunk is None:
-                return False  # stopped
-            arrived = time.monotonic()
+                return self._bad(f"a read error ({exc.strerror or exc})", quick, arrived)
             quick = arrived - since < _QUICK
             buf += chunk
             got_data = got_data or bool(chunk)
@@ -616,12 +630,13 @@ class GVisorDetector(Detector):
                 if word.decode("ascii", "replace") in ANSWERS:
                     since = self._answer(cast(Answer, word.decode("ascii")), since, fifo,
                                          arrived)
-                elif not self._bad(f"unknown answer {_describe_bytes(word)}", quick):
+                elif not self._bad(f"unknown answer {_describe_bytes(word)}", quick,
+                                   arrived):
                     return False
             if len(buf) > MAX_ANSWER:
                 handled += 1
                 if not self._bad(f"{len(buf)}+ bytes without a newline, starting "
-                                 f"{_describe_bytes(buf)}", quick):
+                                 f"{_describe_bytes(buf)}", quick, arrived):
                     return False
                 if not fifo:
                     return not self._stopping
@@ -630,9 +645,9 @@ class GVisorDetector(Detector):
                 self._disarm()
                 if not got_data:
                     return self._bad("no answer (end of file: for a FIFO stand-in, the "
-                                     "writer closed without writing)", quick)
+                                     "writer closed without writing)", quick, arrived)
                 if not handled:
-                    return self._bad("an empty answer (only whitespace)", quick)
+                    return self._bad("an empty answer (only whitespace)", quick, arrived)
                 return not self._stopping
             if handled and not fifo:
                 return not self._stopping  # one answer per descriptor: open again
@@ -641,6 +656,29 @@ class GVisorDetector(Detector):
         with self._cond:
             self._armed = False
             self._armed_fd = -1  # closed right after
+            self._arriving = None
+            self._cond.notify_all()
+
+    def _arrives(self) -> float:
+        """The armed descriptor woke ``poll()``: an answer (or end of file) is readable.
+        Its arrival is stamped now, under ``_cond`` and before ``read()`` takes it out of
+        the descriptor, and marked as being taken (:attr:`_arriving`) until it is
+        handled: whenever a trigger looks (:meth:`_quiet`, under ``_cond``), an earlier
+        answer is either still readable or stamped and marked — never read and not yet
+        stamped (a thread slow to get the GIL back after its read stamped such an answer
+        after a trigger's write, and it was taken for that trigger's)."""
+        with self._cond:
+            self._arriving = time.monotonic()
+            return self._arriving
+
+    def _taken(self) -> None:
+        """Nothing of an answer is in hand any more (handled, or readiness without data):
+        a waiting trigger may go on."""
+        if self._arriving is None:  # only this thread sets it
+            return
+        with self._cond:
+            self._arriving = None
+            self._cond.notify_all()
 
     def _answer(self, answer: Answer, since: float, rearm: bool, arrived: float) -> float:
         """Run the hooks for one answer; returns the ``since`` for a later answer.
@@ -708,13 +746,23 @@ class GVisorDetector(Detector):
                 self._due = None
         return trigger
 
-    def _trigger_writes(self, trigger: _Trigger) -> None:
+    def _trigger_writes(self, trigger: _Trigger, deadline: float | None = None) -> int:
         """``trigger`` writes its ``1`` now: its checkpoint's answer is due (set before
-        the write: the answer may come before the write returns)."""
+        the write: the answer may come before the write returns). Returns the sequence
+        number after which its answer comes (for :meth:`_wait_answer`).
+
+        Waits, like :meth:`_wait_armed`, until the waiter's descriptor is registered and
+        holds no earlier answer, and records ``trigger.writing`` in the same hold of
+        ``_cond``: an earlier answer is then readable (seen: wait), or stamped by the
+        thread before this (:meth:`_arrives`: its arrival comes before ``writing``),
+        or not there yet — it can only arrive after ``writing``. ``writing`` is read
+        before the check, so an answer arriving during the check is seen or later."""
         with self._cond:
-            trigger.writing = time.monotonic()
+            writing = self._wait_quiet(deadline)
+            trigger.writing = writing
             if self._due is None:
                 self._due = trigger.owes = trigger.writing
+            return self._seq
 
     def _trigger_unwritten(self, trigger: _Trigger) -> None:
         """``trigger``'s write failed: no checkpoint of its own, no answer due for it."""
@@ -736,21 +784,36 @@ class GVisorDetector(Detector):
             return self._due is not None and self.running
 
     def _wait_armed(self, deadline: float | None) -> int:
+        """Wait until the waiter's descriptor is registered for the next checkpoint and
+        holds no earlier answer (see :meth:`_wait_quiet`); returns the sequence number.
+        A trigger waits here before its last look at its deadline, then writes through
+        :meth:`_trigger_writes`, which checks again."""
         with self._cond:
-            while True:
-                while not self._armed:
-                    self._wait_some(deadline, "the gVisor waiter did not open the "
-                                              "checkpoint file")
-                if not self._answer_waiting():
-                    return self._seq
-                # The armed descriptor holds an answer already: an earlier checkpoint's
-                # (this trigger has not written its 1). Writing now, the waiter would
-                # take that answer for this trigger's: wait until it has handled it (as
-                # an earlier one's) and opened the file again.
-                seq = self._seq
-                while self._seq == seq:
-                    self._wait_some(deadline, "the gVisor waiter did not take an earlier "
-                                              "checkpoint's answer")
+            self._wait_quiet(deadline)
+            return self._seq
+
+    def _wait_quiet(self, deadline: float | None) -> float:
+        """Under ``_cond``: wait until the descriptor is armed, no answer is being taken
+        out of it (:attr:`_arriving`) and none is readable in it — an earlier
+        checkpoint's (no trigger waiting here has written its ``1``): writing now, the
+        waiter would take that answer for this trigger's, and its descriptor, spent on
+        that answer, would not get this trigger's. Returns ``time.monotonic()`` read
+        just before the check that found it so. TimeoutError past ``deadline`` (also
+        when a wait ends at it), GVisorError when the waiter stopped."""
+        what: str | None = None  # why it waited last
+        while True:
+            now = time.monotonic()
+            if not self._armed and self._arriving is None:
+                what = "the gVisor waiter did not open the checkpoint file"
+            elif self._arriving is not None or self._answer_waiting():
+                # until it has handled that answer (as an earlier one's) and opened
+                # the file again
+                what = "the gVisor waiter did not take an earlier checkpoint's answer"
+            elif what is not None and deadline is not None and now >= deadline:
+                raise TimeoutError(what)  # a wait ended at it: no checkpoint after it
+            else:
+                return now
+            self._wait_some(deadline, what)
 
     def _wait_some(self, deadline: float | None, what: str,
                    stopped: str = "the gVisor waiter stopped") -> None:

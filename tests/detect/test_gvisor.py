@@ -1132,6 +1132,138 @@ def test_a_late_resume_just_before_a_retried_triggers_write_is_not_its_answer(
         platform.close()
 
 
+class _SlowWaiterRead:
+    """The waiter thread's next ``os.read`` is held until trigger 2 wrote its ``1`` or
+    waits for the waiter (``_wait_some``): the waiter is slow to get back to Python
+    (the GIL, scheduling) after its poll woke for checkpoint 1's late answer.
+    ``after_read``: the read is done first (the answer is consumed, no longer readable,
+    but not handled); else the answer stays readable while the waiter is held."""
+
+    def __init__(self, waiter: GVisorDetector, platform: FakePlatform,
+                 monkeypatch: pytest.MonkeyPatch, *, after_read: bool) -> None:
+        self.armed = threading.Event()
+        self.consumed = threading.Event()
+        self.released = threading.Event()
+        self.trigger_waits = threading.Event()
+        self.platform = platform
+        real_read, real_wait = os.read, waiter._wait_some
+        held: list[bool] = []
+
+        def read(fd: int, n: int) -> bytes:
+            if (not self.armed.is_set() or held
+                    or threading.current_thread().name != "rehydrate-gvisor"):
+                return real_read(fd, n)
+            held.append(True)
+            data = real_read(fd, n) if after_read else b""
+            self.consumed.set()
+            assert self.released.wait(DEADLINE), "the waiter was never let go on"
+            return data if after_read else real_read(fd, n)
+
+        def wait_some(*args):  # type: ignore[no-untyped-def]
+            self.trigger_waits.set()
+            return real_wait(*args)
+
+        monkeypatch.setattr(os, "read", read)
+        monkeypatch.setattr(waiter, "_wait_some", wait_some)
+
+    def release_when_trigger_2_wrote_or_waits(self) -> None:
+        wait_for(lambda: b"".join(self.platform.triggers) == b"11"
+                 or self.trigger_waits.is_set(), what="trigger 2 to write or wait")
+        self.released.set()
+
+
+def _own_answer_after_the_late_one(eng: Lifecycle, waiter: GVisorDetector,
+                                   platform: FakePlatform, rec: Recorder,
+                                   second: concurrent.futures.Future[str], before: int,
+                                   handled: int) -> None:
+    """Checkpoint 1's late answer was handled as an earlier checkpoint's: nothing ran
+    for trigger 2's pending pass; trigger 2 then writes its ``1`` and returns its own
+    checkpoint's answer (``restore``, so that it cannot be mistaken for the late one)."""
+    wait_for(lambda: waiter.status()["answers"] > handled, what="the late answer handled")
+    assert [c[:2] for c in rec.calls[before:]] == [SNAP], "the late answer ran hooks"
+    assert eng.status().state == "snapshotting" and not eng.is_ready()
+    wait_for(lambda: b"".join(platform.triggers) == b"11" or second.done(),
+             what="trigger 2's 1")
+    assert not second.done(), f"trigger 2 returned {second.result()!r} before its answer"
+    assert [c[:2] for c in rec.calls[before:]] == [SNAP]
+    os.write(platform.master, b"restore\n")  # checkpoint 2's own answer
+    assert second.result(DEADLINE) == "restore"
+    assert [c[:2] for c in rec.calls[before:]] == [SNAP, ("restore-hook", "restore")]
+    assert eng.is_ready() and eng.status().state == "ready"
+
+
+@pytest.mark.parametrize("late", [b"resume\n", b"garbage\n"])
+def test_a_late_answer_read_but_not_yet_stamped_is_not_the_retried_triggers(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
+        late: bytes) -> None:
+    """The waiter has read checkpoint 1's late answer (it is no longer readable) and
+    waits to get back to Python when trigger 2 looks: the descriptor is armed and
+    quiet. The answer arrived before trigger 2 wrote its ``1``: it is checkpoint 1's —
+    trigger 2 waits for the waiter to take it and open the file again, then writes and
+    returns its own answer (before: the answer was stamped after trigger 2's write and
+    taken for its own — ``resume`` returned and the resume hooks ended trigger 2's pass
+    while checkpoint 2 was pending; a bad one failed trigger 2)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        waiter = start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        slow = _SlowWaiterRead(waiter, platform, monkeypatch, after_read=True)
+        handled = waiter.status()["answers"]
+        slow.armed.set()
+        os.write(platform.master, late)  # checkpoint 1's late answer
+        assert slow.consumed.wait(DEADLINE)  # read, not handled: the waiter is held
+        before = len(rec.calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(trigger_snapshot, iso_engine, timeout=4 * DEADLINE)
+            slow.release_when_trigger_2_wrote_or_waits()
+            _own_answer_after_the_late_one(iso_engine, waiter, platform, rec, second,
+                                           before, handled)
+    finally:
+        slow.released.set()
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
+def test_a_late_answer_readable_once_the_waiter_looked_quiet_is_not_the_retried_triggers(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trigger 2 found the waiter armed with nothing to read (``_wait_armed``); checkpoint
+    1's late answer becomes readable just then, before trigger 2 records that it writes
+    (``_trigger_writes``), and the waiter is slow to take it. The answer is checkpoint
+    1's: trigger 2 waits for its own (before: the waiter stamped the answer after trigger
+    2's write and it was taken for trigger 2's)."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        waiter = start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        slow = _SlowWaiterRead(waiter, platform, monkeypatch, after_read=False)
+        handled = waiter.status()["answers"]
+        real_writes = waiter._trigger_writes
+
+        def late_answer_then_writes(*args):  # type: ignore[no-untyped-def]
+            slow.armed.set()
+            os.write(platform.master, b"resume\n")  # checkpoint 1 ends now
+            poller = select.poll()
+            poller.register(waiter._armed_fd, select.POLLIN)
+            assert poller.poll(DEADLINE * 1000), "the late answer never became readable"
+            return real_writes(*args)
+
+        monkeypatch.setattr(waiter, "_trigger_writes", late_answer_then_writes)
+        before = len(rec.calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(trigger_snapshot, iso_engine, timeout=4 * DEADLINE)
+            slow.release_when_trigger_2_wrote_or_waits()
+            _own_answer_after_the_late_one(iso_engine, waiter, platform, rec, second,
+                                           before, handled)
+    finally:
+        slow.released.set()
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
 @pytest.mark.parametrize("failure", ["write refused: a checkpoint in progress",
                                      "before-snapshot hooks failed"])
 def test_a_retried_trigger_that_fails_leaves_the_resume_to_the_due_answer(
@@ -1292,10 +1424,10 @@ def test_concurrent_triggers_are_never_ready_before_the_last_ones_answer(
         at_write: list[tuple[str, str, bool]] = []
         writes = waiter._trigger_writes
 
-        def recorded(ticket):  # type: ignore[no-untyped-def]
+        def recorded(*args):  # type: ignore[no-untyped-def]
             at_write.append((threading.current_thread().name[:1], iso_engine.state,
                              iso_engine.is_ready()))
-            writes(ticket)
+            return writes(*args)
 
         monkeypatch.setattr(waiter, "_trigger_writes", recorded)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="B") as pool:
