@@ -663,10 +663,11 @@ class GVisorDetector(Detector):
         """The armed descriptor woke ``poll()``: an answer (or end of file) is readable.
         Its arrival is stamped now, under ``_cond`` and before ``read()`` takes it out of
         the descriptor, and marked as being taken (:attr:`_arriving`) until it is
-        handled: whenever a trigger looks (:meth:`_quiet`, under ``_cond``), an earlier
-        answer is either still readable or stamped and marked — never read and not yet
-        stamped (a thread slow to get the GIL back after its read stamped such an answer
-        after a trigger's write, and it was taken for that trigger's)."""
+        handled: whenever a trigger looks (:meth:`_wait_quiet`, under ``_cond``), an
+        earlier answer is either still readable or stamped and marked — never read and
+        not yet stamped. (Stamped after the read, an answer that arrived before a
+        trigger's write could be stamped after it, by a thread slow to get the GIL
+        back, and that trigger took it for its own.)"""
         with self._cond:
             self._arriving = time.monotonic()
             return self._arriving
@@ -794,10 +795,10 @@ class GVisorDetector(Detector):
 
     def _wait_quiet(self, deadline: float | None) -> float:
         """Under ``_cond``: wait until the descriptor is armed, no answer is being taken
-        out of it (:attr:`_arriving`) and none is readable in it — an earlier
-        checkpoint's (no trigger waiting here has written its ``1``): writing now, the
-        waiter would take that answer for this trigger's, and its descriptor, spent on
-        that answer, would not get this trigger's. Returns ``time.monotonic()`` read
+        out of it (:attr:`_arriving`) and none is readable in it — for the calling
+        trigger, which has not written its ``1``, an earlier checkpoint's: writing now,
+        it could take that answer for its own, and the waiter's descriptor, spent on
+        that answer, would not get its checkpoint's. Returns ``time.monotonic()`` read
         just before the check that found it so. TimeoutError past ``deadline`` (also
         when a wait ends at it), GVisorError when the waiter stopped."""
         what: str | None = None  # why it waited last

@@ -1132,39 +1132,76 @@ def test_a_late_resume_just_before_a_retried_triggers_write_is_not_its_answer(
         platform.close()
 
 
-class _SlowWaiterRead:
-    """The waiter thread's next ``os.read`` is held until trigger 2 wrote its ``1`` or
-    waits for the waiter (``_wait_some``): the waiter is slow to get back to Python
-    (the GIL, scheduling) after its poll woke for checkpoint 1's late answer.
-    ``after_read``: the read is done first (the answer is consumed, no longer readable,
-    but not handled); else the answer stays readable while the waiter is held."""
+class _SlowWaiter:
+    """The waiter thread is held, once :attr:`armed` is set, until trigger 2 wrote its
+    ``1`` or waits for the waiter (``_wait_some``): it is slow to get back to Python
+    (the GIL, scheduling) after its ``poll()`` woke for checkpoint 1's late answer.
+    ``after_read``: held after its read (the answer is consumed, no longer readable,
+    but not handled); else held as ``poll()`` returns (the answer still readable).
+    :attr:`opens_at_write`: the waiter's ``opens`` when a ``1`` was written. Made before
+    the waiter starts (its ``poll()`` object is made once per descriptor), then
+    :meth:`watch` it."""
 
-    def __init__(self, waiter: GVisorDetector, platform: FakePlatform,
-                 monkeypatch: pytest.MonkeyPatch, *, after_read: bool) -> None:
+    def __init__(self, platform: FakePlatform, monkeypatch: pytest.MonkeyPatch, *,
+                 after_read: bool) -> None:
         self.armed = threading.Event()
-        self.consumed = threading.Event()
+        self.held = threading.Event()
         self.released = threading.Event()
         self.trigger_waits = threading.Event()
         self.platform = platform
-        real_read, real_wait = os.read, waiter._wait_some
-        held: list[bool] = []
+        self.opens_at_write: list[int] = []
+        self.waiter: GVisorDetector | None = None
+        self._monkeypatch = monkeypatch
+        real_read, real_write, real_poll = os.read, os.write, select.poll
+        slow = self
+
+        def hold() -> None:
+            slow.held.set()
+            assert slow.released.wait(DEADLINE), "the waiter was never let go on"
+
+        def holds_now() -> bool:
+            return (slow.armed.is_set() and not slow.held.is_set()
+                    and threading.current_thread().name == "rehydrate-gvisor")
+
+        class Poll:
+            def __init__(self) -> None:
+                self._poll = real_poll()
+
+            def register(self, *args):  # type: ignore[no-untyped-def]
+                self._poll.register(*args)
+
+            def poll(self, *args):  # type: ignore[no-untyped-def]
+                events = self._poll.poll(*args)
+                if (not after_read and holds_now() and slow.waiter is not None
+                        and any(fd != slow.waiter._stop_r for fd, _ in events)):
+                    hold()
+                return events
 
         def read(fd: int, n: int) -> bytes:
-            if (not self.armed.is_set() or held
-                    or threading.current_thread().name != "rehydrate-gvisor"):
+            if not (after_read and holds_now()):
                 return real_read(fd, n)
-            held.append(True)
-            data = real_read(fd, n) if after_read else b""
-            self.consumed.set()
-            assert self.released.wait(DEADLINE), "the waiter was never let go on"
-            return data if after_read else real_read(fd, n)
+            data = real_read(fd, n)
+            hold()
+            return data
+
+        def write(fd: int, data: bytes) -> int:
+            if data == b"1" and slow.waiter is not None:
+                slow.opens_at_write.append(slow.waiter.status()["opens"])
+            return real_write(fd, data)
+
+        monkeypatch.setattr(select, "poll", Poll)
+        monkeypatch.setattr(os, "read", read)
+        monkeypatch.setattr(os, "write", write)
+
+    def watch(self, waiter: GVisorDetector) -> None:
+        real_wait = waiter._wait_some
 
         def wait_some(*args):  # type: ignore[no-untyped-def]
             self.trigger_waits.set()
             return real_wait(*args)
 
-        monkeypatch.setattr(os, "read", read)
-        monkeypatch.setattr(waiter, "_wait_some", wait_some)
+        self._monkeypatch.setattr(waiter, "_wait_some", wait_some)
+        self.waiter = waiter
 
     def release_when_trigger_2_wrote_or_waits(self) -> None:
         wait_for(lambda: b"".join(self.platform.triggers) == b"11"
@@ -1206,19 +1243,23 @@ def test_a_late_answer_read_but_not_yet_stamped_is_not_the_retried_triggers(
     platform = FakePlatform(pty_proc, reply=None)
     try:
         rec = Recorder(iso_engine)
+        slow = _SlowWaiter(platform, monkeypatch, after_read=True)
         waiter = start_waiter(iso_engine, pty_proc)
         _timed_out_trigger(iso_engine, platform)
-        slow = _SlowWaiterRead(waiter, platform, monkeypatch, after_read=True)
-        handled = waiter.status()["answers"]
+        slow.watch(waiter)
+        handled, opens = waiter.status()["answers"], waiter.status()["opens"]
         slow.armed.set()
         os.write(platform.master, late)  # checkpoint 1's late answer
-        assert slow.consumed.wait(DEADLINE)  # read, not handled: the waiter is held
+        assert slow.held.wait(DEADLINE)  # read, not handled: the waiter is held
         before = len(rec.calls)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             second = pool.submit(trigger_snapshot, iso_engine, timeout=4 * DEADLINE)
             slow.release_when_trigger_2_wrote_or_waits()
             _own_answer_after_the_late_one(iso_engine, waiter, platform, rec, second,
                                            before, handled)
+        # written once the waiter had opened the file again: on gVisor, the descriptor
+        # that gave checkpoint 1's answer would not get checkpoint 2's
+        assert slow.opens_at_write == [opens + 1]
     finally:
         slow.released.set()
         iso_engine.stop()
@@ -1236,10 +1277,11 @@ def test_a_late_answer_readable_once_the_waiter_looked_quiet_is_not_the_retried_
     platform = FakePlatform(pty_proc, reply=None)
     try:
         rec = Recorder(iso_engine)
+        slow = _SlowWaiter(platform, monkeypatch, after_read=False)
         waiter = start_waiter(iso_engine, pty_proc)
         _timed_out_trigger(iso_engine, platform)
-        slow = _SlowWaiterRead(waiter, platform, monkeypatch, after_read=False)
-        handled = waiter.status()["answers"]
+        slow.watch(waiter)
+        handled, opens = waiter.status()["answers"], waiter.status()["opens"]
         real_writes = waiter._trigger_writes
 
         def late_answer_then_writes(*args):  # type: ignore[no-untyped-def]
@@ -1257,6 +1299,9 @@ def test_a_late_answer_readable_once_the_waiter_looked_quiet_is_not_the_retried_
             slow.release_when_trigger_2_wrote_or_waits()
             _own_answer_after_the_late_one(iso_engine, waiter, platform, rec, second,
                                            before, handled)
+        # written once the waiter had opened the file again: on gVisor, the descriptor
+        # that gave checkpoint 1's answer would not get checkpoint 2's
+        assert slow.opens_at_write == [opens + 1]
     finally:
         slow.released.set()
         iso_engine.stop()
