@@ -143,8 +143,10 @@ class Lifecycle:
                                   if snapshot_deadline is not None
                                   else _deadline_from_env())
         """Seconds after a successful before-snapshot run without a restore or resume
-        after which the resume hooks run anyway (``None``: wait for ever); a freeze or
-        stall meanwhile starts it again, and then it runs the restore hooks. Default:
+        after which the resume hooks run anyway (``None``: wait for ever); a freeze
+        meanwhile starts it again, a stall postpones it by its length, both at most one
+        more deadline in all unless the freeze watch confirmed the freeze, and then it
+        runs the restore hooks (see :meth:`_deadline_main`). Default:
         ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
         self.builtins = Registry()
         self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
@@ -980,8 +982,10 @@ class Lifecycle:
         After a successful run the state stays ``snapshotting`` (not ready) until a
         restore or resume run. With :attr:`snapshot_deadline` set, the resume hooks run
         (with a warning) when neither came within that many seconds — the restore hooks
-        when the process was frozen or stalled meanwhile (the deadline then starts again
-        from the freeze).
+        when the process was frozen or stalled meanwhile. A freeze starts the deadline
+        again from its end, a stall postpones it by its length; unless the freeze watch
+        confirmed the freeze, by at most one more deadline in all. A notice in flight
+        when it passes runs the hooks instead (see :meth:`_deadline_main`).
         """
         self._check_not_inside_hook()
         with self._run_lock:
@@ -1119,8 +1123,8 @@ class Lifecycle:
         limit — the process CPU time since ``cpu``: at least half the gap is a
         ``stall``, less is ``unknown``. CPU time does not advance while the process is
         frozen or stopped (nor while a thread sleeps in a C call holding the GIL:
-        unknown then); after a CRIU restore it starts again near zero (a decrease).
-        None: a run ended the pass meanwhile.
+        unknown then); one that went back (a restore that did not carry it over) is no
+        stall either. None: a run ended the pass meanwhile.
         """
         with self._cond:
             if self._beat is not None:
