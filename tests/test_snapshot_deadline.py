@@ -203,6 +203,45 @@ def test_a_freeze_the_watch_noticed_still_starts_the_deadline_again(
     assert engine.wait_ready(GIVE_UP)
 
 
+def test_a_gap_the_watch_confirms_as_a_freeze_goes_past_the_bound(
+        engine: Lifecycle, clock: _Clock) -> None:
+    """Stalls used up the bound; then a gap the freeze watch confirms as a freeze (a
+    checkpoint, CPU charged or not) still starts the deadline again from its end: the
+    restore detectors get their whole deadline first. (A guard: before, every gap
+    started it again, so this held already; the bound must not cut it.)"""
+    deadline = 2.0
+    engine.snapshot_deadline = deadline
+    runs = _Runs(engine)
+    assert not engine.restore_detected("control", kind="resume", key="k").deduplicated
+    runs.runs.clear()
+    runs.ran.clear()
+    engine.heartbeat(clock.monotonic(), 2.5)
+    assert engine.snapshot_requested("gvisor").ok
+    current = _next_slice(engine, None, runs.ran)
+    # in the first slice, a stall as long as the deadline: postponed to the bound (4 s
+    # after the pass), woken 3 s after it
+    clock.gap += deadline + 0.5
+    clock.cpu += deadline + 0.5
+    assert _judging(engine, current, runs.ran)
+    engine.heartbeat(clock.monotonic(), 2.5)
+    current = _next_slice(engine, current, runs.ran)
+    assert current is not None, "the deadline ran before the freeze"
+    clock.gap += STALL
+    clock.cpu += STALL  # a freeze hidden in a busy stall: the watch's verdict counts
+    assert _judging(engine, current, runs.ran)
+    noticed = clock.monotonic()
+    engine.freeze_noticed(noticed - STALL, noticed)
+    assert _next_slice(engine, current, runs.ran) is not None
+    # Its notice turns out a duplicate (it handles the freeze and runs nothing): only
+    # the verdict holds the deadline back now.
+    assert engine.restore_detected("control", kind="resume", key="k").deduplicated
+    assert engine._freeze_noticed_at is None
+    assert runs.ran.wait(GIVE_UP)
+    [(reason, kind, detected)] = runs.runs
+    assert (reason, kind) == ("snapshot-deadline", "restore")
+    assert detected >= noticed + deadline
+
+
 class _GatedLock:
     """The engine's run lock, which a notice thread takes only once ``gate`` is set: the
     notice is in flight (counted) but has not reached the lock when the deadline passes."""
@@ -262,10 +301,12 @@ def test_a_notice_in_flight_when_the_deadline_passes_runs_the_hooks_once(
         engine: Lifecycle, deferred: _Deferred, notice: str) -> None:
     """The deadline passes while a notice is in flight: the platform's ``resume`` has been
     counted but not reached the run lock, or the freeze watch noticed a freeze whose
-    notice is still to come. Before, the deadline ran the hooks (not an anchored run, so
-    the notice was not its duplicate) and then the notice ran them again. Now the
-    deadline waits for the notice, whose run ends the pass: the hooks run once."""
-    engine.snapshot_deadline = 0.3
+    notice (the clock jump's) comes only later. Before, the deadline ran the hooks (not
+    an anchored run, so the notice was not its duplicate) and then the notice ran them
+    again. Now the deadline waits for the notice, whose run ends the pass: the hooks run
+    once, the notice's run."""
+    deadline = 0.3 if notice == "resume" else 2.0
+    engine.snapshot_deadline = deadline
     runs = _Runs(engine)
     gate = threading.Event()
     engine._run_lock = _GatedLock(engine._run_lock, gate)  # type: ignore[assignment]
@@ -277,21 +318,29 @@ def test_a_notice_in_flight_when_the_deadline_passes_runs_the_hooks_once(
         kw: dict[str, Any] = {"kind": "resume"}
         reason = "control"
     else:
+        current = None
+        for _ in range(4):  # the last 0.5 s slice: the freeze's notice may take 2 s
+            current = _next_slice(engine, current, runs.ran)
         since = time.monotonic()
         engine.freeze_noticed(since, time.monotonic())
         kw = {"kind": "restore", "since": since}
         reason = "clock-jump"
+        gate.set()
     thread = threading.Thread(
         target=lambda: reports.append(engine.restore_detected(reason, **kw)), name="notice")
-    thread.start()
-    give_up = time.monotonic() + GIVE_UP
-    while not engine._notices:
-        assert time.monotonic() < give_up
-        time.sleep(0.001)
+    if notice == "resume":
+        thread.start()
+        give_up = time.monotonic() + GIVE_UP
+        while not engine._notices:
+            assert time.monotonic() < give_up
+            time.sleep(0.001)
     # the deadline passes: it runs (before) or waits for the notice (now)
     assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
     assert not runs.ran.is_set(), "the deadline ran while a notice was in flight"
-    gate.set()
+    if notice == "resume":
+        gate.set()
+    else:
+        thread.start()  # the freeze watch's notice comes after the deadline
     thread.join(GIVE_UP)
     watch.join(GIVE_UP)
     assert not watch.is_alive()
