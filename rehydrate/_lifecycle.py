@@ -1067,14 +1067,15 @@ class Lifecycle:
         end = start + deadline
         bound = end + deadline
         freezes_then = self._freezes
-        froze = False
+        froze = deferred = False
         while True:
             now = time.monotonic()
             if now >= end:
                 report = self._deadline_run(seq, deadline, start, failed=failed,
                                             froze=froze or self._freezes != freezes_then,
-                                            last_slice=now)
+                                            last_slice=now, deferred=deferred)
                 if report is _DEFERRED:
+                    deferred = True
                     continue
                 if isinstance(report, RestoreReport):
                     self._publish(report)
@@ -1147,7 +1148,8 @@ class Lifecycle:
         return "stall" if time.process_time() - cpu >= _STALL_CPU * late else "unknown"
 
     def _deadline_run(self, seq: int, deadline: float, start: float, *, failed: bool,
-                      froze: bool, last_slice: float) -> RestoreReport | object | None:
+                      froze: bool, last_slice: float,
+                      deferred: bool) -> RestoreReport | object | None:
         """The snapshot deadline (armed at ``start``) passed: run the hooks — unless a run
         ended the pass (None), or a notice is in flight or a freeze noticed since
         ``start`` is not handled yet (:data:`_DEFERRED`, after waiting for that for at
@@ -1161,8 +1163,9 @@ class Lifecycle:
             if self._event_seq != seq:
                 return None
             if in_flight():
-                log.debug("snapshot deadline: a restore or resume notice is in flight, or a "
-                          "freeze was noticed; waiting for it")
+                if not deferred:  # once: the wait may last as long as a notice's run
+                    log.debug("snapshot deadline: a restore or resume notice is in flight, "
+                              "or a freeze was noticed; waiting for it")
                 self._cond.wait_for(lambda: self._event_seq != seq or not in_flight(), 0.5)
                 return _DEFERRED
         with self._run_lock:
