@@ -144,7 +144,7 @@ VARIABLES: tuple[Variable, ...] = (
     # engine
     _V("REHYDRATE_ENV_POLICY", "choice", "update", "how the new environment file is applied: update, replace or off", choices=("update", "replace", "off")),  # noqa: E501
     _V("REHYDRATE_ENV_FILE", "path", None, "the environment file read after restore (default: $REHYDRATE_GVISOR_PROC/spec_environ)"),  # noqa: E501
-    _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", 300.0, "the last resort: run the resume hooks when no restore or resume came this long after the before-snapshot hooks (a freeze meanwhile starts it again, and then the restore hooks run; off: wait for ever)", positive=True, off_ok=True),  # noqa: E501
+    _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", 300.0, "the last resort: run the resume hooks when no restore or resume came this long after the before-snapshot hooks (a freeze meanwhile starts it again, a stall postpones it by its length — by at most one more deadline in all unless the freeze watch confirmed the freeze — and then the restore hooks run; off: wait for ever)", positive=True, off_ok=True),  # noqa: E501
     _V("REHYDRATE_DISABLE", "list", (), "built-in identity managers to turn off: entropy, keys, tls, secrets (the whole SECRETS phase), all (these four)"),  # noqa: E501
     # detectors
     _V("REHYDRATE_GVISOR_PROC", "path", "/proc/gvisor", "gVisor's checkpoint/spec_environ directory (tests point it at a stand-in)"),  # noqa: E501

@@ -143,8 +143,10 @@ class Lifecycle:
                                   if snapshot_deadline is not None
                                   else _deadline_from_env())
         """Seconds after a successful before-snapshot run without a restore or resume
-        after which the resume hooks run anyway (``None``: wait for ever); a freeze or
-        stall meanwhile starts it again, and then it runs the restore hooks. Default:
+        after which the resume hooks run anyway (``None``: wait for ever); a freeze
+        meanwhile starts it again, a stall postpones it by its length, both at most one
+        more deadline in all unless the freeze watch confirmed the freeze, and then it
+        runs the restore hooks (see :meth:`_deadline_main`). Default:
         ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
         self.builtins = Registry()
         self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
@@ -197,6 +199,8 @@ class Lifecycle:
         self._verdict_waiters = 0
         self._gap_since: float | None = None
         self._freeze_noticed_at: float | None = None
+        self._freezes = 0
+        """Counts :meth:`freeze_noticed` calls: the snapshot deadline's verdict on a gap."""
         self._run_ended = -math.inf
         """``time.monotonic()`` at the end of the last restore/resume run: the process ran
         then. Not a heartbeat (a run can span a freeze: a clone made mid-run ends its
@@ -518,6 +522,7 @@ class Lifecycle:
         restore (or resume) run handled it."""
         with self._cond:
             self._freeze_noticed_at = now
+            self._freezes += 1
             self._gap_since = since
             self._beat = now
             self._beat_seq += 1
@@ -977,8 +982,10 @@ class Lifecycle:
         After a successful run the state stays ``snapshotting`` (not ready) until a
         restore or resume run. With :attr:`snapshot_deadline` set, the resume hooks run
         (with a warning) when neither came within that many seconds — the restore hooks
-        when the process was frozen or stalled meanwhile (the deadline then starts again
-        from the freeze).
+        when the process was frozen or stalled meanwhile. A freeze starts the deadline
+        again from its end, a stall postpones it by its length; unless the freeze watch
+        confirmed the freeze, by at most one more deadline in all. A notice in flight
+        when it passes runs the hooks instead (see :meth:`_deadline_main`).
         """
         self._check_not_inside_hook()
         with self._run_lock:
@@ -1025,50 +1032,162 @@ class Lifecycle:
         a checkpoint's answer (:meth:`await_answer`).
 
         Waits on the engine's condition (no polling) in slices of at most 0.5 s. A slice
-        that ends much later than asked means the process was frozen (a checkpoint: the
-        restore/resume detectors' run ends the watch) or stalled (the GIL held, a short
-        job-control stop: the detectors leave those pending), so the deadline starts
-        again from there. When it passes after a freeze with no run, the hooks that run
-        are the *restore* hooks: the freeze may have been a checkpoint that made this
-        process a clone, and a fresh identity is the safe side.
+        that ends more than ``_FROZEN_STEP`` late is a gap, judged by :meth:`_gap_verdict`:
+
+        * a *freeze* the freeze watch noticed (a checkpoint: the restore detectors' run
+          ends the watch) starts the deadline again from its end;
+        * a *stall* — the process ran meanwhile: the freeze watch's heartbeats saw it run
+          through the gap and noticed no freeze, or (no watch) its CPU time advanced by at
+          least half the gap, a busy call holding the GIL — postpones it by the stall's
+          length only;
+        * a gap nothing can tell from a freeze (no freeze watch, little CPU used: a
+          checkpoint, a job-control stop, a C call sleeping with the GIL held) starts it
+          again too, but never past the *bound*.
+
+        The bound: stalls and unconfirmed gaps postpone the deadline by at most one more
+        ``deadline`` in all — the time lost inside unconfirmed gaps (possibly frozen) is
+        not counted, a stall's is. Before, every gap started the deadline again, and a
+        process whose main thread held the GIL for 1.5 s once per deadline never got it:
+        ``snapshotting`` (a gated server answering 503) for good. Only freezes the watch
+        confirmed go past the bound.
+
+        When the deadline passes while a restore or resume notice is being handled or
+        waits for the run lock, the run waits for it; while a freeze the watch noticed
+        since the pass is not handled yet, for its notice — at most one ``deadline``
+        after the freeze was noticed (a noticed freeze starts the deadline again). Then
+        it runs only when no run ended the pass meanwhile (before, the deadline's run
+        and then the notice's both ran the hooks); a notice judged a duplicate that ran
+        nothing leaves it to the deadline.
+
+        After any gap or noticed freeze the hooks that run are the *restore* hooks: it
+        may have been a checkpoint that made this process a clone (a freeze can hide
+        inside a stall), and a fresh identity is the safe side.
         """
-        end = time.monotonic() + deadline
-        froze = False
+        start = time.monotonic()
+        end = start + deadline
+        bound = end + deadline
+        freezes_then = self._freezes
+        froze = deferred = False
         while True:
             now = time.monotonic()
             if now >= end:
-                break
+                report = self._deadline_run(seq, deadline, start, failed=failed,
+                                            froze=froze or self._freezes != freezes_then,
+                                            last_slice=now, deferred=deferred)
+                if report is _DEFERRED:
+                    deferred = True
+                    continue
+                if isinstance(report, RestoreReport):
+                    self._publish(report)
+                    _log_run(report)
+                return
             step = min(end - now, 0.5)
+            freezes = self._freezes
+            cpu = time.process_time()
             with self._cond:
                 if self._cond.wait_for(lambda: self._event_seq != seq, step):
                     return
-            if time.monotonic() - now > step + _FROZEN_STEP:
-                # Ending the watch here left a stall (which the detectors do not count as
-                # a checkpoint) with nobody to end the pass: snapshotting, or degraded,
-                # for good when the platform's answer never came.
-                log.debug("snapshot deadline: the process was frozen or stalled meanwhile; "
-                          "the deadline starts again")
-                froze = True
+            woke = time.monotonic()
+            late = woke - now - step
+            if late <= _FROZEN_STEP:
+                continue
+            verdict = self._gap_verdict(seq, late, cpu, woke, freezes)
+            if verdict is None:
+                return  # a run ended the pass meanwhile
+            froze = True
+            if verdict == "freeze":
+                # A checkpoint: the restore detectors get a whole deadline from its end
+                # (their run ends the watch).
                 end = time.monotonic() + deadline
+                bound = max(bound, end)
+            elif verdict == "stall":
+                # The process ran: the stall counts towards the bound, and postpones the
+                # deadline by its length only (threads that waited for the GIL with a
+                # notice get their turn).
+                end = min(end + late, bound)
+            else:
+                # Maybe frozen: the gap itself does not count; a fresh deadline from
+                # here, but no further than the bound.
+                bound += late
+                end = min(time.monotonic() + deadline, bound)
+            log.debug("snapshot deadline: a %.2fs gap (%s); the deadline is now in %.2fs",
+                      late, verdict, end - time.monotonic())
+
+    def _gap_verdict(self, seq: int, late: float, cpu: float, woke: float,
+                     freezes: int) -> Literal["freeze", "stall", "unknown"] | None:
+        """What a deadline slice that ended ``late`` seconds late (at ``woke``) saw.
+
+        With a freeze watch running, its verdict: ``freeze`` when it noticed one since
+        its count was ``freezes``, ``stall`` when a heartbeat read after ``woke`` came
+        without one (the watcher judged the gap on its first wake-up after it, before
+        that heartbeat). Otherwise — or when no such heartbeat comes within the watch's
+        limit — the process CPU time since ``cpu``: at least half the gap is a
+        ``stall``, less is ``unknown``. CPU time does not advance while the process is
+        frozen or stopped (nor while a thread sleeps in a C call holding the GIL:
+        unknown then); one that went back (a restore that did not carry it over) is no
+        stall either. None: a run ended the pass meanwhile.
+        """
+        with self._cond:
+            if self._beat is not None:
+                give_up = time.monotonic() + self._beat_limit
+                self._verdict_waiters += 1  # heartbeats wake this wait (not ready anyway)
+                try:
+                    self._cond.wait_for(
+                        lambda: (self._event_seq != seq or self._freezes != freezes
+                                 or self._beat is None or self._beat >= woke),
+                        max(0.0, give_up - time.monotonic()))
+                finally:
+                    self._verdict_waiters -= 1
+                    self._cond.notify_all()
+            if self._event_seq != seq:
+                return None
+            if self._freezes != freezes:
+                return "freeze"
+            if self._beat is not None and self._beat >= woke:
+                return "stall"
+        return "stall" if time.process_time() - cpu >= _STALL_CPU * late else "unknown"
+
+    def _deadline_run(self, seq: int, deadline: float, start: float, *, failed: bool,
+                      froze: bool, last_slice: float,
+                      deferred: bool) -> RestoreReport | object | None:
+        """The snapshot deadline (armed at ``start``) passed: run the hooks — unless a run
+        ended the pass (None), or a notice is in flight or a freeze noticed since
+        ``start`` is not handled yet (:data:`_DEFERRED`, after waiting for that for at
+        most a slice: the watch calls again)."""
+        def in_flight() -> bool:
+            noticed = self._freeze_noticed_at
+            return bool(self._notices) or (noticed is not None and noticed >= start
+                                           and time.monotonic() < noticed + deadline)
+
+        with self._cond:
+            if self._event_seq != seq:
+                return None
+            if in_flight():
+                if not deferred:  # once: the wait may last as long as a notice's run
+                    log.debug("snapshot deadline: a restore or resume notice is in flight, "
+                              "or a freeze was noticed; waiting for it")
+                self._cond.wait_for(lambda: self._event_seq != seq or not in_flight(), 0.5)
+                return _DEFERRED
         with self._run_lock:
             # No run since the pass (seq): its state is still the pass's own.
             if self._event_seq != seq or self._state not in (
                     ("snapshotting", "degraded") if failed else ("snapshotting",)):
-                return
+                return None
+            with self._cond:
+                if in_flight():  # it came while this thread waited for the lock
+                    return _DEFERRED
             detected = time.monotonic()
             # Every slice of the watch ended on time: nothing froze, and hooks that act
             # only on a freeze (the game's tick clock) must know it (frozen_for 0). A
             # gap since the last slice (a freeze just now, unnoticed yet): unknown.
-            frozen_for = 0.0 if not froze and detected - now <= _FROZEN_STEP else None
+            frozen_for = 0.0 if not froze and detected - last_slice <= _FROZEN_STEP else None
             kind: Literal["restore", "resume"] = "restore" if froze else "resume"
             log.warning("no restore or resume within %gs of the before-snapshot hooks%s "
                         "(snapshot_deadline): the platform seems to have given up; running "
                         "the %s hooks", deadline, " (or of a freeze since)" if froze else "",
                         kind)
-            report = self._run_restore("snapshot-deadline", kind, frozen_for, None,
-                                       detected, deadline_at=self._deadline_at(detected, None))
-        self._publish(report)
-        _log_run(report)
+            return self._run_restore("snapshot-deadline", kind, frozen_for, None,
+                                     detected, deadline_at=self._deadline_at(detected, None))
 
     def simulate_restore(
         self,
@@ -1448,7 +1567,15 @@ os.register_at_fork(after_in_child=_reset_engines_in_child)
 
 
 _FROZEN_STEP = 1.5
-"""A wait that ends this much later than asked: the process was frozen meanwhile."""
+"""A wait that ends this much later than asked: the process was frozen or stalled
+meanwhile (see :meth:`Lifecycle._deadline_main`)."""
+
+_DEFERRED = object()
+"""What the snapshot deadline's run attempt returns when a notice in flight defers it."""
+
+_STALL_CPU = 0.5
+"""A gap during which the process used CPU time for at least this fraction of its length
+was a stall, not a freeze (a busy thread held the GIL)."""
 
 
 def _check_reason(reason: object) -> None:

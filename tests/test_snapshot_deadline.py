@@ -1,0 +1,382 @@
+"""The snapshot deadline is bounded, and defers to a restore notice in flight.
+
+The watch (``Lifecycle._deadline_main``) sees gaps through the engine module's clock: the
+tests swap it for the real clocks plus injected gaps (:class:`_Clock`), injected while the
+watch thread waits inside one of its slices — no multi-second sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rehydrate import Lifecycle, Registry, RestoreContext, _lifecycle
+from rehydrate.env import EnvRefresher
+
+GIVE_UP = 15.0
+STALL = 1.6  # just over _FROZEN_STEP: the watch takes the slice for a gap
+
+
+class _Clock:
+    """``time`` as the engine module sees it: the real clocks, moved on by injected gaps
+    (``monotonic``) and by CPU time charged meanwhile (``process_time``)."""
+
+    def __init__(self) -> None:
+        self.gap = 0.0
+        self.cpu = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.gap
+
+    def process_time(self) -> float:
+        return time.process_time() + self.cpu
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(_lifecycle, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def engine() -> Iterator[Lifecycle]:
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None), builtins=False)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+class _Runs:
+    """The restore/resume runs' (reason, kind, detected_at), and an event when one ran."""
+
+    def __init__(self, engine: Lifecycle) -> None:
+        self.runs: list[tuple[str, str, float]] = []
+        self.ran = threading.Event()
+        engine.registry.after_restore(self._hook, name="test.runs")
+
+    def _hook(self, ctx: RestoreContext) -> None:
+        self.runs.append((ctx.reason, ctx.kind, ctx.detected_at))
+        self.ran.set()
+
+
+def _waiters(engine: Lifecycle) -> list[object]:
+    return list(engine._cond._waiters)  # type: ignore[attr-defined]
+
+
+def _next_slice(engine: Lifecycle, previous: object | None, ran: threading.Event
+                ) -> object | None:
+    """The deadline watch's wait once it is a new slice (not ``previous``); None once a
+    run happened instead."""
+    give_up = time.monotonic() + GIVE_UP
+    while not ran.is_set():
+        waiters = _waiters(engine)
+        if waiters and waiters[0] is not previous and not engine._verdict_waiters:
+            return waiters[0]
+        assert time.monotonic() < give_up, "the deadline watch never waited again"
+        time.sleep(0.001)
+    return None
+
+
+def _judging(engine: Lifecycle, previous: object, ran: threading.Event) -> bool:
+    """True once the watch waits for the freeze watch's verdict on a gap; False when it
+    went on without one (a new slice, or a run)."""
+    give_up = time.monotonic() + GIVE_UP
+    while not ran.is_set():
+        if engine._verdict_waiters:
+            return True
+        waiters = _waiters(engine)
+        if waiters and waiters[0] is not previous:
+            return False
+        assert time.monotonic() < give_up, "the deadline watch never woke"
+        time.sleep(0.001)
+    return False
+
+
+def _stall_every_slice(engine: Lifecycle, clock: _Clock, runs: _Runs, *, busy: bool,
+                       watch: bool, most: int) -> int:
+    """Make every slice of the deadline watch end ``STALL`` late (with that much process
+    CPU time when ``busy``; judged by a heartbeat after it when ``watch``) until a run
+    happened or ``most`` stalls were made; the number made."""
+    made = 0
+    current = _next_slice(engine, None, runs.ran)
+    while current is not None and made < most:
+        clock.gap += STALL
+        if busy:
+            clock.cpu += STALL
+        made += 1
+        if watch and _judging(engine, current, runs.ran):
+            # the watcher's heartbeat after the gap, with no freeze noticed: a stall
+            engine.heartbeat(clock.monotonic(), 2.5)
+        current = _next_slice(engine, current, runs.ran)
+    return made
+
+
+@pytest.mark.parametrize(("busy", "watch"), [(True, False), (False, True), (False, False)],
+                         ids=["cpu-busy", "watch-saw-it-run", "cannot-tell"])
+def test_repeated_stalls_do_not_postpone_the_snapshot_deadline_for_ever(
+        engine: Lifecycle, clock: _Clock, busy: bool, watch: bool) -> None:
+    """A main thread holding the GIL for more than 1.5 s in every slice. Before, each such
+    stall started the deadline again: the hooks never ran and the process stayed
+    ``snapshotting`` (a gated server answering 503) for good. Now a stall the engine can
+    tell — the process used CPU meanwhile, or the freeze watch saw it run — postpones the
+    deadline by its length only, and one it cannot tell from a freeze starts it again no
+    further than the bound: one more deadline of the time the process was seen running."""
+    deadline = 1.0
+    engine.snapshot_deadline = deadline
+    runs = _Runs(engine)
+    if watch:
+        engine.heartbeat(clock.monotonic(), 2.5)
+    start = clock.monotonic()
+    assert engine.snapshot_requested("gvisor").ok
+    made = _stall_every_slice(engine, clock, runs, busy=busy, watch=watch, most=12)
+    assert runs.ran.wait(GIVE_UP), "the deadline never ran"
+    assert made < 12, f"the deadline ran only after the stalls stopped ({made})"
+    [(reason, kind, detected)] = runs.runs
+    assert (reason, kind) == ("snapshot-deadline", "restore")
+    # The bound: twice the deadline of the time seen running (a stall's counts; a gap
+    # that may have been a freeze does not), plus the last stall and a slice.
+    counted = detected - start - (0 if (busy or watch) else made * STALL)
+    assert counted <= 2 * deadline + STALL + 0.5 + 0.5, (counted, made)
+    assert engine.wait_ready(GIVE_UP) and engine.state == "ready"
+
+
+def test_a_stall_the_freeze_watch_saw_postpones_the_deadline_by_its_length_only(
+        engine: Lifecycle, clock: _Clock) -> None:
+    """One stall late in the deadline, the freeze watch's heartbeat after it and no freeze
+    noticed: the deadline comes ``STALL`` later than it would have, not a whole deadline
+    after the stall (before, every gap started it again)."""
+    deadline = 3.0
+    engine.snapshot_deadline = deadline
+    runs = _Runs(engine)
+    engine.heartbeat(clock.monotonic(), 2.5)
+    start = clock.monotonic()
+    assert engine.snapshot_requested("gvisor").ok
+    current = _next_slice(engine, None, runs.ran)
+    for _ in range(3):  # 1.5 s of the 3 s deadline on time
+        engine.heartbeat(clock.monotonic(), 2.5)
+        current = _next_slice(engine, current, runs.ran)
+    assert current is not None
+    clock.gap += STALL
+    _judging(engine, current, runs.ran)  # (before, it did not ask: a restart)
+    engine.heartbeat(clock.monotonic(), 2.5)
+    give_up = time.monotonic() + GIVE_UP
+    while not runs.ran.is_set():  # keep the freeze watch alive meanwhile
+        engine.heartbeat(clock.monotonic(), 2.5)
+        assert time.monotonic() < give_up, "the deadline never ran"
+        runs.ran.wait(0.1)
+    [(reason, kind, detected)] = runs.runs
+    assert (reason, kind) == ("snapshot-deadline", "restore")
+    # restarted, it would come 1.5 + STALL + 3 s after the pass
+    assert detected - start <= deadline + STALL + 0.7, detected - start
+
+
+def test_a_freeze_the_watch_noticed_still_starts_the_deadline_again(
+        engine: Lifecycle, clock: _Clock) -> None:
+    """A freeze the freeze watch noticed when the deadline is nearly over, and its notice
+    never comes (a detector that gave up): the restore detectors get a whole deadline
+    from the freeze, and then the deadline runs the *restore* hooks (the freeze may have
+    made this a clone). Before, the deadline ran the resume hooks on time, as if nothing
+    had frozen — and the freeze's notice, had it come, ran the hooks a second time."""
+    deadline = 1.0
+    engine.snapshot_deadline = deadline
+    runs = _Runs(engine)
+    assert engine.snapshot_requested("gvisor").ok
+    current = _next_slice(engine, None, runs.ran)  # 0.5 s slices: the second ends it
+    current = _next_slice(engine, current, runs.ran)
+    assert current is not None
+    noticed = clock.monotonic()
+    engine.freeze_noticed(noticed - 0.3, noticed)
+    assert runs.ran.wait(GIVE_UP)
+    [(reason, kind, detected)] = runs.runs
+    assert (reason, kind) == ("snapshot-deadline", "restore")
+    assert detected >= noticed + deadline
+    assert engine.wait_ready(GIVE_UP)
+
+
+def test_a_gap_the_watch_confirms_as_a_freeze_goes_past_the_bound(
+        engine: Lifecycle, clock: _Clock) -> None:
+    """Stalls used up the bound; then a gap the freeze watch confirms as a freeze (a
+    checkpoint, CPU charged or not) still starts the deadline again from its end: the
+    restore detectors get their whole deadline first. (A guard: before, every gap
+    started it again, so this held already; the bound must not cut it.)"""
+    deadline = 2.0
+    engine.snapshot_deadline = deadline
+    runs = _Runs(engine)
+    assert not engine.restore_detected("control", kind="resume", key="k").deduplicated
+    runs.runs.clear()
+    runs.ran.clear()
+    engine.heartbeat(clock.monotonic(), 2.5)
+    assert engine.snapshot_requested("gvisor").ok
+    current = _next_slice(engine, None, runs.ran)
+    # in the first slice, a stall as long as the deadline: postponed to the bound (4 s
+    # after the pass), woken 3 s after it
+    clock.gap += deadline + 0.5
+    clock.cpu += deadline + 0.5
+    assert _judging(engine, current, runs.ran)
+    engine.heartbeat(clock.monotonic(), 2.5)
+    current = _next_slice(engine, current, runs.ran)
+    assert current is not None, "the deadline ran before the freeze"
+    clock.gap += STALL
+    clock.cpu += STALL  # a freeze hidden in a busy stall: the watch's verdict counts
+    assert _judging(engine, current, runs.ran)
+    noticed = clock.monotonic()
+    engine.freeze_noticed(noticed - STALL, noticed)
+    assert _next_slice(engine, current, runs.ran) is not None
+    # Its notice turns out a duplicate (it handles the freeze and runs nothing): only
+    # the verdict holds the deadline back now.
+    assert engine.restore_detected("control", kind="resume", key="k").deduplicated
+    assert engine._freeze_noticed_at is None
+    assert runs.ran.wait(GIVE_UP)
+    [(reason, kind, detected)] = runs.runs
+    assert (reason, kind) == ("snapshot-deadline", "restore")
+    assert detected >= noticed + deadline
+
+
+class _GatedLock:
+    """The engine's run lock, which a notice thread takes only once ``gate`` is set: the
+    notice is in flight (counted) but has not reached the lock when the deadline passes."""
+
+    def __init__(self, lock: threading.Lock, gate: threading.Event) -> None:
+        self._lock = lock
+        self._gate = gate
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if threading.current_thread().name == "notice":
+            self._gate.wait(GIVE_UP)
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Deferred(logging.Handler):
+    """Sets ``seen`` when the deadline logs that it waits for a notice in flight."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "in flight" in record.getMessage():
+            self.seen.set()
+
+
+@pytest.fixture
+def deferred() -> Iterator[_Deferred]:
+    handler = _Deferred()
+    logger = logging.getLogger("rehydrate")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _deadline_thread() -> threading.Thread | None:
+    return next((t for t in threading.enumerate()
+                 if t.name == "rehydrate-snapshot-deadline"), None)
+
+
+@pytest.mark.parametrize("notice", ["resume", "freeze-noticed"])
+def test_a_notice_in_flight_when_the_deadline_passes_runs_the_hooks_once(
+        engine: Lifecycle, deferred: _Deferred, notice: str) -> None:
+    """The deadline passes while a notice is in flight: the platform's ``resume`` has been
+    counted but not reached the run lock, or the freeze watch noticed a freeze whose
+    notice (the clock jump's) comes only later. Before, the deadline ran the hooks (not
+    an anchored run, so the notice was not its duplicate) and then the notice ran them
+    again. Now the deadline waits for the notice, whose run ends the pass: the hooks run
+    once, the notice's run."""
+    deadline = 0.3 if notice == "resume" else 2.0
+    engine.snapshot_deadline = deadline
+    runs = _Runs(engine)
+    gate = threading.Event()
+    engine._run_lock = _GatedLock(engine._run_lock, gate)  # type: ignore[assignment]
+    assert engine.snapshot_requested("gvisor").ok
+    watch = _deadline_thread()
+    assert watch is not None
+    reports: list[Any] = []
+    if notice == "resume":
+        kw: dict[str, Any] = {"kind": "resume"}
+        reason = "control"
+    else:
+        current = None
+        for _ in range(4):  # the last 0.5 s slice: the freeze's notice may take 2 s
+            current = _next_slice(engine, current, runs.ran)
+        since = time.monotonic()
+        engine.freeze_noticed(since, time.monotonic())
+        kw = {"kind": "restore", "since": since}
+        reason = "clock-jump"
+        gate.set()
+    thread = threading.Thread(
+        target=lambda: reports.append(engine.restore_detected(reason, **kw)), name="notice")
+    if notice == "resume":
+        thread.start()
+        give_up = time.monotonic() + GIVE_UP
+        while not engine._notices:
+            assert time.monotonic() < give_up
+            time.sleep(0.001)
+    # the deadline passes: it runs (before) or waits for the notice (now)
+    assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
+    assert not runs.ran.is_set(), "the deadline ran while a notice was in flight"
+    if notice == "resume":
+        gate.set()
+    else:
+        thread.start()  # the freeze watch's notice comes after the deadline
+    thread.join(GIVE_UP)
+    watch.join(GIVE_UP)
+    assert not watch.is_alive()
+    assert [r[:2] for r in runs.runs] == [(reason, kw["kind"])]
+    assert not reports[0].deduplicated
+    assert engine.is_ready()
+
+
+def test_a_duplicate_notice_in_flight_leaves_the_run_to_the_deadline(
+        engine: Lifecycle, deferred: _Deferred) -> None:
+    """The notice the deadline waited for runs nothing (the same key as one handled
+    before): the deadline must still run — at once, not leave the process
+    ``snapshotting`` for good."""
+    engine.snapshot_deadline = 0.3
+    runs = _Runs(engine)
+    first = engine.restore_detected("control", kind="resume", key="k1")
+    assert not first.deduplicated
+    del runs.runs[:]
+    gate = threading.Event()
+    engine._run_lock = _GatedLock(engine._run_lock, gate)  # type: ignore[assignment]
+    runs.ran.clear()
+    assert engine.snapshot_requested("gvisor").ok
+    watch = _deadline_thread()
+    assert watch is not None
+    thread = threading.Thread(target=lambda: engine.restore_detected(
+        "control", kind="resume", key="k1"), name="notice")
+    thread.start()
+    give_up = time.monotonic() + GIVE_UP
+    while not engine._notices:
+        assert time.monotonic() < give_up
+        time.sleep(0.001)
+    assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
+    assert not runs.ran.is_set(), "the deadline ran while a notice was in flight"
+    gate.set()
+    thread.join(GIVE_UP)
+    watch.join(GIVE_UP)
+    assert not watch.is_alive()
+    assert [r[:2] for r in runs.runs] == [("snapshot-deadline", "resume")]
+    assert engine.is_ready()
