@@ -86,9 +86,11 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     entry per line (``env`` output, a hand-written file): ``KEY=VALUE\\n`` must not set a
     value ending in a newline, nor ``A=1\\nB=2`` one variable ``A`` holding both.
 
-    In line mode a line may end in CRLF (the ``\r`` is not part of the value), and a key
-    with white space in it (``export A=1``: a shell script, not an environment file) is
-    refused.
+    In line mode a line may end in CRLF (the ``\r`` is not part of the value), blank
+    lines and lines starting with ``#`` (after optional white space) are comments, and a
+    key with white space in it (``export A=1``: a shell script, not an environment file)
+    is refused. Nothing else of dotenv syntax applies: quotes and ``#`` after a value are
+    part of the value (``Q="x"`` sets ``"x"`` with its quotes).
 
     Raises :class:`EnvError` (naming the entry, never its value) for an entry without
     ``=``, an empty key, a file with no entries at all or more than
@@ -107,6 +109,11 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
         if entries > MAX_ENVIRON_ENTRIES:
             raise EnvError(f"more than {MAX_ENVIRON_ENTRIES} entries")
         line = entry[:-1] if separator == b"\n" and entry.endswith(b"\r") else entry
+        if separator == b"\n" and (not line.strip() or line.lstrip().startswith(b"#")):
+            # A comment or blank line of a hand-written file: before, "# note=x" failed the
+            # whole refresh (a key with white space) and "#KEY=x" set a key "#KEY".
+            entries -= 1
+            continue
         key, sep, value = line.partition(b"=")
         if not sep:
             raise EnvError(f"entry {index} has no '='")

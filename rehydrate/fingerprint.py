@@ -474,10 +474,14 @@ def write_manifest(manifest: Mapping[str, Any], path: str | os.PathLike[str]) ->
     p.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     # A new file of a random name (O_EXCL): a symlink planted at a predictable temporary
-    # name would have the manifest written through it. 0o644 less the umask, as before.
+    # name would have the manifest written through it. Owner-only when it holds salted
+    # hashes of environment values (a low-entropy value is found by guessing against
+    # them), else 0o644; both less the umask.
+    env = manifest.get("env")
+    mode = 0o600 if isinstance(env, Mapping) and env.get("keys") else 0o644
     tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644)
+                 mode)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

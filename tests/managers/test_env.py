@@ -101,8 +101,18 @@ def test_parse_round_trips_any_bytes(entries, trailing_nul):
     # without any NUL the data is one entry per line (next test), where a CR ending a
     # line and a key with white space in it mean something else
     assume(b"\0" in data or (b"\n" not in data and not data.endswith(b"\r")
-                             and all(k.split() == [k] for k in entries)))
+                             and all(k.split() == [k] and not k.startswith(b"#")
+                                     for k in entries)))
     assert parse_environ(data) == entries
+
+
+def test_line_mode_skips_comments_and_blank_lines_and_keeps_quotes():
+    data = b"# written by hand\n  # indented note=x\n\n   \nA=1 # not a comment\n#B=2\nQ=\"x\"\n"
+    assert parse_environ(data) == {b"A": b"1 # not a comment", b"Q": b'"x"'}
+    with pytest.raises(EnvError, match="no KEY=VALUE entries"):
+        parse_environ(b"# only a comment\n")
+    # NUL-separated data (/proc environ, spec_environ) has no comments: a key may be "#K"
+    assert parse_environ(b"#K=1\0") == {b"#K": b"1"}
 
 
 def test_data_without_a_nul_is_one_entry_per_line():

@@ -507,6 +507,11 @@ def test_write_manifest_never_writes_through_a_planted_link(tmp_path, monkeypatc
     assert victim.read_text() == "keep me"
     assert not path.is_symlink() and json.loads(path.read_text()) == {"schema": fp.SCHEMA}
     assert oct(path.stat().st_mode & 0o777) == oct(0o644 & ~_umask())
+    # salted hashes of environment values: readable by the owner only
+    hashed = tmp_path / "hashed.json"
+    fp.write_manifest({"schema": fp.SCHEMA, "env": {"salt": "s", "keys": {"K": "sha256:x"}}},
+                      hashed)
+    assert oct(hashed.stat().st_mode & 0o777) == oct(0o600 & ~_umask())
     # a rename that fails leaves no temporary file behind
     target = tmp_path / "taken"
     (target / "inside").mkdir(parents=True)
