@@ -1038,7 +1038,8 @@ class Lifecycle:
           ends the watch) starts the deadline again from its end;
         * a *stall* — the process ran meanwhile: the freeze watch's heartbeats saw it run
           through the gap and noticed no freeze, or (no watch) its CPU time advanced by at
-          least half the gap, a busy call holding the GIL — postpones it by the stall's
+          least half the gap beyond what all its CPUs could use in the on-time part, a busy
+          call holding the GIL — postpones it by the stall's
           length only;
         * a gap nothing can tell from a freeze (no freeze watch, little CPU used: a
           checkpoint, a job-control stop, a C call sleeping with the GIL held) starts it
@@ -1071,11 +1072,24 @@ class Lifecycle:
         while True:
             now = time.monotonic()
             if now >= end:
+                freezes, cpu = self._freezes, time.process_time()
                 report = self._deadline_run(seq, deadline, start, failed=failed,
                                             froze=froze or self._freezes != freezes_then,
                                             last_slice=now, deferred=deferred)
                 if report is _DEFERRED:
                     deferred = True
+                    # The wait for the notice is a slice too: a gap in it (a freeze while
+                    # the notice was in flight) must count like one in any other slice.
+                    woke = time.monotonic()
+                    late = woke - now - 0.5
+                    if late > _FROZEN_STEP:
+                        verdict = self._gap_verdict(seq, late, cpu, woke,
+                                                   freezes=freezes, on_time=0.5)
+                        if verdict is None:
+                            return
+                        froze = True
+                        log.debug("snapshot deadline: a %.2fs gap (%s) while it waited for "
+                                  "a notice in flight", late, verdict)
                     continue
                 if isinstance(report, RestoreReport):
                     self._publish(report)
@@ -1091,7 +1105,8 @@ class Lifecycle:
             late = woke - now - step
             if late <= _FROZEN_STEP:
                 continue
-            verdict = self._gap_verdict(seq, late, cpu, woke, freezes)
+            verdict = self._gap_verdict(seq, late, cpu, woke, freezes=freezes,
+                                       on_time=step)
             if verdict is None:
                 return  # a run ended the pass meanwhile
             froze = True
@@ -1113,16 +1128,17 @@ class Lifecycle:
             log.debug("snapshot deadline: a %.2fs gap (%s); the deadline is now in %.2fs",
                       late, verdict, end - time.monotonic())
 
-    def _gap_verdict(self, seq: int, late: float, cpu: float, woke: float,
-                     freezes: int) -> Literal["freeze", "stall", "unknown"] | None:
+    def _gap_verdict(self, seq: int, late: float, cpu: float, woke: float, *,
+                     freezes: int, on_time: float) -> Literal["freeze", "stall", "unknown"] | None:
         """What a deadline slice that ended ``late`` seconds late (at ``woke``) saw.
 
         With a freeze watch running, its verdict: ``freeze`` when it noticed one since
         its count was ``freezes``, ``stall`` when a heartbeat read after ``woke`` came
         without one (the watcher judged the gap on its first wake-up after it, before
         that heartbeat). Otherwise — or when no such heartbeat comes within the watch's
-        limit — the process CPU time since ``cpu``: at least half the gap is a
-        ``stall``, less is ``unknown``. CPU time does not advance while the process is
+        limit — the process CPU time since ``cpu``, less what all its CPUs could have
+        used in the ``on_time`` seconds of the wait before the gap: at least half the gap
+        is a ``stall``, less is ``unknown``. CPU time does not advance while the process is
         frozen or stopped (nor while a thread sleeps in a C call holding the GIL:
         unknown then); one that went back (a restore that did not carry it over) is no
         stall either. None: a run ended the pass meanwhile.
@@ -1145,7 +1161,11 @@ class Lifecycle:
                 return "freeze"
             if self._beat is not None and self._beat >= woke:
                 return "stall"
-        return "stall" if time.process_time() - cpu >= _STALL_CPU * late else "unknown"
+        # Only CPU beyond what every core could have used in the on-time part of the
+        # wait (``on_time`` seconds) counts: busy threads that do not hold the GIL (zlib,
+        # NumPy) otherwise made a job-control stop of a second or two look like a stall.
+        used = time.process_time() - cpu - on_time * _cpus()
+        return "stall" if used >= _STALL_CPU * late else "unknown"
 
     def _deadline_run(self, seq: int, deadline: float, start: float, *, failed: bool,
                       froze: bool, last_slice: float,
@@ -1576,6 +1596,14 @@ _DEFERRED = object()
 _STALL_CPU = 0.5
 """A gap during which the process used CPU time for at least this fraction of its length
 was a stall, not a freeze (a busy thread held the GIL)."""
+
+
+def _cpus() -> int:
+    """CPUs this process may run on (what its threads' CPU time can grow by per second)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _check_reason(reason: object) -> None:

@@ -112,7 +112,9 @@ def _stall_every_slice(engine: Lifecycle, clock: _Clock, runs: _Runs, *, busy: b
     while current is not None and made < most:
         clock.gap += STALL
         if busy:
-            clock.cpu += STALL
+            # every core busy through the on-time part, and the GIL's holder through the
+            # stall
+            clock.cpu += 0.5 * _lifecycle._cpus() + STALL
         made += 1
         if watch and _judging(engine, current, runs.ran):
             # the watcher's heartbeat after the gap, with no freeze noticed: a stall
@@ -305,7 +307,7 @@ def test_a_notice_in_flight_when_the_deadline_passes_runs_the_hooks_once(
     an anchored run, so the notice was not its duplicate) and then the notice ran them
     again. Now the deadline waits for the notice, whose run ends the pass: the hooks run
     once, the notice's run."""
-    deadline = 0.3 if notice == "resume" else 2.0
+    deadline = 2.0  # the notice is counted well before it passes
     engine.snapshot_deadline = deadline
     runs = _Runs(engine)
     gate = threading.Event()
@@ -354,7 +356,7 @@ def test_a_duplicate_notice_in_flight_leaves_the_run_to_the_deadline(
     """The notice the deadline waited for runs nothing (the same key as one handled
     before): the deadline must still run — at once, not leave the process
     ``snapshotting`` for good."""
-    engine.snapshot_deadline = 0.3
+    engine.snapshot_deadline = 2.0  # the notice is counted well before it passes
     runs = _Runs(engine)
     first = engine.restore_detected("control", kind="resume", key="k1")
     assert not first.deduplicated
@@ -380,3 +382,89 @@ def test_a_duplicate_notice_in_flight_leaves_the_run_to_the_deadline(
     assert not watch.is_alive()
     assert [r[:2] for r in runs.runs] == [("snapshot-deadline", "resume")]
     assert engine.is_ready()
+
+
+class _Gaps(logging.Handler):
+    """The snapshot deadline's verdicts on gaps, from its debug lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.verdicts: list[str] = []
+        self.judged = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for verdict in ("freeze", "stall", "unknown"):
+            if f"gap ({verdict})" in message:
+                self.verdicts.append(verdict)
+                self.judged.set()
+
+
+@pytest.fixture
+def gaps(deferred: _Deferred) -> Iterator[_Gaps]:  # deferred: the logger at DEBUG
+    handler = _Gaps()
+    logger = logging.getLogger("rehydrate")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_busy_threads_before_a_stop_do_not_make_it_a_stall(
+        engine: Lifecycle, clock: _Clock, gaps: _Gaps) -> None:
+    """Threads that do not hold the GIL (zlib, NumPy) kept every core busy through the
+    on-time part of a slice, then the process was stopped (a checkpoint, SIGSTOP): no CPU
+    during the gap. Before, their CPU time counted for the gap and it was judged a stall
+    (postponed by its length only: the deadline could run the hooks before the clone's
+    own restore notice). Now only CPU beyond what the cores could use on time counts: a
+    gap it cannot tell from a freeze."""
+    engine.snapshot_deadline = 30.0
+    runs = _Runs(engine)
+    assert engine.snapshot_requested("gvisor").ok
+    current = _next_slice(engine, None, runs.ran)
+    assert current is not None
+    clock.gap += STALL
+    clock.cpu += 0.5 * _lifecycle._cpus()  # busy cores on time, nothing in the gap
+    assert gaps.judged.wait(GIVE_UP)
+    assert gaps.verdicts == ["unknown"]
+
+
+def test_a_freeze_while_the_deadline_waits_for_a_notice_is_a_gap(
+        engine: Lifecycle, clock: _Clock, deferred: _Deferred, gaps: _Gaps) -> None:
+    """The deadline passes while a duplicate notice is in flight (no freeze watch), and
+    the process is frozen 10 s while the deadline waits for it. The notice runs nothing,
+    the deadline runs: after that gap it runs the restore hooks (``frozen_for`` None), as
+    after a gap in any slice. Before, the wait for the notice was not judged: the resume
+    hooks ran with ``frozen_for`` 0.0 ("nothing froze")."""
+    engine.snapshot_deadline = 2.0  # the notice is counted well before it passes
+    seen: list[tuple[str, str, float | None]] = []
+    ran = threading.Event()
+
+    def hook(ctx: RestoreContext) -> None:
+        seen.append((ctx.reason, ctx.kind, ctx.frozen_for))
+        ran.set()
+
+    engine.registry.after_restore(hook, name="t.hook")
+    assert not engine.restore_detected("control", kind="resume", key="k1").deduplicated
+    seen.clear()
+    ran.clear()
+    gate = threading.Event()
+    engine._run_lock = _GatedLock(engine._run_lock, gate)  # type: ignore[assignment]
+    assert engine.snapshot_requested("gvisor").ok
+    watch = _deadline_thread()
+    assert watch is not None
+    thread = threading.Thread(target=lambda: engine.restore_detected(
+        "control", kind="resume", key="k1"), name="notice")
+    thread.start()
+    give_up = time.monotonic() + GIVE_UP
+    while not engine._notices:
+        assert time.monotonic() < give_up
+        time.sleep(0.001)
+    assert deferred.seen.wait(GIVE_UP) and not ran.is_set()
+    clock.gap += 10.0  # frozen (a checkpoint) while the deadline waits for the notice
+    assert gaps.judged.wait(GIVE_UP), "the wait for the notice was not judged"
+    gate.set()
+    thread.join(GIVE_UP)
+    watch.join(GIVE_UP)
+    assert seen == [("snapshot-deadline", "restore", None)], seen

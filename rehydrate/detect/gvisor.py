@@ -25,8 +25,9 @@ nothing for that pass (``older_than`` in
 :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`); a ``restore`` always runs.
 An answer arrives when ``poll()`` wakes for it (stamped before it is read), and a
 trigger writes only while the descriptor holds no answer and none is being taken out
-of it, so such an answer is never taken for that trigger's, however late the thread
-gets to it.
+of it (checked, and its write recorded, in one step), so such an answer is not taken
+for that trigger's, however late the thread gets to it — except one arriving between
+that step and the ``write()`` itself.
 Anything else is logged as one error line; the waiter then re-opens the
 file for the next checkpoint. Each notice carries ``since`` = the later of the moment
 the descriptor was opened and :data:`ANSWER_WINDOW` seconds before the answer arrived,
@@ -572,13 +573,13 @@ class GVisorDetector(Detector):
         keeper = self._keeper
         if keeper >= 0 and self._poll_keeper:
             self._keeper = -1
-            return keeper  # non-blocking, which _read_some handles
+            return keeper  # non-blocking: _read_answers takes readiness without data
         if keeper >= 0:
             poller = select.poll()
             poller.register(keeper, select.POLLIN)
             if any(ev & select.POLLIN for _, ev in poller.poll(0)):
                 self._keeper = -1
-                return keeper  # non-blocking, which _read_some handles
+                return keeper  # non-blocking: _read_answers takes readiness without data
         try:
             return os.open(self.path, _OPEN_FIFO)
         finally:
