@@ -1175,9 +1175,13 @@ class Lifecycle:
         ``start`` is not handled yet (:data:`_DEFERRED`, after waiting for that for at
         most a slice: the watch calls again)."""
         def in_flight() -> bool:
+            # _verdict_waiters: a notice that cannot tell when its freeze was (``notify
+            # restore`` without ``save``) waits in freeze_since() for the freeze watch's
+            # verdict before it is counted in _notices (at most the watch's limit).
             noticed = self._freeze_noticed_at
-            return bool(self._notices) or (noticed is not None and noticed >= start
-                                           and time.monotonic() < noticed + deadline)
+            return bool(self._notices or self._verdict_waiters) or (
+                noticed is not None and noticed >= start
+                and time.monotonic() < noticed + deadline)
 
         with self._cond:
             if self._event_seq != seq:

@@ -468,3 +468,38 @@ def test_a_freeze_while_the_deadline_waits_for_a_notice_is_a_gap(
     thread.join(GIVE_UP)
     watch.join(GIVE_UP)
     assert seen == [("snapshot-deadline", "restore", None)], seen
+
+
+def test_a_notice_waiting_for_the_freeze_watchs_verdict_is_in_flight(
+        engine: Lifecycle, clock: _Clock, deferred: _Deferred) -> None:
+    """``notify restore`` without a ``save`` asks the freeze watch when its freeze was
+    (``freeze_since()``) and, with the heartbeat overdue, waits for the watch's next
+    heartbeat before it reaches ``restore_detected``. The deadline passing in that wait
+    must wait for the notice too: before, it ran the hooks, then the notice (the watch
+    noticed a freeze) ran them again."""
+    engine.snapshot_deadline = 1.0
+    runs = _Runs(engine)
+    engine.heartbeat(clock.monotonic(), 2.5, due=0.2)
+    assert engine.snapshot_requested("gvisor").ok
+    clock.gap += 0.5  # the heartbeat is overdue (past due, within its limit)
+    reports: list[Any] = []
+
+    def notice() -> None:
+        since = engine.freeze_since()
+        reports.append(engine.restore_detected("control", since=since))
+
+    thread = threading.Thread(target=notice, name="notice")
+    thread.start()
+    give_up = time.monotonic() + GIVE_UP
+    while not engine._verdict_waiters:
+        assert time.monotonic() < give_up
+        time.sleep(0.001)
+    # the deadline passes while the notice waits: it runs (before) or waits (now)
+    assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
+    assert not runs.ran.is_set(), "the deadline ran while a notice waited for the verdict"
+    now = clock.monotonic()
+    engine.freeze_noticed(now - 0.6, now)  # the watch's verdict: frozen since
+    thread.join(GIVE_UP)
+    assert runs.ran.wait(GIVE_UP)
+    assert [r[:2] for r in runs.runs] == [("control", "restore")]
+    assert not reports[0].deduplicated
