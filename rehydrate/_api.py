@@ -70,7 +70,11 @@ def start(
     *,
     loop: asyncio.AbstractEventLoop | None = None,
 ) -> list[str]:
-    """Start background detection (idempotent). Returns the running detectors' names."""
+    """Start background detection. Returns the running detectors' names.
+
+    Idempotent with ``"auto"`` (the default) or ``"none"``; a later call that lists
+    detectors checks them as the first does and starts those not running yet
+    (:meth:`Lifecycle.start`)."""
     return _engine().start(detectors, loop=loop)
 
 

@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     Type = Literal["text", "path", "number", "seconds", "flag", "choice", "list", "signal"]
     """``text``/``path``: the string (empty = unset); ``signal``: a signal name or number
     that can be caught, as its name (``SIGUSR2``); ``number``/``seconds``: a finite float
-    ``>= minimum`` (``off``/``none``/``0`` mean "off" where ``off_ok``); ``flag``:
+    ``>= minimum`` (``off``/``none`` mean "off" where ``off_ok``); ``flag``:
     1/true/yes/on or 0/false/no/off; ``choice``: one of ``choices`` (case-insensitive);
-    ``list``: comma-separated, blanks dropped."""
+    ``list``: comma-separated, blanks dropped (with ``choices``: entries not among them
+    are ignored, each with one warning)."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
            "optional_number", "optional_seconds", "seconds", "shown", "signal_from_text",
@@ -117,7 +118,10 @@ class Variable:
     """One ``REHYDRATE_*`` setting (read-only by convention).
 
     ``minimum``: numbers: the smallest accepted value; ``positive`` additionally excludes
-    it. ``off_ok``: numbers: empty, ``0``, ``off`` or ``none`` mean "off" (``None``).
+    it. ``off_ok``: numbers: ``off`` or ``none`` mean "off" (``None``); ``0`` is not
+    "off" but a number like any other (a bad one where ``positive``: before, ``0`` was
+    "off" while ``0.0`` was a bad value). ``choices``: ``choice``: the accepted values;
+    ``list``: the accepted entries (case-insensitive).
     """
 
     __slots__ = ("choices", "default", "meaning", "minimum", "name", "off_ok", "positive",
@@ -145,7 +149,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_ENV_POLICY", "choice", "update", "how the new environment file is applied: update, replace or off", choices=("update", "replace", "off")),  # noqa: E501
     _V("REHYDRATE_ENV_FILE", "path", None, "the environment file read after restore (default: $REHYDRATE_GVISOR_PROC/spec_environ)"),  # noqa: E501
     _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", 300.0, "the last resort: run the resume hooks when no restore or resume came this long after the before-snapshot hooks (a freeze meanwhile starts it again, a stall postpones it by its length — by at most one more deadline in all unless the freeze watch confirmed the freeze — and then the restore hooks run; off: wait for ever)", positive=True, off_ok=True),  # noqa: E501
-    _V("REHYDRATE_DISABLE", "list", (), "built-in identity managers to turn off: entropy, keys, tls, secrets (the whole SECRETS phase), all (these four)"),  # noqa: E501
+    _V("REHYDRATE_DISABLE", "list", (), "built-in identity managers to turn off: entropy, keys, tls, secrets (the whole SECRETS phase), all (these four)", choices=("entropy", "keys", "tls", "secrets", "all")),  # noqa: E501
     # detectors
     _V("REHYDRATE_GVISOR_PROC", "path", "/proc/gvisor", "gVisor's checkpoint/spec_environ directory (tests point it at a stand-in)"),  # noqa: E501
     _V("REHYDRATE_CONTROL_SOCKET", "path", None, "the control socket path; setting it starts the control detector with start('auto'), which fails loudly for a directory or path another user controls"),  # noqa: E501
@@ -224,7 +228,16 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
             return var.default, "a signal name or number that can be caught (not KILL or STOP)"
         return name, None
     if var.type == "list":
-        return tuple(part.strip() for part in value.split(",") if part.strip()), None
+        entries = tuple(part.strip() for part in value.split(",") if part.strip())
+        if not var.choices:
+            return entries, None
+        unknown = _unknown_entries(var, entries)
+        kept = tuple(e for e in entries if e not in unknown)
+        if not unknown:
+            return kept, None
+        listed = ", ".join(_short(e) for e in unknown)
+        return kept, (f"{listed} {'is' if len(unknown) == 1 else 'are'} not one of "
+                      + ", ".join(var.choices))
     low = value.lower()
     if var.type == "flag":
         if low in _TRUE:
@@ -236,7 +249,7 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
         if low in var.choices:
             return low, None
         return var.default, "one of " + ", ".join(var.choices)
-    if var.off_ok and low in ("0", "off", "none"):
+    if var.off_ok and low in ("off", "none"):
         return None, None
     import math
 
@@ -254,18 +267,41 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
     return var.default, f"a finite number {rule}" + (" (or off)" if var.off_ok else "")
 
 
+def _unknown_entries(var: Variable, entries: tuple[str, ...]) -> list[str]:
+    """The entries of a ``list`` variable with ``choices`` that are not among them."""
+    return [e for e in entries if e.lower() not in var.choices]
+
+
+def _short(raw: str) -> str:
+    """``raw`` as a warning shows it: its ``repr``, the first 40 characters."""
+    return repr(raw if len(raw) <= 40 else raw[:37] + "...")
+
+
+_WARNED_ENTRIES: set[tuple[str, str]] = set()
+"""Unknown list entries already warned about: ``REHYDRATE_DISABLE`` is read at every
+event, and one typo must not add a line to every restore."""
+
+
 def _get(name: str, *types: Type) -> Any:
     var = _declared(name, *types)
     raw = _raw(var)
     if raw is None:
         return var.default
     value, problem = _parse(var, raw)
-    if problem is not None:
-        shown = raw if len(raw) <= 40 else raw[:37] + "..."
-        import logging
+    if problem is None:
+        return value
+    import logging
 
-        logging.getLogger("rehydrate").warning(
-            "%s=%r is not %s; using the default (%s)", name, shown, problem, _show(var.default))
+    logger = logging.getLogger("rehydrate")
+    if var.type == "list":  # the known entries apply: each unknown one is a line, once
+        for entry in _unknown_entries(var, tuple(p.strip() for p in raw.split(",") if p.strip())):
+            if (name, entry) not in _WARNED_ENTRIES:
+                _WARNED_ENTRIES.add((name, entry))
+                logger.warning("%s: %s is not one of %s; ignored", name, _short(entry),
+                               ", ".join(var.choices))
+        return value
+    logger.warning("%s=%s is not %s; using the default (%s)", name, _short(raw), problem,
+                   _show(var.default))
     return value
 
 
@@ -340,10 +376,12 @@ def effective() -> list[dict[str, Any]]:
     for var in VARIABLES:
         raw = _raw(var)
         value, problem = (var.default, None) if raw is None else _parse(var, raw)
-        out.append({"name": var.name, "type": var.type, "value": _show(value),
+        # "off" set on purpose is not the same as a variable never set
+        shown = "off" if value is None and var.off_ok and raw is not None else _show(value)
+        if raw is not None and problem is not None and var.type != "list":
+            problem = f"{raw[:40]!r} is not {problem}"
+        out.append({"name": var.name, "type": var.type, "value": shown,
                     "default": _show(var.default),
                     "source": "default" if raw is None else "environment",
-                    "problem": (f"{raw[:40]!r} is not {problem}"
-                                if raw is not None and problem is not None else None),
-                    "meaning": var.meaning})
+                    "problem": problem, "meaning": var.meaning})
     return out

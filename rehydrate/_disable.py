@@ -3,8 +3,13 @@
 ``REHYDRATE_DISABLE`` is a comma-separated list of manager or phase names: ``entropy``,
 ``keys``, ``tls``, ``secrets`` (``secrets`` names the whole ``SECRETS`` phase: keys, TLS
 certificates and :class:`~rehydrate.secrets.Secret` values). ``all`` disables every one.
-It is read each time a hook runs, after the environment refresh, so a clone's new
-environment can set it too.
+Any other entry (a typo: ``entrop``) is ignored with one warning line, once per entry,
+that lists the accepted names; ``rehydrate doctor`` shows it as ignored.
+
+It is read each time a manager's hook runs, from the process's environment as it is
+then: what the process started with, what the application set in ``os.environ``, or a
+``simulate_restore(env=...)`` overlay. A clone's refreshed environment file never sets
+it: the refresh leaves every ``REHYDRATE_*`` key as the process started with it.
 """
 
 from __future__ import annotations

@@ -59,6 +59,19 @@ class Phase(enum.IntEnum):
         return self.name.lower()
 
 
+def _as_phase(phase: Phase | str) -> Phase:
+    """``phase`` as a :class:`Phase`: a member, its value, or its name in any case
+    (``"connections"``, as ``str(Phase.CONNECTIONS)`` spells it)."""
+    if isinstance(phase, str):
+        try:
+            return Phase[phase.strip().upper()]
+        except KeyError:
+            names = ", ".join(str(p) for p in Phase)
+            raise ValueError(f"phase must be a Phase or one of {names}, not "
+                             f"{_config.shown(phase)}") from None
+    return Phase(phase)
+
+
 class Hook:
     """One registered hook. Immutable: re-registering creates a new record.
 
@@ -204,7 +217,7 @@ class Registry:
         fn: HookFn,
         *,
         event: Event = "restore",
-        phase: Phase = Phase.APPLICATION,
+        phase: Phase | str = Phase.APPLICATION,
         order: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
         required: bool = True,
@@ -221,7 +234,7 @@ class Registry:
                             "must be a plain or async function")
         if event not in ("restore", "snapshot"):
             raise ValueError(f"event must be 'restore' or 'snapshot', not {_config.shown(event)}")
-        phase = Phase(phase)
+        phase = _as_phase(phase)
         if timeout is not None and timeout != math.inf:
             # Capped at a year: the runner's thread wait for a longer (finite) timeout
             # overflowed, and every restore run of the engine ended in that error.
@@ -310,7 +323,7 @@ class Registry:
         fn: None = None,
         /,
         *,
-        phase: Phase = ...,
+        phase: Phase | str = ...,
         order: int = ...,
         timeout: float | None = ...,
         required: bool = ...,
@@ -323,7 +336,7 @@ class Registry:
         fn: F | None = None,
         /,
         *,
-        phase: Phase = Phase.APPLICATION,
+        phase: Phase | str = Phase.APPLICATION,
         order: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
         required: bool = True,
@@ -342,7 +355,7 @@ class Registry:
         fn: None = None,
         /,
         *,
-        phase: Phase = ...,
+        phase: Phase | str = ...,
         order: int = ...,
         timeout: float | None = ...,
         required: bool = ...,
@@ -355,7 +368,7 @@ class Registry:
         fn: F | None = None,
         /,
         *,
-        phase: Phase = Phase.APPLICATION,
+        phase: Phase | str = Phase.APPLICATION,
         order: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
         required: bool = True,
@@ -369,7 +382,7 @@ class Registry:
     def on_env_change(
         self,
         *keys: str | HookFn,
-        phase: Phase = Phase.ENVIRONMENT,
+        phase: Phase | str = Phase.ENVIRONMENT,
         order: int = 0,
         timeout: float | None = DEFAULT_TIMEOUT,
         required: bool = True,

@@ -31,7 +31,6 @@ from ._context import (
     RestoreContext,
     RestoreReport,
     SnapshotReport,
-    describe_error,
 )
 from ._contract import (
     DEFAULT_EXTENSIONS,
@@ -1387,14 +1386,21 @@ class Lifecycle:
         *,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> list[str]:
-        """Start background detection. Idempotent: a second call starts nothing more (a
-        ``loop`` given to it still becomes the loop async hooks run on).
+        """Start background detection.
 
         ``detectors``: ``"auto"`` (every detector usable here that is on by default),
         ``"none"``, or keys / :class:`~rehydrate.detect.Detector` instances; detectors
         installed as extensions (:meth:`add_detector`) start too, in place of a selected
         one with the same key. ``loop``: run ``async`` hooks on this (the application's)
         event loop. Returns the keys of the detectors now running.
+
+        A later call while detection runs (a module-level ``rehydrate.start()``, then a
+        server adapter's ``detectors=[...]``) checks its keys as the first call does — an
+        unknown key is the same ``ValueError``, an unusable one the same ``RuntimeError``,
+        before anything starts — and starts the listed detectors that are not running;
+        those already running are left as they are. ``"auto"`` (the default) and
+        ``"none"`` start nothing more then: ``start()`` stays idempotent. A ``loop``
+        given to a later call still becomes the loop async hooks run on.
         """
         from . import detect
 
@@ -1402,7 +1408,7 @@ class Lifecycle:
             if loop is not None:
                 self._user_loop = loop
             if self._started:
-                return [d.key for d in self._detectors]
+                return self._start_more(detectors)
             self.env.baseline()
             self._runner.prestart()  # prepared before any snapshot, not in the clone
             installed = self._installed_detectors
@@ -1422,6 +1428,43 @@ class Lifecycle:
             log.info("rehydrate started; detectors: %s", ", ".join(running) or "none")
             return running
 
+    def _start_more(self, detectors: str | Iterable[str | Detector]) -> list[str]:
+        """:meth:`start` while detection runs (under ``_start_lock``): the listed
+        detectors that are not running yet. Before, a second call returned the running
+        keys and ignored its list — a typo or a server's ``detectors=["signal"]`` after a
+        module-level ``start()`` left the process deaf to the restores it was set up for,
+        without a word."""
+        from . import detect
+
+        if isinstance(detectors, str):
+            if detectors in ("auto", "none"):
+                return [d.key for d in self._detectors]
+            detectors = [s.strip() for s in detectors.split(",") if s.strip()]
+        items = list(detectors)
+        for item in items:  # every key checked before anything starts, as on the first call
+            if not isinstance(item, detect.Detector):
+                detect.load(item)
+        wanted: list[str | detect.Detector] = []
+        for item in items:
+            key = item.key if isinstance(item, detect.Detector) else item
+            running = self.detector(key)
+            if running is None:
+                installed = self._installed_detectors.get(key)
+                wanted.append(installed if installed is not None else item)
+            elif running is not item and isinstance(item, detect.Detector):
+                log.warning("detector %s already runs; start() left it in place and did not "
+                            "start the other instance with that key", key)
+        started = []
+        for d in detect.select(wanted):  # raises for an unusable one, as the first call
+            self._start_detector(d)
+            if any(running is d for running in self._detectors):
+                started.append(d.key)
+        running_keys = [d.key for d in self._detectors]
+        if started:
+            log.info("rehydrate detectors started: %s; running: %s", ", ".join(started),
+                     ", ".join(running_keys))
+        return running_keys
+
     def _start_detector(self, d: Detector) -> None:
         """Start ``d`` into :attr:`_detectors`; a failure is loud: a detector that was
         asked for and is missing (a squatted control socket) must show in logs and
@@ -1440,6 +1483,7 @@ class Lifecycle:
             self._detector_errors[d.key] = str(exc) or type(exc).__name__
             return
         self._detectors.append(d)
+        self._detector_errors.pop(d.key, None)  # a later start() that got it going
 
     def _stop_detector(self, d: Detector) -> None:
         try:
@@ -1699,14 +1743,11 @@ def _log_run(report: RestoreReport) -> None:
 
 
 def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFailed | None]:
+    # No log line per failed hook here: the runner wrote it when that hook ended.
     errors = [r.error for r in results if r.error is not None]
     for r in results:
         if r.error is not None:
             _add_note(r.error, f"in hook {r.name!r} ({r.phase})")
-        if r.outcome in ("failed", "timeout"):
-            level = logging.ERROR if r.required else logging.WARNING
-            log.log(level, "%s hook %s %s: %s", kind, r.name, r.outcome,
-                    describe_error(r.error))
     ok = not any(r.required and r.outcome in ("failed", "timeout") for r in results)
     error = HookFailed(f"{len(errors)} {kind} hook(s) failed", errors) if errors else None
     return ok, error

@@ -37,6 +37,7 @@ from ._context import (
     Outcome,
     Report,
     RestoreContext,
+    describe_error,
 )
 from ._hooks import Hook
 
@@ -114,6 +115,15 @@ def _observe_finish(observers: Sequence[Observer], tokens: Sequence[object],
             o.hook_finished(t, result)
         except Exception:
             log.exception("observer %r failed in hook_finished", o)
+
+
+def _log_outcome(ctx: RestoreContext, result: HookResult) -> None:
+    """The one line of a hook that failed or timed out, written when its result is
+    recorded: an operator watching a 30 s restore sees the failure then, not at the end
+    of the run (which logs no line of its own per hook)."""
+    if result.outcome in ("failed", "timeout"):
+        log.log(logging.ERROR if result.required else logging.WARNING, "%s hook %s %s: %s",
+                ctx.kind, result.name, result.outcome, describe_error(result.error))
 
 
 class _Expired(Exception):
@@ -287,13 +297,15 @@ class _Progress:
         return self.run_end - time.monotonic()
 
     def finish(self, index: int, result: HookResult) -> bool:
-        """Record a result; False when the supervisor already gave up on this worker."""
+        """Record a result (and log it when it failed or timed out); False when the
+        supervisor already gave up on this worker (it recorded and logged the timeout)."""
         with self.lock:
             if self.abandoned:
                 return False
             self.results[index] = result
             self.deadline = math.inf
-            return True
+        _log_outcome(self.ctx, result)  # outside the lock: the supervisor must not wait on I/O
+        return True
 
     def settle(self, index: int, tokens: Sequence[object], result: HookResult) -> bool:
         """:meth:`finish`, then tell the observers the result that stands: the recorded
@@ -629,7 +641,7 @@ class HookRunner:
                     job.abandoned = True  # in this locked section: the worker's finish() loses
                     entered = job.entered
                     error = _timed_out(hook, job.ctx, job.started)
-                    job.results[i] = HookResult(
+                    result = job.results[i] = HookResult(
                         hook.name, hook.phase, "timeout", now - job.started, error,
                         hook.required,
                     )
@@ -639,6 +651,7 @@ class HookRunner:
                 wait = None if math.isinf(job.deadline) else job.deadline - now
             job.wake.wait(wait)
         self._abandon(job, None if hook.is_async else hook)
+        _log_outcome(job.ctx, result)
         if hook.is_async and error.run_deadline is not None:
             log.warning("%s; moving on", error)
         elif hook.is_async and not entered:

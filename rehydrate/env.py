@@ -208,6 +208,11 @@ class EnvRefresher:
     ``None``: no limit (the read waits for the mount however long it takes)."""
 
     def __post_init__(self) -> None:
+        # Checked here: an int was taken (os.stat reads it as a file descriptor) and the
+        # engine's constructor then failed deep in os.open with a TypeError.
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise TypeError(f"path must be a file path (str), 'auto' or None, not "
+                            f"{type(self.path).__name__}: {_config.shown(self.path)}")
         if self.policy not in POLICIES:
             raise ValueError(f"env policy must be one of {POLICIES}, not "
                              f"{_config.shown(self.policy)}")

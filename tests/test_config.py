@@ -121,7 +121,8 @@ def test_undeclared_names_and_wrong_getters_fail_loudly():
     ("REHYDRATE_CLOCK_INTERVAL", " 3 ", 3.0),
     ("REHYDRATE_CLOCK_INTERVAL", "", 0.5),
     ("REHYDRATE_SNAPSHOT_DEADLINE", "off", None),
-    ("REHYDRATE_SNAPSHOT_DEADLINE", "0", None),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", " OFF ", None),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "none", None),
     ("REHYDRATE_SNAPSHOT_DEADLINE", "12.5", 12.5),
     ("REHYDRATE_CONNECT_DEADLINE", "2", 2.0),
     ("REHYDRATE_TELEMETRY", "off", False),
@@ -155,6 +156,9 @@ _SIGNAL_RULE = "a signal name or number that can be caught (not KILL or STOP)"
      "a finite number >= 0.001 and <= 31536000 (a year)"),
     ("REHYDRATE_CONNECT_DEADLINE", "0", "a finite number > 0 and <= 31536000 (a year)"),
     ("REHYDRATE_SNAPSHOT_DEADLINE", "-5", "a finite number > 0 and <= 31536000 (a year) (or off)"),
+    # 0 was "off" while 0.0 was a bad value, and Lifecycle(snapshot_deadline=0) refused
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "0", "a finite number > 0 and <= 31536000 (a year) (or off)"),
+    ("REHYDRATE_SNAPSHOT_DEADLINE", "0.0", "a finite number > 0 and <= 31536000 (a year) (or off)"),
     ("REHYDRATE_TELEMETRY", "maybe", "1 or 0"),
     ("REHYDRATE_ENV_POLICY", "merge", "one of update, replace, off"),
     ("REHYDRATE_SIGNAL", "bogus", _SIGNAL_RULE),
@@ -207,6 +211,69 @@ def test_doctor_shows_the_effective_settings(monkeypatch, capsys):
     assert re.search(r"REHYDRATE_CLOCK_THRESHOLD\s+4\n", out)
     assert re.search(r"REHYDRATE_CLOCK_INTERVAL\s+0.5  \(ignored 'soon' is not a finite", out)
     assert re.search(r"REHYDRATE_SIGNAL\s+SIGUSR2  \(ignored 'SIGKILL' is not a signal", out)
+
+
+def test_doctor_shows_off_for_a_setting_turned_off(monkeypatch, capsys):
+    """``REHYDRATE_SNAPSHOT_DEADLINE=off`` was shown as ``unset``: as if never set."""
+    for v in _config.VARIABLES:
+        monkeypatch.delenv(v.name, raising=False)
+    monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", "off")
+    assert main(["doctor", "--json"]) == 0
+    by_name = {s["name"]: s for s in json.loads(capsys.readouterr().out)["configuration"]}
+    assert by_name["REHYDRATE_SNAPSHOT_DEADLINE"] == {
+        **by_name["REHYDRATE_SNAPSHOT_DEADLINE"], "value": "off", "source": "environment",
+        "problem": None}
+    assert main(["doctor"]) == 0
+    assert re.search(r"REHYDRATE_SNAPSHOT_DEADLINE\s+off\n", capsys.readouterr().out)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(_config, "_WARNED_ENTRIES", set(), raising=False)
+
+
+_DISABLE_NAMES = "entropy, keys, tls, secrets, all"
+
+
+def test_an_unknown_disable_entry_is_one_warning_once_and_the_known_ones_apply(
+        monkeypatch, caplog, fresh_warnings):
+    """``REHYDRATE_DISABLE=entrop`` was silently ignored: entropy stayed on."""
+    from rehydrate._disable import is_disabled
+
+    monkeypatch.setenv("REHYDRATE_DISABLE", "entrop, KEYS,foo")
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert _config.items("REHYDRATE_DISABLE") == ("KEYS",)
+        assert is_disabled("keys") and not is_disabled("entropy")  # read at every event
+        assert is_disabled("keys")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"REHYDRATE_DISABLE: 'entrop' is not one of {_DISABLE_NAMES}; ignored",
+        f"REHYDRATE_DISABLE: 'foo' is not one of {_DISABLE_NAMES}; ignored"]
+    caplog.clear()
+    monkeypatch.setenv("REHYDRATE_DISABLE", "tls,foo,bar")  # only the new typo is news
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert is_disabled("tls")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"REHYDRATE_DISABLE: 'bar' is not one of {_DISABLE_NAMES}; ignored"]
+
+
+def test_doctor_says_which_disable_entries_are_ignored(monkeypatch, capsys, fresh_warnings):
+    for v in _config.VARIABLES:
+        monkeypatch.delenv(v.name, raising=False)
+    monkeypatch.setenv("REHYDRATE_DISABLE", "entrop,tls")
+    assert main(["doctor", "--json"]) == 0
+    by_name = {s["name"]: s for s in json.loads(capsys.readouterr().out)["configuration"]}
+    assert by_name["REHYDRATE_DISABLE"]["value"] == "tls"
+    assert by_name["REHYDRATE_DISABLE"]["problem"] == (
+        f"'entrop' is not one of {_DISABLE_NAMES}")
+    monkeypatch.setenv("REHYDRATE_DISABLE", "entrop,foo")
+    assert main(["doctor"]) == 0
+    assert re.search(r"REHYDRATE_DISABLE\s+none  \(ignored 'entrop', 'foo' are not one of "
+                     r"entropy, keys, tls, secrets, all\)\n", capsys.readouterr().out)
+
+
+def test_the_disable_choices_are_the_names_the_managers_check() -> None:
+    var = next(v for v in _config.VARIABLES if v.name == "REHYDRATE_DISABLE")
+    assert set(var.choices) == _disable_names_checked() | {"all"}
 
 
 def _disable_names_checked() -> set[str]:

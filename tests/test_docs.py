@@ -358,3 +358,15 @@ def test_the_argv_reader_takes_the_usage_forms() -> None:
     assert _argv("notify [save|resume|restore] [--socket PATH]   # a comment") == [
         "notify", "save", "--socket", "/run/app/control.sock"]
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+def test_the_readme_layout_names_the_pytest_plugin_the_entry_point_registers() -> None:
+    """The layout called ``testing.py`` the pytest plugin: that module imports no pytest;
+    the plugin is the module the ``pytest11`` entry point names."""
+    found = re.search(r'^\[project\.entry-points\.pytest11\]\nrehydrate = "([\w.]+)"$',
+                      (ROOT / "pyproject.toml").read_text(), re.M)  # no tomllib on 3.10
+    assert found is not None
+    plugin = found[1]
+    described = [line.split()[0] for line in (ROOT / "README.md").read_text().splitlines()
+                 if "pytest plugin" in line and line.startswith("  ")]
+    assert described == [plugin.rpartition(".")[2] + ".py"]

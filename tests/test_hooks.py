@@ -628,3 +628,26 @@ def test_hooks_that_would_fail_or_never_run_in_the_clone_are_refused(fn, options
         reg.register(fn, **options)
     assert message in str(caught.value)
     assert len(reg) == 0
+
+
+def test_a_phase_may_be_named_in_any_case() -> None:
+    """``phase="connections"`` was refused with "'connections' is not a valid Phase",
+    though ``str(Phase.CONNECTIONS)`` spells it so (and reports show it so)."""
+    reg = Registry()
+
+    @reg.after_restore(phase="connections")
+    def reconnect() -> None: ...
+
+    @reg.before_snapshot(phase=" Network ")
+    def close() -> None: ...
+
+    @reg.on_env_change("API_KEY", phase="SECRETS")
+    def rotate() -> None: ...
+
+    assert reg.hooks("restore")[0].phase is Phase.SECRETS
+    assert reg.hooks("restore")[1].phase is Phase.CONNECTIONS
+    assert reg.hooks("snapshot")[0].phase is Phase.NETWORK
+    assert reg.register(lambda: None, phase=Phase.ENTROPY).phase is Phase.ENTROPY
+    with pytest.raises(ValueError, match="^phase must be a Phase or one of environment, "
+                       "entropy, secrets, network, connections, application, not 'conections'$"):
+        reg.after_restore(phase="conections")(lambda: None)

@@ -16,7 +16,8 @@ import pytest
 
 import rehydrate
 from rehydrate import HookFailed, Phase, RestoreReport, SnapshotReport
-from rehydrate.testing import restored_environ
+from rehydrate.detect import Detector
+from rehydrate.testing import isolated_engine, restored_environ
 
 if sys.version_info >= (3, 11):
     from builtins import ExceptionGroup
@@ -151,6 +152,62 @@ def test_failures_are_logged_one_line_each(rehydrate_engine, caplog):
     assert by_name["req"].levelno == logging.ERROR
     assert by_name["opt"].levelno == logging.WARNING
     assert "\n" not in by_name["req"].getMessage()
+
+
+def test_a_failure_is_logged_when_its_hook_ends_not_at_the_end_of_the_run(
+        rehydrate_engine, caplog):
+    """Every failure was logged only once the whole run was over: an operator watching
+    a 30 s restore saw nothing of a hook that failed in its first second. Each line now
+    comes when its hook ends — a failure, a timeout the supervisor gave up on, an async
+    failure — and only then (not again at the end)."""
+    reg = rehydrate_engine.registry
+    release = threading.Event()
+    seen_by_later_hooks: dict[str, list[str]] = {}
+
+    def failures_so_far() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                and r.getMessage().startswith("restore hook ")]
+
+    @reg.after_restore(name="fails", order=1)
+    def fails():
+        raise ValueError("boom")
+
+    @reg.after_restore(name="after-fails", order=2)
+    def after_fails():
+        seen_by_later_hooks["after-fails"] = failures_so_far()
+
+    @reg.after_restore(name="hangs", order=3, timeout=0.2, required=False)
+    def hangs():
+        release.wait(DEADLINE)
+
+    @reg.after_restore(name="after-hangs", order=4)
+    def after_hangs():
+        seen_by_later_hooks["after-hangs"] = failures_so_far()
+
+    @reg.after_restore(name="async-fails", order=5)
+    async def async_fails():
+        raise RuntimeError("async boom")
+
+    @reg.after_restore(name="after-async", order=6)
+    def after_async():
+        seen_by_later_hooks["after-async"] = failures_so_far()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            report = rehydrate_engine.simulate_restore()
+    finally:
+        release.set()
+    assert not report.ok
+    fails_line = "restore hook fails failed: ValueError: boom"
+    hangs_line = "restore hook hangs timeout: HookTimeout: hook 'hangs' timed out after 0.2s"
+    async_line = "restore hook async-fails failed: RuntimeError: async boom"
+    assert seen_by_later_hooks == {"after-fails": [fails_line],
+                                   "after-hangs": [fails_line, hangs_line],
+                                   "after-async": [fails_line, hangs_line, async_line]}
+    assert failures_so_far() == [fails_line, hangs_line, async_line]  # once each
+    levels = {r.getMessage(): r.levelno for r in caplog.records}
+    assert levels[fails_line] == levels[async_line] == logging.ERROR
+    assert levels[hangs_line] == logging.WARNING  # optional
 
 
 # -- readiness ------------------------------------------------------------------------
@@ -1151,3 +1208,59 @@ def test_a_hook_registered_while_the_run_order_is_merged_runs_from_the_next_even
     assert "late" in [h.name for h in engine.hooks("restore")]
     engine.simulate_restore()
     assert ran == ["early", "late"]
+
+
+# -- start() called again -----------------------------------------------------------------
+
+
+class _FailsOnce(Detector):
+    """A detector whose first start fails (a squatted socket, later freed)."""
+
+    key = "fails-once"
+
+    def __init__(self) -> None:
+        self.starts = 0
+
+    def start(self, engine: object) -> None:
+        self.starts += 1
+        if self.starts == 1:
+            raise OSError("busy")
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_later_start_starts_the_detectors_it_lists(rehydrate_engine, monkeypatch):
+    """A second start() returned the running keys and ignored its list: after the
+    README's module-level ``rehydrate.start()``, a server's ``detectors=["signal"]`` (or
+    a typo) changed nothing, without a word."""
+    monkeypatch.delenv("REHYDRATE_MARKER_FILE", raising=False)
+    engine = rehydrate_engine
+    fresh = isolated_engine()
+    try:
+        with pytest.raises(ValueError) as on_first_call:
+            fresh.start(["nope-typo"])
+    finally:
+        fresh.close()
+    assert engine.start(["identity"]) == ["identity"]
+    assert engine.start() == ["identity"]  # idempotent: "auto" starts nothing more
+    assert engine.start("none") == ["identity"]
+    with pytest.raises(ValueError) as on_later_call:
+        engine.start(["signal", "nope-typo"])
+    assert str(on_later_call.value) == str(on_first_call.value)
+    assert "unknown detector 'nope-typo'" in str(on_later_call.value)
+    with pytest.raises(RuntimeError, match="^detector file is not usable here"):
+        engine.start(["signal", "file"])
+    assert engine.status().detectors == ("identity",)  # refused before anything started
+    assert engine.start(["identity", "signal"]) == ["identity", "signal"]
+    running = engine.detector("signal")
+    assert engine.start("signal,identity") == ["identity", "signal"]
+    assert engine.detector("signal") is running  # left as it was, not started again
+
+
+def test_a_later_start_retries_a_detector_that_failed_to_start(rehydrate_engine):
+    det = _FailsOnce()
+    assert rehydrate_engine.start([det]) == []
+    assert "fails-once" in rehydrate_engine.status().extra["detector_errors"]
+    assert rehydrate_engine.start([det]) == ["fails-once"] and det.starts == 2
+    assert "detector_errors" not in rehydrate_engine.status().extra

@@ -494,7 +494,7 @@ def test_snapshot_deadline_from_environment(monkeypatch: pytest.MonkeyPatch,
     engine = _engine()
     assert engine.snapshot_deadline == 12.5
     engine.close()
-    for off in ("0", "off", "none"):
+    for off in ("off", "none"):
         monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", off)
         engine = _engine()
         assert engine.snapshot_deadline is None
@@ -509,12 +509,13 @@ def test_snapshot_deadline_from_environment(monkeypatch: pytest.MonkeyPatch,
         assert engine.snapshot_deadline == DEFAULT_SNAPSHOT_DEADLINE
         engine.close()
     caplog.set_level(logging.WARNING, logger="rehydrate")
-    for bad in ("soon", "-3", "nan", "inf"):
+    # 0 is not "off": the documented rule is > 0 or off (0.0 was a bad value already)
+    for bad in ("soon", "-3", "nan", "inf", "0", "0.0"):
         monkeypatch.setenv("REHYDRATE_SNAPSHOT_DEADLINE", bad)
         engine = _engine()
         assert engine.snapshot_deadline == DEFAULT_SNAPSHOT_DEADLINE
         engine.close()
-    assert sum("REHYDRATE_SNAPSHOT_DEADLINE" in r.getMessage() for r in caplog.records) == 4
+    assert sum("REHYDRATE_SNAPSHOT_DEADLINE" in r.getMessage() for r in caplog.records) == 6
     with pytest.raises(ValueError, match="snapshot_deadline"):
         _engine(snapshot_deadline=float("nan"))
 

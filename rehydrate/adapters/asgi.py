@@ -163,10 +163,11 @@ class _Detection:
                 # the application stopped or closed the engine itself: moving the loop
                 # with start() would start detection again behind its back
                 return
-            for other, detectors in reversed(self.holders):
+            for other, _ in reversed(self.holders):
                 if other is not loop and other.is_running() and not other.is_closed():
-                    # start() while running starts nothing more: it only moves the loop
-                    self.engine.start(detectors, loop=other)
+                    # "none" while running starts nothing more: it only moves the loop
+                    # (its detectors were started, or their failure logged, by its hold)
+                    self.engine.start("none", loop=other)
                     return
 
 

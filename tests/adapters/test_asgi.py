@@ -840,6 +840,52 @@ def test_a_server_shutting_down_does_not_restart_an_engine_the_app_stopped(
         api.close()
 
 
+def test_the_gate_starts_its_detectors_when_the_application_started_detection_first(
+        app: App, rehydrate_engine: Any) -> None:
+    """The README's pattern: a module-level ``rehydrate.start()`` at import, then the
+    server's lifespan. The gate's ``detectors=[...]`` were ignored (a second start()
+    started nothing), and the server was deaf to the restores it was configured for."""
+    assert rehydrate_engine.start("none") == []  # the application's own start(), first
+    detector = RecordingDetector()
+    api = _LifespanDriver(ReadinessGate(app, engine=rehydrate_engine, detectors=[detector]))
+    try:
+        api.startup()
+        assert detector.started == [rehydrate_engine]
+        assert rehydrate_engine.status().detectors == ("recording",)
+    finally:
+        api.close()
+
+
+class _RefusingDetector(RecordingDetector):
+    key = "refusing"
+
+    def start(self, engine: Any) -> None:
+        super().start(engine)
+        raise OSError("the socket is taken")
+
+
+def test_a_server_shutting_down_does_not_start_another_servers_detectors_again(
+        app: App, rehydrate_engine: Any) -> None:
+    """Moving the hooks' loop to the surviving server only moves the loop: its
+    detectors were started (or their failure logged) by its own startup; another
+    attempt at every shutdown would log the same failure again, or raise for an
+    unusable one in the shutdown."""
+    refusing = _RefusingDetector()
+    probes = _LifespanDriver(ReadinessGate(app, engine=rehydrate_engine,
+                                           detectors=[refusing]))
+    api = _LifespanDriver(ReadinessGate(app, engine=rehydrate_engine, detectors="none"))
+    try:
+        probes.startup()
+        api.startup()
+        assert len(refusing.started) == 1
+        api.shutdown()
+        assert len(refusing.started) == 1
+        assert rehydrate_engine.started
+    finally:
+        api.close()
+        probes.close()
+
+
 def test_readyz_wait_holds_on_a_server_still_running_after_another_stops(
         app: App, rehydrate_engine: Any) -> None:
     """One gate served on two ports: the first server's shutdown marked the whole gate

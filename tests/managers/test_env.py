@@ -812,3 +812,18 @@ def test_a_whole_pair_given_as_the_key_is_refused_without_its_value(rehydrate_en
         rehydrate_engine.simulate_restore(env=env)
     assert "hunter2" not in str(caught.value)
     assert "'DB_PASSWORD' (followed by '=' and a value, not shown)" in str(caught.value)
+
+
+@pytest.mark.parametrize("path", [123, b"/run/env", 1.5])
+def test_a_path_that_is_not_a_path_is_one_type_error(path: object) -> None:
+    """``EnvRefresher(path=123)`` was taken (``os.stat`` reads an int as a file
+    descriptor), and ``Lifecycle(...)`` then failed deep in ``os.open``."""
+    with pytest.raises(TypeError, match=r"^path must be a file path \(str\), 'auto' or None, "
+                                        r"not (int|bytes|float): "):
+        EnvRefresher(path=path)  # type: ignore[arg-type]
+
+
+def test_a_path_may_be_a_pathlib_path(tmp_path: Path) -> None:
+    env_file = tmp_path / "environ"
+    env_file.write_bytes(b"")
+    assert EnvRefresher(path=env_file).resolved_path() == env_file  # type: ignore[arg-type]
