@@ -167,6 +167,7 @@ def test_required_connection_that_never_returns_leaves_process_degraded(
     msg = str(hook.error)
     assert "cache" in msg and "ConnectionError" in msg and "optional-peer" not in msg
     assert _conn_status(engine, "cache")["state"] == "failed"
+    assert connections.manager(engine).wait_background(10)
     assert _conn_status(engine, "optional-peer")["state"] == "failed"
     assert _conn_status(engine, "cache")["attempts"] >= 2
 
@@ -344,6 +345,8 @@ async def test_httpx_async_client_probe_uses_base_url_and_headers(rehydrate_engi
                                           check_url="/needs-header", deadline=0.5,
                                           required=False, engine=rehydrate_engine)
     report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert await loop.run_in_executor(
+        None, connections.manager(rehydrate_engine).wait_background, 10)
     status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
     assert status["api"]["state"] == "open"
     assert "503" in str(status["bare"]["last_error"]), status["bare"]
@@ -1021,8 +1024,9 @@ def test_tcp_socket_reconnects_after_restore(rehydrate_engine):
 
 def test_hung_stale_close_is_bounded_named_and_does_not_block_the_reopen(
         rehydrate_engine, monkeypatch):
-    # Restore without a snapshot first: each connection is still "open", so its close runs
-    # first, and here it never returns (a close that waits on a black-holed peer).
+    # Restore without a snapshot first: each connection still holds the value it was
+    # registered with, so its close runs first, and here it never returns (a close that
+    # waits on a black-holed peer).
     release = threading.Event()
     opened: list[str] = []
 
@@ -1030,8 +1034,8 @@ def test_hung_stale_close_is_bounded_named_and_does_not_block_the_reopen(
         release.wait(30)
 
     connections.register("quick", open=lambda: opened.append("quick"), close=hang,
-                         deadline=2, engine=rehydrate_engine)
-    connections.register("stuck", open=hang, close=hang, deadline=2,
+                         deadline=2, value="conn", engine=rehydrate_engine)
+    connections.register("stuck", open=hang, close=hang, deadline=2, value="conn",
                          engine=rehydrate_engine)
     try:
         t0 = time.monotonic()
@@ -1277,6 +1281,9 @@ async def test_a_failed_http_health_check_never_shows_credentials_or_the_query(
     loop = asyncio.get_running_loop()
     with caplog.at_level(logging.DEBUG, logger="rehydrate"):
         report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        # optional: reopened in the background, their failure logged when it is known
+        assert await loop.run_in_executor(
+            None, connections.manager(rehydrate_engine).wait_background, 10)
     status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
     seen = [str(status[n]["last_error"]) for n in "as"]
     assert all(f"{http_srv.url}/needs-header answered 503" in e for e in seen), seen
@@ -1317,6 +1324,7 @@ def test_an_open_or_check_raising_systemexit_or_cancelling_itself_fails_only_tha
             rehydrate_engine.simulate_restore)
         report = done.result(timeout=20)
         assert not report.ok and rehydrate_engine.state == "degraded"
+        assert connections.manager(rehydrate_engine).wait_background(10)
         status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
         assert status["exits"]["last_error"] == "RuntimeError: _exits raised SystemExit(3)"
         assert status["interrupted"]["last_error"] == (
