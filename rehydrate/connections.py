@@ -826,7 +826,11 @@ class ConnectionManager:
                 calls = list(conn._calls)
             left = end - time.monotonic()
             if calls and left > 0:
-                await asyncio.wait([asyncio.wrap_future(c) for c in calls], timeout=left)
+                waiting = [asyncio.wrap_future(c) for c in calls]
+                done, _ = await asyncio.wait(waiting, timeout=left)
+                for f in done:  # its outcome is the abandoned run's: not ours to raise
+                    if not f.cancelled():
+                        f.exception()
             with conn._lock:
                 busy = conn.step if conn._calls else None
             if busy is not None:
