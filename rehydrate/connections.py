@@ -8,9 +8,15 @@ the hook's event loop (``async`` functions are awaited there, sync ones run on a
 thread, a sync ``open`` and ``check`` together), with exponential backoff with jitter,
 until it succeeds or its deadline passes. A stale connection's ``close`` gets at most
 :data:`CLOSE_TIMEOUT` or half the deadline; a hung one is abandoned and named in the
-error. The restore run returns only when every managed connection reopened or missed its
-deadline; a *required* connection that missed it makes the report fail (the process
-stays ``degraded``, not ready) and the error names the connection and its last error.
+error. The restore run returns only when every *required* connection reopened or missed
+its deadline; one that missed it makes the report fail (the process stays ``degraded``,
+not ready) and the error names the connection and its last error. *Optional* ones
+(``required=False``) reopen in the background, bounded by their own deadline: they never
+hold the run or readiness (outcome in ``status()``, a failure logged once); a snapshot
+stops such a reopen before closing them.
+
+Only what may be open is closed: a ``close`` that takes the value is not called without
+one (never opened, every open failed).
 
 Registration never blocks on, nor raises for, an unreachable peer.
 
@@ -906,7 +912,12 @@ def register(
 
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
     ``open`` runs in the background (with the same backoff); registration still returns
-    at once and never raises for an unreachable peer.
+    at once and never raises for an unreachable peer. Without it (and without
+    ``value=``) the first restore opens it; until then a ``close`` that takes the value
+    is not called (there is none), so snapshots before it succeed.
+
+    ``required=False``: reopened in the background after a restore, never holding the
+    run or readiness; its failure is in ``status()`` and one warning.
 
     A name already registered with the engine raises ``ValueError`` (a second
     registration used to replace the first silently) unless ``replace=True``; the helpers
