@@ -524,6 +524,7 @@ class ConnectionManager:
             self._conns[conn.name] = conn  # re-registering a name moves it to the end
         if old is not None:
             old._retire()
+            self._cancel_background(old)
             self._close_replaced(old, conn)
             log.info("connection %s replaced; the new callbacks replace the old", conn.name)
         if any(f is not None and not _is_async(f)
@@ -543,6 +544,7 @@ class ConnectionManager:
         if conn is None:
             return False
         conn._retire()
+        self._cancel_background(conn)
         return True
 
     def close(self) -> None:
