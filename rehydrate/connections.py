@@ -8,9 +8,15 @@ the hook's event loop (``async`` functions are awaited there, sync ones run on a
 thread, a sync ``open`` and ``check`` together), with exponential backoff with jitter,
 until it succeeds or its deadline passes. A stale connection's ``close`` gets at most
 :data:`CLOSE_TIMEOUT` or half the deadline; a hung one is abandoned and named in the
-error. The restore run returns only when every managed connection reopened or missed its
-deadline; a *required* connection that missed it makes the report fail (the process
-stays ``degraded``, not ready) and the error names the connection and its last error.
+error. The restore run returns only when every *required* connection reopened or missed
+its deadline; one that missed it makes the report fail (the process stays ``degraded``,
+not ready) and the error names the connection and its last error. *Optional* ones
+(``required=False``) reopen in the background, bounded by their own deadline: they never
+hold the run or readiness (outcome in ``status()``, a failure logged once); a snapshot
+stops such a reopen before closing them.
+
+Only what may be open is closed: a ``close`` that takes the value is not called without
+one (never opened, every open failed).
 
 Registration never blocks on, nor raises for, an unreachable peer.
 
@@ -209,6 +215,15 @@ class Connection:
         """The background ``close`` a ``replace=True`` registration started (tests wait
         for it): a thread for a sync ``close``, the future of the one scheduled on the
         hooks' event loop for an async one."""
+        self._released = False
+        """``value`` was closed by rehydrate and no ``open`` or successful reopen run has
+        given it back since (a ``close`` that takes the value: see :meth:`_holds`)."""
+        self._calls: set[concurrent.futures.Future[Any]] = set()
+        """Calls of the user's sync functions running on a thread right now (a cancelled
+        run abandons them; a snapshot waits for a background reopen's, see
+        :meth:`ConnectionManager._settle`)."""
+        self._background: _Background | None = None
+        """The reopen of an optional connection that a restore run left going."""
 
     def _closes(self) -> object:
         """What closing this registration would close (see ``_resource``)."""
@@ -244,6 +259,20 @@ class Connection:
     def _args(self, fn: Callable[..., Any]) -> tuple[Any, ...]:
         return (self.value,) if _arity(fn) >= 1 else ()
 
+    def _holds(self) -> bool:
+        """Whether ``close`` may have something open to close. A ``close`` that takes the
+        value has nothing when there is no value (never opened, its opens failed or
+        returned nothing) — ``close(None)`` failed every snapshot of a connection
+        registered without ``open_now`` — and nothing new when rehydrate already closed
+        that value and nothing opened since. One that takes no argument closes what it
+        knows of itself (a helper's pool, your own closure): always called."""
+        if self.close_fn is None:
+            return False
+        if _arity(self.close_fn) == 0:
+            return True
+        with self._lock:
+            return self.value is not None and not self._released
+
     def _set(self, epoch: int, **fields: Any) -> bool:
         with self._lock:
             if epoch != self._epoch:
@@ -275,11 +304,31 @@ class Connection:
         """Await ``fn``: a coroutine function on this loop, a sync one on its own thread."""
         if _is_async(fn):
             return await _guarded_async(fn, *args)
-        return await _in_thread(_guarded, fn, *args)
+        return await self._on_thread(_guarded, fn, *args)
+
+    async def _on_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """:func:`_in_thread`, the call kept in ``_calls`` until it has really returned
+        (cancelling the caller abandons it, and it goes on)."""
+        from ._threads import blocking
+
+        fut = blocking.submit(fn, *args)
+        with self._lock:
+            self._calls.add(fut)
+
+        def ended(f: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._calls.discard(f)
+
+        fut.add_done_callback(ended)
+        return await asyncio.wrap_future(fut)
 
     async def close_async(self) -> None:
         if self.close_fn is not None:
+            value = self.value
             await self._call(self.close_fn, *self._args(self.close_fn))
+            with self._lock:
+                if self.value is value:  # not replaced by an open meanwhile
+                    self._released = True
 
     async def _release(self, epoch: int, what: str, limit: float,
                        after: str | None = None) -> None:
@@ -307,7 +356,8 @@ class Connection:
             # takes the value would only close that stale one again
             opened[0] = value is not None or (self.close_fn is not None
                                               and _arity(self.close_fn) == 0)
-            if not self._set(epoch, **({} if value is None else {"value": value})):
+            if not self._set(epoch, **({} if value is None else {"value": value,
+                                                                 "_released": False})):
                 # A newer run (a snapshot, a restore) or unregister() took over while this
                 # open ran: what it opened is nobody's, so close it when that can be said.
                 if (value is not None and self.close_fn is not None
@@ -327,7 +377,7 @@ class Connection:
         both succeed or ``deadline_at`` passed (the first attempt always runs)."""
         start = time.monotonic()
         self._set(epoch, deadline_at=deadline_at)
-        if close_first and self.close_fn is not None:
+        if close_first and self._holds():
             # at most half the time left: a hung close must leave time to reopen
             await self._release(epoch, "close of the stale connection",
                                 min(CLOSE_TIMEOUT, max(0.0, deadline_at - start) / 2))
@@ -341,7 +391,7 @@ class Connection:
             opened = [False]
             try:
                 if one_thread:
-                    await _in_thread(_run_inline, self._attempt(epoch, _inline, opened))
+                    await self._on_thread(_run_inline, self._attempt(epoch, _inline, opened))
                 else:
                     await self._attempt(epoch, self._call, opened)
             except _Superseded:
@@ -360,14 +410,24 @@ class Connection:
                                         min(CLOSE_TIMEOUT, max(remaining, LATE_GRACE) / 2),
                                         after=error)
             else:
-                self._set(epoch, state="open", last_error=None, step=None,
-                          last_duration=time.monotonic() - start)
-                return True
+                # in use again (a value= given without open, reopened by its check)
+                return self._set(epoch, state="open", last_error=None, step=None,
+                                 last_duration=time.monotonic() - start, _released=False)
             remaining = deadline_at - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not self._current(epoch):
                 return False
             await asyncio.sleep(min(backoff_delay(attempt), remaining))
         return False
+
+
+@dataclass
+class _Background:
+    """An optional connection's reopen left running by a restore run: its task, the loop
+    it runs on, and a future done when the task is."""
+
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Future[bool]
+    done: concurrent.futures.Future[None]
 
 
 class _Superseded(Exception):
@@ -464,6 +524,7 @@ class ConnectionManager:
             self._conns[conn.name] = conn  # re-registering a name moves it to the end
         if old is not None:
             old._retire()
+            self._cancel_background(old)
             self._close_replaced(old, conn)
             log.info("connection %s replaced; the new callbacks replace the old", conn.name)
         if any(f is not None and not _is_async(f)
@@ -483,12 +544,14 @@ class ConnectionManager:
         if conn is None:
             return False
         conn._retire()
+        self._cancel_background(conn)
         return True
 
     def close(self) -> None:
         """The engine is closing: background opens stop; the connections stay as they are."""
         for conn in self.all():
             conn._retire()
+            self._cancel_background(conn)
 
     def get(self, name: str) -> Connection | None:
         with self._lock:
@@ -581,15 +644,34 @@ class ConnectionManager:
 
     async def _before_snapshot(self, ctx: RestoreContext) -> None:
         conns = self.all()
+        # An optional connection still reopening in the background stops first: an open
+        # finishing after its close would take a live socket into the snapshot.
+        await self._settle(conns)
         errors: list[tuple[Connection, str]] = []
         for conn in reversed(conns):
             epoch, _ = conn._begin("closing")
+            takes_value = conn.close_fn is not None and _arity(conn.close_fn) >= 1
+            with conn._lock:
+                has_value, released = conn.value is not None, conn._released
+            if takes_value and not has_value:
+                # never opened, or every open failed: close(None) has nothing to close
+                conn._set(epoch, state="closed")
+                continue
             try:
                 if conn.close_fn is not None:
                     await asyncio.wait_for(conn.close_async(), CLOSE_TIMEOUT)
             except Exception as exc:
                 msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
                        if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
+                if takes_value and released:
+                    # Closed by rehydrate already and not reopened since (its reopen
+                    # failed): whatever it was connected to is gone; closed again in case
+                    # the application used it meanwhile, but its failure is no reason to
+                    # hold up the snapshot.
+                    log.info("connection %s: closing the value closed before failed "
+                             "again: %s", conn.name, msg)
+                    conn._set(epoch, state="closed")
+                    continue
                 conn._set(epoch, state="failed", last_error=msg)
                 errors.append((conn, msg))
             else:
@@ -612,16 +694,25 @@ class ConnectionManager:
             )
 
     async def _after_restore(self, ctx: RestoreContext) -> None:
-        await self.reopen_all(until=ctx.deadline)
+        # Optional connections reopen in the background: a dead metrics sink must not
+        # hold readiness for its whole deadline.
+        await self.reopen_all(until=ctx.deadline, wait_optional=False)
 
-    async def reopen_all(self, *, until: float | None = None) -> dict[str, bool]:
+    async def reopen_all(self, *, until: float | None = None,
+                         wait_optional: bool = True) -> dict[str, bool]:
         """Reopen every managed connection concurrently; raise if a required one missed
         its deadline. Returns name -> reopened.
 
         ``until``: a ``time.monotonic()`` moment the whole run must end by (the restore
         run's deadline, e.g. SnapStart's): every connection's deadline is cut so that
         this returns — naming the connections that missed it — just before then, instead
-        of the hook being stopped there without a word about which peer was slow."""
+        of the hook being stopped there without a word about which peer was slow.
+
+        ``wait_optional=False`` (what the restore hook does): optional connections
+        (``required=False``) are reopened in the background on this event loop, bounded
+        by their own deadline only (``until`` is the run's, which does not wait for
+        them), their outcome in ``status()`` and, for a failure, one warning; they are
+        not in the result. A snapshot stops such a reopen before it closes them."""
         conns = self.all()
         if not conns:
             return {}
@@ -631,9 +722,15 @@ class ConnectionManager:
         tasks: list[asyncio.Future[bool]] = []
         plans: list[tuple[Connection, int, float]] = []
         for conn in conns:
-            deadline_at = min(now + conn.effective_deadline(), cap)
+            background = not wait_optional and not conn.required
+            deadline_at = min(now + conn.effective_deadline(),
+                              math.inf if background else cap)
             epoch, prev = conn._begin("reconnecting")
+            self._cancel_background(conn)  # a previous run's: stale now
             stale = prev != "closed"  # not closed before a snapshot: release it first
+            if background:
+                self._start_background(conn, epoch, deadline_at, stale)
+                continue
             plans.append((conn, epoch, deadline_at))
             tasks.append(asyncio.ensure_future(
                 self._guard(conn, epoch, deadline_at, stale)))
@@ -650,8 +747,7 @@ class ConnectionManager:
                 if conn.required:  # named in the hook's error, which the engine logs
                     missed.append((conn, within))
                 else:
-                    log.warning("optional connection %s%s not reopened within %s: %s",
-                                conn.name, _to(conn), within, conn.last_error)
+                    _log_optional_missed(conn, within)
         if missed:
             raise ConnectionsNotReady(
                 "required connection(s) not reopened before their deadline: "
@@ -661,6 +757,93 @@ class ConnectionManager:
                 [c.name for c, _ in missed],
             )
         return outcome
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Block until the optional connections a restore left reopening in the
+        background are done (reopened or failed: see ``status()``); False when
+        ``timeout`` seconds passed first. Not from the hooks' event loop's own thread,
+        which runs them."""
+        with self._lock:
+            conns = list(self._conns.values())
+        pending = [run.done for c in conns if (run := c._background) is not None]
+        _, left = concurrent.futures.wait(pending, timeout)
+        return not left
+
+    def _start_background(self, conn: Connection, epoch: int, deadline_at: float,
+                          stale: bool) -> None:
+        """Reopen an optional connection as a task of this loop, not awaited."""
+        async def run() -> bool:
+            ok = await self._guard(conn, epoch, deadline_at, stale)
+            if not ok and conn._set(epoch, state="failed"):
+                _log_optional_missed(conn, f"{conn.effective_deadline():g}s")
+            return ok
+
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(run())
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def finished(t: asyncio.Future[bool]) -> None:
+            if not t.cancelled() and t.exception() is not None:  # never expected
+                log.warning("connection %s: background reopen: %s", conn.name,
+                            _describe(t.exception()))  # type: ignore[arg-type]
+            done.set_result(None)
+
+        task.add_done_callback(finished)
+        with conn._lock:
+            conn._background = _Background(loop, task, done)
+
+    def _cancel_background(self, conn: Connection) -> _Background | None:
+        """Cancel ``conn``'s background reopen, if any (from any thread); returns it. A
+        sync call it was waiting for goes on (see :meth:`_settle`)."""
+        with conn._lock:
+            run, conn._background = conn._background, None
+        if run is None or run.done.done():
+            return run
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is run.loop:
+            run.task.cancel()
+        else:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nothing runs
+                run.loop.call_soon_threadsafe(run.task.cancel)
+        return run
+
+    async def _settle(self, conns: Iterable[Connection]) -> None:
+        """Stop the background (re)opens of ``conns`` (an optional connection's reopen,
+        ``open_now``/``tcp_socket``'s first open) and wait, at most :data:`CLOSE_TIMEOUT`
+        in all, until they ended, including a sync ``open`` or ``check`` still running
+        on its thread: what it opens (a socket a ``tcp_socket`` connect puts in place)
+        would otherwise appear after the close."""
+        waits: list[tuple[Connection, _Background | None]] = []
+        for conn in conns:
+            opening = conn.state == "opening"
+            conn._retire()  # the run makes no further attempt; what it opens is not kept
+            run = self._cancel_background(conn)
+            if run is not None or opening:
+                waits.append((conn, run))
+        if not waits:
+            return
+        end = time.monotonic() + CLOSE_TIMEOUT
+        runs = [asyncio.wrap_future(r.done) for _, r in waits if r is not None]
+        if runs:
+            await asyncio.wait(runs, timeout=CLOSE_TIMEOUT)
+        for conn, _ in waits:
+            with conn._lock:
+                calls = list(conn._calls)
+            left = end - time.monotonic()
+            if calls and left > 0:
+                waiting = [asyncio.wrap_future(c) for c in calls]
+                done, _ = await asyncio.wait(waiting, timeout=left)
+                for f in done:  # its outcome is the abandoned run's: not ours to raise
+                    if not f.cancelled():
+                        f.exception()
+            with conn._lock:
+                busy = conn.step if conn._calls else None
+            if busy is not None:
+                log.warning("connection %s: its background open's %s still runs after "
+                            "%gs; closing anyway", conn.name, busy, CLOSE_TIMEOUT)
 
     async def _guard(self, conn: Connection, epoch: int, deadline_at: float,
                      stale: bool) -> bool:
@@ -679,6 +862,11 @@ class ConnectionManager:
         except Exception as exc:
             conn._set(epoch, last_error=_describe(exc))
             return False
+
+
+def _log_optional_missed(conn: Connection, within: str) -> None:
+    log.warning("optional connection %s%s not reopened within %s: %s",
+                conn.name, _to(conn), within, conn.last_error)
 
 
 def _to(conn: Connection) -> str:
@@ -726,7 +914,12 @@ def register(
 
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
     ``open`` runs in the background (with the same backoff); registration still returns
-    at once and never raises for an unreachable peer.
+    at once and never raises for an unreachable peer. Without it (and without
+    ``value=``) the first restore opens it; until then a ``close`` that takes the value
+    is not called (there is none), so snapshots before it succeed.
+
+    ``required=False``: reopened in the background after a restore, never holding the
+    run or readiness; its failure is in ``status()`` and one warning.
 
     A name already registered with the engine raises ``ValueError`` (a second
     registration used to replace the first silently) unless ``replace=True``; the helpers

@@ -446,8 +446,8 @@ def test_the_first_ping_after_a_restore_does_not_wait_for_other_hooks(sidecar,
     def refused() -> None:
         raise ConnectionRefusedError("peer down")
 
-    connections.register("peer", open=refused, deadline=2.0, required=False,
-                         engine=rehydrate_engine)
+    # required: an optional one no longer holds the run (it reopens in the background)
+    connections.register("peer", open=refused, deadline=2.0, engine=rehydrate_engine)
     a = _adapter(sidecar, rehydrate_engine)
     a.install()
     try:

@@ -167,6 +167,7 @@ def test_required_connection_that_never_returns_leaves_process_degraded(
     msg = str(hook.error)
     assert "cache" in msg and "ConnectionError" in msg and "optional-peer" not in msg
     assert _conn_status(engine, "cache")["state"] == "failed"
+    assert connections.manager(engine).wait_background(10)
     assert _conn_status(engine, "optional-peer")["state"] == "failed"
     assert _conn_status(engine, "cache")["attempts"] >= 2
 
@@ -344,6 +345,8 @@ async def test_httpx_async_client_probe_uses_base_url_and_headers(rehydrate_engi
                                           check_url="/needs-header", deadline=0.5,
                                           required=False, engine=rehydrate_engine)
     report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert await loop.run_in_executor(
+        None, connections.manager(rehydrate_engine).wait_background, 10)
     status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
     assert status["api"]["state"] == "open"
     assert "503" in str(status["bare"]["last_error"]), status["bare"]
@@ -1021,8 +1024,9 @@ def test_tcp_socket_reconnects_after_restore(rehydrate_engine):
 
 def test_hung_stale_close_is_bounded_named_and_does_not_block_the_reopen(
         rehydrate_engine, monkeypatch):
-    # Restore without a snapshot first: each connection is still "open", so its close runs
-    # first, and here it never returns (a close that waits on a black-holed peer).
+    # Restore without a snapshot first: each connection still holds the value it was
+    # registered with, so its close runs first, and here it never returns (a close that
+    # waits on a black-holed peer).
     release = threading.Event()
     opened: list[str] = []
 
@@ -1030,8 +1034,8 @@ def test_hung_stale_close_is_bounded_named_and_does_not_block_the_reopen(
         release.wait(30)
 
     connections.register("quick", open=lambda: opened.append("quick"), close=hang,
-                         deadline=2, engine=rehydrate_engine)
-    connections.register("stuck", open=hang, close=hang, deadline=2,
+                         deadline=2, value="conn", engine=rehydrate_engine)
+    connections.register("stuck", open=hang, close=hang, deadline=2, value="conn",
                          engine=rehydrate_engine)
     try:
         t0 = time.monotonic()
@@ -1277,6 +1281,9 @@ async def test_a_failed_http_health_check_never_shows_credentials_or_the_query(
     loop = asyncio.get_running_loop()
     with caplog.at_level(logging.DEBUG, logger="rehydrate"):
         report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        # optional: reopened in the background, their failure logged when it is known
+        assert await loop.run_in_executor(
+            None, connections.manager(rehydrate_engine).wait_background, 10)
     status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
     seen = [str(status[n]["last_error"]) for n in "as"]
     assert all(f"{http_srv.url}/needs-header answered 503" in e for e in seen), seen
@@ -1317,6 +1324,7 @@ def test_an_open_or_check_raising_systemexit_or_cancelling_itself_fails_only_tha
             rehydrate_engine.simulate_restore)
         report = done.result(timeout=20)
         assert not report.ok and rehydrate_engine.state == "degraded"
+        assert connections.manager(rehydrate_engine).wait_background(10)
         status = {c["name"]: c for c in rehydrate_engine.status().extra["connections"]}
         assert status["exits"]["last_error"] == "RuntimeError: _exits raised SystemExit(3)"
         assert status["interrupted"]["last_error"] == (
@@ -1838,3 +1846,232 @@ def test_replacing_an_engine_double_without_a_pool_still_replaces(rehydrate_engi
     assert connections.get("db", engine=rehydrate_engine)._subject is second
     _join_replaced_close(old)
     assert disposed == ["first"]
+
+
+# -- nothing open: nothing to close --------------------------------------------------
+
+
+class _Conn:
+    """A connection object whose close() refuses a second call, as some drivers do."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        if self.closed:
+            raise RuntimeError("connection already closed")
+        self.closed += 1
+
+    def execute(self, sql: str) -> None:
+        if self.closed:
+            raise RuntimeError("closed")
+
+
+def test_the_first_network_doc_example_snapshots_without_ever_being_opened(
+        rehydrate_engine):
+    """docs/network.md's first example as written (no open_now): nothing ever opened it,
+    so its value is None, and the before-snapshot close(None) raised AttributeError —
+    every snapshot failed and ``notify save`` exited 1. A restore then opens it."""
+    made: list[_Conn] = []
+
+    def connect_db() -> _Conn:
+        made.append(_Conn())
+        return made[-1]
+
+    closed: list[object] = []
+
+    def close(conn: _Conn) -> None:
+        closed.append(conn)
+        conn.close()
+
+    db = connections.register("db", open=connect_db, close=close,
+                              check=lambda conn: conn.execute("SELECT 1"),
+                              required=True, deadline=10, engine=rehydrate_engine)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert closed == [] and db.state == "closed"
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert db.state == "open" and db.value is made[0] and closed == []
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert closed == made and made[0].closed == 1
+
+
+def test_a_never_opened_connection_is_opened_by_a_restore_without_closing_none(
+        rehydrate_engine):
+    """A restore noticed with no snapshot before it releases what is still open first:
+    for a connection nothing opened that was close(None) (a failure only in the log)."""
+    calls: list[object] = []
+    conn = connections.register("db", open=lambda: "conn", close=calls.append,
+                                engine=rehydrate_engine)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert calls == [] and conn.state == "open" and conn.value == "conn"
+    # what it opened is released by the next restore noticed without a snapshot
+    assert rehydrate_engine.simulate_restore().ok
+    assert calls == ["conn"]
+
+
+def test_a_connection_whose_first_open_failed_snapshots_without_close(
+        rehydrate_engine, refused_port):
+    calls: list[object] = []
+    conn = connections.register(
+        "db", open=lambda: socket.create_connection(("127.0.0.1", refused_port)),
+        close=calls.append, deadline=0.2, open_now=True, engine=rehydrate_engine)
+    wait_for(lambda: conn.state == "failed", what="the background open to give up")
+    assert conn.value is None
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert calls == [] and conn.state == "closed"
+
+
+def test_a_value_closed_before_a_failed_reopen_does_not_fail_the_next_snapshot(
+        rehydrate_engine):
+    """The snapshot closed the value, the restore's reopen failed (degraded, the value
+    is that closed one): the next snapshot closed it again, and a driver refusing a
+    second close failed that snapshot too."""
+    first = _Conn()
+
+    def refused() -> _Conn:
+        raise ConnectionRefusedError("db down")
+
+    conn = connections.register("db", open=refused, close=lambda c: c.close(), value=first,
+                                deadline=0.2, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert first.closed == 1
+    assert not rehydrate_engine.simulate_restore().ok
+    assert conn.state == "failed" and conn.value is first
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert conn.state == "closed"
+
+
+# -- optional connections do not hold readiness ---------------------------------------
+
+
+def test_an_optional_connection_to_a_dead_peer_does_not_hold_readiness(
+        rehydrate_engine, refused_port, caplog):
+    """docs: an optional connection's failure is "logged and reported in status()
+    only"; its reopen held the restore run (and readiness) for its whole deadline."""
+    connections.register("db", open=lambda: "conn", engine=rehydrate_engine)
+    metrics = connections.tcp_socket("metrics", ("127.0.0.1", refused_port), required=False,
+                                     deadline=3, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        t0 = time.monotonic()
+        report = rehydrate_engine.simulate_restore()
+        took = time.monotonic() - t0
+        assert report.ok, report.table()
+        assert took < 1.5 and report.duration < 1.5, (took, report.duration)
+        assert rehydrate_engine.wait_ready(0)
+        assert _conn_status(rehydrate_engine, "db")["state"] == "open"
+        # still retrying in the background, bounded by its own deadline
+        assert _conn_status(rehydrate_engine, "metrics")["state"] in ("reconnecting", "failed")
+        assert connections.manager(rehydrate_engine).wait_background(15)
+    took_all = time.monotonic() - t0
+    status = _conn_status(rehydrate_engine, "metrics")
+    assert status["state"] == "failed", status
+    assert "ConnectionRefusedError" in status["last_error"] and status["attempts"] >= 2
+    assert took_all >= 3 - LATE, took_all  # it did keep trying for its deadline
+    lines = [r.getMessage() for r in caplog.records if "metrics" in r.getMessage()]
+    assert len(lines) == 1 and "optional connection metrics" in lines[0], lines
+    assert rehydrate_engine.wait_ready(0)  # its failure changed nothing
+    with pytest.raises(ConnectionError):
+        metrics.sock  # noqa: B018
+
+
+LATE = 0.05
+"""Slack for the deadline's own arithmetic (monotonic readings taken a little apart)."""
+
+
+def test_an_optional_connection_reopened_in_the_background_is_usable(rehydrate_engine):
+    """The background reopen really reconnects: status says open, the socket works."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    try:
+        sock = connections.tcp_socket("feed", srv.getsockname(), required=False,
+                                      engine=rehydrate_engine)
+        wait_for(lambda: _conn_status(rehydrate_engine, "feed")["state"] == "open")
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert rehydrate_engine.simulate_restore().ok
+        assert connections.manager(rehydrate_engine).wait_background(10)
+        assert _conn_status(rehydrate_engine, "feed")["state"] == "open"
+        peer, _ = srv.accept()  # the first connect's
+        peer.close()
+        peer, _ = srv.accept()  # the background reopen's
+        sock.sendall(b"x")
+        assert peer.recv(1) == b"x"
+        peer.close()
+    finally:
+        srv.close()
+
+
+def test_a_snapshot_waits_for_an_optional_connections_background_open_before_closing(
+        rehydrate_engine):
+    """A snapshot during an optional connection's background reopen must not close it
+    while a sync open is still running: what that open puts in place afterwards (as
+    ``tcp_socket``'s connect does) would be taken, open, into the snapshot."""
+    gate = threading.Event()
+    entered = threading.Event()
+    live: dict[str, object] = {}
+    log_: list[str] = []
+
+    def open_() -> None:
+        entered.set()
+        gate.wait(30)
+        live["sock"] = object()  # like ManagedSocket._swap: kept by the helper
+        log_.append("opened")
+
+    def close() -> None:
+        log_.append("close" if not gate.is_set() else "close after the open")
+        live.pop("sock", None)
+
+    conn = connections.register("metrics", open=open_, close=close, required=False,
+                                deadline=20, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    log_.clear()
+    try:
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok and rehydrate_engine.wait_ready(0)
+        assert entered.wait(10)
+        assert conn.state == "reconnecting"
+        before = conn._epoch
+        snaps: list[object] = []
+        t = threading.Thread(target=lambda: snaps.append(rehydrate_engine.simulate_snapshot()))
+        t.start()
+        # the snapshot has taken over the connection (its run is stale now)
+        wait_for(lambda: conn._epoch != before or not t.is_alive(), what="the snapshot")
+    finally:
+        gate.set()
+    t.join(30)
+    assert snaps and snaps[0].ok, snaps
+    assert log_ == ["opened", "close after the open"], log_
+    assert live == {} and conn.state == "closed"
+    assert connections.manager(rehydrate_engine).wait_background(0)
+
+
+async def test_an_optional_async_reopen_is_cancelled_by_a_snapshot(rehydrate_engine):
+    """An async open still awaiting (on the hooks' loop) when a snapshot comes is
+    cancelled at once, not waited for until its deadline."""
+    started = asyncio.Event()
+    cancelled: list[bool] = []
+    loop = asyncio.get_running_loop()
+
+    async def open_() -> None:
+        loop.call_soon_threadsafe(started.set)
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    conn = connections.register("metrics", open=open_, required=False, deadline=30,
+                                engine=rehydrate_engine)
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok
+    await asyncio.wait_for(started.wait(), 10)
+    t0 = time.monotonic()
+    snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
+    assert snap.ok and time.monotonic() - t0 < 5
+    assert cancelled == [True] and conn.state == "closed"
