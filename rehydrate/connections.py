@@ -41,6 +41,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -428,6 +429,18 @@ class _Background:
     loop: asyncio.AbstractEventLoop
     task: asyncio.Future[bool]
     done: concurrent.futures.Future[None]
+    pid: int = 0
+    """The process it runs in: after ``fork()`` a child has the parent's runs, which
+    never run there."""
+    handed_to: asyncio.AbstractEventLoop | None = None
+    """The loop it goes on on after its own ended (see ``_move_background``): ``done``
+    once the run there is in place."""
+
+    def ended(self) -> bool:
+        """Nothing is left to wait for: done, or it can never be (its loop is closed,
+        or is the parent's after ``fork()``)."""
+        loop = self.handed_to or self.loop
+        return self.done.done() or self.pid != os.getpid() or loop.is_closed()
 
 
 class _Superseded(Exception):
@@ -510,6 +523,23 @@ class ConnectionManager:
                                  timeout=None)
         engine.add_status("connections", self.status)
         engine.add_status("tcp_connections", _status_tcp)
+        _MANAGERS.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a child of ``fork()``: the threads and event loops running (re)opens stayed
+        in the parent, so nothing here ever ends them. Forget them (``wait_background``
+        waited, and every snapshot stalled, for them for good) and say what is true: the
+        connection is not open (``failed``; the next restore reopens it, releasing what
+        it holds first). Fresh locks: a parent thread may have held one."""
+        self._lock = threading.Lock()
+        for conn in self._conns.values():
+            conn._lock = threading.Lock()
+            conn._calls = set()
+            conn._background = None
+            if conn.state in ("reconnecting", "opening"):
+                conn._epoch += 1  # what the parent's run left is no one's to finish
+                conn.state, conn.step = "failed", None
+                conn.last_error = "the process forked while it (re)opened"
 
     # -- registry -------------------------------------------------------------------
 
@@ -762,18 +792,40 @@ class ConnectionManager:
         """Block until the optional connections a restore left reopening in the
         background are done (reopened or failed: see ``status()``); False when
         ``timeout`` seconds passed first. Not from the hooks' event loop's own thread,
-        which runs them."""
-        with self._lock:
-            conns = list(self._conns.values())
-        pending = [run.done for c in conns if (run := c._background) is not None]
-        _, left = concurrent.futures.wait(pending, timeout)
-        return not left
+        which runs them. A reopen whose loop ended goes on on the hooks' loop (waited
+        for there) or is ``failed``; one that can never end (its loop was closed with
+        it pending, or it is the parent's after ``fork()``) is not waited for."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                conns = list(self._conns.values())
+            # A run handed over to another loop is done only once its successor is in
+            # place: looked for again.
+            pending = [run.done for c in conns
+                       if (run := c._background) is not None and not run.ended()]
+            if not pending:
+                return True
+            left = None if end is None else max(0.0, end - time.monotonic())
+            _, waiting = concurrent.futures.wait(pending, left)
+            if waiting:
+                return False
 
     def _start_background(self, conn: Connection, epoch: int, deadline_at: float,
                           stale: bool) -> None:
         """Reopen an optional connection as a task of this loop, not awaited."""
+        moved = False
+
         async def run() -> bool:
-            ok = await self._guard(conn, epoch, deadline_at, stale)
+            nonlocal moved
+            try:
+                ok = await self._guard(conn, epoch, deadline_at, stale)
+            except asyncio.CancelledError:
+                # Not cancelled by a newer run (a restore, a snapshot, unregister: they
+                # start a new epoch first) but by its event loop ending: the application's
+                # server shut down, or the asgi gate handed the hooks to another loop.
+                if conn._current(epoch):
+                    moved = self._move_background(conn, epoch, deadline_at, loop, done)
+                raise
             if not ok and conn._set(epoch, state="failed"):
                 _log_optional_missed(conn, f"{conn.effective_deadline():g}s")
             return ok
@@ -786,11 +838,42 @@ class ConnectionManager:
             if not t.cancelled() and t.exception() is not None:  # never expected
                 log.warning("connection %s: background reopen: %s", conn.name,
                             _describe(t.exception()))  # type: ignore[arg-type]
-            done.set_result(None)
+            if not moved:  # else done once the run that goes on is in place
+                done.set_result(None)
 
         task.add_done_callback(finished)
         with conn._lock:
-            conn._background = _Background(loop, task, done)
+            conn._background = _Background(loop, task, done, os.getpid())
+
+    def _move_background(self, conn: Connection, epoch: int, deadline_at: float,
+                         dying: asyncio.AbstractEventLoop,
+                         done: concurrent.futures.Future[None]) -> bool:
+        """A background reopen's event loop is ending: go on on the loop the hooks run
+        on now, if that is another (True: ``done`` is resolved once the new run is in
+        place, so :meth:`wait_background` never sees neither), else record that it
+        stopped, ``failed`` with one warning (it would say ``reconnecting`` for good)."""
+        target = self.engine.hook_loop()
+        if target is not dying and not target.is_closed():
+            async def again() -> None:
+                try:
+                    if conn._current(epoch):
+                        self._start_background(conn, epoch, deadline_at, stale=False)
+                finally:
+                    done.set_result(None)
+
+            with conn._lock:
+                if conn._background is not None and conn._background.done is done:
+                    conn._background.handed_to = target
+            coro = again()
+            try:
+                asyncio.run_coroutine_threadsafe(coro, target)
+            except RuntimeError:  # that loop closed in between
+                coro.close()
+            else:
+                return True
+        if conn._set(epoch, state="failed", step=None, last_error="its event loop stopped"):
+            _log_optional_missed(conn, "the life of its event loop")
+        return False
 
     def _cancel_background(self, conn: Connection) -> _Background | None:
         """Cancel ``conn``'s background reopen, if any (from any thread); returns it. A
@@ -826,7 +909,12 @@ class ConnectionManager:
         if not waits:
             return
         end = time.monotonic() + CLOSE_TIMEOUT
-        runs = [asyncio.wrap_future(r.done) for _, r in waits if r is not None]
+        here = asyncio.get_running_loop()
+        # Only a run on this loop is waited for as a task: another loop may be closed,
+        # the parent's (after fork()), or blocked by this event's caller; stale (retired)
+        # and cancelled, it makes no further attempt, and its sync call is waited below.
+        runs = [asyncio.wrap_future(r.done) for _, r in waits
+                if r is not None and r.loop is here]
         if runs:
             await asyncio.wait(runs, timeout=CLOSE_TIMEOUT)
         for conn, _ in waits:
@@ -835,10 +923,11 @@ class ConnectionManager:
             left = end - time.monotonic()
             if calls and left > 0:
                 waiting = [asyncio.wrap_future(c) for c in calls]
-                done, _ = await asyncio.wait(waiting, timeout=left)
+                done, pending = await asyncio.wait(waiting, timeout=left)
                 for f in done:  # its outcome is the abandoned run's: not ours to raise
-                    if not f.cancelled():
-                        f.exception()
+                    _retrieved(f)
+                for f in pending:  # nor when it ends later ("never retrieved" otherwise)
+                    f.add_done_callback(_retrieved)
             with conn._lock:
                 busy = conn.step if conn._calls else None
             if busy is not None:
@@ -862,6 +951,24 @@ class ConnectionManager:
         except Exception as exc:
             conn._set(epoch, last_error=_describe(exc))
             return False
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark ``fut``'s exception retrieved: it belongs to an abandoned run."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+_MANAGERS: weakref.WeakSet[ConnectionManager] = weakref.WeakSet()
+"""Every connection manager of this process, reset in the child after ``fork()``."""
+
+
+def _reset_managers_in_child() -> None:
+    for m in list(_MANAGERS):
+        m._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_managers_in_child)
 
 
 def _log_optional_missed(conn: Connection, within: str) -> None:
@@ -1291,6 +1398,8 @@ class ManagedSocket:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._closes = 0
+        """Bumped by every close: a connect that a close overtook keeps no socket."""
         self._final = False
         """Closed for good (:meth:`close_for_good`): no later connect keeps its socket."""
 
@@ -1314,15 +1423,29 @@ class ManagedSocket:
         if deadline_at is not None:
             left = max(0.01, deadline_at - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
-        s = socket.create_connection(self.address, timeout=timeout)
+        with self._lock:
+            closes = self._closes
+        new = socket.create_connection(self.address, timeout=timeout)
         if timeout != self.timeout:
-            s.settimeout(self.timeout)  # the cap is for the connect only
-        self._swap(s)
-        if self._final:  # closed meanwhile: _swap closed s
-            return self.sock  # raises ConnectionError
-        return s
+            new.settimeout(self.timeout)  # the cap is for the connect only
+        # Checked and kept in one step: a close (a snapshot's, after waiting for this
+        # connect as long as it may) between the two would otherwise be missed, and the
+        # socket it came too late for kept, live, in the snapshot.
+        with self._lock:
+            overtaken = self._final or self._closes != closes
+            old, self._sock = (new, self._sock) if overtaken else (self._sock, new)
+        if old is not None:
+            old.close()  # the one replaced, or this one when a close overtook it
+        if overtaken and self._final:
+            return self.sock  # raises: closed for good
+        if overtaken:
+            raise ConnectionError(f"socket to {self.address[0]}:{self.address[1]} was "
+                                  "closed while it connected")
+        return new
 
     def close(self) -> None:
+        with self._lock:
+            self._closes += 1
         self._swap(None)
 
     def close_for_good(self) -> None:

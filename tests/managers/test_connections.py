@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ from netservers import redis_binary, redis_server, uvicorn_server
 import rehydrate.testing
 from rehydrate import connections
 from rehydrate._cli import main as cli_main
-from tests.detect_helpers import threads_started
+from tests.detect_helpers import in_forked_child, threads_started
 
 
 def _require_or_skip(reason: str) -> None:
@@ -2075,3 +2076,232 @@ async def test_an_optional_async_reopen_is_cancelled_by_a_snapshot(rehydrate_eng
     snap = await loop.run_in_executor(None, rehydrate_engine.simulate_snapshot)
     assert snap.ok and time.monotonic() - t0 < 5
     assert cancelled == [True] and conn.state == "closed"
+
+
+class _AppLoop:
+    """An application's event loop on its own thread, ended like a server's:
+    ``asyncio.run`` cancels the tasks left on it, then closes it."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop
+        self._stop: asyncio.Event
+        self.thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    async def _main(self) -> None:
+        self.loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self.ready.set()
+        await self._stop.wait()
+
+    def end(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def _reconnecting_on(engine, port: int) -> connections.ManagedSocket:
+    """An optional ``tcp_socket`` to ``port`` (refused: bound, not listening) left
+    reopening in the background by a restore, on the loop the hooks run on."""
+    sock = connections.tcp_socket("metrics", ("127.0.0.1", port), required=False,
+                                  deadline=30, engine=engine)
+    assert engine.simulate_restore().ok
+    conn = connections.get("metrics", engine=engine)
+    assert conn.state == "reconnecting" and conn._background is not None
+    wait_for(lambda: "Refused" in (conn.last_error or ""), what="a refused attempt")
+    return sock
+
+
+def test_a_background_reopen_goes_on_on_the_loop_the_hooks_are_handed_to(rehydrate_engine):
+    """Two ASGI lifespans share an engine; the hooks run on the latest one's loop, and
+    when that server shuts down the gate hands them to the other. The optional
+    connection's reopen was a task of the first loop, cancelled with it: nothing restarted
+    it, ``wait_background()`` said done and ``status()`` said ``reconnecting`` for good
+    although the peer was up. It now goes on on the loop the hooks were handed to."""
+    from rehydrate.adapters.asgi import _Detection
+
+    a, b = _AppLoop(), _AppLoop()
+    peer = socket.socket()
+    try:
+        peer.bind(("127.0.0.1", 0))  # not listening yet: connects are refused
+        gate = _Detection(rehydrate_engine)
+        gate.hold("none", b.loop)
+        gate.hold("none", a.loop)  # the latest holder: the hooks run on a
+        sock = _reconnecting_on(rehydrate_engine, peer.getsockname()[1])
+        assert connections.get("metrics", engine=rehydrate_engine)._background.loop is a.loop
+        gate.release(a.loop)  # a's lifespan shutdown: the hooks move to b
+        a.end()
+        peer.listen(8)
+        assert connections.manager(rehydrate_engine).wait_background(20)
+        status = _conn_status(rehydrate_engine, "metrics")
+        assert status["state"] == "open", status
+        # the one it keeps: an attempt of the run on a, queued on a thread when a ended,
+        # may have connected (and been replaced) too
+        peer.settimeout(10)
+        while (accepted := peer.accept()[0]).getpeername() != sock.getsockname():
+            accepted.close()
+        sock.sendall(b"x")
+        assert accepted.recv(1) == b"x"
+        accepted.close()
+        gate.release(b.loop)
+    finally:
+        peer.close()
+        a.end()
+        b.end()
+
+
+def test_a_background_reopen_whose_loop_ends_says_failed(rehydrate_engine, refused_port,
+                                                          caplog):
+    """``start(loop=app)`` and that server shuts down while an optional connection
+    reopens on its loop: with no other loop to go on on, the connection says ``failed``
+    (one warning), not ``reconnecting`` for good."""
+    app = _AppLoop()
+    try:
+        rehydrate_engine.start("none", loop=app.loop)
+        _reconnecting_on(rehydrate_engine, refused_port)
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            app.end()
+            assert connections.manager(rehydrate_engine).wait_background(10)
+        status = _conn_status(rehydrate_engine, "metrics")
+        assert status["state"] == "failed", status
+        assert "event loop stopped" in status["last_error"], status
+        lines = [r.getMessage() for r in caplog.records if "metrics" in r.getMessage()]
+        assert len(lines) == 1 and "optional connection metrics" in lines[0], lines
+    finally:
+        rehydrate_engine.stop()
+        app.end()
+
+
+STALL = 3.5
+"""Generous for work that takes milliseconds, and below CLOSE_TIMEOUT (5 s): a snapshot
+that waits for a background reopen that never ends takes at least that long."""
+
+
+def test_a_background_reopen_on_a_loop_closed_without_cancelling_is_not_waited_for(
+        rehydrate_engine, refused_port):
+    """A thread-hosted loop stopped and closed with its tasks still pending (no
+    ``asyncio.run``): the reopen's task never ends. ``wait_background()`` waited for it
+    for ever and every snapshot stalled for CLOSE_TIMEOUT."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        rehydrate_engine.start("none", loop=loop)
+        _reconnecting_on(rehydrate_engine, refused_port)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    t0 = time.monotonic()
+    assert connections.manager(rehydrate_engine).wait_background(STALL)
+    snap = rehydrate_engine.simulate_snapshot()
+    took = time.monotonic() - t0
+    assert snap.ok, snap.table()
+    assert took < STALL, took
+    assert connections.get("metrics", engine=rehydrate_engine).state == "closed"
+    rehydrate_engine.stop()
+    # its tasks, pending for good, are destroyed here (an asyncio error each, this
+    # scenario's), not in whichever test collects them next
+    del loop
+    gc.collect()
+
+
+def test_a_child_forked_during_a_background_reopen_does_not_wait_for_it(rehydrate_engine,
+                                                                         refused_port):
+    """A pre-fork server forks while an optional connection reopens in the background:
+    the child inherited that run (a task of the parent's loop, which never runs there).
+    ``wait_background()`` never returned in the child, status said ``reconnecting`` for
+    good and the child's every snapshot stalled for CLOSE_TIMEOUT."""
+    _reconnecting_on(rehydrate_engine, refused_port)
+
+    def child() -> dict:  # type: ignore[type-arg]
+        t0 = time.monotonic()
+        waited = connections.manager(rehydrate_engine).wait_background(STALL)
+        state = connections.get("metrics", engine=rehydrate_engine).state
+        snap = rehydrate_engine.simulate_snapshot()
+        return {"waited": waited, "state": state, "snap": snap.ok,
+                "took": time.monotonic() - t0,
+                "after": connections.get("metrics", engine=rehydrate_engine).state}
+
+    out = in_forked_child(child, 30)
+    assert out.get("waited") is True, out
+    assert out["state"] == "failed", out  # not reconnecting: nothing reopens it here
+    assert out["snap"] and out["took"] < STALL and out["after"] == "closed", out
+    # the parent's run goes on
+    assert connections.get("metrics", engine=rehydrate_engine).state == "reconnecting"
+
+
+async def test_a_snapshot_on_the_app_loops_thread_does_not_wait_for_its_reopen(
+        rehydrate_engine, refused_port):
+    """With ``start(loop=app)`` a snapshot taken on the app loop's own thread runs its
+    hooks on rehydrate's loop, and waited for the background reopen on the app loop —
+    the loop that call blocks: every such snapshot stalled for CLOSE_TIMEOUT."""
+    loop = asyncio.get_running_loop()
+    rehydrate_engine.start("none", loop=loop)
+    try:
+        await loop.run_in_executor(None, _reconnecting_on, rehydrate_engine, refused_port)
+        conn = connections.get("metrics", engine=rehydrate_engine)
+        assert conn._background is not None and conn._background.loop is loop
+        t0 = time.monotonic()
+        snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
+        took = time.monotonic() - t0
+        assert snap.ok, snap.table()
+        assert took < STALL, took
+        assert conn.state == "closed"
+    finally:
+        rehydrate_engine.stop()
+
+
+def test_a_connect_a_snapshot_gave_up_waiting_for_keeps_no_socket(rehydrate_engine,
+                                                                  monkeypatch, caplog):
+    """``tcp_socket``'s first connect still running when a snapshot has waited for it as
+    long as it may (CLOSE_TIMEOUT): the snapshot closes the connection; the connect then
+    completed and its socket was kept, live, in the snapshot. Nor is the connect's
+    abandoned outcome logged as "Future exception was never retrieved"."""
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 0.2)  # the wait given up on
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    entered, release = threading.Event(), threading.Event()
+    real = socket.create_connection
+
+    def slow_connect(address, *args, **kwargs):  # a peer slow to answer the SYN
+        entered.set()
+        assert release.wait(30)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", slow_connect)
+    try:
+        with caplog.at_level(logging.WARNING):
+            ms = connections.tcp_socket("feed", srv.getsockname(), timeout=10,
+                                        required=False, engine=rehydrate_engine)
+            conn = connections.get("feed", engine=rehydrate_engine)
+            assert entered.wait(10)
+            assert conn.state == "opening"
+            snap = rehydrate_engine.simulate_snapshot()
+            assert snap.ok, snap.table()
+            assert conn.state == "closed"
+            release.set()
+            accepted, _ = srv.accept()
+            wait_for(lambda: not conn._calls, what="the connect to return")
+            # the abandoned call's outcome reaches the hooks' loop, then is dropped
+            asyncio.run_coroutine_threadsafe(
+                asyncio.sleep(0), rehydrate_engine.hook_loop()).result(10)
+            gc.collect()
+        accepted.settimeout(10)
+        try:
+            left_open = accepted.recv(1) != b""
+        except TimeoutError:
+            left_open = True
+        assert not left_open, "the late connect's socket is still open"
+        accepted.close()
+        with pytest.raises(ConnectionError):
+            ms.sock  # noqa: B018
+        unretrieved = [r.getMessage() for r in caplog.records
+                       if "never retrieved" in r.getMessage()]
+        assert unretrieved == [], unretrieved
+    finally:
+        release.set()
+        srv.close()
