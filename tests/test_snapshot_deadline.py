@@ -298,6 +298,27 @@ def _deadline_thread() -> threading.Thread | None:
                  if t.name == "rehydrate-snapshot-deadline"), None)
 
 
+def _duplicate_notice_in_flight(engine: Lifecycle
+                                ) -> tuple[threading.Event, threading.Thread,
+                                           threading.Thread]:
+    """A before-snapshot pass, then a notice with the key ``k1`` (handled before: it will
+    run nothing) counted and held back from the run lock until the returned gate is set.
+    Returns (gate, the deadline's watch thread, the notice's thread)."""
+    gate = threading.Event()
+    engine._run_lock = _GatedLock(engine._run_lock, gate)  # type: ignore[assignment]
+    assert engine.snapshot_requested("gvisor").ok
+    watch = _deadline_thread()
+    assert watch is not None
+    thread = threading.Thread(target=lambda: engine.restore_detected(
+        "control", kind="resume", key="k1"), name="notice")
+    thread.start()
+    give_up = time.monotonic() + GIVE_UP
+    while not engine._notices:
+        assert time.monotonic() < give_up
+        time.sleep(0.001)
+    return gate, watch, thread
+
+
 @pytest.mark.parametrize("notice", ["resume", "freeze-noticed"])
 def test_a_notice_in_flight_when_the_deadline_passes_runs_the_hooks_once(
         engine: Lifecycle, deferred: _Deferred, notice: str) -> None:
@@ -361,19 +382,8 @@ def test_a_duplicate_notice_in_flight_leaves_the_run_to_the_deadline(
     first = engine.restore_detected("control", kind="resume", key="k1")
     assert not first.deduplicated
     del runs.runs[:]
-    gate = threading.Event()
-    engine._run_lock = _GatedLock(engine._run_lock, gate)  # type: ignore[assignment]
     runs.ran.clear()
-    assert engine.snapshot_requested("gvisor").ok
-    watch = _deadline_thread()
-    assert watch is not None
-    thread = threading.Thread(target=lambda: engine.restore_detected(
-        "control", kind="resume", key="k1"), name="notice")
-    thread.start()
-    give_up = time.monotonic() + GIVE_UP
-    while not engine._notices:
-        assert time.monotonic() < give_up
-        time.sleep(0.001)
+    gate, watch, thread = _duplicate_notice_in_flight(engine)
     assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
     assert not runs.ran.is_set(), "the deadline ran while a notice was in flight"
     gate.set()
@@ -449,18 +459,7 @@ def test_a_freeze_while_the_deadline_waits_for_a_notice_is_a_gap(
     assert not engine.restore_detected("control", kind="resume", key="k1").deduplicated
     seen.clear()
     ran.clear()
-    gate = threading.Event()
-    engine._run_lock = _GatedLock(engine._run_lock, gate)  # type: ignore[assignment]
-    assert engine.snapshot_requested("gvisor").ok
-    watch = _deadline_thread()
-    assert watch is not None
-    thread = threading.Thread(target=lambda: engine.restore_detected(
-        "control", kind="resume", key="k1"), name="notice")
-    thread.start()
-    give_up = time.monotonic() + GIVE_UP
-    while not engine._notices:
-        assert time.monotonic() < give_up
-        time.sleep(0.001)
+    gate, watch, thread = _duplicate_notice_in_flight(engine)
     assert deferred.seen.wait(GIVE_UP) and not ran.is_set()
     clock.gap += 10.0  # frozen (a checkpoint) while the deadline waits for the notice
     assert gaps.judged.wait(GIVE_UP), "the wait for the notice was not judged"
