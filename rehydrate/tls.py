@@ -1176,9 +1176,16 @@ class FileCertificate(ManagedCertificate):
         except TypeError as exc:  # cryptography: encrypted without a password, or not
             error = f"{where} is not a usable PEM private key ({_one_line(exc)})"
         except ValueError as exc:
-            error = (f"{where}: wrong password (the key could not be decrypted)"
-                     if encrypted and "password" in str(exc).lower() else
-                     f"{where} is not a usable PEM private key ({_one_line(exc)})")
+            if not encrypted:
+                error = f"{where} is not a usable PEM private key ({_one_line(exc)})"
+            elif "password" in str(exc).lower():
+                error = f"{where}: wrong password (the key could not be decrypted)"
+            else:
+                # A wrong password decrypts to garbage whose padding is valid about once
+                # in 256 tries: cryptography then reports a parse error of the inner key,
+                # not a bad decrypt; a damaged file reports the same. Say both.
+                error = (f"{where}: wrong password, or not a usable PEM private key "
+                         f"({_one_line(exc)})")
         # raised out here, not in an except block: no chained exception carries the
         # source's or cryptography's error along
         raise CertificateError(error)

@@ -1562,3 +1562,32 @@ def test_the_key_block_is_copied_without_a_temporary(monkeypatch):
     assert block.startswith(b"-----BEGIN PRIVATE KEY-----") and block.endswith(b"-----\n")
     assert not any(data)  # the whole read was wiped
     assert peak < 1.5 * size, f"peak {peak} bytes: a temporary copy of the {size}-byte block"
+
+
+def test_a_wrong_password_that_decrypts_to_garbage_still_says_wrong_password(
+        rehydrate_engine, tmp_path, monkeypatch):
+    """About once in 256 wrong passwords the decrypted bytes end in valid padding, and
+    cryptography reports a parse error of the inner key ("Could not deserialize key
+    data ... ASN.1 parsing error") instead of a bad decrypt. The line must still name the
+    password as a possible cause (before: only "not a usable PEM private key")."""
+    ca = CA()
+    password = os.urandom(12).hex().encode()
+    c1, k1, first = _encrypted_leaf(ca, password)
+    _write_pair(tmp_path, c1, k1)
+    cert = tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=lambda: password, watch=False, engine=rehydrate_engine)
+    _, k_other, _ = _encrypted_leaf(ca, b"another password")
+    (tmp_path / "k.pem").write_bytes(k_other)
+
+    def garbage_after_decrypt(data, password=None, **kw):  # what cryptography raises then
+        raise ValueError("Could not deserialize key data. Details: ASN.1 parsing error: "
+                         "unexpected tag")
+
+    from cryptography.hazmat.primitives import serialization
+
+    monkeypatch.setattr(serialization, "load_pem_private_key", garbage_after_decrypt)
+    with pytest.raises(CertificateError) as caught:
+        cert.renew()
+    text = str(caught.value)
+    assert "wrong password" in text and "not a usable PEM private key" in text, text
+    assert cert.serial == first.serial_number
