@@ -11,7 +11,8 @@ environment, as the page says:
 * a ``--leave-running`` dump leaves the original with its before-snapshot hooks done; it
   is ready again by itself (the clock-jump detector takes the freeze for the dump), no
   ``notify resume`` needed — when the dump freezes it longer than the pending
-  threshold, which a workload with some memory to write does.
+  threshold, which a workload with some memory to write does; a small one's shorter
+  freeze is ended by ``rehydrate notify resume`` after the dump, as the page advises.
 
 CRIU restores the process into a new time namespace whose offsets hide the time it was
 not running: its CLOCK_MONOTONIC does not jump over the downtime (checked here).
@@ -267,3 +268,25 @@ def test_leave_running_original_is_ready_again_by_itself(workload: Workload) -> 
     assert runs[0]["frozen_for"] > 0.1, runs  # the dump's freeze, over the threshold
     assert workload.alive()
     assert runs[0]["timens"] == started["timens"]  # the original: no new namespace
+
+
+def test_leave_running_then_notify_resume_ends_the_snapshot_once(workload: Workload) -> None:
+    """A small process's dump freezes it for about 50 ms here, under the pending
+    threshold, so the original usually stays ``snapshotting``; `rehydrate notify resume`
+    after the dump, as the page advises, ends it — once, also when a slower dump was
+    seen by the clock-jump detector first (the notice is then recognised as that)."""
+    started = workload.start()
+    workload.dump("--leave-running")
+    proc = subprocess.run([REHYDRATE, "notify", "resume", "--socket", workload.sock,
+                           "--expect-pid", str(started["pid"])],
+                          check=False, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    status = workload.status()
+    assert status["state"] == "ready", status  # the reply came after the hooks ran
+    runs = [(r["kind"], r["reason"], r["generation"]) for r in workload.records()
+            if r["kind"] in ("restore", "resume")]
+    assert runs in ([("resume", "control", 0)], [("restore", "clock-jump", 1)]), runs
+    assert status["generation"] == runs[0][2]
+    if runs[0][0] == "resume":  # the original, resumed: same instance as before the dump
+        assert status["entropy"]["instance_id"] == started["instance_id"]
+    assert workload.alive()
