@@ -3,7 +3,7 @@
 # them skip with a reason (and CI, which is root, refuses to skip them).
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then
-  echo "setup-system: not root; skipping system packages (runsc, servers)" >&2
+  echo "setup-system: not root; skipping system packages (runsc, criu, servers)" >&2
   exit 0
 fi
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -11,6 +11,9 @@ here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/apt-wait.sh"  # apt_get: waits for the dpkg/apt locks another apt process holds
 if [ -x "$here/install-runsc.sh" ]; then
   bash "$here/install-runsc.sh"
+fi
+if [ -x "$here/install-criu.sh" ]; then
+  bash "$here/install-criu.sh"
 fi
 # Network tests: redis-server (connections), nftables + iproute2 + iptables (routes/rules).
 net_missing=""

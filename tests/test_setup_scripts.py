@@ -102,11 +102,11 @@ def test_apt_get_waits_for_a_lock_another_apt_holds(private_apt, lock, args, nee
 
 
 def test_setup_scripts_use_the_waiting_apt_get():
-    for name in ("setup-system.sh", "install-runsc.sh"):
+    for name in ("setup-system.sh", "install-runsc.sh", "install-criu.sh"):
         with open(os.path.join(ROOT, "scripts", name)) as fh:
             text = fh.read()
         assert "apt-wait.sh" in text
         bare = [line for line in text.splitlines()
                 if "apt-get " in line and not line.lstrip().startswith("#")
-                and "apt_opts" not in line]  # install-runsc's private throw-away lists
+                and "apt_opts" not in line]  # install-runsc/criu's private throw-away lists
         assert bare == [], f"{name} calls apt-get without waiting for its locks: {bare}"

@@ -3,7 +3,7 @@
 A Unix stream socket at ``$REHYDRATE_CONTROL_SOCKET`` (default, when the detector is
 asked for without it: ``$XDG_RUNTIME_DIR/rehydrate/<pid>.sock``, or
 ``/tmp/rehydrate-<uid>/<pid>.sock`` without ``XDG_RUNTIME_DIR``). The socket is created
-mode 0600 (bound under a temporary name, chmod-ed, then renamed into place), a parent
+mode 0600 (bound at its path and chmod-ed before ``listen()``), a parent
 directory it creates is 0700, and every client's credentials (``SO_PEERCRED``) are
 checked: only the same uid or root may talk to it; anyone else gets an error reply and
 is disconnected.
@@ -264,19 +264,24 @@ class ControlServer:
         # Here, not at import (start("auto") imports every detector to probe): json is
         # loaded before any snapshot, so a clone's first request does not import it.
         import json  # noqa: F401
-        import secrets
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        tmp = os.path.join(directory, f".rh{secrets.token_hex(4)}")
+        # Bound at its final path, not under a temporary name renamed into place: CRIU
+        # dumps a listening socket with the address it was bound to and restores it
+        # there, so a renamed socket would come back unreachable at the real path.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale socket (_refuse_live_socket checked it)
+        bound = False
         try:
-            sock.bind(tmp)
-            os.chmod(tmp, 0o600)  # before listen(): nobody can connect in between
+            sock.bind(self.path)
+            bound = True
+            os.chmod(self.path, 0o600)  # before listen(): nobody can connect in between
             sock.listen(socket.SOMAXCONN)  # a burst of clients waits, not EAGAIN
-            os.rename(tmp, self.path)  # atomic; replaces a stale socket
         except OSError:
             sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if bound:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             raise
         st = os.stat(self.path)
         self._inode = (st.st_dev, st.st_ino)
@@ -300,7 +305,7 @@ class ControlServer:
             raise FileExistsError(f"{self.path} exists and is not a socket; not replacing it")
         peer = serving_peer(self.path)
         if peer is None:
-            return  # stale: nobody listens; rename() will replace it
+            return  # stale: nobody listens; start() replaces it
         pid, uid = peer
         if uid not in (os.geteuid(), 0):
             raise FileExistsError(f"{squatter(self.path) or self.path}; refusing to start")
