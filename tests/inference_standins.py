@@ -84,6 +84,37 @@ async def _json(send: Any, status: int, payload: Any) -> None:
     await send({"type": "http.response.body", "body": raw})
 
 
+class EchoingGateway:
+    """A gateway in front of a stand-in that echoes the request's ``Authorization`` header
+    in its answers, as some do in a 401 body: ``answer(path, authorization)`` gives the
+    ``(status, body)`` for a path — a ``str`` body is sent as plain text, anything else as
+    JSON — or None to pass the request on to ``behind``."""
+
+    def __init__(self, answer: Any, behind: Any = None) -> None:
+        self.answer = answer
+        self.behind = behind
+        self.seen: list[str] = []  # the Authorization headers received
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization", b"").decode()
+        self.seen.append(authorization)
+        answered = self.answer(scope["path"], authorization)
+        if answered is None:
+            await self.behind(scope, receive, send)
+            return
+        while (await receive()).get("more_body"):
+            pass
+        status, body = answered
+        if isinstance(body, str):
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": body.encode()})
+        else:
+            await _json(send, status, body)
+
+
 class VLLMStandIn(StandIn):
     """vLLM 0.33's OpenAI server in dev mode with ``--enable-sleep-mode``."""
 
@@ -166,6 +197,10 @@ class SGLangStandIn(StandIn):
         self.released: set[str] = set()
         self.starting = 0  # /health_generate answers 503 this many more times
         self.refuse: str | None = None  # 200 {"success": false, "message": refuse}
+        # path -> message: that call alone is answered 200 {"success": false, "message": …}
+        self.refused: dict[str, str] = {}
+        # the message of the 400 refusing a resume when nothing is released
+        self.not_released = "memory occupation was not released"
 
     def route(self, method: str, path: str, query: dict[str, list[str]],
               body: Any) -> tuple[int, Any]:
@@ -187,6 +222,8 @@ class SGLangStandIn(StandIn):
                 return 422, {"detail": "a JSON body is required"}
             if self.refuse is not None:
                 return 200, {"success": False, "message": self.refuse}
+            if path in self.refused:
+                return 200, {"success": False, "message": self.refused[path]}
             tags = set(body.get("tags") or self.MEMORY)
             if not self.memory_saver:
                 return 200, None  # SGLang only logs a warning then
@@ -194,7 +231,7 @@ class SGLangStandIn(StandIn):
                 self.released |= tags
             else:
                 if not tags <= self.released:
-                    return 400, {"message": "memory occupation was not released"}
+                    return 400, {"message": self.not_released}
                 self.released -= tags
             return 200, None
         return 404, {"detail": "Not Found"}
@@ -267,3 +304,22 @@ class _LLMEngine:
     def is_sleeping(self) -> bool:
         self.llm.calls.append("is_sleeping")
         return self.llm.engine.sleeping
+
+
+API_KEY = "sk-live-SECRETKEY2"
+"""The adapters' key in the redaction tests: its first four characters (``sk-l``) appear
+in nothing else, so a key cut short in a quoted reason still shows."""
+
+GATEWAY_ECHOES: dict[str, Any] = {
+    # authorization -> (status, body): how gateways quote the request back
+    "json 401": lambda auth: (401, {"detail": f"invalid credentials: {auth}"}),
+    "text 401 quoting the header": lambda auth: (
+        401, f"Unauthorized. Request headers: Authorization: {auth}; accept: */*"),
+    "bare token in an OpenAI-style 403": lambda auth: (
+        403, {"error": {"message": f"key {auth.split()[-1]} revoked"}}),
+    "token where the reason is cut": lambda auth: (401, {"detail": "x" * 285 + " " + auth}),
+    "token in a URL's query": lambda auth: (
+        401, {"detail": f"log in at https://gw.example/login?token={auth.split()[-1]}&a=1"}),
+    "5xx echoing the token until the deadline": lambda auth: (
+        502, {"message": f"upstream refused {auth}"}),
+}

@@ -13,7 +13,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import httpx
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from ..extensions import Engine
     from ..hooks import Hook, Registry
 
-__all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "call_maybe_async", "run_sync",
-           "sync_variant", "within"]
+__all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "answer_text", "call_maybe_async",
+           "redact", "run_sync", "sync_variant", "within"]
 
 log = logging.getLogger("rehydrate.adapters")
 
@@ -162,8 +162,81 @@ def _abandon(task: asyncio.Future[Any]) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+REDACTED = "[redacted]"
+
+_CREDENTIAL_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie")
+
+_HEADER_VALUE = re.compile(
+    r"""\b((?:proxy-)?authorization|x-api-key|api[-_]?key|access[-_]?token|cookie)"""
+    r"""(["']?\s*[:=]\s*["']?)((?:(?:bearer|basic|token)\s+)?[^\s"',;&]+)""",
+    re.IGNORECASE)
+"""A credential quoted as a header or field (``Authorization: Bearer …``,
+``"x-api-key": "…"``, ``api_key=…``): the value, scheme included, is hidden."""
+
+_SCHEME_TOKEN = re.compile(
+    r"\b(bearer|basic)(\s+)(?!(?:realm|scope|error|token|auth\w*|required|credentials?)\b)"
+    r"[A-Za-z0-9\-._~+/=:]{4,}",
+    re.IGNORECASE)
+"""``Bearer <token>`` / ``Basic <credentials>`` quoted without a header name; the words a
+server's own explanation puts there (``Bearer realm=…``, ``Basic authentication``) stay."""
+
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+
+
+def _redact_url(match: re.Match[str]) -> str:
+    url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@?#]*@", r"\1", match.group(0))
+    base, sep, query = url.partition("?")
+    if not sep:
+        return url
+    # query parameters carry tokens and signatures (presigned URLs): names stay, values go
+    return base + "?" + re.sub(r"=[^&#]*", "=" + REDACTED, query)
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` without ``secrets`` (the adapter's own key, verbatim) nor what looks like
+    a credential: ``Bearer <token>``, ``Authorization: …``, user info and query values of
+    URLs. For anything a server answered that ends up in a log, a status or an error: a
+    gateway that echoes the request (its ``Authorization`` header in a 401 body) would
+    otherwise publish the adapter's key."""
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    text = _URL.sub(_redact_url, text)
+    text = _HEADER_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+    return _SCHEME_TOKEN.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+
+
+def request_secrets(response: httpx.Response) -> list[str]:
+    """The credentials ``response``'s request carried: header values and their token part
+    (``Bearer sk-…`` gives both), so an answer quoting either can be redacted."""
+    try:
+        headers = response.request.headers
+    except RuntimeError:  # a response built without a request
+        return []
+    found: list[str] = []
+    for name in _CREDENTIAL_HEADERS:
+        for value in headers.get_list(name):
+            found.append(value)
+            found.extend(part for part in value.split()[1:] if len(part) >= 4)
+    return found
+
+
+def answer_text(response: httpx.Response, text: str, limit: int = 300) -> str:
+    """``text``, taken from what ``response`` says, fit to quote: on one printable line,
+    without the request's credentials or anything looking like one, at most ``limit``
+    characters."""
+    text = redact(" ".join(text.split()), request_secrets(response))
+    # One printable line: the reason goes into logs, status and 503 bodies, where a
+    # server's escape sequences (ANSI colours, a terminal title) have no business.
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    # cut after redacting: a key cut in half would no longer be recognised
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return text
+
+
 def server_reason(response: httpx.Response) -> str:
-    """The server's explanation from an error response, on one line."""
+    """The server's explanation from an error response, on one line, credentials
+    redacted (:func:`answer_text`)."""
     text = ""
     try:
         body = _bodies.loads(response.content)
@@ -179,12 +252,7 @@ def server_reason(response: httpx.Response) -> str:
                 break
     if not text:
         text = response.text
-    # One printable line: the reason goes into logs, status and 503 bodies, where a
-    # server's escape sequences (ANSI colours, a terminal title) have no business.
-    text = "".join(ch if ch.isprintable() else "?" for ch in " ".join(text.split()))
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return text or "empty body"
+    return answer_text(response, text) or "empty body"
 
 
 class ServerAdapter:

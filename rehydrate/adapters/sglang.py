@@ -14,10 +14,10 @@ memory stays allocated) — then ``POST /release_memory_occupation`` with
 ``{"tags": [...]}`` (or ``{}``: everything). After a restore or resume (hook
 ``rehydrate.sglang.resume``, the first application hook): ``POST
 /resume_memory_occupation`` with the same body — skipped when this process never sent a
-release (an earlier snapshot attempt failed before it); after an unanswered release or
-resume a "not released" refusal counts as resumed — then ``GET /health_generate``, which
-generates one token, as the canary (retried while it answers 503, as SGLang does while it
-starts up).
+release (an earlier snapshot attempt failed before it, or SGLang refused the release);
+after an unanswered release or resume a "not released" refusal counts as resumed — then
+``GET /health_generate``, which generates one token, as the canary (retried while it
+answers 503, as SGLang does while it starts up).
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a POST is never sent again once it may have reached the server); the hook
@@ -40,7 +40,14 @@ from .._config import shown
 from ..extensions import Probe
 from . import _bodies
 from ._readiness import probe_import
-from ._server import ServerAdapter, ServerError, Unconfirmed, json_or_empty, sync_variant
+from ._server import (
+    ServerAdapter,
+    ServerError,
+    Unconfirmed,
+    answer_text,
+    json_or_empty,
+    sync_variant,
+)
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -51,8 +58,16 @@ log = logging.getLogger("rehydrate.adapters.sglang")
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
-NOT_RELEASED = re.compile(r"\bnot (been |yet )?(released|paused)\b", re.IGNORECASE)
-"""A resume refused because nothing is released."""
+NOT_RELEASED = re.compile(
+    r"\b(not|never) (been |yet |currently |actually )?(released|paused)\b"
+    r"|\bnot in (a |the )?released state\b"
+    r"|\bnothing (is |was |has been )?(to resume|released)\b"
+    r"|\balready (resumed|occupied)\b",
+    re.IGNORECASE)
+"""A resume refused because nothing is released. Lenient: SGLang's wording differs between
+versions and the memory saver backends ("not released", "has not been released", "memory
+occupation was not released", "already resumed"), and a resume that was wanted must not
+fail over a phrasing; only a resume that is owed after a confirmed release fails on it."""
 
 
 def probe() -> Probe:
@@ -96,9 +111,9 @@ class SGLangAdapter(ServerAdapter):
         self.tags = chosen
         self.canary = canary
         self.released = False
-        """True from the moment a release is sent until a resume succeeded: a clone restored
-        from the snapshot remembers it, so a resume is sent only when a release may have
-        happened."""
+        """True from the moment a release is sent until a resume succeeded (or SGLang
+        refused that release: it then goes back to what it was): a clone restored from the
+        snapshot remembers it, so a resume is sent only when a release may have happened."""
         self.unconfirmed = False
         """True when the last release or resume went unanswered: whether the memory is
         released is unknown, so a resume refused with "not released" is no failure."""
@@ -115,11 +130,23 @@ class SGLangAdapter(ServerAdapter):
         until = time.monotonic() + self.deadline
         async with self.client() as c:
             await self._warn_without_memory_saver(c)
+            before = self.released, self.unconfirmed
             # before sending: a release performed but answered late still needs its resume
             self.released = self.unconfirmed = True
-            r = await self.call(c, "POST", "/release_memory_occupation", until=until,
-                                json=self._body)
-            _check_success(r, "release_memory_occupation")
+            try:
+                r = await self.call(c, "POST", "/release_memory_occupation", until=until,
+                                    json=self._body)
+                _check_success(r, "release_memory_occupation")
+            except Unconfirmed:
+                raise
+            except ServerError:
+                # Answered with a refusal (an error status or "success": false), or never
+                # sent: nothing was released, so no resume is owed for this attempt.
+                self.released, self.unconfirmed = before
+                log.info("SGLang did not release its memory (the release was refused or "
+                         "never sent)%s", "" if self.released else
+                         ": the next resume only checks generation")
+                raise
             self.unconfirmed = False
         log.info("SGLang memory released (%s)", ", ".join(self.tags or ["all"]))
 
@@ -172,7 +199,7 @@ class SGLangAdapter(ServerAdapter):
 def _check_success(response: httpx.Response, what: str) -> None:
     body = json_or_empty(response)
     if body.get("success") is False:
-        message = " ".join(str(body.get("message") or "no message").split())
+        message = answer_text(response, str(body.get("message") or "no message"))
         raise ServerError(f"sglang {what}: the server says it failed: {message}",
                           reason=message)
 

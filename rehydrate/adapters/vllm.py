@@ -46,6 +46,7 @@ from ._server import (
     ServerAdapter,
     ServerError,
     Unconfirmed,
+    answer_text,
     call_maybe_async,
     json_or_empty,
     server_reason,
@@ -276,7 +277,7 @@ class _Http(_Session):
                               params={"tags": tags} if tags else None)
         body = json_or_empty(r)  # {"status": ..., "tags": ...}, {"tags_woken": ...} or {}
         log.debug("vLLM wake_up%s: %s", f" {tags}" if tags else "",
-                  body.get("status") or body.get("tags_woken") or "ok")
+                  answer_text(r, str(body.get("status") or body.get("tags_woken") or "ok")))
 
     async def reload_weights(self, until: float) -> None:
         await self.a.call(self.client, "POST", "/collective_rpc", until=until,
@@ -298,7 +299,7 @@ class _Http(_Session):
                                     "max_tokens": 1, "temperature": 0})
         if not json_or_empty(r).get("choices"):
             raise ServerError(f"vllm canary: /v1/completions answered no choices "
-                              f"({r.text[:200]!r})")
+                              f"({answer_text(r, r.text, 200)!r})")
 
 
 class _InProcess(_Session):

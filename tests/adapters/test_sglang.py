@@ -3,6 +3,7 @@ driven by an isolated engine's real snapshot and restore runs."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -11,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from rehydrate.adapters import sglang
+from rehydrate.adapters import not_ready_reason, sglang
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
-from tests.inference_standins import SGLangStandIn
+from tests.inference_standins import API_KEY, GATEWAY_ECHOES, EchoingGateway, SGLangStandIn
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +263,102 @@ def test_a_confirmed_release_refused_on_resume_still_fails(
     report = rehydrate_engine.simulate_restore()
     assert str(hook(report, "rehydrate.sglang.resume").error) == (
         "sglang POST /resume_memory_occupation: HTTP 400: memory occupation was not released")
+
+
+@pytest.mark.parametrize("refusal", ["success false", "error status"])
+def test_a_refused_release_is_not_resumed(url: str, standin: SGLangStandIn,
+                                          rehydrate_engine: Any, refusal: str,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang answered the release with a failure: nothing was released, so the restore
+    sends no resume (which SGLang would refuse) and only checks generation."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    if refusal == "success false":
+        standin.refused["/release_memory_occupation"] = "server is not idle"
+    else:
+        standin.broken["/release_memory_occupation"] = (400, "server is not idle")
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        assert not rehydrate_engine.simulate_snapshot().ok
+        assert not adapter.released and not adapter.unconfirmed
+        standin.refused.clear()
+        standin.broken.clear()
+        standin.log.clear()
+        report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log == ["GET /health_generate"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert ("SGLang did not release its memory (the release was refused or never sent): "
+            "the next resume only checks generation") in messages
+    assert not [m for m in messages if "went unanswered" in m]
+
+
+def test_a_refused_release_after_a_confirmed_one_still_owes_the_resume(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """The refusal changes nothing: memory released before (and not resumed yet) is
+    still resumed."""
+    adapter = sglang.SGLangAdapter(url, canary=False, deadline=0.5)
+    adapter.release()
+    standin.refused["/release_memory_occupation"] = "already released"
+    with pytest.raises(sglang.ServerError, match="already released"):
+        adapter.release()
+    assert adapter.released
+    adapter.resume()
+    assert standin.released == set()
+
+
+@pytest.mark.parametrize("wording", [
+    "memory occupation was not released",
+    "Memory has not been released yet",
+    "release_memory_occupation was never called: nothing to resume",
+    "memory is already resumed",
+    "region is not paused",
+])
+def test_not_released_is_recognised_in_its_wordings(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, wording: str) -> None:
+    """After a release that may not have happened, SGLang's "nothing is released" is the
+    state the resume wanted, however it is phrased: the restore does not fail over it."""
+    sglang.install(url, engine=rehydrate_engine, deadline=1, request_timeout=0.2)
+    standin.not_released = wording
+
+    async def lost_before_performing(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/release_memory_occupation":
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            return
+        await standin(scope, receive, send)
+
+    server[1].app = lost_before_performing
+    assert not rehydrate_engine.simulate_snapshot().ok
+    server[1].app = standin
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log[-2:] == ["POST /resume_memory_occupation", "GET /health_generate"]
+
+
+@pytest.mark.parametrize("echo", [*GATEWAY_ECHOES, "refusal quoting the key"])
+def test_the_api_key_echoed_by_a_gateway_is_shown_nowhere(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture, echo: str) -> None:
+    """A gateway echoing the Authorization header in its answers: the reasons quoted in
+    errors, logs, the status and /readyz's 503 carry no trace of the adapter's key."""
+    def answer(path: str, auth: str) -> tuple[int, Any]:
+        if echo == "refusal quoting the key":
+            return 200, {"success": False, "message": f"denied for {auth}"}
+        return GATEWAY_ECHOES[echo](auth)  # type: ignore[no-any-return]
+
+    server[1].app = gateway = EchoingGateway(answer)
+    adapter = sglang.install(url, engine=rehydrate_engine, api_key=API_KEY, deadline=0.3)
+    caplog.set_level(logging.DEBUG)
+    snap = rehydrate_engine.simulate_snapshot()
+    report = rehydrate_engine.simulate_restore()
+    with pytest.raises(sglang.ServerError) as raised:
+        adapter.release()
+    probe = adapter.probe()
+    assert not snap.ok
+    assert gateway.seen and all(API_KEY in seen for seen in gateway.seen)  # it was echoed
+    shown = {"log": caplog.text, "not ready": not_ready_reason(rehydrate_engine),
+             "status": json.dumps(rehydrate_engine.status().to_dict(), default=str),
+             "error": str(raised.value), "reason": raised.value.reason,
+             "probe": probe.reason, "reports": snap.table() + report.table()}
+    assert {what: text for what, text in shown.items() if API_KEY[:4] in str(text)} == {}
+    assert "[redacted]" in str(raised.value)

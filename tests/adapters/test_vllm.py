@@ -5,6 +5,7 @@ and restore runs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import threading
@@ -16,10 +17,18 @@ import pytest
 
 from rehydrate import Lifecycle, Registry
 from rehydrate.adapters import not_ready_reason, sglang, vllm
+from rehydrate.adapters._server import redact
 from rehydrate.env import EnvRefresher
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
-from tests.inference_standins import FakeAsyncLLM, FakeLLM, VLLMStandIn
+from tests.inference_standins import (
+    API_KEY,
+    GATEWAY_ECHOES,
+    EchoingGateway,
+    FakeAsyncLLM,
+    FakeLLM,
+    VLLMStandIn,
+)
 
 LEVEL1_WAKE = ["GET /is_sleeping", "POST /wake_up", "GET /is_sleeping", "GET /v1/models",
                "POST /v1/completions"]
@@ -728,3 +737,48 @@ def test_an_answer_is_read_up_to_a_cap_not_to_its_end(url: str, server: Any,
     expected = ("vllm GET /is_sleeping: no true/false is_sleeping" if status == 200
                 else "vllm GET /is_sleeping: HTTP 400: xxxx")
     assert message.startswith(expected) and len(message) < 600
+
+
+@pytest.mark.parametrize("echo", [*GATEWAY_ECHOES, "canary answer without choices"])
+def test_the_api_key_echoed_by_a_gateway_is_shown_nowhere(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn, rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture, echo: str) -> None:
+    """A gateway echoing the Authorization header in its answers: the reasons quoted in
+    errors, logs, the status and /readyz's 503 carry no trace of the adapter's key."""
+    def answer(path: str, auth: str) -> tuple[int, Any] | None:
+        if echo == "canary answer without choices":
+            if path != "/v1/completions":
+                return None  # the stand-in answers
+            return 200, {"object": "error", "request": {"headers": {"authorization": auth}}}
+        return GATEWAY_ECHOES[echo](auth)  # type: ignore[no-any-return]
+
+    server[1].app = gateway = EchoingGateway(answer, behind=standin)
+    adapter = vllm.install(url, engine=rehydrate_engine, api_key=API_KEY, deadline=0.3)
+    caplog.set_level(logging.DEBUG)
+    snap = rehydrate_engine.simulate_snapshot()
+    report = rehydrate_engine.simulate_restore()
+    with pytest.raises(vllm.ServerError) as raised:
+        adapter.wake()
+    probe = adapter.probe()
+    assert not report.ok
+    assert gateway.seen and all(API_KEY in seen for seen in gateway.seen)  # it was echoed
+    shown = {"log": caplog.text, "not ready": not_ready_reason(rehydrate_engine),
+             "status": json.dumps(rehydrate_engine.status().to_dict(), default=str),
+             "error": str(raised.value), "reason": raised.value.reason,
+             "probe": probe.reason, "reports": snap.table() + report.table()}
+    assert {what: text for what, text in shown.items() if API_KEY[:4] in str(text)} == {}
+    assert "[redacted]" in str(raised.value)
+
+
+@pytest.mark.parametrize(("answer", "quoted"), [
+    ('Bearer realm="api", error="invalid_token"', 'Bearer realm="api", error="invalid_token"'),
+    ("Basic authentication required", "Basic authentication required"),
+    ("max token count exceeded", "max token count exceeded"),
+    ("Authorization: Token abcd1234 refused", "Authorization: [redacted] refused"),
+    ("Basic Zm9vOmJhcg== refused", "Basic [redacted] refused"),
+    ('{"x-api-key": "k-123456"}', '{"x-api-key": "[redacted]"}'),
+    ("see https://user:pw@gw/p?sig=abc&a=1#f", "see https://gw/p?sig=[redacted]&a=[redacted]#f"),
+])
+def test_redaction_hides_credentials_but_keeps_a_servers_explanations(
+        answer: str, quoted: str) -> None:
+    assert redact(answer) == quoted
