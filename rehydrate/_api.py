@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ._context import RestoreReport, SnapshotReport
     from ._lifecycle import Lifecycle, Status
     from .detect import Detector
+    from .extensions import Extension
 
 __all__ = [
     "after_restore",
@@ -33,8 +34,9 @@ __all__ = [
 
 if TYPE_CHECKING:
     default_engine: Lifecycle
-    """The process-wide engine that the module-level functions drive (created on first use;
-    ``rehydrate.extensions.default_engine()``)."""
+    """The process-wide engine that the module-level functions drive, an object (created on
+    first use). Not to be confused with ``rehydrate.extensions.default_engine``, the
+    function that returns it."""
 
 def _engine() -> Lifecycle:
     # Imported on first use: the extension contract loads dataclasses and typing machinery
@@ -69,13 +71,15 @@ def start(
     detectors: str | Iterable[str | Detector] = "auto",
     *,
     loop: asyncio.AbstractEventLoop | None = None,
+    extensions: Iterable[str | Extension] = (),
 ) -> list[str]:
     """Start background detection. Returns the running detectors' names.
 
     Idempotent with ``"auto"`` (the default) or ``"none"``; a later call that lists
     detectors checks them as the first does and starts those not running yet
-    (:meth:`Lifecycle.start`)."""
-    return _engine().start(detectors, loop=loop)
+    (:meth:`Lifecycle.start`). ``extensions`` are installed in the process-wide engine
+    first (:meth:`Lifecycle.install`: probed, a key installed already raises)."""
+    return _engine().start(detectors, loop=loop, extensions=extensions)
 
 
 def stop() -> None:

@@ -89,7 +89,10 @@ class _Pass:
 class Status:
     """What :meth:`Lifecycle.status` returns: ``state``, ``generation``, ``ready``, the running
     ``detectors``, the ``last_report``, and in ``extra`` the fields managers publish;
-    :meth:`to_dict` is what ``rehydrate status --json`` prints."""
+    :meth:`to_dict` is what ``rehydrate status --json`` prints. ``status()["files"]``
+    reads a field by name: a core one as its attribute (``status()["state"]`` is
+    ``status().state``), any other from ``extra`` (``KeyError`` when nothing publishes
+    it, e.g. ``detector_errors`` while every detector asked for runs)."""
 
     state: State
     generation: int
@@ -97,6 +100,13 @@ class Status:
     detectors: tuple[str, ...]
     last_report: Report | None
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        # The docs and the CLI's JSON name fields this way: status()["detector_errors"]
+        # was a TypeError while every page showed it.
+        if key in _CORE_STATUS:
+            return getattr(self, key)
+        return self.extra[key]
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -124,8 +134,10 @@ class Lifecycle:
     ``extensions``: what to install, as :class:`~rehydrate.extensions.Extension` objects or
     dotted names (default: :data:`~rehydrate.extensions.DEFAULT_EXTENSIONS`; with
     ``builtins=False``, none). An extension whose probe says it is not usable here is
-    skipped with one log line; one that fails to load or install raises when it was
-    asked for explicitly and is logged when it is a default.
+    skipped with one log line (``WARNING`` when it was listed explicitly, ``INFO`` for a
+    default); one that fails to load or install raises when it was asked for explicitly
+    and is logged when it is a default. :meth:`install` adds extensions later (to the
+    process-wide engine too: ``rehydrate.start(extensions=[...])``).
     """
 
     def __init__(
@@ -165,6 +177,7 @@ class Lifecycle:
         :meth:`set_restore_deadline`)."""
         self._extensions: dict[str, Any] = {}
         self._ext_lock = threading.Lock()
+        self._install_lock = threading.Lock()  # not _ext_lock: an install calls extension()
         self._start_listeners: list[Callable[[Engine], None]] = []
         self.installed: list[str] = []
         """Keys of the extensions installed in this engine, in installation order."""
@@ -243,6 +256,7 @@ class Lifecycle:
         self._run_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._ext_lock = threading.Lock()
+        self._install_lock = threading.Lock()
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)
         self._user_loop = None
@@ -282,7 +296,10 @@ class Lifecycle:
                     raise TypeError(f"extension {key!r}: probe() must return a Probe, not "
                                     f"{type(probe).__name__}")
                 if not probe.usable:
-                    log.info("extension %s not installed: %s", ext.key, probe.reason)
+                    # One the user listed was wanted: an INFO line under the usual WARNING
+                    # level left a vLLM never put to sleep nor woken without a word.
+                    log.log(logging.WARNING if explicit else logging.INFO,
+                            "extension %s not installed: %s", ext.key, probe.reason)
                     continue
                 self._install_or_undo(ext)
             except Exception as exc:
@@ -291,6 +308,22 @@ class Lifecycle:
                 log.warning("extension %s could not be installed: %s", spec, exc)
                 continue
             self.installed.append(ext.key)
+
+    def install(self, *extensions: str | Extension) -> list[str]:
+        """Install ``extensions`` (objects or dotted names) in this engine now, as
+        ``Lifecycle(extensions=[...])`` does for the ones listed there: each is probed, one
+        that is not usable here is skipped with a ``WARNING`` line, one that fails to load
+        or install raises (and so does a key installed already). Returns the keys it
+        installed.
+
+        The way to extend the process-wide engine that the module-level functions drive:
+        ``rehydrate.default_engine.install(adapter)``, or
+        ``rehydrate.start(extensions=[adapter])``. A ``Lifecycle(extensions=[...])`` is an
+        engine of its own: ``rehydrate.start()`` never runs its extensions."""
+        with self._install_lock:
+            before = len(self.installed)
+            self._install_extensions(extensions, explicit=True)
+            return self.installed[before:]
 
     def _install_or_undo(self, ext: Extension) -> None:
         """``ext.install(self)``; when it raises, what it had attached already (hooks,
@@ -1385,8 +1418,13 @@ class Lifecycle:
         detectors: str | Iterable[str | Detector] = "auto",
         *,
         loop: asyncio.AbstractEventLoop | None = None,
+        extensions: Iterable[str | Extension] = (),
     ) -> list[str]:
         """Start background detection.
+
+        ``extensions``: installed first, as by :meth:`install` (probed; an unusable one is
+        skipped with a ``WARNING``, a failing one raises before anything starts; a
+        detector among them starts with the others).
 
         ``detectors``: ``"auto"`` (every detector usable here that is on by default),
         ``"none"``, or keys / :class:`~rehydrate.detect.Detector` instances; detectors
@@ -1404,6 +1442,8 @@ class Lifecycle:
         """
         from . import detect
 
+        # Outside _start_lock: a detector's install() calls add_detector, which takes it.
+        self.install(*extensions)
         with self._start_lock:
             if loop is not None:
                 self._user_loop = loop
@@ -1445,17 +1485,21 @@ class Lifecycle:
             if not isinstance(item, detect.Detector):
                 detect.load(item)
         wanted: list[str | detect.Detector] = []
+        ready: list[detect.Detector] = []  # installed ones: the install probed them
         for item in items:
             key = item.key if isinstance(item, detect.Detector) else item
             running = self.detector(key)
             if running is None:
                 installed = self._installed_detectors.get(key)
-                wanted.append(installed if installed is not None else item)
+                if installed is not None:
+                    ready.append(installed)
+                else:
+                    wanted.append(item)
             elif running is not item and isinstance(item, detect.Detector):
                 log.warning("detector %s already runs; start() left it in place and did not "
                             "start the other instance with that key", key)
         started = []
-        for d in detect.select(wanted):  # raises for an unusable one, as the first call
+        for d in [*ready, *detect.select(wanted)]:  # raises for an unusable one, as the first call
             self._start_detector(d)
             if any(running is d for running in self._detectors):
                 started.append(d.key)

@@ -40,7 +40,9 @@ _lock = threading.Lock()
 
 def default_engine() -> Lifecycle:
     """The process-wide engine (on :data:`default_registry`), created on first use so that
-    ``import rehydrate`` stays light."""
+    ``import rehydrate`` stays light. ``rehydrate.default_engine`` is that engine itself (an
+    object, not this function); extend it with ``rehydrate.start(extensions=[...])`` or
+    :meth:`~rehydrate.Lifecycle.install`."""
     global _default
     engine = _default
     if engine is None:

@@ -370,3 +370,32 @@ def test_the_readme_layout_names_the_pytest_plugin_the_entry_point_registers() -
     described = [line.split()[0] for line in (ROOT / "README.md").read_text().splitlines()
                  if "pytest plugin" in line and line.startswith("  ")]
     assert described == [plugin.rpartition(".")[2] + ".py"]
+
+
+_STATUS_FIELD = re.compile(r"""status\(\)\[["']([^"']+)["']\]""")
+
+
+def test_status_fields_the_docs_subscript_exist_and_subscripting_works() -> None:
+    """The pages read ``status()["detector_errors"]`` and the like: ``Status`` must be
+    subscriptable (it was a TypeError), and every field named must be one rehydrate
+    publishes (a core field, ``detector_errors``, or an ``add_status`` key)."""
+    from rehydrate import Lifecycle, Registry
+    from rehydrate._lifecycle import _CORE_STATUS
+    from rehydrate.env import EnvRefresher
+
+    named = {key: f"{_rel(page)}:{n}" for page in PAGES
+             for n, line in enumerate(page.read_text().split("\n"), 1)
+             for key in _STATUS_FIELD.findall(line)}
+    assert "detector_errors" in named and "fingerprint" in named
+    published = set(re.findall(r"""add_status\(\s*["']([^"']+)["']""", _sources_text()))
+    known = _CORE_STATUS | published | {"detector_errors"}
+    assert {k: w for k, w in named.items() if k not in known} == {}
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=None))
+    try:
+        status = engine.status()
+        assert status["state"] == status.state == "running"
+        assert status["files"] == status.extra["files"]
+        with pytest.raises(KeyError):
+            status["detector_errors"]  # published only while a detector failed to start
+    finally:
+        engine.close()

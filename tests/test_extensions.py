@@ -282,3 +282,74 @@ def test_a_detector_class_given_instead_of_an_instance_is_named():
     # The dotted name of a class is still instantiated.
     assert isinstance(load_extension("rehydrate.detect.control:ControlDetector"),
                       ControlDetector)
+
+
+def test_an_unusable_extension_listed_explicitly_is_a_warning_a_default_one_info(caplog):
+    """Listed by the user, it was wanted: an INFO line (below most applications' level)
+    left an adapter silently out of every snapshot and restore."""
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        engine = _engine(extensions=[Recorder(usable=False)])
+        engine._install_extensions([Recorder(key="quiet", usable=False)], explicit=False)
+    try:
+        levels = {r.getMessage().split()[1]: r.levelno for r in caplog.records
+                  if "not installed" in r.getMessage()}
+        assert levels == {"recorder": logging.WARNING, "quiet": logging.INFO}
+        assert engine.installed == []
+    finally:
+        engine.close()
+
+
+def test_install_adds_extensions_to_a_running_engine_with_the_probe_honoured(caplog):
+    engine = _engine(builtins=False)
+    try:
+        rec = Recorder()
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            assert engine.install(rec, Recorder(key="absent", usable=False)) == ["recorder"]
+        assert "extension absent not installed: no recorder device here" in caplog.messages
+        assert [h.name for h in engine.simulate_restore().hooks] == ["test.recorder"]
+        with pytest.raises(ValueError, match="'recorder' is installed already"):
+            engine.install(Recorder())
+    finally:
+        engine.close()
+
+
+def test_module_start_with_extensions_extends_the_process_wide_engine(monkeypatch):
+    """``Lifecycle(extensions=[...])`` then ``rehydrate.start()`` (as the docs showed)
+    builds a second engine that start() never runs: start(extensions=) is the way."""
+    import rehydrate.extensions as extensions_module
+
+    engine = _engine()
+    monkeypatch.setattr(extensions_module, "_default", engine)
+    rec = Recorder()
+    try:
+        assert rehydrate.start(detectors="none", extensions=[rec]) == []
+        assert rec.started == [engine]  # installed before the start: its listener ran
+        assert engine.installed[-1] == "recorder"
+        report = rehydrate.simulate_restore(reason="t")
+        assert "test.recorder" in [h.name for h in report.hooks]
+        assert rehydrate.status()["recorder"] == 1
+        with pytest.raises(ValueError, match="installed already"):
+            rehydrate.start(extensions=[Recorder()])
+    finally:
+        engine.close()
+
+
+def test_a_detector_extension_given_to_start_starts_with_the_others(monkeypatch):
+    from rehydrate.detect import Detector
+
+    class Doorbell(Detector):
+        key = "doorbell"
+        runs = 0
+
+        def start(self, engine: Engine) -> None:
+            type(self).runs += 1
+
+        def stop(self) -> None:
+            pass
+
+    engine = _engine()
+    try:
+        assert engine.start(detectors="none", extensions=[Doorbell()]) == ["doorbell"]
+        assert Doorbell.runs == 1 and engine.status().detectors == ("doorbell",)
+    finally:
+        engine.close()

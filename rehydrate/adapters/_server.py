@@ -260,8 +260,11 @@ class ServerAdapter:
     one before-snapshot and one after-restore hook.
 
     An adapter is an :class:`~rehydrate.extensions.Extension`:
-    ``Lifecycle(extensions=[VLLMAdapter(url)])`` installs it only when :meth:`probe` finds
-    the server answering (and logs why not otherwise); :meth:`install` attaches it
+    ``Lifecycle(extensions=[VLLMAdapter(url)])`` installs it unless :meth:`probe` finds a
+    server that answers and cannot serve it (then a ``WARNING`` says why); a server that
+    does not answer *yet* (still loading its model) is no reason to skip it: the adapter
+    is installed, and its hooks fail with the server's reason if it still does not answer
+    at the snapshot or restore, as after :meth:`install`, which attaches it
     unconditionally.
     """
 
@@ -431,19 +434,38 @@ class ServerAdapter:
             await asyncio.sleep(min(0.05 * 2 ** min(attempt - 1, 5), 1.0,
                                     max(until - time.monotonic(), 0)))
 
+    def not_yet(self, why: str) -> Probe:
+        """The probe of a server that does not answer yet, or answers it is not ready (one
+        still loading its model): usable. Skipping the adapter left a snapshot that never
+        put the server to sleep and a restore that ended ready without waking it, with an
+        INFO line only; installed, its hooks fail with the server's own reason."""
+        log.info("%s server at %s is not ready yet (%s): the adapter is installed anyway; "
+                 "its hooks fail if it is still not ready at a snapshot or restore",
+                 self.kind, self.url, why)
+        return Probe(True, f"{self.url} is not ready yet ({why}): installed anyway")
+
     async def probe_async(self) -> Probe:
-        """Usable when the server answers its health endpoint."""
+        """Usable when the server answers its health endpoint, or does not answer yet
+        (:meth:`not_yet`); not usable when it answers with a client error (4xx: not this
+        kind of server, or not configured for it)."""
+        return (await self._probe_health())[0]
+
+    async def _probe_health(self) -> tuple[Probe, bool]:
+        """:meth:`probe_async`'s answer, and whether the server answered healthy (a
+        subclass asks it more then)."""
         assert self.url is not None
         try:
             async with self.client() as c:
                 r = await _bodies.request(c, "GET", self.health_path,
                                           timeout=min(self.request_timeout, 5.0))
         except httpx.HTTPError as exc:
-            return Probe(False, f"{self.url} does not answer ({type(exc).__name__})")
+            return self.not_yet(f"does not answer: {type(exc).__name__}"), False
         if r.is_success:
-            return Probe(True, f"{self.url}{self.health_path} answers {r.status_code}")
-        return Probe(False, f"{self.url}{self.health_path} answers HTTP {r.status_code}: "
-                            f"{server_reason(r)}")
+            return Probe(True, f"{self.url}{self.health_path} answers {r.status_code}"), True
+        why = f"{self.url}{self.health_path} answers HTTP {r.status_code}: {server_reason(r)}"
+        if r.status_code >= 500 or r.status_code in (408, 429):
+            return self.not_yet(why), False
+        return Probe(False, why), False
 
     def probe(self) -> Probe:
         """:meth:`probe_async` from synchronous code, also inside a running event loop."""

@@ -186,15 +186,15 @@ class VLLMAdapter(ServerAdapter):
         the in-process engine can sleep)."""
         if self.llm is not None:
             return Probe(True, f"in-process {type(self.llm).__name__}")
-        found = await super().probe_async()
-        if not found.usable:
+        found, healthy = await self._probe_health()
+        if not healthy:
             return found
         try:
             async with self.client() as c:
                 r = await _bodies.request(c, "GET", "/is_sleeping",
                                           timeout=min(self.request_timeout, 5.0))
         except httpx.HTTPError as exc:
-            return Probe(False, f"{self.url}/is_sleeping: {type(exc).__name__}")
+            return self.not_yet(f"/is_sleeping: {type(exc).__name__}")
         if r.status_code == 404:
             return Probe(False, f"{self.url} has no /is_sleeping: start vLLM with "
                                 "VLLM_SERVER_DEV_MODE=1")

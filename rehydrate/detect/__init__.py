@@ -75,6 +75,12 @@ class Detector:
         """Whether this detector can work here; when not, ``reason`` says why in one line."""
         return Probe(True)
 
+    def probe_instance(self) -> Probe:
+        """Whether this instance can work here: :meth:`probe` unless the instance was
+        configured otherwise (a detector given its own path probes that path).
+        ``start(detectors=[instance])`` asks this, as it asks :meth:`probe` for a key."""
+        return probe_of(type(self))
+
     @classmethod
     def auto_here(cls) -> str | None:
         """``None`` when ``start("auto")`` starts this detector here (if usable), else why not.
@@ -248,7 +254,15 @@ def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
         spec = [s.strip() for s in spec.split(",") if s.strip()]
     result: list[Detector] = []
     for item in spec:
+        # An instance is probed as its key is: one started on a host without what it
+        # listens to was listed as running and never heard a restore.
         if isinstance(item, Detector):
+            found = item.probe_instance()
+            if not isinstance(found, Probe):
+                raise TypeError(f"{type(item).__qualname__}.probe_instance() returned "
+                                f"{type(found).__name__}, not a Probe")
+            if not found.usable:
+                raise RuntimeError(f"detector {item.key} is not usable here: {found.reason}")
             result.append(item)
             continue
         cls = load(item)

@@ -81,7 +81,7 @@ from .._contract import Probe, own_pass_started, refuse_another_engine
 from .._notify import not_a_socket, timeout_value
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
-from . import Detector
+from . import Detector, probe_of
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -704,6 +704,13 @@ class ControlDetector(Detector):
         why = (_dir_problem(os.path.dirname(os.path.abspath(path))) or not_a_socket(path)
                or squatter(path))
         return Probe(why is None, why or "")
+
+    def probe_instance(self) -> Probe:
+        if self.path is None:
+            return probe_of(type(self))
+        # A path of its own is checked by start(), loudly: an ERROR line and
+        # status()["detector_errors"] name the foreign owner or the squatter.
+        return Probe(True, f"checked when started: {self.path}")
 
     @classmethod
     def configured(cls) -> bool:

@@ -197,6 +197,15 @@ class FileDetector(Detector):
             return Probe(False, f"the marker file's directory {parent} does not exist")
         return Probe(True)
 
+    def probe_instance(self) -> Probe:
+        # its own path: REHYDRATE_MARKER_FILE may be unset
+        if importlib.util.find_spec("watchdog") is None:
+            return Probe(False, "the watchdog package is not installed")
+        parent = os.path.dirname(self.path)
+        if not os.path.isdir(parent):
+            return Probe(False, f"the marker file's directory {parent} does not exist")
+        return Probe(True)
+
     @classmethod
     def configured(cls) -> bool:
         return bool(_config.text("REHYDRATE_MARKER_FILE"))

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 from .. import _config
 from .._contract import Probe, refuse_another_engine
 from .._gvisor import running_under_gvisor
-from . import Detector
+from . import Detector, probe_of
 
 if TYPE_CHECKING:
     from .._context import RestoreReport
@@ -292,6 +292,7 @@ class GVisorDetector(Detector):
     auto: ClassVar[bool] = True
 
     def __init__(self, proc: str | None = None) -> None:
+        self._proc_arg = proc
         self.proc = proc or proc_dir()
         self.path = checkpoint_path(self.proc)
         self._engine: Engine | None = None
@@ -339,6 +340,12 @@ class GVisorDetector(Detector):
     def probe(cls) -> Probe:
         why = _missing_reason(proc_dir())
         return Probe(why is None, why or "")
+
+    def probe_instance(self) -> Probe:
+        if self._proc_arg is None:
+            return probe_of(type(self))
+        # A directory of its own is checked by start(), loudly (status detector_errors).
+        return Probe(True, f"checked when started: {self.proc}")
 
     @classmethod
     def configured(cls) -> bool:

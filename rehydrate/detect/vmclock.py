@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .. import _config
 from .._contract import Probe, refuse_another_engine
-from . import Detector
+from . import Detector, probe_of
 from ._util import DEFAULT_WINDOW, DetectorThread, thread_failure
 
 if TYPE_CHECKING:
@@ -163,6 +163,7 @@ class VmClockDetector(Detector):
     auto: ClassVar[bool] = True
 
     def __init__(self, path: str | None = None, interval: float | None = None) -> None:
+        self._path_arg = path
         self.path = path or default_path()
         self.interval = _config.seconds(
             interval if interval is not None
@@ -183,6 +184,12 @@ class VmClockDetector(Detector):
     def probe(cls) -> Probe:
         why = cls._probe_path(default_path())
         return Probe(why is None, why or "")
+
+    def probe_instance(self) -> Probe:
+        if self._path_arg is None:
+            return probe_of(type(self))
+        # A device of its own is checked by start(), loudly (status detector_errors).
+        return Probe(True, f"checked when started: {self.path}")
 
     @staticmethod
     def _probe_path(path: str) -> str | None:

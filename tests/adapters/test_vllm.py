@@ -313,20 +313,39 @@ def test_bad_targets() -> None:
     assert str(exc.value) == "url must not contain credentials: pass api_key= instead"
 
 
-def test_an_adapter_is_an_extension_installed_only_when_its_server_answers(
-        url: str, standin: VLLMStandIn, caplog: pytest.LogCaptureFixture,
-        refused_port: int) -> None:
+def test_an_adapter_whose_server_does_not_answer_yet_is_installed_and_its_hooks_fail(
+        url: str, standin: VLLMStandIn, refused_port: int) -> None:
+    """A vLLM still loading its model does not listen yet: skipping its adapter (an INFO
+    line) left the snapshot without a sleep and the restore ready without a wake-up."""
     up = vllm.VLLMAdapter(url)
     down_url = f"http://127.0.0.1:{refused_port}"
-    down = vllm.VLLMAdapter(down_url)
-    with caplog.at_level(logging.INFO, logger="rehydrate"):
-        engine = Lifecycle(Registry(), env=EnvRefresher(path=None), extensions=[up, down])
+    down = vllm.VLLMAdapter(down_url, deadline=0.3)
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=None), extensions=[up, down])
     try:
-        assert engine.installed == [f"rehydrate.adapters.vllm:{url}"]
-        assert f"extension rehydrate.adapters.vllm:{down_url} not installed: {down_url} " \
-               "does not answer (ConnectError)" in caplog.messages
-        names = [h.name for h in engine.hooks("snapshot")]
-        assert names == ["rehydrate.vllm.sleep"]
+        assert engine.installed == [f"rehydrate.adapters.vllm:{url}",
+                                    f"rehydrate.adapters.vllm:{down_url}"]
+        report = engine.simulate_snapshot()
+        sleeps = [h for h in report.hooks if h.name == "rehydrate.vllm.sleep"]
+        assert len(sleeps) == 2 and not report.ok
+        assert any(h.error is not None and "unreachable (ConnectError" in str(h.error)
+                   for h in sleeps)
+    finally:
+        engine.close()
+
+
+def test_an_explicit_adapter_whose_server_cannot_serve_it_is_skipped_with_a_warning(
+        url: str, server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    server[1].app = VLLMStandIn(dev_mode=False)
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        engine = Lifecycle(Registry(), env=EnvRefresher(path=None),
+                           extensions=[vllm.VLLMAdapter(url)])
+    try:
+        assert engine.installed == []
+        [record] = [r for r in caplog.records if "not installed" in r.getMessage()]
+        assert record.levelno == logging.WARNING
+        assert record.getMessage() == (
+            f"extension rehydrate.adapters.vllm:{url} not installed: {url} has no "
+            "/is_sleeping: start vLLM with VLLM_SERVER_DEV_MODE=1")
     finally:
         engine.close()
 
@@ -358,8 +377,8 @@ def test_an_api_key_no_header_can_carry_is_refused_without_showing_it(url: str,
 
 def test_probe_of_a_server_that_is_down(refused_port: int) -> None:
     url = f"http://127.0.0.1:{refused_port}"
-    assert vllm.VLLMAdapter(url).probe() == Probe(False,
-                                                       f"{url} does not answer (ConnectError)")
+    assert vllm.VLLMAdapter(url).probe() == Probe(
+        True, f"{url} is not ready yet (does not answer: ConnectError): installed anyway")
 
 
 @pytest.mark.parametrize("body", [b"<html>Welcome to nginx</html>", b"{not json",
@@ -782,3 +801,14 @@ def test_the_api_key_echoed_by_a_gateway_is_shown_nowhere(
 def test_redaction_hides_credentials_but_keeps_a_servers_explanations(
         answer: str, quoted: str) -> None:
     assert redact(answer) == quoted
+
+
+@pytest.mark.parametrize(("status", "usable"), [(503, True), (429, True), (404, False)])
+def test_probe_of_a_server_still_loading_is_usable_and_of_a_wrong_one_is_not(
+        url: str, server: Any, status: int, usable: bool) -> None:
+    """A 503 from /health is a server not ready yet (its adapter is installed and its
+    hooks say why if it stays so); a 404 is not the server the adapter talks to."""
+    server[1].app = raw_app(status, [], b"loading")
+    found = vllm.VLLMAdapter(url).probe()
+    assert found.usable is usable
+    assert f"{url}/health answers HTTP {status}: loading" in found.reason

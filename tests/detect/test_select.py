@@ -17,6 +17,7 @@ from rehydrate.detect.clock_jump import ClockJumpDetector
 from rehydrate.detect.file import FileDetector
 from rehydrate.detect.identity import IdentityDetector
 from rehydrate.detect.signal import SignalDetector
+from rehydrate.detect.vmclock import VmClockDetector
 
 INTERVAL = 60.0
 
@@ -62,6 +63,50 @@ def test_auto_picks_what_is_usable_here(rehydrate_engine, tmp_path, monkeypatch)
 def test_explicit_unusable_detector_is_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="file is not usable here: REHYDRATE_MARKER_FILE"):
         select(["file"])
+
+
+def test_an_unusable_detector_instance_is_refused_as_its_key_is(rehydrate_engine):
+    """An instance skipped the probe: started and listed as running on a host without
+    what it listens to, where the same detector by key raised."""
+    from rehydrate.detect import Detector
+    from rehydrate.extensions import Probe
+
+    class Doorbell(Detector):
+        key = "doorbell"
+        started = 0
+
+        @classmethod
+        def probe(cls) -> Probe:
+            return Probe(False, "no doorbell here")
+
+        def start(self, engine):
+            type(self).started += 1
+
+        def stop(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="detector doorbell is not usable here: no doorbell"):
+        select([Doorbell()])
+    with pytest.raises(RuntimeError, match="detector doorbell is not usable here"):
+        rehydrate_engine.start(detectors=["clock-jump", Doorbell()])
+    assert Doorbell.started == 0 and rehydrate_engine.status().detectors == ()
+    rehydrate_engine.start(detectors="none")
+    with pytest.raises(RuntimeError, match="detector doorbell is not usable here"):
+        rehydrate_engine.start(detectors=[Doorbell()])  # a later call: the same check
+    assert Doorbell.started == 0
+    rehydrate_engine.stop()
+
+
+def test_a_detector_instance_with_its_own_path_is_probed_on_that_path(tmp_path,
+                                                                      monkeypatch):
+    """The class probe reads the environment; an instance given a path answers for it."""
+    monkeypatch.delenv("REHYDRATE_MARKER_FILE", raising=False)
+    assert select([FileDetector(tmp_path / "marker")])  # no REHYDRATE_MARKER_FILE needed
+    with pytest.raises(RuntimeError, match="file is not usable here: the marker file's "
+                                           "directory .*missing does not exist"):
+        select([FileDetector(tmp_path / "missing" / "marker")])
+    # a device of its own is checked by its start(), which reports to status() as before
+    assert select([VmClockDetector(str(tmp_path / "absent"))])
 
 
 def test_available_gives_every_detector_a_reason():
