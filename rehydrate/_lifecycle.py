@@ -108,6 +108,16 @@ class Status:
             return getattr(self, key)
         return self.extra[key]
 
+    def __contains__(self, key: object) -> bool:
+        # without it, `in` fell back to __getitem__(0), (1) ... and raised KeyError: 0
+        return key in _CORE_STATUS or key in self.extra
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``status()[key]``, or ``default`` when nothing publishes ``key``."""
+        if key in _CORE_STATUS:
+            return getattr(self, key)
+        return self.extra.get(key, default)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "state": self.state,

@@ -1264,3 +1264,20 @@ def test_a_later_start_retries_a_detector_that_failed_to_start(rehydrate_engine)
     assert "fails-once" in rehydrate_engine.status().extra["detector_errors"]
     assert rehydrate_engine.start([det]) == ["fails-once"] and det.starts == 2
     assert "detector_errors" not in rehydrate_engine.status().extra
+
+
+def test_status_answers_in_and_get_like_a_mapping() -> None:
+    """``status()["x"]`` works, so ``"x" in status()`` must too (it fell back to
+    ``__getitem__(0)`` and raised ``KeyError: 0``)."""
+    from rehydrate import Lifecycle, Registry
+    from rehydrate.env import EnvRefresher
+
+    eng = Lifecycle(Registry(), env=EnvRefresher(path=None), builtins=False)
+    try:
+        eng.add_status("mine", lambda: 1)
+        st = eng.status()
+        assert "state" in st and "mine" in st and "nothing" not in st
+        assert st.get("mine") == 1 and st.get("nothing", "d") == "d"
+        assert st.get("state") == st.state
+    finally:
+        eng.close()

@@ -168,19 +168,25 @@ _CREDENTIAL_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api
 
 _HEADER_VALUE = re.compile(
     r"""\b((?:proxy-)?authorization|x-api-key|api[-_]?key|access[-_]?token|cookie)"""
-    r"""(["']?\s*[:=]\s*["']?)((?:(?:bearer|basic|token)\s+)?[^\s"',;&]+)""",
+    r"""(["']?\s*[:=]\s*["']?)((?:(?:bearer|basic|token)\s+)?"""
+    r"""(?=[^\s"',;&]*[0-9_+/=-])[^\s"',;&]{8,})""",
     re.IGNORECASE)
 """A credential quoted as a header or field (``Authorization: Bearer …``,
-``"x-api-key": "…"``, ``api_key=…``): the value, scheme included, is hidden."""
+``"x-api-key": "…"``, ``api_key=…``): the value, scheme included, is hidden — a value
+that looks like one (8+ characters with a digit or ``-_+/=``), not a word of the
+server's explanation (``api_key: missing``)."""
 
 _SCHEME_TOKEN = re.compile(
     r"\b(bearer|basic)(\s+)(?!(?:realm|scope|error|token|auth\w*|required|credentials?)\b)"
-    r"[A-Za-z0-9\-._~+/=:]{4,}",
+    r"(?=[A-Za-z.~:]*[0-9\-_+/=])[A-Za-z0-9\-._~+/=:]{8,}",
     re.IGNORECASE)
-"""``Bearer <token>`` / ``Basic <credentials>`` quoted without a header name; the words a
-server's own explanation puts there (``Bearer realm=…``, ``Basic authentication``) stay."""
+"""``Bearer <token>`` / ``Basic <credentials>`` quoted without a header name (8+
+characters with a digit or ``-_+/=``); the words a server's own explanation puts there
+(``Bearer realm=…``, ``Basic authentication``, ``Bearer tokens expired``) stay."""
 
-_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+_URL = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+"""A URL: its scheme starts where no scheme character precedes (not at every position of
+a long ``a.a.a…`` run, which made the search quadratic in the body's length)."""
 
 
 def _redact_url(match: re.Match[str]) -> str:
@@ -224,7 +230,9 @@ def answer_text(response: httpx.Response, text: str, limit: int = 300) -> str:
     """``text``, taken from what ``response`` says, fit to quote: on one printable line,
     without the request's credentials or anything looking like one, at most ``limit``
     characters."""
-    text = redact(" ".join(text.split()), request_secrets(response))
+    # Only what can be shown is redacted (a margin past the cut for a credential that
+    # straddles it): a server's 1 MB error page must not cost the hook its deadline.
+    text = redact(" ".join(text[:limit * 4].split()), request_secrets(response))
     # One printable line: the reason goes into logs, status and 503 bodies, where a
     # server's escape sequences (ANSI colours, a terminal title) have no business.
     text = "".join(ch if ch.isprintable() else "?" for ch in text)

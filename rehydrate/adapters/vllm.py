@@ -181,7 +181,7 @@ class VLLMAdapter(ServerAdapter):
             return Probe(True, f"in-process {type(self.llm).__name__}")
         return super().probe()
 
-    async def probe_async(self) -> Probe:
+    async def probe_async(self) -> Probe:  # noqa: PLR0911 - one return per answer
         """Usable when the server answers ``/health`` and has the dev-mode endpoints (or
         the in-process engine can sleep)."""
         if self.llm is not None:
@@ -198,6 +198,8 @@ class VLLMAdapter(ServerAdapter):
         if r.status_code == 404:
             return Probe(False, f"{self.url} has no /is_sleeping: start vLLM with "
                                 "VLLM_SERVER_DEV_MODE=1")
+        if r.status_code >= 500 or r.status_code in (408, 429):  # as for /health
+            return self.not_yet(f"/is_sleeping answers HTTP {r.status_code}")
         if not r.is_success or not isinstance(json_or_empty(r).get("is_sleeping"), bool):
             # a gateway's page or another server: the hooks would fail on it
             return Probe(False, f"{self.url}/is_sleeping answers HTTP {r.status_code} "

@@ -797,6 +797,10 @@ def test_the_api_key_echoed_by_a_gateway_is_shown_nowhere(
     ("Basic Zm9vOmJhcg== refused", "Basic [redacted] refused"),
     ('{"x-api-key": "k-123456"}', '{"x-api-key": "[redacted]"}'),
     ("see https://user:pw@gw/p?sig=abc&a=1#f", "see https://gw/p?sig=[redacted]&a=[redacted]#f"),
+    # a server's words after a scheme or a key name are no credential
+    ("Basic sampling params are invalid", "Basic sampling params are invalid"),
+    ("Bearer tokens expired", "Bearer tokens expired"),
+    ("api_key: missing in config", "api_key: missing in config"),
 ])
 def test_redaction_hides_credentials_but_keeps_a_servers_explanations(
         answer: str, quoted: str) -> None:
@@ -812,3 +816,44 @@ def test_probe_of_a_server_still_loading_is_usable_and_of_a_wrong_one_is_not(
     found = vllm.VLLMAdapter(url).probe()
     assert found.usable is usable
     assert f"{url}/health answers HTTP {status}: loading" in found.reason
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_probe_of_is_sleeping_not_ready_yet_is_usable(url: str, server: Any,
+                                                      status: int) -> None:
+    """/health answers, /is_sleeping answers 503 or 429 (the server still warming up): as
+    for /health, a server not ready yet, not "is it a vLLM server?" (before, the adapter
+    was skipped)."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        code = 200 if scope["path"] == "/health" else status
+        await send({"type": "http.response.start", "status": code, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    server[1].app = app
+    found = vllm.VLLMAdapter(url).probe()
+    assert found.usable, found.reason
+    assert f"/is_sleeping answers HTTP {status}" in found.reason
+
+
+def test_only_what_can_be_shown_of_a_huge_answer_is_redacted(monkeypatch) -> None:
+    """A server's 1 MB error page: redaction looks at a margin past the 300 characters
+    shown, not the whole body (on some bodies the patterns took minutes: a
+    ``a.a.a…`` run made the URL search quadratic)."""
+    import httpx
+
+    from rehydrate.adapters import _server
+
+    seen: list[int] = []
+    real = _server.redact
+
+    def measured(text: str, secrets=()):  # type: ignore[no-untyped-def]
+        seen.append(len(text))
+        return real(text, secrets)
+
+    monkeypatch.setattr(_server, "redact", measured)
+    request = httpx.Request("GET", "http://vllm.invalid/health")
+    response = httpx.Response(500, request=request)
+    out = _server.answer_text(response, "a." * 500_000)
+    assert len(out) == 300 and seen == [1200]
+    # and the URL pattern no longer starts at every position of a dotted run
+    assert _server._URL.search("a." * 50 + "x") is None
