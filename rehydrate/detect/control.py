@@ -24,7 +24,10 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``trigger`` (gVisor: :func:`~rehydrate.trigger_snapshot`, optional
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
 ``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
-commands and incomplete requests get an error reply and the server keeps serving.
+commands and incomplete requests get an error reply and the server keeps serving. A
+complete request line is acted on also when its client has gone (CRIU's ``post-dump``
+notice, queued while the process was frozen); the reply it cannot get is dropped
+quietly.
 
 Duplicate suppression: a ``restore``/``resume`` notice is the restore already handled
 when no freeze happened since that restore ran. It passes ``since`` = the later of the
