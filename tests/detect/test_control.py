@@ -1330,3 +1330,49 @@ def test_post_dump_resume_and_the_clock_jump_run_the_hooks_once(
     # A later restore (a copy restored from the image) is another event: it runs.
     reply = request("restore", socket_path=sock_path)
     assert reply["ok"] and not reply["deduplicated"]
+
+
+def test_a_queued_post_dump_resume_does_not_end_the_next_dump_s_pass(
+    server: ControlServer, engine: Lifecycle, sock_path: str,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dump A's post-dump ``resume`` is queued before dump B's ``pre-dump`` save connects;
+    when the save is served first (the resume's thread read it late), the resume is
+    still about A's pass: it runs nothing, and B's pass stays open for B's freeze (its
+    own post-dump ``resume`` ends it). Before: the resume, judged by when it was read,
+    ended B's pass before B froze the process — B's image held what the before-snapshot
+    hooks had closed."""
+    calls = Calls(engine)
+    env = {"REHYDRATE_CONTROL_SOCKET": sock_path}
+
+    def action(name: str) -> None:
+        r = cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": name})
+        assert r.returncode == 0, (name, r.stderr)
+
+    action("pre-dump")  # dump A
+    late, release, first = threading.Event(), threading.Event(), threading.Event()
+    real = ControlServer._peer_allowed
+
+    def slow_first(self: ControlServer, conn: socket.socket) -> bool:
+        if not first.is_set():  # dump A's post-dump resume: read late
+            first.set()
+            late.set()
+            assert release.wait(DEADLINE)
+        return real(self, conn)
+
+    monkeypatch.setattr(ControlServer, "_peer_allowed", slow_first)
+    served = server.served
+    action("post-dump")  # dump A ends; its resume is queued
+    assert late.wait(DEADLINE)  # accepted, not read yet
+    action("pre-dump")  # dump B's save, served first
+    assert engine.status().state == "snapshotting"
+    release.set()
+    wait_for(lambda: server.served == served + 2, what="dump A's resume")
+    monkeypatch.undo()
+    assert engine.status().state == "snapshotting", "B's pass was ended before B froze"
+    assert [c for c in calls.items if c[0] == "restore-hook"] == []
+    action("post-dump")  # dump B ends
+    wait_for(lambda: server.served == served + 3, what="dump B's resume")
+    assert [c for c in calls.items if c[0] == "restore-hook"] == [
+        ("restore-hook", "resume", 0, "control")]
+    assert engine.status().state == "ready"
