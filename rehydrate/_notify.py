@@ -5,9 +5,10 @@
 * gVisor's save-restore-exec binary: without an argument it reads
   ``GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE`` (``save``, ``resume``, ``restore``);
 * a CRIU ``--action-script``: it reads ``CRTOOLS_SCRIPT_ACTION``; ``pre-dump`` means save,
-  ``post-resume`` means restore, every other action exits 0 at once without contacting
-  the process (at ``post-dump`` and ``post-restore`` the tasks are frozen and would never
-  answer).
+  ``post-resume`` means restore, ``post-dump`` sends ``resume`` without waiting for the
+  reply (:func:`post`: the tasks are frozen until CRIU lets them go on, with
+  ``--leave-running``, or kills them), and every other action exits 0 at once without
+  contacting the process.
 
 It exits 0 when the process's hooks succeeded, 1 when the report is not ok (a required
 hook failed: the platform should abort the checkpoint), 3 when the process cannot be
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["ControlError", "Options", "UntrustedSocket", "find_socket", "notify", "parse",
-           "request"]
+           "post", "request"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -66,6 +67,10 @@ CRIU_ACTION = "CRTOOLS_SCRIPT_ACTION"
 NOTIFY_CMD = {"save": "prepare-snapshot", "resume": "resume", "restore": "restore"}
 """``notify`` action -> control command."""
 _CRIU = {"pre-dump": "save", "post-resume": "restore"}
+_CRIU_POSTED = {"post-dump": "resume"}
+"""CRIU actions whose notice is sent without waiting for the reply (see :func:`post`)."""
+POST_TIMEOUT = 1.0
+"""How long :func:`post` may take to connect and send (the tasks never read meanwhile)."""
 _UCRED = 12  # struct ucred: pid, uid, gid (three C ints)
 
 
@@ -331,6 +336,41 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
     return reply
 
 
+def post(cmd: str, *, socket_path: str | None = None, expect_uid: int | None = None,
+         expect_pid: int | None = None, timeout: float = POST_TIMEOUT) -> None:
+    """Send one request and do not wait for its reply: for a process that is frozen now
+    and reads it when it runs again (CRIU's ``post-dump``: ``--leave-running`` lets it go
+    on; a plain dump kills it, and the request with it).
+
+    The kernel queues the connection on the listening socket and the request in the
+    connection's buffer without the process running; the server acts on a complete
+    request line whose client has gone, and its reply, undeliverable, is dropped. The
+    socket is checked like :func:`request`'s before anything is sent. Raises
+    :class:`ControlError` (:class:`UntrustedSocket`) when it cannot be sent.
+    """
+    named = bool(socket_path or _config.text(ENV_SOCKET))
+    path = find_socket(socket_path)
+    payload = _encode({"cmd": cmd})
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        try:
+            # One attempt: a full backlog is not drained while the process is frozen.
+            sock.connect(path)
+        except OSError as exc:
+            why = not_a_socket(path) or exc.strerror or str(exc)
+            raise ControlError(f"cannot reach the process at {path}: {why}") from None
+        _check_peer(sock, path, named, expect_uid, expect_pid)
+        try:
+            sock.sendall(payload)
+        except OSError as exc:
+            raise ControlError(f"connection to {path} failed: {exc.strerror or exc}") from None
+    finally:
+        # Nothing unread on this side: the close is an orderly end of input after the
+        # request, not a reset, and the queued request stays readable.
+        sock.close()
+
+
 # -- the commands' output ----------------------------------------------------------------
 
 
@@ -490,33 +530,56 @@ def parse(argv: list[str]) -> Options | None:
     return opts
 
 
-def _resolve_action(arg: str | None) -> tuple[str | None, str | None]:
-    """(action, None), (None, None) for "nothing to do", or (None, usage error)."""
+def _resolve_action(arg: str | None) -> tuple[str | None, str | None, bool]:
+    """(action, None, wait), (None, None, True) for "nothing to do", or (None, usage error,
+    True). ``wait``: False when the notice is sent without waiting for the reply."""
     if arg:
-        return arg, None
+        return arg, None, True
     mode = os.environ.get(GVISOR_MODE)
     if mode:
         if mode in NOTIFY_CMD:
-            return mode, None
+            return mode, None, True
         # gVisor's own values are the three above; anything else is an environment
         # value that is not rehydrate's to repeat (key names only)
         return None, (f"{GVISOR_MODE} is not save, resume or restore (its value is not "
-                      "shown: environment values never are)")
+                      "shown: environment values never are)"), True
     action = os.environ.get(CRIU_ACTION)
     if action:
-        return _CRIU.get(action), None
+        if action in _CRIU_POSTED:
+            return _CRIU_POSTED[action], None, False
+        return _CRIU.get(action), None, True
     return None, (f"notify needs save, resume or restore (or {GVISOR_MODE} / {CRIU_ACTION} "
-                  "in the environment)")
+                  "in the environment)"), True
+
+
+def _post_notice(action: str, opts: Options) -> int:
+    """CRIU's ``post-dump``: the ``resume`` notice, not waited for; always exit 0.
+
+    A non-zero exit at ``post-dump`` makes CRIU fail the dump and leave the tasks running
+    whatever was asked, so nothing here may fail it. A process that is gone or cannot be
+    reached has nobody to resume; CRIU logs the script's stderr, so that says nothing.
+    """
+    try:
+        post(NOTIFY_CMD[action], socket_path=opts.socket, expect_uid=opts.expect_uid,
+             expect_pid=opts.expect_pid, timeout=min(opts.timeout or POST_TIMEOUT,
+                                                     POST_TIMEOUT))
+    except UntrustedSocket as exc:  # worth a line: another user's socket at that path now
+        err(f"notify {action} (post-dump): {exc}")
+    except ControlError:
+        pass
+    return EXIT_OK
 
 
 def notify(opts: Options) -> int:
     """Run ``rehydrate notify``: the exit status (see the module docstring)."""
-    action, problem = _resolve_action(opts.action)
+    action, problem, wait = _resolve_action(opts.action)
     if problem:
         err(problem)
         return EXIT_USAGE
     if action is None:
         return EXIT_OK  # a CRIU action at which the process is frozen or not involved
+    if not wait:
+        return _post_notice(action, opts)
     # Run by gVisor's save-restore-exec, a failure here aborts the checkpoint in progress,
     # and gVisor answers that abort ("error") to the process's waiter: the process may then
     # take that answer for this save's (see "in_checkpoint" in rehydrate.detect.control).

@@ -24,7 +24,10 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``trigger`` (gVisor: :func:`~rehydrate.trigger_snapshot`, optional
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
 ``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
-commands and incomplete requests get an error reply and the server keeps serving.
+commands and incomplete requests get an error reply and the server keeps serving. A
+complete request line is acted on also when its client has gone (CRIU's ``post-dump``
+notice, queued while the process was frozen); the reply it cannot get is dropped
+quietly.
 
 Duplicate suppression: a ``restore``/``resume`` notice is the restore already handled
 when no freeze happened since that restore ran. It passes ``since`` = the later of the
@@ -40,8 +43,12 @@ when the freeze was: it passes ``since`` = the engine's last anchored restore (o
 socket's start), so it is never taken for an earlier restore (at worst the hooks run
 twice, never zero times). ``simulate`` runs and the resume runs below are not freeze
 anchors. A ``resume`` notice is about a checkpoint that was over when the request came
-(``detected_at`` = the moment it was read): a before-snapshot pass that began after that
-(while the notice waited) is a later checkpoint's, and the notice runs nothing for it.
+(``detected_at`` = the moment it was read, or, for the first request on a connection,
+the moment the connection was accepted if earlier): a before-snapshot pass that began
+after that (while the notice waited, or asked for on a connection accepted after it — a
+CRIU ``post-dump`` resume queued while the process was frozen, then the next dump's
+``pre-dump`` save, served first) is a later checkpoint's, and the notice runs nothing for
+it.
 
 If the reply to ``prepare-snapshot`` cannot be delivered (the client went away, e.g.
 the platform's timeout killed ``rehydrate notify``), the platform aborts the
@@ -428,6 +435,11 @@ class ControlServer:
         return False
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        with self._lock:
+            state = self._conns.get(conn)
+        # When the connection was accepted: its first request was sent by then, or soon
+        # after (see "queued" in _dispatch).
+        accepted = state[0] if state is not None else None
         if not self._peer_allowed(conn):
             return
         idle_limit = IDLE_TIMEOUT
@@ -448,10 +460,11 @@ class ControlServer:
                     continue
                 self._activity(conn, running=True)
                 try:
-                    if not self._answer(conn, line):
+                    if not self._answer(conn, line, queued=accepted):
                         return
                 finally:
                     self._activity(conn, running=False)
+                accepted = None  # later requests on the connection: when they are read
                 deadline = time.monotonic() + idle_limit
             if discarding:
                 buf = b""
@@ -482,8 +495,10 @@ class ControlServer:
         self._send(conn, {"ok": False, "error": f"request too large: more than {MAX_LINE} "
                                                 f"bytes without a newline ({size}+ seen)"})
 
-    def _answer(self, conn: socket.socket, line: bytes) -> bool:
-        """Handle one request line; False when the client is gone."""
+    def _answer(self, conn: socket.socket, line: bytes, *,
+                queued: float | None = None) -> bool:
+        """Handle one request line; False when the client is gone. ``queued``: when the
+        connection of its first request was accepted."""
         import json  # here, not at import: start("auto") imports every detector to probe
 
         if not line.strip():
@@ -521,7 +536,7 @@ class ControlServer:
         else:
             # Outside the parsing above: a ValueError from a command is no JSON error.
             try:
-                reply = self._dispatch(cmd, req, received=received)
+                reply = self._dispatch(cmd, req, received=received, queued=queued)
             except _BadRequest as exc:
                 reply = _bad_request(str(exc))
             except Exception as exc:
@@ -577,8 +592,10 @@ class ControlServer:
         return max(self._started_at, self.engine.last_restore_at or 0.0)
 
     def _dispatch(self, cmd: str, req: Mapping[str, Any], *,
-                  received: float | None = None) -> dict[str, Any]:
-        """Serve one request; ``received``: ``time.monotonic()`` when it was read."""
+                  received: float | None = None,
+                  queued: float | None = None) -> dict[str, Any]:
+        """Serve one request; ``received``: ``time.monotonic()`` when it was read;
+        ``queued``: when its connection was accepted (the first request of one)."""
         engine = self.engine
         if cmd == "status":
             return {"ok": True, "status": engine.status().to_dict(), "pid": os.getpid()}
@@ -625,7 +642,15 @@ class ControlServer:
             # before-snapshot pass begun since (while this waited for the freeze watch's
             # verdict or for a run) is a later checkpoint's, which it must not end. A
             # restore keeps the moment of its run (a clone always runs its hooks).
-            at = received if kind == "resume" else None
+            # The first request of a connection was on its way when the connection was
+            # accepted: connections are accepted in the order they came, so a pass asked
+            # for on a connection accepted later (the next dump's `pre-dump` save) is a
+            # later checkpoint's, also when its request was read first (CRIU's post-dump
+            # `resume`, queued while the process was frozen, read by a thread that ran
+            # late).
+            at = None
+            if kind == "resume":
+                at = received if queued is None or received is None else min(received, queued)
             report = engine.restore_detected("control", kind=kind, since=since,
                                              detected_at=at)
             out = {"ok": report.ok, "report": report.to_dict(),

@@ -750,7 +750,7 @@ def test_notify_cli_exit_codes(server: ControlServer, engine: Lifecycle, sock_pa
     assert len(calls.items) == n + 1
 
     served = server.served
-    for action in ("post-dump", "post-restore", "pre-restore", "network-lock",
+    for action in ("post-restore", "pre-restore", "network-lock",
                    "network-unlock", "setup-namespaces"):
         r = cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": action})
         assert r.returncode == 0 and r.stdout == "", (action, r.stderr)
@@ -1262,3 +1262,117 @@ def test_a_failed_save_whose_resume_fails_too_says_so(server: ControlServer,
     assert ("the resume hooks failed too (reopen-db (RuntimeError: still full)): degraded"
             in reply["error"])
     assert engine.status().state == "degraded"
+
+
+def test_a_resume_whose_client_is_gone_runs_once_and_quietly(
+    server: ControlServer, engine: Lifecycle, sock_path: str,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRIU's post-dump: `rehydrate notify` queues ``resume`` while the tasks are frozen
+    and exits; the process reads it when it runs again (``--leave-running``), its client
+    long gone. The complete request line is acted on, the undeliverable reply is dropped
+    without a word, and the resume ends the pending pass."""
+    caplog.set_level(logging.DEBUG, logger="rehydrate")
+    calls = Calls(engine)
+    env = {"REHYDRATE_CONTROL_SOCKET": sock_path}
+    assert cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": "pre-dump"}).returncode == 0
+    frozen = threading.Event()
+    real = ControlServer._peer_allowed
+
+    def after_the_freeze(self: ControlServer, conn: socket.socket) -> bool:
+        assert frozen.wait(DEADLINE)
+        return real(self, conn)
+
+    monkeypatch.setattr(ControlServer, "_peer_allowed", after_the_freeze)
+    served = server.served
+    r = cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": "post-dump"})
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    assert server.served == served  # not read yet: the client exited without a reply
+    frozen.set()  # CRIU lets the tasks go on
+    wait_for(lambda: server.served == served + 1, what="the queued request")
+    monkeypatch.undo()
+    assert [c for c in calls.items if c[0] == "restore-hook"] == [
+        ("restore-hook", "resume", 0, "control")]
+    status = request("status", socket_path=sock_path)["status"]
+    assert status["state"] == "ready" and status["generation"] == 0
+    noisy = [r.getMessage() for r in caplog.records
+             if r.levelno >= logging.WARNING or "connection ended" in r.getMessage()]
+    assert noisy == []
+
+
+@pytest.mark.parametrize("first", ["clock-jump", "post-dump"])
+def test_post_dump_resume_and_the_clock_jump_run_the_hooks_once(
+    first: str, server: ControlServer, engine: Lifecycle, sock_path: str
+) -> None:
+    """A ``--leave-running`` dump long enough for the clock-jump detector: it and the
+    post-dump ``resume`` are one event, whichever is handled first."""
+    calls = Calls(engine)
+    env = {"REHYDRATE_CONTROL_SOCKET": sock_path}
+    assert cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": "pre-dump"}).returncode == 0
+    before_freeze = time.monotonic()  # the clock-jump detector's last wake-up
+
+    def clock_jump() -> None:
+        engine.restore_detected("clock-jump", since=before_freeze)
+
+    def post_dump() -> None:
+        n = server.served
+        assert cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": "post-dump"}).returncode == 0
+        wait_for(lambda: server.served == n + 1, what="the queued resume")
+
+    for notice in ((clock_jump, post_dump) if first == "clock-jump" else
+                   (post_dump, clock_jump)):
+        notice()
+    runs = [c for c in calls.items if c[0] == "restore-hook"]
+    expected = (("restore-hook", "restore", 1, "clock-jump") if first == "clock-jump" else
+                ("restore-hook", "resume", 0, "control"))
+    assert runs == [expected]
+    assert request("status", socket_path=sock_path)["status"]["state"] == "ready"
+    # A later restore (a copy restored from the image) is another event: it runs.
+    reply = request("restore", socket_path=sock_path)
+    assert reply["ok"] and not reply["deduplicated"]
+
+
+def test_a_queued_post_dump_resume_does_not_end_the_next_dump_s_pass(
+    server: ControlServer, engine: Lifecycle, sock_path: str,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dump A's post-dump ``resume`` is queued before dump B's ``pre-dump`` save connects;
+    when the save is served first (the resume's thread read it late), the resume is
+    still about A's pass: it runs nothing, and B's pass stays open for B's freeze (its
+    own post-dump ``resume`` ends it). Before: the resume, judged by when it was read,
+    ended B's pass before B froze the process — B's image held what the before-snapshot
+    hooks had closed."""
+    calls = Calls(engine)
+    env = {"REHYDRATE_CONTROL_SOCKET": sock_path}
+
+    def action(name: str) -> None:
+        r = cli("notify", env={**env, "CRTOOLS_SCRIPT_ACTION": name})
+        assert r.returncode == 0, (name, r.stderr)
+
+    action("pre-dump")  # dump A
+    late, release, first = threading.Event(), threading.Event(), threading.Event()
+    real = ControlServer._peer_allowed
+
+    def slow_first(self: ControlServer, conn: socket.socket) -> bool:
+        if not first.is_set():  # dump A's post-dump resume: read late
+            first.set()
+            late.set()
+            assert release.wait(DEADLINE)
+        return real(self, conn)
+
+    monkeypatch.setattr(ControlServer, "_peer_allowed", slow_first)
+    served = server.served
+    action("post-dump")  # dump A ends; its resume is queued
+    assert late.wait(DEADLINE)  # accepted, not read yet
+    action("pre-dump")  # dump B's save, served first
+    assert engine.status().state == "snapshotting"
+    release.set()
+    wait_for(lambda: server.served == served + 2, what="dump A's resume")
+    monkeypatch.undo()
+    assert engine.status().state == "snapshotting", "B's pass was ended before B froze"
+    assert [c for c in calls.items if c[0] == "restore-hook"] == []
+    action("post-dump")  # dump B ends
+    wait_for(lambda: server.served == served + 3, what="dump B's resume")
+    assert [c for c in calls.items if c[0] == "restore-hook"] == [
+        ("restore-hook", "resume", 0, "control")]
+    assert engine.status().state == "ready"
