@@ -189,6 +189,9 @@ class Lifecycle:
         self._ext_lock = threading.Lock()
         self._install_lock = threading.Lock()  # not _ext_lock: an install calls extension()
         self._start_listeners: list[Callable[[Engine], None]] = []
+        self._installed_from: dict[str, object] = {}
+        """key -> what it was installed from (an object or a dotted name): the same one
+        listed again is no second copy."""
         self.installed: list[str] = []
         """Keys of the extensions installed in this engine, in installation order."""
 
@@ -296,6 +299,13 @@ class Lifecycle:
                 if not isinstance(key, str) or not key:
                     raise TypeError(f"extension {_config.shown(spec)}: key must be a "
                                     f"non-empty str, not {_config.shown(key)}")
+                prev = self._installed_from.get(key)
+                if key in self.installed and (prev is spec or prev is ext or (
+                        isinstance(prev, str) and prev == spec)):
+                    # the same extension again (start(extensions=[x]) run twice, a test
+                    # fixture, an app factory): installed already, nothing to do
+                    log.debug("extension %s is installed already", key)
+                    continue
                 if key in self.installed:
                     # A key is unique per engine: a second copy registered every hook
                     # twice (a manager) or silently replaced the first (a detector).
@@ -318,6 +328,7 @@ class Lifecycle:
                 log.warning("extension %s could not be installed: %s", spec, exc)
                 continue
             self.installed.append(ext.key)
+            self._installed_from[ext.key] = spec
 
     def install(self, *extensions: str | Extension) -> list[str]:
         """Install ``extensions`` (objects or dotted names) in this engine now, as
@@ -433,8 +444,16 @@ class Lifecycle:
 
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None:
         """Called with this engine once :meth:`start` has started the detectors (the first
-        call only); a listener that raises is logged and does not stop the others."""
+        call only), or at once when it is added after that; a listener that raises is
+        logged and does not stop the others."""
         self._start_listeners.append(fn)
+        if self._started:
+            # added after start() (an extension installed since): it would never run,
+            # and what it reads at start (the fingerprint's REHYDRATE_MANIFEST) never be
+            try:
+                fn(self)
+            except Exception:
+                log.exception("start listener %r failed", fn)
 
     # -- state -----------------------------------------------------------------------
 
