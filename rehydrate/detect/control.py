@@ -79,7 +79,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
@@ -235,6 +235,37 @@ class _BadRequest(ValueError):
     pass
 
 
+@contextlib.contextmanager
+def _directory_lock(directory: str) -> Iterator[None]:
+    """Hold ``flock`` on ``directory`` (the socket's, private to this uid): one instance
+    at a time checks for a live socket at a path there and binds it. Best effort where
+    directories cannot be locked (some sandboxes): the window is then what it was."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{directory} stayed locked for {LOCK_TIMEOUT:g}s "
+                                       "(another process starting a control socket "
+                                       "there?)") from None
+                time.sleep(0.005)
+            except OSError:  # not supported here
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+LOCK_TIMEOUT = 5.0
+"""How long :class:`ControlServer` waits for another instance starting in its directory."""
+
+
 class ControlServer:
     """The socket server; :class:`ControlDetector` runs one per engine."""
 
@@ -267,11 +298,20 @@ class ControlServer:
             raise RuntimeError("control server already running")
         directory = os.path.dirname(os.path.abspath(self.path))
         _private_dir(directory, check_owner=directory == default_socket_dir())
-        self._refuse_live_socket()
         # Here, not at import (start("auto") imports every detector to probe): json is
         # loaded before any snapshot, so a clone's first request does not import it.
         import json  # noqa: F401
 
+        with _directory_lock(directory):
+            self._refuse_live_socket()
+            sock = self._bind_and_listen()
+        sock.setblocking(False)
+        self._listening(sock)
+
+    def _bind_and_listen(self) -> socket.socket:
+        """Bind at the path (a stale socket there removed), 0600, listen. Under the
+        directory's lock: another instance starting at the same path meanwhile would
+        take this socket, bound and not listening yet, for a stale one and remove it."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         # Bound at its final path, not under a temporary name renamed into place: CRIU
         # dumps a listening socket with the address it was bound to and restores it
@@ -292,7 +332,10 @@ class ControlServer:
             raise
         st = os.stat(self.path)
         self._inode = (st.st_dev, st.st_ino)
-        sock.setblocking(False)
+        return sock
+
+    def _listening(self, sock: socket.socket) -> None:
+        """Serve ``sock`` (bound and listening) on the accept thread."""
         self._sock = sock
         self._stopping = False
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)

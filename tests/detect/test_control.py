@@ -1376,3 +1376,52 @@ def test_a_queued_post_dump_resume_does_not_end_the_next_dump_s_pass(
     assert [c for c in calls.items if c[0] == "restore-hook"] == [
         ("restore-hook", "resume", 0, "control")]
     assert engine.status().state == "ready"
+
+
+def test_two_instances_starting_at_one_path_never_take_each_others_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second instance starting while the first has bound its socket and not yet
+    listens: unlocked, it took that socket for a stale one, removed it and bound its own
+    — the first then listened on a deleted name, and its stop() removed the second's
+    live socket. Under the directory's lock the second waits, then finds the first
+    serving and refuses to start."""
+    from rehydrate import Lifecycle
+    from rehydrate.detect import control
+
+    path = str(tmp_path / "c.sock")
+    os.chmod(tmp_path, 0o700)
+    engines = [Lifecycle(builtins=False), Lifecycle(builtins=False)]
+    first, second = (control.ControlServer(e, path) for e in engines)
+    outcome: list[object] = []
+
+    def start_second() -> None:
+        try:
+            second.start()
+            outcome.append("started")
+        except Exception as exc:
+            outcome.append(exc)
+
+    real_chmod = os.chmod
+
+    def chmod_then_race(p: object, mode: int, *args: object, **kw: object) -> None:
+        real_chmod(p, mode, *args, **kw)  # type: ignore[arg-type]
+        if p == path and not outcome:
+            monkeypatch.setattr(control.os, "chmod", real_chmod)
+            racer = threading.Thread(target=start_second)
+            racer.start()
+            racer.join(2.0)  # unlocked, it is done by now; locked, it waits for us
+
+    monkeypatch.setattr(control.os, "chmod", chmod_then_race)
+    try:
+        first.start()
+        wait_for(lambda: bool(outcome), 10.0)
+        assert isinstance(outcome[0], FileExistsError), outcome
+        st = os.stat(path)
+        assert first._inode == (st.st_dev, st.st_ino)  # its own socket, still there
+        assert control.serving_peer(path) is not None
+    finally:
+        second.stop()
+        first.stop()
+        for e in engines:
+            e.close()
+    assert not os.path.exists(path)
