@@ -15,8 +15,9 @@
 # The trixie packages (criu, libc6) are fetched with `apt-get download` through a
 # private, throw-away sources list that points at the trixie suite of the same Debian
 # mirror the system already uses (as scripts/install-runsc.sh does); the system's apt
-# configuration and package lists are not touched, and nothing from trixie is installed
-# as a package.
+# configuration is not touched (its package lists only when bookworm's own libraries
+# criu needs must be installed and the first install attempt fails), and nothing from
+# trixie is installed as a package.
 #
 # Idempotent; must run as root. Exits 0 at once when criu-trixie already works.
 set -euo pipefail
@@ -99,8 +100,13 @@ apt_opts=(
     -o "APT::Get::List-Cleanup=false"
     -o "APT::Sandbox::User=root"
 )
-apt-get "${apt_opts[@]}" update >&2
-(cd "$tmp/deb" && apt-get "${apt_opts[@]}" download criu libc6 >&2)
+# --error-on=any: a failed fetch of trixie's index (no network) is an error here, not a
+# warning after which `download` picks the system's bookworm versions and fails obscurely.
+if ! apt-get "${apt_opts[@]}" --error-on=any update >&2; then
+    log "cannot fetch trixie's package index from $mirror (no network?); criu not installed"
+    exit 1
+fi
+(cd "$tmp/deb" && apt-get "${apt_opts[@]}" download criu/trixie libc6/trixie >&2)
 for deb in "$tmp"/deb/criu_*.deb "$tmp"/deb/libc6_*.deb; do
     log "unpacking $(basename "$deb")"
     dpkg -x "$deb" "$tmp/root"
