@@ -55,58 +55,13 @@ if (( ${#missing[@]} )); then
     fi
 fi
 
-# The Debian archive URI the system already uses (deb822 .sources or one-line .list
-# format); the first one that is not a security mirror wins. Same as install-runsc.sh.
-debian_mirror() {
-    local f uri etc=${APT_ETC_DIR:-/etc/apt}
-    for f in "$etc"/sources.list.d/*.sources; do
-        [[ -f $f ]] || continue
-        while read -r uri; do
-            case $uri in
-                *security*) ;;
-                */debian | */debian/) echo "${uri%/}"; return 0 ;;
-            esac
-        done < <(sed -n 's/^[[:space:]]*URIs:[[:space:]]*//p' "$f" | tr ' \t' '\n\n' | sed '/^$/d')
-    done
-    for f in "$etc"/sources.list "$etc"/sources.list.d/*.list; do
-        [[ -f $f ]] || continue
-        while read -r uri; do
-            case $uri in
-                *security*) ;;
-                */debian | */debian/) echo "${uri%/}"; return 0 ;;
-            esac
-        # "deb [opts] URI suite comp..." -> URI
-        done < <(sed -n 's/^[[:space:]]*deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]\+\).*/\2/p' "$f")
-    done
-    echo "http://deb.debian.org/debian"
-}
+# shellcheck source=trixie-debs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/trixie-debs.sh"
 
-mirror=$(debian_mirror)
-keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-log "fetching trixie's criu and libc6 from $mirror"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/lists/partial" "$tmp/archives/partial" "$tmp/sources.list.d" "$tmp/deb"
-printf 'deb [signed-by=%s] %s trixie main\n' "$keyring" "$mirror" >"$tmp/sources.list"
-apt_opts=(
-    -o "Dir::Etc::sourcelist=$tmp/sources.list"
-    -o "Dir::Etc::sourceparts=$tmp/sources.list.d"
-    -o "Dir::State::Lists=$tmp/lists"
-    -o "Dir::Cache::Archives=$tmp/archives"
-    -o "Dir::Cache::pkgcache="
-    -o "Dir::Cache::srcpkgcache="
-    -o "APT::Architecture=$(dpkg --print-architecture)"
-    -o "Acquire::Languages=none"
-    -o "APT::Get::List-Cleanup=false"
-    -o "APT::Sandbox::User=root"
-)
-# --error-on=any: a failed fetch of trixie's index (no network) is an error here, not a
-# warning after which `download` picks the system's bookworm versions and fails obscurely.
-if ! apt-get "${apt_opts[@]}" --error-on=any update >&2; then
-    log "cannot fetch trixie's package index from $mirror (no network?); criu not installed"
-    exit 1
-fi
-(cd "$tmp/deb" && apt-get "${apt_opts[@]}" download criu/trixie libc6/trixie >&2)
+mkdir -p "$tmp/deb"
+fetch_trixie_debs "$tmp/deb" criu libc6 || { log "criu not installed"; exit 1; }
 for deb in "$tmp"/deb/criu_*.deb "$tmp"/deb/libc6_*.deb; do
     log "unpacking $(basename "$deb")"
     dpkg -x "$deb" "$tmp/root"
