@@ -188,6 +188,8 @@ class Lifecycle:
         self._extensions: dict[str, Any] = {}
         self._ext_lock = threading.Lock()
         self._install_lock = threading.Lock()  # not _ext_lock: an install calls extension()
+        self._installing = threading.local()
+        """``active`` while this thread runs :meth:`install` (start listeners wait)."""
         self._start_listeners: list[Callable[[Engine], None]] = []
         self._installed_from: dict[str, object] = {}
         """key -> what it was installed from (an object or a dotted name): the same one
@@ -342,9 +344,20 @@ class Lifecycle:
         ``rehydrate.start(extensions=[adapter])``. A ``Lifecycle(extensions=[...])`` is an
         engine of its own: ``rehydrate.start()`` never runs its extensions."""
         with self._install_lock:
-            before = len(self.installed)
-            self._install_extensions(extensions, explicit=True)
-            return self.installed[before:]
+            before, listeners = len(self.installed), len(self._start_listeners)
+            self._installing.active = True
+            try:
+                self._install_extensions(extensions, explicit=True)
+            finally:
+                self._installing.active = False
+            added = self._start_listeners[listeners:]  # of the ones that installed
+            keys = self.installed[before:]
+        if self._started:
+            # after start(): their start listeners run now, outside the lock (one may
+            # install more) and only once their extension installed
+            for fn in added:
+                self._call_start_listener(fn)
+        return keys
 
     def _install_or_undo(self, ext: Extension) -> None:
         """``ext.install(self)``; when it raises, what it had attached already (hooks,
@@ -447,13 +460,17 @@ class Lifecycle:
         call only), or at once when it is added after that; a listener that raises is
         logged and does not stop the others."""
         self._start_listeners.append(fn)
-        if self._started:
-            # added after start() (an extension installed since): it would never run,
-            # and what it reads at start (the fingerprint's REHYDRATE_MANIFEST) never be
-            try:
-                fn(self)
-            except Exception:
-                log.exception("start listener %r failed", fn)
+        if self._started and not getattr(self._installing, "active", False):
+            # added after start(): it would never run, and what it reads at start (the
+            # fingerprint's REHYDRATE_MANIFEST) never be read. During install() it runs
+            # when that extension has installed (see install()).
+            self._call_start_listener(fn)
+
+    def _call_start_listener(self, fn: Callable[[Engine], None]) -> None:
+        try:
+            fn(self)
+        except Exception:
+            log.exception("start listener %r failed", fn)
 
     # -- state -----------------------------------------------------------------------
 

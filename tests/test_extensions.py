@@ -374,3 +374,52 @@ def test_a_detector_extension_given_to_start_starts_with_the_others(monkeypatch)
         assert Doorbell.runs == 1 and engine.status().detectors == ("doorbell",)
     finally:
         engine.close()
+
+
+def test_a_start_listener_of_an_extension_installed_after_start_may_install_more() -> None:
+    """It ran inside install(), under its lock: one that installed another extension
+    waited for that lock for ever. It runs once install() is done now."""
+    import threading
+
+    class Outer:
+        key = "outer"
+
+        def probe(self) -> Probe:
+            return Probe(True)
+
+        def install(self, engine: Engine) -> None:
+            engine.add_start_listener(lambda e: e.install(Recorder()))  # type: ignore[attr-defined]
+
+    engine = _engine(builtins=False)
+    try:
+        engine.start("none")
+        worker = threading.Thread(target=lambda: engine.install(Outer()), daemon=True)
+        worker.start()
+        worker.join(10.0)
+        assert not worker.is_alive(), "install() never returned"
+        assert engine.installed == ["outer", "recorder"]
+    finally:
+        engine.close()
+
+
+def test_the_start_listener_of_an_extension_that_failed_to_install_never_runs() -> None:
+    ran: list[str] = []
+
+    class Broken:
+        key = "broken"
+
+        def probe(self) -> Probe:
+            return Probe(True)
+
+        def install(self, engine: Engine) -> None:
+            engine.add_start_listener(lambda e: ran.append("listener"))
+            raise RuntimeError("install failed")
+
+    engine = _engine(builtins=False)
+    try:
+        engine.start("none")
+        with pytest.raises(RuntimeError, match="install failed"):
+            engine.install(Broken())
+        assert engine.installed == [] and ran == []
+    finally:
+        engine.close()

@@ -169,20 +169,22 @@ _CREDENTIAL_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api
 _HEADER_VALUE = re.compile(
     r"""\b((?:proxy-)?authorization|x-api-key|api[-_]?key|access[-_]?token|cookie)"""
     r"""(["']?\s*[:=]\s*["']?)((?:(?:bearer|basic|token)\s+)?"""
-    r"""(?=[^\s"',;&]*[0-9_+/=-])[^\s"',;&]{8,})""",
+    r"""(?!(?:required|missing|invalid|expired|malformed|unknown|undefined|provided)\b)"""
+    r"""[^\s"',;&]{8,})""",
     re.IGNORECASE)
 """A credential quoted as a header or field (``Authorization: Bearer …``,
-``"x-api-key": "…"``, ``api_key=…``): the value, scheme included, is hidden — a value
-that looks like one (8+ characters with a digit or ``-_+/=``), not a word of the
-server's explanation (``api_key: missing``)."""
+``"x-api-key": "…"``, ``api_key=…``): the value, scheme included, is hidden — any of 8+
+characters but the words a server's explanation puts there (``api_key: missing``,
+``x-api-key: required``)."""
 
 _SCHEME_TOKEN = re.compile(
     r"\b(bearer|basic)(\s+)(?!(?:realm|scope|error|token|auth\w*|required|credentials?)\b)"
-    r"(?=[A-Za-z.~:]*[0-9\-_+/=])[A-Za-z0-9\-._~+/=:]{8,}",
+    r"(?:(?=[A-Za-z.~:]*[0-9\-_+/=])[A-Za-z0-9\-._~+/=:]{8,}|[A-Za-z.]{16,})",
     re.IGNORECASE)
 """``Bearer <token>`` / ``Basic <credentials>`` quoted without a header name (8+
-characters with a digit or ``-_+/=``); the words a server's own explanation puts there
-(``Bearer realm=…``, ``Basic authentication``, ``Bearer tokens expired``) stay."""
+characters with a digit or ``-_+/=``, or 16+ letters); the words a server's own
+explanation puts there (``Bearer realm=…``, ``Basic authentication``, ``Bearer tokens
+expired``) stay."""
 
 _URL = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
 """A URL: its scheme starts where no scheme character precedes (not at every position of
@@ -198,14 +200,16 @@ def _redact_url(match: re.Match[str]) -> str:
     return base + "?" + re.sub(r"=[^&#]*", "=" + REDACTED, query)
 
 
-def redact(text: str, secrets: Iterable[str] = ()) -> str:
+def redact(text: str, secrets: Iterable[str] = (), *, patterns: bool = True) -> str:
     """``text`` without ``secrets`` (the adapter's own key, verbatim) nor what looks like
     a credential: ``Bearer <token>``, ``Authorization: …``, user info and query values of
     URLs. For anything a server answered that ends up in a log, a status or an error: a
     gateway that echoes the request (its ``Authorization`` header in a 401 body) would
-    otherwise publish the adapter's key."""
+    otherwise publish the adapter's key. ``patterns=False``: only ``secrets``."""
     for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
+    if not patterns:
+        return text
     text = _URL.sub(_redact_url, text)
     text = _HEADER_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
     return _SCHEME_TOKEN.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
@@ -230,9 +234,11 @@ def answer_text(response: httpx.Response, text: str, limit: int = 300) -> str:
     """``text``, taken from what ``response`` says, fit to quote: on one printable line,
     without the request's credentials or anything looking like one, at most ``limit``
     characters."""
-    # Only what can be shown is redacted (a margin past the cut for a credential that
-    # straddles it): a server's 1 MB error page must not cost the hook its deadline.
-    text = redact(" ".join(text[:limit * 4].split()), request_secrets(response))
+    # The request's own credentials go everywhere (one linear pass each, after the white
+    # space is collapsed, so that none is cut in half first); the patterns only over what
+    # can be shown, with a margin: a 1 MB error page must not cost the hook its deadline.
+    text = redact(" ".join(text.split()), request_secrets(response), patterns=False)
+    text = redact(text[:limit * 4])
     # One printable line: the reason goes into logs, status and 503 bodies, where a
     # server's escape sequences (ANSI colours, a terminal title) have no business.
     text = "".join(ch if ch.isprintable() else "?" for ch in text)

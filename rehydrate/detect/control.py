@@ -251,9 +251,12 @@ def _directory_lock(directory: str) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{directory} stayed locked for {LOCK_TIMEOUT:g}s "
-                                       "(another process starting a control socket "
-                                       "there?)") from None
+                    # Held by something else for long (a program of its own, a child
+                    # forked while a start held it): go on without it — losing the
+                    # control detector would be worse than the race the lock closes.
+                    log.warning("control socket: %s stayed locked for %gs; starting "
+                                "without the lock", directory, LOCK_TIMEOUT)
+                    break
                 time.sleep(0.005)
             except OSError:  # not supported here
                 break
@@ -278,9 +281,10 @@ class ControlServer:
         self._stop_r = self._stop_w = -1
         self._stopping = False
         self._lock = threading.Lock()
-        self._conns: dict[socket.socket, list[float]] = {}
+        self._conns: dict[socket.socket, list[float | None]] = {}
         """Open connections -> [time of their last request or of the accept, or inf while
-        a request runs] (the idlest one is closed when a new client needs its slot)."""
+        a request runs (the idlest one is closed when a new client needs its slot); the
+        accept's time when a request was queued already then, else None]."""
         self._started_at = 0.0
         self._last_prepare: float | None = None
         self._notices = 0  # restore/resume notices received (see prepare-snapshot)
@@ -411,11 +415,20 @@ class ControlServer:
                 log.error("control socket accept failed: %s", exc.strerror or exc)
                 select.select([self._stop_r], [], [], 0.1)  # e.g. EMFILE: do not spin
                 continue
+            accepted = time.monotonic()
+            # The accept's moment dates the first request only when that request was
+            # queued already (CRIU's post-dump notice, sent while the process was frozen);
+            # one a client sends later, after idling, is dated when it is read.
+            try:
+                queued: float | None = accepted if conn.recv(
+                    1, socket.MSG_PEEK | socket.MSG_DONTWAIT) else None
+            except OSError:  # nothing there yet (EAGAIN), or the client is gone
+                queued = None
             conn.setblocking(True)
             with self._lock:
                 busy = len(self._conns) >= MAX_CLIENTS and not self._evict_idlest()
                 if not busy:
-                    self._conns[conn] = [time.monotonic()]
+                    self._conns[conn] = [accepted, queued]
             if busy:
                 self._send(conn, {"ok": False, "error": "busy: too many clients"})
                 conn.close()
@@ -482,7 +495,7 @@ class ControlServer:
             state = self._conns.get(conn)
         # When the connection was accepted: its first request was sent by then, or soon
         # after (see "queued" in _dispatch).
-        accepted = state[0] if state is not None else None
+        accepted = state[1] if state is not None else None
         if not self._peer_allowed(conn):
             return
         idle_limit = IDLE_TIMEOUT

@@ -801,6 +801,12 @@ def test_the_api_key_echoed_by_a_gateway_is_shown_nowhere(
     ("Basic sampling params are invalid", "Basic sampling params are invalid"),
     ("Bearer tokens expired", "Bearer tokens expired"),
     ("api_key: missing in config", "api_key: missing in config"),
+    # credentials of letters only are still credentials
+    ("Authorization: Bearer AbCdEfGhIjKlMnOpQrStUvWxYz", "Authorization: [redacted]"),
+    ("invalid token: Bearer AbCdEfGhIjKlMnOpQrSt", "invalid token: Bearer [redacted]"),
+    ("api_key=QWERTYUIOPASDFGHJKLZXCVB", "api_key=[redacted]"),
+    ('{"x-api-key": "abcdef.ghijkl.mnopqr"}', '{"x-api-key": "[redacted]"}'),
+    ('{"x-api-key": "required"}', '{"x-api-key": "required"}'),
 ])
 def test_redaction_hides_credentials_but_keeps_a_servers_explanations(
         answer: str, quoted: str) -> None:
@@ -846,9 +852,10 @@ def test_only_what_can_be_shown_of_a_huge_answer_is_redacted(monkeypatch) -> Non
     seen: list[int] = []
     real = _server.redact
 
-    def measured(text: str, secrets=()):  # type: ignore[no-untyped-def]
-        seen.append(len(text))
-        return real(text, secrets)
+    def measured(text: str, secrets=(), *, patterns=True):  # type: ignore[no-untyped-def]
+        if patterns:  # the request's own secrets are replaced everywhere (linear)
+            seen.append(len(text))
+        return real(text, secrets, patterns=patterns)
 
     monkeypatch.setattr(_server, "redact", measured)
     request = httpx.Request("GET", "http://vllm.invalid/health")
@@ -857,3 +864,20 @@ def test_only_what_can_be_shown_of_a_huge_answer_is_redacted(monkeypatch) -> Non
     assert len(out) == 300 and seen == [1200]
     # and the URL pattern no longer starts at every position of a dotted run
     assert _server._URL.search("a." * 50 + "x") is None
+
+
+def test_the_adapters_key_deep_in_an_indented_page_is_never_cut_in_half() -> None:
+    """An indented HTML error page echoing the key around character 1200: cut to the
+    patterns' margin before the white space was collapsed, the key lost its tail, no
+    longer matched, and 37 of its 38 characters were shown."""
+    import httpx
+
+    from rehydrate.adapters import _server
+
+    key = "sk-live-0123456789abcdefghij0123456789"
+    request = httpx.Request("GET", "http://vllm.invalid/health",
+                            headers={"Authorization": f"Bearer {key}"})
+    response = httpx.Response(401, request=request)
+    page = "<html>" + " " * 1150 + f"echo: {key} " + "x " * 200
+    out = _server.answer_text(response, page)
+    assert key[:12] not in out and "[redacted]" in out, out

@@ -1425,3 +1425,25 @@ def test_two_instances_starting_at_one_path_never_take_each_others_socket(
         for e in engines:
             e.close()
     assert not os.path.exists(path)
+
+
+def test_a_resume_sent_late_on_an_idle_connection_ends_the_pass(server, engine,
+                                                                 sock_path) -> None:
+    """A client connects first and idles, a ``pre-dump`` save starts a pass, then the
+    client's first request, ``resume``, comes: it is dated when read (after the pass),
+    not at the accept — dated at the accept, it was taken for an earlier checkpoint's
+    and ended nothing (the process stayed ``snapshotting``)."""
+    idle = socket.socket(socket.AF_UNIX)
+    try:
+        idle.connect(sock_path)
+        wait_for(lambda: len(server._conns) == 1, 10.0)  # accepted, nothing queued
+        r = cli("notify", env={"REHYDRATE_CONTROL_SOCKET": sock_path,
+                               "CRTOOLS_SCRIPT_ACTION": "pre-dump"})
+        assert r.returncode == 0, r.stderr
+        assert engine.status().state == "snapshotting"
+        idle.sendall(b'{"cmd": "resume"}\n')
+        reply = json.loads(idle.makefile().readline())
+    finally:
+        idle.close()
+    assert reply["ok"] and not reply.get("deduplicated"), reply
+    assert engine.status().state == "ready"
