@@ -501,5 +501,7 @@ def test_post_dump_reaches_a_real_process_that_acts_on_it(engine: Lifecycle,
     proc, _ = _post_dump(sock_path)
     assert proc.returncode == 0 and proc.stderr == "", proc
     assert done.wait(10)
+    # the hook ran; the run ends (ready) a moment after it
+    assert engine.wait_ready(10), engine.status().state
     assert ran == [("resume", "control")]
     assert engine.status().state == "ready"
