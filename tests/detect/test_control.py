@@ -19,6 +19,7 @@ import time
 import tty
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from detect_helpers import in_forked_child, wait_for
@@ -1361,6 +1362,18 @@ def test_a_queued_post_dump_resume_does_not_end_the_next_dump_s_pass(
         return real(self, conn)
 
     monkeypatch.setattr(ControlServer, "_peer_allowed", slow_first)
+    real_accept = socket.socket.accept
+
+    def accept_when_queued(self: socket.socket) -> tuple[socket.socket, Any]:
+        # CRIU runs post-dump while the process is frozen: its accept loop runs only
+        # once the request is queued. Here it runs all along and could accept between
+        # the notifier's connect and its send; wait for the request as a thaw would.
+        conn, addr = real_accept(self)
+        if not first.is_set():
+            assert select.select([conn], [], [], DEADLINE)[0], "no request came"
+        return conn, addr
+
+    monkeypatch.setattr(socket.socket, "accept", accept_when_queued)
     served = server.served
     action("post-dump")  # dump A ends; its resume is queued
     assert late.wait(DEADLINE)  # accepted, not read yet
