@@ -154,14 +154,18 @@ class SGLangAdapter(ServerAdapter):
         """Resume the memory released before and check one generation (the after-restore
         hook)."""
         until = time.monotonic() + self.deadline
+        resumed = self.released
         async with self.client() as c:
-            if self.released:
+            if resumed:
                 await self._resume(c, until)
             else:
                 log.info("SGLang memory was not released by this process; not resumed")
             if self.canary:
                 await self.call(c, "GET", "/health_generate", until=until)
-        log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
+        if resumed:
+            log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
+        elif self.canary:
+            log.info("SGLang generating")
 
     async def _resume(self, client: httpx.AsyncClient, until: float) -> None:
         try:

@@ -288,6 +288,8 @@ def test_a_refused_release_is_not_resumed(url: str, standin: SGLangStandIn,
     messages = [r.getMessage() for r in caplog.records]
     assert ("SGLang did not release its memory (the release was refused or never sent): "
             "the next resume only checks generation") in messages
+    assert "SGLang generating" in messages
+    assert not [m for m in messages if "memory resumed" in m], "nothing was resumed"
     assert not [m for m in messages if "went unanswered" in m]
 
 
