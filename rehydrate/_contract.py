@@ -105,6 +105,11 @@ class Engine(Protocol):
 
     def add_status(self, key: str, fn: Callable[[], Any]) -> None: ...
 
+    def recovered(self, hook: str) -> bool:
+        """A required hook that failed in the last restore/resume run did its job since:
+        ready again once none of that run's failures is left."""
+        ...
+
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None: ...
 
     def set_restore_deadline(self, source: str, seconds: float | None) -> None:

@@ -179,6 +179,9 @@ class Lifecycle:
 
         self._cond = threading.Condition()
         self._state: State = "running"
+        self._faults: set[str] | None = None
+        """The required hooks that failed in the last restore/resume run while the process
+        is ``degraded`` by that run (see :meth:`recovered`); None in any other state."""
         self._generation = 0
         self._last_report: Report | None = None
         self._extra_status: dict[str, Callable[[], Any]] = {}
@@ -289,6 +292,7 @@ class Lifecycle:
         self._verdict_waiters = 0  # the parent's notice threads are not here either
         if self._state in ("snapshotting", "restoring"):
             self._state = "degraded"
+            self._faults = None
 
     # -- built-ins -------------------------------------------------------------------
 
@@ -564,7 +568,41 @@ class Lifecycle:
     def _set_state(self, state: State) -> None:
         with self._cond:
             self._state = state
+            self._faults = None  # a pass, or a run cut short: nothing a hook could mend
             self._cond.notify_all()
+
+    def recovered(self, hook: str) -> bool:
+        """A required hook that failed in the last restore/resume run has since done its
+        job another way — its certificate reloaded by the file watcher, its secret
+        reloaded, the connection it could not open opened by the application: forget that
+        failure. Once none of that run's failures is left, the process is ``ready`` again
+        (one ``INFO`` line) instead of ``degraded`` until the next restore.
+
+        ``hook``: the hook's name as reports show it. Returns True when this call made the
+        process ready. Does nothing (False) in any other case: not degraded, degraded by
+        a before-snapshot pass or by a run cut short, a run in progress, or a name that
+        did not fail in that run. The built-in certificate and secret managers call it
+        when a reload succeeds.
+        """
+        if not isinstance(hook, str):
+            raise TypeError(f"recovered(): hook must be a hook's name (str), not "
+                            f"{type(hook).__name__}")
+        with self._cond:
+            faults = self._faults
+            if self._state != "degraded" or faults is None or hook not in faults:
+                return False
+            faults.discard(hook)
+            if faults:
+                left = ", ".join(sorted(faults))
+            else:
+                self._state = "ready"
+                self._faults = None
+                self._cond.notify_all()
+        if faults:
+            log.info("hook %s recovered; still degraded by: %s", hook, left)
+            return False
+        log.info("hook %s recovered; ready again", hook)
+        return True
 
     # -- freeze watch ----------------------------------------------------------------
 
@@ -1374,6 +1412,7 @@ class Lifecycle:
         with self._cond:
             self._generation = generation
             self._state = "restoring"
+            self._faults = None
             self._cond.notify_all()
         # Logged at INFO only once the run is over (_log_run): a log line is I/O — to a
         # pipe that may be full — and in a restored clone the first one is slow besides
@@ -1388,6 +1427,8 @@ class Lifecycle:
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
+            self._faults = None if ok else {
+                r.name for r in results if r.required and r.outcome in ("failed", "timeout")}
             self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()

@@ -254,6 +254,9 @@ class Secret:
                 self.loads += 1
                 self._reason = ""
                 self._cond.notify_all()
+                # Under this lock: a later run's hook for this secret takes it too, so
+                # this success never takes back that run's failure.
+                engine.recovered(f"rehydrate.secret:{self.name}")
         if pending:
             _zero(fresh)
             why = _CLOSED if closed else _RESTORED if restored else _PENDING

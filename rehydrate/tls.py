@@ -525,6 +525,10 @@ class ManagedCertificate:
                     fn(self)
                 except Exception as exc:
                     errors.append(f"listener {fn!r}: {type(exc).__name__}: {exc}")
+            if not errors:
+                # Under the renewal lock: a later run's hook for this certificate waits
+                # for it, so this success never takes back that run's failure.
+                self._manager.engine.recovered(f"rehydrate.tls:{self.name}")
         if errors:
             raise CertificateError(f"certificate {self.name!r} renewed but: "
                                    + "; ".join(errors))

@@ -243,6 +243,87 @@ def test_required_failure_degrades_until_a_later_successful_run(rehydrate_engine
     assert rehydrate_engine.status().ready is True
 
 
+def test_recovered_hooks_make_a_degraded_process_ready_without_a_new_run(
+        rehydrate_engine, caplog):
+    """The required hooks that failed in the last restore run each report, later, that
+    they did their job another way: once none is left the process is ready again — no
+    new restore needed. Anything else is a no-op that says False."""
+    reg = rehydrate_engine.registry
+    waiting = threading.Event()
+    release = threading.Event()
+
+    @reg.after_restore(name="db")
+    def db():
+        raise ConnectionError("db down")
+
+    @reg.after_restore(name="cache", timeout=0.05)
+    async def cache():
+        await asyncio.sleep(10)
+
+    @reg.after_restore(name="warm", required=False)
+    def warm():
+        raise RuntimeError("optional")
+
+    assert rehydrate_engine.recovered("db") is False  # running: nothing to recover
+    with pytest.raises(TypeError, match="hook's name"):
+        rehydrate_engine.recovered(db)
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok and rehydrate_engine.state == "degraded"
+    assert rehydrate_engine.recovered("warm") is False  # optional: never degraded it
+    assert rehydrate_engine.recovered("elsewhere") is False
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    assert rehydrate_engine.recovered("db") is False  # "cache" (a timeout) is left
+    assert rehydrate_engine.state == "degraded" and not rehydrate_engine.is_ready()
+    assert rehydrate_engine.recovered("db") is False  # once only
+    assert rehydrate_engine.recovered("cache") is True
+    assert rehydrate_engine.state == "ready" and rehydrate_engine.is_ready()
+    assert rehydrate_engine.wait_ready(timeout=0) is True
+    assert rehydrate_engine.recovered("cache") is False  # ready: nothing to recover
+    messages = [r.getMessage() for r in caplog.records]
+    assert "hook db recovered; still degraded by: cache" in messages
+    assert "hook cache recovered; ready again" in messages
+
+    # A new failed run starts over: the previous run's recoveries do not count.
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert not report.ok and rehydrate_engine.state == "degraded"
+    assert rehydrate_engine.recovered("db") is False
+    assert rehydrate_engine.state == "degraded"
+
+    # While a run is in progress nothing is recovered (its own outcome decides).
+    reg.unregister("cache")
+    @reg.after_restore(name="slow")
+    def slow():
+        waiting.set()
+        assert release.wait(10)
+
+    run = threading.Thread(target=rehydrate_engine.simulate_restore)
+    run.start()
+    try:
+        assert waiting.wait(10)
+        assert rehydrate_engine.state == "restoring"
+        assert rehydrate_engine.recovered("db") is False
+    finally:
+        release.set()
+        run.join(10)
+    assert rehydrate_engine.state == "degraded"  # db failed again in that run
+    assert rehydrate_engine.recovered("db") is True
+
+
+def test_a_failed_snapshot_pass_is_not_recovered_by_hook_name(rehydrate_engine):
+    """Degraded by a before-snapshot pass: the process holds no keys until the next
+    restore (snapshot pending), so no hook's recovery makes it ready."""
+    reg = rehydrate_engine.registry
+
+    @reg.before_snapshot(name="flush")
+    def flush():
+        raise OSError("disk full")
+
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.state == "degraded"
+    assert rehydrate_engine.recovered("flush") is False
+    assert rehydrate_engine.state == "degraded" and rehydrate_engine.snapshot_pending
+
+
 def test_optional_failure_is_reported_but_keeps_ready(rehydrate_engine):
     reg = rehydrate_engine.registry
 

@@ -565,3 +565,22 @@ def test_a_load_that_was_running_when_the_secret_closed_is_discarded(rehydrate_e
     assert not s.available and s.loads == 1
     with pytest.raises(SecretUnavailable, match="closed"):
         s.get()
+
+
+def test_a_secret_missing_at_restore_then_reloaded_makes_the_process_ready_again(
+        rehydrate_engine, secret_file):
+    """A clone restored before its Secret mount was filled: the required secret's hook
+    fails (degraded); once the file is there and the secret reloads, the process is ready
+    again — not out of rotation until the next restore."""
+    s = Secret.from_file(secret_file, strip=True, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    secret_file.unlink()
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    assert rehydrate_engine.status().state == "degraded"
+    assert not s.reload()  # still missing: nothing changes
+    assert rehydrate_engine.status().state == "degraded"
+    secret_file.write_bytes(b"mounted-late\n")
+    assert s.reload()
+    assert s.get() == b"mounted-late"
+    assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()

@@ -683,10 +683,13 @@ def test_bad_files_keep_previous_material(rehydrate_engine, secret_dir, caplog, 
         assert rehydrate_engine.status().state == "degraded"
         assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
-        # fixed files are picked up by the watcher and by the next restore
+        # fixed files are picked up by the watcher — the process is ready again at once,
+        # not degraded until the next restore — and by the next restore
         files3, third = _bundle(ca)
         secret_dir.publish(files3)
         wait_until(lambda: cert.serial == third.serial_number, what="the fixed certificate")
+        wait_until(rehydrate_engine.is_ready, what="readiness back")
+        assert rehydrate_engine.status().state == "ready"
         assert rehydrate_engine.simulate_restore().ok
         assert rehydrate_engine.status().state == "ready"
     finally:
