@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -298,6 +298,23 @@ def _deadline_thread() -> threading.Thread | None:
                  if t.name == "rehydrate-snapshot-deadline"), None)
 
 
+def _start_until(thread: threading.Thread, reached: Callable[[], object]) -> None:
+    """Start the notice's ``thread`` and wait until ``reached()``: the engine counts it
+    (``_notices``) or it waits for the freeze watch's verdict (``_verdict_waiters``)."""
+    thread.start()
+    give_up = time.monotonic() + GIVE_UP
+    while not reached():
+        assert time.monotonic() < give_up, "the notice never got that far"
+        time.sleep(0.001)
+
+
+def _assert_the_deadline_waits(deferred: _Deferred, runs: _Runs, while_: str) -> None:
+    """The deadline passes with the notice still on its way: it must wait for it
+    (``deferred`` sees it say so), not run the hooks itself."""
+    assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
+    assert not runs.ran.is_set(), f"the deadline ran while {while_}"
+
+
 def _duplicate_notice_in_flight(engine: Lifecycle
                                 ) -> tuple[threading.Event, threading.Thread,
                                            threading.Thread]:
@@ -311,11 +328,7 @@ def _duplicate_notice_in_flight(engine: Lifecycle
     assert watch is not None
     thread = threading.Thread(target=lambda: engine.restore_detected(
         "control", kind="resume", key="k1"), name="notice")
-    thread.start()
-    give_up = time.monotonic() + GIVE_UP
-    while not engine._notices:
-        assert time.monotonic() < give_up
-        time.sleep(0.001)
+    _start_until(thread, lambda: engine._notices)
     return gate, watch, thread
 
 
@@ -352,14 +365,9 @@ def test_a_notice_in_flight_when_the_deadline_passes_runs_the_hooks_once(
     thread = threading.Thread(
         target=lambda: reports.append(engine.restore_detected(reason, **kw)), name="notice")
     if notice == "resume":
-        thread.start()
-        give_up = time.monotonic() + GIVE_UP
-        while not engine._notices:
-            assert time.monotonic() < give_up
-            time.sleep(0.001)
+        _start_until(thread, lambda: engine._notices)
     # the deadline passes: it runs (before) or waits for the notice (now)
-    assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
-    assert not runs.ran.is_set(), "the deadline ran while a notice was in flight"
+    _assert_the_deadline_waits(deferred, runs, "a notice was in flight")
     if notice == "resume":
         gate.set()
     else:
@@ -384,8 +392,7 @@ def test_a_duplicate_notice_in_flight_leaves_the_run_to_the_deadline(
     del runs.runs[:]
     runs.ran.clear()
     gate, watch, thread = _duplicate_notice_in_flight(engine)
-    assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
-    assert not runs.ran.is_set(), "the deadline ran while a notice was in flight"
+    _assert_the_deadline_waits(deferred, runs, "a notice was in flight")
     gate.set()
     thread.join(GIVE_UP)
     watch.join(GIVE_UP)
@@ -488,14 +495,9 @@ def test_a_notice_waiting_for_the_freeze_watchs_verdict_is_in_flight(
         reports.append(engine.restore_detected("control", since=since))
 
     thread = threading.Thread(target=notice, name="notice")
-    thread.start()
-    give_up = time.monotonic() + GIVE_UP
-    while not engine._verdict_waiters:
-        assert time.monotonic() < give_up
-        time.sleep(0.001)
+    _start_until(thread, lambda: engine._verdict_waiters)
     # the deadline passes while the notice waits: it runs (before) or waits (now)
-    assert deferred.seen.wait(GIVE_UP) or runs.ran.is_set(), "the deadline never passed"
-    assert not runs.ran.is_set(), "the deadline ran while a notice waited for the verdict"
+    _assert_the_deadline_waits(deferred, runs, "a notice waited for the verdict")
     now = clock.monotonic()
     engine.freeze_noticed(now - 0.6, now)  # the watch's verdict: frozen since
     thread.join(GIVE_UP)

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import tty
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -1229,6 +1229,40 @@ def _own_answer_after_the_late_one(eng: Lifecycle, waiter: GVisorDetector,
     assert eng.is_ready() and eng.status().state == "ready"
 
 
+def _trigger_2_after_the_late_answer(
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch, *,
+        after_read: bool,
+        late_answer: Callable[[_SlowWaiter, GVisorDetector, FakePlatform], None]) -> None:
+    """Trigger 1 times out; with the waiter slowed (:class:`_SlowWaiter`, ``after_read``),
+    ``late_answer(slow, waiter, platform)`` sets up checkpoint 1's late answer, then
+    trigger 2 runs: it must return its own checkpoint's answer
+    (:func:`_own_answer_after_the_late_one`), its ``1`` written once the waiter had
+    opened the file again."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        slow = _SlowWaiter(platform, monkeypatch, after_read=after_read)
+        waiter = start_waiter(iso_engine, pty_proc)
+        _timed_out_trigger(iso_engine, platform)
+        slow.watch(waiter)
+        handled, opens = waiter.status()["answers"], waiter.status()["opens"]
+        late_answer(slow, waiter, platform)
+        before = len(rec.calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(trigger_snapshot, iso_engine, timeout=4 * DEADLINE)
+            slow.release_when_trigger_2_wrote_or_waits()
+            _own_answer_after_the_late_one(iso_engine, waiter, platform, rec, second,
+                                           before, handled)
+        # written once the waiter had opened the file again: on gVisor, the descriptor
+        # that gave checkpoint 1's answer would not get checkpoint 2's
+        assert slow.opens_at_write == [opens + 1]
+    finally:
+        slow.released.set()
+        iso_engine.stop()
+        monkeypatch.undo()
+        platform.close()
+
+
 @pytest.mark.parametrize("late", [b"resume\n", b"garbage\n"])
 def test_a_late_answer_read_but_not_yet_stamped_is_not_the_retried_triggers(
         iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch,
@@ -1240,31 +1274,14 @@ def test_a_late_answer_read_but_not_yet_stamped_is_not_the_retried_triggers(
     returns its own answer (before: the answer was stamped after trigger 2's write and
     taken for its own — ``resume`` returned and the resume hooks ended trigger 2's pass
     while checkpoint 2 was pending; a bad one failed trigger 2)."""
-    platform = FakePlatform(pty_proc, reply=None)
-    try:
-        rec = Recorder(iso_engine)
-        slow = _SlowWaiter(platform, monkeypatch, after_read=True)
-        waiter = start_waiter(iso_engine, pty_proc)
-        _timed_out_trigger(iso_engine, platform)
-        slow.watch(waiter)
-        handled, opens = waiter.status()["answers"], waiter.status()["opens"]
+    def read_but_not_handled(slow: _SlowWaiter, waiter: GVisorDetector,
+                             platform: FakePlatform) -> None:
         slow.armed.set()
         os.write(platform.master, late)  # checkpoint 1's late answer
         assert slow.held.wait(DEADLINE)  # read, not handled: the waiter is held
-        before = len(rec.calls)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            second = pool.submit(trigger_snapshot, iso_engine, timeout=4 * DEADLINE)
-            slow.release_when_trigger_2_wrote_or_waits()
-            _own_answer_after_the_late_one(iso_engine, waiter, platform, rec, second,
-                                           before, handled)
-        # written once the waiter had opened the file again: on gVisor, the descriptor
-        # that gave checkpoint 1's answer would not get checkpoint 2's
-        assert slow.opens_at_write == [opens + 1]
-    finally:
-        slow.released.set()
-        iso_engine.stop()
-        monkeypatch.undo()
-        platform.close()
+
+    _trigger_2_after_the_late_answer(iso_engine, pty_proc, monkeypatch, after_read=True,
+                                     late_answer=read_but_not_handled)
 
 
 def test_a_late_answer_readable_once_the_waiter_looked_quiet_is_not_the_retried_triggers(
@@ -1274,14 +1291,8 @@ def test_a_late_answer_readable_once_the_waiter_looked_quiet_is_not_the_retried_
     (``_trigger_writes``), and the waiter is slow to take it. The answer is checkpoint
     1's: trigger 2 waits for its own (before: the waiter stamped the answer after trigger
     2's write and it was taken for trigger 2's)."""
-    platform = FakePlatform(pty_proc, reply=None)
-    try:
-        rec = Recorder(iso_engine)
-        slow = _SlowWaiter(platform, monkeypatch, after_read=False)
-        waiter = start_waiter(iso_engine, pty_proc)
-        _timed_out_trigger(iso_engine, platform)
-        slow.watch(waiter)
-        handled, opens = waiter.status()["answers"], waiter.status()["opens"]
+    def readable_as_trigger_2_writes(slow: _SlowWaiter, waiter: GVisorDetector,
+                                     platform: FakePlatform) -> None:
         real_writes = waiter._trigger_writes
 
         def late_answer_then_writes(*args):  # type: ignore[no-untyped-def]
@@ -1293,20 +1304,9 @@ def test_a_late_answer_readable_once_the_waiter_looked_quiet_is_not_the_retried_
             return real_writes(*args)
 
         monkeypatch.setattr(waiter, "_trigger_writes", late_answer_then_writes)
-        before = len(rec.calls)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            second = pool.submit(trigger_snapshot, iso_engine, timeout=4 * DEADLINE)
-            slow.release_when_trigger_2_wrote_or_waits()
-            _own_answer_after_the_late_one(iso_engine, waiter, platform, rec, second,
-                                           before, handled)
-        # written once the waiter had opened the file again: on gVisor, the descriptor
-        # that gave checkpoint 1's answer would not get checkpoint 2's
-        assert slow.opens_at_write == [opens + 1]
-    finally:
-        slow.released.set()
-        iso_engine.stop()
-        monkeypatch.undo()
-        platform.close()
+
+    _trigger_2_after_the_late_answer(iso_engine, pty_proc, monkeypatch, after_read=False,
+                                     late_answer=readable_as_trigger_2_writes)
 
 
 @pytest.mark.parametrize("failure", ["write refused: a checkpoint in progress",
