@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -97,6 +98,9 @@ HELD_FSTYPES = frozenset({
 """File system types whose content the snapshot holds (memory-backed or pseudo)."""
 
 _DELETED = " (deleted)"
+
+_TMP_ATTEMPTS = 8
+"""Random temporary names tried for a new identity file before giving up."""
 
 
 class FileGone(FileNotFoundError):
@@ -577,25 +581,46 @@ class Volume:
         ident = self._read()
         if ident is not None:
             return ident
-        import secrets
-
-        token = secrets.token_hex(16)
-        tmp = f"{self.identity_file}.{os.getpid()}.tmp"
         try:
-            with builtins.open(tmp, "x", encoding="ascii") as f:
-                f.write(token + "\n")
-            os.link(tmp, self.identity_file)  # never replaces an identity written meanwhile
-        except FileExistsError:
-            pass
+            self._create()
         except OSError as exc:
             log.warning("volume %s: no identity file (%s); a swapped volume is detected "
                         "only by its files' size and times", self.mount_point,
                         exc.strerror or exc)
             return None
+        ident = self._read()
+        if ident is None:
+            log.warning("volume %s: identity file %s is empty; a swapped volume is detected "
+                        "only by its files' size and times", self.mount_point,
+                        self.identity_file)
+        return ident
+
+    def _create(self) -> None:
+        """Write a new identity through a temporary file of our own, linked into place."""
+        import secrets
+
+        token = secrets.token_hex(16)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        for _ in range(_TMP_ATTEMPTS):
+            # A random name, not the PID: a temporary file left by a killed run (PID 1 in
+            # every container) or being written by a clone of this very process (same
+            # PID) is another writer's, neither reused nor deleted.
+            tmp = f"{self.identity_file}.{secrets.token_hex(8)}.tmp"
+            try:
+                fd = os.open(tmp, flags, 0o666)
+            except FileExistsError:
+                continue
+            break
+        else:
+            raise OSError(errno.EEXIST, f"no free temporary file name in {_TMP_ATTEMPTS} tries")
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(token + "\n")
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, self.identity_file)  # never replaces an identity written meanwhile
         finally:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        return self._read()
+                os.unlink(tmp)  # ours: O_EXCL made it
 
     def _suspend(self) -> None:
         self._before = self._read()
@@ -710,10 +735,29 @@ def _mount_of(path: str, table: list[MountInfo]) -> MountInfo | None:
     return best
 
 
+def _unlinked(link: str, target: str) -> bool:
+    """Whether the file behind ``link`` (a ``/proc/PID/fd`` entry whose ``target`` ends in
+    " (deleted)") is deleted, or a live file whose name merely ends that way."""
+    try:
+        st = os.stat(link)  # follows the fd's magic link to the open file itself
+    except OSError:
+        return True  # closed meanwhile, or not ours to stat: the kernel's suffix is all
+    if st.st_nlink == 0:
+        return True
+    # Linked somewhere; it is live under this name only when the name is this file (a
+    # file deleted at its path but hard-linked elsewhere, or a link count a network file
+    # system reports stale, is still deleted for a checkpoint that reopens by path).
+    try:
+        return not os.path.samestat(st, os.stat(target))
+    except OSError:
+        return True
+
+
 def open_files(pid: int | str = "self", *, proc: str = "/proc",
                held: Iterable[str] | None = None) -> list[OpenFile]:
     """Descriptors of process ``pid`` open on volumes (mounts the snapshot does not hold),
-    from ``/proc/PID/fd`` and ``/proc/PID/mountinfo``; deleted files are flagged."""
+    from ``/proc/PID/fd`` and ``/proc/PID/mountinfo``; deleted files are flagged (a live file
+    whose name ends in " (deleted)" is not)."""
     table = mounts(pid, proc=proc, held=held)
     fd_dir = f"{proc}/{pid}/fd"
     out = []
@@ -724,7 +768,7 @@ def open_files(pid: int | str = "self", *, proc: str = "/proc",
             continue  # closed meanwhile (the listing's own descriptor, for one)
         if not target.startswith("/"):
             continue  # pipe:[…], socket:[…], anon_inode:…, host:[…]
-        deleted = target.endswith(_DELETED)
+        deleted = target.endswith(_DELETED) and _unlinked(f"{fd_dir}/{name}", target)
         path = target[: -len(_DELETED)] if deleted else target
         m = _mount_of(path, table)
         if m is None or m.held:

@@ -191,6 +191,70 @@ def test_swapped_volume_marks_its_handles_changed(engine, tmp_path: Path) -> Non
                                   "changed": True}]
 
 
+def _identity_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == 30 and "a swapped volume is detected only" in r.getMessage()]
+
+
+def test_a_leftover_temporary_identity_file_is_neither_reused_nor_deleted(
+        engine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A temporary file named after the PID, left by a run killed mid-create (PID 1 in a
+    container) or being written by a same-PID clone, made the volume go without identity
+    (so a swap was never reported), silently, and was deleted from under its writer."""
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    leftover = vol / f"{files.IDENTITY_FILE}.{os.getpid()}.tmp"
+    leftover.write_text("another writer's\n")
+    v = files.volume(vol, engine=engine)
+    ident = (vol / files.IDENTITY_FILE).read_text().strip()
+    assert v.identity == ident and len(ident) == 32
+    assert leftover.read_text() == "another writer's\n"
+    assert sorted(os.listdir(vol)) == sorted([files.IDENTITY_FILE, leftover.name])
+    assert _identity_warnings(caplog) == []
+
+
+def test_identity_temporary_names_are_random_and_a_taken_one_is_skipped(
+        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import secrets
+
+    real = secrets.token_hex
+    names = iter(["taken", "free"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n=None: next(names) if n == 8 else real(n))
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    taken = vol / f"{files.IDENTITY_FILE}.taken.tmp"
+    taken.write_text("another writer's\n")
+    v = files.volume(vol, engine=engine)
+    assert v.identity is not None and len(v.identity) == 32
+    assert next(names, None) is None, "the taken name was skipped for another"
+    assert taken.read_text() == "another writer's\n"
+    assert sorted(os.listdir(vol)) == sorted([files.IDENTITY_FILE, taken.name])
+
+    # Every name taken: no identity, said in one line.
+    monkeypatch.setattr(secrets, "token_hex", lambda n=None: "taken" if n == 8 else real(n))
+    vol2 = tmp_path / "vol2"
+    vol2.mkdir()
+    (vol2 / f"{files.IDENTITY_FILE}.taken.tmp").write_text("")
+    assert files.volume(vol2, engine=engine).identity is None
+    warnings = _identity_warnings(caplog)
+    assert warnings == [f"volume {vol2}: no identity file (no free temporary file name in "
+                        f"{files._TMP_ATTEMPTS} tries); a swapped volume is detected only "
+                        "by its files' size and times"], warnings
+
+
+def test_an_empty_identity_file_is_warned_about(
+        engine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / files.IDENTITY_FILE).write_text("")
+    assert files.volume(vol, engine=engine).identity is None
+    warnings = _identity_warnings(caplog)
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert f"identity file {vol / files.IDENTITY_FILE} is empty" in warnings[0]
+    assert (vol / files.IDENTITY_FILE).read_text() == "", "never replaced"
+
+
 def _fake_proc(root: Path, vol: Path, fds: dict[int, str]) -> Path:
     """A /proc tree with ``self/mountinfo`` declaring ``vol`` a 9p volume, ``self/fd``."""
     proc = root / "proc"
@@ -236,6 +300,46 @@ def test_audit_fails_the_snapshot_on_a_deleted_volume_file(
 
     mgr.fail_on_deleted = False  # outside gVisor: a warning only
     assert engine.simulate_snapshot().ok
+
+
+def test_a_live_file_named_like_a_deleted_one_is_not_deleted(
+        engine, tmp_path: Path) -> None:
+    """The kernel marks a deleted file by appending " (deleted)" to its fd's link; a live
+    file whose name ends that way failed the snapshot (under gVisor) naming another path.
+    The real /proc/self/fd, with a mountinfo that makes ``vol`` a volume."""
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text(
+        "16 15 0:17 / / ro - 9p none ro,trans=fd\n"
+        f"20 16 0:20 / {vol} rw - 9p none rw,trans=fd\n")
+    os.symlink("/proc/self/fd", proc / "self" / "fd")
+    mgr = files.manager(engine)
+    mgr.proc = str(proc)
+    mgr.fail_on_deleted = True
+    with open(vol / "report (deleted)", "w") as live:
+        assert engine.simulate_snapshot().ok
+        [found] = engine.status().extra["files"]["last_audit"]
+        assert (found["fd"], found["path"], found["deleted"]) == (
+            live.fileno(), f"{vol}/report (deleted)", False)
+
+        # Really deleted: a plain name, a name ending in " (deleted)", and a file still
+        # hard-linked elsewhere (its link count is 1, the name it was opened by is gone).
+        held = [open(vol / name, "w") for name in ("gone", "x (deleted)", "linked")]
+        os.link(vol / "linked", vol / "other-name")
+        for name in ("gone", "x (deleted)", "linked"):
+            os.unlink(vol / name)
+        try:
+            report = engine.simulate_snapshot()
+            assert not report.ok
+            err = str(_hook(report, "rehydrate.files.audit").error)
+            for f, name in zip(held, ("gone", "x (deleted)", "linked")):
+                assert f"{vol}/{name} (fd {f.fileno()} on {vol})" in err, err
+            assert "report" not in err, err
+        finally:
+            for f in held:
+                f.close()
 
 
 def test_doctor_files_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
