@@ -13,7 +13,7 @@ its deadline; one that missed it makes the report fail (the process stays ``degr
 not ready) and the error names the connection and its last error. *Optional* ones
 (``required=False``) reopen in the background, bounded by their own deadline: they never
 hold the run or readiness (outcome in ``status()``, a failure logged once); a snapshot
-stops such a reopen before closing them.
+stops such a reopen before closing them, and ``engine.close()`` closes one it stops.
 
 Only what may be open is closed: a ``close`` that takes the value is not called without
 one (never opened, every open failed).
@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import inspect
 import logging
 import math
@@ -225,6 +226,11 @@ class Connection:
         :meth:`ConnectionManager._settle`)."""
         self._background: _Background | None = None
         """The reopen of an optional connection that a restore run left going."""
+        self._given_up: int | None = None
+        """The epoch of a run abandoned at its deadline (see :meth:`_keep`)."""
+        self._closing: threading.Thread | None = None
+        """The background close of a (re)open the engine's close stopped (tests wait
+        for it)."""
 
     def _closes(self) -> object:
         """What closing this registration would close (see ``_resource``)."""
@@ -286,10 +292,41 @@ class Connection:
         with self._lock:
             return epoch == self._epoch
 
-    def _retire(self) -> None:
-        """No longer managed: a run still in progress (a background open) stops."""
+    def _live(self, epoch: int) -> bool:
+        """Whether what run ``epoch``'s ``open`` returns now is kept: no newer run (a
+        snapshot, a restore, unregister(), the engine's close) took over and its deadline
+        did not give up on it."""
+        with self._lock:
+            return epoch == self._epoch and epoch != self._given_up
+
+    def _keep(self, epoch: int, value: Any) -> bool:
+        """Put what run ``epoch``'s ``open`` returned in place, in one step with the
+        check that the run is still :meth:`_live` (an open finishing late on its thread
+        otherwise installed its object after a close, or under a ``failed`` state).
+        ``None`` leaves the previous value: a close that takes the value would only
+        close that stale one again."""
+        with self._lock:
+            if epoch != self._epoch or epoch == self._given_up:
+                return False
+            if value is not None:
+                self.value, self._released = value, False
+            return True
+
+    def _retire(self) -> tuple[int, State]:
+        """No longer managed: a run still in progress (a background open) stops.
+        Returns the new epoch (no run has it) and the state the stopped run left."""
         with self._lock:
             self._epoch += 1
+            return self._epoch, self.state
+
+    def _go_on(self, epoch: int) -> int | None:
+        """The epoch of a run going on where run ``epoch`` stopped (same state), or None
+        when that one is no longer current."""
+        with self._lock:
+            if epoch != self._epoch:
+                return None
+            self._epoch += 1
+            return self._epoch
 
     def _begin(self, state: State) -> tuple[int, State]:
         """Start a new run (older runs become stale); returns (epoch, previous state)."""
@@ -352,26 +389,63 @@ class Connection:
         True when this attempt's ``open`` returned something ``close`` may release."""
         if self.open_fn is not None:
             self._set(epoch, step="open")
-            value = await call(self.open_fn)
-            # open() returning None leaves the previous value in place: a close that
-            # takes the value would only close that stale one again
-            opened[0] = value is not None or (self.close_fn is not None
-                                              and _arity(self.close_fn) == 0)
-            if not self._set(epoch, **({} if value is None else {"value": value,
-                                                                 "_released": False})):
-                # A newer run (a snapshot, a restore) or unregister() took over while this
-                # open ran: what it opened is nobody's, so close it when that can be said.
-                if (value is not None and self.close_fn is not None
-                        and _arity(self.close_fn) >= 1):
+            if _is_async(self.open_fn):
+                token = _RUN.set((self, epoch))
+                try:
+                    value = await call(self.open_fn)
+                finally:
+                    _RUN.reset(token)
+                kept = self._keep(epoch, value)
+                if not kept and self._disposes(value):
                     try:
                         await call(self.close_fn, value)
                     except Exception as exc:
                         log.debug("connection %s: closing a superseded open: %s",
                                   self.name, _describe(exc))
+            else:
+                # Kept or closed on the open's own thread, in the same call: awaited from
+                # the loop, a call abandoned there (a snapshot, the engine's close, the
+                # deadline) still ends on its thread, and what it returned was dropped.
+                value, kept = await call(self._open_and_keep, epoch)
+            if not kept:
+                # A newer run (a snapshot, a restore) or unregister() took over while this
+                # open ran, or its deadline gave up on it: what it opened is nobody's.
                 raise _Superseded
+            opened[0] = value is not None or (self.close_fn is not None
+                                              and _arity(self.close_fn) == 0)
         if self.check_fn is not None:
             self._set(epoch, step="check")
             await call(self.check_fn, *self._args(self.check_fn))
+
+    def _disposes(self, value: Any) -> bool:
+        """Whether an open's ``value`` that no run keeps can be closed: by a ``close``
+        that takes it. One without an argument closes what the connection holds now,
+        perhaps a newer run's (a helper such as :func:`tcp_socket` discards its own)."""
+        return (value is not None and self.close_fn is not None
+                and _arity(self.close_fn) >= 1)
+
+    def _open_and_keep(self, epoch: int) -> tuple[Any, bool]:
+        """Run a sync ``open`` for run ``epoch`` and :meth:`_keep` what it returns, or
+        close it when the run is over (on this thread, which may have been abandoned)."""
+        assert self.open_fn is not None
+        token = _RUN.set((self, epoch))
+        try:
+            value = _guarded(self.open_fn)
+        finally:
+            _RUN.reset(token)
+        if self._keep(epoch, value):
+            return value, True
+        if self._disposes(value):
+            assert self.close_fn is not None
+            try:
+                if _is_async(self.close_fn):  # no loop runs here: one of its own
+                    asyncio.run(_guarded_async(self.close_fn, value))
+                else:
+                    _guarded(self.close_fn, value)
+            except Exception as exc:
+                log.debug("connection %s: closing a superseded open: %s",
+                          self.name, _describe(exc))
+        return value, False
 
     async def reopen(self, epoch: int, deadline_at: float, close_first: bool = True) -> bool:
         """Close the stale connection (if still open), then open + check with backoff until
@@ -445,6 +519,12 @@ class _Background:
 
 class _Superseded(Exception):
     """A newer run of the same connection took over while an attempt was running."""
+
+
+_RUN: contextvars.ContextVar[tuple[Connection, int] | None] = contextvars.ContextVar(
+    "rehydrate_connection_run", default=None)
+"""The connection and run (epoch) an ``open`` being called belongs to: a helper that puts
+its object in place itself (:class:`ManagedSocket`) keeps it only while that run is live."""
 
 
 async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
@@ -578,10 +658,49 @@ class ConnectionManager:
         return True
 
     def close(self) -> None:
-        """The engine is closing: background opens stop; the connections stay as they are."""
+        """The engine is closing: background (re)opens stop. An open connection stays as
+        it is; one still (re)opening was left saying so for good: it is closed instead —
+        what it holds released in the background (:data:`CLOSE_TIMEOUT`), then
+        ``closed`` (``failed`` when that close fails) — and what an ``open`` still running
+        on its thread returns later is closed, not kept."""
         for conn in self.all():
-            conn._retire()
+            epoch, state = conn._retire()  # in one step: a run ending now changes neither
             self._cancel_background(conn)
+            if state in ("opening", "reconnecting"):
+                self._close_stopped(conn, epoch)
+
+    def _close_stopped(self, conn: Connection, epoch: int) -> None:
+        """Close ``conn``, whose (re)open the engine's close stopped, without blocking
+        the close: on a thread of its own with a loop of its own (the hooks' loop stops
+        with the engine)."""
+        if not conn._holds():
+            conn._set(epoch, state="closed", step=None)
+            return
+        why = "the engine closed while it (re)opened"
+        conn._set(epoch, state="closing", step=f"close ({why})")
+
+        def run() -> None:
+            try:
+                asyncio.run(asyncio.wait_for(conn.close_async(), CLOSE_TIMEOUT))
+            except Exception as exc:
+                msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
+                       if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
+                if conn._set(epoch, state="failed", step=None,
+                             last_error=f"{why}; closing it failed: {msg}"):
+                    log.warning("connection %s: %s; closing it failed: %s", conn.name,
+                                why, msg)
+            else:
+                conn._set(epoch, state="closed", step=None)
+
+        thread = threading.Thread(target=run, name=f"rehydrate-close-{conn.name}",
+                                  daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no new thread (interpreter shutdown)
+            conn._set(epoch, state="failed", step=None,
+                      last_error=f"{why}; not closed: {_describe(exc)}")
+        else:
+            conn._closing = thread
 
     def get(self, name: str) -> Connection | None:
         with self._lock:
@@ -856,8 +975,11 @@ class ConnectionManager:
         if target is not dying and not target.is_closed():
             async def again() -> None:
                 try:
-                    if conn._current(epoch):
-                        self._start_background(conn, epoch, deadline_at, stale=False)
+                    # A run of its own: an attempt of the ended one still running on its
+                    # thread (a tcp_socket connect) then cannot replace what this one opens.
+                    new = conn._go_on(epoch)
+                    if new is not None:
+                        self._start_background(conn, new, deadline_at, stale=False)
                 finally:
                     done.set_result(None)
 
@@ -944,6 +1066,8 @@ class ConnectionManager:
         except asyncio.TimeoutError:
             with conn._lock:
                 running = conn.step if conn._epoch == epoch else None
+                if conn._epoch == epoch:  # what the abandoned attempt opens is not kept
+                    conn._given_up = epoch
             note = f"({running or 'an attempt'} was still running at the deadline)"
             conn._set(epoch, last_error=f"{conn.last_error} {note}" if conn.last_error
                       else note)
@@ -1414,11 +1538,17 @@ class ManagedSocket:
                                   "connected (yet)")
         return s
 
-    def connect(self, deadline_at: float | None = None) -> socket.socket:
+    def connect(self, deadline_at: float | None = None, *,
+                current: Callable[[], bool] | None = None) -> socket.socket:
         """Connect (with ``timeout``, but never past ``deadline_at``, a
         ``time.monotonic()``): a connect abandoned at the deadline otherwise kept its
         thread and file descriptor for the whole timeout (minutes of SYN retries with
-        ``timeout=None`` to a peer that drops packets), once per restore."""
+        ``timeout=None`` to a peer that drops packets), once per restore.
+
+        ``current``: whether the run this connect belongs to is still the live one,
+        asked when its socket would be put in place (:func:`tcp_socket` passes it): a
+        connect of an older run finishing late closes its socket instead of replacing
+        a newer run's."""
         timeout = self.timeout
         if deadline_at is not None:
             left = max(0.01, deadline_at - time.monotonic())
@@ -1432,12 +1562,16 @@ class ManagedSocket:
         # connect as long as it may) between the two would otherwise be missed, and the
         # socket it came too late for kept, live, in the snapshot.
         with self._lock:
-            overtaken = self._final or self._closes != closes
+            ended = current is not None and not current()
+            overtaken = self._final or self._closes != closes or ended
             old, self._sock = (new, self._sock) if overtaken else (self._sock, new)
         if old is not None:
             old.close()  # the one replaced, or this one when a close overtook it
         if overtaken and self._final:
             return self.sock  # raises: closed for good
+        if ended:
+            raise ConnectionError(f"socket to {self.address[0]}:{self.address[1]}: "
+                                  "connected for a run that has ended")
         if overtaken:
             raise ConnectionError(f"socket to {self.address[0]}:{self.address[1]} was "
                                   "closed while it connected")
@@ -1505,7 +1639,11 @@ def tcp_socket(
     managed: list[Connection] = []
 
     def connect() -> socket.socket:  # capped by the deadline of the run it is part of
-        return ms.connect(managed[0].deadline_at if managed else None)
+        run = _RUN.get()
+        if not managed or run is None or run[0] is not managed[0]:
+            return ms.connect(managed[0].deadline_at if managed else None)
+        conn, epoch = run
+        return ms.connect(conn.deadline_at, current=lambda: conn._live(epoch))
 
     managed.append(manager(engine).register(
         _connection(name, open=connect, close=ms.close, check=chk, required=required,

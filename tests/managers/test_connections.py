@@ -2138,7 +2138,7 @@ def test_a_background_reopen_goes_on_on_the_loop_the_hooks_are_handed_to(rehydra
         status = _conn_status(rehydrate_engine, "metrics")
         assert status["state"] == "open", status
         # the one it keeps: an attempt of the run on a, queued on a thread when a ended,
-        # may have connected (and been replaced) too
+        # may have connected too (its socket is closed, not kept)
         peer.settimeout(10)
         while (accepted := peer.accept()[0]).getpeername() != sock.getsockname():
             accepted.close()
@@ -2302,6 +2302,259 @@ def test_a_connect_a_snapshot_gave_up_waiting_for_keeps_no_socket(rehydrate_engi
         unretrieved = [r.getMessage() for r in caplog.records
                        if "never retrieved" in r.getMessage()]
         assert unretrieved == [], unretrieved
+    finally:
+        release.set()
+        srv.close()
+
+
+# -- runs that end while a sync open still runs on its thread ---------------------------
+
+
+class _Gate:
+    """A sync ``open`` that blocks on its first call until released (later calls return
+    at once), and a ``close(value)`` that records what it got: a call a run abandons."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.closed: list[object] = []
+        self.closed_evt = threading.Event()
+        self.calls = 0
+
+    def open(self) -> object:
+        self.calls += 1
+        n = self.calls
+        if n == 1:
+            self.entered.set()
+            assert self.release.wait(30)
+        return f"value-{n}"
+
+    def close(self, value: object) -> None:
+        self.closed.append(value)
+        self.closed_evt.set()
+
+
+async def _async_check() -> None:
+    """An async check: the sync open then runs on its own thread, awaited from the loop
+    (not with the check on one thread)."""
+
+
+def _a_reopen_blocked_in_open(engine, gate: _Gate, **kw) -> connections.Connection:
+    conn = connections.register("metrics", open=gate.open, close=gate.close,
+                                required=False, deadline=60, engine=engine, **kw)
+    report = engine.simulate_restore()
+    assert report.ok, report.table()
+    assert gate.entered.wait(10)
+    assert conn.state == "reconnecting"
+    return conn
+
+
+@pytest.mark.parametrize("check", [None, _async_check], ids=["sync", "async-check"])
+def test_engine_close_stops_a_background_reopen_and_closes_what_it_opens(check):
+    """engine.close() while an optional connection reopened in the background: its run
+    was stopped but nothing said so (``reconnecting`` for good), and what its open
+    returned afterwards was dropped unclosed when the check was async."""
+    engine = rehydrate.testing.isolated_engine()
+    gate = _Gate()
+    try:
+        conn = _a_reopen_blocked_in_open(engine, gate, check=check)
+        engine.close()
+        status = conn.to_dict()
+        assert status["state"] in ("closed", "failed"), status
+        if status["state"] == "failed":
+            assert "engine" in (status["last_error"] or ""), status
+        gate.release.set()
+        assert gate.closed_evt.wait(10), "what the stopped reopen opened was not closed"
+        assert gate.closed == ["value-1"]
+        assert conn.value is None and conn.state == status["state"]
+    finally:
+        gate.release.set()
+        engine.close()
+
+
+def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatch):
+    """The tcp_socket helper puts its socket in place itself: a reconnect stopped by
+    engine.close() while it connected left that socket open (and status ``reconnecting``)."""
+    real = socket.create_connection
+    entered, release = threading.Event(), threading.Event()
+    made: list[socket.socket] = []
+
+    def create_connection(address, timeout=None, *args, **kw):
+        if made:  # the reopen's connect (the first one is the registration's)
+            entered.set()
+            assert release.wait(30)
+        s = real(address, timeout, *args, **kw)
+        made.append(s)
+        return s
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    engine = rehydrate.testing.isolated_engine()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    try:
+        ms = connections.tcp_socket("feed", srv.getsockname(), required=False, deadline=60,
+                                    engine=engine)
+        conn = connections.get("feed", engine=engine)
+        wait_for(lambda: conn.state == "open", what="the first connect")
+        assert engine.simulate_snapshot().ok
+        assert engine.simulate_restore().ok
+        assert entered.wait(10)
+        engine.close()
+        if conn._closing is not None:  # ms.close(), in the background
+            conn._closing.join(10)
+        assert conn.state == "closed", conn.to_dict()
+        release.set()
+        wait_for(lambda: len(made) == 2 and made[1].fileno() == -1,
+                 what="the late connect's socket to be closed")
+        with pytest.raises(ConnectionError):
+            ms.sock  # noqa: B018
+        assert conn.state == "closed"
+    finally:
+        release.set()
+        srv.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("check", [None, _async_check], ids=["sync", "async-check"])
+def test_a_sync_open_abandoned_by_a_snapshot_is_closed_not_installed(
+        rehydrate_engine, monkeypatch, check):
+    """A snapshot waits CLOSE_TIMEOUT for a background open still on its thread, then
+    closes anyway: what that open returns later belongs to no run. With an async check it
+    was dropped unclosed; it must be closed and change nothing."""
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 0.01)
+    gate = _Gate()
+    try:
+        conn = _a_reopen_blocked_in_open(rehydrate_engine, gate, check=check)
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert conn.state == "closed"
+        gate.release.set()
+        assert gate.closed_evt.wait(10), "the abandoned open's value was not closed"
+        assert gate.closed == ["value-1"]
+        assert conn.value is None and conn.state == "closed"
+    finally:
+        gate.release.set()
+
+
+@pytest.mark.parametrize("check", [None, _async_check], ids=["sync", "async-check"])
+@pytest.mark.parametrize("then", ["nothing", "a newer run"])
+def test_a_sync_open_given_up_at_its_deadline_is_closed_not_installed(
+        rehydrate_engine, check, then):
+    """A required connection's open still running LATE_GRACE past its deadline is given
+    up (the restore fails, the connection ``failed``); when it returns later, its value
+    was put in place under that ``failed`` run (or, with an async check, dropped unclosed).
+    It is closed instead, and a newer run's value stays."""
+    gate = _Gate()
+    conn = connections.register("db", open=gate.open, close=gate.close, check=check,
+                                deadline=0.05, engine=rehydrate_engine)
+    try:
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        assert gate.entered.is_set() and conn.state == "failed"
+        if then == "a newer run":
+            report = rehydrate_engine.simulate_restore()
+            assert report.ok, report.table()
+            assert conn.state == "open" and conn.value == "value-2"
+        state = conn.state
+        gate.release.set()
+        assert gate.closed_evt.wait(10), "the given-up open's value was not closed"
+        assert gate.closed == ["value-1"]
+        assert conn.state == state
+        assert conn.value == (None if then == "nothing" else "value-2")
+    finally:
+        gate.release.set()
+
+
+def test_a_connect_of_a_run_that_ended_does_not_replace_a_newer_runs_socket(
+        rehydrate_engine, monkeypatch):
+    """``ManagedSocket`` knew closes, not runs: a background reconnect whose loop ended
+    goes on on the loop the hooks were handed to, and the old run's connect, still on its
+    thread, finished after the new run's and replaced (closed) the socket in use."""
+    from rehydrate.adapters.asgi import _Detection
+
+    real = socket.create_connection
+    entered, release = threading.Event(), threading.Event()
+    made: list[socket.socket] = []
+
+    def create_connection(address, timeout=None, *args, **kw):
+        n = len(made)
+        if n == 1 and not entered.is_set():  # the first reconnect: held
+            entered.set()
+            assert release.wait(30)
+        s = real(address, timeout, *args, **kw)
+        made.append(s)
+        return s
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    a, b = _AppLoop(), _AppLoop()
+    peer = socket.socket()
+    try:
+        peer.bind(("127.0.0.1", 0))
+        peer.listen(8)
+        gate = _Detection(rehydrate_engine)
+        gate.hold("none", b.loop)
+        gate.hold("none", a.loop)  # the hooks run on a
+        ms = connections.tcp_socket("feed", peer.getsockname(), required=False,
+                                    deadline=60, engine=rehydrate_engine)
+        conn = connections.get("feed", engine=rehydrate_engine)
+        wait_for(lambda: conn.state == "open", what="the first connect")
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert rehydrate_engine.simulate_restore().ok
+        assert conn._background is not None and conn._background.loop is a.loop
+        assert entered.wait(10)  # the run on a is in its connect
+        gate.release(a.loop)  # a's lifespan shutdown: the run goes on on b
+        a.end()
+        assert connections.manager(rehydrate_engine).wait_background(20)
+        assert conn.state == "open", conn.to_dict()
+        newer = ms.sock
+        release.set()  # the ended run's connect finishes now
+        wait_for(lambda: len(made) == 3, what="the ended run's connect")
+        [late] = [s for s in made[1:] if s is not newer]
+        wait_for(lambda: late.fileno() == -1, what="the late socket to be closed")
+        assert ms.sock is newer and newer.fileno() != -1
+        assert conn.state == "open" and conn.value is newer
+        gate.release(b.loop)
+    finally:
+        release.set()
+        peer.close()
+        a.end()
+        b.end()
+
+
+def test_a_tcp_connect_given_up_at_its_deadline_keeps_no_socket(rehydrate_engine,
+                                                                monkeypatch):
+    """A reconnect whose connect outlived its deadline (its restore failed, the
+    connection ``failed``) put its socket in place when it finished: a live socket under a
+    ``failed`` connection that no run had opened."""
+    real = socket.create_connection
+    entered, release = threading.Event(), threading.Event()
+    made: list[socket.socket] = []
+
+    def create_connection(address, timeout=None, *args, **kw):
+        if made:  # the reopen's connect (the first one is the registration's)
+            entered.set()
+            assert release.wait(30)
+        s = real(address, timeout, *args, **kw)
+        made.append(s)
+        return s
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    try:
+        ms = connections.tcp_socket("feed", srv.getsockname(), deadline=0.05,
+                                    engine=rehydrate_engine)
+        conn = connections.get("feed", engine=rehydrate_engine)
+        wait_for(lambda: conn.state == "open", what="the first connect")
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert not rehydrate_engine.simulate_restore().ok
+        assert entered.is_set() and conn.state == "failed"
+        release.set()
+        wait_for(lambda: len(made) == 2 and made[1].fileno() == -1,
+                 what="the late connect's socket to be closed")
+        with pytest.raises(ConnectionError):
+            ms.sock  # noqa: B018
+        assert conn.state == "failed"
     finally:
         release.set()
         srv.close()
