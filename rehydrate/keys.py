@@ -555,14 +555,23 @@ class KeyManager:
         with self._lock:
             self._dropped = False
             self.epoch += 1
+        keys = self.keys()
         if not self.active:
-            log.info("keys disabled: ephemeral keys NOT regenerated")
-            for k in self.keys():  # still usable: give back a key if it was dropped
-                if k.dropped:
-                    k._rotate_unlocked()
-            return
+            # a key dropped before the snapshot is gone: it gets a new pair (and its
+            # listeners hear of it) even so; only keys still held are left alone
+            kept = [k.name for k in keys if not k.dropped]
+            keys = [k for k in keys if k.dropped]
+            if not keys:
+                log.info("keys disabled: ephemeral keys NOT regenerated")
+            elif kept:
+                log.info("keys disabled: ephemeral keys %s NOT regenerated",
+                         ", ".join(kept))
+            if keys:
+                log.info("keys disabled, but ephemeral keys %s hold no private key "
+                         "(dropped before the snapshot): regenerating them anyway",
+                         ", ".join(k.name for k in keys))
         failures: list[str] = []
-        for k in self.keys():
+        for k in keys:
             try:
                 errors = k.rotate()
             except Exception as exc:  # generation itself failed: keep what we had

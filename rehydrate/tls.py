@@ -25,9 +25,12 @@ Live TLS: :meth:`ManagedCertificate.server_context` returns an ``ssl.SSLContext`
 kept current — each renewal calls ``load_cert_chain`` on the live context, so new
 handshakes present the new certificate while established connections continue.
 :meth:`ManagedCertificate.attach` does the same for a context made elsewhere (uvicorn's
-``config.ssl``). :meth:`ManagedCertificate.client_context` returns a client context that
-trusts (and optionally presents) the current material; it is rebuilt after every renewal
-(a context cannot forget trust anchors), so fetch it again or :meth:`subscribe`.
+``config.ssl``). Both turn session resumption off on the context (no tickets, no session
+cache): the ticket key and cached sessions are in the snapshot image, and a resumed
+session would skip the renewed certificate on every clone.
+:meth:`ManagedCertificate.client_context` returns a client context that trusts (and
+optionally presents) the current material; it is rebuilt after every renewal (a context
+cannot forget trust anchors), so fetch it again or :meth:`subscribe`.
 
 Before a snapshot (hook ``rehydrate.tls``, ``SECRETS`` phase) every certificate's private
 key is dropped from its :class:`Material` (the certificate itself stays readable) and the
@@ -48,10 +51,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import functools
 import logging
 import os
 import re
 import ssl
+import sys
 import tempfile
 import threading
 import time
@@ -310,6 +315,84 @@ def load_into(ctx: ssl.SSLContext, material: Material) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
         os.rmdir(d)
+
+
+_SSL_CTRL_SET_SESS_CACHE_MODE = 44
+_SSL_CTRL_GET_SESS_CACHE_MODE = 45
+_SSL_SESS_CACHE_OFF = 0
+
+
+@functools.cache
+def _libssl() -> tuple[Any, Any, Any] | None:
+    """``SSL_CTX_get_options``, ``SSL_CTX_ctrl`` and ``SSL_CTX_flush_sessions`` of the
+    OpenSSL the ``ssl`` module uses (looked up through ``_ssl``'s own dependencies), or
+    None where they cannot be reached safely (not CPython, ``_ssl`` built in)."""
+    if sys.implementation.name != "cpython":
+        return None  # id() is an address, and an SSLContext starts with its SSL_CTX*,
+        # only in CPython
+    try:
+        import _ssl
+        import ctypes
+
+        lib = ctypes.CDLL(_ssl.__file__)
+        get_options, ctrl = lib.SSL_CTX_get_options, lib.SSL_CTX_ctrl
+        when: Any
+        try:  # OpenSSL 3.4 deprecates the long-typed one
+            flush, when = lib.SSL_CTX_flush_sessions_ex, ctypes.c_int64
+        except AttributeError:
+            flush, when = lib.SSL_CTX_flush_sessions, ctypes.c_long
+    except (ImportError, OSError, AttributeError):
+        return None
+    get_options.argtypes = [ctypes.c_void_p]
+    get_options.restype = ctypes.c_uint64
+    ctrl.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
+    ctrl.restype = ctypes.c_long
+    flush.argtypes = [ctypes.c_void_p, when]
+    flush.restype = None
+    return get_options, ctrl, flush
+
+
+def _session_cache_off(ctx: ssl.SSLContext) -> bool:
+    """Turn off and empty OpenSSL's server-side session cache of ``ctx``; False when that
+    is not possible here. Python's ``ssl`` has no API for it, so it goes through ctypes:
+    the ``SSL_CTX*`` is the first field after the object header of CPython's
+    ``SSLContext``, checked against the context's options before anything is changed."""
+    import _ssl
+
+    fns = _libssl()
+    # anything but a real SSLContext (a stand-in object) has no SSL_CTX* to read
+    if fns is None or not isinstance(ctx, _ssl._SSLContext):
+        return False
+    import ctypes
+
+    get_options, ctrl, flush = fns
+    ptr = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if not ptr or get_options(ptr) != int(ctx.options):
+        return False
+    ctrl(ptr, _SSL_CTRL_SET_SESS_CACHE_MODE, _SSL_SESS_CACHE_OFF, None)
+    # the mode only stops new entries; lookups still find old ones: remove them all
+    # (time 0 = every session; OpenSSL wipes their master secrets as it frees them)
+    flush(ptr, 0)
+    return bool(ctrl(ptr, _SSL_CTRL_GET_SESS_CACHE_MODE, 0, None) == _SSL_SESS_CACHE_OFF)
+
+
+def _no_resumption(ctx: ssl.SSLContext) -> bool:
+    """Turn off TLS session resumption on a server context: no session tickets (TLS 1.2
+    and 1.3) and no server-side session cache (TLS 1.2 session IDs, TLS 1.3 stateful
+    tickets). Returns False when the session cache could not be turned off (tickets are
+    off in any case).
+
+    Why: resumption skips the certificate. A context's ticket key is made by OpenSSL
+    when the context is, and its session cache holds the sessions' master secrets; both
+    are in a snapshot image and the same in every clone, so a session from before the
+    snapshot would resume on every clone without the renewed certificate's key ever being
+    used — and anyone holding the image could serve it. Every connection makes a full
+    handshake instead."""
+    ctx.options |= ssl.OP_NO_TICKET
+    # TLS 1.3 sends tickets even with OP_NO_TICKET (stateful ones, in the session cache)
+    with contextlib.suppress(ValueError):  # a client context: it sends none
+        ctx.num_tickets = 0
+    return _session_cache_off(ctx)
 
 
 def _slot(public_key: Any) -> str:
@@ -644,20 +727,28 @@ class ManagedCertificate:
     # -- ssl contexts --------------------------------------------------------------
 
     def server_context(self, *, purpose: int = ssl.PROTOCOL_TLS_SERVER) -> ssl.SSLContext:
-        """A new server ``SSLContext`` presenting this certificate, kept current."""
+        """A new server ``SSLContext`` presenting this certificate, kept current, with
+        session resumption off (see :meth:`attach`)."""
         ctx = ssl.SSLContext(purpose)
         self.attach(ctx)
         return ctx
 
     def attach(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
         """Load the current material into ``ctx`` now and after every renewal (the
-        placeholder while the handle holds no key)."""
+        placeholder while the handle holds no key), and turn off session resumption on
+        it (:func:`_no_resumption`): a session from before a snapshot must not skip the
+        renewed certificate on a restored clone."""
         with self._lock:
             try:
                 self._load(ctx, self._serving())
             except ssl.SSLError as exc:
                 raise self._refused(exc) from None
+            cache_off = _no_resumption(ctx)
             self._servers.add(ctx)
+        if not cache_off:
+            log.warning("tls: certificate %s: OpenSSL's session cache of a server context "
+                        "could not be turned off here; after a restore, TLS 1.2 clients "
+                        "can resume sessions from before the snapshot", self.name)
         return ctx
 
     def detach(self, ctx: ssl.SSLContext) -> None:

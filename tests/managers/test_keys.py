@@ -208,6 +208,43 @@ def test_disabled_keys_are_neither_dropped_nor_rotated(rehydrate_engine, monkeyp
     assert handle.public_bytes_raw() == before
 
 
+def test_keys_disabled_at_restore_regenerate_dropped_keys_and_say_so(rehydrate_engine,
+                                                                    caplog):
+    """Before: with keys turned off only at restore, a key dropped before the snapshot got
+    a new pair silently — listeners were not told and the log said "NOT regenerated"."""
+    dropped = keys.ephemeral("session", engine=rehydrate_engine)
+    heard: list[bytes] = []
+    dropped.subscribe(lambda h: heard.append(h.public_bytes_raw()))
+    before = dropped.public_bytes_raw()
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert dropped.dropped
+    with caplog.at_level("INFO", logger="rehydrate"):
+        assert rehydrate_engine.simulate_restore(env={"REHYDRATE_DISABLE": "keys"}).ok
+    assert not dropped.dropped and dropped.generation == 2
+    assert heard == [dropped.public_bytes_raw()] and heard[0] != before
+    text = caplog.text
+    assert "NOT regenerated" not in text
+    assert "ephemeral keys session hold no private key" in text
+    assert "regenerating them anyway" in text
+
+
+def test_keys_disabled_at_restore_leave_held_keys_alone(rehydrate_engine, caplog,
+                                                       monkeypatch):
+    """A key still holding its pair (keys were off at the snapshot too) keeps it, and the
+    log names it; no listener runs."""
+    monkeypatch.setenv("REHYDRATE_DISABLE", "keys")
+    held = keys.ephemeral("held", engine=rehydrate_engine)
+    heard: list[object] = []
+    held.subscribe(heard.append)
+    before = held.public_bytes_raw()
+    assert rehydrate_engine.simulate_snapshot().ok
+    with caplog.at_level("INFO", logger="rehydrate"):
+        assert rehydrate_engine.simulate_restore().ok
+    assert held.public_bytes_raw() == before and held.generation == 1 and heard == []
+    assert "keys disabled: ephemeral keys NOT regenerated" in caplog.text
+    assert "anyway" not in caplog.text
+
+
 # -- key material comes from the kernel, not OpenSSL's generator ----------------------
 
 
