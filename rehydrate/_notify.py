@@ -440,7 +440,12 @@ def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None
     except ControlError as exc:
         err(f"{label}: {exc}")
         if as_json:  # machines read stdout: say it there too
-            dump({"ok": False, "error": str(exc)})
+            try:
+                dump({"ok": False, "error": str(exc)})
+            except BrokenPipeError:
+                raise
+            except OSError:  # said on stderr already; the exit status below says the rest
+                pass
         return None, EXIT_UNTRUSTED if isinstance(exc, UntrustedSocket) else EXIT_UNREACHABLE
     if not reply.get("ok"):
         err(f"{label}: {reply.get('error') or 'failed'}")

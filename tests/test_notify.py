@@ -284,7 +284,10 @@ def test_timeout_bounds_the_whole_reply_not_each_read(sock_path: str,
 
 @pytest.mark.parametrize("notifier", [["-m", "rehydrate", "notify"],
                                       ["-c", "from rehydrate.__main__ import notify_main; "
-                                             "raise SystemExit(notify_main())"]])
+                                             "raise SystemExit(notify_main())"],
+                                      # an abbreviated option: the argparse CLI's path
+                                      ["-m", "rehydrate", "notify", "--time", "30"]],
+                         ids=["fast", "rehydrate-notify", "argparse"])
 def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
         notifier: list[str], engine: Lifecycle, sock_path: str) -> None:
     """Before: the fast path printed a traceback and exited 1 ("a required hook failed")
@@ -318,6 +321,25 @@ def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
     assert ran == [1, 1, 1, 1]
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("command", [["status"], ["status", "--json"], ["doctor"]])
+def test_other_commands_whose_stdout_cannot_be_written_say_so_in_one_line(
+        command: list[str], engine: Lifecycle, sock_path: str) -> None:
+    """Before: stdout on a full disk gave an OSError traceback, and fd 1 closed an
+    AttributeError traceback (``sys.stdout`` is None) with exit 1."""
+    env = {**_env(), "REHYDRATE_CONTROL_SOCKET": sock_path}
+    argv = [sys.executable, "-m", "rehydrate", *command]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(argv, env=env, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=60, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"rehydrate: {command[0]}: the output could not be written to stdout (No space "
+        "left on device)"]
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, timeout=60, check=False, preexec_fn=lambda: os.close(1))
+    assert (proc.returncode, proc.stderr) == (0, "")
 
 
 @pytest.mark.parametrize(("value", "shown"), [(10**400, "1e+400"), (-(10**400), "-1e+400"),
