@@ -282,6 +282,43 @@ def test_timeout_bounds_the_whole_reply_not_each_read(sock_path: str,
     assert elapsed < 10, elapsed  # 1 s and the interpreter's own pace; before: for ever
 
 
+def test_trigger_timeout_bounds_the_client_s_wait_too(sock_path: str,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Before: ``rehydrate trigger --timeout 1`` sent the limit to the process and then
+    waited for ever itself: a process that never replied held it without any limit."""
+    import socket
+    import threading
+
+    from rehydrate import _control_client
+
+    monkeypatch.setattr(_control_client, "TRIGGER_MARGIN", 0.5, raising=False)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(1)
+    stop = threading.Event()
+    asked: list[bytes] = []
+
+    def hang() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            asked.append(conn.recv(65536))
+            stop.wait(15)  # without the limit the client waits this long, then fails
+
+    server = threading.Thread(target=hang, daemon=True)
+    server.start()
+    try:
+        code = entry.main(["trigger", "--socket", sock_path, "--timeout", "1"])
+    finally:
+        stop.set()
+        server.join(10)
+        srv.close()
+    assert json.loads(asked[0]) == {"cmd": "trigger", "timeout": 1.0}
+    assert code == 3
+    assert f"no reply from {sock_path} within 1.5s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("notifier", [["-m", "rehydrate", "notify"],
                                       ["-c", "from rehydrate.__main__ import notify_main; "
                                              "raise SystemExit(notify_main())"],
