@@ -178,6 +178,24 @@ def test_a_bad_value_is_one_warning_naming_variable_and_value_and_the_default_is
         f"{name}={raw!r} is not {expected}; using the default ({_config._show(var.default)})"]
 
 
+def test_a_bad_value_read_at_every_event_is_one_warning_per_value(monkeypatch, caplog):
+    """``REHYDRATE_TELEMETRY=nope`` was a warning at every event (telemetry reads it at
+    each); docs/configuration.md promises one line."""
+    from rehydrate import telemetry
+
+    monkeypatch.setenv("REHYDRATE_TELEMETRY", "nope")
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        for _ in range(5):
+            assert telemetry._disabled_by_env() is False  # the default: on
+        monkeypatch.setenv("REHYDRATE_TELEMETRY", "nah")  # another bad value is news
+        assert _config.flag("REHYDRATE_TELEMETRY") is True
+        monkeypatch.setenv("REHYDRATE_TELEMETRY", "nope")
+        assert _config.flag("REHYDRATE_TELEMETRY") is True
+    assert [r.getMessage() for r in caplog.records] == [
+        "REHYDRATE_TELEMETRY='nope' is not 1 or 0; using the default (1)",
+        "REHYDRATE_TELEMETRY='nah' is not 1 or 0; using the default (1)"]
+
+
 def test_a_long_bad_value_is_shortened(monkeypatch, caplog):
     monkeypatch.setenv("REHYDRATE_ENV_POLICY", "x" * 500)
     with caplog.at_level(logging.WARNING, logger="rehydrate"):
