@@ -185,10 +185,14 @@ def _print_settings(settings: list[dict[str, object]]) -> None:
     print()
     print(f"configuration: {len(chosen)} REHYDRATE_* variable(s) set, "
           f"{len(settings) - len(chosen)} at their defaults (docs/configuration.md)")
+    from ._notify import one_line
+
     width = max((len(str(s["name"])) for s in chosen), default=0)
     for s in chosen:
         bad = f"  (ignored {s['problem']})" if s["problem"] else ""
-        print(f"  {str(s['name']).ljust(width)}  {s['value']}{bad}")
+        # The library's own settings (paths, numbers, names: none holds a secret), shown;
+        # escaped, so that a newline or a terminal escape in one cannot forge lines.
+        print(one_line(f"  {str(s['name']).ljust(width)}  {s['value']}{bad}"))
 
 
 def cmd_check(args: argparse.Namespace) -> int:

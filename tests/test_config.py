@@ -231,6 +231,18 @@ def test_doctor_shows_the_effective_settings(monkeypatch, capsys):
     assert re.search(r"REHYDRATE_SIGNAL\s+SIGUSR2  \(ignored 'SIGKILL' is not a signal", out)
 
 
+def test_doctor_shows_a_setting_s_control_characters_escaped(monkeypatch, capsys):
+    """A value holding a newline or a terminal escape reached the terminal raw: it could
+    colour the output or forge a line of doctor's report."""
+    for v in _config.VARIABLES:
+        monkeypatch.delenv(v.name, raising=False)
+    monkeypatch.setenv("REHYDRATE_GVISOR_VERSION", "abc\x1b[31mRED\nforged line")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\nforged line" not in out
+    assert re.search(r"\n  REHYDRATE_GVISOR_VERSION  abc\\x1b\[31mRED\\nforged line\n", out)
+
+
 def test_doctor_shows_off_for_a_setting_turned_off(monkeypatch, capsys):
     """``REHYDRATE_SNAPSHOT_DEADLINE=off`` was shown as ``unset``: as if never set."""
     for v in _config.VARIABLES:
