@@ -206,6 +206,12 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
         delay = min(delay * 2, 0.2)
 
 
+
+# Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.
+for _public in (ControlError, UntrustedSocket, request):
+    _public.__module__ = "rehydrate"
+del _public
+
 _BUSY: dict[str, Any] = {"ok": False, "error": "busy"}
 
 
