@@ -389,8 +389,8 @@ def run(argv: Sequence[str]) -> int:
         code = main(argv)
         sys.stdout.flush()
     except OutputFailed as exc:
-        keep = code is not None and (argv[:1] == ["notify"] or code != EXIT_OK)
-        code = code if keep and code is not None else EXIT_FAILED
+        if code is None or (code == EXIT_OK and argv[:1] != ["notify"]):
+            code = EXIT_FAILED
         from ._notify import err
 
         err(f"{argv[0] if argv else 'rehydrate'}: the output could not be written to "
