@@ -49,8 +49,10 @@ if TYPE_CHECKING:
     )
     from ._hooks import Hook, Phase, Registry
     from ._lifecycle import Lifecycle, Status
+    from ._notify import ControlError, UntrustedSocket, request
 
 __all__ = [
+    "ControlError",
     "EnvChanges",
     "Hook",
     "HookFailed",
@@ -65,6 +67,7 @@ __all__ = [
     "RestoreReport",
     "SnapshotReport",
     "Status",
+    "UntrustedSocket",
     "__version__",
     "after_restore",
     "before_snapshot",
@@ -73,6 +76,7 @@ __all__ = [
     "instance_id",
     "is_ready",
     "on_env_change",
+    "request",
     "simulate_restore",
     "simulate_snapshot",
     "start",
@@ -110,6 +114,8 @@ _LAZY_NAMES = {
                      "wait_ready"), "_api"),
     **dict.fromkeys(("Hook", "Phase", "Registry"), "_hooks"),
     **dict.fromkeys(("Lifecycle", "Status"), "_lifecycle"),
+    # the control socket's client (docs/control-socket.md); light: no engine behind it
+    **dict.fromkeys(("ControlError", "UntrustedSocket", "request"), "_notify"),
     **dict.fromkeys(("EnvChanges", "HookFailed", "HookResult", "HookStillRunning",
                      "HookTimeout", "Report", "RestoreContext", "RestoreReport",
                      "SnapshotReport"), "_context"),

@@ -22,14 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         code = _fast_notify(args[1:])
         if code is not None:
             return code
-    from ._cli import main as cli_main
+    from ._cli import run
 
     try:
-        code = cli_main(args)
-        sys.stdout.flush()  # inside the try: a reader gone shows here, not at exit
+        return run(args)  # flushes stdout: a reader gone shows here, not at exit
     except BrokenPipeError:
         return _reader_gone()
-    return code
 
 
 def _reader_gone() -> int:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from . import _config
 from ._version import __version__
@@ -26,7 +26,7 @@ def _print_json(data: object) -> None:
     sys.stdout.write("\n")
 
 
-__all__ = ["build_parser", "check_manifest", "main"]
+__all__ = ["OutputFailed", "build_parser", "check_manifest", "main", "run"]
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -185,10 +185,14 @@ def _print_settings(settings: list[dict[str, object]]) -> None:
     print()
     print(f"configuration: {len(chosen)} REHYDRATE_* variable(s) set, "
           f"{len(settings) - len(chosen)} at their defaults (docs/configuration.md)")
+    from ._notify import one_line
+
     width = max((len(str(s["name"])) for s in chosen), default=0)
     for s in chosen:
         bad = f"  (ignored {s['problem']})" if s["problem"] else ""
-        print(f"  {str(s['name']).ljust(width)}  {s['value']}{bad}")
+        # The library's own settings (paths, numbers, names: none holds a secret), shown;
+        # escaped, so that a newline or a terminal escape in one cannot forge lines.
+        print(one_line(f"  {str(s['name']).ljust(width)}  {s['value']}{bad}"))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -335,3 +339,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     result: int = args.func(args)
     return result
+
+
+class OutputFailed(OSError):
+    """Writing a command's output to stdout failed (a full disk, an I/O error)."""
+
+
+class _Output:
+    """``sys.stdout`` while :func:`run` runs a command: a failed write or flush raises
+    :class:`OutputFailed`, told apart from the command's own ``OSError``; a reader gone
+    stays :class:`BrokenPipeError` (the entry point's exit 141)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(exc.errno, exc.strerror) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(exc.errno, exc.strerror) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def run(argv: Sequence[str]) -> int:
+    """:func:`main` as the ``rehydrate`` program runs it: its output flushed before it
+    returns (a reader gone raises :class:`BrokenPipeError` here, not at exit), and an
+    output that cannot be written (stdout on a full disk) one line on stderr instead of a
+    traceback. ``notify`` keeps its exit status (the notice's: 1 would tell the platform
+    to abort the checkpoint); any other command exits 1 (it did not deliver what it was
+    run for). Started with fd 1 closed (``sys.stdout`` is None), the output goes nowhere.
+    """
+    real = sys.stdout
+    stream = real if real is not None else open(os.devnull, "w")  # noqa: SIM115
+    sys.stdout = _Output(stream)
+    code: int | None = None
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+    except OutputFailed as exc:
+        if code is None or (code == EXIT_OK and argv[:1] != ["notify"]):
+            code = EXIT_FAILED
+        from ._notify import err
+
+        err(f"{argv[0] if argv else 'rehydrate'}: the output could not be written to "
+            f"stdout ({exc.strerror or exc})")
+        if real is not None:  # the interpreter flushes what is buffered once more at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, real.fileno())
+            os.close(devnull)
+    finally:
+        sys.stdout = real
+        if real is None:
+            stream.close()
+    return code

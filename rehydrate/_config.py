@@ -280,6 +280,10 @@ def _short(raw: str) -> str:
 _WARNED_ENTRIES: set[tuple[str, str]] = set()
 """Unknown list entries already warned about: ``REHYDRATE_DISABLE`` is read at every
 event, and one typo must not add a line to every restore."""
+_WARNED_VALUES: set[tuple[str, str]] = set()
+"""Bad values already warned about, by variable: ``REHYDRATE_TELEMETRY`` (and others) are
+read at every event, and one bad value must not add a line to every event. A new bad
+value is news: it is warned about once too."""
 
 
 def _get(name: str, *types: Type) -> Any:
@@ -300,8 +304,10 @@ def _get(name: str, *types: Type) -> Any:
                 logger.warning("%s: %s is not one of %s; ignored", name, _short(entry),
                                ", ".join(var.choices))
         return value
-    logger.warning("%s=%s is not %s; using the default (%s)", name, _short(raw), problem,
-                   _show(var.default))
+    if (name, raw) not in _WARNED_VALUES:
+        _WARNED_VALUES.add((name, raw))
+        logger.warning("%s=%s is not %s; using the default (%s)", name, _short(raw), problem,
+                       _show(var.default))
     return value
 
 

@@ -85,9 +85,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+TRIGGER_MARGIN = DEFAULT_TIMEOUT
+"""Seconds ``rehydrate trigger --timeout S`` waits for the reply beyond ``S`` (the
+process's limit on gVisor's answer): the before-snapshot and the resume or restore hooks
+run around that wait — as long as ``notify`` gives them by default."""
+
+
 def cmd_trigger(args: argparse.Namespace) -> int:
     fields = {"timeout": args.timeout} if args.timeout is not None else None
-    reply, code = _call("trigger", args, timeout=None, fields=fields)  # waits for the answer
+    # The process bounds only the wait for gVisor's answer: this client bounds the whole
+    # reply too, or a process that never answers (hung, or not rehydrate) holds it forever.
+    limit = None if args.timeout is None else args.timeout + TRIGGER_MARGIN
+    reply, code = _call("trigger", args, timeout=limit, fields=fields)
     if reply is not None and args.json:
         dump(reply)
     elif reply is not None and reply.get("answer"):
@@ -124,13 +133,14 @@ def notify_main(argv: list[str] | None = None) -> int:
     return cmd_notify(notify_parser().parse_args(argv))
 
 
-def _common(p: argparse.ArgumentParser, timeout: float | None) -> None:
+def _common(p: argparse.ArgumentParser, timeout: float | None, *,
+            help: str | None = None) -> None:
     p.add_argument("--socket", metavar="PATH",
                    help=f"control socket (default: ${ENV_SOCKET}, else the only socket "
                         f"in {default_socket_dir()})")
     p.add_argument("--timeout", type=_positive, default=timeout, metavar="S",
-                   help="seconds to wait for the reply"
-                        + (f" (default {timeout:g})" if timeout else " (default: no limit)"))
+                   help=help or ("seconds to wait for the reply" + (
+                       f" (default {timeout:g})" if timeout else " (default: no limit)")))
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--expect-uid", type=_id, metavar="UID",
                    help="talk only to a process of this uid (refuse any other, exit 4); "
@@ -165,5 +175,7 @@ def add_commands(sub: Any) -> None:
 
     trigger = add("trigger", "ask the running process to checkpoint itself (gVisor "
                              "application-driven checkpoint)")
-    _common(trigger, None)
+    _common(trigger, None, help=(
+        "seconds the process waits for gVisor's answer; this client waits for the reply "
+        f"that plus {TRIGGER_MARGIN:g} s for the hooks (default: no limit)"))
     trigger.set_defaults(func=cmd_trigger)

@@ -206,6 +206,12 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
         delay = min(delay * 2, 0.2)
 
 
+
+# Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.
+for _public in (ControlError, UntrustedSocket, request):
+    _public.__module__ = "rehydrate"
+del _public
+
 _BUSY: dict[str, Any] = {"ok": False, "error": "busy"}
 
 
@@ -440,7 +446,12 @@ def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None
     except ControlError as exc:
         err(f"{label}: {exc}")
         if as_json:  # machines read stdout: say it there too
-            dump({"ok": False, "error": str(exc)})
+            try:
+                dump({"ok": False, "error": str(exc)})
+            except BrokenPipeError:
+                raise
+            except OSError:  # said on stderr already; the exit status below says the rest
+                pass
         return None, EXIT_UNTRUSTED if isinstance(exc, UntrustedSocket) else EXIT_UNREACHABLE
     if not reply.get("ok"):
         err(f"{label}: {reply.get('error') or 'failed'}")

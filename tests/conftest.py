@@ -25,6 +25,16 @@ if _TESTS not in sys.path:  # the helper modules, from tests/<group>/ too
     sys.path.insert(0, _TESTS)
 
 
+@pytest.fixture(autouse=True)
+def _config_warnings_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees a bad ``REHYDRATE_*`` value warned about: the configuration warns
+    once per process for each (a value read at every event), whatever test read it first."""
+    from rehydrate import _config
+
+    monkeypatch.setattr(_config, "_WARNED_ENTRIES", set())
+    monkeypatch.setattr(_config, "_WARNED_VALUES", set(), raising=False)
+
+
 @pytest.fixture
 def refused_port() -> Iterator[int]:
     """A loopback port every connect to is refused, reserved for the test (see

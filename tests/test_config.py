@@ -178,6 +178,24 @@ def test_a_bad_value_is_one_warning_naming_variable_and_value_and_the_default_is
         f"{name}={raw!r} is not {expected}; using the default ({_config._show(var.default)})"]
 
 
+def test_a_bad_value_read_at_every_event_is_one_warning_per_value(monkeypatch, caplog):
+    """``REHYDRATE_TELEMETRY=nope`` was a warning at every event (telemetry reads it at
+    each); docs/configuration.md promises one line."""
+    from rehydrate import telemetry
+
+    monkeypatch.setenv("REHYDRATE_TELEMETRY", "nope")
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        for _ in range(5):
+            assert telemetry._disabled_by_env() is False  # the default: on
+        monkeypatch.setenv("REHYDRATE_TELEMETRY", "nah")  # another bad value is news
+        assert _config.flag("REHYDRATE_TELEMETRY") is True
+        monkeypatch.setenv("REHYDRATE_TELEMETRY", "nope")
+        assert _config.flag("REHYDRATE_TELEMETRY") is True
+    assert [r.getMessage() for r in caplog.records] == [
+        "REHYDRATE_TELEMETRY='nope' is not 1 or 0; using the default (1)",
+        "REHYDRATE_TELEMETRY='nah' is not 1 or 0; using the default (1)"]
+
+
 def test_a_long_bad_value_is_shortened(monkeypatch, caplog):
     monkeypatch.setenv("REHYDRATE_ENV_POLICY", "x" * 500)
     with caplog.at_level(logging.WARNING, logger="rehydrate"):
@@ -211,6 +229,18 @@ def test_doctor_shows_the_effective_settings(monkeypatch, capsys):
     assert re.search(r"REHYDRATE_CLOCK_THRESHOLD\s+4\n", out)
     assert re.search(r"REHYDRATE_CLOCK_INTERVAL\s+0.5  \(ignored 'soon' is not a finite", out)
     assert re.search(r"REHYDRATE_SIGNAL\s+SIGUSR2  \(ignored 'SIGKILL' is not a signal", out)
+
+
+def test_doctor_shows_a_setting_s_control_characters_escaped(monkeypatch, capsys):
+    """A value holding a newline or a terminal escape reached the terminal raw: it could
+    colour the output or forge a line of doctor's report."""
+    for v in _config.VARIABLES:
+        monkeypatch.delenv(v.name, raising=False)
+    monkeypatch.setenv("REHYDRATE_GVISOR_VERSION", "abc\x1b[31mRED\nforged line")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\nforged line" not in out
+    assert re.search(r"\n  REHYDRATE_GVISOR_VERSION  abc\\x1b\[31mRED\\nforged line\n", out)
 
 
 def test_doctor_shows_off_for_a_setting_turned_off(monkeypatch, capsys):

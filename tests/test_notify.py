@@ -282,9 +282,49 @@ def test_timeout_bounds_the_whole_reply_not_each_read(sock_path: str,
     assert elapsed < 10, elapsed  # 1 s and the interpreter's own pace; before: for ever
 
 
+def test_trigger_timeout_bounds_the_client_s_wait_too(sock_path: str,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Before: ``rehydrate trigger --timeout 1`` sent the limit to the process and then
+    waited for ever itself: a process that never replied held it without any limit."""
+    import socket
+    import threading
+
+    from rehydrate import _control_client
+
+    monkeypatch.setattr(_control_client, "TRIGGER_MARGIN", 0.5, raising=False)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(1)
+    stop = threading.Event()
+    asked: list[bytes] = []
+
+    def hang() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            asked.append(conn.recv(65536))
+            stop.wait(15)  # without the limit the client waits this long, then fails
+
+    server = threading.Thread(target=hang, daemon=True)
+    server.start()
+    try:
+        code = entry.main(["trigger", "--socket", sock_path, "--timeout", "1"])
+    finally:
+        stop.set()
+        server.join(10)
+        srv.close()
+    assert json.loads(asked[0]) == {"cmd": "trigger", "timeout": 1.0}
+    assert code == 3
+    assert f"no reply from {sock_path} within 1.5s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("notifier", [["-m", "rehydrate", "notify"],
                                       ["-c", "from rehydrate.__main__ import notify_main; "
-                                             "raise SystemExit(notify_main())"]])
+                                             "raise SystemExit(notify_main())"],
+                                      # an abbreviated option: the argparse CLI's path
+                                      ["-m", "rehydrate", "notify", "--time", "30"]],
+                         ids=["fast", "rehydrate-notify", "argparse"])
 def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
         notifier: list[str], engine: Lifecycle, sock_path: str) -> None:
     """Before: the fast path printed a traceback and exited 1 ("a required hook failed")
@@ -318,6 +358,25 @@ def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
     assert ran == [1, 1, 1, 1]
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("command", [["status"], ["status", "--json"], ["doctor"]])
+def test_other_commands_whose_stdout_cannot_be_written_say_so_in_one_line(
+        command: list[str], engine: Lifecycle, sock_path: str) -> None:
+    """Before: stdout on a full disk gave an OSError traceback, and fd 1 closed an
+    AttributeError traceback (``sys.stdout`` is None) with exit 1."""
+    env = {**_env(), "REHYDRATE_CONTROL_SOCKET": sock_path}
+    argv = [sys.executable, "-m", "rehydrate", *command]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(argv, env=env, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=60, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"rehydrate: {command[0]}: the output could not be written to stdout (No space "
+        "left on device)"]
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, timeout=60, check=False, preexec_fn=lambda: os.close(1))
+    assert (proc.returncode, proc.stderr) == (0, "")
 
 
 @pytest.mark.parametrize(("value", "shown"), [(10**400, "1e+400"), (-(10**400), "-1e+400"),

@@ -18,12 +18,12 @@ import pytest
 import rehydrate
 
 PACKAGE_API = [
-    "EnvChanges", "Hook", "HookFailed", "HookResult", "HookStillRunning", "HookTimeout",
-    "Lifecycle", "Phase", "Registry", "Report", "RestoreContext", "RestoreReport",
-    "SnapshotReport", "Status", "__version__", "after_restore", "before_snapshot",
-    "default_engine", "default_registry", "instance_id", "is_ready", "on_env_change",
-    "simulate_restore", "simulate_snapshot", "start", "status", "stop", "trigger_snapshot",
-    "unregister", "wait_ready",
+    "ControlError", "EnvChanges", "Hook", "HookFailed", "HookResult", "HookStillRunning",
+    "HookTimeout", "Lifecycle", "Phase", "Registry", "Report", "RestoreContext",
+    "RestoreReport", "SnapshotReport", "Status", "UntrustedSocket", "__version__",
+    "after_restore", "before_snapshot", "default_engine", "default_registry", "instance_id",
+    "is_ready", "on_env_change", "request", "simulate_restore", "simulate_snapshot", "start",
+    "status", "stop", "trigger_snapshot", "unregister", "wait_ready",
 ]
 
 EXTENSIONS_API = [
@@ -159,6 +159,25 @@ def test_moved_paths_still_import_with_a_deprecation_warning(old: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert f"rehydrate.{old} is deprecated: it is private now (rehydrate._{old})" in out.stdout
+
+
+def test_the_control_client_imports_from_where_its_deprecation_warning_points() -> None:
+    """Before: docs/control-socket.md documented ``request(..., expect_uid=...)``, whose
+    only path, ``rehydrate.control_client``, warned "import its public names from
+    rehydrate" — where it was not."""
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "from rehydrate import ControlError, UntrustedSocket, request\n"
+            "import rehydrate._notify as n, rehydrate._control_client as c\n"
+            "assert (request, ControlError, UntrustedSocket) == "
+            "(n.request, n.ControlError, n.UntrustedSocket)\n"
+            "assert (request, ControlError, UntrustedSocket) == "
+            "(c.request, c.ControlError, c.UntrustedSocket)\n"
+            "print(request.__module__, ControlError.__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "rehydrate rehydrate\n", "")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "control-socket.md").read_text()
+    assert "from rehydrate import ControlError, UntrustedSocket, request" in doc
 
 
 def test_an_object_that_is_not_an_extension_is_refused_in_one_line() -> None:

@@ -70,6 +70,7 @@ otherwise on request (``start(detectors=[..., "control"])``) at the default path
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -189,28 +190,60 @@ def _private_dir(directory: str, *, check_owner: bool) -> None:
 
 
 def serving_peer(path: str, timeout: float = 1.0) -> tuple[int, int] | None:
-    """``(pid, uid)`` of the process listening at the socket ``path``; None when nobody is."""
+    """``(pid, uid)`` of the process listening at the socket ``path``; None when nobody is.
+
+    Only a refused connection (``ECONNREFUSED``) or a vanished path (``ENOENT``) means
+    nobody listens. Any other failure raises :class:`OSError`: a socket this uid may not
+    connect to (``EACCES``: another user's, mode 0600), or one whose server does not
+    accept in time (``EAGAIN``: its backlog is full; a timeout), may well be live, and a
+    live socket must never be taken for a stale one and replaced.
+    """
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     probe.settimeout(timeout)
     try:
         probe.connect(path)
         pid, uid, _gid = _CRED.unpack(
             probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    except OSError:
-        return None
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return None
+        raise
     finally:
         probe.close()
     return pid, uid
 
 
+def _busy(exc: OSError) -> bool:
+    """``exc`` says a server is there but did not accept in time (not a refusal)."""
+    return isinstance(exc, TimeoutError) or exc.errno in (errno.EAGAIN, errno.EINPROGRESS)
+
+
+def _unreachable(path: str, owner: int, exc: OSError) -> str:
+    """One line on a socket at ``path`` (of uid ``owner``) that cannot be connected to."""
+    why = "no answer in time" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+    line = f"{path} is a socket of uid {owner} that this uid cannot connect to ({why})"
+    if owner not in (os.geteuid(), 0):
+        line += (": another user squats the control socket; rehydrate notify would not "
+                 "reach this process")
+    return line
+
+
 def squatter(path: str) -> str | None:
-    """A description of the process of another user serving ``path``, if one does."""
+    """A description of the process of another user serving ``path``, if one does — or
+    of a socket there that this uid cannot connect to (whoever owns it, it is no socket
+    ``rehydrate notify`` of this uid could reach, and it may be live: never replaced)."""
     try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            return None
+        st = os.lstat(path)
     except OSError:
         return None
-    peer = serving_peer(path)
+    if not stat.S_ISSOCK(st.st_mode):
+        return None
+    try:
+        peer = serving_peer(path)
+    except OSError as exc:
+        if _busy(exc) and st.st_uid in (os.geteuid(), 0):
+            return None  # a busy server of this uid (or root's): as when it answers
+        return _unreachable(path, st.st_uid, exc)
     if peer is None or peer[1] in (os.geteuid(), 0):
         return None
     return (f"{path} is already served by uid {peer[1]} (pid {peer[0]}): another user "
@@ -357,7 +390,11 @@ class ControlServer:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise FileExistsError(f"{self.path} exists and is not a socket; not replacing it")
-        peer = serving_peer(self.path)
+        try:
+            peer = serving_peer(self.path)
+        except OSError as exc:  # maybe live: never replaced
+            raise FileExistsError(f"{_unreachable(self.path, st.st_uid, exc)}; refusing to "
+                                  "start") from None
         if peer is None:
             return  # stale: nobody listens; start() replaces it
         pid, uid = peer

@@ -26,6 +26,7 @@ from detect_helpers import in_forked_child, wait_for
 
 from rehydrate import Lifecycle, Registry, detect
 from rehydrate._control_client import ControlError, UntrustedSocket, request
+from rehydrate.detect import control
 from rehydrate.detect.control import MAX_LINE, ControlDetector, ControlServer
 from rehydrate.env import EnvRefresher
 
@@ -1139,7 +1140,6 @@ def test_a_request_must_arrive_within_the_idle_limit(
         server: ControlServer, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that trickles a request byte by byte (or sends nothing) is closed once the
     idle limit passes, however often single bytes arrive."""
-    from rehydrate.detect import control
 
     monkeypatch.setattr(control, "IDLE_TIMEOUT", 0.5)
     c = Conn(sock_path)
@@ -1399,7 +1399,6 @@ def test_two_instances_starting_at_one_path_never_take_each_others_socket(
     live socket. Under the directory's lock the second waits, then finds the first
     serving and refuses to start."""
     from rehydrate import Lifecycle
-    from rehydrate.detect import control
 
     path = str(tmp_path / "c.sock")
     os.chmod(tmp_path, 0o700)
@@ -1460,3 +1459,109 @@ def test_a_resume_sent_late_on_an_idle_connection_ends_the_pass(server, engine,
         idle.close()
     assert reply["ok"] and not reply.get("deduplicated"), reply
     assert engine.status().state == "ready"
+
+
+# -- a socket this uid cannot connect to is never taken for a stale one ------------------
+
+
+def _start_as(uid: int, path: str, engine: Lifecycle) -> dict[str, Any]:
+    """In a child dropped to ``uid``: what squatter(), doctor's probe (the path set in
+    $REHYDRATE_CONTROL_SOCKET) and ControlServer.start() say about ``path``."""
+
+    def child() -> dict[str, Any]:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        os.environ["REHYDRATE_CONTROL_SOCKET"] = path
+        info = {i.name: i for i in detect.available()}["control"]
+        try:
+            ControlServer(engine, path).start()
+            started = "started"
+        except OSError as exc:
+            started = f"{type(exc).__name__}: {exc}"
+        return {"squatter": control.squatter(path), "usable": info.usable,
+                "reason": info.reason, "start": started}
+
+    return in_forked_child(child)
+
+
+@pytest.mark.root
+def test_a_0600_socket_of_another_uid_in_a_sticky_dir_is_a_squatter(
+        root_required: None, short_dir: Path, engine: Lifecycle) -> None:
+    """The reviewer's repro: uid 65534 serves a 0600 socket in /tmp-like dir; uid 65533's
+    doctor said "usable" and its start() failed with EPERM (it had taken the socket for a
+    stale one and tried to unlink it)."""
+    os.chmod(short_dir, 0o755)
+    sticky = short_dir / "pub"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    srv = ForeignServer(sticky)
+    try:
+        os.chmod(srv.path, 0o600)
+        before = os.lstat(srv.path)
+        out = _start_as(65533, srv.path, engine)
+        line = (f"{srv.path} is a socket of uid 65534 that this uid cannot connect to "
+                "(Permission denied): another user squats the control socket")
+        assert out["squatter"].startswith(line), out
+        assert not out["usable"] and out["reason"].startswith(line), out
+        assert out["start"].startswith(f"FileExistsError: {line}"), out
+        assert out["start"].endswith("refusing to start") and "\n" not in out["start"]
+        after = os.lstat(srv.path)
+        assert (after.st_ino, after.st_uid) == (before.st_ino, 65534)
+    finally:
+        srv.close()
+
+
+@pytest.mark.root
+def test_a_live_root_socket_in_the_users_own_dir_is_never_replaced(
+        root_required: None, short_dir: Path, engine: Lifecycle) -> None:
+    """The reviewer's repro: root listens (0600) in uid 65533's own 0700 directory; uid
+    65533's start() deleted it and bound its own there."""
+    os.chmod(short_dir, 0o755)
+    own = short_dir / "u"
+    own.mkdir(mode=0o700)
+    os.chown(own, 65533, 65533)
+    path = str(own / "a.sock")
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        live.bind(path)
+        os.chmod(path, 0o600)
+        live.listen(4)
+        before = os.lstat(path).st_ino
+        out = _start_as(65533, path, engine)
+        line = f"{path} is a socket of uid 0 that this uid cannot connect to (Permission denied)"
+        assert out["start"] == f"FileExistsError: {line}; refusing to start", out
+        assert out["squatter"] == line and not out["usable"], out
+        assert os.lstat(path).st_ino == before
+        assert control.serving_peer(path) == (os.getpid(), 0)  # still root's, still live
+    finally:
+        live.close()
+
+
+def test_a_busy_live_socket_is_not_taken_for_a_stale_one(engine: Lifecycle,
+                                                          short_dir: Path) -> None:
+    """A server whose accept backlog is full refuses a non-blocking connect with EAGAIN:
+    it is live (busy), and was deleted and replaced as if nobody listened."""
+    path = str(short_dir / "busy.sock")
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(path)
+    live.listen(0)
+    queued = []
+    try:
+        while True:  # fill the backlog
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                break
+        before = os.lstat(path).st_ino
+        with pytest.raises(FileExistsError, match="cannot connect to .*refusing to start"):
+            ControlServer(engine, path).start()
+        assert os.lstat(path).st_ino == before
+        assert control.squatter(path) is None  # this uid's own server, only busy
+    finally:
+        for c in queued:
+            c.close()
+        live.close()
