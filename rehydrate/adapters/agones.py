@@ -17,7 +17,9 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   so the server stays not ready.
 * When the engine is ready again after that restore, ``POST /ready`` goes out — only if
   :meth:`AgonesAdapter.ready` had been called before and the GameServer is not already
-  ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``).
+  ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``). A
+  successful run whose report finds the engine not ready yet (a duplicate notice of the
+  same restore still queued: it reports nothing) waits for readiness instead.
 
 Health and watch errors are logged (the first of a streak as a warning) and retried with
 backoff; they never fail a hook.
@@ -222,6 +224,7 @@ class AgonesAdapter:
         self._want_ready = False
         self._ready_deferred = False  # ready() came while not ready; guarded by _lock
         self._ready_waiter = False  # a thread waits for readiness to send it; by _lock
+        self._ready_asked = False  # the deferred Ready is ready()'s own; by _lock
         self._paused = False  # between the before-snapshot pause and the restore
         self._gameserver: dict[str, Any] | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -577,11 +580,20 @@ class AgonesAdapter:
     def _on_report(self, report: Report) -> None:
         if report.kind == "snapshot" or not self._want_ready:
             return
-        with self._lock:
-            self._ready_deferred = False  # this report decides, by the GameServer's state
         eng = self.engine
         if eng is None:
             return
+        if report.ok and not eng.is_ready():
+            # A second notice of this same restore (the clock-jump detector and
+            # ``rehydrate notify restore`` both saw it) is queued behind the run: it runs
+            # nothing and publishes no report, so readiness returns without one. Dropping
+            # the Ready here left a clone's new GameServer Scheduled for good.
+            log.info("restore done, but rehydrate is not ready yet (%s): Ready goes out "
+                     "when it is", reason_of(eng.status()))
+            self._defer_ready(eng, asked=False)  # this report decides, by the state
+            return
+        with self._lock:
+            self._ready_deferred = False  # this report decides, by the GameServer's state
         if not eng.is_ready():
             log.warning("not marking the GameServer Ready: rehydrate is not ready (%s)",
                         reason_of(eng.status()))
@@ -589,13 +601,16 @@ class AgonesAdapter:
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore())
 
-    def _defer_ready(self, eng: Engine) -> None:
+    def _defer_ready(self, eng: Engine, *, asked: bool) -> None:
         """Send Ready once ``eng`` is ready: readiness can come back without a report (a
-        late heartbeat judged a busy stall, not a restore), and a report alone was awaited."""
+        late heartbeat judged a busy stall, not a restore; a duplicate restore notice that
+        ran nothing), and a report alone was awaited. ``asked``: as for
+        :meth:`_ready_after_restore`; the latest caller decides."""
         with self._lock:
             if self._closed:
                 return
             self._ready_deferred = True
+            self._ready_asked = asked
             if self._ready_waiter:
                 return
             self._ready_waiter = True
@@ -614,17 +629,18 @@ class AgonesAdapter:
                     if self._closed or not self._ready_deferred:
                         return
                     self._ready_deferred = False
+                    asked = self._ready_asked
                 with contextlib.suppress(RuntimeError):  # closed meanwhile
-                    self._submit(self._deferred_ready(eng))
+                    self._submit(self._deferred_ready(eng, asked))
                 return
 
-    async def _deferred_ready(self, eng: Engine) -> None:
+    async def _deferred_ready(self, eng: Engine, asked: bool) -> None:
         if not self._want_ready:
             return  # shutdown() since
         if not eng.is_ready():
-            self._defer_ready(eng)  # not ready again already: wait once more
+            self._defer_ready(eng, asked=asked)  # not ready again already: wait once more
             return
-        await self._ready_after_restore(asked=True)
+        await self._ready_after_restore(asked=asked)
 
     async def _ready_after_restore(self, asked: bool = False) -> None:
         """``asked``: ready() itself was deferred, not a restore: an unknown state (no
@@ -662,7 +678,7 @@ class AgonesAdapter:
             # A restore is running or failed: Ready goes out when rehydrate is ready.
             self._want_ready = True
             log.info("ready() while rehydrate is not ready: deferred until it is")
-            self._defer_ready(eng)
+            self._defer_ready(eng, asked=True)
             return
         await self._request("POST", "/ready", {})
         self._want_ready = True

@@ -702,3 +702,60 @@ def test_reserve_takes_whole_numbers_up_to_a_year(sidecar, adapter):
     for seconds, sent in ((0, "0"), (30.0, "30"), (np.int64(7), "7"), (31_536_000, "31536000")):
         adapter.reserve(seconds)
         assert sidecar.calls("POST", "/reserve")[-1].body == {"seconds": sent}
+
+
+def _restore_with_a_duplicate_notice_queued(engine, during=None):
+    """A restore run during which a second notice of the same restore (same key) arrives
+    and queues behind it, as when the clock-jump detector runs the restore and
+    ``rehydrate notify restore`` comes a moment later: the run's report is published while
+    that notice still counts, so the engine is not ready then; the notice then runs
+    nothing and publishes no report."""
+    duplicates: list[threading.Thread] = []
+
+    @engine.registry.after_restore(name="test.duplicate-notice")
+    def queue_duplicate() -> None:
+        if duplicates:
+            return
+        if during is not None:
+            during()
+        t = threading.Thread(target=engine.restore_detected, args=("control",),
+                             kwargs={"key": "the-restore"})
+        duplicates.append(t)
+        t.start()
+        # counted as soon as it arrives, before it waits for this run (no public count)
+        wait_for(lambda: engine._notices >= 2, what="the duplicate notice to be counted")
+
+    published: list[object] = []
+    engine.add_listener(published.append)
+    t0 = time.monotonic()
+    report = engine.restore_detected("clock-jump", key="the-restore")
+    assert report.ok, report.table()
+    duplicates[0].join(10)
+    assert not duplicates[0].is_alive()
+    assert published == [report]  # the duplicate published nothing
+    return t0
+
+
+def test_a_clone_is_marked_ready_when_a_duplicate_restore_notice_was_queued(
+        sidecar, adapter, rehydrate_engine):
+    """The clone's new GameServer (Scheduled) was never marked Ready: the report found the
+    engine not ready (the duplicate notice still queued), dropped the Ready and nothing
+    retried it."""
+    adapter.ready()
+    sidecar.set_state("Scheduled")
+    t0 = _restore_with_a_duplicate_notice_queued(rehydrate_engine)
+    assert rehydrate_engine.is_ready()
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert sidecar.gs.state == "Ready"
+
+
+def test_ready_called_during_a_restore_with_a_duplicate_notice_queued_goes_out(
+        sidecar, adapter, rehydrate_engine):
+    """ready() during the restore run was deferred, then the report (engine not ready:
+    the duplicate notice) cancelled the deferral: Ready was never sent."""
+    t0 = _restore_with_a_duplicate_notice_queued(rehydrate_engine, during=adapter.ready)
+    assert adapter.status()["ready_requested"]
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert sidecar.gs.state == "Ready"
+    adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
+    assert len(sidecar.calls("POST", "/ready")) == 1
