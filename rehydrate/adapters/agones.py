@@ -38,7 +38,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import httpx
 
@@ -245,6 +245,8 @@ class AgonesAdapter:
         # Kept across loop restarts: a streak of errors spanning a restore logs one warning.
         self._health_streak = _Streak("health ping")
         self._watch_streak = _Streak("GameServer watch")
+        self._watch_skipped = False  # a watch line was skipped since the last GameServer
+        self._watch_ends = 0  # streams that delivered and ended since the last change
         self._installed = False
         self._closed = False
 
@@ -461,21 +463,39 @@ class AgonesAdapter:
         streak = self._watch_streak
         timeout = httpx.Timeout(self.request_timeout, read=None)  # the stream idles
         while True:
+            answered = delivered = False
             try:
                 resp = await self._open_watch(timeout)
                 try:
                     resp.raise_for_status()
-                    streak.ok()
+                    answered = True
                     # bounded: a stream that never sends a newline must not grow a line
                     # in memory for ever (a ValueError, retried like any stream error)
                     async for line in _bodies.lines(resp):
-                        self._watched(line)
+                        if self._watched(line):
+                            # Not the 200 itself: grpc-gateway answers a watch that fails
+                            # with 200, an {"error": ...} line and the end; taken for a
+                            # working stream, it reset the backoff and the watch spun.
+                            streak.ok()
+                            delivered = True
                 finally:
                     await resp.aclose()
-                raise AgonesError("the watch stream ended")
+                if not delivered:
+                    raise AgonesError("the watch stream ended")
+                # It worked, then ended (a sidecar restarted, a proxy's idle timeout): no
+                # failure, but said once until the GameServer changes again.
+                self._watch_ends += 1
+                log.log(logging.INFO if self._watch_ends == 1 else logging.DEBUG,
+                        "Agones watch stream ended: watching again")
             except (httpx.HTTPError, AgonesError, ValueError) as exc:
                 streak.failed(exc)
-            await asyncio.sleep(_backoff(max(streak.failures, 1), 5.0))
+            delay = _backoff(max(streak.failures, 1), 5.0)
+            if answered:
+                # A real sidecar keeps the stream open: one answered and then ended (an
+                # error line, or even after a GameServer) must not be asked again many
+                # times a second.
+                delay = max(delay, self.health_interval)
+            await asyncio.sleep(delay)
 
     async def _open_watch(self, timeout: httpx.Timeout) -> httpx.Response:
         """The watch response, whose headers must come within ``request_timeout`` (only
@@ -494,21 +514,35 @@ class AgonesAdapter:
                               f"{self.request_timeout:g}s")
         return send.result()
 
-    def _watched(self, line: str) -> None:
+    def _watched(self, line: str) -> bool:
+        """True when ``line`` delivered a GameServer. An ``{"error": ...}`` line (how
+        grpc-gateway fails a stream it already answered with 200) is an ``AgonesError``;
+        another line that is no GameServer is skipped, with one warning until a
+        GameServer arrives again."""
         if not line.strip():
-            return
+            return False
         try:  # _bodies.loads: a line nested too deep for json ended the watch loop
-            result = _bodies.loads(line)["result"]
-            if not _gameserver_shaped(result):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            log.warning("Agones watch stream: ignoring a line that is not "
-                        "{\"result\": {...}} (%d bytes)", len(line))
-            return
+            data = _bodies.loads(line)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "error" in data and "result" not in data:
+            raise AgonesError(f"the watch stream sent an error{_stream_error(data['error'])}")
+        result = data.get("result") if isinstance(data, dict) else None
+        if not _gameserver_shaped(result):
+            level = logging.DEBUG if self._watch_skipped else logging.WARNING
+            self._watch_skipped = True
+            log.log(level, "Agones watch stream: ignoring a line that is not "
+                    "{\"result\": {...}} (%d bytes)", len(line))
+            return False
+        self._watch_skipped = False
         self._set_gameserver(result)
+        return True
 
     def _set_gameserver(self, gs: dict[str, Any]) -> None:
+        if gs == self._gameserver:
+            return  # every (re)opened watch stream repeats the current one first
         self._gameserver = gs
+        self._watch_ends = 0
         for fn in list(self._listeners):
             try:
                 fn(gs)
@@ -770,8 +804,10 @@ class AgonesAdapter:
 
     def on_change(self, fn: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
                                                                           None]:
-        """Call ``fn(gameserver)`` for every GameServer the watch stream (or a fetch)
-        delivers; usable as a decorator. Runs on the adapter's thread: keep it short."""
+        """Call ``fn(gameserver)`` for every change of the GameServer the watch stream (or
+        a fetch) delivers — not again for one equal to the latest, as every reopened
+        stream repeats it; usable as a decorator. Runs on the adapter's thread: keep it
+        short."""
         self._listeners.append(fn)
         return fn
 
@@ -796,7 +832,18 @@ class AgonesAdapter:
         }
 
 
-def _gameserver_shaped(gs: object) -> bool:
+def _stream_error(err: object) -> str:
+    """The status codes of grpc-gateway's ``{"error": {...}}`` (its message is not
+    repeated: a sidecar's text of any length)."""
+    if not isinstance(err, dict):
+        return ""
+    codes = [f"{name} {err[key]}" for key, name in (("http_code", "HTTP"),
+                                                    ("grpc_code", "gRPC code"))
+             if type(err.get(key)) is int]
+    return f" ({', '.join(codes)})" if codes else ""
+
+
+def _gameserver_shaped(gs: object) -> TypeGuard[dict[str, Any]]:
     """An object whose ``object_meta`` is an object and whose ``status.state`` is a
     non-empty string: every GameServer has one, and the adapter decides on it (an empty
     answer taken for a GameServer of unknown state once marked an Allocated one Ready)."""

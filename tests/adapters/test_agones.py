@@ -759,3 +759,83 @@ def test_ready_called_during_a_restore_with_a_duplicate_notice_queued_goes_out(
     assert sidecar.gs.state == "Ready"
     adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
     assert len(sidecar.calls("POST", "/ready")) == 1
+
+
+_GS = {"object_meta": {"name": "gs-1", "uid": "u-1"}, "status": {"state": "Ready"}}
+_ENDED_STREAMS = {
+    # grpc-gateway's answer to a watch that fails: 200, one error line, the end
+    "error-line": b'{"error": {"grpc_code": 14, "http_code": 503, "message": "x"}}\n',
+    "bad-line": b'{"result": null}\n',
+    "empty": b"",
+}
+
+
+def _ending_watch(engine, body: bytes, health_interval: float):
+    """An adapter whose watch stream answers 200 with ``body`` and ends, every time; the
+    monotonic time of every watch request."""
+    import json
+
+    import httpx
+
+    watches: list[float] = []
+
+    def sidecar(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/watch/gameserver":
+            watches.append(time.monotonic())
+            return httpx.Response(200, content=body)
+        if request.url.path == "/gameserver":
+            return httpx.Response(200, content=json.dumps(_GS).encode())
+        return httpx.Response(200, json={})
+
+    a = AgonesAdapter(9358, health_interval, engine=engine, deadline=0.5,
+                      request_timeout=1.0, transport=httpx.MockTransport(sidecar))
+    return a, watches
+
+
+@pytest.mark.parametrize("body", list(_ENDED_STREAMS.values()), ids=list(_ENDED_STREAMS))
+def test_a_watch_stream_answering_200_and_ending_backs_off(rehydrate_engine, caplog, body):
+    """The backoff was reset as soon as the 200 arrived: a stream that failed that way
+    (grpc-gateway's error line) was asked for again every 25-50 ms, each time with a new
+    warning (86 watches and up to 172 warnings in 5 s)."""
+    interval = 0.3
+    a, watches = _ending_watch(rehydrate_engine, body, interval)
+    with caplog.at_level(logging.DEBUG, logger="rehydrate.agones"):
+        a.install()
+        try:
+            wait_for(lambda: len(watches) >= 4, timeout=30.0, what="four watch requests")
+        finally:
+            a.close()
+    gaps = [b - a for a, b in zip(watches, watches[1:])]
+    assert all(g >= interval for g in gaps), gaps
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([w for w in warnings if "GameServer watch failed" in w]) == 1, warnings
+    assert len([w for w in warnings if "ignoring a line" in w]) <= 1, warnings
+    if body.startswith(b'{"error"'):
+        assert "the watch stream sent an error (HTTP 503, gRPC code 14)" in warnings[0]
+
+
+def test_a_watch_stream_that_ends_after_the_same_gameserver_runs_no_listener_again(
+        rehydrate_engine, caplog):
+    """Each reopened stream delivers the current GameServer first: every on_change
+    listener ran again for an unchanged GameServer, as often as the stream ended (and a
+    warning was logged each time). A stream that worked and ended is said once, at info."""
+    import json
+
+    interval = 0.3
+    body = json.dumps({"result": _GS}).encode() + b"\n"
+    a, watches = _ending_watch(rehydrate_engine, body, interval)
+    seen: list[dict] = []
+    a.on_change(seen.append)
+    with caplog.at_level(logging.DEBUG, logger="rehydrate.agones"):
+        a.install()
+        try:
+            wait_for(lambda: len(watches) >= 3, timeout=30.0, what="three watch requests")
+            a.gameserver()  # a fetch of the same GameServer: no change either
+        finally:
+            a.close()
+    assert seen == [_GS]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert len([r for r in caplog.records if r.levelno == logging.INFO
+                and "watch stream ended" in r.getMessage()]) == 1
+    gaps = [b - a for a, b in zip(watches, watches[1:])]
+    assert all(g >= interval for g in gaps), gaps
