@@ -298,3 +298,36 @@ def test_idle_players_are_dropped_and_a_full_match_answers_busy(tmp_path):
         wait_for(lambda: _run([REHYDRATE, "status", "--json"], env)["game"]["players"] == 0,
                  30, "the idle players to be dropped")
         _ask(c, {"op": "join", "name": "c"}, "welcome")
+
+
+def test_a_sidecar_that_starts_after_the_server_still_gets_the_label_and_ready(tmp_path):
+    """The server tried the label and Ready once and swallowed the error: with its
+    sidecar up a moment later (common in a Pod) the GameServer never became Ready."""
+    import threading
+
+    events = tmp_path / "events.jsonl"
+    with AgonesSidecar(down_for=None) as sidecar:
+        env = {**os.environ, "AGONES_SDK_HTTP_PORT": str(sidecar.port),
+               "REHYDRATE_CONTROL_SOCKET": str(tmp_path / "ctl.sock"),
+               "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVER), "--port", "0", "--health-interval", "1",
+             "--events", str(events)], env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        assert proc.stderr is not None
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        try:
+            # the server's first attempt failed: the sidecar is not listening yet
+            wait_for(lambda: any("PUT /metadata/label" in line for line in lines), 30,
+                     "the server's first, failed attempt")
+            sidecar.up()
+            sidecar.wait_listening()
+            wait_for(lambda: _ready_port(events) is not None, 30, "the server to be ready")
+            sidecar.wait_for("POST", "/ready", timeout=30)
+            assert sidecar.gs.state == "Ready"
+            assert sidecar.gs.labels.keys() == {"agones.dev/sdk-match"}
+        finally:
+            proc.kill()
+            proc.wait(10)

@@ -714,7 +714,14 @@ class AgonesAdapter:
             log.info("ready() while rehydrate is not ready: deferred until it is")
             self._defer_ready(eng, asked=True)
             return
-        await self._request("POST", "/ready", {})
+        try:
+            await self._request("POST", "/ready", {})
+        except AgonesError as exc:
+            if _refusal(exc) is None:
+                # Not heard (a sidecar starting after the game, say): still wanted, so a
+                # restore asks for it; sending it now again is the caller's choice.
+                self._want_ready = True
+            raise
         self._want_ready = True
 
     async def _metadata(self, kind: str, key: str, value: str) -> None:
@@ -726,12 +733,20 @@ class AgonesAdapter:
             log.debug("%s %s set while paused for a snapshot: sent after the restore",
                       kind, key)
             return
-        await self._request("PUT", f"/metadata/{kind}", {"key": key, "value": value})
-        (self._labels if kind == "label" else self._annotations)[key] = value
+        store = self._labels if kind == "label" else self._annotations
+        try:
+            await self._request("PUT", f"/metadata/{kind}", {"key": key, "value": value})
+        except AgonesError as exc:
+            if _refusal(exc) is None:
+                store[key] = value  # not heard: still wanted, as for ready()
+            raise
+        store[key] = value
 
     def ready(self) -> None:
         """``POST /ready``: this server can take players. Remembered: after a restore the
-        adapter asks again when the GameServer needs it."""
+        adapter asks again when the GameServer needs it — also when this call failed
+        without an answer (``AgonesError``; not when the sidecar refused it with a 4xx).
+        Not retried here: a game whose sidecar may start after it calls again."""
         self._call(self._ready())
 
     async def aready(self) -> None:
@@ -739,7 +754,8 @@ class AgonesAdapter:
 
     def set_label(self, key: str, value: str) -> None:
         """``PUT /metadata/label`` (stored as ``agones.dev/sdk-<key>``); re-applied after
-        every restore."""
+        every restore, also when this call failed without an answer (as for
+        :meth:`ready`)."""
         self._call(self._metadata("label", key, value))
 
     async def aset_label(self, key: str, value: str) -> None:

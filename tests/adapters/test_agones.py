@@ -839,3 +839,41 @@ def test_a_watch_stream_that_ends_after_the_same_gameserver_runs_no_listener_aga
                 and "watch stream ended" in r.getMessage()]) == 1
     gaps = [b - a for a, b in zip(watches, watches[1:])]
     assert all(g >= interval for g in gaps), gaps
+
+
+def test_ready_and_a_label_that_failed_unheard_are_sent_after_a_restore(rehydrate_engine):
+    """ready() and set_label() that failed because the sidecar was not up yet were
+    forgotten: a restore neither asked to be Ready nor applied the label."""
+    with AgonesSidecar(down_for=None) as sc:
+        a = _adapter(sc, rehydrate_engine, request_timeout=0.5)
+        a.install()
+        try:
+            with pytest.raises(AgonesError, match="POST /ready"):
+                a.ready()
+            with pytest.raises(AgonesError, match="PUT /metadata/label"):
+                a.set_label("map", "dust")
+            assert a.status()["ready_requested"]
+            sc.up()
+            sc.wait_listening()
+            t0 = time.monotonic()
+            assert rehydrate_engine.simulate_restore().ok  # the GameServer is Scheduled
+            sc.wait_for("POST", "/ready", since=t0)
+            assert sc.gs.labels == {"agones.dev/sdk-map": "dust"}
+            assert sc.gs.state == "Ready"
+        finally:
+            a.close()
+
+
+def test_ready_and_a_label_the_sidecar_refused_are_not_remembered(sidecar, adapter,
+                                                                   rehydrate_engine):
+    sidecar.fail_next(2, "/ready", "/metadata/label", status=400)
+    with pytest.raises(AgonesError, match="HTTP 400"):
+        adapter.ready()
+    with pytest.raises(AgonesError, match="HTTP 400"):
+        adapter.set_label("map", "dust")
+    assert not adapter.status()["ready_requested"]
+    t0 = time.monotonic()
+    assert rehydrate_engine.simulate_restore().ok
+    adapter.gameserver()  # barrier: the adapter's loop has made its Ready decision
+    assert sidecar.calls("POST", "/ready", since=t0) == []
+    assert sidecar.calls("PUT", "/metadata/label", since=t0) == []
