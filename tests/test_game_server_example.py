@@ -331,3 +331,47 @@ def test_a_sidecar_that_starts_after_the_server_still_gets_the_label_and_ready(t
         finally:
             proc.kill()
             proc.wait(10)
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_client_with_nothing_listening_says_no_reply_and_fails():
+    """An ICMP port unreachable made recv() raise ConnectionRefusedError: a traceback
+    instead of "no 'welcome' reply within ...s"."""
+    proc = subprocess.run([sys.executable, str(CLIENT), "--port", str(_free_udp_port()),
+                           "--timeout", "1"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 1, proc
+    assert proc.stderr.strip() == "client: no 'welcome' reply within 1.0s", proc.stderr
+    assert proc.stdout == ""
+
+
+def test_the_client_of_a_server_gone_after_the_welcome_fails_without_a_traceback():
+    import threading
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(30)
+
+    def welcome_then_go() -> None:
+        with server:
+            data, addr = server.recvfrom(2048)
+            assert json.loads(data)["op"] == "join"
+            server.sendto(json.dumps({"op": "welcome", "player": "p1", "token": "t",
+                                      "tick": 0, "rate": 30, "instance": "i"}).encode(),
+                          addr)
+        # closed: the client's inputs now meet ICMP port unreachable
+
+    t = threading.Thread(target=welcome_then_go)
+    t.start()
+    proc = subprocess.run([sys.executable, str(CLIENT), "--port",
+                           str(server.getsockname()[1]), "--timeout", "1"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    t.join(30)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc
+    assert json.loads(proc.stdout)["states"] == 0
