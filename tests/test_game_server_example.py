@@ -298,3 +298,80 @@ def test_idle_players_are_dropped_and_a_full_match_answers_busy(tmp_path):
         wait_for(lambda: _run([REHYDRATE, "status", "--json"], env)["game"]["players"] == 0,
                  30, "the idle players to be dropped")
         _ask(c, {"op": "join", "name": "c"}, "welcome")
+
+
+def test_a_sidecar_that_starts_after_the_server_still_gets_the_label_and_ready(tmp_path):
+    """The server tried the label and Ready once and swallowed the error: with its
+    sidecar up a moment later (common in a Pod) the GameServer never became Ready."""
+    import threading
+
+    events = tmp_path / "events.jsonl"
+    with AgonesSidecar(down_for=None) as sidecar:
+        env = {**os.environ, "AGONES_SDK_HTTP_PORT": str(sidecar.port),
+               "REHYDRATE_CONTROL_SOCKET": str(tmp_path / "ctl.sock"),
+               "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVER), "--port", "0", "--health-interval", "1",
+             "--events", str(events)], env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        assert proc.stderr is not None
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        try:
+            # the server's first attempt failed: the sidecar is not listening yet
+            wait_for(lambda: any("PUT /metadata/label" in line for line in lines), 30,
+                     "the server's first, failed attempt")
+            sidecar.up()
+            sidecar.wait_listening()
+            wait_for(lambda: _ready_port(events) is not None, 30, "the server to be ready")
+            sidecar.wait_for("POST", "/ready", timeout=30)
+            assert sidecar.gs.state == "Ready"
+            assert sidecar.gs.labels.keys() == {"agones.dev/sdk-match"}
+        finally:
+            proc.kill()
+            proc.wait(10)
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_client_with_nothing_listening_says_no_reply_and_fails():
+    """An ICMP port unreachable made recv() raise ConnectionRefusedError: a traceback
+    instead of "no 'welcome' reply within ...s"."""
+    proc = subprocess.run([sys.executable, str(CLIENT), "--port", str(_free_udp_port()),
+                           "--timeout", "1"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 1, proc
+    assert proc.stderr.strip() == "client: no 'welcome' reply within 1.0s", proc.stderr
+    assert proc.stdout == ""
+
+
+def test_the_client_of_a_server_gone_after_the_welcome_fails_without_a_traceback():
+    import threading
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(30)
+
+    def welcome_then_go() -> None:
+        with server:
+            data, addr = server.recvfrom(2048)
+            assert json.loads(data)["op"] == "join"
+            server.sendto(json.dumps({"op": "welcome", "player": "p1", "token": "t",
+                                      "tick": 0, "rate": 30, "instance": "i"}).encode(),
+                          addr)
+        # closed: the client's inputs now meet ICMP port unreachable
+
+    t = threading.Thread(target=welcome_then_go)
+    t.start()
+    proc = subprocess.run([sys.executable, str(CLIENT), "--port",
+                           str(server.getsockname()[1]), "--timeout", "1"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    t.join(30)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc
+    assert json.loads(proc.stdout)["states"] == 0

@@ -9,7 +9,7 @@ rate. Wired to rehydrate:
   snapshot are refused ("rejoin");
 * ``UdpEndpoint``: the game socket is probed after a restore and bound again if dead;
 * ``AgonesAdapter``: health pings, ``Ready``, the match label (``--no-agones`` without a
-  sidecar).
+  sidecar), retried until a sidecar that starts after the game answers.
 
 Run it (and ``client.py`` against it)::
 
@@ -233,22 +233,50 @@ async def main(argv: list[str] | None = None) -> None:
     rehydrate.start(loop=asyncio.get_running_loop())
 
     agones = None
-    if not args.no_agones:
-        agones = AgonesAdapter(health_interval=args.health_interval)
-        agones.install()
-        try:
-            await agones.aset_label("match", f"m-{os.getpid()}-{int(time.time())}")
-            await agones.aready()
-        except AgonesError as exc:
-            log.warning("Agones: %s", exc)
-    events.emit("ready", port=endpoint.address[1], pid=os.getpid(), tick=match.tick,
-                agones=agones is not None)
+    game = asyncio.create_task(game_loop(match, clock, proto, events))
     try:
-        await game_loop(match, clock, proto, events)
+        if not args.no_agones:
+            agones = AgonesAdapter(health_interval=args.health_interval)
+            agones.install()
+            await agones_ready(agones, f"m-{os.getpid()}-{int(time.time())}")
+        events.emit("ready", port=endpoint.address[1], pid=os.getpid(), tick=match.tick,
+                    agones=agones is not None)
+        await game
     finally:
+        game.cancel()
         endpoint.close()
         if agones is not None:
             await agones.aclose()
+
+
+async def agones_ready(agones: AgonesAdapter, label: str) -> None:
+    """The match label, then Ready, retried with backoff until the sidecar answers: in a
+    Pod the SDK sidecar may start a moment after the game, and the adapter does not retry
+    these calls itself (it only remembers them for after a restore)."""
+    attempt = 0
+    while True:
+        try:
+            await agones.aset_label("match", label)
+            await agones.aready()
+            return
+        except AgonesError as exc:
+            attempt += 1
+            if refused(exc):  # the sidecar answered "no": asking again cannot help
+                log.error("Agones refused: %s", exc)
+                return
+            delay = min(5.0, 0.1 * 2 ** min(attempt, 6))
+            # one warning, then quiet: a sidecar starting late is normal in a Pod
+            log.log(logging.WARNING if attempt == 1 else logging.DEBUG,
+                    "Agones (attempt %d, again in %.1fs): %s", attempt, delay, exc)
+            await asyncio.sleep(delay)
+
+
+def refused(exc: AgonesError) -> bool:
+    """A 4xx other than 408 and 429: the request itself was refused."""
+    cause = exc.__cause__
+    response = getattr(cause, "response", None)
+    code = getattr(response, "status_code", 0)
+    return isinstance(code, int) and 400 <= code < 500 and code not in (408, 429)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   so the server stays not ready.
 * When the engine is ready again after that restore, ``POST /ready`` goes out — only if
   :meth:`AgonesAdapter.ready` had been called before and the GameServer is not already
-  ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``).
+  ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``). A
+  successful run whose report finds the engine not ready yet (a duplicate notice of the
+  same restore still queued: it reports nothing) waits for readiness instead.
 
 Health and watch errors are logged (the first of a streak as a warning) and retried with
 backoff; they never fail a hook.
@@ -36,7 +38,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import httpx
 
@@ -222,6 +224,7 @@ class AgonesAdapter:
         self._want_ready = False
         self._ready_deferred = False  # ready() came while not ready; guarded by _lock
         self._ready_waiter = False  # a thread waits for readiness to send it; by _lock
+        self._ready_asked = False  # the deferred Ready is ready()'s own; by _lock
         self._paused = False  # between the before-snapshot pause and the restore
         self._gameserver: dict[str, Any] | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -242,6 +245,8 @@ class AgonesAdapter:
         # Kept across loop restarts: a streak of errors spanning a restore logs one warning.
         self._health_streak = _Streak("health ping")
         self._watch_streak = _Streak("GameServer watch")
+        self._watch_skipped = False  # a watch line was skipped since the last GameServer
+        self._watch_ends = 0  # streams that delivered and ended since the last change
         self._installed = False
         self._closed = False
 
@@ -458,21 +463,39 @@ class AgonesAdapter:
         streak = self._watch_streak
         timeout = httpx.Timeout(self.request_timeout, read=None)  # the stream idles
         while True:
+            answered = delivered = False
             try:
                 resp = await self._open_watch(timeout)
                 try:
                     resp.raise_for_status()
-                    streak.ok()
+                    answered = True
                     # bounded: a stream that never sends a newline must not grow a line
                     # in memory for ever (a ValueError, retried like any stream error)
                     async for line in _bodies.lines(resp):
-                        self._watched(line)
+                        if self._watched(line):
+                            # Not the 200 itself: grpc-gateway answers a watch that fails
+                            # with 200, an {"error": ...} line and the end; taken for a
+                            # working stream, it reset the backoff and the watch spun.
+                            streak.ok()
+                            delivered = True
                 finally:
                     await resp.aclose()
-                raise AgonesError("the watch stream ended")
+                if not delivered:
+                    raise AgonesError("the watch stream ended")
+                # It worked, then ended (a sidecar restarted, a proxy's idle timeout): no
+                # failure, but said once until the GameServer changes again.
+                self._watch_ends += 1
+                log.log(logging.INFO if self._watch_ends == 1 else logging.DEBUG,
+                        "Agones watch stream ended: watching again")
             except (httpx.HTTPError, AgonesError, ValueError) as exc:
                 streak.failed(exc)
-            await asyncio.sleep(_backoff(max(streak.failures, 1), 5.0))
+            delay = _backoff(max(streak.failures, 1), 5.0)
+            if answered:
+                # A real sidecar keeps the stream open: one answered and then ended (an
+                # error line, or even after a GameServer) must not be asked again many
+                # times a second.
+                delay = max(delay, self.health_interval)
+            await asyncio.sleep(delay)
 
     async def _open_watch(self, timeout: httpx.Timeout) -> httpx.Response:
         """The watch response, whose headers must come within ``request_timeout`` (only
@@ -491,21 +514,35 @@ class AgonesAdapter:
                               f"{self.request_timeout:g}s")
         return send.result()
 
-    def _watched(self, line: str) -> None:
+    def _watched(self, line: str) -> bool:
+        """True when ``line`` delivered a GameServer. An ``{"error": ...}`` line (how
+        grpc-gateway fails a stream it already answered with 200) is an ``AgonesError``;
+        another line that is no GameServer is skipped, with one warning until a
+        GameServer arrives again."""
         if not line.strip():
-            return
+            return False
         try:  # _bodies.loads: a line nested too deep for json ended the watch loop
-            result = _bodies.loads(line)["result"]
-            if not _gameserver_shaped(result):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            log.warning("Agones watch stream: ignoring a line that is not "
-                        "{\"result\": {...}} (%d bytes)", len(line))
-            return
+            data = _bodies.loads(line)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "error" in data and "result" not in data:
+            raise AgonesError(f"the watch stream sent an error{_stream_error(data['error'])}")
+        result = data.get("result") if isinstance(data, dict) else None
+        if not _gameserver_shaped(result):
+            level = logging.DEBUG if self._watch_skipped else logging.WARNING
+            self._watch_skipped = True
+            log.log(level, "Agones watch stream: ignoring a line that is not "
+                    "{\"result\": {...}} (%d bytes)", len(line))
+            return False
+        self._watch_skipped = False
         self._set_gameserver(result)
+        return True
 
     def _set_gameserver(self, gs: dict[str, Any]) -> None:
+        if gs == self._gameserver:
+            return  # every (re)opened watch stream repeats the current one first
         self._gameserver = gs
+        self._watch_ends = 0
         for fn in list(self._listeners):
             try:
                 fn(gs)
@@ -577,11 +614,20 @@ class AgonesAdapter:
     def _on_report(self, report: Report) -> None:
         if report.kind == "snapshot" or not self._want_ready:
             return
-        with self._lock:
-            self._ready_deferred = False  # this report decides, by the GameServer's state
         eng = self.engine
         if eng is None:
             return
+        if report.ok and not eng.is_ready():
+            # A second notice of this same restore (the clock-jump detector and
+            # ``rehydrate notify restore`` both saw it) is queued behind the run: it runs
+            # nothing and publishes no report, so readiness returns without one. Dropping
+            # the Ready here left a clone's new GameServer Scheduled for good.
+            log.info("restore done, but rehydrate is not ready yet (%s): Ready goes out "
+                     "when it is", reason_of(eng.status()))
+            self._defer_ready(eng, asked=False)  # this report decides, by the state
+            return
+        with self._lock:
+            self._ready_deferred = False  # this report decides, by the GameServer's state
         if not eng.is_ready():
             log.warning("not marking the GameServer Ready: rehydrate is not ready (%s)",
                         reason_of(eng.status()))
@@ -589,13 +635,16 @@ class AgonesAdapter:
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore())
 
-    def _defer_ready(self, eng: Engine) -> None:
+    def _defer_ready(self, eng: Engine, *, asked: bool) -> None:
         """Send Ready once ``eng`` is ready: readiness can come back without a report (a
-        late heartbeat judged a busy stall, not a restore), and a report alone was awaited."""
+        late heartbeat judged a busy stall, not a restore; a duplicate restore notice that
+        ran nothing), and a report alone was awaited. ``asked``: as for
+        :meth:`_ready_after_restore`; the latest caller decides."""
         with self._lock:
             if self._closed:
                 return
             self._ready_deferred = True
+            self._ready_asked = asked
             if self._ready_waiter:
                 return
             self._ready_waiter = True
@@ -614,17 +663,18 @@ class AgonesAdapter:
                     if self._closed or not self._ready_deferred:
                         return
                     self._ready_deferred = False
+                    asked = self._ready_asked
                 with contextlib.suppress(RuntimeError):  # closed meanwhile
-                    self._submit(self._deferred_ready(eng))
+                    self._submit(self._deferred_ready(eng, asked))
                 return
 
-    async def _deferred_ready(self, eng: Engine) -> None:
+    async def _deferred_ready(self, eng: Engine, asked: bool) -> None:
         if not self._want_ready:
             return  # shutdown() since
         if not eng.is_ready():
-            self._defer_ready(eng)  # not ready again already: wait once more
+            self._defer_ready(eng, asked=asked)  # not ready again already: wait once more
             return
-        await self._ready_after_restore(asked=True)
+        await self._ready_after_restore(asked=asked)
 
     async def _ready_after_restore(self, asked: bool = False) -> None:
         """``asked``: ready() itself was deferred, not a restore: an unknown state (no
@@ -662,9 +712,16 @@ class AgonesAdapter:
             # A restore is running or failed: Ready goes out when rehydrate is ready.
             self._want_ready = True
             log.info("ready() while rehydrate is not ready: deferred until it is")
-            self._defer_ready(eng)
+            self._defer_ready(eng, asked=True)
             return
-        await self._request("POST", "/ready", {})
+        try:
+            await self._request("POST", "/ready", {})
+        except AgonesError as exc:
+            if _refusal(exc) is None:
+                # Not heard (a sidecar starting after the game, say): still wanted, so a
+                # restore asks for it; sending it now again is the caller's choice.
+                self._want_ready = True
+            raise
         self._want_ready = True
 
     async def _metadata(self, kind: str, key: str, value: str) -> None:
@@ -676,12 +733,20 @@ class AgonesAdapter:
             log.debug("%s %s set while paused for a snapshot: sent after the restore",
                       kind, key)
             return
-        await self._request("PUT", f"/metadata/{kind}", {"key": key, "value": value})
-        (self._labels if kind == "label" else self._annotations)[key] = value
+        store = self._labels if kind == "label" else self._annotations
+        try:
+            await self._request("PUT", f"/metadata/{kind}", {"key": key, "value": value})
+        except AgonesError as exc:
+            if _refusal(exc) is None:
+                store[key] = value  # not heard: still wanted, as for ready()
+            raise
+        store[key] = value
 
     def ready(self) -> None:
         """``POST /ready``: this server can take players. Remembered: after a restore the
-        adapter asks again when the GameServer needs it."""
+        adapter asks again when the GameServer needs it — also when this call failed
+        without an answer (``AgonesError``; not when the sidecar refused it with a 4xx).
+        Not retried here: a game whose sidecar may start after it calls again."""
         self._call(self._ready())
 
     async def aready(self) -> None:
@@ -689,7 +754,8 @@ class AgonesAdapter:
 
     def set_label(self, key: str, value: str) -> None:
         """``PUT /metadata/label`` (stored as ``agones.dev/sdk-<key>``); re-applied after
-        every restore."""
+        every restore, also when this call failed without an answer (as for
+        :meth:`ready`)."""
         self._call(self._metadata("label", key, value))
 
     async def aset_label(self, key: str, value: str) -> None:
@@ -754,8 +820,10 @@ class AgonesAdapter:
 
     def on_change(self, fn: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
                                                                           None]:
-        """Call ``fn(gameserver)`` for every GameServer the watch stream (or a fetch)
-        delivers; usable as a decorator. Runs on the adapter's thread: keep it short."""
+        """Call ``fn(gameserver)`` for every change of the GameServer the watch stream (or
+        a fetch) delivers — not again for one equal to the latest, as every reopened
+        stream repeats it; usable as a decorator. Runs on the adapter's thread: keep it
+        short."""
         self._listeners.append(fn)
         return fn
 
@@ -780,7 +848,18 @@ class AgonesAdapter:
         }
 
 
-def _gameserver_shaped(gs: object) -> bool:
+def _stream_error(err: object) -> str:
+    """The status codes of grpc-gateway's ``{"error": {...}}`` (its message is not
+    repeated: a sidecar's text of any length)."""
+    if not isinstance(err, dict):
+        return ""
+    codes = [f"{name} {err[key]}" for key, name in (("http_code", "HTTP"),
+                                                    ("grpc_code", "gRPC code"))
+             if type(err.get(key)) is int]
+    return f" ({', '.join(codes)})" if codes else ""
+
+
+def _gameserver_shaped(gs: object) -> TypeGuard[dict[str, Any]]:
     """An object whose ``object_meta`` is an object and whose ``status.state`` is a
     non-empty string: every GameServer has one, and the adapter decides on it (an empty
     answer taken for a GameServer of unknown state once marked an Allocated one Ready)."""

@@ -702,3 +702,178 @@ def test_reserve_takes_whole_numbers_up_to_a_year(sidecar, adapter):
     for seconds, sent in ((0, "0"), (30.0, "30"), (np.int64(7), "7"), (31_536_000, "31536000")):
         adapter.reserve(seconds)
         assert sidecar.calls("POST", "/reserve")[-1].body == {"seconds": sent}
+
+
+def _restore_with_a_duplicate_notice_queued(engine, during=None):
+    """A restore run during which a second notice of the same restore (same key) arrives
+    and queues behind it, as when the clock-jump detector runs the restore and
+    ``rehydrate notify restore`` comes a moment later: the run's report is published while
+    that notice still counts, so the engine is not ready then; the notice then runs
+    nothing and publishes no report."""
+    duplicates: list[threading.Thread] = []
+
+    @engine.registry.after_restore(name="test.duplicate-notice")
+    def queue_duplicate() -> None:
+        if duplicates:
+            return
+        if during is not None:
+            during()
+        t = threading.Thread(target=engine.restore_detected, args=("control",),
+                             kwargs={"key": "the-restore"})
+        duplicates.append(t)
+        t.start()
+        # counted as soon as it arrives, before it waits for this run (no public count)
+        wait_for(lambda: engine._notices >= 2, what="the duplicate notice to be counted")
+
+    published: list[object] = []
+    engine.add_listener(published.append)
+    t0 = time.monotonic()
+    report = engine.restore_detected("clock-jump", key="the-restore")
+    assert report.ok, report.table()
+    duplicates[0].join(10)
+    assert not duplicates[0].is_alive()
+    assert published == [report]  # the duplicate published nothing
+    return t0
+
+
+def test_a_clone_is_marked_ready_when_a_duplicate_restore_notice_was_queued(
+        sidecar, adapter, rehydrate_engine):
+    """The clone's new GameServer (Scheduled) was never marked Ready: the report found the
+    engine not ready (the duplicate notice still queued), dropped the Ready and nothing
+    retried it."""
+    adapter.ready()
+    sidecar.set_state("Scheduled")
+    t0 = _restore_with_a_duplicate_notice_queued(rehydrate_engine)
+    assert rehydrate_engine.is_ready()
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert sidecar.gs.state == "Ready"
+
+
+def test_ready_called_during_a_restore_with_a_duplicate_notice_queued_goes_out(
+        sidecar, adapter, rehydrate_engine):
+    """ready() during the restore run was deferred, then the report (engine not ready:
+    the duplicate notice) cancelled the deferral: Ready was never sent."""
+    t0 = _restore_with_a_duplicate_notice_queued(rehydrate_engine, during=adapter.ready)
+    assert adapter.status()["ready_requested"]
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert sidecar.gs.state == "Ready"
+    adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
+    assert len(sidecar.calls("POST", "/ready")) == 1
+
+
+_GS = {"object_meta": {"name": "gs-1", "uid": "u-1"}, "status": {"state": "Ready"}}
+_ENDED_STREAMS = {
+    # grpc-gateway's answer to a watch that fails: 200, one error line, the end
+    "error-line": b'{"error": {"grpc_code": 14, "http_code": 503, "message": "x"}}\n',
+    "bad-line": b'{"result": null}\n',
+    "empty": b"",
+}
+
+
+def _ending_watch(engine, body: bytes, health_interval: float):
+    """An adapter whose watch stream answers 200 with ``body`` and ends, every time; the
+    monotonic time of every watch request."""
+    import json
+
+    import httpx
+
+    watches: list[float] = []
+
+    def sidecar(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/watch/gameserver":
+            watches.append(time.monotonic())
+            return httpx.Response(200, content=body)
+        if request.url.path == "/gameserver":
+            return httpx.Response(200, content=json.dumps(_GS).encode())
+        return httpx.Response(200, json={})
+
+    a = AgonesAdapter(9358, health_interval, engine=engine, deadline=0.5,
+                      request_timeout=1.0, transport=httpx.MockTransport(sidecar))
+    return a, watches
+
+
+@pytest.mark.parametrize("body", list(_ENDED_STREAMS.values()), ids=list(_ENDED_STREAMS))
+def test_a_watch_stream_answering_200_and_ending_backs_off(rehydrate_engine, caplog, body):
+    """The backoff was reset as soon as the 200 arrived: a stream that failed that way
+    (grpc-gateway's error line) was asked for again every 25-50 ms, each time with a new
+    warning (86 watches and up to 172 warnings in 5 s)."""
+    interval = 0.3
+    a, watches = _ending_watch(rehydrate_engine, body, interval)
+    with caplog.at_level(logging.DEBUG, logger="rehydrate.agones"):
+        a.install()
+        try:
+            wait_for(lambda: len(watches) >= 4, timeout=30.0, what="four watch requests")
+        finally:
+            a.close()
+    gaps = [b - a for a, b in zip(watches, watches[1:])]
+    assert all(g >= interval for g in gaps), gaps
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([w for w in warnings if "GameServer watch failed" in w]) == 1, warnings
+    assert len([w for w in warnings if "ignoring a line" in w]) <= 1, warnings
+    if body.startswith(b'{"error"'):
+        assert "the watch stream sent an error (HTTP 503, gRPC code 14)" in warnings[0]
+
+
+def test_a_watch_stream_that_ends_after_the_same_gameserver_runs_no_listener_again(
+        rehydrate_engine, caplog):
+    """Each reopened stream delivers the current GameServer first: every on_change
+    listener ran again for an unchanged GameServer, as often as the stream ended (and a
+    warning was logged each time). A stream that worked and ended is said once, at info."""
+    import json
+
+    interval = 0.3
+    body = json.dumps({"result": _GS}).encode() + b"\n"
+    a, watches = _ending_watch(rehydrate_engine, body, interval)
+    seen: list[dict] = []
+    a.on_change(seen.append)
+    with caplog.at_level(logging.DEBUG, logger="rehydrate.agones"):
+        a.install()
+        try:
+            wait_for(lambda: len(watches) >= 3, timeout=30.0, what="three watch requests")
+            a.gameserver()  # a fetch of the same GameServer: no change either
+        finally:
+            a.close()
+    assert seen == [_GS]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert len([r for r in caplog.records if r.levelno == logging.INFO
+                and "watch stream ended" in r.getMessage()]) == 1
+    gaps = [b - a for a, b in zip(watches, watches[1:])]
+    assert all(g >= interval for g in gaps), gaps
+
+
+def test_ready_and_a_label_that_failed_unheard_are_sent_after_a_restore(rehydrate_engine):
+    """ready() and set_label() that failed because the sidecar was not up yet were
+    forgotten: a restore neither asked to be Ready nor applied the label."""
+    with AgonesSidecar(down_for=None) as sc:
+        a = _adapter(sc, rehydrate_engine, request_timeout=0.5)
+        a.install()
+        try:
+            with pytest.raises(AgonesError, match="POST /ready"):
+                a.ready()
+            with pytest.raises(AgonesError, match="PUT /metadata/label"):
+                a.set_label("map", "dust")
+            assert a.status()["ready_requested"]
+            sc.up()
+            sc.wait_listening()
+            t0 = time.monotonic()
+            assert rehydrate_engine.simulate_restore().ok  # the GameServer is Scheduled
+            sc.wait_for("POST", "/ready", since=t0)
+            assert sc.gs.labels == {"agones.dev/sdk-map": "dust"}
+            assert sc.gs.state == "Ready"
+        finally:
+            a.close()
+
+
+def test_ready_and_a_label_the_sidecar_refused_are_not_remembered(sidecar, adapter,
+                                                                   rehydrate_engine):
+    sidecar.fail_next(2, "/ready", "/metadata/label", status=400)
+    with pytest.raises(AgonesError, match="HTTP 400"):
+        adapter.ready()
+    with pytest.raises(AgonesError, match="HTTP 400"):
+        adapter.set_label("map", "dust")
+    assert not adapter.status()["ready_requested"]
+    t0 = time.monotonic()
+    assert rehydrate_engine.simulate_restore().ok
+    adapter.gameserver()  # barrier: the adapter's loop has made its Ready decision
+    assert sidecar.calls("POST", "/ready", since=t0) == []
+    assert sidecar.calls("PUT", "/metadata/label", since=t0) == []
