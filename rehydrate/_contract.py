@@ -105,7 +105,7 @@ class Engine(Protocol):
 
     def add_status(self, key: str, fn: Callable[[], Any]) -> None: ...
 
-    def recovered(self, hook: str) -> bool:
+    def recovered(self, hook: str, *, since: float | None = None) -> bool:
         """A required hook that failed in the last restore/resume run did its job since:
         ready again once none of that run's failures is left."""
         ...

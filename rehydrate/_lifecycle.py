@@ -179,9 +179,11 @@ class Lifecycle:
 
         self._cond = threading.Condition()
         self._state: State = "running"
-        self._faults: set[str] | None = None
-        """The required hooks that failed in the last restore/resume run while the process
-        is ``degraded`` by that run (see :meth:`recovered`); None in any other state."""
+        self._faults: dict[str, int] | None = None
+        """Name -> how many required hooks of that name failed in the last restore/resume
+        run, while the process is ``degraded`` by that run (see :meth:`recovered`); None
+        in any other state."""
+        self._run_began = -math.inf  # time.monotonic() when the last restore run began
         self._generation = 0
         self._last_report: Report | None = None
         self._extra_status: dict[str, Callable[[], Any]] = {}
@@ -571,16 +573,19 @@ class Lifecycle:
             self._faults = None  # a pass, or a run cut short: nothing a hook could mend
             self._cond.notify_all()
 
-    def recovered(self, hook: str) -> bool:
+    def recovered(self, hook: str, *, since: float | None = None) -> bool:
         """A required hook that failed in the last restore/resume run has since done its
         job another way — its certificate reloaded by the file watcher, its secret
         reloaded, the connection it could not open opened by the application: forget that
         failure. Once none of that run's failures is left, the process is ``ready`` again
         (one ``INFO`` line) instead of ``degraded`` until the next restore.
 
-        ``hook``: the hook's name as reports show it. Returns True when this call made the
-        process ready. Does nothing (False) in any other case: not degraded, degraded by
-        a before-snapshot pass or by a run cut short, a run in progress, or a name that
+        ``hook``: the hook's name as reports show it (hooks sharing a name that failed
+        together each need their own call). ``since``: ``time.monotonic()`` when the work
+        that recovered it began; when the failed run began after that, the work may hold
+        what that run rejected and nothing is forgotten. Returns True when this call made
+        the process ready. Does nothing (False) in any other case: not degraded, degraded
+        by a before-snapshot pass or by a run cut short, a run in progress, or a name that
         did not fail in that run. The built-in certificate and secret managers call it
         when a reload succeeds.
         """
@@ -589,9 +594,12 @@ class Lifecycle:
                             f"{type(hook).__name__}")
         with self._cond:
             faults = self._faults
-            if self._state != "degraded" or faults is None or hook not in faults:
+            if (self._state != "degraded" or faults is None or hook not in faults
+                    or (since is not None and since < self._run_began)):
                 return False
-            faults.discard(hook)
+            faults[hook] -= 1
+            if not faults[hook]:
+                del faults[hook]
             if faults:
                 left = ", ".join(sorted(faults))
             else:
@@ -1413,6 +1421,7 @@ class Lifecycle:
             self._generation = generation
             self._state = "restoring"
             self._faults = None
+            self._run_began = time.monotonic()
             self._cond.notify_all()
         # Logged at INFO only once the run is over (_log_run): a log line is I/O — to a
         # pipe that may be full — and in a restored clone the first one is slow besides
@@ -1427,8 +1436,8 @@ class Lifecycle:
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
-            self._faults = None if ok else {
-                r.name for r in results if r.required and r.outcome in ("failed", "timeout")}
+            self._faults = None if ok else dict(collections.Counter(
+                r.name for r in results if r.required and r.outcome in ("failed", "timeout")))
             self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()

@@ -222,6 +222,7 @@ class Secret:
         reason: str | None = None
         engine = self._manager.engine
         generation = engine.generation  # before fetching: a source may take long
+        began = time.monotonic()
         try:
             fresh = self._fetch()
         except Exception as exc:
@@ -254,9 +255,10 @@ class Secret:
                 self.loads += 1
                 self._reason = ""
                 self._cond.notify_all()
-                # Under this lock: a later run's hook for this secret takes it too, so
-                # this success never takes back that run's failure.
-                engine.recovered(f"rehydrate.secret:{self.name}")
+                # Under this lock (a later run's hook for this secret takes it too), and
+                # only when the failed run began before this load: a load begun earlier
+                # (a resume keeps the generation) may hold what that run rejected.
+                engine.recovered(f"rehydrate.secret:{self.name}", since=began)
         if pending:
             _zero(fresh)
             why = _CLOSED if closed else _RESTORED if restored else _PENDING

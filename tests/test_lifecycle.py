@@ -309,6 +309,24 @@ def test_recovered_hooks_make_a_degraded_process_ready_without_a_new_run(
     assert rehydrate_engine.recovered("db") is True
 
 
+def test_recovered_counts_hooks_sharing_a_name_and_ignores_work_older_than_the_run(
+        rehydrate_engine):
+    reg = rehydrate_engine.registry
+    for _ in range(2):
+        @reg.after_restore(name="warm")
+        def warm():
+            raise RuntimeError("down")
+
+    before = time.monotonic()
+    assert not rehydrate_engine.simulate_restore().ok
+    # work begun before the failed run cannot vouch for what that run rejected
+    assert rehydrate_engine.recovered("warm", since=before) is False
+    assert rehydrate_engine.recovered("warm", since=time.monotonic()) is False  # 1 of 2
+    assert rehydrate_engine.state == "degraded"
+    assert rehydrate_engine.recovered("warm") is True
+    assert rehydrate_engine.state == "ready"
+
+
 def test_a_failed_snapshot_pass_is_not_recovered_by_hook_name(rehydrate_engine):
     """Degraded by a before-snapshot pass: the process holds no keys until the next
     restore (snapshot pending), so no hook's recovery makes it ready."""

@@ -626,12 +626,16 @@ class AgonesAdapter:
                      "when it is", reason_of(eng.status()))
             self._defer_ready(eng, asked=False)  # this report decides, by the state
             return
+        if not eng.is_ready():
+            # Degraded: a required hook failed. It may recover without a new run (a
+            # secret or certificate that arrives late, ``engine.recovered()``), which
+            # publishes no report either: Ready goes out then.
+            log.warning("not marking the GameServer Ready yet: rehydrate is not ready (%s); "
+                        "Ready goes out if it becomes ready", reason_of(eng.status()))
+            self._defer_ready(eng, asked=False)
+            return
         with self._lock:
             self._ready_deferred = False  # this report decides, by the GameServer's state
-        if not eng.is_ready():
-            log.warning("not marking the GameServer Ready: rehydrate is not ready (%s)",
-                        reason_of(eng.status()))
-            return
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore())
 

@@ -307,6 +307,34 @@ def test_ready_deferred_while_not_ready_goes_out_when_readiness_returns_without_
     assert sidecar.gs.state == "Ready"
 
 
+def test_a_failed_restore_that_recovers_without_a_new_run_marks_the_gameserver_ready(
+        sidecar, adapter, rehydrate_engine):
+    """A clone restored before its secret arrived: the required hook fails (degraded, no
+    Ready); the hook recovers later without a new run (``engine.recovered()``, which a
+    secret's successful reload calls) and publishes no report — Ready must still go out,
+    or the clone's new GameServer stays Scheduled for good."""
+    fail = {"on": True}
+
+    @rehydrate_engine.registry.after_restore(name="game.secret")
+    def secret() -> None:
+        if fail["on"]:
+            raise FileNotFoundError("not mounted yet")
+
+    adapter.ready()
+    sidecar.wait_for("POST", "/ready")
+    sidecar.wait_for("GET", "/watch/gameserver")
+    assert rehydrate_engine.simulate_snapshot().ok
+    sidecar.set_state("Scheduled")  # a new Pod's GameServer
+    t0 = time.monotonic()
+    assert not rehydrate_engine.simulate_restore().ok
+    sidecar.wait_for("GET", "/gameserver", since=t0)  # the resync ran
+    adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
+    assert sidecar.calls("POST", "/ready", since=t0) == []  # degraded: not Ready
+    assert rehydrate_engine.recovered("game.secret")
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert sidecar.gs.state == "Ready"
+
+
 def test_request_errors_are_one_clear_line(rehydrate_engine):
     with AgonesSidecar() as sc:
         sc.wait_listening()

@@ -584,3 +584,35 @@ def test_a_secret_missing_at_restore_then_reloaded_makes_the_process_ready_again
     assert s.reload()
     assert s.get() == b"mounted-late"
     assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()
+
+
+def test_a_reload_begun_before_a_failed_resume_does_not_take_back_its_failure(
+        rehydrate_engine):
+    """A reload still fetching when a resume run (which keeps the generation) fails the
+    secret's hook: what that reload fetched predates the run, so the process stays
+    degraded instead of being made ready by it."""
+    calls = [0]
+    gate, entered = threading.Event(), threading.Event()
+
+    def source() -> bytes:
+        calls[0] += 1
+        n = calls[0]
+        if n == 1:
+            return b"v1"
+        if n == 2:  # the slow reload begun before the resume
+            entered.set()
+            assert gate.wait(10)
+            return b"old"
+        raise RuntimeError("source down")  # the resume's own load
+
+    s = Secret.from_callable(source, name="tok", engine=rehydrate_engine)
+    reload = threading.Thread(target=s.reload)
+    reload.start()
+    try:
+        assert entered.wait(10)
+        assert not rehydrate_engine.simulate_restore(kind="resume").ok
+    finally:
+        gate.set()
+        reload.join(10)
+    assert rehydrate_engine.status().state == "degraded"
+    assert not rehydrate_engine.is_ready()
