@@ -556,7 +556,8 @@ class Lifecycle:
                 extra[key] = f"unavailable: {type(exc).__name__}"
         ready = self.is_ready()
         state = self._state
-        if not ready and state in ("running", "ready"):
+        if not ready and (state in ("running", "ready") or (
+                state == "snapshotting" and self._frozen_since_beat())):
             state = "restoring"  # frozen and resumed: the detectors have not caught up yet
         return Status(
             state=state,
@@ -566,6 +567,14 @@ class Lifecycle:
             last_report=self._last_report,
             extra=extra,
         )
+
+    def _frozen_since_beat(self) -> bool:
+        """The freeze watch says the process was frozen and has not caught up (a clone
+        just resumed after ``notify save``): its last heartbeat is older than its limit,
+        or it noticed a freeze not handled yet."""
+        beat = self._beat
+        return self._freeze_noticed_at is not None or (
+            beat is not None and time.monotonic() - beat > self._beat_limit)
 
     def _set_state(self, state: State) -> None:
         with self._cond:

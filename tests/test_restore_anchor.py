@@ -115,6 +115,28 @@ def test_freeze_watch_readiness_and_late_notices(
     assert engine.is_ready()
 
 
+def test_a_clone_resumed_after_notify_save_says_restoring_not_snapshotting(
+        rehydrate_engine: Lifecycle) -> None:
+    """After ``notify save`` the state is ``snapshotting``; a clone that has just resumed
+    (the freeze watch's heartbeat is stale, no notice handled yet) says ``restoring`` as
+    the docs promise — the pass is over, the restore is what comes."""
+    engine = rehydrate_engine
+    t = time.monotonic()
+    engine.heartbeat(t - 10, 1.0)  # the watch began
+    assert engine.simulate_snapshot().ok
+    engine.heartbeat(time.monotonic(), 1.0)
+    assert engine.status().state == "snapshotting"  # the pass, not frozen yet
+    engine.heartbeat(time.monotonic() - 3, 1.0)  # the last heartbeat before the freeze
+    status = engine.status()
+    assert (status.state, status.ready) == ("restoring", False)
+    assert engine.state == "snapshotting"  # the engine's own state is unchanged
+    engine.freeze_noticed(t - 3, time.monotonic())
+    engine.heartbeat(time.monotonic(), 1.0)
+    assert engine.status().state == "restoring"  # noticed, not handled yet
+    report = engine.restore_detected("clock-jump", since=t - 3)
+    assert report.ok and engine.status().state == "ready"
+
+
 def _notice_waiting_for_the_watcher(engine: Lifecycle,
                                     path: str) -> tuple[threading.Thread, list[dict]]:
     """``notify restore`` sent on a thread; returns once it waits for the watcher's next

@@ -151,7 +151,8 @@ def _missing_reason(proc: str) -> str | None:  # noqa: PLR0911
                 f"checkpointing is not enabled for this sandbox ({PATH_ANNOTATION})")
     if proc == DEFAULT_PROC:
         return ("/proc/gvisor/checkpoint not found: not running under gVisor, or under a "
-                "runsc without application-driven checkpoint support (older than 2024), "
+                "runsc without application-driven checkpoint support (Debian's 0.0~20221219 and "
+                "0.0~20240729 have none), "
                 f"or the sandbox lacks the annotation {PATH_ANNOTATION} "
                 f"(set {ENV_PROC} for a stand-in)")
     return f"{path} not found ({ENV_PROC}={proc})"
