@@ -60,7 +60,10 @@ def _doctor_connections(args: argparse.Namespace) -> int:
 
     def managed(status: dict[str, Any]) -> list[dict[str, Any]]:
         # The reply is data: entries of another shape are left out, not a traceback.
-        return [{**m, "peers": [p for p in _list(m.get("peers")) if isinstance(p, str)]}
+        # "sockets": a list (those the connection holds, maybe none) or not known.
+        return [{**m, "peers": [p for p in _list(m.get("peers")) if isinstance(p, str)],
+                 "sockets": ([s for s in m["sockets"] if isinstance(s, dict)]
+                             if isinstance(m.get("sockets"), list) else None)}
                 for m in _list(status.get("connections")) if isinstance(m, dict)]
 
     return _doctor_process(args, "--connections", lambda pid, status: doctor_report(

@@ -199,6 +199,10 @@ class Connection:
         self.peers: tuple[str, ...] = ()
         """``host:port`` of the peer(s), when known (helpers fill it in, ``register(peers=)``
         for your own): ``rehydrate doctor --connections`` marks sockets to them managed."""
+        self._sockets: Callable[[], Iterable[socket.socket]] | None = None
+        """The sockets this connection holds, when rehydrate holds them itself (a
+        :func:`tcp_socket`): ``doctor --connections`` then marks those sockets, not every
+        socket to the same peer. None: not known (a client's own pool), peers it is."""
         self._on_replaced: Callable[[], None] | None = None
         """What a ``replace=True`` registration of the same name does instead of running
         ``close``: close for good the object a helper made and handed out (a
@@ -228,9 +232,33 @@ class Connection:
         """The reopen of an optional connection that a restore run left going."""
         self._given_up: int | None = None
         """The epoch of a run abandoned at its deadline (see :meth:`_keep`)."""
+        self._waits: set[threading.Event] = set()
+        """Events of :meth:`_watch`, set when the run they belong to ends."""
         self._closing: threading.Thread | None = None
         """The background close of a (re)open the engine's close stopped (tests wait
         for it)."""
+
+    def _watch(self, epoch: int) -> threading.Event:
+        """An event set when run ``epoch`` is no longer :meth:`_live` (already set if it
+        is not): a wait of its own (:func:`tcp_socket`'s name lookup) ends then rather
+        than hold a snapshot, which waits for a background open's call, or a thread."""
+        ended = threading.Event()
+        with self._lock:
+            if epoch != self._epoch or epoch == self._given_up:
+                ended.set()
+            else:
+                self._waits.add(ended)
+        return ended
+
+    def _unwatch(self, ended: threading.Event) -> None:
+        with self._lock:
+            self._waits.discard(ended)
+
+    def _wake_waits(self) -> None:
+        """The current run just ended (under ``_lock``): wake what :meth:`_watch` gave."""
+        for ended in self._waits:
+            ended.set()
+        self._waits.clear()
 
     def _closes(self) -> object:
         """What closing this registration would close (see ``_resource``)."""
@@ -256,6 +284,8 @@ class Connection:
             "last_error": self.last_error,
             "duration": None if self.last_duration is None else round(self.last_duration, 6),
             "peers": list(self.peers),
+            "sockets": None if self._sockets is None else [
+                ident for sock in self._sockets() if (ident := _socket_ident(sock))],
         }
 
     def __repr__(self) -> str:
@@ -317,6 +347,7 @@ class Connection:
         Returns the new epoch (no run has it) and the state the stopped run left."""
         with self._lock:
             self._epoch += 1
+            self._wake_waits()
             return self._epoch, self.state
 
     def _go_on(self, epoch: int) -> int | None:
@@ -326,12 +357,14 @@ class Connection:
             if epoch != self._epoch:
                 return None
             self._epoch += 1
+            self._wake_waits()
             return self._epoch
 
     def _begin(self, state: State) -> tuple[int, State]:
         """Start a new run (older runs become stale); returns (epoch, previous state)."""
         with self._lock:
             self._epoch += 1
+            self._wake_waits()
             self.step = None
             prev, self.state = self.state, state
             return self._epoch, prev
@@ -1068,6 +1101,7 @@ class ConnectionManager:
                 running = conn.step if conn._epoch == epoch else None
                 if conn._epoch == epoch:  # what the abandoned attempt opens is not kept
                     conn._given_up = epoch
+                    conn._wake_waits()
             note = f"({running or 'an attempt'} was still running at the deadline)"
             conn._set(epoch, last_error=f"{conn.last_error} {note}" if conn.last_error
                       else note)
@@ -1183,6 +1217,7 @@ def _connection(
     subject: object = None,
     resource: Callable[[], object] | None = None,
     on_replaced: Callable[[], None] | None = None,
+    sockets: Callable[[], Iterable[socket.socket]] | None = None,
 ) -> Connection:
     """A checked :class:`Connection`, not registered yet (the helpers set what a
     ``replace=True`` registration does to their object before it can happen)."""
@@ -1197,6 +1232,7 @@ def _connection(
     conn._subject = subject
     conn._resource = resource
     conn._on_replaced = on_replaced
+    conn._sockets = sockets
     return conn
 
 
@@ -1539,7 +1575,8 @@ class ManagedSocket:
         return s
 
     def connect(self, deadline_at: float | None = None, *,
-                current: Callable[[], bool] | None = None) -> socket.socket:
+                current: Callable[[], bool] | None = None,
+                run_ended: threading.Event | None = None) -> socket.socket:
         """Connect (with ``timeout``, but never past ``deadline_at``, a
         ``time.monotonic()``): a connect abandoned at the deadline otherwise kept its
         thread and file descriptor for the whole timeout (minutes of SYN retries with
@@ -1548,16 +1585,11 @@ class ManagedSocket:
         ``current``: whether the run this connect belongs to is still the live one,
         asked when its socket would be put in place (:func:`tcp_socket` passes it): a
         connect of an older run finishing late closes its socket instead of replacing
-        a newer run's."""
-        timeout = self.timeout
-        if deadline_at is not None:
-            left = max(0.01, deadline_at - time.monotonic())
-            timeout = left if timeout is None else min(timeout, left)
+        a newer run's. ``run_ended``: set when that run ends; a name lookup still
+        waited for is abandoned then."""
         with self._lock:
             closes = self._closes
-        new = socket.create_connection(self.address, timeout=timeout)
-        if timeout != self.timeout:
-            new.settimeout(self.timeout)  # the cap is for the connect only
+        new = self._open(deadline_at, run_ended)
         # Checked and kept in one step: a close (a snapshot's, after waiting for this
         # connect as long as it may) between the two would otherwise be missed, and the
         # socket it came too late for kept, live, in the snapshot.
@@ -1576,6 +1608,57 @@ class ManagedSocket:
             raise ConnectionError(f"socket to {self.address[0]}:{self.address[1]} was "
                                   "closed while it connected")
         return new
+
+    def _open(self, deadline_at: float | None,
+              ended: threading.Event | None = None) -> socket.socket:
+        """Look the host up and connect to its addresses in order, all within
+        ``deadline_at``: ``socket.create_connection``'s lookup takes no timeout, and a
+        resolver that did not answer held the attempt (and its thread) past the run's
+        deadline, recorded only as an open "still running at the deadline"."""
+        host, port = self.address
+        start = time.monotonic()
+        lookup_by = deadline_at
+        if lookup_by is None and self.timeout is not None:
+            lookup_by = start + self.timeout
+        if lookup_by is None:  # no run's deadline and no timeout: nothing bounds it
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        else:
+            lookup_by = max(lookup_by, start + 0.01)  # as the connect: never 0 s
+            try:
+                infos = _dns.resolve(host, port, lookup_by, wake=ended,
+                                     thread_name="rehydrate-dns-tcp_socket")
+            except InterruptedError:  # ended: what it says is nobody's to read
+                raise ConnectionError(f"name lookup of {host!r} abandoned: its run "
+                                      "ended") from None
+            except TimeoutError:
+                raise TimeoutError(f"name lookup of {host!r} did not answer within "
+                                   f"{lookup_by - start:.2g}s") from None
+        error: OSError | None = None
+        # in order, each once (an address listed for two protocols)
+        for addr in dict.fromkeys((str(info[4][0]), int(info[4][1])) for info in infos):
+            timeout = self.timeout
+            if deadline_at is not None:
+                left = deadline_at - time.monotonic()
+                if left <= 0 and error is not None:
+                    break  # the first address is always tried (as the first attempt)
+                left = max(0.01, left)
+                timeout = left if timeout is None else min(timeout, left)
+            try:
+                new = socket.create_connection(addr, timeout=timeout)
+            except OSError as exc:
+                error = exc
+                continue
+            if timeout != self.timeout:
+                new.settimeout(self.timeout)  # the cap is for the connect only
+            return new
+        if error is None:
+            raise OSError(f"name lookup of {host!r} returned no address")
+        raise error
+
+    def _held(self) -> list[socket.socket]:
+        """The socket in place, if any (what ``doctor --connections`` marks)."""
+        s = self._sock
+        return [] if s is None else [s]
 
     def close(self) -> None:
         with self._lock:
@@ -1643,11 +1726,17 @@ def tcp_socket(
         if not managed or run is None or run[0] is not managed[0]:
             return ms.connect(managed[0].deadline_at if managed else None)
         conn, epoch = run
-        return ms.connect(conn.deadline_at, current=lambda: conn._live(epoch))
+        ended = conn._watch(epoch)
+        try:
+            return ms.connect(conn.deadline_at, current=lambda: conn._live(epoch),
+                              run_ended=ended)
+        finally:
+            conn._unwatch(ended)
 
     managed.append(manager(engine).register(
         _connection(name, open=connect, close=ms.close, check=chk, required=required,
-                    deadline=deadline, peers=[address], on_replaced=ms.close_for_good),
+                    deadline=deadline, peers=[address], on_replaced=ms.close_for_good,
+                    sockets=ms._held),
         replace=replace))
     manager(engine)._open_in_background(managed[0])  # now that connect() can see it
     return ms
@@ -1789,10 +1878,71 @@ def _resolved(peers: Iterable[str], deadline: float,
     return out
 
 
-def _managed_by(conn: TcpConnection, peers: dict[str, set[tuple[str, int]]]) -> str | None:
-    host, _, port = conn.remote.rpartition(":")
-    key = (host.strip("[]").removeprefix("::ffff:"), int(port))
-    return next((name for name, addrs in peers.items() if key in addrs), None)
+def _socket_ident(sock: socket.socket) -> dict[str, Any] | None:
+    """What ``doctor --connections`` recognises a socket by in ``/proc/PID/net/tcp``: its
+    inode, and its local and remote ``host:port`` (where an inode is not comparable);
+    None for a socket closed meanwhile."""
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return None
+        inode = os.fstat(fd).st_ino
+        local = sock.getsockname()
+        remote = sock.getpeername()
+    except OSError:
+        return None
+    return {"inode": inode, "local": _fmt(str(local[0]), int(local[1])),
+            "remote": _fmt(str(remote[0]), int(remote[1]))}
+
+
+def _endpoint(text: object) -> tuple[str, int] | None:
+    """``host:port`` as comparable (an IPv4-mapped or scoped IPv6 address as
+    ``/proc/net/tcp6`` shows it); None for anything else (the status is data)."""
+    if not isinstance(text, str):
+        return None
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        return None
+    return host.strip("[]").partition("%")[0].removeprefix("::ffff:"), number
+
+
+def _owns(conn: TcpConnection, sockets: Iterable[object]) -> bool:
+    """Whether ``conn`` is one of a managed connection's own ``sockets`` (its status
+    entries): the same inode, or the same local and remote address."""
+    local, remote = _endpoint(conn.local), _endpoint(conn.remote)
+    for ident in sockets:
+        if not isinstance(ident, Mapping):
+            continue
+        inode = ident.get("inode")
+        if type(inode) is int and inode and inode == conn.inode:
+            return True
+        if local is not None and (_endpoint(ident.get("local")), _endpoint(
+                ident.get("remote"))) == (local, remote):
+            return True
+    return False
+
+
+def _managed_by(conn: TcpConnection, managed: Sequence[Mapping[str, Any]],
+                peers: dict[str, set[tuple[str, int]]]) -> tuple[str, str] | None:
+    """(name, how) of the managed connection ``conn`` belongs to: ``socket`` when it is
+    one a connection holds itself (a ``tcp_socket``'s); else ``peer`` when it goes to
+    the peer of one whose sockets rehydrate cannot see (a client's pool) — a guess,
+    since any other socket to that peer looks the same. A connection whose sockets are
+    known is never matched by its peer: a socket to it that is not one of them is one
+    opened outside rehydrate, exactly what the command is there to show."""
+    for m in managed:
+        sockets = m.get("sockets")
+        if isinstance(sockets, list) and _owns(conn, sockets):
+            return str(m.get("name")), "socket"
+    key = _endpoint(conn.remote)
+    for m in managed:
+        if isinstance(m.get("sockets"), list):
+            continue
+        if key in peers.get(str(m.get("name")), ()):
+            return str(m.get("name")), "peer"
+    return None
 
 
 def doctor_report(pid: int | str = "self",
@@ -1802,18 +1952,23 @@ def doctor_report(pid: int | str = "self",
     established TCP connections, outbound non-loopback ones first.
 
     ``managed``: that process's managed connections (``status()["connections"]``): a
-    socket to one of their ``peers`` is marked with the connection's name. None: not
-    known (the process is not the one behind the control socket).
+    socket one of them holds (its ``sockets``) is marked with the connection's name
+    (``managed_by``: ``socket``); for a connection whose sockets are not known
+    (``sockets`` null: a client's own pool), a socket to one of its ``peers`` is
+    (``managed_by``: ``peer``, "probably"). None: not known (the process is not the one
+    behind the control socket).
     """
     deadline = time.monotonic() + _PEER_LOOKUP_TIMEOUT
     late: list[str] = []
+    # only the peers of connections matched by peer are looked up
     peers = {str(m.get("name")): _resolved(m.get("peers") or (), deadline, late)
-             for m in managed or ()}
+             for m in managed or () if not isinstance(m.get("sockets"), list)}
     conns = sorted(established_tcp(pid), key=lambda c: (c.loopback, not c.outbound, c.remote))
     rows = []
     for c in conns:
         row = c.to_dict()
-        row["managed"] = None if managed is None else _managed_by(c, peers)
+        found = None if managed is None else _managed_by(c, managed, peers)
+        row["managed"], row["managed_by"] = found or (None, None)
         rows.append(row)
     data: dict[str, Any] = {"pid": str(pid), "connections": rows,
                             "managed": None if managed is None else [dict(m) for m in managed],
@@ -1840,7 +1995,9 @@ def doctor_report(pid: int | str = "self",
         marks = ["outbound" if c.outbound else "inbound"]
         if c.loopback:
             marks.append("loopback (survives a snapshot)")
-        if row["managed"] is not None:
+        if row["managed_by"] == "peer":
+            marks.append(f"probably managed: {one_line(row['managed'])} (same peer)")
+        elif row["managed"] is not None:
             marks.append(f"managed: {one_line(row['managed'])}")
         elif managed is not None and c.outbound and not c.loopback:
             marks.append("NOT managed: cut by a restore")

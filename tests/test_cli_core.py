@@ -201,6 +201,8 @@ def test_doctor_refuses_a_socket_pid_that_is_not_one(option, pid, short_sock, ca
     '"peers": 5}]}',
     '{"files": {"handles": [{"path": 7}], "volumes": [{"mount_point": null}]}, '
     '"connections": [{"name": "db", "peers": [5, "127.0.0.1:5432"]}]}',
+    '{"connections": [{"name": "db", "sockets": 5}, {"name": "feed", "sockets": '
+    '[1, {"inode": "x", "local": 7, "remote": null}, {"inode": true}]}]}',
 ])
 def test_doctor_reads_a_status_of_another_shape_without_a_traceback(
         option, status, short_sock, capsys):

@@ -957,6 +957,8 @@ def test_doctor_connections_defaults_to_the_process_behind_the_control_socket(
     assert data["pid"] == str(w["pid"])  # not the doctor's own process
     rows = {c["remote"]: c for c in data["connections"]}
     assert rows[f"127.0.0.1:{w['feed']}"]["managed"] == "feed"
+    # its own socket, as the process's status names it (not "the same peer")
+    assert rows[f"127.0.0.1:{w['feed']}"]["managed_by"] == "socket"
     assert rows[f"127.0.0.1:{w['own']}"]["managed"] is None  # opened outside rehydrate
     assert [m["name"] for m in data["managed"]] == ["feed"]
     assert data["managed"][0]["peers"] == [f"127.0.0.1:{w['feed']}"]
@@ -2558,3 +2560,136 @@ def test_a_tcp_connect_given_up_at_its_deadline_keeps_no_socket(rehydrate_engine
     finally:
         release.set()
         srv.close()
+
+
+def _wait_open(conn: connections.Connection) -> None:
+    wait_for(lambda: conn.state == "open", 20, what=f"{conn.name} to open")
+
+
+def test_doctor_marks_a_tcp_socket_by_its_socket_not_by_its_peer(rehydrate_engine):
+    """``doctor --connections`` matched managed connections by peer address: a socket
+    opened outside rehydrate to the same host:port as a ``tcp_socket`` was marked
+    ``managed: feed``, hiding exactly the forgotten connection the command is for. The
+    ``tcp_socket``'s own socket (inode, local address) is matched now; a socket to the
+    same peer is not."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        ms = connections.tcp_socket("feed", srv.getsockname(), engine=rehydrate_engine)
+        _wait_open(connections.get("feed", engine=rehydrate_engine))  # type: ignore[arg-type]
+        with socket.create_connection(srv.getsockname()) as stray:
+            # as the control socket hands it over: JSON
+            managed = json.loads(json.dumps(connections.manager(rehydrate_engine).status()))
+            data, text = connections.doctor_report("self", managed)
+            own_local = f"127.0.0.1:{ms.getsockname()[1]}"
+            stray_local = f"127.0.0.1:{stray.getsockname()[1]}"
+    rows = {c["local"]: c for c in data["connections"]}
+    [own_line] = [ln for ln in text.splitlines() if f"from {own_local}" in ln]
+    [stray_line] = [ln for ln in text.splitlines() if f"from {stray_local}" in ln]
+    assert "managed" not in stray_line, stray_line
+    assert rows[stray_local]["managed"] is None
+    assert "managed: feed" in own_line and "probably" not in own_line
+    assert (rows[own_local]["managed"], rows[own_local]["managed_by"]) == ("feed", "socket")
+    assert [s["local"] for s in managed[0]["sockets"]] == [own_local]
+
+
+def test_doctor_marks_by_peer_only_what_rehydrate_cannot_see_and_says_so(
+        rehydrate_engine):
+    """A connection whose sockets rehydrate does not hold (an httpx pool, a
+    ``register(peers=...)``) is still matched by its peer, labelled as a guess; a
+    ``tcp_socket`` not connected marks nothing (no peer fallback for it)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        addr = srv.getsockname()
+        connections.register("api", peers=[addr], engine=rehydrate_engine)
+        with socket.create_connection(addr) as client:
+            managed = [*connections.manager(rehydrate_engine).status(),
+                       {"name": "feed", "state": "opening", "peers": [f"{addr[0]}:{addr[1]}"],
+                        "sockets": []}]
+            data, text = connections.doctor_report("self", managed)
+            local = f"127.0.0.1:{client.getsockname()[1]}"
+    [row] = [c for c in data["connections"] if c["local"] == local]
+    assert managed[0]["sockets"] is None  # not known: peer matching
+    assert (row["managed"], row["managed_by"]) == ("api", "peer")
+    [line] = [ln for ln in text.splitlines() if f"from {local}" in ln]
+    assert "probably managed: api (same peer)" in line
+
+
+def _hanging_lookup(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]:
+    """A resolver that never answers for ``name`` (until the returned ``release`` is
+    set); ``asked`` is set when it is asked."""
+    real = socket.getaddrinfo
+    asked, release = threading.Event(), threading.Event()
+
+    def hanging(host, *args, **kwargs):
+        numeric = int(kwargs.get("flags", 0)) & socket.AI_NUMERICHOST
+        if host == name and not numeric:  # numeric: no DNS asked
+            asked.set()
+            release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    return asked, release
+
+
+def test_a_snapshot_does_not_wait_for_a_tcp_socket_name_lookup(rehydrate_engine,
+                                                               monkeypatch):
+    """A snapshot waits (up to CLOSE_TIMEOUT) for a background open still running: a
+    ``tcp_socket`` whose resolver did not answer held every snapshot that long. The
+    snapshot ends the open's run, and the lookup's wait with it."""
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 60.0)  # what it would wait for
+    asked, release = _hanging_lookup(monkeypatch, "feed.hangs.invalid")
+    try:
+        connections.tcp_socket("feed", ("feed.hangs.invalid", 9000), deadline=60,
+                               engine=rehydrate_engine)
+        conn = connections.get("feed", engine=rehydrate_engine)
+        assert conn is not None and asked.wait(10)
+        result: list[object] = []
+        snapshot = threading.Thread(
+            target=lambda: result.append(rehydrate_engine.simulate_snapshot()), daemon=True)
+        snapshot.start()
+        snapshot.join(20)  # at once expected; a generous bound, not a timing measurement
+        assert not snapshot.is_alive(), "the snapshot still waits for the name lookup"
+        assert result[0].ok and not conn._calls  # the open's thread is free again
+    finally:
+        release.set()
+
+
+def test_tcp_socket_name_lookup_is_bounded_by_the_run_deadline(rehydrate_engine,
+                                                               monkeypatch):
+    """``tcp_socket`` connected with ``socket.create_connection``, whose name lookup has
+    no timeout: with a resolver that never answers, the attempt was abandoned at the
+    deadline on a stuck thread and ``last_error`` said only "(open was still running at
+    the deadline)". The lookup now ends by the run's deadline and says so."""
+    asked, release = _hanging_lookup(monkeypatch, "feed.hangs.invalid")
+    try:
+        connections.tcp_socket("feed", ("feed.hangs.invalid", 9000), deadline=0.3,
+                               engine=rehydrate_engine)
+        result = rehydrate_engine.simulate_restore()
+        conn = connections.get("feed", engine=rehydrate_engine)
+        assert conn is not None
+        error = conn.last_error
+    finally:
+        release.set()
+    assert not result.ok and asked.is_set()
+    assert error is not None
+    assert "name lookup of 'feed.hangs.invalid' did not answer" in error, error
+    assert "still running at the deadline" not in error, error
+
+
+def test_tcp_socket_tries_each_address_of_its_name_in_order(rehydrate_engine, monkeypatch):
+    """The name's addresses are tried in order: a refused first one falls through to
+    the next (what ``socket.create_connection`` did)."""
+    real = socket.getaddrinfo
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+
+        def two(host, *args, **kwargs):
+            if host == "feed.two.invalid":
+                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port)),
+                        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+            return real(host, *args, **kwargs)
+
+        monkeypatch.setattr(socket, "getaddrinfo", two)
+        ms = connections.tcp_socket("feed", ("feed.two.invalid", port), deadline=5,
+                                    engine=rehydrate_engine)
+        _wait_open(connections.get("feed", engine=rehydrate_engine))  # type: ignore[arg-type]
+        assert ms.getpeername() == ("127.0.0.1", port)
