@@ -80,6 +80,9 @@ def _name(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
 
+_BOM = "\ufeff".encode()
+
+
 def parse_environ(data: bytes) -> dict[bytes, bytes]:
     """Parse ``KEY=VALUE\\0KEY=VALUE\\0…`` (``/proc/PID/environ``, gVisor's
     ``spec_environ``). A repeated key: the last one wins. Data without any NUL is one
@@ -92,14 +95,27 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     is refused. Nothing else of dotenv syntax applies: quotes and ``#`` after a value are
     part of the value (``Q="x"`` sets ``"x"`` with its quotes).
 
+    In NUL mode every entry ends in a NUL, the last one too (gVisor writes one after each
+    entry, as ``/proc/PID/environ`` does): data ending otherwise was cut short — a writer
+    stopped mid-value, or is still writing — and is refused whole. In line mode a
+    leading UTF-8 byte order mark (an editor's) is no part of the first key.
+
     Raises :class:`EnvError` (naming the entry, never its value) for an entry without
-    ``=``, an empty key, a file with no entries at all or more than
-    :data:`MAX_ENVIRON_ENTRIES`, so that a half-written or
-    corrupt file is never applied. Bytes that are not UTF-8 are kept as bytes.
+    ``=``, an empty key, NUL-separated data whose last entry is not NUL-terminated, a
+    file with no entries at all or more than :data:`MAX_ENVIRON_ENTRIES`, so that a
+    half-written or corrupt file is never applied. Bytes that are not UTF-8 are kept as
+    bytes.
     """
     if len(data) > MAX_ENVIRON_BYTES:
         raise EnvError(f"larger than the {MAX_ENVIRON_BYTES} bytes accepted")
     separator = b"\0" if b"\0" in data else b"\n"
+    if separator == b"\0" and not data.endswith(b"\0"):
+        # Applied, "DB_URL=postgres://db/ne" of a file cut mid-value was set, and under
+        # policy update every key after the cut was removed, with the process ready.
+        raise EnvError("last entry not NUL-terminated (truncated, or still being written?)")
+    if separator == b"\n" and data.startswith(_BOM):
+        # Kept, it made the first key "\ufeffAPI_KEY": API_KEY itself was then removed.
+        data = data[len(_BOM):]
     result: dict[bytes, bytes] = {}
     entries = 0
     for index, entry in enumerate(data.split(separator), start=1):
@@ -188,7 +204,7 @@ class EnvRefresher:
       * ``update`` (default): set every key of the new file; remove a key the previous file
         had and the new one lacks; leave keys that never came from the file alone.
       * ``replace``: make the process environment exactly the file.
-      * ``off``: never touch the environment.
+      * ``off``: never apply the file (an overlay is still applied).
     ``protect``: glob patterns of keys never overwritten or removed.
 
     Whatever the policy, a file never sets, changes or removes :data:`NEVER_FROM_FILE`
@@ -260,15 +276,17 @@ class EnvRefresher:
     def refresh(self, overlay: Mapping[str, str | None] | None = None) -> EnvChanges:
         """Apply the new environment; returns what changed (names only).
 
-        ``overlay`` (from a simulator or a detector) is applied instead of the file: each
-        key is set, a ``None`` value removes it. Raises :class:`EnvError` when the file
+        ``overlay`` (from a simulator or a detector) is applied instead of the file,
+        whatever the policy: each key is set, a ``None`` value removes it. Raises :class:`EnvError` when the file
         cannot be used; ``os.environ`` is then left exactly as it was.
         """
-        if self.policy == "off":
-            return EnvChanges()
         if overlay is not None:
+            # Before the policy: ``off`` is about the file, and an overlay is the caller's
+            # explicit choice (a test under REHYDRATE_ENV_POLICY=off saw no change at all).
             with self._lock:
                 return self._apply_overlay(overlay)
+        if self.policy == "off":
+            return EnvChanges()
         path = self.resolved_path()
         if path is None:
             return EnvChanges()
