@@ -34,9 +34,15 @@ DEFAULT_TIMEOUT = 30.0
 
 ORDER_LIMIT = 1_000_000_000
 """A hook's ``order`` is an int from ``-ORDER_LIMIT`` to ``ORDER_LIMIT`` (the built-in hooks
-use up to two million either way). Unbounded, ``order=10**5000`` was accepted and then
-broke ``repr()`` of the hook and of every report naming it (past 4300 digits Python
-refuses to turn an int into text)."""
+use up to two million either way, and :data:`BEFORE_USER_HOOKS`). Unbounded,
+``order=10**5000`` was accepted and then broke ``repr()`` of the hook and of every report
+naming it (past 4300 digits Python refuses to turn an int into text)."""
+BEFORE_USER_HOOKS = -ORDER_LIMIT - 1_000_000
+"""The order of a built-in hook that runs before every user hook of its phase whatever
+their ``order`` (the environment refresh): below the range user hooks may take, which
+only ``engine.builtins`` accepts (to ``-2 * ORDER_LIMIT``). At -1 000 000, the refresh ran
+after a user hook with ``order=-5_000_000``, which saw the old environment."""
+_BUILTIN_ORDER_LIMIT = 2 * ORDER_LIMIT
 MAX_RETRIES = 1000
 """The most ``retries`` a hook may have: a run's deadline ends retries anyway, and a run
 without one would retry a hook that keeps failing (every 5 s at most) for about 80 minutes
@@ -203,6 +209,9 @@ class Registry:
     are running takes effect from the next event.
     """
 
+    _order_limit = ORDER_LIMIT
+    """``order`` may be from ``-_order_limit`` to ``_order_limit``."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._hooks: dict[int, Hook] = {}
@@ -247,7 +256,8 @@ class Registry:
         if name is not None and (not isinstance(name, str) or not name.strip()
                                  or not name.isprintable()):
             raise TypeError(f"name must be a non-empty printable str, not {_config.shown(name)}")
-        for what, value, low, high in (("order", order, -ORDER_LIMIT, ORDER_LIMIT),
+        limit = self._order_limit
+        for what, value, low, high in (("order", order, -limit, limit),
                                        ("retries", retries, 0, MAX_RETRIES)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{what} must be an int, not {type(value).__name__}")
@@ -448,6 +458,13 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<rehydrate.Registry hooks={len(self)}>"
+
+
+class _BuiltinRegistry(Registry):
+    """``engine.builtins``: also takes orders past ``±ORDER_LIMIT``, for built-in hooks
+    that must run before (or after) every user hook of their phase."""
+
+    _order_limit = _BUILTIN_ORDER_LIMIT
 
 
 default_registry = Registry()

@@ -23,7 +23,7 @@ from . import _config
 from ._context import EnvChanges
 from ._contract import Probe
 from ._files import read_regular
-from ._hooks import Phase
+from ._hooks import BEFORE_USER_HOOKS, Phase
 
 if TYPE_CHECKING:
     from ._context import RestoreContext
@@ -277,8 +277,9 @@ class EnvRefresher:
         """Apply the new environment; returns what changed (names only).
 
         ``overlay`` (from a simulator or a detector) is applied instead of the file,
-        whatever the policy: each key is set, a ``None`` value removes it. Raises :class:`EnvError` when the file
-        cannot be used; ``os.environ`` is then left exactly as it was.
+        whatever the policy: each key is set, a ``None`` value removes it. Raises
+        :class:`EnvError` when the file cannot be used; ``os.environ`` is then left exactly
+        as it was.
         """
         if overlay is not None:
             # Before the policy: ``off`` is about the file, and an overlay is the caller's
@@ -447,11 +448,12 @@ def probe() -> Probe:
 
 
 def install(engine: Engine) -> None:
-    """Register ``rehydrate.env``: the first restore hook, applying ``engine.env``."""
+    """Register ``rehydrate.env``: the restore hook that applies ``engine.env``, before
+    every user hook (whatever their ``order``)."""
 
     def refresh_environment(ctx: RestoreContext) -> None:
         # The key names are logged with the run's summary line, after readiness changed.
         ctx.env_changes = engine.env.refresh(ctx.env)
 
     engine.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
-                             order=-1_000_000, name="rehydrate.env", timeout=10.0)
+                             order=BEFORE_USER_HOOKS, name="rehydrate.env", timeout=10.0)

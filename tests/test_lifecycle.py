@@ -982,6 +982,40 @@ def test_environment_step_runs_first_and_hooks_see_its_changes(rehydrate_engine)
     assert report.ok
 
 
+def test_environment_step_runs_before_user_hooks_of_any_order(rehydrate_engine):
+    """The refresh was at order -1 000 000 while user orders go to -1 000 000 000: an
+    ENVIRONMENT hook at -5 000 000 saw the old environment, and an ``on_env_change`` hook
+    at -2 000 000 ran before there were changes (reported ``skipped``)."""
+    from rehydrate._hooks import ORDER_LIMIT
+
+    seen = []
+    reg = rehydrate_engine.registry
+
+    @reg.after_restore(phase=Phase.ENVIRONMENT, order=-ORDER_LIMIT, name="lowest")
+    def lowest(ctx):
+        seen.append(("lowest", os.environ.get("ORDER_CHECK_LOW")))
+
+    @reg.on_env_change("ORDER_CHECK_LOW", order=-2_000_000, name="rotate")
+    def rotate(ctx, changes):
+        seen.append(("rotate", changes.added))
+
+    report = rehydrate_engine.simulate_restore(env={"ORDER_CHECK_LOW": "new"})
+    assert [h.name for h in report.hooks][:3] == ["rehydrate.env", "lowest", "rotate"]
+    assert seen == [("lowest", "new"), ("rotate", ("ORDER_CHECK_LOW",))]
+    assert report.ok
+
+
+def test_only_builtins_take_orders_below_the_user_range(rehydrate_engine):
+    from rehydrate._hooks import BEFORE_USER_HOOKS, ORDER_LIMIT
+
+    with pytest.raises(ValueError, match="order must be an int from -1000000000"):
+        rehydrate_engine.registry.register(lambda: None, order=-ORDER_LIMIT - 1)
+    hook = rehydrate_engine.builtins.register(lambda: None, order=BEFORE_USER_HOOKS - 1)
+    rehydrate_engine.builtins.unregister(hook)
+    with pytest.raises(ValueError, match="order must be an int from -2000000000"):
+        rehydrate_engine.builtins.register(lambda: None, order=-2 * ORDER_LIMIT - 1)
+
+
 def test_module_level_api_delegates_to_the_default_engine(monkeypatch):
     engine = rehydrate.default_engine
     calls = []
