@@ -99,7 +99,8 @@ class Hook:
     seq: int
     """Registration sequence number: breaks ties in ``order`` deterministically."""
     env_keys: tuple[str, ...] | None
-    """Set for ``on_env_change`` hooks: the keys watched (empty tuple: any key)."""
+    """Set for ``on_env_change`` hooks: the keys watched, names or glob patterns (empty
+    tuple: any key)."""
     is_async: bool
     arity: int
     """How many positional arguments the hook takes (0, 1 = context, 2 = context + changes)."""
@@ -139,6 +140,11 @@ class Hook:
 
     def sort_key(self) -> tuple[int, int, int]:
         return (int(self.phase), self.order, self.seq)
+
+
+def is_glob(key: str) -> bool:
+    """Whether an ``on_env_change`` key is a glob pattern (``DB_*``) rather than a name."""
+    return any(c in key for c in "*?[")
 
 
 _ANY_ARITY = -1
@@ -274,6 +280,12 @@ class Registry:
                                 f"{_config.shown(env_keys)}")
             if event != "restore":  # a snapshot run changes no environment: always skipped
                 raise ValueError("env_keys applies to restore hooks only")
+            patterns = [k for k in env_keys if is_glob(k)]
+            if patterns:
+                import fnmatch
+
+                for pattern in patterns:  # compiled now, before a snapshot, not in a clone
+                    fnmatch.fnmatchcase("", pattern)
         arity = _arity(fn)
         max_arity = 2 if env_keys is not None else 1
         if arity == _ANY_ARITY:  # f(*args), a Mock, a generic wrapper
@@ -401,6 +413,8 @@ class Registry:
     ) -> Any:
         """Run the function after a restore when any of ``keys`` changed (no keys: any).
 
+        A key may be a glob pattern (``"DB_*"``; ``*``, ``?`` and ``[...]`` as in
+        :func:`fnmatch.fnmatchcase`, case-sensitive, like ``EnvRefresher(protect=...)``).
         The hook receives ``(ctx, changes)`` (or fewer arguments); ``changes`` lists only
         the watched keys that changed. It runs right after the environment refresh unless
         another ``phase`` is given, and is reported ``skipped`` when nothing it watches

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import rehydrate
-from rehydrate import HookFailed, Phase, RestoreReport, SnapshotReport
+from rehydrate import EnvChanges, HookFailed, Phase, RestoreReport, SnapshotReport
 from rehydrate.detect import Detector
 from rehydrate.testing import isolated_engine, restored_environ
 
@@ -967,6 +967,36 @@ def test_on_env_change_runs_only_when_watched_keys_change(rehydrate_engine, monk
                                 "removed": ["ENVCHG_B"]})
     assert r.env_changes.changed == ("ENVCHG_A",)
     assert os.environ["ENVCHG_A"] == "2" and "ENVCHG_B" not in os.environ
+
+
+def test_on_env_change_takes_glob_patterns_like_protect(rehydrate_engine, monkeypatch):
+    """``on_env_change("DB_*")`` matched a key literally named ``DB_*``: it never ran,
+    though ``EnvRefresher(protect=...)`` takes globs."""
+    monkeypatch.delenv("GLOBCHG_DB_URL", raising=False)
+    monkeypatch.delenv("GLOBCHG_DB_USER", raising=False)
+    reg = rehydrate_engine.registry
+    calls = []
+
+    @reg.on_env_change("GLOBCHG_DB_*", "GLOBCHG_K?", name="db")
+    def db(ctx, changes):
+        calls.append(changes.to_dict())
+
+    @reg.on_env_change("GLOBCHG_db_*", name="lower")  # case-sensitive, as protect= is
+    def lower(ctx, changes):
+        calls.append("lower")
+
+    r = rehydrate_engine.simulate_restore(env={"GLOBCHG_DB_URL": "x", "GLOBCHG_DB_USER": "u",
+                                               "GLOBCHG_K1": "1", "GLOBCHG_KEY": "2",
+                                               "GLOBCHG_OTHER": "y"})
+    assert {h.name: h.outcome for h in user_hooks(r)} == {"db": "ok", "lower": "skipped"}
+    assert calls == [{"added": ["GLOBCHG_DB_URL", "GLOBCHG_DB_USER", "GLOBCHG_K1"],
+                      "changed": [], "removed": []}]
+    calls.clear()
+    r = rehydrate_engine.simulate_restore(env={"GLOBCHG_OTHER": "z"})
+    assert {h.name: h.outcome for h in user_hooks(r)} == {"db": "skipped", "lower": "skipped"}
+    assert calls == []
+    assert EnvChanges(changed=("A", "B_1")).only(("B_*", "A")) == EnvChanges(
+        changed=("A", "B_1"))
 
 
 def test_environment_step_runs_first_and_hooks_see_its_changes(rehydrate_engine):
