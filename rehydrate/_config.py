@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     """``text``/``path``: the string (empty = unset); ``signal``: a signal name or number
     that can be caught, as its name (``SIGUSR2``); ``number``/``seconds``: a finite float
     ``>= minimum`` (``off``/``none`` mean "off" where ``off_ok``); ``flag``:
-    1/true/yes/on/enabled or 0/false/no/off/disabled; ``choice``: one of ``choices`` (case-insensitive);
+    1/true/yes/on/enabled or 0/false/no/off/disabled; ``choice``: one of ``choices``
+    (case-insensitive);
     ``list``: comma-separated, blanks dropped (with ``choices``: entries not among them
     are ignored, each with one warning)."""
 

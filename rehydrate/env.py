@@ -390,7 +390,8 @@ def _name_only(name: str) -> str:
     """A key for a message, never what follows an ``=``: a whole ``KEY=VALUE`` pair given
     as the key would otherwise put the value into the error (and the logs)."""
     key, sep, _ = name.partition("=")
-    return repr(key) + (" (followed by '=' and a value, not shown)" if sep else "")
+    # shown(), not repr(): a multi-megabyte key made a multi-megabyte error (and log line)
+    return _config.shown(key) + (" (followed by '=' and a value, not shown)" if sep else "")
 
 
 def check_overlay(overlay: object) -> None:
@@ -413,8 +414,8 @@ def check_overlay(overlay: object) -> None:
             if value is not None:
                 os.fsencode(value)
         except UnicodeEncodeError:
-            raise EnvError(f"invalid environment entry {name!a} (not encodable "
-                           "for the environment)") from None
+            raise EnvError(f"invalid environment entry {_config.shown(name)} (not "
+                           "encodable for the environment)") from None
 
 
 def _present(path: str) -> bool:

@@ -889,6 +889,23 @@ def test_a_whole_pair_given_as_the_key_is_refused_without_its_value(rehydrate_en
     assert "'DB_PASSWORD' (followed by '=' and a value, not shown)" in str(caught.value)
 
 
+HUGE = "K" * 4_000_000
+
+
+@pytest.mark.parametrize("overlay", [{"RHT_" + HUGE + "\0": "x"},  # NUL in the key
+                                     {"RHT_" + HUGE + "=v": "x"},  # '=' in the key
+                                     {"RHT_\udfff" + HUGE: "x"}])  # not encodable
+def test_a_huge_bad_overlay_key_makes_a_short_error(overlay, environ):
+    """The key was quoted whole: a 4 MB key gave a 4 MB EnvError (and log line)."""
+    snapshot = dict(environ)
+    with pytest.raises(EnvError) as caught:
+        EnvRefresher(path=None).refresh(overlay)
+    message = str(caught.value)
+    assert len(message) < 200, len(message)
+    assert message.startswith("invalid environment entry 'RHT_")
+    assert dict(environ) == snapshot
+
+
 @pytest.mark.parametrize("path", [123, b"/run/env", 1.5])
 def test_a_path_that_is_not_a_path_is_one_type_error(path: object) -> None:
     """``EnvRefresher(path=123)`` was taken (``os.stat`` reads an int as a file
