@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     """``text``/``path``: the string (empty = unset); ``signal``: a signal name or number
     that can be caught, as its name (``SIGUSR2``); ``number``/``seconds``: a finite float
     ``>= minimum`` (``off``/``none`` mean "off" where ``off_ok``); ``flag``:
-    1/true/yes/on or 0/false/no/off; ``choice``: one of ``choices`` (case-insensitive);
+    1/true/yes/on/enabled or 0/false/no/off/disabled; ``choice``: one of ``choices``
+    (case-insensitive);
     ``list``: comma-separated, blanks dropped (with ``choices``: entries not among them
     are ignored, each with one warning)."""
 
@@ -184,8 +185,11 @@ VARIABLES: tuple[Variable, ...] = (
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}
-_TRUE = ("1", "true", "yes", "on")
+_TRUE = ("1", "true", "yes", "on", "enabled")
 _FALSE = ("0", "false", "no", "off", "disabled")
+_FLAG_RULE = f"{', '.join(_TRUE)} or {', '.join(_FALSE)}"
+"""What a bad ``flag`` value's warning says is accepted: every spelling, not "1 or 0"
+(``disabled`` was accepted but ``enabled`` a bad value, the warning naming neither)."""
 
 
 def _declared(name: str, *types: Type) -> Variable:
@@ -244,7 +248,7 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
             return True, None
         if low in _FALSE:
             return False, None
-        return var.default, "1 or 0"
+        return var.default, _FLAG_RULE
     if var.type == "choice":
         if low in var.choices:
             return low, None

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
-from ._hooks import Phase
+from ._hooks import Phase, is_glob
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
     from builtins import ExceptionGroup as _ExceptionGroup
@@ -53,14 +53,26 @@ class EnvChanges:
         return key in self.keys
 
     def only(self, keys: tuple[str, ...]) -> EnvChanges:
-        """The subset that concerns ``keys`` (all of it when ``keys`` is empty)."""
+        """The subset that concerns ``keys`` (all of it when ``keys`` is empty): key
+        names, or glob patterns (``DB_*``, case-sensitive, as ``protect=`` takes them)."""
         if not keys:
             return self
-        want = set(keys)
+        exact = {k for k in keys if not is_glob(k)}
+        patterns = tuple(k for k in keys if is_glob(k))
+
+        def wanted(name: str) -> bool:
+            if name in exact:
+                return True
+            if not patterns:
+                return False
+            import fnmatch  # only with a pattern: none at ``import rehydrate``
+
+            return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
         return EnvChanges(
-            added=tuple(k for k in self.added if k in want),
-            changed=tuple(k for k in self.changed if k in want),
-            removed=tuple(k for k in self.removed if k in want),
+            added=tuple(k for k in self.added if wanted(k)),
+            changed=tuple(k for k in self.changed if wanted(k)),
+            removed=tuple(k for k in self.removed if wanted(k)),
         )
 
     def to_dict(self) -> dict[str, list[str]]:

@@ -34,9 +34,15 @@ DEFAULT_TIMEOUT = 30.0
 
 ORDER_LIMIT = 1_000_000_000
 """A hook's ``order`` is an int from ``-ORDER_LIMIT`` to ``ORDER_LIMIT`` (the built-in hooks
-use up to two million either way). Unbounded, ``order=10**5000`` was accepted and then
-broke ``repr()`` of the hook and of every report naming it (past 4300 digits Python
-refuses to turn an int into text)."""
+use up to two million either way, and :data:`BEFORE_USER_HOOKS`). Unbounded,
+``order=10**5000`` was accepted and then broke ``repr()`` of the hook and of every report
+naming it (past 4300 digits Python refuses to turn an int into text)."""
+BEFORE_USER_HOOKS = -ORDER_LIMIT - 1_000_000
+"""The order of a built-in hook that runs before every user hook of its phase whatever
+their ``order`` (the environment refresh): below the range user hooks may take, which
+only ``engine.builtins`` accepts (to ``-2 * ORDER_LIMIT``). At -1 000 000, the refresh ran
+after a user hook with ``order=-5_000_000``, which saw the old environment."""
+_BUILTIN_ORDER_LIMIT = 2 * ORDER_LIMIT
 MAX_RETRIES = 1000
 """The most ``retries`` a hook may have: a run's deadline ends retries anyway, and a run
 without one would retry a hook that keeps failing (every 5 s at most) for about 80 minutes
@@ -93,7 +99,8 @@ class Hook:
     seq: int
     """Registration sequence number: breaks ties in ``order`` deterministically."""
     env_keys: tuple[str, ...] | None
-    """Set for ``on_env_change`` hooks: the keys watched (empty tuple: any key)."""
+    """Set for ``on_env_change`` hooks: the keys watched, names or glob patterns (empty
+    tuple: any key)."""
     is_async: bool
     arity: int
     """How many positional arguments the hook takes (0, 1 = context, 2 = context + changes)."""
@@ -133,6 +140,11 @@ class Hook:
 
     def sort_key(self) -> tuple[int, int, int]:
         return (int(self.phase), self.order, self.seq)
+
+
+def is_glob(key: str) -> bool:
+    """Whether an ``on_env_change`` key is a glob pattern (``DB_*``) rather than a name."""
+    return any(c in key for c in "*?[")
 
 
 _ANY_ARITY = -1
@@ -203,6 +215,9 @@ class Registry:
     are running takes effect from the next event.
     """
 
+    _order_limit = ORDER_LIMIT
+    """``order`` may be from ``-_order_limit`` to ``_order_limit``."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._hooks: dict[int, Hook] = {}
@@ -247,7 +262,8 @@ class Registry:
         if name is not None and (not isinstance(name, str) or not name.strip()
                                  or not name.isprintable()):
             raise TypeError(f"name must be a non-empty printable str, not {_config.shown(name)}")
-        for what, value, low, high in (("order", order, -ORDER_LIMIT, ORDER_LIMIT),
+        limit = self._order_limit
+        for what, value, low, high in (("order", order, -limit, limit),
                                        ("retries", retries, 0, MAX_RETRIES)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{what} must be an int, not {type(value).__name__}")
@@ -264,6 +280,12 @@ class Registry:
                                 f"{_config.shown(env_keys)}")
             if event != "restore":  # a snapshot run changes no environment: always skipped
                 raise ValueError("env_keys applies to restore hooks only")
+            patterns = [k for k in env_keys if is_glob(k)]
+            if patterns:
+                import fnmatch
+
+                for pattern in patterns:  # compiled now, before a snapshot, not in a clone
+                    fnmatch.fnmatchcase("", pattern)
         arity = _arity(fn)
         max_arity = 2 if env_keys is not None else 1
         if arity == _ANY_ARITY:  # f(*args), a Mock, a generic wrapper
@@ -391,6 +413,8 @@ class Registry:
     ) -> Any:
         """Run the function after a restore when any of ``keys`` changed (no keys: any).
 
+        A key may be a glob pattern (``"DB_*"``; ``*``, ``?`` and ``[...]`` as in
+        :func:`fnmatch.fnmatchcase`, case-sensitive, like ``EnvRefresher(protect=...)``).
         The hook receives ``(ctx, changes)`` (or fewer arguments); ``changes`` lists only
         the watched keys that changed. It runs right after the environment refresh unless
         another ``phase`` is given, and is reported ``skipped`` when nothing it watches
@@ -448,6 +472,13 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<rehydrate.Registry hooks={len(self)}>"
+
+
+class _BuiltinRegistry(Registry):
+    """``engine.builtins``: also takes orders past ``±ORDER_LIMIT``, for built-in hooks
+    that must run before (or after) every user hook of their phase."""
+
+    _order_limit = _BUILTIN_ORDER_LIMIT
 
 
 default_registry = Registry()

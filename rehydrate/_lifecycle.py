@@ -40,7 +40,7 @@ from ._contract import (
     load_extension,
     refuse_another_engine,
 )
-from ._hooks import Hook, Registry
+from ._hooks import Hook, Registry, _BuiltinRegistry
 from ._runner import HookRunner, LoopThread, Observer, inside_hook
 from .env import POLICIES, EnvRefresher, Policy, check_overlay
 
@@ -169,7 +169,7 @@ class Lifecycle:
         more deadline in all unless the freeze watch confirmed the freeze, and then it
         runs the restore hooks (see :meth:`_deadline_main`). Default:
         ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
-        self.builtins = Registry()
+        self.builtins: Registry = _BuiltinRegistry()
         self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)

@@ -9,6 +9,8 @@ resume) the engine's ``rehydrate.entropy`` hook, installed in every
   ``random.Random`` instance registered with :func:`register`;
 * reseeds NumPy's legacy global ``RandomState`` and registered ``numpy.random.Generator``
   / ``RandomState`` objects — only when NumPy is already imported (never imported here);
+  a ``Generator`` gets a fresh seed sequence too (NumPy >= 2.0), so its ``spawn()``
+  children differ between clones;
 * reseeds torch's CPU generator (and every CUDA device's, when CUDA is initialised) and
   registered ``torch.Generator`` objects — only when torch is already imported;
 * resets :mod:`tempfile`'s candidate-name sequence, which re-seeds itself only when the
@@ -151,7 +153,15 @@ def _reseed_object(kind: str, obj: Any) -> None:
         np = sys.modules["numpy"]
         bg = obj.bit_generator
         fresh = type(bg)(np.random.SeedSequence(_seed_int(128)))
-        bg.state = fresh.state
+        if isinstance(bg.__getstate__(), tuple):
+            # NumPy >= 2.0 pickles (state, seed sequence) and takes both back: the seed
+            # sequence too, which spawn() derives children from — kept, every clone's
+            # gen.spawn() gave the parent's children.
+            bg.__setstate__((fresh.state, fresh.seed_seq))
+        else:
+            bg.state = fresh.state
+            if hasattr(bg, "spawn"):
+                _warn_spawn_kept(np)
     elif kind == "numpy-randomstate":
         # seed() accepts only MT19937; a RandomState may wrap any bit generator, whose
         # kind is kept: a fresh one of the same kind lends its state (set_state takes it).
@@ -166,6 +176,20 @@ def _reseed_object(kind: str, obj: Any) -> None:
         obj.manual_seed(_seed_int(63))
     else:  # callable
         obj(_seed_bytes())
+
+
+_spawn_warned = False
+
+
+def _warn_spawn_kept(np: Any) -> None:
+    """Once per process: NumPy 1.25/1.26 have ``spawn()`` but no way to replace a bit
+    generator's seed sequence (read-only, and not part of its pickled state)."""
+    global _spawn_warned
+    if not _spawn_warned:
+        _spawn_warned = True
+        log.warning("entropy: numpy %s cannot reseed a registered Generator's seed "
+                    "sequence; its spawn() children repeat in every clone (numpy >= 2.0 "
+                    "reseeds them)", getattr(np, "__version__", "?"))
 
 
 class EntropyManager:

@@ -23,7 +23,7 @@ from . import _config
 from ._context import EnvChanges
 from ._contract import Probe
 from ._files import read_regular
-from ._hooks import Phase
+from ._hooks import BEFORE_USER_HOOKS, Phase
 
 if TYPE_CHECKING:
     from ._context import RestoreContext
@@ -80,6 +80,9 @@ def _name(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
 
+_BOM = "\ufeff".encode()
+
+
 def parse_environ(data: bytes) -> dict[bytes, bytes]:
     """Parse ``KEY=VALUE\\0KEY=VALUE\\0…`` (``/proc/PID/environ``, gVisor's
     ``spec_environ``). A repeated key: the last one wins. Data without any NUL is one
@@ -92,14 +95,27 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     is refused. Nothing else of dotenv syntax applies: quotes and ``#`` after a value are
     part of the value (``Q="x"`` sets ``"x"`` with its quotes).
 
+    In NUL mode every entry ends in a NUL, the last one too (gVisor writes one after each
+    entry, as ``/proc/PID/environ`` does): data ending otherwise was cut short — a writer
+    stopped mid-value, or is still writing — and is refused whole. In line mode a
+    leading UTF-8 byte order mark (an editor's) is no part of the first key.
+
     Raises :class:`EnvError` (naming the entry, never its value) for an entry without
-    ``=``, an empty key, a file with no entries at all or more than
-    :data:`MAX_ENVIRON_ENTRIES`, so that a half-written or
-    corrupt file is never applied. Bytes that are not UTF-8 are kept as bytes.
+    ``=``, an empty key, NUL-separated data whose last entry is not NUL-terminated, a
+    file with no entries at all or more than :data:`MAX_ENVIRON_ENTRIES`, so that a
+    half-written or corrupt file is never applied. Bytes that are not UTF-8 are kept as
+    bytes.
     """
     if len(data) > MAX_ENVIRON_BYTES:
         raise EnvError(f"larger than the {MAX_ENVIRON_BYTES} bytes accepted")
     separator = b"\0" if b"\0" in data else b"\n"
+    if separator == b"\0" and not data.endswith(b"\0"):
+        # Applied, "DB_URL=postgres://db/ne" of a file cut mid-value was set, and under
+        # policy update every key after the cut was removed, with the process ready.
+        raise EnvError("last entry not NUL-terminated (truncated, or still being written?)")
+    if separator == b"\n" and data.startswith(_BOM):
+        # Kept, it made the first key "\ufeffAPI_KEY": API_KEY itself was then removed.
+        data = data[len(_BOM):]
     result: dict[bytes, bytes] = {}
     entries = 0
     for index, entry in enumerate(data.split(separator), start=1):
@@ -188,7 +204,7 @@ class EnvRefresher:
       * ``update`` (default): set every key of the new file; remove a key the previous file
         had and the new one lacks; leave keys that never came from the file alone.
       * ``replace``: make the process environment exactly the file.
-      * ``off``: never touch the environment.
+      * ``off``: never apply the file (an overlay is still applied).
     ``protect``: glob patterns of keys never overwritten or removed.
 
     Whatever the policy, a file never sets, changes or removes :data:`NEVER_FROM_FILE`
@@ -260,15 +276,18 @@ class EnvRefresher:
     def refresh(self, overlay: Mapping[str, str | None] | None = None) -> EnvChanges:
         """Apply the new environment; returns what changed (names only).
 
-        ``overlay`` (from a simulator or a detector) is applied instead of the file: each
-        key is set, a ``None`` value removes it. Raises :class:`EnvError` when the file
-        cannot be used; ``os.environ`` is then left exactly as it was.
+        ``overlay`` (from a simulator or a detector) is applied instead of the file,
+        whatever the policy: each key is set, a ``None`` value removes it. Raises
+        :class:`EnvError` when the file cannot be used; ``os.environ`` is then left exactly
+        as it was.
         """
-        if self.policy == "off":
-            return EnvChanges()
         if overlay is not None:
+            # Before the policy: ``off`` is about the file, and an overlay is the caller's
+            # explicit choice (a test under REHYDRATE_ENV_POLICY=off saw no change at all).
             with self._lock:
                 return self._apply_overlay(overlay)
+        if self.policy == "off":
+            return EnvChanges()
         path = self.resolved_path()
         if path is None:
             return EnvChanges()
@@ -371,7 +390,8 @@ def _name_only(name: str) -> str:
     """A key for a message, never what follows an ``=``: a whole ``KEY=VALUE`` pair given
     as the key would otherwise put the value into the error (and the logs)."""
     key, sep, _ = name.partition("=")
-    return repr(key) + (" (followed by '=' and a value, not shown)" if sep else "")
+    # shown(), not repr(): a multi-megabyte key made a multi-megabyte error (and log line)
+    return _config.shown(key) + (" (followed by '=' and a value, not shown)" if sep else "")
 
 
 def check_overlay(overlay: object) -> None:
@@ -394,8 +414,8 @@ def check_overlay(overlay: object) -> None:
             if value is not None:
                 os.fsencode(value)
         except UnicodeEncodeError:
-            raise EnvError(f"invalid environment entry {name!a} (not encodable "
-                           "for the environment)") from None
+            raise EnvError(f"invalid environment entry {_config.shown(name)} (not "
+                           "encodable for the environment)") from None
 
 
 def _present(path: str) -> bool:
@@ -429,11 +449,12 @@ def probe() -> Probe:
 
 
 def install(engine: Engine) -> None:
-    """Register ``rehydrate.env``: the first restore hook, applying ``engine.env``."""
+    """Register ``rehydrate.env``: the restore hook that applies ``engine.env``, before
+    every user hook (whatever their ``order``)."""
 
     def refresh_environment(ctx: RestoreContext) -> None:
         # The key names are logged with the run's summary line, after readiness changed.
         ctx.env_changes = engine.env.refresh(ctx.env)
 
     engine.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
-                             order=-1_000_000, name="rehydrate.env", timeout=10.0)
+                             order=BEFORE_USER_HOOKS, name="rehydrate.env", timeout=10.0)

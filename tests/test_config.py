@@ -148,6 +148,24 @@ def test_good_values(monkeypatch, caplog, name, raw, value):
 _SIGNAL_RULE = "a signal name or number that can be caught (not KILL or STOP)"
 
 
+_FLAG_RULE = "1, true, yes, on, enabled or 0, false, no, off, disabled"
+
+
+@pytest.mark.parametrize(("raw", "value"), [
+    *((raw, True) for raw in ("1", "true", "YES", "On", "enabled", "Enabled")),
+    *((raw, False) for raw in ("0", "False", "no", "OFF", "disabled", "DISABLED")),
+])
+def test_flag_spellings_are_symmetric(monkeypatch, caplog, raw, value):
+    """``disabled`` turned telemetry off but ``enabled`` was a bad value, with a warning
+    saying "is not 1 or 0" though true/yes/on/false/no/off were taken too."""
+    monkeypatch.setenv("REHYDRATE_TELEMETRY", raw)
+    monkeypatch.setenv("REHYDRATE_EXPECT_RESTORE", raw)  # default False: both ways shown
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert _config.flag("REHYDRATE_TELEMETRY") is value
+        assert _config.flag("REHYDRATE_EXPECT_RESTORE") is value
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize(("name", "raw", "expected"), [
     ("REHYDRATE_CLOCK_INTERVAL", "soon", "a finite number >= 0.001 and <= 31536000 (a year)"),
     ("REHYDRATE_CLOCK_INTERVAL", "0", "a finite number >= 0.001 and <= 31536000 (a year)"),
@@ -159,7 +177,7 @@ _SIGNAL_RULE = "a signal name or number that can be caught (not KILL or STOP)"
     # 0 was "off" while 0.0 was a bad value, and Lifecycle(snapshot_deadline=0) refused
     ("REHYDRATE_SNAPSHOT_DEADLINE", "0", "a finite number > 0 and <= 31536000 (a year) (or off)"),
     ("REHYDRATE_SNAPSHOT_DEADLINE", "0.0", "a finite number > 0 and <= 31536000 (a year) (or off)"),
-    ("REHYDRATE_TELEMETRY", "maybe", "1 or 0"),
+    ("REHYDRATE_TELEMETRY", "maybe", _FLAG_RULE),
     ("REHYDRATE_ENV_POLICY", "merge", "one of update, replace, off"),
     ("REHYDRATE_SIGNAL", "bogus", _SIGNAL_RULE),
     ("REHYDRATE_SIGNAL", "999", _SIGNAL_RULE),
@@ -192,8 +210,8 @@ def test_a_bad_value_read_at_every_event_is_one_warning_per_value(monkeypatch, c
         monkeypatch.setenv("REHYDRATE_TELEMETRY", "nope")
         assert _config.flag("REHYDRATE_TELEMETRY") is True
     assert [r.getMessage() for r in caplog.records] == [
-        "REHYDRATE_TELEMETRY='nope' is not 1 or 0; using the default (1)",
-        "REHYDRATE_TELEMETRY='nah' is not 1 or 0; using the default (1)"]
+        f"REHYDRATE_TELEMETRY='nope' is not {_FLAG_RULE}; using the default (1)",
+        f"REHYDRATE_TELEMETRY='nah' is not {_FLAG_RULE}; using the default (1)"]
 
 
 def test_a_long_bad_value_is_shortened(monkeypatch, caplog):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import rehydrate
-from rehydrate import HookFailed, Phase, RestoreReport, SnapshotReport
+from rehydrate import EnvChanges, HookFailed, Phase, RestoreReport, SnapshotReport
 from rehydrate.detect import Detector
 from rehydrate.testing import isolated_engine, restored_environ
 
@@ -987,6 +987,36 @@ def test_on_env_change_runs_only_when_watched_keys_change(rehydrate_engine, monk
     assert os.environ["ENVCHG_A"] == "2" and "ENVCHG_B" not in os.environ
 
 
+def test_on_env_change_takes_glob_patterns_like_protect(rehydrate_engine, monkeypatch):
+    """``on_env_change("DB_*")`` matched a key literally named ``DB_*``: it never ran,
+    though ``EnvRefresher(protect=...)`` takes globs."""
+    monkeypatch.delenv("GLOBCHG_DB_URL", raising=False)
+    monkeypatch.delenv("GLOBCHG_DB_USER", raising=False)
+    reg = rehydrate_engine.registry
+    calls = []
+
+    @reg.on_env_change("GLOBCHG_DB_*", "GLOBCHG_K?", name="db")
+    def db(ctx, changes):
+        calls.append(changes.to_dict())
+
+    @reg.on_env_change("GLOBCHG_db_*", name="lower")  # case-sensitive, as protect= is
+    def lower(ctx, changes):
+        calls.append("lower")
+
+    r = rehydrate_engine.simulate_restore(env={"GLOBCHG_DB_URL": "x", "GLOBCHG_DB_USER": "u",
+                                               "GLOBCHG_K1": "1", "GLOBCHG_KEY": "2",
+                                               "GLOBCHG_OTHER": "y"})
+    assert {h.name: h.outcome for h in user_hooks(r)} == {"db": "ok", "lower": "skipped"}
+    assert calls == [{"added": ["GLOBCHG_DB_URL", "GLOBCHG_DB_USER", "GLOBCHG_K1"],
+                      "changed": [], "removed": []}]
+    calls.clear()
+    r = rehydrate_engine.simulate_restore(env={"GLOBCHG_OTHER": "z"})
+    assert {h.name: h.outcome for h in user_hooks(r)} == {"db": "skipped", "lower": "skipped"}
+    assert calls == []
+    assert EnvChanges(changed=("A", "B_1")).only(("B_*", "A")) == EnvChanges(
+        changed=("A", "B_1"))
+
+
 def test_environment_step_runs_first_and_hooks_see_its_changes(rehydrate_engine):
     seen = []
 
@@ -998,6 +1028,40 @@ def test_environment_step_runs_first_and_hooks_see_its_changes(rehydrate_engine)
     assert [h.name for h in report.hooks][0] == "rehydrate.env"
     assert seen == [("ORDER_CHECK_KEY",)]
     assert report.ok
+
+
+def test_environment_step_runs_before_user_hooks_of_any_order(rehydrate_engine):
+    """The refresh was at order -1 000 000 while user orders go to -1 000 000 000: an
+    ENVIRONMENT hook at -5 000 000 saw the old environment, and an ``on_env_change`` hook
+    at -2 000 000 ran before there were changes (reported ``skipped``)."""
+    from rehydrate._hooks import ORDER_LIMIT
+
+    seen = []
+    reg = rehydrate_engine.registry
+
+    @reg.after_restore(phase=Phase.ENVIRONMENT, order=-ORDER_LIMIT, name="lowest")
+    def lowest(ctx):
+        seen.append(("lowest", os.environ.get("ORDER_CHECK_LOW")))
+
+    @reg.on_env_change("ORDER_CHECK_LOW", order=-2_000_000, name="rotate")
+    def rotate(ctx, changes):
+        seen.append(("rotate", changes.added))
+
+    report = rehydrate_engine.simulate_restore(env={"ORDER_CHECK_LOW": "new"})
+    assert [h.name for h in report.hooks][:3] == ["rehydrate.env", "lowest", "rotate"]
+    assert seen == [("lowest", "new"), ("rotate", ("ORDER_CHECK_LOW",))]
+    assert report.ok
+
+
+def test_only_builtins_take_orders_below_the_user_range(rehydrate_engine):
+    from rehydrate._hooks import BEFORE_USER_HOOKS, ORDER_LIMIT
+
+    with pytest.raises(ValueError, match="order must be an int from -1000000000"):
+        rehydrate_engine.registry.register(lambda: None, order=-ORDER_LIMIT - 1)
+    hook = rehydrate_engine.builtins.register(lambda: None, order=BEFORE_USER_HOOKS - 1)
+    rehydrate_engine.builtins.unregister(hook)
+    with pytest.raises(ValueError, match="order must be an int from -2000000000"):
+        rehydrate_engine.builtins.register(lambda: None, order=-2 * ORDER_LIMIT - 1)
 
 
 def test_module_level_api_delegates_to_the_default_engine(monkeypatch):

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 import httpx
 
 from rehydrate import Phase, _config
+from rehydrate._hooks import BEFORE_USER_HOOKS
 from rehydrate.extensions import Engine, Probe, resolve_engine
 
 from . import _bodies
@@ -381,9 +382,11 @@ class AgonesAdapter:
         b = eng.builtins
         timeout = self.deadline + 10.0
         self._hooks = (
-            # First of all restore hooks: the health window is what a restore most risks,
-            # and the connections phase may wait long for other peers before the resync.
-            b.register(self._on_restore_ping, phase=Phase.ENVIRONMENT, order=-2_000_000,
+            # First of all restore hooks (before the environment refresh and every user
+            # hook): the health window is what a restore most risks, and the connections
+            # phase may wait long for other peers before the resync.
+            b.register(self._on_restore_ping, phase=Phase.ENVIRONMENT,
+                       order=BEFORE_USER_HOOKS - 1_000_000,
                        timeout=self.request_timeout + 5.0, name="rehydrate.agones.ping"),
             b.register(self._on_restore, phase=Phase.CONNECTIONS, timeout=timeout,
                        name="rehydrate.agones.resync"),

@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 from rehydrate import Phase, RestoreContext
 from rehydrate._config import shown
+from rehydrate._hooks import BEFORE_USER_HOOKS
 from rehydrate.extensions import Engine, resolve_engine
 
 __all__ = ["TickClock"]
@@ -152,7 +153,7 @@ class TickClock:
         # hooks (and everything else) then see a rebased clock.
         b = engine.builtins
         hooks = (
-            b.register(rebase_tick_clock, phase=Phase.ENVIRONMENT, order=-1_000_000,
+            b.register(rebase_tick_clock, phase=Phase.ENVIRONMENT, order=BEFORE_USER_HOOKS,
                        timeout=5.0, name="rehydrate.gameloop.tick_clock"),
             b.register(mark_tick_clock, event="snapshot", phase=Phase.APPLICATION,
                        order=-1_000_000, timeout=5.0, name="rehydrate.gameloop.tick_clock"),

@@ -386,6 +386,9 @@ def test_hooks_are_named_and_removed_on_close(sidecar, rehydrate_engine):
     a.install()  # idempotent
     names = [h.name for h in rehydrate_engine.hooks("restore")]
     assert names.count("rehydrate.agones.resync") == 1
+    # the ping stays first of all, before the environment refresh (itself below the
+    # orders user hooks may take)
+    assert names[:2] == ["rehydrate.agones.ping", "rehydrate.env"]
     a.close()
     assert "rehydrate.agones.resync" not in [h.name for h in rehydrate_engine.hooks("restore")]
     with pytest.raises(RuntimeError, match="closed"):

@@ -127,9 +127,12 @@ def test_freeze_is_not_replayed():
 
 def test_restore_event_rebases_the_clock(rehydrate_engine):
     fake = FakeClock()
+    rehydrate_engine.registry.after_restore(lambda: None, phase="environment",
+                                            order=-1_000_000_000, name="user-lowest")
     clock = TickClock(20, max_catch_up=0, clock=fake, engine=rehydrate_engine)
     names = [h.name for h in rehydrate_engine.hooks("restore")]
-    assert "rehydrate.gameloop.tick_clock" in names
+    # right after the environment refresh, before any user hook whatever its order
+    assert names[:3] == ["rehydrate.env", "rehydrate.gameloop.tick_clock", "user-lowest"]
     fake.now += 0.1
     assert clock.due() == 2
     assert rehydrate_engine.simulate_restore().ok

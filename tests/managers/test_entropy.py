@@ -246,6 +246,63 @@ def test_a_random_state_over_any_bit_generator_is_reseeded_and_keeps_its_kind(
     assert rs.get_state(legacy=False)["has_gauss"] == 0  # no cached pre-restore normal
 
 
+def test_numpy_generator_spawn_children_differ_between_clones(rehydrate_engine):
+    """The bit generator's state was replaced but its SeedSequence kept: two clones drew
+    differently from ``gen`` yet got identical ``gen.spawn()`` children."""
+    np = pytest.importorskip("numpy")
+    from detect_helpers import in_forked_child
+
+    gens = [np.random.default_rng(7), np.random.Generator(np.random.MT19937(7))]
+    for gen in gens:
+        entropy.register(gen, engine=rehydrate_engine)
+
+    def clone() -> dict:  # type: ignore[type-arg]
+        assert rehydrate_engine.simulate_restore().ok
+        return {"own": [int(g.integers(2**62)) for g in gens],
+                "child": [int(g.spawn(1)[0].integers(2**62)) for g in gens],
+                "entropy": [str(g.bit_generator.seed_seq.entropy) for g in gens],
+                "kind": [type(g.bit_generator).__name__ for g in gens]}
+
+    first, second = in_forked_child(clone), in_forked_child(clone)
+    assert first["kind"] == second["kind"] == ["PCG64", "MT19937"]
+    for key in ("own", "child", "entropy"):
+        assert all(a != b for a, b in zip(first[key], second[key], strict=True)), key
+
+
+def test_a_numpy_without_seed_sequence_pickling_reseeds_the_state_and_warns_once(
+        rehydrate_engine, caplog, monkeypatch):
+    """NumPy 1.25/1.26 have spawn() but pickle the state only: the state is still
+    reseeded, and one warning says the spawn() children are not."""
+    import logging
+
+    np = pytest.importorskip("numpy")
+
+    class OldBitGenerator:  # what numpy 1.26's bit generator offers for this
+        def __init__(self, seed_seq: object) -> None:
+            self.state = {"seed": seed_seq}
+
+        def __getstate__(self) -> dict:  # type: ignore[type-arg]
+            return self.state
+
+        def spawn(self, n: int) -> list:  # type: ignore[type-arg]
+            return []
+
+    class Generator:
+        def __init__(self) -> None:
+            self.bit_generator = OldBitGenerator("parent")
+
+    Generator.__module__ = "numpy.random._generator"
+    monkeypatch.setattr(entropy, "_spawn_warned", False, raising=False)
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    gens = [entropy.register(Generator(), engine=rehydrate_engine) for _ in range(2)]
+    assert rehydrate_engine.simulate_restore().ok
+    assert rehydrate_engine.simulate_restore().ok
+    assert all(isinstance(g.bit_generator.state["seed"], np.random.SeedSequence)
+               for g in gens)
+    lines = [r.getMessage() for r in caplog.records if "spawn()" in r.getMessage()]
+    assert len(lines) == 1 and "numpy >= 2.0" in lines[0]
+
+
 def test_numpy_generators_are_held_strongly_until_unregistered(rehydrate_engine, caplog):
     """NumPy generators support no weak references: rehydrate keeps them alive (and says
     so once, at debug level) until unregister()."""

@@ -102,8 +102,57 @@ def test_parse_round_trips_any_bytes(entries, trailing_nul):
     # line and a key with white space in it mean something else
     assume(b"\0" in data or (b"\n" not in data and not data.endswith(b"\r")
                              and all(k.split() == [k] and not k.startswith(b"#")
+                                     and not k.startswith("\ufeff".encode())
                                      for k in entries)))
+    if b"\0" in data and not data.endswith(b"\0"):  # NUL format, the last entry cut
+        with pytest.raises(EnvError, match="last entry not NUL-terminated"):
+            parse_environ(data)
+        return
     assert parse_environ(data) == entries
+
+
+@pytest.mark.parametrize("data", [b"API_KEY=new\0DB_URL=postgres://db/ne",  # cut mid-value
+                                  b"API_KEY=new\0DB_",  # cut mid-key
+                                  b"A=1\0B=2\0\0C"])
+def test_nul_data_whose_last_entry_is_not_nul_terminated_is_refused(data):
+    """A file cut short (or still being written) was applied: ``DB_URL`` got the cut
+    value, and under policy update every key after the cut was removed."""
+    with pytest.raises(EnvError, match=r"^last entry not NUL-terminated \(truncated, or "
+                                       r"still being written\?\)$"):
+        parse_environ(data)
+    assert parse_environ(data[:data.rindex(b"\0") + 1])  # the part before the cut is fine
+
+
+def test_a_truncated_file_is_not_applied_and_the_restore_is_not_ok(tmp_path, environ):
+    spec = write(tmp_path / "spec_environ", {b"RHT_API_KEY": b"old",
+                                             b"RHT_DB_URL": b"postgres://db/old",
+                                             b"RHT_FEATURE": b"on"})
+    environ.update({b"RHT_API_KEY": b"old", b"RHT_DB_URL": b"postgres://db/old",
+                    b"RHT_FEATURE": b"on"})
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=spec))  # baseline: the 3 keys
+    try:
+        write(tmp_path / "spec_environ", b"RHT_API_KEY=new\0RHT_DB_URL=postgres://db/ne")
+        report = engine.simulate_restore()
+        assert not report.ok and engine.state == "degraded"
+        assert report.env_changes == EnvChanges()
+        assert environ[b"RHT_DB_URL"] == b"postgres://db/old"
+        assert environ[b"RHT_API_KEY"] == b"old" and environ[b"RHT_FEATURE"] == b"on"
+    finally:
+        engine.close()
+
+
+def test_a_line_file_with_a_byte_order_mark_keeps_its_first_key(tmp_path, environ):
+    """An editor's BOM became part of the first key: ``\\ufeffAPI_KEY`` was added and
+    ``API_KEY`` itself removed (policy update: the previous file had it)."""
+    assert parse_environ("\ufeffA=1\r\nB=2\r\n".encode()) == {b"A": b"1", b"B": b"2"}
+    assert parse_environ("\ufeff# note\nA=1\n".encode()) == {b"A": b"1"}
+    environ[b"RHT_API_KEY"] = b"old"
+    spec = write(tmp_path / "spec_environ", b"RHT_API_KEY=old\n")
+    ref = EnvRefresher(path=spec)
+    ref.baseline()
+    write(tmp_path / "spec_environ", "\ufeffRHT_API_KEY=new\r\n".encode())
+    assert ref.refresh() == EnvChanges(changed=("RHT_API_KEY",))
+    assert environ[b"RHT_API_KEY"] == b"new"
 
 
 def test_line_mode_skips_comments_and_blank_lines_and_keeps_quotes():
@@ -286,8 +335,34 @@ def test_off_policy_touches_nothing(tmp_path, environ):
     ref = EnvRefresher(path=spec, policy="off")
     snapshot = dict(environ)
     assert ref.refresh() == EnvChanges()
-    assert ref.refresh({"RHT_A": "overlay"}) == EnvChanges()
     assert dict(environ) == snapshot
+
+
+def test_off_policy_still_applies_an_overlay_within_protect(environ):
+    """``off`` is about the file: ``simulate_restore(env=...)`` under
+    ``REHYDRATE_ENV_POLICY=off`` changed nothing and no ``on_env_change`` hook ran, though
+    the docs say only ``protect`` applies to overlays."""
+    environ[b"RHT_A"] = b"old"
+    environ[b"RHT_GONE"] = b"1"
+    environ[b"RHT_LOCKED"] = b"keep"
+    ref = EnvRefresher(path=None, policy="off", protect=("RHT_LOCK*",))
+    changes = ref.refresh({"RHT_A": "overlay", "RHT_GONE": None, "RHT_LOCKED": "x"})
+    assert changes == EnvChanges(changed=("RHT_A",), removed=("RHT_GONE",))
+    assert environ[b"RHT_A"] == b"overlay" and b"RHT_GONE" not in environ
+    assert environ[b"RHT_LOCKED"] == b"keep"
+
+
+def test_off_policy_overlay_reaches_on_env_change_hooks(environ):
+    reg = Registry()
+    seen = []
+    reg.on_env_change("RHT_API_KEY")(lambda ctx, ch: seen.append(ch.keys))
+    engine = Lifecycle(reg, env=EnvRefresher(path=None, policy="off"))
+    try:
+        report = engine.simulate_restore(env={"RHT_API_KEY": "x"})
+        assert report.ok and seen == [{"RHT_API_KEY"}]
+        assert os.environ["RHT_API_KEY"] == "x"
+    finally:
+        engine.close()
 
 
 def test_invalid_policy_is_refused():
@@ -812,6 +887,23 @@ def test_a_whole_pair_given_as_the_key_is_refused_without_its_value(rehydrate_en
         rehydrate_engine.simulate_restore(env=env)
     assert "hunter2" not in str(caught.value)
     assert "'DB_PASSWORD' (followed by '=' and a value, not shown)" in str(caught.value)
+
+
+HUGE = "K" * 4_000_000
+
+
+@pytest.mark.parametrize("overlay", [{"RHT_" + HUGE + "\0": "x"},  # NUL in the key
+                                     {"RHT_" + HUGE + "=v": "x"},  # '=' in the key
+                                     {"RHT_\udfff" + HUGE: "x"}])  # not encodable
+def test_a_huge_bad_overlay_key_makes_a_short_error(overlay, environ):
+    """The key was quoted whole: a 4 MB key gave a 4 MB EnvError (and log line)."""
+    snapshot = dict(environ)
+    with pytest.raises(EnvError) as caught:
+        EnvRefresher(path=None).refresh(overlay)
+    message = str(caught.value)
+    assert len(message) < 200, len(message)
+    assert message.startswith("invalid environment entry 'RHT_")
+    assert dict(environ) == snapshot
 
 
 @pytest.mark.parametrize("path", [123, b"/run/env", 1.5])
