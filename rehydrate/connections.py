@@ -136,6 +136,10 @@ def _is_async(fn: Callable[..., Any] | None) -> bool:
 
 def _describe(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
+    if text.endswith("attached to a different loop"):
+        # "Task <Task pending name=... coro=<...> cb=[...]> got Future <...> attached to a
+        # different loop": hundreds of characters saying one thing
+        text = "a future of another event loop was awaited (attached to a different loop)"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -234,9 +238,16 @@ class Connection:
         """The epoch of a run abandoned at its deadline (see :meth:`_keep`)."""
         self._waits: set[threading.Event] = set()
         """Events of :meth:`_watch`, set when the run they belong to ends."""
-        self._closing: threading.Thread | None = None
-        """The background close of a (re)open the engine's close stopped (tests wait
-        for it)."""
+        self._closing: concurrent.futures.Future[None] | None = None
+        """Done when the background close of a (re)open the engine's close stopped has
+        ended (tests wait for it)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the ``async`` open that made ``value`` ran on (None after a
+        sync one): an ``async`` close is awaited there (see :meth:`_close_loop`)."""
+        self._in_flight: tuple[Any, concurrent.futures.Future[None]] | None = None
+        """The value a ``close`` call is closing right now, and a future done (with its
+        outcome) when that call has really returned: a second close of the same value
+        waits for it instead of closing it again at the same time."""
 
     def _watch(self, epoch: int) -> threading.Event:
         """An event set when run ``epoch`` is no longer :meth:`_live` (already set if it
@@ -329,18 +340,33 @@ class Connection:
         with self._lock:
             return epoch == self._epoch and epoch != self._given_up
 
-    def _keep(self, epoch: int, value: Any) -> bool:
+    def _keep(self, epoch: int, value: Any,
+              loop: asyncio.AbstractEventLoop | None = None) -> bool:
         """Put what run ``epoch``'s ``open`` returned in place, in one step with the
         check that the run is still :meth:`_live` (an open finishing late on its thread
         otherwise installed its object after a close, or under a ``failed`` state).
         ``None`` leaves the previous value: a close that takes the value would only
-        close that stale one again."""
+        close that stale one again. ``loop``: the one an ``async`` open ran on."""
         with self._lock:
             if epoch != self._epoch or epoch == self._given_up:
                 return False
             if value is not None:
-                self.value, self._released = value, False
+                self.value, self._released, self._loop = value, False, loop
+            elif loop is not None:  # a close without argument closes what it made there
+                self._loop = loop
             return True
+
+    def _close_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop an ``async`` close must be awaited on: the one the ``async``
+        open that made the value ran on, while it runs. What such an open makes (asyncio
+        streams, an asyncpg or aiohttp pool) belongs to that loop: closed from another it
+        failed with "attached to a different loop" (or "Event loop is closed"), touched
+        its transport from a foreign thread and left the socket open. None: any loop."""
+        loop = self._loop
+        if (not _is_async(self.close_fn) or loop is None or loop.is_closed()
+                or not loop.is_running()):
+            return None
+        return loop
 
     def _retire(self) -> tuple[int, State]:
         """No longer managed: a run still in progress (a background open) stops.
@@ -380,6 +406,10 @@ class Connection:
     async def _on_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """:func:`_in_thread`, the call kept in ``_calls`` until it has really returned
         (cancelling the caller abandons it, and it goes on)."""
+        return await asyncio.wrap_future(self._start_on_thread(fn, *args))
+
+    def _start_on_thread(self, fn: Callable[..., Any],
+                         *args: Any) -> concurrent.futures.Future[Any]:
         from ._threads import blocking
 
         fut = blocking.submit(fn, *args)
@@ -391,15 +421,82 @@ class Connection:
                 self._calls.discard(f)
 
         fut.add_done_callback(ended)
-        return await asyncio.wrap_future(fut)
+        return fut
 
-    async def close_async(self) -> None:
-        if self.close_fn is not None:
-            value = self.value
-            await self._call(self.close_fn, *self._args(self.close_fn))
+    async def close_async(self, *, again: bool = True) -> None:
+        """Call ``close``: a sync one on a thread, an async one on the loop the value was
+        opened on (:meth:`_close_loop`). While a close of the same value is running (a
+        background reopen's close after a failed attempt, still running on its thread
+        when the engine's close came), this waits for it and shares its outcome: the
+        value is closed once. ``again=False``: nothing to do either when that close has
+        already returned (see :meth:`_holds`), checked in the same step."""
+        fn = self.close_fn
+        if fn is None:
+            return
+        with self._lock:
+            value, running = self.value, self._in_flight
+            if not again and _arity(fn) >= 1 and (value is None or self._released):
+                return
+            if running is not None and running[0] is value:
+                waiting: concurrent.futures.Future[None] | None = running[1]
+            else:
+                waiting = None
+                ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+                ended.set_running_or_notify_cancel()  # a waiter's cancel leaves it be
+                self._in_flight = (value, ended)
+        if waiting is not None:
+            await asyncio.wrap_future(waiting)
+            return
+        args = self._args(fn)
+
+        def finish(exc: BaseException | None) -> None:
             with self._lock:
-                if self.value is value:  # not replaced by an open meanwhile
+                if self._in_flight is not None and self._in_flight[1] is ended:
+                    self._in_flight = None
+                if exc is None and self.value is value:  # not replaced by an open since
                     self._released = True
+            if exc is None:
+                ended.set_result(None)
+            else:
+                ended.set_exception(exc)
+
+        def returned(call: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> None:
+            finish(RuntimeError("stopped before it returned") if call.cancelled()
+                   else call.exception())
+
+        from ._runner import _submit
+
+        started = False
+        try:
+            if not _is_async(fn):
+                call: concurrent.futures.Future[Any] = self._start_on_thread(_guarded, fn, *args)
+                call.add_done_callback(returned)
+                started = True
+                await asyncio.wrap_future(call)
+                return
+            home, opened_on = self._close_loop(), self._loop
+            if home is None or home is asyncio.get_running_loop():
+                task = asyncio.ensure_future(_guarded_async(fn, *args))
+                task.add_done_callback(returned)
+                started = True
+                try:
+                    await task
+                except Exception as exc:
+                    if home is None and opened_on is not None:
+                        # one line, not the Task repr of "attached to a different loop"
+                        raise RuntimeError(
+                            "the event loop it was opened on has stopped; close() failed "
+                            f"on another: {_describe(exc)}") from None
+                    raise
+                return
+            call = _submit(home, lambda: _guarded_async(fn, *args))
+            call.add_done_callback(returned)
+            started = True
+            await asyncio.wrap_future(call)
+        except BaseException as exc:
+            if not started:  # no call to report its end: this is it
+                finish(exc)
+            raise
 
     async def _release(self, epoch: int, what: str, limit: float,
                        after: str | None = None) -> None:
@@ -408,7 +505,7 @@ class Connection:
         ``after``, the error that made it necessary, which stays the one to read)."""
         self._set(epoch, step=what)
         try:
-            await asyncio.wait_for(self.close_async(), limit)
+            await asyncio.wait_for(self.close_async(again=False), limit)
         except asyncio.TimeoutError:
             msg = f"{what} hung (no return within {limit:.2g}s)"
             self._set(epoch, last_error=f"{after} ({msg})" if after else msg)
@@ -428,7 +525,7 @@ class Connection:
                     value = await call(self.open_fn)
                 finally:
                     _RUN.reset(token)
-                kept = self._keep(epoch, value)
+                kept = self._keep(epoch, value, asyncio.get_running_loop())
                 if not kept and self._disposes(value):
                     try:
                         await call(self.close_fn, value)
@@ -597,6 +694,10 @@ async def _guarded_async(fn: Callable[..., Any], *args: Any) -> Any:
         if cancelling is None or cancelling():
             raise
         raise _escaped(exc, fn) from exc
+    except GeneratorExit:
+        # this coroutine is being closed (its loop was closed with it pending): one
+        # that raises anything else "ignored GeneratorExit", an error out of close()
+        raise
     except BaseException as exc:
         raise _escaped(exc, fn) from exc
 
@@ -649,6 +750,8 @@ class ConnectionManager:
             conn._lock = threading.Lock()
             conn._calls = set()
             conn._background = None
+            conn._in_flight = None  # that close runs in the parent: it never ends here
+            conn._loop = None  # nor does the parent's event loop run here
             if conn.state in ("reconnecting", "opening"):
                 conn._epoch += 1  # what the parent's run left is no one's to finish
                 conn.state, conn.step = "failed", None
@@ -695,35 +798,80 @@ class ConnectionManager:
         it is; one still (re)opening was left saying so for good: it is closed instead —
         what it holds released in the background (:data:`CLOSE_TIMEOUT`), then
         ``closed`` (``failed`` when that close fails) — and what an ``open`` still running
-        on its thread returns later is closed, not kept."""
+        on its thread returns later is closed, not kept. An ``async`` close runs on the
+        loop the value was opened on, waited for here (at most :data:`CLOSE_TIMEOUT` in
+        all) since the engine stops its own loop next."""
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        waits: list[concurrent.futures.Future[None]] = []
         for conn in self.all():
             epoch, state = conn._retire()  # in one step: a run ending now changes neither
             self._cancel_background(conn)
             if state in ("opening", "reconnecting"):
-                self._close_stopped(conn, epoch)
+                scheduled = self._close_stopped(conn, epoch)
+                # not from that loop's own thread (the application's): it runs the close
+                # once this returns, and the engine does not stop it
+                if scheduled is not None and scheduled[1] is not here:
+                    waits.append(scheduled[0])
+        if waits:
+            _, late = concurrent.futures.wait(waits, CLOSE_TIMEOUT + LATE_GRACE)
+            for fut in late:  # its loop is blocked: recorded as a close that hung
+                fut.cancel()
 
-    def _close_stopped(self, conn: Connection, epoch: int) -> None:
+    def _close_stopped(self, conn: Connection, epoch: int) -> tuple[
+            concurrent.futures.Future[None], asyncio.AbstractEventLoop] | None:
         """Close ``conn``, whose (re)open the engine's close stopped, without blocking
-        the close: on a thread of its own with a loop of its own (the hooks' loop stops
-        with the engine)."""
+        the close. An ``async`` close is scheduled on the loop the value was opened on
+        while that runs (returned: :meth:`close` waits for it before the engine stops the
+        hooks' loop); any other runs on a thread of its own with a loop of its own."""
         if not conn._holds():
             conn._set(epoch, state="closed", step=None)
-            return
+            return None
         why = "the engine closed while it (re)opened"
         conn._set(epoch, state="closing", step=f"close ({why})")
+        ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        conn._closing = ended
+
+        def failed(msg: str) -> None:
+            if conn._set(epoch, state="failed", step=None,
+                         last_error=f"{why}; closing it failed: {msg}"):
+                log.warning("connection %s: %s; closing it failed: %s", conn.name, why, msg)
+
+        def outcome(exc: BaseException | None) -> None:
+            if exc is None:
+                conn._set(epoch, state="closed", step=None)
+            else:
+                failed(f"close() took longer than {CLOSE_TIMEOUT:g}s"
+                       if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
+            ended.set_result(None)
+
+        home = conn._close_loop()
+        if home is not None:
+            from ._runner import _submit
+
+            async def bounded() -> None:
+                await asyncio.wait_for(conn.close_async(again=False), CLOSE_TIMEOUT)
+
+            def done(fut: concurrent.futures.Future[None]) -> None:
+                outcome(asyncio.TimeoutError() if fut.cancelled() else fut.exception())
+
+            try:
+                fut = _submit(home, bounded)
+            except RuntimeError:  # that loop closed in between: the fallback below
+                pass
+            else:
+                fut.add_done_callback(done)
+                return fut, home
 
         def run() -> None:
             try:
-                asyncio.run(asyncio.wait_for(conn.close_async(), CLOSE_TIMEOUT))
+                asyncio.run(asyncio.wait_for(conn.close_async(again=False), CLOSE_TIMEOUT))
             except Exception as exc:
-                msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
-                       if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
-                if conn._set(epoch, state="failed", step=None,
-                             last_error=f"{why}; closing it failed: {msg}"):
-                    log.warning("connection %s: %s; closing it failed: %s", conn.name,
-                                why, msg)
+                outcome(exc)
             else:
-                conn._set(epoch, state="closed", step=None)
+                outcome(None)
 
         thread = threading.Thread(target=run, name=f"rehydrate-close-{conn.name}",
                                   daemon=True)
@@ -732,8 +880,8 @@ class ConnectionManager:
         except RuntimeError as exc:  # no new thread (interpreter shutdown)
             conn._set(epoch, state="failed", step=None,
                       last_error=f"{why}; not closed: {_describe(exc)}")
-        else:
-            conn._closing = thread
+            ended.set_result(None)
+        return None
 
     def get(self, name: str) -> Connection | None:
         with self._lock:
@@ -809,6 +957,20 @@ class ConnectionManager:
     def _open_in_background(self, conn: Connection) -> None:
         epoch, _ = conn._begin("opening")
         deadline_at = time.monotonic() + conn.effective_deadline()
+        if _is_async(conn.open_fn):
+            # On the hooks' loop, where a snapshot's close (and a restore's) are awaited:
+            # what an async open makes (asyncio streams, a pool) belongs to the loop it
+            # ran on, and one of its own, closed once the open returned, left it open
+            # into the snapshot with a close that could only fail ("Event loop is
+            # closed"). A snapshot stops and waits for it as for an optional reopen.
+            async def start() -> None:
+                self._start_background(conn, epoch, deadline_at, stale=False, first=True)
+
+            from ._runner import _submit
+
+            with contextlib.suppress(RuntimeError):  # that loop closed in between
+                _submit(self.engine.hook_loop(), start)
+                return
 
         def run() -> None:
             try:
@@ -942,7 +1104,8 @@ class ConnectionManager:
 
     def wait_background(self, timeout: float | None = None) -> bool:
         """Block until the optional connections a restore left reopening in the
-        background are done (reopened or failed: see ``status()``); False when
+        background (and the first ``async`` open of an ``open_now`` registration) are
+        done (reopened or failed: see ``status()``); False when
         ``timeout`` seconds passed first. Not from the hooks' event loop's own thread,
         which runs them. A reopen whose loop ended goes on on the hooks' loop (waited
         for there) or is ``failed``; one that can never end (its loop was closed with
@@ -963,8 +1126,9 @@ class ConnectionManager:
                 return False
 
     def _start_background(self, conn: Connection, epoch: int, deadline_at: float,
-                          stale: bool) -> None:
-        """Reopen an optional connection as a task of this loop, not awaited."""
+                          stale: bool, *, first: bool = False) -> None:
+        """Reopen an optional connection as a task of this loop, not awaited (``first``:
+        the first open of an ``open_now`` registration)."""
         moved = False
 
         async def run() -> bool:
@@ -976,10 +1140,11 @@ class ConnectionManager:
                 # start a new epoch first) but by its event loop ending: the application's
                 # server shut down, or the asgi gate handed the hooks to another loop.
                 if conn._current(epoch):
-                    moved = self._move_background(conn, epoch, deadline_at, loop, done)
+                    moved = self._move_background(conn, epoch, deadline_at, loop, done,
+                                                  first=first)
                 raise
             if not ok and conn._set(epoch, state="failed"):
-                _log_optional_missed(conn, f"{conn.effective_deadline():g}s")
+                _log_missed(conn, f"{conn.effective_deadline():g}s", first)
             return ok
 
         loop = asyncio.get_running_loop()
@@ -999,7 +1164,7 @@ class ConnectionManager:
 
     def _move_background(self, conn: Connection, epoch: int, deadline_at: float,
                          dying: asyncio.AbstractEventLoop,
-                         done: concurrent.futures.Future[None]) -> bool:
+                         done: concurrent.futures.Future[None], *, first: bool = False) -> bool:
         """A background reopen's event loop is ending: go on on the loop the hooks run
         on now, if that is another (True: ``done`` is resolved once the new run is in
         place, so :meth:`wait_background` never sees neither), else record that it
@@ -1012,7 +1177,8 @@ class ConnectionManager:
                     # thread (a tcp_socket connect) then cannot replace what this one opens.
                     new = conn._go_on(epoch)
                     if new is not None:
-                        self._start_background(conn, new, deadline_at, stale=False)
+                        self._start_background(conn, new, deadline_at, stale=False,
+                                               first=first)
                 finally:
                     done.set_result(None)
 
@@ -1027,7 +1193,7 @@ class ConnectionManager:
             else:
                 return True
         if conn._set(epoch, state="failed", step=None, last_error="its event loop stopped"):
-            _log_optional_missed(conn, "the life of its event loop")
+            _log_missed(conn, "the life of its event loop", first)
         return False
 
     def _cancel_background(self, conn: Connection) -> _Background | None:
@@ -1129,6 +1295,14 @@ def _reset_managers_in_child() -> None:
 os.register_at_fork(after_in_child=_reset_managers_in_child)
 
 
+def _log_missed(conn: Connection, within: str, first: bool) -> None:
+    if first:
+        log.warning("connection %s%s did not open within %s: %s", conn.name, _to(conn),
+                    within, conn.last_error)
+    else:
+        _log_optional_missed(conn, within)
+
+
 def _log_optional_missed(conn: Connection, within: str) -> None:
     log.warning("optional connection %s%s not reopened within %s: %s",
                 conn.name, _to(conn), within, conn.last_error)
@@ -1178,7 +1352,8 @@ def register(
     ``open`` returned last, or ``value=``). Any of them may be ``async``.
 
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
-    ``open`` runs in the background (with the same backoff); registration still returns
+    ``open`` runs in the background (with the same backoff; an ``async`` one on the hooks'
+    event loop, where ``close`` is awaited); registration still returns
     at once and never raises for an unreachable peer. Without it (and without
     ``value=``) the first restore opens it; until then a ``close`` that takes the value
     is not called (there is none), so snapshots before it succeed.

@@ -2403,7 +2403,7 @@ def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatc
         assert entered.wait(10)
         engine.close()
         if conn._closing is not None:  # ms.close(), in the background
-            conn._closing.join(10)
+            conn._closing.result(10)
         assert conn.state == "closed", conn.to_dict()
         release.set()
         wait_for(lambda: len(made) == 2 and made[1].fileno() == -1,
@@ -2693,3 +2693,224 @@ def test_tcp_socket_tries_each_address_of_its_name_in_order(rehydrate_engine, mo
                                     engine=rehydrate_engine)
         _wait_open(connections.get("feed", engine=rehydrate_engine))  # type: ignore[arg-type]
         assert ms.getpeername() == ("127.0.0.1", port)
+
+
+class _Peer:
+    """A listening loopback socket; ``accepted()`` the connections made to it."""
+
+    def __init__(self) -> None:
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(8)
+        self.address = self.srv.getsockname()
+        self.seen: list[socket.socket] = []
+
+    def sees_eof(self, n: int) -> list[bool]:
+        """Whether each of the first ``n`` connections was closed by our side."""
+        self.srv.settimeout(10)
+        while len(self.seen) < n:
+            self.seen.append(self.srv.accept()[0])
+        out = []
+        for p in self.seen[:n]:
+            p.settimeout(10)  # a close already happened: recv returns at once
+            try:
+                out.append(p.recv(1) == b"")
+            except TimeoutError:
+                out.append(False)
+        return out
+
+    def close(self) -> None:
+        for p in self.seen:
+            p.close()
+        self.srv.close()
+
+
+def test_engine_close_closes_an_async_connection_on_the_loop_it_was_opened_on(
+        monkeypatch):
+    """engine.close() ran an async close on a loop of its own in another thread: an
+    asyncio stream opened on the hooks' loop failed "attached to a different loop"
+    (``failed``, a warning with a Task repr) and its socket stayed open. It runs on the
+    loop the open ran on, and the engine waits for it before it stops that loop."""
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+    opened: list[tuple[asyncio.StreamWriter, asyncio.AbstractEventLoop]] = []
+    closed_on: list[tuple[asyncio.StreamWriter, asyncio.AbstractEventLoop]] = []
+    in_check, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    async def open_():
+        r, w = await asyncio.open_connection(*peer.address)
+        opened.append((w, asyncio.get_running_loop()))
+        return r, w
+
+    async def check(v):
+        if len(opened) >= 2:  # the restore's reopen: still checking at engine.close()
+            in_check.set()
+            await asyncio.Event().wait()
+
+    async def close(v):
+        if len(opened) >= 2:  # held across a thread hop: the engine must wait for it
+            entered.set()
+            await asyncio.to_thread(release.wait, 10)
+        closed_on.append((v[1], asyncio.get_running_loop()))
+        v[1].close()
+        await v[1].wait_closed()
+
+    def release_when_entered():
+        if entered.wait(10):
+            release.set()
+
+    state_when_the_loop_stopped: list[str] = []
+    real_stop = engine._loop_thread.close
+
+    def stop_loop():
+        state_when_the_loop_stopped.append(conn.state)
+        real_stop()
+
+    monkeypatch.setattr(engine._loop_thread, "close", stop_loop)
+    conn = connections.register("db", open=open_, close=close, check=check, required=False,
+                                deadline=60, engine=engine)
+    helper = threading.Thread(target=release_when_entered, daemon=True)
+    try:
+        assert engine.simulate_restore().ok  # the first open, on the hooks' loop
+        wait_for(lambda: conn.state == "open", what="the first open")
+        assert engine.simulate_snapshot().ok
+        assert engine.simulate_restore().ok
+        assert in_check.wait(10)
+        helper.start()
+        engine.close()
+        assert conn.state == "closed", conn.to_dict()  # done before close() returned
+        assert state_when_the_loop_stopped[:1] == ["closed"]
+        w, loop = opened[-1]
+        assert closed_on[-1] == (w, loop)
+        assert peer.sees_eof(2) == [True, True]
+    finally:
+        release.set()
+        peer.close()
+        engine.close()
+
+
+def test_a_close_whose_event_loop_has_stopped_says_so_in_one_line(rehydrate_engine):
+    """An async close whose loop is gone runs on the snapshot's loop; when it fails there,
+    the error says why in one line (it said "Event loop is closed", or a Task repr)."""
+    peer = _Peer()
+
+    async def open_():
+        return await asyncio.open_connection(*peer.address)
+
+    async def close(v):
+        v[1].close()
+        await v[1].wait_closed()
+
+    conn = connections.register("db", open=open_, close=close, required=False,
+                                engine=rehydrate_engine)
+    try:
+        # opened on a loop of the test's own, closed once it returns
+        assert asyncio.run(connections.manager(rehydrate_engine).reopen_all()) == {"db": True}
+        assert rehydrate_engine.simulate_snapshot().ok  # optional: a warning
+        assert conn.state == "failed"
+        error = conn.last_error or ""
+        assert error.startswith("RuntimeError: the event loop it was opened on has stopped; "
+                                "close() failed on another: "), error
+        assert "\n" not in error and "Task <" not in error
+    finally:
+        peer.close()
+
+
+def test_describe_shortens_the_different_loop_task_repr():
+    exc = RuntimeError("Task <Task pending name='Task-11' coro=<Connection.close_async() "
+                       "running at x.py:1> cb=[_release_waiter(<Future pendi...)]> got "
+                       "Future <Future pending> attached to a different loop")
+    text = connections._describe(exc)
+    assert "Task <" not in text and text.endswith("(attached to a different loop)")
+
+
+def test_the_same_value_is_not_closed_twice_at_once():
+    """A background reopen's check failed and its close of what that attempt opened was
+    still running when engine.close() came: it closed the same value again, at the same
+    time. The second close waits for the first."""
+    engine = rehydrate.testing.isolated_engine()
+    n = [0]
+    closes: list[str] = []
+    in_close, go, first_returned = threading.Event(), threading.Event(), threading.Event()
+
+    def open_():
+        n[0] += 1
+        return f"value-{n[0]}"
+
+    def check(v):
+        if n[0] >= 2:
+            raise ConnectionError("handshake refused")
+
+    def close(v):
+        closes.append(v)
+        if v == "value-2" and closes.count(v) == 1:  # the close after the failed attempt
+            in_close.set()
+            assert go.wait(10)
+            first_returned.set()
+
+    conn = connections.register("db", open=open_, close=close, check=check, required=False,
+                                deadline=60, engine=engine, open_now=True)
+    try:
+        wait_for(lambda: conn.state == "open", what="the first open")
+        assert engine.simulate_snapshot().ok  # closes value-1
+        assert engine.simulate_restore().ok  # value-2, its check fails, its close is held
+        assert in_close.wait(10)
+        engine.close()
+        go.set()
+        assert first_returned.wait(10)
+        wait_for(lambda: conn.state != "closing", what="the engine's close")
+        assert closes == ["value-1", "value-2"]
+        assert conn.state == "closed", conn.to_dict()
+    finally:
+        go.set()
+        engine.close()
+
+
+@pytest.mark.parametrize("required", [True, False], ids=["required", "optional"])
+def test_open_now_with_an_async_open_is_closed_by_a_snapshot(rehydrate_engine, required):
+    """open_now=True ran an async open on a loop of its own, closed once it returned: the
+    snapshot's close failed ("Event loop is closed") and the socket went into the image
+    open while the pass reported ok. It opens on the hooks' loop, which closes it."""
+    peer = _Peer()
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def open_():
+        loops.append(asyncio.get_running_loop())
+        return await asyncio.open_connection(*peer.address)
+
+    async def close(v):
+        v[1].close()
+        await v[1].wait_closed()
+
+    conn = connections.register("db", open=open_, close=close, required=required,
+                                engine=rehydrate_engine, open_now=True)
+    try:
+        wait_for(lambda: conn.state == "open", what="the first open")
+        report = rehydrate_engine.simulate_snapshot()
+        assert report.ok, report.table()
+        assert conn.state == "closed", conn.to_dict()
+        assert peer.sees_eof(1) == [True]
+        assert loops == [rehydrate_engine.hook_loop()]
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert connections.manager(rehydrate_engine).wait_background(10)
+        assert conn.state == "open"
+    finally:
+        peer.close()
+
+
+def test_a_user_coroutine_closed_while_pending_is_closed_quietly():
+    """An async close still pending when its event loop was closed (the engine stopped
+    it) is closed with GeneratorExit: turned into a RuntimeError, it made close() raise
+    and Python report "Exception ignored"."""
+
+    class _Suspend:
+        def __await__(self):
+            yield
+
+    async def hangs():
+        await _Suspend()
+
+    coro = connections._guarded_async(hangs)
+    coro.send(None)  # suspended inside the user's function
+    coro.close()  # raised RuntimeError("...hangs raised GeneratorExit()")
