@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     pass
-from ._model import NFT_TIMEOUT, NetworkUnavailable
+from ._model import NFT_TIMEOUT, NetworkUnavailable, tool_path
 
 log = logging.getLogger("rehydrate")
 
@@ -111,12 +111,45 @@ def _run(argv: Sequence[str], stdin: str | None = None) -> subprocess.CompletedP
                           timeout=NFT_TIMEOUT, check=False)
 
 
-def _rule_exists(tool: str, table: str, argv: list[str]) -> bool:
+def iptables_tools(tool: str) -> dict[str, str | None]:
+    """``{name: path}`` of the three binaries applying ``tool``'s (``iptables`` or
+    ``ip6tables``) rules needs, None for one not found. They are run by these paths:
+    found in /usr/sbin when PATH lacks it, as the check that they exist finds them."""
+    return {name: tool_path(name) for name in (tool, f"{tool}-save", f"{tool}-restore")}
+
+
+def missing_iptables_tools(tool: str) -> list[str]:
+    return [f"the {name} binary" for name, path in iptables_tools(tool).items()
+            if path is None]
+
+
+@dataclass(frozen=True)
+class _Tools:
+    """The paths of ``iptables``, ``iptables-save`` and ``iptables-restore`` (or ip6)."""
+
+    name: str
+    check: str
+    save: str
+    restore: str
+
+    @classmethod
+    def resolve(cls, tool: str) -> _Tools:
+        paths = iptables_tools(tool)
+        missing = [name for name, path in paths.items() if path is None]
+        if missing:
+            raise NetworkUnavailable(
+                f"missing {', '.join(f'the {name} binary' for name in missing)}")
+        check, save, restore = paths.values()
+        assert check is not None and save is not None and restore is not None
+        return cls(tool, check, save, restore)
+
+
+def _rule_exists(tools: _Tools, table: str, argv: list[str]) -> bool:
     spec = ["-C", *argv[1:]]
     if argv[0] == "-I":  # -I CHAIN [pos] rule...: drop a numeric position
         spec = ["-C", argv[1], *(argv[3:] if len(argv) > 2 and argv[2].isdigit()
                                  else argv[2:])]
-    return _run([tool, "-w", "-t", table, *spec]).returncode == 0
+    return _run([tools.check, "-w", "-t", table, *spec]).returncode == 0
 
 
 def _policy(chain_line: str) -> str:
@@ -125,9 +158,9 @@ def _policy(chain_line: str) -> str:
     return parts[1] if len(parts) > 1 else "-"
 
 
-def _chain_policies(tool: str, table: str) -> dict[str, str]:
+def _chain_policies(tools: _Tools, table: str) -> dict[str, str]:
     """``{chain: policy}`` of ``table`` as it is now (``-`` for user chains)."""
-    saved = _run([f"{tool}-save", "-t", table])
+    saved = _run([tools.save, "-t", table])
     if saved.returncode != 0:
         return {}
     return {line.split()[0][1:]: _policy(line) for line in saved.stdout.splitlines()
@@ -143,10 +176,11 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
     already be in force, so the outcome is read back, never inferred from the exit code.
     """
     tool = rules.tool
+    tools = _Tools.resolve(tool)
     parsed = rules.parsed()
     out_lines: list[str] = []
     for table, chains, rule_list in parsed:
-        existing = _chain_policies(tool, table)
+        existing = _chain_policies(tools, table)
         out_lines.append(f"*{table}")
         # With --noflush, a chain line for a user chain that exists flushes it, so those
         # are left out; for a built-in chain (its policy is not "-") it only sets the
@@ -154,16 +188,16 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
         out_lines.extend(c for c in chains if c.split()[0][1:] not in existing
                          or (existing[c.split()[0][1:]] != "-" and _policy(c) != "-"))
         out_lines.extend(iptables_join(argv) for argv in rule_list
-                         if not (argv[1] in existing and _rule_exists(tool, table, argv)))
+                         if not (argv[1] in existing and _rule_exists(tools, table, argv)))
         out_lines.append("COMMIT")
-    proc = _run([f"{tool}-restore", "--noflush", "-w"], "\n".join(out_lines) + "\n")
+    proc = _run([tools.restore, "--noflush", "-w"], "\n".join(out_lines) + "\n")
     err = " ".join(proc.stderr.split()) if proc.returncode != 0 else None
     if err is not None and ("Permission denied" in err or "not permitted" in err):
         raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
     in_force: dict[str, tuple[int, int]] = {}
     missing: list[str] = []
     for table, chains, rule_list in parsed:
-        now = _chain_policies(tool, table)
+        now = _chain_policies(tools, table)
         for line in chains:
             chain, policy = line.split()[0][1:], _policy(line)
             if policy != "-" and now.get(chain, policy) != policy:
@@ -171,7 +205,7 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
                                f"{now[chain]})")
         have = 0
         for argv in rule_list:
-            if _rule_exists(tool, table, argv):
+            if _rule_exists(tools, table, argv):
                 have += 1
             else:
                 missing.append(f"-t {table} {iptables_join(argv)}")

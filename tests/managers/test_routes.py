@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 
@@ -67,19 +68,39 @@ def netns_pair():
         subprocess.run(["ip", "netns", "del", b], capture_output=True, check=False)
 
 
+# Run "$@" with some binaries of /usr/sbin hidden ($HIDE, a shell pattern), in a mount
+# namespace of its own: a tmpfs over /usr/sbin with links to everything else (/sbin is
+# /usr/sbin on the systems the tests run on).
+HIDE_SBIN = r'''set -e
+real=$1; shift
+mount --bind /usr/sbin "$real"
+mount -t tmpfs tmpfs /usr/sbin
+for f in "$real"/*; do n=${f##*/}; case "$n" in $HIDE) ;; *) ln -s "$f" "/usr/sbin/$n";; esac; done
+exec "$@"
+'''
+
+
 def run_in_ns(ns: str, code: str, env: dict[str, str] | None = None,
-              drop_net_admin: bool = False) -> dict:
-    """Run a Python snippet inside namespace ``ns``; it prints one JSON object last."""
+              drop_net_admin: bool = False, hide: str | None = None,
+              prefix: tuple[str, ...] = ()) -> dict:
+    """Run a Python snippet inside namespace ``ns``; it prints one JSON object last.
+    ``hide``: a shell pattern of /usr/sbin binaries the snippet does not find;
+    ``prefix``: a command the snippet runs under (``unshare -Ur``)."""
 
     def drop() -> None:  # a root process without CAP_NET_ADMIN (bounding set dropped)
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(24, 12, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_NET_ADMIN
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
-    proc = subprocess.run(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
-        env={**os.environ, **(env or {})}, preexec_fn=drop if drop_net_admin else None)
+    argv = [*prefix, sys.executable, "-c", textwrap.dedent(code)]
+    with tempfile.TemporaryDirectory() as real:
+        if hide is not None:
+            env = {**(env or {}), "HIDE": hide}
+            argv = ["unshare", "-m", "sh", "-c", HIDE_SBIN, "sh", real, *argv]
+        proc = subprocess.run(
+            ["ip", "netns", "exec", ns, *argv],
+            capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+            env={**os.environ, **(env or {})}, preexec_fn=drop if drop_net_admin else None)
     if proc.returncode != 0:
         raise AssertionError(f"snippet failed ({proc.returncode}):\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -1447,3 +1468,105 @@ def test_route_messages_and_answers_gvisor_understands():
     assert (kind, seq, err.errno) == (2, 0x10000000, errno.EOPNOTSUPP)
     ack = answer[:16] + bytes(4) + answer[20:]
     assert _netlink._raw_answers(ack) == [(2, 0x10000000, None)]
+
+
+PER_KIND = r'''
+import json, logging, sys
+CASE = "case"
+if CASE == "no-pyroute2":
+    sys.modules["pyroute2"] = None  # as if the routes extra were not installed
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+said = []
+logging.getLogger("rehydrate").addHandler(type("H", (logging.Handler,), {
+    "emit": lambda self, r: said.append([r.levelname, r.getMessage()])})())
+engine = isolated_engine()
+routes.route("10.200.9.0/24", dev="lo", engine=engine)
+routes.nftables({"nftables": [{"add": {"table": {"family": "inet", "name": "rhkind"}}}]},
+                required=CASE != "no-nft", engine=engine)
+routes.iptables("*filter\n-A OUTPUT -p tcp --dport 7101 -j ACCEPT\nCOMMIT\n", engine=engine)
+routes.iptables("*filter\n-A OUTPUT -p tcp --dport 7102 -j ACCEPT\nCOMMIT\n", ipv6=True,
+                engine=engine)
+said.clear()
+report = engine.simulate_restore()
+hook = next(h for h in report.hooks if h.name == "rehydrate.routes")
+try:
+    missing = routes.missing_prerequisites(routes=False, nft=False, iptables=True,
+                                           ip6tables=True)
+except TypeError as exc:  # no ip6tables=
+    missing = str(exc)
+print(json.dumps({
+    "ok": report.ok, "state": engine.status().state,
+    "error": str(hook.error) if hook.error else None,
+    "routes": None if CASE == "no-pyroute2" else [
+        str(r) for r in routes.read_routes(user_only=True)],
+    "in_force": routes.manager(engine).last.in_force,
+    "said": [s for s in said if "cannot re-apply" in s[1]],
+    "missing": missing,
+    "missing_v4": routes.missing_prerequisites(routes=False, nft=False, iptables=True),
+}))
+'''
+
+IPT_V4 = "iptables filter: 1/1 rule(s)"
+IPT_V6 = "ip6tables filter: 1/1 rule(s)"
+ROUTE_LO = "10.200.9.0/24 dev lo table 254 proto static"
+
+
+def _per_kind(ns: str, case: str, **kwargs) -> dict:
+    return run_in_ns(ns, PER_KIND.replace('"case"', repr(case)), **kwargs)
+
+
+def test_a_missing_optional_kind_warns_once_and_the_others_are_applied(netns_pair):
+    """Without nft an optional nftables ruleset made the required route fail too
+    (everything was skipped, and the error was required because the route was)."""
+    out = _per_kind(netns_pair["a"], "no-nft", env={"REHYDRATE_NFT": "/nonexistent/nft"})
+    assert (out["ok"], out["state"], out["error"]) == (True, "ready", None)
+    assert out["routes"] == [ROUTE_LO]
+    assert out["in_force"] == [IPT_V4, IPT_V6]
+    assert out["said"] == [["WARNING", "network: cannot re-apply 1 nftables ruleset(s): "
+                            "missing the nft binary REHYDRATE_NFT names (/nonexistent/nft: "
+                            "not an executable file)"]]
+
+
+def test_without_pyroute2_the_rulesets_are_still_applied(netns_pair):
+    out = _per_kind(netns_pair["a"], "no-pyroute2")
+    assert out["ok"] is False and out["state"] == "degraded"
+    assert out["error"] == ("cannot re-apply 1 route(s): missing pyroute2 "
+                            "(pip install 'rehydrate[routes]')")
+    assert out["in_force"] == ["nftables inet rhkind", IPT_V4, IPT_V6]
+    assert len(out["said"]) == 1  # the engine's report of the failed hook
+
+
+def test_a_missing_iptables_fails_that_kind_alone_in_one_line(netns_pair):
+    out = _per_kind(netns_pair["a"], "no-iptables", hide="ip*tables*")
+    assert out["ok"] is False
+    assert out["error"] == (
+        "2 required network item(s) not re-applied: cannot re-apply 1 iptables "
+        "ruleset(s): missing the iptables binary, the iptables-save binary, the "
+        "iptables-restore binary; cannot re-apply 1 ip6tables ruleset(s): missing the "
+        "ip6tables binary, the ip6tables-save binary, the ip6tables-restore binary")
+    assert out["routes"] == [ROUTE_LO]
+    assert out["in_force"] == ["nftables inet rhkind"]
+
+
+def test_ip6tables_rules_need_the_ip6tables_binaries(netns_pair):
+    """The check looked for iptables only: with ip6tables missing it passed, then the
+    restore failed with FileNotFoundError."""
+    out = _per_kind(netns_pair["a"], "no-ip6tables", hide="ip6tables*")
+    ip6 = ["the ip6tables binary", "the ip6tables-save binary",
+           "the ip6tables-restore binary"]
+    assert out["missing"] == ip6 and out["missing_v4"] == []
+    assert out["error"] == f"cannot re-apply 1 ip6tables ruleset(s): missing {', '.join(ip6)}"
+    assert out["routes"] == [ROUTE_LO]
+    assert out["in_force"] == ["nftables inet rhkind", IPT_V4]
+
+
+def test_iptables_binaries_are_found_and_run_outside_path(netns_pair):
+    """With /usr/sbin not on PATH the check found iptables there, but the commands were
+    run by bare name: FileNotFoundError: 'iptables-save' at every restore."""
+    assert os.access("/usr/sbin/iptables-save", os.X_OK)  # where the fallback finds it
+    out = _per_kind(netns_pair["a"], "path", env={"PATH": "/usr/bin:/bin"})
+    assert out["missing"] == []
+    assert (out["ok"], out["error"]) == (True, None)
+    assert out["in_force"] == ["nftables inet rhkind", IPT_V4, IPT_V6]
