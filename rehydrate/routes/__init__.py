@@ -223,11 +223,24 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     if metric == 0:  # the kernel's default metric: none stored (IPv4), 1024 (IPv6)
         metric = 1024 if family == socket.AF_INET6 else None
     gw, sr = addresses.get("gateway"), addresses.get("src")
-    return Route("default" if net is None else str(net), None if gw is None else str(gw),
-                 dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
-                 kind, scope, required, family,  # type: ignore[arg-type]
-                 proto=_protocol(what, proto), tos=tos, from_prefix=source,
-                 realm=_realm(what, realm))
+    r = Route("default" if net is None else str(net), None if gw is None else str(gw),
+              dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
+              kind, scope, required, family,  # type: ignore[arg-type]
+              proto=_protocol(what, proto), tos=tos, from_prefix=source,
+              realm=_realm(what, realm))
+    # what the kernel refuses at every restore for want of a device (ENODEV, "Egress
+    # device not specified"): refused here, where it is written
+    if dev is None and kind == "local":
+        raise ValueError(f"{what}: a local route needs a dev (the kernel refuses one "
+                         "without: No such device)")
+    if dev is None and kind == "unicast" and gw is None:
+        raise ValueError(f"{what}: a route needs a gateway or a dev (the kernel refuses "
+                         "one with neither: No such device)")
+    if dev is None and kind == "unicast" and gw is not None and gw.is_link_local \
+            and gw.version == 6:
+        raise ValueError(f"{what}: the link-local gateway {gw} needs a dev (the kernel "
+                         "refuses it without one: Egress device not specified)")
+    return r
 
 
 def _source_prefix(what: str, value: object) -> str | None:

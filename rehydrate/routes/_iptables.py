@@ -21,6 +21,14 @@ class IptablesRules:
     ipv6: bool = False
     required: bool = field(default=True, compare=False)
 
+    def __post_init__(self) -> None:
+        # bytes split into bytes lines, and failed deep in the parser with a message
+        # about startswith()
+        if not isinstance(self.text, str):
+            hint = " (decode it: rules.decode())" if isinstance(self.text, bytes) else ""
+            raise TypeError("iptables rules are iptables-restore text (a str), not "
+                            f"{type(self.text).__name__}{hint}")
+
     @property
     def tool(self) -> str:
         return "ip6tables" if self.ipv6 else "iptables"

@@ -535,7 +535,7 @@ class RoutesManager:
             what = f"nftables table {t.label}"
             cmds = t.commands(create_only=create_only)
         else:
-            what = f"nftables ruleset ({', '.join(sorted(t.labels)) or 'no table'})"
+            what = f"nftables ruleset ({', '.join(t.touched()) or 'no table named'})"
             cmds = t.batch()
         labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
         try:

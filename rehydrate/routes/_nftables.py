@@ -224,6 +224,23 @@ class NftCommands:
                         out.append(label)
         return out
 
+    def touched(self) -> list[str]:
+        """The labels of every table the commands name (made, flushed, added to …), to
+        name the ruleset in messages."""
+        out: list[str] = []
+        for cmd in self.commands:
+            for body in cmd.values():
+                if not isinstance(body, Mapping):
+                    continue
+                for kind, obj in body.items():
+                    if not isinstance(obj, Mapping):
+                        continue
+                    name = obj.get("name") if kind == "table" else obj.get("table")
+                    label = f"{obj.get('family', '?')} {name}"
+                    if name is not None and label not in out:
+                        out.append(label)
+        return out
+
     @property
     def labels(self) -> set[str]:
         return {f"{f} {n}" for f, n in self.tables()}

@@ -617,7 +617,7 @@ def test_half_applied_rules_are_reported_exactly(netns_pair):
     assert first["in_force"] == ["nftables inet rhgood", "iptables filter: 1/1 rule(s)",
                                  "iptables nat: 0/1 rule(s)"]
     errors = {e["what"]: e["error"] for e in first["errors"]}
-    assert set(errors) == {"nftables ruleset", "iptables rules"}
+    assert set(errors) == {"nftables ruleset (inet rhbad)", "iptables rules"}
     assert errors["iptables rules"].startswith("rules in force: filter 1/1, nat 0/1; "
                                                "1 missing, e.g. -t nat -A POSTROUTING")
     assert "NOSUCHCHAIN" in errors["iptables rules"]
@@ -699,6 +699,12 @@ def test_iptables_built_in_chain_policies_are_applied_and_checked(netns_pair):
     ({"dst": "10.9.0.0/16", "realm": -1}, "realm must be a realm 0-65535"),
     ({"dst": "10.9.0.0/16", "realm": 2**32}, "or a whole number 0-4294967295 (RTA_FLOW)"),
     ({"dst": "fd00:9::/64", "realm": 5}, "route 'fd00:9::/64': realm is for IPv4 routes only"),
+    # accepted, then ENODEV / "Egress device not specified" at every restore
+    ({"dst": "10.1.0.0/16"}, "route '10.1.0.0/16': a route needs a gateway or a dev (the "
+                             "kernel refuses one with neither: No such device)"),
+    ({"dst": "10.1.0.0/16", "type": "local"}, "a local route needs a dev"),
+    ({"dst": "fd00:30::/64", "gateway": "fe80::1"},
+     "the link-local gateway fe80::1 needs a dev (the kernel refuses it without one"),
 ])
 def test_a_route_the_kernel_would_refuse_is_refused_when_declared(rehydrate_engine, kwargs,
                                                                  message):
@@ -759,7 +765,7 @@ def test_a_declared_route_takes_protocol_tos_source_prefix_and_realm(rehydrate_e
     r = routes.route("10.9.0.0/16", "10.0.0.1", proto="Bird", tos=0x10, realm="3/5",
                      engine=rehydrate_engine)
     assert (r.proto, r.tos, r.realm) == (12, 0x10, 0x30005)
-    assert routes.route("10.9.0.0/16", realm="7", proto=250,
+    assert routes.route("10.9.0.0/16", dev="lo", realm="7", proto=250,
                         engine=rehydrate_engine).to_dict()["realm"] == 7
     # a source prefix makes the route IPv6, in the kernel's spelling
     v6 = routes.route("default", dev="lo", from_prefix="FD00:1:0::/64",
@@ -1570,3 +1576,145 @@ def test_iptables_binaries_are_found_and_run_outside_path(netns_pair):
     assert out["missing"] == []
     assert (out["ok"], out["error"]) == (True, None)
     assert out["in_force"] == ["nftables inet rhkind", IPT_V4, IPT_V6]
+
+
+NFT_RESUME = r'''
+import json, socket, subprocess
+from rehydrate import routes
+from rehydrate.routes import _manager
+from rehydrate.testing import isolated_engine
+
+def nft(*args, stdin=None):
+    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
+
+def state(table):
+    """(rules, elements of set seen, packets of the first counter) of inet table"""
+    data = json.loads(nft("-j", "list", "table", "inet", table))["nftables"]
+    rules = [json.dumps(o["rule"]["expr"]) for o in data if "rule" in o]
+    elems = [e for o in data if "set" in o for e in o["set"].get("elem", [])]
+    packets = [x["counter"]["packets"] for o in data if "rule" in o
+               for x in o["rule"]["expr"] if "counter" in x]
+    return {"rules": len(rules), "foreign": sum("10.200.50.0" in r for r in rules),
+            "elems": elems, "packets": packets[0]}
+
+def traffic(port, n=3):  # what the original process does between snapshot and resume
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(n):
+            s.sendto(b"x", ("127.0.0.2", port))
+
+FOREIGN = "ip daddr 10.200.50.0/24 drop"
+nft("-f", "-", stdin="""table inet rhcap {
+    set seen { type ipv4_addr; flags dynamic; size 64; }
+    chain out {
+        type filter hook output priority 0; policy accept;
+        udp dport 7998 add @seen { ip daddr } counter
+    }
+}""")
+engine = isolated_engine()
+routes.capture(tables=["inet rhcap"], engine=engine)
+engine.simulate_snapshot()
+traffic(7998)
+nft("add", "rule", "inet", "rhcap", "out", *FOREIGN.split())  # another owner's rule
+out = {"before": state("rhcap")}
+report = engine.simulate_restore(kind="resume")
+out["resume"] = [report.ok, state("rhcap"), routes.manager(engine).last.to_dict()]
+
+# made between the read and the transaction: the kernel refuses the create-only batch
+real_read = _manager.read_tables
+_manager.read_tables = lambda: []
+report = engine.simulate_restore(kind="resume")
+_manager.read_tables = real_read
+out["raced"] = [report.ok, state("rhcap"), routes.manager(engine).last.to_dict()]
+
+nft("delete", "table", "inet", "rhcap")  # a restored copy: the table is gone
+report = engine.simulate_restore()
+out["restore"] = [report.ok, state("rhcap"), routes.manager(engine).last.to_dict()]
+
+# a declared table: the declaration's, kept as it is where it matches
+nft("-f", "-", stdin="""table inet rhdecl {
+    chain out {
+        type filter hook output priority 0; policy accept;
+        udp dport 7997 counter
+    }
+}""")
+listing = nft("-j", "list", "table", "inet", "rhdecl")
+nft("delete", "table", "inet", "rhdecl")
+declared = isolated_engine()
+routes.nftables(listing, engine=declared)
+declared.simulate_restore()
+traffic(7997)
+report = declared.simulate_restore(kind="resume")
+out["declared_same"] = [report.ok, state("rhdecl")]
+nft("add", "rule", "inet", "rhdecl", "out", *FOREIGN.split())
+report = declared.simulate_restore(kind="resume")
+out["declared_changed"] = [report.ok, state("rhdecl")]
+print(json.dumps(out))
+'''
+
+
+def test_a_captured_table_that_exists_after_a_resume_is_left_as_found(netns_pair):
+    """A resume rolled captured tables back to the capture (delete and re-add): another
+    owner's rule added since was removed, counters and dynamic set elements reset."""
+    out = run_in_ns(netns_pair["a"], NFT_RESUME)
+    before = out["before"]
+    assert before["packets"] == 3 and before["foreign"] == 1
+    assert before["elems"] == ["127.0.0.2"]
+    ok, after, last = out["resume"]
+    assert ok is True and after == before
+    assert (last["tables"], last["tables_skipped"]) == (0, 1)
+    assert last["in_force"] == ["nftables inet rhcap (existing: left as found)"]
+    # the kernel's create-only check, when the table appears after the read
+    ok, after, last = out["raced"]
+    assert ok is True and after == before
+    assert (last["tables"], last["tables_skipped"], last["errors"]) == (0, 1, [])
+    # a missing one is re-created as captured (before the other owner's rule)
+    ok, after, last = out["restore"]
+    assert ok is True and (last["tables"], last["tables_skipped"]) == (1, 0)
+    assert after == {"rules": 1, "foreign": 0, "elems": [], "packets": 0}
+    # a declared table that matches its declaration keeps its counters; one that
+    # differs is made to match it again
+    ok, after = out["declared_same"]
+    assert ok is True and (after["packets"], after["rules"]) == (3, 1)
+    ok, after = out["declared_changed"]
+    assert ok is True and (after["rules"], after["foreign"], after["packets"]) == (1, 0, 0)
+
+
+def test_a_route_without_gateway_or_dev_is_declared_where_no_device_is_needed(
+        rehydrate_engine):
+    assert str(routes.route("10.1.0.0/16", type="blackhole", engine=rehydrate_engine)) == \
+        "blackhole 10.1.0.0/16"
+    assert routes.route("fd00:30::/64", gateway="fe80::1", dev="lo",
+                        engine=rehydrate_engine).gateway == "fe80::1"
+    assert routes.route("fd00:31::/64", gateway="fd00::1",
+                        engine=rehydrate_engine).dev is None
+
+
+@pytest.mark.parametrize("rules", [b"*filter\nCOMMIT\n", ["*filter", "COMMIT"]])
+def test_iptables_rules_of_another_type_are_one_clear_type_error(rehydrate_engine, rules):
+    with pytest.raises(TypeError) as caught:
+        routes.iptables(rules, engine=rehydrate_engine)
+    assert str(caught.value).startswith("iptables rules are iptables-restore text (a str), "
+                                        f"not {type(rules).__name__}")
+    assert str(caught.value).endswith("(decode it: rules.decode())") == \
+        isinstance(rules, bytes)
+    assert routes.manager(rehydrate_engine).iptables == []
+
+
+USERNS = NO_CAP.replace("report = engine.simulate_restore()",
+                        "missing = routes.missing_prerequisites()\n"
+                        "report = engine.simulate_restore()").replace(
+    '"error": str(hook.error),', '"error": str(hook.error), "missing": missing,')
+
+
+def test_root_of_a_user_namespace_that_does_not_own_the_netns_lacks_cap_net_admin(
+        netns_pair):
+    """Root of a user namespace (``unshare -Ur``) holds CAP_NET_ADMIN in its set but
+    not over the network namespace it joined: that was reported as missing nftables
+    support (Operation not permitted), and the routes were tried one by one."""
+    out = run_in_ns(netns_pair["a"], USERNS, prefix=("unshare", "-Ur"))
+    said = ("CAP_NET_ADMIN over this network namespace (uid 0 runs in a user namespace "
+            "that does not own it)")
+    assert out["missing"] == [said]
+    assert out["ok"] is False and out["state"] == "degraded"
+    assert out["error"] == f"cannot re-apply 1 route(s) and 1 nftables ruleset(s): missing {said}"
