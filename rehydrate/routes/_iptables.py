@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -187,6 +188,7 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
     tools = _Tools.resolve(tool)
     parsed = rules.parsed()
     out_lines: list[str] = []
+    placements: list[_Placement] = []
     for table, chains, rule_list in parsed:
         existing = _chain_policies(tools, table)
         out_lines.append(f"*{table}")
@@ -195,8 +197,16 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
         # policy, which is kept: ":INPUT DROP" is part of the rules.
         out_lines.extend(c for c in chains if c.split()[0][1:] not in existing
                          or (existing[c.split()[0][1:]] != "-" and _policy(c) != "-"))
-        out_lines.extend(iptables_join(argv) for argv in rule_list
-                         if not (argv[1] in existing and _rule_exists(tools, table, argv)))
+        present = [argv[1] in existing and _rule_exists(tools, table, argv)
+                   for argv in rule_list]
+        placed = _Placement.plan(tools, table, rule_list, present)
+        placements.append(placed)
+        for i, argv in enumerate(rule_list):
+            if present[i]:
+                continue
+            at = placed.insert_at.get(i)
+            out_lines.append(iptables_join(argv if at is None else
+                                           ["-I", argv[1], str(at), *argv[2:]]))
         out_lines.append("COMMIT")
     proc = _run([tools.restore, "--noflush", "-w"], "\n".join(out_lines) + "\n")
     err = " ".join(proc.stderr.split()) if proc.returncode != 0 else None
@@ -204,8 +214,10 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
         raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
     in_force: dict[str, tuple[int, int]] = {}
     missing: list[str] = []
-    for table, chains, rule_list in parsed:
+    for (table, chains, rule_list), placed in zip(parsed, placements, strict=True):
         now = _chain_policies(tools, table)
+        missing.extend(f"-t {table} {chain}: the declared rules are not in their declared "
+                       "order" for chain in placed.out_of_order())
         for line in chains:
             chain, policy = line.split()[0][1:], _policy(line)
             if policy != "-" and now.get(chain, policy) != policy:
@@ -228,3 +240,107 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
     if err is not None:
         problem += f"; {tool}-restore --noflush: {err}"
     return in_force, problem
+
+
+@dataclass
+class _Placement:
+    """Where the missing ``-A`` rules of a table go so that the declared rules of each
+    chain stay in their declared order: appended, a rule declared before one that is
+    there would come after it (``ACCEPT`` re-appended behind a ``DROP``). Each goes in
+    (``-I CHAIN N``) just before the first declared rule after it that is there; rules
+    that are there are not moved, nor anything else in the chain.
+
+    Positions come from comparing rules as ``iptables-save`` prints them: the declared
+    rules are added to a scratch chain of the table (no rule jumps to it, so no packet
+    meets them) and read back in that canonical form. Only done for a chain where a
+    rule is missing before one that is there."""
+
+    tools: _Tools
+    table: str
+    insert_at: dict[int, int] = field(default_factory=dict)
+    """index in the declared rules -> position (1-based) to insert that rule at"""
+    chains: dict[str, list[str]] = field(default_factory=dict)
+    """chain -> its declared rules in canonical form, for the order check afterwards"""
+
+    @classmethod
+    def plan(cls, tools: _Tools, table: str, rule_list: list[list[str]],
+             present: list[bool]) -> _Placement:
+        placed = cls(tools, table)
+        by_chain: dict[str, list[int]] = {}
+        for i, argv in enumerate(rule_list):
+            by_chain.setdefault(argv[1], []).append(i)
+        todo = {chain: idx for chain, idx in by_chain.items()
+                # a declared -I has a place of its own: its chain is left as before
+                if all(rule_list[i][0] == "-A" for i in idx)
+                and any(not present[i] and any(present[j] for j in idx if j > i)
+                        for i in idx)}
+        if not todo:
+            return placed
+        canon = _canonical(tools, table, [rule_list[i] for idx in todo.values() for i in idx])
+        if canon is None:
+            return placed
+        by_index = dict(zip([i for idx in todo.values() for i in idx], canon, strict=True))
+        current = _chain_rules(tools, table)
+        for chain, idx in todo.items():
+            lines: list[str | None] = list(current.get(chain, []))
+            pos = 0  # just past the last declared rule placed so far
+            for k, i in enumerate(idx):
+                if present[i]:
+                    if by_index[i] in lines[pos:]:
+                        pos = lines.index(by_index[i], pos) + 1
+                    continue
+                nxt = next((j for j in idx[k + 1:] if present[j]), None)
+                if nxt is None or by_index[nxt] not in lines[pos:]:
+                    lines.append(None)  # appended, as before
+                    continue
+                at = lines.index(by_index[nxt], pos)
+                lines.insert(at, None)
+                placed.insert_at[i] = at + 1
+                pos = at + 1
+            placed.chains[chain] = [by_index[i] for i in idx]
+        return placed
+
+    def out_of_order(self) -> list[str]:
+        """The chains planned here whose declared rules are not, read back now, in
+        their declared order."""
+        if not self.chains:
+            return []
+        current = _chain_rules(self.tools, self.table)
+        wrong = []
+        for chain, declared in self.chains.items():
+            there = current.get(chain, [])
+            lines = iter(there)
+            # a rule that is missing is reported as such, not as out of order
+            if not all(any(line == rule for line in lines)
+                       for rule in declared if rule in there):
+                wrong.append(chain)
+        return wrong
+
+
+def _chain_rules(tools: _Tools, table: str) -> dict[str, list[str]]:
+    """``{chain: [rule, …]}`` of ``table`` now, each rule as ``iptables-save`` prints it
+    without its ``-A CHAIN``."""
+    saved = _run([tools.save, "-t", table])
+    out: dict[str, list[str]] = {}
+    for line in saved.stdout.splitlines() if saved.returncode == 0 else ():
+        if line.startswith("-A "):
+            parts = line.split(None, 2)
+            out.setdefault(parts[1], []).append(parts[2] if len(parts) > 2 else "")
+    return out
+
+
+def _canonical(tools: _Tools, table: str, rule_list: list[list[str]]) -> list[str] | None:
+    """``rule_list`` as ``iptables-save`` prints those rules (without ``-A CHAIN``), by
+    way of a scratch chain of ``table`` made and removed here; None where that fails."""
+    scratch = f"RHORDER{os.getpid()}"[:28]
+    text = "".join([f"*{table}\n:{scratch} - [0:0]\n",
+                    *(iptables_join(["-A", scratch, *argv[2:]]) + "\n" for argv in rule_list),
+                    "COMMIT\n"])
+    try:
+        if _run([tools.restore, "--noflush", "-w"], text).returncode != 0:
+            return None
+        got = _chain_rules(tools, table).get(scratch, [])
+    finally:
+        _run([tools.check, "-w", "-t", table, "-F", scratch])
+        _run([tools.check, "-w", "-t", table, "-X", scratch])
+    return got if len(got) == len(rule_list) else None

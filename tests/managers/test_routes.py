@@ -1718,3 +1718,63 @@ def test_root_of_a_user_namespace_that_does_not_own_the_netns_lacks_cap_net_admi
     assert out["missing"] == [said]
     assert out["ok"] is False and out["state"] == "degraded"
     assert out["error"] == f"cannot re-apply 1 route(s) and 1 nftables ruleset(s): missing {said}"
+
+
+IPT_ORDER = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def ipt(*args):
+    return subprocess.run(["iptables", "-w", *args], capture_output=True, text=True,
+                          check=True).stdout
+
+def rules():
+    return [line for line in ipt("-S", "INPUT").splitlines() if line.startswith("-A")]
+
+engine = isolated_engine()
+routes.iptables("*filter\n-A INPUT -s 10.0.0.0/8 -j ACCEPT\n"
+                "-A INPUT -p tcp --dport 22 -j DROP\n-A INPUT -p tcp --dport 23 -j DROP\n"
+                "-A OUTPUT -p tcp --dport 24 -j DROP\nCOMMIT\n", engine=engine)
+engine.simulate_restore()
+first = rules()
+# the first two are lost; other owners' rules come before and after them
+ipt("-D", "INPUT", "-s", "10.0.0.0/8", "-j", "ACCEPT")
+ipt("-D", "INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP")
+ipt("-I", "INPUT", "1", "-s", "10.9.9.9/32", "-j", "ACCEPT")
+ipt("-A", "INPUT", "-s", "10.8.8.8/32", "-j", "ACCEPT")
+report = engine.simulate_restore(kind="resume")
+print(json.dumps({"first": first, "after": rules(), "ok": report.ok,
+                  "in_force": routes.manager(engine).last.in_force,
+                  "chains": ipt("-S").count("RHORDER")}))
+'''
+
+
+def test_a_missing_iptables_rule_goes_back_before_the_declared_rules_after_it(netns_pair):
+    """A missing rule was appended: ACCEPT re-applied behind the DROP declared after it
+    (and the read-back said every rule was in force)."""
+    out = run_in_ns(netns_pair["a"], IPT_ORDER)
+    declared = ["-A INPUT -s 10.0.0.0/8 -j ACCEPT",
+                "-A INPUT -p tcp -m tcp --dport 22 -j DROP",
+                "-A INPUT -p tcp -m tcp --dport 23 -j DROP"]
+    assert out["first"] == declared
+    assert out["ok"] is True and out["in_force"] == ["iptables filter: 4/4 rule(s)"]
+    # in their declared order, where they were among the other owners' rules
+    assert out["after"] == ["-A INPUT -s 10.9.9.9/32 -j ACCEPT", *declared,
+                            "-A INPUT -s 10.8.8.8/32 -j ACCEPT"]
+    assert out["chains"] == 0  # the scratch chain is gone
+
+
+def test_declared_iptables_rules_out_of_order_are_reported(monkeypatch):
+    """The read-back checks the order of the chains whose rules it placed."""
+    from rehydrate.routes import _iptables
+
+    placed = _iptables._Placement(_iptables._Tools("iptables", "c", "s", "r"), "filter",
+                                  chains={"INPUT": ["-s 10.0.0.0/8 -j ACCEPT",
+                                                    "-p tcp -j DROP", "-p udp -j DROP"]})
+    now = {"INPUT": ["-p tcp -j DROP", "-s 10.9.9.9/32 -j ACCEPT",
+                     "-s 10.0.0.0/8 -j ACCEPT"]}
+    monkeypatch.setattr(_iptables, "_chain_rules", lambda tools, table: now)
+    assert placed.out_of_order() == ["INPUT"]
+    now["INPUT"].reverse()  # in order; the udp rule, missing, is not an order problem
+    assert placed.out_of_order() == []
