@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
+import secrets
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -189,7 +189,7 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
     parsed = rules.parsed()
     out_lines: list[str] = []
     placements: list[_Placement] = []
-    for table, chains, rule_list in parsed:
+    for n, (table, chains, rule_list) in enumerate(parsed):
         existing = _chain_policies(tools, table)
         out_lines.append(f"*{table}")
         # With --noflush, a chain line for a user chain that exists flushes it, so those
@@ -199,7 +199,10 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
                          or (existing[c.split()[0][1:]] != "-" and _policy(c) != "-"))
         present = [argv[1] in existing and _rule_exists(tools, table, argv)
                    for argv in rule_list]
-        placed = _Placement.plan(tools, table, rule_list, present)
+        # a table given twice: the second part's positions would be counted before the
+        # first part's rules go in, so its missing rules are appended
+        placed = (_Placement(tools, table) if any(t == table for t, _, _ in parsed[:n])
+                  else _Placement.plan(tools, table, rule_list, present))
         placements.append(placed)
         for i, argv in enumerate(rule_list):
             if present[i]:
@@ -332,7 +335,8 @@ def _chain_rules(tools: _Tools, table: str) -> dict[str, list[str]]:
 def _canonical(tools: _Tools, table: str, rule_list: list[list[str]]) -> list[str] | None:
     """``rule_list`` as ``iptables-save`` prints those rules (without ``-A CHAIN``), by
     way of a scratch chain of ``table`` made and removed here; None where that fails."""
-    scratch = f"RHORDER{os.getpid()}"[:28]
+    # not the pid: processes of containers sharing a network namespace may share it
+    scratch = f"RHORDER-{secrets.token_hex(4)}"
     text = "".join([f"*{table}\n:{scratch} - [0:0]\n",
                     *(iptables_join(["-A", scratch, *argv[2:]]) + "\n" for argv in rule_list),
                     "COMMIT\n"])

@@ -352,7 +352,8 @@ class RoutesManager:
         declared_labels = set().union(*(_labels(t) for t in rulesets))
         tables: list[NftTable | NftCommands] = [
             t for t in captured_tables if t.label not in declared_labels]
-        captured_ids = {id(t) for t in tables}
+        # declarations of a table take the place of its capture: these labels are unique
+        captured_labels = {t.label for t in tables if isinstance(t, NftTable)}
         tables.extend(rulesets)
         result = ApplyResult()
         t0 = time.perf_counter()
@@ -377,14 +378,14 @@ class RoutesManager:
             with ThreadPoolExecutor(1, thread_name_prefix="rehydrate-routes") as pool:
                 routes_done = pool.submit(self._apply_routes, declared, captured_routes,
                                           routes_part)
-                self._apply_tables(tables, captured_ids, tables_part)
+                self._apply_tables(tables, captured_labels, tables_part)
                 try:
                     routes_done.result()
                 except Exception as exc:
                     req = any(r.required for r in [*declared, *captured_routes])
                     routes_part.errors.append(("routes", req, _describe(exc)))
         else:
-            self._apply_tables(tables, captured_ids, tables_part)
+            self._apply_tables(tables, captured_labels, tables_part)
         result.routes, result.routes_skipped = routes_part.routes, routes_part.routes_skipped
         result.tables, result.tables_skipped = tables_part.tables, tables_part.tables_skipped
         result.errors.extend(routes_part.errors + tables_part.errors)
@@ -434,9 +435,9 @@ class RoutesManager:
                                   f"cannot re-apply {counts}: missing {', '.join(what)}"))
         return [k for g in groups for k in g]
 
-    def _apply_tables(self, tables: list[NftTable | NftCommands], captured: set[int],
+    def _apply_tables(self, tables: list[NftTable | NftCommands], captured: set[str],
                       result: ApplyResult) -> None:
-        """Apply the nftables items; ``captured`` holds the ids of the captured tables.
+        """Apply the nftables items; ``captured`` holds the labels of the captured tables.
 
         A captured table is re-created only where no table of its name exists: one that
         exists after the restore or resume (the original process's, kept by a resume;
@@ -455,14 +456,15 @@ class RoutesManager:
         for t in tables:
             if isinstance(t, NftTable) and existing is not None and t.label in existing:
                 have = existing[t.label]
-                if id(t) in captured:
+                if t.label in captured:
                     _table_left_alone(t, have, result)
                     continue
                 if have.canonical() == t.canonical():
                     result.tables += 1
                     result.in_force.append(f"nftables {t.label}")
                     continue
-            self._apply_nft(t, result, create_only=id(t) in captured)
+            self._apply_nft(t, result, create_only=isinstance(t, NftTable)
+                            and t.label in captured)
 
     def _apply_routes(self, declared: list[Route], captured: list[Route],
                       result: ApplyResult) -> None:
