@@ -29,14 +29,19 @@ them, either from declarations or from a capture taken before the snapshot:
   captured route is only added where no route with its key (destination, table, metric,
   tos, source prefix) exists after the restore: one that the platform or a routing
   daemon re-created since, whatever its protocol, is newer and stays (the kernel
-  refuses ours: create-only); a declared route replaces it.
+  refuses ours: create-only); a declared route replaces it. Likewise a captured
+  nftables table is only re-created where no table of its name exists (``nft create
+  table``): after a resume the process's own table, with what other owners added and
+  its counters and sets, stays as found. A declared table is replaced where it differs
+  from its declaration and left untouched where it matches.
 
 Routes (over rtnetlink, on a worker thread) and nftables tables (``nft`` subprocesses)
 are applied concurrently. Everything applied is read back and compared (routes: one
-pyroute2 dump). Without CAP_NET_ADMIN, without pyroute2,
-without the ``nft`` binary, or where the platform lacks nftables (gVisor implements only
-part of iptables), the restore hook fails with **one** message naming what is missing;
-whether that makes the process not ready follows the usual ``required`` semantics.
+pyroute2 dump). Each kind (routes, nftables rulesets, iptables rules, ip6tables rules)
+is applied where its own prerequisites are there: without pyroute2, without the ``nft``
+binary or nftables (gVisor implements only part of iptables), without the iptables
+binaries, that kind alone fails in **one** message naming what is missing, required
+when one of its own items is; without CAP_NET_ADMIN one message covers every kind.
 """
 
 from __future__ import annotations
@@ -223,11 +228,24 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     if metric == 0:  # the kernel's default metric: none stored (IPv4), 1024 (IPv6)
         metric = 1024 if family == socket.AF_INET6 else None
     gw, sr = addresses.get("gateway"), addresses.get("src")
-    return Route("default" if net is None else str(net), None if gw is None else str(gw),
-                 dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
-                 kind, scope, required, family,  # type: ignore[arg-type]
-                 proto=_protocol(what, proto), tos=tos, from_prefix=source,
-                 realm=_realm(what, realm))
+    r = Route("default" if net is None else str(net), None if gw is None else str(gw),
+              dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
+              kind, scope, required, family,  # type: ignore[arg-type]
+              proto=_protocol(what, proto), tos=tos, from_prefix=source,
+              realm=_realm(what, realm))
+    # what the kernel refuses at every restore for want of a device (ENODEV, "Egress
+    # device not specified"): refused here, where it is written
+    if dev is None and kind == "local":
+        raise ValueError(f"{what}: a local route needs a dev (the kernel refuses one "
+                         "without: No such device)")
+    if dev is None and kind == "unicast" and gw is None:
+        raise ValueError(f"{what}: a route needs a gateway or a dev (the kernel refuses "
+                         "one with neither: No such device)")
+    if dev is None and kind == "unicast" and gw is not None and gw.is_link_local \
+            and gw.version == 6:
+        raise ValueError(f"{what}: the link-local gateway {gw} needs a dev (the kernel "
+                         "refuses it without one: Egress device not specified)")
+    return r
 
 
 def _source_prefix(what: str, value: object) -> str | None:
@@ -325,7 +343,9 @@ def iptables(
     engine: Engine | None = None,
 ) -> None:
     """Declare ``iptables-restore`` text (``*table`` / ``:CHAIN`` / ``-A`` / ``COMMIT``)
-    re-applied with ``--noflush`` after every restore; rules that exist are not doubled."""
+    re-applied with ``--noflush`` after every restore; rules that exist are not doubled,
+    and a missing one goes back before the declared rules of its chain that follow it.
+    ``rules`` is a str (bytes: ``TypeError``)."""
     decl = IptablesRules(rules, ipv6, required)
     decl.parsed()  # validate now, apply later
     manager(engine).add_iptables(decl)
@@ -341,10 +361,11 @@ def capture(
     ``["inet myapp"]``) of the current network namespace now and again before every
     snapshot; they are re-applied after each restore as they were captured (protocol,
     tos, source prefix, realm … included), where no route with the same key was made
-    since. Never raises: what could not be read, or a route that cannot be re-applied
-    whole (an encapsulation, a nexthop object), is listed in ``Capture.problems`` (and
-    logged); ``tables`` given as one string
-    is a ``TypeError`` (it would be taken letter by letter and capture nothing)."""
+    since (a captured nftables table: where no table of its name exists, after a
+    restore or a resume). Never raises: what could not be read, or a route that cannot
+    be re-applied whole (an encapsulation, a nexthop object), is listed in
+    ``Capture.problems`` (and logged); ``tables`` given as one string is a
+    ``TypeError`` (it would be taken letter by letter and capture nothing)."""
     if isinstance(tables, str):
         raise TypeError(f"tables is a list of 'family name' strings, not one string "
                         f"(write [{tables!r}])")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     pass
-from ._model import NFT_TIMEOUT, NetworkUnavailable
+from ._model import NFT_TIMEOUT, NetworkUnavailable, tool_path
 
 log = logging.getLogger("rehydrate")
 
@@ -20,6 +21,14 @@ class IptablesRules:
     text: str
     ipv6: bool = False
     required: bool = field(default=True, compare=False)
+
+    def __post_init__(self) -> None:
+        # bytes split into bytes lines, and failed deep in the parser with a message
+        # about startswith()
+        if not isinstance(self.text, str):
+            hint = " (decode it: rules.decode())" if isinstance(self.text, bytes) else ""
+            raise TypeError("iptables rules are iptables-restore text (a str), not "
+                            f"{type(self.text).__name__}{hint}")
 
     @property
     def tool(self) -> str:
@@ -111,12 +120,45 @@ def _run(argv: Sequence[str], stdin: str | None = None) -> subprocess.CompletedP
                           timeout=NFT_TIMEOUT, check=False)
 
 
-def _rule_exists(tool: str, table: str, argv: list[str]) -> bool:
+def iptables_tools(tool: str) -> dict[str, str | None]:
+    """``{name: path}`` of the three binaries applying ``tool``'s (``iptables`` or
+    ``ip6tables``) rules needs, None for one not found. They are run by these paths:
+    found in /usr/sbin when PATH lacks it, as the check that they exist finds them."""
+    return {name: tool_path(name) for name in (tool, f"{tool}-save", f"{tool}-restore")}
+
+
+def missing_iptables_tools(tool: str) -> list[str]:
+    return [f"the {name} binary" for name, path in iptables_tools(tool).items()
+            if path is None]
+
+
+@dataclass(frozen=True)
+class _Tools:
+    """The paths of ``iptables``, ``iptables-save`` and ``iptables-restore`` (or ip6)."""
+
+    name: str
+    check: str
+    save: str
+    restore: str
+
+    @classmethod
+    def resolve(cls, tool: str) -> _Tools:
+        paths = iptables_tools(tool)
+        missing = [name for name, path in paths.items() if path is None]
+        if missing:
+            raise NetworkUnavailable(
+                f"missing {', '.join(f'the {name} binary' for name in missing)}")
+        check, save, restore = paths.values()
+        assert check is not None and save is not None and restore is not None
+        return cls(tool, check, save, restore)
+
+
+def _rule_exists(tools: _Tools, table: str, argv: list[str]) -> bool:
     spec = ["-C", *argv[1:]]
     if argv[0] == "-I":  # -I CHAIN [pos] rule...: drop a numeric position
         spec = ["-C", argv[1], *(argv[3:] if len(argv) > 2 and argv[2].isdigit()
                                  else argv[2:])]
-    return _run([tool, "-w", "-t", table, *spec]).returncode == 0
+    return _run([tools.check, "-w", "-t", table, *spec]).returncode == 0
 
 
 def _policy(chain_line: str) -> str:
@@ -125,9 +167,9 @@ def _policy(chain_line: str) -> str:
     return parts[1] if len(parts) > 1 else "-"
 
 
-def _chain_policies(tool: str, table: str) -> dict[str, str]:
+def _chain_policies(tools: _Tools, table: str) -> dict[str, str]:
     """``{chain: policy}`` of ``table`` as it is now (``-`` for user chains)."""
-    saved = _run([f"{tool}-save", "-t", table])
+    saved = _run([tools.save, "-t", table])
     if saved.returncode != 0:
         return {}
     return {line.split()[0][1:]: _policy(line) for line in saved.stdout.splitlines()
@@ -143,27 +185,42 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
     already be in force, so the outcome is read back, never inferred from the exit code.
     """
     tool = rules.tool
+    tools = _Tools.resolve(tool)
     parsed = rules.parsed()
     out_lines: list[str] = []
-    for table, chains, rule_list in parsed:
-        existing = _chain_policies(tool, table)
+    placements: list[_Placement] = []
+    for n, (table, chains, rule_list) in enumerate(parsed):
+        existing = _chain_policies(tools, table)
         out_lines.append(f"*{table}")
         # With --noflush, a chain line for a user chain that exists flushes it, so those
         # are left out; for a built-in chain (its policy is not "-") it only sets the
         # policy, which is kept: ":INPUT DROP" is part of the rules.
         out_lines.extend(c for c in chains if c.split()[0][1:] not in existing
                          or (existing[c.split()[0][1:]] != "-" and _policy(c) != "-"))
-        out_lines.extend(iptables_join(argv) for argv in rule_list
-                         if not (argv[1] in existing and _rule_exists(tool, table, argv)))
+        present = [argv[1] in existing and _rule_exists(tools, table, argv)
+                   for argv in rule_list]
+        # a table given twice: the second part's positions would be counted before the
+        # first part's rules go in, so its missing rules are appended
+        placed = (_Placement(tools, table) if any(t == table for t, _, _ in parsed[:n])
+                  else _Placement.plan(tools, table, rule_list, present))
+        placements.append(placed)
+        for i, argv in enumerate(rule_list):
+            if present[i]:
+                continue
+            at = placed.insert_at.get(i)
+            out_lines.append(iptables_join(argv if at is None else
+                                           ["-I", argv[1], str(at), *argv[2:]]))
         out_lines.append("COMMIT")
-    proc = _run([f"{tool}-restore", "--noflush", "-w"], "\n".join(out_lines) + "\n")
+    proc = _run([tools.restore, "--noflush", "-w"], "\n".join(out_lines) + "\n")
     err = " ".join(proc.stderr.split()) if proc.returncode != 0 else None
     if err is not None and ("Permission denied" in err or "not permitted" in err):
         raise NetworkUnavailable(f"{tool}-restore: {err} (needs CAP_NET_ADMIN)")
     in_force: dict[str, tuple[int, int]] = {}
     missing: list[str] = []
-    for table, chains, rule_list in parsed:
-        now = _chain_policies(tool, table)
+    for (table, chains, rule_list), placed in zip(parsed, placements, strict=True):
+        now = _chain_policies(tools, table)
+        missing.extend(f"-t {table} {chain}: the declared rules are not in their declared "
+                       "order" for chain in placed.out_of_order())
         for line in chains:
             chain, policy = line.split()[0][1:], _policy(line)
             if policy != "-" and now.get(chain, policy) != policy:
@@ -171,7 +228,7 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
                                f"{now[chain]})")
         have = 0
         for argv in rule_list:
-            if _rule_exists(tool, table, argv):
+            if _rule_exists(tools, table, argv):
                 have += 1
             else:
                 missing.append(f"-t {table} {iptables_join(argv)}")
@@ -186,3 +243,108 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
     if err is not None:
         problem += f"; {tool}-restore --noflush: {err}"
     return in_force, problem
+
+
+@dataclass
+class _Placement:
+    """Where the missing ``-A`` rules of a table go so that the declared rules of each
+    chain stay in their declared order: appended, a rule declared before one that is
+    there would come after it (``ACCEPT`` re-appended behind a ``DROP``). Each goes in
+    (``-I CHAIN N``) just before the first declared rule after it that is there; rules
+    that are there are not moved, nor anything else in the chain.
+
+    Positions come from comparing rules as ``iptables-save`` prints them: the declared
+    rules are added to a scratch chain of the table (no rule jumps to it, so no packet
+    meets them) and read back in that canonical form. Only done for a chain where a
+    rule is missing before one that is there."""
+
+    tools: _Tools
+    table: str
+    insert_at: dict[int, int] = field(default_factory=dict)
+    """index in the declared rules -> position (1-based) to insert that rule at"""
+    chains: dict[str, list[str]] = field(default_factory=dict)
+    """chain -> its declared rules in canonical form, for the order check afterwards"""
+
+    @classmethod
+    def plan(cls, tools: _Tools, table: str, rule_list: list[list[str]],
+             present: list[bool]) -> _Placement:
+        placed = cls(tools, table)
+        by_chain: dict[str, list[int]] = {}
+        for i, argv in enumerate(rule_list):
+            by_chain.setdefault(argv[1], []).append(i)
+        todo = {chain: idx for chain, idx in by_chain.items()
+                # a declared -I has a place of its own: its chain is left as before
+                if all(rule_list[i][0] == "-A" for i in idx)
+                and any(not present[i] and any(present[j] for j in idx if j > i)
+                        for i in idx)}
+        if not todo:
+            return placed
+        canon = _canonical(tools, table, [rule_list[i] for idx in todo.values() for i in idx])
+        if canon is None:
+            return placed
+        by_index = dict(zip([i for idx in todo.values() for i in idx], canon, strict=True))
+        current = _chain_rules(tools, table)
+        for chain, idx in todo.items():
+            lines: list[str | None] = list(current.get(chain, []))
+            pos = 0  # just past the last declared rule placed so far
+            for k, i in enumerate(idx):
+                if present[i]:
+                    if by_index[i] in lines[pos:]:
+                        pos = lines.index(by_index[i], pos) + 1
+                    continue
+                nxt = next((j for j in idx[k + 1:] if present[j]), None)
+                if nxt is None or by_index[nxt] not in lines[pos:]:
+                    lines.append(None)  # appended, as before
+                    continue
+                at = lines.index(by_index[nxt], pos)
+                lines.insert(at, None)
+                placed.insert_at[i] = at + 1
+                pos = at + 1
+            placed.chains[chain] = [by_index[i] for i in idx]
+        return placed
+
+    def out_of_order(self) -> list[str]:
+        """The chains planned here whose declared rules are not, read back now, in
+        their declared order."""
+        if not self.chains:
+            return []
+        current = _chain_rules(self.tools, self.table)
+        wrong = []
+        for chain, declared in self.chains.items():
+            there = current.get(chain, [])
+            lines = iter(there)
+            # a rule that is missing is reported as such, not as out of order
+            if not all(any(line == rule for line in lines)
+                       for rule in declared if rule in there):
+                wrong.append(chain)
+        return wrong
+
+
+def _chain_rules(tools: _Tools, table: str) -> dict[str, list[str]]:
+    """``{chain: [rule, …]}`` of ``table`` now, each rule as ``iptables-save`` prints it
+    without its ``-A CHAIN``."""
+    saved = _run([tools.save, "-t", table])
+    out: dict[str, list[str]] = {}
+    for line in saved.stdout.splitlines() if saved.returncode == 0 else ():
+        if line.startswith("-A "):
+            parts = line.split(None, 2)
+            out.setdefault(parts[1], []).append(parts[2] if len(parts) > 2 else "")
+    return out
+
+
+def _canonical(tools: _Tools, table: str, rule_list: list[list[str]]) -> list[str] | None:
+    """``rule_list`` as ``iptables-save`` prints those rules (without ``-A CHAIN``), by
+    way of a scratch chain of ``table`` made and removed here; None where that fails."""
+    # not the pid: processes of containers sharing a network namespace may share it
+    scratch = f"RHORDER-{secrets.token_hex(4)}"
+    text = "".join([f"*{table}\n:{scratch} - [0:0]\n",
+                    *(iptables_join(["-A", scratch, *argv[2:]]) + "\n" for argv in rule_list),
+                    "COMMIT\n"])
+    try:
+        if _run([tools.restore, "--noflush", "-w"], text).returncode != 0:
+            return None
+        got = _chain_rules(tools, table).get(scratch, [])
+    finally:
+        _run([tools.check, "-w", "-t", table, "-F", scratch])
+        _run([tools.check, "-w", "-t", table, "-X", scratch])
+    return got if len(got) == len(rule_list) else None

@@ -5,8 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
-import shutil
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -19,7 +17,7 @@ from .._hooks import Phase
 
 if TYPE_CHECKING:
     from ..extensions import Engine
-from ._iptables import IptablesRules, _apply_iptables
+from ._iptables import IptablesRules, _apply_iptables, missing_iptables_tools
 from ._model import (
     _T,
     PYROUTE2_MISSING,
@@ -29,6 +27,7 @@ from ._model import (
     _describe,
     _pyroute2_available,
     _rtnetlink_available,
+    cap_net_admin_missing,
     has_cap_net_admin,
     nft_binary,
     nft_missing,
@@ -40,32 +39,40 @@ log = logging.getLogger("rehydrate")
 
 
 
+_KINDS = ("routes", "nftables", "iptables", "ip6tables")
+
+
+def _missing_for(kind: str, cap: bool) -> list[str]:
+    """What stops re-applying one kind of state here, CAP_NET_ADMIN aside."""
+    if kind == "routes":
+        return ([PYROUTE2_MISSING] if not _pyroute2_available() else
+                [] if _rtnetlink_available() else
+                ["rtnetlink (NETLINK_ROUTE sockets are not supported here)"])
+    if kind != "nftables":
+        return missing_iptables_tools(kind)
+    if nft_binary() is None:
+        return [nft_missing()]
+    if cap:  # without it, nft fails whatever else is there
+        try:
+            _nft(["list", "tables"])
+        except NetworkUnavailable as exc:
+            return [f"nftables support ({exc})"]
+        except Exception as exc:
+            return [f"a working nft ({_describe(exc)})"]
+    return []
+
+
 def missing_prerequisites(*, routes: bool = True, nft: bool = True,
-                          iptables: bool = False) -> list[str]:
-    """What stops re-applying the given kinds of state here (empty: nothing)."""
-    missing: list[str] = []
+                          iptables: bool = False, ip6tables: bool = False) -> list[str]:
+    """What stops re-applying the given kinds of state here (empty: nothing): routes,
+    nftables rulesets, iptables or ip6tables rules (``iptables``, ``iptables-save``
+    and ``iptables-restore``, on PATH or in /usr/sbin or /sbin)."""
+    kinds = [k for k, wanted in zip(_KINDS, (routes, nft, iptables, ip6tables),
+                                    strict=True) if wanted]
     cap = has_cap_net_admin()
-    if (routes or nft or iptables) and not cap:
-        missing.append(f"CAP_NET_ADMIN (uid {os.geteuid()} runs without it)")
-    if routes and not _pyroute2_available():
-        missing.append(PYROUTE2_MISSING)
-    elif routes and not _rtnetlink_available():
-        missing.append("rtnetlink (NETLINK_ROUTE sockets are not supported here)")
-    if nft:
-        binary = nft_binary()
-        if binary is None:
-            missing.append(nft_missing())
-        elif cap:
-            try:
-                _nft(["list", "tables"])
-            except NetworkUnavailable as exc:
-                missing.append(f"nftables support ({exc})")
-            except Exception as exc:
-                missing.append(f"a working nft ({_describe(exc)})")
-    if iptables:
-        for b in ("iptables-restore", "iptables"):
-            if shutil.which(b) is None and not os.access(f"/usr/sbin/{b}", os.X_OK):
-                missing.append(f"the {b} binary")
+    missing = [cap_net_admin_missing()] if kinds and not cap else []
+    for kind in kinds:
+        missing.extend(_missing_for(kind, cap))
     return missing
 
 
@@ -89,6 +96,8 @@ class ApplyResult:
     routes: int = 0
     routes_skipped: int = 0
     tables: int = 0
+    tables_skipped: int = 0
+    """Captured tables not re-applied: a table of that name existed after the restore."""
     iptables_rules: int = 0
     """Declared iptables rules in force after applying (read back with ``-C``)."""
     duration: float = 0.0
@@ -105,7 +114,8 @@ class ApplyResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"routes": self.routes, "routes_skipped": self.routes_skipped,
-                "tables": self.tables, "iptables_rules": self.iptables_rules,
+                "tables": self.tables, "tables_skipped": self.tables_skipped,
+                "iptables_rules": self.iptables_rules,
                 "in_force": list(self.in_force),
                 "duration": round(self.duration, 6),
                 "errors": [{"what": w, "required": r, "error": e} for w, r, e in self.errors]}
@@ -326,7 +336,12 @@ class RoutesManager:
             raise NetworkError(_summary(result))
 
     def apply(self, *, log_errors: bool = True) -> ApplyResult:
-        """Re-apply declarations and the capture now; read back and compare."""
+        """Re-apply declarations and the capture now; read back and compare.
+
+        Each kind — routes, nftables rulesets, iptables rules, ip6tables rules — is
+        applied when its own prerequisites are there: one that is missing fails (or,
+        when every item of the kind is optional, warns about) that kind alone, in one
+        line, and the others are applied."""
         with self._lock:
             declared = list(self.routes)
             rulesets = list(self.rulesets)
@@ -337,22 +352,25 @@ class RoutesManager:
         declared_labels = set().union(*(_labels(t) for t in rulesets))
         tables: list[NftTable | NftCommands] = [
             t for t in captured_tables if t.label not in declared_labels]
+        # declarations of a table take the place of its capture: these labels are unique
+        captured_labels = {t.label for t in tables if isinstance(t, NftTable)}
         tables.extend(rulesets)
         result = ApplyResult()
         t0 = time.perf_counter()
-        if not (declared or captured_routes or tables or ipt):
+        kinds: dict[str, Sequence[Route | NftTable | NftCommands | IptablesRules]] = {
+            "routes": [*declared, *captured_routes], "nftables": tables,
+            "iptables": [r for r in ipt if not r.ipv6],
+            "ip6tables": [r for r in ipt if r.ipv6]}
+        kinds = {k: items for k, items in kinds.items() if items}
+        if not kinds:
             return result
-        missing = missing_prerequisites(routes=bool(declared or captured_routes),
-                                        nft=bool(tables), iptables=bool(ipt))
-        if missing:
-            items = _count(declared, captured_routes, tables, ipt)
-            required = any(x.required for x in [*declared, *captured_routes, *tables, *ipt])
-            msg = f"cannot re-apply {items}: missing {', '.join(missing)}"
-            if log_errors:
-                log.error("network: %s", msg)
-            result.errors.append(("network", required, msg))
-            self.last = result
-            return result
+        for kind in self._blocked(kinds, result):
+            del kinds[kind]
+        if "routes" not in kinds:
+            declared, captured_routes = [], []
+        if "nftables" not in kinds:
+            tables = []
+        ipt = [r for r in ipt if r.tool in kinds]
         routes_part, tables_part = ApplyResult(), ApplyResult()
         if declared or captured_routes:
             # routes (rtnetlink, on a thread of their own) and nftables tables (nft
@@ -360,18 +378,16 @@ class RoutesManager:
             with ThreadPoolExecutor(1, thread_name_prefix="rehydrate-routes") as pool:
                 routes_done = pool.submit(self._apply_routes, declared, captured_routes,
                                           routes_part)
-                for t in tables:
-                    self._apply_nft(t, tables_part)
+                self._apply_tables(tables, captured_labels, tables_part)
                 try:
                     routes_done.result()
                 except Exception as exc:
                     req = any(r.required for r in [*declared, *captured_routes])
                     routes_part.errors.append(("routes", req, _describe(exc)))
         else:
-            for t in tables:
-                self._apply_nft(t, tables_part)
+            self._apply_tables(tables, captured_labels, tables_part)
         result.routes, result.routes_skipped = routes_part.routes, routes_part.routes_skipped
-        result.tables = tables_part.tables
+        result.tables, result.tables_skipped = tables_part.tables, tables_part.tables_skipped
         result.errors.extend(routes_part.errors + tables_part.errors)
         result.in_force.extend(tables_part.in_force)
         for rules in ipt:
@@ -389,9 +405,66 @@ class RoutesManager:
         for what, req, err in result.errors:
             if req and not log_errors:
                 continue
-            log.log(logging.ERROR if req else logging.WARNING, "network: %s: %s", what, err)
+            # a missing prerequisite ("network") says what it is about itself
+            log.log(logging.ERROR if req else logging.WARNING, "network: %s",
+                    err if what == "network" else f"{what}: {err}")
         self.last = result
         return result
+
+    @staticmethod
+    def _blocked(kinds: dict[str, Sequence[Route | NftTable | NftCommands | IptablesRules]],
+                 result: ApplyResult) -> list[str]:
+        """The kinds whose prerequisites are missing, each with one error in ``result``
+        (``network``), required when one of the kind's own items is. Without
+        CAP_NET_ADMIN no kind can be applied: one error for all (one for the required
+        kinds, one for the optional ones)."""
+        cap = has_cap_net_admin()
+        missing = {k: _missing_for(k, cap) for k in kinds}
+        required = {k: any(x.required for x in items) for k, items in kinds.items()}
+        if cap:
+            groups = [[k] for k in kinds if missing[k]]
+        else:
+            groups = [g for g in ([k for k in kinds if required[k]],
+                                  [k for k in kinds if not required[k]]) if g]
+        for group in groups:
+            what = dict.fromkeys([] if cap else [cap_net_admin_missing()])
+            for k in group:
+                what.update(dict.fromkeys(missing[k]))
+            counts = " and ".join(_count(k, len(kinds[k])) for k in group)
+            result.errors.append(("network", any(required[k] for k in group),
+                                  f"cannot re-apply {counts}: missing {', '.join(what)}"))
+        return [k for g in groups for k in g]
+
+    def _apply_tables(self, tables: list[NftTable | NftCommands], captured: set[str],
+                      result: ApplyResult) -> None:
+        """Apply the nftables items; ``captured`` holds the labels of the captured tables.
+
+        A captured table is re-created only where no table of its name exists: one that
+        exists after the restore or resume (the original process's, kept by a resume;
+        one the platform or another owner made since) belongs to whoever has it now,
+        with its counters and the elements its rules added, and stays as found. A
+        declared table (listed objects) is the declaration's: replaced where it differs
+        from it, left untouched where it already matches (counters and dynamic set
+        elements kept). Command rulesets are applied again every time."""
+        existing: dict[str, NftTable] | None = None
+        if any(isinstance(t, NftTable) for t in tables):
+            try:
+                existing = {t.label: t for t in read_tables()}
+            except Exception as exc:  # then applying finds out
+                log.debug("network: nftables tables not read before applying: %s",
+                          _describe(exc))
+        for t in tables:
+            if isinstance(t, NftTable) and existing is not None and t.label in existing:
+                have = existing[t.label]
+                if t.label in captured:
+                    _table_left_alone(t, have, result)
+                    continue
+                if have.canonical() == t.canonical():
+                    result.tables += 1
+                    result.in_force.append(f"nftables {t.label}")
+                    continue
+            self._apply_nft(t, result, create_only=isinstance(t, NftTable)
+                            and t.label in captured)
 
     def _apply_routes(self, declared: list[Route], captured: list[Route],
                       result: ApplyResult) -> None:
@@ -458,17 +531,22 @@ class RoutesManager:
         finally:
             backend.close()
 
-    def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult) -> None:
+    def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult, *,
+                   create_only: bool = False) -> None:
         if isinstance(t, NftTable):
             what = f"nftables table {t.label}"
-            cmds = t.commands()
+            cmds = t.commands(create_only=create_only)
         else:
-            what = "nftables ruleset"
+            what = f"nftables ruleset ({', '.join(t.touched()) or 'no table named'})"
             cmds = t.batch()
         labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
         try:
             _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
         except Exception as exc:
+            if create_only and isinstance(t, NftTable) and "File exists" in str(exc):
+                # made between the read and the transaction: the kernel refused ours
+                _table_left_alone(t, None, result)
+                return
             result.errors.append((what, t.required, _describe(exc)))
             self._nft_in_force(labels, result, "not applied: what was there before stays")
             return
@@ -519,27 +597,41 @@ def _left_alone(captured: Route, have: Route | None) -> None:
                  "daemon re-created it); leaving it", captured, have)
 
 
+def _table_left_alone(captured: NftTable, have: NftTable | None,
+                      result: ApplyResult) -> None:
+    """Say (INFO) that a captured table is not re-applied because a table of its name
+    exists after the restore or resume, and count it: as for routes, the one there
+    now belongs to whoever has it (the process itself after a resume, with the rules
+    another owner added since, its counters and its sets' elements), and replacing it
+    with the capture would roll all of that back."""
+    result.tables_skipped += 1
+    result.in_force.append(f"nftables {captured.label} (existing: left as found)")
+    if have is not None and have.canonical() == captured.canonical():
+        log.info("nftables table %s exists after the restore, as captured; leaving it",
+                 captured.label)
+    else:
+        log.info("nftables table %s exists after the restore and differs from its "
+                 "capture (changed since, by whoever owns it); leaving it", captured.label)
+
+
 def _labels(t: NftTable | NftCommands) -> set[str]:
     """The labels (``inet app``) of the tables a declaration replaces."""
     return {t.label} if isinstance(t, NftTable) else t.labels
 
 
-def _count(declared: list[Route], captured: list[Route],
-           tables: Sequence[NftTable | NftCommands], ipt: list[IptablesRules]) -> str:
-    parts = []
-    if declared or captured:
-        parts.append(f"{len(declared) + len(captured)} route(s)")
-    if tables:
-        parts.append(f"{len(tables)} nftables ruleset(s)")
-    if ipt:
-        parts.append(f"{len(ipt)} iptables ruleset(s)")
-    return " and ".join(parts)
+_KIND_NAMES = {"routes": "route(s)", "nftables": "nftables ruleset(s)",
+               "iptables": "iptables ruleset(s)", "ip6tables": "ip6tables ruleset(s)"}
+
+
+def _count(kind: str, n: int) -> str:
+    return f"{n} {_KIND_NAMES[kind]}"
 
 
 def _summary(result: ApplyResult) -> str:
     req = [(w, e) for w, r, e in result.errors if r]
     if len(req) == 1 and req[0][0] == "network":
         return req[0][1]
-    head = "; ".join(f"{w}: {e}" for w, e in req[:5])
+    # a missing prerequisite's message says what it is about ("cannot re-apply …")
+    head = "; ".join(e if w == "network" else f"{w}: {e}" for w, e in req[:5])
     more = f" (and {len(req) - 5} more)" if len(req) > 5 else ""
     return f"{len(req)} required network item(s) not re-applied: {head}{more}"

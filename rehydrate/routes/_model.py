@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -63,22 +64,63 @@ class NetworkUnavailable(NetworkError):
 
 
 def has_cap_net_admin() -> bool:
+    """CAP_NET_ADMIN in effect *over this network namespace*: the capability, held in
+    the user namespace that owns the network namespace (or one of its ancestors). Root
+    of a user namespace made without a network namespace of its own (``unshare -Ur``)
+    holds it in its set but not over the network namespace it joined."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+                    return (bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+                            and _netns_in_scope())
     except (OSError, ValueError):
         pass
     return os.geteuid() == 0
+
+
+_NS_GET_USERNS = 0xB701  # _IO(0xb7, 0x1)
+
+
+def _netns_in_scope() -> bool:
+    """False when the network namespace is owned by a user namespace outside this
+    process's own (the kernel then refuses ``NS_GET_USERNS`` with EPERM, and our
+    capabilities do not reach it); True otherwise, also where that cannot be told (an
+    older kernel, a sandbox without namespace files)."""
+    try:
+        fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        owner = fcntl.ioctl(fd, _NS_GET_USERNS)
+    except OSError as exc:
+        return exc.errno != errno.EPERM
+    finally:
+        os.close(fd)
+    os.close(owner)
+    return True
+
+
+def cap_net_admin_missing() -> str:
+    """What :func:`has_cap_net_admin` found missing, in the words of an error message."""
+    if not _netns_in_scope():
+        return (f"CAP_NET_ADMIN over this network namespace (uid {os.geteuid()} runs in "
+                "a user namespace that does not own it)")
+    return f"CAP_NET_ADMIN (uid {os.geteuid()} runs without it)"
+
+
+def tool_path(name: str) -> str | None:
+    """The executable ``name`` on PATH, else in /usr/sbin or /sbin (which a user's or a
+    service's PATH often leaves out): the path to run it by."""
+    return shutil.which(name) or next(
+        (p for p in (f"/usr/sbin/{name}", f"/sbin/{name}") if os.access(p, os.X_OK)), None)
 
 
 def nft_binary() -> str | None:
     configured = _config.text("REHYDRATE_NFT")
     if configured is not None:
         return configured if os.access(configured, os.X_OK) else None
-    return shutil.which("nft") or next(
-        (p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+    return tool_path("nft")
 
 
 def nft_missing() -> str:

@@ -115,16 +115,19 @@ class NftTable:
     def label(self) -> str:
         return f"{self.family} {self.name}"
 
-    def commands(self) -> list[dict[str, Any]]:
-        """Replace the table atomically: ensure it exists, delete it, add it back."""
+    def commands(self, *, create_only: bool = False) -> list[dict[str, Any]]:
+        """Replace the table atomically: ensure it exists, delete it, add it back. With
+        ``create_only`` (a captured table), create it instead: the transaction fails
+        with EEXIST, changing nothing, where a table of that name exists."""
         ident = {"family": self.family, "name": self.name}
-        cmds: list[dict[str, Any]] = [{"add": {"table": dict(ident)}},
-                                      {"delete": {"table": dict(ident)}}]
+        cmds: list[dict[str, Any]] = [] if create_only else [
+            {"add": {"table": dict(ident)}}, {"delete": {"table": dict(ident)}}]
         # in dependency order, not the order ``nft -j list`` prints (maps and sets before
         # chains): a verdict map's ``jump c`` needs chain c, a rule needs its sets
         for obj in sorted(self.objects, key=_add_rank):
             ((kind, body),) = obj.items()
-            cmds.append({"add": {kind: _strip(body)}})
+            verb = "create" if create_only and kind == "table" else "add"
+            cmds.append({verb: {kind: _strip(body)}})
         return cmds
 
     def canonical(self) -> list[tuple[str, Any]]:
@@ -218,6 +221,23 @@ class NftCommands:
                     t = body["table"]
                     label = (str(t["family"]), str(t["name"]))
                     if label not in out:
+                        out.append(label)
+        return out
+
+    def touched(self) -> list[str]:
+        """The labels of every table the commands name (made, flushed, added to …), to
+        name the ruleset in messages."""
+        out: list[str] = []
+        for cmd in self.commands:
+            for body in cmd.values():
+                if not isinstance(body, Mapping):
+                    continue
+                for kind, obj in body.items():
+                    if not isinstance(obj, Mapping):
+                        continue
+                    name = obj.get("name") if kind == "table" else obj.get("table")
+                    label = f"{obj.get('family', '?')} {name}"
+                    if name is not None and label not in out:
                         out.append(label)
         return out
 

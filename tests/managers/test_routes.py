@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 
@@ -67,19 +68,39 @@ def netns_pair():
         subprocess.run(["ip", "netns", "del", b], capture_output=True, check=False)
 
 
+# Run "$@" with some binaries of /usr/sbin hidden ($HIDE, a shell pattern), in a mount
+# namespace of its own: a tmpfs over /usr/sbin with links to everything else (/sbin is
+# /usr/sbin on the systems the tests run on).
+HIDE_SBIN = r'''set -e
+real=$1; shift
+mount --bind /usr/sbin "$real"
+mount -t tmpfs tmpfs /usr/sbin
+for f in "$real"/*; do n=${f##*/}; case "$n" in $HIDE) ;; *) ln -s "$f" "/usr/sbin/$n";; esac; done
+exec "$@"
+'''
+
+
 def run_in_ns(ns: str, code: str, env: dict[str, str] | None = None,
-              drop_net_admin: bool = False) -> dict:
-    """Run a Python snippet inside namespace ``ns``; it prints one JSON object last."""
+              drop_net_admin: bool = False, hide: str | None = None,
+              prefix: tuple[str, ...] = ()) -> dict:
+    """Run a Python snippet inside namespace ``ns``; it prints one JSON object last.
+    ``hide``: a shell pattern of /usr/sbin binaries the snippet does not find;
+    ``prefix``: a command the snippet runs under (``unshare -Ur``)."""
 
     def drop() -> None:  # a root process without CAP_NET_ADMIN (bounding set dropped)
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(24, 12, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_NET_ADMIN
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
-    proc = subprocess.run(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
-        env={**os.environ, **(env or {})}, preexec_fn=drop if drop_net_admin else None)
+    argv = [*prefix, sys.executable, "-c", textwrap.dedent(code)]
+    with tempfile.TemporaryDirectory() as real:
+        if hide is not None:
+            env = {**(env or {}), "HIDE": hide}
+            argv = ["unshare", "-m", "sh", "-c", HIDE_SBIN, "sh", real, *argv]
+        proc = subprocess.run(
+            ["ip", "netns", "exec", ns, *argv],
+            capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+            env={**os.environ, **(env or {})}, preexec_fn=drop if drop_net_admin else None)
     if proc.returncode != 0:
         raise AssertionError(f"snippet failed ({proc.returncode}):\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -596,7 +617,7 @@ def test_half_applied_rules_are_reported_exactly(netns_pair):
     assert first["in_force"] == ["nftables inet rhgood", "iptables filter: 1/1 rule(s)",
                                  "iptables nat: 0/1 rule(s)"]
     errors = {e["what"]: e["error"] for e in first["errors"]}
-    assert set(errors) == {"nftables ruleset", "iptables rules"}
+    assert set(errors) == {"nftables ruleset (inet rhbad)", "iptables rules"}
     assert errors["iptables rules"].startswith("rules in force: filter 1/1, nat 0/1; "
                                                "1 missing, e.g. -t nat -A POSTROUTING")
     assert "NOSUCHCHAIN" in errors["iptables rules"]
@@ -678,6 +699,12 @@ def test_iptables_built_in_chain_policies_are_applied_and_checked(netns_pair):
     ({"dst": "10.9.0.0/16", "realm": -1}, "realm must be a realm 0-65535"),
     ({"dst": "10.9.0.0/16", "realm": 2**32}, "or a whole number 0-4294967295 (RTA_FLOW)"),
     ({"dst": "fd00:9::/64", "realm": 5}, "route 'fd00:9::/64': realm is for IPv4 routes only"),
+    # accepted, then ENODEV / "Egress device not specified" at every restore
+    ({"dst": "10.1.0.0/16"}, "route '10.1.0.0/16': a route needs a gateway or a dev (the "
+                             "kernel refuses one with neither: No such device)"),
+    ({"dst": "10.1.0.0/16", "type": "local"}, "a local route needs a dev"),
+    ({"dst": "fd00:30::/64", "gateway": "fe80::1"},
+     "the link-local gateway fe80::1 needs a dev (the kernel refuses it without one"),
 ])
 def test_a_route_the_kernel_would_refuse_is_refused_when_declared(rehydrate_engine, kwargs,
                                                                  message):
@@ -738,7 +765,7 @@ def test_a_declared_route_takes_protocol_tos_source_prefix_and_realm(rehydrate_e
     r = routes.route("10.9.0.0/16", "10.0.0.1", proto="Bird", tos=0x10, realm="3/5",
                      engine=rehydrate_engine)
     assert (r.proto, r.tos, r.realm) == (12, 0x10, 0x30005)
-    assert routes.route("10.9.0.0/16", realm="7", proto=250,
+    assert routes.route("10.9.0.0/16", dev="lo", realm="7", proto=250,
                         engine=rehydrate_engine).to_dict()["realm"] == 7
     # a source prefix makes the route IPv6, in the kernel's spelling
     v6 = routes.route("default", dev="lo", from_prefix="FD00:1:0::/64",
@@ -1447,3 +1474,307 @@ def test_route_messages_and_answers_gvisor_understands():
     assert (kind, seq, err.errno) == (2, 0x10000000, errno.EOPNOTSUPP)
     ack = answer[:16] + bytes(4) + answer[20:]
     assert _netlink._raw_answers(ack) == [(2, 0x10000000, None)]
+
+
+PER_KIND = r'''
+import json, logging, sys
+CASE = "case"
+if CASE == "no-pyroute2":
+    sys.modules["pyroute2"] = None  # as if the routes extra were not installed
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+said = []
+logging.getLogger("rehydrate").addHandler(type("H", (logging.Handler,), {
+    "emit": lambda self, r: said.append([r.levelname, r.getMessage()])})())
+engine = isolated_engine()
+routes.route("10.200.9.0/24", dev="lo", engine=engine)
+routes.nftables({"nftables": [{"add": {"table": {"family": "inet", "name": "rhkind"}}}]},
+                required=CASE != "no-nft", engine=engine)
+routes.iptables("*filter\n-A OUTPUT -p tcp --dport 7101 -j ACCEPT\nCOMMIT\n", engine=engine)
+routes.iptables("*filter\n-A OUTPUT -p tcp --dport 7102 -j ACCEPT\nCOMMIT\n", ipv6=True,
+                engine=engine)
+said.clear()
+report = engine.simulate_restore()
+hook = next(h for h in report.hooks if h.name == "rehydrate.routes")
+try:
+    missing = routes.missing_prerequisites(routes=False, nft=False, iptables=True,
+                                           ip6tables=True)
+except TypeError as exc:  # no ip6tables=
+    missing = str(exc)
+print(json.dumps({
+    "ok": report.ok, "state": engine.status().state,
+    "error": str(hook.error) if hook.error else None,
+    "routes": None if CASE == "no-pyroute2" else [
+        str(r) for r in routes.read_routes(user_only=True)],
+    "in_force": routes.manager(engine).last.in_force,
+    "said": [s for s in said if "cannot re-apply" in s[1]],
+    "missing": missing,
+    "missing_v4": routes.missing_prerequisites(routes=False, nft=False, iptables=True),
+}))
+'''
+
+IPT_V4 = "iptables filter: 1/1 rule(s)"
+IPT_V6 = "ip6tables filter: 1/1 rule(s)"
+ROUTE_LO = "10.200.9.0/24 dev lo table 254 proto static"
+
+
+def _per_kind(ns: str, case: str, **kwargs) -> dict:
+    return run_in_ns(ns, PER_KIND.replace('"case"', repr(case)), **kwargs)
+
+
+def test_a_missing_optional_kind_warns_once_and_the_others_are_applied(netns_pair):
+    """Without nft an optional nftables ruleset made the required route fail too
+    (everything was skipped, and the error was required because the route was)."""
+    out = _per_kind(netns_pair["a"], "no-nft", env={"REHYDRATE_NFT": "/nonexistent/nft"})
+    assert (out["ok"], out["state"], out["error"]) == (True, "ready", None)
+    assert out["routes"] == [ROUTE_LO]
+    assert out["in_force"] == [IPT_V4, IPT_V6]
+    assert out["said"] == [["WARNING", "network: cannot re-apply 1 nftables ruleset(s): "
+                            "missing the nft binary REHYDRATE_NFT names (/nonexistent/nft: "
+                            "not an executable file)"]]
+
+
+def test_without_pyroute2_the_rulesets_are_still_applied(netns_pair):
+    out = _per_kind(netns_pair["a"], "no-pyroute2")
+    assert out["ok"] is False and out["state"] == "degraded"
+    assert out["error"] == ("cannot re-apply 1 route(s): missing pyroute2 "
+                            "(pip install 'rehydrate[routes]')")
+    assert out["in_force"] == ["nftables inet rhkind", IPT_V4, IPT_V6]
+    assert len(out["said"]) == 1  # the engine's report of the failed hook
+
+
+def test_a_missing_iptables_fails_that_kind_alone_in_one_line(netns_pair):
+    out = _per_kind(netns_pair["a"], "no-iptables", hide="ip*tables*")
+    assert out["ok"] is False
+    assert out["error"] == (
+        "2 required network item(s) not re-applied: cannot re-apply 1 iptables "
+        "ruleset(s): missing the iptables binary, the iptables-save binary, the "
+        "iptables-restore binary; cannot re-apply 1 ip6tables ruleset(s): missing the "
+        "ip6tables binary, the ip6tables-save binary, the ip6tables-restore binary")
+    assert out["routes"] == [ROUTE_LO]
+    assert out["in_force"] == ["nftables inet rhkind"]
+
+
+def test_ip6tables_rules_need_the_ip6tables_binaries(netns_pair):
+    """The check looked for iptables only: with ip6tables missing it passed, then the
+    restore failed with FileNotFoundError."""
+    out = _per_kind(netns_pair["a"], "no-ip6tables", hide="ip6tables*")
+    ip6 = ["the ip6tables binary", "the ip6tables-save binary",
+           "the ip6tables-restore binary"]
+    assert out["missing"] == ip6 and out["missing_v4"] == []
+    assert out["error"] == f"cannot re-apply 1 ip6tables ruleset(s): missing {', '.join(ip6)}"
+    assert out["routes"] == [ROUTE_LO]
+    assert out["in_force"] == ["nftables inet rhkind", IPT_V4]
+
+
+def test_iptables_binaries_are_found_and_run_outside_path(netns_pair):
+    """With /usr/sbin not on PATH the check found iptables there, but the commands were
+    run by bare name: FileNotFoundError: 'iptables-save' at every restore."""
+    assert os.access("/usr/sbin/iptables-save", os.X_OK)  # where the fallback finds it
+    out = _per_kind(netns_pair["a"], "path", env={"PATH": "/usr/bin:/bin"})
+    assert out["missing"] == []
+    assert (out["ok"], out["error"]) == (True, None)
+    assert out["in_force"] == ["nftables inet rhkind", IPT_V4, IPT_V6]
+
+
+NFT_RESUME = r'''
+import json, socket, subprocess
+from rehydrate import routes
+from rehydrate.routes import _manager
+from rehydrate.testing import isolated_engine
+
+def nft(*args, stdin=None):
+    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
+
+def state(table):
+    """(rules, elements of set seen, packets of the first counter) of inet table"""
+    data = json.loads(nft("-j", "list", "table", "inet", table))["nftables"]
+    rules = [json.dumps(o["rule"]["expr"]) for o in data if "rule" in o]
+    elems = [e for o in data if "set" in o for e in o["set"].get("elem", [])]
+    packets = [x["counter"]["packets"] for o in data if "rule" in o
+               for x in o["rule"]["expr"] if "counter" in x]
+    return {"rules": len(rules), "foreign": sum("10.200.50.0" in r for r in rules),
+            "elems": elems, "packets": packets[0]}
+
+def traffic(port, n=3):  # what the original process does between snapshot and resume
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(n):
+            s.sendto(b"x", ("127.0.0.2", port))
+
+FOREIGN = "ip daddr 10.200.50.0/24 drop"
+nft("-f", "-", stdin="""table inet rhcap {
+    set seen { type ipv4_addr; flags dynamic; size 64; }
+    chain out {
+        type filter hook output priority 0; policy accept;
+        udp dport 7998 add @seen { ip daddr } counter
+    }
+}""")
+engine = isolated_engine()
+routes.capture(tables=["inet rhcap"], engine=engine)
+engine.simulate_snapshot()
+traffic(7998)
+nft("add", "rule", "inet", "rhcap", "out", *FOREIGN.split())  # another owner's rule
+out = {"before": state("rhcap")}
+report = engine.simulate_restore(kind="resume")
+out["resume"] = [report.ok, state("rhcap"), routes.manager(engine).last.to_dict()]
+
+# made between the read and the transaction: the kernel refuses the create-only batch
+real_read = _manager.read_tables
+_manager.read_tables = lambda: []
+report = engine.simulate_restore(kind="resume")
+_manager.read_tables = real_read
+out["raced"] = [report.ok, state("rhcap"), routes.manager(engine).last.to_dict()]
+
+nft("delete", "table", "inet", "rhcap")  # a restored copy: the table is gone
+report = engine.simulate_restore()
+out["restore"] = [report.ok, state("rhcap"), routes.manager(engine).last.to_dict()]
+
+# a declared table: the declaration's, kept as it is where it matches
+nft("-f", "-", stdin="""table inet rhdecl {
+    chain out {
+        type filter hook output priority 0; policy accept;
+        udp dport 7997 counter
+    }
+}""")
+listing = nft("-j", "list", "table", "inet", "rhdecl")
+nft("delete", "table", "inet", "rhdecl")
+declared = isolated_engine()
+routes.nftables(listing, engine=declared)
+declared.simulate_restore()
+traffic(7997)
+report = declared.simulate_restore(kind="resume")
+out["declared_same"] = [report.ok, state("rhdecl")]
+nft("add", "rule", "inet", "rhdecl", "out", *FOREIGN.split())
+report = declared.simulate_restore(kind="resume")
+out["declared_changed"] = [report.ok, state("rhdecl")]
+print(json.dumps(out))
+'''
+
+
+def test_a_captured_table_that_exists_after_a_resume_is_left_as_found(netns_pair):
+    """A resume rolled captured tables back to the capture (delete and re-add): another
+    owner's rule added since was removed, counters and dynamic set elements reset."""
+    out = run_in_ns(netns_pair["a"], NFT_RESUME)
+    before = out["before"]
+    assert before["packets"] == 3 and before["foreign"] == 1
+    assert before["elems"] == ["127.0.0.2"]
+    ok, after, last = out["resume"]
+    assert ok is True and after == before
+    assert (last["tables"], last["tables_skipped"]) == (0, 1)
+    assert last["in_force"] == ["nftables inet rhcap (existing: left as found)"]
+    # the kernel's create-only check, when the table appears after the read
+    ok, after, last = out["raced"]
+    assert ok is True and after == before
+    assert (last["tables"], last["tables_skipped"], last["errors"]) == (0, 1, [])
+    # a missing one is re-created as captured (before the other owner's rule)
+    ok, after, last = out["restore"]
+    assert ok is True and (last["tables"], last["tables_skipped"]) == (1, 0)
+    assert after == {"rules": 1, "foreign": 0, "elems": [], "packets": 0}
+    # a declared table that matches its declaration keeps its counters; one that
+    # differs is made to match it again
+    ok, after = out["declared_same"]
+    assert ok is True and (after["packets"], after["rules"]) == (3, 1)
+    ok, after = out["declared_changed"]
+    assert ok is True and (after["rules"], after["foreign"], after["packets"]) == (1, 0, 0)
+
+
+def test_a_route_without_gateway_or_dev_is_declared_where_no_device_is_needed(
+        rehydrate_engine):
+    assert str(routes.route("10.1.0.0/16", type="blackhole", engine=rehydrate_engine)) == \
+        "blackhole 10.1.0.0/16"
+    assert routes.route("fd00:30::/64", gateway="fe80::1", dev="lo",
+                        engine=rehydrate_engine).gateway == "fe80::1"
+    assert routes.route("fd00:31::/64", gateway="fd00::1",
+                        engine=rehydrate_engine).dev is None
+
+
+@pytest.mark.parametrize("rules", [b"*filter\nCOMMIT\n", ["*filter", "COMMIT"]])
+def test_iptables_rules_of_another_type_are_one_clear_type_error(rehydrate_engine, rules):
+    with pytest.raises(TypeError) as caught:
+        routes.iptables(rules, engine=rehydrate_engine)
+    assert str(caught.value).startswith("iptables rules are iptables-restore text (a str), "
+                                        f"not {type(rules).__name__}")
+    assert str(caught.value).endswith("(decode it: rules.decode())") == \
+        isinstance(rules, bytes)
+    assert routes.manager(rehydrate_engine).iptables == []
+
+
+USERNS = NO_CAP.replace("report = engine.simulate_restore()",
+                        "missing = routes.missing_prerequisites()\n"
+                        "report = engine.simulate_restore()").replace(
+    '"error": str(hook.error),', '"error": str(hook.error), "missing": missing,')
+
+
+def test_root_of_a_user_namespace_that_does_not_own_the_netns_lacks_cap_net_admin(
+        netns_pair):
+    """Root of a user namespace (``unshare -Ur``) holds CAP_NET_ADMIN in its set but
+    not over the network namespace it joined: that was reported as missing nftables
+    support (Operation not permitted), and the routes were tried one by one."""
+    out = run_in_ns(netns_pair["a"], USERNS, prefix=("unshare", "-Ur"))
+    said = ("CAP_NET_ADMIN over this network namespace (uid 0 runs in a user namespace "
+            "that does not own it)")
+    assert out["missing"] == [said]
+    assert out["ok"] is False and out["state"] == "degraded"
+    assert out["error"] == f"cannot re-apply 1 route(s) and 1 nftables ruleset(s): missing {said}"
+
+
+IPT_ORDER = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def ipt(*args):
+    return subprocess.run(["iptables", "-w", *args], capture_output=True, text=True,
+                          check=True).stdout
+
+def rules():
+    return [line for line in ipt("-S", "INPUT").splitlines() if line.startswith("-A")]
+
+engine = isolated_engine()
+routes.iptables("*filter\n-A INPUT -s 10.0.0.0/8 -j ACCEPT\n"
+                "-A INPUT -p tcp --dport 22 -j DROP\n-A INPUT -p tcp --dport 23 -j DROP\n"
+                "-A OUTPUT -p tcp --dport 24 -j DROP\nCOMMIT\n", engine=engine)
+engine.simulate_restore()
+first = rules()
+# the first two are lost; other owners' rules come before and after them
+ipt("-D", "INPUT", "-s", "10.0.0.0/8", "-j", "ACCEPT")
+ipt("-D", "INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP")
+ipt("-I", "INPUT", "1", "-s", "10.9.9.9/32", "-j", "ACCEPT")
+ipt("-A", "INPUT", "-s", "10.8.8.8/32", "-j", "ACCEPT")
+report = engine.simulate_restore(kind="resume")
+print(json.dumps({"first": first, "after": rules(), "ok": report.ok,
+                  "in_force": routes.manager(engine).last.in_force,
+                  "chains": ipt("-S").count("RHORDER")}))
+'''
+
+
+def test_a_missing_iptables_rule_goes_back_before_the_declared_rules_after_it(netns_pair):
+    """A missing rule was appended: ACCEPT re-applied behind the DROP declared after it
+    (and the read-back said every rule was in force)."""
+    out = run_in_ns(netns_pair["a"], IPT_ORDER)
+    declared = ["-A INPUT -s 10.0.0.0/8 -j ACCEPT",
+                "-A INPUT -p tcp -m tcp --dport 22 -j DROP",
+                "-A INPUT -p tcp -m tcp --dport 23 -j DROP"]
+    assert out["first"] == declared
+    assert out["ok"] is True and out["in_force"] == ["iptables filter: 4/4 rule(s)"]
+    # in their declared order, where they were among the other owners' rules
+    assert out["after"] == ["-A INPUT -s 10.9.9.9/32 -j ACCEPT", *declared,
+                            "-A INPUT -s 10.8.8.8/32 -j ACCEPT"]
+    assert out["chains"] == 0  # the scratch chain is gone
+
+
+def test_declared_iptables_rules_out_of_order_are_reported(monkeypatch):
+    """The read-back checks the order of the chains whose rules it placed."""
+    from rehydrate.routes import _iptables
+
+    placed = _iptables._Placement(_iptables._Tools("iptables", "c", "s", "r"), "filter",
+                                  chains={"INPUT": ["-s 10.0.0.0/8 -j ACCEPT",
+                                                    "-p tcp -j DROP", "-p udp -j DROP"]})
+    now = {"INPUT": ["-p tcp -j DROP", "-s 10.9.9.9/32 -j ACCEPT",
+                     "-s 10.0.0.0/8 -j ACCEPT"]}
+    monkeypatch.setattr(_iptables, "_chain_rules", lambda tools, table: now)
+    assert placed.out_of_order() == ["INPUT"]
+    now["INPUT"].reverse()  # in order; the udp rule, missing, is not an order problem
+    assert placed.out_of_order() == []
