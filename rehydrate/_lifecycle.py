@@ -1447,6 +1447,11 @@ class Lifecycle:
             self._state = "ready" if ok else "degraded"
             self._faults = None if ok else dict(collections.Counter(
                 r.name for r in results if r.required and r.outcome in ("failed", "timeout")))
+            # With readiness, under the run lock: stored only when published (after the
+            # lock), a duplicate notice confirmed in between found an older last report,
+            # and the late publish then dropped its confirmation from status() for good;
+            # wait_ready() returned with the previous report still the last one.
+            self._last_report = report
             self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()
@@ -1469,6 +1474,8 @@ class Lifecycle:
                                 kind="snapshot", duration=duration, hooks=tuple(results),
                                 started_at=started, error=error, notice_to_run=waited)
         this_pass.report = report
+        with self._cond:
+            self._last_report = report  # under the run lock, as a restore's (_run_restore)
         if not ok:
             self._set_state("degraded")
         if self._observers:
@@ -1507,9 +1514,7 @@ class Lifecycle:
         return results, time.perf_counter() - t0, started, waited
 
     def _publish(self, report: Report) -> None:
-        with self._cond:
-            self._last_report = report
-            self._cond.notify_all()
+        """Tell the listeners of a run's report (stored for status() by the run itself)."""
         for listener in list(self._listeners):
             try:
                 listener(report)

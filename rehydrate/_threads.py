@@ -108,14 +108,27 @@ class ThreadPool:
                 fut, fn, args = self._jobs.popleft()
                 self._idle -= 1
                 cv.release()
+                error: BaseException | None = None
+                result: Any = None
                 try:
-                    fut.set_result(fn(*args))
+                    result = fn(*args)
                 except BaseException as exc:  # the caller gets it, the thread lives on
-                    fut.set_exception(exc)
-                finally:
-                    del fut, fn, args  # drop references while idle
-                    cv.acquire()
+                    error = exc
+                # Idle again *before* the caller hears of its result: counted only after,
+                # a caller that made its next call at once (this thread descheduled in
+                # between) found no idle thread and started another one, which is what
+                # the pool is there to avoid on the restore path. Its job waits at most
+                # for this thread to finish publishing (the future's done-callbacks).
+                with cv:
                     self._idle += 1
+                try:
+                    if error is None:
+                        fut.set_result(result)
+                    else:
+                        fut.set_exception(error)
+                finally:
+                    del fut, fn, args, result, error  # drop references while idle
+                    cv.acquire()
         finally:
             cv.release()
 

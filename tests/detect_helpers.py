@@ -44,6 +44,24 @@ def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "cond
         time.sleep(0.005)
 
 
+def hold_dead_detector_threads(monkeypatch: Any) -> threading.Event:
+    """A detector thread that died stays alive (its ``failure()`` already reported) until
+    the returned event is set: the moment a ``start()`` made as soon as the failure shows
+    meets it still running. Set the event when done."""
+    from rehydrate.detect import _util
+
+    let_go = threading.Event()
+    real_run = _util.DetectorThread._run
+
+    def run_then_linger(thread: Any) -> None:
+        real_run(thread)
+        if thread.error is not None:
+            let_go.wait(30)
+
+    monkeypatch.setattr(_util.DetectorThread, "_run", run_then_linger)
+    return let_go
+
+
 class Recorder:
     """A restore (and snapshot) hook that records what it was told."""
 

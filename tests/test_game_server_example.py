@@ -213,6 +213,9 @@ clock = clocks[0]
 rehydrate.default_engine.snapshot_deadline = 0.05
 assert rehydrate.simulate_snapshot().ok
 assert rehydrate.wait_ready(30), "the snapshot deadline did not run the resume hooks"
+end = time.monotonic() + 30  # its report is published just after the run made it ready
+while rehydrate.status().last_report.reason != "snapshot-deadline" and time.monotonic() < end:
+    time.sleep(0.01)
 report = rehydrate.status().last_report
 ticks = clock.ticks
 fake.now += 0.1  # an ordinary frame: three ticks owed

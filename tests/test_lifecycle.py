@@ -1158,6 +1158,38 @@ def test_the_report_says_how_long_the_run_waited_after_the_notice(rehydrate_engi
     assert snap.notice_to_run is not None and 0 <= snap.notice_to_run < 5
 
 
+def test_a_confirmation_made_before_the_run_published_its_report_stays_in_status(
+        rehydrate_engine, monkeypatch):
+    """The run's report was stored for status() only when published, after the run lock:
+    a duplicate notice confirmed in between (a clock jump's run, then gVisor's notice)
+    found an older last report, and the late publish dropped the confirmation for good."""
+    engine = rehydrate_engine
+    held, release = threading.Event(), threading.Event()
+    real_publish = engine._publish
+
+    def publish_later(report):
+        if threading.current_thread().name == "first-notice":
+            held.set()
+            release.wait(DEADLINE)  # descheduled between the run and its publish
+        real_publish(report)
+
+    monkeypatch.setattr(engine, "_publish", publish_later)
+    first = threading.Thread(target=engine.restore_detected, args=("clock-jump",),
+                             kwargs={"since": time.monotonic() - 2.0}, name="first-notice")
+    first.start()
+    try:
+        assert held.wait(DEADLINE)
+        assert engine.wait_ready(0)
+        assert engine.status().last_report.reason == "clock-jump"  # with readiness
+        later = engine.restore_detected("gvisor", since=time.monotonic() - 2.0)
+        assert later.deduplicated and later.confirmed_by == ("gvisor",)
+    finally:
+        release.set()
+        first.join(DEADLINE)
+    last = engine.status().last_report
+    assert (last.reason, last.confirmed_by) == ("clock-jump", ("gvisor",)), last
+
+
 def test_a_restore_notice_queued_behind_a_run_keeps_the_process_not_ready(rehydrate_engine):
     """A notice arriving while another run is in progress waited for the run lock while
     that run ended in "ready": wait_ready() returned and requests were served with the
@@ -1173,9 +1205,12 @@ def test_a_restore_notice_queued_behind_a_run_keeps_the_process_not_ready(rehydr
             entered.set()
             gate.wait(10)
 
+    # The first run's listeners are called after its run lock is free: the second run may
+    # be over by then, and ready is right. Ready while the second has not run is the bug.
     seen_at_first_report: list[bool] = []
-    engine.add_listener(lambda r: seen_at_first_report.append(engine.is_ready())
-                        if getattr(r, "reason", None) == "first" else None)
+    engine.add_listener(lambda r: seen_at_first_report.append(
+        engine.is_ready() and "second" not in runs)
+        if getattr(r, "reason", None) == "first" else None)
     first = threading.Thread(target=engine.restore_detected, args=("first",))
     first.start()
     assert entered.wait(10)

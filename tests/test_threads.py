@@ -3,6 +3,7 @@ calls (a clone reuses threads instead of starting them right after the restore).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -22,6 +23,28 @@ def test_sequential_calls_reuse_one_thread() -> None:
     first = pool.submit(threading.get_ident).result(5)
     assert [pool.submit(threading.get_ident).result(5) for _ in range(20)] == [first] * 20
     assert len(named("rht-reuse")) == 1
+
+
+def test_a_next_call_made_at_once_finds_the_thread_that_just_answered_idle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker counted itself idle only after publishing the result: a caller that
+    made its next call at once, while the worker was descheduled between the two (a CI
+    race in the test above), found no idle thread and started another one."""
+    pool = ThreadPool("rht-publish")
+    next_call_made = threading.Event()
+    real_set_result = concurrent.futures.Future.set_result
+
+    def set_result_then_stall(fut: concurrent.futures.Future[object], result: object) -> None:
+        real_set_result(fut, result)
+        if threading.current_thread().name == "rht-publish":
+            next_call_made.wait(5)  # descheduled until the caller made its next call
+
+    monkeypatch.setattr(concurrent.futures.Future, "set_result", set_result_then_stall)
+    first = pool.submit(threading.get_ident).result(5)
+    second = pool.submit(threading.get_ident)
+    next_call_made.set()
+    assert second.result(5) == first
+    assert len(named("rht-publish")) == 1
 
 
 def test_reserved_threads_wait_idle_and_serve_the_next_calls() -> None:

@@ -122,7 +122,11 @@ class DetectorThread:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """Running its target. A thread that died is not, though it may still be finishing
+        (its ``error`` is set just before it ends): a ``start()`` made as soon as
+        ``failure()`` said so took it for running and did nothing, leaving the detector
+        dead."""
+        return self.error is None and self._thread.is_alive()
 
 
 def thread_failure(thread: DetectorThread | None) -> str | None:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rehydrate.adapters.gameloop import TickClock
+from tests.detect_helpers import wait_for
 
 
 class FakeClock:
@@ -234,6 +235,9 @@ def test_snapshot_deadline_resume_does_not_jump(rehydrate_engine):
     rehydrate_engine.snapshot_deadline = 0.05
     assert rehydrate_engine.simulate_snapshot().ok
     assert rehydrate_engine.wait_ready(timeout=30)
+    # the deadline's report is published just after its run made the process ready
+    wait_for(lambda: rehydrate_engine.status().last_report.reason == "snapshot-deadline",
+             30, what="the snapshot deadline's report")
     last = rehydrate_engine.status().last_report
     assert (last.reason, last.kind, last.frozen_for) == ("snapshot-deadline", "resume", 0.0)
     fake.now += 0.1

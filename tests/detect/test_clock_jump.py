@@ -617,7 +617,9 @@ def test_the_watch_goes_on_while_a_run_is_in_progress_and_a_freeze_then_gets_one
         assert not rehydrate_engine.is_ready()
     finally:
         release.set()
-    wait_for(lambda: len(runs) == 2 and rehydrate_engine.is_ready(),
+    # the detector keeps the report restore_detected() returns: a moment after readiness
+    wait_for(lambda: len(runs) == 2 and rehydrate_engine.is_ready()
+             and det.last_report is not None and det.last_report.generation == 2,
              what="one more run after the one in progress")
     assert runs == [("clock-jump", 1), ("clock-jump", 2)]
     report = det.last_report

@@ -486,6 +486,9 @@ def test_prepare_client_gone_before_reply_runs_resume_hooks(
     release.set()
     wait_for(lambda: ("restore-hook", "resume", 0, "control") in calls.items,
              what="the resume hooks")
+    # the run's report is published a moment after its hooks (and readiness)
+    wait_for(lambda: getattr(engine.status().last_report, "kind", None) == "resume",
+             what="the resume run's report")
     status = request("status", socket_path=sock_path)
     assert status["ok"]
     assert status["status"]["last_report"]["frozen_for"] == 0.0, "nothing froze"

@@ -1358,6 +1358,16 @@ def test_a_retried_trigger_that_fails_leaves_the_resume_to_the_due_answer(
         platform.close()
 
 
+def _deadline_reported(eng: Lifecycle) -> None:
+    """The last report is the snapshot deadline's run. It is published just after that
+    run made the process ready: wait_ready() can return before it is the last one."""
+    def reported() -> bool:
+        last = eng.status().last_report
+        return last is not None and last.reason == "snapshot-deadline"
+
+    wait_for(reported, DEADLINE, what=f"the deadline's report ({eng.status().last_report})")
+
+
 def _failing_pass(eng: Lifecycle) -> None:
     @eng.registry.before_snapshot(name="boom")
     def boom() -> None:
@@ -1365,7 +1375,7 @@ def _failing_pass(eng: Lifecycle) -> None:
 
 
 def test_a_failed_retry_after_the_snapshot_deadline_carries_on_at_once(
-        iso_engine: Lifecycle, pty_proc: Path) -> None:
+        iso_engine: Lifecycle, pty_proc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Trigger 1 timed out and the platform never answered: the snapshot deadline ran the
     resume hooks (ready). Trigger 2's before-snapshot hooks fail: its carry-on runs at
     once and the process is ready (before: the resume hooks were left to checkpoint 1's
@@ -1375,10 +1385,22 @@ def test_a_failed_retry_after_the_snapshot_deadline_carries_on_at_once(
     try:
         rec = Recorder(iso_engine)
         iso_engine.snapshot_deadline = 0.3
+        # The deadline counts from the end of the pass, the trigger's 0.3 s from before
+        # it: they end almost together, and a test thread descheduled after the timeout
+        # found the deadline's run begun. The deadline counts from the check instead.
+        checked = threading.Event()
+        real_deadline_main = iso_engine._deadline_main
+
+        def after_the_check(*args: object, **kwargs: object) -> None:
+            assert checked.wait(DEADLINE)
+            real_deadline_main(*args, **kwargs)
+
+        monkeypatch.setattr(iso_engine, "_deadline_main", after_the_check)
         start_waiter(iso_engine, pty_proc)
         _timed_out_trigger(iso_engine, platform)
+        checked.set()
         assert iso_engine.wait_ready(timeout=DEADLINE)  # the deadline's resume run
-        assert iso_engine.status().last_report.reason == "snapshot-deadline"
+        _deadline_reported(iso_engine)
         before = len(rec.calls)
         _failing_pass(iso_engine)
         assert trigger_snapshot(iso_engine, timeout=DEADLINE) == "error"
@@ -1410,7 +1432,7 @@ def test_a_failed_retry_left_to_a_due_answer_is_bounded_by_the_snapshot_deadline
         assert iso_engine.wait_ready(timeout=DEADLINE), iso_engine.state
         assert [c[:2] for c in rec.calls[before:]] == [SNAP, RESUMED]
         # left to the answer, then the deadline's run — not the trigger's carry-on
-        assert iso_engine.status().last_report.reason == "snapshot-deadline"
+        _deadline_reported(iso_engine)
     finally:
         iso_engine.stop()
         platform.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from detect_helpers import Recorder, wait_for
+from detect_helpers import Recorder, hold_dead_detector_threads, wait_for
 
 from rehydrate.detect.identity import SOURCES, IdentityDetector, read_identity
 
@@ -98,6 +98,7 @@ def test_started_again_after_its_thread_died_it_leaves_no_listener_behind(
 
     root = make_root(tmp_path, hostname="pod-a", boot_id="b1", machine_id="0" * 32)
     det = IdentityDetector(interval=0.02, root=root)
+    let_go = hold_dead_detector_threads(monkeypatch)  # start() meets it still finishing
     rehydrate_engine.start([det])
     assert deferrals() == 1
 
@@ -114,6 +115,7 @@ def test_started_again_after_its_thread_died_it_leaves_no_listener_behind(
         det.start(rehydrate_engine)
         assert det.failure() is None
         assert deferrals() == 1
+    let_go.set()
     rec = Recorder(rehydrate_engine)
     (root / SOURCES["boot_id"]).write_text("b2\n")
     assert [c["reason"] for c in rec.wait(1)] == ["identity"]

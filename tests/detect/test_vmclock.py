@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from detect_helpers import Recorder, wait_for
+from detect_helpers import Recorder, hold_dead_detector_threads, wait_for
 
 from rehydrate.detect.vmclock import VmClockDetector, read_vmclock
 
@@ -205,6 +205,7 @@ def test_started_again_after_its_thread_died_it_leaks_no_descriptor(rehydrate_en
 
     fake = FakeVmClock(tmp_path / "vmclock0")
     det = VmClockDetector(str(fake.path), interval=0.01)
+    let_go = hold_dead_detector_threads(monkeypatch)  # start() meets it still finishing
     rehydrate_engine.start([det])
     real = vmclock._read_fd
     started = threading.Event()
@@ -226,4 +227,5 @@ def test_started_again_after_its_thread_died_it_leaks_no_descriptor(rehydrate_en
         started.set()
         wait_for(lambda: det.failure() is not None, what="the detector thread to die")
         started.clear()
+    let_go.set()
     rehydrate_engine.stop()
