@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _config
 from ._files import kind_name, read_regular
-from ._hooks import Phase
+from ._hooks import BEFORE_USER_HOOKS, Phase
 from .extensions import Probe, resolve_engine
 
 # mmap, secrets and the gVisor check are imported where a mapping, a volume or the audit
@@ -793,9 +793,11 @@ class FilesManager:
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
-        # ENVIRONMENT runs last before a snapshot: everything else has closed its files.
+        # ENVIRONMENT runs last before a snapshot, and an order below the user range last
+        # in it (lower runs later before a snapshot): every hook has closed its files.
         engine.builtins.register(self._audit_hook, event="snapshot", phase=Phase.ENVIRONMENT,
-                                 order=-2_000_000, name="rehydrate.files.audit", timeout=10.0)
+                                 order=BEFORE_USER_HOOKS, name="rehydrate.files.audit",
+                                 timeout=10.0)
         engine.add_status("files", self.status)
 
     @property

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _config
 from ._context import HookResult, Report, RestoreContext
-from ._hooks import Hook, Phase
+from ._hooks import BEFORE_USER_HOOKS, Hook, Phase
 from ._version import __version__
 from .extensions import Probe, resolve_engine
 
@@ -444,7 +444,8 @@ class Telemetry:
         # metrics end. This hook (the last before-snapshot hook) is only the fallback for
         # an event this observer was not told about.
         engine.builtins.register(self._flush_hook, event="snapshot", phase=Phase.ENVIRONMENT,
-                                 order=-2_000_000, name="rehydrate.telemetry.flush",
+                                 order=BEFORE_USER_HOOKS - 1_000_000,  # after the audit
+                                 name="rehydrate.telemetry.flush",
                                  required=False, timeout=self._flush_timeout + 5.0)
         # After restore: after the entropy hook renewed instance_id().
         engine.builtins.register(self._refresh, event="restore", phase=Phase.ENTROPY,

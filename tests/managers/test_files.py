@@ -36,6 +36,40 @@ def _replace(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def test_the_audit_runs_after_every_user_hook_whatever_its_order(engine,
+                                                                   tmp_path: Path) -> None:
+    """Before a snapshot the open-file audit must come after every hook that may close a
+    file — also a user hook in its phase with an order below the built-ins' old -2e6 (it
+    ran after the audit, which refused the deleted file that hook was about to close).
+    The real /proc/self/fd, with a mountinfo that makes ``vol`` a volume."""
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text(
+        "16 15 0:17 / / ro - 9p none ro,trans=fd\n"
+        f"20 16 0:20 / {vol} rw - 9p none rw,trans=fd\n")
+    os.symlink("/proc/self/fd", proc / "self" / "fd")
+    mgr = files.manager(engine)
+    mgr.proc = str(proc)
+    mgr.fail_on_deleted = True
+    scratch = open(vol / "scratch", "w")  # noqa: SIM115 — the hook under test closes it
+    (vol / "scratch").unlink()
+
+    @engine.registry.before_snapshot(phase="environment", order=-999_000_000,
+                                     name="app.close_scratch")
+    def close_scratch() -> None:
+        scratch.close()
+
+    try:
+        report = engine.simulate_snapshot()
+    finally:
+        scratch.close()
+    names = [h.name for h in report.hooks]
+    assert names.index("app.close_scratch") < names.index("rehydrate.files.audit"), names
+    assert report.ok, report.table()
+
+
 def test_unchanged_file_reopens_at_the_same_position(engine, tmp_path: Path) -> None:
     p = tmp_path / "data.txt"
     p.write_text("one\ntwo\nthree\n")
