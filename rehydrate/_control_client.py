@@ -124,12 +124,13 @@ def notify_main(argv: list[str] | None = None) -> int:
     return cmd_notify(notify_parser().parse_args(argv))
 
 
-def _common(p: argparse.ArgumentParser, timeout: float | None) -> None:
+def _common(p: argparse.ArgumentParser, timeout: float | None,
+            timeout_help: str | None = None) -> None:
     p.add_argument("--socket", metavar="PATH",
                    help=f"control socket (default: ${ENV_SOCKET}, else the only socket "
                         f"in {default_socket_dir()})")
     p.add_argument("--timeout", type=_positive, default=timeout, metavar="S",
-                   help="seconds to wait for the reply"
+                   help=timeout_help or "seconds to wait for the reply"
                         + (f" (default {timeout:g})" if timeout else " (default: no limit)"))
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--expect-uid", type=_id, metavar="UID",
@@ -143,7 +144,10 @@ def _notify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=sorted(NOTIFY_CMD),
                    help=f"default: ${GVISOR_MODE}, else ${CRIU_ACTION} (pre-dump -> "
                         "save, post-resume -> restore, others: exit 0)")
-    _common(p, DEFAULT_TIMEOUT)
+    # default None: notify() tells "not given" (save follows the process's budget) apart
+    _common(p, None, f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}; save: "
+                     "longer when the process announces a longer budget for its "
+                     "before-snapshot hooks)")
 
 
 def add_commands(sub: Any) -> None:

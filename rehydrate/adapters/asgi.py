@@ -49,7 +49,7 @@ from .. import Phase, _config
 from ._readiness import readiness
 
 if TYPE_CHECKING:
-    from .. import Lifecycle
+    from .. import Hook, Lifecycle
     from ..detect import Detector
 
 __all__ = ["ASGIApp", "DrainTimeout", "ReadinessGate", "health_app"]
@@ -65,6 +65,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _DRAIN_KEY = "rehydrate.asgi"
 _DETECTION_KEY = "rehydrate.asgi.detection"
+_DRAIN_GRACE = 5.0
+"""Seconds the drain hook's timeout allows past ``drain_timeout`` (its own limit speaks
+first, with the number of requests still in flight)."""
 _RECHECK = 0.05
 """Seconds between readiness checks of a waiting ``/readyz?wait=``: a report wakes it at
 once; this bounds the wait when readiness changes without one (a freeze that was no
@@ -92,12 +95,26 @@ class _Drain:
         self._active: list[None] = []
         self._idle = threading.Event()
         self._waiting = False
+        self._engine = engine
+        self._hook: Hook | None = None
         self.timeout = 0.0
+
+    def allow(self, drain_timeout: float) -> None:
+        """Let the drain wait up to ``drain_timeout`` seconds (the longest any gate asks)."""
+        if drain_timeout <= self.timeout and self._hook is not None:
+            return
+        self.timeout = max(self.timeout, drain_timeout)
+        builtins = self._engine.builtins
+        if self._hook is not None:
+            builtins.unregister(self._hook)
         # Before a snapshot phases run in reverse and, within one, higher orders first:
         # APPLICATION with the highest order is the very first hook, so requests drain
-        # before any other hook closes what they use.
-        engine.builtins.register(self._wait, event="snapshot", phase=Phase.APPLICATION,
-                                 order=1_000_000, name="rehydrate.asgi.drain", timeout=None)
+        # before any other hook closes what they use. A finite hook timeout (the drain's
+        # own limit speaks first) makes the pass's worst case known: `notify save` waits
+        # for it (rehydrate._runner.worst_case).
+        self._hook = builtins.register(
+            self._wait, event="snapshot", phase=Phase.APPLICATION, order=1_000_000,
+            name="rehydrate.asgi.drain", timeout=self.timeout + _DRAIN_GRACE)
 
     @property
     def in_flight(self) -> int:
@@ -257,7 +274,7 @@ class ReadinessGate:
                 self._routes[path.rstrip("/") or "/"] = handler  # matched without one
         self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
         self._detection = self.engine.extension(_DETECTION_KEY, _Detection)
-        self._drain.timeout = max(self._drain.timeout, drain_timeout)
+        self._drain.allow(drain_timeout)
         self._retry_header = (b"retry-after", str(retry_after).encode())
         self.max_wait = float(max_wait)
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()

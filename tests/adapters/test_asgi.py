@@ -282,6 +282,29 @@ def test_drains_in_flight_requests_before_snapshot(app: App, rehydrate_engine: A
         assert c.get("/after-restore").status_code == 200
 
 
+def test_the_snapshot_budget_covers_the_drain_and_an_engine_s_deadline(
+        app: App, rehydrate_engine: Any) -> None:
+    """The budget ``notify save`` waits for (rehydrate._runner.worst_case) follows
+    ``drain_timeout`` and the adapters' deadlines. Before, the drain hook had no limit of
+    its own, so the pass had no known bound, and the client's fixed 120 s gave up on a
+    drain of 25 s followed by an engine sleep of 97 s — each within its limit."""
+    from rehydrate._notify import DEFAULT_TIMEOUT
+    from rehydrate._runner import worst_case
+    from rehydrate.adapters import vllm
+
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=30)
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=10)
+    vllm.VLLMAdapter("http://127.0.0.1:9", deadline=120).install(rehydrate_engine)
+    hooks = rehydrate_engine.hooks("snapshot")
+    drains = [h for h in hooks if h.name == "rehydrate.asgi.drain"]
+    assert len(drains) == 1 and drains[0].timeout > 30  # the longest gate's, with grace
+    assert hooks[0] is drains[0]  # still the very first before-snapshot hook
+    budget = worst_case(hooks)
+    assert budget is not None and budget >= 30 + 120 > DEFAULT_TIMEOUT
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=50)
+    assert worst_case(rehydrate_engine.hooks("snapshot")) == pytest.approx(budget + 20)
+
+
 def test_drain_timeout_fails_the_snapshot(app: App, rehydrate_engine: Any) -> None:
     gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=0.2)
     with serve(gate) as url, httpx.Client(base_url=url) as c:
