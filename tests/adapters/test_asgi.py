@@ -4,6 +4,7 @@ ASGI transport, driven by an isolated engine's real restore and snapshot runs.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -401,6 +402,37 @@ def test_lifespan_starts_and_stops_detection_on_the_server_loop(
         assert loops == server_loops
     assert detector.stopped == 1
     assert rehydrate_engine.status().detectors == ()
+
+
+def test_a_server_without_lifespan_is_warned_about_once(app: App, rehydrate_engine: Any,
+                                                        caplog: Any) -> None:
+    """``uvicorn --lifespan off``, or the gate mounted as a sub-application: no startup
+    ever starts detection. Before, the gate said nothing and stayed ready for ever; now
+    the first request logs one warning (none when detection runs anyway, or after a
+    lifespan startup, or with ``lifespan=False``)."""
+    gate = ReadinessGate(app, engine=rehydrate_engine)
+    with caplog.at_level(logging.WARNING, logger="rehydrate.adapters.asgi"), \
+            serve(gate, lifespan="off") as url, httpx.Client(base_url=url) as c:
+        assert c.get("/a").status_code == 200
+        assert c.get("/readyz").status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "lifespan" in r.getMessage()]
+    assert len(warnings) == 1 and "restores and snapshots are not detected" in warnings[0]
+
+    caplog.clear()
+    quiet = [ReadinessGate(app, engine=rehydrate_engine, detectors="none"),
+             ReadinessGate(app, engine=rehydrate_engine, lifespan=False)]
+    with caplog.at_level(logging.WARNING, logger="rehydrate.adapters.asgi"):
+        with serve(quiet[0], lifespan="on") as url:  # a startup came first
+            assert httpx.get(url + "/a").status_code == 200
+        with serve(quiet[1], lifespan="off") as url:  # the application's to start
+            assert httpx.get(url + "/a").status_code == 200
+        rehydrate_engine.start("none")
+        try:  # detection runs (a module-level rehydrate.start()): nothing missing
+            with serve(ReadinessGate(app, engine=rehydrate_engine), lifespan="off") as url:
+                assert httpx.get(url + "/a").status_code == 200
+        finally:
+            rehydrate_engine.stop()
+    assert [r for r in caplog.records if "lifespan" in r.getMessage()] == []
 
 
 def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:

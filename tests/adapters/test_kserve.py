@@ -169,24 +169,35 @@ def test_install_refuses_what_is_not_a_model_server(rehydrate_engine: Any) -> No
     assert adapter.probe().usable
 
 
-def test_install_refuses_a_server_with_several_workers(rehydrate_engine: Any) -> None:
+def test_install_refuses_a_server_with_several_workers(tmp_path: Path) -> None:
     """Before: ``install()`` accepted ``ModelServer(workers=2)``, whose ``start()`` then
     died pickling the gated data plane (``Can't pickle local object
     '_gate_model.<locals>.gated_healthy'``) — and worker processes would not share this
-    process's engine anyway. Now refused at once, saying what to do, with nothing patched."""
-    import kserve
-
-    from rehydrate.adapters import kserve as adapter
-
-    server = kserve.ModelServer(workers=2, http_port=0, grpc_port=0, enable_grpc=False)
-    ready = server.dataplane.ready
-    with pytest.raises(ValueError, match=r"gates one process: this ModelServer has "
-                                         r"workers=2; run it with workers=1"):
-        adapter.install(server, engine=rehydrate_engine)
-    assert server.dataplane.ready == ready  # untouched
-    server.workers = 1
-    adapter.install(server, engine=rehydrate_engine)
-    assert server.dataplane.ready != ready
+    process's engine anyway. Now refused at once, saying what to do, with nothing patched.
+    (A process of its own: KServe's protos in this one clash with tritonclient's.)"""
+    script = tmp_path / "workers.py"
+    script.write_text(
+        "import kserve\n"
+        "from rehydrate.adapters import kserve as adapter\n"
+        "server = kserve.ModelServer(workers=2, http_port=0, grpc_port=0, "
+        "enable_grpc=False)\n"
+        "ready = server.dataplane.ready\n"
+        "try:\n"
+        "    adapter.install(server)\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+        "assert server.dataplane.ready == ready, 'patched'\n"
+        "server.workers = 1\n"
+        "adapter.install(server)\n"
+        "assert server.dataplane.ready != ready, 'not gated'\n"
+        "print('gated')\n")
+    proc = subprocess.run([sys.executable, str(script)], env={**os.environ,
+                          "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "refused: install() gates one process: this ModelServer has workers=2; run it "
+        "with workers=1 (KServe's default) and scale with replicas", "gated"]
 
 
 def test_a_failed_install_patches_nothing_and_a_retry_gates(rehydrate_engine: Any) -> None:
