@@ -145,9 +145,9 @@ def _notify_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"default: ${GVISOR_MODE}, else ${CRIU_ACTION} (pre-dump -> "
                         "save, post-resume -> restore, others: exit 0)")
     # default None: notify() tells "not given" (save follows the process's budget) apart
-    _common(p, None, f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}; save: "
-                     "longer when the process announces a longer budget for its "
-                     "before-snapshot hooks)")
+    _common(p, None, f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}); save "
+                     "without it waits longer when the process announces a longer budget "
+                     "for its before-snapshot hooks")
 
 
 def add_commands(sub: Any) -> None:
