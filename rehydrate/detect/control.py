@@ -18,7 +18,9 @@ Protocol: line-delimited JSON, one request per line (terminated by ``\\n``, at m
 
 Commands: ``status``; ``prepare-snapshot`` (run the before-snapshot hooks, reply when
 they finished; when a required one failed the resume hooks run and the reply is
-``ok: false``: the platform should abort the checkpoint); ``resume`` / ``restore`` (run
+``ok: false``: the platform should abort the checkpoint; with ``"budget": true`` a line
+``{"pending": true, "budget": S}`` comes first, S the longest the hooks may take under
+their own limits, so that the client waits that long); ``resume`` / ``restore`` (run
 the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``resume`` or ``snapshot``, optional ``"env"``: ``{"KEY": "value" | null}``);
 ``trigger`` (gVisor: :func:`~rehydrate.trigger_snapshot`, optional
