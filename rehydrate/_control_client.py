@@ -153,7 +153,10 @@ def _notify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=sorted(NOTIFY_CMD),
                    help=f"default: ${GVISOR_MODE}, else ${CRIU_ACTION} (pre-dump -> "
                         "save, post-resume -> restore, others: exit 0)")
-    _common(p, DEFAULT_TIMEOUT)
+    # default None: notify() tells "not given" (save follows the process's budget) apart
+    _common(p, None, help=f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}); save "
+                     "without it waits longer when the process announces a longer budget "
+                     "for its before-snapshot hooks")
 
 
 def add_commands(sub: Any) -> None:

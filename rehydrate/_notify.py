@@ -61,6 +61,11 @@ EXIT_UNTRUSTED = 4
 
 MAX_REPLY = 64 * 1024 * 1024
 DEFAULT_TIMEOUT = 120.0
+"""How long ``notify`` waits for a reply without ``--timeout``; ``notify save`` waits
+longer when the process announces a longer budget for its before-snapshot hooks."""
+BUDGET_MARGIN = 10.0
+"""Seconds ``notify save`` waits past the budget the process announced: the reply's way
+back, a busy machine, a run of the engine's still finishing when the request came."""
 
 GVISOR_MODE = "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"
 CRIU_ACTION = "CRTOOLS_SCRIPT_ACTION"
@@ -172,12 +177,18 @@ def find_socket(explicit: str | None = None) -> str:
 
 def request(cmd: str, *, socket_path: str | None = None, timeout: float | None = DEFAULT_TIMEOUT,
             fields: dict[str, Any] | None = None, expect_uid: int | None = None,
-            expect_pid: int | None = None, **more: Any) -> dict[str, Any]:
+            expect_pid: int | None = None, follow_budget: bool = False,
+            **more: Any) -> dict[str, Any]:
     """Send one request and return the reply (a dict with at least ``ok``).
 
     ``fields`` and keyword arguments become request fields (use ``fields`` for names that
     clash with this function's own, e.g. the ``timeout`` of ``trigger``); ``timeout`` is how
     long this client waits for the reply (None: as long as it takes).
+
+    ``follow_budget`` (``prepare-snapshot``): ask the process for the longest its
+    before-snapshot hooks may take under their own limits, and wait that long plus
+    :data:`BUDGET_MARGIN` when it is longer than ``timeout``. A process that does not
+    announce one (an older rehydrate, a hook without a limit) leaves ``timeout`` as it is.
 
     Raises :class:`ControlError` when the socket cannot be reached, the reply does not
     come within ``timeout`` seconds, or it is not a JSON object; :class:`UntrustedSocket`
@@ -190,12 +201,15 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     timeout = _config.optional_seconds(timeout, "request(): timeout", zero_ok=False)
     named = bool(socket_path or _config.text(ENV_SOCKET))
     path = find_socket(socket_path)
+    if follow_budget:
+        more["budget"] = True
     payload = _encode({"cmd": cmd, **(fields or {}), **more})
     deadline = None if timeout is None else time.monotonic() + timeout
     delay = 0.005
     while True:
         reply = _exchange(path, payload, deadline, timeout,
-                          lambda sock: _check_peer(sock, path, named, expect_uid, expect_pid))
+                          lambda sock: _check_peer(sock, path, named, expect_uid, expect_pid),
+                          follow_budget=follow_budget)
         # "busy": the server refused the connection before reading it (every slot runs
         # a request): nothing ran, so asking again is safe
         if reply is not _BUSY:
@@ -289,9 +303,29 @@ def _connect(sock: _socket.socket, path: str, deadline: float | None) -> None:
         delay = min(delay * 2, 0.1)
 
 
+def _budget(line: bytes) -> float | bool | None:
+    """What a ``{"pending": true, "budget": S}`` line announced: S (None: no limit), or
+    False when ``line`` is no such notice (then it is the reply)."""
+    try:
+        notice = _decode(line)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(notice, dict) or notice.get("pending") is not True or "ok" in notice:
+        return False
+    value = notice.get("budget")
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value <= _config.MAX_SECONDS):
+        return float(value)
+    return None
+
+
 def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float | None,
-              check: Callable[[_socket.socket], None]) -> dict[str, Any]:
-    """One connection: connect, ``check`` the peer, send, read one reply line."""
+              check: Callable[[_socket.socket], None], *,
+              follow_budget: bool = False) -> dict[str, Any]:
+    """One connection: connect, ``check`` the peer, send, read one reply line.
+
+    ``follow_budget``: a budget notice may come first (see :func:`request`); it moves
+    ``deadline`` later when the budget is longer, and the reply is the line after it."""
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         try:
@@ -315,7 +349,22 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
                     break
                 buf += chunk
                 if b"\n" in chunk:  # only the new chunk: rescanning it all was quadratic
-                    break
+                    if not follow_budget:
+                        break
+                    follow_budget = False  # one notice at most
+                    head, _, rest = bytes(buf).partition(b"\n")
+                    budget = _budget(head)
+                    if budget is False:
+                        break  # no notice (an older process): this is the reply
+                    if isinstance(budget, float) and deadline is not None:
+                        wait = time.monotonic() + budget + BUDGET_MARGIN
+                        if wait > deadline:
+                            # the error then names the whole wait, not the default
+                            timeout = (timeout or 0.0) + (wait - deadline)
+                            deadline = wait
+                    buf = bytearray(rest)
+                    if b"\n" in rest:
+                        break
                 if len(buf) > MAX_REPLY:
                     raise ControlError("reply too large")
         except TimeoutError:
@@ -436,13 +485,16 @@ def _number(value: object) -> float:
 
 def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None,
          as_json: bool, expect_uid: int | None, expect_pid: int | None,
-         fields: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, int]:
+         fields: dict[str, Any] | None = None,
+         follow_budget: bool = False) -> tuple[dict[str, Any] | None, int]:
     """Send ``cmd`` for a CLI command: (reply, exit code), the reply None when there is
     none. A failure is one line on stderr prefixed with ``label`` (and, with ``as_json``,
-    ``{"ok": false, "error": …}`` on stdout when there is no reply)."""
+    ``{"ok": false, "error": …}`` on stdout when there is no reply). ``follow_budget``: as
+    for :func:`request`."""
     try:
         reply = request(cmd, socket_path=socket_path, timeout=timeout, fields=fields,
-                        expect_uid=expect_uid, expect_pid=expect_pid)
+                        expect_uid=expect_uid, expect_pid=expect_pid,
+                        follow_budget=follow_budget)
     except ControlError as exc:
         err(f"{label}: {exc}")
         if as_json:  # machines read stdout: say it there too
@@ -464,12 +516,13 @@ def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None
 
 class Options:
     """A ``notify`` command line: what :func:`parse` reads (the argparse CLI fills the same
-    fields)."""
+    fields). ``timeout`` None: no ``--timeout`` given — :data:`DEFAULT_TIMEOUT`, and for
+    ``save`` the process's announced budget when that is longer."""
 
     __slots__ = ("action", "expect_pid", "expect_uid", "json", "socket", "timeout")
 
     def __init__(self, action: str | None = None, *, socket: str | None = None,
-                 timeout: float | None = DEFAULT_TIMEOUT, json: bool = False,
+                 timeout: float | None = None, json: bool = False,
                  expect_uid: int | None = None, expect_pid: int | None = None) -> None:
         self.action = action
         self.socket = socket
@@ -597,9 +650,14 @@ def notify(opts: Options) -> int:
     # A save run by hand has no checkpoint behind it, whose answer could be expected.
     fields = ({"in_checkpoint": True}
               if action == "save" and os.environ.get(GVISOR_MODE) == "save" else None)
+    # Without --timeout, a save waits as long as the process says its before-snapshot
+    # hooks may take (a drain, then an engine's sleep): giving up earlier aborted a
+    # checkpoint whose hooks were each within their own limits.
     reply, code = call(NOTIFY_CMD[action], label=f"notify {action}", socket_path=opts.socket,
-                       timeout=opts.timeout, as_json=opts.json, expect_uid=opts.expect_uid,
-                       expect_pid=opts.expect_pid, fields=fields)
+                       timeout=DEFAULT_TIMEOUT if opts.timeout is None else opts.timeout,
+                       as_json=opts.json, expect_uid=opts.expect_uid,
+                       expect_pid=opts.expect_pid, fields=fields,
+                       follow_budget=action == "save" and opts.timeout is None)
     try:
         if reply is not None and opts.json:
             dump(reply)

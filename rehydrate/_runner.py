@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -94,6 +94,26 @@ def backoff_delay(attempt: int) -> float:
     """Seconds before a hook's retry ``attempt`` (0-based): in [cap/2, cap], where
     cap = min(BACKOFF_MAX, BACKOFF_BASE * 2**attempt)."""
     return _backoff.backoff_delay(attempt, BACKOFF_BASE, BACKOFF_MAX)
+
+
+def worst_case(hooks: Iterable[Hook]) -> float | None:
+    """The longest a run of ``hooks`` can take under the limits this runner enforces: each
+    hook's ``timeout`` per attempt plus the grace an async one gets, the longest backoff
+    before each retry, summed (hooks run one after another). None when a hook has no
+    limit.
+
+    What a waiting client (``rehydrate notify save``) needs to know: every hook within its
+    own limit finishes the run by then, so a client giving up earlier aborts a pass that
+    was going to succeed."""
+    total = 0.0
+    for hook in hooks:
+        if math.isinf(hook.timeout):
+            return None
+        # The grace for every attempt: a sync hook that returns an awaitable gets it too.
+        total += (hook.retries + 1) * (hook.timeout + ASYNC_GRACE)
+        total += sum(min(BACKOFF_MAX, BACKOFF_BASE * 2.0 ** min(a, 64))
+                     for a in range(hook.retries))
+    return total
 
 
 def _observe_start(observers: Sequence[Observer], hook: Hook,

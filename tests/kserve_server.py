@@ -1,7 +1,8 @@
 """A real KServe ModelServer with a real kserve.Model, gated by rehydrate (run as a script).
 
-argv: HTTP port, a directory of control files, "gated" or "plain" (no adapter: the
-control case), and optionally a gRPC port. Every ``load()`` appends a line to
+argv: HTTP port, a directory of control files, "gated", "drained" (gated, and
+``ReadinessGate`` in front of KServe's app as docs/inference.md shows) or "plain" (no
+adapter: the control case), and optionally a gRPC port. Every ``load()`` appends a line to
 ``<dir>/loads`` (``<dir>/ts-loads`` for the time-series model; KServe reloads a model it
 finds not healthy). The restore hook ``warm-up`` waits until ``<dir>/release`` exists and
 fails while ``<dir>/fail`` exists, so the test holds a restore open or makes it fail; then
@@ -91,8 +92,13 @@ def main() -> None:
     grpc_port = int(sys.argv[4]) if len(sys.argv) > 4 else None
     server = kserve.ModelServer(http_port=port, enable_grpc=grpc_port is not None,
                                 grpc_port=grpc_port or 8081, workers=1)
-    if mode == "gated":
+    if mode in ("gated", "drained"):
         rehydrate_kserve.install(server)
+    if mode == "drained":
+        from rehydrate.adapters.asgi import ReadinessGate
+
+        kserve.model_server.app.add_middleware(ReadinessGate,
+                                               exempt=rehydrate_kserve.GATE_EXEMPT)
     rehydrate.start(detectors=["control"])
     model = Echo("echo")
     model.load()

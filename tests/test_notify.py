@@ -3,6 +3,7 @@ imports, and the command lines it takes itself versus those argparse answers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from rehydrate import Lifecycle, Registry
 from rehydrate import __main__ as entry
 from rehydrate._control_client import notify_parser
 from rehydrate._notify import Options, parse
+from rehydrate._runner import ASYNC_GRACE, BACKOFF_BASE, worst_case
 from rehydrate.detect.control import ControlDetector
 from rehydrate.env import EnvRefresher
 
@@ -140,8 +143,10 @@ def test_a_save_says_whether_it_runs_inside_a_gvisor_checkpoint(
         assert not modules & {"json", "re"}, sorted(modules & {"json", "re"})
     finally:
         eng.close()
-    expected = ({"cmd": "prepare-snapshot", "in_checkpoint": True}
-                if caller == "save-restore-exec" else {"cmd": "prepare-snapshot"})
+    # "budget": the save waits as long as the process says its hooks may take
+    expected = ({"cmd": "prepare-snapshot", "in_checkpoint": True, "budget": True}
+                if caller == "save-restore-exec" else {"cmd": "prepare-snapshot",
+                                                       "budget": True})
     assert seen == [expected]
 
 
@@ -564,3 +569,102 @@ def test_post_dump_reaches_a_real_process_that_acts_on_it(engine: Lifecycle,
     assert engine.wait_ready(10), engine.status().state
     assert ran == [("resume", "control")]
     assert engine.status().state == "ready"
+
+
+# -- notify save follows the process's budget ---------------------------------------------
+
+
+def test_save_waits_as_long_as_the_before_snapshot_hooks_may_take(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: ``notify save`` gave up at its fixed default (120 s) while the hooks, each
+    within its own limit (a drain of 25 s of 30, an engine's sleep of 97 s of 120), still
+    ran: exit 3, the checkpoint aborted. Now the process announces its budget and the
+    client waits for it. Scaled down: a default of 0.2 s, a hook of 0.6 s within its 5 s."""
+    import rehydrate._notify as notify_mod
+
+    monkeypatch.setattr(notify_mod, "DEFAULT_TIMEOUT", 0.2)
+    done = threading.Event()
+
+    @engine.registry.before_snapshot(name="slow-but-in-time", timeout=5)
+    def slow() -> None:
+        done.wait(0.6)  # past the client's default, well within the hook's own limit
+
+    # The reply itself: the budget line first, then the usual one.
+    reply = notify_mod.request("prepare-snapshot", socket_path=sock_path, timeout=0.2,
+                               follow_budget=True)
+    assert reply["ok"] is True and reply["report"]["ok"] is True
+    engine.restore_detected("control", kind="resume")
+    assert entry.main(["notify", "save", "--socket", sock_path]) == 0
+
+
+def test_the_budget_line_comes_first_and_only_when_asked(engine: Lifecycle,
+                                                         sock_path: str) -> None:
+    import socket
+
+    engine.registry.before_snapshot(name="a", timeout=7, retries=1)(lambda: None)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        conn.connect(sock_path)
+        conn.sendall(b'{"cmd": "prepare-snapshot", "budget": true, "id": 5}\n')
+        lines = conn.makefile("rb")
+        first = json.loads(lines.readline())
+        assert first["pending"] is True and first["id"] == 5 and "ok" not in first
+        # every hook's limit: here two attempts of 7 s, each with the async grace, and
+        # the backoff between them, beside the built-in hooks'
+        assert first["budget"] == worst_case(engine.hooks("snapshot"))
+        assert worst_case([h for h in engine.hooks("snapshot") if h.name == "a"]) == \
+            pytest.approx(2 * (7 + ASYNC_GRACE) + BACKOFF_BASE)
+        reply = json.loads(lines.readline())
+        assert reply["ok"] is True and reply["id"] == 5
+        conn.sendall(b'{"cmd": "resume"}\n{"cmd": "prepare-snapshot"}\n')  # not asked
+        assert json.loads(lines.readline())["ok"] is True
+        assert "report" in json.loads(lines.readline())
+        conn.sendall(b'{"cmd": "prepare-snapshot", "budget": 1}\n')
+        assert "budget" in json.loads(lines.readline())["error"]
+
+
+def test_save_against_a_process_that_announces_no_budget(
+        sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An older process ignores ``"budget"`` and sends its reply: that is the reply."""
+    served = OneAnswer(sock_path, b'{"ok": true, "report": {}}\n')
+    try:
+        assert entry.main(["notify", "save", "--socket", sock_path]) == 0
+    finally:
+        served.close()
+    assert capsys.readouterr().out.startswith("save: ok")
+
+
+def test_save_reads_the_reply_after_the_budget_line(sock_path: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget longer than the default moves the client's limit; the reply after it
+    decides the exit status. Without --timeout only: an operator's limit stays his."""
+    import socket
+
+    import rehydrate._notify as notify_mod
+
+    monkeypatch.setattr(notify_mod, "DEFAULT_TIMEOUT", 0.2)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(2)
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = srv.accept()
+            with conn:
+                requests.append(conn.recv(65536))
+                conn.sendall(b'{"pending": true, "budget": 30}\n')
+                time.sleep(0.6)  # past the default: only the budget keeps the client
+                with contextlib.suppress(OSError):
+                    conn.sendall(b'{"ok": true, "report": {}}\n')
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        assert entry.main(["notify", "save", "--socket", sock_path]) == 0
+        assert entry.main(["notify", "save", "--socket", sock_path, "--timeout", "0.2"]) == 3
+    finally:
+        server.join(10)
+        srv.close()
+    assert b'"budget": true' in requests[0] and b"budget" not in requests[1]

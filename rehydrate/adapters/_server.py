@@ -305,6 +305,11 @@ class ServerAdapter:
         self.key = f"rehydrate.adapters.{self.kind}:{self.url or id(self)}"
         """Unique per adapter: one engine may drive several servers."""
 
+    @property
+    def _at(self) -> str:
+        """`` at <url>`` for a message about this server (nothing for an in-process one)."""
+        return f" at {self.url}" if self.url is not None else ""
+
     # -- hooks ---------------------------------------------------------------------------
 
     def install(self, engine: Engine | None = None) -> None:
@@ -327,14 +332,29 @@ class ServerAdapter:
             if previous:
                 log.info("%s adapter for %s installed again: it replaces the one before",
                          self.kind, self.url or "an in-process engine")
+            snapshot_name = f"rehydrate.{self.kind}.{self.snapshot_action}"
+            restore_name = f"rehydrate.{self.kind}.{self.restore_action}"
+            # A second server of this kind on the engine (a generator and a reranker):
+            # its hooks name it, or a report, /readyz and the log could not tell which
+            # server failed. The first keeps the plain names that probes and alerts match.
+            taken = {h.name for hooks in per_server.values() for h in hooks}
+            if (previous and previous[0].name != snapshot_name) or snapshot_name in taken:
+                suffix = f"[{self._where()}]"
+                snapshot_name += suffix
+                restore_name += suffix
             per_server[self.key] = (
                 b.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
-                           order=SNAPSHOT_ORDER, timeout=timeout,
-                           name=f"rehydrate.{self.kind}.{self.snapshot_action}"),
+                           order=SNAPSHOT_ORDER, timeout=timeout, name=snapshot_name),
                 b.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
-                           order=RESTORE_ORDER, timeout=timeout,
-                           name=f"rehydrate.{self.kind}.{self.restore_action}"),
+                           order=RESTORE_ORDER, timeout=timeout, name=restore_name),
             )
+
+    def _where(self) -> str:
+        """This server in a hook name: ``host:port`` (with the URL's path, a proxy's
+        prefix), or the in-process engine's object id."""
+        if self.url is None:
+            return f"in-process {id(self)}"
+        return self.url.split("://", 1)[-1]
 
     async def before_snapshot(self) -> None:
         """What the before-snapshot hook does."""
@@ -380,7 +400,9 @@ class ServerAdapter:
         """
         attempt = 0
         last = ""
-        what = f"{method} {path}"
+        # the server's URL: one engine may drive two servers of a kind (a generator and
+        # a reranker), and the message must say which one failed
+        what = f"{method} {self.url}{path}"
         safe = method.upper() in SAFE_METHODS
         while True:
             remaining = until - time.monotonic()

@@ -21,7 +21,7 @@ Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callabl
   hook to run) waits until the requests already admitted have finished — new ones are
   refused from the moment the snapshot starts — and fails the snapshot when some are
   still running after ``drain_timeout`` seconds (their connections would be cut by the
-  snapshot anyway);
+  snapshot anyway) — a streaming response open that long too (``exempt`` it, or bound it);
 * after a restore or resume requests are admitted again only once every required restore
   hook has succeeded (the gate asks :meth:`~rehydrate.Lifecycle.is_ready`, which says "not
   ready" in a clone from the moment it resumes until its hooks have run);
@@ -49,7 +49,7 @@ from .. import Phase, _config
 from ._readiness import readiness
 
 if TYPE_CHECKING:
-    from .. import Lifecycle
+    from .. import Hook, Lifecycle
     from ..detect import Detector
 
 __all__ = ["ASGIApp", "DrainTimeout", "ReadinessGate", "health_app"]
@@ -65,6 +65,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _DRAIN_KEY = "rehydrate.asgi"
 _DETECTION_KEY = "rehydrate.asgi.detection"
+_DRAIN_GRACE = 5.0
+"""Seconds the drain hook's timeout allows past ``drain_timeout`` (its own limit speaks
+first, with the number of requests still in flight)."""
 _RECHECK = 0.05
 """Seconds between readiness checks of a waiting ``/readyz?wait=``: a report wakes it at
 once; this bounds the wait when readiness changes without one (a freeze that was no
@@ -92,12 +95,26 @@ class _Drain:
         self._active: list[None] = []
         self._idle = threading.Event()
         self._waiting = False
+        self._engine = engine
+        self._hook: Hook | None = None
         self.timeout = 0.0
+
+    def allow(self, drain_timeout: float) -> None:
+        """Let the drain wait up to ``drain_timeout`` seconds (the longest any gate asks)."""
+        if drain_timeout <= self.timeout and self._hook is not None:
+            return
+        self.timeout = max(self.timeout, drain_timeout)
+        builtins = self._engine.builtins
+        if self._hook is not None:
+            builtins.unregister(self._hook)
         # Before a snapshot phases run in reverse and, within one, higher orders first:
         # APPLICATION with the highest order is the very first hook, so requests drain
-        # before any other hook closes what they use.
-        engine.builtins.register(self._wait, event="snapshot", phase=Phase.APPLICATION,
-                                 order=1_000_000, name="rehydrate.asgi.drain", timeout=None)
+        # before any other hook closes what they use. A finite hook timeout (the drain's
+        # own limit speaks first) makes the pass's worst case known: `notify save` waits
+        # for it (rehydrate._runner.worst_case).
+        self._hook = builtins.register(
+            self._wait, event="snapshot", phase=Phase.APPLICATION, order=1_000_000,
+            name="rehydrate.asgi.drain", timeout=self.timeout + _DRAIN_GRACE)
 
     @property
     def in_flight(self) -> int:
@@ -200,7 +217,9 @@ class ReadinessGate:
     ``max_wait``: the longest ``GET /readyz?wait=S`` is held (longer waits are cut to it).
     ``lifespan``: start detection on ``lifespan.startup`` and stop it on shutdown
     (``detectors`` as for :func:`rehydrate.start`). Applications without lifespan support
-    get it served by the gate.
+    get it served by the gate; a server that runs no lifespan at all (``--lifespan off``,
+    a mounted sub-application) gets one warning at the first request when detection is
+    not running.
     """
 
     def __init__(
@@ -257,7 +276,7 @@ class ReadinessGate:
                 self._routes[path.rstrip("/") or "/"] = handler  # matched without one
         self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
         self._detection = self.engine.extension(_DETECTION_KEY, _Detection)
-        self._drain.timeout = max(self._drain.timeout, drain_timeout)
+        self._drain.allow(drain_timeout)
         self._retry_header = (b"retry-after", str(retry_after).encode())
         self.max_wait = float(max_wait)
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
@@ -267,6 +286,8 @@ class ReadinessGate:
         self._lifespans = 0  # this gate's lifespans started and not yet shut down
         self._lifespans_lock = threading.Lock()  # servers on two loops share the gate
         self._listening = False
+        self._lifespan_seen = False
+        self._check_lifespan = lifespan  # until the first request (see below)
 
     # -- endpoints ---------------------------------------------------------------------
 
@@ -321,6 +342,8 @@ class ReadinessGate:
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        if self._check_lifespan:
+            self._warn_without_lifespan()
         path = _app_path(scope)
         handler = self._routes.get(path.rstrip("/") or "/") if kind == "http" else None
         if handler is not None:
@@ -437,10 +460,27 @@ class ReadinessGate:
             self._wake_waiters(None)
         await asyncio.to_thread(self._detection.release, asyncio.get_running_loop())
 
+    def _warn_without_lifespan(self) -> None:
+        """At the first request: say it when no lifespan came to start detection.
+
+        A server that does not run the lifespan protocol (``uvicorn --lifespan off``, a
+        gate mounted as a sub-application: Starlette passes no lifespan to mounts) never
+        calls the startup that starts detection, and the gate then stayed silently deaf
+        to restores: ready for ever, whatever happened to the process."""
+        self._check_lifespan = False
+        if self._lifespan_seen or self.engine.started:
+            return
+        log.warning("ReadinessGate: a request came before any lifespan startup, and "
+                    "rehydrate is not started: restores and snapshots are not detected. "
+                    "Serve the gate as the top-level app with lifespan on (uvicorn "
+                    "--lifespan on or auto), or pass lifespan=False and call "
+                    "rehydrate.start() yourself")
+
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.lifespan:
             await self.app(scope, receive, send)
             return
+        self._lifespan_seen = True
         received = False
         started = False  # this lifespan holds detection: released once, by it alone
 

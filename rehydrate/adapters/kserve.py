@@ -30,7 +30,10 @@ From then on, while a restore or snapshot is in progress or the process is degra
 
 In-flight requests are not drained before a snapshot (KServe offers no hook for it):
 put :class:`~rehydrate.adapters.asgi.ReadinessGate` in front of KServe's app when a
-request may still run when the checkpoint begins.
+request may still run when the checkpoint begins, with ``exempt=GATE_EXEMPT`` — the gate
+otherwise answers ``/v2/health/live`` with 503 too::
+
+    kserve.model_server.app.add_middleware(ReadinessGate, exempt=rehydrate_kserve.GATE_EXEMPT)
 
 They say ready again once every required restore hook has succeeded. Unknown models still
 answer 404. Gating happens on the server object's own data plane and on every model
@@ -40,7 +43,7 @@ planes KServe builds over copies of its registry (the server does not keep them)
 ``get_model()`` asks the model's gated ``healthy()``, then calls ``load()``, and that
 ``load()`` is refused. A ``load()`` called otherwise — a restore hook reloading the model,
 also after asking its ``healthy()`` — runs. Run the server with one worker (``workers=1``,
-KServe's default).
+KServe's default): :func:`install` refuses a server with more (``ValueError``).
 """
 
 from __future__ import annotations
@@ -58,11 +61,17 @@ from ._readiness import probe_import, readiness
 if TYPE_CHECKING:
     from ..extensions import Engine
 
-__all__ = ["install", "probe"]
+__all__ = ["GATE_EXEMPT", "install", "probe"]
 
 log = logging.getLogger("rehydrate.adapters.kserve")
 
 _MARK = "_rehydrate_engine"
+
+GATE_EXEMPT = ("/v2/health/live", "/metrics")
+"""What a :class:`~rehydrate.adapters.asgi.ReadinessGate` in front of KServe's FastAPI app
+must pass through in every state (its ``exempt=``): KServe's liveness endpoint — a
+liveness probe that got the gate's 503 during a restore would restart the pod — and its
+Prometheus metrics."""
 
 # The model whose gated healthy() last said not ready in this context (a request's task):
 # KServe's get_model() calls that model's load() right after, which is then refused.
@@ -78,8 +87,11 @@ def probe() -> Probe:
 def install(model_server: Any, *, engine: Engine | None = None) -> None:
     """Gate ``model_server``'s readiness (server and every model) on ``engine``'s.
 
-    ``model_server``: a ``kserve.ModelServer``. ``engine``: default, the process's engine.
-    Installing twice on one server is a no-op; installing for another engine is refused.
+    ``model_server``: a ``kserve.ModelServer`` with one worker (``workers=1``, KServe's
+    default; more is a ``ValueError``: rehydrate gates the process it runs in, and KServe
+    cannot pickle the gated data plane into worker processes). ``engine``: default, the
+    process's engine. Installing twice on one server is a no-op; installing for another
+    engine is refused.
     """
     eng = resolve_engine(engine)
     dataplane: Any = getattr(model_server, "dataplane", None)
@@ -91,6 +103,14 @@ def install(model_server: Any, *, engine: Engine | None = None) -> None:
         # all checked before anything is patched: a failed install leaves nothing half done
         raise TypeError(f"install() needs a kserve.ModelServer, not "
                         f"{type(model_server).__name__}")
+    workers = getattr(model_server, "workers", 1)
+    if isinstance(workers, int) and workers > 1:
+        # KServe then pickles its data plane into worker processes: the gated methods
+        # (closures) cannot be pickled, and start() failed with "Can't pickle local
+        # object"; a worker process would not share this process's engine either.
+        raise ValueError(f"install() gates one process: this ModelServer has workers="
+                         f"{workers}; run it with workers=1 (KServe's default) and scale "
+                         "with replicas")
     installed = getattr(model_server, _MARK, None)
     if installed is eng:
         return

@@ -136,7 +136,7 @@ class SGLangAdapter(ServerAdapter):
             try:
                 r = await self.call(c, "POST", "/release_memory_occupation", until=until,
                                     json=self._body)
-                _check_success(r, "release_memory_occupation")
+                _check_success(r)
             except Unconfirmed:
                 raise
             except ServerError:
@@ -171,7 +171,7 @@ class SGLangAdapter(ServerAdapter):
         try:
             r = await self.call(client, "POST", "/resume_memory_occupation", until=until,
                                 json=self._body)
-            _check_success(r, "resume_memory_occupation")
+            _check_success(r)
         except Unconfirmed:
             self.unconfirmed = True
             raise
@@ -200,11 +200,13 @@ class SGLangAdapter(ServerAdapter):
                         "memory do nothing (the snapshot keeps the GPU state)")
 
 
-def _check_success(response: httpx.Response, what: str) -> None:
+def _check_success(response: httpx.Response) -> None:
     body = json_or_empty(response)
     if body.get("success") is False:
         message = answer_text(response, str(body.get("message") or "no message"))
-        raise ServerError(f"sglang {what}: the server says it failed: {message}",
+        # the URL: one engine may drive two SGLang servers
+        raise ServerError(f"sglang POST {response.request.url}: the server says it failed: "
+                          f"{message}",
                           reason=message)
 
 

@@ -137,7 +137,7 @@ class VLLMAdapter(ServerAdapter):
                     raise
                 log.info("vLLM sleep went unanswered but the engine sleeps")
             if await s.is_sleeping(until) is False:
-                raise ServerError("vllm: the engine accepted sleep but says it is awake")
+                raise ServerError(f"vllm{self._at}: the engine accepted sleep but says it is awake")
         log.info("vLLM engine asleep (level %d)", self.level)
 
     async def wake_async(self) -> None:
@@ -156,7 +156,7 @@ class VLLMAdapter(ServerAdapter):
                 if await s.is_sleeping(until) is True:
                     await self._wake_all(s, until)  # whatever the tags above did not wake
                     if await s.is_sleeping(until) is True:
-                        raise ServerError("vllm: the engine still sleeps after wake_up")
+                        raise ServerError(f"vllm{self._at}: the engine still sleeps after wake_up")
             if self.canary:
                 await s.canary(until)
         log.info("vLLM engine awake%s", " and answering" if self.canary else "")
@@ -264,8 +264,9 @@ class _Http(_Session):
         if not isinstance(value, bool):
             # every vLLM with the endpoint answers {"is_sleeping": bool}: anything else (a
             # proxy's page, another server) cannot confirm a sleep the snapshot relies on
-            raise ServerError(f"vllm GET /is_sleeping: no true/false is_sleeping in the "
-                              f"answer ({server_reason(r)}); is {self.a.url} a vLLM server?")
+            raise ServerError(f"vllm GET {self.a.url}/is_sleeping: no true/false "
+                              f"is_sleeping in the answer ({server_reason(r)}); is "
+                              f"{self.a.url} a vLLM server?")
         return value
 
     async def sleep(self, until: float) -> None:
@@ -294,13 +295,13 @@ class _Http(_Session):
             if not isinstance(first, dict) or not isinstance(first.get("id"), str):
                 what = ("lists no model" if data == [] else
                         'answered no model list (expected {"data": [{"id": ...}]})')
-                raise ServerError(f"vllm canary: /v1/models {what} (pass model=)")
+                raise ServerError(f"vllm canary: {self.a.url}/v1/models {what} (pass model=)")
             model = first["id"]
         r = await self.a.call(self.client, "POST", "/v1/completions", until=until,
                               json={"model": model, "prompt": self.a.canary_prompt,
                                     "max_tokens": 1, "temperature": 0})
         if not json_or_empty(r).get("choices"):
-            raise ServerError(f"vllm canary: /v1/completions answered no choices "
+            raise ServerError(f"vllm canary: {self.a.url}/v1/completions answered no choices "
                               f"({answer_text(r, r.text, 200)!r})")
 
 

@@ -18,7 +18,9 @@ Protocol: line-delimited JSON, one request per line (terminated by ``\\n``, at m
 
 Commands: ``status``; ``prepare-snapshot`` (run the before-snapshot hooks, reply when
 they finished; when a required one failed the resume hooks run and the reply is
-``ok: false``: the platform should abort the checkpoint); ``resume`` / ``restore`` (run
+``ok: false``: the platform should abort the checkpoint; with ``"budget": true`` a line
+``{"pending": true, "budget": S}`` comes first, S the longest the hooks may take under
+their own limits, so that the client waits that long); ``resume`` / ``restore`` (run
 the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``resume`` or ``snapshot``, optional ``"env"``: ``{"KEY": "value" | null}``);
 ``trigger`` (gVisor: :func:`~rehydrate.trigger_snapshot`, optional
@@ -87,6 +89,7 @@ from .. import _config
 from .._context import Report, describe_error
 from .._contract import Probe, own_pass_started, refuse_another_engine
 from .._notify import not_a_socket, timeout_value
+from .._runner import worst_case
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
 from . import Detector, probe_of
@@ -629,6 +632,10 @@ class ControlServer:
         else:
             # Outside the parsing above: a ValueError from a command is no JSON error.
             try:
+                if cmd == "prepare-snapshot" and _wants_budget(req):
+                    # Before the hooks: the client waits as long as they may take. A
+                    # client gone already is the undeliverable reply's case (below).
+                    self._send(conn, self._budget_notice(req_id))
                 reply = self._dispatch(cmd, req, received=received, queued=queued)
             except _BadRequest as exc:
                 reply = _bad_request(str(exc))
@@ -661,6 +668,23 @@ class ControlServer:
                                      frozen_for=0.0, undoes=received,
                                      abort="announced" if in_checkpoint else None)
         return False
+
+    def _budget_notice(self, req_id: Any) -> dict[str, Any]:
+        """The line a ``prepare-snapshot`` asking for ``"budget"`` gets before its reply:
+        the longest its before-snapshot hooks may run under their own limits (null: a
+        hook has none). It has no ``"ok"``: a client that asked for it but reads only one
+        line takes it for no reply, never for a success."""
+        try:
+            hooks = [*self.engine.registry.hooks("snapshot"),
+                     *self.engine.builtins.hooks("snapshot")]
+            budget = worst_case(hooks)
+        except Exception:  # an engine of another shape: the client keeps its own limit
+            log.debug("control socket: no snapshot budget", exc_info=True)
+            budget = None
+        notice: dict[str, Any] = {"pending": True, "budget": budget}
+        if req_id is not None:
+            notice["id"] = req_id
+        return notice
 
     @staticmethod
     def _send(conn: socket.socket, reply: Mapping[str, Any]) -> bool:
@@ -866,6 +890,15 @@ def _in_checkpoint(req: Mapping[str, Any]) -> bool:
     value = req.get("in_checkpoint", False)
     if not isinstance(value, bool):
         raise _BadRequest('"in_checkpoint" must be true or false')
+    return value
+
+
+def _wants_budget(req: Mapping[str, Any]) -> bool:
+    """A ``prepare-snapshot``'s ``"budget"``: true asks for the budget line before the
+    reply (see :meth:`ControlServer._budget_notice`)."""
+    value = req.get("budget", False)
+    if not isinstance(value, bool):
+        raise _BadRequest('"budget" must be true or false')
     return value
 
 

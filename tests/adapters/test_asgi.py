@@ -4,6 +4,7 @@ ASGI transport, driven by an isolated engine's real restore and snapshot runs.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -282,6 +283,29 @@ def test_drains_in_flight_requests_before_snapshot(app: App, rehydrate_engine: A
         assert c.get("/after-restore").status_code == 200
 
 
+def test_the_snapshot_budget_covers_the_drain_and_an_engine_s_deadline(
+        app: App, rehydrate_engine: Any) -> None:
+    """The budget ``notify save`` waits for (rehydrate._runner.worst_case) follows
+    ``drain_timeout`` and the adapters' deadlines. Before, the drain hook had no limit of
+    its own, so the pass had no known bound, and the client's fixed 120 s gave up on a
+    drain of 25 s followed by an engine sleep of 97 s — each within its limit."""
+    from rehydrate._notify import DEFAULT_TIMEOUT
+    from rehydrate._runner import worst_case
+    from rehydrate.adapters import vllm
+
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=30)
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=10)
+    vllm.VLLMAdapter("http://127.0.0.1:9", deadline=120).install(rehydrate_engine)
+    hooks = rehydrate_engine.hooks("snapshot")
+    drains = [h for h in hooks if h.name == "rehydrate.asgi.drain"]
+    assert len(drains) == 1 and drains[0].timeout > 30  # the longest gate's, with grace
+    assert hooks[0] is drains[0]  # still the very first before-snapshot hook
+    budget = worst_case(hooks)
+    assert budget is not None and budget >= 30 + 120 > DEFAULT_TIMEOUT
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=50)
+    assert worst_case(rehydrate_engine.hooks("snapshot")) == pytest.approx(budget + 20)
+
+
 def test_drain_timeout_fails_the_snapshot(app: App, rehydrate_engine: Any) -> None:
     gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=0.2)
     with serve(gate) as url, httpx.Client(base_url=url) as c:
@@ -378,6 +402,37 @@ def test_lifespan_starts_and_stops_detection_on_the_server_loop(
         assert loops == server_loops
     assert detector.stopped == 1
     assert rehydrate_engine.status().detectors == ()
+
+
+def test_a_server_without_lifespan_is_warned_about_once(app: App, rehydrate_engine: Any,
+                                                        caplog: Any) -> None:
+    """``uvicorn --lifespan off``, or the gate mounted as a sub-application: no startup
+    ever starts detection. Before, the gate said nothing and stayed ready for ever; now
+    the first request logs one warning (none when detection runs anyway, or after a
+    lifespan startup, or with ``lifespan=False``)."""
+    gate = ReadinessGate(app, engine=rehydrate_engine)
+    with caplog.at_level(logging.WARNING, logger="rehydrate.adapters.asgi"), \
+            serve(gate, lifespan="off") as url, httpx.Client(base_url=url) as c:
+        assert c.get("/a").status_code == 200
+        assert c.get("/readyz").status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "lifespan" in r.getMessage()]
+    assert len(warnings) == 1 and "restores and snapshots are not detected" in warnings[0]
+
+    caplog.clear()
+    quiet = [ReadinessGate(app, engine=rehydrate_engine, detectors="none"),
+             ReadinessGate(app, engine=rehydrate_engine, lifespan=False)]
+    with caplog.at_level(logging.WARNING, logger="rehydrate.adapters.asgi"):
+        with serve(quiet[0], lifespan="on") as url:  # a startup came first
+            assert httpx.get(url + "/a").status_code == 200
+        with serve(quiet[1], lifespan="off") as url:  # the application's to start
+            assert httpx.get(url + "/a").status_code == 200
+        rehydrate_engine.start("none")
+        try:  # detection runs (a module-level rehydrate.start()): nothing missing
+            with serve(ReadinessGate(app, engine=rehydrate_engine), lifespan="off") as url:
+                assert httpx.get(url + "/a").status_code == 200
+        finally:
+            rehydrate_engine.stop()
+    assert [r for r in caplog.records if "lifespan" in r.getMessage()] == []
 
 
 def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:

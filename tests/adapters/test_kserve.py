@@ -112,6 +112,33 @@ def test_not_ready_while_restoring_and_when_degraded(kserve_gated: KServe) -> No
     assert s.ready() == (True, True, True)
 
 
+def test_the_gate_in_front_of_kserve_keeps_liveness_and_metrics(tmp_path: Path) -> None:
+    """docs/inference.md's recipe for draining KServe: ``ReadinessGate`` in front of its
+    FastAPI app. Before, without ``exempt``, the gate answered ``/v2/health/live`` (and
+    ``/metrics``) 503 while restoring or degraded: a liveness probe restarted the
+    restoring pod the docs promise it keeps."""
+    import httpx
+
+    s = KServe(tmp_path, "drained")
+    try:
+        url = f"http://127.0.0.1:{s.port}"
+        assert s.ready() == (True, True, True)
+        notify = s.notify()
+        wait_for(lambda: httpx.get(f"{url}/readyz").status_code == 503, 30,
+                 "the gate to close for the restore")
+        assert notify.poll() is None  # the restore is really still running
+        assert httpx.get(f"{url}/v2/health/live").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert httpx.get(f"{url}/v2/health/ready").status_code == 503
+        assert httpx.post(f"{url}/v1/models/echo:predict", json={"instances": [1]}
+                          ).status_code == 503
+        s.touch("release")
+        assert notify.wait(30) == 0, notify.stderr.read() if notify.stderr else ""
+        assert s.ready() == (True, True, True)
+    finally:
+        s.close()
+
+
 def test_without_the_adapter_kserve_says_ready_while_restoring(tmp_path: Path) -> None:
     """The control case: KServe's own readiness ignores the restore."""
     s = KServe(tmp_path, "plain")
@@ -140,6 +167,37 @@ def test_install_refuses_what_is_not_a_model_server(rehydrate_engine: Any) -> No
     with pytest.raises(TypeError, match="install\\(\\) needs a kserve.ModelServer, not int"):
         adapter.install(42, engine=rehydrate_engine)
     assert adapter.probe().usable
+
+
+def test_install_refuses_a_server_with_several_workers(tmp_path: Path) -> None:
+    """Before: ``install()`` accepted ``ModelServer(workers=2)``, whose ``start()`` then
+    died pickling the gated data plane (``Can't pickle local object
+    '_gate_model.<locals>.gated_healthy'``) — and worker processes would not share this
+    process's engine anyway. Now refused at once, saying what to do, with nothing patched.
+    (A process of its own: KServe's protos in this one clash with tritonclient's.)"""
+    script = tmp_path / "workers.py"
+    script.write_text(
+        "import kserve\n"
+        "from rehydrate.adapters import kserve as adapter\n"
+        "server = kserve.ModelServer(workers=2, http_port=0, grpc_port=0, "
+        "enable_grpc=False)\n"
+        "ready = server.dataplane.ready\n"
+        "try:\n"
+        "    adapter.install(server)\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+        "assert server.dataplane.ready == ready, 'patched'\n"
+        "server.workers = 1\n"
+        "adapter.install(server)\n"
+        "assert server.dataplane.ready != ready, 'not gated'\n"
+        "print('gated')\n")
+    proc = subprocess.run([sys.executable, str(script)], env={**os.environ,
+                          "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "refused: install() gates one process: this ModelServer has workers=2; run it "
+        "with workers=1 (KServe's default) and scale with replicas", "gated"]
 
 
 def test_a_failed_install_patches_nothing_and_a_retry_gates(rehydrate_engine: Any) -> None:

@@ -95,7 +95,7 @@ def test_500_for_good_fails_the_snapshot_with_the_servers_reason(
     report = rehydrate_engine.simulate_snapshot()
     assert not report.ok
     release = hook(report, "rehydrate.sglang.release")
-    assert str(release.error) == ("sglang POST /release_memory_occupation: HTTP 500: "
+    assert str(release.error) == (f"sglang POST {url}/release_memory_occupation: HTTP 500: "
                                   "scheduler is not idle (gave up after the 1.5s deadline)")
     assert standin.log.count("POST /release_memory_occupation") > 1
 
@@ -116,7 +116,7 @@ def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
     assert time.monotonic() - t0 < 5
     resume = hook(report, "rehydrate.sglang.resume")
     assert resume.outcome == "failed" and not report.ok
-    assert re.fullmatch(r"sglang GET /health_generate: no answer within "
+    assert re.fullmatch(rf"sglang GET {re.escape(url)}/health_generate: no answer within "
                         r"0\.[0-9]+s \(gave up after the 1\.5s deadline\)", str(resume.error))
     assert standin.log.count("GET /health_generate") >= 2  # retried
 
@@ -143,8 +143,8 @@ def test_success_false_fails_with_the_message(url: str, standin: SGLangStandIn,
     standin.refuse = "release requires an idle server"
     report = rehydrate_engine.simulate_snapshot()
     assert str(hook(report, "rehydrate.sglang.release").error) == (
-        "sglang release_memory_occupation: the server says it failed: release requires "
-        "an idle server")
+        f"sglang POST {url}/release_memory_occupation: the server says it failed: release "
+        "requires an idle server")
 
 
 def test_resume_without_a_release_only_checks(url: str, standin: SGLangStandIn,
@@ -163,7 +163,7 @@ def test_failed_canary_leaves_the_process_degraded(url: str, standin: SGLangStan
     standin.starting = 10**6  # never comes up
     report = rehydrate_engine.simulate_restore()
     assert str(hook(report, "rehydrate.sglang.resume").error) == (
-        "sglang GET /health_generate: HTTP 503: empty body (gave up after the 0.4s deadline)")
+        f"sglang GET {url}/health_generate: HTTP 503: empty body (gave up after the 0.4s deadline)")
     assert rehydrate_engine.state == "degraded"
 
 
@@ -172,7 +172,7 @@ def test_server_that_never_answers(rehydrate_engine: Any, refused_port: int) -> 
     sglang.install(url, engine=rehydrate_engine, deadline=0.3)
     report = rehydrate_engine.simulate_snapshot()
     assert str(hook(report, "rehydrate.sglang.release").error).startswith(
-        "sglang POST /release_memory_occupation: unreachable (ConnectError")
+        f"sglang POST {url}/release_memory_occupation: unreachable (ConnectError")
     assert sglang.SGLangAdapter(url).probe() == Probe(
         True, f"{url} is not ready yet (does not answer: ConnectError): installed anyway")
 
@@ -248,7 +248,7 @@ def test_a_resume_that_went_unanswered_is_confirmed_by_the_next_restore(
     standin.unanswered.add("/resume_memory_occupation")
     first = rehydrate_engine.simulate_restore()
     assert str(hook(first, "rehydrate.sglang.resume").error).startswith(
-        "sglang POST /resume_memory_occupation: no answer within")
+        f"sglang POST {url}/resume_memory_occupation: no answer within")
     assert standin.released == set()
     standin.unanswered.clear()
     standin.log.clear()
@@ -268,7 +268,7 @@ def test_a_confirmed_release_refused_on_resume_still_fails(
     standin.released.clear()  # resumed behind the adapter's back
     report = rehydrate_engine.simulate_restore()
     assert str(hook(report, "rehydrate.sglang.resume").error) == (
-        "sglang POST /resume_memory_occupation: HTTP 400: memory occupation was not released")
+        f"sglang POST {url}/resume_memory_occupation: HTTP 400: memory occupation was not released")
 
 
 @pytest.mark.parametrize("refusal", ["success false", "error status"])

@@ -19,7 +19,7 @@ from rehydrate.adapters import not_ready_reason, sglang, vllm
 from rehydrate.adapters._server import redact
 from rehydrate.env import EnvRefresher
 from rehydrate.extensions import Probe
-from tests.asgi_server import Switch, switchboard
+from tests.asgi_server import Switch, serve, switchboard
 from tests.inference_standins import (
     API_KEY,
     GATEWAY_ECHOES,
@@ -131,11 +131,11 @@ def test_500_for_good_fails_the_hook_with_the_servers_reason(
     assert not report.ok
     wake = hook(report, "rehydrate.vllm.wake")
     assert wake.outcome == "failed"
-    assert str(wake.error) == ("vllm POST /wake_up: HTTP 500: CUDA error: out of memory "
+    assert str(wake.error) == (f"vllm POST {url}/wake_up: HTTP 500: CUDA error: out of memory "
                                "(gave up after the 1.5s deadline)")
     assert standin.log.count("POST /wake_up") > 1  # retried until the deadline
     assert rehydrate_engine.state == "degraded"
-    assert "rehydrate.vllm.wake failed (ServerError: vllm POST /wake_up: HTTP 500" in \
+    assert f"rehydrate.vllm.wake failed (ServerError: vllm POST {url}/wake_up: HTTP 500" in \
         not_ready_reason(rehydrate_engine)
 
 
@@ -153,17 +153,18 @@ def test_hanging_server_times_out_per_request_and_fails_at_the_deadline(
     sleep = hook(report, "rehydrate.vllm.sleep")
     assert sleep.outcome == "failed"
     # the last attempt gets what is left of the deadline
-    assert re.fullmatch(r"vllm GET /is_sleeping: no answer within 0\.[0-9]+s "
+    assert re.fullmatch(rf"vllm GET {re.escape(url)}/is_sleeping: no answer within 0\.[0-9]+s "
                         r"\(gave up after the 1\.5s deadline\)", str(sleep.error))
     assert standin.log.count("GET /is_sleeping") >= 2  # 0.2 s per attempt, retried
     assert not report.ok
 
 
 def test_server_that_never_answers(rehydrate_engine: Any, refused_port: int) -> None:
-    vllm.install(f"http://127.0.0.1:{refused_port}", engine=rehydrate_engine, deadline=0.3)
+    url = f"http://127.0.0.1:{refused_port}"
+    vllm.install(url, engine=rehydrate_engine, deadline=0.3)
     report = rehydrate_engine.simulate_restore()
     wake = hook(report, "rehydrate.vllm.wake")
-    assert str(wake.error).startswith("vllm GET /is_sleeping: unreachable (ConnectError")
+    assert str(wake.error).startswith(f"vllm GET {url}/is_sleeping: unreachable (ConnectError")
     assert str(wake.error).endswith("(gave up after the 0.3s deadline)")
     assert not rehydrate_engine.is_ready()
 
@@ -175,7 +176,7 @@ def test_without_dev_mode_fails_at_once_saying_so(url: str, server: Any,
     report = rehydrate_engine.simulate_snapshot()
     sleep = hook(report, "rehydrate.vllm.sleep")
     assert str(sleep.error) == (
-        "vllm GET /is_sleeping: HTTP 404: Not Found — start the vLLM server with "
+        f"vllm GET {url}/is_sleeping: HTTP 404: Not Found — start the vLLM server with "
         "VLLM_SERVER_DEV_MODE=1 (the sleep endpoints exist only in dev mode)")
     assert sleep.duration < 5  # no retrying a 404 until the deadline
     assert standin.log == ["GET /is_sleeping"]
@@ -191,7 +192,7 @@ def test_without_sleep_mode_fails_at_once_saying_so(url: str, server: Any,
     report = rehydrate_engine.simulate_snapshot()
     sleep = hook(report, "rehydrate.vllm.sleep")
     assert str(sleep.error) == (
-        "vllm POST /sleep: HTTP 500: Sleep mode is not enabled in the model config — "
+        f"vllm POST {url}/sleep: HTTP 500: Sleep mode is not enabled in the model config — "
         "start vLLM with --enable-sleep-mode (CUDA, ROCm or XPU only)")
     assert sleep.duration < 5
     assert rehydrate_engine.state == "degraded"
@@ -204,7 +205,7 @@ def test_failed_canary_fails_the_wake(url: str, standin: VLLMStandIn,
     standin.broken["/v1/completions"] = (500, "engine dead")
     report = rehydrate_engine.simulate_restore()
     assert str(hook(report, "rehydrate.vllm.wake").error).startswith(
-        "vllm POST /v1/completions: HTTP 500: engine dead")
+        f"vllm POST {url}/v1/completions: HTTP 500: engine dead")
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -227,7 +228,7 @@ def test_a_models_answer_naming_no_model_fails_the_canary_saying_which(
     vllm.install(url, engine=rehydrate_engine, deadline=5)
     assert rehydrate_engine.simulate_snapshot().ok
     error = str(hook(rehydrate_engine.simulate_restore(), "rehydrate.vllm.wake").error)
-    assert f"vllm canary: {message}" in error
+    assert f"vllm canary: {url}{message}" in error
 
 
 def test_sync_and_asyncio_entry_points(url: str, standin: VLLMStandIn) -> None:
@@ -325,7 +326,7 @@ def test_an_adapter_whose_server_does_not_answer_yet_is_installed_and_its_hooks_
         assert engine.installed == [f"rehydrate.adapters.vllm:{url}",
                                     f"rehydrate.adapters.vllm:{down_url}"]
         report = engine.simulate_snapshot()
-        sleeps = [h for h in report.hooks if h.name == "rehydrate.vllm.sleep"]
+        sleeps = [h for h in report.hooks if h.name.startswith("rehydrate.vllm.sleep")]
         assert len(sleeps) == 2 and not report.ok
         assert any(h.error is not None and "unreachable (ConnectError" in str(h.error)
                    for h in sleeps)
@@ -437,8 +438,8 @@ def test_an_unanswered_reload_fails_the_wake_without_sending_it_again(
     assert rehydrate_engine.simulate_snapshot().ok
     standin.unanswered.add("/collective_rpc")
     report = rehydrate_engine.simulate_restore()
-    assert re.fullmatch(r"vllm POST /collective_rpc: no answer within (0\.9[0-9]*|1)s; not "
-                        r"sent again: the server may have performed it",
+    assert re.fullmatch(rf"vllm POST {re.escape(url)}/collective_rpc: no answer within "
+                        r"(0\.9[0-9]*|1)s; not sent again: the server may have performed it",
                         str(hook(report, "rehydrate.vllm.wake").error))
     assert standin.log.count("POST /collective_rpc") == 1
 
@@ -525,14 +526,14 @@ def test_a_redirect_fails_at_once_saying_where_without_its_query(
         adapter.wake()
     assert time.monotonic() - t0 < 5 and app.calls == 1
     where = " to https://gw.example/x" if location else ""
-    assert str(exc.value) == (f"vllm GET /is_sleeping: HTTP 308 redirect{where} — point url= "
+    assert str(exc.value) == (f"vllm GET {url}/is_sleeping: HTTP 308 redirect{where} — point url= "
                               "at the server itself (redirects are not followed)")
 
 
 @pytest.mark.parametrize("status", [501, 505])
 def test_not_implemented_fails_at_once(url: str, server: Any, status: int) -> None:
     server[1].app = app = raw_app(status, [], b'{"message": "no"}')
-    with pytest.raises(vllm.ServerError, match=f"vllm GET /is_sleeping: HTTP {status}: no$"):
+    with pytest.raises(vllm.ServerError, match=f"vllm GET {url}/is_sleeping: HTTP {status}: no$"):
         vllm.VLLMAdapter(url, deadline=30, canary=False).wake()
     assert app.calls == 1
 
@@ -543,10 +544,10 @@ def test_an_unreadable_answer_is_a_server_error_naming_the_call(url: str, server
     server[1].app = raw_app(200, [(b"content-encoding", b"gzip")], b'{"is_sleeping": false}')
     with pytest.raises(vllm.ServerError) as exc:
         vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
-    assert str(exc.value) == "vllm GET /is_sleeping: unreadable answer (DecodingError)"
+    assert str(exc.value) == f"vllm GET {url}/is_sleeping: unreadable answer (DecodingError)"
     with pytest.raises(sglang.ServerError) as exc:
         sglang.SGLangAdapter(url, deadline=5, canary=False).release()
-    assert str(exc.value) == ("sglang POST /release_memory_occupation: unreadable answer "
+    assert str(exc.value) == (f"sglang POST {url}/release_memory_occupation: unreadable answer "
                               "(DecodingError)")
 
 
@@ -569,7 +570,7 @@ def test_an_answer_trickling_in_is_cut_at_the_deadline(url: str, server: Any) ->
     with pytest.raises(vllm.ServerError) as exc:
         adapter.wake()
     assert time.monotonic() - t0 < 4  # the answer would take 20 s
-    assert re.fullmatch(r"vllm GET /is_sleeping: no answer within 0\.[0-9]+s "
+    assert re.fullmatch(rf"vllm GET {re.escape(url)}/is_sleeping: no answer within 0\.[0-9]+s "
                         r"\(gave up after the 1s deadline\)", str(exc.value))
 
 
@@ -633,7 +634,7 @@ def test_json_nested_too_deep_for_the_parser_is_a_server_error(url: str, server:
     with pytest.raises(vllm.ServerError) as exc:
         vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
     message = str(exc.value)
-    assert message.startswith("vllm GET /is_sleeping: ") and "\n" not in message
+    assert message.startswith(f"vllm GET {url}/is_sleeping: ") and "\n" not in message
     assert len(message) < 500
 
 
@@ -643,7 +644,8 @@ def test_the_servers_reason_is_shown_without_its_control_characters(url: str,
     server[1].app = raw_app(400, [], b'\x1b]0;owned\x07\x1b[31mbad request\x1b[0m\x00')
     with pytest.raises(vllm.ServerError) as exc:
         vllm.VLLMAdapter(url, deadline=5, canary=False).wake()
-    assert str(exc.value) == "vllm GET /is_sleeping: HTTP 400: ?]0;owned??[31mbad request?[0m?"
+    assert str(exc.value) == (f"vllm GET {url}/is_sleeping: HTTP 400: "
+                              "?]0;owned??[31mbad request?[0m?")
     assert exc.value.reason == "?]0;owned??[31mbad request?[0m?"
 
 
@@ -673,6 +675,35 @@ def test_installing_again_replaces_the_hooks_it_does_not_add_a_second_pair(
         other.close()
 
 
+def test_two_servers_on_one_engine_have_hooks_and_errors_that_say_which(
+        rehydrate_engine: Any) -> None:
+    """A generator and a reranker on one engine: both hooks were named
+    ``rehydrate.vllm.wake`` and the error named no server, so a report, /readyz and the
+    log could not tell which one failed to wake. The first keeps the plain names (probes,
+    alerts and tests elsewhere match them); the second's carry its host:port."""
+    first, second = VLLMStandIn(), VLLMStandIn()
+    with serve(first) as url_a, serve(second) as url_b:
+        vllm.install(url_a, engine=rehydrate_engine, deadline=2)
+        vllm.install(url_b, engine=rehydrate_engine, deadline=2)
+        where_b = url_b.split("://", 1)[1]
+        assert [h.name for h in rehydrate_engine.hooks("restore")
+                if h.name.startswith("rehydrate.vllm")] == [
+            "rehydrate.vllm.wake", f"rehydrate.vllm.wake[{where_b}]"]
+        vllm.install(url_a, engine=rehydrate_engine, deadline=2)  # again: still plain
+        vllm.install(url_b, engine=rehydrate_engine, deadline=2)
+        assert sorted(h.name for h in rehydrate_engine.hooks("snapshot")
+                      if h.name.startswith("rehydrate.vllm")) == [
+            "rehydrate.vllm.sleep", f"rehydrate.vllm.sleep[{where_b}]"]
+        assert rehydrate_engine.simulate_snapshot().ok
+        second.broken["/wake_up"] = (500, "CUDA error: out of memory")
+        report = rehydrate_engine.simulate_restore()
+        assert hook(report, "rehydrate.vllm.wake").outcome == "ok"
+        failed = hook(report, f"rehydrate.vllm.wake[{where_b}]")
+        assert str(failed.error).startswith(f"vllm POST {url_b}/wake_up: HTTP 500: CUDA")
+        assert f"rehydrate.vllm.wake[{where_b}] failed (ServerError: vllm POST {url_b}/" \
+            in not_ready_reason(rehydrate_engine)
+
+
 def test_an_in_process_engine_installed_twice_is_put_to_sleep_once(
         rehydrate_engine: Any) -> None:
     llm = FakeLLM()
@@ -680,7 +711,8 @@ def test_an_in_process_engine_installed_twice_is_put_to_sleep_once(
     vllm.install(llm, engine=rehydrate_engine)
     vllm.install(FakeLLM(), engine=rehydrate_engine)  # another engine object: its own hooks
     names = [h.name for h in rehydrate_engine.hooks("snapshot")]
-    assert names.count("rehydrate.vllm.sleep") == 2
+    assert names.count("rehydrate.vllm.sleep") == 1
+    assert [n for n in names if n.startswith("rehydrate.vllm.sleep[in-process ")] != []
     assert rehydrate_engine.simulate_snapshot().ok
     assert llm.calls == ["is_sleeping", "sleep(1)", "is_sleeping"]
 
@@ -753,8 +785,8 @@ def test_an_answer_is_read_up_to_a_cap_not_to_its_end(url: str, server: Any,
         adapter.wake()  # GET /is_sleeping: no true/false in 1 MiB of "x" (or an HTTP 400)
     message = str(exc.value)
     assert "no answer within" not in message and "\n" not in message, message
-    expected = ("vllm GET /is_sleeping: no true/false is_sleeping" if status == 200
-                else "vllm GET /is_sleeping: HTTP 400: xxxx")
+    expected = (f"vllm GET {url}/is_sleeping: no true/false is_sleeping" if status == 200
+                else f"vllm GET {url}/is_sleeping: HTTP 400: xxxx")
     assert message.startswith(expected) and len(message) < 600
 
 

@@ -930,7 +930,8 @@ def test_root_client_trusts_a_named_socket_in_its_owners_private_dir(
         assert r.returncode == 4, (r.stdout, r.stderr)
     finally:
         records = srv.close()
-    assert records == [{"received": '{"cmd": "prepare-snapshot"}\n'}]
+    # "budget": notify save asks how long the hooks may take (this server answers at once)
+    assert records == [{"received": '{"cmd": "prepare-snapshot", "budget": true}\n'}]
 
 
 def test_json_commands_say_an_unreachable_process_on_stdout(short_dir: Path) -> None:
@@ -1045,7 +1046,7 @@ def test_notify_pins_the_server_uid_and_pid(foreign_dir: Path) -> None:
     finally:
         records = srv.close()
     assert records == [{"received": ""}] * 3 + [
-        {"received": '{"cmd": "prepare-snapshot"}\n'}]
+        {"received": '{"cmd": "prepare-snapshot", "budget": true}\n'}]
 
 
 def test_deeply_nested_json_is_one_log_line_not_a_traceback(
