@@ -173,6 +173,7 @@ class Lifecycle:
         self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)
+        self._runner.on_failed = self._hook_failed
         self._user_loop: asyncio.AbstractEventLoop | None = None
         self._observers: list[Observer] = []
         self._listeners: list[Callable[[Report], None]] = []
@@ -184,6 +185,11 @@ class Lifecycle:
         run, while the process is ``degraded`` by that run (see :meth:`recovered`); None
         in any other state."""
         self._run_began = -math.inf  # time.monotonic() when the last restore run began
+        self._run_failed: collections.Counter[str] = collections.Counter()
+        """Required hooks failed so far in the restore run in progress, by name."""
+        self._run_recovered: collections.Counter[str] = collections.Counter()
+        """Of those, the ones :meth:`recovered` since their failure, in that run."""
+        self._mended: tuple[RestoreReport, str] | None = None  # for _log_mended
         self._generation = 0
         self._last_report: Report | None = None
         self._extra_status: dict[str, Callable[[], Any]] = {}
@@ -279,6 +285,7 @@ class Lifecycle:
         self._install_lock = threading.Lock()
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)
+        self._runner.on_failed = self._hook_failed
         self._user_loop = None
         self._detectors = []
         self._detector_errors = {}
@@ -602,9 +609,17 @@ class Lifecycle:
             raise TypeError(f"recovered(): hook must be a hook's name (str), not "
                             f"{type(hook).__name__}")
         with self._cond:
+            if since is not None and since < self._run_began:
+                return False
+            if self._state == "restoring":
+                # Its hook failed earlier in this run: counted when the run ends (a
+                # watcher that reloads a certificate while later hooks still run fires
+                # once; dropped, the process stayed degraded for good).
+                if self._run_recovered[hook] < self._run_failed[hook]:
+                    self._run_recovered[hook] += 1
+                return False
             faults = self._faults
-            if (self._state != "degraded" or faults is None or hook not in faults
-                    or (since is not None and since < self._run_began)):
+            if self._state != "degraded" or faults is None or hook not in faults:
                 return False
             faults[hook] -= 1
             if not faults[hook]:
@@ -620,6 +635,17 @@ class Lifecycle:
             return False
         log.info("hook %s recovered; ready again", hook)
         return True
+
+    def _log_mended(self, report: RestoreReport) -> None:
+        mended, self._mended = self._mended, None
+        if mended is not None and mended[0] is report:
+            log.info("hook(s) recovered while the run went on: %s; ready", mended[1])
+
+    def _hook_failed(self, result: HookResult) -> None:
+        """The runner recorded a failed or timed-out required hook (any run)."""
+        with self._cond:
+            if self._state == "restoring":
+                self._run_failed[result.name] += 1
 
     # -- freeze watch ----------------------------------------------------------------
 
@@ -947,6 +973,7 @@ class Lifecycle:
                 self._cond.notify_all()
         self._publish(report)
         _log_run(report)
+        self._log_mended(report)
         return report
 
     def _handled_already(self, reason: str, since: float | None, detected: float, *,
@@ -1227,6 +1254,7 @@ class Lifecycle:
                 if isinstance(report, RestoreReport):
                     self._publish(report)
                     _log_run(report)
+                    self._log_mended(report)
                 return
             step = min(end - now, 0.5)
             freezes = self._freezes
@@ -1431,6 +1459,8 @@ class Lifecycle:
             self._state = "restoring"
             self._faults = None
             self._run_began = time.monotonic()
+            self._run_failed.clear()
+            self._run_recovered.clear()
             self._cond.notify_all()
         # Logged at INFO only once the run is over (_log_run): a log line is I/O — to a
         # pipe that may be full — and in a restored clone the first one is slow besides
@@ -1445,8 +1475,19 @@ class Lifecycle:
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
-            self._faults = None if ok else dict(collections.Counter(
-                r.name for r in results if r.required and r.outcome in ("failed", "timeout")))
+            mended: list[str] = []
+            if ok:
+                self._faults = None
+            else:
+                faults = collections.Counter(
+                    r.name for r in results if r.required and r.outcome in ("failed", "timeout"))
+                mended = sorted((faults & self._run_recovered).elements())
+                faults -= self._run_recovered
+                if faults:
+                    self._faults = dict(faults)
+                else:  # every failure recovered while later hooks ran
+                    self._state = "ready"
+                    self._faults = None
             # With readiness, under the run lock: stored only when published (after the
             # lock), a duplicate notice confirmed in between found an older last report,
             # and the late publish then dropped its confirmation from status() for good;
@@ -1455,6 +1496,8 @@ class Lifecycle:
             self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()
+        if mended:  # logged after the run's own line (_log_run), which says "degraded"
+            self._mended = (report, ", ".join(mended))
         if self._observers:
             _notify_observers(tuple(self._observers), "event_finished", ctx, report)
         return report
@@ -1722,6 +1765,7 @@ class Lifecycle:
             self._runner.close()
             self._loop_thread.close()
             self._runner = HookRunner(self._loop_thread)
+            self._runner.on_failed = self._hook_failed
         finally:
             if finishing:
                 self._run_lock.release()

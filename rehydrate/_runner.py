@@ -146,6 +146,14 @@ def _log_outcome(ctx: RestoreContext, result: HookResult) -> None:
                 ctx.kind, result.name, result.outcome, describe_error(result.error))
 
 
+def _tell_failed(on_failed: Callable[[HookResult], None] | None, result: HookResult) -> None:
+    if on_failed is not None and result.required and result.outcome in ("failed", "timeout"):
+        try:
+            on_failed(result)
+        except Exception:  # never lose the run over it
+            log.exception("failed-hook callback %r failed", on_failed)
+
+
 class _Expired(Exception):
     """The limit of an awaitable returned by a sync-looking hook passed."""
 
@@ -281,6 +289,8 @@ class _Progress:
     """False while hook ``index`` waits for its event loop to get to it."""
     run_end: float = math.inf
     """``time.monotonic()`` by which the whole run must be over (``ctx.deadline``)."""
+    on_failed: Callable[[HookResult], None] | None = None
+    """:attr:`HookRunner.on_failed` when the job began."""
 
     def begin(self, index: int, timeout: float, *, entered: bool = True,
               grace: float = 0.0) -> None:
@@ -325,6 +335,7 @@ class _Progress:
             self.results[index] = result
             self.deadline = math.inf
         _log_outcome(self.ctx, result)  # outside the lock: the supervisor must not wait on I/O
+        _tell_failed(self.on_failed, result)
         return True
 
     def settle(self, index: int, tokens: Sequence[object], result: HookResult) -> bool:
@@ -352,6 +363,9 @@ class HookRunner:
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self.on_failed: Callable[[HookResult], None] | None = None
+        """Called with each failed or timed-out required hook's result as it is recorded
+        (the engine: a recovery during the run counts only after the failure)."""
         self._hung: dict[Any, tuple[str, threading.Thread]] = {}
         """Sync hooks abandoned at their timeout whose thread may still run them, by hook
         function: such a hook is not started again until that thread has returned, so at
@@ -599,7 +613,8 @@ class HookRunner:
         index = 0
         while index < len(hooks):
             job = _Progress(hooks, ctx, results, index, observers, loop,
-                            run_end=math.inf if ctx.deadline is None else ctx.deadline)
+                            run_end=math.inf if ctx.deadline is None else ctx.deadline,
+                            on_failed=self.on_failed)
             with self._cv:
                 if self._closed:
                     raise RuntimeError("hook runner is closed")
@@ -672,6 +687,7 @@ class HookRunner:
             job.wake.wait(wait)
         self._abandon(job, None if hook.is_async else hook)
         _log_outcome(job.ctx, result)
+        _tell_failed(job.on_failed, result)
         if hook.is_async and error.run_deadline is not None:
             log.warning("%s; moving on", error)
         elif hook.is_async and not entered:

@@ -83,7 +83,7 @@ def _name(key: bytes) -> str:
 _BOM = "\ufeff".encode()
 
 
-def parse_environ(data: bytes) -> dict[bytes, bytes]:
+def parse_environ(data: bytes, *, nul_only: bool = False) -> dict[bytes, bytes]:
     """Parse ``KEY=VALUE\\0KEY=VALUE\\0…`` (``/proc/PID/environ``, gVisor's
     ``spec_environ``). A repeated key: the last one wins. Data without any NUL is one
     entry per line (``env`` output, a hand-written file): ``KEY=VALUE\\n`` must not set a
@@ -97,8 +97,9 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
 
     In NUL mode every entry ends in a NUL, the last one too (gVisor writes one after each
     entry, as ``/proc/PID/environ`` does): data ending otherwise was cut short — a writer
-    stopped mid-value, or is still writing — and is refused whole. In line mode a
-    leading UTF-8 byte order mark (an editor's) is no part of the first key.
+    stopped mid-value, or is still writing — and is refused whole; ``nul_only`` (a file
+    named ``spec_environ``) refuses data without any NUL too (cut inside its first
+    entry). A leading UTF-8 byte order mark (an editor's) is no part of the first key.
 
     Raises :class:`EnvError` (naming the entry, never its value) for an entry without
     ``=``, an empty key, NUL-separated data whose last entry is not NUL-terminated, a
@@ -108,14 +109,18 @@ def parse_environ(data: bytes) -> dict[bytes, bytes]:
     """
     if len(data) > MAX_ENVIRON_BYTES:
         raise EnvError(f"larger than the {MAX_ENVIRON_BYTES} bytes accepted")
+    if data.startswith(_BOM):
+        # Kept, it made the first key "\ufeffAPI_KEY": API_KEY itself was then removed.
+        data = data[len(_BOM):]
     separator = b"\0" if b"\0" in data else b"\n"
+    if nul_only and separator != b"\0" and data:
+        # gVisor's file: a cut inside its first entry leaves no NUL at all, and read as
+        # one line the cut value was applied.
+        raise EnvError("no NUL-terminated entry (truncated in its first entry?)")
     if separator == b"\0" and not data.endswith(b"\0"):
         # Applied, "DB_URL=postgres://db/ne" of a file cut mid-value was set, and under
         # policy update every key after the cut was removed, with the process ready.
         raise EnvError("last entry not NUL-terminated (truncated, or still being written?)")
-    if separator == b"\n" and data.startswith(_BOM):
-        # Kept, it made the first key "\ufeffAPI_KEY": API_KEY itself was then removed.
-        data = data[len(_BOM):]
     result: dict[bytes, bytes] = {}
     entries = 0
     for index, entry in enumerate(data.split(separator), start=1):
@@ -156,7 +161,8 @@ def read_environ(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
     except OSError as exc:
         raise EnvError(f"cannot read {os.fspath(path)}: {exc.strerror or exc}") from None
     try:
-        return parse_environ(data)
+        # gVisor's spec_environ (or a stand-in of it) is always NUL-separated
+        return parse_environ(data, nul_only=os.path.basename(path) == "spec_environ")
     except EnvError as exc:
         raise EnvError(f"{os.fspath(path)}: {exc}") from None
 

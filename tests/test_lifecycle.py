@@ -289,12 +289,17 @@ def test_recovered_hooks_make_a_degraded_process_ready_without_a_new_run(
     assert rehydrate_engine.recovered("db") is False
     assert rehydrate_engine.state == "degraded"
 
-    # While a run is in progress nothing is recovered (its own outcome decides).
+    # While a run is in progress a call makes nothing ready: it counts when the run ends,
+    # and only for a hook that had failed in it by then ("db"; not "cache", still to come).
     reg.unregister("cache")
     @reg.after_restore(name="slow")
     def slow():
         waiting.set()
         assert release.wait(10)
+
+    @reg.after_restore(name="cache")
+    def cache_again():
+        raise ConnectionError("cache down")
 
     run = threading.Thread(target=rehydrate_engine.simulate_restore)
     run.start()
@@ -302,11 +307,14 @@ def test_recovered_hooks_make_a_degraded_process_ready_without_a_new_run(
         assert waiting.wait(10)
         assert rehydrate_engine.state == "restoring"
         assert rehydrate_engine.recovered("db") is False
+        assert rehydrate_engine.recovered("cache") is False
+        assert rehydrate_engine.state == "restoring" and not rehydrate_engine.is_ready()
     finally:
         release.set()
         run.join(10)
-    assert rehydrate_engine.state == "degraded"  # db failed again in that run
-    assert rehydrate_engine.recovered("db") is True
+    assert rehydrate_engine.state == "degraded"  # "cache" failed after that call
+    assert rehydrate_engine.recovered("db") is False  # counted during the run already
+    assert rehydrate_engine.recovered("cache") is True
 
 
 def test_recovered_counts_hooks_sharing_a_name_and_ignores_work_older_than_the_run(
@@ -325,6 +333,49 @@ def test_recovered_counts_hooks_sharing_a_name_and_ignores_work_older_than_the_r
     assert rehydrate_engine.state == "degraded"
     assert rehydrate_engine.recovered("warm") is True
     assert rehydrate_engine.state == "ready"
+
+
+def test_a_recovery_during_the_run_counts_only_after_the_hook_failed(rehydrate_engine,
+                                                                      caplog):
+    """A certificate watcher reloads while later hooks of the same run still run: that
+    recovery counts when the run ends (it fires once; dropped, the process stayed
+    degraded for good). One made before the hook failed in this run, or by work begun
+    before the run, does not: the hook's own outcome decides."""
+    reg = rehydrate_engine.registry
+    calls = []
+
+    @reg.after_restore(phase="environment", name="early")
+    def early():
+        calls.append(rehydrate_engine.recovered("cert"))  # before "cert" failed: nothing
+
+    @reg.after_restore(phase="secrets", name="cert")
+    def cert():
+        raise FileNotFoundError("not mounted yet")
+
+    @reg.after_restore(phase="secrets", name="token")
+    def token():
+        raise FileNotFoundError("not mounted yet")
+
+    @reg.after_restore(name="late")
+    def late():
+        calls.append(rehydrate_engine.recovered("cert"))
+        calls.append(rehydrate_engine.recovered("token", since=-1.0))  # older than the run
+
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok and calls == [False, False, False]
+    assert rehydrate_engine.state == "degraded"  # "token" is left
+    assert rehydrate_engine.recovered("cert") is False  # counted already, during the run
+    assert rehydrate_engine.recovered("token") is True
+    assert rehydrate_engine.state == "ready"
+
+    reg.unregister("token")
+    calls.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok  # the report keeps what happened
+    assert rehydrate_engine.state == "ready" and rehydrate_engine.is_ready()
+    assert "hook(s) recovered while the run went on: cert; ready" in [
+        r.getMessage() for r in caplog.records]
 
 
 def test_a_failed_snapshot_pass_is_not_recovered_by_hook_name(rehydrate_engine):

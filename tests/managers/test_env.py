@@ -147,12 +147,34 @@ def test_a_line_file_with_a_byte_order_mark_keeps_its_first_key(tmp_path, enviro
     assert parse_environ("\ufeffA=1\r\nB=2\r\n".encode()) == {b"A": b"1", b"B": b"2"}
     assert parse_environ("\ufeff# note\nA=1\n".encode()) == {b"A": b"1"}
     environ[b"RHT_API_KEY"] = b"old"
-    spec = write(tmp_path / "spec_environ", b"RHT_API_KEY=old\n")
+    spec = write(tmp_path / "app.env", b"RHT_API_KEY=old\n")
     ref = EnvRefresher(path=spec)
     ref.baseline()
-    write(tmp_path / "spec_environ", "\ufeffRHT_API_KEY=new\r\n".encode())
+    write(tmp_path / "app.env", "\ufeffRHT_API_KEY=new\r\n".encode())
     assert ref.refresh() == EnvChanges(changed=("RHT_API_KEY",))
     assert environ[b"RHT_API_KEY"] == b"new"
+
+
+def test_a_byte_order_mark_is_dropped_in_nul_format_too():
+    assert parse_environ("\ufeffAPI_KEY=1\0B=2\0".encode()) == {b"API_KEY": b"1", b"B": b"2"}
+
+
+def test_a_spec_environ_cut_inside_its_first_entry_is_refused(tmp_path, environ):
+    """Cut inside its first entry, gVisor's file has no NUL left: read as one line, the
+    cut value was applied (and every other key removed). A file named ``spec_environ``
+    is NUL-separated; any other file may still be one entry per line."""
+    environ.update({b"RHT_API_KEY": b"old", b"RHT_DB_URL": b"postgres://db/old"})
+    spec = write(tmp_path / "spec_environ", {b"RHT_API_KEY": b"old",
+                                             b"RHT_DB_URL": b"postgres://db/old"})
+    ref = EnvRefresher(path=spec)
+    ref.baseline()
+    write(tmp_path / "spec_environ", b"RHT_DB_URL=postgres://db/ne")
+    with pytest.raises(EnvError, match=r"spec_environ: no NUL-terminated entry \(truncated"):
+        ref.refresh()
+    assert environ[b"RHT_DB_URL"] == b"postgres://db/old"
+    assert environ[b"RHT_API_KEY"] == b"old"
+    line_file = write(tmp_path / "app.env", b"RHT_DB_URL=postgres://db/new")
+    assert read_environ(line_file) == {b"RHT_DB_URL": b"postgres://db/new"}
 
 
 def test_line_mode_skips_comments_and_blank_lines_and_keeps_quotes():

@@ -616,3 +616,23 @@ def test_a_reload_begun_before_a_failed_resume_does_not_take_back_its_failure(
         reload.join(10)
     assert rehydrate_engine.status().state == "degraded"
     assert not rehydrate_engine.is_ready()
+
+
+def test_a_secret_reloaded_while_later_hooks_run_makes_the_run_end_ready(
+        rehydrate_engine, secret_file):
+    """The Secret volume is filled while the restore's later hooks still run, and the
+    secret reloads then: the run ends ready (the reload fires once; refused as "a run in
+    progress", the process stayed degraded for good)."""
+    s = Secret.from_file(secret_file, strip=True, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    secret_file.unlink()
+
+    @rehydrate_engine.registry.after_restore(name="app.warm-up")
+    def warm_up() -> None:
+        secret_file.write_bytes(b"mounted-meanwhile\n")
+        assert s.reload()
+
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok  # the secret's own hook failed
+    assert s.get() == b"mounted-meanwhile"
+    assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()
