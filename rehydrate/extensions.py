@@ -9,14 +9,22 @@ engine is created; ``Lifecycle(extensions=[...])`` takes another list.
 Functions of a manager module take ``engine: Engine | None = None``;
 :func:`resolve_engine` turns ``None`` into the process-wide default engine, created on
 first use. See ``docs/architecture.md`` for the layers and the checklists.
+
+What an extension needs besides: :data:`BEFORE_USER_HOOKS` (the order of a built-in hook
+that must run before every user hook of its phase), :func:`in_hook` (is this call made by
+a rehydrate hook?), and the argument checks the built-in ones use, so that a bad argument
+is refused the same way everywhere: :func:`check_seconds` (with :data:`MAX_SECONDS`) and
+:func:`shown` (a caller's value in an error message).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
+from . import _config, _hooks
+from ._config import MAX_SECONDS, shown
 from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, Probe, load_extension
 from ._hooks import default_registry
 
@@ -24,15 +32,27 @@ if TYPE_CHECKING:
     from ._lifecycle import Lifecycle
 
 __all__ = [
+    "BEFORE_USER_HOOKS",
     "DEFAULT_EXTENSIONS",
+    "MAX_SECONDS",
     "Engine",
     "Extension",
     "Probe",
+    "check_seconds",
     "default_engine",
     "default_registry",
+    "in_hook",
     "load_extension",
     "resolve_engine",
+    "shown",
 ]
+
+BEFORE_USER_HOOKS: Final[int] = _hooks.BEFORE_USER_HOOKS
+"""The ``order`` of a built-in hook that runs before every user hook of its phase, whatever
+their ``order`` (``engine.builtins.register(fn, phase=..., order=BEFORE_USER_HOOKS)``): it
+lies below the range user hooks may take, which only ``engine.builtins`` accepts. The
+environment refresh runs there in the ENVIRONMENT phase; an extension whose hook must run
+before even that one subtracts from it (down to ``-2_000_000_000``)."""
 
 _default: Lifecycle | None = None
 _lock = threading.Lock()
@@ -58,6 +78,26 @@ def default_engine() -> Lifecycle:
 def resolve_engine(engine: Engine | None) -> Engine:
     """``engine``, or the default engine when it is ``None`` (every manager's ``engine=``)."""
     return engine if engine is not None else default_engine()
+
+
+def check_seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
+    """``value`` as a float when it is a number of seconds: an int or float (not a bool),
+    ``> 0`` (with ``zero_ok``: ``>= 0``) and at most :data:`MAX_SECONDS`; otherwise a
+    one-line ``TypeError`` (not a number) or ``ValueError`` (NaN, infinity, out of range)
+    naming the argument ``what`` and the rule. The check the built-in extensions make of
+    every timeout, deadline and interval argument — where it enters (a constructor), not
+    later in a thread that an exception would end."""
+    return _config.seconds(value, what, zero_ok=zero_ok)
+
+
+def in_hook() -> bool:
+    """Whether this call comes from a rehydrate hook — a hook of any engine, in the thread
+    or task that runs it (and what it starts with its context: ``asyncio`` tasks,
+    ``contextvars.copy_context()``). A gate that refuses requests while the engine is not
+    ready uses it to let the restore hook through that reloads what the gate guards."""
+    from ._runner import inside_hook
+
+    return inside_hook.get() is not None
 
 
 def _new_lock_in_child() -> None:

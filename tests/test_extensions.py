@@ -423,3 +423,73 @@ def test_the_start_listener_of_an_extension_that_failed_to_install_never_runs() 
         assert engine.installed == [] and ran == []
     finally:
         engine.close()
+
+
+def test_in_hook_is_true_in_sync_and_async_hooks_of_any_engine_and_false_outside() -> None:
+    """Adapters ask this (kserve lets a restore hook reload a gated model) instead of
+    reading the engine's private context variable."""
+    import asyncio
+
+    from rehydrate.extensions import in_hook
+
+    seen: list[tuple[str, bool]] = []
+
+    def sync_hook() -> None:
+        seen.append(("sync", in_hook()))
+
+    async def async_hook() -> None:
+        seen.append(("async", in_hook()))
+        # a task the hook starts inherits its context: still the hook's work
+        seen.append(("task", await asyncio.create_task(_async_in_hook())))
+
+    engine = _engine(builtins=False)
+    try:
+        engine.registry.register(sync_hook, phase=Phase.APPLICATION, name="test.sync")
+        engine.registry.register(async_hook, phase=Phase.APPLICATION, name="test.async")
+        assert in_hook() is False
+        assert engine.simulate_restore().ok
+        assert in_hook() is False
+    finally:
+        engine.close()
+    assert sorted(seen) == [("async", True), ("sync", True), ("task", True)]
+
+
+async def _async_in_hook() -> bool:
+    from rehydrate.extensions import in_hook
+
+    return in_hook()
+
+
+def test_before_user_hooks_runs_a_builtin_hook_before_the_lowest_user_order() -> None:
+    from rehydrate._hooks import ORDER_LIMIT
+    from rehydrate.extensions import BEFORE_USER_HOOKS
+
+    engine = _engine(builtins=False)
+    try:
+        engine.registry.register(lambda: None, phase=Phase.ENVIRONMENT, order=-ORDER_LIMIT,
+                                 name="test.lowest-user")
+        engine.builtins.register(lambda: None, phase=Phase.ENVIRONMENT,
+                                 order=BEFORE_USER_HOOKS, name="test.builtin")
+        assert [h.name for h in engine.simulate_restore().hooks] == [
+            "test.builtin", "test.lowest-user"]
+        with pytest.raises(ValueError, match="order must be an int"):
+            engine.registry.register(lambda: None, order=BEFORE_USER_HOOKS)
+    finally:
+        engine.close()
+
+
+def test_check_seconds_and_shown_refuse_a_bad_argument_in_one_bounded_line() -> None:
+    from rehydrate.extensions import MAX_SECONDS, check_seconds, shown
+
+    assert check_seconds(2, "deadline") == 2.0
+    assert check_seconds(0, "max_wait", zero_ok=True) == 0.0
+    assert check_seconds(MAX_SECONDS, "deadline") == MAX_SECONDS
+    with pytest.raises(TypeError, match=r"^deadline must be a number of seconds > 0 .*, not bool"):
+        check_seconds(True, "deadline")
+    for bad in (0, -1, float("nan"), float("inf"), MAX_SECONDS + 1, 10**5000):
+        with pytest.raises(ValueError, match=r"^deadline must be a number of seconds > 0") as e:
+            check_seconds(bad, "deadline")
+        assert len(str(e.value)) < 150
+    assert shown(10**5000) == "1e+5000"
+    assert shown("x" * 100) == repr("x" * 100)[:57] + "..."
+    assert shown([10**5000]) == "[1e+5000]"

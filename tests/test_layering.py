@@ -205,3 +205,70 @@ def test_the_layer_rules_see_an_upward_import():
         "rehydrate.extensions") > _layer("rehydrate._lifecycle") > _layer("rehydrate._config")
     assert _layer("rehydrate.routes._model") == _layer("rehydrate.routes")
     assert _layer("rehydrate.adapters._server") > _layer("rehydrate")
+
+
+def _private_imports(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """What ``module`` imports of rehydrate that is not its public API: a module or name
+    with a leading underscore below ``rehydrate`` (or a deprecated old path), other than
+    the adapters' own helpers ``rehydrate.adapters._*``. Every import counts, those under
+    ``if TYPE_CHECKING:`` too: a type an adapter names is part of what it depends on, and
+    a private one may be renamed in any release."""
+    from test_public_api import MOVED_PATHS
+
+    moved = {f"rehydrate.{m}" for m in MOVED_PATHS}  # deprecated paths of private modules
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules
+                       or a.name.startswith("_") else mod for a in node.names]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            if parts[0] != "rehydrate" or target.startswith("rehydrate.adapters._"):
+                continue
+            if target in moved or any(p.startswith("_") for p in parts[1:]):
+                found.add((node.lineno, f"{module}:{node.lineno} imports {target}"))
+    return [line for _, line in sorted(found)]
+
+
+def test_adapters_import_only_the_public_api():
+    """docs/architecture.md: an adapter imports only rehydrate's public API (``rehydrate``,
+    ``rehydrate.extensions``, the documented submodules) and its own ``adapters._*``
+    helpers — what a third-party adapter can do too."""
+    modules = _modules()
+    bad = [line for name, path in sorted(modules.items())
+           if name == "rehydrate.adapters" or name.startswith("rehydrate.adapters.")
+           for line in _private_imports(name, path, modules)]
+    assert bad == [], "adapters import private rehydrate modules:\n" + "\n".join(bad)
+
+
+def test_the_adapter_rule_sees_every_spelling_of_a_private_import(tmp_path: Path):
+    modules = {"rehydrate._config": Path(), "rehydrate.adapters._server": Path(),
+               "rehydrate.extensions": Path()}
+    src = tmp_path / "x.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import rehydrate._config\n"
+        "from .. import Phase, _config\n"
+        "from rehydrate.extensions import _lock, shown\n"
+        "from . import _server\n"
+        "from ._server import within\n"
+        "if TYPE_CHECKING:\n    from ..hooks import Hook\n"
+        "def f():\n    from .._runner import inside_hook\n")
+    assert _private_imports("rehydrate.adapters.x", src, modules) == [
+        "rehydrate.adapters.x:2 imports rehydrate._config",
+        "rehydrate.adapters.x:3 imports rehydrate._config",
+        "rehydrate.adapters.x:4 imports rehydrate.extensions._lock",
+        "rehydrate.adapters.x:8 imports rehydrate.hooks",
+        "rehydrate.adapters.x:10 imports rehydrate._runner",
+    ]

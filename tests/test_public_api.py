@@ -27,8 +27,9 @@ PACKAGE_API = [
 ]
 
 EXTENSIONS_API = [
-    "DEFAULT_EXTENSIONS", "Engine", "Extension", "Probe", "default_engine", "default_registry",
-    "load_extension", "resolve_engine",
+    "BEFORE_USER_HOOKS", "DEFAULT_EXTENSIONS", "Engine", "Extension", "MAX_SECONDS", "Probe",
+    "check_seconds", "default_engine", "default_registry", "in_hook", "load_extension",
+    "resolve_engine", "shown",
 ]
 
 # Modules the docs tell users to import; each declares its public names in __all__.

@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import httpx
 
-from .. import Phase, _config
-from ..extensions import Probe, resolve_engine
+from .. import Phase
+from ..extensions import Probe, check_seconds, resolve_engine
 from . import _bodies
 
 if TYPE_CHECKING:
     import ssl
 
+    from .. import Hook, Registry
     from ..extensions import Engine
-    from ..hooks import Hook, Registry
 
 __all__ = ["ServerAdapter", "ServerError", "Unconfirmed", "answer_text", "call_maybe_async",
            "redact", "run_sync", "sync_variant", "within"]
@@ -292,8 +292,8 @@ class ServerAdapter:
                  request_timeout: float) -> None:
         # At most a year: deadline=10**400 was accepted and every hook then failed with
         # an OverflowError ("int too large to convert to float") naming no argument.
-        deadline = _config.seconds(deadline, "deadline")
-        request_timeout = _config.seconds(request_timeout, "request_timeout")
+        deadline = check_seconds(deadline, "deadline")
+        request_timeout = check_seconds(request_timeout, "request_timeout")
         if url is not None:
             _check_url(url)
         self.url = url.rstrip("/") if url is not None else None

@@ -42,9 +42,16 @@ from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import httpx
 
-from rehydrate import Phase, _config
-from rehydrate._hooks import BEFORE_USER_HOOKS
-from rehydrate.extensions import Engine, Probe, resolve_engine
+from rehydrate import Phase
+from rehydrate.extensions import (
+    BEFORE_USER_HOOKS,
+    MAX_SECONDS,
+    Engine,
+    Probe,
+    check_seconds,
+    resolve_engine,
+    shown,
+)
 
 from . import _bodies
 from ._readiness import reason_of
@@ -102,7 +109,7 @@ def _port(port: int | None) -> int:
         return int(raw)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"Agones SDK port must be an int in 1..65535, not "
-                         f"{_config.shown(port)}")
+                         f"{shown(port)}")
     return port
 
 
@@ -137,12 +144,12 @@ def _reserve_seconds(seconds: object) -> str:
     ever for anything not above 0, like 0), ``True`` (1 s), ``"10"``, 2.9 (cut to 2), and
     NaN or infinity failed with an error naming neither the argument nor the rule."""
     rule = (f"reserve(): seconds must be a whole number from 0 (until allocated) to "
-            f"{_config.MAX_SECONDS:.0f} (a year)")
+            f"{MAX_SECONDS:.0f} (a year)")
     if isinstance(seconds, float) and seconds.is_integer():
         seconds = int(seconds)  # 30.0: a whole number
     if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Integral)
-            or not 0 <= int(seconds) <= _config.MAX_SECONDS):
-        raise ValueError(f"{rule}, not {_config.shown(seconds)}")
+            or not 0 <= int(seconds) <= MAX_SECONDS):
+        raise ValueError(f"{rule}, not {shown(seconds)}")
     return str(int(seconds))
 
 
@@ -213,9 +220,9 @@ class AgonesAdapter:
         self.port = _port(port)
         self.base_url = f"http://localhost:{self.port}"
         # At most a year: deadline=10**400 failed with an OverflowError naming nothing.
-        self.health_interval = _config.seconds(health_interval, "health_interval")
-        self.deadline = _config.seconds(deadline, "deadline")
-        self.request_timeout = _config.seconds(request_timeout, "request_timeout")
+        self.health_interval = check_seconds(health_interval, "health_interval")
+        self.deadline = check_seconds(deadline, "deadline")
+        self.request_timeout = check_seconds(request_timeout, "request_timeout")
         self._engine_arg = engine
         self.engine: Engine | None = None
         self._transport = transport

@@ -45,7 +45,8 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from .. import Phase, _config
+from .. import Phase
+from ..extensions import MAX_SECONDS, check_seconds, shown
 from ._readiness import readiness
 
 if TYPE_CHECKING:
@@ -241,24 +242,24 @@ class ReadinessGate:
         # refused client as a 401-digit Retry-After (one it honours never retries), and
         # from 4300 digits str() failed here with a message naming nothing.
         if (isinstance(retry_after, bool) or not isinstance(retry_after, int)
-                or not 0 <= retry_after <= _config.MAX_SECONDS):
+                or not 0 <= retry_after <= MAX_SECONDS):
             raise ValueError(f"retry_after must be a whole number of seconds >= 0 and at most "
-                             f"{_config.MAX_SECONDS:.0f} (a year), not "
-                             f"{_config.shown(retry_after)}")
+                             f"{MAX_SECONDS:.0f} (a year), not "
+                             f"{shown(retry_after)}")
         # At most a year: a huge one (10**400) was accepted and overflowed a wait later.
-        drain_timeout = _config.seconds(drain_timeout, "drain_timeout")
-        max_wait = _config.seconds(max_wait, "max_wait", zero_ok=True)
+        drain_timeout = check_seconds(drain_timeout, "drain_timeout")
+        max_wait = check_seconds(max_wait, "max_wait", zero_ok=True)
         # one string is one prefix: tuple("/metrics") would exempt "/", i.e. everything
         exempt = (exempt,) if isinstance(exempt, str) else tuple(exempt)
         if not all(isinstance(p, str) and p.startswith("/") for p in exempt):
             raise ValueError("exempt must be path prefixes starting with '/', not "
-                             f"{_config.shown(exempt)}")
+                             f"{shown(exempt)}")
         paths = [p for p in (healthz, readyz, status) if p is not None]
         if not all(isinstance(p, str) and p.startswith("/") for p in paths) or \
                 len(set(paths)) != len(paths):
             raise ValueError("healthz, readyz and status must be distinct paths starting "
-                             f"with '/' (or None), not {_config.shown(healthz)}, "
-                             f"{_config.shown(readyz)}, {_config.shown(status)}")
+                             f"with '/' (or None), not {shown(healthz)}, "
+                             f"{shown(readyz)}, {shown(status)}")
         self.app = app
         if engine is None:
             from ..extensions import default_engine
@@ -607,7 +608,7 @@ def _checked_detectors(detectors: object) -> str | list[str | Detector]:
     checked: list[str | Detector] = []
     for key in keys:
         if not isinstance(key, Detector) and (not isinstance(key, str) or key not in known):
-            raise ValueError(f"unknown detector {_config.shown(key)} (known: "
+            raise ValueError(f"unknown detector {shown(key)} (known: "
                              f"{', '.join(known)})")
         checked.append(key)
     return detectors if isinstance(detectors, str) else checked

@@ -41,9 +41,7 @@ import weakref
 from collections.abc import Callable
 
 from rehydrate import Phase, RestoreContext
-from rehydrate._config import shown
-from rehydrate._hooks import BEFORE_USER_HOOKS
-from rehydrate.extensions import Engine, resolve_engine
+from rehydrate.extensions import BEFORE_USER_HOOKS, Engine, resolve_engine, shown
 
 __all__ = ["TickClock"]
 

@@ -54,8 +54,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._runner import inside_hook
-from ..extensions import Probe, resolve_engine
+from ..extensions import Probe, in_hook, resolve_engine
 from ._readiness import probe_import, readiness
 
 if TYPE_CHECKING:
@@ -197,7 +196,7 @@ def _gate_model(model: Any, engine: Engine) -> None:
         if not engine.is_ready():
             # Not from a rehydrate hook: a restore hook that asks healthy() (False while
             # it runs) and then reloads the model is the restore itself, not a request.
-            _vetoed.set(model if inside_hook.get() is None else None)
+            _vetoed.set(None if in_hook() else model)
             return False
         _vetoed.set(None)
         return await healthy()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives import constant_time, hashes, hmac
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from rehydrate._config import shown
+from rehydrate.extensions import shown
 from rehydrate.keys import urandom_into
 from rehydrate.secrets import Secret, SecretUnavailable
 

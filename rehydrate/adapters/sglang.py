@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from .._config import shown
-from ..extensions import Probe
+from ..extensions import Probe, shown
 from . import _bodies
 from ._readiness import probe_import
 from ._server import (

@@ -28,8 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rehydrate import Phase
-from rehydrate._config import shown
-from rehydrate.extensions import Engine, resolve_engine
+from rehydrate.extensions import Engine, resolve_engine, shown
 
 __all__ = ["UdpEndpoint"]
 
