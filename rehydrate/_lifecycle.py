@@ -600,10 +600,12 @@ class Lifecycle:
         together each need their own call). ``since``: ``time.monotonic()`` when the work
         that recovered it began; when the failed run began after that, the work may hold
         what that run rejected and nothing is forgotten. Returns True when this call made
-        the process ready. Does nothing (False) in any other case: not degraded, degraded
-        by a before-snapshot pass or by a run cut short, a run in progress, or a name that
-        did not fail in that run. The built-in certificate and secret managers call it
-        when a reload succeeds.
+        the process ready. During a restore run it returns False and counts only for a
+        hook that has already failed in that run: the run then ends ``ready`` when every
+        failure of it recovered. Otherwise it does nothing (False): not degraded, degraded
+        by a before-snapshot pass or by a run cut short, or a name that did not fail in
+        that run. The built-in certificate and secret managers call it when a reload
+        succeeds.
         """
         if not isinstance(hook, str):
             raise TypeError(f"recovered(): hook must be a hook's name (str), not "

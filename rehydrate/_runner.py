@@ -96,21 +96,27 @@ def backoff_delay(attempt: int) -> float:
     return _backoff.backoff_delay(attempt, BACKOFF_BASE, BACKOFF_MAX)
 
 
-def worst_case(hooks: Iterable[Hook]) -> float | None:
+UNBOUNDED_ALLOWANCE = 120.0
+"""What :func:`worst_case` counts for a hook without a limit of its own (one that bounds
+itself, such as ``rehydrate.connections``): the wait ``notify save`` had before it knew
+any budget."""
+
+
+def worst_case(hooks: Iterable[Hook]) -> float:
     """The longest a run of ``hooks`` can take under the limits this runner enforces: each
     hook's ``timeout`` per attempt plus the grace an async one gets, the longest backoff
-    before each retry, summed (hooks run one after another). None when a hook has no
-    limit.
+    before each retry, summed (hooks run one after another); a hook with no limit counts
+    :data:`UNBOUNDED_ALLOWANCE` per attempt.
 
     What a waiting client (``rehydrate notify save``) needs to know: every hook within its
     own limit finishes the run by then, so a client giving up earlier aborts a pass that
-    was going to succeed."""
+    was going to succeed. (A null budget, for any hook without a limit, sent the client
+    back to its own 120 s: every process with a managed connection lost the budget.)"""
     total = 0.0
     for hook in hooks:
-        if math.isinf(hook.timeout):
-            return None
+        limit = UNBOUNDED_ALLOWANCE if math.isinf(hook.timeout) else hook.timeout
         # The grace for every attempt: a sync hook that returns an awaitable gets it too.
-        total += (hook.retries + 1) * (hook.timeout + ASYNC_GRACE)
+        total += (hook.retries + 1) * (limit + ASYNC_GRACE)
         total += sum(min(BACKOFF_MAX, BACKOFF_BASE * 2.0 ** min(a, 64))
                      for a in range(hook.retries))
     return total

@@ -611,7 +611,9 @@ def test_the_budget_line_comes_first_and_only_when_asked(engine: Lifecycle,
         assert first["pending"] is True and first["id"] == 5 and "ok" not in first
         # every hook's limit: here two attempts of 7 s, each with the async grace, and
         # the backoff between them, beside the built-in hooks'
-        assert first["budget"] == worst_case(engine.hooks("snapshot"))
+        # (and the restore hooks: a failed pass runs the resume hooks before it replies)
+        assert first["budget"] == pytest.approx(
+            worst_case(engine.hooks("snapshot")) + worst_case(engine.hooks("restore")))
         assert worst_case([h for h in engine.hooks("snapshot") if h.name == "a"]) == \
             pytest.approx(2 * (7 + ASYNC_GRACE) + BACKOFF_BASE)
         reply = json.loads(lines.readline())
@@ -621,6 +623,28 @@ def test_the_budget_line_comes_first_and_only_when_asked(engine: Lifecycle,
         assert "report" in json.loads(lines.readline())
         conn.sendall(b'{"cmd": "prepare-snapshot", "budget": 1}\n')
         assert "budget" in json.loads(lines.readline())["error"]
+
+
+def test_a_hook_without_a_limit_counts_the_old_default_in_the_budget(
+        engine: Lifecycle, sock_path: str) -> None:
+    """``rehydrate.connections`` bounds itself and has no hook limit: the budget was null
+    for every process with a managed connection, and ``notify save`` kept its 120 s."""
+    import socket
+
+    from rehydrate import connections
+    from rehydrate._runner import UNBOUNDED_ALLOWANCE
+
+    connections.register("db", open=object, close=lambda v: None, engine=engine)
+    engine.registry.before_snapshot(name="slow", timeout=100)(lambda: None)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        conn.connect(sock_path)
+        conn.sendall(b'{"cmd": "prepare-snapshot", "budget": true}\n')
+        first = json.loads(conn.makefile("rb").readline())
+    assert isinstance(first["budget"], float)
+    assert first["budget"] >= 100 + 2 * UNBOUNDED_ALLOWANCE  # its two hooks' allowance
+    assert first["budget"] == pytest.approx(
+        worst_case(engine.hooks("snapshot")) + worst_case(engine.hooks("restore")))
 
 
 def test_save_against_a_process_that_announces_no_budget(

@@ -104,18 +104,20 @@ class _Drain:
         """Let the drain wait up to ``drain_timeout`` seconds (the longest any gate asks)."""
         if drain_timeout <= self.timeout and self._hook is not None:
             return
-        self.timeout = max(self.timeout, drain_timeout)
+        timeout = max(self.timeout, drain_timeout)
         builtins = self._engine.builtins
-        if self._hook is not None:
-            builtins.unregister(self._hook)
         # Before a snapshot phases run in reverse and, within one, higher orders first:
         # APPLICATION with the highest order is the very first hook, so requests drain
         # before any other hook closes what they use. A finite hook timeout (the drain's
         # own limit speaks first) makes the pass's worst case known: `notify save` waits
-        # for it (rehydrate._runner.worst_case).
-        self._hook = builtins.register(
+        # for it (rehydrate._runner.worst_case). The new hook is registered before the
+        # old one goes: a refusal keeps the drain there was.
+        hook = builtins.register(
             self._wait, event="snapshot", phase=Phase.APPLICATION, order=1_000_000,
-            name="rehydrate.asgi.drain", timeout=self.timeout + _DRAIN_GRACE)
+            name="rehydrate.asgi.drain", timeout=min(timeout + _DRAIN_GRACE, MAX_SECONDS))
+        if self._hook is not None:
+            builtins.unregister(self._hook)
+        self._hook, self.timeout = hook, timeout
 
     @property
     def in_flight(self) -> int:

@@ -671,13 +671,15 @@ class ControlServer:
 
     def _budget_notice(self, req_id: Any) -> dict[str, Any]:
         """The line a ``prepare-snapshot`` asking for ``"budget"`` gets before its reply:
-        the longest its before-snapshot hooks may run under their own limits (null: a
-        hook has none). It has no ``"ok"``: a client that asked for it but reads only one
-        line takes it for no reply, never for a success."""
+        the longest its before-snapshot hooks may run under their own limits, and the
+        restore hooks after them (a failed pass runs the resume hooks before it replies).
+        It has no ``"ok"``: a client that asked for it but reads only one line takes it
+        for no reply, never for a success."""
+        budget: float | None
         try:
-            hooks = [*self.engine.registry.hooks("snapshot"),
-                     *self.engine.builtins.hooks("snapshot")]
-            budget = worst_case(hooks)
+            engine = self.engine
+            budget = sum(worst_case([*engine.registry.hooks(event), *engine.builtins.hooks(event)])
+                         for event in ("snapshot", "restore"))
         except Exception:  # an engine of another shape: the client keeps its own limit
             log.debug("control socket: no snapshot budget", exc_info=True)
             budget = None

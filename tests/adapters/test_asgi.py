@@ -306,6 +306,19 @@ def test_the_snapshot_budget_covers_the_drain_and_an_engine_s_deadline(
     assert worst_case(rehydrate_engine.hooks("snapshot")) == pytest.approx(budget + 20)
 
 
+def test_a_gate_draining_about_a_year_keeps_the_drain_hook(app: App,
+                                                            rehydrate_engine: Any) -> None:
+    """``drain_timeout`` near the one-year cap passes the gate's check; its hook (drain +
+    grace) went over the cap, the registration failed — after the first gate's drain hook
+    had been removed: no drain at all."""
+    from rehydrate.extensions import MAX_SECONDS
+
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=30)
+    ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=MAX_SECONDS)
+    drains = [h for h in rehydrate_engine.hooks("snapshot") if h.name == "rehydrate.asgi.drain"]
+    assert [h.timeout for h in drains] == [MAX_SECONDS]
+
+
 def test_drain_timeout_fails_the_snapshot(app: App, rehydrate_engine: Any) -> None:
     gate = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, drain_timeout=0.2)
     with serve(gate) as url, httpx.Client(base_url=url) as c:
