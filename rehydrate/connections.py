@@ -361,10 +361,15 @@ class Connection:
         open that made the value ran on, while it runs. What such an open makes (asyncio
         streams, an asyncpg or aiohttp pool) belongs to that loop: closed from another it
         failed with "attached to a different loop" (or "Event loop is closed"), touched
-        its transport from a foreign thread and left the socket open. None: any loop."""
+        its transport from a foreign thread and left the socket open. None: any loop,
+        also when that loop's thread is waiting for the lifecycle event this close is
+        part of (``simulate_snapshot()`` called on it): submitted there, the close only
+        started once the event had given up on it, after ``CLOSE_TIMEOUT``."""
+        from ._runner import is_blocked
+
         loop = self._loop
         if (not _is_async(self.close_fn) or loop is None or loop.is_closed()
-                or not loop.is_running()):
+                or not loop.is_running() or is_blocked(loop)):
             return None
         return loop
 
@@ -464,7 +469,7 @@ class Connection:
             finish(RuntimeError("stopped before it returned") if call.cancelled()
                    else call.exception())
 
-        from ._runner import _submit
+        from ._runner import _submit, is_blocked
 
         started = False
         try:
@@ -484,8 +489,10 @@ class Connection:
                 except Exception as exc:
                     if home is None and opened_on is not None:
                         # one line, not the Task repr of "attached to a different loop"
+                        why = ("is waiting for this lifecycle event (started on its "
+                               "thread)" if is_blocked(opened_on) else "has stopped")
                         raise RuntimeError(
-                            "the event loop it was opened on has stopped; close() failed "
+                            f"the event loop it was opened on {why}; close() failed "
                             f"on another: {_describe(exc)}") from None
                     raise
                 return

@@ -2914,3 +2914,73 @@ def test_a_user_coroutine_closed_while_pending_is_closed_quietly():
     coro = connections._guarded_async(hangs)
     coro.send(None)  # suspended inside the user's function
     coro.close()  # raised RuntimeError("...hangs raised GeneratorExit()")
+
+
+async def test_a_snapshot_on_the_app_loops_thread_closes_what_was_opened_there(
+        rehydrate_engine, monkeypatch):
+    """With ``start(loop=app)`` a snapshot taken on the app loop's own thread runs its
+    hooks on rehydrate's loop, but an async close of what an open made on the app loop
+    was still sent to the app loop — the one that call blocks: it ran only once the
+    snapshot had given up on it (CLOSE_TIMEOUT), and a required connection failed it.
+    It runs on the loop the hooks run on, at once."""
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 1.0)
+    peer = _Peer()
+    loop = asyncio.get_running_loop()
+    closed_on: list[asyncio.AbstractEventLoop] = []
+
+    async def open_():
+        return socket.create_connection(peer.address)
+
+    async def close(v):
+        closed_on.append(asyncio.get_running_loop())
+        v.close()
+
+    conn = connections.register("db", open=open_, close=close, required=True,
+                                engine=rehydrate_engine)
+    rehydrate_engine.start("none", loop=loop)
+    try:
+        assert (await asyncio.to_thread(rehydrate_engine.simulate_restore)).ok
+        assert conn._loop is loop  # opened on the app loop
+        snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
+        assert snap.ok, snap.table()
+        assert conn.state == "closed", conn.to_dict()
+        assert closed_on == [rehydrate_engine._loop_thread.get()]
+        assert peer.sees_eof(1) == [True]
+    finally:
+        rehydrate_engine.stop()
+        peer.close()
+
+
+async def test_a_restore_on_the_app_loops_thread_closes_the_old_value_first(
+        rehydrate_engine, monkeypatch):
+    """The same for a restore's close of the value it replaces: it waited CLOSE_TIMEOUT
+    for the blocked app loop, then reopened anyway and left the old socket open."""
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 1.0)
+    peer = _Peer()
+    loop = asyncio.get_running_loop()
+    opened: list[socket.socket] = []
+
+    async def open_():
+        s = socket.create_connection(peer.address)
+        opened.append(s)
+        return s
+
+    async def close(v):
+        v.close()
+
+    conn = connections.register("db", open=open_, close=close, required=True,
+                                engine=rehydrate_engine)
+    rehydrate_engine.start("none", loop=loop)
+    try:
+        assert (await asyncio.to_thread(rehydrate_engine.simulate_restore)).ok
+        rep = rehydrate_engine.simulate_restore()  # blocks this loop's thread
+        assert rep.ok, rep.table()
+        assert conn.state == "open" and conn.last_error is None, conn.to_dict()
+        assert len(opened) == 2
+        assert opened[0].fileno() == -1, "the replaced socket is still open"
+        assert peer.sees_eof(1) == [True]
+    finally:
+        rehydrate_engine.stop()
+        peer.close()
+        for s in opened:
+            s.close()
