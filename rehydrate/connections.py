@@ -1728,6 +1728,20 @@ def grpc_channel(
     return managed
 
 
+def _connect(address: Any, timeout: float | None, family: int = socket.AF_INET,
+             proto: int = 0) -> socket.socket:
+    """A TCP socket connected to ``address``, a sockaddr as ``getaddrinfo`` returns it
+    (with an IPv6 one's flow info and scope id), ``timeout`` set before the connect."""
+    sock = socket.socket(family, socket.SOCK_STREAM, proto)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ManagedSocket:
     """A TCP client socket that is reconnected after every restore.
 
@@ -1816,8 +1830,13 @@ class ManagedSocket:
                 raise TimeoutError(f"name lookup of {host!r} did not answer within "
                                    f"{lookup_by - start:.2g}s") from None
         error: OSError | None = None
-        # in order, each once (an address listed for two protocols)
-        for addr in dict.fromkeys((str(info[4][0]), int(info[4][1])) for info in infos):
+        # in order, each once (an address listed for two protocols); the whole sockaddr,
+        # as getaddrinfo gave it: an IPv6 link-local one ("fe80::1%eth0") needs its scope
+        # id, and rebuilt as (host, port) its connect failed with EINVAL
+        tried: dict[Any, Any] = {}
+        for info in infos:
+            tried.setdefault(info[4], info)
+        for info in tried.values():
             timeout = self.timeout
             if deadline_at is not None:
                 left = deadline_at - time.monotonic()
@@ -1826,7 +1845,7 @@ class ManagedSocket:
                 left = max(0.01, left)
                 timeout = left if timeout is None else min(timeout, left)
             try:
-                new = socket.create_connection(addr, timeout=timeout)
+                new = _connect(info[4], timeout, info[0], info[2])
             except OSError as exc:
                 error = exc
                 continue
