@@ -638,7 +638,9 @@ class _Background:
     it runs on, and a future done when the task is."""
 
     loop: asyncio.AbstractEventLoop
-    task: asyncio.Future[bool]
+    task: asyncio.Future[bool] | concurrent.futures.Future[None]
+    """The run's task; for an ``open_now`` open not yet started on ``loop``, the future
+    of its start (cancelled: it never starts)."""
     done: concurrent.futures.Future[None]
     pid: int = 0
     """The process it runs in: after ``fork()`` a child has the parent's runs, which
@@ -970,13 +972,36 @@ class ConnectionManager:
             # ran on, and one of its own, closed once the open returned, left it open
             # into the snapshot with a close that could only fail ("Event loop is
             # closed"). A snapshot stops and waits for it as for an optional reopen.
+            target = self.engine.hook_loop()
+            # In place before the loop gets to it: wait_background() returned at once
+            # while the open had not started, and engine.close() could not stop it.
+            # Done once the real run replaced it (or it was cancelled first).
+            pending = _Background(target, concurrent.futures.Future(),
+                                  concurrent.futures.Future(), os.getpid())
+
             async def start() -> None:
+                with conn._lock:
+                    if conn._background is not pending:
+                        return  # cancelled (its run retired) while it waited
                 self._start_background(conn, epoch, deadline_at, stale=False, first=True)
+
+            def started(_: concurrent.futures.Future[None]) -> None:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    pending.done.set_result(None)
 
             from ._runner import _submit
 
-            with contextlib.suppress(RuntimeError):  # that loop closed in between
-                _submit(self.engine.hook_loop(), start)
+            with conn._lock:
+                conn._background = pending
+            try:
+                pending.task = _submit(target, start)
+            except RuntimeError:  # that loop closed in between: a thread of its own
+                with conn._lock:
+                    if conn._background is pending:
+                        conn._background = None
+                pending.done.set_result(None)
+            else:
+                pending.task.add_done_callback(started)
                 return
 
         def run() -> None:
@@ -1209,6 +1234,9 @@ class ConnectionManager:
         with conn._lock:
             run, conn._background = conn._background, None
         if run is None or run.done.done():
+            return run
+        if isinstance(run.task, concurrent.futures.Future):  # not started: thread-safe
+            run.task.cancel()
             return run
         try:
             running = asyncio.get_running_loop()

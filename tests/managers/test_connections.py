@@ -3054,3 +3054,81 @@ def test_tcp_socket_connects_to_the_sockaddr_getaddrinfo_returned(rehydrate_engi
         _wait_open(connections.get("feed", engine=rehydrate_engine))  # type: ignore[arg-type]
         assert asked == [scoped]
         assert ms.getpeername()[:2] == ("::1", port)
+
+
+class _BlockedLoop:
+    """Holds the hooks' event loop busy until ``release()``: what is submitted to it
+    meanwhile waits there, not started."""
+
+    def __init__(self, engine) -> None:
+        self.entered, self.released = threading.Event(), threading.Event()
+        engine.hook_loop().call_soon_threadsafe(self._block)
+        assert self.entered.wait(10)
+
+    def _block(self) -> None:
+        self.entered.set()
+        self.released.wait(30)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def test_wait_background_waits_for_an_open_now_open_not_started_yet(rehydrate_engine):
+    """``register(open_now=True)`` with an async ``open``: the open is submitted to the
+    hooks' loop, and recorded as a background run only once that loop started it, so
+    ``wait_background()`` returned True at once with the connection still ``opening``."""
+    peer = _Peer()
+
+    async def open_():
+        return await asyncio.open_connection(*peer.address)
+
+    async def close(v):
+        v[1].close()
+        await v[1].wait_closed()
+
+    blocked = _BlockedLoop(rehydrate_engine)
+    try:
+        conn = connections.register("db", open=open_, close=close, open_now=True,
+                                    required=False, engine=rehydrate_engine)
+        manager = connections.manager(rehydrate_engine)
+        assert not manager.wait_background(0.05)  # its open has not even started
+        assert conn.state == "opening"
+        blocked.release()
+        assert manager.wait_background(10)
+        assert conn.state == "open", conn.to_dict()
+    finally:
+        blocked.release()
+        peer.close()
+
+
+def test_engine_close_stops_an_open_now_open_not_started_yet(rehydrate_engine,
+                                                             monkeypatch):
+    """The engine's close came before the hooks' loop started an ``open_now`` open: it
+    was not recorded, so nothing stopped it, and the loop started it after (or the
+    engine stopped the loop with its task pending: "Task was destroyed but it is
+    pending!"). The close cancels it: it never starts."""
+    started: list[str] = []
+    real = connections.ConnectionManager._start_background
+
+    def record(self, conn, *args, **kwargs):
+        started.append(conn.name)
+        return real(self, conn, *args, **kwargs)
+
+    monkeypatch.setattr(connections.ConnectionManager, "_start_background", record)
+
+    async def open_():
+        raise AssertionError("never called")
+
+    blocked = _BlockedLoop(rehydrate_engine)
+    try:
+        conn = connections.register("db", open=open_, open_now=True, required=False,
+                                    engine=rehydrate_engine)
+        connections.manager(rehydrate_engine).close()
+        assert conn._background is None
+    finally:
+        blocked.release()
+    # everything submitted to the loop before this has run once this returns
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), rehydrate_engine.hook_loop()).result(10)
+    assert started == []
+    assert conn.state == "closed", conn.to_dict()
+
