@@ -3131,4 +3131,3 @@ def test_engine_close_stops_an_open_now_open_not_started_yet(rehydrate_engine,
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0), rehydrate_engine.hook_loop()).result(10)
     assert started == []
     assert conn.state == "closed", conn.to_dict()
-
