@@ -41,7 +41,7 @@ from ._contract import (
     refuse_another_engine,
 )
 from ._hooks import Hook, Registry, _BuiltinRegistry
-from ._runner import HookRunner, LoopThread, Observer, inside_hook
+from ._runner import HookRunner, LoopThread, Observer, blocking, inside_hook
 from .env import POLICIES, EnvRefresher, Policy, check_overlay
 
 if TYPE_CHECKING:
@@ -1422,10 +1422,14 @@ class Lifecycle:
             return loop
         return self._loop_thread.get()
 
-    def _loop_for_this_call(self) -> asyncio.AbstractEventLoop | None:
+    def _loop_for_this_call(
+        self,
+    ) -> tuple[asyncio.AbstractEventLoop | None, asyncio.AbstractEventLoop | None]:
+        """The loop this event's async hooks run on (None: rehydrate's own), and the
+        application's loop when it was refused because this call blocks its thread."""
         loop = self._user_loop
         if loop is None or loop.is_closed() or not loop.is_running():
-            return None
+            return None, None
         import asyncio  # already loaded: a user loop exists
 
         try:
@@ -1437,8 +1441,8 @@ class Lifecycle:
             # deadlock; use the private loop for this event instead.
             log.warning("lifecycle event started on the application's event loop thread; "
                         "async hooks run on rehydrate's own loop for this event")
-            return None
-        return loop
+            return None, loop
+        return loop, None
 
     def _run_restore(
         self,
@@ -1555,7 +1559,11 @@ class Lifecycle:
         started = time.time()
         waited = max(0.0, time.monotonic() - ctx.detected_at)
         t0 = time.perf_counter()
-        results = self._runner.run(hooks, ctx, self._loop_for_this_call(), observers)
+        loop, refused = self._loop_for_this_call()
+        # Recorded for the hooks: work they await on the refused loop (an async close of
+        # what was opened there) would wait for this very call to return.
+        with blocking(refused):
+            results = self._runner.run(hooks, ctx, loop, observers)
         return results, time.perf_counter() - t0, started, waited
 
     def _publish(self, report: Report) -> None:

@@ -361,10 +361,15 @@ class Connection:
         open that made the value ran on, while it runs. What such an open makes (asyncio
         streams, an asyncpg or aiohttp pool) belongs to that loop: closed from another it
         failed with "attached to a different loop" (or "Event loop is closed"), touched
-        its transport from a foreign thread and left the socket open. None: any loop."""
+        its transport from a foreign thread and left the socket open. None: any loop,
+        also when that loop's thread is waiting for the lifecycle event this close is
+        part of (``simulate_snapshot()`` called on it): submitted there, the close only
+        started once the event had given up on it, after ``CLOSE_TIMEOUT``."""
+        from ._runner import is_blocked
+
         loop = self._loop
         if (not _is_async(self.close_fn) or loop is None or loop.is_closed()
-                or not loop.is_running()):
+                or not loop.is_running() or is_blocked(loop)):
             return None
         return loop
 
@@ -464,7 +469,7 @@ class Connection:
             finish(RuntimeError("stopped before it returned") if call.cancelled()
                    else call.exception())
 
-        from ._runner import _submit
+        from ._runner import _submit, is_blocked
 
         started = False
         try:
@@ -484,8 +489,10 @@ class Connection:
                 except Exception as exc:
                     if home is None and opened_on is not None:
                         # one line, not the Task repr of "attached to a different loop"
+                        why = ("is waiting for this lifecycle event (started on its "
+                               "thread)" if is_blocked(opened_on) else "has stopped")
                         raise RuntimeError(
-                            "the event loop it was opened on has stopped; close() failed "
+                            f"the event loop it was opened on {why}; close() failed "
                             f"on another: {_describe(exc)}") from None
                     raise
                 return
@@ -631,7 +638,9 @@ class _Background:
     it runs on, and a future done when the task is."""
 
     loop: asyncio.AbstractEventLoop
-    task: asyncio.Future[bool]
+    task: asyncio.Future[bool] | concurrent.futures.Future[None]
+    """The run's task; for an ``open_now`` open not yet started on ``loop``, the future
+    of its start (cancelled: it never starts)."""
     done: concurrent.futures.Future[None]
     pid: int = 0
     """The process it runs in: after ``fork()`` a child has the parent's runs, which
@@ -963,13 +972,36 @@ class ConnectionManager:
             # ran on, and one of its own, closed once the open returned, left it open
             # into the snapshot with a close that could only fail ("Event loop is
             # closed"). A snapshot stops and waits for it as for an optional reopen.
+            target = self.engine.hook_loop()
+            # In place before the loop gets to it: wait_background() returned at once
+            # while the open had not started, and engine.close() could not stop it.
+            # Done once the real run replaced it (or it was cancelled first).
+            pending = _Background(target, concurrent.futures.Future(),
+                                  concurrent.futures.Future(), os.getpid())
+
             async def start() -> None:
+                with conn._lock:
+                    if conn._background is not pending:
+                        return  # cancelled (its run retired) while it waited
                 self._start_background(conn, epoch, deadline_at, stale=False, first=True)
+
+            def started(_: concurrent.futures.Future[None]) -> None:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    pending.done.set_result(None)
 
             from ._runner import _submit
 
-            with contextlib.suppress(RuntimeError):  # that loop closed in between
-                _submit(self.engine.hook_loop(), start)
+            with conn._lock:
+                conn._background = pending
+            try:
+                pending.task = _submit(target, start)
+            except RuntimeError:  # that loop closed in between: a thread of its own
+                with conn._lock:
+                    if conn._background is pending:
+                        conn._background = None
+                pending.done.set_result(None)
+            else:
+                pending.task.add_done_callback(started)
                 return
 
         def run() -> None:
@@ -1202,6 +1234,9 @@ class ConnectionManager:
         with conn._lock:
             run, conn._background = conn._background, None
         if run is None or run.done.done():
+            return run
+        if isinstance(run.task, concurrent.futures.Future):  # not started: thread-safe
+            run.task.cancel()
             return run
         try:
             running = asyncio.get_running_loop()
@@ -1721,6 +1756,20 @@ def grpc_channel(
     return managed
 
 
+def _connect(address: Any, timeout: float | None, family: int = socket.AF_INET,
+             proto: int = 0) -> socket.socket:
+    """A TCP socket connected to ``address``, a sockaddr as ``getaddrinfo`` returns it
+    (with an IPv6 one's flow info and scope id), ``timeout`` set before the connect."""
+    sock = socket.socket(family, socket.SOCK_STREAM, proto)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ManagedSocket:
     """A TCP client socket that is reconnected after every restore.
 
@@ -1809,8 +1858,13 @@ class ManagedSocket:
                 raise TimeoutError(f"name lookup of {host!r} did not answer within "
                                    f"{lookup_by - start:.2g}s") from None
         error: OSError | None = None
-        # in order, each once (an address listed for two protocols)
-        for addr in dict.fromkeys((str(info[4][0]), int(info[4][1])) for info in infos):
+        # in order, each once (an address listed for two protocols); the whole sockaddr,
+        # as getaddrinfo gave it: an IPv6 link-local one ("fe80::1%eth0") needs its scope
+        # id, and rebuilt as (host, port) its connect failed with EINVAL
+        tried: dict[Any, Any] = {}
+        for info in infos:
+            tried.setdefault(info[4], info)
+        for info in tried.values():
             timeout = self.timeout
             if deadline_at is not None:
                 left = deadline_at - time.monotonic()
@@ -1819,7 +1873,7 @@ class ManagedSocket:
                 left = max(0.01, left)
                 timeout = left if timeout is None else min(timeout, left)
             try:
-                new = socket.create_connection(addr, timeout=timeout)
+                new = _connect(info[4], timeout, info[0], info[2])
             except OSError as exc:
                 error = exc
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import subprocess
@@ -202,7 +203,9 @@ def _apply_iptables(rules: IptablesRules) -> tuple[dict[str, tuple[int, int]], s
         # a table given twice: the second part's positions would be counted before the
         # first part's rules go in, so its missing rules are appended
         placed = (_Placement(tools, table) if any(t == table for t, _, _ in parsed[:n])
-                  else _Placement.plan(tools, table, rule_list, present))
+                  else _Placement.plan(tools, table, rule_list, present,
+                                       [c.split()[0][1:] for c in chains
+                                        if c.split()[0][1:] not in existing]))
         placements.append(placed)
         for i, argv in enumerate(rule_list):
             if present[i]:
@@ -267,7 +270,9 @@ class _Placement:
 
     @classmethod
     def plan(cls, tools: _Tools, table: str, rule_list: list[list[str]],
-             present: list[bool]) -> _Placement:
+             present: list[bool], new_chains: Sequence[str] = ()) -> _Placement:
+        """``new_chains``: the user chains the rules declare that do not exist yet (the
+        same transaction creates them), which a rule may jump to."""
         placed = cls(tools, table)
         by_chain: dict[str, list[int]] = {}
         for i, argv in enumerate(rule_list):
@@ -279,8 +284,13 @@ class _Placement:
                         for i in idx)}
         if not todo:
             return placed
-        canon = _canonical(tools, table, [rule_list[i] for idx in todo.values() for i in idx])
+        canon = _canonical(tools, table, [rule_list[i] for idx in todo.values() for i in idx],
+                           new_chains)
         if canon is None:
+            # said once here: the missing rules are appended, their order unchecked
+            log.warning("%s -t %s: the declared order of chain(s) %s was not checked "
+                        "(the rules could not be read back in canonical form); missing "
+                        "rules are appended", tools.name, table, ", ".join(sorted(todo)))
             return placed
         by_index = dict(zip([i for idx in todo.values() for i in idx], canon, strict=True))
         current = _chain_rules(tools, table)
@@ -332,19 +342,40 @@ def _chain_rules(tools: _Tools, table: str) -> dict[str, list[str]]:
     return out
 
 
-def _canonical(tools: _Tools, table: str, rule_list: list[list[str]]) -> list[str] | None:
+_JUMPS = frozenset({"-j", "--jump", "-g", "--goto"})
+
+
+def _canonical(tools: _Tools, table: str, rule_list: list[list[str]],
+               new_chains: Sequence[str] = ()) -> list[str] | None:
     """``rule_list`` as ``iptables-save`` prints those rules (without ``-A CHAIN``), by
-    way of a scratch chain of ``table`` made and removed here; None where that fails."""
+    way of a scratch chain of ``table`` made and removed here; None where that fails.
+    A jump to one of ``new_chains`` (declared, not there yet) goes to a scratch stand-in
+    for it, named back in what is read: the real one is not created before the rules
+    are, and without it the scratch transaction failed ("Chain ... does not exist")."""
     # not the pid: processes of containers sharing a network namespace may share it
     scratch = f"RHORDER-{secrets.token_hex(4)}"
+    targets = {t for argv in rule_list
+               for flag, t in itertools.pairwise(argv) if flag in _JUMPS}
+    stand_in = {name: f"{scratch}-{k}"
+                for k, name in enumerate(c for c in dict.fromkeys(new_chains) if c in targets)}
+    back = {v: k for k, v in stand_in.items()}
+
+    def aimed(argv: list[str]) -> list[str]:
+        return [stand_in.get(a, a) if i and argv[i - 1] in _JUMPS else a
+                for i, a in enumerate(argv)]
+
     text = "".join([f"*{table}\n:{scratch} - [0:0]\n",
-                    *(iptables_join(["-A", scratch, *argv[2:]]) + "\n" for argv in rule_list),
+                    *(f":{s} - [0:0]\n" for s in stand_in.values()),
+                    *(iptables_join(["-A", scratch, *aimed(argv)[2:]]) + "\n"
+                      for argv in rule_list),
                     "COMMIT\n"])
     try:
         if _run([tools.restore, "--noflush", "-w"], text).returncode != 0:
             return None
-        got = _chain_rules(tools, table).get(scratch, [])
+        got = [" ".join(back.get(word, word) for word in line.split(" "))
+               for line in _chain_rules(tools, table).get(scratch, [])]
     finally:
         _run([tools.check, "-w", "-t", table, "-F", scratch])
-        _run([tools.check, "-w", "-t", table, "-X", scratch])
+        for chain in (scratch, *stand_in.values()):
+            _run([tools.check, "-w", "-t", table, "-X", chain])
     return got if len(got) == len(rule_list) else None

@@ -1219,7 +1219,7 @@ def test_tcp_socket_connect_is_capped_by_the_deadline(rehydrate_engine, monkeypa
     """A connect abandoned at the deadline kept its thread and file descriptor for its
     whole timeout (with None, the kernel's SYN retries: minutes), once per restore
     against a peer that drops packets: it now never waits past the deadline."""
-    real = socket.create_connection
+    real = connections._connect
     asked: list[float | None] = []
     peer = ("192.0.2.1", 9)  # TEST-NET-1; here a stand-in for a black-holed peer
 
@@ -1229,7 +1229,7 @@ def test_tcp_socket_connect_is_capped_by_the_deadline(rehydrate_engine, monkeypa
         asked.append(timeout)
         raise TimeoutError("timed out")
 
-    monkeypatch.setattr(socket, "create_connection", create_connection)
+    monkeypatch.setattr(connections, "_connect", create_connection)
     connections.tcp_socket("feed", peer, timeout=timeout, deadline=0.3,
                            engine=rehydrate_engine)
     assert not rehydrate_engine.simulate_restore().ok
@@ -2267,14 +2267,14 @@ def test_a_connect_a_snapshot_gave_up_waiting_for_keeps_no_socket(rehydrate_engi
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
     entered, release = threading.Event(), threading.Event()
-    real = socket.create_connection
+    real = connections._connect
 
     def slow_connect(address, *args, **kwargs):  # a peer slow to answer the SYN
         entered.set()
         assert release.wait(30)
         return real(address, *args, **kwargs)
 
-    monkeypatch.setattr(socket, "create_connection", slow_connect)
+    monkeypatch.setattr(connections, "_connect", slow_connect)
     try:
         with caplog.at_level(logging.WARNING):
             ms = connections.tcp_socket("feed", srv.getsockname(), timeout=10,
@@ -2376,7 +2376,7 @@ def test_engine_close_stops_a_background_reopen_and_closes_what_it_opens(check):
 def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatch):
     """The tcp_socket helper puts its socket in place itself: a reconnect stopped by
     engine.close() while it connected left that socket open (and status ``reconnecting``)."""
-    real = socket.create_connection
+    real = connections._connect
     entered, release = threading.Event(), threading.Event()
     made: list[socket.socket] = []
 
@@ -2388,7 +2388,7 @@ def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatc
         made.append(s)
         return s
 
-    monkeypatch.setattr(socket, "create_connection", create_connection)
+    monkeypatch.setattr(connections, "_connect", create_connection)
     engine = rehydrate.testing.isolated_engine()
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -2473,7 +2473,7 @@ def test_a_connect_of_a_run_that_ended_does_not_replace_a_newer_runs_socket(
     thread, finished after the new run's and replaced (closed) the socket in use."""
     from rehydrate.adapters.asgi import _Detection
 
-    real = socket.create_connection
+    real = connections._connect
     entered, release = threading.Event(), threading.Event()
     made: list[socket.socket] = []
 
@@ -2486,7 +2486,7 @@ def test_a_connect_of_a_run_that_ended_does_not_replace_a_newer_runs_socket(
         made.append(s)
         return s
 
-    monkeypatch.setattr(socket, "create_connection", create_connection)
+    monkeypatch.setattr(connections, "_connect", create_connection)
     a, b = _AppLoop(), _AppLoop()
     peer = socket.socket()
     try:
@@ -2527,7 +2527,7 @@ def test_a_tcp_connect_given_up_at_its_deadline_keeps_no_socket(rehydrate_engine
     """A reconnect whose connect outlived its deadline (its restore failed, the
     connection ``failed``) put its socket in place when it finished: a live socket under a
     ``failed`` connection that no run had opened."""
-    real = socket.create_connection
+    real = connections._connect
     entered, release = threading.Event(), threading.Event()
     made: list[socket.socket] = []
 
@@ -2539,7 +2539,7 @@ def test_a_tcp_connect_given_up_at_its_deadline_keeps_no_socket(rehydrate_engine
         made.append(s)
         return s
 
-    monkeypatch.setattr(socket, "create_connection", create_connection)
+    monkeypatch.setattr(connections, "_connect", create_connection)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -2914,3 +2914,220 @@ def test_a_user_coroutine_closed_while_pending_is_closed_quietly():
     coro = connections._guarded_async(hangs)
     coro.send(None)  # suspended inside the user's function
     coro.close()  # raised RuntimeError("...hangs raised GeneratorExit()")
+
+
+async def test_a_snapshot_on_the_app_loops_thread_closes_what_was_opened_there(
+        rehydrate_engine, monkeypatch):
+    """With ``start(loop=app)`` a snapshot taken on the app loop's own thread runs its
+    hooks on rehydrate's loop, but an async close of what an open made on the app loop
+    was still sent to the app loop — the one that call blocks: it ran only once the
+    snapshot had given up on it (CLOSE_TIMEOUT), and a required connection failed it.
+    It runs on the loop the hooks run on, at once."""
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 1.0)
+    peer = _Peer()
+    loop = asyncio.get_running_loop()
+    closed_on: list[asyncio.AbstractEventLoop] = []
+
+    async def open_():
+        return socket.create_connection(peer.address)
+
+    async def close(v):
+        closed_on.append(asyncio.get_running_loop())
+        v.close()
+
+    conn = connections.register("db", open=open_, close=close, required=True,
+                                engine=rehydrate_engine)
+    rehydrate_engine.start("none", loop=loop)
+    try:
+        assert (await asyncio.to_thread(rehydrate_engine.simulate_restore)).ok
+        assert conn._loop is loop  # opened on the app loop
+        snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
+        assert snap.ok, snap.table()
+        assert conn.state == "closed", conn.to_dict()
+        assert closed_on == [rehydrate_engine._loop_thread.get()]
+        assert peer.sees_eof(1) == [True]
+    finally:
+        rehydrate_engine.stop()
+        peer.close()
+
+
+async def test_a_restore_on_the_app_loops_thread_closes_the_old_value_first(
+        rehydrate_engine, monkeypatch):
+    """The same for a restore's close of the value it replaces: it waited CLOSE_TIMEOUT
+    for the blocked app loop, then reopened anyway and left the old socket open."""
+    monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 1.0)
+    peer = _Peer()
+    loop = asyncio.get_running_loop()
+    opened: list[socket.socket] = []
+
+    async def open_():
+        s = socket.create_connection(peer.address)
+        opened.append(s)
+        return s
+
+    async def close(v):
+        v.close()
+
+    conn = connections.register("db", open=open_, close=close, required=True,
+                                engine=rehydrate_engine)
+    rehydrate_engine.start("none", loop=loop)
+    try:
+        assert (await asyncio.to_thread(rehydrate_engine.simulate_restore)).ok
+        rep = rehydrate_engine.simulate_restore()  # blocks this loop's thread
+        assert rep.ok, rep.table()
+        assert conn.state == "open" and conn.last_error is None, conn.to_dict()
+        assert len(opened) == 2
+        assert opened[0].fileno() == -1, "the replaced socket is still open"
+        assert peer.sees_eof(1) == [True]
+    finally:
+        rehydrate_engine.stop()
+        peer.close()
+        for s in opened:
+            s.close()
+
+
+LINK_LOCAL = r'''
+import json, socket, subprocess
+subprocess.run("ip link set lo up && ip link add rhll0 type veth peer name rhll1 && "
+               "ip link set rhll0 up && ip link set rhll1 up && "
+               "ip addr add fe80::1/64 dev rhll0 nodad", shell=True, check=True)
+import rehydrate.testing
+from rehydrate import connections
+idx = socket.if_nametoindex("rhll0")
+srv = socket.socket(socket.AF_INET6)
+srv.bind(("fe80::1", 0, 0, idx))
+srv.listen(4)
+port = srv.getsockname()[1]
+engine = rehydrate.testing.isolated_engine()
+ms = connections.tcp_socket("feed", ("fe80::1%rhll0", port), deadline=5, engine=engine)
+ok = engine.simulate_restore().ok
+conn = connections.get("feed", engine=engine)
+out = {"ok": ok, "state": conn.state, "error": conn.last_error, "idx": idx,
+       "peer": list(ms.getpeername()) if conn.state == "open" else None}
+engine.close()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.root
+def test_tcp_socket_connects_to_a_scoped_link_local_address():
+    """``tcp_socket(("fe80::1%eth0", port))``: each address getaddrinfo returned was
+    rebuilt as (host, port), dropping the scope id, and the connect failed with EINVAL.
+    The whole sockaddr is connected to. Run in a network namespace of its own."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        _require_or_skip("a network namespace (root, unshare and ip) is needed")
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", LINK_LOCAL], capture_output=True,
+        text=True, timeout=60, cwd=root, check=False,
+        env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["state"] == "open", out
+    assert out["peer"][0] == "fe80::1" and out["peer"][3] == out["idx"], out
+
+
+def test_tcp_socket_connects_to_the_sockaddr_getaddrinfo_returned(rehydrate_engine,
+                                                                  monkeypatch):
+    """Without a namespace: what getaddrinfo returns reaches the connect intact (an IPv6
+    sockaddr's flow info and scope id included), once per distinct sockaddr."""
+    real_lookup, real_connect = socket.getaddrinfo, connections._connect
+    asked: list[tuple] = []
+    with socket.create_server(("::1", 0), family=socket.AF_INET6) as srv:
+        port = srv.getsockname()[1]
+        scoped = ("::1", port, 0, 7)  # loopback: the kernel ignores its scope id
+
+        def lookup(host, *args, **kwargs):
+            if host == "feed.scoped.invalid":
+                return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", scoped),
+                        (socket.AF_INET6, socket.SOCK_STREAM, 6, "", scoped)]
+            return real_lookup(host, *args, **kwargs)
+
+        def connect(address, *args, **kwargs):
+            asked.append(address)
+            return real_connect(address, *args, **kwargs)
+
+        monkeypatch.setattr(socket, "getaddrinfo", lookup)
+        monkeypatch.setattr(connections, "_connect", connect)
+        ms = connections.tcp_socket("feed", ("feed.scoped.invalid", port), deadline=5,
+                                    engine=rehydrate_engine)
+        _wait_open(connections.get("feed", engine=rehydrate_engine))  # type: ignore[arg-type]
+        assert asked == [scoped]
+        assert ms.getpeername()[:2] == ("::1", port)
+
+
+class _BlockedLoop:
+    """Holds the hooks' event loop busy until ``release()``: what is submitted to it
+    meanwhile waits there, not started."""
+
+    def __init__(self, engine) -> None:
+        self.entered, self.released = threading.Event(), threading.Event()
+        engine.hook_loop().call_soon_threadsafe(self._block)
+        assert self.entered.wait(10)
+
+    def _block(self) -> None:
+        self.entered.set()
+        self.released.wait(30)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def test_wait_background_waits_for_an_open_now_open_not_started_yet(rehydrate_engine):
+    """``register(open_now=True)`` with an async ``open``: the open is submitted to the
+    hooks' loop, and recorded as a background run only once that loop started it, so
+    ``wait_background()`` returned True at once with the connection still ``opening``."""
+    peer = _Peer()
+
+    async def open_():
+        return await asyncio.open_connection(*peer.address)
+
+    async def close(v):
+        v[1].close()
+        await v[1].wait_closed()
+
+    blocked = _BlockedLoop(rehydrate_engine)
+    try:
+        conn = connections.register("db", open=open_, close=close, open_now=True,
+                                    required=False, engine=rehydrate_engine)
+        manager = connections.manager(rehydrate_engine)
+        assert not manager.wait_background(0.05)  # its open has not even started
+        assert conn.state == "opening"
+        blocked.release()
+        assert manager.wait_background(10)
+        assert conn.state == "open", conn.to_dict()
+    finally:
+        blocked.release()
+        peer.close()
+
+
+def test_engine_close_stops_an_open_now_open_not_started_yet(rehydrate_engine,
+                                                             monkeypatch):
+    """The engine's close came before the hooks' loop started an ``open_now`` open: it
+    was not recorded, so nothing stopped it, and the loop started it after (or the
+    engine stopped the loop with its task pending: "Task was destroyed but it is
+    pending!"). The close cancels it: it never starts."""
+    started: list[str] = []
+    real = connections.ConnectionManager._start_background
+
+    def record(self, conn, *args, **kwargs):
+        started.append(conn.name)
+        return real(self, conn, *args, **kwargs)
+
+    monkeypatch.setattr(connections.ConnectionManager, "_start_background", record)
+
+    async def open_():
+        raise AssertionError("never called")
+
+    blocked = _BlockedLoop(rehydrate_engine)
+    try:
+        conn = connections.register("db", open=open_, open_now=True, required=False,
+                                    engine=rehydrate_engine)
+        connections.manager(rehydrate_engine).close()
+        assert conn._background is None
+    finally:
+        blocked.release()
+    # everything submitted to the loop before this has run once this returns
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), rehydrate_engine.hook_loop()).result(10)
+    assert started == []
+    assert conn.state == "closed", conn.to_dict()

@@ -1778,3 +1778,57 @@ def test_declared_iptables_rules_out_of_order_are_reported(monkeypatch):
     assert placed.out_of_order() == ["INPUT"]
     now["INPUT"].reverse()  # in order; the udp rule, missing, is not an order problem
     assert placed.out_of_order() == []
+
+
+IPT_NEW_CHAIN = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def ipt(*args):
+    return subprocess.run(["iptables", "-w", *args], capture_output=True, text=True,
+                          check=True).stdout
+
+# the rule after it is there already; the one jumping to the new chain is not
+ipt("-A", "INPUT", "-s", "10.0.0.2/32", "-j", "DROP")
+engine = isolated_engine()
+routes.iptables("*filter\n:NEWCH - [0:0]\n-A INPUT -s 10.0.0.1/32 -j NEWCH\n"
+                "-A INPUT -s 10.0.0.2/32 -j DROP\n-A NEWCH -j ACCEPT\nCOMMIT\n",
+                engine=engine)
+report = engine.simulate_restore()
+saved = ipt("-S")
+print(json.dumps({"ok": report.ok, "after": ipt("-S", "INPUT").splitlines()[1:],
+                  "newch": ipt("-S", "NEWCH").splitlines(),
+                  "chains": saved.count("RHORDER")}))
+'''
+
+
+def test_a_missing_rule_jumping_to_a_new_declared_chain_goes_back_in_order(netns_pair):
+    """A missing rule jumping to a user chain the same rules declare, not there yet:
+    the order check's scratch transaction failed ("Chain 'NEWCH' does not exist"), the
+    rule was appended behind the declared rule after it, and nothing said so."""
+    out = run_in_ns(netns_pair["a"], IPT_NEW_CHAIN)
+    assert out["ok"] is True, out
+    assert out["after"] == ["-A INPUT -s 10.0.0.1/32 -j NEWCH",
+                            "-A INPUT -s 10.0.0.2/32 -j DROP"], out
+    assert out["newch"] == ["-N NEWCH", "-A NEWCH -j ACCEPT"], out
+    assert out["chains"] == 0  # the scratch chain and its stand-in are gone
+
+
+def test_an_order_that_cannot_be_checked_is_said(monkeypatch, caplog):
+    """When the declared rules cannot be read back in canonical form, the missing ones
+    are appended and a warning says their order was not checked (it said nothing)."""
+    import logging
+
+    from rehydrate.routes import _iptables
+
+    monkeypatch.setattr(_iptables, "_canonical", lambda *a, **k: None)
+    tools = _iptables._Tools("iptables", "c", "s", "r")
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        placed = _iptables._Placement.plan(
+            tools, "filter", [["-A", "INPUT", "-s", "10.0.0.1/32", "-j", "ACCEPT"],
+                              ["-A", "INPUT", "-s", "10.0.0.2/32", "-j", "DROP"]],
+            [False, True])
+    assert placed.insert_at == {} and placed.chains == {}
+    assert ("iptables -t filter: the declared order of chain(s) INPUT was not checked"
+            in caplog.text), caplog.text
