@@ -130,9 +130,11 @@ def trigger_snapshot(timeout: float | None = None) -> Literal["resume", "restore
     Raises :class:`~rehydrate.detect.gvisor.GVisorError` when ``/proc/gvisor/checkpoint``
     is missing (not gVisor) or answers garbage, its subclass ``TriggerNotPermitted`` on
     ``EPERM`` (the annotation is missing), and ``TimeoutError`` when no answer came within
-    ``timeout`` seconds. A failure after the before-snapshot hooks ran runs the resume
-    hooks before raising, so the process is not left ``snapshotting`` (except when the
-    gVisor waiter is running and ``1`` was written: its descriptor gets the late answer)."""
+    ``timeout`` seconds or before the snapshot deadline ran the resume hooks (the only
+    bound when no ``timeout`` is given). A failure after the before-snapshot hooks ran
+    runs the resume hooks before raising, so the process is not left ``snapshotting``
+    (except when the gVisor waiter is running and ``1`` was written: its descriptor gets
+    the late answer)."""
     from ._trigger import trigger_snapshot as trigger
 
     return trigger(_engine(), timeout=timeout)

@@ -220,8 +220,9 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
     invalid manifest (one line on stderr, or ``{"compatible": false, "scope": …, "error": …,
     "mismatches": []}`` with ``as_json``: the same keys as the other answers).
 
-    ``scope="node"`` compares only what a node-level checker shares with the workload;
-    ``env_file`` supplies the workload's environment for ``env.*``; ``affinity`` prints
+    ``scope="node"`` compares only what a node-level checker shares with the workload
+    (and the ``env.*`` keys when ``env_file`` is given); ``env_file`` supplies the
+    workload's environment for ``env.*``; ``affinity`` prints
     the ``nodeAffinity`` for Pods restoring this manifest (YAML) instead of checking.
     """
     from . import fingerprint
@@ -247,7 +248,8 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
         else:
             print(f"rehydrate check: {msg}", file=sys.stderr)
         return 2
-    what = " (node-level fields)" if scope == "node" else ""
+    what = ("" if scope != "node" else " (node-level fields and env.* keys)" if env_file
+            else " (node-level fields)")
     if as_json:
         json.dump({"compatible": not mismatches, "scope": scope,
                    "mismatches": [m.to_dict() for m in mismatches]}, sys.stdout, indent=2)
@@ -313,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.add_argument("--node", action="store_true",
                        help="compare only node-level fields (CPU, kernel, gVisor, GPU "
-                            "driver, machine series): for a checker that is not the "
-                            "workload, e.g. a DaemonSet")
+                            "driver, machine series; with --env-from the env.* keys too): "
+                            "for a checker that is not the workload, e.g. a DaemonSet")
     check.add_argument("--env-from", metavar="FILE",
                        help="the workload's environment (KEY=VALUE per line or "
                             "NUL-separated, like /proc/PID/environ) for the env.* keys "

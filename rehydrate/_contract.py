@@ -153,6 +153,11 @@ class Engine(Protocol):
         ``undoes=`` of a carry-on about exactly that pass."""
         ...
 
+    def pass_ended(self, report: SnapshotReport) -> RestoreReport | None:
+        """The restore or resume run that ended the pass ``report``, None while it is
+        pending."""
+        ...
+
     def await_answer(self, report: SnapshotReport) -> bool:
         """The resume hooks for the failed pass ``report`` are left to a checkpoint's
         answer still due: bound that wait by the snapshot deadline. False: run them now."""
@@ -239,6 +244,16 @@ def own_pass_started(engine: Engine, snap: SnapshotReport, prepared: float) -> f
         return engine.pass_started(snap) or prepared
     except Exception:  # an older engine, a failed lookup: the bound will do
         return prepared
+
+
+def own_pass_ended(engine: Engine, snap: SnapshotReport) -> RestoreReport | None:
+    """The run that ended ``snap``'s before-snapshot pass (:meth:`Engine.pass_ended`),
+    None while it is pending — and on an engine without ``pass_ended`` or when the
+    lookup fails (the caller then waits as before)."""
+    try:
+        return engine.pass_ended(snap)
+    except Exception:  # an older engine, a failed lookup: not known to have ended
+        return None
 
 
 def left_to_answer(engine: Engine, snap: SnapshotReport) -> bool:

@@ -1033,6 +1033,14 @@ class Lifecycle:
         passes = tuple(self._passes)  # copied at once: a pass may begin meanwhile
         return next((p.started for p in reversed(passes) if p.report is report), None)
 
+    def pass_ended(self, report: SnapshotReport) -> RestoreReport | None:
+        """The restore or resume run that ended the before-snapshot pass that produced
+        ``report`` (its hooks reopened what the pass closed), None while that pass is
+        pending — or once the engine no longer keeps it (it keeps the last 16). Set
+        before the run is published: a report listener that hears of the run finds it."""
+        passes = tuple(self._passes)  # copied at once: a pass may begin meanwhile
+        return next((p.undone_by for p in reversed(passes) if p.report is report), None)
+
     def _named_pass(self, undoes: float, abort: str | None) -> _Pass | None:
         """The pass a notice with ``undoes`` is about: the first that began at or after
         that moment and can still be owed an answer (a platform answers a waiter's

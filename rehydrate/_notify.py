@@ -8,7 +8,10 @@
   ``post-resume`` means restore, ``post-dump`` sends ``resume`` without waiting for the
   reply (:func:`post`: the tasks are frozen until CRIU lets them go on, with
   ``--leave-running``, or kills them), and every other action exits 0 at once without
-  contacting the process.
+  contacting the process. CRIU names one tree: the socket must be named
+  (``$REHYDRATE_CONTROL_SOCKET`` or ``--socket``; the default directory's only socket
+  may be another process's), and with ``$CRTOOLS_INIT_PID`` set its server must be
+  that task or a descendant of it.
 
 It exits 0 when the process's hooks succeeded, 1 when the report is not ok (a required
 hook failed: the platform should abort the checkpoint), 3 when the process cannot be
@@ -69,6 +72,9 @@ back, a busy machine, a run of the engine's still finishing when the request cam
 
 GVISOR_MODE = "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"
 CRIU_ACTION = "CRTOOLS_SCRIPT_ACTION"
+CRIU_INIT_PID = "CRTOOLS_INIT_PID"
+"""Set by CRIU for its action scripts: the pid of the tree's root task (measured with
+CRIU 4.1 at ``pre-dump``, ``post-dump`` and ``post-resume``)."""
 NOTIFY_CMD = {"save": "prepare-snapshot", "resume": "resume", "restore": "restore"}
 """``notify`` action -> control command."""
 _CRIU = {"pre-dump": "save", "post-resume": "restore"}
@@ -107,7 +113,8 @@ def _check_dir(directory: str) -> None:
 
 
 def _check_peer(sock: _socket.socket, path: str, named: bool,
-                expect_uid: int | None = None, expect_pid: int | None = None) -> None:
+                expect_uid: int | None = None, expect_pid: int | None = None,
+                *, expect_tree: int | None = None) -> None:
     """Refuse a server that is neither our uid nor root, or not the one pinned.
 
     One exception, for root running ``notify`` for a workload of another uid (a CRIU action
@@ -117,6 +124,8 @@ def _check_peer(sock: _socket.socket, path: str, named: bool,
     by nobody else — a place only U (or root) could have put a socket. Another user who
     created that directory first passes this test too: ``expect_uid`` / ``expect_pid``
     (``--expect-uid`` / ``--expect-pid``) pin the server, and any other one is refused.
+    ``expect_tree`` (CRIU's ``$CRTOOLS_INIT_PID``): the server must be that process or a
+    descendant of it — the tree being dumped or restored, not some other process.
     """
     cred = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED)
     pid, uid = (int.from_bytes(cred[i:i + 4], sys.byteorder, signed=True) for i in (0, 4))
@@ -126,6 +135,10 @@ def _check_peer(sock: _socket.socket, path: str, named: bool,
     if expect_pid is not None and pid != expect_pid:
         raise UntrustedSocket(f"not trusting {path}: it is served by pid {pid} (uid {uid}), "
                               f"expected pid {expect_pid}")
+    if expect_tree is not None and not _in_tree(pid, expect_tree):
+        raise UntrustedSocket(f"not trusting {path}: it is served by pid {pid} (uid {uid}), "
+                              f"which is not in the process tree of pid {expect_tree} "
+                              f"(${CRIU_INIT_PID}: the tree CRIU is dumping or restoring)")
     me = os.geteuid()
     if expect_uid is not None or uid in (me, 0) or (named and _placed_by(uid, path)):
         return
@@ -133,6 +146,24 @@ def _check_peer(sock: _socket.socket, path: str, named: bool,
                           f"only uid {me} or root may answer (or, for a socket named with "
                           f"--socket, its owner when its directory is private to that owner; "
                           f"pin it with --expect-uid)")
+
+
+def _in_tree(pid: int, root: int) -> bool:
+    """Whether ``pid`` is ``root`` or a descendant of it (parents read from ``/proc``; a
+    process that cannot be read there is not known to be in the tree)."""
+    for _ in range(4096):  # bounded: a parent chain is never this long
+        if pid == root:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat_line = f.read()
+            # after the command name, which may hold spaces and parentheses itself
+            pid = int(stat_line[stat_line.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
 
 
 def _placed_by(uid: int, path: str) -> bool:
@@ -178,7 +209,7 @@ def find_socket(explicit: str | None = None) -> str:
 def request(cmd: str, *, socket_path: str | None = None, timeout: float | None = DEFAULT_TIMEOUT,
             fields: dict[str, Any] | None = None, expect_uid: int | None = None,
             expect_pid: int | None = None, follow_budget: bool = False,
-            **more: Any) -> dict[str, Any]:
+            expect_tree: int | None = None, **more: Any) -> dict[str, Any]:
     """Send one request and return the reply (a dict with at least ``ok``).
 
     ``fields`` and keyword arguments become request fields (use ``fields`` for names that
@@ -194,7 +225,8 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     come within ``timeout`` seconds, or it is not a JSON object; :class:`UntrustedSocket`
     (before sending anything) when the server runs as neither this uid nor root, or is not
     the uid ``expect_uid`` / the pid ``expect_pid`` (pins: a server of that uid is then
-    trusted even when it is neither this uid nor root).
+    trusted even when it is neither this uid nor root), or is not ``expect_tree`` or one
+    of its descendants.
     """
     # one line before any connect: a huge int overflowed the deadline sum, a negative
     # one timed out at once, NaN never did
@@ -208,7 +240,8 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
     delay = 0.005
     while True:
         reply = _exchange(path, payload, deadline, timeout,
-                          lambda sock: _check_peer(sock, path, named, expect_uid, expect_pid),
+                          lambda sock: _check_peer(sock, path, named, expect_uid, expect_pid,
+                                                   expect_tree=expect_tree),
                           follow_budget=follow_budget)
         # "busy": the server refused the connection before reading it (every slot runs
         # a request): nothing ran, so asking again is safe
@@ -392,7 +425,8 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
 
 
 def post(cmd: str, *, socket_path: str | None = None, expect_uid: int | None = None,
-         expect_pid: int | None = None, timeout: float = POST_TIMEOUT) -> None:
+         expect_pid: int | None = None, timeout: float = POST_TIMEOUT,
+         expect_tree: int | None = None) -> None:
     """Send one request and do not wait for its reply: for a process that is frozen now
     and reads it when it runs again (CRIU's ``post-dump``: ``--leave-running`` lets it go
     on; a plain dump kills it, and the request with it).
@@ -415,7 +449,7 @@ def post(cmd: str, *, socket_path: str | None = None, expect_uid: int | None = N
         except OSError as exc:
             why = not_a_socket(path) or exc.strerror or str(exc)
             raise ControlError(f"cannot reach the process at {path}: {why}") from None
-        _check_peer(sock, path, named, expect_uid, expect_pid)
+        _check_peer(sock, path, named, expect_uid, expect_pid, expect_tree=expect_tree)
         try:
             sock.sendall(payload)
         except OSError as exc:
@@ -485,16 +519,16 @@ def _number(value: object) -> float:
 
 def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None,
          as_json: bool, expect_uid: int | None, expect_pid: int | None,
-         fields: dict[str, Any] | None = None,
-         follow_budget: bool = False) -> tuple[dict[str, Any] | None, int]:
+         fields: dict[str, Any] | None = None, follow_budget: bool = False,
+         expect_tree: int | None = None) -> tuple[dict[str, Any] | None, int]:
     """Send ``cmd`` for a CLI command: (reply, exit code), the reply None when there is
     none. A failure is one line on stderr prefixed with ``label`` (and, with ``as_json``,
-    ``{"ok": false, "error": …}`` on stdout when there is no reply). ``follow_budget``: as
-    for :func:`request`."""
+    ``{"ok": false, "error": …}`` on stdout when there is no reply). ``follow_budget``,
+    ``expect_tree``: as for :func:`request`."""
     try:
         reply = request(cmd, socket_path=socket_path, timeout=timeout, fields=fields,
                         expect_uid=expect_uid, expect_pid=expect_pid,
-                        follow_budget=follow_budget)
+                        follow_budget=follow_budget, expect_tree=expect_tree)
     except ControlError as exc:
         err(f"{label}: {exc}")
         if as_json:  # machines read stdout: say it there too
@@ -594,29 +628,39 @@ def parse(argv: list[str]) -> Options | None:
     return opts
 
 
-def _resolve_action(arg: str | None) -> tuple[str | None, str | None, bool]:
-    """(action, None, wait), (None, None, True) for "nothing to do", or (None, usage error,
-    True). ``wait``: False when the notice is sent without waiting for the reply."""
+def _resolve_action(arg: str | None) -> tuple[str | None, str | None, bool, str | None]:
+    """(action, None, wait, criu), (None, None, True, criu) for "nothing to do", or (None,
+    usage error, True, None). ``wait``: False when the notice is sent without waiting for
+    the reply; ``criu``: the CRIU action it came from (None: not a CRIU action script)."""
     if arg:
-        return arg, None, True
+        return arg, None, True, None
     mode = os.environ.get(GVISOR_MODE)
     if mode:
         if mode in NOTIFY_CMD:
-            return mode, None, True
+            return mode, None, True, None
         # gVisor's own values are the three above; anything else is an environment
         # value that is not rehydrate's to repeat (key names only)
         return None, (f"{GVISOR_MODE} is not save, resume or restore (its value is not "
-                      "shown: environment values never are)"), True
+                      "shown: environment values never are)"), True, None
     action = os.environ.get(CRIU_ACTION)
     if action:
         if action in _CRIU_POSTED:
-            return _CRIU_POSTED[action], None, False
-        return _CRIU.get(action), None, True
+            return _CRIU_POSTED[action], None, False, action
+        return _CRIU.get(action), None, True, action
     return None, (f"notify needs save, resume or restore (or {GVISOR_MODE} / {CRIU_ACTION} "
-                  "in the environment)"), True
+                  "in the environment)"), True, None
 
 
-def _post_notice(action: str, opts: Options) -> int:
+def _criu_tree() -> int | None:
+    """The root of the tree CRIU dumps or restores (``$CRTOOLS_INIT_PID``), or None."""
+    try:
+        pid = int(os.environ.get(CRIU_INIT_PID) or "")
+    except ValueError:  # unset or not a number: no check to make (the value is not shown)
+        return None
+    return pid if pid > 1 else None
+
+
+def _post_notice(action: str, opts: Options, tree: int | None = None) -> int:
     """CRIU's ``post-dump``: the ``resume`` notice, not waited for; always exit 0.
 
     A non-zero exit at ``post-dump`` makes CRIU fail the dump and leave the tasks running
@@ -626,7 +670,7 @@ def _post_notice(action: str, opts: Options) -> int:
     try:
         post(NOTIFY_CMD[action], socket_path=opts.socket, expect_uid=opts.expect_uid,
              expect_pid=opts.expect_pid, timeout=min(opts.timeout or POST_TIMEOUT,
-                                                     POST_TIMEOUT))
+                                                     POST_TIMEOUT), expect_tree=tree)
     except UntrustedSocket as exc:  # worth a line: another user's socket at that path now
         err(f"notify {action} (post-dump): {exc}")
     except ControlError:
@@ -636,14 +680,25 @@ def _post_notice(action: str, opts: Options) -> int:
 
 def notify(opts: Options) -> int:
     """Run ``rehydrate notify``: the exit status (see the module docstring)."""
-    action, problem, wait = _resolve_action(opts.action)
+    action, problem, wait, criu = _resolve_action(opts.action)
     if problem:
         err(problem)
         return EXIT_USAGE
     if action is None:
         return EXIT_OK  # a CRIU action at which the process is frozen or not involved
+    tree = None
+    if criu is not None:
+        # CRIU dumps or restores one given tree: the only socket in the default directory
+        # may be any other rehydrate process's, whose hooks would then run for this dump.
+        if opts.socket is None and not _config.text(ENV_SOCKET):
+            err(f"notify {action} (CRIU {criu}): no control socket named: set {ENV_SOCKET} "
+                "in CRIU's environment or pass --socket (for a CRIU action script the "
+                "default directory is not searched: its socket may be another process's)")
+            # post-dump: a non-zero exit fails the dump (see _post_notice)
+            return EXIT_UNREACHABLE if wait else EXIT_OK
+        tree = _criu_tree()
     if not wait:
-        return _post_notice(action, opts)
+        return _post_notice(action, opts, tree)
     # Run by gVisor's save-restore-exec, a failure here aborts the checkpoint in progress,
     # and gVisor answers that abort ("error") to the process's waiter: the process may then
     # take that answer for this save's (see "in_checkpoint" in rehydrate.detect.control).
@@ -657,7 +712,8 @@ def notify(opts: Options) -> int:
                        timeout=DEFAULT_TIMEOUT if opts.timeout is None else opts.timeout,
                        as_json=opts.json, expect_uid=opts.expect_uid,
                        expect_pid=opts.expect_pid, fields=fields,
-                       follow_budget=action == "save" and opts.timeout is None)
+                       follow_budget=action == "save" and opts.timeout is None,
+                       expect_tree=tree)
     try:
         if reply is not None and opts.json:
             dump(reply)

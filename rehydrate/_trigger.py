@@ -14,9 +14,11 @@ import logging
 import os
 import select
 import stat
+import threading
 import time
+from typing import TYPE_CHECKING
 
-from ._contract import left_to_answer, own_pass_started
+from ._contract import left_to_answer, own_pass_ended, own_pass_started
 from ._notify import timeout_value
 from .detect.gvisor import (
     _OPEN_READ,
@@ -36,6 +38,9 @@ from .detect.gvisor import (
     _Trigger as _Ticket,
 )
 from .extensions import Engine, resolve_engine
+
+if TYPE_CHECKING:
+    from ._context import Report, SnapshotReport
 
 __all__ = ["trigger_snapshot"]
 
@@ -66,8 +71,14 @@ def trigger_snapshot(
 
     Raises :class:`TriggerNotPermitted` (naming the annotation) when gVisor refuses the
     write, :class:`GVisorError` when the file is missing or unusable, ``TimeoutError``
-    when ``timeout`` seconds pass without an answer, ``ValueError`` (before anything runs)
-    when ``timeout`` is not a number of seconds > 0 and at most a year.
+    when ``timeout`` seconds pass without an answer — or when the engine's
+    ``snapshot_deadline`` passed first and its run ended this call's before-snapshot
+    pass (the resume hooks, or the restore hooks after a freeze, ran: the message says
+    "snapshot deadline"; with no ``timeout`` that is what ends a wait for an answer
+    that never comes) —, ``ValueError`` (before anything runs) when ``timeout`` is not
+    a number of seconds > 0 and at most a year. After the deadline's run a late answer
+    is handled as after a timeout: the running waiter's runs its hooks, without a
+    waiter it is not read.
 
     A failure after the before-snapshot hooks ran never leaves the process
     ``snapshotting``: the resume hooks run (kind ``resume``, not a freeze anchor) before
@@ -148,11 +159,12 @@ def trigger_snapshot(
         # The before-snapshot hooks ran: from here on, a failure must not leave the process
         # "snapshotting" for ever. Unless an answer is still coming to the running waiter
         # (which then runs the hooks), the resume hooks run before the error is raised.
+        watch = _DeadlineWatch(engine, snap, waiter)
         try:
             return _trigger(engine, waiter, path, wfd, deadline=deadline, timeout=timeout,
-                            progress=progress, ticket=ticket, begun=asked)
+                            progress=progress, ticket=ticket, begun=asked, watch=watch)
         except Exception as exc:
-            if progress.answer_pending:
+            if progress.answer_pending or progress.ended:
                 raise
             if _answer_due(waiter, ticket):
                 # An earlier trigger's checkpoint (timed out), or the one under way that
@@ -172,6 +184,8 @@ def trigger_snapshot(
             except Exception:
                 log.exception("running the resume hooks after a failed trigger failed")
             raise
+        finally:
+            watch.close()
     finally:
         if ticket is not None:
             waiter._trigger_ends(ticket)  # type: ignore[union-attr]
@@ -239,16 +253,20 @@ class _Progress:
     answer_pending = False
     """The running waiter holds a descriptor for the triggered checkpoint: its (late)
     answer runs the restore or resume hooks."""
+    ended = False
+    """The snapshot deadline's run ended the pass: no carry-on of its own to run."""
     written = False
     """The ``1`` was written: a checkpoint may have begun (and paused the sandbox)."""
 
 
 def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int, *,
              deadline: float | None, timeout: float | None, progress: _Progress,
-             ticket: _Ticket | None = None, begun: float | None = None) -> Answer:
+             ticket: _Ticket | None = None, begun: float | None = None,
+             watch: _DeadlineWatch | None = None) -> Answer:
     """Write ``1`` and wait for the answer (the part of :func:`trigger_snapshot` after the
     before-snapshot hooks ran). ``ticket``: this trigger's record with the waiter;
-    ``begun``: a moment before its before-snapshot pass began."""
+    ``begun``: a moment before its before-snapshot pass began; ``watch``: ends the wait
+    when the snapshot deadline's run ended that pass."""
     rfd = -1
     seq = 0
     since = 0.0
@@ -291,20 +309,27 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
             raise GVisorError(f"short write to {path}")
         log.info("checkpoint triggered through %s; waiting for the answer", path)
         if waiter is not None:
+            given_up = None if watch is None else (lambda: watch.gave_up(
+                "the gVisor waiter still handles the late answer"))
             try:
                 answer, _report = waiter._wait_answer(
                     seq, deadline, ticket.writing if ticket is not None and
-                    ticket.writing is not None else before_write)
+                    ticket.writing is not None else before_write, given_up)
             except TimeoutError:
                 # The waiter's descriptor gets the late answer and runs the hooks then.
                 progress.answer_pending = True
                 raise
             return answer
         try:
-            data = _poll_read(rfd, None, deadline)
+            data = _poll_read(rfd, None if watch is None else watch.stop_fd, deadline)
         except OSError as exc:
             raise GVisorError(f"reading the answer from {path} failed: "
                               f"{exc.strerror or exc}; resume hooks ran") from None
+        why = None if watch is None or data is not None else watch.gave_up(
+            "a late answer is not waited for")
+        if why is not None:
+            progress.ended = True
+            raise TimeoutError(why)
         if data is None:
             raise TimeoutError(f"no answer from {path} within {timeout}s; resume hooks ran "
                                "(a late answer is not waited for)")
@@ -318,3 +343,73 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
     finally:
         if rfd >= 0:
             os.close(rfd)
+
+
+class _DeadlineWatch:
+    """Ends a trigger's wait for gVisor's answer once the snapshot deadline's run ended
+    its before-snapshot pass (the platform seems to have given up): without a timeout
+    the wait never ended — the process was ready again, the caller still blocked.
+
+    A report listener wakes the wait: the running waiter's condition, or (without a
+    waiter) a pipe that :func:`_poll_read` watches. The pass is looked up again on every
+    wake-up (:meth:`gave_up`), so a wake-up for another run ends nothing, and a run
+    published before the listener was added is found by the first look."""
+
+    def __init__(self, engine: Engine, snap: SnapshotReport,
+                 waiter: GVisorDetector | None) -> None:
+        self._engine = engine
+        self._snap = snap
+        self._waiter = waiter
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop_r = self._stop_w = -1
+        if waiter is None:
+            self._stop_r, self._stop_w = os.pipe()
+        engine.add_listener(self._heard)
+        if waiter is None:
+            self._wake()  # a run published before the listener was there
+
+    @property
+    def stop_fd(self) -> int | None:
+        """Readable once the deadline's run ended the pass (without a waiter)."""
+        return self._stop_r if self._stop_r >= 0 else None
+
+    def gave_up(self, late: str) -> str | None:
+        """Why the wait ends (``late``: what becomes of a late answer), or None: the pass
+        is still pending, or another run ended it (the answer is still waited for)."""
+        run = own_pass_ended(self._engine, self._snap)
+        if run is None or run.reason != DEADLINE_REASON:
+            return None
+        return (f"no answer from gVisor before the snapshot deadline "
+                f"({self._engine_deadline()}): it ran the {run.kind} hooks; {late}")
+
+    def _engine_deadline(self) -> str:
+        seconds = getattr(self._engine, "snapshot_deadline", None)
+        return "snapshot_deadline" if seconds is None else f"snapshot_deadline {seconds:g}s"
+
+    def _heard(self, report: Report) -> None:
+        if report.kind == "snapshot" or report.reason != DEADLINE_REASON:
+            return
+        if self._waiter is not None:
+            cond = self._waiter._cond
+            with cond:  # the trigger looks under it: woken after its look, or sees it
+                cond.notify_all()
+            return
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:  # never written once closed: the number may be reused
+            if not self._closed and self.gave_up("") is not None:
+                os.write(self._stop_w, b"x")
+
+    def close(self) -> None:
+        self._engine.remove_listener(self._heard)
+        with self._lock:
+            self._closed = True
+            for fd in (self._stop_r, self._stop_w):
+                if fd >= 0:
+                    os.close(fd)
+
+
+DEADLINE_REASON = "snapshot-deadline"
+"""The ``reason`` of the snapshot deadline's run (:meth:`Lifecycle._deadline_run`)."""

@@ -586,7 +586,8 @@ def check(
     """Compare ``manifest`` with this node (empty list: compatible).
 
     ``scope="node"``: only what a checker running elsewhere on the node (a DaemonSet)
-    shares with the workload — not its Python, distributions or environment.
+    shares with the workload — not its Python, distributions or environment; with
+    ``environ`` (the workload's environment, given explicitly) the ``env.*`` keys too.
     ``environ``: the workload's environment for the ``env.*`` keys (default: this
     process's). ``metadata`` (default): ask the GCE metadata server only when the
     manifest records a machine series. :class:`ManifestError` when ``manifest`` is not a
@@ -604,6 +605,12 @@ def check(
         metadata = m.get("machine_series") is not None and Path(root) == Path("/")
     current = fingerprint(env_keys=env["keys"].keys(), root=root, nvidia_smi=nvidia_smi,
                           metadata=metadata, salt=env["salt"], environ=environ)
+    if scope == "node" and environ is not None:
+        # The workload's environment was given: the checker's own is not what is
+        # compared any more, so the env.* keys are the workload's to check (ignoring
+        # them said "compatible" for a workload missing a key the snapshot needs).
+        return compare(m, current, scope="node") + [
+            x for x in compare(m, current) if x.field.startswith("env.")]
     return compare(m, current, scope=scope)
 
 

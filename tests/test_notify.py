@@ -692,3 +692,67 @@ def test_save_reads_the_reply_after_the_budget_line(sock_path: str,
         server.join(10)
         srv.close()
     assert b'"budget": true' in requests[0] and b"budget" not in requests[1]
+
+
+# -- CRIU: the notices go to the tree being dumped, never to a guessed socket ------------
+
+
+def _criu_notify(action: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``rehydrate-notify`` as CRIU runs it: no argument, the action in the environment."""
+    full = _env()
+    full.update(env, CRTOOLS_SCRIPT_ACTION=action)
+    return subprocess.run([sys.executable, str(BIN / "rehydrate-notify"), "--timeout", "5"],
+                          env=full, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("action", "code"), [("pre-dump", 3), ("post-resume", 3),
+                                              ("post-dump", 0)])
+def test_a_criu_action_never_picks_the_only_socket_in_the_default_directory(
+        action: str, code: int, rehydrate_environ: None) -> None:
+    """Without $REHYDRATE_CONTROL_SOCKET the only socket in the default directory may be
+    any other rehydrate process's: dumping an unrelated process then ran that one's
+    before-snapshot and resume hooks. Under CRIU the socket must be named: one line,
+    nothing sent (pre-dump fails, aborting the dump; post-dump still exits 0)."""
+    import socket
+
+    xdg = tempfile.mkdtemp(prefix="rh-xdg-")
+    try:
+        os.mkdir(os.path.join(xdg, "rehydrate"), 0o700)
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # another app's socket
+        other.bind(os.path.join(xdg, "rehydrate", "4242.sock"))
+        other.listen(8)
+        other.setblocking(False)
+        with other:
+            proc = _criu_notify(action, {"XDG_RUNTIME_DIR": xdg})
+            with pytest.raises(BlockingIOError):
+                other.accept()  # no connection was queued: nothing sent to it
+    finally:
+        shutil.rmtree(xdg, ignore_errors=True)
+    assert proc.returncode == code, proc
+    assert proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and "REHYDRATE_CONTROL_SOCKET" in proc.stderr
+
+
+def test_a_criu_action_refuses_a_server_outside_the_dumped_tree(engine: Lifecycle,
+                                                                sock_path: str) -> None:
+    """CRIU names the root of the tree it dumps ($CRTOOLS_INIT_PID): a socket served by
+    a process outside that tree (a wrong $REHYDRATE_CONTROL_SOCKET) is refused before
+    anything is sent (exit 4); one served by that task or a descendant is used."""
+    ran: list[str] = []
+    engine.registry.before_snapshot(lambda: ran.append("snapshot"), name="app")
+    outsider = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                stdin=subprocess.PIPE)
+    try:
+        proc = _criu_notify("pre-dump", {"REHYDRATE_CONTROL_SOCKET": sock_path,
+                                         "CRTOOLS_INIT_PID": str(outsider.pid)})
+    finally:
+        outsider.communicate(timeout=30)
+    assert proc.returncode == 4, proc
+    assert "not in the process tree of pid" in proc.stderr and ran == []
+    # The server's own pid, and an ancestor of it (a wrapper that started the app):
+    for root in (os.getpid(), os.getppid()):
+        proc = _criu_notify("pre-dump", {"REHYDRATE_CONTROL_SOCKET": sock_path,
+                                         "CRTOOLS_INIT_PID": str(root)})
+        assert proc.returncode == 0, proc
+        engine.restore_detected("test", kind="resume", anchor=False, frozen_for=0.0)
+    assert ran == ["snapshot", "snapshot"]

@@ -69,6 +69,8 @@ from .._gvisor import running_under_gvisor
 from . import Detector, probe_of
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._context import RestoreReport
     from ..extensions import Engine
 
@@ -849,14 +851,22 @@ class GVisorDetector(Detector):
         except OSError:  # pragma: no cover - the descriptor is open while armed
             return False
 
-    def _wait_answer(self, seq: int, deadline: float | None, written: float = -math.inf
+    def _wait_answer(self, seq: int, deadline: float | None, written: float = -math.inf,
+                     given_up: Callable[[], str | None] | None = None,
                      ) -> tuple[Answer, RestoreReport | None]:
         """The first answer after ``seq`` that arrived after ``written`` (the moment
         before the trigger wrote its ``1``): one that arrived before is an earlier
-        checkpoint's (a timed-out trigger's, whose descriptor this waiter held)."""
+        checkpoint's (a timed-out trigger's, whose descriptor this waiter held).
+
+        ``given_up``: TimeoutError with the text it returns once it returns one (checked
+        under ``_cond``: whoever makes it return text notifies ``_cond``) — the snapshot
+        deadline ran the hooks, and without a timeout the wait never ended."""
         with self._cond:
             while True:
                 while self._seq <= seq:
+                    why = given_up() if given_up is not None else None
+                    if why is not None:
+                        raise TimeoutError(why)
                     self._wait_some(deadline, "no checkpoint answer before the timeout",
                                     "the gVisor waiter stopped before the answer came")
                 if self._last_at >= written:

@@ -1583,3 +1583,75 @@ def test_without_a_waiter_an_earlier_answer_is_not_the_retried_triggers(
             _answer_checkpoint_2(iso_engine, platform, rec, second, before)
     finally:
         platform.close()
+
+
+def _trigger_in_thread(eng: Lifecycle,
+                       **kwargs: object) -> tuple[threading.Thread, dict[str, object]]:
+    """trigger_snapshot() without a timeout, in a daemon thread (a wait that never ends
+    must fail the test, not hang it)."""
+    out: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            out["answer"] = trigger_snapshot(eng, **kwargs)  # type: ignore[arg-type]
+        except Exception as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("with_waiter", [True, False])
+def test_a_trigger_without_timeout_ends_when_the_snapshot_deadline_ran_the_hooks(
+        iso_engine: Lifecycle, pty_proc: Path, with_waiter: bool) -> None:
+    """gVisor never answers and no timeout was given: the snapshot deadline runs the
+    resume hooks, and trigger_snapshot() raises TimeoutError saying so (before: the
+    process was ready again but the call stayed blocked for good). With the waiter, a
+    late answer still runs its hooks."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        rec = Recorder(iso_engine)
+        iso_engine.snapshot_deadline = 0.3
+        if with_waiter:
+            start_waiter(iso_engine, pty_proc)
+        thread, out = _trigger_in_thread(
+            iso_engine, **({} if with_waiter else {"proc": str(pty_proc)}))
+        thread.join(DEADLINE)
+        assert not thread.is_alive(), "trigger_snapshot() still waits after the deadline ran"
+        error = out.get("error")
+        assert isinstance(error, TimeoutError), out
+        assert "snapshot deadline" in str(error) and "resume hooks" in str(error)
+        assert platform.triggers == [b"1"]
+        assert [c[:2] for c in rec.calls] == [SNAP, RESUMED]  # the deadline's run only
+        assert iso_engine.is_ready()
+        _deadline_reported(iso_engine)
+        if with_waiter:
+            os.write(platform.master, b"restore\n")  # the late answer: a clone after all
+            wait_for(lambda: iso_engine.generation == 1, DEADLINE,
+                     what="the late answer's restore run")
+            assert [c[:2] for c in rec.calls] == [SNAP, RESUMED, ("restore-hook", "restore")]
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
+def test_another_run_ending_the_pass_does_not_end_the_wait_for_the_answer(
+        iso_engine: Lifecycle, pty_proc: Path) -> None:
+    """Only the snapshot deadline's run gives up on the answer: another run that ended
+    the pass (a notice) leaves the trigger waiting for gVisor's answer, which it returns."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        Recorder(iso_engine)
+        start_waiter(iso_engine, pty_proc)
+        thread, out = _trigger_in_thread(iso_engine)
+        wait_for(lambda: platform.triggers == [b"1"], what="the trigger's 1")
+        iso_engine.restore_detected("test", kind="resume", anchor=False, frozen_for=0.0)
+        assert iso_engine.is_ready()
+        assert thread.is_alive() and not out
+        os.write(platform.master, b"resume\n")
+        thread.join(DEADLINE)
+        assert out == {"answer": "resume"}
+    finally:
+        iso_engine.stop()
+        platform.close()

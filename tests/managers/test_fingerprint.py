@@ -752,3 +752,27 @@ def test_check_shows_control_characters_in_key_names_and_values_escaped(tmp_path
     # printable names stay as they are
     assert fp.Mismatch("env.API_KEY", "unset", "set").describe() == (
         "env.API_KEY: unset in the snapshot, set on this node")
+
+
+def test_check_node_with_env_from_compares_the_workloads_env_keys_too(tmp_path, capsys):
+    """``check MANIFEST --node --env-from FILE``: the file is the workload's environment,
+    so its env.* keys are compared too — before, --node ignored the file and said
+    "compatible" for a workload missing a key the snapshot recorded."""
+    manifest = tmp_path / "m.json"
+    fp.write_manifest(fp.fingerprint(env_keys=["API_KEY"], environ={"API_KEY": "s3cret"}),
+                      manifest)
+    env_file = tmp_path / "workload.env"
+    env_file.write_text("OTHER=1\n")  # API_KEY missing in the workload
+    assert check_manifest(str(manifest), scope="node", env_file=str(env_file),
+                          as_json=True) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["scope"] == "node"
+    assert out["mismatches"] == [{"field": "env.API_KEY", "expected": "set", "change": "removed",
+                                  "actual": "unset"}]
+    assert "s3cret" not in json.dumps(out)
+    env_file.write_text("API_KEY=s3cret\n")
+    assert check_manifest(str(manifest), scope="node", env_file=str(env_file)) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"compatible with {manifest} (node-level fields and env.* keys)")
+    # without the file a node-level checker still leaves the env.* keys alone
+    assert check_manifest(str(manifest), scope="node") == 0
