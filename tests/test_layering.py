@@ -53,6 +53,15 @@ def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from … import`` in ``package`` imports from (relative ones resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
@@ -63,12 +72,7 @@ def _graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
+                mod = _from_module(node, package)
                 # `from pkg import submodule` imports the submodule (and pkg, its parent,
                 # implicitly like every parent: not counted); any other name comes from pkg.
                 targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod
@@ -222,12 +226,7 @@ def _private_imports(module: str, path: Path, modules: dict[str, Path]) -> list[
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules
                        or a.name.startswith("_") else mod for a in node.names]
         else:

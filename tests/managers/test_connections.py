@@ -2376,15 +2376,16 @@ def test_engine_close_stops_a_background_reopen_and_closes_what_it_opens(check):
         engine.close()
 
 
-def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatch):
-    """The tcp_socket helper puts its socket in place itself: a reconnect stopped by
-    engine.close() while it connected left that socket open (and status ``reconnecting``)."""
+def _hold_the_reconnect(monkeypatch: pytest.MonkeyPatch) -> tuple[
+        threading.Event, threading.Event, list[socket.socket]]:
+    """tcp_socket's connects, real, the second one (the first reconnect; the first is the
+    registration's) held until ``release``: (entered, release, the sockets made)."""
     real = connections._connect
     entered, release = threading.Event(), threading.Event()
     made: list[socket.socket] = []
 
     def create_connection(address, timeout=None, *args, **kw):
-        if made:  # the reopen's connect (the first one is the registration's)
+        if len(made) == 1 and not entered.is_set():
             entered.set()
             assert release.wait(30)
         s = real(address, timeout, *args, **kw)
@@ -2392,6 +2393,26 @@ def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatc
         return s
 
     monkeypatch.setattr(connections, "_connect", create_connection)
+    return entered, release, made
+
+
+def _released_connect_is_closed(release: threading.Event, made: list[socket.socket],
+                                ms: connections.ManagedSocket, conn: connections.Connection,
+                                state: str) -> None:
+    """Let the held connect finish: its socket, belonging to no live run, is closed, not
+    put in place, and the connection stays ``state``."""
+    release.set()
+    wait_for(lambda: len(made) == 2 and made[1].fileno() == -1,
+             what="the late connect's socket to be closed")
+    with pytest.raises(ConnectionError):
+        ms.sock  # noqa: B018
+    assert conn.state == state
+
+
+def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatch):
+    """The tcp_socket helper puts its socket in place itself: a reconnect stopped by
+    engine.close() while it connected left that socket open (and status ``reconnecting``)."""
+    entered, release, made = _hold_the_reconnect(monkeypatch)
     engine = rehydrate.testing.isolated_engine()
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -2408,12 +2429,7 @@ def test_engine_close_closes_the_socket_a_stopped_tcp_reconnect_makes(monkeypatc
         if conn._closing is not None:  # ms.close(), in the background
             conn._closing.result(10)
         assert conn.state == "closed", conn.to_dict()
-        release.set()
-        wait_for(lambda: len(made) == 2 and made[1].fileno() == -1,
-                 what="the late connect's socket to be closed")
-        with pytest.raises(ConnectionError):
-            ms.sock  # noqa: B018
-        assert conn.state == "closed"
+        _released_connect_is_closed(release, made, ms, conn, "closed")
     finally:
         release.set()
         srv.close()
@@ -2476,20 +2492,7 @@ def test_a_connect_of_a_run_that_ended_does_not_replace_a_newer_runs_socket(
     thread, finished after the new run's and replaced (closed) the socket in use."""
     from rehydrate.adapters.asgi import _Detection
 
-    real = connections._connect
-    entered, release = threading.Event(), threading.Event()
-    made: list[socket.socket] = []
-
-    def create_connection(address, timeout=None, *args, **kw):
-        n = len(made)
-        if n == 1 and not entered.is_set():  # the first reconnect: held
-            entered.set()
-            assert release.wait(30)
-        s = real(address, timeout, *args, **kw)
-        made.append(s)
-        return s
-
-    monkeypatch.setattr(connections, "_connect", create_connection)
+    entered, release, made = _hold_the_reconnect(monkeypatch)
     a, b = _AppLoop(), _AppLoop()
     peer = socket.socket()
     try:
@@ -2530,19 +2533,7 @@ def test_a_tcp_connect_given_up_at_its_deadline_keeps_no_socket(rehydrate_engine
     """A reconnect whose connect outlived its deadline (its restore failed, the
     connection ``failed``) put its socket in place when it finished: a live socket under a
     ``failed`` connection that no run had opened."""
-    real = connections._connect
-    entered, release = threading.Event(), threading.Event()
-    made: list[socket.socket] = []
-
-    def create_connection(address, timeout=None, *args, **kw):
-        if made:  # the reopen's connect (the first one is the registration's)
-            entered.set()
-            assert release.wait(30)
-        s = real(address, timeout, *args, **kw)
-        made.append(s)
-        return s
-
-    monkeypatch.setattr(connections, "_connect", create_connection)
+    entered, release, made = _hold_the_reconnect(monkeypatch)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -2554,12 +2545,7 @@ def test_a_tcp_connect_given_up_at_its_deadline_keeps_no_socket(rehydrate_engine
         assert rehydrate_engine.simulate_snapshot().ok
         assert not rehydrate_engine.simulate_restore().ok
         assert entered.is_set() and conn.state == "failed"
-        release.set()
-        wait_for(lambda: len(made) == 2 and made[1].fileno() == -1,
-                 what="the late connect's socket to be closed")
-        with pytest.raises(ConnectionError):
-            ms.sock  # noqa: B018
-        assert conn.state == "failed"
+        _released_connect_is_closed(release, made, ms, conn, "failed")
     finally:
         release.set()
         srv.close()
@@ -2728,6 +2714,19 @@ class _Peer:
         self.srv.close()
 
 
+def _stream_to(peer: _Peer) -> tuple[object, object]:
+    """An async ``open`` of an asyncio stream to ``peer`` and the ``close`` of it."""
+
+    async def open_():
+        return await asyncio.open_connection(*peer.address)
+
+    async def close(v):
+        v[1].close()
+        await v[1].wait_closed()
+
+    return open_, close
+
+
 def test_engine_close_closes_an_async_connection_on_the_loop_it_was_opened_on(
         monkeypatch):
     """engine.close() ran an async close on a loop of its own in another thread: an
@@ -2796,13 +2795,7 @@ def test_a_close_whose_event_loop_has_stopped_says_so_in_one_line(rehydrate_engi
     """An async close whose loop is gone runs on the snapshot's loop; when it fails there,
     the error says why in one line (it said "Event loop is closed", or a Task repr)."""
     peer = _Peer()
-
-    async def open_():
-        return await asyncio.open_connection(*peer.address)
-
-    async def close(v):
-        v[1].close()
-        await v[1].wait_closed()
+    open_, close = _stream_to(peer)
 
     conn = connections.register("db", open=open_, close=close, required=False,
                                 engine=rehydrate_engine)
@@ -3081,13 +3074,7 @@ def test_wait_background_waits_for_an_open_now_open_not_started_yet(rehydrate_en
     hooks' loop, and recorded as a background run only once that loop started it, so
     ``wait_background()`` returned True at once with the connection still ``opening``."""
     peer = _Peer()
-
-    async def open_():
-        return await asyncio.open_connection(*peer.address)
-
-    async def close(v):
-        v[1].close()
-        await v[1].wait_closed()
+    open_, close = _stream_to(peer)
 
     blocked = _BlockedLoop(rehydrate_engine)
     try:

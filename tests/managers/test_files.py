@@ -29,6 +29,23 @@ def _hook(report, name):
     return next(h for h in report.hooks if h.name == name)
 
 
+def _real_fds_on_a_volume(engine: Lifecycle, tmp_path: Path) -> Path:
+    """``tmp_path/vol``, a volume to the audit (a mountinfo that says so) over the real
+    ``/proc/self/fd``, deleted files refused as under gVisor."""
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text(
+        "16 15 0:17 / / ro - 9p none ro,trans=fd\n"
+        f"20 16 0:20 / {vol} rw - 9p none rw,trans=fd\n")
+    os.symlink("/proc/self/fd", proc / "self" / "fd")
+    mgr = files.manager(engine)
+    mgr.proc = str(proc)
+    mgr.fail_on_deleted = True
+    return vol
+
+
 def _replace(path: Path, text: str) -> None:
     """Rename-over: a new inode at the same path, as editors and deploy tools do."""
     tmp = path.with_name(path.name + ".new")
@@ -42,17 +59,7 @@ def test_the_audit_runs_after_every_user_hook_whatever_its_order(engine,
     file — also a user hook in its phase with an order below the built-ins' old -2e6 (it
     ran after the audit, which refused the deleted file that hook was about to close).
     The real /proc/self/fd, with a mountinfo that makes ``vol`` a volume."""
-    vol = tmp_path / "vol"
-    vol.mkdir()
-    proc = tmp_path / "proc"
-    (proc / "self").mkdir(parents=True)
-    (proc / "self" / "mountinfo").write_text(
-        "16 15 0:17 / / ro - 9p none ro,trans=fd\n"
-        f"20 16 0:20 / {vol} rw - 9p none rw,trans=fd\n")
-    os.symlink("/proc/self/fd", proc / "self" / "fd")
-    mgr = files.manager(engine)
-    mgr.proc = str(proc)
-    mgr.fail_on_deleted = True
+    vol = _real_fds_on_a_volume(engine, tmp_path)
     scratch = open(vol / "scratch", "w")  # noqa: SIM115 — the hook under test closes it
     (vol / "scratch").unlink()
 
@@ -341,17 +348,7 @@ def test_a_live_file_named_like_a_deleted_one_is_not_deleted(
     """The kernel marks a deleted file by appending " (deleted)" to its fd's link; a live
     file whose name ends that way failed the snapshot (under gVisor) naming another path.
     The real /proc/self/fd, with a mountinfo that makes ``vol`` a volume."""
-    vol = tmp_path / "vol"
-    vol.mkdir()
-    proc = tmp_path / "proc"
-    (proc / "self").mkdir(parents=True)
-    (proc / "self" / "mountinfo").write_text(
-        "16 15 0:17 / / ro - 9p none ro,trans=fd\n"
-        f"20 16 0:20 / {vol} rw - 9p none rw,trans=fd\n")
-    os.symlink("/proc/self/fd", proc / "self" / "fd")
-    mgr = files.manager(engine)
-    mgr.proc = str(proc)
-    mgr.fail_on_deleted = True
+    vol = _real_fds_on_a_volume(engine, tmp_path)
     with open(vol / "report (deleted)", "w") as live:
         assert engine.simulate_snapshot().ok
         [found] = engine.status().extra["files"]["last_audit"]
