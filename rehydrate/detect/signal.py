@@ -87,6 +87,8 @@ class _Run:
         self.engine = engine
         self.pid = os.getpid()
         self.stopped = False
+        self.arrived = 0.0
+        """When the latest signal reached the handler (time.monotonic())."""
 
 
 class SignalDetector(Detector):
@@ -211,6 +213,11 @@ class SignalDetector(Detector):
         w = run.write_fd
         if w is None:
             return
+        # Dated here, not when the worker reads it: a signal sent while the hooks of the
+        # restore it is about still run must fall in that restore's window, however long
+        # the hooks take. Set before the write, so the worker never reads a byte whose
+        # time is not there yet.
+        run.arrived = time.monotonic()
         try:
             os.write(w, b"s")
         except OSError as exc:  # pipe full: a notice is already pending, which suffices
@@ -229,7 +236,9 @@ class SignalDetector(Detector):
                     return
                 if not data:
                     return  # stop() closed the write end
-                received = time.monotonic()
+                # The latest of the signals read (several are one notice): a restore
+                # announced after the window of the one running must still run.
+                received = run.arrived
                 self.received += len(data)
                 if run.stopped:
                     return
