@@ -21,13 +21,20 @@ its watch along, and a new one put in its place is watched again). The marker ma
 symlink: a change of any entry of its directory that resolving it passes through wakes
 the detector too — a Kubernetes ConfigMap, Secret, downward-API or projected volume
 updates ``marker -> ..data/marker`` by swapping the ``..data`` symlink, with no event
-about the marker's own name. Setting ``REHYDRATE_MARKER_FILE`` makes ``start("auto")``
+about the marker's own name. With inotify the directories holding the other symlinks
+it resolves through and the file it ends at are watched as well (again whenever the
+links change): a marker linked to a file elsewhere changes there. Polling needs none
+of that (its ``stat`` follows the link). Setting ``REHYDRATE_MARKER_FILE`` makes ``start("auto")``
 start the detector even when it cannot work, so that the reason is an error
 (``status()["detector_errors"]``).
 
 A burst of writes (truncate, then write) is one notice: a restore handled in the
 ``window`` seconds before the change (default 2, ``REHYDRATE_MARKER_WINDOW``) is taken to
-be the same restore. ``REHYDRATE_MARKER_KIND``: ``restore`` (default) or ``resume``.
+be the same restore. A change is dated when its event arrived, not when the worker reads
+it (after the hooks of a restore in progress, which may take longer than the window);
+a read that finds a marker other than the one the event saw (inode, size, mtime) is
+about a later change, dated by the read. ``REHYDRATE_MARKER_KIND``: ``restore``
+(default) or ``resume``.
 """
 
 from __future__ import annotations
@@ -301,8 +308,11 @@ class FileDetector(Detector):
             # hooks of the restore it belongs to still run must fall in that restore's
             # window, however long the hooks take.
             # The marker's identity then: a read that finds another one is about a change
-            # made after this report, and that is dated by the read.
-            arrived = (time.monotonic(), _stat_key(detector.path))
+            # made after this report, and that is dated by the read. Looked at before
+            # the clock is read: the time must not predate what the stat saw (a thread
+            # switch in between would date a later change by this earlier moment).
+            seen = _stat_key(detector.path)
+            arrived = (time.monotonic(), seen)
             with detector._arrival_lock:
                 detector._arrived = arrived
                 wake.set()

@@ -430,14 +430,16 @@ def test_a_marker_linked_into_another_directory(rehydrate_engine, tmp_path, mode
     tmp.write_text("1")
     os.replace(tmp, target_dir(1) / "marker")
     rec.wait(1)
-    with open(target_dir(1) / "marker", "r+") as f:  # edited in place (one write)
-        f.write("2")
+    # Edited in place (one write). Longer: polling compares size and mtime, and the
+    # mtime may not have moved since the replace.
+    with open(target_dir(1) / "marker", "r+") as f:
+        f.write("22")
     rec.wait(2)
 
     point_to(2, "3")  # re-pointed: watched there from now on
     rec.wait(3)
     with open(target_dir(2) / "marker", "r+") as f:
-        f.write("4")
+        f.write("44")
     assert [c["generation"] for c in rec.wait(4)] == [1, 2, 3, 4]
     if mode == "inotify":
         assert set(det._extra) == {str(target_dir(2))}
