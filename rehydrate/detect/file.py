@@ -21,17 +21,25 @@ its watch along, and a new one put in its place is watched again). The marker ma
 symlink: a change of any entry of its directory that resolving it passes through wakes
 the detector too — a Kubernetes ConfigMap, Secret, downward-API or projected volume
 updates ``marker -> ..data/marker`` by swapping the ``..data`` symlink, with no event
-about the marker's own name. Setting ``REHYDRATE_MARKER_FILE`` makes ``start("auto")``
+about the marker's own name. With inotify the directories holding the other symlinks
+it resolves through and the file it ends at are watched as well (again whenever the
+links change): a marker linked to a file elsewhere changes there. Polling needs none
+of that (its ``stat`` follows the link). Setting ``REHYDRATE_MARKER_FILE`` makes ``start("auto")``
 start the detector even when it cannot work, so that the reason is an error
 (``status()["detector_errors"]``).
 
 A burst of writes (truncate, then write) is one notice: a restore handled in the
 ``window`` seconds before the change (default 2, ``REHYDRATE_MARKER_WINDOW``) is taken to
-be the same restore. ``REHYDRATE_MARKER_KIND``: ``restore`` (default) or ``resume``.
+be the same restore. A change is dated when its event arrived, not when the worker reads
+it (after the hooks of a restore in progress, which may take longer than the window);
+a read that finds a marker other than the one the event saw (inode, size, mtime) is
+about a later change, dated by the read. ``REHYDRATE_MARKER_KIND``: ``restore``
+(default) or ``resume``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -89,12 +97,12 @@ def _read_state(path: str) -> State:
     return (st.st_ino, st.st_size, st.st_mtime_ns, digest)
 
 
-def _entries_through(path: str, parent: str) -> frozenset[str]:
-    """The entries of ``parent`` that reading ``path`` passes through: the path itself and
-    the symlinks (and directories) its resolution visits there. A Kubernetes ConfigMap,
-    Secret or downward-API volume is ``marker -> ..data/marker`` with ``..data`` a
-    symlink to a versioned directory; an update swaps ``..data`` (a rename over it) and
-    fires no event about ``marker`` itself."""
+def _resolution(path: str) -> tuple[frozenset[str], str]:
+    """(visited, end): every path reading ``path`` passes through (the path itself, the
+    symlinks and directories its resolution visits, the file it ends at), and that file.
+    A Kubernetes ConfigMap, Secret or downward-API volume is ``marker -> ..data/marker``
+    with ``..data`` a symlink to a versioned directory; an update swaps ``..data`` (a
+    rename over it) and fires no event about ``marker`` itself."""
     seen = {path}
     current = path
     for _ in range(40):  # the kernel's limit of symlinks in one resolution
@@ -113,7 +121,29 @@ def _entries_through(path: str, parent: str) -> frozenset[str]:
             break
         rest = os.path.relpath(current, link)
         current = os.path.normpath(os.path.join(os.path.dirname(link), target, rest))
-    return frozenset(p for p in seen if os.path.dirname(p) == parent)
+    return frozenset(seen), current
+
+
+def _watch_plan(path: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(directories, entries): the directories holding a symlink the resolution of
+    ``path`` follows or the file it ends at, and the entries of those directories it
+    passes through. A marker linked to a file elsewhere changes there, where a watch on
+    its own directory sees nothing."""
+    visited, end = _resolution(path)
+    dirs = {os.path.dirname(path), os.path.dirname(end)}
+    dirs.update(os.path.dirname(p) for p in visited if os.path.islink(p))
+    # Not the watched directories themselves: a change of any file in them would wake
+    # the detector (watchdog reports it as a change of the directory too).
+    return (frozenset(dirs),
+            frozenset(p for p in visited if os.path.dirname(p) in dirs and p not in dirs))
+
+
+def _stat_key(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -178,7 +208,17 @@ class FileDetector(Detector):
         self._watched: tuple[int, int] | None = None
         """(device, inode) of the directory watched (None: it went away)."""
         self._through: frozenset[str] = frozenset()
-        """Entries of the marker's directory whose change can change what it reads."""
+        """Entries of the watched directories whose change can change what it reads."""
+        self._dirs: frozenset[str] = frozenset()
+        """The directories holding the marker, the symlinks it resolves through and the
+        file it ends at."""
+        self._extra: dict[str, tuple[Any, tuple[int, int] | None]] = {}
+        """Directories watched besides the marker's and the one above (inotify): their
+        watchdog watch and (device, inode) when scheduled."""
+        self._arrived: tuple[float, tuple[int, int, int] | None] | None = None
+        """When the latest change not yet looked at was reported (time.monotonic()), and
+        the marker's (inode, size, mtime_ns) then."""
+        self._arrival_lock = threading.Lock()
         self.rewatches = 0
         self._stopping = threading.Event()
         self._worker: threading.Thread | None = None
@@ -230,13 +270,17 @@ class FileDetector(Detector):
                 log.warning("marker file %s cannot be read (%s); its first readable state "
                             "is taken as the baseline", self.path, exc.strerror or exc)
                 self._state, self._unreadable, self._adopt = None, True, True
-            self._through = _entries_through(self.path, parent)
+            self._dirs, self._through = _watch_plan(self.path)
             self._stopping.clear()
             self._wake.clear()
             self._lost.clear()
+            self._arrived = None
             observer = self._make_observer(parent)
             observer.start()
             self._observer = observer
+            # Once it runs: scheduled before, a directory that cannot be watched would
+            # make observer.start() fail.
+            self._watch_targets(observer)
             self._worker = threading.Thread(target=self._work, name="rehydrate-marker-file",
                                             daemon=True)
             self._worker.start()
@@ -259,6 +303,20 @@ class FileDetector(Detector):
         wake, lost = self._wake, self._lost
         detector = self
 
+        def note() -> None:
+            # Dated on arrival, not when the worker gets to it: a write made while the
+            # hooks of the restore it belongs to still run must fall in that restore's
+            # window, however long the hooks take.
+            # The marker's identity then: a read that finds another one is about a change
+            # made after this report, and that is dated by the read. Looked at before
+            # the clock is read: the time must not predate what the stat saw (a thread
+            # switch in between would date a later change by this earlier moment).
+            seen = _stat_key(detector.path)
+            arrived = (time.monotonic(), seen)
+            with detector._arrival_lock:
+                detector._arrived = arrived
+                wake.set()
+
         class _Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
                 if event.event_type in READ_ONLY_EVENTS:
@@ -277,11 +335,11 @@ class FileDetector(Detector):
                         # (the watch follows the moved directory).
                         detector._watched = None
                     lost.set()
-                    wake.set()
+                    note()
                     return
                 through = detector._through
                 if any(p in through for p in paths):
-                    wake.set()
+                    note()
 
         observer: Any
         if self.polling:
@@ -321,16 +379,51 @@ class FileDetector(Detector):
                 observer.schedule(self._handler, above, recursive=False)
             except OSError as exc:  # not readable: a rename away goes unseen
                 log.debug("marker file: cannot watch %s (%s)", above, exc)
+        self._extra = {}
+
+    def _watch_targets(self, observer: Any) -> None:
+        """inotify: watch the directories a symlinked marker resolves through (a link in
+        another directory, the file it ends at), and only those — again when the links
+        change, or a directory is replaced. Polling needs none: its ``stat`` follows the
+        link. Under ``_lock``, with the observer running."""
+        if self.polling:
+            return
+        parent = os.path.dirname(self.path)
+        wanted = self._dirs - {parent, os.path.dirname(parent)}
+        for directory, (watch, identity) in list(self._extra.items()):
+            if directory not in wanted or _identity(directory) != identity:
+                with contextlib.suppress(KeyError, OSError):  # its emitter may be gone
+                    observer.unschedule(watch)
+                del self._extra[directory]
+        for directory in sorted(wanted - self._extra.keys()):
+            identity = _identity(directory)
+            if identity is None:
+                continue  # not there (a dangling link): re-resolved when the link changes
+            try:
+                watch = observer.schedule(self._handler, directory, recursive=False)
+            except OSError as exc:
+                log.debug("marker file: cannot watch %s (%s)", directory, exc)
+                continue
+            self._extra[directory] = (watch, identity)
 
     def _work(self) -> None:
         while True:
             self._wake.wait()
             if self._stopping.is_set():
                 return
-            self._wake.clear()
-            if self._lost.is_set() and not self._watch_again():
-                return
+            with self._arrival_lock:
+                self._wake.clear()
+                arrived, self._arrived = self._arrived, None
+            if self._lost.is_set():
+                if not self._watch_again():
+                    return
+                arrived = None  # it may have waited long for the directory
             noticed = time.monotonic()
+            self._dirs, self._through = _watch_plan(self.path)
+            with self._lock:
+                # Before the read: a change made after it then wakes the detector.
+                if self._observer is not None:
+                    self._watch_targets(self._observer)
             try:
                 state = _read_state(self.path)
             except OSError as exc:
@@ -342,7 +435,6 @@ class FileDetector(Detector):
                                 self.path, exc.strerror or exc)
                 self._unreadable = True
                 continue
-            self._through = _entries_through(self.path, os.path.dirname(self.path))
             if self._unreadable:
                 log.info("marker file %s is readable again", self.path)
                 self._unreadable = False
@@ -353,6 +445,8 @@ class FileDetector(Detector):
                 continue
             if state is None or state == previous:
                 continue
+            if arrived is not None and arrived[1] == state[:3]:
+                noticed = arrived[0]
             self.changes += 1
             engine = self._engine
             if engine is None:

@@ -6,7 +6,8 @@ a supervisor, an orchestrator's post-restore step). Off unless asked for
 application had installed for that signal.
 
 Python runs signal handlers in the main thread between bytecodes. The handler here does
-the least possible: one non-blocking ``write()`` of a byte to a pipe. A worker thread
+the least possible: it notes the time and does one non-blocking ``write()`` of a byte to
+a pipe. A worker thread
 blocked in ``read()`` on that pipe runs the restore hooks, so hooks never run inside the
 handler or on the interrupted main thread (and a hook may itself block). ``set_wakeup_fd``
 is not used: there is only one per process and asyncio owns it.
@@ -15,8 +16,9 @@ Handlers can only be installed from the main thread: :meth:`start` from another 
 fails with that reason, and :meth:`probe` says so when asked from another thread.
 
 Each signal is one notice. A restore already handled in the ``window`` seconds before
-the signal arrived (default 2, ``REHYDRATE_SIGNAL_WINDOW``) is taken to be the restore
-the signal is about, so a signal sent right after a restore another detector already saw
+the signal arrived (default 2, ``REHYDRATE_SIGNAL_WINDOW``; dated by the handler, not
+when the worker gets to it after hooks still running) is taken to be the restore the
+signal is about, so a signal sent right after a restore another detector already saw
 runs nothing twice. ``REHYDRATE_SIGNAL`` picks the signal (``USR2``, ``SIGUSR1``, ``12``);
 ``REHYDRATE_SIGNAL_KIND`` is ``restore`` (default) or ``resume``.
 
@@ -87,6 +89,8 @@ class _Run:
         self.engine = engine
         self.pid = os.getpid()
         self.stopped = False
+        self.arrived = 0.0
+        """When the latest signal reached the handler (time.monotonic())."""
 
 
 class SignalDetector(Detector):
@@ -211,6 +215,11 @@ class SignalDetector(Detector):
         w = run.write_fd
         if w is None:
             return
+        # Dated here, not when the worker reads it: a signal sent while the hooks of the
+        # restore it is about still run must fall in that restore's window, however long
+        # the hooks take. Set before the write, so the worker never reads a byte whose
+        # time is not there yet.
+        run.arrived = time.monotonic()
         try:
             os.write(w, b"s")
         except OSError as exc:  # pipe full: a notice is already pending, which suffices
@@ -229,7 +238,9 @@ class SignalDetector(Detector):
                     return
                 if not data:
                     return  # stop() closed the write end
-                received = time.monotonic()
+                # The latest of the signals read (several are one notice): a restore
+                # announced after the window of the one running must still run.
+                received = run.arrived
                 self.received += len(data)
                 if run.stopped:
                     return

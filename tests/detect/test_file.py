@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from detect_helpers import REPO, Child, Recorder, wait_for
@@ -341,3 +343,157 @@ def test_a_directory_renamed_away_and_recreated_is_watched_again(rehydrate_engin
     assert (calls[0]["reason"], calls[0]["generation"]) == ("file", 1)
     rehydrate_engine.stop()  # joins the worker: everything it was woken for was read
     assert len(rec.calls) == 1
+
+
+def _reports(engine, monkeypatch):  # type: ignore[no-untyped-def]
+    """The reports of every restore_detected() call, in order."""
+    reports: list = []  # type: ignore[type-arg]
+    real = engine.restore_detected
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        report = real(*args, **kwargs)
+        reports.append(report)
+        return report
+
+    monkeypatch.setattr(engine, "restore_detected", recording)
+    return reports
+
+
+def test_a_write_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, tmp_path,
+                                                          mode, monkeypatch):
+    """The rest of a burst, written while the hooks of its restore still run, is dated
+    when it was reported, not when the worker gets to it: hooks outlasting the window
+    made it a second restore (a new instance ID)."""
+    marker = tmp_path / "restored"
+    window = 0.5
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow_hook() -> None:
+        calls.append(1)
+        entered.set()
+        assert release.wait(10.0)
+
+    rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    reports = _reports(rehydrate_engine, monkeypatch)
+    det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=window)
+    rehydrate_engine.start([det])
+    tmp = tmp_path / "restored.tmp"
+    tmp.write_text("restored")
+    os.replace(tmp, marker)
+    try:
+        assert entered.wait(5.0), "the hook did not run"
+        entered_at = time.monotonic()
+        with open(marker, "a") as f:  # the rest of the burst
+            f.write("-1\n")
+        wait_for(lambda: det._arrived is not None, what="the write to be reported")
+        # The hooks outlast the window (the condition of the bug), then return.
+        wait_for(lambda: time.monotonic() > entered_at + 2 * window,
+                 what="the window to pass")
+    finally:
+        release.set()
+    wait_for(lambda: len(reports) == 2, what="the second notice to be handled")
+    assert calls == [1]
+    assert reports[1].deduplicated
+
+
+@pytest.mark.parametrize("layout", ["elsewhere", "configmap"])
+def test_a_marker_linked_into_another_directory(rehydrate_engine, tmp_path, mode, layout):
+    """A marker that is a symlink to a file in another directory changes there: with
+    inotify on the marker's own directory alone, nothing was ever seen."""
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    if layout == "elsewhere":
+        def target_dir(n: int) -> pathlib.Path:
+            return tmp_path / f"state{n}"
+    else:  # kubelet's layout: marker -> ..data/marker, ..data -> ..vN
+        def target_dir(n: int) -> pathlib.Path:
+            return watch / f"..v{n}"
+
+    def point_to(n: int, content: str) -> None:
+        target_dir(n).mkdir()
+        (target_dir(n) / "marker").write_text(content)
+        link, tmp = ((watch / "marker", watch / "marker.tmp") if layout == "elsewhere"
+                     else (watch / "..data", watch / "..data.tmp"))
+        os.symlink(target_dir(n) / "marker" if layout == "elsewhere" else f"..v{n}", tmp)
+        os.replace(tmp, link)
+
+    point_to(1, "0")
+    if layout == "configmap":
+        os.symlink("..data/marker", watch / "marker")
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(watch / "marker", polling=(mode == "polling"), interval=0.02,
+                       window=0)
+    rehydrate_engine.start([det])
+
+    tmp = target_dir(1) / ".tmp"  # the target replaced atomically
+    tmp.write_text("1")
+    os.replace(tmp, target_dir(1) / "marker")
+    rec.wait(1)
+    # Edited in place (one write). Longer: polling compares size and mtime, and the
+    # mtime may not have moved since the replace.
+    with open(target_dir(1) / "marker", "r+") as f:
+        f.write("22")
+    rec.wait(2)
+
+    point_to(2, "3")  # re-pointed: watched there from now on
+    rec.wait(3)
+    with open(target_dir(2) / "marker", "r+") as f:
+        f.write("44")
+    assert [c["generation"] for c in rec.wait(4)] == [1, 2, 3, 4]
+    if mode == "inotify":
+        assert set(det._extra) == {str(target_dir(2))}
+
+
+def test_a_change_the_late_report_does_not_cover_is_dated_by_the_read(
+        rehydrate_engine, tmp_path, monkeypatch):
+    """A report that came while the hooks ran dates only the marker it saw: a new restore
+    that rewrote the marker after that report, and before the worker read it, is not
+    taken for the earlier burst (it would be lost: its own report then finds nothing
+    new)."""
+    from rehydrate.detect import file as file_module
+
+    marker = tmp_path / "restored"
+    window = 0.5
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow_hook() -> None:
+        calls.append(1)
+        entered.set()
+        if len(calls) == 1:
+            assert release.wait(10.0)
+
+    rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    reports = _reports(rehydrate_engine, monkeypatch)
+    det = FileDetector(marker, polling=False, window=window)
+    rehydrate_engine.start([det])
+    tmp = tmp_path / "restored.tmp"
+    tmp.write_text("restored")
+    os.replace(tmp, marker)
+    armed = threading.Event()
+    real_plan = file_module._watch_plan
+
+    def plan_then_restore(path: str):  # type: ignore[no-untyped-def]
+        # Runs after the worker took the pending report, before it reads the marker.
+        if armed.is_set():
+            armed.clear()
+            tmp.write_text("restored again")
+            os.replace(tmp, marker)
+        return real_plan(path)
+
+    monkeypatch.setattr(file_module, "_watch_plan", plan_then_restore)
+    try:
+        assert entered.wait(5.0), "the hook did not run"
+        entered_at = time.monotonic()
+        with open(marker, "a") as f:  # the rest of the burst
+            f.write("-1\n")
+        wait_for(lambda: det._arrived is not None, what="the write to be reported")
+        wait_for(lambda: time.monotonic() > entered_at + 2 * window,
+                 what="the window to pass")
+        armed.set()
+    finally:
+        release.set()
+    wait_for(lambda: len(calls) == 2, what="the new restore to run")
+    assert marker.read_text() == "restored again"
+    assert not reports[1].deduplicated

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 from detect_helpers import Recorder, wait_for
@@ -200,3 +201,47 @@ def test_a_signal_to_a_forked_child_is_not_the_parents_restore(rehydrate_engine)
         assert in_child == {"app_handler": True, "app_calls": 1}
     finally:
         signal.signal(signal.SIGUSR2, old)
+
+
+def test_a_signal_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, monkeypatch):
+    """A second signal about the same restore (a supervisor's retry), sent while its hooks
+    still run, is dated when it arrived, not when the worker reads it: hooks outlasting
+    the window made it a second restore (a new instance ID)."""
+    window = 0.5
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow_hook() -> None:
+        calls.append(1)
+        entered.set()
+        assert release.wait(10.0)
+
+    rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    reports: list = []  # type: ignore[type-arg]
+    real = rehydrate_engine.restore_detected
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        report = real(*args, **kwargs)
+        reports.append(report)
+        return report
+
+    monkeypatch.setattr(rehydrate_engine, "restore_detected", recording)
+    det = SignalDetector("USR2", window=window)
+    rehydrate_engine.start([det])
+    run = det._run
+    assert run is not None
+    os.kill(os.getpid(), signal.SIGUSR2)
+    try:
+        assert entered.wait(5.0), "the hook did not run"
+        entered_at = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_for(lambda: _unread(run.read_fd) == 1, what="the second signal in the pipe")
+        # The hooks outlast the window (the condition of the bug), then return.
+        wait_for(lambda: time.monotonic() > entered_at + 2 * window,
+                 what="the window to pass")
+    finally:
+        release.set()
+    wait_for(lambda: len(reports) == 2, what="the second notice to be handled")
+    assert calls == [1]
+    assert reports[1].deduplicated
+    assert det.received == 2
