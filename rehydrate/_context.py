@@ -244,10 +244,28 @@ class Report:
     notice_to_run: float | None = None
     """Seconds from the first notice (``ctx.detected_at``: when the detector saw the
     event) to the start of the run: the detector's and the engine's own handling first."""
+    recovered: tuple[str, ...] = ()
+    """Failed required hooks that reported recovery while the run went on
+    (:meth:`~rehydrate.Lifecycle.recovered`); when they are all of them the run ended
+    ready (:attr:`ready`) though ``ok`` is false."""
 
     @property
     def event(self) -> str:
         return "snapshot" if self.kind == "snapshot" else "restore"
+
+    @property
+    def ready(self) -> bool:
+        """The run left the process ready: ``ok``, or every required hook that failed
+        recovered while it went on (:attr:`recovered`)."""
+        if self.ok:
+            return True
+        left = list(self.recovered)
+        for h in self.hooks:
+            if h.required and h.outcome in ("failed", "timeout"):
+                if h.name not in left:
+                    return False
+                left.remove(h.name)
+        return bool(self.recovered)
 
     @property
     def failed(self) -> tuple[HookResult, ...]:
@@ -265,6 +283,7 @@ class Report:
             "frozen_for": self.frozen_for,
             "confirmed_by": list(self.confirmed_by),
             "deduplicated": self.deduplicated,
+            "recovered": list(self.recovered),
             "notice_to_run": (None if self.notice_to_run is None
                                 else round(self.notice_to_run, 6)),
             "env_changes": self.env_changes.to_dict(),

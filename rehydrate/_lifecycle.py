@@ -189,7 +189,6 @@ class Lifecycle:
         """Required hooks failed so far in the restore run in progress, by name."""
         self._run_recovered: collections.Counter[str] = collections.Counter()
         """Of those, the ones :meth:`recovered` since their failure, in that run."""
-        self._mended: tuple[RestoreReport, str] | None = None  # for _log_mended
         self._generation = 0
         self._last_report: Report | None = None
         self._extra_status: dict[str, Callable[[], Any]] = {}
@@ -638,11 +637,6 @@ class Lifecycle:
         log.info("hook %s recovered; ready again", hook)
         return True
 
-    def _log_mended(self, report: RestoreReport) -> None:
-        mended, self._mended = self._mended, None
-        if mended is not None and mended[0] is report:
-            log.info("hook(s) recovered while the run went on: %s; ready", mended[1])
-
     def _hook_failed(self, result: HookResult) -> None:
         """The runner recorded a failed or timed-out required hook (any run)."""
         with self._cond:
@@ -975,7 +969,6 @@ class Lifecycle:
                 self._cond.notify_all()
         self._publish(report)
         _log_run(report)
-        self._log_mended(report)
         return report
 
     def _handled_already(self, reason: str, since: float | None, detected: float, *,
@@ -1264,7 +1257,6 @@ class Lifecycle:
                 if isinstance(report, RestoreReport):
                     self._publish(report)
                     _log_run(report)
-                    self._log_mended(report)
                 return
             step = min(end - now, 0.5)
             freezes = self._freezes
@@ -1489,7 +1481,6 @@ class Lifecycle:
             self._pass.undone_by = report  # its hooks reopened what the pass closed
         with self._cond:
             self._state = "ready" if ok else "degraded"
-            mended: list[str] = []
             if ok:
                 self._faults = None
             else:
@@ -1502,6 +1493,11 @@ class Lifecycle:
                 else:  # every failure recovered while later hooks ran
                     self._state = "ready"
                     self._faults = None
+                if mended:  # the report says so: the platform's notice answers ready
+                    undone = self._pass is not None and self._pass.undone_by is report
+                    report = dataclasses.replace(report, recovered=tuple(mended))
+                    if undone:
+                        self._pass.undone_by = report  # type: ignore[union-attr]
             # With readiness, under the run lock: stored only when published (after the
             # lock), a duplicate notice confirmed in between found an older last report,
             # and the late publish then dropped its confirmation from status() for good;
@@ -1510,8 +1506,6 @@ class Lifecycle:
             self._run_ended = time.monotonic()
             self._freeze_handled(detected)
             self._cond.notify_all()
-        if mended:  # logged after the run's own line (_log_run), which says "degraded"
-            self._mended = (report, ", ".join(mended))
         if self._observers:
             _notify_observers(tuple(self._observers), "event_finished", ctx, report)
         return report
@@ -1953,9 +1947,11 @@ def _log_run(report: RestoreReport) -> None:
     env = report.env_changes
     changes = (f"; environment refreshed: added={list(env.added)} "
                f"changed={list(env.changed)} removed={list(env.removed)}" if env else "")
+    state = ("ready" if report.ok else
+             f"ready (recovered while the run went on: {', '.join(report.recovered)})"
+             if report.ready else "degraded")
     log.info("%s (reason %s, generation %d%s): hooks ran in %.0f ms, %s%s", report.kind,
-             report.reason, report.generation, frozen, report.duration * 1000,
-             "ready" if report.ok else "degraded", changes)
+             report.reason, report.generation, frozen, report.duration * 1000, state, changes)
 
 
 def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFailed | None]:

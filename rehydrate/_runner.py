@@ -340,8 +340,10 @@ class _Progress:
                 return False
             self.results[index] = result
             self.deadline = math.inf
-        _log_outcome(self.ctx, result)  # outside the lock: the supervisor must not wait on I/O
+        # Counted before the log line (I/O, slow in a fresh clone): a recovery made just
+        # after the hook returned finds its failure counted.
         _tell_failed(self.on_failed, result)
+        _log_outcome(self.ctx, result)  # outside the lock: the supervisor must not wait on I/O
         return True
 
     def settle(self, index: int, tokens: Sequence[object], result: HookResult) -> bool:
@@ -692,8 +694,8 @@ class HookRunner:
                 wait = None if math.isinf(job.deadline) else job.deadline - now
             job.wake.wait(wait)
         self._abandon(job, None if hook.is_async else hook)
-        _log_outcome(job.ctx, result)
         _tell_failed(job.on_failed, result)
+        _log_outcome(job.ctx, result)
         if hook.is_async and error.run_deadline is not None:
             log.warning("%s; moving on", error)
         elif hook.is_async and not entered:

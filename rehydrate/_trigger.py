@@ -40,7 +40,7 @@ from .detect.gvisor import (
 from .extensions import Engine, resolve_engine
 
 if TYPE_CHECKING:
-    from ._context import Report, SnapshotReport
+    from ._context import Report, RestoreReport, SnapshotReport
 
 __all__ = ["trigger_snapshot"]
 
@@ -362,6 +362,9 @@ class _DeadlineWatch:
         self._waiter = waiter
         self._lock = threading.Lock()
         self._closed = False
+        self._later: RestoreReport | None = None
+        """A deadline run heard since the wait began that ended a later pass (a `notify
+        save` inside the checkpoint this trigger started began one)."""
         self._stop_r = self._stop_w = -1
         if waiter is None:
             self._stop_r, self._stop_w = os.pipe()
@@ -379,7 +382,11 @@ class _DeadlineWatch:
         is still pending, or another run ended it (the answer is still waited for)."""
         run = own_pass_ended(self._engine, self._snap)
         if run is None or run.reason != DEADLINE_REASON:
-            return None
+            # The deadline ended a later pass instead (only the latest pass is marked
+            # ended): the process carried on all the same, and the wait never ended.
+            run = self._later
+            if run is None:
+                return None
         return (f"no answer from gVisor before the snapshot deadline "
                 f"({self._engine_deadline()}): it ran the {run.kind} hooks; {late}")
 
@@ -390,6 +397,7 @@ class _DeadlineWatch:
     def _heard(self, report: Report) -> None:
         if report.kind == "snapshot" or report.reason != DEADLINE_REASON:
             return
+        self._later = report  # type: ignore[assignment]  # not a snapshot: a restore's
         if self._waiter is not None:
             cond = self._waiter._cond
             with cond:  # the trigger looks under it: woken after its look, or sees it

@@ -364,7 +364,8 @@ def test_a_recovery_during_the_run_counts_only_after_the_hook_failed(rehydrate_e
     caplog.set_level(logging.INFO, logger="rehydrate")
     report = rehydrate_engine.simulate_restore()
     assert not report.ok and calls == [False, False, False]
-    assert rehydrate_engine.state == "degraded"  # "token" is left
+    assert report.recovered == ("cert",) and not report.ready  # "token" is left
+    assert rehydrate_engine.state == "degraded"
     assert rehydrate_engine.recovered("cert") is False  # counted already, during the run
     assert rehydrate_engine.recovered("token") is True
     assert rehydrate_engine.state == "ready"
@@ -372,10 +373,13 @@ def test_a_recovery_during_the_run_counts_only_after_the_hook_failed(rehydrate_e
     reg.unregister("token")
     calls.clear()
     report = rehydrate_engine.simulate_restore()
-    assert not report.ok  # the report keeps what happened
+    assert not report.ok  # the report keeps what happened, and says it ended ready
+    assert report.recovered == ("cert",) and report.ready
+    assert report.to_dict()["recovered"] == ["cert"]
+    assert rehydrate_engine.status().last_report is report
     assert rehydrate_engine.state == "ready" and rehydrate_engine.is_ready()
-    assert "hook(s) recovered while the run went on: cert; ready" in [
-        r.getMessage() for r in caplog.records]
+    assert any(r.getMessage().endswith("ready (recovered while the run went on: cert)")
+               for r in caplog.records)
 
 
 def test_a_failed_snapshot_pass_is_not_recovered_by_hook_name(rehydrate_engine):

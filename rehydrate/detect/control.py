@@ -772,9 +772,11 @@ class ControlServer:
                 at = received if queued is None or received is None else min(received, queued)
             report = engine.restore_detected("control", kind=kind, since=since,
                                              detected_at=at)
-            out = {"ok": report.ok, "report": report.to_dict(),
+            # ready, not ok: a run whose failed hooks all recovered while it went on
+            # left the process ready, and the platform must not fail the restore for it
+            out = {"ok": report.ready, "report": report.to_dict(),
                    "deduplicated": report.deduplicated}
-            if not report.ok:
+            if not report.ready:
                 failed = _failed_hooks(report)
                 out["error"] = f"{kind} hook(s) failed: {failed}"
             return out

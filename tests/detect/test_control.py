@@ -1569,3 +1569,24 @@ def test_a_busy_live_socket_is_not_taken_for_a_stale_one(engine: Lifecycle,
         for c in queued:
             c.close()
         live.close()
+
+
+def test_a_restore_whose_failures_recovered_during_the_run_answers_ok(
+        server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    """Every failed hook recovered while the run went on: the process ended ready, so
+    ``notify restore`` must not tell the platform the restore failed (it exited 1, and
+    save-restore-exec or SnapStart failed a restore that had recovered)."""
+    @engine.registry.after_restore(phase="secrets", name="cert")
+    def cert() -> None:
+        raise FileNotFoundError("not mounted yet")
+
+    @engine.registry.after_restore(name="late")
+    def late() -> None:
+        engine.recovered("cert")
+
+    reply = request("restore", socket_path=sock_path)
+    assert reply["ok"] is True and "error" not in reply, reply
+    assert reply["report"]["ok"] is False and reply["report"]["recovered"] == ["cert"]
+    assert engine.is_ready()
+    r = cli("notify", "restore", env={"REHYDRATE_CONTROL_SOCKET": sock_path})
+    assert r.returncode == 0, (r.stdout, r.stderr)

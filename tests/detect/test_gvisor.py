@@ -1636,6 +1636,30 @@ def test_a_trigger_without_timeout_ends_when_the_snapshot_deadline_ran_the_hooks
         platform.close()
 
 
+@pytest.mark.parametrize("with_waiter", [True, False])
+def test_a_trigger_ends_when_the_deadline_ended_a_later_pass(
+        iso_engine: Lifecycle, pty_proc: Path, with_waiter: bool) -> None:
+    """A second before-snapshot pass while the answer is pending (``notify save`` inside
+    the checkpoint the trigger started): the deadline's run ends that later pass — only
+    the latest is marked ended — and the trigger, looking at its own, waited for good."""
+    platform = FakePlatform(pty_proc, reply=None)
+    try:
+        iso_engine.snapshot_deadline = 0.3
+        if with_waiter:
+            start_waiter(iso_engine, pty_proc)
+        thread, out = _trigger_in_thread(
+            iso_engine, **({} if with_waiter else {"proc": str(pty_proc)}))
+        wait_for(lambda: platform.triggers == [b"1"], what="the trigger's 1")
+        assert iso_engine.snapshot_requested("control").ok  # the second pass
+        thread.join(DEADLINE)
+        assert not thread.is_alive(), "trigger_snapshot() still waits after the deadline ran"
+        assert isinstance(out.get("error"), TimeoutError), out
+        assert iso_engine.is_ready()
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
 def test_another_run_ending_the_pass_does_not_end_the_wait_for_the_answer(
         iso_engine: Lifecycle, pty_proc: Path) -> None:
     """Only the snapshot deadline's run gives up on the answer: another run that ended
