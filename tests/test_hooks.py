@@ -651,3 +651,12 @@ def test_a_phase_may_be_named_in_any_case() -> None:
     with pytest.raises(ValueError, match="^phase must be a Phase or one of environment, "
                        "entropy, secrets, network, connections, application, not 'conections'$"):
         reg.after_restore(phase="conections")(lambda: None)
+
+
+def test_hooks_refuses_an_unknown_event() -> None:
+    """``hooks("after_restore")`` matched no hook and read as "none registered"."""
+    reg = Registry()
+    reg.after_restore(lambda: None, name="app")
+    with pytest.raises(ValueError, match="event must be 'restore' or 'snapshot'"):
+        reg.hooks("after_restore")  # type: ignore[arg-type]
+    assert [h.name for h in reg.hooks("restore")] == ["app"]
