@@ -666,7 +666,8 @@ def refresh_on_restore(
       and with its ``service.instance.id``, not by every clone with the clone's;
     * after a restore (kind ``restore``, after the entropy phase renewed
       :func:`rehydrate.entropy.instance_id`): set that ID as ``service.instance.id`` of
-      every provider's Resource (clones must not report as one instance);
+      every provider's Resource (clones must not report as one instance) — and in the
+      child of an ``os.fork()``, which gets its own ID too;
     * after a restore or resume: call ``rebuild()`` on every exporter in ``exporters``
       (:func:`restorable_span_exporter` / :func:`restorable_metric_exporter`), which
       replaces the exporter — and its connection, which the restore severed — by a new one.
