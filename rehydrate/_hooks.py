@@ -9,7 +9,9 @@ import enum
 import functools
 import itertools
 import math
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar, overload
 
@@ -224,6 +226,7 @@ class Registry:
         self._seq = itertools.count()
         self._version = 0
         self._cache: dict[Event, tuple[int, tuple[Hook, ...]]] = {}
+        _REGISTRIES.add(self)
 
     # -- registration --------------------------------------------------------------
 
@@ -448,6 +451,10 @@ class Registry:
         Restore: phases forward, ``order`` ascending, registration order on ties.
         Snapshot: the exact reverse of that.
         """
+        if event not in ("restore", "snapshot"):
+            # A misspelt event ("after_restore") matched no hook and read as "none
+            # registered".
+            raise ValueError(f"event must be 'restore' or 'snapshot', not {_config.shown(event)}")
         with self._lock:
             cached = self._cache.get(event)
             if cached is not None and cached[0] == self._version:
@@ -472,6 +479,23 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"<rehydrate.Registry hooks={len(self)}>"
+
+
+_REGISTRIES: weakref.WeakSet[Registry] = weakref.WeakSet()
+"""Every registry of this process, given a fresh lock in the child after ``fork()``."""
+
+
+def _new_locks_in_child() -> None:
+    # A parent thread may hold a registry's lock at fork() (a restore run reading its
+    # hooks): that thread does not exist in the child, whose next event then waited for
+    # the lock for ever. The holder may have stopped between adding a hook and bumping
+    # the version: the cached lists are dropped, so they are rebuilt from the hooks.
+    for r in list(_REGISTRIES):
+        r._lock = threading.Lock()
+        r._cache = {}
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
 class _BuiltinRegistry(Registry):

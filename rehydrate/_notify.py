@@ -178,7 +178,8 @@ def _placed_by(uid: int, path: str) -> bool:
 
 def find_socket(explicit: str | None = None) -> str:
     """The socket to talk to: ``explicit``, ``$REHYDRATE_CONTROL_SOCKET``, or the only one
-    in the default directory."""
+    in the default directory. When that directory holds several, those that refuse a
+    connection (a process that died without removing its socket) are not counted."""
     if explicit is not None:
         if not explicit:  # ``--socket "$SOCK"`` with SOCK unset: not "find one for me"
             raise ControlError("the socket path given is empty (an unset variable?)")
@@ -194,13 +195,38 @@ def find_socket(explicit: str | None = None) -> str:
         names = []
     found = sorted(os.path.join(directory, n) for n in names
                    if n.endswith(".sock") and not n.startswith("."))
+    stale = 0
+    if len(found) > 1:
+        live = [f for f in found if not _refused(f)]
+        stale, found = len(found) - len(live), live
     if len(found) == 1:
         return found[0]
+    if not found and stale:
+        raise ControlError(f"no control socket: {ENV_SOCKET} is not set and nobody listens "
+                           f"at the {stale} sockets in {directory} (left by processes that "
+                           "exited; pass --socket)")
     if not found:
         raise ControlError(f"no control socket: {ENV_SOCKET} is not set and {directory} has "
                            "none (set it for the process and here, or pass --socket)")
     raise ControlError(f"{len(found)} control sockets in {directory}: pass --socket "
                        f"(one of {', '.join(os.path.basename(f) for f in found)})")
+
+
+def _refused(path: str) -> bool:
+    """Whether nobody listens at the socket ``path`` (``ECONNREFUSED``, or gone). Anything
+    else — a server slow to accept, a socket this uid may not connect to — may be live,
+    and is counted. Nothing is sent: the trust checks come with the request."""
+    import errno
+
+    probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError as exc:
+        return exc.errno in (errno.ECONNREFUSED, errno.ENOENT)
+    finally:
+        probe.close()
+    return False
 
 
 # -- one request -------------------------------------------------------------------------

@@ -19,6 +19,9 @@ resume) the engine's ``rehydrate.entropy`` hook, installed in every
   (``ssl.RAND_add``) when :mod:`ssl` is imported;
 * regenerates :func:`instance_id`.
 
+A child of ``os.fork()`` gets a new :func:`instance_id` too (a forked worker is another
+process); the generators need nothing there (CPython reseeds :mod:`random` in the child).
+
 ``REHYDRATE_DISABLE=entropy`` (or :attr:`EntropyManager.enabled` = False) turns it off.
 """
 
@@ -60,7 +63,8 @@ _id_listeners: list[Callable[[str], None]] = []
 
 
 def instance_id() -> str:
-    """This process's instance ID: a UUIDv4, regenerated on every restore (not on resume).
+    """This process's instance ID: a UUIDv4, regenerated on every restore (not on resume)
+    and in the child of every ``os.fork()``.
 
     Use it for OpenTelemetry's ``service.instance.id``, log fields, lease owners … — any
     identifier that must differ between clones of one snapshot.
@@ -72,7 +76,11 @@ def instance_id() -> str:
 
 
 def on_instance_id_change(fn: Callable[[str], None]) -> Callable[[str], None]:
-    """Call ``fn(new_id)`` whenever :func:`instance_id` changes (usable as a decorator)."""
+    """Call ``fn(new_id)`` whenever :func:`instance_id` changes (usable as a decorator).
+
+    After ``os.fork()`` the child calls it from its fork handler, in the thread that
+    forked: only that thread exists there, so ``fn`` must not wait for a lock another
+    thread of the parent may have held (as in any ``os.register_at_fork`` handler)."""
     _id_listeners.append(fn)
     return fn
 
@@ -82,12 +90,36 @@ def _renew_instance_id() -> str:
     with _id_lock:
         _instance_id = str(uuid.uuid4())  # uuid4 reads os.urandom: fresh in every clone
         new = _instance_id
+    _notify(new)
+    return new
+
+
+def _notify(new: str) -> None:
     for fn in list(_id_listeners):
         try:
             fn(new)
         except Exception:
             log.exception("instance_id listener %r failed", fn)
-    return new
+
+
+_MANAGERS: weakref.WeakSet[EntropyManager] = weakref.WeakSet()
+"""Every entropy manager of this process, given a fresh lock in the child after fork()."""
+
+
+def _after_fork_in_child() -> None:
+    global _id_lock, _instance_id
+    # A parent thread may hold these locks at fork() (a restore run renewing the ID, in
+    # os.urandom): it does not exist in the child, whose entropy hook then timed out on
+    # every restore. The child is another process: it gets its own ID (os.urandom, one
+    # syscall) — pool workers reported the parent's as service.instance.id.
+    _id_lock = threading.Lock()
+    for m in list(_MANAGERS):
+        m._lock = threading.Lock()
+    _instance_id = str(uuid.uuid4())
+    _notify(_instance_id)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _seed_bytes(n: int = 32) -> bytes:
@@ -205,6 +237,7 @@ class EntropyManager:
         equal) for callables."""
         self.last: list[str] = []
         """What the last run reseeded (names), for status and tests."""
+        _MANAGERS.add(self)
         engine.builtins.register(self._on_restore, phase=Phase.ENTROPY, order=-1_000_000,
                                  name="rehydrate.entropy", timeout=10.0)
         engine.add_status("entropy", lambda: {"enabled": self.active, "reseeded": self.last,

@@ -34,6 +34,7 @@ switches the instrumentation off.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -43,6 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _config
+from . import entropy as _entropy  # its fork handler first: see _new_id_in_child
 from ._context import HookResult, Report, RestoreContext
 from ._hooks import BEFORE_USER_HOOKS, Hook, Phase
 from ._version import __version__
@@ -525,9 +527,26 @@ def _force_flush(flush: Callable[..., Any], ms: int) -> Any:
 
 
 def _instance_id() -> str:
-    from .entropy import instance_id
+    return _entropy.instance_id()
 
-    return instance_id()
+
+def _new_id_in_child(tel_ref: weakref.ref[Telemetry]) -> None:
+    """In a forked child: set its new :func:`instance_id` (entropy's fork handler, the
+    module imported above, made it) as ``service.instance.id`` of ``tel``'s providers.
+
+    A forked worker is another instance: the Resource said the parent's ID (or, with an
+    SDK that renews the ID in a child itself, one other than :func:`instance_id`)."""
+    tel = tel_ref()
+    if tel is None:
+        return
+    iid = _instance_id()
+    for p in list(tel._managed_providers):
+        try:
+            _set_instance_id(p, iid)
+        except Exception as exc:  # a fork handler must not raise: the next restore retries
+            log.debug("telemetry: %s: service.instance.id not renewed after fork(): %s",
+                      type(p).__name__, exc)
+    tel.last_instance_id = iid
 
 
 def _resources_of(provider: Any) -> list[Any]:
@@ -647,7 +666,8 @@ def refresh_on_restore(
       and with its ``service.instance.id``, not by every clone with the clone's;
     * after a restore (kind ``restore``, after the entropy phase renewed
       :func:`rehydrate.entropy.instance_id`): set that ID as ``service.instance.id`` of
-      every provider's Resource (clones must not report as one instance);
+      every provider's Resource (clones must not report as one instance) — and in the
+      child of an ``os.fork()``, which gets its own ID too;
     * after a restore or resume: call ``rebuild()`` on every exporter in ``exporters``
       (:func:`restorable_span_exporter` / :func:`restorable_metric_exporter`), which
       replaces the exporter — and its connection, which the restore severed — by a new one.
@@ -676,9 +696,16 @@ def refresh_on_restore(
             raise TypeError(f"{e!r} has no rebuild(): wrap it with restorable_span_exporter()")
     tel = instrument(engine)
     tel._flush_timeout = timeout
+    added = False
     for p in providers:
         if all(p is not q for q in tel._managed_providers):
             tel._managed_providers.append(p)
+            added = True
+    if added:
+        # Registered after the providers' own fork handlers (they exist already): an SDK
+        # that gives a child a Resource with its own service.instance.id does so first.
+        os.register_at_fork(after_in_child=functools.partial(_new_id_in_child,
+                                                             weakref.ref(tel)))
     for e in exporters:
         if all(e is not q for q in tel._exporters):
             tel._exporters.append(e)

@@ -35,8 +35,12 @@ __all__ = ["isolated_engine", "restored_environ"]
 
 
 def isolated_engine(**env_options: object) -> Lifecycle:
-    """An engine with its own registry whose environment refresh reads no file."""
-    return Lifecycle(Registry(), env=EnvRefresher(path=None, **env_options))  # type: ignore[arg-type]
+    """An engine with its own registry whose environment refresh reads no file, unless
+    ``path=`` names one (the other options — ``policy``, ``protect`` … — are passed to
+    :class:`~rehydrate.env.EnvRefresher` too)."""
+    # setdefault: path=... was passed twice ("multiple values for keyword argument").
+    env_options.setdefault("path", None)
+    return Lifecycle(Registry(), env=EnvRefresher(**env_options))  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

@@ -480,6 +480,7 @@ class ManagedCertificate:
         """Why the last renewal was rejected (None after a success)."""
         self.renewals = 0
         self._hooks: tuple[Hook, ...] = ()
+        _HANDLES.add(self)
 
     def __repr__(self) -> str:
         m = self._material
@@ -1416,6 +1417,7 @@ class TLSManager:
         self.enabled = True
         self._lock = threading.Lock()
         self._certs: dict[str, ManagedCertificate] = {}
+        _MANAGERS.add(self)
 
         self.frozen = engine.snapshot_pending
         """True between the before-snapshot pass and the next restore/resume: private keys
@@ -1515,6 +1517,38 @@ class TLSManager:
         for h in cert._hooks:
             self.engine.builtins.unregister(h)
         cert._hooks = ()
+
+
+_HANDLES: weakref.WeakSet[ManagedCertificate] = weakref.WeakSet()
+_MANAGERS: weakref.WeakSet[TLSManager] = weakref.WeakSet()
+"""Every certificate handle and TLS manager of this process, for the fork handler."""
+
+
+def _held_elsewhere(lock: Any) -> bool:
+    """True when another thread holds the ``RLock`` (the forking thread's own hold, in a
+    renewal listener that forks, is released as it unwinds)."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False
+    return True
+
+
+def _after_fork_in_child() -> None:
+    # A parent thread renewing a certificate at fork() (an issuer's round trip, under the
+    # renew lock) does not exist in the child: its restore hook timed out and renew()
+    # blocked for ever. That renewal is abandoned here: the child keeps the material it
+    # had, and its next renewal or restore makes its own.
+    for m in list(_MANAGERS):
+        m._lock = threading.Lock()  # short holds, never across a fork by the holder
+    for cert in list(_HANDLES):
+        if _held_elsewhere(cert._lock):
+            cert._lock = threading.RLock()
+        if _held_elsewhere(cert._renew_lock):
+            cert._renew_lock = threading.RLock()
+            cert.last_error = "a renewal running at fork() was abandoned in this process"
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def manager(engine: Engine | None = None) -> TLSManager:

@@ -127,3 +127,110 @@ def test_child_forgets_the_restore_deadlines_of_the_parents_detectors(
     assert in_forked_child(child, DEADLINE) == {"deadline": None}
     engine.simulate_restore()
     assert budgets[-1] is not None  # the parent keeps its bridge's bound
+
+
+def _held_by_a_parent_thread(get_lock) -> tuple[threading.Event, threading.Thread]:  # type: ignore[no-untyped-def]
+    """A parent thread inside a critical section of ``get_lock()`` until the returned
+    event is set (what a restore run or a renewal is doing at the moment of fork())."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with get_lock():
+            holding.set()
+            release.wait(DEADLINE)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert holding.wait(DEADLINE)
+    return release, holder
+
+
+@pytest.mark.parametrize("which", ["registry", "builtins", "entropy-id", "entropy-manager",
+                                   "tls-manager"])
+def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
+        engine: Lifecycle, which: str) -> None:
+    """Only the engine's own locks were new in the child: one of these held by a parent
+    thread at fork() hung the child's restore (hooks()) or timed its entropy hook out on
+    every restore."""
+    from rehydrate import entropy, tls
+
+    tls.self_signed("web", engine=engine)
+    engine.registry.after_restore(lambda: None, name="app")
+    lock = {"registry": lambda: engine.registry._lock,
+            "builtins": lambda: engine.builtins._lock,
+            "entropy-id": lambda: entropy._id_lock,
+            "entropy-manager": lambda: entropy.manager(engine)._lock,
+            "tls-manager": lambda: tls.manager(engine)._lock}[which]
+    release, holder = _held_by_a_parent_thread(lock)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            first, second = engine.simulate_restore(), engine.simulate_restore()
+            return {"outcomes": sorted({h.outcome for r in (first, second) for h in r.hooks})}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"outcomes": ["ok"]}
+
+
+def test_a_renewal_running_at_fork_is_abandoned_in_the_child(engine: Lifecycle) -> None:
+    """A parent thread renewing (an issuer's round trip, under the renew lock) at fork():
+    the child's certificate hook timed out and renew() blocked for ever."""
+    from rehydrate import tls
+
+    cert = tls.self_signed("web", engine=engine)
+    serial = cert.serial
+    release, holder = _held_by_a_parent_thread(lambda: cert._renew_lock)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            error = cert.last_error
+            renewed = cert.renew().serial
+            report = engine.simulate_restore()
+            return {"error": error, "renewed": renewed != serial, "ok": report.ok,
+                    "restored": cert.serial not in (serial, renewed)}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"error": "a renewal running at fork() was abandoned in this process",
+                   "renewed": True, "ok": True, "restored": True}
+    assert cert.last_error is None and cert.serial == serial  # the parent's is its own
+
+
+def test_a_child_forked_by_the_thread_holding_a_certificate_lock_can_release_it(
+        engine: Lifecycle) -> None:
+    """The forking thread's own hold (a renewal listener that forks) is not another
+    thread's: the lock is kept, so the child's unwinding releases it."""
+    from rehydrate import tls
+
+    cert = tls.self_signed("web", engine=engine)
+    with cert._renew_lock:
+        before = cert._renew_lock
+
+        def child() -> dict:  # type: ignore[type-arg]
+            return {"same_lock": cert._renew_lock is before, "error": cert.last_error}
+
+        out = in_forked_child(child, DEADLINE)
+    assert out == {"same_lock": True, "error": None}
+
+
+def test_a_forked_child_gets_its_own_instance_id() -> None:
+    """A forked worker is another process: it kept the parent's instance_id(), which
+    telemetry reports as service.instance.id."""
+    from rehydrate import entropy
+
+    seen: list[str] = []
+    listener = entropy.on_instance_id_change(seen.append)
+    try:
+        parent_id = entropy.instance_id()
+
+        def child() -> dict:  # type: ignore[type-arg]
+            return {"id": entropy.instance_id(), "told": seen}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        entropy._id_listeners.remove(listener)
+    assert out["id"] != parent_id and out["told"] == [out["id"]], out
+    assert entropy.instance_id() == parent_id and seen == []

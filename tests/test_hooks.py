@@ -651,3 +651,31 @@ def test_a_phase_may_be_named_in_any_case() -> None:
     with pytest.raises(ValueError, match="^phase must be a Phase or one of environment, "
                        "entropy, secrets, network, connections, application, not 'conections'$"):
         reg.after_restore(phase="conections")(lambda: None)
+
+
+def test_hooks_refuses_an_unknown_event() -> None:
+    """``hooks("after_restore")`` matched no hook and read as "none registered"."""
+    reg = Registry()
+    reg.after_restore(lambda: None, name="app")
+    with pytest.raises(ValueError, match="event must be 'restore' or 'snapshot'"):
+        reg.hooks("after_restore")  # type: ignore[arg-type]
+    assert [h.name for h in reg.hooks("restore")] == ["app"]
+
+
+def test_isolated_engine_takes_an_environment_file(tmp_path, rehydrate_environ) -> None:  # type: ignore[no-untyped-def]
+    """``isolated_engine(path=...)`` was a TypeError (path passed twice)."""
+    from rehydrate.testing import isolated_engine
+
+    env_file = tmp_path / "app.env"
+    env_file.write_text("APP_FROM_FILE=yes\n")
+    engine = isolated_engine(path=str(env_file), policy="update")
+    try:
+        assert engine.simulate_restore().ok
+        import os
+
+        assert os.environ["APP_FROM_FILE"] == "yes"
+    finally:
+        engine.close()
+    engine = isolated_engine()
+    assert engine.env.path is None
+    engine.close()

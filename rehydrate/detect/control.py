@@ -71,6 +71,7 @@ otherwise on request (``start(detectors=[..., "control"])``) at the default path
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import logging
@@ -82,6 +83,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -305,6 +307,22 @@ LOCK_TIMEOUT = 5.0
 """How long :class:`ControlServer` waits for another instance starting in its directory."""
 
 
+_SERVING: weakref.WeakSet[ControlServer] = weakref.WeakSet()
+"""Control servers listening in this process (or in the parent it was forked from)."""
+
+
+@atexit.register
+def _unlink_at_exit() -> None:
+    # A process exiting without stop() (a recycled worker, a script) left its socket: the
+    # client's scan of the default directory then counted it with the live ones. Only the
+    # process that bound it: a forked child exiting normally inherits this handler and the
+    # server object, never the ownership.
+    pid = os.getpid()
+    for server in list(_SERVING):
+        if server._bound_by == pid and server._sock is not None:
+            server._unlink_own()
+
+
 class ControlServer:
     """The socket server; :class:`ControlDetector` runs one per engine."""
 
@@ -313,6 +331,8 @@ class ControlServer:
         self.path = path or socket_path()
         self._sock: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
+        self._bound_by = -1
+        """The pid that bound the socket: only that process removes it at exit."""
         self._thread: threading.Thread | None = None
         self._stop_r = self._stop_w = -1
         self._stopping = False
@@ -372,6 +392,8 @@ class ControlServer:
             raise
         st = os.stat(self.path)
         self._inode = (st.st_dev, st.st_ino)
+        self._bound_by = os.getpid()
+        _SERVING.add(self)
         return sock
 
     def _listening(self, sock: socket.socket) -> None:
@@ -422,6 +444,11 @@ class ControlServer:
         sock.close()
         self._sock = None
         self._thread = None
+        _SERVING.discard(self)
+        self._unlink_own()
+
+    def _unlink_own(self) -> None:
+        """Remove the socket file when it is still the one this server bound."""
         try:
             st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self._inode:

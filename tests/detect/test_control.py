@@ -25,7 +25,7 @@ import pytest
 from detect_helpers import in_forked_child, wait_for
 
 from rehydrate import Lifecycle, Registry, detect
-from rehydrate._control_client import ControlError, UntrustedSocket, request
+from rehydrate._control_client import ControlError, UntrustedSocket, find_socket, request
 from rehydrate.detect import control
 from rehydrate.detect.control import MAX_LINE, ControlDetector, ControlServer
 from rehydrate.env import EnvRefresher
@@ -1590,3 +1590,64 @@ def test_a_restore_whose_failures_recovered_during_the_run_answers_ok(
     assert engine.is_ready()
     r = cli("notify", "restore", env={"REHYDRATE_CONTROL_SOCKET": sock_path})
     assert r.returncode == 0, (r.stdout, r.stderr)
+
+
+def _stale_socket(path: Path) -> None:
+    """A socket file nobody listens on: what a process that died without stop() left."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+
+
+def test_a_process_exiting_without_stop_removes_its_socket(short_dir: Path) -> None:
+    """It left the socket file: the client's scan then counted it with the live ones."""
+    path = short_dir / "exit.sock"
+    code = ("import rehydrate; from rehydrate.detect.control import ControlDetector; "
+            f"rehydrate.start([ControlDetector({str(path)!r})]); "
+            f"import os; assert os.path.exists({str(path)!r})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, check=False, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert not path.exists()
+
+
+def test_a_forked_child_at_exit_leaves_the_parents_socket(server: ControlServer,
+                                                          sock_path: str) -> None:
+    """A child inherits the exit handler and the server object, not the socket: its
+    normal exit must not remove the parent's."""
+    def child() -> dict[str, Any]:
+        control._unlink_at_exit()  # what the child's interpreter runs at a normal exit
+        return {"exists": os.path.exists(sock_path)}
+
+    assert in_forked_child(child) == {"exists": True}
+    assert request("status", socket_path=sock_path)["ok"]
+
+
+def test_exit_leaves_a_socket_another_server_bound_at_the_path(server: ControlServer,
+                                                               sock_path: str) -> None:
+    os.unlink(sock_path)
+    _stale_socket(Path(sock_path))  # another process's now
+    control._unlink_at_exit()
+    assert os.path.exists(sock_path)
+    os.unlink(sock_path)
+
+
+def test_the_directory_scan_skips_sockets_nobody_listens_on(
+    engine: Lifecycle, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One live process and a socket left by one that exited: "2 control sockets …: pass
+    --socket"."""
+    monkeypatch.delenv("REHYDRATE_CONTROL_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir))
+    assert engine.start([ControlDetector()]) == ["control"]  # <short_dir>/rehydrate/<pid>.sock
+    live = short_dir / "rehydrate" / f"{os.getpid()}.sock"
+    _stale_socket(short_dir / "rehydrate" / "1.sock")
+    env = {"XDG_RUNTIME_DIR": str(short_dir)}
+    r = cli("status", env=env)
+    assert r.returncode == 0, r.stderr
+    assert find_socket() == str(live)
+    engine.stop()
+    _stale_socket(short_dir / "rehydrate" / "2.sock")
+    r = cli("status", env=env)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "nobody listens at the 2 sockets" in r.stderr

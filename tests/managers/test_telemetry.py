@@ -575,3 +575,20 @@ def test_a_stuck_flush_does_not_block_the_snapshot(rehydrate_engine, caplog):
         assert stuck.calls == 1
     finally:
         stuck.release.set()
+
+
+def test_a_forked_child_reports_its_own_service_instance_id(batched):
+    """A forked worker got a new instance_id(), but its providers' Resource still said the
+    parent's service.instance.id: every worker reported as the parent."""
+    from detect_helpers import in_forked_child
+
+    _, tel, tp, _, _ = batched
+    parent_id = tp.resource.attributes["service.instance.id"]
+
+    def child() -> dict:
+        return {"resource": tp.resource.attributes["service.instance.id"],
+                "id": entropy.instance_id(), "last": tel.last_instance_id}
+
+    out = in_forked_child(child)
+    assert out["id"] != parent_id and out["resource"] == out["last"] == out["id"], out
+    assert tp.resource.attributes["service.instance.id"] == parent_id
