@@ -529,6 +529,9 @@ def summary(report: object) -> str:
             f"{len(hooks)} hook(s) in {_number(report.get('duration')) * 1000:.1f} ms")
     if failed:
         text += f", failed: {', '.join(failed)}"
+    recovered = [str(n) for n in as_list(report.get("recovered"))]
+    if recovered:  # failed, then recovered while the run went on: it ended ready
+        text += f", recovered during the run: {', '.join(recovered)}"
     if optional:  # reported, but they do not make the report fail
         text += f", optional hook(s) failed (not fatal): {', '.join(optional)}"
     return text

@@ -395,8 +395,9 @@ class _DeadlineWatch:
         return "snapshot_deadline" if seconds is None else f"snapshot_deadline {seconds:g}s"
 
     def _heard(self, report: Report) -> None:
-        if report.kind == "snapshot" or report.reason != DEADLINE_REASON:
-            return
+        if (report.kind == "snapshot" or report.reason != DEADLINE_REASON
+                or report.started_at < self._snap.started_at):
+            return  # (an earlier pass's deadline run, published late, is not about this)
         self._later = report  # type: ignore[assignment]  # not a snapshot: a restore's
         if self._waiter is not None:
             cond = self._waiter._cond

@@ -115,6 +115,8 @@ def _after_fork_in_child() -> None:
     _id_lock = threading.Lock()
     for m in list(_MANAGERS):
         m._lock = threading.Lock()
+    if is_disabled("entropy"):  # the kill switch keeps the ID, as on restore
+        return
     _instance_id = str(uuid.uuid4())
     _notify(_instance_id)
 

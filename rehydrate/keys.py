@@ -29,6 +29,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -487,6 +488,20 @@ class EphemeralKey:
             self._private = None
 
 
+_MANAGERS: weakref.WeakSet[KeyManager] = weakref.WeakSet()
+"""Every KeyManager of this process, given a fresh lock in a child of fork(): a parent
+thread may hold one at fork() (a key generated under it takes seconds), and the child's
+hook then timed out on every restore."""
+
+
+def _new_locks_in_child() -> None:
+    for m in list(_MANAGERS):
+        m._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
+
+
 class KeyManager:
     """The ephemeral keys of one engine, and their ``rehydrate.keys`` hooks."""
 
@@ -494,6 +509,7 @@ class KeyManager:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
+        _MANAGERS.add(self)
         self._keys: dict[str, EphemeralKey] = {}
         self._dropped = engine.snapshot_pending
         self.epoch = 0

@@ -146,25 +146,30 @@ def _held_by_a_parent_thread(get_lock) -> tuple[threading.Event, threading.Threa
 
 
 @pytest.mark.parametrize("which", ["registry", "builtins", "entropy-id", "entropy-manager",
-                                   "tls-manager"])
+                                   "tls-manager", "keys-manager", "secrets-manager"])
 def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
         engine: Lifecycle, which: str) -> None:
     """Only the engine's own locks were new in the child: one of these held by a parent
     thread at fork() hung the child's restore (hooks()) or timed its entropy hook out on
     every restore."""
-    from rehydrate import entropy, tls
+    from rehydrate import entropy, keys, secrets, tls
 
     tls.self_signed("web", engine=engine)
+    keys.ephemeral("session", engine=engine)  # its hook takes the key manager's lock
+    secrets.manager(engine)  # status() takes the secrets manager's
     engine.registry.after_restore(lambda: None, name="app")
     lock = {"registry": lambda: engine.registry._lock,
             "builtins": lambda: engine.builtins._lock,
             "entropy-id": lambda: entropy._id_lock,
             "entropy-manager": lambda: entropy.manager(engine)._lock,
-            "tls-manager": lambda: tls.manager(engine)._lock}[which]
+            "tls-manager": lambda: tls.manager(engine)._lock,
+            "keys-manager": lambda: keys.manager(engine)._lock,
+            "secrets-manager": lambda: secrets.manager(engine)._lock}[which]
     release, holder = _held_by_a_parent_thread(lock)
     try:
         def child() -> dict:  # type: ignore[type-arg]
             first, second = engine.simulate_restore(), engine.simulate_restore()
+            engine.status()
             return {"outcomes": sorted({h.outcome for r in (first, second) for h in r.hooks})}
 
         out = in_forked_child(child, DEADLINE)
@@ -234,3 +239,15 @@ def test_a_forked_child_gets_its_own_instance_id() -> None:
         entropy._id_listeners.remove(listener)
     assert out["id"] != parent_id and out["told"] == [out["id"]], out
     assert entropy.instance_id() == parent_id and seen == []
+
+
+def test_with_entropy_disabled_a_forked_child_keeps_the_instance_id(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``REHYDRATE_DISABLE=entropy`` keeps instance_id() on restore (a control run): a
+    fork renewed it all the same, and telemetry reported the new one."""
+    from rehydrate import entropy
+
+    monkeypatch.setenv("REHYDRATE_DISABLE", "entropy")
+    parent_id = entropy.instance_id()
+    out = in_forked_child(lambda: {"id": entropy.instance_id()}, DEADLINE)
+    assert out == {"id": parent_id}

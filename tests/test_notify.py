@@ -756,3 +756,14 @@ def test_a_criu_action_refuses_a_server_outside_the_dumped_tree(engine: Lifecycl
         assert proc.returncode == 0, proc
         engine.restore_detected("test", kind="resume", anchor=False, frozen_for=0.0)
     assert ran == ["snapshot", "snapshot"]
+
+
+def test_the_summary_names_hooks_that_recovered_during_the_run() -> None:
+    """A run ended ready because its failed hook recovered while it went on: "ok" next
+    to ok=False and "failed: db" read as a contradiction without it."""
+    from rehydrate._notify import summary
+
+    line = summary({"event": "restore", "kind": "restore", "reason": "control",
+                    "generation": 1, "ok": False, "duration": 0.01, "recovered": ["db"],
+                    "hooks": [{"name": "db", "outcome": "failed", "required": True}]})
+    assert line.endswith("failed: db, recovered during the run: db")

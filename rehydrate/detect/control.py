@@ -773,7 +773,7 @@ class ControlServer:
                 out["resume_report"] = resume.to_dict()
                 already = (f" (run already, for the {resume.reason} notice)"
                            if resume.deduplicated else "")
-                ran = (f"the resume hooks ran{already}" if resume.ok else
+                ran = (f"the resume hooks ran{already}" if resume.ready else
                        f"the resume hooks failed too{already} ({_failed_hooks(resume)}): "
                        "degraded")
                 out["error"] = (f"before-snapshot hook(s) failed: {failed}; {ran}, the "
@@ -829,7 +829,7 @@ class ControlServer:
             report = self.engine.simulate_restore(env=env, kind=event)
         else:
             raise _BadRequest('"event" must be "restore", "resume" or "snapshot"')
-        return {"ok": report.ok, "report": report.to_dict()}
+        return {"ok": report.ready, "report": report.to_dict()}
 
     def _trigger(self, req: Mapping[str, Any]) -> dict[str, Any]:
         from .._trigger import trigger_snapshot

@@ -1651,3 +1651,17 @@ def test_the_directory_scan_skips_sockets_nobody_listens_on(
     r = cli("status", env=env)
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert "nobody listens at the 2 sockets" in r.stderr
+
+
+def test_simulate_answers_ready_for_a_run_whose_failures_recovered(
+        server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    @engine.registry.after_restore(phase="secrets", name="cert")
+    def cert() -> None:
+        raise FileNotFoundError("not mounted yet")
+
+    @engine.registry.after_restore(name="late")
+    def late() -> None:
+        engine.recovered("cert")
+
+    reply = request("simulate", socket_path=sock_path)
+    assert reply["ok"] is True and reply["report"]["recovered"] == ["cert"], reply

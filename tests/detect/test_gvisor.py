@@ -1660,6 +1660,30 @@ def test_a_trigger_ends_when_the_deadline_ended_a_later_pass(
         platform.close()
 
 
+def test_an_earlier_pass_s_deadline_run_published_late_does_not_end_a_new_wait(
+        iso_engine: Lifecycle) -> None:
+    """A deadline run of an earlier pass, published (by its thread, after the run lock)
+    once a new trigger's watch listened: it ended that wait at once with a false
+    TimeoutError while the new pass was pending."""
+    import dataclasses
+
+    from rehydrate._trigger import DEADLINE_REASON, _DeadlineWatch
+
+    snap = iso_engine.simulate_snapshot()
+    watch = _DeadlineWatch(iso_engine, snap, None)
+    try:
+        run = iso_engine.simulate_restore(kind="resume")
+        older = dataclasses.replace(run, reason=DEADLINE_REASON,
+                                    started_at=snap.started_at - 1.0)
+        watch._heard(older)
+        assert watch.gave_up("") is None
+        later = dataclasses.replace(older, started_at=snap.started_at + 1.0)
+        watch._heard(later)
+        assert watch.gave_up("") is not None
+    finally:
+        watch.close()
+
+
 def test_another_run_ending_the_pass_does_not_end_the_wait_for_the_answer(
         iso_engine: Lifecycle, pty_proc: Path) -> None:
     """Only the snapshot deadline's run gives up on the answer: another run that ended
