@@ -190,7 +190,10 @@ class ExampleSandbox:
 
         A ``notify resume`` right after the restore only confirms it (no freeze since the
         hooks ran), so this asks the control socket to *simulate* a resume instead."""
-        code = ("import json; from rehydrate import request; "
+        # a baseline tree (make bench-restore BASELINE=…) may predate the public import
+        code = ("import json\n"
+                "try:\n    from rehydrate import request\n"
+                "except ImportError:\n    from rehydrate._control_client import request\n"
                 "print(json.dumps(request('simulate', event='resume', timeout=120)))")
         proc = clone.container.exec([PYTHON, "-c", code], timeout=120)
         if proc.returncode != 0:
