@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -135,3 +136,22 @@ class ThreadPool:
 
 blocking = ThreadPool("rehydrate-io")
 """The process-wide pool for blocking calls of the restore path."""
+
+
+_LOCK_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def fresh_lock_after_fork(owner: Any) -> None:
+    """Give ``owner`` a new ``_lock`` (a ``threading.Lock``) in every child of ``fork()``:
+    a parent thread may hold its lock at that moment (a key generated under it takes
+    seconds), and no thread of the child ever releases it — the child's hooks then timed
+    out on every restore. Held weakly."""
+    _LOCK_OWNERS.add(owner)
+
+
+def _new_locks_in_child() -> None:
+    for owner in list(_LOCK_OWNERS):
+        owner._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)

@@ -29,13 +29,13 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ._config import optional_seconds, shown
 from ._disable import is_disabled
 from ._hooks import Phase
+from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -488,20 +488,6 @@ class EphemeralKey:
             self._private = None
 
 
-_MANAGERS: weakref.WeakSet[KeyManager] = weakref.WeakSet()
-"""Every KeyManager of this process, given a fresh lock in a child of fork(): a parent
-thread may hold one at fork() (a key generated under it takes seconds), and the child's
-hook then timed out on every restore."""
-
-
-def _new_locks_in_child() -> None:
-    for m in list(_MANAGERS):
-        m._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_locks_in_child)
-
-
 class KeyManager:
     """The ephemeral keys of one engine, and their ``rehydrate.keys`` hooks."""
 
@@ -509,7 +495,7 @@ class KeyManager:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
-        _MANAGERS.add(self)
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._keys: dict[str, EphemeralKey] = {}
         self._dropped = engine.snapshot_pending
         self.epoch = 0

@@ -50,6 +50,7 @@ from ._config import shown
 from ._disable import is_disabled
 from ._files import read_regular
 from ._hooks import Hook, Phase
+from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -550,20 +551,6 @@ class SecretSource:
                 _zero(buf)
 
 
-_MANAGERS: weakref.WeakSet[SecretsManager] = weakref.WeakSet()
-"""Every SecretsManager of this process, given a fresh lock in a child of fork(): a parent
-thread may hold one at fork() (a key generated under it takes seconds), and the child's
-hook then timed out on every restore."""
-
-
-def _new_locks_in_child() -> None:
-    for m in list(_MANAGERS):
-        m._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_locks_in_child)
-
-
 class SecretsManager:
     """The secrets of one engine: a wipe hook and a reload hook per secret."""
 
@@ -571,7 +558,7 @@ class SecretsManager:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
-        _MANAGERS.add(self)
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._secrets: dict[int, weakref.ref[Secret]] = {}
         engine.add_status("secrets", self._status)
 
