@@ -158,3 +158,18 @@ def in_forked_child(fn: Callable[[], dict[str, Any]], deadline: float = 10.0
     result: dict[str, Any] = json.loads(data)
     return result
 
+
+def slow_restore_hook(engine: Any) -> tuple[threading.Event, threading.Event, list[int]]:
+    """An optional restore hook on ``engine`` that sets ``entered`` and blocks until
+    ``release`` (at most 10 s): hooks that outlast a detector's window. Returns
+    (entered, release, one entry per run of the hook)."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow_hook() -> None:
+        calls.append(1)
+        entered.set()
+        assert release.wait(10.0)
+
+    engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    return entered, release, calls

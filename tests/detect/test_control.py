@@ -1571,11 +1571,9 @@ def test_a_busy_live_socket_is_not_taken_for_a_stale_one(engine: Lifecycle,
         live.close()
 
 
-def test_a_restore_whose_failures_recovered_during_the_run_answers_ok(
-        server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
-    """Every failed hook recovered while the run went on: the process ended ready, so
-    ``notify restore`` must not tell the platform the restore failed (it exited 1, and
-    save-restore-exec or SnapStart failed a restore that had recovered)."""
+def _cert_recovering_during_the_run(engine: Lifecycle) -> None:
+    """A required "cert" hook that fails, and a later hook of the same run that reports
+    it recovered (what a certificate watcher reloading meanwhile does)."""
     @engine.registry.after_restore(phase="secrets", name="cert")
     def cert() -> None:
         raise FileNotFoundError("not mounted yet")
@@ -1583,6 +1581,14 @@ def test_a_restore_whose_failures_recovered_during_the_run_answers_ok(
     @engine.registry.after_restore(name="late")
     def late() -> None:
         engine.recovered("cert")
+
+
+def test_a_restore_whose_failures_recovered_during_the_run_answers_ok(
+        server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    """Every failed hook recovered while the run went on: the process ended ready, so
+    ``notify restore`` must not tell the platform the restore failed (it exited 1, and
+    save-restore-exec or SnapStart failed a restore that had recovered)."""
+    _cert_recovering_during_the_run(engine)
 
     reply = request("restore", socket_path=sock_path)
     assert reply["ok"] is True and "error" not in reply, reply
@@ -1655,13 +1661,7 @@ def test_the_directory_scan_skips_sockets_nobody_listens_on(
 
 def test_simulate_answers_ready_for_a_run_whose_failures_recovered(
         server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
-    @engine.registry.after_restore(phase="secrets", name="cert")
-    def cert() -> None:
-        raise FileNotFoundError("not mounted yet")
-
-    @engine.registry.after_restore(name="late")
-    def late() -> None:
-        engine.recovered("cert")
+    _cert_recovering_during_the_run(engine)
 
     reply = request("simulate", socket_path=sock_path)
     assert reply["ok"] is True and reply["report"]["recovered"] == ["cert"], reply

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from detect_helpers import REPO, Child, Recorder, wait_for
+from detect_helpers import REPO, Child, Recorder, slow_restore_hook, wait_for
 
 from rehydrate._gvisor import running_under_gvisor
 from rehydrate.detect.file import FileDetector
@@ -359,6 +359,17 @@ def _reports(engine, monkeypatch):  # type: ignore[no-untyped-def]
     return reports
 
 
+def _rest_of_the_burst_while_the_hooks_outlast_the_window(
+        marker: os.PathLike[str], det: FileDetector, window: float) -> None:
+    """Write the rest of a burst while the restore's hooks run, wait until it was
+    reported, then until the hooks outlast the window (the condition of the bug)."""
+    entered_at = time.monotonic()
+    with open(marker, "a") as f:
+        f.write("-1\n")
+    wait_for(lambda: det._arrived is not None, what="the write to be reported")
+    wait_for(lambda: time.monotonic() > entered_at + 2 * window, what="the window to pass")
+
+
 def test_a_write_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, tmp_path,
                                                           mode, monkeypatch):
     """The rest of a burst, written while the hooks of its restore still run, is dated
@@ -366,15 +377,7 @@ def test_a_write_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, tmp_
     made it a second restore (a new instance ID)."""
     marker = tmp_path / "restored"
     window = 0.5
-    entered, release = threading.Event(), threading.Event()
-    calls: list[int] = []
-
-    def slow_hook() -> None:
-        calls.append(1)
-        entered.set()
-        assert release.wait(10.0)
-
-    rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    entered, release, calls = slow_restore_hook(rehydrate_engine)
     reports = _reports(rehydrate_engine, monkeypatch)
     det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=window)
     rehydrate_engine.start([det])
@@ -383,13 +386,7 @@ def test_a_write_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, tmp_
     os.replace(tmp, marker)
     try:
         assert entered.wait(5.0), "the hook did not run"
-        entered_at = time.monotonic()
-        with open(marker, "a") as f:  # the rest of the burst
-            f.write("-1\n")
-        wait_for(lambda: det._arrived is not None, what="the write to be reported")
-        # The hooks outlast the window (the condition of the bug), then return.
-        wait_for(lambda: time.monotonic() > entered_at + 2 * window,
-                 what="the window to pass")
+        _rest_of_the_burst_while_the_hooks_outlast_the_window(marker, det, window)
     finally:
         release.set()
     wait_for(lambda: len(reports) == 2, what="the second notice to be handled")
@@ -485,12 +482,7 @@ def test_a_change_the_late_report_does_not_cover_is_dated_by_the_read(
     monkeypatch.setattr(file_module, "_watch_plan", plan_then_restore)
     try:
         assert entered.wait(5.0), "the hook did not run"
-        entered_at = time.monotonic()
-        with open(marker, "a") as f:  # the rest of the burst
-            f.write("-1\n")
-        wait_for(lambda: det._arrived is not None, what="the write to be reported")
-        wait_for(lambda: time.monotonic() > entered_at + 2 * window,
-                 what="the window to pass")
+        _rest_of_the_burst_while_the_hooks_outlast_the_window(marker, det, window)
         armed.set()
     finally:
         release.set()

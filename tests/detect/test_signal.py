@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from detect_helpers import Recorder, wait_for
+from detect_helpers import Recorder, slow_restore_hook, wait_for
 
 from rehydrate.detect import select
 from rehydrate.detect.signal import SignalDetector, parse_signal
@@ -130,15 +130,7 @@ def test_stop_while_a_hook_runs_leaves_the_pipe_to_the_worker(rehydrate_engine,
     from rehydrate.detect import signal as signal_module
 
     monkeypatch.setattr(signal_module, "STOP_WAIT", 0.05)
-    entered, release = threading.Event(), threading.Event()
-    calls: list[int] = []
-
-    def slow_hook() -> None:
-        calls.append(1)
-        entered.set()
-        assert release.wait(10.0)
-
-    rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    entered, release, calls = slow_restore_hook(rehydrate_engine)
     det = SignalDetector("USR2", window=0)
     rehydrate_engine.start([det])
     worker = det._thread
@@ -208,15 +200,7 @@ def test_a_signal_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, mon
     still run, is dated when it arrived, not when the worker reads it: hooks outlasting
     the window made it a second restore (a new instance ID)."""
     window = 0.5
-    entered, release = threading.Event(), threading.Event()
-    calls: list[int] = []
-
-    def slow_hook() -> None:
-        calls.append(1)
-        entered.set()
-        assert release.wait(10.0)
-
-    rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
+    entered, release, calls = slow_restore_hook(rehydrate_engine)
     reports: list = []  # type: ignore[type-arg]
     real = rehydrate_engine.restore_detected
 
