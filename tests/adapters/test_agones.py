@@ -53,7 +53,7 @@ def test_sdk_calls_hit_the_documented_endpoints(sidecar, adapter):
         {"key": "map", "value": "dust"}]
     assert [r.body for r in sidecar.calls("POST", "/ready")] == [{}]
     adapter.reserve(10)
-    assert sidecar.calls("POST", "/reserve")[0].body == {"seconds": "10"}
+    assert sidecar.wait_for("POST", "/reserve")[0].body == {"seconds": "10"}  # logged once answered
     adapter.allocate()
     assert adapter.gameserver()["status"]["state"] == "Allocated"
     adapter.shutdown()
@@ -503,6 +503,7 @@ def test_a_label_set_between_the_pause_and_the_restore_is_sent_after_it(
     adapter.set_label("map", "dust")
     assert sidecar.calls("PUT", "/metadata/label", since=t_pause) == []
     assert rehydrate_engine.simulate_restore().ok
+    sidecar.wait_for("PUT", "/metadata/label", since=t_pause)  # logged once answered
     assert [r.body for r in sidecar.calls("PUT", "/metadata/label", since=t_pause)] == [
         {"key": "map", "value": "dust"}]
     assert adapter.gameserver()["object_meta"]["labels"] == {"agones.dev/sdk-map": "dust"}
@@ -730,9 +731,11 @@ def test_reserve_refuses_what_is_no_whole_number_of_seconds(sidecar, adapter, se
 def test_reserve_takes_whole_numbers_up_to_a_year(sidecar, adapter):
     import numpy as np
 
-    for seconds, sent in ((0, "0"), (30.0, "30"), (np.int64(7), "7"), (31_536_000, "31536000")):
+    cases = ((0, "0"), (30.0, "30"), (np.int64(7), "7"), (31_536_000, "31536000"))
+    for n, (seconds, sent) in enumerate(cases, start=1):
         adapter.reserve(seconds)
-        assert sidecar.calls("POST", "/reserve")[-1].body == {"seconds": sent}
+        # the sidecar logs a request once it has answered it: wait, do not read at once
+        assert sidecar.wait_for("POST", "/reserve", count=n)[-1].body == {"seconds": sent}
 
 
 def _restore_with_a_duplicate_notice_queued(engine, during=None):
