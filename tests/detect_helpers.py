@@ -173,3 +173,17 @@ def slow_restore_hook(engine: Any) -> tuple[threading.Event, threading.Event, li
 
     engine.registry.after_restore(slow_hook, required=False, timeout=30)
     return entered, release, calls
+
+
+def recorded_reports(engine: Any, monkeypatch: Any) -> list[Any]:
+    """The reports of every ``restore_detected()`` call on ``engine``, in order."""
+    reports: list[Any] = []
+    real = engine.restore_detected
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        report = real(*args, **kwargs)
+        reports.append(report)
+        return report
+
+    monkeypatch.setattr(engine, "restore_detected", recording)
+    return reports

@@ -12,7 +12,14 @@ import threading
 import time
 
 import pytest
-from detect_helpers import REPO, Child, Recorder, slow_restore_hook, wait_for
+from detect_helpers import (
+    REPO,
+    Child,
+    Recorder,
+    recorded_reports,
+    slow_restore_hook,
+    wait_for,
+)
 
 from rehydrate._gvisor import running_under_gvisor
 from rehydrate.detect.file import FileDetector
@@ -345,20 +352,6 @@ def test_a_directory_renamed_away_and_recreated_is_watched_again(rehydrate_engin
     assert len(rec.calls) == 1
 
 
-def _reports(engine, monkeypatch):  # type: ignore[no-untyped-def]
-    """The reports of every restore_detected() call, in order."""
-    reports: list = []  # type: ignore[type-arg]
-    real = engine.restore_detected
-
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        report = real(*args, **kwargs)
-        reports.append(report)
-        return report
-
-    monkeypatch.setattr(engine, "restore_detected", recording)
-    return reports
-
-
 def _rest_of_the_burst_while_the_hooks_outlast_the_window(
         marker: os.PathLike[str], det: FileDetector, window: float) -> None:
     """Write the rest of a burst while the restore's hooks run, wait until it was
@@ -378,7 +371,7 @@ def test_a_write_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, tmp_
     marker = tmp_path / "restored"
     window = 0.5
     entered, release, calls = slow_restore_hook(rehydrate_engine)
-    reports = _reports(rehydrate_engine, monkeypatch)
+    reports = recorded_reports(rehydrate_engine, monkeypatch)
     det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=window)
     rehydrate_engine.start([det])
     tmp = tmp_path / "restored.tmp"
@@ -462,7 +455,7 @@ def test_a_change_the_late_report_does_not_cover_is_dated_by_the_read(
             assert release.wait(10.0)
 
     rehydrate_engine.registry.after_restore(slow_hook, required=False, timeout=30)
-    reports = _reports(rehydrate_engine, monkeypatch)
+    reports = recorded_reports(rehydrate_engine, monkeypatch)
     det = FileDetector(marker, polling=False, window=window)
     rehydrate_engine.start([det])
     tmp = tmp_path / "restored.tmp"

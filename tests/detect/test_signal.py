@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from detect_helpers import Recorder, slow_restore_hook, wait_for
+from detect_helpers import Recorder, recorded_reports, slow_restore_hook, wait_for
 
 from rehydrate.detect import select
 from rehydrate.detect.signal import SignalDetector, parse_signal
@@ -201,15 +201,7 @@ def test_a_signal_while_slow_hooks_run_is_the_same_restore(rehydrate_engine, mon
     the window made it a second restore (a new instance ID)."""
     window = 0.5
     entered, release, calls = slow_restore_hook(rehydrate_engine)
-    reports: list = []  # type: ignore[type-arg]
-    real = rehydrate_engine.restore_detected
-
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        report = real(*args, **kwargs)
-        reports.append(report)
-        return report
-
-    monkeypatch.setattr(rehydrate_engine, "restore_detected", recording)
+    reports = recorded_reports(rehydrate_engine, monkeypatch)
     det = SignalDetector("USR2", window=window)
     rehydrate_engine.start([det])
     run = det._run

@@ -2912,6 +2912,29 @@ def test_a_user_coroutine_closed_while_pending_is_closed_quietly():
     coro.close()  # raised RuntimeError("...hangs raised GeneratorExit()")
 
 
+async def _db_opened_on_the_app_loop(engine, peer):  # type: ignore[no-untyped-def]
+    """A required async connection "db" to ``peer``, the engine started on this loop and
+    one restore run (from another thread) that opened it here. Returns the connection,
+    every socket opened and the loop each close ran on."""
+    opened: list[socket.socket] = []
+    closed_on: list[asyncio.AbstractEventLoop] = []
+
+    async def open_():
+        s = socket.create_connection(peer.address)
+        opened.append(s)
+        return s
+
+    async def close(v):
+        closed_on.append(asyncio.get_running_loop())
+        v.close()
+
+    conn = connections.register("db", open=open_, close=close, required=True,
+                                engine=engine)
+    engine.start("none", loop=asyncio.get_running_loop())
+    assert (await asyncio.to_thread(engine.simulate_restore)).ok
+    return conn, opened, closed_on
+
+
 async def test_a_snapshot_on_the_app_loops_thread_closes_what_was_opened_there(
         rehydrate_engine, monkeypatch):
     """With ``start(loop=app)`` a snapshot taken on the app loop's own thread runs its
@@ -2921,22 +2944,9 @@ async def test_a_snapshot_on_the_app_loops_thread_closes_what_was_opened_there(
     It runs on the loop the hooks run on, at once."""
     monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 1.0)
     peer = _Peer()
-    loop = asyncio.get_running_loop()
-    closed_on: list[asyncio.AbstractEventLoop] = []
-
-    async def open_():
-        return socket.create_connection(peer.address)
-
-    async def close(v):
-        closed_on.append(asyncio.get_running_loop())
-        v.close()
-
-    conn = connections.register("db", open=open_, close=close, required=True,
-                                engine=rehydrate_engine)
-    rehydrate_engine.start("none", loop=loop)
+    conn, _, closed_on = await _db_opened_on_the_app_loop(rehydrate_engine, peer)
     try:
-        assert (await asyncio.to_thread(rehydrate_engine.simulate_restore)).ok
-        assert conn._loop is loop  # opened on the app loop
+        assert conn._loop is asyncio.get_running_loop()
         snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
         assert snap.ok, snap.table()
         assert conn.state == "closed", conn.to_dict()
@@ -2953,22 +2963,8 @@ async def test_a_restore_on_the_app_loops_thread_closes_the_old_value_first(
     for the blocked app loop, then reopened anyway and left the old socket open."""
     monkeypatch.setattr(connections, "CLOSE_TIMEOUT", 1.0)
     peer = _Peer()
-    loop = asyncio.get_running_loop()
-    opened: list[socket.socket] = []
-
-    async def open_():
-        s = socket.create_connection(peer.address)
-        opened.append(s)
-        return s
-
-    async def close(v):
-        v.close()
-
-    conn = connections.register("db", open=open_, close=close, required=True,
-                                engine=rehydrate_engine)
-    rehydrate_engine.start("none", loop=loop)
+    conn, opened, _ = await _db_opened_on_the_app_loop(rehydrate_engine, peer)
     try:
-        assert (await asyncio.to_thread(rehydrate_engine.simulate_restore)).ok
         rep = rehydrate_engine.simulate_restore()  # blocks this loop's thread
         assert rep.ok, rep.table()
         assert conn.state == "open" and conn.last_error is None, conn.to_dict()
