@@ -30,7 +30,9 @@ cache): the ticket key and cached sessions are in the snapshot image, and a resu
 session would skip the renewed certificate on every clone.
 :meth:`ManagedCertificate.client_context` returns a client context that trusts (and
 optionally presents) the current material; it is rebuilt after every renewal (a context
-cannot forget trust anchors), so fetch it again or :meth:`subscribe`.
+cannot forget trust anchors), so fetch it again or :meth:`subscribe`. A listener that
+raises fails the renewal (and the restore hook) with the new material in use; it is called
+again at the next renewal or re-read, and the hook recovers once every listener took it.
 
 Before a snapshot (hook ``rehydrate.tls``, ``SECRETS`` phase) every certificate's private
 key is dropped from its :class:`Material` (the certificate itself stays readable) and the
@@ -541,7 +543,10 @@ class ManagedCertificate:
     def renew(self) -> Material:
         """Produce, validate and apply new material now. On failure the previous material
         stays, :attr:`last_error` is set and :class:`CertificateError` raised. Refused
-        between the before-snapshot pass and the next restore/resume."""
+        between the before-snapshot pass and the next restore/resume. When the material
+        comes out unchanged (a file certificate's files), the listeners that failed to
+        take it are called again (see :meth:`subscribe`): a failure raises, a success
+        recovers the restore hook."""
         with self._renew_lock:
             if self._manager.frozen:
                 raise CertificateError(
@@ -757,7 +762,14 @@ class ManagedCertificate:
 
     def subscribe(self, fn: Callable[[ManagedCertificate], None]
                   ) -> Callable[[ManagedCertificate], None]:
-        """Call ``fn(handle)`` after every renewal (usable as a decorator)."""
+        """Call ``fn(handle)`` after every renewal (usable as a decorator).
+
+        A listener that raises leaves the renewal in place but fails it
+        (:class:`CertificateError`, the restore hook failed during a restore); it is
+        called again at the next renewal or re-read — also of unchanged files:
+        :meth:`renew`, the file watcher, the next restore — and once every listener
+        took the material in use, the restore hook counts as recovered
+        (:meth:`~rehydrate.Lifecycle.recovered`). No timer retries it."""
         self._listeners.append(fn)
         return fn
 
@@ -1380,8 +1392,10 @@ class FileCertificate(ManagedCertificate):
     def reload_if_changed(self) -> bool:
         """Re-read the files; apply them when they hold new, valid material. A rejected
         change keeps the previous material and logs one line (once per distinct error).
-        Returns True when new material was applied. Does nothing between the
-        before-snapshot pass and the next restore/resume (the restore re-reads the files).
+        Returns True when new material was applied. Unchanged files get the listeners
+        that failed to take them called again (one line while one still fails; see
+        :meth:`~ManagedCertificate.subscribe`). Does nothing between the before-snapshot
+        pass and the next restore/resume (the restore re-reads the files).
         """
         with self._renew_lock:  # read, validate and apply as one step (watcher vs restore)
             if self._manager.frozen:
