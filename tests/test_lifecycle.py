@@ -1547,6 +1547,7 @@ def test_recovered_by_hook_record_forgets_only_that_hook(rehydrate_engine):
     first = reg.register(down, name="cache")
     second = reg.register(down, name="cache")
     other = rehydrate.Registry().register(down, name="cache")  # never ran here
+    assert first in reg and other not in reg and down not in reg
     assert not rehydrate_engine.simulate_restore().ok
     assert rehydrate_engine.recovered(other) is False
     assert rehydrate_engine.recovered(first) is False  # "second" is left
