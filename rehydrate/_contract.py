@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from ._context import Report, RestoreReport, SnapshotReport
-    from ._hooks import Registry
+    from ._hooks import Hook, Registry
     from .detect import Detector
     from .env import EnvRefresher
 
@@ -105,9 +105,11 @@ class Engine(Protocol):
 
     def add_status(self, key: str, fn: Callable[[], Any]) -> None: ...
 
-    def recovered(self, hook: str, *, since: float | None = None) -> bool:
+    def recovered(self, hook: str | Hook, *, since: float | None = None) -> bool:
         """A required hook that failed in the last restore/resume run did its job since:
-        ready again once none of that run's failures is left."""
+        ready again once none of that run's failures is left. An extension passes the
+        :class:`~rehydrate.Hook` record its registration returned (a name may also be a
+        user hook's)."""
         ...
 
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None: ...

@@ -477,6 +477,14 @@ class Registry:
         with self._lock:
             return len(self._hooks)
 
+    def __contains__(self, hook: object) -> bool:
+        """Whether this very :class:`Hook` record is registered here (not an equal one:
+        sequence numbers restart per registry)."""
+        if not isinstance(hook, Hook):
+            return False
+        with self._lock:
+            return self._hooks.get(hook.seq) is hook
+
     def __repr__(self) -> str:
         return f"<rehydrate.Registry hooks={len(self)}>"
 

@@ -62,6 +62,31 @@ _PASSES = 16
 """Before-snapshot passes remembered for notices that name one (``undoes``)."""
 
 
+class _Fault:
+    """One failure of a required hook in a restore/resume run (see
+    :meth:`Lifecycle.recovered`): compared by identity, as hooks may share a name."""
+
+    __slots__ = ("builtin", "hook", "name")
+
+    def __init__(self, name: str, hook: Hook | None, builtin: bool) -> None:
+        self.name = name
+        self.hook = hook
+        """The record that failed (None only if the runner did not say which)."""
+        self.builtin = builtin
+        """It is in ``engine.builtins`` (a built-in manager's hook)."""
+
+
+def _pick(faults: Sequence[_Fault], hook: str | Hook) -> _Fault | None:
+    """The failure ``recovered(hook)`` forgets: that very record's, or by name one of a
+    hook of that name — a user's hook before a built-in one, which the built-in managers
+    recover by record (a user hook named like one, ``rehydrate.secret:db``, was cleared
+    by that secret's reload and a built-in's failure by the user's call)."""
+    if isinstance(hook, str):
+        named = [f for f in faults if f.name == hook]
+        return next((f for f in named if not f.builtin), named[0] if named else None)
+    return next((f for f in faults if f.hook is hook), None)
+
+
 @dataclass
 class _Pass:
     """The latest before-snapshot pass and the run that ended it (see ``undoes`` in
@@ -180,14 +205,14 @@ class Lifecycle:
 
         self._cond = threading.Condition()
         self._state: State = "running"
-        self._faults: dict[str, int] | None = None
-        """Name -> how many required hooks of that name failed in the last restore/resume
-        run, while the process is ``degraded`` by that run (see :meth:`recovered`); None
+        self._faults: list[_Fault] | None = None
+        """The failures of required hooks in the last restore/resume run not recovered
+        yet, while the process is ``degraded`` by that run (see :meth:`recovered`); None
         in any other state."""
         self._run_began = -math.inf  # time.monotonic() when the last restore run began
-        self._run_failed: collections.Counter[str] = collections.Counter()
-        """Required hooks failed so far in the restore run in progress, by name."""
-        self._run_recovered: collections.Counter[str] = collections.Counter()
+        self._run_failed: list[_Fault] = []
+        """Required hooks failed so far in the restore run in progress."""
+        self._run_recovered: list[_Fault] = []
         """Of those, the ones :meth:`recovered` since their failure, in that run."""
         self._generation = 0
         self._last_report: Report | None = None
@@ -588,27 +613,32 @@ class Lifecycle:
             self._faults = None  # a pass, or a run cut short: nothing a hook could mend
             self._cond.notify_all()
 
-    def recovered(self, hook: str, *, since: float | None = None) -> bool:
+    def recovered(self, hook: str | Hook, *, since: float | None = None) -> bool:
         """A required hook that failed in the last restore/resume run has since done its
         job another way — its certificate reloaded by the file watcher, its secret
         reloaded, the connection it could not open opened by the application: forget that
         failure. Once none of that run's failures is left, the process is ``ready`` again
         (one ``INFO`` line) instead of ``degraded`` until the next restore.
 
-        ``hook``: the hook's name as reports show it (hooks sharing a name that failed
-        together each need their own call). ``since``: ``time.monotonic()`` when the work
-        that recovered it began; when the failed run began after that, the work may hold
-        what that run rejected and nothing is forgotten. Returns True when this call made
-        the process ready. During a restore run it returns False and counts only for a
-        hook that has already failed in that run: the run then ends ``ready`` when every
-        failure of it recovered. Otherwise it does nothing (False): not degraded, degraded
-        by a before-snapshot pass or by a run cut short, or a name that did not fail in
-        that run. The built-in certificate and secret managers call it when a reload
-        succeeds.
+        ``hook``: the hook's name as reports show it, or the :class:`~rehydrate.Hook`
+        record its registration returned. A name forgets one failure of a hook of that
+        name (hooks sharing a name that failed together each need their own call),
+        preferring a hook of ``engine.registry`` to a built-in one; a record forgets only
+        that very hook's failure — how the built-in certificate and secret managers call
+        it when a reload succeeds, so a user hook named like one of theirs
+        (``rehydrate.secret:db``) is never cleared by their reloads. ``since``:
+        ``time.monotonic()`` when the work that recovered it began; when the failed run
+        began after that, the work may hold what that run rejected and nothing is
+        forgotten. Returns True when this call made the process ready. During a restore
+        run it returns False and counts only for a hook that has already failed in that
+        run: the run then ends ``ready`` when every failure of it recovered. Otherwise it
+        does nothing (False): not degraded, degraded by a before-snapshot pass or by a
+        run cut short, or a hook that did not fail in that run.
         """
-        if not isinstance(hook, str):
-            raise TypeError(f"recovered(): hook must be a hook's name (str), not "
-                            f"{type(hook).__name__}")
+        if not isinstance(hook, (str, Hook)):
+            raise TypeError(f"recovered(): hook must be a hook's name (str) or its Hook "
+                            f"record, not {type(hook).__name__}")
+        name = hook if isinstance(hook, str) else hook.name
         with self._cond:
             if since is not None and since < self._run_began:
                 return False
@@ -616,32 +646,35 @@ class Lifecycle:
                 # Its hook failed earlier in this run: counted when the run ends (a
                 # watcher that reloads a certificate while later hooks still run fires
                 # once; dropped, the process stayed degraded for good).
-                if self._run_recovered[hook] < self._run_failed[hook]:
-                    self._run_recovered[hook] += 1
+                mended = self._run_recovered
+                fault = _pick([f for f in self._run_failed
+                               if not any(f is m for m in mended)], hook)
+                if fault is not None:
+                    mended.append(fault)
                 return False
             faults = self._faults
-            if self._state != "degraded" or faults is None or hook not in faults:
+            fault = _pick(faults, hook) if self._state == "degraded" and faults else None
+            if faults is None or fault is None:
                 return False
-            faults[hook] -= 1
-            if not faults[hook]:
-                del faults[hook]
+            faults.remove(fault)  # by identity: a _Fault compares as an object
             if faults:
-                left = ", ".join(sorted(faults))
+                left = ", ".join(sorted({f.name for f in faults}))
             else:
                 self._state = "ready"
                 self._faults = None
                 self._cond.notify_all()
         if faults:
-            log.info("hook %s recovered; still degraded by: %s", hook, left)
+            log.info("hook %s recovered; still degraded by: %s", name, left)
             return False
-        log.info("hook %s recovered; ready again", hook)
+        log.info("hook %s recovered; ready again", name)
         return True
 
-    def _hook_failed(self, result: HookResult) -> None:
+    def _hook_failed(self, hook: Hook, result: HookResult) -> None:
         """The runner recorded a failed or timed-out required hook (any run)."""
+        builtin = hook in self.builtins  # before _cond: the registry takes its own lock
         with self._cond:
             if self._state == "restoring":
-                self._run_failed[result.name] += 1
+                self._run_failed.append(_Fault(result.name, hook, builtin))
 
     # -- freeze watch ----------------------------------------------------------------
 
@@ -1465,8 +1498,8 @@ class Lifecycle:
             self._state = "restoring"
             self._faults = None
             self._run_began = time.monotonic()
-            self._run_failed.clear()
-            self._run_recovered.clear()
+            self._run_failed = []
+            self._run_recovered = []
             self._cond.notify_all()
         # Logged at INFO only once the run is over (_log_run): a log line is I/O — to a
         # pipe that may be full — and in a restored clone the first one is slow besides
@@ -1484,12 +1517,12 @@ class Lifecycle:
             if ok:
                 self._faults = None
             else:
-                faults = collections.Counter(
-                    r.name for r in results if r.required and r.outcome in ("failed", "timeout"))
-                mended = sorted((faults & self._run_recovered).elements())
-                faults -= self._run_recovered
+                faults = _run_faults(results, self._run_failed)
+                recovered = self._run_recovered
+                mended = sorted(f.name for f in faults if any(f is m for m in recovered))
+                faults = [f for f in faults if not any(f is m for m in recovered)]
                 if faults:
-                    self._faults = dict(faults)
+                    self._faults = faults
                 else:  # every failure recovered while later hooks ran
                     self._state = "ready"
                     self._faults = None
@@ -1952,6 +1985,23 @@ def _log_run(report: RestoreReport) -> None:
              if report.ready else "degraded")
     log.info("%s (reason %s, generation %d%s): hooks ran in %.0f ms, %s%s", report.kind,
              report.reason, report.generation, frozen, report.duration * 1000, state, changes)
+
+
+def _run_faults(results: Sequence[HookResult], failed: Sequence[_Fault]) -> list[_Fault]:
+    """The failures of a run's required hooks: each failed result with the record the
+    runner named when it failed (see :meth:`Lifecycle._hook_failed`), or by name alone
+    should it not have."""
+    pool = list(failed)
+    faults = []
+    for r in results:
+        if r.required and r.outcome in ("failed", "timeout"):
+            fault = next((f for f in pool if f.name == r.name), None)
+            if fault is None:
+                fault = _Fault(r.name, None, builtin=False)
+            else:
+                pool.remove(fault)
+            faults.append(fault)
+    return faults
 
 
 def _summarise(results: Sequence[HookResult], kind: Kind) -> tuple[bool, HookFailed | None]:

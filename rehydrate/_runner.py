@@ -152,10 +152,11 @@ def _log_outcome(ctx: RestoreContext, result: HookResult) -> None:
                 ctx.kind, result.name, result.outcome, describe_error(result.error))
 
 
-def _tell_failed(on_failed: Callable[[HookResult], None] | None, result: HookResult) -> None:
+def _tell_failed(on_failed: Callable[[Hook, HookResult], None] | None, hook: Hook,
+                 result: HookResult) -> None:
     if on_failed is not None and result.required and result.outcome in ("failed", "timeout"):
         try:
-            on_failed(result)
+            on_failed(hook, result)
         except Exception:  # never lose the run over it
             log.exception("failed-hook callback %r failed", on_failed)
 
@@ -295,7 +296,7 @@ class _Progress:
     """False while hook ``index`` waits for its event loop to get to it."""
     run_end: float = math.inf
     """``time.monotonic()`` by which the whole run must be over (``ctx.deadline``)."""
-    on_failed: Callable[[HookResult], None] | None = None
+    on_failed: Callable[[Hook, HookResult], None] | None = None
     """:attr:`HookRunner.on_failed` when the job began."""
 
     def begin(self, index: int, timeout: float, *, entered: bool = True,
@@ -342,7 +343,7 @@ class _Progress:
             self.deadline = math.inf
         # Counted before the log line (I/O, slow in a fresh clone): a recovery made just
         # after the hook returned finds its failure counted.
-        _tell_failed(self.on_failed, result)
+        _tell_failed(self.on_failed, self.hooks[index], result)
         _log_outcome(self.ctx, result)  # outside the lock: the supervisor must not wait on I/O
         return True
 
@@ -371,9 +372,10 @@ class HookRunner:
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
-        self.on_failed: Callable[[HookResult], None] | None = None
-        """Called with each failed or timed-out required hook's result as it is recorded
-        (the engine: a recovery during the run counts only after the failure)."""
+        self.on_failed: Callable[[Hook, HookResult], None] | None = None
+        """Called with each failed or timed-out required hook and its result as that is
+        recorded (the engine: a recovery during the run counts only after the failure,
+        and only for that very hook when made by its record)."""
         self._hung: dict[Any, tuple[str, threading.Thread]] = {}
         """Sync hooks abandoned at their timeout whose thread may still run them, by hook
         function: such a hook is not started again until that thread has returned, so at
@@ -694,7 +696,7 @@ class HookRunner:
                 wait = None if math.isinf(job.deadline) else job.deadline - now
             job.wake.wait(wait)
         self._abandon(job, None if hook.is_async else hook)
-        _tell_failed(job.on_failed, result)
+        _tell_failed(job.on_failed, hook, result)
         _log_outcome(job.ctx, result)
         if hook.is_async and error.run_deadline is not None:
             log.warning("%s; moving on", error)

@@ -23,7 +23,9 @@ Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a fa
 (unreadable file, missing variable, a raising callable) fails that hook — ``required``
 (default True) decides whether readiness suffers — and the secret stays unavailable with
 the error as the reason. :meth:`Secret.reload` outside a restore keeps the previous value
-when the source fails.
+when the source fails; when it succeeds after the restore hook failed, the process is
+ready again (``engine.recovered()`` with that hook's own record: a user hook that happens
+to share the name is not cleared by it).
 
 What rehydrate cannot wipe: values in ``os.environ`` and the process's C environment
 (``Secret.from_env`` reads from there — use ``from_file`` or ``from_callable`` for secrets
@@ -154,6 +156,7 @@ class Secret:
             raise ValueError(f"a secret named {name!r} is already managed (status() and its "
                              "hooks go by the name: give this one another name=)")
         self._hooks: tuple[Hook, ...] = ()
+        """Its restore hook, then its before-snapshot hook (once registered)."""
         if load and self._manager.engine.snapshot_pending:
             # Loaded now, the value would be written into the coming snapshot image.
             self._reason = "wiped: created while a snapshot was pending; loads on restore"
@@ -258,8 +261,10 @@ class Secret:
                 self._cond.notify_all()
                 # Under this lock (a later run's hook for this secret takes it too), and
                 # only when the failed run began before this load: a load begun earlier
-                # (a resume keeps the generation) may hold what that run rejected.
-                engine.recovered(f"rehydrate.secret:{self.name}", since=began)
+                # (a resume keeps the generation) may hold what that run rejected. By
+                # record, not name: a user hook named like this one is not this secret's.
+                if self._hooks:
+                    engine.recovered(self._hooks[0], since=began)
         if pending:
             _zero(fresh)
             why = _CLOSED if closed else _RESTORED if restored else _PENDING
@@ -279,7 +284,9 @@ class Secret:
     def reload(self) -> bool:
         """Load the value again now. On failure the previous value is kept (one log line)
         and False returned. Between a before-snapshot pass and the next restore/resume it
-        loads nothing (the value would be written into the image): False, one line."""
+        loads nothing (the value would be written into the image): False, one line. A
+        success after this secret's restore hook failed in the last run forgets that
+        failure (:meth:`~rehydrate.Lifecycle.recovered`, by the hook's record)."""
         if self._manager.engine.snapshot_pending:
             self.last_error = _PENDING
             log.warning("secret %s: not reloaded: %s", self.name, _PENDING)

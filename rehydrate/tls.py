@@ -30,7 +30,9 @@ cache): the ticket key and cached sessions are in the snapshot image, and a resu
 session would skip the renewed certificate on every clone.
 :meth:`ManagedCertificate.client_context` returns a client context that trusts (and
 optionally presents) the current material; it is rebuilt after every renewal (a context
-cannot forget trust anchors), so fetch it again or :meth:`subscribe`.
+cannot forget trust anchors), so fetch it again or :meth:`subscribe`. A listener that
+raises fails the renewal (and the restore hook) with the new material in use; it is called
+again at the next renewal or re-read, and the hook recovers once every listener took it.
 
 Before a snapshot (hook ``rehydrate.tls``, ``SECRETS`` phase) every certificate's private
 key is dropped from its :class:`Material` (the certificate itself stays readable) and the
@@ -110,6 +112,12 @@ DROP_WAIT = 5.0
 
 class CertificateError(ValueError):
     """New certificate material was rejected (the previous material stays in use)."""
+
+
+class _ListenersFailed(CertificateError):
+    """The material is in use, but a :meth:`~ManagedCertificate.subscribe` listener
+    failed to take it (called again at the next renewal or re-read: see
+    :meth:`ManagedCertificate._retry_listeners`)."""
 
 
 def _now() -> _dt.datetime:
@@ -476,8 +484,12 @@ class ManagedCertificate:
         replaced (an application may still hold one): each holds a private key."""
         self._clients: dict[bool, ssl.SSLContext] = {}
         self._listeners: list[Callable[[ManagedCertificate], None]] = []
+        self._unnotified: list[Callable[[ManagedCertificate], None]] | None = None
+        """Listeners that failed to take the current material (None: none did): called
+        again when the material is re-read unchanged (:meth:`_retry_listeners`)."""
         self.last_error: str | None = None
-        """Why the last renewal was rejected (None after a success)."""
+        """Why the last renewal was rejected, or which listeners failed to take it (None
+        after a success)."""
         self.renewals = 0
         self._hooks: tuple[Hook, ...] = ()
         _HANDLES.add(self)
@@ -531,7 +543,10 @@ class ManagedCertificate:
     def renew(self) -> Material:
         """Produce, validate and apply new material now. On failure the previous material
         stays, :attr:`last_error` is set and :class:`CertificateError` raised. Refused
-        between the before-snapshot pass and the next restore/resume."""
+        between the before-snapshot pass and the next restore/resume. When the material
+        comes out unchanged (a file certificate's files), the listeners that failed to
+        take it are called again (see :meth:`subscribe`): a failure raises, a success
+        recovers the restore hook."""
         with self._renew_lock:
             if self._manager.frozen:
                 raise CertificateError(
@@ -552,6 +567,7 @@ class ManagedCertificate:
         if self._unchanged(new):
             new.wipe_key()
             self.last_error = None
+            self._retry_listeners()
             return self.material
         self.apply(new, epoch=epoch)
         return new
@@ -581,7 +597,6 @@ class ManagedCertificate:
         existed before it (in the image, the same in every clone) and is discarded."""
         if material.private_key is None:
             raise CertificateError(f"certificate {self.name!r}: material without a key")
-        errors: list[str] = []
         with self._renew_lock:
             with self._lock:
                 if self._manager.frozen:  # a renewal that outlived the snapshot pass
@@ -604,17 +619,46 @@ class ManagedCertificate:
                 self._clients.clear()
                 self.renewals += 1
                 self.last_error = None
-            for fn in list(self._listeners):
-                try:
-                    fn(self)
-                except Exception as exc:
-                    errors.append(f"listener {fn!r}: {type(exc).__name__}: {exc}")
-            if not errors:
-                # Under the renewal lock: a later run's hook for this certificate waits
-                # for it, so this success never takes back that run's failure.
-                self._manager.engine.recovered(f"rehydrate.tls:{self.name}")
+            errors = self._notify(list(self._listeners))
         if errors:
-            raise CertificateError(f"certificate {self.name!r} renewed but: "
+            raise _ListenersFailed(f"certificate {self.name!r} renewed but: "
+                                   + "; ".join(errors))
+
+    def _notify(self, listeners: list[Callable[[ManagedCertificate], None]]) -> list[str]:
+        """Call ``listeners`` with the current material (caller holds the renewal lock);
+        remember those that fail for :meth:`_retry_listeners`. When none fails, the
+        certificate's restore hook counts as recovered. Returns the errors."""
+        errors: list[str] = []
+        failed: list[Callable[[ManagedCertificate], None]] = []
+        for fn in listeners:
+            try:
+                fn(self)
+            except Exception as exc:
+                failed.append(fn)
+                errors.append(f"listener {fn!r}: {type(exc).__name__}: {exc}")
+        self._unnotified = failed or None
+        if errors:
+            self.last_error = "renewed but: " + "; ".join(errors)
+        elif self._hooks:
+            # Under the renewal lock: a later run's hook for this certificate waits for
+            # it, so this success never takes back that run's failure. By record, not
+            # name: a user hook named like this one is not this certificate's.
+            self._manager.engine.recovered(self._hooks[0])
+        return errors
+
+    def _retry_listeners(self) -> None:
+        """The material was re-read unchanged (restore hook, :meth:`renew`, the file
+        watcher): call the listeners that failed to take it again (those still
+        subscribed) and, when they all take it now, count the restore hook as recovered
+        (:meth:`_notify`). Raises :class:`CertificateError` while one still fails.
+        Caller holds the renewal lock."""
+        pending = self._unnotified
+        if pending is None:
+            return
+        errors = self._notify([fn for fn in pending if fn in self._listeners])
+        if errors:
+            raise _ListenersFailed(f"certificate {self.name!r}: serial "
+                                   f"{self.material.serial:x} in use, but still: "
                                    + "; ".join(errors))
 
     def _load_everywhere(self, material: Material) -> None:
@@ -718,7 +762,14 @@ class ManagedCertificate:
 
     def subscribe(self, fn: Callable[[ManagedCertificate], None]
                   ) -> Callable[[ManagedCertificate], None]:
-        """Call ``fn(handle)`` after every renewal (usable as a decorator)."""
+        """Call ``fn(handle)`` after every renewal (usable as a decorator).
+
+        A listener that raises leaves the renewal in place but fails it
+        (:class:`CertificateError`, the restore hook failed during a restore); it is
+        called again at the next renewal or re-read — also of unchanged files:
+        :meth:`renew`, the file watcher, the next restore — and once every listener
+        took the material in use, the restore hook counts as recovered
+        (:meth:`~rehydrate.Lifecycle.recovered`). No timer retries it."""
         self._listeners.append(fn)
         return fn
 
@@ -798,8 +849,8 @@ class ManagedCertificate:
                 return
             except CertificateError as exc:
                 error = exc
-            if self._material is not previous:  # renewed; a listener failed afterwards
-                raise error
+            if self._material is not previous or isinstance(error, _ListenersFailed):
+                raise error  # the material is in use: a listener failed to take it
             if held and previous is not None and (kind == "resume" or not self.regenerates_key):
                 # a resumed original keeps its own key; a file key is the same everywhere
                 detail = str(error).removeprefix(f"certificate {self.name!r}: ")
@@ -1341,8 +1392,10 @@ class FileCertificate(ManagedCertificate):
     def reload_if_changed(self) -> bool:
         """Re-read the files; apply them when they hold new, valid material. A rejected
         change keeps the previous material and logs one line (once per distinct error).
-        Returns True when new material was applied. Does nothing between the
-        before-snapshot pass and the next restore/resume (the restore re-reads the files).
+        Returns True when new material was applied. Unchanged files get the listeners
+        that failed to take them called again (one line while one still fails; see
+        :meth:`~ManagedCertificate.subscribe`). Does nothing between the before-snapshot
+        pass and the next restore/resume (the restore re-reads the files).
         """
         with self._renew_lock:  # read, validate and apply as one step (watcher vs restore)
             if self._manager.frozen:
@@ -1366,6 +1419,11 @@ class FileCertificate(ManagedCertificate):
             if self._unchanged(new):
                 new.wipe_key()
                 self.last_error = None
+                try:  # the listeners that failed to take these files get another go
+                    self._retry_listeners()
+                except CertificateError as exc:
+                    self.last_error = str(exc)
+                    log.warning("tls: %s", exc)
                 return False
             try:
                 self.apply(new, epoch=epoch)

@@ -1534,3 +1534,30 @@ def test_status_answers_in_and_get_like_a_mapping() -> None:
         assert st.get("state") == st.state
     finally:
         eng.close()
+
+
+def test_recovered_by_hook_record_forgets_only_that_hook(rehydrate_engine):
+    """Two hooks share a name: recovered(record) forgets that very one's failure (what the
+    built-in managers pass), never the other's; a name forgets one of them."""
+    reg = rehydrate_engine.registry
+
+    def down() -> None:
+        raise ConnectionError("down")
+
+    first = reg.register(down, name="cache")
+    second = reg.register(down, name="cache")
+    other = rehydrate.Registry().register(down, name="cache")  # never ran here
+    assert first in reg and other not in reg and down not in reg
+    assert not rehydrate_engine.simulate_restore().ok
+    assert rehydrate_engine.recovered(other) is False
+    assert rehydrate_engine.recovered(first) is False  # "second" is left
+    assert rehydrate_engine.recovered(first) is False  # once only
+    assert rehydrate_engine.state == "degraded"
+    assert rehydrate_engine.recovered(second) is True
+    assert rehydrate_engine.state == "ready"
+
+    assert not rehydrate_engine.simulate_restore().ok
+    assert rehydrate_engine.recovered("cache") is False
+    assert rehydrate_engine.recovered(second) is True  # the name took "first"'s
+    with pytest.raises(TypeError, match="Hook record"):
+        rehydrate_engine.recovered(42)  # type: ignore[arg-type]

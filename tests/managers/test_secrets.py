@@ -636,3 +636,50 @@ def test_a_secret_reloaded_while_later_hooks_run_makes_the_run_end_ready(
     assert not report.ok  # the secret's own hook failed
     assert s.get() == b"mounted-meanwhile"
     assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()
+
+
+def test_a_secret_reload_does_not_clear_a_user_hook_that_shares_its_hook_name(
+        rehydrate_engine, secret_file):
+    """recovered() went by name: a user hook named like a secret's built-in hook
+    (``rehydrate.secret:db-password``) that failed was cleared by any successful reload
+    of that secret, and the process said ready with the user's hook still broken. The
+    managers now recover their own hook by its record; a name still works for the user,
+    and takes the user's hook before the built-in one."""
+    s = Secret.from_file(secret_file, strip=True, engine=rehydrate_engine)
+    name = "rehydrate.secret:db-password"
+    broken = [True]
+
+    @rehydrate_engine.registry.after_restore(name=name)
+    def lookalike() -> None:
+        if broken[0]:
+            raise ConnectionError("the user's own job failed")
+
+    # Only the user's hook failed: the secret's reloads have nothing to recover.
+    report = rehydrate_engine.simulate_restore()
+    assert [h.name for h in report.failed] == [name]
+    assert s.reload()
+    assert rehydrate_engine.status().state == "degraded" and not rehydrate_engine.is_ready()
+    assert rehydrate_engine.recovered(name) is True
+    assert rehydrate_engine.status().state == "ready"
+
+    # Both failed: the secret's reloads, however many, recover the secret's alone.
+    secret_file.unlink()
+    assert not rehydrate_engine.simulate_restore().ok
+    secret_file.write_bytes(b"mounted-late\n")
+    assert s.reload() and s.reload()
+    assert rehydrate_engine.status().state == "degraded"
+    assert rehydrate_engine.recovered(name) is True
+    assert rehydrate_engine.status().state == "ready"
+
+    # The user's call by name first: it takes the user's failure, not the secret's,
+    # which the secret's own reload then clears (taking the secret's left the user's
+    # for good: no reload recovers a user hook).
+    secret_file.unlink()
+    assert not rehydrate_engine.simulate_restore().ok
+    assert rehydrate_engine.recovered(name) is False
+    assert rehydrate_engine.status().state == "degraded"
+    secret_file.write_bytes(b"mounted-again\n")
+    assert s.reload()
+    assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()
+    broken[0] = False
+    assert rehydrate_engine.simulate_restore().ok

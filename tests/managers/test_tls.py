@@ -1594,3 +1594,102 @@ def test_a_wrong_password_that_decrypts_to_garbage_still_says_wrong_password(
     text = str(caught.value)
     assert "wrong password" in text and "not a usable PEM private key" in text, text
     assert cert.serial == first.serial_number
+
+
+# -- recovery of a failed restore hook -------------------------------------------------
+
+
+@pytest.mark.parametrize("retry", ["renew", "watcher", "next-restore"])
+def test_a_listener_that_failed_to_take_the_certificate_recovers_when_it_takes_it(
+        rehydrate_engine, tmp_path, https_server, retry):
+    """A restore brought new files; the certificate is in use, but a listener — here one
+    that puts it into a server context the application made itself — failed to take it,
+    so the hook failed. Before, a re-read of the unchanged files called no listener:
+    renew() and the watcher left the process degraded (only a change of the files or a
+    manual recovered() helped) and the next restore said ok with that server still on
+    the old certificate. Now every re-read calls the listeners that failed again, and
+    once they all take it the hook counts as recovered."""
+    ca = CA()
+    c1, k1, first = ca.leaf()
+    cert = _plain_file_cert(rehydrate_engine, tmp_path, c1, k1)
+    app_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # not attached: the listener feeds it
+    app_ctx.load_cert_chain(cert.cert_path, cert.key_path)
+    port = https_server(app_ctx)
+    client = ssl.create_default_context(cadata=ca.pem.decode())
+    down = [True]
+
+    def push(handle: tls.ManagedCertificate) -> None:
+        if down[0]:
+            raise OSError("the server is not taking certificates yet")
+        app_ctx.load_cert_chain(cert.cert_path, cert.key_path)
+
+    cert.subscribe(push)
+    c2, k2, second = ca.leaf()
+    _write_pair(tmp_path, c2, k2)
+    report = rehydrate_engine.simulate_restore()
+    [failed] = report.failed
+    assert failed.name == "rehydrate.tls:plain" and "renewed but" in str(failed.error)
+    assert cert.serial == second.serial_number and "not taking" in cert.last_error
+    assert rehydrate_engine.status().state == "degraded"
+    assert served_certificate(port, client).serial_number == first.serial_number
+
+    def again() -> bool:
+        """The retry under test; True when it reported success."""
+        if retry == "renew":
+            try:
+                cert.renew()
+            except CertificateError:
+                return False
+            return True
+        if retry == "watcher":  # what a change in the directory runs
+            cert.reload_if_changed()
+            return cert.last_error is None
+        return rehydrate_engine.simulate_restore().ok
+
+    assert not again()  # the server still refuses: still degraded, and said why
+    assert "not taking" in cert.last_error
+    assert rehydrate_engine.status().state == "degraded"
+    assert served_certificate(port, client).serial_number == first.serial_number
+    down[0] = False
+    assert again()
+    assert cert.last_error is None and rehydrate_engine.status().state == "ready"
+    assert rehydrate_engine.is_ready()
+    assert served_certificate(port, client).serial_number == second.serial_number
+
+
+def test_an_unsubscribed_failed_listener_is_not_called_again(rehydrate_engine, tmp_path):
+    ca = CA()
+    c1, k1, _ = ca.leaf()
+    cert = _plain_file_cert(rehydrate_engine, tmp_path, c1, k1)
+    calls = []
+
+    def refuse(handle: tls.ManagedCertificate) -> None:
+        calls.append(handle.serial)
+        raise OSError("refused")
+
+    cert.subscribe(refuse)
+    c2, k2, second = ca.leaf()
+    _write_pair(tmp_path, c2, k2)
+    assert not rehydrate_engine.simulate_restore().ok
+    cert.unsubscribe(refuse)  # the application gave that server up
+    assert cert.renew().serial == second.serial_number
+    assert calls == [second.serial_number]
+    assert rehydrate_engine.status().state == "ready"
+
+
+def test_a_renewal_does_not_clear_a_user_hook_that_shares_the_certificates_hook_name(
+        rehydrate_engine):
+    """recovered() went by name: every renewal of certificate "web" cleared the failure
+    of a user hook named ``rehydrate.tls:web`` and made the process ready with it still
+    broken. The manager now recovers its own hook by record."""
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+
+    @rehydrate_engine.registry.after_restore(name="rehydrate.tls:web")
+    def lookalike() -> None:
+        raise ConnectionError("the user's own job failed")
+
+    assert not rehydrate_engine.simulate_restore().ok
+    cert.renew()
+    assert rehydrate_engine.status().state == "degraded"
+    assert rehydrate_engine.recovered("rehydrate.tls:web") is True
+    assert rehydrate_engine.status().state == "ready"
