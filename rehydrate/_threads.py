@@ -12,6 +12,9 @@ busy (a call stuck on a hung mount or peer) a new one starts. Whoever will need 
 in a restore reserves one beforehand, by name (:meth:`~ThreadPool.reserve`): that many
 idle threads (at most ``max_reserved``) are started and kept; other idle threads exit
 after ``idle_exit`` seconds (beyond ``keep``). After ``fork()`` the child starts afresh.
+
+A manager or handle registers with :func:`fresh_lock_after_fork` to get a new ``_lock``
+in a forked child when a parent thread may have held it.
 """
 
 from __future__ import annotations
@@ -139,19 +142,39 @@ blocking = ThreadPool("rehydrate-io")
 
 
 _LOCK_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_PLAIN_LOCK = type(threading.Lock())
 
 
 def fresh_lock_after_fork(owner: Any) -> None:
-    """Give ``owner`` a new ``_lock`` (a ``threading.Lock``) in every child of ``fork()``:
-    a parent thread may hold its lock at that moment (a key generated under it takes
-    seconds), and no thread of the child ever releases it — the child's hooks then timed
-    out on every restore. Held weakly."""
+    """Give ``owner`` a new ``_lock`` in every child of ``fork()`` where a parent thread
+    may hold it: that thread does not exist in the child, which then waited for the lock
+    for ever (a key generated under it takes seconds, a managed file's reopen waits on its
+    volume) — its hooks timed out on every event, its ``close()`` or ``status()`` hung.
+
+    A ``threading.Lock`` is always replaced: who holds one cannot be told. An ``RLock``
+    is replaced only when :func:`held_by_another_thread`: the forking thread's own hold
+    (a user callback that forks inside the critical section) is released as the child
+    unwinds, which a new lock would refuse. Held weakly; set with
+    ``object.__setattr__`` (a handle may forward attribute writes elsewhere)."""
     _LOCK_OWNERS.add(owner)
+
+
+def held_by_another_thread(lock: Any) -> bool:
+    """True when a thread other than the calling one holds the ``RLock`` ``lock`` (in a
+    fork handler: a parent thread the child does not have)."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False
+    return True
 
 
 def _new_locks_in_child() -> None:
     for owner in list(_LOCK_OWNERS):
-        owner._lock = threading.Lock()
+        lock = owner._lock
+        if isinstance(lock, _PLAIN_LOCK):
+            object.__setattr__(owner, "_lock", threading.Lock())
+        elif held_by_another_thread(lock):
+            object.__setattr__(owner, "_lock", threading.RLock())
 
 
 os.register_at_fork(after_in_child=_new_locks_in_child)

@@ -20,7 +20,9 @@ Handles made here are closed before a snapshot and reopened after a restore or r
   reported and every handle on it treated as changed.
 
 A file that is gone after a restore fails the ``rehydrate.files.reopen`` hook with its
-path (required by default: the process stays ``degraded``).
+path (required by default: the process stays ``degraded``). In a child of ``fork()`` a
+handle's lock (and the manager's) that a parent thread held is replaced, so the child's
+hooks and ``close()`` never wait for a thread it does not have.
 
 Every engine also runs the ``rehydrate.files.audit`` before-snapshot hook, last: it lists
 the descriptors still open on volumes (:func:`open_files`, ``rehydrate doctor --files``),
@@ -49,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from . import _config
 from ._files import kind_name, read_regular
 from ._hooks import BEFORE_USER_HOOKS, Phase
+from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
 # mmap, secrets and the gVisor check are imported where a mapping, a volume or the audit
@@ -168,6 +171,7 @@ class _Handle:
         object.__setattr__(self, "on_change", on_change)
         object.__setattr__(self, "required", required)
         object.__setattr__(self, "_lock", threading.RLock())
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork() (a slow reopen)
         object.__setattr__(self, "_identity", None)
         object.__setattr__(self, "_opened_key", None)
         object.__setattr__(self, "_closed_by_user", False)
@@ -786,6 +790,7 @@ class FilesManager:
     def __init__(self, engine: Engine) -> None:
         self._engine = weakref.ref(engine)
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._handles: dict[int, weakref.ref[_Handle]] = {}
         self._volumes: list[Volume] = []
         self._fail_on_deleted: bool | None = None

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import _config
 from ._hooks import Phase
+from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
 # hashlib, json, pathlib, platform and secrets are imported where a manifest is made or
@@ -648,6 +649,7 @@ class FingerprintManager:
         self.snapshot_miss: dict[str, Any] | None = None
         self._miss_checked = False
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         engine.builtins.register(self._save, event="snapshot", phase=Phase.ENVIRONMENT,
                                  order=-1_000_000, name="rehydrate.fingerprint.save",
                                  required=False, timeout=15.0)

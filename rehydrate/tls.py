@@ -71,6 +71,7 @@ from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from ._hooks import Hook, Phase
+from ._threads import held_by_another_thread
 from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
 from .secrets import Secret, SecretError, SecretSource
@@ -1582,15 +1583,6 @@ _MANAGERS: weakref.WeakSet[TLSManager] = weakref.WeakSet()
 """Every certificate handle and TLS manager of this process, for the fork handler."""
 
 
-def _held_elsewhere(lock: Any) -> bool:
-    """True when another thread holds the ``RLock`` (the forking thread's own hold, in a
-    renewal listener that forks, is released as it unwinds)."""
-    if lock.acquire(blocking=False):
-        lock.release()
-        return False
-    return True
-
-
 def _after_fork_in_child() -> None:
     # A parent thread renewing a certificate at fork() (an issuer's round trip, under the
     # renew lock) does not exist in the child: its restore hook timed out and renew()
@@ -1599,9 +1591,11 @@ def _after_fork_in_child() -> None:
     for m in list(_MANAGERS):
         m._lock = threading.Lock()  # short holds, never across a fork by the holder
     for cert in list(_HANDLES):
-        if _held_elsewhere(cert._lock):
+        # Not the forking thread's own hold (a renewal listener that forks): it is
+        # released as the child unwinds.
+        if held_by_another_thread(cert._lock):
             cert._lock = threading.RLock()
-        if _held_elsewhere(cert._renew_lock):
+        if held_by_another_thread(cert._renew_lock):
             cert._renew_lock = threading.RLock()
             cert.last_error = "a renewal running at fork() was abandoned in this process"
 

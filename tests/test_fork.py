@@ -8,6 +8,8 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from detect_helpers import in_forked_child
@@ -146,17 +148,21 @@ def _held_by_a_parent_thread(get_lock) -> tuple[threading.Event, threading.Threa
 
 
 @pytest.mark.parametrize("which", ["registry", "builtins", "entropy-id", "entropy-manager",
-                                   "tls-manager", "keys-manager", "secrets-manager"])
+                                   "tls-manager", "keys-manager", "secrets-manager",
+                                   "files-manager", "fingerprint-manager"])
 def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
-        engine: Lifecycle, which: str) -> None:
+        engine: Lifecycle, which: str, tmp_path: Path) -> None:
     """Only the engine's own locks were new in the child: one of these held by a parent
-    thread at fork() hung the child's restore (hooks()) or timed its entropy hook out on
-    every restore."""
-    from rehydrate import entropy, keys, secrets, tls
+    thread at fork() hung the child's restore (hooks()), its status() (the files
+    manager's) or timed a hook out on every snapshot or restore (the entropy, files and
+    fingerprint managers')."""
+    from rehydrate import entropy, files, fingerprint, keys, secrets, tls
 
     tls.self_signed("web", engine=engine)
     keys.ephemeral("session", engine=engine)  # its hook takes the key manager's lock
     secrets.manager(engine)  # status() takes the secrets manager's
+    files.open(tmp_path / "data", "w", engine=engine)  # its hooks take the files manager's
+    fingerprint.configure(engine=engine)  # its before-snapshot hook takes its manager's
     engine.registry.after_restore(lambda: None, name="app")
     lock = {"registry": lambda: engine.registry._lock,
             "builtins": lambda: engine.builtins._lock,
@@ -164,19 +170,80 @@ def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
             "entropy-manager": lambda: entropy.manager(engine)._lock,
             "tls-manager": lambda: tls.manager(engine)._lock,
             "keys-manager": lambda: keys.manager(engine)._lock,
-            "secrets-manager": lambda: secrets.manager(engine)._lock}[which]
+            "secrets-manager": lambda: secrets.manager(engine)._lock,
+            "files-manager": lambda: files.manager(engine)._lock,
+            "fingerprint-manager": lambda: fingerprint.manager(engine)._lock}[which]
     release, holder = _held_by_a_parent_thread(lock)
     try:
         def child() -> dict:  # type: ignore[type-arg]
-            first, second = engine.simulate_restore(), engine.simulate_restore()
             engine.status()
-            return {"outcomes": sorted({h.outcome for r in (first, second) for h in r.hooks})}
+            reports = [engine.simulate_snapshot(), engine.simulate_restore(),
+                       engine.simulate_restore()]
+            return {"outcomes": sorted({h.outcome for r in reports for h in r.hooks})}
 
         out = in_forked_child(child, DEADLINE)
     finally:
         release.set()
         holder.join(DEADLINE)
     assert out == {"outcomes": ["ok"]}
+
+
+def _managed_handle(kind: str, engine: Lifecycle, tmp_path: Path) -> Any:
+    from rehydrate import files
+
+    path = tmp_path / f"data.{kind}"
+    if kind == "sqlite":
+        return files.sqlite(path, engine=engine)
+    path.write_bytes(b"0123456789")
+    if kind == "mmap":
+        return files.mmap(path, engine=engine)
+    handle = files.open(path, "rb", engine=engine)
+    handle.read(4)
+    return handle
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite", "mmap"])
+def test_a_child_forked_while_a_parent_thread_holds_a_managed_handle_uses_it(
+        engine: Lifecycle, kind: str, tmp_path: Path) -> None:
+    """A parent thread inside a handle's critical section at fork() (the reopen hook
+    waiting on a slow volume, a close() checkpointing SQLite): the child's snapshot pass
+    timed out closing that handle, its restores never reopened it, and its close() of
+    the handle it inherited waited for ever."""
+    handle = _managed_handle(kind, engine, tmp_path)
+    release, holder = _held_by_a_parent_thread(lambda: handle._lock)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            reports = [engine.simulate_snapshot(), engine.simulate_restore()]
+            suspended = handle.suspended
+            handle.close()
+            return {"outcomes": sorted({h.outcome for r in reports for h in r.hooks}),
+                    "suspended": suspended}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"outcomes": ["ok"], "suspended": False}
+    assert engine.simulate_snapshot().ok and handle.suspended  # the parent's is its own
+    assert engine.simulate_restore().ok and not handle.suspended
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_a_child_forked_by_the_thread_holding_a_handle_lock_can_release_it(
+        engine: Lifecycle, kind: str, tmp_path: Path) -> None:
+    """The forking thread's own hold (an ``on_connect`` that forks, under the reopen) is
+    not another thread's: the handle keeps its lock, so the child's unwinding releases
+    it — a new lock there made that release raise."""
+    handle = _managed_handle(kind, engine, tmp_path)
+    before = handle._lock
+    with handle._lock:
+        def child() -> dict:  # type: ignore[type-arg]
+            same = handle._lock is before
+            handle._lock.release()  # what leaving the `with` does in the child
+            return {"same_lock": same, "ok": engine.simulate_snapshot().ok}
+
+        out = in_forked_child(child, DEADLINE)
+    assert out == {"same_lock": True, "ok": True}
 
 
 def test_a_renewal_running_at_fork_is_abandoned_in_the_child(engine: Lifecycle) -> None:
