@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
+from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -365,8 +366,6 @@ class Connection:
         also when that loop's thread is waiting for the lifecycle event this close is
         part of (``simulate_snapshot()`` called on it): submitted there, the close only
         started once the event had given up on it, after ``CLOSE_TIMEOUT``."""
-        from ._runner import is_blocked
-
         loop = self._loop
         if (not _is_async(self.close_fn) or loop is None or loop.is_closed()
                 or not loop.is_running() or is_blocked(loop)):
@@ -468,8 +467,6 @@ class Connection:
         def returned(call: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> None:
             finish(RuntimeError("stopped before it returned") if call.cancelled()
                    else call.exception())
-
-        from ._runner import _submit, is_blocked
 
         started = False
         try:
@@ -858,8 +855,6 @@ class ConnectionManager:
 
         home = conn._close_loop()
         if home is not None:
-            from ._runner import _submit
-
             async def bounded() -> None:
                 await asyncio.wait_for(conn.close_async(again=False), CLOSE_TIMEOUT)
 
@@ -988,8 +983,6 @@ class ConnectionManager:
             def started(_: concurrent.futures.Future[None]) -> None:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     pending.done.set_result(None)
-
-            from ._runner import _submit
 
             with conn._lock:
                 conn._background = pending
