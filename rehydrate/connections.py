@@ -235,6 +235,9 @@ class Connection:
         :meth:`ConnectionManager._settle`)."""
         self._background: _Background | None = None
         """The reopen of an optional connection that a restore run left going."""
+        self._opener: _Opener | None = None
+        """The thread running the first open of an ``open_now`` registration with a sync
+        ``open`` (None once it has ended)."""
         self._given_up: int | None = None
         """The epoch of a run abandoned at its deadline (see :meth:`_keep`)."""
         self._waits: set[threading.Event] = set()
@@ -653,6 +656,39 @@ class _Background:
         return self.done.done() or self.pid != os.getpid() or loop.is_closed()
 
 
+class _Opener:
+    """The thread of an ``open_now`` registration's first sync open (an event loop of
+    its own, so that a snapshot's close never waits behind the hooks' loop): its task,
+    once started, and a future done when the thread has nothing left to run. Stopped
+    (by the engine's close, a newer run, unregister()), it makes no further attempt and
+    its backoff sleep ends at once; a call already on its thread goes on (see
+    :meth:`Connection._open_and_keep`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._task: asyncio.Future[Any] | None = None
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def enter(self) -> bool:
+        """Called first by its task: False when it was stopped before it started."""
+        task = asyncio.current_task()
+        with self._lock:
+            if self._stopped:
+                return False
+            self._task = task
+            return True
+
+    def stop(self) -> None:
+        """Cancel its task, from any thread."""
+        with self._lock:
+            self._stopped = True
+            task = self._task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: it has ended
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+
 class _Superseded(Exception):
     """A newer run of the same connection took over while an attempt was running."""
 
@@ -756,6 +792,7 @@ class ConnectionManager:
             conn._lock = threading.Lock()
             conn._calls = set()
             conn._background = None
+            conn._opener = None  # its thread stayed in the parent
             conn._in_flight = None  # that close runs in the parent: it never ends here
             conn._loop = None  # nor does the parent's event loop run here
             if conn.state in ("reconnecting", "opening"):
@@ -800,31 +837,53 @@ class ConnectionManager:
         return True
 
     def close(self) -> None:
-        """The engine is closing: background (re)opens stop. An open connection stays as
-        it is; one still (re)opening was left saying so for good: it is closed instead —
-        what it holds released in the background (:data:`CLOSE_TIMEOUT`), then
-        ``closed`` (``failed`` when that close fails) — and what an ``open`` still running
-        on its thread returns later is closed, not kept. An ``async`` close runs on the
-        loop the value was opened on, waited for here (at most :data:`CLOSE_TIMEOUT` in
-        all) since the engine stops its own loop next."""
+        """The engine is closing: background (re)opens stop, and are waited for until
+        they have (at most :data:`CLOSE_TIMEOUT` in all, then a warning naming the
+        connection): a cancelled task the engine's loop never got to run again was
+        destroyed pending when it stopped that loop ("Task was destroyed but it is
+        pending!"), and an ``open_now`` sync open's thread went on retrying. An open
+        connection stays as it is; one still (re)opening was left saying so for good: it
+        is closed instead — what it holds released in the background
+        (:data:`CLOSE_TIMEOUT`), then ``closed`` (``failed`` when that close fails) — and
+        what an ``open`` still running on its thread returns later is closed, not kept
+        (that call is not waited for: it may hang). An ``async`` close runs on the loop
+        the value was opened on, waited for here too since the engine stops its own loop
+        next. Nothing is waited for on this thread's own loop (it runs once this
+        returns), nor on a loop that is not running or whose thread waits for a
+        lifecycle event: it could not get there in time."""
         try:
             here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             here = None
         waits: list[concurrent.futures.Future[None]] = []
+        stopping: list[tuple[Connection, concurrent.futures.Future[None]]] = []
         for conn in self.all():
             epoch, state = conn._retire()  # in one step: a run ending now changes neither
-            self._cancel_background(conn)
+            run = self._cancel_background(conn)
+            if run is not None and not run.ended():
+                loop = run.handed_to or run.loop
+                if loop is not here and loop.is_running() and not is_blocked(loop):
+                    stopping.append((conn, run.done))
+            with conn._lock:
+                opener = conn._opener
+            if opener is not None:
+                stopping.append((conn, opener.done))
             if state in ("opening", "reconnecting"):
                 scheduled = self._close_stopped(conn, epoch)
                 # not from that loop's own thread (the application's): it runs the close
                 # once this returns, and the engine does not stop it
                 if scheduled is not None and scheduled[1] is not here:
                     waits.append(scheduled[0])
-        if waits:
-            _, late = concurrent.futures.wait(waits, CLOSE_TIMEOUT + LATE_GRACE)
-            for fut in late:  # its loop is blocked: recorded as a close that hung
-                fut.cancel()
+        if waits or stopping:
+            _, late = concurrent.futures.wait(waits + [f for _, f in stopping],
+                                              CLOSE_TIMEOUT + LATE_GRACE)
+            for fut in waits:
+                if fut in late:  # its loop is blocked: recorded as a close that hung
+                    fut.cancel()
+            for conn, fut in stopping:
+                if fut in late:
+                    log.warning("connection %s: its background open did not stop within "
+                                "%gs of the engine's close", conn.name, CLOSE_TIMEOUT)
 
     def _close_stopped(self, conn: Connection, epoch: int) -> tuple[
             concurrent.futures.Future[None], asyncio.AbstractEventLoop] | None:
@@ -997,9 +1056,15 @@ class ConnectionManager:
                 pending.task.add_done_callback(started)
                 return
 
-        def run() -> None:
+        opener = _Opener()
+
+        async def main() -> None:
+            if not opener.enter():
+                return  # stopped before its thread got here
             try:
-                ok = asyncio.run(conn.reopen(epoch, deadline_at, close_first=False))
+                ok = await conn.reopen(epoch, deadline_at, close_first=False)
+            except asyncio.CancelledError:
+                return  # stopped (see _Opener): whatever stopped it says how it ended
             except Exception as exc:  # never let a background open escape
                 conn._set(epoch, last_error=_describe(exc))
                 ok = False
@@ -1007,7 +1072,27 @@ class ConnectionManager:
                 log.warning("connection %s did not open within %gs: %s", conn.name,
                             conn.effective_deadline(), conn.last_error)
 
-        threading.Thread(target=run, name=f"rehydrate-open-{conn.name}", daemon=True).start()
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            finally:
+                with conn._lock:
+                    if conn._opener is opener:
+                        conn._opener = None
+                opener.done.set_result(None)
+
+        with conn._lock:
+            conn._opener = opener
+        thread = threading.Thread(target=run, name=f"rehydrate-open-{conn.name}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread (interpreter shutdown): it never opens
+            with conn._lock:
+                if conn._opener is opener:
+                    conn._opener = None
+            opener.done.set_result(None)
+            conn._set(epoch, state="failed", step=None,
+                      last_error="no thread could be started to open it")
 
     # -- hooks ------------------------------------------------------------------------
 
@@ -1223,9 +1308,13 @@ class ConnectionManager:
 
     def _cancel_background(self, conn: Connection) -> _Background | None:
         """Cancel ``conn``'s background reopen, if any (from any thread); returns it. A
-        sync call it was waiting for goes on (see :meth:`_settle`)."""
+        sync call it was waiting for goes on (see :meth:`_settle`). The thread of an
+        ``open_now`` sync open is stopped too (``conn._opener`` until it has ended)."""
         with conn._lock:
             run, conn._background = conn._background, None
+            opener = conn._opener
+        if opener is not None:
+            opener.stop()
         if run is None or run.done.done():
             return run
         if isinstance(run.task, concurrent.futures.Future):  # not started: thread-safe

@@ -3121,3 +3121,95 @@ def test_engine_close_stops_an_open_now_open_not_started_yet(rehydrate_engine,
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0), rehydrate_engine.hook_loop()).result(10)
     assert started == []
     assert conn.state == "closed", conn.to_dict()
+
+
+@pytest.mark.parametrize("how", ["open_now", "optional-reopen"])
+def test_engine_close_waits_for_a_started_background_open_to_end(how, monkeypatch, caplog):
+    """A background open already running on the engine's loop (an ``open_now`` async
+    open, an optional connection's reopen after a restore): engine.close() scheduled its
+    cancellation and stopped that loop before the task had run again, so the task was
+    destroyed pending ("Task was destroyed but it is pending!"). The close waits until
+    the task has ended — here its cleanup needs a thread hop the test lets through only
+    once the close waits for the task."""
+    engine = rehydrate.testing.isolated_engine()
+    entered, release = threading.Event(), threading.Event()
+    opens: list[int] = []
+    closed: list[object] = []
+
+    async def open_():
+        opens.append(1)
+        if how == "optional-reopen" and len(opens) == 1:
+            return "value-1"
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:  # cancelled: a cleanup that needs the loop again
+            await asyncio.to_thread(release.wait, 10)
+
+    async def close(v):
+        closed.append(v)
+
+    conn = connections.register("db", open=open_, close=close, required=False, deadline=60,
+                                engine=engine, open_now=True)
+    try:
+        if how == "optional-reopen":
+            wait_for(lambda: conn.state == "open", what="the first open")
+            assert engine.simulate_restore().ok  # closes value-1, then opens in background
+        assert entered.wait(10)
+        run = conn._background
+        assert run is not None and isinstance(run.task, asyncio.Task)
+        tasks, stopped, real_wait = [run.task], run.done, concurrent.futures.wait
+
+        def wait(fs, *args, **kwargs):
+            if stopped in fs:  # the close waits for the stopped run: let it end
+                release.set()
+            return real_wait(fs, *args, **kwargs)
+
+        monkeypatch.setattr(concurrent.futures, "wait", wait)
+        done_when_the_loop_stopped: list[bool] = []
+        real_stop = engine._loop_thread.close
+
+        def stop_loop():
+            done_when_the_loop_stopped.extend(t.done() for t in tasks)
+            release.set()
+            real_stop()
+
+        monkeypatch.setattr(engine._loop_thread, "close", stop_loop)
+        with caplog.at_level(logging.WARNING):
+            engine.close()
+            assert done_when_the_loop_stopped == [True]
+            tasks.clear()
+            del run
+            gc.collect()
+        assert not [r for r in caplog.records if "pending" in r.getMessage()], caplog.text
+        assert not [r for r in caplog.records if r.name == "rehydrate"], caplog.text
+        assert conn.state == "closed", conn.to_dict()
+        assert closed == (["value-1"] if how == "optional-reopen" else [])
+    finally:
+        release.set()
+        engine.close()
+
+
+def test_engine_close_stops_the_thread_of_an_open_now_sync_open():
+    """``open_now=True`` with a sync ``open`` opens on a thread of its own: engine.close()
+    left that thread running (retrying, or inside ``open``). It stops it and waits for it;
+    what the ``open`` already running returns later is closed."""
+    engine = rehydrate.testing.isolated_engine()
+    gate = _Gate()
+    try:
+        conn = connections.register("db", open=gate.open, close=gate.close, deadline=60,
+                                    engine=engine, open_now=True)
+        assert gate.entered.wait(10)
+        thread = _background_open("db")
+        engine.close()
+        thread.join(10)
+        assert not thread.is_alive(), "the open_now thread outlived engine.close()"
+        assert conn._opener is None
+        assert conn.state == "closed", conn.to_dict()
+        gate.release.set()
+        assert gate.closed_evt.wait(10), "what the stopped open opened was not closed"
+        assert gate.closed == ["value-1"]
+        assert conn.value is None and conn.state == "closed"
+    finally:
+        gate.release.set()
+        engine.close()
