@@ -16,7 +16,9 @@ hold the run or readiness (outcome in ``status()``, a failure logged once); a sn
 stops such a reopen before closing them, and ``engine.close()`` closes one it stops.
 
 Only what may be open is closed: a ``close`` that takes the value is not called without
-one (never opened, every open failed).
+one (never opened, every open failed). Nor is an ``async`` close whose value was opened
+on an event loop that has since stopped: it could only run there, so the value is
+dropped with one warning and the connection counts as closed (see ``Connection._drop``).
 
 Registration never blocks on, nor raises for, an unreachable peer.
 
@@ -247,7 +249,12 @@ class Connection:
         ended (tests wait for it)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         """The event loop the ``async`` open that made ``value`` ran on (None after a
-        sync one): an ``async`` close is awaited there (see :meth:`_close_loop`)."""
+        sync one): an ``async`` close is awaited there (see :meth:`_close_loop`), and
+        not at all once it has stopped (see :meth:`_drop`)."""
+        self._any_loop = False
+        """The ``async`` close finds the loop what it closes belongs to by itself (the
+        helpers' for ``httpx.AsyncClient`` and ``redis.asyncio``), and does what can be
+        done when that loop has stopped: called from any loop, never dropped."""
         self._in_flight: tuple[Any, concurrent.futures.Future[None]] | None = None
         """The value a ``close`` call is closing right now, and a future done (with its
         outcome) when that call has really returned: a second close of the same value
@@ -432,7 +439,8 @@ class Connection:
 
     async def close_async(self, *, again: bool = True) -> None:
         """Call ``close``: a sync one on a thread, an async one on the loop the value was
-        opened on (:meth:`_close_loop`). While a close of the same value is running (a
+        opened on (:meth:`_close_loop`) — not at all once that loop has stopped, unless
+        the close finds its loop itself (``_any_loop``): see :meth:`_drop`. While a close of the same value is running (a
         background reopen's close after a failed attempt, still running on its thread
         when the engine's close came), this waits for it and shares its outcome: the
         value is closed once. ``again=False``: nothing to do either when that close has
@@ -440,6 +448,13 @@ class Connection:
         fn = self.close_fn
         if fn is None:
             return
+        if _is_async(fn) and not self._any_loop:
+            with self._lock:
+                opened_on = self._loop
+            if opened_on is not None and (opened_on.is_closed()
+                                          or not opened_on.is_running()):
+                self._drop()
+                return
         with self._lock:
             value, running = self.value, self._in_flight
             if not again and _arity(fn) >= 1 and (value is None or self._released):
@@ -504,6 +519,25 @@ class Connection:
             if not started:  # no call to report its end: this is it
                 finish(exc)
             raise
+
+    def _drop(self) -> None:
+        """Let go of a value whose ``async`` close cannot run: the event loop the open that
+        made it ran on has stopped (closed, or no longer running). Such a close awaits
+        that loop's futures and transports (asyncio streams, an asyncpg or aiohttp
+        pool): awaited on another loop it failed ("attached to a different loop",
+        "Event loop is closed") — which failed a required connection's snapshot — or
+        waited for good for a loop nothing runs; run on that loop from a thread of
+        rehydrate's, it raced the application's own thread restarting it. So it is not
+        called: the value counts as closed (what it held is cut by the platform at a
+        snapshot and released by the garbage collector), one WARNING names the
+        connection once, and the next restore opens a new value as after any close."""
+        with self._lock:
+            first = not self._released
+            self._released = True
+        if first:
+            log.warning("connection %s: not closed: the event loop it was opened on has "
+                        "stopped and its async close() can only run there; dropped (the "
+                        "next restore opens it anew)", self.name)
 
     async def _release(self, epoch: int, what: str, limit: float,
                        after: str | None = None) -> None:
@@ -1466,7 +1500,11 @@ def register(
     ``open`` then ``check`` run (concurrently with every other connection) with backoff
     until both succeed or ``deadline`` seconds passed (default ``REHYDRATE_CONNECT_DEADLINE``
     or 30 s). ``close`` and ``check`` may take one argument: the current ``value`` (what
-    ``open`` returned last, or ``value=``). Any of them may be ``async``.
+    ``open`` returned last, or ``value=``). Any of them may be ``async``. An ``async``
+    ``close`` is awaited on the event loop the ``async`` ``open`` that made the value ran
+    on; once that loop has stopped (closed, or no longer running) it is not called: the
+    value is dropped unclosed, with one warning naming the connection, the connection
+    counts as ``closed`` (a snapshot goes on) and the next restore opens it anew.
 
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
     ``open`` runs in the background (with the same backoff; an ``async`` one on the hooks'
@@ -1510,6 +1548,7 @@ def _connection(
     resource: Callable[[], object] | None = None,
     on_replaced: Callable[[], None] | None = None,
     sockets: Callable[[], Iterable[socket.socket]] | None = None,
+    any_loop: bool = False,
 ) -> Connection:
     """A checked :class:`Connection`, not registered yet (the helpers set what a
     ``replace=True`` registration does to their object before it can happen)."""
@@ -1525,6 +1564,7 @@ def _connection(
     conn._resource = resource
     conn._on_replaced = on_replaced
     conn._sockets = sockets
+    conn._any_loop = any_loop
     return conn
 
 
@@ -1659,7 +1699,7 @@ def httpx_async_client(
     conn = _connection(name, open=reset, close=transport.close_pool,
                        check=check if check_url else None, required=required,
                        deadline=deadline, peers=_url_peers(client.base_url),
-                       on_replaced=transport.retire)
+                       on_replaced=transport.retire, any_loop=True)
     manager(engine).register(conn, replace=replace)
     return client
 
@@ -1792,7 +1832,7 @@ def redis_client(
                        check=ping if check else None, required=required, deadline=deadline,
                        peers=peers, subject=client,
                        # Redis(connection_pool=pool): clients sharing one pool
-                       resource=lambda: pool)
+                       resource=lambda: pool, any_loop=True)
     manager(engine).register(conn, replace=replace)
     return client
 
