@@ -440,11 +440,12 @@ class Connection:
     async def close_async(self, *, again: bool = True) -> None:
         """Call ``close``: a sync one on a thread, an async one on the loop the value was
         opened on (:meth:`_close_loop`) — not at all once that loop has stopped, unless
-        the close finds its loop itself (``_any_loop``): see :meth:`_drop`. While a close of the same value is running (a
-        background reopen's close after a failed attempt, still running on its thread
-        when the engine's close came), this waits for it and shares its outcome: the
-        value is closed once. ``again=False``: nothing to do either when that close has
-        already returned (see :meth:`_holds`), checked in the same step."""
+        the close finds its loop itself (``_any_loop``): see :meth:`_drop`. While a close
+        of the same value is running (a background reopen's close after a failed attempt,
+        still running on its thread when the engine's close came), this waits for it and
+        shares its outcome: the value is closed once. ``again=False``: nothing to do
+        either when that close has already returned (see :meth:`_holds`), checked in the
+        same step."""
         fn = self.close_fn
         if fn is None:
             return
