@@ -692,9 +692,9 @@ class _Background:
 
 
 class _Opener:
-    """The thread of an ``open_now`` registration's first sync open (an event loop of
-    its own, so that a snapshot's close never waits behind the hooks' loop): its task,
-    once started, and a future done when the thread has nothing left to run. Stopped
+    """The thread (with an event loop of its own) of an ``open_now`` registration's
+    first sync open: its task, once started, and a future done when the thread has
+    nothing left to run. Stopped
     (by the engine's close, a newer run, unregister()), it makes no further attempt and
     its backoff sleep ends at once; a call already on its thread goes on (see
     :meth:`Connection._open_and_keep`)."""
