@@ -16,7 +16,9 @@ hold the run or readiness (outcome in ``status()``, a failure logged once); a sn
 stops such a reopen before closing them, and ``engine.close()`` closes one it stops.
 
 Only what may be open is closed: a ``close`` that takes the value is not called without
-one (never opened, every open failed).
+one (never opened, every open failed). Nor is an ``async`` close whose value was opened
+on an event loop that has since stopped: it could only run there, so the value is
+dropped with one warning and the connection counts as closed (see ``Connection._drop``).
 
 Registration never blocks on, nor raises for, an unreachable peer.
 
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
+from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -234,6 +237,9 @@ class Connection:
         :meth:`ConnectionManager._settle`)."""
         self._background: _Background | None = None
         """The reopen of an optional connection that a restore run left going."""
+        self._opener: _Opener | None = None
+        """The thread running the first open of an ``open_now`` registration with a sync
+        ``open`` (None once it has ended)."""
         self._given_up: int | None = None
         """The epoch of a run abandoned at its deadline (see :meth:`_keep`)."""
         self._waits: set[threading.Event] = set()
@@ -243,7 +249,12 @@ class Connection:
         ended (tests wait for it)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         """The event loop the ``async`` open that made ``value`` ran on (None after a
-        sync one): an ``async`` close is awaited there (see :meth:`_close_loop`)."""
+        sync one): an ``async`` close is awaited there (see :meth:`_close_loop`), and
+        not at all once it has stopped (see :meth:`_drop`)."""
+        self._any_loop = False
+        """The ``async`` close finds the loop what it closes belongs to by itself (the
+        helpers' for ``httpx.AsyncClient`` and ``redis.asyncio``), and does what can be
+        done when that loop has stopped: called from any loop, never dropped."""
         self._in_flight: tuple[Any, concurrent.futures.Future[None]] | None = None
         """The value a ``close`` call is closing right now, and a future done (with its
         outcome) when that call has really returned: a second close of the same value
@@ -365,8 +376,6 @@ class Connection:
         also when that loop's thread is waiting for the lifecycle event this close is
         part of (``simulate_snapshot()`` called on it): submitted there, the close only
         started once the event had given up on it, after ``CLOSE_TIMEOUT``."""
-        from ._runner import is_blocked
-
         loop = self._loop
         if (not _is_async(self.close_fn) or loop is None or loop.is_closed()
                 or not loop.is_running() or is_blocked(loop)):
@@ -430,14 +439,23 @@ class Connection:
 
     async def close_async(self, *, again: bool = True) -> None:
         """Call ``close``: a sync one on a thread, an async one on the loop the value was
-        opened on (:meth:`_close_loop`). While a close of the same value is running (a
-        background reopen's close after a failed attempt, still running on its thread
-        when the engine's close came), this waits for it and shares its outcome: the
-        value is closed once. ``again=False``: nothing to do either when that close has
-        already returned (see :meth:`_holds`), checked in the same step."""
+        opened on (:meth:`_close_loop`) — not at all once that loop has stopped, unless
+        the close finds its loop itself (``_any_loop``): see :meth:`_drop`. While a close
+        of the same value is running (a background reopen's close after a failed attempt,
+        still running on its thread when the engine's close came), this waits for it and
+        shares its outcome: the value is closed once. ``again=False``: nothing to do
+        either when that close has already returned (see :meth:`_holds`), checked in the
+        same step."""
         fn = self.close_fn
         if fn is None:
             return
+        if _is_async(fn) and not self._any_loop:
+            with self._lock:
+                opened_on = self._loop
+            if opened_on is not None and (opened_on.is_closed()
+                                          or not opened_on.is_running()):
+                self._drop()
+                return
         with self._lock:
             value, running = self.value, self._in_flight
             if not again and _arity(fn) >= 1 and (value is None or self._released):
@@ -468,8 +486,6 @@ class Connection:
         def returned(call: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> None:
             finish(RuntimeError("stopped before it returned") if call.cancelled()
                    else call.exception())
-
-        from ._runner import _submit, is_blocked
 
         started = False
         try:
@@ -504,6 +520,25 @@ class Connection:
             if not started:  # no call to report its end: this is it
                 finish(exc)
             raise
+
+    def _drop(self) -> None:
+        """Let go of a value whose ``async`` close cannot run: the event loop the open that
+        made it ran on has stopped (closed, or no longer running). Such a close awaits
+        that loop's futures and transports (asyncio streams, an asyncpg or aiohttp
+        pool): awaited on another loop it failed ("attached to a different loop",
+        "Event loop is closed") — which failed a required connection's snapshot — or
+        waited for good for a loop nothing runs; run on that loop from a thread of
+        rehydrate's, it raced the application's own thread restarting it. So it is not
+        called: the value counts as closed (what it held is cut by the platform at a
+        snapshot and released by the garbage collector), one WARNING names the
+        connection once, and the next restore opens a new value as after any close."""
+        with self._lock:
+            first = not self._released
+            self._released = True
+        if first:
+            log.warning("connection %s: not closed: the event loop it was opened on has "
+                        "stopped and its async close() can only run there; dropped (the "
+                        "next restore opens it anew)", self.name)
 
     async def _release(self, epoch: int, what: str, limit: float,
                        after: str | None = None) -> None:
@@ -656,6 +691,39 @@ class _Background:
         return self.done.done() or self.pid != os.getpid() or loop.is_closed()
 
 
+class _Opener:
+    """The thread (with an event loop of its own) of an ``open_now`` registration's
+    first sync open: its task, once started, and a future done when the thread has
+    nothing left to run. Stopped
+    (by the engine's close, a newer run, unregister()), it makes no further attempt and
+    its backoff sleep ends at once; a call already on its thread goes on (see
+    :meth:`Connection._open_and_keep`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._task: asyncio.Future[Any] | None = None
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def enter(self) -> bool:
+        """Called first by its task: False when it was stopped before it started."""
+        task = asyncio.current_task()
+        with self._lock:
+            if self._stopped:
+                return False
+            self._task = task
+            return True
+
+    def stop(self) -> None:
+        """Cancel its task, from any thread."""
+        with self._lock:
+            self._stopped = True
+            task = self._task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: it has ended
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+
 class _Superseded(Exception):
     """A newer run of the same connection took over while an attempt was running."""
 
@@ -759,6 +827,7 @@ class ConnectionManager:
             conn._lock = threading.Lock()
             conn._calls = set()
             conn._background = None
+            conn._opener = None  # its thread stayed in the parent
             conn._in_flight = None  # that close runs in the parent: it never ends here
             conn._loop = None  # nor does the parent's event loop run here
             if conn.state in ("reconnecting", "opening"):
@@ -803,31 +872,53 @@ class ConnectionManager:
         return True
 
     def close(self) -> None:
-        """The engine is closing: background (re)opens stop. An open connection stays as
-        it is; one still (re)opening was left saying so for good: it is closed instead —
-        what it holds released in the background (:data:`CLOSE_TIMEOUT`), then
-        ``closed`` (``failed`` when that close fails) — and what an ``open`` still running
-        on its thread returns later is closed, not kept. An ``async`` close runs on the
-        loop the value was opened on, waited for here (at most :data:`CLOSE_TIMEOUT` in
-        all) since the engine stops its own loop next."""
+        """The engine is closing: background (re)opens stop, and are waited for until
+        they have (at most :data:`CLOSE_TIMEOUT` in all, then a warning naming the
+        connection): a cancelled task the engine's loop never got to run again was
+        destroyed pending when it stopped that loop ("Task was destroyed but it is
+        pending!"), and an ``open_now`` sync open's thread went on retrying. An open
+        connection stays as it is; one still (re)opening was left saying so for good: it
+        is closed instead — what it holds released in the background
+        (:data:`CLOSE_TIMEOUT`), then ``closed`` (``failed`` when that close fails) — and
+        what an ``open`` still running on its thread returns later is closed, not kept
+        (that call is not waited for: it may hang). An ``async`` close runs on the loop
+        the value was opened on, waited for here too since the engine stops its own loop
+        next. Nothing is waited for on this thread's own loop (it runs once this
+        returns), nor on a loop that is not running or whose thread waits for a
+        lifecycle event: it could not get there in time."""
         try:
             here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             here = None
         waits: list[concurrent.futures.Future[None]] = []
+        stopping: list[tuple[Connection, concurrent.futures.Future[None]]] = []
         for conn in self.all():
             epoch, state = conn._retire()  # in one step: a run ending now changes neither
-            self._cancel_background(conn)
+            run = self._cancel_background(conn)
+            if run is not None and not run.ended():
+                loop = run.handed_to or run.loop
+                if loop is not here and loop.is_running() and not is_blocked(loop):
+                    stopping.append((conn, run.done))
+            with conn._lock:
+                opener = conn._opener
+            if opener is not None:
+                stopping.append((conn, opener.done))
             if state in ("opening", "reconnecting"):
                 scheduled = self._close_stopped(conn, epoch)
                 # not from that loop's own thread (the application's): it runs the close
                 # once this returns, and the engine does not stop it
                 if scheduled is not None and scheduled[1] is not here:
                     waits.append(scheduled[0])
-        if waits:
-            _, late = concurrent.futures.wait(waits, CLOSE_TIMEOUT + LATE_GRACE)
-            for fut in late:  # its loop is blocked: recorded as a close that hung
-                fut.cancel()
+        if waits or stopping:
+            _, late = concurrent.futures.wait(waits + [f for _, f in stopping],
+                                              CLOSE_TIMEOUT + LATE_GRACE)
+            for fut in waits:
+                if fut in late:  # its loop is blocked: recorded as a close that hung
+                    fut.cancel()
+            for conn, fut in stopping:
+                if fut in late:
+                    log.warning("connection %s: its background open did not stop within "
+                                "%gs of the engine's close", conn.name, CLOSE_TIMEOUT)
 
     def _close_stopped(self, conn: Connection, epoch: int) -> tuple[
             concurrent.futures.Future[None], asyncio.AbstractEventLoop] | None:
@@ -858,8 +949,6 @@ class ConnectionManager:
 
         home = conn._close_loop()
         if home is not None:
-            from ._runner import _submit
-
             async def bounded() -> None:
                 await asyncio.wait_for(conn.close_async(again=False), CLOSE_TIMEOUT)
 
@@ -989,8 +1078,6 @@ class ConnectionManager:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     pending.done.set_result(None)
 
-            from ._runner import _submit
-
             with conn._lock:
                 conn._background = pending
             try:
@@ -1004,9 +1091,15 @@ class ConnectionManager:
                 pending.task.add_done_callback(started)
                 return
 
-        def run() -> None:
+        opener = _Opener()
+
+        async def main() -> None:
+            if not opener.enter():
+                return  # stopped before its thread got here
             try:
-                ok = asyncio.run(conn.reopen(epoch, deadline_at, close_first=False))
+                ok = await conn.reopen(epoch, deadline_at, close_first=False)
+            except asyncio.CancelledError:
+                return  # stopped (see _Opener): whatever stopped it says how it ended
             except Exception as exc:  # never let a background open escape
                 conn._set(epoch, last_error=_describe(exc))
                 ok = False
@@ -1014,7 +1107,27 @@ class ConnectionManager:
                 log.warning("connection %s did not open within %gs: %s", conn.name,
                             conn.effective_deadline(), conn.last_error)
 
-        threading.Thread(target=run, name=f"rehydrate-open-{conn.name}", daemon=True).start()
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            finally:
+                with conn._lock:
+                    if conn._opener is opener:
+                        conn._opener = None
+                opener.done.set_result(None)
+
+        with conn._lock:
+            conn._opener = opener
+        thread = threading.Thread(target=run, name=f"rehydrate-open-{conn.name}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread (interpreter shutdown): it never opens
+            with conn._lock:
+                if conn._opener is opener:
+                    conn._opener = None
+            opener.done.set_result(None)
+            conn._set(epoch, state="failed", step=None,
+                      last_error="no thread could be started to open it")
 
     # -- hooks ------------------------------------------------------------------------
 
@@ -1230,9 +1343,13 @@ class ConnectionManager:
 
     def _cancel_background(self, conn: Connection) -> _Background | None:
         """Cancel ``conn``'s background reopen, if any (from any thread); returns it. A
-        sync call it was waiting for goes on (see :meth:`_settle`)."""
+        sync call it was waiting for goes on (see :meth:`_settle`). The thread of an
+        ``open_now`` sync open is stopped too (``conn._opener`` until it has ended)."""
         with conn._lock:
             run, conn._background = conn._background, None
+            opener = conn._opener
+        if opener is not None:
+            opener.stop()
         if run is None or run.done.done():
             return run
         if isinstance(run.task, concurrent.futures.Future):  # not started: thread-safe
@@ -1384,7 +1501,11 @@ def register(
     ``open`` then ``check`` run (concurrently with every other connection) with backoff
     until both succeed or ``deadline`` seconds passed (default ``REHYDRATE_CONNECT_DEADLINE``
     or 30 s). ``close`` and ``check`` may take one argument: the current ``value`` (what
-    ``open`` returned last, or ``value=``). Any of them may be ``async``.
+    ``open`` returned last, or ``value=``). Any of them may be ``async``. An ``async``
+    ``close`` is awaited on the event loop the ``async`` ``open`` that made the value ran
+    on; once that loop has stopped (closed, or no longer running) it is not called: the
+    value is dropped unclosed, with one warning naming the connection, the connection
+    counts as ``closed`` (a snapshot goes on) and the next restore opens it anew.
 
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
     ``open`` runs in the background (with the same backoff; an ``async`` one on the hooks'
@@ -1428,6 +1549,7 @@ def _connection(
     resource: Callable[[], object] | None = None,
     on_replaced: Callable[[], None] | None = None,
     sockets: Callable[[], Iterable[socket.socket]] | None = None,
+    any_loop: bool = False,
 ) -> Connection:
     """A checked :class:`Connection`, not registered yet (the helpers set what a
     ``replace=True`` registration does to their object before it can happen)."""
@@ -1443,6 +1565,7 @@ def _connection(
     conn._resource = resource
     conn._on_replaced = on_replaced
     conn._sockets = sockets
+    conn._any_loop = any_loop
     return conn
 
 
@@ -1577,7 +1700,7 @@ def httpx_async_client(
     conn = _connection(name, open=reset, close=transport.close_pool,
                        check=check if check_url else None, required=required,
                        deadline=deadline, peers=_url_peers(client.base_url),
-                       on_replaced=transport.retire)
+                       on_replaced=transport.retire, any_loop=True)
     manager(engine).register(conn, replace=replace)
     return client
 
@@ -1710,7 +1833,7 @@ def redis_client(
                        check=ping if check else None, required=required, deadline=deadline,
                        peers=peers, subject=client,
                        # Redis(connection_pool=pool): clients sharing one pool
-                       resource=lambda: pool)
+                       resource=lambda: pool, any_loop=True)
     manager(engine).register(conn, replace=replace)
     return client
 
