@@ -12,7 +12,7 @@ Reading:
   ``bytes`` are immutable): drop it quickly, and prefer the context manager;
 * ``with secret as view:`` (or ``with secret.view() as view``) yields a ``memoryview`` of
   the buffer itself — no copy. A wipe waits (up to ``wipe_wait`` seconds) for open views
-  to close.
+  to close (in a child of ``fork()``, only for those of the thread that forked).
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
