@@ -23,6 +23,7 @@ import contextvars
 import inspect
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,6 +41,7 @@ from ._context import (
     describe_error,
 )
 from ._hooks import Hook
+from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
     import asyncio
@@ -726,6 +728,8 @@ class HookRunner:
 
 
 _blocked_lock = threading.Lock()
+# Every engine run from an event loop's thread takes it, in a forked child too.
+fresh_lock_after_fork(sys.modules[__name__], "_blocked_lock")
 _blocked: dict[int, int] = {}
 """``id()`` of each event loop whose own thread is waiting in a lifecycle event (the
 hooks run on rehydrate's loop instead), and how many such waits are nested."""

@@ -13,8 +13,9 @@ in a restore reserves one beforehand, by name (:meth:`~ThreadPool.reserve`): tha
 idle threads (at most ``max_reserved``) are started and kept; other idle threads exit
 after ``idle_exit`` seconds (beyond ``keep``). After ``fork()`` the child starts afresh.
 
-A manager or handle registers with :func:`fresh_lock_after_fork` to get a new ``_lock``
-in a forked child when a parent thread may have held it.
+A manager, handle or module registers with :func:`fresh_lock_after_fork` to get new
+locks (``Lock``, ``RLock``, ``Condition``) in a forked child when a parent thread may have
+held them, and to reset state counting the parent's other threads.
 """
 
 from __future__ import annotations
@@ -141,22 +142,36 @@ blocking = ThreadPool("rehydrate-io")
 """The process-wide pool for blocking calls of the restore path."""
 
 
-_LOCK_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_AfterFork = Callable[[Any], None]
+_LOCK_OWNERS: weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], _AfterFork | None]] = (
+    weakref.WeakKeyDictionary())
 _PLAIN_LOCK = type(threading.Lock())
 
 
-def fresh_lock_after_fork(owner: Any) -> None:
-    """Give ``owner`` a new ``_lock`` in every child of ``fork()`` where a parent thread
-    may hold it: that thread does not exist in the child, which then waited for the lock
-    for ever (a key generated under it takes seconds, a managed file's reopen waits on its
-    volume) — its hooks timed out on every event, its ``close()`` or ``status()`` hung.
+def fresh_lock_after_fork(owner: Any, *names: str, after: _AfterFork | None = None) -> None:
+    """Give ``owner`` a new lock (its attribute ``_lock``, or each of ``names``) in every
+    child of ``fork()`` where a parent thread may hold it: that thread does not exist in
+    the child, which then waited for the lock for ever — its hooks timed out on every
+    event, its ``close()`` or ``status()`` hung. Not only long holds (a new key generated
+    under the key manager's, a managed file's reopen waiting on its volume): a thread can
+    lose the GIL inside any critical section that calls something, or just after it got a
+    contended lock, so a fork() can come while it holds even a short-lived one.
 
-    A ``threading.Lock`` is always replaced: who holds one cannot be told. An ``RLock``
-    is replaced only when :func:`held_by_another_thread`: the forking thread's own hold
-    (a user callback that forks inside the critical section) is released as the child
-    unwinds, which a new lock would refuse. Held weakly; set with
-    ``object.__setattr__`` (a handle may forward attribute writes elsewhere)."""
-    _LOCK_OWNERS.add(owner)
+    * a ``threading.Lock`` is always replaced: who holds one cannot be told;
+    * an ``RLock`` only when :func:`held_by_another_thread`: the forking thread's own hold
+      (a user callback that forks inside the critical section) is released as the child
+      unwinds, which a new lock would refuse;
+    * a ``threading.Condition`` always becomes a new one (the parent's threads waiting
+      in it are not in the child: a ``notify()`` there would wake one of them instead of
+      a waiter of the child), over a lock chosen by the two rules above.
+
+    ``after(owner)`` then runs in the child, for state kept with the lock that counts the
+    parent's other threads (a secret's open views): it must not hold a reference to
+    ``owner`` (pass a function of the class, not a bound method), which is held weakly. A
+    module can be an owner (its module-level locks, by name). Locks are set with
+    ``object.__setattr__`` (a handle may forward attribute writes elsewhere). Registering
+    an owner again replaces its names and hook."""
+    _LOCK_OWNERS[owner] = (names or ("_lock",), after)
 
 
 def held_by_another_thread(lock: Any) -> bool:
@@ -168,13 +183,32 @@ def held_by_another_thread(lock: Any) -> bool:
     return True
 
 
+def _replacement(lock: Any) -> Any:
+    """The lock a forked child uses instead of ``lock`` (``lock`` itself when it is kept)."""
+    if isinstance(lock, threading.Condition):
+        return threading.Condition(_replacement(lock._lock))  # type: ignore[attr-defined]
+    if isinstance(lock, _PLAIN_LOCK):
+        return threading.Lock()
+    if held_by_another_thread(lock):
+        return threading.RLock()
+    return lock
+
+
 def _new_locks_in_child() -> None:
-    for owner in list(_LOCK_OWNERS):
-        lock = owner._lock
-        if isinstance(lock, _PLAIN_LOCK):
-            object.__setattr__(owner, "_lock", threading.Lock())
-        elif held_by_another_thread(lock):
-            object.__setattr__(owner, "_lock", threading.RLock())
+    error: Exception | None = None
+    for owner, (names, after) in list(_LOCK_OWNERS.items()):
+        try:
+            for name in names:
+                lock = getattr(owner, name)
+                new = _replacement(lock)
+                if new is not lock:
+                    object.__setattr__(owner, name, new)
+            if after is not None:
+                after(owner)
+        except Exception as exc:  # the other owners still get theirs
+            error = error or exc
+    if error is not None:
+        raise error  # reported ("Exception ignored in...") by the fork handler machinery
 
 
 os.register_at_fork(after_in_child=_new_locks_in_child)

@@ -14,12 +14,13 @@ What an extension needs besides: :data:`BEFORE_USER_HOOKS` (the order of a built
 that must run before every user hook of its phase), :func:`in_hook` (is this call made by
 a rehydrate hook?), and the argument checks the built-in ones use, so that a bad argument
 is refused the same way everywhere: :func:`check_seconds` (with :data:`MAX_SECONDS`) and
-:func:`shown` (a caller's value in an error message).
+:func:`shown` (a caller's value in an error message); and :func:`fresh_lock_after_fork`
+for its locks (a child of ``fork()`` gets new ones where a parent thread may hold them).
 """
 
 from __future__ import annotations
 
-import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Final
 
@@ -27,6 +28,7 @@ from . import _config, _hooks
 from ._config import MAX_SECONDS, shown
 from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, Probe, load_extension
 from ._hooks import default_registry
+from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
     from ._lifecycle import Lifecycle
@@ -41,6 +43,7 @@ __all__ = [
     "check_seconds",
     "default_engine",
     "default_registry",
+    "fresh_lock_after_fork",
     "in_hook",
     "load_extension",
     "resolve_engine",
@@ -56,6 +59,9 @@ before even that one subtracts from it (down to ``-2_000_000_000``)."""
 
 _default: Lifecycle | None = None
 _lock = threading.Lock()
+# A parent thread creating the default engine at fork() holds it: the child's first use
+# of rehydrate waited for it for ever.
+fresh_lock_after_fork(sys.modules[__name__])
 
 
 def default_engine() -> Lifecycle:
@@ -99,13 +105,3 @@ def in_hook() -> bool:
 
     return inside_hook.get() is not None
 
-
-def _new_lock_in_child() -> None:
-    # A thread of the parent may hold the lock at fork() (it was creating the default
-    # engine): that thread does not exist in the child, so the child's first use of
-    # rehydrate waited for the lock for ever.
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)

@@ -364,6 +364,9 @@ class EphemeralKey:
         self.algorithm = algorithm
         self._manager = manager
         self._cond = threading.Condition()
+        # A parent thread may hold it at fork() (storing a rotation's key, a wait()
+        # returning): the child's drop, rotation and wait() would block on it for ever.
+        fresh_lock_after_fork(self, "_cond")
         self._private: PrivateKeyTypes | None = None
         self._public: PublicKeyTypes | None = None
         self._listeners: list[Callable[[EphemeralKey], None]] = []

@@ -12,7 +12,7 @@ Reading:
   ``bytes`` are immutable): drop it quickly, and prefer the context manager;
 * ``with secret as view:`` (or ``with secret.view() as view``) yields a ``memoryview`` of
   the buffer itself — no copy. A wipe waits (up to ``wipe_wait`` seconds) for open views
-  to close.
+  to close (in a child of ``fork()``, only for those of the thread that forked).
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
@@ -144,7 +144,12 @@ class Secret:
         self._cond = threading.Condition()
         self._buf: bytearray | None = None
         self._readers = 0
+        """Open views of the value (a wipe or reload waits for them), of every thread."""
         self._local = threading.local()
+        # A parent thread may hold the lock at fork() or have a view open: in the child
+        # the lock would be held for ever, and each wipe and reload would wait wipe_wait
+        # for that view, which nobody there can close.
+        fresh_lock_after_fork(self, "_cond", after=Secret._own_readers_only)
         self._reason = "not loaded yet"
         self._closed = False  # by _cond: once True, nothing loads and every read fails
         self.loads = 0
@@ -344,9 +349,11 @@ class Secret:
     @contextlib.contextmanager
     def view(self) -> Iterator[memoryview]:
         """A read-only ``memoryview`` of the value itself (no copy), valid inside the block."""
+        mine: dict[str, Any] = self._local.__dict__  # this thread's, wherever it ends
         with self._cond:
             buf = self._wait()
             self._readers += 1
+            mine["readers"] = mine.get("readers", 0) + 1
         mv = memoryview(buf).toreadonly()
         try:
             yield mv
@@ -354,7 +361,13 @@ class Secret:
             mv.release()
             with self._cond:
                 self._readers -= 1
+                mine["readers"] -= 1
                 self._cond.notify_all()
+
+    def _own_readers_only(self) -> None:
+        """In a forked child: count only the views of the thread that forked (the others'
+        threads are not there to close theirs)."""
+        self._readers = self._local.__dict__.get("readers", 0)
 
     def __enter__(self) -> memoryview:
         cm = self.view()

@@ -47,6 +47,7 @@ from . import _config
 from . import entropy as _entropy  # its fork handler first: see _new_id_in_child
 from ._context import HookResult, Report, RestoreContext
 from ._hooks import BEFORE_USER_HOOKS, Hook, Phase
+from ._threads import fresh_lock_after_fork
 from ._version import __version__
 from .extensions import Probe, resolve_engine
 
@@ -175,6 +176,9 @@ class Telemetry:
         self._instruments: _Instruments | None = None
         self._instruments_src: Any = None
         self._gen_lock = threading.Lock()
+        # Held around the meter provider's calls (it takes its own locks): a parent thread
+        # inside them at fork() made the child's events wait for it for ever.
+        fresh_lock_after_fork(self, "_gen_lock")
         self._event: _Event | None = None
         # refresh_on_restore state
         self._managed_providers: list[Any] = []
@@ -770,6 +774,7 @@ class _Rebuildable:
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._factory = factory
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # the child's restore rebuilds it: the identity hook
         self.inner: Any = factory()
         self.rebuilds = 0
 

@@ -149,18 +149,19 @@ def _held_by_a_parent_thread(get_lock) -> tuple[threading.Event, threading.Threa
 
 @pytest.mark.parametrize("which", ["registry", "builtins", "entropy-id", "entropy-manager",
                                    "tls-manager", "keys-manager", "secrets-manager",
-                                   "files-manager", "fingerprint-manager"])
+                                   "files-manager", "fingerprint-manager", "ephemeral-key",
+                                   "secret"])
 def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
         engine: Lifecycle, which: str, tmp_path: Path) -> None:
     """Only the engine's own locks were new in the child: one of these held by a parent
     thread at fork() hung the child's restore (hooks()), its status() (the files
     manager's) or timed a hook out on every snapshot or restore (the entropy, files and
-    fingerprint managers')."""
+    fingerprint managers', a key's or a secret's condition)."""
     from rehydrate import entropy, files, fingerprint, keys, secrets, tls
 
     tls.self_signed("web", engine=engine)
-    keys.ephemeral("session", engine=engine)  # its hook takes the key manager's lock
-    secrets.manager(engine)  # status() takes the secrets manager's
+    key = keys.ephemeral("session", engine=engine)  # its hook takes the key manager's lock
+    secret = secrets.Secret.from_callable(lambda: b"v", name="token", engine=engine)
     files.open(tmp_path / "data", "w", engine=engine)  # its hooks take the files manager's
     fingerprint.configure(engine=engine)  # its before-snapshot hook takes its manager's
     engine.registry.after_restore(lambda: None, name="app")
@@ -172,20 +173,160 @@ def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
             "keys-manager": lambda: keys.manager(engine)._lock,
             "secrets-manager": lambda: secrets.manager(engine)._lock,
             "files-manager": lambda: files.manager(engine)._lock,
-            "fingerprint-manager": lambda: fingerprint.manager(engine)._lock}[which]
+            "fingerprint-manager": lambda: fingerprint.manager(engine)._lock,
+            "ephemeral-key": lambda: key._cond,
+            "secret": lambda: secret._cond}[which]
+    generation = key.generation
     release, holder = _held_by_a_parent_thread(lock)
     try:
         def child() -> dict:  # type: ignore[type-arg]
             engine.status()
             reports = [engine.simulate_snapshot(), engine.simulate_restore(),
                        engine.simulate_restore()]
-            return {"outcomes": sorted({h.outcome for r in reports for h in r.hooks})}
+            key.wait(DEADLINE)
+            return {"outcomes": sorted({h.outcome for r in reports for h in r.hooks}),
+                    "rotations": key.generation - generation, "secret": secret.get_str()}
 
         out = in_forked_child(child, DEADLINE)
     finally:
         release.set()
         holder.join(DEADLINE)
-    assert out == {"outcomes": ["ok"]}
+    assert out == {"outcomes": ["ok"], "rotations": 2, "secret": "v"}
+
+
+@pytest.mark.parametrize("form", ["view", "with"])
+def test_a_child_forked_while_a_parent_thread_reads_a_secret_wipes_and_reloads_it(
+        engine: Lifecycle, form: str) -> None:
+    """A parent thread inside ``with secret.view():`` at fork(): its view stayed counted
+    in the child, where nobody could close it, so every wipe and reload there waited
+    ``wipe_wait`` for it (the snapshot hook timed out with a long one). (``with secret:``
+    keeps its view in a thread-local, which CPython drops in the child, closing it.)"""
+    from rehydrate import secrets
+
+    secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
+                                          engine=engine)
+    reading, release = threading.Event(), threading.Event()
+
+    def read() -> None:
+        with secret.view() if form == "view" else secret:
+            reading.set()
+            release.wait(DEADLINE)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert reading.wait(DEADLINE)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            reports = [engine.simulate_snapshot(), engine.simulate_restore()]
+            reloaded = secret.reload()
+            return {"outcomes": sorted({h.outcome for r in reports for h in r.hooks}),
+                    "reloaded": reloaded, "value": secret.get_str()}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        reader.join(DEADLINE)
+    assert out == {"outcomes": ["ok"], "reloaded": True, "value": "v"}
+    assert secret._readers == 0  # the parent's view was its own, and is closed
+
+
+def test_a_secret_view_of_the_forking_thread_stays_counted_in_the_child(
+        engine: Lifecycle) -> None:
+    """The forking thread's own open view is the child's too: a wipe there waits for it,
+    and closing it (the child unwinding its ``with``) leaves no count behind."""
+    from rehydrate import secrets
+
+    secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
+                                          engine=engine)
+    with secret:
+        def child() -> dict:  # type: ignore[type-arg]
+            readers = secret._readers
+            secret.__exit__(None, None, None)  # what leaving the `with` does in the child
+            return {"readers": readers, "after": secret._readers,
+                    "ok": engine.simulate_snapshot().ok}
+
+        out = in_forked_child(child, DEADLINE)
+    assert out == {"readers": 1, "after": 0, "ok": True}
+
+
+@pytest.mark.parametrize("which", ["instruments", "exporter"])
+def test_a_child_forked_while_a_parent_thread_holds_a_telemetry_lock_records_its_events(
+        engine: Lifecycle, which: str) -> None:
+    """The telemetry observer's instruments lock (held around the meter provider's calls)
+    held by a parent thread at fork() hung the child's every event; a restorable
+    exporter's lock timed out the child's identity hook, so its exporters were never
+    rebuilt."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rehydrate import telemetry
+
+    exporter = telemetry.restorable_span_exporter(InMemorySpanExporter)
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    mp = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    tel = telemetry.instrument(engine, tracer_provider=tp, meter_provider=mp)
+    telemetry.refresh_on_restore(tp, mp, exporters=[exporter], engine=engine,
+                                 flush_timeout=1.0)
+    lock = {"instruments": lambda: tel._gen_lock, "exporter": lambda: exporter._lock}[which]
+    release, holder = _held_by_a_parent_thread(lock)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            reports = [engine.simulate_snapshot(), engine.simulate_restore()]
+            return {"outcomes": sorted({h.outcome for r in reports for h in r.hooks}),
+                    "rebuilds": exporter.rebuilds,
+                    "spans": [s.name for s in exporter.inner.get_finished_spans()]}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+        tp.shutdown()
+        mp.shutdown()
+    assert out["outcomes"] == ["ok"] and out["rebuilds"] == 1, out
+    assert out["spans"][-1] == "rehydrate.restore", out  # the rebuilt exporter got it
+
+
+@pytest.mark.parametrize("which", ["runner", "snapstart", "adapters"])
+def test_a_child_forked_while_a_parent_thread_holds_a_module_lock_is_not_wedged(
+        engine: Lifecycle, which: str) -> None:
+    """Module-level locks held by a parent thread at fork() were held for ever in the
+    child: an event started from an event loop's thread (the runner's blocked-loops
+    lock), ``start(["snapstart"])`` (the bridge's) or an inference adapter's
+    ``install()`` (its installed-hooks lock) hung there."""
+    import asyncio
+
+    import rehydrate._runner as runner
+    import rehydrate.adapters._server as server
+    import rehydrate.detect.snapstart as snapstart
+    from rehydrate.adapters import vllm
+
+    def use() -> Any:
+        if which == "runner":
+            async def from_the_loop() -> bool:
+                engine.start([], loop=asyncio.get_running_loop())  # the application's
+                return engine.simulate_restore().ok  # blocks that loop's thread
+
+            return asyncio.run(from_the_loop())
+        if which == "snapstart":
+            return engine.start(["snapstart"])
+        adapter = vllm.install("http://127.0.0.1:9", engine=engine)
+        return [h.name for h in engine.builtins.hooks("restore")
+                if h.fn == adapter.after_restore]
+
+    lock = {"runner": lambda: runner._blocked_lock, "snapstart": lambda: snapstart._lock,
+            "adapters": lambda: server._installed_lock}[which]
+    release, holder = _held_by_a_parent_thread(lock)
+    try:
+        out = in_forked_child(lambda: {"used": use()}, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"used": {"runner": True, "snapstart": ["snapstart"],
+                            "adapters": ["rehydrate.vllm.wake"]}[which]}
 
 
 def _managed_handle(kind: str, engine: Lifecycle, tmp_path: Path) -> Any:
@@ -244,6 +385,60 @@ def test_a_child_forked_by_the_thread_holding_a_handle_lock_can_release_it(
 
         out = in_forked_child(child, DEADLINE)
     assert out == {"same_lock": True, "ok": True}
+
+
+def test_a_child_forked_by_the_thread_holding_a_key_condition_can_release_it(
+        engine: Lifecycle) -> None:
+    """A condition gets a new one in the child (the parent's waiters are not there), but
+    over the same reentrant lock when the forking thread holds it (a rotation listener
+    that forks): the child can notify under that hold and its unwinding releases it."""
+    from rehydrate import keys
+
+    key = keys.ephemeral("session", engine=engine)
+    generation = key.generation
+    with key._cond:
+        before = key._cond
+
+        def child() -> dict:  # type: ignore[type-arg]
+            key._cond.notify_all()  # needs the lock: refused unless the hold is kept
+            before.__exit__(None, None, None)  # what leaving the `with` does in the child
+            key.rotate()
+            return {"new": key._cond is not before, "rotations": key.generation - generation}
+
+        out = in_forked_child(child, DEADLINE)
+    assert out == {"new": True, "rotations": 1}
+
+
+def test_fresh_lock_after_fork_covers_module_locks_and_resets_state() -> None:
+    """The one mechanism for extensions: named locks of any owner (a module here), and a
+    hook for state that counts the parent's threads."""
+    import types
+
+    from rehydrate.extensions import fresh_lock_after_fork
+
+    module = types.ModuleType("an_extension")
+    module._lock = threading.Lock()  # type: ignore[attr-defined]
+    module._cond = threading.Condition(threading.Lock())  # type: ignore[attr-defined]
+    module.busy = 3  # type: ignore[attr-defined]
+
+    def forget(owner: Any) -> None:
+        owner.busy = 0
+
+    fresh_lock_after_fork(module, "_lock", "_cond", after=forget)
+    release, holder = _held_by_a_parent_thread(lambda: module._lock)
+    release2, holder2 = _held_by_a_parent_thread(lambda: module._cond)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            with module._lock, module._cond:
+                return {"busy": module.busy}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        release2.set()
+        holder.join(DEADLINE)
+        holder2.join(DEADLINE)
+    assert out == {"busy": 0} and module.busy == 3
 
 
 def test_a_renewal_running_at_fork_is_abandoned_in_the_child(engine: Lifecycle) -> None:

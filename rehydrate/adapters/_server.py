@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import logging
 import re
+import sys
 import threading
 import time
 import weakref
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import httpx
 
 from .. import Phase
-from ..extensions import Probe, check_seconds, resolve_engine
+from ..extensions import Probe, check_seconds, fresh_lock_after_fork, resolve_engine
 from . import _bodies
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ _installed: weakref.WeakKeyDictionary[Registry, dict[str, tuple[Hook, Hook]]] = 
 """The hooks of the adapter installed per server (``ServerAdapter.key``), per engine
 (its ``builtins`` registry): one server gets one pair, whoever installs it again."""
 _installed_lock = threading.Lock()
+# install() in a forked child takes it (and a parent thread holds it around the
+# registry and logging calls).
+fresh_lock_after_fork(sys.modules[__name__], "_installed_lock")
 
 
 MIN_TRY = 0.5

@@ -45,6 +45,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .. import _config
 from .._context import Report, describe_error
 from .._contract import Probe, refuse_another_engine
+from .._threads import fresh_lock_after_fork
 from . import Detector
 
 if TYPE_CHECKING:
@@ -70,6 +72,9 @@ with room for the runtime's own work and for user runtime hooks registered after
 bridge."""
 
 _lock = threading.Lock()
+# start() in a forked child takes it (a parent thread holds it around calls into
+# snapshot_restore_py).
+fresh_lock_after_fork(sys.modules[__name__], "_lock")
 _engines: list[Engine] = []
 _snapshot_at: float | None = None
 """``time.monotonic()`` when the before-snapshot bridge ran (before the freeze)."""
