@@ -109,7 +109,9 @@ class Engine(Protocol):
         """A required hook that failed in the last restore/resume run did its job since:
         ready again once none of that run's failures is left. An extension passes the
         :class:`~rehydrate.Hook` record its registration returned (a name may also be a
-        user hook's)."""
+        user hook's); a record of :attr:`builtins` also takes over a failure of a built-in
+        hook of its name that has been unregistered since (what it manages was closed and
+        made again)."""
         ...
 
     def add_start_listener(self, fn: Callable[[Engine], None]) -> None: ...

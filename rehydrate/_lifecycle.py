@@ -76,15 +76,27 @@ class _Fault:
         """It is in ``engine.builtins`` (a built-in manager's hook)."""
 
 
-def _pick(faults: Sequence[_Fault], hook: str | Hook) -> _Fault | None:
+def _pick(faults: Sequence[_Fault], hook: str | Hook,
+          builtins: Sequence[Hook] = ()) -> _Fault | None:
     """The failure ``recovered(hook)`` forgets: that very record's, or by name one of a
     hook of that name — a user's hook before a built-in one, which the built-in managers
     recover by record (a user hook named like one, ``rehydrate.secret:db``, was cleared
-    by that secret's reload and a built-in's failure by the user's call)."""
+    by that secret's reload and a built-in's failure by the user's call).
+
+    ``builtins``: the registered built-in hooks. A built-in record with no failure of its
+    own takes over a built-in failure of its name whose record is no longer registered:
+    the secret or certificate that failed was closed and one made under its name since,
+    whose loads are the only ones that can still mend it (the closed one's hook is gone,
+    and no reload could ever name its record: the process stayed degraded until the next
+    restore)."""
     if isinstance(hook, str):
         named = [f for f in faults if f.name == hook]
         return next((f for f in named if not f.builtin), named[0] if named else None)
-    return next((f for f in faults if f.hook is hook), None)
+    own = next((f for f in faults if f.hook is hook), None)
+    if own is not None or not any(h is hook for h in builtins):
+        return own
+    return next((f for f in faults if f.builtin and f.name == hook.name
+                 and f.hook is not None and not any(h is f.hook for h in builtins)), None)
 
 
 @dataclass
@@ -626,7 +638,10 @@ class Lifecycle:
         preferring a hook of ``engine.registry`` to a built-in one; a record forgets only
         that very hook's failure — how the built-in certificate and secret managers call
         it when a reload succeeds, so a user hook named like one of theirs
-        (``rehydrate.secret:db``) is never cleared by their reloads. ``since``:
+        (``rehydrate.secret:db``) is never cleared by their reloads. A record of
+        :attr:`builtins` also forgets a built-in failure of its name whose hook has been
+        unregistered since (a secret or certificate closed after its hook failed, then made
+        again under its name: the new one's loads stand for it). ``since``:
         ``time.monotonic()`` when the work that recovered it began; when the failed run
         began after that, the work may hold what that run rejected and nothing is
         forgotten. Returns True when this call made the process ready. During a restore
@@ -639,6 +654,8 @@ class Lifecycle:
             raise TypeError(f"recovered(): hook must be a hook's name (str) or its Hook "
                             f"record, not {type(hook).__name__}")
         name = hook if isinstance(hook, str) else hook.name
+        # before _cond: the registry takes its own lock
+        builtins = self.builtins.hooks("restore") if isinstance(hook, Hook) else ()
         with self._cond:
             if since is not None and since < self._run_began:
                 return False
@@ -648,12 +665,13 @@ class Lifecycle:
                 # once; dropped, the process stayed degraded for good).
                 mended = self._run_recovered
                 fault = _pick([f for f in self._run_failed
-                               if not any(f is m for m in mended)], hook)
+                               if not any(f is m for m in mended)], hook, builtins)
                 if fault is not None:
                     mended.append(fault)
                 return False
             faults = self._faults
-            fault = _pick(faults, hook) if self._state == "degraded" and faults else None
+            fault = (_pick(faults, hook, builtins) if self._state == "degraded" and faults
+                     else None)
             if faults is None or fault is None:
                 return False
             faults.remove(fault)  # by identity: a _Fault compares as an object

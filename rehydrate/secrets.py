@@ -162,12 +162,14 @@ class Secret:
                              "hooks go by the name: give this one another name=)")
         self._hooks: tuple[Hook, ...] = ()
         """Its restore hook, then its before-snapshot hook (once registered)."""
+        began = time.monotonic()  # before the source is read: see recovered(since=)
+        loaded = False
         if load and self._manager.engine.snapshot_pending:
             # Loaded now, the value would be written into the coming snapshot image.
             self._reason = "wiped: created while a snapshot was pending; loads on restore"
         elif load:
-            self._load(keep_previous=False, raise_errors=True)
-        self._manager.add(self)
+            loaded = self._load(keep_previous=False, raise_errors=True)
+        self._manager.add(self, loaded_since=began if loaded else None)
 
     # -- constructors ---------------------------------------------------------------
 
@@ -595,7 +597,9 @@ class SecretsManager:
             refs = list(self._secrets.values())
         return [s for s in (r() for r in refs) if s is not None]
 
-    def add(self, secret: Secret) -> None:
+    def add(self, secret: Secret, *, loaded_since: float | None = None) -> None:
+        """Register ``secret``'s hooks. ``loaded_since``: ``time.monotonic()`` when the
+        load that gave it its value began (None: it has none yet)."""
         key = id(secret)
         ref = weakref.ref(secret)
 
@@ -631,14 +635,25 @@ class SecretsManager:
         with self._lock:
             self._secrets[key] = ref
         weakref.finalize(secret, self._forget, key, secret._hooks)
+        if loaded_since is not None:
+            # Made again under the name of a secret closed after its restore hook failed:
+            # this value mends that failure (see Lifecycle.recovered), which no reload of
+            # the closed one can (its hooks are gone).
+            self.engine.recovered(secret._hooks[0], since=loaded_since)
 
     def _forget(self, key: int, hooks: tuple[Hook, ...]) -> None:
-        with self._lock:
-            self._secrets.pop(key, None)
+        # The hooks first: once the name is free, a secret made under it must find the
+        # failure it takes over unregistered.
         for h in hooks:
             self.engine.builtins.unregister(h)
+        with self._lock:
+            self._secrets.pop(key, None)
 
     def remove(self, secret: Secret) -> None:
+        """Unregister ``secret``'s hooks and forget it. A failure of its restore hook is
+        left for a secret made again under its name to mend (see
+        :meth:`~rehydrate.Lifecycle.recovered`), or for the next restore run: closing is
+        no sign that what failed works."""
         self._forget(id(secret), secret._hooks)
 
 

@@ -112,13 +112,22 @@ DROP_WAIT = 5.0
 
 
 class CertificateError(ValueError):
-    """New certificate material was rejected (the previous material stays in use)."""
+    """New certificate material was rejected (the previous material stays in use), or a
+    :meth:`~ManagedCertificate.subscribe` listener failed to take the material in use
+    (the message says ``renewed but: listener ...`` or ``serial ... in use, but still:
+    listener ...``; it is called again at the next renewal or re-read)."""
+
+    _in_use = False
+    """Only listeners failed: the material is in use (see :func:`_listeners_failed`)."""
 
 
-class _ListenersFailed(CertificateError):
-    """The material is in use, but a :meth:`~ManagedCertificate.subscribe` listener
-    failed to take it (called again at the next renewal or re-read: see
-    :meth:`ManagedCertificate._retry_listeners`)."""
+def _listeners_failed(message: str) -> CertificateError:
+    """A :class:`CertificateError` saying listeners failed to take the material in use.
+    Not a subclass: its class name is in log lines and reports, and greps and alerts on
+    ``CertificateError`` must match it too."""
+    exc = CertificateError(message)
+    exc._in_use = True
+    return exc
 
 
 def _now() -> _dt.datetime:
@@ -546,8 +555,9 @@ class ManagedCertificate:
         stays, :attr:`last_error` is set and :class:`CertificateError` raised. Refused
         between the before-snapshot pass and the next restore/resume. When the material
         comes out unchanged (a file certificate's files), the listeners that failed to
-        take it are called again (see :meth:`subscribe`): a failure raises, a success
-        recovers the restore hook."""
+        take it are called again (see :meth:`subscribe`): a failure raises; otherwise
+        the restore hook counts as recovered, whatever made it fail (the files hold the
+        material in use)."""
         with self._renew_lock:
             if self._manager.frozen:
                 raise CertificateError(
@@ -620,15 +630,17 @@ class ManagedCertificate:
                 self._clients.clear()
                 self.renewals += 1
                 self.last_error = None
-            errors = self._notify(list(self._listeners))
+            errors = self._notify(list(self._listeners), "renewed but: ")
         if errors:
-            raise _ListenersFailed(f"certificate {self.name!r} renewed but: "
-                                   + "; ".join(errors))
+            raise _listeners_failed(f"certificate {self.name!r} renewed but: "
+                                    + "; ".join(errors))
 
-    def _notify(self, listeners: list[Callable[[ManagedCertificate], None]]) -> list[str]:
+    def _notify(self, listeners: list[Callable[[ManagedCertificate], None]],
+                prefix: str) -> list[str]:
         """Call ``listeners`` with the current material (caller holds the renewal lock);
-        remember those that fail for :meth:`_retry_listeners`. When none fails, the
-        certificate's restore hook counts as recovered. Returns the errors."""
+        remember those that fail for :meth:`_retry_listeners`, and say so in
+        :attr:`last_error` after ``prefix``. When none fails, the certificate's restore
+        hook counts as recovered. Returns the errors."""
         errors: list[str] = []
         failed: list[Callable[[ManagedCertificate], None]] = []
         for fn in listeners:
@@ -639,7 +651,7 @@ class ManagedCertificate:
                 errors.append(f"listener {fn!r}: {type(exc).__name__}: {exc}")
         self._unnotified = failed or None
         if errors:
-            self.last_error = "renewed but: " + "; ".join(errors)
+            self.last_error = prefix + "; ".join(errors)
         elif self._hooks:
             # Under the renewal lock: a later run's hook for this certificate waits for
             # it, so this success never takes back that run's failure. By record, not
@@ -650,17 +662,21 @@ class ManagedCertificate:
     def _retry_listeners(self) -> None:
         """The material was re-read unchanged (restore hook, :meth:`renew`, the file
         watcher): call the listeners that failed to take it again (those still
-        subscribed) and, when they all take it now, count the restore hook as recovered
-        (:meth:`_notify`). Raises :class:`CertificateError` while one still fails.
-        Caller holds the renewal lock."""
-        pending = self._unnotified
-        if pending is None:
-            return
-        errors = self._notify([fn for fn in pending if fn in self._listeners])
+        subscribed) and, when they all take it now — or none had failed — count the
+        restore hook as recovered (:meth:`_notify`). Raises :class:`CertificateError`
+        while one still fails. Caller holds the renewal lock."""
+        # Recovered also with no listener pending: the hook may have failed for another
+        # reason (the key file briefly unreadable at the restore, "keeping serial"), and
+        # the files now hold what is in use. It also mends a listener retry that took
+        # the material in the moment between the hook raising and the run counting its
+        # failure: that retry's recovered() found no failure yet to forget.
+        pending = self._unnotified or []
+        serial = self.material.serial
+        prefix = f"serial {serial:x} in use, but still: "
+        errors = self._notify([fn for fn in pending if fn in self._listeners], prefix)
         if errors:
-            raise _ListenersFailed(f"certificate {self.name!r}: serial "
-                                   f"{self.material.serial:x} in use, but still: "
-                                   + "; ".join(errors))
+            raise _listeners_failed(f"certificate {self.name!r}: {prefix}"
+                                    + "; ".join(errors))
 
     def _load_everywhere(self, material: Material) -> None:
         """Load ``material`` into every live server context, or into none: OpenSSL may
@@ -850,7 +866,7 @@ class ManagedCertificate:
                 return
             except CertificateError as exc:
                 error = exc
-            if self._material is not previous or isinstance(error, _ListenersFailed):
+            if self._material is not previous or error._in_use:
                 raise error  # the material is in use: a listener failed to take it
             if held and previous is not None and (kind == "resume" or not self.regenerates_key):
                 # a resumed original keeps its own key; a file key is the same everywhere
@@ -1393,10 +1409,13 @@ class FileCertificate(ManagedCertificate):
     def reload_if_changed(self) -> bool:
         """Re-read the files; apply them when they hold new, valid material. A rejected
         change keeps the previous material and logs one line (once per distinct error).
-        Returns True when new material was applied. Unchanged files get the listeners
-        that failed to take them called again (one line while one still fails; see
-        :meth:`~ManagedCertificate.subscribe`). Does nothing between the before-snapshot
-        pass and the next restore/resume (the restore re-reads the files).
+        Returns True when new material was applied — also when a listener then failed to
+        take it (one line saying so). Unchanged files get the listeners that failed to
+        take them called again (one line while one still fails; see
+        :meth:`~ManagedCertificate.subscribe`), and count as a recovery of the restore
+        hook when none fails (one that failed for another reason too: the files now hold
+        what is in use). Does nothing between the before-snapshot pass and the next
+        restore/resume (the restore re-reads the files).
         """
         with self._renew_lock:  # read, validate and apply as one step (watcher vs restore)
             if self._manager.frozen:
@@ -1422,13 +1441,17 @@ class FileCertificate(ManagedCertificate):
                 self.last_error = None
                 try:  # the listeners that failed to take these files get another go
                     self._retry_listeners()
-                except CertificateError as exc:
-                    self.last_error = str(exc)
+                except CertificateError as exc:  # last_error set by _notify()
                     log.warning("tls: %s", exc)
                 return False
             try:
                 self.apply(new, epoch=epoch)
             except CertificateError as exc:
+                if exc._in_use:  # applied: only a listener failed to take it
+                    log.warning("tls: certificate %s reloaded from files (serial %x) but: %s",
+                                self.name, new.serial,
+                                str(self.last_error).removeprefix("renewed but: "))
+                    return True
                 self.last_error = str(exc)
                 log.warning("tls: %s; keeping %s", exc, f"serial {self._material.serial:x}"
                             if self._material is not None and not self.key_dropped
@@ -1543,6 +1566,7 @@ class TLSManager:
                                      f"{existing.kind}")
                 return existing
             frozen = self.frozen
+        began = time.monotonic()  # before the material is made: see recovered(since=)
         if frozen:  # a key made now would be written into the image: wait for the restore
             log.info("tls: certificate %s added after the before-snapshot pass: its first "
                      "material is produced on restore/resume", cert.name)
@@ -1565,17 +1589,28 @@ class TLSManager:
         cert._hooks = (self.engine.builtins.register(
             cert._on_restore, phase=Phase.SECRETS, order=100,
             name=f"rehydrate.tls:{cert.name}", required=cert.required, timeout=60.0),)
+        if not frozen and not dropped_meanwhile:
+            # Made again under the name of one closed after its restore hook failed: its
+            # material in use mends that failure (see Lifecycle.recovered), which no
+            # renewal of the closed one can (its hook is gone).
+            self.engine.recovered(cert._hooks[0], since=began)
         if isinstance(cert, FileCertificate):
             cert.start_watching()
         return cert
 
     def remove(self, cert: ManagedCertificate) -> None:
-        with self._lock:
-            if self._certs.get(cert.name) is cert:
-                del self._certs[cert.name]
+        """Unregister ``cert``'s hook and forget it. A failure of that hook is left for
+        a certificate made again under its name to mend (see
+        :meth:`~rehydrate.Lifecycle.recovered`), or for the next restore run: closing is
+        no sign that what failed works."""
+        # The hook first: once the name is free, a certificate made under it must find
+        # the failure it takes over unregistered.
         for h in cert._hooks:
             self.engine.builtins.unregister(h)
         cert._hooks = ()
+        with self._lock:
+            if self._certs.get(cert.name) is cert:
+                del self._certs[cert.name]
 
 
 _HANDLES: weakref.WeakSet[ManagedCertificate] = weakref.WeakSet()

@@ -1561,3 +1561,47 @@ def test_recovered_by_hook_record_forgets_only_that_hook(rehydrate_engine):
     assert rehydrate_engine.recovered(second) is True  # the name took "first"'s
     with pytest.raises(TypeError, match="Hook record"):
         rehydrate_engine.recovered(42)  # type: ignore[arg-type]
+
+
+def test_a_builtin_record_takes_over_the_failure_of_an_unregistered_one(rehydrate_engine):
+    """A built-in hook failed and was unregistered (its secret or certificate closed);
+    one registered under its name since (made again) recovers that failure by its own
+    record. Before, no record could ever name the removed one's failure: the process
+    stayed degraded until the next restore whatever the new one did."""
+    builtins = rehydrate_engine.builtins
+
+    def down() -> None:
+        raise ConnectionError("down")
+
+    old = builtins.register(down, name="rehydrate.secret:db")
+    assert not rehydrate_engine.simulate_restore().ok
+    new = builtins.register(lambda: None, name="rehydrate.secret:db")
+    # the failed one is still registered: its own reloads may yet mend it, not another's
+    assert rehydrate_engine.recovered(new) is False
+    builtins.unregister(old)
+    assert rehydrate_engine.state == "degraded"  # unregistering is no recovery
+    # only a registered built-in of that very name takes it over
+    other = builtins.register(lambda: None, name="rehydrate.secret:cache")
+    user = rehydrate_engine.registry.register(lambda: None, name="rehydrate.secret:db")
+    closed = rehydrate.Registry().register(lambda: None, name="rehydrate.secret:db")
+    for record in (other, user, closed):
+        assert rehydrate_engine.recovered(record) is False
+    assert rehydrate_engine.state == "degraded"
+    assert rehydrate_engine.recovered(new) is True
+    assert rehydrate_engine.state == "ready"
+    assert rehydrate_engine.recovered(new) is False  # once only
+
+    # while the run is going on: counted once the unregistered hook has failed in it
+    builtins.unregister(new)
+    first = builtins.register(down, name="rehydrate.tls:web", phase=Phase.SECRETS)
+    again: list[rehydrate.Hook] = []
+
+    @rehydrate_engine.registry.after_restore(name="later")
+    def later() -> None:
+        builtins.unregister(first)
+        again.append(builtins.register(lambda: None, name="rehydrate.tls:web"))
+        assert rehydrate_engine.recovered(again[0]) is False
+
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok and report.recovered == ("rehydrate.tls:web",)
+    assert rehydrate_engine.state == "ready"

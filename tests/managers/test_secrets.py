@@ -683,3 +683,33 @@ def test_a_secret_reload_does_not_clear_a_user_hook_that_shares_its_hook_name(
     assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()
     broken[0] = False
     assert rehydrate_engine.simulate_restore().ok
+
+
+def test_a_secret_made_again_after_its_failed_one_was_closed_makes_the_process_ready(
+        rehydrate_engine, secret_file, tmp_path):
+    """The restore could not read the secret; the application closed it and made it again
+    under the same name from another file, which loads. Before, the failure held the
+    closed secret's hook record, which no load could name any more: degraded until the
+    next restore. The new secret's loads (its first one included) now mend it; closing
+    alone does not."""
+    s = Secret.from_file(secret_file, name="db", strip=True, engine=rehydrate_engine)
+    secret_file.unlink()
+    assert not rehydrate_engine.simulate_restore().ok
+    s.close()
+    assert rehydrate_engine.status().state == "degraded"  # closing fixed nothing
+    moved = tmp_path / "mounted-elsewhere"
+    moved.write_bytes(b"s3cret\n")
+    s2 = Secret.from_file(moved, name="db", strip=True, engine=rehydrate_engine)
+    assert s2.get() == b"s3cret"
+    assert rehydrate_engine.status().state == "ready" and rehydrate_engine.is_ready()
+
+    # made again while still unreadable: nothing to mend with; its first good reload does
+    moved.unlink()
+    assert not rehydrate_engine.simulate_restore().ok
+    s2.close()
+    s3 = Secret.from_file(moved, name="db", engine=rehydrate_engine, load=False)
+    assert rehydrate_engine.status().state == "degraded"
+    moved.write_bytes(b"back\n")
+    assert s3.reload()
+    assert rehydrate_engine.status().state == "ready"
+    assert rehydrate_engine.simulate_restore().ok
