@@ -1,6 +1,6 @@
 """Core engine costs, side by side in one run.
 
-Run alone: ``python benchmarks/bench_core.py`` (``make bench`` runs every benchmark).
+Run alone: ``python benchmarks/bench_core.py`` (``make bench`` runs every ``bench_*.py``).
 ``BENCH_CORE_AGAINST=/path/to/another/checkout`` (e.g. main's worktree) measures that
 tree in the same run, alternated with this one, and prints its figure beside each.
 

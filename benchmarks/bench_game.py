@@ -1,6 +1,6 @@
 """Game servers: restore → first tick, restore → first health ping acknowledged.
 
-Run alone: ``python benchmarks/bench_game.py`` (``make bench`` runs every benchmark).
+Run alone: ``python benchmarks/bench_game.py`` (``make bench`` runs every ``bench_*.py``).
 
 A game-server process (an asyncio loop ticking a 500-entity world at 60 Hz, the Agones
 adapter, rehydrate with its control socket) is really frozen: the benchmark runs

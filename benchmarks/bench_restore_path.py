@@ -192,11 +192,11 @@ def run() -> list[tuple[str, str, str]]:
                 outside[name].append(out)
                 inside[name].append(ins)
         bare = statistics.median(outside[configs[0][0]])
-        rows.append((f"restore -> ready: {configs[0][0]} ({CLONES} clones each)",
+        rows.append((f"restore -> ready, median: {configs[0][0]} ({CLONES} clones each)",
                      _ms(outside[configs[0][0]]), "baseline"))
         for name, _, _ in configs[1:]:
             ratio = statistics.median(outside[name]) / bare
-            rows.append((f"restore -> ready: {name}",
+            rows.append((f"restore -> ready, median: {name}",
                          f"{_ms(outside[name])} ({ratio:.2f}x bare)", "close to bare"))
             rows.append((f"  resume -> ready inside the clone: {name}", _ms(inside[name]),
                          "median < 20 ms"))

@@ -79,7 +79,15 @@ def show(title: str, key: rehydrate.keys.EphemeralKey,
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="  [log] %(levelname)s %(message)s",
                         stream=sys.stdout)
-    workdir = Path(tempfile.mkdtemp(prefix="rehydrate-demo-"))
+    # Removed at the end: its spec_environ holds the API key values.
+    with tempfile.TemporaryDirectory(prefix="rehydrate-demo-") as tmp:
+        try:
+            run(Path(tmp))
+        finally:
+            rehydrate.stop()  # the control socket lives in the directory
+
+
+def run(workdir: Path) -> None:
     spec = workdir / "spec_environ"
     write_environ(spec, {"API_KEY": "first-key", "MODEL_URL": "file:///models/a"})
     os.environ.update({"API_KEY": "first-key", "MODEL_URL": "file:///models/a",
@@ -106,7 +114,6 @@ def main() -> None:
     print(f"  environment now: API_KEY changed={os.environ['API_KEY'] != 'first-key'}, "
           f"REGION set={'REGION' in os.environ}, MODEL_URL removed="
           f"{'MODEL_URL' not in os.environ}")
-    rehydrate.stop()
 
 
 if __name__ == "__main__":

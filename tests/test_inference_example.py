@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from netservers import start_listening
+from netservers import free_port, start_listening, wait_port
 
 # Checked without importing it: importing sentence-transformers here would cost seconds.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
@@ -292,3 +293,85 @@ def test_a_clone_given_an_empty_api_key_is_not_ready_and_says_why(rehydrate_engi
 
     with pytest.raises(SecretError, match="API_KEY is empty"):
         env_secret("API_KEY", "api-key-2", engine=rehydrate_engine)
+
+
+def _app_with_upstream(env: dict[str, str], up_port: int, log: Path, port: int = 0,
+                       ) -> subprocess.Popen[bytes]:
+    """app.py --with-upstream in a process group of its own: what is left in the group
+    once app.py has exited is an upstream it did not stop. Output to ``log``, not a pipe,
+    which such an upstream would hold open."""
+    env = {k: v for k, v in env.items() if not k.startswith("REHYDRATE_")}
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, str(EXAMPLE / "app.py"), "--port", str(port), "--with-upstream",
+             "--upstream", f"http://127.0.0.1:{up_port}"], env={**env, "HF_HUB_OFFLINE": "1"},
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+
+
+def _left_in_group(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    os.killpg(pgid, signal.SIGKILL)  # cleans up after a failing run
+    return True
+
+
+@pytest.mark.parametrize("how", ["SIGTERM while serving", "SIGTERM", "missing API_KEY"])
+def test_the_upstream_stops_with_the_server(tmp_path: Path, how: str) -> None:
+    """The server alone got SIGTERM (as from `kill` or a supervisor) and its upstream kept
+    running, reparented to init; the next start's upstream could not have the port, and
+    that server answered /readyz 200 but every /v1/embed 502 (the old upstream refused
+    its token)."""
+    up_port = free_port()
+    env = {**os.environ, "UPSTREAM_TOKEN": "upstream-token", "API_KEY": "key-one"}
+    if how == "missing API_KEY":
+        del env["API_KEY"]
+    log = tmp_path / "app.log"
+    port = free_port() if how == "SIGTERM while serving" else 0
+    app = _app_with_upstream(env, up_port, log, port)
+    try:
+        if how == "SIGTERM while serving":  # uvicorn's graceful shutdown
+            wait_port(port, timeout=START_DEADLINE, proc=app)
+            assert _answers(f"http://127.0.0.1:{port}/readyz")
+            app.send_signal(signal.SIGTERM)
+        elif how == "SIGTERM":  # while the model loads, uvicorn not running yet
+            wait_port(up_port, timeout=60, proc=app)
+            app.send_signal(signal.SIGTERM)
+        assert app.wait(timeout=120) != 0
+        if how == "missing API_KEY":
+            assert b"API_KEY is not set" in log.read_bytes()
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+        left = _left_in_group(app.pid)
+    assert not left, "the upstream outlived the server"
+
+
+def test_the_server_does_not_start_when_its_upstream_cannot_listen(monkeypatch,
+                                                                   rehydrate_environ) -> None:
+    """An upstream left from an earlier run held the port: the new one failed to bind
+    and the server started anyway, answering every /v1/embed with 502."""
+    _example_app(_CountingService())  # loads the module
+    app = sys.modules["inference_example_app"]
+    monkeypatch.setattr(app, "InferenceService", lambda url, events: _CountingService())
+    import uvicorn
+
+    served: list[object] = []
+
+    def run(self: object) -> None:
+        served.append(self)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setenv("UPSTREAM_TOKEN", "upstream-token")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            app.main(["--port", "0", "--with-upstream", "--upstream",
+                      f"http://127.0.0.1:{port}"])
+    assert str(exited.value).startswith("inference server: upstream.py exited (1) "
+                                        f"instead of listening on port {port}")
+    assert served == []

@@ -3,6 +3,7 @@ machine), run in a copy of the Makefile in a temporary directory."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -36,3 +37,43 @@ def test_make_recreates_a_virtualenv_left_without_pip(tmp_path):
     pip = subprocess.run([str(tmp_path / ".venv" / "bin" / "python"), "-m", "pip", "--version"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert pip.returncode == 0, pip.stderr
+
+
+def _plan(tmp_path, target: str) -> list[str]:
+    """The commands ``make target`` would run (``-n``), in a copy of the Makefile."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    plan = subprocess.run(["make", "-n", "-B", target], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert plan.returncode == 0, plan.stderr
+    return plan.stdout.splitlines()
+
+
+def test_torch_comes_from_the_cpu_index_before_the_extras(tmp_path):
+    """pyproject.toml pins torch==X; from PyPI alone that is the CUDA build (GBs of
+    nvidia-* packages) on Linux. It was the CPU build only on a machine whose pip
+    configuration offered a +cpu wheel."""
+    text = (REPO / "pyproject.toml").read_text()
+    pins = set(re.findall(r'"(torch==[^"]+)"', text))
+    assert len(pins) == 1, pins  # the examples and dev extras pin the same torch
+    [pin] = pins
+    for stamp, extra in ((".venv/.examples-stamp", "'.[examples]'"),
+                         (".venv/.installed-stamp", "'.[dev]'")):
+        lines = _plan(tmp_path, stamp)
+        [torch] = [i for i, line in enumerate(lines) if f"'{pin}'" in line]
+        [extras] = [i for i, line in enumerate(lines) if line.endswith(f"-e {extra}")]
+        assert torch < extras, lines
+        assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines[torch]
+        # only torch from there: every other package from the configured indexes
+        assert "--no-deps" in lines[torch]
+
+
+def test_make_help_lists_every_target(tmp_path):
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    phony = next(line for line in (REPO / "Makefile").read_text().splitlines()
+                 if line.startswith(".PHONY:")).split()[1:]
+    done = subprocess.run(["make", "-s", "help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    listed = [line.split()[1] for line in done.stdout.splitlines()]
+    assert sorted(listed) == sorted(phony)

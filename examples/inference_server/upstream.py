@@ -194,7 +194,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     args = parser.parse_args()
-    serve(args.port).serve_forever()
+    server = serve(args.port)
+    # app.py --with-upstream waits for this line: the port is this process's, not an
+    # earlier run's left listening.
+    print(f"upstream: listening on 127.0.0.1:{args.port}", flush=True)
+    server.serve_forever()
 
 
 if __name__ == "__main__":
