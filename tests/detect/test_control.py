@@ -120,6 +120,22 @@ def test_socket_is_0600_and_created_dir_0700(engine: Lifecycle, short_dir: Path)
     assert not path.exists()  # removed on stop
 
 
+def test_control_listed_twice_serves_once_without_an_error(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``start(["control", "control"])`` started a second server that found the first
+    one's socket live: an ERROR that another process — this one — serves it, and a
+    ``detector_errors`` entry for a detector that runs."""
+    monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", sock_path)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert engine.start(["control", "control"]) == ["control"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "detector_errors" not in engine.status().extra
+    assert request("status", socket_path=sock_path)["ok"] is True
+    engine.stop()
+    assert not os.path.exists(sock_path)
+
+
 def test_stale_socket_replaced_live_one_and_plain_file_refused(
     engine: Lifecycle, short_dir: Path
 ) -> None:
