@@ -173,11 +173,26 @@ def untrusted_dir(directory: str) -> str | None:
     return None
 
 
-def _private_dir(directory: str, *, check_owner: bool) -> None:
-    """Create ``directory`` 0700 if missing; refuse one another user could write in (and,
-    with ``check_owner``, one that is not this uid's own 0700 directory)."""
+def _make_dirs(directory: str) -> None:
+    """Create ``directory`` and each missing parent with mode 0700 (less what the umask
+    takes away from the owner: never more). ``os.makedirs(mode=)`` gives that mode to the
+    last directory only; the parents it made got the umask's 0755, readable by all."""
+    parent = os.path.dirname(directory)
+    if parent != directory and not os.path.exists(parent):
+        _make_dirs(parent)
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            raise
+
+
+def _private_dir(directory: str, *, check_owner: bool) -> None:
+    """Create ``directory`` 0700 if missing (each missing parent too); refuse one another
+    user could write in (and, with ``check_owner``, one that is not this uid's own 0700
+    directory)."""
+    try:
+        _make_dirs(directory)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot create {directory}: {exc.strerror}") from None
     problem = untrusted_dir(directory)

@@ -107,14 +107,21 @@ class Conn:
 # -- socket setup ------------------------------------------------------------------------
 
 
-def test_socket_is_0600_and_created_dir_0700(engine: Lifecycle, short_dir: Path) -> None:
+def test_socket_is_0600_and_created_dirs_0700(engine: Lifecycle, short_dir: Path) -> None:
+    """Every directory created for the socket is 0700, not just the last one: the
+    parents got the umask's 0755 (``os.makedirs(mode=)`` applies to the leaf only)."""
     path = short_dir / "sub" / "dir" / "ctl.sock"
     det = ControlDetector(str(path))
-    engine.start([det])
+    umask = os.umask(0o022)
+    try:
+        engine.start([det])
+    finally:
+        os.umask(umask)
     st = os.stat(path)
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(short_dir / "sub").st_mode) == 0o700
     assert [p.name for p in path.parent.iterdir()] == ["ctl.sock"]  # no temp name left
     engine.stop()
     assert not path.exists()  # removed on stop
