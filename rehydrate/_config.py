@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     are ignored, each with one warning)."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "optional_number", "optional_seconds", "seconds", "shown", "signal_from_text",
-           "signal_name", "text"]
+           "one_line", "optional_number", "optional_seconds", "seconds", "shown",
+           "signal_from_text", "signal_name", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
@@ -100,6 +100,15 @@ def shown(value: object) -> str:
         # way, and so may a caller's own __repr__: show the container, ints shortened
         text = _repr_short_ints(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable shown as an escape (``\\n``,
+    ``\\x1b``): what a reply or an error carries is printed or logged as one line, and
+    cannot forge further lines or send terminal control sequences."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _repr_short_ints(value: object) -> str:
