@@ -62,21 +62,28 @@ def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
 
 
 def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float | None:
-    """A public ``timeout=`` argument: ``None``, infinity or more than a year (a huge int
-    too) mean no limit (``None``); 0 is "do not wait" (unless ``zero_ok`` is False); a
+    """A public ``timeout=`` argument (``wait_ready``, ``EphemeralKey.wait``,
+    ``tcp_socket``, ``request``): ``None``, infinity or more than a year (a huge int too)
+    mean no limit (``None``); 0 is "do not wait" (unless ``zero_ok`` is False); a
     negative, NaN or non-number is a one-line ``ValueError``/``TypeError`` naming the
     argument. Before, ``10**5000`` reached ``math.isnan`` or the thread wait as a bare
-    ``OverflowError``, and a negative timeout returned at once as if it were 0."""
+    ``OverflowError``, and a negative timeout returned at once as if it were 0.
+
+    Not :func:`seconds`' rule: infinity and more than a year meant no limit before that
+    rule came, and were kept so when it briefly refused them. The error says so, not
+    "at most a year" (which it said while accepting ``10**30``)."""
     if value is None:
         return None
+    rule = f"{what} must be a number of seconds {'>= 0' if zero_ok else '> 0'}"
+    no_limit = "(None, infinity or more than a year: no limit)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{rule}, not {type(value).__name__} {no_limit}")
     # int against float compares exactly: no OverflowError for 10**5000
-    if (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and value > MAX_SECONDS):
+    if value > MAX_SECONDS:
         return None
-    try:
-        return seconds(value, what, zero_ok=zero_ok)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{exc} (None: no limit)") from None
+    if not (value >= 0 if zero_ok else value > 0):  # NaN is neither
+        raise ValueError(f"{rule}, not {shown(value)} {no_limit}")
+    return float(value)
 
 
 def shown(value: object) -> str:
