@@ -424,6 +424,26 @@ def test_unknown_command(server: ControlServer, sock_path: str) -> None:
                               "prepare-snapshot, resume, restore, simulate, trigger)"}
 
 
+@pytest.mark.parametrize("req_id", [None, False, 0, "", [1, {"a": None}], {"k": [None]}],
+                         ids=["null", "false", "0", "empty", "list", "object"])
+def test_any_json_request_id_is_echoed_null_too(server: ControlServer, sock_path: str,
+                                                 req_id: object) -> None:
+    """``"id": null`` got a reply without ``"id"``: the docs say any JSON value is echoed,
+    and a client matching replies by id found none. A request without one gets none."""
+    c = Conn(sock_path)
+    try:
+        assert c.ask({"cmd": "status", "id": req_id})["id"] == req_id
+        assert c.ask({"cmd": "nope", "id": req_id})["id"] == req_id  # an error reply too
+        assert "id" not in c.ask({"cmd": "status"})
+        budget = c.ask({"cmd": "prepare-snapshot", "budget": True, "id": req_id})
+        assert budget["pending"] is True and budget["id"] == req_id
+        reply = c.reply()
+        assert reply["ok"] is True and reply["id"] == req_id
+        assert c.ask({"cmd": "resume", "id": req_id})["id"] == req_id
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("bad", [b"NaN", b"Infinity", b"-Infinity"])
 def test_a_non_finite_request_id_gets_a_strict_json_reply(server: ControlServer,
                                                           sock_path: str, bad: bytes) -> None:
