@@ -25,8 +25,9 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``resume`` or ``snapshot``, optional ``"env"``: ``{"KEY": "value" | null}``);
 ``trigger`` (gVisor: :func:`~rehydrate.trigger_snapshot`, optional
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
-``"error"`` (one line); a request's ``"id"`` (any JSON value, ``null`` too) is echoed. Garbage, oversize lines, unknown
-commands and incomplete requests get an error reply and the server keeps serving. A
+``"error"`` (one line); a request's ``"id"`` (any JSON value, ``null`` too) is echoed.
+Garbage, oversize lines, unknown commands and incomplete requests get an error reply and
+the server keeps serving. A
 complete request line is acted on also when its client has gone (CRIU's ``post-dump``
 notice, queued while the process was frozen); the reply it cannot get is dropped
 quietly.
