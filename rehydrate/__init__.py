@@ -4,8 +4,8 @@ Register hooks with the decorators, call :func:`start` once, and every restore (
 resume after a snapshot) runs them phase by phase before the process reports ready.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: it would leave a name ``annotations`` in
+# ``dir(rehydrate)``; the annotations here need no postponing.
 from ._version import __version__
 
 TYPE_CHECKING = False
@@ -141,3 +141,6 @@ if not TYPE_CHECKING:  # a type checker sees the imports above: rehydrate.wait_r
 
             return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+del TYPE_CHECKING  # not an API name: dir(rehydrate) lists the API and the submodules

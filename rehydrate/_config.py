@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     are ignored, each with one warning)."""
 
 __all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "optional_number", "optional_seconds", "seconds", "shown", "signal_from_text",
-           "signal_name", "text"]
+           "one_line", "optional_number", "optional_seconds", "seconds", "shown",
+           "signal_from_text", "signal_name", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
@@ -62,21 +62,28 @@ def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
 
 
 def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float | None:
-    """A public ``timeout=`` argument: ``None``, infinity or more than a year (a huge int
-    too) mean no limit (``None``); 0 is "do not wait" (unless ``zero_ok`` is False); a
+    """A public ``timeout=`` argument (``wait_ready``, ``EphemeralKey.wait``,
+    ``tcp_socket``, ``request``): ``None``, infinity or more than a year (a huge int too)
+    mean no limit (``None``); 0 is "do not wait" (unless ``zero_ok`` is False); a
     negative, NaN or non-number is a one-line ``ValueError``/``TypeError`` naming the
     argument. Before, ``10**5000`` reached ``math.isnan`` or the thread wait as a bare
-    ``OverflowError``, and a negative timeout returned at once as if it were 0."""
+    ``OverflowError``, and a negative timeout returned at once as if it were 0.
+
+    Not :func:`seconds`' rule: infinity and more than a year meant no limit before that
+    rule came, and were kept so when it briefly refused them. The error says so, not
+    "at most a year" (which it said while accepting ``10**30``)."""
     if value is None:
         return None
+    rule = f"{what} must be a number of seconds {'>= 0' if zero_ok else '> 0'}"
+    no_limit = "(None, infinity or more than a year: no limit)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{rule}, not {type(value).__name__} {no_limit}")
     # int against float compares exactly: no OverflowError for 10**5000
-    if (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and value > MAX_SECONDS):
+    if value > MAX_SECONDS:
         return None
-    try:
-        return seconds(value, what, zero_ok=zero_ok)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{exc} (None: no limit)") from None
+    if not (value >= 0 if zero_ok else value > 0):  # NaN is neither
+        raise ValueError(f"{rule}, not {shown(value)} {no_limit}")
+    return float(value)
 
 
 def shown(value: object) -> str:
@@ -100,6 +107,15 @@ def shown(value: object) -> str:
         # way, and so may a caller's own __repr__: show the container, ints shortened
         text = _repr_short_ints(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable shown as an escape (``\\n``,
+    ``\\x1b``): what a reply or an error carries is printed or logged as one line, and
+    cannot forge further lines or send terminal control sequences."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _repr_short_ints(value: object) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
+from ._config import one_line
 from ._hooks import Phase, is_glob
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
@@ -209,15 +210,18 @@ def describe_error(exc: None) -> None: ...
 
 
 def describe_error(exc: BaseException | None) -> str | None:
-    """``"Type: message"`` on one line (whitespace runs collapsed), ``"Type"`` when the
-    message is empty, None for None: how reports and log lines show an error."""
+    """``"Type: message"`` on one line (whitespace runs collapsed, any other character
+    that is not printable escaped as :func:`~rehydrate._config.one_line` does: a message
+    with a terminal escape sequence cannot recolour or rewrite an operator's terminal),
+    ``"Type"`` when the message is empty, None for None: how reports and log lines show
+    an error."""
     if exc is None:
         return None
     try:
         text = " ".join(str(exc).split())
     except Exception:  # an exception class whose __str__ fails must not break a report
         text = "<its message could not be formatted>"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return one_line(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
 @dataclass(frozen=True)

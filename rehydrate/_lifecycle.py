@@ -1646,7 +1646,10 @@ class Lifecycle:
         ``"none"``, or keys / :class:`~rehydrate.detect.Detector` instances; detectors
         installed as extensions (:meth:`add_detector`) start too, in place of a selected
         one with the same key. ``loop``: run ``async`` hooks on this (the application's)
-        event loop. Returns the keys of the detectors now running.
+        event loop. Returns the keys of the detectors now running. A key listed more than
+        once (as a key, or as another instance with that key) starts once, the first
+        listed, with one ``WARNING``; a ``detectors`` of another type, or an entry that is
+        neither a key nor a ``Detector``, is a ``TypeError``.
 
         A later call while detection runs (a module-level ``rehydrate.start()``, then a
         server adapter's ``detectors=[...]``) checks its keys as the first call does — an
@@ -1658,6 +1661,9 @@ class Lifecycle:
         """
         from . import detect
 
+        # Before anything is installed or started: a TypeError for start(5), and a key
+        # listed twice dropped (with a warning) rather than started twice.
+        detectors = detect.requested(detectors)
         # Outside _start_lock: a detector's install() calls add_detector, which takes it.
         self.install(*extensions)
         with self._start_lock:
@@ -1692,11 +1698,9 @@ class Lifecycle:
         without a word."""
         from . import detect
 
-        if isinstance(detectors, str):
-            if detectors in ("auto", "none"):
-                return [d.key for d in self._detectors]
-            detectors = [s.strip() for s in detectors.split(",") if s.strip()]
-        items = list(detectors)
+        items = detect.requested(detectors)
+        if isinstance(items, str):  # "auto" or "none"
+            return [d.key for d in self._detectors]
         for item in items:  # every key checked before anything starts, as on the first call
             if not isinstance(item, detect.Detector):
                 detect.load(item)

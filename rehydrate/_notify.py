@@ -489,13 +489,9 @@ def post(cmd: str, *, socket_path: str | None = None, expect_uid: int | None = N
 # -- the commands' output ----------------------------------------------------------------
 
 
-def one_line(text: str) -> str:
-    """``text`` with every character that is not printable shown as an escape (``\\n``,
-    ``\\x1b``): what a reply carries (an error, a state) is printed as one line, and
-    cannot forge further lines or send terminal control sequences."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+# One escaping for every line shown: the control client's output here, the engine's log
+# lines and reports (_context.describe_error).
+one_line = _config.one_line
 
 
 def err(message: str) -> None:

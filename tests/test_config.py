@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -341,3 +342,33 @@ def test_rehydrate_disable_documents_exactly_the_names_the_managers_check() -> N
     documented = set(re.findall(r"[a-z]+", meaning.split(":", 1)[1])) & (
         _disable_names_checked() | {"all", "connections", "routes", "volumes", "files"})
     assert documented == _disable_names_checked() | {"all"}
+
+
+# -- public timeout= arguments -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [None, math.inf, _config.MAX_SECONDS + 1, 1e10, 10**30,
+                                   10**5000],
+                         ids=["None", "inf", "year+1", "1e10", "1e30", "1e5000"])
+def test_a_public_timeout_of_infinity_or_more_than_a_year_means_no_limit(value):
+    assert _config.optional_seconds(value, "wait(): timeout") is None
+    assert _config.optional_seconds(value, "request(): timeout", zero_ok=False) is None
+
+
+@pytest.mark.parametrize(("value", "error", "shown"), [
+    (-1, ValueError, "-1"), (-math.inf, ValueError, "-inf"), (math.nan, ValueError, "nan"),
+    (-10**5000, ValueError, "-1e+5000"), ("5", TypeError, "str"), (True, TypeError, "bool"),
+], ids=["-1", "-inf", "nan", "-1e5000", "str", "bool"])
+def test_a_public_timeout_s_error_says_what_no_limit_is_not_at_most_a_year(value, error,
+                                                                         shown):
+    """The error said "at most 31536000 (a year)" while infinity and ``10**30`` passed as
+    no limit (what the docs and the history since have meant): now it says that."""
+    with pytest.raises(error) as caught:
+        _config.optional_seconds(value, "wait(): timeout")
+    assert str(caught.value) == (f"wait(): timeout must be a number of seconds >= 0, not "
+                                 f"{shown} (None, infinity or more than a year: no limit)")
+    with pytest.raises(ValueError, match=r"^request\(\): timeout must be a number of seconds "
+                                         r"> 0, not 0 \(None, infinity or more than a year"):
+        _config.optional_seconds(0, "request(): timeout", zero_ok=False)
+    assert _config.optional_seconds(0, "wait(): timeout") == 0.0
+    assert _config.optional_seconds(_config.MAX_SECONDS, "wait(): timeout") == 31_536_000.0

@@ -113,6 +113,19 @@ def test_package_all_is_pinned():
     assert sorted(rehydrate.__all__) == sorted(PACKAGE_API)
 
 
+def test_dir_lists_the_api_and_submodules_only():
+    """``dir(rehydrate)`` showed ``TYPE_CHECKING`` and ``annotations`` (the future
+    import) among the API."""
+    import types
+
+    public = [n for n in dir(rehydrate) if not n.startswith("_")]
+    assert "TYPE_CHECKING" not in public and "annotations" not in public
+    others = [n for n in public if n not in PACKAGE_API
+              and not isinstance(getattr(rehydrate, n), types.ModuleType)]
+    assert others == []
+    assert set(PACKAGE_API) <= set(dir(rehydrate))
+
+
 def test_extensions_all_is_pinned():
     from rehydrate import extensions
 

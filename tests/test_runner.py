@@ -1065,3 +1065,26 @@ def test_set_restore_deadline_bounds_every_restore_run(rehydrate_engine):
     rehydrate_engine.set_restore_deadline("other", None)
     rehydrate_engine.restore_detected("identity")
     assert budgets == [5.0, 2.0, 3.0, 3.0, None]
+
+
+# -- the failure's log line ----------------------------------------------------------------
+
+
+def test_a_failed_hooks_log_line_escapes_terminal_control_characters(rehydrate_engine,
+                                                                      caplog):
+    """A hook error carrying a terminal escape (``\\x1b[2J`` clears the screen) reached
+    the log line and the report raw: only whitespace was collapsed."""
+
+    class Odd(Exception):
+        pass
+
+    @rehydrate_engine.registry.after_restore(name="painter")
+    def painter(ctx):  # type: ignore[no-untyped-def]
+        raise Odd("bad \x1b[2J\x1b[31mred\x07 and\nmore\x00")
+
+    report = rehydrate_engine.simulate_restore()
+    [line] = [r.getMessage() for r in caplog.records if "painter" in r.getMessage()]
+    shown = "Odd: bad \\x1b[2J\\x1b[31mred\\x07 and more\\x00"
+    assert line == f"restore hook painter failed: {shown}"
+    assert line.isprintable()
+    assert by_name(report)["painter"].to_dict()["error"] == shown

@@ -15,6 +15,7 @@ probe succeeds and that is on by default; ``rehydrate doctor`` prints every prob
 from __future__ import annotations
 
 import importlib
+import logging
 import types
 import warnings
 from collections.abc import Iterable
@@ -236,10 +237,52 @@ def available() -> list[DetectorInfo]:
     return infos
 
 
+def requested(spec: object) -> str | list[str | Detector]:
+    """``start(detectors=spec)`` checked and put in one shape: ``"auto"``, ``"none"``, or
+    the listed keys and :class:`Detector` instances (a ``str`` is split at commas), each
+    key once. A key listed again — as a key or as another instance with that key — is
+    dropped with one ``WARNING`` (the first listed wins), as a later ``start()`` leaves a
+    running detector in place: started twice, a detector raced itself for its resource
+    (the control socket refused its own process) or restored the wrong signal handler on
+    ``stop()``. Anything else is a ``TypeError`` naming ``detectors`` (``start(5)`` said
+    only "'int' object is not iterable")."""
+    if isinstance(spec, str) and spec in ("auto", "none"):
+        return spec
+    if isinstance(spec, str):
+        items: list[object] = [s.strip() for s in spec.split(",") if s.strip()]
+    elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, bytearray)):
+        items = list(spec)
+    else:
+        raise TypeError("detectors must be 'auto', 'none', detector keys (a str, comma-"
+                        "separated, or an iterable) or Detector instances, not "
+                        f"{type(spec).__name__}")
+    first: dict[str, str | Detector] = {}
+    repeated: list[str] = []
+    for item in items:
+        if isinstance(item, Detector):
+            key = item.key
+        elif isinstance(item, str):
+            key = item
+        else:
+            from .._config import shown
+
+            raise TypeError("detectors: each entry must be a detector key (str) or a "
+                            f"Detector instance, not {type(item).__name__} ({shown(item)})")
+        if key not in first:
+            first[key] = item
+        elif key not in repeated:
+            repeated.append(key)
+    if repeated:
+        logging.getLogger("rehydrate").warning(
+            "detectors: %s listed more than once; each starts once (the first listed)",
+            ", ".join(repeated))
+    return list(first.values())
+
+
 def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
-    """Detectors to start for ``start(detectors=spec)``."""
-    if spec == "none":
-        return []
+    """Detectors to start for ``start(detectors=spec)`` (checked by :func:`requested`:
+    each key once)."""
+    spec = requested(spec)
     if spec == "auto":
         chosen: list[Detector] = []
         for key in catalogue_keys():
@@ -250,8 +293,8 @@ def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
             except Exception:  # noqa: S112 - a detector that fails its probe is skipped
                 continue
         return chosen
-    if isinstance(spec, str):
-        spec = [s.strip() for s in spec.split(",") if s.strip()]
+    if isinstance(spec, str):  # "none"
+        return []
     result: list[Detector] = []
     for item in spec:
         # An instance is probed as its key is: one started on a host without what it

@@ -25,8 +25,9 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``resume`` or ``snapshot``, optional ``"env"``: ``{"KEY": "value" | null}``);
 ``trigger`` (gVisor: :func:`~rehydrate.trigger_snapshot`, optional
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
-``"error"`` (one line); a request's ``"id"`` is echoed. Garbage, oversize lines, unknown
-commands and incomplete requests get an error reply and the server keeps serving. A
+``"error"`` (one line); a request's ``"id"`` (any JSON value, ``null`` too) is echoed.
+Garbage, oversize lines, unknown commands and incomplete requests get an error reply and
+the server keeps serving. A
 complete request line is acted on also when its client has gone (CRIU's ``post-dump``
 notice, queued while the process was frozen); the reply it cannot get is dropped
 quietly.
@@ -126,6 +127,8 @@ COMMANDS = ("status", "prepare-snapshot", "resume", "restore", "simulate", "trig
 _CRED = struct.Struct("3i")
 
 _PREPARED_AT = "_prepared_at"
+_NO_ID: Any = object()
+"""A request without ``"id"`` (``"id": null`` is an id, echoed as any other JSON value)."""
 """Key under which ``prepare-snapshot``'s reply carries its pass's start to the reply's
 delivery (removed before sending)."""
 
@@ -173,11 +176,26 @@ def untrusted_dir(directory: str) -> str | None:
     return None
 
 
-def _private_dir(directory: str, *, check_owner: bool) -> None:
-    """Create ``directory`` 0700 if missing; refuse one another user could write in (and,
-    with ``check_owner``, one that is not this uid's own 0700 directory)."""
+def _make_dirs(directory: str) -> None:
+    """Create ``directory`` and each missing parent with mode 0700 (less what the umask
+    takes away from the owner: never more). ``os.makedirs(mode=)`` gives that mode to the
+    last directory only; the parents it made got the umask's 0755, readable by all."""
+    parent = os.path.dirname(directory)
+    if parent != directory and not os.path.exists(parent):
+        _make_dirs(parent)
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            raise
+
+
+def _private_dir(directory: str, *, check_owner: bool) -> None:
+    """Create ``directory`` 0700 if missing (each missing parent too); refuse one another
+    user could write in (and, with ``check_owner``, one that is not this uid's own 0700
+    directory)."""
+    try:
+        _make_dirs(directory)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot create {directory}: {exc.strerror}") from None
     problem = untrusted_dir(directory)
@@ -626,7 +644,7 @@ class ControlServer:
 
         if not line.strip():
             return True  # blank lines are keep-alives
-        req_id: Any = None
+        req_id: Any = _NO_ID
         req: Mapping[str, Any] = {}
         cmd = "?"
         received = time.monotonic()  # before a prepare-snapshot's pass began
@@ -636,10 +654,10 @@ class ControlServer:
             req = json.loads(line.decode("utf-8"))
             if not isinstance(req, dict):
                 raise _BadRequest("a request must be a JSON object")
-            req_id = req.get("id")
+            req_id = req.get("id", _NO_ID)
             if isinstance(req_id, float) and not math.isfinite(req_id):
                 # echoed as NaN/Infinity, the reply would not be JSON to a strict parser
-                req_id = None
+                req_id = _NO_ID
                 raise _BadRequest('"id" must be a string or a finite number')
             cmd = req.get("cmd")  # type: ignore[assignment]
             if not isinstance(cmd, str):
@@ -670,7 +688,7 @@ class ControlServer:
                 log.exception("control command %s failed", cmd)
                 reply = {"ok": False, "error": describe_error(exc)}
         own = reply.pop(_PREPARED_AT, None)  # internal: never sent
-        if req_id is not None:
+        if req_id is not _NO_ID:
             reply["id"] = req_id
         self.served += 1
         if cmd == "prepare-snapshot" and reply.get("ok"):
@@ -711,7 +729,7 @@ class ControlServer:
             log.debug("control socket: no snapshot budget", exc_info=True)
             budget = None
         notice: dict[str, Any] = {"pending": True, "budget": budget}
-        if req_id is not None:
+        if req_id is not _NO_ID:
             notice["id"] = req_id
         return notice
 

@@ -107,17 +107,40 @@ class Conn:
 # -- socket setup ------------------------------------------------------------------------
 
 
-def test_socket_is_0600_and_created_dir_0700(engine: Lifecycle, short_dir: Path) -> None:
+def test_socket_is_0600_and_created_dirs_0700(engine: Lifecycle, short_dir: Path) -> None:
+    """Every directory created for the socket is 0700, not just the last one: the
+    parents got the umask's 0755 (``os.makedirs(mode=)`` applies to the leaf only)."""
     path = short_dir / "sub" / "dir" / "ctl.sock"
     det = ControlDetector(str(path))
-    engine.start([det])
+    umask = os.umask(0o022)
+    try:
+        engine.start([det])
+    finally:
+        os.umask(umask)
     st = os.stat(path)
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(short_dir / "sub").st_mode) == 0o700
     assert [p.name for p in path.parent.iterdir()] == ["ctl.sock"]  # no temp name left
     engine.stop()
     assert not path.exists()  # removed on stop
+
+
+def test_control_listed_twice_serves_once_without_an_error(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``start(["control", "control"])`` started a second server that found the first
+    one's socket live: an ERROR that another process — this one — serves it, and a
+    ``detector_errors`` entry for a detector that runs."""
+    monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", sock_path)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert engine.start(["control", "control"]) == ["control"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "detector_errors" not in engine.status().extra
+    assert request("status", socket_path=sock_path)["ok"] is True
+    engine.stop()
+    assert not os.path.exists(sock_path)
 
 
 def test_stale_socket_replaced_live_one_and_plain_file_refused(
@@ -399,6 +422,26 @@ def test_unknown_command(server: ControlServer, sock_path: str) -> None:
     assert reply == {"ok": False, "id": "x1",
                      "error": "bad request: unknown command 'reboot' (known: status, "
                               "prepare-snapshot, resume, restore, simulate, trigger)"}
+
+
+@pytest.mark.parametrize("req_id", [None, False, 0, "", [1, {"a": None}], {"k": [None]}],
+                         ids=["null", "false", "0", "empty", "list", "object"])
+def test_any_json_request_id_is_echoed_null_too(server: ControlServer, sock_path: str,
+                                                 req_id: object) -> None:
+    """``"id": null`` got a reply without ``"id"``: the docs say any JSON value is echoed,
+    and a client matching replies by id found none. A request without one gets none."""
+    c = Conn(sock_path)
+    try:
+        assert c.ask({"cmd": "status", "id": req_id})["id"] == req_id
+        assert c.ask({"cmd": "nope", "id": req_id})["id"] == req_id  # an error reply too
+        assert "id" not in c.ask({"cmd": "status"})
+        budget = c.ask({"cmd": "prepare-snapshot", "budget": True, "id": req_id})
+        assert budget["pending"] is True and budget["id"] == req_id
+        reply = c.reply()
+        assert reply["ok"] is True and reply["id"] == req_id
+        assert c.ask({"cmd": "resume", "id": req_id})["id"] == req_id
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("bad", [b"NaN", b"Infinity", b"-Infinity"])

@@ -220,3 +220,50 @@ def test_a_detector_whose_thread_died_is_shown_in_status(rehydrate_engine, tmp_p
     assert errors == {"identity": "its thread died: RuntimeError: cannot read the identity"}
     rehydrate_engine.stop()
     assert "detector_errors" not in rehydrate_engine.status().to_dict()
+
+
+def test_a_key_listed_twice_is_selected_once_the_first_wins(caplog):
+    first, second = ClockJumpDetector(interval=INTERVAL), ClockJumpDetector(interval=INTERVAL)
+    assert [type(d) for d in select("clock-jump, clock-jump")] == [ClockJumpDetector]
+    assert select([first, "clock-jump", second, first]) == [first]
+    assert [r.getMessage() for r in caplog.records] == [
+        "detectors: clock-jump listed more than once; each starts once (the first listed)"
+    ] * 2
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
+def test_two_instances_with_one_key_start_the_first_only(rehydrate_engine, caplog, later):
+    """Two clock-jump instances in one list ran two freeze-watch threads, each reporting
+    the same restore."""
+    import threading
+
+    first, second = ClockJumpDetector(interval=INTERVAL), ClockJumpDetector(interval=INTERVAL)
+    if later:
+        rehydrate_engine.start("none")
+    try:
+        assert rehydrate_engine.start([first, second]) == ["clock-jump"]
+        assert rehydrate_engine.detector("clock-jump") is first
+        assert [t.name for t in threading.enumerate()].count("rehydrate-clock-jump") == 1
+        assert "clock-jump listed more than once" in caplog.text
+    finally:
+        rehydrate_engine.stop()
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (5, "detectors must be 'auto', 'none', detector keys .* not int$"),
+    (None, "detectors must be .* not NoneType$"),
+    (b"signal", "detectors must be .* not bytes$"),
+    (["clock-jump", 5], r"detectors: each entry must be a detector key \(str\) or a "
+                        r"Detector instance, not int \(5\)$"),
+])
+def test_a_detectors_argument_of_another_type_is_a_type_error_naming_it(
+        rehydrate_engine, spec, message):
+    """``start(5)`` raised ``TypeError: 'int' object is not iterable``, naming nothing."""
+    with pytest.raises(TypeError, match=message):
+        rehydrate_engine.start(spec)
+    assert not rehydrate_engine.started
+    rehydrate_engine.start("none")
+    with pytest.raises(TypeError, match=message):
+        rehydrate_engine.start(spec)  # a later call: the same check
+    assert rehydrate_engine.status().detectors == ()
+    rehydrate_engine.stop()

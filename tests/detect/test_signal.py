@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -65,6 +66,35 @@ def test_stop_restores_the_previous_handler(rehydrate_engine):
         wait_for(lambda: seen == [signal.SIGUSR1])
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
+def test_signal_listed_twice_starts_once_and_stop_gives_the_handler_back(
+        rehydrate_engine, caplog, later):
+    """``start(["signal", "signal"])`` installed two handlers, the second saving the first
+    as "the application's": ``stop()`` left a detector's handler in place, and every
+    later SIGUSR2 was swallowed instead of reaching the application."""
+    seen: list[int] = []
+
+    def app_handler(signum, frame):  # type: ignore[no-untyped-def]
+        seen.append(signum)
+
+    old = signal.signal(signal.SIGUSR2, app_handler)
+    try:
+        if later:
+            rehydrate_engine.start("none")
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            assert rehydrate_engine.start(["signal", "signal"]) == ["signal"]
+        assert rehydrate_engine.status().detectors == ("signal",)
+        assert [r.getMessage() for r in caplog.records if "more than once" in r.getMessage()] \
+            == ["detectors: signal listed more than once; each starts once (the first "
+                "listed)"]
+        rehydrate_engine.stop()
+        assert signal.getsignal(signal.SIGUSR2) is app_handler
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_for(lambda: seen == [signal.SIGUSR2])
+    finally:
+        signal.signal(signal.SIGUSR2, old)
 
 
 def test_only_from_the_main_thread(rehydrate_engine):
