@@ -173,7 +173,8 @@ class _ContWatch:
     Python's handler. A thread Python does not know (a native library's worker) writes
     nothing; then only the Python handler, which also rings, records the SIGCONT. An
     application's own ``faulthandler.register(SIGCONT)`` made later replaces the C record
-    (the Python handler stays), as its ``signal.signal(SIGCONT)`` replaces both.
+    (the Python handler stays), as its ``signal.signal(SIGCONT)`` replaces both. Like the
+    handlers, the pipe (two descriptors) stays for the life of the process.
     """
 
     installed = False
@@ -244,8 +245,9 @@ class _ContWatch:
     @classmethod
     def poll(cls) -> bool:
         """Drain the doorbell; True (``last`` set to now) when it rang since the last poll.
-        The detector polls before each reading of the clock: a SIGCONT found later is
-        dated after that reading, and counts for the freeze ending there."""
+        The detector polls right before each reading of its clock, so a SIGCONT is dated
+        between the reading before its freeze ended and the one after: it counts for that
+        step and for no later one."""
         r = cls._read_fd
         if r is None:
             return False
@@ -434,8 +436,7 @@ class ClockJumpDetector(DeferringDetector):
                 kernel_late = sleeper.sleep(nap)
                 if stop.is_set():
                     return
-                # Before the reading: a SIGCONT that ended a freeze before it is found
-                # here or later, dated after the previous reading (see continued_since).
+                # Before the reading: a SIGCONT found now counts for this step only.
                 _ContWatch.poll()
                 marks = self._marks()
                 self.ticks += 1
