@@ -64,10 +64,14 @@ left it running cannot be told from a clone, and a fresh identity is the safe si
 job-control stop is not a checkpoint: when the detector was started from the main thread
 and ``SIGCONT`` has no handler, it records ``SIGCONT`` (a stopped process receives it
 when continued; checkpoints and freezers send none), and a freeze of up to ``threshold``
-that ended with one leaves the snapshot pending. Telling them apart waits up to 0.2 s
-for the handler (Python runs it in the main thread); a longer freeze is a restore
-whether a snapshot is pending or not, so a clone restored after ``notify save`` runs its
-hooks at once. A GIL stall never ends a pending snapshot either.
+that ended with one leaves the snapshot pending. The record is made in C, in whichever
+thread the kernel hands the signal to (``faulthandler``'s handler, chained to Python's):
+Python's own handler runs only in the main thread and only once it runs Python code
+again, so with the main thread asleep and another thread taking the signal it came too
+late and the stop was taken for the checkpoint. Telling them apart waits up to 0.2 s
+for the record; a longer freeze is a restore whether a snapshot is pending or not, so a
+clone restored after ``notify save`` runs its hooks at once. A GIL stall never ends a
+pending snapshot either.
 
 Detection latency: after a freeze the pending sleep is already overdue, so the thread
 wakes as soon as the process runs again; ``interval`` bounds only the part of the
@@ -85,7 +89,12 @@ first, default 0: none), ``REHYDRATE_CLOCK_BUSY_CHECK`` (1/0, default 1).
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
+import math
+import os
+import select
 import signal
 import threading
 import time
@@ -123,7 +132,8 @@ each would make a late ``notify restore`` run the hooks a second time."""
 PENDING_SLICE = 0.2
 """While a snapshot is pending the thread sleeps this fraction of ``pending_threshold``."""
 _CONT_WAIT = 0.2
-"""How long a freeze seen while a snapshot is pending waits for the SIGCONT handler."""
+"""How long a freeze seen while a snapshot is pending waits for a SIGCONT record (the
+thread that took the signal writes it as soon as it runs)."""
 KERNEL_PERIOD = 0.005
 """Resolution of the kernel's measure of how late a sleep ended (see ``_sleeper``)."""
 
@@ -149,45 +159,129 @@ def _switches() -> int:
 
 
 class _ContWatch:
-    """Records SIGCONT (a job-control stop ended) for the whole process, once."""
+    """Records SIGCONT (a job-control stop ended) for the whole process, once.
+
+    Python runs a signal handler in the main thread, and only once that thread runs Python
+    code again. The kernel hands a process's SIGCONT to any thread that does not block it;
+    when that is not the main thread and the main thread sleeps (``time.sleep``, a join,
+    a blocking call), the handler runs when the sleep ends — after the detector, which
+    waits only briefly, took the stop for the checkpoint and ran the restore hooks (seen
+    with a main thread in ``time.sleep(1)``: its handler ran 0.5 s late). So the arrival
+    is also recorded where it happens: ``faulthandler``'s handler for SIGCONT runs in C
+    in the thread that takes the signal, without the GIL, writes that thread's traceback
+    into a non-blocking pipe (only a doorbell: :meth:`poll` drains it) and then chains to
+    Python's handler. A thread Python does not know (a native library's worker) writes
+    nothing; then only the Python handler, which also rings, records the SIGCONT. An
+    application's own ``faulthandler.register(SIGCONT)`` made later replaces the C record
+    (the Python handler stays), as its ``signal.signal(SIGCONT)`` replaces both. Like the
+    handlers, the pipe (two descriptors) stays for the life of the process.
+    """
 
     installed = False
     last: float | None = None
-    event = threading.Event()
+    """``time.monotonic()`` when a SIGCONT was last seen: the doorbell found rung, or the
+    Python handler ran."""
+    _read_fd: int | None = None
+    _write_fd: int | None = None
 
     @classmethod
     def install(cls) -> bool:
-        if cls.installed:
-            return True
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        try:
-            if signal.getsignal(signal.SIGCONT) not in (signal.SIG_DFL, None):
-                return False  # the application's own handler: leave it alone
-            signal.signal(signal.SIGCONT, cls._handler)
-        except (ValueError, OSError, AttributeError):  # pragma: no cover
-            return False
-        cls.installed = True
+        if not cls.installed:
+            if threading.current_thread() is not threading.main_thread():
+                return False
+            try:
+                if signal.getsignal(signal.SIGCONT) not in (signal.SIG_DFL, None):
+                    return False  # the application's own handler: leave it alone
+                signal.signal(signal.SIGCONT, cls._handler)
+            except (ValueError, OSError, AttributeError):  # pragma: no cover
+                return False
+            cls.installed = True
+        if cls._read_fd is None and signal.getsignal(signal.SIGCONT) == cls._handler:
+            cls._record_in_c()  # once, or again in a child of fork() (see _forget_in_child)
         return True
+
+    @classmethod
+    def _record_in_c(cls) -> None:
+        try:
+            r, w = os.pipe()
+        except OSError as exc:  # pragma: no cover - out of descriptors
+            log.debug("clock-jump: SIGCONT is recorded by the Python handler only: %s", exc)
+            return
+        for fd in (r, w):
+            os.set_blocking(fd, False)  # a full pipe must not block a signal handler
+        cls._read_fd, cls._write_fd = r, w
+        try:
+            # chain: Python's handler (installed first) still runs after the dump, which
+            # faulthandler does by raising SIGCONT again in that thread (a no-op continue)
+            faulthandler.register(signal.SIGCONT, file=w, all_threads=False, chain=True)
+        except (AttributeError, ValueError, OSError, RuntimeError) as exc:  # pragma: no cover
+            log.debug("clock-jump: SIGCONT is recorded by the Python handler only: %s", exc)
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        """After ``fork()``, in the child: the pipe is the parent's too (each would read the
+        other's stops). Back to the Python handler alone; ``install()`` opens a new pipe."""
+        r, w = cls._read_fd, cls._write_fd
+        if r is None or w is None:
+            return
+        cls._read_fd = cls._write_fd = None
+        try:
+            if signal.getsignal(signal.SIGCONT) == cls._handler:
+                faulthandler.unregister(signal.SIGCONT)  # back to Python's handler
+        except (AttributeError, ValueError, OSError, RuntimeError):  # pragma: no cover
+            pass
+        for fd in (r, w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     @classmethod
     def _handler(cls, signum: int, frame: object) -> None:
         cls.last = time.monotonic()
-        cls.event.set()
+        w = cls._write_fd
+        if w is not None:
+            with contextlib.suppress(OSError):  # full: it has rung already
+                os.write(w, b"c")
+
+    @classmethod
+    def poll(cls) -> bool:
+        """Drain the doorbell; True (``last`` set to now) when it rang since the last poll.
+        The detector polls right before each reading of its clock, so a SIGCONT is dated
+        between the reading before its freeze ended and the one after: it counts for that
+        step and for no later one."""
+        r = cls._read_fd
+        if r is None:
+            return False
+        rang = False
+        try:
+            while os.read(r, 65536):
+                rang = True
+        except BlockingIOError:
+            pass
+        except OSError:  # pragma: no cover - closed by the application
+            return False
+        if rang:
+            cls.last = time.monotonic()
+        return rang
 
     @classmethod
     def continued_since(cls, since: float) -> bool:
-        """Was a SIGCONT handled after ``since``? Waits briefly for a pending handler
-        (Python runs it in the main thread, which may still be waking up)."""
+        """Was a SIGCONT seen after ``since``? Waits up to ``_CONT_WAIT`` for one: the
+        thread that took it may not have run its handler yet."""
         if not cls.installed:
             return False
-        last = cls.last
-        if last is not None and last > since:
-            return True
-        cls.event.clear()
-        cls.event.wait(_CONT_WAIT)
-        last = cls.last
-        return last is not None and last > since
+        deadline = time.monotonic() + _CONT_WAIT
+        while True:
+            cls.poll()
+            last = cls.last
+            if last is not None and last > since:
+                return True
+            left = deadline - time.monotonic()
+            r = cls._read_fd
+            if left <= 0 or r is None:
+                return False
+            waiter = select.poll()
+            waiter.register(r, select.POLLIN)
+            waiter.poll(max(1, math.ceil(left * 1000)))
 
 
 class ClockJumpDetector(DeferringDetector):
@@ -328,6 +422,7 @@ class ClockJumpDetector(DeferringDetector):
         due = interval + GAP_SLACK
         sleeper = self._sleeper
         reporter = _Reporter(self._report, stop)
+        _ContWatch.poll()  # a SIGCONT from before the watch is no stop it will see
         last = self._marks()
         engine.heartbeat(last.now, limit, due=due)
         self._based.set()
@@ -341,6 +436,8 @@ class ClockJumpDetector(DeferringDetector):
                 kernel_late = sleeper.sleep(nap)
                 if stop.is_set():
                     return
+                # Before the reading: a SIGCONT found now counts for this step only.
+                _ContWatch.poll()
                 marks = self._marks()
                 self.ticks += 1
                 step = marks.now - last.now - nap
@@ -366,8 +463,8 @@ class ClockJumpDetector(DeferringDetector):
                                and _ContWatch.continued_since(last.now))
                     if stopped:
                         stall = "it ended with SIGCONT (a job-control stop)"
-                        # Measure on from after the handler ran: a reading taken before it
-                        # would make the next freeze (the checkpoint) look continued too.
+                        # Measure on from after the SIGCONT was seen: a reading taken before
+                        # it would make the next freeze (the checkpoint) look continued too.
                         marks = self._marks()
                     if stall is not None:
                         log.warning("clock-jump: the detector thread woke %.2fs late but %s; "
@@ -531,3 +628,6 @@ class _NoWatch:
 
     def heartbeat_stopped(self) -> None:
         pass
+
+
+os.register_at_fork(after_in_child=_ContWatch._forget_in_child)

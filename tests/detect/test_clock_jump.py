@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from detect_helpers import Child, Recorder, wait_for
+from detect_helpers import Child, Recorder, in_forked_child, wait_for
 
 from rehydrate.detect import Detector
 from rehydrate.detect.clock_jump import ClockJumpDetector
@@ -425,6 +425,86 @@ def test_job_control_stop_during_a_pending_snapshot_is_not_the_checkpoint(tmp_pa
             assert after["stop_skips"] == 0, after
     finally:
         child.close()
+
+
+MAIN_ASLEEP = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock_jump import ClockJumpDetector
+
+    engine = isolated_engine()
+    ran = []
+    engine.registry.after_restore(lambda ctx: ran.append(ctx.reason))
+    det = ClockJumpDetector(interval=0.5, threshold=5.0)
+    engine.start([det])  # from the main thread: SIGCONT is watched
+    engine.simulate_snapshot()
+    while det.ticks < 1:  # the baseline: a freeze from now on is seen
+        time.sleep(0.01)
+
+    def report():
+        # until the detector has judged the stop, then a few more ticks
+        end = time.monotonic() + 30
+        while det.stop_skips + det.busy_skips + det.jumps == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        ticks = det.ticks
+        while det.ticks < ticks + 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        print(json.dumps({"state": engine.state, "ran": ran, "stop_skips": det.stop_skips,
+                          "jumps": det.jumps, "busy_skips": det.busy_skips}), flush=True)
+        os._exit(0)
+
+    threading.Thread(target=report).start()
+    # Threads started from now on would inherit the mask; those above keep SIGCONT open.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})
+    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    time.sleep(120)  # the application's main thread: asleep, no Python code runs
+""")
+
+
+def test_a_stop_is_told_from_the_checkpoint_while_the_main_thread_sleeps():
+    """A job-control stop during a pending snapshot whose SIGCONT another thread takes
+    while the main thread sleeps: Python runs the SIGCONT handler only when the main
+    thread runs Python code again (here after 120 s), so the detector, which waited 0.2 s
+    for it, took the stop for the checkpoint and ran the restore hooks before the real
+    checkpoint (new generation, keys, identity; what the before-snapshot hooks closed
+    reopened). The arrival is now recorded in whichever thread takes the signal. The main
+    thread blocks SIGCONT so that another thread always takes it (the kernel picks any
+    thread that does not block it: with the main thread in ``time.sleep`` that was the
+    late case about half the time)."""
+    child = Child(MAIN_ASLEEP)
+    try:
+        ready = child.next()
+        assert ready["event"] == "ready"
+        _freeze(ready["pid"], 0.6)  # above the pending threshold, below the threshold
+        after = child.next(timeout=40)
+        assert after == {"state": "snapshotting", "ran": [], "stop_skips": 1, "jumps": 0,
+                         "busy_skips": 0}, after
+    finally:
+        child.close()
+
+
+def test_a_forked_child_records_its_sigcont_apart_from_the_parent():
+    """The SIGCONT record is a pipe written by a C handler, and a child of ``fork()``
+    inherits both: the child's stops would ring the parent's doorbell (a checkpoint of the
+    parent taken for a stop). The child forgets them and records in a pipe of its own."""
+    from rehydrate.detect.clock_jump import _ContWatch
+
+    assert _ContWatch.install()  # pytest's main thread, SIGCONT without a handler
+    _ContWatch.poll()
+
+    def child() -> dict[str, object]:
+        forgotten = _ContWatch._read_fd is None
+        assert _ContWatch.install()
+        before = _ContWatch.last
+        os.kill(os.getpid(), signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while not _ContWatch.poll() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"forgotten": forgotten, "recorded": _ContWatch.last != before}
+
+    out = in_forked_child(child)
+    assert not _ContWatch.poll(), "the child's SIGCONT rang the parent's doorbell"
+    assert out == {"forgotten": True, "recorded": True}, out
 
 
 GIL_STALL = textwrap.dedent("""
