@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from ._loops import LoopClosed
 from ._urls import without_credentials
 
 __all__ = ["AsyncReconnectingTransport", "ReconnectingTransport", "make_async_client",
@@ -230,8 +231,15 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
                                                                            home))
         with self._lock:
             inner, loop = self._inner, self._loop
-        if loop is None or loop.is_closed():
-            return  # never used, or its loop is gone: nothing open to close
+        if loop is None:
+            return  # never used since the last reset: nothing open to close
+        if loop.is_closed():
+            # asyncio.run() returned: the pool's sockets are still open (ESTABLISHED)
+            # but nothing can close them through their loop any more
+            if getattr(getattr(inner, "_pool", None), "connections", None) == []:
+                return  # none open
+            raise LoopClosed("the event loop its requests ran on is closed: its pooled "
+                             "connections cannot be closed")
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:  # pragma: no cover - always called from a coroutine

@@ -16,9 +16,11 @@ hold the run or readiness (outcome in ``status()``, a failure logged once); a sn
 stops such a reopen before closing them, and ``engine.close()`` closes one it stops.
 
 Only what may be open is closed: a ``close`` that takes the value is not called without
-one (never opened, every open failed). Nor is an ``async`` close whose value was opened
-on an event loop that has since stopped: it could only run there, so the value is
-dropped with one warning and the connection counts as closed (see ``Connection._drop``).
+one (never opened, every open failed). An ``async`` close runs on the event loop its
+value was opened on; once that loop is closed it is tried on the hooks' loop, bounded,
+and if it fails there the value is dropped with one warning, the connection counting as
+closed (see ``Connection._drop``); while that loop is only stopped the close is left to
+run there when the application runs it again (``Connection._close_later``).
 
 Registration never blocks on, nor raises for, an unreachable peer.
 
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
+from ._loops import LoopClosed
 from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
@@ -239,7 +242,7 @@ class Connection:
         """The reopen of an optional connection that a restore run left going."""
         self._opener: _Opener | None = None
         """The thread running the first open of an ``open_now`` registration with a sync
-        ``open`` (None once it has ended)."""
+        ``open`` (None once that open has stopped)."""
         self._given_up: int | None = None
         """The epoch of a run abandoned at its deadline (see :meth:`_keep`)."""
         self._waits: set[threading.Event] = set()
@@ -249,12 +252,23 @@ class Connection:
         ended (tests wait for it)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         """The event loop the ``async`` open that made ``value`` ran on (None after a
-        sync one): an ``async`` close is awaited there (see :meth:`_close_loop`), and
-        not at all once it has stopped (see :meth:`_drop`)."""
+        sync one): an ``async`` close is awaited there (see :meth:`_close_loop`), left
+        there while it is stopped, tried elsewhere once it is closed (see
+        :meth:`close_async`)."""
         self._any_loop = False
         """The ``async`` close finds the loop what it closes belongs to by itself (the
         helpers' for ``httpx.AsyncClient`` and ``redis.asyncio``), and does what can be
-        done when that loop has stopped: called from any loop, never dropped."""
+        done when that loop has stopped: called from any loop (it raises
+        :class:`~rehydrate._loops.LoopClosed` for what it cannot close)."""
+        self._dropped = False
+        """``value`` was let go of unclosed (see :meth:`_drop`); until an open replaces it."""
+        self._pending: tuple[Any, concurrent.futures.Future[None]] | None = None
+        """A close scheduled on the value's stopped event loop, not run yet (see
+        :meth:`_close_later`), and the value it closes."""
+        self._opens = 0
+        """Bumped by every open kept (see :meth:`_keep`)."""
+        self._ended = False
+        """The engine closed it: no run comes after (see :meth:`_disposes`)."""
         self._in_flight: tuple[Any, concurrent.futures.Future[None]] | None = None
         """The value a ``close`` call is closing right now, and a future done (with its
         outcome) when that call has really returned: a second close of the same value
@@ -363,8 +377,10 @@ class Connection:
                 return False
             if value is not None:
                 self.value, self._released, self._loop = value, False, loop
+                self._dropped = False
             elif loop is not None:  # a close without argument closes what it made there
-                self._loop = loop
+                self._loop, self._dropped = loop, False
+            self._opens += 1
             return True
 
     def _close_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -406,6 +422,7 @@ class Connection:
             self._epoch += 1
             self._wake_waits()
             self.step = None
+            self._ended = False  # the engine is in use again
             prev, self.state = self.state, state
             return self._epoch, prev
 
@@ -437,25 +454,45 @@ class Connection:
         fut.add_done_callback(ended)
         return fut
 
-    async def close_async(self, *, again: bool = True) -> None:
+    async def close_async(self, *, again: bool = True) -> concurrent.futures.Future[None] | None:
         """Call ``close``: a sync one on a thread, an async one on the loop the value was
-        opened on (:meth:`_close_loop`) — not at all once that loop has stopped, unless
-        the close finds its loop itself (``_any_loop``): see :meth:`_drop`. While a close
-        of the same value is running (a background reopen's close after a failed attempt,
-        still running on its thread when the engine's close came), this waits for it and
-        shares its outcome: the value is closed once. ``again=False``: nothing to do
-        either when that close has already returned (see :meth:`_holds`), checked in the
-        same step."""
+        opened on (:meth:`_close_loop`). While a close of the same value is running (a
+        background reopen's close after a failed attempt, still running on its thread
+        when the engine's close came), this waits for it and shares its outcome: the
+        value is closed once. ``again=False``: nothing to do either when that close has
+        already returned (see :meth:`_holds`), checked in the same step.
+
+        When the loop the value was opened on no longer runs (unless the close finds its
+        loop itself, ``_any_loop``): *closed* (as ``asyncio.run`` leaves it), the close
+        is tried here, bounded, and the value dropped with one warning if that fails
+        (:meth:`_close_stranded`); only *stopped* (``run_until_complete`` between two
+        calls), the close is scheduled there, to run once the application runs that loop
+        again, and not waited for: the future of that call is returned
+        (:meth:`_close_later`). None otherwise, once the close has returned."""
         fn = self.close_fn
         if fn is None:
-            return
+            return None
         if _is_async(fn) and not self._any_loop:
             with self._lock:
                 opened_on = self._loop
-            if opened_on is not None and (opened_on.is_closed()
-                                          or not opened_on.is_running()):
-                self._drop()
-                return
+            if opened_on is not None and not opened_on.is_closed() and (
+                    not opened_on.is_running()):
+                later = self._close_later(opened_on, fn, again)
+                if later is not None or not opened_on.is_closed():
+                    return later
+            if opened_on is not None and opened_on.is_closed():
+                await self._close_stranded(fn, again)
+                return None
+        try:
+            await self._close(fn, again)
+        except LoopClosed as exc:  # a helper's close: its pool's loop is closed
+            self._drop(str(exc))
+        return None
+
+    async def _close(self, fn: Callable[..., Any], again: bool, *,
+                     where: str | None = None) -> None:
+        """Call ``close`` (see :meth:`close_async`); ``where``: the loop to await an async
+        one on is this one, and a failure is raised as it is (:meth:`_close_stranded`)."""
         with self._lock:
             value, running = self.value, self._in_flight
             if not again and _arity(fn) >= 1 and (value is None or self._released):
@@ -495,7 +532,7 @@ class Connection:
                 started = True
                 await asyncio.wrap_future(call)
                 return
-            home, opened_on = self._close_loop(), self._loop
+            home, opened_on = (None, None) if where else (self._close_loop(), self._loop)
             if home is None or home is asyncio.get_running_loop():
                 task = asyncio.ensure_future(_guarded_async(fn, *args))
                 task.add_done_callback(returned)
@@ -521,24 +558,105 @@ class Connection:
                 finish(exc)
             raise
 
-    def _drop(self) -> None:
-        """Let go of a value whose ``async`` close cannot run: the event loop the open that
-        made it ran on has stopped (closed, or no longer running). Such a close awaits
-        that loop's futures and transports (asyncio streams, an asyncpg or aiohttp
-        pool): awaited on another loop it failed ("attached to a different loop",
-        "Event loop is closed") — which failed a required connection's snapshot — or
-        waited for good for a loop nothing runs; run on that loop from a thread of
-        rehydrate's, it raced the application's own thread restarting it. So it is not
-        called: the value counts as closed (what it held is cut by the platform at a
-        snapshot and released by the garbage collector), one WARNING names the
-        connection once, and the next restore opens a new value as after any close."""
+    async def _close_stranded(self, fn: Callable[..., Any], again: bool) -> None:
+        """Try an ``async`` close whose value's event loop is closed (``asyncio.run``
+        returned) here, on the loop the hooks run on. One that does not touch that loop
+        (a plain socket, ``await asyncio.to_thread(sock.close)``) closes the connection;
+        one that does (asyncio streams, an asyncpg or aiohttp pool) fails at once
+        ("Event loop is closed", "attached to a different loop") or waits for good: it
+        is given :data:`CLOSE_TIMEOUT` less :data:`LATE_GRACE` (at least half of it: so
+        that it ends before the caller's own bound), then the value is dropped
+        (:meth:`_drop`). Never raises: that value cannot hold up a snapshot."""
         with self._lock:
-            first = not self._released
-            self._released = True
+            if self._dropped:
+                return  # let go of already; it stays so until an open replaces it
+        limit = max(CLOSE_TIMEOUT / 2, CLOSE_TIMEOUT - LATE_GRACE)
+        why = "the event loop it was opened on is closed and its async close() "
+        try:
+            await asyncio.wait_for(self._close(fn, again, where="here"), limit)
+        except asyncio.TimeoutError:
+            self._drop(f"{why}did not return on another within {limit:g}s")
+        except Exception as exc:
+            self._drop(f"{why}failed on another: {_describe(exc)}")
+
+    def _close_later(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
+                     again: bool) -> concurrent.futures.Future[None] | None:
+        """Schedule an ``async`` close on ``loop``, the stopped (not closed) loop the value
+        was opened on: a loop driven by ``run_until_complete`` between two calls. Its
+        selector holds the value's transports, so nothing else releases them (not the
+        garbage collector) until the application runs that loop again — which then runs
+        this close first — or closes it. Returns the call's future, not waited for (the
+        same one while it is pending for the same value); the value counts as released,
+        so a restore opens a new one rather than wait. None: nothing to close
+        (``again=False``), or ``loop`` was closed in between. A close without argument
+        is not run if an open succeeded since: it would close what that open made."""
+        takes_value = _arity(fn) >= 1
+        with self._lock:
+            value, pending, opens = self.value, self._pending, self._opens
+            if pending is not None and pending[0] is value and not pending[1].done():
+                return pending[1]
+            if not again and takes_value and (value is None or self._released):
+                return None
+        args = (value,) if takes_value else ()
+
+        async def later() -> None:
+            with self._lock:
+                stale = not takes_value and self._opens != opens
+            if stale:
+                log.info("connection %s: its close() scheduled on its stopped event loop "
+                         "did not run: opened again since", self.name)
+                return
+            await _guarded_async(fn, *args)
+
+        coro = later()
+        try:
+            fut: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(coro,
+                                                                                   loop)
+        except RuntimeError:  # closed in between
+            coro.close()
+            return None
+        with self._lock:
+            self._pending = (value, fut)
+            if takes_value and self.value is value:
+                self._released = True
+        log.info("connection %s: its event loop is stopped: close() scheduled there, to "
+                 "run when the application runs that loop again", self.name)
+        return fut
+
+    def _closed_later(self, epoch: int, fut: concurrent.futures.Future[None]) -> None:
+        """Run ``epoch`` (a snapshot's, the engine's close) left the close to
+        :meth:`_close_later`: ``closing`` until it has run, then ``closed`` (``failed``,
+        with one warning, if it failed) — unless a newer run took over meanwhile."""
+        self._set(epoch, state="closing",
+                  step="close (scheduled on its stopped event loop)")
+
+        def ended(f: concurrent.futures.Future[None]) -> None:
+            with self._lock:
+                if self._pending is not None and self._pending[1] is f:
+                    self._pending = None
+            exc = RuntimeError("cancelled") if f.cancelled() else f.exception()
+            if exc is None:
+                self._set(epoch, state="closed", step=None)
+            elif self._set(epoch, state="failed", step=None,
+                           last_error=f"close() on its event loop failed: {_describe(exc)}"):
+                log.warning("connection %s: close() on its event loop failed: %s",
+                            self.name, _describe(exc))
+
+        fut.add_done_callback(ended)
+
+    def _drop(self, why: str) -> None:
+        """Let go of a value whose ``async`` close cannot run: ``why`` says so (its event
+        loop is closed and the close failed, or hung, on another; a helper's pool belongs
+        to a closed loop). The value counts as closed (a snapshot goes on; what it holds
+        is cut by the platform at a snapshot, released by the garbage collector), one
+        WARNING names the connection — never the value — once, and the next restore
+        opens a new value as after any close."""
+        with self._lock:
+            first = not self._released and not self._dropped
+            self._released = self._dropped = True
         if first:
-            log.warning("connection %s: not closed: the event loop it was opened on has "
-                        "stopped and its async close() can only run there; dropped (the "
-                        "next restore opens it anew)", self.name)
+            log.warning("connection %s: not closed: %s; dropped (the next restore opens "
+                        "it anew)", self.name, why)
 
     async def _release(self, epoch: int, what: str, limit: float,
                        after: str | None = None) -> None:
@@ -569,8 +687,10 @@ class Connection:
                     _RUN.reset(token)
                 kept = self._keep(epoch, value, asyncio.get_running_loop())
                 if not kept and self._disposes(value):
+                    assert self.close_fn is not None
                     try:
-                        await call(self.close_fn, value)
+                        await call(self.close_fn,
+                                   *((value,) if _arity(self.close_fn) >= 1 else ()))
                     except Exception as exc:
                         log.debug("connection %s: closing a superseded open: %s",
                                   self.name, _describe(exc))
@@ -592,9 +712,15 @@ class Connection:
     def _disposes(self, value: Any) -> bool:
         """Whether an open's ``value`` that no run keeps can be closed: by a ``close``
         that takes it. One without an argument closes what the connection holds now,
-        perhaps a newer run's (a helper such as :func:`tcp_socket` discards its own)."""
-        return (value is not None and self.close_fn is not None
-                and _arity(self.close_fn) >= 1)
+        perhaps a newer run's (a helper such as :func:`tcp_socket` discards its own), so
+        it is called only once the engine has closed (no run ever comes after): an open
+        still running on its thread at ``engine.close()`` then leaves nothing open."""
+        if self.close_fn is None:
+            return False
+        if _arity(self.close_fn) >= 1:
+            return value is not None
+        with self._lock:
+            return self._ended
 
     def _open_and_keep(self, epoch: int) -> tuple[Any, bool]:
         """Run a sync ``open`` for run ``epoch`` and :meth:`_keep` what it returns, or
@@ -609,11 +735,12 @@ class Connection:
             return value, True
         if self._disposes(value):
             assert self.close_fn is not None
+            args = (value,) if _arity(self.close_fn) >= 1 else ()
             try:
                 if _is_async(self.close_fn):  # no loop runs here: one of its own
-                    asyncio.run(_guarded_async(self.close_fn, value))
+                    asyncio.run(_guarded_async(self.close_fn, *args))
                 else:
-                    _guarded(self.close_fn, value)
+                    _guarded(self.close_fn, *args)
             except Exception as exc:
                 log.debug("connection %s: closing a superseded open: %s",
                           self.name, _describe(exc))
@@ -693,8 +820,9 @@ class _Background:
 
 class _Opener:
     """The thread (with an event loop of its own) of an ``open_now`` registration's
-    first sync open: its task, once started, and a future done when the thread has
-    nothing left to run. Stopped
+    first sync open: its task, once started, and a future done when that task has
+    returned (``asyncio.run`` may then still wait for its default executor, whose
+    thread an abandoned ``asyncio.to_thread`` call of an async ``check`` holds). Stopped
     (by the engine's close, a newer run, unregister()), it makes no further attempt and
     its backoff sleep ends at once; a call already on its thread goes on (see
     :meth:`Connection._open_and_keep`)."""
@@ -829,6 +957,7 @@ class ConnectionManager:
             conn._background = None
             conn._opener = None  # its thread stayed in the parent
             conn._in_flight = None  # that close runs in the parent: it never ends here
+            conn._pending = None  # nor does one scheduled on the parent's loop
             conn._loop = None  # nor does the parent's event loop run here
             if conn.state in ("reconnecting", "opening"):
                 conn._epoch += 1  # what the parent's run left is no one's to finish
@@ -881,11 +1010,13 @@ class ConnectionManager:
         is closed instead — what it holds released in the background
         (:data:`CLOSE_TIMEOUT`), then ``closed`` (``failed`` when that close fails) — and
         what an ``open`` still running on its thread returns later is closed, not kept
-        (that call is not waited for: it may hang). An ``async`` close runs on the loop
-        the value was opened on, waited for here too since the engine stops its own loop
-        next. Nothing is waited for on this thread's own loop (it runs once this
-        returns), nor on a loop that is not running or whose thread waits for a
-        lifecycle event: it could not get there in time."""
+        (that call is not waited for: it may hang), by a ``close`` without argument too
+        (see :meth:`Connection._disposes`). An ``async`` close runs on the loop the value
+        was opened on, waited for here too since the engine stops its own loop next;
+        on a stopped one it is left to run there (``closing`` until it has, see
+        :meth:`Connection._close_later`). Nothing is waited for on this thread's own
+        loop (it runs once this returns), nor on a loop that is not running or whose
+        thread waits for a lifecycle event: it could not get there in time."""
         try:
             here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -893,6 +1024,8 @@ class ConnectionManager:
         waits: list[concurrent.futures.Future[None]] = []
         stopping: list[tuple[Connection, concurrent.futures.Future[None]]] = []
         for conn in self.all():
+            with conn._lock:
+                conn._ended = True  # before _retire: an open returning late sees it
             epoch, state = conn._retire()  # in one step: a run ending now changes neither
             run = self._cancel_background(conn)
             if run is not None and not run.ended():
@@ -965,11 +1098,16 @@ class ConnectionManager:
 
         def run() -> None:
             try:
-                asyncio.run(asyncio.wait_for(conn.close_async(again=False), CLOSE_TIMEOUT))
+                later = asyncio.run(asyncio.wait_for(conn.close_async(again=False),
+                                                     CLOSE_TIMEOUT))
             except Exception as exc:
                 outcome(exc)
             else:
-                outcome(None)
+                if later is None:
+                    outcome(None)
+                else:  # runs when the application runs its stopped loop again
+                    conn._closed_later(epoch, later)
+                    ended.set_result(None)
 
         thread = threading.Thread(target=run, name=f"rehydrate-close-{conn.name}",
                                   daemon=True)
@@ -1093,28 +1231,38 @@ class ConnectionManager:
 
         opener = _Opener()
 
+        def finished() -> None:
+            with conn._lock:
+                if conn._opener is opener:
+                    conn._opener = None
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                opener.done.set_result(None)
+
         async def main() -> None:
-            if not opener.enter():
-                return  # stopped before its thread got here
             try:
-                ok = await conn.reopen(epoch, deadline_at, close_first=False)
-            except asyncio.CancelledError:
-                return  # stopped (see _Opener): whatever stopped it says how it ended
-            except Exception as exc:  # never let a background open escape
-                conn._set(epoch, last_error=_describe(exc))
-                ok = False
-            if not ok and conn._set(epoch, state="failed"):
-                log.warning("connection %s did not open within %gs: %s", conn.name,
-                            conn.effective_deadline(), conn.last_error)
+                if not opener.enter():
+                    return  # stopped before its thread got here
+                try:
+                    ok = await conn.reopen(epoch, deadline_at, close_first=False)
+                except asyncio.CancelledError:
+                    return  # stopped (see _Opener): whatever stopped it says how it ended
+                except Exception as exc:  # never let a background open escape
+                    conn._set(epoch, last_error=_describe(exc))
+                    ok = False
+                if not ok and conn._set(epoch, state="failed"):
+                    log.warning("connection %s did not open within %gs: %s", conn.name,
+                                conn.effective_deadline(), conn.last_error)
+            finally:
+                # Done here, not once asyncio.run() returns: its shutdown waits for the
+                # default executor, whose thread an abandoned ``asyncio.to_thread`` call
+                # of the check may hold for good (engine.close() waited on every call).
+                finished()
 
         def run() -> None:
             try:
                 asyncio.run(main())
             finally:
-                with conn._lock:
-                    if conn._opener is opener:
-                        conn._opener = None
-                opener.done.set_result(None)
+                finished()
 
         with conn._lock:
             conn._opener = opener
@@ -1122,10 +1270,7 @@ class ConnectionManager:
         try:
             thread.start()
         except RuntimeError:  # no new thread (interpreter shutdown): it never opens
-            with conn._lock:
-                if conn._opener is opener:
-                    conn._opener = None
-            opener.done.set_result(None)
+            finished()
             conn._set(epoch, state="failed", step=None,
                       last_error="no thread could be started to open it")
 
@@ -1137,6 +1282,7 @@ class ConnectionManager:
         # finishing after its close would take a live socket into the snapshot.
         await self._settle(conns)
         errors: list[tuple[Connection, str]] = []
+        unclosed: list[str] = []  # dropped, or their close waits for their stopped loop
         for conn in reversed(conns):
             epoch, _ = conn._begin("closing")
             takes_value = conn.close_fn is not None and _arity(conn.close_fn) >= 1
@@ -1146,9 +1292,10 @@ class ConnectionManager:
                 # never opened, or every open failed: close(None) has nothing to close
                 conn._set(epoch, state="closed")
                 continue
+            later = None
             try:
                 if conn.close_fn is not None:
-                    await asyncio.wait_for(conn.close_async(), CLOSE_TIMEOUT)
+                    later = await asyncio.wait_for(conn.close_async(), CLOSE_TIMEOUT)
             except Exception as exc:
                 msg = (f"close() took longer than {CLOSE_TIMEOUT:g}s"
                        if isinstance(exc, asyncio.TimeoutError) else _describe(exc))
@@ -1164,13 +1311,23 @@ class ConnectionManager:
                 conn._set(epoch, state="failed", last_error=msg)
                 errors.append((conn, msg))
             else:
-                conn._set(epoch, state="closed")
+                if later is not None:
+                    conn._closed_later(epoch, later)
+                else:
+                    conn._set(epoch, state="closed")
+                with conn._lock:
+                    if later is not None or conn._dropped:
+                        unclosed.append(conn.name)
         left = [c for c in established_tcp() if c.outbound and not c.loopback]
         if left:
+            # those not closed above may be among them: "outside" would point elsewhere
+            whose = ("opened outside rehydrate.connections, or held by connection(s) "
+                     f"left unclosed above: {', '.join(reversed(unclosed))}"
+                     if unclosed else "opened outside rehydrate.connections")
             log.warning(
                 "%d outbound TCP connection(s) still established before the snapshot "
-                "(opened outside rehydrate.connections, the platform will cut them): %s",
-                len(left), ", ".join(c.remote for c in left[:10]))
+                "(%s; the platform will cut them): %s",
+                len(left), whose, ", ".join(c.remote for c in left[:10]))
         required = [(c, m) for c, m in errors if c.required]
         for c, m in errors:
             if not c.required:
@@ -1503,9 +1660,12 @@ def register(
     or 30 s). ``close`` and ``check`` may take one argument: the current ``value`` (what
     ``open`` returned last, or ``value=``). Any of them may be ``async``. An ``async``
     ``close`` is awaited on the event loop the ``async`` ``open`` that made the value ran
-    on; once that loop has stopped (closed, or no longer running) it is not called: the
-    value is dropped unclosed, with one warning naming the connection, the connection
-    counts as ``closed`` (a snapshot goes on) and the next restore opens it anew.
+    on. Once that loop is closed (``asyncio.run`` returned) it is tried on the hooks'
+    loop, at most ``CLOSE_TIMEOUT``; if it fails or hangs there the value is dropped
+    unclosed, with one warning naming the connection, the connection counts as ``closed``
+    (a snapshot goes on) and the next restore opens it anew. While that loop is only
+    stopped (driven by ``run_until_complete``) the close is scheduled on it and not
+    waited for: ``closing`` until the application runs that loop again.
 
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
     ``open`` runs in the background (with the same backoff; an ``async`` one on the hooks'
@@ -1772,8 +1932,16 @@ class _AsyncRedisPool:
             await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(self.pool.disconnect(), home))
         elif home.is_closed():
-            # nothing can talk to streams of a closed loop any more: forget them
-            self.pool.reset()
+            # nothing can talk to streams of a closed loop any more: forget them (their
+            # sockets stay open until the garbage collector takes them: said once)
+            pool = self.pool
+            held = any(getattr(c, "is_connected", True) for c in (
+                *getattr(pool, "_available_connections", [None]),
+                *getattr(pool, "_in_use_connections", ())))
+            pool.reset()
+            if held:
+                raise LoopClosed("the event loop its commands ran on is closed: its "
+                                 "pooled connections cannot be closed")
         else:
             raise RuntimeError("the redis.asyncio client's event loop is not running: its "
                                "connections cannot be closed from another loop")
