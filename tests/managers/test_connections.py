@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import json
 import logging
@@ -2818,6 +2819,28 @@ class _StoppedLoop:
             self.stop("closed")
         self.loop.close()
 
+    def snapshot_after_it_closed(self, engine, caplog, *names: str):  # noqa: ANN001, ANN201
+        """Open every connection of ``engine`` (``names``) on this loop, close the loop
+        (the application's ``asyncio.run`` returned), then take a snapshot: its report."""
+        assert self.run(connections.manager(engine).reopen_all()) == dict.fromkeys(
+            names or ("db",), True)
+        self.stop("closed")
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            return engine.simulate_snapshot()
+
+
+@contextlib.contextmanager
+def _db_snapshot_after_its_loop_closed(engine, caplog, open_, close, required=True):  # noqa: ANN001, ANN202
+    """A connection "db" opened on an application loop that then closed, and a snapshot
+    taken after: (the connection, the snapshot's report)."""
+    conn = connections.register("db", open=open_, close=close, required=required,
+                                engine=engine)
+    app = _StoppedLoop()
+    try:
+        yield conn, app.snapshot_after_it_closed(engine, caplog)
+    finally:
+        app.close()
+
 
 def _dropped_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
@@ -2898,21 +2921,15 @@ def test_an_async_close_that_needs_no_loop_closes_after_its_loop_is_closed(
         closes.append(s)
         await asyncio.to_thread(s.close)
 
-    conn = connections.register("db", open=open_, close=close, required=required,
-                                engine=rehydrate_engine)
-    app = _StoppedLoop()
     try:
-        assert app.run(connections.manager(rehydrate_engine).reopen_all()) == {"db": True}
-        app.stop("closed")
-        with caplog.at_level(logging.INFO, logger="rehydrate"):
-            report = rehydrate_engine.simulate_snapshot()
-        assert report.ok, report.table()
-        assert conn.state == "closed" and conn.last_error is None, conn.to_dict()
-        assert closes == [conn.value]
-        assert peer.sees_eof(1) == [True]
-        assert _dropped_lines(caplog) == []
+        with _db_snapshot_after_its_loop_closed(rehydrate_engine, caplog, open_, close,
+                                                required) as (conn, report):
+            assert report.ok, report.table()
+            assert conn.state == "closed" and conn.last_error is None, conn.to_dict()
+            assert closes == [conn.value]
+            assert peer.sees_eof(1) == [True]
+            assert _dropped_lines(caplog) == []
     finally:
-        app.close()
         peer.close()
 
 
@@ -2931,14 +2948,8 @@ def test_an_async_close_that_hangs_after_its_loop_closed_is_dropped_in_time(
         entered.append(v)
         await asyncio.Event().wait()
 
-    conn = connections.register("db", open=open_, close=close, required=True,
-                                engine=rehydrate_engine)
-    app = _StoppedLoop()
-    try:
-        assert app.run(connections.manager(rehydrate_engine).reopen_all()) == {"db": True}
-        app.stop("closed")
-        with caplog.at_level(logging.INFO, logger="rehydrate"):
-            report = rehydrate_engine.simulate_snapshot()
+    with _db_snapshot_after_its_loop_closed(rehydrate_engine, caplog, open_,
+                                            close) as (conn, report):
         assert report.ok, report.table()
         assert conn.state == "closed", conn.to_dict()
         assert entered == [conn.value]
@@ -2946,8 +2957,6 @@ def test_an_async_close_that_hangs_after_its_loop_closed_is_dropped_in_time(
             "connection db: not closed: the event loop it was opened on is closed and its "
             "async close() did not return on another within 0.75s; dropped (the next "
             "restore opens it anew)"]
-    finally:
-        app.close()
 
 
 def test_the_established_warning_names_a_dropped_connection(rehydrate_engine, caplog,
@@ -2970,11 +2979,7 @@ def test_the_established_warning_names_a_dropped_connection(rehydrate_engine, ca
                          engine=rehydrate_engine)
     app = _StoppedLoop()
     try:
-        assert app.run(connections.manager(rehydrate_engine).reopen_all()) == {
-            "db": True, "other": True}
-        app.stop("closed")
-        with caplog.at_level(logging.INFO, logger="rehydrate"):
-            assert rehydrate_engine.simulate_snapshot().ok
+        assert app.snapshot_after_it_closed(rehydrate_engine, caplog, "db", "other").ok
         lines = [r.getMessage() for r in caplog.records if "still established" in
                  r.getMessage()]
         assert lines == [
