@@ -200,7 +200,8 @@ def test_a_child_forked_while_a_parent_thread_reads_a_secret_wipes_and_reloads_i
     """A parent thread inside ``with secret.view():`` at fork(): its view stayed counted
     in the child, where nobody could close it, so every wipe and reload there waited
     ``wipe_wait`` for it (the snapshot hook timed out with a long one). (``with secret:``
-    keeps its view in a thread-local, which CPython drops in the child, closing it.)"""
+    keeps its view in a thread-local, which CPython frees in the child: that view closes
+    there, and must not count down — see the next test.)"""
     from rehydrate import secrets
 
     secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
@@ -228,6 +229,54 @@ def test_a_child_forked_while_a_parent_thread_reads_a_secret_wipes_and_reloads_i
         reader.join(DEADLINE)
     assert out == {"outcomes": ["ok"], "reloaded": True, "value": "v"}
     assert secret._readers == 0  # the parent's view was its own, and is closed
+
+
+@pytest.mark.parametrize("also_held", [False, True])
+def test_a_parent_threads_secret_view_closing_in_the_child_is_not_counted_down(
+        engine: Lifecycle, also_held: bool) -> None:
+    """A parent thread inside ``with secret:`` at fork(): its view's generator kept the
+    thread-local dict in a cycle, so it closed only at the child's next garbage
+    collection — after the count had been reset — and took the count to -1: every wipe
+    then waited ``wipe_wait`` ("-1 reader(s)"), and a view the child opened itself was
+    wiped under it. Closed in the fork itself (no cycle), it must not take the lock
+    either, which another parent thread may hold (``also_held``)."""
+    import gc
+
+    from rehydrate import secrets
+
+    secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
+                                          engine=engine)
+    reading, release = threading.Event(), threading.Event()
+
+    def read() -> None:
+        with secret:
+            reading.set()
+            release.wait(DEADLINE)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert reading.wait(DEADLINE)
+    if also_held:
+        release2, holder = _held_by_a_parent_thread(lambda: secret._cond)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            gc.collect()
+            after_gc = secret._readers
+            with secret:
+                inside = secret._readers
+            secret.wipe()  # waited wipe_wait (past the deadline) with a count of -1
+            return {"after_gc": after_gc, "inside": inside, "after": secret._readers,
+                    "reloaded": secret.reload()}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        reader.join(DEADLINE)
+        if also_held:
+            release2.set()
+            holder.join(DEADLINE)
+    assert out == {"after_gc": 0, "inside": 1, "after": 0, "reloaded": True}, out
+    assert secret._readers == 0
 
 
 def test_a_secret_view_of_the_forking_thread_stays_counted_in_the_child(
