@@ -562,3 +562,143 @@ def test_with_entropy_disabled_a_forked_child_keeps_the_instance_id(
     parent_id = entropy.instance_id()
     out = in_forked_child(lambda: {"id": entropy.instance_id()}, DEADLINE)
     assert out == {"id": parent_id}
+
+
+def test_fresh_lock_after_fork_tells_owners_apart_by_identity() -> None:
+    """Owners were keys of a WeakKeyDictionary: of two equal owners (two connections to
+    one URL) only the first kept its registration, a dataclass was refused as
+    unhashable, and a class with ``__slots__`` got a bare "cannot create weak
+    reference"."""
+    import dataclasses
+
+    from rehydrate.extensions import fresh_lock_after_fork
+
+    class Conn:
+        def __init__(self, url: str) -> None:
+            self.url = url
+            self._lock = threading.Lock()
+            fresh_lock_after_fork(self)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Conn) and other.url == self.url
+
+        def __hash__(self) -> int:
+            return hash(self.url)
+
+    @dataclasses.dataclass
+    class Pool:
+        name: str
+
+        def __post_init__(self) -> None:
+            self._lock = threading.Lock()
+            fresh_lock_after_fork(self)
+
+    class Slotted:
+        __slots__ = ("_lock",)
+
+    with pytest.raises(TypeError, match="Slotted object cannot be held weakly"):
+        fresh_lock_after_fork(Slotted())
+    first, second, pool = Conn("db"), Conn("db"), Pool("p")
+    assert first == second
+    releases = [_held_by_a_parent_thread(lambda o=o: o._lock) for o in (second, pool)]
+    try:
+        out = in_forked_child(lambda: {"free": [second._lock.acquire(timeout=DEADLINE / 4),
+                                                pool._lock.acquire(timeout=DEADLINE / 4)]},
+                              DEADLINE)
+    finally:
+        for release, holder in releases:
+            release.set()
+            holder.join(DEADLINE)
+    assert out == {"free": [True, True]}
+    assert first._lock is not second._lock
+
+
+def test_fresh_lock_after_fork_merges_registrations_and_keeps_shared_locks_shared() -> None:
+    """Registering an owner again (a subclass after its base) replaced the base's names
+    and hook; a condition over the owner's ``_lock`` got a lock of its own in the child,
+    no longer excluding the ``_lock`` holders."""
+    from rehydrate.extensions import fresh_lock_after_fork
+
+    class Base:
+        def __init__(self) -> None:
+            self._lock = threading.RLock()
+            self.base_busy = 1
+            fresh_lock_after_fork(self, after=Base.reset)
+
+        def reset(self) -> None:
+            self.base_busy = 0
+
+    class Sub(Base):
+        def __init__(self) -> None:
+            super().__init__()
+            self._cond = threading.Condition(self._lock)
+            self.sub_busy = 1
+            fresh_lock_after_fork(self, "_cond", after=Sub.reset_sub)
+
+        def reset_sub(self) -> None:
+            self.sub_busy = 0
+
+    owner = Sub()
+    release, holder = _held_by_a_parent_thread(lambda: owner._lock)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            free = owner._lock.acquire(timeout=DEADLINE / 4)
+            return {"free": free, "shared": owner._cond._lock is owner._lock,
+                    "busy": [owner.base_busy, owner.sub_busy]}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"free": True, "shared": True, "busy": [0, 0]}, out
+
+
+def _lock_owner(kind: str, engine: Lifecycle) -> tuple[Any, str]:
+    """One more kind of object a forked child may use, and its lock's attribute."""
+    if kind in ("routes-manager", "routes-encoder"):
+        from rehydrate import routes
+
+        manager = routes.manager(engine)
+        return (manager, "_lock") if kind == "routes-manager" else (manager._encoder, "_lock")
+    if kind in ("httpx", "httpx-async"):
+        from rehydrate._httpx import AsyncReconnectingTransport, ReconnectingTransport
+
+        return (ReconnectingTransport if kind == "httpx" else AsyncReconnectingTransport)(), "_lock"
+    if kind == "grpc":
+        from rehydrate._grpc import ManagedChannel
+
+        return ManagedChannel(object), "_lock"
+    if kind == "gameloop":
+        from rehydrate.adapters.gameloop import TickClock
+
+        return TickClock(60.0), "_lock"
+    if kind == "agones":
+        from rehydrate.adapters.agones import AgonesAdapter
+
+        return AgonesAdapter(9, engine=engine), "_lock"
+    from rehydrate.adapters.asgi import ReadinessGate
+
+    gate = ReadinessGate(lambda *a: None, engine=engine)  # type: ignore[arg-type]
+    return (gate, "_lifespans_lock") if kind == "asgi-gate" else (gate._detection, "lock")
+
+
+@pytest.mark.parametrize("kind", ["routes-manager", "routes-encoder", "httpx", "httpx-async",
+                                  "grpc", "gameloop", "agones", "asgi-gate",
+                                  "asgi-detection"])
+def test_a_child_forked_while_a_parent_thread_holds_a_connection_or_adapter_lock_gets_it(
+        engine: Lifecycle, kind: str) -> None:
+    """The routes manager's (and its netlink encoder's), the reconnecting httpx
+    transports', a managed gRPC channel's and the game-loop, Agones and ASGI adapters'
+    locks were not renewed: held by a parent thread at fork(), they were held for ever
+    in the child (its route hooks, requests, channel calls, ticks and lifespans hung)."""
+    owner, name = _lock_owner(kind, engine)
+    release, holder = _held_by_a_parent_thread(lambda: getattr(owner, name))
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            return {"free": getattr(owner, name).acquire(timeout=DEADLINE / 4)}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"free": True}
