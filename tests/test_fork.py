@@ -598,19 +598,23 @@ def test_fresh_lock_after_fork_tells_owners_apart_by_identity() -> None:
 
     with pytest.raises(TypeError, match="Slotted object cannot be held weakly"):
         fresh_lock_after_fork(Slotted())
-    first, second, pool = Conn("db"), Conn("db"), Pool("p")
-    assert first == second
-    releases = [_held_by_a_parent_thread(lambda o=o: o._lock) for o in (second, pool)]
+    owners: list[Any] = [Conn("db"), Conn("db"), Pool("p")]
+    assert owners[0] == owners[1]
+    releases = [_held_by_a_parent_thread(lambda o=o: o._lock) for o in owners[1:]]
     try:
-        out = in_forked_child(lambda: {"free": [second._lock.acquire(timeout=DEADLINE / 4),
-                                                pool._lock.acquire(timeout=DEADLINE / 4)]},
-                              DEADLINE)
+        out = in_forked_child(lambda: {"free": [o._lock.acquire(timeout=DEADLINE / 4)
+                                                for o in owners[1:]]}, DEADLINE)
     finally:
         for release, holder in releases:
             release.set()
             holder.join(DEADLINE)
     assert out == {"free": [True, True]}
-    assert first._lock is not second._lock
+    assert owners[0]._lock is not owners[1]._lock
+    from rehydrate import _threads
+
+    registered = len(_threads._LOCK_OWNERS)
+    owners.clear()
+    assert len(_threads._LOCK_OWNERS) == registered - 3  # held weakly, forgotten when freed
 
 
 def test_fresh_lock_after_fork_merges_registrations_and_keeps_shared_locks_shared() -> None:
