@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped,unused-ignore]
 
+from ._threads import fresh_lock_after_fork
+
 __all__ = ["ManagedChannel"]
 
 
@@ -88,6 +90,7 @@ class ManagedChannel:
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._factory = factory
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._subscriptions: list[tuple[Callable[..., Any], bool]] = []
         self._closed = False
         self._channel: Any = factory()

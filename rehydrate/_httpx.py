@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from ._loops import LoopClosed
+from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
 
 __all__ = ["AsyncReconnectingTransport", "ReconnectingTransport", "make_async_client",
@@ -115,6 +116,7 @@ class ReconnectingTransport(httpx.BaseTransport):
     def __init__(self, **transport_kwargs: Any) -> None:
         self._kwargs = _reuse_ssl_context(transport_kwargs)
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._inner = httpx.HTTPTransport(**self._kwargs)
         self.client: httpx.Client | None = None
         self.proxies: list[ReconnectingTransport] = []
@@ -156,6 +158,7 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
     def __init__(self, **transport_kwargs: Any) -> None:
         self._kwargs = _reuse_ssl_context(transport_kwargs)
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._inner = httpx.AsyncHTTPTransport(**self._kwargs)
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the current pool's connections belong to (None: none opened yet)."""

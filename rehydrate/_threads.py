@@ -143,9 +143,32 @@ blocking = ThreadPool("rehydrate-io")
 
 
 _AfterFork = Callable[[Any], None]
-_LOCK_OWNERS: weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], _AfterFork | None]] = (
-    weakref.WeakKeyDictionary())
+
+
+class _Owner:
+    """A registered owner, held weakly; keyed by ``id()``, not ``==``: two equal owners
+    (two connections to one URL) each have their locks, and unhashable ones (a dataclass)
+    can register."""
+
+    __slots__ = ("after", "names", "ref")
+
+    def __init__(self, ref: weakref.ref[Any]) -> None:
+        self.ref = ref
+        self.names: tuple[str, ...] = ()
+        self.after: tuple[_AfterFork, ...] = ()
+
+
+_LOCK_OWNERS: dict[int, _Owner] = {}
+_owners_lock = threading.Lock()  # merges of two registrations; replaced in the child
 _PLAIN_LOCK = type(threading.Lock())
+
+
+def _forget_owner(key: int, ref: weakref.ref[Any]) -> None:
+    # Called while the owner is being freed: its id cannot belong to another object yet,
+    # unless that one registered after this ref's owner died (then the entry is not ours).
+    entry = _LOCK_OWNERS.get(key)
+    if entry is not None and entry.ref is ref:
+        _LOCK_OWNERS.pop(key, None)
 
 
 def fresh_lock_after_fork(owner: Any, *names: str, after: _AfterFork | None = None) -> None:
@@ -157,21 +180,47 @@ def fresh_lock_after_fork(owner: Any, *names: str, after: _AfterFork | None = No
     lose the GIL inside any critical section that calls something, or just after it got a
     contended lock, so a fork() can come while it holds even a short-lived one.
 
-    * a ``threading.Lock`` is always replaced: who holds one cannot be told;
+    * a ``threading.Lock`` is always replaced: who holds one cannot be told, so the
+      forking thread's own hold is dropped too (its ``with`` releases the old lock on the
+      way out, harmlessly);
     * an ``RLock`` only when :func:`held_by_another_thread`: the forking thread's own hold
       (a user callback that forks inside the critical section) is released as the child
       unwinds, which a new lock would refuse;
     * a ``threading.Condition`` always becomes a new one (the parent's threads waiting
       in it are not in the child: a ``notify()`` there would wake one of them instead of
-      a waiter of the child), over a lock chosen by the two rules above.
+      a waiter of the child), over a lock chosen by the two rules above. Build one that a
+      thread may hold while it forks on an ``RLock`` (the default): over a plain ``Lock``
+      the forking thread's hold is not kept, so its ``notify()`` or ``wait()`` inside
+      that hold raises ``RuntimeError`` in the child. A lock shared by several names (a
+      condition over the owner's ``_lock``) stays shared.
+
+    A thread that forks from a signal handler while it waits in such a condition goes
+    back, in the child, to waiting in the old one: nothing there notifies it, so it
+    waits out its timeout.
 
     ``after(owner)`` then runs in the child, for state kept with the lock that counts the
     parent's other threads (a secret's open views): it must not hold a reference to
-    ``owner`` (pass a function of the class, not a bound method), which is held weakly. A
-    module can be an owner (its module-level locks, by name). Locks are set with
-    ``object.__setattr__`` (a handle may forward attribute writes elsewhere). Registering
-    an owner again replaces its names and hook."""
-    _LOCK_OWNERS[owner] = (names or ("_lock",), after)
+    ``owner`` (pass a function of the class, not a bound method), which is held weakly
+    (``TypeError`` for an object that cannot be: a class with ``__slots__`` and no
+    ``__weakref__``). Owners are told apart by identity, so equal or unhashable objects
+    (dataclasses) register each on its own. A module can be an owner (its module-level
+    locks, by name). Locks are set with ``object.__setattr__`` (a handle may forward
+    attribute writes elsewhere). Registering an owner again adds its names and hook to
+    those it has (a subclass and its base each registering theirs)."""
+    key = id(owner)
+    try:
+        ref = weakref.ref(owner, lambda r: _forget_owner(key, r))
+    except TypeError:
+        raise TypeError(
+            f"fresh_lock_after_fork: a {type(owner).__qualname__} object cannot be held "
+            "weakly (a class with __slots__ needs '__weakref__' among them)") from None
+    with _owners_lock:
+        entry = _LOCK_OWNERS.get(key)
+        if entry is None or entry.ref() is not owner:  # not registered, or a dead one's id
+            entry = _LOCK_OWNERS[key] = _Owner(ref)
+        entry.names += tuple(n for n in names or ("_lock",) if n not in entry.names)
+        if after is not None and after not in entry.after:
+            entry.after += (after,)
 
 
 def held_by_another_thread(lock: Any) -> bool:
@@ -183,30 +232,47 @@ def held_by_another_thread(lock: Any) -> bool:
     return True
 
 
-def _replacement(lock: Any) -> Any:
-    """The lock a forked child uses instead of ``lock`` (``lock`` itself when it is kept)."""
+def _replacement(lock: Any, done: dict[int, Any]) -> Any:
+    """The lock a forked child uses instead of ``lock`` (``lock`` itself when it is kept);
+    ``done`` maps the locks already replaced in this child, so that a lock shared by two
+    names (or owners) gets one replacement."""
+    new = done.get(id(lock))
+    if new is not None:
+        return new
     if isinstance(lock, threading.Condition):
-        return threading.Condition(_replacement(lock._lock))  # type: ignore[attr-defined]
-    if isinstance(lock, _PLAIN_LOCK):
-        return threading.Lock()
-    if held_by_another_thread(lock):
-        return threading.RLock()
-    return lock
+        new = threading.Condition(_replacement(lock._lock, done))  # type: ignore[attr-defined]
+    elif isinstance(lock, _PLAIN_LOCK):
+        new = threading.Lock()
+    elif held_by_another_thread(lock):
+        new = threading.RLock()
+    else:
+        new = lock
+    done[id(lock)] = new
+    return new
 
 
 def _new_locks_in_child() -> None:
+    global _owners_lock
+    _owners_lock = threading.Lock()  # a parent thread may have been registering an owner
     error: Exception | None = None
-    for owner, (names, after) in list(_LOCK_OWNERS.items()):
+    done: dict[int, Any] = {}
+    keep = []  # the replaced locks stay alive while ``done`` is used: their ids are keys
+    for entry in list(_LOCK_OWNERS.values()):
+        owner = entry.ref()
+        if owner is None:
+            continue
         try:
-            for name in names:
+            for name in entry.names:
                 lock = getattr(owner, name)
-                new = _replacement(lock)
+                keep.append(lock)
+                new = _replacement(lock, done)
                 if new is not lock:
                     object.__setattr__(owner, name, new)
-            if after is not None:
+            for after in entry.after:
                 after(owner)
         except Exception as exc:  # the other owners still get theirs
             error = error or exc
+    del keep
     if error is not None:
         raise error  # reported ("Exception ignored in...") by the fork handler machinery
 

@@ -22,7 +22,12 @@ Handles made here are closed before a snapshot and reopened after a restore or r
 A file that is gone after a restore fails the ``rehydrate.files.reopen`` hook with its
 path (required by default: the process stays ``degraded``). In a child of ``fork()`` a
 handle's lock (and the manager's) that a parent thread held is replaced, so the child's
-hooks and ``close()`` never wait for a thread it does not have.
+hooks and ``close()`` do not wait for rehydrate's locks held by a thread it does not have.
+The file object's own lock is CPython's, not replaced: a parent thread inside a read or
+write of a buffered file at the fork leaves it held in the child, where the snapshot hook
+then fails on that handle ("reentrant call inside <_io.BufferedWriter>") and ``close()``
+hangs — write to a file a child will use from the forking thread only, or open it in the
+child.
 
 Every engine also runs the ``rehydrate.files.audit`` before-snapshot hook, last: it lists
 the descriptors still open on volumes (:func:`open_files`, ``rehydrate doctor --files``),

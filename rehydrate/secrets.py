@@ -146,6 +146,7 @@ class Secret:
         self._readers = 0
         """Open views of the value (a wipe or reload waits for them), of every thread."""
         self._local = threading.local()
+        self._epoch = object()  # new in a forked child: the parent threads' views stay out
         # A parent thread may hold the lock at fork() or have a view open: in the child
         # the lock would be held for ever, and each wipe and reload would wait wipe_wait
         # for that view, which nobody there can close.
@@ -351,25 +352,39 @@ class Secret:
     @contextlib.contextmanager
     def view(self) -> Iterator[memoryview]:
         """A read-only ``memoryview`` of the value itself (no copy), valid inside the block."""
-        mine: dict[str, Any] = self._local.__dict__  # this thread's, wherever it ends
+        mine = self._local.__dict__.get("reads")
+        if mine is None:
+            mine = self._local.__dict__["reads"] = _Reads(self._epoch)
         with self._cond:
             buf = self._wait()
             self._readers += 1
-            mine["readers"] = mine.get("readers", 0) + 1
+            mine.open += 1
         mv = memoryview(buf).toreadonly()
         try:
             yield mv
         finally:
             mv.release()
-            with self._cond:
-                self._readers -= 1
-                mine["readers"] -= 1
-                self._cond.notify_all()
+            # Only this process's views count. A parent thread's view, in a child of
+            # fork(), closes when CPython frees that thread's state (in the fork itself,
+            # before the locks are new: no lock taken then) or at a later garbage
+            # collection (after _own_readers_only() counted it out) — never counted down.
+            if mine.epoch is self._epoch and mine.pid == os.getpid():
+                with self._cond:
+                    self._readers -= 1
+                    mine.open -= 1
+                    self._cond.notify_all()
 
     def _own_readers_only(self) -> None:
         """In a forked child: count only the views of the thread that forked (the others'
-        threads are not there to close theirs)."""
-        self._readers = self._local.__dict__.get("readers", 0)
+        threads are not there to close theirs), and make the views opened before the
+        fork by other threads not count when they close."""
+        self._epoch = object()
+        mine = self._local.__dict__.get("reads")
+        if mine is None:
+            self._readers = 0
+            return
+        mine.epoch, mine.pid = self._epoch, os.getpid()
+        self._readers = mine.open
 
     def __enter__(self) -> memoryview:
         cm = self.view()
@@ -407,6 +422,19 @@ class Secret:
         if buf is not None:
             with contextlib.suppress(Exception):  # at interpreter exit globals may be gone
                 _zero(buf)
+
+
+class _Reads:
+    """One thread's open views of a secret, and the process they count in. Not the
+    thread-local dict itself: a view's generator holding that dict would make a cycle,
+    keeping a dead thread's views open until a garbage collection."""
+
+    __slots__ = ("epoch", "open", "pid")
+
+    def __init__(self, epoch: object) -> None:
+        self.open = 0
+        self.epoch = epoch
+        self.pid = os.getpid()
 
 
 def _zero(buf: bytearray) -> None:

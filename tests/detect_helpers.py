@@ -131,10 +131,13 @@ def in_forked_child(fn: Callable[[], dict[str, Any]], deadline: float = 10.0
                     ) -> dict[str, Any]:
     """Fork; run ``fn`` in the child and return the JSON-able dict it returned.
 
-    The child dies by ``SIGALRM`` after ``deadline`` seconds instead of hanging the test;
-    an exception in it fails the test with its repr. (A fork needs no interpreter the
-    child may execute — tests that drop to uid 65534 rely on that.)
+    The child dies by ``SIGALRM`` after ``deadline`` seconds instead of hanging the test,
+    and by ``SIGKILL`` from the parent a little later (a child hung inside ``fork()``
+    itself, in an at-fork handler, never sets its alarm); an exception in it fails the
+    test with its repr. (A fork needs no interpreter the child may execute — tests that
+    drop to uid 65534 rely on that.)
     """
+    import select
     import signal
 
     r, w = os.pipe()
@@ -151,8 +154,19 @@ def in_forked_child(fn: Callable[[], dict[str, Any]], deadline: float = 10.0
         finally:
             os._exit(code)
     os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        data = fh.read()
+    end = time.monotonic() + deadline + 5
+    data = b""
+    with os.fdopen(r, "rb", buffering=0) as fh:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fh], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                data += b" (killed: no end by the deadline)"
+                break
+            chunk = fh.read(65536)
+            if not chunk:
+                break
+            data += chunk
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, (os.waitstatus_to_exitcode(status), data)
     result: dict[str, Any] = json.loads(data)

@@ -200,7 +200,8 @@ def test_a_child_forked_while_a_parent_thread_reads_a_secret_wipes_and_reloads_i
     """A parent thread inside ``with secret.view():`` at fork(): its view stayed counted
     in the child, where nobody could close it, so every wipe and reload there waited
     ``wipe_wait`` for it (the snapshot hook timed out with a long one). (``with secret:``
-    keeps its view in a thread-local, which CPython drops in the child, closing it.)"""
+    keeps its view in a thread-local, which CPython frees in the child: that view closes
+    there, and must not count down — see the next test.)"""
     from rehydrate import secrets
 
     secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
@@ -228,6 +229,54 @@ def test_a_child_forked_while_a_parent_thread_reads_a_secret_wipes_and_reloads_i
         reader.join(DEADLINE)
     assert out == {"outcomes": ["ok"], "reloaded": True, "value": "v"}
     assert secret._readers == 0  # the parent's view was its own, and is closed
+
+
+@pytest.mark.parametrize("also_held", [False, True])
+def test_a_parent_threads_secret_view_closing_in_the_child_is_not_counted_down(
+        engine: Lifecycle, also_held: bool) -> None:
+    """A parent thread inside ``with secret:`` at fork(): its view's generator kept the
+    thread-local dict in a cycle, so it closed only at the child's next garbage
+    collection — after the count had been reset — and took the count to -1: every wipe
+    then waited ``wipe_wait`` ("-1 reader(s)"), and a view the child opened itself was
+    wiped under it. Closed in the fork itself (no cycle), it must not take the lock
+    either, which another parent thread may hold (``also_held``)."""
+    import gc
+
+    from rehydrate import secrets
+
+    secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
+                                          engine=engine)
+    reading, release = threading.Event(), threading.Event()
+
+    def read() -> None:
+        with secret:
+            reading.set()
+            release.wait(DEADLINE)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert reading.wait(DEADLINE)
+    if also_held:
+        release2, holder = _held_by_a_parent_thread(lambda: secret._cond)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            gc.collect()
+            after_gc = secret._readers
+            with secret:
+                inside = secret._readers
+            secret.wipe()  # waited wipe_wait (past the deadline) with a count of -1
+            return {"after_gc": after_gc, "inside": inside, "after": secret._readers,
+                    "reloaded": secret.reload()}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        reader.join(DEADLINE)
+        if also_held:
+            release2.set()
+            holder.join(DEADLINE)
+    assert out == {"after_gc": 0, "inside": 1, "after": 0, "reloaded": True}, out
+    assert secret._readers == 0
 
 
 def test_a_secret_view_of_the_forking_thread_stays_counted_in_the_child(
@@ -513,3 +562,147 @@ def test_with_entropy_disabled_a_forked_child_keeps_the_instance_id(
     parent_id = entropy.instance_id()
     out = in_forked_child(lambda: {"id": entropy.instance_id()}, DEADLINE)
     assert out == {"id": parent_id}
+
+
+def test_fresh_lock_after_fork_tells_owners_apart_by_identity() -> None:
+    """Owners were keys of a WeakKeyDictionary: of two equal owners (two connections to
+    one URL) only the first kept its registration, a dataclass was refused as
+    unhashable, and a class with ``__slots__`` got a bare "cannot create weak
+    reference"."""
+    import dataclasses
+
+    from rehydrate.extensions import fresh_lock_after_fork
+
+    class Conn:
+        def __init__(self, url: str) -> None:
+            self.url = url
+            self._lock = threading.Lock()
+            fresh_lock_after_fork(self)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Conn) and other.url == self.url
+
+        def __hash__(self) -> int:
+            return hash(self.url)
+
+    @dataclasses.dataclass
+    class Pool:
+        name: str
+
+        def __post_init__(self) -> None:
+            self._lock = threading.Lock()
+            fresh_lock_after_fork(self)
+
+    class Slotted:
+        __slots__ = ("_lock",)
+
+    with pytest.raises(TypeError, match="Slotted object cannot be held weakly"):
+        fresh_lock_after_fork(Slotted())
+    owners: list[Any] = [Conn("db"), Conn("db"), Pool("p")]
+    assert owners[0] == owners[1]
+    releases = [_held_by_a_parent_thread(lambda o=o: o._lock) for o in owners[1:]]
+    try:
+        out = in_forked_child(lambda: {"free": [o._lock.acquire(timeout=DEADLINE / 4)
+                                                for o in owners[1:]]}, DEADLINE)
+    finally:
+        for release, holder in releases:
+            release.set()
+            holder.join(DEADLINE)
+    assert out == {"free": [True, True]}
+    assert owners[0]._lock is not owners[1]._lock
+    from rehydrate import _threads
+
+    registered = len(_threads._LOCK_OWNERS)
+    owners.clear()
+    assert len(_threads._LOCK_OWNERS) == registered - 3  # held weakly, forgotten when freed
+
+
+def test_fresh_lock_after_fork_merges_registrations_and_keeps_shared_locks_shared() -> None:
+    """Registering an owner again (a subclass after its base) replaced the base's names
+    and hook; a condition over the owner's ``_lock`` got a lock of its own in the child,
+    no longer excluding the ``_lock`` holders."""
+    from rehydrate.extensions import fresh_lock_after_fork
+
+    class Base:
+        def __init__(self) -> None:
+            self._lock = threading.RLock()
+            self.base_busy = 1
+            fresh_lock_after_fork(self, after=Base.reset)
+
+        def reset(self) -> None:
+            self.base_busy = 0
+
+    class Sub(Base):
+        def __init__(self) -> None:
+            super().__init__()
+            self._cond = threading.Condition(self._lock)
+            self.sub_busy = 1
+            fresh_lock_after_fork(self, "_cond", after=Sub.reset_sub)
+
+        def reset_sub(self) -> None:
+            self.sub_busy = 0
+
+    owner = Sub()
+    release, holder = _held_by_a_parent_thread(lambda: owner._lock)
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            free = owner._lock.acquire(timeout=DEADLINE / 4)
+            return {"free": free, "shared": owner._cond._lock is owner._lock,
+                    "busy": [owner.base_busy, owner.sub_busy]}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"free": True, "shared": True, "busy": [0, 0]}, out
+
+
+def _lock_owner(kind: str, engine: Lifecycle) -> tuple[Any, str]:
+    """One more kind of object a forked child may use, and its lock's attribute."""
+    if kind in ("routes-manager", "routes-encoder"):
+        from rehydrate import routes
+
+        manager = routes.manager(engine)
+        return (manager, "_lock") if kind == "routes-manager" else (manager._encoder, "_lock")
+    if kind in ("httpx", "httpx-async"):
+        from rehydrate._httpx import AsyncReconnectingTransport, ReconnectingTransport
+
+        return (ReconnectingTransport if kind == "httpx" else AsyncReconnectingTransport)(), "_lock"
+    if kind == "grpc":
+        from rehydrate._grpc import ManagedChannel
+
+        return ManagedChannel(object), "_lock"
+    if kind == "gameloop":
+        from rehydrate.adapters.gameloop import TickClock
+
+        return TickClock(60.0), "_lock"
+    if kind == "agones":
+        from rehydrate.adapters.agones import AgonesAdapter
+
+        return AgonesAdapter(9, engine=engine), "_lock"
+    from rehydrate.adapters.asgi import ReadinessGate
+
+    gate = ReadinessGate(lambda *a: None, engine=engine)  # type: ignore[arg-type]
+    return (gate, "_lifespans_lock") if kind == "asgi-gate" else (gate._detection, "lock")
+
+
+@pytest.mark.parametrize("kind", ["routes-manager", "routes-encoder", "httpx", "httpx-async",
+                                  "grpc", "gameloop", "agones", "asgi-gate",
+                                  "asgi-detection"])
+def test_a_child_forked_while_a_parent_thread_holds_a_connection_or_adapter_lock_gets_it(
+        engine: Lifecycle, kind: str) -> None:
+    """The routes manager's (and its netlink encoder's), the reconnecting httpx
+    transports', a managed gRPC channel's and the game-loop, Agones and ASGI adapters'
+    locks were not renewed: held by a parent thread at fork(), they were held for ever
+    in the child (its route hooks, requests, channel calls, ticks and lifespans hung)."""
+    owner, name = _lock_owner(kind, engine)
+    release, holder = _held_by_a_parent_thread(lambda: getattr(owner, name))
+    try:
+        def child() -> dict:  # type: ignore[type-arg]
+            return {"free": getattr(owner, name).acquire(timeout=DEADLINE / 4)}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"free": True}

@@ -49,6 +49,7 @@ from rehydrate.extensions import (
     Engine,
     Probe,
     check_seconds,
+    fresh_lock_after_fork,
     resolve_engine,
     shown,
 )
@@ -243,6 +244,7 @@ class AgonesAdapter:
         """Why the adapter is not in step with the sidecar ("" when it is)."""
 
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None

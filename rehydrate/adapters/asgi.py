@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from .. import Phase
-from ..extensions import MAX_SECONDS, check_seconds, shown
+from ..extensions import MAX_SECONDS, check_seconds, fresh_lock_after_fork, shown
 from ._readiness import readiness
 
 if TYPE_CHECKING:
@@ -162,6 +162,7 @@ class _Detection:
     def __init__(self, engine: Lifecycle) -> None:
         self.engine = engine
         self.lock = threading.Lock()  # held across start()/stop(): holders and state agree
+        fresh_lock_after_fork(self, "lock")  # a parent thread may hold it at fork()
         self.holders: list[tuple[asyncio.AbstractEventLoop, str | list[str | Detector]]] = []
 
     def hold(self, detectors: str | list[str | Detector],
@@ -288,6 +289,7 @@ class ReadinessGate:
         requests answer at once."""
         self._lifespans = 0  # this gate's lifespans started and not yet shut down
         self._lifespans_lock = threading.Lock()  # servers on two loops share the gate
+        fresh_lock_after_fork(self, "_lifespans_lock")  # a parent thread may hold it
         self._listening = False
         self._lifespan_seen = False
         self._check_lifespan = lifespan  # until the first request (see below)

@@ -41,7 +41,13 @@ import weakref
 from collections.abc import Callable
 
 from rehydrate import Phase, RestoreContext
-from rehydrate.extensions import BEFORE_USER_HOOKS, Engine, resolve_engine, shown
+from rehydrate.extensions import (
+    BEFORE_USER_HOOKS,
+    Engine,
+    fresh_lock_after_fork,
+    resolve_engine,
+    shown,
+)
 
 __all__ = ["TickClock"]
 
@@ -112,6 +118,7 @@ class TickClock:
         self.max_frame = float(max_frame)
         self._clock = clock
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         now = clock()
         self._last = now
         self._origin = now  # tick 0 of the current epoch

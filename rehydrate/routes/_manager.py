@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._context import RestoreContext
 from .._hooks import Phase
+from .._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -190,6 +191,7 @@ class RoutesManager:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self.routes: list[Route] = []
         self.rulesets: list[NftTable | NftCommands] = []
         self.iptables: list[IptablesRules] = []

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
+from .._threads import fresh_lock_after_fork
 from ._model import (
     _BATCH,
     _PREF_CODES,
@@ -270,6 +271,7 @@ class _Encoder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._cache: dict[tuple[Any, ...], tuple[int, bytes]] = {}
         self._next = _SEQ_BASE
 
