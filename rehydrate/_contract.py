@@ -103,7 +103,13 @@ class Engine(Protocol):
 
     def remove_listener(self, fn: Callable[[Report], None]) -> None: ...
 
-    def add_status(self, key: str, fn: Callable[[], Any]) -> None: ...
+    def add_status(self, key: str, fn: Callable[[], Any]) -> None:
+        """Add the field ``key`` to ``status()``. ``ValueError`` for a field of the
+        engine's own (``state``, ``generation``, ``ready``, ``detectors``,
+        ``last_report``, ``detector_errors``, ``hung_hooks``) or one another extension
+        added; the same owner (a bound method's class, else ``fn``'s module) may add it
+        again."""
+        ...
 
     def recovered(self, hook: str | Hook, *, since: float | None = None) -> bool:
         """A required hook that failed in the last restore/resume run did its job since:
@@ -147,7 +153,30 @@ class Engine(Protocol):
         abort: Literal["announced", "answered"] | None = None,
         deadline: float | None = None,
         older_than: float | None = None,
-    ) -> RestoreReport: ...
+    ) -> RestoreReport:
+        """Run the restore (``kind="restore"``, a clone) or resume (the original after a
+        checkpoint) hooks for an event a detector noticed; returns the run's report.
+
+        One run per restore, however many detectors notice it: a later notice of the same
+        restore runs nothing (its ``reason`` goes into the report's ``confirmed_by``, the
+        notice gets a copy flagged ``deduplicated``). How the engine tells:
+
+        * ``key``: a name for the event (a checkpoint counter, a message id): a key
+          already handled is that event.
+        * ``since``: the ``time.monotonic()`` at which the detector last saw the process
+          running before the freeze (as late as it honestly knows). A restore detected
+          after it — with no before-snapshot pass since — is this one. A notice that
+          arrives as the process resumes may pass "arrival minus a short window" (the
+          signal and marker-file detectors pass ``received - 2 s``).
+        * ``since`` not given (``None``): the engine asks its freeze watch
+          (``freeze_since()``, fed by the clock-jump detector): the notice is the last
+          restore when nothing froze since that restore ran. With no freeze watch
+          running it never deduplicates by time.
+
+        ``detected_at``: when the detector noticed (default now). The other arguments
+        (``anchor``, ``undoes``, ``abort``, ``deadline``, ``older_than``, ``frozen_for``,
+        ``env``) serve the built-in detectors; see ``Lifecycle.restore_detected``."""
+        ...
 
     def snapshot_requested(self, reason: str = "simulated", *,
                            key: str | None = None) -> SnapshotReport: ...
@@ -178,7 +207,10 @@ class Engine(Protocol):
     def simulate_snapshot(self, reason: str = "simulated") -> SnapshotReport: ...
 
     def add_detector(self, detector: Detector) -> None:
-        """Install a detector: started by every ``start()``, stopped by ``stop()``."""
+        """Install a detector: started by every ``start()`` (also in a child of
+        ``fork()``), listed by ``status()``, its key accepted by ``start([...])``,
+        stopped by ``stop()``; taken off again when the ``install()`` that added it
+        raises."""
         ...
 
     def detector(self, key: str) -> Detector | None: ...

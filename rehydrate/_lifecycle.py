@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,6 +170,18 @@ class Status:
 
 _CORE_STATUS = frozenset({"state", "generation", "ready", "detectors", "last_report"})
 """The fields of :meth:`Status.to_dict` that are not extensions' (``add_status``)."""
+_ENGINE_STATUS = _CORE_STATUS | {"detector_errors", "hung_hooks"}
+"""Every field the engine itself publishes: refused to ``add_status``."""
+
+
+def _status_owner(fn: Callable[[], Any]) -> str:
+    """Who added a status field, for :meth:`Lifecycle.add_status`: the class of a bound
+    method's object, else the module that defined ``fn``."""
+    obj = getattr(fn, "__self__", None)
+    if obj is not None and not isinstance(obj, types.ModuleType):
+        cls = type(obj)
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return str(getattr(fn, "__module__", None) or type(fn).__qualname__)
 
 
 class Lifecycle:
@@ -293,7 +306,7 @@ class Lifecycle:
         self._merged: tuple[tuple[int, ...], dict[str, tuple[Hook, ...]]] | None = None
         # one entry per abandoned hook thread still running (at most one per hook function);
         # a lambda: close() replaces the runner
-        self.add_status("hung_hooks", lambda: self._runner.hung_hooks())  # noqa: PLW0108
+        self._extra_status["hung_hooks"] = lambda: self._runner.hung_hooks()  # noqa: PLW0108
         if extensions is not None:
             self._install_extensions(extensions, explicit=True)
         elif builtins:
@@ -312,7 +325,8 @@ class Lifecycle:
         parent's detectors *without stopping them* (stopping would unlink the parent's
         control socket or close its descriptors' resources), and an event the parent was
         running is not finished here: its state becomes ``degraded``. Hooks, generation and
-        reports stay. ``start()`` in the child starts its own detectors.
+        reports stay. ``start()`` in the child starts its own detectors — the installed
+        ones (:meth:`add_detector`) again.
         """
         self._cond = threading.Condition()
         self._run_lock = threading.Lock()
@@ -326,7 +340,9 @@ class Lifecycle:
         self._detectors = []
         self._detector_errors = {}
         self._notices = 0  # the parent's threads waiting with a notice are not here
-        self._installed_detectors = {}  # instances wired to the parent's threads and files
+        # _installed_detectors stay: the child's start() starts them again (forgotten, an
+        # installed detector was lost for good — start(extensions=[det]) was a no-op, a new
+        # instance "installed already", its key "unknown").
         self._restore_deadlines = {}  # set by those detectors (the SnapStart bridge)
         self._started = False
         self.env._lock = threading.Lock()
@@ -343,6 +359,8 @@ class Lifecycle:
 
     def _install_extensions(self, specs: Iterable[str | Extension], *,
                             explicit: bool) -> None:
+        from . import detect
+
         for spec in specs:
             try:
                 ext = load_extension(spec)
@@ -362,7 +380,10 @@ class Lifecycle:
                     # twice (a manager) or silently replaced the first (a detector).
                     raise ValueError(f"extension {key!r} is installed already in this "
                                      "engine (listed twice?)")
-                probe = ext.probe()
+                # A detector instance answers for its own configuration (a FileDetector
+                # given a path); its class-level probe() only knows the environment.
+                probe = (ext.probe_instance() if isinstance(ext, detect.Detector)
+                         else ext.probe())
                 if not isinstance(probe, Probe):
                     raise TypeError(f"extension {key!r}: probe() must return a Probe, not "
                                     f"{type(probe).__name__}")
@@ -410,17 +431,19 @@ class Lifecycle:
 
     def _install_or_undo(self, ext: Extension) -> None:
         """``ext.install(self)``; when it raises, what it had attached already (hooks,
-        status fields, observers, listeners, per-engine instances) is taken off again — a
-        half-installed extension's hooks ran at every event although it was "not
-        installed"."""
+        status fields, observers, listeners, per-engine instances, detectors) is taken
+        off again — a half-installed extension's hooks ran at every event, and its
+        detector watched, although it was "not installed"."""
         hooks = {r: {h.seq for e in ("restore", "snapshot") for h in r.hooks(e)}
                  for r in (self.builtins, self.registry)}
         lists = [(lst, len(lst)) for lst in (self._observers, self._listeners,
                                               self._start_listeners)]
         status, instances = set(self._extra_status), set(self._extensions)
+        detectors = dict(self._installed_detectors)
         try:
             ext.install(self)
         except BaseException:
+            self._undo_detectors(detectors)
             for registry, before in hooks.items():
                 for event in ("restore", "snapshot"):
                     for h in registry.hooks(event):
@@ -437,6 +460,30 @@ class Lifecycle:
                     with contextlib.suppress(Exception):
                         close()
             raise
+
+    def _undo_detectors(self, before: dict[str, Detector]) -> None:
+        """Put the installed detectors back as they were before a failed ``install()``:
+        one it added is stopped (when it runs) and removed; one it replaced runs again."""
+        stopped, replaced = [], []
+        with self._start_lock:
+            for key, det in list(self._installed_detectors.items()):
+                if before.get(key) is det:
+                    continue
+                if key in before:
+                    self._installed_detectors[key] = before[key]
+                    replaced.append(before[key])
+                else:
+                    del self._installed_detectors[key]
+                if any(running is det for running in self._detectors):
+                    self._detectors.remove(det)
+                    stopped.append(det)
+                self._detector_errors.pop(key, None)
+        for det in stopped:  # outside the lock: its thread may be waiting for it
+            self._stop_detector(det)
+        with self._start_lock:
+            for det in replaced:
+                if self._started and self.detector(det.key) is None:
+                    self._start_detector(det)
 
     def extension(self, key: str, factory: Callable[[Lifecycle], T]) -> T:
         """The per-engine instance of an extension, created by ``factory`` on first use.
@@ -471,12 +518,21 @@ class Lifecycle:
     def add_status(self, key: str, fn: Callable[[], Any]) -> None:
         """Add a field to :meth:`status` (managers publish their state this way).
 
-        The core fields (``state``, ``generation``, ``ready``, ``detectors``,
-        ``last_report``) are refused: an extension's field replaced them in
-        ``status().to_dict()`` — what the CLI, the control socket and ``/readyz`` show.
+        The engine's own fields (``state``, ``generation``, ``ready``, ``detectors``,
+        ``last_report``, ``detector_errors``, ``hung_hooks``) are refused, and so is a
+        field another extension added (a ``ValueError`` naming both): an extension's field
+        replaced them in ``status().to_dict()`` — what the CLI, the control socket and
+        ``/readyz`` show — so a dead detector or another manager's state vanished without a
+        word. The same owner may add its field again (a detector's ``start()`` after a
+        ``stop()``, a new instance of the same class): the owner is the class of a bound
+        method's object, else the module that defined ``fn``.
         """
-        if key in _CORE_STATUS:
+        if key in _ENGINE_STATUS:
             raise ValueError(f"status field {key!r} is the engine's own; choose another name")
+        old = self._extra_status.get(key)
+        if old is not None and _status_owner(old) != _status_owner(fn):
+            raise ValueError(f"status field {key!r} is added already by {_status_owner(old)}; "
+                             f"{_status_owner(fn)} cannot replace it: choose another name")
         self._extra_status[key] = fn
 
     def set_restore_deadline(self, source: str, seconds: float | None) -> None:
@@ -901,7 +957,12 @@ class Lifecycle:
         may also clamp its ``since`` to "arrival minus a short window" (bounded below by
         when it started waiting): a descriptor opened hours ago must not swallow a real
         restore because some other restore — or a false alarm — was handled in between.
-        ``since=None`` never deduplicates by time.
+        ``since=None`` (not known): for an anchored notice the engine asks its freeze
+        watch (:meth:`freeze_since`, fed by the clock-jump detector) — the notice is the
+        last restore when nothing froze since that restore ran (a doorbell rung right
+        after the clock-jump detector handled the freeze runs nothing); with no freeze
+        watch running, or for ``anchor=False``, it never deduplicates by time. A detector
+        that knows better passes its own ``since``. ``math.inf`` never deduplicates by time.
 
         ``undoes``: the notice ends, without a checkpoint of it completing, the first
         before-snapshot pass that began at or after this ``time.monotonic()`` moment — a
@@ -961,6 +1022,12 @@ class Lifecycle:
         with self._cond:
             self._notices += 1
         try:
+            if since is None and anchor:
+                # A notice that cannot tell when its freeze was (an outside detector that
+                # passes no since): the freeze watch's word, as for `notify restore`
+                # without a save. With since=None it ran the hooks a second time for a
+                # freeze the clock-jump detector had handled moments before.
+                since = self.freeze_since()
             with self._run_lock:
                 if key is not None and key in self._seen:
                     log.debug("restore notice %s from %s: already handled", key, reason)
@@ -1645,7 +1712,8 @@ class Lifecycle:
         ``detectors``: ``"auto"`` (every detector usable here that is on by default),
         ``"none"``, or keys / :class:`~rehydrate.detect.Detector` instances; detectors
         installed as extensions (:meth:`add_detector`) start too, in place of a selected
-        one with the same key. ``loop``: run ``async`` hooks on this (the application's)
+        one with the same key, and their keys may be listed (they need no catalogue
+        line). ``loop``: run ``async`` hooks on this (the application's)
         event loop. Returns the keys of the detectors now running. A key listed more than
         once (as a key, or as another instance with that key) starts once, the first
         listed, with one ``WARNING``; a ``detectors`` of another type, or an entry that is
@@ -1674,6 +1742,10 @@ class Lifecycle:
             self.env.baseline()
             self._runner.prestart()  # prepared before any snapshot, not in the clone
             installed = self._installed_detectors
+            if not isinstance(detectors, str):
+                # an installed detector's key names it (it may be in no catalogue)
+                detectors = [d for d in detectors if isinstance(d, detect.Detector)
+                             or d not in installed]
             chosen = [*installed.values(),
                       *(d for d in detect.select(detectors) if d.key not in installed)]
             self._detectors = []
@@ -1702,7 +1774,7 @@ class Lifecycle:
         if isinstance(items, str):  # "auto" or "none"
             return [d.key for d in self._detectors]
         for item in items:  # every key checked before anything starts, as on the first call
-            if not isinstance(item, detect.Detector):
+            if not isinstance(item, detect.Detector) and item not in self._installed_detectors:
                 detect.load(item)
         wanted: list[str | detect.Detector] = []
         ready: list[detect.Detector] = []  # installed ones: the install probed them
@@ -1760,9 +1832,11 @@ class Lifecycle:
     def add_detector(self, detector: Detector) -> None:
         """Install ``detector`` (what :meth:`Detector.install
         <rehydrate.detect.Detector.install>` calls): every :meth:`start` starts it — now,
-        when this engine runs already — :meth:`status` lists it and :meth:`stop` stops
-        it. It replaces an installed detector with the same key (stopping it when it
-        runs)."""
+        when this engine runs already, and again in a child of ``fork()`` — its key may
+        be listed in ``start([...])``, :meth:`status` lists it and :meth:`stop` stops it.
+        It replaces an installed detector with the same key (stopping it when it runs).
+        When the extension's ``install()`` raises afterwards, the detector is stopped and
+        taken off again (one it replaced is back)."""
         with self._start_lock:
             self._installed_detectors[detector.key] = detector
             old = self.detector(detector.key)

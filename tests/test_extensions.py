@@ -182,6 +182,40 @@ def test_an_extension_cannot_replace_a_core_status_field(rehydrate_engine, key):
     assert rehydrate_engine.status().to_dict()[key] != "overridden"
 
 
+@pytest.mark.parametrize("key", ["detector_errors", "hung_hooks"])
+def test_an_extension_cannot_replace_the_engines_other_status_fields(rehydrate_engine, key):
+    """Before: ``add_status("detector_errors", ...)`` hid a dead detector and
+    ``add_status("hung_hooks", ...)`` the engine's abandoned hook threads."""
+    with pytest.raises(ValueError, match=f"status field {key!r} is the engine's own"):
+        rehydrate_engine.add_status(key, lambda: "overridden")
+    assert rehydrate_engine.status().to_dict().get(key) != "overridden"
+
+
+def test_an_extension_cannot_replace_another_extensions_status_field(rehydrate_engine):
+    """Before: a third-party manager's ``add_status("keys", ...)`` silently replaced what
+    the key manager publishes. The same owner may add its field again (a detector
+    started again, a new instance of the same class)."""
+    import rehydrate.keys as keys
+
+    keys.ephemeral("s", engine=rehydrate_engine)
+    with pytest.raises(ValueError, match=r"status field 'keys' is added already by "
+                                         r"rehydrate\.keys\.KeyManager; (tests\.)?test_extensions "
+                                         r"cannot replace it"):
+        rehydrate_engine.add_status("keys", lambda: ["my", "pool", "keys"])
+    assert "s" in rehydrate_engine.status()["keys"]
+
+    class Pool:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def status(self) -> int:
+            return self.n
+
+    rehydrate_engine.add_status("pool", Pool(1).status)
+    rehydrate_engine.add_status("pool", Pool(2).status)  # the same owner: replaced
+    assert rehydrate_engine.status()["pool"] == 2
+
+
 class _HalfInstall:
     """Attaches one of everything, then fails."""
 

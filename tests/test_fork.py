@@ -706,3 +706,88 @@ def test_a_child_forked_while_a_parent_thread_holds_a_connection_or_adapter_lock
         release.set()
         holder.join(DEADLINE)
     assert out == {"free": True}
+
+
+def test_a_childs_start_starts_the_installed_detectors_again(engine: Lifecycle) -> None:
+    """Before: the child forgot its installed detectors but kept their keys in
+    ``installed``: ``start()`` left them out, ``start(extensions=[det])`` did nothing, a
+    new instance was "installed already" and ``start(["tick"])`` an "unknown detector"."""
+    from rehydrate.detect import Detector
+
+    class Tick(Detector):
+        """Tick: records its starts."""
+
+        key = "tick"
+
+        def __init__(self) -> None:
+            self.starts: list[int] = []
+
+        def start(self, engine: object) -> None:
+            self.starts.append(os.getpid())
+
+        def stop(self) -> None:
+            pass
+
+    tick = Tick()
+    assert engine.start("none", extensions=[tick]) == ["tick"]
+
+    def child() -> dict:  # type: ignore[type-arg]
+        before = list(engine.status().detectors)
+        running = engine.start("none")
+        again = engine.start(["tick"])
+        return {"before": before, "running": running, "again": again,
+                "in_child": tick.starts[-1] == os.getpid(), "starts": len(tick.starts)}
+
+    out = in_forked_child(child, DEADLINE)
+    assert out == {"before": [], "running": ["tick"], "again": ["tick"], "in_child": True,
+                   "starts": 2}
+    assert engine.status().detectors == ("tick",) and len(tick.starts) == 1
+
+
+def test_an_installed_marker_file_detector_watches_again_in_the_child(
+        engine: Lifecycle, tmp_path: Path) -> None:
+    """An installed built-in instance is started again in the child too: the marker-file
+    detector took its parent's worker for its own and was listed as running, deaf."""
+    from detect_helpers import Recorder
+
+    from rehydrate.detect.file import FileDetector
+
+    marker = tmp_path / "restored"
+    det = FileDetector(marker, interval=0.02, window=0)
+    assert engine.start("none", extensions=[det]) == ["file"]
+
+    def child() -> dict:  # type: ignore[type-arg]
+        rec = Recorder(engine)
+        running = engine.start("none")
+        tmp = tmp_path / "restored.tmp"
+        tmp.write_text("restore 1\n")
+        os.link(tmp, marker)  # it appears with its content in one step
+        calls = rec.wait(1)
+        return {"running": running, "reason": calls[0]["reason"],
+                "threads": sorted(t.name for t in threading.enumerate()
+                                  if t.name == "rehydrate-marker-file")}
+
+    out = in_forked_child(child, DEADLINE)
+    assert out == {"running": ["file"], "reason": "file",
+                   "threads": ["rehydrate-marker-file"]}
+    assert engine.detector("file") is det
+
+
+def test_an_installed_control_detector_says_in_the_child_that_it_serves_the_parent(
+        engine: Lifecycle, sock_path: str) -> None:
+    """Started again in the child, an installed control detector refuses loudly and says
+    why (it said only "already running"); the parent's socket is left alone."""
+    assert engine.start("none", extensions=[ControlDetector(sock_path)]) == ["control"]
+
+    def child() -> dict:  # type: ignore[type-arg]
+        running = engine.start("none")
+        return {"running": running,
+                "error": engine.status().to_dict()["detector_errors"]["control"]}
+
+    out = in_forked_child(child, DEADLINE)
+    assert out["running"] == []
+    assert out["error"] == (f"this control detector serves the parent process "
+                            f"({os.getpid()}) at {sock_path}; a child of fork() needs a "
+                            "ControlDetector of another path")
+    reply = request("status", socket_path=sock_path, timeout=DEADLINE)
+    assert reply["ok"] and reply["pid"] == os.getpid()

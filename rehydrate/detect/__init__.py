@@ -9,12 +9,16 @@ The engine drives it with ``start(engine)`` / ``stop()``.
 
 :data:`DETECTORS` lists the built-in ones as dotted names, imported only when used, so
 ``import rehydrate`` stays light. ``start(detectors="auto")`` picks every detector whose
-probe succeeds and that is on by default; ``rehydrate doctor`` prints every probe.
+probe succeeds and that is on by default; ``rehydrate doctor`` prints every probe. A
+detector outside rehydrate is enabled by instance (``start(extensions=[...])``,
+``start(detectors=[...])``): ``"auto"`` and ``doctor`` know only :data:`DETECTORS` (no
+entry-point group).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import types
 import warnings
@@ -79,8 +83,12 @@ class Detector:
     def probe_instance(self) -> Probe:
         """Whether this instance can work here: :meth:`probe` unless the instance was
         configured otherwise (a detector given its own path probes that path).
-        ``start(detectors=[instance])`` asks this, as it asks :meth:`probe` for a key."""
-        return probe_of(type(self))
+        ``start(detectors=[instance])`` and ``start(extensions=[instance])`` ask this, as
+        they ask :meth:`probe` for a key. It calls ``self.probe()``, so a ``probe`` written
+        as an instance method (the :class:`~rehydrate.extensions.Extension` protocol's
+        shape) works for an instance; only a key (``start("auto")``, ``rehydrate
+        doctor``) needs the classmethod."""
+        return _as_probe(self.probe(), type(self))
 
     @classmethod
     def auto_here(cls) -> str | None:
@@ -107,8 +115,12 @@ class Detector:
 
     def start(self, engine: Engine) -> None:
         """Begin watching; report events with ``engine.restore_detected()`` /
-        ``engine.snapshot_requested()``. Called by the engine; raise when it cannot start.
-        An instance serves one engine at a time: the engines refuse to start one that
+        ``engine.snapshot_requested()`` — a restore with ``since=`` (when this detector
+        last saw the process before the freeze) or ``key=``, so that a restore another
+        detector noticed too runs once (without either, the engine asks its freeze
+        watch). Called by the engine; raise when it cannot start. In a child of
+        ``fork()`` an installed instance is started again (its threads stayed in the
+        parent). An instance serves one engine at a time: the engines refuse to start one that
         another engine runs (so a detector need not check that itself). The built-in
         detectors refuse it too when started directly, outside an engine (the same
         ``RuntimeError`` line)."""
@@ -192,21 +204,33 @@ def load(key: str) -> type[Detector]:
     module, _, attr = spec.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Detector)) or cls.key != key:
-        raise TypeError(f"{spec} is not a Detector with key {key!r}")
+        raise TypeError(f"{spec} is not a Detector with key {key!r} (a DETECTORS entry's "
+                        "key is its module's name, '_' as '-'; a detector of another key "
+                        "is passed to start(detectors=[...]) or start(extensions=[...]))")
     return cls
 
 
 def probe_of(cls: type[Detector]) -> Probe:
     """``cls.probe()`` as a :class:`~rehydrate.extensions.Probe`; a detector written
     against the former interface (a reason string, or ``None`` when usable) still works,
-    with a ``DeprecationWarning``."""
-    found: object = cls.probe()
+    with a ``DeprecationWarning``. A ``probe`` written as an instance method is a
+    ``TypeError`` saying so: a class is probed before any instance exists."""
+    if isinstance(inspect.getattr_static(cls, "probe", None), types.FunctionType):
+        raise TypeError(f"{cls.__qualname__}.probe() must be a classmethod to probe the "
+                        "class (start(\"auto\"), rehydrate doctor, a key in start([...])): "
+                        "add @classmethod, or pass an instance (start(detectors=[...]) or "
+                        "start(extensions=[...]) ask the instance)")
+    return _as_probe(cls.probe(), cls)
+
+
+def _as_probe(found: object, cls: type[Detector]) -> Probe:
+    """A probe's answer as a :class:`~rehydrate.extensions.Probe` (see :func:`probe_of`)."""
     if isinstance(found, Probe):
         return found
     if found is None or isinstance(found, str):
         warnings.warn(f"{cls.__qualname__}.probe() must return a rehydrate.extensions.Probe, "
                       "not a reason string or None (deprecated)", DeprecationWarning,
-                      stacklevel=2)
+                      stacklevel=3)
         return Probe(found is None, found or "")
     raise TypeError(f"{cls.__qualname__}.probe() returned {type(found).__name__}, not a Probe")
 
@@ -290,7 +314,11 @@ def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
                 cls = load(key)
                 if cls.auto_here() is None and (probe_of(cls).usable or cls.configured()):
                     chosen.append(cls())
-            except Exception:  # noqa: S112 - a detector that fails its probe is skipped
+            except Exception as exc:
+                # skipped, but named: an entry appended to DETECTORS whose key is not its
+                # module's name was left out without a word
+                logging.getLogger("rehydrate").warning(
+                    "detector %s skipped by start(\"auto\"): %s", key, exc)
                 continue
         return chosen
     if isinstance(spec, str):  # "none"

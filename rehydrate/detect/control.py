@@ -920,6 +920,11 @@ class ControlDetector(Detector):
     def start(self, engine: Engine) -> None:
         if self.server is not None:
             refuse_another_engine(self, self.server.engine, engine)
+            owner = self.server._bound_by
+            if owner not in (-1, os.getpid()):  # an installed instance, in a fork's child
+                raise RuntimeError(f"this control detector serves the parent process "
+                                   f"({owner}) at {self.server.path}; a child of fork() "
+                                   "needs a ControlDetector of another path")
             raise RuntimeError("this control detector is already running")
         server = ControlServer(engine, self.path)
         server.start()

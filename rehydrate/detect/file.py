@@ -52,6 +52,7 @@ from .. import _config
 from .._contract import Probe, refuse_another_engine
 from .._files import READ_ONLY_EVENTS, open_regular
 from .._gvisor import running_under_gvisor
+from .._threads import fresh_lock_after_fork
 from . import Detector
 from ._util import checked_kind, env_kind
 
@@ -222,7 +223,10 @@ class FileDetector(Detector):
         self.rewatches = 0
         self._stopping = threading.Event()
         self._worker: threading.Thread | None = None
+        self._worker_pid = 0
         self._lock = threading.Lock()
+        # the worker takes both: a child forked meanwhile must not wait for them for ever
+        fresh_lock_after_fork(self, "_lock", "_arrival_lock")
 
     @classmethod
     def probe(cls) -> Probe:
@@ -256,7 +260,11 @@ class FileDetector(Detector):
 
     def start(self, engine: Engine) -> None:
         with self._lock:
-            if self._worker is not None:
+            # A worker of the parent of a fork is not here (an installed detector is
+            # started again in the child): taken for running, the child's detector was
+            # listed as watching and heard nothing. Its observer is left alone, as the
+            # engine leaves the parent's detectors.
+            if self._worker is not None and self._worker_pid == os.getpid():
                 refuse_another_engine(self, self._engine, engine)
                 return
             parent = os.path.dirname(self.path)
@@ -283,6 +291,7 @@ class FileDetector(Detector):
             self._watch_targets(observer)
             self._worker = threading.Thread(target=self._work, name="rehydrate-marker-file",
                                             daemon=True)
+            self._worker_pid = os.getpid()
             self._worker.start()
 
     def stop(self) -> None:

@@ -282,3 +282,182 @@ def test_a_refused_replacement_leaves_the_running_detector_in_place(bare_engine:
     assert engine.detector("reporting") is mine and mine.events == ["start"]
     assert "another engine" in engine.status().extra["detector_errors"]["reporting"]
     assert theirs.engines == [other]
+
+
+class Configured(Recording):
+    """Configured: usable only as an instance given its own configuration."""
+
+    key = "configured"
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe(False, "REHYDRATE_CONFIGURED is not set")
+
+    def probe_instance(self) -> Probe:
+        return Probe(True)
+
+
+def test_a_detector_instance_given_as_an_extension_is_probed_as_an_instance(
+        bare_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: ``start(extensions=[FileDetector(path)])`` and ``Lifecycle(extensions=[...,
+    FileDetector(path)])`` asked the class's probe ("REHYDRATE_MARKER_FILE is not set")
+    and left the detector out with a WARNING, while ``detectors=[...]`` ran it."""
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        engine = bare_engine([Configured()])
+        assert engine.installed == ["configured"]
+        assert engine.start("none") == ["configured"]
+        other = bare_engine([])
+        assert other.start("none", extensions=[Configured()]) == ["configured"]
+    assert "not installed" not in caplog.text
+
+
+def test_an_installed_detectors_key_may_be_listed_in_start(bare_engine: Any) -> None:
+    """Before: ``start(["recording"])`` raised "unknown detector" for an installed
+    detector outside the catalogue, on the first call and on a later one."""
+    rec = Recording()
+    engine = bare_engine([rec])
+    assert engine.start(["recording", "clock-jump"]) == ["recording", "clock-jump"]
+    assert engine.start(["recording"]) == ["recording", "clock-jump"]
+    engine.stop()
+    assert engine.start("recording") == ["recording"]
+    with pytest.raises(ValueError, match="unknown detector 'nothing'"):
+        engine.start(["recording", "nothing"])
+
+
+class _FailsAfterItsDetector:
+    """An adapter that brings its own detector, then fails to install."""
+
+    key = "composite"
+
+    def __init__(self, detector: Detector) -> None:
+        self.detector = detector
+
+    def probe(self) -> Probe:
+        return Probe(True)
+
+    def install(self, engine: Any) -> None:
+        self.detector.install(engine)
+        raise RuntimeError("framework not configured")
+
+
+@pytest.mark.parametrize("started_first", [False, True])
+def test_a_failed_install_takes_its_detector_off_again(bare_engine: Any,
+                                                       started_first: bool) -> None:
+    """Before: an extension whose ``install()`` raised after ``add_detector`` left that
+    detector installed — started by every later ``start()``, or running already."""
+    engine = bare_engine([])
+    if started_first:
+        engine.start("none")
+    rec = Recording()
+    with pytest.raises(RuntimeError, match="framework not configured"):
+        engine.install(_FailsAfterItsDetector(rec))
+    assert "composite" not in engine.installed
+    assert engine.start("none") == [] and engine.detector("recording") is None
+    assert rec.events == (["start", "stop"] if started_first else [])
+    with pytest.raises(ValueError, match="unknown detector"):
+        engine.start(["recording"])
+
+
+def test_a_failed_install_puts_back_the_detector_it_replaced(bare_engine: Any) -> None:
+    first = Recording()
+    engine = bare_engine([first])
+    engine.start("none")
+    second = Recording()
+    with pytest.raises(RuntimeError, match="framework not configured"):
+        engine.install(_FailsAfterItsDetector(second))
+    assert engine.detector("recording") is first
+    assert first.events == ["start", "stop", "start"] and second.events == ["start", "stop"]
+    engine.stop()
+    assert engine.start("none") == ["recording"] and engine.detector("recording") is first
+
+
+class _InstanceProbe(Recording):
+    """Instance probe: ``probe`` written as an instance method, as the Extension
+    protocol shows it."""
+
+    key = "instance-probe"
+
+    def probe(self) -> Probe:  # type: ignore[override]
+        return Probe(True)
+
+
+def test_a_probe_written_as_an_instance_method(bare_engine: Any) -> None:
+    """Before: ``start(extensions=[det])`` worked and ``start(detectors=[det])`` raised
+    "probe() missing 1 required positional argument: 'self'"; a key (doctor, "auto")
+    now says what is wrong instead of failing in the call."""
+    engine = bare_engine([])
+    assert engine.start([_InstanceProbe()]) == ["instance-probe"]
+    assert bare_engine([_InstanceProbe()]).start("none") == ["instance-probe"]
+    with pytest.raises(TypeError, match=r"_InstanceProbe.probe\(\) must be a classmethod"):
+        probe_of(_InstanceProbe)
+
+
+def test_a_catalogue_entry_start_auto_cannot_use_is_named_not_skipped_silently(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: an entry appended to ``DETECTORS`` whose key is not its module's name was
+    left out of ``start("auto")`` without a word."""
+    monkeypatch.setattr(detect, "DETECTORS",
+                        [*DETECTORS, f"{__name__}:Recording"])  # key "recording"
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        chosen = detect.select("auto")
+    assert all(d.key != "recording" for d in chosen)
+    key = key_of(f"{__name__}:Recording")
+    assert f'detector {key} skipped by start("auto")' in caplog.text
+    assert "key is its module's name" in caplog.text
+
+
+class _Doorbell(Recording):
+    """Doorbell: the test rings it; its notice passes no ``since``, as the docs showed."""
+
+    key = "doorbell"
+    specificity = 50
+
+    def start(self, engine: Any) -> None:
+        self.engine = engine
+
+    def ring(self) -> Any:
+        return self.engine.restore_detected("doorbell")
+
+
+def test_an_outside_notice_without_since_after_the_clock_jump_run_is_that_restore(
+        rehydrate_engine: Lifecycle) -> None:
+    """Before: a doorbell rung right after a freeze the clock-jump detector had handled
+    ran every hook a second time (runs [clock-jump 1, doorbell 2]): a notice without
+    ``since`` never deduplicated. Now the engine asks its freeze watch, as for ``notify
+    restore`` without a save: nothing froze since that run, so it is that restore."""
+    engine = rehydrate_engine
+    runs: list[tuple[str, int]] = []
+    engine.registry.after_restore(lambda ctx: runs.append((ctx.reason, ctx.generation)),
+                                  name="test.runs")
+    bell = _Doorbell()
+    assert engine.start("none", extensions=[bell]) == ["doorbell"]
+    # The freeze watch as the clock-jump detector feeds it (its own clock is real time),
+    # for a freeze that ended 5 s ago.
+    t = time.monotonic() - 5
+    engine.heartbeat(t - 10, 1.0)  # the watch began
+    engine.heartbeat(t - 3, 1.0)  # the last heartbeat before the freeze
+    engine.freeze_noticed(t - 3, t)
+    engine.restore_detected("clock-jump", since=t - 3, detected_at=t)
+    engine.heartbeat(time.monotonic(), 1.0)  # the watch goes on
+
+    dup = bell.ring()
+    assert dup.deduplicated and (dup.reason, dup.generation) == ("clock-jump", 1)
+    assert engine.status().last_report.confirmed_by == ("doorbell",)
+    assert bell.ring().deduplicated  # still no freeze since
+    assert runs == [("clock-jump", 1)]
+
+    # A new freeze the watch noticed, rung before the clock jump's notice: the bell's
+    # notice runs it, the clock jump's is the duplicate.
+    now = time.monotonic()
+    engine.freeze_noticed(now - 0.5, now)
+    assert not bell.ring().deduplicated
+    assert engine.restore_detected("clock-jump", since=now - 0.5).deduplicated
+    assert runs == [("clock-jump", 1), ("doorbell", 2)]
+
+
+def test_an_outside_notice_without_since_and_no_freeze_watch_runs(
+        rehydrate_engine: Lifecycle) -> None:
+    """Without a freeze watch the engine cannot tell: every such notice runs."""
+    bell = _Doorbell()
+    assert rehydrate_engine.start("none", extensions=[bell]) == ["doorbell"]
+    assert [bell.ring().generation for _ in range(2)] == [1, 2]
