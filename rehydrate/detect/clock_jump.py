@@ -65,10 +65,11 @@ job-control stop is not a checkpoint: when the detector was started from the mai
 and ``SIGCONT`` has no handler, it records ``SIGCONT`` (a stopped process receives it
 when continued; checkpoints and freezers send none), and a freeze of up to ``threshold``
 that ended with one leaves the snapshot pending. The record is made in C, in whichever
-thread the kernel hands the signal to (``faulthandler``'s handler, chained to Python's):
-Python's own handler runs only in the main thread and only once it runs Python code
-again, so with the main thread asleep and another thread taking the signal it came too
-late and the stop was taken for the checkpoint. Telling them apart waits up to 0.2 s
+thread the kernel hands the signal to (``faulthandler``'s handler, not chained to
+Python's): Python's own handler runs only in the main thread and only once it runs Python
+code again, so with the main thread asleep and another thread taking the signal it came
+too late and the stop was taken for the checkpoint — and, chained, its late record made a
+later checkpoint look like a stop. Telling them apart waits up to 0.2 s
 for the record; a longer freeze is a restore whether a snapshot is pending or not, so a
 clone restored after ``notify save`` runs its hooks at once. A GIL stall never ends a
 pending snapshot either.
@@ -167,20 +168,40 @@ class _ContWatch:
     a blocking call), the handler runs when the sleep ends — after the detector, which
     waits only briefly, took the stop for the checkpoint and ran the restore hooks (seen
     with a main thread in ``time.sleep(1)``: its handler ran 0.5 s late). So the arrival
-    is also recorded where it happens: ``faulthandler``'s handler for SIGCONT runs in C
-    in the thread that takes the signal, without the GIL, writes that thread's traceback
-    into a non-blocking pipe (only a doorbell: :meth:`poll` drains it) and then chains to
-    Python's handler. A thread Python does not know (a native library's worker) writes
-    nothing; then only the Python handler, which also rings, records the SIGCONT. An
-    application's own ``faulthandler.register(SIGCONT)`` made later replaces the C record
-    (the Python handler stays), as its ``signal.signal(SIGCONT)`` replaces both. Like the
-    handlers, the pipe (two descriptors) stays for the life of the process.
+    is recorded where it happens: ``faulthandler``'s handler for SIGCONT runs in C in the
+    thread that takes the signal, without the GIL, and writes a traceback into a
+    non-blocking pipe (only a doorbell: :meth:`poll` drains it).
+
+    Not chained to Python's handler, which therefore never runs while the C record is in
+    place: run late, it rang for a stop long over, and a checkpoint (no SIGCONT) within
+    its reach was taken for a stop — no hooks, the snapshot pending until its deadline.
+    Chaining also re-raised SIGCONT inside a handler installed with ``SA_NODEFER``: a
+    burst of SIGCONTs nested handlers until faulthandler's alternate stack overflowed
+    (SIGSEGV). Unchained, the kernel blocks SIGCONT while the handler runs. Python's
+    handler stays installed: ``signal.getsignal()`` shows it (an application's own
+    ``signal.signal(SIGCONT)`` replaces it and the C record alike, and the detector
+    then records nothing), and it is the record where ``faulthandler.register`` fails.
+
+    All threads' tracebacks: with only the current one's, a thread Python does not know
+    (a native library's worker) that takes the signal would write nothing, and nothing
+    else would record it. The price is a walk over the other threads' frames while they
+    run, as ``faulthandler.dump_traceback_later``'s watchdog thread does; bounded (100
+    threads, 100 frames each) and only once per SIGCONT.
+
+    ``faulthandler`` keeps one registration per signal. An application's own
+    ``faulthandler.register(SIGCONT)`` made after ``start()`` replaces this record (with
+    ``chain=False`` SIGCONT is then not recorded at all; with ``chain=True`` only by the
+    late Python handler). One made before ``start()`` is replaced, and not by this record:
+    Python's handler, installed first, takes the signal over from it, and faulthandler,
+    taking its own handler for still installed, does not install it again — its dumps
+    stop and SIGCONT is recorded only by the (late) Python handler.
+    Like the handlers, the pipe (two descriptors) stays for the life of the process.
     """
 
     installed = False
     last: float | None = None
-    """``time.monotonic()`` when a SIGCONT was last seen: the doorbell found rung, or the
-    Python handler ran."""
+    """``time.monotonic()`` when a SIGCONT was last seen: the doorbell found rung, or (no
+    C record) the Python handler ran."""
     _read_fd: int | None = None
     _write_fd: int | None = None
 
@@ -211,9 +232,9 @@ class _ContWatch:
             os.set_blocking(fd, False)  # a full pipe must not block a signal handler
         cls._read_fd, cls._write_fd = r, w
         try:
-            # chain: Python's handler (installed first) still runs after the dump, which
-            # faulthandler does by raising SIGCONT again in that thread (a no-op continue)
-            faulthandler.register(signal.SIGCONT, file=w, all_threads=False, chain=True)
+            # Not chained: Python's handler would run late and ring for a stop long over,
+            # and the re-raise nests handlers in a burst (see the class docstring).
+            faulthandler.register(signal.SIGCONT, file=w, all_threads=True, chain=False)
         except (AttributeError, ValueError, OSError, RuntimeError) as exc:  # pragma: no cover
             log.debug("clock-jump: SIGCONT is recorded by the Python handler only: %s", exc)
 

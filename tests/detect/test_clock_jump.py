@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -505,6 +507,137 @@ def test_a_forked_child_records_its_sigcont_apart_from_the_parent():
     out = in_forked_child(child)
     assert not _ContWatch.poll(), "the child's SIGCONT rang the parent's doorbell"
     assert out == {"forgotten": True, "recorded": True}, out
+
+
+SIGCONT_BURST = textwrap.dedent("""
+    import json, os, sys, time
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock_jump import ClockJumpDetector
+
+    engine = isolated_engine()
+    ran = []
+    engine.registry.after_restore(lambda ctx: ran.append(ctx.reason))
+    det = ClockJumpDetector(interval=0.5, threshold=5.0)
+    engine.start([det])  # from the main thread: SIGCONT is recorded
+    engine.simulate_snapshot()
+    while det.ticks < 1:
+        time.sleep(0.01)
+    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    while not os.path.exists(os.environ["MARKER"]):
+        time.sleep(0.01)
+    print(json.dumps({"event": "done", "state": engine.state, "ran": ran}), flush=True)
+""")
+
+
+def test_a_burst_of_sigconts_does_not_crash_the_process(tmp_path):
+    """The SIGCONT record used to chain to Python's handler: faulthandler then installs
+    its handler with ``SA_NODEFER`` and raises SIGCONT again inside it, so SIGCONTs sent
+    back to back nested handlers until faulthandler's alternate stack overflowed and
+    the process died of SIGSEGV (bursts of 10-20 did). Unchained, the kernel blocks
+    SIGCONT while the handler runs."""
+    marker = tmp_path / "done"
+    child = Child(SIGCONT_BURST, env={"MARKER": str(marker)})
+    try:
+        ready = child.next()
+        assert ready["event"] == "ready"
+        # Two senders (this process and a helper) for a second each: nesting needs a
+        # SIGCONT to arrive while the handler runs, and faulthandler's alternate stack
+        # takes only a few nested handlers.
+        pid = ready["pid"]
+        flood = ("import os, signal, sys, time\n"
+                 "end = time.monotonic() + 1.0\n"
+                 "while time.monotonic() < end:\n"
+                 f"    os.kill({pid}, signal.SIGCONT)\n")
+        helper = subprocess.Popen([sys.executable, "-c", flood])
+        try:
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                os.kill(pid, signal.SIGCONT)
+        finally:
+            assert helper.wait(30) == 0
+        marker.touch()
+        done = child.next(timeout=20)
+        # no freeze, so no checkpoint: still snapshotting, no hooks
+        assert done == {"event": "done", "state": "snapshotting", "ran": []}, done
+    finally:
+        child.close()
+
+
+ONE_RING = textwrap.dedent("""
+    import json, os, signal, threading, time
+    from rehydrate.detect.clock_jump import _ContWatch
+
+    assert _ContWatch.install()  # the main thread, SIGCONT without a handler
+    _ContWatch.poll()
+    masked, woke, ran_python = threading.Event(), threading.Event(), threading.Event()
+    out = {}
+
+    def taker():
+        masked.wait(10)
+        os.kill(os.getpid(), signal.SIGCONT)  # the main thread blocks it: this one takes it
+        end = time.monotonic() + 10
+        while not _ContWatch.poll() and time.monotonic() < end:
+            time.sleep(0.01)
+        out["recorded"] = _ContWatch.last is not None
+        woke.set()  # the main thread runs Python code again
+        ran_python.wait(10)
+        out["rang_again"] = _ContWatch.poll()
+        print(json.dumps(out), flush=True)
+
+    t = threading.Thread(target=taker)
+    t.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})
+    masked.set()
+    woke.wait(10)
+    for _ in range(1000):  # bytecode: Python runs a pending handler here, in this thread
+        pass
+    ran_python.set()
+    t.join()
+""")
+
+
+def test_one_sigcont_rings_once_not_again_when_the_main_thread_runs_python():
+    """Reviewer's finding: the C record was chained to Python's handler, which runs in the
+    main thread only once that thread runs Python code again — and then rang the doorbell
+    a second time, for a stop long over. A checkpoint (which sends no SIGCONT) whose
+    freeze that late ring fell into was taken for a job-control stop: no restore hooks,
+    the snapshot pending until its 300 s deadline. Unchained, Python's handler never runs
+    while the C record is in place: one SIGCONT, one ring."""
+    child = Child(ONE_RING)
+    try:
+        assert child.next() == {"recorded": True, "rang_again": False}
+    finally:
+        child.close()
+
+
+NATIVE_THREAD = textwrap.dedent("""
+    import ctypes, json, os, signal, time
+    from rehydrate.detect.clock_jump import _ContWatch
+
+    assert _ContWatch.install()
+    _ContWatch.poll()
+    libc = ctypes.CDLL(None)
+    tid = ctypes.c_ulong()
+    # A thread Python does not know (no thread state), as a native library's worker.
+    assert libc.pthread_create(ctypes.byref(tid), None, libc.pause, None) == 0
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})  # that thread takes it
+    os.kill(os.getpid(), signal.SIGCONT)
+    end = time.monotonic() + 5
+    while not _ContWatch.poll() and time.monotonic() < end:
+        time.sleep(0.01)
+    print(json.dumps({"recorded": _ContWatch.last is not None}), flush=True)
+""")
+
+
+def test_a_sigcont_taken_by_a_native_thread_is_recorded():
+    """A thread without a Python thread state writes nothing when faulthandler dumps only
+    the current thread, and Python's handler no longer runs behind the C record: the
+    record dumps all threads, so any thread that takes SIGCONT rings."""
+    child = Child(NATIVE_THREAD)
+    try:
+        assert child.next() == {"recorded": True}
+    finally:
+        child.close()
 
 
 GIL_STALL = textwrap.dedent("""
