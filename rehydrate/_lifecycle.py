@@ -1716,8 +1716,9 @@ class Lifecycle:
         line). ``loop``: run ``async`` hooks on this (the application's)
         event loop. Returns the keys of the detectors now running. The same key string,
         or the same instance, listed more than once starts once, the first listed, with
-        one ``WARNING`` (differently configured instances sharing a key each start); a ``detectors`` of another type, or an entry that is
-        neither a key nor a ``Detector``, is a ``TypeError``.
+        one ``WARNING`` (differently configured instances sharing a key each start); a
+        ``detectors`` of another type, or an entry that is neither a key nor a
+        ``Detector``, is a ``TypeError``.
 
         A later call while detection runs (a module-level ``rehydrate.start()``, then a
         server adapter's ``detectors=[...]``) checks its keys as the first call does — an
