@@ -30,8 +30,14 @@ venv: ## only the virtualenv .venv (with pip)
 # dependencies included, comes from the configured indexes in the next install. Pinned
 # as in pyproject.toml; TORCH_INDEX= (empty) leaves the choice to the pip configuration.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_PIN := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml | head -n 1)
-INSTALL_CPU_TORCH = $(BIN)/python -m pip install --no-deps \
+# An empty pin (pyproject.toml formatted otherwise) made pip fail with "Invalid
+# requirement: ''"; only the recipes that install torch stop on it, so help, lint, etc.
+# run as usual.
+TORCH_PIN := $(shell sed -n 's/^ *"torch *== *\([^" ]*\) *".*/torch==\1/p' pyproject.toml \
+	2>/dev/null | head -n 1)
+INSTALL_CPU_TORCH = $(if $(TORCH_PIN),,$(error cannot read the torch pin from \
+	pyproject.toml: expected a line "torch==X.Y.Z", in the examples and dev extras)) \
+	$(BIN)/python -m pip install --no-deps \
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_PIN)'
 
 $(STAMP): pyproject.toml

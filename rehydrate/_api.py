@@ -77,9 +77,9 @@ def start(
 
     Idempotent with ``"auto"`` (the default) or ``"none"``; a later call that lists
     detectors checks them as the first does and starts those not running yet
-    (:meth:`Lifecycle.start`); a key listed twice starts once. ``extensions`` are
-    installed in the process-wide engine first (:meth:`Lifecycle.install`: probed, a key
-    installed already raises)."""
+    (:meth:`Lifecycle.start`); a key string or instance listed twice starts once.
+    ``extensions`` are installed in the process-wide engine first
+    (:meth:`Lifecycle.install`: probed, a key installed already raises)."""
     return _engine().start(detectors, loop=loop, extensions=extensions)
 
 

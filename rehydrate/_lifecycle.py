@@ -1714,10 +1714,11 @@ class Lifecycle:
         installed as extensions (:meth:`add_detector`) start too, in place of a selected
         one with the same key, and their keys may be listed (they need no catalogue
         line). ``loop``: run ``async`` hooks on this (the application's)
-        event loop. Returns the keys of the detectors now running. A key listed more than
-        once (as a key, or as another instance with that key) starts once, the first
-        listed, with one ``WARNING``; a ``detectors`` of another type, or an entry that is
-        neither a key nor a ``Detector``, is a ``TypeError``.
+        event loop. Returns the keys of the detectors now running. The same key string,
+        or the same instance, listed more than once starts once, the first listed, with
+        one ``WARNING`` (differently configured instances sharing a key each start); a
+        ``detectors`` of another type, or an entry that is neither a key nor a
+        ``Detector``, is a ``TypeError``.
 
         A later call while detection runs (a module-level ``rehydrate.start()``, then a
         server adapter's ``detectors=[...]``) checks its keys as the first call does — an
@@ -1730,7 +1731,7 @@ class Lifecycle:
         from . import detect
 
         # Before anything is installed or started: a TypeError for start(5), and a key
-        # listed twice dropped (with a warning) rather than started twice.
+        # or instance listed twice dropped (with a warning) rather than started twice.
         detectors = detect.requested(detectors)
         # Outside _start_lock: a detector's install() calls add_detector, which takes it.
         self.install(*extensions)

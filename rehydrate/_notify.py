@@ -183,10 +183,12 @@ def find_socket(explicit: str | None = None) -> str:
     if explicit is not None:
         if not explicit:  # ``--socket "$SOCK"`` with SOCK unset: not "find one for me"
             raise ControlError("the socket path given is empty (an unset variable?)")
-        return explicit
+        return os.path.normpath(explicit)
     env = _config.text(ENV_SOCKET)
     if env:
-        return env
+        # as the server binds it (``..`` taken lexically): through a directory that does
+        # not exist, ``a/missing/../ctl.sock`` would not reach the server's ``a/ctl.sock``
+        return os.path.normpath(env)
     directory = default_socket_dir()
     _check_dir(directory)
     try:  # what the glob ``*.sock`` matches: no hidden names (the server's temporary ones)

@@ -95,15 +95,18 @@ def _inference_demo(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return demo
 
 
-@pytest.mark.parametrize("clones", ["0", "-1"])
+@pytest.mark.parametrize("clones", ["0", "-1", "abc", "1.5", ""])
 def test_inference_demo_refuses_fewer_than_one_clone_at_once(monkeypatch, capsys, clones):
-    """--clones 0 crashed after the 22 s cold start (median of no clones)."""
+    """--clones 0 crashed after the 22 s cold start (median of no clones); --clones abc
+    said "invalid _clones value: 'abc'", naming a function of the demo."""
     demo = _inference_demo(monkeypatch)
     with pytest.raises(SystemExit) as exited:
         demo.main(["--simulate", "--clones", clones])
     assert exited.value.code == 2
     assert demo.calls == []
-    assert f"--clones: must be 1 or more, not {clones}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--clones: must be an integer >= 1, not {clones}" in err
+    assert "_clones" not in err
 
 
 SERVER_DIED = ("gave up waiting for a matching record in /tmp/x/results/probe.jsonl; last "
@@ -186,3 +189,27 @@ def test_inference_demo_falls_back_with_one_line_of_its_own(monkeypatch, capsys)
     assert "specutils.go" not in out
     assert ("runsc unusable here (running container: creating container: cannot create "
             "sandbox: EOF): running the same server") in out
+
+
+def test_the_inference_demos_upstream_exits_quietly_on_ctrl_c():
+    """Ctrl-C reaches the demo's whole process group: the upstream child printed its
+    KeyboardInterrupt traceback under the demo's "interrupted"."""
+    import select
+    import signal
+
+    env = {**os.environ, "UPSTREAM_TOKEN": "t"}
+    proc = subprocess.Popen([sys.executable, str(INFERENCE_DEMO.parent / "upstream.py"),
+                             "--port", "0"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline().startswith(b"upstream: listening")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert err.decode() == ""
+    assert proc.returncode == 130

@@ -77,3 +77,26 @@ def test_make_help_lists_every_target(tmp_path):
     assert done.returncode == 0, done.stderr
     listed = [line.split()[1] for line in done.stdout.splitlines()]
     assert sorted(listed) == sorted(phony)
+
+
+def test_an_unreadable_torch_pin_stops_the_install_naming_it(tmp_path):
+    """The pin is read from pyproject.toml by sed; formatted otherwise (``"torch >= 2"``)
+    it came out empty and pip failed with "Invalid requirement: ''". Spaces around ``==``
+    are read; anything else stops the torch install with the reason, and only it."""
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[x]\nexamples = [\n    "torch == 2.13.0",\n]\n')
+    plan = subprocess.run(["make", "-n", "-B", ".venv/.examples-stamp"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert plan.returncode == 0, plan.stderr
+    assert "'torch==2.13.0'" in plan.stdout
+    pyproject.write_text('[x]\nexamples = [\n    "torch>=2",\n]\n')
+    for stamp in (".venv/.examples-stamp", ".venv/.installed-stamp"):
+        plan = subprocess.run(["make", "-n", "-B", stamp], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert plan.returncode != 0
+        assert "cannot read the torch pin from pyproject.toml" in plan.stderr
+        assert "pip install --no-deps" not in plan.stdout
+    done = subprocess.run(["make", "-s", "help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr

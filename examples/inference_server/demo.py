@@ -215,9 +215,14 @@ def _first_response(client: Any, key: str, timeout: float = 120.0) -> dict[str, 
 
 
 def _clones(text: str) -> int:
-    n = int(text)
+    # int()'s ValueError made argparse say "invalid _clones value: 'abc'", naming this
+    # function instead of what the option takes
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {text}")
     return n
 
 

@@ -198,7 +198,14 @@ def main() -> None:
     # app.py --with-upstream waits for this line: the port is this process's, not an
     # earlier run's left listening.
     print(f"upstream: listening on 127.0.0.1:{args.port}", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        # Ctrl-C in a terminal reaches the whole process group: the demo says
+        # "interrupted" once; this child's traceback only buried that line.
+        raise SystemExit(130) from None
+    finally:
+        server.server_close()
 
 
 if __name__ == "__main__":

@@ -263,12 +263,14 @@ def available() -> list[DetectorInfo]:
 
 def requested(spec: object) -> str | list[str | Detector]:
     """``start(detectors=spec)`` checked and put in one shape: ``"auto"``, ``"none"``, or
-    the listed keys and :class:`Detector` instances (a ``str`` is split at commas), each
-    key once. A key listed again — as a key or as another instance with that key — is
-    dropped with one ``WARNING`` (the first listed wins), as a later ``start()`` leaves a
-    running detector in place: started twice, a detector raced itself for its resource
-    (the control socket refused its own process) or restored the wrong signal handler on
-    ``stop()``. Anything else is a ``TypeError`` naming ``detectors`` (``start(5)`` said
+    the listed keys and :class:`Detector` instances (a ``str`` is split at commas). A
+    true repeat — the same key string again, or the same instance object again — is
+    dropped with one ``WARNING`` (the first listed wins): started twice, a detector raced
+    itself for its resource (the control socket refused its own process) or restored the
+    wrong signal handler on ``stop()``. Differently configured instances sharing a key
+    (``SignalDetector("SIGUSR1")`` and ``SignalDetector("SIGUSR2")``, two control
+    sockets) each start, as does a key next to an instance with that key: they watch
+    different things. Anything else is a ``TypeError`` naming ``detectors`` (``start(5)`` said
     only "'int' object is not iterable")."""
     if isinstance(spec, str) and spec in ("auto", "none"):
         return spec
@@ -280,32 +282,34 @@ def requested(spec: object) -> str | list[str | Detector]:
         raise TypeError("detectors must be 'auto', 'none', detector keys (a str, comma-"
                         "separated, or an iterable) or Detector instances, not "
                         f"{type(spec).__name__}")
-    first: dict[str, str | Detector] = {}
+    kept: list[str | Detector] = []
     repeated: list[str] = []
     for item in items:
         if isinstance(item, Detector):
             key = item.key
+            again = any(k is item for k in kept)
         elif isinstance(item, str):
             key = item
+            again = any(isinstance(k, str) and k == item for k in kept)
         else:
             from .._config import shown
 
             raise TypeError("detectors: each entry must be a detector key (str) or a "
                             f"Detector instance, not {type(item).__name__} ({shown(item)})")
-        if key not in first:
-            first[key] = item
+        if not again:
+            kept.append(item)
         elif key not in repeated:
             repeated.append(key)
     if repeated:
         logging.getLogger("rehydrate").warning(
             "detectors: %s listed more than once; each starts once (the first listed)",
             ", ".join(repeated))
-    return list(first.values())
+    return kept
 
 
 def select(spec: str | Iterable[str | Detector]) -> list[Detector]:
     """Detectors to start for ``start(detectors=spec)`` (checked by :func:`requested`:
-    each key once)."""
+    a key string or instance listed again dropped)."""
     spec = requested(spec)
     if spec == "auto":
         chosen: list[Detector] = []

@@ -346,7 +346,11 @@ class ControlServer:
 
     def __init__(self, engine: Engine, path: str | None = None) -> None:
         self.engine = engine
-        self.path = path or socket_path()
+        # Normalised and absolute: the directories are created for this path, so the bind
+        # must use it too (``a/missing/../ctl.sock`` made ``a`` and then failed to bind
+        # through the missing ``a/missing``), and a chdir() cannot move where stop()
+        # removes the socket.
+        self.path = os.path.abspath(path or socket_path())
         self._sock: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
         self._bound_by = -1
@@ -374,7 +378,7 @@ class ControlServer:
     def start(self) -> None:
         if self._sock is not None:
             raise RuntimeError("control server already running")
-        directory = os.path.dirname(os.path.abspath(self.path))
+        directory = os.path.dirname(self.path)
         _private_dir(directory, check_owner=directory == default_socket_dir())
         # Here, not at import (start("auto") imports every detector to probe): json is
         # loaded before any snapshot, so a clone's first request does not import it.
@@ -382,7 +386,15 @@ class ControlServer:
 
         with _directory_lock(directory):
             self._refuse_live_socket()
-            sock = self._bind_and_listen()
+            try:
+                sock = self._bind_and_listen()
+            except OSError as exc:
+                # bind()'s errors name no path ("[Errno 2] No such file or directory",
+                # "AF_UNIX path too long"): the start error in logs and status must
+                if exc.errno is None:
+                    raise OSError(f"cannot listen at {self.path}: {exc}") from None
+                raise OSError(exc.errno,
+                              f"cannot listen at {self.path}: {exc.strerror}") from None
         sock.setblocking(False)
         self._listening(sock)
 

@@ -143,6 +143,45 @@ def test_control_listed_twice_serves_once_without_an_error(
     assert not os.path.exists(sock_path)
 
 
+def test_two_control_detectors_on_different_paths_both_serve(
+        engine: Lifecycle, short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two instances of one key were taken for a repeat: the second socket never served."""
+    one, two = str(short_dir / "one.sock"), str(short_dir / "two.sock")
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert engine.start([ControlDetector(one), ControlDetector(two)]) \
+            == ["control", "control"]
+    assert "more than once" not in caplog.text
+    assert request("status", socket_path=one)["ok"] is True
+    assert request("status", socket_path=two)["ok"] is True
+    engine.stop()
+    assert not os.path.exists(one) and not os.path.exists(two)
+
+
+def test_a_dotdot_path_through_a_missing_directory_binds_where_it_was_created(
+        engine: Lifecycle, short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``a/missing/../ctl.sock``: the directories were made for the normalised path (``a``)
+    but bind() used the raw one, through ``a/missing``: ``[Errno 2] No such file or
+    directory`` and no server. The client reaching the same variable finds it too."""
+    raw = str(short_dir / "a" / "missing" / ".." / "ctl.sock")
+    monkeypatch.setenv("REHYDRATE_CONTROL_SOCKET", raw)
+    assert engine.start(["control"]) == ["control"]
+    assert "detector_errors" not in engine.status().to_dict()
+    assert stat.S_ISSOCK(os.stat(short_dir / "a" / "ctl.sock").st_mode)
+    assert not (short_dir / "a" / "missing").exists()
+    assert request("status")["ok"] is True  # $REHYDRATE_CONTROL_SOCKET, as given
+    engine.stop()
+    assert not (short_dir / "a" / "ctl.sock").exists()
+
+
+def test_a_bind_failure_names_the_path(engine: Lifecycle, short_dir: Path) -> None:
+    """bind()'s errors name no path ("AF_UNIX path too long", "[Errno 2] ..."): the
+    start error in the log and in status did not say which socket failed."""
+    path = str(short_dir / ("d" * 120) / "ctl.sock")
+    assert engine.start([ControlDetector(path)]) == []
+    error = engine.status().to_dict()["detector_errors"]["control"]
+    assert error.startswith(f"cannot listen at {path}: "), error
+
+
 def test_stale_socket_replaced_live_one_and_plain_file_refused(
     engine: Lifecycle, short_dir: Path
 ) -> None:

@@ -97,6 +97,31 @@ def test_signal_listed_twice_starts_once_and_stop_gives_the_handler_back(
         signal.signal(signal.SIGUSR2, old)
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
+def test_two_signal_detectors_on_different_signals_both_start(rehydrate_engine, caplog, later):
+    """``start([SignalDetector("SIGUSR1", ...), SignalDetector("SIGUSR2", ...)])`` started
+    only the first (two instances of one key taken for a repeat): SIGUSR2 then hit the
+    default action and killed the process."""
+    usr1 = SignalDetector("SIGUSR1", kind="restore", window=0)
+    usr2 = SignalDetector("SIGUSR2", kind="resume", window=0)
+    old1, old2 = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
+    try:
+        if later:
+            rehydrate_engine.start("none")
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            assert rehydrate_engine.start([usr1, usr2]) == ["signal", "signal"]
+        assert "more than once" not in caplog.text
+        assert signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, old2)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_for(lambda: usr2.received == 1)
+        rehydrate_engine.stop()
+        assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)) \
+            == (old1, old2)
+    finally:
+        signal.signal(signal.SIGUSR1, old1)
+        signal.signal(signal.SIGUSR2, old2)
+
+
 def test_only_from_the_main_thread(rehydrate_engine):
     out: dict[str, object] = {}
 
