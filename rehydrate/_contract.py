@@ -107,8 +107,8 @@ class Engine(Protocol):
         """Add the field ``key`` to ``status()``. ``ValueError`` for a field of the
         engine's own (``state``, ``generation``, ``ready``, ``detectors``,
         ``last_report``, ``detector_errors``, ``hung_hooks``) or one another extension
-        added; the same owner (a bound method's class, else ``fn``'s module) may add it
-        again."""
+        added; the same owner (a bound method's or classmethod's class, else ``fn``'s
+        module, a partial's function's) may add it again."""
         ...
 
     def recovered(self, hook: str | Hook, *, since: float | None = None) -> bool:
@@ -168,10 +168,11 @@ class Engine(Protocol):
           after it — with no before-snapshot pass since — is this one. A notice that
           arrives as the process resumes may pass "arrival minus a short window" (the
           signal and marker-file detectors pass ``received - 2 s``).
-        * ``since`` not given (``None``): the engine asks its freeze watch
-          (``freeze_since()``, fed by the clock-jump detector): the notice is the last
-          restore when nothing froze since that restore ran. With no freeze watch
-          running it never deduplicates by time.
+        * neither given: the engine asks its freeze watch (``freeze_since()``, fed by
+          the clock-jump detector): the notice is the last restore when nothing froze
+          since that restore ran and it was detected less than 2 s before the notice
+          (the watch cannot see a freeze whose guest clock was carried over). With no
+          freeze watch running it never deduplicates by time.
 
         ``detected_at``: when the detector noticed (default now). The other arguments
         (``anchor``, ``undoes``, ``abort``, ``deadline``, ``older_than``, ``frozen_for``,

@@ -59,6 +59,13 @@ T = TypeVar("T")
 State = Literal["running", "snapshotting", "restoring", "ready", "degraded"]
 
 _SEEN_KEYS = 256
+NOTICE_WINDOW: float = _config.default("REHYDRATE_SIGNAL_WINDOW")
+"""A restore notice that cannot tell when its freeze was (no ``since``, no ``key``, no
+``notify save`` before it) is the last restore only when that ran less than this many
+seconds before the notice, besides nothing having frozen since by the freeze watch. The
+watch cannot see every freeze (a guest clock carried over, as on Firecracker, shows no
+jump): taken alone, its answer (its first heartbeat) made every later restore a duplicate
+and a clone kept its parent's keys. The window the signal and marker-file detectors use."""
 _PASSES = 16
 """Before-snapshot passes remembered for notices that name one (``undoes``)."""
 
@@ -176,10 +183,14 @@ _ENGINE_STATUS = _CORE_STATUS | {"detector_errors", "hung_hooks"}
 
 def _status_owner(fn: Callable[[], Any]) -> str:
     """Who added a status field, for :meth:`Lifecycle.add_status`: the class of a bound
-    method's object, else the module that defined ``fn``."""
+    method's object (a classmethod's own class), else the module that defined ``fn`` (a
+    ``functools.partial``'s function)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func  # a partial's own module is functools: every partial was one owner
     obj = getattr(fn, "__self__", None)
     if obj is not None and not isinstance(obj, types.ModuleType):
-        cls = type(obj)
+        # a classmethod is bound to its class: type() of that was "builtins.type" for all
+        cls = obj if isinstance(obj, type) else type(obj)
         return f"{cls.__module__}.{cls.__qualname__}"
     return str(getattr(fn, "__module__", None) or type(fn).__qualname__)
 
@@ -436,21 +447,28 @@ class Lifecycle:
         detector watched, although it was "not installed"."""
         hooks = {r: {h.seq for e in ("restore", "snapshot") for h in r.hooks(e)}
                  for r in (self.builtins, self.registry)}
-        lists = [(lst, len(lst)) for lst in (self._observers, self._listeners,
-                                              self._start_listeners)]
+        lists: list[tuple[list[Any], list[Any]]] = [
+            (lst, list(lst)) for lst in (self._observers, self._listeners,
+                                         self._start_listeners)]
         status, instances = set(self._extra_status), set(self._extensions)
         detectors = dict(self._installed_detectors)
         try:
             ext.install(self)
         except BaseException:
-            self._undo_detectors(detectors)
+            replaced = self._undo_detectors(detectors)
             for registry, before in hooks.items():
                 for event in ("restore", "snapshot"):
                     for h in registry.hooks(event):
                         if h.seq not in before:
                             registry.unregister(h)
-            for lst, n in lists:
-                del lst[n:]
+            for lst, old in lists:
+                # By identity, not by length: a running detector it replaced was stopped
+                # (its listener went), so cutting back to the old length dropped entries
+                # that were there before and kept the failed extension's.
+                kept = {id(x) for x in old}
+                lst[:] = [x for x in lst if id(x) in kept]
+            # after the lists are cut: its start() adds its listeners again
+            self._restart_detectors(replaced)
             for key in set(self._extra_status) - status:
                 del self._extra_status[key]
             for key in set(self._extensions) - instances:
@@ -461,9 +479,10 @@ class Lifecycle:
                         close()
             raise
 
-    def _undo_detectors(self, before: dict[str, Detector]) -> None:
+    def _undo_detectors(self, before: dict[str, Detector]) -> list[Detector]:
         """Put the installed detectors back as they were before a failed ``install()``:
-        one it added is stopped (when it runs) and removed; one it replaced runs again."""
+        one it added is stopped (when it runs) and removed; returns the ones it replaced,
+        to run again (:meth:`_restart_detectors`)."""
         stopped, replaced = [], []
         with self._start_lock:
             for key, det in list(self._installed_detectors.items()):
@@ -480,6 +499,10 @@ class Lifecycle:
                 self._detector_errors.pop(key, None)
         for det in stopped:  # outside the lock: its thread may be waiting for it
             self._stop_detector(det)
+        return replaced
+
+    def _restart_detectors(self, replaced: list[Detector]) -> None:
+        """Start again the installed detectors a failed ``install()`` had replaced."""
         with self._start_lock:
             for det in replaced:
                 if self._started and self.detector(det.key) is None:
@@ -525,7 +548,8 @@ class Lifecycle:
         ``/readyz`` show — so a dead detector or another manager's state vanished without a
         word. The same owner may add its field again (a detector's ``start()`` after a
         ``stop()``, a new instance of the same class): the owner is the class of a bound
-        method's object, else the module that defined ``fn``.
+        method's object (a classmethod's class), else the module that defined ``fn`` (for
+        a ``functools.partial``, its function's).
         """
         if key in _ENGINE_STATUS:
             raise ValueError(f"status field {key!r} is the engine's own; choose another name")
@@ -957,12 +981,16 @@ class Lifecycle:
         may also clamp its ``since`` to "arrival minus a short window" (bounded below by
         when it started waiting): a descriptor opened hours ago must not swallow a real
         restore because some other restore — or a false alarm — was handled in between.
-        ``since=None`` (not known): for an anchored notice the engine asks its freeze
-        watch (:meth:`freeze_since`, fed by the clock-jump detector) — the notice is the
-        last restore when nothing froze since that restore ran (a doorbell rung right
-        after the clock-jump detector handled the freeze runs nothing); with no freeze
-        watch running, or for ``anchor=False``, it never deduplicates by time. A detector
-        that knows better passes its own ``since``. ``math.inf`` never deduplicates by time.
+        ``since=None`` (not known) and no ``key``: for an anchored notice the engine asks
+        its freeze watch (:meth:`freeze_since`, fed by the clock-jump detector) — the
+        notice is the last restore when nothing froze since that restore ran AND that
+        restore was detected less than :data:`NOTICE_WINDOW` (2 s) before this notice (a
+        doorbell rung right after the clock-jump detector handled the freeze runs
+        nothing; one rung later runs again: the watch cannot see a freeze whose guest
+        clock was carried over, and a clone must never keep its parent's keys). With no
+        freeze watch running, with a ``key``, or for ``anchor=False``, it never
+        deduplicates by time. A detector that knows better passes its own ``since``.
+        ``math.inf`` never deduplicates by time.
 
         ``undoes``: the notice ends, without a checkpoint of it completing, the first
         before-snapshot pass that began at or after this ``time.monotonic()`` moment — a
@@ -1022,12 +1050,14 @@ class Lifecycle:
         with self._cond:
             self._notices += 1
         try:
-            if since is None and anchor:
+            if since is None and key is None and anchor:
                 # A notice that cannot tell when its freeze was (an outside detector that
-                # passes no since): the freeze watch's word, as for `notify restore`
-                # without a save. With since=None it ran the hooks a second time for a
-                # freeze the clock-jump detector had handled moments before.
-                since = self.freeze_since()
+                # passes neither since nor key): the freeze watch's word, as for `notify
+                # restore` without a save. With since=None it ran the hooks a second time
+                # for a freeze the clock-jump detector had handled moments before.
+                freeze = self.freeze_since()
+                if freeze is not None:
+                    since = max(freeze, detected - NOTICE_WINDOW)
             with self._run_lock:
                 if key is not None and key in self._seen:
                     log.debug("restore notice %s from %s: already handled", key, reason)

@@ -216,6 +216,41 @@ def test_an_extension_cannot_replace_another_extensions_status_field(rehydrate_e
     assert rehydrate_engine.status()["pool"] == 2
 
 
+class _OwnerA:
+    @classmethod
+    def status(cls) -> str:
+        return "A"
+
+
+class _OwnerB:
+    @classmethod
+    def status(cls) -> str:
+        return "B"
+
+
+def _status_a() -> str:
+    return "a"
+
+
+def test_classmethods_and_partials_of_two_owners_do_not_replace_each_others_field(
+        rehydrate_engine):
+    """Before: every classmethod's owner was "builtins.type" and every partial's
+    "functools", so two extensions' classmethods (or partials) replaced each other's
+    field silently, and a refusal named "builtins.type"."""
+    import functools
+
+    rehydrate_engine.add_status("cm", _OwnerA.status)
+    with pytest.raises(ValueError, match=r"added already by (tests\.)?test_extensions\._OwnerA; "
+                                         r"(tests\.)?test_extensions\._OwnerB cannot"):
+        rehydrate_engine.add_status("cm", _OwnerB.status)
+    rehydrate_engine.add_status("cm", _OwnerA.status)  # the same owner: replaced
+    rehydrate_engine.add_status("partial", functools.partial(_status_a))
+    with pytest.raises(ValueError, match=r"by (tests\.)?test_extensions; builtins cannot"):
+        rehydrate_engine.add_status("partial", functools.partial(str, "b"))
+    assert rehydrate_engine.status()["cm"] == "A"
+    assert rehydrate_engine.status()["partial"] == "a"
+
+
 class _HalfInstall:
     """Attaches one of everything, then fails."""
 

@@ -791,3 +791,25 @@ def test_an_installed_control_detector_says_in_the_child_that_it_serves_the_pare
                             "ControlDetector of another path")
     reply = request("status", socket_path=sock_path, timeout=DEADLINE)
     assert reply["ok"] and reply["pid"] == os.getpid()
+
+
+def test_an_installed_gvisor_waiter_says_in_the_child_that_it_serves_the_parent(
+        engine: Lifecycle, tmp_path: Path) -> None:
+    """Started again in the child, an installed gVisor waiter said "this gVisor waiter is
+    already running": the child had no waiter and was told it had one."""
+    from rehydrate.detect.gvisor import GVisorDetector
+
+    os.mkfifo(tmp_path / "checkpoint")  # the stand-in for /proc/gvisor/checkpoint
+    waiter = GVisorDetector(str(tmp_path))
+    assert engine.start("none", extensions=[waiter]) == ["gvisor"]
+
+    def child() -> dict:  # type: ignore[type-arg]
+        running = engine.start("none")
+        return {"running": running,
+                "error": engine.status().to_dict()["detector_errors"]["gvisor"]}
+
+    out = in_forked_child(child, DEADLINE)
+    assert out == {"running": [], "error": (
+        f"this gVisor waiter serves the parent process ({os.getpid()}); a child of fork() "
+        "needs a GVisorDetector of its own (engine.install(GVisorDetector()))")}
+    assert engine.detector("gvisor") is waiter and waiter.running

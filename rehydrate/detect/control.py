@@ -40,7 +40,11 @@ consumes the prepare) and the engine's freeze watch
 knows when the process last froze, even briefly), so a ``notify restore`` after the clock
 jump ran the hooks — with or without ``notify save`` — only confirms that run (the reply
 says ``"deduplicated": true`` and the report lists ``control`` in ``confirmed_by``), while
-a clone that is checkpointed and restored again still runs them again. Without a freeze
+a clone that is checkpointed and restored again still runs them again. Without a
+prepare, the watch's word is bounded by the window of the signal detector (2 s): only a
+restore detected that shortly before the notice is taken for it — the watch cannot see a
+freeze whose guest clock was carried over (Firecracker), and two real restores must never
+be one run. Without a freeze
 watch (the clock-jump detector not running) and without a prepare, a notice cannot know
 when the freeze was: it passes ``since`` = the engine's last anchored restore (or the
 socket's start), so it is never taken for an earlier restore (at worst the hooks run
@@ -96,6 +100,7 @@ from .._runner import worst_case
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
 from . import Detector, probe_of
+from ._util import DEFAULT_WINDOW
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -758,13 +763,19 @@ class ControlServer:
 
     # -- commands --------------------------------------------------------------------
 
-    def _since(self) -> float:
-        """``since`` for a restore/resume notice (see the module docstring)."""
+    def _since(self, received: float | None = None) -> float:
+        """``since`` for a restore/resume notice read at ``received`` (see the module
+        docstring)."""
         freeze = self.engine.freeze_since()
         if self._last_prepare is not None:
             return max(self._last_prepare, freeze or 0.0)
         if freeze is not None:
-            return freeze
+            # The watch cannot see a freeze whose guest clock was carried over
+            # (Firecracker): its answer alone (its first heartbeat) made every later
+            # `notify restore` the first one's duplicate, and a clone kept its parent's
+            # keys. Only a run within the window before the notice is taken for it.
+            arrived = time.monotonic() if received is None else received
+            return max(freeze, arrived - DEFAULT_WINDOW)
         return max(self._started_at, self.engine.last_restore_at or 0.0)
 
     def _dispatch(self, cmd: str, req: Mapping[str, Any], *,
@@ -812,7 +823,7 @@ class ControlServer:
         if cmd in ("resume", "restore"):
             kind: Literal["restore", "resume"] = "restore" if cmd == "restore" else "resume"
             self._notices += 1
-            since = self._since()
+            since = self._since(received)
             self._last_prepare = None  # consumed: the next notice is about a later freeze
             # A resume is about a checkpoint that was over when the request came: a
             # before-snapshot pass begun since (while this waited for the freeze watch's

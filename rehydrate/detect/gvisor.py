@@ -300,6 +300,8 @@ class GVisorDetector(Detector):
         self.path = checkpoint_path(self.proc)
         self._engine: Engine | None = None
         self._thread: threading.Thread | None = None
+        self._pid = 0
+        """The process that started the thread (a child of fork() has not got it)."""
         self._stop_r = -1
         self._stop_w = -1
         self._stopping = False
@@ -370,6 +372,14 @@ class GVisorDetector(Detector):
     def start(self, engine: Engine) -> None:
         if self._thread is not None:
             refuse_another_engine(self, self._engine, engine)
+            if self._pid != os.getpid():
+                # An installed waiter, started again in a child of fork(): its thread,
+                # descriptor and state are the parent's (its lock may have been held
+                # at the fork). "already running" hid that the child has no waiter.
+                raise RuntimeError(f"this gVisor waiter serves the parent process "
+                                   f"({self._pid}); a child of fork() needs a "
+                                   "GVisorDetector of its own (engine.install("
+                                   "GVisorDetector()))")
             raise RuntimeError("this gVisor waiter is already running")
         orphan = self._orphan
         if orphan is not None and orphan.is_alive():
@@ -392,6 +402,7 @@ class GVisorDetector(Detector):
         engine.add_status("gvisor", self.status)
         self._thread = threading.Thread(target=self._main, name="rehydrate-gvisor",
                                         daemon=True)
+        self._pid = os.getpid()
         self._thread.start()
 
     def failure(self) -> str | None:

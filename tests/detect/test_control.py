@@ -962,6 +962,26 @@ def test_restore_only_the_clock_saw_does_not_hide_a_later_notify_restore(
     assert [c[3] for c in calls.items] == ["clock-jump", "control"]
 
 
+def test_notify_restore_with_a_blind_freeze_watch_is_a_new_restore_after_the_window(
+    server: ControlServer, engine: Lifecycle, sock_path: str
+) -> None:
+    """Before: a freeze watch that sees no freeze (the guest clock carried over, as on
+    Firecracker) answered its first heartbeat, so every ``notify restore`` after the
+    first only confirmed it: clone B kept clone A's keys and said ready. A run more than
+    the window (2 s) before the notice is not its restore; one within it still is."""
+    calls = Calls(engine)
+    now = time.monotonic()
+    engine.heartbeat(now - 10, 30.0)  # the watch began; it never sees a gap
+    engine.restore_detected("control", since=now - 4, detected_at=now - 3)  # clone A
+    engine.heartbeat(time.monotonic(), 30.0)
+    reply = request("restore", socket_path=sock_path)  # clone B
+    assert not reply["deduplicated"] and reply["report"]["generation"] == 2
+    # the platform's duplicate of B's notice, moments later
+    reply = request("restore", socket_path=sock_path)
+    assert reply["deduplicated"] and reply["report"]["generation"] == 2
+    assert [c[2] for c in calls.items if c[0] == "restore-hook"] == [1, 2]
+
+
 def test_prepare_is_consumed_by_the_first_notice(server: ControlServer, engine: Lifecycle,
                                                  sock_path: str) -> None:
     calls = Calls(engine)

@@ -432,8 +432,8 @@ def test_an_outside_notice_without_since_after_the_clock_jump_run_is_that_restor
     bell = _Doorbell()
     assert engine.start("none", extensions=[bell]) == ["doorbell"]
     # The freeze watch as the clock-jump detector feeds it (its own clock is real time),
-    # for a freeze that ended 5 s ago.
-    t = time.monotonic() - 5
+    # for a freeze handled moments ago (within the 2 s window before the ring).
+    t = time.monotonic() - 0.5
     engine.heartbeat(t - 10, 1.0)  # the watch began
     engine.heartbeat(t - 3, 1.0)  # the last heartbeat before the freeze
     engine.freeze_noticed(t - 3, t)
@@ -461,3 +461,84 @@ def test_an_outside_notice_without_since_and_no_freeze_watch_runs(
     bell = _Doorbell()
     assert rehydrate_engine.start("none", extensions=[bell]) == ["doorbell"]
     assert [bell.ring().generation for _ in range(2)] == [1, 2]
+
+
+def test_an_outside_notice_without_since_after_the_window_runs_although_the_watch_saw_nothing(
+        rehydrate_engine: Lifecycle) -> None:
+    """Before: with a freeze watch that cannot see the freezes (the guest clock carried
+    over, as on Firecracker: heartbeats without a gap), every notice after the first was
+    deduplicated by the watch's first heartbeat — clone B kept clone A's keys and said
+    ready. A restore handled more than the window (2 s) before the notice is not it."""
+    engine = rehydrate_engine
+    bell = _Doorbell()
+    assert engine.start("none", extensions=[bell]) == ["doorbell"]
+    now = time.monotonic()
+    engine.heartbeat(now - 10, 30.0)  # the watch began; it never sees a gap
+    first = engine.restore_detected("doorbell", detected_at=now - 3)  # clone A, 3 s ago
+    assert (first.deduplicated, first.generation) == (False, 1)
+    engine.heartbeat(time.monotonic(), 30.0)
+    second = bell.ring()  # clone B
+    assert (second.deduplicated, second.generation) == (False, 2)
+    # a late duplicate of B's notice within the window is still B's
+    assert bell.ring().deduplicated and engine.status().generation == 2
+
+
+def test_a_keyed_notice_without_since_is_not_deduplicated_by_the_freeze_watch(
+        rehydrate_engine: Lifecycle) -> None:
+    """Before: ``key=`` without ``since=`` asked the freeze watch too, so a NEW key right
+    after a restore was taken for it by time; only the key tells (the docs said so)."""
+    engine = rehydrate_engine
+    engine.start("none")
+    engine.heartbeat(time.monotonic(), 30.0)  # a freeze watch that saw no freeze
+    assert not engine.restore_detected("counter", key="restore-1").deduplicated
+    second = engine.restore_detected("counter", key="restore-2")
+    assert (second.deduplicated, second.generation) == (False, 2)
+    assert engine.restore_detected("counter", key="restore-2").deduplicated
+
+
+class _Listening(Recording):
+    """Listening: a running detector with a report listener, as the built-ins have."""
+
+    def start(self, engine: Any) -> None:
+        super().start(engine)
+        self.engine = engine
+        engine.add_listener(self.heard)
+
+    def stop(self) -> None:
+        super().stop()
+        self.engine.remove_listener(self.heard)
+
+    def heard(self, report: Any) -> None:
+        self.events.append(f"heard {report.kind}")
+
+
+def test_a_failed_install_keeps_the_replaced_detectors_listener_not_its_own(
+        bare_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the replaced detector was started again (its listener re-added at the end)
+    and then the listener list was cut back to its old length, dropping that listener and
+    keeping the failed extension's; the next stop() logged a traceback."""
+    first = _Listening()
+    engine = bare_engine([first])
+    engine.start("none")
+    theirs: list[Any] = []
+
+    class Fails:
+        key = "fails"
+
+        def probe(self) -> Probe:
+            return Probe(True)
+
+        def install(self, engine: Any) -> None:
+            engine.add_listener(theirs.append)
+            _Listening().install(engine)
+            raise RuntimeError("framework not configured")
+
+    with pytest.raises(RuntimeError, match="framework not configured"):
+        engine.install(Fails())
+    assert engine.detector("recording") is first
+    engine.simulate_snapshot()
+    assert first.events[-1] == "heard snapshot" and theirs == []
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        engine.stop()
+    assert "Traceback" not in caplog.text and "failed to stop" not in caplog.text
+    assert first.events[-1] == "stop"
