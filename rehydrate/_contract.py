@@ -229,6 +229,8 @@ class Engine(Protocol):
 
     def freeze_since(self) -> float | None: ...
 
+    def notice_since(self, at: float) -> float | None: ...
+
 
 def refuse_another_engine(detector: object, running_on: Engine | None,
                           engine: Engine) -> None:

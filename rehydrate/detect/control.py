@@ -100,7 +100,6 @@ from .._runner import worst_case
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
 from .._threads import blocking
 from . import Detector, probe_of
-from ._util import DEFAULT_WINDOW
 
 if TYPE_CHECKING:
     from ..extensions import Engine
@@ -766,16 +765,15 @@ class ControlServer:
     def _since(self, received: float | None = None) -> float:
         """``since`` for a restore/resume notice read at ``received`` (see the module
         docstring)."""
-        freeze = self.engine.freeze_since()
         if self._last_prepare is not None:
-            return max(self._last_prepare, freeze or 0.0)
-        if freeze is not None:
-            # The watch cannot see a freeze whose guest clock was carried over
-            # (Firecracker): its answer alone (its first heartbeat) made every later
-            # `notify restore` the first one's duplicate, and a clone kept its parent's
-            # keys. Only a run within the window before the notice is taken for it.
-            arrived = time.monotonic() if received is None else received
-            return max(freeze, arrived - DEFAULT_WINDOW)
+            return max(self._last_prepare, self.engine.freeze_since() or 0.0)
+        # The freeze watch's answer bounded in time (Lifecycle.notice_since): alone, a
+        # watch blind to this platform's freezes (a guest clock carried over: Firecracker)
+        # made every later `notify restore` the first one's duplicate, and a clone kept
+        # its parent's keys.
+        since = self.engine.notice_since(time.monotonic() if received is None else received)
+        if since is not None:
+            return since
         return max(self._started_at, self.engine.last_restore_at or 0.0)
 
     def _dispatch(self, cmd: str, req: Mapping[str, Any], *,
