@@ -61,19 +61,14 @@ State = Literal["running", "snapshotting", "restoring", "ready", "degraded"]
 _SEEN_KEYS = 256
 NOTICE_WINDOW: float = _config.default("REHYDRATE_SIGNAL_WINDOW")
 """A restore notice that cannot tell when its freeze was (no ``since``, no ``key``, no
-``notify save`` before it), while the freeze watch has never seen a freeze, is the last
-restore only when that ran less than this many seconds before the notice. Such a watch may
-be blind (a guest clock carried over, as on Firecracker, shows no jump): taken alone, its
+``notify save`` before it) is the last restore only when that ran less than this many
+seconds before the notice, besides nothing having frozen since by the freeze watch. The
+watch cannot see every freeze (a guest clock carried over, as on Firecracker or in a CRIU
+time namespace, shows no jump; a freeze shorter than its gap slack never shows), and
+nothing in the process tells a freeze it missed from a late notice: taken alone, its
 answer (its first heartbeat) made every later restore a duplicate and a clone kept its
-parent's keys. The window the signal and marker-file detectors use."""
-LATE_NOTICE_WINDOW = 60.0
-"""The same bound once the freeze watch has seen freezes (it sees this platform's
-restores): a platform's notice of the restore the watch saw (``runsc exec … notify
-restore`` after the clone runs) may come seconds late and is still that restore — with
-the short window it ran the hooks a second time. Only a restore this long ago is not
-taken for it whatever the watch says: a freeze too short for the watch (a clone restored
-within the clock-jump threshold of its checkpoint) must not keep its parent's keys for
-longer."""
+parent's keys. The window the signal and marker-file detectors use; a platform whose
+notice may come later says which restore it is about (``key=``, ``notify save``)."""
 _PASSES = 16
 """Before-snapshot passes remembered for notices that name one (``undoes``)."""
 
@@ -879,15 +874,11 @@ class Lifecycle:
     def notice_since(self, at: float) -> float | None:
         """``since`` for a restore notice read at ``at`` (``time.monotonic()``) that cannot
         tell when its freeze was and has no ``notify save`` before it: the freeze watch's
-        word (:meth:`freeze_since`), bounded to :data:`NOTICE_WINDOW` before ``at`` while
-        the watch has never seen a freeze (it may be blind to this platform's) and to
-        :data:`LATE_NOTICE_WINDOW` once it has. None when no freeze watch runs."""
+        word (:meth:`freeze_since`) bounded to :data:`NOTICE_WINDOW` before ``at`` — the
+        watch may have missed the freeze, and a clone must never keep its parent's keys
+        (a late duplicate runs the hooks again instead). None when no freeze watch runs."""
         freeze = self.freeze_since()
-        if freeze is None:
-            return None
-        with self._cond:
-            window = LATE_NOTICE_WINDOW if self._freezes else NOTICE_WINDOW
-        return max(freeze, at - window)
+        return None if freeze is None else max(freeze, at - NOTICE_WINDOW)
 
     def _watch_verdict(self, seen: float, timeout: float) -> float | None:
         """:meth:`freeze_since` for an overdue heartbeat, called with ``_cond`` held: wait
@@ -1005,12 +996,11 @@ class Lifecycle:
         ``since=None`` (not known) and no ``key``: for an anchored notice the engine asks
         its freeze watch (:meth:`freeze_since`, fed by the clock-jump detector) — the
         notice is the last restore when nothing froze since that restore ran AND that
-        restore was detected less than :data:`NOTICE_WINDOW` (2 s) before this notice, or
-        :data:`LATE_NOTICE_WINDOW` (60 s) once the watch has seen freezes
+        restore was detected less than :data:`NOTICE_WINDOW` (2 s) before this notice
         (:meth:`notice_since`): a doorbell rung right after the clock-jump detector
-        handled the freeze runs nothing; one rung later runs again — a watch that never
-        saw a freeze may be blind to them (a guest clock carried over), and a clone must
-        never keep its parent's keys. With no
+        handled the freeze runs nothing; one rung later runs again — the watch may have
+        missed a freeze (a guest clock carried over, a freeze shorter than its slack), and
+        a clone must never keep its parent's keys. With no
         freeze watch running, with a ``key``, or for ``anchor=False``, it never
         deduplicates by time. A detector that knows better passes its own ``since``.
         ``math.inf`` never deduplicates by time.
