@@ -429,7 +429,7 @@ def test_job_control_stop_during_a_pending_snapshot_is_not_the_checkpoint(tmp_pa
         child.close()
 
 
-MAIN_ASLEEP = textwrap.dedent("""
+PENDING_SNAPSHOT = textwrap.dedent("""
     import json, os, signal, sys, threading, time
     from rehydrate.testing import isolated_engine
     from rehydrate.detect.clock_jump import ClockJumpDetector
@@ -438,10 +438,15 @@ MAIN_ASLEEP = textwrap.dedent("""
     ran = []
     engine.registry.after_restore(lambda ctx: ran.append(ctx.reason))
     det = ClockJumpDetector(interval=0.5, threshold=5.0)
-    engine.start([det])  # from the main thread: SIGCONT is watched
+    engine.start([det])  # from the main thread: SIGCONT is recorded
     engine.simulate_snapshot()
     while det.ticks < 1:  # the baseline: a freeze from now on is seen
         time.sleep(0.01)
+""")
+"""A child with a clock-jump detector and a snapshot pending (the start of the scripts
+below)."""
+
+MAIN_ASLEEP = PENDING_SNAPSHOT + textwrap.dedent("""
 
     def report():
         # until the detector has judged the stop, then a few more ticks
@@ -509,19 +514,7 @@ def test_a_forked_child_records_its_sigcont_apart_from_the_parent():
     assert out == {"forgotten": True, "recorded": True}, out
 
 
-SIGCONT_BURST = textwrap.dedent("""
-    import json, os, sys, time
-    from rehydrate.testing import isolated_engine
-    from rehydrate.detect.clock_jump import ClockJumpDetector
-
-    engine = isolated_engine()
-    ran = []
-    engine.registry.after_restore(lambda ctx: ran.append(ctx.reason))
-    det = ClockJumpDetector(interval=0.5, threshold=5.0)
-    engine.start([det])  # from the main thread: SIGCONT is recorded
-    engine.simulate_snapshot()
-    while det.ticks < 1:
-        time.sleep(0.01)
+SIGCONT_BURST = PENDING_SNAPSHOT + textwrap.dedent("""
     print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
     while not os.path.exists(os.environ["MARKER"]):
         time.sleep(0.01)
