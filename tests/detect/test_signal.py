@@ -49,23 +49,38 @@ def test_a_signal_right_after_a_handled_restore_is_the_same_restore(rehydrate_en
     assert [c["reason"] for c in rec.calls] == ["clock-jump"]
 
 
+class _AppHandler:
+    """The application's own handler for ``signum`` while the ``with`` block runs (the
+    previous one put back after): the calls it got, in ``seen``."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.seen: list[int] = []
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen.append(signum)
+
+    def __enter__(self) -> _AppHandler:
+        self.old = signal.signal(self.signum, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(self.signum, self.old)
+
+    def gets_the_signal_back(self) -> None:
+        """The handler is the application's again, and a signal reaches it."""
+        assert signal.getsignal(self.signum) is self
+        os.kill(os.getpid(), self.signum)
+        wait_for(lambda: self.seen == [self.signum])
+
+
 def test_stop_restores_the_previous_handler(rehydrate_engine):
-    seen: list[int] = []
-
-    def app_handler(signum, frame):  # type: ignore[no-untyped-def]
-        seen.append(signum)
-
-    old = signal.signal(signal.SIGUSR1, app_handler)
-    try:
+    with _AppHandler(signal.SIGUSR1) as app:
         det = SignalDetector(signal.SIGUSR1, kind="resume")
         rehydrate_engine.start([det])
         assert signal.getsignal(signal.SIGUSR1) == det._handler
         rehydrate_engine.stop()
-        assert signal.getsignal(signal.SIGUSR1) is app_handler
-        os.kill(os.getpid(), signal.SIGUSR1)
-        wait_for(lambda: seen == [signal.SIGUSR1])
-    finally:
-        signal.signal(signal.SIGUSR1, old)
+        app.gets_the_signal_back()
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
@@ -74,13 +89,7 @@ def test_signal_listed_twice_starts_once_and_stop_gives_the_handler_back(
     """``start(["signal", "signal"])`` installed two handlers, the second saving the first
     as "the application's": ``stop()`` left a detector's handler in place, and every
     later SIGUSR2 was swallowed instead of reaching the application."""
-    seen: list[int] = []
-
-    def app_handler(signum, frame):  # type: ignore[no-untyped-def]
-        seen.append(signum)
-
-    old = signal.signal(signal.SIGUSR2, app_handler)
-    try:
+    with _AppHandler(signal.SIGUSR2) as app:
         if later:
             rehydrate_engine.start("none")
         with caplog.at_level(logging.WARNING, logger="rehydrate"):
@@ -90,11 +99,7 @@ def test_signal_listed_twice_starts_once_and_stop_gives_the_handler_back(
             == ["detectors: signal listed more than once; each starts once (the first "
                 "listed)"]
         rehydrate_engine.stop()
-        assert signal.getsignal(signal.SIGUSR2) is app_handler
-        os.kill(os.getpid(), signal.SIGUSR2)
-        wait_for(lambda: seen == [signal.SIGUSR2])
-    finally:
-        signal.signal(signal.SIGUSR2, old)
+        app.gets_the_signal_back()
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
