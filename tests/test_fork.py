@@ -94,16 +94,8 @@ def test_a_child_forked_while_the_default_engine_is_being_created_is_not_wedged(
     import rehydrate.extensions as extensions
 
     monkeypatch.setattr(extensions, "_default", None)  # not created yet in this process
-    holding, release = threading.Event(), threading.Event()
-
-    def creating() -> None:  # what a thread inside default_engine()'s creation holds
-        with extensions._lock:
-            holding.set()
-            release.wait(DEADLINE)
-
-    creator = threading.Thread(target=creating, daemon=True)
-    creator.start()
-    assert holding.wait(DEADLINE)
+    # what a thread inside default_engine()'s creation holds
+    release, creator = _held_by_a_parent_thread(lambda: extensions._lock)
     try:
         def child() -> dict:  # type: ignore[type-arg]
             engine = extensions.default_engine()  # hung on the inherited lock before
@@ -132,8 +124,9 @@ def test_child_forgets_the_restore_deadlines_of_the_parents_detectors(
 
 
 def _held_by_a_parent_thread(get_lock) -> tuple[threading.Event, threading.Thread]:  # type: ignore[no-untyped-def]
-    """A parent thread inside a critical section of ``get_lock()`` until the returned
-    event is set (what a restore run or a renewal is doing at the moment of fork())."""
+    """A parent thread inside ``with get_lock():`` (a lock, a secret's view: any context
+    manager) until the returned event is set (what a restore run or a renewal is doing at
+    the moment of fork())."""
     holding, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -206,16 +199,8 @@ def test_a_child_forked_while_a_parent_thread_reads_a_secret_wipes_and_reloads_i
 
     secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
                                           engine=engine)
-    reading, release = threading.Event(), threading.Event()
-
-    def read() -> None:
-        with secret.view() if form == "view" else secret:
-            reading.set()
-            release.wait(DEADLINE)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    assert reading.wait(DEADLINE)
+    release, reader = _held_by_a_parent_thread(
+        lambda: secret.view() if form == "view" else secret)
     try:
         def child() -> dict:  # type: ignore[type-arg]
             reports = [engine.simulate_snapshot(), engine.simulate_restore()]
