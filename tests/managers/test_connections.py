@@ -3032,21 +3032,28 @@ def test_a_close_on_a_stopped_loop_runs_when_that_loop_runs_again(rehydrate_engi
         peer.close()
 
 
+def _snapshot_while_its_loop_is_paused(engine, loop, open_, close):  # type: ignore[no-untyped-def]
+    """A connection "db" opened on ``loop`` (run by ``run_until_complete``, then paused)
+    and a snapshot taken meanwhile: (the connection, the future of the close scheduled
+    on that loop)."""
+    conn = connections.register("db", open=open_, close=close, engine=engine)
+    assert loop.run_until_complete(connections.manager(engine).reopen_all()) == {"db": True}
+    assert engine.simulate_snapshot().ok
+    pending = conn._pending
+    assert pending is not None
+    return conn, pending[1]
+
+
 def test_a_close_on_a_stopped_loop_says_closed_once_it_ran(rehydrate_engine):
     """Without a restore in between, the snapshot's ``closing`` turns ``closed`` when
     the close scheduled on the stopped loop has run there."""
     peer = _Peer()
-    open_, close = _stream_to(peer)
     loop = asyncio.new_event_loop()
-    conn = connections.register("db", open=open_, close=close, engine=rehydrate_engine)
     try:
-        assert loop.run_until_complete(
-            connections.manager(rehydrate_engine).reopen_all()) == {"db": True}
-        assert rehydrate_engine.simulate_snapshot().ok
+        conn, pending = _snapshot_while_its_loop_is_paused(rehydrate_engine, loop,
+                                                           *_stream_to(peer))
         assert conn.state == "closing", conn.to_dict()
-        pending = conn._pending
-        assert pending is not None
-        loop.run_until_complete(asyncio.wrap_future(pending[1], loop=loop))
+        loop.run_until_complete(asyncio.wrap_future(pending, loop=loop))
         assert conn.state == "closed", conn.to_dict()
         assert peer.sees_eof(1) == [True]
     finally:
@@ -3070,16 +3077,11 @@ def test_a_close_without_argument_on_a_stopped_loop_skips_a_newer_open(rehydrate
         closes.append(held[0])
 
     loop = asyncio.new_event_loop()
-    conn = connections.register("db", open=open_, close=close, engine=rehydrate_engine)
     try:
-        assert loop.run_until_complete(
-            connections.manager(rehydrate_engine).reopen_all()) == {"db": True}
-        assert rehydrate_engine.simulate_snapshot().ok
-        pending = conn._pending
-        assert pending is not None
+        _, pending = _snapshot_while_its_loop_is_paused(rehydrate_engine, loop, open_, close)
         assert rehydrate_engine.simulate_restore().ok
         assert held == ["conn-2"]
-        loop.run_until_complete(asyncio.wrap_future(pending[1], loop=loop))
+        loop.run_until_complete(asyncio.wrap_future(pending, loop=loop))
         assert closes == []
     finally:
         loop.close()
