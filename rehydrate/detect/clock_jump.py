@@ -182,11 +182,14 @@ class _ContWatch:
     ``signal.signal(SIGCONT)`` replaces it and the C record alike, and the detector
     then records nothing), and it is the record where ``faulthandler.register`` fails.
 
-    All threads' tracebacks: with only the current one's, a thread Python does not know
-    (a native library's worker) that takes the signal would write nothing, and nothing
-    else would record it. The price is a walk over the other threads' frames while they
-    run, as ``faulthandler.dump_traceback_later``'s watchdog thread does; bounded (100
-    threads, 100 frames each) and only once per SIGCONT.
+    Only the current thread's traceback: dumping every thread's walks their states
+    without a lock from the handler, and a thread being created or freed meanwhile
+    crashed the process (SIGSEGV, CPython issue 116008) — a server starting a thread per
+    request, continued after a stop or sent SIGCONT at a unit's stop by systemd. The
+    limit: a thread Python does not know (a native library's worker) that takes the
+    signal writes nothing, and the stop is then taken for the checkpoint (the hooks run
+    when they need not). The kernel gives a process's SIGCONT to such a thread only when
+    every Python thread blocks it or is already handling a signal.
 
     ``faulthandler`` keeps one registration per signal. An application's own
     ``faulthandler.register(SIGCONT)`` made after ``start()`` replaces this record (with
@@ -234,7 +237,7 @@ class _ContWatch:
         try:
             # Not chained: Python's handler would run late and ring for a stop long over,
             # and the re-raise nests handlers in a burst (see the class docstring).
-            faulthandler.register(signal.SIGCONT, file=w, all_threads=True, chain=False)
+            faulthandler.register(signal.SIGCONT, file=w, all_threads=False, chain=False)
         except (AttributeError, ValueError, OSError, RuntimeError) as exc:  # pragma: no cover
             log.debug("clock-jump: SIGCONT is recorded by the Python handler only: %s", exc)
 

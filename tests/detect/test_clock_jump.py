@@ -603,32 +603,51 @@ def test_one_sigcont_rings_once_not_again_when_the_main_thread_runs_python():
         child.close()
 
 
-NATIVE_THREAD = textwrap.dedent("""
-    import ctypes, json, os, signal, time
-    from rehydrate.detect.clock_jump import _ContWatch
+THREAD_CHURN = textwrap.dedent("""
+    import json, os, threading, time
+    from rehydrate.testing import isolated_engine
+    from rehydrate.detect.clock_jump import ClockJumpDetector
 
-    assert _ContWatch.install()
-    _ContWatch.poll()
-    libc = ctypes.CDLL(None)
-    tid = ctypes.c_ulong()
-    # A thread Python does not know (no thread state), as a native library's worker.
-    assert libc.pthread_create(ctypes.byref(tid), None, libc.pause, None) == 0
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})  # that thread takes it
-    os.kill(os.getpid(), signal.SIGCONT)
-    end = time.monotonic() + 5
-    while not _ContWatch.poll() and time.monotonic() < end:
-        time.sleep(0.01)
-    print(json.dumps({"recorded": _ContWatch.last is not None}), flush=True)
+    engine = isolated_engine()
+    engine.start([ClockJumpDetector(interval=0.5, threshold=5.0)])  # SIGCONT recorded
+    stop = time.monotonic() + float(os.environ["SECONDS"])
+
+    def deep(n):
+        return deep(n - 1) if n else sum(i * i for i in range(200))
+
+    def churn():  # a server starting a thread per request: thread states come and go
+        while time.monotonic() < stop:
+            ts = [threading.Thread(target=deep, args=(20,)) for _ in range(8)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+    workers = [threading.Thread(target=churn) for _ in range(2)]
+    for w in workers:
+        w.start()
+    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    for w in workers:
+        w.join()
+    print(json.dumps({"event": "done"}), flush=True)
 """)
 
 
-def test_a_sigcont_taken_by_a_native_thread_is_recorded():
-    """A thread without a Python thread state writes nothing when faulthandler dumps only
-    the current thread, and Python's handler no longer runs behind the C record: the
-    record dumps all threads, so any thread that takes SIGCONT rings."""
-    child = Child(NATIVE_THREAD)
+def test_sigconts_while_threads_start_and_end_do_not_crash_the_process():
+    """The record dumped every thread's traceback from the signal handler: faulthandler
+    walks the thread states without a lock, and a thread being created or freed during
+    the walk crashed the process (SIGSEGV; CPython issue 116008) — a server starting a
+    thread per request, continued after a stop or sent SIGCONT by systemd at a unit's
+    stop. The record dumps only the thread that takes the signal."""
+    child = Child(THREAD_CHURN, env={"SECONDS": "4"})
     try:
-        assert child.next() == {"recorded": True}
+        ready = child.next()
+        assert ready["event"] == "ready"
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            os.kill(ready["pid"], signal.SIGCONT)
+            time.sleep(0.002)
+        assert child.next(timeout=30) == {"event": "done"}
     finally:
         child.close()
 
