@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
-from ._loops import LoopClosed
+from ._loops import LoopClosed, LoopStopped
 from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
@@ -487,6 +487,8 @@ class Connection:
             await self._close(fn, again)
         except LoopClosed as exc:  # a helper's close: its pool's loop is closed
             self._drop(str(exc))
+        except LoopStopped as exc:  # a helper's close: its pool's loop is only stopped
+            return self._close_later(exc.loop, fn, again)
         return None
 
     async def _close(self, fn: Callable[..., Any], again: bool, *,
@@ -601,7 +603,9 @@ class Connection:
 
         async def later() -> None:
             with self._lock:
-                stale = not takes_value and self._opens != opens
+                # an open since replaced what this closes — or reopened the same object
+                # (a long-lived client reconnected): closing it would cut the new one
+                stale = self._opens != opens and (not takes_value or self.value is value)
             if stale:
                 log.info("connection %s: its close() scheduled on its stopped event loop "
                          "did not run: opened again since", self.name)
@@ -1943,8 +1947,19 @@ class _AsyncRedisPool:
                 raise LoopClosed("the event loop its commands ran on is closed: its "
                                  "pooled connections cannot be closed")
         else:
-            raise RuntimeError("the redis.asyncio client's event loop is not running: its "
-                               "connections cannot be closed from another loop")
+            # run_until_complete between two calls: only that loop can close them, so the
+            # connection schedules this same disconnect there (it then runs on home)
+            raise LoopStopped(home, "its commands ran on")
+
+    async def reopen(self) -> None:
+        """After a restore: the pool's connections were cut; on a stopped loop the
+        disconnect scheduled there before the snapshot (or now) forgets them when the
+        application runs that loop again — never a reason to fail the open."""
+        try:
+            await self.disconnect()
+        except LoopStopped as exc:
+            fut = asyncio.run_coroutine_threadsafe(self.pool.disconnect(), exc.loop)
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def ping(self) -> None:
         if asyncio.get_running_loop() is self.home:
@@ -1985,9 +2000,10 @@ def redis_client(
     pool = client.connection_pool
     ping: Callable[[], Any]
     disconnect: Callable[[], Any]
+    reopen: Callable[[], Any]
     if inspect.iscoroutinefunction(pool.disconnect):
         apool = _AsyncRedisPool(client)
-        ping, disconnect = apool.ping, apool.disconnect
+        ping, disconnect, reopen = apool.ping, apool.disconnect, apool.reopen
     else:
         def sping() -> None:
             if not client.ping():
@@ -1995,9 +2011,10 @@ def redis_client(
 
         # a bound disconnect() takes no required argument: called as is
         ping, disconnect = sping, pool.disconnect
+        reopen = disconnect
     kw = getattr(pool, "connection_kwargs", {})
     peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
-    conn = _connection(name, open=disconnect, close=disconnect,
+    conn = _connection(name, open=reopen, close=disconnect,
                        check=ping if check else None, required=required, deadline=deadline,
                        peers=peers, subject=client,
                        # Redis(connection_pool=pool): clients sharing one pool
