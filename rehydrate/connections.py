@@ -262,9 +262,11 @@ class Connection:
         :class:`~rehydrate._loops.LoopClosed` for what it cannot close)."""
         self._dropped = False
         """``value`` was let go of unclosed (see :meth:`_drop`); until an open replaces it."""
-        self._pending: tuple[Any, concurrent.futures.Future[None]] | None = None
+        self._pending: tuple[Any, concurrent.futures.Future[None], Coroutine[Any, Any, None],
+                             asyncio.AbstractEventLoop] | None = None
         """A close scheduled on the value's stopped event loop, not run yet (see
-        :meth:`_close_later`), and the value it closes."""
+        :meth:`_close_later`): the value it closes, its future, its coroutine and that
+        loop."""
         self._opens = 0
         """Bumped by every open kept (see :meth:`_keep`)."""
         self._ended = False
@@ -472,6 +474,7 @@ class Connection:
         fn = self.close_fn
         if fn is None:
             return None
+        self._reclaim()
         if _is_async(fn) and not self._any_loop:
             with self._lock:
                 opened_on = self._loop
@@ -620,12 +623,35 @@ class Connection:
             coro.close()
             return None
         with self._lock:
-            self._pending = (value, fut)
+            self._pending = (value, fut, coro, loop)
             if takes_value and self.value is value:
                 self._released = True
         log.info("connection %s: its event loop is stopped: close() scheduled there, to "
                  "run when the application runs that loop again", self.name)
         return fut
+
+    def _reclaim(self) -> bool:
+        """The close :meth:`_close_later` scheduled will never run: the application closed
+        that loop without running it again. Without this the value stayed ``closing``
+        for good, counted as released (so no later close tried it), its socket open, and
+        the coroutine was reported "never awaited". The coroutine is closed; the value,
+        if still the current one, counts as not closed again, so that the caller's close
+        goes through :meth:`_close_stranded` (or a helper's ``LoopClosed``) and, failing
+        that, :meth:`_drop` (one warning); one an open replaced since is let go of with
+        the same warning. True when there was such a close."""
+        with self._lock:
+            pending = self._pending
+            if pending is None or pending[1].done() or not pending[3].is_closed():
+                return False
+            self._pending = None
+            current = pending[0] is self.value
+            if current and not self._dropped:
+                self._released = False
+        pending[2].close()
+        if not current:
+            log.warning("connection %s: not closed: the event loop it was opened on was "
+                        "closed before the close scheduled there ran; dropped", self.name)
+        return True
 
     def _closed_later(self, epoch: int, fut: concurrent.futures.Future[None]) -> None:
         """Run ``epoch`` (a snapshot's, the engine's close) left the close to
@@ -755,7 +781,8 @@ class Connection:
         both succeed or ``deadline_at`` passed (the first attempt always runs)."""
         start = time.monotonic()
         self._set(epoch, deadline_at=deadline_at)
-        if close_first and self._holds():
+        # a close left on a loop closed since: tried again (or dropped) now, not never
+        if close_first and (self._reclaim() or self._holds()):
             # at most half the time left: a hung close must leave time to reopen
             await self._release(epoch, "close of the stale connection",
                                 min(CLOSE_TIMEOUT, max(0.0, deadline_at - start) / 2))
@@ -1040,8 +1067,11 @@ class ConnectionManager:
                 opener = conn._opener
             if opener is not None:
                 stopping.append((conn, opener.done))
-            if state in ("opening", "reconnecting"):
-                scheduled = self._close_stopped(conn, epoch)
+            stranded = state == "closing" and conn._reclaim()
+            if state in ("opening", "reconnecting") or stranded:
+                scheduled = self._close_stopped(
+                    conn, epoch, "the engine closed while it (re)opened" if not stranded
+                    else "its event loop was closed before the close scheduled there ran")
                 # not from that loop's own thread (the application's): it runs the close
                 # once this returns, and the engine does not stop it
                 if scheduled is not None and scheduled[1] is not here:
@@ -1057,7 +1087,7 @@ class ConnectionManager:
                     log.warning("connection %s: its background open did not stop within "
                                 "%gs of the engine's close", conn.name, CLOSE_TIMEOUT)
 
-    def _close_stopped(self, conn: Connection, epoch: int) -> tuple[
+    def _close_stopped(self, conn: Connection, epoch: int, why: str) -> tuple[
             concurrent.futures.Future[None], asyncio.AbstractEventLoop] | None:
         """Close ``conn``, whose (re)open the engine's close stopped, without blocking
         the close. An ``async`` close is scheduled on the loop the value was opened on
@@ -1066,7 +1096,6 @@ class ConnectionManager:
         if not conn._holds():
             conn._set(epoch, state="closed", step=None)
             return None
-        why = "the engine closed while it (re)opened"
         conn._set(epoch, state="closing", step=f"close ({why})")
         ended: concurrent.futures.Future[None] = concurrent.futures.Future()
         conn._closing = ended

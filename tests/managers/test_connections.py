@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import math
@@ -3761,4 +3762,39 @@ def test_a_stale_close_on_a_stopped_loop_spares_the_same_object_reopened(rehydra
         assert conn.state == "open", conn.to_dict()
     finally:
         loop.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("then", ["restore", "engine_close"])
+def test_a_close_left_on_a_loop_closed_since_is_dropped_in_one_line(caplog, then):
+    """The application closed the paused loop a snapshot's close was scheduled on,
+    without running it again: the connection said ``closing`` for good, counted its
+    value as closed (no later close tried it, no warning) and its coroutine was never
+    awaited. The next restore, or the engine's close, tries that close again, here, and
+    drops the value with one warning naming the connection when it fails."""
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+    loop = asyncio.new_event_loop()
+    try:
+        conn, _ = _snapshot_while_its_loop_is_paused(engine, loop, *_stream_to(peer))
+        assert conn.state == "closing", conn.to_dict()
+        pending = conn._pending
+        assert pending is not None
+        coro = pending[-2]  # the scheduled close's coroutine
+        loop.close()  # the application is done with that loop
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            if then == "restore":
+                assert engine.simulate_restore().ok
+                assert conn.state == "open", conn.to_dict()
+            else:
+                engine.close()
+                assert conn._closing is not None
+                conn._closing.result(10)
+                assert conn.state == "closed", conn.to_dict()
+        lines = _dropped_lines(caplog)
+        assert len(lines) == 1 and "connection db:" in lines[0], lines
+        assert inspect.getcoroutinestate(coro) == "CORO_CLOSED"  # not "never awaited"
+        assert conn._pending is None
+    finally:
+        engine.close()
         peer.close()
