@@ -470,7 +470,10 @@ class Connection:
         (:meth:`_close_stranded`); only *stopped* (``run_until_complete`` between two
         calls), the close is scheduled there, to run once the application runs that loop
         again, and not waited for: the future of that call is returned
-        (:meth:`_close_later`). None otherwise, once the close has returned."""
+        (:meth:`_close_later`) — a helper's close raises
+        :class:`~rehydrate._loops.LoopStopped` for that. A close so scheduled whose loop
+        was closed since, unrun, is tried as on a closed loop (:meth:`_reclaim`). None
+        otherwise, once the close has returned."""
         fn = self.close_fn
         if fn is None:
             return None
@@ -594,7 +597,9 @@ class Connection:
         same one while it is pending for the same value); the value counts as released,
         so a restore opens a new one rather than wait. None: nothing to close
         (``again=False``), or ``loop`` was closed in between. A close without argument
-        is not run if an open succeeded since: it would close what that open made."""
+        is not run if an open succeeded since: it would close what that open made; nor is one
+        with the value, when that open returned that same object again (a long-lived
+        client reconnected)."""
         takes_value = _arity(fn) >= 1
         with self._lock:
             value, pending, opens = self.value, self._pending, self._opens
@@ -2022,7 +2027,9 @@ def redis_client(
 
     A ``redis.asyncio`` client's connections belong to the event loop the application
     sends its commands on: ``disconnect()`` is sent to that loop (the last one a command
-    ran on, or the one ``redis_client`` was called from), which must be running; when
+    ran on, or the one ``redis_client`` was called from) — scheduled there when it is
+    only stopped (``run_until_complete`` between two calls), to run when the application
+    runs it again (``closing`` meanwhile); when
     the hooks run on another loop (the engine was started without ``loop=``) the
     ``PING`` goes over a short-lived connection of its own and the pool refills on the
     application's first command."""
