@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from ._loops import LoopClosed
+from ._loops import LoopClosed, LoopStopped
 from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
 
@@ -209,7 +209,9 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             old, self._inner = self._inner, fresh
             self.generation += 1
             loop, self._loop = self._loop, None
-        if loop is not None and loop.is_running() and not loop.is_closed():
+        # a stopped loop (run_until_complete between two calls) too: it runs the close
+        # when the application runs it again, nothing else can close those sockets
+        if loop is not None and not loop.is_closed():
             fut = asyncio.run_coroutine_threadsafe(old.aclose(), loop)
             fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
         for proxy in self.proxies:
@@ -217,15 +219,33 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         # the sync transport closes the caller's mounts too: they kept the sockets from
         # before the restore. Their connections belong to the application's loop.
         home = self._mounts_loop()
-        if home is not None and home.is_running() and not home.is_closed():
+        if home is not None and not home.is_closed():
             for mount in self._mounted():
                 fut = asyncio.run_coroutine_threadsafe(mount.aclose(), home)
                 fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
 
+    def _stopped_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The stopped (neither running nor closed) loop some of the pools belong to:
+        the application drives it with ``run_until_complete`` between two calls."""
+        with self._lock:
+            loops = [self._loop, self._mounts_loop() if self._mounted() else None]
+        for proxy in self.proxies:
+            loops.append(proxy._stopped_loop())
+        for loop in loops:
+            if loop is not None and not loop.is_running() and not loop.is_closed():
+                return loop
+        return None
+
     async def close_pool(self) -> None:
+        here = asyncio.get_running_loop()
+        stopped = self._stopped_loop()
+        if stopped is not None and stopped is not here:
+            # only that loop can close their sockets: the connection schedules this same
+            # close there (raised before closing anything, so it all runs there, once)
+            raise LoopStopped(stopped, "its requests ran on")
         for proxy in self.proxies:
             await proxy.close_pool()
-        home, here = self._mounts_loop(), asyncio.get_running_loop()
+        home = self._mounts_loop()
         for mount in self._mounted():
             if home is here:
                 await mount.aclose()

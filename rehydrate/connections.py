@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
-from ._loops import LoopClosed
+from ._loops import LoopClosed, LoopStopped
 from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
@@ -262,9 +262,11 @@ class Connection:
         :class:`~rehydrate._loops.LoopClosed` for what it cannot close)."""
         self._dropped = False
         """``value`` was let go of unclosed (see :meth:`_drop`); until an open replaces it."""
-        self._pending: tuple[Any, concurrent.futures.Future[None]] | None = None
+        self._pending: tuple[Any, concurrent.futures.Future[None], Coroutine[Any, Any, None],
+                             asyncio.AbstractEventLoop] | None = None
         """A close scheduled on the value's stopped event loop, not run yet (see
-        :meth:`_close_later`), and the value it closes."""
+        :meth:`_close_later`): the value it closes, its future, its coroutine and that
+        loop."""
         self._opens = 0
         """Bumped by every open kept (see :meth:`_keep`)."""
         self._ended = False
@@ -468,10 +470,14 @@ class Connection:
         (:meth:`_close_stranded`); only *stopped* (``run_until_complete`` between two
         calls), the close is scheduled there, to run once the application runs that loop
         again, and not waited for: the future of that call is returned
-        (:meth:`_close_later`). None otherwise, once the close has returned."""
+        (:meth:`_close_later`) — a helper's close raises
+        :class:`~rehydrate._loops.LoopStopped` for that. A close so scheduled whose loop
+        was closed since, unrun, is tried as on a closed loop (:meth:`_reclaim`). None
+        otherwise, once the close has returned."""
         fn = self.close_fn
         if fn is None:
             return None
+        self._reclaim()
         if _is_async(fn) and not self._any_loop:
             with self._lock:
                 opened_on = self._loop
@@ -487,6 +493,8 @@ class Connection:
             await self._close(fn, again)
         except LoopClosed as exc:  # a helper's close: its pool's loop is closed
             self._drop(str(exc))
+        except LoopStopped as exc:  # a helper's close: its pool's loop is only stopped
+            return self._close_later(exc.loop, fn, again)
         return None
 
     async def _close(self, fn: Callable[..., Any], again: bool, *,
@@ -589,7 +597,9 @@ class Connection:
         same one while it is pending for the same value); the value counts as released,
         so a restore opens a new one rather than wait. None: nothing to close
         (``again=False``), or ``loop`` was closed in between. A close without argument
-        is not run if an open succeeded since: it would close what that open made."""
+        is not run if an open succeeded since: it would close what that open made; nor is one
+        with the value, when that open returned that same object again (a long-lived
+        client reconnected)."""
         takes_value = _arity(fn) >= 1
         with self._lock:
             value, pending, opens = self.value, self._pending, self._opens
@@ -601,7 +611,9 @@ class Connection:
 
         async def later() -> None:
             with self._lock:
-                stale = not takes_value and self._opens != opens
+                # an open since replaced what this closes — or reopened the same object
+                # (a long-lived client reconnected): closing it would cut the new one
+                stale = self._opens != opens and (not takes_value or self.value is value)
             if stale:
                 log.info("connection %s: its close() scheduled on its stopped event loop "
                          "did not run: opened again since", self.name)
@@ -616,12 +628,35 @@ class Connection:
             coro.close()
             return None
         with self._lock:
-            self._pending = (value, fut)
+            self._pending = (value, fut, coro, loop)
             if takes_value and self.value is value:
                 self._released = True
         log.info("connection %s: its event loop is stopped: close() scheduled there, to "
                  "run when the application runs that loop again", self.name)
         return fut
+
+    def _reclaim(self) -> bool:
+        """The close :meth:`_close_later` scheduled will never run: the application closed
+        that loop without running it again. Without this the value stayed ``closing``
+        for good, counted as released (so no later close tried it), its socket open, and
+        the coroutine was reported "never awaited". The coroutine is closed; the value,
+        if still the current one, counts as not closed again, so that the caller's close
+        goes through :meth:`_close_stranded` (or a helper's ``LoopClosed``) and, failing
+        that, :meth:`_drop` (one warning); one an open replaced since is let go of with
+        the same warning. True when there was such a close."""
+        with self._lock:
+            pending = self._pending
+            if pending is None or pending[1].done() or not pending[3].is_closed():
+                return False
+            self._pending = None
+            current = pending[0] is self.value
+            if current and not self._dropped:
+                self._released = False
+        pending[2].close()
+        if not current:
+            log.warning("connection %s: not closed: the event loop it was opened on was "
+                        "closed before the close scheduled there ran; dropped", self.name)
+        return True
 
     def _closed_later(self, epoch: int, fut: concurrent.futures.Future[None]) -> None:
         """Run ``epoch`` (a snapshot's, the engine's close) left the close to
@@ -751,7 +786,8 @@ class Connection:
         both succeed or ``deadline_at`` passed (the first attempt always runs)."""
         start = time.monotonic()
         self._set(epoch, deadline_at=deadline_at)
-        if close_first and self._holds():
+        # a close left on a loop closed since: tried again (or dropped) now, not never
+        if close_first and (self._reclaim() or self._holds()):
             # at most half the time left: a hung close must leave time to reopen
             await self._release(epoch, "close of the stale connection",
                                 min(CLOSE_TIMEOUT, max(0.0, deadline_at - start) / 2))
@@ -1036,8 +1072,11 @@ class ConnectionManager:
                 opener = conn._opener
             if opener is not None:
                 stopping.append((conn, opener.done))
-            if state in ("opening", "reconnecting"):
-                scheduled = self._close_stopped(conn, epoch)
+            stranded = state == "closing" and conn._reclaim()
+            if state in ("opening", "reconnecting") or stranded:
+                scheduled = self._close_stopped(
+                    conn, epoch, "the engine closed while it (re)opened" if not stranded
+                    else "its event loop was closed before the close scheduled there ran")
                 # not from that loop's own thread (the application's): it runs the close
                 # once this returns, and the engine does not stop it
                 if scheduled is not None and scheduled[1] is not here:
@@ -1053,7 +1092,7 @@ class ConnectionManager:
                     log.warning("connection %s: its background open did not stop within "
                                 "%gs of the engine's close", conn.name, CLOSE_TIMEOUT)
 
-    def _close_stopped(self, conn: Connection, epoch: int) -> tuple[
+    def _close_stopped(self, conn: Connection, epoch: int, why: str) -> tuple[
             concurrent.futures.Future[None], asyncio.AbstractEventLoop] | None:
         """Close ``conn``, whose (re)open the engine's close stopped, without blocking
         the close. An ``async`` close is scheduled on the loop the value was opened on
@@ -1062,7 +1101,6 @@ class ConnectionManager:
         if not conn._holds():
             conn._set(epoch, state="closed", step=None)
             return None
-        why = "the engine closed while it (re)opened"
         conn._set(epoch, state="closing", step=f"close ({why})")
         ended: concurrent.futures.Future[None] = concurrent.futures.Future()
         conn._closing = ended
@@ -1943,8 +1981,19 @@ class _AsyncRedisPool:
                 raise LoopClosed("the event loop its commands ran on is closed: its "
                                  "pooled connections cannot be closed")
         else:
-            raise RuntimeError("the redis.asyncio client's event loop is not running: its "
-                               "connections cannot be closed from another loop")
+            # run_until_complete between two calls: only that loop can close them, so the
+            # connection schedules this same disconnect there (it then runs on home)
+            raise LoopStopped(home, "its commands ran on")
+
+    async def reopen(self) -> None:
+        """After a restore: the pool's connections were cut; on a stopped loop the
+        disconnect scheduled there before the snapshot (or now) forgets them when the
+        application runs that loop again — never a reason to fail the open."""
+        try:
+            await self.disconnect()
+        except LoopStopped as exc:
+            fut = asyncio.run_coroutine_threadsafe(self.pool.disconnect(), exc.loop)
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def ping(self) -> None:
         if asyncio.get_running_loop() is self.home:
@@ -1978,16 +2027,19 @@ def redis_client(
 
     A ``redis.asyncio`` client's connections belong to the event loop the application
     sends its commands on: ``disconnect()`` is sent to that loop (the last one a command
-    ran on, or the one ``redis_client`` was called from), which must be running; when
+    ran on, or the one ``redis_client`` was called from) — scheduled there when it is
+    only stopped (``run_until_complete`` between two calls), to run when the application
+    runs it again (``closing`` meanwhile); when
     the hooks run on another loop (the engine was started without ``loop=``) the
     ``PING`` goes over a short-lived connection of its own and the pool refills on the
     application's first command."""
     pool = client.connection_pool
     ping: Callable[[], Any]
     disconnect: Callable[[], Any]
+    reopen: Callable[[], Any]
     if inspect.iscoroutinefunction(pool.disconnect):
         apool = _AsyncRedisPool(client)
-        ping, disconnect = apool.ping, apool.disconnect
+        ping, disconnect, reopen = apool.ping, apool.disconnect, apool.reopen
     else:
         def sping() -> None:
             if not client.ping():
@@ -1995,9 +2047,10 @@ def redis_client(
 
         # a bound disconnect() takes no required argument: called as is
         ping, disconnect = sping, pool.disconnect
+        reopen = disconnect
     kw = getattr(pool, "connection_kwargs", {})
     peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
-    conn = _connection(name, open=disconnect, close=disconnect,
+    conn = _connection(name, open=reopen, close=disconnect,
                        check=ping if check else None, required=required, deadline=deadline,
                        peers=peers, subject=client,
                        # Redis(connection_pool=pool): clients sharing one pool

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import math
@@ -3649,3 +3650,151 @@ def test_helpers_whose_event_loop_is_closed_warn_they_left_connections_open(
         await h.aclose()
 
     asyncio.run(phase2())
+
+
+async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """On the application's loop: wait (letting that loop run) until ``cond()``."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not met on the application's loop"
+        await asyncio.sleep(0.01)
+
+
+def test_redis_async_client_on_a_stopped_loop_closes_there_and_reopens(rehydrate_engine,
+                                                                       redis_srv):
+    """A ``redis.asyncio`` client used on a loop driven by ``run_until_complete``: the
+    snapshot taken while that loop was paused failed ("event loop is not running"), and
+    the restore's open failed the same way until its deadline (degraded). The disconnect
+    is scheduled on that loop (``closing``), the restore opens at once, and the old
+    connections are closed when the application runs its loop again."""
+    import redis.asyncio as aredis
+
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.redis_client("cache", aredis.Redis(port=redis_srv.port),
+                                            engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        assert loop.run_until_complete(client.ping())
+        pool = client.connection_pool
+        # their streams: a disconnected connection object is reconnected on use
+        old = [c._writer for c in (*pool._available_connections, *pool._in_use_connections)]
+        assert old and not any(w.is_closing() for w in old)
+        report = rehydrate_engine.simulate_snapshot()  # the loop is paused
+        assert report.ok, report.table()
+        conn = connections.get("cache", engine=rehydrate_engine)
+        assert conn.state == "closing", conn.to_dict()
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert conn.state == "open", conn.to_dict()
+        assert loop.run_until_complete(client.ping())  # the application's next call
+        loop.run_until_complete(_until(lambda: all(w.is_closing() for w in old)))
+        assert loop.run_until_complete(client.ping())
+    finally:
+        loop.close()
+
+
+def test_httpx_async_client_on_a_stopped_loop_closes_its_pool_there(rehydrate_engine,
+                                                                   http_srv):
+    """An ``httpx.AsyncClient`` used on a loop driven by ``run_until_complete``: a
+    snapshot while that loop was paused said ``closed`` but closed nothing (its socket
+    stayed open), and the restore dropped that pool unclosed. The pool's close is
+    scheduled on that loop (``closing``) and runs when the application runs it again."""
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client("api", base_url=http_srv.url,
+                                                  engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        loop.run_until_complete(client.get("/x"))
+        transport = client._transport
+        old = list(transport._inner._pool.connections)
+        assert old and not any(c.is_closed() for c in old)
+        report = rehydrate_engine.simulate_snapshot()
+        assert report.ok, report.table()
+        conn = connections.get("api", engine=rehydrate_engine)
+        assert conn.state == "closing", conn.to_dict()
+        assert not any(c.is_closed() for c in old)  # only that loop can close them
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert conn.state == "open", conn.to_dict()
+        loop.run_until_complete(client.get("/x"))
+        loop.run_until_complete(_until(lambda: all(c.is_closed() for c in old)))
+    finally:
+        loop.close()
+
+
+def test_a_stale_close_on_a_stopped_loop_spares_the_same_object_reopened(rehydrate_engine):
+    """``open`` reconnects one long-lived client and returns it again: the close left on
+    the paused loop by the snapshot ran after the restore's open, on that same object,
+    and closed its new connection. It does not run."""
+    peer = _Peer()
+
+    class Client:
+        writer = None
+
+        async def connect(self) -> None:
+            _, self.writer = await asyncio.open_connection(*peer.address)
+
+    client = Client()
+    closed: list[object] = []
+
+    async def open_():  # type: ignore[no-untyped-def]
+        await client.connect()
+        return client
+
+    async def close(c):  # type: ignore[no-untyped-def]
+        closed.append(c.writer)
+        c.writer.close()
+        await c.writer.wait_closed()
+
+    loop = asyncio.new_event_loop()
+    try:
+        conn, pending = _snapshot_while_its_loop_is_paused(rehydrate_engine, loop, open_,
+                                                           close)
+        first = client.writer
+        assert rehydrate_engine.simulate_restore().ok
+        assert conn.value is client and client.writer is not first
+        loop.run_until_complete(asyncio.wrap_future(pending, loop=loop))
+        assert closed == [] and not client.writer.is_closing()
+        assert conn.state == "open", conn.to_dict()
+    finally:
+        loop.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("then", ["restore", "engine_close"])
+def test_a_close_left_on_a_loop_closed_since_is_dropped_in_one_line(caplog, then):
+    """The application closed the paused loop a snapshot's close was scheduled on,
+    without running it again: the connection said ``closing`` for good, counted its
+    value as closed (no later close tried it, no warning) and its coroutine was never
+    awaited. The next restore, or the engine's close, tries that close again, here, and
+    drops the value with one warning naming the connection when it fails."""
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+    loop = asyncio.new_event_loop()
+    try:
+        conn, _ = _snapshot_while_its_loop_is_paused(engine, loop, *_stream_to(peer))
+        assert conn.state == "closing", conn.to_dict()
+        pending = conn._pending
+        assert pending is not None
+        coro = pending[-2]  # the scheduled close's coroutine
+        loop.close()  # the application is done with that loop
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            if then == "restore":
+                assert engine.simulate_restore().ok
+                assert conn.state == "open", conn.to_dict()
+            else:
+                engine.close()
+                assert conn._closing is not None
+                conn._closing.result(10)
+                assert conn.state == "closed", conn.to_dict()
+        lines = _dropped_lines(caplog)
+        assert len(lines) == 1 and "connection db:" in lines[0], lines
+        assert inspect.getcoroutinestate(coro) == "CORO_CLOSED"  # not "never awaited"
+        assert conn._pending is None
+    finally:
+        engine.close()
+        peer.close()
