@@ -652,7 +652,12 @@ class Connection:
             current = pending[0] is self.value
             if current and not self._dropped:
                 self._released = False
-        pending[2].close()
+        coro = pending[2]
+        # Only one its loop never started: one that did is suspended in its Task, and
+        # closing it runs the application's cleanup (a `finally`) against the closed
+        # loop — "Event loop is closed" raised out of a restore and engine.close().
+        if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            coro.close()
         if not current:
             log.warning("connection %s: not closed: the event loop it was opened on was "
                         "closed before the close scheduled there ran; dropped", self.name)

@@ -3766,6 +3766,45 @@ def test_a_stale_close_on_a_stopped_loop_spares_the_same_object_reopened(rehydra
 
 
 @pytest.mark.parametrize("then", ["restore", "engine_close"])
+def test_a_close_started_on_a_loop_closed_since_does_not_break_the_restore(caplog, then):
+    """The application ran the paused loop briefly (the scheduled close started and
+    waited in it), then closed the loop: closing that suspended coroutine ran the close's
+    ``finally`` against the closed loop, and "Event loop is closed" came out of the next
+    restore (its hook failed) and out of ``engine.close()``. Only a close that never
+    started is closed; the value is let go of with one warning as before."""
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+
+    async def open_():
+        return await asyncio.open_connection(*peer.address)
+
+    async def close(v):
+        try:
+            await asyncio.sleep(30)  # a graceful goodbye, cut short by the loop's end
+        finally:
+            v[1].close()  # needs the loop: raises once it is closed
+
+    loop = asyncio.new_event_loop()
+    try:
+        conn, _ = _snapshot_while_its_loop_is_paused(engine, loop, open_, close)
+        loop.run_until_complete(asyncio.sleep(0.05))  # the close starts, then waits
+        loop.close()
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            if then == "restore":
+                report = engine.simulate_restore()
+                assert report.ok, report.table()
+                assert conn.state == "open", conn.to_dict()
+            else:
+                engine.close()
+                assert conn._closing is not None
+                conn._closing.result(10)
+                assert conn.state in ("closed", "failed"), conn.to_dict()
+    finally:
+        engine.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("then", ["restore", "engine_close"])
 def test_a_close_left_on_a_loop_closed_since_is_dropped_in_one_line(caplog, then):
     """The application closed the paused loop a snapshot's close was scheduled on,
     without running it again: the connection said ``closing`` for good, counted its
