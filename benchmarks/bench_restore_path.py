@@ -90,6 +90,10 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1000:.1f} ms"
 
 
+LEAVE_RUNNING_WAIT = 20.0
+"""How long the leave-running row waits for the original to be ready again."""
+
+
 def _wait(check: Callable[[], bool], timeout: float = 60.0, interval: float = 0.002) -> float:
     deadline = time.monotonic() + timeout
     while not check():
@@ -206,11 +210,20 @@ def run() -> list[tuple[str, str, str]]:
         t0 = time.monotonic()
         h.checkpoint(saved, leave_running=True)
         t_cmd = time.monotonic() - t0
-        t_ready = _wait(lambda: '"ready": true' in h.exec(
-            saved, [str(BIN / "rehydrate"), "status", "--json"], timeout=60).stdout,
-            interval=0.05) - t0
+        try:
+            t_ready = _wait(lambda: '"ready": true' in h.exec(
+                saved, [str(BIN / "rehydrate"), "status", "--json"], timeout=60).stdout,
+                timeout=LEAVE_RUNNING_WAIT, interval=0.05) - t0
+            ready = f"{t_ready * 1000:.0f} ms"
+        except TimeoutError:
+            # A small process's checkpoint can freeze it for less than the clock-jump
+            # detector's pending threshold plus one wake-up (docs/platforms/runsc.md): then
+            # only `notify resume` or the snapshot deadline ends it. A row, not a crash
+            # that lost every other row (2 runs in 5 on a loaded 2-core host).
+            ready = (f"not within {LEAVE_RUNNING_WAIT:.0f} s (freeze too short to see; "
+                     "send notify resume)")
         rows.append(("leave-running: checkpoint start -> original ready (no notify resume)",
-                     f"{t_ready * 1000:.0f} ms (checkpoint command {t_cmd * 1000:.0f} ms)",
+                     f"{ready} (checkpoint command {t_cmd * 1000:.0f} ms)",
                      "a few seconds"))
 
         clone = h.restore(images["sock"], origs["sock"], name="notifier")
