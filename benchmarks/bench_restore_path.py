@@ -30,6 +30,7 @@ the run (a shared 2-core host) hits each of them alike.
 With ``BENCH_BASELINE_TREE=DIR`` (a checkout of an older commit, e.g. ``git worktree add
 DIR COMMIT``) the clock-jump configuration also runs on that checkout's rehydrate, in the
 same round robin (as does the ``notify save`` one): old and new side by side.
+``BENCH_CLONES=N`` sets the clones per configuration (default 5).
 
 Run alone: ``python benchmarks/bench_restore_path.py`` (as root).
 """
@@ -58,7 +59,9 @@ from tests.gvisor.harness import (  # noqa: E402 - the harness lives in the test
     supports_uncompressed_checkpoint,
 )
 
-CLONES = 5
+# BENCH_CLONES: more clones per configuration narrow the medians (a comparison
+# of two trees wants 15 or more; one clone's figure spans 3x on a shared host).
+CLONES = int(os.environ.get("BENCH_CLONES", "5"))
 EXECS = 15
 FROZEN = 2.5
 SOCKET = "/var/tmp/rehydrate.sock"
