@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from ._loops import LoopClosed, LoopStopped, run_first
+from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
 
@@ -210,7 +210,7 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             self.generation += 1
             loop, self._loop = self._loop, None
         # a stopped loop (run_until_complete between two calls) too: it runs the close
-        # when the application runs it again (first: run_first), nothing else can close
+        # when the application runs it again (run_quietly), nothing else can close
         # those sockets; closed by the application unrun, it drops the close silently
         if loop is not None and not loop.is_closed():
             _forget(old.aclose(), loop)
@@ -304,12 +304,12 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
 
 
 def _forget(coro: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """Run ``coro`` (a pool's close) on ``loop`` (:func:`~rehydrate._loops.run_first`),
+    """Run ``coro`` (a pool's close) on ``loop`` (:func:`~rehydrate._loops.run_quietly`),
     not waited for: its outcome is retrieved, never raised; a loop closed in between
     closes nothing."""
     try:
-        fut = run_first(loop, coro)
-    except RuntimeError:  # closed since it was checked (run_first closed the coroutine)
+        fut = run_quietly(loop, coro)
+    except RuntimeError:  # closed since it was checked (run_quietly closed the coroutine)
         return
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 

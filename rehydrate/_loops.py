@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 from collections.abc import Coroutine
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LoopClosed", "LoopStopped", "run_first"]
+__all__ = ["LoopClosed", "LoopStopped", "run_quietly"]
 
 _T = TypeVar("_T")
 
@@ -33,21 +32,13 @@ class LoopStopped(RuntimeError):
         self.loop = loop
 
 
-def run_first(loop: asyncio.AbstractEventLoop,
-              coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+def run_quietly(loop: asyncio.AbstractEventLoop,
+                coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
     """``asyncio.run_coroutine_threadsafe(coro, loop)`` (from any thread), for a close of
     what belongs to ``loop`` while the application keeps that loop stopped between two
-    ``run_until_complete`` calls. Two differences:
-
-    - its first step (up to its first ``await``) runs before the first step of any task
-      created after it was scheduled: ``run_coroutine_threadsafe``'s callback only
-      creates the task, whose first step then came after that of the task
-      ``run_until_complete`` creates for the application's next call, which still
-      found the stale connection open. Relies on the default loop's ready queue (a
-      loop without one keeps asyncio's order); callbacks already queued before this
-      was scheduled keep their place.
-    - if ``loop`` is closed (or dropped) without ever running it, ``coro`` is closed:
-      it never started, and was reported "coroutine ... was never awaited".
+    ``run_until_complete`` calls — except that if ``loop`` is closed (or dropped)
+    without ever running it, ``coro`` is closed: it never started, and Python reported
+    it "coroutine ... was never awaited".
 
     The future is left pending in that case (nothing ran). ``RuntimeError`` (``coro``
     closed) when ``loop`` is already closed."""
@@ -62,7 +53,7 @@ def run_first(loop: asyncio.AbstractEventLoop,
 
 
 class _Start(Generic[_T]):
-    """The callback :func:`run_first` queues: creates the task, and closes the coroutine
+    """The callback :func:`run_quietly` queues: creates the task, and closes the coroutine
     if it is dropped unrun (the loop was closed: its ready queue is cleared)."""
 
     __slots__ = ("coro", "fut", "loop")
@@ -96,7 +87,6 @@ class _Start(Generic[_T]):
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(exc)
             raise
-        _step_first(loop, task)
 
         def ended(t: asyncio.Task[_T]) -> None:
             if t.cancelled():
@@ -116,18 +106,3 @@ class _Start(Generic[_T]):
 
         task.add_done_callback(ended)
         fut.add_done_callback(cancelled)
-
-
-def _step_first(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
-    """Move ``task``'s first step, just queued at the end of ``loop``'s ready queue, to
-    its head. Called on ``loop`` from a callback the loop is running: the iteration
-    running it pops a fixed count of entries, unchanged by a move."""
-    ready = getattr(loop, "_ready", None)
-    if not isinstance(ready, collections.deque) or not ready:
-        return
-    last = ready[-1]
-    # another thread may have queued something since (call_soon_threadsafe): then the
-    # last entry is not this step and asyncio's own order stands
-    if getattr(getattr(last, "_callback", None), "__self__", None) is task:
-        ready.pop()
-        ready.appendleft(last)

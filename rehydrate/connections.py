@@ -46,7 +46,6 @@ import os
 import socket
 import threading
 import time
-import types
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
-from ._loops import LoopClosed, LoopStopped, run_first
+from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
@@ -594,16 +593,14 @@ class Connection:
         was opened on: a loop driven by ``run_until_complete`` between two calls. Its
         selector holds the value's transports, so nothing else releases them (not the
         garbage collector) until the application runs that loop again — which then runs
-        this close first (its first step before any task the application starts there:
-        :func:`~rehydrate._loops.run_first`) — or closes it. Returns the call's future,
-        not waited for (the same one while it is pending for the same value); the value
-        counts as released, so a restore opens a new one rather than wait. None: nothing
-        to close (``again=False``), or ``loop`` was closed in between. A close without
-        argument is not run if an open succeeded since: it would close what that open
-        made; nor is one with the value, when that open returned that same object again
-        (a long-lived client reconnected) — the transports and sockets of ``loop`` that
-        object held now and no longer holds (:func:`_loop_resources`) are closed
-        instead: no one else ever would."""
+        this close first — or closes it (the close is then closed unrun:
+        :func:`~rehydrate._loops.run_quietly`). Returns the call's future, not waited for
+        (the same one while it is pending for the same value); the value counts as
+        released, so a restore opens a new one rather than wait. None: nothing to close
+        (``again=False``), or ``loop`` was closed in between. A close without argument is
+        not run if an open succeeded since: it would close what that open made; nor is one
+        with the value, when that open returned that same object again (a long-lived
+        client reconnected: its ``open`` is what closes the socket it held before)."""
         takes_value = _arity(fn) >= 1
         with self._lock:
             value, pending, opens = self.value, self._pending, self._opens
@@ -612,7 +609,6 @@ class Connection:
             if not again and takes_value and (value is None or self._released):
                 return None
         args = (value,) if takes_value else ()
-        held = _loop_resources(value, loop) if takes_value else []
 
         async def later() -> None:
             with self._lock:
@@ -620,18 +616,15 @@ class Connection:
                 # (a long-lived client reconnected): closing it would cut the new one
                 stale = self._opens != opens and (not takes_value or self.value is value)
             if stale:
-                shed = _close_shed(value, loop, held) if takes_value else 0
                 log.info("connection %s: its close() scheduled on its stopped event loop "
-                         "did not run: opened again since%s", self.name,
-                         f" (closed {shed} transport(s) or socket(s) it held before)"
-                         if shed else "")
+                         "did not run: opened again since", self.name)
                 return
             await _guarded_async(fn, *args)
 
         coro = later()
         try:
-            fut: concurrent.futures.Future[None] = run_first(loop, coro)
-        except RuntimeError:  # closed in between (run_first closed the coroutine)
+            fut: concurrent.futures.Future[None] = run_quietly(loop, coro)
+        except RuntimeError:  # closed in between (run_quietly closed the coroutine)
             return None
         with self._lock:
             self._pending = (value, fut, coro, loop)
@@ -1638,94 +1631,6 @@ class ConnectionManager:
             return False
 
 
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType, types.CodeType, types.FrameType, asyncio.AbstractEventLoop,
-           asyncio.Future, concurrent.futures.Future, threading.Thread, logging.Logger,
-           str, bytes, bytearray, memoryview, int, float)
-"""Not looked into by :func:`_loop_resources`: a loop reaches every transport it
-serves, a future or a function reaches whatever waits on it."""
-_RESOURCE_DEPTH = 6
-_RESOURCE_VISITS = 5000
-
-
-def _reachable_resources(value: object, loop: asyncio.AbstractEventLoop) -> list[object]:
-    """The asyncio transports of ``loop`` and the sockets ``value`` holds: reached from
-    it through at most :data:`_RESOURCE_DEPTH` references (attributes, containers, a
-    stream's transport), :data:`_RESOURCE_VISITS` objects at most. Not looked into:
-    what :data:`_OPAQUE` lists, a transport or a socket itself."""
-    import gc
-
-    found: list[object] = []
-    seen = {id(value)}
-    level = [value]
-    visits = 0
-    for _ in range(_RESOURCE_DEPTH):
-        nxt: list[object] = []
-        for obj in level:
-            for ref in gc.get_referents(obj):
-                if id(ref) in seen:
-                    continue
-                seen.add(id(ref))
-                visits += 1
-                if visits > _RESOURCE_VISITS:
-                    return found
-                try:  # a proxy whose __class__ raises (unbound): not looked into
-                    if isinstance(ref, _OPAQUE):
-                        continue
-                    if isinstance(ref, asyncio.BaseTransport):
-                        # another loop's transport is not this loop's to close (nor can
-                        # it be from here); one whose loop is not known (uvloop) neither
-                        if getattr(ref, "_loop", None) is loop:
-                            found.append(ref)
-                    elif isinstance(ref, socket.socket):
-                        found.append(ref)
-                    else:
-                        nxt.append(ref)
-                except Exception:  # noqa: S112 - what cannot be inspected is not held
-                    continue
-        level = nxt
-    return found
-
-
-def _loop_resources(value: object, loop: asyncio.AbstractEventLoop) -> list[weakref.ref[Any]]:
-    """What ``value`` holds of ``loop`` now (:func:`_reachable_resources`), weakly: a
-    close scheduled on that stopped loop that finds ``value`` reopened since closes
-    those it no longer holds (:func:`_close_shed`)."""
-    out: list[weakref.ref[Any]] = []
-    for obj in _reachable_resources(value, loop):
-        with contextlib.suppress(TypeError):  # not weakly referenceable: not tracked
-            out.append(weakref.ref(obj))
-    return out
-
-
-def _close_shed(value: object, loop: asyncio.AbstractEventLoop,
-                held: Iterable[weakref.ref[Any]]) -> int:
-    """Close what ``value`` held (``held``, from :func:`_loop_resources`) and holds no
-    more: an ``open`` reconnected that same object, and the socket it had before would
-    stay open as long as ``loop`` lives (its selector keeps the transport). Runs on
-    ``loop``. Returns how many were closed."""
-    now = {id(obj) for obj in _reachable_resources(value, loop)}
-    closed = 0
-    for ref in held:
-        obj = ref()
-        if obj is None or id(obj) in now:
-            continue
-        try:
-            if isinstance(obj, asyncio.BaseTransport):
-                if obj.is_closing():
-                    continue
-                obj.close()
-            elif isinstance(obj, socket.socket):
-                if obj.fileno() == -1:
-                    continue
-                obj.close()
-        except Exception as exc:  # one that cannot close is let be: the others still
-            log.debug("closing a transport an open replaced: %s", _describe(exc))
-            continue
-        closed += 1
-    return closed
-
-
 def _retrieved(fut: asyncio.Future[Any]) -> None:
     """Mark ``fut``'s exception retrieved: it belongs to an abandoned run."""
     if not fut.cancelled():
@@ -1805,8 +1710,7 @@ def register(
     unclosed, with one warning naming the connection, the connection counts as ``closed``
     (a snapshot goes on) and the next restore opens it anew. While that loop is only
     stopped (driven by ``run_until_complete``) the close is scheduled on it and not
-    waited for: ``closing`` until the application runs that loop again, where it starts
-    before the application's next coroutine does.
+    waited for: ``closing`` until the application runs that loop again.
 
     Never blocks and never contacts the peer, unless ``open_now=True``: then the first
     ``open`` runs in the background (with the same backoff; an ``async`` one on the hooks'
@@ -2091,14 +1995,13 @@ class _AsyncRedisPool:
     async def reopen(self) -> None:
         """After a restore: the pool's connections were cut; on a stopped loop the
         disconnect scheduled there before the snapshot (or now) forgets them when the
-        application runs that loop again (before anything else it runs there: see
-        :func:`~rehydrate._loops.run_first`; closed unrun, nothing is said) — never a
-        reason to fail the open."""
+        application runs that loop again (closed unrun, nothing is said: see
+        :func:`~rehydrate._loops.run_quietly`) — never a reason to fail the open."""
         try:
             await self.disconnect()
         except LoopStopped as exc:
             try:
-                fut = run_first(exc.loop, self.pool.disconnect())
+                fut = run_quietly(exc.loop, self.pool.disconnect())
             except RuntimeError:  # closed since: nothing can close them any more
                 return
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
