@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from ._loops import LoopClosed, LoopStopped
+from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
 
@@ -210,10 +210,10 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             self.generation += 1
             loop, self._loop = self._loop, None
         # a stopped loop (run_until_complete between two calls) too: it runs the close
-        # when the application runs it again, nothing else can close those sockets
+        # when the application runs it again (run_quietly), nothing else can close
+        # those sockets; closed by the application unrun, it drops the close silently
         if loop is not None and not loop.is_closed():
-            fut = asyncio.run_coroutine_threadsafe(old.aclose(), loop)
-            fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
+            _forget(old.aclose(), loop)
         for proxy in self.proxies:
             proxy.reset()
         # the sync transport closes the caller's mounts too: they kept the sockets from
@@ -221,8 +221,7 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         home = self._mounts_loop()
         if home is not None and not home.is_closed():
             for mount in self._mounted():
-                fut = asyncio.run_coroutine_threadsafe(mount.aclose(), home)
-                fut.add_done_callback(lambda f: f.exception())  # retrieve, never raise
+                _forget(mount.aclose(), home)
 
     def _stopped_loop(self) -> asyncio.AbstractEventLoop | None:
         """The stopped (neither running nor closed) loop some of the pools belong to:
@@ -302,6 +301,17 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _forget(coro: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Run ``coro`` (a pool's close) on ``loop`` (:func:`~rehydrate._loops.run_quietly`),
+    not waited for: its outcome is retrieved, never raised; a loop closed in between
+    closes nothing."""
+    try:
+        fut = run_quietly(loop, coro)
+    except RuntimeError:  # closed since it was checked (run_quietly closed the coroutine)
+        return
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def make_client(kwargs: dict[str, Any]) -> tuple[httpx.Client, ReconnectingTransport]:

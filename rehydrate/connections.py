@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
-from ._loops import LoopClosed, LoopStopped
+from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
@@ -593,13 +593,14 @@ class Connection:
         was opened on: a loop driven by ``run_until_complete`` between two calls. Its
         selector holds the value's transports, so nothing else releases them (not the
         garbage collector) until the application runs that loop again — which then runs
-        this close first — or closes it. Returns the call's future, not waited for (the
-        same one while it is pending for the same value); the value counts as released,
-        so a restore opens a new one rather than wait. None: nothing to close
-        (``again=False``), or ``loop`` was closed in between. A close without argument
-        is not run if an open succeeded since: it would close what that open made; nor is one
+        this close first — or closes it (the close is then closed unrun:
+        :func:`~rehydrate._loops.run_quietly`). Returns the call's future, not waited for
+        (the same one while it is pending for the same value); the value counts as
+        released, so a restore opens a new one rather than wait. None: nothing to close
+        (``again=False``), or ``loop`` was closed in between. A close without argument is
+        not run if an open succeeded since: it would close what that open made; nor is one
         with the value, when that open returned that same object again (a long-lived
-        client reconnected)."""
+        client reconnected: its ``open`` is what closes the socket it held before)."""
         takes_value = _arity(fn) >= 1
         with self._lock:
             value, pending, opens = self.value, self._pending, self._opens
@@ -622,10 +623,8 @@ class Connection:
 
         coro = later()
         try:
-            fut: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(coro,
-                                                                                   loop)
-        except RuntimeError:  # closed in between
-            coro.close()
+            fut: concurrent.futures.Future[None] = run_quietly(loop, coro)
+        except RuntimeError:  # closed in between (run_quietly closed the coroutine)
             return None
         with self._lock:
             self._pending = (value, fut, coro, loop)
@@ -1077,7 +1076,10 @@ class ConnectionManager:
                 opener = conn._opener
             if opener is not None:
                 stopping.append((conn, opener.done))
-            stranded = state == "closing" and conn._reclaim()
+            # every close left on a loop closed since, unrun: one a restore made stale
+            # (the connection is open again) otherwise stayed pending for good
+            reclaimed = conn._reclaim()
+            stranded = state == "closing" and reclaimed
             if state in ("opening", "reconnecting") or stranded:
                 scheduled = self._close_stopped(
                     conn, epoch, "the engine closed while it (re)opened" if not stranded
@@ -1993,11 +1995,15 @@ class _AsyncRedisPool:
     async def reopen(self) -> None:
         """After a restore: the pool's connections were cut; on a stopped loop the
         disconnect scheduled there before the snapshot (or now) forgets them when the
-        application runs that loop again — never a reason to fail the open."""
+        application runs that loop again (closed unrun, nothing is said: see
+        :func:`~rehydrate._loops.run_quietly`) — never a reason to fail the open."""
         try:
             await self.disconnect()
         except LoopStopped as exc:
-            fut = asyncio.run_coroutine_threadsafe(self.pool.disconnect(), exc.loop)
+            try:
+                fut = run_quietly(exc.loop, self.pool.disconnect())
+            except RuntimeError:  # closed since: nothing can close them any more
+                return
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def ping(self) -> None:

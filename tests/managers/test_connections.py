@@ -3837,3 +3837,130 @@ def test_a_close_left_on_a_loop_closed_since_is_dropped_in_one_line(caplog, then
     finally:
         engine.close()
         peer.close()
+
+
+def test_closing_an_unrun_loop_after_a_restore_leaves_no_coroutine_unawaited(
+        redis_srv, http_srv, caplog):
+    """``redis.asyncio`` and ``httpx.AsyncClient`` helpers used on a loop driven by
+    ``run_until_complete``; a snapshot and a restore while it is paused, then the
+    application closes that loop without running it again: the closes the helpers had
+    scheduled there (the old pool's, the old connections' disconnect) were reported
+    "coroutine ... was never awaited" (RuntimeWarning), and ``engine.close()`` left the
+    snapshot's close pending since the restore had reopened the connections. The
+    coroutines that never started are closed, quietly."""
+    import warnings
+
+    import redis.asyncio as aredis
+
+    engine = rehydrate.testing.isolated_engine()
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            r = connections.redis_client("cache", aredis.Redis(port=redis_srv.port),
+                                         engine=engine)
+            h = connections.httpx_async_client("api", base_url=http_srv.url,
+                                               engine=engine)
+            assert await r.ping()
+            (await h.get("/x")).raise_for_status()
+            return r, h
+
+        loop.run_until_complete(make())
+        assert engine.simulate_snapshot().ok  # the loop is paused
+        conns = connections.connections(engine=engine)
+        assert {c.name: c.state for c in conns} == {"cache": "closing", "api": "closing"}
+        coros = [c._pending[2] for c in conns if c._pending is not None]
+        assert len(coros) == 2
+        assert engine.simulate_restore().ok
+        assert {c.name: c.state for c in conns} == {"cache": "open", "api": "open"}
+        gc.collect()  # what earlier tests left: not this one's to report
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(
+                logging.INFO, logger="rehydrate"):
+            warnings.simplefilter("always")
+            loop.close()  # the application is done with it, without running it again
+            gc.collect()
+            engine.close()
+            gc.collect()
+        unawaited = [str(w.message) for w in caught if "never awaited" in str(w.message)]
+        assert unawaited == []
+        assert all(inspect.getcoroutinestate(c) == "CORO_CLOSED" for c in coros)
+        assert [c._pending for c in conns] == [None, None]
+        assert _dropped_lines(caplog) == []  # the restore reopened both: in use again
+        assert {c.name: c.state for c in conns} == {"cache": "open", "api": "open"}
+    finally:
+        engine.close()
+        if not loop.is_closed():
+            loop.close()
+
+
+def test_engine_close_reclaims_a_close_left_on_a_loop_closed_since_a_restore(caplog):
+    """A snapshot's close left on a paused loop, a restore (``open`` again: a new value),
+    then the application closed that loop without running it: ``engine.close()``
+    reclaimed such a close only from a connection still ``closing``, so this one stayed
+    pending for good, its value never said to be unclosed. It is reclaimed: one warning
+    names the connection, and nothing is left pending."""
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+    loop = asyncio.new_event_loop()
+    try:
+        conn, _ = _snapshot_while_its_loop_is_paused(engine, loop, *_stream_to(peer))
+        pending = conn._pending
+        assert pending is not None
+        assert engine.simulate_restore().ok
+        assert conn.state == "open" and conn.value is not pending[0], conn.to_dict()
+        loop.close()
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            engine.close()
+        assert conn._pending is None
+        assert inspect.getcoroutinestate(pending[2]) == "CORO_CLOSED"
+        lines = _dropped_lines(caplog)
+        assert len(lines) == 1 and lines[0].startswith("connection db: not closed"), lines
+        assert conn.state == "open", conn.to_dict()  # the restore's value: not touched
+    finally:
+        engine.close()
+        peer.close()
+
+
+def test_run_quietly_passes_the_outcome_and_dies_quietly_unrun():
+    """What the closes left on a stopped loop are scheduled with: the outcome reaches the
+    future, and a loop closed without running it closes the coroutine instead of letting
+    Python report it "never awaited" (``run_coroutine_threadsafe`` did)."""
+    import warnings
+
+    from rehydrate._loops import run_quietly
+
+    order: list[str] = []
+
+    async def close() -> str:
+        order.append("close")
+        return "closed"
+
+    async def app() -> None:
+        order.append("app")
+
+    loop = asyncio.new_event_loop()
+    try:
+        fut = run_quietly(loop, close())
+        loop.run_until_complete(app())
+        loop.run_until_complete(asyncio.wrap_future(fut, loop=loop))
+        assert sorted(order) == ["app", "close"]
+        assert fut.result(0) == "closed"
+
+        async def fails() -> None:
+            raise ConnectionResetError("peer gone")
+
+        failed = run_quietly(loop, fails())
+        loop.run_until_complete(asyncio.sleep(0))
+        assert isinstance(failed.exception(10), ConnectionResetError)
+        unrun = close()
+        never = run_quietly(loop, unrun)
+    finally:
+        gc.collect()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loop.close()
+            gc.collect()
+    assert [str(w.message) for w in caught] == []
+    assert inspect.getcoroutinestate(unrun) == "CORO_CLOSED"
+    assert not never.done()  # nothing ran: the caller tells (Connection._reclaim)
+    with pytest.raises(RuntimeError):
+        run_quietly(loop, close())  # closed: the coroutine is closed, not left unawaited
