@@ -18,10 +18,11 @@ def not_ready_reason(engine: Engine | None = None, *, detail: bool = True) -> st
     """One line saying why ``engine`` (default: the default engine) is not ready, or ``""``.
 
     The state and, when degraded, which required hooks failed and how (error types and
-    messages — never values from the environment, which hooks do not put in their
-    errors). ``detail=False``: the failed hooks' names and outcomes without their error
-    text — what the gate's ``/readyz`` and 503 bodies show to whoever reaches the port
-    (an error message may name a secret file's path, an internal host, a rejected value).
+    messages, as the hooks raised them: rehydrate's own put no environment values in
+    theirs, an application's hook may). ``detail=False``: the failed hooks' names and
+    outcomes without their error text — what the gate's ``/readyz`` and 503 bodies show
+    to whoever reaches the port (an error message may name a secret file's path, an
+    internal host, a rejected value).
     """
     return reason_of(resolve_engine(engine).status(fields=()), detail=detail)
 
