@@ -8,7 +8,7 @@ module that also holds the default engine (which imports the lifecycle).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -136,7 +136,9 @@ class Engine(Protocol):
 
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 
-    def status(self) -> Any: ...
+    def status(self, fields: Iterable[str] | None = None) -> Any:
+        """The status; ``fields``: only these published fields (None: all)."""
+        ...
 
     def restore_detected(
         self,

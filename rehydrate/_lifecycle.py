@@ -662,7 +662,15 @@ class Lifecycle:
         with self._cond:  # every change of readiness notifies (runs, heartbeats after a gap)
             return self._cond.wait_for(self.is_ready, timeout)
 
-    def status(self) -> Status:
+    def status(self, fields: Iterable[str] | None = None) -> Status:
+        """The state, generation, readiness, detectors and last report, and in ``extra``
+        the fields extensions publish (``add_status``) and ``detector_errors``.
+
+        ``fields``: build only these published fields (None: all). A field's function can
+        be costly (``tcp_connections`` scans ``/proc``): a view that shows a few of them
+        asks for those alone."""
+        wanted = (None if fields is None
+                  else frozenset((fields,) if isinstance(fields, str) else fields))
         extra: dict[str, Any] = {}
         errors = dict(self._detector_errors)
         for d in list(self._detectors):
@@ -676,6 +684,8 @@ class Lifecycle:
         if errors:
             extra["detector_errors"] = errors
         for key, fn in list(self._extra_status.items()):
+            if wanted is not None and key not in wanted:
+                continue
             try:
                 extra[key] = fn()
             except Exception as exc:  # a status field must never break status()

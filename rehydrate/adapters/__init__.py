@@ -24,7 +24,9 @@
     re-bound when dead) after every restore.
 
 Each module imports its framework (or talks to its server) only when used.
-:func:`not_ready_reason` is the one line every adapter shows for "not ready".
+:func:`not_ready_reason` is the one line adapters give for "not ready"; what they show to
+clients (``ReadinessGate``'s ``/readyz`` and 503 bodies) is its ``detail=False`` form,
+which names failed hooks without their error text.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..extensions import Probe, resolve_engine
 
@@ -10,35 +11,40 @@ if TYPE_CHECKING:
     from .. import Status
     from ..extensions import Engine
 
-__all__ = ["not_ready_reason", "probe_import", "readiness", "reason_of"]
+__all__ = ["not_ready_reason", "probe_import", "public_status", "readiness", "reason_of"]
 
 
-def not_ready_reason(engine: Engine | None = None) -> str:
+def not_ready_reason(engine: Engine | None = None, *, detail: bool = True) -> str:
     """One line saying why ``engine`` (default: the default engine) is not ready, or ``""``.
 
-    What readiness probes and 503 bodies show: the state and, when degraded, which
-    required hooks failed and how (error types and messages only — never values from the
-    environment, which hooks do not put in their errors).
+    The state and, when degraded, which required hooks failed and how (error types and
+    messages, as the hooks raised them: rehydrate's own put no environment values in
+    theirs, an application's hook may). ``detail=False``: the failed hooks' names and
+    outcomes without their error text — what the gate's ``/readyz`` and 503 bodies show
+    to whoever reaches the port (an error message may name a secret file's path, an
+    internal host, a rejected value).
     """
-    return reason_of(resolve_engine(engine).status())
+    return reason_of(resolve_engine(engine).status(fields=()), detail=detail)
 
 
-def readiness(engine: Engine) -> tuple[bool, str, str]:
-    """``(ready, state, reason)`` as ``engine.status()`` and :func:`reason_of` give them,
-    without building a whole status while a restore runs: its diagnostic fields (the
-    ``/proc`` scan of TCP connections, ...) cost milliseconds per call under gVisor, and a
-    gate answers every request that arrives during the restore — on the event loop and
-    under the GIL that the restore hooks need."""
+def readiness(engine: Engine, *, detail: bool = False) -> tuple[bool, str, str]:
+    """``(ready, state, reason)`` as ``engine.status()`` and :func:`reason_of` give them
+    (the reason without error text unless ``detail``), without building the status's
+    published fields: their diagnostics (the ``/proc`` scan of TCP connections, ...) cost
+    milliseconds per call under gVisor, and a gate answers every request that arrives
+    while the process is not ready — on the event loop and under the GIL that the
+    restore hooks need."""
     if engine.is_ready():
         return True, engine.state, ""
     state = engine.state
     if state in ("running", "ready", "restoring"):  # frozen and resumed, or hooks running
         return False, "restoring", "restore hooks are running"
-    status = engine.status()  # snapshotting / degraded: the reason needs the last report
-    return status.ready, status.state, reason_of(status)
+    # snapshotting / degraded: the reason needs the last report, and nothing published
+    status = engine.status(fields=())
+    return status.ready, status.state, reason_of(status, detail=detail)
 
 
-def reason_of(status: Status) -> str:
+def reason_of(status: Status, *, detail: bool = True) -> str:
     """:func:`not_ready_reason` for a :func:`rehydrate.status` already taken."""
     last = status.last_report
     if status.ready:
@@ -57,10 +63,84 @@ def reason_of(status: Status) -> str:
         if failed:
             parts = []
             for h in failed:
-                error = h.to_dict()["error"]  # "Type: message" on one line
+                error = h.to_dict()["error"] if detail else None  # "Type: message"
                 parts.append(f"{h.name} {h.outcome}" + (f" ({error})" if error else ""))
             reason = f"{last.event} hook(s) failed: " + "; ".join(parts)
     return reason
+
+
+def _connections(value: Any) -> Any:
+    if not isinstance(value, list):
+        return _UNAVAILABLE
+    return [{k: c.get(k) for k in ("name", "state", "required", "attempts")}
+            for c in value if isinstance(c, dict)]
+
+
+def _secrets(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return _UNAVAILABLE
+    return {name: {"available": s.get("available")} for name, s in value.items()
+            if isinstance(s, dict)}
+
+
+def _keys(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return _UNAVAILABLE
+    return {name: {k: v.get(k) for k in ("algorithm", "generation", "dropped")}
+            for name, v in value.items() if isinstance(v, dict)}
+
+
+def _entropy(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return _UNAVAILABLE
+    return {"enabled": value.get("enabled"), "reseeded": value.get("reseeded")}
+
+
+_UNAVAILABLE = "unavailable"
+_PUBLIC_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "connections": _connections,
+    "secrets": _secrets,
+    "keys": _keys,
+    "entropy": _entropy,
+    "hung_hooks": lambda names: names if isinstance(names, list) else _UNAVAILABLE,
+}
+"""The published status fields the public view shows, each cut down to what says how
+the process is doing (names, states, outcomes). An allowlist: a field not named here —
+``tcp_connections`` (other clients' addresses), ``files`` (paths), ``control`` (the socket
+path), ``tls``, ``network``, an application's own — is left out, and not even built."""
+
+
+def public_status(engine: Engine) -> dict[str, Any]:
+    """``engine.status().to_dict()`` as it may be shown to anyone who reaches the port:
+    state, generation, readiness, detectors (a failed one's name, not its error), the
+    last report's hooks with their names and outcomes (no error text, no environment
+    variable names), connections' names and states (no peers, addresses, sockets or
+    errors), secrets' names and availability (no sources or paths), ephemeral keys,
+    whether entropy was reseeded (not the instance id), hung hooks' names. Only these
+    fields are built: no ``/proc`` scan per request."""
+    status = engine.status(fields=_PUBLIC_FIELDS)
+    report = status.last_report
+    shown: dict[str, Any] = {
+        "state": status.state,
+        "generation": status.generation,
+        "ready": status.ready,
+        "detectors": list(status.detectors),
+        "last_report": None,
+    }
+    if report is not None:
+        full = report.to_dict()
+        for key in ("env_changes", "error"):  # variable names; the run's error text
+            full.pop(key, None)
+        full["hooks"] = [{k: v for k, v in h.items() if k != "error"}
+                         for h in full["hooks"]]
+        shown["last_report"] = full
+    extra = status.extra
+    if "detector_errors" in extra:
+        shown["detector_errors"] = sorted(extra["detector_errors"])
+    for key, cut in _PUBLIC_FIELDS.items():
+        if key in extra:
+            shown[key] = cut(extra[key])
+    return shown
 
 
 def probe_import(module: str, install: str) -> Probe:

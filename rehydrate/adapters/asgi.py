@@ -9,12 +9,14 @@ Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callabl
 * ``GET /healthz``: 200 while the process is alive (a liveness probe must not restart a
   pod that is restoring);
 * ``GET /readyz``: 200 when ready, else 503 with ``{"ready": false, "state": ...,
-  "reason": ...}`` — point the readiness probe here; ``GET /readyz?wait=S`` holds the
+  "reason": ...}`` (the reason names failed hooks, never their error text) — point the
+  readiness probe here; ``GET /readyz?wait=S`` holds the
   answer until the process is ready or ``S`` seconds (at most ``max_wait``) have passed:
   one request for a deploy script, a test or a benchmark to wait with, instead of a
   polling loop whose requests the event loop would have to answer while the restore
   hooks need the GIL;
-* ``GET /rehydrate/status``: :func:`rehydrate.status` as JSON;
+* ``GET /rehydrate/status``: :func:`rehydrate.status` as JSON — a public view (states,
+  names and outcomes; no addresses, paths or error text) unless ``status_detail=True``;
 * every other request gets 503 with ``Retry-After`` while the engine is restoring,
   snapshotting or degraded;
 * before a snapshot the gate's hook (``rehydrate.asgi.drain``, the first before-snapshot
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import Phase
 from ..extensions import MAX_SECONDS, check_seconds, fresh_lock_after_fork, shown
-from ._readiness import readiness
+from ._readiness import public_status, readiness
 
 if TYPE_CHECKING:
     from .. import Hook, Lifecycle
@@ -213,6 +215,11 @@ class ReadinessGate:
     engine, the one ``rehydrate.after_restore`` & co. register with).
     ``retry_after``: seconds sent in ``Retry-After`` with every 503 (whole, at most a year).
     ``healthz`` / ``readyz`` / ``status``: the endpoint paths; ``None`` switches one off.
+    ``status_detail``: the status endpoint shows the whole :func:`rehydrate.status`
+    (other clients' TCP connections, connection peers, secret and file paths, the
+    control socket, hook errors) — only for a port nobody else reaches. By default it
+    shows a public view: states, names and outcomes, built without the ``/proc`` scan.
+    ``/readyz`` and the 503 bodies never carry hook error text.
     ``exempt``: path prefixes passed to the application in every state and not counted as
     in flight (metrics, or an endpoint that itself calls
     :func:`rehydrate.trigger_snapshot` — the drain would wait for it).
@@ -235,6 +242,7 @@ class ReadinessGate:
         healthz: str | None = "/healthz",
         readyz: str | None = "/readyz",
         status: str | None = "/rehydrate/status",
+        status_detail: bool = False,
         exempt: Iterable[str] = (),
         drain_timeout: float = 30.0,
         max_wait: float = 60.0,
@@ -263,7 +271,11 @@ class ReadinessGate:
             raise ValueError("healthz, readyz and status must be distinct paths starting "
                              f"with '/' (or None), not {shown(healthz)}, "
                              f"{shown(readyz)}, {shown(status)}")
+        if not isinstance(status_detail, bool):
+            raise TypeError(f"status_detail must be True or False, not "
+                            f"{shown(status_detail)}")
         self.app = app
+        self.status_detail = status_detail
         if engine is None:
             from ..extensions import default_engine
 
@@ -308,7 +320,9 @@ class ReadinessGate:
                      "reason": reason}
 
     def _status(self) -> tuple[int, dict[str, Any]]:
-        return 200, self.engine.status().to_dict()
+        if self.status_detail:
+            return 200, self.engine.status().to_dict()
+        return 200, public_status(self.engine)
 
     async def _wait_ready(self, seconds: float) -> None:
         """Return once the engine is ready or ``seconds`` have passed. Woken by the
@@ -586,7 +600,9 @@ def health_app(*, engine: Lifecycle | None = None, **options: Any) -> ReadinessG
 
         uvicorn.run(health_app(), host="0.0.0.0", port=8081)   # readinessProbe: :8081/readyz
 
-    ``options`` as for :class:`ReadinessGate` (its lifespan starts detection)."""
+    ``options`` as for :class:`ReadinessGate` (its lifespan starts detection);
+    ``status_detail=True`` when the port is private and the status should show it all.
+    """
     return ReadinessGate(_not_found, engine=engine, **options)
 
 

@@ -13,6 +13,13 @@ forces polling (other container runtimes, network file systems), ``=0`` forces i
 observer looks only at the marker's own entry of the directory (one ``lstat``, never a
 listing), so its cost does not grow with the directory.
 
+A marker owned by another uid than this process's (effective) uid or root — the file, or
+a symlink put at its name — is ignored, with one warning naming its path and owner per
+change of it: in a directory others may write in (``/tmp``, sticky), anyone could create
+it and run this process's restore hooks at will. Neither news nor a baseline: the last
+marker of a trusted owner stays the one changes are measured against. A platform that
+writes the marker must write it as the process's uid or as root.
+
 A marker that is there but cannot be read (permissions, not a regular file) keeps its
 last state, with one warning: becoming readable again unchanged is no restore. When the
 marker's directory is removed, the detector says so and watches it again once it is
@@ -86,16 +93,26 @@ def marker_state(path: str) -> State:
 def _read_state(path: str) -> State:
     """:func:`marker_state`, with ``OSError`` for a marker that is there but cannot be
     read (permissions, not a regular file): that is no news about a restore."""
+    return _read_marker(path)[0]
+
+
+def _read_marker(path: str) -> tuple[State, int | None]:
+    """``(state, foreign)``: :func:`_read_state`'s state, and the uid owning the marker
+    when that is neither this process's (effective) uid nor root — its own name (a
+    symlink put there) or the file read — else None."""
     import hashlib  # here, not at import: start("auto") imports every detector to probe
 
     try:
+        link_owner = os.lstat(path).st_uid
         fd = open_regular(path)
     except FileNotFoundError:
-        return None
+        return None, None
     with open(fd, "rb") as f:
         st = os.fstat(fd)
         digest = hashlib.sha256(f.read(_READ_LIMIT)).hexdigest()
-    return (st.st_ino, st.st_size, st.st_mtime_ns, digest)
+    trusted = (os.geteuid(), 0)
+    foreign = next((uid for uid in (link_owner, st.st_uid) if uid not in trusted), None)
+    return (st.st_ino, st.st_size, st.st_mtime_ns, digest), foreign
 
 
 def _resolution(path: str) -> tuple[frozenset[str], str]:
@@ -199,6 +216,8 @@ class FileDetector(Detector):
         self.changes = 0
         self.checks = 0
         self._state: State = None
+        self._ignored: State = None
+        """The marker last ignored for its owner (warned about once per change)."""
         self._unreadable = False
         self._adopt = False
         self._engine: Engine | None = None
@@ -271,8 +290,13 @@ class FileDetector(Detector):
             if not os.path.isdir(parent):
                 raise RuntimeError(f"the marker file's directory {parent} does not exist")
             self._engine = engine
+            self._ignored = None
             try:
-                self._state, self._unreadable, self._adopt = _read_state(self.path), False, False
+                state, foreign = _read_marker(self.path)
+                if foreign is not None:
+                    self._ignore(state, foreign)
+                    state = None  # no baseline from it: the platform's marker is news
+                self._state, self._unreadable, self._adopt = state, False, False
             except OSError as exc:
                 # No baseline yet: the first state read is taken as it, not as news.
                 log.warning("marker file %s cannot be read (%s); its first readable state "
@@ -434,7 +458,7 @@ class FileDetector(Detector):
                 if self._observer is not None:
                     self._watch_targets(self._observer)
             try:
-                state = _read_state(self.path)
+                state, foreign = _read_marker(self.path)
             except OSError as exc:
                 # Keep the last state: a marker made unreadable for a moment and then
                 # readable again, unchanged, must not count as a new restore.
@@ -448,6 +472,11 @@ class FileDetector(Detector):
                 log.info("marker file %s is readable again", self.path)
                 self._unreadable = False
             self.checks += 1
+            if foreign is not None:
+                # Neither news nor a baseline: the last trusted state stays.
+                self._ignore(state, foreign)
+                continue
+            self._ignored = None
             previous, self._state = self._state, state
             if self._adopt:
                 self._adopt = False
@@ -467,6 +496,18 @@ class FileDetector(Detector):
             except Exception:
                 log.exception("marker file: running the restore hooks failed")
 
+
+    def _ignore(self, state: State, owner: int) -> None:
+        """A marker owned by another uid than this process's or root: in a directory
+        others may write in (``/tmp``, sticky), anyone could create it and make this
+        process run its restore hooks (new keys, reconnections, a readiness gap) at will.
+        One warning per change of it, not per look."""
+        if state == self._ignored:
+            return
+        self._ignored = state
+        log.warning("marker file %s is owned by uid %d, not by uid %d or root: ignored "
+                    "(another user could fake a restore with it)", self.path, owner,
+                    os.geteuid())
 
     def _watch_again(self) -> bool:
         """The marker's directory went away, and watchdog with it: wait for the directory

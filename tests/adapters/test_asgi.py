@@ -97,8 +97,8 @@ async def test_degraded_refuses_with_retry_after_and_recovers(
         body = r.json()
         assert body["ready"] is False
         assert body["state"] == "degraded"
-        assert body["reason"] == ("restore hook(s) failed: reload-model failed "
-                                  "(RuntimeError: weights file missing)")
+        # the failed hook's name, not its error text (the port is public)
+        assert body["reason"] == "restore hook(s) failed: reload-model failed"
         r = await c.get("/predict")
         assert r.status_code == 503
         assert r.headers["retry-after"] == "3"
@@ -142,7 +142,8 @@ async def test_answers_during_a_restore_build_no_status_diagnostics(
     """Every request arriving while the restore hooks run is answered on the loop the
     hooks share: refusals and /readyz give state and reason without building a whole
     status (its diagnostic fields, such as the /proc scan of TCP connections, cost
-    milliseconds each under gVisor). /rehydrate/status still builds it."""
+    milliseconds each under gVisor). The public /rehydrate/status does not either; with
+    status_detail=True it builds the whole status."""
     built: list[int] = []
     rehydrate_engine.add_status("rht-diagnostics", lambda: built.append(1))
     hold = threading.Event()
@@ -166,13 +167,118 @@ async def test_answers_during_a_restore_build_no_status_diagnostics(
                     "ready": False, "state": "restoring", "generation": 1,
                     "reason": "restore hooks are running"})
             assert built == []
-            assert "rht-diagnostics" in (await c.get("/rehydrate/status")).json()
+            assert "rht-diagnostics" not in (await c.get("/rehydrate/status")).json()
+            assert built == []
+            detail = ReadinessGate(gate.app, engine=rehydrate_engine, lifespan=False,
+                                   status_detail=True)
+            async with asgi_client(detail) as d:
+                assert "rht-diagnostics" in (await d.get("/rehydrate/status")).json()
             assert built == [1]
         finally:
             hold.set()
             await asyncio.to_thread(t.join, 10)
         assert reports[0].ok
         assert (await c.get("/readyz")).status_code == 200
+
+
+async def test_public_answers_name_failed_hooks_without_their_errors(
+        app: App, rehydrate_engine: Any) -> None:
+    """The 503 bodies and /readyz answer whoever reaches the application's port — also
+    with status=None. They name the failed hooks but carry none of their error text (a
+    secret file's path, an internal host, a rejected value), and build none of the
+    status's published fields. not_ready_reason() keeps the detail for the operator."""
+    built: list[int] = []
+    rehydrate_engine.add_status("rht-diagnostics", lambda: built.append(1))
+
+    @rehydrate_engine.registry.after_restore(name="billing-client")
+    def billing() -> None:
+        raise RuntimeError("key rht-leaked-key rejected by billing.internal:8443")
+
+    report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+    assert not report.ok
+    gate = ReadinessGate(app, engine=rehydrate_engine, status=None, lifespan=False)
+    async with asgi_client(gate) as c:
+        for path in ("/readyz", "/predict", "/rehydrate/status"):
+            r = await c.get(path)
+            assert r.status_code == 503, path
+            assert r.json()["state"] == "degraded"
+            assert r.json()["reason"] == "restore hook(s) failed: billing-client failed"
+            assert "rht-leaked-key" not in r.text and "billing.internal" not in r.text
+    assert built == []
+    assert "rht-leaked-key" in not_ready_reason(rehydrate_engine)
+    assert not_ready_reason(rehydrate_engine, detail=False) == (
+        "restore hook(s) failed: billing-client failed")
+
+
+def test_status_endpoint_is_a_public_view_unless_status_detail(
+        app: App, rehydrate_engine: Any, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /rehydrate/status on the application's port: states, names and outcomes, but
+    not the process's TCP connections (other clients' addresses), a connection's peers,
+    a secret's file path, hook error text or fields it does not know — and no /proc scan
+    per request. status_detail=True (a private port) shows the whole status."""
+    from rehydrate import connections, secrets
+
+    scans: list[int] = []
+    real_scan = connections.established_tcp
+
+    def counted() -> Any:
+        scans.append(1)
+        return real_scan()
+
+    monkeypatch.setattr(connections, "established_tcp", counted)
+    secret_file = tmp_path / "rht-secret-dir" / "db-password"
+    secret_file.parent.mkdir()
+    secret_file.write_text("pw\n")
+    secret = secrets.Secret.from_file(secret_file, name="db-password", engine=rehydrate_engine)
+    connections.register("cache", open=object, peers=[("10.20.30.40", 6379)],
+                         engine=rehydrate_engine)
+    rehydrate_engine.add_status("rht-diagnostics", lambda: "rht-internal-detail")
+
+    @rehydrate_engine.registry.after_restore(name="billing-client")
+    def billing() -> None:
+        raise RuntimeError("key rht-leaked-key rejected")
+
+    secret_file.unlink()  # its reload fails, with the path in the error
+    assert not rehydrate_engine.simulate_restore().ok
+    public = ReadinessGate(app, engine=rehydrate_engine, lifespan=False)
+    with serve(public) as url, httpx.Client(base_url=url) as c:
+        r = c.get("/rehydrate/status")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["state"] == "degraded" and body["ready"] is False
+        hooks = {h["name"]: h for h in body["last_report"]["hooks"]}
+        assert hooks["billing-client"] == {
+            "name": "billing-client", "phase": "application", "outcome": "failed",
+            "duration": hooks["billing-client"]["duration"], "required": True,
+            "attempts": 1}
+        assert hooks["rehydrate.secret:db-password"]["outcome"] == "failed"
+        assert body["secrets"] == {"db-password": {"available": False}}
+        assert body["connections"] == [
+            {"name": "cache", "state": "open", "required": True, "attempts": 1}]
+        for hidden in ("tcp_connections", "rht-diagnostics", "files", "control"):
+            assert hidden not in body
+        for leaked in ("rht-secret-dir", "10.20.30.40", "rht-leaked-key",
+                       "rht-internal-detail", "127.0.0.1"):
+            assert leaked not in r.text, leaked
+        c.get("/rehydrate/status")
+        assert scans == []
+    detail = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, status_detail=True)
+    with serve(detail) as url, httpx.Client(base_url=url) as c:
+        r = c.get("/rehydrate/status")
+        assert r.status_code == 200
+        body = r.json()
+        assert scans == [1]
+        assert isinstance(body["tcp_connections"], list) and body["tcp_connections"]
+        assert body["rht-diagnostics"] == "rht-internal-detail"
+        for shown in ("rht-secret-dir", "10.20.30.40:6379", "rht-leaked-key"):
+            assert shown in r.text, shown
+    del secret  # held until here: the manager keeps only a weak reference
+
+
+def test_status_detail_must_be_a_bool(app: App, rehydrate_engine: Any) -> None:
+    with pytest.raises(TypeError, match="status_detail must be True or False, not 'yes'"):
+        ReadinessGate(app, engine=rehydrate_engine, status_detail="yes")  # type: ignore[arg-type]
 
 
 def test_readyz_wait_answers_when_the_restore_hooks_finish(

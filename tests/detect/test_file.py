@@ -482,3 +482,71 @@ def test_a_change_the_late_report_does_not_cover_is_dated_by_the_read(
     wait_for(lambda: len(calls) == 2, what="the new restore to run")
     assert marker.read_text() == "restored again"
     assert not reports[1].deduplicated
+
+
+OTHER_UID = 65534  # nobody
+
+
+def _appear(directory: pathlib.Path, marker: pathlib.Path, text: str, uid: int) -> None:
+    """The marker appears (or is replaced) in one step, owned by ``uid``: written aside,
+    chowned, then renamed over it — the detector never sees it half made."""
+    tmp = directory / ".marker.tmp"
+    tmp.write_text(text)
+    os.chown(tmp, uid, uid)
+    os.replace(tmp, marker)
+
+
+def test_a_marker_of_another_uid_is_ignored(rehydrate_engine, tmp_path, mode, caplog):
+    """In a directory everyone may write in (sticky, like /tmp), another uid creating or
+    changing the marker ran this process's restore hooks at will. A marker owned neither
+    by this uid nor by root is ignored, with one warning per change of it (not per look);
+    the platform's marker after it is still news. A symlink of another uid too."""
+    assert os.geteuid() == 0, "chown to another uid needs root"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    marker = shared / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
+    rehydrate_engine.start([det])
+    warning = f"marker file {marker} is owned by uid {OTHER_UID}, not by uid 0 or root: ignored"
+
+    def warnings() -> int:
+        return sum(warning in r.getMessage() for r in caplog.records)
+
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    _appear(shared, marker, "fake restore 1\n", OTHER_UID)
+    wait_for(lambda: warnings() == 1, what="the foreign marker to be ignored")
+    checks = det.checks
+    det._wake.set()  # another look at the unchanged marker (a poll, a spurious event)
+    wait_for(lambda: det.checks > checks, what="another look")
+    _appear(shared, marker, "fake restore 2\n", OTHER_UID)  # a change: warned again
+    wait_for(lambda: warnings() == 2, what="the changed foreign marker to be ignored")
+    assert rehydrate_engine.generation == 0 and rec.calls == []
+
+    _appear(shared, marker, "restore 1\n", 0)  # the platform's (root's) marker
+    assert rec.wait(1)[0]["reason"] == "file"
+
+    target = tmp_path / "root-owned"
+    target.write_text("restore 2\n")
+    link = shared / ".link.tmp"
+    link.symlink_to(target)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    checks = det.checks
+    os.replace(link, marker)  # another uid's symlink to a file of root's
+    wait_for(lambda: det.checks > checks and warnings() == 3,
+             what="the foreign symlink to be ignored")
+    assert len(rec.calls) == 1 and rehydrate_engine.generation == 1
+
+
+def test_a_foreign_marker_there_at_start_is_no_baseline(rehydrate_engine, tmp_path, caplog):
+    """Another uid's marker present when the detector starts is not taken as the baseline
+    (its owner could change it into a restore later), and is warned about once."""
+    assert os.geteuid() == 0, "chown to another uid needs root"
+    marker = tmp_path / "restored"
+    _appear(tmp_path, marker, "fake\n", OTHER_UID)
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    det = FileDetector(marker, polling=True, interval=0.02, window=0)
+    rehydrate_engine.start([det])
+    assert det._state is None
+    assert sum("is owned by uid 65534" in r.getMessage() for r in caplog.records) == 1
