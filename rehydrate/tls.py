@@ -45,7 +45,9 @@ self-signed or issued certificate whose renewal fails is never served with the k
 the image: its contexts get a fresh placeholder and its hook fails.
 
 Renewals of one handle (restore hook, file watcher, :meth:`~ManagedCertificate.renew`) are
-serialised: read, validate and apply happen under one per-handle lock.
+serialised: read, validate and apply happen under one per-handle lock. So are the adds of
+one name: a second call with a name being added (or closed) waits for that to finish, then
+returns the handle set up under it (see :meth:`TLSManager.add`).
 """
 
 from __future__ import annotations
