@@ -4,7 +4,9 @@ A :class:`Secret` holds its value in a ``bytearray`` that rehydrate owns. Before
 (the ``SECRETS`` phase of the before-snapshot pass) the buffer is overwritten with zeros;
 after a restore or resume the value is loaded again from its source — the environment (as
 refreshed from the new spec environment by the ``ENVIRONMENT`` phase, which runs first), a
-file, or a callable. So the image written in between holds no copy rehydrate controls.
+file, or a callable. So the image written in between holds no copy rehydrate controls. A
+secret's hooks are registered before its first load: a pass that comes while it is being
+created wipes it too (it then loads on restore, like one created after the pass).
 
 Reading:
 
@@ -80,6 +82,7 @@ _PENDING = ("a snapshot is pending (loaded now, the value would be in the image)
 _RESTORED = ("a restore happened while this load ran: its value is the snapshot's, "
              "discarded (the restore loads the clone's own)")
 _WIPED = "wiped before a snapshot; reloaded after restore/resume"
+_CREATED_PENDING = "wiped: created while a snapshot was pending; loads on restore"
 _CLOSED = "closed (Secret.close() was called: it is never loaded again)"
 
 
@@ -158,19 +161,24 @@ class Secret:
         self.last_error = ""
         """Why the latest failed load failed (the source's error, never the value)."""
         self._manager = manager(engine)
-        if any(s.name == name for s in self._manager.secrets()):
-            raise ValueError(f"a secret named {name!r} is already managed (status() and its "
-                             "hooks go by the name: give this one another name=)")
         self._hooks: tuple[Hook, ...] = ()
         """Its restore hook, then its before-snapshot hook (once registered)."""
-        began = time.monotonic()  # before the source is read: see recovered(since=)
-        loaded = False
-        if load and self._manager.engine.snapshot_pending:
+        # Name and hooks before the value: a before-snapshot pass that starts once the
+        # value is stored runs this secret's wipe hook, and one that started before makes
+        # the load keep nothing. Registered after the load, a pass that came in between
+        # (another thread's snapshot) left the value in the image.
+        self._manager.add(self)
+        if not load:
+            return
+        if self._manager.engine.snapshot_pending:
             # Loaded now, the value would be written into the coming snapshot image.
-            self._reason = "wiped: created while a snapshot was pending; loads on restore"
-        elif load:
-            loaded = self._load(keep_previous=False, raise_errors=True)
-        self._manager.add(self, loaded_since=began if loaded else None)
+            self._reason = _CREATED_PENDING
+            return
+        try:
+            self._load(keep_previous=False, raise_errors=True, creating=True)
+        except BaseException:
+            self._manager.remove(self)  # never made: nothing of it stays registered
+            raise
 
     # -- constructors ---------------------------------------------------------------
 
@@ -225,7 +233,12 @@ class Secret:
                 del buf[-1:]
         return buf
 
-    def _load(self, *, keep_previous: bool, raise_errors: bool) -> bool:
+    def _load(self, *, keep_previous: bool, raise_errors: bool,
+              creating: bool = False) -> bool:
+        """Fetch the value and store it, unless a snapshot pass, a restore or close()
+        came while it was fetched (then discarded). ``creating``: the first load, from
+        the constructor — a pass that came meanwhile leaves the secret wiped until the
+        restore, as one created after the pass, instead of raising."""
         if self._closed:  # its hooks are gone: a value loaded now would never be wiped
             self.last_error = _CLOSED
             if raise_errors:
@@ -261,6 +274,9 @@ class Secret:
             restored = engine.generation != generation
             closed = self._closed  # close() came while the source was read
             pending = engine.snapshot_pending or restored or closed
+            created_pending = creating and pending and not (restored or closed)
+            if created_pending:
+                self._reason = _CREATED_PENDING
             if not pending:
                 old = self._buf
                 self._buf = fresh  # a new buffer: views of the old one may still be open
@@ -277,7 +293,7 @@ class Secret:
             _zero(fresh)
             why = _CLOSED if closed else _RESTORED if restored else _PENDING
             self.last_error = why
-            if raise_errors:
+            if raise_errors and not created_pending:
                 raise SecretError(f"secret {self.name!r}: {why}")
             return False
         if old is not None:
@@ -626,10 +642,20 @@ class SecretsManager:
         return [s for s in (r() for r in refs) if s is not None]
 
     def add(self, secret: Secret, *, loaded_since: float | None = None) -> None:
-        """Register ``secret``'s hooks. ``loaded_since``: ``time.monotonic()`` when the
-        load that gave it its value began (None: it has none yet)."""
+        """Take ``secret``'s name and register its hooks: a :class:`ValueError` when
+        another secret of the engine has the name. ``loaded_since``: ``time.monotonic()``
+        when the load that gave it its value began (None: it has none yet; a load once
+        the hooks are registered mends a failure under its name itself)."""
         key = id(secret)
         ref = weakref.ref(secret)
+        name = secret.name
+        with self._lock:  # the check and the claim as one: two threads, one name
+            if any(s is not None and s.name == name
+                   for s in (r() for r in self._secrets.values())):
+                raise ValueError(f"a secret named {name!r} is already managed (status() "
+                                 "and its hooks go by the name: give this one another "
+                                 "name=)")
+            self._secrets[key] = ref
 
         def on_restore(ctx: RestoreContext) -> None:
             s = ref()
@@ -651,17 +677,20 @@ class SecretsManager:
                 return
             s.wipe()
 
-        name = f"rehydrate.secret:{secret.name}"
+        hook_name = f"rehydrate.secret:{name}"
         b = self.engine.builtins
-        secret._hooks = (
-            b.register(on_restore, phase=Phase.SECRETS, order=-200, name=name,
-                       required=secret.required, timeout=30.0),
-            b.register(on_snapshot, event="snapshot", phase=Phase.SECRETS, order=-200,
-                       name=name, required=secret.required,
-                       timeout=secret.wipe_wait + 5.0),
-        )
-        with self._lock:
-            self._secrets[key] = ref
+        try:
+            secret._hooks = (b.register(on_restore, phase=Phase.SECRETS, order=-200,
+                                        name=hook_name, required=secret.required,
+                                        timeout=30.0),)
+            secret._hooks += (b.register(on_snapshot, event="snapshot", phase=Phase.SECRETS,
+                                         order=-200, name=hook_name,
+                                         required=secret.required,
+                                         timeout=secret.wipe_wait + 5.0),)
+        except BaseException:
+            self._forget(key, secret._hooks)  # a wipe_wait the registry refuses
+            secret._hooks = ()
+            raise
         weakref.finalize(secret, self._forget, key, secret._hooks)
         if loaded_since is not None:
             # Made again under the name of a secret closed after its restore hook failed:

@@ -45,7 +45,9 @@ self-signed or issued certificate whose renewal fails is never served with the k
 the image: its contexts get a fresh placeholder and its hook fails.
 
 Renewals of one handle (restore hook, file watcher, :meth:`~ManagedCertificate.renew`) are
-serialised: read, validate and apply happen under one per-handle lock.
+serialised: read, validate and apply happen under one per-handle lock. So are the adds of
+one name: a second call with a name being added (or closed) waits for that to finish, then
+returns the handle set up under it (see :meth:`TLSManager.add`).
 """
 
 from __future__ import annotations
@@ -1499,6 +1501,11 @@ class TLSManager:
         self.enabled = True
         self._lock = threading.Lock()
         self._certs: dict[str, ManagedCertificate] = {}
+        self._busy: dict[str, int] = {}
+        """Names an :meth:`add` or a :meth:`remove` is working on (by this lock), with the
+        ident of the thread doing it: another add of the name waits for it to finish."""
+        self._idle = threading.Condition(self._lock)
+        """Notified when a name leaves :attr:`_busy`."""
         _MANAGERS.add(self)
 
         self.frozen = engine.snapshot_pending
@@ -1551,66 +1558,125 @@ class TLSManager:
 
     def add(self, cert: ManagedCertificate) -> ManagedCertificate:
         """Produce the first material (raises :class:`CertificateError` when unusable),
-        register the restore hook, start watching files."""
+        register the restore hook, start watching files — or return the handle that
+        already exists under the name (a :class:`ValueError` naming it when it is of
+        another kind; ``cert`` is then discarded).
+
+        One name at a time: a call for a name another thread is adding (or closing)
+        waits until that is done, then returns that handle (or makes its own when that
+        add failed, or the name was closed). A handle is handed out only once it is set
+        up (restore hook registered, watcher started); a failure on the way leaves
+        nothing registered under the name."""
         # Checked before any material is made: a name the hook registry refuses used to
         # leave a stored certificate without a restore hook (never renewed after it).
         if not isinstance(cert.name, str) or not cert.name or not cert.name.isprintable():
             raise TypeError(f"certificate name must be a non-empty string of printable "
                             f"characters, not {_config.shown(cert.name)}")
+        name = cert.name
         with self._lock:
-            existing = self._certs.get(cert.name)
+            try:
+                existing = self._claim(name)
+            except BaseException:
+                cert._discard()
+                raise
             if existing is not None:
                 cert._discard()
                 if type(existing) is not type(cert):
-                    raise ValueError(f"certificate {cert.name!r} already exists as "
+                    raise ValueError(f"certificate {name!r} already exists as "
                                      f"{existing.kind}")
                 return existing
             frozen = self.frozen
+        try:
+            return self._set_up(cert, frozen)
+        finally:
+            with self._lock:
+                self._release(name)
+
+    def _claim(self, name: str) -> ManagedCertificate | None:
+        """With the lock held: the handle under ``name`` once no other thread is adding
+        or closing it, or None after marking the name busy for the caller. Another
+        thread's add used to return this thread's handle before its restore hook was
+        registered — or one whose setup then failed."""
+        me = threading.get_ident()
+        while (owner := self._busy.get(name)) is not None:
+            if owner == me:  # waiting would wait for ourselves (produce() adding it again)
+                raise RuntimeError(f"certificate {name!r} is already being added or "
+                                   "closed by this thread")
+            self._idle.wait()
+        existing = self._certs.get(name)
+        if existing is None:
+            self._busy[name] = me
+        return existing
+
+    def _release(self, name: str) -> None:
+        if self._busy.get(name) == threading.get_ident():
+            del self._busy[name]
+        self._idle.notify_all()
+
+    def _set_up(self, cert: ManagedCertificate, frozen: bool) -> ManagedCertificate:
+        """The rest of :meth:`add`, with ``cert.name`` claimed by this thread."""
         began = time.monotonic()  # before the material is made: see recovered(since=)
         if frozen:  # a key made now would be written into the image: wait for the restore
             log.info("tls: certificate %s added after the before-snapshot pass: its first "
                      "material is produced on restore/resume", cert.name)
-        else:
-            try:
+        try:
+            if not frozen:
                 with cert._renew_lock:
                     cert._renew_locked()
-            except BaseException:
-                cert._discard()
-                raise
+            cert._hooks = (self.engine.builtins.register(
+                cert._on_restore, phase=Phase.SECRETS, order=100,
+                name=f"rehydrate.tls:{cert.name}", required=cert.required, timeout=60.0),)
+            if isinstance(cert, FileCertificate):
+                cert.start_watching()
+        except BaseException:
+            # Nothing of it stays: no hook that renews a handle nobody holds, no watcher.
+            for h in cert._hooks:
+                self.engine.builtins.unregister(h)
+            cert._hooks = ()
+            if isinstance(cert, FileCertificate):
+                cert.stop_watching()
+            cert._discard()
+            raise
         with self._lock:
-            existing = self._certs.get(cert.name)
-            if existing is not None:  # added by another thread meanwhile: keep no copy
-                cert._discard()
-                return existing
             self._certs[cert.name] = cert
             dropped_meanwhile = self.frozen and not frozen
         if dropped_meanwhile:  # the snapshot pass ran while the first material was made
             cert._drop({})
-        cert._hooks = (self.engine.builtins.register(
-            cert._on_restore, phase=Phase.SECRETS, order=100,
-            name=f"rehydrate.tls:{cert.name}", required=cert.required, timeout=60.0),)
-        if not frozen and not dropped_meanwhile:
+        elif not frozen:
             # Made again under the name of one closed after its restore hook failed: its
             # material in use mends that failure (see Lifecycle.recovered), which no
             # renewal of the closed one can (its hook is gone).
             self.engine.recovered(cert._hooks[0], since=began)
-        if isinstance(cert, FileCertificate):
-            cert.start_watching()
         return cert
 
     def remove(self, cert: ManagedCertificate) -> None:
         """Unregister ``cert``'s hook and forget it. A failure of that hook is left for
         a certificate made again under its name to mend (see
         :meth:`~rehydrate.Lifecycle.recovered`), or for the next restore run: closing is
-        no sign that what failed works."""
-        # The hook first: once the name is free, a certificate made under it must find
-        # the failure it takes over unregistered.
-        for h in cert._hooks:
-            self.engine.builtins.unregister(h)
-        cert._hooks = ()
+        no sign that what failed works. An :meth:`add` of the name meanwhile waits, then
+        makes a new handle (it never returns this one)."""
+        name, me = cert.name, threading.get_ident()
         with self._lock:
-            if self._certs.get(cert.name) is cert:
-                del self._certs[cert.name]
+            # Busy while closing: an add of the name waits, rather than returning a handle
+            # whose hook is being unregistered (never renewed, its key never dropped).
+            while (managed := self._certs.get(name) is cert) and \
+                    self._busy.get(name) not in (None, me):
+                self._idle.wait()
+            managed = managed and name not in self._busy
+            if managed:
+                self._busy[name] = me
+        try:
+            # The hook first: once the name is free, a certificate made under it must
+            # find the failure it takes over unregistered.
+            for h in cert._hooks:
+                self.engine.builtins.unregister(h)
+            cert._hooks = ()
+        finally:
+            if managed:
+                with self._lock:
+                    if self._certs.get(name) is cert:
+                        del self._certs[name]
+                    self._release(name)
 
 
 _HANDLES: weakref.WeakSet[ManagedCertificate] = weakref.WeakSet()
@@ -1623,8 +1689,13 @@ def _after_fork_in_child() -> None:
     # renew lock) does not exist in the child: its restore hook timed out and renew()
     # blocked for ever. That renewal is abandoned here: the child keeps the material it
     # had, and its next renewal or restore makes its own.
+    me = threading.get_ident()
     for m in list(_MANAGERS):
         m._lock = threading.Lock()  # short holds, never across a fork by the holder
+        m._idle = threading.Condition(m._lock)
+        # Another thread's add or close of a name is not going on here: an add of that
+        # name would wait for it for ever. The forking thread's own finishes as it unwinds.
+        m._busy = {n: owner for n, owner in m._busy.items() if owner == me}
     for cert in list(_HANDLES):
         # Not the forking thread's own hold (a renewal listener that forks): it is
         # released as the child unwinds.

@@ -517,6 +517,41 @@ def test_a_child_forked_by_the_thread_holding_a_certificate_lock_can_release_it(
     assert out == {"same_lock": True, "error": None}
 
 
+def test_a_child_forked_while_a_parent_thread_adds_a_certificate_can_add_it(
+        engine: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name a parent thread was adding at fork() stayed busy in the child, where nobody
+    finishes that add: an add of the name there waited for ever."""
+    from rehydrate import tls
+
+    entered, release = threading.Event(), threading.Event()
+    produce = tls.SelfSignedCertificate.produce
+
+    def blocked(self: tls.SelfSignedCertificate) -> tls.Material:
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(DEADLINE)
+        return produce(self)
+
+    monkeypatch.setattr(tls.SelfSignedCertificate, "produce", blocked)
+    adder = threading.Thread(target=tls.self_signed, args=("web",),
+                             kwargs={"engine": engine}, daemon=True)
+    adder.start()
+    try:
+        assert entered.wait(DEADLINE)
+
+        def child() -> dict:  # type: ignore[type-arg]
+            cert = tls.self_signed("web", engine=engine)
+            return {"managed": tls.manager(engine).get("web") is cert,
+                    "restored": engine.simulate_restore().ok}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        adder.join(DEADLINE)
+    assert out == {"managed": True, "restored": True}
+    assert tls.manager(engine).get("web") is not None  # the parent's add went on
+
+
 def test_a_forked_child_gets_its_own_instance_id() -> None:
     """A forked worker is another process: it kept the parent's instance_id(), which
     telemetry reports as service.instance.id."""

@@ -713,3 +713,135 @@ def test_a_secret_made_again_after_its_failed_one_was_closed_makes_the_process_r
     assert s3.reload()
     assert rehydrate_engine.status().state == "ready"
     assert rehydrate_engine.simulate_restore().ok
+
+
+# -- a before-snapshot pass while a secret is being made ---------------------------------
+
+
+def _make_in_thread(make):  # type: ignore[no-untyped-def]
+    """``make()`` in a thread of its own; returns the thread, its result and error lists."""
+    made: list[Secret] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            made.append(make())
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, made, errors
+
+
+def test_a_snapshot_pass_while_the_constructor_runs_wipes_the_value_it_stored(
+        rehydrate_engine, monkeypatch):
+    """The constructor loaded the value, then registered the wipe hook: a pass that
+    another thread ran in between found no hook for it, and the value went into the
+    image. The hooks now come first, so that pass wipes the buffer."""
+    stored, release = threading.Event(), threading.Event()
+    buffers: list[bytearray] = []
+    load = Secret._load
+
+    def load_then_wait(self, **kwargs):  # type: ignore[no-untyped-def]
+        ok = load(self, **kwargs)
+        if not stored.is_set():  # the constructor's load: the value is in its buffer
+            buffers.append(self._buf)
+            stored.set()
+            assert release.wait(10)
+        return ok
+
+    monkeypatch.setattr(Secret, "_load", load_then_wait)
+    t, made, errors = _make_in_thread(lambda: Secret.from_callable(
+        lambda: bytearray(b"hunter2-token"), name="token", on_wiped="raise",
+        engine=rehydrate_engine))
+    assert stored.wait(10)
+    assert bytes(buffers[0]) == b"hunter2-token"
+    try:
+        assert rehydrate_engine.simulate_snapshot().ok
+    finally:
+        release.set()
+        t.join(10)
+    assert not errors
+    [s] = made
+    assert not any(buffers[0])  # that very buffer zeroed: the image holds no copy
+    assert not s.available
+    with pytest.raises(SecretUnavailable, match="wiped before a snapshot"):
+        s.get()
+    assert rehydrate_engine.simulate_restore().ok
+    assert s.get() == b"hunter2-token"
+
+
+def test_a_snapshot_pass_while_the_constructor_reads_the_source_leaves_it_wiped(
+        rehydrate_engine):
+    """The load then kept nothing but the constructor raised SecretError ("a snapshot is
+    pending"), and the secret was never registered: nothing loaded it after the restore.
+    It is now made like one created after the pass: wiped, loaded on restore."""
+    reading, release = threading.Event(), threading.Event()
+    values = iter([b"before-the-image", b"the-clone-s-own"])
+
+    def source() -> bytes:
+        if not reading.is_set():
+            reading.set()
+            assert release.wait(10)
+        return next(values)
+
+    t, made, errors = _make_in_thread(lambda: Secret.from_callable(
+        source, name="token", on_wiped="raise", engine=rehydrate_engine))
+    assert reading.wait(10)
+    try:
+        assert rehydrate_engine.simulate_snapshot().ok
+    finally:
+        release.set()
+        t.join(10)
+    assert not errors
+    [s] = made
+    assert not s.available
+    with pytest.raises(SecretUnavailable, match="created while a snapshot was pending"):
+        s.get()
+    assert rehydrate_engine.simulate_restore().ok
+    assert s.get() == b"the-clone-s-own"
+
+
+def test_a_second_secret_of_a_name_being_made_is_refused(rehydrate_engine):
+    """The name was checked before the first secret's load and claimed after it: a second
+    secret made meanwhile under the name got it too (one of them hidden from status())."""
+    reading, release = threading.Event(), threading.Event()
+
+    def source() -> bytes:
+        reading.set()
+        assert release.wait(10)
+        return b"first"
+
+    t, made, errors = _make_in_thread(lambda: Secret.from_callable(
+        source, name="dup", engine=rehydrate_engine))
+    assert reading.wait(10)
+    try:
+        with pytest.raises(ValueError, match="a secret named 'dup' is already managed"):
+            Secret.from_callable(lambda: b"second", name="dup", engine=rehydrate_engine)
+    finally:
+        release.set()
+        t.join(10)
+    assert not errors and made[0].get() == b"first"
+    from rehydrate import secrets
+
+    assert [s.name for s in secrets.manager(rehydrate_engine).secrets()] == ["dup"]
+
+
+def test_a_wipe_wait_the_hooks_refuse_leaves_nothing_loaded_or_registered(rehydrate_engine):
+    """The value was loaded and the restore hook registered before the before-snapshot
+    hook refused its timeout: the constructor raised, leaving that restore hook behind
+    (for good: nothing unregistered it) and a loaded buffer. Now nothing stays."""
+    loads: list[int] = []
+
+    def source() -> bytes:
+        loads.append(1)
+        return b"value"
+
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        Secret.from_callable(source, name="w", wipe_wait=float("nan"),
+                             engine=rehydrate_engine)
+    assert not loads
+    assert not [h for event in ("restore", "snapshot")
+                for h in rehydrate_engine.hooks(event) if h.name == "rehydrate.secret:w"]
+    assert Secret.from_callable(source, name="w", engine=rehydrate_engine).get() == b"value"

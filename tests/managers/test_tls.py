@@ -1855,3 +1855,228 @@ def test_the_watcher_that_applied_new_files_says_so_when_a_listener_fails(
     [line] = [r.getMessage() for r in caplog.records]
     assert f"reloaded from files (serial {second.serial_number:x}) but: listener" in line
     assert "keeping" not in line
+
+
+# -- one name, two threads -----------------------------------------------------------------
+
+
+class _Racer:
+    """``fn`` in a thread of its own. :attr:`parked` is set once the call either ended or
+    waits for the name (the manager's condition is wrapped to say so): the test then lets
+    the first call go on, knowing where the second one stands — without a sleep."""
+
+    def __init__(self, manager: tls.TLSManager, monkeypatch: pytest.MonkeyPatch,
+                 fn: Callable[[], tls.ManagedCertificate]) -> None:
+        self.parked = threading.Event()
+        self.result: tls.ManagedCertificate | None = None
+        self.hooks_at_return: tuple = ()
+        self.error: BaseException | None = None
+        idle, parked = getattr(manager, "_idle", None), self.parked
+
+        class Signalling:
+            def wait(self, timeout: float | None = None) -> bool:
+                parked.set()
+                assert idle is not None
+                return idle.wait(timeout)
+
+            def notify_all(self) -> None:
+                assert idle is not None
+                idle.notify_all()
+
+        monkeypatch.setattr(manager, "_idle", Signalling(), raising=False)
+
+        def run() -> None:
+            try:
+                self.result = fn()
+                self.hooks_at_return = self.result._hooks  # what it was handed
+            except BaseException as exc:  # noqa: BLE001 - inspected by the test
+                self.error = exc
+            finally:
+                parked.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def _blocking(monkeypatch, owner, attr: str, when=lambda *a, **kw: True):  # type: ignore[no-untyped-def]
+    """Make ``owner.attr`` block the first call ``when`` accepts until ``release`` is
+    set (``entered`` says it got there)."""
+    entered, release = threading.Event(), threading.Event()
+    original = getattr(owner, attr)
+
+    def blocked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not entered.is_set() and when(*args, **kwargs):
+            entered.set()
+            assert release.wait(10)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, blocked)
+    return entered, release
+
+
+def _tls_hooks(engine, name: str) -> list:  # type: ignore[no-untyped-def]
+    return [h for h in engine.hooks("restore") if h.name == f"rehydrate.tls:{name}"]
+
+
+def test_an_add_of_a_name_another_thread_is_adding_waits_for_the_set_up_handle(
+        rehydrate_engine, monkeypatch):
+    """The second add found the first one's handle stored and returned it at once, before
+    its restore hook was registered (had the registration failed, it held a handle that
+    would never be renewed). It now waits, and both callers get the same handle, set up."""
+    m = tls.manager(rehydrate_engine)
+    entered, release = _blocking(monkeypatch, rehydrate_engine.builtins, "register",
+                                 lambda fn, **kw: kw.get("name") == "rehydrate.tls:web")
+    first: list[tls.ManagedCertificate] = []
+    adder = threading.Thread(target=lambda: first.append(
+        tls.self_signed("web", engine=rehydrate_engine)), daemon=True)
+    adder.start()
+    assert entered.wait(10)  # its material is made, its hook not registered yet
+    second = _Racer(m, monkeypatch, lambda: tls.self_signed("web", engine=rehydrate_engine))
+    assert second.parked.wait(10)
+    release.set()
+    adder.join(10)
+    second.join()
+    assert second.error is None
+    assert second.result is first[0] is m.get("web")
+    assert second.hooks_at_return == tuple(_tls_hooks(rehydrate_engine, "web"))
+    assert len(second.hooks_at_return) == 1
+    serial = first[0].serial
+    assert rehydrate_engine.simulate_restore().ok
+    assert first[0].serial != serial  # renewed by its hook
+
+
+def test_an_add_of_another_kind_under_a_name_being_added_is_refused_like_a_later_one(
+        rehydrate_engine, monkeypatch, tmp_path):
+    """A from_files() that finished while a self_signed() of the same name was still making
+    its key won the name, and the self_signed() call returned the file certificate (it
+    kept the type check only for a name that existed when it began). The name is now
+    taken by the first call; the second is refused as it is when called afterwards."""
+    m = tls.manager(rehydrate_engine)
+    entered, release = _blocking(monkeypatch, tls.SelfSignedCertificate, "produce")
+    first: list[object] = []
+    adder = threading.Thread(target=lambda: first.append(
+        tls.self_signed("web", engine=rehydrate_engine)), daemon=True)
+    adder.start()
+    assert entered.wait(10)  # inside its first renewal
+    c, k, _ = CA().leaf()
+    _write_pair(tmp_path, c, k)
+    second = _Racer(m, monkeypatch, lambda: tls.from_files(
+        "web", cert=tmp_path / "c.pem", key=tmp_path / "k.pem", watch=False,
+        engine=rehydrate_engine))
+    assert second.parked.wait(10)
+    release.set()
+    adder.join(10)
+    second.join()
+    assert type(first[0]) is tls.SelfSignedCertificate and m.get("web") is first[0]
+    assert isinstance(second.error, ValueError)
+    assert str(second.error) == "certificate 'web' already exists as self-signed"
+    assert len(_tls_hooks(rehydrate_engine, "web")) == 1
+
+
+def test_an_add_whose_set_up_fails_leaves_nothing_and_a_waiting_add_makes_its_own(
+        rehydrate_engine, monkeypatch, tmp_path):
+    """The watcher of a file certificate failed to start: the caller got the error, but
+    the handle stayed stored with its hook — and a second add of the name, meanwhile,
+    had been handed it, not watching. Now the failed one leaves nothing registered, and
+    the waiting add makes (and watches) its own."""
+    m = tls.manager(rehydrate_engine)
+    c, k, _ = CA().leaf()
+    _write_pair(tmp_path, c, k)
+    entered, release = threading.Event(), threading.Event()
+    start = tls.FileCertificate.start_watching
+
+    def start_watching(self):  # type: ignore[no-untyped-def]
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(10)
+            raise OSError(28, "inotify watch limit reached")
+        start(self)
+
+    monkeypatch.setattr(tls.FileCertificate, "start_watching", start_watching)
+
+    def add() -> tls.FileCertificate:
+        return tls.from_files("web", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                              engine=rehydrate_engine)
+
+    failed: list[BaseException] = []
+    made: list[tls.FileCertificate] = []
+
+    def first() -> None:
+        try:
+            made.append(add())
+        except OSError as exc:
+            failed.append(exc)
+
+    adder = threading.Thread(target=first, daemon=True)
+    adder.start()
+    assert entered.wait(10)
+    second = _Racer(m, monkeypatch, add)
+    assert second.parked.wait(10)
+    release.set()
+    adder.join(10)
+    second.join()
+    assert not made and len(failed) == 1 and "watch limit" in str(failed[0])
+    handle = second.result
+    assert isinstance(handle, tls.FileCertificate) and second.error is None
+    try:
+        assert handle._observer is not None  # watching
+        assert m.get("web") is handle and m.certificates() == [handle]
+        assert second.hooks_at_return == tuple(_tls_hooks(rehydrate_engine, "web"))
+        assert len(second.hooks_at_return) == 1
+    finally:
+        handle.close()
+
+
+def test_an_add_of_a_name_being_closed_makes_a_new_handle(rehydrate_engine, monkeypatch):
+    """close() unregisters the hook, then frees the name: an add in between returned the
+    handle being closed — never renewed after a restore, its key not dropped before a
+    snapshot (it was no longer managed). The add now waits and makes a new one."""
+    m = tls.manager(rehydrate_engine)
+    old = tls.self_signed("web", engine=rehydrate_engine)
+    [hook] = old._hooks
+    entered, release = _blocking(monkeypatch, rehydrate_engine.builtins, "unregister",
+                                 lambda h: h is hook)
+    closer = threading.Thread(target=old.close, daemon=True)
+    closer.start()
+    assert entered.wait(10)
+    second = _Racer(m, monkeypatch, lambda: tls.self_signed("web", engine=rehydrate_engine))
+    assert second.parked.wait(10)
+    release.set()
+    closer.join(10)
+    second.join()
+    again = second.result
+    assert second.error is None and again is not None and again is not old
+    assert m.get("web") is again and _tls_hooks(rehydrate_engine, "web") == list(again._hooks)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert again.key_dropped
+
+
+def test_an_issuer_adding_its_own_certificate_again_is_an_error_not_a_hang(rehydrate_engine):
+    """A name is added by one thread at a time; the thread adding it would wait for
+    itself. It is one clear error instead."""
+    class Reentrant:
+        def issue(self, csr):  # type: ignore[no-untyped-def]
+            tls.issued("web", self, common_name="localhost", engine=rehydrate_engine)
+            raise AssertionError("not reached")
+
+    errors: list[BaseException] = []
+
+    def add() -> None:
+        try:
+            tls.issued("web", Reentrant(), common_name="localhost", engine=rehydrate_engine)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    t = threading.Thread(target=add, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+    [error] = errors
+    assert isinstance(error, CertificateError)
+    assert "certificate 'web' is already being added or closed by this thread" in str(error)
+    assert tls.manager(rehydrate_engine).get("web") is None
+    assert not _tls_hooks(rehydrate_engine, "web")
