@@ -14,6 +14,7 @@ Helpers shared across groups (``detect_helpers``, ``netservers``, the stand-ins)
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,3 +44,13 @@ def refused_port() -> Iterator[int]:
 
     with reserve() as port:
         yield port
+
+
+@pytest.fixture
+def root_required() -> None:
+    """Root only (files or clients of another uid): skipped as a user, a failure where
+    ``REHYDRATE_REQUIRE_ROOT_TESTS=1`` (CI) says root is there."""
+    if os.geteuid() != 0:
+        if os.environ.get("REHYDRATE_REQUIRE_ROOT_TESTS") == "1":
+            pytest.fail("REHYDRATE_REQUIRE_ROOT_TESTS=1 but not running as root")
+        pytest.skip("needs root (files or clients of another uid)")

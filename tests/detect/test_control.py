@@ -601,14 +601,6 @@ def test_concurrent_clients(server: ControlServer, engine: Lifecycle, sock_path:
     assert engine.status().generation == n // 2  # every simulated restore ran, one at a time
 
 
-@pytest.fixture
-def root_required() -> None:
-    if os.geteuid() != 0:
-        if os.environ.get("REHYDRATE_REQUIRE_ROOT_TESTS") == "1":
-            pytest.fail("REHYDRATE_REQUIRE_ROOT_TESTS=1 but not running as root")
-        pytest.skip("needs root (to run a client as another uid)")
-
-
 def _client_as_nobody(path: str) -> dict:  # type: ignore[type-arg]
     """Fork a child that drops to uid/gid 65534, connects, asks for status."""
 

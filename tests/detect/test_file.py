@@ -496,7 +496,8 @@ def _appear(directory: pathlib.Path, marker: pathlib.Path, text: str, uid: int) 
     os.replace(tmp, marker)
 
 
-def test_a_marker_of_another_uid_is_ignored(rehydrate_engine, tmp_path, mode, caplog):
+def test_a_marker_of_another_uid_is_ignored(root_required, rehydrate_engine, tmp_path, mode,
+                                            caplog):
     """In a directory everyone may write in (sticky, like /tmp), another uid creating or
     changing the marker ran this process's restore hooks at will. A marker owned neither
     by this uid nor by root is ignored, with one warning per change of it (not per look);
@@ -539,7 +540,8 @@ def test_a_marker_of_another_uid_is_ignored(rehydrate_engine, tmp_path, mode, ca
     assert len(rec.calls) == 1 and rehydrate_engine.generation == 1
 
 
-def test_a_foreign_marker_there_at_start_is_no_baseline(rehydrate_engine, tmp_path, caplog):
+def test_a_foreign_marker_there_at_start_is_no_baseline(root_required, rehydrate_engine,
+                                                       tmp_path, caplog):
     """Another uid's marker present when the detector starts is not taken as the baseline
     (its owner could change it into a restore later), and is warned about once."""
     assert os.geteuid() == 0, "chown to another uid needs root"
