@@ -873,8 +873,9 @@ class _Opener:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # the child drops it from its connection (its thread is the parent's), but a
-        # thread that read ``conn._opener`` before the fork may still stop() it there
+        # The child drops it from its connection (its thread is the parent's), but a thread
+        # that forks from a signal handler between reading ``conn._opener`` and stop()
+        # goes on to stop() it there.
         fresh_lock_after_fork(self)
         self._stopped = False
         self._task: asyncio.Future[Any] | None = None
