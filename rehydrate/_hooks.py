@@ -9,13 +9,12 @@ import enum
 import functools
 import itertools
 import math
-import os
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar, overload
 
 from . import _config
+from ._threads import fresh_lock_after_fork
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -226,7 +225,9 @@ class Registry:
         self._seq = itertools.count()
         self._version = 0
         self._cache: dict[Event, tuple[int, tuple[Hook, ...]]] = {}
-        _REGISTRIES.add(self)
+        # A parent thread may hold it at fork() (a restore run reading the hooks): the
+        # child's next event waited for it for ever.
+        fresh_lock_after_fork(self, after=_forget_cached_lists)
 
     # -- registration --------------------------------------------------------------
 
@@ -489,21 +490,11 @@ class Registry:
         return f"<rehydrate.Registry hooks={len(self)}>"
 
 
-_REGISTRIES: weakref.WeakSet[Registry] = weakref.WeakSet()
-"""Every registry of this process, given a fresh lock in the child after ``fork()``."""
-
-
-def _new_locks_in_child() -> None:
-    # A parent thread may hold a registry's lock at fork() (a restore run reading its
-    # hooks): that thread does not exist in the child, whose next event then waited for
-    # the lock for ever. The holder may have stopped between adding a hook and bumping
-    # the version: the cached lists are dropped, so they are rebuilt from the hooks.
-    for r in list(_REGISTRIES):
-        r._lock = threading.Lock()
-        r._cache = {}
-
-
-os.register_at_fork(after_in_child=_new_locks_in_child)
+def _forget_cached_lists(registry: Registry) -> None:
+    # In a child of fork(), whose registry lock is a new one: the parent thread that held
+    # it may have stopped between adding a hook and bumping the version, so the cached
+    # lists are dropped and rebuilt from the hooks.
+    registry._cache = {}
 
 
 class _BuiltinRegistry(Registry):

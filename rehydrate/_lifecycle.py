@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import types
@@ -43,6 +44,7 @@ from ._contract import (
 )
 from ._hooks import Hook, Registry, _BuiltinRegistry
 from ._runner import HookRunner, LoopThread, Observer, blocking, inside_hook
+from ._threads import fresh_lock_after_fork
 from .env import POLICIES, EnvRefresher, Policy, check_overlay
 
 if TYPE_CHECKING:
@@ -317,6 +319,11 @@ class Lifecycle:
         """Detectors installed as extensions (add_detector): started by every start()."""
         self._started = False
         self._start_lock = threading.Lock()
+        # Held by a parent thread at fork() (a hook running, a start() in progress), these
+        # were held for ever in the child: a child forked while a hook ran hung on its next
+        # event. (``env`` registers its own.)
+        fresh_lock_after_fork(self, "_cond", "_run_lock", "_start_lock", "_ext_lock",
+                              "_install_lock")
         self._merged: tuple[tuple[int, ...], dict[str, tuple[Hook, ...]]] | None = None
         # one entry per abandoned hook thread still running (at most one per hook function);
         # a lambda: close() replaces the runner
@@ -335,18 +342,14 @@ class Lifecycle:
 
         Only the forking thread exists in the child: detector threads, the hook worker and
         the engine's event loop stayed in the parent, and any lock one of them held is held
-        for ever here. So the child gets fresh locks and a fresh runner, forgets the
-        parent's detectors *without stopping them* (stopping would unlink the parent's
-        control socket or close its descriptors' resources), and an event the parent was
+        for ever here. So the child gets fresh locks (:func:`fresh_lock_after_fork`, whose
+        handler runs before this one) and a fresh runner, forgets the parent's detectors
+        *without stopping them* (stopping would unlink the parent's control socket or close
+        its descriptors' resources), and an event the parent was
         running is not finished here: its state becomes ``degraded``. Hooks, generation and
         reports stay. ``start()`` in the child starts its own detectors — the installed
         ones (:meth:`add_detector`) again.
         """
-        self._cond = threading.Condition()
-        self._run_lock = threading.Lock()
-        self._start_lock = threading.Lock()
-        self._ext_lock = threading.Lock()
-        self._install_lock = threading.Lock()
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)
         self._runner.on_failed = self._hook_failed
@@ -359,7 +362,6 @@ class Lifecycle:
         # instance "installed already", its key "unknown").
         self._restore_deadlines = {}  # set by those detectors (the SnapStart bridge)
         self._started = False
-        self.env._lock = threading.Lock()
         # The parent's clock-jump thread is not here: its heartbeat would go stale and
         # make the child look frozen for ever.
         self._beat, self._beat_limit, self._freeze_noticed_at = None, math.inf, None
@@ -1974,6 +1976,7 @@ _ENGINES: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
 _RUNNING_ON: dict[int, tuple[Detector, weakref.ref[Lifecycle]]] = {}
 """``id(detector)`` -> the detector and the engine that started it, while it runs."""
 _RUNNING_ON_LOCK = threading.Lock()
+fresh_lock_after_fork(sys.modules[__name__], "_RUNNING_ON_LOCK")  # a start() may hold it
 
 
 def _claim(d: Detector, engine: Lifecycle) -> None:
@@ -2011,10 +2014,8 @@ def _release(d: Detector, engine: Lifecycle) -> None:
 
 
 def _reset_engines_in_child() -> None:
-    global _RUNNING_ON_LOCK
     # Every engine forgets its detectors in the child (the threads stayed in the parent):
-    # so do the claims, and a lock a parent thread held would be held for ever here.
-    _RUNNING_ON_LOCK = threading.Lock()
+    # so do the claims.
     _RUNNING_ON.clear()
     for engine in list(_ENGINES):
         engine._after_fork_in_child()

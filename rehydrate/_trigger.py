@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ._contract import left_to_answer, own_pass_ended, own_pass_started
 from ._notify import timeout_value
+from ._threads import fresh_lock_after_fork
 from .detect.gvisor import (
     _OPEN_READ,
     _OPEN_WRITE,
@@ -361,6 +362,9 @@ class _DeadlineWatch:
         self._snap = snap
         self._waiter = waiter
         self._lock = threading.Lock()
+        # Its report listener stays on the engine in a child of fork(), where a restore
+        # run the snapshot deadline starts calls it: the trigger's thread may hold it then.
+        fresh_lock_after_fork(self)
         self._closed = False
         self._later: RestoreReport | None = None
         """A deadline run heard since the wait began that ended a later pass (a `notify

@@ -56,6 +56,7 @@ from ._context import RestoreContext
 from ._hooks import Phase
 from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._runner import _submit, is_blocked
+from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -199,6 +200,8 @@ class Connection:
         self.attempts = 0
         self.last_duration: float | None = None
         self._lock = threading.Lock()
+        # registered or not (unregistered, replaced): a helper's object may still use it
+        fresh_lock_after_fork(self)
         self._epoch = 0
         """Bumped by every reopen/close run: an abandoned attempt sees it is stale."""
         self.step: str | None = None
@@ -869,6 +872,10 @@ class _Opener:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # The child drops it from its connection (its thread is the parent's), but a thread
+        # that forks from a signal handler between reading ``conn._opener`` and stop()
+        # goes on to stop() it there.
+        fresh_lock_after_fork(self)
         self._stopped = False
         self._task: asyncio.Future[Any] | None = None
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -973,6 +980,7 @@ class ConnectionManager:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._conns: dict[str, Connection] = {}
         engine.builtins.register(self._before_snapshot, event="snapshot",
                                  phase=Phase.CONNECTIONS, name="rehydrate.connections",
@@ -989,10 +997,9 @@ class ConnectionManager:
         in the parent, so nothing here ever ends them. Forget them (``wait_background``
         waited, and every snapshot stalled, for them for good) and say what is true: the
         connection is not open (``failed``; the next restore reopens it, releasing what
-        it holds first). Fresh locks: a parent thread may have held one."""
-        self._lock = threading.Lock()
+        it holds first). Its lock and the connections' are new already
+        (:func:`~rehydrate._threads.fresh_lock_after_fork`)."""
         for conn in self._conns.values():
-            conn._lock = threading.Lock()
             conn._calls = set()
             conn._background = None
             conn._opener = None  # its thread stayed in the parent
@@ -2137,6 +2144,8 @@ class ManagedSocket:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        # a parent thread may hold it at fork() (a close, a connect putting its socket in)
+        fresh_lock_after_fork(self)
         self._closes = 0
         """Bumped by every close: a connect that a close overtook keeps no socket."""
         self._final = False

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._disable import is_disabled
 from ._hooks import Phase
+from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 _id_lock = threading.Lock()
+# a parent thread may hold it at fork() (a restore run renewing the ID, in os.urandom)
+fresh_lock_after_fork(sys.modules[__name__], "_id_lock")
 _instance_id = str(uuid.uuid4())
 _id_listeners: list[Callable[[str], None]] = []
 
@@ -102,19 +105,11 @@ def _notify(new: str) -> None:
             log.exception("instance_id listener %r failed", fn)
 
 
-_MANAGERS: weakref.WeakSet[EntropyManager] = weakref.WeakSet()
-"""Every entropy manager of this process, given a fresh lock in the child after fork()."""
-
-
 def _after_fork_in_child() -> None:
-    global _id_lock, _instance_id
-    # A parent thread may hold these locks at fork() (a restore run renewing the ID, in
-    # os.urandom): it does not exist in the child, whose entropy hook then timed out on
-    # every restore. The child is another process: it gets its own ID (os.urandom, one
-    # syscall) — pool workers reported the parent's as service.instance.id.
-    _id_lock = threading.Lock()
-    for m in list(_MANAGERS):
-        m._lock = threading.Lock()
+    global _instance_id
+    # The child is another process: it gets its own ID (os.urandom, one syscall) — pool
+    # workers reported the parent's as service.instance.id. (Its locks are new already:
+    # fresh_lock_after_fork's handler was registered before this one.)
     if is_disabled("entropy"):  # the kill switch keeps the ID, as on restore
         return
     _instance_id = str(uuid.uuid4())
@@ -234,12 +229,13 @@ class EntropyManager:
         self.enabled = True
         """False turns the whole phase into a no-op (as ``REHYDRATE_DISABLE=entropy``)."""
         self._lock = threading.Lock()
+        # a parent thread may hold it at fork(): the child's entropy hook timed out
+        fresh_lock_after_fork(self)
         self._objects: dict[object, tuple[str, _Ref]] = {}
         """Keyed by id() for generators, by the callable itself (bound methods compare
         equal) for callables."""
         self.last: list[str] = []
         """What the last run reseeded (names), for status and tests."""
-        _MANAGERS.add(self)
         engine.builtins.register(self._on_restore, phase=Phase.ENTROPY, order=-1_000_000,
                                  name="rehydrate.entropy", timeout=10.0)
         engine.add_status("entropy", lambda: {"enabled": self.active, "reseeded": self.last,

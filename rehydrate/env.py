@@ -24,6 +24,7 @@ from ._context import EnvChanges
 from ._contract import Probe
 from ._files import read_regular
 from ._hooks import BEFORE_USER_HOOKS, Phase
+from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
     from ._context import RestoreContext
@@ -245,6 +246,7 @@ class EnvRefresher:
         if self.read_timeout is not None:
             self.read_timeout = _config.seconds(self.read_timeout, "read_timeout")
         self._lock = threading.Lock()
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork() (a refresh)
         self._previous: set[bytes] | None = None
 
     def _protected(self, key: bytes) -> bool:

@@ -73,7 +73,7 @@ from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from ._hooks import Hook, Phase
-from ._threads import held_by_another_thread
+from ._threads import fresh_lock_after_fork, held_by_another_thread
 from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
 from .secrets import Secret, SecretError, SecretSource
@@ -481,6 +481,7 @@ class ManagedCertificate:
         self._manager = manager
         self._lock = threading.RLock()
         """Guards the handle's state (short holds)."""
+        fresh_lock_after_fork(self)  # kept for the forking thread's own hold (reentrant)
         self._renew_lock = threading.RLock()
         """Serialises read-validate-apply (restore hook, watcher, renew(), drop)."""
         self._material: Material | None = None
@@ -1506,7 +1507,7 @@ class TLSManager:
         ident of the thread doing it: another add of the name waits for it to finish."""
         self._idle = threading.Condition(self._lock)
         """Notified when a name leaves :attr:`_busy`."""
-        _MANAGERS.add(self)
+        fresh_lock_after_fork(self, "_lock", "_idle", after=_forget_others_busy)
 
         self.frozen = engine.snapshot_pending
         """True between the before-snapshot pass and the next restore/resume: private keys
@@ -1680,27 +1681,27 @@ class TLSManager:
 
 
 _HANDLES: weakref.WeakSet[ManagedCertificate] = weakref.WeakSet()
-_MANAGERS: weakref.WeakSet[TLSManager] = weakref.WeakSet()
-"""Every certificate handle and TLS manager of this process, for the fork handler."""
+"""Every certificate handle of this process, for the fork handler."""
+
+
+def _forget_others_busy(m: TLSManager) -> None:
+    """In a child of ``fork()``: another thread's add or close of a name is not going on
+    here (an add of that name would wait for it for ever); the forking thread's own
+    finishes as it unwinds."""
+    me = threading.get_ident()
+    m._busy = {n: owner for n, owner in m._busy.items() if owner == me}
 
 
 def _after_fork_in_child() -> None:
     # A parent thread renewing a certificate at fork() (an issuer's round trip, under the
     # renew lock) does not exist in the child: its restore hook timed out and renew()
     # blocked for ever. That renewal is abandoned here: the child keeps the material it
-    # had, and its next renewal or restore makes its own.
-    me = threading.get_ident()
-    for m in list(_MANAGERS):
-        m._lock = threading.Lock()  # short holds, never across a fork by the holder
-        m._idle = threading.Condition(m._lock)
-        # Another thread's add or close of a name is not going on here: an add of that
-        # name would wait for it for ever. The forking thread's own finishes as it unwinds.
-        m._busy = {n: owner for n, owner in m._busy.items() if owner == me}
+    # had, and its next renewal or restore makes its own. (Not through
+    # fresh_lock_after_fork: the abandoned renewal is recorded, so this must see which
+    # lock was held.)
     for cert in list(_HANDLES):
         # Not the forking thread's own hold (a renewal listener that forks): it is
         # released as the child unwinds.
-        if held_by_another_thread(cert._lock):
-            cert._lock = threading.RLock()
         if held_by_another_thread(cert._renew_lock):
             cert._renew_lock = threading.RLock()
             cert.last_error = "a renewal running at fork() was abandoned in this process"

@@ -833,3 +833,207 @@ def test_an_installed_gvisor_waiter_says_in_the_child_that_it_serves_the_parent(
         f"this gVisor waiter serves the parent process ({os.getpid()}); a child of fork() "
         "needs a GVisorDetector of its own (engine.install(GVisorDetector()))")}
     assert engine.detector("gvisor") is waiter and waiter.running
+
+
+def _lock_user(kind: str, engine: Lifecycle, tmp_path: Path) -> tuple[Any, Any, Any]:
+    """A lock a parent thread may hold at fork() (its getter), what a forked child does
+    that takes it, and what the parent does afterwards to clean up."""
+    from rehydrate import connections
+
+    def nothing() -> None:
+        pass
+
+    if kind == "unregistered-connection":
+        # a parent thread inside unregister() (retiring it, out of the manager already)
+        # while the forking thread runs its open: the open asks whether its run is live
+        conn = connections.register("db", open=lambda: None, engine=engine)
+        run = conn._epoch
+        connections.unregister("db", engine=engine)
+        return lambda: conn._lock, lambda: conn._live(run), nothing
+    if kind == "connection-manager":
+        connections.register("db", open=lambda: None, engine=engine)
+        return (lambda: connections.manager(engine)._lock,
+                lambda: connections.unregister("db", engine=engine), nothing)
+    if kind == "managed-socket":
+        sock = connections.ManagedSocket(("127.0.0.1", 9))
+        return lambda: sock._lock, sock.close, nothing
+    if kind == "opener":
+        from rehydrate.connections import _Opener
+
+        opener = _Opener()
+        return lambda: opener._lock, opener.stop, nothing
+    if kind == "deferring-detector":
+        from rehydrate.detect._util import DeferringDetector
+
+        class Idle(DeferringDetector):
+            """Idle: a generic detector that watches nothing."""
+
+            key = "idle-test"
+            grace = 0.0
+
+            def _loop(self, stop: threading.Event) -> None:
+                stop.wait()
+
+        idle = Idle()
+
+        def start_and_stop() -> bool:
+            idle.start(engine)
+            alive = idle._thread is not None and idle._thread.alive
+            idle.stop()
+            return alive
+
+        return lambda: idle._lock, start_and_stop, nothing
+    if kind == "signal-detector":
+        from rehydrate.detect.signal import SignalDetector
+
+        sig = SignalDetector("SIGUSR2")  # not running: its fork handler never saw it
+
+        def start_and_stop_signal() -> int:
+            sig.start(engine)
+            sig.stop()
+            return sig.received
+
+        return lambda: sig._lock, start_and_stop_signal, nothing
+    if kind == "vmclock-detector":
+        from rehydrate.detect.vmclock import VmClockDetector
+
+        vmclock = VmClockDetector(str(tmp_path / "vmclock"))
+        return lambda: vmclock._lock, vmclock.stop, nothing
+    if kind == "control-server":
+        import socket
+
+        from rehydrate.detect.control import ControlServer
+
+        # a server with a socket, but none bound and no thread: its stop() in the child
+        # leaves the parent alone (a started one's stop pokes the parent's)
+        server = ControlServer(engine, str(tmp_path / "ctl.sock"))
+        server._sock = socket.socket(socket.AF_UNIX)
+        return lambda: server._lock, server.stop, server._sock.close
+    if kind in ("trigger-deadline-watch", "gvisor-waiter"):
+        import dataclasses
+
+        from rehydrate._trigger import DEADLINE_REASON, _DeadlineWatch
+        from rehydrate.detect.gvisor import GVisorDetector
+
+        waiter = GVisorDetector(str(tmp_path)) if kind == "gvisor-waiter" else None
+        snap = engine.simulate_snapshot()
+        # a trigger waiting for gVisor's answer (with a running waiter, or reading it)
+        watch = _DeadlineWatch(engine, snap, waiter)
+        late = dataclasses.replace(snap, kind="restore", reason=DEADLINE_REASON)
+
+        def hear_the_deadline_run() -> bool:
+            watch._heard(late)  # what the child's snapshot deadline run tells it
+            return watch.gave_up("") is not None
+
+        held = (lambda: watch._lock) if waiter is None else (lambda: waiter._cond)
+        return held, hear_the_deadline_run, watch.close
+    if kind == "environment":
+        from rehydrate.env import EnvRefresher
+
+        refresher = EnvRefresher(path=None)  # not an engine's: no engine renewed it
+        return (lambda: refresher._lock,
+                lambda: refresher.refresh(overlay={"REHYDRATE_FORK_TEST": "1"}).added,
+                nothing)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["unregistered-connection", "connection-manager",
+                                  "managed-socket", "opener", "deferring-detector",
+                                  "signal-detector", "vmclock-detector", "control-server",
+                                  "trigger-deadline-watch", "gvisor-waiter",
+                                  "environment"])
+def test_a_child_forked_while_a_parent_thread_holds_a_detector_or_connection_lock_uses_it(
+        engine: Lifecycle, kind: str, tmp_path: Path) -> None:
+    """Renewed in the child only when a fork handler knew of them (a manager's registered
+    connections, a running signal detector): a connection out of its manager, a managed
+    socket, an open_now opener, the detectors' start()/stop() locks, the control server's,
+    a gVisor trigger's deadline watch and the waiter it notifies, and a standalone
+    environment refresher held by a parent thread at fork() were held for ever in the
+    child."""
+    lock, use, cleanup = _lock_user(kind, engine, tmp_path)
+    release, holder = _held_by_a_parent_thread(lock)
+    try:
+        out = in_forked_child(lambda: {"used": use()}, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+        cleanup()
+    assert out == {"used": {"unregistered-connection": False, "connection-manager": True,
+                            "managed-socket": None, "opener": None,
+                            "deferring-detector": True, "signal-detector": 0,
+                            "vmclock-detector": None, "control-server": None,
+                            "trigger-deadline-watch": True, "gvisor-waiter": True,
+                            "environment": ["REHYDRATE_FORK_TEST"]}[kind]}, out
+
+
+@pytest.mark.parametrize("which", ["state", "start", "extensions", "install", "claims",
+                                   "certificate"])
+def test_a_child_forked_while_a_parent_thread_holds_an_engine_lock_uses_it(
+        engine: Lifecycle, which: str) -> None:
+    """The engine's other locks, the detector claims' and a certificate handle's, held by a
+    parent thread at fork() (a start() or install() in progress, a state change, a
+    certificate's context being built): the child's state, start(), extension(),
+    install() and server_context() must not wait for them."""
+    from rehydrate import _lifecycle as lifecycle
+    from rehydrate import tls
+    from rehydrate.detect import Detector
+
+    class Tick(Detector):
+        """Tick: watches nothing."""
+
+        key = "tick"
+
+        def start(self, engine: object) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    cert = tls.self_signed("web", engine=engine)
+    lock = {"state": lambda: engine._cond, "start": lambda: engine._start_lock,
+            "extensions": lambda: engine._ext_lock, "install": lambda: engine._install_lock,
+            "claims": lambda: lifecycle._RUNNING_ON_LOCK,
+            "certificate": lambda: cert._lock}[which]
+
+    def use() -> Any:
+        if which == "state":
+            return engine.simulate_restore().ok and engine.is_ready()
+        if which == "start":
+            return engine.start("none")
+        if which == "extensions":
+            return engine.extension("fork-test", lambda e: "made")
+        if which == "install":
+            return engine.install(Tick())
+        if which == "claims":
+            return engine.start("none", extensions=[Tick()])
+        return cert.server_context() is not None
+
+    release, holder = _held_by_a_parent_thread(lock)
+    try:
+        out = in_forked_child(lambda: {"used": use()}, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"used": {"state": True, "start": [], "extensions": "made",
+                            "install": ["tick"], "claims": ["tick"],
+                            "certificate": True}[which]}, out
+
+
+def test_a_child_forked_while_a_parent_thread_registers_a_hook_rebuilds_the_hook_list() -> None:
+    """A parent thread stopped by the fork between adding a hook and bumping the
+    registry's version (under its lock): the child's lock is new, and its cached hook
+    list, which that version still matched, is dropped rather than served without the
+    hook."""
+    registry = Registry()
+    registry.after_restore(lambda: None, name="first")
+    assert [h.name for h in registry.hooks("restore")] == ["first"]  # cached
+    registry.after_restore(lambda: None, name="second")
+    registry._version -= 1  # what the stopped thread had not done yet
+    release, holder = _held_by_a_parent_thread(lambda: registry._lock)
+    try:
+        out = in_forked_child(
+            lambda: {"hooks": [h.name for h in registry.hooks("restore")]}, DEADLINE)
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+    assert out == {"hooks": ["first", "second"]}

@@ -26,6 +26,8 @@ import time
 import weakref
 from collections.abc import Callable
 
+from .._threads import fresh_lock_after_fork
+
 __all__ = ["KernelSleeper", "Sleeper", "open_sleeper"]
 
 log = logging.getLogger("rehydrate")
@@ -64,6 +66,10 @@ class KernelSleeper(Sleeper):
         self.period = period
         """Seconds between expirations after the deadline: the lateness resolution."""
         self._lock = threading.Lock()  # wake() against close()
+        # A parent thread may hold it at fork() (a stop() waking the sleep): the fork
+        # handler's close() below then hung the child inside fork(). Renewed first: that
+        # handler is registered after fresh_lock_after_fork's (imported above).
+        fresh_lock_after_fork(self)
         _OPEN.add(self)
 
     def sleep(self, seconds: float) -> float | None:

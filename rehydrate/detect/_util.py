@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .. import _config
 from .._contract import refuse_another_engine
+from .._threads import fresh_lock_after_fork
 from . import Detector
 
 if TYPE_CHECKING:
@@ -149,6 +150,9 @@ class DeferringDetector(Detector):
         self._thread: DetectorThread | None = None
         self._deferral = Deferral(self, self.grace)
         self._lock = threading.Lock()
+        # a parent thread may hold it at fork() (a start() or stop()): the child's start()
+        # of an installed instance waited for it for ever
+        fresh_lock_after_fork(self)
 
     def failure(self) -> str | None:
         return thread_failure(self._thread)

@@ -595,6 +595,8 @@ class _Reporter:
                  stop: threading.Event) -> None:
         self._report = report
         self._stop = stop
+        # Not renewed at fork(): only its two threads take it, and neither is in a child
+        # (a hook run here that forks must end that child with os._exit()).
         self._cond = threading.Condition()
         self._next: _Notice | None = None
         self._closed = False

@@ -98,7 +98,7 @@ from .._contract import Probe, own_pass_started, refuse_another_engine
 from .._notify import not_a_socket, timeout_value
 from .._runner import worst_case
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
-from .._threads import blocking
+from .._threads import blocking, fresh_lock_after_fork
 from . import Detector, probe_of
 
 if TYPE_CHECKING:
@@ -363,6 +363,9 @@ class ControlServer:
         self._stop_r = self._stop_w = -1
         self._stopping = False
         self._lock = threading.Lock()
+        # A parent thread (the accept loop, a client's) may hold it at fork(): stop() takes
+        # it, in a child too (an installed control detector the child stops itself).
+        fresh_lock_after_fork(self)
         self._conns: dict[socket.socket, list[float | None]] = {}
         """Open connections -> [time of their last request or of the accept, or inf while
         a request runs (the idlest one is closed when a new client needs its slot); the

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 from .. import _config
 from .._contract import Probe, refuse_another_engine
 from .._gvisor import running_under_gvisor
+from .._threads import fresh_lock_after_fork
 from . import Detector, probe_of
 
 if TYPE_CHECKING:
@@ -306,6 +307,9 @@ class GVisorDetector(Detector):
         self._stop_w = -1
         self._stopping = False
         self._cond = threading.Condition()
+        # A trigger's deadline watch, left listening on the engine in a child of fork(),
+        # notifies it there; the parent's waiter thread may hold it at the fork.
+        fresh_lock_after_fork(self, "_cond")
         self._armed = False
         self._armed_fd = -1
         """The armed descriptor (gVisor's file, not a FIFO stand-in), while armed."""

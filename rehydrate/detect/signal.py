@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
 from .._contract import Probe, refuse_another_engine
+from .._threads import fresh_lock_after_fork
 from . import Detector
 from ._util import checked_kind, env_kind
 
@@ -120,6 +121,9 @@ class SignalDetector(Detector):
         self._run: _Run | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # a parent thread may hold it at fork(), also while the detector is not running (a
+        # stop() after it was forgotten, a start() before it is): the child's start() hung
+        fresh_lock_after_fork(self)
 
     @classmethod
     def probe(cls) -> Probe:
@@ -194,7 +198,6 @@ class SignalDetector(Detector):
     def _after_fork_in_child(self) -> None:
         """In a child of ``fork()``: the worker stayed in the parent. Forget the run
         without touching the parent's (the pipe ends here are copies)."""
-        self._lock = threading.Lock()
         run, self._run, self._thread = self._run, None, None
         if run is None:
             return

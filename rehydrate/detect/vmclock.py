@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .. import _config
 from .._contract import Probe, refuse_another_engine
+from .._threads import fresh_lock_after_fork
 from . import Detector, probe_of
 from ._util import DEFAULT_WINDOW, DetectorThread, thread_failure
 
@@ -179,6 +180,9 @@ class VmClockDetector(Detector):
         self._wake_r: int | None = None
         self._wake_w: int | None = None
         self._lock = threading.Lock()
+        # a parent thread may hold it at fork() (a start() or stop()): the child's start()
+        # of an installed instance waited for it for ever
+        fresh_lock_after_fork(self)
 
     @classmethod
     def probe(cls) -> Probe:

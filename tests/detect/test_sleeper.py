@@ -145,3 +145,26 @@ def test_any_sleep_length_ends_and_none_is_refused_by_the_kernel(sleeper, second
         t.join(5.0)
         pytest.fail(f"sleep({seconds!r}) never ended by itself")
     assert len(outcome) == 1 and not isinstance(outcome[0], OSError), outcome
+
+
+def test_a_child_forked_while_a_parent_thread_wakes_the_timer_closes_it(sleeper):
+    """A parent thread inside wake() (a stop() ending the sleep) holds the lock the
+    child's fork handler closes the timer under: the child hung inside fork()."""
+    fd = sleeper._fd
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with sleeper._lock:
+            holding.set()
+            release.wait(10.0)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert holding.wait(10.0)
+    try:
+        out = in_forked_child(lambda: {"fd": sleeper._fd})
+    finally:
+        release.set()
+        holder.join(10.0)
+    assert out == {"fd": -1}
+    os.fstat(fd)  # the parent's stays open
