@@ -55,6 +55,7 @@ from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
 from ._loops import LoopClosed, LoopStopped
+from ._redact import redact
 from ._runner import _submit, is_blocked
 from .extensions import Probe, resolve_engine
 
@@ -141,7 +142,10 @@ def _is_async(fn: Callable[..., Any] | None) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    """``"Type: message"`` on one line: how a connection's error is shown (its
+    ``last_error`` in ``status()``, log lines, the restore's failure), without the value of
+    any managed secret (a header of its health check) the message quotes."""
+    text = " ".join(redact(str(exc)).split())
     if text.endswith("attached to a different loop"):
         # "Task <Task pending name=... coro=<...> cb=[...]> got Future <...> attached to a
         # different loop": hundreds of characters saying one thing
