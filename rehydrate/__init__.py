@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         HookResult,
         HookStillRunning,
         HookTimeout,
+        RedactedError,
         Report,
         RestoreContext,
         RestoreReport,
@@ -61,6 +62,7 @@ __all__ = [
     "HookTimeout",
     "Lifecycle",
     "Phase",
+    "RedactedError",
     "Registry",
     "Report",
     "RestoreContext",
@@ -117,7 +119,7 @@ _LAZY_NAMES = {
     # the control socket's client (docs/control-socket.md); light: no engine behind it
     **dict.fromkeys(("ControlError", "UntrustedSocket", "request"), "_notify"),
     **dict.fromkeys(("EnvChanges", "HookFailed", "HookResult", "HookStillRunning",
-                     "HookTimeout", "Report", "RestoreContext", "RestoreReport",
+                     "HookTimeout", "RedactedError", "Report", "RestoreContext", "RestoreReport",
                      "SnapshotReport"), "_context"),
 }
 

@@ -24,6 +24,7 @@ __all__ = [
     "HookTimeout",
     "Kind",
     "Outcome",
+    "RedactedError",
     "Report",
     "RestoreContext",
     "RestoreReport",
@@ -156,6 +157,36 @@ class HookStillRunning(RuntimeError):
         self.hook_name = name
 
 
+class RedactedError(Exception):
+    """A hook's error, in the report in place of the one it raised, whose text quoted the
+    value of a managed secret (a :class:`~rehydrate.secrets.Secret`, or what another
+    extension registered with :func:`~rehydrate.extensions.add_redactor`): its message
+    and notes with each such value replaced by ``[redacted secret 'name']``.
+
+    ``original_name`` and ``original_type`` name the type of the error raised (reports
+    and log lines show ``original_name`` where they show an error's type). The original
+    itself is not kept — neither as ``__cause__`` nor ``__context__``, nor its traceback:
+    formatting them would show the value again, and the traceback's frames hold the
+    hook's locals (the value among them) for as long as the report lives."""
+
+    def __init__(self, message: str, original: type[BaseException] | str = "Exception",
+                 original_type: str | None = None) -> None:
+        super().__init__(message)
+        if isinstance(original, type):
+            self.original_name = original.__name__
+            self.original_type = f"{original.__module__}.{original.__qualname__}"
+        else:
+            self.original_name = original
+            self.original_type = original_type or original
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.original_name, self.original_type),
+                self.__dict__)
+
+
 class HookFailed(_ExceptionGroup):  # type: ignore[type-arg,misc,unused-ignore]
     """All hook errors of one run, nested (an ``ExceptionGroup`` on 3.11+)."""
 
@@ -214,14 +245,15 @@ def describe_error(exc: BaseException | None) -> str | None:
     that is not printable escaped as :func:`~rehydrate._config.one_line` does: a message
     with a terminal escape sequence cannot recolour or rewrite an operator's terminal),
     ``"Type"`` when the message is empty, None for None: how reports and log lines show
-    an error."""
+    an error. A :class:`RedactedError` shows the type of the error it stands for."""
     if exc is None:
         return None
     try:
         text = " ".join(str(exc).split())
     except Exception:  # an exception class whose __str__ fails must not break a report
         text = "<its message could not be formatted>"
-    return one_line(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    name = exc.original_name if isinstance(exc, RedactedError) else type(exc).__name__
+    return one_line(f"{name}: {text}" if text else name)
 
 
 @dataclass(frozen=True)
@@ -328,7 +360,7 @@ class SnapshotReport(Report):
 
 
 # Users import these from ``rehydrate``: reprs, tracebacks and the API reference say so.
-for _public in (EnvChanges, HookFailed, HookResult, HookStillRunning, HookTimeout, Report,
-                RestoreContext, RestoreReport, SnapshotReport):
+for _public in (EnvChanges, HookFailed, HookResult, HookStillRunning, HookTimeout,
+                RedactedError, Report, RestoreContext, RestoreReport, SnapshotReport):
     _public.__module__ = "rehydrate"
 del _public

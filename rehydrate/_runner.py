@@ -41,6 +41,7 @@ from ._context import (
     describe_error,
 )
 from ._hooks import Hook
+from ._redact import redact_error
 from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
@@ -181,18 +182,23 @@ def _fn_key(fn: object) -> object:
 def _contain(exc: BaseException, name: str) -> Exception:
     """An ``Exception`` to report for ``exc`` (``SystemExit`` and friends get wrapped, so
     that they neither kill the engine's threads nor break the report's exception group; one
-    whose message cannot be formatted gets wrapped too: every report and log line shows it)."""
+    whose message cannot be formatted gets wrapped too: every report and log line shows it).
+
+    Every hook error is recorded through here, so this is where a managed secret's value
+    quoted in its text is redacted (:func:`~rehydrate._redact.redact_error`): once, before
+    the log line, the report, ``status()``, telemetry and readiness answers format it."""
     if isinstance(exc, Exception):
         try:
             str(exc)  # reports, logs and the exception group format it
-            return exc
         except Exception as broken:
             wrapped = RuntimeError(f"hook {name!r} raised {type(exc).__name__}, whose message "
                                    f"could not be formatted ({type(broken).__name__})")
+        else:
+            return redact_error(exc)
     else:
         wrapped = RuntimeError(f"hook {name!r} raised {type(exc).__name__}")
     wrapped.__cause__ = exc
-    return wrapped
+    return redact_error(wrapped)
 
 
 def _run_budget(ctx: RestoreContext) -> float | None:

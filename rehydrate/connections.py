@@ -55,8 +55,10 @@ from . import _backoff, _config, _dns
 from ._context import RestoreContext
 from ._hooks import Phase
 from ._loops import LoopClosed, LoopStopped, run_quietly
+from ._redact import redact
 from ._runner import _submit, is_blocked
 from ._threads import fresh_lock_after_fork
+from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -142,7 +144,10 @@ def _is_async(fn: Callable[..., Any] | None) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    """``"Type: message"`` on one line: how a connection's error is shown (its
+    ``last_error`` in ``status()``, log lines, the restore's failure), without the value of
+    any managed secret (a header of its health check) the message quotes."""
+    text = " ".join(redact(str(exc)).split())
     if text.endswith("attached to a different loop"):
         # "Task <Task pending name=... coro=<...> cb=[...]> got Future <...> attached to a
         # different loop": hundreds of characters saying one thing
@@ -1858,13 +1863,21 @@ def _prebuild(name: str, client: Any, check_url: str | None) -> None:
         return
     import httpx
 
+    # Shown without user info, query and fragment (a password, an api_key=...): the
+    # error reaches the application's log and its crash report.
+    url = check_url.decode("utf-8", "replace") if isinstance(check_url, bytes) else str(
+        check_url)
+    shown_url = without_credentials(url)
     try:
         request = client.build_request("GET", check_url)
     except (httpx.InvalidURL, httpx.UnsupportedProtocol, TypeError, ValueError) as exc:
-        raise ValueError(f"connection {name!r}: check_url {check_url!r} is not a usable "
-                         f"URL ({_describe(exc)})") from None
+        why = _describe(exc)
+        for quoted in {url, repr(url), repr(check_url)}:  # httpx's TypeError quotes it
+            why = why.replace(quoted, repr(shown_url))
+        raise ValueError(f"connection {name!r}: check_url {shown_url!r} is not a usable "
+                         f"URL ({why})") from None
     if not request.url.host:
-        raise ValueError(f"connection {name!r}: check_url {check_url!r} names no host "
+        raise ValueError(f"connection {name!r}: check_url {shown_url!r} names no host "
                          "(give the client a base_url, or an absolute URL)")
 
 

@@ -16,6 +16,9 @@ a rehydrate hook?), and the argument checks the built-in ones use, so that a bad
 is refused the same way everywhere: :func:`check_seconds` (with :data:`MAX_SECONDS`) and
 :func:`shown` (a caller's value in an error message); and :func:`fresh_lock_after_fork`
 for its locks (a child of ``fork()`` gets new ones where a parent thread may hold them).
+A manager that holds sensitive values registers a redactor with :func:`add_redactor`
+(the secrets manager does): every hook error, and what :func:`redact` is given, loses
+those values before it is logged, reported or served.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from . import _config, _hooks
 from ._config import MAX_SECONDS, shown
 from ._contract import DEFAULT_EXTENSIONS, Engine, Extension, Probe, load_extension
 from ._hooks import default_registry
+from ._redact import add_redactor, redact
 from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
@@ -40,12 +44,14 @@ __all__ = [
     "Engine",
     "Extension",
     "Probe",
+    "add_redactor",
     "check_seconds",
     "default_engine",
     "default_registry",
     "fresh_lock_after_fork",
     "in_hook",
     "load_extension",
+    "redact",
     "resolve_engine",
     "shown",
 ]

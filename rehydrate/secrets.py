@@ -29,6 +29,12 @@ when the source fails; when it succeeds after the restore hook failed, the proce
 ready again (``engine.recovered()`` with that hook's own record: a user hook that happens
 to share the name is not cleared by it).
 
+A hook error (or a connection's, or an upstream's answer an adapter quotes) whose text
+quotes the value of a loaded secret shows ``[redacted secret 'name']`` in its place, in
+logs, reports, ``status()``, telemetry and readiness answers: the manager registers its
+secrets with :func:`rehydrate.extensions.add_redactor`. Values shorter than 4 characters
+are not looked for.
+
 What rehydrate cannot wipe: values in ``os.environ`` and the process's C environment
 (``Secret.from_env`` reads from there — use ``from_file`` or ``from_callable`` for secrets
 that must stay out of the image), and any copy the application made.
@@ -54,8 +60,9 @@ from ._config import shown
 from ._disable import is_disabled
 from ._files import read_regular
 from ._hooks import Hook, Phase
+from ._redact import replace_forms, value_forms
 from ._threads import fresh_lock_after_fork
-from .extensions import Probe, resolve_engine
+from .extensions import Probe, add_redactor, resolve_engine
 
 if TYPE_CHECKING:
     from ._context import RestoreContext
@@ -109,6 +116,9 @@ class Secret:
     :meth:`from_file` or :meth:`from_callable`.
 
     ``strip``: remove one trailing newline (files and commands usually end with one).
+    Off by default: the value stays byte for byte what the source gave (a binary key
+    must), trailing newline included — pass ``strip=True`` for a text token sent in a
+    header or compared as a password.
     ``on_wiped``/``timeout``: what reading does while the value is wiped.
     ``required``: whether a failed reload after restore makes the process ``degraded``.
     """
@@ -413,6 +423,16 @@ class Secret:
         cm = self._local.__dict__["cms"].pop()
         cm.__exit__(None, None, None)
 
+    def _forms(self) -> set[str]:
+        """How an error message may quote the value (:func:`~rehydrate._redact.value_forms`);
+        none while it is wiped or closed. Made only when a text is redacted (a hook
+        failed): these are copies rehydrate cannot wipe, dropped right after."""
+        with self._cond:
+            if self._buf is None or self._closed:
+                return set()
+            value = bytes(self._buf)
+        return value_forms(value)
+
     def __repr__(self) -> str:
         state = "loaded" if self._buf is not None else "unavailable"
         return f"<Secret {self.name!r} source={self.source} {state}>"
@@ -627,6 +647,16 @@ class SecretsManager:
         fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._secrets: dict[int, weakref.ref[Secret]] = {}
         engine.add_status("secrets", self._status)
+        # Process-wide and held weakly: a hook of any engine may quote this engine's
+        # secrets, and the registration ends with this manager.
+        add_redactor(self._redact)
+
+    def _redact(self, text: str) -> str:
+        """``text`` with the value of every loaded secret of this manager replaced by
+        ``[redacted secret 'name']`` (the forms :func:`~rehydrate._redact.value_forms`
+        lists; a value shorter than 4 characters is left alone)."""
+        named = [(form, s.name) for s in self.secrets() for form in s._forms()]
+        return replace_forms(text, named) if named else text
 
     @property
     def active(self) -> bool:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _config
 from . import entropy as _entropy  # its fork handler first: see _new_id_in_child
-from ._context import HookResult, Report, RestoreContext
+from ._context import HookResult, Report, RestoreContext, describe_error
 from ._hooks import BEFORE_USER_HOOKS, Hook, Phase
 from ._threads import fresh_lock_after_fork
 from ._version import __version__
@@ -409,7 +409,9 @@ class Telemetry:
                 err = result.error
                 if err is not None:
                     span.record_exception(err)
-                desc = f"{type(err).__name__}: {err}" if err is not None else result.outcome
+                # describe_error: the one line reports and logs show, the type a
+                # RedactedError stands for included
+                desc = describe_error(err) if err is not None else result.outcome
                 span.set_status(Status(StatusCode.ERROR, desc))
             span.end()
         except Exception:  # telemetry must never break a hook run

@@ -19,7 +19,7 @@ import rehydrate
 
 PACKAGE_API = [
     "ControlError", "EnvChanges", "Hook", "HookFailed", "HookResult", "HookStillRunning",
-    "HookTimeout", "Lifecycle", "Phase", "Registry", "Report", "RestoreContext",
+    "HookTimeout", "Lifecycle", "Phase", "RedactedError", "Registry", "Report", "RestoreContext",
     "RestoreReport", "SnapshotReport", "Status", "UntrustedSocket", "__version__",
     "after_restore", "before_snapshot", "default_engine", "default_registry", "instance_id",
     "is_ready", "on_env_change", "request", "simulate_restore", "simulate_snapshot", "start",
@@ -28,8 +28,8 @@ PACKAGE_API = [
 
 EXTENSIONS_API = [
     "BEFORE_USER_HOOKS", "DEFAULT_EXTENSIONS", "Engine", "Extension", "MAX_SECONDS", "Probe",
-    "check_seconds", "default_engine", "default_registry", "fresh_lock_after_fork", "in_hook",
-    "load_extension", "resolve_engine", "shown",
+    "add_redactor", "check_seconds", "default_engine", "default_registry",
+    "fresh_lock_after_fork", "in_hook", "load_extension", "redact", "resolve_engine", "shown",
 ]
 
 # Modules the docs tell users to import; each declares its public names in __all__.

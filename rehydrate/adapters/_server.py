@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import httpx
 
-from .. import Phase
+from .. import Phase, extensions
 from ..extensions import Probe, check_seconds, fresh_lock_after_fork, resolve_engine
 from . import _bodies
 
@@ -205,11 +205,14 @@ def _redact_url(match: re.Match[str]) -> str:
 
 
 def redact(text: str, secrets: Iterable[str] = (), *, patterns: bool = True) -> str:
-    """``text`` without ``secrets`` (the adapter's own key, verbatim) nor what looks like
-    a credential: ``Bearer <token>``, ``Authorization: …``, user info and query values of
-    URLs. For anything a server answered that ends up in a log, a status or an error: a
-    gateway that echoes the request (its ``Authorization`` header in a 401 body) would
-    otherwise publish the adapter's key. ``patterns=False``: only ``secrets``."""
+    """``text`` without ``secrets`` (the adapter's own key, verbatim), the values of the
+    managed secrets (:func:`rehydrate.extensions.redact`: the mechanism hook errors go
+    through) nor what looks like a credential: ``Bearer <token>``, ``Authorization: …``,
+    user info and query values of URLs. For anything a server answered that ends up in a
+    log, a status or an error: a gateway that echoes the request (its ``Authorization``
+    header in a 401 body) would otherwise publish the adapter's key. ``patterns=False``:
+    only ``secrets`` and the managed secrets."""
+    text = extensions.redact(text)
     for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
     if not patterns:

@@ -1386,6 +1386,23 @@ def test_an_http_check_url_naming_no_host_is_refused_at_registration(rehydrate_e
     ok.close()
 
 
+@pytest.mark.parametrize(("check_url", "shown"), [
+    ("/health?token=SECRETMARKER-T", "check_url '/health' names no host"),
+    ("http://u:SECRETMARKER-P@[::1/h?token=SECRETMARKER-T",
+     "check_url '<unparsable URL>' is not a usable URL (InvalidURL: "),
+    (b"http://u:SECRETMARKER-P@h/h?token=SECRETMARKER-T",
+     "check_url 'http://h/h' is not a usable URL (TypeError: "),
+])
+def test_a_refused_check_url_is_shown_without_credentials(rehydrate_engine, check_url, shown):
+    """The refusal quoted the whole check_url: its password and query values went into
+    the application's log and crash report."""
+    for helper in (connections.httpx_client, connections.httpx_async_client):
+        with pytest.raises(ValueError) as info:
+            helper("api", check_url=check_url, engine=rehydrate_engine)
+        assert shown in str(info.value)
+        assert "SECRETMARKER" not in str(info.value)
+
+
 def test_replacing_a_grpc_channel_closes_the_one_it_replaces(rehydrate_engine):
     """After grpc_channel(name, ..., replace=True) the first ManagedChannel went on
     working unmanaged: not closed before a snapshot, never given a new channel after a
