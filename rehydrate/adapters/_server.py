@@ -278,7 +278,9 @@ class ServerAdapter:
     one before-snapshot and one after-restore hook.
 
     An adapter is an :class:`~rehydrate.extensions.Extension`:
-    ``Lifecycle(extensions=[VLLMAdapter(url)])`` installs it unless :meth:`probe` finds a
+    ``rehydrate.start(extensions=[VLLMAdapter(url)])`` (or, in an engine of one's own,
+    ``Lifecycle(extensions=[*DEFAULT_EXTENSIONS, VLLMAdapter(url)])``: a list replaces the
+    defaults) installs it unless :meth:`probe` finds a
     server that answers and cannot serve it (then a ``WARNING`` says why); a server that
     does not answer *yet* (still loading its model) is no reason to skip it: the adapter
     is installed, and its hooks fail with the server's reason if it still does not answer

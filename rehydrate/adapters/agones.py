@@ -4,7 +4,8 @@
 ``AGONES_SDK_HTTP_PORT``, default 9358) with httpx, from one background thread running an
 asyncio loop of its own, so the game's loop (or lack of one) never delays a health ping.
 
-* ``install()`` (or ``Lifecycle(extensions=[adapter])``) registers the hooks and starts
+* ``install()`` (or ``rehydrate.start(extensions=[adapter])``; in an engine of one's own
+  ``Lifecycle(extensions=[*DEFAULT_EXTENSIONS, adapter])``) registers the hooks and starts
   the health loop (``POST /health`` every ``health_interval`` seconds) and the watch loop
   (``GET /watch/gameserver``, NDJSON).
 * Before a snapshot (hook ``rehydrate.agones.pause``, ``CONNECTIONS`` phase): both loops
