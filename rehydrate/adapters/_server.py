@@ -151,17 +151,23 @@ async def within(aw: Awaitable[T], seconds: float, what: str) -> T:
     try:
         done, _ = await asyncio.wait({task}, timeout=seconds)
     except BaseException:  # the caller was cancelled (a hook timeout): so is the call
-        _abandon(task)
+        abandon(task)
         raise
     if not done:
-        _abandon(task)
+        abandon(task)
         raise ServerError(what)
     return task.result()
 
 
-def _abandon(task: asyncio.Future[Any]) -> None:
+def abandon(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and collect its outcome whenever it comes (else asyncio logs "Task
-    exception was never retrieved" for a request that failed as its client closed)."""
+    exception was never retrieved" for a request that failed as its client closed). One
+    that is done already — it failed in the very step its waiter was cancelled — is
+    collected now: its loop may be stopped before a callback would run."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()
+        return
     task.cancel()
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 

@@ -57,6 +57,7 @@ from rehydrate.extensions import (
 
 from . import _bodies
 from ._readiness import reason_of
+from ._server import abandon
 
 if TYPE_CHECKING:
     from rehydrate import Report, RestoreContext
@@ -519,10 +520,14 @@ class AgonesAdapter:
         send = asyncio.ensure_future(client.send(request, stream=True))
         try:
             done, _ = await asyncio.wait({send}, timeout=self.request_timeout)
-        finally:
-            if not send.done():
-                send.cancel()
+        except BaseException:
+            # Stopped (close(), the before-snapshot pause) maybe in the very step the
+            # request failed (a sidecar down): its error, never read, was logged at ERROR
+            # with a long httpx traceback ("Task exception was never retrieved").
+            abandon(send)
+            raise
         if not done:
+            abandon(send)
             raise AgonesError(f"GET /watch/gameserver: no answer within "
                               f"{self.request_timeout:g}s")
         return send.result()
