@@ -643,3 +643,21 @@ def test_check_seconds_and_shown_refuse_a_bad_argument_in_one_bounded_line() -> 
     assert shown(10**5000) == "1e+5000"
     assert shown("x" * 100) == repr("x" * 100)[:57] + "..."
     assert shown([10**5000]) == "[1e+5000]"
+
+
+@pytest.mark.parametrize("bad", [
+    rehydrate.extensions.default_engine, rehydrate, Lifecycle, Registry(), "engine", 0],
+    ids=["default_engine-function", "module", "class", "registry", "str", "int"])
+def test_resolve_engine_refuses_what_is_no_engine_in_one_line(bad):
+    """resolve_engine() accepted anything: passed on, it failed later inside an extension
+    with an AttributeError naming nothing the caller wrote."""
+    from rehydrate.extensions import shown
+
+    with pytest.raises(TypeError) as exc:
+        resolve_engine(bad)
+    message = str(exc.value)
+    assert message.startswith("engine must be a rehydrate engine (a rehydrate.Lifecycle, "
+                              "e.g. rehydrate.default_engine) or None, not ")
+    assert shown(bad) in message and "\n" not in message
+    said = "rehydrate.extensions.default_engine is the function that returns it: call it"
+    assert (said in message) == (bad is rehydrate.extensions.default_engine)

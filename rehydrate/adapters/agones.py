@@ -382,13 +382,15 @@ class AgonesAdapter:
     def install(self, engine: Engine | None = None) -> None:
         """Register the hooks in the engine and start the health and watch loops
         (idempotent)."""
+        # before anything is marked: a wrong engine= (TypeError) left the adapter
+        # "installed", and every later install() a silent no-op
+        eng = resolve_engine(engine if engine is not None else self._engine_arg)
         with self._lock:
             if self._closed:
                 raise RuntimeError("AgonesAdapter is closed")
             if self._installed:
                 return
             self._installed = True
-        eng = resolve_engine(engine if engine is not None else self._engine_arg)
         self.engine = eng
         b = eng.builtins
         timeout = self.deadline + 10.0

@@ -128,10 +128,14 @@ class UdpEndpoint:
         if self.transport is not None and not self.transport.is_closing():
             raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
                                f"{self.address}")
+        # before binding: a wrong engine= (TypeError) left a socket bound and no restore
+        # hook, and the next start() said "already started"
+        engine = (self._engine if self._engine is not None
+                  else resolve_engine(self._engine_arg))
         self._closed = False
         await self._bind()
         if self._hook is None:
-            engine = self._engine = resolve_engine(self._engine_arg)
+            self._engine = engine
             ref = weakref.ref(self)
 
             def check_udp_socket() -> None:
