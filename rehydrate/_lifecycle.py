@@ -209,11 +209,16 @@ class Lifecycle:
 
     ``extensions``: what to install, as :class:`~rehydrate.extensions.Extension` objects or
     dotted names (default: :data:`~rehydrate.extensions.DEFAULT_EXTENSIONS`; with
-    ``builtins=False``, none). An extension whose probe says it is not usable here is
-    skipped with one log line (``WARNING`` when it was listed explicitly, ``INFO`` for a
-    default); one that fails to load or install raises when it was asked for explicitly
-    and is logged when it is a default. :meth:`install` adds extensions later (to the
-    process-wide engine too: ``rehydrate.start(extensions=[...])``).
+    ``builtins=False``, none). A list *replaces* the defaults — unlike
+    ``rehydrate.start(extensions=[...])``, which adds to the process-wide engine's: list
+    them too (``extensions=[*DEFAULT_EXTENSIONS, adapter]``) or call :meth:`install` on a
+    ``Lifecycle()``. A non-empty list that leaves defaults out is logged once at ``INFO``
+    naming them, unless ``builtins=False`` says none is wanted. An extension whose probe
+    says it is not usable here is skipped with one log line (``WARNING`` when it was
+    listed explicitly, ``INFO`` for a default); one that fails to load or install raises
+    when it was asked for explicitly and is logged when it is a default. :meth:`install`
+    adds extensions later (to the process-wide engine too:
+    ``rehydrate.start(extensions=[...])``).
     """
 
     def __init__(
@@ -329,7 +334,11 @@ class Lifecycle:
         # a lambda: close() replaces the runner
         self._extra_status["hung_hooks"] = lambda: self._runner.hung_hooks()  # noqa: PLW0108
         if extensions is not None:
-            self._install_extensions(extensions, explicit=True)
+            extensions = list(extensions)  # read twice: an iterator would be spent
+            listed: set[str] = set()
+            self._install_extensions(extensions, explicit=True, listed=listed)
+            if extensions and builtins:
+                self._say_defaults_left_out(listed)
         elif builtins:
             self._install_extensions(DEFAULT_EXTENSIONS, explicit=False)
         # What the environment file holds now: a later refresh removes keys it drops,
@@ -374,7 +383,7 @@ class Lifecycle:
     # -- built-ins -------------------------------------------------------------------
 
     def _install_extensions(self, specs: Iterable[str | Extension], *,
-                            explicit: bool) -> None:
+                            explicit: bool, listed: set[str] | None = None) -> None:
         from . import detect
 
         for spec in specs:
@@ -384,6 +393,8 @@ class Lifecycle:
                 if not isinstance(key, str) or not key:
                     raise TypeError(f"extension {_config.shown(spec)}: key must be a "
                                     f"non-empty str, not {_config.shown(key)}")
+                if listed is not None:
+                    listed.add(key)
                 prev = self._installed_from.get(key)
                 if key in self.installed and (prev is spec or prev is ext or (
                         isinstance(prev, str) and prev == spec)):
@@ -417,6 +428,27 @@ class Lifecycle:
                 continue
             self.installed.append(ext.key)
             self._installed_from[ext.key] = spec
+
+    @staticmethod
+    def _say_defaults_left_out(listed: set[str]) -> None:
+        """One INFO line naming the default extensions an explicit ``extensions=`` list
+        left out. The list replaces the defaults, and an adapter listed alone read like
+        ``start(extensions=[adapter])``, which adds to them: a clone then kept
+        its parent's PRNG state and environment without a word. ``extensions=[]`` and
+        ``builtins=False`` say no default is wanted, and say nothing."""
+        if not log.isEnabledFor(logging.INFO):
+            return  # naming them means importing the modules the list left out
+        keys = []
+        for spec in DEFAULT_EXTENSIONS:
+            try:
+                keys.append(load_extension(spec).key)
+            except Exception:  # a default that cannot load is named as it is listed
+                keys.append(spec)
+        missing = [k for k in keys if k not in listed]
+        if missing:
+            log.info("Lifecycle(extensions=[...]) installs only the extensions listed, not "
+                     "the default ones %s (add them: extensions=[*DEFAULT_EXTENSIONS, ...]; "
+                     "builtins=False says none is wanted)", ", ".join(missing))
 
     def install(self, *extensions: str | Extension) -> list[str]:
         """Install ``extensions`` (objects or dotted names) in this engine now, as

@@ -13,13 +13,11 @@ a secret another engine manages.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from urllib.parse import quote, quote_plus
 
 from ._context import RedactedError
 from ._threads import fresh_lock_after_fork
@@ -169,6 +167,11 @@ def value_forms(value: bytes) -> set[str]:
     forms: set[str] = set()
     if len(value.strip()) < MIN_REDACTED_LENGTH:
         return forms
+    # here, not at import: the runner imports this module, and `import rehydrate` +
+    # start() load nothing a secret-free process does not use
+    import json
+    from urllib.parse import quote, quote_plus
+
     for base in {value, value.strip()}:
         forms.update(_bytes_inner(base, q) for q in "'\"")
         try:

@@ -88,8 +88,23 @@ def default_engine() -> Lifecycle:
 
 
 def resolve_engine(engine: Engine | None) -> Engine:
-    """``engine``, or the default engine when it is ``None`` (every manager's ``engine=``)."""
-    return engine if engine is not None else default_engine()
+    """``engine``, or the default engine when it is ``None`` (every manager's ``engine=``).
+
+    Anything else that is no engine is a one-line ``TypeError`` naming it: passed on, it
+    failed later with an ``AttributeError`` from inside the extension (``'function'
+    object has no attribute 'builtins'`` for :func:`default_engine` given uncalled)."""
+    if engine is None:
+        return default_engine()
+    given: object = engine  # typed as an Engine, but a caller's value may be anything
+    # What every extension reaches for first; a class has them only as methods, if at all.
+    if isinstance(given, type) or not all(
+            hasattr(given, name) for name in ("builtins", "registry", "extension")):
+        hint = (" (rehydrate.extensions.default_engine is the function that returns it: "
+                "call it, or pass rehydrate.default_engine)" if given is default_engine
+                else "")
+        raise TypeError(f"engine must be a rehydrate engine (a rehydrate.Lifecycle, e.g. "
+                        f"rehydrate.default_engine) or None, not {shown(given)}{hint}")
+    return engine
 
 
 def check_seconds(value: object, what: str, *, zero_ok: bool = False) -> float:

@@ -400,3 +400,34 @@ def test_status_fields_the_docs_subscript_exist_and_subscripting_works() -> None
             status["detector_errors"]  # published only while a detector failed to start
     finally:
         engine.close()
+
+
+def test_the_save_budget_the_docs_advise_is_the_one_the_process_announces() -> None:
+    """docs/inference.md advised a platform limit of "drain plus sleep" (150 s); a failed
+    pass also runs the resume hooks before ``notify save`` answers, and the process
+    announces both (docs/control-socket.md): the number shown is that budget, and the
+    advised 6 minutes cover it plus ``notify``'s margin."""
+    from rehydrate import Lifecycle, Registry
+    from rehydrate._notify import BUDGET_MARGIN
+    from rehydrate._runner import worst_case
+    from rehydrate.adapters.asgi import ReadinessGate
+    from rehydrate.adapters.vllm import VLLMAdapter
+
+    async def app(scope: object, receive: object, send: object) -> None: ...
+
+    engine = Lifecycle(Registry())
+    try:
+        ReadinessGate(app, engine=engine)  # drain_timeout 30
+        VLLMAdapter("http://127.0.0.1:1").install(engine)  # deadline 120
+        # what the control socket's budget line says (detect/control.py, _budget_notice)
+        budget = sum(worst_case([*engine.registry.hooks(e), *engine.builtins.hooks(e)])
+                     for e in ("snapshot", "restore"))
+    finally:
+        engine.close()
+    inference = " ".join((ROOT / "docs" / "inference.md").read_text().split())
+    assert (f"{budget:g} s for the gate, a vLLM adapter and the default extensions"
+            in inference)
+    assert "(here 6 minutes:" in inference and budget + BUDGET_MARGIN <= 360
+    runsc = " ".join((ROOT / "docs" / "platforms" / "runsc.md").read_text().split())
+    assert f"that is {budget:g} s (`notify save` waits {budget + BUDGET_MARGIN:g} s)" in runsc
+    assert "save-restore-exec-timeout=6m" in runsc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -373,6 +374,86 @@ def test_an_unusable_extension_listed_explicitly_is_a_warning_a_default_one_info
         engine.close()
 
 
+_LEFT_OUT = "installs only the extensions listed"
+
+
+def _left_out_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if _LEFT_OUT in r.getMessage()]
+
+
+def test_an_explicit_list_that_leaves_the_defaults_out_says_so_at_info(caplog):
+    """``Lifecycle(extensions=[adapter])`` read like ``start(extensions=[adapter])``, which
+    adds to the defaults; it replaces them, and a clone kept its parent's PRNG state and
+    environment without a word."""
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        engine = _engine(extensions=[Recorder()])
+    try:
+        assert engine.installed == ["recorder"]  # the pinned semantics: the list replaces
+        [line] = _left_out_lines(caplog)
+        assert line.levelno == logging.INFO
+        assert ("not the default ones env, entropy, telemetry, fingerprint, files"
+                in line.getMessage())
+        assert "extensions=[*DEFAULT_EXTENSIONS, ...]" in line.getMessage()
+    finally:
+        engine.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        engine = _engine(extensions=iter(["rehydrate.env", Recorder()]))
+    try:
+        assert engine.installed == ["env", "recorder"]
+        [line] = _left_out_lines(caplog)
+        assert "the default ones entropy, telemetry, fingerprint, files (" in line.getMessage()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kw", [
+    {"extensions": []},  # a deliberate "nothing"
+    {"extensions": [Recorder()], "builtins": False},  # said so
+    {"extensions": [*DEFAULT_EXTENSIONS, Recorder()]},  # the documented spelling
+])
+def test_an_explicit_list_that_opts_out_or_keeps_the_defaults_says_nothing(caplog, kw):
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        engine = _engine(**kw)
+    try:
+        assert _left_out_lines(caplog) == []
+    finally:
+        engine.close()
+
+
+def test_both_documented_spellings_of_an_engine_with_an_adapter_keep_the_defaults():
+    """docs/game-servers.md and docs/inference.md: an engine of one's own with an adapter
+    is ``Lifecycle(extensions=[*DEFAULT_EXTENSIONS, adapter])`` or ``Lifecycle()`` then
+    ``install(adapter)``; either reseeds the PRNG and refreshes the environment."""
+    listed = _engine(extensions=[*DEFAULT_EXTENSIONS, Recorder()])
+    added = _engine()
+    try:
+        assert added.install(Recorder()) == ["recorder"]
+        for engine in (listed, added):
+            assert engine.installed == [*(load_extension(n).key for n in DEFAULT_EXTENSIONS),
+                                        "recorder"]
+            names = [h.name for h in engine.simulate_restore().hooks]
+            assert {"rehydrate.env", "rehydrate.entropy", "test.recorder"} <= set(names)
+    finally:
+        listed.close()
+        added.close()
+
+
+def test_every_lifecycle_with_extensions_the_docs_show_keeps_the_defaults():
+    """A ``Lifecycle(extensions=[adapter])`` shown in the docs or a docstring as the way
+    to an engine with an adapter dropped the environment refresh, the reseeding, … ; one
+    that names a concrete extension lists ``*DEFAULT_EXTENSIONS`` first."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *(root / "docs").rglob("*.md"),
+             *(root / "examples").rglob("*.md"), *(root / "rehydrate").rglob("*.py")]
+    shown = re.compile(r"Lifecycle\([^\n)]*?extensions=\[\s*([^\]\n]*)")
+    bad = [f"{page.relative_to(root)}: {m.group(0)}"
+           for page in pages for m in shown.finditer(page.read_text())
+           if m.group(1).strip() not in ("", "...", "…")
+           and not m.group(1).lstrip().startswith("*DEFAULT_EXTENSIONS")]
+    assert bad == [], "\n".join(bad)
+
+
 def test_install_adds_extensions_to_a_running_engine_with_the_probe_honoured(caplog):
     engine = _engine(builtins=False)
     try:
@@ -562,3 +643,21 @@ def test_check_seconds_and_shown_refuse_a_bad_argument_in_one_bounded_line() -> 
     assert shown(10**5000) == "1e+5000"
     assert shown("x" * 100) == repr("x" * 100)[:57] + "..."
     assert shown([10**5000]) == "[1e+5000]"
+
+
+@pytest.mark.parametrize("bad", [
+    rehydrate.extensions.default_engine, rehydrate, Lifecycle, Registry(), "engine", 0],
+    ids=["default_engine-function", "module", "class", "registry", "str", "int"])
+def test_resolve_engine_refuses_what_is_no_engine_in_one_line(bad):
+    """resolve_engine() accepted anything: passed on, it failed later inside an extension
+    with an AttributeError naming nothing the caller wrote."""
+    from rehydrate.extensions import shown
+
+    with pytest.raises(TypeError) as exc:
+        resolve_engine(bad)
+    message = str(exc.value)
+    assert message.startswith("engine must be a rehydrate engine (a rehydrate.Lifecycle, "
+                              "e.g. rehydrate.default_engine) or None, not ")
+    assert shown(bad) in message and "\n" not in message
+    said = "rehydrate.extensions.default_engine is the function that returns it: call it"
+    assert (said in message) == (bad is rehydrate.extensions.default_engine)

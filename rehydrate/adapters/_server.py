@@ -151,17 +151,23 @@ async def within(aw: Awaitable[T], seconds: float, what: str) -> T:
     try:
         done, _ = await asyncio.wait({task}, timeout=seconds)
     except BaseException:  # the caller was cancelled (a hook timeout): so is the call
-        _abandon(task)
+        abandon(task)
         raise
     if not done:
-        _abandon(task)
+        abandon(task)
         raise ServerError(what)
     return task.result()
 
 
-def _abandon(task: asyncio.Future[Any]) -> None:
+def abandon(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and collect its outcome whenever it comes (else asyncio logs "Task
-    exception was never retrieved" for a request that failed as its client closed)."""
+    exception was never retrieved" for a request that failed as its client closed). One
+    that is done already — it failed in the very step its waiter was cancelled — is
+    collected now: its loop may be stopped before a callback would run."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()
+        return
     task.cancel()
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -281,7 +287,9 @@ class ServerAdapter:
     one before-snapshot and one after-restore hook.
 
     An adapter is an :class:`~rehydrate.extensions.Extension`:
-    ``Lifecycle(extensions=[VLLMAdapter(url)])`` installs it unless :meth:`probe` finds a
+    ``rehydrate.start(extensions=[VLLMAdapter(url)])`` (or, in an engine of one's own,
+    ``Lifecycle(extensions=[*DEFAULT_EXTENSIONS, VLLMAdapter(url)])``: a list replaces the
+    defaults) installs it unless :meth:`probe` finds a
     server that answers and cannot serve it (then a ``WARNING`` says why); a server that
     does not answer *yet* (still loading its model) is no reason to skip it: the adapter
     is installed, and its hooks fail with the server's reason if it still does not answer

@@ -4,7 +4,8 @@
 ``AGONES_SDK_HTTP_PORT``, default 9358) with httpx, from one background thread running an
 asyncio loop of its own, so the game's loop (or lack of one) never delays a health ping.
 
-* ``install()`` (or ``Lifecycle(extensions=[adapter])``) registers the hooks and starts
+* ``install()`` (or ``rehydrate.start(extensions=[adapter])``; in an engine of one's own
+  ``Lifecycle(extensions=[*DEFAULT_EXTENSIONS, adapter])``) registers the hooks and starts
   the health loop (``POST /health`` every ``health_interval`` seconds) and the watch loop
   (``GET /watch/gameserver``, NDJSON).
 * Before a snapshot (hook ``rehydrate.agones.pause``, ``CONNECTIONS`` phase): both loops
@@ -56,6 +57,7 @@ from rehydrate.extensions import (
 
 from . import _bodies
 from ._readiness import reason_of
+from ._server import abandon
 
 if TYPE_CHECKING:
     from rehydrate import Report, RestoreContext
@@ -380,13 +382,15 @@ class AgonesAdapter:
     def install(self, engine: Engine | None = None) -> None:
         """Register the hooks in the engine and start the health and watch loops
         (idempotent)."""
+        # before anything is marked: a wrong engine= (TypeError) left the adapter
+        # "installed", and every later install() a silent no-op
+        eng = resolve_engine(engine if engine is not None else self._engine_arg)
         with self._lock:
             if self._closed:
                 raise RuntimeError("AgonesAdapter is closed")
             if self._installed:
                 return
             self._installed = True
-        eng = resolve_engine(engine if engine is not None else self._engine_arg)
         self.engine = eng
         b = eng.builtins
         timeout = self.deadline + 10.0
@@ -518,10 +522,14 @@ class AgonesAdapter:
         send = asyncio.ensure_future(client.send(request, stream=True))
         try:
             done, _ = await asyncio.wait({send}, timeout=self.request_timeout)
-        finally:
-            if not send.done():
-                send.cancel()
+        except BaseException:
+            # Stopped (close(), the before-snapshot pause) maybe in the very step the
+            # request failed (a sidecar down): its error, never read, was logged at ERROR
+            # with a long httpx traceback ("Task exception was never retrieved").
+            abandon(send)
+            raise
         if not done:
+            abandon(send)
             raise AgonesError(f"GET /watch/gameserver: no answer within "
                               f"{self.request_timeout:g}s")
         return send.result()

@@ -45,10 +45,16 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import Phase
-from ..extensions import MAX_SECONDS, check_seconds, fresh_lock_after_fork, shown
+from ..extensions import (
+    MAX_SECONDS,
+    check_seconds,
+    fresh_lock_after_fork,
+    resolve_engine,
+    shown,
+)
 from ._readiness import public_status, readiness
 
 if TYPE_CHECKING:
@@ -276,11 +282,9 @@ class ReadinessGate:
                             f"{shown(status_detail)}")
         self.app = app
         self.status_detail = status_detail
-        if engine is None:
-            from ..extensions import default_engine
-
-            engine = default_engine()
-        self.engine = engine
+        # resolved here: something else given as engine= (the function default_engine,
+        # not its result) failed below with an AttributeError naming nothing
+        self.engine = cast("Lifecycle", resolve_engine(engine))
         self.retry_after = retry_after
         self.exempt = exempt
         self.lifespan = lifespan

@@ -70,7 +70,8 @@ class UdpEndpoint:
 
     ``await endpoint.start()`` binds it on the running loop and registers the restore
     hook with ``engine`` (default: the process-wide engine). ``check()`` probes it,
-    ``ensure()`` probes and re-binds when dead, ``close()`` closes it.
+    ``ensure()`` probes and re-binds when dead (both ``RuntimeError`` before ``start()``),
+    ``close()`` closes it.
     """
 
     def __init__(
@@ -128,10 +129,14 @@ class UdpEndpoint:
         if self.transport is not None and not self.transport.is_closing():
             raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
                                f"{self.address}")
+        # before binding: a wrong engine= (TypeError) left a socket bound and no restore
+        # hook, and the next start() said "already started"
+        engine = (self._engine if self._engine is not None
+                  else resolve_engine(self._engine_arg))
         self._closed = False
         await self._bind()
         if self._hook is None:
-            engine = self._engine = resolve_engine(self._engine_arg)
+            self._engine = engine
             ref = weakref.ref(self)
 
             def check_udp_socket() -> None:
@@ -188,9 +193,11 @@ class UdpEndpoint:
 
     async def check(self) -> bool:
         """True when a datagram sent to the socket's address arrives within
-        ``probe_timeout``."""
+        ``probe_timeout`` (False once closed). ``RuntimeError`` before :meth:`start`."""
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None:
+            raise self._not_started("check")
+        if transport.is_closing():
             return False
         try:
             host, port = self.address
@@ -216,7 +223,11 @@ class UdpEndpoint:
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.
         Raises ``OSError`` when binding again fails too (the hook then fails, and the
-        process is not ready)."""
+        process is not ready), ``RuntimeError`` before :meth:`start`."""
+        if self.transport is None:
+            # It bound the socket itself, with no restore hook, and start() then said
+            # "already started": the endpoint was never checked after a restore.
+            raise self._not_started("ensure")
         if await self.check():
             return False
         old = self.transport
@@ -236,6 +247,10 @@ class UdpEndpoint:
         self.rebinds += 1
         log.info("UDP socket %s bound again at %s", self.name, self.address)
         return True
+
+    def _not_started(self, what: str) -> RuntimeError:
+        return RuntimeError(f"UDP endpoint {self.name!r} is not started: await start() "
+                            f"before {what}()")
 
     def close(self) -> None:
         """Close the socket (the protocol's ``connection_lost`` is called); restores no

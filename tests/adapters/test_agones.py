@@ -911,3 +911,38 @@ def test_ready_and_a_label_the_sidecar_refused_are_not_remembered(sidecar, adapt
     adapter.gameserver()  # barrier: the adapter's loop has made its Ready decision
     assert sidecar.calls("POST", "/ready", since=t0) == []
     assert sidecar.calls("PUT", "/metadata/label", since=t0) == []
+
+
+def test_a_watch_stopped_as_its_request_fails_leaves_no_unretrieved_error(
+        rehydrate_engine, caplog):
+    """close() or the before-snapshot pause stopping the watch loop in the very step its
+    request failed (the sidecar unreachable): the request's error was never read, and
+    asyncio logged "Task exception was never retrieved" at ERROR with a long httpx
+    traceback. The ordering is forced: the transport cancels the watch loop, then fails."""
+    import gc
+
+    import httpx
+
+    failed = threading.Event()
+    a: AgonesAdapter
+
+    async def sidecar(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/watch/gameserver" and not failed.is_set():
+            failed.set()
+            assert a._watch_task is not None
+            a._watch_task.cancel()  # what _stop_loops() does, at this very moment
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        return httpx.Response(200, json={})
+
+    a = AgonesAdapter(9358, 60.0, engine=rehydrate_engine, deadline=0.5,
+                      request_timeout=1.0, transport=httpx.MockTransport(sidecar))
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        a.install()
+        try:
+            assert failed.wait(10)
+            wait_for(lambda: a._watch_task is not None and a._watch_task.done(),
+                     what="the watch loop to end")
+        finally:
+            a.close()
+        gc.collect()  # the failed request's task, once unreferenced, says what it holds
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []

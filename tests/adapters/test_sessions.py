@@ -181,6 +181,25 @@ async def test_a_closed_udp_endpoint_stays_closed_across_restores(rehydrate_engi
         ep.close()
 
 
+async def test_check_and_ensure_before_start_say_not_started(rehydrate_engine):
+    """ensure() before start() bound the socket itself, with no restore hook, and start()
+    then said "already started": the endpoint was never checked after a restore."""
+    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="early")
+    for call in (ep.check, ep.ensure):
+        with pytest.raises(RuntimeError, match=rf"^UDP endpoint 'early' is not started: "
+                                               rf"await start\(\) before {call.__name__}"):
+            await call()
+    assert ep.transport is None and ep.rebinds == 0 and ep.protocol.made == 0
+    await ep.start()
+    try:
+        assert ep._hook is not None
+        assert await ep.check() and not await ep.ensure()
+    finally:
+        ep.close()
+    await asyncio.sleep(0)  # the loop runs the transport's close
+    assert not await ep.check()  # closed: a failed check, as before
+
+
 def test_a_udp_endpoint_whose_loop_stopped_fails_its_hook_saying_so(rehydrate_engine):
     loop = asyncio.new_event_loop()
     ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="t-stopped")

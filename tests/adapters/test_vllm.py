@@ -621,6 +621,30 @@ def test_a_call_cancelled_from_outside_cancels_the_request_it_waits_for() -> Non
     asyncio.run(main())
 
 
+def test_abandon_collects_a_task_that_failed_already_even_on_a_closed_loop() -> None:
+    """A request that failed in the very step its waiter was cancelled is done when it is
+    abandoned: its error was to be read by a callback, which a closed loop never runs
+    (``call_soon`` refused: "Event loop is closed"), and asyncio then logged "Task
+    exception was never retrieved" at ERROR."""
+    import gc
+
+    from rehydrate.adapters._server import abandon
+
+    async def fail() -> None:
+        raise OSError("the server is down")
+
+    seen: list[dict[str, Any]] = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    task = loop.create_task(fail())
+    loop.run_until_complete(asyncio.wait({task}))
+    loop.close()
+    abandon(task)
+    del task
+    gc.collect()
+    assert seen == []
+
+
 DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # valid JSON that json.loads cannot nest into
 
 
