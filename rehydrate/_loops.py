@@ -25,8 +25,10 @@ class LoopStopped(RuntimeError):
     """Raised by a helper's ``async`` close, before it closes anything, when the
     connections it holds belong to ``loop``, an event loop that is stopped but not closed
     (the application drives it with ``run_until_complete`` between two calls): nothing
-    but that loop can close them. The connection schedules the same close there (see
-    ``Connection._close_later``), to run when the application runs that loop again."""
+    but that loop can close them. The connection schedules ``close`` there (the same
+    close when None; see ``Connection._close_later``), to run when the application runs
+    that loop again — after whatever the application runs first, so a helper takes
+    what ``close`` closes out of its pool before raising."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: str,
                  close: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:

@@ -592,8 +592,10 @@ class Connection:
         """Schedule an ``async`` close on ``loop``, the stopped (not closed) loop the value
         was opened on: a loop driven by ``run_until_complete`` between two calls. Its
         selector holds the value's transports, so nothing else releases them (not the
-        garbage collector) until the application runs that loop again — which then runs
-        this close first — or closes it (the close is then closed unrun:
+        garbage collector) until the application runs that loop again — which runs this
+        close after whatever the application runs first there (a helper's close takes
+        what it closes out of the application's reach before raising ``LoopStopped``) —
+        or closes it (the close is then closed unrun, and :meth:`_unrun` told:
         :func:`~rehydrate._loops.run_quietly`). Returns the call's future, not waited for
         (the same one while it is pending for the same value); the value counts as
         released, so a restore opens a new one rather than wait. None: nothing to close

@@ -3836,6 +3836,107 @@ def test_httpx_async_client_on_a_stopped_loop_closes_its_pool_there(rehydrate_en
         loop.close()
 
 
+class _GatedHTTP:
+    """An HTTP/1.1 server on loopback whose ``/wait`` answers once ``gate`` is set;
+    ``seen``: (path, client port) of each request."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.gate = threading.Event()
+        self.seen: list[tuple[str, int]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.seen.append((self.path, self.client_address[1]))
+                if self.path == "/wait":
+                    outer.gate.wait(10)
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.srv.server_port}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def test_httpx_async_request_in_flight_on_a_paused_loop_is_not_cut(rehydrate_engine):
+    """A request of the application in flight (its task suspended, waiting for the
+    answer) when its loop paused for a snapshot: the pool close scheduled there closed
+    its connection once the loop ran again (``ReadError``, for a request the server had
+    taken). The pool is swapped out at once; its idle connections are closed there, the
+    one in use when its request ends."""
+    server = _GatedHTTP()
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client("api", base_url=server.url,
+                                                  engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        task = loop.create_task(client.get("/wait"))
+        loop.run_until_complete(_until(lambda: [p for p, _ in server.seen] == ["/wait"]))
+        pool = client._transport._inner._pool
+        [busy] = pool.connections
+        assert rehydrate_engine.simulate_snapshot().ok
+        conn = connections.get("api", engine=rehydrate_engine)
+        assert conn.state == "closing" and conn._pending is not None, conn.to_dict()
+        assert client._transport._inner._pool is not pool  # the next request: a fresh one
+        loop.run_until_complete(asyncio.wrap_future(conn._pending[1], loop=loop))
+        assert not busy.is_closed()
+        server.gate.set()
+        assert loop.run_until_complete(task).text == "ok"
+        assert busy.is_closed()  # not kept idle in a pool nothing uses any more
+        assert conn.state == "closed", conn.to_dict()
+    finally:
+        loop.close()
+        server.close()
+
+
+@pytest.mark.parametrize("then", ["snapshot", "restore"])
+def test_httpx_async_next_request_after_a_paused_snapshot_gets_a_fresh_pool(
+        rehydrate_engine, then):
+    """The application's next request after a snapshot (and a restore) taken while its
+    loop was paused goes through a pool the scheduled close does not touch; the old
+    pool's connections are closed there."""
+    server = _GatedHTTP()
+    server.gate.set()
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client("api", base_url=server.url,
+                                                  engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        loop.run_until_complete(client.get("/warm"))
+        transport = client._transport
+        old_pool = transport._inner._pool
+        old = list(old_pool.connections)
+        assert rehydrate_engine.simulate_snapshot().ok
+        if then == "restore":
+            assert rehydrate_engine.simulate_restore().ok
+        assert transport._inner._pool is not old_pool
+        assert loop.run_until_complete(client.get("/next")).text == "ok"
+        assert [c.is_closed() for c in transport._inner._pool.connections] == [False]
+        loop.run_until_complete(_until(lambda: all(c.is_closed() for c in old)))
+        assert server.seen[1][1] != server.seen[0][1]  # not on the old connection
+    finally:
+        loop.close()
+        server.close()
+
+
 def test_a_stale_close_on_a_stopped_loop_spares_the_same_object_reopened(rehydrate_engine):
     """``open`` reconnects one long-lived client and returns it again: the close left on
     the paused loop by the snapshot ran after the restore's open, on that same object,
