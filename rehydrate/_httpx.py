@@ -171,6 +171,8 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         self.generation = 0
         self.retired = False
         """Closed for good by :meth:`retire`: requests raise, no pool is opened again."""
+        self._detached: list[tuple[httpx.AsyncHTTPTransport, asyncio.AbstractEventLoop]] = []
+        """Pools taken out while their loop was stopped (:meth:`_detach`), not closed yet."""
 
     def _mounted(self) -> list[httpx.AsyncHTTPTransport]:
         mounts = getattr(self.client, "_mounts", None) or {}
@@ -214,6 +216,13 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         # those sockets; closed by the application unrun, it drops the close silently
         if loop is not None and not loop.is_closed():
             _forget(old.aclose(), loop)
+        with self._lock:
+            detached, self._detached = self._detached, []
+        # taken out before the snapshot: their connections were cut since, and the
+        # close scheduled for them does not run once the restore has opened again
+        for pool, on in detached:
+            if not on.is_closed():
+                _forget(pool.aclose(), on)
         for proxy in self.proxies:
             proxy.reset()
         # the sync transport closes the caller's mounts too: they kept the sockets from
@@ -235,13 +244,50 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
                 return loop
         return None
 
+    def _detach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Swap in fresh pools for those (this one's, its proxies') whose connections
+        belong to ``loop``, stopped: the application's next request cannot take one of
+        theirs before the close scheduled there runs (it runs after whatever the
+        application runs first). The pools swapped out are set to close a connection
+        when its request ends (:func:`_keep_none`) and kept for :meth:`_close_detached`
+        (or, after a restore, :meth:`reset`)."""
+        with self._lock:
+            if self._loop is loop:
+                old, self._inner = self._inner, httpx.AsyncHTTPTransport(**self._kwargs)
+                self.generation += 1
+                self._loop = None
+                _keep_none(old)
+                self._detached.append((old, loop))
+        for proxy in self.proxies:
+            proxy._detach(loop)
+
+    def _take_detached(self) -> list[tuple[httpx.AsyncHTTPTransport, asyncio.AbstractEventLoop]]:
+        with self._lock:
+            out, self._detached = self._detached, []
+        for proxy in self.proxies:
+            out += proxy._take_detached()
+        return out
+
+    async def _close_detached(self) -> None:
+        """The close :meth:`close_pool` has its stopped loop run: the idle connections
+        of every pool :meth:`_detach` took out so far (one in use is closed when its
+        request ends), and the caller's mounts (not swappable) as before."""
+        errors = [e for e in [await _guard(_close_idle(t)) for t, _ in self._take_detached()]
+                  if e is not None]
+        if self._mounts_loop() is asyncio.get_running_loop():
+            for mount in self._mounted():
+                await mount.aclose()
+        if errors:
+            raise errors[0]
+
     async def close_pool(self) -> None:
         here = asyncio.get_running_loop()
         stopped = self._stopped_loop()
         if stopped is not None and stopped is not here:
-            # only that loop can close their sockets: the connection schedules this same
-            # close there (raised before closing anything, so it all runs there, once)
-            raise LoopStopped(stopped, "its requests ran on")
+            # only that loop can close their sockets: the connection schedules a close
+            # there, of pools taken out now (its next request gets a fresh one)
+            self._detach(stopped)
+            raise LoopStopped(stopped, "its requests ran on", self._close_detached)
         for proxy in self.proxies:
             await proxy.close_pool()
         home = self._mounts_loop()
@@ -301,6 +347,38 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _keep_none(transport: httpx.AsyncHTTPTransport) -> None:
+    """A pool swapped out: none of its connections goes back to it idle, so that one a
+    request in flight still uses is closed when that request ends (httpcore closes the
+    idle ones beyond ``max_keepalive_connections``), not left open until the garbage
+    collector takes it."""
+    pool = getattr(transport, "_pool", None)
+    if isinstance(getattr(pool, "_max_keepalive_connections", None), int):
+        pool._max_keepalive_connections = 0  # type: ignore[union-attr]
+
+
+async def _close_idle(transport: httpx.AsyncHTTPTransport) -> None:
+    """Close the idle connections of a pool swapped out, sparing those a request is in
+    flight on (the application's task suspended in it while its loop was stopped):
+    :func:`_keep_none` has them closed when their request ends. A pool of another shape
+    is closed whole."""
+    conns = getattr(getattr(transport, "_pool", None), "connections", None)
+    if not isinstance(conns, list):
+        await transport.aclose()
+        return
+    for conn in conns:
+        if conn.is_idle():
+            await conn.aclose()
+
+
+async def _guard(coro: Any) -> BaseException | None:
+    try:
+        await coro
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _forget(coro: Any, loop: asyncio.AbstractEventLoop) -> None:

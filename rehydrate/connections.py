@@ -502,7 +502,7 @@ class Connection:
         except LoopClosed as exc:  # a helper's close: its pool's loop is closed
             self._drop(str(exc))
         except LoopStopped as exc:  # a helper's close: its pool's loop is only stopped
-            return self._close_later(exc.loop, fn, again)
+            return self._close_later(exc.loop, exc.close or fn, again)
         return None
 
     async def _close(self, fn: Callable[..., Any], again: bool, *,
@@ -600,8 +600,10 @@ class Connection:
         """Schedule an ``async`` close on ``loop``, the stopped (not closed) loop the value
         was opened on: a loop driven by ``run_until_complete`` between two calls. Its
         selector holds the value's transports, so nothing else releases them (not the
-        garbage collector) until the application runs that loop again — which then runs
-        this close first — or closes it (the close is then closed unrun:
+        garbage collector) until the application runs that loop again — which runs this
+        close after whatever the application runs first there (a helper's close takes
+        what it closes out of the application's reach before raising ``LoopStopped``) —
+        or closes it (the close is then closed unrun, and :meth:`_unrun` told:
         :func:`~rehydrate._loops.run_quietly`). Returns the call's future, not waited for
         (the same one while it is pending for the same value); the value counts as
         released, so a restore opens a new one rather than wait. None: nothing to close
@@ -631,7 +633,8 @@ class Connection:
 
         coro = later()
         try:
-            fut: concurrent.futures.Future[None] = run_quietly(loop, coro)
+            fut: concurrent.futures.Future[None] = run_quietly(
+                loop, coro, on_unrun=lambda: self._unrun(coro))
         except RuntimeError:  # closed in between (run_quietly closed the coroutine)
             return None
         with self._lock:
@@ -641,6 +644,35 @@ class Connection:
         log.info("connection %s: its event loop is stopped: close() scheduled there, to "
                  "run when the application runs that loop again", self.name)
         return fut
+
+    def _unrun(self, coro: Coroutine[Any, Any, None]) -> None:
+        """The close :meth:`_close_later` scheduled (``coro``) was closed unrun: the
+        application closed that loop without running it again. After the engine's close
+        (which did not wait for it), nothing comes to :meth:`_reclaim` it: the value is
+        let go of with the one warning and a ``closing`` connection says ``closed``,
+        instead of staying ``closing`` in silence. Before it, left to :meth:`_reclaim`.
+        Called by whatever dropped that close (see :func:`~rehydrate._loops.run_quietly`):
+        any thread, a garbage collection while this thread holds the lock (then left to
+        :meth:`_reclaim`), the interpreter's shutdown."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            pending = self._pending
+            if pending is None or pending[2] is not coro:
+                return  # reclaimed already, or another close took its place
+            if not self._ended:
+                # the next restore or engine.close() reclaims it, trying the close
+                # again as for a closed loop: one that needs no loop still closes it
+                return
+            self._pending = None
+            if pending[0] is self.value:
+                self._released = self._dropped = True
+            if self.state == "closing":
+                self.state, self.step = "closed", None
+        finally:
+            self._lock.release()
+        log.warning("connection %s: not closed: the event loop it was opened on was "
+                    "closed before the close scheduled there ran; dropped", self.name)
 
     def _reclaim(self) -> bool:
         """The close :meth:`_close_later` scheduled will never run: the application closed
@@ -1977,6 +2009,9 @@ class _AsyncRedisPool:
         self.client = client
         self.pool = client.connection_pool
         self.home: asyncio.AbstractEventLoop | None = None
+        self.detached: list[Any] = []
+        """Idle connections taken out of the pool while ``home`` was stopped, for
+        :meth:`disconnect_detached` to disconnect there."""
         # registered from a coroutine: most likely the loop the client is used on
         with contextlib.suppress(RuntimeError):
             self.home = asyncio.get_running_loop()
@@ -2009,19 +2044,45 @@ class _AsyncRedisPool:
                                  "pooled connections cannot be closed")
         else:
             # run_until_complete between two calls: only that loop can close them, so the
-            # connection schedules this same disconnect there (it then runs on home)
-            raise LoopStopped(home, "its commands ran on")
+            # connection schedules a disconnect there — of what is detached now only
+            raise LoopStopped(home, "its commands ran on", self.detach())
+
+    def detach(self) -> Callable[[], Coroutine[Any, Any, None]]:
+        """Take the pool's idle connections out of it, here, while ``home`` is stopped:
+        a disconnect scheduled there runs only after whatever the application runs
+        first, whose command would have been sent on one of them and then cut (redis-py
+        retried it: an INCR applied twice; without retries a ``ConnectionError`` for a
+        command applied). Returns the disconnect to schedule there; connections in use
+        (a task suspended with one) are left alone. Of a pool without redis-py's
+        ``_available_connections`` list, the idle connections are disconnected there."""
+        pool = self.pool
+        idle = getattr(pool, "_available_connections", None)
+        if not isinstance(idle, list):
+            return lambda: pool.disconnect(inuse_connections=False)
+        # one assignment: get_connection() pops from whichever list it finds there
+        pool._available_connections = []
+        self.detached.extend(idle)
+        return self.disconnect_detached
+
+    async def disconnect_detached(self) -> None:
+        """Disconnect the connections :meth:`detach` took out of the pool (every one
+        detached so far: a close scheduled earlier that runs first takes them all)."""
+        conns, self.detached = self.detached, []
+        resp = await asyncio.gather(*(c.disconnect() for c in conns), return_exceptions=True)
+        exc = next((r for r in resp if isinstance(r, BaseException)), None)
+        if exc is not None:
+            raise exc
 
     async def reopen(self) -> None:
-        """After a restore: the pool's connections were cut; on a stopped loop the
-        disconnect scheduled there before the snapshot (or now) forgets them when the
-        application runs that loop again (closed unrun, nothing is said: see
-        :func:`~rehydrate._loops.run_quietly`) — never a reason to fail the open."""
+        """After a restore: the pool's connections were cut; on a stopped loop they are
+        taken out of the pool now and disconnected when the application runs that loop
+        again (closed unrun, nothing is said: see :func:`~rehydrate._loops.run_quietly`)
+        — never a reason to fail the open."""
         try:
             await self.disconnect()
         except LoopStopped as exc:
             try:
-                fut = run_quietly(exc.loop, self.pool.disconnect())
+                fut = run_quietly(exc.loop, (exc.close or self.pool.disconnect)())
             except RuntimeError:  # closed since: nothing can close them any more
                 return
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())

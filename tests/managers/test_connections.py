@@ -3712,6 +3712,116 @@ def test_redis_async_client_on_a_stopped_loop_closes_there_and_reopens(rehydrate
         loop.close()
 
 
+def _redis_on_a_paused_loop(engine, loop, port: int, retries: bool):  # type: ignore[no-untyped-def]
+    import redis.asyncio as aredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    kw = {} if retries else {"retry": Retry(NoBackoff(), 0)}
+
+    async def make():  # type: ignore[no-untyped-def]
+        r = connections.redis_client("cache", aredis.Redis(port=port, **kw), engine=engine)
+        await r.set("n", 0)
+        return r
+
+    return loop.run_until_complete(make())
+
+
+@pytest.mark.parametrize("retries", [True, False], ids=["retries", "no_retries"])
+@pytest.mark.parametrize("then", ["snapshot", "restore"])
+def test_redis_async_first_command_after_a_paused_snapshot_runs_once(rehydrate_engine,
+                                                                     redis_srv, then,
+                                                                     retries):
+    """A snapshot (and a restore) while the application's loop is paused left a full
+    ``pool.disconnect()`` queued there; the application's next command took a pooled
+    connection and was sent before it ran, so it cut that command: redis-py resent it
+    (an INCR applied twice) or, without retries, raised ``ConnectionError`` for a command
+    the server had applied. The idle connections are taken out of the pool at once and
+    only they are disconnected there."""
+    loop = asyncio.new_event_loop()
+    try:
+        client = _redis_on_a_paused_loop(rehydrate_engine, loop, redis_srv.port, retries)
+        pool = client.connection_pool
+        old = [c._writer for c in pool._available_connections]
+        assert old
+        assert rehydrate_engine.simulate_snapshot().ok
+        if then == "restore":
+            assert rehydrate_engine.simulate_restore().ok
+        assert loop.run_until_complete(client.incr("n")) == 1
+        assert loop.run_until_complete(client.get("n")) == b"1"
+        loop.run_until_complete(_until(lambda: all(w.is_closing() for w in old)))
+        assert connections.get("cache", engine=rehydrate_engine).state in ("closed", "open")
+    finally:
+        loop.close()
+
+
+def test_redis_async_command_in_flight_on_a_paused_loop_is_not_cut(rehydrate_engine,
+                                                                   redis_srv):
+    """A task of the application suspended in a command (a BLPOP) when its loop paused
+    holds its connection: the disconnect the snapshot queued there cut it once the loop
+    ran again (``ConnectionError`` without retries). Connections in use are left alone."""
+    import redis
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = _redis_on_a_paused_loop(rehydrate_engine, loop, redis_srv.port, False)
+        pool = client.connection_pool
+        task = loop.create_task(client.blpop(["q"], timeout=10))
+        loop.run_until_complete(_until(lambda: len(pool._in_use_connections) == 1))
+        # the BLPOP is on the server before the loop pauses
+        side = redis.Redis(port=redis_srv.port)
+        try:
+            loop.run_until_complete(_until(
+                lambda: side.info("clients")["blocked_clients"] == 1))
+            assert rehydrate_engine.simulate_snapshot().ok
+            pending = connections.get("cache", engine=rehydrate_engine)._pending
+            assert pending is not None
+            # the application runs its loop again: the scheduled close has run first
+            loop.run_until_complete(asyncio.wrap_future(pending[1], loop=loop))
+            side.rpush("q", b"job")
+            assert list(loop.run_until_complete(task)) == [b"q", b"job"]
+        finally:
+            side.close()
+    finally:
+        loop.close()
+
+
+def test_redis_async_pool_of_another_shape_disconnects_idle_ones_on_its_paused_loop():
+    """A pool without redis-py's ``_available_connections`` list (a subclass of its
+    own) cannot have its idle connections taken out: the disconnect scheduled on the
+    paused loop spares those in use (``inuse_connections=False``)."""
+    from rehydrate._loops import LoopStopped
+    from rehydrate.connections import _AsyncRedisPool
+
+    calls: list[bool] = []
+
+    class Pool:
+        connection_kwargs: dict[str, object] = {}
+        _available_connections = ()
+
+        async def get_connection(self, *args: object) -> None:
+            return None
+
+        async def disconnect(self, inuse_connections: bool = True) -> None:
+            calls.append(inuse_connections)
+
+    class Client:
+        connection_pool = Pool()
+
+    loop = asyncio.new_event_loop()
+    try:
+        apool = _AsyncRedisPool(Client())
+        loop.run_until_complete(apool.pool.get_connection())  # a command ran there
+        with pytest.raises(LoopStopped) as stopped:
+            asyncio.run(apool.disconnect())
+        assert stopped.value.loop is loop and stopped.value.close is not None
+        assert calls == []
+        loop.run_until_complete(stopped.value.close())
+        assert calls == [False]
+    finally:
+        loop.close()
+
+
 def test_httpx_async_client_on_a_stopped_loop_closes_its_pool_there(rehydrate_engine,
                                                                    http_srv):
     """An ``httpx.AsyncClient`` used on a loop driven by ``run_until_complete``: a
@@ -3741,6 +3851,107 @@ def test_httpx_async_client_on_a_stopped_loop_closes_its_pool_there(rehydrate_en
         loop.run_until_complete(_until(lambda: all(c.is_closed() for c in old)))
     finally:
         loop.close()
+
+
+class _GatedHTTP:
+    """An HTTP/1.1 server on loopback whose ``/wait`` answers once ``gate`` is set;
+    ``seen``: (path, client port) of each request."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.gate = threading.Event()
+        self.seen: list[tuple[str, int]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.seen.append((self.path, self.client_address[1]))
+                if self.path == "/wait":
+                    outer.gate.wait(10)
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.srv.server_port}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def test_httpx_async_request_in_flight_on_a_paused_loop_is_not_cut(rehydrate_engine):
+    """A request of the application in flight (its task suspended, waiting for the
+    answer) when its loop paused for a snapshot: the pool close scheduled there closed
+    its connection once the loop ran again (``ReadError``, for a request the server had
+    taken). The pool is swapped out at once; its idle connections are closed there, the
+    one in use when its request ends."""
+    server = _GatedHTTP()
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client("api", base_url=server.url,
+                                                  engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        task = loop.create_task(client.get("/wait"))
+        loop.run_until_complete(_until(lambda: [p for p, _ in server.seen] == ["/wait"]))
+        pool = client._transport._inner._pool
+        [busy] = pool.connections
+        assert rehydrate_engine.simulate_snapshot().ok
+        conn = connections.get("api", engine=rehydrate_engine)
+        assert conn.state == "closing" and conn._pending is not None, conn.to_dict()
+        assert client._transport._inner._pool is not pool  # the next request: a fresh one
+        loop.run_until_complete(asyncio.wrap_future(conn._pending[1], loop=loop))
+        assert not busy.is_closed()
+        server.gate.set()
+        assert loop.run_until_complete(task).text == "ok"
+        assert busy.is_closed()  # not kept idle in a pool nothing uses any more
+        assert conn.state == "closed", conn.to_dict()
+    finally:
+        loop.close()
+        server.close()
+
+
+@pytest.mark.parametrize("then", ["snapshot", "restore"])
+def test_httpx_async_next_request_after_a_paused_snapshot_gets_a_fresh_pool(
+        rehydrate_engine, then):
+    """The application's next request after a snapshot (and a restore) taken while its
+    loop was paused goes through a pool the scheduled close does not touch; the old
+    pool's connections are closed there."""
+    server = _GatedHTTP()
+    server.gate.set()
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client("api", base_url=server.url,
+                                                  engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        loop.run_until_complete(client.get("/warm"))
+        transport = client._transport
+        old_pool = transport._inner._pool
+        old = list(old_pool.connections)
+        assert rehydrate_engine.simulate_snapshot().ok
+        if then == "restore":
+            assert rehydrate_engine.simulate_restore().ok
+        assert transport._inner._pool is not old_pool
+        assert loop.run_until_complete(client.get("/next")).text == "ok"
+        assert [c.is_closed() for c in transport._inner._pool.connections] == [False]
+        loop.run_until_complete(_until(lambda: all(c.is_closed() for c in old)))
+        assert server.seen[1][1] != server.seen[0][1]  # not on the old connection
+    finally:
+        loop.close()
+        server.close()
 
 
 def test_a_stale_close_on_a_stopped_loop_spares_the_same_object_reopened(rehydrate_engine):
@@ -3932,6 +4143,55 @@ def test_engine_close_reclaims_a_close_left_on_a_loop_closed_since_a_restore(cap
         lines = _dropped_lines(caplog)
         assert len(lines) == 1 and lines[0].startswith("connection db: not closed"), lines
         assert conn.state == "open", conn.to_dict()  # the restore's value: not touched
+    finally:
+        engine.close()
+        peer.close()
+
+
+def test_engine_closed_before_the_paused_loop_drops_its_close_in_one_line(caplog):
+    """``engine.close()`` while the application's loop is paused with a close scheduled
+    there (it does not wait for it), then ``loop.close()`` unrun: the close was closed in
+    silence, the socket left open and the connection ``closing`` for good, with nothing
+    coming after to reclaim it. It is dropped with the one WARNING, and says
+    ``closed``."""
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+    loop = asyncio.new_event_loop()
+    try:
+        conn, pending = _snapshot_while_its_loop_is_paused(engine, loop, *_stream_to(peer))
+        engine.close()
+        assert conn.state == "closing", conn.to_dict()
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            loop.close()
+            gc.collect()
+        assert _dropped_lines(caplog) == [
+            "connection db: not closed: the event loop it was opened on was closed "
+            "before the close scheduled there ran; dropped"]
+        assert conn.state == "closed" and conn._pending is None, conn.to_dict()
+        assert not pending.done()
+    finally:
+        engine.close()
+        peer.close()
+
+
+def test_a_paused_loop_closed_unrun_before_the_engine_leaves_it_to_the_next_close(caplog):
+    """Closed unrun while the engine goes on: nothing is said yet — the next restore or
+    ``engine.close()`` tries that close again as for a closed loop (one that needs no
+    loop still closes the socket), and only a failure there drops it."""
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+    loop = asyncio.new_event_loop()
+    try:
+        conn, _ = _snapshot_while_its_loop_is_paused(engine, loop, *_stream_to(peer))
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            loop.close()
+            gc.collect()
+            assert _dropped_lines(caplog) == []
+            assert conn._pending is not None and conn.state == "closing"
+            engine.close()
+        lines = _dropped_lines(caplog)
+        assert len(lines) == 1 and lines[0].startswith("connection db: not closed"), lines
+        assert conn.state == "closed", conn.to_dict()
     finally:
         engine.close()
         peer.close()
