@@ -207,7 +207,13 @@ class Secret:
     @classmethod
     def from_env(cls, key: str, *, name: str | None = None, **kwargs: Any) -> Secret:
         """The value of environment variable ``key``, re-read after every restore (after
-        the ``ENVIRONMENT`` phase applied the new spec environment)."""
+        the ``ENVIRONMENT`` phase applied the new spec environment).
+
+        ``name`` defaults to ``key``. The name (never the value) is shown wherever the
+        secret is: ``status()["secrets"]``, its ``rehydrate.secret:<name>`` hooks in a
+        report — both in the readiness gate's public status view — log lines and
+        ``[redacted secret 'NAME']``. Pass ``name=`` when the variable's name itself
+        should not be shown (``DB_PASSWORD_PROD``: ``name="db"``)."""
         def load() -> bytes:
             value = os.environb.get(os.fsencode(key))
             if value is None:
