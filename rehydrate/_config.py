@@ -178,7 +178,8 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_IDENTITY_INTERVAL", "seconds", 2.0, "identity detector: seconds between checks", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_VMCLOCK_PATH", "path", "/dev/vmclock0", "vmclock detector: the VMClock device"),
     _V("REHYDRATE_VMCLOCK_INTERVAL", "seconds", 0.5, "vmclock detector: seconds between reads when the device cannot notify", minimum=0.001),  # noqa: E501
-    _V("REHYDRATE_MARKER_FILE", "path", None, "file detector: the file the platform writes on restore (owned by this uid or root: another uid's is ignored)"),  # noqa: E501
+    _V("REHYDRATE_MARKER_FILE", "path", None, "file detector: the file the platform writes on restore (in a directory others may write in — group- or world-writable, or sticky — a marker of another uid than this process's, root or REHYDRATE_MARKER_OWNERS is ignored)"),  # noqa: E501
+    _V("REHYDRATE_MARKER_OWNERS", "list", (), "file detector: more uids trusted to own the marker in a directory others may write in (comma-separated; the platform's uid as seen here, e.g. 65534 under a user namespace)"),  # noqa: E501
     _V("REHYDRATE_MARKER_KIND", "choice", "restore", "file detector: what a marker means, restore or resume", choices=("restore", "resume")),  # noqa: E501
     _V("REHYDRATE_MARKER_WINDOW", "seconds", 2.0, "file detector: a restore handled this recently is the same restore"),  # noqa: E501
     _V("REHYDRATE_WATCH_POLLING", "flag", None, "file detector: poll instead of inotify (default: poll under gVisor)"),  # noqa: E501

@@ -56,7 +56,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._config import shown
+from ._config import MAX_SECONDS, seconds, shown
 from ._disable import is_disabled
 from ._files import read_regular
 from ._hooks import Hook, Phase
@@ -146,6 +146,9 @@ class Secret:
                             f"characters, not {shown(name)}")
         if not callable(loader):
             raise TypeError(f"secret {name!r}: loader must be callable")
+        # Here, under its own name: the registry checked it only as the wipe hook's
+        # timeout (wipe_wait + 5 s), naming "timeout" and a value nobody passed.
+        wipe_wait = seconds(wipe_wait, "wipe_wait", zero_ok=True)
         self.name = name
         self.source = source
         self.on_wiped: OnWiped = on_wiped
@@ -187,7 +190,16 @@ class Secret:
         try:
             self._load(keep_previous=False, raise_errors=True, creating=True)
         except BaseException:
-            self._manager.remove(self)  # never made: nothing of it stays registered
+            # Never made: nothing of it stays registered, and nothing keeps a value (its
+            # restore hook may have loaded one meanwhile, and the object may live on in
+            # the exception's traceback): closed and wiped first, or unregistered it
+            # would hold the value through every later snapshot.
+            try:
+                with self._cond:
+                    self._closed = True
+                self.wipe()
+            finally:
+                self._manager.remove(self)
             raise
 
     # -- constructors ---------------------------------------------------------------
@@ -195,7 +207,13 @@ class Secret:
     @classmethod
     def from_env(cls, key: str, *, name: str | None = None, **kwargs: Any) -> Secret:
         """The value of environment variable ``key``, re-read after every restore (after
-        the ``ENVIRONMENT`` phase applied the new spec environment)."""
+        the ``ENVIRONMENT`` phase applied the new spec environment).
+
+        ``name`` defaults to ``key``. The name (never the value) is shown wherever the
+        secret is: ``status()["secrets"]``, its ``rehydrate.secret:<name>`` hooks in a
+        report — both in the readiness gate's public status view — log lines and
+        ``[redacted secret 'NAME']``. Pass ``name=`` when the variable's name itself
+        should not be shown (``DB_PASSWORD_PROD``: ``name="db"``)."""
         def load() -> bytes:
             value = os.environb.get(os.fsencode(key))
             if value is None:
@@ -247,8 +265,10 @@ class Secret:
               creating: bool = False) -> bool:
         """Fetch the value and store it, unless a snapshot pass, a restore or close()
         came while it was fetched (then discarded). ``creating``: the first load, from
-        the constructor — a pass that came meanwhile leaves the secret wiped until the
-        restore, as one created after the pass, instead of raising."""
+        the constructor — a pass or a restore that came meanwhile does not make it raise:
+        after a pass the secret stays wiped until the restore, as one created after the
+        pass; a restore ran this secret's own restore hook (registered before this load),
+        whose load of the clone's value stands."""
         if self._closed:  # its hooks are gone: a value loaded now would never be wiped
             self.last_error = _CLOSED
             if raise_errors:
@@ -284,8 +304,10 @@ class Secret:
             restored = engine.generation != generation
             closed = self._closed  # close() came while the source was read
             pending = engine.snapshot_pending or restored or closed
-            created_pending = creating and pending and not (restored or closed)
-            if created_pending:
+            # The constructor's load overtaken by a pass or a restore: no error. Its
+            # hooks cover both — the restore's load (or its failure) is what counts.
+            created_pending = creating and pending and not closed
+            if created_pending and not restored:
                 self._reason = _CREATED_PENDING
             if not pending:
                 old = self._buf
@@ -716,7 +738,8 @@ class SecretsManager:
             secret._hooks += (b.register(on_snapshot, event="snapshot", phase=Phase.SECRETS,
                                          order=-200, name=hook_name,
                                          required=secret.required,
-                                         timeout=secret.wipe_wait + 5.0),)
+                                         timeout=min(secret.wipe_wait + 5.0,
+                                                     MAX_SECONDS)),)
         except BaseException:
             self._forget(key, secret._hooks)  # a wipe_wait the registry refuses
             secret._hooks = ()

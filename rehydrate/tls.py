@@ -1502,9 +1502,10 @@ class TLSManager:
         self.enabled = True
         self._lock = threading.Lock()
         self._certs: dict[str, ManagedCertificate] = {}
-        self._busy: dict[str, int] = {}
+        self._busy: dict[str, tuple[int, object]] = {}
         """Names an :meth:`add` or a :meth:`remove` is working on (by this lock), with the
-        ident of the thread doing it: another add of the name waits for it to finish."""
+        ident of the thread doing it and a token of that very call: another add of the
+        name waits for it to finish, and only the call that claimed it releases it."""
         self._idle = threading.Condition(self._lock)
         """Notified when a name leaves :attr:`_busy`."""
         fresh_lock_after_fork(self, "_lock", "_idle", after=_forget_others_busy)
@@ -1574,43 +1575,53 @@ class TLSManager:
             raise TypeError(f"certificate name must be a non-empty string of printable "
                             f"characters, not {_config.shown(cert.name)}")
         name = cert.name
-        with self._lock:
-            try:
-                existing = self._claim(name)
-            except BaseException:
-                cert._discard()
-                raise
+        token = object()
+        set_up = False
+        # The claim inside the try: an exception between it and the setup (a
+        # KeyboardInterrupt delivered there) left the name busy for ever, and every
+        # later add of it waited without a timeout. Released by this call's token: a
+        # nested add of the name (an issuer adding it again) fails without releasing
+        # the outer call's claim.
+        try:
+            with self._lock:
+                existing = self._claim(name, token)
+                frozen = self.frozen
             if existing is not None:
                 cert._discard()
                 if type(existing) is not type(cert):
                     raise ValueError(f"certificate {name!r} already exists as "
                                      f"{existing.kind}")
                 return existing
-            frozen = self.frozen
-        try:
+            set_up = True
             return self._set_up(cert, frozen)
+        except BaseException:
+            if not set_up:  # _set_up discards it itself when it fails
+                cert._discard()
+            raise
         finally:
             with self._lock:
-                self._release(name)
+                self._release(name, token)
 
-    def _claim(self, name: str) -> ManagedCertificate | None:
+    def _claim(self, name: str, token: object) -> ManagedCertificate | None:
         """With the lock held: the handle under ``name`` once no other thread is adding
-        or closing it, or None after marking the name busy for the caller. Another
-        thread's add used to return this thread's handle before its restore hook was
-        registered — or one whose setup then failed."""
+        or closing it, or None after marking the name busy for the caller (its
+        ``token``). Another thread's add used to return this thread's handle before its
+        restore hook was registered — or one whose setup then failed."""
         me = threading.get_ident()
         while (owner := self._busy.get(name)) is not None:
-            if owner == me:  # waiting would wait for ourselves (produce() adding it again)
+            if owner[0] == me:  # waiting would wait for ourselves (produce() adding it again)
                 raise RuntimeError(f"certificate {name!r} is already being added or "
                                    "closed by this thread")
             self._idle.wait()
         existing = self._certs.get(name)
         if existing is None:
-            self._busy[name] = me
+            self._busy[name] = (me, token)
         return existing
 
-    def _release(self, name: str) -> None:
-        if self._busy.get(name) == threading.get_ident():
+    def _release(self, name: str, token: object) -> None:
+        """With the lock held: free ``name`` if the call of ``token`` claimed it."""
+        owner = self._busy.get(name)
+        if owner is not None and owner[1] is token:
             del self._busy[name]
         self._idle.notify_all()
 
@@ -1656,16 +1667,16 @@ class TLSManager:
         :meth:`~rehydrate.Lifecycle.recovered`), or for the next restore run: closing is
         no sign that what failed works. An :meth:`add` of the name meanwhile waits, then
         makes a new handle (it never returns this one)."""
-        name, me = cert.name, threading.get_ident()
+        name, me, token = cert.name, threading.get_ident(), object()
         with self._lock:
             # Busy while closing: an add of the name waits, rather than returning a handle
             # whose hook is being unregistered (never renewed, its key never dropped).
             while (managed := self._certs.get(name) is cert) and \
-                    self._busy.get(name) not in (None, me):
+                    (owner := self._busy.get(name)) is not None and owner[0] != me:
                 self._idle.wait()
             managed = managed and name not in self._busy
             if managed:
-                self._busy[name] = me
+                self._busy[name] = (me, token)
         try:
             # The hook first: once the name is free, a certificate made under it must
             # find the failure it takes over unregistered.
@@ -1677,7 +1688,7 @@ class TLSManager:
                 with self._lock:
                     if self._certs.get(name) is cert:
                         del self._certs[name]
-                    self._release(name)
+                    self._release(name, token)
 
 
 _HANDLES: weakref.WeakSet[ManagedCertificate] = weakref.WeakSet()
@@ -1689,7 +1700,7 @@ def _forget_others_busy(m: TLSManager) -> None:
     here (an add of that name would wait for it for ever); the forking thread's own
     finishes as it unwinds."""
     me = threading.get_ident()
-    m._busy = {n: owner for n, owner in m._busy.items() if owner == me}
+    m._busy = {n: owner for n, owner in m._busy.items() if owner[0] == me}
 
 
 def _after_fork_in_child() -> None:

@@ -13,12 +13,19 @@ forces polling (other container runtimes, network file systems), ``=0`` forces i
 observer looks only at the marker's own entry of the directory (one ``lstat``, never a
 listing), so its cost does not grow with the directory.
 
-A marker owned by another uid than this process's (effective) uid or root — the file, or
-a symlink put at its name — is ignored, with one warning naming its path and owner per
-change of it: in a directory others may write in (``/tmp``, sticky), anyone could create
-it and run this process's restore hooks at will. Neither news nor a baseline: the last
-marker of a trusted owner stays the one changes are measured against. A platform that
-writes the marker must write it as the process's uid or as root.
+A marker in a directory others may put files in — writable by its group or by everyone,
+or sticky (``/tmp``) — is ignored when another uid than this process's (effective) uid,
+root or one listed in ``REHYDRATE_MARKER_OWNERS`` owns it (the file, or a symlink put at
+its name; each judged by the directory holding it), with one warning naming its path
+and owner per change of it: anyone could create it there and run this process's restore
+hooks at will. Neither news nor a baseline: the last marker of a trusted owner stays
+the one changes are measured against. In a directory only its owner may write in, every
+entry was put there by that owner or root, so any owner is trusted: under a user
+namespace (rootless podman, Kubernetes ``hostUsers: false``), on NFS with
+``root_squash`` or from a platform sidecar of its own uid, the platform's marker shows
+another owner (the overflow uid 65534, the sidecar's uid) and is still a restore. A
+platform that writes the marker into a shared directory names its uid as seen here in
+``REHYDRATE_MARKER_OWNERS`` (comma-separated), or writes it as this process's uid or root.
 
 A marker that is there but cannot be read (permissions, not a regular file) keeps its
 last state, with one warning: becoming readable again unchanged is no restore. When the
@@ -50,9 +57,10 @@ import contextlib
 import importlib.util
 import logging
 import os
+import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
@@ -93,13 +101,27 @@ def marker_state(path: str) -> State:
 def _read_state(path: str) -> State:
     """:func:`marker_state`, with ``OSError`` for a marker that is there but cannot be
     read (permissions, not a regular file): that is no news about a restore."""
-    return _read_marker(path)[0]
+    return _read_marker(path, frozenset())[0]
 
 
-def _read_marker(path: str) -> tuple[State, int | None]:
+_SHARED = stat.S_IWGRP | stat.S_IWOTH | stat.S_ISVTX
+
+
+def _shared(directory: str) -> bool:
+    """Whether users besides the directory's owner (and root) may put entries in it:
+    writable by its group or by everyone, or sticky. A directory that cannot be looked at
+    counts as shared: the owner check then applies, as it did for every marker before."""
+    try:
+        return bool(os.stat(directory).st_mode & _SHARED)
+    except OSError:
+        return True
+
+
+def _read_marker(path: str, owners: frozenset[int]) -> tuple[State, int | None]:
     """``(state, foreign)``: :func:`_read_state`'s state, and the uid owning the marker
-    when that is neither this process's (effective) uid nor root — its own name (a
-    symlink put there) or the file read — else None."""
+    when another user could have put it there — its own name (a symlink put there) or
+    the file read, in a directory others may write in (:func:`_shared`), owned by
+    neither this process's (effective) uid, root nor one of ``owners`` — else None."""
     import hashlib  # here, not at import: start("auto") imports every detector to probe
 
     try:
@@ -110,9 +132,31 @@ def _read_marker(path: str) -> tuple[State, int | None]:
     with open(fd, "rb") as f:
         st = os.fstat(fd)
         digest = hashlib.sha256(f.read(_READ_LIMIT)).hexdigest()
-    trusted = (os.geteuid(), 0)
-    foreign = next((uid for uid in (link_owner, st.st_uid) if uid not in trusted), None)
-    return (st.st_ino, st.st_size, st.st_mtime_ns, digest), foreign
+    state = (st.st_ino, st.st_size, st.st_mtime_ns, digest)
+    trusted = {os.geteuid(), 0, *owners}
+    # Each owner is judged by the directory holding its entry: a symlink of a private
+    # directory may lead to a file in /tmp, and the file's owner may rewrite it at will.
+    if link_owner not in trusted and _shared(os.path.dirname(path)):
+        return state, link_owner
+    if st.st_uid not in trusted and _shared(os.path.dirname(os.path.realpath(path))):
+        return state, st.st_uid
+    return state, None
+
+
+def _uids(entries: Iterable[object], what: str) -> frozenset[int]:
+    """The uids of ``entries`` (ints, or their decimal spelling); each other entry is
+    one warning naming it and ``what``, and left out: a bad setting never stops the
+    process."""
+    uids: set[int] = set()
+    for entry in entries:
+        if isinstance(entry, str) and entry.strip().isascii() and entry.strip().isdigit():
+            uids.add(int(entry))
+        elif isinstance(entry, int) and not isinstance(entry, bool) and entry >= 0:
+            uids.add(entry)
+        else:
+            log.warning("%s: %s is not a uid (a number >= 0); ignored", what,
+                        _config.shown(entry))
+    return frozenset(uids)
 
 
 def _resolution(path: str) -> tuple[frozenset[str], str]:
@@ -196,6 +240,7 @@ class FileDetector(Detector):
         interval: float | None = None,
         kind: Literal["restore", "resume"] | None = None,
         window: float | None = None,
+        owners: Iterable[int] | None = None,
     ) -> None:
         raw = os.fspath(path) if path is not None else _config.text("REHYDRATE_MARKER_FILE")
         if not raw:
@@ -213,6 +258,11 @@ class FileDetector(Detector):
         self.window = _config.seconds(window if window is not None
                                else _config.number("REHYDRATE_MARKER_WINDOW"), "window",
                                zero_ok=True)
+        self.owners = (_uids(owners, "owners") if owners is not None
+                       else _uids(_config.items("REHYDRATE_MARKER_OWNERS"),
+                                  "REHYDRATE_MARKER_OWNERS"))
+        """Uids trusted to own the marker besides this process's and root, in a
+        directory others may write in (a platform's uid seen through a user namespace)."""
         self.changes = 0
         self.checks = 0
         self._state: State = None
@@ -292,7 +342,7 @@ class FileDetector(Detector):
             self._engine = engine
             self._ignored = None
             try:
-                state, foreign = _read_marker(self.path)
+                state, foreign = _read_marker(self.path, self.owners)
                 if foreign is not None:
                     self._ignore(state, foreign)
                     state = None  # no baseline from it: the platform's marker is news
@@ -458,7 +508,7 @@ class FileDetector(Detector):
                 if self._observer is not None:
                     self._watch_targets(self._observer)
             try:
-                state, foreign = _read_marker(self.path)
+                state, foreign = _read_marker(self.path, self.owners)
             except OSError as exc:
                 # Keep the last state: a marker made unreadable for a moment and then
                 # readable again, unchanged, must not count as a new restore.
@@ -498,16 +548,21 @@ class FileDetector(Detector):
 
 
     def _ignore(self, state: State, owner: int) -> None:
-        """A marker owned by another uid than this process's or root: in a directory
-        others may write in (``/tmp``, sticky), anyone could create it and make this
-        process run its restore hooks (new keys, reconnections, a readiness gap) at will.
-        One warning per change of it, not per look."""
+        """A marker another user could have put there, owned by an untrusted uid: in a
+        directory others may write in (``/tmp``, sticky), anyone could create it and make
+        this process run its restore hooks (new keys, reconnections, a readiness gap) at
+        will. One warning per change of it, not per look."""
         if state == self._ignored:
             return
         self._ignored = state
-        log.warning("marker file %s is owned by uid %d, not by uid %d or root: ignored "
-                    "(another user could fake a restore with it)", self.path, owner,
-                    os.geteuid())
+        euid = os.geteuid()
+        trusted = ([f"uid {euid}"] if euid else []) + ["root"] + [
+            f"uid {uid}" for uid in sorted(self.owners - {euid, 0})]
+        who = ", ".join(trusted[:-1]) + " or " + trusted[-1] if len(trusted) > 1 else "root"
+        log.warning("marker file %s is owned by uid %d, not by %s, in a directory others "
+                    "may write in: ignored (another user could fake a restore with it; "
+                    "REHYDRATE_MARKER_OWNERS names a platform's uid to trust)", self.path,
+                    owner, who)
 
     def _watch_again(self) -> bool:
         """The marker's directory went away, and watchdog with it: wait for the directory

@@ -510,7 +510,8 @@ def test_a_marker_of_another_uid_is_ignored(root_required, rehydrate_engine, tmp
     rec = Recorder(rehydrate_engine)
     det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
     rehydrate_engine.start([det])
-    warning = f"marker file {marker} is owned by uid {OTHER_UID}, not by uid 0 or root: ignored"
+    warning = (f"marker file {marker} is owned by uid {OTHER_UID}, not by root, in a "
+               "directory others may write in: ignored")
 
     def warnings() -> int:
         return sum(warning in r.getMessage() for r in caplog.records)
@@ -545,10 +546,97 @@ def test_a_foreign_marker_there_at_start_is_no_baseline(root_required, rehydrate
     """Another uid's marker present when the detector starts is not taken as the baseline
     (its owner could change it into a restore later), and is warned about once."""
     assert os.geteuid() == 0, "chown to another uid needs root"
-    marker = tmp_path / "restored"
-    _appear(tmp_path, marker, "fake\n", OTHER_UID)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    marker = shared / "restored"
+    _appear(shared, marker, "fake\n", OTHER_UID)
     caplog.set_level(logging.WARNING, logger="rehydrate")
     det = FileDetector(marker, polling=True, interval=0.02, window=0)
     rehydrate_engine.start([det])
     assert det._state is None
     assert sum("is owned by uid 65534" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_marker_of_another_uid_in_a_directory_only_its_owner_writes_is_trusted(
+        root_required, rehydrate_engine, tmp_path, mode, caplog):
+    """Under a user namespace (rootless podman, Kubernetes ``hostUsers: false``) the
+    platform's marker shows as owned by the overflow uid; on NFS with root_squash by
+    nobody; from a sidecar by its uid. In a directory only its owner (here this uid) may
+    write in, nobody else could have put it there: it is a restore, and no warning."""
+    assert os.geteuid() == 0, "chown to another uid needs root"
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o755)
+    marker = private / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(marker, polling=(mode == "polling"), interval=0.02, window=0)
+    rehydrate_engine.start([det])
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    _appear(private, marker, "restore 1\n", OTHER_UID)
+    assert rec.wait(1)[0]["reason"] == "file"
+    assert not [r for r in caplog.records if "is owned by uid" in r.getMessage()]
+
+
+@pytest.mark.parametrize("dir_mode", [0o1777, 0o777, 0o775, 0o1755], ids=oct)
+def test_a_directory_others_may_write_in_keeps_the_owner_check(root_required, tmp_path,
+                                                              dir_mode):
+    """World- or group-writable, or sticky: another user could have put the marker there."""
+    from rehydrate.detect.file import _read_marker
+
+    directory = tmp_path / "d"
+    directory.mkdir()
+    directory.chmod(dir_mode)
+    marker = directory / "restored"
+    _appear(directory, marker, "fake\n", OTHER_UID)
+    state, foreign = _read_marker(str(marker), frozenset())
+    assert state is not None and foreign == OTHER_UID
+    assert _read_marker(str(marker), frozenset({OTHER_UID}))[1] is None  # named: trusted
+    directory.chmod(0o755)
+    assert _read_marker(str(marker), frozenset()) == (state, None)
+
+
+def test_a_symlink_of_a_private_directory_to_a_foreign_file_in_a_shared_one_is_ignored(
+        root_required, tmp_path):
+    """Each owner is judged by the directory holding its entry: a trusted symlink leading
+    to another uid's file in /tmp is that uid's to rewrite."""
+    from rehydrate.detect.file import _read_marker
+
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir()
+    shared.mkdir()
+    private.chmod(0o755)
+    shared.chmod(0o1777)
+    _appear(shared, shared / "target", "fake\n", OTHER_UID)
+    (private / "restored").symlink_to(shared / "target")
+    assert _read_marker(str(private / "restored"), frozenset())[1] == OTHER_UID
+    os.chown(shared / "target", 0, 0)
+    assert _read_marker(str(private / "restored"), frozenset())[1] is None
+
+
+def test_marker_owners_setting(root_required, rehydrate_engine, tmp_path, monkeypatch,
+                               caplog):
+    """``REHYDRATE_MARKER_OWNERS`` names the platform's uid as seen here: its marker in a
+    shared directory is a restore. A bad entry is one warning naming it, and left out;
+    the warning about an untrusted owner names the trusted ones."""
+    assert os.geteuid() == 0, "chown to another uid needs root"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    marker = shared / "restored"
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    monkeypatch.setenv("REHYDRATE_MARKER_OWNERS", f"1001, {OTHER_UID},nobody")
+    det = FileDetector(marker, polling=True, interval=0.02, window=0)
+    assert det.owners == {1001, OTHER_UID}
+    assert [r.getMessage() for r in caplog.records] == [
+        "REHYDRATE_MARKER_OWNERS: 'nobody' is not a uid (a number >= 0); ignored"]
+    rec = Recorder(rehydrate_engine)
+    rehydrate_engine.start([det])
+    _appear(shared, marker, "restore 1\n", OTHER_UID)
+    assert rec.wait(1)[0]["reason"] == "file"
+
+    _appear(shared, marker, "fake\n", 1002)
+    wait_for(lambda: any("is owned by uid 1002, not by root, uid 1001 or uid 65534, in a "
+                         "directory others may write in" in r.getMessage()
+                         for r in caplog.records), what="the untrusted owner's warning")
+    assert len(rec.calls) == 1

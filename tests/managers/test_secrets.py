@@ -838,10 +838,116 @@ def test_a_wipe_wait_the_hooks_refuse_leaves_nothing_loaded_or_registered(rehydr
         loads.append(1)
         return b"value"
 
-    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+    with pytest.raises(ValueError, match="^wipe_wait must be a number of seconds"):
         Secret.from_callable(source, name="w", wipe_wait=float("nan"),
                              engine=rehydrate_engine)
     assert not loads
     assert not [h for event in ("restore", "snapshot")
                 for h in rehydrate_engine.hooks(event) if h.name == "rehydrate.secret:w"]
     assert Secret.from_callable(source, name="w", engine=rehydrate_engine).get() == b"value"
+
+
+@pytest.mark.parametrize(("wipe_wait", "error", "shown"), [
+    (float("nan"), ValueError, "not nan"),
+    (4e7, ValueError, "not 40000000.0"),  # was reported as "timeout … not 40000005.0"
+    (-1, ValueError, "not -1"),
+    ("2", TypeError, "not str"),
+])
+def test_a_bad_wipe_wait_is_named_with_the_value_given(rehydrate_engine, wipe_wait, error,
+                                                       shown):
+    with pytest.raises(error) as caught:
+        Secret(lambda: b"pw", name="db", wipe_wait=wipe_wait, engine=rehydrate_engine)
+    message = str(caught.value)
+    assert message.startswith("wipe_wait must be a number of seconds >= 0") and \
+        message.endswith(shown), message
+    assert not [h for event in ("restore", "snapshot")
+                for h in rehydrate_engine.hooks(event) if h.name == "rehydrate.secret:db"]
+
+
+def test_the_longest_wipe_wait_is_accepted(rehydrate_engine):
+    """A year: the wipe hook's timeout (wipe_wait + 5 s) is held to the registry's limit."""
+    s = Secret(lambda: b"pw", name="db", wipe_wait=31_536_000, engine=rehydrate_engine)
+    assert s.wipe_wait == 31_536_000.0 and s.get() == b"pw"
+
+
+@pytest.mark.parametrize("snapshot_pass", [False, True])
+def test_a_restore_while_the_constructor_reads_the_source_keeps_the_restore_s_load(
+        rehydrate_engine, snapshot_pass):
+    """The secret's restore hook (registered before the constructor's load) loaded the
+    clone's value, yet the constructor's load, seeing the generation change, raised
+    SecretError and unregistered the secret: the object (reachable from the traceback)
+    kept the clone's value, never wiped again. A restore is now covered like a pass."""
+    reading, release = threading.Event(), threading.Event()
+
+    def source() -> bytes:
+        if not reading.is_set():  # the constructor's: answered once the clone runs
+            reading.set()
+            assert release.wait(10)
+            return b"before-the-image"
+        return b"the-clone-s-own"
+
+    t, made, errors = _make_in_thread(lambda: Secret.from_callable(
+        source, name="token", on_wiped="raise", engine=rehydrate_engine))
+    assert reading.wait(10)
+    try:
+        if snapshot_pass:
+            assert rehydrate_engine.simulate_snapshot().ok
+        assert rehydrate_engine.simulate_restore().ok
+    finally:
+        release.set()
+        t.join(10)
+    assert not errors
+    [s] = made
+    assert s.get() == b"the-clone-s-own" and s.loads == 1
+    from rehydrate import secrets
+
+    assert secrets.manager(rehydrate_engine).secrets() == [s]
+    assert rehydrate_engine.simulate_snapshot().ok  # managed: the next pass wipes it
+    assert not s.available
+
+
+def test_a_constructor_that_fails_after_its_restore_hook_loaded_keeps_no_value(
+        rehydrate_engine):
+    """The constructor's failure path unregistered the secret but left the value its
+    restore hook had loaded meanwhile in the object (alive in the exception's traceback),
+    out of reach of every later wipe. It is now closed and wiped first."""
+
+    class Interrupted(BaseException):  # like KeyboardInterrupt: past ``except Exception``
+        pass
+
+    reading, release = threading.Event(), threading.Event()
+    objects: list[Secret] = []
+    load = Secret._load
+
+    def source() -> bytes:
+        if not reading.is_set():
+            reading.set()
+            assert release.wait(10)
+            raise Interrupted
+        return b"the-clone-s-own"
+
+    def record(self, **kwargs):  # type: ignore[no-untyped-def]
+        objects.append(self)
+        return load(self, **kwargs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(Secret, "_load", record):
+        t, made, errors = _make_in_thread(lambda: Secret.from_callable(
+            source, name="token", engine=rehydrate_engine))
+        assert reading.wait(10)
+        try:
+            assert rehydrate_engine.simulate_restore().ok
+            buffer = objects[0]._buf
+            assert buffer == b"the-clone-s-own"  # the restore hook's load
+        finally:
+            release.set()
+            t.join(10)
+    assert not made and [type(e) for e in errors] == [Interrupted]
+    orphan = objects[0]
+    assert orphan._buf is None and not any(buffer)
+    with pytest.raises(SecretUnavailable, match="closed"):
+        orphan.get()
+    from rehydrate import secrets
+
+    assert secrets.manager(rehydrate_engine).secrets() == []

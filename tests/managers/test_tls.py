@@ -2080,3 +2080,45 @@ def test_an_issuer_adding_its_own_certificate_again_is_an_error_not_a_hang(rehyd
     assert "certificate 'web' is already being added or closed by this thread" in str(error)
     assert tls.manager(rehydrate_engine).get("web") is None
     assert not _tls_hooks(rehydrate_engine, "web")
+
+
+def test_an_interrupt_right_after_the_claim_leaves_the_name_free(rehydrate_engine,
+                                                                monkeypatch):
+    """A KeyboardInterrupt between add()'s claim of the name and the try/finally that
+    released it (``frozen = self.frozen``) left the name busy for ever: every later add
+    of it waited without a timeout (or, in the same thread, failed as re-entrant)."""
+    m = tls.manager(rehydrate_engine)
+    claim = tls.TLSManager._claim
+
+    def claim_then_interrupt(self, name, *args):  # type: ignore[no-untyped-def]
+        assert claim(self, name, *args) is None
+        assert name in self._busy  # the name is claimed: now the interrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tls.TLSManager, "_claim", claim_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        tls.self_signed("web", engine=rehydrate_engine)
+    monkeypatch.undo()
+    assert m._busy == {} and m.get("web") is None
+    cert = tls.self_signed("web", engine=rehydrate_engine)  # neither waits nor fails
+    assert m.get("web") is cert and m._busy == {}
+
+
+def test_a_nested_add_that_fails_does_not_release_the_outer_claim(rehydrate_engine):
+    """Released by the call's own token, not the thread: an issuer adding its own name
+    again fails, and the name stays the outer add's until that one is done."""
+    m = tls.manager(rehydrate_engine)
+    during: list[object] = []
+
+    class Reentrant:
+        def issue(self, csr):  # type: ignore[no-untyped-def]
+            outer = m._busy.get("web")
+            with pytest.raises(RuntimeError, match="already being added"):
+                tls.issued("web", self, common_name="localhost", engine=rehydrate_engine)
+            during.append(outer is not None and m._busy.get("web") is outer)
+            raise RuntimeError("issuer gave up")
+
+    with pytest.raises(CertificateError):
+        tls.issued("web", Reentrant(), common_name="localhost", engine=rehydrate_engine)
+    assert during == [True]
+    assert m._busy == {} and m.get("web") is None
