@@ -65,7 +65,7 @@ from ._threads import fresh_lock_after_fork
 from .extensions import Probe, add_redactor, resolve_engine
 
 if TYPE_CHECKING:
-    from ._context import RestoreContext
+    from ._context import Report, RestoreContext
     from .extensions import Engine
 
 __all__ = [
@@ -159,6 +159,15 @@ class Secret:
         self._loader = loader
         self._cond = threading.Condition()
         self._buf: bytearray | None = None
+        self._form_cache: frozenset[str] | None = None
+        """The value's forms (:meth:`_forms`), made at the first redaction after a load
+        and dropped with the value (wipe, reload, close): text copies of the value, so
+        never kept into a snapshot image — the wipe drops them before it is written."""
+        self._previous_forms: frozenset[str] = frozenset()
+        """The forms of the value a load replaced (a rotation): an application's client
+        may still hold and quote the old value until it is refreshed. Kept only until the
+        end of the run that rotated it (:meth:`SecretsManager._run_ended`), or the next
+        wipe or close; never across a snapshot."""
         self._readers = 0
         """Open views of the value (a wipe or reload waits for them), of every thread."""
         self._local = threading.local()
@@ -311,6 +320,10 @@ class Secret:
                 self._reason = _CREATED_PENDING
             if not pending:
                 old = self._buf
+                if old is not None:
+                    self._previous_forms = (self._form_cache
+                                            or frozenset(value_forms(bytes(old))))
+                self._form_cache = None
                 self._buf = fresh  # a new buffer: views of the old one may still be open
                 self.loads += 1
                 self._reason = ""
@@ -362,6 +375,8 @@ class Secret:
                 log.warning("secret %s: %d reader(s) still hold a view; wiping under them",
                             self.name, self._readers)
             buf, self._buf = self._buf, None
+            self._form_cache = None
+            self._previous_forms = frozenset()
             self._reason = _CLOSED if self._closed else _WIPED
             self._cond.notify_all()  # after close(), blocked readers fail now, not at timeout
         if buf is not None:
@@ -445,15 +460,23 @@ class Secret:
         cm = self._local.__dict__["cms"].pop()
         cm.__exit__(None, None, None)
 
-    def _forms(self) -> set[str]:
-        """How an error message may quote the value (:func:`~rehydrate._redact.value_forms`);
-        none while it is wiped or closed. Made only when a text is redacted (a hook
-        failed): these are copies rehydrate cannot wipe, dropped right after."""
+    def _forms(self) -> frozenset[str]:
+        """How an error message may quote the value (:func:`~rehydrate._redact.value_forms`),
+        and the value a rotation replaced during the current run; none while it is wiped
+        or closed. Made at the first redaction after a load and kept with the value until
+        its wipe, reload or close (every failed hook asks: making them each time cost
+        ~20 forms per secret per text). These are copies rehydrate cannot zero: dropped
+        at the wipe, before a snapshot image is written."""
         with self._cond:
-            if self._buf is None or self._closed:
-                return set()
-            value = bytes(self._buf)
-        return value_forms(value)
+            if self._closed:
+                return frozenset()
+            if self._buf is not None and self._form_cache is None:
+                self._form_cache = frozenset(value_forms(bytes(self._buf)))
+            return (self._form_cache or frozenset()) | self._previous_forms
+
+    def _drop_previous(self) -> None:
+        with self._cond:
+            self._previous_forms = frozenset()
 
     def __repr__(self) -> str:
         state = "loaded" if self._buf is not None else "unavailable"
@@ -669,9 +692,10 @@ class SecretsManager:
         fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._secrets: dict[int, weakref.ref[Secret]] = {}
         engine.add_status("secrets", self._status)
+        engine.add_listener(self._run_ended)
         # Process-wide and held weakly: a hook of any engine may quote this engine's
         # secrets, and the registration ends with this manager.
-        add_redactor(self._redact)
+        add_redactor(self._redact, weak=True)
 
     def _redact(self, text: str) -> str:
         """``text`` with the value of every loaded secret of this manager replaced by
@@ -679,6 +703,13 @@ class SecretsManager:
         lists; a value shorter than 4 characters is left alone)."""
         named = [(form, s.name) for s in self.secrets() for form in s._forms()]
         return replace_forms(text, named) if named else text
+
+    def _run_ended(self, report: Report) -> None:
+        """A run's report is out: the values its reloads replaced are no longer looked
+        for (an application hook of that run may have quoted one; later, its clients
+        hold the new value)."""
+        for s in self.secrets():
+            s._drop_previous()
 
     @property
     def active(self) -> bool:

@@ -175,13 +175,45 @@ def test_a_cause_or_a_note_quoting_the_token_is_not_kept(
 
     report = rehydrate_engine.simulate_restore()
     error = report.hooks[-1].error
-    assert isinstance(error, RedactedError)
+    # the type raised, kept: isinstance(), except* and its attributes still work
+    assert type(error) is ConnectionError
     assert str(error) == "the API refused the request"
-    assert error.original_name == "ConnectionError"
+    assert isinstance(error.__cause__, ValueError)
+    assert str(error.__cause__) == SHOWN
     assert report.error is not None
-    assert "SECRETMARKER" not in "".join(traceback.format_exception(report.error))
+    formatted = "".join(traceback.format_exception(report.error))
+    assert "SECRETMARKER" not in formatted
+    assert SHOWN in formatted and "raise err from exc" in formatted  # where it failed
     if hasattr(error, "add_note"):
         assert error.__notes__[0] == f"sent {SHOWN}"
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back)) == (ConnectionError, str(error))
+
+
+def test_an_error_still_showing_the_value_after_copying_is_replaced(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """A ``__str__`` of its own that quotes the value from elsewhere: the copy with
+    redacted args still shows it, so a RedactedError stands for it, without cause,
+    context or traceback."""
+    value = token.get_str()
+
+    class Quoting(Exception):
+        def __str__(self) -> str:
+            return f"token {value} refused"
+
+    @rehydrate_engine.registry.after_restore(name="quoting")
+    def quoting() -> None:
+        try:
+            raise ValueError(value)
+        except ValueError as exc:
+            raise Quoting() from exc
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    assert isinstance(error, RedactedError)
+    assert error.original_name == "Quoting"
+    assert str(error) == f"token {SHOWN} refused"
+    assert error.__cause__ is None and error.__context__ is None
+    assert error.__traceback__ is None
     back = pickle.loads(pickle.dumps(error))
     assert (str(back), back.original_name, back.original_type) == (
         str(error), error.original_name, error.original_type)
@@ -265,13 +297,33 @@ def test_a_failing_redactor_withholds_the_whole_message(
     assert extensions.redact("whatever it says") == "whatever it says"
 
 
-def test_a_bound_method_redactor_is_held_weakly() -> None:
+def test_a_redactor_is_held_until_removed_and_weakly_only_when_asked() -> None:
+    """A bound method of an object nobody else holds stays registered (it was dropped at
+    the next garbage collection); ``weak=True`` holds it by its object; a slotted
+    object's method, which cannot be referred to weakly, registers by default."""
     class Holder:
         def hide(self, text: str) -> str:
             return text.replace("hidden-value", "[gone]")
 
+    class Slotted:
+        __slots__ = ()
+
+        def hide(self, text: str) -> str:
+            return text.replace("slotted-value", "[gone]")
+
+    remove = extensions.add_redactor(Holder().hide)
+    remove_slotted = extensions.add_redactor(Slotted().hide)
+    try:
+        gc.collect()
+        assert extensions.redact("a hidden-value") == "a [gone]"
+        assert extensions.redact("a slotted-value") == "a [gone]"
+    finally:
+        remove()
+        remove_slotted()
+    assert extensions.redact("a hidden-value") == "a hidden-value"
+
     holder = Holder()
-    remove = extensions.add_redactor(holder.hide)
+    remove = extensions.add_redactor(holder.hide, weak=True)
     try:
         assert extensions.redact("a hidden-value") == "a [gone]"
         del holder
@@ -279,6 +331,8 @@ def test_a_bound_method_redactor_is_held_weakly() -> None:
         assert extensions.redact("a hidden-value") == "a hidden-value"
     finally:
         remove()
+    with pytest.raises(TypeError, match="weakly"):
+        extensions.add_redactor(Slotted().hide, weak=True)
 
 
 def test_the_adapters_redact_managed_secrets_through_the_same_registry(
@@ -304,3 +358,166 @@ def test_a_connection_error_quoting_the_token_is_redacted_in_its_status(
     assert "SECRETMARKER" not in status
     [conn] = rehydrate_engine.status().extra["connections"]
     assert conn["last_error"] == f"ConnectionError: the API refused b'{SHOWN}'"
+
+
+def test_an_error_quoting_a_common_word_secret_keeps_its_type(
+        rehydrate_engine: rehydrate.Lifecycle) -> None:
+    """A password that is a common word ("postgres"): an unrelated error quoting the word
+    is redacted in a copy of the same type — errno, isinstance and except* still work."""
+    db = Secret.from_callable(lambda: b"postgres", name="db_password",
+                              engine=rehydrate_engine)
+    shown = "[redacted secret 'db_password']"
+
+    @rehydrate_engine.registry.after_restore(name="warm", required=False)
+    def warm() -> None:
+        raise ConnectionRefusedError(111, "could not connect to postgres at db:5432")
+
+    @rehydrate_engine.registry.after_restore(name="open")
+    def open_file() -> None:
+        raise FileNotFoundError(2, "no such file", "/etc/postgres/pass", None,
+                                "/run/postgres")
+
+    try:
+        report = rehydrate_engine.simulate_restore()
+        warm_error, open_error = (h.error for h in report.hooks[-2:])
+        assert type(warm_error) is ConnectionRefusedError
+        assert isinstance(warm_error, ConnectionError) and warm_error.errno == 111
+        assert str(warm_error) == f"[Errno 111] could not connect to {shown} at db:5432"
+        assert type(open_error) is FileNotFoundError
+        assert (open_error.filename, open_error.filename2) == (
+            f"/etc/{shown}/pass", f"/run/{shown}")
+        assert "postgres" not in str(open_error) + repr(open_error)
+        assert report.error is not None
+        matched, _ = report.error.split(ConnectionError)  # what except* does
+        assert matched is not None and matched.exceptions == (warm_error,)
+    finally:
+        db.close()
+
+
+def test_values_shorter_than_eight_characters_are_not_looked_for() -> None:
+    assert value_forms(b"admin\n") == set()
+    assert value_forms(b"hunter2") == set()
+    assert "postgres" in value_forms(b"postgres")
+
+
+def test_a_substring_equal_to_the_value_is_redacted(token: Secret) -> None:
+    """By substring, not by word: text containing the value contains the value."""
+    assert extensions.redact(f"http://{MARK}-exporter:9187") == f"http://{SHOWN}-exporter:9187"
+
+
+def test_an_unformattable_error_is_walked_on_to_its_cause(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("nope")
+
+    @rehydrate_engine.registry.after_restore(name="unprintable")
+    def unprintable() -> None:
+        try:
+            raise ConnectionError(f"auth failed for token {MARK}")
+        except ConnectionError as exc:
+            raise Unprintable() from exc
+
+    report = rehydrate_engine.simulate_restore()
+    assert report.error is not None
+    formatted = "".join(traceback.format_exception(report.error))
+    assert "SECRETMARKER" not in formatted
+    assert f"auth failed for token {SHOWN}" in formatted
+
+
+def test_an_args_value_hidden_by_a_custom_str_is_redacted(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    class AuthError(Exception):
+        def __str__(self) -> str:
+            return "authentication failed"
+
+    @rehydrate_engine.registry.after_restore(name="auth")
+    def auth() -> None:
+        raise AuthError(MARK)
+
+    report = rehydrate_engine.simulate_restore()
+    error = report.hooks[-1].error
+    assert type(error) is AuthError and error.args == (SHOWN,)
+    assert "SECRETMARKER" not in repr(report) + repr(error)
+
+
+def report_group() -> BaseException:
+    """An ExceptionGroup (the backport's on 3.10, as the engine's reports use)."""
+    from rehydrate._context import HookFailed
+    return HookFailed.__mro__[1]("x", [ValueError()])  # type: ignore[no-any-return]
+
+
+def test_the_first_member_of_a_large_group_is_redacted(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """A TaskGroup of 120 calls: the first member, which a traceback shows first, was
+    beyond the walk's bound (it went from the last member)."""
+    group_type = type(report_group())
+    @rehydrate_engine.registry.after_restore(name="fan-out")
+    async def fan_out() -> None:
+        async def call(i: int) -> None:
+            if i == 0:
+                raise PermissionError(f"401 for Bearer {MARK}")
+            raise TimeoutError(f"shard {i} timed out")
+
+        results = await asyncio.gather(*(call(i) for i in range(120)),
+                                       return_exceptions=True)
+        # what a TaskGroup raises, built here: asyncio.TaskGroup is 3.11+
+        raise group_type("unhandled errors in a TaskGroup", results)
+
+    report = rehydrate_engine.simulate_restore()
+    error = report.hooks[-1].error
+    assert type(error) is group_type and len(error.exceptions) == 120
+    assert str(error.exceptions[0]) == f"401 for Bearer {SHOWN}"
+    assert report.error is not None
+    assert "SECRETMARKER" not in "".join(traceback.format_exception(report.error))
+
+
+def test_the_forms_are_made_once_per_load(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every redaction made ~20 forms per secret anew (each failed hook, each text)."""
+    import rehydrate.secrets as secrets_module
+
+    made: list[bytes] = []
+
+    def counting(value: bytes) -> set[str]:
+        made.append(value)
+        return value_forms(value)
+
+    monkeypatch.setattr(secrets_module, "value_forms", counting)
+    assert token.reload()  # a load: the forms are made at the next redaction
+    made.clear()
+    for _ in range(3):
+        assert extensions.redact(f"a {MARK}") == f"a {SHOWN}"
+    assert len(made) == 1
+    (tmp_path / "token").write_text("SECRETMARKER-rotated\n")
+    assert token.reload()
+    assert extensions.redact("a SECRETMARKER-rotated") == f"a {SHOWN}"
+    assert len(made) == 2  # the new value's; the replaced value's forms were kept
+    assert rehydrate_engine.simulate_snapshot().ok  # the wipe drops them
+    assert token._form_cache is None and token._previous_forms == frozenset()
+
+
+def test_a_value_replaced_by_the_restore_is_redacted_until_the_run_ends(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret, tmp_path: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rotated while the process was checkpointed (no before-snapshot pass: the image
+    still held the old value): an application hook of the restore quoting the value
+    its client still holds is redacted; after the run the old value is not looked for."""
+    old = token.get_str()
+    (tmp_path / "token").write_text("SECRETMARKER-rotated\n")
+
+    @rehydrate_engine.registry.after_restore(name="refresh-client")
+    def refresh() -> None:
+        raise PermissionError(f"401 from api: token {old} revoked")
+
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    report = rehydrate_engine.simulate_restore()
+    assert token.get() == b"SECRETMARKER-rotated\n"
+    error = report.hooks[-1].error
+    assert type(error) is PermissionError
+    assert str(error) == f"401 from api: token {SHOWN} revoked"
+    assert "SECRETMARKER" not in caplog.text
+    assert "SECRETMARKER" not in json.dumps(rehydrate_engine.status().to_dict(), default=str)
+    assert extensions.redact(old) == old  # the run is over: only the new value
+    assert extensions.redact("SECRETMARKER-rotated") == SHOWN
