@@ -73,6 +73,7 @@ from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from ._hooks import Hook, Phase
+from ._redact import redact, redact_error
 from ._threads import fresh_lock_after_fork, held_by_another_thread
 from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
@@ -127,7 +128,7 @@ def _listeners_failed(message: str) -> CertificateError:
     """A :class:`CertificateError` saying listeners failed to take the material in use.
     Not a subclass: its class name is in log lines and reports, and greps and alerts on
     ``CertificateError`` must match it too."""
-    exc = CertificateError(message)
+    exc = CertificateError(redact(message))  # a listener's error may quote a secret
     exc._in_use = True
     return exc
 
@@ -500,12 +501,22 @@ class ManagedCertificate:
         self._unnotified: list[Callable[[ManagedCertificate], None]] | None = None
         """Listeners that failed to take the current material (None: none did): called
         again when the material is re-read unchanged (:meth:`_retry_listeners`)."""
-        self.last_error: str | None = None
-        """Why the last renewal was rejected, or which listeners failed to take it (None
-        after a success)."""
+        self._last_error: str | None = None
         self.renewals = 0
         self._hooks: tuple[Hook, ...] = ()
         _HANDLES.add(self)
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the last renewal was rejected, or which listeners failed to take it (None
+        after a success). Redacted when set (:func:`rehydrate.extensions.redact`): an
+        issuer's or a listener's error may quote a managed secret (a Vault token), and
+        ``status()``, log lines and :attr:`material`'s error show it."""
+        return self._last_error
+
+    @last_error.setter
+    def last_error(self, text: str | None) -> None:
+        self._last_error = None if text is None else redact(text)
 
     def __repr__(self) -> str:
         m = self._material
@@ -570,14 +581,22 @@ class ManagedCertificate:
 
     def _renew_locked(self) -> Material:
         epoch = self._manager.epoch  # before produce(): an issuer may take long
+        failure: Exception | None = None
         try:
             new = self.produce()
-        except CertificateError as exc:
-            self.last_error = str(exc)
-            raise
         except Exception as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            raise CertificateError(self.last_error) from exc
+            failure = exc
+        if failure is not None:
+            # Raised out here, not in the except block: the original would stay attached
+            # as __context__, its text (a quoted secret) with it.
+            text = str(failure) if isinstance(failure, CertificateError) else (
+                f"{type(failure).__name__}: {failure}")
+            self.last_error = text
+            shown = redact_error(failure)  # itself, unless it (or its cause) quotes a secret
+            if isinstance(shown, CertificateError):
+                raise shown
+            raise CertificateError(self.last_error) from (
+                None if isinstance(failure, CertificateError) else shown)
         if self._unchanged(new):
             new.wipe_key()
             self.last_error = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..extensions import Probe, resolve_engine
+from ..extensions import Probe, redact, resolve_engine
 
 if TYPE_CHECKING:
     from .. import Status
@@ -114,7 +114,7 @@ def public_status(engine: Engine) -> dict[str, Any]:
     """``engine.status().to_dict()`` as it may be shown to anyone who reaches the port:
     state, generation, readiness, detectors (a failed one's name, not its error), the
     last report's hooks with their names and outcomes (no error text, no environment
-    variable names), connections' names and states (no peers, addresses, sockets or
+    variable names; its ``reason`` redacted of managed secrets), connections' names and states (no peers, addresses, sockets or
     errors), secrets' names and availability (no sources or paths), ephemeral keys,
     whether entropy was reseeded (not the instance id), hung hooks' names. Only these
     fields are built: no ``/proc`` scan per request."""
@@ -133,6 +133,9 @@ def public_status(engine: Engine) -> dict[str, Any]:
             full.pop(key, None)
         full["hooks"] = [{k: v for k, v in h.items() if k != "error"}
                          for h in full["hooks"]]
+        if isinstance(full.get("reason"), str):
+            # the caller's text (restore_detected(reason=...)): it may quote anything
+            full["reason"] = redact(full["reason"])
         shown["last_report"] = full
     extra = status.extra
     if "detector_errors" in extra:

@@ -51,6 +51,7 @@ from rehydrate.extensions import (
     Probe,
     check_seconds,
     fresh_lock_after_fork,
+    redact,
     resolve_engine,
     shown,
 )
@@ -591,7 +592,7 @@ class AgonesAdapter:
             # _resync keeps to the deadline itself; this only bounds a stuck loop
             self._call(self._resync(ctx.kind), timeout=self.deadline + 5.0)
         except AgonesError as exc:
-            self.reason = str(exc)
+            self.reason = redact(str(exc))  # shown in status(): a managed secret never is
             raise
 
     async def _resync(self, kind: str) -> None:

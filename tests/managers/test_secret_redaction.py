@@ -521,3 +521,81 @@ def test_a_value_replaced_by_the_restore_is_redacted_until_the_run_ends(
     assert "SECRETMARKER" not in json.dumps(rehydrate_engine.status().to_dict(), default=str)
     assert extensions.redact(old) == old  # the run is over: only the new value
     assert extensions.redact("SECRETMARKER-rotated") == SHOWN
+
+
+def _vault_issuer(token: Secret) -> Any:
+    """An issuer that signs with a throwaway CA, or (``fail``) raises quoting its token."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ca")])
+    now = dt.datetime.now(dt.timezone.utc)
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(1)
+          .not_valid_before(now - dt.timedelta(days=1))
+          .not_valid_after(now + dt.timedelta(days=30))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+
+    class VaultIssuer:
+        fail = False
+
+        def issue(self, csr: Any) -> Any:
+            if self.fail:
+                raise PermissionError(f"vault: permission denied for token {token.get_str()}")
+            cert = (x509.CertificateBuilder().subject_name(csr.subject).issuer_name(ca_name)
+                    .public_key(csr.public_key()).serial_number(x509.random_serial_number())
+                    .not_valid_before(now - dt.timedelta(days=1))
+                    .not_valid_after(now + dt.timedelta(days=10))
+                    .add_extension(x509.SubjectAlternativeName([x509.DNSName("svc.local")]),
+                                   critical=False)
+                    .sign(ca_key, hashes.SHA256()))
+            return cert, [ca]
+
+    return VaultIssuer()
+
+
+def test_a_certificate_error_quoting_a_secret_is_redacted_in_status_and_renew(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An issuer's error quoting its Vault token: the certificate's ``last_error``
+    (``status()["tls"]``), the error renew() raises and the ``material`` error."""
+    from rehydrate import tls
+
+    issuer = _vault_issuer(token)
+    cert = tls.issued("web", issuer, common_name="svc.local", sans=["svc.local"],
+                      engine=rehydrate_engine)
+    issuer.fail = True
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    assert not rehydrate_engine.simulate_restore().ok
+    status = json.dumps(rehydrate_engine.status().to_dict(), default=str)
+    assert "SECRETMARKER" not in status and SHOWN in status
+    with pytest.raises(tls.CertificateError) as caught:
+        cert.renew()
+    assert "SECRETMARKER" not in "".join(traceback.format_exception(caught.value))
+    assert SHOWN in str(caught.value)
+    assert isinstance(caught.value.__cause__, PermissionError)  # kept, redacted
+    assert cert.last_error is not None and "SECRETMARKER" not in cert.last_error
+    assert "SECRETMARKER" not in caplog.text
+    assert rehydrate_engine.simulate_snapshot().ok
+    cert._material = None  # no material: its error quotes last_error
+    with pytest.raises(tls.CertificateError) as no_material:
+        cert.material  # noqa: B018
+    assert "SECRETMARKER" not in str(no_material.value)
+    assert SHOWN in str(no_material.value)
+
+
+def test_the_public_status_redacts_the_last_reports_reason(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """The reason is the caller's text (``restore_detected(reason=...)``), served to
+    anyone reaching the port."""
+    from rehydrate.adapters._readiness import public_status
+
+    assert rehydrate_engine.simulate_restore(reason=f"webhook with token {MARK}").ok
+    shown = public_status(rehydrate_engine)["last_report"]["reason"]
+    assert shown == f"webhook with token {SHOWN}"
