@@ -468,6 +468,9 @@ class ControlServer:
         sock, thread = self._sock, self._thread
         if sock is None:
             return
+        if self._bound_by != os.getpid():
+            self._forget_in_child()
+            return
         self._stopping = True
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")
@@ -483,6 +486,26 @@ class ControlServer:
         self._thread = None
         _SERVING.discard(self)
         self._unlink_own()
+
+    def _forget_in_child(self) -> None:
+        """stop() in a child of fork() (an inherited shutdown handler): the server is
+        the parent's. Writing to the stop pipe would end the parent's accept thread, a
+        shutdown() of a connection would cut the parent's client, and the socket file
+        is the parent's: only this process's copies of the descriptors are closed."""
+        sock, self._sock, self._thread = self._sock, None, None
+        with self._lock:
+            conns = list(self._conns)
+            self._conns.clear()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.close()  # a copy: the parent's connection stays open
+        if sock is not None:
+            sock.close()
+        _SERVING.discard(self)
+        for fd in (self._stop_r, self._stop_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._stop_r = self._stop_w = -1
 
     def _unlink_own(self) -> None:
         """Remove the socket file when it is still the one this server bound."""

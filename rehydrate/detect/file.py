@@ -370,6 +370,13 @@ class FileDetector(Detector):
 
     def stop(self) -> None:
         with self._lock:
+            if self._worker is not None and self._worker_pid != os.getpid():
+                # A child of fork() (an inherited shutdown handler): the worker and the
+                # observer are the parent's. Stopping the observer here would remove the
+                # watches of the inotify instance both processes share, and the events
+                # are threading ones of this process: only forgotten.
+                self._worker = self._observer = None
+                return
             worker, self._worker = self._worker, None
             observer, self._observer = self._observer, None
             self._stopping.set()

@@ -416,6 +416,17 @@ class GVisorDetector(Detector):
         thread = self._thread
         if thread is None:
             return
+        if self._pid != os.getpid():
+            # A child of fork() (an inherited shutdown handler): the waiter is the
+            # parent's. A byte in the shared stop pipe would end it, and opening the FIFO
+            # as a writer would wake it: only this process's copies are closed.
+            self._thread = None
+            keeper, self._keeper = self._keeper, -1
+            if keeper >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(keeper)  # a copy: the parent's reader stays
+            self._close_pipe()
+            return
         self._stopping = True
         with contextlib.suppress(OSError):  # the pipe is ours and never full
             os.write(self._stop_w, b"x")

@@ -1781,3 +1781,31 @@ def test_simulate_answers_ready_for_a_run_whose_failures_recovered(
 
     reply = request("simulate", socket_path=sock_path)
     assert reply["ok"] is True and reply["report"]["recovered"] == ["cert"], reply
+
+
+def test_stop_in_a_forked_child_leaves_the_parents_server(engine: Lifecycle,
+                                                         sock_path: str) -> None:
+    """A child of fork() calling stop() on the parent's detector (an inherited shutdown
+    handler) wrote to the shared stop pipe and removed the parent's socket file: the
+    parent's accept thread ended while the engine still listed the detector."""
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]
+    server = det.server
+    assert server is not None
+    thread = server._thread
+    held = socket.socket(socket.AF_UNIX)  # a client connected before the fork
+    held.connect(sock_path)
+    try:
+        def child() -> dict[str, Any]:
+            det.stop()
+            return {"forgotten": det.server is None and server._sock is None,
+                    "exists": os.path.exists(sock_path)}
+
+        assert in_forked_child(child) == {"forgotten": True, "exists": True}
+        assert os.path.exists(sock_path)
+        assert request("status", socket_path=sock_path)["ok"]
+        assert thread is not None and thread.is_alive() and det.server is server
+        held.sendall(b'{"cmd": "status"}\n')  # not shut down by the child
+        assert held.recv(6) == b'{"ok":'
+    finally:
+        held.close()

@@ -640,3 +640,27 @@ def test_marker_owners_setting(root_required, rehydrate_engine, tmp_path, monkey
                          "directory others may write in" in r.getMessage()
                          for r in caplog.records), what="the untrusted owner's warning")
     assert len(rec.calls) == 1
+
+
+def test_stop_in_a_forked_child_leaves_the_parents_watch(rehydrate_engine, tmp_path):
+    """A child of fork() calling stop() on the parent's detector (an inherited shutdown
+    handler) stopped its copy of the observer: that removed the watches of the inotify
+    instance both processes share, and the parent heard no more marker writes."""
+    from detect_helpers import in_forked_child
+
+    marker = tmp_path / "restored"
+    rec = Recorder(rehydrate_engine)
+    det = FileDetector(marker, polling=False, window=0)
+    rehydrate_engine.start([det])
+
+    def child():  # type: ignore[no-untyped-def]
+        det.stop()
+        return {"forgotten": det._worker is None and det._observer is None}
+
+    assert in_forked_child(child) == {"forgotten": True}
+    tmp = tmp_path / "restored.tmp"
+    tmp.write_text("restore 1\n")
+    os.link(tmp, marker)
+    calls = rec.wait(1)
+    assert calls[0]["reason"] == "file"
+    assert det._worker is not None and det._worker.is_alive()

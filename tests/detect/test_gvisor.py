@@ -23,6 +23,7 @@ import threading
 import time
 import tty
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -1703,3 +1704,25 @@ def test_another_run_ending_the_pass_does_not_end_the_wait_for_the_answer(
     finally:
         iso_engine.stop()
         platform.close()
+
+
+def test_stop_in_a_forked_child_leaves_the_parents_waiter(engine: Lifecycle,
+                                                           proc: Path) -> None:
+    """A child of fork() calling stop() on the parent's waiter (an inherited shutdown
+    handler) wrote to the shared stop pipe and opened the FIFO as a writer: the parent's
+    waiter ended while the engine still listed it, deaf to the next checkpoint."""
+    from detect_helpers import in_forked_child
+
+    rec = Recorder(engine)
+    waiter = start_waiter(engine, proc)
+
+    def child() -> dict[str, Any]:
+        waiter.stop(timeout=0.5)
+        return {"stopped": waiter._thread is None}
+
+    assert in_forked_child(child) == {"stopped": True}
+    assert waiter._stop_w != -1  # the parent's own stop pipe, still open
+    answer(waiter, b"restore\n")  # the parent's waiter still hears the checkpoint
+    (call,) = rec.wait(1)
+    assert call[:2] == ("restore-hook", "restore")
+    assert waiter.running and waiter._thread is not None and waiter._thread.is_alive()
