@@ -160,8 +160,10 @@ class HookStillRunning(RuntimeError):
 class RedactedError(Exception):
     """A hook's error, in the report in place of the one it raised, whose text quoted the
     value of a managed secret (a :class:`~rehydrate.secrets.Secret`, or what another
-    extension registered with :func:`~rehydrate.extensions.add_redactor`): its message
-    and notes with each such value replaced by ``[redacted secret 'name']``.
+    extension registered with :func:`~rehydrate.extensions.add_redactor`) and of which no
+    redacted copy of its own type could be made (usually one is: the report then holds
+    that copy): its message and notes with each such value replaced by
+    ``[redacted secret 'name']``.
 
     ``original_name`` and ``original_type`` name the type of the error raised (reports
     and log lines show ``original_name`` where they show an error's type). The original

@@ -32,8 +32,9 @@ to share the name is not cleared by it).
 A hook error (or a connection's, or an upstream's answer an adapter quotes) whose text
 quotes the value of a loaded secret shows ``[redacted secret 'name']`` in its place, in
 logs, reports, ``status()``, telemetry and readiness answers: the manager registers its
-secrets with :func:`rehydrate.extensions.add_redactor`. Values shorter than 4 characters
-are not looked for.
+secrets with :func:`rehydrate.extensions.add_redactor`. Values shorter than 8 characters
+are not looked for. A value a reload replaced is looked for until the end of that run
+(an application's client may still quote it); a wiped one is not (see docs/identity.md).
 
 What rehydrate cannot wipe: values in ``os.environ`` and the process's C environment
 (``Secret.from_env`` reads from there — use ``from_file`` or ``from_callable`` for secrets
@@ -700,7 +701,7 @@ class SecretsManager:
     def _redact(self, text: str) -> str:
         """``text`` with the value of every loaded secret of this manager replaced by
         ``[redacted secret 'name']`` (the forms :func:`~rehydrate._redact.value_forms`
-        lists; a value shorter than 4 characters is left alone)."""
+        lists; a value shorter than 8 characters is left alone)."""
         named = [(form, s.name) for s in self.secrets() for form in s._forms()]
         return replace_forms(text, named) if named else text
 

@@ -114,10 +114,10 @@ def public_status(engine: Engine) -> dict[str, Any]:
     """``engine.status().to_dict()`` as it may be shown to anyone who reaches the port:
     state, generation, readiness, detectors (a failed one's name, not its error), the
     last report's hooks with their names and outcomes (no error text, no environment
-    variable names; its ``reason`` redacted of managed secrets), connections' names and states (no peers, addresses, sockets or
-    errors), secrets' names and availability (no sources or paths), ephemeral keys,
-    whether entropy was reseeded (not the instance id), hung hooks' names. Only these
-    fields are built: no ``/proc`` scan per request."""
+    variable names; its ``reason`` redacted of managed secrets), connections' names and
+    states (no peers, addresses, sockets or errors), secrets' names and availability (no
+    sources or paths), ephemeral keys, whether entropy was reseeded (not the instance
+    id), hung hooks' names. Only these fields are built: no ``/proc`` scan per request."""
     status = engine.status(fields=_PUBLIC_FIELDS)
     report = status.last_report
     shown: dict[str, Any] = {

@@ -23,8 +23,8 @@ import threading
 import time
 import tty
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 from detect_helpers import wait_for
