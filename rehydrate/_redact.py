@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import copy
+import inspect
 import logging
 import sys
 import threading
-import traceback
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -220,11 +222,28 @@ def _redacted(e: BaseException, memo: dict[int, object]) -> BaseException | None
         if e.__traceback__ is not None:
             # Where it failed stays readable; the frames' locals (the hook's, the value
             # among them perhaps) are dropped, not kept alive by the report.
-            traceback.clear_frames(e.__traceback__)
+            _clear_locals(e.__traceback__)
             out.__traceback__ = e.__traceback__
         return out
     finally:
         memo[id(e)] = out
+
+
+_SUSPENDABLE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+                | inspect.CO_ITERABLE_COROUTINE)
+
+
+def _clear_locals(tb: types.TracebackType | None) -> None:
+    """Drop the local variables of the finished plain-function frames of ``tb``. Not a
+    generator's or a coroutine's: clearing one that is suspended closes it (a library's
+    reader task that caught the error, handed it on in a future and reads on); nor an
+    executing one (the runner's own, another thread's): ``clear()`` refuses those."""
+    while tb is not None:
+        frame = tb.tb_frame
+        if not frame.f_code.co_flags & _SUSPENDABLE:
+            with contextlib.suppress(RuntimeError):
+                frame.clear()
+        tb = tb.tb_next
 
 
 def _copy(e: BaseException, members: list[Any] | None) -> BaseException | None:
@@ -275,9 +294,9 @@ def redact_error(exc: Exception) -> Exception:
     shows (its message, ``repr()``, args, notes and string attributes, and those of its
     causes, contexts and group members), else a copy of the same type with each found
     value replaced — args, notes, string attributes (``OSError.strerror``, ``filename``),
-    causes, contexts and members likewise redacted; its traceback kept with its frames'
-    locals cleared (they hold the hook's, the value among them perhaps, and a report
-    lives on into later snapshot images) — so that ``isinstance``, ``errno`` and
+    causes, contexts and members likewise redacted; its traceback kept with the locals
+    of its plain-function frames cleared (they hold the hook's, the value among them
+    perhaps, and a report lives on into later snapshot images; see :func:`_clear_locals`) — so that ``isinstance``, ``errno`` and
     ``except*`` still work on it. When no such copy can be made, or the copy still shows
     the value (a ``__str__`` of its own), a :class:`~rehydrate.RedactedError` in its
     place: the redacted message and notes and the original type's name, without cause,

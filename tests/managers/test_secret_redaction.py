@@ -599,3 +599,47 @@ def test_the_public_status_redacts_the_last_reports_reason(
     assert rehydrate_engine.simulate_restore(reason=f"webhook with token {MARK}").ok
     shown = public_status(rehydrate_engine)["last_report"]["reason"]
     assert shown == f"webhook with token {SHOWN}"
+
+
+def test_the_copy_keeps_the_traceback_without_the_frames_locals(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """Where it failed stays readable; the value held in a local of a frame it passed
+    through is not kept alive by the report (into a later snapshot image)."""
+    def send() -> None:
+        header = "Bearer " + token.get_str()
+        raise ConnectionError(f"refused {header}")
+
+    @rehydrate_engine.registry.after_restore(name="sends")
+    def sends() -> None:
+        send()
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    assert type(error) is ConnectionError and error.__traceback__ is not None
+    frames = [f for f, _ in traceback.walk_tb(error.__traceback__)]
+    [sent] = [f for f in frames if f.f_code.co_name == "send"]
+    assert sent.f_locals == {}
+    assert "send()" in "".join(traceback.format_exception(error))
+
+
+def test_a_suspended_generator_that_handed_the_error_on_is_not_closed(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """A library's reader that caught an error and handed it on (a future, a queue)
+    reads on: its frame is in the error's traceback, and clearing a suspended frame
+    closes its generator or coroutine."""
+    def reader() -> Iterator[BaseException]:
+        while True:
+            try:
+                raise ConnectionError(f"read failed for {MARK}")
+            except ConnectionError as exc:
+                yield exc
+
+    stream = reader()
+    handed = next(stream)
+
+    @rehydrate_engine.registry.after_restore(name="awaits-the-reader")
+    def awaits() -> None:
+        raise handed
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    assert type(error) is ConnectionError and MARK not in str(error)
+    assert isinstance(next(stream), ConnectionError)  # still reading, not closed
