@@ -296,8 +296,9 @@ def redact_error(exc: Exception) -> Exception:
     value replaced — args, notes, string attributes (``OSError.strerror``, ``filename``),
     causes, contexts and members likewise redacted; its traceback kept with the locals
     of its plain-function frames cleared (they hold the hook's, the value among them
-    perhaps, and a report lives on into later snapshot images; see :func:`_clear_locals`) — so that ``isinstance``, ``errno`` and
-    ``except*`` still work on it. When no such copy can be made, or the copy still shows
+    perhaps, and a report lives on into later snapshot images; see
+    :func:`_clear_locals`) — so that ``isinstance``, ``errno`` and ``except*`` still
+    work on it. When no such copy can be made, or the copy still shows
     the value (a ``__str__`` of its own), a :class:`~rehydrate.RedactedError` in its
     place: the redacted message and notes and the original type's name, without cause,
     context or traceback."""
