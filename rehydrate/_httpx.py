@@ -10,6 +10,7 @@ cookies, event hooks — across restores. Imported only when an httpx helper is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import ssl
@@ -22,6 +23,9 @@ import httpx
 from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
+
+_LOOP_CLOSED = ("the event loop its requests ran on is closed: its pooled connections cannot be "
+                "closed")
 
 __all__ = ["AsyncReconnectingTransport", "ReconnectingTransport", "make_async_client",
            "make_client", "shown"]
@@ -163,7 +167,12 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the current pool's connections belong to (None: none opened yet)."""
         self._home: asyncio.AbstractEventLoop | None = None
-        """The loop the application last sent a request on, kept across :meth:`reset`."""
+        """The loop the application last sent a request on, kept across :meth:`reset`
+        (made from a coroutine: that one until then, most likely the client's — the only
+        hint for requests that all go through the caller's mounts, which this never
+        sees)."""
+        with contextlib.suppress(RuntimeError):
+            self._home = asyncio.get_running_loop()
         self.proxies: list[AsyncReconnectingTransport] = []
         """The environment's proxy mounts (:func:`_env_mounts`), reset with this one."""
         self.client: httpx.AsyncClient | None = None
@@ -172,7 +181,9 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         self.retired = False
         """Closed for good by :meth:`retire`: requests raise, no pool is opened again."""
         self._detached: list[tuple[httpx.AsyncHTTPTransport, asyncio.AbstractEventLoop]] = []
-        """Pools taken out while their loop was stopped (:meth:`_detach`), not closed yet."""
+        """Pools taken out while their loop was stopped (:meth:`_detach`), each with that
+        loop, not closed yet: :meth:`_close_detached` closes them there; those of a loop
+        closed since are let go of (:meth:`_drop_stale`)."""
 
     def _mounted(self) -> list[httpx.AsyncHTTPTransport]:
         mounts = getattr(self.client, "_mounts", None) or {}
@@ -261,33 +272,60 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         for proxy in self.proxies:
             proxy._detach(loop)
 
-    def _take_detached(self) -> list[tuple[httpx.AsyncHTTPTransport, asyncio.AbstractEventLoop]]:
+    def _drop_stale(self) -> bool:
+        """Let go of the pools :meth:`_detach` took out (this one's, its proxies') whose
+        loop was closed before it ran their close (nothing can close their sockets any
+        more: "Event loop is closed" there failed the next close on another loop). True
+        when one still held a connection."""
         with self._lock:
-            out, self._detached = self._detached, []
+            stale = [t for t, on in self._detached if on.is_closed()]
+            if stale:
+                self._detached = [d for d in self._detached if not d[1].is_closed()]
+        held = any(_holds(t) for t in stale)
         for proxy in self.proxies:
-            out += proxy._take_detached()
-        return out
+            held = proxy._drop_stale() or held
+        return held
 
     async def _close_detached(self) -> None:
         """The close :meth:`close_pool` has its stopped loop run: the idle connections
-        of every pool :meth:`_detach` took out so far (one in use is closed when its
-        request ends), and the caller's mounts (not swappable) as before."""
-        errors = [e for e in [await _guard(_close_idle(t)) for t, _ in self._take_detached()]
-                  if e is not None]
-        if self._mounts_loop() is asyncio.get_running_loop():
-            for mount in self._mounted():
-                await mount.aclose()
+        of every pool :meth:`_detach` took out there so far (one in use is closed when
+        its request ends; another loop's are not this one's to close), and those of the
+        caller's mounts (not swappable: one in use there goes back to that pool)."""
+        here = asyncio.get_running_loop()
+        errors = await self._close_taken(here)
+        if self._mounts_loop() is here:
+            errors += [e for e in [await _guard(_close_idle(m)) for m in self._mounted()]
+                       if e is not None]
         if errors:
             raise errors[0]
 
+    async def _close_taken(self, here: asyncio.AbstractEventLoop) -> list[BaseException]:
+        """:meth:`_close_detached` of the pools taken out on ``here``; each stays listed
+        until its close has returned: one ``here`` never finished (closed meanwhile)
+        counts as left open (:meth:`_drop_stale`)."""
+        with self._lock:
+            mine = [t for t, on in self._detached if on is here]
+        errors = []
+        for pool in mine:
+            exc = await _guard(_close_idle(pool))
+            with self._lock:
+                self._detached = [d for d in self._detached if d[0] is not pool]
+            if exc is not None:
+                errors.append(exc)
+        for proxy in self.proxies:
+            errors += await proxy._close_taken(here)
+        return errors
+
     async def close_pool(self) -> None:
         here = asyncio.get_running_loop()
+        stale = self._drop_stale()
         stopped = self._stopped_loop()
         if stopped is not None and stopped is not here:
             # only that loop can close their sockets: the connection schedules a close
             # there, of pools taken out now (its next request gets a fresh one)
             self._detach(stopped)
-            raise LoopStopped(stopped, "its requests ran on", self._close_detached)
+            raise LoopStopped(stopped, "its requests ran on", self._close_detached,
+                              dropped=_LOOP_CLOSED if stale else None)
         for proxy in self.proxies:
             await proxy.close_pool()
         home = self._mounts_loop()
@@ -299,23 +337,16 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
                                                                            home))
         with self._lock:
             inner, loop = self._inner, self._loop
-        if loop is None:
-            return  # never used since the last reset: nothing open to close
-        if loop.is_closed():
+        if loop is not None and loop.is_closed():
             # asyncio.run() returned: the pool's sockets are still open (ESTABLISHED)
             # but nothing can close them through their loop any more
-            if getattr(getattr(inner, "_pool", None), "connections", None) == []:
-                return  # none open
-            raise LoopClosed("the event loop its requests ran on is closed: its pooled "
-                             "connections cannot be closed")
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:  # pragma: no cover - always called from a coroutine
-            running = None
-        if running is loop:
+            stale = _holds(inner) or stale
+        elif loop is here:
             await inner.aclose()
-        elif loop.is_running():
+        elif loop is not None and loop.is_running():
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(inner.aclose(), loop))
+        if stale:
+            raise LoopClosed(_LOOP_CLOSED)
 
     async def probe(self, request: httpx.Request) -> None:
         """Send ``request`` (built by the client: base URL and default headers applied);
@@ -357,6 +388,15 @@ def _keep_none(transport: httpx.AsyncHTTPTransport) -> None:
     pool = getattr(transport, "_pool", None)
     if isinstance(getattr(pool, "_max_keepalive_connections", None), int):
         pool._max_keepalive_connections = 0  # type: ignore[union-attr]
+
+
+def _holds(transport: httpx.AsyncHTTPTransport) -> bool:
+    """Whether the pool of ``transport`` holds a connection not closed (one of another
+    shape: assumed so)."""
+    conns = getattr(getattr(transport, "_pool", None), "connections", None)
+    if not isinstance(conns, list):
+        return True
+    return any(not c.is_closed() for c in conns)
 
 
 async def _close_idle(transport: httpx.AsyncHTTPTransport) -> None:

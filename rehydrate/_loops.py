@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import sys
+import inspect
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
@@ -31,13 +32,17 @@ class LoopStopped(RuntimeError):
     what ``close`` closes out of its pool before raising."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: str,
-                 close: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
+                 close: Callable[[], Coroutine[Any, Any, None]] | None = None,
+                 dropped: str | None = None) -> None:
         super().__init__(f"the event loop {what} is stopped")
         self.loop = loop
         self.close = close
         """What to schedule there instead of the same close: one that closes only what
         the helper took out of its pool before raising (nothing the application could
         get hold of since), where the same close would cut what is in use by then."""
+        self.dropped = dropped
+        """Why, when the helper also let go of connections it took out on another loop,
+        closed since (what :class:`LoopClosed` would have said): said once, as for it."""
 
 
 def run_quietly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T], *,
@@ -45,20 +50,18 @@ def run_quietly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T], 
     """``asyncio.run_coroutine_threadsafe(coro, loop)`` (from any thread), for a close of
     what belongs to ``loop`` while the application keeps that loop stopped between two
     ``run_until_complete`` calls — except that if ``loop`` is closed (or dropped)
-    without ever running it, ``coro`` is closed: it never started, and Python reported
-    it "coroutine ... was never awaited".
+    before the close has ended, it goes quietly: Python reported a coroutine never
+    started "coroutine ... was never awaited", and asyncio a task it destroyed pending
+    (the loop run for one iteration only, ``loop.call_soon(loop.stop);
+    loop.run_forever()``, then closed; or stopped while the close was under way)
+    "Task was destroyed but it is pending!".
 
-    The future is left pending in that case (nothing ran), and ``on_unrun`` is called,
-    once, by whatever drops the callback: the thread closing the loop, a garbage
-    collection in any thread, the interpreter's shutdown — it must not wait for a lock
-    that thread may hold; what it raises is swallowed. ``RuntimeError`` (``coro``
-    closed, ``on_unrun`` not called) when ``loop`` is already closed.
-
-    On Python 3.12+ the coroutine's first step runs in the callback itself (an eager
-    task): a loop run one iteration (``loop.call_soon(loop.stop); loop.run_forever()``)
-    and then closed has run it. On 3.10 and 3.11 that first step is queued for the
-    next iteration, so such a loop destroys the task unstarted: asyncio logs "Task was
-    destroyed but it is pending!" and Python "coroutine ... was never awaited"."""
+    The future is left pending in that case (the close did not end), the coroutine is
+    closed, and ``on_unrun`` is called, once, by whatever drops the callback or the
+    task: the thread closing the loop, a garbage collection in any thread, the
+    interpreter's shutdown (a callback dropped then) — it must not wait for a lock that
+    thread may hold; what it raises is swallowed. ``RuntimeError`` (``coro`` closed,
+    ``on_unrun`` not called) when ``loop`` is already closed."""
     fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
     start = _Start(loop, coro, fut, on_unrun)
     try:
@@ -72,7 +75,8 @@ def run_quietly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T], 
 
 class _Start(Generic[_T]):
     """The callback :func:`run_quietly` queues: creates the task, and closes the coroutine
-    if it is dropped unrun (the loop was closed: its ready queue is cleared)."""
+    if it is dropped unrun (the loop was closed: its ready queue is cleared) or its task
+    is destroyed before it has ended (:func:`_destroyed`)."""
 
     __slots__ = ("coro", "fut", "loop", "on_unrun")
 
@@ -87,21 +91,15 @@ class _Start(Generic[_T]):
     def drop(self) -> None:
         coro, self.coro = self.coro, None
         told, self.on_unrun = self.on_unrun, None
-        if coro is None:
-            return
-        # from __del__ too: any thread, or the interpreter's shutdown — nothing escapes
-        with contextlib.suppress(BaseException):
-            coro.close()
-        if told is not None:
-            with contextlib.suppress(BaseException):
-                told()
+        if coro is not None:
+            _destroyed(coro, told)
 
     def __del__(self) -> None:
         self.drop()
 
     def __call__(self) -> None:
         coro, self.coro = self.coro, None
-        self.on_unrun = None
+        told, self.on_unrun = self.on_unrun, None
         if coro is None:
             return
         fut, loop = self.fut, self.loop
@@ -109,12 +107,24 @@ class _Start(Generic[_T]):
             coro.close()
             return
         try:
-            task = _create_task(loop, coro)
+            task = loop.create_task(coro)
         except BaseException as exc:
             coro.close()
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(exc)
             raise
+        # A loop closed before the task has ended (run one iteration only: the task's
+        # first step waits for the next) destroys it: asyncio's "Task was destroyed but
+        # it is pending!" is said here instead, to the owner. Nothing else may hold the
+        # task (the future's callback refers to it weakly) for it to be destroyed then.
+        with contextlib.suppress(AttributeError):  # a task factory's own kind of task
+            task._log_destroy_pending = False  # type: ignore[attr-defined]
+        try:  # weakly: one suspended refers to the task (through what it awaits)
+            held: Callable[[], Coroutine[Any, Any, _T] | None] = weakref.ref(coro)
+        except TypeError:  # a Coroutine of another kind
+            held = lambda: None  # noqa: E731
+        weakref.finalize(task, lambda: _destroyed(held(), told)).atexit = False
+        ref = weakref.ref(task)
 
         def ended(t: asyncio.Task[_T]) -> None:
             if t.cancelled():
@@ -128,23 +138,28 @@ class _Start(Generic[_T]):
                 fut.set_result(t.result())
 
         def cancelled(f: concurrent.futures.Future[_T]) -> None:
-            if f.cancelled() and not task.done():
+            t = ref()
+            if f.cancelled() and t is not None and not t.done():
                 with contextlib.suppress(RuntimeError):  # that loop is closed: it never runs
-                    loop.call_soon_threadsafe(task.cancel)
+                    loop.call_soon_threadsafe(t.cancel)
 
-        if task.done():
-            # ended eagerly: a done callback would wait for the next iteration, which a
-            # loop closed after this one never runs
-            ended(task)
-            return
         task.add_done_callback(ended)
         fut.add_done_callback(cancelled)
 
 
-def _create_task(loop: asyncio.AbstractEventLoop,
-                 coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
-    """A task of ``coro`` on ``loop`` (running: called from its callback), started
-    eagerly where asyncio can (3.12+, the loop's own task factory unset)."""
-    if sys.version_info >= (3, 12) and loop.get_task_factory() is None:
-        return asyncio.Task(coro, loop=loop, eager_start=True)
-    return loop.create_task(coro)
+def _destroyed(coro: Coroutine[Any, Any, Any] | None,
+               told: Callable[[], None] | None) -> None:
+    """``coro`` will never run on (its loop dropped the callback that was to start it, or
+    destroyed its task): closed (one never started was reported "never awaited"), and
+    its owner told — unless it had ended. None: collected with its task, in a cycle only
+    a coroutine suspended in it makes — it had not ended."""
+    # from a finalizer too: any thread, or the interpreter's shutdown — nothing escapes
+    with contextlib.suppress(BaseException):
+        if coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED:
+            return
+    if coro is not None:
+        with contextlib.suppress(BaseException):
+            coro.close()
+    if told is not None:
+        with contextlib.suppress(BaseException):
+            told()

@@ -502,6 +502,8 @@ class Connection:
         except LoopClosed as exc:  # a helper's close: its pool's loop is closed
             self._drop(str(exc))
         except LoopStopped as exc:  # a helper's close: its pool's loop is only stopped
+            if exc.dropped is not None:
+                self._drop(exc.dropped)
             return self._close_later(exc.loop, exc.close or fn, again)
         return None
 
@@ -646,8 +648,9 @@ class Connection:
         return fut
 
     def _unrun(self, coro: Coroutine[Any, Any, None]) -> None:
-        """The close :meth:`_close_later` scheduled (``coro``) was closed unrun: the
-        application closed that loop without running it again. After the engine's close
+        """The close :meth:`_close_later` scheduled (``coro``) was closed before it ended:
+        the application closed that loop without running it again, or ran it only long
+        enough to start it (its task destroyed pending). After the engine's close
         (which did not wait for it), nothing comes to :meth:`_reclaim` it: the value is
         let go of with the one warning and a ``closing`` connection says ``closed``,
         instead of staying ``closing`` in silence. Before it, left to :meth:`_reclaim`.
@@ -1992,6 +1995,10 @@ def sqlalchemy_engine(
     return sa_engine
 
 
+_REDIS_LOOP_CLOSED = ("the event loop its commands ran on is closed: its pooled connections "
+                      "cannot be closed")
+
+
 class _AsyncRedisPool:
     """The event loop a ``redis.asyncio`` client's connections belong to, and what may be
     done with them from the loop the hooks run on.
@@ -2009,9 +2016,10 @@ class _AsyncRedisPool:
         self.client = client
         self.pool = client.connection_pool
         self.home: asyncio.AbstractEventLoop | None = None
-        self.detached: list[Any] = []
-        """Idle connections taken out of the pool while ``home`` was stopped, for
-        :meth:`disconnect_detached` to disconnect there."""
+        self.detached: list[tuple[Any, asyncio.AbstractEventLoop]] = []
+        """Idle connections taken out of the pool while their loop (``home`` then) was
+        stopped, each with that loop: :meth:`disconnect_detached` disconnects them there;
+        those of a loop closed since are let go of (:meth:`_drop_stale`)."""
         # registered from a coroutine: most likely the loop the client is used on
         with contextlib.suppress(RuntimeError):
             self.home = asyncio.get_running_loop()
@@ -2026,6 +2034,7 @@ class _AsyncRedisPool:
 
     async def disconnect(self) -> None:
         home, running = self.home, asyncio.get_running_loop()
+        stale = self._drop_stale()
         if home is None or home is running:
             await self.pool.disconnect()
         elif home.is_running():
@@ -2035,19 +2044,28 @@ class _AsyncRedisPool:
             # nothing can talk to streams of a closed loop any more: forget them (their
             # sockets stay open until the garbage collector takes them: said once)
             pool = self.pool
-            held = any(getattr(c, "is_connected", True) for c in (
+            stale = any(getattr(c, "is_connected", True) for c in (
                 *getattr(pool, "_available_connections", [None]),
-                *getattr(pool, "_in_use_connections", ())))
+                *getattr(pool, "_in_use_connections", ()))) or stale
             pool.reset()
-            if held:
-                raise LoopClosed("the event loop its commands ran on is closed: its "
-                                 "pooled connections cannot be closed")
         else:
             # run_until_complete between two calls: only that loop can close them, so the
             # connection schedules a disconnect there — of what is detached now only
-            raise LoopStopped(home, "its commands ran on", self.detach())
+            raise LoopStopped(home, "its commands ran on", self.detach(home),
+                              dropped=_REDIS_LOOP_CLOSED if stale else None)
+        if stale:
+            raise LoopClosed(_REDIS_LOOP_CLOSED)
 
-    def detach(self) -> Callable[[], Coroutine[Any, Any, None]]:
+    def _drop_stale(self) -> bool:
+        """Let go of the detached connections whose loop was closed before it ran their
+        disconnect (nothing can disconnect them any more: "Event loop is closed" there
+        failed the next close on another loop). True when one was still connected."""
+        stale = [c for c, on in self.detached if on.is_closed()]
+        if stale:
+            self.detached = [d for d in self.detached if not d[1].is_closed()]
+        return any(getattr(c, "is_connected", True) for c in stale)
+
+    def detach(self, home: asyncio.AbstractEventLoop) -> Callable[[], Coroutine[Any, Any, None]]:
         """Take the pool's idle connections out of it, here, while ``home`` is stopped:
         a disconnect scheduled there runs only after whatever the application runs
         first, whose command would have been sent on one of them and then cut (redis-py
@@ -2061,14 +2079,19 @@ class _AsyncRedisPool:
             return lambda: pool.disconnect(inuse_connections=False)
         # one assignment: get_connection() pops from whichever list it finds there
         pool._available_connections = []
-        self.detached.extend(idle)
+        self.detached.extend((c, home) for c in idle)
         return self.disconnect_detached
 
     async def disconnect_detached(self) -> None:
-        """Disconnect the connections :meth:`detach` took out of the pool (every one
-        detached so far: a close scheduled earlier that runs first takes them all)."""
-        conns, self.detached = self.detached, []
+        """Disconnect the connections :meth:`detach` took out of the pool on this loop
+        (every one so far: a disconnect scheduled earlier that runs first takes them
+        all); another loop's are not this one's to disconnect. Each stays listed until
+        its disconnect has returned: one this loop never finished (closed meanwhile)
+        counts as left open (:meth:`_drop_stale`)."""
+        here = asyncio.get_running_loop()
+        conns = [c for c, on in self.detached if on is here]
         resp = await asyncio.gather(*(c.disconnect() for c in conns), return_exceptions=True)
+        self.detached = [d for d in self.detached if not any(d[0] is c for c in conns)]
         exc = next((r for r in resp if isinstance(r, BaseException)), None)
         if exc is not None:
             raise exc

@@ -3954,6 +3954,186 @@ def test_httpx_async_next_request_after_a_paused_snapshot_gets_a_fresh_pool(
         server.close()
 
 
+def test_httpx_async_request_in_flight_through_a_mount_on_a_paused_loop_is_not_cut(
+        rehydrate_engine):
+    """The same through a transport the caller mounted (``mounts=``), which rehydrate
+    cannot swap out: it never saw a request (all went through the mount), so the
+    snapshot closed that pool whole on the hooks' own loop, cutting the request in
+    flight (``ReadError``). The client's loop is the one it was made on until a request
+    says otherwise, and the close scheduled there closes the mount's idle connections
+    only: the one in use goes back to that pool when its request ends."""
+    server = _GatedHTTP()
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client(
+                "api", base_url=server.url, engine=rehydrate_engine,
+                mounts={"http://": httpx.AsyncHTTPTransport()})
+
+        client = loop.run_until_complete(make())
+        task = loop.create_task(client.get("/wait"))
+        loop.run_until_complete(_until(lambda: [p for p, _ in server.seen] == ["/wait"]))
+        assert loop.run_until_complete(client.get("/other")).text == "ok"
+        [mount] = client._transport._mounted()
+        [idle] = [c for c in mount._pool.connections if c.is_idle()]
+        [busy] = [c for c in mount._pool.connections if c is not idle]
+        assert rehydrate_engine.simulate_snapshot().ok
+        conn = connections.get("api", engine=rehydrate_engine)
+        assert conn.state == "closing" and conn._pending is not None, conn.to_dict()
+        loop.run_until_complete(asyncio.wrap_future(conn._pending[1], loop=loop))
+        assert idle.is_closed() and not busy.is_closed()
+        server.gate.set()
+        assert loop.run_until_complete(task).text == "ok"
+        assert conn.state == "closed", conn.to_dict()
+    finally:
+        loop.close()
+        server.close()
+
+
+def _helper_on(request, kind: str, engine, loop):  # type: ignore[no-untyped-def]
+    """A helper's client "c" (``redis.asyncio`` or ``httpx.AsyncClient``) used on
+    ``loop`` (run by ``run_until_complete``): (the client, one use of it, what the
+    helper took out of its pool while that loop was paused)."""
+    if kind == "redis":
+        import redis.asyncio as aredis
+
+        port = request.getfixturevalue("redis_srv").port
+
+        async def make():  # type: ignore[no-untyped-def]
+            r = connections.redis_client("c", aredis.Redis(port=port), engine=engine)
+            await r.set("n", 0)
+            return r
+
+        client = loop.run_until_complete(make())
+        apool = connections.get("c", engine=engine).close_fn.__self__
+        return client, lambda: client.incr("n"), lambda: apool.detached
+    server = _GatedHTTP()
+    server.gate.set()
+    request.addfinalizer(server.close)
+
+    async def make_client():  # type: ignore[no-untyped-def]
+        c = connections.httpx_async_client("c", base_url=server.url, engine=engine)
+        await c.get("/x")
+        return c
+
+    client = loop.run_until_complete(make_client())
+    return client, lambda: client.get("/y"), lambda: client._transport._detached
+
+
+_HELPER_DROPPED = {
+    kind: f"connection c: not closed: the event loop its {what} ran on is closed: its "
+          "pooled connections cannot be closed; dropped (the next restore opens it anew)"
+    for kind, what in (("redis", "commands"), ("httpx", "requests"))}
+
+
+# under way, httpx's first step already marks its idle connections closed (their
+# sockets are asyncio's to release, on the loop's next iteration): nothing left to count
+@pytest.mark.parametrize(("kind", "ran"), [("redis", "unrun"), ("redis", "under_way"),
+                                           ("httpx", "unrun")])
+def test_a_helper_paused_then_closed_unrun_is_dropped_in_one_line(request, caplog, kind,
+                                                                  ran):
+    """A snapshot while the application's loop is paused (the helper takes its idle
+    connections out and schedules their close there), then the application closes
+    that loop without running it, then the engine: the one WARNING was gone — the
+    helper's close saw an empty pool (redis) or no loop at all (httpx) — the
+    connection said ``closed``, the sockets stayed open and what was taken out stayed
+    referenced for good. It is let go of, with the WARNING. The same when the loop ran
+    just long enough for that close to start (``under_way``: two single iterations):
+    what it had not disconnected yet still counts."""
+    engine = rehydrate.testing.isolated_engine()
+    loop = asyncio.new_event_loop()
+    try:
+        _, _, taken = _helper_on(request, kind, engine, loop)
+        assert engine.simulate_snapshot().ok
+        conn = connections.get("c", engine=engine)
+        assert conn.state == "closing" and taken(), conn.to_dict()
+        if ran == "under_way":
+            for _ in range(2):  # the first creates the close's task, the second starts it
+                loop.call_soon(loop.stop)
+                loop.run_forever()
+            assert inspect.getcoroutinestate(conn._pending[2]) == "CORO_SUSPENDED"
+        loop.close()
+        gc.collect()
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            engine.close()
+            if conn._closing is not None:
+                conn._closing.result(10)
+        assert _dropped_lines(caplog) == [_HELPER_DROPPED[kind]]
+        assert conn.state == "closed", conn.to_dict()
+        assert taken() == []
+    finally:
+        engine.close()
+        loop.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "httpx"])
+def test_a_helper_moved_to_another_loop_closes_only_that_loops(request, caplog, kind):
+    """What a snapshot took out on a paused loop the application then closed unrun,
+    going on with the same client on a new loop: the next snapshot, while the new loop
+    was paused, scheduled the close of everything taken out so far there, which failed
+    on the old loop's connections ("Event loop is closed": ``failed``, the new loop's
+    left open). Each loop closes what was taken out on it; the old loop's are let go
+    of with the one WARNING."""
+    engine = rehydrate.testing.isolated_engine()
+    loop1, loop2 = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        _, use, taken = _helper_on(request, kind, engine, loop1)
+        assert engine.simulate_snapshot().ok
+        [(_, on)] = taken()
+        assert on is loop1
+        loop1.close()
+        gc.collect()
+        loop2.run_until_complete(use())
+        conn = connections.get("c", engine=engine)
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            assert engine.simulate_snapshot().ok
+        assert _dropped_lines(caplog) == [_HELPER_DROPPED[kind]]
+        assert conn.state == "closing" and conn._pending is not None, conn.to_dict()
+        [(new, on)] = taken()
+        assert on is loop2
+        loop2.run_until_complete(asyncio.wrap_future(conn._pending[1], loop=loop2))
+        assert conn.state == "closed", conn.to_dict()
+        assert taken() == []
+        if kind == "redis":
+            assert not new.is_connected
+        else:
+            assert all(c.is_closed() for c in new._pool.connections)
+    finally:
+        engine.close()
+        loop2.close()
+        loop1.close()
+@pytest.mark.parametrize("kind", ["redis", "httpx"])
+def test_a_helper_moved_to_a_running_loop_drops_what_a_closed_one_left(request, caplog,
+                                                                       kind):
+    """The same with the new loop running (in a thread of its own) at the next
+    snapshot: its pool is closed there as usual, and what the closed loop left is let
+    go of with the one WARNING, instead of staying referenced, open, in silence."""
+    engine = rehydrate.testing.isolated_engine()
+    loop1, loop2 = asyncio.new_event_loop(), asyncio.new_event_loop()
+    runner = threading.Thread(target=loop2.run_forever, daemon=True)
+    try:
+        _, use, taken = _helper_on(request, kind, engine, loop1)
+        assert engine.simulate_snapshot().ok
+        assert taken()
+        loop1.close()
+        gc.collect()
+        runner.start()
+        asyncio.run_coroutine_threadsafe(use(), loop2).result(10)
+        conn = connections.get("c", engine=engine)
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            assert engine.simulate_snapshot().ok
+        assert _dropped_lines(caplog) == [_HELPER_DROPPED[kind]]
+        assert conn.state == "closed", conn.to_dict()
+        assert taken() == []
+    finally:
+        engine.close()
+        if runner.is_alive():
+            loop2.call_soon_threadsafe(loop2.stop)
+            runner.join(10)
+        loop2.close()
+        loop1.close()
+
+
 def test_a_stale_close_on_a_stopped_loop_spares_the_same_object_reopened(rehydrate_engine):
     """``open`` reconnects one long-lived client and returns it again: the close left on
     the paused loop by the snapshot ran after the restore's open, on that same object,
@@ -4174,6 +4354,41 @@ def test_engine_closed_before_the_paused_loop_drops_its_close_in_one_line(caplog
         peer.close()
 
 
+def test_engine_closed_before_a_paused_loop_run_one_iteration_then_closed(caplog):
+    """The same when the application runs that loop one iteration before closing it
+    (``loop.call_soon(loop.stop); loop.run_forever()``, as GUI and framework
+    integrations do): that iteration created the close's task, whose first step waits
+    for the next, so closing the loop destroyed it pending — asyncio logged "Task was
+    destroyed but it is pending!" and the connection stayed ``closing`` for good with
+    no WARNING. It is dropped with the one WARNING, and says ``closed``."""
+    import warnings
+
+    engine = rehydrate.testing.isolated_engine()
+    peer = _Peer()
+    loop = asyncio.new_event_loop()
+    try:
+        conn, pending = _snapshot_while_its_loop_is_paused(engine, loop, *_stream_to(peer))
+        engine.close()
+        assert conn.state == "closing", conn.to_dict()
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loop.close()
+            gc.collect()
+        assert _dropped_lines(caplog) == [
+            "connection db: not closed: the event loop it was opened on was closed "
+            "before the close scheduled there ran; dropped"]
+        assert not [r for r in caplog.records if r.name == "asyncio"]
+        # its transport is left to the garbage collector ("unclosed transport"): dropped
+        assert not [w for w in caught if "never awaited" in str(w.message)]
+        assert conn.state == "closed" and conn._pending is None, conn.to_dict()
+        assert not pending.done()
+    finally:
+        engine.close()
+        peer.close()
+
+
 def test_a_paused_loop_closed_unrun_before_the_engine_leaves_it_to_the_next_close(caplog):
     """Closed unrun while the engine goes on: nothing is said yet — the next restore or
     ``engine.close()`` tries that close again as for a closed loop (one that needs no
@@ -4189,6 +4404,8 @@ def test_a_paused_loop_closed_unrun_before_the_engine_leaves_it_to_the_next_clos
             assert _dropped_lines(caplog) == []
             assert conn._pending is not None and conn.state == "closing"
             engine.close()
+            assert conn._closing is not None
+            conn._closing.result(10)  # run on a thread of its own, not waited for
         lines = _dropped_lines(caplog)
         assert len(lines) == 1 and lines[0].startswith("connection db: not closed"), lines
         assert conn.state == "closed", conn.to_dict()
