@@ -50,18 +50,21 @@ def run_quietly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T], 
     """``asyncio.run_coroutine_threadsafe(coro, loop)`` (from any thread), for a close of
     what belongs to ``loop`` while the application keeps that loop stopped between two
     ``run_until_complete`` calls — except that if ``loop`` is closed (or dropped)
-    before the close has ended, it goes quietly: Python reported a coroutine never
-    started "coroutine ... was never awaited", and asyncio a task it destroyed pending
-    (the loop run for one iteration only, ``loop.call_soon(loop.stop);
-    loop.run_forever()``, then closed; or stopped while the close was under way)
-    "Task was destroyed but it is pending!".
+    without ever starting it, ``coro`` is closed: Python reported it "coroutine ... was
+    never awaited".
 
-    The future is left pending in that case (the close did not end), the coroutine is
-    closed, and ``on_unrun`` is called, once, by whatever drops the callback or the
-    task: the thread closing the loop, a garbage collection in any thread, the
-    interpreter's shutdown (a callback dropped then) — it must not wait for a lock that
-    thread may hold; what it raises is swallowed. ``RuntimeError`` (``coro`` closed,
-    ``on_unrun`` not called) when ``loop`` is already closed."""
+    The future is left pending in that case (nothing ran), and ``on_unrun`` is called,
+    once, by whatever drops the callback: the thread closing the loop, a garbage
+    collection in any thread, the interpreter's shutdown — it must not wait for a lock
+    that thread may hold; what it raises is swallowed. ``RuntimeError`` (``coro``
+    closed, ``on_unrun`` not called) when ``loop`` is already closed.
+
+    Once started, the close is the loop's: a loop closed while it is under way (run for
+    one iteration only, ``loop.call_soon(loop.stop); loop.run_forever()``, which
+    creates the task without starting it) destroys it as asyncio does any pending task
+    ("Task was destroyed but it is pending!"), and the garbage collector frees what it
+    held. (Telling the owner from a finalizer of the task kept the task alive: a
+    suspended close refers to its task through what it awaits.)"""
     fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
     start = _Start(loop, coro, fut, on_unrun)
     try:
@@ -75,8 +78,7 @@ def run_quietly(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T], 
 
 class _Start(Generic[_T]):
     """The callback :func:`run_quietly` queues: creates the task, and closes the coroutine
-    if it is dropped unrun (the loop was closed: its ready queue is cleared) or its task
-    is destroyed before it has ended (:func:`_destroyed`)."""
+    if it is dropped unrun (the loop was closed: its ready queue is cleared)."""
 
     __slots__ = ("coro", "fut", "loop", "on_unrun")
 
@@ -99,7 +101,7 @@ class _Start(Generic[_T]):
 
     def __call__(self) -> None:
         coro, self.coro = self.coro, None
-        told, self.on_unrun = self.on_unrun, None
+        self.on_unrun = None  # started: a close under way is the loop's to finish
         if coro is None:
             return
         fut, loop = self.fut, self.loop
@@ -113,17 +115,8 @@ class _Start(Generic[_T]):
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(exc)
             raise
-        # A loop closed before the task has ended (run one iteration only: the task's
-        # first step waits for the next) destroys it: asyncio's "Task was destroyed but
-        # it is pending!" is said here instead, to the owner. Nothing else may hold the
-        # task (the future's callback refers to it weakly) for it to be destroyed then.
-        with contextlib.suppress(AttributeError):  # a task factory's own kind of task
-            task._log_destroy_pending = False  # type: ignore[attr-defined]
-        try:  # weakly: one suspended refers to the task (through what it awaits)
-            held: Callable[[], Coroutine[Any, Any, _T] | None] = weakref.ref(coro)
-        except TypeError:  # a Coroutine of another kind
-            held = lambda: None  # noqa: E731
-        weakref.finalize(task, lambda: _destroyed(held(), told)).atexit = False
+
+        # weakly: the owner keeps the future, and a task its loop destroyed must be freed
         ref = weakref.ref(task)
 
         def ended(t: asyncio.Task[_T]) -> None:
@@ -149,10 +142,8 @@ class _Start(Generic[_T]):
 
 def _destroyed(coro: Coroutine[Any, Any, Any] | None,
                told: Callable[[], None] | None) -> None:
-    """``coro`` will never run on (its loop dropped the callback that was to start it, or
-    destroyed its task): closed (one never started was reported "never awaited"), and
-    its owner told — unless it had ended. None: collected with its task, in a cycle only
-    a coroutine suspended in it makes — it had not ended."""
+    """``coro`` will never run (its loop dropped the callback that was to start it):
+    closed (one never started was reported "never awaited"), and its owner told."""
     # from a finalizer too: any thread, or the interpreter's shutdown — nothing escapes
     with contextlib.suppress(BaseException):
         if coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED:

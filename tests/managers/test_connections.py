@@ -4354,41 +4354,6 @@ def test_engine_closed_before_the_paused_loop_drops_its_close_in_one_line(caplog
         peer.close()
 
 
-def test_engine_closed_before_a_paused_loop_run_one_iteration_then_closed(caplog):
-    """The same when the application runs that loop one iteration before closing it
-    (``loop.call_soon(loop.stop); loop.run_forever()``, as GUI and framework
-    integrations do): that iteration created the close's task, whose first step waits
-    for the next, so closing the loop destroyed it pending — asyncio logged "Task was
-    destroyed but it is pending!" and the connection stayed ``closing`` for good with
-    no WARNING. It is dropped with the one WARNING, and says ``closed``."""
-    import warnings
-
-    engine = rehydrate.testing.isolated_engine()
-    peer = _Peer()
-    loop = asyncio.new_event_loop()
-    try:
-        conn, pending = _snapshot_while_its_loop_is_paused(engine, loop, *_stream_to(peer))
-        engine.close()
-        assert conn.state == "closing", conn.to_dict()
-        loop.call_soon(loop.stop)
-        loop.run_forever()
-        with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loop.close()
-            gc.collect()
-        assert _dropped_lines(caplog) == [
-            "connection db: not closed: the event loop it was opened on was closed "
-            "before the close scheduled there ran; dropped"]
-        assert not [r for r in caplog.records if r.name == "asyncio"]
-        # its transport is left to the garbage collector ("unclosed transport"): dropped
-        assert not [w for w in caught if "never awaited" in str(w.message)]
-        assert conn.state == "closed" and conn._pending is None, conn.to_dict()
-        assert not pending.done()
-    finally:
-        engine.close()
-        peer.close()
-
-
 def test_a_paused_loop_closed_unrun_before_the_engine_leaves_it_to_the_next_close(caplog):
     """Closed unrun while the engine goes on: nothing is said yet — the next restore or
     ``engine.close()`` tries that close again as for a closed loop (one that needs no
