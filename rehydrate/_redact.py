@@ -183,10 +183,11 @@ def _group_types() -> tuple[type[BaseException], ...]:
 _GROUPS = _group_types()
 """``BaseExceptionGroup``, the root of every exception group, where there is one."""
 
-_kinds: weakref.WeakKeyDictionary[type[BaseException], type[BaseException] | None] = (
-    weakref.WeakKeyDictionary())
-"""The redacted kind made for each original type, None where none could be made. Weak:
-a type a test or a plugin makes and drops is not kept alive by a report's error."""
+_kinds: weakref.WeakKeyDictionary[
+    type[BaseException], weakref.ref[type[BaseException]] | None] = weakref.WeakKeyDictionary()
+"""The redacted kind made for each original type (None where none could be made), both
+held weakly: a type a test or a plugin makes and drops is not kept alive by the kind
+made for it (which refers to it as its base), only by the errors of that kind."""
 _kinds_lock = threading.Lock()
 fresh_lock_after_fork(sys.modules[__name__], "_kinds_lock")
 
@@ -229,7 +230,9 @@ def _kind(original: type[BaseException]) -> type[BaseException] | None:
     layout conflict, a final type, a metaclass that refuses)."""
     with _kinds_lock:
         if original in _kinds:
-            return _kinds[original]
+            ref = _kinds[original]
+            if ref is None or (made := ref()) is not None:
+                return None if ref is None else made
     native = _native(original)
 
     def __reduce__(self: BaseException) -> tuple[Any, ...]:
@@ -244,18 +247,23 @@ def _kind(original: type[BaseException]) -> type[BaseException] | None:
         shown = vars(self).get("redacted_message")
         return shown if isinstance(shown, str) else native.__str__(self)
 
-    made: type[BaseException] | None
     try:
         made = types.new_class(
             f"Redacted{original.__name__}", (RedactedError, original), None,
             lambda ns: ns.update({
                 "__module__": __name__, "__str__": __str__,
                 "__repr__": native.__repr__, "__reduce__": __reduce__,
-                "__slots__": ()}))
+                "__slots__": (), "_redacts": original}))
     except Exception:
-        made = None
+        with _kinds_lock:
+            _kinds[original] = None
+        return None
     with _kinds_lock:
-        _kinds[original] = made
+        # another thread's, made meanwhile, wins: one kind per type
+        ref = _kinds.get(original)
+        if ref is not None and (other := ref()) is not None:
+            return other
+        _kinds[original] = weakref.ref(made)
     return made
 
 
@@ -313,6 +321,8 @@ def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseExcep
     if len(memo) >= WALK_LIMIT:
         return None
     memo[id(e)] = None
+    # a stand-in made before (in a chain a hook raised again) stands for its original
+    original = vars(type(e)).get("_redacts", type(e))
     members = getattr(e, "exceptions", None)
     group = isinstance(members, tuple) and isinstance(e, _GROUPS)
     if group:
@@ -323,15 +333,17 @@ def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseExcep
             text = redact(str(getattr(e, "message", "")))
         except Exception:
             text = ""
-        out = (_make(type(e), (text,), made, redact(_show(e))) if made
-               else RedactedError(redact(_show(e)), type(e)))
+        out = (_make(original, (text,), made, redact(_show(e))) if made
+               else RedactedError(redact(_show(e)), original))
     else:
-        native = _native(type(e))
-        out = _make(type(e), _args(e, native), None, redact(_show(e)))
+        native = _native(original)
+        out = _make(original, _args(e, native), None, redact(_show(e)))
         if type(e).__str__ is not native.__str__ and isinstance(out, RedactedError):
             # its own __str__ (CalledProcessError's, from attributes the stand-in does
             # not have): what it showed, redacted, rather than the bare args
             vars(out)["redacted_message"] = redact(_show(e))
+    if isinstance(e, RedactedError):
+        vars(out).update(original_name=e.original_name, original_type=e.original_type)
     notes = getattr(e, "__notes__", None)
     if isinstance(notes, list):
         vars(out)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]

@@ -780,6 +780,44 @@ def test_a_type_that_cannot_stand_redacted_is_a_plain_redacted_error(
     assert _reaching(error) == []
 
 
+def test_a_stand_in_raised_again_stands_for_the_type_first_raised(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """A hook that raises from a recorded error (a retry wrapper): its stand-in is made
+    again as one of the type first raised, not of the stand-in's own kind."""
+    @rehydrate_engine.registry.after_restore(name="first")
+    def first() -> None:
+        raise ConnectionError(f"refused {MARK}")
+
+    recorded = rehydrate_engine.simulate_restore().hooks[-1].error
+
+    @rehydrate_engine.registry.after_restore(name="again")
+    def again() -> None:
+        raise RuntimeError(f"gave up on {MARK}") from recorded
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    cause = error.__cause__
+    assert type(cause) is type(recorded) and isinstance(cause, ConnectionError)
+    assert cause.original_name == "ConnectionError"
+
+
+def test_a_dropped_type_is_not_kept_alive_by_its_redacted_kind(token: Secret) -> None:
+    """The kind made for a type refers to it (its base): held strongly by the cache, it
+    kept every such type — a plugin's, one made per call — for the process's life."""
+    import weakref
+
+    from rehydrate._redact import redact_error
+
+    class Dropped(Exception):
+        pass
+
+    error = redact_error(Dropped(f"refused {MARK}"))
+    assert isinstance(error, Dropped) and isinstance(error, RedactedError)
+    gone = weakref.ref(Dropped)
+    del Dropped, error
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_suspended_generator_that_handed_the_error_on_is_not_closed(
         rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
     """A library's reader that caught an error and handed it on (a future, a queue)
