@@ -237,7 +237,9 @@ def _kind(original: type[BaseException]) -> type[BaseException] | None:
 
     def __reduce__(self: BaseException) -> tuple[Any, ...]:
         if _importable(original):
-            return (_rebuild, (original, self.args, dict(vars(self))))
+            # an OSError's filenames are not in its args: its constructor's args are
+            args = self.args if isinstance(self, _GROUPS) else _args(self, native)
+            return (_rebuild, (original, args, dict(vars(self))))
         # a local class cannot be looked up where it is unpickled: its plain stand-in
         state = {k: v for k, v in vars(self).items() if k == "__notes__"}
         return (RedactedError, (_show(self), getattr(self, "original_name", ""),

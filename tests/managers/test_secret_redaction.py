@@ -428,6 +428,9 @@ def test_an_error_quoting_a_common_word_secret_keeps_its_type(
         assert (open_error.filename, open_error.filename2) == (
             f"/etc/{shown}/pass", f"/run/{shown}")
         assert "postgres" not in str(open_error) + repr(open_error)
+        back = pickle.loads(pickle.dumps(open_error))
+        assert type(back) is type(open_error) and (back.errno, back.filename2) == (
+            2, f"/run/{shown}")
         assert report.error is not None
         matched, _ = report.error.split(ConnectionError)  # what except* does
         assert matched is not None and matched.exceptions == (warm_error,)
