@@ -158,18 +158,20 @@ class HookStillRunning(RuntimeError):
 
 
 class RedactedError(Exception):
-    """A hook's error, in the report in place of the one it raised, whose text quoted the
-    value of a managed secret (a :class:`~rehydrate.secrets.Secret`, or what another
-    extension registered with :func:`~rehydrate.extensions.add_redactor`) and of which no
-    redacted copy of its own type could be made (usually one is: the report then holds
-    that copy): its message and notes with each such value replaced by
-    ``[redacted secret 'name']``.
+    """A hook's error, in the report in place of the one it raised, when its text (or
+    that of an error it was raised from or groups) quoted the value of a managed secret
+    (a :class:`~rehydrate.secrets.Secret`, or what another extension registered with
+    :func:`~rehydrate.extensions.add_redactor`): its message and notes with each such
+    value replaced by ``[redacted secret 'name']``. Usually an instance of a subclass made
+    for the type raised, ``Redacted<Name>(RedactedError, <type raised>)``, so that
+    ``isinstance()``, ``except*`` and an ``OSError``'s ``errno`` still work; a plain
+    ``RedactedError`` where the type cannot be stood for so.
 
     ``original_name`` and ``original_type`` name the type of the error raised (reports
-    and log lines show ``original_name`` where they show an error's type). The original
-    itself is not kept — neither as ``__cause__`` nor ``__context__``, nor its traceback:
-    formatting them would show the value again, and the traceback's frames hold the
-    hook's locals (the value among them) for as long as the report lives."""
+    and log lines show ``original_name`` where they show an error's type). Nothing of the
+    original is kept — its traceback (its frames hold the hook's locals, the value among
+    them, for as long as the report lives), attributes and slots; its cause, context and
+    members stand redacted the same way."""
 
     def __init__(self, message: str, original: type[BaseException] | str = "Exception",
                  original_type: str | None = None) -> None:

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import builtins
 import collections
-import contextlib
-import copy
-import inspect
 import logging
 import sys
 import threading
@@ -136,19 +133,11 @@ def _own_texts(e: BaseException) -> Iterator[str]:
     notes = getattr(e, "__notes__", None)
     if isinstance(notes, list):
         yield from (n for n in notes if isinstance(n, str))
-    yield from (v for v in _str_attrs(e).values())
-
-
-_OS_ATTRS = ("strerror", "filename", "filename2")
-"""``OSError``'s text attributes: not in its ``__dict__``, shown by its ``str()``."""
-
-
-def _str_attrs(e: BaseException) -> dict[str, str]:
-    found = {k: v for k, v in getattr(e, "__dict__", {}).items()
-             if isinstance(v, str) and k != "__notes__"}
+    yield from (v for k, v in getattr(e, "__dict__", {}).items()
+                if isinstance(v, str) and k != "__notes__")
     if isinstance(e, OSError):
-        found.update((k, v) for k in _OS_ATTRS if isinstance(v := getattr(e, k, None), str))
-    return found
+        yield from (v for k in ("strerror", "filename", "filename2")
+                    if isinstance(v := getattr(e, k, None), str))
 
 
 def _links(e: BaseException) -> list[BaseException]:
@@ -181,105 +170,190 @@ def _clean(exc: BaseException) -> bool:
     return all(redact(t) == t for t in _texts(exc))
 
 
-_BUSY = object()
+def _group_types() -> tuple[type[BaseException], ...]:
+    if hasattr(builtins, "BaseExceptionGroup"):
+        return (builtins.BaseExceptionGroup,)
+    try:  # 3.10: the backport the engine's own reports use
+        from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # pragma: no cover - a dependency on 3.10
+        return ()
+    return (BaseExceptionGroup,)  # type: ignore[no-any-return,unused-ignore]
 
 
-def _redacted(e: BaseException, memo: dict[int, object]) -> BaseException | None:
-    """``e`` when nothing of it or of what it links to needs redacting, else a copy of
-    the same type with its texts redacted and its links replaced by their own redacted
-    versions; None when that cannot be made (a cycle, a type that cannot be copied)."""
-    if id(e) in memo:
-        got = memo[id(e)]
-        return got if isinstance(got, BaseException) else None  # None: busy (a cycle)
-    if len(memo) >= WALK_LIMIT:
-        return None
-    memo[id(e)] = _BUSY
-    out: BaseException | None = None
-    try:
-        cause = None if e.__cause__ is None else _redacted(e.__cause__, memo)
-        context = None if e.__context__ is None else _redacted(e.__context__, memo)
-        members = getattr(e, "exceptions", None)
-        new_members = None
-        if isinstance(members, tuple):
-            new_members = [m if not isinstance(m, BaseException) else _redacted(m, memo)
-                           for m in members]
-        if ((e.__cause__ is not None and cause is None)
-                or (e.__context__ is not None and context is None)
-                or (new_members is not None and any(m is None for m in new_members))):
-            return None
-        relinked = (cause is not e.__cause__ or context is not e.__context__
-                    or (new_members is not None and isinstance(members, tuple)
-                        and any(a is not b for a, b in zip(new_members, members, strict=True))))
-        if not relinked and all(redact(t) == t for t in _own_texts(e)):
-            out = e
-            return out
-        out = _copy(e, new_members if relinked else None)
-        if out is None:
-            return None
-        out.__cause__ = cause
-        out.__context__ = context
-        out.__suppress_context__ = e.__suppress_context__
-        if e.__traceback__ is not None:
-            # Where it failed stays readable; the frames' locals (the hook's, the value
-            # among them perhaps) are dropped, not kept alive by the report.
-            _clear_locals(e.__traceback__)
-            out.__traceback__ = e.__traceback__
-        return out
-    finally:
-        memo[id(e)] = out
+_GROUPS = _group_types()
+"""``BaseExceptionGroup``, the root of every exception group, where there is one."""
+
+_kinds: weakref.WeakKeyDictionary[
+    type[BaseException], weakref.ref[type[BaseException]] | None] = weakref.WeakKeyDictionary()
+"""The redacted kind made for each original type (None where none could be made), both
+held weakly: a type a test or a plugin makes and drops is not kept alive by the kind
+made for it (which refers to it as its base), only by the errors of that kind."""
+_kinds_lock = threading.Lock()
+fresh_lock_after_fork(sys.modules[__name__], "_kinds_lock")
 
 
-_SUSPENDABLE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-                | inspect.CO_ITERABLE_COROUTINE)
+def _native(t: type[BaseException]) -> type[BaseException]:
+    """The built-in exception type ``t`` is laid out as (``OSError`` for ``OSError``'s
+    subclasses, ``BaseException`` for most): the one whose ``__new__`` and ``__init__``
+    are C code that reads nothing but the args given; for a group, ``BaseExceptionGroup``,
+    the backport's on 3.10)."""
+    for group in _GROUPS:
+        if issubclass(t, group):
+            return group
+    for base in t.__mro__:
+        if base.__module__ == "builtins" and issubclass(base, BaseException):
+            return base
+    return BaseException  # pragma: no cover - every exception type has one
 
 
-def _clear_locals(tb: types.TracebackType | None) -> None:
-    """Drop the local variables of the finished plain-function frames of ``tb``. Not a
-    generator's or a coroutine's: clearing one that is suspended closes it (a library's
-    reader task that caught the error, handed it on in a future and reads on); nor an
-    executing one (the runner's own, another thread's): ``clear()`` refuses those."""
-    while tb is not None:
-        frame = tb.tb_frame
-        if not frame.f_code.co_flags & _SUSPENDABLE:
-            with contextlib.suppress(RuntimeError):
-                frame.clear()
-        tb = tb.tb_next
-
-
-def _copy(e: BaseException, members: list[Any] | None) -> BaseException | None:
-    """A copy of ``e`` of the same type with its args, notes and string attributes
-    redacted (``members``: its group's members in place of its own); None when it
-    cannot be made."""
-    try:
-        own = getattr(e, "exceptions", None)
-        if isinstance(own, tuple):  # an exception group: its message is not in its args
-            parts = members if members is not None else list(own)
-            message = getattr(e, "message", "")
-            if type(e) in _GROUPS:  # BaseExceptionGroup() picks ExceptionGroup itself
-                out = _GROUPS[0](redact(message), parts)  # type: ignore[call-arg,unused-ignore]
-            else:
-                out = e.derive(parts)  # type: ignore[attr-defined]
-                out.__dict__.update(vars(e))
-        else:
-            out = copy.copy(e)
-        if type(out) is not type(e):
-            return None
-        if not isinstance(own, tuple):
-            out.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
-        for k, v in _str_attrs(out).items():
-            setattr(out, k, redact(v))
-        notes = getattr(e, "__notes__", None)
-        if isinstance(notes, list):
-            # what add_note() sets (3.11+), and what a traceback prints on every version
-            vars(out)["__notes__"] = [redact(n) if isinstance(n, str) else n for n in notes]
-    except Exception:
-        return None
+def _rebuild(original: type[BaseException], args: tuple[Any, ...],
+             state: dict[str, Any]) -> BaseException:
+    """What unpickling a redacted error gives: the same kind, made the same way."""
+    out = _make(original, args, None, str(args[0]) if args else "")
+    vars(out).update(state)
     return out
 
 
-_GROUPS: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(builtins, "BaseExceptionGroup", None),
-                getattr(builtins, "ExceptionGroup", None)) if t is not None)
+def _importable(t: type) -> bool:
+    found: Any = sys.modules.get(t.__module__)
+    for part in t.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is t
+
+
+def _kind(original: type[BaseException]) -> type[BaseException] | None:
+    """``Redacted<Name>(RedactedError, original)``: an instance is an instance of the
+    type raised (``isinstance``, ``except``, ``except*`` and ``ExceptionGroup.split()``
+    see it as one), whose ``str()`` and ``repr()`` are the built-in ones of its native
+    layout (the original's own ``__str__`` may read attributes a redacted error does not
+    have, or quote the value from elsewhere). None when no such type can be made (a
+    layout conflict, a final type, a metaclass that refuses)."""
+    with _kinds_lock:
+        if original in _kinds:
+            ref = _kinds[original]
+            if ref is None or (made := ref()) is not None:
+                return None if ref is None else made
+    native = _native(original)
+
+    def __reduce__(self: BaseException) -> tuple[Any, ...]:
+        if _importable(original):
+            # an OSError's filenames are not in its args: its constructor's args are
+            args = self.args if isinstance(self, _GROUPS) else _args(self, native)
+            return (_rebuild, (original, args, dict(vars(self))))
+        # a local class cannot be looked up where it is unpickled: its plain stand-in
+        state = {k: v for k, v in vars(self).items() if k == "__notes__"}
+        return (RedactedError, (_show(self), getattr(self, "original_name", ""),
+                                getattr(self, "original_type", "")), state)
+
+    def __str__(self: BaseException) -> str:
+        shown = vars(self).get("redacted_message")
+        return shown if isinstance(shown, str) else native.__str__(self)
+
+    try:
+        made = types.new_class(
+            f"Redacted{original.__name__}", (RedactedError, original), None,
+            lambda ns: ns.update({
+                "__module__": __name__, "__str__": __str__,
+                "__repr__": native.__repr__, "__reduce__": __reduce__,
+                "__slots__": (), "_redacts": original}))
+    except Exception:
+        with _kinds_lock:
+            _kinds[original] = None
+        return None
+    with _kinds_lock:
+        # another thread's, made meanwhile, wins: one kind per type
+        ref = _kinds.get(original)
+        if ref is not None and (other := ref()) is not None:
+            return other
+        _kinds[original] = weakref.ref(made)
+    return made
+
+
+def _args(e: BaseException, native: type[BaseException]) -> tuple[Any, ...]:
+    """``e``'s args redacted, as the native constructor takes them: an ``OSError``'s
+    ``errno`` (and ``winerror``) kept as numbers, so that ``.errno`` still works; every
+    other arg as its redacted ``str()``."""
+    def text(a: Any) -> str:
+        try:
+            return redact(a if isinstance(a, str) else str(a))
+        except Exception:
+            return f"[unformattable {type(a).__name__}]"
+
+    if issubclass(native, OSError) and isinstance(e, OSError) and isinstance(e.errno, int):
+        out: list[Any] = [e.errno, text(e.strerror)]
+        filename2 = getattr(e, "filename2", None)
+        winerror = getattr(e, "winerror", None)
+        if e.filename is not None or filename2 is not None:
+            out.append(None if e.filename is None else text(e.filename))
+            out.append(winerror if isinstance(winerror, int) else None)
+            if filename2 is not None:
+                out.append(text(filename2))
+        return tuple(out)
+    return tuple(text(a) for a in e.args)
+
+
+def _make(original: type[BaseException], args: tuple[Any, ...],
+          members: list[BaseException] | None, shown: str) -> BaseException:
+    """An instance of :func:`_kind` of ``original`` made by the native type's C
+    constructor alone (never the original's ``__init__`` or ``__new__``: they would run
+    again, on what was raised), or a plain :class:`RedactedError` showing ``shown``."""
+    kind = _kind(original)
+    if kind is not None:
+        native = _native(original)
+        full = (args[0] if args else "", members) if members is not None else args
+        try:
+            out = native.__new__(kind, *full)
+            native.__init__(out, *full)
+        except Exception:  # noqa: S110 - a layout the args do not fit: the plain kind
+            pass
+        else:
+            vars(out).update(original_name=original.__name__, original_type=(
+                f"{original.__module__}.{original.__qualname__}"))
+            return out
+    return RedactedError(shown, original)
+
+
+def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseException | None:
+    """A redacted stand-in for ``e`` and its links, made of nothing of the original but
+    redacted text and numbers: no traceback (its frames hold the hook's locals), no
+    attribute (a response, a request, bytes output), no slot. None for a link already
+    being made (a cycle) or beyond the walk's bound: that link is left out."""
+    if id(e) in memo:
+        return memo[id(e)]
+    if len(memo) >= WALK_LIMIT:
+        return None
+    memo[id(e)] = None
+    # a stand-in made before (in a chain a hook raised again) stands for its original
+    original = vars(type(e)).get("_redacts", type(e))
+    members = getattr(e, "exceptions", None)
+    group = isinstance(members, tuple) and isinstance(e, _GROUPS)
+    if group:
+        assert isinstance(members, tuple)
+        made = [m for m in (_fresh(m, memo) for m in members
+                            if isinstance(m, BaseException)) if m is not None]
+        try:
+            text = redact(str(getattr(e, "message", "")))
+        except Exception:
+            text = ""
+        out = (_make(original, (text,), made, redact(_show(e))) if made
+               else RedactedError(redact(_show(e)), original))
+    else:
+        native = _native(original)
+        out = _make(original, _args(e, native), None, redact(_show(e)))
+        if type(e).__str__ is not native.__str__ and isinstance(out, RedactedError):
+            # its own __str__ (CalledProcessError's, from attributes the stand-in does
+            # not have): what it showed, redacted, rather than the bare args
+            vars(out)["redacted_message"] = redact(_show(e))
+    if isinstance(e, RedactedError):
+        vars(out).update(original_name=e.original_name, original_type=e.original_type)
+    notes = getattr(e, "__notes__", None)
+    if isinstance(notes, list):
+        vars(out)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]
+    memo[id(e)] = out
+    out.__cause__ = None if e.__cause__ is None else _fresh(e.__cause__, memo)
+    out.__context__ = None if e.__context__ is None else _fresh(e.__context__, memo)
+    out.__suppress_context__ = e.__suppress_context__
+    return out
 
 
 def _show(exc: BaseException) -> str:
@@ -292,31 +366,30 @@ def _show(exc: BaseException) -> str:
 def redact_error(exc: Exception) -> Exception:
     """``exc`` itself when no registered redactor finds anything in what formatting it
     shows (its message, ``repr()``, args, notes and string attributes, and those of its
-    causes, contexts and group members), else a copy of the same type with each found
-    value replaced — args, notes, string attributes (``OSError.strerror``, ``filename``),
-    causes, contexts and members likewise redacted; its traceback kept with the locals
-    of its plain-function frames cleared (they hold the hook's, the value among them
-    perhaps, and a report lives on into later snapshot images; see
-    :func:`_clear_locals`) — so that ``isinstance``, ``errno`` and ``except*`` still
-    work on it. When no such copy can be made, or the copy still shows
-    the value (a ``__str__`` of its own), a :class:`~rehydrate.RedactedError` in its
-    place: the redacted message and notes and the original type's name, without cause,
-    context or traceback."""
+    causes, contexts and group members). Else a fresh chain, nothing of it copied from
+    the original: each link an instance of ``Redacted<Name>``, a subclass of both
+    :class:`~rehydrate.RedactedError` and the type raised (so ``isinstance``, ``except*``
+    and an ``OSError``'s ``errno`` still work), made from the redacted args alone — no
+    traceback on any link (the frames hold the hook's locals, the value among them
+    perhaps, and a report lives on into later snapshot images), none of the original's
+    other attributes (a response, a request, bytes output), notes redacted; causes,
+    contexts and group members made the same way, the clean ones too. A link whose type
+    cannot be subclassed or made so is a plain :class:`~rehydrate.RedactedError`."""
     if not _live():  # the usual case: no secret managed, nothing to look for
         return exc
     if _clean(exc):
         return exc
     try:
-        copied = _redacted(exc, {})
+        out = _fresh(exc, {})
     except RecursionError:
-        copied = None
-    if isinstance(copied, Exception) and type(copied) is type(exc) and _clean(copied):
-        return copied
-    out = RedactedError(redact(_show(exc)), type(exc))
+        out = None
+    if isinstance(out, Exception) and _clean(out):
+        return out
+    plain = RedactedError(redact(_show(exc)), type(exc))
     notes = getattr(exc, "__notes__", None)
     if isinstance(notes, list):
-        vars(out)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]
-    return out
+        vars(plain)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]
+    return plain
 
 
 def _bytes_inner(value: bytes, quote_char: str) -> str:

@@ -225,6 +225,32 @@ class _Named:
         self.name = name
 
 
+_FD_ATTRS = ("_inotify_fd", "_kill_r", "_kill_w")
+"""The descriptors watchdog's inotify wrapper holds: the instance and its wake-up pipe."""
+
+
+def _close_copies(observer: Any) -> None:
+    """Close, in a child of fork(), its copies of the descriptors of the parent's
+    ``observer`` (a recent watchdog keeps its inotify wrapper on the observer, older ones
+    on each emitter's buffer; a polling observer has none). Never ``inotify_rm_watch``:
+    the watches belong to the instance both processes share, and would be removed from
+    the parent's too."""
+    if observer is None:
+        return
+    holders = [getattr(observer, "_inotify_fd", None)]
+    with contextlib.suppress(Exception):  # a watchdog that keeps them otherwise
+        for emitter in list(observer.emitters):
+            holders.append(getattr(getattr(emitter, "_inotify", None), "_inotify", None))
+    for holder in holders:
+        for name in _FD_ATTRS:
+            fd = getattr(holder, name, None)
+            if isinstance(fd, int) and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                # a later close() of the copy must not close what reuses the number
+                setattr(holder, name, -1)
+
+
 class FileDetector(Detector):
     """File: the marker file in REHYDRATE_MARKER_FILE changed (watchdog)."""
 
@@ -374,7 +400,11 @@ class FileDetector(Detector):
                 # A child of fork() (an inherited shutdown handler): the worker and the
                 # observer are the parent's. Stopping the observer here would remove the
                 # watches of the inotify instance both processes share, and the events
-                # are threading ones of this process: only forgotten.
+                # are threading ones of this process: only forgotten — but its copies of
+                # the observer's descriptors are closed (closing a copy removes no watch
+                # of the parent's), or every forked worker kept an inotify instance and
+                # a pipe open for its life.
+                _close_copies(self._observer)
                 self._worker = self._observer = None
                 return
             worker, self._worker = self._worker, None

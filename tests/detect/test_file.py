@@ -664,3 +664,34 @@ def test_stop_in_a_forked_child_leaves_the_parents_watch(rehydrate_engine, tmp_p
     calls = rec.wait(1)
     assert calls[0]["reason"] == "file"
     assert det._worker is not None and det._worker.is_alive()
+
+
+def test_stop_in_a_forked_child_closes_its_copies_of_the_descriptors(
+        rehydrate_engine, tmp_path):
+    """The child's copies of the observer's inotify instance and wake-up pipe were left
+    open for the child's life (a forked worker per request kept one of each); closing
+    them removes none of the parent's watches."""
+    from detect_helpers import in_forked_child
+
+    def fds():  # type: ignore[no-untyped-def]
+        return {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    marker = tmp_path / "restored"
+    rec = Recorder(rehydrate_engine)
+    before = fds()
+    det = FileDetector(marker, polling=False, window=0)
+    rehydrate_engine.start([det])
+    added = {fd: target for fd, target in fds().items() if fd not in before}
+    assert any("inotify" in target for target in added.values())
+
+    def child():  # type: ignore[no-untyped-def]
+        det.stop()
+        now = fds()
+        return {"still_open": sorted(fd for fd in added if now.get(fd) == added[fd])}
+
+    assert in_forked_child(child) == {"still_open": []}
+    tmp = tmp_path / "restored.tmp"
+    tmp.write_text("restore 1\n")
+    os.link(tmp, marker)
+    assert rec.wait(1)[0]["reason"] == "file"  # the parent's watch is still there

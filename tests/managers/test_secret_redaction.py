@@ -63,6 +63,39 @@ def listening_port() -> Iterator[int]:
         srv.close()
 
 
+def _reaching(root: object) -> list[str]:
+    """The paths from ``root`` to a text or bytes holding the value: through everything
+    the garbage collector sees it refer to (args, ``__dict__``, slots, tracebacks and
+    their frames' locals, causes, contexts, members)."""
+    import types
+
+    seen: set[int] = set()
+    found: list[str] = []
+    todo: list[tuple[object, str]] = [(root, "error")]
+    while todo:
+        obj, path = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, str):
+            if MARK in obj:
+                found.append(path)
+            continue
+        if isinstance(obj, (bytes, bytearray)):
+            if MARK.encode() in obj:
+                found.append(path)
+            continue
+        if isinstance(obj, (types.ModuleType, type, types.FunctionType, Secret)):
+            continue  # the code, the secret's own holder: not the error's
+        refs = list(gc.get_referents(obj))
+        if isinstance(obj, types.FrameType):
+            refs.extend(obj.f_locals.values())
+        if isinstance(obj, BaseException):
+            refs.extend((obj.__traceback__, obj.__cause__, obj.__context__))
+        todo.extend((r, f"{path}->{type(r).__name__}") for r in refs if r is not None)
+    return found
+
+
 def _everywhere(engine: rehydrate.Lifecycle, report: rehydrate.Report,
                 exporter: InMemorySpanExporter, caplog: pytest.LogCaptureFixture,
                 ) -> dict[str, str]:
@@ -96,16 +129,20 @@ def test_an_httpx_header_error_quoting_the_token_is_redacted_everywhere(
         assert "SECRETMARKER" not in text, where
         assert SHOWN in text, where
     error = report.hooks[-1].error
-    assert isinstance(error, RedactedError)
+    assert isinstance(error, RedactedError) and isinstance(error, httpx.LocalProtocolError)
     assert error.original_name == "LocalProtocolError"
     assert error.original_type == "httpx.LocalProtocolError"
     assert str(error) == f"Illegal header value b'Bearer {SHOWN}'"
     # the span's status names the type raised, as the report and the log line do
     [span] = [s for s in spans.get_finished_spans() if s.name.endswith("register-with-api")]
     assert span.status.description == f"LocalProtocolError: {error}"
-    # nothing of the original is kept to be formatted (or snapshotted) later
-    assert error.__cause__ is None and error.__context__ is None
-    assert error.__traceback__ is None
+    # nothing of the original is kept to be formatted (or snapshotted) later: h11's
+    # error it was raised from stands redacted too, neither with a traceback
+    assert isinstance(error.__cause__, RedactedError)
+    assert error.__cause__.original_name == "LocalProtocolError"
+    assert str(error.__cause__) == str(error)
+    assert error.__traceback__ is None and error.__cause__.__traceback__ is None
+    assert _reaching(report.error) == []
 
 
 def test_the_asgi_gate_answers_without_the_token(
@@ -175,26 +212,29 @@ def test_a_cause_or_a_note_quoting_the_token_is_not_kept(
 
     report = rehydrate_engine.simulate_restore()
     error = report.hooks[-1].error
-    # the type raised, kept: isinstance(), except* and its attributes still work
-    assert type(error) is ConnectionError
+    # the type raised, kept: isinstance() and except* still work
+    assert isinstance(error, ConnectionError) and isinstance(error, RedactedError)
+    assert error.original_type == "builtins.ConnectionError"
     assert str(error) == "the API refused the request"
     assert isinstance(error.__cause__, ValueError)
     assert str(error.__cause__) == SHOWN
     assert report.error is not None
     formatted = "".join(traceback.format_exception(report.error))
     assert "SECRETMARKER" not in formatted
-    assert SHOWN in formatted and "raise err from exc" in formatted  # where it failed
+    assert SHOWN in formatted and "raise err from exc" not in formatted  # no traceback
     if hasattr(error, "add_note"):
         assert error.__notes__[0] == f"sent {SHOWN}"
+    assert _reaching(report.error) == []
     back = pickle.loads(pickle.dumps(error))
-    assert (type(back), str(back)) == (ConnectionError, str(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert back.original_name == "ConnectionError"
 
 
-def test_an_error_still_showing_the_value_after_copying_is_replaced(
+def test_an_error_with_its_own_str_shows_what_it_showed_redacted(
         rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
-    """A ``__str__`` of its own that quotes the value from elsewhere: the copy with
-    redacted args still shows it, so a RedactedError stands for it, without cause,
-    context or traceback."""
+    """A ``__str__`` of its own that quotes the value from elsewhere: the stand-in
+    shows that text redacted (its own ``__str__`` is not run again), and a local class,
+    which unpickling could not find, is pickled as a plain RedactedError."""
     value = token.get_str()
 
     class Quoting(Exception):
@@ -209,12 +249,13 @@ def test_an_error_still_showing_the_value_after_copying_is_replaced(
             raise Quoting() from exc
 
     error = rehydrate_engine.simulate_restore().hooks[-1].error
-    assert isinstance(error, RedactedError)
+    assert isinstance(error, RedactedError) and isinstance(error, Quoting)
     assert error.original_name == "Quoting"
     assert str(error) == f"token {SHOWN} refused"
-    assert error.__cause__ is None and error.__context__ is None
+    assert isinstance(error.__cause__, ValueError) and error.__context__ is error.__cause__
     assert error.__traceback__ is None
     back = pickle.loads(pickle.dumps(error))
+    assert type(back) is RedactedError
     assert (str(back), back.original_name, back.original_type) == (
         str(error), error.original_name, error.original_type)
 
@@ -380,13 +421,16 @@ def test_an_error_quoting_a_common_word_secret_keeps_its_type(
     try:
         report = rehydrate_engine.simulate_restore()
         warm_error, open_error = (h.error for h in report.hooks[-2:])
-        assert type(warm_error) is ConnectionRefusedError
+        assert isinstance(warm_error, ConnectionRefusedError)
         assert isinstance(warm_error, ConnectionError) and warm_error.errno == 111
         assert str(warm_error) == f"[Errno 111] could not connect to {shown} at db:5432"
-        assert type(open_error) is FileNotFoundError
+        assert isinstance(open_error, FileNotFoundError) and open_error.errno == 2
         assert (open_error.filename, open_error.filename2) == (
             f"/etc/{shown}/pass", f"/run/{shown}")
         assert "postgres" not in str(open_error) + repr(open_error)
+        back = pickle.loads(pickle.dumps(open_error))
+        assert type(back) is type(open_error) and (back.errno, back.filename2) == (
+            2, f"/run/{shown}")
         assert report.error is not None
         matched, _ = report.error.split(ConnectionError)  # what except* does
         assert matched is not None and matched.exceptions == (warm_error,)
@@ -437,7 +481,8 @@ def test_an_args_value_hidden_by_a_custom_str_is_redacted(
 
     report = rehydrate_engine.simulate_restore()
     error = report.hooks[-1].error
-    assert type(error) is AuthError and error.args == (SHOWN,)
+    assert isinstance(error, AuthError) and error.args == (SHOWN,)
+    assert str(error) == "authentication failed"
     assert "SECRETMARKER" not in repr(report) + repr(error)
 
 
@@ -466,7 +511,8 @@ def test_the_first_member_of_a_large_group_is_redacted(
 
     report = rehydrate_engine.simulate_restore()
     error = report.hooks[-1].error
-    assert type(error) is group_type and len(error.exceptions) == 120
+    assert isinstance(error, group_type) and len(error.exceptions) == 120
+    assert all(isinstance(m, (PermissionError, TimeoutError)) for m in error.exceptions)
     assert str(error.exceptions[0]) == f"401 for Bearer {SHOWN}"
     assert report.error is not None
     assert "SECRETMARKER" not in "".join(traceback.format_exception(report.error))
@@ -515,7 +561,7 @@ def test_a_value_replaced_by_the_restore_is_redacted_until_the_run_ends(
     report = rehydrate_engine.simulate_restore()
     assert token.get() == b"SECRETMARKER-rotated\n"
     error = report.hooks[-1].error
-    assert type(error) is PermissionError
+    assert isinstance(error, PermissionError)
     assert str(error) == f"401 from api: token {SHOWN} revoked"
     assert "SECRETMARKER" not in caplog.text
     assert "SECRETMARKER" not in json.dumps(rehydrate_engine.status().to_dict(), default=str)
@@ -601,24 +647,178 @@ def test_the_public_status_redacts_the_last_reports_reason(
     assert shown == f"webhook with token {SHOWN}"
 
 
-def test_the_copy_keeps_the_traceback_without_the_frames_locals(
+def test_no_link_keeps_a_traceback_whose_frames_hold_the_value(
         rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
-    """Where it failed stays readable; the value held in a local of a frame it passed
-    through is not kept alive by the report (into a later snapshot image)."""
-    def send() -> None:
-        header = "Bearer " + token.get_str()
+    """The value in a local of a frame the error passed through (a plain function's, a
+    finished coroutine's) or of a clean cause's frame was kept alive by the report, into
+    a later snapshot image: no link of the recorded chain has a traceback."""
+    def connect(value: str) -> None:
+        header = "Bearer " + value  # noqa: F841 - the local a frame would keep
+        raise ConnectionRefusedError(111, "Connection refused")  # quotes nothing
+
+    @rehydrate_engine.registry.after_restore(name="login")
+    def login() -> None:
+        value = token.get_str().strip()
+        try:
+            connect(value)
+        except OSError as exc:
+            raise RuntimeError(f"login with {value} failed") from exc
+
+    async def send(value: str) -> None:
+        header = "Bearer " + value
+        await asyncio.sleep(0)
         raise ConnectionError(f"refused {header}")
 
-    @rehydrate_engine.registry.after_restore(name="sends")
-    def sends() -> None:
-        send()
+    @rehydrate_engine.registry.after_restore(name="async-login")
+    async def async_login() -> None:
+        await send(token.get_str().strip())
+
+    report = rehydrate_engine.simulate_restore()
+    login_error, async_error = (h.error for h in report.hooks[-2:])
+    assert isinstance(login_error, RuntimeError)
+    assert str(login_error) == f"login with {SHOWN} failed"
+    cause = login_error.__cause__
+    assert isinstance(cause, ConnectionRefusedError) and cause.errno == 111
+    assert isinstance(async_error, ConnectionError)
+    for error in (login_error, cause, async_error):
+        assert error.__traceback__ is None
+    assert report.error is not None
+    assert _reaching(report.error) == []
+
+
+def test_no_attribute_of_the_raised_error_is_kept(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """requests' HTTPError kept its response (the URL with the token) and request (the
+    Authorization header), CalledProcessError its bytes output, SystemExit its code."""
+    import subprocess
+    import sys
+
+    import requests
+    from requests.adapters import BaseAdapter
+
+    class Refusing(BaseAdapter):
+        def send(self, request: Any, **kw: Any) -> requests.Response:
+            r = requests.Response()
+            r.status_code, r.reason, r.url = 401, "Unauthorized", request.url
+            r._content, r.request = b'{"error": "invalid token"}', request
+            return r
+
+        def close(self) -> None:
+            pass
+
+    @rehydrate_engine.registry.after_restore(name="requests")
+    def call_api() -> None:
+        value = token.get_str().strip()
+        with requests.Session() as session:
+            session.mount("https://", Refusing())
+            session.get("https://api.example/v1/register", params={"access_token": value},
+                        headers={"Authorization": "Bearer " + value}).raise_for_status()
+
+    @rehydrate_engine.registry.after_restore(name="cli")
+    def cli() -> None:
+        value = token.get_str().strip()
+        raise subprocess.CalledProcessError(3, ["login", value], output=value.encode())
+
+    @rehydrate_engine.registry.after_restore(name="exits")
+    def exits() -> None:
+        sys.exit(f"fatal: token {token.get_str().strip()} rejected")
+
+    report = rehydrate_engine.simulate_restore()
+    http, called, exited = (h.error for h in report.hooks[-3:])
+    assert isinstance(http, requests.HTTPError) and not hasattr(http, "response")
+    assert str(http).endswith(f"?access_token={SHOWN}")
+    assert isinstance(called, subprocess.CalledProcessError)
+    assert str(called) == (f"Command '['login', '{SHOWN}']' returned non-zero exit "
+                           "status 3.")
+    assert not hasattr(called, "output")
+    assert isinstance(exited.__cause__, SystemExit)
+    assert exited.__cause__.code == f"fatal: token {SHOWN} rejected"
+    assert report.error is not None
+    assert _reaching(report.error) == []
+    assert "SECRETMARKER" not in "".join(traceback.format_exception(report.error))
+
+
+def test_the_raised_type_is_not_run_again(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """A copy re-ran the type's ``__init__`` on the unredacted args (its side effects —
+    a log line quoting them — with it) and lost its slots' values to what ``__init__``
+    sets from the args alone; the stand-in is made by the built-in constructor only."""
+    made: list[str] = []
+
+    class ApiError(Exception):
+        __slots__ = ("status",)
+
+        def __init__(self, message: str, status: int = 0) -> None:
+            made.append(message)
+            super().__init__(message)
+            self.status = status
+
+    @rehydrate_engine.registry.after_restore(name="slots")
+    def slots() -> None:
+        raise ApiError(f"token {token.get_str().strip()} rejected", status=401)
+
+    report = rehydrate_engine.simulate_restore()
+    error = report.hooks[-1].error
+    assert len(made) == 1  # by the hook
+    assert isinstance(error, ApiError) and str(error) == f"token {SHOWN} rejected"
+    assert not hasattr(error, "status")  # nothing copied: not a false 0 either
+    assert report.error is not None
+    assert _reaching(report.error) == []
+
+
+def test_a_type_that_cannot_stand_redacted_is_a_plain_redacted_error(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """A built-in whose constructor the redacted args do not fit: a plain RedactedError
+    for that link, its cause still made the same way."""
+    @rehydrate_engine.registry.after_restore(name="decode")
+    def decode() -> None:
+        try:
+            raise ValueError(token.get_str())
+        except ValueError as exc:
+            raise UnicodeDecodeError("utf-8", token.get(), 0, 1, "bad") from exc
 
     error = rehydrate_engine.simulate_restore().hooks[-1].error
-    assert type(error) is ConnectionError and error.__traceback__ is not None
-    frames = [f for f, _ in traceback.walk_tb(error.__traceback__)]
-    [sent] = [f for f in frames if f.f_code.co_name == "send"]
-    assert sent.f_locals == {}
-    assert "send()" in "".join(traceback.format_exception(error))
+    assert type(error) is RedactedError and error.original_name == "UnicodeDecodeError"
+    assert isinstance(error.__cause__, ValueError) and str(error.__cause__) == SHOWN
+    assert _reaching(error) == []
+
+
+def test_a_stand_in_raised_again_stands_for_the_type_first_raised(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
+    """A hook that raises from a recorded error (a retry wrapper): its stand-in is made
+    again as one of the type first raised, not of the stand-in's own kind."""
+    @rehydrate_engine.registry.after_restore(name="first")
+    def first() -> None:
+        raise ConnectionError(f"refused {MARK}")
+
+    recorded = rehydrate_engine.simulate_restore().hooks[-1].error
+
+    @rehydrate_engine.registry.after_restore(name="again")
+    def again() -> None:
+        raise RuntimeError(f"gave up on {MARK}") from recorded
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    cause = error.__cause__
+    assert type(cause) is type(recorded) and isinstance(cause, ConnectionError)
+    assert cause.original_name == "ConnectionError"
+
+
+def test_a_dropped_type_is_not_kept_alive_by_its_redacted_kind(token: Secret) -> None:
+    """The kind made for a type refers to it (its base): held strongly by the cache, it
+    kept every such type — a plugin's, one made per call — for the process's life."""
+    import weakref
+
+    from rehydrate._redact import redact_error
+
+    class Dropped(Exception):
+        pass
+
+    error = redact_error(Dropped(f"refused {MARK}"))
+    assert isinstance(error, Dropped) and isinstance(error, RedactedError)
+    gone = weakref.ref(Dropped)
+    del Dropped, error
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_suspended_generator_that_handed_the_error_on_is_not_closed(
@@ -641,5 +841,5 @@ def test_a_suspended_generator_that_handed_the_error_on_is_not_closed(
         raise handed
 
     error = rehydrate_engine.simulate_restore().hooks[-1].error
-    assert type(error) is ConnectionError and MARK not in str(error)
+    assert isinstance(error, ConnectionError) and MARK not in str(error)
     assert isinstance(next(stream), ConnectionError)  # still reading, not closed
