@@ -2090,9 +2090,15 @@ class _AsyncRedisPool:
         counts as left open (:meth:`_drop_stale`)."""
         here = asyncio.get_running_loop()
         conns = [c for c, on in self.detached if on is here]
-        resp = await asyncio.gather(*(c.disconnect() for c in conns), return_exceptions=True)
+        # one after the other, not gathered: a loop closed while this is under way
+        # destroys one started disconnect, not children never awaited
+        exc: Exception | None = None
+        for c in conns:
+            try:
+                await c.disconnect()
+            except Exception as e:  # the others still
+                exc = exc or e
         self.detached = [d for d in self.detached if not any(d[0] is c for c in conns)]
-        exc = next((r for r in resp if isinstance(r, BaseException)), None)
         if exc is not None:
             raise exc
 
