@@ -255,6 +255,10 @@ def _kind(original: type[BaseException]) -> type[BaseException] | None:
             lambda ns: ns.update({
                 "__module__": __name__, "__str__": __str__,
                 "__repr__": native.__repr__, "__reduce__": __reduce__,
+                # the type's own attribute hooks forward to what a stand-in does not
+                # have (a client error's `__getattr__` to its response): they recursed
+                "__getattr__": _no_attribute,
+                "__getattribute__": object.__getattribute__,
                 "__slots__": (), "_redacts": original}))
     except Exception:
         with _kinds_lock:
@@ -363,6 +367,10 @@ def _show(exc: BaseException) -> str:
         return f"{type(exc).__name__} (its message could not be formatted)"
 
 
+def _no_attribute(self: BaseException, name: str) -> Any:
+    raise AttributeError(name)
+
+
 def redact_error(exc: Exception) -> Exception:
     """``exc`` itself when no registered redactor finds anything in what formatting it
     shows (its message, ``repr()``, args, notes and string attributes, and those of its
@@ -377,19 +385,23 @@ def redact_error(exc: Exception) -> Exception:
     cannot be subclassed or made so is a plain :class:`~rehydrate.RedactedError`."""
     if not _live():  # the usual case: no secret managed, nothing to look for
         return exc
-    if _clean(exc):
-        return exc
     try:
-        out = _fresh(exc, {})
-    except RecursionError:
-        out = None
-    if isinstance(out, Exception) and _clean(out):
-        return out
-    plain = RedactedError(redact(_show(exc)), type(exc))
-    notes = getattr(exc, "__notes__", None)
-    if isinstance(notes, list):
-        vars(plain)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]
-    return plain
+        if _clean(exc):
+            return exc
+        try:
+            out = _fresh(exc, {})
+        except RecursionError:
+            out = None
+        if isinstance(out, Exception) and _clean(out):
+            return out
+        plain = RedactedError(redact(_show(exc)), type(exc))
+        notes = getattr(exc, "__notes__", None)
+        if isinstance(notes, list):
+            vars(plain)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]
+        return plain
+    except Exception as broken:  # an error type whose attributes raise: show nothing of it
+        return RedactedError(f"{type(exc).__name__} (not shown: redacting it failed with "
+                             f"{type(broken).__name__})", type(exc))
 
 
 def _bytes_inner(value: bytes, quote_char: str) -> str:

@@ -422,7 +422,9 @@ class HookRunner:
             try:
                 alive = self._run_job(job)
             except BaseException as exc:  # a bug here must not leave the caller waiting
-                log.exception("rehydrate's hook runner failed")
+                # not log.exception: the chain may hold a hook's raw error (a secret's value)
+                log.error("rehydrate's hook runner failed: %s",
+                          describe_error(_contain(exc, "rehydrate.runner")))
                 for k, r in enumerate(job.results):
                     if r is None and k >= job.index:
                         h = job.hooks[k]

@@ -843,3 +843,59 @@ def test_a_suspended_generator_that_handed_the_error_on_is_not_closed(
     error = rehydrate_engine.simulate_restore().hooks[-1].error
     assert isinstance(error, ConnectionError) and MARK not in str(error)
     assert isinstance(next(stream), ConnectionError)  # still reading, not closed
+
+
+class _Response:
+    status = 401
+
+
+class _ForwardingError(Exception):
+    """A client error forwarding unknown attributes to its response (a common shape)."""
+
+    def __init__(self, msg: str, response: _Response) -> None:
+        super().__init__(msg)
+        self.response = response
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.response, name)
+
+
+class _GroupLikeError(Exception):
+    @property
+    def exceptions(self) -> Any:  # what the walk asks every error for
+        raise KeyError("exceptions")
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: _ForwardingError(f"GET /v1?token={MARK} -> 401", _Response()),
+                 id="getattr forwarding to its response"),
+    pytest.param(lambda: _GroupLikeError(f"auth failed for token {MARK}"),
+                 id="an attribute that raises"),
+])
+def test_an_error_whose_attributes_misbehave_is_redacted_and_the_run_goes_on(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret,
+        caplog: pytest.LogCaptureFixture, make: Any) -> None:
+    """The stand-in inherited the type's ``__getattr__``, which forwarded to a response it
+    does not have: every attribute lookup recursed, the hook worker died logging the raw
+    error (the value in clear), the hook became a timeout and the async hooks after it in
+    the batch never ran; an attribute raising something else than AttributeError broke
+    the redaction the same way."""
+    ran: list[str] = []
+
+    @rehydrate_engine.registry.after_restore(name="bad", timeout=5)
+    async def bad() -> None:
+        raise make()
+
+    @rehydrate_engine.registry.after_restore(name="after")
+    async def after() -> None:
+        ran.append("after")
+
+    with caplog.at_level(logging.DEBUG):
+        report = rehydrate_engine.simulate_restore()
+    outcomes = {h.name: h.outcome for h in report.hooks}
+    assert outcomes["bad"] == "failed" and outcomes["after"] == "ok", report.table()
+    assert ran == ["after"]
+    error = next(h.error for h in report.hooks if h.name == "bad")
+    assert isinstance(error, RedactedError)
+    assert MARK not in caplog.text and MARK not in report.table()
+    assert MARK not in "".join(traceback.format_exception(error))
