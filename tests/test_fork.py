@@ -3,6 +3,7 @@ never touches the parent's resources; a child forked while a hook runs is not we
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -140,6 +141,18 @@ def _held_by_a_parent_thread(get_lock) -> tuple[threading.Event, threading.Threa
     return release, holder
 
 
+@contextlib.contextmanager
+def _parent_thread_holding(get_lock) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """While inside: a parent thread holds ``get_lock()`` (:func:`_held_by_a_parent_thread`);
+    released and joined on the way out."""
+    release, holder = _held_by_a_parent_thread(get_lock)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(DEADLINE)
+
+
 @pytest.mark.parametrize("which", ["registry", "builtins", "entropy-id", "entropy-manager",
                                    "tls-manager", "keys-manager", "secrets-manager",
                                    "files-manager", "fingerprint-manager", "ephemeral-key",
@@ -170,8 +183,7 @@ def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
             "ephemeral-key": lambda: key._cond,
             "secret": lambda: secret._cond}[which]
     generation = key.generation
-    release, holder = _held_by_a_parent_thread(lock)
-    try:
+    with _parent_thread_holding(lock):
         def child() -> dict:  # type: ignore[type-arg]
             engine.status()
             reports = [engine.simulate_snapshot(), engine.simulate_restore(),
@@ -181,9 +193,6 @@ def test_a_child_forked_while_a_parent_thread_holds_a_lock_restores(
                     "rotations": key.generation - generation, "secret": secret.get_str()}
 
         out = in_forked_child(child, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"outcomes": ["ok"], "rotations": 2, "secret": "v"}
 
 
@@ -353,12 +362,8 @@ def test_a_child_forked_while_a_parent_thread_holds_a_module_lock_is_not_wedged(
 
     lock = {"runner": lambda: runner._blocked_lock, "snapstart": lambda: snapstart._lock,
             "adapters": lambda: server._installed_lock}[which]
-    release, holder = _held_by_a_parent_thread(lock)
-    try:
+    with _parent_thread_holding(lock):
         out = in_forked_child(lambda: {"used": use()}, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"used": {"runner": True, "snapstart": ["snapstart"],
                             "adapters": ["rehydrate.vllm.wake"]}[which]}
 
@@ -385,8 +390,7 @@ def test_a_child_forked_while_a_parent_thread_holds_a_managed_handle_uses_it(
     timed out closing that handle, its restores never reopened it, and its close() of
     the handle it inherited waited for ever."""
     handle = _managed_handle(kind, engine, tmp_path)
-    release, holder = _held_by_a_parent_thread(lambda: handle._lock)
-    try:
+    with _parent_thread_holding(lambda: handle._lock):
         def child() -> dict:  # type: ignore[type-arg]
             reports = [engine.simulate_snapshot(), engine.simulate_restore()]
             suspended = handle.suspended
@@ -395,9 +399,6 @@ def test_a_child_forked_while_a_parent_thread_holds_a_managed_handle_uses_it(
                     "suspended": suspended}
 
         out = in_forked_child(child, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"outcomes": ["ok"], "suspended": False}
     assert engine.simulate_snapshot().ok and handle.suspended  # the parent's is its own
     assert engine.simulate_restore().ok and not handle.suspended
@@ -482,8 +483,7 @@ def test_a_renewal_running_at_fork_is_abandoned_in_the_child(engine: Lifecycle) 
 
     cert = tls.self_signed("web", engine=engine)
     serial = cert.serial
-    release, holder = _held_by_a_parent_thread(lambda: cert._renew_lock)
-    try:
+    with _parent_thread_holding(lambda: cert._renew_lock):
         def child() -> dict:  # type: ignore[type-arg]
             error = cert.last_error
             renewed = cert.renew().serial
@@ -492,9 +492,6 @@ def test_a_renewal_running_at_fork_is_abandoned_in_the_child(engine: Lifecycle) 
                     "restored": cert.serial not in (serial, renewed)}
 
         out = in_forked_child(child, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"error": "a renewal running at fork() was abandoned in this process",
                    "renewed": True, "ok": True, "restored": True}
     assert cert.last_error is None and cert.serial == serial  # the parent's is its own
@@ -663,17 +660,13 @@ def test_fresh_lock_after_fork_merges_registrations_and_keeps_shared_locks_share
             self.sub_busy = 0
 
     owner = Sub()
-    release, holder = _held_by_a_parent_thread(lambda: owner._lock)
-    try:
+    with _parent_thread_holding(lambda: owner._lock):
         def child() -> dict:  # type: ignore[type-arg]
             free = owner._lock.acquire(timeout=DEADLINE / 4)
             return {"free": free, "shared": owner._cond._lock is owner._lock,
                     "busy": [owner.base_busy, owner.sub_busy]}
 
         out = in_forked_child(child, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"free": True, "shared": True, "busy": [0, 0]}, out
 
 
@@ -716,15 +709,11 @@ def test_a_child_forked_while_a_parent_thread_holds_a_connection_or_adapter_lock
     locks were not renewed: held by a parent thread at fork(), they were held for ever
     in the child (its route hooks, requests, channel calls, ticks and lifespans hung)."""
     owner, name = _lock_owner(kind, engine)
-    release, holder = _held_by_a_parent_thread(lambda: getattr(owner, name))
-    try:
+    with _parent_thread_holding(lambda: getattr(owner, name)):
         def child() -> dict:  # type: ignore[type-arg]
             return {"free": getattr(owner, name).acquire(timeout=DEADLINE / 4)}
 
         out = in_forked_child(child, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"free": True}
 
 
@@ -1008,12 +997,8 @@ def test_a_child_forked_while_a_parent_thread_holds_an_engine_lock_uses_it(
             return engine.start("none", extensions=[Tick()])
         return cert.server_context() is not None
 
-    release, holder = _held_by_a_parent_thread(lock)
-    try:
+    with _parent_thread_holding(lock):
         out = in_forked_child(lambda: {"used": use()}, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"used": {"state": True, "start": [], "extensions": "made",
                             "install": ["tick"], "claims": ["tick"],
                             "certificate": True}[which]}, out
@@ -1029,11 +1014,7 @@ def test_a_child_forked_while_a_parent_thread_registers_a_hook_rebuilds_the_hook
     assert [h.name for h in registry.hooks("restore")] == ["first"]  # cached
     registry.after_restore(lambda: None, name="second")
     registry._version -= 1  # what the stopped thread had not done yet
-    release, holder = _held_by_a_parent_thread(lambda: registry._lock)
-    try:
+    with _parent_thread_holding(lambda: registry._lock):
         out = in_forked_child(
             lambda: {"hooks": [h.name for h in registry.hooks("restore")]}, DEADLINE)
-    finally:
-        release.set()
-        holder.join(DEADLINE)
     assert out == {"hooks": ["first", "second"]}
