@@ -150,6 +150,9 @@ class Secret:
         # Here, under its own name: the registry checked it only as the wipe hook's
         # timeout (wipe_wait + 5 s), naming "timeout" and a value nobody passed.
         wipe_wait = seconds(wipe_wait, "wipe_wait", zero_ok=True)
+        # and here, not at the first blocked read: a bad value raised there, in the
+        # application's request, a TypeError from the clock arithmetic
+        timeout = seconds(timeout, "timeout", zero_ok=True)
         self.name = name
         self.source = source
         self.on_wiped: OnWiped = on_wiped

@@ -223,11 +223,16 @@ class UdpEndpoint:
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.
         Raises ``OSError`` when binding again fails too (the hook then fails, and the
-        process is not ready), ``RuntimeError`` before :meth:`start`."""
+        process is not ready), ``RuntimeError`` before :meth:`start` and after
+        :meth:`close`."""
         if self.transport is None:
             # It bound the socket itself, with no restore hook, and start() then said
             # "already started": the endpoint was never checked after a restore.
             raise self._not_started("ensure")
+        if self._closed:
+            # it bound again a socket nothing checks any more (restores skip a closed one)
+            raise RuntimeError(f"UDP endpoint {self.name!r} is closed: await start() "
+                               "before ensure()")
         if await self.check():
             return False
         old = self.transport

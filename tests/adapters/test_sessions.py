@@ -181,7 +181,7 @@ async def test_a_closed_udp_endpoint_stays_closed_across_restores(rehydrate_engi
         ep.close()
 
 
-async def test_check_and_ensure_before_start_say_not_started(rehydrate_engine):
+async def test_check_and_ensure_before_start_or_after_close_say_so(rehydrate_engine):
     """ensure() before start() bound the socket itself, with no restore hook, and start()
     then said "already started": the endpoint was never checked after a restore."""
     ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="early")
@@ -198,6 +198,11 @@ async def test_check_and_ensure_before_start_say_not_started(rehydrate_engine):
         ep.close()
     await asyncio.sleep(0)  # the loop runs the transport's close
     assert not await ep.check()  # closed: a failed check, as before
+    # ensure() after close() bound the socket again while restores skip a closed endpoint
+    with pytest.raises(RuntimeError, match=r"^UDP endpoint 'early' is closed: await start\(\) "
+                                           r"before ensure\(\)"):
+        await ep.ensure()
+    assert ep.rebinds == 0 and ep.transport.is_closing()
 
 
 def test_a_udp_endpoint_whose_loop_stopped_fails_its_hook_saying_so(rehydrate_engine):

@@ -951,3 +951,15 @@ def test_a_constructor_that_fails_after_its_restore_hook_loaded_keeps_no_value(
     from rehydrate import secrets
 
     assert secrets.manager(rehydrate_engine).secrets() == []
+
+
+@pytest.mark.parametrize("bad, error", [("10", TypeError), (-1, ValueError),
+                                        (float("nan"), ValueError)])
+def test_a_bad_read_timeout_is_refused_when_the_secret_is_made(rehydrate_engine, bad, error):
+    """``timeout`` (how long a read waits for a wiped value) was not checked: a bad one
+    raised at the first blocked read, inside the application's request, as a TypeError
+    from the clock arithmetic or a wait that returned at once."""
+    with pytest.raises(error, match=r"^timeout must be a number of seconds >= 0"):
+        Secret.from_callable(lambda: b"value", name="t", timeout=bad,
+                             engine=rehydrate_engine)
+    assert "t" not in rehydrate_engine.status().extra.get("secrets", {})
