@@ -3669,6 +3669,15 @@ def test_helpers_whose_event_loop_is_closed_warn_they_left_connections_open(
     asyncio.run(phase2())
 
 
+def _made_on(loop: asyncio.AbstractEventLoop, make):  # type: ignore[no-untyped-def]
+    """``make()`` called on ``loop`` (a helper's client belongs to the loop it is made
+    on), driven by ``run_until_complete`` as the application does."""
+    async def call():  # type: ignore[no-untyped-def]
+        return make()
+
+    return loop.run_until_complete(call())
+
+
 async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     """On the application's loop: wait (letting that loop run) until ``cond()``."""
     end = time.monotonic() + timeout
@@ -3688,11 +3697,8 @@ def test_redis_async_client_on_a_stopped_loop_closes_there_and_reopens(rehydrate
 
     loop = asyncio.new_event_loop()
     try:
-        async def make():  # type: ignore[no-untyped-def]
-            return connections.redis_client("cache", aredis.Redis(port=redis_srv.port),
-                                            engine=rehydrate_engine)
-
-        client = loop.run_until_complete(make())
+        client = _made_on(loop, lambda: connections.redis_client(
+            "cache", aredis.Redis(port=redis_srv.port), engine=rehydrate_engine))
         assert loop.run_until_complete(client.ping())
         pool = client.connection_pool
         # their streams: a disconnected connection object is reconnected on use
@@ -3830,11 +3836,8 @@ def test_httpx_async_client_on_a_stopped_loop_closes_its_pool_there(rehydrate_en
     scheduled on that loop (``closing``) and runs when the application runs it again."""
     loop = asyncio.new_event_loop()
     try:
-        async def make():  # type: ignore[no-untyped-def]
-            return connections.httpx_async_client("api", base_url=http_srv.url,
-                                                  engine=rehydrate_engine)
-
-        client = loop.run_until_complete(make())
+        client = _made_on(loop, lambda: connections.httpx_async_client(
+            "api", base_url=http_srv.url, engine=rehydrate_engine))
         loop.run_until_complete(client.get("/x"))
         transport = client._transport
         old = list(transport._inner._pool.connections)
@@ -3898,11 +3901,8 @@ def test_httpx_async_request_in_flight_on_a_paused_loop_is_not_cut(rehydrate_eng
     server = _GatedHTTP()
     loop = asyncio.new_event_loop()
     try:
-        async def make():  # type: ignore[no-untyped-def]
-            return connections.httpx_async_client("api", base_url=server.url,
-                                                  engine=rehydrate_engine)
-
-        client = loop.run_until_complete(make())
+        client = _made_on(loop, lambda: connections.httpx_async_client(
+            "api", base_url=server.url, engine=rehydrate_engine))
         task = loop.create_task(client.get("/wait"))
         loop.run_until_complete(_until(lambda: [p for p, _ in server.seen] == ["/wait"]))
         pool = client._transport._inner._pool
@@ -3932,11 +3932,8 @@ def test_httpx_async_next_request_after_a_paused_snapshot_gets_a_fresh_pool(
     server.gate.set()
     loop = asyncio.new_event_loop()
     try:
-        async def make():  # type: ignore[no-untyped-def]
-            return connections.httpx_async_client("api", base_url=server.url,
-                                                  engine=rehydrate_engine)
-
-        client = loop.run_until_complete(make())
+        client = _made_on(loop, lambda: connections.httpx_async_client(
+            "api", base_url=server.url, engine=rehydrate_engine))
         loop.run_until_complete(client.get("/warm"))
         transport = client._transport
         old_pool = transport._inner._pool
@@ -3965,12 +3962,9 @@ def test_httpx_async_request_in_flight_through_a_mount_on_a_paused_loop_is_not_c
     server = _GatedHTTP()
     loop = asyncio.new_event_loop()
     try:
-        async def make():  # type: ignore[no-untyped-def]
-            return connections.httpx_async_client(
-                "api", base_url=server.url, engine=rehydrate_engine,
-                mounts={"http://": httpx.AsyncHTTPTransport()})
-
-        client = loop.run_until_complete(make())
+        client = _made_on(loop, lambda: connections.httpx_async_client(
+            "api", base_url=server.url, engine=rehydrate_engine,
+            mounts={"http://": httpx.AsyncHTTPTransport()}))
         task = loop.create_task(client.get("/wait"))
         loop.run_until_complete(_until(lambda: [p for p, _ in server.seen] == ["/wait"]))
         assert loop.run_until_complete(client.get("/other")).text == "ok"
