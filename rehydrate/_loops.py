@@ -140,17 +140,17 @@ class _Start(Generic[_T]):
         fut.add_done_callback(cancelled)
 
 
-def _destroyed(coro: Coroutine[Any, Any, Any] | None,
-               told: Callable[[], None] | None) -> None:
+def _destroyed(coro: Coroutine[Any, Any, Any], told: Callable[[], None] | None) -> None:
     """``coro`` will never run (its loop dropped the callback that was to start it):
     closed (one never started was reported "never awaited"), and its owner told."""
-    # from a finalizer too: any thread, or the interpreter's shutdown — nothing escapes
-    with contextlib.suppress(BaseException):
-        if coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED:
+    # from __del__ too: any thread, or the interpreter's shutdown — nothing escapes
+    try:
+        if inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED:
             return
-    if coro is not None:
-        with contextlib.suppress(BaseException):
-            coro.close()
+    except BaseException:  # noqa: S110 - a coroutine of another kind: closed below
+        pass
+    with contextlib.suppress(BaseException):
+        coro.close()
     if told is not None:
         with contextlib.suppress(BaseException):
             told()
