@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -45,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import _config
 from . import entropy as _entropy  # its fork handler first: see _new_id_in_child
-from ._context import HookResult, Report, RestoreContext, describe_error
+from . import extensions as _extensions
+from ._context import HookResult, RedactedError, Report, RestoreContext, describe_error
 from ._hooks import BEFORE_USER_HOOKS, Hook, Phase
 from ._threads import fresh_lock_after_fork
 from ._version import __version__
@@ -111,16 +113,39 @@ def _global_meter_provider() -> Any | None:
     return mp
 
 
+_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+"""Bucket bounds (seconds) advised for the duration histograms. The SDK's default bounds
+(0, 5, 10, 25 … 10000) are meant for milliseconds: every run under 5 s fell in one bucket.
+An SDK ``View`` with its own aggregation overrides them."""
+
+
+def _duration_histogram(meter: Any, name: str, description: str) -> Any:
+    try:
+        return meter.create_histogram(name, unit="s", description=description,
+                                      explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
+    except TypeError:  # opentelemetry-api < 1.23 has no advisory parameter: default bounds
+        return meter.create_histogram(name, unit="s", description=description)
+
+
 class _Instruments:
-    def __init__(self, meter: Any, telemetry: Telemetry) -> None:
-        self.restore_duration = meter.create_histogram(
-            "rehydrate.restore.duration", unit="s",
-            description="Duration of restore and resume runs (all hooks)")
-        self.snapshot_duration = meter.create_histogram(
-            "rehydrate.snapshot.duration", unit="s",
-            description="Duration of before-snapshot runs (all hooks)")
-        self.hook_duration = meter.create_histogram(
-            "rehydrate.hook.duration", unit="s", description="Duration of one hook run")
+    """The instruments of one meter, shared by every engine instrumented on it.
+
+    One set per meter, not per engine: the SDK keeps the first instrument of a name and
+    ignores a second one's callback, so the generation gauge reported the first engine a
+    meter provider saw and no other (and older SDKs logged a warning per instrument for
+    each further engine). The gauge reports every live engine in :attr:`telemetries`
+    (held weakly, as their engines hold them)."""
+
+    def __init__(self, meter: Any) -> None:
+        self.restore_duration = _duration_histogram(
+            meter, "rehydrate.restore.duration",
+            "Duration of restore and resume runs (all hooks)")
+        self.snapshot_duration = _duration_histogram(
+            meter, "rehydrate.snapshot.duration",
+            "Duration of before-snapshot runs (all hooks)")
+        self.hook_duration = _duration_histogram(
+            meter, "rehydrate.hook.duration", "Duration of one hook run")
         self.hook_failures = meter.create_counter(
             "rehydrate.hook.failures", unit="{failure}",
             description="Hook runs that failed or timed out")
@@ -130,9 +155,38 @@ class _Instruments:
         self.fingerprint_mismatches = meter.create_counter(
             "rehydrate.fingerprint.mismatches", unit="{field}",
             description="Snapshot manifest fields that differ on the node after restore")
+        self.telemetries: weakref.WeakSet[Telemetry] = weakref.WeakSet()
         meter.create_observable_gauge(
-            "rehydrate.generation", callbacks=[telemetry._observe_generation],
+            "rehydrate.generation", callbacks=[self._observe_generation],
             unit="{generation}", description="0 in the original process, +1 per restore")
+
+    def _observe_generation(self, options: Any) -> Iterator[Any]:
+        from opentelemetry.metrics import Observation
+
+        for tel in list(self.telemetries):
+            engine = tel._engine()
+            if engine is not None:
+                yield Observation(engine.generation, {"rehydrate.state": engine.state,
+                                                      "rehydrate.engine": tel.engine_label()})
+
+
+# meter -> its instruments; the instruments do not refer to their meter, so a meter
+# provider that is dropped takes its entry with it
+_by_meter: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDictionary()
+_by_meter_lock = threading.Lock()
+fresh_lock_after_fork(sys.modules[__name__], "_by_meter_lock")
+_engine_numbers = itertools.count(1)
+
+
+def _instruments_of(meter: Any) -> _Instruments:
+    with _by_meter_lock:
+        try:
+            inst = _by_meter.get(meter)
+        except TypeError:  # a meter that cannot be referred to weakly: a set per call
+            return _Instruments(meter)
+        if inst is None:
+            inst = _by_meter[meter] = _Instruments(meter)
+        return inst
 
 
 class _Event:
@@ -168,6 +222,7 @@ class Telemetry:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = weakref.ref(engine)
+        self._number = next(_engine_numbers)
         self.enabled = True
         self.tracer_provider: Any = None
         self.meter_provider: Any = None
@@ -233,7 +288,8 @@ class Telemetry:
     def _instruments_for(self, mp: Any) -> _Instruments:
         with self._gen_lock:
             if mp is not self._instruments_src or self._instruments is None:
-                self._instruments = _Instruments(mp.get_meter(SCOPE, __version__), self)
+                self._instruments = _instruments_of(mp.get_meter(SCOPE, __version__))
+                self._instruments.telemetries.add(self)
                 self._instruments_src = mp
             return self._instruments
 
@@ -242,12 +298,13 @@ class Telemetry:
         tp, mp = self._providers()
         return tp is not None or mp is not None
 
-    def _observe_generation(self, options: Any) -> Iterator[Any]:
-        from opentelemetry.metrics import Observation
-
+    def engine_label(self) -> str:
+        """The engine's ``rehydrate.engine`` attribute on the generation gauge:
+        ``default`` for the process-wide engine, else a number unique in the process."""
         engine = self._engine()
-        if engine is not None:
-            yield Observation(engine.generation, {"rehydrate.state": engine.state})
+        if engine is not None and engine is _extensions._default:
+            return "default"
+        return str(self._number)
 
     # -- event observer ----------------------------------------------------------------
 
@@ -408,7 +465,7 @@ class Telemetry:
 
                 err = result.error
                 if err is not None:
-                    span.record_exception(err)
+                    span.record_exception(err, attributes=_exception_type(err))
                 # describe_error: the one line reports and logs show, the type a
                 # RedactedError stands for included
                 desc = describe_error(err) if err is not None else result.outcome
@@ -523,6 +580,17 @@ class Telemetry:
                 errors.append(f"exporter {type(exp).__name__}: {type(exc).__name__}: {exc}")
         if errors:
             raise RuntimeError("telemetry refresh incomplete: " + "; ".join(errors))
+
+
+def _exception_type(err: BaseException) -> dict[str, str] | None:
+    """``exception.type`` for a :class:`RedactedError`: the type it stands for, named as
+    the SDK names an unredacted one (module-qualified, a builtin bare), so that a failure
+    groups with the same failure whose message quoted no secret. None for any other error:
+    the SDK's own naming."""
+    if not isinstance(err, RedactedError):
+        return None
+    name = err.original_type
+    return {"exception.type": name.removeprefix("builtins.")}
 
 
 def _force_flush(flush: Callable[..., Any], ms: int) -> Any:

@@ -196,6 +196,34 @@ def test_each_form_of_the_value_is_redacted(
     assert report.hooks[-1].to_dict()["error"].startswith("ValueError: refused ")
 
 
+class AppError(Exception):
+    """An application's own error type (module-qualified in ``exception.type``)."""
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, AppError])
+def test_the_span_names_the_type_raised_as_for_an_unredacted_error(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret, spans: InMemorySpanExporter,
+        kind: type[Exception]) -> None:
+    """The exception event's ``exception.type`` was the stand-in's,
+    ``rehydrate._redact.RedactedRuntimeError``: the same failure grouped apart depending
+    on whether its message happened to quote a secret."""
+    @rehydrate_engine.registry.after_restore(name="plain", required=False)
+    def plain() -> None:
+        raise kind("request failed: timeout")
+
+    @rehydrate_engine.registry.after_restore(name="quoting", required=False)
+    def quoting() -> None:
+        raise kind("request failed: " + token.get_str())
+
+    rehydrate_engine.simulate_restore()
+    events = {s.name: next(e for e in s.events if e.name == "exception").attributes
+              for s in spans.get_finished_spans() if s.name in ("plain", "quoting")}
+    assert events["quoting"]["exception.type"] == events["plain"]["exception.type"]
+    assert events["plain"]["exception.type"].endswith(kind.__qualname__)
+    assert events["quoting"]["exception.message"] == f"request failed: {SHOWN}"
+    assert "SECRETMARKER" not in json.dumps(dict(events["quoting"]))
+
+
 def test_a_cause_or_a_note_quoting_the_token_is_not_kept(
         rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
     """httpx raises its own error ``from`` h11's: a traceback (telemetry's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -10,11 +11,13 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, ObservableGauge
 from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
     InMemoryMetricReader,
     MetricExporter,
     MetricExportResult,
@@ -294,8 +297,8 @@ class _RecordingSpanExporter(InMemorySpanExporter):
 
 
 class _MemoryMetricExporter(MetricExporter):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, temporality: dict[type, AggregationTemporality] | None = None) -> None:
+        super().__init__(preferred_temporality=temporality)
         self.sent: list[tuple[str, str, int]] = []  # (metric, instance id, count or value)
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000,
@@ -592,3 +595,124 @@ def test_a_forked_child_reports_its_own_service_instance_id(batched):
     out = in_forked_child(child)
     assert out["id"] != parent_id and out["resource"] == out["last"] == out["id"], out
     assert tp.resource.attributes["service.instance.id"] == parent_id
+
+
+SECONDS_BOUNDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+def test_duration_histograms_have_bounds_in_seconds(otel):
+    """The histograms (unit s) had the SDK's default bounds 0, 5, 10, 25 … 10000, meant
+    for milliseconds: every restore and hook under 5 s fell in one bucket."""
+    engine, _, reader, _, _ = otel
+    engine.registry.after_restore(lambda: None, name="app")
+    engine.simulate_snapshot()
+    engine.simulate_restore()
+    pts = metric_points(reader)
+    for name in ("rehydrate.restore.duration", "rehydrate.snapshot.duration",
+                 "rehydrate.hook.duration"):
+        assert pts[name], name
+        for p in pts[name]:
+            assert list(p.explicit_bounds) == SECONDS_BOUNDS, name
+            # a fast run lands in a low bucket, not in (0, 5]
+            assert sum(p.bucket_counts[:10]) == p.count, (name, p)
+
+
+class _OldApiMeter:
+    """A meter of an opentelemetry-api older than 1.30: create_histogram() takes no
+    explicit_bucket_boundaries_advisory."""
+
+    def __init__(self, meter: Any) -> None:
+        self._meter = meter
+
+    def create_histogram(self, name: str, unit: str = "", description: str = "") -> Any:
+        return self._meter.create_histogram(name, unit=unit, description=description)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._meter, name)
+
+
+class _OldApiMeterProvider:
+    def __init__(self, mp: MeterProvider) -> None:
+        self._mp = mp
+
+    def get_meter(self, *args: Any, **kwargs: Any) -> _OldApiMeter:
+        return _OldApiMeter(self._mp.get_meter(*args, **kwargs))
+
+
+def test_an_api_without_the_bucket_advisory_gets_the_default_bounds(rehydrate_engine, caplog):
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    telemetry.instrument(rehydrate_engine, meter_provider=_OldApiMeterProvider(mp))
+    assert rehydrate_engine.simulate_restore().ok
+    (p,) = metric_points(reader)["rehydrate.restore.duration"]
+    assert p.count == 1 and list(p.explicit_bounds)[:3] == [0, 5, 10]
+    assert "telemetry" not in caplog.text
+    mp.shutdown()
+
+
+def test_generation_gauge_reports_every_engine_on_a_meter_provider(rehydrate_engine):
+    """The SDK keeps the first instrument of a name and ignores the callback of a second:
+    a second engine on the same MeterProvider was never reported."""
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    first, second = isolated_engine(), rehydrate_engine
+    try:
+        for engine, restores in ((first, 1), (second, 3)):
+            telemetry.instrument(engine, meter_provider=mp)
+            for _ in range(restores):
+                assert engine.simulate_restore().ok
+        points = metric_points(reader)["rehydrate.generation"]
+        assert sorted(p.value for p in points) == [1, 3]
+        gauge = {dict(p.attributes)["rehydrate.engine"]: p.value for p in points}
+        assert gauge == {telemetry.manager(first).engine_label(): 1,
+                         telemetry.manager(second).engine_label(): 3}
+    finally:
+        first.close()
+    gone = weakref.ref(first)
+    del first, engine
+    gc.collect()
+    assert gone() is None  # the gauge holds engines weakly
+    assert second.simulate_restore().ok
+    (point,) = metric_points(reader)["rehydrate.generation"]
+    label = telemetry.manager(second).engine_label()
+    assert dict(point.attributes) == {"rehydrate.engine": label, "rehydrate.state": "ready"}
+    assert point.value == 4
+    mp.shutdown()
+
+
+def test_the_default_engine_is_labelled_default():
+    import rehydrate
+
+    assert telemetry.manager(rehydrate.default_engine).engine_label() == "default"
+
+
+DELTA = {Counter: AggregationTemporality.DELTA, Histogram: AggregationTemporality.DELTA,
+         ObservableGauge: AggregationTemporality.DELTA}
+
+
+@pytest.mark.parametrize("temporality", ["cumulative", "delta"])
+def test_what_a_clone_exports_of_the_originals_metrics(rehydrate_engine, temporality):
+    """docs/telemetry.md, Limits: with cumulative temporality a clone exports the
+    original's accumulated points (here its snapshot duration) again under its own
+    service.instance.id; with delta temporality the flush before the snapshot took them,
+    and the clone exports only what it recorded itself."""
+    engine = rehydrate_engine
+    resource = Resource.create({"service.name": "svc", **telemetry.resource_attributes()})
+    exporter = _MemoryMetricExporter(DELTA if temporality == "delta" else None)
+    mp = MeterProvider(resource=resource, metric_readers=[
+        PeriodicExportingMetricReader(exporter, export_interval_millis=600_000)])
+    telemetry.instrument(engine, meter_provider=mp)
+    telemetry.refresh_on_restore(mp, engine=engine)
+    pre_id = entropy.instance_id()
+    assert engine.simulate_snapshot().ok
+    assert [(n, iid) for n, iid, _ in exporter.sent
+            if n == "rehydrate.snapshot.duration"] == [("rehydrate.snapshot.duration", pre_id)]
+    exporter.sent.clear()
+    assert engine.simulate_restore().ok
+    mp.force_flush()
+    clone_id = entropy.instance_id()
+    assert {iid for _, iid, _ in exporter.sent} == {clone_id}
+    names = {n for n, _, _ in exporter.sent}
+    assert "rehydrate.restore.duration" in names
+    assert ("rehydrate.snapshot.duration" in names) is (temporality == "cumulative")
+    mp.shutdown()
