@@ -19,10 +19,13 @@ Metrics (meter ``rehydrate``):
 ``rehydrate.snapshot.duration``     histogram  seconds per before-snapshot run
 ``rehydrate.hook.duration``         histogram  seconds per hook, by phase and outcome
 ``rehydrate.hook.failures``         counter    failed or timed-out hook runs
-``rehydrate.generation``            gauge      the engine's generation (observable)
+``rehydrate.generation``            gauge      each live engine's generation (observable)
 ``rehydrate.snapshot.misses``       counter    cold starts where a restore was expected
 ``rehydrate.fingerprint.mismatches`` counter   manifest fields that differ after restore
 ==================================  =========  =====================================
+
+The duration histograms advise bucket bounds in seconds, 1 ms to 60 s (an SDK ``View``
+overrides them; an API or SDK older than 1.30 ignores the advice).
 
 Clone identity: :func:`resource_attributes` / :func:`resource_detector` give the SDK
 ``Resource`` a ``service.instance.id`` equal to :func:`rehydrate.entropy.instance_id`,
@@ -124,7 +127,7 @@ def _duration_histogram(meter: Any, name: str, description: str) -> Any:
     try:
         return meter.create_histogram(name, unit="s", description=description,
                                       explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
-    except TypeError:  # opentelemetry-api < 1.23 has no advisory parameter: default bounds
+    except TypeError:  # an API or SDK older than 1.30 has no advisory parameter: default bounds
         return meter.create_histogram(name, unit="s", description=description)
 
 
@@ -288,6 +291,9 @@ class Telemetry:
     def _instruments_for(self, mp: Any) -> _Instruments:
         with self._gen_lock:
             if mp is not self._instruments_src or self._instruments is None:
+                if self._instruments is not None:
+                    # the provider it left no longer reports its generation
+                    self._instruments.telemetries.discard(self)
                 self._instruments = _instruments_of(mp.get_meter(SCOPE, __version__))
                 self._instruments.telemetries.add(self)
                 self._instruments_src = mp

@@ -680,6 +680,20 @@ def test_generation_gauge_reports_every_engine_on_a_meter_provider(rehydrate_eng
     mp.shutdown()
 
 
+def test_an_engine_given_another_meter_provider_leaves_the_first_ones_gauge(
+        rehydrate_engine):
+    readers = [InMemoryMetricReader(), InMemoryMetricReader()]
+    providers = [MeterProvider(metric_readers=[r]) for r in readers]
+    for mp in providers:
+        telemetry.instrument(rehydrate_engine, meter_provider=mp)
+        assert rehydrate_engine.simulate_restore().ok
+    assert "rehydrate.generation" not in metric_points(readers[0])
+    (point,) = metric_points(readers[1])["rehydrate.generation"]
+    assert point.value == 2
+    for mp in providers:
+        mp.shutdown()
+
+
 def test_the_default_engine_is_labelled_default():
     import rehydrate
 
