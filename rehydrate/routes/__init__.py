@@ -69,6 +69,7 @@ from ._model import (
     NetworkUnavailable,
     Route,
     _checked_fields,
+    _default_scope,
     _pyroute2_available,
 )
 from ._model import (
@@ -179,7 +180,8 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
                    family: int, proto: object = None, tos: object = 0,
                    from_prefix: object = None, realm: object = None) -> Route:
     """The declared route with its addresses in canonical form (as the kernel reports
-    them, so that reading back compares equal) and metric 0 as the kernel stores it;
+    them, so that reading back compares equal), metric 0 as the kernel stores it and
+    the type's default scope as none;
     ``ValueError``/``TypeError`` naming the field for anything the kernel would refuse
     or misread — checked here, so that one bad route cannot fail every route later."""
     import ipaddress
@@ -228,6 +230,11 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     if metric == 0:  # the kernel's default metric: none stored (IPv4), 1024 (IPv6)
         metric = 1024 if family == socket.AF_INET6 else None
     gw, sr = addresses.get("gateway"), addresses.get("src")
+    # the scope ip-route gives such a route anyway (253, link, for `dev` alone: what
+    # `ip route` prints) is read back as no scope, as a captured route's is
+    if scope is not None and scope == _default_scope(kind, None if gw is None else str(gw),
+                                                     family):
+        scope = None
     r = Route("default" if net is None else str(net), None if gw is None else str(gw),
               dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
               kind, scope, required, family,  # type: ignore[arg-type]
