@@ -172,6 +172,12 @@ def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
                 notes.append(f"nftables table {t.label} holds iptables-nft rules; "
                              "declare them with rehydrate.routes.iptables()")
                 continue
+            blind = t.unlisted_devices()
+            if blind:  # re-creating it would fail "Missing `device'" at every restore
+                notes.append(f"nftables table {t.label} not captured: nft lists its chain(s) "
+                             f"{', '.join(blind)} without their device; declare it with "
+                             "rehydrate.routes.nftables(), each such chain with its \"dev\"")
+                continue
             nft_tables.append(replace(t, required=required))
         notes.extend(f"nftables table {w} does not exist here (nothing captured for it)"
                      for w in sorted(wanted or ()) if w not in found)
@@ -496,7 +502,7 @@ class RoutesManager:
                     _table_left_alone(t, have, result)
                     failed.discard(t.label)
                     continue
-                if have.canonical() == t.canonical():
+                if t.same_as(have):
                     result.tables += 1
                     result.in_force.append(f"nftables {t.label}")
                     continue
@@ -601,7 +607,7 @@ class RoutesManager:
                 back = read_table(t.family, t.name)
                 if back is None:
                     raise NetworkError("table missing after applying")
-                if back.canonical() != t.canonical():
+                if not t.same_as(back):
                     raise NetworkError("read back differs from what was applied")
             else:
                 for fam, name in t.tables():
@@ -666,7 +672,7 @@ def _table_left_alone(captured: NftTable, have: NftTable | None,
     with the capture would roll all of that back."""
     result.tables_skipped += 1
     result.in_force.append(f"nftables {captured.label} (existing: left as found)")
-    if have is not None and have.canonical() == captured.canonical():
+    if have is not None and captured.same_as(have):
         log.info("nftables table %s exists after the restore, as captured; leaving it",
                  captured.label)
     else:

@@ -154,6 +154,32 @@ class NftTable:
                 out.append((kind, _normalize_expr(body)))
         return out
 
+    def same_as(self, have: NftTable) -> bool:
+        """Whether ``have`` (read from the kernel) matches this table, compared as
+        :meth:`canonical` does. A chain of ``have`` bound to a device it does not list
+        (:meth:`unlisted_devices`: ``nft -j`` 1.0.6 leaves an ingress/egress chain's
+        device out) matches this table's chain of its name whatever device that names:
+        the listing cannot tell devices apart."""
+        mine, theirs = self.canonical(), have.canonical()
+        if mine == theirs:
+            return True
+        blind = set(have.unlisted_devices())
+        if not blind:
+            return False
+        mine = [(kind, {k: v for k, v in body.items() if k != "dev"})
+                if kind == "chain" and body.get("name") in blind else (kind, body)
+                for kind, body in mine]
+        return mine == theirs
+
+    def unlisted_devices(self) -> list[str]:
+        """The chains hooked to ``ingress``/``egress`` listed without their device
+        (``dev``), which such a chain always has: ``nft -j list`` (nftables 1.0.6)
+        leaves it out, and the table cannot be re-created from such a listing."""
+        return [str(body.get("name")) for obj in self.objects
+                for kind, body in obj.items()
+                if kind == "chain" and isinstance(body, Mapping)
+                and body.get("hook") in ("ingress", "egress") and "dev" not in body]
+
     def uses_xt(self) -> bool:
         return '"xt"' in json.dumps(self.objects)
 

@@ -2059,3 +2059,78 @@ def test_captured_items_whose_re_apply_failed_stay_captured_while_absent(netns_p
     assert out["second"] is True and out["third"] is True
     assert "10.205.0.0/16 via 10.204.0.2 dev rhlate" in out["route"]
     assert "table inet rhkeep" in out["table"]
+
+
+NETDEV_TABLE = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+va = sys.argv[1]
+
+def nft(*args):
+    return subprocess.run(["nft", *args], capture_output=True, text=True, check=True).stdout
+
+nft("add", "table", "netdev", "rhing")
+nft("add", "chain", "netdev", "rhing", "ingress",
+    f"{{ type filter hook ingress device {va} priority 0; policy accept; }}")
+nft("add", "rule", "netdev", "rhing", "ingress", "ip", "saddr", "10.206.0.1", "drop")
+listed = json.loads(nft("-j", "list", "table", "netdev", "rhing"))
+chain = next(o["chain"] for o in listed["nftables"] if "chain" in o)
+engine = isolated_engine()
+cap = routes.capture(engine=engine)
+nft("delete", "table", "netdev", "rhing")
+captured = engine.simulate_restore()
+declared_engine = isolated_engine()
+routes.nftables({"nftables": [
+    {"table": {"family": "netdev", "name": "rhing"}},
+    {"chain": {"family": "netdev", "table": "rhing", "name": "ingress", "type": "filter",
+               "hook": "ingress", "dev": va, "prio": 0, "policy": "accept"}},
+    {"rule": {"family": "netdev", "table": "rhing", "chain": "ingress", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                   "right": "10.206.0.1"}}, {"drop": None}]}}]}, engine=declared_engine)
+reports = [declared_engine.simulate_restore(kind=k) for k in ("restore", "resume")]
+print(json.dumps({
+    "listed_dev": "dev" in chain, "tables": [t.label for t in cap.tables],
+    "problems": list(cap.problems), "captured_ok": captured.ok,
+    "declared_ok": [r.ok for r in reports], "table": reports[0].table(),
+    "last": routes.manager(declared_engine).last.to_dict(),
+    "kernel": nft("list", "table", "netdev", "rhing")}))
+'''
+
+
+def test_a_netdev_table_whose_device_nft_does_not_list(netns_pair):
+    """``nft -j`` (1.0.6) lists an ingress chain without its device: the captured table
+    failed every restore ("Missing `device'"), and a declared one with its ``dev``
+    failed every read-back."""
+    a, va = netns_pair["a"], netns_pair["va"]
+    out = run_in_ns(a, NETDEV_TABLE.replace("sys.argv[1]", repr(va)))
+    assert out["declared_ok"] == [True, True], out["table"]
+    assert f'device "{va}"' in out["kernel"]
+    assert out["last"]["tables"] == 1 and out["last"]["errors"] == []
+    if out["listed_dev"]:  # an nft that lists it: captured and re-created as any table
+        assert out["tables"] == ["netdev rhing"] and out["captured_ok"]
+        return
+    assert out["tables"] == []
+    assert out["problems"] == [
+        "nftables table netdev rhing not captured: nft lists its chain(s) ingress without "
+        'their device; declare it with rehydrate.routes.nftables(), each such chain with '
+        'its "dev"'], out
+    assert out["captured_ok"] is True  # nothing captured: nothing fails
+
+
+def test_a_read_back_without_a_device_matches_only_otherwise_equal_chains():
+    from rehydrate.routes import NftTable
+
+    def table(*, dev: str | None, prio: int = 0) -> NftTable:
+        chain = {"family": "netdev", "table": "t", "name": "in", "type": "filter",
+                 "hook": "ingress", "prio": prio, "policy": "accept",
+                 **({"dev": dev} if dev is not None else {})}
+        return NftTable("netdev", "t", ({"table": {"family": "netdev", "name": "t"}},
+                                        {"chain": chain}))
+
+    assert table(dev="eth0").same_as(table(dev=None))
+    assert not table(dev="eth0").same_as(table(dev=None, prio=10))
+    assert not table(dev="eth0").same_as(table(dev="eth1"))  # listed: compared
+    assert table(dev=None).unlisted_devices() == ["in"]
+    assert table(dev="eth0").unlisted_devices() == []
