@@ -314,8 +314,11 @@ def nftables(
 
     Give it as ``nft -j list table …`` prints it (tables with their chains, sets and
     rules: each table is then replaced atomically and read back for comparison), or as
-    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written). Returns the
-    labels of the tables it manages.
+    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written, less the
+    rules already in the chains of tables they do not create). Returns the labels of the
+    tables it manages. A listing with a table of iptables-nft rules (``xt`` compat
+    expressions, which nft cannot apply) is a ``ValueError``: declare those rules with
+    :func:`iptables`.
     """
     data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
     if isinstance(data, Sequence):
@@ -336,6 +339,13 @@ def nftables(
     else:
         decl = list(_tables_from_listing(data, required))
         labels = [t.label for t in decl if isinstance(t, NftTable)]
+        # nft cannot apply xt compat expressions: such a table would fail every restore
+        xt = [t.label for t in decl if isinstance(t, NftTable) and t.uses_xt()]
+        if xt:
+            raise ValueError(f"nftables table(s) {', '.join(xt)} hold iptables-nft rules "
+                             "(xt compat expressions), which nft cannot re-apply; leave "
+                             "them out and declare those rules with "
+                             "rehydrate.routes.iptables()")
     if not decl:
         raise ValueError("the nftables ruleset declares nothing (no table, no command)")
     manager(engine).add_ruleset(decl)

@@ -434,7 +434,10 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
             attrs.append(("RTA_GATEWAY", n.gateway))
     if n.dev is not None:
         if n.dev not in links_by_name:
-            raise NetworkError(f"device {n.dev!r} does not exist")
+            # most often made by a hook that runs too late: after this one
+            raise NetworkError(f"device {n.dev!r} does not exist (a restore hook that "
+                               "creates it must run before rehydrate.routes: phase "
+                               "NETWORK with order < 0, or an earlier phase)")
         attrs.append(("RTA_OIF", links_by_name[n.dev]))
     if n.metric is not None:
         attrs.append(("RTA_PRIORITY", n.metric))

@@ -2134,3 +2134,53 @@ def test_a_read_back_without_a_device_matches_only_otherwise_equal_chains():
     assert not table(dev="eth0").same_as(table(dev="eth1"))  # listed: compared
     assert table(dev=None).unlisted_devices() == ["in"]
     assert table(dev="eth0").unlisted_devices() == []
+
+
+HOOK_ORDER = r'''
+import json, subprocess
+from rehydrate import Phase, routes
+from rehydrate.testing import isolated_engine
+
+def tunnel_up():  # "bring the tunnel up" in the network phase
+    subprocess.run("ip link del rhwg; ip link add rhwg type veth peer name rhwgp; "
+                   "ip link set rhwg up", shell=True, capture_output=True)
+
+out = {}
+for order in (0, -1):
+    engine = isolated_engine()
+    engine.registry.register(tunnel_up, event="restore", phase=Phase.NETWORK, order=order)
+    routes.route("10.207.0.0/16", dev="rhwg", engine=engine)
+    report = engine.simulate_restore()
+    out[str(order)] = {"ok": report.ok, "errors": routes.manager(engine).last.errors}
+print(json.dumps(out))
+'''
+
+
+def test_a_missing_device_says_the_hook_making_it_must_run_first(netns_pair):
+    """A NETWORK-phase hook with the default order runs after the routes hook: the
+    route failed with a bare "device 'rhwg' does not exist"."""
+    out = run_in_ns(netns_pair["a"], HOOK_ORDER)
+    assert out["-1"] == {"ok": True, "errors": []}
+    assert out["0"]["ok"] is False
+    ((what, required, error),) = out["0"]["errors"]
+    assert error == ("device 'rhwg' does not exist (a restore hook that creates it must "
+                     "run before rehydrate.routes: phase NETWORK with order < 0, or an "
+                     "earlier phase)")
+
+
+def test_a_listing_with_an_iptables_nft_table_is_refused_when_declared(rehydrate_engine):
+    """A table of iptables-nft rules was accepted and failed every restore ("unsupported
+    xtables compat expression")."""
+    listing = {"nftables": [
+        {"metainfo": {"version": "1.0.6", "json_schema_version": 1}},
+        {"table": {"family": "ip", "name": "filter", "handle": 27}},
+        {"chain": {"family": "ip", "table": "filter", "name": "OUTPUT", "handle": 1,
+                   "type": "filter", "hook": "output", "prio": 0, "policy": "accept"}},
+        {"rule": {"family": "ip", "table": "filter", "chain": "OUTPUT", "handle": 2,
+                  "expr": [{"xt": {"type": "match", "name": "comment"}},
+                           {"accept": None}]}},
+        {"table": {"family": "inet", "name": "mine", "handle": 28}}]}
+    with pytest.raises(ValueError, match=r"nftables table\(s\) ip filter hold iptables-nft "
+                       r"rules .* declare those rules with rehydrate.routes.iptables\(\)"):
+        routes.nftables(listing, engine=rehydrate_engine)
+    assert routes.manager(rehydrate_engine).rulesets == []
