@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,15 @@ from ._model import (
     nft_binary,
     nft_missing,
 )
-from ._netlink import _CREATE_ONLY, _Encoder, _off_loop, _route_msg, _Rtnl, read_routes
+from ._netlink import (
+    _CREATE_ONLY,
+    _Encoder,
+    _off_loop,
+    _route_msg,
+    _Rtnl,
+    read_routes,
+    unruled_tables,
+)
 from ._nftables import NftCommands, NftTable, _nft, read_table, read_tables
 
 log = logging.getLogger("rehydrate")
@@ -260,6 +269,7 @@ class RoutesManager:
         cap = Capture(parts.routes or (), parts.tables or (), time.time(), parts.problems())
         for p in cap.problems:
             log.warning("network capture: %s", p)
+        _warn_unruled(cap.routes)
         with self._lock:
             self._capture_spec = spec
             self._unavailable_at_capture = frozenset(parts.unavailable)
@@ -633,6 +643,23 @@ class RoutesManager:
                 continue
             if present:
                 result.in_force.append(f"nftables {fam} {name} ({note})")
+
+
+def _warn_unruled(routes: Sequence[Route]) -> None:
+    """One WARNING when captured routes sit in tables no ``ip rule`` looks up: rules
+    are neither captured nor re-applied, so a platform that drops them leaves those
+    routes doing nothing, and this one already does."""
+    try:
+        unruled = unruled_tables(routes)
+    except Exception as exc:  # only a warning lost
+        log.debug("network capture: ip rules not read: %s", _describe(exc))
+        return
+    if unruled:
+        names = ", ".join(f"{'inet6 ' if fam == socket.AF_INET6 else ''}table {t}"
+                          for fam, t in unruled)
+        log.warning("network capture: routes captured in %s, which no ip rule looks up "
+                    "(ip rules are not captured nor re-applied: add them after a "
+                    "restore yourself)", names)
 
 
 def _foreign(cmds: NftCommands) -> dict[tuple[str, str], NftTable | None]:

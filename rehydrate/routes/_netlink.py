@@ -410,6 +410,35 @@ def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
     return _off_loop(own)
 
 
+_FR_ACT_TO_TBL = 1
+
+
+def unruled_tables(routes: Iterable[Route]) -> list[tuple[int, int]]:
+    """(family, table) of each table of ``routes`` that no ``ip rule`` of its family
+    looks up: its routes do nothing. Empty where a rule selects tables by device
+    (``l3mdev``, VRFs), which can point to any table."""
+    wanted = {(r.family, r.table or RT_TABLE_MAIN) for r in routes}
+    if not wanted:
+        return []
+
+    def own() -> list[tuple[int, int]]:
+        b = _Rtnl()
+        try:
+            ruled: set[tuple[int, int]] = set()
+            for m in b.ipr.get_rules():
+                if m.get_attr("FRA_L3MDEV"):
+                    return []
+                if int(m["action"]) == _FR_ACT_TO_TBL:
+                    table = m.get_attr("FRA_TABLE")
+                    ruled.add((int(m["family"]), int(table if table is not None
+                                                     else m["table"])))
+            return sorted(wanted - ruled)
+        finally:
+            b.close()
+
+    return _off_loop(own)
+
+
 def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
                create_only: bool = False) -> dict[str, Any]:
     """The ``rtmsg`` fields and attributes of ``ip route replace`` for this route (of

@@ -2184,3 +2184,45 @@ def test_a_listing_with_an_iptables_nft_table_is_refused_when_declared(rehydrate
                        r"rules .* declare those rules with rehydrate.routes.iptables\(\)"):
         routes.nftables(listing, engine=rehydrate_engine)
     assert routes.manager(rehydrate_engine).rulesets == []
+
+
+UNRULED = r'''
+import io, json, logging, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+va = sys.argv[1]
+buf = io.StringIO()
+logging.getLogger("rehydrate").addHandler(logging.StreamHandler(buf))
+
+def sh(cmd):
+    subprocess.run(cmd, shell=True, check=True)
+
+def warnings():
+    routes.capture(engine=isolated_engine())
+    said = [line for line in buf.getvalue().splitlines() if "no ip rule" in line]
+    buf.truncate(0), buf.seek(0)
+    return said
+
+sh(f"ip route add 10.208.0.0/16 via 10.200.1.2 dev {va} table 100")
+sh(f"ip -6 addr add fd00:208::1/64 dev {va} nodad")
+sh(f"ip -6 route add fd00:209::/64 via fd00:208::2 dev {va} table 101")
+sh("ip route add 10.209.0.0/16 via 10.200.1.2 table main")
+out = {"none": warnings()}
+sh("ip rule add to 10.208.0.0/16 table 100 pref 1000")
+sh("ip -6 rule add to fd00:209::/64 table 101 pref 1000")
+out["ruled"] = warnings()
+print(json.dumps(out))
+'''
+
+
+def test_capture_warns_about_routes_in_tables_no_ip_rule_looks_up(netns_pair):
+    """Routes in a table no ``ip rule`` points to do nothing, and rules are not
+    captured: the capture said nothing."""
+    a, va = netns_pair["a"], netns_pair["va"]
+    out = run_in_ns(a, UNRULED.replace("sys.argv[1]", repr(va)))
+    assert out["none"] == [
+        "network capture: routes captured in table 100, inet6 table 101, which no ip rule "
+        "looks up (ip rules are not captured nor re-applied: add them after a restore "
+        "yourself)"], out
+    assert out["ruled"] == []
