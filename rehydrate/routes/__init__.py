@@ -69,6 +69,7 @@ from ._model import (
     NetworkUnavailable,
     Route,
     _checked_fields,
+    _default_scope,
     _pyroute2_available,
 )
 from ._model import (
@@ -179,7 +180,8 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
                    family: int, proto: object = None, tos: object = 0,
                    from_prefix: object = None, realm: object = None) -> Route:
     """The declared route with its addresses in canonical form (as the kernel reports
-    them, so that reading back compares equal) and metric 0 as the kernel stores it;
+    them, so that reading back compares equal), metric 0 as the kernel stores it and
+    the type's default scope as none;
     ``ValueError``/``TypeError`` naming the field for anything the kernel would refuse
     or misread — checked here, so that one bad route cannot fail every route later."""
     import ipaddress
@@ -228,6 +230,11 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     if metric == 0:  # the kernel's default metric: none stored (IPv4), 1024 (IPv6)
         metric = 1024 if family == socket.AF_INET6 else None
     gw, sr = addresses.get("gateway"), addresses.get("src")
+    # the scope ip-route gives such a route anyway (253, link, for `dev` alone: what
+    # `ip route` prints) is read back as no scope, as a captured route's is
+    if scope is not None and scope == _default_scope(kind, None if gw is None else str(gw),
+                                                     family):
+        scope = None
     r = Route("default" if net is None else str(net), None if gw is None else str(gw),
               dev, table, metric, None if sr is None else str(sr),  # type: ignore[arg-type]
               kind, scope, required, family,  # type: ignore[arg-type]
@@ -307,8 +314,11 @@ def nftables(
 
     Give it as ``nft -j list table …`` prints it (tables with their chains, sets and
     rules: each table is then replaced atomically and read back for comparison), or as
-    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written). Returns the
-    labels of the tables it manages.
+    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written, less the
+    rules already in the chains of tables they do not create). Returns the labels of the
+    tables it manages. A listing with a table of iptables-nft rules (``xt`` compat
+    expressions, which nft cannot apply) is a ``ValueError``: declare those rules with
+    :func:`iptables`.
     """
     data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
     if isinstance(data, Sequence):
@@ -329,6 +339,13 @@ def nftables(
     else:
         decl = list(_tables_from_listing(data, required))
         labels = [t.label for t in decl if isinstance(t, NftTable)]
+        # nft cannot apply xt compat expressions: such a table would fail every restore
+        xt = [t.label for t in decl if isinstance(t, NftTable) and t.uses_xt()]
+        if xt:
+            raise ValueError(f"nftables table(s) {', '.join(xt)} hold iptables-nft rules "
+                             "(xt compat expressions), which nft cannot re-apply; leave "
+                             "them out and declare those rules with "
+                             "rehydrate.routes.iptables()")
     if not decl:
         raise ValueError("the nftables ruleset declares nothing (no table, no command)")
     manager(engine).add_ruleset(decl)

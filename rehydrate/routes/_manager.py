@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,15 @@ from ._model import (
     nft_binary,
     nft_missing,
 )
-from ._netlink import _CREATE_ONLY, _Encoder, _off_loop, _route_msg, _Rtnl, read_routes
+from ._netlink import (
+    _CREATE_ONLY,
+    _Encoder,
+    _off_loop,
+    _route_msg,
+    _Rtnl,
+    read_routes,
+    unruled_tables,
+)
 from ._nftables import NftCommands, NftTable, _nft, read_table, read_tables
 
 log = logging.getLogger("rehydrate")
@@ -172,6 +181,12 @@ def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
                 notes.append(f"nftables table {t.label} holds iptables-nft rules; "
                              "declare them with rehydrate.routes.iptables()")
                 continue
+            blind = t.unlisted_devices()
+            if blind:  # re-creating it would fail "Missing `device'" at every restore
+                notes.append(f"nftables table {t.label} not captured: nft lists its chain(s) "
+                             f"{', '.join(blind)} without their device; declare it with "
+                             "rehydrate.routes.nftables(), each such chain with its \"dev\"")
+                continue
             nft_tables.append(replace(t, required=required))
         notes.extend(f"nftables table {w} does not exist here (nothing captured for it)"
                      for w in sorted(wanted or ()) if w not in found)
@@ -199,6 +214,10 @@ class RoutesManager:
         self._capture_spec: tuple[tuple[str, ...] | None, bool] | None = None
         self._unavailable_at_capture: frozenset[str] = frozenset()
         self.last: ApplyResult | None = None
+        # the keys of the captured routes and the labels of the captured tables that the
+        # last apply() could not re-apply: kept by the next capture while still absent
+        self._failed_routes: frozenset[tuple[Any, ...]] = frozenset()
+        self._failed_tables: frozenset[str] = frozenset()
         self._encoder = _Encoder()
         self._missing_warned = False  # pyroute2 missing: said once, at the first route
         engine.builtins.register(self._after_restore, event="restore", phase=Phase.NETWORK,
@@ -250,6 +269,7 @@ class RoutesManager:
         cap = Capture(parts.routes or (), parts.tables or (), time.time(), parts.problems())
         for p in cap.problems:
             log.warning("network capture: %s", p)
+        _warn_unruled(cap.routes)
         with self._lock:
             self._capture_spec = spec
             self._unavailable_at_capture = frozenset(parts.unavailable)
@@ -307,7 +327,25 @@ class RoutesManager:
         with self._lock:
             prev = self.capture
             baseline = self._unavailable_at_capture
+            failed_routes, failed_tables = self._failed_routes, self._failed_tables
         problems: list[str] = []
+        # A captured route or table whose re-apply failed at the last restore (its device
+        # came up late, …) is absent now through that failure, not because its owner
+        # removed it: dropping it here would make the next restore report ok without it.
+        if prev is not None and parts.routes is not None:
+            fresh = {r.key() for r in parts.routes}
+            lost = [r for r in prev.routes if r.key() in failed_routes and r.key() not in fresh]
+            parts.routes += tuple(lost)
+            problems.extend(f"route {r}: not re-applied after the last restore and still "
+                            "absent; kept in the capture" for r in lost)
+        if prev is not None and parts.tables is not None:
+            fresh_labels = {t.label for t in parts.tables}
+            lost_tables = [t for t in prev.tables
+                           if t.label in failed_tables and t.label not in fresh_labels]
+            parts.tables += tuple(lost_tables)
+            problems.extend(f"nftables table {t.label}: not re-applied after the last "
+                            "restore and still absent; kept in the capture"
+                            for t in lost_tables)
 
         def keep(part: str, fresh: tuple[_T, ...] | None, before: tuple[_T, ...]) -> tuple[_T, ...]:
             if fresh is not None:
@@ -364,7 +402,11 @@ class RoutesManager:
             "iptables": [r for r in ipt if not r.ipv6],
             "ip6tables": [r for r in ipt if r.ipv6]}
         kinds = {k: items for k, items in kinds.items() if items}
+        # captured items not re-applied this time (until shown otherwise: all of them)
+        failed_routes = {r.key() for r in captured_routes} - {r.key() for r in declared}
+        failed_tables = set(captured_labels)
         if not kinds:
+            self._set_failed(failed_routes, failed_tables)
             return result
         for kind in self._blocked(kinds, result):
             del kinds[kind]
@@ -379,15 +421,15 @@ class RoutesManager:
             # subprocesses, here) do not depend on each other: apply them concurrently
             with ThreadPoolExecutor(1, thread_name_prefix="rehydrate-routes") as pool:
                 routes_done = pool.submit(self._apply_routes, declared, captured_routes,
-                                          routes_part)
-                self._apply_tables(tables, captured_labels, tables_part)
+                                          routes_part, failed_routes)
+                self._apply_tables(tables, captured_labels, tables_part, failed_tables)
                 try:
                     routes_done.result()
                 except Exception as exc:
                     req = any(r.required for r in [*declared, *captured_routes])
                     routes_part.errors.append(("routes", req, _describe(exc)))
         else:
-            self._apply_tables(tables, captured_labels, tables_part)
+            self._apply_tables(tables, captured_labels, tables_part, failed_tables)
         result.routes, result.routes_skipped = routes_part.routes, routes_part.routes_skipped
         result.tables, result.tables_skipped = tables_part.tables, tables_part.tables_skipped
         result.errors.extend(routes_part.errors + tables_part.errors)
@@ -411,7 +453,12 @@ class RoutesManager:
             log.log(logging.ERROR if req else logging.WARNING, "network: %s",
                     err if what == "network" else f"{what}: {err}")
         self.last = result
+        self._set_failed(failed_routes, failed_tables)
         return result
+
+    def _set_failed(self, routes: set[tuple[Any, ...]], tables: set[str]) -> None:
+        with self._lock:
+            self._failed_routes, self._failed_tables = frozenset(routes), frozenset(tables)
 
     @staticmethod
     def _blocked(kinds: dict[str, Sequence[Route | NftTable | NftCommands | IptablesRules]],
@@ -438,8 +485,9 @@ class RoutesManager:
         return [k for g in groups for k in g]
 
     def _apply_tables(self, tables: list[NftTable | NftCommands], captured: set[str],
-                      result: ApplyResult) -> None:
-        """Apply the nftables items; ``captured`` holds the labels of the captured tables.
+                      result: ApplyResult, failed: set[str]) -> None:
+        """Apply the nftables items; ``captured`` holds the labels of the captured tables,
+        ``failed`` those not (yet) re-applied or found: each one that is leaves it.
 
         A captured table is re-created only where no table of its name exists: one that
         exists after the restore or resume (the original process's, kept by a resume;
@@ -447,7 +495,9 @@ class RoutesManager:
         with its counters and the elements its rules added, and stays as found. A
         declared table (listed objects) is the declaration's: replaced where it differs
         from it, left untouched where it already matches (counters and dynamic set
-        elements kept). Command rulesets are applied again every time."""
+        elements kept). Command rulesets are applied again every time, but without the
+        rules already in the chains of tables they do not create
+        (:meth:`NftCommands.batch`)."""
         existing: dict[str, NftTable] | None = None
         if any(isinstance(t, NftTable) for t in tables):
             try:
@@ -460,16 +510,20 @@ class RoutesManager:
                 have = existing[t.label]
                 if t.label in captured:
                     _table_left_alone(t, have, result)
+                    failed.discard(t.label)
                     continue
-                if have.canonical() == t.canonical():
+                if t.same_as(have):
                     result.tables += 1
                     result.in_force.append(f"nftables {t.label}")
                     continue
-            self._apply_nft(t, result, create_only=isinstance(t, NftTable)
-                            and t.label in captured)
+            if self._apply_nft(t, result, create_only=isinstance(t, NftTable)
+                               and t.label in captured) and isinstance(t, NftTable):
+                failed.discard(t.label)
 
     def _apply_routes(self, declared: list[Route], captured: list[Route],
-                      result: ApplyResult) -> None:
+                      result: ApplyResult, failed: set[tuple[Any, ...]]) -> None:
+        """Apply the routes; ``failed`` holds the keys of the captured ones not (yet)
+        re-applied or found: each one that is leaves it."""
         try:
             backend = _Rtnl()
         except Exception as exc:
@@ -490,6 +544,7 @@ class RoutesManager:
                 if have is not None:
                     _left_alone(r, have)
                     result.routes_skipped += 1
+                    failed.discard(r.key())
                     continue
                 todo.append((r, True))
             # routes without a gateway (on-link) first: gateways may depend on them
@@ -512,6 +567,7 @@ class RoutesManager:
                 if msg.get(_CREATE_ONLY) and getattr(failure, "errno", None) == errno.EEXIST:
                     taken.append(r)
                     result.routes_skipped += 1
+                    failed.discard(r.key())
                     continue
                 err = _describe(failure)
                 if "Operation not permitted" in err:
@@ -527,6 +583,7 @@ class RoutesManager:
                 for r in applied:
                     if any(r.matches(x) for x in after.get(r.key()[:3], ())):
                         result.routes += 1
+                        failed.discard(r.key())
                     else:
                         result.errors.append((f"route {r}", r.required,
                                               "not in the routing table after applying"))
@@ -534,30 +591,33 @@ class RoutesManager:
             backend.close()
 
     def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult, *,
-                   create_only: bool = False) -> None:
+                   create_only: bool = False) -> bool:
+        """Apply one nftables item: True when it is in force (or, captured, left as
+        found)."""
         if isinstance(t, NftTable):
             what = f"nftables table {t.label}"
             cmds = t.commands(create_only=create_only)
         else:
             what = f"nftables ruleset ({', '.join(t.touched()) or 'no table named'})"
-            cmds = t.batch()
+            cmds = t.batch(_foreign(t))
         labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
         try:
-            _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
+            if cmds:  # empty: every rule of the set is in its chain already
+                _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
         except Exception as exc:
             if create_only and isinstance(t, NftTable) and "File exists" in str(exc):
                 # made between the read and the transaction: the kernel refused ours
                 _table_left_alone(t, None, result)
-                return
+                return True
             result.errors.append((what, t.required, _describe(exc)))
             self._nft_in_force(labels, result, "not applied: what was there before stays")
-            return
+            return False
         try:
             if isinstance(t, NftTable):
                 back = read_table(t.family, t.name)
                 if back is None:
                     raise NetworkError("table missing after applying")
-                if back.canonical() != t.canonical():
+                if not t.same_as(back):
                     raise NetworkError("read back differs from what was applied")
             else:
                 for fam, name in t.tables():
@@ -566,9 +626,10 @@ class RoutesManager:
         except Exception as exc:
             result.errors.append((what, t.required, _describe(exc)))
             self._nft_in_force(labels, result, "applied, but differs from the declaration")
-            return
+            return False
         result.tables += 1
         result.in_force.extend(f"nftables {fam} {name}" for fam, name in labels)
+        return True
 
     @staticmethod
     def _nft_in_force(labels: Iterable[tuple[str, str]], result: ApplyResult,
@@ -582,6 +643,36 @@ class RoutesManager:
                 continue
             if present:
                 result.in_force.append(f"nftables {fam} {name} ({note})")
+
+
+def _warn_unruled(routes: Sequence[Route]) -> None:
+    """One WARNING when captured routes sit in tables no ``ip rule`` looks up: rules
+    are neither captured nor re-applied, so a platform that drops them leaves those
+    routes doing nothing, and this one already does."""
+    try:
+        unruled = unruled_tables(routes)
+    except Exception as exc:  # only a warning lost
+        log.debug("network capture: ip rules not read: %s", _describe(exc))
+        return
+    if unruled:
+        names = ", ".join(f"{'inet6 ' if fam == socket.AF_INET6 else ''}table {t}"
+                          for fam, t in unruled)
+        log.warning("network capture: routes captured in %s, which no ip rule looks up "
+                    "(ip rules are not captured nor re-applied: add them after a "
+                    "restore yourself)", names)
+
+
+def _foreign(cmds: NftCommands) -> dict[tuple[str, str], NftTable | None]:
+    """The tables a command set adds rules to without creating them, as they are now
+    (one that cannot be read is left out: its rules are added as written)."""
+    out: dict[tuple[str, str], NftTable | None] = {}
+    for fam, name in cmds.foreign_tables():
+        try:
+            out[(fam, name)] = read_table(fam, name)
+        except Exception as exc:  # then applying finds out
+            log.debug("network: nftables table %s %s not read before applying: %s",
+                      fam, name, _describe(exc))
+    return out
 
 
 def _left_alone(captured: Route, have: Route | None) -> None:
@@ -608,7 +699,7 @@ def _table_left_alone(captured: NftTable, have: NftTable | None,
     with the capture would roll all of that back."""
     result.tables_skipped += 1
     result.in_force.append(f"nftables {captured.label} (existing: left as found)")
-    if have is not None and have.canonical() == captured.canonical():
+    if have is not None and captured.same_as(have):
         log.info("nftables table %s exists after the restore, as captured; leaving it",
                  captured.label)
     else:

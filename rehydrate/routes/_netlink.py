@@ -410,6 +410,35 @@ def read_routes(*, user_only: bool = False, backend: _Rtnl | None = None,
     return _off_loop(own)
 
 
+_FR_ACT_TO_TBL = 1
+
+
+def unruled_tables(routes: Iterable[Route]) -> list[tuple[int, int]]:
+    """(family, table) of each table of ``routes`` that no ``ip rule`` of its family
+    looks up: its routes do nothing. Empty where a rule selects tables by device
+    (``l3mdev``, VRFs), which can point to any table."""
+    wanted = {(r.family, r.table or RT_TABLE_MAIN) for r in routes}
+    if not wanted:
+        return []
+
+    def own() -> list[tuple[int, int]]:
+        b = _Rtnl()
+        try:
+            ruled: set[tuple[int, int]] = set()
+            for m in b.ipr.get_rules():
+                if m.get_attr("FRA_L3MDEV"):
+                    return []
+                if int(m["action"]) == _FR_ACT_TO_TBL:
+                    table = m.get_attr("FRA_TABLE")
+                    ruled.add((int(m["family"]), int(table if table is not None
+                                                     else m["table"])))
+            return sorted(wanted - ruled)
+        finally:
+            b.close()
+
+    return _off_loop(own)
+
+
 def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
                create_only: bool = False) -> dict[str, Any]:
     """The ``rtmsg`` fields and attributes of ``ip route replace`` for this route (of
@@ -434,7 +463,10 @@ def _route_msg(r: Route, links_by_name: Mapping[str, int], *,
             attrs.append(("RTA_GATEWAY", n.gateway))
     if n.dev is not None:
         if n.dev not in links_by_name:
-            raise NetworkError(f"device {n.dev!r} does not exist")
+            # most often made by a hook that runs too late: after this one
+            raise NetworkError(f"device {n.dev!r} does not exist (a restore hook that "
+                               "creates it must run before rehydrate.routes: phase "
+                               "NETWORK with order < 0, or an earlier phase)")
         attrs.append(("RTA_OIF", links_by_name[n.dev]))
     if n.metric is not None:
         attrs.append(("RTA_PRIORITY", n.metric))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -132,9 +133,10 @@ class NftTable:
 
     def canonical(self) -> list[tuple[str, Any]]:
         """Objects without handles and what changes by itself, for comparison: counter
-        values, a quota's bytes used, elements' ``expires`` countdowns, and the elements
-        of sets the datapath fills or expires (``flags timeout``/``dynamic``, the target
-        of an ``update @set``/``add @set`` rule or a meter)."""
+        values (of rules and of named counter objects), a quota's bytes used, elements'
+        ``expires`` countdowns, and the elements of sets the datapath fills or expires
+        (``flags timeout``/``dynamic``, the target of an ``update @set``/``add @set``
+        rule or a meter)."""
         dynamic = _dynamic_sets(self.objects)
         out = []
         for obj in self.objects:
@@ -146,8 +148,37 @@ class NftTable:
                     body.pop("elem", None)
                 elif kind == "quota":
                     body.pop("used", None)
+                elif kind == "counter":  # a named counter object: its values run on
+                    body.pop("packets", None)
+                    body.pop("bytes", None)
                 out.append((kind, _normalize_expr(body)))
         return out
+
+    def same_as(self, have: NftTable) -> bool:
+        """Whether ``have`` (read from the kernel) matches this table, compared as
+        :meth:`canonical` does. A chain of ``have`` bound to a device it does not list
+        (:meth:`unlisted_devices`: ``nft -j`` 1.0.6 leaves an ingress/egress chain's
+        device out) matches this table's chain of its name whatever device that names:
+        the listing cannot tell devices apart."""
+        mine, theirs = self.canonical(), have.canonical()
+        if mine == theirs:
+            return True
+        blind = set(have.unlisted_devices())
+        if not blind:
+            return False
+        mine = [(kind, {k: v for k, v in body.items() if k != "dev"})
+                if kind == "chain" and body.get("name") in blind else (kind, body)
+                for kind, body in mine]
+        return mine == theirs
+
+    def unlisted_devices(self) -> list[str]:
+        """The chains hooked to ``ingress``/``egress`` listed without their device
+        (``dev``), which such a chain always has: ``nft -j list`` (nftables 1.0.6)
+        leaves it out, and the table cannot be re-created from such a listing."""
+        return [str(body.get("name")) for obj in self.objects
+                for kind, body in obj.items()
+                if kind == "chain" and isinstance(body, Mapping)
+                and body.get("hook") in ("ingress", "egress") and "dev" not in body]
 
     def uses_xt(self) -> bool:
         return '"xt"' in json.dumps(self.objects)
@@ -245,13 +276,94 @@ class NftCommands:
     def labels(self) -> set[str]:
         return {f"{f} {n}" for f, n in self.tables()}
 
-    def batch(self) -> list[dict[str, Any]]:
+    def foreign_tables(self) -> list[tuple[str, str]]:
+        """The tables the commands add or insert rules into without creating them."""
+        own = set(self.tables())
+        out: list[tuple[str, str]] = []
+        for cmd in self.commands:
+            for verb, body in cmd.items():
+                target = _rule_target(verb, body)
+                if target is not None and target[:2] not in own and target[:2] not in out:
+                    out.append(target[:2])
+        return out
+
+    def batch(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None
+              ) -> list[dict[str, Any]]:
         """The commands, after emptying each table they create (``add table`` +
         ``delete table``, as :meth:`NftTable.commands` does): applied again on every
         restore and resume, they replace their tables instead of adding their rules
-        once more (and the captured copy of such a table is not applied beside them)."""
+        once more (and the captured copy of such a table is not applied beside them).
+
+        ``existing`` holds the tables they add rules to without creating them (from
+        :meth:`foreign_tables`) as they are now: an ``add``/``insert rule`` whose
+        expression such a chain already has (compared as :meth:`NftTable.canonical`
+        does, counter values aside) is left out, so that it is not added again on every
+        resume, nor beside the captured copy of that table, which has it already. Each
+        rule there stands for one such command; after a command of the set flushes or
+        deletes that chain (or its table, or a rule of it), its rules are added."""
+        own = set(self.tables())
+        have: dict[tuple[str, str, str], Counter[str]] = {}
+        for label, table in (existing or {}).items():
+            if table is None or label in own:
+                continue
+            for obj in table.objects:
+                rule = obj.get("rule")
+                if isinstance(rule, Mapping) and isinstance(rule.get("chain"), str):
+                    chain = (label[0], label[1], str(rule["chain"]))
+                    have.setdefault(chain, Counter())[_expr_key(rule.get("expr"))] += 1
         cmds: list[dict[str, Any]] = []
         for family, name in self.tables():
             ident = {"family": family, "name": name}
             cmds += [{"add": {"table": dict(ident)}}, {"delete": {"table": dict(ident)}}]
-        return cmds + [dict(c) for c in self.commands]
+        for cmd in self.commands:
+            skip = False
+            for verb, body in cmd.items():
+                target = _rule_target(verb, body)
+                if target is not None:
+                    count = have.get(target)
+                    key = _expr_key(body["rule"].get("expr"))
+                    if count is not None and count[key] > 0:
+                        count[key] -= 1
+                        skip = True
+                elif verb in ("flush", "delete", "destroy", "replace"):
+                    _forget(body, have)
+            if not skip:
+                cmds.append(dict(cmd))
+        return cmds
+
+
+def _rule_target(verb: str, body: Any) -> tuple[str, str, str] | None:
+    """(family, table, chain) of an ``add``/``insert rule`` command, else None."""
+    if verb not in ("add", "insert") or not isinstance(body, Mapping):
+        return None
+    rule = body.get("rule")
+    if not isinstance(rule, Mapping) or not all(
+            isinstance(rule.get(f), str) for f in ("family", "table", "chain")):
+        return None
+    return str(rule["family"]), str(rule["table"]), str(rule["chain"])
+
+
+def _expr_key(expr: Any) -> str:
+    return json.dumps(_normalize_expr(expr), sort_keys=True)
+
+
+def _forget(body: Any, have: dict[tuple[str, str, str], Counter[str]]) -> None:
+    """Drop the rules a flush/delete/replace command removes or changes from ``have``
+    (where unsure, the whole chain, table or ruleset: its rules are then added)."""
+    if not isinstance(body, Mapping):
+        return
+    for kind, raw in body.items():
+        obj = raw if isinstance(raw, Mapping) else {}
+        fam = obj.get("family")
+        if kind == "ruleset":
+            gone = [k for k in have if fam is None or k[0] == fam]
+        elif kind == "table":
+            gone = [k for k in have if k[:2] == (fam, obj.get("name"))]
+        elif kind == "chain":
+            gone = [k for k in have if k == (fam, obj.get("table"), obj.get("name"))]
+        elif kind == "rule":
+            gone = [k for k in have if k == (fam, obj.get("table"), obj.get("chain"))]
+        else:
+            continue
+        for k in gone:
+            del have[k]
