@@ -10,8 +10,10 @@ is gone makes the whole restore fail; a deleted file held open makes the checkpo
 Handles made here are closed before a snapshot and reopened after a restore or resume:
 
 * :func:`open` — a file object; reopened at the same position when size, ``st_mtime_ns``
-  and ``st_ctime_ns`` are unchanged, else at offset 0 with ``.changed`` set and
-  ``on_change`` called — never a silent read from the middle of another file;
+  and ``st_ctime_ns`` are unchanged, else with ``.changed`` set and ``on_change`` called,
+  at offset 0 (a handle that writes in place, ``w``/``x``/``+`` modes other than ``a``:
+  at the end, so its next write does not overwrite another writer's data) — never a
+  silent read from the middle of another file;
 * :func:`sqlite` — a ``sqlite3`` connection; the WAL is checkpointed and the connection
   closed before the snapshot (a transaction still open is refused), so no ``-wal`` /
   ``-shm`` descriptor is in the image;
@@ -236,7 +238,7 @@ class _Handle:
                 # over, a rotated log, a ConfigMap symlink swap) before the snapshot: the
                 # stat would describe the new file, and the reopen would seek it to the
                 # old file's position as "unchanged". An unknown identity makes the
-                # reopen start from offset 0 with .changed set.
+                # reopen treat it as changed.
                 log.info("managed %s %s was replaced before the snapshot: reopened from "
                          "the start after it", self._kind, self.path)
             elif st is not None:
@@ -270,11 +272,15 @@ class _Handle:
             object.__setattr__(self, "_suspended", False)
             object.__setattr__(self, "changed", not same)
         if not same:
-            log.info("managed %s %s changed while frozen: reopened from the start",
-                     self._kind, self.path)
+            log.info("managed %s %s changed while frozen: reopened %s", self._kind,
+                     self.path, self._changed_position())
             if self.on_change is not None:
                 self.on_change(self)
         return not same
+
+    def _changed_position(self) -> str:
+        """Where a reopen of a changed file starts, for the log line."""
+        return "from the start"
 
     def _close_for_good(self) -> None:
         self._close_now()
@@ -326,7 +332,9 @@ class ManagedFile(_Handle):
 
     Attribute access goes to the current file object (``read``, ``write``, ``seek`` …);
     while the snapshot is pending it is closed (``ValueError: I/O operation on closed
-    file``). A mode that creates or truncates (``w``, ``x``) reopens as ``r+``.
+    file``). A mode that creates or truncates (``w``, ``x``) reopens as ``r+``. A changed
+    file is reopened at offset 0, or at its end when the mode writes in place (``w``,
+    ``x``, ``r+``, ``w+``, ``x+``: not ``a``, whose writes go to the end anyway).
     """
 
     _kind = "file"
@@ -376,7 +384,18 @@ class ManagedFile(_Handle):
             # "a"/"a+" too: an "a+" reader continues where it read (O_APPEND still sends
             # every write to the end).
             f.seek(self._pos)
+        elif self._writes_in_place():
+            # Another writer's file: at offset 0 the next write overwrote its head and
+            # left the rest behind it. At the end it adds to what is there.
+            f.seek(0, os.SEEK_END)
         self._set_file(f)
+
+    def _writes_in_place(self) -> bool:
+        """A mode whose writes go where the position is (not ``a``: O_APPEND)."""
+        return "a" not in self.mode and any(c in self.mode for c in "wx+")
+
+    def _changed_position(self) -> str:
+        return "at its end" if self._writes_in_place() else "from the start"
 
     def fileno(self) -> int:
         """The current descriptor (a new one after every reopen)."""
@@ -1003,9 +1022,12 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
 
     After a restore or resume the file is reopened at the same position when its size,
     ``st_mtime_ns`` and ``st_ctime_ns`` match those recorded before the snapshot (and its
-    volume is the same); otherwise at offset 0 with ``.changed`` True and
-    ``on_change(handle)`` called. A file gone after restore fails the
-    ``rehydrate.files.reopen`` hook with its path (``required=False``: a warning).
+    volume is the same); otherwise with ``.changed`` True and ``on_change(handle)``
+    called, at offset 0 — or, for a mode that writes in place (``w``, ``x``, ``r+``,
+    ``w+``, ``x+``), at the end of the file, so the next write adds to it instead of
+    overwriting its head (``seek(0)`` in ``on_change`` to read it from the start). A
+    file gone after restore fails the ``rehydrate.files.reopen`` hook with its path
+    (``required=False``: a warning).
     """
     return ManagedFile(path, mode, engine=engine, on_change=on_change, required=required,
                        open_kwargs=open_kwargs)

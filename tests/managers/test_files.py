@@ -126,6 +126,44 @@ def test_write_mode_reopens_without_truncating(engine, tmp_path: Path) -> None:
     assert g.closed and g not in files.manager(engine).handles()
 
 
+@pytest.mark.parametrize("mode", ["w", "x", "w+", "r+"])
+def test_a_changed_file_written_in_place_reopens_at_its_end(engine, tmp_path: Path,
+                                                            mode: str) -> None:
+    """Another writer added to the file while frozen: the handle's next write must not
+    overwrite the head of it (reopened r+ at offset 0, it did)."""
+    p = tmp_path / "report.csv"
+    if mode == "r+":
+        p.write_text("")
+    seen: list[object] = []
+    out = files.open(p, mode, engine=engine, on_change=lambda h: seen.append(h.tell()))
+    out.write("id,value\n1,aaaa\n")
+    assert engine.simulate_snapshot().ok
+    with open(p, "a") as host:
+        host.write("2,host\n")
+    assert engine.simulate_restore().ok
+    assert out.changed
+    assert seen == [len("id,value\n1,aaaa\n2,host\n")], "at the end already in on_change"
+    out.write("3,app\n")
+    out.flush()
+    assert p.read_text() == "id,value\n1,aaaa\n2,host\n3,app\n"
+
+
+def test_a_changed_file_read_or_appended_reopens_from_the_start(engine,
+                                                                tmp_path: Path) -> None:
+    p = tmp_path / "log.txt"
+    p.write_text("one\n")
+    r = files.open(p, engine=engine)
+    a = files.open(p, "a+", engine=engine)
+    r.readline()
+    assert engine.simulate_snapshot().ok
+    _replace(p, "new\n")
+    assert engine.simulate_restore().ok
+    assert (r.changed, r.tell(), a.changed) == (True, 0, True)
+    a.write("more\n")  # O_APPEND: to the end
+    a.flush()
+    assert p.read_text() == "new\nmore\n"
+
+
 def test_gone_file_fails_the_reopen_hook_naming_it(engine, tmp_path: Path) -> None:
     p = tmp_path / "gone.txt"
     p.write_text("x")
