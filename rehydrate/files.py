@@ -50,6 +50,7 @@ import logging
 import os
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     import sqlite3
 
     from ._context import RestoreContext
+    from ._hooks import Hook
     from .extensions import Engine
 
 __all__ = [
@@ -111,6 +113,9 @@ _DELETED = " (deleted)"
 
 _TMP_ATTEMPTS = 8
 """Random temporary names tried for a new identity file before giving up."""
+
+_REOPEN_TIMEOUT = 30.0
+"""Default timeout of the ``rehydrate.files.reopen`` hook, in seconds (``reopen_timeout``)."""
 
 
 class FileGone(FileNotFoundError):
@@ -819,6 +824,9 @@ class FilesManager:
         self._volumes: list[Volume] = []
         self._fail_on_deleted: bool | None = None
         self.last_audit: list[OpenFile] = []
+        self._reopen_timeout = _REOPEN_TIMEOUT
+        self._reopen_asked = False
+        self._reopen_hook: Hook | None = None
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
@@ -853,8 +861,40 @@ class FilesManager:
         b = engine.builtins
         b.register(self._before_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
                    order=1_000_000, name="rehydrate.files.close", timeout=30.0)
-        b.register(self._after_restore, event="restore", phase=Phase.CONNECTIONS,
-                   order=-1_000_000, name="rehydrate.files.reopen", timeout=30.0)
+        self._reopen_hook = self._register_reopen(self._reopen_timeout)
+
+    def _register_reopen(self, timeout: float) -> Hook:
+        engine = self._engine()
+        assert engine is not None
+        return engine.builtins.register(
+            self._after_restore, event="restore", phase=Phase.CONNECTIONS, order=-1_000_000,
+            name="rehydrate.files.reopen", timeout=timeout)
+
+    @property
+    def reopen_timeout(self) -> float:
+        """Timeout of the ``rehydrate.files.reopen`` hook: the largest ``reopen_timeout``
+        any handle or volume asked (30 s when none did)."""
+        return self._reopen_timeout
+
+    def allow_reopen(self, reopen_timeout: float) -> None:
+        """Let the ``rehydrate.files.reopen`` hook run up to ``reopen_timeout`` seconds
+        (every handle's reopen and ``on_change``, one after another), unless a longer
+        time was already asked. ``ValueError``/``TypeError`` for a value that is not a
+        number of seconds > 0 and at most a year."""
+        timeout = _config.seconds(reopen_timeout, "reopen_timeout")
+        with self._lock:
+            if self._reopen_asked and timeout <= self._reopen_timeout:
+                return
+            self._reopen_asked = True
+            old = self._reopen_hook
+            if old is not None:
+                # The new hook before the old one goes: a refusal keeps the hook there was.
+                engine = self._engine()
+                if engine is None:
+                    return
+                self._reopen_hook = self._register_reopen(timeout)
+                engine.builtins.unregister(old)
+            self._reopen_timeout = timeout
 
     # registry
     def _add(self, handle: _Handle) -> None:
@@ -924,6 +964,7 @@ class FilesManager:
                 for e in errors))
 
     def _after_restore(self, ctx: RestoreContext) -> None:
+        began = time.monotonic()
         changed_volumes: list[Volume] = []
         failures: list[str] = []
         gone: list[str] = []
@@ -953,6 +994,13 @@ class FilesManager:
         if failures:
             text = "; ".join(failures)
             raise FileGone(text) if len(gone) == len(failures) else ReopenFailed(text)
+        engine, hook = self._engine(), self._reopen_hook
+        if engine is not None and hook is not None:
+            # A pass that outlived the hook's timeout (a slow on_change) reopened every
+            # handle after the run had ended degraded: nothing else would ever make the
+            # process ready again. Within the run this is a no-op (the hook has not
+            # failed); since=: a run begun after this pass is not mended by it.
+            engine.recovered(hook, since=began)
 
     def audit(self) -> list[OpenFile]:
         """Descriptors of this process on volumes, marked managed or not."""
@@ -1016,6 +1064,7 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     engine: Engine | None = None,
     on_change: OnChange | None = None,
     required: bool = True,
+    reopen_timeout: float | None = None,
     **open_kwargs: Any,
 ) -> ManagedFile:
     """Open ``path`` like :func:`builtins.open`, closed before a snapshot and reopened after.
@@ -1027,8 +1076,9 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     ``w+``, ``x+``), at the end of the file, so the next write adds to it instead of
     overwriting its head (``seek(0)`` in ``on_change`` to read it from the start). A
     file gone after restore fails the ``rehydrate.files.reopen`` hook with its path
-    (``required=False``: a warning).
+    (``required=False``: a warning). ``reopen_timeout``: see :func:`volume`.
     """
+    _allow_reopen(engine, reopen_timeout)
     return ManagedFile(path, mode, engine=engine, on_change=on_change, required=required,
                        open_kwargs=open_kwargs)
 
@@ -1040,6 +1090,7 @@ def sqlite(
     on_change: OnChange | None = None,
     on_connect: Callable[[sqlite3.Connection], object] | None = None,
     required: bool = True,
+    reopen_timeout: float | None = None,
     **connect_kwargs: Any,
 ) -> ManagedConnection:
     """A managed ``sqlite3`` connection to the database file ``path``.
@@ -1049,8 +1100,9 @@ def sqlite(
     restore or resume it reconnects (``.changed`` when the file changed meanwhile). The
     connection is made with ``check_same_thread=False`` (rehydrate closes it from its own
     thread). A volume must have one writer at a time: host and sandbox writing together
-    corrupt SQLite, snapshot or not.
+    corrupt SQLite, snapshot or not. ``reopen_timeout``: see :func:`volume`.
     """
+    _allow_reopen(engine, reopen_timeout)
     return ManagedConnection(path, engine=engine, on_change=on_change, required=required,
                              on_connect=on_connect, connect_kwargs=dict(connect_kwargs))
 
@@ -1064,12 +1116,14 @@ def mmap(
     engine: Engine | None = None,
     on_change: OnChange | None = None,
     required: bool = True,
+    reopen_timeout: float | None = None,
 ) -> ManagedMap:
     """A managed shared mapping of ``path`` (``length=0``: the whole file; ``access``:
     ``mmap.ACCESS_WRITE`` unless given); unmapped before a snapshot, remapped after, with
-    the same change check as :func:`open`."""
+    the same change check as :func:`open`. ``reopen_timeout``: see :func:`volume`."""
     import mmap as _mmap
 
+    _allow_reopen(engine, reopen_timeout)
     return ManagedMap(path, length=length,
                       access=_mmap.ACCESS_WRITE if access is None else access,
                       offset=offset, engine=engine, on_change=on_change, required=required)
@@ -1080,12 +1134,26 @@ def volume(
     *,
     engine: Engine | None = None,
     on_change: OnChange | None = None,
+    reopen_timeout: float | None = None,
 ) -> Volume:
     """Register the volume mounted at ``mount_point``: an identity file
     (:data:`IDENTITY_FILE`, a random token) is created there if missing; after a restore a
     different or missing identity is reported (warning, ``status()["files"]``,
-    ``on_change(volume)``) and every managed handle under it is reopened as changed."""
+    ``on_change(volume)``) and every managed handle under it is reopened as changed.
+
+    ``reopen_timeout`` (here and on :func:`open`, :func:`sqlite`, :func:`mmap`): seconds
+    the ``rehydrate.files.reopen`` hook may take — every volume check, reopen and
+    ``on_change``, one after another — the largest any call asked (default
+    30 s). A pass that outlives it fails the restore run (the process is
+    ``degraded``); when it then completes without a failure the process is ready again.
+    """
+    _allow_reopen(engine, reopen_timeout)
     return manager(engine).add_volume(mount_point, on_change)
+
+
+def _allow_reopen(engine: Engine | None, reopen_timeout: float | None) -> None:
+    if reopen_timeout is not None:
+        manager(engine).allow_reopen(reopen_timeout)
 
 
 def audit(*, engine: Engine | None = None) -> list[OpenFile]:

@@ -715,3 +715,72 @@ def test_a_file_replaced_by_a_fifo_while_frozen_fails_its_reopen_without_waiting
     assert replaced.changed and not replaced.suspended
     if "r" in mode:
         assert replaced.readline() in ("new\n", b"new\n")
+
+
+def test_a_reopen_pass_that_outlives_its_timeout_makes_the_process_ready_when_done(
+        engine, tmp_path: Path) -> None:
+    """A slow on_change made rehydrate.files.reopen time out; its thread reopened every
+    handle later, but the process stayed degraded for good. The timeout is a parameter
+    (the largest any call asked)."""
+    import threading
+
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+    assert files.manager(engine).reopen_timeout == 30.0
+    b = files.open(tmp_path / "b.txt", engine=engine, reopen_timeout=0.3)
+    files.volume(tmp_path, engine=engine, reopen_timeout=0.1)  # smaller: no change
+    hooks = [h for h in engine.builtins.hooks("restore") if h.name == "rehydrate.files.reopen"]
+    assert [h.timeout for h in hooks] == [0.3]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        report = engine.simulate_restore()
+        assert _hook(report, "rehydrate.files.reopen").outcome == "timeout"
+        assert engine.status().state == "degraded"
+    finally:
+        release.set()
+    assert engine.wait_ready(20), engine.status().state
+    assert (a.changed, b.suspended, b.readline()) == (True, False, "b\n")
+
+
+def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(engine,
+                                                                    tmp_path: Path) -> None:
+    import threading
+
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "gone.txt").write_text("b\n")
+    release, done = threading.Event(), threading.Event()
+    mgr = files.manager(engine)
+    real = mgr._after_restore
+
+    def after_restore(ctx):  # the hook is registered with the first handle: this one
+        try:
+            real(ctx)
+        finally:
+            done.set()
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    kept = [files.open(tmp_path / "big.idx", engine=engine,
+                       on_change=lambda h: release.wait(30), reopen_timeout=0.2),
+            files.open(tmp_path / "gone.txt", engine=engine)]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    (tmp_path / "gone.txt").unlink()
+    try:
+        engine.simulate_restore()
+    finally:
+        release.set()
+    assert done.wait(20)  # the late pass ended, failing on gone.txt
+    assert engine.status().state == "degraded"
+    assert kept[0].changed
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "10"])
+def test_a_bad_reopen_timeout_is_refused_before_anything_is_made(engine, tmp_path: Path,
+                                                                 bad: object) -> None:
+    (tmp_path / "a.txt").write_text("a\n")
+    with pytest.raises((ValueError, TypeError), match="reopen_timeout"):
+        files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=bad)  # type: ignore[arg-type]
+    assert files.manager(engine).handles() == []
