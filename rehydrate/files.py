@@ -589,6 +589,8 @@ class Volume:
     def __init__(self, mount_point: str, on_change: OnChange | None) -> None:
         self.mount_point = os.path.abspath(mount_point)
         self.on_change = on_change
+        self._unreadable: int | None = None
+        """errno of the last failed read of the identity file (warned once), or None."""
         self.identity: str | None = self._read_or_create()
         self.changed = False
         """True when the last restore found another volume (or none) at the mount point."""
@@ -604,7 +606,22 @@ class Volume:
         try:
             data = read_regular(self.identity_file, 256, truncate=True)
         except FileNotFoundError:
+            self._unreadable = None
             return None
+        except PermissionError as exc:
+            # Another user's file (mode 0600 from a pod with another runAsUser): as if
+            # missing. Raised, it failed files.volume() and then every before-snapshot
+            # pass before any handle was closed. (A FIFO or a directory there is still
+            # an error: a misconfiguration, named.)
+            if self._unreadable != exc.errno:
+                log.warning("volume %s: identity file %s unreadable (%s: %s); treated as "
+                            "missing: a swapped volume is detected only by its files' size "
+                            "and times", self.mount_point, self.identity_file,
+                            errno.errorcode.get(exc.errno or 0, exc.errno),
+                            exc.strerror or exc)
+            self._unreadable = exc.errno
+            return None
+        self._unreadable = None
         return data.decode("ascii", "replace").strip() or None
 
     def _read_or_create(self) -> str | None:
@@ -612,8 +629,8 @@ class Volume:
             what = "is not a directory" if os.path.exists(self.mount_point) else "does not exist"
             raise FileGone(f"volume {self.mount_point} {what}")
         ident = self._read()
-        if ident is not None:
-            return ident
+        if ident is not None or self._unreadable is not None:
+            return ident  # unreadable: warned, and there is one already
         try:
             self._create()
         except OSError as exc:
@@ -622,7 +639,7 @@ class Volume:
                         exc.strerror or exc)
             return None
         ident = self._read()
-        if ident is None:
+        if ident is None and self._unreadable is None:
             log.warning("volume %s: identity file %s is empty; a swapped volume is detected "
                         "only by its files' size and times", self.mount_point,
                         self.identity_file)
@@ -950,7 +967,11 @@ class FilesManager:
     def _before_snapshot(self) -> None:
         errors: list[Exception] = []
         for vol in self.volumes():
-            vol._suspend()
+            try:
+                vol._suspend()
+            except Exception as exc:  # the handles are closed all the same
+                errors.append(SnapshotRefused(f"volume {vol.mount_point}: "
+                                              f"{type(exc).__name__}: {exc}"))
         for h in reversed(self.handles()):
             try:
                 h._suspend()

@@ -784,3 +784,64 @@ def test_a_bad_reopen_timeout_is_refused_before_anything_is_made(engine, tmp_pat
     with pytest.raises((ValueError, TypeError), match="reopen_timeout"):
         files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=bad)  # type: ignore[arg-type]
     assert files.manager(engine).handles() == []
+
+
+def _unreadable(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``path`` unreadable as for another user (the tests may run as root)."""
+    real = files.read_regular
+
+    def read_regular(p, *args, **kwargs):
+        if os.fspath(p) == str(path):
+            raise PermissionError(13, "Permission denied", os.fspath(p))
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(files, "read_regular", read_regular)
+
+
+def test_an_unreadable_identity_file_is_as_missing_with_one_warning(
+        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Another user's identity file (mode 0600) made files.volume() raise
+    PermissionError; one that became unreadable later refused every snapshot with a bare
+    PermissionError, before any handle was closed."""
+    early, late = tmp_path / "early", tmp_path / "late"
+    early.mkdir()
+    late.mkdir()
+    (early / files.IDENTITY_FILE).write_text("someone-else\n")
+    _unreadable(monkeypatch, early / files.IDENTITY_FILE)
+    assert files.volume(early, engine=engine).identity is None
+    files.volume(late, engine=engine)
+    (late / "a.txt").write_text("a\n")
+    f = files.open(late / "a.txt", engine=engine)
+    _unreadable(monkeypatch, late / files.IDENTITY_FILE)
+    for _ in range(2):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert f.suspended
+        assert engine.simulate_restore(kind="resume").ok
+    assert f.read() == "a\n" and not f.changed
+    warnings = _identity_warnings(caplog)
+    assert len(warnings) == 2, warnings  # one per volume, not one per pass
+    for vol, w in zip((early, late), warnings, strict=True):
+        assert w.startswith(f"volume {vol}: identity file {vol / files.IDENTITY_FILE} "
+                            "unreadable (EACCES: Permission denied); treated as missing"), w
+    assert (early / files.IDENTITY_FILE).read_text() == "someone-else\n", "never replaced"
+
+
+def test_a_volume_that_cannot_be_checked_is_named_and_the_handles_are_closed_anyway(
+        engine, tmp_path: Path) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "a.txt").write_text("a\n")
+    files.volume(vol, engine=engine)
+    f = files.open(vol / "a.txt", engine=engine)
+    (vol / files.IDENTITY_FILE).unlink()
+    (vol / files.IDENTITY_FILE).mkdir()
+    report = engine.simulate_snapshot()
+    error = _hook(report, "rehydrate.files.close").error
+    assert isinstance(error, files.SnapshotRefused), repr(error)
+    assert str(error).startswith(f"volume {vol}: OSError: "), str(error)
+    assert "not a regular file (a directory)" in str(error) and "\n" not in str(error)
+    assert f.suspended, "the handles are closed all the same (the resume reopens them)"
+    assert engine.simulate_restore(kind="resume") is not None
+    assert not f.suspended
