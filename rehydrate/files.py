@@ -166,6 +166,11 @@ def _stat_after_restore(path: str) -> _Identity:
 # -- handles ----------------------------------------------------------------------------
 
 
+def _quote_ident(name: str) -> str:
+    """An SQL identifier, quoted (an attached database's schema name)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 OnChange = Callable[[Any], object]
 
 
@@ -426,13 +431,25 @@ class ManagedFile(_Handle):
         return f"<rehydrate.files.ManagedFile {self.path!r} mode={self.mode!r}>"
 
 
+_SESSION_PRAGMAS = ("foreign_keys", "recursive_triggers", "query_only", "busy_timeout")
+"""Per-connection ``PRAGMA`` s read before the close and set again on the new connection."""
+
+
 class ManagedConnection(_Handle):
     """A ``sqlite3`` connection closed before a snapshot and reopened after.
 
     Attribute access goes to the current connection; attributes set on the handle
     (``row_factory``, ``isolation_level`` …) are set again on every new connection, and
-    ``on_connect(conn)`` runs for each (per-connection ``PRAGMA`` s). ``with handle:`` is
-    the connection's transaction context. Cursors do not outlive a snapshot.
+    ``on_connect(conn)`` runs for each (per-connection ``PRAGMA`` s). Then the
+    ``create_function`` / ``create_aggregate`` / ``create_window_function`` /
+    ``create_collation`` / ``set_authorizer`` / ``set_progress_handler`` /
+    ``set_trace_callback`` calls made through the handle are made again, the
+    ``PRAGMA`` s ``foreign_keys``, ``recursive_triggers``, ``query_only`` and
+    ``busy_timeout`` get the values they had at the close, and the databases that were
+    attached from a file are attached again by path. A snapshot is refused while the
+    connection has ``TEMP`` objects or an attached in-memory database (they would be
+    lost). ``with handle:`` is the connection's transaction context. Cursors do not
+    outlive a snapshot.
     """
 
     _kind = "sqlite"
@@ -451,12 +468,21 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_kwargs", connect_kwargs)
         object.__setattr__(self, "_on_connect", on_connect)
         object.__setattr__(self, "_attrs", {})
+        object.__setattr__(self, "_calls", {})
+        object.__setattr__(self, "_pragmas", {})
+        object.__setattr__(self, "_attached", [])
         object.__setattr__(self, "_conn", self._connect())
         self._register()
 
     _kwargs: dict[str, Any]
     _on_connect: Callable[[sqlite3.Connection], object] | None
     _attrs: dict[str, Any]
+    _calls: dict[tuple[Any, ...], tuple[str, tuple[Any, ...], dict[str, Any]]]
+    """Registration calls made through the handle, by what they register (a later call
+    for the same function name and arity, collation or callback replaces the earlier)."""
+    _pragmas: dict[str, int]
+    _attached: list[tuple[str, str]]
+    """(schema name, file) of the databases attached at the close."""
     _conn: sqlite3.Connection
 
     def _connect(self) -> sqlite3.Connection:
@@ -475,9 +501,73 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_opened_key", key)
         for k, v in self._attrs.items():
             setattr(conn, k, v)
-        if self._on_connect is not None:
-            self._on_connect(conn)
+        try:
+            if self._on_connect is not None:
+                self._on_connect(conn)
+            self._restore_session(conn)
+        except BaseException:
+            conn.close()  # not half made: the handle stays suspended, nothing held open
+            raise
         return conn
+
+    def _restore_session(self, conn: sqlite3.Connection) -> None:
+        """What the closed connection had beyond its file: ATTACHes, PRAGMAs, then the
+        registrations (last: an authorizer could refuse the ATTACH or PRAGMA statements,
+        a trace callback would see them)."""
+        present = {row[1] for row in conn.execute("PRAGMA database_list")}
+        for schema, file in self._attached:
+            if schema in present:
+                continue  # attached again by on_connect
+            if not os.path.isfile(file):
+                # ATTACH would make a new, empty database there and hide the loss.
+                raise ReopenFailed(f"SQLite database {self.path}: attached database "
+                                   f"{schema!r} ({file}) is gone: not attached again")
+            conn.execute("ATTACH DATABASE ? AS " + _quote_ident(schema), (file,))
+        for name, value in self._pragmas.items():
+            conn.execute(f"PRAGMA {name} = {int(value)}")  # names are ours, values ints
+        for method, args, kwargs in self._calls.values():
+            getattr(conn, method)(*args, **kwargs)
+
+    def _record(self, key: tuple[Any, ...], method: str, *args: Any, **kwargs: Any) -> None:
+        getattr(self._conn, method)(*args, **kwargs)
+        self._calls[key] = (method, args, kwargs)
+
+    def create_function(self, name: str, narg: int, func: Callable[..., Any] | None, *,
+                        deterministic: bool = False) -> None:
+        """``sqlite3.Connection.create_function``, made again on every new connection."""
+        kwargs = {"deterministic": True} if deterministic else {}
+        self._record(("function", name.lower(), narg), "create_function", name, narg, func,
+                     **kwargs)
+
+    def create_aggregate(self, name: str, n_arg: int, aggregate_class: Any) -> None:
+        """``sqlite3.Connection.create_aggregate``, made again on every new connection."""
+        self._record(("function", name.lower(), n_arg), "create_aggregate", name, n_arg,
+                     aggregate_class)
+
+    def create_window_function(self, name: str, num_params: int, aggregate_class: Any,
+                               /) -> None:
+        """``sqlite3.Connection.create_window_function``, made again on every new
+        connection."""
+        self._record(("function", name.lower(), num_params), "create_window_function", name,
+                     num_params, aggregate_class)
+
+    def create_collation(self, name: str, collation: Callable[[str, str], int] | None,
+                         /) -> None:
+        """``sqlite3.Connection.create_collation``, made again on every new connection."""
+        self._record(("collation", name.lower()), "create_collation", name, collation)
+
+    def set_authorizer(self, authorizer_callback: Callable[..., int] | None) -> None:
+        """``sqlite3.Connection.set_authorizer``, set again on every new connection."""
+        self._record(("authorizer",), "set_authorizer", authorizer_callback)
+
+    def set_progress_handler(self, progress_handler: Callable[[], int | None] | None,
+                             n: int) -> None:
+        """``sqlite3.Connection.set_progress_handler``, set again on every new connection."""
+        self._record(("progress",), "set_progress_handler", progress_handler, n)
+
+    def set_trace_callback(self, trace_callback: Callable[[str], object] | None) -> None:
+        """``sqlite3.Connection.set_trace_callback``, set again on every new connection."""
+        self._record(("trace",), "set_trace_callback", trace_callback)
 
     def _close_now(self) -> None:
         conn = self._conn
@@ -485,9 +575,25 @@ class ManagedConnection(_Handle):
             raise SnapshotRefused(
                 f"SQLite database {self.path} has a transaction open: commit or roll it "
                 "back before the snapshot (its -wal/-shm files would be in the image)")
-        # Moves the WAL into the database so the host sees every committed row.
+        temp = [f"{kind} {name}" for kind, name in conn.execute(
+            "SELECT type, name FROM temp.sqlite_master ORDER BY type, name")]
+        attached = [(str(row[1]), str(row[2])) for row in conn.execute("PRAGMA database_list")
+                    if row[1] not in ("main", "temp")]
+        lost = [f"TEMP {t}" for t in temp] + [
+            f"attached in-memory database {schema}" for schema, file in attached if not file]
+        if lost:
+            raise SnapshotRefused(
+                f"SQLite database {self.path} would lose {', '.join(lost)} (they live in "
+                "the connection, which is closed for the snapshot): drop or detach them "
+                "before it")
+        pragmas = {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
+                   for name in _SESSION_PRAGMAS}
+        # Moves the WAL into the database so the host sees every committed row (every
+        # attached database's too: no schema named).
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         conn.close()
+        object.__setattr__(self, "_pragmas", pragmas)
+        object.__setattr__(self, "_attached", attached)
 
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_conn", self._connect())

@@ -845,3 +845,110 @@ def test_a_volume_that_cannot_be_checked_is_named_and_the_handles_are_closed_any
     assert f.suspended, "the handles are closed all the same (the resume reopens them)"
     assert engine.simulate_restore(kind="resume") is not None
     assert not f.suspended
+
+
+def test_sqlite_registrations_and_session_pragmas_survive_a_snapshot(engine,
+                                                                    tmp_path: Path) -> None:
+    """Functions, collations, the authorizer and PRAGMA foreign_keys set through the
+    handle were lost at every snapshot, even a plain resume."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.create_function("slug", 1, lambda s: "old")
+    db.create_function("slug", 1, lambda s: s.lower().replace(" ", "-"), deterministic=True)
+
+    class Total:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def step(self, v: int) -> None:
+            self.n += v
+
+        def value(self) -> int:
+            return self.n
+
+        def inverse(self, v: int) -> None:
+            self.n -= v
+
+        def finalize(self) -> int:
+            return self.n
+
+    db.create_aggregate("total2", 1, Total)
+    db.create_window_function("wtotal", 1, Total)
+    db.create_collation("backwards", lambda a, b: (a < b) - (a > b))
+    denied: list[str] = []
+
+    def authorizer(action, arg1, arg2, dbname, source):
+        if arg1 == "secret":
+            denied.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    db.execute("CREATE TABLE t (x)")
+    db.execute("CREATE TABLE secret (x)")
+    db.executemany("INSERT INTO t VALUES (?)", [(1,), (2,), (3,)])
+    db.commit()
+    db.set_authorizer(authorizer)
+    db.execute("PRAGMA foreign_keys = ON")
+    db.execute("PRAGMA busy_timeout = 1234")
+
+    def state() -> tuple[object, ...]:
+        with pytest.raises(sqlite3.DatabaseError):
+            db.execute("SELECT * FROM secret")
+        return (db.execute("SELECT slug('Hello World')").fetchone()[0],
+                db.execute("SELECT total2(x) FROM t").fetchone()[0],
+                db.execute("SELECT wtotal(x) OVER (ORDER BY x) FROM t").fetchall(),
+                db.execute("SELECT CAST(x AS TEXT) AS s FROM t ORDER BY s COLLATE backwards"
+                           ).fetchall(),
+                db.execute("PRAGMA foreign_keys").fetchone()[0],
+                db.execute("PRAGMA busy_timeout").fetchone()[0])
+
+    before = state()
+    assert before == ("hello-world", 6, [(1,), (3,), (6,)], [("3",), ("2",), ("1",)], 1,
+                      1234)
+    for kind in ("resume", "restore"):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert engine.simulate_restore(kind=kind).ok
+        assert state() == before, kind
+    assert denied == ["secret"] * 3
+
+
+def test_sqlite_refuses_a_snapshot_that_would_lose_temp_objects_or_memory_attachments(
+        engine, tmp_path: Path) -> None:
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("CREATE TEMP TABLE session (k, v)")
+    db.execute("INSERT INTO session VALUES ('user', 42)")
+    db.execute("ATTACH DATABASE ':memory:' AS scratch")
+    db.commit()
+    report = engine.simulate_snapshot()
+    error = _hook(report, "rehydrate.files.close").error
+    assert isinstance(error, files.SnapshotRefused) and "\n" not in str(error)
+    assert str(error).startswith(
+        f"SQLite database {tmp_path / 'app.db'} would lose TEMP table session, attached "
+        "in-memory database scratch"), str(error)
+    assert engine.simulate_restore(kind="resume").ok
+    assert db.execute("SELECT v FROM session").fetchone() == (42,), "nothing was lost"
+    db.execute("DROP TABLE session")
+    db.execute("DETACH DATABASE scratch")
+    report = engine.simulate_snapshot()
+    assert report.ok, report.error
+
+
+def test_sqlite_attached_database_files_are_attached_again(engine, tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "cache.db") as c:
+        c.execute("CREATE TABLE kv (k, v)")
+        c.execute("INSERT INTO kv VALUES ('a', 1)")
+    c.close()
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("ATTACH DATABASE ? AS \"my cache\"", (str(tmp_path / "cache.db"),))
+    db.execute('INSERT INTO "my cache".kv VALUES (\'b\', 2)')
+    db.commit()
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore(kind="resume").ok
+    assert db.execute('SELECT k FROM "my cache".kv ORDER BY k').fetchall() == [("a",), ("b",)]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "cache.db").unlink()
+    report = engine.simulate_restore()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert isinstance(error, files.ReopenFailed), repr(error)
+    assert f"attached database 'my cache' ({tmp_path / 'cache.db'}) is gone" in str(error)
+    assert db.suspended and not (tmp_path / "cache.db").exists(), "never made empty"
