@@ -1293,12 +1293,18 @@ def _mark_managed(found: list[OpenFile], status: Mapping[str, Any]) -> list[Open
     handle's file (and SQLite's ``-wal``/``-shm``/``-journal``) and volume identity files."""
     managed: set[str] = set()
     for h in status.get("handles") or ():
-        path = str(h.get("path"))
-        managed.update((path, path + "-wal", path + "-shm", path + "-journal"))
+        for path in _both(str(h.get("path"))):
+            managed.update((path, path + "-wal", path + "-shm", path + "-journal"))
     for v in status.get("volumes") or ():
-        managed.add(os.path.join(str(v.get("mount_point")), IDENTITY_FILE))
+        managed.update(_both(os.path.join(str(v.get("mount_point")), IDENTITY_FILE)))
     return [OpenFile(f.fd, f.path, f.deleted, f.mount_point, f.fstype, f.path in managed)
             for f in found]
+
+
+def _both(path: str) -> tuple[str, str]:
+    """``path`` as given and with its symbolic links resolved: a descriptor's link in
+    ``/proc`` names the real path (a handle opened through ``/data -> /mnt/disk1``)."""
+    return path, os.path.realpath(path)
 
 
 def doctor_report(pid: int | str = "self", *, proc: str = "/proc",

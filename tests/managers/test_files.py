@@ -952,3 +952,24 @@ def test_sqlite_attached_database_files_are_attached_again(engine, tmp_path: Pat
     assert isinstance(error, files.ReopenFailed), repr(error)
     assert f"attached database 'my cache' ({tmp_path / 'cache.db'}) is gone" in str(error)
     assert db.suspended and not (tmp_path / "cache.db").exists(), "never made empty"
+
+
+def test_a_handle_opened_through_a_symlink_is_managed_in_the_audit(engine,
+                                                                   tmp_path: Path) -> None:
+    """/data -> /mnt/disk1: the descriptor's /proc link names the real path, which the
+    handle's path did not match (managed: False in audit and doctor)."""
+    vol = _real_fds_on_a_volume(engine, tmp_path)
+    os.symlink(vol, tmp_path / "data")
+    (vol / "index.txt").write_text("x\n")
+    (vol / "app.db").touch()
+    files.volume(tmp_path / "data", engine=engine)
+    f = files.open(tmp_path / "data" / "index.txt", engine=engine)
+    db = files.sqlite(tmp_path / "data" / "app.db", engine=engine)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (x)")
+    found = {o.path: o.managed for o in files.audit(engine=engine)}
+    assert found.get(str(vol / "index.txt")) is True, found
+    assert found.get(str(vol / "app.db")) is True, found
+    assert found.get(str(vol / "app.db-wal")) is True, found
+    assert all(found.values()), found
+    assert f and db
