@@ -695,6 +695,9 @@ class Volume:
     def __init__(self, mount_point: str, on_change: OnChange | None) -> None:
         self.mount_point = os.path.abspath(mount_point)
         self.on_change = on_change
+        """The first ``on_change`` given for this volume."""
+        self._also: list[OnChange] = []
+        """The other components' ``on_change`` (:func:`volume` called again for it)."""
         self._unreadable: int | None = None
         """errno of the last failed read of the identity file (warned once), or None."""
         self.identity: str | None = self._read_or_create()
@@ -792,11 +795,31 @@ class Volume:
             if now is None and os.path.isdir(self.mount_point):
                 now = self._read_or_create()
             self.identity = now
-            if self.on_change is not None:
-                self.on_change(self)
+            errors: list[str] = []
+            for cb in self._callbacks():
+                # Every component hears of it, whichever callback failed before it.
+                try:
+                    cb(self)
+                except Exception as exc:
+                    errors.append(f"on_change {_callable_name(cb)}: "
+                                  f"{type(exc).__name__}: {exc}")
+            if errors:
+                raise ReopenFailed("; ".join(errors))
             return True
         self.changed = False
         return False
+
+    def _callbacks(self) -> list[OnChange]:
+        return ([] if self.on_change is None else [self.on_change]) + self._also
+
+    def _listen(self, on_change: OnChange | None) -> None:
+        """Another :func:`volume` call for this volume: its ``on_change`` is called too."""
+        if on_change is None or any(cb == on_change for cb in self._callbacks()):
+            return
+        if self.on_change is None:
+            self.on_change = on_change
+        else:
+            self._also.append(on_change)
 
     def contains(self, path: str) -> bool:
         """True when ``path`` lies on this volume."""
@@ -1046,14 +1069,20 @@ class FilesManager:
 
     def add_volume(self, mount_point: str | os.PathLike[str],
                    on_change: OnChange | None) -> Volume:
-        """Register the volume at ``mount_point`` (once; a second call returns it)."""
+        """Register the volume at ``mount_point`` (once: a second call returns it, adding
+        its ``on_change``, if another, to those called)."""
         point = os.path.abspath(os.fspath(mount_point))
         with self._lock:
             for v in self._volumes:
                 if v.mount_point == point:
+                    v._listen(on_change)
                     return v
-        vol = Volume(point, on_change)
+        vol = Volume(point, on_change)  # outside the lock: it reads and writes the volume
         with self._lock:
+            for v in self._volumes:
+                if v.mount_point == point:  # another thread registered it meanwhile
+                    v._listen(on_change)
+                    return v
             self._volumes.append(vol)
             self._hook_in()
         return vol
@@ -1267,6 +1296,8 @@ def volume(
     (:data:`IDENTITY_FILE`, a random token) is created there if missing; after a restore a
     different or missing identity is reported (warning, ``status()["files"]``,
     ``on_change(volume)``) and every managed handle under it is reopened as changed.
+    Registering a volume again returns the same :class:`Volume`; its ``on_change`` (if
+    another) is called as well, after the earlier ones.
 
     ``reopen_timeout`` (here and on :func:`open`, :func:`sqlite`, :func:`mmap`): seconds
     the ``rehydrate.files.reopen`` hook may take — every volume check, reopen and
@@ -1286,6 +1317,10 @@ def _allow_reopen(engine: Engine | None, reopen_timeout: float | None) -> None:
 def audit(*, engine: Engine | None = None) -> list[OpenFile]:
     """This process's descriptors on volumes, each marked managed or not."""
     return manager(engine).audit()
+
+
+def _callable_name(fn: object) -> str:
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
 def _mark_managed(found: list[OpenFile], status: Mapping[str, Any]) -> list[OpenFile]:

@@ -973,3 +973,25 @@ def test_a_handle_opened_through_a_symlink_is_managed_in_the_audit(engine,
     assert found.get(str(vol / "app.db-wal")) is True, found
     assert all(found.values()), found
     assert f and db
+
+
+def test_every_component_registering_a_volume_hears_of_its_change(engine,
+                                                                  tmp_path: Path) -> None:
+    """A second files.volume(same path, on_change=cb2) dropped cb2 silently."""
+    calls: list[str] = []
+
+    def cache(v: files.Volume) -> None:
+        calls.append("cache")
+        raise RuntimeError("cannot rebuild the cache")
+
+    v1 = files.volume(tmp_path, engine=engine, on_change=cache)
+    v2 = files.volume(tmp_path, engine=engine, on_change=lambda v: calls.append("index"))
+    v3 = files.volume(str(tmp_path) + "/", engine=engine, on_change=cache)  # the same again
+    v4 = files.volume(tmp_path, engine=engine)
+    assert v1 is v2 is v3 is v4 and files.manager(engine).volumes() == [v1]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / files.IDENTITY_FILE).write_text("another-volume\n")
+    report = engine.simulate_restore()
+    assert calls == ["cache", "index"], "each once, the second despite the first failing"
+    error = str(_hook(report, "rehydrate.files.reopen").error)
+    assert f"volume {tmp_path}: " in error and "cannot rebuild the cache" in error, error
