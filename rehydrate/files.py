@@ -330,6 +330,11 @@ class _Handle:
         self.close()
 
 
+def _unseekable(path: str, kind: str) -> str:
+    return (f"rehydrate.files.open manages seekable files: {path} is {kind} that cannot "
+            "seek, so it cannot be reopened where it was; open it with the built-in open()")
+
+
 def _reopen_mode(mode: str) -> str:
     """The mode that reopens a file without truncating or refusing it."""
     if "w" in mode or "x" in mode:
@@ -353,11 +358,24 @@ class ManagedFile(_Handle):
                  on_change: OnChange | None, required: bool, open_kwargs: dict[str, Any]
                  ) -> None:
         super().__init__(path, engine, on_change, required)
+        try:
+            kind = stat.S_IFMT(os.stat(self.path).st_mode)
+        except OSError:
+            kind = stat.S_IFREG  # to be created (or open() names the problem)
+        if kind in (stat.S_IFIFO, stat.S_IFSOCK):
+            # Not seekable: the before-snapshot close asked tell() and refused every
+            # snapshot, and a FIFO's reopen would wait for a writer. Before opening it: a
+            # FIFO's open() waits too.
+            raise ValueError(_unseekable(self.path, kind_name(kind)))
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "_kwargs", open_kwargs)
         object.__setattr__(self, "_pos", 0)
         # The handle owns the file object and closes it (snapshot or close()).
         f = builtins.open(self.path, mode, **open_kwargs)  # noqa: SIM115
+        if not f.seekable():  # a terminal, a character device that cannot seek
+            kind = stat.S_IFMT(os.fstat(f.fileno()).st_mode)
+            f.close()
+            raise ValueError(_unseekable(self.path, kind_name(kind)))
         self._set_file(f)
         self._register()
 
@@ -624,8 +642,10 @@ class ManagedMap(_Handle):
 
     ``length=0`` maps the whole file, whatever its size after a restore; a fixed length
     that no longer fits the file fails the reopen hook naming the path (touching a
-    truncated shared mapping kills the process). Release ``memoryview`` s of it before a
-    snapshot: an exported buffer cannot be unmapped.
+    truncated shared mapping kills the process). The handle is not a buffer itself:
+    :attr:`mapping` is the current ``mmap.mmap`` for what needs one. Release
+    ``memoryview`` s of it before a snapshot: an exported buffer cannot be unmapped.
+    ``ACCESS_COPY`` is refused (its private changes would not survive the unmap).
     """
 
     _kind = "mmap"
@@ -633,6 +653,16 @@ class ManagedMap(_Handle):
     def __init__(self, path: str | os.PathLike[str], *, length: int, access: int, offset: int,
                  engine: Engine | None, on_change: OnChange | None, required: bool
                  ) -> None:
+        import mmap as _mmap
+
+        if access == _mmap.ACCESS_COPY:
+            # Its changes live only in the process's private pages, which the unmap
+            # before every snapshot discarded: a plain resume came back without them.
+            raise ValueError(f"rehydrate.files.mmap: an ACCESS_COPY mapping of "
+                             f"{os.fsdecode(path)} would lose its private changes at every "
+                             "snapshot (it is unmapped and mapped again): use ACCESS_WRITE, "
+                             "ACCESS_READ, or read the file into a bytearray, which the "
+                             "snapshot holds")
         super().__init__(path, engine, on_change, required)
         object.__setattr__(self, "length", length)
         object.__setattr__(self, "access", access)
@@ -674,6 +704,14 @@ class ManagedMap(_Handle):
         object.__setattr__(self, "_map", self._map_now())
 
     def _target(self) -> Any:
+        return self._map
+
+    @property
+    def mapping(self) -> _mmap.mmap:
+        """The current ``mmap.mmap``: what takes a buffer (``memoryview``,
+        ``struct.pack_into``, ``re``, ``bytes()``) needs it, the handle is not one. A new
+        object after every snapshot: fetch it again each time rather than keeping it, and
+        release views of it before a snapshot (an exported buffer cannot be unmapped)."""
         return self._map
 
     def __getitem__(self, key: Any) -> Any:
@@ -1232,7 +1270,10 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     ``w+``, ``x+``), at the end of the file, so the next write adds to it instead of
     overwriting its head (``seek(0)`` in ``on_change`` to read it from the start). A
     file gone after restore fails the ``rehydrate.files.reopen`` hook with its path
-    (``required=False``: a warning). ``reopen_timeout``: see :func:`volume`.
+    (``required=False``: a warning). ``reopen_timeout``: see :func:`volume`. A file
+    that cannot seek (a FIFO, a socket, a terminal) cannot be reopened where it was: it
+    is refused with ``ValueError`` (a FIFO before it is opened, which would wait for a
+    writer).
     """
     _allow_reopen(engine, reopen_timeout)
     return ManagedFile(path, mode, engine=engine, on_change=on_change, required=required,
@@ -1275,8 +1316,9 @@ def mmap(
     reopen_timeout: float | None = None,
 ) -> ManagedMap:
     """A managed shared mapping of ``path`` (``length=0``: the whole file; ``access``:
-    ``mmap.ACCESS_WRITE`` unless given); unmapped before a snapshot, remapped after, with
-    the same change check as :func:`open`. ``reopen_timeout``: see :func:`volume`."""
+    ``mmap.ACCESS_WRITE`` unless given, ``ACCESS_COPY`` refused with ``ValueError``);
+    unmapped before a snapshot, remapped after, with the same change check as
+    :func:`open`. ``reopen_timeout``: see :func:`volume`."""
     import mmap as _mmap
 
     _allow_reopen(engine, reopen_timeout)

@@ -995,3 +995,50 @@ def test_every_component_registering_a_volume_hears_of_its_change(engine,
     assert calls == ["cache", "index"], "each once, the second despite the first failing"
     error = str(_hook(report, "rehydrate.files.reopen").error)
     assert f"volume {tmp_path}: " in error and "cannot rebuild the cache" in error, error
+
+
+def test_a_fifo_is_refused_before_it_is_opened(engine,
+                                                                   tmp_path: Path) -> None:
+    """A managed FIFO made every snapshot fail with "not seekable" (and its open waited
+    for a writer)."""
+    fifo = tmp_path / "events.fifo"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # so an open() for reading returns
+    try:
+        with pytest.raises(ValueError, match=rf"^rehydrate.files.open manages seekable "
+                                             rf"files: {fifo} is a FIFO that cannot seek"):
+            files.open(fifo, engine=engine)
+    finally:
+        os.close(writer)
+    assert files.manager(engine).handles() == []
+    assert engine.simulate_snapshot().ok
+
+
+def test_an_access_copy_mapping_is_refused(engine, tmp_path: Path) -> None:
+    """Its private changes were dropped by the unmap before every snapshot."""
+    import mmap
+
+    p = tmp_path / "model.bin"
+    p.write_bytes(bytes(16))
+    with pytest.raises(ValueError, match="ACCESS_COPY mapping of .*model.bin would lose"):
+        files.mmap(p, access=mmap.ACCESS_COPY, engine=engine)
+    assert files.manager(engine).handles() == []
+
+
+def test_a_managed_mapping_gives_its_current_mmap_for_buffer_users(engine,
+                                                                   tmp_path: Path) -> None:
+    import mmap
+    import struct
+
+    p = tmp_path / "ring.bin"
+    p.write_bytes(bytes(16))
+    ring = files.mmap(p, engine=engine)
+    before = ring.mapping
+    assert isinstance(before, mmap.mmap)
+    struct.pack_into("<I", ring.mapping, 0, 7)
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore(kind="resume").ok
+    assert ring.mapping is not before and before.closed
+    assert struct.unpack_from("<I", ring.mapping, 0) == (7,)
+    with memoryview(ring.mapping) as view:
+        assert bytes(view[:4]) == struct.pack("<I", 7)
