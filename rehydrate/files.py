@@ -828,7 +828,7 @@ class Volume:
         if self._before is not None and now != self._before:
             self.changed = True
             log.warning("volume %s is not the volume of the snapshot (identity %s, was %s): "
-                        "its managed handles are reopened from the start",
+                        "its managed handles are reopened as changed",
                         self.mount_point, now or "missing", self._before)
             if now is None and os.path.isdir(self.mount_point):
                 now = self._read_or_create()
@@ -1168,7 +1168,7 @@ class FilesManager:
                     changed_volumes.append(vol)
             except Exception as exc:
                 # Its identity is unknown (unreadable) or its on_change failed: its handles
-                # are reopened from the start, and every other handle is reopened anyway.
+                # are reopened as changed, and every other handle is reopened anyway.
                 changed_volumes.append(vol)
                 failures.append(f"volume {vol.mount_point}: {type(exc).__name__}: {exc}")
         for h in self.handles():
