@@ -249,8 +249,8 @@ class _Handle:
                 # stat would describe the new file, and the reopen would seek it to the
                 # old file's position as "unchanged". An unknown identity makes the
                 # reopen treat it as changed.
-                log.info("managed %s %s was replaced before the snapshot: reopened from "
-                         "the start after it", self._kind, self.path)
+                log.info("managed %s %s was replaced before the snapshot: reopened as "
+                         "changed after it", self._kind, self.path)
             elif st is not None:
                 # Stat after the close, so the size and times include its last write-back.
                 ident = _Identity.from_stat(st)
