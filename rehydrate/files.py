@@ -10,8 +10,10 @@ is gone makes the whole restore fail; a deleted file held open makes the checkpo
 Handles made here are closed before a snapshot and reopened after a restore or resume:
 
 * :func:`open` — a file object; reopened at the same position when size, ``st_mtime_ns``
-  and ``st_ctime_ns`` are unchanged, else at offset 0 with ``.changed`` set and
-  ``on_change`` called — never a silent read from the middle of another file;
+  and ``st_ctime_ns`` are unchanged, else with ``.changed`` set and ``on_change`` called,
+  at offset 0 (a handle that writes in place, ``w``/``x``/``+`` modes other than ``a``:
+  at the end, so its next write does not overwrite another writer's data) — never a
+  silent read from the middle of another file;
 * :func:`sqlite` — a ``sqlite3`` connection; the WAL is checkpointed and the connection
   closed before the snapshot (a transaction still open is refused), so no ``-wal`` /
   ``-shm`` descriptor is in the image;
@@ -48,6 +50,7 @@ import logging
 import os
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
     import sqlite3
 
     from ._context import RestoreContext
+    from ._hooks import Hook
     from .extensions import Engine
 
 __all__ = [
@@ -109,6 +113,9 @@ _DELETED = " (deleted)"
 
 _TMP_ATTEMPTS = 8
 """Random temporary names tried for a new identity file before giving up."""
+
+_REOPEN_TIMEOUT = 30.0
+"""Default timeout of the ``rehydrate.files.reopen`` hook, in seconds (``reopen_timeout``)."""
 
 
 class FileGone(FileNotFoundError):
@@ -157,6 +164,11 @@ def _stat_after_restore(path: str) -> _Identity:
 
 
 # -- handles ----------------------------------------------------------------------------
+
+
+def _quote_ident(name: str) -> str:
+    """An SQL identifier, quoted (an attached database's schema name)."""
+    return '"' + name.replace('"', '""') + '"'
 
 
 OnChange = Callable[[Any], object]
@@ -236,9 +248,9 @@ class _Handle:
                 # over, a rotated log, a ConfigMap symlink swap) before the snapshot: the
                 # stat would describe the new file, and the reopen would seek it to the
                 # old file's position as "unchanged". An unknown identity makes the
-                # reopen start from offset 0 with .changed set.
-                log.info("managed %s %s was replaced before the snapshot: reopened from "
-                         "the start after it", self._kind, self.path)
+                # reopen treat it as changed.
+                log.info("managed %s %s was replaced before the snapshot: reopened as "
+                         "changed after it", self._kind, self.path)
             elif st is not None:
                 # Stat after the close, so the size and times include its last write-back.
                 ident = _Identity.from_stat(st)
@@ -270,11 +282,15 @@ class _Handle:
             object.__setattr__(self, "_suspended", False)
             object.__setattr__(self, "changed", not same)
         if not same:
-            log.info("managed %s %s changed while frozen: reopened from the start",
-                     self._kind, self.path)
+            log.info("managed %s %s changed while frozen: reopened %s", self._kind,
+                     self.path, self._changed_position())
             if self.on_change is not None:
                 self.on_change(self)
         return not same
+
+    def _changed_position(self) -> str:
+        """Where a reopen of a changed file starts, for the log line."""
+        return "from the start"
 
     def _close_for_good(self) -> None:
         self._close_now()
@@ -314,6 +330,11 @@ class _Handle:
         self.close()
 
 
+def _unseekable(path: str, kind: str) -> str:
+    return (f"rehydrate.files.open manages seekable files: {path} is {kind} that cannot "
+            "seek, so it cannot be reopened where it was; open it with the built-in open()")
+
+
 def _reopen_mode(mode: str) -> str:
     """The mode that reopens a file without truncating or refusing it."""
     if "w" in mode or "x" in mode:
@@ -326,7 +347,9 @@ class ManagedFile(_Handle):
 
     Attribute access goes to the current file object (``read``, ``write``, ``seek`` …);
     while the snapshot is pending it is closed (``ValueError: I/O operation on closed
-    file``). A mode that creates or truncates (``w``, ``x``) reopens as ``r+``.
+    file``). A mode that creates or truncates (``w``, ``x``) reopens as ``r+``. A changed
+    file is reopened at offset 0, or at its end when the mode writes in place (``w``,
+    ``x``, ``r+``, ``w+``, ``x+``: not ``a``, whose writes go to the end anyway).
     """
 
     _kind = "file"
@@ -335,11 +358,24 @@ class ManagedFile(_Handle):
                  on_change: OnChange | None, required: bool, open_kwargs: dict[str, Any]
                  ) -> None:
         super().__init__(path, engine, on_change, required)
+        try:
+            kind = stat.S_IFMT(os.stat(self.path).st_mode)
+        except OSError:
+            kind = stat.S_IFREG  # to be created (or open() names the problem)
+        if kind in (stat.S_IFIFO, stat.S_IFSOCK):
+            # Not seekable: the before-snapshot close asked tell() and refused every
+            # snapshot, and a FIFO's reopen would wait for a writer. Before opening it: a
+            # FIFO's open() waits too.
+            raise ValueError(_unseekable(self.path, kind_name(kind)))
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "_kwargs", open_kwargs)
         object.__setattr__(self, "_pos", 0)
         # The handle owns the file object and closes it (snapshot or close()).
         f = builtins.open(self.path, mode, **open_kwargs)  # noqa: SIM115
+        if not f.seekable():  # a terminal, a character device that cannot seek
+            kind = stat.S_IFMT(os.fstat(f.fileno()).st_mode)
+            f.close()
+            raise ValueError(_unseekable(self.path, kind_name(kind)))
         self._set_file(f)
         self._register()
 
@@ -376,7 +412,18 @@ class ManagedFile(_Handle):
             # "a"/"a+" too: an "a+" reader continues where it read (O_APPEND still sends
             # every write to the end).
             f.seek(self._pos)
+        elif self._writes_in_place():
+            # Another writer's file: at offset 0 the next write overwrote its head and
+            # left the rest behind it. At the end it adds to what is there.
+            f.seek(0, os.SEEK_END)
         self._set_file(f)
+
+    def _writes_in_place(self) -> bool:
+        """A mode whose writes go where the position is (not ``a``: O_APPEND)."""
+        return "a" not in self.mode and any(c in self.mode for c in "wx+")
+
+    def _changed_position(self) -> str:
+        return "at its end" if self._writes_in_place() else "from the start"
 
     def fileno(self) -> int:
         """The current descriptor (a new one after every reopen)."""
@@ -402,13 +449,25 @@ class ManagedFile(_Handle):
         return f"<rehydrate.files.ManagedFile {self.path!r} mode={self.mode!r}>"
 
 
+_SESSION_PRAGMAS = ("foreign_keys", "recursive_triggers", "query_only", "busy_timeout")
+"""Per-connection ``PRAGMA`` s read before the close and set again on the new connection."""
+
+
 class ManagedConnection(_Handle):
     """A ``sqlite3`` connection closed before a snapshot and reopened after.
 
     Attribute access goes to the current connection; attributes set on the handle
     (``row_factory``, ``isolation_level`` …) are set again on every new connection, and
-    ``on_connect(conn)`` runs for each (per-connection ``PRAGMA`` s). ``with handle:`` is
-    the connection's transaction context. Cursors do not outlive a snapshot.
+    ``on_connect(conn)`` runs for each (per-connection ``PRAGMA`` s). Then the
+    ``create_function`` / ``create_aggregate`` / ``create_window_function`` /
+    ``create_collation`` / ``set_authorizer`` / ``set_progress_handler`` /
+    ``set_trace_callback`` calls made through the handle are made again, the
+    ``PRAGMA`` s ``foreign_keys``, ``recursive_triggers``, ``query_only`` and
+    ``busy_timeout`` get the values they had at the close, and the databases that were
+    attached from a file are attached again by path. A snapshot is refused while the
+    connection has ``TEMP`` objects or an attached in-memory database (they would be
+    lost). ``with handle:`` is the connection's transaction context. Cursors do not
+    outlive a snapshot.
     """
 
     _kind = "sqlite"
@@ -427,12 +486,21 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_kwargs", connect_kwargs)
         object.__setattr__(self, "_on_connect", on_connect)
         object.__setattr__(self, "_attrs", {})
+        object.__setattr__(self, "_calls", {})
+        object.__setattr__(self, "_pragmas", {})
+        object.__setattr__(self, "_attached", [])
         object.__setattr__(self, "_conn", self._connect())
         self._register()
 
     _kwargs: dict[str, Any]
     _on_connect: Callable[[sqlite3.Connection], object] | None
     _attrs: dict[str, Any]
+    _calls: dict[tuple[Any, ...], tuple[str, tuple[Any, ...], dict[str, Any]]]
+    """Registration calls made through the handle, by what they register (a later call
+    for the same function name and arity, collation or callback replaces the earlier)."""
+    _pragmas: dict[str, int]
+    _attached: list[tuple[str, str]]
+    """(schema name, file) of the databases attached at the close."""
     _conn: sqlite3.Connection
 
     def _connect(self) -> sqlite3.Connection:
@@ -451,9 +519,73 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_opened_key", key)
         for k, v in self._attrs.items():
             setattr(conn, k, v)
-        if self._on_connect is not None:
-            self._on_connect(conn)
+        try:
+            if self._on_connect is not None:
+                self._on_connect(conn)
+            self._restore_session(conn)
+        except BaseException:
+            conn.close()  # not half made: the handle stays suspended, nothing held open
+            raise
         return conn
+
+    def _restore_session(self, conn: sqlite3.Connection) -> None:
+        """What the closed connection had beyond its file: ATTACHes, PRAGMAs, then the
+        registrations (last: an authorizer could refuse the ATTACH or PRAGMA statements,
+        a trace callback would see them)."""
+        present = {row[1] for row in conn.execute("PRAGMA database_list")}
+        for schema, file in self._attached:
+            if schema in present:
+                continue  # attached again by on_connect
+            if not os.path.isfile(file):
+                # ATTACH would make a new, empty database there and hide the loss.
+                raise ReopenFailed(f"SQLite database {self.path}: attached database "
+                                   f"{schema!r} ({file}) is gone: not attached again")
+            conn.execute("ATTACH DATABASE ? AS " + _quote_ident(schema), (file,))
+        for name, value in self._pragmas.items():
+            conn.execute(f"PRAGMA {name} = {int(value)}")  # names are ours, values ints
+        for method, args, kwargs in self._calls.values():
+            getattr(conn, method)(*args, **kwargs)
+
+    def _record(self, key: tuple[Any, ...], method: str, *args: Any, **kwargs: Any) -> None:
+        getattr(self._conn, method)(*args, **kwargs)
+        self._calls[key] = (method, args, kwargs)
+
+    def create_function(self, name: str, narg: int, func: Callable[..., Any] | None, *,
+                        deterministic: bool = False) -> None:
+        """``sqlite3.Connection.create_function``, made again on every new connection."""
+        kwargs = {"deterministic": True} if deterministic else {}
+        self._record(("function", name.lower(), narg), "create_function", name, narg, func,
+                     **kwargs)
+
+    def create_aggregate(self, name: str, n_arg: int, aggregate_class: Any) -> None:
+        """``sqlite3.Connection.create_aggregate``, made again on every new connection."""
+        self._record(("function", name.lower(), n_arg), "create_aggregate", name, n_arg,
+                     aggregate_class)
+
+    def create_window_function(self, name: str, num_params: int, aggregate_class: Any,
+                               /) -> None:
+        """``sqlite3.Connection.create_window_function``, made again on every new
+        connection."""
+        self._record(("function", name.lower(), num_params), "create_window_function", name,
+                     num_params, aggregate_class)
+
+    def create_collation(self, name: str, collation: Callable[[str, str], int] | None,
+                         /) -> None:
+        """``sqlite3.Connection.create_collation``, made again on every new connection."""
+        self._record(("collation", name.lower()), "create_collation", name, collation)
+
+    def set_authorizer(self, authorizer_callback: Callable[..., int] | None) -> None:
+        """``sqlite3.Connection.set_authorizer``, set again on every new connection."""
+        self._record(("authorizer",), "set_authorizer", authorizer_callback)
+
+    def set_progress_handler(self, progress_handler: Callable[[], int | None] | None,
+                             n: int) -> None:
+        """``sqlite3.Connection.set_progress_handler``, set again on every new connection."""
+        self._record(("progress",), "set_progress_handler", progress_handler, n)
+
+    def set_trace_callback(self, trace_callback: Callable[[str], object] | None) -> None:
+        """``sqlite3.Connection.set_trace_callback``, set again on every new connection."""
+        self._record(("trace",), "set_trace_callback", trace_callback)
 
     def _close_now(self) -> None:
         conn = self._conn
@@ -461,9 +593,25 @@ class ManagedConnection(_Handle):
             raise SnapshotRefused(
                 f"SQLite database {self.path} has a transaction open: commit or roll it "
                 "back before the snapshot (its -wal/-shm files would be in the image)")
-        # Moves the WAL into the database so the host sees every committed row.
+        temp = [f"{kind} {name}" for kind, name in conn.execute(
+            "SELECT type, name FROM temp.sqlite_master ORDER BY type, name")]
+        attached = [(str(row[1]), str(row[2])) for row in conn.execute("PRAGMA database_list")
+                    if row[1] not in ("main", "temp")]
+        lost = [f"TEMP {t}" for t in temp] + [
+            f"attached in-memory database {schema}" for schema, file in attached if not file]
+        if lost:
+            raise SnapshotRefused(
+                f"SQLite database {self.path} would lose {', '.join(lost)} (they live in "
+                "the connection, which is closed for the snapshot): drop or detach them "
+                "before it")
+        pragmas = {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
+                   for name in _SESSION_PRAGMAS}
+        # Moves the WAL into the database so the host sees every committed row (every
+        # attached database's too: no schema named).
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         conn.close()
+        object.__setattr__(self, "_pragmas", pragmas)
+        object.__setattr__(self, "_attached", attached)
 
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_conn", self._connect())
@@ -494,8 +642,10 @@ class ManagedMap(_Handle):
 
     ``length=0`` maps the whole file, whatever its size after a restore; a fixed length
     that no longer fits the file fails the reopen hook naming the path (touching a
-    truncated shared mapping kills the process). Release ``memoryview`` s of it before a
-    snapshot: an exported buffer cannot be unmapped.
+    truncated shared mapping kills the process). The handle is not a buffer itself:
+    :attr:`mapping` is the current ``mmap.mmap`` for what needs one. Release
+    ``memoryview`` s of it before a snapshot: an exported buffer cannot be unmapped.
+    ``ACCESS_COPY`` is refused (its private changes would not survive the unmap).
     """
 
     _kind = "mmap"
@@ -503,6 +653,16 @@ class ManagedMap(_Handle):
     def __init__(self, path: str | os.PathLike[str], *, length: int, access: int, offset: int,
                  engine: Engine | None, on_change: OnChange | None, required: bool
                  ) -> None:
+        import mmap as _mmap
+
+        if access == _mmap.ACCESS_COPY:
+            # Its changes live only in the process's private pages, which the unmap
+            # before every snapshot discarded: a plain resume came back without them.
+            raise ValueError(f"rehydrate.files.mmap: an ACCESS_COPY mapping of "
+                             f"{os.fsdecode(path)} would lose its private changes at every "
+                             "snapshot (it is unmapped and mapped again): use ACCESS_WRITE, "
+                             "ACCESS_READ, or read the file into a bytearray, which the "
+                             "snapshot holds")
         super().__init__(path, engine, on_change, required)
         object.__setattr__(self, "length", length)
         object.__setattr__(self, "access", access)
@@ -546,6 +706,14 @@ class ManagedMap(_Handle):
     def _target(self) -> Any:
         return self._map
 
+    @property
+    def mapping(self) -> _mmap.mmap:
+        """The current ``mmap.mmap``: what takes a buffer (``memoryview``,
+        ``struct.pack_into``, ``re``, ``bytes()``) needs it, the handle is not one. A new
+        object after every snapshot: fetch it again each time rather than keeping it, and
+        release views of it before a snapshot (an exported buffer cannot be unmapped)."""
+        return self._map
+
     def __getitem__(self, key: Any) -> Any:
         return self._map[key]
 
@@ -565,6 +733,11 @@ class Volume:
     def __init__(self, mount_point: str, on_change: OnChange | None) -> None:
         self.mount_point = os.path.abspath(mount_point)
         self.on_change = on_change
+        """The first ``on_change`` given for this volume."""
+        self._also: list[OnChange] = []
+        """The other components' ``on_change`` (:func:`volume` called again for it)."""
+        self._unreadable: int | None = None
+        """errno of the last failed read of the identity file (warned once), or None."""
         self.identity: str | None = self._read_or_create()
         self.changed = False
         """True when the last restore found another volume (or none) at the mount point."""
@@ -580,7 +753,22 @@ class Volume:
         try:
             data = read_regular(self.identity_file, 256, truncate=True)
         except FileNotFoundError:
+            self._unreadable = None
             return None
+        except PermissionError as exc:
+            # Another user's file (mode 0600 from a pod with another runAsUser): as if
+            # missing. Raised, it failed files.volume() and then every before-snapshot
+            # pass before any handle was closed. (A FIFO or a directory there is still
+            # an error: a misconfiguration, named.)
+            if self._unreadable != exc.errno:
+                log.warning("volume %s: identity file %s unreadable (%s: %s); treated as "
+                            "missing: a swapped volume is detected only by its files' size "
+                            "and times", self.mount_point, self.identity_file,
+                            errno.errorcode.get(exc.errno or 0, exc.errno),
+                            exc.strerror or exc)
+            self._unreadable = exc.errno
+            return None
+        self._unreadable = None
         return data.decode("ascii", "replace").strip() or None
 
     def _read_or_create(self) -> str | None:
@@ -588,8 +776,8 @@ class Volume:
             what = "is not a directory" if os.path.exists(self.mount_point) else "does not exist"
             raise FileGone(f"volume {self.mount_point} {what}")
         ident = self._read()
-        if ident is not None:
-            return ident
+        if ident is not None or self._unreadable is not None:
+            return ident  # unreadable: warned, and there is one already
         try:
             self._create()
         except OSError as exc:
@@ -598,7 +786,7 @@ class Volume:
                         exc.strerror or exc)
             return None
         ident = self._read()
-        if ident is None:
+        if ident is None and self._unreadable is None:
             log.warning("volume %s: identity file %s is empty; a swapped volume is detected "
                         "only by its files' size and times", self.mount_point,
                         self.identity_file)
@@ -640,16 +828,36 @@ class Volume:
         if self._before is not None and now != self._before:
             self.changed = True
             log.warning("volume %s is not the volume of the snapshot (identity %s, was %s): "
-                        "its managed handles are reopened from the start",
+                        "its managed handles are reopened as changed",
                         self.mount_point, now or "missing", self._before)
             if now is None and os.path.isdir(self.mount_point):
                 now = self._read_or_create()
             self.identity = now
-            if self.on_change is not None:
-                self.on_change(self)
+            errors: list[str] = []
+            for cb in self._callbacks():
+                # Every component hears of it, whichever callback failed before it.
+                try:
+                    cb(self)
+                except Exception as exc:
+                    errors.append(f"on_change {_callable_name(cb)}: "
+                                  f"{type(exc).__name__}: {exc}")
+            if errors:
+                raise ReopenFailed("; ".join(errors))
             return True
         self.changed = False
         return False
+
+    def _callbacks(self) -> list[OnChange]:
+        return ([] if self.on_change is None else [self.on_change]) + self._also
+
+    def _listen(self, on_change: OnChange | None) -> None:
+        """Another :func:`volume` call for this volume: its ``on_change`` is called too."""
+        if on_change is None or any(cb == on_change for cb in self._callbacks()):
+            return
+        if self.on_change is None:
+            self.on_change = on_change
+        else:
+            self._also.append(on_change)
 
     def contains(self, path: str) -> bool:
         """True when ``path`` lies on this volume."""
@@ -800,6 +1008,9 @@ class FilesManager:
         self._volumes: list[Volume] = []
         self._fail_on_deleted: bool | None = None
         self.last_audit: list[OpenFile] = []
+        self._reopen_timeout = _REOPEN_TIMEOUT
+        self._reopen_asked = False
+        self._reopen_hook: Hook | None = None
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
@@ -834,8 +1045,40 @@ class FilesManager:
         b = engine.builtins
         b.register(self._before_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
                    order=1_000_000, name="rehydrate.files.close", timeout=30.0)
-        b.register(self._after_restore, event="restore", phase=Phase.CONNECTIONS,
-                   order=-1_000_000, name="rehydrate.files.reopen", timeout=30.0)
+        self._reopen_hook = self._register_reopen(self._reopen_timeout)
+
+    def _register_reopen(self, timeout: float) -> Hook:
+        engine = self._engine()
+        assert engine is not None
+        return engine.builtins.register(
+            self._after_restore, event="restore", phase=Phase.CONNECTIONS, order=-1_000_000,
+            name="rehydrate.files.reopen", timeout=timeout)
+
+    @property
+    def reopen_timeout(self) -> float:
+        """Timeout of the ``rehydrate.files.reopen`` hook: the largest ``reopen_timeout``
+        any handle or volume asked (30 s when none did)."""
+        return self._reopen_timeout
+
+    def allow_reopen(self, reopen_timeout: float) -> None:
+        """Let the ``rehydrate.files.reopen`` hook run up to ``reopen_timeout`` seconds
+        (every handle's reopen and ``on_change``, one after another), unless a longer
+        time was already asked. ``ValueError``/``TypeError`` for a value that is not a
+        number of seconds > 0 and at most a year."""
+        timeout = _config.seconds(reopen_timeout, "reopen_timeout")
+        with self._lock:
+            if self._reopen_asked and timeout <= self._reopen_timeout:
+                return
+            self._reopen_asked = True
+            old = self._reopen_hook
+            if old is not None:
+                # The new hook before the old one goes: a refusal keeps the hook there was.
+                engine = self._engine()
+                if engine is None:
+                    return
+                self._reopen_hook = self._register_reopen(timeout)
+                engine.builtins.unregister(old)
+            self._reopen_timeout = timeout
 
     # registry
     def _add(self, handle: _Handle) -> None:
@@ -864,14 +1107,20 @@ class FilesManager:
 
     def add_volume(self, mount_point: str | os.PathLike[str],
                    on_change: OnChange | None) -> Volume:
-        """Register the volume at ``mount_point`` (once; a second call returns it)."""
+        """Register the volume at ``mount_point`` (once: a second call returns it, adding
+        its ``on_change``, if another, to those called)."""
         point = os.path.abspath(os.fspath(mount_point))
         with self._lock:
             for v in self._volumes:
                 if v.mount_point == point:
+                    v._listen(on_change)
                     return v
-        vol = Volume(point, on_change)
+        vol = Volume(point, on_change)  # outside the lock: it reads and writes the volume
         with self._lock:
+            for v in self._volumes:
+                if v.mount_point == point:  # another thread registered it meanwhile
+                    v._listen(on_change)
+                    return v
             self._volumes.append(vol)
             self._hook_in()
         return vol
@@ -891,7 +1140,11 @@ class FilesManager:
     def _before_snapshot(self) -> None:
         errors: list[Exception] = []
         for vol in self.volumes():
-            vol._suspend()
+            try:
+                vol._suspend()
+            except Exception as exc:  # the handles are closed all the same
+                errors.append(SnapshotRefused(f"volume {vol.mount_point}: "
+                                              f"{type(exc).__name__}: {exc}"))
         for h in reversed(self.handles()):
             try:
                 h._suspend()
@@ -905,6 +1158,7 @@ class FilesManager:
                 for e in errors))
 
     def _after_restore(self, ctx: RestoreContext) -> None:
+        began = time.monotonic()
         changed_volumes: list[Volume] = []
         failures: list[str] = []
         gone: list[str] = []
@@ -914,7 +1168,7 @@ class FilesManager:
                     changed_volumes.append(vol)
             except Exception as exc:
                 # Its identity is unknown (unreadable) or its on_change failed: its handles
-                # are reopened from the start, and every other handle is reopened anyway.
+                # are reopened as changed, and every other handle is reopened anyway.
                 changed_volumes.append(vol)
                 failures.append(f"volume {vol.mount_point}: {type(exc).__name__}: {exc}")
         for h in self.handles():
@@ -934,6 +1188,13 @@ class FilesManager:
         if failures:
             text = "; ".join(failures)
             raise FileGone(text) if len(gone) == len(failures) else ReopenFailed(text)
+        engine, hook = self._engine(), self._reopen_hook
+        if engine is not None and hook is not None:
+            # A pass that outlived the hook's timeout (a slow on_change) reopened every
+            # handle after the run had ended degraded: nothing else would ever make the
+            # process ready again. Within the run this is a no-op (the hook has not
+            # failed); since=: a run begun after this pass is not mended by it.
+            engine.recovered(hook, since=began)
 
     def audit(self) -> list[OpenFile]:
         """Descriptors of this process on volumes, marked managed or not."""
@@ -997,16 +1258,24 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     engine: Engine | None = None,
     on_change: OnChange | None = None,
     required: bool = True,
+    reopen_timeout: float | None = None,
     **open_kwargs: Any,
 ) -> ManagedFile:
     """Open ``path`` like :func:`builtins.open`, closed before a snapshot and reopened after.
 
     After a restore or resume the file is reopened at the same position when its size,
     ``st_mtime_ns`` and ``st_ctime_ns`` match those recorded before the snapshot (and its
-    volume is the same); otherwise at offset 0 with ``.changed`` True and
-    ``on_change(handle)`` called. A file gone after restore fails the
-    ``rehydrate.files.reopen`` hook with its path (``required=False``: a warning).
+    volume is the same); otherwise with ``.changed`` True and ``on_change(handle)``
+    called, at offset 0 — or, for a mode that writes in place (``w``, ``x``, ``r+``,
+    ``w+``, ``x+``), at the end of the file, so the next write adds to it instead of
+    overwriting its head (``seek(0)`` in ``on_change`` to read it from the start). A
+    file gone after restore fails the ``rehydrate.files.reopen`` hook with its path
+    (``required=False``: a warning). ``reopen_timeout``: see :func:`volume`. A file
+    that cannot seek (a FIFO, a socket, a terminal) cannot be reopened where it was: it
+    is refused with ``ValueError`` (a FIFO before it is opened, which would wait for a
+    writer).
     """
+    _allow_reopen(engine, reopen_timeout)
     return ManagedFile(path, mode, engine=engine, on_change=on_change, required=required,
                        open_kwargs=open_kwargs)
 
@@ -1018,6 +1287,7 @@ def sqlite(
     on_change: OnChange | None = None,
     on_connect: Callable[[sqlite3.Connection], object] | None = None,
     required: bool = True,
+    reopen_timeout: float | None = None,
     **connect_kwargs: Any,
 ) -> ManagedConnection:
     """A managed ``sqlite3`` connection to the database file ``path``.
@@ -1027,8 +1297,9 @@ def sqlite(
     restore or resume it reconnects (``.changed`` when the file changed meanwhile). The
     connection is made with ``check_same_thread=False`` (rehydrate closes it from its own
     thread). A volume must have one writer at a time: host and sandbox writing together
-    corrupt SQLite, snapshot or not.
+    corrupt SQLite, snapshot or not. ``reopen_timeout``: see :func:`volume`.
     """
+    _allow_reopen(engine, reopen_timeout)
     return ManagedConnection(path, engine=engine, on_change=on_change, required=required,
                              on_connect=on_connect, connect_kwargs=dict(connect_kwargs))
 
@@ -1042,12 +1313,15 @@ def mmap(
     engine: Engine | None = None,
     on_change: OnChange | None = None,
     required: bool = True,
+    reopen_timeout: float | None = None,
 ) -> ManagedMap:
     """A managed shared mapping of ``path`` (``length=0``: the whole file; ``access``:
-    ``mmap.ACCESS_WRITE`` unless given); unmapped before a snapshot, remapped after, with
-    the same change check as :func:`open`."""
+    ``mmap.ACCESS_WRITE`` unless given, ``ACCESS_COPY`` refused with ``ValueError``);
+    unmapped before a snapshot, remapped after, with the same change check as
+    :func:`open`. ``reopen_timeout``: see :func:`volume`."""
     import mmap as _mmap
 
+    _allow_reopen(engine, reopen_timeout)
     return ManagedMap(path, length=length,
                       access=_mmap.ACCESS_WRITE if access is None else access,
                       offset=offset, engine=engine, on_change=on_change, required=required)
@@ -1058,12 +1332,28 @@ def volume(
     *,
     engine: Engine | None = None,
     on_change: OnChange | None = None,
+    reopen_timeout: float | None = None,
 ) -> Volume:
     """Register the volume mounted at ``mount_point``: an identity file
     (:data:`IDENTITY_FILE`, a random token) is created there if missing; after a restore a
     different or missing identity is reported (warning, ``status()["files"]``,
-    ``on_change(volume)``) and every managed handle under it is reopened as changed."""
+    ``on_change(volume)``) and every managed handle under it is reopened as changed.
+    Registering a volume again returns the same :class:`Volume`; its ``on_change`` (if
+    another) is called as well, after the earlier ones.
+
+    ``reopen_timeout`` (here and on :func:`open`, :func:`sqlite`, :func:`mmap`): seconds
+    the ``rehydrate.files.reopen`` hook may take — every volume check, reopen and
+    ``on_change``, one after another — the largest any call asked (default
+    30 s). A pass that outlives it fails the restore run (the process is
+    ``degraded``); when it then completes without a failure the process is ready again.
+    """
+    _allow_reopen(engine, reopen_timeout)
     return manager(engine).add_volume(mount_point, on_change)
+
+
+def _allow_reopen(engine: Engine | None, reopen_timeout: float | None) -> None:
+    if reopen_timeout is not None:
+        manager(engine).allow_reopen(reopen_timeout)
 
 
 def audit(*, engine: Engine | None = None) -> list[OpenFile]:
@@ -1071,17 +1361,27 @@ def audit(*, engine: Engine | None = None) -> list[OpenFile]:
     return manager(engine).audit()
 
 
+def _callable_name(fn: object) -> str:
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+
 def _mark_managed(found: list[OpenFile], status: Mapping[str, Any]) -> list[OpenFile]:
     """``found`` with ``managed`` set from a files status (``status()["files"]``): a
     handle's file (and SQLite's ``-wal``/``-shm``/``-journal``) and volume identity files."""
     managed: set[str] = set()
     for h in status.get("handles") or ():
-        path = str(h.get("path"))
-        managed.update((path, path + "-wal", path + "-shm", path + "-journal"))
+        for path in _both(str(h.get("path"))):
+            managed.update((path, path + "-wal", path + "-shm", path + "-journal"))
     for v in status.get("volumes") or ():
-        managed.add(os.path.join(str(v.get("mount_point")), IDENTITY_FILE))
+        managed.update(_both(os.path.join(str(v.get("mount_point")), IDENTITY_FILE)))
     return [OpenFile(f.fd, f.path, f.deleted, f.mount_point, f.fstype, f.path in managed)
             for f in found]
+
+
+def _both(path: str) -> tuple[str, str]:
+    """``path`` as given and with its symbolic links resolved: a descriptor's link in
+    ``/proc`` names the real path (a handle opened through ``/data -> /mnt/disk1``)."""
+    return path, os.path.realpath(path)
 
 
 def doctor_report(pid: int | str = "self", *, proc: str = "/proc",

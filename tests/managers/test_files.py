@@ -126,6 +126,44 @@ def test_write_mode_reopens_without_truncating(engine, tmp_path: Path) -> None:
     assert g.closed and g not in files.manager(engine).handles()
 
 
+@pytest.mark.parametrize("mode", ["w", "x", "w+", "r+"])
+def test_a_changed_file_written_in_place_reopens_at_its_end(engine, tmp_path: Path,
+                                                            mode: str) -> None:
+    """Another writer added to the file while frozen: the handle's next write must not
+    overwrite the head of it (reopened r+ at offset 0, it did)."""
+    p = tmp_path / "report.csv"
+    if mode == "r+":
+        p.write_text("")
+    seen: list[object] = []
+    out = files.open(p, mode, engine=engine, on_change=lambda h: seen.append(h.tell()))
+    out.write("id,value\n1,aaaa\n")
+    assert engine.simulate_snapshot().ok
+    with open(p, "a") as host:
+        host.write("2,host\n")
+    assert engine.simulate_restore().ok
+    assert out.changed
+    assert seen == [len("id,value\n1,aaaa\n2,host\n")], "at the end already in on_change"
+    out.write("3,app\n")
+    out.flush()
+    assert p.read_text() == "id,value\n1,aaaa\n2,host\n3,app\n"
+
+
+def test_a_changed_file_read_or_appended_reopens_from_the_start(engine,
+                                                                tmp_path: Path) -> None:
+    p = tmp_path / "log.txt"
+    p.write_text("one\n")
+    r = files.open(p, engine=engine)
+    a = files.open(p, "a+", engine=engine)
+    r.readline()
+    assert engine.simulate_snapshot().ok
+    _replace(p, "new\n")
+    assert engine.simulate_restore().ok
+    assert (r.changed, r.tell(), a.changed) == (True, 0, True)
+    a.write("more\n")  # O_APPEND: to the end
+    a.flush()
+    assert p.read_text() == "new\nmore\n"
+
+
 def test_gone_file_fails_the_reopen_hook_naming_it(engine, tmp_path: Path) -> None:
     p = tmp_path / "gone.txt"
     p.write_text("x")
@@ -677,3 +715,330 @@ def test_a_file_replaced_by_a_fifo_while_frozen_fails_its_reopen_without_waiting
     assert replaced.changed and not replaced.suspended
     if "r" in mode:
         assert replaced.readline() in ("new\n", b"new\n")
+
+
+def test_a_reopen_pass_that_outlives_its_timeout_makes_the_process_ready_when_done(
+        engine, tmp_path: Path) -> None:
+    """A slow on_change made rehydrate.files.reopen time out; its thread reopened every
+    handle later, but the process stayed degraded for good. The timeout is a parameter
+    (the largest any call asked)."""
+    import threading
+
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+    assert files.manager(engine).reopen_timeout == 30.0
+    b = files.open(tmp_path / "b.txt", engine=engine, reopen_timeout=0.3)
+    files.volume(tmp_path, engine=engine, reopen_timeout=0.1)  # smaller: no change
+    hooks = [h for h in engine.builtins.hooks("restore") if h.name == "rehydrate.files.reopen"]
+    assert [h.timeout for h in hooks] == [0.3]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        report = engine.simulate_restore()
+        assert _hook(report, "rehydrate.files.reopen").outcome == "timeout"
+        assert engine.status().state == "degraded"
+    finally:
+        release.set()
+    assert engine.wait_ready(20), engine.status().state
+    assert (a.changed, b.suspended, b.readline()) == (True, False, "b\n")
+
+
+def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(engine,
+                                                                    tmp_path: Path) -> None:
+    import threading
+
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "gone.txt").write_text("b\n")
+    release, done = threading.Event(), threading.Event()
+    mgr = files.manager(engine)
+    real = mgr._after_restore
+
+    def after_restore(ctx):  # the hook is registered with the first handle: this one
+        try:
+            real(ctx)
+        finally:
+            done.set()
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    kept = [files.open(tmp_path / "big.idx", engine=engine,
+                       on_change=lambda h: release.wait(30), reopen_timeout=0.2),
+            files.open(tmp_path / "gone.txt", engine=engine)]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    (tmp_path / "gone.txt").unlink()
+    try:
+        engine.simulate_restore()
+    finally:
+        release.set()
+    assert done.wait(20)  # the late pass ended, failing on gone.txt
+    assert engine.status().state == "degraded"
+    assert kept[0].changed
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "10"])
+def test_a_bad_reopen_timeout_is_refused_before_anything_is_made(engine, tmp_path: Path,
+                                                                 bad: object) -> None:
+    (tmp_path / "a.txt").write_text("a\n")
+    with pytest.raises((ValueError, TypeError), match="reopen_timeout"):
+        files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=bad)  # type: ignore[arg-type]
+    assert files.manager(engine).handles() == []
+
+
+def _unreadable(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``path`` unreadable as for another user (the tests may run as root)."""
+    real = files.read_regular
+
+    def read_regular(p, *args, **kwargs):
+        if os.fspath(p) == str(path):
+            raise PermissionError(13, "Permission denied", os.fspath(p))
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(files, "read_regular", read_regular)
+
+
+def test_an_unreadable_identity_file_is_as_missing_with_one_warning(
+        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Another user's identity file (mode 0600) made files.volume() raise
+    PermissionError; one that became unreadable later refused every snapshot with a bare
+    PermissionError, before any handle was closed."""
+    early, late = tmp_path / "early", tmp_path / "late"
+    early.mkdir()
+    late.mkdir()
+    (early / files.IDENTITY_FILE).write_text("someone-else\n")
+    _unreadable(monkeypatch, early / files.IDENTITY_FILE)
+    assert files.volume(early, engine=engine).identity is None
+    files.volume(late, engine=engine)
+    (late / "a.txt").write_text("a\n")
+    f = files.open(late / "a.txt", engine=engine)
+    _unreadable(monkeypatch, late / files.IDENTITY_FILE)
+    for _ in range(2):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert f.suspended
+        assert engine.simulate_restore(kind="resume").ok
+    assert f.read() == "a\n" and not f.changed
+    warnings = _identity_warnings(caplog)
+    assert len(warnings) == 2, warnings  # one per volume, not one per pass
+    for vol, w in zip((early, late), warnings, strict=True):
+        assert w.startswith(f"volume {vol}: identity file {vol / files.IDENTITY_FILE} "
+                            "unreadable (EACCES: Permission denied); treated as missing"), w
+    assert (early / files.IDENTITY_FILE).read_text() == "someone-else\n", "never replaced"
+
+
+def test_a_volume_that_cannot_be_checked_is_named_and_the_handles_are_closed_anyway(
+        engine, tmp_path: Path) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "a.txt").write_text("a\n")
+    files.volume(vol, engine=engine)
+    f = files.open(vol / "a.txt", engine=engine)
+    (vol / files.IDENTITY_FILE).unlink()
+    (vol / files.IDENTITY_FILE).mkdir()
+    report = engine.simulate_snapshot()
+    error = _hook(report, "rehydrate.files.close").error
+    assert isinstance(error, files.SnapshotRefused), repr(error)
+    assert str(error).startswith(f"volume {vol}: OSError: "), str(error)
+    assert "not a regular file (a directory)" in str(error) and "\n" not in str(error)
+    assert f.suspended, "the handles are closed all the same (the resume reopens them)"
+    assert engine.simulate_restore(kind="resume") is not None
+    assert not f.suspended
+
+
+def test_sqlite_registrations_and_session_pragmas_survive_a_snapshot(engine,
+                                                                    tmp_path: Path) -> None:
+    """Functions, collations, the authorizer and PRAGMA foreign_keys set through the
+    handle were lost at every snapshot, even a plain resume."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.create_function("slug", 1, lambda s: "old")
+    db.create_function("slug", 1, lambda s: s.lower().replace(" ", "-"), deterministic=True)
+
+    class Total:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def step(self, v: int) -> None:
+            self.n += v
+
+        def value(self) -> int:
+            return self.n
+
+        def inverse(self, v: int) -> None:
+            self.n -= v
+
+        def finalize(self) -> int:
+            return self.n
+
+    db.create_aggregate("total2", 1, Total)
+    db.create_window_function("wtotal", 1, Total)
+    db.create_collation("backwards", lambda a, b: (a < b) - (a > b))
+    denied: list[str] = []
+
+    def authorizer(action, arg1, arg2, dbname, source):
+        if arg1 == "secret":
+            denied.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    db.execute("CREATE TABLE t (x)")
+    db.execute("CREATE TABLE secret (x)")
+    db.executemany("INSERT INTO t VALUES (?)", [(1,), (2,), (3,)])
+    db.commit()
+    db.set_authorizer(authorizer)
+    db.execute("PRAGMA foreign_keys = ON")
+    db.execute("PRAGMA busy_timeout = 1234")
+
+    def state() -> tuple[object, ...]:
+        with pytest.raises(sqlite3.DatabaseError):
+            db.execute("SELECT * FROM secret")
+        return (db.execute("SELECT slug('Hello World')").fetchone()[0],
+                db.execute("SELECT total2(x) FROM t").fetchone()[0],
+                db.execute("SELECT wtotal(x) OVER (ORDER BY x) FROM t").fetchall(),
+                db.execute("SELECT CAST(x AS TEXT) AS s FROM t ORDER BY s COLLATE backwards"
+                           ).fetchall(),
+                db.execute("PRAGMA foreign_keys").fetchone()[0],
+                db.execute("PRAGMA busy_timeout").fetchone()[0])
+
+    before = state()
+    assert before == ("hello-world", 6, [(1,), (3,), (6,)], [("3",), ("2",), ("1",)], 1,
+                      1234)
+    for kind in ("resume", "restore"):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert engine.simulate_restore(kind=kind).ok
+        assert state() == before, kind
+    assert denied == ["secret"] * 3
+
+
+def test_sqlite_refuses_a_snapshot_that_would_lose_temp_objects_or_memory_attachments(
+        engine, tmp_path: Path) -> None:
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("CREATE TEMP TABLE session (k, v)")
+    db.execute("INSERT INTO session VALUES ('user', 42)")
+    db.execute("ATTACH DATABASE ':memory:' AS scratch")
+    db.commit()
+    report = engine.simulate_snapshot()
+    error = _hook(report, "rehydrate.files.close").error
+    assert isinstance(error, files.SnapshotRefused) and "\n" not in str(error)
+    assert str(error).startswith(
+        f"SQLite database {tmp_path / 'app.db'} would lose TEMP table session, attached "
+        "in-memory database scratch"), str(error)
+    assert engine.simulate_restore(kind="resume").ok
+    assert db.execute("SELECT v FROM session").fetchone() == (42,), "nothing was lost"
+    db.execute("DROP TABLE session")
+    db.execute("DETACH DATABASE scratch")
+    report = engine.simulate_snapshot()
+    assert report.ok, report.error
+
+
+def test_sqlite_attached_database_files_are_attached_again(engine, tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "cache.db") as c:
+        c.execute("CREATE TABLE kv (k, v)")
+        c.execute("INSERT INTO kv VALUES ('a', 1)")
+    c.close()
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("ATTACH DATABASE ? AS \"my cache\"", (str(tmp_path / "cache.db"),))
+    db.execute('INSERT INTO "my cache".kv VALUES (\'b\', 2)')
+    db.commit()
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore(kind="resume").ok
+    assert db.execute('SELECT k FROM "my cache".kv ORDER BY k').fetchall() == [("a",), ("b",)]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "cache.db").unlink()
+    report = engine.simulate_restore()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert isinstance(error, files.ReopenFailed), repr(error)
+    assert f"attached database 'my cache' ({tmp_path / 'cache.db'}) is gone" in str(error)
+    assert db.suspended and not (tmp_path / "cache.db").exists(), "never made empty"
+
+
+def test_a_handle_opened_through_a_symlink_is_managed_in_the_audit(engine,
+                                                                   tmp_path: Path) -> None:
+    """/data -> /mnt/disk1: the descriptor's /proc link names the real path, which the
+    handle's path did not match (managed: False in audit and doctor)."""
+    vol = _real_fds_on_a_volume(engine, tmp_path)
+    os.symlink(vol, tmp_path / "data")
+    (vol / "index.txt").write_text("x\n")
+    (vol / "app.db").touch()
+    files.volume(tmp_path / "data", engine=engine)
+    f = files.open(tmp_path / "data" / "index.txt", engine=engine)
+    db = files.sqlite(tmp_path / "data" / "app.db", engine=engine)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (x)")
+    found = {o.path: o.managed for o in files.audit(engine=engine)}
+    assert found.get(str(vol / "index.txt")) is True, found
+    assert found.get(str(vol / "app.db")) is True, found
+    assert found.get(str(vol / "app.db-wal")) is True, found
+    assert all(found.values()), found
+    assert f and db
+
+
+def test_every_component_registering_a_volume_hears_of_its_change(engine,
+                                                                  tmp_path: Path) -> None:
+    """A second files.volume(same path, on_change=cb2) dropped cb2 silently."""
+    calls: list[str] = []
+
+    def cache(v: files.Volume) -> None:
+        calls.append("cache")
+        raise RuntimeError("cannot rebuild the cache")
+
+    v1 = files.volume(tmp_path, engine=engine, on_change=cache)
+    v2 = files.volume(tmp_path, engine=engine, on_change=lambda v: calls.append("index"))
+    v3 = files.volume(str(tmp_path) + "/", engine=engine, on_change=cache)  # the same again
+    v4 = files.volume(tmp_path, engine=engine)
+    assert v1 is v2 is v3 is v4 and files.manager(engine).volumes() == [v1]
+    assert engine.simulate_snapshot().ok
+    (tmp_path / files.IDENTITY_FILE).write_text("another-volume\n")
+    report = engine.simulate_restore()
+    assert calls == ["cache", "index"], "each once, the second despite the first failing"
+    error = str(_hook(report, "rehydrate.files.reopen").error)
+    assert f"volume {tmp_path}: " in error and "cannot rebuild the cache" in error, error
+
+
+def test_a_fifo_is_refused_before_it_is_opened(engine,
+                                                                   tmp_path: Path) -> None:
+    """A managed FIFO made every snapshot fail with "not seekable" (and its open waited
+    for a writer)."""
+    fifo = tmp_path / "events.fifo"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # so an open() for reading returns
+    try:
+        with pytest.raises(ValueError, match=rf"^rehydrate.files.open manages seekable "
+                                             rf"files: {fifo} is a FIFO that cannot seek"):
+            files.open(fifo, engine=engine)
+    finally:
+        os.close(writer)
+    assert files.manager(engine).handles() == []
+    assert engine.simulate_snapshot().ok
+
+
+def test_an_access_copy_mapping_is_refused(engine, tmp_path: Path) -> None:
+    """Its private changes were dropped by the unmap before every snapshot."""
+    import mmap
+
+    p = tmp_path / "model.bin"
+    p.write_bytes(bytes(16))
+    with pytest.raises(ValueError, match="ACCESS_COPY mapping of .*model.bin would lose"):
+        files.mmap(p, access=mmap.ACCESS_COPY, engine=engine)
+    assert files.manager(engine).handles() == []
+
+
+def test_a_managed_mapping_gives_its_current_mmap_for_buffer_users(engine,
+                                                                   tmp_path: Path) -> None:
+    import mmap
+    import struct
+
+    p = tmp_path / "ring.bin"
+    p.write_bytes(bytes(16))
+    ring = files.mmap(p, engine=engine)
+    before = ring.mapping
+    assert isinstance(before, mmap.mmap)
+    struct.pack_into("<I", ring.mapping, 0, 7)
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore(kind="resume").ok
+    assert ring.mapping is not before and before.closed
+    assert struct.unpack_from("<I", ring.mapping, 0) == (7,)
+    with memoryview(ring.mapping) as view:
+        assert bytes(view[:4]) == struct.pack("<I", 7)
