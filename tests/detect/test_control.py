@@ -1846,6 +1846,10 @@ def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
     finally:
         c.close()
     assert not det.server._conns
+    monkeypatch.setattr(det.server._submit_failures, "clock", lambda: 0.0)  # one instant
+    with pytest.raises(ControlError, match=r"stayed busy \(too many clients, or no thread "
+                                           r"to serve one\) for 0.3s"):
+        request("status", socket_path=sock_path, timeout=0.3)  # retried while refused
     refusing[0] = False  # the burst is over
     assert request("status", socket_path=sock_path, timeout=DEADLINE)["ok"]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -1949,3 +1953,43 @@ def test_the_accept_thread_ending_at_exit_is_no_failure(server: ControlServer) -
     thread.join(DEADLINE)
     assert not thread.is_alive()
     assert server.failure is None
+
+
+def test_a_busy_answer_sent_before_the_request_is_read_and_retried(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server refusing a client at once ("busy") closes before the client has sent its
+    request: the client's send failed (EPIPE) and it gave up ("connection ... failed:
+    Broken pipe") instead of reading the answer and asking again."""
+    from rehydrate import _notify
+
+    path = str(short_dir / "busy.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.settimeout(DEADLINE)
+    refused = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(b'{"ok": false, "error": "busy: no thread to serve this client"}\n')
+        conn.close()
+        refused.set()
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b'{"ok": true, "status": {}, "pid": 1}\n')
+
+    real_check = _notify._check_peer
+
+    def check_after_the_refusal(sock: socket.socket, *args: Any, **kwargs: Any) -> None:
+        refused.wait(DEADLINE)  # the first connection: closed by the server already
+        real_check(sock, *args, **kwargs)
+
+    monkeypatch.setattr(_notify, "_check_peer", check_after_the_refusal)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        assert request("status", socket_path=path, timeout=DEADLINE)["ok"] is True
+    finally:
+        t.join(DEADLINE)
+        listener.close()
