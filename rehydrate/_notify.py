@@ -277,7 +277,8 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
         if reply is not _BUSY:
             return reply
         if deadline is not None and time.monotonic() + delay > deadline:
-            raise ControlError(f"{path} stayed busy (too many clients, or no thread to serve one) for {timeout:g}s")
+            raise ControlError(f"{path} stayed busy (too many clients, or no thread to "
+                               f"serve one) for {timeout:g}s")
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 
@@ -399,7 +400,7 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
         sock.settimeout(_remaining(deadline))
         buf = bytearray()
         try:
-            try:
+            try:  # noqa: SIM105 - contextlib is one more module for every notifier
                 sock.sendall(payload)
             except (BrokenPipeError, ConnectionResetError):
                 # The server answered and closed before reading anything: a "busy"
