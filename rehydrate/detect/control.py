@@ -27,7 +27,9 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
 ``"error"`` (one line); a request's ``"id"`` (any JSON value, ``null`` too) is echoed.
 Garbage, oversize lines, unknown commands and incomplete requests get an error reply and
-the server keeps serving. A
+the server keeps serving; so does a client no thread can be started for (a pids limit:
+``busy``, the client retries), and a reply JSON cannot encode (keys that are not strings
+are sent as their ``str()``; one that fails even so is ``reply not encodable: ...``). A
 complete request line is acted on also when its client has gone (CRIU's ``post-dump``
 notice, queued while the process was frozen); the reply it cannot get is dropped
 quietly.
