@@ -13,21 +13,37 @@ import sys
 EXIT_READER_GONE = 141
 """``rehydrate status --json | head``: the reader closed the pipe. Like a shell tool
 killed by SIGPIPE (128 + 13), without a traceback."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (``SIGINT``) while a command waits (a process busy in its hooks): like a shell
+tool killed by it (128 + 2), with one line (``rehydrate: interrupted``) instead of a
+traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """``rehydrate COMMAND …``."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if args[:1] == ["notify"]:
-        code = _fast_notify(args[1:])
-        if code is not None:
-            return code
-    from ._cli import run
-
     try:
-        return run(args)  # flushes stdout: a reader gone shows here, not at exit
-    except BrokenPipeError:
-        return _reader_gone()
+        if args[:1] == ["notify"]:
+            code = _fast_notify(args[1:])
+            if code is not None:
+                return code
+        from ._cli import run
+
+        try:
+            return run(args)  # flushes stdout: a reader gone shows here, not at exit
+        except BrokenPipeError:
+            return _reader_gone()
+    except KeyboardInterrupt:
+        return _interrupted()
+
+
+def _interrupted() -> int:
+    try:
+        sys.stderr.write("rehydrate: interrupted\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed or None: the status says it
+        pass
+    return EXIT_INTERRUPTED
 
 
 def _reader_gone() -> int:
@@ -45,12 +61,15 @@ def notify_main(argv: list[str] | None = None) -> int:
     program of its own, for platforms that take one executable path and no arguments (a
     CRIU ``--action-script``, a save-restore-exec argv you would rather not split)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    code = _fast_notify(args)
-    if code is not None:
-        return code
-    from ._control_client import notify_main as explained
+    try:
+        code = _fast_notify(args)
+        if code is not None:
+            return code
+        from ._control_client import notify_main as explained
 
-    return explained(args)
+        return explained(args)
+    except KeyboardInterrupt:
+        return _interrupted()
 
 
 def _fast_notify(argv: list[str]) -> int | None:

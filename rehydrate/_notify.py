@@ -272,11 +272,13 @@ def request(cmd: str, *, socket_path: str | None = None, timeout: float | None =
                                                    expect_tree=expect_tree),
                           follow_budget=follow_budget)
         # "busy": the server refused the connection before reading it (every slot runs
-        # a request): nothing ran, so asking again is safe
+        # a request, or no thread could start to serve it): nothing ran, so asking
+        # again is safe
         if reply is not _BUSY:
             return reply
         if deadline is not None and time.monotonic() + delay > deadline:
-            raise ControlError(f"{path} stayed busy (too many clients) for {timeout:g}s")
+            raise ControlError(f"{path} stayed busy (too many clients, or no thread to "
+                               f"serve one) for {timeout:g}s")
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 
@@ -398,7 +400,13 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
         sock.settimeout(_remaining(deadline))
         buf = bytearray()
         try:
-            sock.sendall(payload)
+            try:  # noqa: SIM105 - contextlib is one more module for every notifier
+                sock.sendall(payload)
+            except (BrokenPipeError, ConnectionResetError):
+                # The server answered and closed before reading anything: a "busy"
+                # refusal (every slot taken, or no thread to serve this client). Its
+                # line is still there to read, and says to ask again.
+                pass
             while True:
                 # The limit is on the whole reply: a socket timeout alone restarts at every
                 # chunk, and a server trickling bytes held the command without any limit.

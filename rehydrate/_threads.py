@@ -8,7 +8,8 @@ of managed connections) run on :data:`blocking`, whose threads stay and wait for
 call instead of exiting: a thread used before the snapshot serves the clone.
 
 The pool is never bounded — a call never waits for a free thread: when every thread is
-busy (a call stuck on a hung mount or peer) a new one starts. Whoever will need a thread
+busy (a call stuck on a hung mount or peer) a new one starts; when none can start (the
+process at its pids limit), the call raises at once instead of waiting. Whoever will need a thread
 in a restore reserves one beforehand, by name (:meth:`~ThreadPool.reserve`): that many
 idle threads (at most ``max_reserved``) are started and kept; other idle threads exit
 after ``idle_exit`` seconds (beyond ``keep``). After ``fork()`` the child starts afresh.
@@ -21,6 +22,7 @@ held them, and to reset state counting the parent's other threads.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import weakref
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
     import concurrent.futures
 
 __all__ = ["ThreadPool", "blocking"]
+
+log = logging.getLogger("rehydrate")
 
 
 class ThreadPool:
@@ -59,7 +63,11 @@ class ThreadPool:
             self._reset()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        """Run ``fn(*args)`` on a pool thread; its future (which cannot be cancelled)."""
+        """Run ``fn(*args)`` on a pool thread; its future (which cannot be cancelled).
+
+        ``RuntimeError`` (``can't start new thread``) when no thread is idle and none
+        can be started (a pids limit, memory): the job is dropped, never run later, and
+        the pool is as before — a later call starts its thread once the limit allows."""
         import concurrent.futures
 
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -70,7 +78,15 @@ class ThreadPool:
             if self._idle >= len(self._jobs):
                 self._cv.notify()
                 return fut
-            self._start_locked()
+            try:
+                self._start_locked()
+            except BaseException:
+                # No thread could start (RuntimeError: a pids or memory limit): the job
+                # is the caller's to retry or refuse, never run later by a thread that
+                # frees up (the caller was told it failed). It is the last one queued,
+                # and nobody took it: we held the lock since appending it.
+                self._jobs.pop()
+                raise
         return fut
 
     def reserve(self, key: str) -> None:
@@ -83,7 +99,15 @@ class ThreadPool:
         with self._cv:
             self._reserved.add(key)
             while self._idle < self._wanted:
-                self._start_locked()
+                try:
+                    self._start_locked()
+                except RuntimeError as exc:
+                    # Ahead of need only: the call that needs a thread starts one then
+                    # (or says it cannot). Failing here failed the reserving start():
+                    # the control socket's, with its accept thread already running.
+                    log.warning(
+                        "%s: could not start a thread to keep in reserve: %s", self.name, exc)
+                    return
 
     @property
     def _wanted(self) -> int:
@@ -94,10 +118,16 @@ class ThreadPool:
         return max(self.keep, self._wanted)
 
     def _start_locked(self) -> None:
+        """Start a thread (caller holds the lock); ``RuntimeError`` when none can start.
+
+        Counted only once ``start()`` returned: a thread that never ran, counted idle,
+        was a phantom that every later job waited for (``submit()`` notified it instead
+        of starting a real one), for ever. The new thread cannot see the counts before
+        they are right: its first step is to take the lock held here."""
+        threading.Thread(target=self._work, name=self.name, daemon=True).start()
         # A starting thread counts as idle: it takes the next job without being woken.
         self._threads += 1
         self._idle += 1
-        threading.Thread(target=self._work, name=self.name, daemon=True).start()
 
     def _work(self) -> None:
         cv = self._cv  # a fork replaces it; this thread keeps serving its own pool state

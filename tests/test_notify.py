@@ -8,12 +8,13 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -767,3 +768,73 @@ def test_the_summary_names_hooks_that_recovered_during_the_run() -> None:
                     "generation": 1, "ok": False, "duration": 0.01, "recovered": ["db"],
                     "hooks": [{"name": "db", "outcome": "failed", "required": True}]})
     assert line.endswith("failed: db, recovered during the run: db")
+
+
+def _no_escape(call: Callable[[], int]) -> int:
+    try:
+        return call()
+    except KeyboardInterrupt:  # pytest would end the whole session on it
+        pytest.fail("KeyboardInterrupt escaped the entry point")
+
+
+@pytest.mark.parametrize("entry_point", ["main", "notify_main"])
+def test_ctrl_c_on_the_notifier_is_one_line_and_exit_130(
+        entry_point: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the process was busy in its hooks printed a ~20-line
+    KeyboardInterrupt traceback."""
+    import rehydrate._notify
+
+    def interrupted(options: Options) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rehydrate._notify, "notify", interrupted)
+    args = ["save", "--socket", "/nonexistent/ctl.sock"]
+    code = _no_escape(lambda: entry.main(["notify", *args]) if entry_point == "main"
+                      else entry.notify_main(args))
+    assert code == entry.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr() == ("", "rehydrate: interrupted\n")
+
+
+@pytest.mark.parametrize("argv", [["status"], ["notify", "--help"], ["doctor"]])
+def test_ctrl_c_on_the_other_commands_is_one_line_and_exit_130(
+        argv: list[str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import rehydrate._cli
+
+    def interrupted(args: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rehydrate._cli, "run", interrupted)
+    assert _no_escape(lambda: entry.main(argv)) == 130
+    assert capsys.readouterr() == ("", "rehydrate: interrupted\n")
+
+
+def test_sigint_while_notify_waits_for_the_reply(sock_path: str) -> None:
+    """A real SIGINT, sent once the request has reached a process that never answers."""
+    import signal
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(1)
+    listener.settimeout(30)
+    proc = subprocess.Popen([sys.executable, "-m", "rehydrate", "notify", "save", "--socket",
+                             sock_path, "--timeout", "60"], env=_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(30)
+            got = b""
+            while not got.endswith(b"\n"):  # the whole request: the notifier now waits
+                chunk = conn.recv(4096)
+                assert chunk, got
+                got += chunk
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (proc.returncode, out, err) == (130, "", "rehydrate: interrupted\n")

@@ -130,3 +130,57 @@ def test_a_forked_child_gets_threads_of_its_own() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert pool.submit(lambda: 1).result(5) == 1  # the parent's pool is untouched
+
+
+def _refuse_starts(monkeypatch: pytest.MonkeyPatch, name: str, times: int = 1) -> list[int]:
+    """``Thread.start`` raises for the next ``times`` threads named ``name``, as it does
+    when the process is at its pids limit; the list holds how many refusals are left."""
+    real = threading.Thread.start
+    left = [times]
+
+    def start(self: threading.Thread) -> None:
+        if self.name == name and left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return left
+
+
+def test_a_thread_that_could_not_start_is_no_phantom(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was counted (idle) before start(): the failed call's job stayed queued and the
+    pool believed in a thread that did not exist, so a later call was handed to it (no
+    thread started for it) and ran, if ever, only behind another — jobs that must run at
+    the same time (two connections' reopens) never did."""
+    pool = ThreadPool("rht-phantom", keep=0)
+    left = _refuse_starts(monkeypatch, "rht-phantom")
+    ran: list[str] = []
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pool.submit(ran.append, "refused")
+    assert left == [0]
+    # the limit is gone: a call made while another runs gets a thread of its own
+    a_running, release = threading.Event(), threading.Event()
+    a = pool.submit(lambda: (a_running.set(), release.wait(30))[1])
+    try:
+        assert a_running.wait(5)
+        b = pool.submit(release.set)
+        assert b.result(5) is None  # not handed to the phantom: it never ran
+    finally:
+        release.set()
+    assert a.result(5) is True
+    assert ran == []  # the refused job is not run behind the caller's back
+    assert len(named("rht-phantom")) == 2
+
+
+def test_a_reservation_that_cannot_start_a_thread_does_not_raise(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Reserving is ahead of need: a failure there failed the caller's start() (the
+    control socket's, its accept thread already running); the call that needs the
+    thread starts it later."""
+    pool = ThreadPool("rht-reserve-fail", keep=0)
+    _refuse_starts(monkeypatch, "rht-reserve-fail")
+    pool.reserve("ctl")
+    assert "could not start a thread to keep in reserve" in caplog.text
+    assert named("rht-reserve-fail") == []
+    assert pool.submit(lambda: "served").result(5) == "served"

@@ -27,7 +27,9 @@ the resume / restore hooks); ``simulate`` (``"event"``: ``restore`` (default),
 ``"timeout"``; the reply carries ``"answer"``). Every reply has ``"ok"``; failures carry
 ``"error"`` (one line); a request's ``"id"`` (any JSON value, ``null`` too) is echoed.
 Garbage, oversize lines, unknown commands and incomplete requests get an error reply and
-the server keeps serving. A
+the server keeps serving; so does a client no thread can be started for (a pids limit:
+``busy``, the client retries), and a reply JSON cannot encode (keys that are not strings
+are sent as their ``str()``; one that fails even so is ``reply not encodable: ...``). A
 complete request line is acted on also when its client has gone (CRIU's ``post-dump``
 notice, queued while the process was frozen); the reply it cannot get is dropped
 quietly.
@@ -122,6 +124,11 @@ log = logging.getLogger("rehydrate")
 MAX_LINE = 64 * 1024
 """Longest request line accepted (bytes, without the newline)."""
 MAX_CLIENTS = 32
+LOG_EVERY = 10.0
+"""A failure that repeats (an exhausted descriptor table, no thread for a client) is one
+log line per this many seconds, with the count since the last line."""
+ACCEPT_PAUSE = 0.1
+"""After a failed ``accept()`` (``EMFILE``): the wait before the next one, not a spin."""
 IDLE_TIMEOUT = 10.0
 """A connection with no complete request for this long is closed (a client sends its
 request at once; one that does not only holds a slot)."""
@@ -295,6 +302,61 @@ class _BadRequest(ValueError):
     pass
 
 
+class _Throttle:
+    """Rate limit for the log lines of a failure that repeats (see :data:`LOG_EVERY`)."""
+
+    def __init__(self) -> None:
+        self.clock = time.monotonic
+        self._last = -math.inf
+        self._count = 0
+
+    def due(self) -> int:
+        """Count one failure; how many to report in a line now (0: not yet)."""
+        self._count += 1
+        now = self.clock()
+        if now - self._last < LOG_EVERY:
+            return 0
+        self._last, count, self._count = now, self._count, 0
+        return count
+
+
+def _times(count: int) -> str:
+    return "" if count <= 1 else f" ({count} times since the last line)"
+
+
+def _json_keys(value: Any) -> Any:
+    """``value`` with every dict key JSON cannot have (a tuple: an extension's counters
+    keyed by ``(host, port)``) replaced by its ``str()``, as ``default=str`` does for
+    values; keys JSON takes (``int``, ``None``, ...) are left to it."""
+    if isinstance(value, dict):
+        return {k if k is None or isinstance(k, (str, int, float)) else str(k): _json_keys(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_keys(v) for v in value]
+    return value
+
+
+def _encode_reply(reply: Mapping[str, Any]) -> bytes:
+    """One reply line. One that cannot be JSON even so (a field referring to itself)
+    becomes a one-line error: the client gets an answer, never a closed connection."""
+    import json
+
+    try:
+        text = json.dumps(reply, default=str, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError):
+        try:
+            text = json.dumps(_json_keys(reply), default=str, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            log.error("control socket: a reply could not be encoded as JSON: %s",
+                      describe_error(exc))
+            failed: dict[str, Any] = {"ok": False,
+                                      "error": f"reply not encodable: {describe_error(exc)}"}
+            if "id" in reply:  # the request's id, valid JSON already (it came as JSON)
+                failed["id"] = reply["id"]
+            text = json.dumps(failed, default=str, separators=(",", ":"))
+    return text.encode() + b"\n"
+
+
 @contextlib.contextmanager
 def _directory_lock(directory: str) -> Iterator[None]:
     """Hold ``flock`` on ``directory`` (the socket's, private to this uid): one instance
@@ -342,6 +404,9 @@ def _unlink_at_exit() -> None:
     pid = os.getpid()
     for server in list(_SERVING):
         if server._bound_by == pid and server._sock is not None:
+            # Closing the stop pipe wakes the accept thread, which ends: as asked, not
+            # a failure to report (detector_errors, an ERROR line at every exit).
+            server._stopping = True
             server._unlink_own()
 
 
@@ -379,6 +444,10 @@ class ControlServer:
         self.evicted = 0
         """Idle connections closed to make room for a new client."""
         self._evict_logged = -math.inf
+        self._accept_failures = _Throttle()
+        self._submit_failures = _Throttle()
+        self.failure: str | None = None
+        """Why the accept thread ended while the server was not being stopped."""
 
     # -- setup -----------------------------------------------------------------------
 
@@ -439,7 +508,8 @@ class ControlServer:
         self._stopping = False
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._started_at = time.monotonic()
-        self._thread = threading.Thread(target=self._accept_loop, name="rehydrate-control",
+        self.failure = None
+        self._thread = threading.Thread(target=self._accept_thread, name="rehydrate-control",
                                         daemon=True)
         self._thread.start()
         blocking.reserve("control")  # for a client, maybe a clone's `notify restore`
@@ -522,6 +592,19 @@ class ControlServer:
 
     # -- serving ---------------------------------------------------------------------
 
+    def _accept_thread(self) -> None:
+        # Nobody is served any more, and the socket still accepts into its backlog: the
+        # clients wait out their timeouts. status()["detector_errors"] must say so.
+        try:
+            self._accept_loop()
+        except BaseException as exc:
+            log.exception("control socket: the accept thread died; no client is served")
+            self.failure = f"its accept thread died: {type(exc).__name__}: {exc}"
+            return
+        if not self._stopping:
+            log.error("control socket: the accept thread ended; no client is served")
+            self.failure = "its accept thread ended"
+
     def _accept_loop(self) -> None:
         sock = self._sock
         assert sock is not None
@@ -539,8 +622,11 @@ class ControlServer:
             except OSError as exc:
                 if self._stopping:
                     return
-                log.error("control socket accept failed: %s", exc.strerror or exc)
-                select.select([self._stop_r], [], [], 0.1)  # e.g. EMFILE: do not spin
+                count = self._accept_failures.due()  # EMFILE fails every ACCEPT_PAUSE
+                if count:
+                    log.error("control socket accept failed: %s%s", exc.strerror or exc,
+                              _times(count))
+                select.select([self._stop_r], [], [], ACCEPT_PAUSE)  # e.g. EMFILE: no spin
                 continue
             accepted = time.monotonic()
             # The accept's moment dates the first request only when that request was
@@ -562,7 +648,24 @@ class ControlServer:
                 continue
             # a reusable thread: one started right after a gVisor restore (the
             # `notify restore` that races the clock jump) costs milliseconds
-            blocking.submit(self._serve, conn)
+            try:
+                blocking.submit(self._serve, conn)
+            except Exception as exc:
+                # No thread could start (the process at its pids limit): this client is
+                # refused like one over the limit (the notifier retries a "busy"), and
+                # the loop goes on — ending it here left the socket dead for good.
+                self._refuse_unserved(conn, exc)
+
+    def _refuse_unserved(self, conn: socket.socket, exc: Exception) -> None:
+        with self._lock:
+            self._conns.pop(conn, None)
+        count = self._submit_failures.due()
+        if count:
+            log.error("control socket: no thread to serve a client (%s); answered "
+                      "busy%s", describe_error(exc), _times(count))
+        # Not drained as a refused peer is: the accept loop must not wait on a client.
+        self._send(conn, {"ok": False, "error": "busy: no thread to serve this client"})
+        conn.close()
 
     def _evict_idlest(self) -> bool:
         """Close the connection idle the longest (none is running a request) to make room
@@ -777,9 +880,7 @@ class ControlServer:
 
     @staticmethod
     def _send(conn: socket.socket, reply: Mapping[str, Any]) -> bool:
-        import json
-
-        data = json.dumps(reply, default=str, separators=(",", ":")).encode() + b"\n"
+        data = _encode_reply(reply)
         try:
             conn.sendall(data, socket.MSG_NOSIGNAL)
         except OSError:
@@ -963,6 +1064,10 @@ class ControlDetector(Detector):
 
     def describe(self) -> str:
         return f"listens at {self.path or socket_path()}"
+
+    def failure(self) -> str | None:
+        server = self.server
+        return None if server is None else server.failure
 
     def start(self, engine: Engine) -> None:
         if self.server is not None:

@@ -1809,3 +1809,187 @@ def test_stop_in_a_forked_child_leaves_the_parents_server(engine: Lifecycle,
         assert held.recv(6) == b'{"ok":'
     finally:
         held.close()
+
+
+# -- failures of the server itself ---------------------------------------------------------
+
+
+def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The process at its pids limit for a moment: the pool's submit() raised in the
+    accept loop, which caught only OSError — its thread died, silently, and the socket
+    never served again (clients queued in the backlog until their timeouts)."""
+    from rehydrate._threads import ThreadPool
+
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    pool = ThreadPool("rh-ctl-pool", keep=0)
+    monkeypatch.setattr(control, "blocking", pool)
+    real_start = threading.Thread.start
+    refusing = [True]
+
+    def start(self: threading.Thread) -> None:
+        if self.name == pool.name and refusing[0]:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]  # its reserved thread could not start
+    assert det.server is not None
+    c = Conn(sock_path)
+    try:
+        # answered on accept, before any request is read (one sent now could meet EPIPE)
+        assert c.reply() == {"ok": False, "error": "busy: no thread to serve this client"}
+        with contextlib.suppress(ConnectionResetError):  # closed after the answer
+            assert c.sock.recv(1) == b""
+    finally:
+        c.close()
+    assert not det.server._conns
+    monkeypatch.setattr(det.server._submit_failures, "clock", lambda: 0.0)  # one instant
+    with pytest.raises(ControlError, match=r"stayed busy \(too many clients, or no thread "
+                                           r"to serve one\) for 0.3s"):
+        request("status", socket_path=sock_path, timeout=0.3)  # retried while refused
+    refusing[0] = False  # the burst is over
+    assert request("status", socket_path=sock_path, timeout=DEADLINE)["ok"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["control socket: no thread to serve a client (RuntimeError: can't "
+                      "start new thread); answered busy"]
+    assert "detector_errors" not in engine.status().extra
+
+
+def test_an_accept_thread_that_dies_shows_in_detector_errors(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The control detector kept looking as if it served when its accept thread was
+    gone: status() listed it and said nothing."""
+    import types
+
+    class BrokenPoller:
+        def register(self, fd: int, events: int) -> None:
+            pass
+
+        def poll(self) -> list[tuple[int, int]]:
+            raise RuntimeError("poller broke")
+
+    monkeypatch.setattr(control, "select", types.SimpleNamespace(
+        poll=BrokenPoller, POLLIN=select.POLLIN, select=select.select))
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]
+    wait_for(lambda: "control" in engine.status().extra.get("detector_errors", {}),
+             what="the dead accept thread in detector_errors")
+    assert engine.status().extra["detector_errors"] == {
+        "control": "its accept thread died: RuntimeError: poller broke"}
+    assert "the accept thread died" in caplog.text
+    engine.stop()
+    assert "detector_errors" not in engine.status().extra
+
+
+def test_a_status_field_with_keys_json_cannot_have_still_gets_a_reply(
+        server: ControlServer, engine: Lifecycle, sock_path: str) -> None:
+    """An extension's counters keyed by (host, port): json.dumps raised in the server, the
+    client got no reply (exit 3) and doctor failed, while status() in the process worked.
+    Such keys are sent as their str(), as values that are not JSON are; a reply that
+    cannot be JSON at all is a one-line error, and the connection goes on."""
+    engine.add_status("peers", lambda: {("db", 5432): 3, 7: {("a", None): "x"}})
+    reply = request("status", socket_path=sock_path, timeout=DEADLINE)
+    assert reply["ok"], reply
+    assert reply["status"]["peers"] == {"('db', 5432)": 3, "7": {"('a', None)": "x"}}
+    r = cli("status", "--socket", sock_path)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+
+    looped: dict[str, Any] = {}
+    looped["self"] = looped
+    engine.add_status("looped", lambda: looped)
+    c = Conn(sock_path)
+    try:
+        reply = c.ask({"cmd": "status", "id": 9})
+        assert reply["ok"] is False and reply["id"] == 9
+        assert reply["error"].startswith("reply not encodable: ")
+        assert "\n" not in reply["error"]
+        assert c.ask({"cmd": "nope"})["error"].startswith("bad request: unknown command")
+    finally:
+        c.close()
+
+
+def test_a_failing_accept_is_one_log_line_per_ten_seconds(
+        server: ControlServer, sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """EMFILE made accept() fail every 0.1 s, each time one ERROR line: 600 a minute."""
+    import errno
+
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    listening = server._sock
+    real_accept = socket.socket.accept
+    failures = [12]
+
+    def accept(self: socket.socket) -> tuple[socket.socket, Any]:
+        if self is listening and failures[0] > 0:
+            failures[0] -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_accept(self)
+
+    seconds = iter(range(1000, 2000, 2))  # each failure 2 s after the previous one
+    monkeypatch.setattr(server._accept_failures, "clock", lambda: float(next(seconds)))
+    monkeypatch.setattr(control, "ACCEPT_PAUSE", 0.001)
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    assert request("status", socket_path=sock_path, timeout=DEADLINE)["ok"]
+    assert failures == [0]
+    lines = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
+    assert lines == ["control socket accept failed: Too many open files",
+                     "control socket accept failed: Too many open files (5 times since "
+                     "the last line)",
+                     "control socket accept failed: Too many open files (5 times since "
+                     "the last line)"]
+
+
+def test_the_accept_thread_ending_at_exit_is_no_failure(server: ControlServer) -> None:
+    """At interpreter exit without stop(), the socket's removal closes the stop pipe,
+    which wakes the accept thread: it ends as asked, with no ERROR line or
+    detector_errors entry (nor spins on the closed descriptor)."""
+    thread = server._thread
+    assert thread is not None
+    control._unlink_at_exit()
+    thread.join(DEADLINE)
+    assert not thread.is_alive()
+    assert server.failure is None
+
+
+def test_a_busy_answer_sent_before_the_request_is_read_and_retried(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server refusing a client at once ("busy") closes before the client has sent its
+    request: the client's send failed (EPIPE) and it gave up ("connection ... failed:
+    Broken pipe") instead of reading the answer and asking again."""
+    from rehydrate import _notify
+
+    path = str(short_dir / "busy.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.settimeout(DEADLINE)
+    refused = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(b'{"ok": false, "error": "busy: no thread to serve this client"}\n')
+        conn.close()
+        refused.set()
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b'{"ok": true, "status": {}, "pid": 1}\n')
+
+    real_check = _notify._check_peer
+
+    def check_after_the_refusal(sock: socket.socket, *args: Any, **kwargs: Any) -> None:
+        refused.wait(DEADLINE)  # the first connection: closed by the server already
+        real_check(sock, *args, **kwargs)
+
+    monkeypatch.setattr(_notify, "_check_peer", check_after_the_refusal)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        assert request("status", socket_path=path, timeout=DEADLINE)["ok"] is True
+    finally:
+        t.join(DEADLINE)
+        listener.close()
