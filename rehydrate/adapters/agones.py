@@ -15,12 +15,19 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   with backoff until ``deadline``) and compared with what was known; every label and
   annotation set through the adapter is applied again; the watch loop restarts. A
   sidecar that does not answer within ``deadline`` fails the hook with a clear reason,
-  so the server stays not ready.
+  so the server stays not ready; the resync then goes on in the background until the
+  sidecar answers, and the hook counts as recovered (``engine.recovered``).
 * When the engine is ready again after that restore, ``POST /ready`` goes out — only if
   :meth:`AgonesAdapter.ready` had been called before and the GameServer is not already
   ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``). A
   successful run whose report finds the engine not ready yet (a duplicate notice of the
-  same restore still queued: it reports nothing) waits for readiness instead.
+  same restore still queued: it reports nothing) waits for readiness instead. It is
+  retried until answered, decided again before every attempt (the state the watch saw
+  last, :meth:`~AgonesAdapter.shutdown`); ``allocate()``, ``reserve()`` and
+  ``shutdown()`` stop it, and a refusal (4xx but 408/429) ends it.
+* Between the pause and the restore, ``allocate()``, ``reserve()``, ``shutdown()`` and
+  ``gameserver()`` wait for the restore (at most ``deadline``): nothing is in flight or
+  pooled in the image.
 
 Health and watch errors are logged (the first of a streak as a warning) and retried with
 backoff; they never fail a hook.
@@ -968,7 +975,12 @@ class AgonesAdapter:
         """``POST /ready``: this server can take players. Remembered: after a restore the
         adapter asks again when the GameServer needs it — also when this call failed
         without an answer (``AgonesError``; not when the sidecar refused it with a 4xx).
-        Not retried here: a game whose sidecar may start after it calls again."""
+        Not retried here: a game whose sidecar may start after it calls again. While
+        rehydrate is not ready (a snapshot, a restore running or failed) it is deferred
+        and sent once it is — also to an ``Allocated`` or ``Reserved`` GameServer (the
+        game returns it to the pool), not to a ``Ready``, ``RequestReady`` or
+        ``Shutdown`` one, nor after a later :meth:`allocate`, :meth:`reserve` or
+        :meth:`shutdown`."""
         self._call(self._ready())
 
     async def aready(self) -> None:
@@ -998,7 +1010,10 @@ class AgonesAdapter:
         await self._request("POST", path, {} if body is None else body)
 
     def allocate(self) -> None:
-        """``POST /allocate``: mark this server Allocated (self-allocation)."""
+        """``POST /allocate``: mark this server Allocated (self-allocation). A Ready still
+        pending (retried after a restore, or a deferred :meth:`ready`) is not sent after
+        it. Between the before-snapshot pause and the restore it waits for the restore
+        (at most ``deadline``, then :class:`AgonesUnavailable`)."""
         self._call(self._simple("/allocate"))
 
     async def aallocate(self) -> None:
@@ -1006,7 +1021,7 @@ class AgonesAdapter:
 
     def reserve(self, seconds: int) -> None:
         """``POST /reserve``: Reserved for ``seconds`` (0: until allocated), a whole number
-        up to a year."""
+        up to a year. A pending Ready and the snapshot pause: as for :meth:`allocate`."""
         body = {"seconds": _reserve_seconds(seconds)}
         self._call(self._simple("/reserve", body))
 
@@ -1016,7 +1031,8 @@ class AgonesAdapter:
 
     def shutdown(self) -> None:
         """``POST /shutdown``: ask Agones to shut this server down. The adapter no longer
-        asks to be Ready after a restore."""
+        asks to be Ready after a restore. A pending Ready and the snapshot pause: as for
+        :meth:`allocate`."""
         self._want_ready = False
         self._call(self._simple("/shutdown"))
 
@@ -1025,7 +1041,9 @@ class AgonesAdapter:
         await self._await(self._simple("/shutdown"))
 
     def gameserver(self) -> dict[str, Any]:
-        """``GET /gameserver``: the GameServer as the sidecar sees it (snake_case JSON)."""
+        """``GET /gameserver``: the GameServer as the sidecar sees it (snake_case JSON).
+        Between the before-snapshot pause and the restore it waits for the restore (at
+        most ``deadline``); :attr:`known_gameserver` answers without a request."""
         return self._call(self._get_gameserver())
 
     async def agameserver(self) -> dict[str, Any]:
