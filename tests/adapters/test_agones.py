@@ -996,10 +996,10 @@ def test_the_ready_retry_stops_when_the_watch_shows_the_server_allocated(
     task, t0 = _retrying_ready_after_a_restore(sidecar, adapter, rehydrate_engine,
                                                monkeypatch)
     sidecar.set_state("Allocated")  # by Agones' allocator, say
-    wait_for(lambda: adapter.known_gameserver["status"]["state"] == "Allocated",
-             what="the watch stream to deliver Allocated")
-    sidecar.fail_next(0)
+    # The sidecar still answers 503: only the state the watch delivered ends the retry
+    # (answering now could meet an attempt decided just before the watch line came).
     wait_for(task.done, what="the Ready retry to end")
+    assert adapter.known_gameserver["status"]["state"] == "Allocated"
     assert [r.status for r in sidecar.calls("POST", "/ready", since=t0)
             if r.status == 200] == []
     assert sidecar.gs.state == "Allocated"
