@@ -15,12 +15,19 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   with backoff until ``deadline``) and compared with what was known; every label and
   annotation set through the adapter is applied again; the watch loop restarts. A
   sidecar that does not answer within ``deadline`` fails the hook with a clear reason,
-  so the server stays not ready.
+  so the server stays not ready; the resync then goes on in the background until the
+  sidecar answers, and the hook counts as recovered (``engine.recovered``).
 * When the engine is ready again after that restore, ``POST /ready`` goes out — only if
   :meth:`AgonesAdapter.ready` had been called before and the GameServer is not already
   ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``). A
   successful run whose report finds the engine not ready yet (a duplicate notice of the
-  same restore still queued: it reports nothing) waits for readiness instead.
+  same restore still queued: it reports nothing) waits for readiness instead. It is
+  retried until answered, decided again before every attempt (the state the watch saw
+  last, :meth:`~AgonesAdapter.shutdown`); ``allocate()``, ``reserve()`` and
+  ``shutdown()`` stop it, and a refusal (4xx but 408/429) ends it.
+* Between the pause and the restore, ``allocate()``, ``reserve()``, ``shutdown()`` and
+  ``gameserver()`` wait for the restore (at most ``deadline``): nothing is in flight or
+  pooled in the image.
 
 Health and watch errors are logged (the first of a streak as a warning) and retried with
 backoff; they never fail a hook.
@@ -79,6 +86,12 @@ PORT_ENV = "AGONES_SDK_HTTP_PORT"
 
 # States in which a restored server must not (or need not) ask to be Ready again.
 _NO_READY_STATES = frozenset({"Ready", "RequestReady", "Allocated", "Reserved", "Shutdown"})
+# The states that make the game's own deferred ready() needless or wrong: from Allocated or
+# Reserved it is how a game returns its server to the pool after a match (Agones' reuse of
+# an Allocated GameServer), so it goes out.
+_NO_ASKED_READY_STATES = frozenset({"Ready", "RequestReady", "Shutdown"})
+
+_CLOSED = "AgonesAdapter closed while this call waited for the sidecar"
 
 # Agones stores a key as the Kubernetes label or annotation key ``agones.dev/sdk-<key>``:
 # ``sdk-<key>`` must be a Kubernetes name (at most 63 characters, alphanumerics at both
@@ -236,7 +249,16 @@ class AgonesAdapter:
         self._want_ready = False
         self._ready_deferred = False  # ready() came while not ready; guarded by _lock
         self._ready_waiter = False  # a thread waits for readiness to send it; by _lock
-        self._ready_asked = False  # the deferred Ready is ready()'s own; by _lock
+        self._ready_asked = False  # a deferred Ready is ready()'s own; by _lock
+        # Bumped by allocate()/reserve()/shutdown() (under _lock): a Ready decided before
+        # one of them (a retry after a restore, a deferred ready()) is not sent after it.
+        self._ready_epoch = 0
+        self._ready_gate = asyncio.Lock()  # held while a POST /ready is in flight
+        self._resumed = asyncio.Event()  # clear between the before-snapshot pause and
+        self._resumed.set()  # the restore: the SDK calls made meanwhile wait for it
+        # The kind of run whose resync missed its deadline: finished in the background.
+        self._resync_kind: str | None = None
+        self._recover_task: asyncio.Task[None] | None = None
         self._paused = False  # between the before-snapshot pause and the restore
         self._gameserver: dict[str, Any] | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -271,11 +293,17 @@ class AgonesAdapter:
                 raise RuntimeError("AgonesAdapter is closed")
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="rehydrate-agones",
-                                          daemon=True)
+                thread = threading.Thread(target=self._run_loop, args=(loop,),
+                                          name="rehydrate-agones", daemon=True)
                 thread.start()
                 self._loop, self._thread = loop, thread
             return self._loop
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.run_forever()
+        if self._closed:
+            # close() from a listener (this thread) cannot close a loop that runs it
+            loop.close()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         try:
@@ -294,14 +322,30 @@ class AgonesAdapter:
         fut = self._submit(coro)
         try:
             return fut.result(timeout)
+        except concurrent.futures.CancelledError:
+            if self._closed:  # close() failed it: not a timeout, nor a cancellation
+                raise AgonesError(_CLOSED) from None
+            raise
         except concurrent.futures.TimeoutError:
+            if self._closed:
+                # its loop may be closed: cancelling logged "Event loop is closed"
+                raise AgonesError(_CLOSED) from None
             fut.cancel()
             raise AgonesUnavailable(
                 f"Agones sidecar at {self.base_url} did not answer within {timeout:g}s"
             ) from None
 
     async def _await(self, coro: Coroutine[Any, Any, T]) -> T:
-        return await asyncio.wrap_future(self._submit(coro))
+        fut = self._submit(coro)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+            caller_cancelled = cancelling() if cancelling is not None else not fut.cancelled()
+            if self._closed and fut.cancelled() and not caller_cancelled:
+                raise AgonesError(_CLOSED) from None
+            raise
 
     def _http(self) -> httpx.AsyncClient:
         """The current client (runs on the adapter's loop)."""
@@ -413,26 +457,39 @@ class AgonesAdapter:
         self._call(self._start_loops(), timeout=10.0)  # no I/O: only a busy machine waits
 
     def close(self) -> None:
-        """Stop the loops, close the connections, detach from the engine (idempotent)."""
+        """Stop the loops, close the connections, detach from the engine (idempotent).
+        Calls still waiting for the sidecar (a restore's resync included) fail at once
+        with ``AgonesError`` saying the adapter was closed. From an :meth:`on_change`
+        listener (the adapter's own thread) it returns without waiting: the loop stops
+        once the listener returns."""
         with self._lock:
             if self._closed:
                 return
-            loop, thread = self._loop, self._thread
-        if loop is not None:
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self._stop_loops(), loop).result(10)
-        with self._lock:
+            # First: nothing submitted from now on (a deferred Ready, a call) may start.
             self._closed = True
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-            loop.close()
-        if self.engine is not None:
-            for hook in self._hooks:
-                self.engine.builtins.unregister(hook)
-            with contextlib.suppress(ValueError):
-                self.engine.remove_listener(self._on_report)
-        self.reason = "closed"
+            loop, thread = self._loop, self._thread
+        try:
+            if loop is not None and thread is not None:
+                if threading.current_thread() is thread:
+                    # Waiting for the loop here would wait for this very call (it stalled
+                    # 10 s, then "cannot join current thread"); _run_loop closes the loop.
+                    loop.create_task(self._shutdown(stop=True))
+                else:
+                    with contextlib.suppress(Exception):
+                        asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(10)
+                    loop.call_soon_threadsafe(loop.stop)
+                    thread.join(10)
+                    if not thread.is_alive():
+                        loop.close()
+        finally:
+            # Also when stopping failed: hooks left registered failed every later
+            # snapshot and restore ("AgonesAdapter is closed").
+            if self.engine is not None:
+                for hook in self._hooks:
+                    self.engine.builtins.unregister(hook)
+                with contextlib.suppress(ValueError):
+                    self.engine.remove_listener(self._on_report)
+            self.reason = "closed"
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the caller's loop."""
@@ -451,9 +508,26 @@ class AgonesAdapter:
         self._health_task = asyncio.create_task(self._health_loop())
         self._watch_task = asyncio.create_task(self._watch_loop())
 
+    async def _shutdown(self, stop: bool = False) -> None:
+        """close(): the loops, then every call still waiting (its caller gets ``_CLOSED``
+        now, not a timeout after the loop stopped under it), then the loop itself."""
+        await self._stop_loops()
+        me = asyncio.current_task()
+        waiting = [t for t in asyncio.all_tasks() if t is not me]
+        for t in waiting:
+            t.cancel()
+        for t in waiting:
+            with contextlib.suppress(BaseException):
+                await t
+        await self._drop_client()  # a call may have made one again meanwhile
+        if stop:
+            asyncio.get_running_loop().stop()
+
     async def _stop_loops(self, keep_client: bool = False) -> None:
-        tasks = [t for t in (self._health_task, self._watch_task, self._ready_task) if t]
+        tasks = [t for t in (self._health_task, self._watch_task, self._ready_task,
+                             self._recover_task) if t]
         self._health_task = self._watch_task = self._ready_task = None
+        self._recover_task = None
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -573,8 +647,26 @@ class AgonesAdapter:
     # -- hooks -----------------------------------------------------------------------
 
     def _on_snapshot(self) -> None:
+        self._call(self._pause(), timeout=self.request_timeout + 4.0)
+
+    async def _pause(self) -> None:
         self._paused = True
-        self._call(self._stop_loops(), timeout=self.request_timeout + 4.0)
+        self._resumed.clear()
+        await self._stop_loops()
+
+    async def _wait_restored(self, what: str) -> None:
+        """A call between the before-snapshot pause and the restore waits for the
+        restore (at most ``deadline``): sent at once, it left a request in flight or a
+        connection pooled in the image."""
+        if not self._paused:
+            return
+        log.info("%s while paused for a snapshot: sent after the restore", what)
+        try:
+            await asyncio.wait_for(self._resumed.wait(), self.deadline)
+        except asyncio.TimeoutError:
+            raise AgonesUnavailable(
+                f"{what}: the adapter is paused for a snapshot and no restore or resume "
+                f"came within the {self.deadline:g}s deadline") from None
 
     def _on_restore_ping(self) -> None:
         self._call(self._restart_health(), timeout=self.request_timeout + 4.0)
@@ -584,15 +676,23 @@ class AgonesAdapter:
         pinging at once; the resync later reuses both."""
         await self._stop_loops()
         self._paused = False
+        self._resumed.set()
         self._health_task = asyncio.create_task(self._health_loop())
 
     def _on_restore(self, ctx: RestoreContext) -> None:
         self.reason = "restoring: waiting for the Agones sidecar"
+        self._resync_kind = None
         try:
             # _resync keeps to the deadline itself; this only bounds a stuck loop
             self._call(self._resync(ctx.kind), timeout=self.deadline + 5.0)
         except AgonesError as exc:
+            if self._closed:
+                raise
             self.reason = redact(str(exc))  # shown in status(): a managed secret never is
+            if _refusal(exc) is None:
+                # Not heard in time: finished once the sidecar answers (_on_report starts
+                # it, when the engine has counted this failure, so it can be forgotten).
+                self._resync_kind = ctx.kind
             raise
 
     async def _resync(self, kind: str) -> None:
@@ -600,19 +700,62 @@ class AgonesAdapter:
         if self._health_task is None or self._health_task.done():
             await self._restart_health()  # the ping hook did not run (removed, disabled)
         try:
-            before = self._gameserver
-            gs = self._checked(await self._retry("GET", "/gameserver", None, until))
-            _compare(before, gs, kind)
-            self._set_gameserver(gs)
-            for what, store in (("label", self._labels),
-                                ("annotation", self._annotations)):
-                for item in list(store.items()):
-                    await self._reapply(what, item, until, kind)
+            await self._sync(kind, until)
         finally:
             # Also after a missed deadline: the stream retries on its own and shows the
-            # GameServer again once the sidecar answers.
-            self._watch_task = asyncio.create_task(self._watch_loop())
+            # GameServer again once the sidecar answers. Not once closed: a task left
+            # pending on a stopped loop.
+            if not self._closed:
+                if self._watch_task is not None:
+                    self._watch_task.cancel()
+                self._watch_task = asyncio.create_task(self._watch_loop())
         self.reason = ""
+
+    async def _sync(self, kind: str, until: float) -> None:
+        """The GameServer fetched and compared, every label and annotation applied."""
+        before = self._gameserver
+        gs = self._checked(await self._retry("GET", "/gameserver", None, until))
+        _compare(before, gs, kind)
+        self._set_gameserver(gs)
+        for what, store in (("label", self._labels),
+                            ("annotation", self._annotations)):
+            for item in list(store.items()):
+                await self._reapply(what, item, until, kind)
+
+    async def _start_recovery(self, kind: str) -> None:
+        if self._recover_task is not None:
+            self._recover_task.cancel()
+        self._recover_task = asyncio.create_task(self._finish_resync(kind))
+
+    async def _finish_resync(self, kind: str) -> None:
+        """The resync whose deadline the sidecar missed, retried until it answers; then
+        the hook's failure is forgotten (``engine.recovered``), so the process is ready
+        again (and asks to be Ready when it must) without waiting for another restore.
+        Cancelled by a new pause or restore, and by close()."""
+        log.info("Agones resync after the %s: retrying until the sidecar answers", kind)
+        attempt = 0
+        while True:
+            attempt += 1
+            began = time.monotonic()
+            try:
+                await self._sync(kind, began + self.deadline)
+                break
+            except AgonesError as exc:
+                if _refusal(exc) is not None:
+                    self.reason = redact(str(exc))
+                    log.warning("Agones resync after the %s refused: %s; not retried "
+                                "before the next restore", kind, _describe(exc.__cause__ or exc))
+                    return
+                log.debug("Agones resync after the %s still failing: %s", kind,
+                          _describe(exc.__cause__ or exc))
+            await asyncio.sleep(_backoff(attempt, 5.0))
+        self._resync_kind = None
+        self.reason = ""
+        log.info("Agones sidecar answers again: the resync after the %s is done", kind)
+        eng = self.engine
+        if eng is not None and len(self._hooks) > 1:
+            # since: a newer run that failed after this attempt began is not taken back
+            eng.recovered(self._hooks[1], since=began)
 
     async def _reapply(self, what: str, item: tuple[str, str], until: float,
                        kind: str) -> None:
@@ -633,7 +776,14 @@ class AgonesAdapter:
                         "the others are applied", what, key, kind, code)
 
     def _on_report(self, report: Report) -> None:
-        if report.kind == "snapshot" or not self._want_ready:
+        if report.kind == "snapshot":
+            return
+        kind = self._resync_kind
+        if kind is not None and not report.ok:
+            # Now that the engine counted the resync's failure, a success can forget it.
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self._submit(self._start_recovery(kind))
+        if not self._want_ready:
             return
         eng = self.engine
         if eng is None:
@@ -657,19 +807,23 @@ class AgonesAdapter:
             return
         with self._lock:
             self._ready_deferred = False  # this report decides, by the GameServer's state
+            asked, self._ready_asked = self._ready_asked, False  # ... or ready()'s own
+            epoch = self._ready_epoch
         with contextlib.suppress(RuntimeError):  # closed meanwhile
-            self._submit(self._ready_after_restore())
+            self._submit(self._ready_after_restore(asked=asked, epoch=epoch))
 
     def _defer_ready(self, eng: Engine, *, asked: bool) -> None:
         """Send Ready once ``eng`` is ready: readiness can come back without a report (a
         late heartbeat judged a busy stall, not a restore; a duplicate restore notice that
         ran nothing), and a report alone was awaited. ``asked``: as for
-        :meth:`_ready_after_restore`; the latest caller decides."""
+        :meth:`_ready_after_restore`; once the game's own ready() is deferred, it stays
+        so until sent or superseded (a restore's report deferring it again must not turn
+        it into a Ready an Allocated server skips: it was dropped)."""
         with self._lock:
             if self._closed:
                 return
             self._ready_deferred = True
-            self._ready_asked = asked
+            self._ready_asked = self._ready_asked or asked
             if self._ready_waiter:
                 return
             self._ready_waiter = True
@@ -688,46 +842,96 @@ class AgonesAdapter:
                     if self._closed or not self._ready_deferred:
                         return
                     self._ready_deferred = False
-                    asked = self._ready_asked
+                    asked, self._ready_asked = self._ready_asked, False
+                    epoch = self._ready_epoch
                 with contextlib.suppress(RuntimeError):  # closed meanwhile
-                    self._submit(self._deferred_ready(eng, asked))
+                    self._submit(self._deferred_ready(eng, asked, epoch))
                 return
 
-    async def _deferred_ready(self, eng: Engine, asked: bool) -> None:
+    async def _deferred_ready(self, eng: Engine, asked: bool, epoch: int) -> None:
         if not self._want_ready:
             return  # shutdown() since
         if not eng.is_ready():
             self._defer_ready(eng, asked=asked)  # not ready again already: wait once more
             return
-        await self._ready_after_restore(asked=asked)
+        await self._ready_after_restore(asked=asked, epoch=epoch)
 
-    async def _ready_after_restore(self, asked: bool = False) -> None:
+    def _ready_unwanted(self, asked: bool, epoch: int) -> str | None:
+        """Why the Ready decided with ``epoch`` must not be sent (now), else None."""
+        if self._closed:
+            return "the adapter is closed"
+        if not self._want_ready:
+            return "shutdown() was called since"
+        if epoch != self._ready_epoch:
+            return "allocate(), reserve() or shutdown() was called since"
+        state = (self._gameserver or {}).get("status", {}).get("state", "")
+        if state in (_NO_ASKED_READY_STATES if asked else _NO_READY_STATES):
+            return f"the GameServer is {state}"
+        if not state and not asked:  # never Ready blind: an Allocated one would be allocated twice
+            return "the GameServer's state is unknown"
+        return None
+
+    async def _ready_after_restore(self, asked: bool = False, epoch: int = 0) -> None:
         """``asked``: ready() itself was deferred, not a restore: an unknown state (no
-        GameServer fetched yet) does not stop it, as it would not have stopped ready()."""
+        GameServer fetched yet) does not stop it, as it would not have stopped ready(),
+        and neither do ``Allocated`` or ``Reserved`` (the game returns its server to the
+        pool). ``epoch``: :attr:`_ready_epoch` when it was decided. Before every attempt
+        the decision is made again, on the state the watch stream saw last."""
         if self._ready_task is not None:
             self._ready_task.cancel()
         self._ready_task = asyncio.current_task()
+        what = "the deferred ready()" if asked else "after the restore"
         state = (self._gameserver or {}).get("status", {}).get("state", "")
-        if state in _NO_READY_STATES:
-            log.info("GameServer is %s after the restore: not asking to be Ready", state)
-            return
-        if not state and not asked:  # never Ready blind: an Allocated one would be allocated twice
-            log.warning("not marking the GameServer Ready: its state after the restore is "
-                        "unknown")
-            return
         attempt = 0
-        while True:
-            attempt += 1
-            try:
-                await self._request("POST", "/ready", {})
-                log.info("GameServer marked Ready again after the restore (was %s)",
-                         state or "unknown")
-                return
-            except AgonesError as exc:
-                level = logging.WARNING if attempt == 1 else logging.DEBUG
-                log.log(level, "POST /ready after the restore failed (retrying): %s",
-                        _describe(exc.__cause__ or exc))
+        try:
+            while True:
+                attempt += 1
+                async with self._ready_gate:  # allocate() waits for an attempt in flight
+                    why = self._ready_unwanted(asked, epoch)
+                    if why is not None:
+                        level = (logging.WARNING if why.endswith("unknown") and attempt == 1
+                                 else logging.INFO)
+                        log.log(level, "not asking to be Ready (%s): %s", what, why)
+                        return
+                    try:
+                        await self._request("POST", "/ready", {})
+                        log.info("GameServer marked Ready again (%s; was %s)", what,
+                                 state or "unknown")
+                        return
+                    except AgonesError as exc:
+                        code = _refusal(exc)
+                        if code is not None:
+                            # Sent again it would only be refused again, for ever.
+                            log.warning("Agones sidecar refused POST /ready (%s) with HTTP "
+                                        "%d: not asked again before the next restore",
+                                        what, code)
+                            return
+                        level = logging.WARNING if attempt == 1 else logging.DEBUG
+                        log.log(level, "POST /ready (%s) failed (retrying): %s", what,
+                                _describe(exc.__cause__ or exc))
                 await asyncio.sleep(_backoff(attempt, 5.0))
+        finally:
+            if self._ready_task is asyncio.current_task():
+                self._ready_task = None
+
+    async def _supersede_ready(self, what: str) -> None:
+        """allocate(), reserve() or shutdown(): a Ready decided before (retried after a
+        restore, or deferred) is not sent after it — it marked an Allocated server Ready,
+        and a second match landed on it. An attempt already in flight is answered first,
+        so that the sidecar never sees it after this call."""
+        with self._lock:
+            self._ready_epoch += 1
+            dropped = self._ready_deferred
+            self._ready_deferred = self._ready_asked = False
+        task, self._ready_task = self._ready_task, None
+        if task is not None and not task.done():
+            dropped = True
+            if not self._ready_gate.locked():
+                task.cancel()
+        async with self._ready_gate:
+            pass
+        if dropped:
+            log.info("%s: the pending Ready is not sent", what)
 
     # -- the SDK ---------------------------------------------------------------------
 
@@ -771,7 +975,12 @@ class AgonesAdapter:
         """``POST /ready``: this server can take players. Remembered: after a restore the
         adapter asks again when the GameServer needs it — also when this call failed
         without an answer (``AgonesError``; not when the sidecar refused it with a 4xx).
-        Not retried here: a game whose sidecar may start after it calls again."""
+        Not retried here: a game whose sidecar may start after it calls again. While
+        rehydrate is not ready (a snapshot, a restore running or failed) it is deferred
+        and sent once it is — also to an ``Allocated`` or ``Reserved`` GameServer (the
+        game returns it to the pool), not to a ``Ready``, ``RequestReady`` or
+        ``Shutdown`` one, nor after a later :meth:`allocate`, :meth:`reserve` or
+        :meth:`shutdown`."""
         self._call(self._ready())
 
     async def aready(self) -> None:
@@ -795,10 +1004,16 @@ class AgonesAdapter:
         await self._await(self._metadata("annotation", key, value))
 
     async def _simple(self, path: str, body: dict[str, Any] | None = None) -> None:
+        what = f"POST {path}"
+        await self._supersede_ready(what)
+        await self._wait_restored(what)
         await self._request("POST", path, {} if body is None else body)
 
     def allocate(self) -> None:
-        """``POST /allocate``: mark this server Allocated (self-allocation)."""
+        """``POST /allocate``: mark this server Allocated (self-allocation). A Ready still
+        pending (retried after a restore, or a deferred :meth:`ready`) is not sent after
+        it. Between the before-snapshot pause and the restore it waits for the restore
+        (at most ``deadline``, then :class:`AgonesUnavailable`)."""
         self._call(self._simple("/allocate"))
 
     async def aallocate(self) -> None:
@@ -806,7 +1021,7 @@ class AgonesAdapter:
 
     def reserve(self, seconds: int) -> None:
         """``POST /reserve``: Reserved for ``seconds`` (0: until allocated), a whole number
-        up to a year."""
+        up to a year. A pending Ready and the snapshot pause: as for :meth:`allocate`."""
         body = {"seconds": _reserve_seconds(seconds)}
         self._call(self._simple("/reserve", body))
 
@@ -816,7 +1031,8 @@ class AgonesAdapter:
 
     def shutdown(self) -> None:
         """``POST /shutdown``: ask Agones to shut this server down. The adapter no longer
-        asks to be Ready after a restore."""
+        asks to be Ready after a restore. A pending Ready and the snapshot pause: as for
+        :meth:`allocate`."""
         self._want_ready = False
         self._call(self._simple("/shutdown"))
 
@@ -825,13 +1041,16 @@ class AgonesAdapter:
         await self._await(self._simple("/shutdown"))
 
     def gameserver(self) -> dict[str, Any]:
-        """``GET /gameserver``: the GameServer as the sidecar sees it (snake_case JSON)."""
+        """``GET /gameserver``: the GameServer as the sidecar sees it (snake_case JSON).
+        Between the before-snapshot pause and the restore it waits for the restore (at
+        most ``deadline``); :attr:`known_gameserver` answers without a request."""
         return self._call(self._get_gameserver())
 
     async def agameserver(self) -> dict[str, Any]:
         return await self._await(self._get_gameserver())
 
     async def _get_gameserver(self) -> dict[str, Any]:
+        await self._wait_restored("GET /gameserver")
         gs = self._checked(await self._request("GET", "/gameserver"))
         self._set_gameserver(gs)
         return gs

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -115,10 +116,16 @@ class UdpEndpoint:
         return self._local_addr() if callable(self._local_addr) else self._local_addr
 
     async def _bind(self) -> None:
+        self._bound(await self._open(self._wanted()))
+
+    async def _open(self, addr: Address) -> asyncio.DatagramTransport:
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Filter(self), local_addr=self._wanted())
-        self.transport, self.loop = transport, loop
+            lambda: _Filter(self), local_addr=addr)
+        return transport
+
+    def _bound(self, transport: asyncio.DatagramTransport) -> None:
+        self.transport, self.loop = transport, asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         if not callable(self._local_addr):
             # port 0 meant "any": bind again where the clients already send
@@ -222,9 +229,11 @@ class UdpEndpoint:
 
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.
-        Raises ``OSError`` when binding again fails too (the hook then fails, and the
-        process is not ready), ``RuntimeError`` before :meth:`start` and after
-        :meth:`close`."""
+        The new socket is bound before the old one is closed (unless the old one holds
+        that very address), so a failed bind leaves the old one open. Raises ``OSError``
+        naming the endpoint, the address and what to do when binding again fails (the
+        hook then fails, and the process is not ready), ``RuntimeError`` before
+        :meth:`start` and after :meth:`close`."""
         if self.transport is None:
             # It bound the socket itself, with no restore hook, and start() then said
             # "already started": the endpoint was never checked after a restore.
@@ -243,15 +252,49 @@ class UdpEndpoint:
                     self.name, where)
         self._rebinding = True
         try:
-            if old is not None:
-                old.close()
-            await asyncio.sleep(0)  # let the loop drop the old reader before binding
-            await self._bind()
+            await self._rebind(old)
         finally:
             self._rebinding = False
         self.rebinds += 1
         log.info("UDP socket %s bound again at %s", self.name, self.address)
         return True
+
+    async def _rebind(self, old: asyncio.DatagramTransport) -> None:
+        """The new socket bound before the old one is closed, so that a failed bind (a
+        fixed address the host no longer has) leaves the old one as it was; only when the
+        old one holds the very address (the same address and port, or a wildcard bind) is
+        it closed first."""
+        addr = self._wanted()
+        try:
+            try:
+                new = await self._open(addr)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                old.close()
+                await asyncio.sleep(0)  # let the loop drop the old reader before binding
+                new = await self._open(addr)
+        except OSError as exc:
+            raise self._rebind_failed(addr, exc) from exc
+        self._bound(new)
+        old.close()
+        await asyncio.sleep(0)  # the old transport's connection_lost, while _rebinding
+
+    def _rebind_failed(self, addr: Address, exc: OSError) -> OSError:
+        """``exc`` with the endpoint, the address and what to do (a bare "[Errno 99]
+        Cannot assign requested address" said none of them)."""
+        if callable(self._local_addr):
+            hint = "local_addr() returned it: is it this host's address now?"
+        elif addr[0] in ("0.0.0.0", "::", ""):  # noqa: S104 - naming a wildcard bind
+            hint = "is the port taken by another socket?"
+        else:
+            hint = (f"a fixed address: a clone in a new Pod has another IP; bind "
+                    f"('0.0.0.0', {addr[1]}) or pass local_addr as a callable "
+                    f"(e.g. lambda: (os.environ['POD_IP'], {addr[1]})), evaluated at "
+                    f"every bind")
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        return OSError(exc.errno, f"UDP endpoint {self.name!r}: binding again at "
+                                  f"{addr[0]}:{addr[1]} failed ({reason}); {hint}")
 
     def _not_started(self, what: str) -> RuntimeError:
         return RuntimeError(f"UDP endpoint {self.name!r} is not started: await start() "

@@ -946,3 +946,259 @@ def test_a_watch_stopped_as_its_request_fails_leaves_no_unretrieved_error(
             a.close()
         gc.collect()  # the failed request's task, once unreferenced, says what it holds
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+# -- the Ready after a restore, and the calls that supersede it -------------------------
+
+
+def _retrying_ready_after_a_restore(sidecar, adapter, engine, monkeypatch, status=503):
+    """A clone (its GameServer Scheduled) whose POST /ready after the restore the sidecar
+    answers with ``status``; retries come fast. Returns the retry task and the time the
+    restore began."""
+    from rehydrate.adapters import agones as agones_module
+
+    monkeypatch.setattr(agones_module, "_backoff", lambda attempt, cap: 0.01)
+    adapter.ready()
+    sidecar.wait_for("GET", "/watch/gameserver")
+    assert engine.simulate_snapshot().ok
+    sidecar.set_state("Scheduled")
+    sidecar.fail_next(10**6, "/ready", status=status)
+    t0 = time.monotonic()
+    assert engine.simulate_restore().ok
+    sidecar.wait_for("POST", "/ready", since=t0, status=status)
+    return adapter._ready_task, t0
+
+
+@pytest.mark.parametrize(("call", "state"), [
+    (lambda a: a.allocate(), "Allocated"),
+    (lambda a: a.reserve(0), "Reserved"),
+    (lambda a: a.shutdown(), "Shutdown"),
+], ids=["allocate", "reserve", "shutdown"])
+def test_a_call_during_the_ready_retry_after_a_restore_stops_it(
+        sidecar, adapter, rehydrate_engine, monkeypatch, call, state):
+    """The retry loop ran on after allocate() (or shutdown()): once the sidecar took the
+    POST /ready, the Allocated server was Ready again and a second match landed on it."""
+    task, _ = _retrying_ready_after_a_restore(sidecar, adapter, rehydrate_engine,
+                                              monkeypatch)
+    assert task is not None
+    call(adapter)
+    sidecar.fail_next(0)  # a retry still running would now be answered
+    wait_for(task.done, what="the Ready retry to end")
+    [superseding] = [r for r in sidecar.requests if r.path in (
+        "/allocate", "/reserve", "/shutdown")]
+    # an attempt in flight was answered before the call went out, none came after it
+    assert all(r.mono < superseding.mono for r in sidecar.calls("POST", "/ready"))
+    assert sidecar.gs.state == state
+
+
+def test_the_ready_retry_stops_when_the_watch_shows_the_server_allocated(
+        sidecar, adapter, rehydrate_engine, monkeypatch):
+    task, t0 = _retrying_ready_after_a_restore(sidecar, adapter, rehydrate_engine,
+                                               monkeypatch)
+    sidecar.set_state("Allocated")  # by Agones' allocator, say
+    # The sidecar still answers 503: only the state the watch delivered ends the retry
+    # (answering now could meet an attempt decided just before the watch line came).
+    wait_for(task.done, what="the Ready retry to end")
+    assert adapter.known_gameserver["status"]["state"] == "Allocated"
+    assert [r.status for r in sidecar.calls("POST", "/ready", since=t0)
+            if r.status == 200] == []
+    assert sidecar.gs.state == "Allocated"
+
+
+def test_a_refused_ready_after_a_restore_is_not_retried(sidecar, adapter, rehydrate_engine,
+                                                        monkeypatch, caplog):
+    """HTTP 400 was retried for good, a request a second."""
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        task, t0 = _retrying_ready_after_a_restore(sidecar, adapter, rehydrate_engine,
+                                                   monkeypatch, status=400)
+        wait_for(task.done, what="the Ready retry to stop on the refusal")
+    assert len(sidecar.calls("POST", "/ready", since=t0)) == 1
+    refused = [r.getMessage() for r in caplog.records if "refused POST /ready" in
+               r.getMessage()]
+    assert refused == ["Agones sidecar refused POST /ready (after the restore) with HTTP "
+                       "400: not asked again before the next restore"]
+
+
+def test_the_games_own_ready_deferred_by_a_snapshot_returns_an_allocated_server(
+        sidecar, adapter, rehydrate_engine):
+    """Agones' reuse of an Allocated GameServer: the match ends and the game calls ready()
+    to return the server to the pool. Made during the snapshot window, it was deferred
+    ("remembered and sent"), then dropped because the GameServer was Allocated."""
+    adapter.ready()
+    adapter.allocate()
+    assert rehydrate_engine.simulate_snapshot().ok
+    t_snap = time.monotonic()
+    adapter.ready()  # not ready while paused: deferred
+    assert sidecar.calls("POST", "/ready", since=t_snap) == []
+    assert rehydrate_engine.simulate_restore().ok
+    sidecar.wait_for("POST", "/ready", since=t_snap)
+    assert sidecar.gs.state == "Ready"
+
+
+def test_the_games_own_ready_deferred_by_a_degraded_restore_goes_out_on_recovery(
+        sidecar, adapter, rehydrate_engine):
+    fail = {"on": True}
+
+    @rehydrate_engine.registry.after_restore(name="game.db")
+    def db() -> None:
+        if fail["on"]:
+            raise ConnectionError("db not reachable yet")
+
+    adapter.ready()
+    adapter.allocate()
+    t0 = time.monotonic()
+    assert not rehydrate_engine.simulate_restore().ok
+    adapter.ready()  # the match ended: back to the pool, deferred (degraded)
+    assert sidecar.calls("POST", "/ready", since=t0) == []
+    fail["on"] = False
+    assert rehydrate_engine.recovered("game.db")
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert sidecar.gs.state == "Ready"
+
+
+def test_allocate_after_a_deferred_ready_drops_it(sidecar, adapter, rehydrate_engine):
+    """The game's ready() deferred, then allocate(): the Ready, sent once rehydrate is
+    ready, would have made the Allocated server Ready."""
+
+    @rehydrate_engine.registry.after_restore(name="game.db")
+    def db() -> None:
+        raise ConnectionError("db not reachable yet")
+
+    t0 = time.monotonic()
+    assert not rehydrate_engine.simulate_restore().ok
+    adapter.ready()  # deferred (degraded)
+    adapter.allocate()  # sent: the adapter is not paused
+    assert rehydrate_engine.recovered("game.db")
+    wait_for(lambda: "rehydrate-agones-ready" not in [t.name for t in threading.enumerate()],
+             what="the readiness waiter to end")
+    adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
+    assert sidecar.calls("POST", "/ready", since=t0) == []
+    assert sidecar.gs.state == "Allocated"
+
+
+def test_a_resync_that_missed_its_deadline_finishes_once_the_sidecar_answers(
+        sidecar, rehydrate_engine):
+    """The engine stayed degraded for good after the sidecar answered again, and the
+    clone's GameServer Scheduled."""
+    a = _adapter(sidecar, rehydrate_engine, deadline=0.5, request_timeout=0.3)
+    a.install()
+    try:
+        a.ready()
+        a.set_label("map", "dust")
+        sidecar.wait_for("GET", "/watch/gameserver")
+        assert rehydrate_engine.simulate_snapshot().ok
+        with sidecar.cond:
+            sidecar.gs.labels.clear()
+        sidecar.set_state("Scheduled")  # a clone in a new Pod
+        sidecar.fail_next(10**6, "/gameserver", status=503)
+        t0 = time.monotonic()
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        assert [h.outcome for h in report.hooks if h.name == "rehydrate.agones.resync"] \
+            == ["failed"]
+        assert not rehydrate_engine.is_ready()
+        sidecar.fail_next(0)  # the sidecar answers again
+        assert rehydrate_engine.wait_ready(15), rehydrate_engine.status()
+        sidecar.wait_for("POST", "/ready", since=t0)
+        assert sidecar.gs.state == "Ready"
+        assert sidecar.gs.labels == {"agones.dev/sdk-map": "dust"}
+        assert a.status()["reason"] == ""
+    finally:
+        a.close()
+
+
+def test_close_from_a_listener_returns_at_once_and_detaches(sidecar, rehydrate_engine):
+    """close() from on_change (the adapter's own thread) waited 10 s for itself, raised
+    "cannot join current thread" and left the hooks registered: every later snapshot
+    and restore failed on the closed adapter."""
+    a = _adapter(sidecar, rehydrate_engine)
+    outcome: list[object] = []
+    closed = threading.Event()
+
+    @a.on_change
+    def changed(gs) -> None:
+        if gs["status"]["state"] == "Shutdown":
+            try:
+                a.close()
+                outcome.append("returned")
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                outcome.append(exc)
+            closed.set()
+
+    a.install()
+    thread = a._thread
+    sidecar.set_state("Shutdown")
+    assert closed.wait(10)
+    assert outcome == ["returned"]
+    thread.join(10)
+    assert not thread.is_alive()
+    assert a._loop.is_closed()
+    names = [h.name for h in rehydrate_engine.hooks("restore")]
+    assert not [n for n in names if n.startswith("rehydrate.agones")], names
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+
+
+def test_close_during_a_restores_resync_fails_it_at_once(sidecar, rehydrate_engine, caplog):
+    """The hook waited deadline + 5 s for a loop that had been stopped, then failed with a
+    misleading timeout, and an ERROR traceback "Event loop is closed" followed."""
+    a = _adapter(sidecar, rehydrate_engine, deadline=30.0)
+    a.install()
+    sidecar.fail_next(10**6, "/gameserver", status=503)
+    result: dict[str, object] = {}
+    t0 = time.monotonic()
+    run = threading.Thread(
+        target=lambda: result.update(report=rehydrate_engine.simulate_restore()))
+    run.start()
+    try:
+        sidecar.wait_for("GET", "/gameserver", since=t0, status=503)
+        a.close()
+        run.join(10)
+        assert not run.is_alive(), "the resync hook still waits for the closed adapter"
+    finally:
+        a.close()
+        run.join(40)
+    report = result["report"]
+    [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
+    assert "AgonesAdapter closed" in str(resync.error), report.table()
+    assert "Event loop is closed" not in caplog.text
+
+
+def test_an_sdk_call_between_the_pause_and_the_restore_waits_for_the_restore(
+        sidecar, adapter, rehydrate_engine, caplog):
+    """Sent at once, it opened a connection that the snapshot froze (the docs promise
+    none in flight or pooled in the image)."""
+    assert rehydrate_engine.simulate_snapshot().ok
+    t_pause = time.monotonic()
+    done: list[object] = []
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        call = threading.Thread(target=lambda: done.append(adapter.allocate()))
+        call.start()
+        wait_for(lambda: "POST /allocate while paused" in caplog.text,
+                 what="the call to wait for the restore")
+        assert sidecar.calls("POST", "/allocate") == []
+        assert adapter._client is None
+        t_restore = time.monotonic()
+        assert rehydrate_engine.simulate_restore().ok
+        call.join(10)
+    assert done == [None]
+    [allocate] = sidecar.calls("POST", "/allocate", since=t_pause)
+    assert allocate.mono >= t_restore
+    assert sidecar.gs.state == "Allocated"
+
+
+def test_an_sdk_call_while_paused_with_no_restore_coming_is_one_clear_error(
+        sidecar, rehydrate_engine):
+    from rehydrate.adapters.agones import AgonesUnavailable
+
+    a = _adapter(sidecar, rehydrate_engine, deadline=0.2)
+    a.install()
+    try:
+        assert rehydrate_engine.simulate_snapshot().ok
+        with pytest.raises(AgonesUnavailable, match=r"GET /gameserver: the adapter is "
+                           r"paused for a snapshot and no restore or resume came within "
+                           r"the 0.2s deadline"):
+            a.gameserver()
+        assert sidecar.calls("GET", "/gameserver") == []
+    finally:
+        a.close()

@@ -297,3 +297,58 @@ def test_an_absurd_key_size_is_refused_up_front(rehydrate_engine, nbytes, shown)
                                f"not {shown}")
     s = MatchSessions("huge", nbytes=1024, engine=rehydrate_engine)  # the name stayed free
     assert s.verify("p", s.token("p"))
+
+
+_NOT_HERE = "192.0.2.1"  # TEST-NET-1: never this host's address, so binding it fails
+
+
+async def test_a_failed_rebind_to_a_new_address_keeps_the_old_socket_and_says_why(
+        rehydrate_engine, monkeypatch):
+    """The old socket was closed before the new bind, which then failed with a bare
+    "[Errno 99] Cannot assign requested address": no endpoint, address or hint."""
+    where = {"addr": ("127.0.0.1", 0)}
+    ep = UdpEndpoint(Echo, lambda: where["addr"], engine=rehydrate_engine, name="moved",
+                     probe_timeout=0.3)
+    await ep.start()
+    try:
+        old, port = ep.transport, ep.address[1]
+        where["addr"] = (_NOT_HERE, port)
+
+        async def dead() -> bool:
+            return False
+
+        monkeypatch.setattr(ep, "check", dead)
+        with pytest.raises(OSError) as info:
+            await ep.ensure()
+        assert str(info.value) == (
+            f"[Errno {info.value.errno}] UDP endpoint 'moved': binding again at "
+            f"{_NOT_HERE}:{port} failed ({os.strerror(info.value.errno)}); local_addr() "
+            "returned it: is it this host's address now?")
+        assert ep.transport is old and not old.is_closing()
+        assert await _roundtrip(("127.0.0.1", port), b"still") == b"echo:still"
+    finally:
+        ep.close()
+
+
+async def test_a_failed_rebind_at_a_fixed_address_names_the_fix(rehydrate_engine,
+                                                                 monkeypatch):
+    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="static",
+                     probe_timeout=0.3)
+    await ep.start()
+    try:
+        port = ep.address[1]
+
+        async def dead() -> bool:
+            return False
+
+        monkeypatch.setattr(ep, "check", dead)
+        # what a clone in a new Pod meets: the fixed address is no longer the host's
+        monkeypatch.setattr(ep, "_wanted", lambda: (_NOT_HERE, port))
+        with pytest.raises(OSError, match=(
+                rf"UDP endpoint 'static': binding again at {_NOT_HERE}:{port} failed "
+                rf".*; a fixed address: a clone in a new Pod has another IP; bind "
+                rf"\('0\.0\.0\.0', {port}\) or pass local_addr as a callable")):
+            await ep.ensure()
+        assert not ep.transport.is_closing()
+    finally:
+        ep.close()
