@@ -25,7 +25,11 @@ Metrics (meter ``rehydrate``):
 ==================================  =========  =====================================
 
 The duration histograms advise bucket bounds in seconds, 1 ms to 60 s (an SDK ``View``
-overrides them; an API or SDK older than 1.30 ignores the advice).
+overrides them; an API or SDK older than 1.30 ignores the advice, and so does SDK 1.30
+for a reader whose exporter asks for an explicit-bucket aggregation of its own, as the
+OTLP exporters do: they need 1.31). The generation gauge reports each engine from its
+``start()`` (or the ``instrument(engine, meter_provider=...)`` call, or its first event)
+until its ``close()``, unless its telemetry is off.
 
 Clone identity: :func:`resource_attributes` / :func:`resource_detector` give the SDK
 ``Resource`` a ``service.instance.id`` equal to :func:`rehydrate.entropy.instance_id`,
@@ -138,7 +142,8 @@ class _Instruments:
     ignores a second one's callback, so the generation gauge reported the first engine a
     meter provider saw and no other (and older SDKs logged a warning per instrument for
     each further engine). The gauge reports every live engine in :attr:`telemetries`
-    (held weakly, as their engines hold them)."""
+    (held weakly, as their engines hold them) whose telemetry is on and that is not
+    closed."""
 
     def __init__(self, meter: Any) -> None:
         self.restore_duration = _duration_histogram(
@@ -159,6 +164,13 @@ class _Instruments:
             "rehydrate.fingerprint.mismatches", unit="{field}",
             description="Snapshot manifest fields that differ on the node after restore")
         self.telemetries: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+        # Held around every change of telemetries and the gauge callback's copy of it:
+        # engines join and leave from their own threads (under their own locks) while the
+        # SDK runs the callback on the collecting thread; iterating the set as it changed
+        # raised "Set changed size during iteration" and the export lost every engine's
+        # point.
+        self._lock = threading.Lock()
+        fresh_lock_after_fork(self)
         meter.create_observable_gauge(
             "rehydrate.generation", callbacks=[self._observe_generation],
             unit="{generation}", description="0 in the original process, +1 per restore")
@@ -166,9 +178,13 @@ class _Instruments:
     def _observe_generation(self, options: Any) -> Iterator[Any]:
         from opentelemetry.metrics import Observation
 
-        for tel in list(self.telemetries):
+        with self._lock:
+            telemetries = list(self.telemetries)
+        if _disabled_by_env():
+            return
+        for tel in telemetries:
             engine = tel._engine()
-            if engine is not None:
+            if engine is not None and tel.enabled and not tel._closed:
                 yield Observation(engine.generation, {"rehydrate.state": engine.state,
                                                       "rehydrate.engine": tel.engine_label()})
 
@@ -190,6 +206,21 @@ def _instruments_of(meter: Any) -> _Instruments:
         if inst is None:
             inst = _by_meter[meter] = _Instruments(meter)
         return inst
+
+
+def _engine_started(tel_ref: weakref.ref[Telemetry], engine: Engine) -> None:
+    """Start listener: join the generation gauge of the meter provider in use now (the
+    lookup an event makes: no OpenTelemetry import when none can be configured)."""
+    tel = tel_ref()
+    if tel is None:
+        return
+    try:
+        _, mp = tel._providers()
+    except Exception:  # telemetry must never break start(); the first event logs it
+        log.exception("telemetry: could not look up the meter provider")
+        return
+    if mp is not None:
+        tel._join_gauge(mp)
 
 
 class _Event:
@@ -233,6 +264,7 @@ class Telemetry:
         self._tracer_src: Any = None
         self._instruments: _Instruments | None = None
         self._instruments_src: Any = None
+        self._closed = False
         self._gen_lock = threading.Lock()
         # Held around the meter provider's calls (it takes its own locks): a parent thread
         # inside them at fork() made the child's events wait for it for ever.
@@ -249,6 +281,9 @@ class Telemetry:
         self._flush_at_end: RestoreContext | None = None
         self.last_instance_id: str | None = None
         engine.add_observer(self)
+        # Reported by the generation gauge from start(), not only from its first event
+        # (the original process showed no generation 0 until its first snapshot).
+        engine.add_start_listener(functools.partial(_engine_started, weakref.ref(self)))
 
     # -- providers (resolved per event) ------------------------------------------------
 
@@ -270,6 +305,28 @@ class Telemetry:
             self.meter_provider = meter_provider
         if enabled is not None:
             self.enabled = enabled
+        if meter_provider is not None and self.enabled:
+            # Joins that provider's generation gauge (and leaves the one it was on) now,
+            # not at its next event.
+            self._join_gauge(meter_provider)
+
+    def _join_gauge(self, mp: Any) -> None:
+        try:
+            self._instruments_for(mp)
+        except Exception:  # telemetry must never break configuration; events log it again
+            log.exception("telemetry: could not create the instruments of %s",
+                          type(mp).__name__)
+
+    def close(self) -> None:
+        """Leave the generation gauge (called by the engine's ``close()``): a closed
+        engine is not reported, even while something still refers to it. An event run
+        after that reports it again."""
+        with self._gen_lock:
+            self._closed = True
+            inst, self._instruments, self._instruments_src = self._instruments, None, None
+            if inst is not None:
+                with inst._lock:
+                    inst.telemetries.discard(self)
 
     def _providers(self) -> tuple[Any, Any]:
         if not self.enabled or _disabled_by_env():
@@ -291,11 +348,15 @@ class Telemetry:
     def _instruments_for(self, mp: Any) -> _Instruments:
         with self._gen_lock:
             if mp is not self._instruments_src or self._instruments is None:
-                if self._instruments is not None:
+                old = self._instruments
+                inst = _instruments_of(mp.get_meter(SCOPE, __version__))
+                if old is not None and old is not inst:
                     # the provider it left no longer reports its generation
-                    self._instruments.telemetries.discard(self)
-                self._instruments = _instruments_of(mp.get_meter(SCOPE, __version__))
-                self._instruments.telemetries.add(self)
+                    with old._lock:
+                        old.telemetries.discard(self)
+                with inst._lock:
+                    inst.telemetries.add(self)
+                self._instruments = inst
                 self._instruments_src = mp
             return self._instruments
 
@@ -316,6 +377,7 @@ class Telemetry:
 
     def event_started(self, ctx: RestoreContext) -> None:
         self._event = None
+        self._closed = False  # an engine used after close() is live again
         # event_finished will flush the managed providers after this snapshot's own span
         # and metrics end (the flush hook then has nothing to do)
         self._flush_at_end = ctx if ctx.kind == "snapshot" else None
@@ -471,7 +533,7 @@ class Telemetry:
 
                 err = result.error
                 if err is not None:
-                    span.record_exception(err, attributes=_exception_type(err))
+                    span.record_exception(err, attributes=_exception_type(err, span))
                 # describe_error: the one line reports and logs show, the type a
                 # RedactedError stands for included
                 desc = describe_error(err) if err is not None else result.outcome
@@ -588,15 +650,56 @@ class Telemetry:
             raise RuntimeError("telemetry refresh incomplete: " + "; ".join(errors))
 
 
-def _exception_type(err: BaseException) -> dict[str, str] | None:
+def _exception_type(err: BaseException, span: Any) -> dict[str, str] | None:
     """``exception.type`` for a :class:`RedactedError`: the type it stands for, named as
-    the SDK names an unredacted one (module-qualified, a builtin bare), so that a failure
-    groups with the same failure whose message quoted no secret. None for any other error:
-    the SDK's own naming."""
+    ``span``'s ``record_exception()`` names an unredacted one (module-qualified, a builtin
+    bare; the bare class name on SDKs before 1.25), so that a failure groups with the
+    same failure whose message quoted no secret. None for any other error: the SDK's own
+    naming."""
     if not isinstance(err, RedactedError):
         return None
-    name = err.original_type
-    return {"exception.type": name.removeprefix("builtins.")}
+    if not _qualifies_type_names(type(span)):
+        return {"exception.type": err.original_name}
+    return {"exception.type": err.original_type.removeprefix("builtins.")}
+
+
+class _NamingProbe(Exception):
+    """Never raised: handed to a span class's ``record_exception()`` to see how it names
+    an exception type."""
+
+
+class _EventRecorder:
+    """Stands for the span in that call: keeps the event's attributes."""
+
+    def __init__(self) -> None:
+        self.attributes: Any = None
+
+    def add_event(self, name: str, attributes: Any = None, timestamp: Any = None) -> None:
+        self.attributes = attributes
+
+
+_type_naming: dict[type, bool] = {}
+"""Span class -> whether its ``record_exception()`` names a type module-qualified."""
+
+
+def _qualifies_type_names(span_type: type) -> bool:
+    """Whether ``record_exception()`` of ``span_type`` names an application's exception
+    type ``module.Qualname`` (SDK 1.25 and later) rather than by its bare ``__name__``
+    (SDK 1.20 to 1.24): asked once per class, by running it on a probe with a stand-in
+    span (what it records is the only way to tell; the SDK's version need not be the
+    span's). True (the current SDK's naming) when that cannot be told."""
+    known = _type_naming.get(span_type)
+    if known is None:
+        recorder = _EventRecorder()
+        try:
+            span_type.record_exception(recorder, _NamingProbe())  # type: ignore[attr-defined]
+            name = recorder.attributes["exception.type"]
+        except Exception:
+            known = True
+        else:
+            known = name != _NamingProbe.__name__
+        _type_naming[span_type] = known
+    return known
 
 
 def _force_flush(flush: Callable[..., Any], ms: int) -> Any:

@@ -224,6 +224,43 @@ def test_the_span_names_the_type_raised_as_for_an_unredacted_error(
     assert "SECRETMARKER" not in json.dumps(dict(events["quoting"]))
 
 
+def _record_exception_before_1_25(self: Any, exception: BaseException,
+                                  attributes: Any = None, timestamp: Any = None,
+                                  escaped: bool = False) -> None:
+    """``Span.record_exception`` of opentelemetry-sdk 1.20 to 1.24: the bare class name."""
+    attrs = {"exception.type": exception.__class__.__name__,
+             "exception.message": str(exception), "exception.stacktrace": "",
+             "exception.escaped": str(escaped)}
+    attrs.update(attributes or {})
+    self.add_event(name="exception", attributes=attrs, timestamp=timestamp)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, AppError])
+def test_the_span_names_the_type_raised_as_an_older_sdk_names_it(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret, spans: InMemorySpanExporter,
+        kind: type[Exception], monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDKs before 1.25 name an application's error by its bare class name: the redacted
+    one's module-qualified name grouped it apart from the same error unredacted."""
+    from opentelemetry.sdk.trace import Span
+
+    monkeypatch.setattr(Span, "record_exception", _record_exception_before_1_25)
+    monkeypatch.setattr(telemetry, "_type_naming", {})
+
+    @rehydrate_engine.registry.after_restore(name="plain", required=False)
+    def plain() -> None:
+        raise kind("request failed: timeout")
+
+    @rehydrate_engine.registry.after_restore(name="quoting", required=False)
+    def quoting() -> None:
+        raise kind("request failed: " + token.get_str())
+
+    rehydrate_engine.simulate_restore()
+    events = {s.name: next(e for e in s.events if e.name == "exception").attributes
+              for s in spans.get_finished_spans() if s.name in ("plain", "quoting")}
+    assert events["plain"]["exception.type"] == kind.__name__
+    assert events["quoting"]["exception.type"] == kind.__name__
+
+
 def test_a_cause_or_a_note_quoting_the_token_is_not_kept(
         rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
     """httpx raises its own error ``from`` h11's: a traceback (telemetry's

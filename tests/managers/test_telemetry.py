@@ -730,3 +730,221 @@ def test_what_a_clone_exports_of_the_originals_metrics(rehydrate_engine, tempora
     assert "rehydrate.restore.duration" in names
     assert ("rehydrate.snapshot.duration" in names) is (temporality == "cumulative")
     mp.shutdown()
+
+
+def _gauge(reader: InMemoryMetricReader) -> dict[str, Any]:
+    return {dict(p.attributes)["rehydrate.engine"]: p.value
+            for p in metric_points(reader).get("rehydrate.generation", [])}
+
+
+class _SpyLock:
+    """A lock that tells when one of ``threads`` starts waiting for it."""
+
+    def __init__(self, threads: list[threading.Thread], waiting: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._threads = threads
+        self._waiting = waiting
+
+    def __enter__(self) -> Any:
+        if threading.current_thread() in self._threads:
+            self._waiting.set()
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._lock.__exit__(*exc)
+
+
+def test_an_engine_joining_while_the_gauge_is_collected_loses_no_point(rehydrate_engine,
+                                                                         caplog):
+    """Engines join a meter's gauge on their own threads: one that joined while the SDK's
+    collecting thread iterated the set raised "Set changed size during iteration" in the
+    callback, and that collection exported no engine's generation at all. Here another
+    thread's engine joins in the middle of the callback's iteration, every time."""
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    others = [isolated_engine() for _ in range(2)]
+    late = isolated_engine()
+    joiners: list[threading.Thread] = []
+    errors: list[BaseException] = []
+    progress = threading.Event()  # the joining thread has added, or waits to add
+
+    def join() -> None:
+        try:
+            telemetry.instrument(late, meter_provider=mp)
+            assert late.simulate_restore().ok
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            progress.set()
+
+    class JoinMidIteration(weakref.WeakSet):
+        def add(self, item: Any) -> None:
+            super().add(item)
+            progress.set()
+
+        def __iter__(self) -> Any:
+            it = super().__iter__()
+            yield next(it)
+            if not joiners:
+                joiners.append(threading.Thread(target=join))
+                joiners[0].start()
+                assert progress.wait(30)
+            yield from it
+
+    try:
+        for engine in (rehydrate_engine, *others):
+            telemetry.instrument(engine, meter_provider=mp)
+            assert engine.simulate_restore().ok
+        inst = telemetry.manager(rehydrate_engine)._instruments
+        assert inst is not None
+        inst.telemetries = JoinMidIteration(inst.telemetries)
+        inst._lock = _SpyLock(joiners, progress)  # type: ignore[assignment]
+        labels = [telemetry.manager(e).engine_label() for e in (rehydrate_engine, *others)]
+        assert _gauge(reader) == dict.fromkeys(labels, 1)
+        assert "Callback failed" not in caplog.text
+        joiners[0].join(30)
+        assert errors == []
+        # the engine that joined meanwhile is in the next collection
+        assert _gauge(reader) == {**dict.fromkeys(labels, 1),
+                                  telemetry.manager(late).engine_label(): 1}
+    finally:
+        for t in joiners:
+            t.join(30)
+        for engine in (*others, late):
+            engine.close()
+        mp.shutdown()
+
+
+def test_a_forked_child_collects_the_gauge_while_a_parent_thread_held_its_lock(
+        rehydrate_engine):
+    """The gauge's lock, held by a parent thread at fork(), would be held for ever in the
+    child: its every collection hung."""
+    from detect_helpers import in_forked_child
+
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    telemetry.instrument(rehydrate_engine, meter_provider=mp)
+    assert rehydrate_engine.simulate_restore().ok
+    inst = telemetry.manager(rehydrate_engine)._instruments
+    assert inst is not None
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with inst._lock:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        out = in_forked_child(lambda: {"gauge": _gauge(reader)}, deadline=5)
+    finally:
+        release.set()
+        holder.join(30)
+    assert out == {"gauge": {telemetry.manager(rehydrate_engine).engine_label(): 1}}, out
+    mp.shutdown()
+
+
+def test_a_closed_engine_leaves_the_gauge_until_it_runs_again(rehydrate_engine):
+    """docs/telemetry.md says the gauge reports every live engine: a closed engine that
+    something still referred to was reported as ready for ever."""
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    other = isolated_engine()
+    try:
+        for engine in (rehydrate_engine, other):
+            telemetry.instrument(engine, meter_provider=mp)
+            assert engine.simulate_restore().ok
+        other.close()
+        label = telemetry.manager(rehydrate_engine).engine_label()
+        assert _gauge(reader) == {label: 1}
+        assert other.simulate_restore().ok  # used again: live again
+        assert _gauge(reader) == {label: 1, telemetry.manager(other).engine_label(): 2}
+    finally:
+        other.close()
+    mp.shutdown()
+
+
+def test_engines_with_telemetry_off_are_not_on_the_gauge(rehydrate_engine, monkeypatch):
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    other = isolated_engine()
+    try:
+        for engine in (rehydrate_engine, other):
+            telemetry.instrument(engine, meter_provider=mp)
+            assert engine.simulate_restore().ok
+        telemetry.instrument(other, enabled=False)
+        label = telemetry.manager(rehydrate_engine).engine_label()
+        assert _gauge(reader) == {label: 1}
+        monkeypatch.setenv("REHYDRATE_TELEMETRY", "off")
+        assert _gauge(reader) == {}
+        monkeypatch.delenv("REHYDRATE_TELEMETRY")
+        telemetry.instrument(other, enabled=True)
+        assert _gauge(reader) == {label: 1, telemetry.manager(other).engine_label(): 1}
+    finally:
+        other.close()
+    mp.shutdown()
+
+
+def test_an_engine_given_a_meter_provider_moves_to_its_gauge_at_once(rehydrate_engine):
+    """It was reported by the provider it left (and not by the new one) until its next
+    event."""
+    readers = [InMemoryMetricReader(), InMemoryMetricReader()]
+    providers = [MeterProvider(metric_readers=[r]) for r in readers]
+    label = telemetry.manager(rehydrate_engine).engine_label()
+    telemetry.instrument(rehydrate_engine, meter_provider=providers[0])
+    assert _gauge(readers[0]) == {label: 0}
+    assert rehydrate_engine.simulate_restore().ok
+    telemetry.instrument(rehydrate_engine, meter_provider=providers[1])
+    assert _gauge(readers[0]) == {}
+    assert _gauge(readers[1]) == {label: 1}
+    for mp in providers:
+        mp.shutdown()
+
+
+def test_a_broken_meter_provider_given_to_instrument_is_logged_not_raised(
+        rehydrate_engine, caplog):
+    class BrokenMeterProvider:
+        def get_meter(self, *a: Any, **k: Any) -> Any:
+            raise RuntimeError("meter provider misconfigured")
+
+    telemetry.instrument(rehydrate_engine, meter_provider=BrokenMeterProvider())
+    assert "meter provider misconfigured" in caplog.text
+    assert rehydrate_engine.simulate_restore().ok
+
+
+_GAUGE_AT_START = textwrap.dedent("""
+    import json
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    import rehydrate
+
+    def gauge():
+        data = reader.get_metrics_data()
+        return [(dict(p.attributes), p.value) for rm in (data.resource_metrics if data else [])
+                for sm in rm.scope_metrics for m in sm.metrics
+                if m.name == "rehydrate.generation" for p in m.data.data_points]
+
+    out = {"before_start": gauge()}
+    rehydrate.start()
+    out["after_start"] = gauge()
+    rehydrate.default_engine.close()
+    print(json.dumps(out))
+""")
+
+
+def test_the_original_process_reports_generation_0_from_start():
+    """The gauge reported an engine only from its first event: the original process,
+    started but not yet snapshotted, had no generation 0 point."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OTEL_", "REHYDRATE_"))}
+    proc = subprocess.run([sys.executable, "-c", _GAUGE_AT_START], check=False,
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["before_start"] == []
+    assert out["after_start"] == [[{"rehydrate.engine": "default",
+                                    "rehydrate.state": "running"}, 0]], out
