@@ -316,8 +316,9 @@ def nftables(
 
     Give it as ``nft -j list table …`` prints it (tables with their chains, sets and
     rules: each table is then replaced atomically and read back for comparison), or as
-    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written, less the
-    rules already in the chains of tables they do not create). Returns the labels of the
+    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written, except that
+    their rules in chains of tables they do not create are sent only where those chains
+    do not hold them in place already: :meth:`NftCommands.batch`). Returns the labels of the
     tables it manages. A listing with a table of iptables-nft rules (``xt`` compat
     expressions, which nft cannot apply) is a ``ValueError``: declare those rules with
     :func:`iptables`; so is a table with an ``ingress``/``egress`` chain without its
@@ -395,7 +396,12 @@ def capture(
     restore or a resume). Never raises: what could not be read, or a route that cannot
     be re-applied whole (an encapsulation, a nexthop object), is listed in
     ``Capture.problems`` (and logged); ``tables`` given as one string is a
-    ``TypeError`` (it would be taken letter by letter and capture nothing)."""
+    ``TypeError`` (it would be taken letter by letter and capture nothing).
+
+    Calling it again starts afresh from what is there now: this is how to drop a
+    captured route or table that the capture before each snapshot keeps while its
+    re-apply failed (named in ``Capture.problems``; a route whose device is gone is
+    dropped by itself)."""
     if isinstance(tables, str):
         raise TypeError(f"tables is a list of 'family name' strings, not one string "
                         f"(write [{tables!r}])")
