@@ -214,15 +214,17 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     source = _source_prefix(what, from_prefix)
     # a source prefix exists only on IPv6 routes: `default from fd00:1::/64` is IPv6
     family = family or implied or (socket.AF_INET6 if source else socket.AF_INET)
-    ipv4_only = [name for name, given in (("tos", tos != 0), ("realm", realm not in (None, 0)))
+    # an IPv6 route has no scope (the kernel keeps none, and reads back universe, 0)
+    ipv4_only = [name for name, given in (("tos", tos != 0), ("realm", realm not in (None, 0)),
+                                          ("scope", scope not in (None, 0)))
                  if given]
     if source is not None and family != socket.AF_INET6:
         raise ValueError(f"{what}: from_prefix (a source prefix) is for IPv6 routes only "
                          "(the kernel ignores it on IPv4)")
     if ipv4_only and family != socket.AF_INET:
         raise ValueError(f"{what}: {ipv4_only[0]} is for IPv4 routes only"
-                         + (" (the kernel ignores it on IPv6)" if ipv4_only[0] == "realm"
-                            else ""))
+                         + (" (the kernel ignores it on IPv6)"
+                            if ipv4_only[0] in ("realm", "scope") else ""))
     # the kernel refuses a tos with either ECN bit set ("ECN bits must be 0")
     if type(tos) is not int or not 0 <= tos <= 255 or tos & 3:
         raise ValueError(f"{what}: tos must be a whole number 0-255 with the two ECN bits "
@@ -314,11 +316,13 @@ def nftables(
 
     Give it as ``nft -j list table …`` prints it (tables with their chains, sets and
     rules: each table is then replaced atomically and read back for comparison), or as
-    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written, less the
-    rules already in the chains of tables they do not create). Returns the labels of the
+    JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written, except that
+    their rules in chains of tables they do not create are sent only where those chains
+    do not hold them in place already: :meth:`NftCommands.batch`). Returns the labels of the
     tables it manages. A listing with a table of iptables-nft rules (``xt`` compat
     expressions, which nft cannot apply) is a ``ValueError``: declare those rules with
-    :func:`iptables`.
+    :func:`iptables`; so is a table with an ``ingress``/``egress`` chain without its
+    ``"dev"`` (as ``nft -j list`` 1.0.6 prints it), which nft cannot create.
     """
     data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
     if isinstance(data, Sequence):
@@ -346,6 +350,16 @@ def nftables(
                              "(xt compat expressions), which nft cannot re-apply; leave "
                              "them out and declare those rules with "
                              "rehydrate.routes.iptables()")
+        # `nft -j list` (1.0.6) leaves an ingress/egress chain's device out, and nft
+        # cannot create the chain without it: every restore where the table is gone
+        # would fail "Missing `device'"
+        blind = [f"{t.label} (chain(s) {', '.join(t.unlisted_devices())})" for t in decl
+                 if isinstance(t, NftTable) and t.unlisted_devices()]
+        if blind:
+            raise ValueError(f"nftables table(s) {'; '.join(blind)}: ingress/egress "
+                             "chain(s) without their device (\"dev\", which nft -j list "
+                             "leaves out), which nft cannot create; give each such chain "
+                             "its \"dev\"")
     if not decl:
         raise ValueError("the nftables ruleset declares nothing (no table, no command)")
     manager(engine).add_ruleset(decl)
@@ -382,7 +396,12 @@ def capture(
     restore or a resume). Never raises: what could not be read, or a route that cannot
     be re-applied whole (an encapsulation, a nexthop object), is listed in
     ``Capture.problems`` (and logged); ``tables`` given as one string is a
-    ``TypeError`` (it would be taken letter by letter and capture nothing)."""
+    ``TypeError`` (it would be taken letter by letter and capture nothing).
+
+    Calling it again starts afresh from what is there now: this is how to drop a
+    captured route or table that the capture before each snapshot keeps while its
+    re-apply failed (named in ``Capture.problems``; a route whose device is gone is
+    dropped by itself)."""
     if isinstance(tables, str):
         raise TypeError(f"tables is a list of 'family name' strings, not one string "
                         f"(write [{tables!r}])")

@@ -157,7 +157,11 @@ def _prerequisite_missing(exc: BaseException) -> bool:
         isinstance(exc, OSError) and exc.errno in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT))
 
 
-def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
+def _read_parts(tables: Iterable[str] | None, required: bool,
+                declared: frozenset[str] = frozenset()) -> _Parts:
+    """Read the routes and nftables tables; ``declared`` holds the labels of the tables
+    declared with :func:`~rehydrate.routes.nftables` (which take the place of their
+    capture: no note about not capturing them)."""
     parts = _Parts()
     try:
         skipped: list[str] = []
@@ -183,6 +187,8 @@ def _read_parts(tables: Iterable[str] | None, required: bool) -> _Parts:
                 continue
             blind = t.unlisted_devices()
             if blind:  # re-creating it would fail "Missing `device'" at every restore
+                if t.label in declared:  # declared already, as the note would ask
+                    continue
                 notes.append(f"nftables table {t.label} not captured: nft lists its chain(s) "
                              f"{', '.join(blind)} without their device; declare it with "
                              "rehydrate.routes.nftables(), each such chain with its \"dev\"")
@@ -265,7 +271,7 @@ class RoutesManager:
 
     def take_capture(self, tables: Iterable[str] | None, required: bool) -> Capture:
         spec = (tuple(tables) if tables is not None else None, required)
-        parts = _read_parts(spec[0], required)
+        parts = _read_parts(spec[0], required, self._declared_labels())
         cap = Capture(parts.routes or (), parts.tables or (), time.time(), parts.problems())
         for p in cap.problems:
             log.warning("network capture: %s", p)
@@ -276,6 +282,10 @@ class RoutesManager:
             self.capture = cap
         self._prepare()
         return cap
+
+    def _declared_labels(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset().union(*(_labels(t) for t in self.rulesets))
 
     def _prepare(self) -> None:
         """Encode the route messages of the declarations and the capture now (before
@@ -323,7 +333,7 @@ class RoutesManager:
         part is replaced. A part whose prerequisite was already missing at
         :func:`capture` (no ``nft`` binary, no nftables as on gVisor) is simply empty:
         :func:`capture` reported that once."""
-        parts = _read_parts(tables, required)
+        parts = _read_parts(tables, required, self._declared_labels())
         with self._lock:
             prev = self.capture
             baseline = self._unavailable_at_capture
@@ -335,6 +345,14 @@ class RoutesManager:
         if prev is not None and parts.routes is not None:
             fresh = {r.key() for r in parts.routes}
             lost = [r for r in prev.routes if r.key() in failed_routes and r.key() not in fresh]
+            # ... unless its device is gone too: removed on purpose (a tunnel taken down
+            # for good), the route would fail every restore from now on
+            gone = [r for r in lost if r.dev is not None and not _device_exists(r.dev)]
+            for r in gone:
+                log.warning("network capture before the snapshot: route %s: not re-applied "
+                            "after the last restore and its device %s no longer exists; "
+                            "dropped from the capture", r, r.dev)
+            lost = [r for r in lost if r not in gone]
             parts.routes += tuple(lost)
             problems.extend(f"route {r}: not re-applied after the last restore and still "
                             "absent; kept in the capture" for r in lost)
@@ -495,9 +513,9 @@ class RoutesManager:
         with its counters and the elements its rules added, and stays as found. A
         declared table (listed objects) is the declaration's: replaced where it differs
         from it, left untouched where it already matches (counters and dynamic set
-        elements kept). Command rulesets are applied again every time, but without the
-        rules already in the chains of tables they do not create
-        (:meth:`NftCommands.batch`)."""
+        elements kept). Command rulesets are applied again every time, but their rules
+        in chains of tables they do not create only where those chains do not hold them
+        in place already (:meth:`NftCommands.batch`)."""
         existing: dict[str, NftTable] | None = None
         if any(isinstance(t, NftTable) for t in tables):
             try:
@@ -594,12 +612,16 @@ class RoutesManager:
                    create_only: bool = False) -> bool:
         """Apply one nftables item: True when it is in force (or, captured, left as
         found)."""
+        absent: list[str] = []
         if isinstance(t, NftTable):
             what = f"nftables table {t.label}"
             cmds = t.commands(create_only=create_only)
         else:
             what = f"nftables ruleset ({', '.join(t.touched()) or 'no table named'})"
-            cmds = t.batch(_foreign(t))
+            foreign = _foreign(t)
+            absent = [f"{fam} {name}" for (fam, name), have in foreign.items()
+                      if have is None]
+            cmds = t.batch(foreign)
         labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
         try:
             if cmds:  # empty: every rule of the set is in its chain already
@@ -609,7 +631,15 @@ class RoutesManager:
                 # made between the read and the transaction: the kernel refused ours
                 _table_left_alone(t, None, result)
                 return True
-            result.errors.append((what, t.required, _describe(exc)))
+            err = _describe(exc)
+            if absent:  # nft itself says only "No such file or directory"
+                some = len(absent) > 1
+                err += (f" (table{'s' if some else ''} {', '.join(absent)} "
+                        f"{'do' if some else 'does'} not exist: the set adds rules to "
+                        f"{'them' if some else 'it'} without creating "
+                        f"{'them' if some else 'it'}; whatever makes "
+                        f"{'them' if some else 'it'} must run before rehydrate.routes)")
+            result.errors.append((what, t.required, err))
             self._nft_in_force(labels, result, "not applied: what was there before stays")
             return False
         try:
@@ -643,6 +673,14 @@ class RoutesManager:
                 continue
             if present:
                 result.in_force.append(f"nftables {fam} {name} ({note})")
+
+
+def _device_exists(name: str) -> bool:
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        return False
+    return True
 
 
 def _warn_unruled(routes: Sequence[Route]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -181,10 +180,23 @@ class NftTable:
                 and body.get("hook") in ("ingress", "egress") and "dev" not in body]
 
     def uses_xt(self) -> bool:
-        return '"xt"' in json.dumps(self.objects)
+        """Whether a rule holds an ``xt`` compat expression (iptables-nft's), which nft
+        cannot apply: looked for as an expression, not as text (a comment ``"xt"``)."""
+        return any(_has_xt(body.get("expr")) for obj in self.objects
+                   for kind, body in obj.items()
+                   if kind == "rule" and isinstance(body, Mapping))
 
     def to_json(self) -> dict[str, Any]:
         return {"nftables": [dict(o) for o in self.objects]}
+
+
+def _has_xt(value: Any) -> bool:
+    """Whether an expression list holds an ``{"xt": …}`` expression at any depth."""
+    if isinstance(value, Mapping):
+        return "xt" in value or any(_has_xt(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_xt(v) for v in value)
+    return False
 
 
 def _tables_from_listing(data: Mapping[str, Any], required: bool = True) -> list[NftTable]:
@@ -295,41 +307,148 @@ class NftCommands:
         once more (and the captured copy of such a table is not applied beside them).
 
         ``existing`` holds the tables they add rules to without creating them (from
-        :meth:`foreign_tables`) as they are now: an ``add``/``insert rule`` whose
-        expression such a chain already has (compared as :meth:`NftTable.canonical`
-        does, counter values aside) is left out, so that it is not added again on every
-        resume, nor beside the captured copy of that table, which has it already. Each
-        rule there stands for one such command; after a command of the set flushes or
-        deletes that chain (or its table, or a rule of it), its rules are added."""
+        :meth:`foreign_tables`) as they are now. For each chain of those that exists,
+        the set's ``add``/``insert rule`` commands are kept in the order and at the
+        positions they put their rules (:func:`_chain_plan`): where the chain already
+        holds them just so (a resume, or the captured copy of that table re-created
+        first), they are left out, so nothing is added twice and their counters run
+        on; otherwise the rules of the chain taken for theirs (same expression and
+        comment, compared as :meth:`NftTable.canonical` does) are deleted by handle
+        and all of them added back where the commands put them, in this one batch.
+        After a command of the set that flushes or deletes that chain (or its table,
+        or a rule of it), the rules that follow are added as written."""
         own = set(self.tables())
-        have: dict[tuple[str, str, str], Counter[str]] = {}
+        present: dict[tuple[str, str, str], list[tuple[int, str]]] = {}
         for label, table in (existing or {}).items():
             if table is None or label in own:
                 continue
             for obj in table.objects:
-                rule = obj.get("rule")
-                if isinstance(rule, Mapping) and isinstance(rule.get("chain"), str):
-                    chain = (label[0], label[1], str(rule["chain"]))
-                    have.setdefault(chain, Counter())[_expr_key(rule.get("expr"))] += 1
+                chain, rule = obj.get("chain"), obj.get("rule")
+                if isinstance(chain, Mapping) and isinstance(chain.get("name"), str):
+                    present.setdefault((label[0], label[1], chain["name"]), [])
+                elif (isinstance(rule, Mapping) and isinstance(rule.get("chain"), str)
+                      and isinstance(rule.get("handle"), int)):
+                    present.setdefault((label[0], label[1], rule["chain"]), []).append(
+                        (rule["handle"], _rule_key(rule)))
+        live = set(present)
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for i, cmd in enumerate(self.commands):
+            for verb, body in cmd.items():
+                target = _rule_target(verb, body)
+                if target is not None:
+                    if target in live:
+                        groups.setdefault(target, []).append(i)
+                elif verb in ("flush", "delete", "destroy", "replace"):
+                    _forget(body, live)
+        # a chain's commands go where its last one was: what they need is made by then
+        placed: dict[int, list[dict[str, Any]]] = {}
+        dropped: set[int] = set()
+        for chain, idxs in groups.items():
+            plan = _chain_plan(chain, [self.commands[i] for i in idxs], present[chain])
+            if plan is not None:
+                dropped.update(idxs)
+                placed[idxs[-1]] = plan
         cmds: list[dict[str, Any]] = []
         for family, name in self.tables():
             ident = {"family": family, "name": name}
             cmds += [{"add": {"table": dict(ident)}}, {"delete": {"table": dict(ident)}}]
-        for cmd in self.commands:
-            skip = False
-            for verb, body in cmd.items():
-                target = _rule_target(verb, body)
-                if target is not None:
-                    count = have.get(target)
-                    key = _expr_key(body["rule"].get("expr"))
-                    if count is not None and count[key] > 0:
-                        count[key] -= 1
-                        skip = True
-                elif verb in ("flush", "delete", "destroy", "replace"):
-                    _forget(body, have)
-            if not skip:
+        for i, cmd in enumerate(self.commands):
+            if i in placed:
+                cmds += placed[i]
+            elif i not in dropped:
                 cmds.append(dict(cmd))
         return cmds
+
+
+_POSITION_FIELDS = ("handle", "index", "position")
+
+
+def _chain_plan(chain: tuple[str, str, str], cmds: Sequence[Mapping[str, Any]],
+                present: Sequence[tuple[int, str]]) -> list[dict[str, Any]] | None:
+    """What to send for a command set's ``add``/``insert rule`` commands ``cmds`` into
+    one chain that holds ``present`` ((handle, rule key) in chain order) now: ``[]``
+    when the chain holds their rules already where they put them, else the deletion of
+    the rules taken for theirs and the rules added back at those places; None when a
+    position cannot be worked out (an index past the end, a handle not there): then
+    they are sent as written.
+
+    Where they go is worked out on the chain without the rules taken for theirs, as
+    ``nft`` would on first applying them there: ``insert`` at the head, ``add`` at the
+    end, ``index``/``handle`` relative to the rules there; other owners' rules after
+    the last rule taken for theirs were appended since and stay after them (a resume
+    does not move the set's rules behind them). The rules taken for theirs
+    are, command by command, the first unclaimed rule with its expression and comment
+    (for a plain ``add``: the last one), whoever added it: identical rules cannot be
+    told apart. Rules are added back before the next rule not theirs (``insert``
+    with its ``handle``, each in turn), else appended: ``nft`` resolves an ``index``
+    on the chain as it was before the batch's deletions, and several ``add`` after
+    one handle do not land in order."""
+    family, table, name = chain
+    rules = [(verb, body["rule"]) for cmd in cmds for verb, body in cmd.items()]
+    keys = [_rule_key(rule) for _, rule in rules]
+    claimed: dict[int, int] = {}  # handle -> the command it stands for
+    for n, (verb, rule) in enumerate(rules):
+        hits = [h for h, k in present if k == keys[n] and h not in claimed]
+        if hits:
+            appended = verb == "add" and not any(f in rule for f in _POSITION_FIELDS)
+            claimed[hits[-1] if appended else hits[0]] = n
+    # ("other", handle) or ("ours", command number), in chain order. Rules of others
+    # after the last rule taken for theirs came later (appended since): they stay after
+    # them, as they are
+    end = max((i for i, (h, _) in enumerate(present) if h in claimed), default=-1)
+    others = [("other", h) for h, _ in present if h not in claimed]
+    trailing = [("other", h) for h, _ in present[end + 1:]] if claimed else []
+    layout = _laid_out(rules, others[:len(others) - len(trailing)])
+    if layout is not None:
+        layout += trailing
+    else:
+        layout = _laid_out(rules, others)
+        if layout is None:
+            return None
+    key_of = dict(present)
+    if len(claimed) == len(rules) and [
+            key_of[x] if kind == "other" else keys[x] for kind, x in layout
+    ] == [k for _, k in present]:
+        return []
+    ident = {"family": family, "table": table, "chain": name}
+    out: list[dict[str, Any]] = [{"delete": {"rule": {**ident, "handle": h}}}
+                                 for h, _ in present if h in claimed]
+    for i, (kind, n) in enumerate(layout):
+        if kind != "ours":
+            continue
+        body = {k: v for k, v in rules[n][1].items() if k not in _POSITION_FIELDS}
+        anchor = next((x for k, x in layout[i + 1:] if k == "other"), None)
+        out.append({"add": {"rule": body}} if anchor is None
+                   else {"insert": {"rule": {**body, "handle": anchor}}})
+    return out
+
+
+def _laid_out(rules: Sequence[tuple[str, Mapping[str, Any]]],
+              base: Sequence[tuple[str, int]]) -> list[tuple[str, int]] | None:
+    """``base`` with each rule's ``("ours", number)`` where ``nft`` would put it."""
+    layout = list(base)
+    for n, (verb, rule) in enumerate(rules):
+        at = _position(verb, rule, layout)
+        if at is None:
+            return None
+        layout.insert(at, ("ours", n))
+    return layout
+
+
+def _position(verb: str, rule: Mapping[str, Any], layout: list[tuple[str, int]]
+              ) -> int | None:
+    """Where ``nft`` puts the rule of an ``add``/``insert`` in a chain laid out as
+    ``layout``: ``add`` after, ``insert`` before the rule at its ``index`` or with its
+    ``handle``/``position``; without either at the end or the head."""
+    after = verb == "add"
+    index = rule.get("index")
+    handle = rule.get("handle", rule.get("position"))
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index + after if 0 <= index < len(layout) else None
+    if handle is not None:
+        at = next((i for i, x in enumerate(layout) if x == ("other", handle)), None)
+        return None if at is None else at + after
+    return len(layout) if after else 0
 
 
 def _rule_target(verb: str, body: Any) -> tuple[str, str, str] | None:
@@ -343,27 +462,30 @@ def _rule_target(verb: str, body: Any) -> tuple[str, str, str] | None:
     return str(rule["family"]), str(rule["table"]), str(rule["chain"])
 
 
-def _expr_key(expr: Any) -> str:
-    return json.dumps(_normalize_expr(expr), sort_keys=True)
+def _rule_key(rule: Mapping[str, Any]) -> str:
+    """A rule's expression (canonical, counter values aside) and comment: another
+    owner's rule with the same expression but its own comment is not this one."""
+    return json.dumps([_normalize_expr(rule.get("expr")), rule.get("comment")],
+                      sort_keys=True)
 
 
-def _forget(body: Any, have: dict[tuple[str, str, str], Counter[str]]) -> None:
-    """Drop the rules a flush/delete/replace command removes or changes from ``have``
-    (where unsure, the whole chain, table or ruleset: its rules are then added)."""
+def _forget(body: Any, live: set[tuple[str, str, str]]) -> None:
+    """Drop the chains a flush/delete/replace command empties or changes from ``live``
+    (where unsure, every chain of the table or ruleset: their rules are then added as
+    written)."""
     if not isinstance(body, Mapping):
         return
     for kind, raw in body.items():
         obj = raw if isinstance(raw, Mapping) else {}
         fam = obj.get("family")
         if kind == "ruleset":
-            gone = [k for k in have if fam is None or k[0] == fam]
+            gone = {k for k in live if fam is None or k[0] == fam}
         elif kind == "table":
-            gone = [k for k in have if k[:2] == (fam, obj.get("name"))]
+            gone = {k for k in live if k[:2] == (fam, obj.get("name"))}
         elif kind == "chain":
-            gone = [k for k in have if k == (fam, obj.get("table"), obj.get("name"))]
+            gone = {k for k in live if k == (fam, obj.get("table"), obj.get("name"))}
         elif kind == "rule":
-            gone = [k for k in have if k == (fam, obj.get("table"), obj.get("chain"))]
+            gone = {k for k in live if k == (fam, obj.get("table"), obj.get("chain"))}
         else:
             continue
-        for k in gone:
-            del have[k]
+        live -= gone
