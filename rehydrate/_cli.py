@@ -43,14 +43,38 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     infos = detect.available()
     fit = assess(facts())
     settings = _config.effective()
+    from .env import check_file
+
+    environment = check_file()
     if args.json:
         _print_json({"version": __version__, "detectors": [i.to_dict() for i in infos],
-                     "platform": fit.to_dict(), "configuration": settings})
+                     "platform": fit.to_dict(), "environment": environment,
+                     "configuration": settings})
         return EXIT_OK
     print(detectors_table(infos) if infos else "no detectors are known")
     _print_fit(fit)
+    _print_environment(environment)
     _print_settings(settings)
     return EXIT_OK
+
+
+def _print_environment(found: dict[str, Any]) -> None:
+    """The environment file a restore would apply, and the problem that would fail its
+    ``rehydrate.env`` hook (a configured file missing, a malformed one): before, doctor
+    said nothing and the first restore came up degraded."""
+    path = found["path"]
+    if found["policy"] == "off":
+        line = f"{path}: not applied (REHYDRATE_ENV_POLICY=off)"
+    elif found["problem"]:
+        line = f"PROBLEM: {found['problem']} " + (
+            "(a restore's rehydrate.env hook would fail and leave the process degraded)"
+            if found["fails_restore"] else "(a restore would keep the environment as it is)")
+    elif found["present"]:
+        line = f"{path}: {found['entries']} entries, applied at each restore"
+    else:
+        line = f"{path}: absent (not on gVisor): no refresh from a file"
+    print()
+    print(_config.one_line(f"environment file: {line}"))
 
 
 def _doctor_connections(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import os
 # import (measured under runsc). They load when a warning or a number needs them.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from typing import Any, Literal
 
     Type = Literal["text", "path", "number", "seconds", "flag", "choice", "list", "signal"]
@@ -109,6 +110,27 @@ def shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+NAMES_SHOWN = 20
+"""At most this many names of a list in a log line, a status or a warning."""
+
+
+def shown_names(names: Iterable[str], limit: int = NAMES_SHOWN) -> list[str]:
+    """``names`` for a log line or a status: at most ``limit`` of them, each cut to 60
+    characters as :func:`shown` cuts a repr, and then one entry ``"... (+N more)"`` for
+    the rest. A restored environment may bring 20,000 keys or a key of megabytes: listed
+    whole, one log line and every ``status --json`` grew to megabytes."""
+    out: list[str] = []
+    more = 0
+    for name in names:
+        if len(out) < limit:
+            out.append(name if len(name) <= 60 else name[:57] + "...")
+        else:
+            more += 1
+    if more:
+        out.append(f"... (+{more} more)")
+    return out
+
+
 def one_line(text: str) -> str:
     """``text`` with every character that is not printable shown as an escape (``\\n``,
     ``\\x1b``): what a reply or an error carries is printed or logged as one line, and
@@ -165,6 +187,7 @@ VARIABLES: tuple[Variable, ...] = (
     # engine
     _V("REHYDRATE_ENV_POLICY", "choice", "update", "how the new environment file is applied: update, replace or off", choices=("update", "replace", "off")),  # noqa: E501
     _V("REHYDRATE_ENV_FILE", "path", None, "the environment file read after restore (default: $REHYDRATE_GVISOR_PROC/spec_environ)"),  # noqa: E501
+    _V("REHYDRATE_ENV_PROTECT", "list", (), "glob patterns of environment keys the refresh never overwrites or removes (comma-separated; the default engine's EnvRefresher(protect=...)), e.g. PATH,OMP_NUM_THREADS"),  # noqa: E501
     _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", 300.0, "the last resort: run the resume hooks when no restore or resume came this long after the before-snapshot hooks (a freeze meanwhile starts it again, a stall postpones it by its length — by at most one more deadline in all unless the freeze watch confirmed the freeze — and then the restore hooks run; off: wait for ever)", positive=True, off_ok=True),  # noqa: E501
     _V("REHYDRATE_DISABLE", "list", (), "built-in identity managers to turn off: entropy, keys, tls, secrets (the whole SECRETS phase), all (these four)", choices=("entropy", "keys", "tls", "secrets", "all")),  # noqa: E501
     # detectors

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
-from ._config import one_line
+from ._config import one_line, shown_names
 from ._hooks import Phase, is_glob
 
 if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
@@ -78,11 +78,28 @@ class EnvChanges:
         )
 
     def to_dict(self) -> dict[str, list[str]]:
+        """Every name, whole (:meth:`shown` is what a report's ``to_dict`` carries)."""
         return {
             "added": list(self.added),
             "changed": list(self.changed),
             "removed": list(self.removed),
         }
+
+    def shown(self) -> dict[str, list[str]]:
+        """:meth:`to_dict` for a log line or a status: each list at most
+        :data:`~rehydrate._config.NAMES_SHOWN` names, each cut to 60 characters, then
+        ``"... (+N more)"`` (:func:`~rehydrate._config.shown_names`)."""
+        return {
+            "added": shown_names(self.added),
+            "changed": shown_names(self.changed),
+            "removed": shown_names(self.removed),
+        }
+
+    def __repr__(self) -> str:
+        # shortened as shown(): a report's repr (in a status, a traceback) held every name
+        s = self.shown()
+        return (f"EnvChanges(added={tuple(s['added'])!r}, changed={tuple(s['changed'])!r}, "
+                f"removed={tuple(s['removed'])!r})")
 
 
 @dataclass
@@ -326,7 +343,7 @@ class Report:
             "recovered": list(self.recovered),
             "notice_to_run": (None if self.notice_to_run is None
                                 else round(self.notice_to_run, 6)),
-            "env_changes": self.env_changes.to_dict(),
+            "env_changes": self.env_changes.shown(),
             "error": describe_error(self.error),
             "hooks": [h.to_dict() for h in self.hooks],
         }

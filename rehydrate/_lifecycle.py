@@ -241,7 +241,8 @@ class Lifecycle:
         runs the restore hooks (see :meth:`_deadline_main`). Default:
         ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
         self.builtins: Registry = _BuiltinRegistry()
-        self.env = env if env is not None else EnvRefresher(policy=_policy_from_env())
+        self.env = env if env is not None else EnvRefresher(
+            policy=_policy_from_env(), protect=_config.items("REHYDRATE_ENV_PROTECT"))
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)
         self._runner.on_failed = self._hook_failed
@@ -2159,8 +2160,9 @@ def _log_run(report: RestoreReport) -> None:
     frozen = ("" if report.frozen_for is None else ", not frozen" if report.frozen_for == 0
               else f", frozen for {report.frozen_for:.1f}s")
     env = report.env_changes
-    changes = (f"; environment refreshed: added={list(env.added)} "
-               f"changed={list(env.changed)} removed={list(env.removed)}" if env else "")
+    shown = env.shown()  # a key of megabytes, or 20,000 keys: a line of megabytes
+    changes = (f"; environment refreshed: added={shown['added']} "
+               f"changed={shown['changed']} removed={shown['removed']}" if env else "")
     state = ("ready" if report.ok else
              f"ready (recovered while the run went on: {', '.join(report.recovered)})"
              if report.ready else "degraded")

@@ -212,7 +212,14 @@ class EnvRefresher:
         had and the new one lacks; leave keys that never came from the file alone.
       * ``replace``: make the process environment exactly the file.
       * ``off``: never apply the file (an overlay is still applied).
-    ``protect``: glob patterns of keys never overwritten or removed.
+    ``protect``: glob patterns of keys never overwritten or removed (the default engine's
+    come from ``$REHYDRATE_ENV_PROTECT``).
+
+    A key in the file gets the file's value at every refresh, even when the application
+    changed it since the previous file (a resume too): one warning per refresh names such
+    keys. What a refresh returns is what it changed in ``os.environ`` together with what
+    the file changed since the one this refresher applied last, so that a second engine's
+    refresher, finding ``os.environ`` already updated by the first, reports it as well.
 
     Whatever the policy, a file never sets, changes or removes :data:`NEVER_FROM_FILE`
     keys (``REHYDRATE_*``, ``LD_*``, ``PYTHON*`` …), a refresh never removes :data:`KEEP`
@@ -247,7 +254,11 @@ class EnvRefresher:
             self.read_timeout = _config.seconds(self.read_timeout, "read_timeout")
         self._lock = threading.Lock()
         fresh_lock_after_fork(self)  # a parent thread may hold it at fork() (a refresh)
-        self._previous: set[bytes] | None = None
+        # The file the last refresh applied (or the baseline), key -> value: its keys tell
+        # which ones a later file removes, its values which keys the application changed
+        # since (a refresh resets those: one warning) and what the platform changed even
+        # when another engine's refresher already applied it to os.environ.
+        self._previous: dict[bytes, bytes] | None = None
 
     def _protected(self, key: bytes) -> bool:
         return _matches(key, self.protect)
@@ -277,7 +288,7 @@ class EnvRefresher:
         if self._previous is not None:
             return
         try:
-            self._previous = set(_read_within(path, self.read_timeout))
+            self._previous = _read_within(path, self.read_timeout)
         except EnvError:
             self._previous = None
 
@@ -302,6 +313,8 @@ class EnvRefresher:
         if not _present(path):
             if self.configured():
                 raise EnvError(f"{path}: the configured environment file does not exist")
+            if self.path == "auto":
+                _warn_missing_in_set_proc(path)
             return EnvChanges()
         # Read outside the lock: a read stuck on a hung mount (its hook abandoned at the
         # timeout) must not hold the lock every later refresh needs.
@@ -334,27 +347,82 @@ class EnvRefresher:
         # a key the process already has with the same value is no attempt: no warning
         # (gVisor's spec_environ repeats the container's REHYDRATE_* / PYTHON* settings)
         # names escaped when not printable: a key with a newline must not forge a log line
-        ignored = sorted(n if n.isprintable() else ascii(n)
-                         for n, k in ((_name(k), k) for k, v in new.items()
-                                      if _matches(k, NEVER_FROM_FILE) and env.get(k) != v))
+        ignored = sorted(_name(k) for k, v in new.items()
+                         if _matches(k, NEVER_FROM_FILE) and env.get(k) != v)
         if ignored:
             log.warning("environment file %s: ignored %s (rehydrate's configuration and "
                         "loader/interpreter variables never come from the refreshed "
-                        "environment)", path, ", ".join(ignored))
+                        "environment)", path, _names_text(ignored))
         candidates = env if self.policy == "replace" else (self._previous or ())
         removes = [k for k in candidates
                    if k not in new and not _matches(k, NEVER_FROM_FILE)
                    and not _matches(k, KEEP) and not self._protected(k)]
         sets = {k: v for k, v in new.items()
                 if not self._protected(k) and not _matches(k, NEVER_FROM_FILE)}
+        previous = self._previous
         changes = diff(env, sets, removes)
+        if previous is not None:
+            # What the platform changed since the file this refresher last applied: another
+            # engine's refresher of the same restore may have applied it to os.environ
+            # already, and this engine's on_env_change hooks must see it all the same.
+            changes = _union(changes, diff(previous, sets, removes))
+            # The application's own value of a key the file holds (PATH to a venv, a tuned
+            # OMP_NUM_THREADS) is reset here, as the policy says; said, not silently.
+            # A key the process lacks is not counted: whether the application deleted it
+            # or the process never had it (a file written for the clones), nobody can tell.
+            overridden = sorted(
+                _name(k) for k in (*sets, *removes)
+                if k in previous and k in env and env[k] != previous[k]
+                and env[k] != sets.get(k))
+            if overridden:
+                log.warning("environment file %s: the refresh replaced the application's "
+                            "own value of %s (changed since the previous file) with the "
+                            "file's: a key in the file gets the file's value, one only the "
+                            "previous file had is removed; protect a key to keep the "
+                            "application's value (EnvRefresher(protect=...) or "
+                            "REHYDRATE_ENV_PROTECT)", path, _names_text(overridden))
         for k, v in sets.items():
             if env.get(k) != v:
                 env[k] = v
         for k in removes:
             env.pop(k, None)
-        self._previous = set(new)
+        self._previous = new
         return changes
+
+
+def _union(first: EnvChanges, second: EnvChanges) -> EnvChanges:
+    """The keys of both; a key in ``first`` keeps its kind there (what happened to
+    ``os.environ``), one only in ``second`` takes its kind from it."""
+    seen = first.keys
+    return EnvChanges(
+        tuple(sorted({*first.added, *(k for k in second.added if k not in seen)})),
+        tuple(sorted({*first.changed, *(k for k in second.changed if k not in seen)})),
+        tuple(sorted({*first.removed, *(k for k in second.removed if k not in seen)})))
+
+
+def _names_text(names: Iterable[str]) -> str:
+    """Key names for a warning: shortened as everywhere (:func:`~rehydrate._config.
+    shown_names`), escaped when not printable (a key with a newline must not forge a log
+    line)."""
+    return ", ".join(n if n.isprintable() else ascii(n) for n in _config.shown_names(names))
+
+
+_warned_missing: set[str] = set()
+
+
+def _warn_missing_in_set_proc(path: str) -> None:
+    """One warning per process (per path) when ``REHYDRATE_GVISOR_PROC`` names a directory
+    of its own and ``spec_environ`` is not in it: the runsc recipe bind-mounts a clone's
+    environment there, and a file of another name (or an empty mount) left the clone with
+    the original's environment, ready, without a word. Not an error: the default
+    ``/proc/gvisor`` is absent off gVisor, and a directory may serve only ``checkpoint``."""
+    proc = _config.text("REHYDRATE_GVISOR_PROC")
+    if not proc or os.path.normpath(proc) == "/proc/gvisor" or path in _warned_missing:
+        return
+    _warned_missing.add(path)
+    log.warning("environment file %s does not exist: REHYDRATE_GVISOR_PROC names %s, and "
+                "the refresh reads only the file named spec_environ there (the environment "
+                "is left as it is; warned once)", path, proc)
 
 
 def _checked_protect(protect: object) -> tuple[str, ...]:
@@ -444,6 +512,40 @@ def default_path() -> str:
         return explicit
     proc = _config.text("REHYDRATE_GVISOR_PROC") or "/proc/gvisor"
     return os.path.join(proc, "spec_environ")
+
+
+def check_file() -> dict[str, object]:
+    """``rehydrate doctor``'s look at the environment file the default engine would read:
+    ``path``, whether it was ``configured`` (``$REHYDRATE_ENV_FILE``), the ``policy``,
+    the number of ``entries`` when it parses, and the ``problem`` (an
+    :class:`EnvError`'s text: the file and the entry, never a value) — ``None`` when there
+    is none — with ``fails_restore`` true when it would fail a restore's ``rehydrate.env``
+    hook. The default gVisor file missing is no problem (not on gVisor); one missing from
+    a directory ``$REHYDRATE_GVISOR_PROC`` names is, though a restore only warns."""
+    policy = _config.choice("REHYDRATE_ENV_POLICY")
+    path = default_path()
+    configured = bool(_config.text("REHYDRATE_ENV_FILE"))
+    out: dict[str, object] = {"path": path, "configured": configured, "policy": policy,
+                              "present": False, "entries": None, "problem": None,
+                              "fails_restore": False}
+    if policy == "off":
+        return out  # never read: nothing it holds can fail a restore
+    if not _present(path):
+        proc = _config.text("REHYDRATE_GVISOR_PROC")
+        if configured:
+            out["problem"] = f"{path}: the configured environment file does not exist"
+            out["fails_restore"] = True
+        elif proc and os.path.normpath(proc) != "/proc/gvisor":
+            out["problem"] = (f"{path} does not exist: REHYDRATE_GVISOR_PROC names {proc}, "
+                              "and the refresh reads only the file named spec_environ there")
+        return out
+    out["present"] = True
+    try:
+        out["entries"] = len(_read_within(path, READ_TIMEOUT))
+    except EnvError as exc:
+        out["problem"] = str(exc)
+        out["fails_restore"] = True
+    return out
 
 
 # -- extension: the engine's environment refresh ----------------------------------------

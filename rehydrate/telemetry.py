@@ -452,10 +452,11 @@ class Telemetry:
         span.set_attribute("rehydrate.duration", report.duration)
         span.set_attribute("rehydrate.hooks.count", len(report.hooks))
         span.set_attribute("rehydrate.hooks.failed", len(report.failed))
-        # names only, never values
-        span.set_attribute("rehydrate.env.added", list(changes.added))
-        span.set_attribute("rehydrate.env.changed", list(changes.changed))
-        span.set_attribute("rehydrate.env.removed", list(changes.removed))
+        # names only, never values; shortened as in the run's log line (a key of megabytes)
+        shown = changes.shown()
+        span.set_attribute("rehydrate.env.added", shown["added"])
+        span.set_attribute("rehydrate.env.changed", shown["changed"])
+        span.set_attribute("rehydrate.env.removed", shown["removed"])
         if not report.ok or report.failed:
             from opentelemetry.trace import Status, StatusCode
 

@@ -222,3 +222,65 @@ def test_doctor_reads_a_status_of_another_shape_without_a_traceback(
     else:
         assert code == 1 and out == ""
         assert "its status reply is of an unexpected shape" in err and err.count("\n") == 1
+
+
+SECRET_VALUE = "v4lue-that-doctor-must-never-show"
+
+
+def _doctor(capsys, *args):
+    assert cli.main(["doctor", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_doctor_shows_a_configured_environment_file_that_is_missing_or_malformed(
+        tmp_path, monkeypatch, capsys):
+    """Doctor said nothing, and the first restore came up degraded."""
+    monkeypatch.delenv("REHYDRATE_ENV_POLICY", raising=False)
+    missing = str(tmp_path / "absent.env")
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", missing)
+    (line,) = [x for x in _doctor(capsys).splitlines() if x.startswith("environment file:")]
+    assert "PROBLEM" in line and missing in line and "does not exist" in line
+    assert "degraded" in line
+
+    malformed = tmp_path / "app.env"
+    malformed.write_text(f"API_KEY={SECRET_VALUE}\nJUST A LINE\n")
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", str(malformed))
+    out = _doctor(capsys)
+    (line,) = [x for x in out.splitlines() if x.startswith("environment file:")]
+    assert "PROBLEM" in line and f"{malformed}: entry 2" in line
+    assert SECRET_VALUE not in out
+    found = json.loads(_doctor(capsys, "--json"))["environment"]
+    assert found["problem"].startswith(f"{malformed}: entry 2") and found["fails_restore"]
+    assert found["configured"] is True and found["present"] is True
+    assert SECRET_VALUE not in json.dumps(found)
+
+    malformed.write_text(f"API_KEY={SECRET_VALUE}\nOTHER=1\n")  # fixed: counted, no problem
+    found = json.loads(_doctor(capsys, "--json"))["environment"]
+    assert found["problem"] is None and found["entries"] == 2
+
+
+def test_doctor_finds_no_problem_in_the_default_gvisor_file_missing(monkeypatch, capsys):
+    monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
+    monkeypatch.delenv("REHYDRATE_GVISOR_PROC", raising=False)
+    monkeypatch.delenv("REHYDRATE_ENV_POLICY", raising=False)
+    if os.path.exists("/proc/gvisor/spec_environ"):  # pragma: no cover - under gVisor
+        pytest.fail("this test runs outside gVisor")
+    found = json.loads(_doctor(capsys, "--json"))["environment"]
+    assert found == {"path": "/proc/gvisor/spec_environ", "configured": False,
+                     "policy": "update", "present": False, "entries": None,
+                     "problem": None, "fails_restore": False}
+    (line,) = [x for x in _doctor(capsys).splitlines() if x.startswith("environment file:")]
+    assert "PROBLEM" not in line and "absent" in line
+
+
+def test_doctor_names_a_gvisor_proc_directory_without_spec_environ(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
+    monkeypatch.delenv("REHYDRATE_ENV_POLICY", raising=False)
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    found = json.loads(_doctor(capsys, "--json"))["environment"]
+    assert str(tmp_path / "spec_environ") in found["problem"]
+    assert found["fails_restore"] is False  # a restore warns, it does not fail
+    (tmp_path / "spec_environ").write_bytes(b"A=1\0B=2")  # cut short: refused
+    found = json.loads(_doctor(capsys, "--json"))["environment"]
+    assert "not NUL-terminated" in found["problem"] and found["fails_restore"]

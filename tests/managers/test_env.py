@@ -941,3 +941,185 @@ def test_a_path_may_be_a_pathlib_path(tmp_path: Path) -> None:
     env_file = tmp_path / "environ"
     env_file.write_bytes(b"")
     assert EnvRefresher(path=env_file).resolved_path() == env_file  # type: ignore[arg-type]
+
+
+# -- what a refresh resets, what every engine sees, what is shown -------------------------
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "rehydrate" and r.levelno == logging.WARNING]
+
+
+def test_a_refresh_that_resets_values_the_application_changed_says_which(
+        tmp_path, environ, caplog):
+    """The contract stands (a key in the file gets the file's value at every refresh, a
+    resume included), but the application's own value is no longer lost without a word:
+    one WARNING per refresh names the keys — never a value — with how to keep them."""
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_PATH": b"/usr/bin", b"RHT_THREADS": b"1", b"RHT_KEY": SECRET.encode(),
+                 b"RHT_GONE": b"a"})
+    environ.update({b"RHT_PATH": b"/opt/venv/bin:/usr/bin", b"RHT_THREADS": b"8",
+                    b"RHT_KEY": SECRET.encode(), b"RHT_GONE": b"app's"})
+    ref = EnvRefresher(path=str(spec))
+    ref.baseline()
+    write(spec, {b"RHT_PATH": b"/usr/bin", b"RHT_THREADS": b"1", b"RHT_KEY": SECRET.encode()})
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        changes = ref.refresh()
+    assert changes == EnvChanges(changed=("RHT_PATH", "RHT_THREADS"), removed=("RHT_GONE",))
+    assert environ[b"RHT_PATH"] == b"/usr/bin" and environ[b"RHT_THREADS"] == b"1"
+    assert b"RHT_GONE" not in environ
+    (line,) = _warnings(caplog)
+    assert "RHT_GONE, RHT_PATH, RHT_THREADS" in line and "RHT_KEY" not in line
+    assert "EnvRefresher(protect=...)" in line and "REHYDRATE_ENV_PROTECT" in line
+    assert "/opt/venv" not in line and "app's" not in line and SECRET not in line
+
+    caplog.clear()  # nothing changed by the application since: nothing to say
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert ref.refresh() == EnvChanges()
+    assert _warnings(caplog) == []
+
+
+def test_a_key_the_process_lacks_is_not_taken_for_an_application_change(
+        tmp_path, environ, caplog):
+    spec = write(tmp_path / "spec_environ", {b"RHT_ONLY_IN_FILE": b"1"})
+    environ.pop(b"RHT_ONLY_IN_FILE", None)
+    ref = EnvRefresher(path=spec)
+    ref.baseline()
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert ref.refresh() == EnvChanges(added=("RHT_ONLY_IN_FILE",))
+    assert _warnings(caplog) == []
+
+
+def test_rehydrate_env_protect_keeps_the_application_s_value_in_the_default_engine(
+        tmp_path, environ, monkeypatch, caplog):
+    spec = write(tmp_path / "spec_environ", {b"RHT_PATH": b"/usr/bin", b"RHT_THREADS": b"1"})
+    environ.update({b"RHT_PATH": b"/opt/venv/bin", b"RHT_THREADS": b"8"})
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", spec)
+    monkeypatch.setenv("REHYDRATE_ENV_PROTECT", "RHT_PATH, RHT_THR*")
+    engine = Lifecycle(Registry())
+    try:
+        assert engine.env.protect == ("RHT_PATH", "RHT_THR*")
+        assert engine.simulate_snapshot().ok
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            report = engine.restore_detected("gvisor", kind="resume")
+        assert report.ok and report.env_changes == EnvChanges()
+        assert environ[b"RHT_PATH"] == b"/opt/venv/bin" and environ[b"RHT_THREADS"] == b"8"
+        assert _warnings(caplog) == []
+    finally:
+        engine.close()
+
+
+def test_two_engines_each_see_the_platform_s_change(tmp_path, environ):
+    """The second engine's refresher found os.environ already updated by the first: its
+    env_changes were empty and its on_env_change hooks skipped."""
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_API_KEY": b"old", b"RHT_DROPPED": b"x"})
+    environ.update({b"RHT_API_KEY": b"old", b"RHT_DROPPED": b"x"})
+    engines = [Lifecycle(Registry(), env=EnvRefresher(path=str(spec))) for _ in range(2)]
+    seen: list[list[EnvChanges]] = [[], []]
+    for engine, got in zip(engines, seen):
+        engine.registry.on_env_change("RHT_*")(lambda ctx, ch, got=got: got.append(ch))
+    try:
+        write(spec, {b"RHT_API_KEY": b"new", b"RHT_ADDED": b"1"})
+        reports = [engine.restore_detected("gvisor", kind="restore") for engine in engines]
+        expected = EnvChanges(added=("RHT_ADDED",), changed=("RHT_API_KEY",),
+                              removed=("RHT_DROPPED",))
+        assert [r.env_changes for r in reports] == [expected, expected]
+        assert seen == [[expected], [expected]]
+        assert environ[b"RHT_API_KEY"] == b"new" and b"RHT_DROPPED" not in environ
+        # and once applied, the next restore with the same file is no change for either
+        again = [engine.restore_detected("gvisor", kind="restore") for engine in engines]
+        assert [r.env_changes for r in again] == [EnvChanges(), EnvChanges()]
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+@pytest.fixture
+def warned_anew(monkeypatch):
+    from rehydrate import env as env_module
+
+    monkeypatch.setattr(env_module, "_warned_missing", set(), raising=False)
+
+
+def test_a_gvisor_proc_directory_without_spec_environ_warns_once(
+        tmp_path, environ, monkeypatch, caplog, warned_anew):
+    monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    write(tmp_path / "spec_environ.txt", {b"RHT_API_KEY": b"for-the-clone"})  # wrong name
+    environ[b"RHT_API_KEY"] = b"from-the-original"
+    engine = Lifecycle(Registry())
+    try:
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            reports = [engine.simulate_restore(), engine.simulate_restore()]
+        assert all(r.ok for r in reports) and engine.state == "ready"  # not an error
+        assert environ[b"RHT_API_KEY"] == b"from-the-original"
+        (line,) = _warnings(caplog)  # once per process, not per refresh
+        assert str(tmp_path / "spec_environ") in line and "spec_environ there" in line
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("proc", [None, "/proc/gvisor", "/proc/gvisor/"])
+def test_the_default_gvisor_directory_without_spec_environ_says_nothing(
+        environ, monkeypatch, caplog, warned_anew, proc):
+    monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
+    if proc is None:
+        monkeypatch.delenv("REHYDRATE_GVISOR_PROC", raising=False)
+    else:
+        monkeypatch.setenv("REHYDRATE_GVISOR_PROC", proc)
+    if os.path.exists("/proc/gvisor/spec_environ"):  # pragma: no cover - under gVisor
+        pytest.fail("this test runs outside gVisor")
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert EnvRefresher().refresh() == EnvChanges()
+    assert _warnings(caplog) == []
+
+
+def test_huge_and_many_key_names_are_shortened_in_the_log_the_status_and_reprs(
+        tmp_path, environ, caplog):
+    """A key of megabytes and thousands of keys made the run's INFO line and every
+    status --json megabytes long; the report itself keeps every name for the hooks."""
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_A": b"1"})
+    environ[b"RHT_A"] = b"1"
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=str(spec)))
+    huge = b"RHT_K" + b"K" * 200_000
+    many = [b"RHT_X%05d" % i for i in range(3000)]
+    try:
+        engine.start(detectors="none")
+        write(spec, b"RHT_A=1\0" + huge + b"=v\0" + b"".join(k + b"=v\0" for k in many))
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            report = engine.simulate_restore()
+        assert report.ok
+        assert len(report.env_changes.added) == 3001  # every name, for the hooks
+        (line,) = [m for m in (r.getMessage() for r in caplog.records)
+                   if "environment refreshed" in m]
+        assert len(line) < 2000, len(line)
+        assert "'... (+2981 more)'" in line and "RHT_KKK" in line
+        shown = engine.status().to_dict()["last_report"]["env_changes"]
+        assert len(shown["added"]) == 21 and shown["added"][-1] == "... (+2981 more)"
+        assert all(len(name) <= 60 for name in shown["added"])
+        import json
+
+        assert len(json.dumps(engine.status().to_dict())) < 10_000
+        assert len(repr(report)) < 10_000 and len(repr(engine.status())) < 10_000
+    finally:
+        engine.stop()
+        engine.close()
+
+
+def test_huge_key_names_are_shortened_in_the_reset_and_ignored_warnings(
+        tmp_path, environ, caplog):
+    huge = b"RHT_" + b"H" * 100_000
+    spec = tmp_path / "spec_environ"
+    write(spec, {huge: b"1"})
+    environ[huge] = b"app"
+    ref = EnvRefresher(path=str(spec))
+    ref.baseline()
+    write(spec, {huge: b"1", b"LD_" + b"L" * 100_000: b"x"})
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        ref.refresh()
+    lines = _warnings(caplog)
+    assert len(lines) == 2 and all(len(line) < 1000 for line in lines), [len(x) for x in lines]
+    assert any("RHT_HHH" in line for line in lines) and any("LD_LLL" in line for line in lines)

@@ -66,6 +66,22 @@ def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
     return out
 
 
+def test_restore_span_env_names_are_shortened(otel):
+    """A key of megabytes, or thousands of keys, made a span attribute of megabytes."""
+    engine, exporter, _, _, _ = otel
+    huge = "RHT_" + "K" * 100_000
+    overlay: dict[str, str | None] = {huge: "v", **{f"RHT_X{i:03d}": "v" for i in range(30)}}
+    try:
+        assert engine.simulate_restore(env=overlay).ok
+        (event,) = spans_by_name(exporter)["rehydrate.restore"]
+        added = list(dict(event.attributes)["rehydrate.env.added"])
+        assert len(added) == 21 and added[-1] == "... (+11 more)"
+        assert all(len(name) <= 60 for name in added)
+    finally:
+        for key in overlay:
+            os.environ.pop(key, None)
+
+
 def test_restore_span_hook_spans_are_direct_children(otel):
     engine, exporter, _, tp, _ = otel
     threads: dict[str, str] = {}
