@@ -104,7 +104,8 @@ def hook_rows() -> list[tuple[str, str, str]]:
          "VLLMStandIn",
          lambda url, e: vllm.install(url, engine=e, level=2, model="stand-in/model"),
          "rehydrate.vllm.wake"),
-        ("SGLang resume (resume_memory_occupation, health_generate)", "SGLangStandIn",
+        ("SGLang resume (resume_memory_occupation, continue_generation, health_generate)",
+         "SGLangStandIn",
          lambda url, e: sglang.install(url, engine=e), "rehydrate.sglang.resume"),
     ]
     rows: list[tuple[str, str, str]] = []

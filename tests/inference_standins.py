@@ -4,7 +4,8 @@ Each implements the documented endpoints of DESIGN §4 as a plain ASGI app serve
 uvicorn on loopback (``tests.asgi_server.serve``), keeps the engine's memory state, logs
 every call, and can be told to fail the ways the real servers do: 500s (transient or for
 good), hangs, no dev mode (404), sleep mode / memory saver off, the empty 200 of older
-servers, ``tags_woken``.
+servers, ``tags_woken``, requests running on an SGLang scheduler that must be idle, an
+SGLang without the pause endpoints.
 """
 
 from __future__ import annotations
@@ -115,6 +116,42 @@ class EchoingGateway:
             await _json(send, status, body)
 
 
+class LosingGateway:
+    """A gateway in front of a stand-in whose upstream timeout is shorter than some calls:
+    for ``paths`` it lets the stand-in perform the call, drops its answer and answers
+    ``status`` itself (nginx's and envoy's 504, or a 502 after the upstream broke off) —
+    ``times`` times per path (None: always). ``performed=False``: the call is not passed
+    on at all (a 503 "no healthy upstream"). Other paths pass through."""
+
+    MESSAGES = {502: "upstream prematurely closed connection", 503: "no healthy upstream",
+                504: "upstream request timeout"}
+
+    def __init__(self, behind: Any, paths: set[str], *, status: int = 504,
+                 times: int | None = None, performed: bool = True) -> None:
+        self.behind, self.paths, self.status = behind, paths, status
+        self.performed = performed
+        self.left = {path: times for path in paths}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope["path"]
+        left = self.left.get(path, 0)
+        if path not in self.paths or left == 0:
+            await self.behind(scope, receive, send)
+            return
+        if left is not None:
+            self.left[path] = left - 1
+
+        async def lost(message: Any) -> None:  # the answer came after the gateway gave up
+            pass
+
+        if self.performed:
+            await self.behind(scope, receive, lost)
+        else:
+            while (await receive()).get("more_body"):
+                pass
+        await _json(send, self.status, {"message": self.MESSAGES.get(self.status, "gateway")})
+
+
 class VLLMStandIn(StandIn):
     """vLLM 0.33's OpenAI server in dev mode with ``--enable-sleep-mode``."""
 
@@ -191,10 +228,19 @@ class SGLangStandIn(StandIn):
 
     MEMORY = ("weights", "kv_cache", "cuda_graph")
 
-    def __init__(self, *, memory_saver: bool = True) -> None:
+    PAUSE_MODES = ("abort", "retract", "in_place")
+
+    def __init__(self, *, memory_saver: bool = True, pause_endpoints: bool = True) -> None:
         super().__init__()
         self.memory_saver = memory_saver
+        # False: a server without /pause_generation and /continue_generation (404)
+        self.pause_endpoints = pause_endpoints
         self.released: set[str] = set()
+        # requests the scheduler is generating (sent to the server directly, past any
+        # gate): SGLang asserts there are none when it releases or resumes memory
+        self.running = 0
+        self.aborted = 0  # requests a pause in abort mode ended
+        self.paused = False
         self.starting = 0  # /health_generate answers 503 this many more times
         self.refuse: str | None = None  # 200 {"success": false, "message": refuse}
         # path -> message: that call alone is answered 200 {"success": false, "message": …}
@@ -212,14 +258,24 @@ class SGLangStandIn(StandIn):
             if self.starting:
                 self.starting -= 1
                 return 503, None
+            if self.paused:
+                # its generation waits behind the pause until SGLang's health check gives
+                # up (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) and answers 503: here at once
+                return 503, {"message": "health check timed out: generation is paused"}
             if self.released:
                 return 500, {"message": f"generation failed: {sorted(self.released)} released"}
             self.canaries += 1
             return 200, None
+        if method == "POST" and path in ("/pause_generation", "/continue_generation"):
+            return self._pause_or_continue(path, body)
         if method == "POST" and path in ("/release_memory_occupation",
                                          "/resume_memory_occupation"):
             if not isinstance(body, dict):
                 return 422, {"detail": "a JSON body is required"}
+            if self.running:
+                # the scheduler's assertion (an idle scheduler), as the server reports it
+                return 500, {"message": "AssertionError: release/resume_memory_occupation "
+                                        "needs an idle scheduler (requests are running)"}
             if self.refuse is not None:
                 return 200, {"success": False, "message": self.refuse}
             if path in self.refused:
@@ -235,6 +291,27 @@ class SGLangStandIn(StandIn):
                 self.released -= tags
             return 200, None
         return 404, {"detail": "Not Found"}
+
+    def _pause_or_continue(self, path: str, body: Any) -> tuple[int, Any]:
+        """SGLang's ``PauseGenerationReqInput`` (``mode``: abort — the default — ends the
+        running requests; retract and in_place keep them) and ``ContinueGenerationReqInput``
+        (no fields): a JSON object body is required, as for every FastAPI body model."""
+        if not self.pause_endpoints:
+            return 404, {"detail": "Not Found"}
+        if not isinstance(body, dict):
+            return 422, {"detail": "a JSON body is required"}
+        if path == "/continue_generation":
+            self.paused = False
+            return 200, {"message": "Generation continued successfully.", "status": "ok"}
+        mode = body.get("mode", "abort")
+        if mode not in self.PAUSE_MODES:
+            return 422, {"detail": f"Invalid mode: {mode!r}. Expected one of "
+                                   f"{list(self.PAUSE_MODES)}."}
+        if mode == "abort":
+            self.aborted += self.running
+            self.running = 0
+        self.paused = True
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
 
 class FakeLLM:

@@ -62,18 +62,28 @@ class ServerError(RuntimeError):
     """An inference server refused a call or never answered it within the deadline; the
     message carries the server's own reason (``reason``: that alone, when it answered)."""
 
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
+    def __init__(self, message: str, *, reason: str | None = None,
+                 status: int | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.status = status
+        """The HTTP status the server answered with, when that is the failure."""
 
 
 class Unconfirmed(ServerError):
-    """A state-changing call that reached the server but got no (complete) answer: the
-    server may have performed it, or may still be performing it, so it is not sent again —
-    the caller checks the state instead where it can."""
+    """A state-changing call that reached the server but got no (complete) answer, or a
+    gateway's 502 / 504 for it: the server may have performed it, or may still be
+    performing it, so it is not sent again — the caller checks the state instead where it
+    can."""
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+GATEWAY_LOST = frozenset({502, 504})
+"""A gateway's answer for a request it may have passed on: its upstream timed out (504) or
+broke off (502) — possibly after performing it. A 503 is not among them: a server's own
+503 (starting, overloaded) and a gateway's (no healthy upstream) both say the request
+was not handled, and it is retried like any other 5xx."""
 
 # failures after the request may have reached the server (a state-changing call is not
 # re-sent after these); every other transport error means it was never sent
@@ -401,15 +411,19 @@ class ServerAdapter:
 
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
-                   json: Any = None) -> httpx.Response:
+                   json: Any = None, resend: bool = False) -> httpx.Response:
         """``method path`` until ``until`` (``time.monotonic()``).
 
         A ``GET`` is retried on transport errors, timeouts and 5xx, each try cut at
         ``request_timeout``. A state-changing ``POST`` (sleep, wake-up, reload, release,
         resume: seconds to minutes) gets what is left of the deadline to answer in one try
-        and is sent again only when it certainly was not performed — no connection, or an
-        error answer; after it was sent and no answer came it raises :class:`Unconfirmed`.
-        A 4xx, or an answer :meth:`hint` recognises, fails at once.
+        and is sent again only when it certainly was not performed — no connection, or the
+        server's own error answer (500, 503, …); after it was sent and no answer came, or a
+        gateway answered 502 / 504 for it (its upstream may have performed it: a proxy's
+        timeout shorter than a reload), it raises :class:`Unconfirmed`. ``resend``: a
+        ``POST`` that may be performed twice (a canary generation, a pause) is sent again
+        after a 502 / 504 as well. A 4xx, or an answer :meth:`hint` recognises, fails at
+        once.
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
@@ -474,16 +488,33 @@ class ServerAdapter:
                                       f"(redirects are not followed)")
                 reason = server_reason(response)
                 last = f"HTTP {response.status_code}: {reason}"
+                if not safe and not resend and response.status_code in GATEWAY_LOST:
+                    raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
+                                      f"server behind the gateway may have performed it "
+                                      f"(point url= at the server, or give the gateway a "
+                                      f"timeout above the {self.deadline:g}s deadline)",
+                                      reason=reason, status=response.status_code)
                 hint = self.hint(path, response, reason)
                 if hint is not None or response.status_code in (501, 505) or (
                         400 <= response.status_code < 500
                         and response.status_code not in (408, 429)):
                     raise ServerError(f"{self.kind} {what}: {last}"
-                                      + (f" — {hint}" if hint else ""), reason=reason)
+                                      + (f" — {hint}" if hint else ""), reason=reason,
+                                      status=response.status_code)
             log.debug("%s %s: %s; retrying", self.kind, what, last)
             attempt += 1
             await asyncio.sleep(min(0.05 * 2 ** min(attempt - 1, 5), 1.0,
                                     max(until - time.monotonic(), 0)))
+
+    async def quick_get(self, client: httpx.AsyncClient, path: str) -> httpx.Response:
+        """One ``GET path`` (a probe, a look at the server's settings), cut at
+        ``min(request_timeout, 5)`` seconds as a whole: httpx's timeout bounds each read
+        only, and an answer trickling in a byte at a time (a broken proxy) held ``start()``
+        for ever. :class:`ServerError` ``no complete answer within Ns`` then; httpx's
+        errors as they are."""
+        seconds = min(self.request_timeout, 5.0)
+        return await within(_bodies.request(client, "GET", path, timeout=seconds), seconds,
+                            f"no complete answer within {seconds:.3g}s")
 
     def not_yet(self, why: str) -> Probe:
         """The probe of a server that does not answer yet, or answers it is not ready (one
@@ -507,10 +538,11 @@ class ServerAdapter:
         assert self.url is not None
         try:
             async with self.client() as c:
-                r = await _bodies.request(c, "GET", self.health_path,
-                                          timeout=min(self.request_timeout, 5.0))
+                r = await self.quick_get(c, self.health_path)
         except httpx.HTTPError as exc:
             return self.not_yet(f"does not answer: {type(exc).__name__}"), False
+        except ServerError as exc:
+            return self.not_yet(str(exc)), False
         if r.is_success:
             return Probe(True, f"{self.url}{self.health_path} answers {r.status_code}"), True
         why = f"{self.url}{self.health_path} answers HTTP {r.status_code}: {server_reason(r)}"

@@ -10,20 +10,25 @@
 Before a snapshot (hook ``rehydrate.sglang.release``, right after the ASGI gate's drain):
 ``GET /server_info`` — a warning when it shows the memory saver off
 (``--enable-memory-saver`` missing: the calls then only log on the server and the GPU
-memory stays allocated) — then ``POST /release_memory_occupation`` with
-``{"tags": [...]}`` (or ``{}``: everything). After a restore or resume (hook
-``rehydrate.sglang.resume``, the first application hook): ``POST
+memory stays allocated) — then ``POST /pause_generation`` with ``{}`` (SGLang's default
+mode, ``abort``: requests still running are aborted, new ones wait), then ``POST
+/release_memory_occupation`` with ``{"tags": [...]}`` (or ``{}``: everything). After a
+restore or resume (hook ``rehydrate.sglang.resume``, the first application hook): ``POST
 /resume_memory_occupation`` with the same body — skipped when this process never sent a
 release (an earlier snapshot attempt failed before it, or SGLang refused the release);
 after an unanswered release or resume a "not released" refusal counts as resumed — then
-``GET /health_generate``, which generates one token, as the canary (retried while it
-answers 503, as SGLang does while it starts up).
+``POST /continue_generation`` (when this process paused it), then ``GET
+/health_generate``, which generates one token, as the canary (retried while it answers
+503, as SGLang does while it starts up).
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
-timeout; a POST is never sent again once it may have reached the server); the hook
-then fails with the server's last answer. A 200 whose JSON says ``"success": false`` fails
-with the server's message. SGLang needs an idle server for both calls: put the
-:class:`~rehydrate.adapters.asgi.ReadinessGate` in front of your app so requests drain first.
+timeout; a release or resume is never sent again once it may have reached the server,
+nor after a gateway's 502 / 504); the hook then fails with the server's last answer. A 200
+whose JSON says ``"success": false`` fails with the server's message. SGLang asserts an
+idle scheduler when it releases memory: the pause makes it so even for requests that reach
+the server past any gate; a server without the pause endpoints (404) gets one INFO line,
+and then only a drain in front of it — the
+:class:`~rehydrate.adapters.asgi.ReadinessGate` — keeps it idle.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..extensions import Probe, shown
-from . import _bodies
 from ._readiness import probe_import
 from ._server import (
     ServerAdapter,
@@ -116,6 +120,9 @@ class SGLangAdapter(ServerAdapter):
         self.unconfirmed = False
         """True when the last release or resume went unanswered: whether the memory is
         released is unknown, so a resume refused with "not released" is no failure."""
+        self.paused = False
+        """True from the moment a pause is sent until a continue succeeded (or SGLang
+        refused the pause): a continue is sent only when generation may be paused."""
 
     def __repr__(self) -> str:
         return f"SGLangAdapter({self.url}, tags={self.tags})"
@@ -129,6 +136,7 @@ class SGLangAdapter(ServerAdapter):
         until = time.monotonic() + self.deadline
         async with self.client() as c:
             await self._warn_without_memory_saver(c)
+            await self._pause(c, until)
             before = self.released, self.unconfirmed
             # before sending: a release performed but answered late still needs its resume
             self.released = self.unconfirmed = True
@@ -159,6 +167,9 @@ class SGLangAdapter(ServerAdapter):
                 await self._resume(c, until)
             else:
                 log.info("SGLang memory was not released by this process; not resumed")
+            if self.paused:
+                # after the resume: generation continued on released memory would fail
+                await self._continue(c, until)
             if self.canary:
                 await self.call(c, "GET", "/health_generate", until=until)
         if resumed:
@@ -182,6 +193,39 @@ class SGLangAdapter(ServerAdapter):
                      "went unanswered): nothing to resume")
         self.released = self.unconfirmed = False
 
+    async def _pause(self, client: httpx.AsyncClient, until: float) -> None:
+        before = self.paused
+        # before sending: a pause performed but answered late still needs its continue
+        self.paused = True
+        try:
+            # {}: SGLang's default mode, abort — the only one that leaves the scheduler
+            # idle (retract and in_place keep the requests queued or in the batch);
+            # sent again after a gateway's 502/504: a second pause changes nothing
+            await self.call(client, "POST", "/pause_generation", until=until, json={},
+                            resend=True)
+        except Unconfirmed:
+            raise
+        except ServerError as exc:
+            self.paused = before  # refused or never sent: nothing was paused
+            if exc.status not in MISSING:
+                raise
+            log.info("SGLang at %s has no /pause_generation (HTTP %s): generation is not "
+                     "paused before the release; only a drain in front of the server "
+                     "(ReadinessGate) keeps its scheduler idle", self.url, exc.status)
+
+    async def _continue(self, client: httpx.AsyncClient, until: float) -> None:
+        try:
+            await self.call(client, "POST", "/continue_generation", until=until, json={},
+                            resend=True)
+        except Unconfirmed:
+            raise
+        except ServerError as exc:
+            if exc.status not in MISSING:
+                raise
+            log.info("SGLang at %s has no /continue_generation (HTTP %s): not continued",
+                     self.url, exc.status)
+        self.paused = False
+
     release = sync_variant(release_async)
     resume = sync_variant(resume_async)
     before_snapshot = release_async
@@ -189,14 +233,21 @@ class SGLangAdapter(ServerAdapter):
 
     async def _warn_without_memory_saver(self, client: httpx.AsyncClient) -> None:
         try:
-            r = await _bodies.request(client, "GET", "/server_info",
-                                      timeout=min(self.request_timeout, 5.0))
+            r = await self.quick_get(client, "/server_info")
         except httpx.HTTPError as exc:
             log.debug("SGLang /server_info: %s", type(exc).__name__)
+            return
+        except ServerError as exc:  # an answer trickling in: only a warning was at stake
+            log.debug("SGLang /server_info: %s", exc)
             return
         if r.is_success and json_or_empty(r).get("enable_memory_saver") is False:
             log.warning("SGLang runs without --enable-memory-saver: release/resume of GPU "
                         "memory do nothing (the snapshot keeps the GPU state)")
+
+
+MISSING = frozenset({404, 405})
+"""A server without the endpoint (SGLang before the pause endpoints, a gateway routing
+only some paths): the pause and continue are skipped, not failed."""
 
 
 def _check_success(response: httpx.Response) -> None:

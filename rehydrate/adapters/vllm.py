@@ -21,11 +21,14 @@ canary generation must succeed before the hook does. An engine already awake is 
 again (the canary still runs).
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
-timeout; a POST is never sent again once it may have reached the server); the hook
-then fails with the server's last answer. A server without the dev-mode endpoints (404:
+timeout; a POST is never sent again once it may have reached the server, nor after a
+gateway's 502 / 504: ``/is_sleeping`` decides whether it happened); the hook then fails
+with the server's last answer. A server without the dev-mode endpoints (404:
 ``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode (``--enable-sleep-mode``, CUDA /
-ROCm / XPU only) fails at once with that fix in the message. Responses are parsed
-leniently: older servers answer an empty 200, some say ``tags_woken``.
+ROCm / XPU only) fails at once with that fix in the message, and so does a canary refused
+with 400 / 404 / 405 (a pooling model, which cannot generate: ``canary=False``).
+Responses are parsed leniently: older servers answer an empty 200, some say
+``tags_woken``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..extensions import Probe, shown
-from . import _bodies
 from ._readiness import probe_import
 from ._server import (
     MIN_TRY,
@@ -79,7 +81,8 @@ class VLLMAdapter(ServerAdapter):
     or 2 (both dropped; reloaded after restore). ``mode``: ``abort`` / ``wait`` / ``keep``
     for requests in flight (vLLM ≥ 0.33; omitted: the server's default). ``model``: the
     model name for the canary (default: the first of ``/v1/models``). ``canary``: run the
-    one-token generation after waking. ``api_key``: sent as a bearer token.
+    one-token generation after waking (``False`` for a pooling — embedding — model, which
+    cannot generate). ``api_key``: sent as a bearer token.
     ``deadline``: seconds each of sleep and wake may take, retries included.
     """
 
@@ -147,13 +150,16 @@ class VLLMAdapter(ServerAdapter):
                 log.info("vLLM already awake; not woken again")
             else:
                 if self.level == 2:
-                    await s.wake_up(["weights"], until)
+                    # An unconfirmed weights wake-up or reload fails the hook: the engine
+                    # still sleeps (kv_cache) either way, so /is_sleeping cannot tell
+                    # whether it happened; the next wake starts over from /is_sleeping.
+                    await self._wake(s, ["weights"], until)
                     await s.reload_weights(until)
-                    await s.wake_up(["kv_cache"], until)
+                    await self._wake(s, ["kv_cache"], until)
                 else:
-                    await self._wake_all(s, until)
+                    await self._wake(s, None, until)
                 if await s.is_sleeping(until) is True:
-                    await self._wake_all(s, until)  # whatever the tags above did not wake
+                    await self._wake(s, None, until)  # whatever the tags above did not wake
                     if await s.is_sleeping(until) is True:
                         raise ServerError(f"vllm{self._at}: the engine still sleeps after wake_up")
             if self.canary:
@@ -161,9 +167,9 @@ class VLLMAdapter(ServerAdapter):
         log.info("vLLM engine awake%s", " and answering" if self.canary else "")
 
     @staticmethod
-    async def _wake_all(s: _Session, until: float) -> None:
+    async def _wake(s: _Session, tags: list[str] | None, until: float) -> None:
         try:
-            await s.wake_up(None, until)
+            await s.wake_up(tags, until)
         except Unconfirmed:
             # no answer, but the engine may be awake (or still waking: not woken twice)
             if await s.is_sleeping(until) is not False:
@@ -190,10 +196,11 @@ class VLLMAdapter(ServerAdapter):
             return found
         try:
             async with self.client() as c:
-                r = await _bodies.request(c, "GET", "/is_sleeping",
-                                          timeout=min(self.request_timeout, 5.0))
+                r = await self.quick_get(c, "/is_sleeping")
         except httpx.HTTPError as exc:
             return self.not_yet(f"/is_sleeping: {type(exc).__name__}")
+        except ServerError as exc:
+            return self.not_yet(f"/is_sleeping: {exc}")
         if r.status_code == 404:
             return Probe(False, f"{self.url} has no /is_sleeping: start vLLM with "
                                 "VLLM_SERVER_DEV_MODE=1")
@@ -212,6 +219,13 @@ class VLLMAdapter(ServerAdapter):
                    "exist only in dev mode)"
         if "sleep mode" in reason.lower():
             return "start vLLM with --enable-sleep-mode (CUDA, ROCm or XPU only)"
+        if path == "/v1/completions" and response.status_code in (400, 404, 405):
+            # vLLM serving a pooling model (embeddings, scores, classification) refuses
+            # completions (400, or 404 where the route is not mounted): every restore
+            # would fail here although the engine is awake
+            return ("the canary generates one token, which a pooling (embedding) model "
+                    "cannot: pass canary=False for pooling models (or model= naming a "
+                    "model the server serves)")
         return None
 
     def _session(self) -> _Session:
@@ -296,9 +310,10 @@ class _Http(_Session):
                         'answered no model list (expected {"data": [{"id": ...}]})')
                 raise ServerError(f"vllm canary: {self.a.url}/v1/models {what} (pass model=)")
             model = first["id"]
+        # resend: a gateway's 502/504 on one generated token leaves nothing to undo
         r = await self.a.call(self.client, "POST", "/v1/completions", until=until,
                               json={"model": model, "prompt": self.a.canary_prompt,
-                                    "max_tokens": 1, "temperature": 0})
+                                    "max_tokens": 1, "temperature": 0}, resend=True)
         if not json_or_empty(r).get("choices"):
             raise ServerError(f"vllm canary: {self.a.url}/v1/completions answered no choices "
                               f"({answer_text(r, r.text, 200)!r})")

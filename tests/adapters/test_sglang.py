@@ -3,8 +3,10 @@ driven by an isolated engine's real snapshot and restore runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +16,13 @@ import pytest
 from rehydrate.adapters import sglang
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
-from tests.inference_standins import API_KEY, GATEWAY_ECHOES, EchoingGateway, SGLangStandIn
+from tests.inference_standins import (
+    API_KEY,
+    GATEWAY_ECHOES,
+    EchoingGateway,
+    LosingGateway,
+    SGLangStandIn,
+)
 from tests.key_redaction import assert_the_key_is_shown_nowhere
 
 
@@ -59,13 +67,15 @@ def test_release_then_resume_and_canary(url: str, standin: SGLangStandIn,
     sglang.install(url, engine=rehydrate_engine, tags=tags)
     snap = rehydrate_engine.simulate_snapshot()
     assert snap.ok, snap.table()
-    assert standin.log == ["GET /server_info", "POST /release_memory_occupation"]
-    assert standin.released == set(tags or SGLangStandIn.MEMORY)
+    assert standin.log == ["GET /server_info", "POST /pause_generation",
+                           "POST /release_memory_occupation"]
+    assert standin.released == set(tags or SGLangStandIn.MEMORY) and standin.paused
     standin.log.clear()
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
-    assert standin.log == ["POST /resume_memory_occupation", "GET /health_generate"]
-    assert standin.released == set() and standin.canaries == 1
+    assert standin.log == ["POST /resume_memory_occupation", "POST /continue_generation",
+                           "GET /health_generate"]
+    assert standin.released == set() and standin.canaries == 1 and not standin.paused
 
 
 def test_warns_when_the_memory_saver_is_off(url: str, server: Any, rehydrate_engine: Any,
@@ -172,7 +182,7 @@ def test_server_that_never_answers(rehydrate_engine: Any, refused_port: int) -> 
     sglang.install(url, engine=rehydrate_engine, deadline=0.3)
     report = rehydrate_engine.simulate_snapshot()
     assert str(hook(report, "rehydrate.sglang.release").error).startswith(
-        f"sglang POST {url}/release_memory_occupation: unreachable (ConnectError")
+        f"sglang POST {url}/pause_generation: unreachable (ConnectError")
     assert sglang.SGLangAdapter(url).probe() == Probe(
         True, f"{url} is not ready yet (does not answer: ConnectError): installed anyway")
 
@@ -234,7 +244,8 @@ def test_a_release_that_never_reached_the_server_refused_on_resume_is_no_failure
     assert standin.released == set()
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
-    assert standin.log == ["GET /server_info", "POST /resume_memory_occupation",
+    assert standin.log == ["GET /server_info", "POST /pause_generation",
+                           "POST /resume_memory_occupation", "POST /continue_generation",
                            "GET /health_generate"]
 
 
@@ -254,7 +265,8 @@ def test_a_resume_that_went_unanswered_is_confirmed_by_the_next_restore(
     standin.log.clear()
     second = rehydrate_engine.simulate_restore()
     assert second.ok, second.table()
-    assert standin.log == ["POST /resume_memory_occupation", "GET /health_generate"]
+    assert standin.log == ["POST /resume_memory_occupation", "POST /continue_generation",
+                           "GET /health_generate"]
     assert not adapter.released
     standin.log.clear()
     assert rehydrate_engine.simulate_restore().ok
@@ -290,7 +302,9 @@ def test_a_refused_release_is_not_resumed(url: str, standin: SGLangStandIn,
         standin.log.clear()
         report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
-    assert standin.log == ["GET /health_generate"]
+    # the pause before the refused release is still continued
+    assert standin.log == ["POST /continue_generation", "GET /health_generate"]
+    assert not standin.paused
     messages = [r.getMessage() for r in caplog.records]
     assert ("SGLang did not release its memory (the release was refused or never sent): "
             "the next resume only checks generation") in messages
@@ -332,7 +346,8 @@ def test_not_released_is_recognised_in_its_wordings(
     server[1].app = standin
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
-    assert standin.log[-2:] == ["POST /resume_memory_occupation", "GET /health_generate"]
+    assert standin.log[-3:] == ["POST /resume_memory_occupation", "POST /continue_generation",
+                                "GET /health_generate"]
 
 
 @pytest.mark.parametrize("echo", [*GATEWAY_ECHOES, "refusal quoting the key"])
@@ -351,3 +366,154 @@ def test_the_api_key_echoed_by_a_gateway_is_shown_nowhere(
     snap, _ = assert_the_key_is_shown_nowhere(rehydrate_engine, adapter, gateway, caplog,
                                               adapter.release, sglang.ServerError)
     assert not snap.ok
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_gateways_502_or_504_on_a_performed_release_is_not_resent_and_still_resumed(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, status: int) -> None:
+    """A gateway whose timeout is shorter than the release: SGLang released, the adapter
+    got the gateway's 502/504. Re-sent on it, the release was performed again and again,
+    and the refusal restored ``released`` to False: no resume was ever sent, and every
+    restore failed at the canary for good."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=2)
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=status)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert not snap.ok
+    assert str(hook(snap, "rehydrate.sglang.release").error) == (
+        f"sglang POST {url}/release_memory_occupation: HTTP {status}: "
+        f"{LosingGateway.MESSAGES[status]}; not sent again: the server behind the gateway may "
+        f"have performed it (point url= at the server, or give the gateway a timeout above "
+        f"the 2s deadline)")
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    assert standin.released == set(SGLangStandIn.MEMORY)
+    assert adapter.released and adapter.unconfirmed
+    for _ in range(2):  # the gateway stays: only the release goes through it
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert standin.released == set() and not standin.paused
+    assert standin.log.count("POST /resume_memory_occupation") == 1
+    assert standin.canaries == 2
+
+
+def test_a_503_on_a_release_is_sent_again(url: str, server: tuple[str, Switch],
+                                          standin: SGLangStandIn,
+                                          rehydrate_engine: Any) -> None:
+    """A 503 says the request was not handled (a server's own, or a gateway's "no healthy
+    upstream"): the release is sent again, and performed once."""
+    sglang.install(url, engine=rehydrate_engine, deadline=5)
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=503,
+                                  times=2, performed=False)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    assert standin.released == set(SGLangStandIn.MEMORY)
+
+
+def test_generation_is_paused_before_the_release_and_continued_after_the_resume(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """Requests sent to SGLang directly (a supervisor beside it: no gate drains them)
+    are running at the snapshot: SGLang's release asserts an idle scheduler, so the
+    adapter pauses generation first (abort mode) and continues it after the resume —
+    before the canary, whose generation would wait behind the pause."""
+    sglang.install(url, engine=rehydrate_engine, deadline=1)
+    standin.running = 2
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log == ["GET /server_info", "POST /pause_generation",
+                           "POST /release_memory_occupation"]
+    assert standin.aborted == 2 and standin.paused
+    assert standin.released == set(SGLangStandIn.MEMORY)
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log == ["POST /resume_memory_occupation", "POST /continue_generation",
+                           "GET /health_generate"]
+    assert not standin.paused and standin.canaries == 1
+
+
+def test_a_server_without_the_pause_endpoints_is_released_after_one_info_line(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    server[1].app = standin = SGLangStandIn(pause_endpoints=False)
+    adapter = sglang.install(url, engine=rehydrate_engine)
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert not adapter.paused
+        report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log == ["GET /server_info", "POST /pause_generation",
+                           "POST /release_memory_occupation",
+                           "POST /resume_memory_occupation", "GET /health_generate"]
+    assert [r.getMessage() for r in caplog.records if "pause" in r.getMessage()] == [
+        f"SGLang at {url} has no /pause_generation (HTTP 404): generation is not paused "
+        "before the release; only a drain in front of the server (ReadinessGate) keeps its "
+        "scheduler idle"]
+
+
+def test_a_refused_pause_fails_the_snapshot_without_releasing(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """Released on a busy scheduler, SGLang's assertion fails: a pause that did not
+    happen stops the release, and nothing is owed afterwards but the canary."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    standin.broken["/pause_generation"] = (500, "scheduler error")
+    snap = rehydrate_engine.simulate_snapshot()
+    assert str(hook(snap, "rehydrate.sglang.release").error) == (
+        f"sglang POST {url}/pause_generation: HTTP 500: scheduler error (gave up after the "
+        "0.5s deadline)")
+    assert "POST /release_memory_occupation" not in standin.log
+    assert not adapter.paused and not adapter.released
+    standin.broken.clear()
+    standin.log.clear()
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.log == ["GET /health_generate"]
+
+
+def trickling(standin: SGLangStandIn, path: str, stop: threading.Event,
+              ended: threading.Event) -> Any:
+    """The stand-in, but ``path`` answers 200 and then a byte every 20 ms until ``stop``
+    (at most 10 s): httpx's per-read timeout never fires."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != path:
+            await standin(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            for _ in range(500):
+                if stop.is_set():
+                    break
+                await send({"type": "http.response.body", "body": b" ", "more_body": True})
+                await asyncio.sleep(0.02)
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            ended.set()
+
+    return app
+
+
+def test_a_server_info_trickling_in_does_not_hold_the_release(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn) -> None:
+    stop, ended = threading.Event(), threading.Event()
+    server[1].app = trickling(standin, "/server_info", stop, ended)
+    adapter = sglang.SGLangAdapter(url, canary=False, request_timeout=0.3)
+    try:
+        adapter.release()
+        assert not ended.is_set(), "the release waited for the whole answer"
+    finally:
+        stop.set()
+    assert standin.released == set(SGLangStandIn.MEMORY)
+
+
+def test_a_health_answer_trickling_in_does_not_hold_the_probe(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn) -> None:
+    """Lifecycle(extensions=[SGLangAdapter(url)]) probes in its constructor: it never
+    returned while a broken proxy trickled /health."""
+    stop, ended = threading.Event(), threading.Event()
+    server[1].app = trickling(standin, "/health", stop, ended)
+    try:
+        found = sglang.SGLangAdapter(url, request_timeout=0.3).probe()
+        assert not ended.is_set(), "the probe waited for the whole answer"
+    finally:
+        stop.set()
+    assert found == Probe(True, f"{url} is not ready yet (no complete answer within 0.3s): "
+                                "installed anyway")

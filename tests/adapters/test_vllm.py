@@ -26,6 +26,7 @@ from tests.inference_standins import (
     EchoingGateway,
     FakeAsyncLLM,
     FakeLLM,
+    LosingGateway,
     VLLMStandIn,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
@@ -547,7 +548,7 @@ def test_an_unreadable_answer_is_a_server_error_naming_the_call(url: str, server
     assert str(exc.value) == f"vllm GET {url}/is_sleeping: unreadable answer (DecodingError)"
     with pytest.raises(sglang.ServerError) as exc:
         sglang.SGLangAdapter(url, deadline=5, canary=False).release()
-    assert str(exc.value) == (f"sglang POST {url}/release_memory_occupation: unreadable answer "
+    assert str(exc.value) == (f"sglang POST {url}/pause_generation: unreadable answer "
                               "(DecodingError)")
 
 
@@ -926,3 +927,132 @@ def test_the_adapters_key_deep_in_an_indented_page_is_never_cut_in_half() -> Non
     page = "<html>" + " " * 1150 + f"echo: {key} " + "x " * 200
     out = _server.answer_text(response, page)
     assert key[:12] not in out and "[redacted]" in out, out
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_gateways_502_or_504_on_a_performed_sleep_is_checked_not_resent(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn, rehydrate_engine: Any,
+        status: int) -> None:
+    """vLLM slept, a gateway in front answered 502/504: re-sent on it, the sleep was
+    performed again on every retry and the snapshot failed at the deadline. It is not
+    sent again; /is_sleeping says it happened."""
+    vllm.install(url, engine=rehydrate_engine, deadline=2)
+    server[1].app = LosingGateway(standin, {"/sleep"}, status=status)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log == ["GET /is_sleeping", "POST /sleep?level=1", "GET /is_sleeping",
+                           "GET /is_sleeping"]
+
+
+def test_a_gateways_504_on_a_performed_wake_up_is_checked_not_resent(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine, deadline=2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/wake_up"})
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /wake_up") == 1 and not standin.sleeping
+    assert standin.canaries == 1
+
+
+def test_a_gateways_504_on_a_performed_reload_is_not_resent(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """A reload_weights longer than the gateway's timeout: performed once, the wake fails
+    saying why (nothing tells whether the reload happened), and the next wake — the
+    gateway fixed — starts over from /is_sleeping and succeeds."""
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/collective_rpc"})
+    first = rehydrate_engine.simulate_restore()
+    assert str(hook(first, "rehydrate.vllm.wake").error) == (
+        f"vllm POST {url}/collective_rpc: HTTP 504: upstream request timeout; not sent "
+        "again: the server behind the gateway may have performed it (point url= at the "
+        "server, or give the gateway a timeout above the 2s deadline)")
+    assert standin.log.count("POST /collective_rpc") == 1
+    server[1].app = standin
+    second = rehydrate_engine.simulate_restore()
+    assert second.ok, second.table()
+    assert not standin.sleeping and standin.weights == "gpu" and standin.canaries == 1
+
+
+def test_a_gateways_504_on_the_canary_is_sent_again(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """One generated token changes nothing: the canary is a POST that may be re-sent."""
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/v1/completions"}, times=1)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /v1/completions") == 2 and standin.canaries == 2
+
+
+class PoolingVLLM(VLLMStandIn):
+    """vLLM serving an embedding model: /v1/completions answers 400 (or 404 where the
+    route is not mounted)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__()
+        self.status = status
+
+    def route(self, method: str, path: str, query: dict[str, list[str]],
+              body: Any) -> tuple[int, Any]:
+        if (method, path) == ("POST", "/v1/completions"):
+            return self.status, {"object": "error", "type": "BadRequestError",
+                                 "message": "The model does not support Completions API",
+                                 "code": self.status}
+        return super().route(method, path, query, body)
+
+
+@pytest.mark.parametrize("status", [400, 404])
+def test_a_pooling_models_canary_refusal_says_pass_canary_false(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any, status: int) -> None:
+    server[1].app = standin = PoolingVLLM(status)
+    vllm.install(url, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    assert str(hook(report, "rehydrate.vllm.wake").error) == (
+        f"vllm POST {url}/v1/completions: HTTP {status}: The model does not support "
+        "Completions API — the canary generates one token, which a pooling (embedding) "
+        "model cannot: pass canary=False for pooling models (or model= naming a model the "
+        "server serves)")
+    assert standin.log.count("POST /v1/completions") == 1  # no retry
+    vllm.install(url, engine=rehydrate_engine, canary=False)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert rehydrate_engine.simulate_restore().ok
+
+
+@pytest.mark.parametrize("path", ["/health", "/is_sleeping"])
+def test_an_answer_trickling_in_does_not_hold_the_probe(url: str, server: Any,
+                                                        path: str) -> None:
+    """Lifecycle(extensions=[VLLMAdapter(url)]) probes in its constructor: it never
+    returned while a broken proxy trickled /health or /is_sleeping a byte at a time."""
+    stop, ended = threading.Event(), threading.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] != path:
+            await send({"type": "http.response.body", "body": b'{"is_sleeping": false}'})
+            return
+        try:
+            for _ in range(500):  # at most 10 s
+                if stop.is_set():
+                    break
+                await send({"type": "http.response.body", "body": b" ", "more_body": True})
+                await asyncio.sleep(0.02)
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            ended.set()
+
+    server[1].app = app
+    try:
+        found = vllm.VLLMAdapter(url, request_timeout=0.3).probe()
+        assert not ended.is_set(), "the probe waited for the whole answer"
+    finally:
+        stop.set()
+    where = "" if path == "/health" else "/is_sleeping: "
+    assert found == Probe(True, f"{url} is not ready yet ({where}no complete answer within "
+                                "0.3s): installed anyway")
