@@ -1000,13 +1000,13 @@ class Volume:
         return live[0] if live else None
 
     def _callbacks(self) -> list[OnChange]:
-        live = [ref() for ref in self._listeners]
-        self._listeners = [ref for ref, cb in zip(self._listeners, live, strict=True)
-                           if cb is not None]
-        return [cb for cb in live if cb is not None]
+        return [cb for cb in (ref() for ref in list(self._listeners)) if cb is not None]
 
     def _listen(self, on_change: OnChange | None) -> None:
-        """A :func:`volume` call for this volume: its ``on_change`` is called too."""
+        """A :func:`volume` call for this volume (under the manager's lock): its
+        ``on_change`` is called too."""
+        # Pruned here, not while the reopen hook reads the list: no registration is lost.
+        self._listeners = [ref for ref in self._listeners if ref() is not None]
         if on_change is None or any(cb == on_change for cb in self._callbacks()):
             return
         ref: Callable[[], OnChange | None]
