@@ -48,6 +48,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -174,6 +175,10 @@ def _quote_ident(name: str) -> str:
 OnChange = Callable[[Any], object]
 
 
+class _PassStopped(Exception):
+    """A late reopen pass met a before-snapshot pass begun after it: it stops."""
+
+
 class _Handle:
     """What every managed handle shares: path, change tracking, registration."""
 
@@ -193,6 +198,7 @@ class _Handle:
         object.__setattr__(self, "_opened_key", None)
         object.__setattr__(self, "_closed_by_user", False)
         object.__setattr__(self, "_suspended", False)
+        object.__setattr__(self, "_reopen_ask", None)
         object.__setattr__(self, "_manager", manager(engine))
 
     path: str
@@ -207,6 +213,8 @@ class _Handle:
     """(st_dev, st_ino) of the file the handle opened, set by each subclass when it opens."""
     _closed_by_user: bool
     _suspended: bool
+    _reopen_ask: float | None
+    """The ``reopen_timeout`` this handle asked (None: none)."""
     _manager: FilesManager
 
     def _register(self) -> None:
@@ -263,11 +271,16 @@ class _Handle:
         """After a failed ``_close_now``: True when the underlying object is closed anyway."""
         return False
 
-    def _resume(self, volume_changed: bool) -> bool:
-        """After a restore or resume: reopen; True when the file changed."""
+    def _resume(self, volume_changed: bool, stale: Callable[[], bool] = lambda: False
+                ) -> bool:
+        """After a restore or resume: reopen; True when the file changed. ``stale``:
+        True once a before-snapshot pass began after this reopen pass (checked under the
+        handle's lock, which that pass's close takes too)."""
         with self._lock:
             if self._closed_by_user or not self._suspended:
                 return False
+            if stale():
+                raise _PassStopped
             now = _stat_after_restore(self.path)
             expected = self._identity.kind if self._identity is not None else stat.S_IFREG
             if now.kind not in (stat.S_IFREG, expected):
@@ -416,6 +429,10 @@ class ManagedFile(_Handle):
             # Another writer's file: at offset 0 the next write overwrote its head and
             # left the rest behind it. At the end it adds to what is there.
             f.seek(0, os.SEEK_END)
+        elif "a" in self.mode:
+            # open() put an "a"/"a+" file at its end; an "a+" reader reads the changed
+            # file from the start (its writes still go to the end: O_APPEND).
+            f.seek(0)
         self._set_file(f)
 
     def _writes_in_place(self) -> bool:
@@ -452,22 +469,57 @@ class ManagedFile(_Handle):
 _SESSION_PRAGMAS = ("foreign_keys", "recursive_triggers", "query_only", "busy_timeout")
 """Per-connection ``PRAGMA`` s read before the close and set again on the new connection."""
 
+_QUIET = (("authorizer",), ("progress",), ("trace",))
+"""The callbacks cleared while rehydrate inspects and closes a connection."""
+
+_ATTACH = re.compile(
+    r"""\bATTACH\s+(?:DATABASE\s+)?(?:'((?:[^']|'')*)'|(\?\d*|[:@$]\w+))\s+AS\s+"""
+    r"""("(?:[^"]|"")*"|`(?:[^`]|``)*`|\[[^\]]*\]|\w+)""", re.IGNORECASE)
+"""An ``ATTACH`` of a string literal or a parameter: its argument and schema name."""
+
+
+def _unquote_ident(name: str) -> str:
+    if name[:1] in ('"', "`"):
+        return name[1:-1].replace(name[0] * 2, name[0])
+    if name[:1] == "[":
+        return name[1:-1]
+    return name
+
+
+def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
+                      ) -> tuple[frozenset[tuple[str, str]], frozenset[str],
+                                 list[tuple[str, str]]]:
+    """A connection's TEMP objects (type, name), its in-memory attachments, and (with
+    ``with_files``) its attachments from a file (schema, file)."""
+    # sqlite_*: SQLite's own (temp.sqlite_sequence stays after its AUTOINCREMENT table
+    # was dropped and cannot be dropped itself: it refused every snapshot).
+    temp = frozenset((str(kind), str(name)) for kind, name in conn.execute(
+        "SELECT type, name FROM temp.sqlite_master WHERE name NOT LIKE 'sqlite\\_%' "
+        "ESCAPE '\\'"))
+    attached = [(str(row[1]), str(row[2])) for row in conn.execute("PRAGMA database_list")
+                if row[1] not in ("main", "temp")]
+    return (temp, frozenset(schema for schema, file in attached if not file),
+            [(schema, file) for schema, file in attached if file] if with_files else [])
+
 
 class ManagedConnection(_Handle):
     """A ``sqlite3`` connection closed before a snapshot and reopened after.
 
     Attribute access goes to the current connection; attributes set on the handle
-    (``row_factory``, ``isolation_level`` …) are set again on every new connection, and
-    ``on_connect(conn)`` runs for each (per-connection ``PRAGMA`` s). Then the
+    (``row_factory``, ``isolation_level`` …) are set again on every new connection, the
+    ``PRAGMA`` s ``foreign_keys``, ``recursive_triggers``, ``query_only`` and
+    ``busy_timeout`` get the values they had at the close, then ``on_connect(conn)``
+    runs (per-connection ``PRAGMA`` s: its values win). Then the databases that were
+    attached from a file are attached again (by the URI an ``ATTACH`` through the
+    handle's ``execute``/``executescript`` named, else by path), and the
     ``create_function`` / ``create_aggregate`` / ``create_window_function`` /
     ``create_collation`` / ``set_authorizer`` / ``set_progress_handler`` /
-    ``set_trace_callback`` calls made through the handle are made again, the
-    ``PRAGMA`` s ``foreign_keys``, ``recursive_triggers``, ``query_only`` and
-    ``busy_timeout`` get the values they had at the close, and the databases that were
-    attached from a file are attached again by path. A snapshot is refused while the
-    connection has ``TEMP`` objects or an attached in-memory database (they would be
-    lost). ``with handle:`` is the connection's transaction context. Cursors do not
-    outlive a snapshot.
+    ``set_trace_callback`` calls made through the handle are made again. A snapshot is
+    refused while the connection has ``TEMP`` objects or an attached in-memory database
+    that ``on_connect`` did not make (they would be lost; SQLite's own ``sqlite_*``
+    tables do not count). rehydrate's own statements run with the authorizer, progress
+    handler and trace callback cleared. ``with handle:`` is the connection's transaction
+    context. Cursors do not outlive a snapshot.
     """
 
     _kind = "sqlite"
@@ -489,6 +541,8 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_calls", {})
         object.__setattr__(self, "_pragmas", {})
         object.__setattr__(self, "_attached", [])
+        object.__setattr__(self, "_attach_args", {})
+        object.__setattr__(self, "_made", (frozenset(), frozenset(), []))
         object.__setattr__(self, "_conn", self._connect())
         self._register()
 
@@ -499,8 +553,14 @@ class ManagedConnection(_Handle):
     """Registration calls made through the handle, by what they register (a later call
     for the same function name and arity, collation or callback replaces the earlier)."""
     _pragmas: dict[str, int]
-    _attached: list[tuple[str, str]]
-    """(schema name, file) of the databases attached at the close."""
+    _attached: list[tuple[str, str, str]]
+    """(schema name, file, what attaches it: the file or its URI) of the databases
+    attached from a file at the close."""
+    _attach_args: dict[str, str | None]
+    """The URI an ``ATTACH`` through the handle named, by schema name (lower case); None:
+    attached by a plain path."""
+    _made: tuple[frozenset[tuple[str, str]], frozenset[str], list[tuple[str, str]]]
+    """The TEMP objects and in-memory attachments on_connect made (not refused)."""
     _conn: sqlite3.Connection
 
     def _connect(self) -> sqlite3.Connection:
@@ -520,31 +580,73 @@ class ManagedConnection(_Handle):
         for k, v in self._attrs.items():
             setattr(conn, k, v)
         try:
+            # The saved PRAGMAs first: on_connect's values (the restored clone's own
+            # configuration) win over those of the connection that was closed.
+            for name, value in self._pragmas.items():
+                conn.execute(f"PRAGMA {name} = {int(value)}")  # names are ours, values ints
             if self._on_connect is not None:
                 self._on_connect(conn)
+            # What on_connect made lives in every connection it makes: only what was added
+            # after it would be lost at a close.
+            made = _connection_state(conn)
             self._restore_session(conn)
         except BaseException:
             conn.close()  # not half made: the handle stays suspended, nothing held open
             raise
+        object.__setattr__(self, "_made", made)
         return conn
 
     def _restore_session(self, conn: sqlite3.Connection) -> None:
-        """What the closed connection had beyond its file: ATTACHes, PRAGMAs, then the
-        registrations (last: an authorizer could refuse the ATTACH or PRAGMA statements,
-        a trace callback would see them)."""
+        """What the closed connection had beyond its file and PRAGMAs: ATTACHes, then the
+        registrations (last: an authorizer could refuse the ATTACH statements, a trace
+        callback would see them)."""
         present = {row[1] for row in conn.execute("PRAGMA database_list")}
-        for schema, file in self._attached:
+        for schema, file, target in self._attached:
             if schema in present:
                 continue  # attached again by on_connect
             if not os.path.isfile(file):
                 # ATTACH would make a new, empty database there and hide the loss.
                 raise ReopenFailed(f"SQLite database {self.path}: attached database "
                                    f"{schema!r} ({file}) is gone: not attached again")
-            conn.execute("ATTACH DATABASE ? AS " + _quote_ident(schema), (file,))
-        for name, value in self._pragmas.items():
-            conn.execute(f"PRAGMA {name} = {int(value)}")  # names are ours, values ints
+            conn.execute("ATTACH DATABASE ? AS " + _quote_ident(schema), (target,))
         for method, args, kwargs in self._calls.values():
             getattr(conn, method)(*args, **kwargs)
+
+    # ATTACH statements run through the handle: a URI's parameters (mode=ro,
+    # immutable=1) are not in PRAGMA database_list, which names the file only.
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        """``sqlite3.Connection.execute``; an ``ATTACH`` of a URI is attached again by
+        that URI after a snapshot."""
+        cur = self._conn.execute(sql, parameters)
+        self._note_attach(sql, parameters)
+        return cur
+
+    def executemany(self, sql: str, parameters: Iterable[Any], /) -> sqlite3.Cursor:
+        """``sqlite3.Connection.executemany``."""
+        return self._conn.executemany(sql, parameters)
+
+    def executescript(self, sql_script: str, /) -> sqlite3.Cursor:
+        """``sqlite3.Connection.executescript``; an ``ATTACH`` of a URI literal is attached
+        again by that URI after a snapshot."""
+        cur = self._conn.executescript(sql_script)
+        self._note_attach(sql_script, ())
+        return cur
+
+    def _note_attach(self, sql: str, parameters: Any) -> None:
+        if "attach" not in sql.lower():
+            return
+        for m in _ATTACH.finditer(sql):
+            literal, param, name = m.group(1), m.group(2), m.group(3)
+            if literal is not None:
+                arg: object = literal.replace("''", "'")
+            else:
+                try:
+                    arg = (parameters[param[1:]] if param[0] in ":@$"
+                           else parameters[int(param[1:] or 1) - 1])
+                except (LookupError, TypeError, ValueError):
+                    arg = None  # not resolved: attached again by path, as before
+            self._attach_args[_unquote_ident(name).lower()] = (
+                arg if isinstance(arg, str) and arg[:5].lower() == "file:" else None)
 
     def _record(self, key: tuple[Any, ...], method: str, *args: Any, **kwargs: Any) -> None:
         getattr(self._conn, method)(*args, **kwargs)
@@ -593,25 +695,66 @@ class ManagedConnection(_Handle):
             raise SnapshotRefused(
                 f"SQLite database {self.path} has a transaction open: commit or roll it "
                 "back before the snapshot (its -wal/-shm files would be in the image)")
-        temp = [f"{kind} {name}" for kind, name in conn.execute(
-            "SELECT type, name FROM temp.sqlite_master ORDER BY type, name")]
-        attached = [(str(row[1]), str(row[2])) for row in conn.execute("PRAGMA database_list")
-                    if row[1] not in ("main", "temp")]
-        lost = [f"TEMP {t}" for t in temp] + [
-            f"attached in-memory database {schema}" for schema, file in attached if not file]
-        if lost:
-            raise SnapshotRefused(
-                f"SQLite database {self.path} would lose {', '.join(lost)} (they live in "
-                "the connection, which is closed for the snapshot): drop or detach them "
-                "before it")
-        pragmas = {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
-                   for name in _SESSION_PRAGMAS}
-        # Moves the WAL into the database so the host sees every committed row (every
-        # attached database's too: no schema named).
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        conn.close()
+        # rehydrate's own statements below run without the application's callbacks: an
+        # authorizer that denies reading sqlite_master refused every snapshot, and a
+        # trace callback saw them.
+        quieted = self._quiet(conn)
+        try:
+            temp, memory, files_ = _connection_state(conn, with_files=True)
+            made_temp, made_memory, _ = self._made
+            lost = [f"TEMP {kind} {name}" for kind, name in sorted(temp - made_temp)] + [
+                f"attached in-memory database {schema}"
+                for schema in sorted(memory - made_memory)]
+            if lost:
+                raise SnapshotRefused(
+                    f"SQLite database {self.path} would lose {', '.join(lost)} (they live "
+                    "in the connection, which is closed for the snapshot): drop or detach "
+                    "them before it")
+            pragmas = {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
+                       for name in _SESSION_PRAGMAS}
+            # Moves the WAL into the database so the host sees every committed row (every
+            # attached database's too: no schema named).
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            conn.close()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the connection stays: as it was
+                self._replay(conn, quieted)
+            raise
         object.__setattr__(self, "_pragmas", pragmas)
-        object.__setattr__(self, "_attached", attached)
+        object.__setattr__(self, "_attached", [
+            (schema, file, self._attach_target(schema, file)) for schema, file in files_])
+
+    def _quiet(self, conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+        """Clear the authorizer, progress handler and trace callback set through the
+        handle; the keys of those cleared."""
+        quieted = [key for key in _QUIET if key in self._calls]
+        for key in quieted:
+            method = self._calls[key][0]
+            if method == "set_progress_handler":
+                conn.set_progress_handler(None, 0)
+            else:
+                getattr(conn, method)(None)
+        return quieted
+
+    def _replay(self, conn: sqlite3.Connection, keys: list[tuple[Any, ...]]) -> None:
+        for key in keys:
+            method, args, kwargs = self._calls[key]
+            getattr(conn, method)(*args, **kwargs)
+
+    def _attach_target(self, schema: str, file: str) -> str:
+        """What attaches ``schema`` again: the URI its ``ATTACH`` through the handle
+        named, when it names this very file, else the file's path."""
+        uri = self._attach_args.get(schema.lower())
+        if uri is None:
+            return file
+        from urllib.parse import unquote, urlsplit
+
+        parts = urlsplit(uri)
+        path = unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not path:
+            return file
+        same = os.path.realpath(path) == os.path.realpath(file)
+        return uri if same else file
 
     def _open_now(self, same: bool) -> None:
         object.__setattr__(self, "_conn", self._connect())
@@ -732,10 +875,13 @@ class Volume:
 
     def __init__(self, mount_point: str, on_change: OnChange | None) -> None:
         self.mount_point = os.path.abspath(mount_point)
-        self.on_change = on_change
-        """The first ``on_change`` given for this volume."""
-        self._also: list[OnChange] = []
-        """The other components' ``on_change`` (:func:`volume` called again for it)."""
+        self._listeners: list[Callable[[], OnChange | None]] = []
+        """Every ``on_change`` given for this volume, in order: a bound method weakly
+        (a component dropped stops being called, and is not kept alive by the volume),
+        anything else strongly (a lambda given inline has no other owner)."""
+        self._listen(on_change)
+        self._reopen_ask: float | None = None
+        """The largest ``reopen_timeout`` asked for this volume (None: none)."""
         self._unreadable: int | None = None
         """errno of the last failed read of the identity file (warned once), or None."""
         self.identity: str | None = self._read_or_create()
@@ -847,21 +993,39 @@ class Volume:
         self.changed = False
         return False
 
+    @property
+    def on_change(self) -> OnChange | None:
+        """The first ``on_change`` given for this volume that is still alive."""
+        live = self._callbacks()
+        return live[0] if live else None
+
     def _callbacks(self) -> list[OnChange]:
-        return ([] if self.on_change is None else [self.on_change]) + self._also
+        return [cb for cb in (ref() for ref in list(self._listeners)) if cb is not None]
 
     def _listen(self, on_change: OnChange | None) -> None:
-        """Another :func:`volume` call for this volume: its ``on_change`` is called too."""
+        """A :func:`volume` call for this volume (under the manager's lock): its
+        ``on_change`` is called too."""
+        # Pruned here, not while the reopen hook reads the list: no registration is lost.
+        self._listeners = [ref for ref in self._listeners if ref() is not None]
         if on_change is None or any(cb == on_change for cb in self._callbacks()):
             return
-        if self.on_change is None:
-            self.on_change = on_change
-        else:
-            self._also.append(on_change)
+        ref: Callable[[], OnChange | None]
+        try:
+            # A bound method held strongly kept its object (a per-tenant store, a
+            # request's cache) alive for good, and called it at every swap.
+            ref = weakref.WeakMethod(on_change)
+        except TypeError:  # a function, a lambda, a callable object
+            def ref() -> OnChange:
+                return on_change
+        self._listeners.append(ref)
 
     def contains(self, path: str) -> bool:
-        """True when ``path`` lies on this volume."""
-        return path == self.mount_point or path.startswith(self.mount_point.rstrip("/") + "/")
+        """True when ``path`` lies on this volume, as given or with symbolic links
+        resolved (a volume registered as ``/data -> /mnt/disk1`` and a handle opened as
+        ``/mnt/disk1/a.txt``, or the other way round)."""
+        if _under(path, self.mount_point):
+            return True
+        return _under(os.path.realpath(path), os.path.realpath(self.mount_point))
 
     def describe(self) -> dict[str, Any]:
         """What ``status()["files"]`` shows for this handle."""
@@ -900,6 +1064,10 @@ class OpenFile:
         return {"fd": self.fd, "path": self.path, "deleted": self.deleted,
                 "mount_point": self.mount_point, "fstype": self.fstype,
                 "managed": self.managed}
+
+
+def _under(path: str, point: str) -> bool:
+    return path == point or path.startswith(point.rstrip("/") + "/")
 
 
 def _unescape(field: str) -> str:
@@ -1009,8 +1177,11 @@ class FilesManager:
         self._fail_on_deleted: bool | None = None
         self.last_audit: list[OpenFile] = []
         self._reopen_timeout = _REOPEN_TIMEOUT
-        self._reopen_asked = False
+        self._reopen_floor = _REOPEN_TIMEOUT
+        """The largest :meth:`allow_reopen` asked (for good), and at least the default."""
         self._reopen_hook: Hook | None = None
+        self._snapshot_passes = 0
+        """Before-snapshot passes begun: a late reopen pass stops once it changed."""
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
@@ -1057,19 +1228,42 @@ class FilesManager:
     @property
     def reopen_timeout(self) -> float:
         """Timeout of the ``rehydrate.files.reopen`` hook: the largest ``reopen_timeout``
-        any handle or volume asked (30 s when none did)."""
+        asked by a handle still open, a volume or :meth:`allow_reopen`, and never less
+        than the 30 s default."""
         return self._reopen_timeout
 
     def allow_reopen(self, reopen_timeout: float) -> None:
         """Let the ``rehydrate.files.reopen`` hook run up to ``reopen_timeout`` seconds
-        (every handle's reopen and ``on_change``, one after another), unless a longer
-        time was already asked. ``ValueError``/``TypeError`` for a value that is not a
-        number of seconds > 0 and at most a year."""
+        (every handle's reopen and ``on_change``, one after another) for as long as this
+        manager lives — a handle's ``reopen_timeout`` counts only while it is open.
+        ``ValueError``/``TypeError`` for a value that is not a number of seconds > 0 and
+        at most a year."""
         timeout = _config.seconds(reopen_timeout, "reopen_timeout")
         with self._lock:
-            if self._reopen_asked and timeout <= self._reopen_timeout:
+            self._reopen_floor = max(self._reopen_floor, timeout)
+        self._apply_reopen_timeout()
+
+    def _ask_reopen(self, owner: _Handle | Volume, reopen_timeout: float | None) -> None:
+        """``owner`` (made: a failed open asks nothing) asks ``reopen_timeout`` seconds."""
+        if reopen_timeout is None:
+            return
+        if isinstance(owner, Volume):
+            with self._lock:  # a volume stays registered: its largest ask stays
+                owner._reopen_ask = max(owner._reopen_ask or 0.0, reopen_timeout)
+        else:
+            object.__setattr__(owner, "_reopen_ask", reopen_timeout)
+        self._apply_reopen_timeout()
+
+    def _apply_reopen_timeout(self) -> None:
+        """Register the reopen hook again when the largest ask changed (up or down: a
+        closed handle's ask no longer counts; a handle dropped without close() counts
+        until the next handle is opened or closed)."""
+        asks = [h._reopen_ask for h in self.handles()]
+        with self._lock:
+            asks += [v._reopen_ask for v in self._volumes]
+            timeout = max([self._reopen_floor] + [a for a in asks if a is not None])
+            if timeout == self._reopen_timeout:
                 return
-            self._reopen_asked = True
             old = self._reopen_hook
             if old is not None:
                 # The new hook before the old one goes: a refusal keeps the hook there was.
@@ -1098,6 +1292,8 @@ class FilesManager:
     def _remove(self, handle: _Handle) -> None:
         with self._lock:
             self._handles.pop(id(handle), None)
+        if handle._reopen_ask is not None:
+            self._apply_reopen_timeout()
 
     def handles(self) -> list[_Handle]:
         """The live managed handles, in registration order."""
@@ -1138,6 +1334,8 @@ class FilesManager:
 
     # hooks
     def _before_snapshot(self) -> None:
+        with self._lock:
+            self._snapshot_passes += 1
         errors: list[Exception] = []
         for vol in self.volumes():
             try:
@@ -1159,10 +1357,51 @@ class FilesManager:
 
     def _after_restore(self, ctx: RestoreContext) -> None:
         began = time.monotonic()
+        passes = self._snapshot_passes
+
+        def stale() -> bool:
+            # A pass that outlived its timeout, still running when the next snapshot
+            # began: reopening a handle that snapshot had closed put its descriptor in
+            # the image. The handles left are reopened by the next restore or resume.
+            return self._snapshot_passes != passes
+
+        try:
+            self._reopen_all(ctx, stale)
+        except _PassStopped:
+            log.info("rehydrate.files.reopen: a snapshot began while this reopen pass ran "
+                     "late: stopped; the next restore or resume reopens the handles left")
+            raise ReopenFailed("reopen pass stopped: a snapshot began while it ran") from None
+        engine, hook = self._engine(), self._reopen_hook
+        if engine is not None and hook is not None:
+            self._recovered(engine, hook, began)
+
+    @staticmethod
+    def _recovered(engine: Engine, hook: Hook, began: float) -> None:
+        """A pass that outlived the hook's timeout (a slow on_change) reopened every
+        handle after the run had ended degraded: nothing else would ever make the process
+        ready again. Within the run this is a no-op (the hook has not failed); since=: a
+        run begun after this pass is not mended by it — unless all that run did to this
+        hook was find this very pass still running (HookStillRunning): it rejected
+        nothing, and no snapshot came between (the pass would have stopped)."""
+        from ._context import HookStillRunning
+
+        if engine.recovered(hook, since=began):
+            return
+        status = engine.status(fields=())  # state and report: no published field
+        last = status.last_report
+        if status.state != "degraded" or last is None:
+            return
+        if any(r.name == hook.name and isinstance(r.error, HookStillRunning)
+               for r in last.hooks):
+            engine.recovered(hook)
+
+    def _reopen_all(self, ctx: RestoreContext, stale: Callable[[], bool]) -> None:
         changed_volumes: list[Volume] = []
         failures: list[str] = []
         gone: list[str] = []
         for vol in self.volumes():
+            if stale():
+                raise _PassStopped
             try:
                 if vol._check():
                     changed_volumes.append(vol)
@@ -1174,7 +1413,9 @@ class FilesManager:
         for h in self.handles():
             on_changed = any(v.contains(h.path) for v in changed_volumes)
             try:
-                h._resume(on_changed)
+                h._resume(on_changed, stale)
+            except _PassStopped:
+                raise
             except Exception as exc:
                 if isinstance(exc, FileGone):
                     gone.append(h.path)
@@ -1188,13 +1429,6 @@ class FilesManager:
         if failures:
             text = "; ".join(failures)
             raise FileGone(text) if len(gone) == len(failures) else ReopenFailed(text)
-        engine, hook = self._engine(), self._reopen_hook
-        if engine is not None and hook is not None:
-            # A pass that outlived the hook's timeout (a slow on_change) reopened every
-            # handle after the run had ended degraded: nothing else would ever make the
-            # process ready again. Within the run this is a no-op (the hook has not
-            # failed); since=: a run begun after this pass is not mended by it.
-            engine.recovered(hook, since=began)
 
     def audit(self) -> list[OpenFile]:
         """Descriptors of this process on volumes, marked managed or not."""
@@ -1275,9 +1509,11 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     is refused with ``ValueError`` (a FIFO before it is opened, which would wait for a
     writer).
     """
-    _allow_reopen(engine, reopen_timeout)
-    return ManagedFile(path, mode, engine=engine, on_change=on_change, required=required,
-                       open_kwargs=open_kwargs)
+    ask = _reopen_seconds(reopen_timeout)
+    f = ManagedFile(path, mode, engine=engine, on_change=on_change, required=required,
+                    open_kwargs=open_kwargs)
+    f._manager._ask_reopen(f, ask)
+    return f
 
 
 def sqlite(
@@ -1299,9 +1535,11 @@ def sqlite(
     thread). A volume must have one writer at a time: host and sandbox writing together
     corrupt SQLite, snapshot or not. ``reopen_timeout``: see :func:`volume`.
     """
-    _allow_reopen(engine, reopen_timeout)
-    return ManagedConnection(path, engine=engine, on_change=on_change, required=required,
+    ask = _reopen_seconds(reopen_timeout)
+    conn = ManagedConnection(path, engine=engine, on_change=on_change, required=required,
                              on_connect=on_connect, connect_kwargs=dict(connect_kwargs))
+    conn._manager._ask_reopen(conn, ask)
+    return conn
 
 
 def mmap(
@@ -1321,10 +1559,11 @@ def mmap(
     :func:`open`. ``reopen_timeout``: see :func:`volume`."""
     import mmap as _mmap
 
-    _allow_reopen(engine, reopen_timeout)
-    return ManagedMap(path, length=length,
-                      access=_mmap.ACCESS_WRITE if access is None else access,
-                      offset=offset, engine=engine, on_change=on_change, required=required)
+    ask = _reopen_seconds(reopen_timeout)
+    m = ManagedMap(path, length=length, access=_mmap.ACCESS_WRITE if access is None else access,
+                   offset=offset, engine=engine, on_change=on_change, required=required)
+    m._manager._ask_reopen(m, ask)
+    return m
 
 
 def volume(
@@ -1339,21 +1578,30 @@ def volume(
     different or missing identity is reported (warning, ``status()["files"]``,
     ``on_change(volume)``) and every managed handle under it is reopened as changed.
     Registering a volume again returns the same :class:`Volume`; its ``on_change`` (if
-    another) is called as well, after the earlier ones.
+    another) is called as well, after the earlier ones. A bound method is held weakly
+    (the volume does not keep its object alive; a dropped object is not called), any
+    other callable strongly. Handles lie under the volume by their path as given or with
+    symbolic links resolved.
 
     ``reopen_timeout`` (here and on :func:`open`, :func:`sqlite`, :func:`mmap`): seconds
     the ``rehydrate.files.reopen`` hook may take — every volume check, reopen and
-    ``on_change``, one after another — the largest any call asked (default
-    30 s). A pass that outlives it fails the restore run (the process is
+    ``on_change``, one after another — the largest asked by a handle still open (until
+    its ``close()``) or a volume, never less than the 30 s default; a call that fails
+    asks nothing. A pass that outlives it fails the restore run (the process is
     ``degraded``); when it then completes without a failure the process is ready again.
+    A snapshot that begins meanwhile stops it before its next handle.
     """
-    _allow_reopen(engine, reopen_timeout)
-    return manager(engine).add_volume(mount_point, on_change)
+    ask = _reopen_seconds(reopen_timeout)
+    mgr = manager(engine)
+    vol = mgr.add_volume(mount_point, on_change)
+    mgr._ask_reopen(vol, ask)
+    return vol
 
 
-def _allow_reopen(engine: Engine | None, reopen_timeout: float | None) -> None:
-    if reopen_timeout is not None:
-        manager(engine).allow_reopen(reopen_timeout)
+def _reopen_seconds(reopen_timeout: float | None) -> float | None:
+    """A ``reopen_timeout`` argument, checked before anything is made."""
+    return None if reopen_timeout is None else _config.seconds(reopen_timeout,
+                                                                "reopen_timeout")
 
 
 def audit(*, engine: Engine | None = None) -> list[OpenFile]:

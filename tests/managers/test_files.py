@@ -155,10 +155,14 @@ def test_a_changed_file_read_or_appended_reopens_from_the_start(engine,
     r = files.open(p, engine=engine)
     a = files.open(p, "a+", engine=engine)
     r.readline()
+    a.seek(0)
+    assert a.readline() == "one\n"
     assert engine.simulate_snapshot().ok
     _replace(p, "new\n")
     assert engine.simulate_restore().ok
     assert (r.changed, r.tell(), a.changed) == (True, 0, True)
+    # "a+" too: open() put it at the end, where its reader read nothing of the new file.
+    assert (a.tell(), a.readline()) == (0, "new\n")
     a.write("more\n")  # O_APPEND: to the end
     a.flush()
     assert p.read_text() == "new\nmore\n"
@@ -717,22 +721,49 @@ def test_a_file_replaced_by_a_fifo_while_frozen_fails_its_reopen_without_waiting
         assert replaced.readline() in ("new\n", b"new\n")
 
 
-def test_a_reopen_pass_that_outlives_its_timeout_makes_the_process_ready_when_done(
-        engine, tmp_path: Path) -> None:
-    """A slow on_change made rehydrate.files.reopen time out; its thread reopened every
-    handle later, but the process stayed degraded for good. The timeout is a parameter
-    (the largest any call asked)."""
+@pytest.fixture
+def short_reopen(monkeypatch: pytest.MonkeyPatch):
+    """An engine whose rehydrate.files.reopen hook times out after 0.3 s by default (a
+    handle cannot ask less than the default), and a record of its late passes."""
     import threading
 
+    monkeypatch.setattr(files, "_REOPEN_TIMEOUT", 0.3)
+    eng = Lifecycle()
+    mgr = files.manager(eng)
+    real = mgr._after_restore
+    ended = threading.Event()
+    errors: list[BaseException | None] = []
+
+    def after_restore(ctx):  # the hook is registered with the first handle: after this
+        try:
+            real(ctx)
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+        else:
+            errors.append(None)
+        finally:
+            ended.set()
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    try:
+        yield eng, ended, errors
+    finally:
+        eng.close()
+
+
+def test_a_reopen_pass_that_outlives_its_timeout_makes_the_process_ready_when_done(
+        short_reopen, tmp_path: Path) -> None:
+    """A slow on_change made rehydrate.files.reopen time out; its thread reopened every
+    handle later, but the process stayed degraded for good."""
+    import threading
+
+    engine, ended, _ = short_reopen
     (tmp_path / "big.idx").write_text("old\n")
     (tmp_path / "b.txt").write_text("b\n")
     release = threading.Event()
     a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
-    assert files.manager(engine).reopen_timeout == 30.0
-    b = files.open(tmp_path / "b.txt", engine=engine, reopen_timeout=0.3)
-    files.volume(tmp_path, engine=engine, reopen_timeout=0.1)  # smaller: no change
-    hooks = [h for h in engine.builtins.hooks("restore") if h.name == "rehydrate.files.reopen"]
-    assert [h.timeout for h in hooks] == [0.3]
+    b = files.open(tmp_path / "b.txt", engine=engine)
     assert engine.simulate_snapshot().ok
     (tmp_path / "big.idx").write_text("new content\n")
     try:
@@ -745,25 +776,106 @@ def test_a_reopen_pass_that_outlives_its_timeout_makes_the_process_ready_when_do
     assert (a.changed, b.suspended, b.readline()) == (True, False, "b\n")
 
 
-def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(engine,
+def test_a_snapshot_during_a_late_reopen_pass_stops_that_pass(short_reopen,
+                                                              tmp_path: Path) -> None:
+    """The late pass went on reopening handles the snapshot had just closed: their
+    descriptors were in the image."""
+    import threading
+
+    engine, ended, errors = short_reopen
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release, inside = threading.Event(), threading.Event()
+
+    def slow(h: files.ManagedFile) -> None:
+        inside.set()
+        release.wait(30)
+
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)
+    b = files.open(tmp_path / "b.txt", engine=engine)
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        assert inside.wait(20)
+        report = engine.simulate_snapshot()  # the late pass is inside a's on_change
+        assert report.ok, report.error
+    finally:
+        release.set()
+    assert ended.wait(20)
+    assert isinstance(errors[-1], files.ReopenFailed), errors
+    assert "a snapshot began while it ran" in str(errors[-1])
+    assert a.suspended and b.suspended and b._file.closed, "nothing open in the image"
+    ended.clear()
+    assert engine.simulate_restore(kind="resume").ok
+    assert ended.wait(20)
+    assert engine.status().state == "ready"
+    assert (a.suspended, b.suspended, b.readline()) == (False, False, "b\n")
+
+
+def test_a_late_reopen_pass_also_mends_a_notice_that_found_it_still_running(
+        short_reopen, tmp_path: Path) -> None:
+    """A second restore/resume notice while the late pass ran failed with
+    HookStillRunning; the pass then succeeded, but its recovered() was refused (that run
+    began after the pass): degraded for good."""
+    import threading
+
+    engine, ended, _ = short_reopen
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+    b = files.open(tmp_path / "b.txt", engine=engine)
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        report = engine.simulate_restore(kind="resume")
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+        assert engine.status().state == "degraded"
+    finally:
+        release.set()
+    assert engine.wait_ready(20), engine.status().state
+    assert not a.suspended and not b.suspended
+
+
+def test_a_late_reopen_pass_does_not_mend_another_hooks_failure(short_reopen,
+                                                               tmp_path: Path) -> None:
+    import threading
+
+    engine, ended, _ = short_reopen
+    (tmp_path / "big.idx").write_text("old\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+
+    def reload() -> None:
+        raise RuntimeError("no")
+
+    engine.registry.register(reload, name="app.reload")
+    try:
+        assert not engine.simulate_restore().ok
+        ended.clear()
+        assert not engine.simulate_restore(kind="resume").ok
+    finally:
+        release.set()
+    assert ended.wait(20)
+    assert engine.status().state == "degraded", "still degraded by app.reload"
+    assert engine.recovered("app.reload") and not a.suspended
+
+
+def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(short_reopen,
                                                                     tmp_path: Path) -> None:
     import threading
 
+    engine, ended, errors = short_reopen
     (tmp_path / "big.idx").write_text("old\n")
     (tmp_path / "gone.txt").write_text("b\n")
-    release, done = threading.Event(), threading.Event()
-    mgr = files.manager(engine)
-    real = mgr._after_restore
-
-    def after_restore(ctx):  # the hook is registered with the first handle: this one
-        try:
-            real(ctx)
-        finally:
-            done.set()
-
-    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    release = threading.Event()
     kept = [files.open(tmp_path / "big.idx", engine=engine,
-                       on_change=lambda h: release.wait(30), reopen_timeout=0.2),
+                       on_change=lambda h: release.wait(30)),
             files.open(tmp_path / "gone.txt", engine=engine)]
     assert engine.simulate_snapshot().ok
     (tmp_path / "big.idx").write_text("new content\n")
@@ -772,18 +884,53 @@ def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(engine,
         engine.simulate_restore()
     finally:
         release.set()
-    assert done.wait(20)  # the late pass ended, failing on gone.txt
+    assert ended.wait(20)  # the late pass ended, failing on gone.txt
+    assert isinstance(errors[-1], files.FileGone), errors
     assert engine.status().state == "degraded"
     assert kept[0].changed
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("nan"), "10"])
-def test_a_bad_reopen_timeout_is_refused_before_anything_is_made(engine, tmp_path: Path,
-                                                                 bad: object) -> None:
+@pytest.mark.parametrize(("bad", "error", "shown"), [
+    (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
+    ("10", TypeError, "not str")])
+def test_a_bad_reopen_timeout_is_refused_before_anything_is_made(
+        engine, tmp_path: Path, bad: object, error: type[Exception], shown: str) -> None:
     (tmp_path / "a.txt").write_text("a\n")
-    with pytest.raises((ValueError, TypeError), match="reopen_timeout"):
+    with pytest.raises(error) as caught:
         files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=bad)  # type: ignore[arg-type]
+    assert str(caught.value) == ("reopen_timeout must be a number of seconds > 0 and at most "
+                                 f"31536000 (a year), {shown}")
     assert files.manager(engine).handles() == []
+
+
+def test_reopen_timeout_is_the_largest_ask_of_the_open_handles_and_never_below_30s(
+        engine, tmp_path: Path) -> None:
+    """A first ask below 30 s shrank the hook's timeout for every other handle, an ask
+    counted for good even when its open failed or its handle was closed."""
+    mgr = files.manager(engine)
+    (tmp_path / "a.txt").write_text("a\n")
+
+    def timeouts() -> list[float]:
+        return [h.timeout for h in engine.builtins.hooks("restore")
+                if h.name == "rehydrate.files.reopen"]
+
+    files.open(tmp_path / "a.txt", engine=engine)
+    small = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=5)
+    assert (mgr.reopen_timeout, timeouts()) == (30.0, [30.0])
+    with pytest.raises(FileNotFoundError):
+        files.open(tmp_path / "missing.txt", engine=engine, reopen_timeout=90)
+    assert mgr.reopen_timeout == 30.0, "a failed open asks nothing"
+    big = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=120)
+    bigger = files.sqlite(tmp_path / "app.db", engine=engine, reopen_timeout=200)
+    assert (mgr.reopen_timeout, timeouts()) == (200.0, [200.0])
+    bigger.close()
+    assert (mgr.reopen_timeout, timeouts()) == (120.0, [120.0])
+    big.close()
+    small.close()
+    assert (mgr.reopen_timeout, timeouts()) == (30.0, [30.0])
+    files.volume(tmp_path, engine=engine, reopen_timeout=60)
+    files.volume(tmp_path, engine=engine, reopen_timeout=40)
+    assert (mgr.reopen_timeout, timeouts()) == (60.0, [60.0]), "a volume's largest ask stays"
 
 
 def _unreadable(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
@@ -1042,3 +1189,171 @@ def test_a_managed_mapping_gives_its_current_mmap_for_buffer_users(engine,
     assert struct.unpack_from("<I", ring.mapping, 0) == (7,)
     with memoryview(ring.mapping) as view:
         assert bytes(view[:4]) == struct.pack("<I", 7)
+
+
+def test_sqlite_temp_objects_and_memory_attachments_made_by_on_connect_are_kept(
+        engine, tmp_path: Path) -> None:
+    """on_connect makes them again for every connection: they refused every snapshot."""
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS main.events (id INTEGER PRIMARY KEY, at)")
+        conn.execute("CREATE TEMP VIEW IF NOT EXISTS recent AS "
+                     "SELECT * FROM main.events ORDER BY at DESC LIMIT 10")
+        conn.execute("ATTACH DATABASE ':memory:' AS scratch")
+        conn.execute("CREATE TABLE scratch.work (x)")
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
+    db.execute("INSERT INTO events (at) VALUES (1)")
+    db.commit()
+    for kind in ("restore", "resume"):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert engine.simulate_restore(kind=kind).ok
+        assert db.execute("SELECT count(*) FROM recent").fetchone() == (1,)
+        assert db.execute("SELECT count(*) FROM scratch.work").fetchone() == (0,)
+    db.execute("CREATE TEMP TABLE session (k)")
+    db.execute("ATTACH DATABASE ':memory:' AS mine")
+    error = _hook(engine.simulate_snapshot(), "rehydrate.files.close").error
+    assert str(error).startswith(f"SQLite database {tmp_path / 'app.db'} would lose TEMP "
+                                 "table session, attached in-memory database mine ("), error
+
+
+def test_a_leftover_temp_sqlite_sequence_does_not_refuse_snapshots(engine,
+                                                                   tmp_path: Path) -> None:
+    """A dropped TEMP AUTOINCREMENT table leaves temp.sqlite_sequence, which cannot be
+    dropped: every snapshot was refused for the connection's life."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("CREATE TEMP TABLE scratch (id INTEGER PRIMARY KEY AUTOINCREMENT, v)")
+    db.execute("INSERT INTO scratch (v) VALUES (1)")
+    db.execute("DROP TABLE scratch")
+    db.commit()
+    assert db.execute("SELECT name FROM temp.sqlite_master").fetchall() == [
+        ("sqlite_sequence",)]
+    report = engine.simulate_snapshot()
+    assert report.ok, report.error
+
+
+def test_sqlite_internal_statements_run_without_the_applications_callbacks(
+        engine, tmp_path: Path) -> None:
+    """An authorizer that lets user queries read only the app's tables refused every
+    snapshot (sqlite_master), and a trace callback saw rehydrate's own statements."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("CREATE TABLE items (x)")
+    db.commit()
+    denied: list[str] = []
+    readable = {"items"}
+
+    def authorizer(action, arg1, arg2, dbname, source):
+        if action == sqlite3.SQLITE_READ and arg1 not in readable:
+            denied.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    seen: list[str] = []
+    db.set_authorizer(authorizer)
+    db.set_trace_callback(seen.append)
+    db.set_progress_handler(lambda: 1, 1)  # would interrupt every statement
+    db.set_progress_handler(None, 1)
+    db.set_progress_handler(lambda: 0, 1)
+    for kind in ("resume", "restore"):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert engine.simulate_restore(kind=kind).ok
+    assert seen == [] and denied == []
+    assert db.execute("SELECT count(*) FROM items").fetchone() == (0,)
+    assert seen == ["SELECT count(*) FROM items"], "set again after the snapshot"
+    readable.add("sqlite_temp_master")
+    db.execute("CREATE TEMP TABLE session (k)")  # a refused snapshot: the connection stays
+    assert not engine.simulate_snapshot().ok
+    assert engine.simulate_restore(kind="resume").ok
+    seen.clear()
+    with pytest.raises(sqlite3.DatabaseError, match="prohibited|not authorized"):
+        db.execute("SELECT * FROM sqlite_master")
+    assert denied == ["sqlite_master"] and seen == [], "the callbacks are set again"
+
+
+def test_sqlite_uri_attachment_is_attached_again_by_its_uri(engine, tmp_path: Path) -> None:
+    """ATTACH 'file:...?mode=ro' came back writable: attached again by plain path."""
+    with sqlite3.connect(tmp_path / "ro.db") as c:
+        c.execute("CREATE TABLE t (x)")
+    c.close()
+    with sqlite3.connect(tmp_path / "ro2.db") as c:
+        c.execute("CREATE TABLE t (x)")
+    c.close()
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute(f"ATTACH DATABASE 'file:{tmp_path}/ro.db?mode=ro' AS ro")
+    db.execute('ATTACH ? AS "other ro"', (f"file:{tmp_path}/ro2.db?mode=ro",))
+    db.executescript(f"ATTACH '{tmp_path}/ro.db' AS rw;")  # a path: read-write
+    for _ in range(2):
+        assert engine.simulate_snapshot().ok
+        assert engine.simulate_restore(kind="resume").ok
+        for schema in ("ro", '"other ro"'):
+            with pytest.raises(sqlite3.OperationalError, match="readonly"):
+                db.execute(f"INSERT INTO {schema}.t VALUES (1)")
+            db.rollback()
+        db.execute("INSERT INTO rw.t VALUES (1)")
+        db.commit()
+
+
+def test_on_connect_pragmas_win_over_those_saved_at_the_close(engine,
+                                                              tmp_path: Path) -> None:
+    """The saved values were set after on_connect: the restored clone's configuration
+    was overridden by the original's."""
+    cfg = {"busy": 1000, "fk": 1}
+
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.execute(f"PRAGMA busy_timeout = {cfg['busy']}")
+        conn.execute(f"PRAGMA foreign_keys = {cfg['fk']}")
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
+    db.execute("PRAGMA recursive_triggers = ON")  # on_connect does not set it: kept
+    assert engine.simulate_snapshot().ok
+    cfg.update(busy=30000, fk=0)
+    assert engine.simulate_restore().ok
+    assert [db.execute(f"PRAGMA {p}").fetchone()[0]
+            for p in ("busy_timeout", "foreign_keys", "recursive_triggers")] == [30000, 0, 1]
+
+
+def test_a_volume_holds_bound_method_callbacks_weakly(engine, tmp_path: Path) -> None:
+    """One Store per tenant registering store.on_swap: the volume kept every one alive
+    and called all of them at every swap."""
+    import gc
+    import weakref
+
+    calls: list[int] = []
+
+    class Store:
+        def __init__(self, i: int) -> None:
+            self.i = i
+            files.volume(tmp_path, engine=engine, on_change=self.on_swap)
+
+        def on_swap(self, vol: files.Volume) -> None:
+            calls.append(self.i)
+
+    kept = Store(0)
+    dropped = weakref.ref(Store(1))
+    inline: list[str] = []
+    vol = files.volume(tmp_path, engine=engine, on_change=lambda v: inline.append("x"))
+    gc.collect()
+    assert dropped() is None, "not kept alive by the volume"
+    assert vol.on_change == kept.on_swap
+    assert engine.simulate_snapshot().ok
+    (tmp_path / files.IDENTITY_FILE).write_text("another-volume\n")
+    assert engine.simulate_restore().ok
+    assert (calls, inline) == ([0], ["x"]), "a lambda given inline is held strongly"
+
+
+def test_a_volume_through_a_symlink_covers_handles_opened_by_the_real_path(
+        engine, tmp_path: Path) -> None:
+    real = tmp_path / "disk1"
+    real.mkdir()
+    os.symlink(real, tmp_path / "data")
+    (real / "a.txt").write_text("a\n")
+    (real / "b.txt").write_text("b\n")
+    by_real = files.open(real / "a.txt", engine=engine)
+    by_link = files.open(tmp_path / "data" / "b.txt", engine=engine)
+    vol = files.volume(tmp_path / "data", engine=engine)
+    assert engine.simulate_snapshot().ok
+    (real / files.IDENTITY_FILE).write_text("another-volume\n")
+    assert engine.simulate_restore().ok
+    assert (vol.changed, by_real.changed, by_link.changed) == (True, True, True)
+    assert vol.contains(str(real / "a.txt")) and not vol.contains(str(tmp_path / "a.txt"))
