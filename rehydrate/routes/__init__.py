@@ -318,11 +318,13 @@ def nftables(
     rules: each table is then replaced atomically and read back for comparison), or as
     JSON commands (``{"nftables": [{"add": …}, …]}``, applied as written, except that
     their rules in chains of tables they do not create are sent only where those chains
-    do not hold them in place already: :meth:`NftCommands.batch`). Returns the labels of the
-    tables it manages. A listing with a table of iptables-nft rules (``xt`` compat
-    expressions, which nft cannot apply) is a ``ValueError``: declare those rules with
-    :func:`iptables`; so is a table with an ``ingress``/``egress`` chain without its
-    ``"dev"`` (as ``nft -j list`` 1.0.6 prints it), which nft cannot create.
+    do not hold them in place already: :meth:`NftCommands.batch`; a rule there that nft
+    lists otherwise than written is said once, with the form to write, and found by that
+    form from then on). Returns the labels of the tables it manages. A listing with a
+    table of iptables-nft rules (``xt`` compat expressions, which nft cannot apply) is a
+    ``ValueError``: declare those rules with :func:`iptables`; so is a table with an
+    ``ingress``/``egress`` chain without its ``"dev"`` (as ``nft -j list`` 1.0.6 prints
+    it), which nft cannot create.
     """
     data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
     if isinstance(data, Sequence):

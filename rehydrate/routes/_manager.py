@@ -523,6 +523,7 @@ class RoutesManager:
             except Exception as exc:  # then applying finds out
                 log.debug("network: nftables tables not read before applying: %s",
                           _describe(exc))
+        sets = [t for t in tables if isinstance(t, NftCommands)]
         for t in tables:
             if isinstance(t, NftTable) and existing is not None and t.label in existing:
                 have = existing[t.label]
@@ -535,7 +536,7 @@ class RoutesManager:
                     result.in_force.append(f"nftables {t.label}")
                     continue
             if self._apply_nft(t, result, create_only=isinstance(t, NftTable)
-                               and t.label in captured) and isinstance(t, NftTable):
+                               and t.label in captured, siblings=sets) and isinstance(t, NftTable):
                 failed.discard(t.label)
 
     def _apply_routes(self, declared: list[Route], captured: list[Route],
@@ -609,10 +610,12 @@ class RoutesManager:
             backend.close()
 
     def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult, *,
-                   create_only: bool = False) -> bool:
+                   create_only: bool = False, siblings: Sequence[NftCommands] = ()) -> bool:
         """Apply one nftables item: True when it is in force (or, captured, left as
-        found)."""
+        found). ``siblings``: the engine's command sets (:meth:`NftCommands.batch`)."""
         absent: list[str] = []
+        foreign: dict[tuple[str, str], NftTable | None] = {}
+        planned: list[tuple[dict[str, Any], int | None]] = []
         if isinstance(t, NftTable):
             what = f"nftables table {t.label}"
             cmds = t.commands(create_only=create_only)
@@ -621,7 +624,8 @@ class RoutesManager:
             foreign = _foreign(t)
             absent = [f"{fam} {name}" for (fam, name), have in foreign.items()
                       if have is None]
-            cmds = t.batch(foreign)
+            planned = t.planned(foreign, siblings)
+            cmds = [cmd for cmd, _ in planned]
         labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
         try:
             if cmds:  # empty: every rule of the set is in its chain already
@@ -653,6 +657,8 @@ class RoutesManager:
                 for fam, name in t.tables():
                     if read_table(fam, name) is None:
                         raise NetworkError(f"table {fam} {name} missing after applying")
+                if any(n is not None for _, n in planned):
+                    _learn_listed(t, what, planned, foreign)
         except Exception as exc:
             result.errors.append((what, t.required, _describe(exc)))
             self._nft_in_force(labels, result, "applied, but differs from the declaration")
@@ -673,6 +679,23 @@ class RoutesManager:
                 continue
             if present:
                 result.in_force.append(f"nftables {fam} {name} ({note})")
+
+
+def _learn_listed(t: NftCommands, what: str, sent: list[tuple[dict[str, Any], int | None]],
+                  before: dict[tuple[str, str], NftTable | None]) -> None:
+    """After a command set added rules to chains it does not own: read those back, and
+    say (WARNING, once per rule) which of its rules ``nft`` lists otherwise than written
+    -- never found in their chain by their written form, they would be added again on
+    every resume; the listed form is their key from now on
+    (:meth:`NftCommands.learn_listed`)."""
+    try:
+        after = _foreign(t)
+        said = t.learn_listed(sent, before, after)
+    except Exception as exc:  # only the check of the listed forms lost
+        log.debug("%s: rules not read back for their listed forms: %s", what, _describe(exc))
+        return
+    for line in said:
+        log.warning("%s: %s", what, line)
 
 
 def _device_exists(name: str) -> bool:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +256,9 @@ class NftCommands:
 
     commands: tuple[Mapping[str, Any], ...]
     required: bool = field(default=True, compare=False)
+    listed: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """The key (:func:`_rule_key`) of each of its rules that ``nft`` lists otherwise
+    than written, to the listed one (:meth:`learn_listed`)."""
 
     def tables(self) -> list[tuple[str, str]]:
         out = []
@@ -299,8 +303,14 @@ class NftCommands:
                     out.append(target[:2])
         return out
 
-    def batch(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None
-              ) -> list[dict[str, Any]]:
+    def rule_key(self, rule: Mapping[str, Any]) -> str:
+        """:func:`_rule_key` of one of the set's rules, or the form ``nft`` lists it in
+        when it was seen to list it otherwise (:meth:`learn_listed`)."""
+        key = _rule_key(rule)
+        return self.listed.get(key, key)
+
+    def batch(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None,
+              siblings: Sequence[NftCommands] = ()) -> list[dict[str, Any]]:
         """The commands, after emptying each table they create (``add table`` +
         ``delete table``, as :meth:`NftTable.commands` does): applied again on every
         restore and resume, they replace their tables instead of adding their rules
@@ -316,7 +326,19 @@ class NftCommands:
         comment, compared as :meth:`NftTable.canonical` does) are deleted by handle
         and all of them added back where the commands put them, in this one batch.
         After a command of the set that flushes or deletes that chain (or its table,
-        or a rule of it), the rules that follow are added as written."""
+        or a rule of it), the rules that follow are added as written.
+
+        ``siblings``: the engine's other command sets. The rules of a chain they take
+        for theirs (as this set does, in their order, before this one) are not
+        looked at: two sets inserting into one chain are each in place beside the
+        other, instead of moving each other back and forth on every resume."""
+        return [cmd for cmd, _ in self.planned(existing, siblings)]
+
+    def planned(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None,
+                siblings: Sequence[NftCommands] = ()
+                ) -> list[tuple[dict[str, Any], int | None]]:
+        """:meth:`batch`, each ``add``/``insert rule`` command into a table the set does
+        not create with the number of the command of the set it stands for."""
         own = set(self.tables())
         present: dict[tuple[str, str, str], list[tuple[int, str]]] = {}
         for label, table in (existing or {}).items():
@@ -330,6 +352,19 @@ class NftCommands:
                       and isinstance(rule.get("handle"), int)):
                     present.setdefault((label[0], label[1], rule["chain"]), []).append(
                         (rule["handle"], _rule_key(rule)))
+        theirs: dict[tuple[str, str, str], set[int]] = {}
+        for chain, listed in present.items():
+            taken = theirs.setdefault(chain, set())
+            for other in siblings:
+                if other is self:
+                    continue
+                for cmd in other.commands:
+                    for verb, body in cmd.items():
+                        if _rule_target(verb, body) == chain:
+                            handle = _claim(verb, body["rule"], other.rule_key(body["rule"]),
+                                            listed, taken)
+                            if handle is not None:
+                                taken.add(handle)
         live = set(present)
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, cmd in enumerate(self.commands):
@@ -341,85 +376,161 @@ class NftCommands:
                 elif verb in ("flush", "delete", "destroy", "replace"):
                     _forget(body, live)
         # a chain's commands go where its last one was: what they need is made by then
-        placed: dict[int, list[dict[str, Any]]] = {}
+        placed: dict[int, list[tuple[dict[str, Any], int | None]]] = {}
         dropped: set[int] = set()
         for chain, idxs in groups.items():
-            plan = _chain_plan(chain, [self.commands[i] for i in idxs], present[chain])
+            rules = [(verb, body["rule"]) for i in idxs
+                     for verb, body in self.commands[i].items()]
+            plan = _chain_plan(chain, rules, [self.rule_key(r) for _, r in rules],
+                               present[chain], theirs[chain])
             if plan is not None:
                 dropped.update(idxs)
-                placed[idxs[-1]] = plan
-        cmds: list[dict[str, Any]] = []
+                placed[idxs[-1]] = [(cmd, None if n is None else idxs[n]) for cmd, n in plan]
+        cmds: list[tuple[dict[str, Any], int | None]] = []
         for family, name in self.tables():
             ident = {"family": family, "name": name}
-            cmds += [{"add": {"table": dict(ident)}}, {"delete": {"table": dict(ident)}}]
+            cmds += [({"add": {"table": dict(ident)}}, None),
+                     ({"delete": {"table": dict(ident)}}, None)]
         for i, cmd in enumerate(self.commands):
             if i in placed:
                 cmds += placed[i]
             elif i not in dropped:
-                cmds.append(dict(cmd))
+                target = next((t for v, b in cmd.items()
+                               if (t := _rule_target(v, b)) is not None), None)
+                cmds.append((dict(cmd), i if target is not None and target[:2] not in own
+                             else None))
         return cmds
+
+    def learn_listed(self, sent: Sequence[tuple[dict[str, Any], int | None]],
+                     before: Mapping[tuple[str, str], NftTable | None],
+                     after: Mapping[tuple[str, str], NftTable | None]) -> list[str]:
+        """After ``sent`` (from :meth:`planned`) was applied: find, in each table the set
+        adds rules to without creating it, the rule each of its ``add``/``insert rule``
+        commands made (``nft`` numbers a table's new rules in the order of the
+        transaction, above every handle it had ``before``), and remember, for a rule
+        ``nft`` lists otherwise than written (``ct state == ["established",
+        "related"]`` is listed as ``{"|": [...]}``), the listed form as its key: else it
+        is never found in its chain, and is added again on every resume. Returns one
+        message per rule newly seen so (to warn about). Where the new rules do not
+        pair up one to one with the commands (another owner added rules meanwhile),
+        nothing is learnt."""
+        said: list[str] = []
+        for label, was in before.items():
+            now = after.get(label)
+            if was is None or now is None or label in set(self.tables()):
+                continue
+            # the table's own handle is numbered apart (one count for every table)
+            top = max((h for obj in was.objects for kind, body in obj.items()
+                       if kind != "table" and isinstance(body, Mapping)
+                       and isinstance(h := body.get("handle"), int)), default=0)
+            made = sorted((body for obj in now.objects
+                           if isinstance(body := obj.get("rule"), Mapping)
+                           and isinstance(body.get("handle"), int) and body["handle"] > top),
+                          key=lambda r: int(r["handle"]))
+            ours = [(body["rule"], n) for cmd, n in sent if n is not None
+                    for verb, body in cmd.items()
+                    if (t := _rule_target(verb, body)) is not None and t[:2] == label]
+            if len(made) != len(ours) or any(
+                    got.get("chain") != rule["chain"]
+                    for got, (rule, _) in zip(made, ours, strict=True)):
+                log.debug("nftables ruleset: the rules made in %s %s do not pair up with "
+                          "the set's commands; their listed forms not looked at", *label)
+                continue
+            for got, (rule, n) in zip(made, ours, strict=True):
+                written, listed = _rule_key(rule), _rule_key(got)
+                if self.listed.get(written, written) == listed:
+                    continue
+                self.listed[written] = listed
+                shown = json.dumps(_normalize_expr(got.get("expr")))
+                said.append(f"command {n + 1} (rule in {rule['family']} {rule['table']} "
+                            f"chain {rule['chain']}): nft lists its rule otherwise than "
+                            f"written, as expr {shown}; write it so (its place in the "
+                            "chain is checked against that listed form from now on)")
+        return said
 
 
 _POSITION_FIELDS = ("handle", "index", "position")
 
 
-def _chain_plan(chain: tuple[str, str, str], cmds: Sequence[Mapping[str, Any]],
-                present: Sequence[tuple[int, str]]) -> list[dict[str, Any]] | None:
-    """What to send for a command set's ``add``/``insert rule`` commands ``cmds`` into
-    one chain that holds ``present`` ((handle, rule key) in chain order) now: ``[]``
-    when the chain holds their rules already where they put them, else the deletion of
-    the rules taken for theirs and the rules added back at those places; None when a
-    position cannot be worked out (an index past the end, a handle not there): then
-    they are sent as written.
+def _claim(verb: str, rule: Mapping[str, Any], key: str,
+           present: Sequence[tuple[int, str]], claimed: Container[int]) -> int | None:
+    """The handle of the rule of ``present`` taken for ``rule``'s: the first unclaimed one
+    with its key (for a plain ``add``, which nft appends: the last one)."""
+    hits = [h for h, k in present if k == key and h not in claimed]
+    if not hits:
+        return None
+    appended = verb == "add" and not any(f in rule for f in _POSITION_FIELDS)
+    return hits[-1] if appended else hits[0]
+
+
+def _chain_plan(chain: tuple[str, str, str], rules: Sequence[tuple[str, Mapping[str, Any]]],
+                keys: Sequence[str], present: Sequence[tuple[int, str]],
+                theirs: Container[int] = frozenset()
+                ) -> list[tuple[dict[str, Any], int | None]] | None:
+    """What to send for a command set's ``add``/``insert rule`` commands (``rules``, as
+    (verb, rule), with their ``keys``) into one chain that holds ``present`` ((handle,
+    rule key) in chain order) now: ``[]`` when the chain holds their rules already where
+    they put them, else the deletion of the rules taken for theirs and the rules added
+    back at those places, each with the number of the rule it is (None: a deletion);
+    None when a position cannot be worked out (an index past the end, a handle not
+    there): then they are sent as written.
 
     Where they go is worked out on the chain without the rules taken for theirs, as
     ``nft`` would on first applying them there: ``insert`` at the head, ``add`` at the
-    end, ``index``/``handle`` relative to the rules there; other owners' rules after
-    the last rule taken for theirs were appended since and stay after them (a resume
-    does not move the set's rules behind them). The rules taken for theirs
-    are, command by command, the first unclaimed rule with its expression and comment
-    (for a plain ``add``: the last one), whoever added it: identical rules cannot be
-    told apart. Rules are added back before the next rule not theirs (``insert``
-    with its ``handle``, each in turn), else appended: ``nft`` resolves an ``index``
-    on the chain as it was before the batch's deletions, and several ``add`` after
-    one handle do not land in order."""
+    end, ``index``/``handle`` relative to the rules there. Other owners' rules after
+    the last rule taken for theirs were appended since, and stay after them (a resume
+    does not move the set's rules behind them) -- but only while the rule the set puts
+    last is there: when it went missing, the rules after the set's survivors may be
+    rules it went in before, and the set is laid out on the whole chain as it is (so a
+    rule appended since may end up before a rule put back at the end). The rules taken
+    for theirs are, command by command, the first unclaimed rule with its expression
+    and comment (for a plain ``add``: the last one), whoever added it: identical rules
+    cannot be told apart. Rules are added back before the next rule not theirs
+    (``insert`` with its ``handle``, each in turn), else appended: ``nft`` resolves an
+    ``index`` on the chain as it was before the batch's deletions, and several ``add``
+    after one handle do not land in order.
+
+    ``theirs``: the handles of the rules the engine's other command sets take for
+    theirs. They are never taken for this set's, and the chain is in place when it
+    is without them: they stay where they are, and the set's rules added back go where
+    ``nft`` would put them beside them."""
     family, table, name = chain
-    rules = [(verb, body["rule"]) for cmd in cmds for verb, body in cmd.items()]
-    keys = [_rule_key(rule) for _, rule in rules]
     claimed: dict[int, int] = {}  # handle -> the command it stands for
     for n, (verb, rule) in enumerate(rules):
-        hits = [h for h, k in present if k == keys[n] and h not in claimed]
-        if hits:
-            appended = verb == "add" and not any(f in rule for f in _POSITION_FIELDS)
-            claimed[hits[-1] if appended else hits[0]] = n
-    # ("other", handle) or ("ours", command number), in chain order. Rules of others
-    # after the last rule taken for theirs came later (appended since): they stay after
-    # them, as they are
+        handle = _claim(verb, rule, keys[n],
+                        [(h, k) for h, k in present if h not in theirs], claimed)
+        if handle is not None:
+            claimed[handle] = n
+    missing = Counter(keys) - Counter(keys[n] for n in claimed.values())
+    # ("other", handle) or ("ours", command number), in chain order
     end = max((i for i, (h, _) in enumerate(present) if h in claimed), default=-1)
     others = [("other", h) for h, _ in present if h not in claimed]
     trailing = [("other", h) for h, _ in present[end + 1:]] if claimed else []
-    layout = _laid_out(rules, others[:len(others) - len(trailing)])
-    if layout is not None:
+    layout = _laid_out(rules, others[:len(others) - len(trailing)]) if trailing else None
+    last = next((x for kind, x in reversed(layout or []) if kind == "ours"), None)
+    if layout is not None and last is not None and not missing[keys[last]]:
         layout += trailing
     else:
         layout = _laid_out(rules, others)
         if layout is None:
             return None
     key_of = dict(present)
-    if len(claimed) == len(rules) and [
+    if not missing and [
             key_of[x] if kind == "other" else keys[x] for kind, x in layout
-    ] == [k for _, k in present]:
+            if kind == "ours" or x not in theirs
+    ] == [k for h, k in present if h not in theirs]:
         return []
     ident = {"family": family, "table": table, "chain": name}
-    out: list[dict[str, Any]] = [{"delete": {"rule": {**ident, "handle": h}}}
-                                 for h, _ in present if h in claimed]
+    out: list[tuple[dict[str, Any], int | None]] = [
+        ({"delete": {"rule": {**ident, "handle": h}}}, None)
+        for h, _ in present if h in claimed]
     for i, (kind, n) in enumerate(layout):
         if kind != "ours":
             continue
         body = {k: v for k, v in rules[n][1].items() if k not in _POSITION_FIELDS}
         anchor = next((x for k, x in layout[i + 1:] if k == "other"), None)
-        out.append({"add": {"rule": body}} if anchor is None
-                   else {"insert": {"rule": {**body, "handle": anchor}}})
+        out.append(({"add": {"rule": body}} if anchor is None
+                    else {"insert": {"rule": {**body, "handle": anchor}}}, n))
     return out
 
 
