@@ -274,6 +274,10 @@ class EnvRefresher:
         # The setting a warning names for keeping a key: the default engine's refresher
         # takes REHYDRATE_ENV_PROTECT (from_config), any other only protect=.
         self._protect_setting = "EnvRefresher(protect=...)"
+        # Where this refresher stands in the process's sequence of restores (_Event): the
+        # event of its last refresh, and when it last took a baseline (made, a snapshot).
+        self._event = -1
+        self._baselined = _EVENT.tick()
 
     @classmethod
     def from_config(cls) -> EnvRefresher:
@@ -328,6 +332,7 @@ class EnvRefresher:
         Also compiles the key patterns a refresh matches against, so a clone does not."""
         for patterns in (NEVER_FROM_FILE, KEEP, self.protect):
             _pattern(tuple(patterns))
+        self._baselined = _EVENT.tick()
         path = self.resolved_path()
         if path is None or not _present(path):
             return
@@ -386,10 +391,12 @@ class EnvRefresher:
             if v is None and not self._protected(os.fsencode(k))
         ]
         changes = diff(env, sets, removes)
+        _EVENT.join(self)
         for k, v in sets.items():
             env[k] = v
         for k in removes:
             env.pop(k, None)
+        _EVENT.record(changes)
         previous = self._previous
         if previous is not None:
             # The platform's value now, for a key the file holds: a later refresh that
@@ -420,7 +427,8 @@ class EnvRefresher:
         sets = {k: v for k, v in new.items()
                 if not self._protected(k) and not _matches(k, NEVER_FROM_FILE)}
         previous = self._previous
-        changes = diff(env, sets, removes)
+        applied = changes = diff(env, sets, removes)  # what this refresh does to os.environ
+        earlier = _EVENT.join(self)
         if previous is not None:
             # What the platform changed since the file this refresher last applied: another
             # engine's refresher of the same restore may have applied it to os.environ
@@ -441,13 +449,77 @@ class EnvRefresher:
                             "previous file had is removed; protect a key to keep the "
                             "application's value (%s)%s", path, _names_text(overridden),
                             self._protect_setting, self._protect_not_applied())
+        if earlier is not None:
+            # What an earlier refresher of this restore (another engine's) did to
+            # os.environ that this file does too: the application's own PATH that the
+            # first engine reset was no change for the second, whose on_env_change hooks
+            # for it were skipped. Each key as the kind it was to os.environ.
+            gone = set(removes)
+            changes = _union(changes, EnvChanges(*(
+                tuple(sorted(_name(k) for k in keys
+                             if (env.get(k) == sets[k] if k in sets
+                                 else k in gone and k not in env)))
+                for keys in earlier)))
         for k, v in sets.items():
             if env.get(k) != v:
                 env[k] = v
         for k in removes:
             env.pop(k, None)
         self._previous = self._digests(new)
+        _EVENT.record(applied)
         return changes
+
+
+class _Event:
+    """The names (never values) of the ``os.environ`` keys the refreshes of the current
+    restore added, changed and removed, process-wide: a second engine's refresher reports
+    a key the first one changed to the value its own file holds too.
+
+    Each engine refreshes once per restore or resume, so a refresher that refreshes again
+    begins the next event, and so does one whose baseline (a before-snapshot pass) or
+    creation came after the current event began: a later engine, or the first engine of
+    the next restore whose predecessor refreshed elsewhere, never takes an old event's
+    names for this one's. A refresher that missed an event (no file then) and joins a
+    later one is told what changed meanwhile: news to it too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clock = 0
+        self.number = 0
+        self.began = 0
+        self.changed: tuple[set[bytes], set[bytes], set[bytes]] = (set(), set(), set())
+        fresh_lock_after_fork(self)
+
+    def tick(self) -> int:
+        with self._lock:
+            self._clock += 1
+            return self._clock
+
+    def join(self, refresher: EnvRefresher) -> tuple[frozenset[bytes], ...] | None:
+        """``refresher`` refreshes now: the keys the earlier refreshes of this event
+        added, changed and removed (None: there were none)."""
+        with self._lock:
+            if refresher._event == self.number or refresher._baselined > self.began:
+                self._clock += 1
+                self.number += 1
+                self.began = self._clock
+                for names in self.changed:
+                    names.clear()
+            refresher._event = self.number
+            if not any(self.changed):
+                return None
+            return tuple(frozenset(names) for names in self.changed)
+
+    def record(self, changes: EnvChanges) -> None:
+        with self._lock:
+            seen = set().union(*self.changed)
+            for names, these in zip(self.changed,
+                                    (changes.added, changes.changed, changes.removed),
+                                    strict=True):
+                names.update(k for k in map(os.fsencode, these) if k not in seen)
+
+
+_EVENT = _Event()
 
 
 def _union(first: EnvChanges, second: EnvChanges) -> EnvChanges:

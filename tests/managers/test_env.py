@@ -1262,3 +1262,35 @@ def test_the_missing_spec_environ_warning_comes_once_in_a_forked_child_and_a_clo
         finally:
             engine.close()
     assert len(_warnings(caplog)) == 1
+
+
+def test_two_engines_each_see_a_reset_of_the_application_s_value(tmp_path, environ):
+    """Only the first engine reported a key the application changed and the file reset
+    (the second found os.environ already at the file's value): the second engine's
+    on_env_change hooks for it were skipped."""
+    spec = write(tmp_path / "spec_environ", {b"RHT_PATH": b"/usr/bin", b"RHT_KEY": b"k"})
+    environ.update({b"RHT_PATH": b"/usr/bin", b"RHT_KEY": b"k"})
+    engines = [Lifecycle(Registry(), env=EnvRefresher(path=spec)) for _ in range(2)]
+    seen: list[list[EnvChanges]] = [[], []]
+    for engine, got in zip(engines, seen):
+        engine.registry.on_env_change("RHT_*")(lambda ctx, ch, got=got: got.append(ch))
+    try:
+        environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"  # the entrypoint's
+        del environ[b"RHT_KEY"]  # read, then dropped by the application
+        assert all(engine.simulate_snapshot().ok for engine in engines)
+        reports = [engine.restore_detected("gvisor", kind="restore") for engine in engines]
+        expected = EnvChanges(added=("RHT_KEY",), changed=("RHT_PATH",))
+        assert [r.env_changes for r in reports] == [expected, expected]
+        assert seen == [[expected], [expected]]
+        assert environ[b"RHT_PATH"] == b"/usr/bin"
+        # the next restore (no snapshot between) is news to neither, and a refresher made
+        # since is not told what the engines' restore did
+        again = [engine.restore_detected("gvisor", kind="restore") for engine in engines]
+        assert [r.env_changes for r in again] == [EnvChanges(), EnvChanges()]
+        environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"
+        first = engines[0].restore_detected("gvisor", kind="resume")
+        assert first.env_changes == EnvChanges(changed=("RHT_PATH",))
+        assert EnvRefresher(path=spec).refresh() == EnvChanges()
+    finally:
+        for engine in engines:
+            engine.close()
