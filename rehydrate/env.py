@@ -220,7 +220,8 @@ class EnvRefresher:
     changed it since the previous file (a resume too): one warning per refresh names such
     keys. What a refresh returns is what it changed in ``os.environ`` together with what
     the file changed since the one this refresher applied last, so that a second engine's
-    refresher, finding ``os.environ`` already updated by the first, reports it as well.
+    refresher, finding ``os.environ`` already updated by the first, reports it as well
+    (with what the first one reset of the application's own values: :class:`_Event`).
     An overlay counts as what the refresher applied last for the keys the file holds: a
     later refresh resetting its value is no "application's own value" to warn about.
 
