@@ -216,7 +216,8 @@ def _print_settings(settings: list[dict[str, object]]) -> None:
 
     width = max((len(str(s["name"])) for s in chosen), default=0)
     for s in chosen:
-        bad = f"  (ignored {s['problem']})" if s["problem"] else ""
+        word = "warning:" if _config.entries_kept(str(s["name"])) else "ignored"
+        bad = f"  ({word} {s['problem']})" if s["problem"] else ""
         # The library's own settings (paths, numbers, names: none holds a secret), shown;
         # escaped, so that a newline or a terminal escape in one cannot forge lines.
         print(one_line(f"  {str(s['name']).ljust(width)}  {s['value']}{bad}"))

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     ``list``: comma-separated, blanks dropped (with ``choices``: entries not among them
     are ignored, each with one warning)."""
 
-__all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "flag", "items", "number",
-           "one_line", "optional_number", "optional_seconds", "seconds", "shown",
+__all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "entries_kept", "flag",
+           "items", "number", "one_line", "optional_number", "optional_seconds", "seconds", "shown",
            "signal_from_text", "signal_name", "text"]
 
 
@@ -160,16 +160,20 @@ class Variable:
     it. ``off_ok``: numbers: ``off`` or ``none`` mean "off" (``None``); ``0`` is not
     "off" but a number like any other (a bad one where ``positive``: before, ``0`` was
     "off" while ``0.0`` was a bad value). ``choices``: ``choice``: the accepted values;
-    ``list``: the accepted entries (case-insensitive).
+    ``list``: the accepted entries (case-insensitive). ``key_patterns``: ``list``: glob
+    patterns of environment keys; an entry that cannot be meant (white space, ``;`` or
+    quotes in it, all ``*``, lower case matching no key but one in another case) is kept
+    and warned about, once each (:func:`_pattern_problem`).
     """
 
-    __slots__ = ("choices", "default", "meaning", "minimum", "name", "off_ok", "positive",
-                 "type")
+    __slots__ = ("choices", "default", "key_patterns", "meaning", "minimum", "name", "off_ok",
+                 "positive", "type")
 
     def __init__(self, name: str, type: Type, default: Any, meaning: str, *,
                  choices: tuple[str, ...] = (), minimum: float = 0.0, positive: bool = False,
-                 off_ok: bool = False) -> None:
+                 off_ok: bool = False, key_patterns: bool = False) -> None:
         self.name = name
+        self.key_patterns = key_patterns
         self.type = type
         self.default = default
         self.meaning = meaning
@@ -187,7 +191,7 @@ VARIABLES: tuple[Variable, ...] = (
     # engine
     _V("REHYDRATE_ENV_POLICY", "choice", "update", "how the new environment file is applied: update, replace or off", choices=("update", "replace", "off")),  # noqa: E501
     _V("REHYDRATE_ENV_FILE", "path", None, "the environment file read after restore (default: $REHYDRATE_GVISOR_PROC/spec_environ)"),  # noqa: E501
-    _V("REHYDRATE_ENV_PROTECT", "list", (), "glob patterns of environment keys the refresh never overwrites or removes (comma-separated; the default engine's EnvRefresher(protect=...)), e.g. PATH,OMP_NUM_THREADS"),  # noqa: E501
+    _V("REHYDRATE_ENV_PROTECT", "list", (), "glob patterns of environment keys the refresh never overwrites or removes (comma-separated; the default engine's EnvRefresher(protect=...)), e.g. PATH,OMP_NUM_THREADS", key_patterns=True),  # noqa: E501
     _V("REHYDRATE_SNAPSHOT_DEADLINE", "seconds", 300.0, "the last resort: run the resume hooks when no restore or resume came this long after the before-snapshot hooks (a freeze meanwhile starts it again, a stall postpones it by its length — by at most one more deadline in all unless the freeze watch confirmed the freeze — and then the restore hooks run; off: wait for ever)", positive=True, off_ok=True),  # noqa: E501
     _V("REHYDRATE_DISABLE", "list", (), "built-in identity managers to turn off: entropy, keys, tls, secrets (the whole SECRETS phase), all (these four)", choices=("entropy", "keys", "tls", "secrets", "all")),  # noqa: E501
     # detectors
@@ -273,6 +277,9 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
         return name, None
     if var.type == "list":
         entries = tuple(part.strip() for part in value.split(",") if part.strip())
+        if var.key_patterns:
+            problems = [p for p in map(_pattern_problem, entries) if p is not None]
+            return entries, "; ".join(problems) or None
         if not var.choices:
             return entries, None
         unknown = _unknown_entries(var, entries)
@@ -316,6 +323,35 @@ def _unknown_entries(var: Variable, entries: tuple[str, ...]) -> list[str]:
     return [e for e in entries if e.lower() not in var.choices]
 
 
+def _pattern_problem(pattern: str) -> str | None:
+    """What is wrong with an entry of a ``key_patterns`` list, or None. The same text is
+    the warning (after the variable's name) and ``rehydrate doctor``'s problem: before,
+    ``PATH OMP_*`` or ``PATH;OMP_*`` protected nothing, ``*`` everything, silently."""
+    if any(c.isspace() or c in ";\"'" for c in pattern):
+        return (f"{_short(pattern)} has white space, ';' or quotes in it, which no key "
+                "has: patterns are comma-separated (PATH,OMP_*), without quotes")
+    if not pattern.strip("*"):
+        return (f"{_short(pattern)} matches every key: the refresh changes no key from the "
+                "environment file")
+    if pattern != pattern.upper():
+        import fnmatch
+
+        keys = list(os.environ)
+        if not any(fnmatch.fnmatchcase(k, pattern) for k in keys):
+            folded = pattern.lower()
+            other = next((k for k in keys if fnmatch.fnmatchcase(k.lower(), folded)), None)
+            if other is not None:
+                return (f"{_short(pattern)} matches no key, but {_short(other)} differs "
+                        "only in case: keys are case-sensitive")
+    return None
+
+
+def entries_kept(name: str) -> bool:
+    """Whether a bad entry of ``name`` still applies (``key_patterns``: it is kept and
+    warned about) rather than being ignored: how ``rehydrate doctor`` words its problem."""
+    return _declared(name).key_patterns
+
+
 def _short(raw: str) -> str:
     """``raw`` as a warning shows it: its ``repr``, the first 40 characters."""
     return repr(raw if len(raw) <= 40 else raw[:37] + "...")
@@ -341,6 +377,13 @@ def _get(name: str, *types: Type) -> Any:
     import logging
 
     logger = logging.getLogger("rehydrate")
+    if var.key_patterns:  # kept as given: each bad one is a line, once
+        for entry in value:
+            entry_problem = _pattern_problem(entry)
+            if entry_problem is not None and (name, entry) not in _WARNED_ENTRIES:
+                _WARNED_ENTRIES.add((name, entry))
+                logger.warning("%s: %s", name, entry_problem)
+        return value
     if var.type == "list":  # the known entries apply: each unknown one is a line, once
         for entry in _unknown_entries(var, tuple(p.strip() for p in raw.split(",") if p.strip())):
             if (name, entry) not in _WARNED_ENTRIES:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _config
+from . import env as env_module
 from ._context import (
     HookFailed,
     HookResult,
@@ -45,7 +46,7 @@ from ._contract import (
 from ._hooks import Hook, Registry, _BuiltinRegistry
 from ._runner import HookRunner, LoopThread, Observer, blocking, inside_hook
 from ._threads import fresh_lock_after_fork
-from .env import POLICIES, EnvRefresher, Policy, check_overlay
+from .env import EnvRefresher, check_overlay
 
 if TYPE_CHECKING:
     import asyncio
@@ -241,8 +242,7 @@ class Lifecycle:
         runs the restore hooks (see :meth:`_deadline_main`). Default:
         ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
         self.builtins: Registry = _BuiltinRegistry()
-        self.env = env if env is not None else EnvRefresher(
-            policy=_policy_from_env(), protect=_config.items("REHYDRATE_ENV_PROTECT"))
+        self.env = env if env is not None else EnvRefresher.from_config()
         self._loop_thread = LoopThread()
         self._runner = HookRunner(self._loop_thread)
         self._runner.on_failed = self._hook_failed
@@ -1659,6 +1659,8 @@ class Lifecycle:
         deadline_at: float | None = None,
     ) -> RestoreReport:
         generation = self._generation + 1 if kind == "restore" else self._generation
+        if kind == "restore":
+            env_module.restored()
         self._event_seq += 1
         ctx = RestoreContext(generation=generation, reason=reason, kind=kind,
                              frozen_for=frozen_for, detected_at=detected,
@@ -2111,11 +2113,6 @@ freeze is ever noticed (``REHYDRATE_SNAPSHOT_DEADLINE``; ``off`` disables it).""
 
 def _deadline_from_env() -> float | None:
     return _config.optional_number("REHYDRATE_SNAPSHOT_DEADLINE")
-
-
-def _policy_from_env() -> Policy:
-    value = _config.choice("REHYDRATE_ENV_POLICY")
-    return next((p for p in POLICIES if p == value), "update")
 
 
 def _notify_observers(observers: Sequence[Observer], method: str, *args: Any) -> None:

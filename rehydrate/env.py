@@ -213,13 +213,21 @@ class EnvRefresher:
       * ``replace``: make the process environment exactly the file.
       * ``off``: never apply the file (an overlay is still applied).
     ``protect``: glob patterns of keys never overwritten or removed (the default engine's
-    come from ``$REHYDRATE_ENV_PROTECT``).
+    come from ``$REHYDRATE_ENV_PROTECT``, see :meth:`from_config`; an engine given an
+    ``EnvRefresher`` of its own uses only that one's ``protect``).
 
     A key in the file gets the file's value at every refresh, even when the application
     changed it since the previous file (a resume too): one warning per refresh names such
     keys. What a refresh returns is what it changed in ``os.environ`` together with what
     the file changed since the one this refresher applied last, so that a second engine's
-    refresher, finding ``os.environ`` already updated by the first, reports it as well.
+    refresher, finding ``os.environ`` already updated by the first, reports it as well
+    (with what the first one reset of the application's own values: :class:`_Event`).
+    An overlay counts as what the refresher applied last for the keys the file holds: a
+    later refresh resetting its value is no "application's own value" to warn about.
+
+    The refresher keeps no value of the file: only a keyed hash of each (BLAKE2b, with a
+    random key of this refresher's), enough to tell equality, so that a secret the
+    application deleted from ``os.environ`` is not kept in every snapshot image by it.
 
     Whatever the policy, a file never sets, changes or removes :data:`NEVER_FROM_FILE`
     keys (``REHYDRATE_*``, ``LD_*``, ``PYTHON*`` …), a refresh never removes :data:`KEEP`
@@ -258,7 +266,53 @@ class EnvRefresher:
         # which ones a later file removes, its values which keys the application changed
         # since (a refresh resets those: one warning) and what the platform changed even
         # when another engine's refresher already applied it to os.environ.
+        # Key -> keyed hash of the value, never the value (see _digest).
         self._previous: dict[bytes, bytes] | None = None
+        # Random per refresher, kept in memory: the refresh that stores a hash and the one
+        # that compares (in a clone, after a fork) use the same key; only hashes and this
+        # key are in a snapshot image, never a value.
+        self._hash_key = os.urandom(32)
+        # The setting a warning names for keeping a key: the default engine's refresher
+        # takes REHYDRATE_ENV_PROTECT (from_config), any other only protect=.
+        self._protect_setting = "EnvRefresher(protect=...)"
+        # Where this refresher stands in the process's sequence of restores (_Event): the
+        # event of its last refresh, and when it last took a baseline (made, a snapshot).
+        self._event = -1
+        self._baselined = _EVENT.tick()
+
+    @classmethod
+    def from_config(cls) -> EnvRefresher:
+        """The default engine's refresher: ``$REHYDRATE_ENV_POLICY`` and
+        ``$REHYDRATE_ENV_PROTECT`` (one warning per bad protect pattern)."""
+        value = _config.choice("REHYDRATE_ENV_POLICY")
+        policy: Policy = next((p for p in POLICIES if p == value), "update")
+        refresher = cls(policy=policy, protect=_config.items("REHYDRATE_ENV_PROTECT"))
+        refresher._protect_setting = "REHYDRATE_ENV_PROTECT"
+        return refresher
+
+    def _protect_not_applied(self) -> str:
+        """A note for the reset warning when REHYDRATE_ENV_PROTECT is set but this
+        refresher is not the default engine's: it was ignored without a word."""
+        if self._protect_setting == "REHYDRATE_ENV_PROTECT":
+            return ""
+        if not _config.items("REHYDRATE_ENV_PROTECT"):
+            return ""
+        return ("; REHYDRATE_ENV_PROTECT is set but applies only to an engine without an "
+                "EnvRefresher of its own")
+
+    def _digest(self, value: bytes) -> bytes:
+        # Imported here: creating an engine must not load hashlib (only a refresher that
+        # finds a file does, at its baseline, i.e. before the snapshot).
+        import hashlib
+
+        return hashlib.blake2b(value, key=self._hash_key, digest_size=16).digest()
+
+    def _digests(self, entries: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
+        import hashlib
+
+        key = self._hash_key
+        return {k: hashlib.blake2b(v, key=key, digest_size=16).digest()
+                for k, v in entries.items()}
 
     def _protected(self, key: bytes) -> bool:
         return _matches(key, self.protect)
@@ -279,16 +333,18 @@ class EnvRefresher:
         Also compiles the key patterns a refresh matches against, so a clone does not."""
         for patterns in (NEVER_FROM_FILE, KEEP, self.protect):
             _pattern(tuple(patterns))
+        self._baselined = _EVENT.tick()
         path = self.resolved_path()
         if path is None or not _present(path):
             return
         from ._threads import blocking
 
         blocking.reserve("env")  # the thread a clone's refresh reads the file on
+        import hashlib  # noqa: F401 - loaded before the snapshot: a clone's refresh hashes
         if self._previous is not None:
             return
         try:
-            self._previous = _read_within(path, self.read_timeout)
+            self._previous = self._digests(_read_within(path, self.read_timeout))
         except EnvError:
             self._previous = None
 
@@ -336,10 +392,22 @@ class EnvRefresher:
             if v is None and not self._protected(os.fsencode(k))
         ]
         changes = diff(env, sets, removes)
+        _EVENT.join(self)
         for k, v in sets.items():
             env[k] = v
         for k in removes:
             env.pop(k, None)
+        _EVENT.record(changes)
+        previous = self._previous
+        if previous is not None:
+            # The platform's value now, for a key the file holds: a later refresh that
+            # resets it warned "the application's own value" (the platform set it). A key
+            # only the overlay has stays out: the next file would remove it (update).
+            for k, v in sets.items():
+                if k in previous:
+                    previous[k] = self._digest(v)
+            for k in removes:
+                previous.pop(k, None)
         return changes
 
     def _apply_file(self, new: dict[bytes, bytes], path: str) -> EnvChanges:
@@ -360,34 +428,99 @@ class EnvRefresher:
         sets = {k: v for k, v in new.items()
                 if not self._protected(k) and not _matches(k, NEVER_FROM_FILE)}
         previous = self._previous
-        changes = diff(env, sets, removes)
+        applied = changes = diff(env, sets, removes)  # what this refresh does to os.environ
+        earlier = _EVENT.join(self)
         if previous is not None:
             # What the platform changed since the file this refresher last applied: another
             # engine's refresher of the same restore may have applied it to os.environ
             # already, and this engine's on_env_change hooks must see it all the same.
-            changes = _union(changes, diff(previous, sets, removes))
+            changes = _union(changes, diff(previous, self._digests(sets), removes))
             # The application's own value of a key the file holds (PATH to a venv, a tuned
             # OMP_NUM_THREADS) is reset here, as the policy says; said, not silently.
             # A key the process lacks is not counted: whether the application deleted it
             # or the process never had it (a file written for the clones), nobody can tell.
             overridden = sorted(
                 _name(k) for k in (*sets, *removes)
-                if k in previous and k in env and env[k] != previous[k]
-                and env[k] != sets.get(k))
+                if k in previous and k in env and env[k] != sets.get(k)
+                and self._digest(env[k]) != previous[k])
             if overridden:
                 log.warning("environment file %s: the refresh replaced the application's "
                             "own value of %s (changed since the previous file) with the "
                             "file's: a key in the file gets the file's value, one only the "
                             "previous file had is removed; protect a key to keep the "
-                            "application's value (EnvRefresher(protect=...) or "
-                            "REHYDRATE_ENV_PROTECT)", path, _names_text(overridden))
+                            "application's value (%s)%s", path, _names_text(overridden),
+                            self._protect_setting, self._protect_not_applied())
+        if earlier is not None:
+            # What an earlier refresher of this restore (another engine's) did to
+            # os.environ that this file does too: the application's own PATH that the
+            # first engine reset was no change for the second, whose on_env_change hooks
+            # for it were skipped. Each key as the kind it was to os.environ.
+            gone = set(removes)
+            changes = _union(changes, EnvChanges(*(
+                tuple(sorted(_name(k) for k in keys
+                             if (env.get(k) == sets[k] if k in sets
+                                 else k in gone and k not in env)))
+                for keys in earlier)))
         for k, v in sets.items():
             if env.get(k) != v:
                 env[k] = v
         for k in removes:
             env.pop(k, None)
-        self._previous = new
+        self._previous = self._digests(new)
+        _EVENT.record(applied)
         return changes
+
+
+class _Event:
+    """The names (never values) of the ``os.environ`` keys the refreshes of the current
+    restore added, changed and removed, process-wide: a second engine's refresher reports
+    a key the first one changed to the value its own file holds too.
+
+    Each engine refreshes once per restore or resume, so a refresher that refreshes again
+    begins the next event, and so does one whose baseline (a before-snapshot pass) or
+    creation came after the current event began: a later engine, or the first engine of
+    the next restore whose predecessor refreshed elsewhere, never takes an old event's
+    names for this one's. A refresher that missed an event (no file then) and joins a
+    later one is told what changed meanwhile: news to it too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clock = 0
+        self.number = 0
+        self.began = 0
+        self.changed: tuple[set[bytes], set[bytes], set[bytes]] = (set(), set(), set())
+        fresh_lock_after_fork(self)
+
+    def tick(self) -> int:
+        with self._lock:
+            self._clock += 1
+            return self._clock
+
+    def join(self, refresher: EnvRefresher) -> tuple[frozenset[bytes], ...] | None:
+        """``refresher`` refreshes now: the keys the earlier refreshes of this event
+        added, changed and removed (None: there were none)."""
+        with self._lock:
+            if refresher._event == self.number or refresher._baselined > self.began:
+                self._clock += 1
+                self.number += 1
+                self.began = self._clock
+                for names in self.changed:
+                    names.clear()
+            refresher._event = self.number
+            if not any(self.changed):
+                return None
+            return tuple(frozenset(names) for names in self.changed)
+
+    def record(self, changes: EnvChanges) -> None:
+        with self._lock:
+            seen = set().union(*self.changed)
+            for names, these in zip(self.changed,
+                                    (changes.added, changes.changed, changes.removed),
+                                    strict=True):
+                names.update(k for k in map(os.fsencode, these) if k not in seen)
+
+
+_EVENT = _Event()
 
 
 def _union(first: EnvChanges, second: EnvChanges) -> EnvChanges:
@@ -407,22 +540,35 @@ def _names_text(names: Iterable[str]) -> str:
     return ", ".join(n if n.isprintable() else ascii(n) for n in _config.shown_names(names))
 
 
-_warned_missing: set[str] = set()
+_warned_missing: set[tuple[int, str]] = set()
+"""(pid, path) already warned about: a forked child (same memory, another pid) warns
+once too, and :func:`restored` empties it, so that a clone restored from an image taken
+after the warning (same pid under gVisor) warns once as well."""
+
+
+def restored() -> None:
+    """A restore began (a new process from a snapshot image): its "once" warnings are due
+    again. Called by the engine at each restore run (not a resume)."""
+    _warned_missing.clear()
 
 
 def _warn_missing_in_set_proc(path: str) -> None:
-    """One warning per process (per path) when ``REHYDRATE_GVISOR_PROC`` names a directory
-    of its own and ``spec_environ`` is not in it: the runsc recipe bind-mounts a clone's
-    environment there, and a file of another name (or an empty mount) left the clone with
-    the original's environment, ready, without a word. Not an error: the default
-    ``/proc/gvisor`` is absent off gVisor, and a directory may serve only ``checkpoint``."""
+    """One warning per process and restore (per path) when ``REHYDRATE_GVISOR_PROC`` names
+    a directory of its own and ``spec_environ`` is not in it: the runsc recipe
+    bind-mounts a clone's environment there, and a file of another name (or an empty
+    mount) left the clone with the original's environment, ready, without a word. Not an
+    error: the default ``/proc/gvisor`` is absent off gVisor, and a directory may serve
+    only ``checkpoint``."""
     proc = _config.text("REHYDRATE_GVISOR_PROC")
-    if not proc or os.path.normpath(proc) == "/proc/gvisor" or path in _warned_missing:
+    if not proc or os.path.normpath(proc) == "/proc/gvisor":
         return
-    _warned_missing.add(path)
+    seen = (os.getpid(), path)
+    if seen in _warned_missing:
+        return
+    _warned_missing.add(seen)
     log.warning("environment file %s does not exist: REHYDRATE_GVISOR_PROC names %s, and "
                 "the refresh reads only the file named spec_environ there (the environment "
-                "is left as it is; warned once)", path, proc)
+                "is left as it is; warned once per process and restore)", path, proc)
 
 
 def _checked_protect(protect: object) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rehydrate import _config
+from rehydrate import Lifecycle, Registry, _config
 from rehydrate._cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -372,3 +372,46 @@ def test_a_public_timeout_s_error_says_what_no_limit_is_not_at_most_a_year(value
         _config.optional_seconds(0, "request(): timeout", zero_ok=False)
     assert _config.optional_seconds(0, "wait(): timeout") == 0.0
     assert _config.optional_seconds(_config.MAX_SECONDS, "wait(): timeout") == 31_536_000.0
+
+
+def test_bad_env_protect_patterns_are_each_one_warning_and_doctor_s_problem(
+        monkeypatch, capsys, caplog, fresh_warnings):
+    """``PATH OMP_*``, ``PATH;OMP_*``, quotes, ``omp_*`` protected nothing and ``*``
+    everything (the refresh then changed nothing), all without a word."""
+    for v in _config.VARIABLES:
+        monkeypatch.delenv(v.name, raising=False)
+    monkeypatch.setenv("RHT_OMP_THREADS", "8")
+    monkeypatch.setenv("REHYDRATE_ENV_PROTECT",
+                       "PATH RHT_OMP_*, HOME;TZ, 'LANG', rht_omp_*, *, RHT_OK_*, no_proxy")
+    texts = [
+        "'PATH RHT_OMP_*' has white space, ';' or quotes in it, which no key has: patterns "
+        "are comma-separated (PATH,OMP_*), without quotes",
+        "'HOME;TZ' has white space, ';' or quotes in it, which no key has: patterns are "
+        "comma-separated (PATH,OMP_*), without quotes",
+        "\"'LANG'\" has white space, ';' or quotes in it, which no key has: patterns are "
+        "comma-separated (PATH,OMP_*), without quotes",
+        "'rht_omp_*' matches no key, but 'RHT_OMP_THREADS' differs only in case: keys are "
+        "case-sensitive",
+        "'*' matches every key: the refresh changes no key from the environment file"]
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        engine = Lifecycle(Registry())
+        try:  # kept as given (and the default engine's): only said
+            assert engine.env.protect == ("PATH RHT_OMP_*", "HOME;TZ", "'LANG'", "rht_omp_*",
+                                          "*", "RHT_OK_*", "no_proxy")
+        finally:
+            engine.close()
+        _config.items("REHYDRATE_ENV_PROTECT")  # read again: nothing new to say
+    assert [r.getMessage() for r in caplog.records] == [
+        f"REHYDRATE_ENV_PROTECT: {text}" for text in texts]
+
+    assert main(["doctor", "--json"]) == 0
+    by_name = {s["name"]: s for s in json.loads(capsys.readouterr().out)["configuration"]}
+    assert by_name["REHYDRATE_ENV_PROTECT"]["problem"] == "; ".join(texts)
+    assert main(["doctor"]) == 0
+    assert "REHYDRATE_ENV_PROTECT  PATH RHT_OMP_*,HOME;TZ,'LANG',rht_omp_*,*,RHT_OK_*," \
+        "no_proxy  (warning: 'PATH RHT_OMP_*' has white space" in capsys.readouterr().out
+
+    monkeypatch.setenv("REHYDRATE_ENV_PROTECT", "PATH, RHT_OMP_*, no_proxy")
+    assert main(["doctor", "--json"]) == 0
+    by_name = {s["name"]: s for s in json.loads(capsys.readouterr().out)["configuration"]}
+    assert by_name["REHYDRATE_ENV_PROTECT"]["problem"] is None

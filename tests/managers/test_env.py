@@ -952,7 +952,7 @@ def _warnings(caplog) -> list[str]:
 
 
 def test_a_refresh_that_resets_values_the_application_changed_says_which(
-        tmp_path, environ, caplog):
+        tmp_path, environ, caplog, monkeypatch):
     """The contract stands (a key in the file gets the file's value at every refresh, a
     resume included), but the application's own value is no longer lost without a word:
     one WARNING per refresh names the keys — never a value — with how to keep them."""
@@ -961,6 +961,7 @@ def test_a_refresh_that_resets_values_the_application_changed_says_which(
                  b"RHT_GONE": b"a"})
     environ.update({b"RHT_PATH": b"/opt/venv/bin:/usr/bin", b"RHT_THREADS": b"8",
                     b"RHT_KEY": SECRET.encode(), b"RHT_GONE": b"app's"})
+    monkeypatch.delenv("REHYDRATE_ENV_PROTECT", raising=False)
     ref = EnvRefresher(path=str(spec))
     ref.baseline()
     write(spec, {b"RHT_PATH": b"/usr/bin", b"RHT_THREADS": b"1", b"RHT_KEY": SECRET.encode()})
@@ -971,7 +972,8 @@ def test_a_refresh_that_resets_values_the_application_changed_says_which(
     assert b"RHT_GONE" not in environ
     (line,) = _warnings(caplog)
     assert "RHT_GONE, RHT_PATH, RHT_THREADS" in line and "RHT_KEY" not in line
-    assert "EnvRefresher(protect=...)" in line and "REHYDRATE_ENV_PROTECT" in line
+    # the application's own refresher: only protect= applies to it (see the test below)
+    assert "EnvRefresher(protect=...)" in line and "REHYDRATE_ENV_PROTECT" not in line
     assert "/opt/venv" not in line and "app's" not in line and SECRET not in line
 
     caplog.clear()  # nothing changed by the application since: nothing to say
@@ -1052,10 +1054,11 @@ def test_a_gvisor_proc_directory_without_spec_environ_warns_once(
     engine = Lifecycle(Registry())
     try:
         with caplog.at_level(logging.WARNING, logger="rehydrate"):
-            reports = [engine.simulate_restore(), engine.simulate_restore()]
+            reports = [engine.simulate_restore(), engine.simulate_restore(kind="resume"),
+                       engine.simulate_restore(kind="resume")]
         assert all(r.ok for r in reports) and engine.state == "ready"  # not an error
         assert environ[b"RHT_API_KEY"] == b"from-the-original"
-        (line,) = _warnings(caplog)  # once per process, not per refresh
+        (line,) = _warnings(caplog)  # once per process and restore, not per refresh
         assert str(tmp_path / "spec_environ") in line and "spec_environ there" in line
     finally:
         engine.close()
@@ -1123,3 +1126,171 @@ def test_huge_key_names_are_shortened_in_the_reset_and_ignored_warnings(
     lines = _warnings(caplog)
     assert len(lines) == 2 and all(len(line) < 1000 for line in lines), [len(x) for x in lines]
     assert any("RHT_HHH" in line for line in lines) and any("LD_LLL" in line for line in lines)
+
+
+def _holds_any(root: object, needles: tuple[bytes, ...]) -> list[str]:
+    """Where, among the objects ``root`` owns (its attributes, their containers and the
+    objects they refer to — not classes, modules or functions), a needle's bytes appear."""
+    import gc
+    import types
+
+    found: list[str] = []
+    seen: set[int] = set()
+    todo: list[tuple[object, str]] = [(root, "refresher")]
+    while todo:
+        obj, where = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType,
+                                               types.BuiltinFunctionType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (bytes, bytearray, str)):
+            data = obj.encode("utf-8", "surrogateescape") if isinstance(obj, str) else obj
+            found += [where for n in needles if n in data]
+            continue
+        if isinstance(obj, dict):
+            todo += [(k, f"{where} key") for k in obj]
+            todo += [(v, f"{where}[{k!r}]") for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += [(v, f"{where} item") for v in obj]
+        else:
+            if hasattr(obj, "__dict__"):
+                todo += [(v, f"{where}.{k}") for k, v in vars(obj).items()]
+            todo += [(r, f"{where} referent") for r in gc.get_referents(obj)]
+    return found
+
+
+def test_the_refresher_keeps_no_value_of_the_environment(tmp_path, environ):
+    """It kept every value of the file (secrets too) to tell what the application changed:
+    a copy in every snapshot image, even of a key the application deleted from os.environ
+    to keep it out of the image. Keyed hashes are enough to tell equality."""
+    secrets = tuple(b"sk-live-%d-" % i + os.urandom(8).hex().encode() for i in range(4))
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_API_KEY": secrets[0], b"RHT_DB": secrets[1]})
+    environ.update({b"RHT_API_KEY": secrets[0], b"RHT_DB": secrets[1]})
+    ref = EnvRefresher(path=str(spec))
+    ref.baseline()
+    del environ[b"RHT_API_KEY"]  # the application drops it after reading
+    assert _holds_any(ref, secrets) == []
+    write(spec, {b"RHT_API_KEY": secrets[0], b"RHT_DB": secrets[2]})
+    environ[b"RHT_DB"] = b"the application's own"
+    assert ref.refresh() == EnvChanges(added=("RHT_API_KEY",), changed=("RHT_DB",))
+    ref.refresh({"RHT_DB": secrets[3].decode()})
+    assert _holds_any(ref, secrets) == []
+    # what the hashes are for still works: the application's change is told from the file's
+    environ[b"RHT_DB"] = b"changed again"
+    assert ref.refresh() == EnvChanges(changed=("RHT_DB",))
+    assert environ[b"RHT_DB"] == secrets[2]
+
+
+def test_an_overlay_s_value_is_not_taken_for_the_application_s_own(
+        tmp_path, environ, caplog):
+    """A platform's restore with an env overlay (control socket, simulate_restore(env=))
+    and then a resume from the file: the warning called the overlay's value the
+    application's own."""
+    spec = write(tmp_path / "spec_environ", {b"RHT_API_KEY": b"a", b"RHT_REGION": b"eu"})
+    environ.update({b"RHT_API_KEY": b"a", b"RHT_REGION": b"eu"})
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=spec))
+    try:
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            first = engine.restore_detected(
+                "control", kind="restore",
+                env={"RHT_API_KEY": "for-this-clone", "RHT_REGION": None, "RHT_NEW": "1"})
+            assert first.env_changes == EnvChanges(
+                added=("RHT_NEW",), changed=("RHT_API_KEY",), removed=("RHT_REGION",))
+            later = engine.restore_detected("control", kind="resume")
+        assert _warnings(caplog) == []
+        # the file's values again, as the policy says; the overlay-only key stays
+        assert later.env_changes == EnvChanges(added=("RHT_REGION",), changed=("RHT_API_KEY",))
+        assert environ[b"RHT_API_KEY"] == b"a" and environ[b"RHT_NEW"] == b"1"
+    finally:
+        engine.close()
+
+
+def test_the_reset_warning_names_only_the_setting_that_applies(
+        tmp_path, environ, monkeypatch, caplog):
+    """An engine given its own EnvRefresher ignores REHYDRATE_ENV_PROTECT, yet the warning
+    recommended it."""
+    spec = write(tmp_path / "spec_environ", {b"RHT_THREADS": b"1"})
+    monkeypatch.setenv("REHYDRATE_ENV_PROTECT", "RHT_OTHER")
+    monkeypatch.setenv("REHYDRATE_ENV_FILE", spec)
+    lines = []
+    for env in (EnvRefresher(path=spec), None):
+        environ[b"RHT_THREADS"] = b"1"
+        engine = Lifecycle(Registry(), env=env)
+        try:
+            environ[b"RHT_THREADS"] = b"8"
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="rehydrate"):
+                assert engine.simulate_restore().ok
+            (line,) = _warnings(caplog)
+            lines.append(line)
+        finally:
+            engine.close()
+    own, default = lines
+    assert "(EnvRefresher(protect=...)); REHYDRATE_ENV_PROTECT is set but applies only " \
+        "to an engine without an EnvRefresher of its own" in own
+    assert default.endswith("(REHYDRATE_ENV_PROTECT)") and "protect=..." not in default
+
+
+def test_the_missing_spec_environ_warning_comes_once_in_a_forked_child_and_a_clone(
+        tmp_path, environ, monkeypatch, caplog, warned_anew):
+    """'Once per process' was once per memory image: a forked child, or a clone restored
+    from an image taken after the warning, never warned."""
+    monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        EnvRefresher().refresh()
+        assert len(_warnings(caplog)) == 1
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                caplog.clear()
+                EnvRefresher().refresh()
+                EnvRefresher().refresh()
+                os._exit(0 if len(_warnings(caplog)) == 1 else 3)
+            finally:
+                os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        caplog.clear()
+        engine = Lifecycle(Registry())
+        try:
+            assert engine.simulate_restore(kind="resume").ok  # the same process: said
+            assert _warnings(caplog) == []
+            assert engine.simulate_restore().ok  # a clone: once more
+            assert engine.simulate_restore(kind="resume").ok
+        finally:
+            engine.close()
+    assert len(_warnings(caplog)) == 1
+
+
+def test_two_engines_each_see_a_reset_of_the_application_s_value(tmp_path, environ):
+    """Only the first engine reported a key the application changed and the file reset
+    (the second found os.environ already at the file's value): the second engine's
+    on_env_change hooks for it were skipped."""
+    spec = write(tmp_path / "spec_environ", {b"RHT_PATH": b"/usr/bin", b"RHT_KEY": b"k"})
+    environ.update({b"RHT_PATH": b"/usr/bin", b"RHT_KEY": b"k"})
+    engines = [Lifecycle(Registry(), env=EnvRefresher(path=spec)) for _ in range(2)]
+    seen: list[list[EnvChanges]] = [[], []]
+    for engine, got in zip(engines, seen):
+        engine.registry.on_env_change("RHT_*")(lambda ctx, ch, got=got: got.append(ch))
+    try:
+        environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"  # the entrypoint's
+        del environ[b"RHT_KEY"]  # read, then dropped by the application
+        assert all(engine.simulate_snapshot().ok for engine in engines)
+        reports = [engine.restore_detected("gvisor", kind="restore") for engine in engines]
+        expected = EnvChanges(added=("RHT_KEY",), changed=("RHT_PATH",))
+        assert [r.env_changes for r in reports] == [expected, expected]
+        assert seen == [[expected], [expected]]
+        assert environ[b"RHT_PATH"] == b"/usr/bin"
+        # the next restore (no snapshot between) is news to neither, and a refresher made
+        # since is not told what the engines' restore did
+        again = [engine.restore_detected("gvisor", kind="restore") for engine in engines]
+        assert [r.env_changes for r in again] == [EnvChanges(), EnvChanges()]
+        environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"
+        first = engines[0].restore_detected("gvisor", kind="resume")
+        assert first.env_changes == EnvChanges(changed=("RHT_PATH",))
+        assert EnvRefresher(path=spec).refresh() == EnvChanges()
+    finally:
+        for engine in engines:
+            engine.close()
