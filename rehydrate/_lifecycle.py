@@ -33,6 +33,7 @@ from ._context import (
     RestoreContext,
     RestoreReport,
     SnapshotReport,
+    describe_error,
 )
 from ._contract import (
     DEFAULT_EXTENSIONS,
@@ -133,6 +134,34 @@ class _Pass:
     carry-on that announced no abort, an answer that it failed): no answer is owed for it
     any more. The snapshot deadline's run does not settle a pass — its checkpoint may
     still be in flight and answered later."""
+
+
+class _DeadlineThread:
+    """The snapshot deadline's thread, started before a before-snapshot pass's hooks and
+    told after them whether to watch (:meth:`arm`) or end (:meth:`cancel`).
+
+    The constructor raises when no thread can start (``RuntimeError: can't start new
+    thread`` at a pids limit): the caller then runs no hook."""
+
+    def __init__(self, watch: Callable[[int, float], None]) -> None:
+        self._watch = watch
+        self._told = threading.Event()
+        self._job: tuple[int, float] | None = None
+        threading.Thread(target=self._main, name="rehydrate-snapshot-deadline",
+                         daemon=True).start()
+
+    def arm(self, seq: int, deadline: float) -> None:
+        """Watch the pass ``seq``: the deadline counts from now (the hooks' end)."""
+        self._job = (seq, deadline)
+        self._told.set()
+
+    def cancel(self) -> None:
+        self._told.set()
+
+    def _main(self) -> None:
+        self._told.wait()  # always told: arm() or cancel() follows every pass
+        if self._job is not None:
+            self._watch(*self._job)
 
 
 @dataclass(frozen=True)
@@ -1353,16 +1382,42 @@ class Lifecycle:
         again from its end, a stall postpones it by its length; unless the freeze watch
         confirmed the freeze, by at most one more deadline in all. A notice in flight
         when it passes runs the hooks instead (see :meth:`_deadline_main`).
+
+        The deadline's thread starts before the hooks: when none can start (a pids
+        limit), ``RuntimeError`` is raised and no hook runs — the checkpoint is to be
+        aborted, the state is unchanged.
         """
         self._check_not_inside_hook()
         with self._run_lock:
             if key is not None and key in self._seen:
                 return self._seen[key]  # type: ignore[return-value]
-            report = self._run_snapshot(reason)
-            if key is not None:
-                self._remember(key, report)
-            if report.ok and self.snapshot_deadline is not None:
-                self._watch_deadline(self._event_seq, self.snapshot_deadline)
+            deadline = self.snapshot_deadline
+            # Its thread starts before any hook runs: a start that fails then (the pids
+            # limit) refuses the pass with nothing to undo. Started after a successful
+            # pass, its failure raised past the hooks' run: no resume hooks, no deadline,
+            # ``snapshotting`` for good.
+            watch = None
+            if deadline is not None:
+                try:
+                    watch = _DeadlineThread(self._deadline_main)
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"no thread to watch the snapshot deadline ({describe_error(exc)}); "
+                        "no before-snapshot hook ran: the checkpoint should be "
+                        "aborted") from exc
+            try:
+                report = self._run_snapshot(reason)
+                if key is not None:
+                    self._remember(key, report)
+            except BaseException:
+                if watch is not None:
+                    watch.cancel()
+                raise
+            if watch is not None:
+                if report.ok:
+                    watch.arm(self._event_seq, deadline)  # type: ignore[arg-type]
+                else:
+                    watch.cancel()
         self._publish(report)
         return report
 
@@ -1385,7 +1440,13 @@ class Lifecycle:
             if latest is None or latest.report is not report or latest.undone_by is not None:
                 return False
             if self.snapshot_deadline is not None:
-                self._watch_deadline(self._event_seq, self.snapshot_deadline, failed=True)
+                try:
+                    self._watch_deadline(self._event_seq, self.snapshot_deadline,
+                                         failed=True)
+                except RuntimeError as exc:  # no thread (the pids limit): nothing to bound it
+                    log.warning("snapshot deadline: no thread to watch the failed pass "
+                                "(%s); its resume hooks run now", describe_error(exc))
+                    return False
         return True
 
     def _watch_deadline(self, seq: int, deadline: float, *, failed: bool = False) -> None:

@@ -1858,6 +1858,38 @@ def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
     assert "detector_errors" not in engine.status().extra
 
 
+def test_a_save_with_no_thread_for_its_deadline_runs_no_hook_and_is_refused(
+        server: ControlServer, engine: Lifecycle, sock_path: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`notify save` at the thread limit: the before-snapshot hooks ran, then the snapshot
+    deadline's thread could not start, and the error reply skipped the failed pass's
+    carry-on — no resume hooks, no deadline: ``snapshotting`` for good. That thread now
+    starts before the hooks: the save is refused with no hook run, and the state is left
+    as it was."""
+    calls = Calls(engine)
+    engine.snapshot_deadline = 30.0
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "rehydrate-snapshot-deadline":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    before = engine.status().state
+    monkeypatch.setattr(threading.Thread, "start", start)
+    reply = request("prepare-snapshot", socket_path=sock_path, timeout=DEADLINE)
+    assert reply["ok"] is False
+    assert reply["error"].startswith("RuntimeError: no thread to watch the snapshot "
+                                     "deadline"), reply
+    assert calls.items == []
+    assert engine.status().state == before != "snapshotting"
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert request("prepare-snapshot", socket_path=sock_path, timeout=DEADLINE)["ok"]
+    assert engine.status().state == "snapshotting"
+    assert request("resume", socket_path=sock_path, timeout=DEADLINE)["ok"]
+    assert engine.status().ready
+
+
 def test_an_accept_thread_that_dies_shows_in_detector_errors(
         engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
