@@ -42,15 +42,12 @@ def _interrupted() -> int:
     import os
     import signal
 
-    try:
-        sys.stderr.write("rehydrate: interrupted\n")
-    except (OSError, ValueError, AttributeError):  # stderr closed or None: the status says it
-        pass
     # Nothing is flushed at exit after the signal below: what is written goes out now.
-    for stream in (sys.stdout, sys.stderr):
+    for stream, line in ((sys.stdout, ""), (sys.stderr, "rehydrate: interrupted\n")):
         try:
+            stream.write(line)
             stream.flush()
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError):  # closed or None: the status says it
             pass
     # A plain exit 130 tells a calling shell script that this program handled the Ctrl-C
     # itself: bash then runs the script's next command (`rehydrate notify save; echo
