@@ -205,8 +205,33 @@ class Status:
             "detectors": list(self.detectors),
             "last_report": self.last_report.to_dict() if self.last_report else None,
         }
-        out.update(self.extra)
+        # JSON-ready means json.dumps(..., default=str) works: it does not apply
+        # default= to keys, and an extension's counters keyed by (host, port) made every
+        # status --json, gated /rehydrate/status and dumps() of this raise.
+        out.update((name, _json_keys(value, set())) for name, value in self.extra.items())
         return out
+
+
+def _json_keys(value: Any, path: set[int]) -> Any:
+    """``value`` with every dict key JSON cannot have (a tuple) replaced by its ``str()``,
+    as ``default=str`` does for values; keys JSON takes (``str``, ``int``, ``float``,
+    ``None``) are left to it. Containers with nothing to replace are returned as they
+    are; one that contains itself (``path``: the containers above) too, for the encoder
+    to refuse."""
+    if not isinstance(value, (dict, list, tuple)) or id(value) in path:
+        return value
+    path.add(id(value))
+    try:
+        if isinstance(value, dict):
+            pairs = [(k if k is None or isinstance(k, (str, int, float)) else str(k),
+                      _json_keys(v, path)) for k, v in value.items()]
+            same = all(k is old_k and v is old_v
+                       for (k, v), (old_k, old_v) in zip(pairs, value.items(), strict=True))
+            return value if same else dict(pairs)
+        items = [_json_keys(v, path) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    finally:
+        path.discard(id(value))
 
 
 _CORE_STATUS = frozenset({"state", "generation", "ready", "detectors", "last_report"})

@@ -324,36 +324,22 @@ def _times(count: int) -> str:
     return "" if count <= 1 else f" ({count} times since the last line)"
 
 
-def _json_keys(value: Any) -> Any:
-    """``value`` with every dict key JSON cannot have (a tuple: an extension's counters
-    keyed by ``(host, port)``) replaced by its ``str()``, as ``default=str`` does for
-    values; keys JSON takes (``int``, ``None``, ...) are left to it."""
-    if isinstance(value, dict):
-        return {k if k is None or isinstance(k, (str, int, float)) else str(k): _json_keys(v)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_keys(v) for v in value]
-    return value
-
-
 def _encode_reply(reply: Mapping[str, Any]) -> bytes:
-    """One reply line. One that cannot be JSON even so (a field referring to itself)
-    becomes a one-line error: the client gets an answer, never a closed connection."""
+    """One reply line. One that cannot be JSON (a status field referring to itself;
+    keys JSON cannot have are ``status().to_dict()``'s to replace) becomes a one-line
+    error: the client gets an answer, never a closed connection."""
     import json
 
     try:
         text = json.dumps(reply, default=str, separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError):
-        try:
-            text = json.dumps(_json_keys(reply), default=str, separators=(",", ":"))
-        except (TypeError, ValueError, RecursionError) as exc:
-            log.error("control socket: a reply could not be encoded as JSON: %s",
-                      describe_error(exc))
-            failed: dict[str, Any] = {"ok": False,
-                                      "error": f"reply not encodable: {describe_error(exc)}"}
-            if "id" in reply:  # the request's id, valid JSON already (it came as JSON)
-                failed["id"] = reply["id"]
-            text = json.dumps(failed, default=str, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        log.error("control socket: a reply could not be encoded as JSON: %s",
+                  describe_error(exc))
+        failed: dict[str, Any] = {"ok": False,
+                                  "error": f"reply not encodable: {describe_error(exc)}"}
+        if "id" in reply:  # the request's id, valid JSON already (it came as JSON)
+            failed["id"] = reply["id"]
+        text = json.dumps(failed, default=str, separators=(",", ":"))
     return text.encode() + b"\n"
 
 
