@@ -146,14 +146,21 @@ class _DeadlineThread:
     def __init__(self, watch: Callable[[int, float], None]) -> None:
         self._watch = watch
         self._told = threading.Event()
+        self._watching = threading.Event()
         self._job: tuple[int, float] | None = None
         threading.Thread(target=self._main, name="rehydrate-snapshot-deadline",
                          daemon=True).start()
 
     def arm(self, seq: int, deadline: float) -> None:
-        """Watch the pass ``seq``: the deadline counts from now (the hooks' end)."""
+        """Watch the pass ``seq``: the deadline counts from now (the hooks' end). Returns
+        once the thread runs the watch (at most a second), as ``Thread.start()`` did
+        when the thread started after the pass: returning at once let the caller go on
+        to the checkpoint (a freeze) before the watch took its start, and the frozen
+        time went by unseen — the deadline ran the resume hooks where, after a gap, it
+        runs the restore hooks."""
         self._job = (seq, deadline)
         self._told.set()
+        self._watching.wait(1.0)
 
     def cancel(self) -> None:
         self._told.set()
@@ -161,6 +168,7 @@ class _DeadlineThread:
     def _main(self) -> None:
         self._told.wait()  # always told: arm() or cancel() follows every pass
         if self._job is not None:
+            self._watching.set()
             self._watch(*self._job)
 
 
