@@ -14,9 +14,10 @@ EXIT_READER_GONE = 141
 """``rehydrate status --json | head``: the reader closed the pipe. Like a shell tool
 killed by SIGPIPE (128 + 13), without a traceback."""
 EXIT_INTERRUPTED = 130
-"""Ctrl-C (``SIGINT``) while a command waits (a process busy in its hooks): like a shell
-tool killed by it (128 + 2), with one line (``rehydrate: interrupted``) instead of a
-traceback."""
+"""Ctrl-C (``SIGINT``) while a command waits (a process busy in its hooks): one line
+(``rehydrate: interrupted``) instead of a traceback, then the process ends *by* ``SIGINT``
+(what Python does for an uncaught ``KeyboardInterrupt``), which a shell reports as 130
+(128 + 2). This status is returned only where that cannot be done."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,10 +39,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted() -> int:
+    import os
+    import signal
+
+    # Nothing is flushed at exit after the signal below: what is written goes out now.
+    for stream, line in ((sys.stdout, ""), (sys.stderr, "rehydrate: interrupted\n")):
+        try:
+            stream.write(line)
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or None: the status says it
+            pass
+    # A plain exit 130 tells a calling shell script that this program handled the Ctrl-C
+    # itself: bash then runs the script's next command (`rehydrate notify save; echo
+    # went-on` went on). Dying of the signal makes the script stop as well.
     try:
-        sys.stderr.write("rehydrate: interrupted\n")
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):  # stderr closed or None: the status says it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except (OSError, ValueError):  # not the main thread (main() called from a library)
         pass
     return EXIT_INTERRUPTED
 

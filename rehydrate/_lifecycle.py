@@ -34,6 +34,7 @@ from ._context import (
     RestoreContext,
     RestoreReport,
     SnapshotReport,
+    describe_error,
 )
 from ._contract import (
     DEFAULT_EXTENSIONS,
@@ -136,6 +137,42 @@ class _Pass:
     still be in flight and answered later."""
 
 
+class _DeadlineThread:
+    """The snapshot deadline's thread, started before a before-snapshot pass's hooks and
+    told after them whether to watch (:meth:`arm`) or end (:meth:`cancel`).
+
+    The constructor raises when no thread can start (``RuntimeError: can't start new
+    thread`` at a pids limit): the caller then runs no hook."""
+
+    def __init__(self, watch: Callable[[int, float], None]) -> None:
+        self._watch = watch
+        self._told = threading.Event()
+        self._watching = threading.Event()
+        self._job: tuple[int, float] | None = None
+        threading.Thread(target=self._main, name="rehydrate-snapshot-deadline",
+                         daemon=True).start()
+
+    def arm(self, seq: int, deadline: float) -> None:
+        """Watch the pass ``seq``: the deadline counts from now (the hooks' end). Returns
+        once the thread runs the watch (at most a second), as ``Thread.start()`` did
+        when the thread started after the pass: returning at once let the caller go on
+        to the checkpoint (a freeze) before the watch took its start, and the frozen
+        time went by unseen — the deadline ran the resume hooks where, after a gap, it
+        runs the restore hooks."""
+        self._job = (seq, deadline)
+        self._told.set()
+        self._watching.wait(1.0)
+
+    def cancel(self) -> None:
+        self._told.set()
+
+    def _main(self) -> None:
+        self._told.wait()  # always told: arm() or cancel() follows every pass
+        if self._job is not None:
+            self._watching.set()
+            self._watch(*self._job)
+
+
 @dataclass(frozen=True)
 class Status:
     """What :meth:`Lifecycle.status` returns: ``state``, ``generation``, ``ready``, the running
@@ -177,8 +214,33 @@ class Status:
             "detectors": list(self.detectors),
             "last_report": self.last_report.to_dict() if self.last_report else None,
         }
-        out.update(self.extra)
+        # JSON-ready means json.dumps(..., default=str) works: it does not apply
+        # default= to keys, and an extension's counters keyed by (host, port) made every
+        # status --json, gated /rehydrate/status and dumps() of this raise.
+        out.update((name, _json_keys(value, set())) for name, value in self.extra.items())
         return out
+
+
+def _json_keys(value: Any, path: set[int]) -> Any:
+    """``value`` with every dict key JSON cannot have (a tuple) replaced by its ``str()``,
+    as ``default=str`` does for values; keys JSON takes (``str``, ``int``, ``float``,
+    ``None``) are left to it. Containers with nothing to replace are returned as they
+    are; one that contains itself (``path``: the containers above) too, for the encoder
+    to refuse."""
+    if not isinstance(value, (dict, list, tuple)) or id(value) in path:
+        return value
+    path.add(id(value))
+    try:
+        if isinstance(value, dict):
+            pairs = [(k if k is None or isinstance(k, (str, int, float)) else str(k),
+                      _json_keys(v, path)) for k, v in value.items()]
+            same = all(k is old_k and v is old_v
+                       for (k, v), (old_k, old_v) in zip(pairs, value.items(), strict=True))
+            return value if same else dict(pairs)
+        items = [_json_keys(v, path) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    finally:
+        path.discard(id(value))
 
 
 _CORE_STATUS = frozenset({"state", "generation", "ready", "detectors", "last_report"})
@@ -1353,16 +1415,42 @@ class Lifecycle:
         again from its end, a stall postpones it by its length; unless the freeze watch
         confirmed the freeze, by at most one more deadline in all. A notice in flight
         when it passes runs the hooks instead (see :meth:`_deadline_main`).
+
+        The deadline's thread starts before the hooks: when none can start (a pids
+        limit), ``RuntimeError`` is raised and no hook runs — the checkpoint is to be
+        aborted, the state is unchanged.
         """
         self._check_not_inside_hook()
         with self._run_lock:
             if key is not None and key in self._seen:
                 return self._seen[key]  # type: ignore[return-value]
-            report = self._run_snapshot(reason)
-            if key is not None:
-                self._remember(key, report)
-            if report.ok and self.snapshot_deadline is not None:
-                self._watch_deadline(self._event_seq, self.snapshot_deadline)
+            deadline = self.snapshot_deadline
+            # Its thread starts before any hook runs: a start that fails then (the pids
+            # limit) refuses the pass with nothing to undo. Started after a successful
+            # pass, its failure raised past the hooks' run: no resume hooks, no deadline,
+            # ``snapshotting`` for good.
+            watch = None
+            if deadline is not None:
+                try:
+                    watch = _DeadlineThread(self._deadline_main)
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"no thread to watch the snapshot deadline ({describe_error(exc)}); "
+                        "no before-snapshot hook ran: the checkpoint should be "
+                        "aborted") from exc
+            try:
+                report = self._run_snapshot(reason)
+                if key is not None:
+                    self._remember(key, report)
+            except BaseException:
+                if watch is not None:
+                    watch.cancel()
+                raise
+            if watch is not None:
+                if report.ok:
+                    watch.arm(self._event_seq, deadline)  # type: ignore[arg-type]
+                else:
+                    watch.cancel()
         self._publish(report)
         return report
 
@@ -1385,7 +1473,13 @@ class Lifecycle:
             if latest is None or latest.report is not report or latest.undone_by is not None:
                 return False
             if self.snapshot_deadline is not None:
-                self._watch_deadline(self._event_seq, self.snapshot_deadline, failed=True)
+                try:
+                    self._watch_deadline(self._event_seq, self.snapshot_deadline,
+                                         failed=True)
+                except RuntimeError as exc:  # no thread (the pids limit): nothing to bound it
+                    log.warning("snapshot deadline: no thread to watch the failed pass "
+                                "(%s); its resume hooks run now", describe_error(exc))
+                    return False
         return True
 
     def _watch_deadline(self, seq: int, deadline: float, *, failed: bool = False) -> None:

@@ -848,7 +848,15 @@ class Connection:
             opened = [False]
             try:
                 if one_thread:
-                    await self._on_thread(_run_inline, self._attempt(epoch, _inline, opened))
+                    attempt_coro = self._attempt(epoch, _inline, opened)
+                    try:
+                        started = self._start_on_thread(_run_inline, attempt_coro)
+                    except BaseException:
+                        # No thread took it (the pids limit): never to run, and left
+                        # unclosed it was a "never awaited" RuntimeWarning per retry.
+                        attempt_coro.close()
+                        raise
+                    await asyncio.wrap_future(started)
                 else:
                     await self._attempt(epoch, self._call, opened)
             except _Superseded:

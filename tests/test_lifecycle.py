@@ -550,6 +550,26 @@ def test_status_to_dict_fields(rehydrate_engine):
     assert rehydrate_engine.status().last_report is snap
 
 
+def test_status_to_dict_is_json_ready_with_keys_json_cannot_have(rehydrate_engine):
+    """An extension's counters keyed by (host, port): json.dumps(status().to_dict(),
+    default=str) raised (default= is never applied to keys), as did the ASGI gate's
+    /rehydrate/status; only the control socket converted them. to_dict() now gives such
+    keys as their str(), as the socket sent them, and leaves what JSON takes alone."""
+    counters = {"plain": [1, 2]}
+    rehydrate_engine.add_status("peers", lambda: {("db", 5432): 3, 7: {("a", None): "x"},
+                                                  "list": [{(1, 2): True}, (3, 4)]})
+    rehydrate_engine.add_status("counters", lambda: counters)
+    looped: dict[str, object] = {}
+    looped["self"] = looped
+    d = rehydrate_engine.status().to_dict()
+    assert d["peers"] == {"('db', 5432)": 3, 7: {"('a', None)": "x"},
+                          "list": [{"(1, 2)": True}, (3, 4)]}
+    assert d["counters"] is counters  # nothing to replace: not copied
+    assert json.loads(json.dumps(d, default=str))["peers"]["7"] == {"('a', None)": "x"}
+    rehydrate_engine.add_status("looped", lambda: looped)
+    assert rehydrate_engine.status().to_dict()["looped"] is looped  # left to the encoder
+
+
 def test_listeners_get_every_report_and_a_failing_listener_is_contained(rehydrate_engine,
                                                                        caplog):
     got = []

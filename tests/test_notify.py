@@ -777,12 +777,32 @@ def _no_escape(call: Callable[[], int]) -> int:
         pytest.fail("KeyboardInterrupt escaped the entry point")
 
 
+@pytest.fixture
+def self_kills(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, object]]:
+    """The entry point's SIGINT to itself, recorded instead of ending pytest."""
+    import signal
+
+    done: list[tuple[str, int, object]] = []
+    monkeypatch.setattr(signal, "signal", lambda sig, how: done.append(("signal", sig, how)))
+    monkeypatch.setattr(os, "kill", lambda pid, sig: done.append(("kill", sig, pid)))
+    return done
+
+
+def _killed_by_sigint(done: list[tuple[str, int, object]]) -> bool:
+    import signal
+
+    return done == [("signal", signal.SIGINT, signal.SIG_DFL),
+                    ("kill", signal.SIGINT, os.getpid())]
+
+
 @pytest.mark.parametrize("entry_point", ["main", "notify_main"])
 def test_ctrl_c_on_the_notifier_is_one_line_and_exit_130(
         entry_point: str, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], self_kills: list[tuple[str, int, object]]
+) -> None:
     """Ctrl-C while the process was busy in its hooks printed a ~20-line
-    KeyboardInterrupt traceback."""
+    KeyboardInterrupt traceback. After the line the process ends by SIGINT (130 only
+    when the signal did not end it)."""
     import rehydrate._notify
 
     def interrupted(options: Options) -> int:
@@ -794,12 +814,14 @@ def test_ctrl_c_on_the_notifier_is_one_line_and_exit_130(
                       else entry.notify_main(args))
     assert code == entry.EXIT_INTERRUPTED == 130
     assert capsys.readouterr() == ("", "rehydrate: interrupted\n")
+    assert _killed_by_sigint(self_kills)
 
 
 @pytest.mark.parametrize("argv", [["status"], ["notify", "--help"], ["doctor"]])
 def test_ctrl_c_on_the_other_commands_is_one_line_and_exit_130(
         argv: list[str], monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], self_kills: list[tuple[str, int, object]]
+) -> None:
     import rehydrate._cli
 
     def interrupted(args: list[str]) -> int:
@@ -808,6 +830,7 @@ def test_ctrl_c_on_the_other_commands_is_one_line_and_exit_130(
     monkeypatch.setattr(rehydrate._cli, "run", interrupted)
     assert _no_escape(lambda: entry.main(argv)) == 130
     assert capsys.readouterr() == ("", "rehydrate: interrupted\n")
+    assert _killed_by_sigint(self_kills)
 
 
 def test_sigint_while_notify_waits_for_the_reply(sock_path: str) -> None:
@@ -837,4 +860,40 @@ def test_sigint_while_notify_waits_for_the_reply(sock_path: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert (proc.returncode, out, err) == (130, "", "rehydrate: interrupted\n")
+    # ended by the signal itself, as Python ends on an uncaught KeyboardInterrupt
+    assert (proc.returncode, out, err) == (-signal.SIGINT, "", "rehydrate: interrupted\n")
+
+
+def test_ctrl_c_stops_the_shell_script_that_ran_notify(sock_path: str) -> None:
+    """Ctrl-C reaches the whole foreground group: the script and the notifier. A notifier
+    that exits 130 normally tells bash it handled the signal itself, and the script
+    went on to its next command; one ended by SIGINT makes bash stop too."""
+    import signal
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(1)
+    listener.settimeout(30)
+    script = (f'"{sys.executable}" -m rehydrate notify save --socket "{sock_path}" '
+              '--timeout 60; echo "went-on $?"')
+    proc = subprocess.Popen(["bash", "-c", script], env=_env(), cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(30)
+            got = b""
+            while not got.endswith(b"\n"):  # the whole request: the notifier now waits
+                chunk = conn.recv(4096)
+                assert chunk, got
+                got += chunk
+            os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+            out, err = proc.communicate(timeout=30)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "went-on" not in out
+    assert (proc.returncode, err) == (-signal.SIGINT, "rehydrate: interrupted\n")

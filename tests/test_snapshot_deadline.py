@@ -504,3 +504,80 @@ def test_a_notice_waiting_for_the_freeze_watchs_verdict_is_in_flight(
     assert runs.ran.wait(GIVE_UP)
     assert [r[:2] for r in runs.runs] == [("control", "restore")]
     assert not reports[0].deduplicated
+
+
+def _refuse_thread(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
+    """``threading.Thread.start`` raises for threads called ``name`` (the pids limit)
+    while the returned flag is true."""
+    real_start = threading.Thread.start
+    refusing = [True]
+
+    def start(self: threading.Thread) -> None:
+        if self.name == name and refusing[0]:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return refusing
+
+
+def test_no_thread_for_the_snapshot_deadline_refuses_the_pass_before_any_hook(
+        engine: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the thread limit the deadline's thread, started after a successful pass, failed
+    to start: the error went out past the hooks' run — no resume hooks, no deadline, the
+    process ``snapshotting`` for good. Its thread now starts before any hook runs: when it
+    cannot, the pass is refused with nothing done; once it can, the deadline bounds the
+    pass as before."""
+    engine.snapshot_deadline = 0.2
+    snapshots: list[str] = []
+    engine.registry.before_snapshot(lambda ctx: snapshots.append(ctx.reason), name="snap")
+    runs = _Runs(engine)
+    before = engine.state
+    refusing = _refuse_thread(monkeypatch, "rehydrate-snapshot-deadline")
+    with pytest.raises(RuntimeError, match=r"no thread to watch the snapshot deadline "
+                                           r"\(RuntimeError: can't start new thread\); no "
+                                           r"before-snapshot hook ran"):
+        engine.snapshot_requested("control")
+    assert snapshots == [] and engine.state == before != "snapshotting"
+    refusing[0] = False
+    assert engine.snapshot_requested("control").ok
+    assert snapshots == ["control"] and engine.state == "snapshotting"
+    assert runs.ran.wait(GIVE_UP), "the deadline never ran"
+    assert [(reason, kind) for reason, kind, _ in runs.runs] == [("snapshot-deadline",
+                                                                  "resume")]
+    assert engine.wait_ready(GIVE_UP)
+
+
+def test_the_deadline_thread_of_a_failed_pass_ends_without_a_run(
+        engine: Lifecycle) -> None:
+    """Started before the hooks, the deadline's thread of a pass that failed is told to
+    end: nothing runs for that pass (its caller's carry-on, or await_answer, decides)."""
+    engine.snapshot_deadline = 0.2
+
+    def fail(ctx: RestoreContext) -> None:
+        raise OSError("disk gone")
+
+    engine.registry.before_snapshot(fail, name="fail")
+    runs = _Runs(engine)
+    assert not engine.snapshot_requested("control").ok
+    give_up = time.monotonic() + GIVE_UP
+    while any(t.name == "rehydrate-snapshot-deadline" for t in threading.enumerate()):
+        assert time.monotonic() < give_up, "the deadline thread of a failed pass lives on"
+        time.sleep(0.005)
+    assert runs.runs == [] and engine.state == "degraded"
+
+
+def test_no_thread_to_watch_a_failed_pass_leaves_it_to_the_caller(
+        engine: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """await_answer() cannot leave a failed pass to a checkpoint's answer when no thread
+    can bound that wait: False, so its caller runs the resume hooks now."""
+    engine.snapshot_deadline = 5.0
+
+    def fail(ctx: RestoreContext) -> None:
+        raise OSError("disk gone")
+
+    engine.registry.before_snapshot(fail, name="fail")
+    snap = engine.snapshot_requested("gvisor")
+    assert not snap.ok
+    _refuse_thread(monkeypatch, "rehydrate-snapshot-deadline")
+    assert engine.await_answer(snap) is False

@@ -129,6 +129,10 @@ LOG_EVERY = 10.0
 log line per this many seconds, with the count since the last line."""
 ACCEPT_PAUSE = 0.1
 """After a failed ``accept()`` (``EMFILE``): the wait before the next one, not a spin."""
+NOTICE_WAIT = 0.2
+"""With no thread to serve a connection: how long its first request may take to come
+when it was not there on accept, to tell a ``resume``/``restore`` notice (served on the
+accept thread) from a request that is answered ``busy``."""
 IDLE_TIMEOUT = 10.0
 """A connection with no complete request for this long is closed (a client sends its
 request at once; one that does not only holds a slot)."""
@@ -324,36 +328,22 @@ def _times(count: int) -> str:
     return "" if count <= 1 else f" ({count} times since the last line)"
 
 
-def _json_keys(value: Any) -> Any:
-    """``value`` with every dict key JSON cannot have (a tuple: an extension's counters
-    keyed by ``(host, port)``) replaced by its ``str()``, as ``default=str`` does for
-    values; keys JSON takes (``int``, ``None``, ...) are left to it."""
-    if isinstance(value, dict):
-        return {k if k is None or isinstance(k, (str, int, float)) else str(k): _json_keys(v)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_keys(v) for v in value]
-    return value
-
-
 def _encode_reply(reply: Mapping[str, Any]) -> bytes:
-    """One reply line. One that cannot be JSON even so (a field referring to itself)
-    becomes a one-line error: the client gets an answer, never a closed connection."""
+    """One reply line. One that cannot be JSON (a status field referring to itself;
+    keys JSON cannot have are ``status().to_dict()``'s to replace) becomes a one-line
+    error: the client gets an answer, never a closed connection."""
     import json
 
     try:
         text = json.dumps(reply, default=str, separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError):
-        try:
-            text = json.dumps(_json_keys(reply), default=str, separators=(",", ":"))
-        except (TypeError, ValueError, RecursionError) as exc:
-            log.error("control socket: a reply could not be encoded as JSON: %s",
-                      describe_error(exc))
-            failed: dict[str, Any] = {"ok": False,
-                                      "error": f"reply not encodable: {describe_error(exc)}"}
-            if "id" in reply:  # the request's id, valid JSON already (it came as JSON)
-                failed["id"] = reply["id"]
-            text = json.dumps(failed, default=str, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        log.error("control socket: a reply could not be encoded as JSON: %s",
+                  describe_error(exc))
+        failed: dict[str, Any] = {"ok": False,
+                                  "error": f"reply not encodable: {describe_error(exc)}"}
+        if "id" in reply:  # the request's id, valid JSON already (it came as JSON)
+            failed["id"] = reply["id"]
+        text = json.dumps(failed, default=str, separators=(",", ":"))
     return text.encode() + b"\n"
 
 
@@ -651,10 +641,62 @@ class ControlServer:
             try:
                 blocking.submit(self._serve, conn)
             except Exception as exc:
-                # No thread could start (the process at its pids limit): this client is
-                # refused like one over the limit (the notifier retries a "busy"), and
-                # the loop goes on — ending it here left the socket dead for good.
-                self._refuse_unserved(conn, exc)
+                # No thread could start (the process at its pids limit): the loop goes on
+                # — ending it here left the socket dead for good.
+                if self._notice_pending(conn):
+                    self._serve_notice(conn, exc)
+                else:
+                    self._refuse_unserved(conn, exc)
+
+    def _notice_pending(self, conn: socket.socket) -> bool:
+        """Whether the first request on ``conn`` — there already, or within
+        :data:`NOTICE_WAIT` — is a ``resume`` or ``restore`` notice. Read without
+        consuming it (``MSG_PEEK``)."""
+        import json
+
+        give_up = time.monotonic() + NOTICE_WAIT
+        while True:
+            try:
+                data = conn.recv(MAX_LINE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                return False
+            if data == b"":
+                return False  # gone without a request
+            if data is not None:
+                line, newline, _ = data.lstrip().partition(b"\n")  # blank: keep-alives
+                if newline:
+                    try:
+                        req = json.loads(line.decode("utf-8"))
+                    except (ValueError, UnicodeDecodeError, RecursionError):
+                        return False
+                    return isinstance(req, dict) and req.get("cmd") in ("resume", "restore")
+            left = give_up - time.monotonic()
+            if left <= 0:
+                return False
+            # partial data makes the connection readable at once: wait in short steps
+            watched = [self._stop_r] if data else [self._stop_r, conn.fileno()]
+            ready, _, _ = select.select(watched, [], [], min(left, 0.01) if data else left)
+            if self._stop_r in ready:
+                return False
+
+    def _serve_notice(self, conn: socket.socket, exc: Exception) -> None:
+        """Serve, on the accept thread, the ``resume``/``restore`` notice of a connection
+        no thread can serve, then close it. Refused ``busy``, CRIU's post-dump ``resume``
+        (sent with :func:`post`: its client is gone, nobody retries) was lost, and the
+        process stayed ``snapshotting`` until the deadline. The accept loop waits
+        meanwhile; other requests are answered ``busy`` (their clients retry)."""
+        count = self._submit_failures.due()
+        if count:
+            log.error("control socket: no thread to serve a client (%s); its resume or "
+                      "restore notice is served on the accept thread%s",
+                      describe_error(exc), _times(count))
+        # What was sent by now is read, then end of input: a client that would go on
+        # sending (or idle) must not hold the accept thread; it gets EPIPE.
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RD)
+        self._serve(conn)
 
     def _refuse_unserved(self, conn: socket.socket, exc: Exception) -> None:
         with self._lock:

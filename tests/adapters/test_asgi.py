@@ -276,6 +276,18 @@ def test_status_endpoint_is_a_public_view_unless_status_detail(
     del secret  # held until here: the manager keeps only a weak reference
 
 
+async def test_status_detail_with_keys_json_cannot_have(
+        app: App, rehydrate_engine: Any) -> None:
+    """A status field keyed by (host, port): GET /rehydrate/status with status_detail=True
+    raised TypeError out of the gate (the control socket alone converted such keys)."""
+    rehydrate_engine.add_status("peers", lambda: {("db", 5432): 3})
+    detail = ReadinessGate(app, engine=rehydrate_engine, lifespan=False, status_detail=True)
+    async with asgi_client(detail) as c:
+        r = await c.get("/rehydrate/status")
+    assert r.status_code == 200
+    assert r.json()["peers"] == {"('db', 5432)": 3}
+
+
 def test_status_detail_must_be_a_bool(app: App, rehydrate_engine: Any) -> None:
     with pytest.raises(TypeError, match="status_detail must be True or False, not 'yes'"):
         ReadinessGate(app, engine=rehydrate_engine, status_detail="yes")  # type: ignore[arg-type]

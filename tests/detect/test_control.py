@@ -1858,6 +1858,89 @@ def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
     assert "detector_errors" not in engine.status().extra
 
 
+def test_a_save_with_no_thread_for_its_deadline_runs_no_hook_and_is_refused(
+        server: ControlServer, engine: Lifecycle, sock_path: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`notify save` at the thread limit: the before-snapshot hooks ran, then the snapshot
+    deadline's thread could not start, and the error reply skipped the failed pass's
+    carry-on — no resume hooks, no deadline: ``snapshotting`` for good. That thread now
+    starts before the hooks: the save is refused with no hook run, and the state is left
+    as it was."""
+    calls = Calls(engine)
+    engine.snapshot_deadline = 30.0
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "rehydrate-snapshot-deadline":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    before = engine.status().state
+    monkeypatch.setattr(threading.Thread, "start", start)
+    reply = request("prepare-snapshot", socket_path=sock_path, timeout=DEADLINE)
+    assert reply["ok"] is False
+    assert reply["error"].startswith("RuntimeError: no thread to watch the snapshot "
+                                     "deadline"), reply
+    assert calls.items == []
+    assert engine.status().state == before != "snapshotting"
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert request("prepare-snapshot", socket_path=sock_path, timeout=DEADLINE)["ok"]
+    assert engine.status().state == "snapshotting"
+    assert request("resume", socket_path=sock_path, timeout=DEADLINE)["ok"]
+    assert engine.status().ready
+
+
+def test_a_posted_resume_no_thread_can_serve_is_served_on_the_accept_thread(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """CRIU's post-dump `resume` is sent with post(): its client is gone at once. With no
+    thread to serve it (the pids limit) it was answered busy to nobody and dropped — the
+    process stayed ``snapshotting`` until the deadline. A resume or restore notice is
+    now served on the accept thread; other requests are still answered busy."""
+    from rehydrate._notify import post
+    from rehydrate._threads import ThreadPool
+
+    pool = ThreadPool("rh-ctl-pool", keep=0)
+    monkeypatch.setattr(control, "blocking", pool)
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == pool.name:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    calls = Calls(engine)
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]
+    assert det.server is not None
+    listening = det.server._sock
+    real_accept = socket.socket.accept
+    sent = threading.Event()
+
+    def accept(self: socket.socket) -> tuple[socket.socket, Any]:
+        if self is listening:  # as while the process is frozen: the notice is queued
+            assert sent.wait(DEADLINE)
+        return real_accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    assert engine.snapshot_requested("control").ok
+    assert engine.status().state == "snapshotting"
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    post("resume", socket_path=sock_path)
+    sent.set()
+    wait_for(lambda: engine.status().ready, what="the posted resume's run")
+    assert [item[:2] for item in calls.items] == [("snapshot-hook", "snapshot"),
+                                                  ("restore-hook", "resume")]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["control socket: no thread to serve a client (RuntimeError: can't "
+                      "start new thread); its resume or restore notice is served on the "
+                      "accept thread"]
+    monkeypatch.setattr(det.server._submit_failures, "clock", lambda: 0.0)  # one instant
+    with pytest.raises(ControlError, match=r"stayed busy"):
+        request("status", socket_path=sock_path, timeout=0.3)
+
+
 def test_an_accept_thread_that_dies_shows_in_detector_errors(
         engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -254,6 +254,37 @@ def test_reopen_is_concurrent_sync_and_async(rehydrate_engine):
     assert len(opened) == n and arrived == m
 
 
+def test_a_reopen_with_no_thread_for_a_while_retries_without_unawaited_warnings(
+        rehydrate_engine, monkeypatch, recwarn):
+    """No thread for a sync open + check (the pids limit): the attempt's coroutine, made
+    before the pool refused, was never awaited — a RuntimeWarning per retry. It is closed
+    now, and the reopen goes on once a thread can start."""
+    from rehydrate import _threads
+
+    pool = _threads.ThreadPool("rht-conn-pool", keep=0)
+    monkeypatch.setattr(_threads, "blocking", pool)
+    real_start = threading.Thread.start
+    refusals = [3]
+
+    def start(self: threading.Thread) -> None:
+        if self.name == pool.name and refusals[0] > 0:
+            refusals[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    opened = []
+    monkeypatch.setattr(threading.Thread, "start", start)  # its reserved thread too
+    connections.register("db", open=lambda: opened.append(1), engine=rehydrate_engine,
+                         deadline=30.0)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert refusals == [0] and opened == [1]
+    assert rehydrate_engine.status()["connections"][0]["attempts"] > 1
+    gc.collect()
+    unawaited = [str(w.message) for w in recwarn if "never awaited" in str(w.message)]
+    assert unawaited == []
+
+
 def test_snapshot_closes_in_reverse_order_and_resume_reopens(rehydrate_engine):
     log: list[str] = []
     for name in ("a", "b", "c"):
