@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     import mmap as _mmap
     import sqlite3
 
-    from ._context import RestoreContext
+    from ._context import Report, RestoreContext
     from ._hooks import Hook
     from .extensions import Engine
 
@@ -1182,6 +1182,9 @@ class FilesManager:
         self._reopen_hook: Hook | None = None
         self._snapshot_passes = 0
         """Before-snapshot passes begun: a late reopen pass stops once it changed."""
+        self._reopened_at: int | None = None
+        """``_snapshot_passes`` when the last reopen pass reopened every handle (None: one
+        is running, or the last failed or stopped)."""
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
@@ -1217,6 +1220,7 @@ class FilesManager:
         b.register(self._before_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
                    order=1_000_000, name="rehydrate.files.close", timeout=30.0)
         self._reopen_hook = self._register_reopen(self._reopen_timeout)
+        engine.add_listener(self._on_report)
 
     def _register_reopen(self, timeout: float) -> Hook:
         engine = self._engine()
@@ -1356,24 +1360,84 @@ class FilesManager:
                 for e in errors))
 
     def _after_restore(self, ctx: RestoreContext) -> None:
-        began = time.monotonic()
-        passes = self._snapshot_passes
+        on_behalf = False
+        while True:
+            began = time.monotonic()
+            with self._lock:
+                passes = self._snapshot_passes
+                self._reopened_at = None  # reopening: not every handle is open
 
-        def stale() -> bool:
-            # A pass that outlived its timeout, still running when the next snapshot
-            # began: reopening a handle that snapshot had closed put its descriptor in
-            # the image. The handles left are reopened by the next restore or resume.
-            return self._snapshot_passes != passes
+            def stale(passes: int = passes) -> bool:
+                # A pass that outlived its timeout, still running when the next snapshot
+                # began: reopening a handle that snapshot had closed put its descriptor
+                # in the image.
+                return self._snapshot_passes != passes
 
-        try:
-            self._reopen_all(ctx, stale)
-        except _PassStopped:
-            log.info("rehydrate.files.reopen: a snapshot began while this reopen pass ran "
-                     "late: stopped; the next restore or resume reopens the handles left")
-            raise ReopenFailed("reopen pass stopped: a snapshot began while it ran") from None
-        engine, hook = self._engine(), self._reopen_hook
-        if engine is not None and hook is not None:
-            self._recovered(engine, hook, began)
+            try:
+                self._reopen_all(ctx, stale)
+                with self._lock:
+                    # Checked again once every handle is done: a snapshot that began
+                    # inside the last handle's on_change closed handles this pass had
+                    # reopened, and the pass went on to mend the run after it (ready with
+                    # every handle closed). One that begins after this closes them itself.
+                    if stale():
+                        raise _PassStopped
+                    self._reopened_at = passes
+                engine, hook = self._engine(), self._reopen_hook
+                if engine is not None and hook is not None:
+                    self._recovered(engine, hook, began)
+                if not stale():
+                    return
+                # A snapshot and a run after it came between the check and the mend: that
+                # run may have been mended with its handles closed; reopened for it below.
+            except _PassStopped:
+                pass
+            if not self._owed():
+                log.info("rehydrate.files.reopen: a snapshot began while this reopen pass "
+                         "ran late: stopped; the next restore or resume reopens the handles "
+                         "left")
+                if on_behalf:
+                    return  # the run it worked for ended long ago: not a failure of it
+                raise ReopenFailed("reopen pass stopped: a snapshot began while it ran")
+            # The restore or resume of that snapshot found this pass still running
+            # (HookStillRunning) and reopened nothing: nothing else would until the next
+            # snapshot. Its reopen is done here, on its behalf.
+            log.info("rehydrate.files.reopen: a snapshot began and ended while this reopen "
+                     "pass ran late: reopening again for the restore or resume after it")
+            on_behalf = True
+
+    def _owed(self) -> bool:
+        """After a late pass stopped: True when a restore or resume run began after the
+        snapshot that stopped it (runs and passes take turns: a run in progress, or a
+        finished one reported after that pass) — its own reopen hook found this pass
+        still running, or has yet to run and finds every handle open."""
+        engine = self._engine()
+        if engine is None:
+            return False
+        status = engine.status(fields=())  # state and report: no published field
+        if status.state == "restoring":
+            return True
+        last = status.last_report
+        return (status.state in ("ready", "degraded") and last is not None
+                and last.kind != "snapshot")
+
+    def _on_report(self, report: Report) -> None:
+        """A restore or resume run that found the reopen pass still running
+        (HookStillRunning) and ended after that pass reopened every handle, with no
+        snapshot since: mended (the pass's own :meth:`_recovered` ran while that run was
+        still going, before the run had failed the hook, or before it ended)."""
+        from ._context import HookStillRunning
+
+        hook, engine = self._reopen_hook, self._engine()
+        if hook is None or engine is None or report.kind == "snapshot" or report.ok:
+            return
+        if not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
+                   for r in report.hooks):
+            return
+        with self._lock:
+            if self._reopened_at != self._snapshot_passes:
+                return
+        engine.recovered(hook)
 
     @staticmethod
     def _recovered(engine: Engine, hook: Hook, began: float) -> None:
@@ -1382,12 +1446,17 @@ class FilesManager:
         ready again. Within the run this is a no-op (the hook has not failed); since=: a
         run begun after this pass is not mended by it — unless all that run did to this
         hook was find this very pass still running (HookStillRunning): it rejected
-        nothing, and no snapshot came between (the pass would have stopped)."""
+        nothing, and no snapshot came between (the pass would have stopped). Such a run
+        still going is mended when it ends (``recovered()`` during a run counts for a hook
+        that already failed in it; :meth:`_on_report` for one that fails it later)."""
         from ._context import HookStillRunning
 
         if engine.recovered(hook, since=began):
             return
         status = engine.status(fields=())  # state and report: no published field
+        if status.state == "restoring":
+            engine.recovered(hook)
+            return
         last = status.last_report
         if status.state != "degraded" or last is None:
             return

@@ -890,6 +890,154 @@ def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(short_reopen
     assert kept[0].changed
 
 
+def test_a_snapshot_inside_the_last_handles_on_change_stops_the_late_pass(
+        short_reopen, tmp_path: Path) -> None:
+    """The late pass was in the LAST handle's on_change when a snapshot closed every
+    handle: with no handle left to check, it completed, mended the resume's
+    HookStillRunning, and the process was ready with every handle closed."""
+    import threading
+
+    engine, ended, errors = short_reopen
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "big.idx").write_text("old\n")
+    release, inside = threading.Event(), threading.Event()
+
+    def slow(h: files.ManagedFile) -> None:
+        inside.set()
+        release.wait(30)
+
+    a = files.open(tmp_path / "a.txt", engine=engine)
+    big = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)  # the last
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        assert inside.wait(20)
+        assert engine.simulate_snapshot().ok
+        assert a.suspended and big.suspended
+        report = engine.simulate_restore(kind="resume")
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+    finally:
+        release.set()
+    assert ended.wait(20)
+    assert errors[-1] is None, errors  # reopened again for the resume, after stopping
+    assert engine.status().state == "ready"
+    assert (a.suspended, big.suspended, a.readline()) == (False, False, "a\n")
+
+
+def test_a_resume_that_found_the_late_pass_running_is_reopened_by_it(
+        short_reopen, tmp_path: Path) -> None:
+    """A checkpoint and its resume while the late pass was in a slow on_change: the
+    resume found it still running, the pass then stopped at the next handle (a snapshot
+    had begun), and every handle stayed closed until the next snapshot."""
+    import threading
+
+    engine, ended, errors = short_reopen
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release, inside = threading.Event(), threading.Event()
+
+    def slow(h: files.ManagedFile) -> None:
+        inside.set()
+        release.wait(30)
+
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)
+    b = files.open(tmp_path / "b.txt", engine=engine)
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        assert inside.wait(20)
+        assert engine.simulate_snapshot().ok
+        report = engine.simulate_restore(kind="resume")
+        assert not report.ok and engine.status().state == "degraded"
+    finally:
+        release.set()
+    assert ended.wait(20)
+    assert errors[-1] is None, errors
+    assert engine.status().state == "ready"
+    assert (a.suspended, b.suspended, b.readline()) == (False, False, "b\n")
+
+
+def test_a_late_pass_ending_during_the_run_that_found_it_running_mends_that_run(
+        short_reopen, tmp_path: Path) -> None:
+    """The late pass completed while the resume that found it still running ran its
+    later hooks: recovered(since=) refused (that run began after the pass) and the
+    fallback saw no degraded state yet: degraded for good with every handle open."""
+    import threading
+
+    engine, ended, _ = short_reopen
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+    b = files.open(tmp_path / "b.txt", engine=engine)
+
+    def warm_cache() -> None:  # after rehydrate.files.reopen in the resume run
+        release.set()
+        assert ended.wait(20)
+
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        ended.clear()
+        engine.registry.register(warm_cache, name="app.warm")
+        report = engine.simulate_restore(kind="resume")
+    finally:
+        release.set()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert type(error).__name__ == "HookStillRunning", repr(error)
+    assert report.recovered == ("rehydrate.files.reopen",)  # mended within the run
+    assert engine.status().state == "ready"
+    assert not a.suspended and not b.suspended
+
+
+def test_a_run_that_fails_the_hook_after_the_late_pass_mended_is_mended_at_its_end(
+        short_reopen, tmp_path: Path) -> None:
+    """The pass had reopened every handle and looked for a failure to mend before the
+    run reached the hook, whose thread had not ended yet: HookStillRunning after the
+    mend, and degraded for good."""
+    import threading
+
+    engine, ended, _ = short_reopen
+    mgr = files.manager(engine)
+    inner = mgr._after_restore
+    done, hold = threading.Event(), threading.Event()
+
+    def after_restore(ctx):  # done with every handle, the thread not ended yet
+        try:
+            inner(ctx)
+        finally:
+            done.set()
+            hold.wait(30)
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    (tmp_path / "big.idx").write_text("old\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+
+    def early() -> None:  # before rehydrate.files.reopen in the resume run
+        release.set()
+        assert done.wait(20)
+
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        engine.registry.register(early, phase="environment", name="app.early")
+        engine.registry.register(hold.set, name="app.late")
+        report = engine.simulate_restore(kind="resume")
+    finally:
+        release.set()
+        hold.set()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert type(error).__name__ == "HookStillRunning", repr(error)
+    assert engine.status().state == "ready"
+    assert not a.suspended
+
+
 @pytest.mark.parametrize(("bad", "error", "shown"), [
     (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
     ("10", TypeError, "not str")])
