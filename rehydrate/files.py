@@ -478,6 +478,26 @@ _ATTACH = re.compile(
 """An ``ATTACH`` of a string literal or a parameter: its argument and schema name."""
 
 
+def _has_rows(conn: sqlite3.Connection, schema: str, table: str | None = None) -> bool:
+    """Whether ``table`` of ``schema`` (None: any of its tables but SQLite's own) holds a
+    row."""
+    if table is None:
+        tables = [str(row[0]) for row in conn.execute(
+            f"SELECT name FROM {_quote_ident(schema)}.sqlite_master "  # noqa: S608 - quoted
+            "WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")]
+    else:
+        tables = [table]
+    # Names quoted as identifiers: a name cannot end the quoting.
+    return any(conn.execute(f"SELECT EXISTS (SELECT 1 FROM {_quote_ident(schema)}."  # noqa: S608
+                            f"{_quote_ident(name)})").fetchone()[0] for name in tables)
+
+
+def _pragma_values(conn: sqlite3.Connection) -> dict[str, int]:
+    """The connection's values of :data:`_SESSION_PRAGMAS`."""
+    return {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
+            for name in _SESSION_PRAGMAS}
+
+
 def _unquote_ident(name: str) -> str:
     if name[:1] in ('"', "`"):
         return name[1:-1].replace(name[0] * 2, name[0])
@@ -506,20 +526,23 @@ class ManagedConnection(_Handle):
     """A ``sqlite3`` connection closed before a snapshot and reopened after.
 
     Attribute access goes to the current connection; attributes set on the handle
-    (``row_factory``, ``isolation_level`` …) are set again on every new connection, the
-    ``PRAGMA`` s ``foreign_keys``, ``recursive_triggers``, ``query_only`` and
-    ``busy_timeout`` get the values they had at the close, then ``on_connect(conn)``
-    runs (per-connection ``PRAGMA`` s: its values win). Then the databases that were
+    (``row_factory``, ``isolation_level`` …) are set again on every new connection, then
+    ``on_connect(conn)`` runs on SQLite's defaults, then the ``PRAGMA`` s
+    ``foreign_keys``, ``recursive_triggers``, ``query_only`` and ``busy_timeout`` that
+    it left at their defaults get the values they had at the close (one it changed
+    keeps its value; one it set to the default is not told apart from one it did not
+    set). Then the databases that were
     attached from a file are attached again (by the URI an ``ATTACH`` through the
     handle's ``execute``/``executescript`` named, else by path), and the
     ``create_function`` / ``create_aggregate`` / ``create_window_function`` /
     ``create_collation`` / ``set_authorizer`` / ``set_progress_handler`` /
     ``set_trace_callback`` calls made through the handle are made again. A snapshot is
     refused while the connection has ``TEMP`` objects or an attached in-memory database
-    that ``on_connect`` did not make (they would be lost; SQLite's own ``sqlite_*``
-    tables do not count). rehydrate's own statements run with the authorizer, progress
-    handler and trace callback cleared. ``with handle:`` is the connection's transaction
-    context. Cursors do not outlive a snapshot.
+    that ``on_connect`` did not make, or rows in a ``TEMP`` table or in-memory database
+    it made (they would be lost; SQLite's own ``sqlite_*`` tables do not count).
+    rehydrate's own statements run with the authorizer, progress handler and trace
+    callback cleared. ``with handle:`` is the connection's transaction context. Cursors
+    do not outlive a snapshot.
     """
 
     _kind = "sqlite"
@@ -580,12 +603,18 @@ class ManagedConnection(_Handle):
         for k, v in self._attrs.items():
             setattr(conn, k, v)
         try:
-            # The saved PRAGMAs first: on_connect's values (the restored clone's own
-            # configuration) win over those of the connection that was closed.
-            for name, value in self._pragmas.items():
-                conn.execute(f"PRAGMA {name} = {int(value)}")  # names are ours, values ints
+            # on_connect runs on SQLite's defaults, as on the first connection: set before
+            # it, a saved query_only=ON failed its migration and foreign_keys=ON made a
+            # table rebuild cascade deletes. A saved value is set after it unless
+            # on_connect changed that PRAGMA (the restored clone's configuration wins).
+            defaults = _pragma_values(conn) if self._pragmas else {}
             if self._on_connect is not None:
                 self._on_connect(conn)
+            if self._pragmas:
+                now = _pragma_values(conn)
+                for name, value in self._pragmas.items():
+                    if now.get(name) == defaults.get(name) and now.get(name) != value:
+                        conn.execute(f"PRAGMA {name} = {int(value)}")  # ours; ints
             # What on_connect made lives in every connection it makes: only what was added
             # after it would be lost at a close.
             made = _connection_state(conn)
@@ -702,16 +731,22 @@ class ManagedConnection(_Handle):
         try:
             temp, memory, files_ = _connection_state(conn, with_files=True)
             made_temp, made_memory, _ = self._made
+            # What on_connect made is made again by it, empty: a view, trigger or index
+            # is whole again, a table or in-memory database only while it holds no row
+            # (the rows the application put in one were lost without a word).
             lost = [f"TEMP {kind} {name}" for kind, name in sorted(temp - made_temp)] + [
+                f"rows in TEMP table {name}" for kind, name in sorted(temp & made_temp)
+                if kind == "table" and _has_rows(conn, "temp", name)] + [
                 f"attached in-memory database {schema}"
-                for schema in sorted(memory - made_memory)]
+                for schema in sorted(memory - made_memory)] + [
+                f"rows in attached in-memory database {schema}"
+                for schema in sorted(memory & made_memory) if _has_rows(conn, schema)]
             if lost:
                 raise SnapshotRefused(
                     f"SQLite database {self.path} would lose {', '.join(lost)} (they live "
                     "in the connection, which is closed for the snapshot): drop or detach "
                     "them before it")
-            pragmas = {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
-                       for name in _SESSION_PRAGMAS}
+            pragmas = _pragma_values(conn)
             # Moves the WAL into the database so the host sees every committed row (every
             # attached database's too: no schema named).
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()

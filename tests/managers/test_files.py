@@ -1445,20 +1445,78 @@ def test_sqlite_uri_attachment_is_attached_again_by_its_uri(engine, tmp_path: Pa
 def test_on_connect_pragmas_win_over_those_saved_at_the_close(engine,
                                                               tmp_path: Path) -> None:
     """The saved values were set after on_connect: the restored clone's configuration
-    was overridden by the original's."""
-    cfg = {"busy": 1000, "fk": 1}
+    was overridden by the original's. (A PRAGMA on_connect leaves at SQLite's default
+    is not told from one it does not set: the saved value is set.)"""
+    cfg = {"busy": 1000}
 
     def on_connect(conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA busy_timeout = {cfg['busy']}")
-        conn.execute(f"PRAGMA foreign_keys = {cfg['fk']}")
+        conn.execute("PRAGMA foreign_keys = ON")
 
     db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
     db.execute("PRAGMA recursive_triggers = ON")  # on_connect does not set it: kept
+    db.execute("PRAGMA foreign_keys = OFF")  # on_connect sets it again: its value
     assert engine.simulate_snapshot().ok
-    cfg.update(busy=30000, fk=0)
+    cfg.update(busy=30000)
     assert engine.simulate_restore().ok
     assert [db.execute(f"PRAGMA {p}").fetchone()[0]
-            for p in ("busy_timeout", "foreign_keys", "recursive_triggers")] == [30000, 0, 1]
+            for p in ("busy_timeout", "foreign_keys", "recursive_triggers")] == [30000, 1, 1]
+
+
+@pytest.mark.parametrize("pragma", ["foreign_keys", "query_only"])
+def test_saved_pragmas_are_set_after_on_connect_not_before(engine, tmp_path: Path,
+                                                           pragma: str) -> None:
+    """Set before on_connect, a saved query_only=ON failed its writes (the reopen failed)
+    and foreign_keys=ON made its table rebuild cascade the children's deletion."""
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.executescript("""
+            CREATE TABLE IF NOT EXISTS parent (id INTEGER PRIMARY KEY);
+            CREATE TABLE IF NOT EXISTS child (
+                id INTEGER PRIMARY KEY, pid REFERENCES parent(id) ON DELETE CASCADE);
+            INSERT OR IGNORE INTO parent VALUES (1);
+            INSERT OR IGNORE INTO child VALUES (10, 1);
+            BEGIN;
+            CREATE TABLE parent_new (id INTEGER PRIMARY KEY);
+            INSERT INTO parent_new SELECT id FROM parent;
+            DROP TABLE parent;
+            ALTER TABLE parent_new RENAME TO parent;
+            COMMIT;""")  # a rebuild migration: safe with foreign keys off, the default
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
+    db.execute(f"PRAGMA {pragma} = ON")
+    for kind in ("resume", "restore"):
+        assert engine.simulate_snapshot().ok
+        report = engine.simulate_restore(kind=kind)
+        assert report.ok, report.error
+        assert db.execute("SELECT count(*) FROM child").fetchone() == (1,)
+        assert db.execute(f"PRAGMA {pragma}").fetchone() == (1,)
+
+
+def test_sqlite_rows_in_temp_tables_made_by_on_connect_refuse_the_snapshot(
+        engine, tmp_path: Path) -> None:
+    """TEMP tables and in-memory databases made by on_connect were let through by name:
+    the rows the application put in them were lost without a word."""
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TEMP TABLE IF NOT EXISTS cart (item)")
+        conn.execute("CREATE INDEX IF NOT EXISTS temp.cart_item ON cart (item)")
+        conn.execute("ATTACH ':memory:' AS scratch")
+        conn.execute("CREATE TABLE scratch.work (x)")
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
+    db.execute("INSERT INTO cart VALUES ('book')")
+    db.execute("INSERT INTO scratch.work VALUES (42)")
+    db.commit()
+    error = _hook(engine.simulate_snapshot(), "rehydrate.files.close").error
+    assert str(error).startswith(
+        f"SQLite database {tmp_path / 'app.db'} would lose rows in TEMP table cart, rows "
+        "in attached in-memory database scratch ("), error
+    assert engine.simulate_restore(kind="resume").ok
+    assert db.execute("SELECT count(*) FROM cart").fetchone() == (1,), "kept"
+    db.execute("DELETE FROM cart")
+    db.execute("DELETE FROM scratch.work")
+    db.commit()
+    report = engine.simulate_snapshot()
+    assert report.ok, report.error
 
 
 def test_a_volume_holds_bound_method_callbacks_weakly(engine, tmp_path: Path) -> None:
