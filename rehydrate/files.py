@@ -470,7 +470,7 @@ _SESSION_PRAGMAS = ("foreign_keys", "recursive_triggers", "query_only", "busy_ti
 """Per-connection ``PRAGMA`` s read before the close and set again on the new connection."""
 
 _QUIET = (("authorizer",), ("progress",), ("trace",))
-"""The callbacks cleared while rehydrate inspects and closes a connection."""
+"""The callbacks passed over while rehydrate inspects and closes a connection."""
 
 _ATTACH = re.compile(
     r"""\bATTACH\s+(?:DATABASE\s+)?(?:'((?:[^']|'')*)'|(\?\d*|[:@$]\w+))\s+AS\s+"""
@@ -566,6 +566,7 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_attached", [])
         object.__setattr__(self, "_attach_args", {})
         object.__setattr__(self, "_made", (frozenset(), frozenset(), []))
+        object.__setattr__(self, "_internal", threading.local())
         object.__setattr__(self, "_conn", self._connect())
         self._register()
 
@@ -584,6 +585,8 @@ class ManagedConnection(_Handle):
     attached by a plain path."""
     _made: tuple[frozenset[tuple[str, str]], frozenset[str], list[tuple[str, str]]]
     """The TEMP objects and in-memory attachments on_connect made (not refused)."""
+    _internal: threading.local
+    """``active`` while this thread runs rehydrate's own statements on the connection."""
     _conn: sqlite3.Connection
 
     def _connect(self) -> sqlite3.Connection:
@@ -678,8 +681,34 @@ class ManagedConnection(_Handle):
                 arg if isinstance(arg, str) and arg[:5].lower() == "file:" else None)
 
     def _record(self, key: tuple[Any, ...], method: str, *args: Any, **kwargs: Any) -> None:
+        if key in _QUIET and args[0] is not None:
+            args = (self._unless_internal(method, args[0]), *args[1:])
         getattr(self._conn, method)(*args, **kwargs)
         self._calls[key] = (method, args, kwargs)
+
+    def _unless_internal(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (an authorizer, progress handler or trace callback), passed over for the
+        statements rehydrate runs itself (SQLite calls it on the thread running the
+        statement)."""
+        internal = self._internal
+
+        if method == "set_authorizer":
+            import sqlite3
+
+            allow = sqlite3.SQLITE_OK
+
+            def authorizer(*args: Any) -> Any:
+                return allow if getattr(internal, "active", False) else fn(*args)
+            return authorizer
+        if method == "set_progress_handler":
+            def progress() -> Any:
+                return 0 if getattr(internal, "active", False) else fn()
+            return progress
+
+        def trace(statement: str) -> None:
+            if not getattr(internal, "active", False):
+                fn(statement)
+        return trace
 
     def create_function(self, name: str, narg: int, func: Callable[..., Any] | None, *,
                         deterministic: bool = False) -> None:
@@ -726,8 +755,9 @@ class ManagedConnection(_Handle):
                 "back before the snapshot (its -wal/-shm files would be in the image)")
         # rehydrate's own statements below run without the application's callbacks: an
         # authorizer that denies reading sqlite_master refused every snapshot, and a
-        # trace callback saw them.
-        quieted = self._quiet(conn)
+        # trace callback saw them. Passed over on this thread only: cleared on the
+        # connection, they let another thread's statements through unchecked meanwhile.
+        self._internal.active = True
         try:
             temp, memory, files_ = _connection_state(conn, with_files=True)
             made_temp, made_memory, _ = self._made
@@ -751,30 +781,11 @@ class ManagedConnection(_Handle):
             # attached database's too: no schema named).
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             conn.close()
-        except BaseException:
-            with contextlib.suppress(Exception):  # the connection stays: as it was
-                self._replay(conn, quieted)
-            raise
+        finally:
+            self._internal.active = False
         object.__setattr__(self, "_pragmas", pragmas)
         object.__setattr__(self, "_attached", [
             (schema, file, self._attach_target(schema, file)) for schema, file in files_])
-
-    def _quiet(self, conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
-        """Clear the authorizer, progress handler and trace callback set through the
-        handle; the keys of those cleared."""
-        quieted = [key for key in _QUIET if key in self._calls]
-        for key in quieted:
-            method = self._calls[key][0]
-            if method == "set_progress_handler":
-                conn.set_progress_handler(None, 0)
-            else:
-                getattr(conn, method)(None)
-        return quieted
-
-    def _replay(self, conn: sqlite3.Connection, keys: list[tuple[Any, ...]]) -> None:
-        for key in keys:
-            method, args, kwargs = self._calls[key]
-            getattr(conn, method)(*args, **kwargs)
 
     def _attach_target(self, schema: str, file: str) -> str:
         """What attaches ``schema`` again: the URI its ``ATTACH`` through the handle

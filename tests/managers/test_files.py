@@ -1419,6 +1419,48 @@ def test_sqlite_internal_statements_run_without_the_applications_callbacks(
     assert denied == ["sqlite_master"] and seen == [], "the callbacks are set again"
 
 
+def test_sqlite_callbacks_stay_on_for_other_threads_while_the_close_runs(
+        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The close cleared the authorizer on the live connection while it ran its own
+    statements: another thread's query in that window was not checked."""
+    import threading
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("CREATE TABLE secrets (v)")
+    db.execute("INSERT INTO secrets VALUES ('s3cr3t')")
+    db.commit()
+    seen: list[str] = []
+    db.set_authorizer(lambda action, arg1, *rest: (
+        sqlite3.SQLITE_DENY if arg1 == "secrets" else sqlite3.SQLITE_OK))
+    db.set_trace_callback(seen.append)
+    db.execute("CREATE TEMP TABLE session (k)")  # the snapshot is refused: the connection stays
+    inside, done = threading.Event(), threading.Event()
+    real = files._connection_state
+
+    def connection_state(conn, **kwargs):
+        inside.set()
+        assert done.wait(20)
+        return real(conn, **kwargs)
+
+    monkeypatch.setattr(files, "_connection_state", connection_state)
+    reports: list = []
+    snapshot = threading.Thread(target=lambda: reports.append(engine.simulate_snapshot()))
+    snapshot.start()
+    try:
+        assert inside.wait(20)
+        seen.clear()
+        for run in (db.execute, db.cursor().execute):
+            with pytest.raises(sqlite3.DatabaseError, match="prohibited|not authorized"):
+                run("SELECT v FROM secrets")
+        db.execute("SELECT count(*) FROM session")
+    finally:
+        done.set()
+        snapshot.join(20)
+    assert seen == ["SELECT count(*) FROM session"], "traced, but not rehydrate's own"
+    assert not reports[0].ok
+    assert engine.simulate_restore(kind="resume").ok
+
+
 def test_sqlite_uri_attachment_is_attached_again_by_its_uri(engine, tmp_path: Path) -> None:
     """ATTACH 'file:...?mode=ro' came back writable: attached again by plain path."""
     with sqlite3.connect(tmp_path / "ro.db") as c:
