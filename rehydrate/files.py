@@ -472,10 +472,72 @@ _SESSION_PRAGMAS = ("foreign_keys", "recursive_triggers", "query_only", "busy_ti
 _QUIET = (("authorizer",), ("progress",), ("trace",))
 """The callbacks passed over while rehydrate inspects and closes a connection."""
 
-_ATTACH = re.compile(
-    r"""\bATTACH\s+(?:DATABASE\s+)?(?:'((?:[^']|'')*)'|(\?\d*|[:@$]\w+))\s+AS\s+"""
-    r"""("(?:[^"]|"")*"|`(?:[^`]|``)*`|\[[^\]]*\]|\w+)""", re.IGNORECASE)
-"""An ``ATTACH`` of a string literal or a parameter: its argument and schema name."""
+_SQL_TOKEN = re.compile(r"""
+    (?P<skip>\s+|--[^\n]*|/\*.*?(?:\*/|\Z))
+  | (?P<str>'(?:[^']|'')*'?)
+  | (?P<ident>"(?:[^"]|"")*"?|`(?:[^`]|``)*`?|\[[^\]]*\]?)
+  | (?P<param>\?\d*|[:@$]\w+)
+  | (?P<word>\w+)
+  | (?P<other>.)
+""", re.VERBOSE | re.DOTALL)
+"""SQL as SQLite reads it: blanks and comments, a string literal, a quoted identifier,
+a parameter, a word, anything else (one character)."""
+
+
+def _sql_tokens(sql: str) -> list[tuple[str, str]]:
+    """``sql``'s tokens (kind, text), without blanks and comments."""
+    out = []
+    for m in _SQL_TOKEN.finditer(sql):
+        kind = m.lastgroup
+        if kind is not None and kind != "skip":
+            out.append((kind, m.group()))
+    return out
+
+
+def _unquote(text: str) -> str:
+    """A string literal or a quoted identifier, unquoted."""
+    if text[:1] in ("'", '"', "`"):
+        q = text[0]
+        body = text[1:-1] if len(text) > 1 and text.endswith(q) else text[1:]
+        return body.replace(q * 2, q)
+    if text[:1] == "[":
+        return text[1:-1] if text.endswith("]") else text[1:]
+    return text
+
+
+def _attaches(sql: str, parameters: Any) -> dict[str, object]:
+    """The ``ATTACH [DATABASE] <literal or parameter> AS <name>`` statements of ``sql``:
+    what each attached, by schema name (lower case); None for an argument that is not
+    a literal or a bound parameter."""
+    tokens = _sql_tokens(sql)
+    found: dict[str, object] = {}
+    anonymous = 0  # the number a bare ? stands for: one more than the largest before it
+    for i, (kind, text) in enumerate(tokens):
+        if kind == "param" and text[0] == "?":
+            anonymous = int(text[1:]) if text[1:] else anonymous + 1
+        if kind != "word" or text.upper() != "ATTACH":
+            continue
+        j = i + 1
+        if j < len(tokens) and tokens[j][0] == "word" and tokens[j][1].upper() == "DATABASE":
+            j += 1
+        if j + 2 >= len(tokens) or tokens[j + 1][0] != "word" or tokens[j + 1][1].upper() != "AS":
+            continue
+        (arg_kind, arg_text), (name_kind, name_text) = tokens[j], tokens[j + 2]
+        if name_kind not in ("word", "ident", "str"):
+            continue
+        arg: object = None
+        if arg_kind in ("str", "ident"):  # "file:…": a string when no column has its name
+            arg = _unquote(arg_text)
+        elif arg_kind == "param":
+            try:
+                if arg_text[0] != "?":
+                    arg = parameters[arg_text[1:]]
+                else:
+                    arg = parameters[(int(arg_text[1:]) if arg_text[1:] else anonymous + 1) - 1]
+            except (LookupError, TypeError, ValueError):
+                arg = None  # not resolved: attached again by path
+        found[_unquote(name_text).lower()] = arg
+    return found
 
 
 def _has_rows(conn: sqlite3.Connection, schema: str, table: str | None = None) -> bool:
@@ -496,14 +558,6 @@ def _pragma_values(conn: sqlite3.Connection) -> dict[str, int]:
     """The connection's values of :data:`_SESSION_PRAGMAS`."""
     return {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
             for name in _SESSION_PRAGMAS}
-
-
-def _unquote_ident(name: str) -> str:
-    if name[:1] in ('"', "`"):
-        return name[1:-1].replace(name[0] * 2, name[0])
-    if name[:1] == "[":
-        return name[1:-1]
-    return name
 
 
 def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
@@ -649,9 +703,11 @@ class ManagedConnection(_Handle):
     def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
         """``sqlite3.Connection.execute``; an ``ATTACH`` of a URI is attached again by
         that URI after a snapshot."""
-        cur = self._conn.execute(sql, parameters)
-        self._note_attach(sql, parameters)
-        return cur
+        before = self._schemas(sql)
+        try:
+            return self._conn.execute(sql, parameters)
+        finally:
+            self._note_attach(sql, parameters, before)
 
     def executemany(self, sql: str, parameters: Iterable[Any], /) -> sqlite3.Cursor:
         """``sqlite3.Connection.executemany``."""
@@ -660,25 +716,42 @@ class ManagedConnection(_Handle):
     def executescript(self, sql_script: str, /) -> sqlite3.Cursor:
         """``sqlite3.Connection.executescript``; an ``ATTACH`` of a URI literal is attached
         again by that URI after a snapshot."""
-        cur = self._conn.executescript(sql_script)
-        self._note_attach(sql_script, ())
-        return cur
+        before = self._schemas(sql_script)
+        try:
+            return self._conn.executescript(sql_script)
+        finally:  # a script that failed half-way may have attached some
+            self._note_attach(sql_script, (), before)
 
-    def _note_attach(self, sql: str, parameters: Any) -> None:
-        if "attach" not in sql.lower():
+    def _schemas(self, sql: str) -> frozenset[str] | None:
+        """The schema names (lower case) before a statement that may attach or detach
+        one; None for any other statement, or when they cannot be read."""
+        lowered = sql.lower()
+        if "attach" not in lowered and "detach" not in lowered:
+            return None
+        self._internal.active = True  # the application's authorizer may deny the PRAGMA
+        try:
+            return frozenset(str(row[1]).lower()
+                             for row in self._conn.execute("PRAGMA database_list"))
+        except Exception:  # not known (a closed connection): nothing is noted
+            return None
+        finally:
+            self._internal.active = False
+
+    def _note_attach(self, sql: str, parameters: Any, before: frozenset[str] | None) -> None:
+        """After ``sql``: the URI of each schema it attached, as its ``ATTACH`` named it
+        (a schema that was already there, whose ATTACH failed, is not noted); a schema
+        it detached is forgotten."""
+        if before is None:
             return
-        for m in _ATTACH.finditer(sql):
-            literal, param, name = m.group(1), m.group(2), m.group(3)
-            if literal is not None:
-                arg: object = literal.replace("''", "'")
-            else:
-                try:
-                    arg = (parameters[param[1:]] if param[0] in ":@$"
-                           else parameters[int(param[1:] or 1) - 1])
-                except (LookupError, TypeError, ValueError):
-                    arg = None  # not resolved: attached again by path, as before
-            self._attach_args[_unquote_ident(name).lower()] = (
-                arg if isinstance(arg, str) and arg[:5].lower() == "file:" else None)
+        after = self._schemas(sql)
+        if after is None:
+            return
+        for schema in before - after:
+            self._attach_args.pop(schema, None)
+        for schema, arg in _attaches(sql, parameters).items():
+            if schema in after - before:
+                self._attach_args[schema] = (
+                    arg if isinstance(arg, str) and arg[:5].lower() == "file:" else None)
 
     def _record(self, key: tuple[Any, ...], method: str, *args: Any, **kwargs: Any) -> None:
         if key in _QUIET and args[0] is not None:

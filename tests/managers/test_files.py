@@ -1484,6 +1484,44 @@ def test_sqlite_uri_attachment_is_attached_again_by_its_uri(engine, tmp_path: Pa
         db.commit()
 
 
+def test_sqlite_attach_statements_are_read_as_sqlite_reads_them(engine,
+                                                                 tmp_path: Path) -> None:
+    """A double-quoted file name, a schema name as a string, a comment inside, were
+    missed (attached again read-write); a URI in a comment was taken for the ATTACH's
+    (attached again read-only); a DETACH left the URI noted for a later ATTACH."""
+    with sqlite3.connect(tmp_path / "ro.db") as c:
+        c.execute("CREATE TABLE t (x)")
+    c.close()
+    ro = f"file:{tmp_path}/ro.db?mode=ro"
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute(f'ATTACH "{ro}" AS dq')
+    db.execute(f"ATTACH '{ro}' AS 'sq'")
+    db.execute(f"ATTACH /* read-only */ DATABASE '{ro}' AS cmt")
+    db.execute("ATTACH :uri AS [named]", {"uri": ro})
+    db.execute(f"ATTACH '{tmp_path}/ro.db' AS rw -- was: ATTACH '{ro}' AS rw")
+    db.executescript(f"ATTACH '{ro}' AS again; DETACH DATABASE again;")
+    db.cursor().execute("ATTACH ? AS again", (str(tmp_path / "ro.db"),))  # read-write
+    with pytest.raises(sqlite3.OperationalError, match="already in use"):
+        db.execute("ATTACH ? AS rw", (ro,))  # failed: rw stays read-write
+
+    def writable(schema: str) -> bool:
+        try:
+            db.execute(f"INSERT INTO {schema}.t VALUES (1)")
+        except sqlite3.OperationalError as exc:
+            assert "readonly" in str(exc)
+            return False
+        finally:
+            db.rollback()
+        return True
+
+    schemas = ("dq", "sq", "cmt", "named", "rw", "again")
+    expected = [False, False, False, False, True, True]
+    assert [writable(s) for s in schemas] == expected
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore(kind="resume").ok
+    assert [writable(s) for s in schemas] == expected
+
+
 def test_on_connect_pragmas_win_over_those_saved_at_the_close(engine,
                                                               tmp_path: Path) -> None:
     """The saved values were set after on_connect: the restored clone's configuration
