@@ -362,7 +362,8 @@ class ManagedFile(_Handle):
     while the snapshot is pending it is closed (``ValueError: I/O operation on closed
     file``). A mode that creates or truncates (``w``, ``x``) reopens as ``r+``. A changed
     file is reopened at offset 0, or at its end when the mode writes in place (``w``,
-    ``x``, ``r+``, ``w+``, ``x+``: not ``a``, whose writes go to the end anyway).
+    ``x``, ``r+``, ``w+``, ``x+``) or only appends (``a``: ``tell()`` is where its next
+    write lands; an ``a+`` reader reads from the start).
     """
 
     _kind = "file"
@@ -429,9 +430,10 @@ class ManagedFile(_Handle):
             # Another writer's file: at offset 0 the next write overwrote its head and
             # left the rest behind it. At the end it adds to what is there.
             f.seek(0, os.SEEK_END)
-        elif "a" in self.mode:
-            # open() put an "a"/"a+" file at its end; an "a+" reader reads the changed
-            # file from the start (its writes still go to the end: O_APPEND).
+        elif "a" in self.mode and "+" in self.mode:
+            # open() put the file at its end; an "a+" reader reads the changed file from
+            # the start (its writes still go to the end: O_APPEND). A plain "a" stays at
+            # the end: tell() is where its next write lands (an append log's index).
             f.seek(0)
         self._set_file(f)
 
@@ -440,7 +442,8 @@ class ManagedFile(_Handle):
         return "a" not in self.mode and any(c in self.mode for c in "wx+")
 
     def _changed_position(self) -> str:
-        return "at its end" if self._writes_in_place() else "from the start"
+        at_end = self._writes_in_place() or ("a" in self.mode and "+" not in self.mode)
+        return "at its end" if at_end else "from the start"
 
     def fileno(self) -> int:
         """The current descriptor (a new one after every reopen)."""
@@ -1690,7 +1693,8 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     volume is the same); otherwise with ``.changed`` True and ``on_change(handle)``
     called, at offset 0 — or, for a mode that writes in place (``w``, ``x``, ``r+``,
     ``w+``, ``x+``), at the end of the file, so the next write adds to it instead of
-    overwriting its head (``seek(0)`` in ``on_change`` to read it from the start). A
+    overwriting its head (``seek(0)`` in ``on_change`` to read it from the start), and
+    for ``a`` at the end too (``a+``: at offset 0, its writes still appended). A
     file gone after restore fails the ``rehydrate.files.reopen`` hook with its path
     (``required=False``: a warning). ``reopen_timeout``: see :func:`volume`. A file
     that cannot seek (a FIFO, a socket, a terminal) cannot be reopened where it was: it

@@ -168,6 +168,25 @@ def test_a_changed_file_read_or_appended_reopens_from_the_start(engine,
     assert p.read_text() == "new\nmore\n"
 
 
+def test_a_changed_file_in_plain_append_mode_tells_where_its_next_write_lands(
+        engine, tmp_path: Path) -> None:
+    """Reopened at 0 like an "a+" reader: tell() gave offsets where no write landed (an
+    append-only journal indexing its records)."""
+    p = tmp_path / "journal.log"
+    p.write_text("")
+    log = files.open(p, "a", engine=engine)
+    log.write("rec1\n")
+    log.flush()
+    assert engine.simulate_snapshot().ok
+    with open(p, "a") as other:
+        other.write("other writer\n")
+    assert engine.simulate_restore(kind="resume").ok
+    at = log.tell()
+    log.write("rec2\n")
+    log.flush()
+    assert log.changed and at == p.read_text().index("rec2") == len("rec1\nother writer\n")
+
+
 def test_gone_file_fails_the_reopen_hook_naming_it(engine, tmp_path: Path) -> None:
     p = tmp_path / "gone.txt"
     p.write_text("x")
