@@ -1302,6 +1302,8 @@ class FilesManager:
         self._reopen_floor = _REOPEN_TIMEOUT
         """The largest :meth:`allow_reopen` asked (for good), and at least the default."""
         self._reopen_hook: Hook | None = None
+        self._asking: dict[int, weakref.ref[_Handle]] = {}
+        """The open handles that asked a ``reopen_timeout``, by id."""
         self._snapshot_passes = 0
         """Before-snapshot passes begun: a late reopen pass stops once it changed."""
         self._reopened_at: int | None = None
@@ -1373,20 +1375,27 @@ class FilesManager:
         """``owner`` (made: a failed open asks nothing) asks ``reopen_timeout`` seconds."""
         if reopen_timeout is None:
             return
-        if isinstance(owner, Volume):
-            with self._lock:  # a volume stays registered: its largest ask stays
+        with self._lock:
+            if isinstance(owner, Volume):  # a volume stays registered: its largest ask stays
                 owner._reopen_ask = max(owner._reopen_ask or 0.0, reopen_timeout)
-        else:
-            object.__setattr__(owner, "_reopen_ask", reopen_timeout)
+            elif id(owner) in self._handles:  # not closed meanwhile
+                object.__setattr__(owner, "_reopen_ask", reopen_timeout)
+                self._asking[id(owner)] = weakref.ref(owner)
         self._apply_reopen_timeout()
 
     def _apply_reopen_timeout(self) -> None:
         """Register the reopen hook again when the largest ask changed (up or down: a
         closed handle's ask no longer counts; a handle dropped without close() counts
-        until the next handle is opened or closed)."""
-        asks = [h._reopen_ask for h in self.handles()]
+        until the next handle is opened or closed). Counted and applied under the lock:
+        counted outside, a close() racing an open() wrote back the ask before it."""
         with self._lock:
-            asks += [v._reopen_ask for v in self._volumes]
+            asks = [v._reopen_ask for v in self._volumes]
+            for key, ref in list(self._asking.items()):
+                h = ref()
+                if h is None:
+                    del self._asking[key]  # dropped without close()
+                else:
+                    asks.append(h._reopen_ask)
             timeout = max([self._reopen_floor] + [a for a in asks if a is not None])
             if timeout == self._reopen_timeout:
                 return
@@ -1414,11 +1423,14 @@ class FilesManager:
         with self._lock:
             handles[key] = weakref.ref(handle, forget)
             self._hook_in()
+        if self._asking:  # one may have been dropped: its ask ends here
+            self._apply_reopen_timeout()
 
     def _remove(self, handle: _Handle) -> None:
         with self._lock:
             self._handles.pop(id(handle), None)
-        if handle._reopen_ask is not None:
+            asked = self._asking.pop(id(handle), None) is not None
+        if asked or self._asking:
             self._apply_reopen_timeout()
 
     def handles(self) -> list[_Handle]:

@@ -1100,6 +1100,59 @@ def test_reopen_timeout_is_the_largest_ask_of_the_open_handles_and_never_below_3
     assert (mgr.reopen_timeout, timeouts()) == (60.0, [60.0]), "a volume's largest ask stays"
 
 
+def test_a_close_racing_an_open_does_not_write_back_an_older_reopen_timeout(
+        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The asks were counted outside the manager's lock: a close() that counted them
+    before an open(reopen_timeout=120) applied its older count after it."""
+    import threading
+
+    mgr = files.manager(engine)
+    (tmp_path / "a.txt").write_text("a\n")
+    small = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=40)
+    counted, opened = threading.Event(), threading.Event()
+    real = mgr.handles
+
+    def handles():  # the closer has counted; the opener goes first
+        found = real()
+        if threading.current_thread().name == "closer":
+            counted.set()
+            assert opened.wait(20)
+        return found
+
+    monkeypatch.setattr(mgr, "handles", handles)
+
+    def close() -> None:
+        try:
+            small.close()
+        finally:
+            counted.set()
+
+    closer = threading.Thread(target=close, name="closer")
+    closer.start()
+    try:
+        assert counted.wait(20)
+        big = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=120)
+    finally:
+        opened.set()
+        closer.join(20)
+    assert (mgr.reopen_timeout, big._reopen_ask) == (120.0, 120.0)
+
+
+def test_a_dropped_handles_reopen_timeout_ends_at_the_next_open(engine,
+                                                                 tmp_path: Path) -> None:
+    """Only a handle that asked a reopen_timeout itself made the asks counted again."""
+    import gc
+
+    mgr = files.manager(engine)
+    (tmp_path / "a.txt").write_text("a\n")
+    dropped = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=600)
+    assert mgr.reopen_timeout == 600.0
+    del dropped
+    gc.collect()
+    kept = files.open(tmp_path / "a.txt", engine=engine)
+    assert mgr.reopen_timeout == 30.0 and kept.readline() == "a\n"
+
+
 def _unreadable(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
     """``path`` unreadable as for another user (the tests may run as root)."""
     real = files.read_regular
