@@ -1793,7 +1793,9 @@ def volume(
     its ``close()``) or a volume, never less than the 30 s default; a call that fails
     asks nothing. A pass that outlives it fails the restore run (the process is
     ``degraded``); when it then completes without a failure the process is ready again.
-    A snapshot that begins meanwhile stops it before its next handle.
+    A snapshot that begins meanwhile stops it before its next handle or after its last;
+    when that snapshot's restore or resume has begun by then, the pass reopens the
+    handles again on its behalf.
     """
     ask = _reopen_seconds(reopen_timeout)
     mgr = manager(engine)
