@@ -487,6 +487,11 @@ _SQL_TOKEN = re.compile(r"""
 a parameter, a word, anything else (one character)."""
 
 
+_ATTACH_WORD = re.compile(r"\b(?:at|de)tach\b", re.IGNORECASE)
+"""A statement that may attach or detach a database (not one on an ``attachments``
+table)."""
+
+
 def _sql_tokens(sql: str) -> list[tuple[str, str]]:
     """``sql``'s tokens (kind, text), without blanks and comments."""
     out = []
@@ -728,8 +733,7 @@ class ManagedConnection(_Handle):
     def _schemas(self, sql: str) -> frozenset[str] | None:
         """The schema names (lower case) before a statement that may attach or detach
         one; None for any other statement, or when they cannot be read."""
-        lowered = sql.lower()
-        if "attach" not in lowered and "detach" not in lowered:
+        if _ATTACH_WORD.search(sql) is None:
             return None
         self._internal.active = True  # the application's authorizer may deny the PRAGMA
         try:
