@@ -854,8 +854,8 @@ class ManagedConnection(_Handle):
             if lost:
                 raise SnapshotRefused(
                     f"SQLite database {self.path} would lose {', '.join(lost)} (they live "
-                    "in the connection, which is closed for the snapshot): drop or detach "
-                    "them before it")
+                    "in the connection, which is closed for the snapshot): drop, empty or "
+                    "detach them before it")
             pragmas = _pragma_values(conn)
             # Moves the WAL into the database so the host sees every committed row (every
             # attached database's too: no schema named).
