@@ -552,20 +552,32 @@ def _has_rows(conn: sqlite3.Connection, schema: str, table: str | None = None) -
     """Whether ``table`` of ``schema`` (None: any of its tables but SQLite's own) holds a
     row."""
     if table is None:
-        tables = [str(row[0]) for row in conn.execute(
+        tables = [str(row[0]) for row in _rows(conn,
             f"SELECT name FROM {_quote_ident(schema)}.sqlite_master "  # noqa: S608 - quoted
             "WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")]
     else:
         tables = [table]
     # Names quoted as identifiers: a name cannot end the quoting.
-    return any(conn.execute(f"SELECT EXISTS (SELECT 1 FROM {_quote_ident(schema)}."  # noqa: S608
-                            f"{_quote_ident(name)})").fetchone()[0] for name in tables)
+    return any(_rows(conn, f"SELECT EXISTS (SELECT 1 FROM {_quote_ident(schema)}."  # noqa: S608
+                           f"{_quote_ident(name)})")[0][0] for name in tables)
 
 
 def _pragma_values(conn: sqlite3.Connection) -> dict[str, int]:
     """The connection's values of :data:`_SESSION_PRAGMAS`."""
-    return {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
-            for name in _SESSION_PRAGMAS}
+    return {name: int(_rows(conn, f"PRAGMA {name}")[0][0]) for name in _SESSION_PRAGMAS}
+
+
+def _rows(conn: sqlite3.Connection, sql: str) -> list[tuple[Any, ...]]:
+    """``sql``'s rows as tuples of text and numbers, whatever ``row_factory`` and
+    ``text_factory`` the application set on the connection (a dict row factory refused
+    every snapshot)."""
+    cur = conn.cursor()
+    cur.row_factory = None  # the cursor's own: the connection's stays for other threads
+    try:
+        return [tuple(v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+                      for v in row) for row in cur.execute(sql)]
+    finally:
+        cur.close()
 
 
 def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
@@ -575,10 +587,10 @@ def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
     ``with_files``) its attachments from a file (schema, file)."""
     # sqlite_*: SQLite's own (temp.sqlite_sequence stays after its AUTOINCREMENT table
     # was dropped and cannot be dropped itself: it refused every snapshot).
-    temp = frozenset((str(kind), str(name)) for kind, name in conn.execute(
+    temp = frozenset((str(kind), str(name)) for kind, name in _rows(conn,
         "SELECT type, name FROM temp.sqlite_master WHERE name NOT LIKE 'sqlite\\_%' "
         "ESCAPE '\\'"))
-    attached = [(str(row[1]), str(row[2])) for row in conn.execute("PRAGMA database_list")
+    attached = [(str(row[1]), str(row[2])) for row in _rows(conn, "PRAGMA database_list")
                 if row[1] not in ("main", "temp")]
     return (temp, frozenset(schema for schema, file in attached if not file),
             [(schema, file) for schema, file in attached if file] if with_files else [])
@@ -694,7 +706,7 @@ class ManagedConnection(_Handle):
         """What the closed connection had beyond its file and PRAGMAs: ATTACHes, then the
         registrations (last: an authorizer could refuse the ATTACH statements, a trace
         callback would see them)."""
-        present = {row[1] for row in conn.execute("PRAGMA database_list")}
+        present = {row[1] for row in _rows(conn, "PRAGMA database_list")}
         for schema, file, target in self._attached:
             if schema in present:
                 continue  # attached again by on_connect
@@ -738,7 +750,7 @@ class ManagedConnection(_Handle):
         self._internal.active = True  # the application's authorizer may deny the PRAGMA
         try:
             return frozenset(str(row[1]).lower()
-                             for row in self._conn.execute("PRAGMA database_list"))
+                             for row in _rows(self._conn, "PRAGMA database_list"))
         except Exception:  # not known (a closed connection): nothing is noted
             return None
         finally:

@@ -1437,6 +1437,25 @@ def test_sqlite_temp_objects_and_memory_attachments_made_by_on_connect_are_kept(
                                  "table session, attached in-memory database mine ("), error
 
 
+def test_sqlite_row_and_text_factories_do_not_change_rehydrates_own_queries(
+        engine, tmp_path: Path) -> None:
+    """A dict row_factory set on the handle refused every snapshot (KeyError: 1), and
+    text_factory=bytes made TEMP names bytes."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.row_factory = lambda cur, row: {d[0]: v for d, v in zip(cur.description, row)}
+    db.text_factory = bytes
+    db.execute("CREATE TABLE t (x)")
+    db.commit()
+    for kind in ("resume", "restore"):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert engine.simulate_restore(kind=kind).ok
+    assert db.execute("SELECT count(*) AS n FROM t").fetchone() == {"n": 0}
+    db.execute("CREATE TEMP TABLE session (k)")
+    error = _hook(engine.simulate_snapshot(), "rehydrate.files.close").error
+    assert "would lose TEMP table session (" in str(error), error
+
+
 def test_a_leftover_temp_sqlite_sequence_does_not_refuse_snapshots(engine,
                                                                    tmp_path: Path) -> None:
     """A dropped TEMP AUTOINCREMENT table leaves temp.sqlite_sequence, which cannot be
