@@ -614,9 +614,10 @@ class ManagedConnection(_Handle):
     refused while the connection has ``TEMP`` objects or an attached in-memory database
     that ``on_connect`` did not make, or rows in a ``TEMP`` table or in-memory database
     it made (they would be lost; SQLite's own ``sqlite_*`` tables do not count).
-    rehydrate's own statements run with the authorizer, progress handler and trace
-    callback cleared. ``with handle:`` is the connection's transaction context. Cursors
-    do not outlive a snapshot.
+    rehydrate's own statements pass over the authorizer, progress handler and trace
+    callback set through the handle (on its own thread only: they still check and see
+    every other thread's statements). ``with handle:`` is the connection's transaction
+    context. Cursors do not outlive a snapshot.
     """
 
     _kind = "sqlite"
