@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     import mmap as _mmap
     import sqlite3
 
-    from ._context import RestoreContext
+    from ._context import Report, RestoreContext
     from ._hooks import Hook
     from .extensions import Engine
 
@@ -362,7 +362,8 @@ class ManagedFile(_Handle):
     while the snapshot is pending it is closed (``ValueError: I/O operation on closed
     file``). A mode that creates or truncates (``w``, ``x``) reopens as ``r+``. A changed
     file is reopened at offset 0, or at its end when the mode writes in place (``w``,
-    ``x``, ``r+``, ``w+``, ``x+``: not ``a``, whose writes go to the end anyway).
+    ``x``, ``r+``, ``w+``, ``x+``) or only appends (``a``: ``tell()`` is where its next
+    write lands; an ``a+`` reader reads from the start).
     """
 
     _kind = "file"
@@ -429,9 +430,10 @@ class ManagedFile(_Handle):
             # Another writer's file: at offset 0 the next write overwrote its head and
             # left the rest behind it. At the end it adds to what is there.
             f.seek(0, os.SEEK_END)
-        elif "a" in self.mode:
-            # open() put an "a"/"a+" file at its end; an "a+" reader reads the changed
-            # file from the start (its writes still go to the end: O_APPEND).
+        elif "a" in self.mode and "+" in self.mode:
+            # open() put the file at its end; an "a+" reader reads the changed file from
+            # the start (its writes still go to the end: O_APPEND). A plain "a" stays at
+            # the end: tell() is where its next write lands (an append log's index).
             f.seek(0)
         self._set_file(f)
 
@@ -440,7 +442,8 @@ class ManagedFile(_Handle):
         return "a" not in self.mode and any(c in self.mode for c in "wx+")
 
     def _changed_position(self) -> str:
-        return "at its end" if self._writes_in_place() else "from the start"
+        at_end = self._writes_in_place() or ("a" in self.mode and "+" not in self.mode)
+        return "at its end" if at_end else "from the start"
 
     def fileno(self) -> int:
         """The current descriptor (a new one after every reopen)."""
@@ -470,20 +473,111 @@ _SESSION_PRAGMAS = ("foreign_keys", "recursive_triggers", "query_only", "busy_ti
 """Per-connection ``PRAGMA`` s read before the close and set again on the new connection."""
 
 _QUIET = (("authorizer",), ("progress",), ("trace",))
-"""The callbacks cleared while rehydrate inspects and closes a connection."""
+"""The callbacks passed over while rehydrate inspects and closes a connection."""
 
-_ATTACH = re.compile(
-    r"""\bATTACH\s+(?:DATABASE\s+)?(?:'((?:[^']|'')*)'|(\?\d*|[:@$]\w+))\s+AS\s+"""
-    r"""("(?:[^"]|"")*"|`(?:[^`]|``)*`|\[[^\]]*\]|\w+)""", re.IGNORECASE)
-"""An ``ATTACH`` of a string literal or a parameter: its argument and schema name."""
+_SQL_TOKEN = re.compile(r"""
+    (?P<skip>\s+|--[^\n]*|/\*.*?(?:\*/|\Z))
+  | (?P<str>'(?:[^']|'')*'?)
+  | (?P<ident>"(?:[^"]|"")*"?|`(?:[^`]|``)*`?|\[[^\]]*\]?)
+  | (?P<param>\?\d*|[:@$]\w+)
+  | (?P<word>\w+)
+  | (?P<other>.)
+""", re.VERBOSE | re.DOTALL)
+"""SQL as SQLite reads it: blanks and comments, a string literal, a quoted identifier,
+a parameter, a word, anything else (one character)."""
 
 
-def _unquote_ident(name: str) -> str:
-    if name[:1] in ('"', "`"):
-        return name[1:-1].replace(name[0] * 2, name[0])
-    if name[:1] == "[":
-        return name[1:-1]
-    return name
+_ATTACH_WORD = re.compile(r"\b(?:at|de)tach\b", re.IGNORECASE)
+"""A statement that may attach or detach a database (not one on an ``attachments``
+table)."""
+
+
+def _sql_tokens(sql: str) -> list[tuple[str, str]]:
+    """``sql``'s tokens (kind, text), without blanks and comments."""
+    out = []
+    for m in _SQL_TOKEN.finditer(sql):
+        kind = m.lastgroup
+        if kind is not None and kind != "skip":
+            out.append((kind, m.group()))
+    return out
+
+
+def _unquote(text: str) -> str:
+    """A string literal or a quoted identifier, unquoted."""
+    if text[:1] in ("'", '"', "`"):
+        q = text[0]
+        body = text[1:-1] if len(text) > 1 and text.endswith(q) else text[1:]
+        return body.replace(q * 2, q)
+    if text[:1] == "[":
+        return text[1:-1] if text.endswith("]") else text[1:]
+    return text
+
+
+def _attaches(sql: str, parameters: Any) -> dict[str, object]:
+    """The ``ATTACH [DATABASE] <literal or parameter> AS <name>`` statements of ``sql``:
+    what each attached, by schema name (lower case); None for an argument that is not
+    a literal or a bound parameter."""
+    tokens = _sql_tokens(sql)
+    found: dict[str, object] = {}
+    anonymous = 0  # the number a bare ? stands for: one more than the largest before it
+    for i, (kind, text) in enumerate(tokens):
+        if kind == "param" and text[0] == "?":
+            anonymous = int(text[1:]) if text[1:] else anonymous + 1
+        if kind != "word" or text.upper() != "ATTACH":
+            continue
+        j = i + 1
+        if j < len(tokens) and tokens[j][0] == "word" and tokens[j][1].upper() == "DATABASE":
+            j += 1
+        if j + 2 >= len(tokens) or tokens[j + 1][0] != "word" or tokens[j + 1][1].upper() != "AS":
+            continue
+        (arg_kind, arg_text), (name_kind, name_text) = tokens[j], tokens[j + 2]
+        if name_kind not in ("word", "ident", "str"):
+            continue
+        arg: object = None
+        if arg_kind in ("str", "ident"):  # "file:…": a string when no column has its name
+            arg = _unquote(arg_text)
+        elif arg_kind == "param":
+            try:
+                if arg_text[0] != "?":
+                    arg = parameters[arg_text[1:]]
+                else:
+                    arg = parameters[(int(arg_text[1:]) if arg_text[1:] else anonymous + 1) - 1]
+            except (LookupError, TypeError, ValueError):
+                arg = None  # not resolved: attached again by path
+        found[_unquote(name_text).lower()] = arg
+    return found
+
+
+def _has_rows(conn: sqlite3.Connection, schema: str, table: str | None = None) -> bool:
+    """Whether ``table`` of ``schema`` (None: any of its tables but SQLite's own) holds a
+    row."""
+    if table is None:
+        tables = [str(row[0]) for row in _rows(conn,
+            f"SELECT name FROM {_quote_ident(schema)}.sqlite_master "  # noqa: S608 - quoted
+            "WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")]
+    else:
+        tables = [table]
+    # Names quoted as identifiers: a name cannot end the quoting.
+    return any(_rows(conn, f"SELECT EXISTS (SELECT 1 FROM {_quote_ident(schema)}."  # noqa: S608
+                           f"{_quote_ident(name)})")[0][0] for name in tables)
+
+
+def _pragma_values(conn: sqlite3.Connection) -> dict[str, int]:
+    """The connection's values of :data:`_SESSION_PRAGMAS`."""
+    return {name: int(_rows(conn, f"PRAGMA {name}")[0][0]) for name in _SESSION_PRAGMAS}
+
+
+def _rows(conn: sqlite3.Connection, sql: str) -> list[tuple[Any, ...]]:
+    """``sql``'s rows as tuples of text and numbers, whatever ``row_factory`` and
+    ``text_factory`` the application set on the connection (a dict row factory refused
+    every snapshot)."""
+    cur = conn.cursor()
+    cur.row_factory = None  # the cursor's own: the connection's stays for other threads
+    try:
+        return [tuple(v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+                      for v in row) for row in cur.execute(sql)]
+    finally:
+        cur.close()
 
 
 def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
@@ -493,10 +587,10 @@ def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
     ``with_files``) its attachments from a file (schema, file)."""
     # sqlite_*: SQLite's own (temp.sqlite_sequence stays after its AUTOINCREMENT table
     # was dropped and cannot be dropped itself: it refused every snapshot).
-    temp = frozenset((str(kind), str(name)) for kind, name in conn.execute(
+    temp = frozenset((str(kind), str(name)) for kind, name in _rows(conn,
         "SELECT type, name FROM temp.sqlite_master WHERE name NOT LIKE 'sqlite\\_%' "
         "ESCAPE '\\'"))
-    attached = [(str(row[1]), str(row[2])) for row in conn.execute("PRAGMA database_list")
+    attached = [(str(row[1]), str(row[2])) for row in _rows(conn, "PRAGMA database_list")
                 if row[1] not in ("main", "temp")]
     return (temp, frozenset(schema for schema, file in attached if not file),
             [(schema, file) for schema, file in attached if file] if with_files else [])
@@ -506,19 +600,23 @@ class ManagedConnection(_Handle):
     """A ``sqlite3`` connection closed before a snapshot and reopened after.
 
     Attribute access goes to the current connection; attributes set on the handle
-    (``row_factory``, ``isolation_level`` …) are set again on every new connection, the
-    ``PRAGMA`` s ``foreign_keys``, ``recursive_triggers``, ``query_only`` and
-    ``busy_timeout`` get the values they had at the close, then ``on_connect(conn)``
-    runs (per-connection ``PRAGMA`` s: its values win). Then the databases that were
+    (``row_factory``, ``isolation_level`` …) are set again on every new connection, then
+    ``on_connect(conn)`` runs on SQLite's defaults, then the ``PRAGMA`` s
+    ``foreign_keys``, ``recursive_triggers``, ``query_only`` and ``busy_timeout`` that
+    it left at their defaults get the values they had at the close (one it changed
+    keeps its value; one it set to the default is not told apart from one it did not
+    set). Then the databases that were
     attached from a file are attached again (by the URI an ``ATTACH`` through the
     handle's ``execute``/``executescript`` named, else by path), and the
     ``create_function`` / ``create_aggregate`` / ``create_window_function`` /
     ``create_collation`` / ``set_authorizer`` / ``set_progress_handler`` /
     ``set_trace_callback`` calls made through the handle are made again. A snapshot is
     refused while the connection has ``TEMP`` objects or an attached in-memory database
-    that ``on_connect`` did not make (they would be lost; SQLite's own ``sqlite_*``
-    tables do not count). rehydrate's own statements run with the authorizer, progress
-    handler and trace callback cleared. ``with handle:`` is the connection's transaction
+    that ``on_connect`` did not make, or rows in a ``TEMP`` table or in-memory database
+    it made (they would be lost; SQLite's own ``sqlite_*`` tables do not count).
+    rehydrate's own statements pass over the authorizer, progress handler and trace
+    callback set through the handle (on its own thread only: they still check and see
+    every other thread's statements). ``with handle:`` is the connection's transaction
     context. Cursors do not outlive a snapshot.
     """
 
@@ -543,6 +641,7 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_attached", [])
         object.__setattr__(self, "_attach_args", {})
         object.__setattr__(self, "_made", (frozenset(), frozenset(), []))
+        object.__setattr__(self, "_internal", threading.local())
         object.__setattr__(self, "_conn", self._connect())
         self._register()
 
@@ -561,6 +660,8 @@ class ManagedConnection(_Handle):
     attached by a plain path."""
     _made: tuple[frozenset[tuple[str, str]], frozenset[str], list[tuple[str, str]]]
     """The TEMP objects and in-memory attachments on_connect made (not refused)."""
+    _internal: threading.local
+    """``active`` while this thread runs rehydrate's own statements on the connection."""
     _conn: sqlite3.Connection
 
     def _connect(self) -> sqlite3.Connection:
@@ -580,12 +681,18 @@ class ManagedConnection(_Handle):
         for k, v in self._attrs.items():
             setattr(conn, k, v)
         try:
-            # The saved PRAGMAs first: on_connect's values (the restored clone's own
-            # configuration) win over those of the connection that was closed.
-            for name, value in self._pragmas.items():
-                conn.execute(f"PRAGMA {name} = {int(value)}")  # names are ours, values ints
+            # on_connect runs on SQLite's defaults, as on the first connection: set before
+            # it, a saved query_only=ON failed its migration and foreign_keys=ON made a
+            # table rebuild cascade deletes. A saved value is set after it unless
+            # on_connect changed that PRAGMA (the restored clone's configuration wins).
+            defaults = _pragma_values(conn) if self._pragmas else {}
             if self._on_connect is not None:
                 self._on_connect(conn)
+            if self._pragmas:
+                now = _pragma_values(conn)
+                for name, value in self._pragmas.items():
+                    if now.get(name) == defaults.get(name) and now.get(name) != value:
+                        conn.execute(f"PRAGMA {name} = {int(value)}")  # ours; ints
             # What on_connect made lives in every connection it makes: only what was added
             # after it would be lost at a close.
             made = _connection_state(conn)
@@ -600,7 +707,7 @@ class ManagedConnection(_Handle):
         """What the closed connection had beyond its file and PRAGMAs: ATTACHes, then the
         registrations (last: an authorizer could refuse the ATTACH statements, a trace
         callback would see them)."""
-        present = {row[1] for row in conn.execute("PRAGMA database_list")}
+        present = {row[1] for row in _rows(conn, "PRAGMA database_list")}
         for schema, file, target in self._attached:
             if schema in present:
                 continue  # attached again by on_connect
@@ -617,9 +724,11 @@ class ManagedConnection(_Handle):
     def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
         """``sqlite3.Connection.execute``; an ``ATTACH`` of a URI is attached again by
         that URI after a snapshot."""
-        cur = self._conn.execute(sql, parameters)
-        self._note_attach(sql, parameters)
-        return cur
+        before = self._schemas(sql)
+        try:
+            return self._conn.execute(sql, parameters)
+        finally:
+            self._note_attach(sql, parameters, before)
 
     def executemany(self, sql: str, parameters: Iterable[Any], /) -> sqlite3.Cursor:
         """``sqlite3.Connection.executemany``."""
@@ -628,29 +737,71 @@ class ManagedConnection(_Handle):
     def executescript(self, sql_script: str, /) -> sqlite3.Cursor:
         """``sqlite3.Connection.executescript``; an ``ATTACH`` of a URI literal is attached
         again by that URI after a snapshot."""
-        cur = self._conn.executescript(sql_script)
-        self._note_attach(sql_script, ())
-        return cur
+        before = self._schemas(sql_script)
+        try:
+            return self._conn.executescript(sql_script)
+        finally:  # a script that failed half-way may have attached some
+            self._note_attach(sql_script, (), before)
 
-    def _note_attach(self, sql: str, parameters: Any) -> None:
-        if "attach" not in sql.lower():
+    def _schemas(self, sql: str) -> frozenset[str] | None:
+        """The schema names (lower case) before a statement that may attach or detach
+        one; None for any other statement, or when they cannot be read."""
+        if _ATTACH_WORD.search(sql) is None:
+            return None
+        self._internal.active = True  # the application's authorizer may deny the PRAGMA
+        try:
+            return frozenset(str(row[1]).lower()
+                             for row in _rows(self._conn, "PRAGMA database_list"))
+        except Exception:  # not known (a closed connection): nothing is noted
+            return None
+        finally:
+            self._internal.active = False
+
+    def _note_attach(self, sql: str, parameters: Any, before: frozenset[str] | None) -> None:
+        """After ``sql``: the URI of each schema it attached, as its ``ATTACH`` named it
+        (a schema that was already there, whose ATTACH failed, is not noted); a schema
+        it detached is forgotten."""
+        if before is None:
             return
-        for m in _ATTACH.finditer(sql):
-            literal, param, name = m.group(1), m.group(2), m.group(3)
-            if literal is not None:
-                arg: object = literal.replace("''", "'")
-            else:
-                try:
-                    arg = (parameters[param[1:]] if param[0] in ":@$"
-                           else parameters[int(param[1:] or 1) - 1])
-                except (LookupError, TypeError, ValueError):
-                    arg = None  # not resolved: attached again by path, as before
-            self._attach_args[_unquote_ident(name).lower()] = (
-                arg if isinstance(arg, str) and arg[:5].lower() == "file:" else None)
+        after = self._schemas(sql)
+        if after is None:
+            return
+        for schema in before - after:
+            self._attach_args.pop(schema, None)
+        for schema, arg in _attaches(sql, parameters).items():
+            if schema in after - before:
+                self._attach_args[schema] = (
+                    arg if isinstance(arg, str) and arg[:5].lower() == "file:" else None)
 
     def _record(self, key: tuple[Any, ...], method: str, *args: Any, **kwargs: Any) -> None:
+        if key in _QUIET and args[0] is not None:
+            args = (self._unless_internal(method, args[0]), *args[1:])
         getattr(self._conn, method)(*args, **kwargs)
         self._calls[key] = (method, args, kwargs)
+
+    def _unless_internal(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (an authorizer, progress handler or trace callback), passed over for the
+        statements rehydrate runs itself (SQLite calls it on the thread running the
+        statement)."""
+        internal = self._internal
+
+        if method == "set_authorizer":
+            import sqlite3
+
+            allow = sqlite3.SQLITE_OK
+
+            def authorizer(*args: Any) -> Any:
+                return allow if getattr(internal, "active", False) else fn(*args)
+            return authorizer
+        if method == "set_progress_handler":
+            def progress() -> Any:
+                return 0 if getattr(internal, "active", False) else fn()
+            return progress
+
+        def trace(statement: str) -> None:
+            if not getattr(internal, "active", False):
+                fn(statement)
+        return trace
 
     def create_function(self, name: str, narg: int, func: Callable[..., Any] | None, *,
                         deterministic: bool = False) -> None:
@@ -697,49 +848,37 @@ class ManagedConnection(_Handle):
                 "back before the snapshot (its -wal/-shm files would be in the image)")
         # rehydrate's own statements below run without the application's callbacks: an
         # authorizer that denies reading sqlite_master refused every snapshot, and a
-        # trace callback saw them.
-        quieted = self._quiet(conn)
+        # trace callback saw them. Passed over on this thread only: cleared on the
+        # connection, they let another thread's statements through unchecked meanwhile.
+        self._internal.active = True
         try:
             temp, memory, files_ = _connection_state(conn, with_files=True)
             made_temp, made_memory, _ = self._made
+            # What on_connect made is made again by it, empty: a view, trigger or index
+            # is whole again, a table or in-memory database only while it holds no row
+            # (the rows the application put in one were lost without a word).
             lost = [f"TEMP {kind} {name}" for kind, name in sorted(temp - made_temp)] + [
+                f"rows in TEMP table {name}" for kind, name in sorted(temp & made_temp)
+                if kind == "table" and _has_rows(conn, "temp", name)] + [
                 f"attached in-memory database {schema}"
-                for schema in sorted(memory - made_memory)]
+                for schema in sorted(memory - made_memory)] + [
+                f"rows in attached in-memory database {schema}"
+                for schema in sorted(memory & made_memory) if _has_rows(conn, schema)]
             if lost:
                 raise SnapshotRefused(
                     f"SQLite database {self.path} would lose {', '.join(lost)} (they live "
-                    "in the connection, which is closed for the snapshot): drop or detach "
-                    "them before it")
-            pragmas = {name: int(conn.execute(f"PRAGMA {name}").fetchone()[0])
-                       for name in _SESSION_PRAGMAS}
+                    "in the connection, which is closed for the snapshot): drop, empty or "
+                    "detach them before it")
+            pragmas = _pragma_values(conn)
             # Moves the WAL into the database so the host sees every committed row (every
             # attached database's too: no schema named).
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             conn.close()
-        except BaseException:
-            with contextlib.suppress(Exception):  # the connection stays: as it was
-                self._replay(conn, quieted)
-            raise
+        finally:
+            self._internal.active = False
         object.__setattr__(self, "_pragmas", pragmas)
         object.__setattr__(self, "_attached", [
             (schema, file, self._attach_target(schema, file)) for schema, file in files_])
-
-    def _quiet(self, conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
-        """Clear the authorizer, progress handler and trace callback set through the
-        handle; the keys of those cleared."""
-        quieted = [key for key in _QUIET if key in self._calls]
-        for key in quieted:
-            method = self._calls[key][0]
-            if method == "set_progress_handler":
-                conn.set_progress_handler(None, 0)
-            else:
-                getattr(conn, method)(None)
-        return quieted
-
-    def _replay(self, conn: sqlite3.Connection, keys: list[tuple[Any, ...]]) -> None:
-        for key in keys:
-            method, args, kwargs = self._calls[key]
-            getattr(conn, method)(*args, **kwargs)
 
     def _attach_target(self, schema: str, file: str) -> str:
         """What attaches ``schema`` again: the URI its ``ATTACH`` through the handle
@@ -1180,8 +1319,13 @@ class FilesManager:
         self._reopen_floor = _REOPEN_TIMEOUT
         """The largest :meth:`allow_reopen` asked (for good), and at least the default."""
         self._reopen_hook: Hook | None = None
+        self._asking: dict[int, weakref.ref[_Handle]] = {}
+        """The open handles that asked a ``reopen_timeout``, by id."""
         self._snapshot_passes = 0
         """Before-snapshot passes begun: a late reopen pass stops once it changed."""
+        self._reopened_at: int | None = None
+        """``_snapshot_passes`` when the last reopen pass reopened every handle (None: one
+        is running, or the last failed or stopped)."""
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
@@ -1217,6 +1361,7 @@ class FilesManager:
         b.register(self._before_snapshot, event="snapshot", phase=Phase.CONNECTIONS,
                    order=1_000_000, name="rehydrate.files.close", timeout=30.0)
         self._reopen_hook = self._register_reopen(self._reopen_timeout)
+        engine.add_listener(self._on_report)
 
     def _register_reopen(self, timeout: float) -> Hook:
         engine = self._engine()
@@ -1247,20 +1392,27 @@ class FilesManager:
         """``owner`` (made: a failed open asks nothing) asks ``reopen_timeout`` seconds."""
         if reopen_timeout is None:
             return
-        if isinstance(owner, Volume):
-            with self._lock:  # a volume stays registered: its largest ask stays
+        with self._lock:
+            if isinstance(owner, Volume):  # a volume stays registered: its largest ask stays
                 owner._reopen_ask = max(owner._reopen_ask or 0.0, reopen_timeout)
-        else:
-            object.__setattr__(owner, "_reopen_ask", reopen_timeout)
+            elif id(owner) in self._handles:  # not closed meanwhile
+                object.__setattr__(owner, "_reopen_ask", reopen_timeout)
+                self._asking[id(owner)] = weakref.ref(owner)
         self._apply_reopen_timeout()
 
     def _apply_reopen_timeout(self) -> None:
         """Register the reopen hook again when the largest ask changed (up or down: a
         closed handle's ask no longer counts; a handle dropped without close() counts
-        until the next handle is opened or closed)."""
-        asks = [h._reopen_ask for h in self.handles()]
+        until the next handle is opened or closed). Counted and applied under the lock:
+        counted outside, a close() racing an open() wrote back the ask before it."""
         with self._lock:
-            asks += [v._reopen_ask for v in self._volumes]
+            asks = [v._reopen_ask for v in self._volumes]
+            for key, ref in list(self._asking.items()):
+                h = ref()
+                if h is None:
+                    del self._asking[key]  # dropped without close()
+                else:
+                    asks.append(h._reopen_ask)
             timeout = max([self._reopen_floor] + [a for a in asks if a is not None])
             if timeout == self._reopen_timeout:
                 return
@@ -1288,11 +1440,14 @@ class FilesManager:
         with self._lock:
             handles[key] = weakref.ref(handle, forget)
             self._hook_in()
+        if self._asking:  # one may have been dropped: its ask ends here
+            self._apply_reopen_timeout()
 
     def _remove(self, handle: _Handle) -> None:
         with self._lock:
             self._handles.pop(id(handle), None)
-        if handle._reopen_ask is not None:
+            asked = self._asking.pop(id(handle), None) is not None
+        if asked or self._asking:
             self._apply_reopen_timeout()
 
     def handles(self) -> list[_Handle]:
@@ -1356,24 +1511,84 @@ class FilesManager:
                 for e in errors))
 
     def _after_restore(self, ctx: RestoreContext) -> None:
-        began = time.monotonic()
-        passes = self._snapshot_passes
+        on_behalf = False
+        while True:
+            began = time.monotonic()
+            with self._lock:
+                passes = self._snapshot_passes
+                self._reopened_at = None  # reopening: not every handle is open
 
-        def stale() -> bool:
-            # A pass that outlived its timeout, still running when the next snapshot
-            # began: reopening a handle that snapshot had closed put its descriptor in
-            # the image. The handles left are reopened by the next restore or resume.
-            return self._snapshot_passes != passes
+            def stale(passes: int = passes) -> bool:
+                # A pass that outlived its timeout, still running when the next snapshot
+                # began: reopening a handle that snapshot had closed put its descriptor
+                # in the image.
+                return self._snapshot_passes != passes
 
-        try:
-            self._reopen_all(ctx, stale)
-        except _PassStopped:
-            log.info("rehydrate.files.reopen: a snapshot began while this reopen pass ran "
-                     "late: stopped; the next restore or resume reopens the handles left")
-            raise ReopenFailed("reopen pass stopped: a snapshot began while it ran") from None
-        engine, hook = self._engine(), self._reopen_hook
-        if engine is not None and hook is not None:
-            self._recovered(engine, hook, began)
+            try:
+                self._reopen_all(ctx, stale)
+                with self._lock:
+                    # Checked again once every handle is done: a snapshot that began
+                    # inside the last handle's on_change closed handles this pass had
+                    # reopened, and the pass went on to mend the run after it (ready with
+                    # every handle closed). One that begins after this closes them itself.
+                    if stale():
+                        raise _PassStopped
+                    self._reopened_at = passes
+                engine, hook = self._engine(), self._reopen_hook
+                if engine is not None and hook is not None:
+                    self._recovered(engine, hook, began)
+                if not stale():
+                    return
+                # A snapshot and a run after it came between the check and the mend: that
+                # run may have been mended with its handles closed; reopened for it below.
+            except _PassStopped:
+                pass
+            if not self._owed():
+                log.info("rehydrate.files.reopen: a snapshot began while this reopen pass "
+                         "ran late: stopped; the next restore or resume reopens the handles "
+                         "left")
+                if on_behalf:
+                    return  # the run it worked for ended long ago: not a failure of it
+                raise ReopenFailed("reopen pass stopped: a snapshot began while it ran")
+            # The restore or resume of that snapshot found this pass still running
+            # (HookStillRunning) and reopened nothing: nothing else would until the next
+            # snapshot. Its reopen is done here, on its behalf.
+            log.info("rehydrate.files.reopen: a snapshot began and ended while this reopen "
+                     "pass ran late: reopening again for the restore or resume after it")
+            on_behalf = True
+
+    def _owed(self) -> bool:
+        """After a late pass stopped: True when a restore or resume run began after the
+        snapshot that stopped it (runs and passes take turns: a run in progress, or a
+        finished one reported after that pass) — its own reopen hook found this pass
+        still running, or has yet to run and finds every handle open."""
+        engine = self._engine()
+        if engine is None:
+            return False
+        status = engine.status(fields=())  # state and report: no published field
+        if status.state == "restoring":
+            return True
+        last = status.last_report
+        return (status.state in ("ready", "degraded") and last is not None
+                and last.kind != "snapshot")
+
+    def _on_report(self, report: Report) -> None:
+        """A restore or resume run that found the reopen pass still running
+        (HookStillRunning) and ended after that pass reopened every handle, with no
+        snapshot since: mended (the pass's own :meth:`_recovered` ran while that run was
+        still going, before the run had failed the hook, or before it ended)."""
+        from ._context import HookStillRunning
+
+        hook, engine = self._reopen_hook, self._engine()
+        if hook is None or engine is None or report.kind == "snapshot" or report.ok:
+            return
+        if not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
+                   for r in report.hooks):
+            return
+        with self._lock:
+            if self._reopened_at != self._snapshot_passes:
+                return
+        engine.recovered(hook)
 
     @staticmethod
     def _recovered(engine: Engine, hook: Hook, began: float) -> None:
@@ -1382,12 +1597,17 @@ class FilesManager:
         ready again. Within the run this is a no-op (the hook has not failed); since=: a
         run begun after this pass is not mended by it — unless all that run did to this
         hook was find this very pass still running (HookStillRunning): it rejected
-        nothing, and no snapshot came between (the pass would have stopped)."""
+        nothing, and no snapshot came between (the pass would have stopped). Such a run
+        still going is mended when it ends (``recovered()`` during a run counts for a hook
+        that already failed in it; :meth:`_on_report` for one that fails it later)."""
         from ._context import HookStillRunning
 
         if engine.recovered(hook, since=began):
             return
         status = engine.status(fields=())  # state and report: no published field
+        if status.state == "restoring":
+            engine.recovered(hook)
+            return
         last = status.last_report
         if status.state != "degraded" or last is None:
             return
@@ -1502,7 +1722,8 @@ def open(  # the pinned name, rehydrate.files.open, shadows the builtin on purpo
     volume is the same); otherwise with ``.changed`` True and ``on_change(handle)``
     called, at offset 0 — or, for a mode that writes in place (``w``, ``x``, ``r+``,
     ``w+``, ``x+``), at the end of the file, so the next write adds to it instead of
-    overwriting its head (``seek(0)`` in ``on_change`` to read it from the start). A
+    overwriting its head (``seek(0)`` in ``on_change`` to read it from the start), and
+    for ``a`` at the end too (``a+``: at offset 0, its writes still appended). A
     file gone after restore fails the ``rehydrate.files.reopen`` hook with its path
     (``required=False``: a warning). ``reopen_timeout``: see :func:`volume`. A file
     that cannot seek (a FIFO, a socket, a terminal) cannot be reopened where it was: it
@@ -1589,7 +1810,9 @@ def volume(
     its ``close()``) or a volume, never less than the 30 s default; a call that fails
     asks nothing. A pass that outlives it fails the restore run (the process is
     ``degraded``); when it then completes without a failure the process is ready again.
-    A snapshot that begins meanwhile stops it before its next handle.
+    A snapshot that begins meanwhile stops it before its next handle or after its last;
+    when that snapshot's restore or resume has begun by then, the pass reopens the
+    handles again on its behalf.
     """
     ask = _reopen_seconds(reopen_timeout)
     mgr = manager(engine)

@@ -168,6 +168,25 @@ def test_a_changed_file_read_or_appended_reopens_from_the_start(engine,
     assert p.read_text() == "new\nmore\n"
 
 
+def test_a_changed_file_in_plain_append_mode_tells_where_its_next_write_lands(
+        engine, tmp_path: Path) -> None:
+    """Reopened at 0 like an "a+" reader: tell() gave offsets where no write landed (an
+    append-only journal indexing its records)."""
+    p = tmp_path / "journal.log"
+    p.write_text("")
+    log = files.open(p, "a", engine=engine)
+    log.write("rec1\n")
+    log.flush()
+    assert engine.simulate_snapshot().ok
+    with open(p, "a") as other:
+        other.write("other writer\n")
+    assert engine.simulate_restore(kind="resume").ok
+    at = log.tell()
+    log.write("rec2\n")
+    log.flush()
+    assert log.changed and at == p.read_text().index("rec2") == len("rec1\nother writer\n")
+
+
 def test_gone_file_fails_the_reopen_hook_naming_it(engine, tmp_path: Path) -> None:
     p = tmp_path / "gone.txt"
     p.write_text("x")
@@ -890,6 +909,154 @@ def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(short_reopen
     assert kept[0].changed
 
 
+def test_a_snapshot_inside_the_last_handles_on_change_stops_the_late_pass(
+        short_reopen, tmp_path: Path) -> None:
+    """The late pass was in the LAST handle's on_change when a snapshot closed every
+    handle: with no handle left to check, it completed, mended the resume's
+    HookStillRunning, and the process was ready with every handle closed."""
+    import threading
+
+    engine, ended, errors = short_reopen
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "big.idx").write_text("old\n")
+    release, inside = threading.Event(), threading.Event()
+
+    def slow(h: files.ManagedFile) -> None:
+        inside.set()
+        release.wait(30)
+
+    a = files.open(tmp_path / "a.txt", engine=engine)
+    big = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)  # the last
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        assert inside.wait(20)
+        assert engine.simulate_snapshot().ok
+        assert a.suspended and big.suspended
+        report = engine.simulate_restore(kind="resume")
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+    finally:
+        release.set()
+    assert ended.wait(20)
+    assert errors[-1] is None, errors  # reopened again for the resume, after stopping
+    assert engine.status().state == "ready"
+    assert (a.suspended, big.suspended, a.readline()) == (False, False, "a\n")
+
+
+def test_a_resume_that_found_the_late_pass_running_is_reopened_by_it(
+        short_reopen, tmp_path: Path) -> None:
+    """A checkpoint and its resume while the late pass was in a slow on_change: the
+    resume found it still running, the pass then stopped at the next handle (a snapshot
+    had begun), and every handle stayed closed until the next snapshot."""
+    import threading
+
+    engine, ended, errors = short_reopen
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release, inside = threading.Event(), threading.Event()
+
+    def slow(h: files.ManagedFile) -> None:
+        inside.set()
+        release.wait(30)
+
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)
+    b = files.open(tmp_path / "b.txt", engine=engine)
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        assert inside.wait(20)
+        assert engine.simulate_snapshot().ok
+        report = engine.simulate_restore(kind="resume")
+        assert not report.ok and engine.status().state == "degraded"
+    finally:
+        release.set()
+    assert ended.wait(20)
+    assert errors[-1] is None, errors
+    assert engine.status().state == "ready"
+    assert (a.suspended, b.suspended, b.readline()) == (False, False, "b\n")
+
+
+def test_a_late_pass_ending_during_the_run_that_found_it_running_mends_that_run(
+        short_reopen, tmp_path: Path) -> None:
+    """The late pass completed while the resume that found it still running ran its
+    later hooks: recovered(since=) refused (that run began after the pass) and the
+    fallback saw no degraded state yet: degraded for good with every handle open."""
+    import threading
+
+    engine, ended, _ = short_reopen
+    (tmp_path / "big.idx").write_text("old\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+    b = files.open(tmp_path / "b.txt", engine=engine)
+
+    def warm_cache() -> None:  # after rehydrate.files.reopen in the resume run
+        release.set()
+        assert ended.wait(20)
+
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        ended.clear()
+        engine.registry.register(warm_cache, name="app.warm")
+        report = engine.simulate_restore(kind="resume")
+    finally:
+        release.set()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert type(error).__name__ == "HookStillRunning", repr(error)
+    assert report.recovered == ("rehydrate.files.reopen",)  # mended within the run
+    assert engine.status().state == "ready"
+    assert not a.suspended and not b.suspended
+
+
+def test_a_run_that_fails_the_hook_after_the_late_pass_mended_is_mended_at_its_end(
+        short_reopen, tmp_path: Path) -> None:
+    """The pass had reopened every handle and looked for a failure to mend before the
+    run reached the hook, whose thread had not ended yet: HookStillRunning after the
+    mend, and degraded for good."""
+    import threading
+
+    engine, ended, _ = short_reopen
+    mgr = files.manager(engine)
+    inner = mgr._after_restore
+    done, hold = threading.Event(), threading.Event()
+
+    def after_restore(ctx):  # done with every handle, the thread not ended yet
+        try:
+            inner(ctx)
+        finally:
+            done.set()
+            hold.wait(30)
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    (tmp_path / "big.idx").write_text("old\n")
+    release = threading.Event()
+    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+
+    def early() -> None:  # before rehydrate.files.reopen in the resume run
+        release.set()
+        assert done.wait(20)
+
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    try:
+        assert not engine.simulate_restore().ok
+        engine.registry.register(early, phase="environment", name="app.early")
+        engine.registry.register(hold.set, name="app.late")
+        report = engine.simulate_restore(kind="resume")
+    finally:
+        release.set()
+        hold.set()
+    error = _hook(report, "rehydrate.files.reopen").error
+    assert type(error).__name__ == "HookStillRunning", repr(error)
+    assert engine.status().state == "ready"
+    assert not a.suspended
+
+
 @pytest.mark.parametrize(("bad", "error", "shown"), [
     (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
     ("10", TypeError, "not str")])
@@ -931,6 +1098,59 @@ def test_reopen_timeout_is_the_largest_ask_of_the_open_handles_and_never_below_3
     files.volume(tmp_path, engine=engine, reopen_timeout=60)
     files.volume(tmp_path, engine=engine, reopen_timeout=40)
     assert (mgr.reopen_timeout, timeouts()) == (60.0, [60.0]), "a volume's largest ask stays"
+
+
+def test_a_close_racing_an_open_does_not_write_back_an_older_reopen_timeout(
+        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The asks were counted outside the manager's lock: a close() that counted them
+    before an open(reopen_timeout=120) applied its older count after it."""
+    import threading
+
+    mgr = files.manager(engine)
+    (tmp_path / "a.txt").write_text("a\n")
+    small = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=40)
+    counted, opened = threading.Event(), threading.Event()
+    real = mgr.handles
+
+    def handles():  # the closer has counted; the opener goes first
+        found = real()
+        if threading.current_thread().name == "closer":
+            counted.set()
+            assert opened.wait(20)
+        return found
+
+    monkeypatch.setattr(mgr, "handles", handles)
+
+    def close() -> None:
+        try:
+            small.close()
+        finally:
+            counted.set()
+
+    closer = threading.Thread(target=close, name="closer")
+    closer.start()
+    try:
+        assert counted.wait(20)
+        big = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=120)
+    finally:
+        opened.set()
+        closer.join(20)
+    assert (mgr.reopen_timeout, big._reopen_ask) == (120.0, 120.0)
+
+
+def test_a_dropped_handles_reopen_timeout_ends_at_the_next_open(engine,
+                                                                 tmp_path: Path) -> None:
+    """Only a handle that asked a reopen_timeout itself made the asks counted again."""
+    import gc
+
+    mgr = files.manager(engine)
+    (tmp_path / "a.txt").write_text("a\n")
+    dropped = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=600)
+    assert mgr.reopen_timeout == 600.0
+    del dropped
+    gc.collect()
+    kept = files.open(tmp_path / "a.txt", engine=engine)
+    assert mgr.reopen_timeout == 30.0 and kept.readline() == "a\n"
 
 
 def _unreadable(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
@@ -1217,6 +1437,25 @@ def test_sqlite_temp_objects_and_memory_attachments_made_by_on_connect_are_kept(
                                  "table session, attached in-memory database mine ("), error
 
 
+def test_sqlite_row_and_text_factories_do_not_change_rehydrates_own_queries(
+        engine, tmp_path: Path) -> None:
+    """A dict row_factory set on the handle refused every snapshot (KeyError: 1), and
+    text_factory=bytes made TEMP names bytes."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.row_factory = lambda cur, row: {d[0]: v for d, v in zip(cur.description, row)}
+    db.text_factory = bytes
+    db.execute("CREATE TABLE t (x)")
+    db.commit()
+    for kind in ("resume", "restore"):
+        report = engine.simulate_snapshot()
+        assert report.ok, report.error
+        assert engine.simulate_restore(kind=kind).ok
+    assert db.execute("SELECT count(*) AS n FROM t").fetchone() == {"n": 0}
+    db.execute("CREATE TEMP TABLE session (k)")
+    error = _hook(engine.simulate_snapshot(), "rehydrate.files.close").error
+    assert "would lose TEMP table session (" in str(error), error
+
+
 def test_a_leftover_temp_sqlite_sequence_does_not_refuse_snapshots(engine,
                                                                    tmp_path: Path) -> None:
     """A dropped TEMP AUTOINCREMENT table leaves temp.sqlite_sequence, which cannot be
@@ -1271,6 +1510,48 @@ def test_sqlite_internal_statements_run_without_the_applications_callbacks(
     assert denied == ["sqlite_master"] and seen == [], "the callbacks are set again"
 
 
+def test_sqlite_callbacks_stay_on_for_other_threads_while_the_close_runs(
+        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The close cleared the authorizer on the live connection while it ran its own
+    statements: another thread's query in that window was not checked."""
+    import threading
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute("CREATE TABLE secrets (v)")
+    db.execute("INSERT INTO secrets VALUES ('s3cr3t')")
+    db.commit()
+    seen: list[str] = []
+    db.set_authorizer(lambda action, arg1, *rest: (
+        sqlite3.SQLITE_DENY if arg1 == "secrets" else sqlite3.SQLITE_OK))
+    db.set_trace_callback(seen.append)
+    db.execute("CREATE TEMP TABLE session (k)")  # the snapshot is refused: the connection stays
+    inside, done = threading.Event(), threading.Event()
+    real = files._connection_state
+
+    def connection_state(conn, **kwargs):
+        inside.set()
+        assert done.wait(20)
+        return real(conn, **kwargs)
+
+    monkeypatch.setattr(files, "_connection_state", connection_state)
+    reports: list = []
+    snapshot = threading.Thread(target=lambda: reports.append(engine.simulate_snapshot()))
+    snapshot.start()
+    try:
+        assert inside.wait(20)
+        seen.clear()
+        for run in (db.execute, db.cursor().execute):
+            with pytest.raises(sqlite3.DatabaseError, match="prohibited|not authorized"):
+                run("SELECT v FROM secrets")
+        db.execute("SELECT count(*) FROM session")
+    finally:
+        done.set()
+        snapshot.join(20)
+    assert seen == ["SELECT count(*) FROM session"], "traced, but not rehydrate's own"
+    assert not reports[0].ok
+    assert engine.simulate_restore(kind="resume").ok
+
+
 def test_sqlite_uri_attachment_is_attached_again_by_its_uri(engine, tmp_path: Path) -> None:
     """ATTACH 'file:...?mode=ro' came back writable: attached again by plain path."""
     with sqlite3.connect(tmp_path / "ro.db") as c:
@@ -1294,23 +1575,119 @@ def test_sqlite_uri_attachment_is_attached_again_by_its_uri(engine, tmp_path: Pa
         db.commit()
 
 
+def test_sqlite_attach_statements_are_read_as_sqlite_reads_them(engine,
+                                                                 tmp_path: Path) -> None:
+    """A double-quoted file name, a schema name as a string, a comment inside, were
+    missed (attached again read-write); a URI in a comment was taken for the ATTACH's
+    (attached again read-only); a DETACH left the URI noted for a later ATTACH."""
+    with sqlite3.connect(tmp_path / "ro.db") as c:
+        c.execute("CREATE TABLE t (x)")
+    c.close()
+    ro = f"file:{tmp_path}/ro.db?mode=ro"
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    db.execute(f'ATTACH "{ro}" AS dq')
+    db.execute(f"ATTACH '{ro}' AS 'sq'")
+    db.execute(f"ATTACH /* read-only */ DATABASE '{ro}' AS cmt")
+    db.execute("ATTACH :uri AS [named]", {"uri": ro})
+    db.execute(f"ATTACH '{tmp_path}/ro.db' AS rw -- was: ATTACH '{ro}' AS rw")
+    db.executescript(f"ATTACH '{ro}' AS again; DETACH DATABASE again;")
+    db.cursor().execute("ATTACH ? AS again", (str(tmp_path / "ro.db"),))  # read-write
+    with pytest.raises(sqlite3.OperationalError, match="already in use"):
+        db.execute("ATTACH ? AS rw", (ro,))  # failed: rw stays read-write
+
+    def writable(schema: str) -> bool:
+        try:
+            db.execute(f"INSERT INTO {schema}.t VALUES (1)")
+        except sqlite3.OperationalError as exc:
+            assert "readonly" in str(exc)
+            return False
+        finally:
+            db.rollback()
+        return True
+
+    schemas = ("dq", "sq", "cmt", "named", "rw", "again")
+    expected = [False, False, False, False, True, True]
+    assert [writable(s) for s in schemas] == expected
+    assert engine.simulate_snapshot().ok
+    assert engine.simulate_restore(kind="resume").ok
+    assert [writable(s) for s in schemas] == expected
+
+
 def test_on_connect_pragmas_win_over_those_saved_at_the_close(engine,
                                                               tmp_path: Path) -> None:
     """The saved values were set after on_connect: the restored clone's configuration
-    was overridden by the original's."""
-    cfg = {"busy": 1000, "fk": 1}
+    was overridden by the original's. (A PRAGMA on_connect leaves at SQLite's default
+    is not told from one it does not set: the saved value is set.)"""
+    cfg = {"busy": 1000}
 
     def on_connect(conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA busy_timeout = {cfg['busy']}")
-        conn.execute(f"PRAGMA foreign_keys = {cfg['fk']}")
+        conn.execute("PRAGMA foreign_keys = ON")
 
     db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
     db.execute("PRAGMA recursive_triggers = ON")  # on_connect does not set it: kept
+    db.execute("PRAGMA foreign_keys = OFF")  # on_connect sets it again: its value
     assert engine.simulate_snapshot().ok
-    cfg.update(busy=30000, fk=0)
+    cfg.update(busy=30000)
     assert engine.simulate_restore().ok
     assert [db.execute(f"PRAGMA {p}").fetchone()[0]
-            for p in ("busy_timeout", "foreign_keys", "recursive_triggers")] == [30000, 0, 1]
+            for p in ("busy_timeout", "foreign_keys", "recursive_triggers")] == [30000, 1, 1]
+
+
+@pytest.mark.parametrize("pragma", ["foreign_keys", "query_only"])
+def test_saved_pragmas_are_set_after_on_connect_not_before(engine, tmp_path: Path,
+                                                           pragma: str) -> None:
+    """Set before on_connect, a saved query_only=ON failed its writes (the reopen failed)
+    and foreign_keys=ON made its table rebuild cascade the children's deletion."""
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.executescript("""
+            CREATE TABLE IF NOT EXISTS parent (id INTEGER PRIMARY KEY);
+            CREATE TABLE IF NOT EXISTS child (
+                id INTEGER PRIMARY KEY, pid REFERENCES parent(id) ON DELETE CASCADE);
+            INSERT OR IGNORE INTO parent VALUES (1);
+            INSERT OR IGNORE INTO child VALUES (10, 1);
+            BEGIN;
+            CREATE TABLE parent_new (id INTEGER PRIMARY KEY);
+            INSERT INTO parent_new SELECT id FROM parent;
+            DROP TABLE parent;
+            ALTER TABLE parent_new RENAME TO parent;
+            COMMIT;""")  # a rebuild migration: safe with foreign keys off, the default
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
+    db.execute(f"PRAGMA {pragma} = ON")
+    for kind in ("resume", "restore"):
+        assert engine.simulate_snapshot().ok
+        report = engine.simulate_restore(kind=kind)
+        assert report.ok, report.error
+        assert db.execute("SELECT count(*) FROM child").fetchone() == (1,)
+        assert db.execute(f"PRAGMA {pragma}").fetchone() == (1,)
+
+
+def test_sqlite_rows_in_temp_tables_made_by_on_connect_refuse_the_snapshot(
+        engine, tmp_path: Path) -> None:
+    """TEMP tables and in-memory databases made by on_connect were let through by name:
+    the rows the application put in them were lost without a word."""
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TEMP TABLE IF NOT EXISTS cart (item)")
+        conn.execute("CREATE INDEX IF NOT EXISTS temp.cart_item ON cart (item)")
+        conn.execute("ATTACH ':memory:' AS scratch")
+        conn.execute("CREATE TABLE scratch.work (x)")
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
+    db.execute("INSERT INTO cart VALUES ('book')")
+    db.execute("INSERT INTO scratch.work VALUES (42)")
+    db.commit()
+    error = _hook(engine.simulate_snapshot(), "rehydrate.files.close").error
+    assert str(error).startswith(
+        f"SQLite database {tmp_path / 'app.db'} would lose rows in TEMP table cart, rows "
+        "in attached in-memory database scratch ("), error
+    assert engine.simulate_restore(kind="resume").ok
+    assert db.execute("SELECT count(*) FROM cart").fetchone() == (1,), "kept"
+    db.execute("DELETE FROM cart")
+    db.execute("DELETE FROM scratch.work")
+    db.commit()
+    report = engine.simulate_snapshot()
+    assert report.ok, report.error
 
 
 def test_a_volume_holds_bound_method_callbacks_weakly(engine, tmp_path: Path) -> None:
