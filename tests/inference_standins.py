@@ -5,13 +5,16 @@ uvicorn on loopback (``tests.asgi_server.serve``), keeps the engine's memory sta
 every call, and can be told to fail the ways the real servers do: 500s (transient or for
 good), hangs, no dev mode (404), sleep mode / memory saver off, the empty 200 of older
 servers, ``tags_woken``, requests running on an SGLang scheduler that must be idle, an
-SGLang without the pause endpoints.
+SGLang without the pause endpoints. Where the real server dies (SGLang's scheduler on a
+resume of memory not released, or a release with requests running), the stand-in stops
+serving too (``crashed``), so no test passes on an answer the real server never gives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
@@ -31,6 +34,9 @@ class StandIn:
         # client gives up (a slow reload, a lost answer) -- the state has changed regardless
         self.unanswered: set[str] = set()
         self.canaries = 0
+        # why the server died (SGLang's scheduler ends the whole server on an exception):
+        # from then on every connection is cut before an answer
+        self.crashed: str | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         assert scope["type"] == "http"
@@ -45,6 +51,9 @@ class StandIn:
             await _json(send, 200, self.control(path, json.loads(body) if body else None))
             return
         self.log.append(f"{scope['method']} {path}" + (f"?{query}" if query else ""))
+        if self.crashed is not None:
+            await _cut(send)
+            return
         if path in self.hang:
             await asyncio.sleep(self.hang[path])
         if self.fail.get(path):
@@ -57,6 +66,9 @@ class StandIn:
         else:
             status, payload = self.route(scope["method"], path, parse_qs(query),
                                          json.loads(body) if body else None)
+        if self.crashed is not None:
+            await _cut(send)
+            return
         if path in self.unanswered:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -76,6 +88,15 @@ class StandIn:
     def route(self, method: str, path: str, query: dict[str, list[str]],
               body: Any) -> tuple[int, Any]:
         raise NotImplementedError
+
+
+async def _cut(send: Any) -> None:
+    """End the connection before a complete answer (a Content-Length never met): the
+    client sees it cut, as from a server that died or a gateway that dropped it."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"100")]})
+    await send({"type": "http.response.body", "body": b"{", "more_body": True})
+    raise ConnectionAbortedError("the stand-in cut the connection")
 
 
 async def _json(send: Any, status: int, payload: Any) -> None:
@@ -127,8 +148,10 @@ class LosingGateway:
                 504: "upstream request timeout"}
 
     def __init__(self, behind: Any, paths: set[str], *, status: int = 504,
-                 times: int | None = None, performed: bool = True) -> None:
+                 times: int | None = None, performed: bool = True,
+                 message: str | None = None) -> None:
         self.behind, self.paths, self.status = behind, paths, status
+        self.message = message or self.MESSAGES.get(status, "gateway")
         self.performed = performed
         self.left = {path: times for path in paths}
 
@@ -149,7 +172,73 @@ class LosingGateway:
         else:
             while (await receive()).get("more_body"):
                 pass
-        await _json(send, self.status, {"message": self.MESSAGES.get(self.status, "gateway")})
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": self.message.encode()})
+
+
+class SlowUpstream:
+    """A gateway with an upstream ``timeout`` in front of a stand-in that performs the
+    state-changing calls (``POST``) one at a time, in order, as vLLM's engine core and
+    SGLang's scheduler do: the first call to each of ``slow`` (path -> seconds) takes that
+    long. A call the upstream does not finish within ``timeout`` is answered 504 — or,
+    ``drop=True``, the connection is cut before the answer — while the upstream goes on
+    performing it. :attr:`settled` is set whenever no call is left in the upstream."""
+
+    def __init__(self, behind: Any, slow: dict[str, float], *, timeout: float = 0.2,
+                 drop: bool = False) -> None:
+        self.behind, self.slow, self.timeout, self.drop = behind, dict(slow), timeout, drop
+        self.lock: asyncio.Lock | None = None
+        self.pending: set[asyncio.Task[Any]] = set()
+        self.settled = threading.Event()
+        self.settled.set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["method"] != "POST":
+            await self.behind(scope, receive, send)
+            return
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        lock = self.lock
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        answer: list[Any] = []
+        delay = self.slow.pop(scope["path"], 0.0)
+
+        async def upstream() -> None:
+            async def replay() -> Any:
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            async def keep(message: Any) -> None:
+                answer.append(message)
+
+            async with lock:
+                await asyncio.sleep(delay)
+                await self.behind(scope, replay, keep)
+
+        task = asyncio.get_running_loop().create_task(upstream())
+        self.pending.add(task)
+        self.settled.clear()
+
+        def done(task: asyncio.Task[Any]) -> None:
+            self.pending.discard(task)
+            if not self.pending:
+                self.settled.set()
+
+        task.add_done_callback(done)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.timeout)
+        except asyncio.TimeoutError:
+            if self.drop:
+                await _cut(send)
+            await _json(send, 504, {"message": "upstream request timeout"})
+            return
+        for message in answer:
+            await send(message)
 
 
 class VLLMStandIn(StandIn):
@@ -206,6 +295,8 @@ class VLLMStandIn(StandIn):
         if not self.sleep_mode:
             return 500, {"object": "error", "type": "InternalServerError", "code": 500,
                          "message": "Sleep mode is not enabled in the model config"}
+        if self.asleep:  # vLLM's executor: "Executor is already sleeping." and nothing else
+            return 200, None if self.legacy else {"status": "sleeping", "level": level}
         self.asleep = set(TAGS)
         self.weights = {0: "gpu", 1: "cpu", 2: "discarded"}[level]
         return 200, None if self.legacy else {"status": "sleeping", "level": level}
@@ -245,8 +336,9 @@ class SGLangStandIn(StandIn):
         self.refuse: str | None = None  # 200 {"success": false, "message": refuse}
         # path -> message: that call alone is answered 200 {"success": false, "message": …}
         self.refused: dict[str, str] = {}
-        # the message of the 400 refusing a resume when nothing is released
-        self.not_released = "memory occupation was not released"
+        # the message of a 400 refusing a resume of memory not released (a server or
+        # memory saver backend that refuses it); None: SGLang 0.5, which dies of it
+        self.not_released: str | None = None
 
     def route(self, method: str, path: str, query: dict[str, list[str]],
               body: Any) -> tuple[int, Any]:
@@ -273,9 +365,9 @@ class SGLangStandIn(StandIn):
             if not isinstance(body, dict):
                 return 422, {"detail": "a JSON body is required"}
             if self.running:
-                # the scheduler's assertion (an idle scheduler), as the server reports it
-                return 500, {"message": "AssertionError: release/resume_memory_occupation "
-                                        "needs an idle scheduler (requests are running)"}
+                # the scheduler asserts it is idle; the AssertionError ends the server
+                self.crashed = "AssertionError: release/resume with requests running"
+                return 500, None
             if self.refuse is not None:
                 return 200, {"success": False, "message": self.refuse}
             if path in self.refused:
@@ -287,6 +379,11 @@ class SGLangStandIn(StandIn):
                 self.released |= tags
             else:
                 if not tags <= self.released:
+                    if self.not_released is None:
+                        # SGLang 0.5: offload_tags.remove(tag) raises KeyError in the
+                        # scheduler, whose exception ends the server (SIGQUIT)
+                        self.crashed = f"KeyError: {sorted(tags - self.released)[0]!r}"
+                        return 500, None
                     return 400, {"message": self.not_released}
                 self.released -= tags
             return 200, None

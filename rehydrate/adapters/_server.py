@@ -83,7 +83,28 @@ GATEWAY_LOST = frozenset({502, 504})
 """A gateway's answer for a request it may have passed on: its upstream timed out (504) or
 broke off (502) — possibly after performing it. A 503 is not among them: a server's own
 503 (starting, overloaded) and a gateway's (no healthy upstream) both say the request
-was not handled, and it is retried like any other 5xx."""
+was not handled, and it is retried like any other 5xx — except Envoy's / Istio's
+(:data:`ENVOY_RESET`)."""
+
+ENVOY_RESET = re.compile(r"disconnect/reset before headers", re.IGNORECASE)
+"""Envoy's (and Istio's) 503 "upstream connect error or disconnect/reset before headers.
+reset reason: connection termination" (flags UC / UR): the upstream connection died,
+possibly after the request was forwarded — counted as a 502 / 504, unless the reason says
+it never connected (:data:`ENVOY_NOT_SENT`)."""
+
+ENVOY_NOT_SENT = re.compile(
+    r"reset reason: (local |remote )?(connection (failure|timeout)|overflow)", re.IGNORECASE)
+"""Envoy's reset reasons for a request never forwarded: no connection (refused, timed
+out) or its circuit breaker's overflow."""
+
+
+def gateway_lost(status: int, reason: str) -> bool:
+    """Whether a gateway's answer ``status`` / ``reason`` leaves open that the server
+    behind it performed the request (:data:`GATEWAY_LOST`, :data:`ENVOY_RESET`)."""
+    if status in GATEWAY_LOST:
+        return True
+    return status == 503 and bool(ENVOY_RESET.search(reason)) and \
+        not ENVOY_NOT_SENT.search(reason)
 
 # failures after the request may have reached the server (a state-changing call is not
 # re-sent after these); every other transport error means it was never sent
@@ -411,7 +432,8 @@ class ServerAdapter:
 
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
-                   json: Any = None, resend: bool = False) -> httpx.Response:
+                   json: Any = None, resend: bool = False,
+                   unsent: frozenset[int] = frozenset()) -> httpx.Response:
         """``method path`` until ``until`` (``time.monotonic()``).
 
         A ``GET`` is retried on transport errors, timeouts and 5xx, each try cut at
@@ -421,14 +443,18 @@ class ServerAdapter:
         server's own error answer (500, 503, …); after it was sent and no answer came, or a
         gateway answered 502 / 504 for it (its upstream may have performed it: a proxy's
         timeout shorter than a reload), it raises :class:`Unconfirmed`. ``resend``: a
-        ``POST`` that may be performed twice (a canary generation, a pause) is sent again
-        after a 502 / 504 as well. A 4xx, or an answer :meth:`hint` recognises, fails at
-        once.
+        ``POST`` that may be performed twice (a canary generation, a pause, vLLM's sleep
+        and wake-up, which do nothing on an engine already asleep / awake) is sent again
+        after a 502 / 504 as well — and raises :class:`Unconfirmed` when the deadline
+        ends after one. ``unsent``: gateway statuses taken as "not passed on" for this
+        call, retried like a 503 (SGLang's 502, see its adapter). A 4xx, or an answer
+        :meth:`hint` recognises, fails at once.
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
         attempt = 0
         last = ""
+        lost = False  # a try a gateway answered 502 / 504 for: it may have been performed
         # the server's URL: one engine may drive two servers of a kind (a generator and
         # a reranker), and the message must say which one failed
         what = f"{method} {self.url}{path}"
@@ -436,8 +462,12 @@ class ServerAdapter:
         while True:
             remaining = until - time.monotonic()
             if remaining <= 0 and attempt:
-                raise ServerError(f"{self.kind} {what}: {last} (gave up after the "
-                                  f"{self.deadline:g}s deadline)")
+                # re-sent after a 502 / 504 (resend): any of those tries may have been
+                # performed, so the caller checks the state as after any lost answer
+                raise (Unconfirmed if lost else ServerError)(
+                    f"{self.kind} {what}: {last} (gave up after the {self.deadline:g}s "
+                    f"deadline)" + ("; a gateway's 502 / 504 came for it: the server "
+                                    "may have performed it" if lost else ""))
             # every call is tried at least once, even when earlier calls used up the deadline
             budget = max(remaining, MIN_TRY)
             per_try = min(self.request_timeout, budget)
@@ -488,7 +518,10 @@ class ServerAdapter:
                                       f"(redirects are not followed)")
                 reason = server_reason(response)
                 last = f"HTTP {response.status_code}: {reason}"
-                if not safe and not resend and response.status_code in GATEWAY_LOST:
+                if not safe and response.status_code not in unsent and \
+                        gateway_lost(response.status_code, reason):
+                    lost = True
+                if lost and not resend:
                     raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
                                       f"server behind the gateway may have performed it "
                                       f"(point url= at the server, or give the gateway a "

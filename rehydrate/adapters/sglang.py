@@ -16,19 +16,30 @@ mode, ``abort``: requests still running are aborted, new ones wait), then ``POST
 restore or resume (hook ``rehydrate.sglang.resume``, the first application hook): ``POST
 /resume_memory_occupation`` with the same body — skipped when this process never sent a
 release (an earlier snapshot attempt failed before it, or SGLang refused the release);
-after an unanswered release or resume a "not released" refusal counts as resumed — then
-``POST /continue_generation`` (when this process paused it), then ``GET
-/health_generate``, which generates one token, as the canary (retried while it answers
-503, as SGLang does while it starts up).
+after an unanswered release a "not released" refusal counts as resumed — then ``POST
+/continue_generation`` (when this process paused it; also after a resume that went
+unanswered), then ``GET /health_generate``, which generates one token, as the canary
+(retried while it answers 503, as SGLang does while it starts up).
+
+SGLang 0.5 dies of a resume of memory not released (its scheduler's ``KeyError`` ends
+the server) and no endpoint says what is released, so the adapter goes by what reached
+the server: SGLang performs the calls it received, in order. A release or resume that
+went unanswered — no answer, the connection lost after sending, a gateway's 504 (or
+Envoy's 503 "disconnect/reset before headers" after forwarding) — counts as performed:
+an unanswered release still owes its resume, an unanswered resume is never sent again
+(the continue and the canary, which run after it, follow it, and a passing canary
+confirms it). A gateway's 502 counts as not passed on (:data:`BAD_GATEWAY`): retried like
+a 503, and a release that ends on it owes nothing.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
-timeout; a release or resume is never sent again once it may have reached the server,
-nor after a gateway's 502 / 504); the hook then fails with the server's last answer. A 200
-whose JSON says ``"success": false`` fails with the server's message. SGLang asserts an
-idle scheduler when it releases memory: the pause makes it so even for requests that reach
-the server past any gate; a server without the pause endpoints (404) gets one INFO line,
-and then only a drain in front of it — the
-:class:`~rehydrate.adapters.asgi.ReadinessGate` — keeps it idle.
+timeout; a release or resume is never sent again once it may have reached the server);
+the hook then fails with the server's last answer. A 200 whose JSON says ``"success":
+false`` fails with the server's message. SGLang asserts an idle scheduler when it
+releases memory (and dies of that assertion too): the pause makes it so for requests
+that reach the server past any gate — on SGLang 0.5; 0.4.x's pause returns without
+waiting for the running batch, so a drain in front of it still matters there; a server
+without the pause endpoints (404) gets one INFO line, and then only a drain in front of
+it — the :class:`~rehydrate.adapters.asgi.ReadinessGate` — keeps it idle.
 """
 
 from __future__ import annotations
@@ -118,8 +129,9 @@ class SGLangAdapter(ServerAdapter):
         refused that release: it then goes back to what it was): a clone restored from the
         snapshot remembers it, so a resume is sent only when a release may have happened."""
         self.unconfirmed = False
-        """True when the last release or resume went unanswered: whether the memory is
-        released is unknown, so a resume refused with "not released" is no failure."""
+        """True when the last release went unanswered: it is taken as performed (it
+        reached SGLang), but a server that refuses the resume with "not released" then
+        says it was not, which is no failure."""
         self.paused = False
         """True from the moment a pause is sent until a continue succeeded (or SGLang
         refused the pause): a continue is sent only when generation may be paused."""
@@ -142,7 +154,7 @@ class SGLangAdapter(ServerAdapter):
             self.released = self.unconfirmed = True
             try:
                 r = await self.call(c, "POST", "/release_memory_occupation", until=until,
-                                    json=self._body)
+                                    json=self._body, unsent=BAD_GATEWAY)
                 _check_success(r)
             except Unconfirmed:
                 raise
@@ -163,35 +175,63 @@ class SGLangAdapter(ServerAdapter):
         until = time.monotonic() + self.deadline
         resumed = self.released
         async with self.client() as c:
+            unanswered: Unconfirmed | None = None
             if resumed:
-                await self._resume(c, until)
+                try:
+                    unanswered = await self._resume(c, until)
+                except ServerError:
+                    if self.paused:  # continued on released memory, generation would fail
+                        log.warning("SGLang at %s stays paused: its memory was not "
+                                    "resumed, so generation is not continued (the next "
+                                    "resume continues it)", self.url)
+                    raise
             else:
                 log.info("SGLang memory was not released by this process; not resumed")
             if self.paused:
-                # after the resume: generation continued on released memory would fail
-                await self._continue(c, until)
+                # After the resume — generation continued on released memory would fail —
+                # also an unanswered one: SGLang takes the calls in order, so the continue
+                # runs after it, and skipped, generation stayed paused for good.
+                try:
+                    await self._continue(c, until)
+                except ServerError as exc:
+                    log.warning("SGLang at %s stays paused: /continue_generation failed "
+                                "(%s); the next resume sends it again", self.url, exc)
+                    raise
             if self.canary:
+                # after an unanswered resume, also its confirmation: the generation runs
+                # after the resume, on the memory it brought back
                 await self.call(c, "GET", "/health_generate", until=until)
-        if resumed:
+            elif unanswered is not None:
+                raise unanswered
+        if unanswered is not None:
+            log.info("SGLang's resume went unanswered, but it generates")
+        elif resumed:
             log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
         elif self.canary:
             log.info("SGLang generating")
 
-    async def _resume(self, client: httpx.AsyncClient, until: float) -> None:
+    async def _resume(self, client: httpx.AsyncClient,
+                      until: float) -> Unconfirmed | None:
+        """The resume; the :class:`Unconfirmed` error when it went unanswered — counted
+        as performed all the same (see the module's notes): never sent again."""
+        unanswered = None
         try:
             r = await self.call(client, "POST", "/resume_memory_occupation", until=until,
-                                json=self._body)
+                                json=self._body, unsent=BAD_GATEWAY)
             _check_success(r)
-        except Unconfirmed:
-            self.unconfirmed = True
-            raise
+        except Unconfirmed as exc:
+            # It reached SGLang, which performs what it received, in order; sent again,
+            # a resume of memory already resumed kills SGLang 0.5 (its scheduler's
+            # KeyError ends the server).
+            unanswered = exc
         except ServerError as exc:
-            # after an unanswered release or resume, "not released" is the state we want
+            # after an unanswered release, "not released" is the state we want
             if not (self.unconfirmed and exc.reason and NOT_RELEASED.search(exc.reason)):
                 raise
-            log.info("SGLang says its memory is not released (the last release or resume "
-                     "went unanswered): nothing to resume")
+            log.info("SGLang says its memory is not released (the last release went "
+                     "unanswered): nothing to resume")
         self.released = self.unconfirmed = False
+        return unanswered
 
     async def _pause(self, client: httpx.AsyncClient, until: float) -> None:
         before = self.paused
@@ -244,6 +284,13 @@ class SGLangAdapter(ServerAdapter):
             log.warning("SGLang runs without --enable-memory-saver: release/resume of GPU "
                         "memory do nothing (the snapshot keeps the GPU state)")
 
+
+BAD_GATEWAY = frozenset({502})
+"""A gateway's 502 on a release or resume counts as not passed on (retried like a 503):
+nginx's usual 502s — no connection (refused), a reused connection SGLang had closed,
+SGLang gone — all leave a running SGLang without the call (a restarted one has nothing
+released), and no status endpoint tells otherwise. Taken as performed, it made the next
+resume one of memory never released, which kills SGLang 0.5."""
 
 MISSING = frozenset({404, 405})
 """A server without the endpoint (SGLang before the pause endpoints, a gateway routing

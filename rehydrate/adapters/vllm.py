@@ -21,9 +21,14 @@ canary generation must succeed before the hook does. An engine already awake is 
 again (the canary still runs).
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
-timeout; a POST is never sent again once it may have reached the server, nor after a
-gateway's 502 / 504: ``/is_sleeping`` decides whether it happened); the hook then fails
-with the server's last answer. A server without the dev-mode endpoints (404:
+timeout). A POST is never sent again once it may have reached the server — after a lost
+answer ``/is_sleeping`` decides whether it happened, asked until the deadline for a
+sleep — except after a gateway's 502 / 504: a sleep or wake-up is then sent again (vLLM
+does nothing for a sleep of a sleeping engine or a wake-up of an awake tag, and at level 2
+``/is_sleeping`` cannot tell whether the weights woke), a reload is not. A sleep never
+seen performed is remembered: the next wake sends ``wake_up`` even when ``/is_sleeping``
+says awake (vLLM runs it after the sleep). The hook then fails with the server's last
+answer. A server without the dev-mode endpoints (404:
 ``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode (``--enable-sleep-mode``, CUDA /
 ROCm / XPU only) fails at once with that fix in the message, and so does a canary refused
 with 400 / 404 / 405 (a pooling model, which cannot generate: ``canary=False``).
@@ -33,6 +38,7 @@ Responses are parsed leniently: older servers answer an empty 200, some say
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -117,6 +123,10 @@ class VLLMAdapter(ServerAdapter):
         self.model = model
         self.canary = canary
         self.canary_prompt = canary_prompt
+        self.sleep_unconfirmed = False
+        """True after a sleep that went unanswered and was never seen performed: it may
+        still be (a gateway's 504 while vLLM works on it), so the next wake sends wake_up
+        even to an engine that says it is awake (the wake_up then runs after the sleep)."""
 
     def __repr__(self) -> str:
         target = self.url or type(self.llm).__name__
@@ -130,25 +140,50 @@ class VLLMAdapter(ServerAdapter):
         async with self._session() as s:
             if await s.is_sleeping(until) is True:
                 log.info("vLLM already sleeps; not put to sleep again")
+                self.sleep_unconfirmed = False
                 return
             try:
                 await s.sleep(until)
             except Unconfirmed:
-                # no answer, but the sleep may have happened: the engine's state decides
-                if await s.is_sleeping(until) is not True:
+                # no answer, but the sleep may have happened, or may still be happening
+                # (a gateway's 504 while vLLM works on it): the engine's state decides,
+                # asked until the deadline; until it says so, the next wake wakes anyway
+                self.sleep_unconfirmed = True
+                if not await self._sleeps_by(s, until):
                     raise
                 log.info("vLLM sleep went unanswered but the engine sleeps")
             if await s.is_sleeping(until) is False:
                 raise ServerError(f"vllm{self._at}: the engine accepted sleep but says it is awake")
+            self.sleep_unconfirmed = False
         log.info("vLLM engine asleep (level %d)", self.level)
+
+    @staticmethod
+    async def _sleeps_by(s: _Session, until: float) -> bool:
+        """Whether the engine says it sleeps before ``until`` (asked at least once)."""
+        attempt = 0
+        while True:
+            sleeping = await s.is_sleeping(until)
+            if sleeping is not False:  # None: an engine that cannot tell
+                return sleeping is True
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            attempt += 1
+            await asyncio.sleep(min(0.05 * 2 ** min(attempt - 1, 5), 1.0, left))
 
     async def wake_async(self) -> None:
         """Wake the engine, confirm it is awake, run the canary (the after-restore hook)."""
         until = time.monotonic() + self.deadline
         async with self._session() as s:
-            if await s.is_sleeping(until) is False:
+            if await s.is_sleeping(until) is False and not self.sleep_unconfirmed:
                 log.info("vLLM already awake; not woken again")
             else:
+                if self.sleep_unconfirmed:
+                    # a sleep that went unanswered may still be performed: vLLM takes the
+                    # calls in order, so a wake_up sent now runs after it (and does
+                    # nothing on an engine that stays awake)
+                    log.info("vLLM's last sleep went unanswered: woken whatever "
+                             "/is_sleeping says")
                 if self.level == 2:
                     # An unconfirmed weights wake-up or reload fails the hook: the engine
                     # still sleeps (kv_cache) either way, so /is_sleeping cannot tell
@@ -162,6 +197,7 @@ class VLLMAdapter(ServerAdapter):
                     await self._wake(s, None, until)  # whatever the tags above did not wake
                     if await s.is_sleeping(until) is True:
                         raise ServerError(f"vllm{self._at}: the engine still sleeps after wake_up")
+                self.sleep_unconfirmed = False
             if self.canary:
                 await s.canary(until)
         log.info("vLLM engine awake%s", " and answering" if self.canary else "")
@@ -286,11 +322,16 @@ class _Http(_Session):
         params: dict[str, Any] = {"level": self.a.level}
         if self.a.mode is not None:
             params["mode"] = self.a.mode
-        await self.a.call(self.client, "POST", "/sleep", until=until, params=params)
+        # resend: vLLM's sleep does nothing on an engine already asleep, so a gateway's
+        # 502 / 504 is no reason to stop; what happened is checked with /is_sleeping
+        await self.a.call(self.client, "POST", "/sleep", until=until, params=params,
+                          resend=True)
 
     async def wake_up(self, tags: list[str] | None, until: float) -> None:
+        # resend: vLLM's wake_up of a tag already awake does nothing — at level 2
+        # /is_sleeping (still true: kv_cache) cannot tell whether the weights woke
         r = await self.a.call(self.client, "POST", "/wake_up", until=until,
-                              params={"tags": tags} if tags else None)
+                              params={"tags": tags} if tags else None, resend=True)
         body = json_or_empty(r)  # {"status": ..., "tags": ...}, {"tags_woken": ...} or {}
         log.debug("vLLM wake_up%s: %s", f" {tags}" if tags else "",
                   answer_text(r, str(body.get("status") or body.get("tags_woken") or "ok")))

@@ -27,6 +27,7 @@ from tests.inference_standins import (
     FakeAsyncLLM,
     FakeLLM,
     LosingGateway,
+    SlowUpstream,
     VLLMStandIn,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
@@ -930,30 +931,31 @@ def test_the_adapters_key_deep_in_an_indented_page_is_never_cut_in_half() -> Non
 
 
 @pytest.mark.parametrize("status", [502, 504])
-def test_a_gateways_502_or_504_on_a_performed_sleep_is_checked_not_resent(
+def test_a_gateways_502_or_504_on_every_performed_sleep_is_checked_at_the_deadline(
         url: str, server: tuple[str, Switch], standin: VLLMStandIn, rehydrate_engine: Any,
         status: int) -> None:
-    """vLLM slept, a gateway in front answered 502/504: re-sent on it, the sleep was
-    performed again on every retry and the snapshot failed at the deadline. It is not
-    sent again; /is_sleeping says it happened."""
-    vllm.install(url, engine=rehydrate_engine, deadline=2)
+    """vLLM slept, a gateway in front answers 502/504 to every sleep: re-sent until the
+    deadline (a sleep of a sleeping engine does nothing), the snapshot failed there. The
+    last 502/504 leaves it unconfirmed: /is_sleeping says it happened."""
+    adapter = vllm.install(url, engine=rehydrate_engine, deadline=1)
     server[1].app = LosingGateway(standin, {"/sleep"}, status=status)
     snap = rehydrate_engine.simulate_snapshot()
     assert snap.ok, snap.table()
-    assert standin.log == ["GET /is_sleeping", "POST /sleep?level=1", "GET /is_sleeping",
-                           "GET /is_sleeping"]
+    assert standin.log.count("POST /sleep?level=1") >= 2
+    assert standin.log[-2:] == ["GET /is_sleeping", "GET /is_sleeping"]
+    assert standin.sleeping and standin.weights == "cpu" and not adapter.sleep_unconfirmed
 
 
-def test_a_gateways_504_on_a_performed_wake_up_is_checked_not_resent(
+def test_a_gateways_504_on_every_performed_wake_up_is_checked_at_the_deadline(
         url: str, server: tuple[str, Switch], standin: VLLMStandIn,
         rehydrate_engine: Any) -> None:
-    vllm.install(url, engine=rehydrate_engine, deadline=2)
+    vllm.install(url, engine=rehydrate_engine, deadline=1)
     assert rehydrate_engine.simulate_snapshot().ok
     server[1].app = LosingGateway(standin, {"/wake_up"})
     standin.log.clear()
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
-    assert standin.log.count("POST /wake_up") == 1 and not standin.sleeping
+    assert standin.log.count("POST /wake_up") >= 2 and not standin.sleeping
     assert standin.canaries == 1
 
 
@@ -976,6 +978,102 @@ def test_a_gateways_504_on_a_performed_reload_is_not_resent(
     second = rehydrate_engine.simulate_restore()
     assert second.ok, second.table()
     assert not standin.sleeping and standin.weights == "gpu" and standin.canaries == 1
+
+
+def test_a_gateways_504_on_a_performed_level2_weights_wake_up_is_sent_again(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """At level 2 /is_sleeping says true after wake_up?tags=weights (kv_cache still
+    sleeps), so it cannot tell whether a wake-up answered 504 happened: the restore
+    failed and left vLLM asleep. vLLM's wake_up of a tag already awake does nothing, so it
+    is sent again."""
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/wake_up"}, times=1)
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log[:4] == ["GET /is_sleeping", "POST /wake_up?tags=weights",
+                               "POST /wake_up?tags=weights", "POST /collective_rpc"]
+    assert not standin.sleeping and standin.weights == "gpu" and standin.canaries == 1
+
+
+def test_a_sleep_the_gateway_times_out_is_sent_again_until_it_answers(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """A sleep longer than the gateway's timeout: 504 while vLLM still works on it, and
+    /is_sleeping says false meanwhile — the snapshot failed. Sent again (a sleep of a
+    sleeping engine does nothing), it is answered once vLLM is done."""
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    server[1].app = gateway = SlowUpstream(standin, {"/sleep": 0.6}, timeout=0.2)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log.count("POST /sleep?level=1") >= 2 and standin.sleeping
+    assert gateway.settled.wait(5)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert not standin.sleeping and standin.canaries == 1
+
+
+def test_a_sleep_whose_connection_was_cut_is_awaited_until_the_deadline(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """The answer lost, vLLM still sleeping: /is_sleeping asked once said false and the
+    snapshot failed. It is asked until the deadline."""
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    server[1].app = gateway = SlowUpstream(standin, {"/sleep": 0.6}, timeout=0.1, drop=True)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log.count("POST /sleep?level=1") == 1 and standin.sleeping
+    assert standin.log.count("GET /is_sleeping") >= 3
+    assert gateway.settled.wait(5)
+
+
+def test_a_wake_after_an_unconfirmed_sleep_wakes_whatever_is_sleeping_says(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """A sleep still in vLLM past the deadline: the snapshot fails, /is_sleeping says
+    false, and the resume took it as awake — vLLM fell asleep after it while the engine
+    said ready. The wake_up is sent anyway; vLLM runs it after the sleep."""
+    adapter = vllm.install(url, engine=rehydrate_engine, deadline=0.6)
+    server[1].app = gateway = SlowUpstream(standin, {"/sleep": 1.0}, timeout=0.1, drop=True)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert not snap.ok and adapter.sleep_unconfirmed
+    assert not standin.sleeping  # not yet
+    gateway.timeout = 5  # the calls after it wait behind it in vLLM, answered
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert gateway.settled.wait(5)
+    assert "POST /wake_up" in standin.log
+    assert standin.log.index("POST /wake_up") < standin.log.index("POST /v1/completions")
+    assert not standin.sleeping and standin.weights == "gpu"
+    assert not adapter.sleep_unconfirmed and rehydrate_engine.is_ready()
+
+
+def test_envoys_503_after_forwarding_is_unconfirmed_and_its_connect_failure_retried(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """Envoy / Istio answer 503 "upstream connect error or disconnect/reset before
+    headers" also when the connection died after the request was forwarded: a reload
+    re-sent on it was performed twice. "connection failure" means it never connected."""
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    reset = ("upstream connect error or disconnect/reset before headers. reset reason: "
+             "connection termination")
+    server[1].app = LosingGateway(standin, {"/collective_rpc"}, status=503, times=1,
+                                  message=reset)
+    first = rehydrate_engine.simulate_restore()
+    assert str(hook(first, "rehydrate.vllm.wake").error).startswith(
+        f"vllm POST {url}/collective_rpc: HTTP 503: {reset}; not sent again")
+    assert standin.log.count("POST /collective_rpc") == 1
+    refused = ("upstream connect error or disconnect/reset before headers. reset reason: "
+               "connection failure, transport failure reason: delayed connect error: 111")
+    server[1].app = LosingGateway(standin, {"/collective_rpc"}, status=503, times=1,
+                                  performed=False, message=refused)
+    standin.log.clear()
+    second = rehydrate_engine.simulate_restore()
+    assert second.ok, second.table()
+    assert standin.log.count("POST /collective_rpc") == 1
 
 
 def test_a_gateways_504_on_the_canary_is_sent_again(
