@@ -24,10 +24,16 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   same restore still queued: it reports nothing) waits for readiness instead. It is
   retried until answered, decided again before every attempt (the state the watch saw
   last, :meth:`~AgonesAdapter.shutdown`); ``allocate()``, ``reserve()`` and
-  ``shutdown()`` stop it, and a refusal (4xx but 408/429) ends it.
+  ``shutdown()`` stop it (none goes out while their request is in flight), and a refusal
+  (4xx but 408/429) ends it. Not sent either after one of those calls made since the
+  restore began, nor while the state known from before one is stale (until a GameServer
+  in the state it made, or another GameServer, is seen); a pending deferred
+  :meth:`~AgonesAdapter.ready` of the game's own is not replaced by it.
 * Between the pause and the restore, ``allocate()``, ``reserve()``, ``shutdown()`` and
-  ``gameserver()`` wait for the restore (at most ``deadline``): nothing is in flight or
-  pooled in the image.
+  ``gameserver()`` wait for the restore (at most ``deadline``, the freeze not counted):
+  nothing is in flight or pooled in the image. From a rehydrate hook they fail at once
+  (:class:`AgonesError`): the restore cannot come while that hook runs. The background
+  resync of a failed restore does not run while paused.
 
 Health and watch errors are logged (the first of a streak as a warning) and retried with
 backoff; they never fail a hook.
@@ -1086,8 +1092,11 @@ class AgonesAdapter:
     def allocate(self) -> None:
         """``POST /allocate``: mark this server Allocated (self-allocation). A Ready still
         pending (retried after a restore, or a deferred :meth:`ready`) is not sent after
-        it. Between the before-snapshot pause and the restore it waits for the restore
-        (at most ``deadline``, then :class:`AgonesUnavailable`)."""
+        it, nor a restore's Ready decided on the state known before it (stale until the
+        watch or a fetch shows the GameServer ``Allocated``). Between the before-snapshot
+        pause and the restore it waits for the restore (at most ``deadline``, not
+        counting the freeze, then :class:`AgonesUnavailable`); from a rehydrate hook then
+        it raises :class:`AgonesError` at once."""
         self._call(self._simple("/allocate", hook=in_hook()))
 
     async def aallocate(self) -> None:
@@ -1117,7 +1126,9 @@ class AgonesAdapter:
     def gameserver(self) -> dict[str, Any]:
         """``GET /gameserver``: the GameServer as the sidecar sees it (snake_case JSON).
         Between the before-snapshot pause and the restore it waits for the restore (at
-        most ``deadline``); :attr:`known_gameserver` answers without a request."""
+        most ``deadline``, not counting the freeze; from a rehydrate hook it raises
+        :class:`AgonesError` at once); :attr:`known_gameserver` answers without a
+        request."""
         return self._call(self._get_gameserver(in_hook()))
 
     async def agameserver(self) -> dict[str, Any]:

@@ -1231,6 +1231,48 @@ def test_an_allocate_made_while_paused_makes_the_known_state_stale(
     assert adapter._expected is None
 
 
+def test_a_ready_decided_while_an_allocate_is_in_flight_waits_for_its_answer(
+        sidecar, adapter, rehydrate_engine):
+    """allocate() made while paused goes out as the restore begins; the sidecar has not
+    answered it when the restore's Ready is decided (on the stale fetch: Scheduled). The
+    Ready went out meanwhile, after the allocate had reached the sidecar: a real one
+    applies both, in an order of its own. Holding the gate across the allocate makes the
+    Ready wait for its answer, and then see the known state stale."""
+    adapter.ready()
+    sidecar.wait_for("GET", "/watch/gameserver")
+    assert rehydrate_engine.simulate_snapshot().ok
+    sidecar.set_state("Scheduled")
+    sidecar.faults.answer["/gameserver"] = sidecar.gs.to_json()
+    sidecar.fail_next(10**6, "/watch/gameserver", status=503)
+    answer_allocate = threading.Event()
+    real_apply = sidecar._apply
+
+    def apply(method: str, path: str, body):
+        if path == "/allocate":
+            answer_allocate.wait(10)
+        return real_apply(method, path, body)
+
+    sidecar._apply = apply
+    done: list[object] = []
+    t0 = time.monotonic()
+    call = threading.Thread(target=lambda: done.append(adapter.allocate()))
+    call.start()
+    try:
+        assert rehydrate_engine.simulate_restore().ok
+        wait_for(lambda: sidecar.calls("POST", "/ready", since=t0) or (
+            adapter._ready_task is not None and adapter._ready_gate.locked()),
+            what="the restore's Ready to be sent or to wait for the allocate")
+    finally:
+        answer_allocate.set()
+    call.join(10)
+    assert done == [None]
+    adapter.gameserver()  # barrier: the Ready task has decided
+    [allocate] = sidecar.calls("POST", "/allocate", since=t0)
+    assert [r for r in sidecar.calls("POST", "/ready", since=t0)
+            if r.mono >= allocate.mono] == []
+    assert sidecar.gs.state == "Allocated"
+
+
 def test_a_resync_owed_to_a_failed_restore_does_not_run_while_paused(
         sidecar, rehydrate_engine):
     """A restore's resync missed its deadline; a snapshot came before its report reached
