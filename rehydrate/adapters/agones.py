@@ -664,9 +664,16 @@ class AgonesAdapter:
         if gs == self._gameserver:
             return  # every (re)opened watch stream repeats the current one first
         expected = self._expected
-        if expected is not None and (_identity(gs) != expected[0]
-                                     or gs["status"]["state"] == expected[1]):
-            self._expected = None
+        if expected is not None:
+            seen = _identity(gs)
+            if gs["status"]["state"] == expected[1] or (
+                    expected[0] != (None, None) and seen != expected[0]):
+                self._expected = None
+            elif expected[0] == (None, None):
+                # Called before any GameServer was seen: the first one seen is the one
+                # the call was made for (a call waiting in the pause goes out to the
+                # sidecar of the Pod restored, a clone's included), not another one.
+                self._expected = (seen, expected[1])
         self._gameserver = gs
         self._watch_ends = 0
         for fn in list(self._listeners):

@@ -1198,19 +1198,32 @@ def test_an_allocate_from_a_restore_hook_is_not_followed_by_ready(
     assert sidecar.gs.state == ("Allocated" if answer == 200 else "Scheduled")
 
 
+@pytest.mark.parametrize("seen", [True, False], ids=["seen", "never-seen"])
 def test_an_allocate_made_while_paused_makes_the_known_state_stale(
-        sidecar, adapter, rehydrate_engine, caplog):
+        sidecar, adapter, rehydrate_engine, caplog, seen):
     """allocate() while paused goes out as the restore begins; the resync's fetch still
     answered the state from before it (Scheduled: the sidecar follows the cluster late),
-    and the Ready decided on that went out after the allocate."""
+    and the Ready decided on that went out after the allocate. Also when no GameServer
+    was seen before the call: the first one seen after it is not "another GameServer"."""
     adapter.ready()
-    sidecar.wait_for("GET", "/watch/gameserver")
+    wait_for(lambda: adapter.known_gameserver is not None, what="the watch")
     assert rehydrate_engine.simulate_snapshot().ok
+    if not seen:
+        adapter._gameserver = None  # paused: nothing sets it again before the restore
     sidecar.set_state("Scheduled")
     stale = sidecar.gs.to_json()
-    sidecar.faults.answer["/gameserver"] = stale  # every fetch: the state before
     sidecar.fail_next(10**6, "/watch/gameserver", status=503)
     done: list[object] = []
+    real_apply = sidecar._apply
+
+    def apply(method: str, path: str, body):
+        if path == "/gameserver":
+            # answered once the allocate() returned, with the state from before it
+            wait_for(lambda: done, timeout=10, what="allocate() to return")
+            return 200, stale
+        return real_apply(method, path, body)
+
+    sidecar._apply = apply
     t0 = time.monotonic()
     with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
         call = threading.Thread(target=lambda: done.append(adapter.allocate()))
@@ -1225,7 +1238,7 @@ def test_an_allocate_made_while_paused_makes_the_known_state_stale(
     assert sidecar.calls("POST", "/ready", since=t0) == []
     assert sidecar.gs.state == "Allocated"
     # a GameServer in the state the call made ends the staleness
-    sidecar.faults.answer.clear()
+    sidecar._apply = real_apply
     sidecar.fail_next(0)
     adapter.gameserver()
     assert adapter._expected is None
