@@ -24,10 +24,16 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   same restore still queued: it reports nothing) waits for readiness instead. It is
   retried until answered, decided again before every attempt (the state the watch saw
   last, :meth:`~AgonesAdapter.shutdown`); ``allocate()``, ``reserve()`` and
-  ``shutdown()`` stop it, and a refusal (4xx but 408/429) ends it.
+  ``shutdown()`` stop it (none goes out while their request is in flight), and a refusal
+  (4xx but 408/429) ends it. Not sent either after one of those calls made since the
+  restore began, nor while the state known from before one is stale (until a GameServer
+  in the state it made, or another GameServer, is seen); a pending deferred
+  :meth:`~AgonesAdapter.ready` of the game's own is not replaced by it.
 * Between the pause and the restore, ``allocate()``, ``reserve()``, ``shutdown()`` and
-  ``gameserver()`` wait for the restore (at most ``deadline``): nothing is in flight or
-  pooled in the image.
+  ``gameserver()`` wait for the restore (at most ``deadline``, the freeze not counted):
+  nothing is in flight or pooled in the image. From a rehydrate hook they fail at once
+  (:class:`AgonesError`): the restore cannot come while that hook runs. The background
+  resync of a failed restore does not run while paused.
 
 Health and watch errors are logged (the first of a streak as a warning) and retried with
 backoff; they never fail a hook.
@@ -58,6 +64,7 @@ from rehydrate.extensions import (
     Probe,
     check_seconds,
     fresh_lock_after_fork,
+    in_hook,
     redact,
     resolve_engine,
     shown,
@@ -92,6 +99,16 @@ _NO_READY_STATES = frozenset({"Ready", "RequestReady", "Allocated", "Reserved", 
 _NO_ASKED_READY_STATES = frozenset({"Ready", "RequestReady", "Shutdown"})
 
 _CLOSED = "AgonesAdapter closed while this call waited for the sidecar"
+
+# The state each superseding call puts the GameServer in: until a GameServer in that
+# state (or another GameServer) is seen, the state known from before the call is stale.
+_CALL_STATES = {"/allocate": "Allocated", "/reserve": "Reserved", "/shutdown": "Shutdown"}
+
+# A call made while paused waits for the restore in slices of this many seconds: the
+# freeze of the snapshot (counted by the monotonic clock, DESIGN.md) shows as one long
+# slice, and counts as one, so a clone woken after any freeze does not find the deadline
+# spent.
+_WAIT_SLICE = 0.25
 
 # Agones stores a key as the Kubernetes label or annotation key ``agones.dev/sdk-<key>``:
 # ``sdk-<key>`` must be a Kubernetes name (at most 63 characters, alphanumerics at both
@@ -253,6 +270,15 @@ class AgonesAdapter:
         # Bumped by allocate()/reserve()/shutdown() (under _lock): a Ready decided before
         # one of them (a retry after a restore, a deferred ready()) is not sent after it.
         self._ready_epoch = 0
+        # _ready_epoch when the latest restore began (under _lock): its Ready is decided
+        # against that, so a call made while it ran (a restore hook's or a game thread's
+        # allocate() once ready, before the report) is not followed by a Ready.
+        self._restore_epoch = 0
+        # After allocate()/reserve()/shutdown() was answered: the GameServer's identity
+        # then and the state it goes to. The state known from before is stale (the watch
+        # follows the cluster late) until a GameServer in that state, or another one, is
+        # seen; meanwhile no Ready is decided on it.
+        self._expected: tuple[tuple[Any, Any], str] | None = None
         self._ready_gate = asyncio.Lock()  # held while a POST /ready is in flight
         self._resumed = asyncio.Event()  # clear between the before-snapshot pause and
         self._resumed.set()  # the restore: the SDK calls made meanwhile wait for it
@@ -276,6 +302,7 @@ class AgonesAdapter:
         self._health_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._ready_task: asyncio.Task[None] | None = None
+        self._ready_task_asked = False  # _ready_task sends the game's own ready()
         self._hooks: tuple[Any, ...] = ()
         # Kept across loop restarts: a streak of errors spanning a restore logs one warning.
         self._health_streak = _Streak("health ping")
@@ -636,6 +663,17 @@ class AgonesAdapter:
     def _set_gameserver(self, gs: dict[str, Any]) -> None:
         if gs == self._gameserver:
             return  # every (re)opened watch stream repeats the current one first
+        expected = self._expected
+        if expected is not None:
+            seen = _identity(gs)
+            if gs["status"]["state"] == expected[1] or (
+                    expected[0] != (None, None) and seen != expected[0]):
+                self._expected = None
+            elif expected[0] == (None, None):
+                # Called before any GameServer was seen: the first one seen is the one
+                # the call was made for (a call waiting in the pause goes out to the
+                # sidecar of the Pod restored, a clone's included), not another one.
+                self._expected = (seen, expected[1])
         self._gameserver = gs
         self._watch_ends = 0
         for fn in list(self._listeners):
@@ -652,21 +690,43 @@ class AgonesAdapter:
     async def _pause(self) -> None:
         self._paused = True
         self._resumed.clear()
+        # A resync still owed to a failed restore is not run from the image: the restore
+        # or resume after this snapshot runs one of its own.
+        self._resync_kind = None
         await self._stop_loops()
 
-    async def _wait_restored(self, what: str) -> None:
+    async def _wait_restored(self, what: str, hook: bool = False) -> None:
         """A call between the before-snapshot pause and the restore waits for the
-        restore (at most ``deadline``): sent at once, it left a request in flight or a
-        connection pooled in the image."""
+        restore (at most ``deadline``, not counting the freeze): sent at once, it left a
+        request in flight or a connection pooled in the image. ``hook``: the call comes
+        from a rehydrate hook, which the restore it would wait for cannot follow."""
         if not self._paused:
             return
+        if hook:
+            raise AgonesError(
+                f"{what} from a rehydrate hook while the adapter is paused for a snapshot "
+                "(hook rehydrate.agones.pause ran): the restore it would wait for cannot "
+                "come before this hook returns; read known_gameserver, or make the call "
+                "in a before-snapshot hook that runs before the pause (APPLICATION phase)")
         log.info("%s while paused for a snapshot: sent after the restore", what)
+        loop = asyncio.get_running_loop()
+        resumed = asyncio.ensure_future(self._resumed.wait())
+        left = self.deadline
         try:
-            await asyncio.wait_for(self._resumed.wait(), self.deadline)
-        except asyncio.TimeoutError:
-            raise AgonesUnavailable(
-                f"{what}: the adapter is paused for a snapshot and no restore or resume "
-                f"came within the {self.deadline:g}s deadline") from None
+            while not resumed.done():
+                if left <= 0:
+                    raise AgonesUnavailable(
+                        f"{what}: the adapter is paused for a snapshot and no restore or "
+                        f"resume came within the {self.deadline:g}s deadline")
+                step = min(left, _WAIT_SLICE)
+                began = loop.time()
+                # asyncio.wait, not wait_for: before Python 3.12 wait_for can swallow the
+                # cancellation of close()
+                await asyncio.wait({resumed}, timeout=step)
+                # The freeze of the snapshot passes as one long slice: counted as one.
+                left -= min(loop.time() - began, step)
+        finally:
+            resumed.cancel()
 
     def _on_restore_ping(self) -> None:
         self._call(self._restart_health(), timeout=self.request_timeout + 4.0)
@@ -675,6 +735,8 @@ class AgonesAdapter:
         """A new client (pooled connections died with the freeze) and the health loop
         pinging at once; the resync later reuses both."""
         await self._stop_loops()
+        with self._lock:
+            self._restore_epoch = self._ready_epoch
         self._paused = False
         self._resumed.set()
         self._health_task = asyncio.create_task(self._health_loop())
@@ -723,6 +785,10 @@ class AgonesAdapter:
                 await self._reapply(what, item, until, kind)
 
     async def _start_recovery(self, kind: str) -> None:
+        if self._paused or self._closed:
+            # Paused for a snapshot since the failed run's report was published: its
+            # requests would be in the image; the next restore resyncs anyway.
+            return
         if self._recover_task is not None:
             self._recover_task.cancel()
         self._recover_task = asyncio.create_task(self._finish_resync(kind))
@@ -735,6 +801,8 @@ class AgonesAdapter:
         log.info("Agones resync after the %s: retrying until the sidecar answers", kind)
         attempt = 0
         while True:
+            if self._paused:
+                return  # _pause cancels this task too; never a request from the image
             attempt += 1
             began = time.monotonic()
             try:
@@ -808,7 +876,7 @@ class AgonesAdapter:
         with self._lock:
             self._ready_deferred = False  # this report decides, by the GameServer's state
             asked, self._ready_asked = self._ready_asked, False  # ... or ready()'s own
-            epoch = self._ready_epoch
+            epoch = self._ready_epoch if asked else self._restore_epoch
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._submit(self._ready_after_restore(asked=asked, epoch=epoch))
 
@@ -843,7 +911,9 @@ class AgonesAdapter:
                         return
                     self._ready_deferred = False
                     asked, self._ready_asked = self._ready_asked, False
-                    epoch = self._ready_epoch
+                    # The game's own ready() is superseded by a later call (which clears
+                    # _ready_asked); a restore's Ready by any call since it began.
+                    epoch = self._ready_epoch if asked else self._restore_epoch
                 with contextlib.suppress(RuntimeError):  # closed meanwhile
                     self._submit(self._deferred_ready(eng, asked, epoch))
                 return
@@ -862,7 +932,9 @@ class AgonesAdapter:
             return "the adapter is closed"
         if not self._want_ready:
             return "shutdown() was called since"
-        if epoch != self._ready_epoch:
+        if epoch != self._ready_epoch or (self._expected is not None and not asked):
+            # ... or before the restore began, and the GameServer is not seen in the
+            # state it went to yet: the state known is stale
             return "allocate(), reserve() or shutdown() was called since"
         state = (self._gameserver or {}).get("status", {}).get("state", "")
         if state in (_NO_ASKED_READY_STATES if asked else _NO_READY_STATES):
@@ -877,9 +949,17 @@ class AgonesAdapter:
         and neither do ``Allocated`` or ``Reserved`` (the game returns its server to the
         pool). ``epoch``: :attr:`_ready_epoch` when it was decided. Before every attempt
         the decision is made again, on the state the watch stream saw last."""
-        if self._ready_task is not None:
-            self._ready_task.cancel()
+        current = self._ready_task
+        if current is not None and not current.done():
+            if self._ready_task_asked and not asked:
+                # The game's own ready() is pending (the readiness waiter took it before
+                # this report did): it goes out in every state this one would, and more.
+                # Replacing it lost the Ready of an Allocated server the game returned.
+                log.debug("the restore's Ready is left to the pending deferred ready()")
+                return
+            current.cancel()
         self._ready_task = asyncio.current_task()
+        self._ready_task_asked = asked
         what = "the deferred ready()" if asked else "after the restore"
         state = (self._gameserver or {}).get("status", {}).get("state", "")
         attempt = 0
@@ -895,6 +975,8 @@ class AgonesAdapter:
                         return
                     try:
                         await self._request("POST", "/ready", {})
+                        if asked:
+                            self._expected = None  # the game's call is the newer one
                         log.info("GameServer marked Ready again (%s; was %s)", what,
                                  state or "unknown")
                         return
@@ -917,8 +999,9 @@ class AgonesAdapter:
     async def _supersede_ready(self, what: str) -> None:
         """allocate(), reserve() or shutdown(): a Ready decided before (retried after a
         restore, or deferred) is not sent after it — it marked an Allocated server Ready,
-        and a second match landed on it. An attempt already in flight is answered first,
-        so that the sidecar never sees it after this call."""
+        and a second match landed on it. An attempt already in flight is answered first
+        (the caller then holds the gate across its own request), so that the sidecar
+        never sees it after this call."""
         with self._lock:
             self._ready_epoch += 1
             dropped = self._ready_deferred
@@ -928,8 +1011,6 @@ class AgonesAdapter:
             dropped = True
             if not self._ready_gate.locked():
                 task.cancel()
-        async with self._ready_gate:
-            pass
         if dropped:
             log.info("%s: the pending Ready is not sent", what)
 
@@ -952,6 +1033,7 @@ class AgonesAdapter:
                 self._want_ready = True
             raise
         self._want_ready = True
+        self._expected = None  # the game's own Ready is newer than any earlier call
 
     async def _metadata(self, kind: str, key: str, value: str) -> None:
         _check_metadata(kind, key, value)
@@ -1003,54 +1085,64 @@ class AgonesAdapter:
     async def aset_annotation(self, key: str, value: str) -> None:
         await self._await(self._metadata("annotation", key, value))
 
-    async def _simple(self, path: str, body: dict[str, Any] | None = None) -> None:
+    async def _simple(self, path: str, body: dict[str, Any] | None = None,
+                      hook: bool = False) -> None:
         what = f"POST {path}"
         await self._supersede_ready(what)
-        await self._wait_restored(what)
-        await self._request("POST", path, {} if body is None else body)
+        # Held across the request: a Ready attempt (decided before this call, or not yet
+        # seeing it in the epoch) is either answered before it or decided after it.
+        async with self._ready_gate:
+            await self._wait_restored(what, hook)
+            await self._request("POST", path, {} if body is None else body)
+            self._expected = (_identity(self._gameserver), _CALL_STATES[path])
 
     def allocate(self) -> None:
         """``POST /allocate``: mark this server Allocated (self-allocation). A Ready still
         pending (retried after a restore, or a deferred :meth:`ready`) is not sent after
-        it. Between the before-snapshot pause and the restore it waits for the restore
-        (at most ``deadline``, then :class:`AgonesUnavailable`)."""
-        self._call(self._simple("/allocate"))
+        it, nor a restore's Ready decided on the state known before it (stale until the
+        watch or a fetch shows the GameServer ``Allocated``). Between the before-snapshot
+        pause and the restore it waits for the restore (at most ``deadline``, not
+        counting the freeze, then :class:`AgonesUnavailable`); from a rehydrate hook then
+        it raises :class:`AgonesError` at once."""
+        self._call(self._simple("/allocate", hook=in_hook()))
 
     async def aallocate(self) -> None:
-        await self._await(self._simple("/allocate"))
+        await self._await(self._simple("/allocate", hook=in_hook()))
 
     def reserve(self, seconds: int) -> None:
         """``POST /reserve``: Reserved for ``seconds`` (0: until allocated), a whole number
         up to a year. A pending Ready and the snapshot pause: as for :meth:`allocate`."""
         body = {"seconds": _reserve_seconds(seconds)}
-        self._call(self._simple("/reserve", body))
+        self._call(self._simple("/reserve", body, hook=in_hook()))
 
     async def areserve(self, seconds: int) -> None:
         body = {"seconds": _reserve_seconds(seconds)}
-        await self._await(self._simple("/reserve", body))
+        await self._await(self._simple("/reserve", body, hook=in_hook()))
 
     def shutdown(self) -> None:
         """``POST /shutdown``: ask Agones to shut this server down. The adapter no longer
         asks to be Ready after a restore. A pending Ready and the snapshot pause: as for
         :meth:`allocate`."""
         self._want_ready = False
-        self._call(self._simple("/shutdown"))
+        self._call(self._simple("/shutdown", hook=in_hook()))
 
     async def ashutdown(self) -> None:
         self._want_ready = False
-        await self._await(self._simple("/shutdown"))
+        await self._await(self._simple("/shutdown", hook=in_hook()))
 
     def gameserver(self) -> dict[str, Any]:
         """``GET /gameserver``: the GameServer as the sidecar sees it (snake_case JSON).
         Between the before-snapshot pause and the restore it waits for the restore (at
-        most ``deadline``); :attr:`known_gameserver` answers without a request."""
-        return self._call(self._get_gameserver())
+        most ``deadline``, not counting the freeze; from a rehydrate hook it raises
+        :class:`AgonesError` at once); :attr:`known_gameserver` answers without a
+        request."""
+        return self._call(self._get_gameserver(in_hook()))
 
     async def agameserver(self) -> dict[str, Any]:
-        return await self._await(self._get_gameserver())
+        return await self._await(self._get_gameserver(in_hook()))
 
-    async def _get_gameserver(self) -> dict[str, Any]:
-        await self._wait_restored("GET /gameserver")
+    async def _get_gameserver(self, hook: bool = False) -> dict[str, Any]:
+        await self._wait_restored("GET /gameserver", hook)
         gs = self._checked(await self._request("GET", "/gameserver"))
         self._set_gameserver(gs)
         return gs
@@ -1112,6 +1204,11 @@ def _gameserver_shaped(gs: object) -> TypeGuard[dict[str, Any]]:
     status = gs.get("status")
     return isinstance(status, dict) and isinstance(status.get("state"), str) and bool(
         status["state"])
+
+
+def _identity(gs: dict[str, Any] | None) -> tuple[Any, Any]:
+    meta = (gs or {}).get("object_meta", {})
+    return meta.get("name"), meta.get("uid")
 
 
 def _compare(before: dict[str, Any] | None, after: dict[str, Any], kind: str) -> None:

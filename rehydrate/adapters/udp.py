@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -230,7 +231,8 @@ class UdpEndpoint:
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.
         The new socket is bound before the old one is closed (unless the old one holds
-        that very address), so a failed bind leaves the old one open. Raises ``OSError``
+        that very address), so a failed bind leaves the old one open; a host name is
+        bound at its first address of the old socket's family, and only there. Raises ``OSError``
         naming the endpoint, the address and what to do when binding again fails (the
         hook then fails, and the process is not ready), ``RuntimeError`` before
         :meth:`start` and after :meth:`close`."""
@@ -266,35 +268,66 @@ class UdpEndpoint:
         it closed first."""
         addr = self._wanted()
         try:
+            at = await self._first_address(addr, old)
             try:
-                new = await self._open(addr)
+                new = await self._open(at)
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
                 old.close()
                 await asyncio.sleep(0)  # let the loop drop the old reader before binding
-                new = await self._open(addr)
+                new = await self._open(at)
         except OSError as exc:
             raise self._rebind_failed(addr, exc) from exc
         self._bound(new)
         old.close()
         await asyncio.sleep(0)  # the old transport's connection_lost, while _rebinding
 
+    @staticmethod
+    async def _first_address(addr: Address, old: asyncio.DatagramTransport) -> Address:
+        """The one address a host name in ``addr`` stands for: the first it resolves to
+        of the old socket's family (else the first). Given the name, asyncio tries every
+        address in turn: the first (``::1``) was still held by the old socket, so the new
+        one went to the next (``127.0.0.1``) where no client sends."""
+        host, port = addr[0], addr[1]
+        if host == "":
+            return addr
+        if host is not None:  # None: the loopback addresses, as getaddrinfo() has it
+            try:
+                ipaddress.ip_address(str(host).split("%", 1)[0])
+            except ValueError:
+                pass
+            else:
+                return addr  # an address already: nothing to choose
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                             type=socket.SOCK_DGRAM)
+        if not infos:
+            raise OSError(errno.EADDRNOTAVAIL, f"{host} resolves to no address")
+        sock = old.get_extra_info("socket")
+        family = getattr(sock, "family", None)
+        first = next((i for i in infos if i[0] == family), infos[0])
+        return str(first[4][0]), port
+
     def _rebind_failed(self, addr: Address, exc: OSError) -> OSError:
         """``exc`` with the endpoint, the address and what to do (a bare "[Errno 99]
         Cannot assign requested address" said none of them)."""
+        host = str(addr[0])
+        v6 = ":" in host
         if callable(self._local_addr):
             hint = "local_addr() returned it: is it this host's address now?"
-        elif addr[0] in ("0.0.0.0", "::", ""):  # noqa: S104 - naming a wildcard bind
+        elif host in ("0.0.0.0", "::", ""):  # noqa: S104 - naming a wildcard bind
             hint = "is the port taken by another socket?"
         else:
+            wildcard = "::" if v6 else "0.0.0.0"  # noqa: S104 - the fix the hint names
             hint = (f"a fixed address: a clone in a new Pod has another IP; bind "
-                    f"('0.0.0.0', {addr[1]}) or pass local_addr as a callable "
+                    f"({wildcard!r}, {addr[1]}) or pass local_addr as a callable "
                     f"(e.g. lambda: (os.environ['POD_IP'], {addr[1]})), evaluated at "
                     f"every bind")
+        # [2001:db8::1]:7777, not 2001:db8::1:7777 (which reads as one IPv6 address)
+        where = f"[{host}]:{addr[1]}" if v6 else f"{host}:{addr[1]}"
         reason = exc.strerror or str(exc) or type(exc).__name__
         return OSError(exc.errno, f"UDP endpoint {self.name!r}: binding again at "
-                                  f"{addr[0]}:{addr[1]} failed ({reason}); {hint}")
+                                  f"{where} failed ({reason}); {hint}")
 
     def _not_started(self, what: str) -> RuntimeError:
         return RuntimeError(f"UDP endpoint {self.name!r} is not started: await start() "

@@ -1020,19 +1020,46 @@ def test_a_refused_ready_after_a_restore_is_not_retried(sidecar, adapter, rehydr
 
 
 def test_the_games_own_ready_deferred_by_a_snapshot_returns_an_allocated_server(
-        sidecar, adapter, rehydrate_engine):
+        sidecar, rehydrate_engine, monkeypatch):
     """Agones' reuse of an Allocated GameServer: the match ends and the game calls ready()
-    to return the server to the pool. Made during the snapshot window, it was deferred
-    ("remembered and sent"), then dropped because the GameServer was Allocated."""
-    adapter.ready()
-    adapter.allocate()
-    assert rehydrate_engine.simulate_snapshot().ok
-    t_snap = time.monotonic()
-    adapter.ready()  # not ready while paused: deferred
-    assert sidecar.calls("POST", "/ready", since=t_snap) == []
-    assert rehydrate_engine.simulate_restore().ok
-    sidecar.wait_for("POST", "/ready", since=t_snap)
-    assert sidecar.gs.state == "Ready"
+    to return the server to the pool. Made during the snapshot window, it is deferred and
+    sent once rehydrate is ready. The ordering that lost it is forced: the readiness
+    waiter takes the deferred ready() (its first POST /ready fails, so it is pending in
+    its backoff) before the restore's report does, whose Ready (not the game's: the
+    GameServer is Allocated, so none) replaced it."""
+    from rehydrate.adapters import agones as agones_module
+
+    reported = threading.Event()
+    t_snap = [float("inf")]
+
+    def before(report) -> None:  # runs ahead of the adapter's listener
+        if report.kind == "restore":
+            sidecar.wait_for("POST", "/ready", since=t_snap[0], status=503)
+
+    def backoff(attempt: int, cap: float) -> float:
+        reported.wait(10)  # the loop holds here until the adapter's listener has run
+        return 0.01
+
+    rehydrate_engine.add_listener(before)
+    a = _adapter(sidecar, rehydrate_engine)
+    a.install()
+    rehydrate_engine.add_listener(
+        lambda report: reported.set() if report.kind == "restore" else None)
+    try:
+        a.ready()
+        a.allocate()
+        assert rehydrate_engine.simulate_snapshot().ok
+        t_snap[0] = time.monotonic()
+        a.ready()  # not ready while paused: deferred
+        assert sidecar.calls("POST", "/ready", since=t_snap[0]) == []
+        sidecar.fail_next(1, "/ready", status=503)
+        monkeypatch.setattr(agones_module, "_backoff", backoff)
+        assert rehydrate_engine.simulate_restore().ok
+        sidecar.wait_for("POST", "/ready", since=t_snap[0])
+        assert sidecar.gs.state == "Ready"
+    finally:
+        reported.set()
+        a.close()
 
 
 def test_the_games_own_ready_deferred_by_a_degraded_restore_goes_out_on_recovery(
@@ -1056,9 +1083,12 @@ def test_the_games_own_ready_deferred_by_a_degraded_restore_goes_out_on_recovery
     assert sidecar.gs.state == "Ready"
 
 
-def test_allocate_after_a_deferred_ready_drops_it(sidecar, adapter, rehydrate_engine):
-    """The game's ready() deferred, then allocate(): the Ready, sent once rehydrate is
-    ready, would have made the Allocated server Ready."""
+def test_allocate_after_a_deferred_ready_was_taken_drops_it(sidecar, adapter,
+                                                            rehydrate_engine):
+    """The game's ready() deferred (degraded), then allocate() — ordered so that the
+    readiness waiter has already taken the deferred Ready and handed it to the adapter's
+    loop when allocate() runs there: only the epoch, checked when the Ready is about to
+    go out, keeps the Allocated server from being marked Ready."""
 
     @rehydrate_engine.registry.after_restore(name="game.db")
     def db() -> None:
@@ -1067,13 +1097,297 @@ def test_allocate_after_a_deferred_ready_drops_it(sidecar, adapter, rehydrate_en
     t0 = time.monotonic()
     assert not rehydrate_engine.simulate_restore().ok
     adapter.ready()  # deferred (degraded)
-    adapter.allocate()  # sent: the adapter is not paused
-    assert rehydrate_engine.recovered("game.db")
-    wait_for(lambda: "rehydrate-agones-ready" not in [t.name for t in threading.enumerate()],
-             what="the readiness waiter to end")
+    hold, held = threading.Event(), threading.Event()
+
+    async def block_the_loop() -> None:
+        held.set()
+        hold.wait(10)  # blocks the adapter's loop: what is handed to it queues up
+
+    adapter._submit(block_the_loop())
+    assert held.wait(10)
+    try:
+        allocated = adapter._submit(adapter._simple("/allocate"))  # queued first
+        assert rehydrate_engine.recovered("game.db")
+        # the waiter saw readiness, took the deferred Ready and queued it behind
+        wait_for(lambda: "rehydrate-agones-ready" not in [t.name for t in
+                                                          threading.enumerate()],
+                 what="the readiness waiter to hand the Ready over")
+        assert not adapter._ready_deferred
+    finally:
+        hold.set()
+    allocated.result(10)
     adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
     assert sidecar.calls("POST", "/ready", since=t0) == []
     assert sidecar.gs.state == "Allocated"
+
+
+def _ready_decided(caplog) -> bool:
+    text = caplog.text
+    return "not asking to be Ready (after the restore)" in text or \
+        "marked Ready again (after the restore" in text
+
+
+def test_an_allocate_once_ready_before_the_restores_report_is_not_followed_by_ready(
+        sidecar, rehydrate_engine, caplog):
+    """The game waits for rehydrate to be ready after a restore, then self-allocates; the
+    restore's report reached the adapter after that (a listener ahead of it did a little
+    I/O). Its Ready was decided then, with the counter bumped by allocate() and on the
+    state the resync fetched before it (Scheduled): the Allocated server went Ready."""
+    allocated = threading.Event()
+    rehydrate_engine.add_listener(
+        lambda report: allocated.wait(10) if report.kind == "restore" else None)
+    a = _adapter(sidecar, rehydrate_engine)
+    a.install()
+    try:
+        a.ready()
+        sidecar.wait_for("GET", "/watch/gameserver")
+        assert rehydrate_engine.simulate_snapshot().ok
+        sidecar.fail_next(10**6, "/watch/gameserver", status=503)  # it shows nothing new
+        sidecar.set_state("Scheduled")  # a clone in a new Pod
+
+        def game() -> None:
+            assert rehydrate_engine.wait_ready(10)
+            a.allocate()  # a player joined
+            allocated.set()
+
+        player = threading.Thread(target=game)
+        player.start()
+        t0 = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+            assert rehydrate_engine.simulate_restore().ok
+            player.join(10)
+            wait_for(lambda: _ready_decided(caplog), what="the restore's Ready decided")
+        assert sidecar.calls("POST", "/ready", since=t0) == []
+        assert sidecar.gs.state == "Allocated"
+    finally:
+        allocated.set()
+        a.close()
+
+
+@pytest.mark.parametrize("answer", [200, 503])
+def test_an_allocate_from_a_restore_hook_is_not_followed_by_ready(
+        sidecar, adapter, rehydrate_engine, caplog, answer):
+    """A game's own restore hook (APPLICATION phase) self-allocates: a match was running
+    when the snapshot was taken. The watch does not show it yet (it follows the cluster
+    late); the report decided the Ready on the state the resync fetched before it, with
+    the counter read after the allocate. Also when the allocate failed (503): it may have
+    been applied, and a Ready decided before it is never sent after it."""
+    from rehydrate import Phase
+
+    adapter.ready()
+    sidecar.wait_for("GET", "/watch/gameserver")
+
+    @rehydrate_engine.registry.after_restore(name="game.rejoin", phase=Phase.APPLICATION)
+    def rejoin() -> None:
+        try:
+            adapter.allocate()
+        except AgonesError:
+            assert answer == 503
+
+    assert rehydrate_engine.simulate_snapshot().ok
+    paths = ("/watch/gameserver",) if answer == 200 else ("/watch/gameserver", "/allocate")
+    sidecar.fail_next(10**6, *paths, status=503)
+    sidecar.set_state("Scheduled")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        wait_for(lambda: _ready_decided(caplog), what="the restore's Ready decided")
+    assert sidecar.calls("POST", "/ready", since=t0) == []
+    assert sidecar.calls("POST", "/allocate", since=t0)
+    assert sidecar.gs.state == ("Allocated" if answer == 200 else "Scheduled")
+
+
+@pytest.mark.parametrize("seen", [True, False], ids=["seen", "never-seen"])
+def test_an_allocate_made_while_paused_makes_the_known_state_stale(
+        sidecar, adapter, rehydrate_engine, caplog, seen):
+    """allocate() while paused goes out as the restore begins; the resync's fetch still
+    answered the state from before it (Scheduled: the sidecar follows the cluster late),
+    and the Ready decided on that went out after the allocate. Also when no GameServer
+    was seen before the call: the first one seen after it is not "another GameServer"."""
+    adapter.ready()
+    wait_for(lambda: adapter.known_gameserver is not None, what="the watch")
+    assert rehydrate_engine.simulate_snapshot().ok
+    if not seen:
+        adapter._gameserver = None  # paused: nothing sets it again before the restore
+    sidecar.set_state("Scheduled")
+    stale = sidecar.gs.to_json()
+    sidecar.fail_next(10**6, "/watch/gameserver", status=503)
+    done: list[object] = []
+    real_apply = sidecar._apply
+
+    def apply(method: str, path: str, body):
+        if path == "/gameserver":
+            # answered once the allocate() returned, with the state from before it
+            wait_for(lambda: done, timeout=10, what="allocate() to return")
+            return 200, stale
+        return real_apply(method, path, body)
+
+    sidecar._apply = apply
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        call = threading.Thread(target=lambda: done.append(adapter.allocate()))
+        call.start()
+        wait_for(lambda: "POST /allocate while paused" in caplog.text,
+                 what="the call to wait for the restore")
+        assert rehydrate_engine.simulate_restore().ok
+        call.join(10)
+        wait_for(lambda: _ready_decided(caplog), what="the restore's Ready decided")
+    assert done == [None]
+    assert adapter.known_gameserver["status"]["state"] == "Scheduled"  # stale
+    assert sidecar.calls("POST", "/ready", since=t0) == []
+    assert sidecar.gs.state == "Allocated"
+    # a GameServer in the state the call made ends the staleness
+    sidecar._apply = real_apply
+    sidecar.fail_next(0)
+    adapter.gameserver()
+    assert adapter._expected is None
+
+
+def test_a_ready_decided_while_an_allocate_is_in_flight_waits_for_its_answer(
+        sidecar, adapter, rehydrate_engine):
+    """allocate() made while paused goes out as the restore begins; the sidecar has not
+    answered it when the restore's Ready is decided (on the stale fetch: Scheduled). The
+    Ready went out meanwhile, after the allocate had reached the sidecar: a real one
+    applies both, in an order of its own. Holding the gate across the allocate makes the
+    Ready wait for its answer, and then see the known state stale."""
+    adapter.ready()
+    sidecar.wait_for("GET", "/watch/gameserver")
+    assert rehydrate_engine.simulate_snapshot().ok
+    sidecar.set_state("Scheduled")
+    sidecar.faults.answer["/gameserver"] = sidecar.gs.to_json()
+    sidecar.fail_next(10**6, "/watch/gameserver", status=503)
+    answer_allocate = threading.Event()
+    real_apply = sidecar._apply
+
+    def apply(method: str, path: str, body):
+        if path == "/allocate":
+            answer_allocate.wait(10)
+        return real_apply(method, path, body)
+
+    sidecar._apply = apply
+    done: list[object] = []
+    t0 = time.monotonic()
+    call = threading.Thread(target=lambda: done.append(adapter.allocate()))
+    call.start()
+    try:
+        assert rehydrate_engine.simulate_restore().ok
+        wait_for(lambda: sidecar.calls("POST", "/ready", since=t0) or (
+            adapter._ready_task is not None and adapter._ready_gate.locked()),
+            what="the restore's Ready to be sent or to wait for the allocate")
+    finally:
+        answer_allocate.set()
+    call.join(10)
+    assert done == [None]
+    adapter.gameserver()  # barrier: the Ready task has decided
+    [allocate] = sidecar.calls("POST", "/allocate", since=t0)
+    assert [r for r in sidecar.calls("POST", "/ready", since=t0)
+            if r.mono >= allocate.mono] == []
+    assert sidecar.gs.state == "Allocated"
+
+
+def test_a_resync_owed_to_a_failed_restore_does_not_run_while_paused(
+        sidecar, rehydrate_engine):
+    """A restore's resync missed its deadline; a snapshot came before its report reached
+    the adapter's listener (the engine publishes outside its run lock). The background
+    resync then started after the pause and talked to the sidecar from the image."""
+    snapshotted = threading.Event()
+    rehydrate_engine.add_listener(
+        lambda report: snapshotted.wait(10) if report.kind == "restore" else None)
+    a = _adapter(sidecar, rehydrate_engine, deadline=0.5, request_timeout=0.3)
+    a.install()
+    try:
+        a.ready()
+        sidecar.wait_for("GET", "/watch/gameserver")
+        assert rehydrate_engine.simulate_snapshot().ok
+        sidecar.set_state("Scheduled")
+        sidecar.fail_next(10**6, "/gameserver", status=503)
+        second: dict[str, object] = {}
+
+        def snapshot_when_degraded() -> None:
+            wait_for(lambda: rehydrate_engine.status().state == "degraded", timeout=10,
+                     what="the failed restore")
+            second["report"] = rehydrate_engine.simulate_snapshot()
+            snapshotted.set()
+
+        snap = threading.Thread(target=snapshot_when_degraded)
+        snap.start()
+        assert not rehydrate_engine.simulate_restore().ok
+        snap.join(10)
+        assert second["report"].ok
+        assert a._paused
+        a._call(asyncio.sleep(0))  # barrier: what the listener handed over has run
+        assert a._recover_task is None
+        assert a._client is None
+        sidecar.fail_next(0)
+        t0 = time.monotonic()
+        assert rehydrate_engine.simulate_restore().ok  # resyncs on its own
+        sidecar.wait_for("POST", "/ready", since=t0)
+    finally:
+        snapshotted.set()
+        a.close()
+
+
+def test_a_call_waiting_for_the_restore_does_not_count_the_freeze(
+        sidecar, adapter, rehydrate_engine, caplog):
+    """The monotonic clock counts the time frozen in the image (DESIGN.md): a call made
+    in the pause window failed with AgonesUnavailable the moment the clone woke. The
+    freeze is a jump of the adapter's loop clock here."""
+    assert rehydrate_engine.simulate_snapshot().ok
+    done: list[object] = []
+
+    def call() -> None:
+        try:
+            done.append(adapter.allocate())
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            done.append(exc)
+
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        caller = threading.Thread(target=call)
+        caller.start()
+        wait_for(lambda: "POST /allocate while paused" in caplog.text,
+                 what="the call to wait for the restore")
+    loop = adapter._loop
+    real = loop.time
+    loop.time = lambda: real() + 3600.0  # an hour in the image, well over deadline=3
+    for _ in range(5):  # the loop wakes, sees its timers due, and runs what they woke
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)
+    assert done == []
+    t_restore = time.monotonic()
+    assert rehydrate_engine.simulate_restore().ok
+    caller.join(10)
+    assert done == [None]
+    [allocate] = sidecar.calls("POST", "/allocate")
+    assert allocate.mono >= t_restore
+
+
+def test_a_call_from_a_hook_while_paused_fails_at_once(sidecar, adapter, rehydrate_engine):
+    """A before-snapshot hook that runs after the adapter's pause (ENVIRONMENT phase: the
+    phases run in reverse) read the GameServer: it waited the whole deadline for a
+    restore that cannot come while the snapshot waits for this very hook."""
+    from rehydrate import Phase
+    from rehydrate.adapters.agones import AgonesUnavailable
+
+    got: list[BaseException] = []
+
+    @rehydrate_engine.registry.before_snapshot(name="game.note", phase=Phase.ENVIRONMENT)
+    def note() -> None:
+        for call in (adapter.gameserver, adapter.allocate):
+            try:
+                call()
+            except AgonesError as exc:
+                got.append(exc)
+
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert len(got) == 2
+    assert not any(isinstance(e, AgonesUnavailable) for e in got)
+    assert str(got[0]).startswith(
+        "GET /gameserver from a rehydrate hook while the adapter is paused for a "
+        "snapshot (hook rehydrate.agones.pause ran): the restore it would wait for "
+        "cannot come before this hook returns")
+    assert str(got[1]).startswith("POST /allocate from a rehydrate hook")
+    assert sidecar.calls("GET", "/gameserver") == []
+    assert sidecar.calls("POST", "/allocate") == []
 
 
 def test_a_resync_that_missed_its_deadline_finishes_once_the_sidecar_answers(

@@ -352,3 +352,72 @@ async def test_a_failed_rebind_at_a_fixed_address_names_the_fix(rehydrate_engine
         assert not ep.transport.is_closing()
     finally:
         ep.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+async def test_a_rebind_at_a_name_of_several_addresses_keeps_the_first(
+        rehydrate_engine, monkeypatch):
+    """local_addr() names a host that resolves to ::1 and 127.0.0.1 (a dual-stack Pod's
+    name). The new socket is bound before the old one closes: asyncio, given the name,
+    met ::1:P still held, went on to 127.0.0.1:P and bound there, where no client sends."""
+    assert _ipv6_loopback(), "this test needs the IPv6 loopback"
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host == "game.test":
+            return [(socket.AF_INET6, socket.SOCK_DGRAM, 17, "", ("::1", port, 0, 0)),
+                    (socket.AF_INET, socket.SOCK_DGRAM, 17, "", ("127.0.0.1", port))]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    ep = UdpEndpoint(Echo, lambda: ("game.test", port), engine=rehydrate_engine,
+                     name="dual", probe_timeout=0.3)
+    await ep.start()
+    try:
+        assert ep.address == ("::1", port)
+
+        async def dead() -> bool:
+            return False
+
+        monkeypatch.setattr(ep, "check", dead)
+        assert await ep.ensure()
+        assert ep.address == ("::1", port)
+    finally:
+        ep.close()
+
+
+async def test_a_failed_rebind_at_a_fixed_ipv6_address_brackets_it_and_hints_ipv6(
+        rehydrate_engine, monkeypatch):
+    """It said "binding again at 2001:db8::1:P" (one IPv6 address, as it reads) and
+    hinted an IPv4-only wildcard."""
+    assert _ipv6_loopback(), "this test needs the IPv6 loopback"
+    ep = UdpEndpoint(Echo, ("::1", 0), engine=rehydrate_engine, name="v6",
+                     probe_timeout=0.3)
+    await ep.start()
+    try:
+        port = ep.address[1]
+
+        async def dead() -> bool:
+            return False
+
+        monkeypatch.setattr(ep, "check", dead)
+        monkeypatch.setattr(ep, "_wanted", lambda: ("2001:db8::1", port))
+        with pytest.raises(OSError, match=(
+                rf"UDP endpoint 'v6': binding again at \[2001:db8::1\]:{port} failed "
+                rf".*; a fixed address: a clone in a new Pod has another IP; bind "
+                rf"\('::', {port}\) or pass local_addr as a callable")):
+            await ep.ensure()
+        assert not ep.transport.is_closing()
+    finally:
+        ep.close()
