@@ -162,7 +162,8 @@ class Variable:
     "off" while ``0.0`` was a bad value). ``choices``: ``choice``: the accepted values;
     ``list``: the accepted entries (case-insensitive). ``key_patterns``: ``list``: glob
     patterns of environment keys; an entry that cannot be meant (white space, ``;`` or
-    quotes in it, all ``*``, lower case matching no key but one in another case) is kept
+    quotes in it, all ``*``, lower case matching no key but one in another case, unless
+    it matches a conventionally lower-case key: :data:`LOWER_CASE_KEYS`) is kept
     and warned about, once each (:func:`_pattern_problem`).
     """
 
@@ -323,6 +324,11 @@ def _unknown_entries(var: Variable, entries: tuple[str, ...]) -> list[str]:
     return [e for e in entries if e.lower() not in var.choices]
 
 
+LOWER_CASE_KEYS = ("http_proxy", "https_proxy", "ftp_proxy", "no_proxy", "all_proxy")
+"""Keys conventionally lower case (curl, wget, requests read them so): a protect
+pattern that matches one is no case mistake, even beside its upper-case twin."""
+
+
 def _pattern_problem(pattern: str) -> str | None:
     """What is wrong with an entry of a ``key_patterns`` list, or None. The same text is
     the warning (after the variable's name) and ``rehydrate doctor``'s problem: before,
@@ -337,7 +343,9 @@ def _pattern_problem(pattern: str) -> str | None:
         import fnmatch
 
         keys = list(os.environ)
-        if not any(fnmatch.fnmatchcase(k, pattern) for k in keys):
+        # A lower-case key by convention (http_proxy beside HTTP_PROXY) is meant as it is,
+        # whether the process has it now or only the environment file does.
+        if not any(fnmatch.fnmatchcase(k, pattern) for k in (*keys, *LOWER_CASE_KEYS)):
             folded = pattern.lower()
             other = next((k for k in keys if fnmatch.fnmatchcase(k.lower(), folded)), None)
             if other is not None:

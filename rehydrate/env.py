@@ -27,6 +27,8 @@ from ._hooks import BEFORE_USER_HOOKS, Phase
 from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
+    import hashlib
+
     from ._context import RestoreContext
     from ._contract import Engine
 
@@ -171,6 +173,17 @@ def read_environ(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
 READ_TIMEOUT = 5.0
 
 
+def _blake2b() -> type[hashlib.blake2b]:
+    """BLAKE2b, from CPython's ``_blake2`` (0.2 ms to import) rather than ``hashlib``
+    (2-3 ms, most of it OpenSSL's ``_hashlib``, which a refresh does not need); first
+    called by :meth:`EnvRefresher.baseline`, i.e. before the snapshot."""
+    try:
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - an interpreter without the builtin module
+        from hashlib import blake2b
+    return blake2b
+
+
 def _read_within(path: str, timeout: float | None) -> dict[bytes, bytes]:
     """:func:`read_environ` on a pool thread, waited for at most ``timeout`` seconds
     (``None``: as long as it takes).
@@ -228,6 +241,12 @@ class EnvRefresher:
     The refresher keeps no value of the file: only a keyed hash of each (BLAKE2b, with a
     random key of this refresher's), enough to tell equality, so that a secret the
     application deleted from ``os.environ`` is not kept in every snapshot image by it.
+    Only a high-entropy value is protected so: the key is in the image too, and a short
+    value (a PIN) is found by hashing guesses offline. The hash is there to tell "the
+    application changed it" apart, not to keep a secret.
+
+    An overlay that removes a key of the file leaves it the file's: a later file without
+    it removes it again (update), when the application set it since.
 
     Whatever the policy, a file never sets, changes or removes :data:`NEVER_FROM_FILE`
     keys (``REHYDRATE_*``, ``LD_*``, ``PYTHON*`` …), a refresh never removes :data:`KEEP`
@@ -260,8 +279,6 @@ class EnvRefresher:
         # stays "no limit", as it always was (Future.result(None) waits however long).
         if self.read_timeout is not None:
             self.read_timeout = _config.seconds(self.read_timeout, "read_timeout")
-        self._lock = threading.Lock()
-        fresh_lock_after_fork(self)  # a parent thread may hold it at fork() (a refresh)
         # The file the last refresh applied (or the baseline), key -> value: its keys tell
         # which ones a later file removes, its values which keys the application changed
         # since (a refresh resets those: one warning) and what the platform changed even
@@ -276,14 +293,21 @@ class EnvRefresher:
         # takes REHYDRATE_ENV_PROTECT (from_config), any other only protect=.
         self._protect_setting = "EnvRefresher(protect=...)"
         # Where this refresher stands in the process's sequence of restores (_Event): the
-        # event of its last refresh, and when it last took a baseline (made, a snapshot).
+        # event of its last refresh, the restore it last announced (restored()), and when
+        # it last took a baseline (made, a snapshot).
         self._event = -1
+        self._restore = -1
         self._baselined = _EVENT.tick()
 
     @classmethod
     def from_config(cls) -> EnvRefresher:
-        """The default engine's refresher: ``$REHYDRATE_ENV_POLICY`` and
-        ``$REHYDRATE_ENV_PROTECT`` (one warning per bad protect pattern)."""
+        """A refresher configured as the default engine's: ``path="auto"``
+        (``$REHYDRATE_ENV_FILE``, else ``$REHYDRATE_GVISOR_PROC/spec_environ``, at each
+        use), ``policy`` from ``$REHYDRATE_ENV_POLICY`` and ``protect`` from
+        ``$REHYDRATE_ENV_PROTECT`` (one warning per pattern that cannot be meant), read
+        now. ``Lifecycle(env=EnvRefresher.from_config())`` is what an engine given no
+        ``env`` gets; an engine given ``EnvRefresher(...)`` of its own ignores both
+        variables, and its reset warning names ``protect=`` instead."""
         value = _config.choice("REHYDRATE_ENV_POLICY")
         policy: Policy = next((p for p in POLICIES if p == value), "update")
         refresher = cls(policy=policy, protect=_config.items("REHYDRATE_ENV_PROTECT"))
@@ -301,18 +325,11 @@ class EnvRefresher:
                 "EnvRefresher of its own")
 
     def _digest(self, value: bytes) -> bytes:
-        # Imported here: creating an engine must not load hashlib (only a refresher that
-        # finds a file does, at its baseline, i.e. before the snapshot).
-        import hashlib
-
-        return hashlib.blake2b(value, key=self._hash_key, digest_size=16).digest()
+        return _blake2b()(value, key=self._hash_key, digest_size=16).digest()
 
     def _digests(self, entries: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
-        import hashlib
-
-        key = self._hash_key
-        return {k: hashlib.blake2b(v, key=key, digest_size=16).digest()
-                for k, v in entries.items()}
+        blake2b, key = _blake2b(), self._hash_key
+        return {k: blake2b(v, key=key, digest_size=16).digest() for k, v in entries.items()}
 
     def _protected(self, key: bytes) -> bool:
         return _matches(key, self.protect)
@@ -334,13 +351,15 @@ class EnvRefresher:
         for patterns in (NEVER_FROM_FILE, KEEP, self.protect):
             _pattern(tuple(patterns))
         self._baselined = _EVENT.tick()
+        # Loaded before the snapshot even without a file now: a clone's first refresh that
+        # finds one (a mount only the clones have) hashes, and must import nothing then.
+        _blake2b()
         path = self.resolved_path()
         if path is None or not _present(path):
             return
         from ._threads import blocking
 
         blocking.reserve("env")  # the thread a clone's refresh reads the file on
-        import hashlib  # noqa: F401 - loaded before the snapshot: a clone's refresh hashes
         if self._previous is not None:
             return
         try:
@@ -359,7 +378,7 @@ class EnvRefresher:
         if overlay is not None:
             # Before the policy: ``off`` is about the file, and an overlay is the caller's
             # explicit choice (a test under REHYDRATE_ENV_POLICY=off saw no change at all).
-            with self._lock:
+            with _EVENT.applying:
                 return self._apply_overlay(overlay)
         if self.policy == "off":
             return EnvChanges()
@@ -375,7 +394,11 @@ class EnvRefresher:
         # Read outside the lock: a read stuck on a hung mount (its hook abandoned at the
         # timeout) must not hold the lock every later refresh needs.
         new = _read_within(path, self.read_timeout)
-        with self._lock:
+        # Compare, apply and record as one step across all refreshers (every engine's):
+        # another engine's refresher comparing after this one applied but joining the
+        # event before it recorded saw os.environ already updated and no earlier change,
+        # and missed the platform's change (its on_env_change hooks skipped).
+        with _EVENT.applying:
             return self._apply_file(new, path)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
@@ -406,8 +429,13 @@ class EnvRefresher:
             for k, v in sets.items():
                 if k in previous:
                     previous[k] = self._digest(v)
+            # A key of the file the overlay removed is still the file's: a later file
+            # without it removes it again when the application set it since (what the
+            # previous file had, as docs/concepts.md says), and reports no removal when
+            # it is gone already (the overlay's own env_changes did).
             for k in removes:
-                previous.pop(k, None)
+                if k in previous:
+                    previous[k] = _ABSENT
         return changes
 
     def _apply_file(self, new: dict[bytes, bytes], path: str) -> EnvChanges:
@@ -434,7 +462,8 @@ class EnvRefresher:
             # What the platform changed since the file this refresher last applied: another
             # engine's refresher of the same restore may have applied it to os.environ
             # already, and this engine's on_env_change hooks must see it all the same.
-            changes = _union(changes, diff(previous, self._digests(sets), removes))
+            present = {k: v for k, v in previous.items() if v != _ABSENT}
+            changes = _union(changes, diff(present, self._digests(sets), removes))
             # The application's own value of a key the file holds (PATH to a venv, a tuned
             # OMP_NUM_THREADS) is reset here, as the policy says; said, not silently.
             # A key the process lacks is not counted: whether the application deleted it
@@ -471,6 +500,11 @@ class EnvRefresher:
         return changes
 
 
+_ABSENT = b""
+"""In a refresher's previous file: a key of it that an overlay removed (no digest is
+empty)."""
+
+
 class _Event:
     """The names (never values) of the ``os.environ`` keys the refreshes of the current
     restore added, changed and removed, process-wide: a second engine's refresher reports
@@ -481,15 +515,23 @@ class _Event:
     creation came after the current event began: a later engine, or the first engine of
     the next restore whose predecessor refreshed elsewhere, never takes an old event's
     names for this one's. A refresher that missed an event (no file then) and joins a
-    later one is told what changed meanwhile: news to it too."""
+    later one is told what changed meanwhile: news to it too.
+
+    ``applying`` is held by each refresh over its compare, apply and record, so that no
+    other refresher sees ``os.environ`` changed by one whose names are not recorded yet.
+    ``restore`` numbers the restores the same way (:func:`restored`, per engine run)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.applying = threading.Lock()
         self._clock = 0
         self.number = 0
         self.began = 0
+        self.restore = 0
+        self.restore_began = 0
         self.changed: tuple[set[bytes], set[bytes], set[bytes]] = (set(), set(), set())
-        fresh_lock_after_fork(self)
+        # A parent thread may hold either at fork() (a refresh in progress).
+        fresh_lock_after_fork(self, "_lock", "applying")
 
     def tick(self) -> int:
         with self._lock:
@@ -510,6 +552,19 @@ class _Event:
             if not any(self.changed):
                 return None
             return tuple(frozenset(names) for names in self.changed)
+
+    def restored(self, refresher: EnvRefresher) -> bool:
+        """``refresher``'s engine begins a restore run: True when that is a new restore,
+        not one another engine's run already announced."""
+        with self._lock:
+            new = (refresher._restore == self.restore
+                   or refresher._baselined > self.restore_began)
+            if new:
+                self._clock += 1
+                self.restore += 1
+                self.restore_began = self._clock
+            refresher._restore = self.restore
+            return new
 
     def record(self, changes: EnvChanges) -> None:
         with self._lock:
@@ -546,10 +601,13 @@ once too, and :func:`restored` empties it, so that a clone restored from an imag
 after the warning (same pid under gVisor) warns once as well."""
 
 
-def restored() -> None:
+def restored(refresher: EnvRefresher | None = None) -> None:
     """A restore began (a new process from a snapshot image): its "once" warnings are due
-    again. Called by the engine at each restore run (not a resume)."""
-    _warned_missing.clear()
+    again. Called by the engine at each restore run (not a resume) with its refresher:
+    the second engine of the same restore (:meth:`_Event.restored`) clears nothing, or
+    the warning came once per engine."""
+    if refresher is None or _EVENT.restored(refresher):
+        _warned_missing.clear()
 
 
 def _warn_missing_in_set_proc(path: str) -> None:

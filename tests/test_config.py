@@ -415,3 +415,18 @@ def test_bad_env_protect_patterns_are_each_one_warning_and_doctor_s_problem(
     assert main(["doctor", "--json"]) == 0
     by_name = {s["name"]: s for s in json.loads(capsys.readouterr().out)["configuration"]}
     assert by_name["REHYDRATE_ENV_PROTECT"]["problem"] is None
+
+
+@pytest.mark.parametrize("pattern", ["http_proxy", "https_proxy", "no_proxy", "all_proxy",
+                                     "*_proxy"])
+def test_a_lower_case_proxy_key_in_env_protect_is_no_case_mistake(
+        monkeypatch, caplog, fresh_warnings, pattern):
+    """``REHYDRATE_ENV_PROTECT=http_proxy`` beside ``HTTP_PROXY`` was warned about as a
+    case mistake: the lower-case proxy keys are the ones curl and wget read."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY"):
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name.lower(), raising=False)
+    monkeypatch.setenv("REHYDRATE_ENV_PROTECT", pattern)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        assert _config.items("REHYDRATE_ENV_PROTECT") == (pattern,)
+    assert [r.getMessage() for r in caplog.records] == []

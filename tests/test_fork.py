@@ -917,10 +917,12 @@ def _lock_user(kind: str, engine: Lifecycle, tmp_path: Path) -> tuple[Any, Any, 
         held = (lambda: watch._lock) if waiter is None else (lambda: waiter._cond)
         return held, hear_the_deadline_run, watch.close
     if kind == "environment":
+        from rehydrate import env
         from rehydrate.env import EnvRefresher
 
         refresher = EnvRefresher(path=None)  # not an engine's: no engine renewed it
-        return (lambda: refresher._lock,
+        # every refresher's refresh takes the process-wide one (compare, apply, record)
+        return (lambda: env._EVENT.applying,
                 lambda: refresher.refresh(overlay={"REHYDRATE_FORK_TEST": "1"}).added,
                 nothing)
     raise AssertionError(kind)

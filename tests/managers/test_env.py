@@ -1294,3 +1294,159 @@ def test_two_engines_each_see_a_reset_of_the_application_s_value(tmp_path, envir
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_two_engines_refreshing_at_once_each_see_the_platform_s_change(
+        tmp_path, environ, monkeypatch):
+    """Engine A applied the file, then recorded what it changed in a separate step: engine
+    B, comparing in between, found os.environ already at the file's value and no earlier
+    change recorded, and reported nothing (its on_env_change hooks skipped)."""
+    import threading
+
+    from rehydrate import env as env_module
+
+    spec = write(tmp_path / "spec_environ", {b"RHT_PATH": b"/usr/bin"})
+    environ[b"RHT_PATH"] = b"/usr/bin"
+    engines = [Lifecycle(Registry(), env=EnvRefresher(path=spec)) for _ in range(2)]
+    try:
+        environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"  # the application's own
+        assert all(engine.simulate_snapshot().ok for engine in engines)
+        a_applied, b_went = threading.Event(), threading.Event()
+        real_record = env_module._EVENT.record
+        records = []
+
+        def record(changes: EnvChanges) -> None:
+            records.append(changes)
+            if len(records) == 1:  # A's, between applying and recording: B goes now
+                a_applied.set()
+                assert b_went.wait(30)
+            real_record(changes)
+
+        class Applying:
+            """The lock over a refresh's compare, apply and record: B waiting for it
+            lets A go on (without one, B's finished restore does)."""
+
+            def __init__(self, lock: threading.Lock) -> None:
+                self.lock, self.entered = lock, 0
+
+            def __enter__(self) -> bool:
+                self.entered += 1
+                if self.entered == 2:
+                    b_went.set()
+                return self.lock.__enter__()
+
+            def __exit__(self, *exc: object) -> None:
+                self.lock.__exit__(*exc)
+
+        monkeypatch.setattr(env_module._EVENT, "record", record)
+        monkeypatch.setattr(env_module._EVENT, "applying",
+                            Applying(getattr(env_module._EVENT, "applying",
+                                             threading.Lock())), raising=False)
+        got: dict[str, EnvChanges] = {}
+        a = threading.Thread(target=lambda: got.setdefault(
+            "A", engines[0].restore_detected("gvisor", kind="restore").env_changes))
+        a.start()
+        assert a_applied.wait(30)
+        got["B"] = engines[1].restore_detected("gvisor", kind="restore").env_changes
+        b_went.set()
+        a.join(30)
+        expected = EnvChanges(changed=("RHT_PATH",))
+        assert got == {"A": expected, "B": expected}
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_the_missing_spec_environ_warning_comes_once_per_restore_with_two_engines(
+        tmp_path, environ, monkeypatch, caplog, warned_anew):
+    """Each engine's restore run emptied the "warned" set: with two engines the warning
+    came twice per restore."""
+    monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
+    monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
+    engines = [Lifecycle(Registry()), Lifecycle(Registry(), env=EnvRefresher())]
+    try:
+        assert all(engine.simulate_snapshot().ok for engine in engines)
+        for _ in range(2):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="rehydrate"):
+                assert all(engine.simulate_restore().ok for engine in engines)
+                assert all(engine.simulate_restore(kind="resume").ok for engine in engines)
+            assert len(_warnings(caplog)) == 1  # the next restore: once more
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_a_clone_whose_original_had_no_file_imports_nothing_in_its_refresh():
+    """The original had no environment file (the clones' mount): hashlib (mostly OpenSSL's
+    _hashlib, 2-3 ms) was first imported in the clone's refresh, on the restore path."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, sys, tempfile
+        d = tempfile.mkdtemp()
+        os.environ["REHYDRATE_GVISOR_PROC"] = d
+        from rehydrate import Lifecycle, Registry
+        engine = Lifecycle(Registry())
+        assert engine.simulate_snapshot().ok
+        imported = []
+        refresh = engine.env.refresh
+        def watched(*args, **kwargs):
+            before = set(sys.modules)
+            try:
+                return refresh(*args, **kwargs)
+            finally:
+                imported.extend(sorted(set(sys.modules) - before))
+        engine.env.refresh = watched
+        with open(os.path.join(d, "spec_environ"), "wb") as f:
+            f.write(b"RHT_CLONE=1\\0")
+        report = engine.simulate_restore()
+        assert report.ok and report.env_changes.added == ("RHT_CLONE",), report
+        print(" ".join(imported))
+        engine.close()
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REHYDRATE_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [], f"the clone's refresh imported {out.stdout.strip()}"
+
+
+def test_blake2b_comes_from_the_builtin_module_and_hashes_as_hashlib_s():
+    import hashlib
+
+    from rehydrate.env import _blake2b
+
+    blake2b = _blake2b()
+    assert blake2b.__module__ in ("_blake2", "hashlib", "_hashlib")
+    assert blake2b(b"v", key=b"k" * 32, digest_size=16).digest() == hashlib.blake2b(
+        b"v", key=b"k" * 32, digest_size=16).digest()
+
+
+def test_a_key_an_overlay_removed_is_removed_again_by_a_file_without_it(
+        tmp_path, environ, caplog):
+    """An overlay removed a key of the file and the application set it again: the next
+    file without it left it (update removes a key the previous file had). An overlay
+    that already set a key to the next file's value is no change at that file."""
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_A": b"a", b"RHT_GONE": b"g", b"RHT_LEFT": b"l"})
+    environ.update({b"RHT_A": b"a", b"RHT_GONE": b"g", b"RHT_LEFT": b"l"})
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=str(spec)))
+    try:
+        first = engine.simulate_restore(env={"RHT_A": "new", "RHT_GONE": None,
+                                             "RHT_LEFT": None})
+        assert first.env_changes == EnvChanges(changed=("RHT_A",),
+                                                removed=("RHT_GONE", "RHT_LEFT"))
+        environ[b"RHT_GONE"] = b"the application's"
+        write(spec, {b"RHT_A": b"new"})
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            later = engine.simulate_restore()
+        # RHT_LEFT, gone since the overlay, is no removal again
+        assert later.env_changes == EnvChanges(removed=("RHT_GONE",))
+        assert b"RHT_GONE" not in environ and environ[b"RHT_A"] == b"new"
+        (line,) = _warnings(caplog)  # said, as for any application value it resets
+        assert "RHT_GONE" in line
+    finally:
+        engine.close()
