@@ -67,6 +67,35 @@ inside_hook: contextvars.ContextVar[object | None] = contextvars.ContextVar(
 refuses to start an event of its own from there, but another engine's hooks may."""
 
 
+class HookCall:
+    """One call of a hook function: ``running`` until it returns. What it starts with its
+    context (an ``asyncio`` task, a thread given ``copy_context()``) holds the same object,
+    so it is not taken for the hook once the hook has returned."""
+
+    __slots__ = ("running",)
+
+    def __init__(self) -> None:
+        self.running = True
+
+
+hook_call: contextvars.ContextVar[HookCall | None] = contextvars.ContextVar(
+    "rehydrate_hook_call", default=None
+)
+"""The :class:`HookCall` of the hook running in this context (None outside hooks):
+:func:`rehydrate.extensions.in_hook`."""
+
+
+@contextlib.contextmanager
+def _calling_hook() -> Iterator[None]:
+    call = HookCall()
+    token = hook_call.set(call)
+    try:
+        yield
+    finally:
+        call.running = False
+        hook_call.reset(token)
+
+
 class Observer(Protocol):
     """Receives per-hook events (telemetry). Called on the thread running the hook.
 
@@ -478,11 +507,13 @@ class HookRunner:
             job.begin(index, hook.timeout)
             began = job.started
             try:
-                value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
-                if inspect.isawaitable(value):  # a plain callable that returned a coroutine
-                    job.begin(index, hook.timeout, grace=ASYNC_GRACE)
-                    began = job.started  # the awaitable's own limit counts from here
-                    self._await(job, value, max(0.0, min(hook.timeout, job.time_left())))
+                with _calling_hook():
+                    value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
+                    if inspect.isawaitable(value):  # a plain callable returned a coroutine
+                        job.begin(index, hook.timeout, grace=ASYNC_GRACE)
+                        began = job.started  # the awaitable's own limit counts from here
+                        self._await(job, value, max(0.0, min(hook.timeout,
+                                                             job.time_left())))
                 outcome, error = "ok", None
                 break
             except _Expired:  # only the awaitable's own limit: a hook's TimeoutError failed
@@ -596,7 +627,8 @@ class HookRunner:
             # cancelled at its own timeout or the run's deadline, whichever comes first
             watchdog.arm(max(0.0, min(hook.timeout, job.time_left())))
             try:
-                await (hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn())
+                with _calling_hook():
+                    await (hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn())
                 outcome, error = "ok", None
             except asyncio.CancelledError as exc:
                 if not watchdog.fired and watchdog.cancel_requested():

@@ -118,11 +118,14 @@ def check_seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
 
 
 def in_hook() -> bool:
-    """Whether this call comes from a rehydrate hook — a hook of any engine, in the thread
-    or task that runs it (and what it starts with its context: ``asyncio`` tasks,
-    ``contextvars.copy_context()``). A gate that refuses requests while the engine is not
-    ready uses it to let the restore hook through that reloads what the gate guards."""
-    from ._runner import inside_hook
+    """Whether this call comes from a rehydrate hook that is running now — a hook of any
+    engine, in the thread or task that runs it, and in what it starts with its context
+    (``asyncio`` tasks, ``contextvars.copy_context()``) until the hook returns: a task it
+    leaves running (a worker started by a restore hook) is not the hook afterwards. A gate
+    that refuses requests while the engine is not ready uses it to let the restore hook
+    through that reloads what the gate guards."""
+    from ._runner import hook_call
 
-    return inside_hook.get() is not None
+    call = hook_call.get()
+    return call is not None and call.running
 

@@ -610,6 +610,52 @@ async def _async_in_hook() -> bool:
     return in_hook()
 
 
+def test_in_hook_is_false_in_what_a_hook_started_once_the_hook_returned() -> None:
+    """A task or thread a hook starts with its context and leaves running (a matchmaking
+    worker started by a restore hook) inherited the marker for good: the Agones adapter
+    failed its calls at the next snapshot as if a hook made them."""
+    import asyncio
+    import contextvars
+    import threading
+
+    from rehydrate.extensions import in_hook
+
+    seen: list[tuple[str, bool]] = []
+    go, both = threading.Event(), threading.Event()
+
+    def record(what: str) -> None:
+        seen.append((what, in_hook()))
+        if len(seen) == 2:
+            both.set()
+
+    def later() -> None:
+        go.wait(10)
+        record("thread")
+
+    async def worker() -> None:
+        await asyncio.to_thread(go.wait, 10)
+        record("task")
+
+    def sync_hook() -> None:
+        ctx = contextvars.copy_context()
+        threading.Thread(target=ctx.run, args=(later,), daemon=True).start()
+
+    async def async_hook() -> None:
+        worker_task = asyncio.get_running_loop().create_task(worker())
+        async_hook.task = worker_task  # type: ignore[attr-defined]  # kept referenced
+
+    engine = _engine(builtins=False)
+    try:
+        engine.registry.register(sync_hook, phase=Phase.APPLICATION, name="test.sync")
+        engine.registry.register(async_hook, phase=Phase.APPLICATION, name="test.async")
+        assert engine.simulate_restore().ok
+        go.set()
+        assert both.wait(10), seen
+    finally:
+        engine.close()
+    assert sorted(seen) == [("task", False), ("thread", False)]
+
+
 def test_before_user_hooks_runs_a_builtin_hook_before_the_lowest_user_order() -> None:
     from rehydrate._hooks import ORDER_LIMIT
     from rehydrate.extensions import BEFORE_USER_HOOKS

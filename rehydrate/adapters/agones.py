@@ -661,8 +661,6 @@ class AgonesAdapter:
         return True
 
     def _set_gameserver(self, gs: dict[str, Any]) -> None:
-        if gs == self._gameserver:
-            return  # every (re)opened watch stream repeats the current one first
         expected = self._expected
         if expected is not None:
             seen = _identity(gs)
@@ -674,6 +672,8 @@ class AgonesAdapter:
                 # the call was made for (a call waiting in the pause goes out to the
                 # sidecar of the Pod restored, a clone's included), not another one.
                 self._expected = (seen, expected[1])
+        if gs == self._gameserver:
+            return  # every (re)opened watch stream repeats the current one first
         self._gameserver = gs
         self._watch_ends = 0
         for fn in list(self._listeners):
@@ -690,6 +690,17 @@ class AgonesAdapter:
     async def _pause(self) -> None:
         self._paused = True
         self._resumed.clear()
+        if self._expected is not None and self._expected[0] == (None, None):
+            # A call made before any GameServer was seen went to this Pod's: the first
+            # one seen after the restore may be a clone's, in a new Pod, which it never
+            # reached (taken for its target, the clone was never asked to be Ready).
+            self._expected = None
+        task = self._ready_task
+        if (task is not None and not task.done() and self._ready_task_asked
+                and self.engine is not None):
+            # The game's own ready() still retried: pending again, not lost with the task
+            # _stop_loops cancels (sent once rehydrate is ready after the restore).
+            self._defer_ready(self.engine, asked=True)
         # A resync still owed to a failed restore is not run from the image: the restore
         # or resume after this snapshot runs one of its own.
         self._resync_kind = None
@@ -1088,13 +1099,38 @@ class AgonesAdapter:
     async def _simple(self, path: str, body: dict[str, Any] | None = None,
                       hook: bool = False) -> None:
         what = f"POST {path}"
+        state = _CALL_STATES[path]
         await self._supersede_ready(what)
-        # Held across the request: a Ready attempt (decided before this call, or not yet
-        # seeing it in the epoch) is either answered before it or decided after it.
-        async with self._ready_gate:
+        waited, before = False, None
+        while True:
+            if self._paused:
+                waited, before = True, self._gameserver  # known from before the restore
+            # Not under the gate: a hook's call fails at once, and each caller waits its
+            # own deadline, not behind another's.
             await self._wait_restored(what, hook)
-            await self._request("POST", path, {} if body is None else body)
-            self._expected = (_identity(self._gameserver), _CALL_STATES[path])
+            # Held across the request: a Ready attempt (decided before this call, or not
+            # yet seeing it in the epoch) is either answered before it or decided after.
+            async with self._ready_gate:
+                if self._paused:
+                    continue  # paused again while queued for the gate
+                try:
+                    await self._request("POST", path, {} if body is None else body)
+                finally:
+                    with self._lock:
+                        # Answered or not (a 503 may have been applied): a Ready decided
+                        # before it ended, the restore's included when the call waited
+                        # for that restore, is not sent after it.
+                        self._ready_epoch += 1
+                gs = self._gameserver
+                if waited and gs is before:
+                    # Sent to the Pod restored, maybe a clone's in a new Pod: the first
+                    # GameServer seen is its target, not another one.
+                    self._expected = ((None, None), state)
+                elif (gs or {}).get("status", {}).get("state") == state:
+                    self._expected = None  # seen in that state already: nothing stale
+                else:
+                    self._expected = (_identity(gs), state)
+                return
 
     def allocate(self) -> None:
         """``POST /allocate``: mark this server Allocated (self-allocation). A Ready still

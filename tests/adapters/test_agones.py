@@ -1088,7 +1088,9 @@ def test_allocate_after_a_deferred_ready_was_taken_drops_it(sidecar, adapter,
     """The game's ready() deferred (degraded), then allocate() — ordered so that the
     readiness waiter has already taken the deferred Ready and handed it to the adapter's
     loop when allocate() runs there: only the epoch, checked when the Ready is about to
-    go out, keeps the Allocated server from being marked Ready."""
+    go out, keeps the Allocated server from being marked Ready. A guard of that check
+    (older than the restore-start epoch): without it, this test fails, and no other test
+    of the game's own deferred ready() does."""
 
     @rehydrate_engine.registry.after_restore(name="game.db")
     def db() -> None:
@@ -1198,18 +1200,23 @@ def test_an_allocate_from_a_restore_hook_is_not_followed_by_ready(
     assert sidecar.gs.state == ("Allocated" if answer == 200 else "Scheduled")
 
 
-@pytest.mark.parametrize("seen", [True, False], ids=["seen", "never-seen"])
+@pytest.mark.parametrize("seen", ["seen", "never-seen", "clone"])
 def test_an_allocate_made_while_paused_makes_the_known_state_stale(
         sidecar, adapter, rehydrate_engine, caplog, seen):
     """allocate() while paused goes out as the restore begins; the resync's fetch still
     answered the state from before it (Scheduled: the sidecar follows the cluster late),
     and the Ready decided on that went out after the allocate. Also when no GameServer
-    was seen before the call: the first one seen after it is not "another GameServer"."""
+    was seen before the call: the first one seen after it is not "another GameServer".
+    And when the restore is a clone's in a new Pod: the call went to the clone's sidecar,
+    so the clone's GameServer is its target, not "another GameServer" than the one known
+    from before the restore (the Allocated clone was marked Ready)."""
     adapter.ready()
     wait_for(lambda: adapter.known_gameserver is not None, what="the watch")
     assert rehydrate_engine.simulate_snapshot().ok
-    if not seen:
+    if seen == "never-seen":
         adapter._gameserver = None  # paused: nothing sets it again before the restore
+    elif seen == "clone":
+        sidecar.gs.name, sidecar.gs.uid = "gameserver-clone", "uid-of-the-clone"
     sidecar.set_state("Scheduled")
     stale = sidecar.gs.to_json()
     sidecar.fail_next(10**6, "/watch/gameserver", status=503)
@@ -1235,6 +1242,9 @@ def test_an_allocate_made_while_paused_makes_the_known_state_stale(
         wait_for(lambda: _ready_decided(caplog), what="the restore's Ready decided")
     assert done == [None]
     assert adapter.known_gameserver["status"]["state"] == "Scheduled"  # stale
+    # and known to be: the restore's Ready is held off by the call counter too, but a
+    # later one (the next resume's, say) is decided on this state
+    assert adapter._expected is not None
     assert sidecar.calls("POST", "/ready", since=t0) == []
     assert sidecar.gs.state == "Allocated"
     # a GameServer in the state the call made ends the staleness
@@ -1516,3 +1526,218 @@ def test_an_sdk_call_while_paused_with_no_restore_coming_is_one_clear_error(
         assert sidecar.calls("GET", "/gameserver") == []
     finally:
         a.close()
+
+
+def test_a_call_made_before_any_gameserver_was_seen_is_forgotten_by_a_clone(
+        sidecar, rehydrate_engine, caplog):
+    """No working watch: ready() and allocate() before any GameServer was seen, then a
+    snapshot restored into a clone in a new Pod. The clone's GameServer, the first one
+    seen, was taken for the one that allocate() (made in another Pod) was made for: its
+    state counted as stale for ever and the clone was never asked to be Ready."""
+    sidecar.fail_next(10**6, "/watch/gameserver", status=404)
+    a = _adapter(sidecar, rehydrate_engine)
+    a.install()
+    try:
+        a.ready()
+        a.allocate()
+        assert a.known_gameserver is None
+        assert rehydrate_engine.simulate_snapshot().ok
+        sidecar.gs.name, sidecar.gs.uid = "gameserver-clone", "uid-of-the-clone"
+        sidecar.set_state("Scheduled")
+        t0 = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+            assert rehydrate_engine.simulate_restore().ok
+            wait_for(lambda: _ready_decided(caplog), what="the restore's Ready decided")
+        assert len(sidecar.calls("POST", "/ready", since=t0)) == 1
+        assert sidecar.gs.state == "Ready"
+    finally:
+        a.close()
+
+
+def test_a_call_from_a_hook_while_paused_does_not_wait_behind_a_game_threads_call(
+        sidecar, rehydrate_engine, caplog):
+    """A game thread's allocate() made in the pause window held the call gate while it
+    waited for the restore: a before-snapshot hook's reserve() after it queued on the gate
+    before it could fail, and held the snapshot up for the game thread's whole deadline."""
+    from rehydrate import Phase
+    from rehydrate.adapters.agones import AgonesUnavailable
+
+    a = _adapter(sidecar, rehydrate_engine, deadline=5.0)
+    a.install()
+    game: list[object] = []
+    hook: list[object] = []
+
+    def allocate() -> None:
+        try:
+            game.append(a.allocate())
+        except AgonesError as exc:
+            game.append(exc)
+
+    # the phases of a snapshot run in reverse, and so do the orders within one
+    @rehydrate_engine.registry.before_snapshot(name="game.thread", phase=Phase.ENVIRONMENT,
+                                               order=100)
+    def game_thread_calls() -> None:  # stands for a game thread calling in the window
+        threading.Thread(target=allocate, daemon=True).start()
+        wait_for(lambda: "POST /allocate while paused" in caplog.text,
+                 what="the game's call to wait for the restore")
+
+    @rehydrate_engine.registry.before_snapshot(name="game.note", phase=Phase.ENVIRONMENT,
+                                               order=-100)
+    def note() -> None:
+        try:
+            a.reserve(10)
+        except AgonesError as exc:
+            hook.append(exc)
+        hook.append(list(game))  # what the game thread's call had got by then
+
+    try:
+        with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+            assert rehydrate_engine.simulate_snapshot().ok
+        assert len(hook) == 2, hook
+        assert str(hook[0]).startswith("POST /reserve from a rehydrate hook")
+        assert not isinstance(hook[0], AgonesUnavailable)
+        assert hook[1] == [], "the hook's call waited for the game thread's to end"
+        assert rehydrate_engine.simulate_restore().ok
+        wait_for(lambda: game, what="the game thread's call")
+        assert game == [None]
+        assert sidecar.calls("POST", "/reserve") == []
+    finally:
+        a.close()
+
+
+def test_calls_waiting_for_the_restore_wait_side_by_side(sidecar, rehydrate_engine, caplog):
+    """The first call waiting in the pause held the gate: the next one waited on it, with
+    no deadline of its own, and then began its own wait (N callers: N x deadline)."""
+    a = _adapter(sidecar, rehydrate_engine, deadline=30.0)
+    a.install()
+    done: list[object] = []
+    try:
+        assert rehydrate_engine.simulate_snapshot().ok
+        with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+            calls = [threading.Thread(target=lambda: done.append(a.allocate())),
+                     threading.Thread(target=lambda: done.append(a.reserve(5)))]
+            for call in calls:
+                call.start()
+            wait_for(lambda: "POST /allocate while paused" in caplog.text
+                     and "POST /reserve while paused" in caplog.text,
+                     what="both calls to wait for the restore")
+        assert rehydrate_engine.simulate_restore().ok
+        for call in calls:
+            call.join(10)
+        assert done == [None, None]
+    finally:
+        a.close()
+
+
+def test_a_paused_allocate_that_fails_is_not_followed_by_the_restores_ready(
+        sidecar, adapter, rehydrate_engine, caplog):
+    """allocate() made in the pause window goes out as the restore begins and fails (503:
+    a gateway's error, maybe applied upstream). Its counter bump came before the restore
+    began, and the known state is made stale only by an answer: the restore's Ready went
+    out after it."""
+    adapter.ready()
+    wait_for(lambda: adapter.known_gameserver is not None, what="the watch")
+    assert rehydrate_engine.simulate_snapshot().ok
+    sidecar.set_state("Scheduled")
+    sidecar.fail_next(10**6, "/watch/gameserver", "/allocate", status=503)
+    got: list[object] = []
+
+    def call() -> None:
+        try:
+            got.append(adapter.allocate())
+        except AgonesError as exc:
+            got.append(exc)
+
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        caller = threading.Thread(target=call)
+        caller.start()
+        wait_for(lambda: "POST /allocate while paused" in caplog.text,
+                 what="the call to wait for the restore")
+        t0 = time.monotonic()
+        assert rehydrate_engine.simulate_restore().ok
+        caller.join(10)
+        wait_for(lambda: _ready_decided(caplog), what="the restore's Ready decided")
+    assert len(got) == 1 and isinstance(got[0], AgonesError)
+    [allocate] = sidecar.calls("POST", "/allocate", since=t0)
+    assert [r for r in sidecar.calls("POST", "/ready", since=t0)
+            if r.mono >= allocate.mono] == []
+
+
+def test_the_games_own_ready_retried_when_the_next_snapshot_pauses_is_kept(
+        sidecar, adapter, rehydrate_engine, caplog):
+    """The game's own ready() deferred by a snapshot (returning an Allocated server to the
+    pool) failed its first POST /ready and was in its backoff when the next snapshot's
+    pause cancelled it; the flag saying so was already taken: after the next restore only
+    the restore's Ready was decided, skipped for Allocated, and the game's ready() lost."""
+    adapter.ready()
+    adapter.allocate()
+    wait_for(lambda: adapter.known_gameserver["status"]["state"] == "Allocated",
+             what="the watch")
+    assert rehydrate_engine.simulate_snapshot().ok
+    adapter.ready()  # the match is over: back to the pool (deferred)
+    sidecar.fail_next(10**6, "/ready", status=503)
+    t0 = time.monotonic()
+    assert rehydrate_engine.simulate_restore().ok
+    sidecar.wait_for("POST", "/ready", since=t0, status=503)
+    assert rehydrate_engine.simulate_snapshot().ok  # cancels the retrying task
+    sidecar.fail_next(0)
+    t1 = time.monotonic()
+    assert rehydrate_engine.simulate_restore().ok
+    sidecar.wait_for("POST", "/ready", since=t1)
+    assert sidecar.gs.state == "Ready"
+
+
+def test_a_call_whose_state_the_watch_showed_before_its_answer_leaves_nothing_stale(
+        sidecar, adapter):
+    """The sidecar applied allocate(), the watch showed the GameServer Allocated, and then
+    the answer came: the known state was marked stale after it already showed the call's
+    state, and every equal GameServer seen later was skipped, so it stayed stale."""
+    wait_for(lambda: adapter.known_gameserver is not None, what="the watch")
+    real_apply = sidecar._apply
+
+    def apply(method: str, path: str, body):
+        answer = real_apply(method, path, body)
+        if path == "/allocate":
+            wait_for(lambda: adapter.known_gameserver["status"]["state"] == "Allocated",
+                     what="the watch to show the allocation before the answer")
+        return answer
+
+    sidecar._apply = apply
+    adapter.allocate()
+    assert adapter._expected is None
+    adapter.gameserver()
+    assert adapter._expected is None
+
+
+def test_a_task_a_restore_hook_left_running_waits_for_the_restore_like_the_game(
+        sidecar, adapter, rehydrate_engine, caplog):
+    """A matchmaking worker started by an async restore hook inherited the hook's
+    context: at the next snapshot its aallocate() in the pause window failed at once, as
+    if a hook had made it, instead of waiting for the restore."""
+    result: list[str] = []
+    started: dict[str, object] = {}
+
+    async def matchmaker() -> None:
+        await started["go"].wait()  # a player joins, some time later
+        try:
+            await adapter.aallocate()
+            result.append("allocated")
+        except AgonesError as exc:
+            result.append(str(exc))
+
+    @rehydrate_engine.registry.after_restore(name="game.start_matchmaker")
+    async def start() -> None:
+        started["go"] = asyncio.Event()
+        started["task"] = asyncio.get_running_loop().create_task(matchmaker())
+
+    assert rehydrate_engine.simulate_restore().ok  # the worker is started
+    loop = started["task"].get_loop()
+    assert rehydrate_engine.simulate_snapshot().ok
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        loop.call_soon_threadsafe(started["go"].set)  # the player joins while paused
+        wait_for(lambda: result or "POST /allocate while paused" in caplog.text,
+                 what="the worker's call")
+    assert result == []
+    assert rehydrate_engine.simulate_restore().ok
+    wait_for(lambda: result, what="the worker's call to end")
+    assert result == ["allocated"]
