@@ -26,12 +26,16 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   last, :meth:`~AgonesAdapter.shutdown`); ``allocate()``, ``reserve()`` and
   ``shutdown()`` stop it (none goes out while their request is in flight), and a refusal
   (4xx but 408/429) ends it. Not sent either after one of those calls made since the
-  restore began, nor while the state known from before one is stale (until a GameServer
-  in the state it made, or another GameServer, is seen); a pending deferred
-  :meth:`~AgonesAdapter.ready` of the game's own is not replaced by it.
+  restore began or ended since (answered or failed), nor while the state known from
+  before one is stale (until a GameServer in the state it made, or another GameServer,
+  is seen; for a call that waited for the restore, or made before any GameServer was
+  seen, the first one seen after it is its own; one made before any was seen is
+  forgotten at the next pause); a pending deferred :meth:`~AgonesAdapter.ready` of the
+  game's own is not replaced by it, nor lost when a pause cancels its retries.
 * Between the pause and the restore, ``allocate()``, ``reserve()``, ``shutdown()`` and
-  ``gameserver()`` wait for the restore (at most ``deadline``, the freeze not counted):
-  nothing is in flight or pooled in the image. From a rehydrate hook they fail at once
+  ``gameserver()`` wait for the restore (each at most ``deadline``, the freeze not
+  counted, side by side): nothing is in flight or pooled in the image. From a rehydrate
+  hook (while it runs: not a task it left running) they fail at once
   (:class:`AgonesError`): the restore cannot come while that hook runs. The background
   resync of a failed restore does not run while paused.
 
@@ -275,9 +279,10 @@ class AgonesAdapter:
         # allocate() once ready, before the report) is not followed by a Ready.
         self._restore_epoch = 0
         # After allocate()/reserve()/shutdown() was answered: the GameServer's identity
-        # then and the state it goes to. The state known from before is stale (the watch
-        # follows the cluster late) until a GameServer in that state, or another one, is
-        # seen; meanwhile no Ready is decided on it.
+        # then ((None, None): the first one seen is its own) and the state it goes to.
+        # The state known from before is stale (the watch follows the cluster late) until
+        # a GameServer in that state, or another one, is seen; meanwhile no Ready is
+        # decided on it.
         self._expected: tuple[tuple[Any, Any], str] | None = None
         self._ready_gate = asyncio.Lock()  # held while a POST /ready is in flight
         self._resumed = asyncio.Event()  # clear between the before-snapshot pause and
@@ -1139,7 +1144,7 @@ class AgonesAdapter:
         watch or a fetch shows the GameServer ``Allocated``). Between the before-snapshot
         pause and the restore it waits for the restore (at most ``deadline``, not
         counting the freeze, then :class:`AgonesUnavailable`); from a rehydrate hook then
-        it raises :class:`AgonesError` at once."""
+        (while it runs) it raises :class:`AgonesError` at once."""
         self._call(self._simple("/allocate", hook=in_hook()))
 
     async def aallocate(self) -> None:

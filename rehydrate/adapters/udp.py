@@ -231,11 +231,11 @@ class UdpEndpoint:
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.
         The new socket is bound before the old one is closed (unless the old one holds
-        that very address), so a failed bind leaves the old one open; a host name is
-        bound at its first address of the old socket's family, and only there. Raises ``OSError``
-        naming the endpoint, the address and what to do when binding again fails (the
-        hook then fails, and the process is not ready), ``RuntimeError`` before
-        :meth:`start` and after :meth:`close`."""
+        that very address), so a failed bind leaves the old one open; a host name (from
+        a callable ``local_addr``) is bound at its first address of the old socket's
+        family, and only there. Raises ``OSError`` naming the endpoint, the address and
+        what to do when binding again fails (the hook then fails, and the process is not
+        ready), ``RuntimeError`` before :meth:`start` and after :meth:`close`."""
         if self.transport is None:
             # It bound the socket itself, with no restore hook, and start() then said
             # "already started": the endpoint was never checked after a restore.
