@@ -1727,8 +1727,9 @@ def test_a_task_a_restore_hook_left_running_waits_for_the_restore_like_the_game(
 
     @rehydrate_engine.registry.after_restore(name="game.start_matchmaker")
     async def start() -> None:
-        started["go"] = asyncio.Event()
-        started["task"] = asyncio.get_running_loop().create_task(matchmaker())
+        if "task" not in started:  # the first restore only
+            started["go"] = asyncio.Event()
+            started["task"] = asyncio.get_running_loop().create_task(matchmaker())
 
     assert rehydrate_engine.simulate_restore().ok  # the worker is started
     loop = started["task"].get_loop()
