@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -217,30 +218,75 @@ class Status:
         # JSON-ready means json.dumps(..., default=str) works: it does not apply
         # default= to keys, and an extension's counters keyed by (host, port) made every
         # status --json, gated /rehydrate/status and dumps() of this raise.
-        out.update((name, _json_keys(value, set())) for name, value in self.extra.items())
+        out.update((name, _json_keys(value)) for name, value in self.extra.items())
         return out
 
 
-def _json_keys(value: Any, path: set[int]) -> Any:
+_JSON_KEY_TYPES = (str, int, float, type(None))
+"""Dict keys JSON takes (``bool`` is an ``int``)."""
+_CONTAINERS = (dict, list, tuple)
+
+
+def _json_keys(value: Any) -> Any:
     """``value`` with every dict key JSON cannot have (a tuple) replaced by its ``str()``,
     as ``default=str`` does for values; keys JSON takes (``str``, ``int``, ``float``,
-    ``None``) are left to it. Containers with nothing to replace are returned as they
-    are; one that contains itself (``path``: the containers above) too, for the encoder
-    to refuse."""
-    if not isinstance(value, (dict, list, tuple)) or id(value) in path:
+    ``None``) are left to it. Only the containers on the way to such a key are copied;
+    with none (the common case) ``value`` itself is returned, after one scan. A container
+    that contains itself is left as it is, for the encoder to refuse. Iterative: nesting
+    as deep as the encoder takes (and deeper) raises no ``RecursionError`` here."""
+    if not isinstance(value, _CONTAINERS) or not _has_json_bad_key(value):
         return value
-    path.add(id(value))
-    try:
-        if isinstance(value, dict):
-            pairs = [(k if k is None or isinstance(k, (str, int, float)) else str(k),
-                      _json_keys(v, path)) for k, v in value.items()]
+    return _with_json_keys(value)
+
+
+def _has_json_bad_key(value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> bool:
+    # Called on every status --json and gated /rehydrate/status: the per-item tests run
+    # in C (map/compress), and a container with no container in it is never recorded.
+    stack: list[Any] = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not all(map(isinstance, item, itertools.repeat(_JSON_KEY_TYPES))):
+                return True
+            members: Iterable[Any] = item.values()
+        else:
+            members = item
+        inner = list(itertools.compress(
+            members, map(isinstance, members, itertools.repeat(_CONTAINERS))))
+        if inner and id(item) not in seen:  # a container seen before: shared, or a loop
+            seen.add(id(item))
+            stack.extend(inner)
+    return False
+
+
+def _with_json_keys(value: Any) -> Any:
+    """The copy :func:`_json_keys` returns, built bottom-up with an explicit stack."""
+    done: dict[int, Any] = {}  # id of a container: what replaces it
+    above: set[int] = set()  # the containers on the way down to the current one
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        item, expanded = stack.pop()
+        if not expanded:
+            if id(item) in done or id(item) in above:  # shared, or contains itself
+                continue
+            above.add(id(item))
+            stack.append((item, True))
+            members = item.values() if isinstance(item, dict) else item
+            stack.extend((m, False) for m in members if isinstance(m, _CONTAINERS))
+            continue
+        above.discard(id(item))
+        if isinstance(item, dict):
+            pairs = [(k if isinstance(k, _JSON_KEY_TYPES) else str(k), done.get(id(v), v))
+                     for k, v in item.items()]
             same = all(k is old_k and v is old_v
-                       for (k, v), (old_k, old_v) in zip(pairs, value.items(), strict=True))
-            return value if same else dict(pairs)
-        items = [_json_keys(v, path) for v in value]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
-    finally:
-        path.discard(id(value))
+                       for (k, v), (old_k, old_v) in zip(pairs, item.items(), strict=True))
+            done[id(item)] = item if same else dict(pairs)
+        else:
+            members = [done.get(id(m), m) for m in item]
+            same = all(a is b for a, b in zip(members, item, strict=True))
+            done[id(item)] = item if same else members
+    return done[id(value)]
 
 
 _CORE_STATUS = frozenset({"state", "generation", "ready", "detectors", "last_report"})
