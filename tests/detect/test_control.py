@@ -1941,6 +1941,81 @@ def test_a_posted_resume_no_thread_can_serve_is_served_on_the_accept_thread(
         request("status", socket_path=sock_path, timeout=0.3)
 
 
+def _no_thread_to_serve(engine: Lifecycle, sock_path: str,
+                        monkeypatch: pytest.MonkeyPatch) -> ControlServer:
+    """A control server whose pool can start no thread (the pids limit)."""
+    from rehydrate._threads import ThreadPool
+
+    pool = ThreadPool("rh-ctl-pool", keep=0)
+    monkeypatch.setattr(control, "blocking", pool)
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == pool.name:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]
+    assert det.server is not None
+    return det.server
+
+
+def _read_to_end(conn: socket.socket) -> bytes:
+    conn.settimeout(DEADLINE)
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+def test_only_the_notice_is_served_on_the_accept_thread(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no thread to serve it, a connection whose first request is a resume had every
+    request it sent served on the accept thread: a prepare-snapshot pipelined after the
+    resume ran the before-snapshot hooks, and the process was ``snapshotting`` again.
+    Only the notice is served now; the connection then ends (its reply, then EOF)."""
+    server = _no_thread_to_serve(engine, sock_path, monkeypatch)
+    calls = Calls(engine)
+    assert engine.snapshot_requested("control").ok
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(sock_path)
+        conn.sendall(b'\n{"cmd":"resume","id":1}\n{"cmd":"prepare-snapshot","id":2}\n'
+                     b'{"cmd":"status","id":3}\n')
+        replies = [json.loads(line) for line in _read_to_end(conn).splitlines()]
+    assert [(r["id"], r["ok"]) for r in replies] == [(1, True)]
+    assert [item[:2] for item in calls.items] == [("snapshot-hook", "snapshot"),
+                                                  ("restore-hook", "resume")]
+    assert engine.status().state != "snapshotting" and engine.status().ready
+    assert server.served == 1
+
+
+def test_a_notice_client_that_does_not_read_holds_the_accept_thread_a_second(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accept thread sent the reply of the notice it served with no time limit of
+    its own (and served whatever followed): a client that never read held it, and every
+    other client waited. The reply now gets NOTICE_REPLY_TIMEOUT; then the connection
+    is closed and the next client is answered."""
+    server = _no_thread_to_serve(engine, sock_path, monkeypatch)
+    monkeypatch.setattr(control, "NOTICE_REPLY_TIMEOUT", 0.1)
+    real_dispatch = server._dispatch
+
+    def dispatch(cmd: str, req: Any, **kwargs: Any) -> dict[str, Any]:
+        # more than the socket buffers take: the send blocks on a client that never reads
+        return {**real_dispatch(cmd, req, **kwargs), "pad": "x" * (16 << 20)}
+
+    monkeypatch.setattr(server, "_dispatch", dispatch)
+    with socket.socket(socket.AF_UNIX) as idle, socket.socket(socket.AF_UNIX) as other:
+        idle.connect(sock_path)
+        idle.sendall(b'{"cmd":"resume"}\n')  # and never reads
+        other.connect(sock_path)
+        other.sendall(b'{"cmd":"status"}\n')
+        other.settimeout(DEADLINE)  # the accept thread is free long before
+        assert json.loads(other.recv(65536)) == {
+            "ok": False, "error": "busy: no thread to serve this client"}
+
+
 def test_an_accept_thread_that_dies_shows_in_detector_errors(
         engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
