@@ -676,10 +676,9 @@ class ControlServer:
                     try:
                         req = json.loads(line.decode("utf-8"))
                     except (ValueError, UnicodeDecodeError, RecursionError):
-                        return None
-                    if isinstance(req, dict) and req.get("cmd") in ("resume", "restore"):
-                        return data[:blank + len(line) + 1]
-                    return None
+                        req = None
+                    notice = isinstance(req, dict) and req.get("cmd") in ("resume", "restore")
+                    return data[:blank + len(line) + 1] if notice else None
             left = give_up - time.monotonic()
             if left <= 0:
                 return None
