@@ -39,6 +39,7 @@ from ._context import (
 )
 from ._contract import (
     DEFAULT_EXTENSIONS,
+    NO_DEADLINE_THREAD,
     Engine,
     Extension,
     Probe,
@@ -145,7 +146,7 @@ class _DeadlineThread:
     The constructor raises when no thread can start (``RuntimeError: can't start new
     thread`` at a pids limit): the caller then runs no hook."""
 
-    def __init__(self, watch: Callable[[int, float], None]) -> None:
+    def __init__(self, watch: Callable[..., None]) -> None:
         self._watch = watch
         self._told = threading.Event()
         self._watching = threading.Event()
@@ -155,11 +156,10 @@ class _DeadlineThread:
 
     def arm(self, seq: int, deadline: float) -> None:
         """Watch the pass ``seq``: the deadline counts from now (the hooks' end). Returns
-        once the thread runs the watch (at most a second), as ``Thread.start()`` did
-        when the thread started after the pass: returning at once let the caller go on
-        to the checkpoint (a freeze) before the watch took its start, and the frozen
-        time went by unseen — the deadline ran the resume hooks where, after a gap, it
-        runs the restore hooks."""
+        once the watch has taken its start (at most a second): returning at once let the
+        caller go on to the checkpoint (a freeze) before the watch took its start, and
+        the frozen time went by unseen — the deadline ran the resume hooks where, after
+        a gap, it runs the restore hooks."""
         self._job = (seq, deadline)
         self._told.set()
         self._watching.wait(1.0)
@@ -170,8 +170,7 @@ class _DeadlineThread:
     def _main(self) -> None:
         self._told.wait()  # always told: arm() or cancel() follows every pass
         if self._job is not None:
-            self._watching.set()
-            self._watch(*self._job)
+            self._watch(*self._job, started=self._watching.set)
 
 
 @dataclass(frozen=True)
@@ -1481,7 +1480,7 @@ class Lifecycle:
                     watch = _DeadlineThread(self._deadline_main)
                 except RuntimeError as exc:
                     raise RuntimeError(
-                        f"no thread to watch the snapshot deadline ({describe_error(exc)}); "
+                        f"{NO_DEADLINE_THREAD} ({describe_error(exc)}); "
                         "no before-snapshot hook ran: the checkpoint should be "
                         "aborted") from exc
             try:
@@ -1532,11 +1531,13 @@ class Lifecycle:
         threading.Thread(target=self._deadline_main, args=(seq, deadline, failed),
                          name="rehydrate-snapshot-deadline", daemon=True).start()
 
-    def _deadline_main(self, seq: int, deadline: float, failed: bool = False) -> None:
+    def _deadline_main(self, seq: int, deadline: float, failed: bool = False, *,
+                       started: Callable[[], None] | None = None) -> None:
         """Resume hooks when the snapshot ``seq`` saw neither restore nor resume in time.
 
         ``failed``: the pass failed (state ``degraded``) and its resume hooks were left to
-        a checkpoint's answer (:meth:`await_answer`).
+        a checkpoint's answer (:meth:`await_answer`). ``started``: called once the first
+        slice has taken its start — from then on a gap is seen.
 
         Waits on the engine's condition (no polling) in slices of at most 0.5 s. A slice
         that ends more than ``_FROZEN_STEP`` late is a gap, judged by :meth:`_gap_verdict`:
@@ -1578,6 +1579,9 @@ class Lifecycle:
         froze = deferred = False
         while True:
             now = time.monotonic()
+            if started is not None:
+                started()
+                started = None
             if now >= end:
                 freezes, cpu = self._freezes, time.process_time()
                 report = self._deadline_run(seq, deadline, start, failed=failed,

@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
 from .._context import Report, describe_error
-from .._contract import Probe, own_pass_started, refuse_another_engine
+from .._contract import NO_DEADLINE_THREAD, Probe, own_pass_started, refuse_another_engine
 from .._notify import not_a_socket, timeout_value
 from .._runner import worst_case
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
@@ -901,7 +901,11 @@ class ControlServer:
             except _BadRequest as exc:
                 reply = _bad_request(str(exc))
             except Exception as exc:
-                log.exception("control command %s failed", cmd)
+                if type(exc) is RuntimeError and str(exc).startswith(NO_DEADLINE_THREAD):
+                    # expected at the pids limit, and the reply says it all: no traceback
+                    log.error("control command %s refused: %s", cmd, describe_error(exc))
+                else:
+                    log.exception("control command %s failed", cmd)
                 reply = {"ok": False, "error": describe_error(exc)}
         own = reply.pop(_PREPARED_AT, None)  # internal: never sent
         if req_id is not _NO_ID:

@@ -1860,12 +1860,12 @@ def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
 
 def test_a_save_with_no_thread_for_its_deadline_runs_no_hook_and_is_refused(
         server: ControlServer, engine: Lifecycle, sock_path: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """`notify save` at the thread limit: the before-snapshot hooks ran, then the snapshot
     deadline's thread could not start, and the error reply skipped the failed pass's
     carry-on — no resume hooks, no deadline: ``snapshotting`` for good. That thread now
     starts before the hooks: the save is refused with no hook run, and the state is left
-    as it was."""
+    as it was. The refusal is logged in one line (it came with a full traceback)."""
     calls = Calls(engine)
     engine.snapshot_deadline = 30.0
     real_start = threading.Thread.start
@@ -1883,6 +1883,9 @@ def test_a_save_with_no_thread_for_its_deadline_runs_no_hook_and_is_refused(
                                      "deadline"), reply
     assert calls.items == []
     assert engine.status().state == before != "snapshotting"
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == f"control command prepare-snapshot refused: {reply['error']}"
+    assert record.exc_info is None
     monkeypatch.setattr(threading.Thread, "start", real_start)
     assert request("prepare-snapshot", socket_path=sock_path, timeout=DEADLINE)["ok"]
     assert engine.status().state == "snapshotting"
