@@ -578,7 +578,7 @@ def test_arming_the_deadline_returns_once_the_watch_sees_gaps(
     the process) before the watch took its start: the freeze went by unseen, and the
     deadline ran the resume hooks where after a gap it runs the restore hooks (the
     freeze may have made a clone). arm() now returns once the watch sees gaps."""
-    engine.snapshot_deadline = 0.2
+    engine.snapshot_deadline = 1.0  # its first slice (0.5 s) has to see the gap below
     runs = _Runs(engine)
     slow = threading.Event()  # holds the deadline thread between its order and its watch
 
