@@ -37,6 +37,10 @@ DEFAULT_EXTENSIONS: tuple[str, ...] = (
 dotted names (``"package.module"`` or ``"package.module:attribute"``), imported only when
 an engine is created. Adding a default-on extension is one line here."""
 
+NO_DEADLINE_THREAD = "no thread to watch the snapshot deadline"
+"""How the ``RuntimeError`` of a before-snapshot pass refused for want of a thread (the
+pids limit; no hook ran) begins: an expected refusal, which callers log in one line."""
+
 
 @dataclass(frozen=True)
 class Probe:

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ from ._context import (
 )
 from ._contract import (
     DEFAULT_EXTENSIONS,
+    NO_DEADLINE_THREAD,
     Engine,
     Extension,
     Probe,
@@ -144,7 +146,7 @@ class _DeadlineThread:
     The constructor raises when no thread can start (``RuntimeError: can't start new
     thread`` at a pids limit): the caller then runs no hook."""
 
-    def __init__(self, watch: Callable[[int, float], None]) -> None:
+    def __init__(self, watch: Callable[..., None]) -> None:
         self._watch = watch
         self._told = threading.Event()
         self._watching = threading.Event()
@@ -154,11 +156,10 @@ class _DeadlineThread:
 
     def arm(self, seq: int, deadline: float) -> None:
         """Watch the pass ``seq``: the deadline counts from now (the hooks' end). Returns
-        once the thread runs the watch (at most a second), as ``Thread.start()`` did
-        when the thread started after the pass: returning at once let the caller go on
-        to the checkpoint (a freeze) before the watch took its start, and the frozen
-        time went by unseen — the deadline ran the resume hooks where, after a gap, it
-        runs the restore hooks."""
+        once the watch has taken its start (at most a second): returning at once let the
+        caller go on to the checkpoint (a freeze) before the watch took its start, and
+        the frozen time went by unseen — the deadline ran the resume hooks where, after
+        a gap, it runs the restore hooks."""
         self._job = (seq, deadline)
         self._told.set()
         self._watching.wait(1.0)
@@ -169,8 +170,7 @@ class _DeadlineThread:
     def _main(self) -> None:
         self._told.wait()  # always told: arm() or cancel() follows every pass
         if self._job is not None:
-            self._watching.set()
-            self._watch(*self._job)
+            self._watch(*self._job, started=self._watching.set)
 
 
 @dataclass(frozen=True)
@@ -217,30 +217,75 @@ class Status:
         # JSON-ready means json.dumps(..., default=str) works: it does not apply
         # default= to keys, and an extension's counters keyed by (host, port) made every
         # status --json, gated /rehydrate/status and dumps() of this raise.
-        out.update((name, _json_keys(value, set())) for name, value in self.extra.items())
+        out.update((name, _json_keys(value)) for name, value in self.extra.items())
         return out
 
 
-def _json_keys(value: Any, path: set[int]) -> Any:
+_JSON_KEY_TYPES = (str, int, float, type(None))
+"""Dict keys JSON takes (``bool`` is an ``int``)."""
+_CONTAINERS = (dict, list, tuple)
+
+
+def _json_keys(value: Any) -> Any:
     """``value`` with every dict key JSON cannot have (a tuple) replaced by its ``str()``,
     as ``default=str`` does for values; keys JSON takes (``str``, ``int``, ``float``,
-    ``None``) are left to it. Containers with nothing to replace are returned as they
-    are; one that contains itself (``path``: the containers above) too, for the encoder
-    to refuse."""
-    if not isinstance(value, (dict, list, tuple)) or id(value) in path:
+    ``None``) are left to it. Only the containers on the way to such a key are copied;
+    with none (the common case) ``value`` itself is returned, after one scan. A container
+    that contains itself is left as it is, for the encoder to refuse. Iterative: nesting
+    as deep as the encoder takes (and deeper) raises no ``RecursionError`` here."""
+    if not isinstance(value, _CONTAINERS) or not _has_json_bad_key(value):
         return value
-    path.add(id(value))
-    try:
-        if isinstance(value, dict):
-            pairs = [(k if k is None or isinstance(k, (str, int, float)) else str(k),
-                      _json_keys(v, path)) for k, v in value.items()]
+    return _with_json_keys(value)
+
+
+def _has_json_bad_key(value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> bool:
+    # Called on every status --json and gated /rehydrate/status: the per-item tests run
+    # in C (map/compress), and a container with no container in it is never recorded.
+    stack: list[Any] = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not all(map(isinstance, item, itertools.repeat(_JSON_KEY_TYPES))):
+                return True
+            members: Iterable[Any] = item.values()
+        else:
+            members = item
+        inner = list(itertools.compress(
+            members, map(isinstance, members, itertools.repeat(_CONTAINERS))))
+        if inner and id(item) not in seen:  # a container seen before: shared, or a loop
+            seen.add(id(item))
+            stack.extend(inner)
+    return False
+
+
+def _with_json_keys(value: Any) -> Any:
+    """The copy :func:`_json_keys` returns, built bottom-up with an explicit stack."""
+    done: dict[int, Any] = {}  # id of a container: what replaces it
+    above: set[int] = set()  # the containers on the way down to the current one
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        item, expanded = stack.pop()
+        if not expanded:
+            if id(item) in done or id(item) in above:  # shared, or contains itself
+                continue
+            above.add(id(item))
+            stack.append((item, True))
+            members = item.values() if isinstance(item, dict) else item
+            stack.extend((m, False) for m in members if isinstance(m, _CONTAINERS))
+            continue
+        above.discard(id(item))
+        if isinstance(item, dict):
+            pairs = [(k if isinstance(k, _JSON_KEY_TYPES) else str(k), done.get(id(v), v))
+                     for k, v in item.items()]
             same = all(k is old_k and v is old_v
-                       for (k, v), (old_k, old_v) in zip(pairs, value.items(), strict=True))
-            return value if same else dict(pairs)
-        items = [_json_keys(v, path) for v in value]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
-    finally:
-        path.discard(id(value))
+                       for (k, v), (old_k, old_v) in zip(pairs, item.items(), strict=True))
+            done[id(item)] = item if same else dict(pairs)
+        else:
+            members = [done.get(id(m), m) for m in item]
+            same = all(a is b for a, b in zip(members, item, strict=True))
+            done[id(item)] = item if same else members
+    return done[id(value)]
 
 
 _CORE_STATUS = frozenset({"state", "generation", "ready", "detectors", "last_report"})
@@ -1435,7 +1480,7 @@ class Lifecycle:
                     watch = _DeadlineThread(self._deadline_main)
                 except RuntimeError as exc:
                     raise RuntimeError(
-                        f"no thread to watch the snapshot deadline ({describe_error(exc)}); "
+                        f"{NO_DEADLINE_THREAD} ({describe_error(exc)}); "
                         "no before-snapshot hook ran: the checkpoint should be "
                         "aborted") from exc
             try:
@@ -1486,11 +1531,13 @@ class Lifecycle:
         threading.Thread(target=self._deadline_main, args=(seq, deadline, failed),
                          name="rehydrate-snapshot-deadline", daemon=True).start()
 
-    def _deadline_main(self, seq: int, deadline: float, failed: bool = False) -> None:
+    def _deadline_main(self, seq: int, deadline: float, failed: bool = False, *,
+                       started: Callable[[], None] | None = None) -> None:
         """Resume hooks when the snapshot ``seq`` saw neither restore nor resume in time.
 
         ``failed``: the pass failed (state ``degraded``) and its resume hooks were left to
-        a checkpoint's answer (:meth:`await_answer`).
+        a checkpoint's answer (:meth:`await_answer`). ``started``: called once the first
+        slice has taken its start — from then on a gap is seen.
 
         Waits on the engine's condition (no polling) in slices of at most 0.5 s. A slice
         that ends more than ``_FROZEN_STEP`` late is a gap, judged by :meth:`_gap_verdict`:
@@ -1532,6 +1579,9 @@ class Lifecycle:
         froze = deferred = False
         while True:
             now = time.monotonic()
+            if started is not None:
+                started()
+                started = None
             if now >= end:
                 freezes, cpu = self._freezes, time.process_time()
                 report = self._deadline_run(seq, deadline, start, failed=failed,

@@ -570,6 +570,35 @@ def test_status_to_dict_is_json_ready_with_keys_json_cannot_have(rehydrate_engin
     assert rehydrate_engine.status().to_dict()["looped"] is looped  # left to the encoder
 
 
+def test_status_to_dict_takes_nesting_the_encoder_takes(rehydrate_engine):
+    """to_dict() walked the extensions' fields recursively, two frames a level: a field
+    nested 500 deep raised RecursionError where json.dumps(default=str) took 900. The
+    walk is iterative: any depth, a deep key JSON cannot have still replaced, a deep
+    field with none returned as it is."""
+    plain = cur = {}
+    for _ in range(5000):
+        cur["x"] = cur = {}
+    keyed = cur = {}
+    for _ in range(5000):
+        cur["x"] = cur = {}
+    cur[("db", 5432)] = [{(1, 2): "y"}]
+    shared = {("s",): 1}
+    looped: dict[object, object] = {("k",): 1}
+    looped["self"] = looped
+    rehydrate_engine.add_status("plain", lambda: plain)
+    rehydrate_engine.add_status("keyed", lambda: keyed)
+    rehydrate_engine.add_status("shared", lambda: [shared, (shared, looped)])
+    d = rehydrate_engine.status().to_dict()
+    assert d["plain"] is plain
+    leaf = d["keyed"]
+    for _ in range(5000):
+        leaf = leaf["x"]
+    assert leaf == {"('db', 5432)": [{"(1, 2)": "y"}]}
+    first, (second, loop_copy) = d["shared"]
+    assert first is second == {"('s',)": 1}  # a shared field: one copy
+    assert loop_copy == {"('k',)": 1, "self": looped}  # the loop left to the encoder
+
+
 def test_listeners_get_every_report_and_a_failing_listener_is_contained(rehydrate_engine,
                                                                        caplog):
     got = []

@@ -795,14 +795,16 @@ def _killed_by_sigint(done: list[tuple[str, int, object]]) -> bool:
                     ("kill", signal.SIGINT, os.getpid())]
 
 
-@pytest.mark.parametrize("entry_point", ["main", "notify_main"])
+@pytest.mark.parametrize("entry_point", ["main", "notify_main", "console_main",
+                                         "notify_console_main"])
 def test_ctrl_c_on_the_notifier_is_one_line_and_exit_130(
         entry_point: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], self_kills: list[tuple[str, int, object]]
 ) -> None:
     """Ctrl-C while the process was busy in its hooks printed a ~20-line
-    KeyboardInterrupt traceback. After the line the process ends by SIGINT (130 only
-    when the signal did not end it)."""
+    KeyboardInterrupt traceback. After the line the program ends by SIGINT (130 only
+    when the signal did not end it); main() and notify_main(), called from a program of
+    its own, return 130 and leave the program alive."""
     import rehydrate._notify
 
     def interrupted(options: Options) -> int:
@@ -810,11 +812,19 @@ def test_ctrl_c_on_the_notifier_is_one_line_and_exit_130(
 
     monkeypatch.setattr(rehydrate._notify, "notify", interrupted)
     args = ["save", "--socket", "/nonexistent/ctl.sock"]
-    code = _no_escape(lambda: entry.main(["notify", *args]) if entry_point == "main"
-                      else entry.notify_main(args))
+    program = entry_point.endswith("console_main")
+    if entry_point.startswith("notify"):
+        monkeypatch.setattr(sys, "argv", ["rehydrate-notify", *args])
+        call = {"notify_main": lambda: entry.notify_main(args),
+                "notify_console_main": entry.notify_console_main}[entry_point]
+    else:
+        monkeypatch.setattr(sys, "argv", ["rehydrate", "notify", *args])
+        call = {"main": lambda: entry.main(["notify", *args]),
+                "console_main": entry.console_main}[entry_point]
+    code = _no_escape(call)
     assert code == entry.EXIT_INTERRUPTED == 130
     assert capsys.readouterr() == ("", "rehydrate: interrupted\n")
-    assert _killed_by_sigint(self_kills)
+    assert _killed_by_sigint(self_kills) if program else self_kills == []
 
 
 @pytest.mark.parametrize("argv", [["status"], ["notify", "--help"], ["doctor"]])
@@ -830,7 +840,52 @@ def test_ctrl_c_on_the_other_commands_is_one_line_and_exit_130(
     monkeypatch.setattr(rehydrate._cli, "run", interrupted)
     assert _no_escape(lambda: entry.main(argv)) == 130
     assert capsys.readouterr() == ("", "rehydrate: interrupted\n")
+    assert self_kills == []
+    monkeypatch.setattr(sys, "argv", ["rehydrate", *argv])
+    assert _no_escape(entry.console_main) == 130
+    assert capsys.readouterr() == ("", "rehydrate: interrupted\n")
     assert _killed_by_sigint(self_kills)
+
+
+def test_ctrl_c_in_main_called_by_a_program_returns_130_to_it(sock_path: str) -> None:
+    """main() ended its caller by SIGINT on Ctrl-C: a program calling it on its main
+    thread died with it. It returns 130 now; the console scripts (pyproject) and
+    ``python -m rehydrate`` end by SIGINT (the shell-script test below)."""
+    import re
+    import signal
+
+    pyproject = (REPO / "pyproject.toml").read_text()  # no tomllib on 3.10
+    scripts = re.search(r"^\[project\.scripts\]\n(.*?)\n\n", pyproject, re.M | re.S)
+    assert scripts is not None
+    assert scripts[1].splitlines() == [
+        'rehydrate = "rehydrate.__main__:console_main"',
+        'rehydrate-notify = "rehydrate.__main__:notify_console_main"']
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(1)
+    listener.settimeout(30)
+    host = ("from rehydrate.__main__ import main; "
+            f"rc = main(['notify', 'save', '--socket', {sock_path!r}, '--timeout', '60']); "
+            "print('host got', rc)")
+    proc = subprocess.Popen([sys.executable, "-c", host], env=_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(30)
+            got = b""
+            while not got.endswith(b"\n"):  # the whole request: the notifier now waits
+                chunk = conn.recv(4096)
+                assert chunk, got
+                got += chunk
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (proc.returncode, out, err) == (0, "host got 130\n", "rehydrate: interrupted\n")
 
 
 def test_sigint_while_notify_waits_for_the_reply(sock_path: str) -> None:

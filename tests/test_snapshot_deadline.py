@@ -550,21 +550,60 @@ def test_no_thread_for_the_snapshot_deadline_refuses_the_pass_before_any_hook(
 
 def test_the_deadline_thread_of_a_failed_pass_ends_without_a_run(
         engine: Lifecycle) -> None:
-    """Started before the hooks, the deadline's thread of a pass that failed is told to
-    end: nothing runs for that pass (its caller's carry-on, or await_answer, decides)."""
+    """The deadline's thread starts before the hooks (it started after a successful pass,
+    and a failed start left the pass with no deadline and no resume hooks): it is there
+    while they run. For a pass that failed it is told to end, and nothing runs for that
+    pass (its caller's carry-on, or await_answer, decides)."""
     engine.snapshot_deadline = 0.2
+    during: list[threading.Thread] = []
 
     def fail(ctx: RestoreContext) -> None:
+        during.extend(t for t in threading.enumerate()
+                      if t.name == "rehydrate-snapshot-deadline")
         raise OSError("disk gone")
 
     engine.registry.before_snapshot(fail, name="fail")
     runs = _Runs(engine)
     assert not engine.snapshot_requested("control").ok
-    give_up = time.monotonic() + GIVE_UP
-    while any(t.name == "rehydrate-snapshot-deadline" for t in threading.enumerate()):
-        assert time.monotonic() < give_up, "the deadline thread of a failed pass lives on"
-        time.sleep(0.005)
+    [thread] = during  # started before the hooks
+    thread.join(GIVE_UP)
+    assert not thread.is_alive(), "the deadline thread of a failed pass lives on"
     assert runs.runs == [] and engine.state == "degraded"
+
+
+def test_arming_the_deadline_returns_once_the_watch_sees_gaps(
+        engine: Lifecycle, clock: _Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started before the hooks, the deadline's thread is told to watch after them. When
+    that thread was slow to run, snapshot_requested() returned (and the platform froze
+    the process) before the watch took its start: the freeze went by unseen, and the
+    deadline ran the resume hooks where after a gap it runs the restore hooks (the
+    freeze may have made a clone). arm() now returns once the watch sees gaps."""
+    engine.snapshot_deadline = 1.0  # its first slice (0.5 s) has to see the gap below
+    runs = _Runs(engine)
+    slow = threading.Event()  # holds the deadline thread between its order and its watch
+
+    class Asked(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            slow.set()  # arm() waits for the watch: the thread may go on
+            return super().wait(timeout)
+
+    class SlowThread(_lifecycle._DeadlineThread):
+        def __init__(self, watch: Callable[..., None]) -> None:
+            super().__init__(watch)
+            self._watching = Asked()
+
+        def _main(self) -> None:
+            self._told.wait()
+            slow.wait(GIVE_UP)
+            super()._main()
+
+    monkeypatch.setattr(_lifecycle, "_DeadlineThread", SlowThread)
+    assert engine.snapshot_requested("gvisor").ok
+    clock.gap += STALL  # the checkpoint's freeze, as soon as the pass returned
+    slow.set()
+    assert runs.ran.wait(GIVE_UP), "the deadline never ran"
+    assert [(reason, kind) for reason, kind, _ in runs.runs] == [("snapshot-deadline",
+                                                                  "restore")]
 
 
 def test_no_thread_to_watch_a_failed_pass_leaves_it_to_the_caller(

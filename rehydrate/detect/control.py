@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from .. import _config
 from .._context import Report, describe_error
-from .._contract import Probe, own_pass_started, refuse_another_engine
+from .._contract import NO_DEADLINE_THREAD, Probe, own_pass_started, refuse_another_engine
 from .._notify import not_a_socket, timeout_value
 from .._runner import worst_case
 from .._socket_path import ENV_SOCKET, default_socket_dir, socket_path
@@ -133,6 +133,9 @@ NOTICE_WAIT = 0.2
 """With no thread to serve a connection: how long its first request may take to come
 when it was not there on accept, to tell a ``resume``/``restore`` notice (served on the
 accept thread) from a request that is answered ``busy``."""
+NOTICE_REPLY_TIMEOUT = 1.0
+"""With no thread to serve a connection: how long the accept thread may take to send the
+reply of the notice it served (a client that does not read must not hold it)."""
 IDLE_TIMEOUT = 10.0
 """A connection with no complete request for this long is closed (a client sends its
 request at once; one that does not only holds a slot)."""
@@ -643,15 +646,17 @@ class ControlServer:
             except Exception as exc:
                 # No thread could start (the process at its pids limit): the loop goes on
                 # — ending it here left the socket dead for good.
-                if self._notice_pending(conn):
-                    self._serve_notice(conn, exc)
+                notice = self._notice_pending(conn)
+                if notice is not None:
+                    self._serve_notice(conn, notice, exc)
                 else:
                     self._refuse_unserved(conn, exc)
 
-    def _notice_pending(self, conn: socket.socket) -> bool:
-        """Whether the first request on ``conn`` — there already, or within
-        :data:`NOTICE_WAIT` — is a ``resume`` or ``restore`` notice. Read without
-        consuming it (``MSG_PEEK``)."""
+    def _notice_pending(self, conn: socket.socket) -> bytes | None:
+        """When the first request on ``conn`` — there already, or within
+        :data:`NOTICE_WAIT` — is a ``resume`` or ``restore`` notice: the bytes up to its
+        newline (blank lines before it included), read without consuming them
+        (``MSG_PEEK``); otherwise None."""
         import json
 
         give_up = time.monotonic() + NOTICE_WAIT
@@ -661,42 +666,65 @@ class ControlServer:
             except BlockingIOError:
                 data = None
             except OSError:
-                return False
+                return None
             if data == b"":
-                return False  # gone without a request
+                return None  # gone without a request
             if data is not None:
-                line, newline, _ = data.lstrip().partition(b"\n")  # blank: keep-alives
+                blank = len(data) - len(data.lstrip())  # blank lines: keep-alives
+                line, newline, _ = data[blank:].partition(b"\n")
                 if newline:
                     try:
                         req = json.loads(line.decode("utf-8"))
                     except (ValueError, UnicodeDecodeError, RecursionError):
-                        return False
-                    return isinstance(req, dict) and req.get("cmd") in ("resume", "restore")
+                        req = None
+                    notice = isinstance(req, dict) and req.get("cmd") in ("resume", "restore")
+                    return data[:blank + len(line) + 1] if notice else None
             left = give_up - time.monotonic()
             if left <= 0:
-                return False
+                return None
             # partial data makes the connection readable at once: wait in short steps
             watched = [self._stop_r] if data else [self._stop_r, conn.fileno()]
             ready, _, _ = select.select(watched, [], [], min(left, 0.01) if data else left)
             if self._stop_r in ready:
-                return False
+                return None
 
-    def _serve_notice(self, conn: socket.socket, exc: Exception) -> None:
-        """Serve, on the accept thread, the ``resume``/``restore`` notice of a connection
-        no thread can serve, then close it. Refused ``busy``, CRIU's post-dump ``resume``
-        (sent with :func:`post`: its client is gone, nobody retries) was lost, and the
-        process stayed ``snapshotting`` until the deadline. The accept loop waits
-        meanwhile; other requests are answered ``busy`` (their clients retry)."""
+    def _serve_notice(self, conn: socket.socket, notice: bytes, exc: Exception) -> None:
+        """Serve, on the accept thread, the ``resume``/``restore`` notice (``notice``: its
+        bytes, peeked by :meth:`_notice_pending`) of a connection no thread can serve,
+        then close it. Refused ``busy``, CRIU's post-dump ``resume`` (sent with
+        :func:`post`: its client is gone, nobody retries) was lost, and the process
+        stayed ``snapshotting`` until the deadline. The accept loop waits meanwhile, for
+        the notice's run and at most :data:`NOTICE_REPLY_TIMEOUT` more for its reply;
+        nothing else the connection sent is served (it went on serving every pipelined
+        request there — a ``prepare-snapshot`` ran its hooks — and a client that did not
+        read its replies held the accept thread ~10 s)."""
         count = self._submit_failures.due()
         if count:
             log.error("control socket: no thread to serve a client (%s); its resume or "
                       "restore notice is served on the accept thread%s",
                       describe_error(exc), _times(count))
-        # What was sent by now is read, then end of input: a client that would go on
-        # sending (or idle) must not hold the accept thread; it gets EPIPE.
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RD)
-        self._serve(conn)
+        try:
+            with self._lock:
+                state = self._conns.get(conn)
+            conn.settimeout(NOTICE_REPLY_TIMEOUT)
+            if self._peer_allowed(conn, drain=False):
+                # End of input: what the client sends from now on fails (EPIPE), and
+                # what it sent already is all there is to drop below.
+                conn.shutdown(socket.SHUT_RD)
+                conn.recv(len(notice), socket.MSG_DONTWAIT)  # there: it was peeked
+                self._answer(conn, notice, queued=state[1] if state is not None else None)
+                # Dropped without waiting: left unread, the close would reset the
+                # connection (ECONNRESET) where the client is to see its end.
+                while conn.recv(65536, socket.MSG_DONTWAIT):
+                    pass
+        except OSError as exc2:
+            log.info("control client connection ended: %s", exc2.strerror or exc2)
+        except Exception:  # pragma: no cover - a bug must not kill the accept thread
+            log.exception("control client handler failed")
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
 
     def _refuse_unserved(self, conn: socket.socket, exc: Exception) -> None:
         with self._lock:
@@ -748,7 +776,7 @@ class ControlServer:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _peer_allowed(self, conn: socket.socket) -> bool:
+    def _peer_allowed(self, conn: socket.socket, *, drain: bool = True) -> bool:
         pid, uid, _gid = _CRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
         me = os.geteuid()
@@ -759,7 +787,8 @@ class ControlServer:
                     "and root may connect", uid, pid, me)
         self._send(conn, {"ok": False, "error": f"permission denied: uid {uid} may not use "
                                                 f"this socket (only uid {me} or root)"})
-        _drain(conn)
+        if drain:  # not on the accept thread: a trickling client would hold it
+            _drain(conn)
         return False
 
     def _serve_conn(self, conn: socket.socket) -> None:
@@ -872,7 +901,11 @@ class ControlServer:
             except _BadRequest as exc:
                 reply = _bad_request(str(exc))
             except Exception as exc:
-                log.exception("control command %s failed", cmd)
+                if type(exc) is RuntimeError and str(exc).startswith(NO_DEADLINE_THREAD):
+                    # expected at the pids limit, and the reply says it all: no traceback
+                    log.error("control command %s refused: %s", cmd, describe_error(exc))
+                else:
+                    log.exception("control command %s failed", cmd)
                 reply = {"ok": False, "error": describe_error(exc)}
         own = reply.pop(_PREPARED_AT, None)  # internal: never sent
         if req_id is not _NO_ID:

@@ -1860,12 +1860,12 @@ def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
 
 def test_a_save_with_no_thread_for_its_deadline_runs_no_hook_and_is_refused(
         server: ControlServer, engine: Lifecycle, sock_path: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """`notify save` at the thread limit: the before-snapshot hooks ran, then the snapshot
     deadline's thread could not start, and the error reply skipped the failed pass's
     carry-on — no resume hooks, no deadline: ``snapshotting`` for good. That thread now
     starts before the hooks: the save is refused with no hook run, and the state is left
-    as it was."""
+    as it was. The refusal is logged in one line (it came with a full traceback)."""
     calls = Calls(engine)
     engine.snapshot_deadline = 30.0
     real_start = threading.Thread.start
@@ -1883,6 +1883,9 @@ def test_a_save_with_no_thread_for_its_deadline_runs_no_hook_and_is_refused(
                                      "deadline"), reply
     assert calls.items == []
     assert engine.status().state == before != "snapshotting"
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == f"control command prepare-snapshot refused: {reply['error']}"
+    assert record.exc_info is None
     monkeypatch.setattr(threading.Thread, "start", real_start)
     assert request("prepare-snapshot", socket_path=sock_path, timeout=DEADLINE)["ok"]
     assert engine.status().state == "snapshotting"
@@ -1939,6 +1942,81 @@ def test_a_posted_resume_no_thread_can_serve_is_served_on_the_accept_thread(
     monkeypatch.setattr(det.server._submit_failures, "clock", lambda: 0.0)  # one instant
     with pytest.raises(ControlError, match=r"stayed busy"):
         request("status", socket_path=sock_path, timeout=0.3)
+
+
+def _no_thread_to_serve(engine: Lifecycle, sock_path: str,
+                        monkeypatch: pytest.MonkeyPatch) -> ControlServer:
+    """A control server whose pool can start no thread (the pids limit)."""
+    from rehydrate._threads import ThreadPool
+
+    pool = ThreadPool("rh-ctl-pool", keep=0)
+    monkeypatch.setattr(control, "blocking", pool)
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == pool.name:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]
+    assert det.server is not None
+    return det.server
+
+
+def _read_to_end(conn: socket.socket) -> bytes:
+    conn.settimeout(DEADLINE)
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+def test_only_the_notice_is_served_on_the_accept_thread(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no thread to serve it, a connection whose first request is a resume had every
+    request it sent served on the accept thread: a prepare-snapshot pipelined after the
+    resume ran the before-snapshot hooks, and the process was ``snapshotting`` again.
+    Only the notice is served now; the connection then ends (its reply, then EOF)."""
+    server = _no_thread_to_serve(engine, sock_path, monkeypatch)
+    calls = Calls(engine)
+    assert engine.snapshot_requested("control").ok
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(sock_path)
+        conn.sendall(b'\n{"cmd":"resume","id":1}\n{"cmd":"prepare-snapshot","id":2}\n'
+                     b'{"cmd":"status","id":3}\n')
+        replies = [json.loads(line) for line in _read_to_end(conn).splitlines()]
+    assert [(r["id"], r["ok"]) for r in replies] == [(1, True)]
+    assert [item[:2] for item in calls.items] == [("snapshot-hook", "snapshot"),
+                                                  ("restore-hook", "resume")]
+    assert engine.status().state != "snapshotting" and engine.status().ready
+    assert server.served == 1
+
+
+def test_a_notice_client_that_does_not_read_holds_the_accept_thread_a_second(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accept thread sent the reply of the notice it served with no time limit of
+    its own (and served whatever followed): a client that never read held it, and every
+    other client waited. The reply now gets NOTICE_REPLY_TIMEOUT; then the connection
+    is closed and the next client is answered."""
+    server = _no_thread_to_serve(engine, sock_path, monkeypatch)
+    monkeypatch.setattr(control, "NOTICE_REPLY_TIMEOUT", 0.1)
+    real_dispatch = server._dispatch
+
+    def dispatch(cmd: str, req: Any, **kwargs: Any) -> dict[str, Any]:
+        # more than the socket buffers take: the send blocks on a client that never reads
+        return {**real_dispatch(cmd, req, **kwargs), "pad": "x" * (16 << 20)}
+
+    monkeypatch.setattr(server, "_dispatch", dispatch)
+    with socket.socket(socket.AF_UNIX) as idle, socket.socket(socket.AF_UNIX) as other:
+        idle.connect(sock_path)
+        idle.sendall(b'{"cmd":"resume"}\n')  # and never reads
+        other.connect(sock_path)
+        other.sendall(b'{"cmd":"status"}\n')
+        other.settimeout(DEADLINE)  # the accept thread is free long before
+        assert json.loads(other.recv(65536)) == {
+            "ok": False, "error": "busy: no thread to serve this client"}
 
 
 def test_an_accept_thread_that_dies_shows_in_detector_errors(

@@ -1392,8 +1392,10 @@ def test_a_failed_retry_after_the_snapshot_deadline_carries_on_at_once(
         checked = threading.Event()
         real_deadline_main = iso_engine._deadline_main
 
-        def after_the_check(*args: object, **kwargs: object) -> None:
-            assert checked.wait(DEADLINE)
+        def after_the_check(*args: Any, started: Any = None, **kwargs: Any) -> None:
+            if started is not None:
+                started()  # the trigger goes on (arm() waits for this) ...
+            assert checked.wait(DEADLINE)  # ... and the deadline starts after the check
             real_deadline_main(*args, **kwargs)
 
         monkeypatch.setattr(iso_engine, "_deadline_main", after_the_check)
