@@ -25,11 +25,12 @@ SGLang 0.5 dies of a resume of memory not released (its scheduler's ``KeyError``
 the server) and no endpoint says what is released, so the adapter goes by what reached
 the server: SGLang performs the calls it received, in order. A release or resume that
 went unanswered — no answer, the connection lost after sending, a gateway's 504 (or
-Envoy's 503 "disconnect/reset before headers" after forwarding) — counts as performed:
+Envoy's 503 "disconnect/reset before headers" for other reset reasons) — counts as performed:
 an unanswered release still owes its resume, an unanswered resume is never sent again
 (the continue and the canary, which run after it, follow it, and a passing canary
-confirms it). A gateway's 502 counts as not passed on (:data:`BAD_GATEWAY`): retried like
-a 503, and a release that ends on it owes nothing.
+confirms it). A gateway's 502, or Envoy's 503 "connection termination" / "remote reset",
+counts as not passed on (:func:`not_passed_on`): retried like a 503, and a release that
+ends on it owes nothing.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);
@@ -154,7 +155,7 @@ class SGLangAdapter(ServerAdapter):
             self.released = self.unconfirmed = True
             try:
                 r = await self.call(c, "POST", "/release_memory_occupation", until=until,
-                                    json=self._body, unsent=BAD_GATEWAY)
+                                    json=self._body, unsent=not_passed_on)
                 _check_success(r)
             except Unconfirmed:
                 raise
@@ -217,7 +218,7 @@ class SGLangAdapter(ServerAdapter):
         unanswered = None
         try:
             r = await self.call(client, "POST", "/resume_memory_occupation", until=until,
-                                json=self._body, unsent=BAD_GATEWAY)
+                                json=self._body, unsent=not_passed_on)
             _check_success(r)
         except Unconfirmed as exc:
             # It reached SGLang, which performs what it received, in order; sent again,
@@ -285,12 +286,27 @@ class SGLangAdapter(ServerAdapter):
                         "memory do nothing (the snapshot keeps the GPU state)")
 
 
-BAD_GATEWAY = frozenset({502})
-"""A gateway's 502 on a release or resume counts as not passed on (retried like a 503):
-nginx's usual 502s — no connection (refused), a reused connection SGLang had closed,
-SGLang gone — all leave a running SGLang without the call (a restarted one has nothing
-released), and no status endpoint tells otherwise. Taken as performed, it made the next
-resume one of memory never released, which kills SGLang 0.5."""
+ENVOY_CLOSED = re.compile(
+    r"disconnect/reset before headers\..*reset reason: (connection termination|remote reset)",
+    re.IGNORECASE | re.DOTALL)
+"""Envoy's / Istio's 503 for an upstream connection that closed or was reset under the
+request (flags UC): mostly a pooled keep-alive connection SGLang (uvicorn, 5 s idle) had
+just closed, which the request never reached (istio/istio#55138) — nginx's 502 for the
+same event."""
+
+
+def not_passed_on(status: int, reason: str) -> bool:
+    """Whether a gateway's answer to a release or resume counts as not passed on (retried
+    like a 503): a 502, or Envoy's 503 for a closed or reset connection
+    (:data:`ENVOY_CLOSED`). nginx's usual 502s — no connection (refused), a reused
+    connection SGLang had closed, SGLang gone — and Envoy's "connection termination" /
+    "remote reset" all leave a running SGLang without the call (a restarted one has
+    nothing released), and no status endpoint tells otherwise. Taken as performed, they
+    made the next resume one of memory never released, which kills SGLang 0.5. Either
+    reading kills SGLang when it is wrong (a second release or resume ends it too), so
+    the likelier one is taken."""
+    return status == 502 or (status == 503 and bool(ENVOY_CLOSED.search(reason)))
+
 
 MISSING = frozenset({404, 405})
 """A server without the endpoint (SGLang before the pause endpoints, a gateway routing

@@ -25,8 +25,13 @@ from tests.inference_standins import (
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
 
-ENVOY_RESET = ("upstream connect error or disconnect/reset before headers. reset reason: "
-               "connection termination")
+ENVOY = "upstream connect error or disconnect/reset before headers. reset reason: "
+# the upstream answered something Envoy could not parse: the request reached SGLang
+ENVOY_RESET = ENVOY + "protocol error"
+# nginx's 502 and Envoy's 503 for a pooled connection SGLang had closed (keep-alive race)
+NOT_PASSED_ON = [(502, "upstream prematurely closed connection"),
+                 (503, ENVOY + "connection termination"),
+                 (503, ENVOY + "remote reset")]
 
 
 @pytest.fixture(scope="module")
@@ -439,17 +444,54 @@ def test_a_502_on_the_release_owes_no_resume(
     assert report.ok is (not performed), report.table()  # released: the canary fails
 
 
+@pytest.mark.parametrize("status,message", NOT_PASSED_ON)
 def test_a_502_on_the_release_once_is_sent_again(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn,
-        rehydrate_engine: Any) -> None:
+        rehydrate_engine: Any, status: int, message: str) -> None:
+    """Envoy's 503 "connection termination" / "remote reset" is nginx's 502 for the same
+    keep-alive race (istio/istio#55138): taken as performed, the release owed a resume of
+    memory never released, which killed SGLang."""
     sglang.install(url, engine=rehydrate_engine, deadline=5)
-    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=502,
-                                  times=1, performed=False)
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=status,
+                                  times=1, performed=False, message=message)
     assert rehydrate_engine.simulate_snapshot().ok
     assert standin.log.count("POST /release_memory_occupation") == 1  # the second
     assert standin.released == set(SGLangStandIn.MEMORY)
     assert rehydrate_engine.simulate_restore().ok
     assert standin.released == set() and standin.crashed is None
+
+
+@pytest.mark.parametrize("status,message", NOT_PASSED_ON)
+def test_a_release_ending_on_a_gateway_that_never_passed_it_on_owes_no_resume(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, status: int, message: str) -> None:
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=status,
+                                  performed=False, message=message)
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert not adapter.released
+    server[1].app = standin
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert "POST /resume_memory_occupation" not in standin.log
+    assert standin.crashed is None
+
+
+@pytest.mark.parametrize("status,message", NOT_PASSED_ON)
+def test_a_resume_a_gateway_never_passed_on_is_sent_again(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, status: int, message: str) -> None:
+    """Taken as performed, the resume was never sent again: SGLang kept its memory
+    released, and every later restore failed at the canary."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, status=status,
+                                  times=1, performed=False, message=message)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /resume_memory_occupation") == 1
+    assert standin.released == set() and not adapter.released
+    assert standin.crashed is None
 
 
 def test_a_503_on_a_release_is_sent_again(url: str, server: tuple[str, Switch],

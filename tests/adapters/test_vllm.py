@@ -1076,6 +1076,33 @@ def test_envoys_503_after_forwarding_is_unconfirmed_and_its_connect_failure_retr
     assert standin.log.count("POST /collective_rpc") == 1
 
 
+ENVOY = "upstream connect error or disconnect/reset before headers. "
+
+
+@pytest.mark.parametrize("reason", [
+    "reset reason: connection failure",
+    "retried and the latest reset reason: remote connection failure, transport failure "
+    "reason: delayed connect error: 111",
+    "reset reason: connection timeout",
+    "reset reason: overflow",
+    "reset reason: remote refused stream reset",
+    "reset reason: local refused stream reset",
+])
+def test_envoys_503_for_a_request_never_forwarded_is_retried(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any, reason: str) -> None:
+    """No connection, the circuit breaker, or an HTTP/2 REFUSED_STREAM (the stream was
+    not processed, RFC 9113): the reload never reached vLLM and is sent again."""
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/collective_rpc"}, status=503, times=1,
+                                  performed=False, message=ENVOY + reason)
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /collective_rpc") == 1
+
+
 def test_a_gateways_504_on_the_canary_is_sent_again(
         url: str, server: tuple[str, Switch], standin: VLLMStandIn,
         rehydrate_engine: Any) -> None:
