@@ -30,7 +30,9 @@ an unanswered release still owes its resume, an unanswered resume is never sent 
 (the continue and the canary, which run after it, follow it, and a passing canary
 confirms it). A gateway's 502, or Envoy's 503 "connection termination" / "remote reset",
 counts as not passed on (:func:`not_passed_on`): retried like a 503, and a release that
-ends on it owes nothing.
+ends on it owes nothing — the rare one after SGLang performed the call then sends it
+twice, which kills SGLang as well (a second release: torch_memory_saver exits). Memory
+still released (its resume failed) is not released again by the next release.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);
@@ -150,6 +152,12 @@ class SGLangAdapter(ServerAdapter):
         async with self.client() as c:
             await self._warn_without_memory_saver(c)
             await self._pause(c, until)
+            if self.released:
+                # A second release of memory already released ends SGLang
+                # (torch_memory_saver: "Cannot pause allocation that is not active").
+                log.info("SGLang memory is still released (the last resume did not "
+                         "happen); not released again")
+                return
             before = self.released, self.unconfirmed
             # before sending: a release performed but answered late still needs its resume
             self.released = self.unconfirmed = True
