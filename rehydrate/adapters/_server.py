@@ -360,6 +360,12 @@ class ServerAdapter:
 
     # -- hooks ---------------------------------------------------------------------------
 
+    @property
+    def restore_extra(self) -> float:
+        """Seconds the after-restore hook may run past ``deadline`` by design (its hook
+        timeout grows by as much)."""
+        return 0.0
+
     def install(self, engine: Engine | None = None) -> None:
         """Attach the before-snapshot and after-restore hooks to ``engine`` (default: the
         process's engine). Both are required: a failure fails the snapshot (the platform
@@ -394,7 +400,8 @@ class ServerAdapter:
                 b.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
                            order=SNAPSHOT_ORDER, timeout=timeout, name=snapshot_name),
                 b.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
-                           order=RESTORE_ORDER, timeout=timeout, name=restore_name),
+                           order=RESTORE_ORDER, timeout=timeout + self.restore_extra,
+                           name=restore_name),
             )
 
     def _where(self) -> str:

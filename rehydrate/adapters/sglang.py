@@ -139,6 +139,11 @@ class SGLangAdapter(ServerAdapter):
         """True from the moment a pause is sent until a continue succeeded (or SGLang
         refused the pause): a continue is sent only when generation may be paused."""
 
+    @property
+    def restore_extra(self) -> float:
+        # the continue and the canary after an unanswered resume (see resume_async)
+        return self.request_timeout
+
     def __repr__(self) -> str:
         return f"SGLangAdapter({self.url}, tags={self.tags})"
 
@@ -196,28 +201,44 @@ class SGLangAdapter(ServerAdapter):
                     raise
             else:
                 log.info("SGLang memory was not released by this process; not resumed")
-            if self.paused:
-                # After the resume — generation continued on released memory would fail —
-                # also an unanswered one: SGLang takes the calls in order, so the continue
-                # runs after it, and skipped, generation stayed paused for good.
-                try:
-                    await self._continue(c, until)
-                except ServerError as exc:
-                    log.warning("SGLang at %s stays paused: /continue_generation failed "
-                                "(%s); the next resume sends it again", self.url, exc)
+            if unanswered is not None:
+                log.warning("SGLang at %s: the resume went unanswered (%s); taken as "
+                            "performed, not sent again: the continue and the canary "
+                            "confirm it", self.url, unanswered)
+                # It may have used up the deadline, and SGLang's /health_generate takes
+                # over a second: the calls that confirm it get request_timeout of their own
+                until = max(until, time.monotonic() + self.request_timeout)
+            try:
+                await self._continue_and_check(c, until, unanswered)
+            except ServerError as exc:
+                if unanswered is None or exc is unanswered:
                     raise
-            if self.canary:
-                # after an unanswered resume, also its confirmation: the generation runs
-                # after the resume, on the memory it brought back
-                await self.call(c, "GET", "/health_generate", until=until)
-            elif unanswered is not None:
-                raise unanswered
+                raise exc from unanswered
         if unanswered is not None:
             log.info("SGLang's resume went unanswered, but it generates")
         elif resumed:
             log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
         elif self.canary:
             log.info("SGLang generating")
+
+    async def _continue_and_check(self, client: httpx.AsyncClient, until: float,
+                                  unanswered: Unconfirmed | None) -> None:
+        if self.paused:
+            # After the resume — generation continued on released memory would fail —
+            # also an unanswered one: SGLang takes the calls in order, so the continue
+            # runs after it, and skipped, generation stayed paused for good.
+            try:
+                await self._continue(client, until)
+            except ServerError as exc:
+                log.warning("SGLang at %s stays paused: /continue_generation failed "
+                            "(%s); the next resume sends it again", self.url, exc)
+                raise
+        if self.canary:
+            # after an unanswered resume, also its confirmation: the generation runs
+            # after the resume, on the memory it brought back
+            await self.call(client, "GET", "/health_generate", until=until)
+        elif unanswered is not None:
+            raise unanswered
 
     async def _resume(self, client: httpx.AsyncClient,
                       until: float) -> Unconfirmed | None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from rehydrate.adapters import sglang
+from rehydrate.adapters._server import Unconfirmed
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
 from tests.inference_standins import (
@@ -576,7 +577,7 @@ def test_a_pause_stays_owed_with_a_warning_when_the_resume_is_refused(
 def test_a_continue_that_fails_after_an_unconfirmed_resume_is_warned_about(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn,
         rehydrate_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
-    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5, request_timeout=0.5)
     assert rehydrate_engine.simulate_snapshot().ok
     server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, times=1)
     standin.broken["/continue_generation"] = (500, "scheduler error")
@@ -724,3 +725,38 @@ def test_a_health_answer_trickling_in_does_not_hold_the_probe(
         stop.set()
     assert found == Probe(True, f"{url} is not ready yet (no complete answer within 0.3s): "
                                 "installed anyway")
+
+
+def test_the_confirmation_of_an_unanswered_resume_gets_request_timeout_of_its_own(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The resume used the whole deadline without an answer: the continue and the canary
+    got one 0.5 s try, and SGLang's /health_generate waits a second before it first
+    looks for its token (http_server.py), so a resume SGLang performed failed the hook.
+    The hook's own timeout (deadline + 5 s) makes room for it too."""
+    sglang.install(url, engine=rehydrate_engine, deadline=0.3, request_timeout=6)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add("/resume_memory_occupation")  # performed, never answered
+    standin.hang["/health_generate"] = 5.2  # past the hook timeout of deadline + 5 s
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.released == set() and standin.canaries == 1
+    assert [m for m in caplog.messages if m.startswith(
+        f"SGLang at {url}: the resume went unanswered (sglang POST "
+        f"{url}/resume_memory_occupation: no answer within")
+        and m.endswith("taken as performed, not sent again: the continue and the canary "
+                       "confirm it")]
+
+
+def test_a_failed_confirmation_of_an_unanswered_resume_is_chained_to_it(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    sglang.install(url, engine=rehydrate_engine, deadline=0.3, request_timeout=0.3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add("/resume_memory_occupation")
+    standin.broken["/health_generate"] = (500, "generation failed")
+    report = rehydrate_engine.simulate_restore()
+    error = hook(report, "rehydrate.sglang.resume").error
+    assert "generation failed" in str(error)
+    assert isinstance(error.__cause__, Unconfirmed)
+    assert "/resume_memory_occupation" in str(error.__cause__)
