@@ -73,8 +73,10 @@ class ServerError(RuntimeError):
 class Unconfirmed(ServerError):
     """A state-changing call that reached the server but got no (complete) answer, or a
     gateway's 502 / 504 for it: the server may have performed it, or may still be
-    performing it, so it is not sent again — the caller checks the state instead where it
-    can."""
+    performing it — the caller checks the state instead where it can. A call without
+    ``resend`` is not sent again after it; one with ``resend`` (harmless to repeat) was
+    sent again after a gateway's 502 / 504 until the deadline ended, and this says the
+    last of those tries went unconfirmed too."""
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
