@@ -6,7 +6,8 @@ every call, and can be told to fail the ways the real servers do: 500s (transien
 good), hangs, no dev mode (404), sleep mode / memory saver off, the empty 200 of older
 servers, ``tags_woken``, requests running on an SGLang scheduler that must be idle, an
 SGLang without the pause endpoints. Where the real server dies (SGLang's scheduler on a
-resume of memory not released, or a release with requests running), the stand-in stops
+resume of memory not released, torch_memory_saver on a second release of memory already
+released, or a release with requests running), the stand-in stops
 serving too (``crashed``), so no test passes on an answer the real server never gives.
 """
 
@@ -376,6 +377,12 @@ class SGLangStandIn(StandIn):
             if not self.memory_saver:
                 return 200, None  # SGLang only logs a warning then
             if path == "/release_memory_occupation":
+                if tags & self.released:
+                    # torch_memory_saver's pause of a region already paused: "Cannot
+                    # pause allocation that is not active", then exit(1)
+                    self.crashed = ("torch_memory_saver: Cannot pause allocation that is "
+                                    "not active")
+                    return 500, None
                 self.released |= tags
             else:
                 if not tags <= self.released:

@@ -73,8 +73,10 @@ class ServerError(RuntimeError):
 class Unconfirmed(ServerError):
     """A state-changing call that reached the server but got no (complete) answer, or a
     gateway's 502 / 504 for it: the server may have performed it, or may still be
-    performing it, so it is not sent again — the caller checks the state instead where it
-    can."""
+    performing it — the caller checks the state instead where it can. A call without
+    ``resend`` is not sent again after it; one with ``resend`` (harmless to repeat) was
+    sent again after a gateway's 502 / 504 until the deadline ended, and this says the
+    last of those tries went unconfirmed too."""
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -93,9 +95,11 @@ possibly after the request was forwarded — counted as a 502 / 504, unless the 
 it never connected (:data:`ENVOY_NOT_SENT`)."""
 
 ENVOY_NOT_SENT = re.compile(
-    r"reset reason: (local |remote )?(connection (failure|timeout)|overflow)", re.IGNORECASE)
+    r"reset reason: (local |remote )?(connection (failure|timeout)|overflow"
+    r"|refused stream reset)", re.IGNORECASE)
 """Envoy's reset reasons for a request never forwarded: no connection (refused, timed
-out) or its circuit breaker's overflow."""
+out), its circuit breaker's overflow, or an HTTP/2 ``REFUSED_STREAM`` (which by RFC 9113
+says the stream was not processed)."""
 
 
 def gateway_lost(status: int, reason: str) -> bool:
@@ -358,6 +362,12 @@ class ServerAdapter:
 
     # -- hooks ---------------------------------------------------------------------------
 
+    @property
+    def restore_extra(self) -> float:
+        """Seconds the after-restore hook may run past ``deadline`` by design (its hook
+        timeout grows by as much)."""
+        return 0.0
+
     def install(self, engine: Engine | None = None) -> None:
         """Attach the before-snapshot and after-restore hooks to ``engine`` (default: the
         process's engine). Both are required: a failure fails the snapshot (the platform
@@ -392,7 +402,8 @@ class ServerAdapter:
                 b.register(self.before_snapshot, event="snapshot", phase=Phase.APPLICATION,
                            order=SNAPSHOT_ORDER, timeout=timeout, name=snapshot_name),
                 b.register(self.after_restore, event="restore", phase=Phase.APPLICATION,
-                           order=RESTORE_ORDER, timeout=timeout, name=restore_name),
+                           order=RESTORE_ORDER, timeout=timeout + self.restore_extra,
+                           name=restore_name),
             )
 
     def _where(self) -> str:
@@ -433,7 +444,7 @@ class ServerAdapter:
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
                    json: Any = None, resend: bool = False,
-                   unsent: frozenset[int] = frozenset()) -> httpx.Response:
+                   unsent: Callable[[int, str], bool] | None = None) -> httpx.Response:
         """``method path`` until ``until`` (``time.monotonic()``).
 
         A ``GET`` is retried on transport errors, timeouts and 5xx, each try cut at
@@ -446,9 +457,9 @@ class ServerAdapter:
         ``POST`` that may be performed twice (a canary generation, a pause, vLLM's sleep
         and wake-up, which do nothing on an engine already asleep / awake) is sent again
         after a 502 / 504 as well — and raises :class:`Unconfirmed` when the deadline
-        ends after one. ``unsent``: gateway statuses taken as "not passed on" for this
-        call, retried like a 503 (SGLang's 502, see its adapter). A 4xx, or an answer
-        :meth:`hint` recognises, fails at once.
+        ends after one. ``unsent(status, reason)``: true for a gateway's answer taken as
+        "not passed on" for this call, retried like a 503 (SGLang's 502, see its
+        adapter). A 4xx, or an answer :meth:`hint` recognises, fails at once.
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
@@ -518,8 +529,8 @@ class ServerAdapter:
                                       f"(redirects are not followed)")
                 reason = server_reason(response)
                 last = f"HTTP {response.status_code}: {reason}"
-                if not safe and response.status_code not in unsent and \
-                        gateway_lost(response.status_code, reason):
+                if not safe and gateway_lost(response.status_code, reason) and not (
+                        unsent is not None and unsent(response.status_code, reason)):
                     lost = True
                 if lost and not resend:
                     raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "

@@ -25,11 +25,14 @@ SGLang 0.5 dies of a resume of memory not released (its scheduler's ``KeyError``
 the server) and no endpoint says what is released, so the adapter goes by what reached
 the server: SGLang performs the calls it received, in order. A release or resume that
 went unanswered — no answer, the connection lost after sending, a gateway's 504 (or
-Envoy's 503 "disconnect/reset before headers" after forwarding) — counts as performed:
+Envoy's 503 "disconnect/reset before headers" for other reset reasons) — counts as performed:
 an unanswered release still owes its resume, an unanswered resume is never sent again
 (the continue and the canary, which run after it, follow it, and a passing canary
-confirms it). A gateway's 502 counts as not passed on (:data:`BAD_GATEWAY`): retried like
-a 503, and a release that ends on it owes nothing.
+confirms it). A gateway's 502, or Envoy's 503 "connection termination" / "remote reset",
+counts as not passed on (:func:`not_passed_on`): retried like a 503, and a release that
+ends on it owes nothing — the rare one after SGLang performed the call then sends it
+twice, which kills SGLang as well (a second release: torch_memory_saver exits). Memory
+still released (its resume failed) is not released again by the next release.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);
@@ -136,6 +139,11 @@ class SGLangAdapter(ServerAdapter):
         """True from the moment a pause is sent until a continue succeeded (or SGLang
         refused the pause): a continue is sent only when generation may be paused."""
 
+    @property
+    def restore_extra(self) -> float:
+        # the continue and the canary after an unanswered resume (see resume_async)
+        return self.request_timeout
+
     def __repr__(self) -> str:
         return f"SGLangAdapter({self.url}, tags={self.tags})"
 
@@ -149,12 +157,18 @@ class SGLangAdapter(ServerAdapter):
         async with self.client() as c:
             await self._warn_without_memory_saver(c)
             await self._pause(c, until)
+            if self.released:
+                # A second release of memory already released ends SGLang
+                # (torch_memory_saver: "Cannot pause allocation that is not active").
+                log.info("SGLang memory is still released (the last resume did not "
+                         "happen); not released again")
+                return
             before = self.released, self.unconfirmed
             # before sending: a release performed but answered late still needs its resume
             self.released = self.unconfirmed = True
             try:
                 r = await self.call(c, "POST", "/release_memory_occupation", until=until,
-                                    json=self._body, unsent=BAD_GATEWAY)
+                                    json=self._body, unsent=not_passed_on)
                 _check_success(r)
             except Unconfirmed:
                 raise
@@ -187,28 +201,44 @@ class SGLangAdapter(ServerAdapter):
                     raise
             else:
                 log.info("SGLang memory was not released by this process; not resumed")
-            if self.paused:
-                # After the resume — generation continued on released memory would fail —
-                # also an unanswered one: SGLang takes the calls in order, so the continue
-                # runs after it, and skipped, generation stayed paused for good.
-                try:
-                    await self._continue(c, until)
-                except ServerError as exc:
-                    log.warning("SGLang at %s stays paused: /continue_generation failed "
-                                "(%s); the next resume sends it again", self.url, exc)
+            if unanswered is not None:
+                log.warning("SGLang at %s: the resume went unanswered (%s); taken as "
+                            "performed, not sent again: the continue and the canary "
+                            "confirm it", self.url, unanswered)
+                # It may have used up the deadline, and SGLang's /health_generate takes
+                # over a second: the calls that confirm it get request_timeout of their own
+                until = max(until, time.monotonic() + self.request_timeout)
+            try:
+                await self._continue_and_check(c, until, unanswered)
+            except ServerError as exc:
+                if unanswered is None or exc is unanswered:
                     raise
-            if self.canary:
-                # after an unanswered resume, also its confirmation: the generation runs
-                # after the resume, on the memory it brought back
-                await self.call(c, "GET", "/health_generate", until=until)
-            elif unanswered is not None:
-                raise unanswered
+                raise exc from unanswered
         if unanswered is not None:
             log.info("SGLang's resume went unanswered, but it generates")
         elif resumed:
             log.info("SGLang memory resumed%s", " and generating" if self.canary else "")
         elif self.canary:
             log.info("SGLang generating")
+
+    async def _continue_and_check(self, client: httpx.AsyncClient, until: float,
+                                  unanswered: Unconfirmed | None) -> None:
+        if self.paused:
+            # After the resume — generation continued on released memory would fail —
+            # also an unanswered one: SGLang takes the calls in order, so the continue
+            # runs after it, and skipped, generation stayed paused for good.
+            try:
+                await self._continue(client, until)
+            except ServerError as exc:
+                log.warning("SGLang at %s stays paused: /continue_generation failed "
+                            "(%s); the next resume sends it again", self.url, exc)
+                raise
+        if self.canary:
+            # after an unanswered resume, also its confirmation: the generation runs
+            # after the resume, on the memory it brought back
+            await self.call(client, "GET", "/health_generate", until=until)
+        elif unanswered is not None:
+            raise unanswered
 
     async def _resume(self, client: httpx.AsyncClient,
                       until: float) -> Unconfirmed | None:
@@ -217,7 +247,7 @@ class SGLangAdapter(ServerAdapter):
         unanswered = None
         try:
             r = await self.call(client, "POST", "/resume_memory_occupation", until=until,
-                                json=self._body, unsent=BAD_GATEWAY)
+                                json=self._body, unsent=not_passed_on)
             _check_success(r)
         except Unconfirmed as exc:
             # It reached SGLang, which performs what it received, in order; sent again,
@@ -285,12 +315,27 @@ class SGLangAdapter(ServerAdapter):
                         "memory do nothing (the snapshot keeps the GPU state)")
 
 
-BAD_GATEWAY = frozenset({502})
-"""A gateway's 502 on a release or resume counts as not passed on (retried like a 503):
-nginx's usual 502s — no connection (refused), a reused connection SGLang had closed,
-SGLang gone — all leave a running SGLang without the call (a restarted one has nothing
-released), and no status endpoint tells otherwise. Taken as performed, it made the next
-resume one of memory never released, which kills SGLang 0.5."""
+ENVOY_CLOSED = re.compile(
+    r"disconnect/reset before headers\..*reset reason: (connection termination|remote reset)",
+    re.IGNORECASE | re.DOTALL)
+"""Envoy's / Istio's 503 for an upstream connection that closed or was reset under the
+request (flags UC): mostly a pooled keep-alive connection SGLang (uvicorn, 5 s idle) had
+just closed, which the request never reached (istio/istio#55138) — nginx's 502 for the
+same event."""
+
+
+def not_passed_on(status: int, reason: str) -> bool:
+    """Whether a gateway's answer to a release or resume counts as not passed on (retried
+    like a 503): a 502, or Envoy's 503 for a closed or reset connection
+    (:data:`ENVOY_CLOSED`). nginx's usual 502s — no connection (refused), a reused
+    connection SGLang had closed, SGLang gone — and Envoy's "connection termination" /
+    "remote reset" all leave a running SGLang without the call (a restarted one has
+    nothing released), and no status endpoint tells otherwise. Taken as performed, they
+    made the next resume one of memory never released, which kills SGLang 0.5. Either
+    reading kills SGLang when it is wrong (a second release or resume ends it too), so
+    the likelier one is taken."""
+    return status == 502 or (status == 503 and bool(ENVOY_CLOSED.search(reason)))
+
 
 MISSING = frozenset({404, 405})
 """A server without the endpoint (SGLang before the pause endpoints, a gateway routing

@@ -124,9 +124,11 @@ class VLLMAdapter(ServerAdapter):
         self.canary = canary
         self.canary_prompt = canary_prompt
         self.sleep_unconfirmed = False
-        """True after a sleep that went unanswered and was never seen performed: it may
-        still be (a gateway's 504 while vLLM works on it), so the next wake sends wake_up
-        even to an engine that says it is awake (the wake_up then runs after the sleep)."""
+        """True from the moment a sleep is sent until the engine is seen asleep (or
+        woken): one that ended otherwise — unanswered, refused, an in-process sleep()
+        past the deadline — may still be performed (a gateway's 504 while vLLM works on
+        it, a worker thread that goes on), so the next wake sends wake_up even to an
+        engine that says it is awake (the wake_up then runs after the sleep)."""
 
     def __repr__(self) -> str:
         target = self.url or type(self.llm).__name__
@@ -142,13 +144,15 @@ class VLLMAdapter(ServerAdapter):
                 log.info("vLLM already sleeps; not put to sleep again")
                 self.sleep_unconfirmed = False
                 return
+            # Before sending, cleared only once the engine is seen asleep: a sleep may be
+            # performed, or still be under way, whatever ends the call — no answer, a
+            # gateway's 504, an in-process sleep() past the deadline (its thread goes on)
+            # — and until the engine says so the next wake wakes anyway.
+            self.sleep_unconfirmed = True
             try:
                 await s.sleep(until)
             except Unconfirmed:
-                # no answer, but the sleep may have happened, or may still be happening
-                # (a gateway's 504 while vLLM works on it): the engine's state decides,
-                # asked until the deadline; until it says so, the next wake wakes anyway
-                self.sleep_unconfirmed = True
+                # the engine's state decides, asked until the deadline
                 if not await self._sleeps_by(s, until):
                     raise
                 log.info("vLLM sleep went unanswered but the engine sleeps")

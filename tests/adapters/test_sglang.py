@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from rehydrate.adapters import sglang
+from rehydrate.adapters._server import Unconfirmed
 from rehydrate.extensions import Probe
 from tests.asgi_server import Switch, switchboard
 from tests.inference_standins import (
@@ -25,8 +26,13 @@ from tests.inference_standins import (
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
 
-ENVOY_RESET = ("upstream connect error or disconnect/reset before headers. reset reason: "
-               "connection termination")
+ENVOY = "upstream connect error or disconnect/reset before headers. reset reason: "
+# the upstream answered something Envoy could not parse: the request reached SGLang
+ENVOY_RESET = ENVOY + "protocol error"
+# nginx's 502 and Envoy's 503 for a pooled connection SGLang had closed (keep-alive race)
+NOT_PASSED_ON = [(502, "upstream prematurely closed connection"),
+                 (503, ENVOY + "connection termination"),
+                 (503, ENVOY + "remote reset")]
 
 
 @pytest.fixture(scope="module")
@@ -330,13 +336,13 @@ def test_a_refused_release_is_not_resumed(url: str, standin: SGLangStandIn,
 
 def test_a_refused_release_after_a_confirmed_one_still_owes_the_resume(
         url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
-    """The refusal changes nothing: memory released before (and not resumed yet) is
-    still resumed."""
+    """Memory released before (and not resumed yet) is not released again — that would
+    end SGLang — and is still resumed, whatever a later release attempt meets."""
     adapter = sglang.SGLangAdapter(url, canary=False, deadline=0.5)
     adapter.release()
     standin.refused["/release_memory_occupation"] = "already released"
-    with pytest.raises(sglang.ServerError, match="already released"):
-        adapter.release()
+    adapter.release()
+    assert standin.log.count("POST /release_memory_occupation") == 1
     assert adapter.released
     adapter.resume()
     assert standin.released == set()
@@ -413,43 +419,111 @@ def test_a_gateways_504_on_a_performed_release_is_not_resent_and_still_resumed(
     assert standin.canaries == 2
 
 
-@pytest.mark.parametrize("performed", [False, True])
 def test_a_502_on_the_release_owes_no_resume(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn,
-        rehydrate_engine: Any, performed: bool) -> None:
+        rehydrate_engine: Any) -> None:
     """nginx's 502 "connect() failed (111: Connection refused)": the release never
     reached SGLang. Taken as unconfirmed, it owed a resume, and the resume of memory never
     released killed SGLang 0.5 (its scheduler's KeyError). A 502 on a release counts as
-    not passed on: retried until the deadline, then nothing is owed. (The rare 502 after
-    SGLang performed it — performed=True — is sent again: released twice.)"""
+    not passed on: retried until the deadline, then nothing is owed."""
     adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
     server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=502,
-                                  performed=performed)
+                                  performed=False)
     snap = rehydrate_engine.simulate_snapshot()
     assert str(hook(snap, "rehydrate.sglang.release").error) == (
         f"sglang POST {url}/release_memory_occupation: HTTP 502: upstream prematurely closed "
         "connection (gave up after the 0.5s deadline)")
-    sent = standin.log.count("POST /release_memory_occupation")
-    assert sent >= 2 if performed else sent == 0
+    assert "POST /release_memory_occupation" not in standin.log
     assert not adapter.released and not adapter.unconfirmed
-    standin.log.clear()
     report = rehydrate_engine.simulate_restore(kind="resume")
     assert "POST /resume_memory_occupation" not in standin.log
     assert standin.crashed is None
-    assert report.ok is (not performed), report.table()  # released: the canary fails
+    assert report.ok, report.table()
 
 
-def test_a_502_on_the_release_once_is_sent_again(
+def test_memory_still_released_is_not_released_again(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """A resume that failed leaves the memory released: the next snapshot's release was
+    a second one, which ends SGLang (torch_memory_saver exits)."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.broken["/resume_memory_occupation"] = (500, "resume failed")
+    assert not rehydrate_engine.simulate_restore().ok
+    assert adapter.released
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.crashed is None
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    standin.broken.clear()
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.released == set() and not standin.paused
+
+
+def test_a_502_after_sglang_performed_the_release_kills_it_when_sent_again(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn,
         rehydrate_engine: Any) -> None:
-    sglang.install(url, engine=rehydrate_engine, deadline=5)
+    """The cost of the rule above, accepted and documented (docs/inference.md): SGLang
+    alive, the connection broken between its release and its answer. Sent again, the
+    second release of memory already released ends SGLang (torch_memory_saver's "Cannot
+    pause allocation that is not active", exit(1)); taken as performed instead, every
+    far likelier 502 for a release never passed on would end it with the resume."""
+    sglang.install(url, engine=rehydrate_engine, deadline=2)
     server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=502,
-                                  times=1, performed=False)
+                                  times=1, performed=True)
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert standin.log.count("POST /release_memory_occupation") == 2
+    assert standin.crashed == ("torch_memory_saver: Cannot pause allocation that is not "
+                               "active")
+
+
+@pytest.mark.parametrize("status,message", NOT_PASSED_ON)
+def test_a_502_on_the_release_once_is_sent_again(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, status: int, message: str) -> None:
+    """Envoy's 503 "connection termination" / "remote reset" is nginx's 502 for the same
+    keep-alive race (istio/istio#55138): taken as performed, the release owed a resume of
+    memory never released, which killed SGLang."""
+    sglang.install(url, engine=rehydrate_engine, deadline=5)
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=status,
+                                  times=1, performed=False, message=message)
     assert rehydrate_engine.simulate_snapshot().ok
     assert standin.log.count("POST /release_memory_occupation") == 1  # the second
     assert standin.released == set(SGLangStandIn.MEMORY)
     assert rehydrate_engine.simulate_restore().ok
     assert standin.released == set() and standin.crashed is None
+
+
+@pytest.mark.parametrize("status,message", NOT_PASSED_ON)
+def test_a_release_ending_on_a_gateway_that_never_passed_it_on_owes_no_resume(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, status: int, message: str) -> None:
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=status,
+                                  performed=False, message=message)
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert not adapter.released
+    server[1].app = standin
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert "POST /resume_memory_occupation" not in standin.log
+    assert standin.crashed is None
+
+
+@pytest.mark.parametrize("status,message", NOT_PASSED_ON)
+def test_a_resume_a_gateway_never_passed_on_is_sent_again(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, status: int, message: str) -> None:
+    """Taken as performed, the resume was never sent again: SGLang kept its memory
+    released, and every later restore failed at the canary."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, status=status,
+                                  times=1, performed=False, message=message)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /resume_memory_occupation") == 1
+    assert standin.released == set() and not adapter.released
+    assert standin.crashed is None
 
 
 def test_a_503_on_a_release_is_sent_again(url: str, server: tuple[str, Switch],
@@ -503,7 +577,7 @@ def test_a_pause_stays_owed_with_a_warning_when_the_resume_is_refused(
 def test_a_continue_that_fails_after_an_unconfirmed_resume_is_warned_about(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn,
         rehydrate_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
-    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5, request_timeout=0.5)
     assert rehydrate_engine.simulate_snapshot().ok
     server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, times=1)
     standin.broken["/continue_generation"] = (500, "scheduler error")
@@ -651,3 +725,38 @@ def test_a_health_answer_trickling_in_does_not_hold_the_probe(
         stop.set()
     assert found == Probe(True, f"{url} is not ready yet (no complete answer within 0.3s): "
                                 "installed anyway")
+
+
+def test_the_confirmation_of_an_unanswered_resume_gets_request_timeout_of_its_own(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The resume used the whole deadline without an answer: the continue and the canary
+    got one 0.5 s try, and SGLang's /health_generate waits a second before it first
+    looks for its token (http_server.py), so a resume SGLang performed failed the hook.
+    The hook's own timeout (deadline + 5 s) makes room for it too."""
+    sglang.install(url, engine=rehydrate_engine, deadline=0.3, request_timeout=6)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add("/resume_memory_occupation")  # performed, never answered
+    standin.hang["/health_generate"] = 5.2  # past the hook timeout of deadline + 5 s
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.released == set() and standin.canaries == 1
+    assert [m for m in caplog.messages if m.startswith(
+        f"SGLang at {url}: the resume went unanswered (sglang POST "
+        f"{url}/resume_memory_occupation: no answer within")
+        and m.endswith("taken as performed, not sent again: the continue and the canary "
+                       "confirm it")]
+
+
+def test_a_failed_confirmation_of_an_unanswered_resume_is_chained_to_it(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    sglang.install(url, engine=rehydrate_engine, deadline=0.3, request_timeout=0.3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.add("/resume_memory_occupation")
+    standin.broken["/health_generate"] = (500, "generation failed")
+    report = rehydrate_engine.simulate_restore()
+    error = hook(report, "rehydrate.sglang.resume").error
+    assert "generation failed" in str(error)
+    assert isinstance(error.__cause__, Unconfirmed)
+    assert "/resume_memory_occupation" in str(error.__cause__)

@@ -1076,6 +1076,33 @@ def test_envoys_503_after_forwarding_is_unconfirmed_and_its_connect_failure_retr
     assert standin.log.count("POST /collective_rpc") == 1
 
 
+ENVOY = "upstream connect error or disconnect/reset before headers. "
+
+
+@pytest.mark.parametrize("reason", [
+    "reset reason: connection failure",
+    "retried and the latest reset reason: remote connection failure, transport failure "
+    "reason: delayed connect error: 111",
+    "reset reason: connection timeout",
+    "reset reason: overflow",
+    "reset reason: remote refused stream reset",
+    "reset reason: local refused stream reset",
+])
+def test_envoys_503_for_a_request_never_forwarded_is_retried(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any, reason: str) -> None:
+    """No connection, the circuit breaker, or an HTTP/2 REFUSED_STREAM (the stream was
+    not processed, RFC 9113): the reload never reached vLLM and is sent again."""
+    vllm.install(url, engine=rehydrate_engine, level=2, deadline=2)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/collective_rpc"}, status=503, times=1,
+                                  performed=False, message=ENVOY + reason)
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /collective_rpc") == 1
+
+
 def test_a_gateways_504_on_the_canary_is_sent_again(
         url: str, server: tuple[str, Switch], standin: VLLMStandIn,
         rehydrate_engine: Any) -> None:
@@ -1154,3 +1181,44 @@ def test_an_answer_trickling_in_does_not_hold_the_probe(url: str, server: Any,
     where = "" if path == "/health" else "/is_sleeping: "
     assert found == Probe(True, f"{url} is not ready yet ({where}no complete answer within "
                                 "0.3s): installed anyway")
+
+
+class InOrderSlowSleepLLM(FakeLLM):
+    """An in-process engine that takes its calls in order, as vLLM's engine core does,
+    whose sleep is still under way when the deadline ends: it finishes once the next
+    call (a wake_up) reaches the engine, which then runs after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = threading.Lock()
+        self.next_call = threading.Event()
+        self.slept = threading.Event()
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        with self.order:
+            assert self.next_call.wait(10)
+            super().sleep(level, mode)
+        self.slept.set()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.next_call.set()
+        with self.order:
+            return super().wake_up(tags)
+
+
+def test_an_in_process_sleep_past_the_deadline_is_woken_after(rehydrate_engine: Any) -> None:
+    """sleep() outlived the deadline (its worker thread goes on): not remembered as
+    unconfirmed, the resume took the engine's "awake" at its word, sent no wake_up, and
+    the sleep then ended with a ready process on a sleeping engine."""
+    llm = InOrderSlowSleepLLM()
+    adapter = vllm.install(llm, engine=rehydrate_engine, deadline=0.3)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert "sleep(): not finished within" in str(hook(snap, "rehydrate.vllm.sleep").error)
+    assert adapter.sleep_unconfirmed
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    llm.next_call.set()  # whatever the resume sent, the sleep ends now
+    assert llm.slept.wait(5)
+    assert "wake_up(None)" in llm.calls
+    assert llm.calls.index("sleep(1)") < llm.calls.index("wake_up(None)")
+    assert not llm.engine.sleeping and not adapter.sleep_unconfirmed
