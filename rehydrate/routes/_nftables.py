@@ -54,7 +54,8 @@ def _strip(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _normalize_expr(value: Any) -> Any:
-    """Drop what changes by itself (counter values) so read-backs compare equal."""
+    """Drop what changes by itself (counter values, an anonymous quota's bytes used,
+    elements' ``expires``) so read-backs compare equal."""
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -62,6 +63,8 @@ def _normalize_expr(value: Any) -> Any:
                 out[k] = {kk: vv for kk, vv in v.items() if kk not in ("packets", "bytes")}
             elif k == "counter" and v is None:
                 out[k] = {}
+            elif k == "quota" and isinstance(v, dict):  # an anonymous quota's bytes used
+                out[k] = {kk: vv for kk, vv in v.items() if kk not in ("used", "used_unit")}
             elif k == "expires":
                 continue
             else:

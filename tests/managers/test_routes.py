@@ -2713,3 +2713,61 @@ def test_a_command_set_into_a_missing_table_names_it(netns_pair):
         "No such file or directory (table inet rhcni does not exist: the set adds rules "
         "to it without creating it; whatever makes it must run before rehydrate.routes)"
     ), error
+
+
+NFT_QUOTA = r'''
+import json, socket, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def nft(*args, stdin=None):
+    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
+
+def poke(port):
+    s = socket.socket()
+    try:
+        s.connect(("127.0.0.1", port))
+    except OSError:
+        pass
+    s.close()
+
+def listed(table):
+    return [" ".join(line.split()) for line in
+            nft("-a", "list", "chain", "inet", table, "out").splitlines() if "accept #" in line]
+
+nft("-f", "-", stdin="table inet rhqt {\n chain out {\n  type filter hook output priority 0;\n"
+    "  tcp dport 7009 counter quota 10 mbytes accept\n }\n}\n")
+declared = json.loads(nft("-j", "list", "table", "inet", "rhqt"))
+nft("-f", "-", stdin="table inet rhqc {\n chain out {\n  type filter hook output priority 0;\n"
+    "  tcp dport 8000 accept\n }\n}\n")
+engine = isolated_engine()
+routes.nftables(declared, engine=engine)
+routes.nftables([{"add": {"rule": {"family": "inet", "table": "rhqc", "chain": "out", "expr": [
+    {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+               "right": 7010}},
+    {"quota": {"val": 10, "val_unit": "mbytes"}}, {"accept": None}]}}}], engine=engine)
+out = {"ok": [], "table": [], "chain": []}
+for _ in range(3):
+    out["ok"].append(engine.simulate_restore(kind="resume").ok)
+    poke(7009)
+    poke(7010)
+    out["table"].append(listed("rhqt"))
+    out["chain"].append(listed("rhqc"))
+print(json.dumps(out))
+'''
+
+
+def test_an_anonymous_quota_s_bytes_used_do_not_make_its_rule_differ(netns_pair):
+    """nft lists a rule's anonymous quota with the bytes it let through (``used``): once
+    traffic passed, a declared table holding one differed from its declaration and was
+    replaced on every resume (its quota and counters back to zero), and a command set's
+    rule holding one was not found in its chain and was added once more."""
+    out = run_in_ns(netns_pair["a"], NFT_QUOTA)
+    assert out["ok"] == [True, True, True], out
+    first, _, third = out["table"]
+    assert third[0].split(" # ")[1] == first[0].split(" # ")[1], out  # never replaced
+    assert "packets 3 " in third[0] and " used " in third[0], out  # counting on
+    first, _, third = out["chain"]
+    assert len(third) == 2 and third[1].split(" # ")[1] == first[1].split(" # ")[1], out
+    assert " used " in third[1], out
