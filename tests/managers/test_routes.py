@@ -819,6 +819,12 @@ def test_routes_with_metric_0_or_uncanonical_ipv6_read_back_as_applied(netns_pai
     ({"nftables": [{"table": {"family": "inet"}}]}, "nftables table item has no 'name'"),
     ({"nftables": [{"chain": {"family": "inet", "name": "c"}}]},
      "nftables chain item has no 'table'"),
+    # sent to nft as JSON on every restore
+    ([{"add": {"rule": {"family": "inet", "table": "t", "chain": "c", "expr": [
+        {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": {6, 17}}}]}}}],
+     "cannot be written as JSON: Object of type set is not JSON serializable"),
+    ({"nftables": [{"add": {"table": {"family": "inet", "name": "t", "x": float("nan")}}}]},
+     "cannot be written as JSON: Out of range float values"),
 ])
 def test_an_nftables_ruleset_that_declares_nothing_usable_is_refused(rehydrate_engine,
                                                                     ruleset, message):
@@ -2771,3 +2777,112 @@ def test_an_anonymous_quota_s_bytes_used_do_not_make_its_rule_differ(netns_pair)
     first, _, third = out["chain"]
     assert len(third) == 2 and third[1].split(" # ")[1] == first[1].split(" # ")[1], out
     assert " used " in third[1], out
+
+
+NFT_SIBLINGS = r'''
+import json, subprocess, sys
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def nft(*args, stdin=None):
+    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
+
+def listed():
+    return [" ".join(line.split()).replace("packets 0 bytes 0 ", "") for line in
+            nft("-a", "list", "chain", "inet", "rhsib", "c").splitlines() if " # handle" in line
+            and not line.strip().startswith("chain")]
+
+def port(p, verb="add", verdict="accept", counter=False, **extra):
+    expr = [{"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+                       "right": p}}]
+    expr += [{"counter": None}] if counter else []
+    return {verb: {"rule": {"family": "inet", "table": "rhsib", "chain": "c", **extra,
+                            "expr": [*expr, {verdict: None}]}}}
+
+scenario = sys.argv[1]
+chain = {"index": ["tcp dport 8001 accept", "tcp dport 8002 accept"]}.get(
+    scenario, ["tcp dport 8000 accept"])
+nft("-f", "-", stdin="table inet rhsib {\n chain c {\n  type filter hook output priority 0;\n"
+    + "".join(f"  {r}\n" for r in chain) + " }\n}\n")
+engine = isolated_engine()
+if scenario == "index":  # the later set's insert at the head is not counted by the index
+    routes.nftables([port(7001, "insert", index=1)], engine=engine)
+    routes.nftables([port(7002, "insert")], engine=engine)
+elif scenario == "identical":  # the first set's rule is the first of the identical two
+    routes.nftables([port(22, counter=True)], engine=engine)
+    routes.nftables([port(22, verdict="drop"), port(22, counter=True)], engine=engine)
+else:  # the first set's rule, deleted, goes back before the later set's
+    routes.nftables([port(7000)], engine=engine)
+    routes.nftables([port({"range": [7000, 7999]}, verdict="drop")], engine=engine)
+out = {"ok": [], "listed": []}
+for n in range(3):
+    out["ok"].append(engine.simulate_restore(kind="resume").ok)
+    out["listed"].append(listed())
+    if scenario == "putback" and n == 0:
+        nft("delete", "rule", "inet", "rhsib", "c", "handle", listed()[1].rsplit(" ", 1)[1])
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize(("scenario", "expected"), [
+    ("index", ["tcp dport 7002 accept", "tcp dport 8001 accept", "tcp dport 7001 accept",
+               "tcp dport 8002 accept"]),
+    ("identical", ["tcp dport 8000 accept", "tcp dport 22 counter accept",
+                   "tcp dport 22 drop", "tcp dport 22 counter accept"]),
+    ("putback", ["tcp dport 8000 accept", "tcp dport 7000 accept",
+                 "tcp dport 7000-7999 drop"]),
+])
+def test_an_engine_s_command_sets_are_laid_out_on_a_chain_together(netns_pair, scenario,
+                                                                     expected):
+    """Each command set was planned alone, on the chain without its own rules but with
+    its siblings': an index counted a later set's rules (its rule re-made and moved on
+    the first resume), identical rules of two sets were taken for one set's and then
+    the other's (re-made, their order flipped, on the second resume), and a set's
+    deleted rule went back after a later set's rules. They are planned together, in
+    declaration order, as nft lays the chain out applying them in turn."""
+    out = run_in_ns(netns_pair["a"], NFT_SIBLINGS.replace("sys.argv[1]", repr(scenario)))
+    assert out["ok"] == [True, True, True], out
+    first, second, third = out["listed"]
+    assert [r.split(" # ")[0] for r in third] == expected, out
+    assert second == third, out  # nothing re-made once in place
+    if scenario != "putback":
+        assert first == third, out
+
+
+NFT_UNPLANNABLE = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.routes import NftCommands
+from rehydrate.testing import isolated_engine
+
+def nft(*args, stdin=None):
+    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
+
+def port(p):
+    return {"add": {"rule": {"family": "inet", "table": "rhbad", "chain": "in", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+                   "right": p}}, {"accept": None}]}}}
+
+nft("-f", "-", stdin="table inet rhbad {\n chain in {\n  type filter hook input priority 0;\n"
+    "  tcp dport 8000 accept\n }\n}\n")
+engine = isolated_engine()
+routes.nftables([port(7001)], engine=engine)
+# not through routes.nftables(), which refuses it: a set that cannot be planned
+routes.manager(engine).add_ruleset([NftCommands((port({7002, 7003}),), required=False)])
+report = engine.simulate_restore(kind="resume")
+print(json.dumps({"ok": report.ok, "errors": routes.manager(engine).last.errors,
+                  "listed": nft("list", "chain", "inet", "rhbad", "in")}))
+'''
+
+
+def test_a_command_set_that_cannot_be_planned_fails_alone(netns_pair):
+    """A command set whose rule JSON cannot encode failed while the engine's sets were
+    planned, before any was applied: the other sets were not applied either."""
+    out = run_in_ns(netns_pair["a"], NFT_UNPLANNABLE)
+    assert out["ok"] is True, out
+    ((what, required, error),) = out["errors"]
+    assert (what, required) == ("nftables ruleset (inet rhbad)", False), out
+    assert "not JSON serializable" in error, out
+    assert "tcp dport 7001 accept" in out["listed"], out
