@@ -269,6 +269,11 @@ class RoutesManager:
             # table, or a command set all of whose tables are declared again (and an
             # identical command set declared again is the same declaration)
             labels = set().union(*(_labels(t) for t in items))
+            for x in self.rulesets:  # the same declaration: what was learnt of it holds
+                if isinstance(x, NftCommands):
+                    for t in items:
+                        if isinstance(t, NftCommands) and t == x:
+                            t.listed.update(x.listed)
             self.rulesets = [x for x in self.rulesets
                              if x not in items and not (_labels(x) and _labels(x) <= labels)]
             self.rulesets.extend(items)
