@@ -412,14 +412,12 @@ class _JointChain:
     handles: dict[int, int] = field(default_factory=dict)  # rule -> handle taken for it
     placed: dict[int, int] = field(default_factory=dict)  # rule -> handle, added back
 
-    def anchor(self, kind: str, x: int, i: int) -> int | None:
-        """The handle of the layout's ``(kind, x)`` where set ``i``'s rules are added
-        back: a rule not the sets', or one an earlier set added back; else None (a
-        later set's rule is deleted and added back after, an earlier set's not added
-        back is not where it goes)."""
-        if kind == "other":
-            return x
-        return self.placed.get(x) if self.rules[x][0] < i else None
+    def anchor(self, kind: str, x: int) -> int | None:
+        """The handle of the layout's ``(kind, x)`` where a set's rules are added back:
+        a rule not the sets', or one an earlier set added back; else None (a later
+        set's rule is deleted and added back after, an earlier set's not added back is
+        not where it goes)."""
+        return x if kind == "other" else self.placed.get(x)
 
 
 class NftPlan:
@@ -496,7 +494,7 @@ class NftPlan:
                     continue
                 body = {k: v for k, v in c.rules[j][3].items() if k not in _POSITION_FIELDS}
                 anchor = next((h for k, x in c.layout[pos + 1:]
-                               if (h := c.anchor(k, x, i)) is not None), None)
+                               if (h := c.anchor(k, x)) is not None), None)
                 out.append(({"add": {"rule": body}} if anchor is None
                             else {"insert": {"rule": {**body, "handle": anchor}}},
                             c.rules[j][1]))

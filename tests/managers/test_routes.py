@@ -1970,6 +1970,41 @@ def test_a_command_set_skips_only_the_rules_its_chain_still_has_in_place():
     assert mine_table.batch(have)[-1] == rule("in", 22)
 
 
+def test_rules_made_are_known_by_their_echoed_handles_only_when_they_pair_up():
+    """The handles ``nft --echo`` gives the rules a set made place the later sets'
+    rules beside them and find their listed forms, one handle per rule made; an echo
+    that does not pair up with the commands sent places and learns nothing."""
+    from rehydrate.routes import NftCommands
+    from rehydrate.routes._nftables import NftPlan, echoed_handles
+
+    rule = _port_rule
+    first = NftCommands((rule("in", 80, "insert"),))
+    later = NftCommands((rule("in", 443, "insert"),))
+
+    def before(handle: int, port: int) -> dict:
+        (body,) = rule("in", port).values()
+        return {"insert": {"rule": {**body["rule"], "handle": handle}}}
+
+    for handles, anchor in (([9, 10], 4), (None, 4), ([9], 9)):
+        plan = NftPlan([first, later], _cni(("in", 22, 4)))
+        sent = plan.planned(0)
+        assert [cmd for cmd, _ in sent] == [before(4, 80)]
+        plan.done(0, sent, handles)
+        assert [cmd for cmd, _ in plan.planned(1)] == [before(anchor, 443)], handles
+    echo = json.dumps({"nftables": [{"add": {"table": {"family": "inet", "name": "x"}}},
+                                    {**before(9, 80)}]})
+    assert echoed_handles(echo) == [9] and echoed_handles("") is None
+    listed = _cni(("in", 80, 9))  # listed otherwise: the counter's values
+    body = listed[("inet", "cni")].objects[-1]["rule"]
+    body["expr"][0]["match"]["right"] = {"set": [80]}
+    assert first.learn_listed(sent, [9, 10], listed) == []
+    assert first.listed == {}
+    (said,) = first.learn_listed(sent, [9], listed)
+    assert said.startswith("command 1 (rule in inet cni chain in): nft lists its rule "
+                           "otherwise than written"), said
+    assert first.rule_key(body) == first.rule_key(before(9, 80)["insert"]["rule"])
+
+
 NAMED_COUNTER = r'''
 import json, socket, subprocess
 from rehydrate import routes
@@ -2806,13 +2841,16 @@ def port(p, verb="add", verdict="accept", counter=False, **extra):
                             "expr": [*expr, {verdict: None}]}}}
 
 scenario = sys.argv[1]
-chain = {"index": ["tcp dport 8001 accept", "tcp dport 8002 accept"]}.get(
+chain = {"index": ["tcp dport 8001 accept", "tcp dport 8002 accept"], "before": []}.get(
     scenario, ["tcp dport 8000 accept"])
 nft("-f", "-", stdin="table inet rhsib {\n chain c {\n  type filter hook output priority 0;\n"
     + "".join(f"  {r}\n" for r in chain) + " }\n}\n")
 engine = isolated_engine()
 if scenario == "index":  # the later set's insert at the head is not counted by the index
     routes.nftables([port(7001, "insert", index=1)], engine=engine)
+    routes.nftables([port(7002, "insert")], engine=engine)
+elif scenario == "before":  # the later set's insert goes before the earlier set's rule
+    routes.nftables([port(7001)], engine=engine)
     routes.nftables([port(7002, "insert")], engine=engine)
 elif scenario == "identical":  # the first set's rule is the first of the identical two
     routes.nftables([port(22, counter=True)], engine=engine)
@@ -2833,6 +2871,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize(("scenario", "expected"), [
     ("index", ["tcp dport 7002 accept", "tcp dport 8001 accept", "tcp dport 7001 accept",
                "tcp dport 8002 accept"]),
+    ("before", ["tcp dport 7002 accept", "tcp dport 7001 accept"]),
     ("identical", ["tcp dport 8000 accept", "tcp dport 22 counter accept",
                    "tcp dport 22 drop", "tcp dport 22 counter accept"]),
     ("putback", ["tcp dport 8000 accept", "tcp dport 7000 accept",
