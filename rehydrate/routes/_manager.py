@@ -674,8 +674,6 @@ class RoutesManager:
                 handles = echoed_handles(_nft(["--echo", "-j", "-f", "-"],
                                               json.dumps({"nftables": cmds})))
         except Exception as exc:
-            if joint is not None:
-                joint.done(i, planned, None)
             if create_only and isinstance(t, NftTable) and "File exists" in str(exc):
                 # made between the read and the transaction: the kernel refused ours
                 _table_left_alone(t, None, result)
