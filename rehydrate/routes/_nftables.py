@@ -362,7 +362,7 @@ class NftCommands:
             and isinstance(body.get("handle"), int)}
         for (rule, n), handle in zip(made, handles, strict=True):
             got = listed_by.get((rule["family"], rule["table"], handle))
-            if n is None or got is None or got.get("chain") != rule["chain"]:
+            if n is None or got is None:
                 continue
             written, listed = _rule_key(rule), _rule_key(got)
             if self.listed.get(written, written) == listed:
@@ -594,8 +594,9 @@ def _plan_chain(rules: Sequence[tuple[int, int, str, Mapping[str, Any]]],
             chain.written = True
             return chain
     key_of = dict(present)
-    if missing or [key_of[x] if kind == "other" else keys[x] for kind, x in layout
-                   ] != [k for _, k in present]:
+    # a missing rule is in the layout, not in the chain: never in place
+    if [key_of[x] if kind == "other" else keys[x] for kind, x in layout
+            ] != [k for _, k in present]:
         chain.layout = layout
     return chain
 

@@ -1951,6 +1951,11 @@ def test_a_command_set_skips_only_the_rules_its_chain_still_has_in_place():
     assert kept(rule("in", 80, index=0)) == [] and kept(rule("in", 22, index=0)) == [
         delete(4), rule("in", 22)]
     assert kept(rule("in", 80, "insert", index=0)) == [delete(5), before(4, 80)]
+    # what a rule may need (a set) is made first: a chain's rules go where its last was
+    need = {"add": {"set": {"family": "inet", "table": "cni", "name": "s",
+                            "type": "ipv4_addr"}}}
+    assert kept(rule("in", 443), need, rule("in", 22)) == [need, delete(4), before(5, 443),
+                                                           before(5, 22)]
     # a place that cannot be worked out: as written
     assert kept(rule("in", 22, index=7)) == [rule("in", 22, index=7)]
     assert kept(rule("in", 443), rule("out", 22)) == [rule("in", 443), rule("out", 22)]
@@ -1994,6 +1999,7 @@ def test_rules_made_are_known_by_their_echoed_handles_only_when_they_pair_up():
     echo = json.dumps({"nftables": [{"add": {"table": {"family": "inet", "name": "x"}}},
                                     {**before(9, 80)}]})
     assert echoed_handles(echo) == [9] and echoed_handles("") is None
+    assert echoed_handles(json.dumps({"nftables": [rule("in", 80)]})) is None  # no handle
     listed = _cni(("in", 80, 9))  # listed otherwise: the counter's values
     body = listed[("inet", "cni")].objects[-1]["rule"]
     body["expr"][0]["match"]["right"] = {"set": [80]}
@@ -2945,3 +2951,32 @@ def test_a_command_set_that_cannot_be_planned_fails_alone(netns_pair):
         "tcp dport 7004 accept", "tcp dport 8001 accept", "tcp dport 7001 accept",
         "tcp dport 8002 accept"], out
     assert second == first and third == first, out
+
+
+SIBLING_MADE = r'''
+import json
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+engine = isolated_engine()
+table = {"family": "inet", "name": "rhmade"}
+routes.nftables([{"add": {"table": table}}, {"add": {"chain": {
+    "family": "inet", "table": "rhmade", "name": "in", "type": "filter", "hook": "input",
+    "prio": 0, "policy": "accept"}}}], engine=engine)
+# into the table the set above makes, with a set that is nowhere: refused
+routes.nftables([{"add": {"rule": {"family": "inet", "table": "rhmade", "chain": "in",
+    "expr": [{"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}},
+                        "right": "@nosuch"}}, {"drop": None}]}}}], engine=engine)
+report = engine.simulate_restore()
+print(json.dumps({"ok": report.ok, "errors": routes.manager(engine).last.errors}))
+'''
+
+
+def test_a_failed_set_is_not_said_to_miss_a_table_an_earlier_set_makes(netns_pair):
+    """The tables the command sets add to are read once, before any set is applied: one
+    an earlier set makes is not there yet, and is not named as missing."""
+    out = run_in_ns(netns_pair["a"], SIBLING_MADE)
+    assert out["ok"] is False
+    ((what, required, error),) = out["errors"]
+    assert (what, required) == ("nftables ruleset (inet rhmade)", True), out
+    assert "No such file or directory" in error and "does not exist" not in error, out
