@@ -526,9 +526,10 @@ class RoutesManager:
         with its counters and the elements its rules added, and stays as found. A
         declared table (listed objects) is the declaration's: replaced where it differs
         from it, left untouched where it already matches (counters and dynamic set
-        elements kept). Command rulesets are applied again every time, but their rules
-        in chains of tables they do not create only where those chains do not hold them
-        in place already (:meth:`NftCommands.batch`)."""
+        elements kept). Command rulesets are applied again every time, after the
+        tables, but their rules in chains of tables they do not create only where those
+        chains do not hold them in place already, planned for all of them at once
+        (:class:`NftPlan`)."""
         existing: dict[str, NftTable] | None = None
         if any(isinstance(t, NftTable) for t in tables):
             try:
