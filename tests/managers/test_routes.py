@@ -1913,6 +1913,7 @@ def test_a_command_set_skips_only_the_rules_its_chain_still_has_in_place():
     flush or delete in the set itself, or another chain, table or expression, does not
     count."""
     from rehydrate.routes import NftCommands
+    from rehydrate.routes._nftables import NftPlan
 
     rule = _port_rule
     have = _cni(("in", 22, 4), ("in", 80, 5))
@@ -1967,6 +1968,9 @@ def test_a_command_set_skips_only_the_rules_its_chain_still_has_in_place():
         flush, rule("in", 443)]
     gone = {"delete": {"table": {"family": "inet", "name": "cni"}}}
     assert kept(gone, rule("in", 22)) == [gone, rule("in", 22)]
+    # so in the sets after it: the chain is emptied before they add theirs
+    flushed = NftPlan([NftCommands((flush,)), NftCommands((rule("in", 22),))], have)
+    assert [cmd for cmd, _ in flushed.planned(1)] == [rule("in", 22)]
     assert NftCommands((rule("in", 22),)).batch({("inet", "cni"): None}) == [rule("in", 22)]
     # a table the set creates is emptied first: its rules are always added
     own = {"add": {"table": {"family": "inet", "name": "cni"}}}
