@@ -409,15 +409,18 @@ class _JointChain:
     """Where every rule goes: ``("other", handle)`` or ``("ours", rule number)`` in
     chain order; None when the chain holds them in place already."""
     written: bool = False  # a position cannot be worked out: sent as written
+    kept: set[int] = field(default_factory=set)  # the sets whose rules there stay
     handles: dict[int, int] = field(default_factory=dict)  # rule -> handle taken for it
     placed: dict[int, int] = field(default_factory=dict)  # rule -> handle, added back
 
     def anchor(self, kind: str, x: int) -> int | None:
         """The handle of the layout's ``(kind, x)`` where a set's rules are added back:
-        a rule not the sets', or one an earlier set added back; else None (a later
-        set's rule is deleted and added back after, an earlier set's not added back is
-        not where it goes)."""
-        return x if kind == "other" else self.placed.get(x)
+        a rule not the sets', one of a set whose rules stay, or one an earlier set
+        added back; else None (a later set's rule is deleted and added back after, an
+        earlier set's not added back is not where it goes)."""
+        if kind == "other":
+            return x
+        return self.handles.get(x) if self.rules[x][0] in self.kept else self.placed.get(x)
 
 
 class NftPlan:
@@ -482,7 +485,7 @@ class NftPlan:
                 continue
             idxs = [c.rules[j][1] for j in mine]
             dropped.update(idxs)
-            if c.layout is None:
+            if c.layout is None or i in c.kept:
                 continue
             ident = {"family": family, "table": table, "chain": name}
             gone = {c.handles[j] for j in mine if j in c.handles}
@@ -598,6 +601,20 @@ def _plan_chain(rules: Sequence[tuple[int, int, str, Mapping[str, Any]]],
     if [key_of[x] if kind == "other" else keys[x] for kind, x in layout
             ] != [k for _, k in present]:
         chain.layout = layout
+        # a set none of whose rules is missing, in place beside the rules not the
+        # sets' and those of the sets kept so far, keeps its rules (and counters)
+        for k in dict.fromkeys(i for i, _, _, _ in rules):
+            trial = chain.kept | {k}
+            if any(i == k and n not in chain.handles for n, (i, _, _, _) in enumerate(rules)):
+                continue
+            # rule by rule, not by key: the rules added back go before a kept one by
+            # its handle, which must be where the layout has it
+            if [("other", h) if h not in claimed else ("ours", claimed[h])
+                    for h, _ in present
+                    if h not in claimed or rules[claimed[h]][0] in trial
+                    ] == [(kind, x) for kind, x in layout
+                          if kind == "other" or rules[x][0] in trial]:
+                chain.kept = trial
     return chain
 
 

@@ -2015,6 +2015,33 @@ def test_rules_made_are_known_by_their_echoed_handles_only_when_they_pair_up():
     assert first.rule_key(body) == first.rule_key(before(9, 80)["insert"]["rule"])
 
 
+def test_a_set_whose_rules_are_in_place_keeps_them_while_another_set_s_go_back():
+    """Where one command set's rule went missing, the engine's other sets' rules in that
+    chain stay (counting on) where they are, rule by rule where the layout has them: a
+    set's identical rules taken the other way round are added back too."""
+    from rehydrate.routes import NftCommands
+    from rehydrate.routes._nftables import NftPlan
+
+    rule = _port_rule
+    have = _cni(("in", 8000, 2), ("in", 7010, 6), ("in", 8001, 3), ("in", 8002, 4),
+                ("in", 7020, 7), ("in", 7020, 8))  # the set adding 7000 lost it
+    sets = [NftCommands((rule("in", 7000),)), NftCommands((rule("in", 7010, index=0),)),
+            NftCommands((rule("in", 7020), rule("in", 7020)))]
+    plan = NftPlan(sets, have)
+    sent = plan.planned(0)
+    # not before handle 8: the last set's first "add" took the lower of its two rules
+    assert [cmd for cmd, _ in sent] == [rule("in", 7000)]
+    plan.done(0, sent, [9])
+    assert plan.planned(1) == []  # in place beside the rules not the sets'
+
+    def delete(handle: int) -> dict:
+        return {"delete": {"rule": {"family": "inet", "table": "cni", "chain": "in",
+                                    "handle": handle}}}
+
+    assert [cmd for cmd, _ in plan.planned(2)] == [delete(7), delete(8), rule("in", 7020),
+                                                   rule("in", 7020)]
+
+
 NAMED_COUNTER = r'''
 import json, socket, subprocess
 from rehydrate import routes
@@ -2902,6 +2929,8 @@ def test_an_engine_s_command_sets_are_laid_out_on_a_chain_together(netns_pair, s
     assert second == third, out  # nothing re-made once in place
     if scenario != "putback":
         assert first == third, out
+    else:  # the later set's rule stays where it is, counting on
+        assert third[2] == first[2], out
 
 
 NFT_UNPLANNABLE = r'''
