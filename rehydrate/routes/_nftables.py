@@ -601,14 +601,12 @@ def _plan_chain(rules: Sequence[tuple[int, int, str, Mapping[str, Any]]],
     if [key_of[x] if kind == "other" else keys[x] for kind, x in layout
             ] != [k for _, k in present]:
         chain.layout = layout
-        # a set none of whose rules is missing, in place beside the rules not the
-        # sets' and those of the sets kept so far, keeps its rules (and counters)
+        # a set whose rules are all there, in place beside the rules not the sets'
+        # and those of the sets kept so far, keeps them (and their counters): rule by
+        # rule, not by key (a missing one is in the layout only), as the rules added
+        # back go before a kept one by its handle, which must be where the layout has it
         for k in dict.fromkeys(i for i, _, _, _ in rules):
             trial = chain.kept | {k}
-            if any(i == k and n not in chain.handles for n, (i, _, _, _) in enumerate(rules)):
-                continue
-            # rule by rule, not by key: the rules added back go before a kept one by
-            # its handle, which must be where the layout has it
             if [("other", h) if h not in claimed else ("ours", claimed[h])
                     for h, _ in present
                     if h not in claimed or rules[claimed[h]][0] in trial
