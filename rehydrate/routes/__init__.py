@@ -324,7 +324,8 @@ def nftables(
     table of iptables-nft rules (``xt`` compat expressions, which nft cannot apply) is a
     ``ValueError``: declare those rules with :func:`iptables`; so is a table with an
     ``ingress``/``egress`` chain without its ``"dev"`` (as ``nft -j list`` 1.0.6 prints
-    it), which nft cannot create.
+    it), which nft cannot create; so is a ruleset holding a value JSON cannot write (a
+    Python ``set``, ``NaN``).
     """
     data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
     if isinstance(data, Sequence):
@@ -332,6 +333,10 @@ def nftables(
     items = data.get("nftables") if isinstance(data, Mapping) else None
     if not isinstance(items, list):
         raise ValueError("an nftables JSON ruleset is an object with an 'nftables' list")
+    try:  # sent to nft as JSON on every restore: refused here, not there
+        json.dumps(items, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the nftables ruleset cannot be written as JSON: {exc}") from exc
     commands = [i for i in items if isinstance(i, Mapping) and len(i) == 1
                 and next(iter(i)) in ("add", "create", "insert", "replace", "flush",
                                       "delete", "destroy", "reset")]

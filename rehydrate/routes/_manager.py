@@ -43,7 +43,15 @@ from ._netlink import (
     read_routes,
     unruled_tables,
 )
-from ._nftables import NftCommands, NftTable, _nft, read_table, read_tables
+from ._nftables import (
+    NftCommands,
+    NftPlan,
+    NftTable,
+    _nft,
+    echoed_handles,
+    read_table,
+    read_tables,
+)
 
 log = logging.getLogger("rehydrate")
 
@@ -261,6 +269,11 @@ class RoutesManager:
             # table, or a command set all of whose tables are declared again (and an
             # identical command set declared again is the same declaration)
             labels = set().union(*(_labels(t) for t in items))
+            for x in self.rulesets:  # the same declaration: what was learnt of it holds
+                if isinstance(x, NftCommands):
+                    for t in items:
+                        if isinstance(t, NftCommands) and t == x:
+                            t.listed.update(x.listed)
             self.rulesets = [x for x in self.rulesets
                              if x not in items and not (_labels(x) and _labels(x) <= labels)]
             self.rulesets.extend(items)
@@ -513,9 +526,10 @@ class RoutesManager:
         with its counters and the elements its rules added, and stays as found. A
         declared table (listed objects) is the declaration's: replaced where it differs
         from it, left untouched where it already matches (counters and dynamic set
-        elements kept). Command rulesets are applied again every time, but their rules
-        in chains of tables they do not create only where those chains do not hold them
-        in place already (:meth:`NftCommands.batch`)."""
+        elements kept). Command rulesets are applied again every time, after the
+        tables, but their rules in chains of tables they do not create only where those
+        chains do not hold them in place already, planned for all of them at once
+        (:class:`NftPlan`)."""
         existing: dict[str, NftTable] | None = None
         if any(isinstance(t, NftTable) for t in tables):
             try:
@@ -525,7 +539,9 @@ class RoutesManager:
                           _describe(exc))
         sets = [t for t in tables if isinstance(t, NftCommands)]
         for t in tables:
-            if isinstance(t, NftTable) and existing is not None and t.label in existing:
+            if not isinstance(t, NftTable):
+                continue
+            if existing is not None and t.label in existing:
                 have = existing[t.label]
                 if t.label in captured:
                     _table_left_alone(t, have, result)
@@ -535,9 +551,24 @@ class RoutesManager:
                     result.tables += 1
                     result.in_force.append(f"nftables {t.label}")
                     continue
-            if self._apply_nft(t, result, create_only=isinstance(t, NftTable)
-                               and t.label in captured, siblings=sets) and isinstance(t, NftTable):
+            if self._apply_nft(t, result, create_only=t.label in captured):
                 failed.discard(t.label)
+        # the command sets after the tables (which they may add rules to, and which
+        # depend on no command set), their rules in others' chains planned for all of
+        # them at once, on the chains as the tables left them
+        # (one JSON cannot write, which nftables() refuses, is left to fail alone)
+        joint = [t for t in sets if _encodable(t)]
+        plan: NftPlan | None = None
+        if joint:
+            try:
+                plan = NftPlan(joint, _foreign(*joint))
+            except Exception as exc:  # then each set is planned on its own
+                log.debug("network: nftables command sets not planned together: %s",
+                          _describe(exc))
+        for t in sets:
+            i = next((n for n, x in enumerate(joint) if x is t), None)
+            self._apply_nft(t, result,
+                            plan=(plan, i) if plan is not None and i is not None else None)
 
     def _apply_routes(self, declared: list[Route], captured: list[Route],
                       result: ApplyResult, failed: set[tuple[Any, ...]]) -> None:
@@ -610,26 +641,39 @@ class RoutesManager:
             backend.close()
 
     def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult, *,
-                   create_only: bool = False, siblings: Sequence[NftCommands] = ()) -> bool:
+                   create_only: bool = False, plan: tuple[NftPlan, int] | None = None
+                   ) -> bool:
         """Apply one nftables item: True when it is in force (or, captured, left as
-        found). ``siblings``: the engine's command sets (:meth:`NftCommands.batch`)."""
+        found). ``plan``: the engine's command sets' :class:`NftPlan`, and which of
+        them ``t`` is (None: ``t`` planned on its own)."""
         absent: list[str] = []
-        foreign: dict[tuple[str, str], NftTable | None] = {}
         planned: list[tuple[dict[str, Any], int | None]] = []
+        handles: list[int] | None = None
+        joint: NftPlan | None = None
+        i = 0
         if isinstance(t, NftTable):
             what = f"nftables table {t.label}"
-            cmds = t.commands(create_only=create_only)
+            labels = [(t.family, t.name)]
         else:
             what = f"nftables ruleset ({', '.join(t.touched()) or 'no table named'})"
-            foreign = _foreign(t)
-            absent = [f"{fam} {name}" for (fam, name), have in foreign.items()
-                      if have is None]
-            planned = t.planned(foreign, siblings)
-            cmds = [cmd for cmd, _ in planned]
-        labels = ([(t.family, t.name)] if isinstance(t, NftTable) else t.tables())
+            labels = t.tables()
         try:
-            if cmds:  # empty: every rule of the set is in its chain already
+            if isinstance(t, NftTable):
+                cmds = t.commands(create_only=create_only)
+            else:
+                # in the try: a set that cannot be planned fails alone
+                joint, i = plan if plan is not None else (NftPlan([t], _foreign(t)), 0)
+                absent = [f"{fam} {name}" for fam, name in t.foreign_tables()
+                          if joint.absent(fam, name)]
+                planned = joint.planned(i)
+                cmds = [cmd for cmd, _ in planned]
+            if cmds and isinstance(t, NftTable):
                 _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
+            elif cmds:  # empty: every rule of the set is in its chain already
+                # the echo gives the handles of the rules made: the later sets add
+                # theirs beside them, and their listed forms are looked up by them
+                handles = echoed_handles(_nft(["--echo", "-j", "-f", "-"],
+                                              json.dumps({"nftables": cmds})))
         except Exception as exc:
             if create_only and isinstance(t, NftTable) and "File exists" in str(exc):
                 # made between the read and the transaction: the kernel refused ours
@@ -654,11 +698,13 @@ class RoutesManager:
                 if not t.same_as(back):
                     raise NetworkError("read back differs from what was applied")
             else:
+                if joint is not None:
+                    joint.done(i, planned, handles)
                 for fam, name in t.tables():
                     if read_table(fam, name) is None:
                         raise NetworkError(f"table {fam} {name} missing after applying")
-                if any(n is not None for _, n in planned):
-                    _learn_listed(t, what, planned, foreign)
+                if handles is not None and any(n is not None for _, n in planned):
+                    _learn_listed(t, what, planned, handles)
         except Exception as exc:
             result.errors.append((what, t.required, _describe(exc)))
             self._nft_in_force(labels, result, "applied, but differs from the declaration")
@@ -682,7 +728,7 @@ class RoutesManager:
 
 
 def _learn_listed(t: NftCommands, what: str, sent: list[tuple[dict[str, Any], int | None]],
-                  before: dict[tuple[str, str], NftTable | None]) -> None:
+                  handles: list[int]) -> None:
     """After a command set added rules to chains it does not own: read those back, and
     say (WARNING, once per rule) which of its rules ``nft`` lists otherwise than written
     -- never found in their chain by their written form, they would be added again on
@@ -690,7 +736,7 @@ def _learn_listed(t: NftCommands, what: str, sent: list[tuple[dict[str, Any], in
     (:meth:`NftCommands.learn_listed`)."""
     try:
         after = _foreign(t)
-        said = t.learn_listed(sent, before, after)
+        said = t.learn_listed(sent, handles, after)
     except Exception as exc:  # only the check of the listed forms lost
         log.debug("%s: rules not read back for their listed forms: %s", what, _describe(exc))
         return
@@ -723,11 +769,19 @@ def _warn_unruled(routes: Sequence[Route]) -> None:
                     "restore yourself)", names)
 
 
-def _foreign(cmds: NftCommands) -> dict[tuple[str, str], NftTable | None]:
-    """The tables a command set adds rules to without creating them, as they are now
+def _encodable(cmds: NftCommands) -> bool:
+    try:
+        json.dumps(list(cmds.commands), allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _foreign(*sets: NftCommands) -> dict[tuple[str, str], NftTable | None]:
+    """The tables command sets add rules to without creating them, as they are now
     (one that cannot be read is left out: its rules are added as written)."""
     out: dict[tuple[str, str], NftTable | None] = {}
-    for fam, name in cmds.foreign_tables():
+    for fam, name in dict.fromkeys(x for cmds in sets for x in cmds.foreign_tables()):
         try:
             out[(fam, name)] = read_table(fam, name)
         except Exception as exc:  # then applying finds out

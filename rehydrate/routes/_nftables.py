@@ -54,7 +54,8 @@ def _strip(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _normalize_expr(value: Any) -> Any:
-    """Drop what changes by itself (counter values) so read-backs compare equal."""
+    """Drop what changes by itself (counter values, an anonymous quota's bytes used,
+    elements' ``expires``) so read-backs compare equal."""
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -62,6 +63,8 @@ def _normalize_expr(value: Any) -> Any:
                 out[k] = {kk: vv for kk, vv in v.items() if kk not in ("packets", "bytes")}
             elif k == "counter" and v is None:
                 out[k] = {}
+            elif k == "quota" and isinstance(v, dict):  # an anonymous quota's bytes used
+                out[k] = {kk: vv for kk, vv in v.items() if kk not in ("used", "used_unit")}
             elif k == "expires":
                 continue
             else:
@@ -309,8 +312,8 @@ class NftCommands:
         key = _rule_key(rule)
         return self.listed.get(key, key)
 
-    def batch(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None,
-              siblings: Sequence[NftCommands] = ()) -> list[dict[str, Any]]:
+    def batch(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None
+              ) -> list[dict[str, Any]]:
         """The commands, after emptying each table they create (``add table`` +
         ``delete table``, as :meth:`NftTable.commands` does): applied again on every
         restore and resume, they replace their tables instead of adding their rules
@@ -319,30 +322,126 @@ class NftCommands:
         ``existing`` holds the tables they add rules to without creating them (from
         :meth:`foreign_tables`) as they are now. For each chain of those that exists,
         the set's ``add``/``insert rule`` commands are kept in the order and at the
-        positions they put their rules (:func:`_chain_plan`): where the chain already
-        holds them just so (a resume, or the captured copy of that table re-created
-        first), they are left out, so nothing is added twice and their counters run
-        on; otherwise the rules of the chain taken for theirs (same expression and
-        comment, compared as :meth:`NftTable.canonical` does) are deleted by handle
-        and all of them added back where the commands put them, in this one batch.
-        After a command of the set that flushes or deletes that chain (or its table,
-        or a rule of it), the rules that follow are added as written.
+        positions they put their rules (:class:`NftPlan`, here for this set alone):
+        where the chain already holds them just so (a resume, or the captured copy of
+        that table re-created first), they are left out, so nothing is added twice and
+        their counters run on; otherwise the rules of the chain taken for theirs (same
+        expression and comment, compared as :meth:`NftTable.canonical` does) are
+        deleted by handle and all of them added back where the commands put them, in
+        this one batch. After a command of the set that flushes or deletes that chain
+        (or its table, or a rule of it), the rules that follow are added as written."""
+        return [cmd for cmd, _ in self.planned(existing)]
 
-        ``siblings``: the engine's other command sets. The rules of a chain they take
-        for theirs (as this set does, in their order, before this one) are not
-        looked at: two sets inserting into one chain are each in place beside the
-        other, instead of moving each other back and forth on every resume."""
-        return [cmd for cmd, _ in self.planned(existing, siblings)]
-
-    def planned(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None,
-                siblings: Sequence[NftCommands] = ()
+    def planned(self, existing: Mapping[tuple[str, str], NftTable | None] | None = None
                 ) -> list[tuple[dict[str, Any], int | None]]:
         """:meth:`batch`, each ``add``/``insert rule`` command into a table the set does
         not create with the number of the command of the set it stands for."""
-        own = set(self.tables())
-        present: dict[tuple[str, str, str], list[tuple[int, str]]] = {}
-        for label, table in (existing or {}).items():
-            if table is None or label in own:
+        return NftPlan([self], existing or {}).planned(0)
+
+    def learn_listed(self, sent: Sequence[tuple[dict[str, Any], int | None]],
+                     handles: Sequence[int],
+                     after: Mapping[tuple[str, str], NftTable | None]) -> list[str]:
+        """After ``sent`` (from :meth:`planned`) was applied, ``nft --echo`` giving
+        ``handles``, the handle of the rule each of its ``add``/``insert rule`` commands
+        made, in order: find each rule made in a table the set adds rules to without
+        creating it in ``after`` (those tables read back), and remember, for a rule
+        ``nft`` lists otherwise than written (``ct state == ["established",
+        "related"]`` is listed as ``{"|": [...]}``), the listed form as its key: else it
+        is never found in its chain, and is added again on every resume. Returns one
+        message per rule newly seen so (to warn about)."""
+        said: list[str] = []
+        made = [(body["rule"], n) for cmd, n in sent for verb, body in cmd.items()
+                if _rule_target(verb, body) is not None]
+        if len(made) != len(handles):  # not what was sent: nothing to pair them by
+            return said
+        listed_by: dict[tuple[str, str, int], Mapping[str, Any]] = {
+            (label[0], label[1], body["handle"]): body
+            for label, table in after.items() if table is not None
+            for obj in table.objects
+            if isinstance(body := obj.get("rule"), Mapping)
+            and isinstance(body.get("handle"), int)}
+        for (rule, n), handle in zip(made, handles, strict=True):
+            got = listed_by.get((rule["family"], rule["table"], handle))
+            if n is None or got is None:
+                continue
+            written, listed = _rule_key(rule), _rule_key(got)
+            if self.listed.get(written, written) == listed:
+                continue
+            self.listed[written] = listed
+            shown = json.dumps(_normalize_expr(got.get("expr")))
+            said.append(f"command {n + 1} (rule in {rule['family']} {rule['table']} "
+                        f"chain {rule['chain']}): nft lists its rule otherwise than "
+                        f"written, as expr {shown}; write it so (its place in the "
+                        "chain is checked against that listed form from now on)")
+        return said
+
+
+def echoed_handles(out: str) -> list[int] | None:
+    """The handles ``nft --echo -j`` gives the rules its ``add``/``insert rule``
+    commands made, in order (None: not such an echo)."""
+    try:
+        items = json.loads(out)["nftables"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    handles: list[int] = []
+    for item in items if isinstance(items, list) else ():
+        for verb, body in item.items() if isinstance(item, Mapping) else ():
+            if _rule_target(verb, body) is not None:
+                handle = body["rule"].get("handle")
+                if not isinstance(handle, int):
+                    return None
+                handles.append(handle)
+    return handles
+
+
+Chain = tuple[str, str, str]
+
+
+@dataclass
+class _JointChain:
+    """One chain of a table the command sets add rules to without creating it."""
+
+    rules: list[tuple[int, int, str, Mapping[str, Any]]]
+    """Their ``add``/``insert rule`` commands into it, in declaration order: (set,
+    command number in the set, verb, rule)."""
+    present: list[tuple[int, str]]
+    layout: list[tuple[str, int]] | None = None
+    """Where every rule goes: ``("other", handle)`` or ``("ours", rule number)`` in
+    chain order; None when the chain holds them in place already."""
+    written: bool = False  # a position cannot be worked out: sent as written
+    kept: set[int] = field(default_factory=set)  # the sets whose rules there stay
+    handles: dict[int, int] = field(default_factory=dict)  # rule -> handle taken for it
+    placed: dict[int, int] = field(default_factory=dict)  # rule -> handle, added back
+
+    def anchor(self, kind: str, x: int) -> int | None:
+        """The handle of the layout's ``(kind, x)`` where a set's rules are added back:
+        a rule not the sets', one of a set whose rules stay, or one an earlier set
+        added back; else None (a later set's rule is deleted and added back after, an
+        earlier set's not added back is not where it goes)."""
+        if kind == "other":
+            return x
+        return self.handles.get(x) if self.rules[x][0] in self.kept else self.placed.get(x)
+
+
+class NftPlan:
+    """Where an engine's command sets (``sets``, in declaration order) put their
+    ``add``/``insert rule`` rules in the chains of tables none of them creates, as
+    those are now (``existing``): planned once for all the sets, as ``nft`` lays the
+    chain out applying every set in turn (:func:`_plan_chain`), and sent one set at a
+    time (:meth:`planned`, one ``nft`` transaction per set; :meth:`done` after each).
+    A chain that holds every set's rules in place gets nothing; else each set
+    deletes the rules taken for its own and adds them back at their places, before
+    the next rule that is not the sets' or that an earlier set added back."""
+
+    def __init__(self, sets: Sequence[NftCommands],
+                 existing: Mapping[tuple[str, str], NftTable | None]) -> None:
+        self.sets = list(sets)
+        created = {label for s in self.sets for label in s.tables()}
+        self._missing = {label for label, table in existing.items()
+                         if table is None and label not in created}
+        present: dict[Chain, list[tuple[int, str]]] = {}
+        for label, table in existing.items():
+            if table is None or label in created:
                 continue
             for obj in table.objects:
                 chain, rule = obj.get("chain"), obj.get("rule")
@@ -352,101 +451,92 @@ class NftCommands:
                       and isinstance(rule.get("handle"), int)):
                     present.setdefault((label[0], label[1], rule["chain"]), []).append(
                         (rule["handle"], _rule_key(rule)))
-        theirs: dict[tuple[str, str, str], set[int]] = {}
-        for chain, listed in present.items():
-            taken = theirs.setdefault(chain, set())
-            for other in siblings:
-                if other is self:
-                    continue
-                for cmd in other.commands:
-                    for verb, body in cmd.items():
-                        if _rule_target(verb, body) == chain:
-                            handle = _claim(verb, body["rule"], other.rule_key(body["rule"]),
-                                            listed, taken)
-                            if handle is not None:
-                                taken.add(handle)
         live = set(present)
-        groups: dict[tuple[str, str, str], list[int]] = {}
-        for i, cmd in enumerate(self.commands):
-            for verb, body in cmd.items():
-                target = _rule_target(verb, body)
-                if target is not None:
-                    if target in live:
-                        groups.setdefault(target, []).append(i)
-                elif verb in ("flush", "delete", "destroy", "replace"):
-                    _forget(body, live)
-        # a chain's commands go where its last one was: what they need is made by then
+        rules: dict[Chain, list[tuple[int, int, str, Mapping[str, Any]]]] = {}
+        for i, cmds in enumerate(self.sets):
+            for n, cmd in enumerate(cmds.commands):
+                for verb, body in cmd.items():
+                    target = _rule_target(verb, body)
+                    if target is not None:
+                        if target in live:
+                            rules.setdefault(target, []).append((i, n, verb, body["rule"]))
+                    elif verb in ("flush", "delete", "destroy", "replace"):
+                        _forget(body, live)  # what follows, in any set: as written
+        self.chains = {
+            chain: _plan_chain(rs, [self.sets[i].rule_key(r) for i, _, _, r in rs],
+                               present[chain])
+            for chain, rs in rules.items()}
+
+    def absent(self, family: str, name: str) -> bool:
+        """Whether the table was found not to exist (and no set creates it)."""
+        return (family, name) in self._missing
+
+    def planned(self, i: int) -> list[tuple[dict[str, Any], int | None]]:
+        """The commands of set ``i`` to send (:meth:`NftCommands.batch`), each
+        ``add``/``insert rule`` command into a table it does not create with the number
+        of the command of the set it stands for."""
+        cmds_of = self.sets[i]
+        own = set(cmds_of.tables())
         placed: dict[int, list[tuple[dict[str, Any], int | None]]] = {}
         dropped: set[int] = set()
-        for chain, idxs in groups.items():
-            rules = [(verb, body["rule"]) for i in idxs
-                     for verb, body in self.commands[i].items()]
-            plan = _chain_plan(chain, rules, [self.rule_key(r) for _, r in rules],
-                               present[chain], theirs[chain])
-            if plan is not None:
-                dropped.update(idxs)
-                placed[idxs[-1]] = [(cmd, None if n is None else idxs[n]) for cmd, n in plan]
+        for (family, table, name), c in self.chains.items():
+            mine = [j for j, r in enumerate(c.rules) if r[0] == i]
+            if not mine or c.written:
+                continue
+            idxs = [c.rules[j][1] for j in mine]
+            dropped.update(idxs)
+            if c.layout is None or i in c.kept:
+                continue
+            ident = {"family": family, "table": table, "chain": name}
+            gone = {c.handles[j] for j in mine if j in c.handles}
+            out: list[tuple[dict[str, Any], int | None]] = [
+                ({"delete": {"rule": {**ident, "handle": h}}}, None)
+                for h, _ in c.present if h in gone]
+            for pos, (kind, j) in enumerate(c.layout):
+                if kind != "ours" or c.rules[j][0] != i:
+                    continue
+                body = {k: v for k, v in c.rules[j][3].items() if k not in _POSITION_FIELDS}
+                anchor = next((h for k, x in c.layout[pos + 1:]
+                               if (h := c.anchor(k, x)) is not None), None)
+                out.append(({"add": {"rule": body}} if anchor is None
+                            else {"insert": {"rule": {**body, "handle": anchor}}},
+                            c.rules[j][1]))
+            # a chain's commands go where its last one was: what they need is made by then
+            placed[idxs[-1]] = out
         cmds: list[tuple[dict[str, Any], int | None]] = []
-        for family, name in self.tables():
+        for family, name in cmds_of.tables():
             ident = {"family": family, "name": name}
             cmds += [({"add": {"table": dict(ident)}}, None),
                      ({"delete": {"table": dict(ident)}}, None)]
-        for i, cmd in enumerate(self.commands):
-            if i in placed:
-                cmds += placed[i]
-            elif i not in dropped:
+        for n, cmd in enumerate(cmds_of.commands):
+            if n in placed:
+                cmds += placed[n]
+            elif n not in dropped:
                 target = next((t for v, b in cmd.items()
                                if (t := _rule_target(v, b)) is not None), None)
-                cmds.append((dict(cmd), i if target is not None and target[:2] not in own
+                cmds.append((dict(cmd), n if target is not None and target[:2] not in own
                              else None))
         return cmds
 
-    def learn_listed(self, sent: Sequence[tuple[dict[str, Any], int | None]],
-                     before: Mapping[tuple[str, str], NftTable | None],
-                     after: Mapping[tuple[str, str], NftTable | None]) -> list[str]:
-        """After ``sent`` (from :meth:`planned`) was applied: find, in each table the set
-        adds rules to without creating it, the rule each of its ``add``/``insert rule``
-        commands made (``nft`` numbers a table's new rules in the order of the
-        transaction, above every handle it had ``before``), and remember, for a rule
-        ``nft`` lists otherwise than written (``ct state == ["established",
-        "related"]`` is listed as ``{"|": [...]}``), the listed form as its key: else it
-        is never found in its chain, and is added again on every resume. Returns one
-        message per rule newly seen so (to warn about). Where the new rules do not
-        pair up one to one with the commands (another owner added rules meanwhile),
-        nothing is learnt."""
-        said: list[str] = []
-        for label, was in before.items():
-            now = after.get(label)
-            if was is None or now is None or label in set(self.tables()):
-                continue
-            # the table's own handle is numbered apart (one count for every table)
-            top = max((h for obj in was.objects for kind, body in obj.items()
-                       if kind != "table" and isinstance(body, Mapping)
-                       and isinstance(h := body.get("handle"), int)), default=0)
-            made = sorted((body for obj in now.objects
-                           if isinstance(body := obj.get("rule"), Mapping)
-                           and isinstance(body.get("handle"), int) and body["handle"] > top),
-                          key=lambda r: int(r["handle"]))
-            ours = [(body["rule"], n) for cmd, n in sent if n is not None
-                    for verb, body in cmd.items()
-                    if (t := _rule_target(verb, body)) is not None and t[:2] == label]
-            if len(made) != len(ours) or any(
-                    got.get("chain") != rule["chain"]
-                    for got, (rule, _) in zip(made, ours, strict=True)):
-                log.debug("nftables ruleset: the rules made in %s %s do not pair up with "
-                          "the set's commands; their listed forms not looked at", *label)
-                continue
-            for got, (rule, n) in zip(made, ours, strict=True):
-                written, listed = _rule_key(rule), _rule_key(got)
-                if self.listed.get(written, written) == listed:
-                    continue
-                self.listed[written] = listed
-                shown = json.dumps(_normalize_expr(got.get("expr")))
-                said.append(f"command {n + 1} (rule in {rule['family']} {rule['table']} "
-                            f"chain {rule['chain']}): nft lists its rule otherwise than "
-                            f"written, as expr {shown}; write it so (its place in the "
-                            "chain is checked against that listed form from now on)")
-        return said
+    def done(self, i: int, sent: Sequence[tuple[dict[str, Any], int | None]],
+             handles: Sequence[int] | None) -> None:
+        """After set ``i``'s commands (``sent``, from :meth:`planned`) were applied:
+        ``handles`` from ``nft --echo`` (:func:`echoed_handles`), or None when they were
+        not applied or what nft made is unknown (then the later sets do not add their
+        rules relative to set ``i``'s)."""
+        made = [n for cmd, n in sent for verb, body in cmd.items()
+                if _rule_target(verb, body) is not None]
+        rule_of: dict[int, tuple[_JointChain, int]] = {}
+        for chain in self.chains.values():
+            for j, (si, n, _, _) in enumerate(chain.rules):
+                if si == i and chain.layout is not None and not chain.written:
+                    rule_of[n] = (chain, j)
+        if handles is None or len(handles) != len(made):
+            return
+        for number, handle in zip(made, handles, strict=True):
+            if number is not None and number in rule_of:
+                chain, j = rule_of[number]
+                chain.placed[j] = handle
 
 
 _POSITION_FIELDS = ("handle", "index", "position")
@@ -463,75 +553,67 @@ def _claim(verb: str, rule: Mapping[str, Any], key: str,
     return hits[-1] if appended else hits[0]
 
 
-def _chain_plan(chain: tuple[str, str, str], rules: Sequence[tuple[str, Mapping[str, Any]]],
-                keys: Sequence[str], present: Sequence[tuple[int, str]],
-                theirs: Container[int] = frozenset()
-                ) -> list[tuple[dict[str, Any], int | None]] | None:
-    """What to send for a command set's ``add``/``insert rule`` commands (``rules``, as
-    (verb, rule), with their ``keys``) into one chain that holds ``present`` ((handle,
-    rule key) in chain order) now: ``[]`` when the chain holds their rules already where
-    they put them, else the deletion of the rules taken for theirs and the rules added
-    back at those places, each with the number of the rule it is (None: a deletion);
-    None when a position cannot be worked out (an index past the end, a handle not
-    there): then they are sent as written.
+def _plan_chain(rules: Sequence[tuple[int, int, str, Mapping[str, Any]]],
+                keys: Sequence[str], present: Sequence[tuple[int, str]]) -> _JointChain:
+    """Plan the command sets' ``add``/``insert rule`` commands (``rules``, as (set,
+    command number, verb, rule), in declaration order, with their ``keys``) into one
+    chain that holds ``present`` ((handle, rule key) in chain order) now: in place
+    when it holds their rules already where they put them; else where each goes; or
+    sent as written when a position cannot be worked out (an index past the end, a
+    handle not there).
 
     Where they go is worked out on the chain without the rules taken for theirs, as
-    ``nft`` would on first applying them there: ``insert`` at the head, ``add`` at the
-    end, ``index``/``handle`` relative to the rules there. Other owners' rules after
-    the last rule taken for theirs were appended since, and stay after them (a resume
-    does not move the set's rules behind them) -- but only while the rule the set puts
-    last is there: when it went missing, the rules after the set's survivors may be
-    rules it went in before, and the set is laid out on the whole chain as it is (so a
-    rule appended since may end up before a rule put back at the end). The rules taken
-    for theirs are, command by command, the first unclaimed rule with its expression
-    and comment (for a plain ``add``: the last one), whoever added it: identical rules
-    cannot be told apart. Rules are added back before the next rule not theirs
-    (``insert`` with its ``handle``, each in turn), else appended: ``nft`` resolves an
-    ``index`` on the chain as it was before the batch's deletions, and several ``add``
-    after one handle do not land in order.
-
-    ``theirs``: the handles of the rules the engine's other command sets take for
-    theirs. They are never taken for this set's, and the chain is in place when it
-    is without them: they stay where they are, and the set's rules added back go where
-    ``nft`` would put them beside them."""
-    family, table, name = chain
-    claimed: dict[int, int] = {}  # handle -> the command it stands for
-    for n, (verb, rule) in enumerate(rules):
-        handle = _claim(verb, rule, keys[n],
-                        [(h, k) for h, k in present if h not in theirs], claimed)
+    ``nft`` would on first applying the sets there in order: ``insert`` at the head,
+    ``add`` at the end, ``index``/``handle`` relative to the rules there (an earlier
+    set's among them, a later set's not yet). Other owners' rules after the last rule
+    taken for theirs were appended since, and stay after them (a resume does not move
+    the sets' rules behind them) -- but only while the rule put last is there: when
+    it went missing, the rules after the survivors may be rules it went in before,
+    and the sets are laid out on the whole chain as it is (so a rule appended since
+    may end up before a rule put back at the end). The rules taken for theirs are,
+    command by command in declaration order across the sets, the first unclaimed
+    rule with its expression and comment (for a plain ``add``: the last one),
+    whoever added it: identical rules cannot be told apart."""
+    verbs = [(verb, rule) for _, _, verb, rule in rules]
+    claimed: dict[int, int] = {}  # handle -> the rule it stands for
+    for n, (verb, rule) in enumerate(verbs):
+        handle = _claim(verb, rule, keys[n], present, claimed)
         if handle is not None:
             claimed[handle] = n
+    chain = _JointChain(list(rules), list(present),
+                        handles={n: h for h, n in claimed.items()})
     missing = Counter(keys) - Counter(keys[n] for n in claimed.values())
-    # ("other", handle) or ("ours", command number), in chain order
+    # ("other", handle) or ("ours", rule number), in chain order
     end = max((i for i, (h, _) in enumerate(present) if h in claimed), default=-1)
     others = [("other", h) for h, _ in present if h not in claimed]
     trailing = [("other", h) for h, _ in present[end + 1:]] if claimed else []
-    layout = _laid_out(rules, others[:len(others) - len(trailing)]) if trailing else None
+    layout = _laid_out(verbs, others[:len(others) - len(trailing)]) if trailing else None
     last = next((x for kind, x in reversed(layout or []) if kind == "ours"), None)
     if layout is not None and last is not None and not missing[keys[last]]:
         layout += trailing
     else:
-        layout = _laid_out(rules, others)
+        layout = _laid_out(verbs, others)
         if layout is None:
-            return None
+            chain.written = True
+            return chain
     key_of = dict(present)
-    if not missing and [
-            key_of[x] if kind == "other" else keys[x] for kind, x in layout
-            if kind == "ours" or x not in theirs
-    ] == [k for h, k in present if h not in theirs]:
-        return []
-    ident = {"family": family, "table": table, "chain": name}
-    out: list[tuple[dict[str, Any], int | None]] = [
-        ({"delete": {"rule": {**ident, "handle": h}}}, None)
-        for h, _ in present if h in claimed]
-    for i, (kind, n) in enumerate(layout):
-        if kind != "ours":
-            continue
-        body = {k: v for k, v in rules[n][1].items() if k not in _POSITION_FIELDS}
-        anchor = next((x for k, x in layout[i + 1:] if k == "other"), None)
-        out.append(({"add": {"rule": body}} if anchor is None
-                    else {"insert": {"rule": {**body, "handle": anchor}}}, n))
-    return out
+    # a missing rule is in the layout, not in the chain: never in place
+    if [key_of[x] if kind == "other" else keys[x] for kind, x in layout
+            ] != [k for _, k in present]:
+        chain.layout = layout
+        # a set whose rules are all there, in place beside the rules not the sets'
+        # and those of the sets kept so far, keeps them (and their counters): rule by
+        # rule, not by key (a missing one is in the layout only), as the rules added
+        # back go before a kept one by its handle, which must be where the layout has it
+        for k in dict.fromkeys(i for i, _, _, _ in rules):
+            trial = chain.kept | {k}
+            if [("other", h) if h not in claimed else ("ours", claimed[h])
+                    for h, _ in present
+                    if h not in claimed or rules[claimed[h]][0] in trial
+                    ] == [(kind, x) for kind, x in layout
+                          if kind == "other" or rules[x][0] in trial]:
+                chain.kept = trial
+    return chain
 
 
 def _laid_out(rules: Sequence[tuple[str, Mapping[str, Any]]],
