@@ -47,7 +47,7 @@ from ._contract import (
     refuse_another_engine,
 )
 from ._hooks import Hook, Registry, _BuiltinRegistry
-from ._runner import HookRunner, LoopThread, Observer, blocking, inside_hook
+from ._runner import HookRunner, LoopThread, Observer, blocking, running_hook_of
 from ._threads import fresh_lock_after_fork
 from .env import EnvRefresher, check_overlay
 
@@ -799,7 +799,7 @@ class Lifecycle:
         or not.
         """
         timeout = _config.optional_seconds(timeout, "wait_ready(): timeout")
-        if inside_hook.get() is self._runner and not self.is_ready():
+        if running_hook_of(self._runner) and not self.is_ready():
             raise RuntimeError("wait_ready() inside a hook would wait for its own event")
         with self._cond:  # every change of readiness notifies (runs, heartbeats after a gap)
             return self._cond.wait_for(self.is_ready, timeout)
@@ -1755,7 +1755,7 @@ class Lifecycle:
             self._seen.popitem(last=False)
 
     def _check_not_inside_hook(self) -> None:
-        if inside_hook.get() is self._runner:
+        if running_hook_of(self._runner):
             raise RuntimeError(
                 "a lifecycle event cannot be started from inside a hook "
                 "(it would wait for itself)"
@@ -2090,7 +2090,7 @@ class Lifecycle:
         """Stop the detectors (hooks stay registered). Idempotent. Refused from inside a
         hook (``RuntimeError``): the detector that started the event waits for it, so
         stopping it there would wait for itself."""
-        if inside_hook.get() is self._runner:
+        if running_hook_of(self._runner):
             raise RuntimeError("stop() cannot be called from inside a hook (the detector "
                                "running this event waits for it); call it afterwards")
         with self._start_lock:
@@ -2113,7 +2113,7 @@ class Lifecycle:
         (newest first) and stop the engine's threads (for tests and interpreter exit).
         Refused from inside a hook, like :meth:`stop` (it would close the thread and event
         loop the hook runs on)."""
-        if inside_hook.get() is self._runner:
+        if running_hook_of(self._runner):
             raise RuntimeError("close() cannot be called from inside a hook (it would stop "
                                "the thread the hook runs on); call it afterwards")
         self.stop()

@@ -60,11 +60,6 @@ soon after it: Lambda SnapStart): a cancelled hook's cleanup usually takes milli
 BACKOFF_BASE = 0.05
 BACKOFF_MAX = 5.0
 
-inside_hook: contextvars.ContextVar[object | None] = contextvars.ContextVar(
-    "rehydrate_inside_hook", default=None
-)
-"""The :class:`HookRunner` whose hook runs in this context (None outside hooks): an engine
-refuses to start an event of its own from there, but another engine's hooks may."""
 
 
 class HookCall:
@@ -72,10 +67,11 @@ class HookCall:
     context (an ``asyncio`` task, a thread given ``copy_context()``) holds the same object,
     so it is not taken for the hook once the hook has returned."""
 
-    __slots__ = ("running",)
+    __slots__ = ("runner", "running")
 
-    def __init__(self) -> None:
+    def __init__(self, runner: object) -> None:
         self.running = True
+        self.runner = runner
 
 
 hook_call: contextvars.ContextVar[HookCall | None] = contextvars.ContextVar(
@@ -85,9 +81,18 @@ hook_call: contextvars.ContextVar[HookCall | None] = contextvars.ContextVar(
 :func:`rehydrate.extensions.in_hook`."""
 
 
+def running_hook_of(runner: object) -> bool:
+    """Whether a hook of ``runner`` is running in this context now: its engine refuses to
+    wait for or start an event of its own from there (it would wait for itself), but a
+    task or thread the hook started may once the hook has returned, and another engine's
+    hooks always may."""
+    call = hook_call.get()
+    return call is not None and call.running and call.runner is runner
+
+
 @contextlib.contextmanager
-def _calling_hook() -> Iterator[None]:
-    call = HookCall()
+def _calling_hook(runner: object) -> Iterator[None]:
+    call = HookCall(runner)
     token = hook_call.set(call)
     try:
         yield
@@ -436,7 +441,6 @@ class HookRunner:
             self._worker.start()
 
     def _work(self) -> None:
-        inside_hook.set(self)
         me = threading.current_thread()
         while True:
             with self._cv:
@@ -507,7 +511,7 @@ class HookRunner:
             job.begin(index, hook.timeout)
             began = job.started
             try:
-                with _calling_hook():
+                with _calling_hook(self):
                     value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
                     if inspect.isawaitable(value):  # a plain callable returned a coroutine
                         job.begin(index, hook.timeout, grace=ASYNC_GRACE)
@@ -590,7 +594,6 @@ class HookRunner:
     async def _async_batch(self, job: _Progress, start: int, stop: int) -> None:
         import asyncio
 
-        inside_hook.set(self)
         ctx = job.ctx
         task = asyncio.current_task()
         assert task is not None
@@ -627,7 +630,7 @@ class HookRunner:
             # cancelled at its own timeout or the run's deadline, whichever comes first
             watchdog.arm(max(0.0, min(hook.timeout, job.time_left())))
             try:
-                with _calling_hook():
+                with _calling_hook(self):
                     await (hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn())
                 outcome, error = "ok", None
             except asyncio.CancelledError as exc:

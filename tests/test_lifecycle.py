@@ -899,6 +899,37 @@ def test_starting_an_event_inside_a_hook_raises_instead_of_deadlocking(rehydrate
     assert _run_with_deadline(rehydrate_engine.simulate_snapshot).kind == "snapshot"
 
 
+def test_a_task_a_hook_left_running_may_wait_for_and_start_events(rehydrate_engine):
+    """A worker a restore hook started (a matchmaker) and that runs on after it was
+    refused wait_ready() and simulate_snapshot() as if it were the hook: "inside a hook
+    would wait for its own event" — at the next restore, or any time later."""
+    reg = rehydrate_engine.registry
+    go, done = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    async def worker() -> None:
+        await asyncio.to_thread(go.wait, DEADLINE)
+        try:
+            seen["ready"] = await asyncio.to_thread(rehydrate_engine.wait_ready, DEADLINE)
+            seen["snapshot"] = (await asyncio.to_thread(
+                rehydrate_engine.simulate_snapshot)).ok
+        except RuntimeError as exc:
+            seen["error"] = str(exc)
+        finally:
+            done.set()
+
+    @reg.after_restore(name="start-worker")
+    async def start_worker() -> None:
+        if "task" not in seen:
+            seen["task"] = asyncio.get_running_loop().create_task(worker())
+
+    assert _run_with_deadline(rehydrate_engine.simulate_restore).ok
+    go.set()  # the hook has returned: its worker waits for readiness, then snapshots
+    assert done.wait(DEADLINE)
+    assert seen.get("error") is None
+    assert seen["ready"] is True and seen["snapshot"] is True
+
+
 def test_wait_ready_inside_a_hook_raises(rehydrate_engine):
     reg = rehydrate_engine.registry
 
