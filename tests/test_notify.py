@@ -847,12 +847,51 @@ def test_ctrl_c_on_the_other_commands_is_one_line_and_exit_130(
     assert _killed_by_sigint(self_kills)
 
 
+def _interrupted_while_waiting_for_the_reply(sock_path: str, args: list[str], *,
+                                             group: bool = False) -> tuple[int, str, str]:
+    """Runs ``args`` (a notifier of a process at ``sock_path`` that never answers) and
+    sends it SIGINT once the whole request has arrived, so the notifier is waiting for the
+    reply: the returncode, stdout and stderr. ``group``: in a session of its own, the
+    signal sent to the whole group as a terminal's Ctrl-C is."""
+    import signal
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(1)
+    listener.settimeout(30)
+    proc = subprocess.Popen(args, env=_env(), cwd=REPO, start_new_session=group,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def send(sig: int) -> None:
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(30)
+            got = b""
+            while not got.endswith(b"\n"):  # the whole request: the notifier now waits
+                chunk = conn.recv(4096)
+                assert chunk, got
+                got += chunk
+            send(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            send(signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, err
+
+
 def test_ctrl_c_in_main_called_by_a_program_returns_130_to_it(sock_path: str) -> None:
     """main() ended its caller by SIGINT on Ctrl-C: a program calling it on its main
     thread died with it. It returns 130 now; the console scripts (pyproject) and
     ``python -m rehydrate`` end by SIGINT (the shell-script test below)."""
     import re
-    import signal
 
     pyproject = (REPO / "pyproject.toml").read_text()  # no tomllib on 3.10
     scripts = re.search(r"^\[project\.scripts\]\n(.*?)\n\n", pyproject, re.M | re.S)
@@ -860,63 +899,22 @@ def test_ctrl_c_in_main_called_by_a_program_returns_130_to_it(sock_path: str) ->
     assert scripts[1].splitlines() == [
         'rehydrate = "rehydrate.__main__:console_main"',
         'rehydrate-notify = "rehydrate.__main__:notify_console_main"']
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sock_path)
-    listener.listen(1)
-    listener.settimeout(30)
     host = ("from rehydrate.__main__ import main; "
             f"rc = main(['notify', 'save', '--socket', {sock_path!r}, '--timeout', '60']); "
             "print('host got', rc)")
-    proc = subprocess.Popen([sys.executable, "-c", host], env=_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(30)
-            got = b""
-            while not got.endswith(b"\n"):  # the whole request: the notifier now waits
-                chunk = conn.recv(4096)
-                assert chunk, got
-                got += chunk
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=30)
-    finally:
-        listener.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert (proc.returncode, out, err) == (0, "host got 130\n", "rehydrate: interrupted\n")
+    ended = _interrupted_while_waiting_for_the_reply(sock_path, [sys.executable, "-c", host])
+    assert ended == (0, "host got 130\n", "rehydrate: interrupted\n")
 
 
 def test_sigint_while_notify_waits_for_the_reply(sock_path: str) -> None:
     """A real SIGINT, sent once the request has reached a process that never answers."""
     import signal
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sock_path)
-    listener.listen(1)
-    listener.settimeout(30)
-    proc = subprocess.Popen([sys.executable, "-m", "rehydrate", "notify", "save", "--socket",
-                             sock_path, "--timeout", "60"], env=_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(30)
-            got = b""
-            while not got.endswith(b"\n"):  # the whole request: the notifier now waits
-                chunk = conn.recv(4096)
-                assert chunk, got
-                got += chunk
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=30)
-    finally:
-        listener.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    ended = _interrupted_while_waiting_for_the_reply(
+        sock_path, [sys.executable, "-m", "rehydrate", "notify", "save", "--socket",
+                    sock_path, "--timeout", "60"])
     # ended by the signal itself, as Python ends on an uncaught KeyboardInterrupt
-    assert (proc.returncode, out, err) == (-signal.SIGINT, "", "rehydrate: interrupted\n")
+    assert ended == (-signal.SIGINT, "", "rehydrate: interrupted\n")
 
 
 def test_ctrl_c_stops_the_shell_script_that_ran_notify(sock_path: str) -> None:
@@ -925,30 +923,9 @@ def test_ctrl_c_stops_the_shell_script_that_ran_notify(sock_path: str) -> None:
     went on to its next command; one ended by SIGINT makes bash stop too."""
     import signal
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sock_path)
-    listener.listen(1)
-    listener.settimeout(30)
     script = (f'"{sys.executable}" -m rehydrate notify save --socket "{sock_path}" '
               '--timeout 60; echo "went-on $?"')
-    proc = subprocess.Popen(["bash", "-c", script], env=_env(), cwd=REPO,
-                            start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(30)
-            got = b""
-            while not got.endswith(b"\n"):  # the whole request: the notifier now waits
-                chunk = conn.recv(4096)
-                assert chunk, got
-                got += chunk
-            os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
-            out, err = proc.communicate(timeout=30)
-    finally:
-        listener.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    returncode, out, err = _interrupted_while_waiting_for_the_reply(
+        sock_path, ["bash", "-c", script], group=True)  # a terminal's Ctrl-C: the whole group
     assert "went-on" not in out
-    assert (proc.returncode, err) == (-signal.SIGINT, "rehydrate: interrupted\n")
+    assert (returncode, err) == (-signal.SIGINT, "rehydrate: interrupted\n")

@@ -5,9 +5,11 @@ does not have). The real-gVisor behaviour is in tests/gvisor/test_volumes_runsc.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -708,8 +710,6 @@ def test_a_file_replaced_by_a_fifo_while_frozen_fails_its_reopen_without_waiting
     """A managed file that is a FIFO after the restore: open() waited for a writer for
     ever — the reopen hook timed out holding the handle's lock, the handles after it stayed
     closed, and later restores never ran the hook again (it was still running)."""
-    import threading
-
     fifo, after = tmp_path / "fifo-now.txt", tmp_path / "after.txt"
     fifo.write_text("x\n")
     after.write_text("y\n")
@@ -744,8 +744,6 @@ def test_a_file_replaced_by_a_fifo_while_frozen_fails_its_reopen_without_waiting
 def short_reopen(monkeypatch: pytest.MonkeyPatch):
     """An engine whose rehydrate.files.reopen hook times out after 0.3 s by default (a
     handle cannot ask less than the default), and a record of its late passes."""
-    import threading
-
     monkeypatch.setattr(files, "_REOPEN_TIMEOUT", 0.3)
     eng = Lifecycle()
     mgr = files.manager(eng)
@@ -771,26 +769,55 @@ def short_reopen(monkeypatch: pytest.MonkeyPatch):
         eng.close()
 
 
+@dataclasses.dataclass
+class _SlowChange:
+    """Managed handles snapshotted, and ``big.idx`` among them changed since with an
+    on_change that blocks until ``release``: the next restore's reopen pass times out
+    inside it and goes on late."""
+
+    engine: Lifecycle
+    handles: list[files.ManagedFile]
+    inside: threading.Event  # set once the on_change runs
+    release: threading.Event  # lets it return
+
+    def restore_into_the_late_pass(self) -> None:
+        """A restore whose reopen times out, its pass left inside the on_change."""
+        assert not self.engine.simulate_restore().ok
+        assert self.inside.wait(20)
+
+
+def _slow_change(engine: Lifecycle, tmp_path: Path, *names: str) -> _SlowChange:
+    """Handles on ``names`` in that order (``big.idx`` the slow one), each file holding its
+    stem and a newline, then a snapshot and ``big.idx`` rewritten."""
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(h: files.ManagedFile) -> None:
+        inside.set()
+        release.wait(30)
+
+    handles = []
+    for name in names:
+        (tmp_path / name).write_text("old\n" if name == "big.idx" else f"{Path(name).stem}\n")
+        handles.append(files.open(tmp_path / name, engine=engine,
+                                  on_change=slow if name == "big.idx" else None))
+    assert engine.simulate_snapshot().ok
+    (tmp_path / "big.idx").write_text("new content\n")
+    return _SlowChange(engine, handles, inside, release)
+
+
 def test_a_reopen_pass_that_outlives_its_timeout_makes_the_process_ready_when_done(
         short_reopen, tmp_path: Path) -> None:
     """A slow on_change made rehydrate.files.reopen time out; its thread reopened every
     handle later, but the process stayed degraded for good."""
-    import threading
-
     engine, ended, _ = short_reopen
-    (tmp_path / "big.idx").write_text("old\n")
-    (tmp_path / "b.txt").write_text("b\n")
-    release = threading.Event()
-    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
-    b = files.open(tmp_path / "b.txt", engine=engine)
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    a, b = late.handles
     try:
         report = engine.simulate_restore()
         assert _hook(report, "rehydrate.files.reopen").outcome == "timeout"
         assert engine.status().state == "degraded"
     finally:
-        release.set()
+        late.release.set()
     assert engine.wait_ready(20), engine.status().state
     assert (a.changed, b.suspended, b.readline()) == (True, False, "b\n")
 
@@ -799,28 +826,15 @@ def test_a_snapshot_during_a_late_reopen_pass_stops_that_pass(short_reopen,
                                                               tmp_path: Path) -> None:
     """The late pass went on reopening handles the snapshot had just closed: their
     descriptors were in the image."""
-    import threading
-
     engine, ended, errors = short_reopen
-    (tmp_path / "big.idx").write_text("old\n")
-    (tmp_path / "b.txt").write_text("b\n")
-    release, inside = threading.Event(), threading.Event()
-
-    def slow(h: files.ManagedFile) -> None:
-        inside.set()
-        release.wait(30)
-
-    a = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)
-    b = files.open(tmp_path / "b.txt", engine=engine)
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    a, b = late.handles
     try:
-        assert not engine.simulate_restore().ok
-        assert inside.wait(20)
+        late.restore_into_the_late_pass()
         report = engine.simulate_snapshot()  # the late pass is inside a's on_change
         assert report.ok, report.error
     finally:
-        release.set()
+        late.release.set()
     assert ended.wait(20)
     assert isinstance(errors[-1], files.ReopenFailed), errors
     assert "a snapshot began while it ran" in str(errors[-1])
@@ -837,16 +851,9 @@ def test_a_late_reopen_pass_also_mends_a_notice_that_found_it_still_running(
     """A second restore/resume notice while the late pass ran failed with
     HookStillRunning; the pass then succeeded, but its recovered() was refused (that run
     began after the pass): degraded for good."""
-    import threading
-
     engine, ended, _ = short_reopen
-    (tmp_path / "big.idx").write_text("old\n")
-    (tmp_path / "b.txt").write_text("b\n")
-    release = threading.Event()
-    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
-    b = files.open(tmp_path / "b.txt", engine=engine)
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    a, b = late.handles
     try:
         assert not engine.simulate_restore().ok
         report = engine.simulate_restore(kind="resume")
@@ -854,21 +861,16 @@ def test_a_late_reopen_pass_also_mends_a_notice_that_found_it_still_running(
         assert type(error).__name__ == "HookStillRunning", repr(error)
         assert engine.status().state == "degraded"
     finally:
-        release.set()
+        late.release.set()
     assert engine.wait_ready(20), engine.status().state
     assert not a.suspended and not b.suspended
 
 
 def test_a_late_reopen_pass_does_not_mend_another_hooks_failure(short_reopen,
                                                                tmp_path: Path) -> None:
-    import threading
-
     engine, ended, _ = short_reopen
-    (tmp_path / "big.idx").write_text("old\n")
-    release = threading.Event()
-    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
+    late = _slow_change(engine, tmp_path, "big.idx")
+    (a,) = late.handles
 
     def reload() -> None:
         raise RuntimeError("no")
@@ -879,7 +881,7 @@ def test_a_late_reopen_pass_does_not_mend_another_hooks_failure(short_reopen,
         ended.clear()
         assert not engine.simulate_restore(kind="resume").ok
     finally:
-        release.set()
+        late.release.set()
     assert ended.wait(20)
     assert engine.status().state == "degraded", "still degraded by app.reload"
     assert engine.recovered("app.reload") and not a.suspended
@@ -887,22 +889,14 @@ def test_a_late_reopen_pass_does_not_mend_another_hooks_failure(short_reopen,
 
 def test_a_reopen_pass_that_failed_late_leaves_the_process_degraded(short_reopen,
                                                                     tmp_path: Path) -> None:
-    import threading
-
     engine, ended, errors = short_reopen
-    (tmp_path / "big.idx").write_text("old\n")
-    (tmp_path / "gone.txt").write_text("b\n")
-    release = threading.Event()
-    kept = [files.open(tmp_path / "big.idx", engine=engine,
-                       on_change=lambda h: release.wait(30)),
-            files.open(tmp_path / "gone.txt", engine=engine)]
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
+    late = _slow_change(engine, tmp_path, "big.idx", "gone.txt")
+    kept = late.handles
     (tmp_path / "gone.txt").unlink()
     try:
         engine.simulate_restore()
     finally:
-        release.set()
+        late.release.set()
     assert ended.wait(20)  # the late pass ended, failing on gone.txt
     assert isinstance(errors[-1], files.FileGone), errors
     assert engine.status().state == "degraded"
@@ -914,31 +908,18 @@ def test_a_snapshot_inside_the_last_handles_on_change_stops_the_late_pass(
     """The late pass was in the LAST handle's on_change when a snapshot closed every
     handle: with no handle left to check, it completed, mended the resume's
     HookStillRunning, and the process was ready with every handle closed."""
-    import threading
-
     engine, ended, errors = short_reopen
-    (tmp_path / "a.txt").write_text("a\n")
-    (tmp_path / "big.idx").write_text("old\n")
-    release, inside = threading.Event(), threading.Event()
-
-    def slow(h: files.ManagedFile) -> None:
-        inside.set()
-        release.wait(30)
-
-    a = files.open(tmp_path / "a.txt", engine=engine)
-    big = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)  # the last
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
+    late = _slow_change(engine, tmp_path, "a.txt", "big.idx")  # big.idx the last
+    a, big = late.handles
     try:
-        assert not engine.simulate_restore().ok
-        assert inside.wait(20)
+        late.restore_into_the_late_pass()
         assert engine.simulate_snapshot().ok
         assert a.suspended and big.suspended
         report = engine.simulate_restore(kind="resume")
         error = _hook(report, "rehydrate.files.reopen").error
         assert type(error).__name__ == "HookStillRunning", repr(error)
     finally:
-        release.set()
+        late.release.set()
     assert ended.wait(20)
     assert errors[-1] is None, errors  # reopened again for the resume, after stopping
     assert engine.status().state == "ready"
@@ -950,29 +931,16 @@ def test_a_resume_that_found_the_late_pass_running_is_reopened_by_it(
     """A checkpoint and its resume while the late pass was in a slow on_change: the
     resume found it still running, the pass then stopped at the next handle (a snapshot
     had begun), and every handle stayed closed until the next snapshot."""
-    import threading
-
     engine, ended, errors = short_reopen
-    (tmp_path / "big.idx").write_text("old\n")
-    (tmp_path / "b.txt").write_text("b\n")
-    release, inside = threading.Event(), threading.Event()
-
-    def slow(h: files.ManagedFile) -> None:
-        inside.set()
-        release.wait(30)
-
-    a = files.open(tmp_path / "big.idx", engine=engine, on_change=slow)
-    b = files.open(tmp_path / "b.txt", engine=engine)
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    a, b = late.handles
     try:
-        assert not engine.simulate_restore().ok
-        assert inside.wait(20)
+        late.restore_into_the_late_pass()
         assert engine.simulate_snapshot().ok
         report = engine.simulate_restore(kind="resume")
         assert not report.ok and engine.status().state == "degraded"
     finally:
-        release.set()
+        late.release.set()
     assert ended.wait(20)
     assert errors[-1] is None, errors
     assert engine.status().state == "ready"
@@ -984,28 +952,21 @@ def test_a_late_pass_ending_during_the_run_that_found_it_running_mends_that_run(
     """The late pass completed while the resume that found it still running ran its
     later hooks: recovered(since=) refused (that run began after the pass) and the
     fallback saw no degraded state yet: degraded for good with every handle open."""
-    import threading
-
     engine, ended, _ = short_reopen
-    (tmp_path / "big.idx").write_text("old\n")
-    (tmp_path / "b.txt").write_text("b\n")
-    release = threading.Event()
-    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
-    b = files.open(tmp_path / "b.txt", engine=engine)
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    a, b = late.handles
 
     def warm_cache() -> None:  # after rehydrate.files.reopen in the resume run
-        release.set()
+        late.release.set()
         assert ended.wait(20)
 
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
     try:
         assert not engine.simulate_restore().ok
         ended.clear()
         engine.registry.register(warm_cache, name="app.warm")
         report = engine.simulate_restore(kind="resume")
     finally:
-        release.set()
+        late.release.set()
     error = _hook(report, "rehydrate.files.reopen").error
     assert type(error).__name__ == "HookStillRunning", repr(error)
     assert report.recovered == ("rehydrate.files.reopen",)  # mended within the run
@@ -1018,8 +979,6 @@ def test_a_run_that_fails_the_hook_after_the_late_pass_mended_is_mended_at_its_e
     """The pass had reopened every handle and looked for a failure to mend before the
     run reached the hook, whose thread had not ended yet: HookStillRunning after the
     mend, and degraded for good."""
-    import threading
-
     engine, ended, _ = short_reopen
     mgr = files.manager(engine)
     inner = mgr._after_restore
@@ -1033,23 +992,20 @@ def test_a_run_that_fails_the_hook_after_the_late_pass_mended_is_mended_at_its_e
             hold.wait(30)
 
     mgr._after_restore = after_restore  # type: ignore[method-assign]
-    (tmp_path / "big.idx").write_text("old\n")
-    release = threading.Event()
-    a = files.open(tmp_path / "big.idx", engine=engine, on_change=lambda h: release.wait(30))
+    late = _slow_change(engine, tmp_path, "big.idx")
+    (a,) = late.handles
 
     def early() -> None:  # before rehydrate.files.reopen in the resume run
-        release.set()
+        late.release.set()
         assert done.wait(20)
 
-    assert engine.simulate_snapshot().ok
-    (tmp_path / "big.idx").write_text("new content\n")
     try:
         assert not engine.simulate_restore().ok
         engine.registry.register(early, phase="environment", name="app.early")
         engine.registry.register(hold.set, name="app.late")
         report = engine.simulate_restore(kind="resume")
     finally:
-        release.set()
+        late.release.set()
         hold.set()
     error = _hook(report, "rehydrate.files.reopen").error
     assert type(error).__name__ == "HookStillRunning", repr(error)
@@ -1104,8 +1060,6 @@ def test_a_close_racing_an_open_does_not_write_back_an_older_reopen_timeout(
         engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The asks were counted outside the manager's lock: a close() that counted them
     before an open(reopen_timeout=120) applied its older count after it."""
-    import threading
-
     mgr = files.manager(engine)
     (tmp_path / "a.txt").write_text("a\n")
     small = files.open(tmp_path / "a.txt", engine=engine, reopen_timeout=40)
@@ -1151,6 +1105,13 @@ def test_a_dropped_handles_reopen_timeout_ends_at_the_next_open(engine,
     gc.collect()
     kept = files.open(tmp_path / "a.txt", engine=engine)
     assert mgr.reopen_timeout == 30.0 and kept.readline() == "a\n"
+
+
+def _snapshot_and_restore(engine: Lifecycle, kind: str) -> None:
+    """A simulated snapshot and a restore of ``kind`` (restore or resume), both ok."""
+    report = engine.simulate_snapshot()
+    assert report.ok, report.error
+    assert engine.simulate_restore(kind=kind).ok
 
 
 def _unreadable(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
@@ -1272,9 +1233,7 @@ def test_sqlite_registrations_and_session_pragmas_survive_a_snapshot(engine,
     assert before == ("hello-world", 6, [(1,), (3,), (6,)], [("3",), ("2",), ("1",)], 1,
                       1234)
     for kind in ("resume", "restore"):
-        report = engine.simulate_snapshot()
-        assert report.ok, report.error
-        assert engine.simulate_restore(kind=kind).ok
+        _snapshot_and_restore(engine, kind)
         assert state() == before, kind
     assert denied == ["secret"] * 3
 
@@ -1425,9 +1384,7 @@ def test_sqlite_temp_objects_and_memory_attachments_made_by_on_connect_are_kept(
     db.execute("INSERT INTO events (at) VALUES (1)")
     db.commit()
     for kind in ("restore", "resume"):
-        report = engine.simulate_snapshot()
-        assert report.ok, report.error
-        assert engine.simulate_restore(kind=kind).ok
+        _snapshot_and_restore(engine, kind)
         assert db.execute("SELECT count(*) FROM recent").fetchone() == (1,)
         assert db.execute("SELECT count(*) FROM scratch.work").fetchone() == (0,)
     db.execute("CREATE TEMP TABLE session (k)")
@@ -1447,9 +1404,7 @@ def test_sqlite_row_and_text_factories_do_not_change_rehydrates_own_queries(
     db.execute("CREATE TABLE t (x)")
     db.commit()
     for kind in ("resume", "restore"):
-        report = engine.simulate_snapshot()
-        assert report.ok, report.error
-        assert engine.simulate_restore(kind=kind).ok
+        _snapshot_and_restore(engine, kind)
     assert db.execute("SELECT count(*) AS n FROM t").fetchone() == {"n": 0}
     db.execute("CREATE TEMP TABLE session (k)")
     error = _hook(engine.simulate_snapshot(), "rehydrate.files.close").error
@@ -1494,9 +1449,7 @@ def test_sqlite_internal_statements_run_without_the_applications_callbacks(
     db.set_progress_handler(None, 1)
     db.set_progress_handler(lambda: 0, 1)
     for kind in ("resume", "restore"):
-        report = engine.simulate_snapshot()
-        assert report.ok, report.error
-        assert engine.simulate_restore(kind=kind).ok
+        _snapshot_and_restore(engine, kind)
     assert seen == [] and denied == []
     assert db.execute("SELECT count(*) FROM items").fetchone() == (0,)
     assert seen == ["SELECT count(*) FROM items"], "set again after the snapshot"
@@ -1514,8 +1467,6 @@ def test_sqlite_callbacks_stay_on_for_other_threads_while_the_close_runs(
         engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The close cleared the authorizer on the live connection while it ran its own
     statements: another thread's query in that window was not checked."""
-    import threading
-
     db = files.sqlite(tmp_path / "app.db", engine=engine)
     db.execute("CREATE TABLE secrets (v)")
     db.execute("INSERT INTO secrets VALUES ('s3cr3t')")

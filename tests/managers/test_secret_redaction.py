@@ -200,6 +200,25 @@ class AppError(Exception):
     """An application's own error type (module-qualified in ``exception.type``)."""
 
 
+def _plain_and_quoting_failures(engine: rehydrate.Lifecycle, token: Secret,
+                                spans: InMemorySpanExporter,
+                                kind: type[Exception]) -> dict[str, Any]:
+    """A restore where hook ``plain`` raises ``kind`` with a message that quotes nothing
+    and hook ``quoting`` the same with the token in it: the attributes of each hook span's
+    exception event, by hook name."""
+    @engine.registry.after_restore(name="plain", required=False)
+    def plain() -> None:
+        raise kind("request failed: timeout")
+
+    @engine.registry.after_restore(name="quoting", required=False)
+    def quoting() -> None:
+        raise kind("request failed: " + token.get_str())
+
+    engine.simulate_restore()
+    return {s.name: next(e for e in s.events if e.name == "exception").attributes
+            for s in spans.get_finished_spans() if s.name in ("plain", "quoting")}
+
+
 @pytest.mark.parametrize("kind", [RuntimeError, AppError])
 def test_the_span_names_the_type_raised_as_for_an_unredacted_error(
         rehydrate_engine: rehydrate.Lifecycle, token: Secret, spans: InMemorySpanExporter,
@@ -207,17 +226,7 @@ def test_the_span_names_the_type_raised_as_for_an_unredacted_error(
     """The exception event's ``exception.type`` was the stand-in's,
     ``rehydrate._redact.RedactedRuntimeError``: the same failure grouped apart depending
     on whether its message happened to quote a secret."""
-    @rehydrate_engine.registry.after_restore(name="plain", required=False)
-    def plain() -> None:
-        raise kind("request failed: timeout")
-
-    @rehydrate_engine.registry.after_restore(name="quoting", required=False)
-    def quoting() -> None:
-        raise kind("request failed: " + token.get_str())
-
-    rehydrate_engine.simulate_restore()
-    events = {s.name: next(e for e in s.events if e.name == "exception").attributes
-              for s in spans.get_finished_spans() if s.name in ("plain", "quoting")}
+    events = _plain_and_quoting_failures(rehydrate_engine, token, spans, kind)
     assert events["quoting"]["exception.type"] == events["plain"]["exception.type"]
     assert events["plain"]["exception.type"].endswith(kind.__qualname__)
     assert events["quoting"]["exception.message"] == f"request failed: {SHOWN}"
@@ -246,17 +255,7 @@ def test_the_span_names_the_type_raised_as_an_older_sdk_names_it(
     monkeypatch.setattr(Span, "record_exception", _record_exception_before_1_25)
     monkeypatch.setattr(telemetry, "_type_naming", {})
 
-    @rehydrate_engine.registry.after_restore(name="plain", required=False)
-    def plain() -> None:
-        raise kind("request failed: timeout")
-
-    @rehydrate_engine.registry.after_restore(name="quoting", required=False)
-    def quoting() -> None:
-        raise kind("request failed: " + token.get_str())
-
-    rehydrate_engine.simulate_restore()
-    events = {s.name: next(e for e in s.events if e.name == "exception").attributes
-              for s in spans.get_finished_spans() if s.name in ("plain", "quoting")}
+    events = _plain_and_quoting_failures(rehydrate_engine, token, spans, kind)
     assert events["plain"]["exception.type"] == kind.__name__
     assert events["quoting"]["exception.type"] == kind.__name__
 

@@ -861,45 +861,47 @@ def test_a_forked_child_collects_the_gauge_while_a_parent_thread_held_its_lock(
     mp.shutdown()
 
 
-def test_a_closed_engine_leaves_the_gauge_until_it_runs_again(rehydrate_engine):
+@pytest.fixture
+def another_on_the_same_provider(rehydrate_engine):
+    """Another engine: it and rehydrate_engine instrumented on one MeterProvider and
+    restored once each. The provider's reader, and that engine (closed after the test)."""
+    reader = InMemoryMetricReader()
+    mp = MeterProvider(metric_readers=[reader])
+    other = isolated_engine()
+    try:
+        for engine in (rehydrate_engine, other):
+            telemetry.instrument(engine, meter_provider=mp)
+            assert engine.simulate_restore().ok
+        yield reader, other
+    finally:
+        other.close()
+        mp.shutdown()
+
+
+def test_a_closed_engine_leaves_the_gauge_until_it_runs_again(rehydrate_engine,
+                                                              another_on_the_same_provider):
     """docs/telemetry.md says the gauge reports every live engine: a closed engine that
     something still referred to was reported as ready for ever."""
-    reader = InMemoryMetricReader()
-    mp = MeterProvider(metric_readers=[reader])
-    other = isolated_engine()
-    try:
-        for engine in (rehydrate_engine, other):
-            telemetry.instrument(engine, meter_provider=mp)
-            assert engine.simulate_restore().ok
-        other.close()
-        label = telemetry.manager(rehydrate_engine).engine_label()
-        assert _gauge(reader) == {label: 1}
-        assert other.simulate_restore().ok  # used again: live again
-        assert _gauge(reader) == {label: 1, telemetry.manager(other).engine_label(): 2}
-    finally:
-        other.close()
-    mp.shutdown()
+    reader, other = another_on_the_same_provider
+    other.close()
+    label = telemetry.manager(rehydrate_engine).engine_label()
+    assert _gauge(reader) == {label: 1}
+    assert other.simulate_restore().ok  # used again: live again
+    assert _gauge(reader) == {label: 1, telemetry.manager(other).engine_label(): 2}
 
 
-def test_engines_with_telemetry_off_are_not_on_the_gauge(rehydrate_engine, monkeypatch):
-    reader = InMemoryMetricReader()
-    mp = MeterProvider(metric_readers=[reader])
-    other = isolated_engine()
-    try:
-        for engine in (rehydrate_engine, other):
-            telemetry.instrument(engine, meter_provider=mp)
-            assert engine.simulate_restore().ok
-        telemetry.instrument(other, enabled=False)
-        label = telemetry.manager(rehydrate_engine).engine_label()
-        assert _gauge(reader) == {label: 1}
-        monkeypatch.setenv("REHYDRATE_TELEMETRY", "off")
-        assert _gauge(reader) == {}
-        monkeypatch.delenv("REHYDRATE_TELEMETRY")
-        telemetry.instrument(other, enabled=True)
-        assert _gauge(reader) == {label: 1, telemetry.manager(other).engine_label(): 1}
-    finally:
-        other.close()
-    mp.shutdown()
+def test_engines_with_telemetry_off_are_not_on_the_gauge(rehydrate_engine,
+                                                        another_on_the_same_provider,
+                                                        monkeypatch):
+    reader, other = another_on_the_same_provider
+    telemetry.instrument(other, enabled=False)
+    label = telemetry.manager(rehydrate_engine).engine_label()
+    assert _gauge(reader) == {label: 1}
+    monkeypatch.setenv("REHYDRATE_TELEMETRY", "off")
+    assert _gauge(reader) == {}
+    monkeypatch.delenv("REHYDRATE_TELEMETRY")
+    telemetry.instrument(other, enabled=True)
+    assert _gauge(reader) == {label: 1, telemetry.manager(other).engine_label(): 1}
 
 
 def test_an_engine_given_a_meter_provider_moves_to_its_gauge_at_once(rehydrate_engine):
