@@ -606,6 +606,28 @@ def test_arming_the_deadline_returns_once_the_watch_sees_gaps(
                                                                   "restore")]
 
 
+def test_arming_waits_for_a_deadline_thread_late_to_start_its_watch(
+        engine: Lifecycle, clock: _Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same race with the thread late by itself (the test above holds it inside the
+    watch's start, where the old code's thread held the GIL and never lost it): the pass
+    returned before the watch took its start, the freeze went by unseen, and the deadline
+    ran the resume hooks."""
+    engine.snapshot_deadline = 1.0
+    runs = _Runs(engine)
+    real = engine._deadline_main
+
+    def late(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.2)  # the thread is late to take the watch's start (well inside arm()'s 1 s)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_deadline_main", late)
+    assert engine.snapshot_requested("gvisor").ok
+    clock.gap += STALL  # the checkpoint's freeze, as soon as the pass returned
+    assert runs.ran.wait(GIVE_UP), "the deadline never ran"
+    assert [(reason, kind) for reason, kind, _ in runs.runs] == [("snapshot-deadline",
+                                                                  "restore")]
+
+
 def test_no_thread_to_watch_a_failed_pass_leaves_it_to_the_caller(
         engine: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
     """await_answer() cannot leave a failed pass to a checkpoint's answer when no thread
