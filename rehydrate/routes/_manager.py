@@ -667,13 +667,22 @@ class RoutesManager:
                           if joint.absent(fam, name)]
                 planned = joint.planned(i)
                 cmds = [cmd for cmd, _ in planned]
-            if cmds and isinstance(t, NftTable):
+            if not cmds:  # a set's: every rule of it is in its chain already
+                pass
+            elif isinstance(t, NftTable) or not any(n is not None for _, n in planned):
+                # no rule into a table it does not create: no handle needed, and no
+                # echo (a big set's echo overflows nft's socket: ENOBUFS)
                 _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
-            elif cmds:  # empty: every rule of the set is in its chain already
+            else:
                 # the echo gives the handles of the rules made: the later sets add
                 # theirs beside them, and their listed forms are looked up by them
-                handles = echoed_handles(_nft(["--echo", "-j", "-f", "-"],
-                                              json.dumps({"nftables": cmds})))
+                try:
+                    handles = echoed_handles(_nft(["--echo", "-j", "-f", "-"],
+                                                  json.dumps({"nftables": cmds})))
+                except NetworkError as exc:
+                    if "No buffer space available" not in str(exc):
+                        raise
+                    planned = _without_echo(t)
         except Exception as exc:
             if create_only and isinstance(t, NftTable) and "File exists" in str(exc):
                 # made between the read and the transaction: the kernel refused ours
@@ -742,6 +751,21 @@ def _learn_listed(t: NftCommands, what: str, sent: list[tuple[dict[str, Any], in
         return
     for line in said:
         log.warning("%s: %s", what, line)
+
+
+def _without_echo(t: NftCommands) -> list[tuple[dict[str, Any], int | None]]:
+    """After ``nft --echo`` failed with ENOBUFS (the echo of a big set overflowed its
+    socket): apply ``t`` again without the echo, planned anew on its chains as they
+    are now, and return what was sent (its rules' handles stay unknown). The kernel
+    had committed the transaction before the echo overflowed (nftables 1.0.6, Linux
+    6.x): the same commands again would add its rules into other owners' chains a
+    second time, or fail deleting the rules by handles gone since. Planned anew, the
+    rules found in place are left there, those not there (the transaction refused
+    after all) are added, and its own tables are made again."""
+    planned = NftPlan([t], _foreign(t)).planned(0)
+    if planned:
+        _nft(["-j", "-f", "-"], json.dumps({"nftables": [cmd for cmd, _ in planned]}))
+    return planned
 
 
 def _device_exists(name: str) -> bool:
