@@ -63,11 +63,18 @@ class ServerError(RuntimeError):
     message carries the server's own reason (``reason``: that alone, when it answered)."""
 
     def __init__(self, message: str, *, reason: str | None = None,
-                 status: int | None = None) -> None:
+                 status: int | None = None, answered: bool | None = None,
+                 unreachable: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
         self.status = status
         """The HTTP status the server answered with, when that is the failure."""
+        self.answered = status is not None if answered is None else answered
+        """Whether the server itself answered a try (not only a gateway saying it did not
+        pass the call on, nor no answer at all)."""
+        self.unreachable = unreachable
+        """Whether every try failed to connect (``httpx.ConnectError``: refused, no route):
+        nothing listened at the URL — with a direct URL, the server process was gone."""
 
 
 class Unconfirmed(ServerError):
@@ -100,6 +107,13 @@ ENVOY_NOT_SENT = re.compile(
 """Envoy's reset reasons for a request never forwarded: no connection (refused, timed
 out), its circuit breaker's overflow, or an HTTP/2 ``REFUSED_STREAM`` (which by RFC 9113
 says the stream was not processed)."""
+
+
+def gateway_unforwarded(status: int, reason: str) -> bool:
+    """Whether ``status`` / ``reason`` is Envoy's 503 for a request it never forwarded
+    (:data:`ENVOY_NOT_SENT`): the gateway's answer, not the server's."""
+    return status == 503 and bool(ENVOY_RESET.search(reason)) and \
+        bool(ENVOY_NOT_SENT.search(reason))
 
 
 def gateway_lost(status: int, reason: str) -> bool:
@@ -466,6 +480,8 @@ class ServerAdapter:
         attempt = 0
         last = ""
         lost = False  # a try a gateway answered 502 / 504 for: it may have been performed
+        answered = False  # a try the server itself answered (see ServerError.answered)
+        refused = True  # every try so far failed to connect (ServerError.unreachable)
         # the server's URL: one engine may drive two servers of a kind (a generator and
         # a reranker), and the message must say which one failed
         what = f"{method} {self.url}{path}"
@@ -478,7 +494,8 @@ class ServerAdapter:
                 raise (Unconfirmed if lost else ServerError)(
                     f"{self.kind} {what}: {last} (gave up after the {self.deadline:g}s "
                     f"deadline)" + ("; a gateway's 502 / 504 came for it: the server "
-                                    "may have performed it" if lost else ""))
+                                    "may have performed it" if lost else ""),
+                    answered=answered, unreachable=refused)
             # every call is tried at least once, even when earlier calls used up the deadline
             budget = max(remaining, MIN_TRY)
             per_try = min(self.request_timeout, budget)
@@ -494,10 +511,12 @@ class ServerAdapter:
                     read, f"no answer within {read:.3g}s")
             except ServerError as exc:  # within()'s: the request was sent
                 last = str(exc)
+                refused = False
                 if not safe:
                     raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
                                       f"server may have performed it") from None
             except SENT_ERRORS as exc:
+                refused = False
                 if isinstance(exc, httpx.TimeoutException):
                     last = f"no answer within {read:.3g}s"
                 else:
@@ -507,11 +526,13 @@ class ServerAdapter:
                                       f"server may have performed it") from None
             except httpx.TimeoutException:  # connect / pool: the request was never sent
                 last = f"no connection within {per_try:.3g}s"
+                refused = False  # a host that does not answer may still run the server
             except httpx.LocalProtocolError as exc:
                 # never its message: it quotes the offending header, i.e. the API key
                 raise ServerError(f"{self.kind} {what}: the request could not be sent "
                                   f"({type(exc).__name__})") from None
             except httpx.TransportError as exc:
+                refused = refused and isinstance(exc, httpx.ConnectError)
                 last = f"unreachable ({type(exc).__name__}: {exc})" if str(exc) else \
                     f"unreachable ({type(exc).__name__})"
             except httpx.DecodingError:
@@ -529,6 +550,10 @@ class ServerAdapter:
                                       f"(redirects are not followed)")
                 reason = server_reason(response)
                 last = f"HTTP {response.status_code}: {reason}"
+                refused = False
+                answered = answered or not (
+                    gateway_unforwarded(response.status_code, reason)
+                    or (unsent is not None and unsent(response.status_code, reason)))
                 if not safe and gateway_lost(response.status_code, reason) and not (
                         unsent is not None and unsent(response.status_code, reason)):
                     lost = True

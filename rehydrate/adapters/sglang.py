@@ -32,7 +32,12 @@ confirms it). A gateway's 502, or Envoy's 503 "connection termination" / "remote
 counts as not passed on (:func:`not_passed_on`): retried like a 503, and a release that
 ends on it owes nothing — the rare one after SGLang performed the call then sends it
 twice, which kills SGLang as well (a second release: torch_memory_saver exits). Memory
-still released (its resume failed) is not released again by the next release.
+still released (its resume failed on SGLang's own answer) is not released again by the
+next release (a WARNING). A resume that never reached SGLang says nothing of its memory:
+every try refused (no HTTP status at all) counts as SGLang gone with it — a restarted one
+has nothing released, and skipping the release snapshotted the GPU memory, so each
+clone's resume killed SGLang — and a gateway's answers alone leave the resume owed but
+the next release sent.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);
@@ -135,6 +140,11 @@ class SGLangAdapter(ServerAdapter):
         """True when the last release went unanswered: it is taken as performed (it
         reached SGLang), but a server that refuses the resume with "not released" then
         says it was not, which is no failure."""
+        self.unheard = False
+        """True when the last resume failed without an answer from SGLang itself (only a
+        gateway's "not passed on", say nginx's 502 "connection refused"): SGLang may be
+        gone, and the one restarted in its place has nothing released, so the next release
+        is sent even though ``released`` is still set."""
         self.paused = False
         """True from the moment a pause is sent until a continue succeeded (or SGLang
         refused the pause): a continue is sent only when generation may be paused."""
@@ -157,15 +167,17 @@ class SGLangAdapter(ServerAdapter):
         async with self.client() as c:
             await self._warn_without_memory_saver(c)
             await self._pause(c, until)
-            if self.released:
+            if self.released and not self.unheard:
                 # A second release of memory already released ends SGLang
                 # (torch_memory_saver: "Cannot pause allocation that is not active").
-                log.info("SGLang memory is still released (the last resume did not "
-                         "happen); not released again")
+                # A WARNING: the snapshot then keeps whatever GPU memory is not released.
+                log.warning("SGLang at %s: its memory is still released (the last resume "
+                            "did not happen); not released again", self.url)
                 return
-            before = self.released, self.unconfirmed
+            before = self.released, self.unconfirmed, self.unheard
             # before sending: a release performed but answered late still needs its resume
             self.released = self.unconfirmed = True
+            self.unheard = False
             try:
                 r = await self.call(c, "POST", "/release_memory_occupation", until=until,
                                     json=self._body, unsent=not_passed_on)
@@ -175,7 +187,7 @@ class SGLangAdapter(ServerAdapter):
             except ServerError:
                 # Answered with a refusal (an error status or "success": false), or never
                 # sent: nothing was released, so no resume is owed for this attempt.
-                self.released, self.unconfirmed = before
+                self.released, self.unconfirmed, self.unheard = before
                 log.info("SGLang did not release its memory (the release was refused or "
                          "never sent)%s", "" if self.released else
                          ": the next resume only checks generation")
@@ -257,11 +269,26 @@ class SGLangAdapter(ServerAdapter):
         except ServerError as exc:
             # after an unanswered release, "not released" is the state we want
             if not (self.unconfirmed and exc.reason and NOT_RELEASED.search(exc.reason)):
+                self._resume_failed(exc)
                 raise
             log.info("SGLang says its memory is not released (the last release went "
                      "unanswered): nothing to resume")
-        self.released = self.unconfirmed = False
+        self.released = self.unconfirmed = self.unheard = False
         return unanswered
+
+    def _resume_failed(self, exc: ServerError) -> None:
+        if exc.unreachable:
+            # Nothing listened at the URL: a process that died keeps no released memory,
+            # and the one restarted in its place has nothing released. Still set, the
+            # flag skipped the next release: a snapshot with the GPU memory held, and
+            # every clone's resume of memory never released killed SGLang (KeyError).
+            log.warning("SGLang at %s was unreachable for the resume (%s): taken as gone "
+                        "with its released memory; the next snapshot sends the release again",
+                        self.url, exc)
+            self.released = self.unconfirmed = self.unheard = False
+        else:
+            # only SGLang's own answer says its memory is still released
+            self.unheard = not exc.answered
 
     async def _pause(self, client: httpx.AsyncClient, until: float) -> None:
         before = self.paused
@@ -349,7 +376,7 @@ def _check_success(response: httpx.Response) -> None:
         # the URL: one engine may drive two SGLang servers
         raise ServerError(f"sglang POST {response.request.url}: the server says it failed: "
                           f"{message}",
-                          reason=message)
+                          reason=message, answered=True)
 
 
 def install(url: str, *, engine: Engine | None = None, tags: Iterable[str] | None = None,

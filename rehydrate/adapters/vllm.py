@@ -125,10 +125,12 @@ class VLLMAdapter(ServerAdapter):
         self.canary_prompt = canary_prompt
         self.sleep_unconfirmed = False
         """True from the moment a sleep is sent until the engine is seen asleep (or
-        woken): one that ended otherwise — unanswered, refused, an in-process sleep()
-        past the deadline — may still be performed (a gateway's 504 while vLLM works on
-        it, a worker thread that goes on), so the next wake sends wake_up even to an
-        engine that says it is awake (the wake_up then runs after the sleep)."""
+        woken, or it refused the sleep outright: a 4xx, or an answer :meth:`hint`
+        recognises): one that ended otherwise — unanswered, a gateway's 502 / 504, an
+        in-process sleep() past the deadline — may still be performed (a gateway's 504
+        while vLLM works on it, a worker thread that goes on), so the next wake sends
+        wake_up even to an engine that says it is awake (the wake_up then runs after the
+        sleep)."""
 
     def __repr__(self) -> str:
         target = self.url or type(self.llm).__name__
@@ -148,7 +150,7 @@ class VLLMAdapter(ServerAdapter):
             # performed, or still be under way, whatever ends the call — no answer, a
             # gateway's 504, an in-process sleep() past the deadline (its thread goes on)
             # — and until the engine says so the next wake wakes anyway.
-            self.sleep_unconfirmed = True
+            before, self.sleep_unconfirmed = self.sleep_unconfirmed, True
             try:
                 await s.sleep(until)
             except Unconfirmed:
@@ -156,6 +158,13 @@ class VLLMAdapter(ServerAdapter):
                 if not await self._sleeps_by(s, until):
                     raise
                 log.info("vLLM sleep went unanswered but the engine sleeps")
+            except ServerError as exc:
+                if exc.status is not None:
+                    # Refused outright (a 4xx, "sleep mode is not enabled"): nothing was
+                    # put to sleep, and flagged, the next wake reloaded the weights of an
+                    # awake engine (level 2). No answer by the deadline keeps the flag.
+                    self.sleep_unconfirmed = before
+                raise
             if await s.is_sleeping(until) is False:
                 raise ServerError(f"vllm{self._at}: the engine accepted sleep but says it is awake")
             self.sleep_unconfirmed = False

@@ -442,21 +442,74 @@ def test_a_502_on_the_release_owes_no_resume(
 
 
 def test_memory_still_released_is_not_released_again(
-        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
     """A resume that failed leaves the memory released: the next snapshot's release was
-    a second one, which ends SGLang (torch_memory_saver exits)."""
+    a second one, which ends SGLang (torch_memory_saver exits). The skip is a WARNING:
+    the snapshot keeps whatever GPU memory is not released."""
     adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
     assert rehydrate_engine.simulate_snapshot().ok
     standin.broken["/resume_memory_occupation"] = (500, "resume failed")
     assert not rehydrate_engine.simulate_restore().ok
     assert adapter.released
+    caplog.clear()
     snap = rehydrate_engine.simulate_snapshot()
     assert snap.ok, snap.table()
     assert standin.crashed is None
     assert standin.log.count("POST /release_memory_occupation") == 1
+    assert [r.levelno for r in caplog.records if "not released again" in r.getMessage()] \
+        == [logging.WARNING]
     standin.broken.clear()
     assert rehydrate_engine.simulate_restore().ok
     assert standin.released == set() and not standin.paused
+
+
+def test_a_resume_nothing_listened_for_leaves_nothing_released(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, refused_port: int) -> None:
+    """SGLang died after the release: every resume try is refused (no HTTP status at
+    all). Its supervisor starts a fresh one, with nothing released. Still taken as
+    released, the next snapshot skipped the release — the snapshot held the GPU memory —
+    and every clone's resume of memory never released killed SGLang (KeyError)."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    adapter.url = f"http://127.0.0.1:{refused_port}"  # SGLang gone: connection refused
+    report = rehydrate_engine.simulate_restore()
+    assert "ConnectError" in str(hook(report, "rehydrate.sglang.resume").error)
+    assert not adapter.released and not adapter.unconfirmed
+    adapter.url = url
+    server[1].app = fresh = SGLangStandIn()  # restarted: nothing released
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert "POST /release_memory_occupation" in fresh.log
+    assert fresh.released == set(SGLangStandIn.MEMORY)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert fresh.crashed is None and fresh.released == set()
+
+
+@pytest.mark.parametrize("status,message", [
+    *NOT_PASSED_ON, (503, ENVOY + "connection failure")])
+def test_a_resume_only_a_gateway_answered_does_not_skip_the_next_release(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, status: int, message: str) -> None:
+    """Behind a gateway: its 502 "connect() failed (111: Connection refused)" (or Envoy's
+    503 for a connection that failed or closed) until the deadline — SGLang itself never
+    answered the resume, and the one restarted in its place has nothing released. The
+    next release is sent (the resume stays owed until then: SGLang may be alive)."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, status=status,
+                                  performed=False, message=message)
+    assert not rehydrate_engine.simulate_restore().ok
+    assert adapter.released  # owed while SGLang may still be alive behind the gateway
+    server[1].app = fresh = SGLangStandIn()  # restarted: nothing released
+    for _ in range(2):
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert fresh.released == set(SGLangStandIn.MEMORY)
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert fresh.crashed is None and fresh.released == set()
+    assert fresh.log.count("POST /release_memory_occupation") == 2
 
 
 def test_a_502_after_sglang_performed_the_release_kills_it_when_sent_again(

@@ -1050,6 +1050,42 @@ def test_a_wake_after_an_unconfirmed_sleep_wakes_whatever_is_sleeping_says(
     assert not adapter.sleep_unconfirmed and rehydrate_engine.is_ready()
 
 
+@pytest.mark.parametrize("refusal", ["401", "sleep mode"])
+def test_a_refused_sleep_is_not_taken_as_maybe_performed(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any, refusal: str) -> None:
+    """A sleep refused outright (a 4xx, or vLLM's 500 "Sleep mode is not enabled", which
+    hint() recognises) did nothing: flagged as maybe performed, the resume after the
+    failed snapshot woke the weights and reloaded them on an awake engine (level 2)."""
+    adapter = vllm.install(url, engine=rehydrate_engine, level=2, deadline=0.5)
+    if refusal == "401":
+        server[1].app = LosingGateway(standin, {"/sleep"}, status=401, performed=False,
+                                      message="auth")
+    else:
+        standin.sleep_mode = False
+    snap = rehydrate_engine.simulate_snapshot()
+    assert not snap.ok
+    assert not adapter.sleep_unconfirmed
+    server[1].app = standin
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert standin.log == ["GET /is_sleeping", "GET /v1/models", "POST /v1/completions"]
+
+
+def test_a_refused_sleep_keeps_an_earlier_unconfirmed_one_owed(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """The refusal says nothing about an earlier sleep that went unanswered: the next
+    wake still wakes whatever /is_sleeping says."""
+    adapter = vllm.install(url, engine=rehydrate_engine, deadline=0.5)
+    adapter.sleep_unconfirmed = True  # an earlier sleep went unanswered
+    server[1].app = LosingGateway(standin, {"/sleep"}, status=403, performed=False,
+                                  message="forbidden")
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert adapter.sleep_unconfirmed
+
+
 def test_envoys_503_after_forwarding_is_unconfirmed_and_its_connect_failure_retried(
         url: str, server: tuple[str, Switch], standin: VLLMStandIn,
         rehydrate_engine: Any) -> None:
