@@ -348,6 +348,12 @@ class Lifecycle:
         more deadline in all unless the freeze watch confirmed the freeze, and then it
         runs the restore hooks (see :meth:`_deadline_main`). Default:
         ``$REHYDRATE_SNAPSHOT_DEADLINE``, else :data:`DEFAULT_SNAPSHOT_DEADLINE`."""
+        self.notice_window = _config.number("REHYDRATE_SIGNAL_WINDOW")
+        """Seconds after a restore was detected during which a notice that cannot tell
+        when its freeze was (``notify restore`` without a ``notify save``) may be that
+        restore (see :meth:`notice_since`): ``$REHYDRATE_SIGNAL_WINDOW``, the signal and
+        marker-file detectors' window, else :data:`NOTICE_WINDOW` (2 s). Raise it where
+        the platform's notice comes later than that after the restore."""
         self.builtins: Registry = _BuiltinRegistry()
         self.env = env if env is not None else EnvRefresher.from_config()
         self._loop_thread = LoopThread()
@@ -1026,11 +1032,11 @@ class Lifecycle:
     def notice_since(self, at: float) -> float | None:
         """``since`` for a restore notice read at ``at`` (``time.monotonic()``) that cannot
         tell when its freeze was and has no ``notify save`` before it: the freeze watch's
-        word (:meth:`freeze_since`) bounded to :data:`NOTICE_WINDOW` before ``at`` — the
+        word (:meth:`freeze_since`) bounded to :attr:`notice_window` before ``at`` — the
         watch may have missed the freeze, and a clone must never keep its parent's keys
         (a late duplicate runs the hooks again instead). None when no freeze watch runs."""
         freeze = self.freeze_since()
-        return None if freeze is None else max(freeze, at - NOTICE_WINDOW)
+        return None if freeze is None else max(freeze, at - self.notice_window)
 
     def _watch_verdict(self, seen: float, timeout: float) -> float | None:
         """:meth:`freeze_since` for an overdue heartbeat, called with ``_cond`` held: wait
@@ -1148,7 +1154,7 @@ class Lifecycle:
         ``since=None`` (not known) and no ``key``: for an anchored notice the engine asks
         its freeze watch (:meth:`freeze_since`, fed by the clock-jump detector) — the
         notice is the last restore when nothing froze since that restore ran AND that
-        restore was detected less than :data:`NOTICE_WINDOW` (2 s) before this notice
+        restore was detected less than :attr:`notice_window` (2 s) before this notice
         (:meth:`notice_since`): a doorbell rung right after the clock-jump detector
         handled the freeze runs nothing; one rung later runs again — the watch may have
         missed a freeze (a guest clock carried over, a freeze shorter than its slack), and

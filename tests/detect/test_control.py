@@ -974,6 +974,25 @@ def test_notify_restore_with_a_blind_freeze_watch_is_a_new_restore_after_the_win
     assert [c[2] for c in calls.items if c[0] == "restore-hook"] == [1, 2]
 
 
+def test_a_longer_notice_window_merges_a_notify_restore_that_comes_later(
+    server: ControlServer, engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A platform whose notice comes more than 2 s after the restore (a notifier slow to
+    start in a loaded sandbox) ran the hooks twice for one restore, and nothing let it
+    say its notices come later: REHYDRATE_SIGNAL_WINDOW is the engine's window too."""
+    monkeypatch.setenv("REHYDRATE_SIGNAL_WINDOW", "10")
+    assert Lifecycle(builtins=False).notice_window == 10.0
+    engine.notice_window = 10.0
+    calls = Calls(engine)
+    now = time.monotonic()
+    engine.heartbeat(now - 10, 30.0)
+    engine.restore_detected("clock-jump", since=now - 4, detected_at=now - 3)
+    engine.heartbeat(time.monotonic(), 30.0)
+    reply = request("restore", socket_path=sock_path)  # 3 s after the restore
+    assert reply["deduplicated"] and reply["report"]["generation"] == 1, reply
+    assert [c[2] for c in calls.items if c[0] == "restore-hook"] == [1]
+
+
 def test_a_notify_restore_after_the_window_runs_even_when_the_watch_saw_freezes(
     server: ControlServer, engine: Lifecycle, sock_path: str
 ) -> None:
