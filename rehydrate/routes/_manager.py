@@ -48,9 +48,10 @@ from ._nftables import (
     NftPlan,
     NftTable,
     _nft,
-    echoed_handles,
+    made_handles,
     read_table,
     read_tables,
+    rule_marks,
 )
 
 log = logging.getLogger("rehydrate")
@@ -648,7 +649,8 @@ class RoutesManager:
         them ``t`` is (None: ``t`` planned on its own)."""
         absent: list[str] = []
         planned: list[tuple[dict[str, Any], int | None]] = []
-        handles: list[int] | None = None
+        handles: list[int | None] | None = None
+        marks: dict[tuple[str, str], int] | None = None
         joint: NftPlan | None = None
         i = 0
         if isinstance(t, NftTable):
@@ -667,22 +669,14 @@ class RoutesManager:
                           if joint.absent(fam, name)]
                 planned = joint.planned(i)
                 cmds = [cmd for cmd, _ in planned]
-            if not cmds:  # a set's: every rule of it is in its chain already
-                pass
-            elif isinstance(t, NftTable) or not any(n is not None for _, n in planned):
-                # no rule into a table it does not create: no handle needed, and no
-                # echo (a big set's echo overflows nft's socket: ENOBUFS)
-                _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
-            else:
-                # the echo gives the handles of the rules made: the later sets add
+            if cmds and not isinstance(t, NftTable) and any(n is not None for _, n in planned):
+                # the rules it makes in others' tables are found after the transaction
+                # above these marks (never from an echo: a big set's overflows nft's
+                # socket with ENOBUFS after the kernel committed): the later sets add
                 # theirs beside them, and their listed forms are looked up by them
-                try:
-                    handles = echoed_handles(_nft(["--echo", "-j", "-f", "-"],
-                                                  json.dumps({"nftables": cmds})))
-                except NetworkError as exc:
-                    if "No buffer space available" not in str(exc):
-                        raise
-                    planned = _without_echo(t)
+                marks = rule_marks(_foreign(t))
+            if cmds:  # else a set's rules are all in their chains already
+                _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
         except Exception as exc:
             if create_only and isinstance(t, NftTable) and "File exists" in str(exc):
                 # made between the read and the transaction: the kernel refused ours
@@ -707,13 +701,17 @@ class RoutesManager:
                 if not t.same_as(back):
                     raise NetworkError("read back differs from what was applied")
             else:
+                after = None
+                if marks is not None:
+                    after = _foreign(t)
+                    handles = made_handles(planned, marks, after)
                 if joint is not None:
                     joint.done(i, planned, handles)
                 for fam, name in t.tables():
                     if read_table(fam, name) is None:
                         raise NetworkError(f"table {fam} {name} missing after applying")
-                if handles is not None and any(n is not None for _, n in planned):
-                    _learn_listed(t, what, planned, handles)
+                if after is not None and handles is not None:
+                    _learn_listed(t, what, planned, handles, after)
         except Exception as exc:
             result.errors.append((what, t.required, _describe(exc)))
             self._nft_in_force(labels, result, "applied, but differs from the declaration")
@@ -737,35 +735,20 @@ class RoutesManager:
 
 
 def _learn_listed(t: NftCommands, what: str, sent: list[tuple[dict[str, Any], int | None]],
-                  handles: list[int]) -> None:
-    """After a command set added rules to chains it does not own: read those back, and
-    say (WARNING, once per rule) which of its rules ``nft`` lists otherwise than written
-    -- never found in their chain by their written form, they would be added again on
-    every resume; the listed form is their key from now on
-    (:meth:`NftCommands.learn_listed`)."""
+                  handles: list[int | None],
+                  after: dict[tuple[str, str], NftTable | None]) -> None:
+    """After a command set added rules to chains it does not own (``after``: those
+    read back, ``handles``: of the rules made): say (WARNING, once per rule) which of
+    its rules ``nft`` lists otherwise than written -- never found in their chain by
+    their written form, they would be added again on every resume; the listed form is
+    their key from now on (:meth:`NftCommands.learn_listed`)."""
     try:
-        after = _foreign(t)
         said = t.learn_listed(sent, handles, after)
     except Exception as exc:  # only the check of the listed forms lost
         log.debug("%s: rules not read back for their listed forms: %s", what, _describe(exc))
         return
     for line in said:
         log.warning("%s: %s", what, line)
-
-
-def _without_echo(t: NftCommands) -> list[tuple[dict[str, Any], int | None]]:
-    """After ``nft --echo`` failed with ENOBUFS (the echo of a big set overflowed its
-    socket): apply ``t`` again without the echo, planned anew on its chains as they
-    are now, and return what was sent (its rules' handles stay unknown). The kernel
-    had committed the transaction before the echo overflowed (nftables 1.0.6, Linux
-    6.x): the same commands again would add its rules into other owners' chains a
-    second time, or fail deleting the rules by handles gone since. Planned anew, the
-    rules found in place are left there, those not there (the transaction refused
-    after all) are added, and its own tables are made again."""
-    planned = NftPlan([t], _foreign(t)).planned(0)
-    if planned:
-        _nft(["-j", "-f", "-"], json.dumps({"nftables": [cmd for cmd, _ in planned]}))
-    return planned
 
 
 def _device_exists(name: str) -> bool:

@@ -339,11 +339,11 @@ class NftCommands:
         return NftPlan([self], existing or {}).planned(0)
 
     def learn_listed(self, sent: Sequence[tuple[dict[str, Any], int | None]],
-                     handles: Sequence[int],
+                     handles: Sequence[int | None],
                      after: Mapping[tuple[str, str], NftTable | None]) -> list[str]:
-        """After ``sent`` (from :meth:`planned`) was applied, ``nft --echo`` giving
-        ``handles``, the handle of the rule each of its ``add``/``insert rule`` commands
-        made, in order: find each rule made in a table the set adds rules to without
+        """After ``sent`` (from :meth:`planned`) was applied, ``handles`` being the
+        handle of the rule each of its ``add``/``insert rule`` commands made, in order
+        (:func:`made_handles`): find each rule made in a table the set adds rules to without
         creating it in ``after`` (those tables read back), and remember, for a rule
         ``nft`` lists otherwise than written (``ct state == ["established",
         "related"]`` is listed as ``{"|": [...]}``), the listed form as its key: else it
@@ -361,8 +361,10 @@ class NftCommands:
             if isinstance(body := obj.get("rule"), Mapping)
             and isinstance(body.get("handle"), int)}
         for (rule, n), handle in zip(made, handles, strict=True):
+            if n is None or handle is None:
+                continue
             got = listed_by.get((rule["family"], rule["table"], handle))
-            if n is None or got is None:
+            if got is None:
                 continue
             written, listed = _rule_key(rule), _rule_key(got)
             if self.listed.get(written, written) == listed:
@@ -376,22 +378,50 @@ class NftCommands:
         return said
 
 
-def echoed_handles(out: str) -> list[int] | None:
-    """The handles ``nft --echo -j`` gives the rules its ``add``/``insert rule``
-    commands made, in order (None: not such an echo)."""
-    try:
-        items = json.loads(out)["nftables"]
-    except (ValueError, TypeError, KeyError):
+def rule_marks(tables: Mapping[tuple[str, str], NftTable | None]) -> dict[tuple[str, str], int]:
+    """The highest rule handle of each table read (0: none, or the table absent), noted
+    before a transaction: a table's handles only grow, so the rules it makes there are
+    those above the mark (:func:`made_handles`)."""
+    return {label: max((body["handle"] for obj in (table.objects if table else ())
+                        if isinstance(body := obj.get("rule"), Mapping)
+                        and isinstance(body.get("handle"), int)), default=0)
+            for label, table in tables.items()}
+
+
+def made_handles(sent: Sequence[tuple[dict[str, Any], int | None]],
+                 marks: Mapping[tuple[str, str], int],
+                 after: Mapping[tuple[str, str], NftTable | None]
+                 ) -> list[int | None] | None:
+    """The handles of the rules ``sent``'s ``add``/``insert rule`` commands made, in
+    order (None for one into a table not marked: one the set creates or that could
+    not be read), found in
+    ``after`` (those tables read back) as the rules above their table's mark
+    (:func:`rule_marks`): a transaction numbers the rules it makes in the order of its
+    commands. None when they do not pair up with the commands (a table not read, or
+    rules another owner added or deleted meanwhile): then they stay unknown."""
+    made = [target[:2] for cmd, _ in sent for verb, body in cmd.items()
+            if (target := _rule_target(verb, body)) is not None]
+    new: dict[tuple[str, str], list[int]] = {}
+    for label, mark in marks.items():
+        table = after.get(label)
+        if table is None:
+            continue
+        new[label] = sorted(body["handle"] for obj in table.objects
+                            if isinstance(body := obj.get("rule"), Mapping)
+                            and isinstance(body.get("handle"), int)
+                            and body["handle"] > mark)
+    if any(len(handles) != sum(1 for label in made if label == table)
+           for table, handles in new.items()):
         return None
-    handles: list[int] = []
-    for item in items if isinstance(items, list) else ():
-        for verb, body in item.items() if isinstance(item, Mapping) else ():
-            if _rule_target(verb, body) is not None:
-                handle = body["rule"].get("handle")
-                if not isinstance(handle, int):
-                    return None
-                handles.append(handle)
-    return handles
+    out: list[int | None] = []
+    for label in made:
+        if label not in marks:
+            out.append(None)
+        elif label not in new:
+            return None
+        else:
+            out.append(new[label].pop(0))
+    return out
 
 
 Chain = tuple[str, str, str]
@@ -519,9 +549,9 @@ class NftPlan:
         return cmds
 
     def done(self, i: int, sent: Sequence[tuple[dict[str, Any], int | None]],
-             handles: Sequence[int] | None) -> None:
+             handles: Sequence[int | None] | None) -> None:
         """After set ``i``'s commands (``sent``, from :meth:`planned`) were applied:
-        ``handles`` from ``nft --echo`` (:func:`echoed_handles`), or None when they were
+        ``handles`` of the rules they made (:func:`made_handles`), or None when they were
         not applied or what nft made is unknown (then the later sets do not add their
         rules relative to set ``i``'s)."""
         made = [n for cmd, n in sent for verb, body in cmd.items()
@@ -534,7 +564,7 @@ class NftPlan:
         if handles is None or len(handles) != len(made):
             return
         for number, handle in zip(made, handles, strict=True):
-            if number is not None and number in rule_of:
+            if number is not None and handle is not None and number in rule_of:
                 chain, j = rule_of[number]
                 chain.placed[j] = handle
 
