@@ -64,7 +64,7 @@ class ServerError(RuntimeError):
 
     def __init__(self, message: str, *, reason: str | None = None,
                  status: int | None = None, answered: bool | None = None,
-                 unreachable: bool = False) -> None:
+                 unreachable: bool = False, unforwarded: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
         self.status = status
@@ -75,6 +75,11 @@ class ServerError(RuntimeError):
         self.unreachable = unreachable
         """Whether every try failed to connect (``httpx.ConnectError``: refused, no route):
         nothing listened at the URL — with a direct URL, the server process was gone."""
+        self.unforwarded = unforwarded
+        """Whether some try got a gateway's answer that it did not pass the call on (see
+        :meth:`ServerAdapter.call`'s ``unsent``): the gateway was reached, the server behind
+        it was not — unlike tries that found no connection at all, which say nothing of
+        the server."""
 
 
 class Unconfirmed(ServerError):
@@ -458,7 +463,8 @@ class ServerAdapter:
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
                    json: Any = None, resend: bool = False,
-                   unsent: Callable[[int, str], bool] | None = None) -> httpx.Response:
+                   unsent: Callable[[httpx.Response, str], bool] | None = None
+                   ) -> httpx.Response:
         """``method path`` until ``until`` (``time.monotonic()``).
 
         A ``GET`` is retried on transport errors, timeouts and 5xx, each try cut at
@@ -471,7 +477,7 @@ class ServerAdapter:
         ``POST`` that may be performed twice (a canary generation, a pause, vLLM's sleep
         and wake-up, which do nothing on an engine already asleep / awake) is sent again
         after a 502 / 504 as well — and raises :class:`Unconfirmed` when the deadline
-        ends after one. ``unsent(status, reason)``: true for a gateway's answer taken as
+        ends after one. ``unsent(response, reason)``: true for a gateway's answer taken as
         "not passed on" for this call, retried like a 503 (SGLang's 502, see its
         adapter). A 4xx, or an answer :meth:`hint` recognises, fails at once.
 
@@ -482,6 +488,7 @@ class ServerAdapter:
         lost = False  # a try a gateway answered 502 / 504 for: it may have been performed
         answered = False  # a try the server itself answered (see ServerError.answered)
         refused = True  # every try so far failed to connect (ServerError.unreachable)
+        unforwarded = False  # a gateway said it did not pass a try on (ServerError's)
         # the server's URL: one engine may drive two servers of a kind (a generator and
         # a reranker), and the message must say which one failed
         what = f"{method} {self.url}{path}"
@@ -495,7 +502,7 @@ class ServerAdapter:
                     f"{self.kind} {what}: {last} (gave up after the {self.deadline:g}s "
                     f"deadline)" + ("; a gateway's 502 / 504 came for it: the server "
                                     "may have performed it" if lost else ""),
-                    answered=answered, unreachable=refused)
+                    answered=answered, unreachable=refused, unforwarded=unforwarded)
             # every call is tried at least once, even when earlier calls used up the deadline
             budget = max(remaining, MIN_TRY)
             per_try = min(self.request_timeout, budget)
@@ -551,11 +558,11 @@ class ServerAdapter:
                 reason = server_reason(response)
                 last = f"HTTP {response.status_code}: {reason}"
                 refused = False
-                answered = answered or not (
-                    gateway_unforwarded(response.status_code, reason)
-                    or (unsent is not None and unsent(response.status_code, reason)))
-                if not safe and gateway_lost(response.status_code, reason) and not (
-                        unsent is not None and unsent(response.status_code, reason)):
+                passed_over = unsent is not None and unsent(response, reason)
+                not_sent = passed_over or gateway_unforwarded(response.status_code, reason)
+                answered = answered or not not_sent
+                unforwarded = unforwarded or not_sent
+                if not safe and gateway_lost(response.status_code, reason) and not passed_over:
                     lost = True
                 if lost and not resend:
                     raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "

@@ -28,16 +28,20 @@ went unanswered — no answer, the connection lost after sending, a gateway's 50
 Envoy's 503 "disconnect/reset before headers" for other reset reasons) — counts as performed:
 an unanswered release still owes its resume, an unanswered resume is never sent again
 (the continue and the canary, which run after it, follow it, and a passing canary
-confirms it). A gateway's 502, or Envoy's 503 "connection termination" / "remote reset",
-counts as not passed on (:func:`not_passed_on`): retried like a 503, and a release that
+confirms it). A gateway's 502, Envoy's 503 "connection termination" / "remote reset" /
+"no healthy upstream", or a 503 that is not JSON, counts as not passed on
+(:func:`not_passed_on`): retried like a 503, and a release that
 ends on it owes nothing — the rare one after SGLang performed the call then sends it
 twice, which kills SGLang as well (a second release: torch_memory_saver exits). Memory
-still released (its resume failed on SGLang's own answer) is not released again by the
-next release (a WARNING). A resume that never reached SGLang says nothing of its memory:
-every try refused (no HTTP status at all) counts as SGLang gone with it — a restarted one
-has nothing released, and skipping the release snapshotted the GPU memory, so each
-clone's resume killed SGLang — and a gateway's answers alone leave the resume owed but
-the next release sent.
+still released (its resume failed on SGLang's own answer, or found no connection in
+time) is not released again by the next release (a WARNING). A resume that never reached
+SGLang says nothing of its memory: every try refused (no HTTP status at all) counts as
+SGLang gone with it — a restarted one has nothing released, and skipping the release
+snapshotted the GPU memory, so each clone's resume killed SGLang — and a gateway's "not
+passed on" answers alone (a 502, Envoy's 503 "no healthy upstream", a 503 page that is
+not JSON) leave the resume owed but the next release sent. Tries that found no
+connection in time (or a mix of those and refusals) say nothing either way: the memory
+counts as still released, and the next release is skipped.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);
@@ -61,8 +65,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..extensions import Probe, shown
+from . import _bodies
 from ._readiness import probe_import
 from ._server import (
+    ENVOY_RESET,
     ServerAdapter,
     ServerError,
     Unconfirmed,
@@ -141,10 +147,11 @@ class SGLangAdapter(ServerAdapter):
         reached SGLang), but a server that refuses the resume with "not released" then
         says it was not, which is no failure."""
         self.unheard = False
-        """True when the last resume failed without an answer from SGLang itself (only a
-        gateway's "not passed on", say nginx's 502 "connection refused"): SGLang may be
-        gone, and the one restarted in its place has nothing released, so the next release
-        is sent even though ``released`` is still set."""
+        """True when the last resume failed without an answer from SGLang itself but with
+        a gateway's "not passed on" for some try (nginx's 502 "connection refused", Envoy's
+        503 "no healthy upstream"): SGLang may be gone, and the one restarted in its place
+        has nothing released, so the next release is sent even though ``released`` is
+        still set. Tries that only found no connection in time leave it False."""
         self.paused = False
         """True from the moment a pause is sent until a continue succeeded (or SGLang
         refused the pause): a continue is sent only when generation may be paused."""
@@ -287,8 +294,12 @@ class SGLangAdapter(ServerAdapter):
                         self.url, exc)
             self.released = self.unconfirmed = self.unheard = False
         else:
-            # only SGLang's own answer says its memory is still released
-            self.unheard = not exc.answered
+            # Only SGLang's own answer says its memory is still released, and only a
+            # gateway's "not passed on" says SGLang may be gone (a restarted one has
+            # nothing released). Tries that found no connection in time say neither: a
+            # partitioned SGLang may still hold its memory released, and a second release
+            # ends it (torch_memory_saver exits) — the release stays skipped.
+            self.unheard = not exc.answered and exc.unforwarded
 
     async def _pause(self, client: httpx.AsyncClient, until: float) -> None:
         before = self.paused
@@ -351,17 +362,42 @@ just closed, which the request never reached (istio/istio#55138) — nginx's 502
 same event."""
 
 
-def not_passed_on(status: int, reason: str) -> bool:
+NO_UPSTREAM = re.compile(r"no healthy upstream", re.IGNORECASE)
+"""Envoy's / Istio's 503 for a cluster without a ready endpoint (flag UH): SGLang's Pod
+not ready, or restarting."""
+
+
+def not_passed_on(response: httpx.Response, reason: str) -> bool:
     """Whether a gateway's answer to a release or resume counts as not passed on (retried
-    like a 503): a 502, or Envoy's 503 for a closed or reset connection
-    (:data:`ENVOY_CLOSED`). nginx's usual 502s — no connection (refused), a reused
-    connection SGLang had closed, SGLang gone — and Envoy's "connection termination" /
-    "remote reset" all leave a running SGLang without the call (a restarted one has
-    nothing released), and no status endpoint tells otherwise. Taken as performed, they
-    made the next resume one of memory never released, which kills SGLang 0.5. Either
-    reading kills SGLang when it is wrong (a second release or resume ends it too), so
-    the likelier one is taken."""
-    return status == 502 or (status == 503 and bool(ENVOY_CLOSED.search(reason)))
+    like a 503): a 502; Envoy's 503 for a closed or reset connection
+    (:data:`ENVOY_CLOSED`) or for no healthy upstream (:data:`NO_UPSTREAM`); any other
+    503 whose body is not JSON (ingress-nginx's "503 Service Temporarily Unavailable"
+    page) — SGLang's own errors are JSON. nginx's usual 502s — no connection (refused), a
+    reused connection SGLang had closed, SGLang gone — and Envoy's "connection
+    termination" / "remote reset" all leave a running SGLang without the call (a
+    restarted one has nothing released), and no status endpoint tells otherwise. Taken
+    as performed, they made the next resume one of memory never released, which kills
+    SGLang 0.5; a gateway's 503 page taken as SGLang's answer skipped the next release
+    of a restarted SGLang, and its clone's resume killed it. Either reading kills SGLang
+    when it is wrong (a second release or resume ends it too), so the likelier one is
+    taken."""
+    status = response.status_code
+    if status == 502:
+        return True
+    if status != 503:
+        return False
+    if ENVOY_CLOSED.search(reason) or NO_UPSTREAM.search(reason):
+        return True
+    # Envoy's other resets keep their own reading (_server.gateway_lost / _unforwarded)
+    return not ENVOY_RESET.search(reason) and not _is_json(response)
+
+
+def _is_json(response: httpx.Response) -> bool:
+    try:
+        _bodies.loads(response.content)
+    except ValueError:  # also an empty body
+        return False
+    return True
 
 
 MISSING = frozenset({404, 405})

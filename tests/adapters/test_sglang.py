@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from rehydrate.adapters import sglang
@@ -33,6 +34,9 @@ ENVOY_RESET = ENVOY + "protocol error"
 NOT_PASSED_ON = [(502, "upstream prematurely closed connection"),
                  (503, ENVOY + "connection termination"),
                  (503, ENVOY + "remote reset")]
+INGRESS_NGINX_503 = ("<html>\r\n<head><title>503 Service Temporarily Unavailable</title>"
+                     "</head>\r\n<body>\r\n<center><h1>503 Service Temporarily Unavailable"
+                     "</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>")
 
 
 @pytest.fixture(scope="module")
@@ -488,12 +492,14 @@ def test_a_resume_nothing_listened_for_leaves_nothing_released(
 
 
 @pytest.mark.parametrize("status,message", [
-    *NOT_PASSED_ON, (503, ENVOY + "connection failure")])
+    *NOT_PASSED_ON, (503, ENVOY + "connection failure"), (503, "no healthy upstream"),
+    (503, '{"message": "no healthy upstream"}'), (503, INGRESS_NGINX_503)])
 def test_a_resume_only_a_gateway_answered_does_not_skip_the_next_release(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn,
         rehydrate_engine: Any, status: int, message: str) -> None:
     """Behind a gateway: its 502 "connect() failed (111: Connection refused)" (or Envoy's
-    503 for a connection that failed or closed) until the deadline — SGLang itself never
+    503 for a connection that failed or closed, or for no healthy upstream while SGLang's
+    Pod restarts, or ingress-nginx's 503 page) until the deadline — SGLang itself never
     answered the resume, and the one restarted in its place has nothing released. The
     next release is sent (the resume stays owed until then: SGLang may be alive)."""
     adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
@@ -510,6 +516,65 @@ def test_a_resume_only_a_gateway_answered_does_not_skip_the_next_release(
         assert report.ok, report.table()
         assert fresh.crashed is None and fresh.released == set()
     assert fresh.log.count("POST /release_memory_occupation") == 2
+
+
+def test_sglangs_own_503_on_the_resume_keeps_the_next_release_skipped(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any) -> None:
+    """A 503 with a JSON body is SGLang's own answer (a gateway's 503 page is not JSON):
+    its memory is still released, and a second release would end it."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.broken["/resume_memory_occupation"] = (503, "scheduler busy")
+    assert not rehydrate_engine.simulate_restore().ok
+    assert adapter.released and not adapter.unheard
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.crashed is None
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    standin.broken.clear()
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.released == set()
+
+
+class _DroppedSyns(httpx.AsyncHTTPTransport):
+    """A network that drops the connection attempts to ``paths`` (a partition, a firewall
+    blackhole): each try ends in a connect timeout, the server behind never sees it."""
+
+    def __init__(self, paths: set[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path in self.paths:
+            raise httpx.ConnectTimeout("timed out", request=request)
+        return await super().handle_async_request(request)
+
+
+def test_a_resume_that_found_no_connection_in_time_keeps_the_next_release_skipped(
+        url: str, standin: SGLangStandIn, rehydrate_engine: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every resume try timed out connecting, SGLang alive behind with its memory
+    released: nothing says it is gone. Taken as unheard, the next snapshot released it
+    again, which ends SGLang (torch_memory_saver exits)."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    dropped = _DroppedSyns({"/resume_memory_occupation"})
+    client = adapter.client
+
+    def through_the_partition() -> httpx.AsyncClient:
+        c = client()
+        c._transport = dropped
+        return c
+
+    monkeypatch.setattr(adapter, "client", through_the_partition)
+    report = rehydrate_engine.simulate_restore()
+    assert "no connection within" in str(hook(report, "rehydrate.sglang.resume").error)
+    assert adapter.released and not adapter.unheard
+    dropped.paths.clear()  # the network is back
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.crashed is None
+    assert standin.log.count("POST /release_memory_occupation") == 1
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.crashed is None and standin.released == set()
 
 
 def test_a_502_after_sglang_performed_the_release_kills_it_when_sent_again(
