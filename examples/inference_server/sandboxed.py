@@ -177,7 +177,11 @@ class ExampleSandbox:
 
     def notify(self, c: Container, action: str) -> dict[str, Any]:
         """``rehydrate notify ACTION --json`` inside the sandbox (save-restore-exec)."""
-        proc = c.exec([REHYDRATE, "notify", action, "--json"], timeout=120)
+        # A tree on PYTHONPATH (make bench-restore BASELINE=…, and this tree beside it)
+        # runs its own entry point: the virtualenv's script names this tree's, which an
+        # older tree may lack (console_main came in 2026-12).
+        cmd = ([PYTHON, "-m", "rehydrate"] if self.rehydrate_tree is not None else [REHYDRATE])
+        proc = c.exec([*cmd, "notify", action, "--json"], timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"notify {action} exited {proc.returncode}: "
                                f"{proc.stdout[-1000:]} {proc.stderr[-1000:]}")
