@@ -65,6 +65,8 @@ T = TypeVar("T")
 State = Literal["running", "snapshotting", "restoring", "ready", "degraded"]
 
 _SEEN_KEYS = 256
+_ON_HOOK_LOOP = ("{} cannot block rehydrate's event loop: the async hooks it waits for run "
+                 "there; call it through asyncio.to_thread()")
 NOTICE_WINDOW: float = _config.default("REHYDRATE_SIGNAL_WINDOW")
 """A restore notice that cannot tell when its freeze was (no ``since``, no ``key``, no
 ``notify save`` before it) is the last restore only when that ran less than this many
@@ -805,8 +807,11 @@ class Lifecycle:
         or not.
         """
         timeout = _config.optional_seconds(timeout, "wait_ready(): timeout")
-        if running_hook_of(self._runner) and not self.is_ready():
-            raise RuntimeError("wait_ready() inside a hook would wait for its own event")
+        if not self.is_ready():
+            if running_hook_of(self._runner):
+                raise RuntimeError("wait_ready() inside a hook would wait for its own event")
+            if self._loop_thread.is_current():
+                raise RuntimeError(_ON_HOOK_LOOP.format("wait_ready()"))
         with self._cond:  # every change of readiness notifies (runs, heartbeats after a gap)
             return self._cond.wait_for(self.is_ready, timeout)
 
@@ -1766,6 +1771,8 @@ class Lifecycle:
                 "a lifecycle event cannot be started from inside a hook "
                 "(it would wait for itself)"
             )
+        if self._loop_thread.is_current():
+            raise RuntimeError(_ON_HOOK_LOOP.format("a lifecycle event"))
 
     def hook_loop(self) -> asyncio.AbstractEventLoop:
         """The loop async hooks run on (see :meth:`_loop_for_this_call`), for work

@@ -303,6 +303,11 @@ class LoopThread:
                 self._loop = loop
             return self._loop
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this loop's thread."""
+        thread = self._thread
+        return thread is not None and thread is threading.current_thread()
+
     def close(self) -> None:
         with self._lock:
             loop, thread = self._loop, self._thread

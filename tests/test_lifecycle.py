@@ -930,6 +930,40 @@ def test_a_task_a_hook_left_running_may_wait_for_and_start_events(rehydrate_engi
     assert seen["ready"] is True and seen["snapshot"] is True
 
 
+def test_a_task_on_rehydrates_loop_may_not_block_it_waiting(rehydrate_engine):
+    """A task a hook left on rehydrate's loop that calls the blocking wait_ready() or
+    starts an event there while not ready would stop the async hooks those wait for
+    (they run on that loop): refused with the way round, not a hang."""
+    reg = rehydrate_engine.registry
+    go, done = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    async def worker() -> None:
+        await asyncio.to_thread(go.wait, DEADLINE)
+        for name, call in (("wait", lambda: rehydrate_engine.wait_ready(DEADLINE)),
+                           ("snapshot", rehydrate_engine.simulate_snapshot)):
+            try:
+                seen[name] = call()
+            except RuntimeError as exc:
+                seen[name] = str(exc)
+        done.set()
+
+    @reg.after_restore(name="start-worker")
+    async def start_worker() -> None:
+        seen["task"] = asyncio.get_running_loop().create_task(worker())
+
+    @reg.after_restore(name="fails")
+    def fails() -> None:
+        raise OSError("down")
+
+    report = _run_with_deadline(rehydrate_engine.simulate_restore)
+    assert not report.ok and not rehydrate_engine.is_ready()  # degraded: wait_ready waits
+    go.set()
+    assert done.wait(DEADLINE)
+    for name in ("wait", "snapshot"):
+        assert "asyncio.to_thread" in str(seen[name]), seen[name]
+
+
 def test_wait_ready_inside_a_hook_raises(rehydrate_engine):
     reg = rehydrate_engine.registry
 
