@@ -398,8 +398,15 @@ class EnvRefresher:
         # another engine's refresher comparing after this one applied but joining the
         # event before it recorded saw os.environ already updated and no earlier change,
         # and missed the platform's change (its on_env_change hooks skipped).
-        with _EVENT.applying:
-            return self._apply_file(new, path)
+        warnings: list[tuple[object, ...]] = []
+        try:
+            with _EVENT.applying:
+                return self._apply_file(new, path, warnings)
+        finally:
+            # Logged with the lock released: a slow or blocking handler (a log shipper,
+            # a full pipe) held it, and every other engine's refresh waited on it.
+            for message, *args in warnings:
+                log.warning(message, *args)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
         check_overlay(overlay)  # all first: never apply half of it
@@ -438,7 +445,10 @@ class EnvRefresher:
                     previous[k] = _ABSENT
         return changes
 
-    def _apply_file(self, new: dict[bytes, bytes], path: str) -> EnvChanges:
+    def _apply_file(self, new: dict[bytes, bytes], path: str,
+                    warnings: list[tuple[object, ...]]) -> EnvChanges:
+        """Compare, apply and record (under ``_EVENT.applying``); the warnings to log,
+        ``(message, *args)`` with key names only, are appended to ``warnings``."""
         env = os.environb
         # a key the process already has with the same value is no attempt: no warning
         # (gVisor's spec_environ repeats the container's REHYDRATE_* / PYTHON* settings)
@@ -446,9 +456,9 @@ class EnvRefresher:
         ignored = sorted(_name(k) for k, v in new.items()
                          if _matches(k, NEVER_FROM_FILE) and env.get(k) != v)
         if ignored:
-            log.warning("environment file %s: ignored %s (rehydrate's configuration and "
-                        "loader/interpreter variables never come from the refreshed "
-                        "environment)", path, _names_text(ignored))
+            warnings.append(("environment file %s: ignored %s (rehydrate's configuration "
+                             "and loader/interpreter variables never come from the "
+                             "refreshed environment)", path, _names_text(ignored)))
         candidates = env if self.policy == "replace" else (self._previous or ())
         removes = [k for k in candidates
                    if k not in new and not _matches(k, NEVER_FROM_FILE)
@@ -473,12 +483,13 @@ class EnvRefresher:
                 if k in previous and k in env and env[k] != sets.get(k)
                 and self._digest(env[k]) != previous[k])
             if overridden:
-                log.warning("environment file %s: the refresh replaced the application's "
-                            "own value of %s (changed since the previous file) with the "
-                            "file's: a key in the file gets the file's value, one only the "
-                            "previous file had is removed; protect a key to keep the "
-                            "application's value (%s)%s", path, _names_text(overridden),
-                            self._protect_setting, self._protect_not_applied())
+                warnings.append((
+                    "environment file %s: the refresh replaced the application's own value "
+                    "of %s (changed since the previous file) with the file's: a key in the "
+                    "file gets the file's value, one only the previous file had is removed; "
+                    "protect a key to keep the application's value (%s)%s", path,
+                    _names_text(overridden), self._protect_setting,
+                    self._protect_not_applied()))
         if earlier is not None:
             # What an earlier refresher of this restore (another engine's) did to
             # os.environ that this file does too: the application's own PATH that the
@@ -518,7 +529,8 @@ class _Event:
     later one is told what changed meanwhile: news to it too.
 
     ``applying`` is held by each refresh over its compare, apply and record, so that no
-    other refresher sees ``os.environ`` changed by one whose names are not recorded yet.
+    other refresher sees ``os.environ`` changed by one whose names are not recorded yet;
+    nothing is logged while it is held (a blocking handler would hold up every engine).
     ``restore`` numbers the restores the same way (:func:`restored`, per engine run)."""
 
     def __init__(self) -> None:

@@ -1450,3 +1450,52 @@ def test_a_key_an_overlay_removed_is_removed_again_by_a_file_without_it(
         assert "RHT_GONE" in line
     finally:
         engine.close()
+
+
+def test_a_blocking_log_handler_does_not_hold_up_another_engine_s_refresh(
+        tmp_path, environ, caplog):
+    """The reset warning was logged with the process-wide lock held: a handler that
+    blocked (a log shipper, a full pipe) kept every other engine's refresh waiting."""
+    import threading
+
+    spec_a = write(tmp_path / "a_environ", {b"RHT_PATH": b"/usr/bin", b"RHT_SET": b"1"})
+    spec_b = write(tmp_path / "b_environ", {b"RHT_B": b"old"})
+    environ.update({b"RHT_PATH": b"/usr/bin", b"RHT_SET": b"1", b"RHT_B": b"old"})
+    first, second = EnvRefresher(path=spec_a), EnvRefresher(path=spec_b)
+    first.baseline()
+    second.baseline()
+    environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"  # the application's: A warns
+    write(tmp_path / "a_environ", {b"RHT_PATH": b"/usr/bin", b"RHT_SET": b"1",
+                                    b"REHYDRATE_RHT": b"x"})  # and "ignored" too
+    write(tmp_path / "b_environ", {b"RHT_B": b"new"})
+    in_handler, release = threading.Event(), threading.Event()
+
+    class Blocking(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.name == "rehydrate" and threading.current_thread() is a:
+                in_handler.set()
+                release.wait(30)
+
+    handler = Blocking(logging.WARNING)
+    got: dict[str, EnvChanges] = {}
+    a = threading.Thread(target=lambda: got.setdefault("A", first.refresh()))
+    b = threading.Thread(target=lambda: got.setdefault("B", second.refresh()))
+    logging.getLogger("rehydrate").addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            a.start()
+            assert in_handler.wait(30)
+            b.start()
+            b.join(10)  # without the fix: waits on the lock A holds until released
+            assert not b.is_alive() and got["B"] == EnvChanges(changed=("RHT_B",))
+            release.set()
+            a.join(30)
+    finally:
+        release.set()
+        logging.getLogger("rehydrate").removeHandler(handler)
+    assert got["A"] == EnvChanges(changed=("RHT_PATH",))
+    assert environ[b"RHT_B"] == b"new" and environ[b"RHT_PATH"] == b"/usr/bin"
+    lines = _warnings(caplog)  # the same lines as before, each once
+    assert len(lines) == 2
+    assert "ignored REHYDRATE_RHT" in lines[0] and "RHT_PATH" in lines[1]
+    assert "/app/.venv" not in " ".join(lines)
