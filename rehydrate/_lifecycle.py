@@ -1817,7 +1817,7 @@ class Lifecycle:
     ) -> RestoreReport:
         generation = self._generation + 1 if kind == "restore" else self._generation
         if kind == "restore":
-            env_module.restored(self.env)
+            env_module.restored(self.env, self)
         self._event_seq += 1
         ctx = RestoreContext(generation=generation, reason=reason, kind=kind,
                              frozen_for=frozen_for, detected_at=detected,

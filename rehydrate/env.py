@@ -9,12 +9,14 @@ Values are never logged; only key names.
 
 from __future__ import annotations
 
+import contextvars
 import fnmatch
 import functools
 import logging
 import os
 import re
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -66,7 +68,8 @@ NEVER_FROM_FILE: tuple[str, ...] = ("REHYDRATE_*", "LD_*", "GCONV_PATH", "GLIBC_
 own configuration (a file must not pick the ``nft`` binary the next restore runs), and
 the dynamic loader's and the interpreter's variables, which choose code that child
 processes run (``LD_PRELOAD``, ``PYTHONPATH``, ``PYTHONSTARTUP`` …). Such keys in a file
-are ignored with one warning naming them."""
+are ignored with one warning naming them, once per restore (or resume) and file however
+many engines refresh from it."""
 
 KEEP: tuple[str, ...] = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "TMPDIR",
                          "LANG", "LANGUAGE", "LC_*", "TZ", "HOSTNAME", "TERM")
@@ -235,6 +238,9 @@ class EnvRefresher:
     the file changed since the one this refresher applied last, so that a second engine's
     refresher, finding ``os.environ`` already updated by the first, reports it as well
     (with what the first one reset of the application's own values: :class:`_Event`).
+    Engines may share one refresher: each engine's refresh counts once per restore, and
+    the second one's, finding the file applied already, applies nothing, warns nothing
+    and reports what the first one's reported.
     An overlay counts as what the refresher applied last for the keys the file holds: a
     later refresh resetting its value is no "application's own value" to warn about.
 
@@ -293,11 +299,16 @@ class EnvRefresher:
         # takes REHYDRATE_ENV_PROTECT (from_config), any other only protect=.
         self._protect_setting = "EnvRefresher(protect=...)"
         # Where this refresher stands in the process's sequence of restores (_Event): the
-        # event of its last refresh, the restore it last announced (restored()), and when
-        # it last took a baseline (made, a snapshot).
-        self._event = -1
-        self._restore = -1
+        # event of its last refresh and the restore it last announced (restored()), per
+        # engine (_Position), and when it last took a baseline (made, a snapshot).
+        self._direct = _Position()
+        self._engines: weakref.WeakKeyDictionary[object, _Position] = (
+            weakref.WeakKeyDictionary())
         self._baselined = _EVENT.tick()
+        # What the last refresh of the file reported, and in which event: the second
+        # engine sharing this refresher finds its file applied already (and the previous
+        # file, which told what it removed, replaced), and reports the same.
+        self._reported: tuple[int, EnvChanges] = (-1, EnvChanges())
 
     @classmethod
     def from_config(cls) -> EnvRefresher:
@@ -323,6 +334,19 @@ class EnvRefresher:
             return ""
         return ("; REHYDRATE_ENV_PROTECT is set but applies only to an engine without an "
                 "EnvRefresher of its own")
+
+    def _position(self, engine: object | None = None) -> _Position:
+        """Where ``engine`` (default: the one refreshing now, :data:`_ENGINE`) stands: two
+        engines sharing this refresher each refresh once per restore, so its second
+        refresh of a restore is no next restore (its warnings came twice, and the second
+        engine was told of no change)."""
+        engine = _ENGINE.get() if engine is None else engine
+        if engine is None:
+            return self._direct
+        try:
+            return self._engines.setdefault(engine, _Position())
+        except TypeError:  # not weakly referenceable: counted as a direct call
+            return self._direct
 
     def _digest(self, value: bytes) -> bytes:
         return _blake2b()(value, key=self._hash_key, digest_size=16).digest()
@@ -398,8 +422,15 @@ class EnvRefresher:
         # another engine's refresher comparing after this one applied but joining the
         # event before it recorded saw os.environ already updated and no earlier change,
         # and missed the platform's change (its on_env_change hooks skipped).
-        with _EVENT.applying:
-            return self._apply_file(new, path)
+        warnings: list[tuple[object, ...]] = []
+        try:
+            with _EVENT.applying:
+                return self._apply_file(new, path, warnings)
+        finally:
+            # Logged with the lock released: a slow or blocking handler (a log shipper,
+            # a full pipe) held it, and every other engine's refresh waited on it.
+            for message, *args in warnings:
+                log.warning(message, *args)
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
         check_overlay(overlay)  # all first: never apply half of it
@@ -438,17 +469,16 @@ class EnvRefresher:
                     previous[k] = _ABSENT
         return changes
 
-    def _apply_file(self, new: dict[bytes, bytes], path: str) -> EnvChanges:
+    def _apply_file(self, new: dict[bytes, bytes], path: str,
+                    warnings: list[tuple[object, ...]]) -> EnvChanges:
+        """Compare, apply and record (under ``_EVENT.applying``); the warnings to log,
+        ``(message, *args)`` with key names only, are appended to ``warnings``."""
         env = os.environb
         # a key the process already has with the same value is no attempt: no warning
         # (gVisor's spec_environ repeats the container's REHYDRATE_* / PYTHON* settings)
         # names escaped when not printable: a key with a newline must not forge a log line
         ignored = sorted(_name(k) for k, v in new.items()
                          if _matches(k, NEVER_FROM_FILE) and env.get(k) != v)
-        if ignored:
-            log.warning("environment file %s: ignored %s (rehydrate's configuration and "
-                        "loader/interpreter variables never come from the refreshed "
-                        "environment)", path, _names_text(ignored))
         candidates = env if self.policy == "replace" else (self._previous or ())
         removes = [k for k in candidates
                    if k not in new and not _matches(k, NEVER_FROM_FILE)
@@ -458,6 +488,12 @@ class EnvRefresher:
         previous = self._previous
         applied = changes = diff(env, sets, removes)  # what this refresh does to os.environ
         earlier = _EVENT.join(self)
+        # Once per restore (or resume) and file, however many engines read it: their
+        # refreshes of one file ignore the same keys.
+        if ignored and _EVENT.first_warning(("ignored", path, *ignored)):
+            warnings.append(("environment file %s: ignored %s (rehydrate's configuration "
+                             "and loader/interpreter variables never come from the "
+                             "refreshed environment)", path, _names_text(ignored)))
         if previous is not None:
             # What the platform changed since the file this refresher last applied: another
             # engine's refresher of the same restore may have applied it to os.environ
@@ -473,12 +509,13 @@ class EnvRefresher:
                 if k in previous and k in env and env[k] != sets.get(k)
                 and self._digest(env[k]) != previous[k])
             if overridden:
-                log.warning("environment file %s: the refresh replaced the application's "
-                            "own value of %s (changed since the previous file) with the "
-                            "file's: a key in the file gets the file's value, one only the "
-                            "previous file had is removed; protect a key to keep the "
-                            "application's value (%s)%s", path, _names_text(overridden),
-                            self._protect_setting, self._protect_not_applied())
+                warnings.append((
+                    "environment file %s: the refresh replaced the application's own value "
+                    "of %s (changed since the previous file) with the file's: a key in the "
+                    "file gets the file's value, one only the previous file had is removed; "
+                    "protect a key to keep the application's value (%s)%s", path,
+                    _names_text(overridden), self._protect_setting,
+                    self._protect_not_applied()))
         if earlier is not None:
             # What an earlier refresher of this restore (another engine's) did to
             # os.environ that this file does too: the application's own PATH that the
@@ -497,6 +534,13 @@ class EnvRefresher:
             env.pop(k, None)
         self._previous = self._digests(new)
         _EVENT.record(applied)
+        event, reported = self._reported
+        if event == _EVENT.number:
+            # This refresher applied a file in this restore already, for another engine:
+            # what it reported then is this engine's news too (a key it removed is in no
+            # previous file any more).
+            changes = _union(changes, reported)
+        self._reported = (_EVENT.number, changes)
         return changes
 
 
@@ -505,20 +549,32 @@ _ABSENT = b""
 empty)."""
 
 
+class _Position:
+    """Where one engine's use of a refresher stands in :class:`_Event`'s sequence."""
+
+    __slots__ = ("event", "restore")
+
+    def __init__(self) -> None:
+        self.event = -1
+        self.restore = -1
+
+
 class _Event:
     """The names (never values) of the ``os.environ`` keys the refreshes of the current
     restore added, changed and removed, process-wide: a second engine's refresher reports
     a key the first one changed to the value its own file holds too.
 
     Each engine refreshes once per restore or resume, so a refresher that refreshes again
-    begins the next event, and so does one whose baseline (a before-snapshot pass) or
+    for the same engine (:class:`_Position`: engines may share one) begins the next event,
+    and so does one whose baseline (a before-snapshot pass) or
     creation came after the current event began: a later engine, or the first engine of
     the next restore whose predecessor refreshed elsewhere, never takes an old event's
     names for this one's. A refresher that missed an event (no file then) and joins a
     later one is told what changed meanwhile: news to it too.
 
     ``applying`` is held by each refresh over its compare, apply and record, so that no
-    other refresher sees ``os.environ`` changed by one whose names are not recorded yet.
+    other refresher sees ``os.environ`` changed by one whose names are not recorded yet;
+    nothing is logged while it is held (a blocking handler would hold up every engine).
     ``restore`` numbers the restores the same way (:func:`restored`, per engine run)."""
 
     def __init__(self) -> None:
@@ -530,6 +586,7 @@ class _Event:
         self.restore = 0
         self.restore_began = 0
         self.changed: tuple[set[bytes], set[bytes], set[bytes]] = (set(), set(), set())
+        self._warned: set[tuple[str, ...]] = set()
         # A parent thread may hold either at fork() (a refresh in progress).
         fresh_lock_after_fork(self, "_lock", "applying")
 
@@ -542,29 +599,40 @@ class _Event:
         """``refresher`` refreshes now: the keys the earlier refreshes of this event
         added, changed and removed (None: there were none)."""
         with self._lock:
-            if refresher._event == self.number or refresher._baselined > self.began:
+            position = refresher._position()
+            if position.event == self.number or refresher._baselined > self.began:
                 self._clock += 1
                 self.number += 1
                 self.began = self._clock
                 for names in self.changed:
                     names.clear()
-            refresher._event = self.number
+                self._warned.clear()
+            position.event = self.number
             if not any(self.changed):
                 return None
             return tuple(frozenset(names) for names in self.changed)
 
-    def restored(self, refresher: EnvRefresher) -> bool:
-        """``refresher``'s engine begins a restore run: True when that is a new restore,
-        not one another engine's run already announced."""
+    def restored(self, refresher: EnvRefresher, engine: object | None = None) -> bool:
+        """``engine`` (``refresher``'s) begins a restore run: True when that is a new
+        restore, not one another engine's run already announced."""
         with self._lock:
-            new = (refresher._restore == self.restore
+            position = refresher._position(engine)
+            new = (position.restore == self.restore
                    or refresher._baselined > self.restore_began)
             if new:
                 self._clock += 1
                 self.restore += 1
                 self.restore_began = self._clock
-            refresher._restore = self.restore
+            position.restore = self.restore
             return new
+
+    def first_warning(self, what: tuple[str, ...]) -> bool:
+        """True the first time in the current event: the warning ``what`` names is due."""
+        with self._lock:
+            if what in self._warned:
+                return False
+            self._warned.add(what)
+            return True
 
     def record(self, changes: EnvChanges) -> None:
         with self._lock:
@@ -576,6 +644,10 @@ class _Event:
 
 
 _EVENT = _Event()
+
+_ENGINE: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "rehydrate_env_engine", default=None)
+"""The engine whose ``rehydrate.env`` hook is refreshing (None: a direct call)."""
 
 
 def _union(first: EnvChanges, second: EnvChanges) -> EnvChanges:
@@ -601,12 +673,12 @@ once too, and :func:`restored` empties it, so that a clone restored from an imag
 after the warning (same pid under gVisor) warns once as well."""
 
 
-def restored(refresher: EnvRefresher | None = None) -> None:
+def restored(refresher: EnvRefresher | None = None, engine: object | None = None) -> None:
     """A restore began (a new process from a snapshot image): its "once" warnings are due
-    again. Called by the engine at each restore run (not a resume) with its refresher:
-    the second engine of the same restore (:meth:`_Event.restored`) clears nothing, or
-    the warning came once per engine."""
-    if refresher is None or _EVENT.restored(refresher):
+    again. Called by the engine at each restore run (not a resume) with its refresher and
+    itself: the second engine of the same restore (:meth:`_Event.restored`), sharing the
+    refresher or not, clears nothing, or the warning came once per engine."""
+    if refresher is None or _EVENT.restored(refresher, engine):
         _warned_missing.clear()
 
 
@@ -768,7 +840,11 @@ def install(engine: Engine) -> None:
 
     def refresh_environment(ctx: RestoreContext) -> None:
         # The key names are logged with the run's summary line, after readiness changed.
-        ctx.env_changes = engine.env.refresh(ctx.env)
+        token = _ENGINE.set(engine)  # engines sharing one refresher: whose refresh this is
+        try:
+            ctx.env_changes = engine.env.refresh(ctx.env)
+        finally:
+            _ENGINE.reset(token)
 
     engine.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
                              order=BEFORE_USER_HOOKS, name="rehydrate.env", timeout=10.0)

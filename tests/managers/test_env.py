@@ -1357,13 +1357,16 @@ def test_two_engines_refreshing_at_once_each_see_the_platform_s_change(
             engine.close()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["two-refreshers", "one-refresher"])
 def test_the_missing_spec_environ_warning_comes_once_per_restore_with_two_engines(
-        tmp_path, environ, monkeypatch, caplog, warned_anew):
+        tmp_path, environ, monkeypatch, caplog, warned_anew, shared):
     """Each engine's restore run emptied the "warned" set: with two engines the warning
-    came twice per restore."""
+    came twice per restore (still so with one EnvRefresher shared by both)."""
     monkeypatch.delenv("REHYDRATE_ENV_FILE", raising=False)
     monkeypatch.setenv("REHYDRATE_GVISOR_PROC", str(tmp_path))
-    engines = [Lifecycle(Registry()), Lifecycle(Registry(), env=EnvRefresher())]
+    one = EnvRefresher()
+    engines = [Lifecycle(Registry(), env=one if shared else None),
+               Lifecycle(Registry(), env=one if shared else EnvRefresher())]
     try:
         assert all(engine.simulate_snapshot().ok for engine in engines)
         for _ in range(2):
@@ -1450,3 +1453,99 @@ def test_a_key_an_overlay_removed_is_removed_again_by_a_file_without_it(
         assert "RHT_GONE" in line
     finally:
         engine.close()
+
+
+def test_a_blocking_log_handler_does_not_hold_up_another_engine_s_refresh(
+        tmp_path, environ, caplog):
+    """The reset warning was logged with the process-wide lock held: a handler that
+    blocked (a log shipper, a full pipe) kept every other engine's refresh waiting."""
+    import threading
+
+    spec_a = write(tmp_path / "a_environ", {b"RHT_PATH": b"/usr/bin", b"RHT_SET": b"1"})
+    spec_b = write(tmp_path / "b_environ", {b"RHT_B": b"old"})
+    environ.update({b"RHT_PATH": b"/usr/bin", b"RHT_SET": b"1", b"RHT_B": b"old"})
+    first, second = EnvRefresher(path=spec_a), EnvRefresher(path=spec_b)
+    first.baseline()
+    second.baseline()
+    environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"  # the application's: A warns
+    write(tmp_path / "a_environ", {b"RHT_PATH": b"/usr/bin", b"RHT_SET": b"1",
+                                    b"REHYDRATE_RHT": b"x"})  # and "ignored" too
+    write(tmp_path / "b_environ", {b"RHT_B": b"new"})
+    in_handler, release = threading.Event(), threading.Event()
+
+    class Blocking(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.name == "rehydrate" and threading.current_thread() is a:
+                in_handler.set()
+                release.wait(30)
+
+    handler = Blocking(logging.WARNING)
+    got: dict[str, EnvChanges] = {}
+    a = threading.Thread(target=lambda: got.setdefault("A", first.refresh()))
+    b = threading.Thread(target=lambda: got.setdefault("B", second.refresh()))
+    logging.getLogger("rehydrate").addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            a.start()
+            assert in_handler.wait(30)
+            b.start()
+            b.join(10)  # without the fix: waits on the lock A holds until released
+            assert not b.is_alive() and got["B"] == EnvChanges(changed=("RHT_B",))
+            release.set()
+            a.join(30)
+    finally:
+        release.set()
+        logging.getLogger("rehydrate").removeHandler(handler)
+    assert got["A"] == EnvChanges(changed=("RHT_PATH",))
+    assert environ[b"RHT_B"] == b"new" and environ[b"RHT_PATH"] == b"/usr/bin"
+    lines = _warnings(caplog)  # the same lines as before, each once
+    assert len(lines) == 2
+    assert "ignored REHYDRATE_RHT" in lines[0] and "RHT_PATH" in lines[1]
+    assert "/app/.venv" not in " ".join(lines)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-refresher", "two-refreshers"])
+def test_two_engines_warn_once_per_restore_and_each_see_the_change(
+        tmp_path, environ, caplog, monkeypatch, shared):
+    """Two engines sharing one EnvRefresher: the second engine's refresh counted as the
+    next restore, so it repeated the "ignored" warning and was told of no change (its
+    on_env_change hooks skipped). With a refresher each, the "ignored" warning came once
+    per engine. The reset warning comes once: the second refresh resets nothing."""
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_PATH": b"/usr/bin", b"RHT_KEY": b"old", b"RHT_DROPPED": b"x"})
+    environ.update({b"RHT_PATH": b"/usr/bin", b"RHT_KEY": b"old", b"RHT_DROPPED": b"x"})
+    monkeypatch.delenv("REHYDRATE_RHT", raising=False)
+    one = EnvRefresher(path=str(spec))
+    engines = [Lifecycle(Registry(), env=one if shared else EnvRefresher(path=str(spec)))
+               for _ in range(2)]
+    seen: list[list[EnvChanges]] = [[], []]
+    for engine, got in zip(engines, seen):
+        engine.registry.on_env_change("RHT_*")(lambda ctx, ch, got=got: got.append(ch))
+    try:
+        environ[b"RHT_PATH"] = b"/app/.venv/bin:/usr/bin"  # the application's own
+        assert all(engine.simulate_snapshot().ok for engine in engines)
+        write(spec, {b"RHT_PATH": b"/usr/bin", b"RHT_KEY": b"new",
+                     b"REHYDRATE_RHT": b"x", b"LD_RHT": b"y"})
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            reports = [engine.restore_detected("gvisor", kind="restore")
+                       for engine in engines]
+        expected = EnvChanges(changed=("RHT_KEY", "RHT_PATH"), removed=("RHT_DROPPED",))
+        assert [r.env_changes for r in reports] == [expected, expected]
+        assert seen == [[expected], [expected]]
+        lines = _warnings(caplog)
+        assert len(lines) == 2, lines
+        assert "ignored LD_RHT, REHYDRATE_RHT" in lines[0]
+        assert "application's own value of RHT_PATH (" in lines[1]
+        # the next restore, same file: applies nothing, nothing to report; the ignored
+        # keys are named once for it, whichever engine refreshes first
+        for kind in ("restore", "resume"):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="rehydrate"):
+                again = [engine.restore_detected("gvisor", kind=kind) for engine in engines]
+            assert [r.env_changes for r in again] == [EnvChanges(), EnvChanges()]
+            (line,) = _warnings(caplog)
+            assert "ignored LD_RHT, REHYDRATE_RHT" in line and "x" not in line.split(":")[-1]
+        assert environ.get(b"REHYDRATE_RHT") is None and environ[b"RHT_KEY"] == b"new"
+    finally:
+        for engine in engines:
+            engine.close()
