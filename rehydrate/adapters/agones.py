@@ -14,9 +14,11 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   health loop restarts with an immediate ping; ``GET /gameserver`` is fetched (retried
   with backoff until ``deadline``) and compared with what was known; every label and
   annotation set through the adapter is applied again; the watch loop restarts. A
-  sidecar that does not answer within ``deadline`` fails the hook with a clear reason,
-  so the server stays not ready; the resync then goes on in the background until the
-  sidecar answers, and the hook counts as recovered (``engine.recovered``).
+  sidecar that does not answer within ``deadline``, or refuses ``GET /gameserver`` (a
+  4xx but 408/429: at once), fails the hook with a clear reason, so the server stays not
+  ready; the resync then goes on in the background (backoff up to 5 s, a refusal
+  retried like an outage, never a second hook failure) until the sidecar gives the
+  GameServer, and the hook counts as recovered (``engine.recovered``).
 * When the engine is ready again after that restore, ``POST /ready`` goes out — only if
   :meth:`AgonesAdapter.ready` had been called before and the GameServer is not already
   ``Ready``, ``Allocated`` or ``Reserved`` (or ``RequestReady`` / ``Shutdown``). A
@@ -31,7 +33,10 @@ asyncio loop of its own, so the game's loop (or lack of one) never delays a heal
   is seen; for a call that waited for the restore, or made before any GameServer was
   seen, the first one seen after it is its own; one made before any was seen is
   forgotten at the next pause); a pending deferred :meth:`~AgonesAdapter.ready` of the
-  game's own is not replaced by it, nor lost when a pause cancels its retries.
+  game's own is not replaced by it, nor lost when a pause cancels its retries. Never
+  sent while paused for a snapshot (a Ready handed over as the pause came): the
+  restore's is decided again by the report of the run that ends the pause, the game's
+  own is deferred again.
 * Between the pause and the restore, ``allocate()``, ``reserve()``, ``shutdown()`` and
   ``gameserver()`` wait for the restore (each at most ``deadline``, the freeze not
   counted, side by side): nothing is in flight or pooled in the image. From a rehydrate
@@ -767,10 +772,11 @@ class AgonesAdapter:
             if self._closed:
                 raise
             self.reason = redact(str(exc))  # shown in status(): a managed secret never is
-            if _refusal(exc) is None:
-                # Not heard in time: finished once the sidecar answers (_on_report starts
-                # it, when the engine has counted this failure, so it can be forgotten).
-                self._resync_kind = ctx.kind
+            # Not heard in time, or GET /gameserver refused: finished in the background
+            # once the sidecar gives the GameServer (_on_report starts it, when the engine
+            # has counted this failure, so it can be forgotten). A refusal left the known
+            # GameServer, the labels and the annotations stale until the next restore.
+            self._resync_kind = ctx.kind
             raise
 
     async def _resync(self, kind: str) -> None:
@@ -810,11 +816,15 @@ class AgonesAdapter:
         self._recover_task = asyncio.create_task(self._finish_resync(kind))
 
     async def _finish_resync(self, kind: str) -> None:
-        """The resync whose deadline the sidecar missed, retried until it answers; then
-        the hook's failure is forgotten (``engine.recovered``), so the process is ready
-        again (and asks to be Ready when it must) without waiting for another restore.
-        Cancelled by a new pause or restore, and by close()."""
-        log.info("Agones resync after the %s: retrying until the sidecar answers", kind)
+        """The resync whose deadline the sidecar missed, or whose ``GET /gameserver`` it
+        refused, retried until the sidecar gives the GameServer; then the hook's failure
+        is forgotten (``engine.recovered``), so the process is ready again (and asks to be
+        Ready when it must) without waiting for another restore. Its failures are logged,
+        never a hook's: a refusal is retried like an outage (a sidecar that answers 403 or
+        404 while its GameServer is being set up gives it later), with backoff capped at
+        5 s. Cancelled by a new pause or restore, and by close()."""
+        log.info("Agones resync after the %s: retrying in the background until the "
+                 "sidecar gives the GameServer", kind)
         attempt = 0
         while True:
             if self._paused:
@@ -825,13 +835,8 @@ class AgonesAdapter:
                 await self._sync(kind, began + self.deadline)
                 break
             except AgonesError as exc:
-                if _refusal(exc) is not None:
-                    self.reason = redact(str(exc))
-                    log.warning("Agones resync after the %s refused: %s; not retried "
-                                "before the next restore", kind, _describe(exc.__cause__ or exc))
-                    return
-                log.debug("Agones resync after the %s still failing: %s", kind,
-                          _describe(exc.__cause__ or exc))
+                log.debug("Agones resync after the %s still failing (%d attempts): %s",
+                          kind, attempt, _describe(exc.__cause__ or exc))
             await asyncio.sleep(_backoff(attempt, 5.0))
         self._resync_kind = None
         self.reason = ""
@@ -989,6 +994,12 @@ class AgonesAdapter:
                                  else logging.INFO)
                         log.log(level, "not asking to be Ready (%s): %s", what, why)
                         return
+                    if self._paused:
+                        # Handed over before a snapshot's pause came (a report that found
+                        # rehydrate ready just before the pass began): sent now, it is a
+                        # request in the image, and a clone's GameServer never hears it.
+                        self._keep_ready_for_restore(asked, what)
+                        return
                     try:
                         await self._request("POST", "/ready", {})
                         if asked:
@@ -1011,6 +1022,20 @@ class AgonesAdapter:
         finally:
             if self._ready_task is asyncio.current_task():
                 self._ready_task = None
+
+    def _keep_ready_for_restore(self, asked: bool, what: str) -> None:
+        """A Ready decided while paused for a snapshot, kept for after the restore: the
+        game's own ready() is deferred again (sent once rehydrate is ready after it); the
+        restore's is decided again by the report of the run that ends the pause (every
+        run that resumes the adapter reports, and ``_want_ready`` still holds)."""
+        eng = self.engine
+        if asked and eng is not None:
+            log.info("%s: paused for a snapshot, sent once rehydrate is ready after the "
+                     "restore", what)
+            self._defer_ready(eng, asked=True)
+        else:
+            log.info("not asking to be Ready (%s) while paused for a snapshot: decided "
+                     "again after the restore", what)
 
     async def _supersede_ready(self, what: str) -> None:
         """allocate(), reserve() or shutdown(): a Ready decided before (retried after a

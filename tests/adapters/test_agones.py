@@ -598,19 +598,65 @@ def test_a_refused_label_is_dropped_once_and_the_others_still_applied(
         a.close()
 
 
-def test_a_refused_gameserver_fetch_fails_the_resync_without_retrying(sidecar,
-                                                                     rehydrate_engine):
+def test_a_refused_gameserver_fetch_fails_the_resync_and_is_retried_in_the_background(
+        sidecar, rehydrate_engine):
+    """The hook fails at once on the refusal (not retried until the deadline); the
+    resync then went on nowhere, so the known GameServer, the labels and the annotations
+    stayed stale, and the engine degraded, until the next restore. Now it is retried in
+    the background until the sidecar gives the GameServer, and the hook recovers."""
     a = _adapter(sidecar, rehydrate_engine, deadline=30.0)
     a.install()
     try:
+        a.ready()
+        a.set_label("map", "dust")
+        sidecar.wait_for("GET", "/watch/gameserver")
+        assert rehydrate_engine.simulate_snapshot().ok
+        with sidecar.cond:
+            sidecar.gs.labels.clear()  # a clone's new Pod
+        sidecar.set_state("Scheduled")
+        sidecar.fail_next(3, "/gameserver", status=403)
         t0 = time.monotonic()
-        sidecar.fail_next(1000, "/gameserver", status=403)
         report = rehydrate_engine.simulate_restore()
         [resync] = [h for h in report.hooks if h.name == "rehydrate.agones.resync"]
         assert resync.outcome == "failed" and "HTTP 403" in str(resync.error)
-        # recorded once answered: may lag the report (CI saw 0 here)
-        sidecar.wait_for("GET", "/gameserver", status=403, since=t0)
-        assert len(sidecar.calls("GET", "/gameserver", since=t0)) == 1
+        assert report.duration < a.deadline / 2  # failed at once, not at the deadline
+        assert not report.ok
+        # the hook's GET and two background ones refused, then the GameServer
+        refused = sidecar.wait_for("GET", "/gameserver", count=3, status=403, since=t0)
+        [fetched] = sidecar.wait_for("GET", "/gameserver", since=t0)
+        assert fetched.mono > refused[-1].mono
+        assert rehydrate_engine.wait_ready(15), rehydrate_engine.status()
+        assert sidecar.gs.labels == {"agones.dev/sdk-map": "dust"}
+        sidecar.wait_for("POST", "/ready", since=t0)
+        assert sidecar.gs.state == "Ready"
+        assert a.status()["reason"] == ""
+        assert a._recover_task is None or a._recover_task.done()
+    finally:
+        sidecar.faults.fail = 0
+        a.close()
+
+
+def test_the_background_retry_of_a_refused_fetch_stops_at_the_pause_and_at_close(
+        sidecar, rehydrate_engine):
+    a = _adapter(sidecar, rehydrate_engine, deadline=30.0)
+    a.install()
+    try:
+        sidecar.fail_next(10**6, "/gameserver", status=404)
+        t0 = time.monotonic()
+        assert not rehydrate_engine.simulate_restore().ok
+        sidecar.wait_for("GET", "/gameserver", count=3, status=404, since=t0)
+        task = a._recover_task
+        assert task is not None
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert task.cancelled() and a._recover_task is None
+        t1 = time.monotonic()
+        assert not rehydrate_engine.simulate_restore().ok  # still refused: retried again
+        sidecar.wait_for("GET", "/gameserver", count=3, status=404, since=t1)
+        task = a._recover_task
+        assert task is not None and not task.done()
+        a.close()
+        assert task.cancelled()
+        assert not a._thread.is_alive()  # nothing left to send another request
     finally:
         sidecar.faults.fail = 0
         a.close()
@@ -1742,3 +1788,69 @@ def test_a_task_a_restore_hook_left_running_waits_for_the_restore_like_the_game(
     assert rehydrate_engine.simulate_restore().ok
     wait_for(lambda: result, what="the worker's call to end")
     assert result == ["allocated"]
+
+
+# -- no POST /ready while paused for a snapshot -----------------------------------------
+
+
+def test_a_ready_handed_over_as_a_snapshot_pauses_waits_for_the_restore(
+        sidecar, adapter, rehydrate_engine, monkeypatch, caplog):
+    """The restore's report found rehydrate ready and handed its Ready to the adapter's
+    loop; a snapshot pass (another thread: the engine publishes outside its run lock)
+    paused the adapter in between. The Ready then went out from the paused adapter, a
+    request in the image, and was retried there. The order is forced: the pass runs
+    between the report's readiness check and the hand-over."""
+    adapter.ready()
+    sidecar.wait_for("GET", "/watch/gameserver")
+    assert rehydrate_engine.simulate_snapshot().ok
+    sidecar.set_state("Scheduled")  # a clone's GameServer: the restore asks for Ready
+    real_submit = adapter._submit
+    handed: dict[str, object] = {}
+
+    def submit(coro):
+        if coro.__name__ == "_ready_after_restore" and "ready" not in handed:
+            snap = threading.Thread(
+                target=lambda: handed.setdefault("pass", rehydrate_engine.simulate_snapshot()))
+            snap.start()
+            snap.join(10)
+            handed["t_pass"] = time.monotonic()
+            handed["ready"] = real_submit(coro)
+            return handed["ready"]
+        return real_submit(coro)
+
+    monkeypatch.setattr(adapter, "_submit", submit)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        assert rehydrate_engine.simulate_restore().ok
+        assert handed["pass"].ok and adapter._paused
+        handed["ready"].result(10)  # the Ready handed over has decided
+    assert sidecar.gs.state == "Scheduled", "POST /ready sent while paused"
+    assert "while paused for a snapshot: decided again after the restore" in caplog.text
+    t1 = time.monotonic()
+    assert rehydrate_engine.simulate_restore().ok  # the restore of that pass's image
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert [r.mono >= t1 for r in sidecar.calls("POST", "/ready", since=t0)] == [True]
+    assert sidecar.gs.state == "Ready"
+
+
+def test_the_games_own_ready_decided_while_paused_is_kept_for_after_the_restore(
+        sidecar, adapter, rehydrate_engine):
+    """The game's own deferred ready() (returning an Allocated server to the pool) taken
+    by a report just before a snapshot paused the adapter: not sent while paused, and not
+    lost either — it goes out once rehydrate is ready after the restore, also to the
+    Allocated GameServer (the restore's own Ready would skip it)."""
+    adapter.ready()
+    adapter.allocate()
+    wait_for(lambda: adapter.known_gameserver["status"]["state"] == "Allocated",
+             what="the watch")
+    assert rehydrate_engine.simulate_snapshot().ok
+    t0 = time.monotonic()
+    adapter._submit(adapter._ready_after_restore(asked=True,
+                                                 epoch=adapter._ready_epoch)).result(10)
+    assert sidecar.gs.state == "Allocated", "POST /ready sent while paused"
+    assert adapter._ready_deferred and adapter._ready_asked
+    t1 = time.monotonic()
+    assert rehydrate_engine.simulate_restore().ok
+    sidecar.wait_for("POST", "/ready", since=t0)
+    assert all(r.mono >= t1 for r in sidecar.calls("POST", "/ready", since=t0))
+    assert sidecar.gs.state == "Ready"
