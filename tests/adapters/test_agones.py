@@ -30,6 +30,19 @@ def _adapter(sidecar: AgonesSidecar, engine, **kw) -> AgonesAdapter:
     return AgonesAdapter(sidecar.port, kw.pop("health_interval", INTERVAL), engine=engine, **kw)
 
 
+def _failing_hook(engine, name: str, error: Exception) -> threading.Event:
+    """A required after-restore hook ``name`` that raises ``error`` until the event it
+    returns is set (its cause fixed)."""
+    fixed = threading.Event()
+
+    @engine.registry.after_restore(name=name)
+    def hook() -> None:
+        if not fixed.is_set():
+            raise error
+
+    return fixed
+
+
 @pytest.fixture
 def adapter(sidecar, rehydrate_engine) -> Iterator[AgonesAdapter]:
     a = _adapter(sidecar, rehydrate_engine)
@@ -271,17 +284,12 @@ def test_slow_sidecar_still_syncs(sidecar, rehydrate_engine):
 
 
 def test_ready_while_not_ready_is_deferred(sidecar, adapter, rehydrate_engine):
-    fail = {"on": True}
-
-    @rehydrate_engine.registry.after_restore(name="game.flaky")
-    def flaky() -> None:
-        if fail["on"]:
-            raise RuntimeError("not yet")
+    fixed = _failing_hook(rehydrate_engine, "game.flaky", RuntimeError("not yet"))
 
     assert not rehydrate_engine.simulate_restore().ok
     adapter.ready()  # degraded: remembered, not sent
     assert sidecar.calls("POST", "/ready") == []
-    fail["on"] = False
+    fixed.set()
     assert rehydrate_engine.simulate_restore().ok
     sidecar.wait_for("POST", "/ready")
     wait_for(lambda: "rehydrate-agones-ready" not in [t.name for t in threading.enumerate()],
@@ -313,12 +321,7 @@ def test_a_failed_restore_that_recovers_without_a_new_run_marks_the_gameserver_r
     Ready); the hook recovers later without a new run (``engine.recovered()``, which a
     secret's successful reload calls) and publishes no report — Ready must still go out,
     or the clone's new GameServer stays Scheduled for good."""
-    fail = {"on": True}
-
-    @rehydrate_engine.registry.after_restore(name="game.secret")
-    def secret() -> None:
-        if fail["on"]:
-            raise FileNotFoundError("not mounted yet")
+    _failing_hook(rehydrate_engine, "game.secret", FileNotFoundError("not mounted yet"))
 
     adapter.ready()
     sidecar.wait_for("POST", "/ready")
@@ -1064,12 +1067,7 @@ def test_the_games_own_ready_deferred_by_a_snapshot_returns_an_allocated_server(
 
 def test_the_games_own_ready_deferred_by_a_degraded_restore_goes_out_on_recovery(
         sidecar, adapter, rehydrate_engine):
-    fail = {"on": True}
-
-    @rehydrate_engine.registry.after_restore(name="game.db")
-    def db() -> None:
-        if fail["on"]:
-            raise ConnectionError("db not reachable yet")
+    fixed = _failing_hook(rehydrate_engine, "game.db", ConnectionError("db not reachable yet"))
 
     adapter.ready()
     adapter.allocate()
@@ -1077,7 +1075,7 @@ def test_the_games_own_ready_deferred_by_a_degraded_restore_goes_out_on_recovery
     assert not rehydrate_engine.simulate_restore().ok
     adapter.ready()  # the match ended: back to the pool, deferred (degraded)
     assert sidecar.calls("POST", "/ready", since=t0) == []
-    fail["on"] = False
+    fixed.set()
     assert rehydrate_engine.recovered("game.db")
     sidecar.wait_for("POST", "/ready", since=t0)
     assert sidecar.gs.state == "Ready"
@@ -1091,10 +1089,7 @@ def test_allocate_after_a_deferred_ready_was_taken_drops_it(sidecar, adapter,
     go out, keeps the Allocated server from being marked Ready. A guard of that check
     (older than the restore-start epoch): without it, this test fails, and no other test
     of the game's own deferred ready() does."""
-
-    @rehydrate_engine.registry.after_restore(name="game.db")
-    def db() -> None:
-        raise ConnectionError("db not reachable yet")
+    _failing_hook(rehydrate_engine, "game.db", ConnectionError("db not reachable yet"))
 
     t0 = time.monotonic()
     assert not rehydrate_engine.simulate_restore().ok
