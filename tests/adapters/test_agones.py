@@ -1118,6 +1118,26 @@ def test_allocate_after_a_deferred_ready_was_taken_drops_it(sidecar, adapter,
     assert sidecar.gs.state == "Allocated"
 
 
+def _allocate_in_the_pause(adapter: AgonesAdapter, caplog) -> tuple[threading.Thread,
+                                                                   list[object]]:
+    """Starts allocate() on a thread of its own and returns once the call waits for the
+    restore: that thread, and the list that gets allocate()'s return or its exception."""
+    got: list[object] = []
+
+    def call() -> None:
+        try:
+            got.append(adapter.allocate())
+        except Exception as exc:  # noqa: BLE001 - the test judges it
+            got.append(exc)
+
+    caller = threading.Thread(target=call)
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        caller.start()
+        wait_for(lambda: "POST /allocate while paused" in caplog.text,
+                 what="the call to wait for the restore")
+    return caller, got
+
+
 def _ready_decided(caplog) -> bool:
     text = caplog.text
     return "not asking to be Ready (after the restore)" in text or \
@@ -1339,19 +1359,7 @@ def test_a_call_waiting_for_the_restore_does_not_count_the_freeze(
     in the pause window failed with AgonesUnavailable the moment the clone woke. The
     freeze is a jump of the adapter's loop clock here."""
     assert rehydrate_engine.simulate_snapshot().ok
-    done: list[object] = []
-
-    def call() -> None:
-        try:
-            done.append(adapter.allocate())
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            done.append(exc)
-
-    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
-        caller = threading.Thread(target=call)
-        caller.start()
-        wait_for(lambda: "POST /allocate while paused" in caplog.text,
-                 what="the call to wait for the restore")
+    caller, done = _allocate_in_the_pause(adapter, caplog)
     loop = adapter._loop
     real = loop.time
     loop.time = lambda: real() + 3600.0  # an hour in the image, well over deadline=3
@@ -1489,12 +1497,8 @@ def test_an_sdk_call_between_the_pause_and_the_restore_waits_for_the_restore(
     none in flight or pooled in the image)."""
     assert rehydrate_engine.simulate_snapshot().ok
     t_pause = time.monotonic()
-    done: list[object] = []
     with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
-        call = threading.Thread(target=lambda: done.append(adapter.allocate()))
-        call.start()
-        wait_for(lambda: "POST /allocate while paused" in caplog.text,
-                 what="the call to wait for the restore")
+        call, done = _allocate_in_the_pause(adapter, caplog)
         assert sidecar.calls("POST", "/allocate") == []
         assert adapter._client is None
         t_restore = time.monotonic()
@@ -1635,19 +1639,8 @@ def test_a_paused_allocate_that_fails_is_not_followed_by_the_restores_ready(
     assert rehydrate_engine.simulate_snapshot().ok
     sidecar.set_state("Scheduled")
     sidecar.fail_next(10**6, "/watch/gameserver", "/allocate", status=503)
-    got: list[object] = []
-
-    def call() -> None:
-        try:
-            got.append(adapter.allocate())
-        except AgonesError as exc:
-            got.append(exc)
-
     with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
-        caller = threading.Thread(target=call)
-        caller.start()
-        wait_for(lambda: "POST /allocate while paused" in caplog.text,
-                 what="the call to wait for the restore")
+        caller, got = _allocate_in_the_pause(adapter, caplog)
         t0 = time.monotonic()
         assert rehydrate_engine.simulate_restore().ok
         caller.join(10)
