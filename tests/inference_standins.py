@@ -41,12 +41,7 @@ class StandIn:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         assert scope["type"] == "http"
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await _body(receive)
         path, query = scope["path"], scope["query_string"].decode()
         if path.startswith("/stand-in/"):  # the tests' own controls, not logged
             await _json(send, 200, self.control(path, json.loads(body) if body else None))
@@ -100,11 +95,43 @@ async def _cut(send: Any) -> None:
     raise ConnectionAbortedError("the stand-in cut the connection")
 
 
+async def _body(receive: Any) -> bytes:
+    """The request's whole body, however many messages it comes in."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 async def _json(send: Any, status: int, payload: Any) -> None:
     raw = b"" if payload is None else json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": raw})
+
+
+def trickling(behind: Any, path: str, stop: threading.Event, ended: threading.Event) -> Any:
+    """``behind`` (a stand-in), but ``path`` answers 200 and then a byte every 20 ms until
+    ``stop`` (at most 10 s): httpx's per-read timeout never fires. ``ended`` is set once
+    that answer is over."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != path:
+            await behind(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            for _ in range(500):
+                if stop.is_set():
+                    break
+                await send({"type": "http.response.body", "body": b" ", "more_body": True})
+                await asyncio.sleep(0.02)
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            ended.set()
+
+    return app
 
 
 class EchoingGateway:
@@ -201,12 +228,7 @@ class SlowUpstream:
         if self.lock is None:
             self.lock = asyncio.Lock()
         lock = self.lock
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await _body(receive)
         answer: list[Any] = []
         delay = self.slow.pop(scope["path"], 0.0)
 

@@ -30,6 +30,19 @@ def _adapter(sidecar: AgonesSidecar, engine, **kw) -> AgonesAdapter:
     return AgonesAdapter(sidecar.port, kw.pop("health_interval", INTERVAL), engine=engine, **kw)
 
 
+def _failing_hook(engine, name: str, error: Exception) -> threading.Event:
+    """A required after-restore hook ``name`` that raises ``error`` until the event it
+    returns is set (its cause fixed)."""
+    fixed = threading.Event()
+
+    @engine.registry.after_restore(name=name)
+    def hook() -> None:
+        if not fixed.is_set():
+            raise error
+
+    return fixed
+
+
 @pytest.fixture
 def adapter(sidecar, rehydrate_engine) -> Iterator[AgonesAdapter]:
     a = _adapter(sidecar, rehydrate_engine)
@@ -271,17 +284,12 @@ def test_slow_sidecar_still_syncs(sidecar, rehydrate_engine):
 
 
 def test_ready_while_not_ready_is_deferred(sidecar, adapter, rehydrate_engine):
-    fail = {"on": True}
-
-    @rehydrate_engine.registry.after_restore(name="game.flaky")
-    def flaky() -> None:
-        if fail["on"]:
-            raise RuntimeError("not yet")
+    fixed = _failing_hook(rehydrate_engine, "game.flaky", RuntimeError("not yet"))
 
     assert not rehydrate_engine.simulate_restore().ok
     adapter.ready()  # degraded: remembered, not sent
     assert sidecar.calls("POST", "/ready") == []
-    fail["on"] = False
+    fixed.set()
     assert rehydrate_engine.simulate_restore().ok
     sidecar.wait_for("POST", "/ready")
     wait_for(lambda: "rehydrate-agones-ready" not in [t.name for t in threading.enumerate()],
@@ -313,12 +321,7 @@ def test_a_failed_restore_that_recovers_without_a_new_run_marks_the_gameserver_r
     Ready); the hook recovers later without a new run (``engine.recovered()``, which a
     secret's successful reload calls) and publishes no report — Ready must still go out,
     or the clone's new GameServer stays Scheduled for good."""
-    fail = {"on": True}
-
-    @rehydrate_engine.registry.after_restore(name="game.secret")
-    def secret() -> None:
-        if fail["on"]:
-            raise FileNotFoundError("not mounted yet")
+    _failing_hook(rehydrate_engine, "game.secret", FileNotFoundError("not mounted yet"))
 
     adapter.ready()
     sidecar.wait_for("POST", "/ready")
@@ -1110,12 +1113,7 @@ def test_the_games_own_ready_deferred_by_a_snapshot_returns_an_allocated_server(
 
 def test_the_games_own_ready_deferred_by_a_degraded_restore_goes_out_on_recovery(
         sidecar, adapter, rehydrate_engine):
-    fail = {"on": True}
-
-    @rehydrate_engine.registry.after_restore(name="game.db")
-    def db() -> None:
-        if fail["on"]:
-            raise ConnectionError("db not reachable yet")
+    fixed = _failing_hook(rehydrate_engine, "game.db", ConnectionError("db not reachable yet"))
 
     adapter.ready()
     adapter.allocate()
@@ -1123,7 +1121,7 @@ def test_the_games_own_ready_deferred_by_a_degraded_restore_goes_out_on_recovery
     assert not rehydrate_engine.simulate_restore().ok
     adapter.ready()  # the match ended: back to the pool, deferred (degraded)
     assert sidecar.calls("POST", "/ready", since=t0) == []
-    fail["on"] = False
+    fixed.set()
     assert rehydrate_engine.recovered("game.db")
     sidecar.wait_for("POST", "/ready", since=t0)
     assert sidecar.gs.state == "Ready"
@@ -1137,10 +1135,7 @@ def test_allocate_after_a_deferred_ready_was_taken_drops_it(sidecar, adapter,
     go out, keeps the Allocated server from being marked Ready. A guard of that check
     (older than the restore-start epoch): without it, this test fails, and no other test
     of the game's own deferred ready() does."""
-
-    @rehydrate_engine.registry.after_restore(name="game.db")
-    def db() -> None:
-        raise ConnectionError("db not reachable yet")
+    _failing_hook(rehydrate_engine, "game.db", ConnectionError("db not reachable yet"))
 
     t0 = time.monotonic()
     assert not rehydrate_engine.simulate_restore().ok
@@ -1167,6 +1162,26 @@ def test_allocate_after_a_deferred_ready_was_taken_drops_it(sidecar, adapter,
     adapter.gameserver()  # barrier: the adapter's loop has run what was handed to it
     assert sidecar.calls("POST", "/ready", since=t0) == []
     assert sidecar.gs.state == "Allocated"
+
+
+def _allocate_in_the_pause(adapter: AgonesAdapter, caplog) -> tuple[threading.Thread,
+                                                                   list[object]]:
+    """Starts allocate() on a thread of its own and returns once the call waits for the
+    restore: that thread, and the list that gets allocate()'s return or its exception."""
+    got: list[object] = []
+
+    def call() -> None:
+        try:
+            got.append(adapter.allocate())
+        except Exception as exc:  # noqa: BLE001 - the test judges it
+            got.append(exc)
+
+    caller = threading.Thread(target=call)
+    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
+        caller.start()
+        wait_for(lambda: "POST /allocate while paused" in caplog.text,
+                 what="the call to wait for the restore")
+    return caller, got
 
 
 def _ready_decided(caplog) -> bool:
@@ -1390,19 +1405,7 @@ def test_a_call_waiting_for_the_restore_does_not_count_the_freeze(
     in the pause window failed with AgonesUnavailable the moment the clone woke. The
     freeze is a jump of the adapter's loop clock here."""
     assert rehydrate_engine.simulate_snapshot().ok
-    done: list[object] = []
-
-    def call() -> None:
-        try:
-            done.append(adapter.allocate())
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            done.append(exc)
-
-    with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
-        caller = threading.Thread(target=call)
-        caller.start()
-        wait_for(lambda: "POST /allocate while paused" in caplog.text,
-                 what="the call to wait for the restore")
+    caller, done = _allocate_in_the_pause(adapter, caplog)
     loop = adapter._loop
     real = loop.time
     loop.time = lambda: real() + 3600.0  # an hour in the image, well over deadline=3
@@ -1540,12 +1543,8 @@ def test_an_sdk_call_between_the_pause_and_the_restore_waits_for_the_restore(
     none in flight or pooled in the image)."""
     assert rehydrate_engine.simulate_snapshot().ok
     t_pause = time.monotonic()
-    done: list[object] = []
     with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
-        call = threading.Thread(target=lambda: done.append(adapter.allocate()))
-        call.start()
-        wait_for(lambda: "POST /allocate while paused" in caplog.text,
-                 what="the call to wait for the restore")
+        call, done = _allocate_in_the_pause(adapter, caplog)
         assert sidecar.calls("POST", "/allocate") == []
         assert adapter._client is None
         t_restore = time.monotonic()
@@ -1686,19 +1685,8 @@ def test_a_paused_allocate_that_fails_is_not_followed_by_the_restores_ready(
     assert rehydrate_engine.simulate_snapshot().ok
     sidecar.set_state("Scheduled")
     sidecar.fail_next(10**6, "/watch/gameserver", "/allocate", status=503)
-    got: list[object] = []
-
-    def call() -> None:
-        try:
-            got.append(adapter.allocate())
-        except AgonesError as exc:
-            got.append(exc)
-
     with caplog.at_level(logging.INFO, logger="rehydrate.agones"):
-        caller = threading.Thread(target=call)
-        caller.start()
-        wait_for(lambda: "POST /allocate while paused" in caplog.text,
-                 what="the call to wait for the restore")
+        caller, got = _allocate_in_the_pause(adapter, caplog)
         t0 = time.monotonic()
         assert rehydrate_engine.simulate_restore().ok
         caller.join(10)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import socket
+from collections.abc import Callable
 
 import pytest
 
@@ -302,6 +303,32 @@ def test_an_absurd_key_size_is_refused_up_front(rehydrate_engine, nbytes, shown)
 _NOT_HERE = "192.0.2.1"  # TEST-NET-1: never this host's address, so binding it fails
 
 
+def _probe_fails(ep: UdpEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint's check says dead: ensure() re-binds."""
+    async def dead() -> bool:
+        return False
+
+    monkeypatch.setattr(ep, "check", dead)
+
+
+async def _assert_a_fixed_rebind_fails(engine, monkeypatch: pytest.MonkeyPatch, *,
+                                       name: str, bound: str, moved_to: str,
+                                       message: Callable[[int], str]) -> None:
+    """An endpoint at the fixed address ``bound`` whose check fails once that address is
+    ``moved_to``: ensure() raises ``message(port)`` (a regex) and keeps the old socket."""
+    ep = UdpEndpoint(Echo, (bound, 0), engine=engine, name=name, probe_timeout=0.3)
+    await ep.start()
+    try:
+        port = ep.address[1]
+        _probe_fails(ep, monkeypatch)
+        monkeypatch.setattr(ep, "_wanted", lambda: (moved_to, port))
+        with pytest.raises(OSError, match=message(port)):
+            await ep.ensure()
+        assert not ep.transport.is_closing()
+    finally:
+        ep.close()
+
+
 async def test_a_failed_rebind_to_a_new_address_keeps_the_old_socket_and_says_why(
         rehydrate_engine, monkeypatch):
     """The old socket was closed before the new bind, which then failed with a bare
@@ -313,11 +340,7 @@ async def test_a_failed_rebind_to_a_new_address_keeps_the_old_socket_and_says_wh
     try:
         old, port = ep.transport, ep.address[1]
         where["addr"] = (_NOT_HERE, port)
-
-        async def dead() -> bool:
-            return False
-
-        monkeypatch.setattr(ep, "check", dead)
+        _probe_fails(ep, monkeypatch)
         with pytest.raises(OSError) as info:
             await ep.ensure()
         assert str(info.value) == (
@@ -332,26 +355,14 @@ async def test_a_failed_rebind_to_a_new_address_keeps_the_old_socket_and_says_wh
 
 async def test_a_failed_rebind_at_a_fixed_address_names_the_fix(rehydrate_engine,
                                                                  monkeypatch):
-    ep = UdpEndpoint(Echo, ("127.0.0.1", 0), engine=rehydrate_engine, name="static",
-                     probe_timeout=0.3)
-    await ep.start()
-    try:
-        port = ep.address[1]
-
-        async def dead() -> bool:
-            return False
-
-        monkeypatch.setattr(ep, "check", dead)
+    await _assert_a_fixed_rebind_fails(
+        rehydrate_engine, monkeypatch, name="static", bound="127.0.0.1",
         # what a clone in a new Pod meets: the fixed address is no longer the host's
-        monkeypatch.setattr(ep, "_wanted", lambda: (_NOT_HERE, port))
-        with pytest.raises(OSError, match=(
-                rf"UDP endpoint 'static': binding again at {_NOT_HERE}:{port} failed "
-                rf".*; a fixed address: a clone in a new Pod has another IP; bind "
-                rf"\('0\.0\.0\.0', {port}\) or pass local_addr as a callable")):
-            await ep.ensure()
-        assert not ep.transport.is_closing()
-    finally:
-        ep.close()
+        moved_to=_NOT_HERE,
+        message=lambda port: (
+            rf"UDP endpoint 'static': binding again at {_NOT_HERE}:{port} failed "
+            rf".*; a fixed address: a clone in a new Pod has another IP; bind "
+            rf"\('0\.0\.0\.0', {port}\) or pass local_addr as a callable"))
 
 
 def _ipv6_loopback() -> bool:
@@ -386,11 +397,7 @@ async def test_a_rebind_at_a_name_of_several_addresses_keeps_the_first(
     await ep.start()
     try:
         assert ep.address == ("::1", port)
-
-        async def dead() -> bool:
-            return False
-
-        monkeypatch.setattr(ep, "check", dead)
+        _probe_fails(ep, monkeypatch)
         assert await ep.ensure()
         assert ep.address == ("::1", port)
     finally:
@@ -402,22 +409,9 @@ async def test_a_failed_rebind_at_a_fixed_ipv6_address_brackets_it_and_hints_ipv
     """It said "binding again at 2001:db8::1:P" (one IPv6 address, as it reads) and
     hinted an IPv4-only wildcard."""
     assert _ipv6_loopback(), "this test needs the IPv6 loopback"
-    ep = UdpEndpoint(Echo, ("::1", 0), engine=rehydrate_engine, name="v6",
-                     probe_timeout=0.3)
-    await ep.start()
-    try:
-        port = ep.address[1]
-
-        async def dead() -> bool:
-            return False
-
-        monkeypatch.setattr(ep, "check", dead)
-        monkeypatch.setattr(ep, "_wanted", lambda: ("2001:db8::1", port))
-        with pytest.raises(OSError, match=(
-                rf"UDP endpoint 'v6': binding again at \[2001:db8::1\]:{port} failed "
-                rf".*; a fixed address: a clone in a new Pod has another IP; bind "
-                rf"\('::', {port}\) or pass local_addr as a callable")):
-            await ep.ensure()
-        assert not ep.transport.is_closing()
-    finally:
-        ep.close()
+    await _assert_a_fixed_rebind_fails(
+        rehydrate_engine, monkeypatch, name="v6", bound="::1", moved_to="2001:db8::1",
+        message=lambda port: (
+            rf"UDP endpoint 'v6': binding again at \[2001:db8::1\]:{port} failed "
+            rf".*; a fixed address: a clone in a new Pod has another IP; bind "
+            rf"\('::', {port}\) or pass local_addr as a callable"))

@@ -3,7 +3,6 @@ driven by an isolated engine's real snapshot and restore runs."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import threading
@@ -24,6 +23,7 @@ from tests.inference_standins import (
     EchoingGateway,
     LosingGateway,
     SGLangStandIn,
+    trickling,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
 
@@ -793,28 +793,6 @@ def test_running_requests_at_the_release_without_a_pause_kill_the_stand_in_as_sg
     sglang.install(url, engine=rehydrate_engine, deadline=0.5)
     assert not rehydrate_engine.simulate_snapshot().ok
     assert standin.crashed is not None and standin.crashed.startswith("AssertionError")
-
-
-def trickling(standin: SGLangStandIn, path: str, stop: threading.Event,
-              ended: threading.Event) -> Any:
-    """The stand-in, but ``path`` answers 200 and then a byte every 20 ms until ``stop``
-    (at most 10 s): httpx's per-read timeout never fires."""
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] != path:
-            await standin(scope, receive, send)
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        try:
-            for _ in range(500):
-                if stop.is_set():
-                    break
-                await send({"type": "http.response.body", "body": b" ", "more_body": True})
-                await asyncio.sleep(0.02)
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            ended.set()
-
-    return app
 
 
 def test_a_server_info_trickling_in_does_not_hold_the_release(

@@ -29,6 +29,7 @@ from tests.inference_standins import (
     LosingGateway,
     SlowUpstream,
     VLLMStandIn,
+    trickling,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
 
@@ -1187,28 +1188,12 @@ def test_a_pooling_models_canary_refusal_says_pass_canary_false(
 
 
 @pytest.mark.parametrize("path", ["/health", "/is_sleeping"])
-def test_an_answer_trickling_in_does_not_hold_the_probe(url: str, server: Any,
-                                                        path: str) -> None:
+def test_an_answer_trickling_in_does_not_hold_the_probe(
+        url: str, server: Any, standin: VLLMStandIn, path: str) -> None:
     """Lifecycle(extensions=[VLLMAdapter(url)]) probes in its constructor: it never
     returned while a broken proxy trickled /health or /is_sleeping a byte at a time."""
     stop, ended = threading.Event(), threading.Event()
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        if scope["path"] != path:
-            await send({"type": "http.response.body", "body": b'{"is_sleeping": false}'})
-            return
-        try:
-            for _ in range(500):  # at most 10 s
-                if stop.is_set():
-                    break
-                await send({"type": "http.response.body", "body": b" ", "more_body": True})
-                await asyncio.sleep(0.02)
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            ended.set()
-
-    server[1].app = app
+    server[1].app = trickling(standin, path, stop, ended)
     try:
         found = vllm.VLLMAdapter(url, request_timeout=0.3).probe()
         assert not ended.is_set(), "the probe waited for the whole answer"

@@ -1833,29 +1833,38 @@ def test_stop_in_a_forked_child_leaves_the_parents_server(engine: Lifecycle,
 # -- failures of the server itself ---------------------------------------------------------
 
 
+def _no_thread_to_serve(engine: Lifecycle, sock_path: str,
+                        monkeypatch: pytest.MonkeyPatch) -> ControlServer:
+    """A control server started while its pool can start no thread (the pids limit): it
+    starts all the same, its reserved thread missing. Setting ``threading.Thread.start``
+    back ends the shortage."""
+    from rehydrate._threads import ThreadPool
+
+    pool = ThreadPool("rh-ctl-pool", keep=0)
+    monkeypatch.setattr(control, "blocking", pool)
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == pool.name:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    det = ControlDetector(sock_path)
+    assert engine.start([det]) == ["control"]
+    assert det.server is not None
+    return det.server
+
+
 def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
         engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """The process at its pids limit for a moment: the pool's submit() raised in the
     accept loop, which caught only OSError — its thread died, silently, and the socket
     never served again (clients queued in the backlog until their timeouts)."""
-    from rehydrate._threads import ThreadPool
-
     caplog.set_level(logging.INFO, logger="rehydrate")
-    pool = ThreadPool("rh-ctl-pool", keep=0)
-    monkeypatch.setattr(control, "blocking", pool)
     real_start = threading.Thread.start
-    refusing = [True]
-
-    def start(self: threading.Thread) -> None:
-        if self.name == pool.name and refusing[0]:
-            raise RuntimeError("can't start new thread")
-        real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
-    det = ControlDetector(sock_path)
-    assert engine.start([det]) == ["control"]  # its reserved thread could not start
-    assert det.server is not None
+    server = _no_thread_to_serve(engine, sock_path, monkeypatch)
     c = Conn(sock_path)
     try:
         # answered on accept, before any request is read (one sent now could meet EPIPE)
@@ -1864,12 +1873,12 @@ def test_a_client_no_thread_can_serve_is_answered_busy_and_the_socket_lives_on(
             assert c.sock.recv(1) == b""
     finally:
         c.close()
-    assert not det.server._conns
-    monkeypatch.setattr(det.server._submit_failures, "clock", lambda: 0.0)  # one instant
+    assert not server._conns
+    monkeypatch.setattr(server._submit_failures, "clock", lambda: 0.0)  # one instant
     with pytest.raises(ControlError, match=r"stayed busy \(too many clients, or no thread "
                                            r"to serve one\) for 0.3s"):
         request("status", socket_path=sock_path, timeout=0.3)  # retried while refused
-    refusing[0] = False  # the burst is over
+    monkeypatch.setattr(threading.Thread, "start", real_start)  # the burst is over
     assert request("status", socket_path=sock_path, timeout=DEADLINE)["ok"]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == ["control socket: no thread to serve a client (RuntimeError: can't "
@@ -1920,23 +1929,10 @@ def test_a_posted_resume_no_thread_can_serve_is_served_on_the_accept_thread(
     process stayed ``snapshotting`` until the deadline. A resume or restore notice is
     now served on the accept thread; other requests are still answered busy."""
     from rehydrate._notify import post
-    from rehydrate._threads import ThreadPool
 
-    pool = ThreadPool("rh-ctl-pool", keep=0)
-    monkeypatch.setattr(control, "blocking", pool)
-    real_start = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        if self.name == pool.name:
-            raise RuntimeError("can't start new thread")
-        real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
     calls = Calls(engine)
-    det = ControlDetector(sock_path)
-    assert engine.start([det]) == ["control"]
-    assert det.server is not None
-    listening = det.server._sock
+    server = _no_thread_to_serve(engine, sock_path, monkeypatch)
+    listening = server._sock
     real_accept = socket.socket.accept
     sent = threading.Event()
 
@@ -1958,30 +1954,9 @@ def test_a_posted_resume_no_thread_can_serve_is_served_on_the_accept_thread(
     assert errors == ["control socket: no thread to serve a client (RuntimeError: can't "
                       "start new thread); its resume or restore notice is served on the "
                       "accept thread"]
-    monkeypatch.setattr(det.server._submit_failures, "clock", lambda: 0.0)  # one instant
+    monkeypatch.setattr(server._submit_failures, "clock", lambda: 0.0)  # one instant
     with pytest.raises(ControlError, match=r"stayed busy"):
         request("status", socket_path=sock_path, timeout=0.3)
-
-
-def _no_thread_to_serve(engine: Lifecycle, sock_path: str,
-                        monkeypatch: pytest.MonkeyPatch) -> ControlServer:
-    """A control server whose pool can start no thread (the pids limit)."""
-    from rehydrate._threads import ThreadPool
-
-    pool = ThreadPool("rh-ctl-pool", keep=0)
-    monkeypatch.setattr(control, "blocking", pool)
-    real_start = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        if self.name == pool.name:
-            raise RuntimeError("can't start new thread")
-        real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
-    det = ControlDetector(sock_path)
-    assert engine.start([det]) == ["control"]
-    assert det.server is not None
-    return det.server
 
 
 def _read_to_end(conn: socket.socket) -> bytes:
