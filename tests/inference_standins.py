@@ -476,6 +476,25 @@ class FakeAsyncLLM(FakeLLM):
             yield text
 
 
+class SlowSleepLLM(FakeLLM):
+    """A ``vllm.LLM`` under ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: each call runs in its
+    caller's thread, and nothing orders a ``wake_up`` after a ``sleep`` still running in
+    another. The sleep (``is_sleeping()`` says True once it has ended, as vLLM's) takes
+    until :attr:`go` is set; :attr:`slept` is set when it has ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.slept = threading.Event()
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        try:
+            if self.go.wait(30):
+                super().sleep(level, mode)
+        finally:
+            self.slept.set()
+
+
 class _LLMEngine:
     """``LLM.llm_engine``: where the sync engine answers ``is_sleeping()``."""
 
