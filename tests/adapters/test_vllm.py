@@ -1280,3 +1280,26 @@ def test_a_wake_fails_clearly_when_the_sleep_before_never_ends(rehydrate_engine:
     report = rehydrate_engine.simulate_restore(kind="resume")
     assert report.ok, report.table()
     assert not llm.engine.sleeping
+
+
+def test_a_sleep_refused_after_a_gateways_504_is_checked_not_forgotten(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """The sleep was performed and its answer lost (the gateway's 504); re-sent, the
+    second try got a refusal. Read as never performed, the snapshot failed on an engine
+    asleep and the sleep was no longer remembered as unconfirmed: /is_sleeping decides."""
+    adapter = vllm.install(url, engine=rehydrate_engine, deadline=1)
+    tries: list[str] = []
+
+    def answer(path: str, auth: str) -> tuple[int, Any] | None:
+        if path != "/sleep":
+            return None
+        tries.append(path)
+        return None if len(tries) == 1 else (403, "RBAC: access denied")
+
+    server[1].app = EchoingGateway(answer, behind=LosingGateway(standin, {"/sleep"},
+                                                                status=504, times=1))
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.sleeping and not adapter.sleep_unconfirmed
+    assert len(tries) == 2
