@@ -41,8 +41,9 @@ snapshotted the GPU memory, so each clone's resume killed SGLang — and a gatew
 passed on" answers alone (a 502, Envoy's 503 "no healthy upstream", a 503 page that is
 not JSON) leave the resume owed but the next release sent. Tries that found no
 connection in time, or got a gateway's own 401 / 403 / 407 (not SGLang's answer: a
-401 other than SGLang's ``{"error": "Unauthorized"}``), say nothing either way: the memory counts as still released, and whether the next release is sent stays as
-the resume before decided. A pause re-sent after a gateway's 502 / 504 and then refused
+401 other than SGLang's ``{"error": "Unauthorized"}``), say nothing either way: the
+memory counts as still released, and whether the next release is sent stays as the
+resume before decided. A pause re-sent after a gateway's 502 / 504 and then refused
 still counts as performed: its continue stays owed.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a

@@ -27,6 +27,7 @@ from tests.inference_standins import (
     FakeAsyncLLM,
     FakeLLM,
     LosingGateway,
+    SlowSleepAsyncLLM,
     SlowSleepLLM,
     SlowUpstream,
     VLLMStandIn,
@@ -1232,13 +1233,16 @@ class _OnRecord(logging.Handler):
             self.then()
 
 
+@pytest.mark.parametrize("twin", [SlowSleepLLM, SlowSleepAsyncLLM])
 def test_an_in_process_sleep_past_the_deadline_is_woken_after(
-        rehydrate_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """sleep() outlived the deadline (its worker thread goes on), and an in-process LLM
+        rehydrate_engine: Any, caplog: pytest.LogCaptureFixture,
+        twin: type[SlowSleepLLM]) -> None:
+    """sleep() outlived the deadline (its worker thread goes on; an AsyncLLM's engine
+    goes on when the awaiting coroutine is cancelled), and an in-process LLM
     (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs each call in its caller's thread: the resume's
     wake_up ran beside the sleep and ended first, the sleep then ended with a ready process
     on a sleeping engine. The wake waits for it, then wakes what it put to sleep."""
-    llm = SlowSleepLLM()
+    llm = twin()
     adapter = vllm.install(llm, engine=rehydrate_engine, deadline=1)
     snap = rehydrate_engine.simulate_snapshot()
     assert "sleep(): not finished within" in str(hook(snap, "rehydrate.vllm.sleep").error)
