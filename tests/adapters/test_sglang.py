@@ -998,3 +998,35 @@ def test_a_pause_refused_after_a_gateways_504_stays_owed(
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
     assert not standin.paused and not adapter.paused and standin.canaries == 1
+
+
+@pytest.mark.parametrize("before", ["nothing released", "resume unheard"])
+def test_a_release_resent_after_a_502_and_refused_leaves_what_it_found(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, before: str) -> None:
+    """A release is re-sent only after answers saying it was not passed on (502, Envoy's
+    "no healthy upstream", a 503 page), and SGLang refuses it before its scheduler (an
+    exception there ends SGLang): the refusal changed nothing, so the state the release
+    found stands — no resume owed for it, and a resume still owed from before is sent."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    if before == "resume unheard":
+        assert rehydrate_engine.simulate_snapshot().ok
+        server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, status=502,
+                                      performed=False)
+        assert not rehydrate_engine.simulate_restore().ok
+        assert adapter.released and adapter.unheard
+    found = adapter.released, adapter.unconfirmed, adapter.unheard
+    standin.refused["/release_memory_occupation"] = "server is busy"
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=502,
+                                  times=1, performed=False)
+    standin.log.clear()
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert standin.log.count("POST /release_memory_occupation") == 1  # the re-sent try
+    assert (adapter.released, adapter.unconfirmed, adapter.unheard) == found
+    standin.refused.clear()
+    server[1].app = standin
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert ("POST /resume_memory_occupation" in standin.log) == (before == "resume unheard")
+    assert standin.released == set() and standin.crashed is None
