@@ -14,6 +14,7 @@ serving too (``crashed``), so no test passes on an answer the real server never 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -496,6 +497,55 @@ class FakeAsyncLLM(FakeLLM):
         assert request_id
         for text in FakeLLM.generate(self, [prompt], sampling_params):
             yield text
+
+
+class SlowSleepLLM(FakeLLM):
+    """A ``vllm.LLM`` under ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: each call runs in its
+    caller's thread, and nothing orders a ``wake_up`` after a ``sleep`` still running in
+    another. The sleep (``is_sleeping()`` says True once it has ended, as vLLM's) takes
+    until :attr:`go` is set; :attr:`slept` is set when it has ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.slept = threading.Event()
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        try:
+            if self.go.wait(30):
+                super().sleep(level, mode)
+        finally:
+            self.slept.set()
+
+
+class SlowSleepAsyncLLM(FakeAsyncLLM):
+    """:class:`SlowSleepLLM` as an ``AsyncLLM``: the sleep is the engine's work, done
+    whether or not its caller still awaits it (cancelling the coroutine does not stop
+    it), and a ``wake_up`` meanwhile is not ordered after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.slept = threading.Event()
+
+    def _sleep_now(self, level: int, mode: str) -> None:
+        try:
+            if self.go.wait(30):
+                FakeLLM.sleep(self, level, mode)
+        finally:
+            self.slept.set()
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        work: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                self._sleep_now(level, mode)
+            finally:
+                work.set_result(None)
+
+        threading.Thread(target=run, daemon=True).start()
+        await asyncio.wrap_future(work)
 
 
 class _LLMEngine:

@@ -87,8 +87,8 @@ class Unconfirmed(ServerError):
     gateway's 502 / 504 for it: the server may have performed it, or may still be
     performing it — the caller checks the state instead where it can. A call without
     ``resend`` is not sent again after it; one with ``resend`` (harmless to repeat) was
-    sent again after a gateway's 502 / 504 until the deadline ended, and this says the
-    last of those tries went unconfirmed too."""
+    sent again after a gateway's 502 / 504 until the deadline ended or a try was refused,
+    and this says an earlier try may have been performed all the same."""
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -353,6 +353,8 @@ class ServerAdapter:
 
     kind: ClassVar[str]
     """``vllm`` / ``sglang``: hook names are ``rehydrate.<kind>.<action>``."""
+    title: ClassVar[str]
+    """``vLLM`` / ``SGLang``: the server in a message."""
     snapshot_action: ClassVar[str]
     restore_action: ClassVar[str]
     health_path: ClassVar[str] = "/health"
@@ -460,6 +462,29 @@ class ServerAdapter:
         """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
         return None
 
+    def refused_access(self, response: httpx.Response) -> tuple[str, bool] | None:
+        """For an authentication refusal (401, 403, 407): what the error says after
+        ``HTTP <status>``, and whether the server itself gave it. The server's own is its
+        ``--api-key`` check's 401 ``{"error": "Unauthorized"}`` (vLLM's and SGLang's
+        middleware); a 407, or a 401 / 403 with any other body, is a proxy's or gateway's
+        own answer — the call never reached the server, and the answer says nothing of
+        its state."""
+        status = response.status_code
+        if status == 407:
+            return (f" from a proxy between this process and {self.title}, not {self.title}"
+                    f" (Proxy Authentication Required: {server_reason(response)}) — the "
+                    f"call did not reach {self.title}; give the proxy its credentials "
+                    f"(HTTPS_PROXY / HTTP_PROXY) or exempt the host with NO_PROXY", False)
+        if status not in (401, 403):
+            return None
+        if status == 401 and json_or_empty(response).get("error") == "Unauthorized":
+            return (f": Unauthorized — {self.title} refused the API key: pass api_key= "
+                    f"matching its --api-key", True)
+        return (f" from a gateway in front of {self.title}, not {self.title} (its own "
+                f"authentication: {server_reason(response)}) — the call did not reach "
+                f"{self.title}; give the adapter credentials the gateway accepts (api_key= "
+                f"is sent as a bearer token) or point url= at {self.title} itself", False)
+
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
                    json: Any = None, resend: bool = False,
@@ -479,7 +504,10 @@ class ServerAdapter:
         after a 502 / 504 as well — and raises :class:`Unconfirmed` when the deadline
         ends after one. ``unsent(response, reason)``: true for a gateway's answer taken as
         "not passed on" for this call, retried like a 503 (SGLang's 502, see its
-        adapter). A 4xx, or an answer :meth:`hint` recognises, fails at once.
+        adapter). A 4xx, or an answer :meth:`hint` recognises, fails at once — as
+        :class:`Unconfirmed` when an earlier try got a 502 / 504 (``resend``): the refusal
+        does not undo that try. An authentication refusal says whose it is
+        (:meth:`refused_access`).
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
@@ -560,7 +588,10 @@ class ServerAdapter:
                 refused = False
                 passed_over = unsent is not None and unsent(response, reason)
                 not_sent = passed_over or gateway_unforwarded(response.status_code, reason)
-                answered = answered or not not_sent
+                access = self.refused_access(response)
+                # a gateway's own refusal is not the server's answer, and not a "did not
+                # pass it on" that says the server may be gone either
+                answered = answered or (not not_sent and (access is None or access[1]))
                 unforwarded = unforwarded or not_sent
                 if not safe and gateway_lost(response.status_code, reason) and not passed_over:
                     lost = True
@@ -571,12 +602,23 @@ class ServerAdapter:
                                       f"timeout above the {self.deadline:g}s deadline)",
                                       reason=reason, status=response.status_code)
                 hint = self.hint(path, response, reason)
-                if hint is not None or response.status_code in (501, 505) or (
+                if access is not None:
+                    message = f"{self.kind} {what}: HTTP {response.status_code}{access[0]}"
+                elif hint is not None or response.status_code in (501, 505) or (
                         400 <= response.status_code < 500
                         and response.status_code not in (408, 429)):
-                    raise ServerError(f"{self.kind} {what}: {last}"
-                                      + (f" — {hint}" if hint else ""), reason=reason,
-                                      status=response.status_code)
+                    message = f"{self.kind} {what}: {last}" + (f" — {hint}" if hint else "")
+                else:
+                    message = ""
+                if message:
+                    # Re-sent after a gateway's 502 / 504 (resend): a refusal now does not
+                    # undo the earlier try, which may have been performed — read as never
+                    # performed, a pause was forgotten and SGLang stayed paused for good.
+                    raise (Unconfirmed if lost else ServerError)(
+                        message + ("; an earlier try got a gateway's 502 / 504: the server "
+                                   "may have performed it" if lost else ""),
+                        reason=reason, status=response.status_code, answered=answered,
+                        unforwarded=unforwarded)
             log.debug("%s %s: %s; retrying", self.kind, what, last)
             attempt += 1
             await asyncio.sleep(min(0.05 * 2 ** min(attempt - 1, 5), 1.0,

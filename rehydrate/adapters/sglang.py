@@ -40,8 +40,11 @@ SGLang gone with it — a restarted one has nothing released, and skipping the r
 snapshotted the GPU memory, so each clone's resume killed SGLang — and a gateway's "not
 passed on" answers alone (a 502, Envoy's 503 "no healthy upstream", a 503 page that is
 not JSON) leave the resume owed but the next release sent. Tries that found no
-connection in time (or a mix of those and refusals) say nothing either way: the memory
-counts as still released, and the next release is skipped.
+connection in time, or got a gateway's own 401 / 403 / 407 (not SGLang's answer: a
+401 other than SGLang's ``{"error": "Unauthorized"}``), say nothing either way: the
+memory counts as still released, and whether the next release is sent stays as the
+resume before decided. A pause re-sent after a gateway's 502 / 504 and then refused
+still counts as performed: its continue stays owed.
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);
@@ -115,6 +118,7 @@ class SGLangAdapter(ServerAdapter):
     """
 
     kind = "sglang"
+    title = "SGLang"
     snapshot_action = "release"
     restore_action = "resume"
 
@@ -151,7 +155,8 @@ class SGLangAdapter(ServerAdapter):
         a gateway's "not passed on" for some try (nginx's 502 "connection refused", Envoy's
         503 "no healthy upstream"): SGLang may be gone, and the one restarted in its place
         has nothing released, so the next release is sent even though ``released`` is
-        still set. Tries that only found no connection in time leave it False."""
+        still set. Tries that say nothing of SGLang (no connection in time, a gateway's
+        own 401 / 403 / 407) leave it as it was."""
         self.paused = False
         """True from the moment a pause is sent until a continue succeeded (or SGLang
         refused the pause): a continue is sent only when generation may be paused."""
@@ -274,8 +279,10 @@ class SGLangAdapter(ServerAdapter):
             # KeyError ends the server).
             unanswered = exc
         except ServerError as exc:
-            # after an unanswered release, "not released" is the state we want
-            if not (self.unconfirmed and exc.reason and NOT_RELEASED.search(exc.reason)):
+            # after an unanswered release, "not released" is the state we want — from
+            # SGLang itself, not a gateway's refusal that happens to say so
+            if not (self.unconfirmed and exc.answered and exc.reason
+                    and NOT_RELEASED.search(exc.reason)):
                 self._resume_failed(exc)
                 raise
             log.info("SGLang says its memory is not released (the last release went "
@@ -293,13 +300,16 @@ class SGLangAdapter(ServerAdapter):
                         "with its released memory; the next snapshot sends the release again",
                         self.url, exc)
             self.released = self.unconfirmed = self.unheard = False
-        else:
-            # Only SGLang's own answer says its memory is still released, and only a
-            # gateway's "not passed on" says SGLang may be gone (a restarted one has
-            # nothing released). Tries that found no connection in time say neither: a
-            # partitioned SGLang may still hold its memory released, and a second release
-            # ends it (torch_memory_saver exits) — the release stays skipped.
-            self.unheard = not exc.answered and exc.unforwarded
+        elif exc.answered:
+            # Only SGLang's own answer says its memory is still released...
+            self.unheard = False
+        elif exc.unforwarded:
+            # ...and only a gateway's "not passed on" says SGLang may be gone (a
+            # restarted one has nothing released).
+            self.unheard = True
+        # Otherwise the tries say neither — no connection in time (a partitioned SGLang
+        # may still hold its memory released, and a second release ends it), a gateway's
+        # own authentication refusal — and what was known before stands.
 
     async def _pause(self, client: httpx.AsyncClient, until: float) -> None:
         before = self.paused

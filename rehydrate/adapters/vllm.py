@@ -27,18 +27,22 @@ sleep — except after a gateway's 502 / 504: a sleep or wake-up is then sent ag
 does nothing for a sleep of a sleeping engine or a wake-up of an awake tag, and at level 2
 ``/is_sleeping`` cannot tell whether the weights woke), a reload is not. A sleep never
 seen performed is remembered: the next wake sends ``wake_up`` even when ``/is_sleeping``
-says awake (vLLM runs it after the sleep). The hook then fails with the server's last
-answer. A server without the dev-mode endpoints (404:
-``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode (``--enable-sleep-mode``, CUDA /
-ROCm / XPU only) fails at once with that fix in the message, and so does a canary refused
-with 400 / 404 / 405 (a pooling model, which cannot generate: ``canary=False``).
-Responses are parsed leniently: older servers answer an empty 200, some say
-``tags_woken``.
+says awake (vLLM runs it after the sleep); an in-process call given up at a deadline
+(its thread goes on) is waited for by the next hook's first call, within that hook's
+deadline. The hook then fails with the server's last answer. A server without the
+dev-mode endpoints (404: ``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode
+(``--enable-sleep-mode``, CUDA / ROCm / XPU only) fails at once with that fix in the
+message, and so does a canary refused with 400 / 404 / 405 (a pooling model, which
+cannot generate: ``canary=False``). Responses are parsed leniently: older servers answer
+an empty 200, some say ``tags_woken``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import inspect
 import logging
 import time
 import uuid
@@ -93,6 +97,7 @@ class VLLMAdapter(ServerAdapter):
     """
 
     kind = "vllm"
+    title = "vLLM"
     snapshot_action = "sleep"
     restore_action = "wake"
 
@@ -123,6 +128,10 @@ class VLLMAdapter(ServerAdapter):
         self.model = model
         self.canary = canary
         self.canary_prompt = canary_prompt
+        self._running: tuple[str, concurrent.futures.Future[None]] | None = None
+        """An in-process ``sleep()`` / ``wake_up()`` / reload given up at a hook's deadline
+        that may still run (its worker thread goes on): the next in-process call waits
+        for it (:meth:`_InProcess._after_running`)."""
         self.sleep_unconfirmed = False
         """True from the moment a sleep is sent until the engine is seen asleep (or
         woken, or it refused the sleep outright: a 4xx, or an answer :meth:`hint`
@@ -374,12 +383,55 @@ class _Http(_Session):
 
 
 class _InProcess(_Session):
-    async def _call(self, what: str, until: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, what: str, until: float, fn: Any, *args: Any,
+                    track: bool = False, **kwargs: Any) -> Any:
+        await self._after_running(what, until)
         # a worker thread cannot be stopped: given up at the deadline, it ends on its own
         seconds = max(until - time.monotonic(), MIN_TRY)
-        return await within(call_maybe_async(fn, *args, **kwargs), seconds,
-                            f"vllm {what}: not finished within {seconds:.3g}s (the "
-                            f"{self.a.deadline:g}s deadline)")
+        finished = None
+        if track:
+            call, finished = _tracked(fn, *args, **kwargs)
+        else:
+            call = call_maybe_async(fn, *args, **kwargs)
+        try:
+            return await within(call, seconds,
+                                f"vllm {what}: not finished within {seconds:.3g}s (the "
+                                f"{self.a.deadline:g}s deadline)")
+        finally:
+            if finished is not None and not finished.done():
+                self.a._running = (what, finished)
+
+    async def _after_running(self, what: str, until: float) -> None:
+        """Wait until the engine call an earlier hook gave up on has ended, at most until
+        ``until``. With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` an ``LLM`` runs each call in
+        the caller's thread: a wake_up beside a sleep still running was over before the
+        sleep, which then left a process reported ready on a sleeping engine."""
+        running = self.a._running
+        if running is None:
+            return
+        name, finished = running
+        if not finished.done():
+            log.info("vLLM's %s, given up at an earlier deadline, still runs: %s waits for "
+                     "it", name, what)
+            loop = asyncio.get_running_loop()
+            ended = asyncio.Event()
+
+            def done(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                    loop.call_soon_threadsafe(ended.set)
+
+            finished.add_done_callback(done)
+            seconds = max(until - time.monotonic(), MIN_TRY)
+            try:
+                await asyncio.wait_for(ended.wait(), seconds)
+            except asyncio.TimeoutError:
+                raise ServerError(
+                    f"vllm {what}: the engine's {name}, given up at an earlier deadline, "
+                    f"is still running after another {seconds:.3g}s (the "
+                    f"{self.a.deadline:g}s deadline); not called beside it, which could "
+                    f"leave the engine asleep — the next hook waits for it again") from None
+        if self.a._running is running:
+            self.a._running = None
 
     async def is_sleeping(self, until: float) -> bool | None:
         llm = self.a.llm
@@ -394,21 +446,20 @@ class _InProcess(_Session):
         kwargs: dict[str, Any] = {"level": self.a.level}
         if self.a.mode is not None:
             kwargs["mode"] = self.a.mode
-        await self._call("sleep()", until, self.a.llm.sleep, **kwargs)
+        await self._call("sleep()", until, self.a.llm.sleep, track=True, **kwargs)
 
     async def wake_up(self, tags: list[str] | None, until: float) -> None:
         if tags:
-            await self._call(f"wake_up({tags})", until, self.a.llm.wake_up, tags=tags)
+            await self._call(f"wake_up({tags})", until, self.a.llm.wake_up, track=True,
+                             tags=tags)
         else:
-            await self._call("wake_up()", until, self.a.llm.wake_up)
+            await self._call("wake_up()", until, self.a.llm.wake_up, track=True)
 
     async def reload_weights(self, until: float) -> None:
         await self._call("collective_rpc(reload_weights)", until, self.a.llm.collective_rpc,
-                         "reload_weights")
+                         "reload_weights", track=True)
 
     async def canary(self, until: float) -> None:
-        import inspect
-
         llm = self.a.llm
         params = _sampling_params()
         if inspect.isasyncgenfunction(llm.generate):  # AsyncLLM: an async generator
@@ -425,6 +476,40 @@ class _InProcess(_Session):
                                        [self.a.canary_prompt], params)
         if not outputs:
             raise ServerError("vllm canary: generate() returned no output")
+
+
+def _tracked(fn: Any, *args: Any, **kwargs: Any
+             ) -> tuple[Any, concurrent.futures.Future[None]]:
+    """An awaitable of ``fn(*args, **kwargs)`` and a future that ends when the call itself
+    ends — not when a waiter gives up on it: a sync call goes on in its worker thread, a
+    coroutine is shielded from the cancellation at the deadline (an ``AsyncLLM``'s engine
+    core goes on with the request anyway)."""
+    finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+    finished.set_running_or_notify_cancel()  # running: no waiter can cancel it
+
+    def settle() -> None:
+        if not finished.done():
+            finished.set_result(None)
+
+    if inspect.iscoroutinefunction(fn):
+        async def run_async() -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                settle()
+
+        task = asyncio.ensure_future(run_async())
+        # an outcome nobody awaits any more is collected, not logged as never retrieved
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return asyncio.shield(task), finished
+
+    def run_sync() -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            settle()
+
+    return call_maybe_async(run_sync), finished
 
 
 def _sampling_params() -> Any:

@@ -856,3 +856,155 @@ def test_a_failed_confirmation_of_an_unanswered_resume_is_chained_to_it(
     assert "generation failed" in str(error)
     assert isinstance(error.__cause__, Unconfirmed)
     assert "/resume_memory_occupation" in str(error.__cause__)
+
+
+@pytest.mark.parametrize("status,body,says", [
+    (401, "<html><head><title>401 Authorization Required</title></head></html>",
+     "HTTP 401 from a gateway in front of SGLang, not SGLang (its own authentication: "
+     "<html><head><title>401 Authorization Required</title></head></html>) — the call did "
+     "not reach SGLang; give the adapter credentials the gateway accepts (api_key= is sent "
+     "as a bearer token) or point url= at SGLang itself"),
+    (403, "RBAC: access denied",
+     "HTTP 403 from a gateway in front of SGLang, not SGLang (its own authentication: RBAC: "
+     "access denied) — the call did not reach SGLang; give the adapter credentials the "
+     "gateway accepts (api_key= is sent as a bearer token) or point url= at SGLang itself"),
+    (401, {"message": "No API key found in request"},
+     "HTTP 401 from a gateway in front of SGLang, not SGLang (its own authentication: No API "
+     "key found in request) — the call did not reach SGLang; give the adapter credentials "
+     "the gateway accepts (api_key= is sent as a bearer token) or point url= at SGLang "
+     "itself"),
+    (407, "Proxy Authentication Required",
+     "HTTP 407 from a proxy between this process and SGLang, not SGLang (Proxy "
+     "Authentication Required: Proxy Authentication Required) — the call did not reach "
+     "SGLang; give the proxy its credentials (HTTPS_PROXY / HTTP_PROXY) or exempt the host "
+     "with NO_PROXY"),
+    (401, {"error": "Unauthorized"},  # SGLang's own --api-key middleware
+     "HTTP 401: Unauthorized — SGLang refused the API key: pass api_key= matching its "
+     "--api-key"),
+])
+def test_an_authentication_refusal_says_whose_it_is(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn, rehydrate_engine: Any,
+        status: int, body: Any, says: str) -> None:
+    """A gateway's own 401 / 403 (or a proxy's 407) read as SGLang's refusal: nothing in
+    the error said the release never reached SGLang, nor that the credentials to fix are
+    the gateway's."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    server[1].app = EchoingGateway(
+        lambda path, auth: (status, body) if path == "/release_memory_occupation" else None,
+        behind=standin)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert str(hook(snap, "rehydrate.sglang.release").error) == (
+        f"sglang POST {url}/release_memory_occupation: {says}")
+    assert not adapter.released and standin.released == set()
+    assert "POST /release_memory_occupation" not in standin.log
+
+
+def test_a_gateways_refusal_of_the_resume_leaves_the_next_release_sent(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any) -> None:
+    """The resume met only a gateway's 502s (SGLang may be gone: the next release is
+    sent), then, at the next restore, the gateway's own 401. Taken as SGLang's answer,
+    it said the memory was still released: the next release was skipped, the snapshot
+    held the GPU memory of the restarted SGLang, and the resume after it killed it."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, status=502,
+                                  performed=False)
+    assert not rehydrate_engine.simulate_restore().ok
+    assert adapter.released and adapter.unheard
+    server[1].app = EchoingGateway(
+        lambda path, auth: ((401, "Unauthorized") if path == "/resume_memory_occupation"
+                            else None), behind=standin)
+    assert not rehydrate_engine.simulate_restore().ok
+    assert adapter.released and adapter.unheard
+    server[1].app = fresh = SGLangStandIn()  # restarted: nothing released
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert fresh.released == set(SGLangStandIn.MEMORY)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert fresh.crashed is None and fresh.released == set()
+
+
+def test_a_gateways_refusal_saying_not_released_is_not_sglangs(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any) -> None:
+    """After an unanswered release (performed), a gateway's 403 whose text happens to say
+    "not released" was SGLang's "nothing to resume": the resume counted as done and the
+    memory stayed released for good."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5, request_timeout=0.2)
+    standin.unanswered.add("/release_memory_occupation")
+    assert not rehydrate_engine.simulate_snapshot().ok
+    standin.unanswered.clear()
+    assert standin.released == set(SGLangStandIn.MEMORY)
+    server[1].app = EchoingGateway(
+        lambda path, auth: ((403, "this route is not released for your client")
+                            if path == "/resume_memory_occupation" else None),
+        behind=standin)
+    assert not rehydrate_engine.simulate_restore().ok
+    assert adapter.released
+    server[1].app = standin
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.released == set() and standin.crashed is None
+
+
+def test_a_pause_refused_after_a_gateways_504_stays_owed(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any) -> None:
+    """The pause was performed and its answer lost (the gateway's 504); re-sent, the
+    second try was refused. Read as never performed, the pause was forgotten: the
+    restore sent no continue and SGLang stayed paused for good (every canary 503)."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=1)
+    tries: list[str] = []
+
+    def answer(path: str, auth: str) -> tuple[int, Any] | None:
+        if path != "/pause_generation":
+            return None
+        tries.append(path)
+        return None if len(tries) == 1 else (403, "RBAC: access denied")
+
+    server[1].app = EchoingGateway(answer, behind=LosingGateway(
+        standin, {"/pause_generation"}, status=504, times=1))
+    snap = rehydrate_engine.simulate_snapshot()
+    error = hook(snap, "rehydrate.sglang.release").error
+    assert isinstance(error, Unconfirmed)
+    assert str(error).endswith("; an earlier try got a gateway's 502 / 504: the server may "
+                               "have performed it")
+    assert standin.paused and adapter.paused
+    assert "POST /release_memory_occupation" not in standin.log
+    server[1].app = standin
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert not standin.paused and not adapter.paused and standin.canaries == 1
+
+
+@pytest.mark.parametrize("before", ["nothing released", "resume unheard"])
+def test_a_release_resent_after_a_502_and_refused_leaves_what_it_found(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any, before: str) -> None:
+    """A release is re-sent only after answers saying it was not passed on (502, Envoy's
+    "no healthy upstream", a 503 page), and SGLang refuses it before its scheduler (an
+    exception there ends SGLang): the refusal changed nothing, so the state the release
+    found stands — no resume owed for it, and a resume still owed from before is sent."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=0.5)
+    if before == "resume unheard":
+        assert rehydrate_engine.simulate_snapshot().ok
+        server[1].app = LosingGateway(standin, {"/resume_memory_occupation"}, status=502,
+                                      performed=False)
+        assert not rehydrate_engine.simulate_restore().ok
+        assert adapter.released and adapter.unheard
+    found = adapter.released, adapter.unconfirmed, adapter.unheard
+    standin.refused["/release_memory_occupation"] = "server is busy"
+    server[1].app = LosingGateway(standin, {"/release_memory_occupation"}, status=502,
+                                  times=1, performed=False)
+    standin.log.clear()
+    assert not rehydrate_engine.simulate_snapshot().ok
+    assert standin.log.count("POST /release_memory_occupation") == 1  # the re-sent try
+    assert (adapter.released, adapter.unconfirmed, adapter.unheard) == found
+    standin.refused.clear()
+    server[1].app = standin
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert ("POST /resume_memory_occupation" in standin.log) == (before == "resume unheard")
+    assert standin.released == set() and standin.crashed is None

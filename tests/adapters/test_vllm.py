@@ -27,6 +27,8 @@ from tests.inference_standins import (
     FakeAsyncLLM,
     FakeLLM,
     LosingGateway,
+    SlowSleepAsyncLLM,
+    SlowSleepLLM,
     SlowUpstream,
     VLLMStandIn,
     trickling,
@@ -1204,42 +1206,89 @@ def test_an_answer_trickling_in_does_not_hold_the_probe(
                                 "0.3s): installed anyway")
 
 
-class InOrderSlowSleepLLM(FakeLLM):
-    """An in-process engine that takes its calls in order, as vLLM's engine core does,
-    whose sleep is still under way when the deadline ends: it finishes once the next
-    call (a wake_up) reaches the engine, which then runs after it."""
+class _OnRecord(logging.Handler):
+    """Calls ``then`` when a record containing ``text`` is logged."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.order = threading.Lock()
-        self.next_call = threading.Event()
-        self.slept = threading.Event()
+    def __init__(self, text: str, then: Any) -> None:
+        super().__init__(logging.INFO)
+        self.text, self.then = text, then
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        with self.order:
-            assert self.next_call.wait(10)
-            super().sleep(level, mode)
-        self.slept.set()
-
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        self.next_call.set()
-        with self.order:
-            return super().wake_up(tags)
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.then()
 
 
-def test_an_in_process_sleep_past_the_deadline_is_woken_after(rehydrate_engine: Any) -> None:
-    """sleep() outlived the deadline (its worker thread goes on): not remembered as
-    unconfirmed, the resume took the engine's "awake" at its word, sent no wake_up, and
-    the sleep then ended with a ready process on a sleeping engine."""
-    llm = InOrderSlowSleepLLM()
-    adapter = vllm.install(llm, engine=rehydrate_engine, deadline=0.3)
+@pytest.mark.parametrize("twin", [SlowSleepLLM, SlowSleepAsyncLLM])
+def test_an_in_process_sleep_past_the_deadline_is_woken_after(
+        rehydrate_engine: Any, caplog: pytest.LogCaptureFixture,
+        twin: type[SlowSleepLLM]) -> None:
+    """sleep() outlived the deadline (its worker thread goes on; an AsyncLLM's engine
+    goes on when the awaiting coroutine is cancelled), and an in-process LLM
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs each call in its caller's thread: the resume's
+    wake_up ran beside the sleep and ended first, the sleep then ended with a ready process
+    on a sleeping engine. The wake waits for it, then wakes what it put to sleep."""
+    llm = twin()
+    adapter = vllm.install(llm, engine=rehydrate_engine, deadline=1)
     snap = rehydrate_engine.simulate_snapshot()
     assert "sleep(): not finished within" in str(hook(snap, "rehydrate.vllm.sleep").error)
     assert adapter.sleep_unconfirmed
-    report = rehydrate_engine.simulate_restore(kind="resume")
-    assert report.ok, report.table()
-    llm.next_call.set()  # whatever the resume sent, the sleep ends now
+    # the sleep ends the moment the wake waits for it (never, without the wait)
+    waiting = _OnRecord("still runs: is_sleeping() waits for it", llm.go.set)
+    logging.getLogger("rehydrate").addHandler(waiting)
+    try:
+        with caplog.at_level(logging.INFO, logger="rehydrate"):
+            report = rehydrate_engine.simulate_restore(kind="resume")
+    finally:
+        logging.getLogger("rehydrate").removeHandler(waiting)
+        llm.go.set()
     assert llm.slept.wait(5)
-    assert "wake_up(None)" in llm.calls
+    assert report.ok, report.table()
     assert llm.calls.index("sleep(1)") < llm.calls.index("wake_up(None)")
     assert not llm.engine.sleeping and not adapter.sleep_unconfirmed
+
+
+def test_a_wake_fails_clearly_when_the_sleep_before_never_ends(rehydrate_engine: Any) -> None:
+    """The sleep given up at the snapshot's deadline still runs through the wake's: the
+    wake fails saying so, calls nothing beside it, and the next one wakes the engine."""
+    llm = SlowSleepLLM()
+    vllm.install(llm, engine=rehydrate_engine, deadline=0.5)
+    assert not rehydrate_engine.simulate_snapshot().ok
+    llm.calls.clear()
+    try:
+        report = rehydrate_engine.simulate_restore(kind="resume")
+        assert not report.ok
+        assert re.fullmatch(
+            r"vllm is_sleeping\(\): the engine's sleep\(\), given up at an earlier deadline, "
+            r"is still running after another 0\.[0-9]+s \(the 0\.5s deadline\); not called "
+            r"beside it, which could leave the engine asleep — the next hook waits for it "
+            r"again", str(hook(report, "rehydrate.vllm.wake").error))
+        assert llm.calls == []
+    finally:
+        llm.go.set()
+    assert llm.slept.wait(5) and llm.engine.sleeping
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert not llm.engine.sleeping
+
+
+def test_a_sleep_refused_after_a_gateways_504_is_checked_not_forgotten(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn,
+        rehydrate_engine: Any) -> None:
+    """The sleep was performed and its answer lost (the gateway's 504); re-sent, the
+    second try got a refusal. Read as never performed, the snapshot failed on an engine
+    asleep and the sleep was no longer remembered as unconfirmed: /is_sleeping decides."""
+    adapter = vllm.install(url, engine=rehydrate_engine, deadline=1)
+    tries: list[str] = []
+
+    def answer(path: str, auth: str) -> tuple[int, Any] | None:
+        if path != "/sleep":
+            return None
+        tries.append(path)
+        return None if len(tries) == 1 else (403, "RBAC: access denied")
+
+    server[1].app = EchoingGateway(answer, behind=LosingGateway(standin, {"/sleep"},
+                                                                status=504, times=1))
+    snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.sleeping and not adapter.sleep_unconfirmed
+    assert len(tries) == 2
