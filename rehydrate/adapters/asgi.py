@@ -41,6 +41,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import threading
 import time
 import traceback
@@ -86,6 +87,11 @@ _TRY_AGAIN_LATER = 1013  # WebSocket close code: "try again later"
 
 class _NotLifespan(Exception):
     """Raised to an application that sent a non-lifespan message on the lifespan scope."""
+
+
+class _StartupRefused(Exception):
+    """Raised to an application whose lifespan startup the gate refused (the server was
+    sent ``lifespan.startup.failed`` already)."""
 
 
 class DrainTimeout(RuntimeError):
@@ -203,6 +209,11 @@ class _Detection:
 _PLAIN_WAIT = 1.0
 """Seconds a ``/readyz?wait`` waits before it also watches for its client leaving."""
 
+def _route(path: str) -> str:
+    """``path`` as the gate's endpoints are matched: without a trailing slash."""
+    return path.rstrip("/") or "/"
+
+
 def _app_path(scope: Scope) -> str:
     """The request path inside the application: without the ``root_path`` a proxy mounts
     it under (uvicorn ``--root-path``), which ASGI servers include in ``path``."""
@@ -272,8 +283,10 @@ class ReadinessGate:
             raise ValueError("exempt must be path prefixes starting with '/', not "
                              f"{shown(exempt)}")
         paths = [p for p in (healthz, readyz, status) if p is not None]
+        # Compared as routed (without a trailing slash): "/health" and "/health/" are
+        # one endpoint, and the later one answered for both.
         if not all(isinstance(p, str) and p.startswith("/") for p in paths) or \
-                len(set(paths)) != len(paths):
+                len({_route(p) for p in paths}) != len(paths):
             raise ValueError("healthz, readyz and status must be distinct paths starting "
                              f"with '/' (or None), not {shown(healthz)}, "
                              f"{shown(readyz)}, {shown(status)}")
@@ -293,7 +306,7 @@ class ReadinessGate:
         for path, handler in ((healthz, self._healthz), (readyz, self._readyz),
                               (status, self._status)):
             if path is not None:
-                self._routes[path.rstrip("/") or "/"] = handler  # matched without one
+                self._routes[_route(path)] = handler  # matched without a trailing slash
         self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
         self._detection = self.engine.extension(_DETECTION_KEY, _Detection)
         self._drain.allow(drain_timeout)
@@ -368,7 +381,7 @@ class ReadinessGate:
         if self._check_lifespan:
             self._warn_without_lifespan()
         path = _app_path(scope)
-        handler = self._routes.get(path.rstrip("/") or "/") if kind == "http" else None
+        handler = self._routes.get(_route(path)) if kind == "http" else None
         if handler is not None:
             await self._own(scope, receive, send, handler)
             return
@@ -463,7 +476,9 @@ class ReadinessGate:
 
     # -- lifespan ------------------------------------------------------------------------
 
-    async def _startup(self) -> None:
+    async def _startup(self) -> str | None:
+        """Hold detection; the line refusing the startup when this process cannot get
+        the control socket because another one serves it (else None)."""
         with self._lifespans_lock:
             self._lifespans += 1
             self._closing = False
@@ -472,6 +487,8 @@ class ReadinessGate:
             await asyncio.to_thread(self._detection.hold, self.detectors, loop)
         except Exception:  # detection is an aid: a failure must not stop the server
             log.exception("rehydrate detection did not start")
+        return await asyncio.to_thread(_control_served_elsewhere, self.engine,
+                                       self.detectors)
 
     async def _shutdown(self) -> None:
         # One gate served on two ports: the first server's shutdown made the other's
@@ -506,12 +523,21 @@ class ReadinessGate:
         self._lifespan_seen = True
         received = False
         started = False  # this lifespan holds detection: released once, by it alone
+        refused: str | None = None  # the startup was refused: the server was told so
 
-        async def startup() -> None:
-            nonlocal started
+        async def startup() -> bool:
+            """Start (once); False when the startup is refused: then the server has been
+            sent ``lifespan.startup.failed`` and detection is released again."""
+            nonlocal started, refused
             if not started:
                 started = True
-                await self._startup()
+                refusal = await self._startup()
+                if refusal is not None:
+                    refused = refusal
+                    await shutdown()  # no shutdown message comes after a failed startup
+                    await send({"type": "lifespan.startup.failed", "message": refusal})
+                    return False
+            return True
 
         async def shutdown() -> None:
             nonlocal started
@@ -524,7 +550,9 @@ class ReadinessGate:
             message = await receive()
             received = True
             if message["type"] == "lifespan.startup":
-                await startup()
+                if not await startup():
+                    # the application's own startup must not run in a process refused
+                    raise _StartupRefused(refused)
             elif message["type"] == "lifespan.shutdown":
                 await shutdown()
             return message
@@ -534,6 +562,8 @@ class ReadinessGate:
 
         async def watched(message: Message) -> None:
             nonlocal answered, foreign
+            if refused is not None:
+                return  # the server was answered: its report of our refusal is dropped
             if not str(message["type"]).startswith("lifespan."):
                 # A lifespan-unaware app that read the startup message as a request and
                 # answers it (http.response.start): not forwarded — the server would
@@ -550,6 +580,8 @@ class ReadinessGate:
         try:
             await self.app(scope, wrapped, watched)
         except Exception:
+            if refused is not None:
+                return  # our _StartupRefused, or what the application made of it
             if foreign and not answered:
                 await self._serve_lifespan_for(send, receive, startup, shutdown, started)
                 return
@@ -562,6 +594,8 @@ class ReadinessGate:
                                "message": traceback.format_exc()})
             if received:
                 raise
+        if refused is not None:
+            return
         if foreign and not answered:  # it swallowed the refusal of its message
             await self._serve_lifespan_for(send, receive, startup, shutdown, started)
             return
@@ -571,7 +605,7 @@ class ReadinessGate:
             await self._own_lifespan(receive, send, startup, shutdown)
 
     async def _serve_lifespan_for(self, send: Send, receive: Receive,
-                                  startup: Callable[[], Awaitable[None]],
+                                  startup: Callable[[], Awaitable[bool]],
                                   shutdown: Callable[[], Awaitable[None]],
                                   started: bool) -> None:
         """The application answered the lifespan scope with another protocol's message:
@@ -584,12 +618,13 @@ class ReadinessGate:
         await self._own_lifespan(receive, send, startup, shutdown)
 
     async def _own_lifespan(self, receive: Receive, send: Send,
-                            startup: Callable[[], Awaitable[None]],
+                            startup: Callable[[], Awaitable[bool]],
                             shutdown: Callable[[], Awaitable[None]]) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await startup()
+                if not await startup():
+                    return  # refused: the server was sent lifespan.startup.failed
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await shutdown()
@@ -636,6 +671,38 @@ def _checked_detectors(detectors: object) -> str | list[str | Detector]:
                              f"{', '.join(known)})")
         checked.append(key)
     return detectors if isinstance(detectors, str) else checked
+
+
+def _control_served_elsewhere(engine: Lifecycle,
+                              detectors: str | list[str | Detector]) -> str | None:
+    """Why this process must not serve: the control detector could not start because
+    another process of this user serves its socket — a sibling worker of ``uvicorn
+    --workers N`` (or ``gunicorn -w N``), which all read the same
+    ``$REHYDRATE_CONTROL_SOCKET``. Only that worker hears ``rehydrate notify save``: the
+    others kept admitting requests after the snapshot was prepared and served a clone
+    with state from before it. None otherwise: the detector runs, was not asked for,
+    failed for another reason (already an error line), or the socket is served by this
+    very process (a second engine's gate beside the first: its own, logged, failure). A
+    socket left by a dead process is replaced by the detector and does not get here."""
+    if engine.detector("control") is not None:
+        return None
+    if "control" not in engine.status(fields=()).extra.get("detector_errors", {}):
+        return None
+    from ..detect.control import ControlDetector, serving_peer, socket_path
+
+    own = [d.path for d in ([] if isinstance(detectors, str) else detectors)
+           if isinstance(d, ControlDetector) and d.path]
+    path = own[0] if own else socket_path()
+    try:
+        peer = serving_peer(path)
+    except OSError:  # not connectable: a squatter's, already named in the error line
+        return None
+    if peer is None or peer[0] == os.getpid() or peer[1] != os.geteuid():
+        return None
+    return (f"rehydrate: another process (pid {peer[0]}) serves the control socket {path}, "
+            "so this one would not hear `rehydrate notify` and would serve across a "
+            "snapshot ungated: run one server process per container (no --workers N, or "
+            "--workers 1) and scale with replicas; refusing to start")
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
