@@ -29,7 +29,10 @@ Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callabl
   ready" in a clone from the moment it resumes until its hooks have run);
 * lifespan: on startup the engine's detection is started (:func:`rehydrate.start`, with
   the server's event loop for ``async`` hooks), on shutdown stopped — by the last of the
-  servers in the process whose gates share the engine.
+  servers in the process whose gates share the engine;
+* one server process per container: a worker whose control socket another process
+  serves (a sibling of ``uvicorn --workers N``) would not hear ``rehydrate notify`` and
+  would serve across a snapshot ungated — its lifespan startup fails, with one line.
 
 Pure ASGI 3: no Starlette dependency; works under uvicorn and with httpx's ASGI transport.
 """
@@ -247,7 +250,11 @@ class ReadinessGate:
     (``detectors`` as for :func:`rehydrate.start`). Applications without lifespan support
     get it served by the gate; a server that runs no lifespan at all (``--lifespan off``,
     a mounted sub-application) gets one warning at the first request when detection is
-    not running.
+    not running. A detector that fails to start is logged and the server serves on,
+    except the control detector when another process of this user serves its socket
+    (the workers of ``uvicorn --workers N`` share ``$REHYDRATE_CONTROL_SOCKET``): the
+    startup then fails (``lifespan.startup.failed``, one line saying to run one worker
+    per container) — that worker would not be drained or gated by ``rehydrate notify``.
     """
 
     def __init__(
@@ -647,7 +654,8 @@ def health_app(*, engine: Lifecycle | None = None, **options: Any) -> ReadinessG
 
 def _checked_detectors(detectors: object) -> str | list[str | Detector]:
     """``detectors`` as :func:`rehydrate.start` takes them, checked now: the lifespan
-    startup only logs a failure to start detection (it must not stop the server), so a
+    startup only logs a failure to start a detector (it must not stop the server; a
+    control socket another process serves is the exception), so a
     mistyped key was one log line and a server deaf to restores, serving a clone with
     its parent's state. Whether a detector is usable is still judged at startup, where
     it runs."""
@@ -700,7 +708,7 @@ def _control_served_elsewhere(engine: Lifecycle,
     if peer is None or peer[0] == os.getpid() or peer[1] != os.geteuid():
         return None
     return (f"rehydrate: another process (pid {peer[0]}) serves the control socket {path}, "
-            "so this one would not hear `rehydrate notify` and would serve across a "
+            "so this one would not hear rehydrate notify and would serve across a "
             "snapshot ungated: run one server process per container (no --workers N, or "
             "--workers 1) and scale with replicas; refusing to start")
 

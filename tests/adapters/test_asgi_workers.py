@@ -45,7 +45,7 @@ os._exit(0)
 """
 
 _REFUSAL = ("rehydrate: another process (pid {pid}) serves the control socket {path}, so "
-            "this one would not hear `rehydrate notify` and would serve across a snapshot "
+            "this one would not hear rehydrate notify and would serve across a snapshot "
             "ungated: run one server process per container (no --workers N, or --workers "
             "1) and scale with replicas; refusing to start")
 
