@@ -684,7 +684,7 @@ def _checked_detectors(detectors: object) -> str | list[str | Detector]:
 def _control_served_elsewhere(engine: Lifecycle,
                               detectors: str | list[str | Detector]) -> str | None:
     """Why this process must not serve: the control detector could not start because
-    another process of this user serves its socket — a sibling worker of ``uvicorn
+    another process of this user (or root) serves its socket — a sibling of ``uvicorn
     --workers N`` (or ``gunicorn -w N``), which all read the same
     ``$REHYDRATE_CONTROL_SOCKET``. Only that worker hears ``rehydrate notify save``: the
     others kept admitting requests after the snapshot was prepared and served a clone
@@ -705,8 +705,8 @@ def _control_served_elsewhere(engine: Lifecycle,
         peer = serving_peer(path)
     except OSError:  # not connectable: a squatter's, already named in the error line
         return None
-    if peer is None or peer[0] == os.getpid() or peer[1] != os.geteuid():
-        return None
+    if peer is None or peer[0] == os.getpid() or peer[1] not in (os.geteuid(), 0):
+        return None  # nobody; this process; another user's (a squatter: its own error)
     return (f"rehydrate: another process (pid {peer[0]}) serves the control socket {path}, "
             "so this one would not hear rehydrate notify and would serve across a "
             "snapshot ungated: run one server process per container (no --workers N, or "
