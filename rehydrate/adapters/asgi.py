@@ -29,7 +29,10 @@ Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callabl
   ready" in a clone from the moment it resumes until its hooks have run);
 * lifespan: on startup the engine's detection is started (:func:`rehydrate.start`, with
   the server's event loop for ``async`` hooks), on shutdown stopped — by the last of the
-  servers in the process whose gates share the engine.
+  servers in the process whose gates share the engine;
+* one server process per container: a worker whose control socket another process
+  serves (a sibling of ``uvicorn --workers N``) would not hear ``rehydrate notify`` and
+  would serve across a snapshot ungated — its lifespan startup fails, with one line.
 
 Pure ASGI 3: no Starlette dependency; works under uvicorn and with httpx's ASGI transport.
 """
@@ -41,6 +44,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import threading
 import time
 import traceback
@@ -86,6 +90,11 @@ _TRY_AGAIN_LATER = 1013  # WebSocket close code: "try again later"
 
 class _NotLifespan(Exception):
     """Raised to an application that sent a non-lifespan message on the lifespan scope."""
+
+
+class _StartupRefused(Exception):
+    """Raised to an application whose lifespan startup the gate refused (the server was
+    sent ``lifespan.startup.failed`` already)."""
 
 
 class DrainTimeout(RuntimeError):
@@ -203,6 +212,11 @@ class _Detection:
 _PLAIN_WAIT = 1.0
 """Seconds a ``/readyz?wait`` waits before it also watches for its client leaving."""
 
+def _route(path: str) -> str:
+    """``path`` as the gate's endpoints are matched: without a trailing slash."""
+    return path.rstrip("/") or "/"
+
+
 def _app_path(scope: Scope) -> str:
     """The request path inside the application: without the ``root_path`` a proxy mounts
     it under (uvicorn ``--root-path``), which ASGI servers include in ``path``."""
@@ -236,7 +250,11 @@ class ReadinessGate:
     (``detectors`` as for :func:`rehydrate.start`). Applications without lifespan support
     get it served by the gate; a server that runs no lifespan at all (``--lifespan off``,
     a mounted sub-application) gets one warning at the first request when detection is
-    not running.
+    not running. A detector that fails to start is logged and the server serves on,
+    except the control detector when another process of this user serves its socket
+    (the workers of ``uvicorn --workers N`` share ``$REHYDRATE_CONTROL_SOCKET``): the
+    startup then fails (``lifespan.startup.failed``, one line saying to run one worker
+    per container) — that worker would not be drained or gated by ``rehydrate notify``.
     """
 
     def __init__(
@@ -272,8 +290,10 @@ class ReadinessGate:
             raise ValueError("exempt must be path prefixes starting with '/', not "
                              f"{shown(exempt)}")
         paths = [p for p in (healthz, readyz, status) if p is not None]
+        # Compared as routed (without a trailing slash): "/health" and "/health/" are
+        # one endpoint, and the later one answered for both.
         if not all(isinstance(p, str) and p.startswith("/") for p in paths) or \
-                len(set(paths)) != len(paths):
+                len({_route(p) for p in paths}) != len(paths):
             raise ValueError("healthz, readyz and status must be distinct paths starting "
                              f"with '/' (or None), not {shown(healthz)}, "
                              f"{shown(readyz)}, {shown(status)}")
@@ -293,7 +313,7 @@ class ReadinessGate:
         for path, handler in ((healthz, self._healthz), (readyz, self._readyz),
                               (status, self._status)):
             if path is not None:
-                self._routes[path.rstrip("/") or "/"] = handler  # matched without one
+                self._routes[_route(path)] = handler  # matched without a trailing slash
         self._drain = self.engine.extension(_DRAIN_KEY, _Drain)
         self._detection = self.engine.extension(_DETECTION_KEY, _Detection)
         self._drain.allow(drain_timeout)
@@ -368,7 +388,7 @@ class ReadinessGate:
         if self._check_lifespan:
             self._warn_without_lifespan()
         path = _app_path(scope)
-        handler = self._routes.get(path.rstrip("/") or "/") if kind == "http" else None
+        handler = self._routes.get(_route(path)) if kind == "http" else None
         if handler is not None:
             await self._own(scope, receive, send, handler)
             return
@@ -463,7 +483,9 @@ class ReadinessGate:
 
     # -- lifespan ------------------------------------------------------------------------
 
-    async def _startup(self) -> None:
+    async def _startup(self) -> str | None:
+        """Hold detection; the line refusing the startup when this process cannot get
+        the control socket because another one serves it (else None)."""
         with self._lifespans_lock:
             self._lifespans += 1
             self._closing = False
@@ -472,6 +494,8 @@ class ReadinessGate:
             await asyncio.to_thread(self._detection.hold, self.detectors, loop)
         except Exception:  # detection is an aid: a failure must not stop the server
             log.exception("rehydrate detection did not start")
+        return await asyncio.to_thread(_control_served_elsewhere, self.engine,
+                                       self.detectors)
 
     async def _shutdown(self) -> None:
         # One gate served on two ports: the first server's shutdown made the other's
@@ -506,12 +530,21 @@ class ReadinessGate:
         self._lifespan_seen = True
         received = False
         started = False  # this lifespan holds detection: released once, by it alone
+        refused: str | None = None  # the startup was refused: the server was told so
 
-        async def startup() -> None:
-            nonlocal started
+        async def startup() -> bool:
+            """Start (once); False when the startup is refused: then the server has been
+            sent ``lifespan.startup.failed`` and detection is released again."""
+            nonlocal started, refused
             if not started:
                 started = True
-                await self._startup()
+                refusal = await self._startup()
+                if refusal is not None:
+                    refused = refusal
+                    await shutdown()  # no shutdown message comes after a failed startup
+                    await send({"type": "lifespan.startup.failed", "message": refusal})
+                    return False
+            return True
 
         async def shutdown() -> None:
             nonlocal started
@@ -524,7 +557,9 @@ class ReadinessGate:
             message = await receive()
             received = True
             if message["type"] == "lifespan.startup":
-                await startup()
+                if not await startup():
+                    # the application's own startup must not run in a process refused
+                    raise _StartupRefused(refused)
             elif message["type"] == "lifespan.shutdown":
                 await shutdown()
             return message
@@ -534,6 +569,8 @@ class ReadinessGate:
 
         async def watched(message: Message) -> None:
             nonlocal answered, foreign
+            if refused is not None:
+                return  # the server was answered: its report of our refusal is dropped
             if not str(message["type"]).startswith("lifespan."):
                 # A lifespan-unaware app that read the startup message as a request and
                 # answers it (http.response.start): not forwarded — the server would
@@ -550,6 +587,8 @@ class ReadinessGate:
         try:
             await self.app(scope, wrapped, watched)
         except Exception:
+            if refused is not None:
+                return  # our _StartupRefused, or what the application made of it
             if foreign and not answered:
                 await self._serve_lifespan_for(send, receive, startup, shutdown, started)
                 return
@@ -562,6 +601,8 @@ class ReadinessGate:
                                "message": traceback.format_exc()})
             if received:
                 raise
+        if refused is not None:
+            return
         if foreign and not answered:  # it swallowed the refusal of its message
             await self._serve_lifespan_for(send, receive, startup, shutdown, started)
             return
@@ -571,7 +612,7 @@ class ReadinessGate:
             await self._own_lifespan(receive, send, startup, shutdown)
 
     async def _serve_lifespan_for(self, send: Send, receive: Receive,
-                                  startup: Callable[[], Awaitable[None]],
+                                  startup: Callable[[], Awaitable[bool]],
                                   shutdown: Callable[[], Awaitable[None]],
                                   started: bool) -> None:
         """The application answered the lifespan scope with another protocol's message:
@@ -584,12 +625,13 @@ class ReadinessGate:
         await self._own_lifespan(receive, send, startup, shutdown)
 
     async def _own_lifespan(self, receive: Receive, send: Send,
-                            startup: Callable[[], Awaitable[None]],
+                            startup: Callable[[], Awaitable[bool]],
                             shutdown: Callable[[], Awaitable[None]]) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await startup()
+                if not await startup():
+                    return  # refused: the server was sent lifespan.startup.failed
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await shutdown()
@@ -612,7 +654,8 @@ def health_app(*, engine: Lifecycle | None = None, **options: Any) -> ReadinessG
 
 def _checked_detectors(detectors: object) -> str | list[str | Detector]:
     """``detectors`` as :func:`rehydrate.start` takes them, checked now: the lifespan
-    startup only logs a failure to start detection (it must not stop the server), so a
+    startup only logs a failure to start a detector (it must not stop the server; a
+    control socket another process serves is the exception), so a
     mistyped key was one log line and a server deaf to restores, serving a clone with
     its parent's state. Whether a detector is usable is still judged at startup, where
     it runs."""
@@ -636,6 +679,38 @@ def _checked_detectors(detectors: object) -> str | list[str | Detector]:
                              f"{', '.join(known)})")
         checked.append(key)
     return detectors if isinstance(detectors, str) else checked
+
+
+def _control_served_elsewhere(engine: Lifecycle,
+                              detectors: str | list[str | Detector]) -> str | None:
+    """Why this process must not serve: the control detector could not start because
+    another process of this user (or root) serves its socket — a sibling of ``uvicorn
+    --workers N`` (or ``gunicorn -w N``), which all read the same
+    ``$REHYDRATE_CONTROL_SOCKET``. Only that worker hears ``rehydrate notify save``: the
+    others kept admitting requests after the snapshot was prepared and served a clone
+    with state from before it. None otherwise: the detector runs, was not asked for,
+    failed for another reason (already an error line), or the socket is served by this
+    very process (a second engine's gate beside the first: its own, logged, failure). A
+    socket left by a dead process is replaced by the detector and does not get here."""
+    if engine.detector("control") is not None:
+        return None
+    if "control" not in engine.status(fields=()).extra.get("detector_errors", {}):
+        return None
+    from ..detect.control import ControlDetector, serving_peer, socket_path
+
+    own = [d.path for d in ([] if isinstance(detectors, str) else detectors)
+           if isinstance(d, ControlDetector) and d.path]
+    path = own[0] if own else socket_path()
+    try:
+        peer = serving_peer(path)
+    except OSError:  # not connectable: a squatter's, already named in the error line
+        return None
+    if peer is None or peer[0] == os.getpid() or peer[1] not in (os.geteuid(), 0):
+        return None  # nobody; this process; another user's (a squatter: its own error)
+    return (f"rehydrate: another process (pid {peer[0]}) serves the control socket {path}, "
+            "so this one would not hear rehydrate notify and would serve across a "
+            "snapshot ungated: run one server process per container (no --workers N, or "
+            "--workers 1) and scale with replicas; refusing to start")
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

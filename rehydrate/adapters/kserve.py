@@ -25,7 +25,9 @@ From then on, while a restore or snapshot is in progress or the process is degra
   the OpenAI ``/openai/v1/...`` routes) is refused with KServe's ``ModelNotReady`` (HTTP
   503, gRPC ``UNAVAILABLE``) — also a request whose readiness check passed just before a
   snapshot began — and the model is not reloaded (KServe calls ``load()`` on a model that
-  is not healthy);
+  is not healthy). The REST handlers refuse first, with KServe's own message (no state);
+  the adapter's refusals (gRPC ``ModelInfer``, the forecast, that late request) end with
+  ``rehydrate: <state>``;
 * ``GET /v2/health/live`` stays 200 (a liveness probe must not kill a restoring pod).
 
 In-flight requests are not drained before a snapshot (KServe offers no hook for it):
@@ -42,8 +44,9 @@ registered with it, so it covers models registered after :func:`install` too
 planes KServe builds over copies of its registry (the server does not keep them): their
 ``get_model()`` asks the model's gated ``healthy()``, then calls ``load()``, and that
 ``load()`` is refused. A ``load()`` called otherwise — a restore hook reloading the model,
-also after asking its ``healthy()`` — runs. Run the server with one worker (``workers=1``,
-KServe's default): :func:`install` refuses a server with more (``ValueError``).
+also after asking its ``healthy()``; one called once the process is ready again — runs.
+Run the server with one worker (``workers=1``, KServe's default): :func:`install` refuses
+a server with more (``ValueError``).
 """
 
 from __future__ import annotations
@@ -183,9 +186,10 @@ def _gate_model(model: Any, engine: Engine) -> None:
     registry, holding the same model objects: their ``get_model()`` is not the one
     :func:`install` gates. It awaits ``healthy()`` and, on False, calls ``load()`` and
     serves the request. Here, a ``load()`` that follows this gate's "not ready" in the same
-    context (the request's task) raises ``ModelNotReady`` (503) instead: neither a reload
-    nor a request served during a restore. Other ``load()`` calls (a restore hook
-    reloading the model, also after asking ``healthy()`` itself) run.
+    context (the request's task) raises ``ModelNotReady`` (503) instead, when the process
+    is still not ready: neither a reload nor a request served during a restore. Other
+    ``load()`` calls (a restore hook reloading the model, also after asking ``healthy()``
+    itself; one made once the process is ready again) run.
     """
     if getattr(model, _MARK, None) is engine:
         return
@@ -205,7 +209,11 @@ def _gate_model(model: Any, engine: Engine) -> None:
     def gated_load(*args: Any, **kwargs: Any) -> Any:
         if _vetoed.get() is model:
             _vetoed.set(None)
-            raise _not_ready(str(getattr(model, "name", model)), engine)
+            # Only while still not ready: a task that asked healthy() during a restore
+            # and calls load() once the process is ready again (a watchdog reloading the
+            # model) was refused with "rehydrate: ready".
+            if not engine.is_ready():
+                raise _not_ready(str(getattr(model, "name", model)), engine)
         return load(*args, **kwargs)
 
     model.healthy = gated_healthy

@@ -615,6 +615,14 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
     ({"healthz": "/x", "readyz": "/x"},  # liveness would answer 503 while restoring
      "healthz, readyz and status must be distinct paths starting with '/' (or None), not "
      "'/x', '/x', '/rehydrate/status'"),
+    # one endpoint as routed (a trailing slash is the same path): during a restore the
+    # liveness probe at /health got readyz's 503 and restarted the restoring pod
+    ({"healthz": "/health", "readyz": "/health/"},
+     "healthz, readyz and status must be distinct paths starting with '/' (or None), not "
+     "'/health', '/health/', '/rehydrate/status'"),
+    ({"readyz": "/", "status": "//"},
+     "healthz, readyz and status must be distinct paths starting with '/' (or None), not "
+     "'/healthz', '/', '//'"),
     ({"readyz": "readyz"}, "healthz, readyz and status must be distinct paths starting with "
                            "'/' (or None), not '/healthz', 'readyz', '/rehydrate/status'"),
     ({"status": ""}, "healthz, readyz and status must be distinct paths starting with '/' "

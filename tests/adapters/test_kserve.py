@@ -200,6 +200,62 @@ def test_install_refuses_a_server_with_several_workers(tmp_path: Path) -> None:
         "with workers=1 (KServe's default) and scale with replicas", "gated"]
 
 
+def test_a_load_after_the_process_is_ready_again_runs(tmp_path: Path) -> None:
+    """A task that asked a model's ``healthy()`` during a restore (False) and called its
+    ``load()`` once the process was ready again — an application's watchdog reloading the
+    model — was refused with ``ModelNotReady`` "... rehydrate: ready": the veto its
+    ``healthy()`` left in the task's context was never checked against readiness. A
+    ``load()`` while still not ready stays refused. (A process of its own, as above.)"""
+    script = tmp_path / "veto.py"
+    script.write_text(
+        "import asyncio, threading\n"
+        "import kserve\n"
+        "from kserve.errors import ModelNotReady\n"
+        "from rehydrate.adapters import kserve as adapter\n"
+        "from rehydrate.testing import isolated_engine\n"
+        "engine = isolated_engine()\n"
+        "entered, release = threading.Event(), threading.Event()\n"
+        "def warm():\n"
+        "    entered.set()\n"
+        "    release.wait(30)\n"
+        "engine.registry.register(warm, event='restore', name='warm')\n"
+        "class M(kserve.Model):\n"
+        "    def load(self):\n"
+        "        self.ready = True\n"
+        "        print('load ran')\n"
+        "        return True\n"
+        "m = M('m')\n"
+        "m.load()\n"
+        "server = kserve.ModelServer(workers=1, enable_grpc=False)\n"
+        "adapter.install(server, engine=engine)\n"
+        "server.register_model(m)\n"
+        "def load():\n"
+        "    try:\n"
+        "        m.load()\n"
+        "    except ModelNotReady as exc:\n"
+        "        print('refused:', exc.reason)\n"
+        "async def watchdog():\n"
+        "    restore = threading.Thread(target=engine.simulate_restore)\n"
+        "    restore.start()\n"
+        "    await asyncio.to_thread(entered.wait, 30)\n"
+        "    print('healthy:', await m.healthy())\n"
+        "    load()\n"
+        "    print('healthy:', await m.healthy())\n"
+        "    release.set()\n"
+        "    await asyncio.to_thread(restore.join, 30)\n"
+        "    print('ready:', engine.is_ready())\n"
+        "    load()\n"
+        "asyncio.run(watchdog())\n")
+    proc = subprocess.run([sys.executable, str(script)], env={**os.environ,
+                          "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "load ran", "healthy: False",
+        "refused: Model with name m is not ready. rehydrate: restoring",
+        "healthy: False", "ready: True", "load ran"]
+
+
 def test_a_failed_install_patches_nothing_and_a_retry_gates(rehydrate_engine: Any) -> None:
     """A server-like object missing a piece: refused before anything is patched, so that
     installing again once it is complete really gates it (not a silent no-op)."""
