@@ -801,7 +801,9 @@ class Lifecycle:
         """Block until ready (True) or until ``timeout`` seconds passed (False).
 
         From inside one of this engine's hooks it raises ``RuntimeError`` while not ready:
-        readiness comes only after the hook itself has finished. ``timeout``: seconds, 0
+        readiness comes only after the hook itself has finished; so does a call that would
+        wait (``timeout`` not 0) on rehydrate's own event loop, where the async hooks it
+        waits for run. ``timeout``: seconds, 0
         (do not wait); ``None``, infinity or more than a year: no limit. A negative, NaN
         or non-number timeout is a one-line ``ValueError``/``TypeError`` at once, ready
         or not.
@@ -810,7 +812,7 @@ class Lifecycle:
         if not self.is_ready():
             if running_hook_of(self._runner):
                 raise RuntimeError("wait_ready() inside a hook would wait for its own event")
-            if self._loop_thread.is_current():
+            if timeout != 0 and self._loop_thread.is_current():
                 raise RuntimeError(_ON_HOOK_LOOP.format("wait_ready()"))
         with self._cond:  # every change of readiness notifies (runs, heartbeats after a gap)
             return self._cond.wait_for(self.is_ready, timeout)

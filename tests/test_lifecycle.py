@@ -931,15 +931,17 @@ def test_a_task_a_hook_left_running_may_wait_for_and_start_events(rehydrate_engi
 
 
 def test_a_task_on_rehydrates_loop_may_not_block_it_waiting(rehydrate_engine):
-    """A task a hook left on rehydrate's loop that calls the blocking wait_ready() or
-    starts an event there while not ready would stop the async hooks those wait for
-    (they run on that loop): refused with the way round, not a hang."""
+    """A task a hook left on rehydrate's loop that calls the blocking wait_ready() while
+    not ready, or starts an event there, would stop the async hooks those wait for (they
+    run on that loop): refused with the way round, not a hang. wait_ready(0) cannot
+    block: it answers."""
     reg = rehydrate_engine.registry
     go, done = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
 
     async def worker() -> None:
         await asyncio.to_thread(go.wait, DEADLINE)
+        seen["poll"] = rehydrate_engine.wait_ready(0)  # cannot block: answered
         for name, call in (("wait", lambda: rehydrate_engine.wait_ready(DEADLINE)),
                            ("snapshot", rehydrate_engine.simulate_snapshot)):
             try:
@@ -960,6 +962,7 @@ def test_a_task_on_rehydrates_loop_may_not_block_it_waiting(rehydrate_engine):
     assert not report.ok and not rehydrate_engine.is_ready()  # degraded: wait_ready waits
     go.set()
     assert done.wait(DEADLINE)
+    assert seen["poll"] is False
     for name in ("wait", "snapshot"):
         assert "asyncio.to_thread" in str(seen[name]), seen[name]
 
