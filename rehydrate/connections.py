@@ -432,6 +432,9 @@ class Connection:
             self._epoch += 1
             self._wake_waits()
             self.step = None
+            # an earlier run's error (and its "still running at the deadline" note) is not
+            # this one's: kept, it was reported again, and grew, at every later restore
+            self.last_error = None
             self._ended = False  # the engine is in use again
             prev, self.state = self.state, state
             return self._epoch, prev
@@ -789,7 +792,11 @@ class Connection:
                                               and _arity(self.close_fn) == 0)
         if self.check_fn is not None:
             self._set(epoch, step="check")
-            await call(self.check_fn, *self._args(self.check_fn))
+            healthy = await call(self.check_fn, *self._args(self.check_fn))
+            # a client's own health probe that answers rather than raises (elasticsearch's
+            # ping(), a custom is_healthy()): False is "not healthy", not "returned"
+            if healthy is False:
+                raise ConnectionError("check() returned False")
 
     def _disposes(self, value: Any) -> bool:
         """Whether an open's ``value`` that no run keeps can be closed: by a ``close``
@@ -1484,6 +1491,11 @@ class ConnectionManager:
         outcome: dict[str, bool] = {}
         missed: list[tuple[Connection, str]] = []
         for (conn, epoch, deadline_at), ok in zip(plans, results, strict=True):
+            if not ok and not conn._current(epoch) and self.get(conn.name) is not conn:
+                # unregister() or a replace=True registration took it over mid-run: no
+                # longer managed, it is not this run's to miss (its name may be the new
+                # registration's, opened by the next restore or its open_now)
+                continue
             outcome[conn.name] = ok
             if not ok:
                 conn._set(epoch, state="failed")
@@ -1758,7 +1770,8 @@ def register(
     ``open`` then ``check`` run (concurrently with every other connection) with backoff
     until both succeed or ``deadline`` seconds passed (default ``REHYDRATE_CONNECT_DEADLINE``
     or 30 s). ``close`` and ``check`` may take one argument: the current ``value`` (what
-    ``open`` returned last, or ``value=``). Any of them may be ``async``. An ``async``
+    ``open`` returned last, or ``value=``). A ``check`` fails by raising or by returning
+    ``False`` (any other result passes). Any of them may be ``async``. An ``async``
     ``close`` is awaited on the event loop the ``async`` ``open`` that made the value ran
     on. Once that loop is closed (``asyncio.run`` returned) it is tried on the hooks'
     loop, at most ``CLOSE_TIMEOUT``; if it fails or hangs there the value is dropped
