@@ -1961,7 +1961,9 @@ def httpx_async_client(
     (``check_url``, relative to ``base_url`` and with the client's default headers, as in
     :func:`httpx_client`) goes through the new pool, and the application's first request
     after the restore reuses its connection; otherwise it uses a separate short-lived
-    transport and the new pool fills on the application's loop."""
+    transport and the new pool fills on the application's loop. A ``check_url`` the
+    client sends through a transport given in ``mounts=`` (a proxy) is checked through
+    that transport, on the application's loop (failing while that loop does not run)."""
     from ._httpx import AsyncReconnectingTransport, make_async_client
 
     client, transport = make_async_client(client_kwargs)
@@ -1970,8 +1972,10 @@ def httpx_async_client(
         request = client.build_request("GET", check_url)  # type: ignore[arg-type]
         # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
         via = client._transport_for_url(request.url)
-        await (via if isinstance(via, AsyncReconnectingTransport) else transport).probe(
-            request)
+        if isinstance(via, AsyncReconnectingTransport):
+            await via.probe(request)
+        else:  # a transport the caller mounted for that URL: what requests go through
+            await transport.probe_mount(via, request)
 
     async def reset() -> None:  # non-blocking: runs on the loop, no thread hop
         transport.reset()

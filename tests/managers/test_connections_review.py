@@ -4,6 +4,7 @@ loops, SQLAlchemy engines the helper cannot manage)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -120,3 +121,87 @@ def test_an_earlier_restores_error_is_not_reported_again(rehydrate_engine):
         assert last == "(open was still running at the deadline)", last
     finally:
         release.set()
+
+
+@pytest.fixture
+def http_srv():  # type: ignore[no-untyped-def]
+    from netservers import uvicorn_server
+
+    srv = uvicorn_server()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("hooks_on_app_loop", [False, True])
+async def test_async_httpx_check_goes_through_the_callers_mount(rehydrate_engine, http_srv,
+                                                               hooks_on_app_loop):
+    """``mounts={"http://": AsyncHTTPTransport(proxy=...)}`` (httpx's way to route through
+    a proxy) with the proxy down: every request of the application failed, but the health
+    check went through the client's own pool, straight to the server, and the restore
+    reported the connection open and the process ready. The sync helper failed it."""
+    import httpx
+    from netservers import refused_port
+
+    loop = asyncio.get_running_loop()
+    if hooks_on_app_loop:
+        rehydrate_engine.start("none", loop=loop)
+    with refused_port() as port:
+        client = connections.httpx_async_client(
+            "api", base_url=http_srv.url, check_url="/health", deadline=0.5,
+            mounts={"http://": httpx.AsyncHTTPTransport(proxy=f"http://127.0.0.1:{port}")},
+            engine=rehydrate_engine)
+        report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        assert not report.ok
+        assert "ConnectError" in _status(rehydrate_engine, "api")["last_error"]
+        with pytest.raises(httpx.ConnectError):  # what the check stands for
+            await client.get("/x")
+    await client.aclose()
+
+
+@pytest.mark.parametrize("hooks_on_app_loop", [False, True])
+async def test_async_httpx_check_through_a_working_mount_passes_on_the_apps_loop(
+        rehydrate_engine, http_srv, hooks_on_app_loop):
+    """Through a mount that works, the check passes and leaves its connection in that
+    mount's pool, made on the application's loop (sent there when the hooks run on
+    another): the application's next request through it works."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    if hooks_on_app_loop:
+        rehydrate_engine.start("none", loop=loop)
+    mount = httpx.AsyncHTTPTransport()
+    client = connections.httpx_async_client(
+        "api", base_url=http_srv.url, check_url="/health", deadline=5,
+        mounts={"http://": mount}, engine=rehydrate_engine)
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert len(mount._pool.connections) == 1  # the check's, through the mount
+    assert (await client.get("/after")).text == "/after"
+    await client.aclose()
+
+
+def test_async_httpx_check_through_a_mount_of_a_stopped_loop_fails_saying_why(
+        rehydrate_engine, http_srv):
+    """The mount's pool belongs to the application's loop; while that loop does not run
+    (``run_until_complete`` between two calls) the check cannot be sent there, and sent
+    from the hooks' loop it would leave a connection of that loop in the pool."""
+    import httpx
+
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client(
+                "api", base_url=http_srv.url, check_url="/health", deadline=0.3,
+                mounts={"http://": httpx.AsyncHTTPTransport()}, engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        error = _status(rehydrate_engine, "api")["last_error"]
+        assert "mounts=" in error and "is not running" in error, error
+        loop.run_until_complete(client.aclose())
+    finally:
+        loop.close()
