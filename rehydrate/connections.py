@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -2002,7 +2003,20 @@ def sqlalchemy_engine(
 ) -> Any:
     """Manage a SQLAlchemy ``Engine``: ``dispose()`` before a snapshot; after a restore
     ``dispose(close=False)`` (the platform already cut the sockets: drop them without
-    talking to the server) and, with ``check``, ``SELECT 1`` on a fresh connection."""
+    talking to the server) and, with ``check``, ``SELECT 1`` on a fresh connection.
+
+    An ``AsyncEngine`` (``create_async_engine``), or the ``sync_engine`` of one, is a
+    ``TypeError`` here: its ``dispose()`` is a coroutine and its connections belong to
+    the event loop that uses them, so every snapshot and restore failed ("'AsyncConnection'
+    object does not support the context manager protocol", "coroutine ... never
+    awaited"). Register it with :func:`register` and ``async`` functions instead."""
+    if _async_sqlalchemy(sa_engine):
+        raise TypeError(
+            f"connection {name!r}: sqlalchemy_engine() manages a sync Engine, not an "
+            "AsyncEngine (or an async driver's sync_engine): register it with "
+            "connections.register(name, close=async_engine.dispose, check=<an async "
+            "SELECT 1>), on the event loop the application uses it on "
+            "(rehydrate.start(loop=...))")
 
     def ping() -> None:
         with sa_engine.connect() as c:
@@ -2018,6 +2032,16 @@ def sqlalchemy_engine(
                        resource=lambda: sa_engine.pool)
     manager(engine).register(conn, replace=replace)
     return sa_engine
+
+
+def _async_sqlalchemy(sa_engine: Any) -> bool:
+    """Whether ``sa_engine`` is SQLAlchemy's asyncio flavour: an ``AsyncEngine``, or an
+    ``Engine`` of an async driver (an ``AsyncEngine``'s ``sync_engine``, whose pool
+    needs a greenlet the asyncio extension provides)."""
+    ext = sys.modules.get("sqlalchemy.ext.asyncio")  # not imported: none was made
+    if ext is not None and isinstance(sa_engine, ext.AsyncEngine):
+        return True
+    return getattr(getattr(sa_engine, "dialect", None), "is_async", False) is True
 
 
 _REDIS_LOOP_CLOSED = ("the event loop its commands ran on is closed: its pooled connections "

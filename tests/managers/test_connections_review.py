@@ -205,3 +205,22 @@ def test_async_httpx_check_through_a_mount_of_a_stopped_loop_fails_saying_why(
         loop.run_until_complete(client.aclose())
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("which", ["async_engine", "its_sync_engine"])
+def test_sqlalchemy_engine_refuses_an_async_engine_at_registration(rehydrate_engine, which):
+    """An ``AsyncEngine`` was accepted, then every snapshot and restore failed
+    ("'AsyncConnection' object does not support the context manager protocol",
+    "coroutine 'AsyncEngine.dispose' was never awaited"); its ``sync_engine`` fails the
+    same way (its pool needs the asyncio extension's greenlet). No async driver needed to
+    see it: a sync SQLite engine whose dialect says it is async wraps into a real one."""
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    sync = sa.create_engine("sqlite://")
+    sync.dialect.is_async = True
+    async_engine = AsyncEngine(sync)
+    given = async_engine if which == "async_engine" else async_engine.sync_engine
+    with pytest.raises(TypeError, match="not an AsyncEngine"):
+        connections.sqlalchemy_engine("db", given, engine=rehydrate_engine)
+    assert connections.get("db", engine=rehydrate_engine) is None
