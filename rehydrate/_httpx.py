@@ -249,13 +249,18 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
 
     def _stopped_loop(self) -> asyncio.AbstractEventLoop | None:
         """The stopped (neither running nor closed) loop some of the pools belong to:
-        the application drives it with ``run_until_complete`` between two calls."""
+        the application drives it with ``run_until_complete`` between two calls. Or one
+        whose thread waits for the lifecycle event this close is part of (the
+        application called ``simulate_snapshot()`` on it): a close sent there and waited
+        for ran only once the event had given up on it (``close() took longer than
+        5s``), so it is left to run there, as on a stopped loop."""
         with self._lock:
             loops = [self._loop, self._mounts_loop() if self._mounted() else None]
         for proxy in self.proxies:
             loops.append(proxy._stopped_loop())
         for loop in loops:
-            if loop is not None and not loop.is_running() and not loop.is_closed():
+            if loop is not None and not loop.is_closed() and (
+                    not loop.is_running() or is_blocked(loop)):
                 return loop
         return None
 

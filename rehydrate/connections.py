@@ -2086,7 +2086,7 @@ class _AsyncRedisPool:
         stale = self._drop_stale()
         if home is None or home is running:
             await self.pool.disconnect()
-        elif home.is_running():
+        elif home.is_running() and not is_blocked(home):
             await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(self.pool.disconnect(), home))
         elif home.is_closed():
@@ -2098,8 +2098,10 @@ class _AsyncRedisPool:
                 *getattr(pool, "_in_use_connections", ()))) or stale
             pool.reset()
         else:
-            # run_until_complete between two calls: only that loop can close them, so the
-            # connection schedules a disconnect there — of what is detached now only
+            # run_until_complete between two calls, or its thread waiting for this very
+            # event (sent there and waited for, the disconnect ran only once the event
+            # had given up on it): only that loop can close them, so the connection
+            # schedules a disconnect there — of what is detached now only
             raise LoopStopped(home, "its commands ran on", self.detach(home),
                               dropped=_REDIS_LOOP_CLOSED if stale else None)
         if stale:

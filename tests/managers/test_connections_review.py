@@ -224,3 +224,84 @@ def test_sqlalchemy_engine_refuses_an_async_engine_at_registration(rehydrate_eng
     with pytest.raises(TypeError, match="not an AsyncEngine"):
         connections.sqlalchemy_engine("db", given, engine=rehydrate_engine)
     assert connections.get("db", engine=rehydrate_engine) is None
+
+
+def _established_to(port: int) -> list[str]:
+    return [c.remote for c in connections.established_tcp()
+            if c.outbound and c.remote.endswith(f":{port}")]
+
+
+@pytest.mark.parametrize("given_to_start", [False, True])
+async def test_httpx_async_snapshot_started_on_the_apps_own_loop_thread(
+        rehydrate_engine, http_srv, given_to_start, caplog):
+    """``simulate_snapshot()`` called on the thread of the loop the client sends on (that
+    loop blocked until it returns): the pool's close was sent there and waited for, ran
+    only after the snapshot had given up (``close() took longer than 5s``, report not
+    ok), and the next restore waited a second more on it. Now it is left to run there,
+    as on a stopped loop: the snapshot passes at once, the close runs as soon as the loop
+    gets control back, and restores and requests go on."""
+    loop = asyncio.get_running_loop()
+    if given_to_start:
+        rehydrate_engine.start("none", loop=loop)
+    client = connections.httpx_async_client("api", base_url=http_srv.url,
+                                            check_url="/health", deadline=5,
+                                            engine=rehydrate_engine)
+    assert (await client.get("/a")).text == "/a"
+    assert _established_to(http_srv.port)
+    snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
+    assert snap.ok, snap.table()
+    conn = connections.get("api", engine=rehydrate_engine)
+    assert conn is not None and conn._pending is not None, conn.to_dict()
+    await asyncio.wrap_future(conn._pending[1])  # runs now that the loop has control
+    assert conn.state == "closed", conn.to_dict()
+    assert not _established_to(http_srv.port)
+    report = rehydrate_engine.simulate_restore()  # blocking too
+    assert report.ok, report.table()
+    assert conn.state == "open", conn.to_dict()
+    assert (await client.get("/b")).text == "/b"
+    late = [r.getMessage() for r in caplog.records
+            if "hung" in r.getMessage() or "took longer" in r.getMessage()]
+    assert late == []
+    await client.aclose()
+
+
+@pytest.fixture
+def redis_srv():  # type: ignore[no-untyped-def]
+    from netservers import redis_binary, redis_server
+
+    if redis_binary() is None:
+        pytest.fail("redis-server is not installed (scripts/setup-system.sh installs it)")
+    srv = redis_server()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("given_to_start", [False, True])
+async def test_redis_asyncio_snapshot_started_on_the_apps_own_loop_thread(
+        rehydrate_engine, redis_srv, given_to_start):
+    """The same for a ``redis.asyncio`` client: its ``disconnect()`` was sent to the
+    blocked loop and the snapshot failed after ``CLOSE_TIMEOUT``. The idle connections
+    are taken out of the pool at once and disconnected there when the loop runs again."""
+    import redis.asyncio as aredis
+
+    loop = asyncio.get_running_loop()
+    if given_to_start:
+        rehydrate_engine.start("none", loop=loop)
+    client = connections.redis_client("cache", aredis.Redis(port=redis_srv.port),
+                                      deadline=5, engine=rehydrate_engine)
+    assert await client.set("k", "v")
+    assert _established_to(redis_srv.port)
+    snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
+    assert snap.ok, snap.table()
+    conn = connections.get("cache", engine=rehydrate_engine)
+    assert conn is not None and conn._pending is not None, conn.to_dict()
+    await asyncio.wrap_future(conn._pending[1])
+    assert conn.state == "closed", conn.to_dict()
+    assert not _established_to(redis_srv.port)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert await client.get("k") == b"v"
+    await client.aclose()
