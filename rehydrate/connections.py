@@ -59,7 +59,7 @@ from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._redact import redact
 from ._runner import _submit, is_blocked
 from ._threads import fresh_lock_after_fork
-from ._urls import without_credentials
+from ._urls import scrub_urls, without_credentials
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -147,8 +147,9 @@ def _is_async(fn: Callable[..., Any] | None) -> bool:
 def _describe(exc: BaseException) -> str:
     """``"Type: message"`` on one line: how a connection's error is shown (its
     ``last_error`` in ``status()``, log lines, the restore's failure), without the value of
-    any managed secret (a header of its health check) the message quotes."""
-    text = " ".join(redact(str(exc)).split())
+    any managed secret (a header of its health check) the message quotes, nor the user
+    info and query strings of the URLs it quotes (a password, an ``api_key=``)."""
+    text = " ".join(scrub_urls(redact(str(exc))).split())
     if text.endswith("attached to a different loop"):
         # "Task <Task pending name=... coro=<...> cb=[...]> got Future <...> attached to a
         # different loop": hundreds of characters saying one thing

@@ -305,3 +305,42 @@ async def test_redis_asyncio_snapshot_started_on_the_apps_own_loop_thread(
     assert report.ok, report.table()
     assert await client.get("k") == b"v"
     await client.aclose()
+
+
+def test_credentials_in_a_libraries_error_reach_neither_report_status_nor_log(
+        rehydrate_engine, caplog):
+    """A ``register()`` whose check uses requests to a peer that is down: urllib3's error
+    quotes the request's path with its query (``url: /health?api_key=...``), and the
+    key went into the report's error, ``status()`` and the WARNING. So did the password
+    of a DSN a driver quotes. Only rehydrate's own secrets were taken out."""
+    import logging
+
+    import requests
+    from netservers import refused_port
+
+    key, password = "sk_live_0123456789abcdef", "pw-0123456789"
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    session = requests.Session()
+    with refused_port() as port:
+        def check(s):  # type: ignore[no-untyped-def]
+            s.get(f"http://127.0.0.1:{port}/health?api_key={key}", timeout=5)
+
+        def open_db() -> object:
+            raise ConnectionError(f"could not connect to postgresql://app:{password}@"
+                                  f"127.0.0.1:{port}/orders")
+
+        connections.register("billing", open=lambda: session, check=check, deadline=0.2,
+                             engine=rehydrate_engine)
+        connections.register("db", open=open_db, deadline=0.2, engine=rehydrate_engine)
+        connections.register("metrics", open=lambda: session, check=check, deadline=0.2,
+                             required=False, engine=rehydrate_engine)
+        report = rehydrate_engine.simulate_restore()
+        assert connections.manager(rehydrate_engine).wait_background(10)
+    session.close()
+    error = _hook_error(report)
+    assert not report.ok
+    shown = [error, str(rehydrate_engine.status().extra["connections"]), caplog.text]
+    for text in shown:
+        assert key not in text and password not in text, text
+    # what the message is about is still there
+    assert "url: /health " in error and f"postgresql://127.0.0.1:{port}/orders" in error
