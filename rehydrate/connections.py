@@ -2010,7 +2010,11 @@ def sqlalchemy_engine(
     ``TypeError`` here: its ``dispose()`` is a coroutine and its connections belong to
     the event loop that uses them, so every snapshot and restore failed ("'AsyncConnection'
     object does not support the context manager protocol", "coroutine ... never
-    awaited"). Register it with :func:`register` and ``async`` functions instead."""
+    awaited"). Register it with :func:`register` and ``async`` functions instead.
+
+    A SQLite engine in memory (``sqlite://``), or on a single-connection pool
+    (``StaticPool``, ``SingletonThreadPool``), is registered with nothing to do: it has
+    no socket a snapshot cuts, and ``dispose()`` discarded the in-memory database."""
     if _async_sqlalchemy(sa_engine):
         raise TypeError(
             f"connection {name!r}: sqlalchemy_engine() manages a sync Engine, not an "
@@ -2018,6 +2022,18 @@ def sqlalchemy_engine(
             "connections.register(name, close=async_engine.dispose, check=<an async "
             "SELECT 1>), on the event loop the application uses it on "
             "(rehydrate.start(loop=...))")
+
+    if _in_process_sqlite(sa_engine):
+        # No socket for a snapshot to cut, and dispose() would discard an in-memory
+        # database (from rehydrate's thread, with SQLAlchemy's ERROR tracebacks about
+        # objects created in another thread): managed as a connection with nothing to do.
+        log.info("connection %s: a SQLite database in this process (in memory, or one "
+                 "connection per thread): nothing to close before a snapshot or reopen "
+                 "after it", name)
+        conn = _connection(name, required=required, deadline=deadline,
+                           subject=sa_engine, resource=lambda: sa_engine.pool)
+        manager(engine).register(conn, replace=replace)
+        return sa_engine
 
     def ping() -> None:
         with sa_engine.connect() as c:
@@ -2043,6 +2059,26 @@ def _async_sqlalchemy(sa_engine: Any) -> bool:
     if ext is not None and isinstance(sa_engine, ext.AsyncEngine):
         return True
     return getattr(getattr(sa_engine, "dialect", None), "is_async", False) is True
+
+
+def _in_process_sqlite(sa_engine: Any) -> bool:
+    """Whether ``sa_engine`` is SQLite whose connections must not be disposed of: an
+    in-memory database (``sqlite://``, ``:memory:``, ``file::memory:``, ``mode=memory``)
+    lives only as long as its connection, and a single-connection pool (``StaticPool``,
+    ``SingletonThreadPool``) holds connections another thread may not close."""
+    url = getattr(sa_engine, "url", None)
+    try:
+        if url is None or url.get_backend_name() != "sqlite":
+            return False
+        database = url.database or ""
+        memory = (database in ("", ":memory:") or database.startswith("file::memory:")
+                  or url.query.get("mode") == "memory")
+    except Exception:  # not a SQLAlchemy URL: managed as before
+        return False
+    pool = sys.modules.get("sqlalchemy.pool")
+    single = pool is not None and isinstance(
+        getattr(sa_engine, "pool", None), (pool.StaticPool, pool.SingletonThreadPool))
+    return memory or single
 
 
 _REDIS_LOOP_CLOSED = ("the event loop its commands ran on is closed: its pooled connections "

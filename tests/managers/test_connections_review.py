@@ -344,3 +344,54 @@ def test_credentials_in_a_libraries_error_reach_neither_report_status_nor_log(
         assert key not in text and password not in text, text
     # what the message is about is still there
     assert "url: /health " in error and f"postgresql://127.0.0.1:{port}/orders" in error
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:",
+                                 "sqlite:///file::memory:?cache=shared&uri=true"])
+def test_sqlalchemy_engine_keeps_an_in_memory_sqlite_database(rehydrate_engine, caplog, url):
+    """``create_engine("sqlite://")``: every snapshot's ``dispose()`` discarded the
+    database (its only copy is its connection), from rehydrate's thread, with SQLAlchemy
+    ERROR tracebacks ("SQLite objects created in a thread can only be used in that same
+    thread"), while the report said ok."""
+    import logging
+
+    import sqlalchemy as sa
+
+    caplog.set_level(logging.WARNING)
+    db = connections.sqlalchemy_engine("mem", sa.create_engine(url),
+                                       engine=rehydrate_engine)
+    with db.begin() as c:
+        c.exec_driver_sql("CREATE TABLE t (x)")
+        c.exec_driver_sql("INSERT INTO t VALUES (42)")
+    for _ in range(2):
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert rehydrate_engine.simulate_restore().ok
+        with db.connect() as c:
+            assert c.exec_driver_sql("SELECT x FROM t").scalar() == 42
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert _status(rehydrate_engine, "mem")["state"] == "open"
+    db.dispose()
+
+
+def test_sqlalchemy_engine_still_disposes_a_sqlite_file_database(rehydrate_engine,
+                                                                 tmp_path):
+    """A file database on SQLAlchemy's default pool is disposed of as before (its file
+    handles are released before a snapshot)."""
+    import sqlalchemy as sa
+
+    path = tmp_path / "t.db"
+    db = connections.sqlalchemy_engine("file", sa.create_engine(f"sqlite:///{path}"),
+                                       engine=rehydrate_engine)
+    with db.begin() as c:
+        c.exec_driver_sql("CREATE TABLE t (x)")
+
+    def handles() -> int:
+        import os
+
+        return sum(os.path.realpath(f"/proc/self/fd/{f}") == str(path)
+                   for f in os.listdir("/proc/self/fd"))
+
+    assert handles() == 1
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert handles() == 0
+    db.dispose()
