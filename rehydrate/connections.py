@@ -1891,7 +1891,12 @@ def httpx_client(
     def check() -> None:
         # Straight to the new pool (base URL and default headers applied; no auth flow,
         # redirects or event hooks): any answer below 500 means the peer is back.
-        request = client.build_request("GET", check_url)  # type: ignore[arg-type]
+        # Each wait capped by the run's deadline, as tcp_socket's connect is: with the
+        # client's timeout=None a peer that accepts and never answers held this thread
+        # (one more per restore) for good once the run had given up on it.
+        request = client.build_request("GET", check_url,  # type: ignore[arg-type]
+                                       timeout=_capped_timeout(client.timeout,
+                                                               conn.deadline_at))
         # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
         response = client._transport_for_url(request.url).handle_request(request)
         try:
@@ -1909,6 +1914,23 @@ def httpx_client(
                        on_replaced=client.close)
     manager(engine).register(conn, replace=replace)
     return client
+
+
+def _capped_timeout(timeout: Any, deadline_at: float | None) -> Any:
+    """``timeout`` (an ``httpx.Timeout``) with each of its waits no longer than what is
+    left until ``deadline_at`` (a ``time.monotonic()``; None: as it is) plus
+    :data:`LATE_GRACE`, the time an attempt is given past the deadline."""
+    if deadline_at is None:
+        return timeout
+    import httpx
+
+    left = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
+
+    def cap(wait: float | None) -> float:
+        return left if wait is None else min(wait, left)
+
+    return httpx.Timeout(connect=cap(timeout.connect), read=cap(timeout.read),
+                         write=cap(timeout.write), pool=cap(timeout.pool))
 
 
 def _prebuild(name: str, client: Any, check_url: str | None) -> None:

@@ -395,3 +395,28 @@ def test_sqlalchemy_engine_still_disposes_a_sqlite_file_database(rehydrate_engin
     assert rehydrate_engine.simulate_snapshot().ok
     assert handles() == 0
     db.dispose()
+
+
+def test_sync_httpx_check_to_a_silent_peer_ends_with_its_run(rehydrate_engine):
+    """With the client's ``timeout=None``, the check's GET to a peer that accepts and
+    never answers waited for good on its thread after the run had given up on it (one
+    more stuck thread per restore). Its waits are capped by the run's deadline, as
+    ``tcp_socket``'s connect is."""
+    import concurrent.futures
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nobody ever answers
+        port = silent.getsockname()[1]
+        client = connections.httpx_client("api", base_url=f"http://127.0.0.1:{port}",
+                                          check_url="/health", timeout=None, deadline=0.3,
+                                          engine=rehydrate_engine)
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        conn = connections.get("api", engine=rehydrate_engine)
+        with conn._lock:  # none: it timed out by itself just before the run gave up
+            calls = list(conn._calls)
+        _, running = concurrent.futures.wait(calls, timeout=10)
+        assert not running, "the check's thread is still waiting for the silent peer"
+        client.close()
