@@ -10,6 +10,7 @@ cookies, event hooks — across restores. Imported only when an httpx helper is 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib.util
 import logging
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 
 from ._loops import LoopClosed, LoopStopped, run_quietly
+from ._runner import is_blocked
 from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
 
@@ -180,6 +182,8 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         self.generation = 0
         self.retired = False
         """Closed for good by :meth:`retire`: requests raise, no pool is opened again."""
+        self._mount_closes: list[concurrent.futures.Future[None]] = []
+        """The closes of the caller's mounted pools the last :meth:`reset` scheduled."""
         self._detached: list[tuple[httpx.AsyncHTTPTransport, asyncio.AbstractEventLoop]] = []
         """Pools taken out while their loop was stopped (:meth:`_detach`), each with that
         loop, not closed yet: :meth:`_close_detached` closes them there; those of a loop
@@ -240,18 +244,23 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         # before the restore. Their connections belong to the application's loop.
         home = self._mounts_loop()
         if home is not None and not home.is_closed():
-            for mount in self._mounted():
-                _forget(mount.aclose(), home)
+            closes = [_forget(mount.aclose(), home) for mount in self._mounted()]
+            self._mount_closes = [f for f in closes if f is not None]
 
     def _stopped_loop(self) -> asyncio.AbstractEventLoop | None:
         """The stopped (neither running nor closed) loop some of the pools belong to:
-        the application drives it with ``run_until_complete`` between two calls."""
+        the application drives it with ``run_until_complete`` between two calls. Or one
+        whose thread waits for the lifecycle event this close is part of (the
+        application called ``simulate_snapshot()`` on it): a close sent there and waited
+        for ran only once the event had given up on it (``close() took longer than
+        5s``), so it is left to run there, as on a stopped loop."""
         with self._lock:
             loops = [self._loop, self._mounts_loop() if self._mounted() else None]
         for proxy in self.proxies:
             loops.append(proxy._stopped_loop())
         for loop in loops:
-            if loop is not None and not loop.is_running() and not loop.is_closed():
+            if loop is not None and not loop.is_closed() and (
+                    not loop.is_running() or is_blocked(loop)):
                 return loop
         return None
 
@@ -366,8 +375,41 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             async with httpx.AsyncHTTPTransport(**self._kwargs) as transport:
                 await self._send(transport, request)
 
+    async def probe_mount(self, mount: httpx.AsyncBaseTransport,
+                          request: httpx.Request) -> None:
+        """:meth:`probe` for a URL the client sends through a transport the caller
+        mounted (``mounts=``: a proxy, a different TLS setup), which is what the
+        application's requests to it go through: checked through anything else, a down
+        proxy passed the check and every request failed. Its pool belongs to the
+        application's loop: sent there (here when the hooks run on it). A loop that does
+        not run now (stopped, closed, or its thread waiting for this very event) cannot
+        send it, and sent from here the request would leave a connection of this loop in
+        that pool: the check fails, saying so."""
+        here = asyncio.get_running_loop()
+        home = self._mounts_loop()
+        # after the closes reset() scheduled for the mounts: one still under way took
+        # the check's connection out of the pool with the dead ones
+        closes = [asyncio.wrap_future(f) for f in self._mount_closes if not f.done()]
+        if home is None or home is here:
+            if closes:
+                await asyncio.wait(closes)  # never raises, nor cancels them
+            await self._send(mount, request)
+            return
+        if home.is_closed() or not home.is_running() or is_blocked(home):
+            why = ("is closed" if home.is_closed() else "is not running" if
+                   not home.is_running() else "is waiting for this lifecycle event")
+            raise ConnectionError(
+                f"{shown(request.url)} goes through a transport given in mounts=, whose "
+                f"connections belong to the application's event loop, which {why}: "
+                "it cannot be checked there")
+        if closes:
+            await asyncio.wait(closes)
+        # cancelled (the deadline) here, the task there is cancelled too
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self._send(mount, request), home))
+
     @staticmethod
-    async def _send(transport: httpx.AsyncHTTPTransport, request: httpx.Request) -> None:
+    async def _send(transport: httpx.AsyncBaseTransport, request: httpx.Request) -> None:
         r = await transport.handle_async_request(request)
         try:
             await r.aread()
@@ -421,15 +463,16 @@ async def _guard(coro: Any) -> BaseException | None:
     return None
 
 
-def _forget(coro: Any, loop: asyncio.AbstractEventLoop) -> None:
+def _forget(coro: Any, loop: asyncio.AbstractEventLoop) -> concurrent.futures.Future[Any] | None:
     """Run ``coro`` (a pool's close) on ``loop`` (:func:`~rehydrate._loops.run_quietly`),
     not waited for: its outcome is retrieved, never raised; a loop closed in between
-    closes nothing."""
+    closes nothing (None). Returns its future."""
     try:
         fut = run_quietly(loop, coro)
     except RuntimeError:  # closed since it was checked (run_quietly closed the coroutine)
-        return
+        return None
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
 
 
 def make_client(kwargs: dict[str, Any]) -> tuple[httpx.Client, ReconnectingTransport]:

@@ -81,6 +81,17 @@ _PASSES = 16
 """Before-snapshot passes remembered for notices that name one (``undoes``)."""
 
 
+def _loop_of_this_thread() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on the calling thread, if any (asyncio not imported: none)."""
+    aio = sys.modules.get("asyncio")
+    if aio is None:
+        return None
+    try:
+        loop: asyncio.AbstractEventLoop = aio.get_running_loop()
+    except RuntimeError:
+        return None
+    return loop
+
 class _Fault:
     """One failure of a required hook in a restore/resume run (see
     :meth:`Lifecycle.recovered`): compared by identity, as hooks may share a name."""
@@ -1928,8 +1939,10 @@ class Lifecycle:
         t0 = time.perf_counter()
         loop, refused = self._loop_for_this_call()
         # Recorded for the hooks: work they await on the refused loop (an async close of
-        # what was opened there) would wait for this very call to return.
-        with blocking(refused):
+        # what was opened there) would wait for this very call to return. So would work
+        # awaited on any loop this thread runs, one never given to start() too (an
+        # httpx.AsyncClient's pool, used on it, was closed there: 5 s, then a failure).
+        with blocking(refused or _loop_of_this_thread()):
             results = self._runner.run(hooks, ctx, loop, observers)
         return results, time.perf_counter() - t0, started, waited
 

@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -58,7 +59,7 @@ from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._redact import redact
 from ._runner import _submit, is_blocked
 from ._threads import fresh_lock_after_fork
-from ._urls import without_credentials
+from ._urls import scrub_urls, without_credentials
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -146,8 +147,9 @@ def _is_async(fn: Callable[..., Any] | None) -> bool:
 def _describe(exc: BaseException) -> str:
     """``"Type: message"`` on one line: how a connection's error is shown (its
     ``last_error`` in ``status()``, log lines, the restore's failure), without the value of
-    any managed secret (a header of its health check) the message quotes."""
-    text = " ".join(redact(str(exc)).split())
+    any managed secret (a header of its health check) the message quotes, nor the user
+    info and query strings of the URLs it quotes (a password, an ``api_key=``)."""
+    text = " ".join(scrub_urls(redact(str(exc))).split())
     if text.endswith("attached to a different loop"):
         # "Task <Task pending name=... coro=<...> cb=[...]> got Future <...> attached to a
         # different loop": hundreds of characters saying one thing
@@ -432,6 +434,9 @@ class Connection:
             self._epoch += 1
             self._wake_waits()
             self.step = None
+            # an earlier run's error (and its "still running at the deadline" note) is not
+            # this one's: kept, it was reported again, and grew, at every later restore
+            self.last_error = None
             self._ended = False  # the engine is in use again
             prev, self.state = self.state, state
             return self._epoch, prev
@@ -789,7 +794,11 @@ class Connection:
                                               and _arity(self.close_fn) == 0)
         if self.check_fn is not None:
             self._set(epoch, step="check")
-            await call(self.check_fn, *self._args(self.check_fn))
+            healthy = await call(self.check_fn, *self._args(self.check_fn))
+            # a client's own health probe that answers rather than raises (elasticsearch's
+            # ping(), a custom is_healthy()): False is "not healthy", not "returned"
+            if healthy is False:
+                raise ConnectionError("check() returned False")
 
     def _disposes(self, value: Any) -> bool:
         """Whether an open's ``value`` that no run keeps can be closed: by a ``close``
@@ -1484,6 +1493,11 @@ class ConnectionManager:
         outcome: dict[str, bool] = {}
         missed: list[tuple[Connection, str]] = []
         for (conn, epoch, deadline_at), ok in zip(plans, results, strict=True):
+            if not ok and not conn._current(epoch) and self.get(conn.name) is not conn:
+                # unregister() or a replace=True registration took it over mid-run: no
+                # longer managed, it is not this run's to miss (its name may be the new
+                # registration's, opened by the next restore or its open_now)
+                continue
             outcome[conn.name] = ok
             if not ok:
                 conn._set(epoch, state="failed")
@@ -1758,7 +1772,8 @@ def register(
     ``open`` then ``check`` run (concurrently with every other connection) with backoff
     until both succeed or ``deadline`` seconds passed (default ``REHYDRATE_CONNECT_DEADLINE``
     or 30 s). ``close`` and ``check`` may take one argument: the current ``value`` (what
-    ``open`` returned last, or ``value=``). Any of them may be ``async``. An ``async``
+    ``open`` returned last, or ``value=``). A ``check`` fails by raising or by returning
+    ``False`` (any other result passes). Any of them may be ``async``. An ``async``
     ``close`` is awaited on the event loop the ``async`` ``open`` that made the value ran
     on. Once that loop is closed (``asyncio.run`` returned) it is tried on the hooks'
     loop, at most ``CLOSE_TIMEOUT``; if it fails or hangs there the value is dropped
@@ -1876,7 +1891,12 @@ def httpx_client(
     def check() -> None:
         # Straight to the new pool (base URL and default headers applied; no auth flow,
         # redirects or event hooks): any answer below 500 means the peer is back.
-        request = client.build_request("GET", check_url)  # type: ignore[arg-type]
+        # Each wait capped by the run's deadline, as tcp_socket's connect is: with the
+        # client's timeout=None a peer that accepts and never answers held this thread
+        # (one more per restore) for good once the run had given up on it.
+        request = client.build_request("GET", check_url,  # type: ignore[arg-type]
+                                       timeout=_capped_timeout(client.timeout,
+                                                               conn.deadline_at))
         # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
         response = client._transport_for_url(request.url).handle_request(request)
         try:
@@ -1894,6 +1914,23 @@ def httpx_client(
                        on_replaced=client.close)
     manager(engine).register(conn, replace=replace)
     return client
+
+
+def _capped_timeout(timeout: Any, deadline_at: float | None) -> Any:
+    """``timeout`` (an ``httpx.Timeout``) with each of its waits no longer than what is
+    left until ``deadline_at`` (a ``time.monotonic()``; None: as it is) plus
+    :data:`LATE_GRACE`, the time an attempt is given past the deadline."""
+    if deadline_at is None:
+        return timeout
+    import httpx
+
+    left = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
+
+    def cap(wait: float | None) -> float:
+        return left if wait is None else min(wait, left)
+
+    return httpx.Timeout(connect=cap(timeout.connect), read=cap(timeout.read),
+                         write=cap(timeout.write), pool=cap(timeout.pool))
 
 
 def _prebuild(name: str, client: Any, check_url: str | None) -> None:
@@ -1948,7 +1985,9 @@ def httpx_async_client(
     (``check_url``, relative to ``base_url`` and with the client's default headers, as in
     :func:`httpx_client`) goes through the new pool, and the application's first request
     after the restore reuses its connection; otherwise it uses a separate short-lived
-    transport and the new pool fills on the application's loop."""
+    transport and the new pool fills on the application's loop. A ``check_url`` the
+    client sends through a transport given in ``mounts=`` (a proxy) is checked through
+    that transport, on the application's loop (failing while that loop does not run)."""
     from ._httpx import AsyncReconnectingTransport, make_async_client
 
     client, transport = make_async_client(client_kwargs)
@@ -1957,8 +1996,10 @@ def httpx_async_client(
         request = client.build_request("GET", check_url)  # type: ignore[arg-type]
         # through the proxy the client would use for that URL (HTTP_PROXY, NO_PROXY)
         via = client._transport_for_url(request.url)
-        await (via if isinstance(via, AsyncReconnectingTransport) else transport).probe(
-            request)
+        if isinstance(via, AsyncReconnectingTransport):
+            await via.probe(request)
+        else:  # a transport the caller mounted for that URL: what requests go through
+            await transport.probe_mount(via, request)
 
     async def reset() -> None:  # non-blocking: runs on the loop, no thread hop
         transport.reset()
@@ -1985,7 +2026,36 @@ def sqlalchemy_engine(
 ) -> Any:
     """Manage a SQLAlchemy ``Engine``: ``dispose()`` before a snapshot; after a restore
     ``dispose(close=False)`` (the platform already cut the sockets: drop them without
-    talking to the server) and, with ``check``, ``SELECT 1`` on a fresh connection."""
+    talking to the server) and, with ``check``, ``SELECT 1`` on a fresh connection.
+
+    An ``AsyncEngine`` (``create_async_engine``), or the ``sync_engine`` of one, is a
+    ``TypeError`` here: its ``dispose()`` is a coroutine and its connections belong to
+    the event loop that uses them, so every snapshot and restore failed ("'AsyncConnection'
+    object does not support the context manager protocol", "coroutine ... never
+    awaited"). Register it with :func:`register` and ``async`` functions instead.
+
+    A SQLite engine in memory (``sqlite://``), or on a single-connection pool
+    (``StaticPool``, ``SingletonThreadPool``), is registered with nothing to do: it has
+    no socket a snapshot cuts, and ``dispose()`` discarded the in-memory database."""
+    if _async_sqlalchemy(sa_engine):
+        raise TypeError(
+            f"connection {name!r}: sqlalchemy_engine() manages a sync Engine, not an "
+            "AsyncEngine (or an async driver's sync_engine): register it with "
+            "connections.register(name, close=async_engine.dispose, check=<an async "
+            "SELECT 1>), on the event loop the application uses it on "
+            "(rehydrate.start(loop=...))")
+
+    if _in_process_sqlite(sa_engine):
+        # No socket for a snapshot to cut, and dispose() would discard an in-memory
+        # database (from rehydrate's thread, with SQLAlchemy's ERROR tracebacks about
+        # objects created in another thread): managed as a connection with nothing to do.
+        log.info("connection %s: a SQLite database in this process (in memory, or one "
+                 "connection per thread): nothing to close before a snapshot or reopen "
+                 "after it", name)
+        conn = _connection(name, required=required, deadline=deadline,
+                           subject=sa_engine, resource=lambda: sa_engine.pool)
+        manager(engine).register(conn, replace=replace)
+        return sa_engine
 
     def ping() -> None:
         with sa_engine.connect() as c:
@@ -2001,6 +2071,36 @@ def sqlalchemy_engine(
                        resource=lambda: sa_engine.pool)
     manager(engine).register(conn, replace=replace)
     return sa_engine
+
+
+def _async_sqlalchemy(sa_engine: Any) -> bool:
+    """Whether ``sa_engine`` is SQLAlchemy's asyncio flavour: an ``AsyncEngine``, or an
+    ``Engine`` of an async driver (an ``AsyncEngine``'s ``sync_engine``, whose pool
+    needs a greenlet the asyncio extension provides)."""
+    ext = sys.modules.get("sqlalchemy.ext.asyncio")  # not imported: none was made
+    if ext is not None and isinstance(sa_engine, ext.AsyncEngine):
+        return True
+    return getattr(getattr(sa_engine, "dialect", None), "is_async", False) is True
+
+
+def _in_process_sqlite(sa_engine: Any) -> bool:
+    """Whether ``sa_engine`` is SQLite whose connections must not be disposed of: an
+    in-memory database (``sqlite://``, ``:memory:``, ``file::memory:``, ``mode=memory``)
+    lives only as long as its connection, and a single-connection pool (``StaticPool``,
+    ``SingletonThreadPool``) holds connections another thread may not close."""
+    url = getattr(sa_engine, "url", None)
+    try:
+        if url is None or url.get_backend_name() != "sqlite":
+            return False
+        database = url.database or ""
+        memory = (database in ("", ":memory:") or database.startswith("file::memory:")
+                  or url.query.get("mode") == "memory")
+    except Exception:  # not a SQLAlchemy URL: managed as before
+        return False
+    pool = sys.modules.get("sqlalchemy.pool")
+    single = pool is not None and isinstance(
+        getattr(sa_engine, "pool", None), (pool.StaticPool, pool.SingletonThreadPool))
+    return memory or single
 
 
 _REDIS_LOOP_CLOSED = ("the event loop its commands ran on is closed: its pooled connections "
@@ -2045,7 +2145,7 @@ class _AsyncRedisPool:
         stale = self._drop_stale()
         if home is None or home is running:
             await self.pool.disconnect()
-        elif home.is_running():
+        elif home.is_running() and not is_blocked(home):
             await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(self.pool.disconnect(), home))
         elif home.is_closed():
@@ -2057,8 +2157,10 @@ class _AsyncRedisPool:
                 *getattr(pool, "_in_use_connections", ()))) or stale
             pool.reset()
         else:
-            # run_until_complete between two calls: only that loop can close them, so the
-            # connection schedules a disconnect there — of what is detached now only
+            # run_until_complete between two calls, or its thread waiting for this very
+            # event (sent there and waited for, the disconnect ran only once the event
+            # had given up on it): only that loop can close them, so the connection
+            # schedules a disconnect there — of what is detached now only
             raise LoopStopped(home, "its commands ran on", self.detach(home),
                               dropped=_REDIS_LOOP_CLOSED if stale else None)
         if stale:

@@ -1,0 +1,422 @@
+"""Managed connections: fixes of a review (health checks that answer False, runs
+superseded mid-restore, stale errors, secrets in library errors, httpx mounts and paused
+loops, SQLAlchemy engines the helper cannot manage)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from rehydrate import connections
+
+
+def _hook_error(report) -> str:  # type: ignore[no-untyped-def]
+    hook = next(h for h in report.hooks if h.name == "rehydrate.connections")
+    return str(hook.error or "")
+
+
+def _status(engine, name):  # type: ignore[no-untyped-def]
+    return next(c for c in engine.status().extra["connections"] if c["name"] == name)
+
+
+class _Client:
+    def is_healthy(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_check_that_returns_false_fails_the_attempt(rehydrate_engine, kind):
+    """A health probe that answers rather than raises (elasticsearch's ``es.ping()``, an
+    ``is_healthy()``) returned False and the connection counted as reopened: report ok,
+    process ready, every request then failing."""
+    if kind == "sync":
+        def check(c):  # type: ignore[no-untyped-def]
+            return c.is_healthy()
+    else:
+        async def check(c):  # type: ignore[no-untyped-def]
+            return c.is_healthy()
+    connections.register("svc", open=_Client, check=check, deadline=0.3,
+                         engine=rehydrate_engine)
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    assert not rehydrate_engine.is_ready()
+    assert "check() returned False" in _hook_error(report)
+    assert _status(rehydrate_engine, "svc")["state"] == "failed"
+
+
+@pytest.mark.parametrize("answer", [None, True, 0, "", []])
+def test_a_check_returning_anything_but_false_passes(rehydrate_engine, answer):
+    """Only ``False`` itself is a failure: a check returning None (most), a result row,
+    0 or an empty list (a cursor's rows) passes as before."""
+    connections.register("svc", open=_Client, check=lambda c: answer, deadline=0.3,
+                         engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+
+
+@pytest.mark.parametrize("how", ["unregister", "replace"])
+def test_unregistering_a_connection_during_a_restore_does_not_fail_it(rehydrate_engine, how):
+    """``unregister()`` (or a ``replace=True`` registration) of a connection while a
+    restore reopened it counted that superseded run as a missed deadline: the report
+    failed with "old-db after 5s and 1 attempt(s), last error: none" (in 0.6 s) and the
+    process stayed not ready."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow_open() -> object:
+        started.set()
+        release.wait(10)
+        return object()
+
+    connections.register("old-db", open=slow_open, deadline=30, engine=rehydrate_engine)
+    reports = []
+    restore = threading.Thread(
+        target=lambda: reports.append(rehydrate_engine.simulate_restore()))
+    restore.start()
+    try:
+        assert started.wait(10)
+        if how == "unregister":
+            assert connections.unregister("old-db", engine=rehydrate_engine)
+        else:
+            connections.register("old-db", open=object, replace=True,
+                                 engine=rehydrate_engine)
+    finally:
+        release.set()
+        restore.join(30)
+    [report] = reports
+    assert report.ok, report.table()
+    assert rehydrate_engine.is_ready()
+    names = [c["name"] for c in rehydrate_engine.status().extra["connections"]]
+    if how == "unregister":
+        assert names == []
+    else:  # the new registration is opened by the next restore, as any new one
+        assert _status(rehydrate_engine, "old-db")["state"] == "registered"
+        assert rehydrate_engine.simulate_restore().ok
+        assert _status(rehydrate_engine, "old-db")["state"] == "open"
+
+
+def test_an_earlier_restores_error_is_not_reported_again(rehydrate_engine):
+    """``last_error`` was never cleared when a run started: a restore whose open hung
+    reported the previous restore's error followed by "(open was still running at the
+    deadline)", and each later one appended that note once more."""
+    refuse, release = [True], threading.Event()
+
+    def open_() -> object:
+        if refuse[0]:
+            raise ConnectionRefusedError("refused in restore 1")
+        release.wait(10)  # the peer hangs from restore 2 on
+        return object()
+
+    connections.register("db", open=open_, deadline=0.3, engine=rehydrate_engine)
+    try:
+        first = rehydrate_engine.simulate_restore()
+        assert "refused in restore 1" in _hook_error(first)
+        refuse[0] = False
+        for _ in range(2):
+            report = rehydrate_engine.simulate_restore()
+            error = _hook_error(report)
+            assert "refused in restore 1" not in error, error
+            assert error.count("still running at the deadline") == 1, error
+        last = _status(rehydrate_engine, "db")["last_error"]
+        assert last == "(open was still running at the deadline)", last
+    finally:
+        release.set()
+
+
+@pytest.fixture
+def http_srv():  # type: ignore[no-untyped-def]
+    from netservers import uvicorn_server
+
+    srv = uvicorn_server()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("hooks_on_app_loop", [False, True])
+async def test_async_httpx_check_goes_through_the_callers_mount(rehydrate_engine, http_srv,
+                                                               hooks_on_app_loop):
+    """``mounts={"http://": AsyncHTTPTransport(proxy=...)}`` (httpx's way to route through
+    a proxy) with the proxy down: every request of the application failed, but the health
+    check went through the client's own pool, straight to the server, and the restore
+    reported the connection open and the process ready. The sync helper failed it."""
+    import httpx
+    from netservers import refused_port
+
+    loop = asyncio.get_running_loop()
+    if hooks_on_app_loop:
+        rehydrate_engine.start("none", loop=loop)
+    with refused_port() as port:
+        client = connections.httpx_async_client(
+            "api", base_url=http_srv.url, check_url="/health", deadline=0.5,
+            mounts={"http://": httpx.AsyncHTTPTransport(proxy=f"http://127.0.0.1:{port}")},
+            engine=rehydrate_engine)
+        report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+        assert not report.ok
+        assert "ConnectError" in _status(rehydrate_engine, "api")["last_error"]
+        with pytest.raises(httpx.ConnectError):  # what the check stands for
+            await client.get("/x")
+    await client.aclose()
+
+
+@pytest.mark.parametrize("hooks_on_app_loop", [False, True])
+async def test_async_httpx_check_through_a_working_mount_passes_on_the_apps_loop(
+        rehydrate_engine, http_srv, hooks_on_app_loop):
+    """Through a mount that works, the check passes and leaves its connection in that
+    mount's pool, made on the application's loop (sent there when the hooks run on
+    another): the application's next request through it works."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    if hooks_on_app_loop:
+        rehydrate_engine.start("none", loop=loop)
+    mount = httpx.AsyncHTTPTransport()
+    client = connections.httpx_async_client(
+        "api", base_url=http_srv.url, check_url="/health", deadline=5,
+        mounts={"http://": mount}, engine=rehydrate_engine)
+    report = await loop.run_in_executor(None, rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert len(mount._pool.connections) == 1  # the check's, through the mount
+    assert (await client.get("/after")).text == "/after"
+    await client.aclose()
+
+
+def test_async_httpx_check_through_a_mount_of_a_stopped_loop_fails_saying_why(
+        rehydrate_engine, http_srv):
+    """The mount's pool belongs to the application's loop; while that loop does not run
+    (``run_until_complete`` between two calls) the check cannot be sent there, and sent
+    from the hooks' loop it would leave a connection of that loop in the pool."""
+    import httpx
+
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():  # type: ignore[no-untyped-def]
+            return connections.httpx_async_client(
+                "api", base_url=http_srv.url, check_url="/health", deadline=0.3,
+                mounts={"http://": httpx.AsyncHTTPTransport()}, engine=rehydrate_engine)
+
+        client = loop.run_until_complete(make())
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        error = _status(rehydrate_engine, "api")["last_error"]
+        assert "mounts=" in error and "is not running" in error, error
+        loop.run_until_complete(client.aclose())
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("which", ["async_engine", "its_sync_engine"])
+def test_sqlalchemy_engine_refuses_an_async_engine_at_registration(rehydrate_engine, which):
+    """An ``AsyncEngine`` was accepted, then every snapshot and restore failed
+    ("'AsyncConnection' object does not support the context manager protocol",
+    "coroutine 'AsyncEngine.dispose' was never awaited"); its ``sync_engine`` fails the
+    same way (its pool needs the asyncio extension's greenlet). No async driver needed to
+    see it: a sync SQLite engine whose dialect says it is async wraps into a real one."""
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    sync = sa.create_engine("sqlite://")
+    sync.dialect.is_async = True
+    async_engine = AsyncEngine(sync)
+    given = async_engine if which == "async_engine" else async_engine.sync_engine
+    with pytest.raises(TypeError, match="not an AsyncEngine"):
+        connections.sqlalchemy_engine("db", given, engine=rehydrate_engine)
+    assert connections.get("db", engine=rehydrate_engine) is None
+
+
+def _established_to(port: int) -> list[str]:
+    return [c.remote for c in connections.established_tcp()
+            if c.outbound and c.remote.endswith(f":{port}")]
+
+
+@pytest.mark.parametrize("given_to_start", [False, True])
+async def test_httpx_async_snapshot_started_on_the_apps_own_loop_thread(
+        rehydrate_engine, http_srv, given_to_start, caplog):
+    """``simulate_snapshot()`` called on the thread of the loop the client sends on (that
+    loop blocked until it returns): the pool's close was sent there and waited for, ran
+    only after the snapshot had given up (``close() took longer than 5s``, report not
+    ok), and the next restore waited a second more on it. Now it is left to run there,
+    as on a stopped loop: the snapshot passes at once, the close runs as soon as the loop
+    gets control back, and restores and requests go on."""
+    loop = asyncio.get_running_loop()
+    if given_to_start:
+        rehydrate_engine.start("none", loop=loop)
+    client = connections.httpx_async_client("api", base_url=http_srv.url,
+                                            check_url="/health", deadline=5,
+                                            engine=rehydrate_engine)
+    assert (await client.get("/a")).text == "/a"
+    assert _established_to(http_srv.port)
+    snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
+    assert snap.ok, snap.table()
+    conn = connections.get("api", engine=rehydrate_engine)
+    assert conn is not None and conn._pending is not None, conn.to_dict()
+    await asyncio.wrap_future(conn._pending[1])  # runs now that the loop has control
+    assert conn.state == "closed", conn.to_dict()
+    assert not _established_to(http_srv.port)
+    report = rehydrate_engine.simulate_restore()  # blocking too
+    assert report.ok, report.table()
+    assert conn.state == "open", conn.to_dict()
+    assert (await client.get("/b")).text == "/b"
+    late = [r.getMessage() for r in caplog.records
+            if "hung" in r.getMessage() or "took longer" in r.getMessage()]
+    assert late == []
+    await client.aclose()
+
+
+@pytest.fixture
+def redis_srv():  # type: ignore[no-untyped-def]
+    from netservers import redis_binary, redis_server
+
+    if redis_binary() is None:
+        pytest.fail("redis-server is not installed (scripts/setup-system.sh installs it)")
+    srv = redis_server()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("given_to_start", [False, True])
+async def test_redis_asyncio_snapshot_started_on_the_apps_own_loop_thread(
+        rehydrate_engine, redis_srv, given_to_start):
+    """The same for a ``redis.asyncio`` client: its ``disconnect()`` was sent to the
+    blocked loop and the snapshot failed after ``CLOSE_TIMEOUT``. The idle connections
+    are taken out of the pool at once and disconnected there when the loop runs again."""
+    import redis.asyncio as aredis
+
+    loop = asyncio.get_running_loop()
+    if given_to_start:
+        rehydrate_engine.start("none", loop=loop)
+    client = connections.redis_client("cache", aredis.Redis(port=redis_srv.port),
+                                      deadline=5, engine=rehydrate_engine)
+    assert await client.set("k", "v")
+    assert _established_to(redis_srv.port)
+    snap = rehydrate_engine.simulate_snapshot()  # blocks this loop's thread
+    assert snap.ok, snap.table()
+    conn = connections.get("cache", engine=rehydrate_engine)
+    assert conn is not None and conn._pending is not None, conn.to_dict()
+    await asyncio.wrap_future(conn._pending[1])
+    assert conn.state == "closed", conn.to_dict()
+    assert not _established_to(redis_srv.port)
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert await client.get("k") == b"v"
+    await client.aclose()
+
+
+def test_credentials_in_a_libraries_error_reach_neither_report_status_nor_log(
+        rehydrate_engine, caplog):
+    """A ``register()`` whose check uses requests to a peer that is down: urllib3's error
+    quotes the request's path with its query (``url: /health?api_key=...``), and the
+    key went into the report's error, ``status()`` and the WARNING. So did the password
+    of a DSN a driver quotes. Only rehydrate's own secrets were taken out."""
+    import logging
+
+    import requests
+    from netservers import refused_port
+
+    key, password = "sk_live_0123456789abcdef", "pw-0123456789"
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    session = requests.Session()
+    with refused_port() as port:
+        def check(s):  # type: ignore[no-untyped-def]
+            s.get(f"http://127.0.0.1:{port}/health?api_key={key}", timeout=5)
+
+        def open_db() -> object:
+            raise ConnectionError(f"could not connect to postgresql://app:{password}@"
+                                  f"127.0.0.1:{port}/orders")
+
+        connections.register("billing", open=lambda: session, check=check, deadline=0.2,
+                             engine=rehydrate_engine)
+        connections.register("db", open=open_db, deadline=0.2, engine=rehydrate_engine)
+        connections.register("metrics", open=lambda: session, check=check, deadline=0.2,
+                             required=False, engine=rehydrate_engine)
+        report = rehydrate_engine.simulate_restore()
+        assert connections.manager(rehydrate_engine).wait_background(10)
+    session.close()
+    error = _hook_error(report)
+    assert not report.ok
+    shown = [error, str(rehydrate_engine.status().extra["connections"]), caplog.text]
+    for text in shown:
+        assert key not in text and password not in text, text
+    # what the message is about is still there
+    assert "url: /health " in error and f"postgresql://127.0.0.1:{port}/orders" in error
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:",
+                                 "sqlite:///file::memory:?cache=shared&uri=true"])
+def test_sqlalchemy_engine_keeps_an_in_memory_sqlite_database(rehydrate_engine, caplog, url):
+    """``create_engine("sqlite://")``: every snapshot's ``dispose()`` discarded the
+    database (its only copy is its connection), from rehydrate's thread, with SQLAlchemy
+    ERROR tracebacks ("SQLite objects created in a thread can only be used in that same
+    thread"), while the report said ok."""
+    import logging
+
+    import sqlalchemy as sa
+
+    caplog.set_level(logging.WARNING)
+    db = connections.sqlalchemy_engine("mem", sa.create_engine(url),
+                                       engine=rehydrate_engine)
+    with db.begin() as c:
+        c.exec_driver_sql("CREATE TABLE t (x)")
+        c.exec_driver_sql("INSERT INTO t VALUES (42)")
+    for _ in range(2):
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert rehydrate_engine.simulate_restore().ok
+        with db.connect() as c:
+            assert c.exec_driver_sql("SELECT x FROM t").scalar() == 42
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert _status(rehydrate_engine, "mem")["state"] == "open"
+    db.dispose()
+
+
+def test_sqlalchemy_engine_still_disposes_a_sqlite_file_database(rehydrate_engine,
+                                                                 tmp_path):
+    """A file database on SQLAlchemy's default pool is disposed of as before (its file
+    handles are released before a snapshot)."""
+    import sqlalchemy as sa
+
+    path = tmp_path / "t.db"
+    db = connections.sqlalchemy_engine("file", sa.create_engine(f"sqlite:///{path}"),
+                                       engine=rehydrate_engine)
+    with db.begin() as c:
+        c.exec_driver_sql("CREATE TABLE t (x)")
+
+    def handles() -> int:
+        import os
+
+        return sum(os.path.realpath(f"/proc/self/fd/{f}") == str(path)
+                   for f in os.listdir("/proc/self/fd"))
+
+    assert handles() == 1
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert handles() == 0
+    db.dispose()
+
+
+def test_sync_httpx_check_to_a_silent_peer_ends_with_its_run(rehydrate_engine):
+    """With the client's ``timeout=None``, the check's GET to a peer that accepts and
+    never answers waited for good on its thread after the run had given up on it (one
+    more stuck thread per restore). Its waits are capped by the run's deadline, as
+    ``tcp_socket``'s connect is."""
+    import concurrent.futures
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nobody ever answers
+        port = silent.getsockname()[1]
+        client = connections.httpx_client("api", base_url=f"http://127.0.0.1:{port}",
+                                          check_url="/health", timeout=None, deadline=0.3,
+                                          engine=rehydrate_engine)
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        conn = connections.get("api", engine=rehydrate_engine)
+        with conn._lock:  # none: it timed out by itself just before the run gave up
+            calls = list(conn._calls)
+        _, running = concurrent.futures.wait(calls, timeout=10)
+        assert not running, "the check's thread is still waiting for the silent peer"
+        client.close()
