@@ -29,7 +29,8 @@ overrides them; an API or SDK older than 1.30 ignores the advice, and so does SD
 for a reader whose exporter asks for an explicit-bucket aggregation of its own, as the
 OTLP exporters do: they need 1.31). The generation gauge reports each engine from its
 ``start()`` (or the ``instrument(engine, meter_provider=...)`` call, or its first event)
-until its ``close()``, unless its telemetry is off.
+until its ``close()`` (a ``start()`` or an event after that reports it again), unless its
+telemetry is off.
 
 Clone identity: :func:`resource_attributes` / :func:`resource_detector` give the SDK
 ``Resource`` a ``service.instance.id`` equal to :func:`rehydrate.entropy.instance_id`,
@@ -214,6 +215,9 @@ def _engine_started(tel_ref: weakref.ref[Telemetry], engine: Engine) -> None:
     tel = tel_ref()
     if tel is None:
         return
+    # Started again after close(): live again, as an event after close() makes it (it
+    # was off the gauge until its next event, which may be hours away).
+    tel._closed = False
     try:
         _, mp = tel._providers()
     except Exception:  # telemetry must never break start(); the first event logs it
@@ -319,8 +323,8 @@ class Telemetry:
 
     def close(self) -> None:
         """Leave the generation gauge (called by the engine's ``close()``): a closed
-        engine is not reported, even while something still refers to it. An event run
-        after that reports it again."""
+        engine is not reported, even while something still refers to it. Its next
+        ``start()`` or event reports it again."""
         with self._gen_lock:
             self._closed = True
             inst, self._instruments, self._instruments_src = self._instruments, None, None

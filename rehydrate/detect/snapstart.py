@@ -6,10 +6,17 @@ execution environment, and those registered with ``register_after_restore`` in e
 environment restored from that snapshot. When ``snapshot_restore_py`` imports,
 ``rehydrate.start()`` registers one pair of bridge functions there:
 
-* before the snapshot: ``engine.snapshot_requested("snapstart")``; when a required hook
-  failed it raises :class:`SnapStartHookFailed`, because that is the only way to stop
-  SnapStart from snapshotting a half-prepared process (the runtime reports an init
-  error and exits; publishing the version fails);
+* before the snapshot: ``engine.snapshot_requested("snapstart")`` for each engine in
+  turn; when a required hook of one failed it raises :class:`SnapStartHookFailed`,
+  because that is the only way to stop SnapStart from snapshotting a half-prepared
+  process (the runtime reports an init error and exits; publishing the version fails).
+  No snapshot follows, so first — as the control socket does for a refused save — the
+  engines whose passes ran, the refusing one included, get a resume run
+  (``restore_detected("snapstart", kind="resume", frozen_for=0.0)``: their resume hooks
+  reopen what their before-snapshot hooks closed) and are ready again rather than left
+  ``snapshotting``; the engines after it are not asked to prepare. The message is one
+  line naming the refusing engine (``engine 2 of 3``, in the order the engines started
+  the bridge, when there are several), its failed hooks, and how the resume runs went;
 * after restore: ``engine.restore_detected("snapstart", kind="restore", since=<the
   monotonic time the before-snapshot bridge started>)`` (generation +1). When another
   detector (identity, clock jump) reported this restore first, the hooks do not run
@@ -52,8 +59,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _config
-from .._context import Report, describe_error
-from .._contract import Probe, refuse_another_engine
+from .. import extensions as _extensions
+from .._context import Report, SnapshotReport, describe_error
+from .._contract import Probe, own_pass_started, refuse_another_engine
 from .._threads import fresh_lock_after_fork
 from . import Detector
 
@@ -85,19 +93,61 @@ _OTHER_INIT_TYPES = ("on-demand", "provisioned-concurrency")
 
 class SnapStartHookFailed(RuntimeError):
     """Raised from a bridge function when a required hook failed or timed out: before the
-    snapshot it makes SnapStart abort the snapshot, after a restore it makes Lambda discard
-    the restored environment. The message is one line naming the hooks and their errors."""
+    snapshot it makes SnapStart abort the snapshot (after the resume runs that undo the
+    passes that ran), after a restore it makes Lambda discard the restored environment.
+    The message is one line naming the hooks and their errors (before the snapshot: also
+    the refusing engine and the resume runs' outcome)."""
 
 
-def _failure_line(when: str, failed: Sequence[Report]) -> str:
-    """``rehydrate <when> hooks failed: name outcome (Type: message); …`` on one line: the
-    same error texts the engine logged (hook names and exception messages, never
+def _hook_failures(failed: Sequence[Report]) -> str:
+    """``name outcome (Type: message); …``: the required hooks that failed or timed out,
+    with the same error texts the engine logged (hook names and exception messages, never
     environment values)."""
     parts = [f"{h.name} {h.outcome} ({describe_error(h.error)})" if h.error is not None
              else f"{h.name} {h.outcome}"
              for r in failed for h in r.hooks
              if h.required and h.outcome in ("failed", "timeout")]
-    return f"rehydrate {when} hooks failed: {'; '.join(parts) or 'see the report'}"
+    return "; ".join(parts) or "see the report"
+
+
+def _failure_line(when: str, failed: Sequence[Report]) -> str:
+    """``rehydrate <when> hooks failed: name outcome (Type: message); …`` on one line."""
+    return f"rehydrate {when} hooks failed: {_hook_failures(failed)}"
+
+
+def _engine_name(engine: Engine, number: int, count: int) -> str:
+    """``engine 2 of 3``: its place in the bridge's list (the order the engines started
+    the bridge), and which engine the process-wide one is."""
+    default = " (the default engine)" if engine is _extensions._default else ""
+    return f"engine {number} of {count}{default}"
+
+
+def _carry_on(prepared: Sequence[tuple[Engine, float, SnapshotReport]],
+              count: int) -> list[str]:
+    """Resume runs for the engines whose before-snapshot passes ran when one refused: no
+    snapshot is taken, so what their hooks closed is reopened (as the control socket does
+    for a refused save) — in the bridge's order, as a restore after the snapshot would
+    have run them. Whatever they report, every engine gets its run; returns the names and
+    failures of the ones that are not ready after it (``count``: the bridge's engines;
+    with one, only its failures)."""
+    failed: list[str] = []
+    for number, (engine, asked, report) in enumerate(prepared, 1):
+        name = _engine_name(engine, number, count)
+        # Nothing froze (the snapshot is not taken): not a restore anchor, frozen for 0 s,
+        # and about exactly this pass (a carry-on, as the control socket's).
+        undoes = own_pass_started(engine, report, asked)
+        try:
+            resume = engine.restore_detected("snapstart", kind="resume", anchor=False,
+                                             frozen_for=0.0, undoes=undoes)
+        except Exception as exc:  # the refusal must still reach SnapStart
+            log.exception("SnapStart bridge: the resume run of %s failed", name)
+            failures = describe_error(exc)
+        else:
+            if resume.ready:
+                continue
+            failures = _hook_failures([resume])
+        failed.append(failures if count == 1 else f"{name} ({failures})")
+    return failed
 
 
 def _before_snapshot() -> None:
@@ -105,14 +155,34 @@ def _before_snapshot() -> None:
     with _lock:
         engines = list(_engines)
         _snapshot_at = time.monotonic()
-    failed = []
-    for engine in engines:
-        report = engine.snapshot_requested("snapstart")
+    prepared: list[tuple[Engine, float, SnapshotReport]] = []
+    for number, engine in enumerate(engines, 1):
+        asked = time.monotonic()
+        try:
+            report = engine.snapshot_requested("snapstart")
+        except Exception:
+            # No pass of this engine ran (no thread for its deadline watch: the pids
+            # limit), but the ones before it did: undo them before SnapStart hears it.
+            _carry_on(prepared, len(engines))
+            raise
+        prepared.append((engine, asked, report))
         if not report.ok:
-            failed.append(report)
-    if failed:
-        raise SnapStartHookFailed(_failure_line("before-snapshot", failed)) \
-            from failed[0].error
+            # SnapStart takes no snapshot now (the runtime fails the init), so the engines
+            # after this one are not asked to close anything, and the ones that did close
+            # theirs, this one included, reopen it: nothing stays `snapshotting`.
+            not_ready = _carry_on(prepared, len(engines))
+            who = (f" in {_engine_name(engine, number, len(engines))}"
+                   if len(engines) > 1 else "")
+            if not not_ready:
+                ran = ("the resume hooks ran" if len(engines) == 1 else
+                       "the resume hooks ran in engine 1" if number == 1 else
+                       f"the resume hooks ran in engines 1-{number}")
+            else:
+                where = "" if len(engines) == 1 else " in "
+                ran = f"the resume hooks failed too{where}{'; '.join(not_ready)}: degraded"
+            raise SnapStartHookFailed(
+                f"rehydrate before-snapshot hooks failed{who}: {_hook_failures([report])}; "
+                f"{ran}") from report.error
 
 
 def _after_restore() -> None:

@@ -51,6 +51,147 @@ def test_failed_before_snapshot_hook_aborts_the_snapshot(rehydrate_engine):
         runtime.run_before_snapshot()
 
 
+def test_a_refused_pass_is_undone_before_snapstart_hears_of_it(rehydrate_engine):
+    """The control socket's refused save, here: the refusing engine's pass (its hooks that
+    did run closed things) is undone by a resume run, not left `degraded` with them
+    closed."""
+    events: list[tuple[str, str | None]] = []
+    rehydrate_engine.registry.before_snapshot(lambda: events.append(("close", None)),
+                                              name="close", order=0)
+
+    @rehydrate_engine.registry.before_snapshot(name="flush", order=1)
+    def flush() -> None:
+        raise OSError("disk full")
+
+    rehydrate_engine.registry.after_restore(
+        lambda ctx: events.append(("reopen", ctx.kind)), name="reopen")
+    rehydrate_engine.start(["snapstart"])
+    with pytest.raises(SnapStartHookFailed, match=r"disk full\); the resume hooks ran$"):
+        runtime.run_before_snapshot()
+    assert events == [("close", None), ("reopen", "resume")]
+    status = rehydrate_engine.status()
+    assert (status.state, status.generation) == ("ready", 0)
+    assert status.last_report.kind == "resume" and status.last_report.frozen_for == 0.0
+
+
+@pytest.fixture
+def three_engines(rehydrate_engine):  # type: ignore[no-untyped-def]
+    """rehydrate_engine and two more, in the order they start the bridge; the two are
+    closed after the test."""
+    others = [rehydrate.testing.isolated_engine(), rehydrate.testing.isolated_engine()]
+    try:
+        yield [rehydrate_engine, *others]
+    finally:
+        for engine in others:
+            engine.close()
+
+
+def _record(engine: Any, name: str, log: list[str]) -> None:
+    engine.registry.before_snapshot(lambda: log.append(f"{name} closed"), name=f"{name}.close")
+    engine.registry.after_restore(lambda ctx: log.append(f"{name} reopened ({ctx.kind})"),
+                                  name=f"{name}.reopen")
+
+
+def test_engines_that_prepared_are_resumed_when_another_refuses(three_engines):
+    """One engine refuses its pass: SnapStart takes no snapshot (the runtime fails the
+    init), so the engines whose passes ran get their resume runs and are ready again —
+    they stayed `snapshotting`, their connections closed — and the ones after it are not
+    asked to close anything. The line names the refusing engine."""
+    first, refusing, last = three_engines
+    log: list[str] = []
+    _record(first, "first", log)
+
+    @refusing.registry.before_snapshot(name="flush")
+    def flush() -> None:
+        raise OSError("disk full")
+
+    _record(refusing, "refusing", log)
+    _record(last, "last", log)
+    for engine in three_engines:
+        engine.start(["snapstart"])
+
+    with pytest.raises(SnapStartHookFailed) as info:
+        runtime.run_before_snapshot()
+    assert _one_line(info.value) == (
+        "rehydrate before-snapshot hooks failed in engine 2 of 3: flush failed "
+        "(OSError: disk full); the resume hooks ran in engines 1-2")
+    assert isinstance(info.value.__cause__, rehydrate.HookFailed)
+    assert log == ["first closed", "refusing closed",
+                   "first reopened (resume)", "refusing reopened (resume)"]
+    assert [e.status().state for e in three_engines] == ["ready", "ready", "running"]
+    assert [e.status().generation for e in three_engines] == [0, 0, 0]
+    assert [e.status().last_report.reason for e in three_engines[:2]] == ["snapstart"] * 2
+
+
+def test_a_resume_that_fails_too_is_named(three_engines):
+    first, refusing, _ = three_engines
+
+    @first.registry.after_restore(name="db")
+    def reconnect() -> None:
+        raise ConnectionRefusedError("refused")
+
+    @refusing.registry.before_snapshot(name="flush")
+    def flush() -> None:
+        raise OSError("disk full")
+
+    for engine in three_engines:
+        engine.start(["snapstart"])
+    with pytest.raises(SnapStartHookFailed) as info:
+        runtime.run_before_snapshot()
+    assert _one_line(info.value) == (
+        "rehydrate before-snapshot hooks failed in engine 2 of 3: flush failed "
+        "(OSError: disk full); the resume hooks failed too in engine 1 of 3 (db failed "
+        "(ConnectionRefusedError: refused)): degraded")
+    assert [e.status().state for e in three_engines] == ["degraded", "ready", "running"]
+
+
+def test_an_engine_that_cannot_run_its_pass_undoes_the_ones_before_it(three_engines,
+                                                                       monkeypatch):
+    """snapshot_requested() raises when no thread can watch its snapshot deadline (the
+    pids limit): no hook of that engine ran, but the engines before it closed theirs."""
+    first, refusing, last = three_engines
+    log: list[str] = []
+    _record(first, "first", log)
+    _record(last, "last", log)
+
+    def no_thread(reason: str = "simulated", **kwargs: Any) -> Any:
+        raise RuntimeError("no thread for the snapshot deadline")
+
+    for engine in three_engines:
+        engine.start(["snapstart"])
+    monkeypatch.setattr(refusing, "snapshot_requested", no_thread)
+    with pytest.raises(RuntimeError, match="no thread for the snapshot deadline"):
+        runtime.run_before_snapshot()
+    assert log == ["first closed", "first reopened (resume)"]
+    assert [e.status().state for e in three_engines] == ["ready", "running", "running"]
+
+
+def test_lambda_is_told_which_engine_refused(three_engines, monkeypatch):
+    from awslambdaric import bootstrap
+
+    from rehydrate import extensions
+
+    _, refusing, _ = three_engines
+    monkeypatch.setattr(extensions, "_default", refusing)  # the one rehydrate.start() uses
+
+    @refusing.registry.before_snapshot(name="flush")
+    def flush() -> None:
+        raise OSError("disk full")
+
+    for engine in three_engines:
+        engine.start(["snapstart"])
+    client = _RuntimeClient()
+    with pytest.raises(SystemExit) as exited:
+        bootstrap.on_init_complete(client, bootstrap.StandardLogSink())
+    assert exited.value.code == 64  # no snapshot: the version is not published
+    [(what, (error, _))] = client.calls
+    assert what == "post_init_error"
+    assert error["errorMessage"] == (
+        "rehydrate before-snapshot hooks failed in engine 2 of 3 (the default engine): "
+        "flush failed (OSError: disk full); the resume hooks ran in engines 1-2")
+    assert [e.status().state for e in three_engines] == ["ready", "ready", "running"]
+
+
 def test_user_runtime_hooks_keep_their_order(rehydrate_engine):
     order: list[str] = []
     snapshot_restore_py.register_after_restore(lambda: order.append("user-first"))
@@ -215,7 +356,7 @@ def test_multi_line_before_snapshot_error_is_one_line(rehydrate_engine):
     with pytest.raises(SnapStartHookFailed) as info:
         runtime.run_before_snapshot()
     assert _one_line(info.value) == ("rehydrate before-snapshot hooks failed: flush failed "
-                                     "(OSError: disk full on /var/tmp)")
+                                     "(OSError: disk full on /var/tmp); the resume hooks ran")
 
 
 @pytest.fixture
@@ -471,7 +612,7 @@ def test_lambda_aborts_the_snapshot_when_a_before_snapshot_hook_fails(rehydrate_
     [(what, (error, error_type))] = client.calls  # restore_next never came
     assert (what, error_type) == ("post_init_error", FaultException.BEFORE_SNAPSHOT_ERROR)
     assert error["errorMessage"] == ("rehydrate before-snapshot hooks failed: flush failed "
-                                     "(OSError: disk full)")
+                                     "(OSError: disk full); the resume hooks ran")
 
 
 def test_lambda_carries_on_after_a_good_restore(rehydrate_engine):

@@ -890,6 +890,22 @@ def test_a_closed_engine_leaves_the_gauge_until_it_runs_again(rehydrate_engine,
     assert _gauge(reader) == {label: 1, telemetry.manager(other).engine_label(): 2}
 
 
+def test_a_closed_engine_started_again_is_on_the_gauge_at_once(
+        rehydrate_engine, another_on_the_same_provider):
+    """docs/telemetry.md: an engine is reported from its start() until its close(). One
+    closed and started again was missing from the gauge until its next event."""
+    reader, other = another_on_the_same_provider
+    label = telemetry.manager(rehydrate_engine).engine_label()
+    theirs = telemetry.manager(other).engine_label()
+    other.close()
+    assert _gauge(reader) == {label: 1}
+    assert other.start("none") == []
+    points = {dict(p.attributes)["rehydrate.engine"]: dict(p.attributes)["rehydrate.state"]
+              for p in metric_points(reader)["rehydrate.generation"]}
+    assert _gauge(reader) == {label: 1, theirs: 1}
+    assert points[theirs] == "ready"
+
+
 def test_engines_with_telemetry_off_are_not_on_the_gauge(rehydrate_engine,
                                                         another_on_the_same_provider,
                                                         monkeypatch):
