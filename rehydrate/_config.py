@@ -213,7 +213,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_WATCH_POLLING", "flag", None, "file detector: poll instead of inotify (default: poll under gVisor)"),  # noqa: E501
     _V("REHYDRATE_WATCH_INTERVAL", "seconds", 0.5, "file detector: seconds between polls", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_SIGNAL", "signal", "SIGUSR2", "signal detector: the signal (name or number) that means restore; KILL and STOP cannot be caught"),  # noqa: E501
-    _V("REHYDRATE_SIGNAL_WINDOW", "seconds", 2.0, "signal/marker-file detectors and a notice without notify save: a restore detected this recently may be the same restore"),  # noqa: E501
+    _V("REHYDRATE_SIGNAL_WINDOW", "seconds", 2.0, "signal detector and a notice without notify save: a restore detected this recently may be the same restore"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_KIND", "choice", "restore", "signal detector: what the signal means, restore or resume", choices=("restore", "resume")),  # noqa: E501
     _V("REHYDRATE_SNAPSTART_DEADLINE", "seconds", 8.0, "snapstart: seconds the whole after-restore run may take (Lambda allows 10); hooks still running then are reported timeout and the runtime hook fails", positive=True),  # noqa: E501
     # managers

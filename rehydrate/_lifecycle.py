@@ -75,8 +75,8 @@ watch cannot see every freeze (a guest clock carried over, as on Firecracker or 
 time namespace, shows no jump; a freeze shorter than its gap slack never shows), and
 nothing in the process tells a freeze it missed from a late notice: taken alone, its
 answer (its first heartbeat) made every later restore a duplicate and a clone kept its
-parent's keys. The window the signal and marker-file detectors use; a platform whose
-notice may come later says which restore it is about (``key=``, ``notify save``)."""
+parent's keys. The signal detector's window (and the marker-file detector's default); a
+platform whose notice may come later says which restore it is about (``key=``, ``notify save``)."""
 _PASSES = 16
 """Before-snapshot passes remembered for notices that name one (``undoes``)."""
 

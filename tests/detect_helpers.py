@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rehydrate.detect import Detector
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -201,3 +203,16 @@ def recorded_reports(engine: Any, monkeypatch: Any) -> list[Any]:
 
     monkeypatch.setattr(engine, "restore_detected", recording)
     return reports
+
+
+class FakeSpecific(Detector):
+    """A stand-in for a more specific detector (the gVisor waiter): the test fires it."""
+
+    key = "fake-specific"
+    specificity = 100
+
+    def start(self, engine) -> None:  # type: ignore[no-untyped-def]
+        self.engine = engine
+
+    def stop(self) -> None:
+        pass

@@ -7,10 +7,12 @@ the idle cost is negligible) and reports a restore (reason ``identity``) when a 
 had seen changes to another value. A value appearing for the first time or vanishing is
 not a restore.
 
-This is the least specific detector: it defers briefly to any other running detector,
-so that when the clock jump (or a platform notice) sees the same restore, that reason
-wins. Caveat: renaming the host of a running process (``hostname new``) is reported as
-a restore too.
+This is the least specific detector, but like every detector it runs the hooks at once
+when it is the first to notice (no grace): a restore another detector reports later is
+recognised as the same one and only confirms it (``confirmed_by``). ``grace`` (seconds,
+default 0) lets more specific running detectors report first instead, at the price of
+that much time with the hooks not yet run. Caveat: renaming the host of a running
+process (``hostname new``) is reported as a restore too.
 
 Configuration: ``REHYDRATE_IDENTITY_INTERVAL`` (seconds, default 2.0); ``root`` (tests)
 reads ``<root>/proc/sys/kernel/hostname`` etc. instead of the real files.
@@ -34,7 +36,7 @@ __all__ = ["SOURCES", "IdentityDetector", "read_identity"]
 log = logging.getLogger("rehydrate")
 
 DEFAULT_INTERVAL: float = _config.default("REHYDRATE_IDENTITY_INTERVAL")
-DEFAULT_GRACE = 1.0
+DEFAULT_GRACE = 0.0
 
 SOURCES: dict[str, str] = {
     "hostname": "proc/sys/kernel/hostname",

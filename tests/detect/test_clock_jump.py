@@ -12,9 +12,8 @@ import threading
 import time
 
 import pytest
-from detect_helpers import Child, Recorder, in_forked_child, wait_for
+from detect_helpers import Child, FakeSpecific, Recorder, in_forked_child, wait_for
 
-from rehydrate.detect import Detector
 from rehydrate.detect.clock_jump import ClockJumpDetector
 
 
@@ -26,19 +25,6 @@ class SteppedClock:
 
     def __call__(self) -> float:
         return time.monotonic() + self.offset
-
-
-class FakeSpecific(Detector):
-    """A stand-in for a more specific detector (the gVisor waiter): the test fires it."""
-
-    key = "fake-specific"
-    specificity = 100
-
-    def start(self, engine) -> None:  # type: ignore[no-untyped-def]
-        self.engine = engine
-
-    def stop(self) -> None:
-        pass
 
 
 def test_step_beyond_threshold_is_a_restore(rehydrate_engine):

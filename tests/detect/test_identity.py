@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 
-from detect_helpers import Recorder, hold_dead_detector_threads, wait_for
+from detect_helpers import FakeSpecific, Recorder, hold_dead_detector_threads, wait_for
 
 from rehydrate.detect.identity import SOURCES, IdentityDetector, read_identity
 
@@ -45,6 +46,22 @@ def test_boot_id_change_is_a_restore(rehydrate_engine, tmp_path):
     rec.wait(2)
     assert rec.calls[1]["generation"] == 2
     assert det.changes == 2
+
+
+def test_the_first_notice_runs_the_hooks_without_waiting_for_a_specific_detector(
+        rehydrate_engine, tmp_path, caplog):
+    """No grace (the restore-path rule): with a more specific detector running that has
+    not reported, an identity change runs the hooks at once instead of giving it a
+    second first — a second in which the clone would serve with its old identity."""
+    root = make_root(tmp_path, hostname="pod-a")
+    rec = Recorder(rehydrate_engine)
+    det = IdentityDetector(interval=0.02, root=root)
+    rehydrate_engine.start([FakeSpecific(), det])
+    wait_for(lambda: det.polls >= 3)
+    caplog.set_level(logging.DEBUG, logger="rehydrate")
+    (root / SOURCES["hostname"]).write_text("pod-b\n")
+    assert rec.wait(1)[0]["reason"] == "identity"
+    assert not [r for r in caplog.records if "to report first" in r.getMessage()]
 
 
 def test_appearing_or_vanishing_values_are_not_restores(rehydrate_engine, tmp_path):
