@@ -240,7 +240,10 @@ class EnvRefresher:
     (with what the first one reset of the application's own values: :class:`_Event`).
     Engines may share one refresher: each engine's refresh counts once per restore, and
     the second one's, finding the file applied already, applies nothing, warns nothing
-    and reports what the first one's reported.
+    and reports what the first one's reported. A direct call (no engine's hook: an
+    ``after_restore`` hook re-reading a file that arrives late) after an engine's
+    refresh of the same restore reports only what it changed itself since; what it
+    changes is news to an engine refreshing later in that restore.
     An overlay counts as what the refresher applied last for the keys the file holds: a
     later refresh resetting its value is no "application's own value" to warn about.
 
@@ -304,6 +307,11 @@ class EnvRefresher:
         self._direct = _Position()
         self._engines: weakref.WeakKeyDictionary[object, _Position] = (
             weakref.WeakKeyDictionary())
+        # The last event an engine's refresh of this refresher joined, and the last one a
+        # direct call joined with no engine's refresh before it (_Event.join): a direct
+        # call is part of an engine's restore only after that engine's refresh.
+        self._engine_event = -1
+        self._alone_event = -1
         self._baselined = _EVENT.tick()
         # What the last refresh of the file reported, and in which event: the second
         # engine sharing this refresher finds its file applied already (and the previous
@@ -487,7 +495,7 @@ class EnvRefresher:
                 if not self._protected(k) and not _matches(k, NEVER_FROM_FILE)}
         previous = self._previous
         applied = changes = diff(env, sets, removes)  # what this refresh does to os.environ
-        earlier = _EVENT.join(self)
+        earlier, aside = _EVENT.join(self)
         # Once per restore (or resume) and file, however many engines read it: their
         # refreshes of one file ignore the same keys.
         if ignored and _EVENT.first_warning(("ignored", path, *ignored)):
@@ -535,12 +543,20 @@ class EnvRefresher:
         self._previous = self._digests(new)
         _EVENT.record(applied)
         event, reported = self._reported
-        if event == _EVENT.number:
+        if event != _EVENT.number:
+            self._reported = (_EVENT.number, changes)
+        elif aside:
+            # A direct call after an engine's refresh of this restore: that refresh's
+            # report is no news to it (the engine's env_changes had it), yet what this
+            # call changed is news to an engine sharing this refresher that refreshes
+            # later in the restore.
+            self._reported = (_EVENT.number, _union(changes, reported))
+        else:
             # This refresher applied a file in this restore already, for another engine:
             # what it reported then is this engine's news too (a key it removed is in no
             # previous file any more).
             changes = _union(changes, reported)
-        self._reported = (_EVENT.number, changes)
+            self._reported = (_EVENT.number, changes)
         return changes
 
 
@@ -565,12 +581,13 @@ class _Event:
     a key the first one changed to the value its own file holds too.
 
     Each engine refreshes once per restore or resume, so a refresher that refreshes again
-    for the same engine (:class:`_Position`: engines may share one) begins the next event,
-    and so does one whose baseline (a before-snapshot pass) or
-    creation came after the current event began: a later engine, or the first engine of
-    the next restore whose predecessor refreshed elsewhere, never takes an old event's
-    names for this one's. A refresher that missed an event (no file then) and joins a
-    later one is told what changed meanwhile: news to it too.
+    for the same engine (:class:`_Position`: engines may share one; direct calls are
+    another position, see :meth:`join`) begins the next event, and so does one whose
+    baseline (a before-snapshot pass) or creation came after the current event began: a
+    later engine, or the first engine of the next restore whose predecessor refreshed
+    elsewhere, never takes an old event's names for this one's. A refresher that missed an
+    event (no file then) and joins a later one is told what changed meanwhile: news to it
+    too.
 
     ``applying`` is held by each refresh over its compare, apply and record, so that no
     other refresher sees ``os.environ`` changed by one whose names are not recorded yet;
@@ -595,12 +612,27 @@ class _Event:
             self._clock += 1
             return self._clock
 
-    def join(self, refresher: EnvRefresher) -> tuple[frozenset[bytes], ...] | None:
+    def join(self, refresher: EnvRefresher
+             ) -> tuple[tuple[frozenset[bytes], ...] | None, bool]:
         """``refresher`` refreshes now: the keys the earlier refreshes of this event
-        added, changed and removed (None: there were none)."""
+        added, changed and removed (None: there were none, or they are no news to it),
+        and whether this is a direct call aside an engine's refresh of this event.
+
+        A direct call (no engine in :data:`_ENGINE`) after one of ``refresher``'s engines
+        refreshed in this event is part of that restore (an ``after_restore`` hook
+        re-reading a late file): it stays in the event, so that a later engine is told of
+        its changes, but takes none of the event's names (that engine's refresh reported
+        them: returned again, they read as the call's own). A direct call with no engine's
+        refresh before it (at startup) is no part of the next restore: an engine of
+        ``refresher`` joining its event begins the next one, as a second direct call
+        does."""
         with self._lock:
             position = refresher._position()
-            if position.event == self.number or refresher._baselined > self.began:
+            direct = position is refresher._direct
+            stale = refresher._baselined > self.began
+            aside = direct and not stale and refresher._engine_event == self.number
+            if not aside and (stale or position.event == self.number
+                              or (not direct and refresher._alone_event == self.number)):
                 self._clock += 1
                 self.number += 1
                 self.began = self._clock
@@ -608,9 +640,13 @@ class _Event:
                     names.clear()
                 self._warned.clear()
             position.event = self.number
-            if not any(self.changed):
-                return None
-            return tuple(frozenset(names) for names in self.changed)
+            if not direct:
+                refresher._engine_event = self.number
+            elif not aside:
+                refresher._alone_event = self.number
+            if aside or not any(self.changed):
+                return None, aside
+            return tuple(frozenset(names) for names in self.changed), aside
 
     def restored(self, refresher: EnvRefresher, engine: object | None = None) -> bool:
         """``engine`` (``refresher``'s) begins a restore run: True when that is a new

@@ -1549,3 +1549,62 @@ def test_two_engines_warn_once_per_restore_and_each_see_the_change(
     finally:
         for engine in engines:
             engine.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-engine", "two-engines"])
+def test_a_direct_refresh_after_the_engine_s_reports_only_its_own_changes(
+        tmp_path, environ, shared):
+    """An after_restore hook calling engine.env.refresh() (a file that arrives late) after
+    the engine's own refresh of the restore was told that refresh's changes again: the
+    direct call joined the restore's record as if it were another engine. A second
+    engine sharing the refresher is still told the first one's changes, and the late
+    file's too."""
+    spec = tmp_path / "spec_environ"
+    write(spec, {b"RHT_KEY": b"old", b"RHT_LATE": b"old"})
+    environ.update({b"RHT_KEY": b"old", b"RHT_LATE": b"old"})
+    one = EnvRefresher(path=str(spec))
+    engines = [Lifecycle(Registry(), env=one) for _ in range(2 if shared else 1)]
+    direct: list[EnvChanges] = []
+
+    @engines[0].registry.after_restore(name="reread")
+    def reread():
+        direct.append(one.refresh())  # nothing changed since the engine's refresh
+        write(spec, {b"RHT_KEY": b"new", b"RHT_LATE": b"new"})
+        direct.append(one.refresh())
+        direct.append(one.refresh())
+
+    try:
+        assert all(engine.simulate_snapshot().ok for engine in engines)
+        write(spec, {b"RHT_KEY": b"new", b"RHT_LATE": b"old"})
+        reports = [engine.restore_detected("gvisor", kind="restore") for engine in engines]
+        assert direct == [EnvChanges(), EnvChanges(changed=("RHT_LATE",)), EnvChanges()]
+        assert reports[0].env_changes == EnvChanges(changed=("RHT_KEY",))
+        if shared:
+            assert reports[1].env_changes == EnvChanges(changed=("RHT_KEY", "RHT_LATE"))
+        assert environ[b"RHT_LATE"] == b"new"
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_a_direct_refresh_before_a_restore_is_not_that_restore_s_news(
+        tmp_path, environ, caplog, monkeypatch):
+    """A direct refresh at startup and a restore without a before-snapshot pass between
+    (nothing baselined since): the engine's refresh was taken for a second engine of the
+    startup call's restore, reporting what that call changed and keeping its "ignored"
+    warning silent."""
+    monkeypatch.delenv("REHYDRATE_RHT", raising=False)
+    spec = write(tmp_path / "spec_environ", {b"RHT_KEY": b"old"})
+    environ[b"RHT_KEY"] = b"old"
+    one = EnvRefresher(path=spec)
+    engine = Lifecycle(Registry(), env=one)
+    try:
+        write(tmp_path / "spec_environ", {b"RHT_KEY": b"new", b"REHYDRATE_RHT": b"x"})
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            assert one.refresh() == EnvChanges(changed=("RHT_KEY",))
+            report = engine.restore_detected("gvisor", kind="restore")
+        assert report.env_changes == EnvChanges()
+        lines = _warnings(caplog)
+        assert len(lines) == 2 and all("ignored REHYDRATE_RHT" in x for x in lines), lines
+    finally:
+        engine.close()
