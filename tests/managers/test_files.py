@@ -1685,3 +1685,57 @@ def test_a_volume_through_a_symlink_covers_handles_opened_by_the_real_path(
     assert engine.simulate_restore().ok
     assert (vol.changed, by_real.changed, by_link.changed) == (True, True, True)
     assert vol.contains(str(real / "a.txt")) and not vol.contains(str(tmp_path / "a.txt"))
+
+
+@pytest.mark.parametrize("factory", [None, "subclass"])
+def test_sqlite_callbacks_set_in_on_connect_pass_over_rehydrates_statements(
+        engine, tmp_path: Path, factory: str | None) -> None:
+    """An authorizer on_connect set on the connection it was given applied to
+    rehydrate's own statements: its PRAGMA and sqlite_master reads failed the first
+    open, and every close and reopen (the ATTACH made again too)."""
+    with sqlite3.connect(tmp_path / "ref.db") as c:
+        c.execute("CREATE TABLE r (x)")
+    c.close()
+    strict = {"on": False}
+    denied: list[object] = []
+    seen: list[str] = []
+
+    def authorizer(action, arg1, arg2, dbname, source):
+        if strict["on"] and (action in (sqlite3.SQLITE_PRAGMA, sqlite3.SQLITE_ATTACH)
+                             or (action == sqlite3.SQLITE_READ
+                                 and arg1 not in ("items", "r"))):
+            denied.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS items (x)")
+        conn.set_authorizer(authorizer)
+        conn.set_trace_callback(seen.append)
+        conn.set_progress_handler(lambda: 1 if strict["on"] else 0, 1)
+
+    class Mine(sqlite3.Connection):
+        pass
+
+    kwargs = {"factory": Mine} if factory else {}
+    strict["on"] = True
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect, **kwargs)
+    assert denied == [] and seen == []
+    strict["on"] = False
+    db.execute("ATTACH ? AS ref", (str(tmp_path / "ref.db"),))
+    strict["on"] = True
+    seen.clear()
+    for kind in ("resume", "restore"):
+        _snapshot_and_restore(engine, kind)
+    assert denied == [] and seen == [], "rehydrate's statements pass over the callbacks"
+    assert not db.suspended and isinstance(db._conn, Mine if factory else sqlite3.Connection)
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):
+        db.execute("SELECT count(*) FROM ref.r")  # the app's progress handler still on
+    strict["on"] = False
+    assert db.execute("SELECT count(*) FROM ref.r").fetchone() == (0,), "attached again"
+    strict["on"] = True
+    db.set_progress_handler(None, 1)
+    with pytest.raises(sqlite3.DatabaseError, match="prohibited|not authorized"):
+        db.execute("PRAGMA user_version")  # the app's authorizer still checks the app
+    assert denied == ["user_version"]
+    assert "SELECT count(*) FROM ref.r" in seen
