@@ -227,11 +227,12 @@ class _Handle:
     def _open_now(self, same: bool) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _suspend(self) -> None:
-        """Before a snapshot: close, remembering what was closed."""
+    def _suspend(self) -> bool:
+        """Before a snapshot: close, remembering what was closed; True when this call
+        closed it (a ``SnapshotRefused`` raised with it closed anyway closed it too)."""
         with self._lock:
             if self._closed_by_user or self._suspended:
-                return
+                return False
             failed: Exception | None = None
             try:
                 self._close_now()
@@ -266,6 +267,7 @@ class _Handle:
             if failed is not None:
                 raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
                                       f"{type(failed).__name__}: {failed}") from failed
+            return True
 
     def _is_closed(self) -> bool:
         """After a failed ``_close_now``: True when the underlying object is closed anyway."""
@@ -1381,6 +1383,15 @@ class FilesManager:
         self._reopened_at: int | None = None
         """``_snapshot_passes`` when the last reopen pass reopened every handle (None: one
         is running, or the last failed or stopped)."""
+        self._pass_running = False
+        """A reopen pass is running and has not given up: a restore or resume run that
+        finds it still running (HookStillRunning) is left to it."""
+        self._closed_by: tuple[int, list[weakref.ref[_Handle]]] = (0, [])
+        """The handles the latest before-snapshot pass closed (they were open), and that
+        pass's number."""
+        self._refused_at: int | None = None
+        """``_snapshot_passes`` of the latest before-snapshot pass that was refused (by any
+        hook) after closing the handles."""
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
@@ -1546,6 +1557,8 @@ class FilesManager:
     def _before_snapshot(self) -> None:
         with self._lock:
             self._snapshot_passes += 1
+            passes = self._snapshot_passes
+        closed: list[weakref.ref[_Handle]] = []
         errors: list[Exception] = []
         for vol in self.volumes():
             try:
@@ -1555,9 +1568,14 @@ class FilesManager:
                                               f"{type(exc).__name__}: {exc}"))
         for h in reversed(self.handles()):
             try:
-                h._suspend()
+                if h._suspend():
+                    closed.append(weakref.ref(h))
             except Exception as exc:
+                if h._suspended:  # closed all the same
+                    closed.append(weakref.ref(h))
                 errors.append(exc)
+        with self._lock:
+            self._closed_by = (passes, closed)
         if len(errors) == 1:
             raise errors[0]
         if errors:
@@ -1566,6 +1584,15 @@ class FilesManager:
                 for e in errors))
 
     def _after_restore(self, ctx: RestoreContext) -> None:
+        with self._lock:
+            self._pass_running = True
+        try:
+            self._reopen_pass(ctx)
+        finally:
+            with self._lock:
+                self._pass_running = False
+
+    def _reopen_pass(self, ctx: RestoreContext) -> None:
         on_behalf = False
         while True:
             began = time.monotonic()
@@ -1580,7 +1607,7 @@ class FilesManager:
                 return self._snapshot_passes != passes
 
             try:
-                self._reopen_all(ctx, stale)
+                self._reopen_all(ctx.kind, stale)
                 with self._lock:
                     # Checked again once every handle is done: a snapshot that began
                     # inside the last handle's on_change closed handles this pass had
@@ -1598,7 +1625,13 @@ class FilesManager:
                 # run may have been mended with its handles closed; reopened for it below.
             except _PassStopped:
                 pass
-            if not self._owed():
+            with self._lock:
+                # Decided under the lock _on_report takes: a run that began after this
+                # finds the pass given up and reopens for itself; one before it is owed.
+                owed = self._owed()
+                if not owed:
+                    self._pass_running = False
+            if not owed:
                 log.info("rehydrate.files.reopen: a snapshot began while this reopen pass "
                          "ran late: stopped; the next restore or resume reopens the handles "
                          "left")
@@ -1629,21 +1662,79 @@ class FilesManager:
 
     def _on_report(self, report: Report) -> None:
         """A restore or resume run that found the reopen pass still running
-        (HookStillRunning) and ended after that pass reopened every handle, with no
-        snapshot since: mended (the pass's own :meth:`_recovered` ran while that run was
-        still going, before the run had failed the hook, or before it ended)."""
+        (HookStillRunning), with no snapshot since: when that pass reopened every handle,
+        mended (the pass's own :meth:`_recovered` ran while that run was still going,
+        before the run had failed the hook, or before it ended); when it had given up
+        (stopped by a snapshot, its thread not ended yet), every handle is reopened here
+        for that run; when it is still running and the snapshot before that run was
+        refused, the handles that snapshot closed are reopened here at once (they were
+        open before it; the pass reopens the rest when it is done)."""
         from ._context import HookStillRunning
 
         hook, engine = self._reopen_hook, self._engine()
-        if hook is None or engine is None or report.kind == "snapshot" or report.ok:
+        if hook is None or engine is None:
             return
-        if not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
-                   for r in report.hooks):
+        if report.kind == "snapshot":
+            if not report.ok and any(r.name == "rehydrate.files.close"
+                                     for r in report.hooks):
+                with self._lock:
+                    self._refused_at = self._snapshot_passes
+            return
+        if report.ok or not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
+                                for r in report.hooks):
             return
         with self._lock:
-            if self._reopened_at != self._snapshot_passes:
-                return
-        engine.recovered(hook)
+            passes = self._snapshot_passes
+            if self._reopened_at == passes:
+                mend: str | None = "recovered"
+            elif not self._pass_running:
+                mend = "all"
+            elif self._refused_at == passes and self._closed_by[0] == passes:
+                mend = "refused"
+            else:
+                mend = None  # the pass reopens for this run when it is done
+            closed = [h for h in (r() for r in self._closed_by[1]) if h is not None]
+        if mend == "recovered":
+            engine.recovered(hook)
+        elif mend is not None:
+            self._reopen_for(report, engine, hook, passes,
+                             None if mend == "all" else closed)
+
+    def _reopen_for(self, report: Report, engine: Engine, hook: Hook, passes: int,
+                    handles: list[_Handle] | None) -> None:
+        """Reopen for the run of ``report``, whose reopen hook could not start: ``handles``
+        (None: every volume and handle, then the hook's failure in that run mended). In a
+        thread of its own, waited for as long as the hook's timeout: an ``on_change`` does
+        not hold the caller (the control socket's reply) for ever."""
+
+        def stale() -> bool:
+            return self._snapshot_passes != passes
+
+        def run() -> None:
+            try:
+                if handles is not None:
+                    for h in handles:
+                        h._resume(False, stale)
+                    log.info("rehydrate.files.reopen: the refused snapshot's %d closed "
+                             "handle(s) reopened for the %s; the late reopen pass reopens "
+                             "the rest when it is done", len(handles), report.kind)
+                    return
+                self._reopen_all(report.kind, stale)
+                with self._lock:
+                    if stale():
+                        return
+                    self._reopened_at = passes
+                engine.recovered(hook)
+            except _PassStopped:
+                pass  # a snapshot began: its own resume or restore reopens them
+            except Exception as exc:
+                log.warning("rehydrate.files.reopen: reopening for the %s that found the "
+                            "reopen pass still running failed: %s: %s", report.kind,
+                            type(exc).__name__, exc)
+
+        worker = threading.Thread(target=run, name="rehydrate-files-reopen", daemon=True)
+        worker.start()
+        worker.join(self._reopen_timeout)
 
     @staticmethod
     def _recovered(engine: Engine, hook: Hook, began: float) -> None:
@@ -1670,7 +1761,7 @@ class FilesManager:
                for r in last.hooks):
             engine.recovered(hook)
 
-    def _reopen_all(self, ctx: RestoreContext, stale: Callable[[], bool]) -> None:
+    def _reopen_all(self, kind: str, stale: Callable[[], bool]) -> None:
         changed_volumes: list[Volume] = []
         failures: list[str] = []
         gone: list[str] = []
@@ -1700,7 +1791,7 @@ class FilesManager:
                     failures.append(msg)
                 else:
                     log.warning("optional managed %s not reopened after %s: %s", h._kind,
-                                ctx.kind, msg)
+                                kind, msg)
         if failures:
             text = "; ".join(failures)
             raise FileGone(text) if len(gone) == len(failures) else ReopenFailed(text)

@@ -1013,6 +1013,74 @@ def test_a_run_that_fails_the_hook_after_the_late_pass_mended_is_mended_at_its_e
     assert not a.suspended
 
 
+def test_a_snapshot_refused_during_a_late_pass_leaves_the_handles_it_closed_open(
+        short_reopen, tmp_path: Path) -> None:
+    """A before-snapshot pass refused (by another hook) while a late reopen pass was in
+    a slow on_change: the resume after it found the pass still running and reopened
+    nothing, so the handles that were open before the refused snapshot stayed closed
+    until that on_change returned (for good, were it hung)."""
+    engine, ended, errors = short_reopen
+    late = _slow_change(engine, tmp_path, "a.txt", "big.idx", "b.txt")
+    a, big, b = late.handles
+
+    def refuse() -> None:
+        raise RuntimeError("not now")
+
+    try:
+        late.restore_into_the_late_pass()  # a.txt and big.idx open, b.txt not yet
+        engine.registry.register(refuse, event="snapshot", phase="environment",
+                                 name="app.refuse")
+        snap = engine.simulate_snapshot()
+        assert not snap.ok and _hook(snap, "rehydrate.files.close").outcome == "ok"
+        report = engine.simulate_restore(kind="resume")  # as the control socket does
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+        assert not ended.is_set(), "the late pass is still in big.idx's on_change"
+        assert (a.suspended, big.suspended, b.suspended) == (False, False, True)
+        assert a.readline() == "a\n" and big.readline() == "new content\n"
+    finally:
+        late.release.set()
+    assert ended.wait(20)
+    assert errors[-1] is None, errors
+    assert engine.status().state == "ready"
+    assert (b.suspended, b.readline()) == (False, "b\n")
+
+
+def test_a_resume_in_the_moment_the_stopped_late_pass_ends_is_reopened(
+        short_reopen, tmp_path: Path) -> None:
+    """The late pass stopped at a snapshot with no run after it yet (nothing owed), and
+    a resume came before its thread had ended: HookStillRunning, and every handle stayed
+    closed (degraded) until the next restore or resume."""
+    engine, ended, errors = short_reopen
+    mgr = files.manager(engine)
+    inner = mgr._after_restore
+    hold = threading.Event()
+
+    def after_restore(ctx):  # the pass is done; its thread has not ended yet
+        try:
+            inner(ctx)
+        finally:
+            hold.wait(30)
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    big, b = late.handles
+    try:
+        late.restore_into_the_late_pass()
+        assert engine.simulate_snapshot().ok
+        late.release.set()
+        assert ended.wait(20)
+        assert isinstance(errors[-1], files.ReopenFailed), errors  # stopped, nothing owed
+        report = engine.simulate_restore(kind="resume")
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+        assert engine.status().state == "ready"
+        assert (big.suspended, b.suspended, b.readline()) == (False, False, "b\n")
+    finally:
+        late.release.set()
+        hold.set()
+
+
 @pytest.mark.parametrize(("bad", "error", "shown"), [
     (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
     ("10", TypeError, "not str")])
