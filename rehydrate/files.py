@@ -1683,6 +1683,8 @@ class FilesManager:
         if report.ok or not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
                                 for r in report.hooks):
             return
+        if getattr(engine, "snapshot_pending", False):
+            return  # a newer before-snapshot pass: a handle reopened now is in its image
         with self._lock:
             passes = self._snapshot_passes
             if self._reopened_at == passes:
