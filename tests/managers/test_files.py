@@ -1081,6 +1081,35 @@ def test_a_resume_in_the_moment_the_stopped_late_pass_ends_is_reopened(
         hold.set()
 
 
+def test_no_reopen_for_a_run_while_a_newer_snapshot_is_pending(short_reopen,
+                                                              tmp_path: Path) -> None:
+    """A run's report that found the reopen hook still running, handed over while a
+    newer before-snapshot pass is pending (its checkpoint to come): reopening for that
+    run then would put the descriptors in the image."""
+    from types import SimpleNamespace
+
+    from rehydrate._context import HookStillRunning
+
+    engine, ended, errors = short_reopen
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    big, b = late.handles
+    try:
+        late.restore_into_the_late_pass()
+        assert engine.simulate_snapshot().ok
+        late.release.set()
+        assert ended.wait(20)
+        assert isinstance(errors[-1], files.ReopenFailed), errors
+        assert engine.snapshot_pending
+        stale_run = SimpleNamespace(kind="resume", ok=False, hooks=[SimpleNamespace(
+            name="rehydrate.files.reopen", error=HookStillRunning("still running"))])
+        files.manager(engine)._on_report(stale_run)  # type: ignore[arg-type]
+        assert big.suspended and b.suspended, "nothing reopened into the image"
+    finally:
+        late.release.set()
+    assert engine.simulate_restore(kind="resume").ok
+    assert (big.suspended, b.suspended, b.readline()) == (False, False, "b\n")
+
+
 @pytest.mark.parametrize(("bad", "error", "shown"), [
     (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
     ("10", TypeError, "not str")])
