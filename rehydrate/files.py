@@ -227,11 +227,12 @@ class _Handle:
     def _open_now(self, same: bool) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _suspend(self) -> None:
-        """Before a snapshot: close, remembering what was closed."""
+    def _suspend(self) -> bool:
+        """Before a snapshot: close, remembering what was closed; True when this call
+        closed it (a ``SnapshotRefused`` raised with it closed anyway closed it too)."""
         with self._lock:
             if self._closed_by_user or self._suspended:
-                return
+                return False
             failed: Exception | None = None
             try:
                 self._close_now()
@@ -266,6 +267,7 @@ class _Handle:
             if failed is not None:
                 raise SnapshotRefused(f"managed {self._kind} {self.path} could not be closed: "
                                       f"{type(failed).__name__}: {failed}") from failed
+            return True
 
     def _is_closed(self) -> bool:
         """After a failed ``_close_now``: True when the underlying object is closed anyway."""
@@ -596,6 +598,75 @@ def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
             [(schema, file) for schema, file in attached if file] if with_files else [])
 
 
+@contextlib.contextmanager
+def _own_statements(internal: threading.local) -> Iterator[None]:
+    """rehydrate's own statements on this thread: the application's authorizer,
+    progress handler and trace callback pass over them (see :func:`_quiet_callback`)."""
+    before = getattr(internal, "active", False)
+    internal.active = True
+    try:
+        yield
+    finally:
+        internal.active = before
+
+
+def _quiet_callback(method: str, fn: Callable[..., Any],
+                    internal: threading.local) -> Callable[..., Any]:
+    """``fn`` (an authorizer, progress handler or trace callback), passed over for the
+    statements rehydrate runs itself (SQLite calls it on the thread running the
+    statement, so another thread's statements meanwhile are still checked)."""
+    if method == "set_authorizer":
+        import sqlite3
+
+        allow = sqlite3.SQLITE_OK
+
+        def authorizer(*args: Any) -> Any:
+            return allow if getattr(internal, "active", False) else fn(*args)
+        return authorizer
+    if method == "set_progress_handler":
+        def progress() -> Any:
+            return 0 if getattr(internal, "active", False) else fn()
+        return progress
+
+    def trace(statement: str) -> None:
+        if not getattr(internal, "active", False):
+            fn(statement)
+    return trace
+
+
+_CALLBACK_ARGS = {"set_authorizer": "authorizer_callback",
+                  "set_progress_handler": "progress_handler",
+                  "set_trace_callback": "trace_callback"}
+"""The connection methods whose callback rehydrate's own statements pass over, and the
+keyword name of that callback."""
+
+
+def _quiet_factory(base: Any, internal: threading.local) -> Any:
+    """A subclass of the connection class ``base`` whose callbacks, however they are set
+    (through the handle, in ``on_connect``, on a kept reference), pass over rehydrate's
+    own statements; None when ``base`` is not a class that can be subclassed so."""
+    import sqlite3
+
+    if not (isinstance(base, type) and issubclass(base, sqlite3.Connection)):
+        return None
+
+    def quiet(method: str) -> Callable[..., None]:
+        keyword = _CALLBACK_ARGS[method]
+
+        def setter(self: sqlite3.Connection, *args: Any, **kwargs: Any) -> None:
+            if args and args[0] is not None:
+                args = (_quiet_callback(method, args[0], internal), *args[1:])
+            elif kwargs.get(keyword) is not None:
+                kwargs[keyword] = _quiet_callback(method, kwargs[keyword], internal)
+            getattr(base, method)(self, *args, **kwargs)
+        setter.__name__ = method
+        return setter
+
+    return type(base.__name__, (base,), {
+        "__module__": base.__module__, "_rehydrate_quiet": True,
+        **{method: quiet(method) for method in _CALLBACK_ARGS}})
+
+
 class ManagedConnection(_Handle):
     """A ``sqlite3`` connection closed before a snapshot and reopened after.
 
@@ -615,9 +686,10 @@ class ManagedConnection(_Handle):
     that ``on_connect`` did not make, or rows in a ``TEMP`` table or in-memory database
     it made (they would be lost; SQLite's own ``sqlite_*`` tables do not count).
     rehydrate's own statements pass over the authorizer, progress handler and trace
-    callback set through the handle (on its own thread only: they still check and see
-    every other thread's statements). ``with handle:`` is the connection's transaction
-    context. Cursors do not outlive a snapshot.
+    callback, whether set through the handle, in ``on_connect`` or on any reference to
+    the connection (on rehydrate's own thread only: they still check and see every other
+    thread's statements). ``with handle:`` is the connection's transaction context.
+    Cursors do not outlive a snapshot.
     """
 
     _kind = "sqlite"
@@ -633,6 +705,15 @@ class ManagedConnection(_Handle):
         super().__init__(path, engine, on_change, required)
         # rehydrate closes and reopens the connection from its hook thread.
         connect_kwargs["check_same_thread"] = False
+        internal = threading.local()
+        import sqlite3
+
+        # The connection's own class makes the callbacks pass over rehydrate's statements:
+        # an authorizer on_connect set on the connection it was given refused the
+        # PRAGMA and sqlite_master reads of every open, close and reopen.
+        quiet = _quiet_factory(connect_kwargs.get("factory", sqlite3.Connection), internal)
+        if quiet is not None:
+            connect_kwargs["factory"] = quiet
         object.__setattr__(self, "_kwargs", connect_kwargs)
         object.__setattr__(self, "_on_connect", on_connect)
         object.__setattr__(self, "_attrs", {})
@@ -641,7 +722,7 @@ class ManagedConnection(_Handle):
         object.__setattr__(self, "_attached", [])
         object.__setattr__(self, "_attach_args", {})
         object.__setattr__(self, "_made", (frozenset(), frozenset(), []))
-        object.__setattr__(self, "_internal", threading.local())
+        object.__setattr__(self, "_internal", internal)
         object.__setattr__(self, "_conn", self._connect())
         self._register()
 
@@ -685,18 +766,20 @@ class ManagedConnection(_Handle):
             # it, a saved query_only=ON failed its migration and foreign_keys=ON made a
             # table rebuild cascade deletes. A saved value is set after it unless
             # on_connect changed that PRAGMA (the restored clone's configuration wins).
-            defaults = _pragma_values(conn) if self._pragmas else {}
+            with _own_statements(self._internal):
+                defaults = _pragma_values(conn) if self._pragmas else {}
             if self._on_connect is not None:
                 self._on_connect(conn)
-            if self._pragmas:
-                now = _pragma_values(conn)
-                for name, value in self._pragmas.items():
-                    if now.get(name) == defaults.get(name) and now.get(name) != value:
-                        conn.execute(f"PRAGMA {name} = {int(value)}")  # ours; ints
-            # What on_connect made lives in every connection it makes: only what was added
-            # after it would be lost at a close.
-            made = _connection_state(conn)
-            self._restore_session(conn)
+            with _own_statements(self._internal):
+                if self._pragmas:
+                    now = _pragma_values(conn)
+                    for name, value in self._pragmas.items():
+                        if now.get(name) == defaults.get(name) and now.get(name) != value:
+                            conn.execute(f"PRAGMA {name} = {int(value)}")  # ours; ints
+                # What on_connect made lives in every connection it makes: only what was
+                # added after it would be lost at a close.
+                made = _connection_state(conn)
+                self._restore_session(conn)
         except BaseException:
             conn.close()  # not half made: the handle stays suspended, nothing held open
             raise
@@ -705,8 +788,8 @@ class ManagedConnection(_Handle):
 
     def _restore_session(self, conn: sqlite3.Connection) -> None:
         """What the closed connection had beyond its file and PRAGMAs: ATTACHes, then the
-        registrations (last: an authorizer could refuse the ATTACH statements, a trace
-        callback would see them)."""
+        registrations (last: an authorizer of a connection class rehydrate could not
+        derive from could refuse the ATTACH statements, a trace callback would see them)."""
         present = {row[1] for row in _rows(conn, "PRAGMA database_list")}
         for schema, file, target in self._attached:
             if schema in present:
@@ -748,14 +831,12 @@ class ManagedConnection(_Handle):
         one; None for any other statement, or when they cannot be read."""
         if _ATTACH_WORD.search(sql) is None:
             return None
-        self._internal.active = True  # the application's authorizer may deny the PRAGMA
         try:
-            return frozenset(str(row[1]).lower()
-                             for row in _rows(self._conn, "PRAGMA database_list"))
+            with _own_statements(self._internal):  # the app's authorizer may deny the PRAGMA
+                return frozenset(str(row[1]).lower()
+                                 for row in _rows(self._conn, "PRAGMA database_list"))
         except Exception:  # not known (a closed connection): nothing is noted
             return None
-        finally:
-            self._internal.active = False
 
     def _note_attach(self, sql: str, parameters: Any, before: frozenset[str] | None) -> None:
         """After ``sql``: the URI of each schema it attached, as its ``ATTACH`` named it
@@ -774,34 +855,13 @@ class ManagedConnection(_Handle):
                     arg if isinstance(arg, str) and arg[:5].lower() == "file:" else None)
 
     def _record(self, key: tuple[Any, ...], method: str, *args: Any, **kwargs: Any) -> None:
-        if key in _QUIET and args[0] is not None:
-            args = (self._unless_internal(method, args[0]), *args[1:])
+        # The connection's own class wraps the callback (a factory that is not a
+        # sqlite3.Connection subclass: wrapped here, for the calls made through the handle).
+        if (key in _QUIET and args[0] is not None
+                and not getattr(self._conn, "_rehydrate_quiet", False)):
+            args = (_quiet_callback(method, args[0], self._internal), *args[1:])
         getattr(self._conn, method)(*args, **kwargs)
         self._calls[key] = (method, args, kwargs)
-
-    def _unless_internal(self, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (an authorizer, progress handler or trace callback), passed over for the
-        statements rehydrate runs itself (SQLite calls it on the thread running the
-        statement)."""
-        internal = self._internal
-
-        if method == "set_authorizer":
-            import sqlite3
-
-            allow = sqlite3.SQLITE_OK
-
-            def authorizer(*args: Any) -> Any:
-                return allow if getattr(internal, "active", False) else fn(*args)
-            return authorizer
-        if method == "set_progress_handler":
-            def progress() -> Any:
-                return 0 if getattr(internal, "active", False) else fn()
-            return progress
-
-        def trace(statement: str) -> None:
-            if not getattr(internal, "active", False):
-                fn(statement)
-        return trace
 
     def create_function(self, name: str, narg: int, func: Callable[..., Any] | None, *,
                         deterministic: bool = False) -> None:
@@ -850,8 +910,7 @@ class ManagedConnection(_Handle):
         # authorizer that denies reading sqlite_master refused every snapshot, and a
         # trace callback saw them. Passed over on this thread only: cleared on the
         # connection, they let another thread's statements through unchecked meanwhile.
-        self._internal.active = True
-        try:
+        with _own_statements(self._internal):
             temp, memory, files_ = _connection_state(conn, with_files=True)
             made_temp, made_memory, _ = self._made
             # What on_connect made is made again by it, empty: a view, trigger or index
@@ -874,8 +933,6 @@ class ManagedConnection(_Handle):
             # attached database's too: no schema named).
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             conn.close()
-        finally:
-            self._internal.active = False
         object.__setattr__(self, "_pragmas", pragmas)
         object.__setattr__(self, "_attached", [
             (schema, file, self._attach_target(schema, file)) for schema, file in files_])
@@ -1326,6 +1383,15 @@ class FilesManager:
         self._reopened_at: int | None = None
         """``_snapshot_passes`` when the last reopen pass reopened every handle (None: one
         is running, or the last failed or stopped)."""
+        self._pass_running = False
+        """A reopen pass is running and has not given up: a restore or resume run that
+        finds it still running (HookStillRunning) is left to it."""
+        self._closed_by: tuple[int, list[weakref.ref[_Handle]]] = (0, [])
+        """The handles the latest before-snapshot pass closed (they were open), and that
+        pass's number."""
+        self._refused_at: int | None = None
+        """``_snapshot_passes`` of the latest before-snapshot pass that was refused (by any
+        hook) after closing the handles."""
         self.proc = "/proc"
         """Where ``self/fd`` and ``self/mountinfo`` are read (tests point it at a fake tree)."""
         self._hooked = False
@@ -1491,6 +1557,8 @@ class FilesManager:
     def _before_snapshot(self) -> None:
         with self._lock:
             self._snapshot_passes += 1
+            passes = self._snapshot_passes
+        closed: list[weakref.ref[_Handle]] = []
         errors: list[Exception] = []
         for vol in self.volumes():
             try:
@@ -1500,9 +1568,14 @@ class FilesManager:
                                               f"{type(exc).__name__}: {exc}"))
         for h in reversed(self.handles()):
             try:
-                h._suspend()
+                if h._suspend():
+                    closed.append(weakref.ref(h))
             except Exception as exc:
+                if h._suspended:  # closed all the same
+                    closed.append(weakref.ref(h))
                 errors.append(exc)
+        with self._lock:
+            self._closed_by = (passes, closed)
         if len(errors) == 1:
             raise errors[0]
         if errors:
@@ -1511,6 +1584,15 @@ class FilesManager:
                 for e in errors))
 
     def _after_restore(self, ctx: RestoreContext) -> None:
+        with self._lock:
+            self._pass_running = True
+        try:
+            self._reopen_pass(ctx)
+        finally:
+            with self._lock:
+                self._pass_running = False
+
+    def _reopen_pass(self, ctx: RestoreContext) -> None:
         on_behalf = False
         while True:
             began = time.monotonic()
@@ -1525,7 +1607,7 @@ class FilesManager:
                 return self._snapshot_passes != passes
 
             try:
-                self._reopen_all(ctx, stale)
+                self._reopen_all(ctx.kind, stale)
                 with self._lock:
                     # Checked again once every handle is done: a snapshot that began
                     # inside the last handle's on_change closed handles this pass had
@@ -1543,7 +1625,13 @@ class FilesManager:
                 # run may have been mended with its handles closed; reopened for it below.
             except _PassStopped:
                 pass
-            if not self._owed():
+            with self._lock:
+                # Decided under the lock _on_report takes: a run that began after this
+                # finds the pass given up and reopens for itself; one before it is owed.
+                owed = self._owed()
+                if not owed:
+                    self._pass_running = False
+            if not owed:
                 log.info("rehydrate.files.reopen: a snapshot began while this reopen pass "
                          "ran late: stopped; the next restore or resume reopens the handles "
                          "left")
@@ -1574,21 +1662,81 @@ class FilesManager:
 
     def _on_report(self, report: Report) -> None:
         """A restore or resume run that found the reopen pass still running
-        (HookStillRunning) and ended after that pass reopened every handle, with no
-        snapshot since: mended (the pass's own :meth:`_recovered` ran while that run was
-        still going, before the run had failed the hook, or before it ended)."""
+        (HookStillRunning), with no snapshot since: when that pass reopened every handle,
+        mended (the pass's own :meth:`_recovered` ran while that run was still going,
+        before the run had failed the hook, or before it ended); when it had given up
+        (stopped by a snapshot, its thread not ended yet), every handle is reopened here
+        for that run; when it is still running and the snapshot before that run was
+        refused, the handles that snapshot closed are reopened here at once (they were
+        open before it; the pass reopens the rest when it is done)."""
         from ._context import HookStillRunning
 
         hook, engine = self._reopen_hook, self._engine()
-        if hook is None or engine is None or report.kind == "snapshot" or report.ok:
+        if hook is None or engine is None:
             return
-        if not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
-                   for r in report.hooks):
+        if report.kind == "snapshot":
+            if not report.ok and any(r.name == "rehydrate.files.close"
+                                     for r in report.hooks):
+                with self._lock:
+                    self._refused_at = self._snapshot_passes
             return
+        if report.ok or not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
+                                for r in report.hooks):
+            return
+        if getattr(engine, "snapshot_pending", False):
+            return  # a newer before-snapshot pass: a handle reopened now is in its image
         with self._lock:
-            if self._reopened_at != self._snapshot_passes:
-                return
-        engine.recovered(hook)
+            passes = self._snapshot_passes
+            if self._reopened_at == passes:
+                mend: str | None = "recovered"
+            elif not self._pass_running:
+                mend = "all"
+            elif self._refused_at == passes and self._closed_by[0] == passes:
+                mend = "refused"
+            else:
+                mend = None  # the pass reopens for this run when it is done
+            closed = [h for h in (r() for r in self._closed_by[1]) if h is not None]
+        if mend == "recovered":
+            engine.recovered(hook)
+        elif mend is not None:
+            self._reopen_for(report, engine, hook, passes,
+                             None if mend == "all" else closed)
+
+    def _reopen_for(self, report: Report, engine: Engine, hook: Hook, passes: int,
+                    handles: list[_Handle] | None) -> None:
+        """Reopen for the run of ``report``, whose reopen hook could not start: ``handles``
+        (None: every volume and handle, then the hook's failure in that run mended). In a
+        thread of its own, waited for as long as the hook's timeout: an ``on_change`` does
+        not hold the caller (the control socket's reply) for ever."""
+
+        def stale() -> bool:
+            return self._snapshot_passes != passes
+
+        def run() -> None:
+            try:
+                if handles is not None:
+                    for h in handles:
+                        h._resume(False, stale)
+                    log.info("rehydrate.files.reopen: the refused snapshot's %d closed "
+                             "handle(s) reopened for the %s; the late reopen pass reopens "
+                             "the rest when it is done", len(handles), report.kind)
+                    return
+                self._reopen_all(report.kind, stale)
+                with self._lock:
+                    if stale():
+                        return
+                    self._reopened_at = passes
+                engine.recovered(hook)
+            except _PassStopped:
+                pass  # a snapshot began: its own resume or restore reopens them
+            except Exception as exc:
+                log.warning("rehydrate.files.reopen: reopening for the %s that found the "
+                            "reopen pass still running failed: %s: %s", report.kind,
+                            type(exc).__name__, exc)
+
+        worker = threading.Thread(target=run, name="rehydrate-files-reopen", daemon=True)
+        worker.start()
+        worker.join(self._reopen_timeout)
 
     @staticmethod
     def _recovered(engine: Engine, hook: Hook, began: float) -> None:
@@ -1615,7 +1763,7 @@ class FilesManager:
                for r in last.hooks):
             engine.recovered(hook)
 
-    def _reopen_all(self, ctx: RestoreContext, stale: Callable[[], bool]) -> None:
+    def _reopen_all(self, kind: str, stale: Callable[[], bool]) -> None:
         changed_volumes: list[Volume] = []
         failures: list[str] = []
         gone: list[str] = []
@@ -1645,7 +1793,7 @@ class FilesManager:
                     failures.append(msg)
                 else:
                     log.warning("optional managed %s not reopened after %s: %s", h._kind,
-                                ctx.kind, msg)
+                                kind, msg)
         if failures:
             text = "; ".join(failures)
             raise FileGone(text) if len(gone) == len(failures) else ReopenFailed(text)
@@ -1755,6 +1903,13 @@ def sqlite(
     connection is made with ``check_same_thread=False`` (rehydrate closes it from its own
     thread). A volume must have one writer at a time: host and sandbox writing together
     corrupt SQLite, snapshot or not. ``reopen_timeout``: see :func:`volume`.
+
+    ``on_connect(conn)`` runs for every new connection: set there every ``PRAGMA`` other
+    than ``foreign_keys``, ``recursive_triggers``, ``query_only`` and ``busy_timeout``
+    (``synchronous``, ``cache_size`` …) and load extensions there — the connection is
+    made again at every snapshot, and those are lost with the old one. ``factory``, when
+    given, must be a ``sqlite3.Connection`` subclass for callbacks set outside the handle
+    to pass over rehydrate's own statements (see :class:`ManagedConnection`).
     """
     ask = _reopen_seconds(reopen_timeout)
     conn = ManagedConnection(path, engine=engine, on_change=on_change, required=required,

@@ -1013,6 +1013,103 @@ def test_a_run_that_fails_the_hook_after_the_late_pass_mended_is_mended_at_its_e
     assert not a.suspended
 
 
+def test_a_snapshot_refused_during_a_late_pass_leaves_the_handles_it_closed_open(
+        short_reopen, tmp_path: Path) -> None:
+    """A before-snapshot pass refused (by another hook) while a late reopen pass was in
+    a slow on_change: the resume after it found the pass still running and reopened
+    nothing, so the handles that were open before the refused snapshot stayed closed
+    until that on_change returned (for good, were it hung)."""
+    engine, ended, errors = short_reopen
+    late = _slow_change(engine, tmp_path, "a.txt", "big.idx", "b.txt")
+    a, big, b = late.handles
+
+    def refuse() -> None:
+        raise RuntimeError("not now")
+
+    try:
+        late.restore_into_the_late_pass()  # a.txt and big.idx open, b.txt not yet
+        engine.registry.register(refuse, event="snapshot", phase="environment",
+                                 name="app.refuse")
+        snap = engine.simulate_snapshot()
+        assert not snap.ok and _hook(snap, "rehydrate.files.close").outcome == "ok"
+        report = engine.simulate_restore(kind="resume")  # as the control socket does
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+        assert not ended.is_set(), "the late pass is still in big.idx's on_change"
+        assert (a.suspended, big.suspended, b.suspended) == (False, False, True)
+        assert a.readline() == "a\n" and big.readline() == "new content\n"
+    finally:
+        late.release.set()
+    assert ended.wait(20)
+    assert errors[-1] is None, errors
+    assert engine.status().state == "ready"
+    assert (b.suspended, b.readline()) == (False, "b\n")
+
+
+def test_a_resume_in_the_moment_the_stopped_late_pass_ends_is_reopened(
+        short_reopen, tmp_path: Path) -> None:
+    """The late pass stopped at a snapshot with no run after it yet (nothing owed), and
+    a resume came before its thread had ended: HookStillRunning, and every handle stayed
+    closed (degraded) until the next restore or resume."""
+    engine, ended, errors = short_reopen
+    mgr = files.manager(engine)
+    inner = mgr._after_restore
+    hold = threading.Event()
+
+    def after_restore(ctx):  # the pass is done; its thread has not ended yet
+        try:
+            inner(ctx)
+        finally:
+            hold.wait(30)
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    big, b = late.handles
+    try:
+        late.restore_into_the_late_pass()
+        assert engine.simulate_snapshot().ok
+        late.release.set()
+        assert ended.wait(20)
+        assert isinstance(errors[-1], files.ReopenFailed), errors  # stopped, nothing owed
+        report = engine.simulate_restore(kind="resume")
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+        assert engine.status().state == "ready"
+        assert (big.suspended, b.suspended, b.readline()) == (False, False, "b\n")
+    finally:
+        late.release.set()
+        hold.set()
+
+
+def test_no_reopen_for_a_run_while_a_newer_snapshot_is_pending(short_reopen,
+                                                              tmp_path: Path) -> None:
+    """A run's report that found the reopen hook still running, handed over while a
+    newer before-snapshot pass is pending (its checkpoint to come): reopening for that
+    run then would put the descriptors in the image."""
+    from types import SimpleNamespace
+
+    from rehydrate._context import HookStillRunning
+
+    engine, ended, errors = short_reopen
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    big, b = late.handles
+    try:
+        late.restore_into_the_late_pass()
+        assert engine.simulate_snapshot().ok
+        late.release.set()
+        assert ended.wait(20)
+        assert isinstance(errors[-1], files.ReopenFailed), errors
+        assert engine.snapshot_pending
+        stale_run = SimpleNamespace(kind="resume", ok=False, hooks=[SimpleNamespace(
+            name="rehydrate.files.reopen", error=HookStillRunning("still running"))])
+        files.manager(engine)._on_report(stale_run)  # type: ignore[arg-type]
+        assert big.suspended and b.suspended, "nothing reopened into the image"
+    finally:
+        late.release.set()
+    assert engine.simulate_restore(kind="resume").ok
+    assert (big.suspended, b.suspended, b.readline()) == (False, False, "b\n")
+
+
 @pytest.mark.parametrize(("bad", "error", "shown"), [
     (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
     ("10", TypeError, "not str")])
@@ -1685,3 +1782,57 @@ def test_a_volume_through_a_symlink_covers_handles_opened_by_the_real_path(
     assert engine.simulate_restore().ok
     assert (vol.changed, by_real.changed, by_link.changed) == (True, True, True)
     assert vol.contains(str(real / "a.txt")) and not vol.contains(str(tmp_path / "a.txt"))
+
+
+@pytest.mark.parametrize("factory", [None, "subclass"])
+def test_sqlite_callbacks_set_in_on_connect_pass_over_rehydrates_statements(
+        engine, tmp_path: Path, factory: str | None) -> None:
+    """An authorizer on_connect set on the connection it was given applied to
+    rehydrate's own statements: its PRAGMA and sqlite_master reads failed the first
+    open, and every close and reopen (the ATTACH made again too)."""
+    with sqlite3.connect(tmp_path / "ref.db") as c:
+        c.execute("CREATE TABLE r (x)")
+    c.close()
+    strict = {"on": False}
+    denied: list[object] = []
+    seen: list[str] = []
+
+    def authorizer(action, arg1, arg2, dbname, source):
+        if strict["on"] and (action in (sqlite3.SQLITE_PRAGMA, sqlite3.SQLITE_ATTACH)
+                             or (action == sqlite3.SQLITE_READ
+                                 and arg1 not in ("items", "r"))):
+            denied.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS items (x)")
+        conn.set_authorizer(authorizer)
+        conn.set_trace_callback(seen.append)
+        conn.set_progress_handler(lambda: 1 if strict["on"] else 0, 1)
+
+    class Mine(sqlite3.Connection):
+        pass
+
+    kwargs = {"factory": Mine} if factory else {}
+    strict["on"] = True
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect, **kwargs)
+    assert denied == [] and seen == []
+    strict["on"] = False
+    db.execute("ATTACH ? AS ref", (str(tmp_path / "ref.db"),))
+    strict["on"] = True
+    seen.clear()
+    for kind in ("resume", "restore"):
+        _snapshot_and_restore(engine, kind)
+    assert denied == [] and seen == [], "rehydrate's statements pass over the callbacks"
+    assert not db.suspended and isinstance(db._conn, Mine if factory else sqlite3.Connection)
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):
+        db.execute("SELECT count(*) FROM ref.r")  # the app's progress handler still on
+    strict["on"] = False
+    assert db.execute("SELECT count(*) FROM ref.r").fetchone() == (0,), "attached again"
+    strict["on"] = True
+    db.set_progress_handler(None, 1)
+    with pytest.raises(sqlite3.DatabaseError, match="prohibited|not authorized"):
+        db.execute("PRAGMA user_version")  # the app's authorizer still checks the app
+    assert denied == ["user_version"]
+    assert "SELECT count(*) FROM ref.r" in seen
