@@ -87,11 +87,17 @@ class Unconfirmed(ServerError):
     gateway's 502 / 504 for it: the server may have performed it, or may still be
     performing it — the caller checks the state instead where it can. A call without
     ``resend`` is not sent again after it; one with ``resend`` (harmless to repeat) was
-    sent again after a gateway's 502 / 504 until the deadline ended or a try was refused,
-    and this says an earlier try may have been performed all the same."""
+    sent again after a gateway's 502 / 504 until the deadline ended or a try was refused
+    (by an answer that does not say every try was refused alike: see
+    :meth:`ServerAdapter.call`), and this says an earlier try may have been performed all
+    the same."""
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+NOT_THERE = frozenset({404, 405, 501})
+"""No such endpoint or method (SGLang before the pause endpoints, vLLM without dev mode):
+an answer every try of the call would have got, so none of them was performed."""
 
 GATEWAY_LOST = frozenset({502, 504})
 """A gateway's answer for a request it may have passed on: its upstream timed out (504) or
@@ -485,6 +491,17 @@ class ServerAdapter:
                 f"{self.title}; give the adapter credentials the gateway accepts (api_key= "
                 f"is sent as a bearer token) or point url= at {self.title} itself", False)
 
+    @staticmethod
+    def _refused_any_try(response: httpx.Response, hint: str | None,
+                         access: tuple[str, bool] | None) -> bool:
+        """Whether a refusal would have met every try of the call alike, so that none was
+        performed: no such endpoint or method (:data:`NOT_THERE`), an answer :meth:`hint`
+        recognises (a setting the server lacks: vLLM's "Sleep mode is not enabled"), or the
+        server's own API-key check. A gateway's own refusal, or any other, says nothing of
+        an earlier try the server behind it got."""
+        return response.status_code in NOT_THERE or hint is not None or (
+            access is not None and access[1])
+
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
                    json: Any = None, resend: bool = False,
@@ -506,8 +523,10 @@ class ServerAdapter:
         "not passed on" for this call, retried like a 503 (SGLang's 502, see its
         adapter). A 4xx, or an answer :meth:`hint` recognises, fails at once — as
         :class:`Unconfirmed` when an earlier try got a 502 / 504 (``resend``): the refusal
-        does not undo that try. An authentication refusal says whose it is
-        (:meth:`refused_access`).
+        does not undo that try — unless it would have met that try too (no such endpoint
+        or method, an answer :meth:`hint` recognises, the server's own API-key 401): then
+        neither was performed, and it is a plain :class:`ServerError`. An authentication
+        refusal says whose it is (:meth:`refused_access`).
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
@@ -614,9 +633,14 @@ class ServerAdapter:
                     # Re-sent after a gateway's 502 / 504 (resend): a refusal now does not
                     # undo the earlier try, which may have been performed — read as never
                     # performed, a pause was forgotten and SGLang stayed paused for good.
-                    raise (Unconfirmed if lost else ServerError)(
+                    # Unless the refusal would have met that try as well: then it was not
+                    # performed either, and taken as maybe performed, SGLang without the
+                    # pause endpoints failed every snapshot and restore on one 502, and
+                    # vLLM without sleep mode held the snapshot for the whole deadline.
+                    maybe = lost and not self._refused_any_try(response, hint, access)
+                    raise (Unconfirmed if maybe else ServerError)(
                         message + ("; an earlier try got a gateway's 502 / 504: the server "
-                                   "may have performed it" if lost else ""),
+                                   "may have performed it" if maybe else ""),
                         reason=reason, status=response.status_code, answered=answered,
                         unforwarded=unforwarded)
             log.debug("%s %s: %s; retrying", self.kind, what, last)

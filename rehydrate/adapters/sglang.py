@@ -44,7 +44,8 @@ connection in time, or got a gateway's own 401 / 403 / 407 (not SGLang's answer:
 401 other than SGLang's ``{"error": "Unauthorized"}``), say nothing either way: the
 memory counts as still released, and whether the next release is sent stays as the
 resume before decided. A pause re-sent after a gateway's 502 / 504 and then refused
-still counts as performed: its continue stays owed.
+still counts as performed: its continue stays owed — unless the refusal would have met
+the first try too (a 404 / 405: no such endpoint; SGLang's own API-key 401).
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);

@@ -1076,6 +1076,46 @@ def test_a_refused_sleep_is_not_taken_as_maybe_performed(
     assert standin.log == ["GET /is_sleeping", "GET /v1/models", "POST /v1/completions"]
 
 
+@pytest.mark.parametrize("refusal", ["sleep mode", "no dev mode", "vLLM's 401"])
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_sleep_refused_for_every_try_after_a_gateways_502_or_504_fails_at_once(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any, refusal: str,
+        status: int) -> None:
+    """vLLM without --enable-sleep-mode behind a gateway: the first /sleep try got a
+    502, the re-sent one vLLM's "Sleep mode is not enabled" — an answer the first try
+    met too. Taken as "that try may have been performed", the snapshot failed only at
+    the deadline (after polling /is_sleeping throughout), with a false "the server may
+    have performed it", and flagged: the next wake of the awake engine woke the weights
+    and reloaded them (level 2). Likewise a 404 (no dev mode) and vLLM's own 401."""
+    standin = VLLMStandIn(sleep_mode=refusal != "sleep mode")
+    behind: Any = standin
+    if refusal == "no dev mode":
+        # a route table without /sleep (dev mode's endpoints): its 404
+        behind = EchoingGateway(lambda path, auth: (
+            (404, {"detail": "Not Found"}) if path == "/sleep" else None), behind=standin)
+    elif refusal == "vLLM's 401":
+        behind = EchoingGateway(lambda path, auth: (
+            (401, {"error": "Unauthorized"}) if path == "/sleep" else None), behind=standin)
+    server[1].app = LosingGateway(behind, {"/sleep"}, status=status, times=1,
+                                  performed=False)
+    adapter = vllm.install(url, engine=rehydrate_engine, level=2, deadline=30)
+    snap = rehydrate_engine.simulate_snapshot()
+    error = hook(snap, "rehydrate.vllm.sleep").error
+    assert type(error) is vllm.ServerError, error
+    # the re-sent try's refusal (the first got the gateway's answer), and nothing else
+    code = {"sleep mode": 500, "no dev mode": 404, "vLLM's 401": 401}[refusal]
+    assert str(error).startswith(f"vllm POST {url}/sleep: HTTP {code}: ")
+    assert "may have performed it" not in str(error)
+    assert hook(snap, "rehydrate.vllm.sleep").duration < 5  # not held until the deadline
+    assert standin.log.count("GET /is_sleeping") == 1
+    assert not adapter.sleep_unconfirmed
+    server[1].app = standin
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert standin.log == ["GET /is_sleeping", "GET /v1/models", "POST /v1/completions"]
+
+
 def test_a_refused_sleep_keeps_an_earlier_unconfirmed_one_owed(
         url: str, server: tuple[str, Switch], standin: VLLMStandIn,
         rehydrate_engine: Any) -> None:
