@@ -140,9 +140,8 @@ class VLLMAdapter(ServerAdapter):
         :meth:`ServerAdapter.call`): one that ended otherwise — unanswered, a gateway's
         502 / 504, an in-process sleep() past the deadline — may still be performed (a
         gateway's 504 while vLLM works on it, a worker thread that goes on), so the next
-        wake sends
-        wake_up even to an engine that says it is awake (the wake_up then runs after the
-        sleep)."""
+        wake sends wake_up even to an engine that says it is awake (the wake_up then runs
+        after the sleep)."""
 
     def __repr__(self) -> str:
         target = self.url or type(self.llm).__name__
