@@ -290,16 +290,44 @@ def redact(text: str, secrets: Iterable[str] = (), *, patterns: bool = True) -> 
 
 def request_secrets(response: httpx.Response) -> list[str]:
     """The credentials ``response``'s request carried: header values and their token part
-    (``Bearer sk-…`` gives both), so an answer quoting either can be redacted."""
+    (``Bearer sk-…`` gives both), and those of the environment's proxies
+    (:func:`proxy_secrets`), so an answer quoting any of them can be redacted."""
+    found = proxy_secrets()
     try:
         headers = response.request.headers
     except RuntimeError:  # a response built without a request
-        return []
-    found: list[str] = []
+        return found
     for name in _CREDENTIAL_HEADERS:
         for value in headers.get_list(name):
             found.append(value)
             found.extend(part for part in value.split()[1:] if len(part) >= 4)
+    return found
+
+
+def proxy_secrets() -> list[str]:
+    """The credentials in the proxy URLs of the environment (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``, read as httpx reads them): the user info as written
+    and decoded, the password (4+ characters) and the base64 token of httpx's
+    ``Proxy-Authorization: Basic …``. httpx sends that header on the proxy connection,
+    not among the request's headers, and a proxy's 407 quoting it — or the bare token,
+    which no pattern tells from a word — published the proxy's password."""
+    import base64
+    from urllib.parse import unquote, urlsplit
+    from urllib.request import getproxies
+
+    found: list[str] = []
+    for scheme, value in getproxies().items():
+        if scheme == "no" or not value:
+            continue
+        netloc = urlsplit(value if "://" in value else f"http://{value}").netloc
+        userinfo, at, _ = netloc.rpartition("@")
+        if not at or not userinfo:
+            continue
+        user, _, password = userinfo.partition(":")
+        decoded = f"{unquote(user)}:{unquote(password)}"
+        found += [userinfo, decoded,
+                  base64.b64encode(decoded.encode("utf-8")).decode("ascii")]
+        found += [p for p in (password, unquote(password)) if len(p) >= 4]
     return found
 
 

@@ -31,6 +31,7 @@ from tests.inference_standins import (
     SlowSleepLLM,
     SlowUpstream,
     VLLMStandIn,
+    _json,
     trickling,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
@@ -781,6 +782,50 @@ def test_a_loopback_server_is_called_directly_despite_an_egress_proxy(
     for local in ("http://localhost:8000", "http://[::1]:8000", "http://127.8.9.10",
                   "http://api.localhost:1"):
         assert not vllm.VLLMAdapter(local).client().trust_env, local
+
+
+PROXY_USER, PROXY_PASSWORD = "alice", "hunter2@pw"
+PROXY_TOKEN = "YWxpY2U6aHVudGVyMkBwdw=="  # base64 of alice:hunter2@pw
+
+
+@pytest.mark.parametrize("quote", [
+    lambda header: f"credentials {header.split()[-1]} rejected",  # the bare token
+    lambda header: f"got Proxy-Authorization: {header}",
+    lambda header: f"user {PROXY_USER}:{PROXY_PASSWORD} unknown",
+    lambda header: f"password {PROXY_PASSWORD} expired",
+    lambda header: "password hunter2%40pw expired",  # as written in the proxy URL
+], ids=["bare token", "header", "user info", "password", "password as written"])
+def test_a_proxys_credentials_are_shown_nowhere(
+        server: tuple[str, Switch], monkeypatch: Any, caplog: pytest.LogCaptureFixture,
+        quote: Any) -> None:
+    """HTTP_PROXY with credentials, and a proxy whose 407 quotes them: httpx sends them
+    as a Proxy-Authorization header of the proxy connection, which the request's own
+    headers do not show, and the bare base64 token looks like no credential — the error
+    line carried the proxy's password, base64-encoded."""
+    seen: list[str] = []
+
+    async def proxy(scope: Any, receive: Any, send: Any) -> None:
+        header = dict(scope["headers"]).get(b"proxy-authorization", b"").decode()
+        seen.append(header)
+        await _json(send, 407, {"message": quote(header)})
+
+    server[1].app = proxy
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                 "all_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", server[0].replace(
+        "http://", f"http://{PROXY_USER}:hunter2%40pw@"))
+    adapter = vllm.VLLMAdapter("http://vllm.internal.example:8000", deadline=0.5,
+                               canary=False)
+    with caplog.at_level(logging.DEBUG), pytest.raises(vllm.ServerError) as exc:
+        adapter.sleep()
+    assert seen and seen[0] == f"Basic {PROXY_TOKEN}"  # what the proxy could quote
+    message = str(exc.value)
+    assert "HTTP 407 from a proxy between this process and vLLM" in message
+    assert "[redacted]" in message
+    for shown in (message, *caplog.messages):
+        for secret in (PROXY_TOKEN, PROXY_PASSWORD, "hunter2%40pw", "hunter2"):
+            assert secret not in shown, shown
 
 
 def stalling_app(status: int, size: int) -> Any:
