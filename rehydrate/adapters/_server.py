@@ -496,13 +496,18 @@ class ServerAdapter:
         """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
         return None
 
-    def refused_access(self, response: httpx.Response) -> tuple[str, bool] | None:
-        """For an authentication refusal (401, 403, 407): what the error says after
-        ``HTTP <status>``, and whether the server itself gave it. The server's own is its
-        ``--api-key`` check's 401 ``{"error": "Unauthorized"}`` (vLLM's and SGLang's
-        middleware); a 407, or a 401 / 403 with any other body, is a proxy's or gateway's
-        own answer — the call never reached the server, and the answer says nothing of
-        its state."""
+    def key_fix(self, path: str) -> str:
+        """What to do about the server's own refusal of the API key on ``path``."""
+        return "pass api_key= matching its --api-key"
+
+    def refused_access(self, path: str,
+                       response: httpx.Response) -> tuple[str, bool] | None:
+        """For an authentication refusal (401, 403, 407) of ``path``: what the error says
+        after ``HTTP <status>``, and whether the server itself gave it. The server's own is
+        its ``--api-key`` check's 401 ``{"error": "Unauthorized"}`` (vLLM's and SGLang's
+        middleware; the fix: :meth:`key_fix`); a 407, or a 401 / 403 with any other body,
+        is a proxy's or gateway's own answer — the call never reached the server, and the
+        answer says nothing of its state."""
         status = response.status_code
         if status == 407:
             return (f" from a proxy between this process and {self.title}, not {self.title}"
@@ -512,8 +517,8 @@ class ServerAdapter:
         if status not in (401, 403):
             return None
         if status == 401 and json_or_empty(response).get("error") == "Unauthorized":
-            return (f": Unauthorized — {self.title} refused the API key: pass api_key= "
-                    f"matching its --api-key", True)
+            return (f": Unauthorized — {self.title} refused the API key: "
+                    f"{self.key_fix(path)}", True)
         return (f" from a gateway in front of {self.title}, not {self.title} (its own "
                 f"authentication: {server_reason(response)}) — the call did not reach "
                 f"{self.title}; give the adapter credentials the gateway accepts (api_key= "
@@ -635,7 +640,7 @@ class ServerAdapter:
                 refused = False
                 passed_over = unsent is not None and unsent(response, reason)
                 not_sent = passed_over or gateway_unforwarded(response.status_code, reason)
-                access = self.refused_access(response)
+                access = self.refused_access(path, response)
                 # a gateway's own refusal is not the server's answer, and not a "did not
                 # pass it on" that says the server may be gone either
                 answered = answered or (not not_sent and (access is None or access[1]))

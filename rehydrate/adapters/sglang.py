@@ -345,6 +345,15 @@ class SGLangAdapter(ServerAdapter):
                      self.url, exc.status)
         self.paused = False
 
+    def key_fix(self, path: str) -> str:
+        if path not in ADMIN_OPTIONAL:
+            return super().key_fix(path)
+        # With --admin-api-key set, SGLang takes only that key on these endpoints: the
+        # --api-key that works for generation is refused, and "pass api_key= matching
+        # its --api-key" sent the user to the key already passed.
+        return ("pass api_key= matching its --admin-api-key if it has one (SGLang then "
+                "takes only that key on its memory and pause endpoints), else its --api-key")
+
     release = sync_variant(release_async)
     resume = sync_variant(resume_async)
     before_snapshot = release_async
@@ -409,6 +418,14 @@ def _is_json(response: httpx.Response) -> bool:
     except ValueError:  # also an empty body
         return False
     return True
+
+
+ADMIN_OPTIONAL = frozenset({"/pause_generation", "/continue_generation",
+                            "/release_memory_occupation", "/resume_memory_occupation"})
+"""The endpoints the adapter calls that SGLang marks ``AuthLevel.ADMIN_OPTIONAL`` (its
+``srt/utils/auth.py``): with ``--admin-api-key`` set only that key opens them, with only
+``--api-key`` that one. ``/server_info`` takes the ``--api-key``, ``/health_generate``
+none; SGLang answers a refused key with 401 ``{"error": "Unauthorized"}``."""
 
 
 MISSING = frozenset({404, 405})

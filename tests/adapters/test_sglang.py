@@ -880,7 +880,8 @@ def test_a_failed_confirmation_of_an_unanswered_resume_is_chained_to_it(
      "with NO_PROXY"),
     (401, {"error": "Unauthorized"},  # SGLang's own --api-key middleware
      "HTTP 401: Unauthorized — SGLang refused the API key: pass api_key= matching its "
-     "--api-key"),
+     "--admin-api-key if it has one (SGLang then takes only that key on its memory and "
+     "pause endpoints), else its --api-key"),
 ])
 def test_an_authentication_refusal_says_whose_it_is(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn, rehydrate_engine: Any,
@@ -897,6 +898,33 @@ def test_an_authentication_refusal_says_whose_it_is(
         f"sglang POST {url}/release_memory_occupation: {says}")
     assert not adapter.released and standin.released == set()
     assert "POST /release_memory_occupation" not in standin.log
+
+
+def test_sglangs_admin_key_refusal_names_the_admin_key(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang started with --api-key and --admin-api-key takes only the admin key on its
+    memory and pause endpoints (ADMIN_OPTIONAL) and refuses the other with its own 401:
+    the message said "pass api_key= matching its --api-key" — the key already passed."""
+    server[1].app = standin = SGLangStandIn(api_key="normal-key-123",
+                                            admin_api_key="admin-key-456")
+    adapter = sglang.install(url, engine=rehydrate_engine, api_key="normal-key-123",
+                             deadline=0.5)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert str(hook(snap, "rehydrate.sglang.release").error) == (
+        f"sglang POST {url}/pause_generation: HTTP 401: Unauthorized — SGLang refused the "
+        "API key: pass api_key= matching its --admin-api-key if it has one (SGLang then "
+        "takes only that key on its memory and pause endpoints), else its --api-key")
+    assert not adapter.paused and standin.log == ["GET /server_info"]
+    # the admin key, as the message says: snapshot and restore pass (only /server_info,
+    # a look for the memory saver's warning, takes the other key and is skipped)
+    adapter = sglang.install(url, engine=rehydrate_engine, api_key="admin-key-456",
+                             deadline=0.5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.released == set(SGLangStandIn.MEMORY) and standin.paused
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.released == set() and not standin.paused and standin.canaries == 1
 
 
 def test_a_gateways_refusal_of_the_resume_leaves_the_next_release_sent(
@@ -1029,9 +1057,8 @@ def test_sglangs_own_api_key_refusal_of_a_resent_pause_owes_no_continue(
     snap = rehydrate_engine.simulate_snapshot()
     error = hook(snap, "rehydrate.sglang.release").error
     assert type(error) is sglang.ServerError
-    assert str(error) == (f"sglang POST {url}/pause_generation: HTTP 401: Unauthorized — "
-                          "SGLang refused the API key: pass api_key= matching its "
-                          "--api-key")
+    assert str(error).startswith(f"sglang POST {url}/pause_generation: HTTP 401: "
+                                 "Unauthorized — SGLang refused the API key: ")
     assert not adapter.paused and not standin.paused
     server[1].app = standin
     standin.log.clear()
