@@ -114,8 +114,10 @@ class SGLangAdapter(ServerAdapter):
 
     ``url``: the server's base URL. ``tags``: what to release (``weights``, ``kv_cache``,
     ``cuda_graph``; default everything). ``canary``: check ``/health_generate`` after
-    resuming. ``api_key``: sent as a bearer token. ``deadline``: seconds each of release
-    and resume may take, retries included.
+    resuming. ``api_key``: sent as a bearer token — SGLang's ``--admin-api-key`` when it
+    has one, which alone opens its memory and pause endpoints (:data:`ADMIN_OPTIONAL`),
+    else its ``--api-key``. ``deadline``: seconds each of release and resume may take,
+    retries included.
     """
 
     kind = "sglang"
