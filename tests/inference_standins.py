@@ -47,6 +47,11 @@ class StandIn:
         if path.startswith("/stand-in/"):  # the tests' own controls, not logged
             await _json(send, 200, self.control(path, json.loads(body) if body else None))
             return
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        refused = self.refuse_key(path, headers.get("authorization"))
+        if refused is not None:  # the server's key middleware: the call goes no further
+            await _json(send, *refused)
+            return
         self.log.append(f"{scope['method']} {path}" + (f"?{query}" if query else ""))
         if self.crashed is not None:
             await _cut(send)
@@ -71,6 +76,10 @@ class StandIn:
                 pass
             return
         await _json(send, status, payload)
+
+    def refuse_key(self, path: str, authorization: str | None) -> tuple[int, Any] | None:
+        """The answer of the server's API-key middleware to ``path`` (None: let it in)."""
+        return None
 
     def control(self, path: str, body: Any) -> Any:
         """``/stand-in/fault`` sets ``fail[path] = count``; ``/stand-in/state`` reports."""
@@ -345,9 +354,16 @@ class SGLangStandIn(StandIn):
 
     PAUSE_MODES = ("abort", "retract", "in_place")
 
-    def __init__(self, *, memory_saver: bool = True, pause_endpoints: bool = True) -> None:
+    # SGLang's AuthLevel.ADMIN_OPTIONAL endpoints among those the adapter calls
+    ADMIN_OPTIONAL = ("/pause_generation", "/continue_generation",
+                      "/release_memory_occupation", "/resume_memory_occupation")
+
+    def __init__(self, *, memory_saver: bool = True, pause_endpoints: bool = True,
+                 api_key: str | None = None, admin_api_key: str | None = None) -> None:
         super().__init__()
         self.memory_saver = memory_saver
+        # --api-key / --admin-api-key, checked as SGLang's decide_request_auth does
+        self.api_key, self.admin_api_key = api_key, admin_api_key
         # False: a server without /pause_generation and /continue_generation (404)
         self.pause_endpoints = pause_endpoints
         self.released: set[str] = set()
@@ -363,6 +379,20 @@ class SGLangStandIn(StandIn):
         # the message of a 400 refusing a resume of memory not released (a server or
         # memory saver backend that refuses it); None: SGLang 0.5, which dies of it
         self.not_released: str | None = None
+
+    def refuse_key(self, path: str, authorization: str | None) -> tuple[int, Any] | None:
+        """SGLang's key middleware (``srt/utils/auth.py``): ``/health*`` is open; an
+        ADMIN_OPTIONAL endpoint takes only the admin key when there is one, else the API
+        key; every other endpoint the API key (if any). A refusal is 401 ``Unauthorized``."""
+        if path.startswith("/health"):
+            return None
+        if path in self.ADMIN_OPTIONAL and self.admin_api_key:
+            wanted: str | None = self.admin_api_key
+        else:
+            wanted = self.api_key
+        if wanted is None or authorization == f"Bearer {wanted}":
+            return None
+        return 401, {"error": "Unauthorized"}
 
     def route(self, method: str, path: str, query: dict[str, list[str]],
               body: Any) -> tuple[int, Any]:

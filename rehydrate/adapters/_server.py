@@ -87,11 +87,17 @@ class Unconfirmed(ServerError):
     gateway's 502 / 504 for it: the server may have performed it, or may still be
     performing it — the caller checks the state instead where it can. A call without
     ``resend`` is not sent again after it; one with ``resend`` (harmless to repeat) was
-    sent again after a gateway's 502 / 504 until the deadline ended or a try was refused,
-    and this says an earlier try may have been performed all the same."""
+    sent again after a gateway's 502 / 504 until the deadline ended or a try was refused
+    (by an answer that does not say every try was refused alike: see
+    :meth:`ServerAdapter.call`), and this says an earlier try may have been performed all
+    the same."""
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+NOT_THERE = frozenset({404, 405, 501})
+"""No such endpoint or method (SGLang before the pause endpoints, vLLM without dev mode):
+an answer every try of the call would have got, so none of them was performed."""
 
 GATEWAY_LOST = frozenset({502, 504})
 """A gateway's answer for a request it may have passed on: its upstream timed out (504) or
@@ -284,16 +290,44 @@ def redact(text: str, secrets: Iterable[str] = (), *, patterns: bool = True) -> 
 
 def request_secrets(response: httpx.Response) -> list[str]:
     """The credentials ``response``'s request carried: header values and their token part
-    (``Bearer sk-…`` gives both), so an answer quoting either can be redacted."""
+    (``Bearer sk-…`` gives both), and those of the environment's proxies
+    (:func:`proxy_secrets`), so an answer quoting any of them can be redacted."""
+    found = proxy_secrets()
     try:
         headers = response.request.headers
     except RuntimeError:  # a response built without a request
-        return []
-    found: list[str] = []
+        return found
     for name in _CREDENTIAL_HEADERS:
         for value in headers.get_list(name):
             found.append(value)
             found.extend(part for part in value.split()[1:] if len(part) >= 4)
+    return found
+
+
+def proxy_secrets() -> list[str]:
+    """The credentials in the proxy URLs of the environment (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``, read as httpx reads them): the user info as written
+    and decoded, the password (4+ characters) and the base64 token of httpx's
+    ``Proxy-Authorization: Basic …``. httpx sends that header on the proxy connection,
+    not among the request's headers, and a proxy's 407 quoting it — or the bare token,
+    which no pattern tells from a word — published the proxy's password."""
+    import base64
+    from urllib.parse import unquote, urlsplit
+    from urllib.request import getproxies
+
+    found: list[str] = []
+    for scheme, value in getproxies().items():
+        if scheme == "no" or not value:
+            continue
+        netloc = urlsplit(value if "://" in value else f"http://{value}").netloc
+        userinfo, at, _ = netloc.rpartition("@")
+        if not at or not userinfo:
+            continue
+        user, _, password = userinfo.partition(":")
+        decoded = f"{unquote(user)}:{unquote(password)}"
+        found += [userinfo, decoded,
+                  base64.b64encode(decoded.encode("utf-8")).decode("ascii")]
+        found += [p for p in (password, unquote(password)) if len(p) >= 4]
     return found
 
 
@@ -462,13 +496,18 @@ class ServerAdapter:
         """A fix to suggest when ``response`` means retrying is pointless (None: retry 5xx)."""
         return None
 
-    def refused_access(self, response: httpx.Response) -> tuple[str, bool] | None:
-        """For an authentication refusal (401, 403, 407): what the error says after
-        ``HTTP <status>``, and whether the server itself gave it. The server's own is its
-        ``--api-key`` check's 401 ``{"error": "Unauthorized"}`` (vLLM's and SGLang's
-        middleware); a 407, or a 401 / 403 with any other body, is a proxy's or gateway's
-        own answer — the call never reached the server, and the answer says nothing of
-        its state."""
+    def key_fix(self, path: str) -> str:
+        """What to do about the server's own refusal of the API key on ``path``."""
+        return "pass api_key= matching its --api-key"
+
+    def refused_access(self, path: str,
+                       response: httpx.Response) -> tuple[str, bool] | None:
+        """For an authentication refusal (401, 403, 407) of ``path``: what the error says
+        after ``HTTP <status>``, and whether the server itself gave it. The server's own is
+        its ``--api-key`` check's 401 ``{"error": "Unauthorized"}`` (vLLM's and SGLang's
+        middleware; the fix: :meth:`key_fix`); a 407, or a 401 / 403 with any other body,
+        is a proxy's or gateway's own answer — the call never reached the server, and the
+        answer says nothing of its state."""
         status = response.status_code
         if status == 407:
             return (f" from a proxy between this process and {self.title}, not {self.title}"
@@ -478,12 +517,23 @@ class ServerAdapter:
         if status not in (401, 403):
             return None
         if status == 401 and json_or_empty(response).get("error") == "Unauthorized":
-            return (f": Unauthorized — {self.title} refused the API key: pass api_key= "
-                    f"matching its --api-key", True)
+            return (f": Unauthorized — {self.title} refused the API key: "
+                    f"{self.key_fix(path)}", True)
         return (f" from a gateway in front of {self.title}, not {self.title} (its own "
                 f"authentication: {server_reason(response)}) — the call did not reach "
                 f"{self.title}; give the adapter credentials the gateway accepts (api_key= "
                 f"is sent as a bearer token) or point url= at {self.title} itself", False)
+
+    @staticmethod
+    def _refused_any_try(response: httpx.Response, hint: str | None,
+                         access: tuple[str, bool] | None) -> bool:
+        """Whether a refusal would have met every try of the call alike, so that none was
+        performed: no such endpoint or method (:data:`NOT_THERE`), an answer :meth:`hint`
+        recognises (a setting the server lacks: vLLM's "Sleep mode is not enabled"), or the
+        server's own API-key check. A gateway's own refusal, or any other, says nothing of
+        an earlier try the server behind it got."""
+        return response.status_code in NOT_THERE or hint is not None or (
+            access is not None and access[1])
 
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
@@ -506,8 +556,10 @@ class ServerAdapter:
         "not passed on" for this call, retried like a 503 (SGLang's 502, see its
         adapter). A 4xx, or an answer :meth:`hint` recognises, fails at once — as
         :class:`Unconfirmed` when an earlier try got a 502 / 504 (``resend``): the refusal
-        does not undo that try. An authentication refusal says whose it is
-        (:meth:`refused_access`).
+        does not undo that try — unless it would have met that try too (no such endpoint
+        or method, an answer :meth:`hint` recognises, the server's own API-key 401): then
+        neither was performed, and it is a plain :class:`ServerError`. An authentication
+        refusal says whose it is (:meth:`refused_access`).
 
         Raises :class:`ServerError` naming the call and the server's last reason.
         """
@@ -588,7 +640,7 @@ class ServerAdapter:
                 refused = False
                 passed_over = unsent is not None and unsent(response, reason)
                 not_sent = passed_over or gateway_unforwarded(response.status_code, reason)
-                access = self.refused_access(response)
+                access = self.refused_access(path, response)
                 # a gateway's own refusal is not the server's answer, and not a "did not
                 # pass it on" that says the server may be gone either
                 answered = answered or (not not_sent and (access is None or access[1]))
@@ -614,9 +666,14 @@ class ServerAdapter:
                     # Re-sent after a gateway's 502 / 504 (resend): a refusal now does not
                     # undo the earlier try, which may have been performed — read as never
                     # performed, a pause was forgotten and SGLang stayed paused for good.
-                    raise (Unconfirmed if lost else ServerError)(
+                    # Unless the refusal would have met that try as well: then it was not
+                    # performed either, and taken as maybe performed, SGLang without the
+                    # pause endpoints failed every snapshot and restore on one 502, and
+                    # vLLM without sleep mode held the snapshot for the whole deadline.
+                    maybe = lost and not self._refused_any_try(response, hint, access)
+                    raise (Unconfirmed if maybe else ServerError)(
                         message + ("; an earlier try got a gateway's 502 / 504: the server "
-                                   "may have performed it" if lost else ""),
+                                   "may have performed it" if maybe else ""),
                         reason=reason, status=response.status_code, answered=answered,
                         unforwarded=unforwarded)
             log.debug("%s %s: %s; retrying", self.kind, what, last)

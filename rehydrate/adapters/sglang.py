@@ -44,7 +44,8 @@ connection in time, or got a gateway's own 401 / 403 / 407 (not SGLang's answer:
 401 other than SGLang's ``{"error": "Unauthorized"}``), say nothing either way: the
 memory counts as still released, and whether the next release is sent stays as the
 resume before decided. A pause re-sent after a gateway's 502 / 504 and then refused
-still counts as performed: its continue stays owed.
+still counts as performed: its continue stays owed — unless the refusal would have met
+the first try too (a 404 / 405: no such endpoint; SGLang's own API-key 401).
 
 Every call is retried on connection errors and 5xx until ``deadline`` (a GET also on a
 timeout; a release or resume is never sent again once it may have reached the server);
@@ -113,8 +114,10 @@ class SGLangAdapter(ServerAdapter):
 
     ``url``: the server's base URL. ``tags``: what to release (``weights``, ``kv_cache``,
     ``cuda_graph``; default everything). ``canary``: check ``/health_generate`` after
-    resuming. ``api_key``: sent as a bearer token. ``deadline``: seconds each of release
-    and resume may take, retries included.
+    resuming. ``api_key``: sent as a bearer token — SGLang's ``--admin-api-key`` when it
+    has one, which alone opens its memory and pause endpoints (:data:`ADMIN_OPTIONAL`),
+    else its ``--api-key``. ``deadline``: seconds each of release and resume may take,
+    retries included.
     """
 
     kind = "sglang"
@@ -344,6 +347,15 @@ class SGLangAdapter(ServerAdapter):
                      self.url, exc.status)
         self.paused = False
 
+    def key_fix(self, path: str) -> str:
+        if path not in ADMIN_OPTIONAL:
+            return super().key_fix(path)
+        # With --admin-api-key set, SGLang takes only that key on these endpoints: the
+        # --api-key that works for generation is refused, and "pass api_key= matching
+        # its --api-key" sent the user to the key already passed.
+        return ("pass api_key= matching its --admin-api-key if it has one (SGLang then "
+                "takes only that key on its memory and pause endpoints), else its --api-key")
+
     release = sync_variant(release_async)
     resume = sync_variant(resume_async)
     before_snapshot = release_async
@@ -408,6 +420,14 @@ def _is_json(response: httpx.Response) -> bool:
     except ValueError:  # also an empty body
         return False
     return True
+
+
+ADMIN_OPTIONAL = frozenset({"/pause_generation", "/continue_generation",
+                            "/release_memory_occupation", "/resume_memory_occupation"})
+"""The endpoints the adapter calls that SGLang marks ``AuthLevel.ADMIN_OPTIONAL`` (its
+``srt/utils/auth.py``): with ``--admin-api-key`` set only that key opens them, with only
+``--api-key`` that one. ``/server_info`` takes the ``--api-key``, ``/health_generate``
+none; SGLang answers a refused key with 401 ``{"error": "Unauthorized"}``."""
 
 
 MISSING = frozenset({404, 405})

@@ -32,9 +32,10 @@ says awake (vLLM runs it after the sleep); an in-process call given up at a dead
 deadline. The hook then fails with the server's last answer. A server without the
 dev-mode endpoints (404: ``VLLM_SERVER_DEV_MODE=1`` missing) or without sleep mode
 (``--enable-sleep-mode``, CUDA / ROCm / XPU only) fails at once with that fix in the
-message, and so does a canary refused with 400 / 404 / 405 (a pooling model, which
-cannot generate: ``canary=False``). Responses are parsed leniently: older servers answer
-an empty 200, some say ``tags_woken``.
+message — also after a gateway's 502 / 504 for an earlier try, which such an answer
+says was not performed either — and so does a canary refused with 400 / 404 / 405 (a
+pooling model, which cannot generate: ``canary=False``). Responses are parsed leniently:
+older servers answer an empty 200, some say ``tags_woken``.
 """
 
 from __future__ import annotations
@@ -135,11 +136,12 @@ class VLLMAdapter(ServerAdapter):
         self.sleep_unconfirmed = False
         """True from the moment a sleep is sent until the engine is seen asleep (or
         woken, or it refused the sleep outright: a 4xx, or an answer :meth:`hint`
-        recognises): one that ended otherwise — unanswered, a gateway's 502 / 504, an
-        in-process sleep() past the deadline — may still be performed (a gateway's 504
-        while vLLM works on it, a worker thread that goes on), so the next wake sends
-        wake_up even to an engine that says it is awake (the wake_up then runs after the
-        sleep)."""
+        recognises — after a gateway's 502 / 504 only a refusal every try met alike, see
+        :meth:`ServerAdapter.call`): one that ended otherwise — unanswered, a gateway's
+        502 / 504, an in-process sleep() past the deadline — may still be performed (a
+        gateway's 504 while vLLM works on it, a worker thread that goes on), so the next
+        wake sends wake_up even to an engine that says it is awake (the wake_up then runs
+        after the sleep)."""
 
     def __repr__(self) -> str:
         target = self.url or type(self.llm).__name__

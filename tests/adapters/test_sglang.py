@@ -880,7 +880,8 @@ def test_a_failed_confirmation_of_an_unanswered_resume_is_chained_to_it(
      "with NO_PROXY"),
     (401, {"error": "Unauthorized"},  # SGLang's own --api-key middleware
      "HTTP 401: Unauthorized — SGLang refused the API key: pass api_key= matching its "
-     "--api-key"),
+     "--admin-api-key if it has one (SGLang then takes only that key on its memory and "
+     "pause endpoints), else its --api-key"),
 ])
 def test_an_authentication_refusal_says_whose_it_is(
         url: str, server: tuple[str, Switch], standin: SGLangStandIn, rehydrate_engine: Any,
@@ -897,6 +898,33 @@ def test_an_authentication_refusal_says_whose_it_is(
         f"sglang POST {url}/release_memory_occupation: {says}")
     assert not adapter.released and standin.released == set()
     assert "POST /release_memory_occupation" not in standin.log
+
+
+def test_sglangs_admin_key_refusal_names_the_admin_key(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang started with --api-key and --admin-api-key takes only the admin key on its
+    memory and pause endpoints (ADMIN_OPTIONAL) and refuses the other with its own 401:
+    the message said "pass api_key= matching its --api-key" — the key already passed."""
+    server[1].app = standin = SGLangStandIn(api_key="normal-key-123",
+                                            admin_api_key="admin-key-456")
+    adapter = sglang.install(url, engine=rehydrate_engine, api_key="normal-key-123",
+                             deadline=0.5)
+    snap = rehydrate_engine.simulate_snapshot()
+    assert str(hook(snap, "rehydrate.sglang.release").error) == (
+        f"sglang POST {url}/pause_generation: HTTP 401: Unauthorized — SGLang refused the "
+        "API key: pass api_key= matching its --admin-api-key if it has one (SGLang then "
+        "takes only that key on its memory and pause endpoints), else its --api-key")
+    assert not adapter.paused and standin.log == ["GET /server_info"]
+    # the admin key, as the message says: snapshot and restore pass (only /server_info,
+    # a look for the memory saver's warning, takes the other key and is skipped)
+    adapter = sglang.install(url, engine=rehydrate_engine, api_key="admin-key-456",
+                             deadline=0.5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    assert standin.released == set(SGLangStandIn.MEMORY) and standin.paused
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.released == set() and not standin.paused and standin.canaries == 1
 
 
 def test_a_gateways_refusal_of_the_resume_leaves_the_next_release_sent(
@@ -976,6 +1004,66 @@ def test_a_pause_refused_after_a_gateways_504_stays_owed(
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
     assert not standin.paused and not adapter.paused and standin.canaries == 1
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_no_pause_endpoints_behind_a_gateway_502_or_504_is_no_failure(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any,
+        caplog: pytest.LogCaptureFixture, status: int) -> None:
+    """SGLang without the pause endpoints behind nginx: the pause's first try got a
+    gateway's 502 (a keep-alive connection SGLang had closed), the re-sent one SGLang's
+    404. Taken as "the earlier try may have been paused", the snapshot failed, the
+    adapter owed a continue to a server that has none, and the restore failed on the
+    same 502-then-404 with "stays paused". A 404 says no try was performed."""
+    standin = SGLangStandIn(pause_endpoints=False)
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=3)
+    server[1].app = LosingGateway(standin, {"/pause_generation"}, status=status, times=1,
+                                  performed=False)
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        snap = rehydrate_engine.simulate_snapshot()
+    assert snap.ok, snap.table()
+    assert standin.log.count("POST /pause_generation") == 1  # the re-sent try
+    assert standin.released == set(SGLangStandIn.MEMORY) and not adapter.paused
+    assert f"SGLang at {url} has no /pause_generation (HTTP 404): generation is not " \
+        "paused before the release; only a drain in front of the server (ReadinessGate) " \
+        "keeps its scheduler idle" in caplog.messages
+    # a continue still owed from before (a pause this process sent to an SGLang since
+    # replaced by one without the endpoints) meets the same 502, then the 404
+    adapter.paused = True
+    server[1].app = LosingGateway(standin, {"/continue_generation"}, status=status,
+                                  times=1, performed=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rehydrate"):
+        report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert not adapter.paused and standin.released == set() and standin.canaries == 1
+    assert f"SGLang at {url} has no /continue_generation (HTTP 404): not continued" in \
+        caplog.messages
+    assert not [m for m in caplog.messages if "stays paused" in m]
+
+
+def test_sglangs_own_api_key_refusal_of_a_resent_pause_owes_no_continue(
+        url: str, server: tuple[str, Switch], standin: SGLangStandIn,
+        rehydrate_engine: Any) -> None:
+    """The pause's first try got a gateway's 502, the re-sent one SGLang's own 401 (its
+    --api-key check, which the first try met as well): nothing was paused, so the failed
+    snapshot owes no continue."""
+    adapter = sglang.install(url, engine=rehydrate_engine, deadline=1)
+    sglang_checking_its_key = EchoingGateway(
+        lambda path, auth: ((401, {"error": "Unauthorized"})
+                            if path == "/pause_generation" else None), behind=standin)
+    server[1].app = LosingGateway(sglang_checking_its_key, {"/pause_generation"},
+                                  status=502, times=1, performed=False)
+    snap = rehydrate_engine.simulate_snapshot()
+    error = hook(snap, "rehydrate.sglang.release").error
+    assert type(error) is sglang.ServerError
+    assert str(error).startswith(f"sglang POST {url}/pause_generation: HTTP 401: "
+                                 "Unauthorized — SGLang refused the API key: ")
+    assert not adapter.paused and not standin.paused
+    server[1].app = standin
+    standin.log.clear()
+    assert rehydrate_engine.simulate_restore().ok
+    assert standin.log == ["GET /health_generate"]
 
 
 @pytest.mark.parametrize("before", ["nothing released", "resume unheard"])

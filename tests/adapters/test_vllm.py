@@ -31,6 +31,7 @@ from tests.inference_standins import (
     SlowSleepLLM,
     SlowUpstream,
     VLLMStandIn,
+    _json,
     trickling,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
@@ -783,6 +784,50 @@ def test_a_loopback_server_is_called_directly_despite_an_egress_proxy(
         assert not vllm.VLLMAdapter(local).client().trust_env, local
 
 
+PROXY_USER, PROXY_PASSWORD = "alice", "hunter2@pw"
+PROXY_TOKEN = "YWxpY2U6aHVudGVyMkBwdw=="  # base64 of alice:hunter2@pw
+
+
+@pytest.mark.parametrize("quote", [
+    lambda header: f"credentials {header.split()[-1]} rejected",  # the bare token
+    lambda header: f"got Proxy-Authorization: {header}",
+    lambda header: f"user {PROXY_USER}:{PROXY_PASSWORD} unknown",
+    lambda header: f"password {PROXY_PASSWORD} expired",
+    lambda header: "password hunter2%40pw expired",  # as written in the proxy URL
+], ids=["bare token", "header", "user info", "password", "password as written"])
+def test_a_proxys_credentials_are_shown_nowhere(
+        server: tuple[str, Switch], monkeypatch: Any, caplog: pytest.LogCaptureFixture,
+        quote: Any) -> None:
+    """HTTP_PROXY with credentials, and a proxy whose 407 quotes them: httpx sends them
+    as a Proxy-Authorization header of the proxy connection, which the request's own
+    headers do not show, and the bare base64 token looks like no credential — the error
+    line carried the proxy's password, base64-encoded."""
+    seen: list[str] = []
+
+    async def proxy(scope: Any, receive: Any, send: Any) -> None:
+        header = dict(scope["headers"]).get(b"proxy-authorization", b"").decode()
+        seen.append(header)
+        await _json(send, 407, {"message": quote(header)})
+
+    server[1].app = proxy
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                 "all_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", server[0].replace(
+        "http://", f"http://{PROXY_USER}:hunter2%40pw@"))
+    adapter = vllm.VLLMAdapter("http://vllm.internal.example:8000", deadline=0.5,
+                               canary=False)
+    with caplog.at_level(logging.DEBUG), pytest.raises(vllm.ServerError) as exc:
+        adapter.sleep()
+    assert seen and seen[0] == f"Basic {PROXY_TOKEN}"  # what the proxy could quote
+    message = str(exc.value)
+    assert "HTTP 407 from a proxy between this process and vLLM" in message
+    assert "[redacted]" in message
+    for shown in (message, *caplog.messages):
+        for secret in (PROXY_TOKEN, PROXY_PASSWORD, "hunter2%40pw", "hunter2"):
+            assert secret not in shown, shown
+
+
 def stalling_app(status: int, size: int) -> Any:
     """Answers ``size`` bytes of body and then never ends the answer (a broken proxy
     streaming for ever, stalled here so that an uncapped client waits instead of filling
@@ -1068,6 +1113,46 @@ def test_a_refused_sleep_is_not_taken_as_maybe_performed(
         standin.sleep_mode = False
     snap = rehydrate_engine.simulate_snapshot()
     assert not snap.ok
+    assert not adapter.sleep_unconfirmed
+    server[1].app = standin
+    standin.log.clear()
+    report = rehydrate_engine.simulate_restore(kind="resume")
+    assert report.ok, report.table()
+    assert standin.log == ["GET /is_sleeping", "GET /v1/models", "POST /v1/completions"]
+
+
+@pytest.mark.parametrize("refusal", ["sleep mode", "no dev mode", "vLLM's 401"])
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_sleep_refused_for_every_try_after_a_gateways_502_or_504_fails_at_once(
+        url: str, server: tuple[str, Switch], rehydrate_engine: Any, refusal: str,
+        status: int) -> None:
+    """vLLM without --enable-sleep-mode behind a gateway: the first /sleep try got a
+    502, the re-sent one vLLM's "Sleep mode is not enabled" — an answer the first try
+    met too. Taken as "that try may have been performed", the snapshot failed only at
+    the deadline (after polling /is_sleeping throughout), with a false "the server may
+    have performed it", and flagged: the next wake of the awake engine woke the weights
+    and reloaded them (level 2). Likewise a 404 (no dev mode) and vLLM's own 401."""
+    standin = VLLMStandIn(sleep_mode=refusal != "sleep mode")
+    behind: Any = standin
+    if refusal == "no dev mode":
+        # a route table without /sleep (dev mode's endpoints): its 404
+        behind = EchoingGateway(lambda path, auth: (
+            (404, {"detail": "Not Found"}) if path == "/sleep" else None), behind=standin)
+    elif refusal == "vLLM's 401":
+        behind = EchoingGateway(lambda path, auth: (
+            (401, {"error": "Unauthorized"}) if path == "/sleep" else None), behind=standin)
+    server[1].app = LosingGateway(behind, {"/sleep"}, status=status, times=1,
+                                  performed=False)
+    adapter = vllm.install(url, engine=rehydrate_engine, level=2, deadline=30)
+    snap = rehydrate_engine.simulate_snapshot()
+    error = hook(snap, "rehydrate.vllm.sleep").error
+    assert type(error) is vllm.ServerError, error
+    # the re-sent try's refusal (the first got the gateway's answer), and nothing else
+    code = {"sleep mode": 500, "no dev mode": 404, "vLLM's 401": 401}[refusal]
+    assert str(error).startswith(f"vllm POST {url}/sleep: HTTP {code}: ")
+    assert "may have performed it" not in str(error)
+    assert hook(snap, "rehydrate.vllm.sleep").duration < 5  # not held until the deadline
+    assert standin.log.count("GET /is_sleeping") == 1
     assert not adapter.sleep_unconfirmed
     server[1].app = standin
     standin.log.clear()
