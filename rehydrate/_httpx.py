@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
+from ._blocked_loops import is_blocked
 from ._loops import LoopClosed, LoopStopped, run_quietly
-from ._runner import is_blocked
 from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
 

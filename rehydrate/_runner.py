@@ -23,7 +23,6 @@ import contextvars
 import inspect
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -42,7 +41,6 @@ from ._context import (
 )
 from ._hooks import Hook
 from ._redact import redact_error
-from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
     import asyncio
@@ -773,40 +771,6 @@ class HookRunner:
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=5)
-
-
-_blocked_lock = threading.Lock()
-# Every engine run from an event loop's thread takes it, in a forked child too.
-fresh_lock_after_fork(sys.modules[__name__], "_blocked_lock")
-_blocked: dict[int, int] = {}
-"""``id()`` of each event loop whose own thread is waiting in a lifecycle event (the
-hooks run on rehydrate's loop instead), and how many such waits are nested."""
-
-
-@contextlib.contextmanager
-def blocking(loop: asyncio.AbstractEventLoop | None) -> Iterator[None]:
-    """While the body runs, ``loop`` counts as :func:`is_blocked` (None: no loop)."""
-    if loop is None:
-        yield
-        return
-    key = id(loop)  # the loop outlives the body: its id cannot be reused meanwhile
-    with _blocked_lock:
-        _blocked[key] = _blocked.get(key, 0) + 1
-    try:
-        yield
-    finally:
-        with _blocked_lock:
-            if _blocked[key] == 1:
-                del _blocked[key]
-            else:
-                _blocked[key] -= 1
-
-
-def is_blocked(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether ``loop``'s own thread is waiting for a lifecycle event to end: work
-    submitted there and awaited from that event's hooks would only run after it."""
-    with _blocked_lock:
-        return id(loop) in _blocked
 
 
 def _submit(loop: asyncio.AbstractEventLoop,

@@ -53,11 +53,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _backoff, _config, _dns
+from ._blocked_loops import is_blocked
 from ._context import RestoreContext
 from ._hooks import Phase
 from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._redact import redact
-from ._runner import _submit, is_blocked
+from ._runner import _submit
 from ._threads import fresh_lock_after_fork
 from ._urls import scrub_urls, without_credentials
 from .extensions import Probe, resolve_engine
