@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from ._config import optional_seconds, shown
 from ._disable import is_disabled
 from ._hooks import Phase
+from ._redact import redact
 from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
@@ -482,7 +483,9 @@ class EphemeralKey:
                 fn(self)
             except Exception as exc:
                 errors.append(exc)
-                log.warning("rotation listener %r of key %r failed: %s", fn, self.name, exc)
+                # redacted: a listener pushing the key elsewhere may quote a token
+                log.warning("%s", redact(f"rotation listener {fn!r} of key {self.name!r} "
+                                         f"failed: {exc}"))
         return errors
 
     def drop(self) -> None:
