@@ -74,6 +74,16 @@ def test_same_name_same_handle(rehydrate_engine):
         keys.ephemeral("other", "dsa", engine=rehydrate_engine)
 
 
+def test_same_name_without_an_algorithm_is_the_existing_key_whatever_its_algorithm(
+        rehydrate_engine):
+    k = keys.ephemeral("signing", algorithm="ec-p256", engine=rehydrate_engine)
+    assert keys.ephemeral("signing", engine=rehydrate_engine) is k
+    assert k.algorithm == "ec-p256"
+    assert keys.ephemeral("fresh", engine=rehydrate_engine).algorithm == "ed25519"
+    with pytest.raises(ValueError, match="already exists with algorithm 'ec-p256'"):
+        keys.ephemeral("signing", "ed25519", engine=rehydrate_engine)
+
+
 def test_listeners_get_the_rotated_handle(rehydrate_engine):
     handle = keys.ephemeral("session", engine=rehydrate_engine)
     seen = []
