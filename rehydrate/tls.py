@@ -968,6 +968,23 @@ def _names(common_name: str, sans: Sequence[str]) -> tuple[Any, Any]:
     return subject, x509.SubjectAlternativeName(general)
 
 
+SIGNING_ALGORITHMS: tuple[str, ...] = ("ec-p256", "ec-p384", "ed25519", "rsa-2048",
+                                       "rsa-3072", "rsa-4096")
+"""The key algorithms a certificate can be made for (``x25519`` only agrees keys)."""
+
+
+def _signing_algorithm(name: str, algorithm: str) -> str:
+    """``algorithm`` when a certificate's key can be of it, else one line naming the
+    certificate and the algorithms that can sign (generating the key first ended in
+    cryptography's "Key must be an rsa, dsa, ec…" without either)."""
+    if algorithm in SIGNING_ALGORITHMS:
+        return algorithm
+    why = " (a key-exchange algorithm: it cannot sign)" if algorithm == "x25519" else ""
+    raise CertificateError(f"certificate {name!r}: algorithm {_config.shown(algorithm)}"
+                           f"{why} cannot be used for a certificate; choose one of "
+                           + ", ".join(SIGNING_ALGORITHMS))
+
+
 class SelfSignedCertificate(ManagedCertificate):
     """A self-signed certificate: new key, serial and validity on every restore."""
 
@@ -977,6 +994,7 @@ class SelfSignedCertificate(ManagedCertificate):
                  sans: Sequence[str] = ("localhost", "127.0.0.1"),
                  algorithm: str = "ec-p256", valid_for: _dt.timedelta = _dt.timedelta(days=7),
                  required: bool = True, manager: TLSManager) -> None:
+        algorithm = _signing_algorithm(name, algorithm)
         super().__init__(name, required=required, manager=manager)
         self.common_name = common_name
         self.sans = _san_list(sans)
@@ -1197,6 +1215,7 @@ class IssuedCertificate(ManagedCertificate):
     def __init__(self, name: str, issuer: Issuer, *, common_name: str,
                  sans: Sequence[str] = (), algorithm: str = "ec-p256",
                  required: bool = True, manager: TLSManager) -> None:
+        algorithm = _signing_algorithm(name, algorithm)
         super().__init__(name, required=required, manager=manager)
         self.issuer = issuer
         self.common_name = common_name
