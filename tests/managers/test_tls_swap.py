@@ -221,3 +221,19 @@ def test_a_certificate_openssl_refuses_leaves_every_context_serving(rehydrate_en
         cert.renew()
     for srv in (a, b):
         assert handshake(srv.port, client_ctx())[0] == first
+
+
+def test_the_fresh_context_shares_the_trust_store_of_the_attached_one(rehydrate_engine,
+                                                                     servers):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    client = tls.self_signed("client", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    cert.attach(ctx)
+    srv = servers(ctx)
+    presenting = client_ctx(present=client.material)
+    assert handshake(srv.port, presenting)[1] == b""  # nobody trusted yet
+    # loaded after attach, before any renewal: the very store, not a copy made at attach
+    ctx.load_verify_locations(cadata=client.material.trust_pem())
+    assert handshake(srv.port, presenting)[1] == b"ok"
+    assert srv.seen.get(timeout=10) == (None, True)
