@@ -1023,9 +1023,10 @@ class ManagedCertificate:
         throwaway placeholder certificate and an ``sni_callback`` that moves each new
         connection to a context of rehydrate's presenting the material in use (see
         :class:`_Swap`; a callback ``ctx`` already had is called first). That context is
-        built afresh at every renewal with ``ctx``'s settings as they are then (trust
-        store, verify mode, ALPN protocols, options, protocol versions, ciphers), so
-        settings changed after attach are carried too. A connection's ``context``
+        built afresh at every renewal with ``ctx``'s settings as they are then (verify
+        mode, ALPN protocols, options, protocol versions, ciphers; the trust store is
+        shared), so a setting changed after attach reaches new connections from the next
+        renewal on. A connection's ``context``
         attribute is that context, not ``ctx``. Assigning ``ctx.sni_callback`` after
         attach stops the moves: new connections present the placeholder until the next
         renewal puts rehydrate's callback back (chaining yours, one warning)."""
