@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from ._config import optional_seconds, shown
 from ._disable import is_disabled
 from ._hooks import Phase
+from ._redact import redact
 from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
@@ -482,7 +483,9 @@ class EphemeralKey:
                 fn(self)
             except Exception as exc:
                 errors.append(exc)
-                log.warning("rotation listener %r of key %r failed: %s", fn, self.name, exc)
+                # redacted: a listener pushing the key elsewhere may quote a token
+                log.warning("%s", redact(f"rotation listener {fn!r} of key {self.name!r} "
+                                         f"failed: {exc}"))
         return errors
 
     def drop(self) -> None:
@@ -532,7 +535,7 @@ class KeyManager:
         with self._lock:
             return self._keys.get(name)
 
-    def ephemeral(self, name: str, algorithm: str = "ed25519") -> EphemeralKey:
+    def ephemeral(self, name: str, algorithm: str | None = None) -> EphemeralKey:
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
             # it names the key in status(), logs and reports: one readable line each
             raise TypeError(f"an ephemeral key's name must be a non-empty printable str, "
@@ -542,9 +545,10 @@ class KeyManager:
             if key is None:
                 # after the before-snapshot pass, a new key would be written into the
                 # image: it starts without a key pair (generated on restore/resume)
-                key = EphemeralKey(name, algorithm, self, generate=not self._dropped)
+                key = EphemeralKey(name, algorithm or "ed25519", self,
+                                   generate=not self._dropped)
                 self._keys[name] = key
-            elif key.algorithm != algorithm:
+            elif algorithm is not None and key.algorithm != algorithm:
                 raise ValueError(
                     f"ephemeral key {name!r} already exists with algorithm {key.algorithm!r}"
                 )
@@ -615,13 +619,14 @@ def install(engine: Engine) -> None:
     manager(engine)
 
 
-def ephemeral(name: str, algorithm: str = "ed25519", *,
+def ephemeral(name: str, algorithm: str | None = None, *,
               engine: Engine | None = None) -> EphemeralKey:
     """The ephemeral key named ``name`` (created on first call; the same handle after).
 
-    ``algorithm``: ``ed25519`` (default), ``x25519``, ``ec-p256``, ``ec-p384``,
-    ``rsa-2048``, ``rsa-3072``, ``rsa-4096``. Asking for an existing name with another
-    algorithm raises ``ValueError``.
+    ``algorithm``: ``ed25519`` (when omitted for a new key), ``x25519``, ``ec-p256``,
+    ``ec-p384``, ``rsa-2048``, ``rsa-3072``, ``rsa-4096``. Omitted for an existing name:
+    that key, whatever its algorithm. Asking for an existing name with another algorithm
+    raises ``ValueError``.
     """
     return manager(engine).ephemeral(name, algorithm)
 

@@ -413,8 +413,17 @@ class Secret:
             return bytes(self._wait())
 
     def get_str(self, encoding: str = "utf-8") -> str:
-        """The value decoded (also a copy rehydrate cannot wipe)."""
-        return self.get().decode(encoding)
+        """The value decoded (also a copy rehydrate cannot wipe). A value that is not
+        valid in ``encoding`` raises :class:`SecretError` naming the offset of the first
+        bad byte (``UnicodeDecodeError`` would carry the whole value)."""
+        value = self.get()
+        try:
+            return value.decode(encoding)
+        except UnicodeDecodeError as exc:
+            offset = exc.start
+        # raised outside the handler: the original would stay attached as __context__
+        raise SecretError(f"secret {self.name!r} is not valid {encoding} "
+                          f"(byte at offset {offset})")
 
     @contextlib.contextmanager
     def view(self) -> Iterator[memoryview]:

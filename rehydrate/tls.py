@@ -22,10 +22,13 @@ Bad material never replaces good material: the previous certificate stays in use
 restore hook fails (``required`` decides readiness) and one clear line is logged.
 
 Live TLS: :meth:`ManagedCertificate.server_context` returns an ``ssl.SSLContext`` that is
-kept current — each renewal calls ``load_cert_chain`` on the live context, so new
-handshakes present the new certificate while established connections continue.
-:meth:`ManagedCertificate.attach` does the same for a context made elsewhere (uvicorn's
-``config.ssl``). Both turn session resumption off on the context (no tickets, no session
+kept current: new handshakes present the certificate in use while established
+connections continue. :meth:`ManagedCertificate.attach` does the same for a context made
+elsewhere (uvicorn's ``config.ssl``). A context that serves is never changed (that
+crashed threaded servers, and left a certificate of another key type served): each
+renewal builds a fresh context with the attached one's settings, and the attached
+context's ``sni_callback`` moves every new connection to it (:class:`_Swap`). Both turn
+session resumption off on the context (no tickets, no session
 cache): the ticket key and cached sessions are in the snapshot image, and a resumed
 session would skip the renewed certificate on every clone.
 :meth:`ManagedCertificate.client_context` returns a client context that trusts (and
@@ -36,8 +39,9 @@ again at the next renewal or re-read, and the hook recovers once every listener 
 
 Before a snapshot (hook ``rehydrate.tls``, ``SECRETS`` phase) every certificate's private
 key is dropped from its :class:`Material` (the certificate itself stays readable) and the
-attached contexts get a throwaway placeholder (a self-signed certificate for a fresh key of
-the same type), so that OpenSSL lets go of its copy of the real key too. Until the next
+attached contexts move to a fresh context presenting a throwaway placeholder (a
+self-signed certificate for a fresh key of the same type; presenting client contexts get
+it loaded), so that OpenSSL lets go of its copy of the real key too. Until the next
 restore or resume, new handshakes present the placeholder, :attr:`ManagedCertificate.private_key`
 raises :class:`CertificateError`, the file watcher pauses and :meth:`~ManagedCertificate.renew`
 is refused (a key made now would be written into the image). After a *restore*, a
@@ -416,6 +420,159 @@ def _no_resumption(ctx: ssl.SSLContext) -> bool:
     return _session_cache_off(ctx)
 
 
+@functools.cache
+def _libssl_store() -> tuple[Any, Any] | None:
+    """``SSL_CTX_get_cert_store`` and ``SSL_CTX_set1_cert_store`` (None where they cannot
+    be reached: see :func:`_libssl`)."""
+    if _libssl() is None:
+        return None
+    try:
+        import _ssl
+        import ctypes
+
+        lib = ctypes.CDLL(_ssl.__file__)
+        get, set1 = lib.SSL_CTX_get_cert_store, lib.SSL_CTX_set1_cert_store
+    except (ImportError, OSError, AttributeError):
+        return None
+    get.argtypes = [ctypes.c_void_p]
+    get.restype = ctypes.c_void_p
+    set1.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    set1.restype = None
+    return get, set1
+
+
+def _ssl_ctx_ptr(ctx: ssl.SSLContext) -> int | None:
+    """The ``SSL_CTX*`` of ``ctx`` (see :func:`_session_cache_off`), or None."""
+    import _ssl
+
+    fns = _libssl()
+    if fns is None or not isinstance(ctx, _ssl._SSLContext):
+        return None
+    import ctypes
+
+    ptr = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if not ptr or fns[0](ptr) != int(ctx.options):
+        return None
+    return int(ptr)
+
+
+def _share_cert_store(source: ssl.SSLContext, target: ssl.SSLContext) -> bool:
+    """Make ``target`` verify peers against the very trust store of ``source`` (CA files,
+    directories and CRLs the application loaded, and what it loads later). False when
+    that is not possible here."""
+    fns = _libssl_store()
+    src, dst = _ssl_ctx_ptr(source), _ssl_ctx_ptr(target)
+    if fns is None or src is None or dst is None:
+        return False
+    get, set1 = fns
+    store = get(src)
+    if not store:
+        return False
+    set1(dst, store)  # up-refs the store: each context frees its own reference
+    return bool(get(dst) == store)
+
+
+def _alpn_protocols(ctx: ssl.SSLContext, callback: object) -> list[str] | None:
+    """The protocols ``ctx.set_alpn_protocols`` was given (``[]`` when never called), or
+    None when they cannot be read here. Python has no getter: they are read from CPython's
+    ``PySSLContext`` (``SSL_CTX *ctx; unsigned char *alpn_protocols; unsigned int
+    alpn_protocols_len; PyObject *set_sni_cb`` in 3.10 to 3.13), the layout checked by
+    finding ``callback``, the context's current ``sni_callback``, where it must be."""
+    if _ssl_ctx_ptr(ctx) is None or ctx.sni_callback is not callback:
+        return None
+    import ctypes
+
+    base = id(ctx) + object.__basicsize__
+    size = ctypes.sizeof(ctypes.c_void_p)
+    wire_at = ctypes.c_void_p.from_address(base + size).value
+    length = ctypes.c_uint.from_address(base + 2 * size).value
+    if ctypes.c_void_p.from_address(base + 3 * size).value != id(callback):
+        return None
+    wire = ctypes.string_at(wire_at, length) if wire_at and length else b""
+    protocols: list[str] = []
+    i = 0
+    while i < len(wire):  # length-prefixed names, as on the wire
+        n = wire[i]
+        if n == 0 or i + 1 + n > len(wire):
+            return None
+        protocols.append(wire[i + 1:i + 1 + n].decode("ascii", "replace"))
+        i += 1 + n
+    return protocols
+
+
+class _Swap:
+    """The ``sni_callback`` rehydrate puts on an attached server context: it moves each
+    new connection to :attr:`current`, a context of its own presenting the material in
+    use (``SSLSocket.context = current``, OpenSSL's ``SSL_set_SSL_CTX``). OpenSSL calls
+    it for every handshake, also when the client sends no server name.
+
+    Why: a context may not be changed while it serves. ``load_cert_chain`` on a context
+    other threads handshake with crashed the process (segfault, heap corruption: OpenSSL
+    3.0 under Python 3.11 does not guard it, CPython gh-134698), and a context keeps one
+    certificate per key type, so a renewal to another key type left the old certificate
+    served. Each renewal builds a fresh context instead; the attached one is never
+    touched again.
+
+    ``chained``: the callback the context had before (called first; when it refuses the
+    name or moves the connection to a context of its own, rehydrate leaves it there)."""
+
+    def __init__(self, chained: Any) -> None:
+        self.current: ssl.SSLContext | None = None
+        self.chained = chained
+        self.warned = False
+        """The missing-ALPN warning was logged for this context."""
+        self.warned_replaced = False
+        """The replaced-callback warning was logged for this context."""
+
+    def __call__(self, sslobj: Any, server_name: str | None,
+                 ctx: ssl.SSLContext) -> int | None:
+        if self.chained is not None:
+            alert = self.chained(sslobj, server_name, ctx)
+            if alert is not None or sslobj.context is not ctx:
+                return cast("int | None", alert)
+        current = self.current
+        if current is not None:
+            sslobj.context = current
+        return None
+
+
+def _fresh_server_context(attached: ssl.SSLContext, swap: _Swap) -> ssl.SSLContext:
+    """A new server context with the settings of ``attached`` that OpenSSL takes from the
+    context a connection is moved to: trust store (client certificates are verified
+    against it), ALPN protocols, security level — and, for good measure, those a
+    connection keeps from the context it was made by (verify mode, options, protocol
+    versions, ciphers, post-handshake auth). Session resumption off."""
+    new = ssl.SSLContext(attached.protocol)
+    new.options = attached.options
+    with contextlib.suppress(ValueError):  # only the TLS_* protocols have these
+        new.minimum_version = attached.minimum_version
+        new.maximum_version = attached.maximum_version
+    new.check_hostname = False
+    new.verify_mode = attached.verify_mode
+    new.check_hostname = attached.check_hostname
+    new.verify_flags = attached.verify_flags
+    with contextlib.suppress(AttributeError, ValueError):
+        new.post_handshake_auth = attached.post_handshake_auth
+    below_13 = [c["name"] for c in attached.get_ciphers() if c.get("protocol") != "TLSv1.3"]
+    if below_13:
+        new.set_ciphers(":".join(below_13) + f":@SECLEVEL={attached.security_level}")
+    if not _share_cert_store(attached, new):
+        certs = attached.get_ca_certs(binary_form=True)
+        if certs:  # what Python can see of the store: files loaded, not lazy directories
+            new.load_verify_locations(cadata=b"".join(certs))
+    alpn = _alpn_protocols(attached, swap)
+    if alpn:
+        new.set_alpn_protocols(alpn)
+    elif alpn is None and not swap.warned:
+        swap.warned = True
+        log.warning("tls: the ALPN protocols of an attached server context cannot be read "
+                    "here; connections presenting renewed certificates negotiate none")
+    if attached.keylog_filename:
+        new.keylog_filename = attached.keylog_filename
+    _no_resumption(new)
+    return new
+
+
 def _slot(public_key: Any) -> str:
     """OpenSSL keeps one certificate/key per key type in a context (RSA, EC, Ed25519 …):
     replacing a key means loading one of the same type."""
@@ -491,8 +648,12 @@ class ManagedCertificate:
         a snapshot, or the renewal after a restore failed)."""
         self._slots: weakref.WeakKeyDictionary[ssl.SSLContext, set[str]] = \
             weakref.WeakKeyDictionary()
-        """Key types this handle loaded into each context (each holds one key per type)."""
-        self._servers: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
+        """Key types this handle loaded into each client context (each holds one key per
+        type)."""
+        self._served: weakref.WeakKeyDictionary[ssl.SSLContext, _Swap] = \
+            weakref.WeakKeyDictionary()
+        """Attached server contexts and the callback moving their connections to the
+        context presenting the material in use (see :class:`_Swap`)."""
         self._presenting: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
         """Every client context made to present the certificate, also those a renewal
         replaced (an application may still hold one): each holds a private key."""
@@ -701,26 +862,42 @@ class ManagedCertificate:
                                     + "; ".join(errors))
 
     def _load_everywhere(self, material: Material) -> None:
-        """Load ``material`` into every live server context, or into none: OpenSSL may
-        install the new certificate before refusing it (and drop the old key), so a
-        refusal puts back what each context served. (No throwaway context tries it when
-        none is live: OpenSSL would leave a copy of the key in the heap; a context made
-        later says so, see :meth:`attach`.)"""
-        servers = list(self._servers)
-        loaded: list[ssl.SSLContext] = []
+        """Build a fresh context presenting ``material`` for every attached server
+        context, then move their new connections to it — all of them, or none when
+        OpenSSL refuses the material (every context keeps serving what it served). No
+        context that serves is changed (see :class:`_Swap`). (No throwaway context tries
+        the material when none is attached: OpenSSL would leave a copy of the key in the
+        heap; a context attached later says so, see :meth:`attach`.)"""
+        served = list(self._served.items())
+        fresh: list[ssl.SSLContext] = []
         try:
-            for ctx in servers:
-                loaded.append(ctx)
-                load_into(ctx, material)
-        except (OSError, ssl.SSLError) as exc:
-            previous = self._serving()
-            for ctx in loaded:
-                with contextlib.suppress(OSError, ssl.SSLError):
-                    load_into(ctx, previous)
+            for ctx, swap in served:
+                fresh.append(self._fresh_for(ctx, swap, material))
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             material.wipe_key()
             raise self._refused(exc, "the new certificate") from None
-        for ctx in servers:
-            self._slots.setdefault(ctx, set()).add(_slot(material.certificate.public_key()))
+        for (_, swap), new in zip(served, fresh, strict=True):
+            swap.current = new
+
+    def _fresh_for(self, ctx: ssl.SSLContext, swap: _Swap, material: Material
+                   ) -> ssl.SSLContext:
+        """A fresh context with the settings of the attached ``ctx``, presenting
+        ``material``. First puts rehydrate's callback back when the application replaced
+        ``ctx.sni_callback`` after :meth:`attach` (its connections stopped following
+        renewals): the new callback is chained, and one warning says so."""
+        if ctx.sni_callback is not swap:
+            if not swap.warned_replaced:
+                swap.warned_replaced = True
+                log.warning("tls: certificate %s: the sni_callback of an attached server "
+                            "context was replaced after attach(); until now its new "
+                            "connections presented a placeholder. rehydrate's callback is "
+                            "back, calling the new one first (set sni_callback before "
+                            "attach() to chain it from the start)", self.name)
+            swap.chained = ctx.sni_callback
+            ctx.sni_callback = swap
+        new = _fresh_server_context(ctx, swap)
+        load_into(new, material)
+        return new
 
     def _refused(self, exc: BaseException, what: str = "the certificate") -> CertificateError:
         """OpenSSL's refusal (``EE_KEY_TOO_SMALL`` …) as one line naming this handle."""
@@ -744,28 +921,40 @@ class ManagedCertificate:
         return "rsa-2048" if str(algorithm).startswith("rsa-") else str(algorithm)
 
     def _install_placeholders(self, placeholders: dict[str, Material]) -> list[str]:
-        """Load a placeholder of every key type this handle put into each context (so no
-        real key is left in any of OpenSSL's per-type slots); forget client contexts.
-        Caller holds both locks. Returns errors."""
+        """Move every attached server context to a fresh one presenting a placeholder
+        (letting go of the one with the real key), and load a placeholder of every key
+        type this handle put into each presenting client context (so no real key is left
+        in any of OpenSSL's per-type slots); forget client contexts. Caller holds both
+        locks. Returns errors (client contexts only: a server context whose fresh one
+        cannot be built falls back to its own placeholder, see :meth:`attach`)."""
         errors: list[str] = []
         m = self._material
         # every presenting client context, not only the current one: one a renewal
         # replaced still holds its (older, real) key, and would carry it into the image
-        contexts = list(self._servers) + list(self._presenting)
         self._clients.clear()
-        for ctx in contexts:
+        slot = _slot(m.certificate.public_key()) if m is not None else self._default_slot()
+        for ctx, swap in list(self._served.items()):
+            ph = placeholders.get(slot)
+            if ph is None:
+                ph = placeholders[slot] = placeholder_material(slot)
+            try:
+                swap.current = self._fresh_for(ctx, swap, ph)
+            except (OSError, ValueError):
+                # the attached context's own placeholder (see attach) is served instead:
+                # the context holding the real key is let go either way
+                swap.current = None
+        for ctx in list(self._presenting):
             slots = set(self._slots.get(ctx, ()))
             if m is not None:
                 slots.add(_slot(m.certificate.public_key()))
-            for slot in sorted(slots):
-                ph = placeholders.get(slot)
+            for one in sorted(slots):
+                ph = placeholders.get(one)
                 if ph is None:
-                    ph = placeholders[slot] = placeholder_material(slot)
+                    ph = placeholders[one] = placeholder_material(one)
                 try:
                     self._load(ctx, ph)
                 except (OSError, ssl.SSLError) as exc:
                     errors.append(f"context: {exc}")
-        slot = _slot(m.certificate.public_key()) if m is not None else self._default_slot()
         self._placeholder = placeholders.get(slot)
         return errors
 
@@ -825,17 +1014,35 @@ class ManagedCertificate:
         return ctx
 
     def attach(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
-        """Load the current material into ``ctx`` now and after every renewal (the
-        placeholder while the handle holds no key), and turn off session resumption on
-        it (:func:`_no_resumption`): a session from before a snapshot must not skip the
-        renewed certificate on a restored clone."""
+        """Make the server context ``ctx`` present the current material (the placeholder
+        while the handle holds no key) now and after every renewal, and turn off session
+        resumption on it (:func:`_no_resumption`): a session from before a snapshot must
+        not skip the renewed certificate on a restored clone.
+
+        ``ctx`` itself is changed only here — call it before serving: it gets a
+        throwaway placeholder certificate and an ``sni_callback`` that moves each new
+        connection to a context of rehydrate's presenting the material in use (see
+        :class:`_Swap`; a callback ``ctx`` already had is called first). That context is
+        built afresh at every renewal with ``ctx``'s settings as they are then (verify
+        mode, ALPN protocols, options, protocol versions, ciphers; the trust store is
+        shared), so a setting changed after attach reaches new connections from the next
+        renewal on. A connection's ``context``
+        attribute is that context, not ``ctx``. Assigning ``ctx.sni_callback`` after
+        attach stops the moves: new connections present the placeholder until the next
+        renewal puts rehydrate's callback back (chaining yours, one warning)."""
         with self._lock:
+            if ctx in self._served:
+                return ctx
+            swap = _Swap(ctx.sni_callback)
+            cache_off = _no_resumption(ctx)  # first: the fresh context copies its options
             try:
-                self._load(ctx, self._serving())
-            except ssl.SSLError as exc:
+                load_into(ctx, placeholder_material())
+                ctx.sni_callback = swap
+                swap.current = self._fresh_for(ctx, swap, self._serving())
+            except (OSError, ValueError) as exc:
+                ctx.sni_callback = swap.chained
                 raise self._refused(exc) from None
-            cache_off = _no_resumption(ctx)
-            self._servers.add(ctx)
+            self._served[ctx] = swap
         if not cache_off:
             log.warning("tls: certificate %s: OpenSSL's session cache of a server context "
                         "could not be turned off here; after a restore, TLS 1.2 clients "
@@ -843,8 +1050,9 @@ class ManagedCertificate:
         return ctx
 
     def detach(self, ctx: ssl.SSLContext) -> None:
+        """Stop renewing ``ctx`` (it keeps presenting the last material)."""
         with self._lock:
-            self._servers.discard(ctx)
+            self._served.pop(ctx, None)
 
     def client_context(self, *, present: bool = False) -> ssl.SSLContext:
         """A client context trusting this certificate's trust anchors (and presenting
@@ -968,6 +1176,23 @@ def _names(common_name: str, sans: Sequence[str]) -> tuple[Any, Any]:
     return subject, x509.SubjectAlternativeName(general)
 
 
+SIGNING_ALGORITHMS: tuple[str, ...] = ("ec-p256", "ec-p384", "ed25519", "rsa-2048",
+                                       "rsa-3072", "rsa-4096")
+"""The key algorithms a certificate can be made for (``x25519`` only agrees keys)."""
+
+
+def _signing_algorithm(name: str, algorithm: str) -> str:
+    """``algorithm`` when a certificate's key can be of it, else one line naming the
+    certificate and the algorithms that can sign (generating the key first ended in
+    cryptography's "Key must be an rsa, dsa, ec…" without either)."""
+    if algorithm in SIGNING_ALGORITHMS:
+        return algorithm
+    why = " (a key-exchange algorithm: it cannot sign)" if algorithm == "x25519" else ""
+    raise CertificateError(f"certificate {name!r}: algorithm {_config.shown(algorithm)}"
+                           f"{why} cannot be used for a certificate; choose one of "
+                           + ", ".join(SIGNING_ALGORITHMS))
+
+
 class SelfSignedCertificate(ManagedCertificate):
     """A self-signed certificate: new key, serial and validity on every restore."""
 
@@ -977,6 +1202,7 @@ class SelfSignedCertificate(ManagedCertificate):
                  sans: Sequence[str] = ("localhost", "127.0.0.1"),
                  algorithm: str = "ec-p256", valid_for: _dt.timedelta = _dt.timedelta(days=7),
                  required: bool = True, manager: TLSManager) -> None:
+        algorithm = _signing_algorithm(name, algorithm)
         super().__init__(name, required=required, manager=manager)
         self.common_name = common_name
         self.sans = _san_list(sans)
@@ -1197,6 +1423,7 @@ class IssuedCertificate(ManagedCertificate):
     def __init__(self, name: str, issuer: Issuer, *, common_name: str,
                  sans: Sequence[str] = (), algorithm: str = "ec-p256",
                  required: bool = True, manager: TLSManager) -> None:
+        algorithm = _signing_algorithm(name, algorithm)
         super().__init__(name, required=required, manager=manager)
         self.issuer = issuer
         self.common_name = common_name

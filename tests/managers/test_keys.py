@@ -74,6 +74,16 @@ def test_same_name_same_handle(rehydrate_engine):
         keys.ephemeral("other", "dsa", engine=rehydrate_engine)
 
 
+def test_same_name_without_an_algorithm_is_the_existing_key_whatever_its_algorithm(
+        rehydrate_engine):
+    k = keys.ephemeral("signing", algorithm="ec-p256", engine=rehydrate_engine)
+    assert keys.ephemeral("signing", engine=rehydrate_engine) is k
+    assert k.algorithm == "ec-p256"
+    assert keys.ephemeral("fresh", engine=rehydrate_engine).algorithm == "ed25519"
+    with pytest.raises(ValueError, match="already exists with algorithm 'ec-p256'"):
+        keys.ephemeral("signing", "ed25519", engine=rehydrate_engine)
+
+
 def test_listeners_get_the_rotated_handle(rehydrate_engine):
     handle = keys.ephemeral("session", engine=rehydrate_engine)
     seen = []
@@ -357,3 +367,26 @@ def test_a_rotation_that_outlives_the_restore_keeps_the_restore_s_key(rehydrate_
     assert len(outcome) == 1 and isinstance(outcome[0], KeyDroppedError), outcome
     assert handle.public_key.public_bytes_raw() == fresh != stale[0]
     assert stale[0] not in told
+
+
+def test_a_failing_listener_s_error_is_logged_without_a_secret_it_quotes(
+        rehydrate_engine, monkeypatch, caplog):
+    from rehydrate.secrets import Secret
+
+    value = "tok-SUPERSECRET-98765"
+    monkeypatch.setenv("PUSH_TOKEN", value)
+    token = Secret.from_env("PUSH_TOKEN", engine=rehydrate_engine)
+    handle = keys.ephemeral("session", engine=rehydrate_engine)
+
+    @handle.subscribe
+    def push(h):  # an HTTP client refusing the header quotes it
+        raise ValueError(f"Invalid header value b'Bearer {token.get().decode()}\\n'")
+
+    with caplog.at_level("WARNING", logger="rehydrate"):
+        rehydrate_engine.simulate_restore()
+        errors = handle.rotate()
+    assert len(errors) == 1
+    lines = [r.getMessage() for r in caplog.records if "rotation listener" in r.getMessage()]
+    assert len(lines) == 2  # the restore hook's rotation and the manual one
+    assert all("[redacted secret 'PUSH_TOKEN']" in line for line in lines)
+    assert value not in caplog.text

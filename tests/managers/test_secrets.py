@@ -963,3 +963,15 @@ def test_a_bad_read_timeout_is_refused_when_the_secret_is_made(rehydrate_engine,
         Secret.from_callable(lambda: b"value", name="t", timeout=bad,
                              engine=rehydrate_engine)
     assert "t" not in rehydrate_engine.status().extra.get("secrets", {})
+
+
+def test_get_str_of_a_value_that_does_not_decode_never_carries_the_value(rehydrate_engine):
+    s = Secret.from_callable(lambda: b"TOPSECRET-\xff-binary-token", name="bin",
+                             engine=rehydrate_engine)
+    with pytest.raises(SecretError) as info:
+        s.get_str()
+    exc = info.value
+    assert str(exc) == "secret 'bin' is not valid utf-8 (byte at offset 10)"
+    assert exc.__context__ is None and exc.__cause__ is None
+    assert "TOPSECRET" not in repr(exc) and "TOPSECRET" not in repr(exc.args)
+    assert s.get_str("latin-1") == "TOPSECRET-\xff-binary-token"

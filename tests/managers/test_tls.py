@@ -2122,3 +2122,25 @@ def test_a_nested_add_that_fails_does_not_release_the_outer_claim(rehydrate_engi
         tls.issued("web", Reentrant(), common_name="localhost", engine=rehydrate_engine)
     assert during == [True]
     assert m._busy == {} and m.get("web") is None
+
+
+@pytest.mark.parametrize("make", ["self_signed", "issued"])
+def test_an_algorithm_that_cannot_sign_is_refused_up_front_in_one_line(rehydrate_engine,
+                                                                       make):
+    class NeverCalled:
+        def issue(self, csr):
+            raise AssertionError("no key, no CSR")
+
+    with pytest.raises(CertificateError) as info:
+        if make == "self_signed":
+            tls.self_signed("x", algorithm="x25519", engine=rehydrate_engine)
+        else:
+            tls.issued("x", NeverCalled(), common_name="x", algorithm="x25519",
+                       engine=rehydrate_engine)
+    assert str(info.value) == (
+        "certificate 'x': algorithm 'x25519' (a key-exchange algorithm: it cannot sign) "
+        "cannot be used for a certificate; choose one of ec-p256, ec-p384, ed25519, "
+        "rsa-2048, rsa-3072, rsa-4096")
+    assert tls.manager(rehydrate_engine).get("x") is None
+    with pytest.raises(CertificateError, match="algorithm 'bogus' cannot be used"):
+        tls.self_signed("y", algorithm="bogus", engine=rehydrate_engine)

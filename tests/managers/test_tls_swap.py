@@ -1,0 +1,239 @@
+"""Attached server contexts are never changed once they serve: every renewal builds a
+fresh context and new connections are moved to it (``rehydrate.tls._Swap``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import queue
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
+
+from rehydrate import tls
+
+CHILD = Path(__file__).resolve().parent.parent / "tls_swap_child.py"
+
+
+@pytest.mark.parametrize(("mode", "rounds", "handshakes"),
+                         [("renew", 3000, 3000), ("restore", 1000, 3000)])
+def test_renewals_while_a_threaded_server_handshakes_do_not_crash_it(mode, rounds,
+                                                                      handshakes):
+    env = dict(os.environ)
+    root = str(CHILD.parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(CHILD), mode, str(rounds), str(handshakes)],
+                          check=False, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert f"{mode} rounds" in proc.stdout
+
+
+# -- in-process: what a moved connection keeps -----------------------------------------
+
+
+def _self_signed_pem(key, cn: str) -> tuple[bytes, bytes, x509.Certificate]:
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem, cert
+
+
+class Server:
+    """A threaded TLS server on loopback: each connection reads one byte, answers
+    ``ok`` and records what the handshake negotiated."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.ctx = ctx
+        self.seen: queue.Queue[tuple[str | None, bool]] = queue.Queue()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            with self.ctx.wrap_socket(conn, server_side=True) as t:
+                t.recv(1)
+                self.seen.put((t.selected_alpn_protocol(), bool(t.getpeercert())))
+                t.send(b"ok")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def client_ctx(*, alpn: list[str] | None = None, present: tls.Material | None = None,
+               max_version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    if alpn:
+        ctx.set_alpn_protocols(alpn)
+    if present is not None:
+        tls.load_into(ctx, present)
+    if max_version is not None:
+        ctx.maximum_version = max_version
+    return ctx
+
+
+def handshake(port: int, ctx: ssl.SSLContext, *, sni: bool = True
+              ) -> tuple[x509.Certificate, bytes]:
+    """The certificate the server presented and what it answered (b"" when it dropped
+    the connection after the handshake: a client certificate it required was missing)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, \
+            ctx.wrap_socket(sock, server_hostname="localhost" if sni else None) as t:
+        der = t.getpeercert(binary_form=True)
+        try:
+            t.send(b"x")
+            answer = t.recv(2)
+        except (ssl.SSLError, ConnectionError):
+            answer = b""
+    assert der is not None
+    return x509.load_der_x509_certificate(der), answer
+
+
+@pytest.fixture
+def servers():
+    made: list[Server] = []
+
+    def start(ctx: ssl.SSLContext) -> Server:
+        made.append(Server(ctx))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.close()
+
+
+def test_a_key_type_change_is_served_after_renew_and_after_restore(rehydrate_engine,
+                                                                   tmp_path, servers):
+    crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    c, k, old = _self_signed_pem(ec.generate_private_key(ec.SECP256R1()), "old-ec")
+    crt.write_bytes(c)
+    key.write_bytes(k)
+    cert = tls.from_files("f", cert=crt, key=key, watch=False, engine=rehydrate_engine)
+    srv = servers(cert.server_context())
+    assert handshake(srv.port, client_ctx())[0] == old
+
+    c, k, new = _self_signed_pem(rsa.generate_private_key(65537, 2048), "new-rsa")
+    crt.write_bytes(c)
+    key.write_bytes(k)
+    cert.renew()
+    # OpenSSL keeps one certificate per key type in a context: the EC one used to stay
+    # and be preferred by every client that accepts EC
+    for ctx in (client_ctx(), client_ctx(max_version=ssl.TLSVersion.TLSv1_2)):
+        assert handshake(srv.port, ctx)[0] == new
+
+    rehydrate_engine.simulate_snapshot()
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    for ctx in (client_ctx(), client_ctx(max_version=ssl.TLSVersion.TLSv1_2)):
+        assert handshake(srv.port, ctx)[0] == new, "a placeholder or the old EC certificate"
+
+
+def test_a_moved_connection_keeps_alpn_and_required_client_certificates(rehydrate_engine,
+                                                                        servers):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    client = tls.self_signed("client", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(cadata=client.material.trust_pem())
+    cert.attach(ctx)
+    srv = servers(ctx)
+    for _ in range(2):  # as attached, and after a renewal (a fresh context)
+        for sni in (True, False):  # OpenSSL calls the sni_callback without SNI too
+            served, answer = handshake(
+                srv.port, client_ctx(alpn=["http/1.1", "h2"], present=client.material),
+                sni=sni)
+            assert served.serial_number == cert.serial and answer == b"ok"
+            assert srv.seen.get(timeout=10) == ("h2", True)
+            served, answer = handshake(srv.port, client_ctx(), sni=sni)
+            assert served.serial_number == cert.serial and answer == b""
+        cert.renew()
+
+
+def test_a_callback_set_before_attach_is_chained_and_one_set_after_is_put_back(
+        rehydrate_engine, servers, caplog):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    names: list[str | None] = []
+    ctx.sni_callback = lambda sslobj, name, c: names.append(name)
+    cert.attach(ctx)
+    srv = servers(ctx)
+    assert handshake(srv.port, client_ctx())[0].serial_number == cert.serial
+    assert handshake(srv.port, client_ctx(), sni=False)[0].serial_number == cert.serial
+    assert names == ["localhost", None]
+
+    later: list[str | None] = []
+    ctx.sni_callback = lambda sslobj, name, c: later.append(name)  # replaces rehydrate's
+    served = handshake(srv.port, client_ctx())[0]
+    assert "placeholder" in served.subject.rfc4514_string()  # ctx's own, never a real key
+    with caplog.at_level("WARNING", logger="rehydrate"):
+        cert.renew()
+        cert.renew()
+    assert caplog.text.count("sni_callback of an attached server context was replaced") == 1
+    assert handshake(srv.port, client_ctx())[0].serial_number == cert.serial
+    assert later == ["localhost", "localhost"]
+
+
+def test_a_certificate_openssl_refuses_leaves_every_context_serving(rehydrate_engine,
+                                                                   tmp_path, servers):
+    crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    c, k, first = _self_signed_pem(ec.generate_private_key(ec.SECP256R1()), "first")
+    crt.write_bytes(c)
+    key.write_bytes(k)
+    cert = tls.from_files("f", cert=crt, key=key, watch=False, engine=rehydrate_engine)
+    a, b = servers(cert.server_context()), servers(cert.server_context())
+    c, k, _ = _self_signed_pem(rsa.generate_private_key(65537, 1024), "weak")
+    crt.write_bytes(c)
+    key.write_bytes(k)
+    with pytest.raises(tls.CertificateError, match="OpenSSL refuses the new certificate"):
+        cert.renew()
+    for srv in (a, b):
+        assert handshake(srv.port, client_ctx())[0] == first
+
+
+def test_the_fresh_context_shares_the_trust_store_of_the_attached_one(rehydrate_engine,
+                                                                     servers):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    client = tls.self_signed("client", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    cert.attach(ctx)
+    srv = servers(ctx)
+    presenting = client_ctx(present=client.material)
+    assert handshake(srv.port, presenting)[1] == b""  # nobody trusted yet
+    # loaded after attach, before any renewal: the very store, not a copy made at attach
+    ctx.load_verify_locations(cadata=client.material.trust_pem())
+    assert handshake(srv.port, presenting)[1] == b"ok"
+    assert srv.seen.get(timeout=10) == (None, True)
