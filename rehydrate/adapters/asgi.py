@@ -32,7 +32,9 @@ Wrap any ASGI application (Starlette, FastAPI, KServe's app, a bare ASGI callabl
   servers in the process whose gates share the engine;
 * one server process per container: a worker whose control socket another process
   serves (a sibling of ``uvicorn --workers N``) would not hear ``rehydrate notify`` and
-  would serve across a snapshot ungated — its lifespan startup fails, with one line.
+  would serve across a snapshot ungated — its lifespan startup fails, with one line,
+  unless that process lets the socket go within ``control_grace`` seconds (the old worker
+  of a reload: gunicorn's ``HUP`` starts the new worker first).
 
 Pure ASGI 3: no Starlette dependency; works under uvicorn and with httpx's ASGI transport.
 """
@@ -45,6 +47,7 @@ import json
 import logging
 import math
 import os
+import select
 import threading
 import time
 import traceback
@@ -86,6 +89,12 @@ _RECHECK = 0.05
 once; this bounds the wait when readiness changes without one (a freeze that was no
 restore)."""
 _TRY_AGAIN_LATER = 1013  # WebSocket close code: "try again later"
+_FIRST_LOOK = 0.05
+_LAST_LOOK = 0.5
+"""Seconds between two looks at a control socket another process serves, while the
+startup waits for it to be let go (doubling from the first to the last): the holder's
+exit wakes the wait at once where the kernel has ``pidfd_open``; a holder that only stops
+serving is seen at the next look."""
 
 
 class _NotLifespan(Exception):
@@ -188,6 +197,24 @@ class _Detection:
             self.holders.append((loop, detectors))
             self.engine.start(detectors, loop=loop)
 
+    def start_control(self, detectors: str | list[str | Detector],
+                      loop: asyncio.AbstractEventLoop) -> None:
+        """Start the control detector that could not start at :meth:`hold` (another
+        process served its socket) — the gate's own instance when it gave one — while
+        ``loop``'s lifespan still holds detection."""
+        from ..detect.control import ControlDetector
+
+        with self.lock:
+            if (not self.engine.started or self.engine.detector("control") is not None
+                    or not any(held is loop for held, _ in self.holders)):
+                return
+            own = [d for d in ([] if isinstance(detectors, str) else detectors)
+                   if isinstance(d, ControlDetector)]
+            try:
+                self.engine.start([own[0] if own else "control"])
+            except Exception:  # as hold(): logged; the caller sees the detector missing
+                log.exception("rehydrate control detector did not start")
+
     def release(self, loop: asyncio.AbstractEventLoop) -> None:
         with self.lock:
             for i in range(len(self.holders) - 1, -1, -1):
@@ -255,6 +282,11 @@ class ReadinessGate:
     (the workers of ``uvicorn --workers N`` share ``$REHYDRATE_CONTROL_SOCKET``): the
     startup then fails (``lifespan.startup.failed``, one line saying to run one worker
     per container) — that worker would not be drained or gated by ``rehydrate notify``.
+    ``control_grace``: seconds that startup first waits for the other process to let the
+    socket go — to exit, or to stop serving it — and then takes the socket over: on a
+    reload (gunicorn's ``HUP``) the new worker starts while the old one still finishes
+    its requests and holds the socket. A sibling that still serves it after that is
+    refused; 0 refuses at once.
     """
 
     def __init__(
@@ -272,6 +304,7 @@ class ReadinessGate:
         max_wait: float = 60.0,
         lifespan: bool = True,
         detectors: str | Iterable[str | Detector] = "auto",
+        control_grace: float = 5.0,
     ) -> None:
         # At most a year, like every other number of seconds: 10**400 was sent to every
         # refused client as a 401-digit Retry-After (one it honours never retries), and
@@ -284,6 +317,7 @@ class ReadinessGate:
         # At most a year: a huge one (10**400) was accepted and overflowed a wait later.
         drain_timeout = check_seconds(drain_timeout, "drain_timeout")
         max_wait = check_seconds(max_wait, "max_wait", zero_ok=True)
+        self.control_grace = check_seconds(control_grace, "control_grace", zero_ok=True)
         # one string is one prefix: tuple("/metrics") would exempt "/", i.e. everything
         exempt = (exempt,) if isinstance(exempt, str) else tuple(exempt)
         if not all(isinstance(p, str) and p.startswith("/") for p in exempt):
@@ -494,8 +528,58 @@ class ReadinessGate:
             await asyncio.to_thread(self._detection.hold, self.detectors, loop)
         except Exception:  # detection is an aid: a failure must not stop the server
             log.exception("rehydrate detection did not start")
-        return await asyncio.to_thread(_control_served_elsewhere, self.engine,
-                                       self.detectors)
+        return await asyncio.to_thread(self._take_control, loop)
+
+    def _take_control(self, loop: asyncio.AbstractEventLoop) -> str | None:
+        """The refusal of the startup when another process of this user serves the
+        control socket and still does after ``control_grace`` seconds; None when it
+        never did (see :func:`_control_peer`), or let it go meanwhile and this process
+        serves the socket now.
+
+        A reload starts the new worker before the old one has stopped: gunicorn's
+        ``HUP`` spawns it, then sends the old one ``SIGTERM``, which serves its requests
+        in flight, shuts its lifespan down (the socket goes) and exits. Refused at the
+        first look, the new worker failed to boot and gunicorn's master exited with it:
+        a reload shut the server down."""
+        from ..detect.control import serving_peer
+
+        peer = _control_peer(self.engine, self.detectors)
+        if peer is None:
+            return None
+        pid, path = peer
+        if self.control_grace > 0:
+            # a WARNING: it explains the detector's ERROR line just logged, and delays
+            # the startup
+            log.warning("another process (pid %d) serves the control socket %s: waiting up "
+                        "to %gs for it to let the socket go (the old worker of a reload) "
+                        "before refusing the startup", pid, path, self.control_grace)
+        deadline = time.monotonic() + self.control_grace
+        step = _FIRST_LOOK
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return _refusal(pid, path)
+            _wait_exit(pid, min(left, step))
+            step = min(step * 2, _LAST_LOOK)
+            try:
+                holder = serving_peer(path)
+            except OSError:  # maybe live (a full backlog): never taken for a free socket
+                continue
+            if holder is not None:
+                if holder[0] == os.getpid() or holder[1] not in (os.geteuid(), 0):
+                    return None  # taken by this process or another user: as _control_peer
+                pid = holder[0]  # one holder may hand the socket to another: follow it
+                continue
+            # Nobody serves it (or a dead process's socket is left there): started
+            # only now, so no "could not start" ERROR is logged at every look.
+            self._detection.start_control(self.detectors, loop)
+            peer = _control_peer(self.engine, self.detectors)
+            if peer is None:
+                if self.engine.detector("control") is not None:
+                    log.info("the control socket %s was let go: this process serves it",
+                             path)
+                return None
+            pid, path = peer  # another process got it first
 
     async def _shutdown(self) -> None:
         # One gate served on two ports: the first server's shutdown made the other's
@@ -681,11 +765,11 @@ def _checked_detectors(detectors: object) -> str | list[str | Detector]:
     return detectors if isinstance(detectors, str) else checked
 
 
-def _control_served_elsewhere(engine: Lifecycle,
-                              detectors: str | list[str | Detector]) -> str | None:
-    """Why this process must not serve: the control detector could not start because
-    another process of this user (or root) serves its socket — a sibling of ``uvicorn
-    --workers N`` (or ``gunicorn -w N``), which all read the same
+def _control_peer(engine: Lifecycle,
+                  detectors: str | list[str | Detector]) -> tuple[int, str] | None:
+    """``(pid, socket path)`` when this process must not serve: the control detector
+    could not start because another process of this user (or root) serves its socket — a
+    sibling of ``uvicorn --workers N`` (or ``gunicorn -w N``), which all read the same
     ``$REHYDRATE_CONTROL_SOCKET``. Only that worker hears ``rehydrate notify save``: the
     others kept admitting requests after the snapshot was prepared and served a clone
     with state from before it. None otherwise: the detector runs, was not asked for,
@@ -707,10 +791,32 @@ def _control_served_elsewhere(engine: Lifecycle,
         return None
     if peer is None or peer[0] == os.getpid() or peer[1] not in (os.geteuid(), 0):
         return None  # nobody; this process; another user's (a squatter: its own error)
-    return (f"rehydrate: another process (pid {peer[0]}) serves the control socket {path}, "
+    return peer[0], path
+
+
+def _refusal(pid: int, path: str) -> str:
+    return (f"rehydrate: another process (pid {pid}) serves the control socket {path}, "
             "so this one would not hear rehydrate notify and would serve across a "
             "snapshot ungated: run one server process per container (no --workers N, or "
             "--workers 1) and scale with replicas; refusing to start")
+
+
+def _wait_exit(pid: int, seconds: float) -> None:
+    """Return when process ``pid`` exits, or after ``seconds``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        # No pidfd here (an old kernel, a sandbox), a pid of another namespace, or one
+        # gone already — whose socket a forked child may still serve (the peer's pid is
+        # the listener's): a bounded step of the caller's loop, which looks again.
+        time.sleep(seconds)
+        return
+    try:
+        poller = select.poll()  # not select(): a descriptor above 1023 is fine
+        poller.register(fd, select.POLLIN)  # readable once the process has exited
+        poller.poll(seconds * 1000)
+    finally:
+        os.close(fd)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -611,6 +611,10 @@ def test_lifespan_wraps_an_app_that_has_one(rehydrate_engine: Any) -> None:
      "max_wait must be a number of seconds >= 0 and at most 31536000 (a year), not -1"),
     ({"max_wait": float("inf")},
      "max_wait must be a number of seconds >= 0 and at most 31536000 (a year), not inf"),
+    ({"control_grace": -1},
+     "control_grace must be a number of seconds >= 0 and at most 31536000 (a year), not -1"),
+    ({"control_grace": "5"},
+     "control_grace must be a number of seconds >= 0 and at most 31536000 (a year), not str"),
     ({"exempt": ["metrics"]}, "exempt must be path prefixes starting with '/', not ('metrics',)"),
     ({"healthz": "/x", "readyz": "/x"},  # liveness would answer 503 while restoring
      "healthz, readyz and status must be distinct paths starting with '/' (or None), not "

@@ -1,7 +1,8 @@
 """ReadinessGate when another process serves the control socket: the workers of
 ``uvicorn --workers N`` all read one ``$REHYDRATE_CONTROL_SOCKET``, only the first gets
 it, and the others served across a snapshot ungated. Driven with real second processes
-(a rehydrate process holding the socket, a real ``uvicorn --workers 2``)."""
+(a rehydrate process holding the socket, a real ``uvicorn --workers 2``). A holder that
+lets the socket go within ``control_grace`` (the old worker of a reload) is waited for."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,15 +64,15 @@ def sock(monkeypatch: pytest.MonkeyPatch, rehydrate_environ: None) -> Iterator[s
 
 
 @contextlib.contextmanager
-def held(path: str) -> Iterator[int]:
-    """Another rehydrate process serving ``path``; yields its pid."""
+def held(path: str) -> Iterator[subprocess.Popen[str]]:
+    """Another rehydrate process serving ``path``; it exits when its stdin is closed."""
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, path], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "serving"
-        yield proc.pid
+        yield proc
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
@@ -131,12 +133,16 @@ async def test_a_gate_whose_control_socket_another_process_serves_refuses_to_sta
     """Before: the second worker logged that its control detector could not start and
     served on — not drained by ``rehydrate notify save``, and admitting requests after
     the snapshot was prepared. Now its startup fails with one line saying why (the
-    application's own startup does not run) and its detection is released."""
+    application's own startup does not run) and its detection is released — once the
+    other process has served the socket for ``control_grace`` more seconds."""
     events: list[str] = []
-    gate = ReadinessGate(_apps(events)[kind], engine=rehydrate_engine)
-    with held(sock) as pid:
+    gate = ReadinessGate(_apps(events)[kind], engine=rehydrate_engine, control_grace=0.5)
+    with held(sock) as holder:
+        pid = holder.pid
         lifespan = Lifespan(gate)
+        started = time.monotonic()
         answer = await lifespan.startup()
+        assert time.monotonic() - started >= 0.5  # the grace was waited out first
         assert answer == {"type": "lifespan.startup.failed",
                           "message": _REFUSAL.format(pid=pid, path=sock)}
         await asyncio.wait_for(lifespan.task, 30)  # done: a server sends nothing more
@@ -144,6 +150,67 @@ async def test_a_gate_whose_control_socket_another_process_serves_refuses_to_sta
         assert events == []
         assert not rehydrate_engine.started
         assert serving_peer(sock) == (pid, os.geteuid())  # the sibling still serves
+
+
+class _Announced(logging.Handler):
+    """Sets ``event`` (on ``loop``) when the gate logs that it waits for the socket."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        super().__init__(logging.WARNING)
+        self.loop, self.event = loop, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waiting up to 30s for it to let the socket go" in record.getMessage():
+            self.loop.call_soon_threadsafe(self.event.set)
+
+
+async def test_a_socket_let_go_during_the_grace_is_taken_over(rehydrate_engine: Any,
+                                                              sock: str) -> None:
+    """A reload (gunicorn's ``HUP``) starts the new worker while the old one still serves
+    the socket, finishing its requests. Refused at the first look, the new worker failed
+    to boot and gunicorn's master exited: the reload shut the server down. Now the
+    startup waits for the holder and, when it exits within ``control_grace``, serves the
+    socket itself and starts."""
+    events: list[str] = []
+    gate = ReadinessGate(_apps(events)["starlette"], engine=rehydrate_engine,
+                         control_grace=30)
+    waiting = asyncio.Event()
+    announced = _Announced(asyncio.get_running_loop(), waiting)
+    logging.getLogger("rehydrate.adapters.asgi").addHandler(announced)
+    try:
+        with held(sock) as holder:
+            lifespan = Lifespan(gate)
+            answer = asyncio.ensure_future(lifespan.startup())
+            seen = asyncio.ensure_future(waiting.wait())
+            await asyncio.wait({answer, seen}, timeout=30,
+                               return_when=asyncio.FIRST_COMPLETED)
+            # the gate found the socket served, and waits: no answer to the server yet
+            assert seen.done() and not answer.done(), lifespan.sent
+            assert serving_peer(sock) == (holder.pid, os.geteuid())
+            assert holder.stdin is not None
+            holder.stdin.close()  # the old worker exits
+            assert holder.wait(30) == 0
+            assert await answer == {"type": "lifespan.startup.complete"}
+    finally:
+        logging.getLogger("rehydrate.adapters.asgi").removeHandler(announced)
+    assert events == ["app startup"]
+    assert rehydrate_engine.detector("control") is not None
+    assert "control" not in rehydrate_engine.status(fields=()).extra.get(
+        "detector_errors", {})
+    assert serving_peer(sock) == (os.getpid(), os.geteuid())
+    await lifespan.shutdown()
+    assert not rehydrate_engine.started
+    assert not os.path.exists(sock)
+
+
+async def test_no_grace_refuses_at_once(rehydrate_engine: Any, sock: str) -> None:
+    """``control_grace=0``: refused at the first look, without waiting."""
+    gate = ReadinessGate(_apps([])["unaware"], engine=rehydrate_engine, control_grace=0)
+    with held(sock) as holder:
+        answer = await Lifespan(gate).startup()
+        assert answer == {"type": "lifespan.startup.failed",
+                          "message": _REFUSAL.format(pid=holder.pid, path=sock)}
+        assert serving_peer(sock) == (holder.pid, os.geteuid())
 
 
 async def test_a_socket_left_by_a_dead_process_is_taken_over(rehydrate_engine: Any,
@@ -199,13 +266,26 @@ def _uvicorn(tmp_path: Path, sock: str, workers: int) -> subprocess.Popen[str]:
 def test_uvicorn_with_two_workers_refuses_and_one_worker_serves(tmp_path: Path,
                                                                 sock: str) -> None:
     """The real ``uvicorn --workers 2``: one worker gets the socket, the other's startup
-    fails with the one line naming the cause, and uvicorn stops (rather than serve with
-    a worker no snapshot drains). ``--workers 1`` starts and serves the socket."""
+    waits ``control_grace`` (5 s by default) for it and then fails with the one line
+    naming the cause, and uvicorn stops (rather than serve with a worker no snapshot
+    drains). ``--workers 1`` starts and serves the socket."""
     proc = _uvicorn(tmp_path, sock, 2)
     try:
-        output, _ = proc.communicate(timeout=120)
+        assert proc.stdout is not None
+        lines, waited, refused = [], 0.0, 0.0
+        for line in proc.stdout:
+            lines.append(line)
+            if "waiting up to 5s for it to let the socket go" in line:
+                waited = time.monotonic()
+            elif "refusing to start" in line:
+                refused = time.monotonic()
+        proc.wait(60)
     finally:
         proc.kill()
+    output = "".join(lines)
+    assert waited and refused, output
+    # the grace, and a margin for a loaded machine: two live workers are still refused
+    assert 5 <= refused - waited < 5 + 20, output
     refusals = [line for line in output.splitlines() if "refusing to start" in line]
     assert len(refusals) == 1, output
     assert "another process (pid " in refusals[0] and f"control socket {sock}," in refusals[0]
