@@ -26,6 +26,7 @@ import math
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -276,6 +277,16 @@ def _skip_reason(hook: Hook, ctx: RestoreContext) -> bool:
     return not changes or (bool(hook.env_keys) and not changes.only(hook.env_keys))
 
 
+_private_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+"""The loops of every :class:`LoopThread`: no application's."""
+
+
+def is_private(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is rehydrate's own (a :class:`LoopThread`'s), which hooks run on
+    when the engine was not given the application's loop (``start(loop=...)``)."""
+    return loop in _private_loops
+
+
 class LoopThread:
     """A private event loop on a daemon thread, started on first use."""
 
@@ -290,6 +301,7 @@ class LoopThread:
                 import asyncio
 
                 loop = asyncio.new_event_loop()
+                _private_loops.add(loop)
                 ready = threading.Event()
 
                 def run() -> None:
