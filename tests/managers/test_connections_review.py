@@ -581,3 +581,65 @@ def test_sync_httpx_check_to_a_silent_peer_ends_with_its_run(rehydrate_engine):
         _, running = concurrent.futures.wait(calls, timeout=10)
         assert not running, "the check's thread is still waiting for the silent peer"
         client.close()
+
+
+_SECRETS_SCRUBBED = [  # (library error, shown as)
+    ("Could not parse SQLAlchemy URL from string 'oracle+cx_oracle://scott:tiger@db:1521/o'",
+     "Could not parse SQLAlchemy URL from string 'oracle+cx_oracle://db:1521/o'"),
+    ("Could not parse SQLAlchemy URL from string 'ibm_db_sa://u:s3cret@h:50000/sample'",
+     "Could not parse SQLAlchemy URL from string 'ibm_db_sa://h:50000/sample'"),
+    ("postgresql+psycopg2://app:pw@db/orders", "postgresql+psycopg2://db/orders"),
+    ("HTTP://USER:PASS@host/ down", "HTTP://host/ down"),
+    ("connection to app:hunter2@db:5432 failed", "connection to db:5432 failed"),
+    ("svc:Zk9/q+Xw@127.0.0.1:1 refused", "127.0.0.1:1 refused"),
+    ("invalid dsn: host=db user=app password=hunter2 dbname=orders",
+     "invalid dsn: host=db user=app password=[redacted] dbname=orders"),
+    ("dsn: host=db password='two words' port=5432", "dsn: host=db password=[redacted] port=5432"),
+    ("Server=db;UID=sa;PWD=s3cret;Database=x", "Server=db;UID=sa;PWD=[redacted];Database=x"),
+    ("redis://default:pa/ss@cache:6379/0 refused", "redis://cache:6379/0 refused"),
+    ("redis://:p#ss@cache:6379/0 refused", "redis://cache:6379/0 refused"),
+    ("wss://x.io/socket?sig=ab(c)d closed", "wss://x.io/socket closed"),
+    ("GET https://api.example.com/v1/x?token=abc123&y=2 returned 500",
+     "GET https://api.example.com/v1/x returned 500"),
+    ("request to /x?token=abc failed, retry", "request to /x failed, retry"),
+    ("url: /health?api_key=K1 (Caused by NewConnectionError('...'))",
+     "url: /health (Caused by NewConnectionError('...'))"),
+    ("mongodb+srv://u:p@cluster0.example.net/?retryWrites=true&w=majority",
+     "mongodb+srv://cluster0.example.net/"),
+]
+
+_TEXTS_KEPT = [  # no credential in them: shown as they are
+    "UPDATE t SET a=?,b=? WHERE id=?",
+    "DELETE FROM kv WHERE k=?;v=1",
+    "INSERT INTO t VALUES (?,?)",
+    "UPDATE users SET password=? WHERE id=?",
+    "UPDATE users SET password = %s",
+    "UPDATE users SET password=%(pw)s WHERE id=:id",
+    "Is the server up? Retry=3",
+    "expected 'a' or 'b'?got=c",
+    "see https://sqlalche.me/e/20/e3q8 for details",
+    "user bob@example.com not found",
+    "write to mailto:bob@example.com",
+    "https://example.com:8080/users/bob@example.com",
+    "git@github.com:org/repo.git",
+    "at 12:30:01 job@worker",
+    "connection to server at \"db\" (10.0.0.1), port 5432 failed",
+]
+
+
+@pytest.mark.parametrize(("text", "shown"), _SECRETS_SCRUBBED)
+def test_scrub_urls_removes_the_credentials_libraries_quote(text, shown):
+    """Schemes with "_" (``ibm_db_sa``), an address without a scheme (libpq's
+    ``app:pw@db:5432``), a key=value DSN's ``password=``, raw passwords holding "/" or
+    "#", a query value holding "(": each reached the report, ``status()`` and the log."""
+    from rehydrate._urls import scrub_urls
+
+    assert scrub_urls(text) == shown
+
+
+@pytest.mark.parametrize("text", _TEXTS_KEPT)
+def test_scrub_urls_leaves_texts_without_credentials_alone(text):
+    """SQL placeholders were taken for query strings (``a=?,b=?`` became ``a=``)."""
+    from rehydrate._urls import scrub_urls
+
+    assert scrub_urls(text) == text
