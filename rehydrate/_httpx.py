@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from ._blocked_loops import is_blocked
+from ._loop_roles import is_blocked, is_private
 from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._threads import fresh_lock_after_fork
 from ._urls import without_credentials
@@ -169,10 +169,9 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the current pool's connections belong to (None: none opened yet)."""
         self._home: asyncio.AbstractEventLoop | None = None
-        """The loop the application last sent a request on, kept across :meth:`reset`
-        (made from a coroutine: that one until then, most likely the client's — the only
-        hint for requests that all go through the caller's mounts, which this never
-        sees)."""
+        """The loop the application last sent a request on, kept across :meth:`reset`,
+        also through the caller's mounts (:meth:`saw_request`). Made from a coroutine:
+        that one until then, most likely the client's."""
         with contextlib.suppress(RuntimeError):
             self._home = asyncio.get_running_loop()
         self.proxies: list[AsyncReconnectingTransport] = []
@@ -381,32 +380,48 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         mounted (``mounts=``: a proxy, a different TLS setup), which is what the
         application's requests to it go through: checked through anything else, a down
         proxy passed the check and every request failed. Its pool belongs to the
-        application's loop: sent there (here when the hooks run on it). A loop that does
-        not run now (stopped, closed, or its thread waiting for this very event) cannot
-        send it, and sent from here the request would leave a connection of this loop in
-        that pool: the check fails, saying so."""
+        application's loop, and a connection the check left there from another loop
+        failed the application's next request through it ("bound to a different event
+        loop"): sent there only (here when the hooks run on it, else submitted to it).
+
+        When that loop cannot send it, the check is :meth:`probe`'s through a
+        short-lived transport of the client's own configuration, straight to the
+        server: while the loop is not known (no request of the client seen yet, and the
+        hooks run on rehydrate's own loop: a mount is a transport of any kind, which
+        cannot be copied), is closed, or its thread waits for this very event (nothing
+        sent there runs before the check's deadline). A loop only stopped
+        (``run_until_complete`` between two calls) may run again within the deadline:
+        the check fails, saying so, and is retried."""
         here = asyncio.get_running_loop()
-        home = self._mounts_loop()
+        home = self._home
+        if home is None and not is_private(here):
+            home = here  # the hooks run on the application's loop (start(loop=...))
         # after the closes reset() scheduled for the mounts: one still under way took
         # the check's connection out of the pool with the dead ones
         closes = [asyncio.wrap_future(f) for f in self._mount_closes if not f.done()]
-        if home is None or home is here:
+        if home is here:
             if closes:
                 await asyncio.wait(closes)  # never raises, nor cancels them
             await self._send(mount, request)
             return
-        if home.is_closed() or not home.is_running() or is_blocked(home):
-            why = ("is closed" if home.is_closed() else "is not running" if
-                   not home.is_running() else "is waiting for this lifecycle event")
+        if home is None or home.is_closed() or is_blocked(home):
+            await self.probe(request)
+            return
+        if not home.is_running():
             raise ConnectionError(
                 f"{shown(request.url)} goes through a transport given in mounts=, whose "
-                f"connections belong to the application's event loop, which {why}: "
-                "it cannot be checked there")
+                "connections belong to the application's event loop, which is not "
+                "running: it cannot be checked there")
         if closes:
             await asyncio.wait(closes)
         # cancelled (the deadline) here, the task there is cancelled too
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
             self._send(mount, request), home))
+
+    async def saw_request(self, request: httpx.Request) -> None:
+        """The client's request event hook: the loop its requests run on, also those
+        that go through the caller's mounts, which this transport never sees."""
+        self._home = asyncio.get_running_loop()
 
     @staticmethod
     async def _send(transport: httpx.AsyncBaseTransport, request: httpx.Request) -> None:
@@ -493,6 +508,9 @@ def make_async_client(
     transport = AsyncReconnectingTransport(**transport_kwargs)
     transport.proxies = _env_mounts(client_kwargs, transport._kwargs,
                                     AsyncReconnectingTransport)
+    hooks = dict(client_kwargs.get("event_hooks") or {})
+    hooks["request"] = [transport.saw_request, *hooks.get("request", [])]
+    client_kwargs["event_hooks"] = hooks
     client = httpx.AsyncClient(transport=transport, **client_kwargs)
     transport.client = client
     return client, transport

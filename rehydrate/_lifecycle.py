@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _config
 from . import env as env_module
-from ._blocked_loops import blocking
 from ._context import (
     HookFailed,
     HookResult,
@@ -48,6 +47,7 @@ from ._contract import (
     refuse_another_engine,
 )
 from ._hooks import Hook, Registry, _BuiltinRegistry
+from ._loop_roles import blocking
 from ._runner import HookRunner, LoopThread, Observer, running_hook_of
 from ._threads import fresh_lock_after_fork
 from .env import EnvRefresher, check_overlay

@@ -40,6 +40,7 @@ from ._context import (
     describe_error,
 )
 from ._hooks import Hook
+from ._loop_roles import mark_private
 from ._redact import redact_error
 
 if TYPE_CHECKING:
@@ -288,6 +289,7 @@ class LoopThread:
                 import asyncio
 
                 loop = asyncio.new_event_loop()
+                mark_private(loop)
                 ready = threading.Event()
 
                 def run() -> None:

@@ -6,11 +6,28 @@ import re
 
 __all__ = ["scrub_urls", "without_credentials"]
 
-_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#'\"<>]*@")
-"""``scheme://user:password@``: the user info of a URL, wherever it stands in a text."""
-_QUERY = re.compile(r"(?<=[^\s'\"<>?])\?[^\s'\"<>()?#=]*=[^\s'\"<>()]*")
-"""``/path?name=value&...`` glued to what precedes it (not a question in prose): a
-query string, up to the next space, quote or parenthesis."""
+_PORT = r"(?!\d+(?:[/?#]|$))"
+"""Not ``:8080/`` (a port, then a path): what follows a colon in ``host:port/a@b``."""
+_END = r"\s'\"<>"
+"""What ends a URL quoted in a message: a space or a quote."""
+
+_SCRUBS: list[tuple[re.Pattern[str], str]] = [
+    # scheme://user:password@ (scheme: oracle+cx_oracle, ibm_db_sa): a raw password may
+    # hold "/" or "#", so it runs to the "@", unless a space or a quote comes first
+    (re.compile(rf"\b([A-Za-z][\w+.-]*://)(?:[^{_END}/?#@:]*:{_PORT}[^{_END}@]*"
+                rf"|[^{_END}/?#@:]*)@"), r"\1"),
+    # user:password@host without a scheme (libpq's "connection to app:pw@db:5432"); a
+    # user alone (bob@example.com) is no secret, nor is a mailto: address
+    (re.compile(rf"(?<![\w.+:/@-])(?!mailto:)[\w.+-]+:{_PORT}[^{_END}@:]+@(?=[\w\[])"), ""),
+    # password=... of a key=value DSN (libpq, ODBC's PWD=...;), not a SQL placeholder
+    (re.compile(r"\b(password|passwd|pwd|sslpassword)\s*=\s*"
+                r"(?!\?|%s|%\(|:\w|\$\d)('[^']*'|\{[^}]*\}|[^\s;'\"]+)",
+                re.IGNORECASE), r"\1=[redacted]"),
+    # /path?name=value... glued to a path (not a question in prose, not "a=?" of SQL):
+    # a query string and fragment, up to a space, a quote, or a ")" it did not open
+    (re.compile(rf"(?<=[\w/.~%-])\?[\w.~%+-]*=(?:[^{_END}()]|\([^{_END}()]*\))*"), ""),
+]
+"""What :func:`scrub_urls` removes (or replaces), in this order."""
 
 
 def without_credentials(url: str) -> str:
@@ -34,5 +51,9 @@ def scrub_urls(text: str) -> str:
     """``text`` (a library's error message) without the user info and the query strings
     of the URLs it quotes, as :func:`without_credentials` shows one URL: requests and
     urllib3 quote the request's path with its query (``url: /health?api_key=...``), a
-    driver its DSN (``postgresql://app:pw@db/orders``)."""
-    return _QUERY.sub("", _USER_INFO.sub(r"\1", text))
+    driver its DSN (``postgresql://app:pw@db/orders``, ``host=db password=pw``), libpq
+    the address it tried (``app:pw@db:5432``). A heuristic: it errs on the side of
+    removing, but leaves SQL placeholders (``a=?,b=?``) and addresses (``bob@host``)."""
+    for pattern, replacement in _SCRUBS:
+        text = pattern.sub(replacement, text)
+    return text

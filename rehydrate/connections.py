@@ -53,9 +53,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _backoff, _config, _dns
-from ._blocked_loops import is_blocked
 from ._context import RestoreContext
 from ._hooks import Phase
+from ._loop_roles import is_blocked
 from ._loops import LoopClosed, LoopStopped, run_quietly
 from ._redact import redact
 from ._runner import _submit
@@ -1988,7 +1988,10 @@ def httpx_async_client(
     after the restore reuses its connection; otherwise it uses a separate short-lived
     transport and the new pool fills on the application's loop. A ``check_url`` the
     client sends through a transport given in ``mounts=`` (a proxy) is checked through
-    that transport, on the application's loop (failing while that loop does not run)."""
+    that transport, on the application's loop (the one the client's last request ran
+    on); when that loop is not known, closed, or waiting for this very restore, the
+    check goes straight to the server through a short-lived transport (the mount is not
+    checked then), and while it is only stopped the check fails and is retried."""
     from ._httpx import AsyncReconnectingTransport, make_async_client
 
     client, transport = make_async_client(client_kwargs)

@@ -342,7 +342,7 @@ def test_a_child_forked_while_a_parent_thread_holds_a_module_lock_is_not_wedged(
     ``install()`` (its installed-hooks lock) hung there."""
     import asyncio
 
-    import rehydrate._blocked_loops as blocked_loops
+    import rehydrate._loop_roles as loop_roles
     import rehydrate.adapters._server as server
     import rehydrate.detect.snapstart as snapstart
     from rehydrate.adapters import vllm
@@ -360,7 +360,7 @@ def test_a_child_forked_while_a_parent_thread_holds_a_module_lock_is_not_wedged(
         return [h.name for h in engine.builtins.hooks("restore")
                 if h.fn == adapter.after_restore]
 
-    lock = {"runner": lambda: blocked_loops._blocked_lock, "snapstart": lambda: snapstart._lock,
+    lock = {"runner": lambda: loop_roles._blocked_lock, "snapstart": lambda: snapstart._lock,
             "adapters": lambda: server._installed_lock}[which]
     with _parent_thread_holding(lock):
         out = in_forked_child(lambda: {"used": use()}, DEADLINE)

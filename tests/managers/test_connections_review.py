@@ -207,6 +207,167 @@ def test_async_httpx_check_through_a_mount_of_a_stopped_loop_fails_saying_why(
         loop.close()
 
 
+@pytest.fixture
+def app_loop():  # type: ignore[no-untyped-def]
+    """The application's event loop, run by a thread of its own, as a server's is."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def _on(loop, coro):  # type: ignore[no-untyped-def]
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+
+def _module_level_client(engine, url, mount, deadline=5.0):  # type: ignore[no-untyped-def]
+    """Made outside any loop (at import), every request through the caller's mount."""
+    import httpx
+
+    return connections.httpx_async_client(
+        "api", base_url=url, check_url="/health", deadline=deadline,
+        mounts={"all://": mount or httpx.AsyncHTTPTransport(retries=2)}, engine=engine)
+
+
+def test_async_httpx_mount_check_leaves_no_connection_of_rehydrates_loop(
+        rehydrate_engine, http_srv, app_loop):
+    """A client made at import whose requests all go through a mount (``retries=2``): its
+    loop was unknown, the check went through the mount from rehydrate's loop and left
+    that loop's connection in the mount's pool, and the application's first request
+    after every restore failed (``RuntimeError: <asyncio.locks.Event ...> is bound to a
+    different event loop``). Its requests now tell the loop, and the check is sent there."""
+    import httpx
+
+    mount = httpx.AsyncHTTPTransport(retries=2)
+    client = _module_level_client(rehydrate_engine, http_srv.url, mount)
+    assert _on(app_loop, client.get("/before")).text == "/before"
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert len(mount._pool.connections) == 1  # the check's, made on the app's loop
+    for path in ("/after", "/again"):
+        assert _on(app_loop, client.get(path)).text == path
+    _on(app_loop, client.aclose())
+
+
+async def test_httpx_async_client_keeps_the_callers_event_hooks(rehydrate_engine,
+                                                                http_srv):
+    """The helper's request hook (which loop the requests run on) runs before the
+    caller's own, which still all run."""
+    seen: list[str] = []
+
+    async def on_request(request):  # type: ignore[no-untyped-def]
+        seen.append(f"request {request.url.path}")
+
+    async def on_response(response):  # type: ignore[no-untyped-def]
+        seen.append(f"response {response.status_code}")
+
+    client = connections.httpx_async_client(
+        "api", base_url=http_srv.url, engine=rehydrate_engine,
+        event_hooks={"request": [on_request], "response": [on_response]})
+    assert (await client.get("/x")).text == "/x"
+    assert seen == ["request /x", "response 200"]
+    assert len(client.event_hooks["request"]) == 2
+    await client.aclose()
+
+
+def test_async_httpx_mount_check_with_the_apps_loop_unknown_goes_straight(
+        rehydrate_engine, http_srv, app_loop):
+    """No request seen yet (a snapshot taken before serving) and the hooks on rehydrate's
+    loop: the mount's pool may only get connections of the application's loop, so the
+    check goes straight to the server through a short-lived transport (a proxy mounted
+    is not checked then), and leaves nothing in that pool."""
+    import httpx
+    from netservers import refused_port
+
+    with refused_port() as port:
+        client = _module_level_client(
+            rehydrate_engine, http_srv.url,
+            httpx.AsyncHTTPTransport(proxy=f"http://127.0.0.1:{port}"))
+        [mount] = client._transport._mounted()
+        report = rehydrate_engine.simulate_restore()
+        assert report.ok, report.table()
+        assert mount._pool.connections == []
+        with pytest.raises(httpx.ConnectError):  # the proxy the check did not go through
+            _on(app_loop, client.get("/x"))
+    _on(app_loop, client.aclose())
+
+
+def test_async_httpx_mount_check_with_the_apps_loop_unknown_after_restore_works(
+        rehydrate_engine, http_srv, app_loop):
+    """The same through a mount that works: the application's first request after the
+    restore (the first ever) works, on a connection of its own loop."""
+    import httpx
+
+    mount = httpx.AsyncHTTPTransport()
+    client = _module_level_client(rehydrate_engine, http_srv.url, mount)
+    assert rehydrate_engine.simulate_restore().ok
+    assert mount._pool.connections == []
+    assert _on(app_loop, client.get("/first")).text == "/first"
+    assert _on(app_loop, client.get("/second")).text == "/second"
+    _on(app_loop, client.aclose())
+
+
+def test_async_httpx_mount_check_on_the_apps_loop_given_to_start_goes_through_it(
+        rehydrate_engine, http_srv, app_loop):
+    """With the hooks on the application's loop (``start(loop=...)``, as ``ReadinessGate``
+    does), the check goes through the mount there even before the client's first
+    request: a proxy mounted that is down fails it."""
+    import httpx
+    from netservers import refused_port
+
+    rehydrate_engine.start("none", loop=app_loop)
+    with refused_port() as port:
+        client = _module_level_client(
+            rehydrate_engine, http_srv.url,
+            httpx.AsyncHTTPTransport(proxy=f"http://127.0.0.1:{port}"), deadline=0.5)
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        assert "ConnectError" in _status(rehydrate_engine, "api")["last_error"]
+    _on(app_loop, client.aclose())
+
+
+def test_async_httpx_mount_check_with_the_apps_loop_closed_goes_straight(
+        rehydrate_engine, http_srv):
+    """The loop the client's requests ran on is closed (``asyncio.run`` returned): no
+    check can be sent there ever, and one that said so was retried until the deadline.
+    It goes through a short-lived transport, as with that loop unknown."""
+    import httpx
+
+    async def use():  # type: ignore[no-untyped-def]
+        client = connections.httpx_async_client(
+            "api", base_url=http_srv.url, check_url="/health", deadline=2,
+            mounts={"http://": httpx.AsyncHTTPTransport()}, engine=rehydrate_engine)
+        assert (await client.get("/x")).text == "/x"
+
+    asyncio.run(use())
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+
+
+async def test_async_httpx_mount_check_from_a_restore_on_the_apps_loop_does_not_retry(
+        rehydrate_engine, http_srv):
+    """``simulate_restore()`` called on the application's loop (a pytest-asyncio test, a
+    Jupyter cell): that loop waits for the restore, a check sent there could not run, and
+    it was retried until the deadline, then failed. It goes through a short-lived
+    transport, as a check of a URL without a mount does."""
+    import httpx
+
+    mount = httpx.AsyncHTTPTransport()
+    client = connections.httpx_async_client(
+        "api", base_url=http_srv.url, check_url="/health", deadline=3,
+        mounts={"http://": mount}, engine=rehydrate_engine)
+    assert (await client.get("/before")).text == "/before"
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert (await client.get("/after")).text == "/after"
+    await client.aclose()
+
+
 @pytest.mark.parametrize("which", ["async_engine", "its_sync_engine"])
 def test_sqlalchemy_engine_refuses_an_async_engine_at_registration(rehydrate_engine, which):
     """An ``AsyncEngine`` was accepted, then every snapshot and restore failed
@@ -420,3 +581,65 @@ def test_sync_httpx_check_to_a_silent_peer_ends_with_its_run(rehydrate_engine):
         _, running = concurrent.futures.wait(calls, timeout=10)
         assert not running, "the check's thread is still waiting for the silent peer"
         client.close()
+
+
+_SECRETS_SCRUBBED = [  # (library error, shown as)
+    ("Could not parse SQLAlchemy URL from string 'oracle+cx_oracle://scott:tiger@db:1521/o'",
+     "Could not parse SQLAlchemy URL from string 'oracle+cx_oracle://db:1521/o'"),
+    ("Could not parse SQLAlchemy URL from string 'ibm_db_sa://u:s3cret@h:50000/sample'",
+     "Could not parse SQLAlchemy URL from string 'ibm_db_sa://h:50000/sample'"),
+    ("postgresql+psycopg2://app:pw@db/orders", "postgresql+psycopg2://db/orders"),
+    ("HTTP://USER:PASS@host/ down", "HTTP://host/ down"),
+    ("connection to app:hunter2@db:5432 failed", "connection to db:5432 failed"),
+    ("svc:Zk9/q+Xw@127.0.0.1:1 refused", "127.0.0.1:1 refused"),
+    ("invalid dsn: host=db user=app password=hunter2 dbname=orders",
+     "invalid dsn: host=db user=app password=[redacted] dbname=orders"),
+    ("dsn: host=db password='two words' port=5432", "dsn: host=db password=[redacted] port=5432"),
+    ("Server=db;UID=sa;PWD=s3cret;Database=x", "Server=db;UID=sa;PWD=[redacted];Database=x"),
+    ("redis://default:pa/ss@cache:6379/0 refused", "redis://cache:6379/0 refused"),
+    ("redis://:p#ss@cache:6379/0 refused", "redis://cache:6379/0 refused"),
+    ("wss://x.io/socket?sig=ab(c)d closed", "wss://x.io/socket closed"),
+    ("GET https://api.example.com/v1/x?token=abc123&y=2 returned 500",
+     "GET https://api.example.com/v1/x returned 500"),
+    ("request to /x?token=abc failed, retry", "request to /x failed, retry"),
+    ("url: /health?api_key=K1 (Caused by NewConnectionError('...'))",
+     "url: /health (Caused by NewConnectionError('...'))"),
+    ("mongodb+srv://u:p@cluster0.example.net/?retryWrites=true&w=majority",
+     "mongodb+srv://cluster0.example.net/"),
+]
+
+_TEXTS_KEPT = [  # no credential in them: shown as they are
+    "UPDATE t SET a=?,b=? WHERE id=?",
+    "DELETE FROM kv WHERE k=?;v=1",
+    "INSERT INTO t VALUES (?,?)",
+    "UPDATE users SET password=? WHERE id=?",
+    "UPDATE users SET password = %s",
+    "UPDATE users SET password=%(pw)s WHERE id=:id",
+    "Is the server up? Retry=3",
+    "expected 'a' or 'b'?got=c",
+    "see https://sqlalche.me/e/20/e3q8 for details",
+    "user bob@example.com not found",
+    "write to mailto:bob@example.com",
+    "https://example.com:8080/users/bob@example.com",
+    "git@github.com:org/repo.git",
+    "at 12:30:01 job@worker",
+    "connection to server at \"db\" (10.0.0.1), port 5432 failed",
+]
+
+
+@pytest.mark.parametrize(("text", "shown"), _SECRETS_SCRUBBED)
+def test_scrub_urls_removes_the_credentials_libraries_quote(text, shown):
+    """Schemes with "_" (``ibm_db_sa``), an address without a scheme (libpq's
+    ``app:pw@db:5432``), a key=value DSN's ``password=``, raw passwords holding "/" or
+    "#", a query value holding "(": each reached the report, ``status()`` and the log."""
+    from rehydrate._urls import scrub_urls
+
+    assert scrub_urls(text) == shown
+
+
+@pytest.mark.parametrize("text", _TEXTS_KEPT)
+def test_scrub_urls_leaves_texts_without_credentials_alone(text):
+    """SQL placeholders were taken for query strings (``a=?,b=?`` became ``a=``)."""
+    from rehydrate._urls import scrub_urls
+
+    assert scrub_urls(text) == text

@@ -1,8 +1,10 @@
-"""Which event loops have their own thread waiting in a lifecycle event.
+"""What rehydrate knows about an event loop: whether it is rehydrate's own, and whether
+its thread is waiting in a lifecycle event.
 
 The engine marks the application's loop while a run started on that loop's thread blocks
 it (the hooks then run on rehydrate's loop); the connection helpers ask before they send
-work to a loop, which would only run after the event that waits for it.
+work to a loop, which would only run after the event that waits for it, and tell
+rehydrate's own loops from the application's.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -18,7 +21,7 @@ from ._threads import fresh_lock_after_fork
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["blocking", "is_blocked"]
+__all__ = ["blocking", "is_blocked", "is_private", "mark_private"]
 
 _blocked_lock = threading.Lock()
 # Every engine run from an event loop's thread takes it, in a forked child too.
@@ -52,3 +55,18 @@ def is_blocked(loop: asyncio.AbstractEventLoop) -> bool:
     submitted there and awaited from that event's hooks would only run after it."""
     with _blocked_lock:
         return id(loop) in _blocked
+
+
+_private_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+"""The loops of every ``LoopThread`` (``rehydrate._runner``): no application's."""
+
+
+def mark_private(loop: asyncio.AbstractEventLoop) -> None:
+    """Record ``loop`` as rehydrate's own (called by the ``LoopThread`` that runs it)."""
+    _private_loops.add(loop)
+
+
+def is_private(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is rehydrate's own (a ``LoopThread``'s), which hooks run on when
+    the engine was not given the application's loop (``start(loop=...)``)."""
+    return loop in _private_loops
