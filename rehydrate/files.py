@@ -1691,10 +1691,14 @@ class FilesManager:
         if report.ok or not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
                                 for r in report.hooks):
             return
+        # The count first: a before-snapshot pass that begins once it is read makes the
+        # reopen below stale(). Read after the pending check, it took in a pass whose
+        # close ran in between (every handle reopened while that snapshot was pending).
+        with self._lock:
+            passes = self._snapshot_passes
         if getattr(engine, "snapshot_pending", False):
             return  # a newer before-snapshot pass: a handle reopened now is in its image
         with self._lock:
-            passes = self._snapshot_passes
             if self._reopened_at == passes:
                 mend: str | None = "recovered"
             elif not self._pass_running:

@@ -1111,6 +1111,55 @@ def test_no_reopen_for_a_run_while_a_newer_snapshot_is_pending(short_reopen,
     assert (big.suspended, b.suspended, b.readline()) == (False, False, "b\n")
 
 
+def test_no_reopen_when_a_snapshot_begins_during_the_pending_check(
+        short_reopen, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's report read the pass count after checking snapshot_pending: a new
+    before-snapshot pass whose close ran between the two was taken as the baseline
+    (stale() stayed False), and every handle was reopened while that snapshot was
+    pending (its descriptors in the image)."""
+    engine, ended, errors = short_reopen
+    mgr = files.manager(engine)
+    inner = mgr._after_restore
+    hold = threading.Event()
+
+    def after_restore(ctx):  # the pass is done; its thread has not ended yet
+        try:
+            inner(ctx)
+        finally:
+            hold.wait(30)
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    big, b = late.handles
+    real = type(engine).snapshot_pending
+    armed = [False]
+
+    def snapshot_pending(self):
+        pending = real.fget(self)
+        if armed[0] and not pending:
+            armed[0] = False
+            # The next snapshot's close, on another thread, just after this read.
+            mgr._before_snapshot()
+        return pending
+
+    try:
+        late.restore_into_the_late_pass()
+        assert engine.simulate_snapshot().ok
+        late.release.set()
+        assert ended.wait(20)
+        assert isinstance(errors[-1], files.ReopenFailed), errors  # stopped, nothing owed
+        monkeypatch.setattr(type(engine), "snapshot_pending", property(snapshot_pending))
+        armed[0] = True
+        report = engine.simulate_restore(kind="resume")
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+        assert not armed[0], "the new pass ran inside the check"
+        assert big.suspended and b.suspended, "nothing reopened into the pending image"
+    finally:
+        late.release.set()
+        hold.set()
+
+
 @pytest.mark.parametrize(("bad", "error", "shown"), [
     (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
     ("10", TypeError, "not str")])
