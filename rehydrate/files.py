@@ -599,37 +599,45 @@ def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
 
 
 @contextlib.contextmanager
-def _own_statements(internal: threading.local) -> Iterator[None]:
+def _own_statements(threads: set[int]) -> Iterator[None]:
     """rehydrate's own statements on this thread: the application's authorizer,
     progress handler and trace callback pass over them (see :func:`_quiet_callback`)."""
-    before = getattr(internal, "active", False)
-    internal.active = True
+    ident = threading.get_ident()
+    if ident in threads:  # nested: the outer one takes it out
+        yield
+        return
+    threads.add(ident)
     try:
         yield
     finally:
-        internal.active = before
+        threads.discard(ident)
 
 
 def _quiet_callback(method: str, fn: Callable[..., Any],
-                    internal: threading.local) -> Callable[..., Any]:
+                    threads: set[int]) -> Callable[..., Any]:
     """``fn`` (an authorizer, progress handler or trace callback), passed over for the
     statements rehydrate runs itself (SQLite calls it on the thread running the
     statement, so another thread's statements meanwhile are still checked)."""
+    # ``threads`` is empty but while rehydrate runs its own statements: the check costs a
+    # truth test, with no call, on every thread. A threading.local read with a default
+    # went through an AttributeError on each call on a thread that never set it (a
+    # progress handler made a query ~4x slower on a web server's worker thread).
+    get_ident = threading.get_ident
     if method == "set_authorizer":
         import sqlite3
 
         allow = sqlite3.SQLITE_OK
 
         def authorizer(*args: Any) -> Any:
-            return allow if getattr(internal, "active", False) else fn(*args)
+            return allow if threads and get_ident() in threads else fn(*args)
         return authorizer
     if method == "set_progress_handler":
         def progress() -> Any:
-            return 0 if getattr(internal, "active", False) else fn()
+            return 0 if threads and get_ident() in threads else fn()
         return progress
 
     def trace(statement: str) -> None:
-        if not getattr(internal, "active", False):
+        if not (threads and get_ident() in threads):
             fn(statement)
     return trace
 
@@ -641,7 +649,7 @@ _CALLBACK_ARGS = {"set_authorizer": "authorizer_callback",
 keyword name of that callback."""
 
 
-def _quiet_factory(base: Any, internal: threading.local) -> Any:
+def _quiet_factory(base: Any, threads: set[int]) -> Any:
     """A subclass of the connection class ``base`` whose callbacks, however they are set
     (through the handle, in ``on_connect``, on a kept reference), pass over rehydrate's
     own statements; None when ``base`` is not a class that can be subclassed so."""
@@ -655,9 +663,9 @@ def _quiet_factory(base: Any, internal: threading.local) -> Any:
 
         def setter(self: sqlite3.Connection, *args: Any, **kwargs: Any) -> None:
             if args and args[0] is not None:
-                args = (_quiet_callback(method, args[0], internal), *args[1:])
+                args = (_quiet_callback(method, args[0], threads), *args[1:])
             elif kwargs.get(keyword) is not None:
-                kwargs[keyword] = _quiet_callback(method, kwargs[keyword], internal)
+                kwargs[keyword] = _quiet_callback(method, kwargs[keyword], threads)
             getattr(base, method)(self, *args, **kwargs)
         setter.__name__ = method
         return setter
@@ -705,7 +713,7 @@ class ManagedConnection(_Handle):
         super().__init__(path, engine, on_change, required)
         # rehydrate closes and reopens the connection from its hook thread.
         connect_kwargs["check_same_thread"] = False
-        internal = threading.local()
+        internal: set[int] = set()
         import sqlite3
 
         # The connection's own class makes the callbacks pass over rehydrate's statements:
@@ -741,8 +749,8 @@ class ManagedConnection(_Handle):
     attached by a plain path."""
     _made: tuple[frozenset[tuple[str, str]], frozenset[str], list[tuple[str, str]]]
     """The TEMP objects and in-memory attachments on_connect made (not refused)."""
-    _internal: threading.local
-    """``active`` while this thread runs rehydrate's own statements on the connection."""
+    _internal: set[int]
+    """The threads (by ident) running rehydrate's own statements on the connection."""
     _conn: sqlite3.Connection
 
     def _connect(self) -> sqlite3.Connection:
@@ -1683,10 +1691,14 @@ class FilesManager:
         if report.ok or not any(r.name == hook.name and isinstance(r.error, HookStillRunning)
                                 for r in report.hooks):
             return
+        # The count first: a before-snapshot pass that begins once it is read makes the
+        # reopen below stale(). Read after the pending check, it took in a pass whose
+        # close ran in between (every handle reopened while that snapshot was pending).
+        with self._lock:
+            passes = self._snapshot_passes
         if getattr(engine, "snapshot_pending", False):
             return  # a newer before-snapshot pass: a handle reopened now is in its image
         with self._lock:
-            passes = self._snapshot_passes
             if self._reopened_at == passes:
                 mend: str | None = "recovered"
             elif not self._pass_running:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import sqlite3
+import sys
 import threading
 from pathlib import Path
 
@@ -1110,6 +1111,55 @@ def test_no_reopen_for_a_run_while_a_newer_snapshot_is_pending(short_reopen,
     assert (big.suspended, b.suspended, b.readline()) == (False, False, "b\n")
 
 
+def test_no_reopen_when_a_snapshot_begins_during_the_pending_check(
+        short_reopen, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's report read the pass count after checking snapshot_pending: a new
+    before-snapshot pass whose close ran between the two was taken as the baseline
+    (stale() stayed False), and every handle was reopened while that snapshot was
+    pending (its descriptors in the image)."""
+    engine, ended, errors = short_reopen
+    mgr = files.manager(engine)
+    inner = mgr._after_restore
+    hold = threading.Event()
+
+    def after_restore(ctx):  # the pass is done; its thread has not ended yet
+        try:
+            inner(ctx)
+        finally:
+            hold.wait(30)
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
+    big, b = late.handles
+    real = type(engine).snapshot_pending
+    armed = [False]
+
+    def snapshot_pending(self):
+        pending = real.fget(self)
+        if armed[0] and not pending:
+            armed[0] = False
+            # The next snapshot's close, on another thread, just after this read.
+            mgr._before_snapshot()
+        return pending
+
+    try:
+        late.restore_into_the_late_pass()
+        assert engine.simulate_snapshot().ok
+        late.release.set()
+        assert ended.wait(20)
+        assert isinstance(errors[-1], files.ReopenFailed), errors  # stopped, nothing owed
+        monkeypatch.setattr(type(engine), "snapshot_pending", property(snapshot_pending))
+        armed[0] = True
+        report = engine.simulate_restore(kind="resume")
+        error = _hook(report, "rehydrate.files.reopen").error
+        assert type(error).__name__ == "HookStillRunning", repr(error)
+        assert not armed[0], "the new pass ran inside the check"
+        assert big.suspended and b.suspended, "nothing reopened into the pending image"
+    finally:
+        late.release.set()
+        hold.set()
+
+
 @pytest.mark.parametrize(("bad", "error", "shown"), [
     (0, ValueError, "not 0"), (-1, ValueError, "not -1"), (float("nan"), ValueError, "not nan"),
     ("10", TypeError, "not str")])
@@ -1558,6 +1608,44 @@ def test_sqlite_internal_statements_run_without_the_applications_callbacks(
     with pytest.raises(sqlite3.DatabaseError, match="prohibited|not authorized"):
         db.execute("SELECT * FROM sqlite_master")
     assert denied == ["sqlite_master"] and seen == [], "the callbacks are set again"
+
+
+def test_sqlite_callback_wrappers_call_nothing_but_the_applications_callback(
+        engine, tmp_path: Path) -> None:
+    """The pass-over check read a threading.local with a default: on a thread that never
+    ran rehydrate's statements (a web server's worker), each call of a progress handler
+    set in on_connect went through an AttributeError (a query ~4x slower than plain
+    sqlite3). Between rehydrate's own statements, the wrappers make no call of their own
+    on any thread: they only call the application's callback."""
+    calls: list[str] = []
+
+    def on_connect(conn: sqlite3.Connection) -> None:
+        conn.set_authorizer(lambda *args: calls.append("authorizer") or sqlite3.SQLITE_OK)
+        conn.set_progress_handler(lambda: calls.append("progress") or 0, 10)
+        conn.set_trace_callback(lambda sql: calls.append("trace"))
+
+    db = files.sqlite(tmp_path / "app.db", engine=engine, on_connect=on_connect)
+    made: dict[str, list[str]] = {}
+
+    def query(name: str) -> None:
+        def profile(frame, event, arg):
+            if event == "c_call" and frame.f_code.co_qualname.startswith(
+                    "_quiet_callback.<locals>."):
+                made.setdefault(name, []).append(
+                    f"{frame.f_code.co_name}: {getattr(arg, '__name__', arg)}")
+        sys.setprofile(profile)  # this thread's
+        try:
+            db.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c "
+                       "WHERE x < 1000) SELECT sum(x) FROM c").fetchone()
+        finally:
+            sys.setprofile(None)
+
+    query("the thread that opened the handle")
+    worker = threading.Thread(target=query, args=("another thread",))
+    worker.start()
+    worker.join(20)
+    assert {"authorizer", "progress", "trace"} <= set(calls), "the wrappers ran"
+    assert made == {}
 
 
 def test_sqlite_callbacks_stay_on_for_other_threads_while_the_close_runs(
