@@ -345,6 +345,7 @@ def load_into(ctx: ssl.SSLContext, material: Material) -> None:
 _SSL_CTRL_SET_SESS_CACHE_MODE = 44
 _SSL_CTRL_GET_SESS_CACHE_MODE = 45
 _SSL_SESS_CACHE_OFF = 0
+_SSL_CTRL_SET_DH_AUTO = 118
 
 
 @functools.cache
@@ -541,7 +542,8 @@ def _fresh_server_context(attached: ssl.SSLContext, swap: _Swap) -> ssl.SSLConte
     context a connection is moved to: trust store (client certificates are verified
     against it), ALPN protocols, security level — and, for good measure, those a
     connection keeps from the context it was made by (verify mode, options, protocol
-    versions, ciphers, post-handshake auth). Session resumption off."""
+    versions, ciphers, post-handshake auth). DH parameters chosen by OpenSSL (see
+    :func:`_dh_auto`). Session resumption off."""
     new = ssl.SSLContext(attached.protocol)
     new.options = attached.options
     with contextlib.suppress(ValueError):  # only the TLS_* protocols have these
@@ -569,8 +571,22 @@ def _fresh_server_context(attached: ssl.SSLContext, swap: _Swap) -> ssl.SSLConte
                     "here; connections presenting renewed certificates negotiate none")
     if attached.keylog_filename:
         new.keylog_filename = attached.keylog_filename
+    _dh_auto(new)
     _no_resumption(new)
     return new
+
+
+def _dh_auto(ctx: ssl.SSLContext) -> None:
+    """Let OpenSSL pick DH parameters matching the key size (``SSL_CTX_set_dh_auto``).
+
+    Why: moving a connection to ``ctx`` replaces its DH parameters with ``ctx``'s, and
+    those ``load_dh_params`` put into the attached context cannot be read back from
+    Python: without any, a server allowing only DHE cipher suites failed every
+    handshake. (A context that never loaded DH parameters now offers DHE too, with
+    parameters of at least the key's strength.)"""
+    fns, ptr = _libssl(), _ssl_ctx_ptr(ctx)
+    if fns is not None and ptr is not None:
+        fns[1](ptr, _SSL_CTRL_SET_DH_AUTO, 1, None)
 
 
 def _slot(public_key: Any) -> str:

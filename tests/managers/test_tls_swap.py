@@ -237,3 +237,38 @@ def test_the_fresh_context_shares_the_trust_store_of_the_attached_one(rehydrate_
     ctx.load_verify_locations(cadata=client.material.trust_pem())
     assert handshake(srv.port, presenting)[1] == b"ok"
     assert srv.seen.get(timeout=10) == (None, True)
+
+
+# RFC 7919-sized (2048-bit) DH parameters: public, made once with `openssl dhparam`
+DH_PARAMS = b"""-----BEGIN DH PARAMETERS-----
+MIIBCAKCAQEAxLQV6fDSv384BN9OD7nLXj88JFPyaHPQYHspKkzxkN2TKSd5fiqT
+/y1NjJ5/B4K3tnvCqRTFrHqkfQnV2vM3bqgfUiS85fy6VcTeuoQ/lRDhVRqwAh9Y
+uC1tmurYWsnq2RodjeQN5Uqv/AFDoaRQDzL8khBL4at+uHCSo67cS+eT7Lkfw2OB
+vWskxtcJ8q+k7TPd3XaNqrpTmXNep58QfQ3lOH45NV4tHkTAt9oypOFhf4yy0yhF
+2xFlVAXkx2AE3gATVVuxpEI3Z9aJY/xZiTH541KMBAeXWnqWAQaN72GOzaJGgic9
+jYgROHSSEzxkvzBS94lIj4J9WjPK7ljlPwIBAg==
+-----END DH PARAMETERS-----
+"""
+
+
+def test_a_dhe_only_server_still_negotiates_dhe(rehydrate_engine, tmp_path, servers):
+    dh = tmp_path / "dh.pem"
+    dh.write_bytes(DH_PARAMS)
+    cert = tls.self_signed("web", algorithm="rsa-2048", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_dh_params(str(dh))  # not carried over: moving a connection replaces them
+    ctx.set_ciphers("DHE-RSA-AES128-GCM-SHA256")
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    cert.attach(ctx)
+    srv = servers(ctx)
+    client = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
+    client.set_ciphers("DHE-RSA-AES128-GCM-SHA256")
+    for _ in range(2):  # as attached, and after a renewal
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock, \
+                client.wrap_socket(sock, server_hostname="localhost") as t:
+            assert t.cipher()[0] == "DHE-RSA-AES128-GCM-SHA256"
+            served = x509.load_der_x509_certificate(t.getpeercert(binary_form=True))
+            assert served.serial_number == cert.serial
+            t.send(b"x")
+            assert t.recv(2) == b"ok"
+        cert.renew()
