@@ -515,7 +515,10 @@ class _Swap:
     touched again.
 
     ``chained``: the callback the context had before (called first; when it refuses the
-    name or moves the connection to a context of its own, rehydrate leaves it there)."""
+    name, rehydrate leaves it; when it moves the connection to a context of its own,
+    rehydrate leaves it there — or, when that context is attached too, moves it on to
+    that one's :attr:`current`: OpenSSL never runs the callback of the context a
+    connection is moved to, so it would present that context's placeholder)."""
 
     def __init__(self, chained: Any) -> None:
         self.current: ssl.SSLContext | None = None
@@ -529,8 +532,14 @@ class _Swap:
                  ctx: ssl.SSLContext) -> int | None:
         if self.chained is not None:
             alert = self.chained(sslobj, server_name, ctx)
-            if alert is not None or sslobj.context is not ctx:
+            if alert is not None:
                 return cast("int | None", alert)
+            target = sslobj.context
+            if target is not ctx:
+                swap = target.sni_callback
+                if isinstance(swap, _Swap) and swap.current is not None:
+                    sslobj.context = swap.current
+                return None
         current = self.current
         if current is not None:
             sslobj.context = current
@@ -670,6 +679,8 @@ class ManagedCertificate:
             weakref.WeakKeyDictionary()
         """Attached server contexts and the callback moving their connections to the
         context presenting the material in use (see :class:`_Swap`)."""
+        self._own_server: ssl.SSLContext | None = None
+        """The server context :meth:`current_server_context` without a context uses."""
         self._presenting: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
         """Every client context made to present the certificate, also those a renewal
         replaced (an application may still hold one): each holds a private key."""
@@ -1024,10 +1035,33 @@ class ManagedCertificate:
 
     def server_context(self, *, purpose: int = ssl.PROTOCOL_TLS_SERVER) -> ssl.SSLContext:
         """A new server ``SSLContext`` presenting this certificate, kept current, with
-        session resumption off (see :meth:`attach`)."""
+        session resumption off (see :meth:`attach`). To serve with: an ``sni_callback``
+        of a context rehydrate did not attach must move connections to
+        :meth:`current_server_context` instead (this one would present a placeholder)."""
         ctx = ssl.SSLContext(purpose)
         self.attach(ctx)
         return ctx
+
+    def current_server_context(self, ctx: ssl.SSLContext | None = None) -> ssl.SSLContext:
+        """The context presenting the material in use right now, for an ``sni_callback``
+        of your own to move a connection to (``sslsock.context = ...``): the fresh context
+        rehydrate built for ``ctx`` (a context attached to this handle, whose settings it
+        has), or without ``ctx`` for a default :meth:`server_context` the handle keeps.
+
+        Why: OpenSSL runs only the ``sni_callback`` of the context a connection began on.
+        A connection moved to an attached context by the callback of a context rehydrate
+        did not attach presents that context's throwaway placeholder. Renewals replace the
+        context: call this in the callback, do not keep what it returns."""
+        with self._lock:
+            if ctx is None:
+                if self._own_server is None:
+                    self._own_server = self.server_context()
+                ctx = self._own_server
+            swap = self._served.get(ctx)
+            if swap is None:
+                raise ValueError(f"certificate {self.name!r}: that context is not attached "
+                                 "to it (attach() it first)")
+            return swap.current if swap.current is not None else ctx
 
     def attach(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
         """Make the server context ``ctx`` present the current material (the placeholder

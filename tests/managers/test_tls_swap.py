@@ -4,8 +4,10 @@ fresh context and new connections are moved to it (``rehydrate.tls._Swap``)."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import queue
+import re
 import socket
 import ssl
 import subprocess
@@ -105,12 +107,14 @@ def client_ctx(*, alpn: list[str] | None = None, present: tls.Material | None = 
     return ctx
 
 
-def handshake(port: int, ctx: ssl.SSLContext, *, sni: bool = True
+def handshake(port: int, ctx: ssl.SSLContext, *, sni: bool | str = True
               ) -> tuple[x509.Certificate, bytes]:
     """The certificate the server presented and what it answered (b"" when it dropped
-    the connection after the handshake: a client certificate it required was missing)."""
+    the connection after the handshake: a client certificate it required was missing).
+    ``sni``: the server name sent (True: localhost, False: none)."""
+    name = sni if isinstance(sni, str) else "localhost" if sni else None
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, \
-            ctx.wrap_socket(sock, server_hostname="localhost" if sni else None) as t:
+            ctx.wrap_socket(sock, server_hostname=name) as t:
         der = t.getpeercert(binary_form=True)
         try:
             t.send(b"x")
@@ -272,3 +276,93 @@ def test_a_dhe_only_server_still_negotiates_dhe(rehydrate_engine, tmp_path, serv
             t.send(b"x")
             assert t.recv(2) == b"ok"
         cert.renew()
+
+
+# -- several certificates on one listener (SNI) ------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent.parent / "docs" / "identity.md"
+
+
+def _sni_recipe() -> str:
+    """The code block of the SNI recipe in docs/identity.md, as documented."""
+    text = DOCS.read_text()
+    at = text.index("**Several certificates on one listener (SNI)**")
+    block = re.search(r"```python\n(.*?)```", text[at:], re.S)
+    assert block is not None
+    return "\n".join(line.removeprefix("  ") for line in block.group(1).splitlines())
+
+
+def test_the_sni_recipe_in_the_docs_serves_each_current_certificate(
+        rehydrate_engine, servers, monkeypatch):
+    monkeypatch.setattr(tls, "self_signed",
+                        functools.partial(tls.self_signed, engine=rehydrate_engine))
+    scope: dict[str, object] = {}
+    exec(compile(_sni_recipe(), str(DOCS), "exec"), scope)  # noqa: S102
+    api, web = scope["api"], scope["web"]
+    assert isinstance(api, tls.ManagedCertificate)
+    assert isinstance(web, tls.ManagedCertificate)
+    front = scope["front"]
+    assert isinstance(front, ssl.SSLContext)
+    srv = servers(front)
+    for round_ in range(3):  # as set up, after renew(), after a snapshot and restore
+        for sni, handle in (("api.example", api), ("www.example", web), (False, web)):
+            served, answer = handshake(srv.port, client_ctx(alpn=["h2"]), sni=sni)
+            assert served.serial_number == handle.serial, (round_, sni)
+            assert answer == b"ok"
+            assert srv.seen.get(timeout=10) == ("h2", False)
+        if round_ == 0:
+            api.renew()
+            web.renew()
+        else:
+            rehydrate_engine.simulate_snapshot()
+            report = rehydrate_engine.simulate_restore()
+            assert report.ok, report.table()
+
+
+def test_a_plain_front_context_hands_out_the_current_server_context(
+        rehydrate_engine, servers, tmp_path):
+    api = tls.self_signed("api", engine=rehydrate_engine)
+    kept = api.server_context()
+    c, k, own = _self_signed_pem(ec.generate_private_key(ec.SECP256R1()), "front's own")
+    (tmp_path / "c.pem").write_bytes(c)
+    (tmp_path / "k.pem").write_bytes(k)
+    front = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # never attached
+    front.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+
+    def pick(sslsock, name, listening):
+        if name == "api":
+            sslsock.context = api.current_server_context()
+        elif name == "kept":
+            sslsock.context = kept  # an attached context: OpenSSL never runs its callback
+
+    front.sni_callback = pick
+    srv = servers(front)
+    for _ in range(2):
+        assert handshake(srv.port, client_ctx(), sni="api")[0].serial_number == api.serial
+        assert handshake(srv.port, client_ctx(), sni="other")[0] == own
+        served = handshake(srv.port, client_ctx(), sni="kept")[0]
+        assert "placeholder" in served.subject.rfc4514_string()  # as documented
+        api.renew()
+    with pytest.raises(ValueError, match="not attached"):
+        api.current_server_context(front)
+
+
+def test_a_connection_moved_to_another_attached_context_presents_its_certificate(
+        rehydrate_engine, servers):
+    web = tls.self_signed("web", engine=rehydrate_engine)
+    api = tls.self_signed("api", engine=rehydrate_engine)
+    api_ctx = api.server_context()
+
+    def pick(sslsock, name, listening):
+        if name == "api":
+            sslsock.context = api_ctx  # attached: rehydrate moves it on to api's current
+
+    front = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    front.sni_callback = pick
+    web.attach(front)
+    srv = servers(front)
+    for _ in range(2):  # as attached, and after a renewal of each
+        assert handshake(srv.port, client_ctx(), sni="api")[0].serial_number == api.serial
+        assert handshake(srv.port, client_ctx(), sni="web")[0].serial_number == web.serial
+        api.renew()
+        web.renew()
