@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import gc
 import os
 import queue
 import re
@@ -13,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -366,3 +368,60 @@ def test_a_connection_moved_to_another_attached_context_presents_its_certificate
         assert handshake(srv.port, client_ctx(), sni="web")[0].serial_number == web.serial
         api.renew()
         web.renew()
+
+
+def test_an_rsa_and_an_ecdsa_certificate_attached_to_one_context_are_both_served(
+        rehydrate_engine, servers):
+    ecdsa = tls.self_signed("ec", engine=rehydrate_engine)
+    rsa_ = tls.self_signed("rsa", algorithm="rsa-2048", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ecdsa.attach(ctx)
+    rsa_.attach(ctx)
+    srv = servers(ctx)
+
+    def client(cipher: str) -> ssl.SSLContext:
+        c = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
+        c.set_ciphers(cipher)
+        return c
+
+    for round_ in range(4):  # attached; each renewed in turn; after a snapshot and restore
+        served, answer = handshake(srv.port, client("ECDHE-ECDSA-AES128-GCM-SHA256"))
+        assert served.serial_number == ecdsa.serial and answer == b"ok", round_
+        served, answer = handshake(srv.port, client("ECDHE-RSA-AES128-GCM-SHA256"))
+        assert served.serial_number == rsa_.serial and answer == b"ok", round_
+        if round_ == 0:
+            ecdsa.renew()
+        elif round_ == 1:
+            rsa_.renew()
+        else:
+            rehydrate_engine.simulate_snapshot()
+            report = rehydrate_engine.simulate_restore()
+            assert report.ok, report.table()
+    rsa_.detach(ctx)
+    ecdsa.renew()  # the detached one's certificate goes with the next rebuild
+    served, _ = handshake(srv.port, client_ctx())
+    assert served.serial_number == ecdsa.serial
+    with pytest.raises(ssl.SSLError):
+        handshake(srv.port, client("ECDHE-RSA-AES128-GCM-SHA256"))
+
+
+def test_attached_contexts_referring_back_to_themselves_are_freed(rehydrate_engine):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+
+    class App:
+        def __init__(self) -> None:
+            self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.ctx.sni_callback = self.pick  # the context -> callback -> app -> context
+            cert.attach(self.ctx)
+
+        def pick(self, sslobj, name, ctx):
+            return None
+
+    gone = []
+    for _ in range(5):
+        app = App()
+        weakref.finalize(app.ctx, gone.append, True)
+        del app
+    gc.collect()
+    assert len(gone) == 5
+    assert len(cert._served) == 0
