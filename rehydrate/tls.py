@@ -24,10 +24,12 @@ restore hook fails (``required`` decides readiness) and one clear line is logged
 Live TLS: :meth:`ManagedCertificate.server_context` returns an ``ssl.SSLContext`` that is
 kept current: new handshakes present the certificate in use while established
 connections continue. :meth:`ManagedCertificate.attach` does the same for a context made
-elsewhere (uvicorn's ``config.ssl``). A context that serves is never changed (that
-crashed threaded servers, and left a certificate of another key type served): each
-renewal builds a fresh context with the attached one's settings, and the attached
-context's ``sni_callback`` moves every new connection to it (:class:`_Swap`). Both turn
+elsewhere (uvicorn's ``config.ssl``); an ``sni_callback`` of your own hands out
+:meth:`ManagedCertificate.current_server_context`. A context that serves is never
+changed (that crashed threaded servers, and left a certificate of another key type
+served): each renewal builds a fresh context with the attached one's settings, and the
+attached context's ``sni_callback`` moves every new connection to it (:class:`_Swap`).
+Both turn
 session resumption off on the context (no tickets, no session
 cache): the ticket key and cached sessions are in the snapshot image, and a resumed
 session would skip the renewed certificate on every clone.
@@ -1098,16 +1100,21 @@ class ManagedCertificate:
         A connection moved to an attached context by the callback of a context rehydrate
         did not attach presents that context's throwaway placeholder. Renewals replace the
         context: call this in the callback, do not keep what it returns."""
-        with self._lock:
+        # No lock but to make the default context: this runs in every handshake that
+        # needs it, and a renewal holds the handle's lock while it builds contexts.
+        if ctx is None:
+            ctx = self._own_server
             if ctx is None:
-                if self._own_server is None:
-                    self._own_server = self.server_context()
-                ctx = self._own_server
-            swap = _swap_of(ctx) if ctx in self._served else None
-            if swap is None:
-                raise ValueError(f"certificate {self.name!r}: that context is not attached "
-                                 "to it (attach() it first)")
-            return swap.current if swap.current is not None else ctx
+                with self._lock:
+                    if self._own_server is None:
+                        self._own_server = self.server_context()
+                    ctx = self._own_server
+        swap = _swap_of(ctx) if ctx in self._served else None
+        if swap is None:
+            raise ValueError(f"certificate {self.name!r}: that context is not attached to "
+                             "it (attach() it first)")
+        current = swap.current
+        return current if current is not None else ctx
 
     def attach(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
         """Make the server context ``ctx`` present the current material (the placeholder
