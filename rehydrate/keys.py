@@ -545,7 +545,8 @@ class KeyManager:
             if key is None:
                 # after the before-snapshot pass, a new key would be written into the
                 # image: it starts without a key pair (generated on restore/resume)
-                key = EphemeralKey(name, algorithm or "ed25519", self,
+                # `is None`, not `or`: an empty string is an unknown algorithm, refused
+                key = EphemeralKey(name, "ed25519" if algorithm is None else algorithm, self,
                                    generate=not self._dropped)
                 self._keys[name] = key
             elif algorithm is not None and key.algorithm != algorithm:

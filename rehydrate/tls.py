@@ -24,10 +24,12 @@ restore hook fails (``required`` decides readiness) and one clear line is logged
 Live TLS: :meth:`ManagedCertificate.server_context` returns an ``ssl.SSLContext`` that is
 kept current: new handshakes present the certificate in use while established
 connections continue. :meth:`ManagedCertificate.attach` does the same for a context made
-elsewhere (uvicorn's ``config.ssl``). A context that serves is never changed (that
-crashed threaded servers, and left a certificate of another key type served): each
-renewal builds a fresh context with the attached one's settings, and the attached
-context's ``sni_callback`` moves every new connection to it (:class:`_Swap`). Both turn
+elsewhere (uvicorn's ``config.ssl``); an ``sni_callback`` of your own hands out
+:meth:`ManagedCertificate.current_server_context`. A context that serves is never
+changed (that crashed threaded servers, and left a certificate of another key type
+served): each renewal builds a fresh context with the attached one's settings, and the
+attached context's ``sni_callback`` moves every new connection to it (:class:`_Swap`).
+Both turn
 session resumption off on the context (no tickets, no session
 cache): the ticket key and cached sessions are in the snapshot image, and a resumed
 session would skip the renewed certificate on every clone.
@@ -345,6 +347,7 @@ def load_into(ctx: ssl.SSLContext, material: Material) -> None:
 _SSL_CTRL_SET_SESS_CACHE_MODE = 44
 _SSL_CTRL_GET_SESS_CACHE_MODE = 45
 _SSL_SESS_CACHE_OFF = 0
+_SSL_CTRL_SET_DH_AUTO = 118
 
 
 @functools.cache
@@ -514,11 +517,22 @@ class _Swap:
     touched again.
 
     ``chained``: the callback the context had before (called first; when it refuses the
-    name or moves the connection to a context of its own, rehydrate leaves it there)."""
+    name, rehydrate leaves it; when it moves the connection to a context of its own,
+    rehydrate leaves it there — or, when that context is attached too, moves it on to
+    that one's :attr:`current`: OpenSSL never runs the callback of the context a
+    connection is moved to, so it would present that context's placeholder).
+
+    One per attached context, shared by every handle attached to it (an RSA and an ECDSA
+    certificate on one context): :attr:`current` presents each one's :attr:`materials`.
+    Kept on the context itself (:func:`_swap_of`), so a callback referring back to the
+    context (a bound method of the server holding it) makes an ordinary reference cycle
+    the garbage collector frees."""
 
     def __init__(self, chained: Any) -> None:
         self.current: ssl.SSLContext | None = None
         self.chained = chained
+        self.materials: dict[ManagedCertificate, Material] = {}
+        """What each attached handle presents here (built under :data:`_SWAP_LOCK`)."""
         self.warned = False
         """The missing-ALPN warning was logged for this context."""
         self.warned_replaced = False
@@ -528,12 +542,39 @@ class _Swap:
                  ctx: ssl.SSLContext) -> int | None:
         if self.chained is not None:
             alert = self.chained(sslobj, server_name, ctx)
-            if alert is not None or sslobj.context is not ctx:
+            if alert is not None:
                 return cast("int | None", alert)
+            target = sslobj.context
+            if target is not ctx:
+                swap = _swap_of(target)
+                if swap is not None and swap.current is not None:
+                    sslobj.context = swap.current
+                return None
         current = self.current
         if current is not None:
             sslobj.context = current
         return None
+
+
+_SWAP_LOCK = threading.RLock()
+"""Held while a :class:`_Swap`'s context is built and replaced: the handles attached to
+one context renew independently, and a build must not replace one that has newer
+material of another handle."""
+_SWAPS: weakref.WeakKeyDictionary[ssl.SSLContext, _Swap] = weakref.WeakKeyDictionary()
+"""Swaps of contexts that take no attribute (not an ``ssl.SSLContext`` subclass)."""
+
+
+def _swap_of(ctx: ssl.SSLContext) -> _Swap | None:
+    """The :class:`_Swap` of an attached context (None when not attached)."""
+    swap = getattr(ctx, "_rehydrate_swap", None)
+    return swap if isinstance(swap, _Swap) else _SWAPS.get(ctx)
+
+
+def _set_swap(ctx: ssl.SSLContext, swap: _Swap) -> None:
+    try:
+        ctx._rehydrate_swap = swap  # type: ignore[attr-defined]
+    except AttributeError:
+        _SWAPS[ctx] = swap
 
 
 def _fresh_server_context(attached: ssl.SSLContext, swap: _Swap) -> ssl.SSLContext:
@@ -541,7 +582,8 @@ def _fresh_server_context(attached: ssl.SSLContext, swap: _Swap) -> ssl.SSLConte
     context a connection is moved to: trust store (client certificates are verified
     against it), ALPN protocols, security level — and, for good measure, those a
     connection keeps from the context it was made by (verify mode, options, protocol
-    versions, ciphers, post-handshake auth). Session resumption off."""
+    versions, ciphers, post-handshake auth). DH parameters chosen by OpenSSL (see
+    :func:`_dh_auto`). Session resumption off."""
     new = ssl.SSLContext(attached.protocol)
     new.options = attached.options
     with contextlib.suppress(ValueError):  # only the TLS_* protocols have these
@@ -569,8 +611,22 @@ def _fresh_server_context(attached: ssl.SSLContext, swap: _Swap) -> ssl.SSLConte
                     "here; connections presenting renewed certificates negotiate none")
     if attached.keylog_filename:
         new.keylog_filename = attached.keylog_filename
+    _dh_auto(new)
     _no_resumption(new)
     return new
+
+
+def _dh_auto(ctx: ssl.SSLContext) -> None:
+    """Let OpenSSL pick DH parameters matching the key size (``SSL_CTX_set_dh_auto``).
+
+    Why: moving a connection to ``ctx`` replaces its DH parameters with ``ctx``'s, and
+    those ``load_dh_params`` put into the attached context cannot be read back from
+    Python: without any, a server allowing only DHE cipher suites failed every
+    handshake. (A context that never loaded DH parameters now offers DHE too, with
+    parameters of at least the key's strength.)"""
+    fns, ptr = _libssl(), _ssl_ctx_ptr(ctx)
+    if fns is not None and ptr is not None:
+        fns[1](ptr, _SSL_CTRL_SET_DH_AUTO, 1, None)
 
 
 def _slot(public_key: Any) -> str:
@@ -650,10 +706,11 @@ class ManagedCertificate:
             weakref.WeakKeyDictionary()
         """Key types this handle loaded into each client context (each holds one key per
         type)."""
-        self._served: weakref.WeakKeyDictionary[ssl.SSLContext, _Swap] = \
-            weakref.WeakKeyDictionary()
-        """Attached server contexts and the callback moving their connections to the
-        context presenting the material in use (see :class:`_Swap`)."""
+        self._served: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
+        """Attached server contexts; each holds its callback moving connections to the
+        context presenting the material in use (see :class:`_Swap`, :func:`_swap_of`)."""
+        self._own_server: ssl.SSLContext | None = None
+        """The server context :meth:`current_server_context` without a context uses."""
         self._presenting: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
         """Every client context made to present the certificate, also those a renewal
         replaced (an application may still hold one): each holds a private key."""
@@ -868,23 +925,36 @@ class ManagedCertificate:
         context that serves is changed (see :class:`_Swap`). (No throwaway context tries
         the material when none is attached: OpenSSL would leave a copy of the key in the
         heap; a context attached later says so, see :meth:`attach`.)"""
-        served = list(self._served.items())
-        fresh: list[ssl.SSLContext] = []
-        try:
-            for ctx, swap in served:
-                fresh.append(self._fresh_for(ctx, swap, material))
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            material.wipe_key()
-            raise self._refused(exc, "the new certificate") from None
-        for (_, swap), new in zip(served, fresh, strict=True):
-            swap.current = new
+        with _SWAP_LOCK:
+            served = self._swaps()
+            fresh: list[ssl.SSLContext] = []
+            try:
+                for ctx, swap in served:
+                    fresh.append(self._fresh_for(ctx, swap, material))
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                material.wipe_key()
+                raise self._refused(exc, "the new certificate") from None
+            for (_, swap), new in zip(served, fresh, strict=True):
+                swap.materials[self] = material
+                swap.current = new
+
+    def _swaps(self) -> list[tuple[ssl.SSLContext, _Swap]]:
+        """The attached contexts with their swaps."""
+        pairs = []
+        for ctx in list(self._served):
+            swap = _swap_of(ctx)
+            if swap is not None:
+                pairs.append((ctx, swap))
+        return pairs
 
     def _fresh_for(self, ctx: ssl.SSLContext, swap: _Swap, material: Material
                    ) -> ssl.SSLContext:
         """A fresh context with the settings of the attached ``ctx``, presenting
-        ``material``. First puts rehydrate's callback back when the application replaced
-        ``ctx.sni_callback`` after :meth:`attach` (its connections stopped following
-        renewals): the new callback is chained, and one warning says so."""
+        ``material`` and what the other handles attached to ``ctx`` present there (caller
+        holds :data:`_SWAP_LOCK`). First puts rehydrate's callback back when the
+        application replaced ``ctx.sni_callback`` after :meth:`attach` (its connections
+        stopped following renewals): the new callback is chained, and one warning says
+        so."""
         if ctx.sni_callback is not swap:
             if not swap.warned_replaced:
                 swap.warned_replaced = True
@@ -896,6 +966,9 @@ class ManagedCertificate:
             swap.chained = ctx.sni_callback
             ctx.sni_callback = swap
         new = _fresh_server_context(ctx, swap)
+        for handle, other in swap.materials.items():
+            if handle is not self:  # first: this handle's own wins a shared key type
+                load_into(new, other)
         load_into(new, material)
         return new
 
@@ -933,16 +1006,18 @@ class ManagedCertificate:
         # replaced still holds its (older, real) key, and would carry it into the image
         self._clients.clear()
         slot = _slot(m.certificate.public_key()) if m is not None else self._default_slot()
-        for ctx, swap in list(self._served.items()):
-            ph = placeholders.get(slot)
-            if ph is None:
-                ph = placeholders[slot] = placeholder_material(slot)
-            try:
-                swap.current = self._fresh_for(ctx, swap, ph)
-            except (OSError, ValueError):
-                # the attached context's own placeholder (see attach) is served instead:
-                # the context holding the real key is let go either way
-                swap.current = None
+        with _SWAP_LOCK:
+            for ctx, swap in self._swaps():
+                ph = placeholders.get(slot)
+                if ph is None:
+                    ph = placeholders[slot] = placeholder_material(slot)
+                try:
+                    swap.current = self._fresh_for(ctx, swap, ph)
+                except (OSError, ValueError):
+                    # the attached context's own placeholder (see attach) is served
+                    # instead: the context holding the real key is let go either way
+                    swap.current = None
+                swap.materials[self] = ph  # no reference to the real key stays either
         for ctx in list(self._presenting):
             slots = set(self._slots.get(ctx, ()))
             if m is not None:
@@ -1008,10 +1083,38 @@ class ManagedCertificate:
 
     def server_context(self, *, purpose: int = ssl.PROTOCOL_TLS_SERVER) -> ssl.SSLContext:
         """A new server ``SSLContext`` presenting this certificate, kept current, with
-        session resumption off (see :meth:`attach`)."""
+        session resumption off (see :meth:`attach`). To serve with: an ``sni_callback``
+        of a context rehydrate did not attach must move connections to
+        :meth:`current_server_context` instead (this one would present a placeholder)."""
         ctx = ssl.SSLContext(purpose)
         self.attach(ctx)
         return ctx
+
+    def current_server_context(self, ctx: ssl.SSLContext | None = None) -> ssl.SSLContext:
+        """The context presenting the material in use right now, for an ``sni_callback``
+        of your own to move a connection to (``sslsock.context = ...``): the fresh context
+        rehydrate built for ``ctx`` (a context attached to this handle, whose settings it
+        has), or without ``ctx`` for a default :meth:`server_context` the handle keeps.
+
+        Why: OpenSSL runs only the ``sni_callback`` of the context a connection began on.
+        A connection moved to an attached context by the callback of a context rehydrate
+        did not attach presents that context's throwaway placeholder. Renewals replace the
+        context: call this in the callback, do not keep what it returns."""
+        # No lock but to make the default context: this runs in every handshake that
+        # needs it, and a renewal holds the handle's lock while it builds contexts.
+        if ctx is None:
+            ctx = self._own_server
+            if ctx is None:
+                with self._lock:
+                    if self._own_server is None:
+                        self._own_server = self.server_context()
+                    ctx = self._own_server
+        swap = _swap_of(ctx) if ctx in self._served else None
+        if swap is None:
+            raise ValueError(f"certificate {self.name!r}: that context is not attached to "
+                             "it (attach() it first)")
+        current = swap.current
+        return current if current is not None else ctx
 
     def attach(self, ctx: ssl.SSLContext) -> ssl.SSLContext:
         """Make the server context ``ctx`` present the current material (the placeholder
@@ -1029,20 +1132,36 @@ class ManagedCertificate:
         renewal on. A connection's ``context``
         attribute is that context, not ``ctx``. Assigning ``ctx.sni_callback`` after
         attach stops the moves: new connections present the placeholder until the next
-        renewal puts rehydrate's callback back (chaining yours, one warning)."""
-        with self._lock:
+        renewal puts rehydrate's callback back (chaining yours, one warning).
+
+        Several handles may be attached to one context (an RSA and an ECDSA certificate:
+        OpenSSL picks the one the client supports): its fresh context presents each
+        one's material in use (of two of one key type, the one renewed last)."""
+        with self._lock, _SWAP_LOCK:
             if ctx in self._served:
                 return ctx
-            swap = _Swap(ctx.sni_callback)
-            cache_off = _no_resumption(ctx)  # first: the fresh context copies its options
+            swap = _swap_of(ctx)
+            first = swap is None
+            if swap is None:
+                swap = _Swap(ctx.sni_callback)
+                cache_off = _no_resumption(ctx)  # first: the fresh context copies options
+            else:  # attached to another handle already: ctx serves, and is not changed
+                cache_off = True
+            material = self._serving()
             try:
-                load_into(ctx, placeholder_material())
-                ctx.sni_callback = swap
-                swap.current = self._fresh_for(ctx, swap, self._serving())
+                if first:
+                    load_into(ctx, placeholder_material())
+                    ctx.sni_callback = swap
+                new = self._fresh_for(ctx, swap, material)
             except (OSError, ValueError) as exc:
-                ctx.sni_callback = swap.chained
+                if first:
+                    ctx.sni_callback = swap.chained
                 raise self._refused(exc) from None
-            self._served[ctx] = swap
+            swap.materials[self] = material
+            swap.current = new
+            if first:
+                _set_swap(ctx, swap)
+            self._served.add(ctx)
         if not cache_off:
             log.warning("tls: certificate %s: OpenSSL's session cache of a server context "
                         "could not be turned off here; after a restore, TLS 1.2 clients "
@@ -1050,9 +1169,14 @@ class ManagedCertificate:
         return ctx
 
     def detach(self, ctx: ssl.SSLContext) -> None:
-        """Stop renewing ``ctx`` (it keeps presenting the last material)."""
-        with self._lock:
-            self._served.pop(ctx, None)
+        """Stop renewing ``ctx`` (it keeps presenting the last material until another
+        handle attached to it renews)."""
+        with self._lock, _SWAP_LOCK:
+            if ctx in self._served:
+                self._served.discard(ctx)
+                swap = _swap_of(ctx)
+                if swap is not None:
+                    swap.materials.pop(self, None)
 
     def client_context(self, *, present: bool = False) -> ssl.SSLContext:
         """A client context trusting this certificate's trust anchors (and presenting
@@ -1962,6 +2086,9 @@ def _after_fork_in_child() -> None:
         if held_by_another_thread(cert._renew_lock):
             cert._renew_lock = threading.RLock()
             cert.last_error = "a renewal running at fork() was abandoned in this process"
+    global _SWAP_LOCK
+    if held_by_another_thread(_SWAP_LOCK):  # a parent thread building a fresh context
+        _SWAP_LOCK = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -497,6 +497,28 @@ def test_a_renewal_running_at_fork_is_abandoned_in_the_child(engine: Lifecycle) 
     assert cert.last_error is None and cert.serial == serial  # the parent's is its own
 
 
+def test_a_child_forked_while_a_parent_thread_builds_a_server_context_can_renew(
+        engine: Lifecycle) -> None:
+    """A parent thread building an attached context's fresh context at fork() (under
+    the lock shared by every attached context): the child's renewals waited for ever."""
+    import ssl
+
+    from rehydrate import tls
+
+    cert = tls.self_signed("web", engine=engine)
+    cert.server_context()
+    serial = cert.serial
+    with _parent_thread_holding(lambda: tls._SWAP_LOCK):
+        def child() -> dict:  # type: ignore[type-arg]
+            renewed = cert.renew().serial
+            ctx = cert.attach(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+            return {"renewed": renewed != serial,
+                    "current": cert.current_server_context(ctx) is not ctx}
+
+        out = in_forked_child(child, DEADLINE)
+    assert out == {"renewed": True, "current": True}
+
+
 def test_a_child_forked_by_the_thread_holding_a_certificate_lock_can_release_it(
         engine: Lifecycle) -> None:
     """The forking thread's own hold (a renewal listener that forks) is not another

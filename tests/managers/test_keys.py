@@ -74,6 +74,13 @@ def test_same_name_same_handle(rehydrate_engine):
         keys.ephemeral("other", "dsa", engine=rehydrate_engine)
 
 
+def test_an_empty_algorithm_is_refused_not_the_default(rehydrate_engine):
+    for _ in range(2):  # the same answer again: no ed25519 key was made the first time
+        with pytest.raises(ValueError, match="unknown key algorithm ''"):
+            keys.ephemeral("blank", "", engine=rehydrate_engine)
+    assert keys.get("blank", engine=rehydrate_engine) is None
+
+
 def test_same_name_without_an_algorithm_is_the_existing_key_whatever_its_algorithm(
         rehydrate_engine):
     k = keys.ephemeral("signing", algorithm="ec-p256", engine=rehydrate_engine)

@@ -4,13 +4,17 @@ fresh context and new connections are moved to it (``rehydrate.tls._Swap``)."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import gc
 import os
 import queue
+import re
 import socket
 import ssl
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -105,12 +109,14 @@ def client_ctx(*, alpn: list[str] | None = None, present: tls.Material | None = 
     return ctx
 
 
-def handshake(port: int, ctx: ssl.SSLContext, *, sni: bool = True
+def handshake(port: int, ctx: ssl.SSLContext, *, sni: bool | str = True
               ) -> tuple[x509.Certificate, bytes]:
     """The certificate the server presented and what it answered (b"" when it dropped
-    the connection after the handshake: a client certificate it required was missing)."""
+    the connection after the handshake: a client certificate it required was missing).
+    ``sni``: the server name sent (True: localhost, False: none)."""
+    name = sni if isinstance(sni, str) else "localhost" if sni else None
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, \
-            ctx.wrap_socket(sock, server_hostname="localhost" if sni else None) as t:
+            ctx.wrap_socket(sock, server_hostname=name) as t:
         der = t.getpeercert(binary_form=True)
         try:
             t.send(b"x")
@@ -237,3 +243,185 @@ def test_the_fresh_context_shares_the_trust_store_of_the_attached_one(rehydrate_
     ctx.load_verify_locations(cadata=client.material.trust_pem())
     assert handshake(srv.port, presenting)[1] == b"ok"
     assert srv.seen.get(timeout=10) == (None, True)
+
+
+# RFC 7919-sized (2048-bit) DH parameters: public, made once with `openssl dhparam`
+DH_PARAMS = b"""-----BEGIN DH PARAMETERS-----
+MIIBCAKCAQEAxLQV6fDSv384BN9OD7nLXj88JFPyaHPQYHspKkzxkN2TKSd5fiqT
+/y1NjJ5/B4K3tnvCqRTFrHqkfQnV2vM3bqgfUiS85fy6VcTeuoQ/lRDhVRqwAh9Y
+uC1tmurYWsnq2RodjeQN5Uqv/AFDoaRQDzL8khBL4at+uHCSo67cS+eT7Lkfw2OB
+vWskxtcJ8q+k7TPd3XaNqrpTmXNep58QfQ3lOH45NV4tHkTAt9oypOFhf4yy0yhF
+2xFlVAXkx2AE3gATVVuxpEI3Z9aJY/xZiTH541KMBAeXWnqWAQaN72GOzaJGgic9
+jYgROHSSEzxkvzBS94lIj4J9WjPK7ljlPwIBAg==
+-----END DH PARAMETERS-----
+"""
+
+
+def test_a_dhe_only_server_still_negotiates_dhe(rehydrate_engine, tmp_path, servers):
+    dh = tmp_path / "dh.pem"
+    dh.write_bytes(DH_PARAMS)
+    cert = tls.self_signed("web", algorithm="rsa-2048", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_dh_params(str(dh))  # not carried over: moving a connection replaces them
+    ctx.set_ciphers("DHE-RSA-AES128-GCM-SHA256")
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    cert.attach(ctx)
+    srv = servers(ctx)
+    client = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
+    client.set_ciphers("DHE-RSA-AES128-GCM-SHA256")
+    for _ in range(2):  # as attached, and after a renewal
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock, \
+                client.wrap_socket(sock, server_hostname="localhost") as t:
+            assert t.cipher()[0] == "DHE-RSA-AES128-GCM-SHA256"
+            served = x509.load_der_x509_certificate(t.getpeercert(binary_form=True))
+            assert served.serial_number == cert.serial
+            t.send(b"x")
+            assert t.recv(2) == b"ok"
+        cert.renew()
+
+
+# -- several certificates on one listener (SNI) ------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent.parent / "docs" / "identity.md"
+
+
+def _sni_recipe() -> str:
+    """The code block of the SNI recipe in docs/identity.md, as documented."""
+    text = DOCS.read_text()
+    at = text.index("**Several certificates on one listener (SNI)**")
+    block = re.search(r"```python\n(.*?)```", text[at:], re.S)
+    assert block is not None
+    return "\n".join(line.removeprefix("  ") for line in block.group(1).splitlines())
+
+
+def test_the_sni_recipe_in_the_docs_serves_each_current_certificate(
+        rehydrate_engine, servers, monkeypatch):
+    monkeypatch.setattr(tls, "self_signed",
+                        functools.partial(tls.self_signed, engine=rehydrate_engine))
+    scope: dict[str, object] = {}
+    exec(compile(_sni_recipe(), str(DOCS), "exec"), scope)  # noqa: S102
+    api, web = scope["api"], scope["web"]
+    assert isinstance(api, tls.ManagedCertificate)
+    assert isinstance(web, tls.ManagedCertificate)
+    front = scope["front"]
+    assert isinstance(front, ssl.SSLContext)
+    srv = servers(front)
+    for round_ in range(3):  # as set up, after renew(), after a snapshot and restore
+        for sni, handle in (("api.example", api), ("www.example", web), (False, web)):
+            served, answer = handshake(srv.port, client_ctx(alpn=["h2"]), sni=sni)
+            assert served.serial_number == handle.serial, (round_, sni)
+            assert answer == b"ok"
+            assert srv.seen.get(timeout=10) == ("h2", False)
+        if round_ == 0:
+            api.renew()
+            web.renew()
+        else:
+            rehydrate_engine.simulate_snapshot()
+            report = rehydrate_engine.simulate_restore()
+            assert report.ok, report.table()
+
+
+def test_a_plain_front_context_hands_out_the_current_server_context(
+        rehydrate_engine, servers, tmp_path):
+    api = tls.self_signed("api", engine=rehydrate_engine)
+    kept = api.server_context()
+    c, k, own = _self_signed_pem(ec.generate_private_key(ec.SECP256R1()), "front's own")
+    (tmp_path / "c.pem").write_bytes(c)
+    (tmp_path / "k.pem").write_bytes(k)
+    front = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # never attached
+    front.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+
+    def pick(sslsock, name, listening):
+        if name == "api":
+            sslsock.context = api.current_server_context()
+        elif name == "kept":
+            sslsock.context = kept  # an attached context: OpenSSL never runs its callback
+
+    front.sni_callback = pick
+    srv = servers(front)
+    for _ in range(2):
+        assert handshake(srv.port, client_ctx(), sni="api")[0].serial_number == api.serial
+        assert handshake(srv.port, client_ctx(), sni="other")[0] == own
+        served = handshake(srv.port, client_ctx(), sni="kept")[0]
+        assert "placeholder" in served.subject.rfc4514_string()  # as documented
+        api.renew()
+    with pytest.raises(ValueError, match="not attached"):
+        api.current_server_context(front)
+
+
+def test_a_connection_moved_to_another_attached_context_presents_its_certificate(
+        rehydrate_engine, servers):
+    web = tls.self_signed("web", engine=rehydrate_engine)
+    api = tls.self_signed("api", engine=rehydrate_engine)
+    api_ctx = api.server_context()
+
+    def pick(sslsock, name, listening):
+        if name == "api":
+            sslsock.context = api_ctx  # attached: rehydrate moves it on to api's current
+
+    front = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    front.sni_callback = pick
+    web.attach(front)
+    srv = servers(front)
+    for _ in range(2):  # as attached, and after a renewal of each
+        assert handshake(srv.port, client_ctx(), sni="api")[0].serial_number == api.serial
+        assert handshake(srv.port, client_ctx(), sni="web")[0].serial_number == web.serial
+        api.renew()
+        web.renew()
+
+
+def test_an_rsa_and_an_ecdsa_certificate_attached_to_one_context_are_both_served(
+        rehydrate_engine, servers):
+    ecdsa = tls.self_signed("ec", engine=rehydrate_engine)
+    rsa_ = tls.self_signed("rsa", algorithm="rsa-2048", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ecdsa.attach(ctx)
+    rsa_.attach(ctx)
+    srv = servers(ctx)
+
+    def client(cipher: str) -> ssl.SSLContext:
+        c = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
+        c.set_ciphers(cipher)
+        return c
+
+    for round_ in range(4):  # attached; each renewed in turn; after a snapshot and restore
+        served, answer = handshake(srv.port, client("ECDHE-ECDSA-AES128-GCM-SHA256"))
+        assert served.serial_number == ecdsa.serial and answer == b"ok", round_
+        served, answer = handshake(srv.port, client("ECDHE-RSA-AES128-GCM-SHA256"))
+        assert served.serial_number == rsa_.serial and answer == b"ok", round_
+        if round_ == 0:
+            ecdsa.renew()
+        elif round_ == 1:
+            rsa_.renew()
+        else:
+            rehydrate_engine.simulate_snapshot()
+            report = rehydrate_engine.simulate_restore()
+            assert report.ok, report.table()
+    rsa_.detach(ctx)
+    ecdsa.renew()  # the detached one's certificate goes with the next rebuild
+    served, _ = handshake(srv.port, client_ctx())
+    assert served.serial_number == ecdsa.serial
+    with pytest.raises(ssl.SSLError):
+        handshake(srv.port, client("ECDHE-RSA-AES128-GCM-SHA256"))
+
+
+def test_attached_contexts_referring_back_to_themselves_are_freed(rehydrate_engine):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+
+    class App:
+        def __init__(self) -> None:
+            self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.ctx.sni_callback = self.pick  # the context -> callback -> app -> context
+            cert.attach(self.ctx)
+
+        def pick(self, sslobj, name, ctx):
+            return None
+
+    gone = []
+    for _ in range(5):
+        app = App()
+        weakref.finalize(app.ctx, gone.append, True)
+        del app
+    gc.collect()
+    assert len(gone) == 5
+    assert len(cert._served) == 0
