@@ -9,8 +9,11 @@ datagram with a random nonce to its own address from a fresh socket and waits fo
 arrive; when it does not within ``probe_timeout``, the socket is closed and bound again —
 to ``local_addr()`` evaluated anew when it is a callable (e.g. reading ``POD_IP``, which
 the ``ENVIRONMENT`` phase has refreshed by then). Probe datagrams never reach the game's
-protocol. After a re-bind the protocol's ``connection_made`` is called again with the new
-transport.
+protocol. After a re-bind the protocol's ``connection_made`` is called again. The transport
+it gets (and :meth:`UdpEndpoint.start` returns) is the endpoint's own, the same object every
+time: it sends through whichever socket is bound, so the one the game holds never goes
+stale; a send while no socket is open (the old one closed before the new one is bound at
+its very address) is dropped with a ``DEBUG`` line, as UDP may drop any datagram.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ class _Filter(asyncio.DatagramProtocol):
         self.endpoint = endpoint
 
     def connection_made(self, transport: asyncio.DatagramTransport) -> None:  # type: ignore[override]
-        self.endpoint.protocol.connection_made(transport)
+        # The stable transport sends through the new socket from here on, before the game
+        # hears of it (it may send from connection_made itself).
+        self.endpoint.transport = transport
+        self.endpoint.protocol.connection_made(self.endpoint._stable)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         if data.startswith(_PROBE):
@@ -64,6 +70,54 @@ class _Filter(asyncio.DatagramProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.endpoint._rebinding:  # a re-bind is not the end of the endpoint
             self.endpoint.protocol.connection_lost(exc)
+
+
+class _StableTransport(asyncio.DatagramTransport):
+    """The transport the game holds (``start()``'s value, ``connection_made``'s argument):
+    it sends through the endpoint's current socket, so that it stays usable across a
+    re-bind. A send while no socket is open (between closing the old socket and binding
+    the new one at the same address) is dropped with a ``DEBUG`` line — UDP may drop any
+    datagram — where the closed asyncio transport raised an internal ``AttributeError``."""
+
+    def __init__(self, endpoint: UdpEndpoint) -> None:
+        super().__init__()
+        self._endpoint = endpoint
+
+    def _current(self) -> asyncio.DatagramTransport | None:
+        transport = self._endpoint.transport
+        return None if transport is None or transport.is_closing() else transport
+
+    def sendto(self, data: Any, addr: Any = None) -> None:
+        transport = self._current()
+        if transport is None:
+            log.debug("UDP endpoint %s: no open socket (closed, or being bound again): "
+                      "datagram of %d bytes dropped", self._endpoint.name, len(data))
+            return
+        transport.sendto(data, addr)
+
+    def abort(self) -> None:
+        self._endpoint._closed = True
+        transport = self._endpoint.transport
+        if transport is not None:
+            transport.abort()
+
+    def close(self) -> None:
+        self._endpoint.close()
+
+    def is_closing(self) -> bool:
+        transport = self._endpoint.transport
+        return (self._endpoint._closed or transport is None
+                or (transport.is_closing() and not self._endpoint._rebinding))
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        transport = self._endpoint.transport
+        return default if transport is None else transport.get_extra_info(name, default)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._endpoint.protocol
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        raise NotImplementedError("a UdpEndpoint's protocol is the one it was made with")
 
 
 class UdpEndpoint:
@@ -95,6 +149,9 @@ class UdpEndpoint:
         self.probe_timeout = float(probe_timeout)
         self._engine_arg = engine
         self.transport: asyncio.DatagramTransport | None = None
+        """The current socket's asyncio transport (replaced by a re-bind): send through
+        the one :meth:`start` returns instead."""
+        self._stable = _StableTransport(self)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._probes: dict[bytes, asyncio.Future[None]] = {}
         self._rebinding = False
@@ -133,7 +190,9 @@ class UdpEndpoint:
             self._local_addr = self.address
 
     async def start(self) -> asyncio.DatagramTransport:
-        """Bind the socket and register the restore hook (once)."""
+        """Bind the socket and register the restore hook (once). Returns the endpoint's
+        transport — the one the protocol's ``connection_made`` gets too —, which sends
+        through whichever socket is bound, across re-binds."""
         if self.transport is not None and not self.transport.is_closing():
             raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
                                f"{self.address}")
@@ -156,8 +215,7 @@ class UdpEndpoint:
                 check_udp_socket, phase=Phase.NETWORK, timeout=self.probe_timeout + 10.0,
                 name=f"rehydrate.udp.check:{self.name}")
             weakref.finalize(self, engine.builtins.unregister, self._hook)
-        assert self.transport is not None
-        return self.transport
+        return self._stable
 
     def _ensure_from_hook(self) -> None:
         loop = self.loop

@@ -1,0 +1,117 @@
+"""UdpEndpoint: the game's transport across a re-bind, busy sockets, restores that block
+the endpoint's loop, and re-binds that cannot happen where expected. Real UDP sockets on
+loopback throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import pytest
+
+from rehydrate.adapters.udp import UdpEndpoint
+
+
+class Game(asyncio.DatagramProtocol):
+    """Holds the transport it was given, as a game does, and echoes every datagram."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.DatagramTransport | None = None
+        self.received: list[bytes] = []
+        self.made = 0
+        self.lost = 0
+        self.got = asyncio.Event()
+
+    def connection_made(self, transport):
+        self.made += 1
+        self.transport = transport
+
+    def datagram_received(self, data, addr):
+        self.received.append(data)
+        self.got.set()
+        self.transport.sendto(b"echo:" + data, addr)
+
+    def connection_lost(self, exc):
+        self.lost += 1
+
+
+def _fail_first_check(ep: UdpEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket still holds its port but is judged dead once (what the hook is for)."""
+    real = ep.check
+    calls: list[int] = []
+
+    async def check() -> bool:
+        calls.append(1)
+        return False if len(calls) == 1 else await real()
+
+    monkeypatch.setattr(ep, "check", check)
+
+
+async def _recv(sock: socket.socket) -> bytes:
+    return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 2048), 5)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+async def test_the_game_sends_through_a_rebind_at_the_same_address(
+        rehydrate_engine, monkeypatch, caplog, host):
+    """The old socket is closed before the new one is bound at its address: a send from
+    the game in that gap raised asyncio's internal AttributeError ('NoneType' object has no
+    attribute 'call_exception_handler'); it is dropped with a DEBUG line, and the
+    transport the game holds then sends through the new socket."""
+    ep = UdpEndpoint(Game, (host, 0), engine=rehydrate_engine, name="gap", probe_timeout=0.3)
+    returned = await ep.start()
+    game = ep.protocol
+    assert game.transport is returned
+    _fail_first_check(ep, monkeypatch)
+    real_open = ep._open
+    in_gap: list[bool] = []
+
+    async def open_in_gap(addr):
+        if ep.transport.is_closing():  # the old one closed, the new one not yet bound
+            in_gap.append(True)
+            game.transport.sendto(b"in the gap", ("127.0.0.1", 9))
+        return await real_open(addr)
+
+    monkeypatch.setattr(ep, "_open", open_in_gap)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+        client.bind(("127.0.0.1", 0))
+        client.setblocking(False)
+        with caplog.at_level(logging.DEBUG, logger="rehydrate.udp"):
+            assert await ep.ensure()
+        assert in_gap == [True]
+        assert "no open socket (closed, or being bound again): datagram of 10 bytes " \
+               "dropped" in caplog.text
+        assert game.made == 2 and game.lost == 0 and game.transport is returned
+        assert not returned.is_closing()
+        game.transport.sendto(b"after", client.getsockname())
+        assert await _recv(client) == b"after"
+        returned.sendto(b"returned", client.getsockname())
+        assert await _recv(client) == b"returned"
+    ep.close()
+    await asyncio.sleep(0)
+    assert returned.is_closing() and game.lost == 1
+
+
+async def test_the_transport_start_returns_sends_after_a_rebind(rehydrate_engine):
+    """docs/game-servers.md keeps `transport = await endpoint.start()`: after a re-bind
+    that transport was the closed old one, and its sendto raised AttributeError."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="kept",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    try:
+        old = ep.transport
+        old.close()  # dead
+        await asyncio.sleep(0)
+        report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        assert ep.rebinds == 1 and ep.transport is not old
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.bind(("127.0.0.1", 0))
+            client.setblocking(False)
+            transport.sendto(b"state", client.getsockname())
+            assert await _recv(client) == b"state"
+            assert transport.get_extra_info("sockname") == ep.transport.get_extra_info(
+                "sockname")
+    finally:
+        ep.close()
