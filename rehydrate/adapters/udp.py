@@ -42,6 +42,10 @@ log = logging.getLogger("rehydrate.udp")
 Address = tuple[str, int]
 _PROBE = b"\0rehydrate-udp-probe\0"
 _MAX_PROBE_TIMEOUT = 3600.0  # a probe waits for one datagram to itself: an hour is absurd
+_BUSY_WAIT = 5.0
+"""Seconds a check waits beyond ``probe_timeout`` while the socket keeps delivering
+datagrams queued ahead of its probe (the hook waits ``probe_timeout`` + 9 s)."""
+_DRAIN_MAX = 100_000  # datagrams taken from a socket about to be closed: its queue, no flood
 
 
 class _Filter(asyncio.DatagramProtocol):
@@ -49,8 +53,10 @@ class _Filter(asyncio.DatagramProtocol):
 
     def __init__(self, endpoint: UdpEndpoint) -> None:
         self.endpoint = endpoint
+        self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.DatagramTransport) -> None:  # type: ignore[override]
+        self.transport = transport
         # The stable transport sends through the new socket from here on, before the game
         # hears of it (it may send from connection_made itself).
         self.endpoint.transport = transport
@@ -62,6 +68,8 @@ class _Filter(asyncio.DatagramProtocol):
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             return
+        if self.transport is self.endpoint.transport:
+            self.endpoint._received += 1  # the socket being checked reads: see check()
         self.endpoint.protocol.datagram_received(data, addr)
 
     def error_received(self, exc: Exception) -> None:
@@ -154,6 +162,8 @@ class UdpEndpoint:
         self._stable = _StableTransport(self)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._probes: dict[bytes, asyncio.Future[None]] = {}
+        self._received = 0
+        """Datagrams the game got from the current socket (a check's sign of progress)."""
         self._rebinding = False
         self._hook: Any = None
         self._engine: Engine | None = None
@@ -259,7 +269,14 @@ class UdpEndpoint:
 
     async def check(self) -> bool:
         """True when a datagram sent to the socket's address arrives within
-        ``probe_timeout`` (False once closed). ``RuntimeError`` before :meth:`start`."""
+        ``probe_timeout`` (False once closed). ``RuntimeError`` before :meth:`start`.
+
+        asyncio reads one datagram per pass of the loop, so a probe queued behind a
+        backlog of the game's datagrams may take longer: while the socket keeps delivering
+        datagrams, the check sends a fresh probe (the first may have met a full buffer)
+        and waits another ``probe_timeout``, up to 5 s more in all. Datagrams alone are no
+        proof — a socket left at an old Pod IP still delivers what was queued in it before
+        the checkpoint —: only a probe is."""
         transport = self.transport
         if transport is None:
             raise self._not_started("check")
@@ -272,19 +289,31 @@ class UdpEndpoint:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a wildcard bind answers on loopback
             host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
-        nonce = _PROBE + os.urandom(16)
-        waiter = asyncio.get_running_loop().create_future()
-        self._probes[nonce] = waiter
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        nonces: list[bytes] = []
+        give_up = loop.time() + self.probe_timeout + _BUSY_WAIT
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.setblocking(False)
-                probe.sendto(nonce, (host, port))
-                await asyncio.wait_for(waiter, self.probe_timeout)
-            return True
-        except (OSError, asyncio.TimeoutError):
+                while True:
+                    nonce = _PROBE + os.urandom(16)
+                    nonces.append(nonce)
+                    self._probes[nonce] = waiter  # any of them arriving is the proof
+                    probe.sendto(nonce, (host, port))
+                    seen = self._received
+                    try:
+                        await asyncio.wait_for(asyncio.shield(waiter), self.probe_timeout)
+                        return True
+                    except asyncio.TimeoutError:
+                        if (self._received == seen or transport is not self.transport
+                                or loop.time() >= give_up):
+                            return False
+        except OSError:
             return False
         finally:
-            self._probes.pop(nonce, None)
+            for nonce in nonces:
+                self._probes.pop(nonce, None)
 
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.
@@ -332,14 +361,42 @@ class UdpEndpoint:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
+                self._drain(old)
                 old.close()
                 await asyncio.sleep(0)  # let the loop drop the old reader before binding
                 new = await self._open(at)
         except OSError as exc:
             raise self._rebind_failed(addr, exc) from exc
         self._bound(new)
+        self._drain(old)
         old.close()
         await asyncio.sleep(0)  # the old transport's connection_lost, while _rebinding
+
+    def _drain(self, old: asyncio.DatagramTransport) -> None:
+        """Hand the game the datagrams still queued in ``old``, about to be closed: a
+        socket judged dead may still hold what clients sent before it stopped receiving,
+        which closing it threw away."""
+        sock = old.get_extra_info("socket")
+        if sock is None or old.is_closing():
+            return
+        try:
+            dup = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return
+        with dup:
+            dup.setblocking(False)
+            for _ in range(_DRAIN_MAX):
+                try:
+                    data, addr = dup.recvfrom(65536)
+                except OSError:  # BlockingIOError: the queue is empty
+                    return
+                if data.startswith(_PROBE):
+                    continue
+                try:
+                    self.protocol.datagram_received(data, addr)
+                except Exception:
+                    log.exception("UDP endpoint %s: the protocol's datagram_received failed",
+                                  self.name)
 
     @staticmethod
     async def _first_address(addr: Address, old: asyncio.DatagramTransport) -> Address:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 
 import pytest
 
@@ -113,5 +114,101 @@ async def test_the_transport_start_returns_sends_after_a_rebind(rehydrate_engine
             assert await _recv(client) == b"state"
             assert transport.get_extra_info("sockname") == ep.transport.get_extra_info(
                 "sockname")
+    finally:
+        ep.close()
+
+
+class SlowFirst(Game):
+    """The game's first datagram takes longer than the probe's wait (a level load, a
+    burst of inputs): the loop's clock is moved on past the probe's timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.advance: Callable[[], None] = lambda: None
+
+    def datagram_received(self, data, addr):
+        if not self.received:
+            self.advance()
+        super().datagram_received(data, addr)
+
+
+async def test_a_busy_healthy_socket_is_not_bound_again(rehydrate_engine, monkeypatch):
+    """asyncio reads one datagram per loop pass, so the probe waited behind the game's
+    backlog; past probe_timeout the socket was judged dead, re-bound, and the datagrams
+    still queued in it were lost."""
+    loop = asyncio.get_running_loop()
+    real_time = loop.time
+    offset = [0.0]
+    monkeypatch.setattr(loop, "time", lambda: real_time() + offset[0])
+    ep = UdpEndpoint(SlowFirst, ("127.0.0.1", 0), engine=rehydrate_engine, name="busy",
+                     probe_timeout=0.3)
+    await ep.start()
+    game = ep.protocol
+
+    def advance() -> None:
+        offset[0] += 1.0  # the probe's timeout is due when this datagram is handled
+
+    game.advance = advance
+    n = 50
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for i in range(n):  # queued in the socket, ahead of the probe
+                client.sendto(b"in%d" % i, ep.address)
+        assert not await ep.ensure()  # the probe is sent before the loop reads any
+        assert ep.rebinds == 0
+        assert game.received == [b"in%d" % i for i in range(n)]
+    finally:
+        ep.close()
+
+
+async def test_datagrams_queued_in_a_socket_judged_dead_reach_the_game(
+        rehydrate_engine, monkeypatch):
+    """A socket judged dead is closed to bind its address again: what clients had queued
+    in it was thrown away."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="queued",
+                     probe_timeout=0.3)
+    await ep.start()
+    game = ep.protocol
+
+    async def dead() -> bool:
+        return False
+
+    monkeypatch.setattr(ep, "check", dead)
+    n = 30
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for i in range(n):
+                client.sendto(b"q%d" % i, ep.address)
+        assert await ep.ensure()
+        assert game.received == [b"q%d" % i for i in range(n)]
+    finally:
+        ep.close()
+
+
+async def test_datagrams_alone_do_not_prove_a_socket_works(rehydrate_engine, monkeypatch):
+    """A socket left at an old address still delivers what was queued in it before the
+    checkpoint: a check that took any datagram for proof would keep it for good."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="stale",
+                     probe_timeout=0.2)
+    await ep.start()
+    game = ep.protocol
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for i in range(5):
+                client.sendto(b"old%d" % i, ep.address)
+        # its probes go nowhere (what a socket at an address no longer the host's sees)
+        real_sendto = socket.socket.sendto
+        nowhere = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        nowhere.bind(("127.0.0.1", 0))
+
+        def probe_lost(self, data, *args):
+            if data.startswith(b"\0rehydrate-udp-probe\0"):
+                return real_sendto(self, data, nowhere.getsockname())
+            return real_sendto(self, data, *args)
+
+        monkeypatch.setattr(socket.socket, "sendto", probe_lost)
+        with nowhere:
+            assert not await ep.check()
+        assert game.received == [b"old%d" % i for i in range(5)]
     finally:
         ep.close()
