@@ -26,14 +26,12 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from rehydrate import Phase
-from rehydrate.extensions import Engine, resolve_engine, shown
+from rehydrate.extensions import Engine, loop_blocked, resolve_engine, shown
 
 __all__ = ["UdpEndpoint"]
 
@@ -167,7 +165,6 @@ class UdpEndpoint:
         self._rebinding = False
         self._hook: Any = None
         self._engine: Engine | None = None
-        self._loop_thread: int | None = None
         self._closed = False
         self.rebinds = 0
         """How many times the socket was bound again after a failed check."""
@@ -194,7 +191,6 @@ class UdpEndpoint:
 
     def _bound(self, transport: asyncio.DatagramTransport) -> None:
         self.transport, self.loop = transport, asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         if not callable(self._local_addr):
             # port 0 meant "any": bind again where the clients already send
             self._local_addr = self.address
@@ -234,9 +230,10 @@ class UdpEndpoint:
         if not loop.is_running():
             raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop is not running, "
                                "so its socket cannot be checked")
-        if self._loop_waits_for_the_event():
-            # The check needs that loop, which is blocked waiting for this very hook: it
-            # would only time out (~9 s) and fail anyway.
+        if loop_blocked(loop):
+            # The check needs that loop, which is blocked waiting for this very hook (a
+            # simulate_restore() or trigger_snapshot() called on it): it would only time
+            # out (~9 s) and fail anyway.
             raise RuntimeError(
                 f"UDP endpoint {self.name!r}: the restore was started on its event loop's "
                 "thread, which waits for it, so its socket cannot be checked; start it "
@@ -250,22 +247,6 @@ class UdpEndpoint:
             # one would leave none; left to finish, a late re-bind still recovers it.
             raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop did not check "
                                f"the socket within {limit:g}s") from None
-
-    def _loop_waits_for_the_event(self) -> bool:
-        """True when the loop's thread is inside one of the engine's restore entry points
-        (so it waits for the hooks, this one included)."""
-        engine, ident = self._engine, self._loop_thread
-        if engine is None or ident is None or ident == threading.get_ident():
-            return False
-        codes = {getattr(getattr(type(engine), name, None), "__code__", None)
-                 for name in ("simulate_restore", "restore_detected")}
-        codes.discard(None)
-        frame = sys._current_frames().get(ident)
-        while frame is not None:
-            if frame.f_code in codes:
-                return True
-            frame = frame.f_back
-        return False
 
     async def check(self) -> bool:
         """True when a datagram sent to the socket's address arrives within

@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import pty
+import select
 import socket
+import threading
+import tty
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+from detect_helpers import wait_for
 
+from rehydrate._trigger import trigger_snapshot
 from rehydrate.adapters.udp import UdpEndpoint
+from rehydrate.detect.gvisor import GVisorDetector
 
 
 class Game(asyncio.DatagramProtocol):
@@ -211,4 +221,60 @@ async def test_datagrams_alone_do_not_prove_a_socket_works(rehydrate_engine, mon
             assert not await ep.check()
         assert game.received == [b"old%d" % i for i in range(5)]
     finally:
+        ep.close()
+
+
+class _GVisorStandIn:
+    """gVisor's side of a pty standing in for /proc/gvisor/checkpoint: answers every
+    trigger with ``restore``."""
+
+    def __init__(self, proc: Path) -> None:
+        self.master, self.slave = pty.openpty()
+        tty.setraw(self.slave)  # bytes pass unchanged
+        os.symlink(os.ttyname(self.slave), proc / "checkpoint")
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.master, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            os.read(self.master, 64)
+            os.write(self.master, b"restore\n")
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(5)
+        for fd in (self.master, self.slave, self._stop_r, self._stop_w):
+            os.close(fd)
+
+
+async def test_a_trigger_on_the_endpoints_own_loop_fails_its_hook_at_once(
+        rehydrate_engine, tmp_path):
+    """trigger_snapshot() from the game's coroutine with the gVisor waiter running: the
+    loop's thread sits in the trigger while the waiter's thread runs the restore hooks;
+    the check waited ~9.5 s for that loop, and the process was left degraded."""
+    proc = tmp_path / "gvisor"
+    proc.mkdir()
+    (proc / "spec_environ").write_bytes(b"RHT_UDP_A=1\0")
+    platform = _GVisorStandIn(proc)
+    reports: list[Any] = []
+    rehydrate_engine.add_listener(reports.append)
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="t-trig")
+    await ep.start()
+    try:
+        waiter = GVisorDetector(str(proc))
+        assert rehydrate_engine.start([waiter]) == ["gvisor"]
+        wait_for(lambda: waiter.status()["waiting"], what="the waiter to open the file")
+        assert trigger_snapshot(rehydrate_engine, timeout=30) == "restore"  # on the loop
+        (restore,) = [r for r in reports if r.kind == "restore"]
+        (hook,) = [h for h in restore.hooks if h.name == "rehydrate.udp.check:t-trig"]
+        assert hook.outcome == "failed"
+        assert "the restore was started on its event loop's thread" in str(hook.error)
+        assert hook.duration < 1.0
+    finally:
+        rehydrate_engine.stop()
+        platform.close()
         ep.close()
