@@ -38,6 +38,10 @@ __all__ = ["UdpEndpoint"]
 log = logging.getLogger("rehydrate.udp")
 
 Address = tuple[str, int]
+_Where = tuple[Any, ...]
+"""An address to bind: ``(host, port)``, or a full IPv6 socket name ``(host, port,
+flowinfo, scope_id)`` (a link-local address needs its scope id)."""
+_WILDCARDS = ("0.0.0.0", "::", "")  # noqa: S104 - recognising a wildcard bind
 _PROBE = b"\0rehydrate-udp-probe\0"
 _MAX_PROBE_TIMEOUT = 3600.0  # a probe waits for one datagram to itself: an hour is absurd
 _BUSY_WAIT = 5.0
@@ -150,7 +154,7 @@ class UdpEndpoint:
             raise ValueError(f"probe_timeout must be a number of seconds > 0 and at most "
                              f"{_MAX_PROBE_TIMEOUT:.0f}, not {shown(probe_timeout)}")
         self.protocol = protocol_factory()
-        self._local_addr = local_addr
+        self._local_addr: _Where | Callable[[], Address] = local_addr
         self.name = name
         self.probe_timeout = float(probe_timeout)
         self._engine_arg = engine
@@ -177,23 +181,36 @@ class UdpEndpoint:
         host, port = self.transport.get_extra_info("sockname")[:2]
         return str(host), int(port)
 
-    def _wanted(self) -> Address:
+    def _wanted(self) -> _Where:
         return self._local_addr() if callable(self._local_addr) else self._local_addr
 
     async def _bind(self) -> None:
         self._bound(await self._open(self._wanted()))
 
-    async def _open(self, addr: Address) -> asyncio.DatagramTransport:
+    async def _open(self, addr: _Where) -> asyncio.DatagramTransport:
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Filter(self), local_addr=addr)
+        if len(addr) <= 2:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _Filter(self), local_addr=addr)
+            return transport
+        # A full IPv6 name (a link-local address's scope id): asyncio takes a 2-tuple only.
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.bind(addr)
+            transport, _ = await loop.create_datagram_endpoint(lambda: _Filter(self),
+                                                               sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         return transport
 
     def _bound(self, transport: asyncio.DatagramTransport) -> None:
         self.transport, self.loop = transport, asyncio.get_running_loop()
         if not callable(self._local_addr):
-            # port 0 meant "any": bind again where the clients already send
-            self._local_addr = self.address
+            # port 0 meant "any": bind again where the clients already send. The whole
+            # name: (host, port) alone lost a link-local address's scope id (EINVAL).
+            self._local_addr = tuple(transport.get_extra_info("sockname"))
 
     async def start(self) -> asyncio.DatagramTransport:
         """Bind the socket and register the restore hook (once). Returns the endpoint's
@@ -263,13 +280,13 @@ class UdpEndpoint:
             raise self._not_started("check")
         if transport.is_closing():
             return False
-        try:
-            host, port = self.address
-        except OSError:
-            return False
+        name = transport.get_extra_info("sockname")
+        host, port = str(name[0]), int(name[1])
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a wildcard bind answers on loopback
-            host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+        # the whole name: a link-local address is reached only with its scope id
+        dest: _Where = tuple(name)
+        if host in _WILDCARDS:  # a wildcard bind answers on loopback
+            dest = ("::1" if family == socket.AF_INET6 else "127.0.0.1", port)
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         nonces: list[bytes] = []
@@ -281,7 +298,7 @@ class UdpEndpoint:
                     nonce = _PROBE + os.urandom(16)
                     nonces.append(nonce)
                     self._probes[nonce] = waiter  # any of them arriving is the proof
-                    probe.sendto(nonce, (host, port))
+                    probe.sendto(nonce, dest)
                     seen = self._received
                     try:
                         await asyncio.wait_for(asyncio.shield(waiter), self.probe_timeout)
@@ -334,13 +351,20 @@ class UdpEndpoint:
         fixed address the host no longer has) leaves the old one as it was; only when the
         old one holds the very address (the same address and port, or a wildcard bind) is
         it closed first."""
-        addr = self._wanted()
+        try:
+            addr = self._wanted()
+        except Exception as exc:
+            # a bare KeyError: 'POD_IP' said neither what was called nor for what
+            raise RuntimeError(f"UDP endpoint {self.name!r}: local_addr() raised "
+                               f"{shown(exc)}, so the socket cannot be bound again") from exc
         try:
             at = await self._first_address(addr, old)
             try:
                 new = await self._open(at)
             except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
+                # Only the old socket's own bind may be closed to make room: a port
+                # another socket took stays taken, and the old one stays as it was.
+                if exc.errno != errno.EADDRINUSE or not self._holds(old, at):
                     raise
                 self._drain(old)
                 old.close()
@@ -352,6 +376,27 @@ class UdpEndpoint:
         self._drain(old)
         old.close()
         await asyncio.sleep(0)  # the old transport's connection_lost, while _rebinding
+
+    @staticmethod
+    def _holds(old: asyncio.DatagramTransport, at: _Where) -> bool:
+        """Whether ``old``'s socket is bound where binding ``at`` conflicts with it: the
+        same port, at the same address or with either a wildcard. Asked of the socket
+        itself (a dead one may be bound elsewhere, or nowhere, by now)."""
+        sock = old.get_extra_info("socket")
+        try:
+            name = sock.getsockname()
+        except (AttributeError, OSError):
+            return False
+        if name[1] != at[1]:
+            return False
+        mine, wanted = str(name[0]), str(at[0])
+        if mine in _WILDCARDS or wanted in _WILDCARDS:
+            return True
+        try:
+            return (ipaddress.ip_address(mine.split("%", 1)[0])
+                    == ipaddress.ip_address(wanted.split("%", 1)[0]))
+        except ValueError:
+            return mine == wanted
 
     def _drain(self, old: asyncio.DatagramTransport) -> None:
         """Hand the game the datagrams still queued in ``old``, about to be closed: a
@@ -380,7 +425,7 @@ class UdpEndpoint:
                                   self.name)
 
     @staticmethod
-    async def _first_address(addr: Address, old: asyncio.DatagramTransport) -> Address:
+    async def _first_address(addr: _Where, old: asyncio.DatagramTransport) -> _Where:
         """The one address a host name in ``addr`` stands for: the first it resolves to
         of the old socket's family (else the first). Given the name, asyncio tries every
         address in turn: the first (``::1``) was still held by the old socket, so the new
@@ -404,15 +449,18 @@ class UdpEndpoint:
         first = next((i for i in infos if i[0] == family), infos[0])
         return str(first[4][0]), port
 
-    def _rebind_failed(self, addr: Address, exc: OSError) -> OSError:
+    def _rebind_failed(self, addr: _Where, exc: OSError) -> OSError:
         """``exc`` with the endpoint, the address and what to do (a bare "[Errno 99]
-        Cannot assign requested address" said none of them)."""
+        Cannot assign requested address" said none of them), chosen by its errno."""
         host = str(addr[0])
         v6 = ":" in host
-        if callable(self._local_addr):
+        hint: str | None = None
+        if exc.errno == errno.EADDRINUSE:
+            hint = "the port is taken by another socket"
+        elif exc.errno != errno.EADDRNOTAVAIL or host in _WILDCARDS:
+            pass  # not "no such address here": an IP change is not the cause
+        elif callable(self._local_addr):
             hint = "local_addr() returned it: is it this host's address now?"
-        elif host in ("0.0.0.0", "::", ""):  # noqa: S104 - naming a wildcard bind
-            hint = "is the port taken by another socket?"
         else:
             wildcard = "::" if v6 else "0.0.0.0"  # noqa: S104 - the fix the hint names
             hint = (f"a fixed address: a clone in a new Pod has another IP; bind "
@@ -422,8 +470,9 @@ class UdpEndpoint:
         # [2001:db8::1]:7777, not 2001:db8::1:7777 (which reads as one IPv6 address)
         where = f"[{host}]:{addr[1]}" if v6 else f"{host}:{addr[1]}"
         reason = exc.strerror or str(exc) or type(exc).__name__
+        tail = "" if hint is None else f"; {hint}"
         return OSError(exc.errno, f"UDP endpoint {self.name!r}: binding again at "
-                                  f"{where} failed ({reason}); {hint}")
+                                  f"{where} failed ({reason}){tail}")
 
     def _not_started(self, what: str) -> RuntimeError:
         return RuntimeError(f"UDP endpoint {self.name!r} is not started: await start() "

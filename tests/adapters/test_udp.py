@@ -5,11 +5,15 @@ loopback throughout."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import pty
 import select
+import shlex
 import socket
+import subprocess
+import sys
 import threading
 import tty
 from collections.abc import Callable
@@ -278,3 +282,107 @@ async def test_a_trigger_on_the_endpoints_own_loop_fails_its_hook_at_once(
         rehydrate_engine.stop()
         platform.close()
         ep.close()
+
+
+def _kill(ep: UdpEndpoint) -> None:
+    """Point the endpoint's descriptor at a new unbound socket: the bound one is gone (a
+    restore that hands back a socket that no longer delivers), its port free."""
+    sock = ep.transport.get_extra_info("socket")
+    with socket.socket(sock.family, socket.SOCK_DGRAM) as other:
+        os.dup2(other.fileno(), sock.fileno())
+
+
+async def test_a_port_another_socket_took_is_left_to_it_and_said_so(rehydrate_engine):
+    """The old socket is dead and another holds its port: EADDRINUSE was taken to mean the
+    old socket held it, which was closed (the game got neither connection_lost nor a new
+    transport), and the error blamed an IP change."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="taken",
+                     probe_timeout=0.2)
+    await ep.start()
+    old, port = ep.transport, ep.address[1]
+    game = ep.protocol
+    try:
+        _kill(ep)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as thief:
+            thief.bind(("127.0.0.1", port))
+            with pytest.raises(OSError) as info:
+                await ep.ensure()
+        assert str(info.value) == (
+            f"[Errno {info.value.errno}] UDP endpoint 'taken': binding again at "
+            f"127.0.0.1:{port} failed ({os.strerror(info.value.errno)}); the port is "
+            "taken by another socket")
+        assert ep.transport is old and not old.is_closing()
+        assert game.made == 1 and game.lost == 0
+    finally:
+        ep.close()
+
+
+async def test_a_local_addr_callable_that_raises_names_the_endpoint(rehydrate_engine,
+                                                                     monkeypatch):
+    """lambda: (os.environ["POD_IP"], 7777) after a restore without POD_IP: the hook
+    failed with a bare KeyError: 'POD_IP'."""
+    monkeypatch.setenv("RHT_UDP_POD_IP", "127.0.0.1")
+    ep = UdpEndpoint(Game, lambda: (os.environ["RHT_UDP_POD_IP"], 0),
+                     engine=rehydrate_engine, name="env", probe_timeout=0.2)
+    await ep.start()
+    old = ep.transport
+    try:
+        _kill(ep)
+        monkeypatch.delenv("RHT_UDP_POD_IP")
+        with pytest.raises(RuntimeError) as info:
+            await ep.ensure()
+        assert str(info.value) == ("UDP endpoint 'env': local_addr() raised "
+                                   "KeyError('RHT_UDP_POD_IP'), so the socket cannot be "
+                                   "bound again")
+        assert isinstance(info.value.__cause__, KeyError)
+        assert ep.transport is old and not old.is_closing()
+    finally:
+        ep.close()
+
+
+def _in_netns(setup: str, code: str) -> dict[str, Any]:
+    """Run ``code`` (Python printing one JSON line) in a new network namespace (root, as
+    in CI) after the shell commands ``setup``."""
+    script = f"{setup} && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=60, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_LINK_LOCAL = '''
+import asyncio, json, os, socket
+from rehydrate.testing import isolated_engine
+from rehydrate.adapters.udp import UdpEndpoint
+
+async def main():
+    engine = isolated_engine()
+    ep = UdpEndpoint(asyncio.DatagramProtocol, ("fe80::1%lo", 0), engine=engine,
+                     name="ll", probe_timeout=0.3)
+    await ep.start()
+    first = await ep.check()
+    sock = ep.transport.get_extra_info("socket")
+    with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as other:
+        os.dup2(other.fileno(), sock.fileno())  # dead, its address free
+    report = await asyncio.to_thread(engine.simulate_restore)
+    out = {"first": first, "ok": report.ok, "rebinds": ep.rebinds,
+           "errors": [str(h.error) for h in report.hooks if h.error],
+           "name": list(ep.transport.get_extra_info("sockname")),
+           "after": await ep.check()}
+    ep.close()
+    engine.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+'''
+
+
+def test_a_link_local_address_is_bound_again_with_its_scope(rehydrate_engine):
+    """The address kept for re-binds was (host, port): a link-local address lost its scope
+    id, the re-bind failed with EINVAL, and the hint blamed an IP change."""
+    out = _in_netns("ip link set lo up && ip -6 addr add fe80::1/64 dev lo nodad",
+                    _LINK_LOCAL)
+    assert out["first"] and out["ok"], out["errors"]
+    assert out["rebinds"] == 1 and out["name"][0] == "fe80::1" and out["name"][3] != 0
+    assert out["after"]
