@@ -274,7 +274,9 @@ class UdpEndpoint:
         datagrams, the check sends a fresh probe (the first may have met a full buffer)
         and waits another ``probe_timeout``, up to 5 s more in all. Datagrams alone are no
         proof — a socket left at an old Pod IP still delivers what was queued in it before
-        the checkpoint —: only a probe is."""
+        the checkpoint —: only a probe is. A wildcard bind is probed on loopback, a
+        dual-stack ``::`` one at ``::1`` and at ``127.0.0.1`` (IPv6 may be off on
+        loopback)."""
         transport = self.transport
         if transport is None:
             raise self._not_started("check")
@@ -284,21 +286,43 @@ class UdpEndpoint:
         host, port = str(name[0]), int(name[1])
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # the whole name: a link-local address is reached only with its scope id
-        dest: _Where = tuple(name)
+        targets: list[tuple[int, _Where]] = [(family, tuple(name))]
         if host in _WILDCARDS:  # a wildcard bind answers on loopback
-            dest = ("::1" if family == socket.AF_INET6 else "127.0.0.1", port)
+            targets = [(family, ("::1" if family == socket.AF_INET6 else "127.0.0.1", port))]
+            if family == socket.AF_INET6 and self._dual_stack(transport):
+                # IPv4 clients reach it too, and ::1 may be unusable (IPv6 disabled on
+                # loopback, as in many IPv4-only clusters): a probe fails only where none
+                # can be sent
+                targets.append((socket.AF_INET, ("127.0.0.1", port)))
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         nonces: list[bytes] = []
         give_up = loop.time() + self.probe_timeout + _BUSY_WAIT
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        with contextlib.ExitStack() as stack:
+            probes = []
+            for fam, dest in targets:
+                try:
+                    probe = stack.enter_context(socket.socket(fam, socket.SOCK_DGRAM))
+                except OSError:
+                    continue
                 probe.setblocking(False)
+                probes.append((probe, dest))
+            try:
                 while True:
-                    nonce = _PROBE + os.urandom(16)
-                    nonces.append(nonce)
-                    self._probes[nonce] = waiter  # any of them arriving is the proof
-                    probe.sendto(nonce, dest)
+                    sent = False
+                    for probe, dest in probes:
+                        nonce = _PROBE + os.urandom(16)
+                        nonces.append(nonce)
+                        self._probes[nonce] = waiter  # any of them arriving is the proof
+                        try:
+                            probe.sendto(nonce, dest)
+                        except OSError as exc:
+                            log.debug("UDP endpoint %s: probe to %s not sent: %s",
+                                      self.name, dest[0], exc)
+                        else:
+                            sent = True
+                    if not sent:
+                        return False
                     seen = self._received
                     try:
                         await asyncio.wait_for(asyncio.shield(waiter), self.probe_timeout)
@@ -307,11 +331,19 @@ class UdpEndpoint:
                         if (self._received == seen or transport is not self.transport
                                 or loop.time() >= give_up):
                             return False
-        except OSError:
+            finally:
+                for nonce in nonces:
+                    self._probes.pop(nonce, None)
+        return False  # pragma: no cover - the loop above returns
+
+    @staticmethod
+    def _dual_stack(transport: asyncio.DatagramTransport) -> bool:
+        """Whether an IPv6 socket takes IPv4 datagrams too (``IPV6_V6ONLY`` off)."""
+        sock = transport.get_extra_info("socket")
+        try:
+            return not sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        except (AttributeError, OSError):
             return False
-        finally:
-            for nonce in nonces:
-                self._probes.pop(nonce, None)
 
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.

@@ -386,3 +386,34 @@ def test_a_link_local_address_is_bound_again_with_its_scope(rehydrate_engine):
     assert out["first"] and out["ok"], out["errors"]
     assert out["rebinds"] == 1 and out["name"][0] == "fe80::1" and out["name"][3] != 0
     assert out["after"]
+
+
+_V6_OFF = '''
+import asyncio, json
+from rehydrate.testing import isolated_engine
+from rehydrate.adapters.udp import UdpEndpoint
+
+async def main():
+    engine = isolated_engine()
+    ep = UdpEndpoint(asyncio.DatagramProtocol, ("::", 0), engine=engine, name="v6off",
+                     probe_timeout=0.3)
+    await ep.start()
+    checked = await ep.check()
+    report = await asyncio.to_thread(engine.simulate_restore)
+    out = {"checked": checked, "ok": report.ok, "rebinds": ep.rebinds}
+    ep.close()
+    engine.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+'''
+
+
+def test_a_dual_stack_wildcard_with_ipv6_off_on_loopback_checks_over_ipv4(
+        rehydrate_engine):
+    """Bound to '::' where loopback has no IPv6 (many IPv4-only clusters): the probe to ::1
+    could not be sent, so every restore re-bound a socket IPv4 clients reached fine — a
+    false warning, and queued datagrams lost each time."""
+    out = _in_netns("ip link set lo up && echo 1 > /proc/sys/net/ipv6/conf/lo/disable_ipv6",
+                    _V6_OFF)
+    assert out == {"checked": True, "ok": True, "rebinds": 0}
