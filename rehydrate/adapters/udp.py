@@ -352,7 +352,8 @@ class UdpEndpoint:
         a callable ``local_addr``) is bound at its first address of the old socket's
         family, and only there. Raises ``OSError`` naming the endpoint, the address and
         what to do when binding again fails (the hook then fails, and the process is not
-        ready), ``RuntimeError`` before :meth:`start` and after :meth:`close`."""
+        ready), ``RuntimeError`` before :meth:`start`, after :meth:`close` and when a
+        callable ``local_addr`` raises (naming the endpoint; the old socket is kept)."""
         if self.transport is None:
             # It bound the socket itself, with no restore hook, and start() then said
             # "already started": the endpoint was never checked after a restore.
