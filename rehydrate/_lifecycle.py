@@ -47,7 +47,7 @@ from ._contract import (
     refuse_another_engine,
 )
 from ._hooks import Hook, Registry, _BuiltinRegistry
-from ._loop_roles import blocking
+from ._loop_roles import blocking, running_loop
 from ._runner import HookRunner, LoopThread, Observer, running_hook_of
 from ._threads import fresh_lock_after_fork
 from .env import EnvRefresher, check_overlay
@@ -81,17 +81,6 @@ platform whose notice may come later says which restore it is about (``key=``, `
 _PASSES = 16
 """Before-snapshot passes remembered for notices that name one (``undoes``)."""
 
-
-def _loop_of_this_thread() -> asyncio.AbstractEventLoop | None:
-    """The event loop running on the calling thread, if any (asyncio not imported: none)."""
-    aio = sys.modules.get("asyncio")
-    if aio is None:
-        return None
-    try:
-        loop: asyncio.AbstractEventLoop = aio.get_running_loop()
-    except RuntimeError:
-        return None
-    return loop
 
 class _Fault:
     """One failure of a required hook in a restore/resume run (see
@@ -1943,7 +1932,7 @@ class Lifecycle:
         # what was opened there) would wait for this very call to return. So would work
         # awaited on any loop this thread runs, one never given to start() too (an
         # httpx.AsyncClient's pool, used on it, was closed there: 5 s, then a failure).
-        with blocking(refused or _loop_of_this_thread()):
+        with blocking(refused or running_loop()):
             results = self._runner.run(hooks, ctx, loop, observers)
         return results, time.perf_counter() - t0, started, waited
 

@@ -21,7 +21,7 @@ from ._threads import fresh_lock_after_fork
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["blocking", "is_blocked", "is_private", "mark_private"]
+__all__ = ["blocking", "is_blocked", "is_private", "mark_private", "running_loop"]
 
 _blocked_lock = threading.Lock()
 # Every engine run from an event loop's thread takes it, in a forked child too.
@@ -48,6 +48,18 @@ def blocking(loop: asyncio.AbstractEventLoop | None) -> Iterator[None]:
                 del _blocked[key]
             else:
                 _blocked[key] -= 1
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on the calling thread, if any (asyncio not imported: none)."""
+    aio = sys.modules.get("asyncio")
+    if aio is None:
+        return None
+    try:
+        loop: asyncio.AbstractEventLoop = aio.get_running_loop()
+    except RuntimeError:
+        return None
+    return loop
 
 
 def is_blocked(loop: asyncio.AbstractEventLoop) -> bool:

@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ._contract import left_to_answer, own_pass_ended, own_pass_started
+from ._loop_roles import blocking, running_loop
 from ._notify import timeout_value
 from ._threads import fresh_lock_after_fork
 from .detect.gvisor import (
@@ -100,7 +101,19 @@ def trigger_snapshot(
     does not end this call's pass and is not returned as this call's answer (without a
     waiter, one already readable before the write is handled as such, and this call's
     own answer is read on a new descriptor).
+
+    Called on an event loop's thread, it blocks that loop until it returns: the loop
+    counts as waiting for a lifecycle event all along (as in a ``simulate_restore()``
+    there), so that hooks the running waiter runs meanwhile do not wait for it.
     """
+    # Without the mark, the waiter thread's restore hooks sent work to this blocked loop
+    # and waited their whole timeout for it (the UDP check: 9.5 s, then degraded).
+    with blocking(running_loop()):
+        return _trigger_snapshot(engine, proc=proc, timeout=timeout)
+
+
+def _trigger_snapshot(engine: Engine | None, *, proc: str | None,
+                      timeout: float | None) -> Answer:
     if timeout is not None:
         timeout = timeout_value(timeout)  # ValueError before any hook runs
     engine = resolve_engine(engine)

@@ -12,8 +12,9 @@ first use. See ``docs/architecture.md`` for the layers and the checklists.
 
 What an extension needs besides: :data:`BEFORE_USER_HOOKS` (the order of a built-in hook
 that must run before every user hook of its phase), :func:`in_hook` (is this call made by
-a rehydrate hook?), and the argument checks the built-in ones use, so that a bad argument
-is refused the same way everywhere: :func:`check_seconds` (with :data:`MAX_SECONDS`) and
+a rehydrate hook?), :func:`loop_blocked` (is that event loop's thread waiting for an
+event?), and the argument checks the built-in ones use, so that a bad argument is refused
+the same way everywhere: :func:`check_seconds` (with :data:`MAX_SECONDS`) and
 :func:`shown` (a caller's value in an error message); and :func:`fresh_lock_after_fork`
 for its locks (a child of ``fork()`` gets new ones where a parent thread may hold them).
 A manager that holds sensitive values registers a redactor with :func:`add_redactor`
@@ -35,6 +36,8 @@ from ._redact import add_redactor, redact
 from ._threads import fresh_lock_after_fork
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ._lifecycle import Lifecycle
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "fresh_lock_after_fork",
     "in_hook",
     "load_extension",
+    "loop_blocked",
     "redact",
     "resolve_engine",
     "shown",
@@ -115,6 +119,16 @@ def check_seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
     every timeout, deadline and interval argument — where it enters (a constructor), not
     later in a thread that an exception would end."""
     return _config.seconds(value, what, zero_ok=zero_ok)
+
+
+def loop_blocked(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop``'s own thread is waiting for a lifecycle event to end — a
+    ``simulate_restore()``, ``restore_detected()`` or ``trigger_snapshot()`` called on it,
+    whose hooks run elsewhere meanwhile: work a hook submits to ``loop`` and waits for
+    would only run after that event, so the hook fails at once instead of timing out."""
+    from ._loop_roles import is_blocked
+
+    return is_blocked(loop)
 
 
 def in_hook() -> bool:

@@ -9,8 +9,11 @@ datagram with a random nonce to its own address from a fresh socket and waits fo
 arrive; when it does not within ``probe_timeout``, the socket is closed and bound again —
 to ``local_addr()`` evaluated anew when it is a callable (e.g. reading ``POD_IP``, which
 the ``ENVIRONMENT`` phase has refreshed by then). Probe datagrams never reach the game's
-protocol. After a re-bind the protocol's ``connection_made`` is called again with the new
-transport.
+protocol. After a re-bind the protocol's ``connection_made`` is called again. The transport
+it gets (and :meth:`UdpEndpoint.start` returns) is the endpoint's own, the same object every
+time: it sends through whichever socket is bound, so the one the game holds never goes
+stale; a send while no socket is open (the old one closed before the new one is bound at
+its very address) is dropped with a ``DEBUG`` line, as UDP may drop any datagram.
 """
 
 from __future__ import annotations
@@ -23,22 +26,28 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from rehydrate import Phase
-from rehydrate.extensions import Engine, resolve_engine, shown
+from rehydrate.extensions import Engine, loop_blocked, resolve_engine, shown
 
 __all__ = ["UdpEndpoint"]
 
 log = logging.getLogger("rehydrate.udp")
 
 Address = tuple[str, int]
+_Where = tuple[Any, ...]
+"""An address to bind: ``(host, port)``, or a full IPv6 socket name ``(host, port,
+flowinfo, scope_id)`` (a link-local address needs its scope id)."""
+_WILDCARDS = ("0.0.0.0", "::", "")  # noqa: S104 - recognising a wildcard bind
 _PROBE = b"\0rehydrate-udp-probe\0"
 _MAX_PROBE_TIMEOUT = 3600.0  # a probe waits for one datagram to itself: an hour is absurd
+_BUSY_WAIT = 5.0
+"""Seconds a check waits beyond ``probe_timeout`` while the socket keeps delivering
+datagrams queued ahead of its probe (the hook waits ``probe_timeout`` + 9 s)."""
+_DRAIN_MAX = 100_000  # datagrams taken from a socket about to be closed: its queue, no flood
 
 
 class _Filter(asyncio.DatagramProtocol):
@@ -46,9 +55,14 @@ class _Filter(asyncio.DatagramProtocol):
 
     def __init__(self, endpoint: UdpEndpoint) -> None:
         self.endpoint = endpoint
+        self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.DatagramTransport) -> None:  # type: ignore[override]
-        self.endpoint.protocol.connection_made(transport)
+        self.transport = transport
+        # The stable transport sends through the new socket from here on, before the game
+        # hears of it (it may send from connection_made itself).
+        self.endpoint.transport = transport
+        self.endpoint.protocol.connection_made(self.endpoint._stable)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         if data.startswith(_PROBE):
@@ -56,6 +70,8 @@ class _Filter(asyncio.DatagramProtocol):
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             return
+        if self.transport is self.endpoint.transport:
+            self.endpoint._received += 1  # the socket being checked reads: see check()
         self.endpoint.protocol.datagram_received(data, addr)
 
     def error_received(self, exc: Exception) -> None:
@@ -64,6 +80,54 @@ class _Filter(asyncio.DatagramProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.endpoint._rebinding:  # a re-bind is not the end of the endpoint
             self.endpoint.protocol.connection_lost(exc)
+
+
+class _StableTransport(asyncio.DatagramTransport):
+    """The transport the game holds (``start()``'s value, ``connection_made``'s argument):
+    it sends through the endpoint's current socket, so that it stays usable across a
+    re-bind. A send while no socket is open (between closing the old socket and binding
+    the new one at the same address) is dropped with a ``DEBUG`` line — UDP may drop any
+    datagram — where the closed asyncio transport raised an internal ``AttributeError``."""
+
+    def __init__(self, endpoint: UdpEndpoint) -> None:
+        super().__init__()
+        self._endpoint = endpoint
+
+    def _current(self) -> asyncio.DatagramTransport | None:
+        transport = self._endpoint.transport
+        return None if transport is None or transport.is_closing() else transport
+
+    def sendto(self, data: Any, addr: Any = None) -> None:
+        transport = self._current()
+        if transport is None:
+            log.debug("UDP endpoint %s: no open socket (closed, or being bound again): "
+                      "datagram of %d bytes dropped", self._endpoint.name, len(data))
+            return
+        transport.sendto(data, addr)
+
+    def abort(self) -> None:
+        self._endpoint._closed = True
+        transport = self._endpoint.transport
+        if transport is not None:
+            transport.abort()
+
+    def close(self) -> None:
+        self._endpoint.close()
+
+    def is_closing(self) -> bool:
+        transport = self._endpoint.transport
+        return (self._endpoint._closed or transport is None
+                or (transport.is_closing() and not self._endpoint._rebinding))
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        transport = self._endpoint.transport
+        return default if transport is None else transport.get_extra_info(name, default)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._endpoint.protocol
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        raise NotImplementedError("a UdpEndpoint's protocol is the one it was made with")
 
 
 class UdpEndpoint:
@@ -90,17 +154,21 @@ class UdpEndpoint:
             raise ValueError(f"probe_timeout must be a number of seconds > 0 and at most "
                              f"{_MAX_PROBE_TIMEOUT:.0f}, not {shown(probe_timeout)}")
         self.protocol = protocol_factory()
-        self._local_addr = local_addr
+        self._local_addr: _Where | Callable[[], Address] = local_addr
         self.name = name
         self.probe_timeout = float(probe_timeout)
         self._engine_arg = engine
         self.transport: asyncio.DatagramTransport | None = None
+        """The current socket's asyncio transport (replaced by a re-bind): send through
+        the one :meth:`start` returns instead."""
+        self._stable = _StableTransport(self)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._probes: dict[bytes, asyncio.Future[None]] = {}
+        self._received = 0
+        """Datagrams the game got from the current socket (a check's sign of progress)."""
         self._rebinding = False
         self._hook: Any = None
         self._engine: Engine | None = None
-        self._loop_thread: int | None = None
         self._closed = False
         self.rebinds = 0
         """How many times the socket was bound again after a failed check."""
@@ -113,27 +181,41 @@ class UdpEndpoint:
         host, port = self.transport.get_extra_info("sockname")[:2]
         return str(host), int(port)
 
-    def _wanted(self) -> Address:
+    def _wanted(self) -> _Where:
         return self._local_addr() if callable(self._local_addr) else self._local_addr
 
     async def _bind(self) -> None:
         self._bound(await self._open(self._wanted()))
 
-    async def _open(self, addr: Address) -> asyncio.DatagramTransport:
+    async def _open(self, addr: _Where) -> asyncio.DatagramTransport:
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Filter(self), local_addr=addr)
+        if len(addr) <= 2:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _Filter(self), local_addr=addr)
+            return transport
+        # A full IPv6 name (a link-local address's scope id): asyncio takes a 2-tuple only.
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.bind(addr)
+            transport, _ = await loop.create_datagram_endpoint(lambda: _Filter(self),
+                                                               sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         return transport
 
     def _bound(self, transport: asyncio.DatagramTransport) -> None:
         self.transport, self.loop = transport, asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         if not callable(self._local_addr):
-            # port 0 meant "any": bind again where the clients already send
-            self._local_addr = self.address
+            # port 0 meant "any": bind again where the clients already send. The whole
+            # name: (host, port) alone lost a link-local address's scope id (EINVAL).
+            self._local_addr = tuple(transport.get_extra_info("sockname"))
 
     async def start(self) -> asyncio.DatagramTransport:
-        """Bind the socket and register the restore hook (once)."""
+        """Bind the socket and register the restore hook (once). Returns the endpoint's
+        transport — the one the protocol's ``connection_made`` gets too —, which sends
+        through whichever socket is bound, across re-binds."""
         if self.transport is not None and not self.transport.is_closing():
             raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
                                f"{self.address}")
@@ -156,8 +238,7 @@ class UdpEndpoint:
                 check_udp_socket, phase=Phase.NETWORK, timeout=self.probe_timeout + 10.0,
                 name=f"rehydrate.udp.check:{self.name}")
             weakref.finalize(self, engine.builtins.unregister, self._hook)
-        assert self.transport is not None
-        return self.transport
+        return self._stable
 
     def _ensure_from_hook(self) -> None:
         loop = self.loop
@@ -166,9 +247,10 @@ class UdpEndpoint:
         if not loop.is_running():
             raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop is not running, "
                                "so its socket cannot be checked")
-        if self._loop_waits_for_the_event():
-            # The check needs that loop, which is blocked waiting for this very hook: it
-            # would only time out (~9 s) and fail anyway.
+        if loop_blocked(loop):
+            # The check needs that loop, which is blocked waiting for this very hook (a
+            # simulate_restore() or trigger_snapshot() called on it): it would only time
+            # out (~9 s) and fail anyway.
             raise RuntimeError(
                 f"UDP endpoint {self.name!r}: the restore was started on its event loop's "
                 "thread, which waits for it, so its socket cannot be checked; start it "
@@ -183,50 +265,85 @@ class UdpEndpoint:
             raise RuntimeError(f"UDP endpoint {self.name!r}: its event loop did not check "
                                f"the socket within {limit:g}s") from None
 
-    def _loop_waits_for_the_event(self) -> bool:
-        """True when the loop's thread is inside one of the engine's restore entry points
-        (so it waits for the hooks, this one included)."""
-        engine, ident = self._engine, self._loop_thread
-        if engine is None or ident is None or ident == threading.get_ident():
-            return False
-        codes = {getattr(getattr(type(engine), name, None), "__code__", None)
-                 for name in ("simulate_restore", "restore_detected")}
-        codes.discard(None)
-        frame = sys._current_frames().get(ident)
-        while frame is not None:
-            if frame.f_code in codes:
-                return True
-            frame = frame.f_back
-        return False
-
     async def check(self) -> bool:
         """True when a datagram sent to the socket's address arrives within
-        ``probe_timeout`` (False once closed). ``RuntimeError`` before :meth:`start`."""
+        ``probe_timeout`` (False once closed). ``RuntimeError`` before :meth:`start`.
+
+        asyncio reads one datagram per pass of the loop, so a probe queued behind a
+        backlog of the game's datagrams may take longer: while the socket keeps delivering
+        datagrams, the check sends a fresh probe (the first may have met a full buffer)
+        and waits another ``probe_timeout``, up to 5 s more in all. Datagrams alone are no
+        proof — a socket left at an old Pod IP still delivers what was queued in it before
+        the checkpoint —: only a probe is. A wildcard bind is probed on loopback, a
+        dual-stack ``::`` one at ``::1`` and at ``127.0.0.1`` (IPv6 may be off on
+        loopback)."""
         transport = self.transport
         if transport is None:
             raise self._not_started("check")
         if transport.is_closing():
             return False
-        try:
-            host, port = self.address
-        except OSError:
-            return False
+        name = transport.get_extra_info("sockname")
+        host, port = str(name[0]), int(name[1])
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a wildcard bind answers on loopback
-            host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
-        nonce = _PROBE + os.urandom(16)
-        waiter = asyncio.get_running_loop().create_future()
-        self._probes[nonce] = waiter
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        # the whole name: a link-local address is reached only with its scope id
+        targets: list[tuple[int, _Where]] = [(family, tuple(name))]
+        if host in _WILDCARDS:  # a wildcard bind answers on loopback
+            targets = [(family, ("::1" if family == socket.AF_INET6 else "127.0.0.1", port))]
+            if family == socket.AF_INET6 and self._dual_stack(transport):
+                # IPv4 clients reach it too, and ::1 may be unusable (IPv6 disabled on
+                # loopback, as in many IPv4-only clusters): a probe fails only where none
+                # can be sent
+                targets.append((socket.AF_INET, ("127.0.0.1", port)))
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        nonces: list[bytes] = []
+        give_up = loop.time() + self.probe_timeout + _BUSY_WAIT
+        with contextlib.ExitStack() as stack:
+            probes = []
+            for fam, dest in targets:
+                try:
+                    probe = stack.enter_context(socket.socket(fam, socket.SOCK_DGRAM))
+                except OSError:
+                    continue
                 probe.setblocking(False)
-                probe.sendto(nonce, (host, port))
-                await asyncio.wait_for(waiter, self.probe_timeout)
-            return True
-        except (OSError, asyncio.TimeoutError):
+                probes.append((probe, dest))
+            try:
+                while True:
+                    sent = False
+                    for probe, dest in probes:
+                        nonce = _PROBE + os.urandom(16)
+                        nonces.append(nonce)
+                        self._probes[nonce] = waiter  # any of them arriving is the proof
+                        try:
+                            probe.sendto(nonce, dest)
+                        except OSError as exc:
+                            log.debug("UDP endpoint %s: probe to %s not sent: %s",
+                                      self.name, dest[0], exc)
+                        else:
+                            sent = True
+                    if not sent:
+                        return False
+                    seen = self._received
+                    try:
+                        await asyncio.wait_for(asyncio.shield(waiter), self.probe_timeout)
+                        return True
+                    except asyncio.TimeoutError:
+                        if (self._received == seen or transport is not self.transport
+                                or loop.time() >= give_up):
+                            return False
+            finally:
+                for nonce in nonces:
+                    self._probes.pop(nonce, None)
+        return False  # pragma: no cover - the loop above returns
+
+    @staticmethod
+    def _dual_stack(transport: asyncio.DatagramTransport) -> bool:
+        """Whether an IPv6 socket takes IPv4 datagrams too (``IPV6_V6ONLY`` off)."""
+        sock = transport.get_extra_info("socket")
+        try:
+            return not sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        except (AttributeError, OSError):
             return False
-        finally:
-            self._probes.pop(nonce, None)
 
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound.
@@ -235,7 +352,8 @@ class UdpEndpoint:
         a callable ``local_addr``) is bound at its first address of the old socket's
         family, and only there. Raises ``OSError`` naming the endpoint, the address and
         what to do when binding again fails (the hook then fails, and the process is not
-        ready), ``RuntimeError`` before :meth:`start` and after :meth:`close`."""
+        ready), ``RuntimeError`` before :meth:`start`, after :meth:`close` and when a
+        callable ``local_addr`` raises (naming the endpoint; the old socket is kept)."""
         if self.transport is None:
             # It bound the socket itself, with no restore hook, and start() then said
             # "already started": the endpoint was never checked after a restore.
@@ -266,25 +384,81 @@ class UdpEndpoint:
         fixed address the host no longer has) leaves the old one as it was; only when the
         old one holds the very address (the same address and port, or a wildcard bind) is
         it closed first."""
-        addr = self._wanted()
+        try:
+            addr = self._wanted()
+        except Exception as exc:
+            # a bare KeyError: 'POD_IP' said neither what was called nor for what
+            raise RuntimeError(f"UDP endpoint {self.name!r}: local_addr() raised "
+                               f"{shown(exc)}, so the socket cannot be bound again") from exc
         try:
             at = await self._first_address(addr, old)
             try:
                 new = await self._open(at)
             except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
+                # Only the old socket's own bind may be closed to make room: a port
+                # another socket took stays taken, and the old one stays as it was.
+                if exc.errno != errno.EADDRINUSE or not self._holds(old, at):
                     raise
+                self._drain(old)
                 old.close()
                 await asyncio.sleep(0)  # let the loop drop the old reader before binding
                 new = await self._open(at)
         except OSError as exc:
             raise self._rebind_failed(addr, exc) from exc
         self._bound(new)
+        self._drain(old)
         old.close()
         await asyncio.sleep(0)  # the old transport's connection_lost, while _rebinding
 
     @staticmethod
-    async def _first_address(addr: Address, old: asyncio.DatagramTransport) -> Address:
+    def _holds(old: asyncio.DatagramTransport, at: _Where) -> bool:
+        """Whether ``old``'s socket is bound where binding ``at`` conflicts with it: the
+        same port, at the same address or with either a wildcard. Asked of the socket
+        itself (a dead one may be bound elsewhere, or nowhere, by now)."""
+        sock = old.get_extra_info("socket")
+        try:
+            name = sock.getsockname()
+        except (AttributeError, OSError):
+            return False
+        if name[1] != at[1]:
+            return False
+        mine, wanted = str(name[0]), str(at[0])
+        if mine in _WILDCARDS or wanted in _WILDCARDS:
+            return True
+        try:
+            return (ipaddress.ip_address(mine.split("%", 1)[0])
+                    == ipaddress.ip_address(wanted.split("%", 1)[0]))
+        except ValueError:
+            return mine == wanted
+
+    def _drain(self, old: asyncio.DatagramTransport) -> None:
+        """Hand the game the datagrams still queued in ``old``, about to be closed: a
+        socket judged dead may still hold what clients sent before it stopped receiving,
+        which closing it threw away."""
+        sock = old.get_extra_info("socket")
+        if sock is None or old.is_closing():
+            return
+        try:
+            dup = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return
+        with dup:
+            dup.setblocking(False)
+            for _ in range(_DRAIN_MAX):
+                try:
+                    data, addr = dup.recvfrom(65536)
+                except OSError:  # BlockingIOError: the queue is empty
+                    return
+                if data.startswith(_PROBE):
+                    continue
+                try:
+                    self.protocol.datagram_received(data, addr)
+                except Exception:
+                    log.exception("UDP endpoint %s: the protocol's datagram_received failed",
+                                  self.name)
+
+    @staticmethod
+    async def _first_address(addr: _Where, old: asyncio.DatagramTransport) -> _Where:
         """The one address a host name in ``addr`` stands for: the first it resolves to
         of the old socket's family (else the first). Given the name, asyncio tries every
         address in turn: the first (``::1``) was still held by the old socket, so the new
@@ -308,15 +482,18 @@ class UdpEndpoint:
         first = next((i for i in infos if i[0] == family), infos[0])
         return str(first[4][0]), port
 
-    def _rebind_failed(self, addr: Address, exc: OSError) -> OSError:
+    def _rebind_failed(self, addr: _Where, exc: OSError) -> OSError:
         """``exc`` with the endpoint, the address and what to do (a bare "[Errno 99]
-        Cannot assign requested address" said none of them)."""
+        Cannot assign requested address" said none of them), chosen by its errno."""
         host = str(addr[0])
         v6 = ":" in host
-        if callable(self._local_addr):
+        hint: str | None = None
+        if exc.errno == errno.EADDRINUSE:
+            hint = "the port is taken by another socket"
+        elif exc.errno != errno.EADDRNOTAVAIL or host in _WILDCARDS:
+            pass  # not "no such address here": an IP change is not the cause
+        elif callable(self._local_addr):
             hint = "local_addr() returned it: is it this host's address now?"
-        elif host in ("0.0.0.0", "::", ""):  # noqa: S104 - naming a wildcard bind
-            hint = "is the port taken by another socket?"
         else:
             wildcard = "::" if v6 else "0.0.0.0"  # noqa: S104 - the fix the hint names
             hint = (f"a fixed address: a clone in a new Pod has another IP; bind "
@@ -326,8 +503,9 @@ class UdpEndpoint:
         # [2001:db8::1]:7777, not 2001:db8::1:7777 (which reads as one IPv6 address)
         where = f"[{host}]:{addr[1]}" if v6 else f"{host}:{addr[1]}"
         reason = exc.strerror or str(exc) or type(exc).__name__
+        tail = "" if hint is None else f"; {hint}"
         return OSError(exc.errno, f"UDP endpoint {self.name!r}: binding again at "
-                                  f"{where} failed ({reason}); {hint}")
+                                  f"{where} failed ({reason}){tail}")
 
     def _not_started(self, what: str) -> RuntimeError:
         return RuntimeError(f"UDP endpoint {self.name!r} is not started: await start() "

@@ -1,0 +1,419 @@
+"""UdpEndpoint: the game's transport across a re-bind, busy sockets, restores that block
+the endpoint's loop, and re-binds that cannot happen where expected. Real UDP sockets on
+loopback throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import pty
+import select
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import tty
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from detect_helpers import wait_for
+
+from rehydrate._trigger import trigger_snapshot
+from rehydrate.adapters.udp import UdpEndpoint
+from rehydrate.detect.gvisor import GVisorDetector
+
+
+class Game(asyncio.DatagramProtocol):
+    """Holds the transport it was given, as a game does, and echoes every datagram."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.DatagramTransport | None = None
+        self.received: list[bytes] = []
+        self.made = 0
+        self.lost = 0
+        self.got = asyncio.Event()
+
+    def connection_made(self, transport):
+        self.made += 1
+        self.transport = transport
+
+    def datagram_received(self, data, addr):
+        self.received.append(data)
+        self.got.set()
+        self.transport.sendto(b"echo:" + data, addr)
+
+    def connection_lost(self, exc):
+        self.lost += 1
+
+
+def _fail_first_check(ep: UdpEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket still holds its port but is judged dead once (what the hook is for)."""
+    real = ep.check
+    calls: list[int] = []
+
+    async def check() -> bool:
+        calls.append(1)
+        return False if len(calls) == 1 else await real()
+
+    monkeypatch.setattr(ep, "check", check)
+
+
+async def _recv(sock: socket.socket) -> bytes:
+    return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 2048), 5)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+async def test_the_game_sends_through_a_rebind_at_the_same_address(
+        rehydrate_engine, monkeypatch, caplog, host):
+    """The old socket is closed before the new one is bound at its address: a send from
+    the game in that gap raised asyncio's internal AttributeError ('NoneType' object has no
+    attribute 'call_exception_handler'); it is dropped with a DEBUG line, and the
+    transport the game holds then sends through the new socket."""
+    ep = UdpEndpoint(Game, (host, 0), engine=rehydrate_engine, name="gap", probe_timeout=0.3)
+    returned = await ep.start()
+    game = ep.protocol
+    assert game.transport is returned
+    _fail_first_check(ep, monkeypatch)
+    real_open = ep._open
+    in_gap: list[bool] = []
+
+    async def open_in_gap(addr):
+        if ep.transport.is_closing():  # the old one closed, the new one not yet bound
+            in_gap.append(True)
+            game.transport.sendto(b"in the gap", ("127.0.0.1", 9))
+        return await real_open(addr)
+
+    monkeypatch.setattr(ep, "_open", open_in_gap)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+        client.bind(("127.0.0.1", 0))
+        client.setblocking(False)
+        with caplog.at_level(logging.DEBUG, logger="rehydrate.udp"):
+            assert await ep.ensure()
+        assert in_gap == [True]
+        assert "no open socket (closed, or being bound again): datagram of 10 bytes " \
+               "dropped" in caplog.text
+        assert game.made == 2 and game.lost == 0 and game.transport is returned
+        assert not returned.is_closing()
+        game.transport.sendto(b"after", client.getsockname())
+        assert await _recv(client) == b"after"
+        returned.sendto(b"returned", client.getsockname())
+        assert await _recv(client) == b"returned"
+    ep.close()
+    await asyncio.sleep(0)
+    assert returned.is_closing() and game.lost == 1
+
+
+async def test_the_transport_start_returns_sends_after_a_rebind(rehydrate_engine):
+    """docs/game-servers.md keeps `transport = await endpoint.start()`: after a re-bind
+    that transport was the closed old one, and its sendto raised AttributeError."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="kept",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    try:
+        old = ep.transport
+        old.close()  # dead
+        await asyncio.sleep(0)
+        report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+        assert report.ok, report.table()
+        assert ep.rebinds == 1 and ep.transport is not old
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.bind(("127.0.0.1", 0))
+            client.setblocking(False)
+            transport.sendto(b"state", client.getsockname())
+            assert await _recv(client) == b"state"
+            assert transport.get_extra_info("sockname") == ep.transport.get_extra_info(
+                "sockname")
+    finally:
+        ep.close()
+
+
+class SlowFirst(Game):
+    """The game's first datagram takes longer than the probe's wait (a level load, a
+    burst of inputs): the loop's clock is moved on past the probe's timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.advance: Callable[[], None] = lambda: None
+
+    def datagram_received(self, data, addr):
+        if not self.received:
+            self.advance()
+        super().datagram_received(data, addr)
+
+
+async def test_a_busy_healthy_socket_is_not_bound_again(rehydrate_engine, monkeypatch):
+    """asyncio reads one datagram per loop pass, so the probe waited behind the game's
+    backlog; past probe_timeout the socket was judged dead, re-bound, and the datagrams
+    still queued in it were lost."""
+    loop = asyncio.get_running_loop()
+    real_time = loop.time
+    offset = [0.0]
+    monkeypatch.setattr(loop, "time", lambda: real_time() + offset[0])
+    ep = UdpEndpoint(SlowFirst, ("127.0.0.1", 0), engine=rehydrate_engine, name="busy",
+                     probe_timeout=0.3)
+    await ep.start()
+    game = ep.protocol
+
+    def advance() -> None:
+        offset[0] += 1.0  # the probe's timeout is due when this datagram is handled
+
+    game.advance = advance
+    n = 50
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for i in range(n):  # queued in the socket, ahead of the probe
+                client.sendto(b"in%d" % i, ep.address)
+        assert not await ep.ensure()  # the probe is sent before the loop reads any
+        assert ep.rebinds == 0
+        assert game.received == [b"in%d" % i for i in range(n)]
+    finally:
+        ep.close()
+
+
+async def test_datagrams_queued_in_a_socket_judged_dead_reach_the_game(
+        rehydrate_engine, monkeypatch):
+    """A socket judged dead is closed to bind its address again: what clients had queued
+    in it was thrown away."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="queued",
+                     probe_timeout=0.3)
+    await ep.start()
+    game = ep.protocol
+
+    async def dead() -> bool:
+        return False
+
+    monkeypatch.setattr(ep, "check", dead)
+    n = 30
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for i in range(n):
+                client.sendto(b"q%d" % i, ep.address)
+        assert await ep.ensure()
+        assert game.received == [b"q%d" % i for i in range(n)]
+    finally:
+        ep.close()
+
+
+async def test_datagrams_alone_do_not_prove_a_socket_works(rehydrate_engine, monkeypatch):
+    """A socket left at an old address still delivers what was queued in it before the
+    checkpoint: a check that took any datagram for proof would keep it for good."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="stale",
+                     probe_timeout=0.2)
+    await ep.start()
+    game = ep.protocol
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for i in range(5):
+                client.sendto(b"old%d" % i, ep.address)
+        # its probes go nowhere (what a socket at an address no longer the host's sees)
+        real_sendto = socket.socket.sendto
+        nowhere = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        nowhere.bind(("127.0.0.1", 0))
+
+        def probe_lost(self, data, *args):
+            if data.startswith(b"\0rehydrate-udp-probe\0"):
+                return real_sendto(self, data, nowhere.getsockname())
+            return real_sendto(self, data, *args)
+
+        monkeypatch.setattr(socket.socket, "sendto", probe_lost)
+        with nowhere:
+            assert not await ep.check()
+        assert game.received == [b"old%d" % i for i in range(5)]
+    finally:
+        ep.close()
+
+
+class _GVisorStandIn:
+    """gVisor's side of a pty standing in for /proc/gvisor/checkpoint: answers every
+    trigger with ``restore``."""
+
+    def __init__(self, proc: Path) -> None:
+        self.master, self.slave = pty.openpty()
+        tty.setraw(self.slave)  # bytes pass unchanged
+        os.symlink(os.ttyname(self.slave), proc / "checkpoint")
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.master, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            os.read(self.master, 64)
+            os.write(self.master, b"restore\n")
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(5)
+        for fd in (self.master, self.slave, self._stop_r, self._stop_w):
+            os.close(fd)
+
+
+async def test_a_trigger_on_the_endpoints_own_loop_fails_its_hook_at_once(
+        rehydrate_engine, tmp_path):
+    """trigger_snapshot() from the game's coroutine with the gVisor waiter running: the
+    loop's thread sits in the trigger while the waiter's thread runs the restore hooks;
+    the check waited ~9.5 s for that loop, and the process was left degraded."""
+    proc = tmp_path / "gvisor"
+    proc.mkdir()
+    (proc / "spec_environ").write_bytes(b"RHT_UDP_A=1\0")
+    platform = _GVisorStandIn(proc)
+    reports: list[Any] = []
+    rehydrate_engine.add_listener(reports.append)
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="t-trig")
+    await ep.start()
+    try:
+        waiter = GVisorDetector(str(proc))
+        assert rehydrate_engine.start([waiter]) == ["gvisor"]
+        wait_for(lambda: waiter.status()["waiting"], what="the waiter to open the file")
+        assert trigger_snapshot(rehydrate_engine, timeout=30) == "restore"  # on the loop
+        (restore,) = [r for r in reports if r.kind == "restore"]
+        (hook,) = [h for h in restore.hooks if h.name == "rehydrate.udp.check:t-trig"]
+        assert hook.outcome == "failed"
+        assert "the restore was started on its event loop's thread" in str(hook.error)
+        assert hook.duration < 1.0
+    finally:
+        rehydrate_engine.stop()
+        platform.close()
+        ep.close()
+
+
+def _kill(ep: UdpEndpoint) -> None:
+    """Point the endpoint's descriptor at a new unbound socket: the bound one is gone (a
+    restore that hands back a socket that no longer delivers), its port free."""
+    sock = ep.transport.get_extra_info("socket")
+    with socket.socket(sock.family, socket.SOCK_DGRAM) as other:
+        os.dup2(other.fileno(), sock.fileno())
+
+
+async def test_a_port_another_socket_took_is_left_to_it_and_said_so(rehydrate_engine):
+    """The old socket is dead and another holds its port: EADDRINUSE was taken to mean the
+    old socket held it, which was closed (the game got neither connection_lost nor a new
+    transport), and the error blamed an IP change."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="taken",
+                     probe_timeout=0.2)
+    await ep.start()
+    old, port = ep.transport, ep.address[1]
+    game = ep.protocol
+    try:
+        _kill(ep)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as thief:
+            thief.bind(("127.0.0.1", port))
+            with pytest.raises(OSError) as info:
+                await ep.ensure()
+        assert str(info.value) == (
+            f"[Errno {info.value.errno}] UDP endpoint 'taken': binding again at "
+            f"127.0.0.1:{port} failed ({os.strerror(info.value.errno)}); the port is "
+            "taken by another socket")
+        assert ep.transport is old and not old.is_closing()
+        assert game.made == 1 and game.lost == 0
+    finally:
+        ep.close()
+
+
+async def test_a_local_addr_callable_that_raises_names_the_endpoint(rehydrate_engine,
+                                                                     monkeypatch):
+    """lambda: (os.environ["POD_IP"], 7777) after a restore without POD_IP: the hook
+    failed with a bare KeyError: 'POD_IP'."""
+    monkeypatch.setenv("RHT_UDP_POD_IP", "127.0.0.1")
+    ep = UdpEndpoint(Game, lambda: (os.environ["RHT_UDP_POD_IP"], 0),
+                     engine=rehydrate_engine, name="env", probe_timeout=0.2)
+    await ep.start()
+    old = ep.transport
+    try:
+        _kill(ep)
+        monkeypatch.delenv("RHT_UDP_POD_IP")
+        with pytest.raises(RuntimeError) as info:
+            await ep.ensure()
+        assert str(info.value) == ("UDP endpoint 'env': local_addr() raised "
+                                   "KeyError('RHT_UDP_POD_IP'), so the socket cannot be "
+                                   "bound again")
+        assert isinstance(info.value.__cause__, KeyError)
+        assert ep.transport is old and not old.is_closing()
+    finally:
+        ep.close()
+
+
+def _in_netns(setup: str, code: str) -> dict[str, Any]:
+    """Run ``code`` (Python printing one JSON line) in a new network namespace (root, as
+    in CI) after the shell commands ``setup``."""
+    script = f"{setup} && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=60, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_LINK_LOCAL = '''
+import asyncio, json, os, socket
+from rehydrate.testing import isolated_engine
+from rehydrate.adapters.udp import UdpEndpoint
+
+async def main():
+    engine = isolated_engine()
+    ep = UdpEndpoint(asyncio.DatagramProtocol, ("fe80::1%lo", 0), engine=engine,
+                     name="ll", probe_timeout=0.3)
+    await ep.start()
+    first = await ep.check()
+    sock = ep.transport.get_extra_info("socket")
+    with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as other:
+        os.dup2(other.fileno(), sock.fileno())  # dead, its address free
+    report = await asyncio.to_thread(engine.simulate_restore)
+    out = {"first": first, "ok": report.ok, "rebinds": ep.rebinds,
+           "errors": [str(h.error) for h in report.hooks if h.error],
+           "name": list(ep.transport.get_extra_info("sockname")),
+           "after": await ep.check()}
+    ep.close()
+    engine.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+'''
+
+
+def test_a_link_local_address_is_bound_again_with_its_scope(rehydrate_engine):
+    """The address kept for re-binds was (host, port): a link-local address lost its scope
+    id, the re-bind failed with EINVAL, and the hint blamed an IP change."""
+    out = _in_netns("ip link set lo up && ip -6 addr add fe80::1/64 dev lo nodad",
+                    _LINK_LOCAL)
+    assert out["first"] and out["ok"], out["errors"]
+    assert out["rebinds"] == 1 and out["name"][0] == "fe80::1" and out["name"][3] != 0
+    assert out["after"]
+
+
+_V6_OFF = '''
+import asyncio, json
+from rehydrate.testing import isolated_engine
+from rehydrate.adapters.udp import UdpEndpoint
+
+async def main():
+    engine = isolated_engine()
+    ep = UdpEndpoint(asyncio.DatagramProtocol, ("::", 0), engine=engine, name="v6off",
+                     probe_timeout=0.3)
+    await ep.start()
+    checked = await ep.check()
+    report = await asyncio.to_thread(engine.simulate_restore)
+    out = {"checked": checked, "ok": report.ok, "rebinds": ep.rebinds}
+    ep.close()
+    engine.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+'''
+
+
+def test_a_dual_stack_wildcard_with_ipv6_off_on_loopback_checks_over_ipv4(
+        rehydrate_engine):
+    """Bound to '::' where loopback has no IPv6 (many IPv4-only clusters): the probe to ::1
+    could not be sent, so every restore re-bound a socket IPv4 clients reached fine — a
+    false warning, and queued datagrams lost each time."""
+    out = _in_netns("ip link set lo up && echo 1 > /proc/sys/net/ipv6/conf/lo/disable_ipv6",
+                    _V6_OFF)
+    assert out == {"checked": True, "ok": True, "rebinds": 0}
