@@ -722,6 +722,14 @@ _SECRETS_SCRUBBED = [  # (library error, shown as)
      "url: /health (Caused by NewConnectionError('...'))"),
     ("mongodb+srv://u:p@cluster0.example.net/?retryWrites=true&w=majority",
      "mongodb+srv://cluster0.example.net/"),
+    # an IPv6 host is no user name: the query string went with the host
+    ("GET http://[::1]:8080/?email=bob@example.com failed", "GET http://[::1]:8080/ failed"),
+    ("redis://:p[w]@[::1]:6379/0 refused", "redis://[::1]:6379/0 refused"),
+    ("connection to app:pw@[::1]:5432 failed", "connection to [::1]:5432 failed"),
+    # a password in double quotes, or quoted with an escaped quote in it (libpq)
+    ('password="hunter2" host=db', "password=[redacted] host=db"),
+    ("host=db password='it\\'s secret' user=app", "host=db password=[redacted] user=app"),
+    ('dsn: PWD="a \\" b";Server=db', "dsn: PWD=[redacted];Server=db"),
 ]
 
 _TEXTS_KEPT = [  # no credential in them: shown as they are
@@ -740,6 +748,12 @@ _TEXTS_KEPT = [  # no credential in them: shown as they are
     "git@github.com:org/repo.git",
     "at 12:30:01 job@worker",
     "connection to server at \"db\" (10.0.0.1), port 5432 failed",
+    # an address after a word and a colon, an image's digest: no host:port after the "@"
+    "sip:alice@example.com unreachable",
+    "invalid email:alice@example.com",
+    "image nginx:1.25@sha256:deadbeef not found",
+    "image nginx:1.25@sha256:0123abcd not found",
+    "GET http://[::1]:8080/users/bob@example.com failed",
 ]
 
 
