@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import importlib.util
 import logging
 import ssl
@@ -384,12 +385,13 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         failed the application's next request through it ("bound to a different event
         loop"): sent there only (here when the hooks run on it, else submitted to it).
 
-        When that loop cannot send it, the check is :meth:`probe`'s through a
-        short-lived transport of the client's own configuration, straight to the
-        server: while the loop is not known (no request of the client seen yet, and the
-        hooks run on rehydrate's own loop: a mount is a transport of any kind, which
-        cannot be copied), is closed, or its thread waits for this very event (nothing
-        sent there runs before the check's deadline). A loop only stopped
+        When that loop cannot send it — not known (no request of the client seen yet,
+        and the hooks run on rehydrate's own loop), closed, or its thread waits for this
+        very event (nothing sent there runs before the check's deadline) — the check
+        goes through a short-lived copy of the mount (:func:`_private_copy`: the same
+        proxy, TLS and socket setup, a pool of its own), closed after it; a mount that
+        cannot be copied (not an ``httpx.AsyncHTTPTransport``) is bypassed, the check
+        sent straight to the server (its failure says so). A loop only stopped
         (``run_until_complete`` between two calls) may run again within the deadline:
         the check fails, saying so, and is retried."""
         here = asyncio.get_running_loop()
@@ -405,7 +407,7 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
             await self._send(mount, request)
             return
         if home is None or home.is_closed() or is_blocked(home):
-            await self.probe(request)
+            await self._probe_copy(mount, request)
             return
         if not home.is_running():
             raise ConnectionError(
@@ -417,6 +419,33 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
         # cancelled (the deadline) here, the task there is cancelled too
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
             self._send(mount, request), home))
+
+    async def _probe_copy(self, mount: httpx.AsyncBaseTransport,
+                          request: httpx.Request) -> None:
+        """:meth:`probe_mount` when the application's loop cannot send the check: through
+        a copy of ``mount`` whose connections are this loop's and closed here (sent
+        through the mount itself, from this loop, it left one in the mount's pool for
+        the application's next request, on another loop, to fail on; and the pool
+        itself is no thread's to share: its requests, connections and their events are
+        the application's loop's). ``Connection: close`` on the check through the mount
+        would have httpcore close an HTTP/1.1 connection after the response, but not
+        keep the check's request out of that shared queue, nor apply to HTTP/2."""
+        twin = _private_copy(mount)
+        if twin is None:
+            try:
+                await self.probe(request)
+            except Exception as exc:
+                raise ConnectionError(
+                    f"checked straight, bypassing the transport given in mounts= for "
+                    f"{shown(request.url)} (a {type(mount).__name__} cannot be copied, and "
+                    "the application's event loop, where its connections belong, is not "
+                    "known, closed, or waiting for this restore): "
+                    f"{type(exc).__name__}: {exc}") from exc
+            return
+        try:
+            await self._send(twin, request)
+        finally:
+            await twin.aclose()
 
     async def saw_request(self, request: httpx.Request) -> None:
         """The client's request event hook: the loop its requests run on, also those
@@ -435,6 +464,28 @@ class AsyncReconnectingTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _private_copy(transport: httpx.AsyncBaseTransport) -> httpx.AsyncHTTPTransport | None:
+    """A copy of ``transport`` (an ``httpx.AsyncHTTPTransport``, a subclass too) that
+    shares its configuration — proxy, SSL context, HTTP versions, retries, local
+    address, socket options, network backend — but not its mutable state: httpcore
+    keeps that in the pool's request queue and connection list, which the copy starts
+    empty. None for a transport of another kind, or a pool of another shape."""
+    import httpcore
+
+    pool = getattr(transport, "_pool", None)
+    if not isinstance(transport, httpx.AsyncHTTPTransport) or not isinstance(
+            pool, httpcore.AsyncConnectionPool) or not isinstance(
+            getattr(pool, "_connections", None), list) or not isinstance(
+            getattr(pool, "_requests", None), list):
+        return None
+    twin_pool = copy.copy(pool)
+    twin_pool._connections = []
+    twin_pool._requests = []
+    twin = copy.copy(transport)
+    twin._pool = twin_pool
+    return twin
 
 
 def _keep_none(transport: httpx.AsyncHTTPTransport) -> None:

@@ -1990,8 +1990,10 @@ def httpx_async_client(
     client sends through a transport given in ``mounts=`` (a proxy) is checked through
     that transport, on the application's loop (the one the client's last request ran
     on); when that loop is not known, closed, or waiting for this very restore, the
-    check goes straight to the server through a short-lived transport (the mount is not
-    checked then), and while it is only stopped the check fails and is retried."""
+    check goes through a short-lived copy of that transport, with a pool of its own
+    (one that is not an ``httpx.AsyncHTTPTransport`` cannot be copied: the check goes
+    straight to the server then, and its error says so), and while that loop is only
+    stopped the check fails and is retried."""
     from ._httpx import AsyncReconnectingTransport, make_async_client
 
     client, transport = make_async_client(client_kwargs)

@@ -274,25 +274,135 @@ async def test_httpx_async_client_keeps_the_callers_event_hooks(rehydrate_engine
     await client.aclose()
 
 
-def test_async_httpx_mount_check_with_the_apps_loop_unknown_goes_straight(
+class _EgressProxy:
+    """A forward HTTP proxy on loopback that answers the absolute-form requests it gets
+    itself (keep-alive): the only route to ``http://internal.invalid``, which does not
+    resolve. ``paths``: the paths asked for, in order."""
+
+    URL = "http://internal.invalid"
+
+    def __init__(self) -> None:
+        import http.server
+        import socketserver
+
+        paths = self.paths = []  # type: ignore[var-annotated]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802
+                from urllib.parse import urlsplit
+
+                path = urlsplit(self.path).path
+                paths.append(path)
+                body = path.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def egress_proxy():  # type: ignore[no-untyped-def]
+    proxy = _EgressProxy()
+    yield proxy
+    proxy.stop()
+
+
+def _idle_pool(mount) -> None:  # type: ignore[no-untyped-def]
+    """Nothing of the check's loop left in the mount's pool: no connection, no request
+    (whose event would be set from that loop's thread)."""
+    assert mount._pool.connections == []
+    assert mount._pool._requests == []
+
+
+def test_async_httpx_mount_check_with_the_apps_loop_unknown_goes_through_the_mount(
+        rehydrate_engine, egress_proxy, app_loop):
+    """No request seen yet (a snapshot taken right after startup) and the hooks on
+    rehydrate's loop: the check went straight to the server, bypassing the proxy mounted,
+    and failed for a server only that proxy reaches (before that, it went through the
+    mount from rehydrate's loop, and the application's first request failed on the
+    connection it left there). It goes through a copy of the mount, whose connection it
+    closes: the restore passes, and the application's requests on their own loop work."""
+    import httpx
+
+    mount = httpx.AsyncHTTPTransport(proxy=egress_proxy.url)
+    client = _module_level_client(rehydrate_engine, egress_proxy.URL, mount, deadline=3)
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert egress_proxy.paths == ["/health"]
+    _idle_pool(mount)
+    for path in ("/first", "/second"):
+        assert _on(app_loop, client.get(path)).text == path
+    _on(app_loop, client.aclose())
+
+
+def test_async_httpx_mount_check_with_the_apps_loop_unknown_fails_with_its_proxy(
         rehydrate_engine, http_srv, app_loop):
-    """No request seen yet (a snapshot taken before serving) and the hooks on rehydrate's
-    loop: the mount's pool may only get connections of the application's loop, so the
-    check goes straight to the server through a short-lived transport (a proxy mounted
-    is not checked then), and leaves nothing in that pool."""
+    """A proxy mounted that is down fails the check, as it fails every request: checked
+    straight to the server, the restore passed."""
     import httpx
     from netservers import refused_port
 
     with refused_port() as port:
-        client = _module_level_client(
-            rehydrate_engine, http_srv.url,
-            httpx.AsyncHTTPTransport(proxy=f"http://127.0.0.1:{port}"))
-        [mount] = client._transport._mounted()
+        mount = httpx.AsyncHTTPTransport(proxy=f"http://127.0.0.1:{port}")
+        client = _module_level_client(rehydrate_engine, http_srv.url, mount, deadline=0.5)
         report = rehydrate_engine.simulate_restore()
-        assert report.ok, report.table()
-        assert mount._pool.connections == []
-        with pytest.raises(httpx.ConnectError):  # the proxy the check did not go through
+        assert not report.ok
+        assert "ConnectError" in _status(rehydrate_engine, "api")["last_error"]
+        _idle_pool(mount)
+        with pytest.raises(httpx.ConnectError):  # what the check stands for
             _on(app_loop, client.get("/x"))
+    _on(app_loop, client.aclose())
+
+
+def test_async_httpx_mount_check_bypassing_a_mount_says_so(rehydrate_engine, egress_proxy,
+                                                            app_loop):
+    """A mount that is not an ``httpx.AsyncHTTPTransport`` cannot be copied: with the
+    application's loop unknown, the check goes straight to the server, and its failure
+    read as the server being down, not as the mount being bypassed."""
+    import httpx
+    from netservers import refused_port
+
+    class Wrapper(httpx.AsyncBaseTransport):  # a mount of the caller's own kind
+        def __init__(self, inner: httpx.AsyncHTTPTransport) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            return await self.inner.handle_async_request(request)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    with refused_port() as port:  # the server: only the proxy reaches it
+        client = connections.httpx_async_client(
+            "api", base_url=f"http://127.0.0.1:{port}", check_url="/health", deadline=0.3,
+            mounts={"all://": Wrapper(httpx.AsyncHTTPTransport(proxy=egress_proxy.url))},
+            engine=rehydrate_engine)
+        report = rehydrate_engine.simulate_restore()
+        assert not report.ok
+        error = _status(rehydrate_engine, "api")["last_error"]
+        assert "bypassing the transport given in mounts=" in error, error
+        assert "ConnectError" in error, error
+        assert egress_proxy.paths == []
+        assert _on(app_loop, client.get("/x")).text == "/x"
     _on(app_loop, client.aclose())
 
 
@@ -330,40 +440,46 @@ def test_async_httpx_mount_check_on_the_apps_loop_given_to_start_goes_through_it
     _on(app_loop, client.aclose())
 
 
-def test_async_httpx_mount_check_with_the_apps_loop_closed_goes_straight(
-        rehydrate_engine, http_srv):
+def test_async_httpx_mount_check_with_the_apps_loop_closed_goes_through_the_mount(
+        rehydrate_engine, egress_proxy):
     """The loop the client's requests ran on is closed (``asyncio.run`` returned): no
-    check can be sent there ever, and one that said so was retried until the deadline.
-    It goes through a short-lived transport, as with that loop unknown."""
+    check can be sent there ever (one that said so was retried until the deadline), and
+    one sent straight to the server failed for a server only the mounted proxy reaches.
+    It goes through a copy of the mount, as with that loop unknown."""
     import httpx
+
+    mount = httpx.AsyncHTTPTransport(proxy=egress_proxy.url)
 
     async def use():  # type: ignore[no-untyped-def]
         client = connections.httpx_async_client(
-            "api", base_url=http_srv.url, check_url="/health", deadline=2,
-            mounts={"http://": httpx.AsyncHTTPTransport()}, engine=rehydrate_engine)
+            "api", base_url=egress_proxy.URL, check_url="/health", deadline=2,
+            mounts={"all://": mount}, engine=rehydrate_engine)
         assert (await client.get("/x")).text == "/x"
 
     asyncio.run(use())
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
+    assert egress_proxy.paths == ["/x", "/health"]
 
 
 async def test_async_httpx_mount_check_from_a_restore_on_the_apps_loop_does_not_retry(
-        rehydrate_engine, http_srv):
+        rehydrate_engine, egress_proxy):
     """``simulate_restore()`` called on the application's loop (a pytest-asyncio test, a
     Jupyter cell): that loop waits for the restore, a check sent there could not run, and
-    it was retried until the deadline, then failed. It goes through a short-lived
-    transport, as a check of a URL without a mount does."""
+    it was retried until the deadline, then failed. It goes through a copy of the mount
+    (sent straight to the server, it failed for a server only the mounted proxy reaches),
+    and leaves nothing in the mount's pool for this loop's next request to trip on."""
     import httpx
 
-    mount = httpx.AsyncHTTPTransport()
+    mount = httpx.AsyncHTTPTransport(proxy=egress_proxy.url)
     client = connections.httpx_async_client(
-        "api", base_url=http_srv.url, check_url="/health", deadline=3,
-        mounts={"http://": mount}, engine=rehydrate_engine)
+        "api", base_url=egress_proxy.URL, check_url="/health", deadline=3,
+        mounts={"all://": mount}, engine=rehydrate_engine)
     assert (await client.get("/before")).text == "/before"
     assert rehydrate_engine.simulate_snapshot().ok
     report = rehydrate_engine.simulate_restore()
     assert report.ok, report.table()
+    assert egress_proxy.paths == ["/before", "/health"]
     assert (await client.get("/after")).text == "/after"
     await client.aclose()
 
@@ -606,6 +722,14 @@ _SECRETS_SCRUBBED = [  # (library error, shown as)
      "url: /health (Caused by NewConnectionError('...'))"),
     ("mongodb+srv://u:p@cluster0.example.net/?retryWrites=true&w=majority",
      "mongodb+srv://cluster0.example.net/"),
+    # an IPv6 host is no user name: the query string went with the host
+    ("GET http://[::1]:8080/?email=bob@example.com failed", "GET http://[::1]:8080/ failed"),
+    ("redis://:p[w]@[::1]:6379/0 refused", "redis://[::1]:6379/0 refused"),
+    ("connection to app:pw@[::1]:5432 failed", "connection to [::1]:5432 failed"),
+    # a password in double quotes, or quoted with an escaped quote in it (libpq)
+    ('password="hunter2" host=db', "password=[redacted] host=db"),
+    ("host=db password='it\\'s secret' user=app", "host=db password=[redacted] user=app"),
+    ('dsn: PWD="a \\" b";Server=db', "dsn: PWD=[redacted];Server=db"),
 ]
 
 _TEXTS_KEPT = [  # no credential in them: shown as they are
@@ -624,6 +748,12 @@ _TEXTS_KEPT = [  # no credential in them: shown as they are
     "git@github.com:org/repo.git",
     "at 12:30:01 job@worker",
     "connection to server at \"db\" (10.0.0.1), port 5432 failed",
+    # an address after a word and a colon, an image's digest: no host:port after the "@"
+    "sip:alice@example.com unreachable",
+    "invalid email:alice@example.com",
+    "image nginx:1.25@sha256:deadbeef not found",
+    "image nginx:1.25@sha256:0123abcd not found",
+    "GET http://[::1]:8080/users/bob@example.com failed",
 ]
 
 
