@@ -329,13 +329,17 @@ def test_trigger_timeout_bounds_the_client_s_wait_too(sock_path: str,
                                       ["-c", "from rehydrate.__main__ import notify_main; "
                                              "raise SystemExit(notify_main())"],
                                       # an abbreviated option: the argparse CLI's path
-                                      ["-m", "rehydrate", "notify", "--time", "30"]],
-                         ids=["fast", "rehydrate-notify", "argparse"])
+                                      ["-m", "rehydrate", "notify", "--time", "30"],
+                                      # the program itself on its argparse path
+                                      [str(BIN / "rehydrate-notify"), "--time", "30"]],
+                         ids=["fast", "rehydrate-notify", "argparse",
+                              "rehydrate-notify-argparse"])
 def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
         notifier: list[str], engine: Lifecycle, sock_path: str) -> None:
     """Before: the fast path printed a traceback and exited 1 ("a required hook failed")
-    when stdout was full, although the hooks had run; a reader gone (``| head``) too; and
-    a notifier started with fd 1 closed (``sys.stdout`` is None) must exit 0 as well."""
+    when stdout was full, although the hooks had run; a reader gone (``| head``) too, and
+    still in ``rehydrate-notify`` on its argparse path (``--time 30``); and a notifier
+    started with fd 1 closed (``sys.stdout`` is None) must exit 0 as well."""
     ran: list[int] = []
     engine.registry.after_restore(name="app")(lambda: ran.append(1))
     argv = [sys.executable, *notifier, "restore", "--socket", sock_path, "--json"]
