@@ -488,6 +488,42 @@ def test_status_text_shows_each_field_on_its_own_line(
                      "NOT RUNNING: gvisor: no /proc/gvisor\\nNOT RUNNING: none"]
 
 
+@pytest.mark.parametrize("case", ["status of another shape", "notify without an action",
+                                  "gVisor mode not an action", "CRIU without a socket"])
+def test_json_failures_without_a_reply_still_print_json(case: str, sock_path: str) -> None:
+    """Before: these left stdout empty under ``--json`` (no JSON at all for the machine
+    reading it), while an unreachable process printed ``{"ok": false, "error": …}``."""
+    env = _env()
+    server = None
+    if case == "status of another shape":
+        server = OneAnswer(sock_path, b'{"ok": true, "pid": 5, "status": "x"}\n')
+        argv, code = [str(BIN / "rehydrate"), "status", "--json", "--socket", sock_path], 3
+        said = "the process answered a status of an unexpected shape (str)"
+    elif case == "notify without an action":
+        argv, code = [str(BIN / "rehydrate"), "notify", "--json"], 2
+        said = "notify needs save, resume or restore"
+    elif case == "gVisor mode not an action":
+        env["GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"] = "bogus-value"
+        argv, code = [str(BIN / "rehydrate-notify"), "--json"], 2
+        said = "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE is not save, resume or restore"
+    else:
+        env["CRTOOLS_SCRIPT_ACTION"] = "pre-dump"
+        argv, code = [str(BIN / "rehydrate-notify"), "--json"], 3
+        said = "no control socket named"
+    try:
+        proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True,
+                              text=True, timeout=60, check=False)
+    finally:
+        if server is not None:
+            server.close()
+    assert proc.returncode == code, proc
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["ok"] is False and answer["error"].startswith(said), answer
+    assert answer["error"] in proc.stderr
+    assert "bogus-value" not in proc.stdout + proc.stderr  # environment values never shown
+
+
 def _post_dump(sock: str, *argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
     """``rehydrate-notify`` as CRIU runs it at ``post-dump`` (no argument, the action in
     the environment), with the modules it imported."""
