@@ -202,7 +202,9 @@ def _print_fit(fit: Fit) -> None:
     print(f"\nGKE Pod snapshots on this node: {fit.fit}")
     width = max(len(c.name) for c in fit.checks)
     for c in fit.checks:
-        print(f"  {c.name.ljust(width)}  {c.status:<7}  {c.reason}")
+        # A reason may quote nvidia-smi (its error text, a GPU's name) or the metadata
+        # server: escaped, so that a terminal escape or a newline there cannot forge lines.
+        print(_config.one_line(f"  {c.name.ljust(width)}  {c.status:<7}  {c.reason}"))
 
 
 def _print_settings(settings: list[dict[str, object]]) -> None:

@@ -284,3 +284,28 @@ def test_doctor_names_a_gvisor_proc_directory_without_spec_environ(
     (tmp_path / "spec_environ").write_bytes(b"A=1\0B=2")  # cut short: refused
     found = json.loads(_doctor(capsys, "--json"))["environment"]
     assert "not NUL-terminated" in found["problem"] and found["fails_restore"]
+
+
+@pytest.mark.parametrize("answer", ["error", "gpu name"])
+def test_doctor_escapes_what_nvidia_smi_says(answer, tmp_path):
+    """Before: the GPU line quoted nvidia-smi's error text (or a GPU's name) raw — colours,
+    a carriage return or a cursor move reached the terminal; every other line is escaped."""
+    standin = tmp_path / "nvidia-smi"
+    if answer == "error":
+        standin.write_text('#!/bin/sh\nprintf "bad\\033[31mRED\\033[0m\\r\\n" >&2; exit 9\n')
+        env = {**os.environ}
+    else:
+        shutil.copy(Path(__file__).parent / "standin_bin" / "nvidia-smi", standin)
+        env = {**os.environ, "STANDIN_NVIDIA_GPUS": json.dumps(
+            [{"name": "NVIDIA L4\x1b[31m\x07", "driver_version": "535.104.05",
+              "mig.mode.current": "[N/A]"}])}
+    standin.chmod(0o755)
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    exe = Path(sys.executable).with_name("rehydrate")
+    proc = subprocess.run([str(exe), "doctor"], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stdout and "\r" not in proc.stdout, repr(proc.stdout)
+    gpu = [line for line in proc.stdout.splitlines() if line.startswith("  GPU ")]
+    assert len(gpu) == 1 and "\\x1b[31m" in gpu[0], proc.stdout
