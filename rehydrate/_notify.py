@@ -346,8 +346,10 @@ def not_a_socket(path: str) -> str | None:
         return None
     if stat.S_ISSOCK(mode):
         return None
-    kind = "a directory" if stat.S_ISDIR(mode) else (
-        "a regular file" if stat.S_ISREG(mode) else "not a socket")
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    kind = next((name for test, name in kinds if test(mode)), "another kind of file")
     return f"{path} exists and is {kind}, not a socket"
 
 

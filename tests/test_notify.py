@@ -524,6 +524,19 @@ def test_json_failures_without_a_reply_still_print_json(case: str, sock_path: st
     assert "bogus-value" not in proc.stdout + proc.stderr  # environment values never shown
 
 
+def test_a_socket_path_that_is_a_fifo_or_a_device_is_named_as_such(sock_path: str) -> None:
+    """Before: a FIFO (or a device) given as --socket read "… exists and is not a socket,
+    not a socket"."""
+    os.mkfifo(sock_path)
+    for path, kind in ((sock_path, "a FIFO"), (os.devnull, "a character device")):
+        proc = subprocess.run([sys.executable, str(BIN / "rehydrate-notify"), "save",
+                               "--socket", path], env=_env(), capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 3, proc
+        assert proc.stderr == (f"rehydrate: notify save: cannot reach the process at {path}: "
+                               f"{path} exists and is {kind}, not a socket\n"), proc.stderr
+
+
 def _post_dump(sock: str, *argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
     """``rehydrate-notify`` as CRIU runs it at ``post-dump`` (no argument, the action in
     the environment), with the modules it imported."""
