@@ -224,6 +224,36 @@ def test_doctor_reads_a_status_of_another_shape_without_a_traceback(
         assert "its status reply is of an unexpected shape" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("option", ["--connections", "--files"])
+def test_doctor_waits_for_a_hung_socket_only_as_long_as_timeout(option, short_sock):
+    """Before: doctor --files / --connections waited 10 s for a control socket that
+    accepts and never answers, with no option to shorten it (even with --pid given)."""
+    import socket
+    import time
+
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(short_sock)
+    hung.listen(8)  # connections wait in the backlog: never accepted, never answered
+    try:
+        start = time.monotonic()
+        with_pid = run("doctor", option, "--socket", short_sock, "--pid", "self",
+                       "--timeout", "0.3", entry="script")
+        without = run("doctor", option, "--socket", short_sock, "--timeout", "0.3",
+                      entry="script")
+        took = time.monotonic() - start
+    finally:
+        hung.close()
+    assert with_pid.returncode == 0 and with_pid.stderr == "", with_pid
+    assert with_pid.stdout.startswith("process self: "), with_pid.stdout
+    assert without.returncode == 1 and without.stdout == ""
+    assert without.stderr == (f"rehydrate: doctor {option}: no rehydrate process answers on "
+                              f"the control socket (no reply from {short_sock} within 0.3s)"
+                              "; name one with --pid PID (or --pid self)\n"), without.stderr
+    assert took < 9, took  # two runs, each well under the 10 s default
+    bad = run("doctor", option, "--timeout", "0", entry="script")
+    assert bad.returncode == 2 and "--timeout" in bad.stderr, bad
+
+
 SECRET_VALUE = "v4lue-that-doctor-must-never-show"
 
 
