@@ -120,7 +120,10 @@ def _notify_main(argv: list[str] | None) -> int:
         return code
     from ._control_client import notify_main as explained
 
-    return explained(args)
+    try:
+        return explained(args)  # ``rehydrate-notify resume --js | head``: argparse's path
+    except BrokenPipeError:
+        return _reader_gone()
 
 
 def _fast_notify(argv: list[str]) -> int | None:

@@ -20,6 +20,10 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
+DOCTOR_TIMEOUT = 10.0
+"""``doctor --connections`` / ``--files``: seconds to wait for the control socket's
+status reply (``--timeout``), as ``rehydrate status`` does by default."""
+
 
 def _print_json(data: object) -> None:
     json.dump(data, sys.stdout, indent=2, sort_keys=True)
@@ -133,7 +137,7 @@ def _doctor_process(
     reply: dict[str, Any] | None = None
     problem: str | None = None
     try:
-        reply = request("status", socket_path=args.socket, timeout=10.0)
+        reply = request("status", socket_path=args.socket, timeout=args.timeout)
     except ControlError as exc:
         problem = str(exc)
     else:
@@ -202,7 +206,9 @@ def _print_fit(fit: Fit) -> None:
     print(f"\nGKE Pod snapshots on this node: {fit.fit}")
     width = max(len(c.name) for c in fit.checks)
     for c in fit.checks:
-        print(f"  {c.name.ljust(width)}  {c.status:<7}  {c.reason}")
+        # A reason may quote nvidia-smi (its error text, a GPU's name) or the metadata
+        # server: escaped, so that a terminal escape or a newline there cannot forge lines.
+        print(_config.one_line(f"  {c.name.ljust(width)}  {c.status:<7}  {c.reason}"))
 
 
 def _print_settings(settings: list[dict[str, object]]) -> None:
@@ -329,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "inspects "
                              "(default: $REHYDRATE_CONTROL_SOCKET, else the only socket in "
                              "the default directory)")
+    from ._control_client import _positive
+
+    doctor.add_argument("--timeout", type=_positive, default=DOCTOR_TIMEOUT, metavar="S",
+                        help="seconds --connections / --files waits for the status reply "
+                             "on the control socket (default "
+                             f"{DOCTOR_TIMEOUT:g}); with --pid, a socket that does not "
+                             "answer in time only leaves nothing marked managed")
     doctor.add_argument("--proc", default="/proc", help=argparse.SUPPRESS)  # tests: fake /proc
     doctor.set_defaults(func=cmd_doctor)
 

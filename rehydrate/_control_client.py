@@ -27,6 +27,7 @@ from ._notify import (
     err,
     find_socket,
     ident,
+    json_error,
     notify,
     one_line,
     positive,
@@ -62,8 +63,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return code
     status = reply.get("status") or {}
     if not isinstance(status, dict):
-        err(f"status: the process answered a status of an unexpected shape "
-            f"({type(status).__name__}): another rehydrate version?")
+        problem = (f"the process answered a status of an unexpected shape "
+                   f"({type(status).__name__}): another rehydrate version?")
+        err(f"status: {problem}")
+        if args.json:
+            json_error(problem)
         return EXIT_UNREACHABLE
     if args.json:
         dump(status)

@@ -346,8 +346,10 @@ def not_a_socket(path: str) -> str | None:
         return None
     if stat.S_ISSOCK(mode):
         return None
-    kind = "a directory" if stat.S_ISDIR(mode) else (
-        "a regular file" if stat.S_ISREG(mode) else "not a socket")
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    kind = next((name for test, name in kinds if test(mode)), "another kind of file")
     return f"{path} exists and is {kind}, not a socket"
 
 
@@ -519,6 +521,18 @@ def dump(data: object) -> None:
     sys.stdout.write("\n")
 
 
+def json_error(message: str) -> None:
+    """``{"ok": false, "error": message}`` on stdout, for ``--json``: machines read stdout,
+    and an empty one is no JSON at all. Said on stderr already by the caller: an output
+    that cannot be written is left to the exit status, a reader gone to the entry point."""
+    try:
+        dump({"ok": False, "error": message})
+    except BrokenPipeError:
+        raise
+    except OSError:
+        pass
+
+
 def summary(report: object) -> str:
     """One line for a report dict: event, kind, reason, generation, ok, hooks, failures
     (a reply of another shape — another rehydrate version — is said to be one)."""
@@ -566,13 +580,8 @@ def call(cmd: str, *, label: str, socket_path: str | None, timeout: float | None
                         follow_budget=follow_budget, expect_tree=expect_tree)
     except ControlError as exc:
         err(f"{label}: {exc}")
-        if as_json:  # machines read stdout: say it there too
-            try:
-                dump({"ok": False, "error": str(exc)})
-            except BrokenPipeError:
-                raise
-            except OSError:  # said on stderr already; the exit status below says the rest
-                pass
+        if as_json:
+            json_error(str(exc))
         return None, EXIT_UNTRUSTED if isinstance(exc, UntrustedSocket) else EXIT_UNREACHABLE
     if not reply.get("ok"):
         err(f"{label}: {reply.get('error') or 'failed'}")
@@ -718,6 +727,8 @@ def notify(opts: Options) -> int:
     action, problem, wait, criu = _resolve_action(opts.action)
     if problem:
         err(problem)
+        if opts.json:
+            json_error(problem)
         return EXIT_USAGE
     if action is None:
         return EXIT_OK  # a CRIU action at which the process is frozen or not involved
@@ -726,9 +737,12 @@ def notify(opts: Options) -> int:
         # CRIU dumps or restores one given tree: the only socket in the default directory
         # may be any other rehydrate process's, whose hooks would then run for this dump.
         if opts.socket is None and not _config.text(ENV_SOCKET):
-            err(f"notify {action} (CRIU {criu}): no control socket named: set {ENV_SOCKET} "
-                "in CRIU's environment or pass --socket (for a CRIU action script the "
-                "default directory is not searched: its socket may be another process's)")
+            problem = (f"no control socket named: set {ENV_SOCKET} in CRIU's environment "
+                       "or pass --socket (for a CRIU action script the default directory "
+                       "is not searched: its socket may be another process's)")
+            err(f"notify {action} (CRIU {criu}): {problem}")
+            if opts.json:
+                json_error(problem)
             # post-dump: a non-zero exit fails the dump (see _post_notice)
             return EXIT_UNREACHABLE if wait else EXIT_OK
         tree = _criu_tree()

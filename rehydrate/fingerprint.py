@@ -236,8 +236,31 @@ def _metadata_fields(path: Path) -> tuple[str | None, str | None]:
     return name, version
 
 
+def installed_paths() -> list[str]:
+    """The ``sys.path`` entries :func:`distributions` reads by default: ``PYTHONPATH`` and
+    the interpreter's own (the standard library onward: site-packages, the user site,
+    ``.pth`` entries) — not the script's directory or the current directory that the
+    interpreter puts first, nor entries a program put before the standard library.
+
+    Those differ between the workload and a ``rehydrate check`` run as another program
+    (its first entry is the ``rehydrate`` script's directory), or from another
+    directory (``python -m``: the current one): counted, a workload whose packages sit
+    next to its script (``pip install --target /app``) was called incompatible with
+    itself on the node that wrote its manifest."""
+    stdlib = os.path.dirname(getattr(os, "__file__", None) or "")
+    try:
+        first = sys.path.index(stdlib)
+    except ValueError:  # an embedded or frozen interpreter: only "" can be told apart
+        first = 0
+    pythonpath = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p}
+    return [entry for i, entry in enumerate(sys.path)
+            if entry and (i >= first or os.path.abspath(entry) in pythonpath)]
+
+
 def distributions(paths: Iterable[str] | None = None) -> list[str]:
-    """Sorted ``name==version`` of the installed distributions found on ``sys.path``.
+    """Sorted ``name==version`` of the installed distributions found in ``paths``
+    (default: :func:`installed_paths`, ``sys.path`` without the script's directory).
 
     The same directories ``importlib.metadata`` searches (``*.dist-info``, ``*.egg-info``),
     read from directory names where possible and from metadata headers otherwise —
@@ -245,7 +268,7 @@ def distributions(paths: Iterable[str] | None = None) -> list[str]:
     first entry of a name on the path wins, as for imports.
     """
     seen: dict[str, str] = {}
-    for entry in sys.path if paths is None else paths:
+    for entry in installed_paths() if paths is None else paths:
         try:
             names = os.listdir(entry or ".")
         except OSError:  # missing directory, zip file …

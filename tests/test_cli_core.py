@@ -224,6 +224,36 @@ def test_doctor_reads_a_status_of_another_shape_without_a_traceback(
         assert "its status reply is of an unexpected shape" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("option", ["--connections", "--files"])
+def test_doctor_waits_for_a_hung_socket_only_as_long_as_timeout(option, short_sock):
+    """Before: doctor --files / --connections waited 10 s for a control socket that
+    accepts and never answers, with no option to shorten it (even with --pid given)."""
+    import socket
+    import time
+
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(short_sock)
+    hung.listen(8)  # connections wait in the backlog: never accepted, never answered
+    try:
+        start = time.monotonic()
+        with_pid = run("doctor", option, "--socket", short_sock, "--pid", "self",
+                       "--timeout", "0.3", entry="script")
+        without = run("doctor", option, "--socket", short_sock, "--timeout", "0.3",
+                      entry="script")
+        took = time.monotonic() - start
+    finally:
+        hung.close()
+    assert with_pid.returncode == 0 and with_pid.stderr == "", with_pid
+    assert with_pid.stdout.startswith("process self: "), with_pid.stdout
+    assert without.returncode == 1 and without.stdout == ""
+    assert without.stderr == (f"rehydrate: doctor {option}: no rehydrate process answers on "
+                              f"the control socket (no reply from {short_sock} within 0.3s)"
+                              "; name one with --pid PID (or --pid self)\n"), without.stderr
+    assert took < 9, took  # two runs, each well under the 10 s default
+    bad = run("doctor", option, "--timeout", "0", entry="script")
+    assert bad.returncode == 2 and "--timeout" in bad.stderr, bad
+
+
 SECRET_VALUE = "v4lue-that-doctor-must-never-show"
 
 
@@ -284,3 +314,28 @@ def test_doctor_names_a_gvisor_proc_directory_without_spec_environ(
     (tmp_path / "spec_environ").write_bytes(b"A=1\0B=2")  # cut short: refused
     found = json.loads(_doctor(capsys, "--json"))["environment"]
     assert "not NUL-terminated" in found["problem"] and found["fails_restore"]
+
+
+@pytest.mark.parametrize("answer", ["error", "gpu name"])
+def test_doctor_escapes_what_nvidia_smi_says(answer, tmp_path):
+    """Before: the GPU line quoted nvidia-smi's error text (or a GPU's name) raw — colours,
+    a carriage return or a cursor move reached the terminal; every other line is escaped."""
+    standin = tmp_path / "nvidia-smi"
+    if answer == "error":
+        standin.write_text('#!/bin/sh\nprintf "bad\\033[31mRED\\033[0m\\r\\n" >&2; exit 9\n')
+        env = {**os.environ}
+    else:
+        shutil.copy(Path(__file__).parent / "standin_bin" / "nvidia-smi", standin)
+        env = {**os.environ, "STANDIN_NVIDIA_GPUS": json.dumps(
+            [{"name": "NVIDIA L4\x1b[31m\x07", "driver_version": "535.104.05",
+              "mig.mode.current": "[N/A]"}])}
+    standin.chmod(0o755)
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    exe = Path(sys.executable).with_name("rehydrate")
+    proc = subprocess.run([str(exe), "doctor"], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stdout and "\r" not in proc.stdout, repr(proc.stdout)
+    gpu = [line for line in proc.stdout.splitlines() if line.startswith("  GPU ")]
+    assert len(gpu) == 1 and "\\x1b[31m" in gpu[0], proc.stdout

@@ -329,13 +329,17 @@ def test_trigger_timeout_bounds_the_client_s_wait_too(sock_path: str,
                                       ["-c", "from rehydrate.__main__ import notify_main; "
                                              "raise SystemExit(notify_main())"],
                                       # an abbreviated option: the argparse CLI's path
-                                      ["-m", "rehydrate", "notify", "--time", "30"]],
-                         ids=["fast", "rehydrate-notify", "argparse"])
+                                      ["-m", "rehydrate", "notify", "--time", "30"],
+                                      # the program itself on its argparse path
+                                      [str(BIN / "rehydrate-notify"), "--time", "30"]],
+                         ids=["fast", "rehydrate-notify", "argparse",
+                              "rehydrate-notify-argparse"])
 def test_stdout_that_cannot_be_written_does_not_change_the_notice_s_exit_status(
         notifier: list[str], engine: Lifecycle, sock_path: str) -> None:
     """Before: the fast path printed a traceback and exited 1 ("a required hook failed")
-    when stdout was full, although the hooks had run; a reader gone (``| head``) too; and
-    a notifier started with fd 1 closed (``sys.stdout`` is None) must exit 0 as well."""
+    when stdout was full, although the hooks had run; a reader gone (``| head``) too, and
+    still in ``rehydrate-notify`` on its argparse path (``--time 30``); and a notifier
+    started with fd 1 closed (``sys.stdout`` is None) must exit 0 as well."""
     ran: list[int] = []
     engine.registry.after_restore(name="app")(lambda: ran.append(1))
     argv = [sys.executable, *notifier, "restore", "--socket", sock_path, "--json"]
@@ -482,6 +486,55 @@ def test_status_text_shows_each_field_on_its_own_line(
                      "detectors:   control\\x1b[8m",
                      "last_report: none",
                      "NOT RUNNING: gvisor: no /proc/gvisor\\nNOT RUNNING: none"]
+
+
+@pytest.mark.parametrize("case", ["status of another shape", "notify without an action",
+                                  "gVisor mode not an action", "CRIU without a socket"])
+def test_json_failures_without_a_reply_still_print_json(case: str, sock_path: str) -> None:
+    """Before: these left stdout empty under ``--json`` (no JSON at all for the machine
+    reading it), while an unreachable process printed ``{"ok": false, "error": …}``."""
+    env = _env()
+    server = None
+    if case == "status of another shape":
+        server = OneAnswer(sock_path, b'{"ok": true, "pid": 5, "status": "x"}\n')
+        argv, code = [str(BIN / "rehydrate"), "status", "--json", "--socket", sock_path], 3
+        said = "the process answered a status of an unexpected shape (str)"
+    elif case == "notify without an action":
+        argv, code = [str(BIN / "rehydrate"), "notify", "--json"], 2
+        said = "notify needs save, resume or restore"
+    elif case == "gVisor mode not an action":
+        env["GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE"] = "bogus-value"
+        argv, code = [str(BIN / "rehydrate-notify"), "--json"], 2
+        said = "GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE is not save, resume or restore"
+    else:
+        env["CRTOOLS_SCRIPT_ACTION"] = "pre-dump"
+        argv, code = [str(BIN / "rehydrate-notify"), "--json"], 3
+        said = "no control socket named"
+    try:
+        proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True,
+                              text=True, timeout=60, check=False)
+    finally:
+        if server is not None:
+            server.close()
+    assert proc.returncode == code, proc
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["ok"] is False and answer["error"].startswith(said), answer
+    assert answer["error"] in proc.stderr
+    assert "bogus-value" not in proc.stdout + proc.stderr  # environment values never shown
+
+
+def test_a_socket_path_that_is_a_fifo_or_a_device_is_named_as_such(sock_path: str) -> None:
+    """Before: a FIFO (or a device) given as --socket read "… exists and is not a socket,
+    not a socket"."""
+    os.mkfifo(sock_path)
+    for path, kind in ((sock_path, "a FIFO"), (os.devnull, "a character device")):
+        proc = subprocess.run([sys.executable, str(BIN / "rehydrate-notify"), "save",
+                               "--socket", path], env=_env(), capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 3, proc
+        assert proc.stderr == (f"rehydrate: notify save: cannot reach the process at {path}: "
+                               f"{path} exists and is {kind}, not a socket\n"), proc.stderr
 
 
 def _post_dump(sock: str, *argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:

@@ -408,9 +408,39 @@ def test_distribution_list_matches_importlib_metadata():
     import importlib.metadata as md
 
     expected: dict[str, str] = {}
-    for d in md.distributions():
+    for d in md.distributions(path=fp.installed_paths()):
         expected.setdefault(fp._norm(d.metadata["Name"]), d.version)
     assert fp.distributions() == sorted(f"{n}=={v}" for n, v in expected.items())
+
+
+def test_packages_next_to_the_script_or_in_the_cwd_do_not_split_workload_and_check(
+        tmp_path):
+    """Before: the manifest counted the distributions in the workload's script directory
+    (``pip install --target /app``), ``rehydrate check`` those in its own first
+    ``sys.path`` entry (the script's bin directory; the current directory under ``python
+    -m``): the same node was "incompatible: distributions"."""
+    app = tmp_path / "app"
+    (app / "bar-2.0.dist-info").mkdir(parents=True)
+    manifest = tmp_path / "manifest.json"
+    (app / "main.py").write_text(
+        "import json, sys\nfrom rehydrate.fingerprint import fingerprint\n"
+        "print(sys.path[0])\n"
+        "with open(sys.argv[1], 'w') as f:\n    json.dump(fingerprint(), f)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("REHYDRATE_CONTROL_SOCKET", None)
+    wrote = subprocess.run([sys.executable, str(app / "main.py"), str(manifest)], env=env,
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert wrote.returncode == 0, wrote.stderr
+    assert wrote.stdout.strip() == str(app)  # the workload's sys.path[0]: bar is there
+    elsewhere = tmp_path / "proj"
+    (elsewhere / "foo-1.0.dist-info").mkdir(parents=True)
+    script = Path(sys.executable).with_name("rehydrate")
+    for argv, cwd in (([str(script)], app), ([sys.executable, "-m", "rehydrate"], elsewhere),
+                      ([sys.executable, "-m", "rehydrate"], app)):
+        proc = subprocess.run([*argv, "check", str(manifest)], env=env, cwd=cwd,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert (proc.returncode, proc.stdout) == (0, f"compatible with {manifest}\n"), (
+            argv, cwd, proc.stdout, proc.stderr)
 
 
 def test_check_from_a_daemonset_compares_node_fields_only(tmp_path):
