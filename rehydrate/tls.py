@@ -722,6 +722,9 @@ class ManagedCertificate:
         self._last_error: str | None = None
         self.renewals = 0
         self._hooks: tuple[Hook, ...] = ()
+        self._closed = False
+        """Set by :meth:`close`: no material is taken any more (no snapshot hook would
+        drop its key)."""
         _HANDLES.add(self)
 
     @property
@@ -774,9 +777,15 @@ class ManagedCertificate:
     def private_key(self) -> PrivateKeyTypes:
         key = self.material.private_key
         if key is None:
-            raise CertificateError(f"certificate {self.name!r}: the private key was dropped "
-                                   "before a snapshot; renewed on restore/resume")
+            raise self._no_key()
         return key
+
+    def _no_key(self) -> CertificateError:
+        if self._closed:
+            return CertificateError(f"certificate {self.name!r} is closed: its private key "
+                                    "was wiped")
+        return CertificateError(f"certificate {self.name!r}: the private key was dropped "
+                                "before a snapshot; renewed on restore/resume")
 
     @property
     def serial(self) -> int:
@@ -785,12 +794,14 @@ class ManagedCertificate:
     def renew(self) -> Material:
         """Produce, validate and apply new material now. On failure the previous material
         stays, :attr:`last_error` is set and :class:`CertificateError` raised. Refused
-        between the before-snapshot pass and the next restore/resume. When the material
-        comes out unchanged (a file certificate's files), the listeners that failed to
-        take it are called again (see :meth:`subscribe`): a failure raises; otherwise
-        the restore hook counts as recovered, whatever made it fail (the files hold the
-        material in use)."""
+        between the before-snapshot pass and the next restore/resume, and after
+        :meth:`close`. When the material comes out unchanged (a file certificate's
+        files), the listeners that failed to take it are called again (see
+        :meth:`subscribe`): a failure raises; otherwise the restore hook counts as
+        recovered, whatever made it fail (the files hold the material in use)."""
         with self._renew_lock:
+            if self._closed:  # before produce(): a key made now would never be dropped
+                raise CertificateError(f"certificate {self.name!r} is closed")
             if self._manager.frozen:
                 raise CertificateError(
                     f"certificate {self.name!r}: keys were dropped before a snapshot; "
@@ -850,6 +861,10 @@ class ManagedCertificate:
             raise CertificateError(f"certificate {self.name!r}: material without a key")
         with self._renew_lock:
             with self._lock:
+                if self._closed:  # a renewal that outlived close(): nothing drops its key
+                    material.wipe_key()
+                    raise CertificateError(f"certificate {self.name!r} is closed; the "
+                                           "renewed key is discarded")
                 if self._manager.frozen:  # a renewal that outlived the snapshot pass
                     material.wipe_key()
                     raise CertificateError(
@@ -1191,9 +1206,7 @@ class ManagedCertificate:
                     ctx.load_verify_locations(cadata=m.trust_pem())
                 if present:
                     if m.private_key is None:
-                        raise CertificateError(
-                            f"certificate {self.name!r}: the private key was dropped "
-                            "before a snapshot; renewed on restore/resume")
+                        raise self._no_key()
                     try:
                         self._load(ctx, m)
                     except ssl.SSLError as exc:
@@ -1241,8 +1254,45 @@ class ManagedCertificate:
             ) from None
 
     def close(self) -> None:
-        """Stop managing this certificate (its contexts keep their last material)."""
+        """Stop managing this certificate, and let go of its private key: no snapshot hook
+        drops it any more, so a key kept would go into every snapshot image and serve in
+        every clone.
+
+        The key is wiped (``certificate`` and ``serial`` stay readable, ``private_key``
+        raises) and a renewal still running is discarded. Every server context it is
+        attached to is detached from it and moved to a fresh context presenting what the
+        other handles attached there present; a context no other handle is attached to
+        presents its own throwaway placeholder from then on (see :meth:`attach`).
+        Mutual-TLS client contexts it made get a placeholder of each key type they held."""
         self._manager.remove(self)
+        with self._lock:
+            self._closed = True
+            m = self._material
+            if m is not None and m.private_key is not None:
+                m.wipe_key()
+                self._material = dataclasses.replace(m, private_key=None, key_buffer=None)
+            with _SWAP_LOCK:
+                for ctx, swap in self._swaps():
+                    self._served.discard(ctx)
+                    self._leave(ctx, swap)
+            errors = self._install_placeholders({})  # detached above: client contexts only
+        if errors:
+            raise CertificateError(f"certificate {self.name!r} closed, but its private key "
+                                   "could not be replaced in every context: "
+                                   + "; ".join(errors))
+
+    def _leave(self, ctx: ssl.SSLContext, swap: _Swap) -> None:
+        """Take this handle's material out of ``swap`` and move the attached ``ctx``'s new
+        connections to a fresh context presenting what the other handles attached to it
+        present — none left, or one OpenSSL refuses now: to ``ctx`` itself, its
+        placeholder (caller holds :data:`_SWAP_LOCK`). Why not keep the context in use:
+        it holds this handle's key, and nothing would drop it before a snapshot."""
+        swap.materials.pop(self, None)
+        swap.current = None
+        if swap.materials:
+            handle, material = next(reversed(swap.materials.items()))
+            with contextlib.suppress(OSError, ValueError):
+                swap.current = handle._fresh_for(ctx, swap, material)
 
     def _discard(self) -> None:
         """A handle :meth:`TLSManager.add` did not keep (failed, or the name exists):

@@ -405,6 +405,85 @@ def test_an_rsa_and_an_ecdsa_certificate_attached_to_one_context_are_both_served
         handshake(srv.port, client("ECDHE-RSA-AES128-GCM-SHA256"))
 
 
+def _rsa_only() -> ssl.SSLContext:
+    c = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
+    c.set_ciphers("ECDHE-RSA-AES128-GCM-SHA256")
+    return c
+
+
+def test_a_closed_certificate_is_no_longer_served_by_a_shared_context(rehydrate_engine,
+                                                                       servers):
+    """close() used to leave the handle's material in the shared context's swap: an
+    RSA-only client kept getting the closed RSA certificate — after close, during the
+    before-snapshot window (so its key went into the image, no hook dropping it), and
+    after a restore and a renewal of the other handle."""
+    ecdsa = tls.self_signed("ec", engine=rehydrate_engine)
+    rsa_ = tls.self_signed("rsa", algorithm="rsa-2048", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ecdsa.attach(ctx)
+    rsa_.attach(ctx)
+    srv = servers(ctx)
+    assert handshake(srv.port, _rsa_only())[0].serial_number == rsa_.serial
+    rsa_.close()
+
+    def served_alone() -> None:
+        with pytest.raises(ssl.SSLError):  # the context has no RSA certificate left
+            handshake(srv.port, _rsa_only())
+        served, answer = handshake(srv.port, client_ctx())
+        assert served.serial_number == ecdsa.serial and answer == b"ok"
+
+    served_alone()
+    assert rehydrate_engine.simulate_snapshot().ok
+    with pytest.raises(ssl.SSLError):
+        handshake(srv.port, _rsa_only())
+    assert rehydrate_engine.simulate_restore().ok
+    ecdsa.renew()
+    served_alone()
+    assert list(tls._swap_of(ctx).materials) == [ecdsa]
+    with pytest.raises(tls.CertificateError, match="is closed: its private key was wiped"):
+        _ = rsa_.private_key  # nothing would drop it before a snapshot
+    with pytest.raises(tls.CertificateError, match="is closed"):
+        rsa_.client_context(present=True)
+    with pytest.raises(tls.CertificateError, match="'rsa' is closed"):
+        rsa_.renew()
+    with pytest.raises(tls.CertificateError, match="is closed; the renewed key"):
+        rsa_.apply(rsa_.produce())  # a renewal that outlived close() keeps no key
+
+
+def test_a_context_only_a_closed_certificate_served_presents_its_placeholder(
+        rehydrate_engine, servers):
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    ctx = cert.server_context()
+    client = cert.client_context(present=True)
+    srv = servers(ctx)
+    assert handshake(srv.port, client_ctx())[0].serial_number == cert.serial
+    cert.close()
+    served, answer = handshake(srv.port, client_ctx())
+    assert served.serial_number != cert.serial and answer == b"ok"
+    assert "placeholder" in served.subject.rfc4514_string()
+    assert tls._swap_of(ctx).materials == {} and tls._swap_of(ctx).current is None
+    again = tls.self_signed("web", engine=rehydrate_engine)  # a handle made again
+    again.attach(ctx)
+    assert handshake(srv.port, client_ctx())[0].serial_number == again.serial
+    del client
+
+
+def test_closed_certificates_do_not_pile_up_in_a_shared_context(rehydrate_engine):
+    """Each handle made again under a name and attached to a long-lived context stayed in
+    its swap after close(): every later renewal built contexts loading all of them."""
+    keep = tls.self_signed("keep", engine=rehydrate_engine)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    keep.attach(ctx)
+    for _ in range(20):
+        rotated = tls.self_signed("rot", engine=rehydrate_engine)
+        rotated.attach(ctx)
+        assert len(tls._swap_of(ctx).materials) == 2
+        rotated.close()
+    assert list(tls._swap_of(ctx).materials) == [keep]
+    keep.renew()
+    assert list(tls._swap_of(ctx).materials) == [keep]
+
+
 def test_attached_contexts_referring_back_to_themselves_are_freed(rehydrate_engine):
     cert = tls.self_signed("web", engine=rehydrate_engine)
 
