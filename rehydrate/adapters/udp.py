@@ -13,7 +13,10 @@ protocol. After a re-bind the protocol's ``connection_made`` is called again. Th
 it gets (and :meth:`UdpEndpoint.start` returns) is the endpoint's own, the same object every
 time: it sends through whichever socket is bound, so the one the game holds never goes
 stale; a send while no socket is open (the old one closed before the new one is bound at
-its very address) is dropped with a ``DEBUG`` line, as UDP may drop any datagram.
+its very address) is dropped with a ``DEBUG`` line, as UDP may drop any datagram. Its
+write-buffer limits and paused reading are applied to each new socket; datagrams read
+while the game has paused reading (by a check, or drained from a replaced socket) are kept
+and delivered after ``resume_reading()``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import logging
 import os
 import socket
 import weakref
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from rehydrate import Phase
 from rehydrate.extensions import Engine, loop_blocked, resolve_engine, shown
@@ -48,6 +52,37 @@ _BUSY_WAIT = 5.0
 """Seconds a check waits beyond ``probe_timeout`` while the socket keeps delivering
 datagrams queued ahead of its probe (the hook waits ``probe_timeout`` + 9 s)."""
 _DRAIN_MAX = 100_000  # datagrams taken from a socket about to be closed: its queue, no flood
+_HELD_MAX = 4 << 20
+"""Bytes of datagrams kept for a game that paused reading (read by a check, or drained
+from a socket being replaced); beyond it they are dropped, as a full socket buffer would."""
+
+
+@runtime_checkable
+class _FlowControl(Protocol):
+    """What asyncio's datagram transports have beyond ``DatagramTransport``'s API."""
+
+    def is_reading(self) -> bool: ...
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+    def get_write_buffer_size(self) -> int: ...
+    def get_write_buffer_limits(self) -> tuple[int, int]: ...
+    def set_write_buffer_limits(self, high: int | None = None,
+                                low: int | None = None) -> None: ...
+
+
+def _flow(transport: asyncio.BaseTransport | None) -> _FlowControl | None:
+    return transport if isinstance(transport, _FlowControl) else None
+
+
+def _write_limits(high: int | None, low: int | None) -> tuple[int, int]:
+    """``(low, high)`` as asyncio computes them, for a limit set while no socket is open."""
+    if high is None:
+        high = 64 * 1024 if low is None else 4 * low
+    if low is None:
+        low = high // 4
+    if not high >= low >= 0:
+        raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+    return low, high
 
 
 class _Filter(asyncio.DatagramProtocol):
@@ -59,10 +94,23 @@ class _Filter(asyncio.DatagramProtocol):
 
     def connection_made(self, transport: asyncio.DatagramTransport) -> None:  # type: ignore[override]
         self.transport = transport
+        endpoint = self.endpoint
         # The stable transport sends through the new socket from here on, before the game
         # hears of it (it may send from connection_made itself).
-        self.endpoint.transport = transport
-        self.endpoint.protocol.connection_made(self.endpoint._stable)
+        endpoint.transport = transport
+        # What the game set on the transport it holds applies to every socket behind it;
+        # here asyncio has not started reading the new one yet.
+        flow = _flow(transport)
+        if flow is not None:
+            low, high = endpoint._write_limits
+            flow.set_write_buffer_limits(high=high, low=low)
+            if not endpoint._reading:
+                flow.pause_reading()
+        if endpoint._writing_paused:
+            # the full buffer was the old socket's: the new one has room
+            endpoint._writing_paused = False
+            endpoint.protocol.resume_writing()
+        endpoint.protocol.connection_made(endpoint._stable)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         if data.startswith(_PROBE):
@@ -72,10 +120,24 @@ class _Filter(asyncio.DatagramProtocol):
             return
         if self.transport is self.endpoint.transport:
             self.endpoint._received += 1  # the socket being checked reads: see check()
+        if not self.endpoint._reading:  # read by a check: the game gets it on resume
+            self.endpoint._hold(data, addr)
+            return
         self.endpoint.protocol.datagram_received(data, addr)
 
     def error_received(self, exc: Exception) -> None:
         self.endpoint.protocol.error_received(exc)
+
+    # Only the current socket's: the game sends through no other.
+    def pause_writing(self) -> None:
+        if self.transport is self.endpoint.transport and not self.endpoint._writing_paused:
+            self.endpoint._writing_paused = True
+            self.endpoint.protocol.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.transport is self.endpoint.transport and self.endpoint._writing_paused:
+            self.endpoint._writing_paused = False
+            self.endpoint.protocol.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.endpoint._rebinding:  # a re-bind is not the end of the endpoint
@@ -87,7 +149,10 @@ class _StableTransport(asyncio.DatagramTransport):
     it sends through the endpoint's current socket, so that it stays usable across a
     re-bind. A send while no socket is open (between closing the old socket and binding
     the new one at the same address) is dropped with a ``DEBUG`` line — UDP may drop any
-    datagram — where the closed asyncio transport raised an internal ``AttributeError``."""
+    datagram — where the closed asyncio transport raised an internal ``AttributeError``.
+
+    Flow control (write-buffer limits, ``pause_reading()``) is the endpoint's state,
+    applied to every socket bound for it, so that it survives a re-bind."""
 
     def __init__(self, endpoint: UdpEndpoint) -> None:
         super().__init__()
@@ -128,6 +193,45 @@ class _StableTransport(asyncio.DatagramTransport):
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         raise NotImplementedError("a UdpEndpoint's protocol is the one it was made with")
+
+    # Flow control: the state is the endpoint's, applied to every socket bound for it.
+
+    def get_write_buffer_size(self) -> int:
+        flow = _flow(self._endpoint.transport)
+        return 0 if flow is None else flow.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._endpoint._write_limits
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        limits = _write_limits(high, low)
+        self._endpoint._write_limits = limits
+        flow = _flow(self._current())
+        if flow is not None:
+            flow.set_write_buffer_limits(high=limits[1], low=limits[0])
+
+    def is_reading(self) -> bool:
+        return self._endpoint._reading and not self.is_closing()
+
+    def pause_reading(self) -> None:
+        endpoint = self._endpoint
+        if not endpoint._reading:
+            return
+        endpoint._reading = False
+        flow = _flow(self._current())
+        if flow is not None and not endpoint._checking:  # a check reads until it ends
+            flow.pause_reading()
+
+    def resume_reading(self) -> None:
+        endpoint = self._endpoint
+        if endpoint._reading:
+            return
+        endpoint._reading = True
+        if endpoint._held and endpoint.loop is not None:
+            # not from within the game's own call; the socket is read again after them
+            endpoint.loop.call_soon(endpoint._deliver_held)
+        else:
+            endpoint._resume_socket()
 
 
 class UdpEndpoint:
@@ -170,6 +274,13 @@ class UdpEndpoint:
         self._hook: Any = None
         self._engine: Engine | None = None
         self._closed = False
+        self._reading = True
+        """Whether the game reads (``pause_reading()`` on its transport clears it)."""
+        self._checking = 0
+        self._held: deque[tuple[bytes, Any]] = deque()
+        self._held_bytes = 0
+        self._write_limits = _write_limits(None, None)
+        self._writing_paused = False
         self.rebinds = 0
         """How many times the socket was bound again after a failed check."""
 
@@ -224,6 +335,8 @@ class UdpEndpoint:
         engine = (self._engine if self._engine is not None
                   else resolve_engine(self._engine_arg))
         self._closed = False
+        # a new connection for the game, as asyncio's fresh transport was; limits are kept
+        self._reading, self._writing_paused = True, False
         await self._bind()
         if self._hook is None:
             self._engine = engine
@@ -276,7 +389,8 @@ class UdpEndpoint:
         proof — a socket left at an old Pod IP still delivers what was queued in it before
         the checkpoint —: only a probe is. A wildcard bind is probed on loopback, a
         dual-stack ``::`` one at ``::1`` and at ``127.0.0.1`` (IPv6 may be off on
-        loopback)."""
+        loopback). A socket the game paused reading is read for the check; the game's
+        datagrams read meanwhile are kept until it calls ``resume_reading()``."""
         transport = self.transport
         if transport is None:
             raise self._not_started("check")
@@ -299,6 +413,13 @@ class UdpEndpoint:
         nonces: list[bytes] = []
         give_up = loop.time() + self.probe_timeout + _BUSY_WAIT
         with contextlib.ExitStack() as stack:
+            # A game that paused reading would have its healthy socket taken for dead:
+            # the check reads it, keeping the game's datagrams until it resumes.
+            self._checking += 1
+            flow = _flow(transport)
+            if flow is not None:
+                flow.resume_reading()
+            stack.callback(self._checked, transport)
             probes = []
             for fam, dest in targets:
                 try:
@@ -335,6 +456,38 @@ class UdpEndpoint:
                 for nonce in nonces:
                     self._probes.pop(nonce, None)
         return False  # pragma: no cover - the loop above returns
+
+    def _checked(self, transport: asyncio.DatagramTransport) -> None:
+        self._checking -= 1
+        flow = _flow(transport)
+        if flow is not None and not self._reading and not self._checking:
+            flow.pause_reading()
+
+    def _hold(self, data: bytes, addr: Any) -> None:
+        if self._held_bytes + len(data) > _HELD_MAX:
+            log.debug("UDP endpoint %s: reading paused and %d bytes kept: datagram of %d "
+                      "bytes dropped", self.name, self._held_bytes, len(data))
+            return
+        self._held.append((data, addr))
+        self._held_bytes += len(data)
+
+    def _deliver_held(self) -> None:
+        """The datagrams kept while the game did not read, then the socket read again."""
+        while self._held and self._reading:
+            data, addr = self._held.popleft()
+            self._held_bytes -= len(data)
+            try:
+                self.protocol.datagram_received(data, addr)
+            except Exception:
+                log.exception("UDP endpoint %s: the protocol's datagram_received failed",
+                              self.name)
+        if self._reading:
+            self._resume_socket()
+
+    def _resume_socket(self) -> None:
+        flow = _flow(self.transport)
+        if flow is not None and not self._closed:
+            flow.resume_reading()
 
     @staticmethod
     def _dual_stack(transport: asyncio.DatagramTransport) -> bool:
@@ -451,6 +604,9 @@ class UdpEndpoint:
                     return
                 if data.startswith(_PROBE):
                     continue
+                if not self._reading:
+                    self._hold(data, addr)
+                    continue
                 try:
                     self.protocol.datagram_received(data, addr)
                 except Exception:
@@ -515,5 +671,7 @@ class UdpEndpoint:
         """Close the socket (the protocol's ``connection_lost`` is called); restores no
         longer check or re-bind it, until :meth:`start` binds it again."""
         self._closed = True
+        self._held.clear()  # as closing a socket drops what it holds
+        self._held_bytes = 0
         if self.transport is not None:
             self.transport.close()

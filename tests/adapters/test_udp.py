@@ -417,3 +417,150 @@ def test_a_dual_stack_wildcard_with_ipv6_off_on_loopback_checks_over_ipv4(
     out = _in_netns("ip link set lo up && echo 1 > /proc/sys/net/ipv6/conf/lo/disable_ipv6",
                     _V6_OFF)
     assert out == {"checked": True, "ok": True, "rebinds": 0}
+
+
+class FlowGame(Game):
+    """Records the flow-control calls asyncio makes on the game's protocol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow: list[str] = []
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self.flow.append("made")
+
+    def pause_writing(self):
+        self.flow.append("pause")
+
+    def resume_writing(self):
+        self.flow.append("resume")
+
+
+async def test_flow_control_on_the_game_transport_across_a_rebind(rehydrate_engine,
+                                                                  monkeypatch):
+    """The endpoint's transport forwarded only sendto/close/...: get_write_buffer_size(),
+    the write-buffer limits and pause/resume_reading() raised AttributeError where
+    asyncio's transport had them. They work before and after a re-bind, and the limits
+    set survive it."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="flow",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    try:
+        assert transport.get_write_buffer_size() == 0
+        assert transport.get_write_buffer_limits() == (16384, 65536)
+        assert transport.is_reading()
+        transport.set_write_buffer_limits(high=4096)
+        assert transport.get_write_buffer_limits() == (1024, 4096)
+        assert ep.transport.get_write_buffer_limits() == (1024, 4096)
+        with pytest.raises(ValueError, match="must be >= low"):
+            transport.set_write_buffer_limits(high=1, low=2)
+        assert transport.get_write_buffer_limits() == (1024, 4096)
+        transport.pause_reading()
+        assert not transport.is_reading() and not ep.transport.is_reading()
+        transport.resume_reading()
+        assert transport.is_reading() and ep.transport.is_reading()
+
+        old = ep.transport
+        _fail_first_check(ep, monkeypatch)
+        assert await ep.ensure()
+        assert ep.transport is not old
+        assert ep.transport.get_write_buffer_limits() == (1024, 4096)
+        assert transport.get_write_buffer_limits() == (1024, 4096)
+        assert transport.get_write_buffer_size() == 0
+        assert transport.is_reading() and ep.transport.is_reading()
+        transport.set_write_buffer_limits(high=8192, low=0)
+        assert ep.transport.get_write_buffer_limits() == (0, 8192)
+        transport.pause_reading()
+        assert not transport.is_reading() and not ep.transport.is_reading()
+        transport.resume_reading()
+        assert transport.is_reading() and ep.transport.is_reading()
+    finally:
+        ep.close()
+    await asyncio.sleep(0)
+    assert not transport.is_reading() and transport.get_write_buffer_size() == 0
+    transport.pause_reading()  # on a closed endpoint: remembered, no socket to pause
+    assert await ep.start() is transport  # a new connection reads, as asyncio's did
+    try:
+        assert transport.is_reading() and ep.transport.is_reading()
+        assert ep.transport.get_write_buffer_limits() == (0, 8192)
+    finally:
+        ep.close()
+
+
+async def test_a_paused_endpoint_stays_paused_across_a_rebind(rehydrate_engine, monkeypatch):
+    """The new socket was read at once: a game that paused reading got datagrams
+    (queued in the old socket, drained to it, or new) before it called resume_reading()."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="paused",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    game = ep.protocol
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.bind(("127.0.0.1", 0))
+            client.setblocking(False)
+            transport.pause_reading()
+            client.sendto(b"queued in the old socket", ep.address)
+            _fail_first_check(ep, monkeypatch)  # judged dead without reading it
+            old = ep.transport
+            assert await ep.ensure()
+            assert ep.transport is not old and game.made == 2
+            assert not transport.is_reading() and not ep.transport.is_reading()
+            client.sendto(b"sent to the new socket", ep.address)
+            # the check reads the socket (the probe arrives after that datagram) and
+            # keeps what it reads for the game
+            assert not await ep.ensure()
+            assert game.received == []
+            assert not ep.transport.is_reading()
+            game.got.clear()
+            transport.resume_reading()
+            assert game.received == []  # not from within the game's own call
+            await asyncio.wait_for(game.got.wait(), 5)  # both kept, handed over at once
+            assert game.received == [b"queued in the old socket", b"sent to the new socket"]
+            assert transport.is_reading() and ep.transport.is_reading()
+            game.got.clear()
+            client.sendto(b"after", ep.address)
+            await asyncio.wait_for(game.got.wait(), 5)
+            assert game.received[-1] == b"after"
+    finally:
+        ep.close()
+
+
+async def test_a_paused_healthy_endpoint_is_not_rebound(rehydrate_engine):
+    """A game that paused reading had its probe left unread: the healthy socket was
+    taken for dead and bound again at every restore."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="idle",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    try:
+        transport.pause_reading()
+        old = ep.transport
+        assert not await ep.ensure()
+        assert ep.rebinds == 0 and ep.transport is old and not old.is_reading()
+    finally:
+        ep.close()
+
+
+async def test_pause_and_resume_writing_reach_the_game(rehydrate_engine, monkeypatch):
+    """The endpoint's protocol dropped asyncio's pause_writing()/resume_writing(): a game
+    kept sending into a full buffer. A re-bind leaves the full buffer with the old socket,
+    so a paused game is resumed before it hears of the new one."""
+    ep = UdpEndpoint(FlowGame, ("127.0.0.1", 0), engine=rehydrate_engine, name="writes",
+                     probe_timeout=0.3)
+    await ep.start()
+    game = ep.protocol
+    try:
+        filter_ = ep.transport.get_protocol()
+        filter_.pause_writing()  # what asyncio calls above the high limit
+        filter_.pause_writing()
+        filter_.resume_writing()
+        assert game.flow == ["made", "pause", "resume"]
+        filter_.pause_writing()
+        _fail_first_check(ep, monkeypatch)
+        assert await ep.ensure()
+        assert game.flow == ["made", "pause", "resume", "pause", "resume", "made"]
+        filter_.resume_writing()  # the old socket's: no longer the game's
+        filter_.pause_writing()
+        assert game.flow[-1] == "made"
+    finally:
+        ep.close()
