@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
 import queue
+import select
 import subprocess
 import sys
 import threading
 import time
+import tty
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -216,3 +219,34 @@ class FakeSpecific(Detector):
 
     def stop(self) -> None:
         pass
+
+
+class FakePlatform:
+    """gVisor's side of a pty standing in for /proc/gvisor/checkpoint (``proc``/checkpoint):
+    reads the ``1`` triggers, writes answers."""
+
+    def __init__(self, proc: Path, reply: bytes | None = b"restore\n") -> None:
+        self.master, self.slave = pty.openpty()
+        tty.setraw(self.slave)  # no echo, no line discipline: bytes pass unchanged
+        os.symlink(os.ttyname(self.slave), proc / "checkpoint")
+        self.reply = reply
+        self.triggers: list[bytes] = []
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.master, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            data = os.read(self.master, 64)
+            self.triggers.append(data)
+            if self.reply is not None:
+                os.write(self.master, self.reply)
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(5)
+        for fd in (self.master, self.slave, self._stop_r, self._stop_w):
+            os.close(fd)

@@ -215,6 +215,22 @@ class LosingGateway:
         await send({"type": "http.response.body", "body": self.message.encode()})
 
 
+def retry_refused_after_a_504(standin: Any, path: str) -> tuple[EchoingGateway, list[str]]:
+    """A gateway in front of ``standin`` whose first try at ``path`` is performed and its
+    answer lost (a 504), and whose re-sent tries are refused (403, an RBAC denial): the
+    gateway, and the tries at ``path`` that reached it."""
+    tries: list[str] = []
+
+    def answer(asked: str, auth: str) -> tuple[int, Any] | None:
+        if asked != path:
+            return None
+        tries.append(asked)
+        return None if len(tries) == 1 else (403, "RBAC: access denied")
+
+    return EchoingGateway(answer, behind=LosingGateway(standin, {path}, status=504,
+                                                       times=1)), tries
+
+
 class SlowUpstream:
     """A gateway with an upstream ``timeout`` in front of a stand-in that performs the
     state-changing calls (``POST``) one at a time, in order, as vLLM's engine core and

@@ -169,6 +169,16 @@ def test_install_refuses_what_is_not_a_model_server(rehydrate_engine: Any) -> No
     assert adapter.probe().usable
 
 
+def _run_script(script: Path) -> list[str]:
+    """Run ``script`` in a Python process of its own (rehydrate importable): its output
+    lines, once it has exited 0."""
+    proc = subprocess.run([sys.executable, str(script)], env={**os.environ,
+                          "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
 def test_install_refuses_a_server_with_several_workers(tmp_path: Path) -> None:
     """Before: ``install()`` accepted ``ModelServer(workers=2)``, whose ``start()`` then
     died pickling the gated data plane (``Can't pickle local object
@@ -191,11 +201,7 @@ def test_install_refuses_a_server_with_several_workers(tmp_path: Path) -> None:
         "adapter.install(server)\n"
         "assert server.dataplane.ready != ready, 'not gated'\n"
         "print('gated')\n")
-    proc = subprocess.run([sys.executable, str(script)], env={**os.environ,
-                          "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
+    assert _run_script(script) == [
         "refused: install() gates one process: this ModelServer has workers=2; run it "
         "with workers=1 (KServe's default) and scale with replicas", "gated"]
 
@@ -246,11 +252,7 @@ def test_a_load_after_the_process_is_ready_again_runs(tmp_path: Path) -> None:
         "    print('ready:', engine.is_ready())\n"
         "    load()\n"
         "asyncio.run(watchdog())\n")
-    proc = subprocess.run([sys.executable, str(script)], env={**os.environ,
-                          "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
+    assert _run_script(script) == [
         "load ran", "healthy: False",
         "refused: Model with name m is not ready. rehydrate: restoring",
         "healthy: False", "ready: True", "load ran"]

@@ -23,6 +23,7 @@ from tests.inference_standins import (
     EchoingGateway,
     LosingGateway,
     SGLangStandIn,
+    retry_refused_after_a_504,
     trickling,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
@@ -983,16 +984,7 @@ def test_a_pause_refused_after_a_gateways_504_stays_owed(
     second try was refused. Read as never performed, the pause was forgotten: the
     restore sent no continue and SGLang stayed paused for good (every canary 503)."""
     adapter = sglang.install(url, engine=rehydrate_engine, deadline=1)
-    tries: list[str] = []
-
-    def answer(path: str, auth: str) -> tuple[int, Any] | None:
-        if path != "/pause_generation":
-            return None
-        tries.append(path)
-        return None if len(tries) == 1 else (403, "RBAC: access denied")
-
-    server[1].app = EchoingGateway(answer, behind=LosingGateway(
-        standin, {"/pause_generation"}, status=504, times=1))
+    server[1].app, _ = retry_refused_after_a_504(standin, "/pause_generation")
     snap = rehydrate_engine.simulate_snapshot()
     error = hook(snap, "rehydrate.sglang.release").error
     assert isinstance(error, Unconfirmed)

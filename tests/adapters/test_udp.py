@@ -8,20 +8,16 @@ import asyncio
 import json
 import logging
 import os
-import pty
-import select
 import shlex
 import socket
 import subprocess
 import sys
-import threading
-import tty
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from detect_helpers import wait_for
+from detect_helpers import FakePlatform, wait_for
 
 from rehydrate._trigger import trigger_snapshot
 from rehydrate.adapters.udp import UdpEndpoint
@@ -228,33 +224,6 @@ async def test_datagrams_alone_do_not_prove_a_socket_works(rehydrate_engine, mon
         ep.close()
 
 
-class _GVisorStandIn:
-    """gVisor's side of a pty standing in for /proc/gvisor/checkpoint: answers every
-    trigger with ``restore``."""
-
-    def __init__(self, proc: Path) -> None:
-        self.master, self.slave = pty.openpty()
-        tty.setraw(self.slave)  # bytes pass unchanged
-        os.symlink(os.ttyname(self.slave), proc / "checkpoint")
-        self._stop_r, self._stop_w = os.pipe()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            ready, _, _ = select.select([self.master, self._stop_r], [], [])
-            if self._stop_r in ready:
-                return
-            os.read(self.master, 64)
-            os.write(self.master, b"restore\n")
-
-    def close(self) -> None:
-        os.write(self._stop_w, b"x")
-        self._thread.join(5)
-        for fd in (self.master, self.slave, self._stop_r, self._stop_w):
-            os.close(fd)
-
-
 async def test_a_trigger_on_the_endpoints_own_loop_fails_its_hook_at_once(
         rehydrate_engine, tmp_path):
     """trigger_snapshot() from the game's coroutine with the gVisor waiter running: the
@@ -263,7 +232,7 @@ async def test_a_trigger_on_the_endpoints_own_loop_fails_its_hook_at_once(
     proc = tmp_path / "gvisor"
     proc.mkdir()
     (proc / "spec_environ").write_bytes(b"RHT_UDP_A=1\0")
-    platform = _GVisorStandIn(proc)
+    platform = FakePlatform(proc)  # answers every trigger with restore
     reports: list[Any] = []
     rehydrate_engine.add_listener(reports.append)
     ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="t-trig")

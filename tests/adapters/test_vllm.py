@@ -32,6 +32,7 @@ from tests.inference_standins import (
     SlowUpstream,
     VLLMStandIn,
     _json,
+    retry_refused_after_a_504,
     trickling,
 )
 from tests.key_redaction import assert_the_key_is_shown_nowhere
@@ -1113,10 +1114,17 @@ def test_a_refused_sleep_is_not_taken_as_maybe_performed(
         standin.sleep_mode = False
     snap = rehydrate_engine.simulate_snapshot()
     assert not snap.ok
+    _resume_finds_it_awake(adapter, server, standin, rehydrate_engine)
+
+
+def _resume_finds_it_awake(adapter: Any, server: tuple[str, Switch], standin: VLLMStandIn,
+                           engine: Any) -> None:
+    """The refused sleep was not flagged as maybe performed: with the stand-in served
+    again, the resume finds the engine awake and neither wakes nor reloads it."""
     assert not adapter.sleep_unconfirmed
     server[1].app = standin
     standin.log.clear()
-    report = rehydrate_engine.simulate_restore(kind="resume")
+    report = engine.simulate_restore(kind="resume")
     assert report.ok, report.table()
     assert standin.log == ["GET /is_sleeping", "GET /v1/models", "POST /v1/completions"]
 
@@ -1153,12 +1161,7 @@ def test_a_sleep_refused_for_every_try_after_a_gateways_502_or_504_fails_at_once
     assert "may have performed it" not in str(error)
     assert hook(snap, "rehydrate.vllm.sleep").duration < 5  # not held until the deadline
     assert standin.log.count("GET /is_sleeping") == 1
-    assert not adapter.sleep_unconfirmed
-    server[1].app = standin
-    standin.log.clear()
-    report = rehydrate_engine.simulate_restore(kind="resume")
-    assert report.ok, report.table()
-    assert standin.log == ["GET /is_sleeping", "GET /v1/models", "POST /v1/completions"]
+    _resume_finds_it_awake(adapter, server, standin, rehydrate_engine)
 
 
 def test_a_refused_sleep_keeps_an_earlier_unconfirmed_one_owed(
@@ -1363,16 +1366,7 @@ def test_a_sleep_refused_after_a_gateways_504_is_checked_not_forgotten(
     second try got a refusal. Read as never performed, the snapshot failed on an engine
     asleep and the sleep was no longer remembered as unconfirmed: /is_sleeping decides."""
     adapter = vllm.install(url, engine=rehydrate_engine, deadline=1)
-    tries: list[str] = []
-
-    def answer(path: str, auth: str) -> tuple[int, Any] | None:
-        if path != "/sleep":
-            return None
-        tries.append(path)
-        return None if len(tries) == 1 else (403, "RBAC: access denied")
-
-    server[1].app = EchoingGateway(answer, behind=LosingGateway(standin, {"/sleep"},
-                                                                status=504, times=1))
+    server[1].app, tries = retry_refused_after_a_504(standin, "/sleep")
     snap = rehydrate_engine.simulate_snapshot()
     assert snap.ok, snap.table()
     assert standin.sleeping and not adapter.sleep_unconfirmed

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from detect_helpers import Recorder, wait_for
+from detect_helpers import FakePlatform, Recorder, wait_for
 
 from rehydrate import Lifecycle, Registry
 from rehydrate._control_client import request
@@ -37,7 +37,7 @@ from rehydrate.detect.control import ControlDetector
 from rehydrate.detect.gvisor import GVisorDetector
 from rehydrate.env import EnvRefresher
 
-from .test_gvisor import FakePlatform, answer, start_waiter
+from .test_gvisor import answer, start_waiter
 
 DEADLINE = 10.0
 IN_CHECKPOINT = {"in_checkpoint": True}

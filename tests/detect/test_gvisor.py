@@ -15,19 +15,17 @@ import errno
 import json
 import logging
 import os
-import pty
 import select
 import subprocess
 import sys
 import threading
 import time
-import tty
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from detect_helpers import wait_for
+from detect_helpers import FakePlatform, wait_for
 
 from rehydrate import Lifecycle, Registry
 from rehydrate._trigger import trigger_snapshot
@@ -415,36 +413,6 @@ def test_auto_start_picks_the_waiter(proc: Path, monkeypatch: pytest.MonkeyPatch
 
 CARRIED_ON = [("snapshot-hook", "snapshot"), ("restore-hook", "resume")]
 """The calls of a trigger that failed after the before-snapshot hooks: the resume hooks ran."""
-
-
-class FakePlatform:
-    """gVisor's side of a pty stand-in: reads the ``1`` triggers, writes answers."""
-
-    def __init__(self, proc: Path, reply: bytes | None = b"restore\n") -> None:
-        self.master, self.slave = pty.openpty()
-        tty.setraw(self.slave)  # no echo, no line discipline: bytes pass unchanged
-        os.symlink(os.ttyname(self.slave), proc / "checkpoint")
-        self.reply = reply
-        self.triggers: list[bytes] = []
-        self._stop_r, self._stop_w = os.pipe()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            ready, _, _ = select.select([self.master, self._stop_r], [], [])
-            if self._stop_r in ready:
-                return
-            data = os.read(self.master, 64)
-            self.triggers.append(data)
-            if self.reply is not None:
-                os.write(self.master, self.reply)
-
-    def close(self) -> None:
-        os.write(self._stop_w, b"x")
-        self._thread.join(5)
-        for fd in (self.master, self.slave, self._stop_r, self._stop_w):
-            os.close(fd)
 
 
 @pytest.fixture

@@ -92,6 +92,23 @@ def _record(engine: Any, name: str, log: list[str]) -> None:
                                   name=f"{name}.reopen")
 
 
+def _flush_fails(engine: Any) -> None:
+    """A before-snapshot hook ``flush`` in ``engine`` that refuses its pass."""
+    @engine.registry.before_snapshot(name="flush")
+    def flush() -> None:
+        raise OSError("disk full")
+
+
+def _refused_by_one(engines: Any) -> SnapStartHookFailed:
+    """Every engine started under SnapStart, and the runtime's before-snapshot call that
+    one of them refuses: what it raised."""
+    for engine in engines:
+        engine.start(["snapstart"])
+    with pytest.raises(SnapStartHookFailed) as info:
+        runtime.run_before_snapshot()
+    return info.value
+
+
 def test_engines_that_prepared_are_resumed_when_another_refuses(three_engines):
     """One engine refuses its pass: SnapStart takes no snapshot (the runtime fails the
     init), so the engines whose passes ran get their resume runs and are ready again —
@@ -101,21 +118,15 @@ def test_engines_that_prepared_are_resumed_when_another_refuses(three_engines):
     log: list[str] = []
     _record(first, "first", log)
 
-    @refusing.registry.before_snapshot(name="flush")
-    def flush() -> None:
-        raise OSError("disk full")
+    _flush_fails(refusing)
 
     _record(refusing, "refusing", log)
     _record(last, "last", log)
-    for engine in three_engines:
-        engine.start(["snapstart"])
-
-    with pytest.raises(SnapStartHookFailed) as info:
-        runtime.run_before_snapshot()
-    assert _one_line(info.value) == (
+    error = _refused_by_one(three_engines)
+    assert _one_line(error) == (
         "rehydrate before-snapshot hooks failed in engine 2 of 3: flush failed "
         "(OSError: disk full); the resume hooks ran in engines 1-2")
-    assert isinstance(info.value.__cause__, rehydrate.HookFailed)
+    assert isinstance(error.__cause__, rehydrate.HookFailed)
     assert log == ["first closed", "refusing closed",
                    "first reopened (resume)", "refusing reopened (resume)"]
     assert [e.status().state for e in three_engines] == ["ready", "ready", "running"]
@@ -130,15 +141,10 @@ def test_a_resume_that_fails_too_is_named(three_engines):
     def reconnect() -> None:
         raise ConnectionRefusedError("refused")
 
-    @refusing.registry.before_snapshot(name="flush")
-    def flush() -> None:
-        raise OSError("disk full")
+    _flush_fails(refusing)
 
-    for engine in three_engines:
-        engine.start(["snapstart"])
-    with pytest.raises(SnapStartHookFailed) as info:
-        runtime.run_before_snapshot()
-    assert _one_line(info.value) == (
+    error = _refused_by_one(three_engines)
+    assert _one_line(error) == (
         "rehydrate before-snapshot hooks failed in engine 2 of 3: flush failed "
         "(OSError: disk full); the resume hooks failed too in engine 1 of 3 (db failed "
         "(ConnectionRefusedError: refused)): degraded")
@@ -174,9 +180,7 @@ def test_lambda_is_told_which_engine_refused(three_engines, monkeypatch):
     _, refusing, _ = three_engines
     monkeypatch.setattr(extensions, "_default", refusing)  # the one rehydrate.start() uses
 
-    @refusing.registry.before_snapshot(name="flush")
-    def flush() -> None:
-        raise OSError("disk full")
+    _flush_fails(refusing)
 
     for engine in three_engines:
         engine.start(["snapstart"])

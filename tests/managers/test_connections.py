@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from netservers import redis_binary, redis_server, uvicorn_server
+from netservers import redis_binary, redis_server
 
 import rehydrate.testing
 from rehydrate import connections
@@ -41,16 +41,6 @@ def redis_srv():
     if redis_binary() is None:
         _require_or_skip("redis-server is not installed (scripts/setup-system.sh installs it)")
     srv = redis_server()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
-
-
-@pytest.fixture
-def http_srv():
-    srv = uvicorn_server()
     srv.start()
     try:
         yield srv

@@ -123,18 +123,6 @@ def test_an_earlier_restores_error_is_not_reported_again(rehydrate_engine):
         release.set()
 
 
-@pytest.fixture
-def http_srv():  # type: ignore[no-untyped-def]
-    from netservers import uvicorn_server
-
-    srv = uvicorn_server()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
-
-
 @pytest.mark.parametrize("hooks_on_app_loop", [False, True])
 async def test_async_httpx_check_goes_through_the_callers_mount(rehydrate_engine, http_srv,
                                                                hooks_on_app_loop):

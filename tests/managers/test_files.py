@@ -806,6 +806,30 @@ def _slow_change(engine: Lifecycle, tmp_path: Path, *names: str) -> _SlowChange:
     return _SlowChange(engine, handles, inside, release)
 
 
+def _hold_the_pass_thread(mgr: files.FilesManager) -> threading.Event:
+    """Keep the reopen pass's thread alive after the pass is done, until the event
+    returned is set: a run that meets the hook then finds it still running."""
+    inner = mgr._after_restore
+    hold = threading.Event()
+
+    def after_restore(ctx):  # the pass is done; its thread has not ended yet
+        try:
+            inner(ctx)
+        finally:
+            hold.wait(30)
+
+    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    return hold
+
+
+def _stop_the_late_pass(late: _SlowChange, ended: threading.Event) -> None:
+    """A late pass stopped by a snapshot before any run came after it (nothing owed)."""
+    late.restore_into_the_late_pass()
+    assert late.engine.simulate_snapshot().ok
+    late.release.set()
+    assert ended.wait(20)
+
+
 def test_a_reopen_pass_that_outlives_its_timeout_makes_the_process_ready_when_done(
         short_reopen, tmp_path: Path) -> None:
     """A slow on_change made rehydrate.files.reopen time out; its thread reopened every
@@ -1054,23 +1078,11 @@ def test_a_resume_in_the_moment_the_stopped_late_pass_ends_is_reopened(
     closed (degraded) until the next restore or resume."""
     engine, ended, errors = short_reopen
     mgr = files.manager(engine)
-    inner = mgr._after_restore
-    hold = threading.Event()
-
-    def after_restore(ctx):  # the pass is done; its thread has not ended yet
-        try:
-            inner(ctx)
-        finally:
-            hold.wait(30)
-
-    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    hold = _hold_the_pass_thread(mgr)
     late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
     big, b = late.handles
     try:
-        late.restore_into_the_late_pass()
-        assert engine.simulate_snapshot().ok
-        late.release.set()
-        assert ended.wait(20)
+        _stop_the_late_pass(late, ended)
         assert isinstance(errors[-1], files.ReopenFailed), errors  # stopped, nothing owed
         report = engine.simulate_restore(kind="resume")
         error = _hook(report, "rehydrate.files.reopen").error
@@ -1095,10 +1107,7 @@ def test_no_reopen_for_a_run_while_a_newer_snapshot_is_pending(short_reopen,
     late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
     big, b = late.handles
     try:
-        late.restore_into_the_late_pass()
-        assert engine.simulate_snapshot().ok
-        late.release.set()
-        assert ended.wait(20)
+        _stop_the_late_pass(late, ended)
         assert isinstance(errors[-1], files.ReopenFailed), errors
         assert engine.snapshot_pending
         stale_run = SimpleNamespace(kind="resume", ok=False, hooks=[SimpleNamespace(
@@ -1119,16 +1128,7 @@ def test_no_reopen_when_a_snapshot_begins_during_the_pending_check(
     pending (its descriptors in the image)."""
     engine, ended, errors = short_reopen
     mgr = files.manager(engine)
-    inner = mgr._after_restore
-    hold = threading.Event()
-
-    def after_restore(ctx):  # the pass is done; its thread has not ended yet
-        try:
-            inner(ctx)
-        finally:
-            hold.wait(30)
-
-    mgr._after_restore = after_restore  # type: ignore[method-assign]
+    hold = _hold_the_pass_thread(mgr)
     late = _slow_change(engine, tmp_path, "big.idx", "b.txt")
     big, b = late.handles
     real = type(engine).snapshot_pending
@@ -1143,10 +1143,7 @@ def test_no_reopen_when_a_snapshot_begins_during_the_pending_check(
         return pending
 
     try:
-        late.restore_into_the_late_pass()
-        assert engine.simulate_snapshot().ok
-        late.release.set()
-        assert ended.wait(20)
+        _stop_the_late_pass(late, ended)
         assert isinstance(errors[-1], files.ReopenFailed), errors  # stopped, nothing owed
         monkeypatch.setattr(type(engine), "snapshot_pending", property(snapshot_pending))
         armed[0] = True

@@ -59,6 +59,15 @@ def _self_signed_pem(key, cn: str) -> tuple[bytes, bytes, x509.Certificate]:
     return cert.public_bytes(serialization.Encoding.PEM), key_pem, cert
 
 
+def _write_self_signed(crt: Path, key: Path, private_key, cn: str) -> x509.Certificate:
+    """A certificate for ``cn`` on ``private_key``, its PEM written to ``crt`` and the
+    key's (unencrypted) to ``key``."""
+    c, k, cert = _self_signed_pem(private_key, cn)
+    crt.write_bytes(c)
+    key.write_bytes(k)
+    return cert
+
+
 class Server:
     """A threaded TLS server on loopback: each connection reads one byte, answers
     ``ok`` and records what the handshake negotiated."""
@@ -143,16 +152,12 @@ def servers():
 def test_a_key_type_change_is_served_after_renew_and_after_restore(rehydrate_engine,
                                                                    tmp_path, servers):
     crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    c, k, old = _self_signed_pem(ec.generate_private_key(ec.SECP256R1()), "old-ec")
-    crt.write_bytes(c)
-    key.write_bytes(k)
+    old = _write_self_signed(crt, key, ec.generate_private_key(ec.SECP256R1()), "old-ec")
     cert = tls.from_files("f", cert=crt, key=key, watch=False, engine=rehydrate_engine)
     srv = servers(cert.server_context())
     assert handshake(srv.port, client_ctx())[0] == old
 
-    c, k, new = _self_signed_pem(rsa.generate_private_key(65537, 2048), "new-rsa")
-    crt.write_bytes(c)
-    key.write_bytes(k)
+    new = _write_self_signed(crt, key, rsa.generate_private_key(65537, 2048), "new-rsa")
     cert.renew()
     # OpenSSL keeps one certificate per key type in a context: the EC one used to stay
     # and be preferred by every client that accepts EC
@@ -215,14 +220,10 @@ def test_a_callback_set_before_attach_is_chained_and_one_set_after_is_put_back(
 def test_a_certificate_openssl_refuses_leaves_every_context_serving(rehydrate_engine,
                                                                    tmp_path, servers):
     crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    c, k, first = _self_signed_pem(ec.generate_private_key(ec.SECP256R1()), "first")
-    crt.write_bytes(c)
-    key.write_bytes(k)
+    first = _write_self_signed(crt, key, ec.generate_private_key(ec.SECP256R1()), "first")
     cert = tls.from_files("f", cert=crt, key=key, watch=False, engine=rehydrate_engine)
     a, b = servers(cert.server_context()), servers(cert.server_context())
-    c, k, _ = _self_signed_pem(rsa.generate_private_key(65537, 1024), "weak")
-    crt.write_bytes(c)
-    key.write_bytes(k)
+    _write_self_signed(crt, key, rsa.generate_private_key(65537, 1024), "weak")
     with pytest.raises(tls.CertificateError, match="OpenSSL refuses the new certificate"):
         cert.renew()
     for srv in (a, b):
@@ -325,9 +326,8 @@ def test_a_plain_front_context_hands_out_the_current_server_context(
         rehydrate_engine, servers, tmp_path):
     api = tls.self_signed("api", engine=rehydrate_engine)
     kept = api.server_context()
-    c, k, own = _self_signed_pem(ec.generate_private_key(ec.SECP256R1()), "front's own")
-    (tmp_path / "c.pem").write_bytes(c)
-    (tmp_path / "k.pem").write_bytes(k)
+    own = _write_self_signed(tmp_path / "c.pem", tmp_path / "k.pem",
+                             ec.generate_private_key(ec.SECP256R1()), "front's own")
     front = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # never attached
     front.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
 
@@ -370,24 +370,32 @@ def test_a_connection_moved_to_another_attached_context_presents_its_certificate
         web.renew()
 
 
-def test_an_rsa_and_an_ecdsa_certificate_attached_to_one_context_are_both_served(
-        rehydrate_engine, servers):
-    ecdsa = tls.self_signed("ec", engine=rehydrate_engine)
-    rsa_ = tls.self_signed("rsa", algorithm="rsa-2048", engine=rehydrate_engine)
+def _tls12_client(cipher: str) -> ssl.SSLContext:
+    """A TLS 1.2 client offering ``cipher`` alone (TLS 1.3 suites cannot pick a key
+    type): the server must present the certificate of that key type."""
+    c = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
+    c.set_ciphers(cipher)
+    return c
+
+
+def _ecdsa_and_rsa_on_one_context(engine, servers):
+    """An ECDSA and an RSA self-signed handle both attached to one server context, and a
+    server on it: ``(ecdsa, rsa_, ctx, srv)``."""
+    ecdsa = tls.self_signed("ec", engine=engine)
+    rsa_ = tls.self_signed("rsa", algorithm="rsa-2048", engine=engine)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ecdsa.attach(ctx)
     rsa_.attach(ctx)
-    srv = servers(ctx)
+    return ecdsa, rsa_, ctx, servers(ctx)
 
-    def client(cipher: str) -> ssl.SSLContext:
-        c = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
-        c.set_ciphers(cipher)
-        return c
 
+def test_an_rsa_and_an_ecdsa_certificate_attached_to_one_context_are_both_served(
+        rehydrate_engine, servers):
+    ecdsa, rsa_, ctx, srv = _ecdsa_and_rsa_on_one_context(rehydrate_engine, servers)
     for round_ in range(4):  # attached; each renewed in turn; after a snapshot and restore
-        served, answer = handshake(srv.port, client("ECDHE-ECDSA-AES128-GCM-SHA256"))
+        served, answer = handshake(srv.port, _tls12_client("ECDHE-ECDSA-AES128-GCM-SHA256"))
         assert served.serial_number == ecdsa.serial and answer == b"ok", round_
-        served, answer = handshake(srv.port, client("ECDHE-RSA-AES128-GCM-SHA256"))
+        served, answer = handshake(srv.port, _tls12_client("ECDHE-RSA-AES128-GCM-SHA256"))
         assert served.serial_number == rsa_.serial and answer == b"ok", round_
         if round_ == 0:
             ecdsa.renew()
@@ -402,13 +410,11 @@ def test_an_rsa_and_an_ecdsa_certificate_attached_to_one_context_are_both_served
     served, _ = handshake(srv.port, client_ctx())
     assert served.serial_number == ecdsa.serial
     with pytest.raises(ssl.SSLError):
-        handshake(srv.port, client("ECDHE-RSA-AES128-GCM-SHA256"))
+        handshake(srv.port, _tls12_client("ECDHE-RSA-AES128-GCM-SHA256"))
 
 
 def _rsa_only() -> ssl.SSLContext:
-    c = client_ctx(max_version=ssl.TLSVersion.TLSv1_2)
-    c.set_ciphers("ECDHE-RSA-AES128-GCM-SHA256")
-    return c
+    return _tls12_client("ECDHE-RSA-AES128-GCM-SHA256")
 
 
 def test_a_closed_certificate_is_no_longer_served_by_a_shared_context(rehydrate_engine,
@@ -417,12 +423,7 @@ def test_a_closed_certificate_is_no_longer_served_by_a_shared_context(rehydrate_
     RSA-only client kept getting the closed RSA certificate — after close, during the
     before-snapshot window (so its key went into the image, no hook dropping it), and
     after a restore and a renewal of the other handle."""
-    ecdsa = tls.self_signed("ec", engine=rehydrate_engine)
-    rsa_ = tls.self_signed("rsa", algorithm="rsa-2048", engine=rehydrate_engine)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ecdsa.attach(ctx)
-    rsa_.attach(ctx)
-    srv = servers(ctx)
+    ecdsa, rsa_, ctx, srv = _ecdsa_and_rsa_on_one_context(rehydrate_engine, servers)
     assert handshake(srv.port, _rsa_only())[0].serial_number == rsa_.serial
     rsa_.close()
 
