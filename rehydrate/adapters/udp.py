@@ -16,7 +16,10 @@ stale; a send while no socket is open (the old one closed before the new one is 
 its very address) is dropped with a ``DEBUG`` line, as UDP may drop any datagram. Its
 write-buffer limits and paused reading are applied to each new socket; datagrams read
 while the game has paused reading (by a check, or drained from a replaced socket) are kept
-and delivered after ``resume_reading()``.
+and delivered after ``resume_reading()``, in the order read, and dropped with the socket
+(``close()``, ``abort()``, a new ``start()``). Where the socket's transport cannot pause
+reading (Python 3.10's raises ``NotImplementedError``), the socket is read on and the
+endpoint keeps what the paused game does not read.
 """
 
 from __future__ import annotations
@@ -74,6 +77,19 @@ def _flow(transport: asyncio.BaseTransport | None) -> _FlowControl | None:
     return transport if isinstance(transport, _FlowControl) else None
 
 
+def _pausable(transport: asyncio.BaseTransport | None) -> _FlowControl | None:
+    """``transport`` when it can really pause reading. Python 3.10's datagram transport
+    has the methods only from ``asyncio.ReadTransport``, where they raise
+    ``NotImplementedError``: the endpoint then keeps a paused game's datagrams itself."""
+    flow = _flow(transport)
+    if flow is None:
+        return None
+    for name in ("pause_reading", "resume_reading", "is_reading"):
+        if getattr(type(flow), name, None) is getattr(asyncio.ReadTransport, name):
+            return None
+    return flow
+
+
 def _write_limits(high: int | None, low: int | None) -> tuple[int, int]:
     """``(low, high)`` as asyncio computes them, for a limit set while no socket is open."""
     if high is None:
@@ -104,8 +120,9 @@ class _Filter(asyncio.DatagramProtocol):
         if flow is not None:
             low, high = endpoint._write_limits
             flow.set_write_buffer_limits(high=high, low=low)
-            if not endpoint._reading:
-                flow.pause_reading()
+        reader = _pausable(transport)
+        if reader is not None and not endpoint._reading:
+            reader.pause_reading()
         if endpoint._writing_paused:
             # the full buffer was the old socket's: the new one has room
             endpoint._writing_paused = False
@@ -120,7 +137,9 @@ class _Filter(asyncio.DatagramProtocol):
             return
         if self.transport is self.endpoint.transport:
             self.endpoint._received += 1  # the socket being checked reads: see check()
-        if not self.endpoint._reading:  # read by a check: the game gets it on resume
+        # Read by a check (or a socket that cannot pause): the game gets it on resume.
+        # While older ones are kept, it waits behind them, resumed or not.
+        if not self.endpoint._reading or self.endpoint._held:
             self.endpoint._hold(data, addr)
             return
         self.endpoint.protocol.datagram_received(data, addr)
@@ -172,6 +191,7 @@ class _StableTransport(asyncio.DatagramTransport):
 
     def abort(self) -> None:
         self._endpoint._closed = True
+        self._endpoint._drop_held()  # as aborting a socket drops what it holds
         transport = self._endpoint.transport
         if transport is not None:
             transport.abort()
@@ -217,21 +237,21 @@ class _StableTransport(asyncio.DatagramTransport):
         endpoint = self._endpoint
         if not endpoint._reading:
             return
-        endpoint._reading = False
-        flow = _flow(self._current())
+        flow = _pausable(self._current())
         if flow is not None and not endpoint._checking:  # a check reads until it ends
             flow.pause_reading()
+        endpoint._reading = False
 
     def resume_reading(self) -> None:
         endpoint = self._endpoint
         if endpoint._reading:
             return
-        endpoint._reading = True
         if endpoint._held and endpoint.loop is not None:
             # not from within the game's own call; the socket is read again after them
             endpoint.loop.call_soon(endpoint._deliver_held)
         else:
             endpoint._resume_socket()
+        endpoint._reading = True
 
 
 class UdpEndpoint:
@@ -337,6 +357,7 @@ class UdpEndpoint:
         self._closed = False
         # a new connection for the game, as asyncio's fresh transport was; limits are kept
         self._reading, self._writing_paused = True, False
+        self._drop_held()  # the last session's, not this one's
         await self._bind()
         if self._hook is None:
             self._engine = engine
@@ -415,11 +436,13 @@ class UdpEndpoint:
         with contextlib.ExitStack() as stack:
             # A game that paused reading would have its healthy socket taken for dead:
             # the check reads it, keeping the game's datagrams until it resumes.
+            # registered first: a resume_reading() that raised left the count raised,
+            # and pause_reading() never paused the socket again
             self._checking += 1
-            flow = _flow(transport)
+            stack.callback(self._checked, transport)
+            flow = _pausable(transport)
             if flow is not None:
                 flow.resume_reading()
-            stack.callback(self._checked, transport)
             probes = []
             for fam, dest in targets:
                 try:
@@ -459,7 +482,7 @@ class UdpEndpoint:
 
     def _checked(self, transport: asyncio.DatagramTransport) -> None:
         self._checking -= 1
-        flow = _flow(transport)
+        flow = _pausable(transport)
         if flow is not None and not self._reading and not self._checking:
             flow.pause_reading()
 
@@ -470,6 +493,10 @@ class UdpEndpoint:
             return
         self._held.append((data, addr))
         self._held_bytes += len(data)
+
+    def _drop_held(self) -> None:
+        self._held.clear()
+        self._held_bytes = 0
 
     def _deliver_held(self) -> None:
         """The datagrams kept while the game did not read, then the socket read again."""
@@ -485,7 +512,7 @@ class UdpEndpoint:
             self._resume_socket()
 
     def _resume_socket(self) -> None:
-        flow = _flow(self.transport)
+        flow = _pausable(self.transport)
         if flow is not None and not self._closed:
             flow.resume_reading()
 
@@ -604,7 +631,7 @@ class UdpEndpoint:
                     return
                 if data.startswith(_PROBE):
                     continue
-                if not self._reading:
+                if not self._reading or self._held:  # after those kept, in order
                     self._hold(data, addr)
                     continue
                 try:
@@ -671,7 +698,6 @@ class UdpEndpoint:
         """Close the socket (the protocol's ``connection_lost`` is called); restores no
         longer check or re-bind it, until :meth:`start` binds it again."""
         self._closed = True
-        self._held.clear()  # as closing a socket drops what it holds
-        self._held_bytes = 0
+        self._drop_held()  # as closing a socket drops what it holds
         if self.transport is not None:
             self.transport.close()

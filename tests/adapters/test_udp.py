@@ -533,3 +533,165 @@ async def test_pause_and_resume_writing_reach_the_game(rehydrate_engine, monkeyp
         assert game.flow[-1] == "made"
     finally:
         ep.close()
+
+
+async def test_a_transport_that_cannot_pause_reading_is_read_and_kept_for_the_game(
+        rehydrate_engine, monkeypatch):
+    """Python 3.10's datagram transport has pause/resume_reading() and is_reading() only
+    from asyncio.ReadTransport, where they raise NotImplementedError: every check raised,
+    the restore hook failed and the process was never ready; the game's own pause raised
+    too. The endpoint keeps a paused game's datagrams itself, in order, across a re-bind."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="py310",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    game = ep.protocol
+    # as on Python 3.10 (is_reading() kept: Python 3.11's own reader calls it)
+    for name in ("pause_reading", "resume_reading"):
+        monkeypatch.setattr(type(ep.transport), name, getattr(asyncio.ReadTransport, name))
+    try:
+        with pytest.raises(NotImplementedError):
+            ep.transport.pause_reading()
+        assert await ep.check()
+        report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+        assert report.ok
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.bind(("127.0.0.1", 0))
+            transport.pause_reading()
+            assert not transport.is_reading()
+            client.sendto(b"one", ep.address)
+            assert await ep.check()  # the probe arrives after it: read, and kept
+            assert ep._checking == 0
+            _fail_first_check(ep, monkeypatch)
+            assert await ep.ensure()  # the new socket's connection_made does not pause it
+            client.sendto(b"two", ep.address)
+            assert await ep.check()
+            assert game.received == []
+            game.got.clear()
+            transport.resume_reading()
+            await asyncio.wait_for(game.got.wait(), 5)
+            assert game.received == [b"one", b"two"] and transport.is_reading()
+    finally:
+        ep.close()
+
+
+@pytest.mark.parametrize("ending", ["abort", "socket lost"])
+async def test_datagrams_kept_for_a_paused_game_end_with_its_socket(rehydrate_engine, ending):
+    """Datagrams kept while the game paused survived abort() (close() dropped them) and
+    were handed to the game of the next start(), as if sent to the new connection."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="aborted",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    game = ep.protocol
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.bind(("127.0.0.1", 0))
+            transport.pause_reading()
+            client.sendto(b"old session", ep.address)
+            assert await ep.check()  # read by the check, kept for the game
+            if ending == "abort":
+                transport.abort()
+                transport.resume_reading()
+                await asyncio.sleep(0)  # a pass of the loop: where kept ones are handed over
+                assert game.received == []
+            else:  # the socket itself gone: start() may bind again
+                ep.transport.abort()
+                await asyncio.sleep(0)  # connection_lost
+            assert await ep.start() is transport and transport.is_reading()
+            transport.pause_reading()
+            transport.resume_reading()
+            client.sendto(b"new session", ep.address)
+            await asyncio.wait_for(game.got.wait(), 5)
+            assert game.received == [b"new session"]
+    finally:
+        ep.close()
+
+
+class Numbered(asyncio.DatagramProtocol):
+    """Records the numbers it receives; ``done`` is set at ``expected`` of them."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+        self.expected = 0
+        self.done = asyncio.Event()
+
+    def datagram_received(self, data, addr):
+        self.got.append(int(data))
+        if len(self.got) == self.expected:
+            self.done.set()
+
+
+async def test_a_game_resumed_during_a_check_gets_its_datagrams_in_order(rehydrate_engine):
+    """A datagram read in the loop pass the game resumed in reached it ahead of those the
+    check had kept: [10, 0, 1, ...]."""
+    ep = UdpEndpoint(Numbered, ("127.0.0.1", 0), engine=rehydrate_engine, name="order",
+                     probe_timeout=0.5)
+    transport = await ep.start()
+    game = ep.protocol
+    game.expected = 200
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            transport.pause_reading()
+            for i in range(game.expected):
+                client.sendto(b"%d" % i, ep.address)
+            check = asyncio.ensure_future(ep.check())
+            while len(ep._held) < 10:  # one datagram read per pass of the loop
+                await asyncio.sleep(0)
+            transport.resume_reading()
+            assert await check
+            await asyncio.wait_for(game.done.wait(), 5)
+            assert game.got == list(range(game.expected))
+    finally:
+        ep.close()
+
+
+async def test_datagrams_drained_while_kept_ones_wait_come_after_them(rehydrate_engine):
+    """Draining a socket delivered at once once the game had resumed, ahead of the
+    datagrams kept for it and not yet handed over."""
+    ep = UdpEndpoint(Numbered, ("127.0.0.1", 0), engine=rehydrate_engine, name="drain",
+                     probe_timeout=0.5)
+    transport = await ep.start()
+    game = ep.protocol
+    game.expected = 6
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            transport.pause_reading()
+            for i in range(5):
+                client.sendto(b"%d" % i, ep.address)
+            assert await ep.check()  # read ahead of the probe, kept
+            client.sendto(b"5", ep.address)  # left in the paused socket
+            transport.resume_reading()  # the kept ones are handed over on the next pass
+            ep._drain(ep.transport)  # as a re-bind drains the socket it replaces
+            await asyncio.wait_for(game.done.wait(), 5)
+            assert game.got == list(range(6))
+    finally:
+        ep.close()
+
+
+async def test_a_failing_pause_or_resume_leaves_the_endpoint_as_it_was(rehydrate_engine,
+                                                                       monkeypatch):
+    """A transport's pause_reading() that raised left the game marked paused, its socket
+    read; a resume_reading() raising in a check left the check counted for ever, so the
+    game's pause_reading() never paused the socket again."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="raising",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    socket_type = type(ep.transport)
+    real_pause, real_resume = socket_type.pause_reading, socket_type.resume_reading
+
+    def broken(self):
+        raise OSError("broken")
+
+    try:
+        monkeypatch.setattr(socket_type, "pause_reading", broken)
+        with pytest.raises(OSError, match="broken"):
+            transport.pause_reading()
+        assert transport.is_reading()
+        monkeypatch.setattr(socket_type, "pause_reading", real_pause)
+        monkeypatch.setattr(socket_type, "resume_reading", broken)
+        with pytest.raises(OSError, match="broken"):
+            await ep.check()
+        monkeypatch.setattr(socket_type, "resume_reading", real_resume)
+        transport.pause_reading()
+        assert not transport.is_reading() and not ep.transport.is_reading()
+    finally:
+        ep.close()
