@@ -1184,14 +1184,22 @@ class ManagedCertificate:
         return ctx
 
     def detach(self, ctx: ssl.SSLContext) -> None:
-        """Stop renewing ``ctx`` (it keeps presenting the last material until another
-        handle attached to it renews)."""
+        """Stop presenting this certificate on ``ctx`` and renewing it there: new
+        connections move at once to a fresh context presenting what the other handles
+        attached to ``ctx`` present; with none, ``ctx`` presents its own throwaway
+        placeholder until a handle is attached again (connections already made keep
+        theirs). To switch ``ctx`` to another certificate without a placeholder in
+        between, attach the other handle first.
+
+        Why not keep presenting the last material: the before-snapshot pass visits only
+        attached contexts, so the key in it would go into every snapshot image and serve
+        in every clone."""
         with self._lock, _SWAP_LOCK:
             if ctx in self._served:
                 self._served.discard(ctx)
                 swap = _swap_of(ctx)
                 if swap is not None:
-                    swap.materials.pop(self, None)
+                    self._leave(ctx, swap)
 
     def client_context(self, *, present: bool = False) -> ssl.SSLContext:
         """A client context trusting this certificate's trust anchors (and presenting

@@ -73,7 +73,7 @@ class LocalIssuer:
         return cert, [self.ca]
 
 
-if mode in ("self-signed", "key-pem"):
+if mode in ("self-signed", "key-pem", "self-signed-detached"):
     cert = tls.self_signed("web")
 elif mode == "self-signed-ed25519":
     cert = tls.self_signed("web", algorithm="ed25519")
@@ -113,6 +113,8 @@ if handshake:
         assert c.recv(16) == b"ping"
     t.join()
 listener.close()
+if mode == "self-signed-detached":  # the before-snapshot pass visits attached contexts
+    cert.detach(server_ctx)
 
 report = rehydrate.simulate_snapshot()
 assert report.ok and cert.key_dropped, report
