@@ -522,6 +522,10 @@ def test_a_context_detached_from_its_only_certificate_never_serves_that_key_agai
     assert tls._swap_of(ctx).materials == {} and tls._swap_of(ctx).current is None
     cert.attach(ctx)  # attached again: presents the certificate in use
     assert handshake(srv.port, client_ctx())[0].serial_number == cert.serial
+    other = tls.self_signed("other", engine=rehydrate_engine)
+    other.attach(ctx)  # the documented switch: attach the new one first, then detach
+    cert.detach(ctx)
+    assert handshake(srv.port, client_ctx())[0].serial_number == other.serial
 
 
 def test_attached_contexts_referring_back_to_themselves_are_freed(rehydrate_engine):
