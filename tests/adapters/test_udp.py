@@ -20,7 +20,7 @@ import pytest
 from detect_helpers import FakePlatform, wait_for
 
 from rehydrate._trigger import trigger_snapshot
-from rehydrate.adapters.udp import UdpEndpoint
+from rehydrate.adapters.udp import UdpEndpoint, _pausable
 from rehydrate.detect.gvisor import GVisorDetector
 
 
@@ -57,6 +57,15 @@ def _fail_first_check(ep: UdpEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
         return False if len(calls) == 1 else await real()
 
     monkeypatch.setattr(ep, "check", check)
+
+
+def _socket_reads(ep: UdpEndpoint) -> bool:
+    """Whether the endpoint's socket is read, asked of its asyncio transport where that can
+    pause reading. Python 3.10's cannot (its is_reading() raises NotImplementedError): the
+    socket is read on and the endpoint keeps what a paused game does not read, so there the
+    endpoint's own transport answers."""
+    flow = _pausable(ep.transport)
+    return (flow if flow is not None else ep._stable).is_reading()
 
 
 async def _recv(sock: socket.socket) -> bytes:
@@ -323,7 +332,7 @@ def _in_netns(setup: str, code: str) -> dict[str, Any]:
 _LINK_LOCAL = '''
 import asyncio, json, os, socket
 from rehydrate.testing import isolated_engine
-from rehydrate.adapters.udp import UdpEndpoint
+from rehydrate.adapters.udp import UdpEndpoint, _pausable
 
 async def main():
     engine = isolated_engine()
@@ -360,7 +369,7 @@ def test_a_link_local_address_is_bound_again_with_its_scope(rehydrate_engine):
 _V6_OFF = '''
 import asyncio, json
 from rehydrate.testing import isolated_engine
-from rehydrate.adapters.udp import UdpEndpoint
+from rehydrate.adapters.udp import UdpEndpoint, _pausable
 
 async def main():
     engine = isolated_engine()
@@ -426,9 +435,9 @@ async def test_flow_control_on_the_game_transport_across_a_rebind(rehydrate_engi
             transport.set_write_buffer_limits(high=1, low=2)
         assert transport.get_write_buffer_limits() == (1024, 4096)
         transport.pause_reading()
-        assert not transport.is_reading() and not ep.transport.is_reading()
+        assert not transport.is_reading() and not _socket_reads(ep)
         transport.resume_reading()
-        assert transport.is_reading() and ep.transport.is_reading()
+        assert transport.is_reading() and _socket_reads(ep)
 
         old = ep.transport
         _fail_first_check(ep, monkeypatch)
@@ -437,13 +446,13 @@ async def test_flow_control_on_the_game_transport_across_a_rebind(rehydrate_engi
         assert ep.transport.get_write_buffer_limits() == (1024, 4096)
         assert transport.get_write_buffer_limits() == (1024, 4096)
         assert transport.get_write_buffer_size() == 0
-        assert transport.is_reading() and ep.transport.is_reading()
+        assert transport.is_reading() and _socket_reads(ep)
         transport.set_write_buffer_limits(high=8192, low=0)
         assert ep.transport.get_write_buffer_limits() == (0, 8192)
         transport.pause_reading()
-        assert not transport.is_reading() and not ep.transport.is_reading()
+        assert not transport.is_reading() and not _socket_reads(ep)
         transport.resume_reading()
-        assert transport.is_reading() and ep.transport.is_reading()
+        assert transport.is_reading() and _socket_reads(ep)
     finally:
         ep.close()
     await asyncio.sleep(0)
@@ -451,7 +460,7 @@ async def test_flow_control_on_the_game_transport_across_a_rebind(rehydrate_engi
     transport.pause_reading()  # on a closed endpoint: remembered, no socket to pause
     assert await ep.start() is transport  # a new connection reads, as asyncio's did
     try:
-        assert transport.is_reading() and ep.transport.is_reading()
+        assert transport.is_reading() and _socket_reads(ep)
         assert ep.transport.get_write_buffer_limits() == (0, 8192)
     finally:
         ep.close()
@@ -474,19 +483,19 @@ async def test_a_paused_endpoint_stays_paused_across_a_rebind(rehydrate_engine, 
             old = ep.transport
             assert await ep.ensure()
             assert ep.transport is not old and game.made == 2
-            assert not transport.is_reading() and not ep.transport.is_reading()
+            assert not transport.is_reading() and not _socket_reads(ep)
             client.sendto(b"sent to the new socket", ep.address)
             # the check reads the socket (the probe arrives after that datagram) and
             # keeps what it reads for the game
             assert not await ep.ensure()
             assert game.received == []
-            assert not ep.transport.is_reading()
+            assert not _socket_reads(ep)
             game.got.clear()
             transport.resume_reading()
             assert game.received == []  # not from within the game's own call
             await asyncio.wait_for(game.got.wait(), 5)  # both kept, handed over at once
             assert game.received == [b"queued in the old socket", b"sent to the new socket"]
-            assert transport.is_reading() and ep.transport.is_reading()
+            assert transport.is_reading() and _socket_reads(ep)
             game.got.clear()
             client.sendto(b"after", ep.address)
             await asyncio.wait_for(game.got.wait(), 5)
@@ -505,7 +514,7 @@ async def test_a_paused_healthy_endpoint_is_not_rebound(rehydrate_engine):
         transport.pause_reading()
         old = ep.transport
         assert not await ep.ensure()
-        assert ep.rebinds == 0 and ep.transport is old and not old.is_reading()
+        assert ep.rebinds == 0 and ep.transport is old and not _socket_reads(ep)
     finally:
         ep.close()
 
@@ -676,6 +685,13 @@ async def test_a_failing_pause_or_resume_leaves_the_endpoint_as_it_was(rehydrate
                      probe_timeout=0.3)
     transport = await ep.start()
     socket_type = type(ep.transport)
+    if _pausable(ep.transport) is None:
+        # Python 3.10's cannot pause reading at all: give it the flow control of 3.11's
+        paused: set[int] = set()
+        monkeypatch.setattr(socket_type, "pause_reading", lambda self: paused.add(id(self)))
+        monkeypatch.setattr(socket_type, "resume_reading",
+                            lambda self: paused.discard(id(self)))
+        monkeypatch.setattr(socket_type, "is_reading", lambda self: id(self) not in paused)
     real_pause, real_resume = socket_type.pause_reading, socket_type.resume_reading
 
     def broken(self):
@@ -692,6 +708,66 @@ async def test_a_failing_pause_or_resume_leaves_the_endpoint_as_it_was(rehydrate
             await ep.check()
         monkeypatch.setattr(socket_type, "resume_reading", real_resume)
         transport.pause_reading()
-        assert not transport.is_reading() and not ep.transport.is_reading()
+        assert not transport.is_reading() and not _socket_reads(ep)
+    finally:
+        ep.close()
+
+
+async def test_datagrams_kept_for_a_paused_game_go_with_a_lost_socket(rehydrate_engine):
+    """The socket lost without close() or abort(): the datagrams kept for the paused game
+    stayed until the next start(), and a resume_reading() in between handed them to the
+    game after its connection_lost."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="lost",
+                     probe_timeout=0.3)
+    transport = await ep.start()
+    game = ep.protocol
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            transport.pause_reading()
+            client.sendto(b"before the loss", ep.address)
+            assert await ep.check()  # read by the check, kept for the game
+            assert ep._held
+            ep.transport.abort()  # the socket's own transport: not the endpoint's abort()
+            await asyncio.sleep(0)  # connection_lost
+            assert game.lost == 1 and not ep._held
+            transport.resume_reading()
+            await asyncio.sleep(0)  # a pass of the loop: where kept ones are handed over
+            assert game.received == []
+    finally:
+        ep.close()
+
+
+async def test_a_host_name_that_does_not_resolve_names_the_endpoint(rehydrate_engine):
+    """start() with a host name that does not resolve raised a bare "[Errno -2] Name or
+    service not known": neither the endpoint nor the name."""
+    ep = UdpEndpoint(Game, ("rehydrate-nowhere.invalid", 0), engine=rehydrate_engine,
+                     name="named")
+    with pytest.raises(socket.gaierror) as info:
+        await ep.start()
+    assert str(info.value) == (
+        f"[Errno {info.value.errno}] UDP endpoint 'named': the host name "
+        f"'rehydrate-nowhere.invalid' in local_addr does not resolve "
+        f"({info.value.__cause__.strerror})")
+    assert "\n" not in str(info.value) and ep.transport is None
+
+
+async def test_a_rebind_at_a_host_name_that_does_not_resolve_says_so(rehydrate_engine):
+    """local_addr() returned a host name that no longer resolves: the hook failed with the
+    resolver's words and no hint of what was wrong."""
+    host = ["127.0.0.1"]
+    ep = UdpEndpoint(Game, lambda: (host[0], 0), engine=rehydrate_engine, name="renamed",
+                     probe_timeout=0.2)
+    await ep.start()
+    old = ep.transport
+    try:
+        _kill(ep)
+        host[0] = "rehydrate-nowhere.invalid"
+        with pytest.raises(socket.gaierror) as info:
+            await ep.ensure()
+        assert str(info.value) == (
+            f"[Errno {info.value.errno}] UDP endpoint 'renamed': binding again at "
+            f"rehydrate-nowhere.invalid:0 failed ({info.value.__cause__.strerror}); the "
+            "host name does not resolve (local_addr() returned it)")
+        assert ep.transport is old and not old.is_closing()
     finally:
         ep.close()
