@@ -17,9 +17,9 @@ its very address) is dropped with a ``DEBUG`` line, as UDP may drop any datagram
 write-buffer limits and paused reading are applied to each new socket; datagrams read
 while the game has paused reading (by a check, or drained from a replaced socket) are kept
 and delivered after ``resume_reading()``, in the order read, and dropped with the socket
-(``close()``, ``abort()``, a new ``start()``). Where the socket's transport cannot pause
-reading (Python 3.10's raises ``NotImplementedError``), the socket is read on and the
-endpoint keeps what the paused game does not read.
+(``close()``, ``abort()``, the socket lost, a new ``start()``). Where the socket's
+transport cannot pause reading (Python 3.10's raises ``NotImplementedError``), the socket
+is read on and the endpoint keeps what the paused game does not read.
 """
 
 from __future__ import annotations
@@ -160,6 +160,9 @@ class _Filter(asyncio.DatagramProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.endpoint._rebinding:  # a re-bind is not the end of the endpoint
+            # Lost without close()/abort() (which drop them): a resume_reading() before
+            # the next start() handed them over after the game's connection_lost.
+            self.endpoint._drop_held()
             self.endpoint.protocol.connection_lost(exc)
 
 
@@ -315,9 +318,6 @@ class UdpEndpoint:
     def _wanted(self) -> _Where:
         return self._local_addr() if callable(self._local_addr) else self._local_addr
 
-    async def _bind(self) -> None:
-        self._bound(await self._open(self._wanted()))
-
     async def _open(self, addr: _Where) -> asyncio.DatagramTransport:
         loop = asyncio.get_running_loop()
         if len(addr) <= 2:
@@ -346,7 +346,8 @@ class UdpEndpoint:
     async def start(self) -> asyncio.DatagramTransport:
         """Bind the socket and register the restore hook (once). Returns the endpoint's
         transport — the one the protocol's ``connection_made`` gets too —, which sends
-        through whichever socket is bound, across re-binds."""
+        through whichever socket is bound, across re-binds. A host name in ``local_addr``
+        that does not resolve raises ``socket.gaierror`` naming the endpoint and the name."""
         if self.transport is not None and not self.transport.is_closing():
             raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
                                f"{self.address}")
@@ -358,7 +359,14 @@ class UdpEndpoint:
         # a new connection for the game, as asyncio's fresh transport was; limits are kept
         self._reading, self._writing_paused = True, False
         self._drop_held()  # the last session's, not this one's
-        await self._bind()
+        addr = self._wanted()
+        try:
+            self._bound(await self._open(addr))
+        except socket.gaierror as exc:
+            # a bare "[Errno -2] Name or service not known" named neither
+            raise socket.gaierror(exc.errno, f"UDP endpoint {self.name!r}: the host name "
+                                             f"{addr[0]!r} in local_addr does not resolve "
+                                             f"({exc.strerror or exc})") from exc
         if self._hook is None:
             self._engine = engine
             ref = weakref.ref(self)
@@ -532,8 +540,9 @@ class UdpEndpoint:
         a callable ``local_addr``) is bound at its first address of the old socket's
         family, and only there. Raises ``OSError`` naming the endpoint, the address and
         what to do when binding again fails (the hook then fails, and the process is not
-        ready), ``RuntimeError`` before :meth:`start`, after :meth:`close` and when a
-        callable ``local_addr`` raises (naming the endpoint; the old socket is kept)."""
+        ready; ``socket.gaierror`` when the host name does not resolve), ``RuntimeError``
+        before :meth:`start`, after :meth:`close` and when a callable ``local_addr`` raises
+        (naming the endpoint; the old socket is kept)."""
         if self.transport is None:
             # It bound the socket itself, with no restore hook, and start() then said
             # "already started": the endpoint was never checked after a restore.
@@ -671,7 +680,11 @@ class UdpEndpoint:
         host = str(addr[0])
         v6 = ":" in host
         hint: str | None = None
-        if exc.errno == errno.EADDRINUSE:
+        if isinstance(exc, socket.gaierror):
+            hint = "the host name does not resolve"
+            if callable(self._local_addr):
+                hint += " (local_addr() returned it)"
+        elif exc.errno == errno.EADDRINUSE:
             hint = "the port is taken by another socket"
         elif exc.errno != errno.EADDRNOTAVAIL or host in _WILDCARDS:
             pass  # not "no such address here": an IP change is not the cause
@@ -687,8 +700,10 @@ class UdpEndpoint:
         where = f"[{host}]:{addr[1]}" if v6 else f"{host}:{addr[1]}"
         reason = exc.strerror or str(exc) or type(exc).__name__
         tail = "" if hint is None else f"; {hint}"
-        return OSError(exc.errno, f"UDP endpoint {self.name!r}: binding again at "
-                                  f"{where} failed ({reason}){tail}")
+        # a gaierror stays one, for a caller that tells a name apart from a bind
+        kind = socket.gaierror if isinstance(exc, socket.gaierror) else OSError
+        return kind(exc.errno, f"UDP endpoint {self.name!r}: binding again at {where} "
+                               f"failed ({reason}){tail}")
 
     def _not_started(self, what: str) -> RuntimeError:
         return RuntimeError(f"UDP endpoint {self.name!r} is not started: await start() "
