@@ -58,6 +58,10 @@ _DRAIN_MAX = 100_000  # datagrams taken from a socket about to be closed: its qu
 _HELD_MAX = 4 << 20
 """Bytes of datagrams kept for a game that paused reading (read by a check, or drained
 from a socket being replaced); beyond it they are dropped, as a full socket buffer would."""
+_HELD_OVERHEAD = 256
+"""Bytes each kept datagram counts beyond its payload (its tuple, bytes object and address:
+~215 bytes in CPython), as the kernel charges a socket buffer per packet: without it a
+flood of empty datagrams was kept without limit."""
 
 
 @runtime_checkable
@@ -495,12 +499,13 @@ class UdpEndpoint:
             flow.pause_reading()
 
     def _hold(self, data: bytes, addr: Any) -> None:
-        if self._held_bytes + len(data) > _HELD_MAX:
+        cost = len(data) + _HELD_OVERHEAD
+        if self._held_bytes + cost > _HELD_MAX:
             log.debug("UDP endpoint %s: reading paused and %d bytes kept: datagram of %d "
                       "bytes dropped", self.name, self._held_bytes, len(data))
             return
         self._held.append((data, addr))
-        self._held_bytes += len(data)
+        self._held_bytes += cost
 
     def _drop_held(self) -> None:
         self._held.clear()
@@ -510,7 +515,7 @@ class UdpEndpoint:
         """The datagrams kept while the game did not read, then the socket read again."""
         while self._held and self._reading:
             data, addr = self._held.popleft()
-            self._held_bytes -= len(data)
+            self._held_bytes -= len(data) + _HELD_OVERHEAD
             try:
                 self.protocol.datagram_received(data, addr)
             except Exception:

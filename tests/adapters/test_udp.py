@@ -682,6 +682,18 @@ async def test_datagrams_kept_for_a_paused_game_go_with_a_lost_socket(rehydrate_
             assert game.received == []
 
 
+async def test_empty_datagrams_kept_for_a_paused_game_are_bounded(rehydrate_engine):
+    """Kept datagrams counted their payload only: a flood of empty ones (0 bytes each,
+    ~215 in memory) was kept without limit while the game did not read."""
+    from rehydrate.adapters.udp import _HELD_MAX
+
+    async with _started(rehydrate_engine, "flood") as (ep, _transport):
+        for _ in range(_HELD_MAX // 100):
+            ep._hold(b"", ("127.0.0.1", 9))
+        assert 0 < len(ep._held) <= _HELD_MAX // 200
+        ep._drop_held()
+
+
 async def test_a_host_name_that_does_not_resolve_names_the_endpoint(rehydrate_engine):
     """start() with a host name that does not resolve raised a bare "[Errno -2] Name or
     service not known": neither the endpoint nor the name."""
