@@ -174,7 +174,8 @@ def _doctor_process(
         status = reply.get("status") or {}
     data, text = report(str(pid), status)
     if data.get("error"):
-        print(f"rehydrate: doctor {option}: {data['error']}", file=sys.stderr)
+        # escaped as every other doctor line: the error quotes an exception's text
+        err(f"doctor {option}: {data['error']}")
         if args.json:
             _print_json(data)
         return EXIT_FAILED
@@ -271,13 +272,15 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
         doing = "make a nodeAffinity for" if affinity else "compare"
         msg = str(exc) if isinstance(exc, fingerprint.ManifestError) else (
             f"cannot {doing} manifest {path}: {type(exc).__name__}: {exc}")
-        msg = " ".join(msg.split())  # one line
         if as_json:
-            json.dump({"compatible": False, "scope": scope, "error": msg, "mismatches": []},
-                      sys.stdout)
+            json.dump({"compatible": False, "scope": scope, "error": " ".join(msg.split()),
+                       "mismatches": []}, sys.stdout)
             sys.stdout.write("\n")
         else:
-            print(f"rehydrate check: {msg}", file=sys.stderr)
+            # The manifest's path and the exception's text (a name in a directory listing,
+            # a message quoting the file) may hold a newline or a terminal escape: escaped,
+            # so that they cannot forge lines or drive the terminal.
+            print(f"rehydrate check: {_config.one_line(msg)}", file=sys.stderr)
         return 2
     what = ("" if scope != "node" else " (node-level fields and env.* keys)" if env_file
             else " (node-level fields)")
@@ -286,11 +289,11 @@ def check_manifest(path: str, *, as_json: bool = False, root: str = "/",
                    "mismatches": [m.to_dict() for m in mismatches]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     elif mismatches:
-        print(f"incompatible: {len(mismatches)} mismatch(es) with {path}{what}")
+        print(_config.one_line(f"incompatible: {len(mismatches)} mismatch(es) with {path}{what}"))
         for m in mismatches:
             print(f"  {m.describe()}")
     else:
-        print(f"compatible with {path}{what}")
+        print(_config.one_line(f"compatible with {path}{what}"))
     return 1 if mismatches else 0
 
 

@@ -224,6 +224,55 @@ def test_doctor_reads_a_status_of_another_shape_without_a_traceback(
         assert "its status reply is of an unexpected shape" in err and err.count("\n") == 1
 
 
+FORGED = "no\x1b[2J\x1b]0;owned\x07\nrehydrate: forged line"
+FORGED_SHOWN = "no\\x1b[2J\\x1b]0;owned\\x07\\nrehydrate: forged line"
+
+
+@pytest.mark.parametrize("option", ["--connections", "--files"])
+def test_doctor_escapes_the_control_sockets_error(option, short_sock, capsys):
+    """The error a control socket answers goes out on one line, its terminal escapes and
+    newline shown escaped."""
+    from one_answer import OneAnswer
+
+    answer = json.dumps({"ok": False, "error": FORGED}).encode() + b"\n"
+    server = OneAnswer(short_sock, answer)
+    try:
+        code = cli.main(["doctor", option, "--socket", short_sock])
+    finally:
+        server.close()
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "\x1b" not in err and "\x07" not in err
+    assert f"control socket ({FORGED_SHOWN})" in err
+
+
+def test_doctor_files_escapes_the_error_of_its_report(short_sock, monkeypatch, capsys):
+    """``doctor --files``'s own error (listing the descriptors of the process behind the
+    control socket failed) was printed as the exception said it: a newline there forged a
+    second line, a terminal escape reached the terminal."""
+    from one_answer import OneAnswer
+
+    from rehydrate import files
+
+    def failing(pid, **kwargs):
+        raise OSError(FORGED)  # no errno: the message is the exception's text
+
+    monkeypatch.setattr(files, "open_files", failing)
+    answer = b'{"ok": true, "pid": %d, "status": {}}\n' % os.getpid()
+    server = OneAnswer(short_sock, answer)
+    try:
+        code = cli.main(["doctor", "--files", "--socket", short_sock])
+        json_code = cli.main(["doctor", "--files", "--socket", short_sock, "--json"])
+    finally:
+        server.close()
+    out, err = capsys.readouterr()
+    assert code == json_code == 1
+    line = (f"rehydrate: doctor --files: cannot list the descriptors of process "
+            f"{os.getpid()}: {FORGED_SHOWN}\n")
+    assert err == line * 2  # one line each, escaped
+    assert json.loads(out)["error"].endswith(FORGED)  # JSON carries it as it is
+
+
 @pytest.mark.parametrize("option", ["--connections", "--files"])
 def test_doctor_waits_for_a_hung_socket_only_as_long_as_timeout(option, short_sock):
     """Before: doctor --files / --connections waited 10 s for a control socket that

@@ -704,7 +704,8 @@ class ServerAdapter:
     async def probe_async(self) -> Probe:
         """Usable when the server answers its health endpoint, or does not answer yet
         (:meth:`not_yet`); not usable when it answers with a client error (4xx: not this
-        kind of server, or not configured for it)."""
+        kind of server, not configured for it, or an authentication refusal: whose, as
+        :meth:`refused_access` says)."""
         return (await self._probe_health())[0]
 
     async def _probe_health(self) -> tuple[Probe, bool]:
@@ -720,10 +721,18 @@ class ServerAdapter:
             return self.not_yet(str(exc)), False
         if r.is_success:
             return Probe(True, f"{self.url}{self.health_path} answers {r.status_code}"), True
-        why = f"{self.url}{self.health_path} answers HTTP {r.status_code}: {server_reason(r)}"
         if r.status_code >= 500 or r.status_code in (408, 429):
-            return self.not_yet(why), False
-        return Probe(False, why), False
+            return self.not_yet(f"{self.url}{self.health_path} answers HTTP {r.status_code}: "
+                                f"{server_reason(r)}"), False
+        return Probe(False, self.refused(self.health_path, r)), False
+
+    def refused(self, path: str, response: httpx.Response) -> str:
+        """Why ``path``'s client error (4xx) makes the server not usable, an authentication
+        refusal worded as the hooks' calls word it (:meth:`refused_access`: the server's
+        own ``--api-key`` check, or a gateway's or proxy's, which the call never passed)."""
+        access = self.refused_access(path, response)
+        said = access[0] if access is not None else f": {server_reason(response)}"
+        return f"{self.url}{path} answers HTTP {response.status_code}{said}"
 
     def probe(self) -> Probe:
         """:meth:`probe_async` from synchronous code, also inside a running event loop."""

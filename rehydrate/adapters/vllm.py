@@ -266,6 +266,8 @@ class VLLMAdapter(ServerAdapter):
                                 "VLLM_SERVER_DEV_MODE=1")
         if r.status_code >= 500 or r.status_code in (408, 429):  # as for /health
             return self.not_yet(f"/is_sleeping answers HTTP {r.status_code}")
+        if r.status_code in (401, 403, 407):  # as for /health: whose refusal it is
+            return Probe(False, self.refused("/is_sleeping", r))
         if not r.is_success or not isinstance(json_or_empty(r).get("is_sleeping"), bool):
             # a gateway's page or another server: the hooks would fail on it
             return Probe(False, f"{self.url}/is_sleeping answers HTTP {r.status_code} "

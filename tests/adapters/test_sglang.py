@@ -901,6 +901,26 @@ def test_an_authentication_refusal_says_whose_it_is(
     assert "POST /release_memory_occupation" not in standin.log
 
 
+@pytest.mark.parametrize(("body", "says"), [
+    ("<html>401 Authorization Required</html>",
+     " from a gateway in front of SGLang, not SGLang (its own authentication: <html>401 "
+     "Authorization Required</html>) — the call did not reach SGLang; give the adapter "
+     "credentials the gateway accepts (api_key= is sent as a bearer token) or point url= "
+     "at SGLang itself"),
+    ({"error": "Unauthorized"},  # SGLang's own --api-key middleware
+     ": Unauthorized — SGLang refused the API key: pass api_key= matching its --api-key"),
+])
+def test_probe_says_whose_401_it_is(url: str, server: tuple[str, Switch],
+                                     standin: SGLangStandIn, body: Any, says: str) -> None:
+    """The probe's /health refused: worded as the hooks' calls word it (before: "answers
+    HTTP 401: <the gateway's page>", whoever refused)."""
+    server[1].app = EchoingGateway(
+        lambda path, auth: (401, body) if path == "/health" else None, behind=standin)
+    found = sglang.SGLangAdapter(url).probe()
+    assert not found.usable
+    assert found.reason == f"{url}/health answers HTTP 401{says}"
+
+
 def test_sglangs_admin_key_refusal_names_the_admin_key(
         url: str, server: tuple[str, Switch], rehydrate_engine: Any,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -920,6 +920,39 @@ def test_probe_of_a_server_still_loading_is_usable_and_of_a_wrong_one_is_not(
     assert f"{url}/health answers HTTP {status}: loading" in found.reason
 
 
+GATEWAY_PAGE = "<html><head><title>401 Authorization Required</title></head></html>"
+
+
+@pytest.mark.parametrize("path", ["/health", "/is_sleeping"])
+@pytest.mark.parametrize(("status", "body", "says"), [
+    (401, GATEWAY_PAGE,
+     f" from a gateway in front of vLLM, not vLLM (its own authentication: {GATEWAY_PAGE})"
+     " — the call did not reach vLLM; give the adapter credentials the gateway accepts "
+     "(api_key= is sent as a bearer token) or point url= at vLLM itself"),
+    (403, "RBAC: access denied",
+     " from a gateway in front of vLLM, not vLLM (its own authentication: RBAC: access "
+     "denied) — the call did not reach vLLM; give the adapter credentials the gateway "
+     "accepts (api_key= is sent as a bearer token) or point url= at vLLM itself"),
+    (407, "Proxy Authentication Required",
+     " from a proxy between this process and vLLM, not vLLM (Proxy Authentication "
+     "Required: Proxy Authentication Required) — the call did not reach vLLM; give the "
+     "proxy its credentials (HTTPS_PROXY / HTTP_PROXY) or exempt the host with NO_PROXY"),
+    (401, {"error": "Unauthorized"},  # vLLM's own --api-key middleware
+     ": Unauthorized — vLLM refused the API key: pass api_key= matching its --api-key"),
+])
+def test_probe_says_whose_authentication_refusal_it_is(
+        url: str, server: tuple[str, Switch], standin: VLLMStandIn, path: str,
+        status: int, body: Any, says: str) -> None:
+    """A gateway's 401 on the probe's request read "answers HTTP 401: <its page>" (on
+    /is_sleeping: "is it a vLLM server?"): nothing said the probe never reached vLLM, nor
+    whose credentials to fix, as the hooks' calls say."""
+    server[1].app = EchoingGateway(
+        lambda p, auth: (status, body) if p == path else None, behind=standin)
+    found = vllm.VLLMAdapter(url).probe()
+    assert not found.usable
+    assert found.reason == f"{url}{path} answers HTTP {status}{says}"
+
+
 @pytest.mark.parametrize("status", [503, 429])
 def test_probe_of_is_sleeping_not_ready_yet_is_usable(url: str, server: Any,
                                                       status: int) -> None:

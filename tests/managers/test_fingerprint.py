@@ -225,6 +225,29 @@ def test_check_cli_exit_2_for_invalid_manifest_with_one_readable_line(tmp_path):
     assert "cpu_flags" in line
 
 
+def test_check_escapes_a_manifest_path_with_a_terminal_escape_or_a_newline(tmp_path):
+    """A manifest whose name holds a terminal escape (and a newline): its error went out
+    with the escape as it was (only whitespace was collapsed), and so did the answer for a
+    readable one; now escaped, on one line, as every other check and doctor line."""
+    name = "m\x1b[2J\x1b]0;owned\x07\nrehydrate check: compatible.json"
+    shown = "m\\x1b[2J\\x1b]0;owned\\x07\\nrehydrate check: compatible.json"
+    bad = tmp_path / name
+    bad.write_text('{"schema": 1, "cpu_flags": 5}')
+    res = run_cli("check", str(bad))
+    assert res.returncode == 2 and res.stdout == "", res
+    (line,) = res.stderr.splitlines()
+    assert res.stderr.endswith("\n") and "\x1b" not in line and "\x07" not in line
+    assert line.startswith(f"rehydrate check: {tmp_path}/{shown}: invalid rehydrate manifest")
+    assert json.loads(run_cli("check", str(bad), "--json").stdout)["error"].startswith(
+        f"{tmp_path}/{name.replace(chr(10), ' ')}: ")  # JSON: as it is, on one line
+
+    good = tmp_path / name.replace("compatible", "good")
+    fp.write_manifest(fp.fingerprint(), good)
+    res = run_cli("check", str(good))
+    assert res.returncode == 0 and res.stderr == "", res
+    assert res.stdout == f"compatible with {tmp_path}/{shown.replace('compatible', 'good')}\n"
+
+
 def test_check_exit_2_for_a_manifest_nested_too_deeply_and_an_oversized_env_file(
         tmp_path, capsys):
     deep = tmp_path / "deep.json"
