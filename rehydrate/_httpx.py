@@ -143,7 +143,11 @@ class ReconnectingTransport(httpx.BaseTransport):
             old.close()
             _close_mounts(self.client)
         except Exception as exc:  # closing sockets the platform already cut
-            log.debug("closing the previous httpx pool: %s", exc)
+            from .connections import _describe  # lazily: connections imports this module
+
+            # scrubbed as every other connection message: a transport's error may quote
+            # the URL it was closing, user:password@ and ?api_key= included
+            log.debug("closing the previous httpx pool: %s", _describe(exc))
         for proxy in self.proxies:
             proxy.reset()
 

@@ -2269,7 +2269,10 @@ def redis_client(
     runs it again (``closing`` meanwhile); when
     the hooks run on another loop (the engine was started without ``loop=``) the
     ``PING`` goes over a short-lived connection of its own and the pool refills on the
-    application's first command."""
+    application's first command. A sync client's ``PING`` goes over a short-lived
+    connection of its own too, its waits capped by the run's deadline (a peer that
+    accepts and never answers, with ``socket_timeout=None``, held the check's thread for
+    good); the client's own pool and settings are left as they are."""
     pool = client.connection_pool
     ping: Callable[[], Any]
     disconnect: Callable[[], Any]
@@ -2279,7 +2282,7 @@ def redis_client(
         ping, disconnect, reopen = apool.ping, apool.disconnect, apool.reopen
     else:
         def sping() -> None:
-            if not client.ping():
+            if not _capped_redis_ping(client, conn.deadline_at):
                 raise ConnectionError("PING failed")
 
         # a bound disconnect() takes no required argument: called as is
@@ -2287,13 +2290,48 @@ def redis_client(
         reopen = disconnect
     kw = getattr(pool, "connection_kwargs", {})
     peers = () if "path" in kw else ((kw.get("host", "localhost"), kw.get("port", 6379)),)
-    conn = _connection(name, open=reopen, close=disconnect,
+    conn: Connection = _connection(name, open=reopen, close=disconnect,
                        check=ping if check else None, required=required, deadline=deadline,
                        peers=peers, subject=client,
                        # Redis(connection_pool=pool): clients sharing one pool
                        resource=lambda: pool, any_loop=True)
     manager(engine).register(conn, replace=replace)
     return client
+
+
+def _capped_redis_ping(client: Any, deadline_at: float | None) -> Any:
+    """``client.ping()`` (a sync redis-py client), its waits capped by ``deadline_at``
+    (a ``time.monotonic()``; None: through the client's pool, as the application's
+    commands go) plus :data:`LATE_GRACE`, as :func:`_capped_timeout` caps httpx's.
+
+    redis-py has no per-command timeout that covers the connect and its handshake
+    (``HELLO``, ``AUTH``, ``CLIENT SETINFO``), so the capped ``PING`` goes over a
+    short-lived connection of its own, built from the pool's settings with the socket
+    timeouts capped and no retries (their sleeps would outlast the cap; the run retries
+    itself): the client's pool and settings stay as the application made them."""
+    if deadline_at is None:
+        return client.ping()
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    pool = client.connection_pool
+    kw = dict(pool.connection_kwargs)
+    left = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
+
+    def cap(wait: float | None) -> float:
+        return left if wait is None else min(wait, left)
+
+    kw.update(socket_timeout=cap(kw.get("socket_timeout")), retry=Retry(NoBackoff(), 0))
+    if "path" not in kw:  # redis-py 5's unix socket connection takes no connect timeout
+        # redis-py's own fallback: no connect timeout of its own means socket_timeout's
+        connect_timeout = kw.get("socket_connect_timeout") or kw.get("socket_timeout")
+        kw["socket_connect_timeout"] = cap(connect_timeout)
+    own = redis.ConnectionPool(connection_class=pool.connection_class, **kw)
+    try:
+        return redis.Redis(connection_pool=own).ping()
+    finally:
+        own.disconnect()
 
 
 def grpc_channel(

@@ -761,3 +761,63 @@ def test_scrub_urls_leaves_texts_without_credentials_alone(text):
     from rehydrate._urls import scrub_urls
 
     assert scrub_urls(text) == text
+
+
+def test_sync_redis_ping_to_a_silent_peer_ends_with_its_run(rehydrate_engine):
+    """With the client's ``socket_timeout=None``, the check's ``PING`` to a peer that
+    accepts and never answers waited for good on its thread after the run had given up on
+    it: one more stuck thread per restore. Its waits are capped by the run's deadline;
+    the application's client keeps its own settings."""
+    import concurrent.futures
+    import socket
+    import time
+
+    import redis
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshakes; nobody ever answers
+        port = silent.getsockname()[1]
+        r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=None)
+        connections.redis_client("cache", r, deadline=0.3, engine=rehydrate_engine)
+        conn = connections.get("cache", engine=rehydrate_engine)
+        threads = []
+        for _ in range(3):
+            started = time.monotonic()
+            report = rehydrate_engine.simulate_restore()
+            assert not report.ok
+            assert time.monotonic() - started < 5  # the run ended at its deadline
+            with conn._lock:
+                calls = list(conn._calls)
+            _, running = concurrent.futures.wait(calls, timeout=5)
+            assert not running, "the check's thread is still waiting for the silent peer"
+            threads.append(threading.active_count())
+        assert threads[0] == threads[1] == threads[2]
+        assert r.connection_pool.connection_kwargs["socket_timeout"] is None
+        r.close()
+
+
+def test_httpx_pool_reset_debug_line_hides_the_urls_credentials(caplog):
+    """Closing the old pool at a restore logged the transport's raw error at DEBUG: one
+    that quotes the URL it was closing carried its ``user:password@`` (and query) into
+    the log. It is scrubbed as every other connection message is."""
+    import logging
+
+    from rehydrate._httpx import make_client
+
+    url = "http://app:s3cretpw@127.0.0.1:9/x?api_key=tok3n"
+    client, transport = make_client({"base_url": url})
+    try:
+        def close() -> None:
+            raise OSError(f"error closing connection to {url}")
+
+        transport._inner.close = close  # type: ignore[method-assign]
+        with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+            transport.reset()
+        lines = [r.getMessage() for r in caplog.records
+                 if "closing the previous httpx pool" in r.getMessage()]
+        assert lines, "the failed close was not logged"
+        assert all("s3cretpw" not in line and "tok3n" not in line for line in lines), lines
+        assert "127.0.0.1:9" in lines[0]  # still says what it was closing
+    finally:
+        client.close()
