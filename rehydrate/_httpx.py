@@ -24,8 +24,9 @@ import httpx
 
 from ._loop_roles import is_blocked, is_private
 from ._loops import LoopClosed, LoopStopped, run_quietly
+from ._redact import redact
 from ._threads import fresh_lock_after_fork
-from ._urls import without_credentials
+from ._urls import scrub_urls, without_credentials
 
 _LOOP_CLOSED = ("the event loop its requests ran on is closed: its pooled connections cannot be "
                 "closed")
@@ -143,11 +144,10 @@ class ReconnectingTransport(httpx.BaseTransport):
             old.close()
             _close_mounts(self.client)
         except Exception as exc:  # closing sockets the platform already cut
-            from .connections import _describe  # lazily: connections imports this module
-
             # scrubbed as every other connection message: a transport's error may quote
             # the URL it was closing, user:password@ and ?api_key= included
-            log.debug("closing the previous httpx pool: %s", _describe(exc))
+            log.debug("closing the previous httpx pool: %s: %s", type(exc).__name__,
+                      " ".join(scrub_urls(redact(str(exc))).split()))
         for proxy in self.proxies:
             proxy.reset()
 
