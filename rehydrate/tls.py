@@ -1228,6 +1228,12 @@ class ManagedCertificate:
     def _on_restore(self, ctx: RestoreContext) -> None:
         kind = getattr(ctx, "kind", "restore")
         with self._renew_lock:
+            # close() does not wait for this hook (a restore run may have queued it, or be
+            # in it, when the handle is closed): a closed handle serves nothing and its
+            # key is gone, so there is nothing to renew and nothing failed.
+            if self._closed:
+                self._log_closed(kind)
+                return
             previous = self._material
             held = previous is not None and previous.private_key is not None
             if not self._manager.active:
@@ -1241,16 +1247,25 @@ class ManagedCertificate:
                 return
             except CertificateError as exc:
                 error = exc
-            if self._material is not previous or error._in_use:
-                raise error  # the material is in use: a listener failed to take it
-            if held and previous is not None and (kind == "resume" or not self.regenerates_key):
-                # a resumed original keeps its own key; a file key is the same everywhere
-                detail = str(error).removeprefix(f"certificate {self.name!r}: ")
-                raise CertificateError(f"certificate {self.name!r}: {detail}; keeping serial "
-                                       f"{previous.serial:x}") from None
-            # A restored clone must not serve the key from the snapshot image (every clone
-            # would share it), and a dropped key is gone: present a fresh placeholder.
+            # Decided under the lock close() sets the flag under. Closed while produce()
+            # ran (apply() refused, and wiped, the new key) or since: no failure, and no
+            # placeholder or change to the material close() left readable.
             with self._lock:
+                if self._closed:
+                    self._log_closed(kind)
+                    return
+                if self._material is not previous or error._in_use:
+                    raise error  # the material is in use: a listener failed to take it
+                if held and previous is not None and (kind == "resume"
+                                                      or not self.regenerates_key):
+                    # a resumed original keeps its own key; a file key is the same
+                    # everywhere
+                    detail = str(error).removeprefix(f"certificate {self.name!r}: ")
+                    raise CertificateError(f"certificate {self.name!r}: {detail}; keeping "
+                                           f"serial {previous.serial:x}") from None
+                # A restored clone must not serve the key from the snapshot image (every
+                # clone would share it), and a dropped key is gone: present a fresh
+                # placeholder.
                 if previous is not None:
                     previous.wipe_key()
                 self._material = None
@@ -1261,16 +1276,22 @@ class ManagedCertificate:
                 "throwaway self-signed placeholder (fresh key) until a renewal succeeds"
             ) from None
 
+    def _log_closed(self, kind: str) -> None:
+        log.info("tls: certificate %s was closed: not renewed on %s", self.name, kind)
+
     def close(self) -> None:
         """Stop managing this certificate, and let go of its private key: no snapshot hook
         drops it any more, so a key kept would go into every snapshot image and serve in
         every clone.
 
         The key is wiped (``certificate`` and ``serial`` stay readable, ``private_key``
-        raises) and a renewal still running is discarded. Every server context it is
-        attached to is detached from it and moved to a fresh context presenting what the
-        other handles attached there present; a context no other handle is attached to
-        presents its own throwaway placeholder from then on (see :meth:`attach`).
+        raises) and a renewal still running is discarded: its key is wiped; its restore
+        hook, running or still to run in a restore/resume under way, ends without
+        failing (nothing to renew: one INFO line), as does a file re-read under way.
+        Every server context it is attached to is detached from it and moved to a fresh
+        context presenting what the other handles attached there present; a context no
+        other handle is attached to presents its own throwaway placeholder from then on
+        (see :meth:`attach`).
         Mutual-TLS client contexts it made get a placeholder of each key type they held."""
         self._manager.remove(self)
         with self._lock:
@@ -1846,25 +1867,17 @@ class FileCertificate(ManagedCertificate):
         :meth:`~ManagedCertificate.subscribe`), and count as a recovery of the restore
         hook when none fails (one that failed for another reason too: the files now hold
         what is in use). Does nothing between the before-snapshot pass and the next
-        restore/resume (the restore re-reads the files).
+        restore/resume (the restore re-reads the files), nor once :meth:`close` began
+        to take effect (one INFO line when it did so during the re-read).
         """
         with self._renew_lock:  # read, validate and apply as one step (watcher vs restore)
-            if self._manager.frozen:
+            if self._manager.frozen or self._closed:
                 return False
             epoch = self._manager.epoch
             try:
                 new = self.produce()
             except Exception as exc:
-                msg = str(exc) if isinstance(exc, CertificateError) else (
-                    f"{type(exc).__name__}: {exc}")
-                self.last_error = msg
-                if msg != self._logged_error:
-                    self._logged_error = msg
-                    prev = self._material
-                    log.warning("tls: certificate %s: rejected new files (%s); keeping %s",
-                                self.name, msg,
-                                f"serial {prev.serial:x}" if prev and not self.key_dropped
-                                else "no certificate (placeholder)")
+                self._rejected(exc)
                 return False
             self._logged_error = None
             if self._unchanged(new):
@@ -1878,24 +1891,53 @@ class FileCertificate(ManagedCertificate):
             try:
                 self.apply(new, epoch=epoch)
             except CertificateError as exc:
-                if exc._in_use:  # applied: only a listener failed to take it
-                    log.warning("tls: certificate %s reloaded from files (serial %x) but: %s",
-                                self.name, new.serial,
-                                str(self.last_error).removeprefix("renewed but: "))
-                    return True
-                self.last_error = str(exc)
-                log.warning("tls: %s; keeping %s", exc, f"serial {self._material.serial:x}"
-                            if self._material is not None and not self.key_dropped
-                            else "no certificate (placeholder)")
-                return False
+                return self._not_applied(exc, new)
             log.info("tls: certificate %s reloaded from files (serial %x)", self.name,
                      new.serial)
             return True
 
+    def _rejected(self, exc: Exception) -> None:
+        """:meth:`reload_if_changed` could not read the files: say so (once per error)."""
+        if self._closed:  # closed meanwhile (its password wiped): nothing was rejected
+            log.info("tls: certificate %s was closed: not reloaded", self.name)
+            return
+        msg = str(exc) if isinstance(exc, CertificateError) else (
+            f"{type(exc).__name__}: {exc}")
+        self.last_error = msg
+        if msg != self._logged_error:
+            self._logged_error = msg
+            prev = self._material
+            log.warning("tls: certificate %s: rejected new files (%s); keeping %s",
+                        self.name, msg,
+                        f"serial {prev.serial:x}" if prev and not self.key_dropped
+                        else "no certificate (placeholder)")
+
+    def _not_applied(self, exc: CertificateError, new: Material) -> bool:
+        """:meth:`reload_if_changed`'s apply() raised: say so; True when ``new`` was
+        applied all the same (only a listener failed to take it)."""
+        if self._closed:  # closed while the files were read: apply() wiped the key
+            log.info("tls: certificate %s was closed: not reloaded", self.name)
+            return False
+        if exc._in_use:
+            log.warning("tls: certificate %s reloaded from files (serial %x) but: %s",
+                        self.name, new.serial,
+                        str(self.last_error).removeprefix("renewed but: "))
+            return True
+        self.last_error = str(exc)
+        log.warning("tls: %s; keeping %s", exc, f"serial {self._material.serial:x}"
+                    if self._material is not None and not self.key_dropped
+                    else "no certificate (placeholder)")
+        return False
+
     def close(self) -> None:
         self.stop_watching()
-        self._wipe_password()
-        super().close()
+        try:
+            super().close()
+        finally:
+            # After the closed flag: a restore hook's produce() that then fails for want
+            # of the password finds the handle closed (nothing failed), not a failed
+            # renewal.
+            self._wipe_password()
 
     def _discard(self) -> None:
         super()._discard()

@@ -2055,6 +2055,77 @@ def test_an_add_of_a_name_being_closed_makes_a_new_handle(rehydrate_engine, monk
     assert again.key_dropped
 
 
+def test_an_encrypted_file_certificate_closed_during_its_restore_hook_leaves_the_run_ok(
+        rehydrate_engine, monkeypatch, tmp_path):
+    """close() of a file certificate wiped its key password before marking it closed: a
+    restore hook reading the key file in that moment failed for want of the password,
+    the handle not closed yet — a failed run, and the handle's certificate replaced by
+    a placeholder. The password is now wiped once the handle is closed."""
+    ca = CA()
+    c, k, leaf = _encrypted_leaf(ca, b"pw")
+    _write_pair(tmp_path, c, k)
+    cert = tls.from_files("enc", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=b"pw", watch=False, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    [hook] = cert._hooks
+    reading, read = _blocking(monkeypatch, tls.FileCertificate, "produce")
+    closing, closed = _blocking(monkeypatch, rehydrate_engine.builtins, "unregister",
+                                lambda h: h is hook)
+    report: list[object] = []
+    restorer = threading.Thread(
+        target=lambda: report.append(rehydrate_engine.simulate_restore()), daemon=True)
+    closer = threading.Thread(target=cert.close, daemon=True)
+    restorer.start()
+    try:
+        assert reading.wait(10)  # the hook is about to read the key file
+        closer.start()
+        assert closing.wait(10)  # close() is under way, its hook being unregistered
+        read.set()
+        restorer.join(30)
+    finally:
+        read.set()
+        closed.set()
+        restorer.join(30)
+        closer.join(10)
+    assert not closer.is_alive() and not restorer.is_alive()
+    assert report[0].ok, report[0].failed  # type: ignore[attr-defined]
+    assert rehydrate_engine.status().state == "ready"
+    assert cert.certificate.serial_number == leaf.serial_number
+    with pytest.raises(CertificateError, match="is closed: its private key was wiped"):
+        _ = cert.private_key
+    assert cert._password is not None and cert._password.spent
+
+
+@pytest.mark.parametrize("password", [None, b"pw"])
+def test_a_file_reload_outlived_by_close_is_dropped_quietly(rehydrate_engine, monkeypatch,
+                                                            tmp_path, caplog, password):
+    """The watcher's re-read of a handle closed meanwhile: apply() refused (and wiped) the
+    key — or, the key encrypted, the read failed for the password close() wiped — and
+    the watcher logged a warning and set ``last_error`` as for rejected files. Nothing
+    went wrong: it is one INFO line."""
+    c, k, _ = _encrypted_leaf(CA(), password) if password else CA().leaf()
+    _write_pair(tmp_path, c, k)
+    cert = tls.from_files("web", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          password=password, watch=False, engine=rehydrate_engine)
+    reading, read = _blocking(monkeypatch, tls.FileCertificate, "produce")
+    result: list[bool] = []
+    reloader = threading.Thread(target=lambda: result.append(cert.reload_if_changed()),
+                                daemon=True)
+    caplog.clear()  # a plain password is warned about when the handle is made
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    reloader.start()
+    try:
+        assert reading.wait(10)
+        cert.close()
+    finally:
+        read.set()
+        reloader.join(10)
+    assert result == [False]
+    assert cert.last_error is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "certificate web was closed: not reloaded" in caplog.text
+
+
 def test_an_issuer_adding_its_own_certificate_again_is_an_error_not_a_hang(rehydrate_engine):
     """A name is added by one thread at a time; the thread adding it would wait for
     itself. It is one clear error instead."""

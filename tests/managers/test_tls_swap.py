@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
-from rehydrate import tls
+from rehydrate import Phase, tls
 
 CHILD = Path(__file__).resolve().parent.parent / "tls_swap_child.py"
 
@@ -468,6 +468,65 @@ def test_a_context_only_a_closed_certificate_served_presents_its_placeholder(
     again.attach(ctx)
     assert handshake(srv.port, client_ctx())[0].serial_number == again.serial
     del client
+
+
+@pytest.mark.parametrize("when", ["running", "queued"])
+def test_a_certificate_closed_while_its_restore_hook_runs_leaves_the_run_ok(
+        rehydrate_engine, servers, monkeypatch, when):
+    """close() during a restore run that had this handle's hook running (an issuer slow
+    to answer) or queued: apply() refused the renewed key, which the hook took for a
+    failed renewal — the run failed, the engine stayed degraded (the hook gone, nothing
+    to mend it) and the handle's certificate became unreadable (a placeholder put in
+    its place). A closed handle has nothing to renew: the hook returns quietly."""
+    cert = tls.self_signed("web", engine=rehydrate_engine)
+    srv = servers(cert.server_context())
+    assert handshake(srv.port, client_ctx())[0].serial_number == cert.serial
+    closed_serial = cert.serial
+    assert rehydrate_engine.simulate_snapshot().ok
+    waiting, go = threading.Event(), threading.Event()
+    made: list[tls.Material] = []
+    produce = tls.SelfSignedCertificate.produce
+
+    def slow_produce(self: tls.SelfSignedCertificate) -> tls.Material:
+        if when == "running":
+            waiting.set()
+            assert go.wait(10)
+        made.append(produce(self))
+        return made[-1]
+
+    monkeypatch.setattr(tls.SelfSignedCertificate, "produce", slow_produce)
+    if when == "queued":  # a hook run before the certificate's own (order 100)
+        def before() -> None:
+            waiting.set()
+            assert go.wait(10)
+
+        rehydrate_engine.registry.after_restore(phase=Phase.SECRETS, order=99,
+                                                name="test.before-web")(before)
+    report: list[object] = []
+    restorer = threading.Thread(
+        target=lambda: report.append(rehydrate_engine.simulate_restore()), daemon=True)
+    restorer.start()
+    try:
+        assert waiting.wait(10)
+        cert.close()
+    finally:
+        go.set()
+        restorer.join(30)
+    assert not restorer.is_alive()
+    assert report[0].ok, report[0].failed  # type: ignore[attr-defined]
+    assert rehydrate_engine.status().state == "ready"
+    assert cert.serial == closed_serial and cert.last_error is None
+    assert cert.certificate.serial_number == closed_serial
+    with pytest.raises(tls.CertificateError, match="is closed: its private key was wiped"):
+        _ = cert.private_key
+    if when == "running":  # the key made while it was closed is wiped, never served
+        assert len(made) == 1 and made[0].key_buffer is not None
+        assert not any(made[0].key_buffer)
+    else:
+        assert made == []  # not even made
+    served, answer = handshake(srv.port, client_ctx())
+    assert "placeholder" in served.subject.rfc4514_string() and answer == b"ok"
+    assert not made or served.serial_number != made[0].serial
 
 
 def test_closed_certificates_do_not_pile_up_in_a_shared_context(rehydrate_engine):
