@@ -174,19 +174,28 @@ def short_sock():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _doctor_answered(answer: bytes, short_sock: str, capsys: pytest.CaptureFixture[str],
+                     *commands: list[str]) -> tuple[list[int], str, str]:
+    """Each doctor command line against a control socket that answers ``answer`` once per
+    connection: their exit codes, then what they printed (out, err)."""
+    from one_answer import OneAnswer
+
+    server = OneAnswer(short_sock, answer)
+    try:
+        codes = [cli.main([*args, "--socket", short_sock]) for args in commands]
+    finally:
+        server.close()
+    out, err = capsys.readouterr()
+    return codes, out, err
+
+
 @pytest.mark.parametrize("option", ["--connections", "--files"])
 @pytest.mark.parametrize("pid", ['"self"', '"1/../../tmp"', "0", "true", "1.5", "[1]"])
 def test_doctor_refuses_a_socket_pid_that_is_not_one(option, pid, short_sock, capsys):
     """The pid of the status reply was used as it came: "self" made doctor inspect the
     command itself, "1/../../tmp" a path under /proc, both reported as the process."""
-    from one_answer import OneAnswer
-
-    server = OneAnswer(short_sock, b'{"ok": true, "pid": %s, "status": {}}\n' % pid.encode())
-    try:
-        code = cli.main(["doctor", option, "--socket", short_sock])
-    finally:
-        server.close()
-    out, err = capsys.readouterr()
+    answer = b'{"ok": true, "pid": %s, "status": {}}\n' % pid.encode()
+    [code], out, err = _doctor_answered(answer, short_sock, capsys, ["doctor", option])
     assert code == 1 and out == ""
     assert err.startswith(f"rehydrate: doctor {option}: no rehydrate process answers on the "
                           "control socket (its status reply names no process ID: pid ")
@@ -208,15 +217,8 @@ def test_doctor_reads_a_status_of_another_shape_without_a_traceback(
         option, status, short_sock, capsys):
     """A status reply of another shape (another rehydrate version, garbage) ended doctor
     --files / --connections with a traceback ('str' object has no attribute 'get')."""
-    from one_answer import OneAnswer
-
     answer = b'{"ok": true, "pid": %d, "status": %s}\n' % (os.getpid(), status.encode())
-    server = OneAnswer(short_sock, answer)
-    try:
-        code = cli.main(["doctor", option, "--socket", short_sock])
-    finally:
-        server.close()
-    out, err = capsys.readouterr()
+    [code], out, err = _doctor_answered(answer, short_sock, capsys, ["doctor", option])
     if status.startswith("{"):  # read as far as it goes: no managed handle is known
         assert code == 0 and err == "" and f"process {os.getpid()}" in out
     else:
@@ -232,15 +234,8 @@ FORGED_SHOWN = "no\\x1b[2J\\x1b]0;owned\\x07\\nrehydrate: forged line"
 def test_doctor_escapes_the_control_sockets_error(option, short_sock, capsys):
     """The error a control socket answers goes out on one line, its terminal escapes and
     newline shown escaped."""
-    from one_answer import OneAnswer
-
     answer = json.dumps({"ok": False, "error": FORGED}).encode() + b"\n"
-    server = OneAnswer(short_sock, answer)
-    try:
-        code = cli.main(["doctor", option, "--socket", short_sock])
-    finally:
-        server.close()
-    out, err = capsys.readouterr()
+    [code], out, err = _doctor_answered(answer, short_sock, capsys, ["doctor", option])
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and "\x1b" not in err and "\x07" not in err
     assert f"control socket ({FORGED_SHOWN})" in err
@@ -250,8 +245,6 @@ def test_doctor_files_escapes_the_error_of_its_report(short_sock, monkeypatch, c
     """``doctor --files``'s own error (listing the descriptors of the process behind the
     control socket failed) was printed as the exception said it: a newline there forged a
     second line, a terminal escape reached the terminal."""
-    from one_answer import OneAnswer
-
     from rehydrate import files
 
     def failing(pid, **kwargs):
@@ -259,13 +252,8 @@ def test_doctor_files_escapes_the_error_of_its_report(short_sock, monkeypatch, c
 
     monkeypatch.setattr(files, "open_files", failing)
     answer = b'{"ok": true, "pid": %d, "status": {}}\n' % os.getpid()
-    server = OneAnswer(short_sock, answer)
-    try:
-        code = cli.main(["doctor", "--files", "--socket", short_sock])
-        json_code = cli.main(["doctor", "--files", "--socket", short_sock, "--json"])
-    finally:
-        server.close()
-    out, err = capsys.readouterr()
+    [code, json_code], out, err = _doctor_answered(
+        answer, short_sock, capsys, ["doctor", "--files"], ["doctor", "--files", "--json"])
     assert code == json_code == 1
     line = (f"rehydrate: doctor --files: cannot list the descriptors of process "
             f"{os.getpid()}: {FORGED_SHOWN}\n")
