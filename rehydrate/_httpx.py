@@ -24,9 +24,9 @@ import httpx
 
 from ._loop_roles import is_blocked, is_private
 from ._loops import LoopClosed, LoopStopped, run_quietly
-from ._redact import redact
+from ._redact import describe_scrubbed
 from ._threads import fresh_lock_after_fork
-from ._urls import scrub_urls, without_credentials
+from ._urls import without_credentials
 
 _LOOP_CLOSED = ("the event loop its requests ran on is closed: its pooled connections cannot be "
                 "closed")
@@ -146,8 +146,7 @@ class ReconnectingTransport(httpx.BaseTransport):
         except Exception as exc:  # closing sockets the platform already cut
             # scrubbed as every other connection message: a transport's error may quote
             # the URL it was closing, user:password@ and ?api_key= included
-            log.debug("closing the previous httpx pool: %s: %s", type(exc).__name__,
-                      " ".join(scrub_urls(redact(str(exc))).split()))
+            log.debug("closing the previous httpx pool: %s", describe_scrubbed(exc))
         for proxy in self.proxies:
             proxy.reset()
 
@@ -563,9 +562,13 @@ def make_async_client(
     transport = AsyncReconnectingTransport(**transport_kwargs)
     transport.proxies = _env_mounts(client_kwargs, transport._kwargs,
                                     AsyncReconnectingTransport)
-    hooks = dict(client_kwargs.get("event_hooks") or {})
-    hooks["request"] = [transport.saw_request, *hooks.get("request", [])]
-    client_kwargs["event_hooks"] = hooks
+    if client_kwargs.get("mounts"):
+        # Requests through the caller's mounts never reach this transport: only a hook
+        # tells which loop they run on. Without mounts the transport records it itself,
+        # and the application's requests are spared an awaited hook each.
+        hooks = dict(client_kwargs.get("event_hooks") or {})
+        hooks["request"] = [transport.saw_request, *hooks.get("request", [])]
+        client_kwargs["event_hooks"] = hooks
     client = httpx.AsyncClient(transport=transport, **client_kwargs)
     transport.client = client
     return client, transport

@@ -25,6 +25,7 @@ from typing import Any
 
 from ._context import RedactedError
 from ._threads import fresh_lock_after_fork
+from ._urls import scrub_urls
 
 __all__ = ["MIN_REDACTED_LENGTH", "add_redactor", "redact", "redact_error", "value_forms"]
 
@@ -457,3 +458,15 @@ def replace_forms(text: str, named: Iterable[tuple[str, str]]) -> str:
         if form in text:
             text = text.replace(form, f"[redacted secret {name!r}]")
     return text
+
+
+def describe_scrubbed(exc: BaseException) -> str:
+    """``"Type: message"`` on one line, without the value of any managed secret the message
+    quotes (a header of a health check), nor the user info and query strings of the URLs it
+    quotes (a password, an ``api_key=``): how a connection's error is shown."""
+    text = " ".join(scrub_urls(redact(str(exc))).split())
+    if text.endswith("attached to a different loop"):
+        # "Task <Task pending name=... coro=<...> cb=[...]> got Future <...> attached to a
+        # different loop": hundreds of characters saying one thing
+        text = "a future of another event loop was awaited (attached to a different loop)"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -57,10 +57,10 @@ from ._context import RestoreContext
 from ._hooks import Phase
 from ._loop_roles import is_blocked
 from ._loops import LoopClosed, LoopStopped, run_quietly
-from ._redact import redact
+from ._redact import describe_scrubbed
 from ._runner import _submit
 from ._threads import fresh_lock_after_fork
-from ._urls import scrub_urls, without_credentials
+from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
 
 if TYPE_CHECKING:
@@ -145,17 +145,9 @@ def _is_async(fn: Callable[..., Any] | None) -> bool:
     )
 
 
-def _describe(exc: BaseException) -> str:
-    """``"Type: message"`` on one line: how a connection's error is shown (its
-    ``last_error`` in ``status()``, log lines, the restore's failure), without the value of
-    any managed secret (a header of its health check) the message quotes, nor the user
-    info and query strings of the URLs it quotes (a password, an ``api_key=``)."""
-    text = " ".join(scrub_urls(redact(str(exc))).split())
-    if text.endswith("attached to a different loop"):
-        # "Task <Task pending name=... coro=<...> cb=[...]> got Future <...> attached to a
-        # different loop": hundreds of characters saying one thing
-        text = "a future of another event loop was awaited (attached to a different loop)"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+_describe = describe_scrubbed
+"""``"Type: message"`` on one line: how a connection's error is shown (its ``last_error``
+in ``status()``, log lines, the restore's failure); see :func:`describe_scrubbed`."""
 
 
 def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_MAX) -> float:

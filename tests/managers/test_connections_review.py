@@ -243,23 +243,29 @@ def test_async_httpx_mount_check_leaves_no_connection_of_rehydrates_loop(
 
 async def test_httpx_async_client_keeps_the_callers_event_hooks(rehydrate_engine,
                                                                 http_srv):
-    """The helper's request hook (which loop the requests run on) runs before the
-    caller's own, which still all run."""
-    seen: list[str] = []
+    """With mounts= the helper's request hook (which loop the requests run on: the
+    mounts' requests never reach its transport) runs before the caller's own, which still
+    all run; without mounts there is no such hook (the transport records the loop)."""
+    import httpx
 
-    async def on_request(request):  # type: ignore[no-untyped-def]
-        seen.append(f"request {request.url.path}")
+    for name, extra, hooks in (("api", {}, 1),
+                               ("mounted", {"mounts": {"all://": httpx.AsyncHTTPTransport()}},
+                                2)):
+        seen: list[str] = []
 
-    async def on_response(response):  # type: ignore[no-untyped-def]
-        seen.append(f"response {response.status_code}")
+        async def on_request(request, seen=seen):  # type: ignore[no-untyped-def]
+            seen.append(f"request {request.url.path}")
 
-    client = connections.httpx_async_client(
-        "api", base_url=http_srv.url, engine=rehydrate_engine,
-        event_hooks={"request": [on_request], "response": [on_response]})
-    assert (await client.get("/x")).text == "/x"
-    assert seen == ["request /x", "response 200"]
-    assert len(client.event_hooks["request"]) == 2
-    await client.aclose()
+        async def on_response(response, seen=seen):  # type: ignore[no-untyped-def]
+            seen.append(f"response {response.status_code}")
+
+        client = connections.httpx_async_client(
+            name, base_url=http_srv.url, engine=rehydrate_engine,
+            event_hooks={"request": [on_request], "response": [on_response]}, **extra)
+        assert (await client.get("/x")).text == "/x"
+        assert seen == ["request /x", "response 200"]
+        assert len(client.event_hooks["request"]) == hooks, name
+        await client.aclose()
 
 
 class _EgressProxy:
