@@ -385,18 +385,11 @@ def _session_cache_off(ctx: ssl.SSLContext) -> bool:
     is not possible here. Python's ``ssl`` has no API for it, so it goes through ctypes:
     the ``SSL_CTX*`` is the first field after the object header of CPython's
     ``SSLContext``, checked against the context's options before anything is changed."""
-    import _ssl
-
+    ptr = _ssl_ctx_ptr(ctx)
     fns = _libssl()
-    # anything but a real SSLContext (a stand-in object) has no SSL_CTX* to read
-    if fns is None or not isinstance(ctx, _ssl._SSLContext):
+    if ptr is None or fns is None:
         return False
-    import ctypes
-
-    get_options, ctrl, flush = fns
-    ptr = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
-    if not ptr or get_options(ptr) != int(ctx.options):
-        return False
+    _get_options, ctrl, flush = fns
     ctrl(ptr, _SSL_CTRL_SET_SESS_CACHE_MODE, _SSL_SESS_CACHE_OFF, None)
     # the mode only stops new entries; lookups still find old ones: remove them all
     # (time 0 = every session; OpenSSL wipes their master secrets as it frees them)
@@ -449,6 +442,7 @@ def _ssl_ctx_ptr(ctx: ssl.SSLContext) -> int | None:
     import _ssl
 
     fns = _libssl()
+    # anything but a real SSLContext (a stand-in object) has no SSL_CTX* to read
     if fns is None or not isinstance(ctx, _ssl._SSLContext):
         return None
     import ctypes
@@ -560,6 +554,8 @@ _SWAP_LOCK = threading.RLock()
 """Held while a :class:`_Swap`'s context is built and replaced: the handles attached to
 one context renew independently, and a build must not replace one that has newer
 material of another handle."""
+# a fork() while a parent thread builds a fresh context must not leave the child without it
+fresh_lock_after_fork(sys.modules[__name__], "_SWAP_LOCK")
 _SWAPS: weakref.WeakKeyDictionary[ssl.SSLContext, _Swap] = weakref.WeakKeyDictionary()
 """Swaps of contexts that take no attribute (not an ``ssl.SSLContext`` subclass)."""
 
@@ -2186,9 +2182,6 @@ def _after_fork_in_child() -> None:
         if held_by_another_thread(cert._renew_lock):
             cert._renew_lock = threading.RLock()
             cert.last_error = "a renewal running at fork() was abandoned in this process"
-    global _SWAP_LOCK
-    if held_by_another_thread(_SWAP_LOCK):  # a parent thread building a fresh context
-        _SWAP_LOCK = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
