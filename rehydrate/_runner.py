@@ -60,7 +60,6 @@ BACKOFF_BASE = 0.05
 BACKOFF_MAX = 5.0
 
 
-
 class HookCall:
     """One call of a hook function: ``running`` until it returns. What it starts with its
     context (an ``asyncio`` task, a thread given ``copy_context()``) holds the same object,
