@@ -117,14 +117,14 @@ class _Filter(asyncio.DatagramProtocol):
         endpoint = self.endpoint
         # The stable transport sends through the new socket from here on, before the game
         # hears of it (it may send from connection_made itself).
-        endpoint.transport = transport
+        endpoint._attach(transport)
         # What the game set on the transport it holds applies to every socket behind it;
         # here asyncio has not started reading the new one yet.
-        flow = _flow(transport)
+        flow = endpoint._flow
         if flow is not None:
             low, high = endpoint._write_limits
             flow.set_write_buffer_limits(high=high, low=low)
-        reader = _pausable(transport)
+        reader = endpoint._reader
         if reader is not None and not endpoint._reading:
             reader.pause_reading()
         if endpoint._writing_paused:
@@ -134,19 +134,20 @@ class _Filter(asyncio.DatagramProtocol):
         endpoint.protocol.connection_made(endpoint._stable)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
+        endpoint = self.endpoint
         if data.startswith(_PROBE):
-            waiter = self.endpoint._probes.get(data)
+            waiter = endpoint._probes.get(data)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             return
-        if self.transport is self.endpoint.transport:
-            self.endpoint._received += 1  # the socket being checked reads: see check()
+        if self.transport is endpoint.transport:
+            endpoint._received += 1  # the socket being checked reads: see check()
         # Read by a check (or a socket that cannot pause): the game gets it on resume.
         # While older ones are kept, it waits behind them, resumed or not.
-        if not self.endpoint._reading or self.endpoint._held:
-            self.endpoint._hold(data, addr)
+        if not endpoint._reading or endpoint._held:
+            endpoint._hold(data, addr)
             return
-        self.endpoint.protocol.datagram_received(data, addr)
+        endpoint.protocol.datagram_received(data, addr)
 
     def error_received(self, exc: Exception) -> None:
         self.endpoint.protocol.error_received(exc)
@@ -224,7 +225,7 @@ class _StableTransport(asyncio.DatagramTransport):
     # Flow control: the state is the endpoint's, applied to every socket bound for it.
 
     def get_write_buffer_size(self) -> int:
-        flow = _flow(self._endpoint.transport)
+        flow = self._endpoint._flow
         return 0 if flow is None else flow.get_write_buffer_size()
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
@@ -233,8 +234,8 @@ class _StableTransport(asyncio.DatagramTransport):
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         limits = _write_limits(high, low)
         self._endpoint._write_limits = limits
-        flow = _flow(self._current())
-        if flow is not None:
+        flow = self._endpoint._flow
+        if flow is not None and self._current() is not None:
             flow.set_write_buffer_limits(high=limits[1], low=limits[0])
 
     def is_reading(self) -> bool:
@@ -244,9 +245,10 @@ class _StableTransport(asyncio.DatagramTransport):
         endpoint = self._endpoint
         if not endpoint._reading:
             return
-        flow = _pausable(self._current())
-        if flow is not None and not endpoint._checking:  # a check reads until it ends
-            flow.pause_reading()
+        reader = endpoint._reader
+        if (reader is not None and self._current() is not None
+                and not endpoint._checking):  # a check reads until it ends
+            reader.pause_reading()
         endpoint._reading = False
 
     def resume_reading(self) -> None:
@@ -292,6 +294,11 @@ class UdpEndpoint:
         self.transport: asyncio.DatagramTransport | None = None
         """The current socket's asyncio transport (replaced by a re-bind): send through
         the one :meth:`start` returns instead."""
+        self._flow: _FlowControl | None = None
+        self._reader: _FlowControl | None = None
+        """``transport``'s flow control, and whether it can really pause reading, decided
+        once per socket by :meth:`_attach`: a runtime Protocol's ``isinstance`` looks up
+        every method on each call, and they were asked at every pause, resume and check."""
         self._stable = _StableTransport(self)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._probes: dict[bytes, asyncio.Future[None]] = {}
@@ -340,8 +347,15 @@ class UdpEndpoint:
             raise
         return transport
 
+    def _attach(self, transport: asyncio.DatagramTransport) -> None:
+        """Make ``transport`` the current socket's (``self.transport`` is set here only)."""
+        self.transport = transport
+        self._flow = _flow(transport)
+        self._reader = _pausable(transport)
+
     def _bound(self, transport: asyncio.DatagramTransport) -> None:
-        self.transport, self.loop = transport, asyncio.get_running_loop()
+        self._attach(transport)
+        self.loop = asyncio.get_running_loop()
         if not callable(self._local_addr):
             # port 0 meant "any": bind again where the clients already send. The whole
             # name: (host, port) alone lost a link-local address's scope id (EINVAL).
@@ -451,10 +465,10 @@ class UdpEndpoint:
             # registered first: a resume_reading() that raised left the count raised,
             # and pause_reading() never paused the socket again
             self._checking += 1
-            stack.callback(self._checked, transport)
-            flow = _pausable(transport)
-            if flow is not None:
-                flow.resume_reading()
+            reader = self._reader  # transport's: no await since it was read
+            stack.callback(self._checked, reader)
+            if reader is not None:
+                reader.resume_reading()
             probes = []
             for fam, dest in targets:
                 try:
@@ -492,11 +506,12 @@ class UdpEndpoint:
                     self._probes.pop(nonce, None)
         return False  # pragma: no cover - the loop above returns
 
-    def _checked(self, transport: asyncio.DatagramTransport) -> None:
+    def _checked(self, reader: _FlowControl | None) -> None:
+        """A check of the socket ``reader`` reads has ended (that socket may have been
+        replaced since)."""
         self._checking -= 1
-        flow = _pausable(transport)
-        if flow is not None and not self._reading and not self._checking:
-            flow.pause_reading()
+        if reader is not None and not self._reading and not self._checking:
+            reader.pause_reading()
 
     def _hold(self, data: bytes, addr: Any) -> None:
         cost = len(data) + _HELD_OVERHEAD
@@ -525,9 +540,9 @@ class UdpEndpoint:
             self._resume_socket()
 
     def _resume_socket(self) -> None:
-        flow = _pausable(self.transport)
-        if flow is not None and not self._closed:
-            flow.resume_reading()
+        reader = self._reader
+        if reader is not None and not self._closed:
+            reader.resume_reading()
 
     @staticmethod
     def _dual_stack(transport: asyncio.DatagramTransport) -> bool:

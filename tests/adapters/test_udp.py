@@ -48,6 +48,10 @@ class Game(asyncio.DatagramProtocol):
         self.lost += 1
 
 
+_SOCKET_TYPE = asyncio.selector_events._SelectorDatagramTransport
+"""The type of the asyncio transport of an endpoint's socket (on the tests' loop)."""
+
+
 def _fail_first_check(ep: UdpEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """The socket still holds its port but is judged dead once (what the hook is for)."""
     real = ep.check
@@ -525,11 +529,13 @@ async def test_a_transport_that_cannot_pause_reading_is_read_and_kept_for_the_ga
     from asyncio.ReadTransport, where they raise NotImplementedError: every check raised,
     the restore hook failed and the process was never ready; the game's own pause raised
     too. The endpoint keeps a paused game's datagrams itself, in order, across a re-bind."""
+    # As on Python 3.10 (is_reading() kept: Python 3.11's own reader calls it), before the
+    # socket is bound: the endpoint asks a socket once whether it can pause.
+    for name in ("pause_reading", "resume_reading"):
+        monkeypatch.setattr(_SOCKET_TYPE, name, getattr(asyncio.ReadTransport, name))
     async with _started(rehydrate_engine, "py310") as (ep, transport):
         game = ep.protocol
-        # as on Python 3.10 (is_reading() kept: Python 3.11's own reader calls it)
-        for name in ("pause_reading", "resume_reading"):
-            monkeypatch.setattr(type(ep.transport), name, getattr(asyncio.ReadTransport, name))
+        assert type(ep.transport) is _SOCKET_TYPE
         with pytest.raises(NotImplementedError):
             ep.transport.pause_reading()
         assert await ep.check()
@@ -636,15 +642,16 @@ async def test_a_failing_pause_or_resume_leaves_the_endpoint_as_it_was(rehydrate
     """A transport's pause_reading() that raised left the game marked paused, its socket
     read; a resume_reading() raising in a check left the check counted for ever, so the
     game's pause_reading() never paused the socket again."""
+    socket_type = _SOCKET_TYPE
+    if socket_type.pause_reading is asyncio.ReadTransport.pause_reading:
+        # Python 3.10's cannot pause reading at all: give it the flow control of 3.11's,
+        # before the socket is bound (the endpoint asks a socket once whether it can pause)
+        paused: set[int] = set()
+        monkeypatch.setattr(socket_type, "pause_reading", lambda self: paused.add(id(self)))
+        monkeypatch.setattr(socket_type, "resume_reading", lambda self: paused.discard(id(self)))
+        monkeypatch.setattr(socket_type, "is_reading", lambda self: id(self) not in paused)
     async with _started(rehydrate_engine, "raising") as (ep, transport):
-        socket_type = type(ep.transport)
-        if _pausable(ep.transport) is None:
-            # Python 3.10's cannot pause reading at all: give it the flow control of 3.11's
-            paused: set[int] = set()
-            monkeypatch.setattr(socket_type, "pause_reading", lambda self: paused.add(id(self)))
-            monkeypatch.setattr(socket_type, "resume_reading",
-                                lambda self: paused.discard(id(self)))
-            monkeypatch.setattr(socket_type, "is_reading", lambda self: id(self) not in paused)
+        assert type(ep.transport) is socket_type and _pausable(ep.transport) is not None
         real_pause, real_resume = socket_type.pause_reading, socket_type.resume_reading
 
         def broken(self):
