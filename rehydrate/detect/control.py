@@ -697,13 +697,16 @@ class ControlServer:
         the notice's run and at most :data:`NOTICE_REPLY_TIMEOUT` more for its reply;
         nothing else the connection sent is served (it went on serving every pipelined
         request there — a ``prepare-snapshot`` ran its hooks — and a client that did not
-        read its replies held the accept thread ~10 s)."""
-        count = self._submit_failures.due()
-        if count:
-            log.error("control socket: no thread to serve a client (%s); its resume or "
-                      "restore notice is served on the accept thread%s",
-                      describe_error(exc), _times(count))
-        try:
+        read its replies held the accept thread ~10 s). Once stop() began it is closed
+        unanswered, as a connection served on a thread of its own is."""
+        with self._closing(conn):
+            if self._stopping:
+                return
+            count = self._submit_failures.due()
+            if count:
+                log.error("control socket: no thread to serve a client (%s); its resume or "
+                          "restore notice is served on the accept thread%s",
+                          describe_error(exc), _times(count))
             with self._lock:
                 state = self._conns.get(conn)
             conn.settimeout(NOTICE_REPLY_TIMEOUT)
@@ -717,14 +720,6 @@ class ControlServer:
                 # connection (ECONNRESET) where the client is to see its end.
                 while conn.recv(65536, socket.MSG_DONTWAIT):
                     pass
-        except OSError as exc2:
-            log.info("control client connection ended: %s", exc2.strerror or exc2)
-        except Exception:  # pragma: no cover - a bug must not kill the accept thread
-            log.exception("control client handler failed")
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
 
     def _refuse_unserved(self, conn: socket.socket, exc: Exception) -> None:
         with self._lock:
@@ -764,10 +759,17 @@ class ControlServer:
                 state[0] = float("inf") if running else time.monotonic()
 
     def _serve(self, conn: socket.socket) -> None:
-        try:
+        with self._closing(conn):
             self._serve_conn(conn)
+
+    @contextlib.contextmanager
+    def _closing(self, conn: socket.socket) -> Iterator[None]:
+        """Serve ``conn`` in the ``with`` block, then close it: its errors end the
+        connection, never the thread serving it."""
+        try:
+            yield
         except OSError as exc:
-            if not self._stopping:
+            if not self._stopping:  # else stop() shut it down
                 log.info("control client connection ended: %s", exc.strerror or exc)
         except Exception:  # pragma: no cover - a bug must not kill the server
             log.exception("control client handler failed")

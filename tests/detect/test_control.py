@@ -1988,6 +1988,39 @@ def test_only_the_notice_is_served_on_the_accept_thread(
     assert server.served == 1
 
 
+def test_a_notice_read_as_stop_begins_is_not_served_on_the_accept_thread(
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection served on a thread of its own answers nothing once stop() began; the
+    resume notice the accept thread serves (no thread to serve it) ran its hooks all the
+    same, while stop() waited for that thread. It is now closed unanswered, as there."""
+    server = _no_thread_to_serve(engine, sock_path, monkeypatch)
+    calls = Calls(engine)
+    assert engine.snapshot_requested("control").ok
+    real_pending = server._notice_pending
+    stopper = threading.Thread(target=engine.stop)
+
+    def pending(conn: socket.socket) -> bytes | None:
+        notice = real_pending(conn)
+        stopper.start()  # it waits for this thread, which goes on once stop() began
+        assert select.select([server._stop_r], [], [], DEADLINE)[0]
+        return notice
+
+    monkeypatch.setattr(server, "_notice_pending", pending)
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(sock_path)
+        conn.sendall(b'{"cmd":"resume"}\n')
+        try:
+            unanswered = _read_to_end(conn) == b""
+        except ConnectionResetError:  # closed with the request unread
+            unanswered = True
+        assert unanswered
+    stopper.join(DEADLINE)
+    assert not stopper.is_alive()
+    assert [item[:2] for item in calls.items] == [("snapshot-hook", "snapshot")]
+    assert engine.status().state == "snapshotting"
+    assert server.served == 0
+
+
 def test_a_notice_client_that_does_not_read_holds_the_accept_thread_a_second(
         engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The accept thread sent the reply of the notice it served with no time limit of
