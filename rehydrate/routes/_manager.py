@@ -532,13 +532,21 @@ class RoutesManager:
         chains do not hold them in place already, planned for all of them at once
         (:class:`NftPlan`)."""
         existing: dict[str, NftTable] | None = None
+        sets = [t for t in tables if isinstance(t, NftCommands)]
+        # the tables as read since a transaction here last changed them (None: absent):
+        # each listed once while nothing here changes it (see _apply_nft)
+        seen: dict[tuple[str, str], NftTable | None] = {}
         if any(isinstance(t, NftTable) for t in tables):
             try:
-                existing = {t.label: t for t in read_tables()}
+                listing = read_tables()
             except Exception as exc:  # then applying finds out
                 log.debug("network: nftables tables not read before applying: %s",
                           _describe(exc))
-        sets = [t for t in tables if isinstance(t, NftCommands)]
+            else:
+                existing = {t.label: t for t in listing}
+                seen = {(t.family, t.name): t for t in listing}
+                seen.update((label, None) for s in sets for label in s.foreign_tables()
+                            if label not in seen)
         for t in tables:
             if not isinstance(t, NftTable):
                 continue
@@ -552,23 +560,24 @@ class RoutesManager:
                     result.tables += 1
                     result.in_force.append(f"nftables {t.label}")
                     continue
-            if self._apply_nft(t, result, create_only=t.label in captured):
+            if self._apply_nft(t, result, seen, create_only=t.label in captured):
                 failed.discard(t.label)
         # the command sets after the tables (which they may add rules to, and which
         # depend on no command set), their rules in others' chains planned for all of
         # them at once, on the chains as the tables left them
-        # (one JSON cannot write, which nftables() refuses, is left to fail alone)
+        # (one JSON cannot write is left to fail alone: nftables() refuses such a set,
+        # but add_ruleset() takes any, and the declared dicts stay the caller's to change)
         joint = [t for t in sets if _encodable(t)]
         plan: NftPlan | None = None
         if joint:
             try:
-                plan = NftPlan(joint, _foreign(*joint))
+                plan = NftPlan(joint, _foreign(seen, *joint))
             except Exception as exc:  # then each set is planned on its own
                 log.debug("network: nftables command sets not planned together: %s",
                           _describe(exc))
         for t in sets:
             i = next((n for n, x in enumerate(joint) if x is t), None)
-            self._apply_nft(t, result,
+            self._apply_nft(t, result, seen,
                             plan=(plan, i) if plan is not None and i is not None else None)
 
     def _apply_routes(self, declared: list[Route], captured: list[Route],
@@ -641,12 +650,14 @@ class RoutesManager:
         finally:
             backend.close()
 
-    def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult, *,
+    def _apply_nft(self, t: NftTable | NftCommands, result: ApplyResult,
+                   seen: dict[tuple[str, str], NftTable | None], *,
                    create_only: bool = False, plan: tuple[NftPlan, int] | None = None
                    ) -> bool:
         """Apply one nftables item: True when it is in force (or, captured, left as
-        found). ``plan``: the engine's command sets' :class:`NftPlan`, and which of
-        them ``t`` is (None: ``t`` planned on its own)."""
+        found). ``seen``: the tables read since a transaction last changed them
+        (:func:`_foreign`), kept up to date here. ``plan``: the engine's command sets'
+        :class:`NftPlan`, and which of them ``t`` is (None: ``t`` planned on its own)."""
         absent: list[str] = []
         planned: list[tuple[dict[str, Any], int | None]] = []
         handles: list[int | None] | None = None
@@ -664,7 +675,7 @@ class RoutesManager:
                 cmds = t.commands(create_only=create_only)
             else:
                 # in the try: a set that cannot be planned fails alone
-                joint, i = plan if plan is not None else (NftPlan([t], _foreign(t)), 0)
+                joint, i = plan if plan is not None else (NftPlan([t], _foreign(seen, t)), 0)
                 absent = [f"{fam} {name}" for fam, name in t.foreign_tables()
                           if joint.absent(fam, name)]
                 planned = joint.planned(i)
@@ -674,8 +685,14 @@ class RoutesManager:
                 # above these marks (never from an echo: a big set's overflows nft's
                 # socket with ENOBUFS after the kernel committed): the later sets add
                 # theirs beside them, and their listed forms are looked up by them
-                marks = rule_marks(_foreign(t))
+                marks = rule_marks(_foreign(seen, t))
             if cmds:  # else a set's rules are all in their chains already
+                # what it may change is read again, even if it fails: a table's
+                # transaction changes that table alone, a command set's any
+                if isinstance(t, NftTable):
+                    seen.pop((t.family, t.name), None)
+                else:
+                    seen.clear()
                 _nft(["-j", "-f", "-"], json.dumps({"nftables": cmds}))
         except Exception as exc:
             if create_only and isinstance(t, NftTable) and "File exists" in str(exc):
@@ -691,11 +708,12 @@ class RoutesManager:
                         f"{'them' if some else 'it'}; whatever makes "
                         f"{'them' if some else 'it'} must run before rehydrate.routes)")
             result.errors.append((what, t.required, err))
-            self._nft_in_force(labels, result, "not applied: what was there before stays")
+            self._nft_in_force(labels, result, "not applied: what was there before stays",
+                               seen)
             return False
         try:
             if isinstance(t, NftTable):
-                back = read_table(t.family, t.name)
+                back = seen[(t.family, t.name)] = read_table(t.family, t.name)
                 if back is None:
                     raise NetworkError("table missing after applying")
                 if not t.same_as(back):
@@ -703,18 +721,20 @@ class RoutesManager:
             else:
                 after = None
                 if marks is not None:
-                    after = _foreign(t)
+                    after = _foreign(seen, t)
                     handles = made_handles(planned, marks, after)
                 if joint is not None:
                     joint.done(i, planned, handles)
                 for fam, name in t.tables():
-                    if read_table(fam, name) is None:
+                    seen[(fam, name)] = read_table(fam, name)
+                    if seen[(fam, name)] is None:
                         raise NetworkError(f"table {fam} {name} missing after applying")
                 if after is not None and handles is not None:
                     _learn_listed(t, what, planned, handles, after)
         except Exception as exc:
             result.errors.append((what, t.required, _describe(exc)))
-            self._nft_in_force(labels, result, "applied, but differs from the declaration")
+            self._nft_in_force(labels, result, "applied, but differs from the declaration",
+                               seen)
             return False
         result.tables += 1
         result.in_force.extend(f"nftables {fam} {name}" for fam, name in labels)
@@ -722,16 +742,17 @@ class RoutesManager:
 
     @staticmethod
     def _nft_in_force(labels: Iterable[tuple[str, str]], result: ApplyResult,
-                      note: str) -> None:
+                      note: str, seen: dict[tuple[str, str], NftTable | None]) -> None:
         """After a failed nftables item: which of its tables are there anyway (``nft``
         applies one transaction atomically, so a table is there from before or not)."""
-        for fam, name in labels:
+        for label in labels:
             try:
-                present = read_table(fam, name) is not None
+                if label not in seen:
+                    seen[label] = read_table(*label)
             except Exception:  # noqa: S112 - reading back is best effort here
                 continue
-            if present:
-                result.in_force.append(f"nftables {fam} {name} ({note})")
+            if seen[label] is not None:
+                result.in_force.append(f"nftables {label[0]} {label[1]} ({note})")
 
 
 def _learn_listed(t: NftCommands, what: str, sent: list[tuple[dict[str, Any], int | None]],
@@ -784,16 +805,21 @@ def _encodable(cmds: NftCommands) -> bool:
     return True
 
 
-def _foreign(*sets: NftCommands) -> dict[tuple[str, str], NftTable | None]:
-    """The tables command sets add rules to without creating them, as they are now
+def _foreign(seen: dict[tuple[str, str], NftTable | None], *sets: NftCommands
+             ) -> dict[tuple[str, str], NftTable | None]:
+    """The tables command sets add rules to without creating them, as they are now:
+    from ``seen`` (read since the last transaction), else read now and noted there
     (one that cannot be read is left out: its rules are added as written)."""
     out: dict[tuple[str, str], NftTable | None] = {}
     for fam, name in dict.fromkeys(x for cmds in sets for x in cmds.foreign_tables()):
-        try:
-            out[(fam, name)] = read_table(fam, name)
-        except Exception as exc:  # then applying finds out
-            log.debug("network: nftables table %s %s not read before applying: %s",
-                      fam, name, _describe(exc))
+        if (fam, name) not in seen:
+            try:
+                seen[(fam, name)] = read_table(fam, name)
+            except Exception as exc:  # then applying finds out
+                log.debug("network: nftables table %s %s not read before applying: %s",
+                          fam, name, _describe(exc))
+                continue
+        out[(fam, name)] = seen[(fam, name)]
     return out
 
 

@@ -3026,6 +3026,68 @@ def test_a_failed_set_is_not_said_to_miss_a_table_an_earlier_set_makes(netns_pai
     assert "No such file or directory" in error and "does not exist" not in error, out
 
 
+
+NFT_LISTINGS = r"""
+import json, os, shutil, subprocess, tempfile
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+mode = os.environ["RHT_MODE"]
+real = shutil.which("nft")
+calls = os.path.join(tempfile.mkdtemp(), "calls")
+wrapper = os.path.join(os.path.dirname(calls), "nft")
+with open(wrapper, "w") as f:  # every nft rehydrate runs, logged
+    f.write(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {calls}\nexec {real} "$@"\n')
+os.chmod(wrapper, 0o755)
+os.environ["REHYDRATE_NFT"] = wrapper
+
+def nft(*args, stdin=None):
+    return subprocess.run([real, *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
+
+def port(p):
+    return {"add": {"rule": {"family": "inet", "table": "rhcnt", "chain": "in", "expr": [
+        {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+                   "right": p}}, {"accept": None}]}}}
+
+nft("-f", "-", stdin="table inet rhcnt {\n chain in {\n  type filter hook input priority 0;\n"
+    "  tcp dport 8001 accept\n }\n}\n")
+engine = isolated_engine()
+if mode != "sets":
+    routes.capture(tables=["inet rhcnt"], engine=engine)
+routes.nftables([port(7001)], engine=engine)
+routes.nftables([port(7002)], engine=engine)
+out = {"ok": [], "listings": [], "rules": []}
+for _ in range(2):
+    if mode == "recreated":  # as in a fresh namespace: the captured table made again
+        nft("delete", "table", "inet", "rhcnt")
+    open(calls, "w").close()
+    out["ok"].append(engine.simulate_restore(kind="resume").ok)
+    with open(calls) as f:
+        out["listings"].append(sum(c.startswith("-j list table ") for c in f))
+    out["rules"].append([" ".join(line.split()) for line in
+                         nft("list", "chain", "inet", "rhcnt", "in").splitlines()
+                         if "dport" in line])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(("mode", "listings"), [
+    ("sets", [3, 1]), ("captured", [2, 0]), ("recreated", [3, 3])])
+def test_a_restore_lists_a_table_again_only_after_a_transaction(netns_pair, mode, listings):
+    """The table the command sets add rules to was listed to plan them, then again just
+    before each set's transaction (for the marks of the rules it makes) and after it.
+    Now it is listed again only after a transaction: the listing after one set's serves
+    the next set, and the listing of the whole ruleset (a capture) or the read-back of
+    the captured table made again serves the plan."""
+    out = run_in_ns(netns_pair["a"], NFT_LISTINGS, env={"RHT_MODE": mode})
+    assert out["ok"] == [True, True], out
+    assert out["listings"] == listings, out
+    for rules in out["rules"]:  # the rules where they were put, each once
+        assert rules == ["tcp dport 8001 accept", "tcp dport 7001 accept",
+                         "tcp dport 7002 accept"], out
+
+
 BIG_SET = r'''
 import json, os, subprocess, sys
 from rehydrate import routes
