@@ -95,7 +95,7 @@ test: lint typecheck docs pytest ## lint, typecheck, docs and pytest
 # The documentation site (mkdocs-material; API reference by mkdocstrings from the
 # docstrings): --strict, so a broken link or reference fails `make test` too.
 docs: $(STAMP) ## the documentation site in .site/ (--strict)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP) ## benchmarks/bench_*.py, one table (not restore_vs_cold.py)
 	$(BIN)/python benchmarks/run.py

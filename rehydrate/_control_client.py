@@ -156,7 +156,8 @@ def _common(p: argparse.ArgumentParser, timeout: float | None, *,
 def _notify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=sorted(NOTIFY_CMD),
                    help=f"default: ${GVISOR_MODE}, else ${CRIU_ACTION} (pre-dump -> "
-                        "save, post-resume -> restore, others: exit 0)")
+                        "save, post-dump -> resume (not waited for), post-resume -> "
+                        "restore, others: exit 0)")
     # default None: notify() tells "not given" (save follows the process's budget) apart
     _common(p, None, help=f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}); save "
                      "without it waits longer when the process announces a longer budget "

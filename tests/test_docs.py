@@ -431,3 +431,35 @@ def test_the_save_budget_the_docs_advise_is_the_one_the_process_announces() -> N
     runsc = " ".join((ROOT / "docs" / "platforms" / "runsc.md").read_text().split())
     assert f"that is {budget:g} s (`notify save` waits {budget + BUDGET_MARGIN:g} s)" in runsc
     assert "save-restore-exec-timeout=6m" in runsc
+
+
+_CITED_TEST = re.compile(r"\b(test_\w+)(\.py\b|\*)?")
+# Named by an entry that says the test was removed: citing it is the point.
+_REMOVED_TESTS = {"test_an_ipv6_route_with_scope_0_reads_back_equal"}
+
+
+def test_every_test_the_changelog_cites_exists() -> None:
+    """An entry names the tests that pin it; a test later renamed or merged into another
+    left entries citing tests that did not exist (and describing behaviour since
+    superseded). ``test_x.py`` is a file under tests/, ``test_x_*`` a prefix, anything
+    else a test function or class defined there, or a test module."""
+    modules = {p.stem for p in (ROOT / "tests").rglob("*.py")}
+    defined = {node.name for p in (ROOT / "tests").rglob("*.py")
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    cited: dict[str, str] = {}
+    missing: dict[str, str] = {}
+    for n, line in enumerate((ROOT / "CHANGELOG.md").read_text().splitlines(), 1):
+        for name, form in _CITED_TEST.findall(line):
+            cited.setdefault(name, f"CHANGELOG.md:{n}")
+            if form == ".py":
+                found = name in modules
+            elif form == "*":
+                found = any(d.startswith(name) for d in defined)
+            else:
+                found = name in defined or name in modules or name in _REMOVED_TESTS
+            if not found:
+                missing[name + form] = f"CHANGELOG.md:{n}"
+    assert len(cited) > 100  # the finder sees the citations
+    assert missing == {}, f"cited, but no such test: {missing}"
+    assert cited.keys() >= _REMOVED_TESTS and not _REMOVED_TESTS & defined

@@ -230,6 +230,33 @@ def test_help_is_argparse_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("usage: rehydrate notify") and "--expect-uid" in out
 
 
+# What CRIU puts in $CRTOOLS_SCRIPT_ACTION (criu/action-scripts.c, action_names[])
+CRIU_ACTIONS = ["pre-dump", "post-dump", "pre-restore", "post-restore", "network-lock",
+                "network-unlock", "setup-namespaces", "post-setup-namespaces", "post-resume",
+                "pre-resume", "orphan-pts-master", "query-ext-files"]
+
+
+def test_the_help_maps_each_criu_action_as_notify_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The help said "pre-dump -> save, post-resume -> restore, others: exit 0": it left
+    out post-dump, which sends ``resume`` without waiting for the reply."""
+    from rehydrate._notify import _resolve_action
+
+    [action] = [a for a in notify_parser()._actions if a.dest == "action"]
+    said = {m[1]: m[2] for m in re.finditer(r"([a-z-]+) -> (\w+(?: \(not waited for\))?)",
+                                            action.help or "")}
+    assert action.help and action.help.endswith(", others: exit 0)")
+    monkeypatch.delenv("GVISOR_SAVE_RESTORE_AUTO_EXEC_MODE", raising=False)
+    done = {}
+    for criu in CRIU_ACTIONS:
+        monkeypatch.setenv("CRTOOLS_SCRIPT_ACTION", criu)
+        notice, problem, wait, _ = _resolve_action(None)
+        assert problem is None
+        if notice is not None:
+            done[criu] = notice + ("" if wait else " (not waited for)")
+    assert said == done
+
+
 TOKENS = ["save", "resume", "restore", "bogus", "--json", "--json=1", "--socket", "/s",
           "--socket=/t", "--timeout", "5", "--timeout=0.5", "0", "-1", "nan", "--expect-uid",
           "--expect-pid=7", "12", "--sock", "--", "-h", "=", ""]
