@@ -224,8 +224,8 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_TELEMETRY", "flag", True, "telemetry: 0/off turns spans and metrics off"),
     _V("REHYDRATE_MANIFEST", "path", None, "fingerprint: where the snapshot manifest is written and read"),  # noqa: E501
     _V("REHYDRATE_EXPECT_RESTORE", "flag", False, "fingerprint: this process should have been restored (a cold start is a snapshot miss)"),  # noqa: E501
-    _V("REHYDRATE_FINGERPRINT_ENV", "list", (), "fingerprint: environment keys whose change makes a snapshot incompatible"),  # noqa: E501
-    _V("REHYDRATE_FINGERPRINT_STRICT", "flag", False, "fingerprint: a node mismatch after restore fails readiness"),  # noqa: E501
+    _V("REHYDRATE_FINGERPRINT_ENV", "list", (), "fingerprint (only with REHYDRATE_MANIFEST or REHYDRATE_EXPECT_RESTORE): environment keys whose change makes a snapshot incompatible"),  # noqa: E501
+    _V("REHYDRATE_FINGERPRINT_STRICT", "flag", False, "fingerprint (only with REHYDRATE_MANIFEST or REHYDRATE_EXPECT_RESTORE): a node mismatch after restore fails readiness"),  # noqa: E501
     _V("REHYDRATE_GVISOR_VERSION", "text", None, "fingerprint: the node's gVisor version (gVisor does not show it inside the sandbox)"),  # noqa: E501
 )
 

@@ -754,13 +754,13 @@ class FingerprintManager:
         if not mismatches:
             return
         text = "; ".join(m.describe() for m in mismatches)
-        log.warning("restored on a node that differs from the snapshot's: %s", text)
         from . import telemetry
 
         telemetry.record_fingerprint_mismatch([m.field for m in mismatches],
                                               engine=self._engine())
-        if self.strict:
+        if self.strict:  # the engine logs the required hook's failure: its one line
             raise FingerprintMismatch(f"node differs from the snapshot manifest: {text}")
+        log.warning("restored on a node that differs from the snapshot's: %s", text)
 
     # miss detection
     def detect_miss(self) -> dict[str, Any] | None:
@@ -854,9 +854,20 @@ def install(engine: Engine) -> None:
 def engine_started(engine: Engine) -> None:
     """Start listener: environment configuration and miss detection."""
     path = _config.text("REHYDRATE_MANIFEST")
+    env_keys = _config.items("REHYDRATE_FINGERPRINT_ENV")
+    strict = _env_flag("REHYDRATE_FINGERPRINT_STRICT")
     if path or _env_flag("REHYDRATE_EXPECT_RESTORE"):
-        configure(path=path or None, env_keys=_config.items("REHYDRATE_FINGERPRINT_ENV") or None,
-                  strict=_env_flag("REHYDRATE_FINGERPRINT_STRICT") or None, engine=engine)
+        configure(path=path or None, env_keys=env_keys or None, strict=strict or None,
+                  engine=engine)
+    elif env_keys or strict:
+        # Read only with one of those: alone they configure nothing, and a check the
+        # operator thinks is on would silently pass.
+        log.warning("fingerprint: %s set without REHYDRATE_MANIFEST or "
+                    "REHYDRATE_EXPECT_RESTORE: ignored (set one of those, or call "
+                    "rehydrate.fingerprint.configure())",
+                    " and ".join(n for n, on in (("REHYDRATE_FINGERPRINT_ENV", env_keys),
+                                                 ("REHYDRATE_FINGERPRINT_STRICT", strict))
+                                 if on))
     if engine not in _managed:
         return
     mgr = engine.extension("fingerprint", FingerprintManager)

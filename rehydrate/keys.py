@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,11 @@ from ._hooks import Phase
 from ._redact import redact
 from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
+
+if sys.version_info >= (3, 11):  # pragma: no cover - version dependent
+    from builtins import ExceptionGroup as _ExceptionGroup
+else:  # pragma: no cover
+    from exceptiongroup import ExceptionGroup as _ExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.types import (
@@ -354,7 +360,8 @@ def generate_private_key(algorithm: str) -> PrivateKeyTypes:
 
 class EphemeralKey:
     """A named key pair that is regenerated on every restore. Get one with
-    :func:`ephemeral`; its ``private_key`` and ``public_key`` are always the current ones."""
+    :func:`ephemeral`; its ``private_key`` and ``public_key`` are always the current ones
+    (each read on its own: for a matching pair, ``private_key.public_key()``)."""
 
     def __init__(self, name: str, algorithm: str, manager: KeyManager, *,
                  generate: bool = True) -> None:
@@ -371,12 +378,21 @@ class EphemeralKey:
         self._private: PrivateKeyTypes | None = None
         self._public: PublicKeyTypes | None = None
         self._listeners: list[Callable[[EphemeralKey], None]] = []
+        self._creating: int | None = None
+        """The thread making its first pair outside the manager's lock, while it does."""
         self.generation = 0
         """How many times the key was (re)generated; 1 after creation."""
         self.rotated_at: float | None = None
         """``time.time()`` of the last regeneration."""
         if generate:
             self._rotate_unlocked()
+
+    def _created(self) -> bool:
+        """Wait until its first key pair was made (or refused); False when making it
+        failed, so that the manager no longer holds this handle."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._creating is None)
+        return self._manager._keys.get(self.name) is self
 
     def __repr__(self) -> str:
         state = "dropped" if self._private is None else "present"
@@ -389,7 +405,8 @@ class EphemeralKey:
 
     @property
     def private_key(self) -> PrivateKeyTypes:
-        """The current private key; :class:`KeyDroppedError` between snapshot and restore."""
+        """The current private key; :class:`KeyDroppedError` between snapshot and restore.
+        Its ``public_key()`` is its public half even if a rotation comes after this read."""
         key = self._private
         if key is None:
             raise KeyDroppedError(
@@ -402,7 +419,9 @@ class EphemeralKey:
     def public_key(self) -> PublicKeyTypes:
         """The current public key (still readable while the private key is dropped;
         :class:`KeyDroppedError` for a key created after the before-snapshot pass, which
-        has no key pair until the next restore or resume)."""
+        has no key pair until the next restore or resume). A rotation may come between
+        reading this and :attr:`private_key`: take ``private_key.public_key()`` for the
+        public half of the private key read."""
         pub = self._public
         if pub is None:
             raise KeyDroppedError(
@@ -440,7 +459,8 @@ class EphemeralKey:
         self, fn: Callable[[EphemeralKey], None]
     ) -> Callable[[EphemeralKey], None]:
         """Call ``fn(handle)`` after every rotation (usable as a decorator). A listener
-        that raises makes the ``rehydrate.keys`` hook fail (after all listeners ran)."""
+        that raises makes the ``rehydrate.keys`` hook fail with its error (after all
+        listeners ran); a later :meth:`rotate` that every listener takes mends that."""
         self._listeners.append(fn)
         return fn
 
@@ -467,26 +487,42 @@ class EphemeralKey:
             self._cond.notify_all()
 
     def rotate(self) -> list[BaseException]:
-        """Regenerate now and notify listeners. Returns the listeners' errors.
+        """Regenerate now and notify listeners. Returns the listeners' errors (each
+        logged as one ``WARNING`` line).
+
+        When every listener took the new key and no key's rotation is still failed from
+        the last run of the ``rehydrate.keys`` restore hook, that hook's failure is
+        forgotten (:meth:`~rehydrate.Lifecycle.recovered`): a listener whose registry was
+        down during the restore makes the process ready again once a rotation reaches it.
 
         Refused (:class:`KeyDroppedError`) between the before-snapshot pass and the next
         restore/resume: the new private key would be written into the snapshot image."""
+        began = time.monotonic()  # before the key is made: see Lifecycle.recovered(since=)
+        failed = self._rotate_and_notify()
+        for fn, exc in failed:
+            # redacted: a listener pushing the key elsewhere may quote a token
+            log.warning("%s", redact(f"rotation listener {fn!r} of key {self.name!r} "
+                                     f"failed: {exc}"))
+        if not failed:
+            self._manager._rotated(self.name, began)
+        return [exc for _, exc in failed]
+
+    def _rotate_and_notify(self) -> list[tuple[Callable[[EphemeralKey], None], Exception]]:
+        """Regenerate and call every listener; the listeners that failed, with their
+        errors (not logged: the restore hook's failure is logged by the engine)."""
         if self._manager.dropped:
             raise KeyDroppedError(
                 f"ephemeral key {self.name!r}: private keys were dropped before a snapshot; "
                 "it is regenerated on restore/resume, not before"
             )
         self._rotate_unlocked()
-        errors: list[BaseException] = []
+        failed: list[tuple[Callable[[EphemeralKey], None], Exception]] = []
         for fn in list(self._listeners):
             try:
                 fn(self)
             except Exception as exc:
-                errors.append(exc)
-                # redacted: a listener pushing the key elsewhere may quote a token
-                log.warning("%s", redact(f"rotation listener {fn!r} of key {self.name!r} "
-                                         f"failed: {exc}"))
-        return errors
+                failed.append((fn, exc))
+        return failed
 
     def drop(self) -> None:
         """Forget the private key (cryptography frees OpenSSL's copy with a wipe)."""
@@ -501,14 +537,19 @@ class KeyManager:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
-        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
+        # a parent thread may hold it at fork(), or be making a new key's first pair
+        fresh_lock_after_fork(self, after=_forget_others_creating)
         self._keys: dict[str, EphemeralKey] = {}
         self._dropped = engine.snapshot_pending
         self.epoch = 0
         """+1 at every before-snapshot pass and restore/resume run: a rotation that began
         before one of them has its key discarded."""
-        engine.builtins.register(self._on_restore, phase=Phase.SECRETS, order=-100,
-                                 name="rehydrate.keys", timeout=60.0)
+        self._failed: frozenset[str] | None = frozenset()
+        """Names of the keys whose rotation failed in the last run of the restore hook
+        (a listener or the generation); None while that hook runs."""
+        self._restore_hook = engine.builtins.register(
+            self._on_restore, phase=Phase.SECRETS, order=-100, name="rehydrate.keys",
+            timeout=60.0)
         engine.builtins.register(self._on_snapshot, event="snapshot", phase=Phase.SECRETS,
                                  order=-100, name="rehydrate.keys", timeout=10.0)
         engine.add_status("keys", self._status)
@@ -533,7 +574,9 @@ class KeyManager:
 
     def get(self, name: str) -> EphemeralKey | None:
         with self._lock:
-            return self._keys.get(name)
+            key = self._keys.get(name)
+        # One being created is returned once its first key pair is made (or refused).
+        return key if key is None or key._created() else self.get(name)
 
     def ephemeral(self, name: str, algorithm: str | None = None) -> EphemeralKey:
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
@@ -543,17 +586,47 @@ class KeyManager:
         with self._lock:
             key = self._keys.get(name)
             if key is None:
-                # after the before-snapshot pass, a new key would be written into the
-                # image: it starts without a key pair (generated on restore/resume)
                 # `is None`, not `or`: an empty string is an unknown algorithm, refused
                 key = EphemeralKey(name, "ed25519" if algorithm is None else algorithm, self,
-                                   generate=not self._dropped)
+                                   generate=False)
+                # after the before-snapshot pass, a new key would be written into the
+                # image: it starts without a key pair (generated on restore/resume)
+                if not self._dropped:
+                    key._creating = threading.get_ident()
                 self._keys[name] = key
+                mine = not self._dropped
             elif algorithm is not None and key.algorithm != algorithm:
                 raise ValueError(
                     f"ephemeral key {name!r} already exists with algorithm {key.algorithm!r}"
                 )
+            else:
+                mine = False
+        if mine:
+            # Outside the lock: an RSA key takes seconds, and status() and the
+            # before-snapshot pass take this lock.
+            self._first_pair(key)
             return key
+        # A caller racing the creator gets the handle once its first pair is made; if
+        # making it failed, the handle is gone and this call makes one itself.
+        return key if key._created() else self.ephemeral(name, algorithm)
+
+    def _first_pair(self, key: EphemeralKey) -> None:
+        """Make the first key pair of ``key``, just registered by this thread."""
+        try:
+            key._rotate_unlocked()
+        except KeyDroppedError:
+            # A before-snapshot pass came meanwhile (it starts without a pair, as one
+            # created after it), or a restore (whose hook gave it its pair).
+            pass
+        except BaseException:
+            with self._lock:  # as before: a key whose generation failed is not kept
+                if self._keys.get(key.name) is key:
+                    del self._keys[key.name]
+            raise
+        finally:
+            with key._cond:
+                key._creating = None
+                key._cond.notify_all()
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -565,6 +638,8 @@ class KeyManager:
         with self._lock:
             self._dropped = False
             self.epoch += 1
+            epoch = self.epoch
+            self._failed = None
         keys = self.keys()
         if not self.active:
             # a key dropped before the snapshot is gone: it gets a new pair (and its
@@ -580,16 +655,43 @@ class KeyManager:
                 log.info("keys disabled, but ephemeral keys %s hold no private key "
                          "(dropped before the snapshot): regenerating them anyway",
                          ", ".join(k.name for k in keys))
-        failures: list[str] = []
+        failures: list[tuple[str, str, Exception]] = []  # key, what failed, its error
         for k in keys:
             try:
-                errors = k.rotate()
+                failed = k._rotate_and_notify()
             except Exception as exc:  # generation itself failed: keep what we had
-                failures.append(f"{k.name}: {type(exc).__name__}: {exc}")
+                failures.append((k.name, "generating its new key pair", exc))
                 continue
-            failures.extend(f"{k.name} listener: {type(e).__name__}: {e}" for e in errors)
+            failures.extend((k.name, f"rotation listener {fn!r}", e) for fn, e in failed)
+        with self._lock:
+            if self.epoch == epoch:  # not a hook outlived by a later pass or run
+                self._failed = frozenset(name for name, _, _ in failures)
+        if len(failures) == 1:
+            # The error itself, not a wrapper: its type tells what failed (the engine
+            # logs it as the hook's one line); the note says which key.
+            name, what, error = failures[0]
+            if hasattr(error, "add_note"):  # 3.11+
+                error.add_note(f"ephemeral key {name!r}: {what}")
+            raise error
         if failures:
-            raise RuntimeError("ephemeral key rotation incomplete: " + "; ".join(failures))
+            raise _ExceptionGroup(
+                "ephemeral key rotation incomplete: "
+                + "; ".join(f"{name}: {what}: {type(e).__name__}: {e}"
+                            for name, what, e in failures),
+                [e for _, _, e in failures])
+
+    def _rotated(self, name: str, began: float) -> None:
+        """``name`` was rotated at ``began`` (``time.monotonic()``) and every listener
+        took it: once no key of the last restore hook's run is left failed, that hook's
+        failure is forgotten (nothing happens when it did not fail)."""
+        with self._lock:
+            if self._failed is None:  # the hook is running (or hung after its timeout)
+                return
+            self._failed -= {name}
+            if self._failed:
+                return
+        # By record, not name: a user hook named rehydrate.keys is not this one.
+        self.engine.recovered(self._restore_hook, since=began)
 
     def _on_snapshot(self) -> None:
         if not self.active:
@@ -600,6 +702,17 @@ class KeyManager:
             self.epoch += 1
         for k in self.keys():
             k.drop()
+
+
+def _forget_others_creating(m: KeyManager) -> None:
+    """In a child of ``fork()``: a key another thread was making its first pair for is
+    not being made here (``ephemeral()`` and ``get()`` of its name waited for ever); it
+    is forgotten, as when the lock was held across the whole creation."""
+    me = threading.get_ident()
+    for name, key in list(m._keys.items()):
+        if key._creating is not None and key._creating != me:
+            del m._keys[name]
+            key._creating = None
 
 
 def manager(engine: Engine | None = None) -> KeyManager:

@@ -444,6 +444,43 @@ def test_a_child_forked_by_the_thread_holding_a_key_condition_can_release_it(
     assert out == {"new": True, "rotations": 1}
 
 
+def test_a_child_forked_while_a_parent_thread_creates_a_key_makes_its_own(
+        engine: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new key's first pair is made outside the key manager's lock, the handle already
+    registered: the child, whose creating thread is gone, waited for it for ever in
+    ``ephemeral()`` and ``get()``. It forgets that key and makes its own."""
+    from rehydrate import keys
+
+    real = keys.generate_private_key
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(algorithm: str) -> Any:
+        if threading.current_thread().name == "creator":
+            entered.set()
+            assert release.wait(30)
+        return real(algorithm)
+
+    monkeypatch.setattr(keys, "generate_private_key", slow)
+    made: list[keys.EphemeralKey] = []
+    creator = threading.Thread(target=lambda: made.append(keys.ephemeral(
+        "session", engine=engine)), name="creator", daemon=True)
+    creator.start()
+    try:
+        assert entered.wait(DEADLINE)
+
+        def child() -> dict:  # type: ignore[type-arg]
+            gone = keys.get("session", engine=engine) is None
+            key = keys.ephemeral("session", engine=engine)
+            return {"gone": gone, "generation": key.generation}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        creator.join(DEADLINE)
+    assert out == {"gone": True, "generation": 1}
+    assert made[0].generation == 1 and keys.get("session", engine=engine) is made[0]
+
+
 def test_fresh_lock_after_fork_covers_module_locks_and_resets_state() -> None:
     """The one mechanism for extensions: named locks of any owner (a module here), and a
     hook for state that counts the parent's threads."""

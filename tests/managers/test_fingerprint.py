@@ -335,11 +335,16 @@ def test_manifest_written_before_snapshot_and_checked_after_restore(rehydrate_en
     assert len(lines) == 1 and "gpu_driver" in lines[0]
 
     fp.configure(strict=True, engine=engine)
-    report = engine.simulate_restore()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        report = engine.simulate_restore()
     assert not report.ok
     (hook,) = [h for h in report.hooks if h.name == "rehydrate.fingerprint.check"]
     assert hook.outcome == "failed" and hook.required
     assert isinstance(hook.error, fp.FingerprintMismatch)
+    # one line for one fact: the engine's for the failed hook (was also a WARNING)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "gpu_driver" in r.message]
+    assert len(said) == 1 and said[0][0] == "ERROR" and "FingerprintMismatch" in said[0][1]
     assert engine.state == "degraded" and not engine.is_ready()
     # a resume (same node, same process) is not checked
     assert engine.simulate_restore(kind="resume").ok
@@ -404,6 +409,31 @@ def test_miss_declared_by_environment_without_manifest():
     assert "snapshot-miss" in err
     st, err = _start({})
     assert st is None and "snapshot-miss" not in err
+
+
+@pytest.mark.parametrize("manifest", [False, True])
+def test_fingerprint_env_and_strict_alone_say_once_that_they_do_nothing(
+        rehydrate_engine, monkeypatch, caplog, tmp_path, manifest):
+    """Before: REHYDRATE_FINGERPRINT_STRICT / _ENV without REHYDRATE_MANIFEST (or
+    EXPECT_RESTORE) were ignored without a word: a changed key passed the restore."""
+    engine = rehydrate_engine
+    monkeypatch.setenv("REHYDRATE_FINGERPRINT_STRICT", "1")
+    monkeypatch.setenv("REHYDRATE_FINGERPRINT_ENV", "RHT_FP_MODEL")
+    monkeypatch.setenv("RHT_FP_MODEL", "s3://bucket/private-path")
+    if manifest:
+        monkeypatch.setenv("REHYDRATE_MANIFEST", str(tmp_path / "manifest.json"))
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        engine.start(detectors="none")
+        engine.stop()
+    lines = [r for r in caplog.records if "REHYDRATE_FINGERPRINT" in r.getMessage()]
+    if manifest:  # configured by them: nothing to say
+        assert lines == [] and engine.status().extra["fingerprint"]["strict"] is True
+        return
+    assert [r.levelname for r in lines] == ["WARNING"]
+    assert ("REHYDRATE_FINGERPRINT_ENV and REHYDRATE_FINGERPRINT_STRICT set without "
+            "REHYDRATE_MANIFEST or REHYDRATE_EXPECT_RESTORE: ignored") in lines[0].getMessage()
+    assert "private-path" not in caplog.text and "RHT_FP_MODEL" not in caplog.text
+    assert engine.status().extra.get("fingerprint") is None
 
 
 def test_no_miss_after_a_restore(rehydrate_engine, tmp_path, monkeypatch):
