@@ -1909,19 +1909,22 @@ def httpx_client(
     return client
 
 
+def _cap(deadline_at: float) -> Callable[[float | None], float]:
+    """A wait (None: no limit) made no longer than what is left until ``deadline_at``
+    (a ``time.monotonic()``) plus :data:`LATE_GRACE`, the time an attempt is given past
+    the deadline."""
+    left = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
+    return lambda wait: left if wait is None else min(wait, left)
+
+
 def _capped_timeout(timeout: Any, deadline_at: float | None) -> Any:
-    """``timeout`` (an ``httpx.Timeout``) with each of its waits no longer than what is
-    left until ``deadline_at`` (a ``time.monotonic()``; None: as it is) plus
-    :data:`LATE_GRACE`, the time an attempt is given past the deadline."""
+    """``timeout`` (an ``httpx.Timeout``) with each of its waits capped by
+    :func:`_cap` (``deadline_at`` None: as it is)."""
     if deadline_at is None:
         return timeout
     import httpx
 
-    left = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
-
-    def cap(wait: float | None) -> float:
-        return left if wait is None else min(wait, left)
-
+    cap = _cap(deadline_at)
     return httpx.Timeout(connect=cap(timeout.connect), read=cap(timeout.read),
                          write=cap(timeout.write), pool=cap(timeout.pool))
 
@@ -2294,7 +2297,7 @@ def redis_client(
 def _capped_redis_ping(client: Any, deadline_at: float | None) -> Any:
     """``client.ping()`` (a sync redis-py client), its waits capped by ``deadline_at``
     (a ``time.monotonic()``; None: through the client's pool, as the application's
-    commands go) plus :data:`LATE_GRACE`, as :func:`_capped_timeout` caps httpx's.
+    commands go) through :func:`_cap`, as :func:`_capped_timeout` caps httpx's.
 
     redis-py has no per-command timeout that covers the connect and its handshake
     (``HELLO``, ``AUTH``, ``CLIENT SETINFO``), so the capped ``PING`` goes over a
@@ -2309,11 +2312,7 @@ def _capped_redis_ping(client: Any, deadline_at: float | None) -> Any:
 
     pool = client.connection_pool
     kw = dict(pool.connection_kwargs)
-    left = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
-
-    def cap(wait: float | None) -> float:
-        return left if wait is None else min(wait, left)
-
+    cap = _cap(deadline_at)
     kw.update(socket_timeout=cap(kw.get("socket_timeout")), retry=Retry(NoBackoff(), 0))
     if "path" not in kw:  # redis-py 5's unix socket connection takes no connect timeout
         # redis-py's own fallback: no connect timeout of its own means socket_timeout's

@@ -351,10 +351,12 @@ _SSL_CTRL_SET_DH_AUTO = 118
 
 
 @functools.cache
-def _libssl() -> tuple[Any, Any, Any] | None:
-    """``SSL_CTX_get_options``, ``SSL_CTX_ctrl`` and ``SSL_CTX_flush_sessions`` of the
-    OpenSSL the ``ssl`` module uses (looked up through ``_ssl``'s own dependencies), or
-    None where they cannot be reached safely (not CPython, ``_ssl`` built in)."""
+def _libssl() -> tuple[Any, Any, Any, Any, Any] | None:
+    """``SSL_CTX_get_options``, ``SSL_CTX_ctrl``, ``SSL_CTX_flush_sessions``,
+    ``SSL_CTX_get_cert_store`` and ``SSL_CTX_set1_cert_store`` of the OpenSSL the ``ssl``
+    module uses (looked up through ``_ssl``'s own dependencies): the last two None where
+    that OpenSSL lacks either, the whole None where the first three cannot be reached
+    safely (not CPython, ``_ssl`` built in)."""
     if sys.implementation.name != "cpython":
         return None  # id() is an address, and an SSLContext starts with its SSL_CTX*,
         # only in CPython
@@ -377,7 +379,18 @@ def _libssl() -> tuple[Any, Any, Any] | None:
     ctrl.restype = ctypes.c_long
     flush.argtypes = [ctypes.c_void_p, when]
     flush.restype = None
-    return get_options, ctrl, flush
+    get_store: Any
+    set1_store: Any
+    try:
+        get_store, set1_store = lib.SSL_CTX_get_cert_store, lib.SSL_CTX_set1_cert_store
+    except AttributeError:  # the session cache can still be turned off
+        get_store = set1_store = None
+    else:
+        get_store.argtypes = [ctypes.c_void_p]
+        get_store.restype = ctypes.c_void_p
+        set1_store.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        set1_store.restype = None
+    return get_options, ctrl, flush, get_store, set1_store
 
 
 def _session_cache_off(ctx: ssl.SSLContext) -> bool:
@@ -389,7 +402,7 @@ def _session_cache_off(ctx: ssl.SSLContext) -> bool:
     fns = _libssl()
     if ptr is None or fns is None:
         return False
-    _get_options, ctrl, flush = fns
+    _get_options, ctrl, flush, _, _ = fns
     ctrl(ptr, _SSL_CTRL_SET_SESS_CACHE_MODE, _SSL_SESS_CACHE_OFF, None)
     # the mode only stops new entries; lookups still find old ones: remove them all
     # (time 0 = every session; OpenSSL wipes their master secrets as it frees them)
@@ -416,27 +429,6 @@ def _no_resumption(ctx: ssl.SSLContext) -> bool:
     return _session_cache_off(ctx)
 
 
-@functools.cache
-def _libssl_store() -> tuple[Any, Any] | None:
-    """``SSL_CTX_get_cert_store`` and ``SSL_CTX_set1_cert_store`` (None where they cannot
-    be reached: see :func:`_libssl`)."""
-    if _libssl() is None:
-        return None
-    try:
-        import _ssl
-        import ctypes
-
-        lib = ctypes.CDLL(_ssl.__file__)
-        get, set1 = lib.SSL_CTX_get_cert_store, lib.SSL_CTX_set1_cert_store
-    except (ImportError, OSError, AttributeError):
-        return None
-    get.argtypes = [ctypes.c_void_p]
-    get.restype = ctypes.c_void_p
-    set1.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    set1.restype = None
-    return get, set1
-
-
 def _ssl_ctx_ptr(ctx: ssl.SSLContext) -> int | None:
     """The ``SSL_CTX*`` of ``ctx`` (see :func:`_session_cache_off`), or None."""
     import _ssl
@@ -457,11 +449,11 @@ def _share_cert_store(source: ssl.SSLContext, target: ssl.SSLContext) -> bool:
     """Make ``target`` verify peers against the very trust store of ``source`` (CA files,
     directories and CRLs the application loaded, and what it loads later). False when
     that is not possible here."""
-    fns = _libssl_store()
+    fns = _libssl()
     src, dst = _ssl_ctx_ptr(source), _ssl_ctx_ptr(target)
-    if fns is None or src is None or dst is None:
+    if fns is None or fns[4] is None or src is None or dst is None:
         return False
-    get, set1 = fns
+    *_, get, set1 = fns
     store = get(src)
     if not store:
         return False

@@ -500,27 +500,28 @@ class ServerAdapter:
         """What to do about the server's own refusal of the API key on ``path``."""
         return "pass api_key= matching its --api-key"
 
-    def refused_access(self, path: str,
-                       response: httpx.Response) -> tuple[str, bool] | None:
+    def refused_access(self, path: str, response: httpx.Response,
+                       reason: str) -> tuple[str, bool] | None:
         """For an authentication refusal (401, 403, 407) of ``path``: what the error says
-        after ``HTTP <status>``, and whether the server itself gave it. The server's own is
-        its ``--api-key`` check's 401 ``{"error": "Unauthorized"}`` (vLLM's and SGLang's
-        middleware; the fix: :meth:`key_fix`); a 407, or a 401 / 403 with any other body,
-        is a proxy's or gateway's own answer — the call never reached the server, and the
-        answer says nothing of its state."""
+        after ``HTTP <status>`` (``reason``: the response's :func:`server_reason`), and
+        whether the server itself gave it. The server's own is its ``--api-key`` check's
+        401 ``{"error": "Unauthorized"}`` (vLLM's and SGLang's middleware; the fix:
+        :meth:`key_fix`); a 407, or a 401 / 403 with any other body, is a proxy's or
+        gateway's own answer — the call never reached the server, and the answer says
+        nothing of its state."""
         status = response.status_code
         if status == 407:
             return (f" from a proxy between this process and {self.title}, not {self.title}"
-                    f" (Proxy Authentication Required: {server_reason(response)}) — the "
-                    f"call did not reach {self.title}; give the proxy its credentials "
-                    f"(HTTPS_PROXY / HTTP_PROXY) or exempt the host with NO_PROXY", False)
+                    f" (Proxy Authentication Required: {reason}) — the call did not reach "
+                    f"{self.title}; give the proxy its credentials (HTTPS_PROXY / "
+                    f"HTTP_PROXY) or exempt the host with NO_PROXY", False)
         if status not in (401, 403):
             return None
         if status == 401 and json_or_empty(response).get("error") == "Unauthorized":
             return (f": Unauthorized — {self.title} refused the API key: "
                     f"{self.key_fix(path)}", True)
         return (f" from a gateway in front of {self.title}, not {self.title} (its own "
-                f"authentication: {server_reason(response)}) — the call did not reach "
+                f"authentication: {reason}) — the call did not reach "
                 f"{self.title}; give the adapter credentials the gateway accepts (api_key= "
                 f"is sent as a bearer token) or point url= at {self.title} itself", False)
 
@@ -640,7 +641,7 @@ class ServerAdapter:
                 refused = False
                 passed_over = unsent is not None and unsent(response, reason)
                 not_sent = passed_over or gateway_unforwarded(response.status_code, reason)
-                access = self.refused_access(path, response)
+                access = self.refused_access(path, response, reason)
                 # a gateway's own refusal is not the server's answer, and not a "did not
                 # pass it on" that says the server may be gone either
                 answered = answered or (not not_sent and (access is None or access[1]))
@@ -730,8 +731,9 @@ class ServerAdapter:
         """Why ``path``'s client error (4xx) makes the server not usable, an authentication
         refusal worded as the hooks' calls word it (:meth:`refused_access`: the server's
         own ``--api-key`` check, or a gateway's or proxy's, which the call never passed)."""
-        access = self.refused_access(path, response)
-        said = access[0] if access is not None else f": {server_reason(response)}"
+        reason = server_reason(response)
+        access = self.refused_access(path, response, reason)
+        said = access[0] if access is not None else f": {reason}"
         return f"{self.url}{path} answers HTTP {response.status_code}{said}"
 
     def probe(self) -> Probe:

@@ -485,9 +485,10 @@ class _InProcess(_Session):
 def _tracked(fn: Any, *args: Any, **kwargs: Any
              ) -> tuple[Any, concurrent.futures.Future[None]]:
     """An awaitable of ``fn(*args, **kwargs)`` and a future that ends when the call itself
-    ends — not when a waiter gives up on it: a sync call goes on in its worker thread, a
-    coroutine is shielded from the cancellation at the deadline (an ``AsyncLLM``'s engine
-    core goes on with the request anyway)."""
+    ends — not when a waiter gives up on it: a sync call goes on in its worker thread, an
+    awaitable (of a coroutine function, or one a sync call returned) is shielded from the
+    cancellation at the deadline (an ``AsyncLLM``'s engine core goes on with the request
+    anyway)."""
     finished: concurrent.futures.Future[None] = concurrent.futures.Future()
     finished.set_running_or_notify_cancel()  # running: no waiter can cancel it
 
@@ -495,25 +496,30 @@ def _tracked(fn: Any, *args: Any, **kwargs: Any
         if not finished.done():
             finished.set_result(None)
 
-    if inspect.iscoroutinefunction(fn):
-        async def run_async() -> Any:
-            try:
-                return await fn(*args, **kwargs)
-            finally:
-                settle()
-
-        task = asyncio.ensure_future(run_async())
-        # an outcome nobody awaits any more is collected, not logged as never retrieved
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return asyncio.shield(task), finished
-
-    def run_sync() -> Any:
+    async def awaited(aw: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            return await aw
         finally:
             settle()
 
-    return call_maybe_async(run_sync), finished
+    def call() -> Any:
+        # a sync call ends in its worker thread, whatever becomes of the loop that waited
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            settle()
+            raise
+        if inspect.isawaitable(result):
+            return awaited(result)
+        settle()
+        return result
+
+    # a coroutine function's call just makes its coroutine: no worker thread for that
+    task = asyncio.ensure_future(call() if inspect.iscoroutinefunction(fn)
+                                 else call_maybe_async(call))
+    # an outcome nobody awaits any more is collected, not logged as never retrieved
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return asyncio.shield(task), finished
 
 
 def _sampling_params() -> Any:

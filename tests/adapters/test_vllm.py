@@ -1339,7 +1339,17 @@ class _OnRecord(logging.Handler):
             self.then()
 
 
-@pytest.mark.parametrize("twin", [SlowSleepLLM, SlowSleepAsyncLLM])
+class SlowSleepWrappedLLM(SlowSleepAsyncLLM):
+    """:class:`SlowSleepAsyncLLM` behind a wrapper that is no coroutine function (a
+    decorator without ``functools.wraps``' marker): ``sleep()`` returns the coroutine that
+    does the sleep. Before, the call counted as ended once that coroutine was returned,
+    and the coroutine was cancelled at the deadline: the wake ran beside the sleep."""
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> Any:  # type: ignore[override]
+        return SlowSleepAsyncLLM.sleep(self, level, mode)
+
+
+@pytest.mark.parametrize("twin", [SlowSleepLLM, SlowSleepAsyncLLM, SlowSleepWrappedLLM])
 def test_an_in_process_sleep_past_the_deadline_is_woken_after(
         rehydrate_engine: Any, caplog: pytest.LogCaptureFixture,
         twin: type[SlowSleepLLM]) -> None:

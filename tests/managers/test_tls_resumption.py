@@ -164,3 +164,33 @@ def test_the_session_cache_is_turned_off_in_this_python(rehydrate_engine):
     assert tls._session_cache_off(ctx)
     # a stand-in object has no SSL_CTX* to read: refused, not dereferenced
     assert not tls._session_cache_off(object())  # type: ignore[arg-type]
+
+
+def test_an_openssl_without_the_cert_store_calls_still_turns_the_session_cache_off(
+        monkeypatch):
+    """``SSL_CTX_set1_cert_store`` is OpenSSL 1.1.1's: where ``_ssl``'s OpenSSL lacks it
+    (or its getter), the session cache is still turned off and the trust store is not
+    shared (a swapped-in context loads the CA certificates Python can see instead)."""
+    import ctypes
+
+    real = ctypes.CDLL
+
+    class Without:
+        def __init__(self, path: str) -> None:
+            self.lib = real(path)
+
+        def __getattr__(self, name: str) -> object:
+            if name in ("SSL_CTX_get_cert_store", "SSL_CTX_set1_cert_store"):
+                raise AttributeError(name)
+            return getattr(self.lib, name)
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls._libssl.cache_clear()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(ctypes, "CDLL", Without)
+            assert tls._session_cache_off(ctx)
+            assert not tls._share_cert_store(ctx, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+    finally:
+        tls._libssl.cache_clear()  # the real one for the tests after this
+    assert tls._share_cert_store(ctx, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
