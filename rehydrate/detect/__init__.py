@@ -270,7 +270,8 @@ def requested(spec: object) -> str | list[str | Detector]:
     wrong signal handler on ``stop()``. Differently configured instances sharing a key
     (``SignalDetector("SIGUSR1")`` and ``SignalDetector("SIGUSR2")``, two control
     sockets) each start, as does a key next to an instance with that key: they watch
-    different things. Anything else is a ``TypeError`` naming ``detectors`` (``start(5)`` said
+    different things (a second signal detector for a signal already watched then fails
+    to start, a detector error naming the signal). Anything else is a ``TypeError`` naming ``detectors`` (``start(5)`` said
     only "'int' object is not iterable")."""
     if isinstance(spec, str) and spec in ("auto", "none"):
         return spec
