@@ -15,7 +15,10 @@ waiting. Otherwise (older kernels return ``POLLHUP``; a regular file is always
 "readable") it re-reads the 112-byte structure every ``interval`` seconds (default 0.5).
 
 Configuration: ``REHYDRATE_VMCLOCK_PATH`` (default ``/dev/vmclock0``),
-``REHYDRATE_VMCLOCK_INTERVAL``.
+``REHYDRATE_VMCLOCK_INTERVAL``. A regular file standing in for the device (tests, a
+wrapper that mirrors the page) must be rewritten in place: the detector keeps the one
+descriptor it opened, as it does the device's, so a file replaced by rename (write a
+temporary file, then ``os.replace()``) is never read again.
 """
 
 from __future__ import annotations
