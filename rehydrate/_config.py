@@ -34,9 +34,10 @@ if TYPE_CHECKING:
     ``list``: comma-separated, blanks dropped (with ``choices``: entries not among them
     are ignored, each with one warning)."""
 
-__all__ = ["VARIABLES", "Variable", "choice", "default", "effective", "entries_kept", "flag",
-           "items", "number", "one_line", "optional_number", "optional_seconds", "seconds", "shown",
-           "signal_from_text", "signal_name", "text"]
+__all__ = ["SIGNAL_RULE", "VARIABLES", "Variable", "choice", "default", "effective", "entries_kept",
+           "flag", "items", "number", "one_line", "optional_number", "optional_seconds",
+           "refused_signal", "seconds", "shown", "signal_from_text", "signal_label", "signal_name",
+           "signal_number", "text"]
 
 
 MAX_SECONDS = 31_536_000.0
@@ -212,7 +213,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_MARKER_WINDOW", "seconds", 2.0, "file detector: a restore handled this recently is the same restore"),  # noqa: E501
     _V("REHYDRATE_WATCH_POLLING", "flag", None, "file detector: poll instead of inotify (default: poll under gVisor)"),  # noqa: E501
     _V("REHYDRATE_WATCH_INTERVAL", "seconds", 0.5, "file detector: seconds between polls", minimum=0.001),  # noqa: E501
-    _V("REHYDRATE_SIGNAL", "signal", "SIGUSR2", "signal detector: the signal (name or number) that means restore; KILL and STOP cannot be caught"),  # noqa: E501
+    _V("REHYDRATE_SIGNAL", "signal", "SIGUSR2", "signal detector: the signal (name, number or SIGRTMIN+n) that means restore; not KILL, STOP, CHLD or a fault signal (SEGV, BUS, FPE, ILL)"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_WINDOW", "seconds", 2.0, "signal detector and a notice without notify save: a restore detected this recently may be the same restore"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_KIND", "choice", "restore", "signal detector: what the signal means, restore or resume", choices=("restore", "resume")),  # noqa: E501
     _V("REHYDRATE_SNAPSTART_DEADLINE", "seconds", 8.0, "snapstart: seconds the whole after-restore run may take (Lambda allows 10); hooks still running then are reported timeout and the runtime hook fails", positive=True),  # noqa: E501
@@ -270,12 +271,12 @@ def _parse(var: Variable, raw: str) -> tuple[Any, str | None]:  # noqa: PLR0911 
         return value, None
     if var.type == "signal":
         try:
-            name = signal_from_text(value).name
+            signum = signal_from_text(value)
         except ValueError:
-            name = None
-        if name is None or name in ("SIGKILL", "SIGSTOP"):
-            return var.default, "a signal name or number that can be caught (not KILL or STOP)"
-        return name, None
+            signum = None
+        if signum is None or refused_signal(signum) is not None:
+            return var.default, SIGNAL_RULE
+        return signal_label(signum), None
     if var.type == "list":
         entries = tuple(part.strip() for part in value.split(",") if part.strip())
         if var.key_patterns:
@@ -419,18 +420,79 @@ def signal_name(name: str) -> str:
     return value
 
 
-def signal_from_text(text: str) -> Any:
+SIGNAL_RULE = ("a signal name or number that can be caught (not KILL, STOP, CHLD or a fault "
+               "signal: SEGV, BUS, FPE, ILL)")
+"""What a ``signal`` variable must be (the warning for a bad value names it)."""
+
+_REFUSED_SIGNALS = {
+    "SIGKILL": "cannot be caught",
+    "SIGSTOP": "cannot be caught",
+    "SIGCHLD": "is sent whenever a child process ends",
+    # a handler cannot return from a real fault: Python's runs only after the faulting
+    # instruction, which faults again
+    "SIGSEGV": "is a fault signal (a real fault would loop)",
+    "SIGBUS": "is a fault signal (a real fault would loop)",
+    "SIGFPE": "is a fault signal (a real fault would loop)",
+    "SIGILL": "is a fault signal (a real fault would loop)",
+}
+
+
+def refused_signal(signum: int) -> str | None:
+    """Why the signal detector cannot use ``signum`` (``"SIGKILL cannot be caught"``), or
+    ``None``."""
+    label = signal_label(signum)
+    reason = _REFUSED_SIGNALS.get(label)
+    return None if reason is None else f"{label} {reason}"
+
+
+def signal_label(signum: int) -> str:
+    """The name of ``signum``: ``SIGUSR2``; a real-time signal without a name of its own
+    as ``SIGRTMIN+n``."""
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        rtmin = getattr(signal, "SIGRTMIN", None)
+        if rtmin is not None and rtmin < signum <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{signum - rtmin}"
+        return f"signal {signum}"
+
+
+def signal_from_text(text: str) -> int:
     """``"USR2"``, ``"SIGUSR2"`` or ``"12"`` -> ``signal.SIGUSR2`` (a ``signal.Signals``);
-    ``ValueError`` when it names no signal."""
+    a real-time signal by number (``"35"``) or as ``RTMIN+n`` / ``RTMAX-n`` (a plain
+    ``int`` where ``signal.Signals`` has no member). ``ValueError`` when it names no
+    signal of this platform (``signal.valid_signals()``)."""
     import signal
 
     name = text.strip().upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    base, sign, offset = name.partition("+") if "+" in name else name.partition("-")
     try:
-        if name.isdigit():
-            return signal.Signals(int(name))
-        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        if name[3:].isdigit():
+            signum = int(name[3:])
+        elif sign and base in ("SIGRTMIN", "SIGRTMAX") and offset.strip().isdigit():
+            step = int(offset)
+            signum = signal.Signals[base] + (step if sign == "+" else -step)
+        else:
+            return signal.Signals[name]
     except (KeyError, ValueError):
         raise ValueError(f"unknown signal {text!r}") from None
+    return signal_number(signum, text)
+
+
+def signal_number(signum: int, shown: object) -> int:
+    """``signum`` as a ``signal.Signals`` member where there is one, else the ``int``;
+    ``ValueError`` naming ``shown`` when this platform has no such signal."""
+    import signal
+
+    if signum not in signal.valid_signals():
+        raise ValueError(f"unknown signal {shown!r}")
+    try:
+        return signal.Signals(signum)
+    except ValueError:
+        return signum
 
 
 def number(name: str) -> float:

@@ -471,7 +471,8 @@ class Lifecycle:
         for ever here. So the child gets fresh locks (:func:`fresh_lock_after_fork`, whose
         handler runs before this one) and a fresh runner, forgets the parent's detectors
         *without stopping them* (stopping would unlink the parent's control socket or close
-        its descriptors' resources), and an event the parent was
+        its descriptors' resources) once each closed its copies of their descriptors
+        (:meth:`~rehydrate.detect.Detector.forget_in_child`), and an event the parent was
         running is not finished here: its state becomes ``degraded``. Hooks, generation and
         reports stay. ``start()`` in the child starts its own detectors — the installed
         ones (:meth:`add_detector`) again.
@@ -480,6 +481,14 @@ class Lifecycle:
         self._runner = HookRunner(self._loop_thread)
         self._runner.on_failed = self._hook_failed
         self._user_loop = None
+        for d in self._detectors:
+            forget = getattr(d, "forget_in_child", None)  # detectors not derived from Detector
+            if forget is None:
+                continue
+            try:
+                forget()
+            except Exception:
+                log.exception("detector %s: forget_in_child() failed", d.key)
         self._detectors = []
         self._detector_errors = {}
         self._notices = 0  # the parent's threads waiting with a notice are not here

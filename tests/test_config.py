@@ -134,6 +134,10 @@ def test_undeclared_names_and_wrong_getters_fail_loudly():
     ("REHYDRATE_SIGNAL", "usr1", "SIGUSR1"),
     ("REHYDRATE_SIGNAL", " 12 ", "SIGUSR2"),
     ("REHYDRATE_SIGNAL", "SIGHUP", "SIGHUP"),
+    # real-time signals (supervisors use them) were refused as unknown
+    ("REHYDRATE_SIGNAL", "35", "SIGRTMIN+1"),
+    ("REHYDRATE_SIGNAL", "rtmin+1", "SIGRTMIN+1"),
+    ("REHYDRATE_SIGNAL", "SIGRTMIN", "SIGRTMIN"),
 ])
 def test_good_values(monkeypatch, caplog, name, raw, value):
     monkeypatch.setenv(name, raw)
@@ -146,7 +150,8 @@ def test_good_values(monkeypatch, caplog, name, raw, value):
     assert caplog.records == []
 
 
-_SIGNAL_RULE = "a signal name or number that can be caught (not KILL or STOP)"
+_SIGNAL_RULE = ("a signal name or number that can be caught (not KILL, STOP, CHLD or a fault "
+                "signal: SEGV, BUS, FPE, ILL)")
 
 
 _FLAG_RULE = "1, true, yes, on, enabled or 0, false, no, off, disabled"
@@ -184,6 +189,9 @@ def test_flag_spellings_are_symmetric(monkeypatch, caplog, raw, value):
     ("REHYDRATE_SIGNAL", "999", _SIGNAL_RULE),
     ("REHYDRATE_SIGNAL", "KILL", _SIGNAL_RULE),  # the detector would never hear it
     ("REHYDRATE_SIGNAL", "19", _SIGNAL_RULE),  # SIGSTOP
+    ("REHYDRATE_SIGNAL", "CHLD", _SIGNAL_RULE),  # sent whenever a child ends
+    ("REHYDRATE_SIGNAL", "SEGV", _SIGNAL_RULE),  # a real fault would loop
+    ("REHYDRATE_SIGNAL", "RTMIN+999", _SIGNAL_RULE),
 ])
 def test_a_bad_value_is_one_warning_naming_variable_and_value_and_the_default_is_used(
         monkeypatch, caplog, name, raw, expected):

@@ -841,6 +841,71 @@ def test_an_installed_marker_file_detector_watches_again_in_the_child(
     assert engine.detector("file") is det
 
 
+def _open_fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, gone
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return out
+
+
+@pytest.mark.parametrize("how", ["engine", "direct"])
+@pytest.mark.parametrize("kind", ["file", "vmclock", "gvisor", "control"])
+def test_a_child_closes_its_copies_of_the_parents_detector_descriptors(
+        engine: Lifecycle, tmp_path: Path, sock_path: str, kind: str, how: str) -> None:
+    """The child forgets the parent's detectors without stopping them, and nothing closed
+    its copies of their descriptors: every forked worker kept an inotify instance, the
+    vmclock device, stop pipes and the control socket open for its whole life. Started
+    directly (not through an engine), the file and vmclock detectors started again in
+    the child replaced the parent's without closing those copies."""
+    from rehydrate.detect import Detector
+
+    det: Detector
+    if kind == "file":
+        from rehydrate.detect.file import FileDetector
+
+        det = FileDetector(tmp_path / "restored", polling=False)
+    elif kind == "vmclock":
+        from detect.test_vmclock import FakeVmClock
+
+        from rehydrate.detect.vmclock import VmClockDetector
+
+        FakeVmClock(tmp_path / "vmclock")
+        det = VmClockDetector(str(tmp_path / "vmclock"), interval=0.02)
+    elif kind == "gvisor":
+        from rehydrate.detect.gvisor import GVisorDetector
+
+        os.mkfifo(tmp_path / "checkpoint")  # the stand-in for /proc/gvisor/checkpoint
+        det = GVisorDetector(str(tmp_path))
+    else:
+        det = ControlDetector(sock_path)
+    before = _open_fds()
+    if how == "engine":
+        assert engine.start([det]) == [kind]
+    else:
+        det.start(engine)
+    theirs = {fd: target for fd, target in _open_fds().items() if before.get(fd) != target}
+    assert theirs  # what the detector holds open
+
+    def child() -> dict:  # type: ignore[type-arg]
+        if how == "direct":
+            if kind in ("file", "vmclock"):  # the others refuse: they serve the parent
+                det.start(engine)
+            det.stop()
+        now = _open_fds()
+        return {"kept": sorted(target for fd, target in theirs.items()
+                               if now.get(fd) == target)}
+
+    try:
+        assert in_forked_child(child, DEADLINE) == {"kept": []}
+        assert det.failure() is None  # the parent's goes on
+        if kind == "control":
+            assert request("status", socket_path=sock_path, timeout=DEADLINE)["ok"]
+    finally:
+        if how == "direct":
+            det.stop()
+
+
 def test_an_installed_control_detector_says_in_the_child_that_it_serves_the_parent(
         engine: Lifecycle, sock_path: str) -> None:
     """Started again in the child, an installed control detector refuses loudly and says

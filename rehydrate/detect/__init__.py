@@ -130,6 +130,14 @@ class Detector:
         """Stop watching (idempotent). Called by the engine."""
         raise NotImplementedError
 
+    def forget_in_child(self) -> None:
+        """In a child of ``fork()``, for a detector the parent had started: the engine
+        forgets it without stopping it (its threads stayed in the parent, and stopping
+        could touch what the parent still uses: a socket file, inotify watches, the
+        other end of a stop pipe). Close this process's copies of its descriptors here,
+        and nothing of the parent's; they stayed open for the child's whole life. Runs
+        in an at-fork handler: no waiting. The default does nothing."""
+
     def failure(self) -> str | None:
         """Why this started detector no longer watches (its thread died), else ``None``.
         ``status()["detector_errors"]`` shows it: a detector that stopped must not look
@@ -270,8 +278,9 @@ def requested(spec: object) -> str | list[str | Detector]:
     wrong signal handler on ``stop()``. Differently configured instances sharing a key
     (``SignalDetector("SIGUSR1")`` and ``SignalDetector("SIGUSR2")``, two control
     sockets) each start, as does a key next to an instance with that key: they watch
-    different things. Anything else is a ``TypeError`` naming ``detectors`` (``start(5)`` said
-    only "'int' object is not iterable")."""
+    different things (a second signal detector for a signal already watched then fails
+    to start, a detector error naming the signal). Anything else is a ``TypeError``
+    naming ``detectors`` (``start(5)`` said only "'int' object is not iterable")."""
     if isinstance(spec, str) and spec in ("auto", "none"):
         return spec
     if isinstance(spec, str):

@@ -1165,6 +1165,12 @@ class ControlDetector(Detector):
         if server is not None:
             server.stop()
 
+    def forget_in_child(self) -> None:
+        # The server stays: start() here refuses it as the parent's.
+        server = self.server
+        if server is not None and server._bound_by != os.getpid():
+            server._forget_in_child()
+
 
 def _in_checkpoint(req: Mapping[str, Any]) -> bool:
     """A ``prepare-snapshot``'s ``"in_checkpoint"``: true when it runs inside a checkpoint

@@ -362,6 +362,7 @@ class FileDetector(Detector):
             if self._worker is not None and self._worker_pid == os.getpid():
                 refuse_another_engine(self, self._engine, engine)
                 return
+            self._forget_parents()  # started directly in a child, not through an engine
             parent = os.path.dirname(self.path)
             if not os.path.isdir(parent):
                 raise RuntimeError(f"the marker file's directory {parent} does not exist")
@@ -398,14 +399,8 @@ class FileDetector(Detector):
         with self._lock:
             if self._worker is not None and self._worker_pid != os.getpid():
                 # A child of fork() (an inherited shutdown handler): the worker and the
-                # observer are the parent's. Stopping the observer here would remove the
-                # watches of the inotify instance both processes share, and the events
-                # are threading ones of this process: only forgotten — but its copies of
-                # the observer's descriptors are closed (closing a copy removes no watch
-                # of the parent's), or every forked worker kept an inotify instance and
-                # a pipe open for its life.
-                _close_copies(self._observer)
-                self._worker = self._observer = None
+                # observer are the parent's.
+                self._forget_parents()
                 return
             worker, self._worker = self._worker, None
             observer, self._observer = self._observer, None
@@ -416,6 +411,21 @@ class FileDetector(Detector):
             observer.join(5.0)
         if worker is not None:
             worker.join(5.0)
+
+    def forget_in_child(self) -> None:
+        with self._lock:
+            self._forget_parents()
+
+    def _forget_parents(self) -> None:
+        """In a child of fork(): forget the parent's worker and observer. Stopping the
+        observer here would remove the watches of the inotify instance both processes
+        share, and the events are threading ones of this process: only forgotten — but
+        its copies of the observer's descriptors are closed (closing a copy removes no
+        watch of the parent's), or every forked worker kept an inotify instance and a
+        pipe open for its life."""
+        if self._worker is not None and self._worker_pid != os.getpid():
+            _close_copies(self._observer)
+            self._worker = self._observer = None
 
     def _make_observer(self, parent: str) -> Any:
         from watchdog.events import FileSystemEvent, FileSystemEventHandler

@@ -417,15 +417,9 @@ class GVisorDetector(Detector):
         if thread is None:
             return
         if self._pid != os.getpid():
-            # A child of fork() (an inherited shutdown handler): the waiter is the
-            # parent's. A byte in the shared stop pipe would end it, and opening the FIFO
-            # as a writer would wake it: only this process's copies are closed.
+            # A child of fork() (an inherited shutdown handler): the waiter is the parent's.
+            self.forget_in_child()
             self._thread = None
-            keeper, self._keeper = self._keeper, -1
-            if keeper >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(keeper)  # a copy: the parent's reader stays
-            self._close_pipe()
             return
         self._stopping = True
         with contextlib.suppress(OSError):  # the pipe is ours and never full
@@ -448,6 +442,19 @@ class GVisorDetector(Detector):
                                 "%s) after %.0fs; left to finish in the background",
                                 self.path, timeout)
                 return
+        self._close_pipe()
+
+    def forget_in_child(self) -> None:
+        """In a child of fork(): the waiter is the parent's. A byte in the shared stop
+        pipe would end it, and opening the FIFO as a writer would wake it: only this
+        process's copies are closed. Still taken for the parent's, the waiter is
+        refused by :meth:`start` here (it would take the parent's answers)."""
+        if self._thread is None or self._pid == os.getpid():
+            return
+        keeper, self._keeper = self._keeper, -1
+        if keeper >= 0:
+            with contextlib.suppress(OSError):
+                os.close(keeper)  # a copy: the parent's reader stays
         self._close_pipe()
 
     def _unblock_fifo_open(self, thread: threading.Thread, deadline: float) -> None:

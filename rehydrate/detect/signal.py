@@ -2,8 +2,18 @@
 
 For platforms or wrappers that can signal the process after a restore (``kill -USR2``,
 a supervisor, an orchestrator's post-restore step). Off unless asked for
-(``start(detectors=[..., "signal"])``): installing a handler replaces whatever the
-application had installed for that signal.
+(``start(detectors=[..., "signal"])``): installing a handler replaces the Python handler
+the application had installed for that signal (until :meth:`~SignalDetector.stop`).
+A handler installed outside Python (``faulthandler.register()``, a C extension) is not
+replaced: ``signal.getsignal()`` reports it as ``SIG_DFL``, so :meth:`start` reads the
+real one with ``sigaction(2)`` (ctypes, imported then) and refuses to start, naming the
+signal; ``stop()`` putting ``SIG_DFL`` back made the next such signal kill the process.
+One detector per signal: :meth:`start` refuses a second for a signal another one
+watches (the second saved the first's handler as the application's, and only one of
+them heard the signal). A handler the application installs after :meth:`start` is
+reported by :meth:`failure` and left in place by :meth:`stop`. SIGKILL, SIGSTOP,
+SIGCHLD (every child's exit) and the fault signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL) are
+refused; real-time signals are taken (``SIGRTMIN+1``, ``35``).
 
 Python runs signal handlers in the main thread between bytecodes. The handler here does
 the least possible: it notes the time and does one non-blocking ``write()`` of a byte to
@@ -59,22 +69,26 @@ __all__ = ["SignalDetector", "parse_signal"]
 log = logging.getLogger("rehydrate")
 
 
-def parse_signal(value: str | int | signal.Signals) -> signal.Signals:
-    """``"USR2"``, ``"SIGUSR2"``, ``"12"``, ``12`` or ``signal.SIGUSR2`` -> ``SIGUSR2``."""
+def parse_signal(value: str | int | signal.Signals) -> int:
+    """``"USR2"``, ``"SIGUSR2"``, ``"12"``, ``12`` or ``signal.SIGUSR2`` -> ``SIGUSR2``.
+
+    Any signal in ``signal.valid_signals()`` is taken; a real-time signal also as
+    ``"SIGRTMIN+n"`` / ``"SIGRTMAX-n"``, and it stays a plain ``int`` where
+    ``signal.Signals`` has no member for it. ``ValueError`` for a number or name of no
+    signal, ``TypeError`` for a ``bool`` (``True`` is not ``SIGHUP``)."""
     if isinstance(value, signal.Signals):
         return value
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"a signal is a name or a number, not {type(value).__name__}")
     if isinstance(value, int):
-        return signal.Signals(value)
-    parsed: signal.Signals = _config.signal_from_text(value)
-    return parsed
+        return _config.signal_number(value, value)
+    return _config.signal_from_text(value)
 
 
-def _configured_signal() -> signal.Signals:
-    # _config refuses names of no signal and of uncatchable ones, with a warning line.
-    return signal.Signals[_config.signal_name("REHYDRATE_SIGNAL")]
+def _configured_signal() -> int:
+    # _config refuses names of no signal and those refused_signal() names, with a warning.
+    return parse_signal(_config.signal_name("REHYDRATE_SIGNAL"))
 
-
-_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 STOP_WAIT = 5.0
 """Seconds :meth:`SignalDetector.stop` waits for a worker that is running a hook."""
@@ -109,8 +123,11 @@ class SignalDetector(Detector):
         window: float | None = None,
     ) -> None:
         self.signum = parse_signal(signum) if signum is not None else _configured_signal()
-        if self.signum in _UNCATCHABLE:
-            raise ValueError(f"{self.signum.name} cannot be caught")
+        refused = _config.refused_signal(self.signum)
+        if refused is not None:
+            raise ValueError(refused)
+        self.label = _config.signal_label(self.signum)
+        """The signal's name (``SIGUSR2``, ``SIGRTMIN+1``)."""
         self.kind: Literal["restore", "resume"] = (
             checked_kind(kind) if kind is not None else env_kind("REHYDRATE_SIGNAL_KIND"))
         self.window = _config.seconds(window if window is not None
@@ -118,6 +135,8 @@ class SignalDetector(Detector):
                                zero_ok=True)
         self.received = 0
         self._previous: Any = None
+        self._python_handler: int | None = None
+        """The C handler Python installed for ours (read with sigaction), if readable."""
         self._run: _Run | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -133,7 +152,7 @@ class SignalDetector(Detector):
         return Probe(True)
 
     def describe(self) -> str:
-        return f"{self.signum.name} -> {self.kind}"
+        return f"{self.label} -> {self.kind}"
 
     def start(self, engine: Engine) -> None:
         with self._lock:
@@ -142,15 +161,35 @@ class SignalDetector(Detector):
                 return
             if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError(
-                    f"cannot install a {self.signum.name} handler from thread "
+                    f"cannot install a {self.label} handler from thread "
                     f"{threading.current_thread().name!r}: Python allows signal handlers "
                     "only in the main thread; call rehydrate.start() from the main thread")
+            with _RUNNING_LOCK:
+                if any(d.signum == self.signum for d in _RUNNING if d is not self):
+                    # two handlers for one signal: the second saved the first's as the
+                    # application's, and only one of them heard the signal
+                    raise RuntimeError(
+                        f"{self.label} is already watched by another signal detector; "
+                        "give this one another signal (SignalDetector(\"SIGUSR1\"))")
+            before = _sigaction(self.signum)
+            if before is not None and _foreign(before, signal.getsignal(self.signum)):
+                raise RuntimeError(_outside_python(self.label))
             r, w = os.pipe2(os.O_CLOEXEC)
             os.set_blocking(w, False)
             run = _Run(r, w, engine)
             self._run = run
             try:
                 previous = signal.signal(self.signum, self._handler)
+                self._python_handler = _handler_address(self.signum)
+                if (before is not None and self._python_handler is not None
+                        and _handler_of(before) not in (_SIG_DFL, _SIG_IGN,
+                                                        self._python_handler)):
+                    # Python's table named a handler of its own, but one installed
+                    # outside Python had replaced it: put both back as they were
+                    signal.signal(self.signum, previous
+                                  if previous is not None else signal.SIG_DFL)
+                    _sigaction(self.signum, before)
+                    raise RuntimeError(_outside_python(self.label))
             except BaseException:
                 self._run = None
                 os.close(r)
@@ -158,18 +197,20 @@ class SignalDetector(Detector):
                 raise
             if previous not in (signal.SIG_DFL, signal.SIG_IGN, None):
                 log.warning("signal detector: replaced the application's %s handler "
-                            "(restored on stop())", self.signum.name)
+                            "(restored on stop())", self.label)
             self._previous = previous
             self._thread = threading.Thread(target=self._work, args=(run,),
                                             name="rehydrate-signal", daemon=True)
             self._thread.start()
-            _RUNNING.add(self)
+            with _RUNNING_LOCK:
+                _RUNNING.add(self)
 
     def stop(self) -> None:
         with self._lock:
             thread, self._thread = self._thread, None
             run, self._run = self._run, None
-            _RUNNING.discard(self)
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
             if thread is None or run is None:
                 return
             run.stopped = True  # a notice read from now on runs nothing
@@ -185,15 +226,37 @@ class SignalDetector(Detector):
                         "running a restore hook after %gs; it runs nothing more and ends "
                         "when the hook returns", STOP_WAIT)
 
+    def failure(self) -> str | None:
+        """The signal no longer reaches this detector: the application installed its own
+        handler after :meth:`start` (with ``signal.signal()``, or outside Python)."""
+        if self._thread is None:
+            return None
+        if signal.getsignal(self.signum) != self._handler:
+            return (f"the application replaced the {self.label} handler; {self.label} no "
+                    "longer reaches the signal detector")
+        if self._replaced_outside_python():
+            return (f"a handler installed outside Python (faulthandler.register() or a C "
+                    f"extension) replaced the {self.label} handler; {self.label} no longer "
+                    "reaches the signal detector")
+        return None
+
+    def _replaced_outside_python(self) -> bool:
+        """Whether the C handler is no longer the one Python installed for ours."""
+        ours = self._python_handler
+        return ours is not None and _handler_address(self.signum) not in (None, ours)
+
     def _restore_handler(self, *, stopping: bool) -> None:
         try:
-            if signal.getsignal(self.signum) == self._handler:
+            # A handler installed outside Python since start() stays: putting the
+            # application's Python-level one back would replace it.
+            if (signal.getsignal(self.signum) == self._handler
+                    and not self._replaced_outside_python()):
                 signal.signal(self.signum, self._previous
                               if self._previous is not None else signal.SIG_DFL)
         except (ValueError, OSError):  # not the main thread: leave the (inert) handler
             if stopping:
                 log.warning("signal detector stopped outside the main thread; the %s "
-                            "handler stays installed but does nothing", self.signum.name)
+                            "handler stays installed but does nothing", self.label)
 
     def _after_fork_in_child(self) -> None:
         """In a child of ``fork()``: the worker stayed in the parent. Forget the run
@@ -247,7 +310,7 @@ class SignalDetector(Detector):
                 self.received += len(data)
                 if run.stopped:
                     return
-                log.info("signal detector: %s received", self.signum.name)
+                log.info("signal detector: %s received", self.label)
                 try:
                     run.engine.restore_detected("signal", kind=self.kind,
                                                 since=received - self.window)
@@ -258,13 +321,78 @@ class SignalDetector(Detector):
 
 
 _RUNNING: weakref.WeakSet[SignalDetector] = weakref.WeakSet()
-"""Started signal detectors of this process, forgotten in the child after ``fork()``."""
+"""Started signal detectors of this process, forgotten in the child after ``fork()``;
+one per signal."""
+_RUNNING_LOCK = threading.Lock()
+"""Guards :data:`_RUNNING`: stop() may run on any thread."""
 
 
 def _forget_in_child() -> None:
+    global _RUNNING_LOCK
+    _RUNNING_LOCK = threading.Lock()  # a parent thread may have held it at fork()
     for detector in list(_RUNNING):
         detector._after_fork_in_child()
     _RUNNING.clear()
+
+
+# -- the kernel's view of a signal's handler -------------------------------------------
+# signal.getsignal() knows only handlers set through Python: it reports SIG_DFL (or None)
+# for one installed in C (faulthandler.register(), a C extension). sigaction(2) reads
+# the real one, through ctypes, imported only when a signal detector starts.
+
+_SIG_DFL = 0
+_SIG_IGN = 1
+_SIGACTION_SIZE = 512
+"""Bytes enough for any libc's ``struct sigaction`` (glibc's is 152 on x86-64)."""
+_libc: Any = None
+
+
+def _sigaction(signum: int, new: Any = None) -> Any:
+    """``sigaction(signum, new, &old)``: the ``struct sigaction`` in force before (a
+    ctypes buffer), or ``None`` where libc's ``sigaction`` cannot be called (the checks
+    that need it are then skipped). ``new``: a buffer this returned, to put back."""
+    global _libc
+    try:
+        import ctypes
+
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        call = _libc.sigaction
+    except (ImportError, OSError, AttributeError):
+        return None
+    old = ctypes.create_string_buffer(_SIGACTION_SIZE)
+    if call(signum, new, old) != 0:
+        return None
+    return old
+
+
+def _handler_of(action: Any) -> int:
+    """``sa_handler`` of a ``struct sigaction`` read by :func:`_sigaction` (its first
+    member, except on MIPS, where ``sa_flags`` comes first)."""
+    import ctypes
+    import platform
+
+    offset = ctypes.sizeof(ctypes.c_void_p) if platform.machine().startswith("mips") else 0
+    return ctypes.c_void_p.from_buffer(action, offset).value or _SIG_DFL
+
+
+def _handler_address(signum: int) -> int | None:
+    action = _sigaction(signum)
+    return None if action is None else _handler_of(action)
+
+
+def _foreign(action: Any, python_handler: object) -> bool:
+    """A C handler in force while Python's table names none of its own (SIG_DFL, SIG_IGN
+    or None): installed outside Python."""
+    return (_handler_of(action) not in (_SIG_DFL, _SIG_IGN)
+            and not callable(python_handler))
+
+
+def _outside_python(label: str) -> str:
+    other = "SIGUSR1" if label != "SIGUSR1" else "SIGUSR2"
+    return (f"{label} has a handler installed outside Python (faulthandler.register() or a "
+            f"C extension), which the signal detector will not replace; choose another "
+            f"signal (REHYDRATE_SIGNAL={other.removeprefix('SIG')})")
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

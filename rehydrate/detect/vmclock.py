@@ -15,7 +15,10 @@ waiting. Otherwise (older kernels return ``POLLHUP``; a regular file is always
 "readable") it re-reads the 112-byte structure every ``interval`` seconds (default 0.5).
 
 Configuration: ``REHYDRATE_VMCLOCK_PATH`` (default ``/dev/vmclock0``),
-``REHYDRATE_VMCLOCK_INTERVAL``.
+``REHYDRATE_VMCLOCK_INTERVAL``. A regular file standing in for the device (tests, a
+wrapper that mirrors the page) must be rewritten in place: the detector keeps the one
+descriptor it opened, as it does the device's, so a file replaced by rename (write a
+temporary file, then ``os.replace()``) is never read again.
 """
 
 from __future__ import annotations
@@ -179,6 +182,10 @@ class VmClockDetector(Detector):
         self._thread: DetectorThread | None = None
         self._wake_r: int | None = None
         self._wake_w: int | None = None
+        self._fd: int | None = None
+        """The device descriptor the thread reads (it closes it when it ends)."""
+        self._pid = 0
+        """The process that started the thread (a child of fork() has not got it)."""
         self._lock = threading.Lock()
         # a parent thread may hold it at fork() (a start() or stop()): the child's start()
         # of an installed instance waited for it for ever
@@ -230,6 +237,7 @@ class VmClockDetector(Detector):
             if self._thread is not None and self._thread.alive:
                 refuse_another_engine(self, self._engine, engine)
                 return
+            self._forget_parents()  # started directly in a child, not through an engine
             why = self._probe_path(self.path)
             if why is not None:
                 raise RuntimeError(why)
@@ -249,12 +257,33 @@ class VmClockDetector(Detector):
                     os.close(old)
             self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             self.mode = "poll" if notify else "interval"
+            self._fd, self._pid = fd, os.getpid()
             self._thread = DetectorThread("rehydrate-vmclock",
                                           lambda stop: self._loop(stop, fd))
             self._thread.start()
 
+    def forget_in_child(self) -> None:
+        with self._lock:
+            self._forget_parents()
+
+    def _forget_parents(self) -> None:
+        """In a child of fork(): the thread is the parent's; close this process's copies
+        of its device descriptor and wake-up pipe (kept open for the child's life)."""
+        if self._pid in (0, os.getpid()):
+            return
+        for fd in (self._fd, self._wake_r, self._wake_w):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._wake_r = self._wake_w = None
+        self._thread, self._pid, self.mode = None, 0, "stopped"
+
     def stop(self) -> None:
         with self._lock:
+            if self._pid not in (0, os.getpid()):
+                # a child of fork() (an inherited shutdown handler): nothing to wake here
+                self._forget_parents()
+                return
             thread, self._thread = self._thread, None
             if thread is not None:
                 thread.stop_event.set()
@@ -328,6 +357,11 @@ class VmClockDetector(Detector):
                     self._report(previous, gen, since=max(last, time.monotonic() - DEFAULT_WINDOW))
                 last = time.monotonic()
         finally:
+            # Forgotten while still open, so that no other descriptor has its number: a
+            # child forked later must not close that one as the device's copy.
+            with self._lock:
+                if self._fd == fd:
+                    self._fd = None
             os.close(fd)
 
     def _report(self, previous: int | None, gen: int, since: float) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from detect_helpers import Recorder, recorded_reports, slow_restore_hook, wait_for
@@ -102,6 +105,98 @@ def test_signal_listed_twice_starts_once_and_stop_gives_the_handler_back(
         app.gets_the_signal_back()
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["one-start", "later-start"])
+@pytest.mark.parametrize("first", ["key", "instance"])
+def test_a_second_detector_on_a_watched_signal_is_refused(rehydrate_engine, caplog, first,
+                                                          later):
+    """``start(["signal", SignalDetector()])`` started both on SIGUSR2: the second saved
+    the first's handler as the application's, only one heard the signal, and after
+    ``stop()`` an inert detector handler swallowed SIGUSR2 for good."""
+    with _AppHandler(signal.SIGUSR2) as app:
+        one: str | SignalDetector = "signal" if first == "key" else SignalDetector(window=0)
+        second = SignalDetector(window=0)
+        with caplog.at_level(logging.ERROR, logger="rehydrate"):
+            if later:
+                rehydrate_engine.start("none")
+            assert rehydrate_engine.start([one, second]) == ["signal"]
+        (running,) = rehydrate_engine._detectors
+        assert running is not second
+        error = ("SIGUSR2 is already watched by another signal detector; give this one "
+                 "another signal (SignalDetector(\"SIGUSR1\"))")
+        assert rehydrate_engine.status().extra["detector_errors"] == {"signal": error}
+        assert [r.getMessage() for r in caplog.records] == [
+            f"detector signal could not start: {error}"]
+        assert signal.getsignal(signal.SIGUSR2) == running._handler
+        rehydrate_engine.stop()
+        app.gets_the_signal_back()
+
+
+class _FaultHandlerDump:
+    """``faulthandler.register(signum)`` into a file (a handler installed outside Python,
+    which ``signal.getsignal()`` does not see) while the ``with`` block runs."""
+
+    def __init__(self, signum: int, path: Path) -> None:
+        self.signum = signum
+        self.path = path
+
+    def __enter__(self) -> _FaultHandlerDump:
+        self.file = self.path.open("w+")
+        faulthandler.register(self.signum, file=self.file, chain=False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        faulthandler.unregister(self.signum)
+        self.file.close()
+
+    def still_dumps(self) -> None:
+        """The signal still dumps the stacks (it killed the process when SIG_DFL had been
+        put in its place)."""
+        os.kill(os.getpid(), self.signum)
+        wait_for(lambda: "most recent call first" in self.path.read_text(),
+                 what="faulthandler's dump")
+
+
+@pytest.mark.parametrize("python_handler", [False, True], ids=["alone", "over-python's"])
+def test_a_handler_installed_outside_python_is_not_replaced(rehydrate_engine, tmp_path,
+                                                            python_handler):
+    """``faulthandler.register(SIGUSR1)`` (getsignal() says SIG_DFL) was replaced without
+    a word, and ``stop()`` then installed SIG_DFL: the next SIGUSR1 killed the process."""
+    with _AppHandler(signal.SIGUSR1) if python_handler else contextlib.nullcontext(), \
+            _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump") as dump:
+        before = signal.getsignal(signal.SIGUSR1)
+        assert rehydrate_engine.start([SignalDetector("USR1")]) == []
+        assert rehydrate_engine.status().extra["detector_errors"] == {"signal": (
+            "SIGUSR1 has a handler installed outside Python (faulthandler.register() or a "
+            "C extension), which the signal detector will not replace; choose another "
+            "signal (REHYDRATE_SIGNAL=USR2)")}
+        rehydrate_engine.stop()
+        assert signal.getsignal(signal.SIGUSR1) == before
+        dump.still_dumps()
+
+
+def test_failure_reports_a_handler_the_application_installed_later(rehydrate_engine,
+                                                                   tmp_path):
+    """A handler installed after start() silently disabled the detector, status() still
+    listing it as watching; one installed outside Python was then replaced by stop()."""
+    det = SignalDetector("USR1")
+    with _AppHandler(signal.SIGUSR1):
+        rehydrate_engine.start([det])
+        assert det.failure() is None
+        with _AppHandler(signal.SIGUSR1):
+            assert rehydrate_engine.status().extra["detector_errors"] == {"signal": (
+                "the application replaced the SIGUSR1 handler; SIGUSR1 no longer reaches "
+                "the signal detector")}
+        assert det.failure() is None  # its own is back
+        with _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump") as dump:
+            assert det.failure() == (
+                "a handler installed outside Python (faulthandler.register() or a C "
+                "extension) replaced the SIGUSR1 handler; SIGUSR1 no longer reaches the "
+                "signal detector")
+            rehydrate_engine.stop()
+            dump.still_dumps()  # stop() left it in place
+        assert det.failure() is None  # stopped
+
+
 @pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
 def test_two_signal_detectors_on_different_signals_both_start(rehydrate_engine, caplog, later):
     """``start([SignalDetector("SIGUSR1", ...), SignalDetector("SIGUSR2", ...)])`` started
@@ -164,6 +259,40 @@ def test_parsing_and_configuration(monkeypatch):
     for uncatchable in ("SIGKILL", "9", "STOP"):  # a setting: a warning, not a crash
         monkeypatch.setenv("REHYDRATE_SIGNAL", uncatchable)
         assert SignalDetector().signum is signal.SIGUSR2
+
+
+def test_real_time_signals_are_taken_and_bool_and_unwatchable_signals_refused(
+        rehydrate_engine, monkeypatch):
+    """Real-time signals (which supervisors use) were "unknown signal '35'"; ``True``
+    was SIGHUP; SIGCHLD (every child's exit) and SIGSEGV were taken."""
+    rt1 = signal.SIGRTMIN + 1
+    assert parse_signal(str(rt1)) == parse_signal("SIGRTMIN+1") == parse_signal(rt1) == rt1
+    assert parse_signal("rtmax-1") == signal.SIGRTMAX - 1
+    assert parse_signal("RTMIN") is signal.SIGRTMIN
+    for bad in ("0", "999", "RTMIN+999", "12.0"):
+        with pytest.raises(ValueError, match="unknown signal"):
+            parse_signal(bad)
+    with pytest.raises(TypeError, match="not bool"):
+        parse_signal(True)
+    with pytest.raises(TypeError, match="not bool"):
+        SignalDetector(True)
+    for refused, why in (("CHLD", "SIGCHLD is sent whenever a child process ends"),
+                         ("SEGV", "SIGSEGV is a fault signal"), ("9", "SIGKILL cannot")):
+        with pytest.raises(ValueError, match=why):
+            SignalDetector(refused)
+    monkeypatch.setenv("REHYDRATE_SIGNAL", "RTMIN+1")
+    det = SignalDetector(window=0)
+    assert (det.signum, det.describe()) == (rt1, "SIGRTMIN+1 -> restore")
+    rec = Recorder(rehydrate_engine)
+    old = signal.getsignal(rt1)
+    try:
+        assert rehydrate_engine.start([det]) == ["signal"]
+        os.kill(os.getpid(), rt1)
+        assert rec.wait(1)[0]["reason"] == "signal"
+        rehydrate_engine.stop()
+        assert signal.getsignal(rt1) == old
+    finally:
+        signal.signal(rt1, old)
 
 
 def test_off_unless_asked_for():
