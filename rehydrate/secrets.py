@@ -13,8 +13,10 @@ Reading:
 * ``secret.get()`` returns a ``bytes`` **copy**. rehydrate cannot wipe that copy (Python
   ``bytes`` are immutable): drop it quickly, and prefer the context manager;
 * ``with secret as view:`` (or ``with secret.view() as view``) yields a ``memoryview`` of
-  the buffer itself — no copy. A wipe waits (up to ``wipe_wait`` seconds) for open views
-  to close (in a child of ``fork()``, only for those of the thread that forked).
+  the buffer itself — no copy. ``with secret:`` pairs exits with entries per context
+  (thread or ``asyncio`` task); generators interleaving in one context use ``view()``.
+  A wipe waits (up to ``wipe_wait`` seconds) for open views to close (in a child of
+  ``fork()``, only for those of the thread that forked).
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
@@ -49,6 +51,7 @@ into a buffer rehydrate keeps (and wipes on close) — so they are in snapshot i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import threading
@@ -465,12 +468,21 @@ class Secret:
     def __enter__(self) -> memoryview:
         cm = self.view()
         mv = cm.__enter__()
-        stack: list[Any] = self._local.__dict__.setdefault("cms", [])
-        stack.append(cm)
+        # Per context, not per thread: asyncio tasks interleave on one thread, and with a
+        # thread's stack a task leaving its block closed the view another task held.
+        _entered.set((*_entered.get(), (self, cm)))
         return mv
 
     def __exit__(self, *exc: object) -> None:
-        cm = self._local.__dict__["cms"].pop()
+        stack = _entered.get()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is self:
+                break
+        else:
+            raise RuntimeError(f"secret {self.name!r}: __exit__ without a matching "
+                               "__enter__ in this context")
+        cm = stack[i][1]
+        _entered.set(stack[:i] + stack[i + 1:])
         cm.__exit__(None, None, None)
 
     def _forms(self) -> frozenset[str]:
@@ -516,6 +528,13 @@ class Secret:
         if buf is not None:
             with contextlib.suppress(Exception):  # at interpreter exit globals may be gone
                 _zero(buf)
+
+
+_entered: contextvars.ContextVar[tuple[tuple[Secret, contextlib.AbstractContextManager[
+    memoryview]], ...]] = contextvars.ContextVar("rehydrate_secret_views", default=())
+"""The views ``with secret:`` opened in this context, innermost last: each asyncio task
+(and each thread) has its own, so its ``__exit__`` closes its own view. Immutable tuples:
+a task's context is a copy of its creator's, and a list would be shared by both."""
 
 
 class _Reads:
