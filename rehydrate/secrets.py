@@ -22,7 +22,9 @@ Reading:
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
-:class:`SecretUnavailable` at once (``on_wiped="raise"``). ``repr`` and ``str`` never show
+:class:`SecretUnavailable` at once (``on_wiped="raise"``) — at once also from a restore
+hook that runs before the secret's reload (an earlier phase, or ``SECRETS`` with an order
+below -200): that run starts the reload only after the hook returns. ``repr`` and ``str`` never show
 the value.
 
 Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a failed reload
@@ -68,7 +70,7 @@ from ._files import read_regular
 from ._hooks import Hook, Phase
 from ._redact import replace_forms, value_forms
 from ._threads import fresh_lock_after_fork
-from .extensions import Probe, add_redactor, resolve_engine
+from .extensions import Probe, add_redactor, resolve_engine, running_before
 
 if TYPE_CHECKING:
     from ._context import Report, RestoreContext
@@ -445,6 +447,17 @@ class Secret:
         """Called with the lock held: the buffer, waiting or raising per ``on_wiped``."""
         if self._buf is None:
             # "wiped…": a reload is coming (never for a closed secret: its reason says so)
+            if self._reason.startswith("wiped") and self._hooks:
+                early = running_before(self._hooks[0])
+                if early is not None:  # the reload comes only once this hook returns
+                    reload = self._hooks[0]
+                    raise SecretUnavailable(
+                        f"secret {self.name!r} is unavailable to hook {early.name!r} "
+                        f"(phase {early.phase}, order {early.order}): it is wiped until "
+                        f"its reload {reload.name!r} (phase {reload.phase}, order "
+                        f"{reload.order}), which this run starts only after that hook "
+                        f"returns; read it from a hook of a later phase, or of phase "
+                        f"{reload.phase} with a higher order")
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
                 deadline = time.monotonic() + self.timeout
                 while self._buf is None and self._reason.startswith("wiped"):

@@ -9,6 +9,8 @@ import threading
 
 import pytest
 
+from rehydrate import Phase
+from rehydrate.extensions import running_before
 from rehydrate.secrets import Secret, SecretUnavailable
 
 
@@ -178,3 +180,71 @@ def test_a_view_still_open_at_wipe_wait_is_wiped_under_with_one_warning(rehydrat
     assert [r.getMessage() for r in caplog.records if "still hold" in r.getMessage()] == [
         "secret tok: 1 reader(s) still hold a view; wiping under them"]
     assert s._readers == 0 and not s._retiring
+
+
+@pytest.mark.parametrize(("phase", "order", "is_async"), [
+    (Phase.ENVIRONMENT, 0, False), (Phase.ENTROPY, 0, True), (Phase.SECRETS, -300, False)])
+def test_a_restore_hook_that_runs_before_the_secret_s_reload_fails_at_once(
+        rehydrate_engine, phase, order, is_async):
+    """Before: the read blocked ``timeout`` seconds (10 by default) for a reload that
+    this run could start only after the reading hook returned, then failed with
+    "wiped before a snapshot; reloaded after restore/resume"."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", timeout=60,
+                             engine=rehydrate_engine)
+    got: list[bytes] = []
+
+    if is_async:
+        async def early() -> None:
+            got.append(s.get())
+    else:
+        def early() -> None:
+            got.append(s.get())
+
+    @rehydrate_engine.registry.after_restore(phase=Phase.SECRETS, name="later")
+    def later() -> None:  # order 0: after the reload (order -200)
+        got.append(s.get())
+
+    rehydrate_engine.registry.after_restore(early, phase=phase, order=order, name="early",
+                                            timeout=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    outcomes = {h.name: h.outcome for h in report.hooks}
+    assert outcomes["early"] == "failed" and outcomes["rehydrate.secret:tok"] == "ok"
+    [error] = [h.error for h in report.hooks if h.name == "early"]
+    assert str(error) == (
+        f"secret 'tok' is unavailable to hook 'early' (phase {phase}, order {order}): it "
+        "is wiped until its reload 'rehydrate.secret:tok' (phase secrets, order -200), "
+        "which this run starts only after that hook returns; read it from a hook of a "
+        "later phase, or of phase secrets with a higher order")
+    assert got == [b"token-value-0123"]  # the later hook reads the reloaded value
+
+
+def test_running_before_names_the_running_hook_only_while_its_run_waits_for_it(
+        rehydrate_engine):
+    """What a hook may wait for from a later hook of its run: that later hook runs only
+    once it has returned — unless the run gave up on it at its timeout and went on."""
+    registry = rehydrate_engine.registry
+    seen: dict[str, object] = {}
+    go, noted = threading.Event(), threading.Event()
+
+    def last() -> None:
+        seen["last"] = running_before(last_hook)
+
+    def first() -> None:
+        seen["first"] = running_before(last_hook)
+
+    def hung() -> None:
+        go.wait(30)
+        seen["hung"] = running_before(last_hook)
+        noted.set()
+
+    first_hook = registry.register(first, phase=Phase.ENVIRONMENT, name="first")
+    registry.register(hung, phase=Phase.ENTROPY, name="hung", timeout=0.1)
+    last_hook = registry.register(last, phase=Phase.APPLICATION, name="last")
+    assert running_before(last_hook) is None  # outside hooks
+    outcomes = [h.outcome for h in rehydrate_engine.simulate_restore().hooks
+                if h.name in ("first", "hung", "last")]
+    assert outcomes == ["ok", "timeout", "ok"]
+    go.set()
+    assert noted.wait(10)
+    assert seen == {"first": first_hook, "hung": None, "last": None}
