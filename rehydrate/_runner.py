@@ -65,11 +65,14 @@ class HookCall:
     context (an ``asyncio`` task, a thread given ``copy_context()``) holds the same object,
     so it is not taken for the hook once the hook has returned."""
 
-    __slots__ = ("runner", "running")
+    __slots__ = ("index", "job", "runner", "running")
 
-    def __init__(self, runner: object) -> None:
+    def __init__(self, runner: object, job: _Progress | None = None, index: int = -1) -> None:
         self.running = True
         self.runner = runner
+        self.job = job
+        """The run it is part of, and its place there (:func:`running_before`)."""
+        self.index = index
 
 
 hook_call: contextvars.ContextVar[HookCall | None] = contextvars.ContextVar(
@@ -88,9 +91,24 @@ def running_hook_of(runner: object) -> bool:
     return call is not None and call.running and call.runner is runner
 
 
+def running_before(hook: Hook) -> Hook | None:
+    """The hook running in this context when ``hook`` comes later in that same run: the
+    hooks of a run run one after another, so nothing ``hook`` does can happen before the
+    running one returns. None outside hooks, when ``hook`` is not in the run or has
+    started, and for a hook its run gave up on at its timeout (the run went on)."""
+    call = hook_call.get()
+    job = call.job if call is not None and call.running else None
+    if call is None or job is None or job.abandoned:
+        return None
+    hooks = job.hooks
+    if any(h is hook for h in hooks[call.index + 1:]):
+        return hooks[call.index]
+    return None
+
+
 @contextlib.contextmanager
-def _calling_hook(runner: object) -> Iterator[None]:
-    call = HookCall(runner)
+def _calling_hook(runner: object, job: _Progress, index: int) -> Iterator[None]:
+    call = HookCall(runner, job, index)
     token = hook_call.set(call)
     try:
         yield
@@ -515,7 +533,7 @@ class HookRunner:
             job.begin(index, hook.timeout)
             began = job.started
             try:
-                with _calling_hook(self):
+                with _calling_hook(self, job, index):
                     value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
                     if inspect.isawaitable(value):  # a plain callable returned a coroutine
                         job.begin(index, hook.timeout, grace=ASYNC_GRACE)
@@ -634,7 +652,7 @@ class HookRunner:
             # cancelled at its own timeout or the run's deadline, whichever comes first
             watchdog.arm(max(0.0, min(hook.timeout, job.time_left())))
             try:
-                with _calling_hook(self):
+                with _calling_hook(self, job, index):
                     await (hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn())
                 outcome, error = "ok", None
             except asyncio.CancelledError as exc:

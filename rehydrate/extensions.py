@@ -38,6 +38,7 @@ from ._threads import fresh_lock_after_fork
 if TYPE_CHECKING:
     import asyncio
 
+    from ._hooks import Hook
     from ._lifecycle import Lifecycle
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "loop_blocked",
     "redact",
     "resolve_engine",
+    "running_before",
     "shown",
 ]
 
@@ -142,4 +144,17 @@ def in_hook() -> bool:
 
     call = hook_call.get()
     return call is not None and call.running
+
+
+def running_before(hook: Hook) -> Hook | None:
+    """The hook running in this context (its thread or task, and what it starts with its
+    context until it returns) when ``hook`` comes later in that hook's run: the hooks of a
+    run run one after another, so nothing ``hook`` does — a reload it makes — can happen
+    before the running hook returns, and waiting for it from there only times out. None
+    outside hooks, when ``hook`` is not in the running hook's run or has started, and in
+    a hook its run gave up on at its timeout (the run went on without it). A secret read
+    by a restore hook that runs before the secret's own reload fails at once with it."""
+    from ._runner import running_before as before
+
+    return before(hook)
 

@@ -13,12 +13,18 @@ Reading:
 * ``secret.get()`` returns a ``bytes`` **copy**. rehydrate cannot wipe that copy (Python
   ``bytes`` are immutable): drop it quickly, and prefer the context manager;
 * ``with secret as view:`` (or ``with secret.view() as view``) yields a ``memoryview`` of
-  the buffer itself — no copy. A wipe waits (up to ``wipe_wait`` seconds) for open views
-  to close (in a child of ``fork()``, only for those of the thread that forked).
+  the buffer itself — no copy. ``with secret:`` pairs exits with entries per context
+  (thread or ``asyncio`` task); generators interleaving in one context use ``view()``.
+  A wipe takes the value away first (new reads block or raise as while wiped), then
+  waits up to ``wipe_wait`` seconds for the views open on that buffer to close before
+  zeroing it (in a child of ``fork()``, only for those of the thread that forked); a
+  reload waits only for the views of the value it replaced.
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
-:class:`SecretUnavailable` at once (``on_wiped="raise"``). ``repr`` and ``str`` never show
+:class:`SecretUnavailable` at once (``on_wiped="raise"``) — at once also from a restore
+hook that runs before the secret's reload (an earlier phase, or ``SECRETS`` with an order
+below -200): that run starts the reload only after the hook returns. ``repr`` and ``str`` never show
 the value.
 
 Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a failed reload
@@ -49,6 +55,7 @@ into a buffer rehydrate keeps (and wipes on close) — so they are in snapshot i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import threading
@@ -63,7 +70,7 @@ from ._files import read_regular
 from ._hooks import Hook, Phase
 from ._redact import replace_forms, value_forms
 from ._threads import fresh_lock_after_fork
-from .extensions import Probe, add_redactor, resolve_engine
+from .extensions import Probe, add_redactor, resolve_engine, running_before
 
 if TYPE_CHECKING:
     from ._context import Report, RestoreContext
@@ -172,8 +179,14 @@ class Secret:
         may still hold and quote the old value until it is refreshed. Kept only until the
         end of the run that rotated it (:meth:`SecretsManager._run_ended`), or the next
         wipe or close; never across a snapshot."""
-        self._readers = 0
-        """Open views of the value (a wipe or reload waits for them), of every thread."""
+        self._views: dict[int, int] = {}
+        """Open views by buffer (``id``: a buffer with an open view is alive, held by the
+        view), of every thread: a wipe or reload waits only for those of the buffer it
+        retires, not for views of the value that replaced it."""
+        self._retiring: dict[int, bytearray] = {}
+        """Buffers taken out of ``_buf`` (no new view of them opens) whose open views have
+        not all closed yet: the last view to close zeroes one, or its retirer does at
+        ``wipe_wait``."""
         self._local = threading.local()
         self._epoch = object()  # new in a forked child: the parent threads' views stay out
         # A parent thread may hold the lock at fork() or have a view open: in the child
@@ -338,6 +351,11 @@ class Secret:
                 # record, not name: a user hook named like this one is not this secret's.
                 if self._hooks:
                     engine.recovered(self._hooks[0], since=began)
+                if old is not None:
+                    # In this block: a wipe that comes meanwhile finds it retiring and
+                    # waits for it too, so no pass returns with the old value unzeroed.
+                    self._retire(old, every=False,
+                                 what="a view of the previous value; wiping it under them")
         if pending:
             _zero(fresh)
             why = _CLOSED if closed else _RESTORED if restored else _PENDING
@@ -345,13 +363,6 @@ class Secret:
             if raise_errors and not created_pending:
                 raise SecretError(f"secret {self.name!r}: {why}")
             return False
-        if old is not None:
-            with self._cond:  # like wipe(): views of the old value may still be open
-                if self._readers and not self._cond.wait_for(lambda: self._readers == 0,
-                                                             self.wipe_wait):
-                    log.warning("secret %s: %d reader(s) still hold a view of the previous "
-                                "value; wiping it under them", self.name, self._readers)
-            _zero(old)
         return True
 
     def reload(self) -> bool:
@@ -372,19 +383,59 @@ class Secret:
         return ok
 
     def wipe(self) -> None:
-        """Overwrite the value with zeros now (waits up to ``wipe_wait`` s for open views)."""
+        """Overwrite the value with zeros now: it is taken away first (a read from then on
+        blocks or raises per ``on_wiped``), then zeroed once the views open on it have
+        closed, waiting up to ``wipe_wait`` s for them. Returns once no buffer of this
+        secret holds a value (one a reload is retiring included)."""
         with self._cond:
-            if self._readers and not self._cond.wait_for(lambda: self._readers == 0,
-                                                         self.wipe_wait):
-                log.warning("secret %s: %d reader(s) still hold a view; wiping under them",
-                            self.name, self._readers)
             buf, self._buf = self._buf, None
             self._form_cache = None
             self._previous_forms = frozenset()
             self._reason = _CLOSED if self._closed else _WIPED
             self._cond.notify_all()  # after close(), blocked readers fail now, not at timeout
+            self._retire(buf, every=True, what="a view; wiping under them")
+
+    def _retire(self, buf: bytearray | None, *, every: bool, what: str) -> None:
+        """With the lock held and ``buf`` out of ``_buf`` (no new view of it opens): zero
+        it once its open views have closed, waiting up to ``wipe_wait`` for them and then
+        zeroing it under them (one warning). ``every``: wait for (and zero) the buffers
+        other calls are retiring too."""
+        if buf is not None:
+            if self._views.get(id(buf)):
+                self._retiring[id(buf)] = buf
+            else:
+                _zero(buf)
+
+        def done() -> bool:
+            return not self._retiring if every else (
+                buf is None or id(buf) not in self._retiring)
+
+        if done() or self._cond.wait_for(done, self.wipe_wait):
+            return
+        left = (list(self._retiring.items()) if every or buf is None
+                else [(id(buf), buf)])
+        log.warning("secret %s: %d reader(s) still hold %s", self.name,
+                    sum(self._views.get(k, 0) for k, _ in left), what)
+        for k, b in left:
+            del self._retiring[k]
+            _zero(b)
+
+    def _view_closed(self, key: int) -> None:
+        """With the lock held: one view of buffer ``key`` closed; the last one of a
+        retiring buffer zeroes it."""
+        n = self._views.get(key, 0) - 1
+        if n > 0:
+            self._views[key] = n
+            return
+        self._views.pop(key, None)
+        buf = self._retiring.pop(key, None)
         if buf is not None:
             _zero(buf)
+
+    @property
+    def _readers(self) -> int:
+        """Open views of every buffer, counted in this process."""
+        return sum(self._views.values())
 
     @property
     def available(self) -> bool:
@@ -396,6 +447,17 @@ class Secret:
         """Called with the lock held: the buffer, waiting or raising per ``on_wiped``."""
         if self._buf is None:
             # "wiped…": a reload is coming (never for a closed secret: its reason says so)
+            if self._reason.startswith("wiped") and self._hooks:
+                early = running_before(self._hooks[0])
+                if early is not None:  # the reload comes only once this hook returns
+                    reload = self._hooks[0]
+                    raise SecretUnavailable(
+                        f"secret {self.name!r} is unavailable to hook {early.name!r} "
+                        f"(phase {early.phase}, order {early.order}): it is wiped until "
+                        f"its reload {reload.name!r} (phase {reload.phase}, order "
+                        f"{reload.order}), which this run starts only after that hook "
+                        f"returns; read it from a hook of a later phase, or of phase "
+                        f"{reload.phase} with a higher order")
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
                 deadline = time.monotonic() + self.timeout
                 while self._buf is None and self._reason.startswith("wiped"):
@@ -433,8 +495,9 @@ class Secret:
             mine = self._local.__dict__["reads"] = _Reads(self._epoch)
         with self._cond:
             buf = self._wait()
-            self._readers += 1
-            mine.open += 1
+            key = id(buf)
+            self._views[key] = self._views.get(key, 0) + 1
+            mine.open[key] = mine.open.get(key, 0) + 1
         mv = memoryview(buf).toreadonly()
         try:
             yield mv
@@ -446,8 +509,11 @@ class Secret:
             # collection (after _own_readers_only() counted it out) — never counted down.
             if mine.epoch is self._epoch and mine.pid == os.getpid():
                 with self._cond:
-                    self._readers -= 1
-                    mine.open -= 1
+                    self._view_closed(key)
+                    if mine.open[key] > 1:
+                        mine.open[key] -= 1
+                    else:
+                        del mine.open[key]
                     self._cond.notify_all()
 
     def _own_readers_only(self) -> None:
@@ -457,20 +523,35 @@ class Secret:
         self._epoch = object()
         mine = self._local.__dict__.get("reads")
         if mine is None:
-            self._readers = 0
-            return
-        mine.epoch, mine.pid = self._epoch, os.getpid()
-        self._readers = mine.open
+            self._views = {}
+        else:
+            mine.epoch, mine.pid = self._epoch, os.getpid()
+            self._views = dict(mine.open)
+        # A buffer a parent thread was retiring: that thread is not here to zero it. One
+        # this thread still views is zeroed when that view closes.
+        for k, b in list(self._retiring.items()):
+            if not self._views.get(k):
+                del self._retiring[k]
+                _zero(b)
 
     def __enter__(self) -> memoryview:
         cm = self.view()
         mv = cm.__enter__()
-        stack: list[Any] = self._local.__dict__.setdefault("cms", [])
-        stack.append(cm)
+        # Per context, not per thread: asyncio tasks interleave on one thread, and with a
+        # thread's stack a task leaving its block closed the view another task held.
+        _entered.set((*_entered.get(), (self, cm)))
         return mv
 
     def __exit__(self, *exc: object) -> None:
-        cm = self._local.__dict__["cms"].pop()
+        stack = _entered.get()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is self:
+                break
+        else:
+            raise RuntimeError(f"secret {self.name!r}: __exit__ without a matching "
+                               "__enter__ in this context")
+        cm = stack[i][1]
+        _entered.set(stack[:i] + stack[i + 1:])
         cm.__exit__(None, None, None)
 
     def _forms(self) -> frozenset[str]:
@@ -512,21 +593,29 @@ class Secret:
     def __del__(self) -> None:
         # Dropped without close(): the buffer would stay in freed heap memory — and in
         # every snapshot image taken later. (No locks here: nobody else holds the object.)
-        buf = getattr(self, "_buf", None)
-        if buf is not None:
-            with contextlib.suppress(Exception):  # at interpreter exit globals may be gone
-                _zero(buf)
+        bufs = [getattr(self, "_buf", None), *getattr(self, "_retiring", {}).values()]
+        for buf in bufs:
+            if buf is not None:
+                with contextlib.suppress(Exception):  # at interpreter exit globals may be gone
+                    _zero(buf)
+
+
+_entered: contextvars.ContextVar[tuple[tuple[Secret, contextlib.AbstractContextManager[
+    memoryview]], ...]] = contextvars.ContextVar("rehydrate_secret_views", default=())
+"""The views ``with secret:`` opened in this context, innermost last: each asyncio task
+(and each thread) has its own, so its ``__exit__`` closes its own view. Immutable tuples:
+a task's context is a copy of its creator's, and a list would be shared by both."""
 
 
 class _Reads:
-    """One thread's open views of a secret, and the process they count in. Not the
-    thread-local dict itself: a view's generator holding that dict would make a cycle,
+    """One thread's open views of a secret by buffer, and the process they count in. Not
+    the thread-local dict itself: a view's generator holding that dict would make a cycle,
     keeping a dead thread's views open until a garbage collection."""
 
     __slots__ = ("epoch", "open", "pid")
 
     def __init__(self, epoch: object) -> None:
-        self.open = 0
+        self.open: dict[int, int] = {}
         self.epoch = epoch
         self.pid = os.getpid()
 

@@ -292,6 +292,39 @@ def test_a_secret_view_of_the_forking_thread_stays_counted_in_the_child(
     assert out == {"readers": 1, "after": 0, "ok": True}
 
 
+def test_a_child_forked_while_a_parent_thread_retires_a_secret_value_zeroes_it(
+        engine: Lifecycle) -> None:
+    """A reload waiting for a parent thread's view of the value it replaced at fork():
+    neither thread is in the child, so nothing there would zero that buffer, and the
+    child's wipe would wait ``wipe_wait`` for it. It is zeroed in the fork."""
+    from rehydrate import secrets
+
+    values = iter([b"first-value", b"second-value", b"third-value"])
+    secret = secrets.Secret.from_callable(lambda: next(values), name="token",
+                                          wipe_wait=60.0, engine=engine)
+    old = secret._buf
+    assert old is not None
+    release, reader = _held_by_a_parent_thread(secret.view)
+    reloading = threading.Thread(target=secret.reload, daemon=True)
+    reloading.start()
+    try:
+        with secret._cond:  # swapped, then waiting for the parent thread's view
+            assert secret._cond.wait_for(lambda: secret._buf is not old, DEADLINE)
+
+        def child() -> dict:  # type: ignore[type-arg]
+            zeroed = not any(old)
+            secret.wipe()
+            return {"zeroed": zeroed, "ok": engine.simulate_snapshot().ok}
+
+        out = in_forked_child(child, DEADLINE)
+    finally:
+        release.set()
+        reader.join(DEADLINE)
+        reloading.join(DEADLINE)
+    assert out == {"zeroed": True, "ok": True}
+    assert not any(old)  # in the parent, once the view closed
+
+
 @pytest.mark.parametrize("which", ["instruments", "exporter"])
 def test_a_child_forked_while_a_parent_thread_holds_a_telemetry_lock_records_its_events(
         engine: Lifecycle, which: str) -> None:

@@ -30,7 +30,7 @@ EXTENSIONS_API = [
     "BEFORE_USER_HOOKS", "DEFAULT_EXTENSIONS", "Engine", "Extension", "MAX_SECONDS", "Probe",
     "add_redactor", "check_seconds", "default_engine", "default_registry",
     "fresh_lock_after_fork", "in_hook", "load_extension", "loop_blocked", "redact",
-    "resolve_engine", "shown",
+    "resolve_engine", "running_before", "shown",
 ]
 
 # Modules the docs tell users to import; each declares its public names in __all__.

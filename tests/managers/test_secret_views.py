@@ -1,0 +1,250 @@
+"""Secret views: ``with secret:`` per context, wipes and reloads that wait only for the
+views of the buffer they retire, and reads that no reload can serve in time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from rehydrate import Phase
+from rehydrate.extensions import running_before
+from rehydrate.secrets import Secret, SecretUnavailable
+
+
+def test_with_secret_in_overlapping_asyncio_tasks_closes_each_task_s_own_view(
+        rehydrate_engine):
+    """The views ``with secret:`` opened were kept per thread: task A leaving its block
+    while task B (same thread) was inside its own closed B's view ("operation forbidden
+    on released memoryview object")."""
+    s = Secret.from_callable(lambda: b"token-value-1234", name="tok",
+                             engine=rehydrate_engine)
+
+    async def main() -> bytes:
+        a_in, b_in, a_out = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def a() -> None:
+            with s:
+                a_in.set()
+                await b_in.wait()
+            a_out.set()
+
+        async def b() -> bytes:
+            await a_in.wait()
+            with s as view:
+                b_in.set()
+                await a_out.wait()  # A left its block while B is inside its own
+                return bytes(view)
+
+        _, got = await asyncio.gather(a(), b())
+        return got
+
+    assert asyncio.run(main()) == b"token-value-1234"
+    assert s._readers == 0
+
+
+def test_with_secret_nests_across_secrets_and_refuses_an_unmatched_exit(rehydrate_engine):
+    one = Secret.from_callable(lambda: b"first-value", name="one", engine=rehydrate_engine)
+    two = Secret.from_callable(lambda: b"second-value", name="two", engine=rehydrate_engine)
+    with one as v1, two as v2:
+        assert (bytes(v1), bytes(v2)) == (b"first-value", b"second-value")
+    assert one._readers == two._readers == 0
+    with pytest.raises(RuntimeError, match="'one': __exit__ without a matching __enter__"):
+        one.__exit__(None, None, None)
+
+
+class _Holder:
+    """A thread holding a view of ``secret`` until released."""
+
+    def __init__(self, secret: Secret) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.seen: list[bytes] = []
+        self.thread = threading.Thread(target=self._run, args=(secret,), daemon=True)
+        self.thread.start()
+        assert self.entered.wait(10)
+
+    def _run(self, secret: Secret) -> None:
+        with secret.view() as view:
+            self.buffer = view.obj
+            self.entered.set()
+            self.release.wait(30)
+            self.seen.append(bytes(view))
+
+    def done(self) -> None:
+        self.release.set()
+        self.thread.join(10)
+
+
+def _wait_until(secret: Secret, predicate) -> bool:
+    """Wait on the secret's own condition (notified when a wipe or reload takes its
+    buffer away): no polling."""
+    with secret._cond:
+        return secret._cond.wait_for(predicate, 10)
+
+
+def test_a_reload_waits_only_for_views_of_the_value_it_replaces(rehydrate_engine, caplog):
+    """Before: one count of open views for every buffer — a reload waited ``wipe_wait``
+    for views of the *new* value too and then warned "reader(s) still hold a view of
+    the previous value" (a busy service: every reload took the full ``wipe_wait``)."""
+    values = iter([b"first-value", b"second-value"])
+    s = Secret.from_callable(lambda: next(values), name="tok", wipe_wait=30,
+                             engine=rehydrate_engine)
+    old = _Holder(s)
+    reloaded: list[bool] = []
+    reloading = threading.Thread(target=lambda: reloaded.append(s.reload()), daemon=True)
+    reloading.start()
+    try:
+        # swapped, then waiting for the old value's view
+        assert _wait_until(s, lambda: s._buf is not None and s._buf is not old.buffer)
+        with s.view() as new:  # a view of the new value, open across the old one's close
+            assert bytes(new) == b"second-value"
+            old.done()
+            reloading.join(10)
+            assert not reloading.is_alive() and reloaded == [True]
+            assert bytes(new) == b"second-value"
+    finally:
+        old.done()
+        reloading.join(30)
+    assert old.seen == [b"first-value"] and not any(old.buffer)
+    assert "still hold" not in caplog.text
+    assert s._readers == 0 and not s._retiring
+
+
+def test_a_wipe_takes_the_value_away_before_it_waits_for_open_views(rehydrate_engine,
+                                                                    caplog):
+    """Before: a wipe waited for every open view with the value still served — new
+    views kept opening, so under load it always waited the full ``wipe_wait`` and then
+    zeroed the buffer under readers that saw zeros inside their view."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", wipe_wait=30,
+                             on_wiped="raise", engine=rehydrate_engine)
+    held = _Holder(s)
+    wiping = threading.Thread(target=rehydrate_engine.simulate_snapshot, daemon=True)
+    wiping.start()
+    try:
+        assert _wait_until(s, lambda: not s.available)  # taken away while the view is open
+        with pytest.raises(SecretUnavailable, match="wiped before a snapshot"):
+            s.get()  # no new reader of the value being wiped
+        assert any(held.buffer)  # not zeroed under the open view
+    finally:
+        held.done()
+        wiping.join(10)
+    assert not wiping.is_alive()
+    assert held.seen == [b"token-value-0123"] and not any(held.buffer)
+    assert "still hold" not in caplog.text
+
+
+def test_a_wipe_during_a_reload_returns_only_once_the_replaced_value_is_zeroed(
+        rehydrate_engine):
+    """A wipe that comes while a reload waits for the views of the value it replaced
+    waits for those too: a before-snapshot pass leaves no buffer holding a value."""
+    values = iter([b"first-value", b"second-value"])
+    s = Secret.from_callable(lambda: next(values), name="tok", wipe_wait=30,
+                             engine=rehydrate_engine)
+    old = _Holder(s)
+    reloading = threading.Thread(target=s.reload, daemon=True)
+    reloading.start()
+    wiping = None
+    try:
+        assert _wait_until(s, lambda: s._buf is not None and s._buf is not old.buffer)
+        new = s._buf
+        wiping = threading.Thread(target=s.wipe, daemon=True)
+        wiping.start()
+        assert _wait_until(s, lambda: not s.available)
+        assert new is not None and not any(new)  # no view of it: zeroed at once
+        wiping.join(0.2)
+        assert wiping.is_alive()  # still waiting for the old value's view
+        assert any(old.buffer)
+    finally:
+        old.done()
+        reloading.join(10)
+        if wiping is not None:
+            wiping.join(10)
+    assert wiping is not None and not wiping.is_alive()
+    assert old.seen == [b"first-value"] and not any(old.buffer)
+
+
+def test_a_view_still_open_at_wipe_wait_is_wiped_under_with_one_warning(rehydrate_engine,
+                                                                        caplog):
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", wipe_wait=0.05,
+                             engine=rehydrate_engine)
+    held = _Holder(s)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            s.wipe()  # the view outlives wipe_wait: zeroed under it
+        assert not any(held.buffer)
+    finally:
+        held.done()
+    assert held.seen == [bytes(16)]
+    assert [r.getMessage() for r in caplog.records if "still hold" in r.getMessage()] == [
+        "secret tok: 1 reader(s) still hold a view; wiping under them"]
+    assert s._readers == 0 and not s._retiring
+
+
+@pytest.mark.parametrize(("phase", "order", "is_async"), [
+    (Phase.ENVIRONMENT, 0, False), (Phase.ENTROPY, 0, True), (Phase.SECRETS, -300, False)])
+def test_a_restore_hook_that_runs_before_the_secret_s_reload_fails_at_once(
+        rehydrate_engine, phase, order, is_async):
+    """Before: the read blocked ``timeout`` seconds (10 by default) for a reload that
+    this run could start only after the reading hook returned, then failed with
+    "wiped before a snapshot; reloaded after restore/resume"."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", timeout=60,
+                             engine=rehydrate_engine)
+    got: list[bytes] = []
+
+    if is_async:
+        async def early() -> None:
+            got.append(s.get())
+    else:
+        def early() -> None:
+            got.append(s.get())
+
+    @rehydrate_engine.registry.after_restore(phase=Phase.SECRETS, name="later")
+    def later() -> None:  # order 0: after the reload (order -200)
+        got.append(s.get())
+
+    rehydrate_engine.registry.after_restore(early, phase=phase, order=order, name="early",
+                                            timeout=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    report = rehydrate_engine.simulate_restore()
+    outcomes = {h.name: h.outcome for h in report.hooks}
+    assert outcomes["early"] == "failed" and outcomes["rehydrate.secret:tok"] == "ok"
+    [error] = [h.error for h in report.hooks if h.name == "early"]
+    assert str(error) == (
+        f"secret 'tok' is unavailable to hook 'early' (phase {phase}, order {order}): it "
+        "is wiped until its reload 'rehydrate.secret:tok' (phase secrets, order -200), "
+        "which this run starts only after that hook returns; read it from a hook of a "
+        "later phase, or of phase secrets with a higher order")
+    assert got == [b"token-value-0123"]  # the later hook reads the reloaded value
+
+
+def test_running_before_names_the_running_hook_only_while_its_run_waits_for_it(
+        rehydrate_engine):
+    """What a hook may wait for from a later hook of its run: that later hook runs only
+    once it has returned — unless the run gave up on it at its timeout and went on."""
+    registry = rehydrate_engine.registry
+    seen: dict[str, object] = {}
+    go, noted = threading.Event(), threading.Event()
+
+    def last() -> None:
+        seen["last"] = running_before(last_hook)
+
+    def first() -> None:
+        seen["first"] = running_before(last_hook)
+
+    def hung() -> None:
+        go.wait(30)
+        seen["hung"] = running_before(last_hook)
+        noted.set()
+
+    first_hook = registry.register(first, phase=Phase.ENVIRONMENT, name="first")
+    registry.register(hung, phase=Phase.ENTROPY, name="hung", timeout=0.1)
+    last_hook = registry.register(last, phase=Phase.APPLICATION, name="last")
+    assert running_before(last_hook) is None  # outside hooks
+    outcomes = [h.outcome for h in rehydrate_engine.simulate_restore().hooks
+                if h.name in ("first", "hung", "last")]
+    assert outcomes == ["ok", "timeout", "ok"]
+    go.set()
+    assert noted.wait(10)
+    assert seen == {"first": first_hook, "hung": None, "last": None}
