@@ -8,6 +8,7 @@ Imported only when :func:`rehydrate.connections.grpc_channel` is used.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +80,28 @@ class _LazyMultiCallable:
         return getattr(self._resolve(), name)
 
 
+def _made(factory: Callable[[], Any]) -> Any:
+    """``factory()``, refused with ``TypeError`` when it is no synchronous channel: a
+    ``grpc.aio`` channel's ``close()`` is a coroutine that rehydrate's threads cannot await
+    (it went into the snapshot open, its "close" reported ok) and a new one cannot be made
+    off its event loop (every restore failed with "no current event loop")."""
+    channel = factory()
+    if inspect.iscoroutine(channel):
+        channel.close()  # an async factory's: no "was never awaited" warning for it
+        what = "a coroutine (an async def factory)"
+    elif isinstance(channel, grpc.aio.Channel):
+        what = "a grpc.aio channel"
+    else:
+        return channel
+    raise TypeError(
+        f"grpc_channel() manages synchronous grpc channels; its factory returned {what}. "
+        "rehydrate closes and makes channels on its own threads, where a grpc.aio "
+        "channel can be neither closed (close() must be awaited) nor made (no event "
+        "loop). Return grpc.insecure_channel()/secure_channel(), or manage the aio "
+        "channel in your own async hooks (await close() before the snapshot, make a "
+        "new one after a restore).")
+
+
 class ManagedChannel:
     """Looks like a ``grpc.Channel``; forwards to the current one made by ``factory``.
 
@@ -93,7 +116,7 @@ class ManagedChannel:
         fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._subscriptions: list[tuple[Callable[..., Any], bool]] = []
         self._closed = False
-        self._channel: Any = factory()
+        self._channel: Any = _made(factory)
         self._gen = 0
 
     def current(self) -> tuple[Any, int]:
@@ -101,7 +124,7 @@ class ManagedChannel:
             if self._closed:
                 raise ValueError(_CLOSED)
             if self._channel is None:
-                self._channel = self._adopt(self._factory())
+                self._channel = self._adopt(_made(self._factory))
                 self._gen += 1
             return self._channel, self._gen
 
@@ -114,7 +137,7 @@ class ManagedChannel:
     def reset(self) -> None:
         if self._closed:
             return  # closed by the application: a restore does not bring it back
-        self._swap(self._factory())
+        self._swap(_made(self._factory))
 
     def close_current(self) -> None:
         self._swap(None)

@@ -2339,7 +2339,9 @@ def grpc_channel(
 ) -> Any:
     """A gRPC channel whose underlying ``grpc.Channel`` is replaced after every restore.
 
-    ``factory()`` creates a channel (``grpc.insecure_channel(...)`` …). Stubs built on the
+    ``factory()`` creates a synchronous channel (``grpc.insecure_channel(...)`` …); a
+    ``grpc.aio`` channel (or an async factory) is refused with ``TypeError``: its
+    ``close()`` cannot be awaited on rehydrate's threads. Stubs built on the
     returned object keep working: each call goes to the current channel. The check waits
     for ``grpc.channel_ready_future``. The target is hidden in ``factory``: pass
     ``peers=["host:port"]`` for ``rehydrate doctor --connections`` to mark its sockets.

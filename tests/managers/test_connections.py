@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -798,6 +799,42 @@ def test_a_refused_grpc_channel_closes_the_channel_it_made(rehydrate_engine):
                                  engine=rehydrate_engine, peers=[42])  # type: ignore[list-item]
     assert closed == ["second", "third"]
     connections.unregister("taken", engine=rehydrate_engine)
+
+
+def test_a_grpc_aio_channel_factory_is_refused_at_registration(rehydrate_engine):
+    """A grpc.aio channel was accepted: before the snapshot its close() (a coroutine) was
+    never awaited, so it went into the snapshot open with the report ok, and every
+    restore failed ("no current event loop in thread 'rehydrate-io'"), degraded. It is
+    refused now, as is an async factory, and the name stays free."""
+    grpc = pytest.importorskip("grpc")
+
+    made: list[object] = []
+
+    async def main() -> None:
+        def aio_factory():
+            made.append(grpc.aio.insecure_channel("127.0.0.1:9"))
+            return made[-1]
+
+        async def async_factory():
+            return grpc.insecure_channel("127.0.0.1:9")  # pragma: no cover - never awaited
+
+        try:
+            with pytest.raises(TypeError, match="factory returned a grpc.aio channel"):
+                connections.grpc_channel("svc", aio_factory, engine=rehydrate_engine)
+        finally:
+            for channel in made:
+                await channel.close()  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match="factory returned a coroutine"):
+            connections.grpc_channel("svc", async_factory, engine=rehydrate_engine)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... never awaited"
+        asyncio.run(main())
+        gc.collect()
+    assert len(made) == 1
+    with connections.grpc_channel("svc", lambda: grpc.insecure_channel("127.0.0.1:9"),
+                                  check=False, engine=rehydrate_engine):
+        pass  # the name was never taken by the refused ones
 
 
 
