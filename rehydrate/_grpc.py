@@ -116,6 +116,8 @@ class ManagedChannel:
         fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._subscriptions: list[tuple[Callable[..., Any], bool]] = []
         self._closed = False
+        self.on_close: Callable[[], object] | None = None
+        """Called once, by the first :meth:`close`: frees the connection's name."""
         self._channel: Any = _made(factory)
         self._gen = 0
 
@@ -194,15 +196,20 @@ class ManagedChannel:
                 self._channel.unsubscribe(callback)
 
     def close(self) -> None:
-        """Close for good (``grpc.Channel.close``): later calls raise ``ValueError``, and
-        the restore hooks neither reopen it nor wait for it."""
+        """Close for good (``grpc.Channel.close``): later calls raise ``ValueError``, the
+        restore hooks neither reopen it nor wait for it, and its name is free for a new
+        ``grpc_channel()``."""
         with self._lock:
-            self._closed = True
+            first, self._closed = not self._closed, True
             old, self._channel = self._channel, None
             callbacks = [callback for callback, _ in self._subscriptions]
             self._subscriptions.clear()
-        if old is not None:
-            _close(old, callbacks)
+        try:
+            if old is not None:
+                _close(old, callbacks)
+        finally:
+            if first and self.on_close is not None:
+                self.on_close()
 
     def __enter__(self) -> ManagedChannel:
         return self

@@ -1097,6 +1097,17 @@ class ConnectionManager:
         self._cancel_background(conn)
         return True
 
+    def discard(self, conn: Connection) -> bool:
+        """Stop managing ``conn`` if its name is still its own: a helper's object closed
+        for good frees its name, but not the registration that replaced it."""
+        with self._lock:
+            if self._conns.get(conn.name) is not conn:
+                return False
+            del self._conns[conn.name]
+        conn._retire()
+        self._cancel_background(conn)
+        return True
+
     def close(self) -> None:
         """The engine is closing: background (re)opens stop, and are waited for until
         they have (at most :data:`CLOSE_TIMEOUT` in all, then a warning naming the
@@ -2354,8 +2365,9 @@ def grpc_channel(
     from ._grpc import ManagedChannel
 
     managed = ManagedChannel(factory)
+    mgr = manager(engine)
     try:
-        conn = manager(engine).register(
+        conn = mgr.register(
             _connection(name, open=managed.reset, close=managed.close_current,
                         required=required, deadline=deadline, peers=peers,
                         on_replaced=managed.close),
@@ -2363,6 +2375,8 @@ def grpc_channel(
     except BaseException:
         managed.close()  # refused (a name taken, bad peers): its channel was made already
         raise
+    # closed for good, it frees its name (the next grpc_channel(name) was refused)
+    managed.on_close = lambda: mgr.discard(conn)
     if check:
         conn.check_fn = lambda: managed.wait_ready(
             max(0.05, min(5.0, conn.effective_deadline())))

@@ -775,6 +775,38 @@ def test_a_closed_grpc_channel_stays_closed(rehydrate_engine):
     assert len(made) == 1  # nothing reopened
 
 
+def test_a_closed_grpc_channel_frees_its_name_but_not_its_replacement_s(rehydrate_engine):
+    """After `with grpc_channel("svc", ...):` the next grpc_channel("svc", ...) was refused
+    ("already registered"), though the closed one is never reopened. Closing frees the
+    name now; a channel closed because a replace=True registration replaced it leaves
+    the new registration in place."""
+    grpc = pytest.importorskip("grpc")
+
+    def factory():
+        return grpc.insecure_channel("127.0.0.1:9")  # nothing listens there
+
+    def names() -> list[str]:
+        return [c["name"] for c in rehydrate_engine.status().extra["connections"]]
+
+    with connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine):
+        assert "svc" in names()
+    assert "svc" not in names()
+    first = connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine)
+    second = connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine,
+                                      replace=True)
+    with pytest.raises(ValueError, match="closed channel"):
+        first.current()  # closed by the replacement...
+    assert "svc" in names()  # ...which keeps the name
+    with pytest.raises(ValueError, match="already registered"):
+        connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine)
+    first.close()  # again: the name is the replacement's, not freed
+    assert "svc" in names()
+    second.close()
+    second.close()
+    assert "svc" not in names()
+    connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine).close()
+
+
 def test_a_refused_grpc_channel_closes_the_channel_it_made(rehydrate_engine):
     """grpc_channel() calls the factory before registering: a refused registration (the
     name is taken) left that channel open, unreachable by anyone."""
