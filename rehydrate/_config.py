@@ -228,6 +228,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_FINGERPRINT_ENV", "list", (), "fingerprint (only with REHYDRATE_MANIFEST or REHYDRATE_EXPECT_RESTORE): environment keys whose change makes a snapshot incompatible"),  # noqa: E501
     _V("REHYDRATE_FINGERPRINT_STRICT", "flag", False, "fingerprint (only with REHYDRATE_MANIFEST or REHYDRATE_EXPECT_RESTORE): a node mismatch after restore fails readiness"),  # noqa: E501
     _V("REHYDRATE_GVISOR_VERSION", "text", None, "fingerprint: the node's gVisor version (gVisor does not show it inside the sandbox)"),  # noqa: E501
+    _V("REHYDRATE_MACHINE_TYPE", "text", None, "fingerprint and platform fit: the node's GCE machine type (e.g. n2-standard-8), used instead of asking the metadata server (GKE's metadata server, which Pod snapshots need, does not serve it)"),  # noqa: E501
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}

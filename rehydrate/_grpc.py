@@ -8,6 +8,7 @@ Imported only when :func:`rehydrate.connections.grpc_channel` is used.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +80,28 @@ class _LazyMultiCallable:
         return getattr(self._resolve(), name)
 
 
+def _made(factory: Callable[[], Any]) -> Any:
+    """``factory()``, refused with ``TypeError`` when it is no synchronous channel: a
+    ``grpc.aio`` channel's ``close()`` is a coroutine that rehydrate's threads cannot await
+    (it went into the snapshot open, its "close" reported ok) and a new one cannot be made
+    off its event loop (every restore failed with "no current event loop")."""
+    channel = factory()
+    if inspect.iscoroutine(channel):
+        channel.close()  # an async factory's: no "was never awaited" warning for it
+        what = "a coroutine (an async def factory)"
+    elif isinstance(channel, grpc.aio.Channel):
+        what = "a grpc.aio channel"
+    else:
+        return channel
+    raise TypeError(
+        f"grpc_channel() manages synchronous grpc channels; its factory returned {what}. "
+        "rehydrate closes and makes channels on its own threads, where a grpc.aio "
+        "channel can be neither closed (close() must be awaited) nor made (no event "
+        "loop). Return grpc.insecure_channel()/secure_channel(), or manage the aio "
+        "channel in your own async hooks (await close() before the snapshot, make a "
+        "new one after a restore).")
+
+
 class ManagedChannel:
     """Looks like a ``grpc.Channel``; forwards to the current one made by ``factory``.
 
@@ -93,7 +116,9 @@ class ManagedChannel:
         fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._subscriptions: list[tuple[Callable[..., Any], bool]] = []
         self._closed = False
-        self._channel: Any = factory()
+        self.on_close: Callable[[], object] | None = None
+        """Called once, by the first :meth:`close`: frees the connection's name."""
+        self._channel: Any = _made(factory)
         self._gen = 0
 
     def current(self) -> tuple[Any, int]:
@@ -101,7 +126,7 @@ class ManagedChannel:
             if self._closed:
                 raise ValueError(_CLOSED)
             if self._channel is None:
-                self._channel = self._adopt(self._factory())
+                self._channel = self._adopt(_made(self._factory))
                 self._gen += 1
             return self._channel, self._gen
 
@@ -114,7 +139,7 @@ class ManagedChannel:
     def reset(self) -> None:
         if self._closed:
             return  # closed by the application: a restore does not bring it back
-        self._swap(self._factory())
+        self._swap(_made(self._factory))
 
     def close_current(self) -> None:
         self._swap(None)
@@ -171,15 +196,20 @@ class ManagedChannel:
                 self._channel.unsubscribe(callback)
 
     def close(self) -> None:
-        """Close for good (``grpc.Channel.close``): later calls raise ``ValueError``, and
-        the restore hooks neither reopen it nor wait for it."""
+        """Close for good (``grpc.Channel.close``): later calls raise ``ValueError``, the
+        restore hooks neither reopen it nor wait for it, and its name is free for a new
+        ``grpc_channel()``."""
         with self._lock:
-            self._closed = True
+            first, self._closed = not self._closed, True
             old, self._channel = self._channel, None
             callbacks = [callback for callback, _ in self._subscriptions]
             self._subscriptions.clear()
-        if old is not None:
-            _close(old, callbacks)
+        try:
+            if old is not None:
+                _close(old, callbacks)
+        finally:
+            if first and self.on_close is not None:
+                self.on_close()
 
     def __enter__(self) -> ManagedChannel:
         return self

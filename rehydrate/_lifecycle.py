@@ -341,6 +341,14 @@ class Lifecycle:
         extensions: Iterable[str | Extension] | None = None,
         snapshot_deadline: float | None = None,
     ) -> None:
+        # Checked here: a wrong object failed later, once per extension, as "could not be
+        # installed: ... has no attribute 'hooks'" and the engine was made all the same.
+        if registry is not None and not isinstance(registry, Registry):
+            raise TypeError(f"Lifecycle(registry=...) takes a rehydrate.Registry, not "
+                            f"{type(registry).__name__}")
+        if env is not None and not isinstance(env, EnvRefresher):
+            raise TypeError(f"Lifecycle(env=...) takes a rehydrate.env.EnvRefresher, not "
+                            f"{type(env).__name__}")
         self.registry = registry if registry is not None else Registry()
         self.snapshot_deadline = (_positive_or_none(snapshot_deadline, "snapshot_deadline")
                                   if snapshot_deadline is not None

@@ -9,12 +9,38 @@ from __future__ import annotations
 
 __all__ = ["warn_moved"]
 
+_SHOWN = 4
+"""Names a warning lists before "and N more"."""
 
-def warn_moved(old: str) -> None:
-    """Warn that module ``old`` (``rehydrate.X``) is the deprecated path of ``rehydrate._X``."""
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def warn_moved(old: str, instead: str = "") -> None:
+    """Warn that module ``old`` (``rehydrate.X``) is the deprecated path of ``rehydrate._X``.
+
+    The advice is worked out from the names, not written once for every module: "import
+    its public names from rehydrate" was wrong for names not there (every name of
+    ``rehydrate.nodefit``, ``rehydrate.lifecycle.State``). Names ``rehydrate`` exports are
+    named as importable from there; the others as having no public replacement, with
+    ``instead`` (what to use in their place) when there is something."""
+    import importlib
     import warnings
 
     new = "rehydrate._" + old.rpartition(".")[2]
-    warnings.warn(f"{old} is deprecated: it is private now ({new}); import its public names "
-                  "from rehydrate (e.g. `from rehydrate import Lifecycle`)",
+    names = list(importlib.import_module(new).__all__)
+    exported = set(importlib.import_module("rehydrate").__all__)
+    public = [n for n in names if n in exported]
+    private = [n for n in names if n not in exported]
+    advice = []
+    if public:
+        which = "its names" if not private else _listed(public)
+        advice.append(f"import {which} from rehydrate (`from rehydrate import {public[0]}`)")
+    if private:
+        which = "none of its names has a" if not public else (
+            f"{_listed(private)} {'has no' if len(private) == 1 else 'have no'}")
+        advice.append(f"{which} public replacement" + (f": {instead}" if instead else ""))
+    warnings.warn(f"{old} is deprecated: it is private now ({new}); " + "; ".join(advice),
                   DeprecationWarning, stacklevel=3)

@@ -4,10 +4,11 @@ GKE's documentation lists node limits that end in a silent cold start or a faile
 no E2 machine types, more than one GPU in a Pod only on L4, no Multi-Instance GPU, and only
 under GKE Sandbox (gVisor). :func:`facts` gathers what this node shows:
 
-* the machine type from the GCE metadata server
-  (``/computeMetadata/v1/instance/machine-type`` with ``Metadata-Flavor: Google``; host
-  ``$GCE_METADATA_HOST`` as Google's own libraries read it, else ``169.254.169.254``;
-  :data:`METADATA_TIMEOUT`, no proxy, silent off GCE);
+* the machine type: ``REHYDRATE_MACHINE_TYPE`` when set (GKE's metadata server, in front
+  of every Pod of a Pod-snapshot node pool, answers 404 for it), else from the GCE
+  metadata server (``/computeMetadata/v1/instance/machine-type`` with
+  ``Metadata-Flavor: Google``; host ``$GCE_METADATA_HOST`` as Google's own libraries read
+  it, else ``169.254.169.254``; :data:`METADATA_TIMEOUT`, no proxy, silent off GCE);
 * GPUs, driver and MIG mode from ``nvidia-smi`` when it is installed;
 * whether this is gVisor and, where visible (``REHYDRATE_GVISOR_VERSION``), its version.
 
@@ -117,10 +118,27 @@ def _connect(host: str, port: int, deadline: float) -> _DeadlineSocket:
     raise error
 
 
+_MACHINE_TYPE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_WARNED_OVERRIDES: set[str] = set()
+"""Bad ``REHYDRATE_MACHINE_TYPE`` values already warned about: fingerprint(), check and
+doctor each ask, and one bad value is one line."""
+
+
 def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
     """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently).
+    ``REHYDRATE_MACHINE_TYPE``, when set, is the answer (the metadata server is not
+    asked): a Pod behind the GKE metadata server gets 404 for the machine type.
     ``timeout`` bounds the whole request, the name lookup of a ``GCE_METADATA_HOST`` given
     as a host name included."""
+    return _machine_type(timeout)[0]
+
+
+def _machine_type(timeout: float) -> tuple[str | None, str | None]:
+    """:func:`machine_type` and, when it is None although something answered, why
+    (:attr:`NodeFacts.machine_problem`): None for no answer at all (off GCE)."""
+    override = _config.text("REHYDRATE_MACHINE_TYPE")
+    if override is not None:
+        return _overridden(override)
     # http.client, not urllib.request: the same request without urllib's opener machinery
     # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
     import http.client
@@ -145,16 +163,37 @@ def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
             conn.close()
     except (http.client.HTTPException, OSError, ValueError) as exc:
         log.debug("GCE metadata server not reachable (%s): not on GCE", type(exc).__name__)
-        return None
+        return None, None
     if status != 200:
         log.debug("GCE metadata server at %s answered %d: no machine type", where, status)
-        return None
+        # GKE's metadata server (workload metadata GKE_METADATA, which Pod snapshots
+        # need) answers 404 here: an answer, so not "off GCE", only no machine type.
+        return None, (f"the metadata server does not serve the machine type (HTTP {status}; "
+                      "GKE's does not): set REHYDRATE_MACHINE_TYPE")
     # A real metadata server says so in a header: a captive proxy answering 200 is not one.
     if flavor != "Google":
         log.debug("no GCE machine type from %s (no Metadata-Flavor header)", where)
-        return None
+        return None, ("not on GCE (the metadata server's address answered without "
+                      "Metadata-Flavor: Google)")
     name = body.strip().rsplit("/", 1)[-1]  # projects/NUM/machineTypes/NAME
-    return name if re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name) else None
+    if not _MACHINE_TYPE.fullmatch(name):
+        return None, "the metadata server's answer is not a machine type"
+    return name, None
+
+
+def _overridden(override: str) -> tuple[str | None, str | None]:
+    """:func:`_machine_type` for a set ``REHYDRATE_MACHINE_TYPE``: a bad one is unknown
+    (warned about once), not replaced by the metadata server's answer."""
+    if _MACHINE_TYPE.fullmatch(override):
+        return override, None
+    # A rehydrate setting, not an environment secret: its value may be shown (repr:
+    # escaped, one line).
+    shown = repr(override[:64])
+    if override not in _WARNED_OVERRIDES:
+        _WARNED_OVERRIDES.add(override)
+        log.warning("REHYDRATE_MACHINE_TYPE=%s is not a GCE machine type "
+                    "(like n2-standard-8); the machine series is unknown", shown)
+    return None, f"REHYDRATE_MACHINE_TYPE={shown} is not a GCE machine type"
 
 
 def _series(mtype: str | None) -> str | None:
@@ -240,6 +279,10 @@ class NodeFacts:
     arch: str
     gpu_problem: str | None = None
     """Why the GPUs are unknown (``nvidia-smi`` failed); ``gpus`` is None then."""
+    machine_problem: str | None = None
+    """Why the machine type is unknown although the metadata server answered (GKE's
+    answers 404) or ``REHYDRATE_MACHINE_TYPE`` is bad; None too when nothing answered
+    (off GCE) or it was not asked."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``doctor --json``, the manifest's ``platform``)."""
@@ -249,12 +292,14 @@ class NodeFacts:
                "arch": self.arch}
         if self.gpu_problem is not None:
             out["gpu_problem"] = self.gpu_problem
+        if self.machine_problem is not None:
+            out["machine_problem"] = self.machine_problem
         return out
 
 
 def facts(*, metadata: bool = True, nvidia_smi: bool = True, root: str = "/") -> NodeFacts:
     """Gather :class:`NodeFacts` (``metadata`` / ``nvidia_smi`` False: skip that source)."""
-    mtype = machine_type() if metadata else None
+    mtype, machine_problem = _machine_type(METADATA_TIMEOUT) if metadata else (None, None)
     problem = None
     try:
         found = gpus() if nvidia_smi else None
@@ -262,7 +307,7 @@ def facts(*, metadata: bool = True, nvidia_smi: bool = True, root: str = "/") ->
         found, problem = None, str(exc)
     return NodeFacts(mtype, _series(mtype), None if found is None else tuple(found),
                      in_gvisor(root), _config.text("REHYDRATE_GVISOR_VERSION"),
-                     kube_arch(), problem)
+                     kube_arch(), problem, machine_problem)
 
 
 @dataclass(frozen=True)
@@ -299,8 +344,8 @@ def assess(node: NodeFacts) -> Fit:
     """Whether GKE Pod snapshots can work on ``node``, one :class:`Check` per limit."""
     checks = []
     if node.machine_series is None:
-        checks.append(Check("machine series", "unknown",
-                            "not on GCE (no answer from the metadata server)"))
+        checks.append(Check("machine series", "unknown", node.machine_problem
+                            or "not on GCE (no answer from the metadata server)"))
     elif node.machine_series == "e2":
         checks.append(Check("machine series", "blocked",
                             f"{node.machine_type}: E2 machine types do not support Pod "

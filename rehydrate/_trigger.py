@@ -130,8 +130,9 @@ def _trigger_snapshot(engine: Engine | None, *, proc: str | None,
     try:
         st = os.stat(path)
     except OSError:
-        raise GVisorError(_missing_reason(os.path.dirname(path)) or f"{path} not found"
-                          ) from None
+        source = None if proc is None else f"trigger_snapshot(proc={proc!r})"
+        raise GVisorError(_missing_reason(os.path.dirname(path), source)
+                          or f"{path} not found") from None
     if stat.S_ISFIFO(st.st_mode):
         raise GVisorError(f"{path} is a FIFO (a test stand-in for gVisor): it cannot carry "
                           "a trigger, the 1 written would be read back as an answer")

@@ -1,8 +1,8 @@
-"""Deprecated path of the private module ``rehydrate._cli`` (import from ``rehydrate``)."""
+"""Deprecated path of the private module ``rehydrate._cli`` (no public replacement)."""
 
 from ._moved import warn_moved
 
-warn_moved(__name__)
+warn_moved(__name__, "run the `rehydrate` command (`python -m rehydrate`)")
 
 # The old path re-exports the module's public names.
 from ._cli import *  # noqa: E402, F403

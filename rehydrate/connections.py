@@ -1097,6 +1097,17 @@ class ConnectionManager:
         self._cancel_background(conn)
         return True
 
+    def discard(self, conn: Connection) -> bool:
+        """Stop managing ``conn`` if its name is still its own: a helper's object closed
+        for good frees its name, but not the registration that replaced it."""
+        with self._lock:
+            if self._conns.get(conn.name) is not conn:
+                return False
+            del self._conns[conn.name]
+        conn._retire()
+        self._cancel_background(conn)
+        return True
+
     def close(self) -> None:
         """The engine is closing: background (re)opens stop, and are waited for until
         they have (at most :data:`CLOSE_TIMEOUT` in all, then a warning naming the
@@ -2338,7 +2349,9 @@ def grpc_channel(
 ) -> Any:
     """A gRPC channel whose underlying ``grpc.Channel`` is replaced after every restore.
 
-    ``factory()`` creates a channel (``grpc.insecure_channel(...)`` …). Stubs built on the
+    ``factory()`` creates a synchronous channel (``grpc.insecure_channel(...)`` …); a
+    ``grpc.aio`` channel (or an async factory) is refused with ``TypeError``: its
+    ``close()`` cannot be awaited on rehydrate's threads. Stubs built on the
     returned object keep working: each call goes to the current channel. The check waits
     for ``grpc.channel_ready_future``. The target is hidden in ``factory``: pass
     ``peers=["host:port"]`` for ``rehydrate doctor --connections`` to mark its sockets.
@@ -2351,8 +2364,9 @@ def grpc_channel(
     from ._grpc import ManagedChannel
 
     managed = ManagedChannel(factory)
+    mgr = manager(engine)
     try:
-        conn = manager(engine).register(
+        conn = mgr.register(
             _connection(name, open=managed.reset, close=managed.close_current,
                         required=required, deadline=deadline, peers=peers,
                         on_replaced=managed.close),
@@ -2360,6 +2374,8 @@ def grpc_channel(
     except BaseException:
         managed.close()  # refused (a name taken, bad peers): its channel was made already
         raise
+    # closed for good, it frees its name (the next grpc_channel(name) was refused)
+    managed.on_close = lambda: mgr.discard(conn)
     if check:
         conn.check_fn = lambda: managed.wait_ready(
             max(0.05, min(5.0, conn.effective_deadline())))

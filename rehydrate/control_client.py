@@ -2,7 +2,7 @@
 
 from ._moved import warn_moved
 
-warn_moved(__name__)
+warn_moved(__name__, "run `rehydrate notify` (the command)")
 
 # The old path re-exports the module's public names.
 from ._control_client import *  # noqa: E402, F403

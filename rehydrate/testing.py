@@ -24,9 +24,11 @@ Fixtures:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
+from ._contract import Extension
 from ._hooks import Registry
 from ._lifecycle import Lifecycle
 from .env import EnvRefresher
@@ -34,13 +36,26 @@ from .env import EnvRefresher
 __all__ = ["isolated_engine", "restored_environ"]
 
 
-def isolated_engine(**env_options: object) -> Lifecycle:
+def isolated_engine(*, builtins: bool = True,
+                    extensions: Iterable[str | Extension] | None = None,
+                    snapshot_deadline: float | None = None,
+                    **env_options: object) -> Lifecycle:
     """An engine with its own registry whose environment refresh reads no file, unless
     ``path=`` names one (the other options — ``policy``, ``protect`` … — are passed to
-    :class:`~rehydrate.env.EnvRefresher` too)."""
+    :class:`~rehydrate.env.EnvRefresher` too). ``builtins``, ``extensions`` and
+    ``snapshot_deadline`` are the engine's (:class:`~rehydrate.Lifecycle`): before, they
+    went to the environment refresh too, which refused them by its own name."""
+    known = [f.name for f in dataclasses.fields(EnvRefresher) if f.init]
+    unknown = [k for k in env_options if k not in known]
+    if unknown:
+        raise TypeError(f"isolated_engine() got an unexpected keyword argument "
+                        f"{unknown[0]!r} (engine options: builtins, extensions, "
+                        f"snapshot_deadline; environment refresh: {', '.join(known)})")
     # setdefault: path=... was passed twice ("multiple values for keyword argument").
     env_options.setdefault("path", None)
-    return Lifecycle(Registry(), env=EnvRefresher(**env_options))  # type: ignore[arg-type]
+    return Lifecycle(Registry(), env=EnvRefresher(**env_options),  # type: ignore[arg-type]
+                     builtins=builtins, extensions=extensions,
+                     snapshot_deadline=snapshot_deadline)
 
 
 @contextlib.contextmanager

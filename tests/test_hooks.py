@@ -679,3 +679,34 @@ def test_isolated_engine_takes_an_environment_file(tmp_path, rehydrate_environ) 
     engine = isolated_engine()
     assert engine.env.path is None
     engine.close()
+
+
+def test_isolated_engine_passes_engine_options_to_the_engine() -> None:
+    """Every option went to EnvRefresher: ``isolated_engine(builtins=False)`` raised
+    "EnvRefresher.__init__() got an unexpected keyword argument", so no isolated engine
+    could skip the built-ins (the process-global reseed among them)."""
+    engine = isolated_engine(builtins=False, snapshot_deadline=5)
+    try:
+        assert engine.installed == [] and not engine.builtins.hooks("restore")
+        assert engine.snapshot_deadline == 5
+        assert engine.env.path is None
+    finally:
+        engine.close()
+    with pytest.raises(TypeError, match=r"^isolated_engine\(\) got an unexpected keyword "
+                       r"argument 'bogus' \(engine options: builtins, extensions, "
+                       r"snapshot_deadline; environment refresh: path, policy, protect"):
+        isolated_engine(bogus=1)
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({"registry": "oops"}, r"^Lifecycle\(registry=\.\.\.\) takes a rehydrate\.Registry, not str$"),
+    ({"env": {"path": None}}, r"^Lifecycle\(env=\.\.\.\) takes a rehydrate\.env\.EnvRefresher, "
+                              r"not dict$"),
+])
+def test_lifecycle_refuses_a_registry_or_env_of_the_wrong_type(
+        kwargs: dict[str, object], expected: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``Lifecycle(registry="oops")`` was accepted, logging one misleading "extension ...
+    could not be installed: 'str' object has no attribute 'hooks'" line per built-in."""
+    with pytest.raises(TypeError, match=expected):
+        rehydrate.Lifecycle(**kwargs)  # type: ignore[arg-type]
+    assert not [r for r in caplog.records if "could not be installed" in r.getMessage()]

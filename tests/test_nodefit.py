@@ -207,6 +207,53 @@ def test_metadata_error_answer_is_no_machine_type(monkeypatch: pytest.MonkeyPatc
         assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
 
 
+def test_the_gke_metadata_server_s_404_is_not_off_gce_and_the_override_gives_the_type(
+        node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind GKE's metadata server (GKE_METADATA, which Pod snapshots need) the machine
+    type is a 404: the check said "not on GCE (no answer ...)", an E2 node was never
+    flagged and the manifest had no machine series, so --affinity never guarded it.
+    The 404 is named now, and REHYDRATE_MACHINE_TYPE gives the type without the server."""
+    node("e2-standard-4", None)  # gVisor and no nvidia-smi; its 200 server is not used
+    with MetadataServer("e2-standard-4", status=404) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        result = nodefit.assess(nodefit.facts())
+        series = {c.name: c for c in result.checks}["machine series"]
+        assert series.status == "unknown"
+        assert "does not serve the machine type (HTTP 404" in series.reason, series
+        assert "not on GCE" not in series.reason and "REHYDRATE_MACHINE_TYPE" in series.reason
+        assert fp.fingerprint(nvidia_smi=False)["platform"]["machine_problem"] == series.reason
+
+        monkeypatch.setenv("REHYDRATE_MACHINE_TYPE", "e2-standard-4")
+        srv.requests.clear()
+        result = nodefit.assess(nodefit.facts())
+        assert srv.requests == [], "the override is the answer: no request"
+        assert result.fit == "no"
+        assert {c.name: c for c in result.checks}["machine series"].status == "blocked"
+        manifest = fp.fingerprint(nvidia_smi=False)
+        assert manifest["machine_series"] == "e2"
+        assert "machine_problem" not in manifest["platform"]
+        terms = nodefit.node_affinity(manifest)["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert {"key": "rehydrate.io/machine-series", "operator": "In",
+                "values": ["e2"]} in terms[0]["matchExpressions"]
+
+
+def test_a_bad_machine_type_override_is_unknown_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with MetadataServer("n2-standard-8") as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        monkeypatch.setenv("REHYDRATE_MACHINE_TYPE", "N2 Standard\n8")
+        with caplog.at_level(logging.DEBUG, logger="rehydrate"):
+            assert nodefit.machine_type() is None
+            node = nodefit.facts(nvidia_smi=False)
+        assert srv.requests == [], "a bad override is not silently replaced by the server"
+    assert node.machine_series is None
+    assert node.machine_problem == ("REHYDRATE_MACHINE_TYPE='N2 Standard\\n8' is not a GCE "
+                                    "machine type")
+    warned = [r for r in caplog.records if "REHYDRATE_MACHINE_TYPE" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, warned
+
+
 @pytest.mark.parametrize("kind", ["impostor", "error"])
 def test_the_metadata_host_s_value_is_never_logged(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture,

@@ -174,6 +174,47 @@ def test_moved_paths_still_import_with_a_deprecation_warning(old: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert f"rehydrate.{old} is deprecated: it is private now (rehydrate._{old})" in out.stdout
+    _assert_the_advice_is_true(old, out.stdout.strip())
+
+
+def _assert_the_advice_is_true(old: str, message: str) -> None:
+    """Every old path said "import its public names from rehydrate": none of
+    rehydrate.nodefit's 16 names is there, nor rehydrate.lifecycle.State."""
+    names = importlib.import_module(f"rehydrate._{old}").__all__
+    private = [n for n in names if n not in rehydrate.__all__]
+    said = re.search(r"; import (.+?) from rehydrate \(`from rehydrate import (\w+)`\)",
+                     message)
+    if len(private) == len(names):
+        assert said is None, message
+    else:
+        assert said is not None, message
+        listed = said.group(1)
+        if listed == "its names":
+            assert private == [], message
+        else:
+            shown = re.sub(r" and \d+ more$", "", listed).split(", ")
+            assert set(shown) <= set(rehydrate.__all__), message
+        assert said.group(2) in rehydrate.__all__
+    if not private:
+        assert "no public replacement" not in message, message
+    elif len(private) == len(names):
+        assert "none of its names has a public replacement" in message, message
+    else:
+        clause = message.partition(" no public replacement")[0].rpartition("; ")[2]
+        listed, verb = clause.rsplit(" ", 1)
+        assert (listed.split(", "), verb) == (private, "has" if len(private) == 1
+                                              else "have"), message
+
+
+def test_the_deprecation_of_nodefit_names_the_commands_that_replace_it() -> None:
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "try:\n    import rehydrate.nodefit\nexcept DeprecationWarning as w:\n"
+            "    print(w)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.rstrip().endswith(
+        "none of its names has a public replacement: run `rehydrate doctor` (the platform "
+        "fit) and `rehydrate check --labels` / `--affinity` (node labels, nodeAffinity)"), out
 
 
 def test_the_control_client_imports_from_where_its_deprecation_warning_points() -> None:

@@ -135,8 +135,10 @@ def checkpoint_path(proc: str | None = None) -> str:
     return os.path.join(proc or proc_dir(), "checkpoint")
 
 
-def _missing_reason(proc: str) -> str | None:  # noqa: PLR0911
-    """None when ``<proc>/checkpoint`` can be opened for reading, else why not."""
+def _missing_reason(proc: str, source: str | None = None) -> str | None:  # noqa: PLR0911
+    """None when ``<proc>/checkpoint`` can be opened for reading, else why not.
+    ``source``: where ``proc`` came from, as the message names it (default
+    ``REHYDRATE_GVISOR_PROC=<proc>``; an argument is no environment variable)."""
     path = os.path.join(proc, "checkpoint")
     if os.path.exists(path):
         if not os.access(path, os.R_OK):
@@ -158,7 +160,7 @@ def _missing_reason(proc: str) -> str | None:  # noqa: PLR0911
                 "0.0~20240729 have none), "
                 f"or the sandbox lacks the annotation {PATH_ANNOTATION} "
                 f"(set {ENV_PROC} for a stand-in)")
-    return f"{path} not found ({ENV_PROC}={proc})"
+    return f"{path} not found ({source or f'{ENV_PROC}={proc}'})"
 
 
 def _describe_bytes(data: bytes) -> str:
@@ -393,7 +395,8 @@ class GVisorDetector(Detector):
                                "(in a restore hook, after a stop() that timed out); start "
                                "it again once that has ended, or use a new GVisorDetector")
         self._orphan = None
-        why = _missing_reason(self.proc)
+        why = _missing_reason(self.proc, None if self._proc_arg is None
+                              else f"GVisorDetector(proc={self._proc_arg!r})")
         if why is not None:
             raise GVisorError(why)
         self._engine = engine

@@ -538,8 +538,15 @@ def test_trigger_refuses_a_fifo_and_a_missing_file(iso_engine: Lifecycle, proc: 
                                                    tmp_path: Path) -> None:
     with pytest.raises(GVisorError, match="FIFO"):
         trigger_snapshot(iso_engine, proc=str(proc))
-    with pytest.raises(GVisorError, match="not found"):
-        trigger_snapshot(iso_engine, proc=str(tmp_path / "missing"))
+    missing = str(tmp_path / "missing")
+    # the path came from the argument: the message named REHYDRATE_GVISOR_PROC, unset
+    with pytest.raises(GVisorError) as info:
+        trigger_snapshot(iso_engine, proc=missing)
+    assert str(info.value) == (f"{missing}/checkpoint not found "
+                               f"(trigger_snapshot(proc={missing!r}))")
+    with pytest.raises(GVisorError) as info:
+        GVisorDetector(missing).start(iso_engine)
+    assert str(info.value) == f"{missing}/checkpoint not found (GVisorDetector(proc={missing!r}))"
 
 
 # -- review fixes: freeze anchors, arming, no stuck "snapshotting" -------------------------

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -774,6 +775,38 @@ def test_a_closed_grpc_channel_stays_closed(rehydrate_engine):
     assert len(made) == 1  # nothing reopened
 
 
+def test_a_closed_grpc_channel_frees_its_name_but_not_its_replacement_s(rehydrate_engine):
+    """After `with grpc_channel("svc", ...):` the next grpc_channel("svc", ...) was refused
+    ("already registered"), though the closed one is never reopened. Closing frees the
+    name now; a channel closed because a replace=True registration replaced it leaves
+    the new registration in place."""
+    grpc = pytest.importorskip("grpc")
+
+    def factory():
+        return grpc.insecure_channel("127.0.0.1:9")  # nothing listens there
+
+    def names() -> list[str]:
+        return [c["name"] for c in rehydrate_engine.status().extra["connections"]]
+
+    with connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine):
+        assert "svc" in names()
+    assert "svc" not in names()
+    first = connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine)
+    second = connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine,
+                                      replace=True)
+    with pytest.raises(ValueError, match="closed channel"):
+        first.current()  # closed by the replacement...
+    assert "svc" in names()  # ...which keeps the name
+    with pytest.raises(ValueError, match="already registered"):
+        connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine)
+    first.close()  # again: the name is the replacement's, not freed
+    assert "svc" in names()
+    second.close()
+    second.close()
+    assert "svc" not in names()
+    connections.grpc_channel("svc", factory, check=False, engine=rehydrate_engine).close()
+
+
 def test_a_refused_grpc_channel_closes_the_channel_it_made(rehydrate_engine):
     """grpc_channel() calls the factory before registering: a refused registration (the
     name is taken) left that channel open, unreachable by anyone."""
@@ -798,6 +831,42 @@ def test_a_refused_grpc_channel_closes_the_channel_it_made(rehydrate_engine):
                                  engine=rehydrate_engine, peers=[42])  # type: ignore[list-item]
     assert closed == ["second", "third"]
     connections.unregister("taken", engine=rehydrate_engine)
+
+
+def test_a_grpc_aio_channel_factory_is_refused_at_registration(rehydrate_engine):
+    """A grpc.aio channel was accepted: before the snapshot its close() (a coroutine) was
+    never awaited, so it went into the snapshot open with the report ok, and every
+    restore failed ("no current event loop in thread 'rehydrate-io'"), degraded. It is
+    refused now, as is an async factory, and the name stays free."""
+    grpc = pytest.importorskip("grpc")
+
+    made: list[object] = []
+
+    async def main() -> None:
+        def aio_factory():
+            made.append(grpc.aio.insecure_channel("127.0.0.1:9"))
+            return made[-1]
+
+        async def async_factory():
+            return grpc.insecure_channel("127.0.0.1:9")  # pragma: no cover - never awaited
+
+        try:
+            with pytest.raises(TypeError, match="factory returned a grpc.aio channel"):
+                connections.grpc_channel("svc", aio_factory, engine=rehydrate_engine)
+        finally:
+            for channel in made:
+                await channel.close()  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match="factory returned a coroutine"):
+            connections.grpc_channel("svc", async_factory, engine=rehydrate_engine)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... never awaited"
+        asyncio.run(main())
+        gc.collect()
+    assert len(made) == 1
+    with connections.grpc_channel("svc", lambda: grpc.insecure_channel("127.0.0.1:9"),
+                                  check=False, engine=rehydrate_engine):
+        pass  # the name was never taken by the refused ones
 
 
 
