@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,7 +65,7 @@ class HookCall:
     context (an ``asyncio`` task, a thread given ``copy_context()``) holds the same object,
     so it is not taken for the hook once the hook has returned."""
 
-    __slots__ = ("index", "job", "runner", "running")
+    __slots__ = ("_token", "index", "job", "runner", "running")
 
     def __init__(self, runner: object, job: _Progress | None = None, index: int = -1) -> None:
         self.running = True
@@ -73,6 +73,14 @@ class HookCall:
         self.job = job
         """The run it is part of, and its place there (:func:`running_before`)."""
         self.index = index
+
+    # Its own context manager (no contextlib generator): it runs around every hook call.
+    def __enter__(self) -> None:
+        self._token = hook_call.set(self)
+
+    def __exit__(self, *exc: object) -> None:
+        self.running = False
+        hook_call.reset(self._token)
 
 
 hook_call: contextvars.ContextVar[HookCall | None] = contextvars.ContextVar(
@@ -104,17 +112,6 @@ def running_before(hook: Hook) -> Hook | None:
     if any(h is hook for h in hooks[call.index + 1:]):
         return hooks[call.index]
     return None
-
-
-@contextlib.contextmanager
-def _calling_hook(runner: object, job: _Progress, index: int) -> Iterator[None]:
-    call = HookCall(runner, job, index)
-    token = hook_call.set(call)
-    try:
-        yield
-    finally:
-        call.running = False
-        hook_call.reset(token)
 
 
 class Observer(Protocol):
@@ -533,7 +530,7 @@ class HookRunner:
             job.begin(index, hook.timeout)
             began = job.started
             try:
-                with _calling_hook(self, job, index):
+                with HookCall(self, job, index):
                     value = hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn()
                     if inspect.isawaitable(value):  # a plain callable returned a coroutine
                         job.begin(index, hook.timeout, grace=ASYNC_GRACE)
@@ -652,7 +649,7 @@ class HookRunner:
             # cancelled at its own timeout or the run's deadline, whichever comes first
             watchdog.arm(max(0.0, min(hook.timeout, job.time_left())))
             try:
-                with _calling_hook(self, job, index):
+                with HookCall(self, job, index):
                     await (hook.fn(*_call_args(hook, ctx)) if hook.arity else hook.fn())
                 outcome, error = "ok", None
             except asyncio.CancelledError as exc:
