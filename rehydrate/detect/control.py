@@ -698,15 +698,18 @@ class ControlServer:
         nothing else the connection sent is served (it went on serving every pipelined
         request there — a ``prepare-snapshot`` ran its hooks — and a client that did not
         read its replies held the accept thread ~10 s). Once stop() began it is closed
-        unanswered, as a connection served on a thread of its own is."""
+        unanswered, as a connection served on a thread of its own is; the thread
+        shortage is logged (and counted) all the same."""
         with self._closing(conn):
-            if self._stopping:
-                return
+            stopping = self._stopping
             count = self._submit_failures.due()
             if count:
                 log.error("control socket: no thread to serve a client (%s); its resume or "
-                          "restore notice is served on the accept thread%s",
-                          describe_error(exc), _times(count))
+                          "restore notice is %s%s", describe_error(exc),
+                          "closed unanswered: the socket is stopping" if stopping
+                          else "served on the accept thread", _times(count))
+            if stopping:
+                return
             with self._lock:
                 state = self._conns.get(conn)
             conn.settimeout(NOTICE_REPLY_TIMEOUT)

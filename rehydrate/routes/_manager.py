@@ -568,6 +568,10 @@ class RoutesManager:
         # (one JSON cannot write is left to fail alone: nftables() refuses such a set,
         # but add_ruleset() takes any, and the declared dicts stay the caller's to change)
         joint = [t for t in sets if _encodable(t)]
+        # the plan from the chains as they are now, not as the listing taken before
+        # the tables' transactions had them (another owner may have changed them)
+        for label in {x for s in joint for x in s.foreign_tables()}:
+            seen.pop(label, None)
         plan: NftPlan | None = None
         if joint:
             try:

@@ -1989,10 +1989,14 @@ def test_only_the_notice_is_served_on_the_accept_thread(
 
 
 def test_a_notice_read_as_stop_begins_is_not_served_on_the_accept_thread(
-        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        engine: Lifecycle, sock_path: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """A connection served on a thread of its own answers nothing once stop() began; the
     resume notice the accept thread serves (no thread to serve it) ran its hooks all the
-    same, while stop() waited for that thread. It is now closed unanswered, as there."""
+    same, while stop() waited for that thread. It is now closed unanswered, as there,
+    and the thread shortage is still logged, as for a connection answered busy (it went
+    unreported)."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
     server = _no_thread_to_serve(engine, sock_path, monkeypatch)
     calls = Calls(engine)
     assert engine.snapshot_requested("control").ok
@@ -2019,6 +2023,10 @@ def test_a_notice_read_as_stop_begins_is_not_served_on_the_accept_thread(
     assert [item[:2] for item in calls.items] == [("snapshot-hook", "snapshot")]
     assert engine.status().state == "snapshotting"
     assert server.served == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["control socket: no thread to serve a client (RuntimeError: can't "
+                      "start new thread); its resume or restore notice is closed "
+                      "unanswered: the socket is stopping"]
 
 
 def test_a_notice_client_that_does_not_read_holds_the_accept_thread_a_second(

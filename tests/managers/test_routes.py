@@ -3073,19 +3073,85 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize(("mode", "listings"), [
-    ("sets", [3, 1]), ("captured", [2, 0]), ("recreated", [3, 3])])
+    ("sets", [3, 1]), ("captured", [3, 1]), ("recreated", [4, 4])])
 def test_a_restore_lists_a_table_again_only_after_a_transaction(netns_pair, mode, listings):
     """The table the command sets add rules to was listed to plan them, then again just
     before each set's transaction (for the marks of the rules it makes) and after it.
-    Now it is listed again only after a transaction: the listing after one set's serves
-    the next set, and the listing of the whole ruleset (a capture) or the read-back of
-    the captured table made again serves the plan."""
+    Now it is listed to plan them, and again only after a transaction: the listing after
+    one set's serves the next set. The plan lists it even when the ruleset listing (a
+    capture) or the read-back of the captured table made again has it: another owner
+    may have changed it since (test_the_sets_are_planned_on_the_chains_as_they_are_now)."""
     out = run_in_ns(netns_pair["a"], NFT_LISTINGS, env={"RHT_MODE": mode})
     assert out["ok"] == [True, True], out
     assert out["listings"] == listings, out
     for rules in out["rules"]:  # the rules where they were put, each once
         assert rules == ["tcp dport 8001 accept", "tcp dport 7001 accept",
                          "tcp dport 7002 accept"], out
+
+
+STALE_PLAN = r"""
+import json, os, shutil, subprocess, tempfile
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+real = shutil.which("nft")
+d = tempfile.mkdtemp()
+trigger, wrapper = os.path.join(d, "trigger"), os.path.join(d, "nft")
+with open(wrapper, "w") as f:
+    # another owner (a firewall reload) rewrites its chain while rehydrate re-creates the
+    # captured table inet rhcap: its own rule back, the set's gone
+    f.write(f'''#!/bin/sh
+if [ "$1 $2 $3" = "-j -f -" ]; then
+  tmp=$(mktemp); cat > "$tmp"
+  if grep -q rhcap "$tmp" && [ -e {trigger} ]; then
+    rm {trigger}
+    {real} -f - <<'X'
+flush chain inet fw in
+add rule inet fw in tcp dport 8001 accept
+X
+  fi
+  exec {real} "$@" < "$tmp"
+fi
+exec {real} "$@"
+''')
+os.chmod(wrapper, 0o755)
+os.environ["REHYDRATE_NFT"] = wrapper
+
+def nft(*args, stdin=None):
+    return subprocess.run([real, *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
+
+def rules():
+    return [" ".join(line.split()) for line in
+            nft("list", "chain", "inet", "fw", "in").splitlines() if "dport" in line]
+
+nft("-f", "-", stdin="table inet fw {\n chain in {\n  type filter hook input priority 0;\n"
+    "  tcp dport 8001 accept\n }\n}\ntable inet rhcap {\n chain c {\n"
+    "  type filter hook output priority 0;\n }\n}\n")
+engine = isolated_engine()
+routes.capture(tables=["inet rhcap"], engine=engine)
+routes.nftables([{"add": {"rule": {"family": "inet", "table": "fw", "chain": "in", "expr": [
+    {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}},
+               "right": 7001}}, {"accept": None}]}}}], engine=engine)
+first = engine.simulate_restore(kind="resume").ok  # the set's rule put in the chain
+nft("delete", "table", "inet", "rhcap")  # as in a fresh namespace: made again
+open(trigger, "w").close()
+ok = engine.simulate_restore(kind="resume").ok
+print(json.dumps({"ok": [first, ok], "fired": not os.path.exists(trigger),
+                  "rules": rules()}))
+"""
+
+
+def test_the_sets_are_planned_on_the_chains_as_they_are_now(netns_pair):
+    """The command sets were planned on the ruleset listing taken before the captured
+    table was made again: another owner's reload of its chain in between (dropping the
+    set's rule, there since the restore before) was not seen, and the restore said the set
+    applied with its rule gone.
+    The chains the sets add to are listed again to plan them: the rule is put back."""
+    out = run_in_ns(netns_pair["a"], STALE_PLAN)
+    assert out["fired"] is True, out
+    assert out["ok"] == [True, True], out
+    assert out["rules"] == ["tcp dport 8001 accept", "tcp dport 7001 accept"], out
 
 
 BIG_SET = r'''
