@@ -80,6 +80,9 @@ class HookCall:
 
     def __exit__(self, *exc: object) -> None:
         self.running = False
+        # A task or thread the hook started keeps this object: it must not keep the run
+        # (its context's environment, the results) alive into later snapshot images.
+        self.job = None
         hook_call.reset(self._token)
 
 

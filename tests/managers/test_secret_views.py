@@ -248,3 +248,35 @@ def test_running_before_names_the_running_hook_only_while_its_run_waits_for_it(
     go.set()
     assert noted.wait(10)
     assert seen == {"first": first_hook, "hung": None, "last": None}
+
+
+def test_a_context_a_hook_handed_on_does_not_keep_its_run_alive(rehydrate_engine):
+    """A thread or task started with a hook's context keeps that hook's call object;
+    once the hook returned it must not keep the run (the event's context with its
+    environment values, every result) alive into later snapshot images."""
+    import contextvars
+    import gc
+    import weakref
+
+    registry = rehydrate_engine.registry
+    refs: list[weakref.ref[object]] = []
+    release = threading.Event()
+    kept: list[threading.Thread] = []
+
+    def starts_a_worker(ctx) -> None:
+        refs.append(weakref.ref(ctx))
+        worker = threading.Thread(target=contextvars.copy_context().run,
+                                  args=(release.wait, 30), daemon=True)
+        worker.start()
+        kept.append(worker)
+
+    registry.register(starts_a_worker, phase=Phase.APPLICATION, name="starts-a-worker")
+    try:
+        assert rehydrate_engine.simulate_restore(env={"DB_PASSWORD": "x"}).ok
+        rehydrate_engine.simulate_snapshot()
+        gc.collect()
+        assert refs and refs[0]() is None, "the run's context outlived it"
+    finally:
+        release.set()
+        for worker in kept:
+            worker.join(10)
