@@ -378,21 +378,12 @@ class EphemeralKey:
         self._private: PrivateKeyTypes | None = None
         self._public: PublicKeyTypes | None = None
         self._listeners: list[Callable[[EphemeralKey], None]] = []
-        self._creating: int | None = None
-        """The thread making its first pair outside the manager's lock, while it does."""
         self.generation = 0
         """How many times the key was (re)generated; 1 after creation."""
         self.rotated_at: float | None = None
         """``time.time()`` of the last regeneration."""
         if generate:
             self._rotate_unlocked()
-
-    def _created(self) -> bool:
-        """Wait until its first key pair was made (or refused); False when making it
-        failed, so that the manager no longer holds this handle."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._creating is None)
-        return self._manager._keys.get(self.name) is self
 
     def __repr__(self) -> str:
         state = "dropped" if self._private is None else "present"
@@ -537,8 +528,7 @@ class KeyManager:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
-        # a parent thread may hold it at fork(), or be making a new key's first pair
-        fresh_lock_after_fork(self, after=_forget_others_creating)
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._keys: dict[str, EphemeralKey] = {}
         self._dropped = engine.snapshot_pending
         self.epoch = 0
@@ -574,9 +564,7 @@ class KeyManager:
 
     def get(self, name: str) -> EphemeralKey | None:
         with self._lock:
-            key = self._keys.get(name)
-        # One being created is returned once its first key pair is made (or refused).
-        return key if key is None or key._created() else self.get(name)
+            return self._keys.get(name)
 
     def ephemeral(self, name: str, algorithm: str | None = None) -> EphemeralKey:
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
@@ -586,47 +574,21 @@ class KeyManager:
         with self._lock:
             key = self._keys.get(name)
             if key is None:
+                # The first pair is made under the lock, and the key registered only once
+                # it has one: a restore or before-snapshot pass waits for it (an rsa-4096
+                # key takes seconds), and nothing can see a key whose creation was cut
+                # short by a signal handler's exception or a fork from one.
+                # After the before-snapshot pass a new key would be written into the
+                # image: it starts without a key pair (generated on restore/resume).
                 # `is None`, not `or`: an empty string is an unknown algorithm, refused
                 key = EphemeralKey(name, "ed25519" if algorithm is None else algorithm, self,
-                                   generate=False)
-                # after the before-snapshot pass, a new key would be written into the
-                # image: it starts without a key pair (generated on restore/resume)
-                if not self._dropped:
-                    key._creating = threading.get_ident()
+                                   generate=not self._dropped)
                 self._keys[name] = key
-                mine = not self._dropped
             elif algorithm is not None and key.algorithm != algorithm:
                 raise ValueError(
                     f"ephemeral key {name!r} already exists with algorithm {key.algorithm!r}"
                 )
-            else:
-                mine = False
-        if mine:
-            # Outside the lock: an RSA key takes seconds, and status() and the
-            # before-snapshot pass take this lock.
-            self._first_pair(key)
             return key
-        # A caller racing the creator gets the handle once its first pair is made; if
-        # making it failed, the handle is gone and this call makes one itself.
-        return key if key._created() else self.ephemeral(name, algorithm)
-
-    def _first_pair(self, key: EphemeralKey) -> None:
-        """Make the first key pair of ``key``, just registered by this thread."""
-        try:
-            key._rotate_unlocked()
-        except KeyDroppedError:
-            # A before-snapshot pass came meanwhile (it starts without a pair, as one
-            # created after it), or a restore (whose hook gave it its pair).
-            pass
-        except BaseException:
-            with self._lock:  # as before: a key whose generation failed is not kept
-                if self._keys.get(key.name) is key:
-                    del self._keys[key.name]
-            raise
-        finally:
-            with key._cond:
-                key._creating = None
-                key._cond.notify_all()
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -702,17 +664,6 @@ class KeyManager:
             self.epoch += 1
         for k in self.keys():
             k.drop()
-
-
-def _forget_others_creating(m: KeyManager) -> None:
-    """In a child of ``fork()``: a key another thread was making its first pair for is
-    not being made here (``ephemeral()`` and ``get()`` of its name waited for ever); it
-    is forgotten, as when the lock was held across the whole creation."""
-    me = threading.get_ident()
-    for name, key in list(m._keys.items()):
-        if key._creating is not None and key._creating != me:
-            del m._keys[name]
-            key._creating = None
 
 
 def manager(engine: Engine | None = None) -> KeyManager:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+import sys
 import threading
 
 import pytest
@@ -484,57 +486,92 @@ def _blocking_generation(monkeypatch):  # type: ignore[no-untyped-def]
     return entered, release
 
 
-def test_a_new_key_is_generated_outside_the_manager_lock(rehydrate_engine, monkeypatch):
-    """Before: ``ephemeral()`` generated the key under the manager's lock, so status() and
-    the before-snapshot pass (10 s timeout) waited out an rsa-4096 generation (~6 s)."""
+def _in_thread(fn):  # type: ignore[no-untyped-def]
+    """Run ``fn`` in a daemon thread; returns (thread, list that gets its result)."""
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_restore_during_a_key_s_creation_gives_it_its_pair(rehydrate_engine, monkeypatch):
+    """Before: the first pair was made outside the manager's lock, and a restore run
+    starting meanwhile made the creator discard it: ephemeral() returned a handle with no
+    key pair (its .private_key and .public_key raising KeyDroppedError) until the hook
+    got to it. The restore now waits for the creation, then rotates the key."""
     engine = rehydrate_engine
-    keys.ephemeral("small", engine=engine)
     entered, release = _blocking_generation(monkeypatch)
-    made: list[keys.EphemeralKey] = []
-    creator = threading.Thread(target=lambda: made.append(
-        keys.ephemeral("big", "ec-p256", engine=engine)), daemon=True)
-    second: list[keys.EphemeralKey] = []
-    racer = threading.Thread(target=lambda: second.append(
-        keys.ephemeral("big", engine=engine)), daemon=True)
-    creator.start()
+    creator, made = _in_thread(lambda: keys.ephemeral("session", "ec-p256", engine=engine))
     try:
         assert entered.wait(5)
-        racer.start()
-        lock = keys.manager(engine)._lock
-        assert lock.acquire(timeout=5), "the manager's lock is held while generating"
-        lock.release()
-        status = keys.manager(engine)._status()
-        assert status["big"] == {"algorithm": "ec-p256", "generation": 0, "dropped": True}
-        assert engine.status().extra["keys"]["small"]["generation"] == 1
-        assert racer.is_alive()  # another caller waits for the first key pair
+        entered.clear()
+        restore, reports = _in_thread(engine.simulate_restore)
+        # the restore waits for the manager's lock, which the creator holds
+        assert not entered.wait(0.2) and not reports
     finally:
         release.set()
     creator.join(10)
-    racer.join(10)
-    assert made == second and made[0].generation == 1
-    assert isinstance(made[0].private_key, ec.EllipticCurvePrivateKey)
-    assert keys.get("big", engine=engine) is made[0]
+    restore.join(10)
+    [handle] = made
+    assert isinstance(handle.private_key, ec.EllipticCurvePrivateKey)
+    assert handle.public_key is not None
+    assert reports[0].ok and handle.generation == 2  # created, then rotated by the run
 
 
-def test_a_snapshot_pass_during_a_key_s_creation_leaves_it_without_a_pair(rehydrate_engine,
-                                                                       monkeypatch):
+def test_a_snapshot_pass_during_a_key_s_creation_drops_its_pair(rehydrate_engine,
+                                                                 monkeypatch):
+    """The pass waits for a creation under way (an rsa-4096 key: seconds of its 10 s
+    timeout), then drops the new private key like any other."""
     engine = rehydrate_engine
     entered, release = _blocking_generation(monkeypatch)
-    made: list[keys.EphemeralKey] = []
-    creator = threading.Thread(target=lambda: made.append(
-        keys.ephemeral("late", engine=engine)), daemon=True)
-    creator.start()
+    creator, made = _in_thread(lambda: keys.ephemeral("late", engine=engine))
     try:
         assert entered.wait(5)
-        assert engine.simulate_snapshot().ok  # not waiting for the generation
+        snapshot, reports = _in_thread(engine.simulate_snapshot)
     finally:
         release.set()
     creator.join(10)
-    [handle] = made  # no error: it starts without a pair, as one made after the pass
-    assert handle.dropped and handle.generation == 0
+    snapshot.join(10)
+    [handle] = made
+    assert reports[0].ok and handle.dropped and handle.generation == 1
     with pytest.raises(KeyDroppedError):
-        handle.public_key  # noqa: B018
-    assert engine.simulate_restore().ok and handle.generation == 1
+        handle.private_key  # noqa: B018
+    assert engine.simulate_restore().ok and handle.generation == 2
+
+
+def test_an_exception_anywhere_in_ephemeral_leaves_the_name_usable(rehydrate_engine):
+    """An exception from a signal handler (Ctrl-C, an alarm-based timeout) lands where the
+    interpreter runs the handler: on entry to a Python function among others. Before: one
+    landing after the key was registered but before its first pair was being made left
+    the name "being created" for ever: every get()/ephemeral() of it, from any thread,
+    blocked. Here a KeyboardInterrupt is raised on entry to each Python function that
+    ephemeral() calls, in turn, until a call gets through."""
+    engine = rehydrate_engine
+    for n in itertools.count(1):
+        calls = [0]
+
+        def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] == n:
+                raise KeyboardInterrupt
+
+        name = f"k{n}"
+        sys.settrace(tracer)  # only "call" events: the tracer sets no local one
+        try:
+            keys.ephemeral(name, engine=engine)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        getter, got = _in_thread(lambda: keys.get(name, engine=engine))  # noqa: B023
+        getter.join(5)
+        assert got, f"get() of a key interrupted on function entry {n} blocks"
+        assert got[0] is None or not got[0].dropped
+        assert not keys.ephemeral(name, engine=engine).dropped
+        if not interrupted:
+            break
+    assert n > 5  # the interrupts did land inside ephemeral()
 
 
 def test_a_key_whose_first_generation_fails_is_not_kept(rehydrate_engine, monkeypatch):
