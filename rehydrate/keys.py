@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ._config import optional_seconds, shown
+from ._context import describe_error
 from ._disable import is_disabled
 from ._hooks import Phase
 from ._redact import redact
@@ -450,8 +451,9 @@ class EphemeralKey:
         self, fn: Callable[[EphemeralKey], None]
     ) -> Callable[[EphemeralKey], None]:
         """Call ``fn(handle)`` after every rotation (usable as a decorator). A listener
-        that raises makes the ``rehydrate.keys`` hook fail with its error (after all
-        listeners ran); a later :meth:`rotate` that every listener takes mends that."""
+        that raises makes the ``rehydrate.keys`` hook fail with an ``ExceptionGroup`` of
+        the errors, naming each key and listener (after all listeners ran); a later
+        :meth:`rotate` that every listener takes mends that."""
         self._listeners.append(fn)
         return fn
 
@@ -492,8 +494,8 @@ class EphemeralKey:
         failed = self._rotate_and_notify()
         for fn, exc in failed:
             # redacted: a listener pushing the key elsewhere may quote a token
-            log.warning("%s", redact(f"rotation listener {fn!r} of key {self.name!r} "
-                                     f"failed: {exc}"))
+            log.warning("%s", redact(f"rotation listener {_listener_name(fn)} of key "
+                                     f"{self.name!r} failed: {exc}"))
         if not failed:
             self._manager._rotated(self.name, began)
         return [exc for _, exc in failed]
@@ -624,21 +626,20 @@ class KeyManager:
             except Exception as exc:  # generation itself failed: keep what we had
                 failures.append((k.name, "generating its new key pair", exc))
                 continue
-            failures.extend((k.name, f"rotation listener {fn!r}", e) for fn, e in failed)
+            failures.extend((k.name, f"rotation listener {_listener_name(fn)}", e)
+                            for fn, e in failed)
         with self._lock:
             if self.epoch == epoch:  # not a hook outlived by a later pass or run
                 self._failed = frozenset(name for name, _, _ in failures)
-        if len(failures) == 1:
-            # The error itself, not a wrapper: its type tells what failed (the engine
-            # logs it as the hook's one line); the note says which key.
-            name, what, error = failures[0]
-            if hasattr(error, "add_note"):  # 3.11+
-                error.add_note(f"ephemeral key {name!r}: {what}")
-            raise error
         if failures:
+            # A group even for one failure: its message names the key and the listener
+            # in the engine's one log line, the report and status() (a note on the
+            # listener's own error shows in none of them, and would pile up on an error
+            # a listener raises again at every restore), and `except*` still matches
+            # the errors' own types.
             raise _ExceptionGroup(
                 "ephemeral key rotation incomplete: "
-                + "; ".join(f"{name}: {what}: {type(e).__name__}: {e}"
+                + "; ".join(f"key {name!r}: {what}: {describe_error(e)}"
                             for name, what, e in failures),
                 [e for _, _, e in failures])
 
@@ -664,6 +665,16 @@ class KeyManager:
             self.epoch += 1
         for k in self.keys():
             k.drop()
+
+
+def _listener_name(fn: object) -> str:
+    """How messages name a listener: its qualified name, never ``repr()`` (a bound
+    method's shows its object, a client holding a token perhaps)."""
+    try:
+        name = getattr(fn, "__qualname__", None)
+    except Exception:  # an object whose __getattr__ raises anything
+        name = None
+    return name if isinstance(name, str) else type(fn).__qualname__
 
 
 def manager(engine: Engine | None = None) -> KeyManager:
