@@ -483,21 +483,24 @@ class EphemeralKey:
         """Regenerate now and notify listeners. Returns the listeners' errors (each
         logged as one ``WARNING`` line).
 
-        When every listener took the new key and no key's rotation is still failed from
-        the last run of the ``rehydrate.keys`` restore hook, that hook's failure is
-        forgotten (:meth:`~rehydrate.Lifecycle.recovered`): a listener whose registry was
-        down during the restore makes the process ready again once a rotation reaches it.
+        When every listener took the new key and no other key is still failed from the
+        last run of the ``rehydrate.keys`` restore hook (a listener or the generation
+        failed, or the run never got through it: hung past its timeout, a
+        ``BaseException``), that hook's failure is forgotten
+        (:meth:`~rehydrate.Lifecycle.recovered`): a listener whose registry was down
+        during the restore makes the process ready again once a rotation reaches it.
 
         Refused (:class:`KeyDroppedError`) between the before-snapshot pass and the next
         restore/resume: the new private key would be written into the snapshot image."""
         began = time.monotonic()  # before the key is made: see Lifecycle.recovered(since=)
+        epoch = self._manager.epoch
         failed = self._rotate_and_notify()
         for fn, exc in failed:
             # redacted: a listener pushing the key elsewhere may quote a token
             log.warning("%s", redact(f"rotation listener {_listener_name(fn)} of key "
                                      f"{self.name!r} failed: {exc}"))
         if not failed:
-            self._manager._rotated(self.name, began)
+            self._manager._rotated(self.name, began, epoch)
         return [exc for _, exc in failed]
 
     def _rotate_and_notify(self) -> list[tuple[Callable[[EphemeralKey], None], Exception]]:
@@ -536,9 +539,11 @@ class KeyManager:
         self.epoch = 0
         """+1 at every before-snapshot pass and restore/resume run: a rotation that began
         before one of them has its key discarded."""
-        self._failed: frozenset[str] | None = frozenset()
-        """Names of the keys whose rotation failed in the last run of the restore hook
-        (a listener or the generation); None while that hook runs."""
+        self._failed: frozenset[str] = frozenset()
+        """Names of the keys the last run of the restore hook has not rotated with every
+        listener taking the new key: all its keys when it starts, each one taken out when
+        the hook or a later rotate() gets it through, or remove() removes it. A hook that
+        hangs in a listener or raises a BaseException leaves the rest in."""
         self._restore_hook = engine.builtins.register(
             self._on_restore, phase=Phase.SECRETS, order=-100, name="rehydrate.keys",
             timeout=60.0)
@@ -593,23 +598,31 @@ class KeyManager:
             return key
 
     def remove(self, name: str) -> None:
+        began = time.monotonic()
         with self._lock:
             key = self._keys.pop(name, None)
         if key is not None:
             key.drop()
+            # a key whose rotation failed in the last restore and that is no longer used
+            # does not hold the process degraded
+            self._rotated(name, began, None)
 
     def _on_restore(self) -> None:
+        active = self.active
         with self._lock:
             self._dropped = False
             self.epoch += 1
             epoch = self.epoch
-            self._failed = None
-        keys = self.keys()
-        if not self.active:
+            keys = list(self._keys.values())
             # a key dropped before the snapshot is gone: it gets a new pair (and its
-            # listeners hear of it) even so; only keys still held are left alone
-            kept = [k.name for k in keys if not k.dropped]
-            keys = [k for k in keys if k.dropped]
+            # listeners hear of it) even when keys are disabled; only keys still held
+            # are left alone
+            kept = [] if active else [k.name for k in keys if not k.dropped]
+            keys = keys if active else [k for k in keys if k.dropped]
+            # Failed until rotated: a hook that hangs in a listener (timed out) or is cut
+            # short by a BaseException leaves every key it did not get through failed.
+            self._failed = frozenset(k.name for k in keys)
+        if not active:
             if not keys:
                 log.info("keys disabled: ephemeral keys NOT regenerated")
             elif kept:
@@ -621,6 +634,7 @@ class KeyManager:
                          ", ".join(k.name for k in keys))
         failures: list[tuple[str, str, Exception]] = []  # key, what failed, its error
         for k in keys:
+            began = time.monotonic()
             try:
                 failed = k._rotate_and_notify()
             except Exception as exc:  # generation itself failed: keep what we had
@@ -628,9 +642,9 @@ class KeyManager:
                 continue
             failures.extend((k.name, f"rotation listener {_listener_name(fn)}", e)
                             for fn, e in failed)
-        with self._lock:
-            if self.epoch == epoch:  # not a hook outlived by a later pass or run
-                self._failed = frozenset(name for name, _, _ in failures)
+            if not failed:
+                # after its timeout, the hook getting through the last key mends it
+                self._rotated(k.name, began, epoch)
         if failures:
             # A group even for one failure: its message names the key and the listener
             # in the engine's one log line, the report and status() (a note on the
@@ -643,12 +657,15 @@ class KeyManager:
                             for name, what, e in failures),
                 [e for _, _, e in failures])
 
-    def _rotated(self, name: str, began: float) -> None:
+    def _rotated(self, name: str, began: float, epoch: int | None) -> None:
         """``name`` was rotated at ``began`` (``time.monotonic()``) and every listener
-        took it: once no key of the last restore hook's run is left failed, that hook's
-        failure is forgotten (nothing happens when it did not fail)."""
+        took it (or it was removed: ``epoch`` None): once no key of the last restore
+        hook's run is left failed, that hook's failure is forgotten (nothing happens when
+        it did not fail; during a run, only once it timed out). ``epoch``: the manager's
+        when the rotation began; a rotation that a later run or pass overtook does not
+        count for it."""
         with self._lock:
-            if self._failed is None:  # the hook is running (or hung after its timeout)
+            if epoch not in (None, self.epoch) or name not in self._failed:
                 return
             self._failed -= {name}
             if self._failed:

@@ -516,6 +516,92 @@ def test_the_restore_hook_is_mended_only_once_every_failed_key_rotated(rehydrate
     assert engine.status().state == "ready"
 
 
+def _hanging_restore(engine):  # type: ignore[no-untyped-def]
+    """Keys "a" (whose listener hangs in the restore hook until the returned event is
+    set) and "b" (after it); the hook's timeout shortened so that the run times it out.
+    Returns (a, b, unstick, b_calls)."""
+    a = keys.ephemeral("a", engine=engine)
+    b = keys.ephemeral("b", engine=engine)
+    hook = keys.manager(engine)._restore_hook
+    object.__setattr__(hook, "timeout", 0.3)  # frozen record; the real timeout is 60 s
+    unstick = threading.Event()
+    calls = [0]
+    b_calls: list[threading.Event] = [threading.Event() for _ in range(3)]
+
+    def hangs(h):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 1:
+            assert unstick.wait(30)
+
+    def counts(h):  # type: ignore[no-untyped-def]
+        next(e for e in b_calls if not e.is_set()).set()
+
+    a.subscribe(hangs)
+    b.subscribe(counts)
+    [res] = [h for h in engine.simulate_restore().hooks if h.name == "rehydrate.keys"]
+    assert res.outcome == "timeout" and engine.status().state == "degraded"
+    return a, b, unstick, b_calls
+
+
+def test_rotations_mend_the_hook_after_it_hung_in_a_listener(rehydrate_engine):
+    """Before: while the hook's thread still hung in a listener, no rotate() mended it (the
+    hook's failed keys were unknown until it returned). Every key it did not get through
+    counts as failed: here "b", never reached, still holds the image's key."""
+    engine = rehydrate_engine
+    a, b, unstick, b_calls = _hanging_restore(engine)
+    try:
+        assert a.rotate() == []
+        assert engine.status().state == "degraded"  # "b" is not rotated yet
+        assert b.rotate() == []
+        assert engine.status().state == "ready"
+    finally:
+        unstick.set()
+    assert b_calls[1].wait(10)  # the hook thread went on to "b" and ended
+
+
+def test_the_hung_hook_mends_itself_once_it_gets_through(rehydrate_engine):
+    engine = rehydrate_engine
+    a, b, unstick, b_calls = _hanging_restore(engine)
+    unstick.set()
+    assert b_calls[0].wait(10)
+    assert engine.wait_ready(10)
+
+
+def test_a_rotation_mends_the_hook_after_a_listener_raised_a_base_exception(
+        rehydrate_engine):
+    """Before: a listener's SystemExit left no key failed on record, so no rotate()
+    mended the hook: degraded until the next restore."""
+    engine = rehydrate_engine
+    handle = keys.ephemeral("session", engine=engine)
+    first = [True]
+
+    @handle.subscribe
+    def push(h):  # type: ignore[no-untyped-def]
+        if first[0]:
+            first[0] = False
+            raise SystemExit("a library called sys.exit()")
+
+    assert not engine.simulate_restore().ok and engine.status().state == "degraded"
+    assert handle.rotate() == []
+    assert engine.status().state == "ready"
+
+
+def test_removing_a_failed_key_mends_the_hook_once_no_other_stands(rehydrate_engine):
+    """Before: a key whose listener failed in the restore and that is then removed kept
+    the process degraded until the next restore, every remaining key rotating fine."""
+    engine = rehydrate_engine
+    one = keys.ephemeral("one", engine=engine)
+    keys.ephemeral("two", engine=engine).subscribe(lambda h: 1 / 0)
+    keys.ephemeral("three", engine=engine).subscribe(lambda h: 1 / 0)
+    assert not engine.simulate_restore().ok
+    manager = keys.manager(engine)
+    manager.remove("two")
+    assert engine.status().state == "degraded"  # "three" still failed
+    assert one.rotate() == [] and engine.status().state == "degraded"
+    manager.remove("three")
+    assert engine.status().state == "ready"
+
+
 def test_a_rotation_does_not_mend_a_failure_of_a_user_hook_or_a_later_run(rehydrate_engine):
     engine = rehydrate_engine
     handle = keys.ephemeral("session", engine=engine)
