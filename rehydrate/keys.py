@@ -30,8 +30,9 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ._config import optional_seconds, shown
 from ._context import describe_error
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("rehydrate")
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 Algorithm = Literal[
     "ed25519", "x25519", "ec-p256", "ec-p384", "rsa-2048", "rsa-3072", "rsa-4096"
@@ -481,7 +484,8 @@ class EphemeralKey:
 
     def rotate(self) -> list[BaseException]:
         """Regenerate now and notify listeners. Returns the listeners' errors (each
-        logged as one ``WARNING`` line).
+        logged as one ``WARNING`` line; their tracebacks' frames cleared of locals, which
+        may hold the private key).
 
         When every listener took the new key and no other key is still failed from the
         last run of the ``rehydrate.keys`` restore hook (a listener or the generation
@@ -514,9 +518,8 @@ class EphemeralKey:
         self._rotate_unlocked()
         failed: list[tuple[Callable[[EphemeralKey], None], Exception]] = []
         for fn in list(self._listeners):
-            try:
-                fn(self)
-            except Exception as exc:
+            exc = _caught(fn, self)
+            if isinstance(exc, Exception):
                 failed.append((fn, exc))
         return failed
 
@@ -635,10 +638,9 @@ class KeyManager:
         failures: list[tuple[str, str, Exception]] = []  # key, what failed, its error
         for k in keys:
             began = time.monotonic()
-            try:
-                failed = k._rotate_and_notify()
-            except Exception as exc:  # generation itself failed: keep what we had
-                failures.append((k.name, "generating its new key pair", exc))
+            failed = _caught(EphemeralKey._rotate_and_notify, k)
+            if isinstance(failed, Exception):  # generation failed: keep what we had
+                failures.append((k.name, "generating its new key pair", failed))
                 continue
             failures.extend((k.name, f"rotation listener {_listener_name(fn)}", e)
                             for fn, e in failed)
@@ -682,6 +684,27 @@ class KeyManager:
             self.epoch += 1
         for k in self.keys():
             k.drop()
+
+
+def _caught(fn: Callable[[_A], _R], arg: _A) -> _R | Exception:
+    """``fn(arg)``, or the exception it raised with the frames of its traceback cleared
+    (the lines stay, the locals go): a listener's frame may hold the private key it read,
+    and the error outlives the before-snapshot pass (in the engine's report, or a
+    caller's hands) and with it, through each frame's caller, a reference cycle that
+    only the garbage collector would free."""
+    out = _call(fn, arg)
+    if isinstance(out, Exception):
+        traceback.clear_frames(out.__traceback__)
+    return out
+
+
+def _call(fn: Callable[[_A], _R], arg: _A) -> _R | Exception:
+    # Caught in a frame of its own, which has returned once _caught clears it: the
+    # caller's frame, still running, could not be cleared.
+    try:
+        return fn(arg)
+    except Exception as exc:
+        return exc
 
 
 def _listener_name(fn: object) -> str:

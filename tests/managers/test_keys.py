@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import math
 import random
 import sys
 import threading
+import traceback
+import weakref
 
 import pytest
 from cryptography.hazmat.primitives import hashes
@@ -436,6 +439,47 @@ def test_a_failed_listener_is_named_never_shown(rehydrate_engine, caplog, failin
     assert "rotation listener _RegistryClient.push of key 'session' failed" in caplog.text
     assert [type(e) for e in res.error.exceptions] == [ConnectionError] * failing
     assert len(errors) == 1
+
+
+class _Local:
+    """Stands for a listener's local (the private key it read: no weak reference)."""
+
+
+@pytest.mark.parametrize("what", ["listener", "generation"])
+def test_no_frame_of_a_failed_rotation_outlives_the_snapshot_pass(rehydrate_engine,
+                                                                  monkeypatch, what):
+    """Before: the report kept the hook's error, and through its traceback the frames of
+    the listener that raised it (the private key it read), in a reference cycle: the pass
+    dropped the key's handle, not that copy, which went into the image. No gc.collect()
+    may be needed: the garbage collector is off here."""
+    engine = rehydrate_engine
+    handle = keys.ephemeral("session", engine=engine)
+    refs: list[weakref.ref[_Local]] = []
+
+    def failing(h):  # type: ignore[no-untyped-def]
+        priv = h.private_key if what == "listener" else None  # noqa: F841
+        local = _Local()
+        refs.append(weakref.ref(local))
+        raise ConnectionError("registry down")
+
+    if what == "listener":
+        handle.subscribe(failing)
+    else:
+        real = keys.generate_private_key
+        monkeypatch.setattr(keys, "generate_private_key",
+                            lambda algorithm: failing(None) if refs == [] else real(algorithm))
+    gc.disable()
+    try:
+        assert not engine.simulate_restore().ok
+        assert engine.simulate_snapshot().ok
+        assert [r() for r in refs] == [None]
+        if what == "listener":  # the errors rotate() returns: lines kept, locals not
+            engine.simulate_restore()
+            [error] = handle.rotate()
+            assert [r() for r in refs] == [None] * 3
+            assert "in failing" in "".join(traceback.format_exception(error))
+    finally:
+        gc.enable()
 
 
 def test_a_listener_s_error_gets_no_note(rehydrate_engine):
