@@ -30,10 +30,12 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ._config import optional_seconds, shown
+from ._context import describe_error
 from ._disable import is_disabled
 from ._hooks import Phase
 from ._redact import redact
@@ -67,6 +69,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("rehydrate")
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 Algorithm = Literal[
     "ed25519", "x25519", "ec-p256", "ec-p384", "rsa-2048", "rsa-3072", "rsa-4096"
@@ -378,21 +382,12 @@ class EphemeralKey:
         self._private: PrivateKeyTypes | None = None
         self._public: PublicKeyTypes | None = None
         self._listeners: list[Callable[[EphemeralKey], None]] = []
-        self._creating: int | None = None
-        """The thread making its first pair outside the manager's lock, while it does."""
         self.generation = 0
         """How many times the key was (re)generated; 1 after creation."""
         self.rotated_at: float | None = None
         """``time.time()`` of the last regeneration."""
         if generate:
             self._rotate_unlocked()
-
-    def _created(self) -> bool:
-        """Wait until its first key pair was made (or refused); False when making it
-        failed, so that the manager no longer holds this handle."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._creating is None)
-        return self._manager._keys.get(self.name) is self
 
     def __repr__(self) -> str:
         state = "dropped" if self._private is None else "present"
@@ -459,8 +454,9 @@ class EphemeralKey:
         self, fn: Callable[[EphemeralKey], None]
     ) -> Callable[[EphemeralKey], None]:
         """Call ``fn(handle)`` after every rotation (usable as a decorator). A listener
-        that raises makes the ``rehydrate.keys`` hook fail with its error (after all
-        listeners ran); a later :meth:`rotate` that every listener takes mends that."""
+        that raises makes the ``rehydrate.keys`` hook fail with an ``ExceptionGroup`` of
+        the errors, naming each key and listener (after all listeners ran); a later
+        :meth:`rotate` that every listener takes mends that."""
         self._listeners.append(fn)
         return fn
 
@@ -488,23 +484,27 @@ class EphemeralKey:
 
     def rotate(self) -> list[BaseException]:
         """Regenerate now and notify listeners. Returns the listeners' errors (each
-        logged as one ``WARNING`` line).
+        logged as one ``WARNING`` line; their tracebacks' frames cleared of locals, which
+        may hold the private key).
 
-        When every listener took the new key and no key's rotation is still failed from
-        the last run of the ``rehydrate.keys`` restore hook, that hook's failure is
-        forgotten (:meth:`~rehydrate.Lifecycle.recovered`): a listener whose registry was
-        down during the restore makes the process ready again once a rotation reaches it.
+        When every listener took the new key and no other key is still failed from the
+        last run of the ``rehydrate.keys`` restore hook (a listener or the generation
+        failed, or the run never got through it: hung past its timeout, a
+        ``BaseException``), that hook's failure is forgotten
+        (:meth:`~rehydrate.Lifecycle.recovered`): a listener whose registry was down
+        during the restore makes the process ready again once a rotation reaches it.
 
         Refused (:class:`KeyDroppedError`) between the before-snapshot pass and the next
         restore/resume: the new private key would be written into the snapshot image."""
         began = time.monotonic()  # before the key is made: see Lifecycle.recovered(since=)
+        epoch = self._manager.epoch
         failed = self._rotate_and_notify()
         for fn, exc in failed:
             # redacted: a listener pushing the key elsewhere may quote a token
-            log.warning("%s", redact(f"rotation listener {fn!r} of key {self.name!r} "
-                                     f"failed: {exc}"))
+            log.warning("%s", redact(f"rotation listener {_listener_name(fn)} of key "
+                                     f"{self.name!r} failed: {exc}"))
         if not failed:
-            self._manager._rotated(self.name, began)
+            self._manager._rotated(self.name, began, epoch)
         return [exc for _, exc in failed]
 
     def _rotate_and_notify(self) -> list[tuple[Callable[[EphemeralKey], None], Exception]]:
@@ -518,9 +518,8 @@ class EphemeralKey:
         self._rotate_unlocked()
         failed: list[tuple[Callable[[EphemeralKey], None], Exception]] = []
         for fn in list(self._listeners):
-            try:
-                fn(self)
-            except Exception as exc:
+            exc = _caught(fn, self)
+            if isinstance(exc, Exception):
                 failed.append((fn, exc))
         return failed
 
@@ -537,16 +536,17 @@ class KeyManager:
         self.engine = engine
         self.enabled = True
         self._lock = threading.Lock()
-        # a parent thread may hold it at fork(), or be making a new key's first pair
-        fresh_lock_after_fork(self, after=_forget_others_creating)
+        fresh_lock_after_fork(self)  # a parent thread may hold it at fork()
         self._keys: dict[str, EphemeralKey] = {}
         self._dropped = engine.snapshot_pending
         self.epoch = 0
         """+1 at every before-snapshot pass and restore/resume run: a rotation that began
         before one of them has its key discarded."""
-        self._failed: frozenset[str] | None = frozenset()
-        """Names of the keys whose rotation failed in the last run of the restore hook
-        (a listener or the generation); None while that hook runs."""
+        self._failed: frozenset[str] = frozenset()
+        """Names of the keys the last run of the restore hook has not rotated with every
+        listener taking the new key: all its keys when it starts, each one taken out when
+        the hook or a later rotate() gets it through, or remove() removes it. A hook that
+        hangs in a listener or raises a BaseException leaves the rest in."""
         self._restore_hook = engine.builtins.register(
             self._on_restore, phase=Phase.SECRETS, order=-100, name="rehydrate.keys",
             timeout=60.0)
@@ -574,9 +574,7 @@ class KeyManager:
 
     def get(self, name: str) -> EphemeralKey | None:
         with self._lock:
-            key = self._keys.get(name)
-        # One being created is returned once its first key pair is made (or refused).
-        return key if key is None or key._created() else self.get(name)
+            return self._keys.get(name)
 
     def ephemeral(self, name: str, algorithm: str | None = None) -> EphemeralKey:
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
@@ -586,66 +584,48 @@ class KeyManager:
         with self._lock:
             key = self._keys.get(name)
             if key is None:
+                # The first pair is made under the lock, and the key registered only once
+                # it has one: a restore or before-snapshot pass waits for it (an rsa-4096
+                # key takes seconds), and nothing can see a key whose creation was cut
+                # short by a signal handler's exception or a fork from one.
+                # After the before-snapshot pass a new key would be written into the
+                # image: it starts without a key pair (generated on restore/resume).
                 # `is None`, not `or`: an empty string is an unknown algorithm, refused
                 key = EphemeralKey(name, "ed25519" if algorithm is None else algorithm, self,
-                                   generate=False)
-                # after the before-snapshot pass, a new key would be written into the
-                # image: it starts without a key pair (generated on restore/resume)
-                if not self._dropped:
-                    key._creating = threading.get_ident()
+                                   generate=not self._dropped)
                 self._keys[name] = key
-                mine = not self._dropped
             elif algorithm is not None and key.algorithm != algorithm:
                 raise ValueError(
                     f"ephemeral key {name!r} already exists with algorithm {key.algorithm!r}"
                 )
-            else:
-                mine = False
-        if mine:
-            # Outside the lock: an RSA key takes seconds, and status() and the
-            # before-snapshot pass take this lock.
-            self._first_pair(key)
             return key
-        # A caller racing the creator gets the handle once its first pair is made; if
-        # making it failed, the handle is gone and this call makes one itself.
-        return key if key._created() else self.ephemeral(name, algorithm)
-
-    def _first_pair(self, key: EphemeralKey) -> None:
-        """Make the first key pair of ``key``, just registered by this thread."""
-        try:
-            key._rotate_unlocked()
-        except KeyDroppedError:
-            # A before-snapshot pass came meanwhile (it starts without a pair, as one
-            # created after it), or a restore (whose hook gave it its pair).
-            pass
-        except BaseException:
-            with self._lock:  # as before: a key whose generation failed is not kept
-                if self._keys.get(key.name) is key:
-                    del self._keys[key.name]
-            raise
-        finally:
-            with key._cond:
-                key._creating = None
-                key._cond.notify_all()
 
     def remove(self, name: str) -> None:
+        began = time.monotonic()
         with self._lock:
             key = self._keys.pop(name, None)
         if key is not None:
             key.drop()
+            # a key whose rotation failed in the last restore and that is no longer used
+            # does not hold the process degraded
+            self._rotated(name, began, None)
 
     def _on_restore(self) -> None:
+        active = self.active
         with self._lock:
             self._dropped = False
             self.epoch += 1
             epoch = self.epoch
-            self._failed = None
-        keys = self.keys()
-        if not self.active:
+            keys = list(self._keys.values())
             # a key dropped before the snapshot is gone: it gets a new pair (and its
-            # listeners hear of it) even so; only keys still held are left alone
-            kept = [k.name for k in keys if not k.dropped]
-            keys = [k for k in keys if k.dropped]
+            # listeners hear of it) even when keys are disabled; only keys still held
+            # are left alone
+            kept = [] if active else [k.name for k in keys if not k.dropped]
+            keys = keys if active else [k for k in keys if k.dropped]
+            # Failed until rotated: a hook that hangs in a listener (timed out) or is cut
+            # short by a BaseException leaves every key it did not get through failed.
+            self._failed = frozenset(k.name for k in keys)
+        if not active:
             if not keys:
                 log.info("keys disabled: ephemeral keys NOT regenerated")
             elif kept:
@@ -657,35 +637,37 @@ class KeyManager:
                          ", ".join(k.name for k in keys))
         failures: list[tuple[str, str, Exception]] = []  # key, what failed, its error
         for k in keys:
-            try:
-                failed = k._rotate_and_notify()
-            except Exception as exc:  # generation itself failed: keep what we had
-                failures.append((k.name, "generating its new key pair", exc))
+            began = time.monotonic()
+            failed = _caught(EphemeralKey._rotate_and_notify, k)
+            if isinstance(failed, Exception):  # generation failed: keep what we had
+                failures.append((k.name, "generating its new key pair", failed))
                 continue
-            failures.extend((k.name, f"rotation listener {fn!r}", e) for fn, e in failed)
-        with self._lock:
-            if self.epoch == epoch:  # not a hook outlived by a later pass or run
-                self._failed = frozenset(name for name, _, _ in failures)
-        if len(failures) == 1:
-            # The error itself, not a wrapper: its type tells what failed (the engine
-            # logs it as the hook's one line); the note says which key.
-            name, what, error = failures[0]
-            if hasattr(error, "add_note"):  # 3.11+
-                error.add_note(f"ephemeral key {name!r}: {what}")
-            raise error
+            failures.extend((k.name, f"rotation listener {_listener_name(fn)}", e)
+                            for fn, e in failed)
+            if not failed:
+                # after its timeout, the hook getting through the last key mends it
+                self._rotated(k.name, began, epoch)
         if failures:
+            # A group even for one failure: its message names the key and the listener
+            # in the engine's one log line, the report and status() (a note on the
+            # listener's own error shows in none of them, and would pile up on an error
+            # a listener raises again at every restore), and `except*` still matches
+            # the errors' own types.
             raise _ExceptionGroup(
                 "ephemeral key rotation incomplete: "
-                + "; ".join(f"{name}: {what}: {type(e).__name__}: {e}"
+                + "; ".join(f"key {name!r}: {what}: {describe_error(e)}"
                             for name, what, e in failures),
                 [e for _, _, e in failures])
 
-    def _rotated(self, name: str, began: float) -> None:
+    def _rotated(self, name: str, began: float, epoch: int | None) -> None:
         """``name`` was rotated at ``began`` (``time.monotonic()``) and every listener
-        took it: once no key of the last restore hook's run is left failed, that hook's
-        failure is forgotten (nothing happens when it did not fail)."""
+        took it (or it was removed: ``epoch`` None): once no key of the last restore
+        hook's run is left failed, that hook's failure is forgotten (nothing happens when
+        it did not fail; during a run, only once it timed out). ``epoch``: the manager's
+        when the rotation began; a rotation that a later run or pass overtook does not
+        count for it."""
         with self._lock:
-            if self._failed is None:  # the hook is running (or hung after its timeout)
+            if epoch not in (None, self.epoch) or name not in self._failed:
                 return
             self._failed -= {name}
             if self._failed:
@@ -704,15 +686,35 @@ class KeyManager:
             k.drop()
 
 
-def _forget_others_creating(m: KeyManager) -> None:
-    """In a child of ``fork()``: a key another thread was making its first pair for is
-    not being made here (``ephemeral()`` and ``get()`` of its name waited for ever); it
-    is forgotten, as when the lock was held across the whole creation."""
-    me = threading.get_ident()
-    for name, key in list(m._keys.items()):
-        if key._creating is not None and key._creating != me:
-            del m._keys[name]
-            key._creating = None
+def _caught(fn: Callable[[_A], _R], arg: _A) -> _R | Exception:
+    """``fn(arg)``, or the exception it raised with the frames of its traceback cleared
+    (the lines stay, the locals go): a listener's frame may hold the private key it read,
+    and the error outlives the before-snapshot pass (in the engine's report, or a
+    caller's hands) and with it, through each frame's caller, a reference cycle that
+    only the garbage collector would free."""
+    out = _call(fn, arg)
+    if isinstance(out, Exception):
+        traceback.clear_frames(out.__traceback__)
+    return out
+
+
+def _call(fn: Callable[[_A], _R], arg: _A) -> _R | Exception:
+    # Caught in a frame of its own, which has returned once _caught clears it: the
+    # caller's frame, still running, could not be cleared.
+    try:
+        return fn(arg)
+    except Exception as exc:
+        return exc
+
+
+def _listener_name(fn: object) -> str:
+    """How messages name a listener: its qualified name, never ``repr()`` (a bound
+    method's shows its object, a client holding a token perhaps)."""
+    try:
+        name = getattr(fn, "__qualname__", None)
+    except Exception:  # an object whose __getattr__ raises anything
+        name = None
+    return name if isinstance(name, str) else type(fn).__qualname__
 
 
 def manager(engine: Engine | None = None) -> KeyManager:

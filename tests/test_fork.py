@@ -479,9 +479,9 @@ def test_a_child_forked_by_the_thread_holding_a_key_condition_can_release_it(
 
 def test_a_child_forked_while_a_parent_thread_creates_a_key_makes_its_own(
         engine: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A new key's first pair is made outside the key manager's lock, the handle already
-    registered: the child, whose creating thread is gone, waited for it for ever in
-    ``ephemeral()`` and ``get()``. It forgets that key and makes its own."""
+    """A new key's first pair is made under the key manager's lock, the handle registered
+    only with it: the child, whose creating thread is gone, gets a fresh lock, does not
+    see that key and makes its own."""
     from rehydrate import keys
 
     real = keys.generate_private_key
@@ -512,6 +512,34 @@ def test_a_child_forked_while_a_parent_thread_creates_a_key_makes_its_own(
         creator.join(DEADLINE)
     assert out == {"gone": True, "generation": 1}
     assert made[0].generation == 1 and keys.get("session", engine=engine) is made[0]
+
+
+def test_a_child_forked_from_a_handler_interrupting_a_key_s_creation_makes_its_own(
+        engine: Lifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler that forks (and does its work in the child) may interrupt the
+    forking thread's own ``ephemeral()``. Before: that key was registered as being created
+    by this very thread, which the child never returns to: ``get()`` of its name waited
+    for ever."""
+    from rehydrate import keys
+
+    real = keys.generate_private_key
+    out: list[dict] = []  # type: ignore[type-arg]
+    parent = os.getpid()
+
+    def handler_forks(algorithm: str) -> Any:
+        if not out and os.getpid() == parent:  # once; the child makes its own key too
+            def child() -> dict:  # type: ignore[type-arg]
+                gone = keys.get("session", engine=engine) is None
+                key = keys.ephemeral("session", engine=engine)
+                return {"gone": gone, "generation": key.generation, "dropped": key.dropped}
+
+            out.append(in_forked_child(child, DEADLINE))
+        return real(algorithm)
+
+    monkeypatch.setattr(keys, "generate_private_key", handler_forks)
+    made = keys.ephemeral("session", engine=engine)
+    assert out == [{"gone": True, "generation": 1, "dropped": False}]
+    assert made.generation == 1 and keys.get("session", engine=engine) is made
 
 
 def test_fresh_lock_after_fork_covers_module_locks_and_resets_state() -> None:
