@@ -11,7 +11,9 @@ signal; ``stop()`` putting ``SIG_DFL`` back made the next such signal kill the p
 One detector per signal: :meth:`start` refuses a second for a signal another one
 watches (the second saved the first's handler as the application's, and only one of
 them heard the signal). A handler the application installs after :meth:`start` is
-reported by :meth:`failure` and left in place by :meth:`stop`. SIGKILL, SIGSTOP,
+reported by :meth:`failure` and left in place by :meth:`stop`; under one installed
+outside Python, Python's table still gets the application's handler back, which one
+that chains (``faulthandler.register(chain=True)``) hands the signal to. SIGKILL, SIGSTOP,
 SIGCHLD (every child's exit) and the fault signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL) are
 refused; real-time signals are taken (``SIGRTMIN+1``, ``35``).
 
@@ -247,12 +249,23 @@ class SignalDetector(Detector):
 
     def _restore_handler(self, *, stopping: bool) -> None:
         try:
-            # A handler installed outside Python since start() stays: putting the
-            # application's Python-level one back would replace it.
-            if (signal.getsignal(self.signum) == self._handler
-                    and not self._replaced_outside_python()):
-                signal.signal(self.signum, self._previous
-                              if self._previous is not None else signal.SIG_DFL)
+            if signal.getsignal(self.signum) != self._handler:
+                return  # the application's own since start(): it stays
+            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            if not self._replaced_outside_python():
+                signal.signal(self.signum, previous)
+            elif callable(previous):
+                # A handler installed outside Python since start() stays in force, and
+                # Python's table gets the application's back (as start() does when it
+                # refuses): one that chains (faulthandler.register(chain=True)) hands
+                # the signal to Python's table, whose inert handler swallowed it.
+                outside = _sigaction(self.signum)
+                signal.signal(self.signum, previous)
+                if outside is not None:
+                    _sigaction(self.signum, outside)
+            # else the inert handler stays in Python's table: the outside handler chains
+            # to Python's C handler, which with SIG_DFL or SIG_IGN in the table prints
+            # "Signal N ignored due to race condition" to stderr for every signal
         except (ValueError, OSError):  # not the main thread: leave the (inert) handler
             if stopping:
                 log.warning("signal detector stopped outside the main thread; the %s "

@@ -12,7 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from detect_helpers import Recorder, recorded_reports, slow_restore_hook, wait_for
+from detect_helpers import (
+    Recorder,
+    in_forked_child,
+    recorded_reports,
+    slow_restore_hook,
+    wait_for,
+)
 
 from rehydrate.detect import select
 from rehydrate.detect.signal import SignalDetector, parse_signal
@@ -135,13 +141,14 @@ class _FaultHandlerDump:
     """``faulthandler.register(signum)`` into a file (a handler installed outside Python,
     which ``signal.getsignal()`` does not see) while the ``with`` block runs."""
 
-    def __init__(self, signum: int, path: Path) -> None:
+    def __init__(self, signum: int, path: Path, *, chain: bool = False) -> None:
         self.signum = signum
         self.path = path
+        self.chain = chain
 
     def __enter__(self) -> _FaultHandlerDump:
         self.file = self.path.open("w+")
-        faulthandler.register(self.signum, file=self.file, chain=False)
+        faulthandler.register(self.signum, file=self.file, chain=self.chain)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -195,6 +202,52 @@ def test_failure_reports_a_handler_the_application_installed_later(rehydrate_eng
             rehydrate_engine.stop()
             dump.still_dumps()  # stop() left it in place
         assert det.failure() is None  # stopped
+
+
+@pytest.mark.parametrize("where", ["after-stop", "forked-child"])
+def test_a_chaining_handler_installed_outside_python_later_hands_on_to_the_apps(
+        rehydrate_engine, tmp_path, where):
+    """``faulthandler.register(chain=True)`` after start(): stop(), and a child of fork(),
+    left the detector's inert handler in Python's table, into which the signal was
+    chained, so the application's handler never ran again."""
+    with _AppHandler(signal.SIGUSR2) as app:
+        rehydrate_engine.start([SignalDetector("USR2", window=0)])
+        with _FaultHandlerDump(signal.SIGUSR2, tmp_path / "dump", chain=True) as dump:
+
+            def app_gets_it() -> dict[str, object]:
+                apps = signal.getsignal(signal.SIGUSR2) is app
+                dump.still_dumps()  # the outside handler stays in force
+                if apps:
+                    wait_for(lambda: app.seen, what="the application's handler")
+                return {"app_handler": apps, "app_calls": len(app.seen)}
+
+            if where == "forked-child":
+                assert in_forked_child(app_gets_it) == {"app_handler": True, "app_calls": 1}
+                rehydrate_engine.stop()
+            else:
+                rehydrate_engine.stop()
+                assert app_gets_it() == {"app_handler": True, "app_calls": 1}
+        assert signal.getsignal(signal.SIGUSR2) is app
+
+
+def test_a_chaining_handler_installed_outside_python_later_over_sig_ign_stays_quiet(
+        rehydrate_engine, tmp_path, monkeypatch):
+    """With no application handler (SIG_IGN) to put back, stop() leaves its inert handler
+    in Python's table under a chaining outside handler: SIG_IGN there made CPython report
+    every chained signal as "Signal 12 ignored due to race condition"."""
+    unraisable: list[object] = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    old = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        rehydrate_engine.start([SignalDetector("USR2", window=0)])
+        with _FaultHandlerDump(signal.SIGUSR2, tmp_path / "dump", chain=True):
+            rehydrate_engine.stop()
+            # to this thread: handled, Python's handlers too, before pthread_kill returns
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)
+            assert "most recent call first" in (tmp_path / "dump").read_text()
+        assert unraisable == []
+    finally:
+        signal.signal(signal.SIGUSR2, old)
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
@@ -352,8 +405,6 @@ def test_a_signal_to_a_forked_child_is_not_the_parents_restore(rehydrate_engine)
     """A child made with fork() must not keep the parent's handler: it wrote into the
     pipe the parent's worker reads, so a signal sent to the child alone ran the parent's
     restore hooks. The child gets the application's handler back."""
-    from detect_helpers import in_forked_child
-
     rec = Recorder(rehydrate_engine)
     app_calls: list[int] = []
 
