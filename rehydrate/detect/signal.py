@@ -229,8 +229,10 @@ class SignalDetector(Detector):
                         "when the hook returns", STOP_WAIT)
 
     def failure(self) -> str | None:
-        """The signal no longer reaches this detector: the application installed its own
-        handler after :meth:`start` (with ``signal.signal()``, or outside Python)."""
+        """The application installed its own handler after :meth:`start`: with
+        ``signal.signal()`` (the signal no longer reaches this detector), or outside
+        Python (it may no longer: one that chains, as ``faulthandler.register(chain=True)``
+        does, still hands it on, which cannot be told from here)."""
         if self._thread is None:
             return None
         if signal.getsignal(self.signum) != self._handler:
@@ -238,8 +240,8 @@ class SignalDetector(Detector):
                     "longer reaches the signal detector")
         if self._replaced_outside_python():
             return (f"a handler installed outside Python (faulthandler.register() or a C "
-                    f"extension) replaced the {self.label} handler; {self.label} no longer "
-                    "reaches the signal detector")
+                    f"extension) replaced the {self.label} handler; {self.label} may no "
+                    "longer reach the signal detector (unless that handler chains)")
         return None
 
     def _replaced_outside_python(self) -> bool:

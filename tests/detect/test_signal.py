@@ -197,11 +197,28 @@ def test_failure_reports_a_handler_the_application_installed_later(rehydrate_eng
         with _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump") as dump:
             assert det.failure() == (
                 "a handler installed outside Python (faulthandler.register() or a C "
-                "extension) replaced the SIGUSR1 handler; SIGUSR1 no longer reaches the "
-                "signal detector")
+                "extension) replaced the SIGUSR1 handler; SIGUSR1 may no longer reach the "
+                "signal detector (unless that handler chains)")
             rehydrate_engine.stop()
             dump.still_dumps()  # stop() left it in place
         assert det.failure() is None  # stopped
+
+
+def test_failure_does_not_say_a_chaining_outside_handler_takes_the_signal(rehydrate_engine,
+                                                                        tmp_path):
+    """``faulthandler.register(chain=True)`` after start() hands the signal on to the
+    detector, whose failure() said the signal no longer reached it."""
+    rec = Recorder(rehydrate_engine)
+    det = SignalDetector("USR1", window=0)
+    rehydrate_engine.start([det])
+    with _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump", chain=True) as dump:
+        dump.still_dumps()
+        assert rec.wait(1)[0]["reason"] == "signal"  # it does reach the detector
+        assert rehydrate_engine.status().extra["detector_errors"] == {"signal": (
+            "a handler installed outside Python (faulthandler.register() or a C "
+            "extension) replaced the SIGUSR1 handler; SIGUSR1 may no longer reach the "
+            "signal detector (unless that handler chains)")}
+        rehydrate_engine.stop()
 
 
 @pytest.mark.parametrize("where", ["after-stop", "forked-child"])
