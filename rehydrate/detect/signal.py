@@ -25,7 +25,10 @@ handler or on the interrupted main thread (and a hook may itself block). ``set_w
 is not used: there is only one per process and asyncio owns it.
 
 Handlers can only be installed from the main thread: :meth:`start` from another thread
-fails with that reason, and :meth:`probe` says so when asked from another thread.
+fails with that reason, and :meth:`probe` says so when asked from another thread. A
+:meth:`stop` from another thread leaves the detector's inert handler installed; the
+next :meth:`start` for that signal takes the application's handler over from it (no
+warning) and puts it back on its own :meth:`stop`.
 
 Each signal is one notice. A restore already handled in the ``window`` seconds before
 the signal arrived (default 2, ``REHYDRATE_SIGNAL_WINDOW``; dated by the handler, not
@@ -197,7 +200,12 @@ class SignalDetector(Detector):
                 os.close(r)
                 os.close(w)
                 raise
-            if previous not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            owner = _detector_of(previous)
+            if owner is not None:
+                # the inert handler of a detector stopped off the main thread: the
+                # application's is the one that detector saved, to put back on stop()
+                previous = owner._previous
+            elif previous not in (signal.SIG_DFL, signal.SIG_IGN, None):
                 log.warning("signal detector: replaced the application's %s handler "
                             "(restored on stop())", self.label)
             self._previous = previous
@@ -271,7 +279,9 @@ class SignalDetector(Detector):
         except (ValueError, OSError):  # not the main thread: leave the (inert) handler
             if stopping:
                 log.warning("signal detector stopped outside the main thread; the %s "
-                            "handler stays installed but does nothing", self.label)
+                            "handler stays installed but does nothing (until a signal "
+                            "detector started for it puts the application's back on "
+                            "its stop())", self.label)
 
     def _after_fork_in_child(self) -> None:
         """In a child of ``fork()``: the worker stayed in the parent. Forget the run
@@ -333,6 +343,14 @@ class SignalDetector(Detector):
                     log.exception("signal detector: running the restore hooks failed")
         finally:
             os.close(r)
+
+
+def _detector_of(handler: object) -> SignalDetector | None:
+    """The detector whose own handler ``handler`` is, else ``None``."""
+    owner = getattr(handler, "__self__", None)
+    if isinstance(owner, SignalDetector) and handler == owner._handler:
+        return owner
+    return None
 
 
 _RUNNING: weakref.WeakSet[SignalDetector] = weakref.WeakSet()

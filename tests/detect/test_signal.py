@@ -204,21 +204,43 @@ def test_failure_reports_a_handler_the_application_installed_later(rehydrate_eng
         assert det.failure() is None  # stopped
 
 
+@pytest.mark.parametrize("again", ["same", "another"])
+def test_a_start_after_a_stop_off_the_main_thread_gives_the_apps_handler_back(
+        rehydrate_engine, caplog, again):
+    """stop() off the main thread leaves the detector's inert handler installed; the next
+    start() saved it as the application's (with a WARNING that it replaced it) and put it
+    back on stop(): the application's handler was lost for good."""
+    with _AppHandler(signal.SIGUSR2) as app:
+        first = SignalDetector("USR2", window=0)
+        rehydrate_engine.start([first])
+        off_main = threading.Thread(target=rehydrate_engine.stop)
+        off_main.start()
+        off_main.join()
+        assert signal.getsignal(signal.SIGUSR2) == first._handler  # left, inert
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            rehydrate_engine.start([first if again == "same" else SignalDetector("USR2")])
+        assert [r.getMessage() for r in caplog.records] == []
+        rehydrate_engine.stop()
+        app.gets_the_signal_back()
+
+
 def test_failure_does_not_say_a_chaining_outside_handler_takes_the_signal(rehydrate_engine,
                                                                         tmp_path):
     """``faulthandler.register(chain=True)`` after start() hands the signal on to the
     detector, whose failure() said the signal no longer reached it."""
     rec = Recorder(rehydrate_engine)
     det = SignalDetector("USR1", window=0)
-    rehydrate_engine.start([det])
-    with _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump", chain=True) as dump:
-        dump.still_dumps()
-        assert rec.wait(1)[0]["reason"] == "signal"  # it does reach the detector
-        assert rehydrate_engine.status().extra["detector_errors"] == {"signal": (
-            "a handler installed outside Python (faulthandler.register() or a C "
-            "extension) replaced the SIGUSR1 handler; SIGUSR1 may no longer reach the "
-            "signal detector (unless that handler chains)")}
-        rehydrate_engine.stop()
+    with _AppHandler(signal.SIGUSR1):  # put back by stop(), not the inert handler
+        rehydrate_engine.start([det])
+        with _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump", chain=True) as dump:
+            dump.still_dumps()
+            assert rec.wait(1)[0]["reason"] == "signal"  # it does reach the detector
+            assert rehydrate_engine.status().extra["detector_errors"] == {"signal": (
+                "a handler installed outside Python (faulthandler.register() or a C "
+                "extension) replaced the SIGUSR1 handler; SIGUSR1 may no longer reach "
+                "the signal detector (unless that handler chains)")}
+            rehydrate_engine.stop()
 
 
 @pytest.mark.parametrize("where", ["after-stop", "forked-child"])
