@@ -356,7 +356,8 @@ def test_parsing_and_configuration(monkeypatch):
 def test_real_time_signals_are_taken_and_bool_and_unwatchable_signals_refused(
         rehydrate_engine, monkeypatch):
     """Real-time signals (which supervisors use) were "unknown signal '35'"; ``True``
-    was SIGHUP; SIGCHLD (every child's exit) and SIGSEGV were taken."""
+    was SIGHUP; SIGCHLD (every child's exit), SIGPIPE (every write to a closed pipe),
+    SIGWINCH, SIGURG and SIGSEGV were taken."""
     rt1 = signal.SIGRTMIN + 1
     assert parse_signal(str(rt1)) == parse_signal("SIGRTMIN+1") == parse_signal(rt1) == rt1
     assert parse_signal("rtmax-1") == signal.SIGRTMAX - 1
@@ -369,6 +370,10 @@ def test_real_time_signals_are_taken_and_bool_and_unwatchable_signals_refused(
     with pytest.raises(TypeError, match="not bool"):
         SignalDetector(True)
     for refused, why in (("CHLD", "SIGCHLD is sent whenever a child process ends"),
+                         ("PIPE", "SIGPIPE is sent whenever a write to a pipe or socket "
+                                  "finds its reader gone"),
+                         ("WINCH", "SIGWINCH is sent whenever the terminal window"),
+                         ("URG", "SIGURG is sent whenever urgent"),
                          ("SEGV", "SIGSEGV is a fault signal"), ("9", "SIGKILL cannot")):
         with pytest.raises(ValueError, match=why):
             SignalDetector(refused)
