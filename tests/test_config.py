@@ -150,8 +150,8 @@ def test_good_values(monkeypatch, caplog, name, raw, value):
     assert caplog.records == []
 
 
-_SIGNAL_RULE = ("a signal name or number that can be caught (not KILL, STOP, CHLD or a fault "
-                "signal: SEGV, BUS, FPE, ILL)")
+_SIGNAL_RULE = ("a signal name or number that can be caught (not KILL, STOP, CHLD, PIPE, "
+                "WINCH, URG or a fault signal: SEGV, BUS, FPE, ILL)")
 
 
 _FLAG_RULE = "1, true, yes, on, enabled or 0, false, no, off, disabled"
@@ -190,6 +190,10 @@ def test_flag_spellings_are_symmetric(monkeypatch, caplog, raw, value):
     ("REHYDRATE_SIGNAL", "KILL", _SIGNAL_RULE),  # the detector would never hear it
     ("REHYDRATE_SIGNAL", "19", _SIGNAL_RULE),  # SIGSTOP
     ("REHYDRATE_SIGNAL", "CHLD", _SIGNAL_RULE),  # sent whenever a child ends
+    # sent by the kernel on a write to a closed pipe, a terminal resize, urgent data
+    ("REHYDRATE_SIGNAL", "PIPE", _SIGNAL_RULE),
+    ("REHYDRATE_SIGNAL", "SIGWINCH", _SIGNAL_RULE),
+    ("REHYDRATE_SIGNAL", "URG", _SIGNAL_RULE),
     ("REHYDRATE_SIGNAL", "SEGV", _SIGNAL_RULE),  # a real fault would loop
     ("REHYDRATE_SIGNAL", "RTMIN+999", _SIGNAL_RULE),
 ])

@@ -11,9 +11,12 @@ signal; ``stop()`` putting ``SIG_DFL`` back made the next such signal kill the p
 One detector per signal: :meth:`start` refuses a second for a signal another one
 watches (the second saved the first's handler as the application's, and only one of
 them heard the signal). A handler the application installs after :meth:`start` is
-reported by :meth:`failure` and left in place by :meth:`stop`. SIGKILL, SIGSTOP,
-SIGCHLD (every child's exit) and the fault signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL) are
-refused; real-time signals are taken (``SIGRTMIN+1``, ``35``).
+reported by :meth:`failure` and left in place by :meth:`stop`; under one installed
+outside Python, Python's table still gets the application's handler back, which one
+that chains (``faulthandler.register(chain=True)``) hands the signal to. SIGKILL, SIGSTOP,
+SIGCHLD (every child's exit), SIGPIPE (every write to a closed pipe or socket), SIGWINCH
+(every terminal resize), SIGURG (urgent socket data) and the fault signals (SIGSEGV,
+SIGBUS, SIGFPE, SIGILL) are refused; real-time signals are taken (``SIGRTMIN+1``, ``35``).
 
 Python runs signal handlers in the main thread between bytecodes. The handler here does
 the least possible: it notes the time and does one non-blocking ``write()`` of a byte to
@@ -23,7 +26,10 @@ handler or on the interrupted main thread (and a hook may itself block). ``set_w
 is not used: there is only one per process and asyncio owns it.
 
 Handlers can only be installed from the main thread: :meth:`start` from another thread
-fails with that reason, and :meth:`probe` says so when asked from another thread.
+fails with that reason, and :meth:`probe` says so when asked from another thread. A
+:meth:`stop` from another thread leaves the detector's inert handler installed; the
+next :meth:`start` for that signal takes the application's handler over from it (no
+warning) and puts it back on its own :meth:`stop`.
 
 Each signal is one notice. A restore already handled in the ``window`` seconds before
 the signal arrived (default 2, ``REHYDRATE_SIGNAL_WINDOW``; dated by the handler, not
@@ -195,7 +201,12 @@ class SignalDetector(Detector):
                 os.close(r)
                 os.close(w)
                 raise
-            if previous not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            owner = _detector_of(previous)
+            if owner is not None:
+                # the inert handler of a detector stopped off the main thread: the
+                # application's is the one that detector saved, to put back on stop()
+                previous = owner._previous
+            elif previous not in (signal.SIG_DFL, signal.SIG_IGN, None):
                 log.warning("signal detector: replaced the application's %s handler "
                             "(restored on stop())", self.label)
             self._previous = previous
@@ -227,8 +238,10 @@ class SignalDetector(Detector):
                         "when the hook returns", STOP_WAIT)
 
     def failure(self) -> str | None:
-        """The signal no longer reaches this detector: the application installed its own
-        handler after :meth:`start` (with ``signal.signal()``, or outside Python)."""
+        """The application installed its own handler after :meth:`start`: with
+        ``signal.signal()`` (the signal no longer reaches this detector), or outside
+        Python (it may no longer: one that chains, as ``faulthandler.register(chain=True)``
+        does, still hands it on, which cannot be told from here)."""
         if self._thread is None:
             return None
         if signal.getsignal(self.signum) != self._handler:
@@ -236,8 +249,8 @@ class SignalDetector(Detector):
                     "longer reaches the signal detector")
         if self._replaced_outside_python():
             return (f"a handler installed outside Python (faulthandler.register() or a C "
-                    f"extension) replaced the {self.label} handler; {self.label} no longer "
-                    "reaches the signal detector")
+                    f"extension) replaced the {self.label} handler; {self.label} may no "
+                    "longer reach the signal detector (unless that handler chains)")
         return None
 
     def _replaced_outside_python(self) -> bool:
@@ -247,16 +260,29 @@ class SignalDetector(Detector):
 
     def _restore_handler(self, *, stopping: bool) -> None:
         try:
-            # A handler installed outside Python since start() stays: putting the
-            # application's Python-level one back would replace it.
-            if (signal.getsignal(self.signum) == self._handler
-                    and not self._replaced_outside_python()):
-                signal.signal(self.signum, self._previous
-                              if self._previous is not None else signal.SIG_DFL)
+            if signal.getsignal(self.signum) != self._handler:
+                return  # the application's own since start(): it stays
+            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            if not self._replaced_outside_python():
+                signal.signal(self.signum, previous)
+            elif callable(previous):
+                # A handler installed outside Python since start() stays in force, and
+                # Python's table gets the application's back (as start() does when it
+                # refuses): one that chains (faulthandler.register(chain=True)) hands
+                # the signal to Python's table, whose inert handler swallowed it.
+                outside = _sigaction(self.signum)
+                signal.signal(self.signum, previous)
+                if outside is not None:
+                    _sigaction(self.signum, outside)
+            # else the inert handler stays in Python's table: the outside handler chains
+            # to Python's C handler, which with SIG_DFL or SIG_IGN in the table prints
+            # "Signal N ignored due to race condition" to stderr for every signal
         except (ValueError, OSError):  # not the main thread: leave the (inert) handler
             if stopping:
                 log.warning("signal detector stopped outside the main thread; the %s "
-                            "handler stays installed but does nothing", self.label)
+                            "handler stays installed but does nothing (until a signal "
+                            "detector started for it puts the application's back on "
+                            "its stop())", self.label)
 
     def _after_fork_in_child(self) -> None:
         """In a child of ``fork()``: the worker stayed in the parent. Forget the run
@@ -318,6 +344,14 @@ class SignalDetector(Detector):
                     log.exception("signal detector: running the restore hooks failed")
         finally:
             os.close(r)
+
+
+def _detector_of(handler: object) -> SignalDetector | None:
+    """The detector whose own handler ``handler`` is, else ``None``."""
+    owner = getattr(handler, "__self__", None)
+    if isinstance(owner, SignalDetector) and handler == owner._handler:
+        return owner
+    return None
 
 
 _RUNNING: weakref.WeakSet[SignalDetector] = weakref.WeakSet()

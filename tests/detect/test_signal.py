@@ -12,7 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from detect_helpers import Recorder, recorded_reports, slow_restore_hook, wait_for
+from detect_helpers import (
+    Recorder,
+    in_forked_child,
+    recorded_reports,
+    slow_restore_hook,
+    wait_for,
+)
 
 from rehydrate.detect import select
 from rehydrate.detect.signal import SignalDetector, parse_signal
@@ -135,13 +141,14 @@ class _FaultHandlerDump:
     """``faulthandler.register(signum)`` into a file (a handler installed outside Python,
     which ``signal.getsignal()`` does not see) while the ``with`` block runs."""
 
-    def __init__(self, signum: int, path: Path) -> None:
+    def __init__(self, signum: int, path: Path, *, chain: bool = False) -> None:
         self.signum = signum
         self.path = path
+        self.chain = chain
 
     def __enter__(self) -> _FaultHandlerDump:
         self.file = self.path.open("w+")
-        faulthandler.register(self.signum, file=self.file, chain=False)
+        faulthandler.register(self.signum, file=self.file, chain=self.chain)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -190,11 +197,96 @@ def test_failure_reports_a_handler_the_application_installed_later(rehydrate_eng
         with _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump") as dump:
             assert det.failure() == (
                 "a handler installed outside Python (faulthandler.register() or a C "
-                "extension) replaced the SIGUSR1 handler; SIGUSR1 no longer reaches the "
-                "signal detector")
+                "extension) replaced the SIGUSR1 handler; SIGUSR1 may no longer reach the "
+                "signal detector (unless that handler chains)")
             rehydrate_engine.stop()
             dump.still_dumps()  # stop() left it in place
         assert det.failure() is None  # stopped
+
+
+@pytest.mark.parametrize("again", ["same", "another"])
+def test_a_start_after_a_stop_off_the_main_thread_gives_the_apps_handler_back(
+        rehydrate_engine, caplog, again):
+    """stop() off the main thread leaves the detector's inert handler installed; the next
+    start() saved it as the application's (with a WARNING that it replaced it) and put it
+    back on stop(): the application's handler was lost for good."""
+    with _AppHandler(signal.SIGUSR2) as app:
+        first = SignalDetector("USR2", window=0)
+        rehydrate_engine.start([first])
+        off_main = threading.Thread(target=rehydrate_engine.stop)
+        off_main.start()
+        off_main.join()
+        assert signal.getsignal(signal.SIGUSR2) == first._handler  # left, inert
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            rehydrate_engine.start([first if again == "same" else SignalDetector("USR2")])
+        assert [r.getMessage() for r in caplog.records] == []
+        rehydrate_engine.stop()
+        app.gets_the_signal_back()
+
+
+def test_failure_does_not_say_a_chaining_outside_handler_takes_the_signal(rehydrate_engine,
+                                                                        tmp_path):
+    """``faulthandler.register(chain=True)`` after start() hands the signal on to the
+    detector, whose failure() said the signal no longer reached it."""
+    rec = Recorder(rehydrate_engine)
+    det = SignalDetector("USR1", window=0)
+    with _AppHandler(signal.SIGUSR1):  # put back by stop(), not the inert handler
+        rehydrate_engine.start([det])
+        with _FaultHandlerDump(signal.SIGUSR1, tmp_path / "dump", chain=True) as dump:
+            dump.still_dumps()
+            assert rec.wait(1)[0]["reason"] == "signal"  # it does reach the detector
+            assert rehydrate_engine.status().extra["detector_errors"] == {"signal": (
+                "a handler installed outside Python (faulthandler.register() or a C "
+                "extension) replaced the SIGUSR1 handler; SIGUSR1 may no longer reach "
+                "the signal detector (unless that handler chains)")}
+            rehydrate_engine.stop()
+
+
+@pytest.mark.parametrize("where", ["after-stop", "forked-child"])
+def test_a_chaining_handler_installed_outside_python_later_hands_on_to_the_apps(
+        rehydrate_engine, tmp_path, where):
+    """``faulthandler.register(chain=True)`` after start(): stop(), and a child of fork(),
+    left the detector's inert handler in Python's table, into which the signal was
+    chained, so the application's handler never ran again."""
+    with _AppHandler(signal.SIGUSR2) as app:
+        rehydrate_engine.start([SignalDetector("USR2", window=0)])
+        with _FaultHandlerDump(signal.SIGUSR2, tmp_path / "dump", chain=True) as dump:
+
+            def app_gets_it() -> dict[str, object]:
+                apps = signal.getsignal(signal.SIGUSR2) is app
+                dump.still_dumps()  # the outside handler stays in force
+                if apps:
+                    wait_for(lambda: app.seen, what="the application's handler")
+                return {"app_handler": apps, "app_calls": len(app.seen)}
+
+            if where == "forked-child":
+                assert in_forked_child(app_gets_it) == {"app_handler": True, "app_calls": 1}
+                rehydrate_engine.stop()
+            else:
+                rehydrate_engine.stop()
+                assert app_gets_it() == {"app_handler": True, "app_calls": 1}
+        assert signal.getsignal(signal.SIGUSR2) is app
+
+
+def test_a_chaining_handler_installed_outside_python_later_over_sig_ign_stays_quiet(
+        rehydrate_engine, tmp_path, monkeypatch):
+    """With no application handler (SIG_IGN) to put back, stop() leaves its inert handler
+    in Python's table under a chaining outside handler: SIG_IGN there made CPython report
+    every chained signal as "Signal 12 ignored due to race condition"."""
+    unraisable: list[object] = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    old = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        rehydrate_engine.start([SignalDetector("USR2", window=0)])
+        with _FaultHandlerDump(signal.SIGUSR2, tmp_path / "dump", chain=True):
+            rehydrate_engine.stop()
+            # to this thread: handled, Python's handlers too, before pthread_kill returns
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)
+            assert "most recent call first" in (tmp_path / "dump").read_text()
+        assert unraisable == []
+    finally:
+        signal.signal(signal.SIGUSR2, old)
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
@@ -264,7 +356,8 @@ def test_parsing_and_configuration(monkeypatch):
 def test_real_time_signals_are_taken_and_bool_and_unwatchable_signals_refused(
         rehydrate_engine, monkeypatch):
     """Real-time signals (which supervisors use) were "unknown signal '35'"; ``True``
-    was SIGHUP; SIGCHLD (every child's exit) and SIGSEGV were taken."""
+    was SIGHUP; SIGCHLD (every child's exit), SIGPIPE (every write to a closed pipe),
+    SIGWINCH, SIGURG and SIGSEGV were taken."""
     rt1 = signal.SIGRTMIN + 1
     assert parse_signal(str(rt1)) == parse_signal("SIGRTMIN+1") == parse_signal(rt1) == rt1
     assert parse_signal("rtmax-1") == signal.SIGRTMAX - 1
@@ -277,6 +370,10 @@ def test_real_time_signals_are_taken_and_bool_and_unwatchable_signals_refused(
     with pytest.raises(TypeError, match="not bool"):
         SignalDetector(True)
     for refused, why in (("CHLD", "SIGCHLD is sent whenever a child process ends"),
+                         ("PIPE", "SIGPIPE is sent whenever a write to a pipe or socket "
+                                  "finds its reader gone"),
+                         ("WINCH", "SIGWINCH is sent whenever the terminal window"),
+                         ("URG", "SIGURG is sent whenever urgent"),
                          ("SEGV", "SIGSEGV is a fault signal"), ("9", "SIGKILL cannot")):
         with pytest.raises(ValueError, match=why):
             SignalDetector(refused)
@@ -352,8 +449,6 @@ def test_a_signal_to_a_forked_child_is_not_the_parents_restore(rehydrate_engine)
     """A child made with fork() must not keep the parent's handler: it wrote into the
     pipe the parent's worker reads, so a signal sent to the child alone ran the parent's
     restore hooks. The child gets the application's handler back."""
-    from detect_helpers import in_forked_child
-
     rec = Recorder(rehydrate_engine)
     app_calls: list[int] = []
 
