@@ -23,17 +23,24 @@ def warn_moved(old: str, instead: str = "") -> None:
 
     The advice is worked out from the names, not written once for every module: "import
     its public names from rehydrate" was wrong for names not there (every name of
-    ``rehydrate.nodefit``, ``rehydrate.lifecycle.State``). Names ``rehydrate`` exports are
-    named as importable from there; the others as having no public replacement, with
-    ``instead`` (what to use in their place) when there is something."""
+    ``rehydrate.nodefit``, ``rehydrate.lifecycle.State``). Names ``rehydrate`` exports as
+    the very same object are named as importable from there; the others as having no
+    public replacement, with ``instead`` (what to use in their place) when there is
+    something."""
     import importlib
     import warnings
 
     new = "rehydrate._" + old.rpartition(".")[2]
-    names = list(importlib.import_module(new).__all__)
-    exported = set(importlib.import_module("rehydrate").__all__)
-    public = [n for n in names if n in exported]
-    private = [n for n in names if n not in exported]
+    module = importlib.import_module(new)
+    names = list(module.__all__)
+    package = importlib.import_module("rehydrate")
+    exported = set(package.__all__)
+    # The name alone is not enough: rehydrate.trigger_snapshot is another function than
+    # rehydrate._trigger's (no engine, no proc=), and the advice to import it from
+    # rehydrate ended in a TypeError.
+    public = [n for n in names
+              if n in exported and getattr(package, n) is getattr(module, n)]
+    private = [n for n in names if n not in public]
     advice = []
     if public:
         which = "its names" if not private else _listed(public)

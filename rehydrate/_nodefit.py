@@ -158,23 +158,28 @@ def _machine_type(timeout: float) -> tuple[str | None, str | None]:
                          headers={"Metadata-Flavor": "Google"})
             resp = conn.getresponse()
             status, flavor = resp.status, resp.getheader("Metadata-Flavor")
+            server = resp.getheader("Server")
             body = resp.read(4096).decode("utf-8", "replace")
         finally:
             conn.close()
     except (http.client.HTTPException, OSError, ValueError) as exc:
         log.debug("GCE metadata server not reachable (%s): not on GCE", type(exc).__name__)
         return None, None
+    # A real metadata server says so in a header: a captive proxy answering 200, or
+    # another cloud's (AWS IMDS, Azure, OpenStack) answering 404 for GCE's path, is not
+    # one. GKE's names itself in Server too; a machine type is taken only with the flavor.
+    google = flavor == "Google" or (status != 200 and server == "GKE Metadata Server")
+    if not google:
+        log.debug("no GCE machine type from %s (HTTP %d, not Google's metadata server)",
+                  where, status)
+        return None, ("not on GCE (the metadata server's address answered without "
+                      "Metadata-Flavor: Google)")
     if status != 200:
         log.debug("GCE metadata server at %s answered %d: no machine type", where, status)
         # GKE's metadata server (workload metadata GKE_METADATA, which Pod snapshots
         # need) answers 404 here: an answer, so not "off GCE", only no machine type.
         return None, (f"the metadata server does not serve the machine type (HTTP {status}; "
                       "GKE's does not): set REHYDRATE_MACHINE_TYPE")
-    # A real metadata server says so in a header: a captive proxy answering 200 is not one.
-    if flavor != "Google":
-        log.debug("no GCE machine type from %s (no Metadata-Flavor header)", where)
-        return None, ("not on GCE (the metadata server's address answered without "
-                      "Metadata-Flavor: Google)")
     name = body.strip().rsplit("/", 1)[-1]  # projects/NUM/machineTypes/NAME
     if not _MACHINE_TYPE.fullmatch(name):
         return None, "the metadata server's answer is not a machine type"

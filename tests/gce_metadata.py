@@ -18,10 +18,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class MetadataServer:
     def __init__(self, machine_type: str, *, impostor: bool = False,
-                 status: int = 200) -> None:
-        """``impostor``: answer 200 without ``Metadata-Flavor`` (a captive proxy, not GCE);
-        ``status``: answer the machine type's path with this status and the body
-        ``unavailable`` instead (an error page that would parse as a machine type)."""
+                 status: int = 200, server: str | None = None) -> None:
+        """``impostor``: answer without ``Metadata-Flavor`` (a captive proxy or another
+        cloud's metadata service, not GCE); ``status``: answer the machine type's path with
+        this status and the body ``unavailable`` instead (an error page that would parse as
+        a machine type); ``server``: the ``Server`` header (GKE's metadata server sends
+        ``GKE Metadata Server``)."""
         self.machine_type = machine_type
         self.requests: list[str] = []
         outer = self
@@ -46,6 +48,9 @@ class MetadataServer:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def version_string(self) -> str:
+                return server if server is not None else super().version_string()
 
             def log_message(self, *args: object) -> None:
                 pass

@@ -6,6 +6,8 @@ against the code mechanically.
   ``<!-- docs-test: fragment (why) -->``; a fragment must still parse, and what it imports
   from rehydrate must exist;
 * every ``rehydrate …`` command line shown parses with the real CLI;
+* every DaemonSet recipe (a shell block patching a node with ``rehydrate check --labels``)
+  runs under ``sh`` with a stand-in ``kubectl`` and labels the node's machine series;
 * every ``rehydrate.x.y`` name the docs use exists and is public (in its module's
   ``__all__``), or is a name the code gives a hook, span or metric; ``keys.x(…)``-style
   calls of a manager module name a function it has;
@@ -215,6 +217,49 @@ def test_every_command_line_shown_parses(where: str, argv: list[str]) -> None:
     except SystemExit:
         pytest.fail(f"{where}: `rehydrate {' '.join(argv)}` is refused by the CLI: "
                     f"{err.getvalue().strip().splitlines()[-1:]}")
+
+
+# The DaemonSet recipes: shell blocks that patch a node with ``rehydrate check --labels``.
+NODE_RECIPES = [b for b in BLOCKS if b.lang in ("sh", "bash", "shell")
+                and "kubectl patch node" in b.code and "rehydrate check --labels" in b.code]
+
+
+def test_the_recipe_finder_sees_the_daemonset_recipes() -> None:
+    assert {b.page for b in NODE_RECIPES} >= {"docs/platforms/gke.md",
+                                              "docs/snapshot-lifecycle.md"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("block", NODE_RECIPES, ids=str)
+def test_every_daemonset_recipe_labels_the_node_s_machine_series(block: Block,
+                                                                 tmp_path: Path) -> None:
+    """gke.md set ``REHYDRATE_MACHINE_TYPE=$(kubectl get node …)`` without ``export``:
+    ``rehydrate check --labels`` never saw it, no node got a machine-series label, and the
+    restored Pods' ``--affinity`` (their manifest records a series) matched no node. The
+    recipe runs under ``sh`` with a stand-in ``kubectl`` whose node is an e2-standard-4."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "kubectl": ('#!/bin/sh\n'
+                    'case "$1 $2" in\n'
+                    '  "get node") echo e2-standard-4 ;;\n'
+                    '  "patch node") shift $(($# - 1)); printf "%s\\n" "$1" ;;\n'
+                    '  *) echo "kubectl stand-in: unexpected $*" >&2; exit 2 ;;\n'
+                    'esac\n'),
+        "rehydrate": f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m rehydrate "$@"\n',
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = _clean_env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", NODE_NAME="n1",
+               # nothing listens there: no wait on (or answer from) a real metadata server
+               GCE_METADATA_HOST="127.0.0.1:9")
+    proc = subprocess.run(["sh", "-eu", "-c", block.code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=90, check=False)
+    assert proc.returncode == 0, f"{block}: {proc.stderr.strip()[-600:]}"
+    assert 'rehydrate.io/machine-series: "e2"' in proc.stdout, (
+        f"{block}: the recipe's patch has no machine series:\n{proc.stdout}")
 
 
 # -- names -----------------------------------------------------------------------------------

@@ -238,6 +238,45 @@ def test_the_gke_metadata_server_s_404_is_not_off_gce_and_the_override_gives_the
                 "values": ["e2"]} in terms[0]["matchExpressions"]
 
 
+@pytest.mark.parametrize("status", [400, 401, 404])
+def test_another_cloud_s_metadata_error_is_off_gce_not_a_gke_hint(
+        monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    """AWS IMDS, Azure, OpenStack answer GCE's path with 404/401/400 and no
+    Metadata-Flavor: that was taken for GKE's 404 and doctor (and the manifest's
+    platform.machine_problem) told them to set a GKE variable. It is "not on GCE"."""
+    with MetadataServer("n2-standard-8", impostor=True, status=status,
+                        server="EC2ws") as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        node = nodefit.facts(nvidia_smi=False)
+        assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+    assert node.machine_type is None
+    assert node.machine_problem is not None
+    assert node.machine_problem.startswith("not on GCE"), node.machine_problem
+    assert "GKE" not in node.machine_problem
+    assert "REHYDRATE_MACHINE_TYPE" not in node.machine_problem
+
+
+def test_gke_s_server_header_alone_names_its_404(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GKE's metadata server also names itself in Server: with that header alone its 404
+    is still GKE's (set REHYDRATE_MACHINE_TYPE), not "off GCE"."""
+    with MetadataServer("n2-standard-8", impostor=True, status=404,
+                        server="GKE Metadata Server") as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        node = nodefit.facts(nvidia_smi=False)
+    assert node.machine_problem == ("the metadata server does not serve the machine type "
+                                    "(HTTP 404; GKE's does not): set REHYDRATE_MACHINE_TYPE")
+
+
+def test_gke_s_server_header_alone_gives_no_machine_type_on_200(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 200 is believed only with Metadata-Flavor: Google (the Server header is a name
+    any proxy could send; the machine type then goes into the manifest)."""
+    with MetadataServer("n2-standard-8", impostor=True,
+                        server="GKE Metadata Server") as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        assert nodefit.machine_type() is None
+
+
 def test_a_bad_machine_type_override_is_unknown_with_one_warning(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     with MetadataServer("n2-standard-8") as srv:

@@ -67,6 +67,8 @@ from ._server import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from ..extensions import Engine
 
 __all__ = ["ServerError", "VLLMAdapter", "install", "probe"]
@@ -488,19 +490,17 @@ def _tracked(fn: Any, *args: Any, **kwargs: Any
     ends — not when a waiter gives up on it: a sync call goes on in its worker thread, an
     awaitable (of a coroutine function, or one a sync call returned) is shielded from the
     cancellation at the deadline (an ``AsyncLLM``'s engine core goes on with the request
-    anyway)."""
+    anyway). An awaitable a sync call returns after the loop that waited has ended
+    (``asyncio.run`` of a sync twin, given up at its deadline) is awaited by nobody: the
+    call has ended then too, its rest never runs."""
     finished: concurrent.futures.Future[None] = concurrent.futures.Future()
     finished.set_running_or_notify_cancel()  # running: no waiter can cancel it
 
     def settle() -> None:
-        if not finished.done():
-            finished.set_result(None)
-
-    async def awaited(aw: Any) -> Any:
-        try:
-            return await aw
-        finally:
-            settle()
+        # the worker thread (dropping an unawaited handover) or the loop may settle it
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            if not finished.done():
+                finished.set_result(None)
 
     def call() -> Any:
         # a sync call ends in its worker thread, whatever becomes of the loop that waited
@@ -510,7 +510,7 @@ def _tracked(fn: Any, *args: Any, **kwargs: Any
             settle()
             raise
         if inspect.isawaitable(result):
-            return awaited(result)
+            return _Handover(result, settle, getattr(fn, "__qualname__", "engine call"))
         settle()
         return result
 
@@ -520,6 +520,35 @@ def _tracked(fn: Any, *args: Any, **kwargs: Any
     # an outcome nobody awaits any more is collected, not logged as never retrieved
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return asyncio.shield(task), finished
+
+
+class _Handover:
+    """The awaitable a sync engine call returned, handed from its worker thread to the
+    loop that waits for it: ``settle`` runs when it has been awaited to its end, or when
+    it is dropped unawaited — the loop that waited ended first, and a never-started
+    coroutine's ``close()`` skips its ``finally``, so without this the call never counted
+    as ended and every later engine call waited a whole deadline for it."""
+
+    def __init__(self, aw: Any, settle: Any, name: str) -> None:
+        self._aw, self._settle, self._name = aw, settle, name
+        self._started = False
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        self._started = True
+        try:
+            return (yield from self._aw.__await__())
+        finally:
+            self._settle()
+
+    def __del__(self) -> None:
+        if self._started:
+            return
+        log.warning("vLLM's %s: the awaitable it returned was never awaited (the event "
+                    "loop that waited for it ended first); the rest of the call did not run",
+                    self._name)
+        if inspect.iscoroutine(self._aw):
+            self._aw.close()  # never started: runs nothing, and no "never awaited" warning
+        self._settle()
 
 
 def _sampling_params() -> Any:

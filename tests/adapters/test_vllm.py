@@ -5,6 +5,7 @@ and restore runs."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import re
 import threading
@@ -1376,6 +1377,70 @@ def test_an_in_process_sleep_past_the_deadline_is_woken_after(
     assert report.ok, report.table()
     assert llm.calls.index("sleep(1)") < llm.calls.index("wake_up(None)")
     assert not llm.engine.sleeping and not adapter.sleep_unconfirmed
+
+
+def test_an_awaitable_handed_over_after_its_loop_ended_still_ends_the_call(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A sync engine call still blocked when the loop that waited for it ended (a sync
+    twin's asyncio.run, given up at its deadline) then returns an awaitable: nobody awaits
+    it, and the call never counted as ended — every later engine call waited a deadline
+    for it and failed. Dropped unawaited, it ends the call (its rest never runs)."""
+    entered, release = threading.Event(), threading.Event()
+    rest: list[Any] = []
+
+    async def the_rest() -> None:
+        rest.append("ran")
+
+    def blocks_then_returns_an_awaitable() -> Any:
+        entered.set()
+        release.wait(30)
+        rest.append(the_rest())
+        return rest[-1]
+
+    async def give_up() -> Any:
+        handover, finished = vllm._tracked(blocks_then_returns_an_awaitable)
+        await asyncio.to_thread(entered.wait, 30)
+        return handover, finished  # the loop ends with the call still in its thread
+
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        handover, finished = asyncio.run(give_up())
+        del handover
+        assert not finished.done()
+        release.set()
+        assert finished.result(timeout=10) is None  # never, without the fix
+    [coro] = rest  # the rest did not run, and was closed: no "never awaited" warning
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+    assert [r.getMessage() for r in caplog.records] == [
+        "vLLM's test_an_awaitable_handed_over_after_its_loop_ended_still_ends_the_call."
+        "<locals>.blocks_then_returns_an_awaitable: the awaitable it returned was never "
+        "awaited (the event loop that waited for it ended first); the rest of the call did "
+        "not run"]
+
+
+class BlockingThenAsyncLLM(FakeAsyncLLM):
+    """An engine whose ``sleep()`` is a plain method that blocks (until :attr:`go`), then
+    returns the coroutine doing the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> Any:  # type: ignore[override]
+        self.go.wait(30)
+        return FakeAsyncLLM.sleep(self, level, mode)
+
+
+def test_a_sync_twin_s_sleep_handing_over_too_late_does_not_block_later_calls() -> None:
+    """The reviewer's shape: adapter.sleep() (asyncio.run) gives up at the deadline, the
+    engine's sleep() then returns its coroutine to a loop that has ended. Each wake()
+    after it failed "still running" after a whole deadline; now the first one works."""
+    llm = BlockingThenAsyncLLM()
+    adapter = vllm.VLLMAdapter(llm, deadline=1, canary=False)
+    with pytest.raises(vllm.ServerError, match="sleep\\(\\): not finished within"):
+        adapter.sleep()
+    llm.go.set()  # the engine call ends: the wake waits for it, within its deadline
+    adapter.wake()
+    assert not llm.engine.sleeping
 
 
 def test_a_wake_fails_clearly_when_the_sleep_before_never_ends(rehydrate_engine: Any) -> None:
