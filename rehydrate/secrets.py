@@ -419,6 +419,8 @@ class Secret:
         for k, b in left:
             del self._retiring[k]
             _zero(b)
+        # A wipe waiting alongside (every=True) may have nothing left to wait for now.
+        self._cond.notify_all()
 
     def _view_closed(self, key: int) -> None:
         """With the lock held: one view of buffer ``key`` closed; the last one of a

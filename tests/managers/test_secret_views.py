@@ -280,3 +280,56 @@ def test_a_context_a_hook_handed_on_does_not_keep_its_run_alive(rehydrate_engine
         release.set()
         for worker in kept:
             worker.join(10)
+
+
+class _ExpiresOnCue(threading.Condition):
+    """A secret's condition whose wait in ``thread`` times out when the test says so (and
+    not before, nor when notified): no sleeping for a real ``wipe_wait``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.waiting, self.expire = threading.Event(), threading.Event()
+
+    def wait_for(self, predicate, timeout=None):
+        if threading.current_thread() is not self.thread:
+            return super().wait_for(predicate, timeout)
+        self.waiting.set()
+        self.release()  # held once, by the reload; waiting, not notified
+        try:
+            self.expire.wait(30)
+        finally:
+            self.acquire()
+        return predicate()
+
+
+def test_a_wipe_waiting_alongside_a_reload_returns_once_that_reload_zeroes_at_wipe_wait(
+        rehydrate_engine, caplog):
+    """Before: a reload whose ``wipe_wait`` ran out zeroed the old value under its view
+    without notifying, so a wipe waiting alongside for that same buffer waited its own
+    full ``wipe_wait`` although nothing was left to zero."""
+    values = iter([b"first-value", b"second-value"])
+    s = Secret.from_callable(lambda: next(values), name="tok", wipe_wait=60,
+                             engine=rehydrate_engine)
+    cond = s._cond = _ExpiresOnCue()
+    old = _Holder(s)
+    cond.thread = reloading = threading.Thread(target=s.reload, daemon=True)
+    wiping = threading.Thread(target=s.wipe, daemon=True)
+    try:
+        reloading.start()
+        assert cond.waiting.wait(10)  # the reload waits for the old value's view
+        wiping.start()
+        # the wipe took the new value: it waits (the lock released) for the old one's view
+        assert _wait_until(s, lambda: not s.available)
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            cond.expire.set()  # the reload's wipe_wait is over; nobody else notifies
+        reloading.join(10)
+        wiping.join(10)
+        assert not wiping.is_alive(), "the wipe waited its own wipe_wait"
+        assert not any(old.buffer)
+        assert "still hold a view of the previous value" in caplog.text
+    finally:
+        old.done()
+        reloading.join(10)
+        wiping.join(70)
+    assert s._readers == 0 and not s._retiring
