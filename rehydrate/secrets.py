@@ -18,7 +18,10 @@ Reading:
   A wipe takes the value away first (new reads block or raise as while wiped), then
   waits up to ``wipe_wait`` seconds for the views open on that buffer to close before
   zeroing it (in a child of ``fork()``, only for those of the thread that forked); a
-  reload waits only for the views of the value it replaced.
+  reload waits only for the views of the value it replaced. A read during a wipe by a
+  thread holding a view of the value being wiped raises at once (blocking, it would
+  keep that view open): ``asyncio`` code, whose tasks share one thread, passes
+  ``on_wiped="raise"``.
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
@@ -461,6 +464,18 @@ class Secret:
                         f"returns; read it from a hook of a later phase, or of phase "
                         f"{reload.phase} with a higher order")
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
+                mine = self._local.__dict__.get("reads")
+                if (mine is not None and mine.epoch is self._epoch
+                        and mine.pid == os.getpid()
+                        and any(k in self._retiring for k in mine.open)):
+                    # The wipe waits for this thread's view (with asyncio: for a view of
+                    # any task on this loop), which cannot close while this read blocks
+                    # for the reload: the wipe would zero the buffer under it at wipe_wait.
+                    raise SecretUnavailable(
+                        f"secret {self.name!r} is being wiped for a snapshot and this "
+                        "thread still holds a view of it, which the wipe waits for (a "
+                        "read blocking here would keep that view open): read through the "
+                        "view already open; asyncio code: pass on_wiped='raise'")
                 deadline = time.monotonic() + self.timeout
                 while self._buf is None and self._reason.startswith("wiped"):
                     left = deadline - time.monotonic()

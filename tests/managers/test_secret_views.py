@@ -282,6 +282,71 @@ def test_a_context_a_hook_handed_on_does_not_keep_its_run_alive(rehydrate_engine
             worker.join(10)
 
 
+def test_an_asyncio_read_during_a_wipe_of_a_view_another_task_holds_fails_at_once(
+        rehydrate_engine, caplog):
+    """Before: task R's blocking read (during the wipe) stopped the event loop, so task H
+    could never close the view the wipe waited for: the wipe waited the full
+    ``wipe_wait`` and zeroed the buffer under H, and R failed only at ``timeout``."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", wipe_wait=30,
+                             timeout=5, engine=rehydrate_engine)
+    wiping = threading.Thread(target=rehydrate_engine.simulate_snapshot, daemon=True)
+
+    async def main() -> tuple[bytes, str]:
+        h_in, r_done = asyncio.Event(), asyncio.Event()
+
+        async def h() -> bytes:
+            with s as view:  # held across an await, e.g. a request in flight
+                h_in.set()
+                await r_done.wait()
+                return bytes(view)
+
+        async def r() -> str:
+            await h_in.wait()
+            wiping.start()
+            assert await asyncio.to_thread(_wait_until, s, lambda: not s.available)
+            try:
+                s.get()
+            except SecretUnavailable as exc:
+                return str(exc)
+            finally:
+                r_done.set()
+            return "read the value"
+
+        return await asyncio.gather(h(), r())
+
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        held, error = asyncio.run(main())
+        wiping.join(10)
+    assert error == (
+        "secret 'tok' is being wiped for a snapshot and this thread still holds a view "
+        "of it, which the wipe waits for (a read blocking here would keep that view "
+        "open): read through the view already open; asyncio code: pass on_wiped='raise'")
+    assert held == b"token-value-0123"  # not zeroed under the view
+    assert not wiping.is_alive() and "still hold" not in caplog.text
+    assert s._readers == 0 and not s._retiring
+
+
+def test_a_nested_read_in_a_view_during_a_wipe_fails_at_once(rehydrate_engine, caplog):
+    """Before: a read inside ``with secret as view:`` while a wipe waited for that very
+    view blocked until ``timeout``; the wipe zeroed the buffer under the view meanwhile."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", wipe_wait=30,
+                             timeout=5, engine=rehydrate_engine)
+    wiping = threading.Thread(target=s.wipe, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        with s as view:
+            wiping.start()
+            assert _wait_until(s, lambda: not s.available)
+            with pytest.raises(SecretUnavailable, match="this thread still holds a view"):
+                s.get()
+            with (pytest.raises(SecretUnavailable, match="this thread still holds a view"),
+                  s.view()):
+                pass
+            assert bytes(view) == b"token-value-0123"
+        wiping.join(10)
+    assert not wiping.is_alive() and "still hold" not in caplog.text
+    assert s._readers == 0 and not s._retiring
+
+
 class _ExpiresOnCue(threading.Condition):
     """A secret's condition whose wait in ``thread`` times out when the test says so (and
     not before, nor when notified): no sleeping for a real ``wipe_wait``."""
