@@ -14,13 +14,14 @@ Reading:
   ``bytes`` are immutable): drop it quickly, and prefer the context manager;
 * ``with secret as view:`` (or ``with secret.view() as view``) yields a ``memoryview`` of
   the buffer itself — no copy. ``with secret:`` pairs exits with entries per context
-  (thread or ``asyncio`` task); generators interleaving in one context use ``view()``.
-  A wipe takes the value away first (new reads block or raise as while wiped), then
-  waits up to ``wipe_wait`` seconds for the views open on that buffer to close before
-  zeroing it (in a child of ``fork()``, only for those of the thread that forked); a
-  reload waits only for the views of the value it replaced. A read during a wipe by a
-  thread holding a view of the value being wiped raises at once (blocking, it would
-  keep that view open): ``asyncio`` code, whose tasks share one thread, passes
+  (thread or ``asyncio`` task): enter and leave it in the same one; generators
+  interleaving in one context, and a view one task opens and another closes, use
+  ``view()``. A wipe takes the value away first (new reads block or raise as while
+  wiped), then waits up to ``wipe_wait`` seconds for the views open on that buffer to
+  close before zeroing it (in a child of ``fork()``, only for those of the thread that
+  forked); a reload waits only for the views of the value it replaced. A read during a
+  wipe by a thread holding a view of the value being wiped raises at once (blocking, it
+  would keep that view open): ``asyncio`` code, whose tasks share one thread, passes
   ``on_wiped="raise"``.
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
@@ -566,7 +567,10 @@ class Secret:
                 break
         else:
             raise RuntimeError(f"secret {self.name!r}: __exit__ without a matching "
-                               "__enter__ in this context")
+                               "__enter__ in this context (`with secret:` is entered and "
+                               "left in the same thread or asyncio task; for a view "
+                               "opened in one task and closed in another use "
+                               "secret.view())")
         cm = stack[i][1]
         _entered.set(stack[:i] + stack[i + 1:])
         cm.__exit__(None, None, None)

@@ -4,6 +4,7 @@ views of the buffer they retire, and reads that no reload can serve in time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 
@@ -345,6 +346,32 @@ def test_a_nested_read_in_a_view_during_a_wipe_fails_at_once(rehydrate_engine, c
         wiping.join(10)
     assert not wiping.is_alive() and "still hold" not in caplog.text
     assert s._readers == 0 and not s._retiring
+
+
+def test_with_secret_left_in_another_task_names_view_and_view_may_be(rehydrate_engine):
+    """``with secret:`` pairs its exit with the entry of the same context; a view opened
+    by one task and closed by another (an ExitStack a startup task fills and a shutdown
+    task closes) is what ``secret.view()`` is for, and the error says so."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok",
+                             engine=rehydrate_engine)
+
+    async def main(cm) -> bytes:
+        stack = contextlib.ExitStack()
+        views: list[memoryview] = []
+
+        async def startup() -> None:
+            views.append(stack.enter_context(cm))
+
+        await asyncio.create_task(startup())
+        got = bytes(views[0])
+        await asyncio.create_task(asyncio.to_thread(stack.close))  # another task, thread
+        return got
+
+    with pytest.raises(RuntimeError, match=r"same thread or asyncio task; .* use "
+                                           r"secret\.view\(\)"):
+        asyncio.run(main(s))
+    assert asyncio.run(main(s.view())) == b"token-value-0123"
+    assert s._readers == 0
 
 
 class _ExpiresOnCue(threading.Condition):
