@@ -28,8 +28,10 @@ Reading while wiped (between the snapshot pass and the reload) either blocks unt
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
 :class:`SecretUnavailable` at once (``on_wiped="raise"``) — at once also from a restore
 hook that runs before the secret's reload (an earlier phase, or ``SECRETS`` with an order
-below -200): that run starts the reload only after the hook returns. ``repr`` and ``str`` never show
-the value.
+below -200): that run starts the reload only after the hook returns; and at once from a
+before-snapshot hook that runs after the secret's wipe in the same pass. Both know the
+hook by its context: a thread without it (an executor's worker) is not covered. ``repr``
+and ``str`` never show the value.
 
 Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a failed reload
 (unreadable file, missing variable, a raising callable) fails that hook — ``required``
@@ -73,6 +75,7 @@ from ._disable import is_disabled
 from ._files import read_regular
 from ._hooks import Hook, Phase
 from ._redact import replace_forms, value_forms
+from ._runner import running_after
 from ._threads import fresh_lock_after_fork
 from .extensions import Probe, add_redactor, resolve_engine, running_before
 
@@ -464,6 +467,16 @@ class Secret:
                         f"{reload.order}), which this run starts only after that hook "
                         f"returns; read it from a hook of a later phase, or of phase "
                         f"{reload.phase} with a higher order")
+                late = running_after(self._hooks[1]) if len(self._hooks) > 1 else None
+                if late is not None:  # nothing reloads it before this pass has ended
+                    wipe = self._hooks[1]
+                    raise SecretUnavailable(
+                        f"secret {self.name!r} is unavailable to hook {late.name!r} "
+                        f"(phase {late.phase}, order {late.order}): it is wiped for the "
+                        f"snapshot by {wipe.name!r} (phase {wipe.phase}, order "
+                        f"{wipe.order}), which this before-snapshot run ran earlier; read "
+                        f"it from a hook of a later phase, or of phase {wipe.phase} with "
+                        f"a higher order (before a snapshot they run before the wipe)")
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
                 mine = self._local.__dict__.get("reads")
                 if (mine is not None and mine.epoch is self._epoch

@@ -425,3 +425,39 @@ def test_a_wipe_waiting_alongside_a_reload_returns_once_that_reload_zeroes_at_wi
         reloading.join(10)
         wiping.join(70)
     assert s._readers == 0 and not s._retiring
+
+
+@pytest.mark.parametrize(("on_wiped", "is_async"), [("block", False), ("block", True),
+                                                    ("raise", False)])
+def test_a_before_snapshot_hook_that_runs_after_the_secret_s_wipe_fails_at_once(
+        rehydrate_engine, on_wiped, is_async):
+    """Before: a before-snapshot hook of a phase that runs after the wipe (entropy,
+    environment: reversed before a snapshot) blocked ``timeout`` for a reload that comes
+    only after the restore, then failed with "reloaded after restore/resume"."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", timeout=60,
+                             on_wiped=on_wiped, engine=rehydrate_engine)
+    got: list[bytes] = []
+    registry = rehydrate_engine.registry
+
+    if is_async:
+        async def late() -> None:
+            got.append(s.get())
+    else:
+        def late() -> None:
+            got.append(s.get())
+
+    @registry.before_snapshot(phase=Phase.SECRETS, order=-100, name="early")
+    def early() -> None:  # runs before the wipe (order -200) before a snapshot
+        got.append(s.get())
+
+    registry.before_snapshot(late, phase=Phase.ENTROPY, name="late", timeout=5)
+    report = rehydrate_engine.simulate_snapshot()
+    outcomes = {h.name: h.outcome for h in report.hooks}
+    assert outcomes["late"] == "failed" and outcomes["early"] == "ok"
+    [error] = [h.error for h in report.hooks if h.name == "late"]
+    assert str(error) == (
+        "secret 'tok' is unavailable to hook 'late' (phase entropy, order 0): it is wiped "
+        "for the snapshot by 'rehydrate.secret:tok' (phase secrets, order -200), which "
+        "this before-snapshot run ran earlier; read it from a hook of a later phase, or of "
+        "phase secrets with a higher order (before a snapshot they run before the wipe)")
+    assert got == [b"token-value-0123"]
