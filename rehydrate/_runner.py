@@ -117,6 +117,21 @@ def running_before(hook: Hook) -> Hook | None:
     return None
 
 
+def running_after(hook: Hook) -> Hook | None:
+    """The hook running in this context when ``hook`` came earlier in that same run (it
+    has run, or the run gave up on it): nothing ``hook`` did is undone before the run
+    ends. None outside hooks, when ``hook`` is not earlier in the run, and for a hook its
+    run gave up on at its timeout."""
+    call = hook_call.get()
+    job = call.job if call is not None and call.running else None
+    if call is None or job is None or job.abandoned:
+        return None
+    hooks = job.hooks
+    if any(h is hook for h in hooks[:call.index]):
+        return hooks[call.index]
+    return None
+
+
 class Observer(Protocol):
     """Receives per-hook events (telemetry). Called on the thread running the hook.
 

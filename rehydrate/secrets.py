@@ -14,18 +14,24 @@ Reading:
   ``bytes`` are immutable): drop it quickly, and prefer the context manager;
 * ``with secret as view:`` (or ``with secret.view() as view``) yields a ``memoryview`` of
   the buffer itself — no copy. ``with secret:`` pairs exits with entries per context
-  (thread or ``asyncio`` task); generators interleaving in one context use ``view()``.
-  A wipe takes the value away first (new reads block or raise as while wiped), then
-  waits up to ``wipe_wait`` seconds for the views open on that buffer to close before
-  zeroing it (in a child of ``fork()``, only for those of the thread that forked); a
-  reload waits only for the views of the value it replaced.
+  (thread or ``asyncio`` task): enter and leave it in the same one; generators
+  interleaving in one context, and a view one task opens and another closes, use
+  ``view()``. A wipe takes the value away first (new reads block or raise as while
+  wiped), then waits up to ``wipe_wait`` seconds for the views open on that buffer to
+  close before zeroing it (in a child of ``fork()``, only for those of the thread that
+  forked); a reload waits only for the views of the value it replaced. A read during a
+  wipe by a thread holding a view of the value being wiped raises at once (blocking, it
+  would keep that view open): ``asyncio`` code, whose tasks share one thread, passes
+  ``on_wiped="raise"``.
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
 :class:`SecretUnavailable` at once (``on_wiped="raise"``) — at once also from a restore
 hook that runs before the secret's reload (an earlier phase, or ``SECRETS`` with an order
-below -200): that run starts the reload only after the hook returns. ``repr`` and ``str`` never show
-the value.
+below -200): that run starts the reload only after the hook returns; and at once from a
+before-snapshot hook that runs after the secret's wipe in the same pass. Both know the
+hook by its context: a thread without it (an executor's worker) is not covered. ``repr``
+and ``str`` never show the value.
 
 Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a failed reload
 (unreadable file, missing variable, a raising callable) fails that hook — ``required``
@@ -69,6 +75,7 @@ from ._disable import is_disabled
 from ._files import read_regular
 from ._hooks import Hook, Phase
 from ._redact import replace_forms, value_forms
+from ._runner import running_after
 from ._threads import fresh_lock_after_fork
 from .extensions import Probe, add_redactor, resolve_engine, running_before
 
@@ -419,6 +426,8 @@ class Secret:
         for k, b in left:
             del self._retiring[k]
             _zero(b)
+        # A wipe waiting alongside (every=True) may have nothing left to wait for now.
+        self._cond.notify_all()
 
     def _view_closed(self, key: int) -> None:
         """With the lock held: one view of buffer ``key`` closed; the last one of a
@@ -458,7 +467,29 @@ class Secret:
                         f"{reload.order}), which this run starts only after that hook "
                         f"returns; read it from a hook of a later phase, or of phase "
                         f"{reload.phase} with a higher order")
+                late = running_after(self._hooks[1]) if len(self._hooks) > 1 else None
+                if late is not None:  # nothing reloads it before this pass has ended
+                    wipe = self._hooks[1]
+                    raise SecretUnavailable(
+                        f"secret {self.name!r} is unavailable to hook {late.name!r} "
+                        f"(phase {late.phase}, order {late.order}): it is wiped for the "
+                        f"snapshot by {wipe.name!r} (phase {wipe.phase}, order "
+                        f"{wipe.order}), which this before-snapshot run ran earlier; read "
+                        f"it from a hook of a later phase, or of phase {wipe.phase} with "
+                        f"a higher order (before a snapshot they run before the wipe)")
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
+                mine = self._local.__dict__.get("reads")
+                if (mine is not None and mine.epoch is self._epoch
+                        and mine.pid == os.getpid()
+                        and any(k in self._retiring for k in mine.open)):
+                    # The wipe waits for this thread's view (with asyncio: for a view of
+                    # any task on this loop), which cannot close while this read blocks
+                    # for the reload: the wipe would zero the buffer under it at wipe_wait.
+                    raise SecretUnavailable(
+                        f"secret {self.name!r} is being wiped for a snapshot and this "
+                        "thread still holds a view of it, which the wipe waits for (a "
+                        "read blocking here would keep that view open): read through the "
+                        "view already open; asyncio code: pass on_wiped='raise'")
                 deadline = time.monotonic() + self.timeout
                 while self._buf is None and self._reason.startswith("wiped"):
                     left = deadline - time.monotonic()
@@ -549,7 +580,10 @@ class Secret:
                 break
         else:
             raise RuntimeError(f"secret {self.name!r}: __exit__ without a matching "
-                               "__enter__ in this context")
+                               "__enter__ in this context (`with secret:` is entered and "
+                               "left in the same thread or asyncio task; for a view "
+                               "opened in one task and closed in another use "
+                               "secret.view())")
         cm = stack[i][1]
         _entered.set(stack[:i] + stack[i + 1:])
         cm.__exit__(None, None, None)

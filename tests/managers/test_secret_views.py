@@ -4,6 +4,7 @@ views of the buffer they retire, and reads that no reload can serve in time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 
@@ -280,3 +281,183 @@ def test_a_context_a_hook_handed_on_does_not_keep_its_run_alive(rehydrate_engine
         release.set()
         for worker in kept:
             worker.join(10)
+
+
+def test_an_asyncio_read_during_a_wipe_of_a_view_another_task_holds_fails_at_once(
+        rehydrate_engine, caplog):
+    """Before: task R's blocking read (during the wipe) stopped the event loop, so task H
+    could never close the view the wipe waited for: the wipe waited the full
+    ``wipe_wait`` and zeroed the buffer under H, and R failed only at ``timeout``."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", wipe_wait=30,
+                             timeout=5, engine=rehydrate_engine)
+    wiping = threading.Thread(target=rehydrate_engine.simulate_snapshot, daemon=True)
+
+    async def main() -> tuple[bytes, str]:
+        h_in, r_done = asyncio.Event(), asyncio.Event()
+
+        async def h() -> bytes:
+            with s as view:  # held across an await, e.g. a request in flight
+                h_in.set()
+                await r_done.wait()
+                return bytes(view)
+
+        async def r() -> str:
+            await h_in.wait()
+            wiping.start()
+            assert await asyncio.to_thread(_wait_until, s, lambda: not s.available)
+            try:
+                s.get()
+            except SecretUnavailable as exc:
+                return str(exc)
+            finally:
+                r_done.set()
+            return "read the value"
+
+        return await asyncio.gather(h(), r())
+
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        held, error = asyncio.run(main())
+        wiping.join(10)
+    assert error == (
+        "secret 'tok' is being wiped for a snapshot and this thread still holds a view "
+        "of it, which the wipe waits for (a read blocking here would keep that view "
+        "open): read through the view already open; asyncio code: pass on_wiped='raise'")
+    assert held == b"token-value-0123"  # not zeroed under the view
+    assert not wiping.is_alive() and "still hold" not in caplog.text
+    assert s._readers == 0 and not s._retiring
+
+
+def test_a_nested_read_in_a_view_during_a_wipe_fails_at_once(rehydrate_engine, caplog):
+    """Before: a read inside ``with secret as view:`` while a wipe waited for that very
+    view blocked until ``timeout``; the wipe zeroed the buffer under the view meanwhile."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", wipe_wait=30,
+                             timeout=5, engine=rehydrate_engine)
+    wiping = threading.Thread(target=s.wipe, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        with s as view:
+            wiping.start()
+            assert _wait_until(s, lambda: not s.available)
+            with pytest.raises(SecretUnavailable, match="this thread still holds a view"):
+                s.get()
+            with (pytest.raises(SecretUnavailable, match="this thread still holds a view"),
+                  s.view()):
+                pass
+            assert bytes(view) == b"token-value-0123"
+        wiping.join(10)
+    assert not wiping.is_alive() and "still hold" not in caplog.text
+    assert s._readers == 0 and not s._retiring
+
+
+def test_with_secret_left_in_another_task_names_view_and_view_may_be(rehydrate_engine):
+    """``with secret:`` pairs its exit with the entry of the same context; a view opened
+    by one task and closed by another (an ExitStack a startup task fills and a shutdown
+    task closes) is what ``secret.view()`` is for, and the error says so."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok",
+                             engine=rehydrate_engine)
+
+    async def main(cm) -> bytes:
+        stack = contextlib.ExitStack()
+        views: list[memoryview] = []
+
+        async def startup() -> None:
+            views.append(stack.enter_context(cm))
+
+        await asyncio.create_task(startup())
+        got = bytes(views[0])
+        await asyncio.create_task(asyncio.to_thread(stack.close))  # another task, thread
+        return got
+
+    with pytest.raises(RuntimeError, match=r"same thread or asyncio task; .* use "
+                                           r"secret\.view\(\)"):
+        asyncio.run(main(s))
+    assert asyncio.run(main(s.view())) == b"token-value-0123"
+    assert s._readers == 0
+
+
+class _ExpiresOnCue(threading.Condition):
+    """A secret's condition whose wait in ``thread`` times out when the test says so (and
+    not before, nor when notified): no sleeping for a real ``wipe_wait``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.waiting, self.expire = threading.Event(), threading.Event()
+
+    def wait_for(self, predicate, timeout=None):
+        if threading.current_thread() is not self.thread:
+            return super().wait_for(predicate, timeout)
+        self.waiting.set()
+        self.release()  # held once, by the reload; waiting, not notified
+        try:
+            self.expire.wait(30)
+        finally:
+            self.acquire()
+        return predicate()
+
+
+def test_a_wipe_waiting_alongside_a_reload_returns_once_that_reload_zeroes_at_wipe_wait(
+        rehydrate_engine, caplog):
+    """Before: a reload whose ``wipe_wait`` ran out zeroed the old value under its view
+    without notifying, so a wipe waiting alongside for that same buffer waited its own
+    full ``wipe_wait`` although nothing was left to zero."""
+    values = iter([b"first-value", b"second-value"])
+    s = Secret.from_callable(lambda: next(values), name="tok", wipe_wait=60,
+                             engine=rehydrate_engine)
+    cond = s._cond = _ExpiresOnCue()
+    old = _Holder(s)
+    cond.thread = reloading = threading.Thread(target=s.reload, daemon=True)
+    wiping = threading.Thread(target=s.wipe, daemon=True)
+    try:
+        reloading.start()
+        assert cond.waiting.wait(10)  # the reload waits for the old value's view
+        wiping.start()
+        # the wipe took the new value: it waits (the lock released) for the old one's view
+        assert _wait_until(s, lambda: not s.available)
+        with caplog.at_level(logging.WARNING, logger="rehydrate"):
+            cond.expire.set()  # the reload's wipe_wait is over; nobody else notifies
+        reloading.join(10)
+        wiping.join(10)
+        assert not wiping.is_alive(), "the wipe waited its own wipe_wait"
+        assert not any(old.buffer)
+        assert "still hold a view of the previous value" in caplog.text
+    finally:
+        old.done()
+        reloading.join(10)
+        wiping.join(70)
+    assert s._readers == 0 and not s._retiring
+
+
+@pytest.mark.parametrize(("on_wiped", "is_async"), [("block", False), ("block", True),
+                                                    ("raise", False)])
+def test_a_before_snapshot_hook_that_runs_after_the_secret_s_wipe_fails_at_once(
+        rehydrate_engine, on_wiped, is_async):
+    """Before: a before-snapshot hook of a phase that runs after the wipe (entropy,
+    environment: reversed before a snapshot) blocked ``timeout`` for a reload that comes
+    only after the restore, then failed with "reloaded after restore/resume"."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", timeout=60,
+                             on_wiped=on_wiped, engine=rehydrate_engine)
+    got: list[bytes] = []
+    registry = rehydrate_engine.registry
+
+    if is_async:
+        async def late() -> None:
+            got.append(s.get())
+    else:
+        def late() -> None:
+            got.append(s.get())
+
+    @registry.before_snapshot(phase=Phase.SECRETS, order=-100, name="early")
+    def early() -> None:  # runs before the wipe (order -200) before a snapshot
+        got.append(s.get())
+
+    registry.before_snapshot(late, phase=Phase.ENTROPY, name="late", timeout=5)
+    report = rehydrate_engine.simulate_snapshot()
+    outcomes = {h.name: h.outcome for h in report.hooks}
+    assert outcomes["late"] == "failed" and outcomes["early"] == "ok"
+    [error] = [h.error for h in report.hooks if h.name == "late"]
+    assert str(error) == (
+        "secret 'tok' is unavailable to hook 'late' (phase entropy, order 0): it is wiped "
+        "for the snapshot by 'rehydrate.secret:tok' (phase secrets, order -200), which "
+        "this before-snapshot run ran earlier; read it from a hook of a later phase, or of "
+        "phase secrets with a higher order (before a snapshot they run before the wipe)")
+    assert got == [b"token-value-0123"]
