@@ -191,7 +191,12 @@ class SignalDetector(Detector):
                         and _handler_of(before) not in (_SIG_DFL, _SIG_IGN,
                                                         self._python_handler)):
                     # Python's table named a handler of its own, but one installed
-                    # outside Python had replaced it: put both back as they were
+                    # outside Python had replaced it: put both back as they were, the
+                    # application's handler for the inert one of a detector stopped off
+                    # the main thread (which the outside handler may chain to)
+                    owner = _detector_of(previous)
+                    if owner is not None and callable(owner._previous):
+                        previous = owner._previous
                     signal.signal(self.signum, previous
                                   if previous is not None else signal.SIG_DFL)
                     _sigaction(self.signum, before)

@@ -225,6 +225,29 @@ def test_a_start_after_a_stop_off_the_main_thread_gives_the_apps_handler_back(
         app.gets_the_signal_back()
 
 
+def test_a_start_refused_after_a_stop_off_the_main_thread_gives_the_apps_handler_back(
+        rehydrate_engine, tmp_path):
+    """stop() off the main thread, then ``faulthandler.register(chain=True)``: the next
+    start(), refused for the outside handler, put the stopped detector's inert handler
+    back into Python's table, so the chained signal never reached the application's
+    handler again, even after ``faulthandler.unregister()``."""
+    with _AppHandler(signal.SIGUSR2) as app:
+        rehydrate_engine.start([SignalDetector("USR2", window=0)])
+        off_main = threading.Thread(target=rehydrate_engine.stop)
+        off_main.start()
+        off_main.join()
+        with _FaultHandlerDump(signal.SIGUSR2, tmp_path / "dump", chain=True) as dump:
+            assert rehydrate_engine.start([SignalDetector("USR2", window=0)]) == []
+            assert "installed outside Python" in \
+                rehydrate_engine.status().extra["detector_errors"]["signal"]
+            rehydrate_engine.stop()
+            assert signal.getsignal(signal.SIGUSR2) is app
+            dump.still_dumps()
+            wait_for(lambda: app.seen == [signal.SIGUSR2], what="the chained signal")
+        app.seen.clear()
+        app.gets_the_signal_back()
+
+
 def test_failure_does_not_say_a_chaining_outside_handler_takes_the_signal(rehydrate_engine,
                                                                         tmp_path):
     """``faulthandler.register(chain=True)`` after start() hands the signal on to the
