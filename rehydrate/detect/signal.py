@@ -11,7 +11,8 @@ signal; ``stop()`` putting ``SIG_DFL`` back made the next such signal kill the p
 One detector per signal: :meth:`start` refuses a second for a signal another one
 watches (the second saved the first's handler as the application's, and only one of
 them heard the signal). A handler the application installs after :meth:`start` is
-reported by :meth:`failure` and left in place by :meth:`stop`; under one installed
+reported by :meth:`failure` (one installed outside Python until a signal comes through
+it to the detector) and left in place by :meth:`stop`; under one installed
 outside Python, Python's table still gets the application's handler back, which one
 that chains (``faulthandler.register(chain=True)``) hands the signal to. SIGKILL, SIGSTOP,
 SIGCHLD (every child's exit), SIGPIPE (every write to a closed pipe or socket), SIGWINCH
@@ -112,6 +113,9 @@ class _Run:
         self.stopped = False
         self.arrived = 0.0
         """When the latest signal reached the handler (time.monotonic())."""
+        self.chained_through: int | None = None
+        """The address of the handler installed outside Python that was in force when
+        the worker last read a signal: that handler hands the signal on."""
 
 
 class SignalDetector(Detector):
@@ -245,14 +249,18 @@ class SignalDetector(Detector):
     def failure(self) -> str | None:
         """The application installed its own handler after :meth:`start`: with
         ``signal.signal()`` (the signal no longer reaches this detector), or outside
-        Python (it may no longer: one that chains, as ``faulthandler.register(chain=True)``
-        does, still hands it on, which cannot be told from here)."""
+        Python (it may no longer). One installed outside Python that chains, as
+        ``faulthandler.register(chain=True)`` does, still hands the signal on: that
+        cannot be told before a signal comes, and once one has reached this detector
+        through that handler (the same C function) this is ``None`` again."""
         if self._thread is None:
             return None
         if signal.getsignal(self.signum) != self._handler:
             return (f"the application replaced the {self.label} handler; {self.label} no "
                     "longer reaches the signal detector")
-        if self._replaced_outside_python():
+        outside = self._outside_handler()
+        run = self._run
+        if outside is not None and (run is None or run.chained_through != outside):
             return (f"a handler installed outside Python (faulthandler.register() or a C "
                     f"extension) replaced the {self.label} handler; {self.label} may no "
                     "longer reach the signal detector (unless that handler chains)")
@@ -260,8 +268,18 @@ class SignalDetector(Detector):
 
     def _replaced_outside_python(self) -> bool:
         """Whether the C handler is no longer the one Python installed for ours."""
+        return self._outside_handler() is not None
+
+    def _outside_handler(self) -> int | None:
+        """The C handler in force (its address) when it is no longer the one Python
+        installed for ours, else ``None``. Only the address: libc leaves most of the
+        ``struct sigaction`` it reads back undefined (glibc copies the kernel's 8-byte
+        mask into a 128-byte one)."""
         ours = self._python_handler
-        return ours is not None and _handler_address(self.signum) not in (None, ours)
+        if ours is None:
+            return None
+        current = _handler_address(self.signum)
+        return None if current in (None, ours) else current
 
     def _restore_handler(self, *, stopping: bool) -> None:
         try:
@@ -339,6 +357,12 @@ class SignalDetector(Detector):
                 # announced after the window of the one running must still run.
                 received = run.arrived
                 self.received += len(data)
+                # Read while a handler installed outside Python is in force: it chained
+                # the signal to ours (the signal might also have come just before that
+                # handler was installed, a window failure() may then miss).
+                outside = self._outside_handler()
+                if outside is not None:
+                    run.chained_through = outside
                 if run.stopped:
                     return
                 log.info("signal detector: %s received", self.label)
