@@ -213,7 +213,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_MARKER_WINDOW", "seconds", 2.0, "file detector: a restore handled this recently is the same restore"),  # noqa: E501
     _V("REHYDRATE_WATCH_POLLING", "flag", None, "file detector: poll instead of inotify (default: poll under gVisor)"),  # noqa: E501
     _V("REHYDRATE_WATCH_INTERVAL", "seconds", 0.5, "file detector: seconds between polls", minimum=0.001),  # noqa: E501
-    _V("REHYDRATE_SIGNAL", "signal", "SIGUSR2", "signal detector: the signal (name, number or SIGRTMIN+n) that means restore; not KILL, STOP, CHLD, PIPE, WINCH, URG or a fault signal (SEGV, BUS, FPE, ILL)"),  # noqa: E501
+    _V("REHYDRATE_SIGNAL", "signal", "SIGUSR2", "signal detector: the signal (name, number or SIGRTMIN+n) that means restore; not KILL, STOP, CHLD, PIPE, WINCH, TTIN, TTOU, TSTP, URG or a fault signal (SEGV, BUS, FPE, ILL)"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_WINDOW", "seconds", 2.0, "signal detector and a notice without notify save: a restore detected this recently may be the same restore"),  # noqa: E501
     _V("REHYDRATE_SIGNAL_KIND", "choice", "restore", "signal detector: what the signal means, restore or resume", choices=("restore", "resume")),  # noqa: E501
     _V("REHYDRATE_SNAPSTART_DEADLINE", "seconds", 8.0, "snapstart: seconds the whole after-restore run may take (Lambda allows 10); hooks still running then are reported timeout and the runtime hook fails", positive=True),  # noqa: E501
@@ -422,7 +422,7 @@ def signal_name(name: str) -> str:
 
 
 SIGNAL_RULE = ("a signal name or number that can be caught (not KILL, STOP, CHLD, PIPE, WINCH, "
-               "URG or a fault signal: SEGV, BUS, FPE, ILL)")
+               "TTIN, TTOU, TSTP, URG or a fault signal: SEGV, BUS, FPE, ILL)")
 """What a ``signal`` variable must be (the warning for a bad value names it)."""
 
 _REFUSED_SIGNALS = {
@@ -432,6 +432,13 @@ _REFUSED_SIGNALS = {
     "SIGCHLD": "is sent whenever a child process ends",
     "SIGPIPE": "is sent whenever a write to a pipe or socket finds its reader gone",
     "SIGWINCH": "is sent whenever the terminal window changes size",
+    # the terminal's job control: taken, a background job reading its terminal was
+    # signalled again at every retry of the read (a busy loop of restores), and neither
+    # stopped the process as SIG_DFL does
+    "SIGTTIN": "is sent whenever a background process reads from its terminal",
+    "SIGTTOU": "is sent whenever a background process writes to its terminal or "
+               "changes its settings",
+    "SIGTSTP": "is sent whenever the terminal's suspend key (Ctrl-Z) is pressed",
     "SIGURG": "is sent whenever urgent (out-of-band) data arrives on a socket",
     # a handler cannot return from a real fault: Python's runs only after the faulting
     # instruction, which faults again

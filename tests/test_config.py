@@ -151,7 +151,7 @@ def test_good_values(monkeypatch, caplog, name, raw, value):
 
 
 _SIGNAL_RULE = ("a signal name or number that can be caught (not KILL, STOP, CHLD, PIPE, "
-                "WINCH, URG or a fault signal: SEGV, BUS, FPE, ILL)")
+                "WINCH, TTIN, TTOU, TSTP, URG or a fault signal: SEGV, BUS, FPE, ILL)")
 
 
 _FLAG_RULE = "1, true, yes, on, enabled or 0, false, no, off, disabled"
@@ -190,9 +190,12 @@ def test_flag_spellings_are_symmetric(monkeypatch, caplog, raw, value):
     ("REHYDRATE_SIGNAL", "KILL", _SIGNAL_RULE),  # the detector would never hear it
     ("REHYDRATE_SIGNAL", "19", _SIGNAL_RULE),  # SIGSTOP
     ("REHYDRATE_SIGNAL", "CHLD", _SIGNAL_RULE),  # sent whenever a child ends
-    # sent by the kernel on a write to a closed pipe, a terminal resize, urgent data
+    # sent by the kernel on a write to a closed pipe, a terminal resize, job control, urgent data
     ("REHYDRATE_SIGNAL", "PIPE", _SIGNAL_RULE),
     ("REHYDRATE_SIGNAL", "SIGWINCH", _SIGNAL_RULE),
+    ("REHYDRATE_SIGNAL", "TTIN", _SIGNAL_RULE),  # a background job reading its terminal
+    ("REHYDRATE_SIGNAL", "SIGTTOU", _SIGNAL_RULE),
+    ("REHYDRATE_SIGNAL", "TSTP", _SIGNAL_RULE),  # Ctrl-Z
     ("REHYDRATE_SIGNAL", "URG", _SIGNAL_RULE),
     ("REHYDRATE_SIGNAL", "SEGV", _SIGNAL_RULE),  # a real fault would loop
     ("REHYDRATE_SIGNAL", "RTMIN+999", _SIGNAL_RULE),

@@ -16,8 +16,10 @@ it to the detector) and left in place by :meth:`stop`; under one installed
 outside Python, Python's table still gets the application's handler back, which one
 that chains (``faulthandler.register(chain=True)``) hands the signal to. SIGKILL, SIGSTOP,
 SIGCHLD (every child's exit), SIGPIPE (every write to a closed pipe or socket), SIGWINCH
-(every terminal resize), SIGURG (urgent socket data) and the fault signals (SIGSEGV,
-SIGBUS, SIGFPE, SIGILL) are refused; real-time signals are taken (``SIGRTMIN+1``, ``35``).
+(every terminal resize), SIGTTIN, SIGTTOU and SIGTSTP (the terminal's job control: a
+background job using its terminal, Ctrl-Z), SIGURG (urgent socket data) and the fault
+signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL) are refused; real-time signals are taken
+(``SIGRTMIN+1``, ``35``).
 
 Python runs signal handlers in the main thread between bytecodes. The handler here does
 the least possible: it notes the time and does one non-blocking ``write()`` of a byte to

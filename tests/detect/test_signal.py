@@ -393,7 +393,8 @@ def test_real_time_signals_are_taken_and_bool_and_unwatchable_signals_refused(
         rehydrate_engine, monkeypatch):
     """Real-time signals (which supervisors use) were "unknown signal '35'"; ``True``
     was SIGHUP; SIGCHLD (every child's exit), SIGPIPE (every write to a closed pipe),
-    SIGWINCH, SIGURG and SIGSEGV were taken."""
+    SIGWINCH, SIGTTIN, SIGTTOU, SIGTSTP (the terminal's), SIGURG and SIGSEGV were
+    taken."""
     rt1 = signal.SIGRTMIN + 1
     assert parse_signal(str(rt1)) == parse_signal("SIGRTMIN+1") == parse_signal(rt1) == rt1
     assert parse_signal("rtmax-1") == signal.SIGRTMAX - 1
@@ -409,6 +410,11 @@ def test_real_time_signals_are_taken_and_bool_and_unwatchable_signals_refused(
                          ("PIPE", "SIGPIPE is sent whenever a write to a pipe or socket "
                                   "finds its reader gone"),
                          ("WINCH", "SIGWINCH is sent whenever the terminal window"),
+                         ("TTIN", "SIGTTIN is sent whenever a background process reads"),
+                         ("SIGTTOU", "SIGTTOU is sent whenever a background process "
+                                     "writes"),
+                         (signal.SIGTSTP, "SIGTSTP is sent whenever the terminal's "
+                                          "suspend key"),
                          ("URG", "SIGURG is sent whenever urgent"),
                          ("SEGV", "SIGSEGV is a fault signal"), ("9", "SIGKILL cannot")):
         with pytest.raises(ValueError, match=why):
