@@ -14,12 +14,17 @@ them heard the signal). A handler the application installs after :meth:`start` i
 reported by :meth:`failure` (one installed outside Python until a signal comes through
 it to the detector) and left in place by :meth:`stop`; under one installed
 outside Python, Python's table still gets the application's handler back, which one
-that chains (``faulthandler.register(chain=True)``) hands the signal to. SIGKILL, SIGSTOP,
-SIGCHLD (every child's exit), SIGPIPE (every write to a closed pipe or socket), SIGWINCH
-(every terminal resize), SIGTTIN, SIGTTOU and SIGTSTP (the terminal's job control: a
-background job using its terminal, Ctrl-Z), SIGURG (urgent socket data) and the fault
-signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL) are refused; real-time signals are taken
-(``SIGRTMIN+1``, ``35``).
+that chains (``faulthandler.register(chain=True)``) hands the signal to. With none to
+put back (``SIG_DFL``, ``SIG_IGN``), the detector's inert handler stays in Python's
+table there (also in a child of ``fork()``): a signal left to ``SIG_DFL`` no longer
+takes its default action (a ``SIGTERM`` chained on, or arriving after
+``faulthandler.unregister()``, no longer ends the process) until the application calls
+``signal.signal()`` for it (or, with the outside handler gone, a detector for it is
+started and stopped). SIGKILL, SIGSTOP, SIGCHLD (every child's exit), SIGPIPE (every
+write to a closed pipe or socket), SIGWINCH (every terminal resize), SIGTTIN, SIGTTOU
+and SIGTSTP (the terminal's job control: a background job using its terminal, Ctrl-Z),
+SIGURG (urgent socket data) and the fault signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL) are
+refused; real-time signals are taken (``SIGRTMIN+1``, ``35``).
 
 Python runs signal handlers in the main thread between bytecodes. The handler here does
 the least possible: it notes the time and does one non-blocking ``write()`` of a byte to
@@ -301,7 +306,9 @@ class SignalDetector(Detector):
                     _sigaction(self.signum, outside)
             # else the inert handler stays in Python's table: the outside handler chains
             # to Python's C handler, which with SIG_DFL or SIG_IGN in the table prints
-            # "Signal N ignored due to race condition" to stderr for every signal
+            # "Signal N ignored due to race condition" to stderr for every signal. The
+            # cost: SIG_DFL's action (ending the process) is gone until the application
+            # calls signal.signal(), also after the outside handler is removed
         except (ValueError, OSError):  # not the main thread: leave the (inert) handler
             if stopping:
                 log.warning("signal detector stopped outside the main thread; the %s "

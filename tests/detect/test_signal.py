@@ -325,6 +325,35 @@ def test_a_chaining_handler_installed_outside_python_later_over_sig_ign_stays_qu
         signal.signal(signal.SIGUSR2, old)
 
 
+def test_a_chaining_handler_installed_outside_python_later_over_sig_dfl_loses_the_default(
+        rehydrate_engine, tmp_path):
+    """What docs/platforms/modal-and-generic.md says of no application handler (SIG_DFL)
+    under an outside handler installed after start(): stop() leaves its inert handler in
+    Python's table, so the signal, chained to it or, after ``faulthandler.unregister()``,
+    delivered to it, no longer takes its default action (here: ending the process),
+    until the application sets a handler with ``signal.signal()``. In a child of fork(),
+    which a SIGUSR2 taking its default action kills (failing the test)."""
+
+    def child() -> dict[str, object]:
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+        det = SignalDetector("USR2", window=0)
+        rehydrate_engine.start([det])
+        dump = tmp_path / "dump"
+        with dump.open("w+") as file:
+            faulthandler.register(signal.SIGUSR2, file=file, chain=True)
+            rehydrate_engine.stop()
+            # to this thread: handled, Python's handlers too, before pthread_kill returns
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)
+            faulthandler.unregister(signal.SIGUSR2)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)
+        inert = signal.getsignal(signal.SIGUSR2) == det._handler
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # the application's way back
+        return {"inert_in_table": inert, "dumped": "most recent call first" in
+                dump.read_text(), "alive": True}
+
+    assert in_forked_child(child) == {"inert_in_table": True, "dumped": True, "alive": True}
+
+
 @pytest.mark.parametrize("later", [False, True], ids=["first-start", "later-start"])
 def test_two_signal_detectors_on_different_signals_both_start(rehydrate_engine, caplog, later):
     """``start([SignalDetector("SIGUSR1", ...), SignalDetector("SIGUSR2", ...)])`` started
