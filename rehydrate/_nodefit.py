@@ -58,8 +58,9 @@ __all__ = [
 log = logging.getLogger("rehydrate")
 
 METADATA_TIMEOUT = 0.5
-"""Seconds for the whole metadata request — connect, send, and every read of the answer
-(the server answers in milliseconds on GCE)."""
+"""Seconds for the whole metadata exchange — connect, send, and every read of the answer,
+and of the root's when an error answer comes without Google's headers (the server answers
+in milliseconds on GCE)."""
 NVIDIA_SMI_TIMEOUT = 3.0
 LABEL_PREFIX = "rehydrate.io/"
 """Prefix of the node labels :func:`node_labels` proposes and :func:`node_affinity` uses."""
@@ -128,8 +129,10 @@ def machine_type(timeout: float = METADATA_TIMEOUT) -> str | None:
     """This VM's GCE machine type (``n2-standard-8``), or None off GCE (silently).
     ``REHYDRATE_MACHINE_TYPE``, when set, is the answer (the metadata server is not
     asked): a Pod behind the GKE metadata server gets 404 for the machine type.
-    ``timeout`` bounds the whole request, the name lookup of a ``GCE_METADATA_HOST`` given
-    as a host name included."""
+    ``timeout`` bounds the whole exchange, the name lookup of a ``GCE_METADATA_HOST``
+    given as a host name included, and so does the second request (``/computeMetadata/v1/``)
+    that tells whether an error answer without Google's headers is Google's: GKE's
+    metadata server sends its errors bare."""
     return _machine_type(timeout)[0]
 
 
@@ -139,9 +142,7 @@ def _machine_type(timeout: float) -> tuple[str | None, str | None]:
     override = _config.text("REHYDRATE_MACHINE_TYPE")
     if override is not None:
         return _overridden(override)
-    # http.client, not urllib.request: the same request without urllib's opener machinery
-    # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
-    import http.client
+    import http.client  # imported late, as _get does
 
     configured = os.environ.get("GCE_METADATA_HOST")
     host = configured or "169.254.169.254"
@@ -149,26 +150,20 @@ def _machine_type(timeout: float) -> tuple[str | None, str | None]:
     where = "$GCE_METADATA_HOST" if configured else host
     deadline = time.monotonic() + timeout
     try:
-        conn = http.client.HTTPConnection(host, timeout=timeout)
-        try:
-            # Resolving, connecting, sending the request and reading the answer all end
-            # by the same deadline (conn.connect() would resolve without one).
-            conn.sock = _connect(conn.host, conn.port, deadline)
-            conn.request("GET", "/computeMetadata/v1/instance/machine-type",
-                         headers={"Metadata-Flavor": "Google"})
-            resp = conn.getresponse()
-            status, flavor = resp.status, resp.getheader("Metadata-Flavor")
-            server = resp.getheader("Server")
-            body = resp.read(4096).decode("utf-8", "replace")
-        finally:
-            conn.close()
+        status, flavor, server, body = _get(host, "/computeMetadata/v1/instance/machine-type",
+                                            deadline)
+        # A real metadata server says so in a header: a captive proxy answering 200, or
+        # another cloud's (AWS IMDS, Azure, OpenStack) answering 404 for GCE's path, is not
+        # one. GKE's names itself in Server too, but its published error answers carry
+        # neither header: for a bare error ask its root, as google-auth's is_on_gce does,
+        # within the same deadline. A machine type is taken only with the flavor.
+        google = flavor == "Google" or (status != 200 and server == "GKE Metadata Server")
+        if not google and status != 200:
+            root_status, root_flavor, _, _ = _get(host, "/computeMetadata/v1/", deadline)
+            google = root_status == 200 and root_flavor == "Google"
     except (http.client.HTTPException, OSError, ValueError) as exc:
         log.debug("GCE metadata server not reachable (%s): not on GCE", type(exc).__name__)
         return None, None
-    # A real metadata server says so in a header: a captive proxy answering 200, or
-    # another cloud's (AWS IMDS, Azure, OpenStack) answering 404 for GCE's path, is not
-    # one. GKE's names itself in Server too; a machine type is taken only with the flavor.
-    google = flavor == "Google" or (status != 200 and server == "GKE Metadata Server")
     if not google:
         log.debug("no GCE machine type from %s (HTTP %d, not Google's metadata server)",
                   where, status)
@@ -184,6 +179,27 @@ def _machine_type(timeout: float) -> tuple[str | None, str | None]:
     if not _MACHINE_TYPE.fullmatch(name):
         return None, "the metadata server's answer is not a machine type"
     return name, None
+
+
+def _get(host: str, path: str, deadline: float) -> tuple[int, str | None, str | None, str]:
+    """``GET path`` from the metadata server at ``host`` with ``Metadata-Flavor: Google``,
+    all of it (lookup, connect, send, read) ending by ``deadline``: its status, its
+    ``Metadata-Flavor`` and ``Server`` headers, and up to 4 KiB of its body."""
+    # http.client, not urllib.request: the same request without urllib's opener machinery
+    # (and its imports: ~15 ms of fingerprint()'s first call); it never uses a proxy.
+    import http.client
+
+    conn = http.client.HTTPConnection(host)
+    try:
+        # Resolving, connecting, sending the request and reading the answer all end
+        # by the same deadline (conn.connect() would resolve without one).
+        conn.sock = _connect(conn.host, conn.port, deadline)
+        conn.request("GET", path, headers={"Metadata-Flavor": "Google"})
+        resp = conn.getresponse()
+        return (resp.status, resp.getheader("Metadata-Flavor"), resp.getheader("Server"),
+                resp.read(4096).decode("utf-8", "replace"))
+    finally:
+        conn.close()
 
 
 def _overridden(override: str) -> tuple[str | None, str | None]:

@@ -3,8 +3,12 @@
 Like the real one (https://cloud.google.com/compute/docs/metadata/querying-metadata):
 ``GET /computeMetadata/v1/instance/machine-type`` answers
 ``projects/PROJECT_NUMBER/machineTypes/MACHINE_TYPE`` with the response header
-``Metadata-Flavor: Google``; a request without ``Metadata-Flavor: Google`` gets 403, an
-unknown path 404. Point ``GCE_METADATA_HOST`` at :attr:`MetadataServer.host`.
+``Metadata-Flavor: Google``; its root ``GET /computeMetadata/v1/`` answers 200 with the
+directory listing; a request without ``Metadata-Flavor: Google`` gets 403, an unknown path
+404. Error answers carry ``Metadata-Flavor: Google`` too, unless ``bare_errors``: GKE's
+metadata server's published error answers (googleapis/google-api-dotnet-client#1409,
+google-cloud-ruby#3750) carry only Content-Type, X-Content-Type-Options, Date and
+Content-Length. Point ``GCE_METADATA_HOST`` at :attr:`MetadataServer.host`.
 :class:`TricklingServer` is a broken one that never finishes its answer.
 """
 
@@ -18,12 +22,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class MetadataServer:
     def __init__(self, machine_type: str, *, impostor: bool = False,
-                 status: int = 200, server: str | None = None) -> None:
+                 status: int = 200, server: str | None = None,
+                 bare_errors: bool = False) -> None:
         """``impostor``: answer without ``Metadata-Flavor`` (a captive proxy or another
         cloud's metadata service, not GCE); ``status``: answer the machine type's path with
         this status and the body ``unavailable`` instead (an error page that would parse as
         a machine type); ``server``: the ``Server`` header (GKE's metadata server sends
-        ``GKE Metadata Server``)."""
+        ``GKE Metadata Server``); ``bare_errors``: answer every error (any status but 200)
+        without ``Metadata-Flavor`` and ``Server``, as GKE's does, its 200s unchanged."""
         self.machine_type = machine_type
         self.requests: list[str] = []
         outer = self
@@ -36,11 +42,22 @@ class MetadataServer:
                 elif self.path == "/computeMetadata/v1/instance/machine-type":
                     self._reply(status, f"projects/123456789/machineTypes/{outer.machine_type}"
                                 if status == 200 else "unavailable")
+                elif self.path == "/computeMetadata/v1/":
+                    self._reply(200, "instance/\noauth/\nproject/\n")
                 else:
                     self._reply(404, "Not Found")
 
             def _reply(self, code: int, body: str) -> None:
                 data = body.encode()
+                if bare_errors and code != 200:
+                    self.send_response_only(code)  # no Server header
+                    self.send_header("Date", self.date_time_string())
+                    self.send_header("Content-Type", "text/plain; charset=utf-8")
+                    self.send_header("X-Content-Type-Options", "nosniff")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 self.send_response(code)
                 if not impostor:
                     self.send_header("Metadata-Flavor", "Google")

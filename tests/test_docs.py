@@ -229,21 +229,33 @@ def test_the_recipe_finder_sees_the_daemonset_recipes() -> None:
                                               "docs/snapshot-lifecycle.md"}
 
 
+_KUBECTL_GETS = {
+    "the label": 'echo e2-standard-4',
+    # a role without `get` on nodes: `export VAR="$(…)"` reports export's status, so
+    # `sh -e` went on and patched the node without its machine series
+    "refused": 'echo "Error from server (Forbidden): nodes \\"$3\\" is forbidden" >&2; exit 1',
+    "no label": 'echo',  # a node without node.kubernetes.io/instance-type
+}
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("get", _KUBECTL_GETS)
 @pytest.mark.parametrize("block", NODE_RECIPES, ids=str)
-def test_every_daemonset_recipe_labels_the_node_s_machine_series(block: Block,
+def test_every_daemonset_recipe_labels_the_node_s_machine_series(block: Block, get: str,
                                                                  tmp_path: Path) -> None:
     """gke.md set ``REHYDRATE_MACHINE_TYPE=$(kubectl get node …)`` without ``export``:
     ``rehydrate check --labels`` never saw it, no node got a machine-series label, and the
     restored Pods' ``--affinity`` (their manifest records a series) matched no node. The
-    recipe runs under ``sh`` with a stand-in ``kubectl`` whose node is an e2-standard-4."""
+    recipe runs under ``sh`` with a stand-in ``kubectl`` whose node is an e2-standard-4.
+    When the ``get`` is refused or gives no label the recipe stops without patching."""
+    answer = _KUBECTL_GETS[get]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scripts = {
         "kubectl": ('#!/bin/sh\n'
                     'case "$1 $2" in\n'
-                    '  "get node") echo e2-standard-4 ;;\n'
-                    '  "patch node") shift $(($# - 1)); printf "%s\\n" "$1" ;;\n'
+                    f'  "get node") {answer} ;;\n'
+                    '  "patch node") shift $(($# - 1)); printf "PATCH %s\\n" "$1" ;;\n'
                     '  *) echo "kubectl stand-in: unexpected $*" >&2; exit 2 ;;\n'
                     'esac\n'),
         "rehydrate": f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m rehydrate "$@"\n',
@@ -257,7 +269,13 @@ def test_every_daemonset_recipe_labels_the_node_s_machine_series(block: Block,
                GCE_METADATA_HOST="127.0.0.1:9")
     proc = subprocess.run(["sh", "-eu", "-c", block.code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=90, check=False)
+    if get != "the label":
+        assert proc.returncode != 0 and "PATCH" not in proc.stdout, (
+            f"{block}: with the `get` {get}, the recipe went on (exit {proc.returncode}):\n"
+            f"{proc.stdout}")
+        return
     assert proc.returncode == 0, f"{block}: {proc.stderr.strip()[-600:]}"
+    assert "PATCH" in proc.stdout
     assert 'rehydrate.io/machine-series: "e2"' in proc.stdout, (
         f"{block}: the recipe's patch has no machine series:\n{proc.stdout}")
 

@@ -243,12 +243,14 @@ def test_another_cloud_s_metadata_error_is_off_gce_not_a_gke_hint(
         monkeypatch: pytest.MonkeyPatch, status: int) -> None:
     """AWS IMDS, Azure, OpenStack answer GCE's path with 404/401/400 and no
     Metadata-Flavor: that was taken for GKE's 404 and doctor (and the manifest's
-    platform.machine_problem) told them to set a GKE variable. It is "not on GCE"."""
+    platform.machine_problem) told them to set a GKE variable. It is "not on GCE": the
+    second request, to the root, is answered without Metadata-Flavor too."""
     with MetadataServer("n2-standard-8", impostor=True, status=status,
                         server="EC2ws") as srv:
         monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
         node = nodefit.facts(nvidia_smi=False)
-        assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
+        assert srv.requests == ["/computeMetadata/v1/instance/machine-type",
+                                "/computeMetadata/v1/"]
     assert node.machine_type is None
     assert node.machine_problem is not None
     assert node.machine_problem.startswith("not on GCE"), node.machine_problem
@@ -263,8 +265,61 @@ def test_gke_s_server_header_alone_names_its_404(monkeypatch: pytest.MonkeyPatch
                         server="GKE Metadata Server") as srv:
         monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
         node = nodefit.facts(nvidia_smi=False)
+        assert srv.requests == ["/computeMetadata/v1/instance/machine-type"]
     assert node.machine_problem == ("the metadata server does not serve the machine type "
                                     "(HTTP 404; GKE's does not): set REHYDRATE_MACHINE_TYPE")
+
+
+@pytest.mark.parametrize("status", [403, 404])
+def test_gke_s_bare_error_answer_is_told_by_its_root(monkeypatch: pytest.MonkeyPatch,
+                                                     status: int) -> None:
+    """GKE's metadata server's published error answers carry neither Metadata-Flavor nor
+    Server (only its 200s do): its 404 for the machine type was taken for another cloud's
+    and doctor, and the manifest's platform.machine_problem, said "not on GCE" on the
+    platform REHYDRATE_MACHINE_TYPE exists for. Its root answering 200 with
+    Metadata-Flavor: Google makes the error Google's."""
+    with MetadataServer("e2-standard-4", status=status, bare_errors=True,
+                        server="GKE Metadata Server") as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        node = nodefit.facts(nvidia_smi=False)
+        assert srv.requests == ["/computeMetadata/v1/instance/machine-type",
+                                "/computeMetadata/v1/"]
+        manifest = fp.fingerprint(nvidia_smi=False)
+    assert node.machine_type is None
+    assert node.machine_problem == (
+        f"the metadata server does not serve the machine type (HTTP {status}; GKE's does "
+        "not): set REHYDRATE_MACHINE_TYPE")
+    assert manifest["platform"]["machine_problem"] == node.machine_problem
+
+
+def test_a_bare_error_whose_root_is_not_google_s_is_not_on_gce(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bare 404 from a server whose root answers 200 without Metadata-Flavor (a
+    captive proxy, another cloud) stays "not on GCE"."""
+    with MetadataServer("n2-standard-8", impostor=True, status=404, bare_errors=True) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        node = nodefit.facts(nvidia_smi=False)
+        assert srv.requests == ["/computeMetadata/v1/instance/machine-type",
+                                "/computeMetadata/v1/"]
+    assert node.machine_problem is not None
+    assert node.machine_problem.startswith("not on GCE"), node.machine_problem
+
+
+def test_the_root_request_ends_by_the_same_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second request after a bare error gets no time of its own: METADATA_TIMEOUT
+    bounds both (fingerprint(), doctor and the save hook wait on it)."""
+    deadlines: list[float] = []
+    real = nodefit._connect
+
+    def spy(host: str, port: int, deadline: float) -> object:
+        deadlines.append(deadline)
+        return real(host, port, deadline)
+
+    monkeypatch.setattr(nodefit, "_connect", spy)
+    with MetadataServer("n2-standard-8", status=404, bare_errors=True) as srv:
+        monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
+        assert nodefit.machine_type(timeout=10) is None
+    assert len(deadlines) == 2 and deadlines[0] == deadlines[1], deadlines
 
 
 def test_gke_s_server_header_alone_gives_no_machine_type_on_200(
@@ -293,14 +348,15 @@ def test_a_bad_machine_type_override_is_unknown_with_one_warning(
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING, warned
 
 
-@pytest.mark.parametrize("kind", ["impostor", "error"])
+@pytest.mark.parametrize("kind", ["impostor", "error", "bare error"])
 def test_the_metadata_host_s_value_is_never_logged(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture,
                                                    kind: str) -> None:
     """GCE_METADATA_HOST is an environment value (not a rehydrate setting): the debug
     lines about a metadata server that is not GCE's named its value."""
     with MetadataServer("n2-standard-8", impostor=kind == "impostor",
-                        status=503 if kind == "error" else 200) as srv:
+                        status=200 if kind == "impostor" else 503,
+                        bare_errors=kind == "bare error") as srv:
         monkeypatch.setenv("GCE_METADATA_HOST", srv.host)
         with caplog.at_level(logging.DEBUG, logger="rehydrate"):
             assert nodefit.machine_type() is None

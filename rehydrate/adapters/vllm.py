@@ -533,10 +533,15 @@ class _Handover:
         self._aw, self._settle, self._name = aw, settle, name
         self._started = False
 
+    async def _run(self) -> Any:
+        return await self._aw
+
     def __await__(self) -> Generator[Any, None, Any]:
         self._started = True
         try:
-            return (yield from self._aw.__await__())
+            # through a coroutine, not self._aw.__await__(): a generator-based coroutine
+            # (@types.coroutine) is awaitable but has no __await__
+            return (yield from self._run().__await__())
         finally:
             self._settle()
 

@@ -10,6 +10,7 @@ import logging
 import re
 import threading
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -1415,6 +1416,52 @@ def test_an_awaitable_handed_over_after_its_loop_ended_still_ends_the_call(
         "<locals>.blocks_then_returns_an_awaitable: the awaitable it returned was never "
         "awaited (the event loop that waited for it ended first); the rest of the call did "
         "not run"]
+
+
+class _AwaitableObject:
+    """An awaitable that is no coroutine: only ``__await__``."""
+
+    def __init__(self, then: Any) -> None:
+        self.then = then
+
+    def __await__(self) -> Any:
+        yield from asyncio.sleep(0).__await__()
+        self.then()
+
+
+@pytest.mark.parametrize("shape", ["generator-based coroutine", "__await__ object"])
+def test_a_sync_call_returning_any_awaitable_is_awaited_to_its_end(shape: str) -> None:
+    """A sync sleep() returning a generator-based coroutine (@types.coroutine), which
+    await accepts, failed with AttributeError: the handover called its __await__, which
+    such a generator does not have."""
+    class Engine:
+        sleeping = False
+
+        def sleep(self, level: int = 1, mode: str = "abort") -> Any:
+            def done() -> None:
+                self.sleeping = True
+
+            if shape == "__await__ object":
+                return _AwaitableObject(done)
+
+            @types.coroutine
+            def rest() -> Any:
+                yield from asyncio.sleep(0).__await__()
+                done()
+            return rest()
+
+        def wake_up(self, tags: Any = None) -> None:
+            self.sleeping = False
+
+        def generate(self, *args: Any, **kwargs: Any) -> list[str]:
+            return ["x"]
+
+    engine = Engine()
+    adapter = vllm.VLLMAdapter(engine, deadline=30, canary=False)
+    adapter.sleep()
+    assert engine.sleeping
+    adapter.wake()
+    assert not engine.sleeping
 
 
 class BlockingThenAsyncLLM(FakeAsyncLLM):
