@@ -19,7 +19,8 @@ Reading:
   ``view()``. A wipe takes the value away first (new reads block or raise as while
   wiped), then waits up to ``wipe_wait`` seconds for the views open on that buffer to
   close before zeroing it (in a child of ``fork()``, only for those of the thread that
-  forked); a reload waits only for the views of the value it replaced. A read during a
+  forked); a reload waits only for the views of the value it replaced (not at all when
+  this thread holds one: the last view zeroes it, a wipe waits for it). A read during a
   wipe by a thread holding a view of the value being wiped raises at once (blocking, it
   would keep that view open): ``asyncio`` code, whose tasks share one thread, passes
   ``on_wiped="raise"``.
@@ -358,7 +359,12 @@ class Secret:
                 # record, not name: a user hook named like this one is not this secret's.
                 if self._hooks:
                     engine.recovered(self._hooks[0], since=began)
-                if old is not None:
+                if old is not None and self._holds(old):
+                    # This thread (a task on its loop) holds a view of it, which cannot
+                    # close while this reload waits: waiting would only end in zeroing
+                    # the value under that view. Its last view zeroes it; a wipe waits.
+                    self._retiring[id(old)] = old
+                elif old is not None:
                     # In this block: a wipe that comes meanwhile finds it retiring and
                     # waits for it too, so no pass returns with the old value unzeroed.
                     self._retire(old, every=False,
@@ -441,6 +447,13 @@ class Secret:
         if buf is not None:
             _zero(buf)
 
+    def _holds(self, *bufs: bytearray) -> bool:
+        """With the lock held: whether this thread (with ``asyncio``, a task on its loop)
+        has a view of one of ``bufs`` open."""
+        mine = self._local.__dict__.get("reads")
+        return (mine is not None and mine.epoch is self._epoch and mine.pid == os.getpid()
+                and any(mine.open.get(id(b)) for b in bufs))
+
     @property
     def _readers(self) -> int:
         """Open views of every buffer, counted in this process."""
@@ -478,10 +491,7 @@ class Secret:
                         f"it from a hook of a later phase, or of phase {wipe.phase} with "
                         f"a higher order (before a snapshot they run before the wipe)")
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
-                mine = self._local.__dict__.get("reads")
-                if (mine is not None and mine.epoch is self._epoch
-                        and mine.pid == os.getpid()
-                        and any(k in self._retiring for k in mine.open)):
+                if self._holds(*self._retiring.values()):
                     # The wipe waits for this thread's view (with asyncio: for a view of
                     # any task on this loop), which cannot close while this read blocks
                     # for the reload: the wipe would zero the buffer under it at wipe_wait.

@@ -461,3 +461,45 @@ def test_a_before_snapshot_hook_that_runs_after_the_secret_s_wipe_fails_at_once(
         "this before-snapshot run ran earlier; read it from a hook of a later phase, or of "
         "phase secrets with a higher order (before a snapshot they run before the wipe)")
     assert got == [b"token-value-0123"]
+
+
+def test_a_reload_by_a_thread_holding_a_view_of_the_old_value_does_not_wait_for_it(
+        rehydrate_engine, caplog):
+    """Before: ``reload()`` inside ``with secret as view:`` (a token refreshed on a 401)
+    waited ``wipe_wait`` for that very view, which could not close meanwhile, then
+    zeroed the old value under it (in ``asyncio``: the whole loop stalled)."""
+    values = iter([b"first-value", b"second-value", b"third-value"])
+    s = Secret.from_callable(lambda: next(values), name="tok", wipe_wait=0.5,
+                             engine=rehydrate_engine)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        with s as view:
+            old = s._buf
+            assert s.reload()
+            assert bytes(view) == b"first-value"  # not zeroed under the view
+            assert s.get() == b"second-value"
+            # retiring: a wipe that came now would wait for it
+            assert old is not None and id(old) in s._retiring
+        assert old is not None and not any(old)  # the last view zeroed it
+        assert not s._retiring and s._readers == 0
+
+        async def main() -> bytes:
+            go = asyncio.Event()
+
+            async def h() -> bytes:
+                with s as view:  # another task's view, held across an await
+                    go.set()
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
+                    return bytes(view)
+
+            async def r() -> None:
+                await go.wait()
+                assert s.reload()
+
+            held, _ = await asyncio.gather(h(), r())
+            return held
+
+        assert asyncio.run(main()) == b"second-value"
+    assert s.get() == b"third-value"
+    assert "still hold" not in caplog.text
+    assert not s._retiring and s._readers == 0
