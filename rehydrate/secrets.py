@@ -31,7 +31,8 @@ reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
 hook that runs before the secret's reload (an earlier phase, or ``SECRETS`` with an order
 below -200): that run starts the reload only after the hook returns; and at once from a
 before-snapshot hook that runs after the secret's wipe in the same pass. Both know the
-hook by its context: a thread without it (an executor's worker) is not covered. ``repr``
+hook by its context and its thread (an async hook's: its event loop's): another thread (an
+executor's worker, one it started with ``asyncio.to_thread``) blocks as outside hooks. ``repr``
 and ``str`` never show the value.
 
 Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a failed reload

@@ -503,3 +503,61 @@ def test_a_reload_by_a_thread_holding_a_view_of_the_old_value_does_not_wait_for_
     assert s.get() == b"third-value"
     assert "still hold" not in caplog.text
     assert not s._retiring and s._readers == 0
+
+
+class _NotesWaits(threading.Condition):
+    """A secret's condition that tells when a read starts blocking on it."""
+
+    def __init__(self, settled: threading.Event) -> None:
+        super().__init__()
+        self.settled = settled
+
+    def wait(self, timeout=None):
+        self.settled.set()
+        return super().wait(timeout)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_thread_an_early_restore_hook_starts_and_leaves_blocks_for_the_reload(
+        rehydrate_engine, is_async):
+    """Before: a thread the hook started with its context (``asyncio.to_thread``, a
+    ``copy_context()`` thread) and did not wait for failed at once, "unavailable to hook
+    ...", although its blocking read held nothing up: the reload came once the hook
+    returned. Only the hook's own thread (an async hook's loop) fails at once."""
+    import contextvars
+
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", timeout=60,
+                             engine=rehydrate_engine)
+    settled, done = threading.Event(), threading.Event()
+    got: list[object] = []
+    kept: list[object] = []
+
+    def connect() -> None:  # a client's blocking setup, in a worker thread
+        try:
+            got.append(s.get())
+        except SecretUnavailable as exc:
+            got.append(str(exc))
+            settled.set()
+        finally:
+            done.set()
+
+    if is_async:
+        async def restart_pool() -> None:
+            kept.append(asyncio.create_task(asyncio.to_thread(connect)))  # not awaited
+            assert await asyncio.to_thread(settled.wait, 10)
+    else:
+        def restart_pool() -> None:
+            worker = threading.Thread(target=contextvars.copy_context().run,
+                                      args=(connect,), daemon=True)
+            worker.start()
+            kept.append(worker)
+            assert settled.wait(10)
+
+    rehydrate_engine.registry.after_restore(restart_pool, phase=Phase.ENVIRONMENT,
+                                            name="restart-pool")
+    assert rehydrate_engine.simulate_snapshot().ok
+    s._cond = _NotesWaits(settled)  # the worker's read is blocking: the hook returns
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, [(h.name, h.outcome, h.error) for h in report.hooks]
+    assert done.wait(10)
+    assert got == [b"token-value-0123"]
