@@ -319,9 +319,11 @@ def test_an_asyncio_read_during_a_wipe_of_a_view_another_task_holds_fails_at_onc
         held, error = asyncio.run(main())
         wiping.join(10)
     assert error == (
-        "secret 'tok' is being wiped for a snapshot and this thread still holds a view "
-        "of it, which the wipe waits for (a read blocking here would keep that view "
-        "open): read through the view already open; asyncio code: pass on_wiped='raise'")
+        "secret 'tok' is unavailable (wiped before a snapshot; reloaded after "
+        "restore/resume), and this thread (or another task on its event loop) holds a "
+        "view of the value being wiped, which the wipe waits for: a read blocking here "
+        "until the reload would keep that view open. Read through the view already open, "
+        "or retry after the reload (asyncio code: pass on_wiped='raise')")
     assert held == b"token-value-0123"  # not zeroed under the view
     assert not wiping.is_alive() and "still hold" not in caplog.text
     assert s._readers == 0 and not s._retiring
@@ -337,9 +339,9 @@ def test_a_nested_read_in_a_view_during_a_wipe_fails_at_once(rehydrate_engine, c
         with s as view:
             wiping.start()
             assert _wait_until(s, lambda: not s.available)
-            with pytest.raises(SecretUnavailable, match="this thread still holds a view"):
+            with pytest.raises(SecretUnavailable, match="holds a view of the value being wiped"):
                 s.get()
-            with (pytest.raises(SecretUnavailable, match="this thread still holds a view"),
+            with (pytest.raises(SecretUnavailable, match="holds a view of the value being wiped"),
                   s.view()):
                 pass
             assert bytes(view) == b"token-value-0123"
@@ -561,3 +563,34 @@ def test_a_thread_an_early_restore_hook_starts_and_leaves_blocks_for_the_reload(
     assert report.ok, [(h.name, h.outcome, h.error) for h in report.hooks]
     assert done.wait(10)
     assert got == [b"token-value-0123"]
+
+
+def test_a_read_by_a_view_holder_while_a_failed_restore_load_wipes_names_the_failure(
+        rehydrate_engine, caplog):
+    """Before: the wipe of a restored clone's value whose source failed showed reads
+    "wiped before a snapshot" (the holder: "being wiped for a snapshot"), although no
+    snapshot was coming and no reload either; they now fail at once with the source's
+    error, as after that wipe."""
+    state = {"fail": False}
+
+    def source() -> bytes:
+        if state["fail"]:
+            raise OSError("vault unreachable")
+        return b"token-value-0123"
+
+    s = Secret.from_callable(source, name="tok", wipe_wait=30, timeout=60,
+                             engine=rehydrate_engine)
+    state["fail"] = True
+    restoring = threading.Thread(target=rehydrate_engine.simulate_restore, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        with s as view:
+            restoring.start()
+            assert _wait_until(s, lambda: not s.available)  # wiping: it waits for the view
+            with pytest.raises(SecretUnavailable) as caught:
+                s.get()
+            assert bytes(view) == b"token-value-0123"
+        restoring.join(10)
+    assert not restoring.is_alive()
+    assert str(caught.value) == (
+        "secret 'tok' is unavailable: source of secret 'tok' failed: OSError")
+    assert "still hold" not in caplog.text and not s._retiring
