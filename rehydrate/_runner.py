@@ -65,7 +65,7 @@ class HookCall:
     context (an ``asyncio`` task, a thread given ``copy_context()``) holds the same object,
     so it is not taken for the hook once the hook has returned."""
 
-    __slots__ = ("_token", "index", "job", "runner", "running")
+    __slots__ = ("_token", "index", "job", "runner", "running", "thread")
 
     def __init__(self, runner: object, job: _Progress | None = None, index: int = -1) -> None:
         self.running = True
@@ -73,6 +73,9 @@ class HookCall:
         self.job = job
         """The run it is part of, and its place there (:func:`running_before`)."""
         self.index = index
+        self.thread = threading.get_ident()
+        """The thread it runs on (made where it is entered): an async hook's is its event
+        loop's. Its run waits for that thread only (:func:`_waited_for`)."""
 
     # Its own context manager (no contextlib generator): it runs around every hook call.
     def __enter__(self) -> None:
@@ -102,31 +105,44 @@ def running_hook_of(runner: object) -> bool:
     return call is not None and call.running and call.runner is runner
 
 
-def running_before(hook: Hook) -> Hook | None:
-    """The hook running in this context when ``hook`` comes later in that same run: the
-    hooks of a run run one after another, so nothing ``hook`` does can happen before the
-    running one returns. None outside hooks, when ``hook`` is not in the run or has
-    started, and for a hook its run gave up on at its timeout (the run went on)."""
+def _waited_for() -> HookCall | None:
+    """The hook call running in this context on its own thread (an async hook's: its
+    loop's, every task there included), when its run is waiting for it: a thread the hook
+    started with its context (``asyncio.to_thread``, ``copy_context()``) may block
+    without holding up the run, unless the hook waits for it (not known here)."""
     call = hook_call.get()
     job = call.job if call is not None and call.running else None
-    if call is None or job is None or job.abandoned:
+    if (call is None or job is None or job.abandoned
+            or call.thread != threading.get_ident()):
         return None
-    hooks = job.hooks
+    return call
+
+
+def running_before(hook: Hook) -> Hook | None:
+    """The hook running in this context and thread (:func:`_waited_for`) when ``hook``
+    comes later in that same run: the hooks of a run run one after another, so nothing
+    ``hook`` does can happen before the running one returns. None outside hooks, on
+    another thread, when ``hook`` is not in the run or has started, and for a hook its
+    run gave up on at its timeout (the run went on)."""
+    call = _waited_for()
+    if call is None or call.job is None:
+        return None
+    hooks = call.job.hooks
     if any(h is hook for h in hooks[call.index + 1:]):
         return hooks[call.index]
     return None
 
 
 def running_after(hook: Hook) -> Hook | None:
-    """The hook running in this context when ``hook`` came earlier in that same run (it
-    has run, or the run gave up on it): nothing ``hook`` did is undone before the run
-    ends. None outside hooks, when ``hook`` is not earlier in the run, and for a hook its
-    run gave up on at its timeout."""
-    call = hook_call.get()
-    job = call.job if call is not None and call.running else None
-    if call is None or job is None or job.abandoned:
+    """The hook running in this context and thread (:func:`_waited_for`) when ``hook``
+    came earlier in that same run (it has run, or the run gave up on it): nothing
+    ``hook`` did is undone before the run ends. None outside hooks, on another thread,
+    when ``hook`` is not earlier in the run, and for a hook its run gave up on at its
+    timeout."""
+    call = _waited_for()
+    if call is None or call.job is None:
         return None
-    hooks = job.hooks
+    hooks = call.job.hooks
     if any(h is hook for h in hooks[:call.index]):
         return hooks[call.index]
     return None

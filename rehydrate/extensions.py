@@ -148,11 +148,14 @@ def in_hook() -> bool:
 
 def running_before(hook: Hook) -> Hook | None:
     """The hook running in this context (its thread or task, and what it starts with its
-    context until it returns) when ``hook`` comes later in that hook's run: the hooks of a
-    run run one after another, so nothing ``hook`` does — a reload it makes — can happen
-    before the running hook returns, and waiting for it from there only times out. None
-    outside hooks, when ``hook`` is not in the running hook's run or has started, and in
-    a hook its run gave up on at its timeout (the run went on without it). A secret read
+    context until it returns) and on its own thread (an async hook's: its event loop's,
+    every task there included) when ``hook`` comes later in that hook's run: the hooks of
+    a run run one after another, so nothing ``hook`` does — a reload it makes — can
+    happen before the running hook returns, and waiting for it from there only times out.
+    None outside hooks, on another thread (one the hook started with its context, such as
+    ``asyncio.to_thread``: blocking there holds the run up only if the hook waits for it),
+    when ``hook`` is not in the running hook's run or has started, and in a hook its run
+    gave up on at its timeout (the run went on without it). A secret read
     by a restore hook that runs before the secret's own reload fails at once with it."""
     from ._runner import running_before as before
 

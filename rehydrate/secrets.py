@@ -19,10 +19,12 @@ Reading:
   ``view()``. A wipe takes the value away first (new reads block or raise as while
   wiped), then waits up to ``wipe_wait`` seconds for the views open on that buffer to
   close before zeroing it (in a child of ``fork()``, only for those of the thread that
-  forked); a reload waits only for the views of the value it replaced. A read during a
+  forked); a reload waits only for the views of the value it replaced (not at all when
+  this thread holds one: the last view zeroes it, a wipe waits for it). A read during a
   wipe by a thread holding a view of the value being wiped raises at once (blocking, it
   would keep that view open): ``asyncio`` code, whose tasks share one thread, passes
-  ``on_wiped="raise"``.
+  ``on_wiped="raise"``. Only views of that same secret count: one holding a view of
+  another secret blocks (and that secret's wipe zeroes it under the view at wipe_wait).
 
 Reading while wiped (between the snapshot pass and the reload) either blocks until the
 reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
@@ -30,7 +32,8 @@ reload, up to ``timeout`` seconds (``on_wiped="block"``, the default), or raises
 hook that runs before the secret's reload (an earlier phase, or ``SECRETS`` with an order
 below -200): that run starts the reload only after the hook returns; and at once from a
 before-snapshot hook that runs after the secret's wipe in the same pass. Both know the
-hook by its context: a thread without it (an executor's worker) is not covered. ``repr``
+hook by its context and its thread (an async hook's: its event loop's): another thread (an
+executor's worker, one it started with ``asyncio.to_thread``) blocks as outside hooks. ``repr``
 and ``str`` never show the value.
 
 Each secret gets its own built-in hooks, named ``rehydrate.secret:<name>``; a failed reload
@@ -194,6 +197,9 @@ class Secret:
         """Buffers taken out of ``_buf`` (no new view of them opens) whose open views have
         not all closed yet: the last view to close zeroes one, or its retirer does at
         ``wipe_wait``."""
+        self._wipes = 0
+        """Wipes waiting for views (by the lock; none in a forked child: they stayed in
+        the parent): a read by a holder of one of those views fails at once."""
         self._local = threading.local()
         self._epoch = object()  # new in a forked child: the parent threads' views stay out
         # A parent thread may hold the lock at fork() or have a view open: in the child
@@ -322,7 +328,9 @@ class Secret:
             # the source's exception (its message, perhaps the value) as __context__.
             self.last_error = reason
             if not keep_previous and self._buf is not None:
-                self.wipe()  # a restored clone must not go on serving the snapshot's value
+                # A restored clone must not go on serving the snapshot's value. Readers
+                # fail at once with the reason meanwhile: no reload is coming.
+                self._wipe(reason)
             with self._cond:
                 if not (keep_previous and self._buf is not None) and not self._closed:
                     self._reason = reason
@@ -358,7 +366,12 @@ class Secret:
                 # record, not name: a user hook named like this one is not this secret's.
                 if self._hooks:
                     engine.recovered(self._hooks[0], since=began)
-                if old is not None:
+                if old is not None and self._holds(old):
+                    # This thread (a task on its loop) holds a view of it, which cannot
+                    # close while this reload waits: waiting would only end in zeroing
+                    # the value under that view. Its last view zeroes it; a wipe waits.
+                    self._retiring[id(old)] = old
+                elif old is not None:
                     # In this block: a wipe that comes meanwhile finds it retiring and
                     # waits for it too, so no pass returns with the old value unzeroed.
                     self._retire(old, every=False,
@@ -394,13 +407,22 @@ class Secret:
         blocks or raises per ``on_wiped``), then zeroed once the views open on it have
         closed, waiting up to ``wipe_wait`` s for them. Returns once no buffer of this
         secret holds a value (one a reload is retiring included)."""
+        self._wipe(_WIPED)
+
+    def _wipe(self, reason: str) -> None:
+        """:meth:`wipe`, with ``reason`` what reads say meanwhile (and after, unless
+        closed)."""
         with self._cond:
             buf, self._buf = self._buf, None
             self._form_cache = None
             self._previous_forms = frozenset()
-            self._reason = _CLOSED if self._closed else _WIPED
+            self._reason = _CLOSED if self._closed else reason
             self._cond.notify_all()  # after close(), blocked readers fail now, not at timeout
-            self._retire(buf, every=True, what="a view; wiping under them")
+            self._wipes += 1
+            try:
+                self._retire(buf, every=True, what="a view; wiping under them")
+            finally:
+                self._wipes -= 1
 
     def _retire(self, buf: bytearray | None, *, every: bool, what: str) -> None:
         """With the lock held and ``buf`` out of ``_buf`` (no new view of it opens): zero
@@ -441,6 +463,13 @@ class Secret:
         if buf is not None:
             _zero(buf)
 
+    def _holds(self, *bufs: bytearray) -> bool:
+        """With the lock held: whether this thread (with ``asyncio``, a task on its loop)
+        has a view of one of ``bufs`` open."""
+        mine = self._local.__dict__.get("reads")
+        return (mine is not None and mine.epoch is self._epoch and mine.pid == os.getpid()
+                and any(mine.open.get(id(b)) for b in bufs))
+
     @property
     def _readers(self) -> int:
         """Open views of every buffer, counted in this process."""
@@ -478,20 +507,21 @@ class Secret:
                         f"it from a hook of a later phase, or of phase {wipe.phase} with "
                         f"a higher order (before a snapshot they run before the wipe)")
             if self.on_wiped == "block" and self._reason.startswith("wiped"):
-                mine = self._local.__dict__.get("reads")
-                if (mine is not None and mine.epoch is self._epoch
-                        and mine.pid == os.getpid()
-                        and any(k in self._retiring for k in mine.open)):
-                    # The wipe waits for this thread's view (with asyncio: for a view of
-                    # any task on this loop), which cannot close while this read blocks
-                    # for the reload: the wipe would zero the buffer under it at wipe_wait.
-                    raise SecretUnavailable(
-                        f"secret {self.name!r} is being wiped for a snapshot and this "
-                        "thread still holds a view of it, which the wipe waits for (a "
-                        "read blocking here would keep that view open): read through the "
-                        "view already open; asyncio code: pass on_wiped='raise'")
                 deadline = time.monotonic() + self.timeout
                 while self._buf is None and self._reason.startswith("wiped"):
+                    # Checked at every wake: a wipe may begin while this read blocks.
+                    if self._wipes and self._holds(*self._retiring.values()):
+                        # A wipe waits for this thread's view (with asyncio: for a view
+                        # of any task on this loop), which cannot close while this read
+                        # blocks for the reload: the wipe would zero the buffer under it
+                        # at wipe_wait.
+                        raise SecretUnavailable(
+                            f"secret {self.name!r} is unavailable ({self._reason}), and "
+                            "this thread (or another task on its event loop) holds a view "
+                            "of the value being wiped, which the wipe waits for: a read "
+                            "blocking here until the reload would keep that view open. "
+                            "Read through the view already open, or retry after the "
+                            "reload (asyncio code: pass on_wiped='raise')")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -552,6 +582,7 @@ class Secret:
         threads are not there to close theirs), and make the views opened before the
         fork by other threads not count when they close."""
         self._epoch = object()
+        self._wipes = 0
         mine = self._local.__dict__.get("reads")
         if mine is None:
             self._views = {}

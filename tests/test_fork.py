@@ -325,6 +325,35 @@ def test_a_child_forked_while_a_parent_thread_retires_a_secret_value_zeroes_it(
     assert not any(old)  # in the parent, once the view closed
 
 
+def test_a_child_forked_by_a_secret_view_holder_during_a_wipe_reads_as_wiped(
+        engine: Lifecycle) -> None:
+    """The wipe waiting for the forking thread's view stayed in the parent: in the child
+    nothing waits for that view, so a read there is an ordinary read of a wiped secret
+    (it said the wipe waited for the view, "read through the view already open")."""
+    from rehydrate import secrets
+
+    secret = secrets.Secret.from_callable(lambda: b"v", name="token", wipe_wait=60.0,
+                                          timeout=0, engine=engine)
+    wiping = threading.Thread(target=secret.wipe, daemon=True)
+    with secret:
+        wiping.start()
+        with secret._cond:  # taken away, the wipe waits for this view
+            assert secret._cond.wait_for(lambda: not secret.available, DEADLINE)
+
+        def child() -> str:
+            try:
+                secret.get()
+            except secrets.SecretUnavailable as exc:
+                return str(exc)
+            return "read the value"
+
+        out = in_forked_child(child, DEADLINE)
+    wiping.join(DEADLINE)
+    assert not wiping.is_alive()
+    assert out == ("secret 'token' is unavailable: wiped before a snapshot; reloaded "
+                   "after restore/resume")
+
+
 @pytest.mark.parametrize("which", ["instruments", "exporter"])
 def test_a_child_forked_while_a_parent_thread_holds_a_telemetry_lock_records_its_events(
         engine: Lifecycle, which: str) -> None:

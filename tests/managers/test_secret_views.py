@@ -319,9 +319,11 @@ def test_an_asyncio_read_during_a_wipe_of_a_view_another_task_holds_fails_at_onc
         held, error = asyncio.run(main())
         wiping.join(10)
     assert error == (
-        "secret 'tok' is being wiped for a snapshot and this thread still holds a view "
-        "of it, which the wipe waits for (a read blocking here would keep that view "
-        "open): read through the view already open; asyncio code: pass on_wiped='raise'")
+        "secret 'tok' is unavailable (wiped before a snapshot; reloaded after "
+        "restore/resume), and this thread (or another task on its event loop) holds a "
+        "view of the value being wiped, which the wipe waits for: a read blocking here "
+        "until the reload would keep that view open. Read through the view already open, "
+        "or retry after the reload (asyncio code: pass on_wiped='raise')")
     assert held == b"token-value-0123"  # not zeroed under the view
     assert not wiping.is_alive() and "still hold" not in caplog.text
     assert s._readers == 0 and not s._retiring
@@ -337,9 +339,9 @@ def test_a_nested_read_in_a_view_during_a_wipe_fails_at_once(rehydrate_engine, c
         with s as view:
             wiping.start()
             assert _wait_until(s, lambda: not s.available)
-            with pytest.raises(SecretUnavailable, match="this thread still holds a view"):
+            with pytest.raises(SecretUnavailable, match="holds a view of the value being wiped"):
                 s.get()
-            with (pytest.raises(SecretUnavailable, match="this thread still holds a view"),
+            with (pytest.raises(SecretUnavailable, match="holds a view of the value being wiped"),
                   s.view()):
                 pass
             assert bytes(view) == b"token-value-0123"
@@ -461,3 +463,134 @@ def test_a_before_snapshot_hook_that_runs_after_the_secret_s_wipe_fails_at_once(
         "this before-snapshot run ran earlier; read it from a hook of a later phase, or of "
         "phase secrets with a higher order (before a snapshot they run before the wipe)")
     assert got == [b"token-value-0123"]
+
+
+def test_a_reload_by_a_thread_holding_a_view_of_the_old_value_does_not_wait_for_it(
+        rehydrate_engine, caplog):
+    """Before: ``reload()`` inside ``with secret as view:`` (a token refreshed on a 401)
+    waited ``wipe_wait`` for that very view, which could not close meanwhile, then
+    zeroed the old value under it (in ``asyncio``: the whole loop stalled)."""
+    values = iter([b"first-value", b"second-value", b"third-value"])
+    s = Secret.from_callable(lambda: next(values), name="tok", wipe_wait=0.5,
+                             engine=rehydrate_engine)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        with s as view:
+            old = s._buf
+            assert s.reload()
+            assert bytes(view) == b"first-value"  # not zeroed under the view
+            assert s.get() == b"second-value"
+            # retiring: a wipe that came now would wait for it
+            assert old is not None and id(old) in s._retiring
+        assert old is not None and not any(old)  # the last view zeroed it
+        assert not s._retiring and s._readers == 0
+
+        async def main() -> bytes:
+            go = asyncio.Event()
+
+            async def h() -> bytes:
+                with s as view:  # another task's view, held across an await
+                    go.set()
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
+                    return bytes(view)
+
+            async def r() -> None:
+                await go.wait()
+                assert s.reload()
+
+            held, _ = await asyncio.gather(h(), r())
+            return held
+
+        assert asyncio.run(main()) == b"second-value"
+    assert s.get() == b"third-value"
+    assert "still hold" not in caplog.text
+    assert not s._retiring and s._readers == 0
+
+
+class _NotesWaits(threading.Condition):
+    """A secret's condition that tells when a read starts blocking on it."""
+
+    def __init__(self, settled: threading.Event) -> None:
+        super().__init__()
+        self.settled = settled
+
+    def wait(self, timeout=None):
+        self.settled.set()
+        return super().wait(timeout)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_thread_an_early_restore_hook_starts_and_leaves_blocks_for_the_reload(
+        rehydrate_engine, is_async):
+    """Before: a thread the hook started with its context (``asyncio.to_thread``, a
+    ``copy_context()`` thread) and did not wait for failed at once, "unavailable to hook
+    ...", although its blocking read held nothing up: the reload came once the hook
+    returned. Only the hook's own thread (an async hook's loop) fails at once."""
+    import contextvars
+
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok", timeout=60,
+                             engine=rehydrate_engine)
+    settled, done = threading.Event(), threading.Event()
+    got: list[object] = []
+    kept: list[object] = []
+
+    def connect() -> None:  # a client's blocking setup, in a worker thread
+        try:
+            got.append(s.get())
+        except SecretUnavailable as exc:
+            got.append(str(exc))
+            settled.set()
+        finally:
+            done.set()
+
+    if is_async:
+        async def restart_pool() -> None:
+            kept.append(asyncio.create_task(asyncio.to_thread(connect)))  # not awaited
+            assert await asyncio.to_thread(settled.wait, 10)
+    else:
+        def restart_pool() -> None:
+            worker = threading.Thread(target=contextvars.copy_context().run,
+                                      args=(connect,), daemon=True)
+            worker.start()
+            kept.append(worker)
+            assert settled.wait(10)
+
+    rehydrate_engine.registry.after_restore(restart_pool, phase=Phase.ENVIRONMENT,
+                                            name="restart-pool")
+    assert rehydrate_engine.simulate_snapshot().ok
+    s._cond = _NotesWaits(settled)  # the worker's read is blocking: the hook returns
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, [(h.name, h.outcome, h.error) for h in report.hooks]
+    assert done.wait(10)
+    assert got == [b"token-value-0123"]
+
+
+def test_a_read_by_a_view_holder_while_a_failed_restore_load_wipes_names_the_failure(
+        rehydrate_engine, caplog):
+    """Before: the wipe of a restored clone's value whose source failed showed reads
+    "wiped before a snapshot" (the holder: "being wiped for a snapshot"), although no
+    snapshot was coming and no reload either; they now fail at once with the source's
+    error, as after that wipe."""
+    state = {"fail": False}
+
+    def source() -> bytes:
+        if state["fail"]:
+            raise OSError("vault unreachable")
+        return b"token-value-0123"
+
+    s = Secret.from_callable(source, name="tok", wipe_wait=30, timeout=60,
+                             engine=rehydrate_engine)
+    state["fail"] = True
+    restoring = threading.Thread(target=rehydrate_engine.simulate_restore, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        with s as view:
+            restoring.start()
+            assert _wait_until(s, lambda: not s.available)  # wiping: it waits for the view
+            with pytest.raises(SecretUnavailable) as caught:
+                s.get()
+            assert bytes(view) == b"token-value-0123"
+        restoring.join(10)
+    assert not restoring.is_alive()
+    assert str(caught.value) == (
+        "secret 'tok' is unavailable: source of secret 'tok' failed: OSError")
+    assert "still hold" not in caplog.text and not s._retiring
