@@ -38,7 +38,7 @@ from ._config import optional_seconds, shown
 from ._context import describe_error
 from ._disable import is_disabled
 from ._hooks import Phase
-from ._redact import redact
+from ._redact import _GROUPS, redact
 from ._threads import fresh_lock_after_fork
 from .extensions import Probe, resolve_engine
 
@@ -518,9 +518,9 @@ class EphemeralKey:
         self._rotate_unlocked()
         failed: list[tuple[Callable[[EphemeralKey], None], Exception]] = []
         for fn in list(self._listeners):
-            exc = _caught(fn, self)
-            if isinstance(exc, Exception):
-                failed.append((fn, exc))
+            ok, out = _caught(fn, self)
+            if not ok:
+                failed.append((fn, cast(Exception, out)))
         return failed
 
     def drop(self) -> None:
@@ -568,13 +568,16 @@ class KeyManager:
         return {k.name: {"algorithm": k.algorithm, "generation": k.generation,
                          "dropped": k.dropped} for k in self.keys()}
 
+    # keys(), get() and status() read the dict without the lock: ephemeral() holds it for
+    # seconds (an rsa-4096 key), and a signal handler run in that thread and calling one
+    # of them would wait for its own thread. A single dict.copy()/get() is atomic (the
+    # GIL, or the dict's own lock in free-threaded builds), and the dict only ever holds
+    # keys that have their first pair.
     def keys(self) -> list[EphemeralKey]:
-        with self._lock:
-            return list(self._keys.values())
+        return list(self._keys.copy().values())
 
     def get(self, name: str) -> EphemeralKey | None:
-        with self._lock:
-            return self._keys.get(name)
+        return self._keys.get(name)
 
     def ephemeral(self, name: str, algorithm: str | None = None) -> EphemeralKey:
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
@@ -637,16 +640,33 @@ class KeyManager:
                          ", ".join(k.name for k in keys))
         failures: list[tuple[str, str, Exception]] = []  # key, what failed, its error
         for k in keys:
+            with self._lock:
+                # Left alone: a key removed meanwhile (a fresh private key in a handle
+                # no pass drops any more would go into the image), and one that a
+                # rotate() already got through in this run (a new pair here, pushed by a
+                # listener that fails, would undo it, and nothing would mend it again).
+                if self.epoch == epoch and (self._keys.get(k.name) is not k
+                                            or k.name not in self._failed):
+                    continue
             began = time.monotonic()
-            failed = _caught(EphemeralKey._rotate_and_notify, k)
-            if isinstance(failed, Exception):  # generation failed: keep what we had
-                failures.append((k.name, "generating its new key pair", failed))
-                continue
-            failures.extend((k.name, f"rotation listener {_listener_name(fn)}", e)
-                            for fn, e in failed)
-            if not failed:
-                # after its timeout, the hook getting through the last key mends it
-                self._rotated(k.name, began, epoch)
+            ok, out = _caught(EphemeralKey._rotate_and_notify, k)
+            if not ok:  # generation failed: keep what we had
+                failures.append((k.name, "generating its new key pair",
+                                 cast(Exception, out)))
+            else:
+                failed = cast("list[tuple[Callable[[EphemeralKey], None], Exception]]",
+                              out)
+                failures.extend((k.name, f"rotation listener {_listener_name(fn)}", e)
+                                for fn, e in failed)
+                if not failed:
+                    # after its timeout, the hook getting through the last key mends it
+                    self._rotated(k.name, began, epoch)
+                    continue
+            with self._lock:
+                # failed again, after a rotate() may have taken it off: only a later
+                # rotation that reaches every listener (or remove()) mends it
+                if self.epoch == epoch and self._keys.get(k.name) is k:
+                    self._failed |= {k.name}
         if failures:
             # A group even for one failure: its message names the key and the listener
             # in the engine's one log line, the report and status() (a note on the
@@ -686,25 +706,44 @@ class KeyManager:
             k.drop()
 
 
-def _caught(fn: Callable[[_A], _R], arg: _A) -> _R | Exception:
-    """``fn(arg)``, or the exception it raised with the frames of its traceback cleared
-    (the lines stay, the locals go): a listener's frame may hold the private key it read,
-    and the error outlives the before-snapshot pass (in the engine's report, or a
-    caller's hands) and with it, through each frame's caller, a reference cycle that
-    only the garbage collector would free."""
+def _caught(fn: Callable[[_A], _R], arg: _A) -> tuple[Literal[True], _R] | tuple[
+        Literal[False], Exception]:
+    """``(True, fn(arg))``, or ``(False, the exception it raised)`` with the frames of its
+    traceback cleared (the lines stay, the locals go), and those of every error chained
+    to it: a listener's frame may hold the private key it read, and the error outlives
+    the before-snapshot pass (in the engine's report, or a caller's hands) and with it,
+    through each frame's caller, a reference cycle that only the garbage collector would
+    free. A flag, not ``isinstance``: a listener may return an exception object."""
     out = _call(fn, arg)
-    if isinstance(out, Exception):
-        traceback.clear_frames(out.__traceback__)
+    if not out[0]:
+        _clear_frames(out[1], set())
     return out
 
 
-def _call(fn: Callable[[_A], _R], arg: _A) -> _R | Exception:
+def _call(fn: Callable[[_A], _R], arg: _A) -> tuple[Literal[True], _R] | tuple[
+        Literal[False], Exception]:
     # Caught in a frame of its own, which has returned once _caught clears it: the
     # caller's frame, still running, could not be cleared.
     try:
-        return fn(arg)
+        return True, fn(arg)
     except Exception as exc:
-        return exc
+        return False, exc
+
+
+def _clear_frames(exc: BaseException, seen: set[int]) -> None:
+    """Clear the frames of ``exc``'s traceback and of every error it chains to
+    (``raise ... from``, raised in an ``except``, a group's members); ``seen``: the
+    ids already cleared (a chain may loop)."""
+    if id(exc) in seen:
+        return
+    seen.add(id(exc))
+    traceback.clear_frames(exc.__traceback__)
+    chained = [exc.__cause__, exc.__context__]
+    if isinstance(exc, _GROUPS):
+        chained.extend(cast(Any, exc).exceptions)
+    for e in chained:
+        if e is not None:
+            _clear_frames(e, seen)
 
 
 def _listener_name(fn: object) -> str:

@@ -593,6 +593,7 @@ def test_rotations_mend_the_hook_after_it_hung_in_a_listener(rehydrate_engine):
     counts as failed: here "b", never reached, still holds the image's key."""
     engine = rehydrate_engine
     a, b, unstick, b_calls = _hanging_restore(engine)
+    [(_, hook_thread)] = engine._runner._hung.values()
     try:
         assert a.rotate() == []
         assert engine.status().state == "degraded"  # "b" is not rotated yet
@@ -600,7 +601,13 @@ def test_rotations_mend_the_hook_after_it_hung_in_a_listener(rehydrate_engine):
         assert engine.status().state == "ready"
     finally:
         unstick.set()
-    assert b_calls[1].wait(10)  # the hook thread went on to "b" and ended
+    hook_thread.join(10)
+    assert not hook_thread.is_alive()
+    # Before: the hook went on to give "b" yet another pair, after the rotate() that
+    # published its current one; had that push failed, the process stayed degraded
+    # for good (or ready with an unpublished key).
+    assert b_calls[0].is_set() and not b_calls[1].is_set()  # b.rotate() only
+    assert engine.status().state == "ready"
 
 
 def test_the_hung_hook_mends_itself_once_it_gets_through(rehydrate_engine):
@@ -775,3 +782,130 @@ def test_a_key_whose_first_generation_fails_is_not_kept(rehydrate_engine, monkey
     assert keys.get("session", engine=engine) is None
     monkeypatch.undo()
     assert keys.ephemeral("session", engine=engine).generation == 1
+
+
+def test_a_key_the_hook_fails_after_a_rotation_got_it_through_stays_failed(
+        rehydrate_engine):
+    """Before: a rotate() that got a key through while the hook was rotating it took it
+    off the failed keys, and the hook's own failure did not put it back: the process
+    stayed degraded, no later rotation of that key mending it."""
+    engine = rehydrate_engine
+    handle = keys.ephemeral("session", engine=engine)
+    calls = [0]
+
+    @handle.subscribe
+    def push(h):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 1:  # the hook's call; the rotate() gets through meanwhile
+            other, errors = _in_thread(handle.rotate)
+            other.join(10)
+            assert errors == [[]]
+            raise ConnectionError("registry flaky")
+
+    assert not engine.simulate_restore().ok and engine.status().state == "degraded"
+    assert handle.rotate() == []
+    assert engine.status().state == "ready"
+
+
+def test_a_key_removed_during_the_restore_run_is_left_alone(rehydrate_engine):
+    """Before: the run still rotated it, its listeners' failures failed the hook for good
+    (remove() had already taken it off the failed keys), and the removed handle got a
+    fresh private key that no before-snapshot pass drops (into the image, if the
+    application still holds it)."""
+    engine = rehydrate_engine
+    manager = keys.manager(engine)
+    keys.ephemeral("a", engine=engine).subscribe(lambda h: manager.remove("b"))
+    b = keys.ephemeral("b", engine=engine)
+    b_calls: list[object] = []
+
+    @b.subscribe
+    def push(h):  # type: ignore[no-untyped-def]
+        b_calls.append(h)
+        raise ConnectionError("b's registry is gone")
+
+    assert engine.simulate_restore().ok and engine.status().state == "ready"
+    assert b_calls == [] and b.dropped
+    assert engine.simulate_snapshot().ok and b.dropped
+
+
+@pytest.mark.parametrize("chain", ["cause", "context", "group"])
+def test_no_frame_chained_to_a_listener_s_error_outlives_the_snapshot_pass(
+        rehydrate_engine, chain):
+    """Before: only the frames of the listener's own error were cleared; a transport
+    error it wraps (``raise ... from``, raised in an ``except``, or in a group) kept
+    its helper's frame, holding the private key, alive through the engine's report."""
+    engine = rehydrate_engine
+    handle = keys.ephemeral("session", engine=engine)
+    refs: list[weakref.ref[_Local]] = []
+
+    def send(priv):  # type: ignore[no-untyped-def]
+        local = _Local()
+        refs.append(weakref.ref(local))
+        raise ConnectionError("registry down")
+
+    @handle.subscribe
+    def push(h):  # type: ignore[no-untyped-def]
+        try:
+            send(h.private_key)
+        except ConnectionError as exc:
+            if chain == "cause":
+                raise RuntimeError("could not register the key") from exc
+            if chain == "context":
+                raise RuntimeError("could not register the key")  # noqa: B904
+            raise keys._ExceptionGroup("could not register", [exc])  # noqa: B904
+
+    gc.disable()
+    try:
+        assert not engine.simulate_restore().ok
+        assert engine.simulate_snapshot().ok
+        assert [r() for r in refs] == [None]
+    finally:
+        gc.enable()
+
+
+def test_a_listener_returning_an_exception_succeeds(rehydrate_engine):
+    """Before: a returned exception object counted as raised: the hook failed, rotate()
+    returned it and logged a WARNING."""
+    engine = rehydrate_engine
+    handle = keys.ephemeral("session", engine=engine)
+    handle.subscribe(lambda h: TimeoutError("handled by the listener"))
+    assert engine.simulate_restore().ok and engine.status().state == "ready"
+    assert handle.rotate() == []
+
+
+class _NoWaitLock:
+    """A lock that fails instead of waiting: a wait here would be the thread waiting
+    for itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise AssertionError("waited for the key manager's lock")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_reading_keys_while_this_thread_creates_one_does_not_wait(rehydrate_engine,
+                                                                 monkeypatch):
+    """Before: keys(), get() and status() took the lock that ephemeral() holds while it
+    makes the first pair (seconds for rsa-4096): a signal handler calling one of them in
+    the creating thread deadlocked it."""
+    engine = rehydrate_engine
+    manager = keys.manager(engine)
+    old = keys.ephemeral("old", engine=engine)
+    manager._lock = _NoWaitLock()  # type: ignore[assignment]
+    real = keys.generate_private_key
+    seen: list[object] = []
+
+    def handler_runs_here(algorithm):  # type: ignore[no-untyped-def]
+        seen.extend([manager.get("old"), manager.keys(),
+                     list(engine.status().extra["keys"])])
+        return real(algorithm)
+
+    monkeypatch.setattr(keys, "generate_private_key", handler_runs_here)
+    new = keys.ephemeral("new", engine=engine)
+    assert seen == [old, [old], ["old"]]
+    assert manager.keys() == [old, new]
