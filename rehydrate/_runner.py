@@ -603,6 +603,9 @@ class HookRunner:
         import asyncio
 
         async def bounded() -> None:
+            call = hook_call.get()
+            if call is not None:  # the hook runs here now; its worker only waits for it
+                call.thread = threading.get_ident()
             # Not wait_for: a TimeoutError raised by the awaitable itself (a client's
             # connect timeout) must be reported as the hook's failure, not as its timeout.
             task = asyncio.ensure_future(awaitable)

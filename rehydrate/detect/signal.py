@@ -259,7 +259,10 @@ class SignalDetector(Detector):
         Python (it may no longer). One installed outside Python that chains, as
         ``faulthandler.register(chain=True)`` does, still hands the signal on: that
         cannot be told before a signal comes, and once one has reached this detector
-        through that handler (the same C function) this is ``None`` again."""
+        through that handler (the same C function) this is ``None`` again — until a call
+        sees no outside handler in force. One removed and installed again between two
+        calls (``faulthandler`` uses one C function with or without ``chain``) is not
+        seen: the answer is then as trustworthy as the last signal."""
         if self._thread is None:
             return None
         if signal.getsignal(self.signum) != self._handler:
@@ -267,6 +270,8 @@ class SignalDetector(Detector):
                     "longer reaches the signal detector")
         outside = self._outside_handler()
         run = self._run
+        if outside is None and run is not None:
+            run.chained_through = None  # gone: a handler installed again must prove itself
         if outside is not None and (run is None or run.chained_through != outside):
             return (f"a handler installed outside Python (faulthandler.register() or a C "
                     f"extension) replaced the {self.label} handler; {self.label} may no "

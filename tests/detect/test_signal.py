@@ -268,6 +268,13 @@ def test_failure_does_not_say_a_chaining_outside_handler_takes_the_signal(rehydr
             assert rec.wait(1)[0]["reason"] == "signal"  # it does reach the detector
             assert "detector_errors" not in rehydrate_engine.status().extra
         assert det.failure() is None  # Python's own C handler is back
+        # the same C function again, not chaining this time: no longer taken on trust
+        with open(tmp_path / "dump2", "w") as f:
+            faulthandler.register(signal.SIGUSR1, file=f, chain=False)
+            try:
+                assert det.failure() == may_not
+            finally:
+                faulthandler.unregister(signal.SIGUSR1)
         # another handler installed outside Python (SIG_IGN set in C): not known to chain
         ignore = ctypes.create_string_buffer(_SIGACTION_SIZE)
         ctypes.c_void_p.from_buffer(ignore).value = 1  # sa_handler = SIG_IGN

@@ -747,6 +747,10 @@ def test_an_exception_anywhere_in_ephemeral_leaves_the_name_usable(rehydrate_eng
         calls = [0]
 
         def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+            # Not in a callback the garbage collector runs meanwhile (a WeakSet's
+            # clean-up): an exception there is only "ignored", never reaches ephemeral().
+            if frame.f_code.co_filename.endswith("_weakrefset.py"):
+                return
             calls[0] += 1
             if calls[0] == n:
                 raise KeyboardInterrupt

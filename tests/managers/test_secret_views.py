@@ -594,3 +594,26 @@ def test_a_read_by_a_view_holder_while_a_failed_restore_load_wipes_names_the_fai
     assert str(caught.value) == (
         "secret 'tok' is unavailable: source of secret 'tok' failed: OSError")
     assert "still hold" not in caplog.text and not s._retiring
+
+
+def test_a_plain_hook_returning_a_coroutine_reads_early_and_fails_at_once(rehydrate_engine):
+    """A hook registered as a plain function that returns a coroutine (``lambda:
+    reconnect()``) is awaited on the hook loop: a read there, before the secret's reload,
+    fails at once as in the hook itself instead of blocking the run for ``timeout``."""
+    s = Secret.from_callable(lambda: b"token-value-0123", name="tok",
+                             engine=rehydrate_engine, timeout=30)
+    out: dict[str, BaseException | bytes] = {}
+
+    async def reconnect() -> None:
+        try:
+            out["read"] = s.get()
+        except SecretUnavailable as exc:
+            out["read"] = exc
+
+    rehydrate_engine.registry.after_restore(
+        phase=Phase.ENVIRONMENT, name="reconnect")(lambda: reconnect())  # noqa: PLW0108 - a plain function returning a coroutine
+    rehydrate_engine.simulate_snapshot()
+    report = rehydrate_engine.simulate_restore()
+    assert {h.name: h.outcome for h in report.hooks}["reconnect"] == "ok"
+    assert isinstance(out["read"], SecretUnavailable)
+    assert "hook 'reconnect'" in str(out["read"])
