@@ -705,6 +705,18 @@ def test_iptables_built_in_chain_policies_are_applied_and_checked(netns_pair):
     ({"dst": "10.1.0.0/16", "type": "local"}, "a local route needs a dev"),
     ({"dst": "fd00:30::/64", "gateway": "fe80::1"},
      "the link-local gateway fe80::1 needs a dev (the kernel refuses it without one"),
+    # IPv4: refused at every restore ("Gateway, device and multipath can not be specified
+    # for this route type"); IPv6: applied on "lo" without them, and the read-back said
+    # "not in the routing table after applying" at every restore
+    ({"dst": "10.1.0.0/16", "dev": "lo", "type": "blackhole"},
+     "route '10.1.0.0/16': a blackhole route takes no dev (the kernel refuses it on IPv4 "
+     "and drops it on IPv6)"),
+    ({"dst": "fd00:30::/64", "dev": "eth0", "type": "unreachable"},
+     "an unreachable route takes no dev"),
+    ({"dst": "fd00:30::/64", "gateway": "fd00:9::2", "dev": "eth0", "type": "prohibit"},
+     "a prohibit route takes no gateway"),
+    ({"dst": "10.1.0.0/16", "gateway": "10.0.0.1", "type": "throw"},
+     "a throw route takes no gateway"),
 ])
 def test_a_route_the_kernel_would_refuse_is_refused_when_declared(rehydrate_engine, kwargs,
                                                                  message):
