@@ -393,6 +393,41 @@ def test_a_refused_route_is_reported_by_name_and_the_others_applied(netns_pair):
     assert [e["what"] for e in out["again"]["errors"]] == [bad, invalid]
 
 
+NOTHING_LEFT = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def sh(cmd):
+    subprocess.run(cmd, shell=True, check=True, capture_output=True)
+
+engine = isolated_engine()
+sh("ip link add rhgone0 type veth peer name rhgone1 && ip link set rhgone0 up "
+   "&& ip link set rhgone1 up && ip route add 10.200.40.0/24 dev rhgone0")
+routes.capture(engine=engine)
+sh("ip link del rhgone0")  # the restore loses the device: the route fails
+first = engine.simulate_restore()
+failed = routes.manager(engine).status()["last_apply"]
+cap = routes.capture(engine=engine)  # dropped, as docs/network.md says to
+second = engine.simulate_restore()
+print(json.dumps({"first": first.ok, "failed": failed, "cap": len(cap.routes),
+                  "second": second.ok,
+                  "last": routes.manager(engine).status()["last_apply"]}))
+'''
+
+
+def test_status_shows_the_last_apply_even_when_it_had_nothing_to_do(netns_pair):
+    """A restore with nothing declared nor captured left ``last_apply`` as the restore
+    before had it: status() went on naming a failed route the capture had dropped,
+    next to a report that was ok."""
+    out = run_in_ns(netns_pair["a"], NOTHING_LEFT)
+    assert out["first"] is False
+    assert [e["what"] for e in out["failed"]["errors"]] == [
+        "route 10.200.40.0/24 dev rhgone0 table 254"]
+    assert out["cap"] == 0 and out["second"] is True
+    assert out["last"]["errors"] == [] and out["last"]["routes"] == 0
+
+
 NO_PYROUTE2 = r'''
 import json, sys
 sys.modules["pyroute2"] = None  # as if the routes extra were not installed
