@@ -331,7 +331,8 @@ def nftables(
     ``ValueError``: declare those rules with :func:`iptables`; so is a table with an
     ``ingress``/``egress`` chain without its ``"dev"`` (as ``nft -j list`` 1.0.6 prints
     it), which nft cannot create; so is a ruleset holding a value JSON cannot write (a
-    Python ``set``, ``NaN``).
+    Python ``set``, ``NaN``), and an ``add``/``create table`` command without the
+    table's ``"family"`` and ``"name"``.
     """
     data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
     if isinstance(data, Sequence):

@@ -872,6 +872,10 @@ def test_routes_with_metric_0_or_uncanonical_ipv6_read_back_as_applied(netns_pai
      "cannot be written as JSON: Object of type set is not JSON serializable"),
     ({"nftables": [{"add": {"table": {"family": "inet", "name": "t", "x": float("nan")}}}]},
      "cannot be written as JSON: Out of range float values"),
+    # were KeyError: 'family' and TypeError: string indices must be integers
+    ([{"add": {"table": {"family": "inet", "name": "t"}}}, {"add": {"table": {"name": "x"}}}],
+     'nftables command 1 \\(add table\\) needs a "family" and a "name" string'),
+    ([{"create": {"table": "inet x"}}], r"nftables command 0 \(create table\) needs a"),
 ])
 def test_an_nftables_ruleset_that_declares_nothing_usable_is_refused(rehydrate_engine,
                                                                     ruleset, message):
