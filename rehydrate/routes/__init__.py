@@ -250,6 +250,12 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     if dev is None and kind == "unicast" and gw is None:
         raise ValueError(f"{what}: a route needs a gateway or a dev (the kernel refuses "
                          "one with neither: No such device)")
+    # IPv4 refuses a device or gateway on these types at every restore; IPv6 drops them
+    # (the route reads back on "lo"), so the read-back failed every restore
+    if kind not in ("unicast", "local") and (dev is not None or gw is not None):
+        raise ValueError(f"{what}: {'an' if kind[0] in 'aeiou' else 'a'} {kind} route takes no "
+                         f"{'dev' if gw is None else 'gateway'}"
+                         " (the kernel refuses it on IPv4 and drops it on IPv6)")
     if dev is None and kind == "unicast" and gw is not None and gw.is_link_local \
             and gw.version == 6:
         raise ValueError(f"{what}: the link-local gateway {gw} needs a dev (the kernel "
@@ -325,7 +331,8 @@ def nftables(
     ``ValueError``: declare those rules with :func:`iptables`; so is a table with an
     ``ingress``/``egress`` chain without its ``"dev"`` (as ``nft -j list`` 1.0.6 prints
     it), which nft cannot create; so is a ruleset holding a value JSON cannot write (a
-    Python ``set``, ``NaN``).
+    Python ``set``, ``NaN``), and an ``add``/``create table`` command without the
+    table's ``"family"`` and ``"name"``.
     """
     data: Any = json.loads(ruleset) if isinstance(ruleset, str) else ruleset
     if isinstance(data, Sequence):

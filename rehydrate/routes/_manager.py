@@ -438,6 +438,8 @@ class RoutesManager:
         failed_routes = {r.key() for r in captured_routes} - {r.key() for r in declared}
         failed_tables = set(captured_labels)
         if not kinds:
+            # still the last apply: status() kept the one before, errors and all
+            self.last = result
             self._set_failed(failed_routes, failed_tables)
             return result
         for kind in self._blocked(kinds, result):

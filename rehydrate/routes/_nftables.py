@@ -264,11 +264,18 @@ class NftCommands:
     than written, to the listed one (:meth:`learn_listed`)."""
 
     def tables(self) -> list[tuple[str, str]]:
+        """(family, name) of each table the commands add or create; ``ValueError`` for
+        such a command without both (nft refuses it too: "Object item not found")."""
         out = []
-        for cmd in self.commands:
+        for n, cmd in enumerate(self.commands):
             for verb, body in cmd.items():
                 if verb in ("add", "create") and isinstance(body, Mapping) and "table" in body:
                     t = body["table"]
+                    if not isinstance(t, Mapping) or not all(
+                            isinstance(t.get(k), str) for k in ("family", "name")):
+                        raise ValueError(f"nftables command {n} ({verb} table) needs a "
+                                         "\"family\" and a \"name\" string, such as "
+                                         "{\"family\": \"inet\", \"name\": \"app\"}")
                     label = (str(t["family"]), str(t["name"]))
                     if label not in out:
                         out.append(label)

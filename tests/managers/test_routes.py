@@ -393,6 +393,41 @@ def test_a_refused_route_is_reported_by_name_and_the_others_applied(netns_pair):
     assert [e["what"] for e in out["again"]["errors"]] == [bad, invalid]
 
 
+NOTHING_LEFT = r'''
+import json, subprocess
+from rehydrate import routes
+from rehydrate.testing import isolated_engine
+
+def sh(cmd):
+    subprocess.run(cmd, shell=True, check=True, capture_output=True)
+
+engine = isolated_engine()
+sh("ip link add rhgone0 type veth peer name rhgone1 && ip link set rhgone0 up "
+   "&& ip link set rhgone1 up && ip route add 10.200.40.0/24 dev rhgone0")
+routes.capture(engine=engine)
+sh("ip link del rhgone0")  # the restore loses the device: the route fails
+first = engine.simulate_restore()
+failed = routes.manager(engine).status()["last_apply"]
+cap = routes.capture(engine=engine)  # dropped, as docs/network.md says to
+second = engine.simulate_restore()
+print(json.dumps({"first": first.ok, "failed": failed, "cap": len(cap.routes),
+                  "second": second.ok,
+                  "last": routes.manager(engine).status()["last_apply"]}))
+'''
+
+
+def test_status_shows_the_last_apply_even_when_it_had_nothing_to_do(netns_pair):
+    """A restore with nothing declared nor captured left ``last_apply`` as the restore
+    before had it: status() went on naming a failed route the capture had dropped,
+    next to a report that was ok."""
+    out = run_in_ns(netns_pair["a"], NOTHING_LEFT)
+    assert out["first"] is False
+    assert [e["what"] for e in out["failed"]["errors"]] == [
+        "route 10.200.40.0/24 dev rhgone0 table 254"]
+    assert out["cap"] == 0 and out["second"] is True
+    assert out["last"]["errors"] == [] and out["last"]["routes"] == 0
+
+
 NO_PYROUTE2 = r'''
 import json, sys
 sys.modules["pyroute2"] = None  # as if the routes extra were not installed
@@ -705,6 +740,18 @@ def test_iptables_built_in_chain_policies_are_applied_and_checked(netns_pair):
     ({"dst": "10.1.0.0/16", "type": "local"}, "a local route needs a dev"),
     ({"dst": "fd00:30::/64", "gateway": "fe80::1"},
      "the link-local gateway fe80::1 needs a dev (the kernel refuses it without one"),
+    # IPv4: refused at every restore ("Gateway, device and multipath can not be specified
+    # for this route type"); IPv6: applied on "lo" without them, and the read-back said
+    # "not in the routing table after applying" at every restore
+    ({"dst": "10.1.0.0/16", "dev": "lo", "type": "blackhole"},
+     "route '10.1.0.0/16': a blackhole route takes no dev (the kernel refuses it on IPv4 "
+     "and drops it on IPv6)"),
+    ({"dst": "fd00:30::/64", "dev": "eth0", "type": "unreachable"},
+     "an unreachable route takes no dev"),
+    ({"dst": "fd00:30::/64", "gateway": "fd00:9::2", "dev": "eth0", "type": "prohibit"},
+     "a prohibit route takes no gateway"),
+    ({"dst": "10.1.0.0/16", "gateway": "10.0.0.1", "type": "throw"},
+     "a throw route takes no gateway"),
 ])
 def test_a_route_the_kernel_would_refuse_is_refused_when_declared(rehydrate_engine, kwargs,
                                                                  message):
@@ -825,6 +872,10 @@ def test_routes_with_metric_0_or_uncanonical_ipv6_read_back_as_applied(netns_pai
      "cannot be written as JSON: Object of type set is not JSON serializable"),
     ({"nftables": [{"add": {"table": {"family": "inet", "name": "t", "x": float("nan")}}}]},
      "cannot be written as JSON: Out of range float values"),
+    # were KeyError: 'family' and TypeError: string indices must be integers
+    ([{"add": {"table": {"family": "inet", "name": "t"}}}, {"add": {"table": {"name": "x"}}}],
+     'nftables command 1 \\(add table\\) needs a "family" and a "name" string'),
+    ([{"create": {"table": "inet x"}}], r"nftables command 0 \(create table\) needs a"),
 ])
 def test_an_nftables_ruleset_that_declares_nothing_usable_is_refused(rehydrate_engine,
                                                                     ruleset, message):
