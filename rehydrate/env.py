@@ -717,7 +717,8 @@ HOOK_TIMEOUT = 10.0
 """The ``rehydrate.env`` hook's timeout, in seconds."""
 
 APPLY_MARGIN = 0.5
-"""Seconds of the hook's time (or the run's) kept for applying what was read."""
+"""Seconds of the hook's time (or the run's) kept for applying what was read (half of
+it when less than a second is left)."""
 
 
 def _union(first: EnvChanges, second: EnvChanges) -> EnvChanges:
@@ -913,7 +914,9 @@ def install(engine: Engine) -> None:
         left = ctx.time_left()
         budget = HOOK_TIMEOUT if left is None else min(HOOK_TIMEOUT, left)
         token = _ENGINE.set(engine)  # engines sharing one refresher: whose refresh this is
-        read_by = _READ_BY.set(time.monotonic() + budget - APPLY_MARGIN)
+        # Half of what is left when that is short: a margin eating it all failed even a
+        # read of a local file.
+        read_by = _READ_BY.set(time.monotonic() + budget - min(APPLY_MARGIN, budget / 2))
         try:
             ctx.env_changes = engine.env.refresh(ctx.env)
         finally:
