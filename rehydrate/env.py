@@ -206,7 +206,7 @@ def _read_within(path: str, timeout: float | None, *, cut: bool = False
     try:
         return blocking.submit(read_environ, path).result(timeout)  # type: ignore[no-any-return]
     except concurrent.futures.TimeoutError:
-        why = (", the time the restore's rehydrate.env hook had left for it" if cut
+        why = (", the time the rehydrate.env hook had left for it" if cut
                else "")
         shown = f"{timeout:.2g}" if cut else f"{timeout:g}"  # not 9.49997s
         raise EnvError(f"{path}: no answer within {shown}s{why} (a hung mount?)") from None

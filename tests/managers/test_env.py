@@ -897,7 +897,7 @@ def test_a_read_answering_after_the_hook_gave_up_is_never_applied(tmp_path, envi
         assert environ[b"RHT_LATE"] == b"old" and heard == []
         env_result = report.hooks[0]
         assert env_result.name == "rehydrate.env" and env_result.outcome == "failed"
-        assert "the time the restore's rehydrate.env hook had left" in str(env_result.error)
+        assert "the time the rehydrate.env hook had left" in str(env_result.error)
         slow.clear()
         report = engine.simulate_restore()
         assert report.ok and report.env_changes.changed == ("RHT_LATE",)
