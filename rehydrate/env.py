@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -187,7 +188,8 @@ def _blake2b() -> type[hashlib.blake2b]:
     return blake2b
 
 
-def _read_within(path: str, timeout: float | None) -> dict[bytes, bytes]:
+def _read_within(path: str, timeout: float | None, *, cut: bool = False
+                 ) -> dict[bytes, bytes]:
     """:func:`read_environ` on a pool thread, waited for at most ``timeout`` seconds
     (``None``: as long as it takes).
 
@@ -204,7 +206,10 @@ def _read_within(path: str, timeout: float | None) -> dict[bytes, bytes]:
     try:
         return blocking.submit(read_environ, path).result(timeout)  # type: ignore[no-any-return]
     except concurrent.futures.TimeoutError:
-        raise EnvError(f"{path}: no answer within {timeout:g}s (a hung mount?)") from None
+        why = (", the time the rehydrate.env hook had left for it" if cut
+               else "")
+        shown = f"{timeout:.2g}" if cut else f"{timeout:g}"  # not 9.49997s
+        raise EnvError(f"{path}: no answer within {shown}s{why} (a hung mount?)") from None
 
 
 def diff(
@@ -271,7 +276,9 @@ class EnvRefresher:
     protect: tuple[str, ...] = ()
     read_timeout: float | None = READ_TIMEOUT
     """Seconds a read of the file may take (a hung mount): then :class:`EnvError`.
-    ``None``: no limit (the read waits for the mount however long it takes)."""
+    ``None``: no limit (the read waits for the mount however long it takes). In the
+    engine's ``rehydrate.env`` hook the read also ends :data:`APPLY_MARGIN` before the
+    hook's timeout or the run's deadline: what answers later is never applied."""
 
     def __post_init__(self) -> None:
         # Checked here: an int was taken (os.stat reads it as a file descriptor) and the
@@ -425,7 +432,8 @@ class EnvRefresher:
             return EnvChanges()
         # Read outside the lock: a read stuck on a hung mount (its hook abandoned at the
         # timeout) must not hold the lock every later refresh needs.
-        new = _read_within(path, self.read_timeout)
+        timeout, cut = self._read_timeout_now()
+        new = _read_within(path, timeout, cut=cut)
         # Compare, apply and record as one step across all refreshers (every engine's):
         # another engine's refresher comparing after this one applied but joining the
         # event before it recorded saw os.environ already updated and no earlier change,
@@ -439,6 +447,21 @@ class EnvRefresher:
             # a full pipe) held it, and every other engine's refresh waited on it.
             for message, *args in warnings:
                 log.warning(message, *args)
+
+    def _read_timeout_now(self) -> tuple[float | None, bool]:
+        """The read's timeout, and whether the engine's hook cut it (:data:`_READ_BY`).
+
+        Within the ``rehydrate.env`` hook the read ends before the hook's own timeout
+        (or the run's deadline): a read that answered after the hook was abandoned
+        applied the file then, behind the failed report, and the keys it changed were
+        reported to no ``on_env_change`` hook, at that restore or any later one."""
+        until = _READ_BY.get()
+        if until is None:
+            return self.read_timeout, False
+        left = max(until - time.monotonic(), 0.001)
+        if self.read_timeout is not None and self.read_timeout <= left:
+            return self.read_timeout, False
+        return left, True
 
     def _apply_overlay(self, overlay: Mapping[str, str | None]) -> EnvChanges:
         check_overlay(overlay)  # all first: never apply half of it
@@ -685,6 +708,18 @@ _ENGINE: contextvars.ContextVar[object | None] = contextvars.ContextVar(
     "rehydrate_env_engine", default=None)
 """The engine whose ``rehydrate.env`` hook is refreshing (None: a direct call)."""
 
+_READ_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "rehydrate_env_read_by", default=None)
+"""``time.monotonic()`` by which the ``rehydrate.env`` hook's read must have answered
+(None: a direct call, only ``read_timeout`` applies)."""
+
+HOOK_TIMEOUT = 10.0
+"""The ``rehydrate.env`` hook's timeout, in seconds."""
+
+APPLY_MARGIN = 0.5
+"""Seconds of the hook's time (or the run's) kept for applying what was read (half of
+it when less than a second is left)."""
+
 
 def _union(first: EnvChanges, second: EnvChanges) -> EnvChanges:
     """The keys of both; a key in ``first`` keeps its kind there (what happened to
@@ -876,11 +911,18 @@ def install(engine: Engine) -> None:
 
     def refresh_environment(ctx: RestoreContext) -> None:
         # The key names are logged with the run's summary line, after readiness changed.
+        left = ctx.time_left()
+        budget = HOOK_TIMEOUT if left is None else min(HOOK_TIMEOUT, left)
         token = _ENGINE.set(engine)  # engines sharing one refresher: whose refresh this is
+        # Half of what is left when that is short: a margin eating it all failed even a
+        # read of a local file.
+        read_by = _READ_BY.set(time.monotonic() + budget - min(APPLY_MARGIN, budget / 2))
         try:
             ctx.env_changes = engine.env.refresh(ctx.env)
         finally:
+            _READ_BY.reset(read_by)
             _ENGINE.reset(token)
 
     engine.builtins.register(refresh_environment, phase=Phase.ENVIRONMENT,
-                             order=BEFORE_USER_HOOKS, name="rehydrate.env", timeout=10.0)
+                             order=BEFORE_USER_HOOKS, name="rehydrate.env",
+                             timeout=HOOK_TIMEOUT)

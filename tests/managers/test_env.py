@@ -854,6 +854,60 @@ def test_a_read_stuck_on_a_hung_mount_blocks_nothing(tmp_path, environ, monkeypa
         engine.close()
 
 
+def test_a_read_answering_after_the_hook_gave_up_is_never_applied(tmp_path, environ,
+                                                                   monkeypatch):
+    """A slow mount answering after the ``rehydrate.env`` hook's time (here the run's 1 s
+    deadline, SnapStart's kind; with the default read_timeout of 5 s) ran out: the
+    abandoned refresh applied the file then, behind the failed report, and no
+    ``on_env_change`` hook ever heard of it, the next restore included. The read now
+    ends within the hook's time, nothing is applied late, and the next restore reports
+    the change."""
+    import threading
+    import time
+
+    from rehydrate import env as env_module
+
+    spec = write(tmp_path / "spec_environ", {b"RHT_LATE": b"old"})
+    environ[b"RHT_LATE"] = b"old"
+    real, answered = env_module.read_environ, threading.Event()
+    slow, release = threading.Event(), threading.Event()
+
+    def slow_mount(path):  # type: ignore[no-untyped-def]
+        if slow.is_set():
+            release.wait(30)
+            try:
+                return real(path)
+            finally:
+                answered.set()
+        return real(path)
+
+    monkeypatch.setattr(env_module, "read_environ", slow_mount)
+    registry, heard = Registry(), []
+    registry.on_env_change("RHT_LATE")(lambda ctx, changes: heard.append(changes))
+    engine = Lifecycle(registry, env=EnvRefresher(path=spec))
+    try:
+        write(tmp_path / "spec_environ", {b"RHT_LATE": b"new"})
+        slow.set()
+        report = engine.restore_detected("test", deadline=1.0)
+        release.set()
+        assert answered.wait(10)
+        ends = time.monotonic() + 10  # the abandoned hook (before the fix) ends by then
+        while engine.status()["hung_hooks"] and time.monotonic() < ends:
+            time.sleep(0.01)
+        assert environ[b"RHT_LATE"] == b"old" and heard == []
+        env_result = report.hooks[0]
+        assert env_result.name == "rehydrate.env" and env_result.outcome == "failed"
+        assert "the time the rehydrate.env hook had left" in str(env_result.error)
+        slow.clear()
+        report = engine.simulate_restore()
+        assert report.ok and report.env_changes.changed == ("RHT_LATE",)
+        assert environ[b"RHT_LATE"] == b"new"
+        assert heard == [EnvChanges(changed=("RHT_LATE",))]
+    finally:
+        release.set()
+        engine.close()
+
+
 @settings(max_examples=300)
 @given(st.text(alphabet="ABCLPRTY_*?[]!-Za0é\n", max_size=12))
 def test_compiled_key_patterns_match_exactly_like_fnmatchcase(name):
