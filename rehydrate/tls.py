@@ -1467,7 +1467,15 @@ def _load_pem_list(data: bytes | bytearray, what: str) -> list[x509.Certificate]
 
     # Only the certificate blocks are copied (cryptography wants bytes, which cannot be
     # wiped): a bundle.pem holding the key too leaves no copy of the key's text behind.
-    blocks = b"\n".join(bytes(m.group(0)) for m in _CERT_BLOCK.finditer(data))
+    found = list(_CERT_BLOCK.finditer(data))
+    if len(found) != data.count(b"-----BEGIN CERTIFICATE-----"):
+        # A file cut off (a partial write, a full disk, read while being written): only
+        # its whole blocks used to be read, so a fullchain.pem missing its intermediate
+        # replaced a good chain and every client's verification failed. OpenSSL refuses
+        # such a file too.
+        raise CertificateError(f"{what} is not valid PEM: cut off (a certificate in it has "
+                               "no END line)")
+    blocks = b"\n".join(bytes(m.group(0)) for m in found)
     try:
         certs = x509.load_pem_x509_certificates(blocks)
     except ValueError:

@@ -696,6 +696,58 @@ def test_bad_files_keep_previous_material(rehydrate_engine, secret_dir, caplog, 
         cert.close()
 
 
+def _intermediate(root: CA) -> CA:
+    """A CA whose certificate ``root`` signed (so leaves need it in their chain)."""
+    inter = CA("Test Intermediate")
+    inter.cert = (
+        x509.CertificateBuilder().subject_name(inter.cert.subject)
+        .issuer_name(root.cert.subject).public_key(inter.key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(NOW - dt.timedelta(days=1))
+        .not_valid_after(NOW + dt.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(root.key, hashes.SHA256())
+    )
+    return inter
+
+
+@pytest.mark.parametrize("with_ca", [False, True], ids=["no-ca", "ca"])
+def test_a_cut_off_chain_file_keeps_the_full_chain_in_use(rehydrate_engine, tmp_path,
+                                                          https_server, caplog, with_ca):
+    """A fullchain.pem cut off inside its intermediate (a partial write, a full disk)
+    used to be read as the leaf alone: applied, it made every client's verification
+    fail. Like OpenSSL, rehydrate refuses the file, and the full chain stays served."""
+    root = CA("Test Root")
+    inter = _intermediate(root)
+    c1, k1, first = inter.leaf()
+    _write_pair(tmp_path, c1 + inter.pem, k1)
+    ca = {"ca": tmp_path / "ca.pem"} if with_ca else {}
+    if with_ca:
+        # a CA bundle of two roots, cut off the same way: also refused
+        (tmp_path / "ca.pem").write_bytes(root.pem + CA("Other Root").pem)
+    cert = tls.from_files("chain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          watch=False, engine=rehydrate_engine, **ca)
+    port = https_server(cert.server_context())
+    trusting_root = ssl.create_default_context(cadata=root.pem.decode())
+    assert served_certificate(port, trusting_root).serial_number == first.serial_number
+
+    c2, k2, _ = inter.leaf()
+    if with_ca:
+        bundle = (tmp_path / "ca.pem").read_bytes()
+        (tmp_path / "ca.pem").write_bytes(bundle[:-200])
+        _write_pair(tmp_path, c2 + inter.pem, k2)
+    else:
+        _write_pair(tmp_path, (c2 + inter.pem)[:-200], k2)
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    assert cert.reload_if_changed() is False
+    assert "cut off" in cert.last_error
+    assert cert.serial == first.serial_number and cert.material.chain == (inter.cert,)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "keeping serial" in warnings[0], warnings
+    assert not rehydrate_engine.simulate_restore().ok
+    assert served_certificate(port, trusting_root).serial_number == first.serial_number
+
+
 def test_bad_files_at_creation_raise(rehydrate_engine, secret_dir):
     ca = CA()
     bad, message = _bad_bundles(ca)["key-mismatch"]
