@@ -1841,6 +1841,28 @@ class FileCertificate(ManagedCertificate):
             obs.stop()
             obs.join(timeout=5)
 
+    def _watch_again_in_child(self) -> None:
+        """In a child of ``fork()``: the parent's watcher threads did not come along, so
+        the child's handle never re-read changed files while ``status()`` said it
+        watched. Its observer is forgotten, not stopped: its inotify instance and wake-up
+        pipe are the parent's too, and stopping it (``close()`` in the child) removed the
+        parent's watches, so the parent stopped following its files. A watcher of the
+        child's own takes over."""
+        inherited, self._observer = self._observer, None
+        timer, self._timer = self._timer, None
+        if inherited is None or self._closed:
+            return
+        try:
+            self.start_watching()
+        except Exception as exc:  # a fork handler must not raise (inotify limits …)
+            self._observer = None
+            log.warning("tls: certificate %s: no file watcher in this forked process "
+                        "(%s); its files are re-read on restore or renew()", self.name,
+                        _one_line(exc))
+            return
+        if timer is not None and not timer.finished.is_set():
+            self._schedule_reload()  # a change seen just before the fork: read it here too
+
     def _schedule_reload(self) -> None:
         with self._lock:
             if self._timer is not None:
@@ -2182,6 +2204,8 @@ def _after_fork_in_child() -> None:
         if held_by_another_thread(cert._renew_lock):
             cert._renew_lock = threading.RLock()
             cert.last_error = "a renewal running at fork() was abandoned in this process"
+        if isinstance(cert, FileCertificate):
+            cert._watch_again_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

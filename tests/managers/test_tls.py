@@ -7,6 +7,7 @@ The CSR issuer is a small CA HTTP server on loopback built here with ``cryptogra
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import http.server
 import json
@@ -746,6 +747,59 @@ def test_a_cut_off_chain_file_keeps_the_full_chain_in_use(rehydrate_engine, tmp_
     assert len(warnings) == 1 and "keeping serial" in warnings[0], warnings
     assert not rehydrate_engine.simulate_restore().ok
     assert served_certificate(port, trusting_root).serial_number == first.serial_number
+
+
+def _handshake_serial(port: int, verify: ssl.SSLContext) -> int:
+    """A TLS handshake on loopback (no HTTP): the serial of the certificate presented."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            verify.wrap_socket(raw, server_hostname="localhost") as conn:
+        return int(x509.load_der_x509_certificate(conn.getpeercert(True)).serial_number)
+
+
+@pytest.mark.parametrize("poll", [False, True], ids=["inotify", "poll"])
+def test_a_forked_child_follows_its_files_and_leaves_the_parents_watcher_alone(
+        rehydrate_engine, tmp_path, poll):
+    """A pre-fork worker: the parent's watcher threads did not come along, so the child
+    never re-read rotated files (its status still said it watched), and its close()
+    stopped the observer it inherited — whose inotify instance is the parent's: the
+    parent stopped following its files too."""
+    from detect_helpers import in_forked_child
+
+    ca = CA()
+    c1, k1, _ = ca.leaf()
+    _write_pair(tmp_path, c1, k1)
+    cert = tls.from_files("forked", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          poll=poll, poll_interval=0.05, engine=rehydrate_engine)
+    server_ctx = cert.server_context()
+    trusting_ca = ssl.create_default_context(cadata=ca.pem.decode())
+    c2, k2, second = ca.leaf()
+
+    def child() -> dict:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            while True:
+                conn, _ = listener.accept()
+                with contextlib.suppress(OSError), \
+                        server_ctx.wrap_socket(conn, server_side=True):
+                    pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        _write_pair(tmp_path, c2, k2)
+        with contextlib.suppress(AssertionError):  # reported below, after the close
+            wait_until(lambda: cert.serial == second.serial_number, 5, "the child's reload")
+        served = _handshake_serial(port, trusting_ca)
+        cert.close()
+        return {"served": served}
+
+    out = in_forked_child(child, 15)
+    wait_until(lambda: cert.serial == second.serial_number, what="the parent's reload")
+    c3, k3, third = ca.leaf()
+    _write_pair(tmp_path, c3, k3)
+    wait_until(lambda: cert.serial == third.serial_number, 5, "the parent's next reload")
+    cert.close()
+    assert out == {"served": second.serial_number}, "the child served its old certificate"
 
 
 def test_bad_files_at_creation_raise(rehydrate_engine, secret_dir):
