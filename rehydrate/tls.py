@@ -1841,27 +1841,20 @@ class FileCertificate(ManagedCertificate):
             obs.stop()
             obs.join(timeout=5)
 
-    def _watch_again_in_child(self) -> None:
+    def _forget_watcher_in_child(self) -> None:
         """In a child of ``fork()``: the parent's watcher threads did not come along, so
-        the child's handle never re-read changed files while ``status()`` said it
-        watched. Its observer is forgotten, not stopped: its inotify instance and wake-up
-        pipe are the parent's too, and stopping it (``close()`` in the child) removed the
-        parent's watches, so the parent stopped following its files. A watcher of the
-        child's own takes over."""
-        inherited, self._observer = self._observer, None
-        timer, self._timer = self._timer, None
-        if inherited is None or self._closed:
-            return
-        try:
-            self.start_watching()
-        except Exception as exc:  # a fork handler must not raise (inotify limits …)
-            self._observer = None
-            log.warning("tls: certificate %s: no file watcher in this forked process "
-                        "(%s); its files are re-read on restore or renew()", self.name,
-                        _one_line(exc))
-            return
-        if timer is not None and not timer.finished.is_set():
-            self._schedule_reload()  # a change seen just before the fork: read it here too
+        the inherited observer watches nothing here (``status()`` said it did). It is
+        forgotten, not stopped: its inotify instance and wake-up pipe are the parent's
+        too, and stopping it (``close()`` in the child) removed the parent's watches, so
+        the parent stopped following its files. No watcher is started here: a fork
+        handler runs in every child (a ``subprocess`` with ``preexec_fn``, each worker of
+        a ``multiprocessing`` pool), and a thread and an inotify instance per child and
+        certificate would run into the per-user inotify limit. A child that serves
+        (a pre-fork server's worker) calls :meth:`start_watching` to follow the files;
+        otherwise they are re-read on its restores and ``renew()``."""
+        # Dropped, not cancelled: its thread stayed in the parent, and cancel() takes a
+        # lock that thread may have held at the fork.
+        self._observer = self._timer = None
 
     def _schedule_reload(self) -> None:
         with self._lock:
@@ -2205,7 +2198,7 @@ def _after_fork_in_child() -> None:
             cert._renew_lock = threading.RLock()
             cert.last_error = "a renewal running at fork() was abandoned in this process"
         if isinstance(cert, FileCertificate):
-            cert._watch_again_in_child()
+            cert._forget_watcher_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

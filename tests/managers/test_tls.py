@@ -757,12 +757,13 @@ def _handshake_serial(port: int, verify: ssl.SSLContext) -> int:
 
 
 @pytest.mark.parametrize("poll", [False, True], ids=["inotify", "poll"])
-def test_a_forked_child_follows_its_files_and_leaves_the_parents_watcher_alone(
+def test_a_forked_child_watches_only_when_asked_and_leaves_the_parents_watcher_alone(
         rehydrate_engine, tmp_path, poll):
     """A pre-fork worker: the parent's watcher threads did not come along, so the child
-    never re-read rotated files (its status still said it watched), and its close()
+    never re-read rotated files while its status said it watched, and its close()
     stopped the observer it inherited — whose inotify instance is the parent's: the
-    parent stopped following its files too."""
+    parent stopped following its files too. Now the child's status says it does not
+    watch, ``start_watching()`` there follows the files, and the parent keeps its own."""
     from detect_helpers import in_forked_child
 
     ca = CA()
@@ -786,12 +787,14 @@ def test_a_forked_child_follows_its_files_and_leaves_the_parents_watcher_alone(
                     pass
 
         threading.Thread(target=serve, daemon=True).start()
+        inherited = cert.status()["watching"]
+        cert.start_watching()  # a pre-fork worker that serves follows its files
         _write_pair(tmp_path, c2, k2)
         with contextlib.suppress(AssertionError):  # reported below, after the close
             wait_until(lambda: cert.serial == second.serial_number, 5, "the child's reload")
         served = _handshake_serial(port, trusting_ca)
         cert.close()
-        return {"served": served}
+        return {"served": served, "inherited": inherited}
 
     out = in_forked_child(child, 15)
     wait_until(lambda: cert.serial == second.serial_number, what="the parent's reload")
@@ -799,7 +802,7 @@ def test_a_forked_child_follows_its_files_and_leaves_the_parents_watcher_alone(
     _write_pair(tmp_path, c3, k3)
     wait_until(lambda: cert.serial == third.serial_number, 5, "the parent's next reload")
     cert.close()
-    assert out == {"served": second.serial_number}, "the child served its old certificate"
+    assert out == {"served": second.serial_number, "inherited": None}, out
 
 
 def test_bad_files_at_creation_raise(rehydrate_engine, secret_dir):
