@@ -1805,6 +1805,10 @@ class FileCertificate(ManagedCertificate):
     # -- watching ------------------------------------------------------------------
 
     def start_watching(self) -> None:
+        """Follow the files (inotify, or polling under gVisor): changes are re-read and,
+        when valid, applied. Done by :func:`from_files` (unless ``watch=False``); call it
+        in a child of ``fork()`` that serves the certificate, which does not watch
+        otherwise. Idempotent; nothing happens for a handle made with ``watch=False``."""
         if not self._watch or self._observer is not None:
             return
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -1834,6 +1838,7 @@ class FileCertificate(ManagedCertificate):
         self._observer = observer
 
     def stop_watching(self) -> None:
+        """Stop following the files (they are still re-read on restore and ``renew()``)."""
         obs, self._observer = self._observer, None
         if self._timer is not None:
             self._timer.cancel()
