@@ -1467,7 +1467,15 @@ def _load_pem_list(data: bytes | bytearray, what: str) -> list[x509.Certificate]
 
     # Only the certificate blocks are copied (cryptography wants bytes, which cannot be
     # wiped): a bundle.pem holding the key too leaves no copy of the key's text behind.
-    blocks = b"\n".join(bytes(m.group(0)) for m in _CERT_BLOCK.finditer(data))
+    found = list(_CERT_BLOCK.finditer(data))
+    if len(found) != data.count(b"-----BEGIN CERTIFICATE-----"):
+        # A file cut off (a partial write, a full disk, read while being written): only
+        # its whole blocks used to be read, so a fullchain.pem missing its intermediate
+        # replaced a good chain and every client's verification failed. OpenSSL refuses
+        # such a file too.
+        raise CertificateError(f"{what} is not valid PEM: cut off (a certificate in it has "
+                               "no END line)")
+    blocks = b"\n".join(bytes(m.group(0)) for m in found)
     try:
         certs = x509.load_pem_x509_certificates(blocks)
     except ValueError:
@@ -1797,6 +1805,10 @@ class FileCertificate(ManagedCertificate):
     # -- watching ------------------------------------------------------------------
 
     def start_watching(self) -> None:
+        """Follow the files (inotify, or polling under gVisor): changes are re-read and,
+        when valid, applied. Done by :func:`from_files` (unless ``watch=False``); call it
+        in a child of ``fork()`` that serves the certificate, which does not watch
+        otherwise. Idempotent; nothing happens for a handle made with ``watch=False``."""
         if not self._watch or self._observer is not None:
             return
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -1826,12 +1838,28 @@ class FileCertificate(ManagedCertificate):
         self._observer = observer
 
     def stop_watching(self) -> None:
+        """Stop following the files (they are still re-read on restore and ``renew()``)."""
         obs, self._observer = self._observer, None
         if self._timer is not None:
             self._timer.cancel()
         if obs is not None:
             obs.stop()
             obs.join(timeout=5)
+
+    def _forget_watcher_in_child(self) -> None:
+        """In a child of ``fork()``: the parent's watcher threads did not come along, so
+        the inherited observer watches nothing here (``status()`` said it did). It is
+        forgotten, not stopped: its inotify instance and wake-up pipe are the parent's
+        too, and stopping it (``close()`` in the child) removed the parent's watches, so
+        the parent stopped following its files. No watcher is started here: a fork
+        handler runs in every child (a ``subprocess`` with ``preexec_fn``, each worker of
+        a ``multiprocessing`` pool), and a thread and an inotify instance per child and
+        certificate would run into the per-user inotify limit. A child that serves
+        (a pre-fork server's worker) calls :meth:`start_watching` to follow the files;
+        otherwise they are re-read on its restores and ``renew()``."""
+        # Dropped, not cancelled: its thread stayed in the parent, and cancel() takes a
+        # lock that thread may have held at the fork.
+        self._observer = self._timer = None
 
     def _schedule_reload(self) -> None:
         with self._lock:
@@ -2174,6 +2202,8 @@ def _after_fork_in_child() -> None:
         if held_by_another_thread(cert._renew_lock):
             cert._renew_lock = threading.RLock()
             cert.last_error = "a renewal running at fork() was abandoned in this process"
+        if isinstance(cert, FileCertificate):
+            cert._forget_watcher_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

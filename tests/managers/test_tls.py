@@ -7,6 +7,7 @@ The CSR issuer is a small CA HTTP server on loopback built here with ``cryptogra
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import http.server
 import json
@@ -694,6 +695,114 @@ def test_bad_files_keep_previous_material(rehydrate_engine, secret_dir, caplog, 
         assert rehydrate_engine.status().state == "ready"
     finally:
         cert.close()
+
+
+def _intermediate(root: CA) -> CA:
+    """A CA whose certificate ``root`` signed (so leaves need it in their chain)."""
+    inter = CA("Test Intermediate")
+    inter.cert = (
+        x509.CertificateBuilder().subject_name(inter.cert.subject)
+        .issuer_name(root.cert.subject).public_key(inter.key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(NOW - dt.timedelta(days=1))
+        .not_valid_after(NOW + dt.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(root.key, hashes.SHA256())
+    )
+    return inter
+
+
+@pytest.mark.parametrize("with_ca", [False, True], ids=["no-ca", "ca"])
+def test_a_cut_off_chain_file_keeps_the_full_chain_in_use(rehydrate_engine, tmp_path,
+                                                          https_server, caplog, with_ca):
+    """A fullchain.pem cut off inside its intermediate (a partial write, a full disk)
+    used to be read as the leaf alone: applied, it made every client's verification
+    fail. Like OpenSSL, rehydrate refuses the file, and the full chain stays served."""
+    root = CA("Test Root")
+    inter = _intermediate(root)
+    c1, k1, first = inter.leaf()
+    _write_pair(tmp_path, c1 + inter.pem, k1)
+    ca = {"ca": tmp_path / "ca.pem"} if with_ca else {}
+    if with_ca:
+        # a CA bundle of two roots, cut off the same way: also refused
+        (tmp_path / "ca.pem").write_bytes(root.pem + CA("Other Root").pem)
+    cert = tls.from_files("chain", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          watch=False, engine=rehydrate_engine, **ca)
+    port = https_server(cert.server_context())
+    trusting_root = ssl.create_default_context(cadata=root.pem.decode())
+    assert served_certificate(port, trusting_root).serial_number == first.serial_number
+
+    c2, k2, _ = inter.leaf()
+    if with_ca:
+        bundle = (tmp_path / "ca.pem").read_bytes()
+        (tmp_path / "ca.pem").write_bytes(bundle[:-200])
+        _write_pair(tmp_path, c2 + inter.pem, k2)
+    else:
+        _write_pair(tmp_path, (c2 + inter.pem)[:-200], k2)
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    assert cert.reload_if_changed() is False
+    assert "cut off" in cert.last_error
+    assert cert.serial == first.serial_number and cert.material.chain == (inter.cert,)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "keeping serial" in warnings[0], warnings
+    assert not rehydrate_engine.simulate_restore().ok
+    assert served_certificate(port, trusting_root).serial_number == first.serial_number
+
+
+def _handshake_serial(port: int, verify: ssl.SSLContext) -> int:
+    """A TLS handshake on loopback (no HTTP): the serial of the certificate presented."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            verify.wrap_socket(raw, server_hostname="localhost") as conn:
+        return int(x509.load_der_x509_certificate(conn.getpeercert(True)).serial_number)
+
+
+@pytest.mark.parametrize("poll", [False, True], ids=["inotify", "poll"])
+def test_a_forked_child_watches_only_when_asked_and_leaves_the_parents_watcher_alone(
+        rehydrate_engine, tmp_path, poll):
+    """A pre-fork worker: the parent's watcher threads did not come along, so the child
+    never re-read rotated files while its status said it watched, and its close()
+    stopped the observer it inherited — whose inotify instance is the parent's: the
+    parent stopped following its files too. Now the child's status says it does not
+    watch, ``start_watching()`` there follows the files, and the parent keeps its own."""
+    from detect_helpers import in_forked_child
+
+    ca = CA()
+    c1, k1, _ = ca.leaf()
+    _write_pair(tmp_path, c1, k1)
+    cert = tls.from_files("forked", cert=tmp_path / "c.pem", key=tmp_path / "k.pem",
+                          poll=poll, poll_interval=0.05, engine=rehydrate_engine)
+    server_ctx = cert.server_context()
+    trusting_ca = ssl.create_default_context(cadata=ca.pem.decode())
+    c2, k2, second = ca.leaf()
+
+    def child() -> dict:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            while True:
+                conn, _ = listener.accept()
+                with contextlib.suppress(OSError), \
+                        server_ctx.wrap_socket(conn, server_side=True):
+                    pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        inherited = cert.status()["watching"]
+        cert.start_watching()  # a pre-fork worker that serves follows its files
+        _write_pair(tmp_path, c2, k2)
+        with contextlib.suppress(AssertionError):  # reported below, after the close
+            wait_until(lambda: cert.serial == second.serial_number, 5, "the child's reload")
+        served = _handshake_serial(port, trusting_ca)
+        cert.close()
+        return {"served": served, "inherited": inherited}
+
+    out = in_forked_child(child, 15)
+    wait_until(lambda: cert.serial == second.serial_number, what="the parent's reload")
+    c3, k3, third = ca.leaf()
+    _write_pair(tmp_path, c3, k3)
+    wait_until(lambda: cert.serial == third.serial_number, 5, "the parent's next reload")
+    cert.close()
+    assert out == {"served": second.serial_number, "inherited": None}, out
 
 
 def test_bad_files_at_creation_raise(rehydrate_engine, secret_dir):
