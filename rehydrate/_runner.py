@@ -166,12 +166,17 @@ class EventObserver(Protocol):
     ``event_started`` runs before the first hook of an event, ``event_finished`` after
     the last one (readiness already updated), both under the engine's event lock. A hook
     that timed out may call ``hook_finished`` later, after ``event_finished``; its result
-    is then the ``timeout`` the report holds, however the hook ended.
+    is then the ``timeout`` the report holds, however the hook ended. A run that makes no
+    report (its caller interrupted while waiting, Ctrl-C) ends with ``event_interrupted``
+    instead of ``event_finished``, with the exception; a hook still running then may call
+    ``hook_finished`` later.
     """
 
     def event_started(self, ctx: RestoreContext) -> None: ...
 
     def event_finished(self, ctx: RestoreContext, report: Report) -> None: ...
+
+    def event_interrupted(self, ctx: RestoreContext, exc: BaseException) -> None: ...
 
 
 def backoff_delay(attempt: int) -> float:

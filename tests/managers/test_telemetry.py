@@ -198,6 +198,52 @@ def test_failures_and_timeouts_set_error_status(otel):
     assert per_hook["stuck"] == 1  # the second run was fast
 
 
+def test_a_run_interrupted_by_ctrl_c_ends_its_spans(otel):
+    """Ctrl-C in the caller waiting for the hooks gives the run up with no report (so no
+    event_finished): its rehydrate.restore span stayed open for ever, and the hook spans
+    already exported pointed to a parent that never was."""
+    import signal
+
+    engine, exporter, _, _, _ = otel
+    release = threading.Event()
+    main = threading.main_thread().ident
+    assert threading.current_thread() is threading.main_thread() and main is not None
+
+    @engine.registry.after_restore(name="slow", timeout=None)
+    def slow():
+        if not release.is_set():
+            # sent to the main thread itself: its blocked wait is interrupted (test_runner)
+            signal.pthread_kill(main, signal.SIGINT)
+            release.wait(10)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.simulate_restore()
+        by = spans_by_name(exporter)
+        (event,) = by["rehydrate.restore"]
+        assert event.status.status_code is StatusCode.ERROR
+        assert event.status.description == "run interrupted (KeyboardInterrupt)"
+        assert dict(event.attributes)["rehydrate.ok"] is False
+        # the hook still running: ended with its event, under it
+        (span,) = by["slow"]
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.parent.span_id == event.context.span_id
+        assert all(s.parent.span_id == event.context.span_id
+                   for s in exporter.get_finished_spans() if s is not event)
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, previous)
+    # the hook returning later ends nothing twice; the next run is a run of its own
+    deadline = time.monotonic() + 10
+    while engine.status().extra["hung_hooks"]:
+        assert time.monotonic() < deadline, "the released hook thread never finished"
+        time.sleep(0.01)
+    assert len(spans_by_name(exporter)["slow"]) == 1
+    assert engine.simulate_restore().ok
+    assert len(spans_by_name(exporter)["rehydrate.restore"]) == 2
+
+
 def test_snapshot_span_and_resume(otel):
     engine, exporter, _, _, _ = otel
 
