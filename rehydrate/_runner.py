@@ -270,8 +270,9 @@ def _contain(exc: BaseException, name: str) -> Exception:
     that they neither kill the engine's threads nor break the report's exception group; one
     whose message cannot be formatted gets wrapped too: every report and log line shows it).
 
-    Every hook error is recorded through here, so this is where a managed secret's value
-    quoted in its text is redacted (:func:`~rehydrate._redact.redact_error`): once, before
+    Every hook error is recorded through here, so this is where a managed secret's value,
+    and a URL's user info and query string, quoted in its text is redacted
+    (:func:`~rehydrate._redact.redact_error`): once, before
     the log line, the report, ``status()``, telemetry and readiness answers format it."""
     if isinstance(exc, Exception):
         try:
