@@ -178,9 +178,10 @@ class RedactedError(Exception):
     """A hook's error, in the report in place of the one it raised, when its text (or
     that of an error it was raised from or groups) quoted the value of a managed secret
     (a :class:`~rehydrate.secrets.Secret`, or what another extension registered with
-    :func:`~rehydrate.extensions.add_redactor`): its message and notes with each such
-    value replaced by ``[redacted secret 'name']``. Usually an instance of a subclass made
-    for the type raised, ``Redacted<Name>(RedactedError, <type raised>)``, so that
+    :func:`~rehydrate.extensions.add_redactor`), or a URL with user info or a query string
+    (a password, an ``api_key=``): its message and notes with each such value replaced by
+    ``[redacted secret 'name']`` and each such URL without them. Usually an instance of a
+    subclass made for the type raised, ``Redacted<Name>(RedactedError, <type raised>)``, so that
     ``isinstance()``, ``except*`` and an ``OSError``'s ``errno`` still work; a plain
     ``RedactedError`` where the type cannot be stood for so.
 

@@ -1930,6 +1930,9 @@ class Lifecycle:
             self._set_state("degraded")
             log.error("%s run interrupted (%s): its hooks did not all finish; state degraded "
                       "until the next successful run", ctx.kind, type(exc).__name__)
+            if self._observers:
+                # no report, so no event_finished: telemetry's event span stayed open
+                _notify_observers(tuple(self._observers), "event_interrupted", ctx, exc)
             raise
         return results, duration, started, waited, ok, error
 

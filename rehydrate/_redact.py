@@ -5,7 +5,9 @@ The engine core knows nothing of what is sensitive (it must not import the secre
 manager, see docs/architecture.md): a manager that holds sensitive values registers a
 *redactor* here, a function from text to text, and the engine passes every hook error
 through :func:`redact_error` where the error is recorded — before its text reaches a log
-line, a report, ``status()``, a telemetry span or a readiness gate's answer.
+line, a report, ``status()``, a telemetry span or a readiness gate's answer. That also
+leaves out the user info and query strings of the URLs a hook error quotes (a password or
+an ``api_key=`` from ``DATABASE_URL``, which no manager knows), as a connection's errors.
 
 The registry is process-wide, not per engine: a hook of any engine may quote the value of
 a secret another engine manages.
@@ -120,6 +122,17 @@ def redact(text: str) -> str:
     return text
 
 
+def _hide(text: str) -> str:
+    """``text`` without the user info and query strings of the URLs it quotes
+    (:func:`~rehydrate._urls.scrub_urls`), then :func:`redact`-ed: what a hook error is
+    recorded without. A hook reading ``DATABASE_URL`` or calling ``https://…?api_key=…``
+    fails with the password or the token in its message (requests, httpx's
+    ``raise_for_status()``, a driver's DSN), and no secret manager knows that value. URLs
+    first: the query scrub runs to a space or a quote, and cut a ``[redacted secret
+    'name']`` that replaced a value in a query in two."""
+    return redact(scrub_urls(text))
+
+
 def _own_texts(e: BaseException) -> Iterator[str]:
     """The texts of ``e`` itself a report, a log line or a traceback may show: ``str()``
     and ``repr()`` (a custom ``__str__`` may hide what ``repr()`` and ``args`` show), its
@@ -168,7 +181,7 @@ def _texts(exc: BaseException) -> Iterator[str]:
 
 
 def _clean(exc: BaseException) -> bool:
-    return all(redact(t) == t for t in _texts(exc))
+    return all(_hide(t) == t for t in _texts(exc))
 
 
 def _group_types() -> tuple[type[BaseException], ...]:
@@ -280,7 +293,7 @@ def _args(e: BaseException, native: type[BaseException]) -> tuple[Any, ...]:
     other arg as its redacted ``str()``."""
     def text(a: Any) -> str:
         try:
-            return redact(a if isinstance(a, str) else str(a))
+            return _hide(a if isinstance(a, str) else str(a))
         except Exception:
             return f"[unformattable {type(a).__name__}]"
 
@@ -337,23 +350,23 @@ def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseExcep
         made = [m for m in (_fresh(m, memo) for m in members
                             if isinstance(m, BaseException)) if m is not None]
         try:
-            text = redact(str(getattr(e, "message", "")))
+            text = _hide(str(getattr(e, "message", "")))
         except Exception:
             text = ""
-        out = (_make(original, (text,), made, redact(_show(e))) if made
-               else RedactedError(redact(_show(e)), original))
+        out = (_make(original, (text,), made, _hide(_show(e))) if made
+               else RedactedError(_hide(_show(e)), original))
     else:
         native = _native(original)
-        out = _make(original, _args(e, native), None, redact(_show(e)))
+        out = _make(original, _args(e, native), None, _hide(_show(e)))
         if type(e).__str__ is not native.__str__ and isinstance(out, RedactedError):
             # its own __str__ (CalledProcessError's, from attributes the stand-in does
             # not have): what it showed, redacted, rather than the bare args
-            vars(out)["redacted_message"] = redact(_show(e))
+            vars(out)["redacted_message"] = _hide(_show(e))
     if isinstance(e, RedactedError):
         vars(out).update(original_name=e.original_name, original_type=e.original_type)
     notes = getattr(e, "__notes__", None)
     if isinstance(notes, list):
-        vars(out)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]
+        vars(out)["__notes__"] = [_hide(n) for n in notes if isinstance(n, str)]
     memo[id(e)] = out
     out.__cause__ = None if e.__cause__ is None else _fresh(e.__cause__, memo)
     out.__context__ = None if e.__context__ is None else _fresh(e.__context__, memo)
@@ -373,19 +386,18 @@ def _no_attribute(self: BaseException, name: str) -> Any:
 
 
 def redact_error(exc: Exception) -> Exception:
-    """``exc`` itself when no registered redactor finds anything in what formatting it
-    shows (its message, ``repr()``, args, notes and string attributes, and those of its
-    causes, contexts and group members). Else a fresh chain, nothing of it copied from
-    the original: each link an instance of ``Redacted<Name>``, a subclass of both
-    :class:`~rehydrate.RedactedError` and the type raised (so ``isinstance``, ``except*``
-    and an ``OSError``'s ``errno`` still work), made from the redacted args alone — no
-    traceback on any link (the frames hold the hook's locals, the value among them
-    perhaps, and a report lives on into later snapshot images), none of the original's
-    other attributes (a response, a request, bytes output), notes redacted; causes,
-    contexts and group members made the same way, the clean ones too. A link whose type
-    cannot be subclassed or made so is a plain :class:`~rehydrate.RedactedError`."""
-    if not _live():  # the usual case: no secret managed, nothing to look for
-        return exc
+    """``exc`` itself when no registered redactor finds anything in what formatting it shows
+    (its message, ``repr()``, args, notes and string attributes, and those of its causes,
+    contexts and group members), nor any URL's user info or query string
+    (:func:`~rehydrate._urls.scrub_urls`, which leaves them out). Else a fresh chain,
+    nothing of it copied from the original: each link an instance of ``Redacted<Name>``, a
+    subclass of both :class:`~rehydrate.RedactedError` and the type raised (so
+    ``isinstance``, ``except*`` and an ``OSError``'s ``errno`` still work), made from the
+    redacted args alone — no traceback on any link (the frames hold the hook's locals, the
+    value among them perhaps, and a report lives on into later snapshot images), none of the
+    original's other attributes (a response, a request, bytes output), notes redacted;
+    causes, contexts and group members made the same way, the clean ones too. A link whose
+    type cannot be subclassed or made so is a plain :class:`~rehydrate.RedactedError`."""
     try:
         if _clean(exc):
             return exc
@@ -395,10 +407,10 @@ def redact_error(exc: Exception) -> Exception:
             out = None
         if isinstance(out, Exception) and _clean(out):
             return out
-        plain = RedactedError(redact(_show(exc)), type(exc))
+        plain = RedactedError(_hide(_show(exc)), type(exc))
         notes = getattr(exc, "__notes__", None)
         if isinstance(notes, list):
-            vars(plain)["__notes__"] = [redact(n) for n in notes if isinstance(n, str)]
+            vars(plain)["__notes__"] = [_hide(n) for n in notes if isinstance(n, str)]
         return plain
     except Exception as broken:  # an error type whose attributes raise: show nothing of it
         return RedactedError(f"{type(exc).__name__} (not shown: redacting it failed with "

@@ -166,12 +166,17 @@ class EventObserver(Protocol):
     ``event_started`` runs before the first hook of an event, ``event_finished`` after
     the last one (readiness already updated), both under the engine's event lock. A hook
     that timed out may call ``hook_finished`` later, after ``event_finished``; its result
-    is then the ``timeout`` the report holds, however the hook ended.
+    is then the ``timeout`` the report holds, however the hook ended. A run that makes no
+    report (its caller interrupted while waiting, Ctrl-C) ends with ``event_interrupted``
+    instead of ``event_finished``, with the exception; a hook still running then may call
+    ``hook_finished`` later.
     """
 
     def event_started(self, ctx: RestoreContext) -> None: ...
 
     def event_finished(self, ctx: RestoreContext, report: Report) -> None: ...
+
+    def event_interrupted(self, ctx: RestoreContext, exc: BaseException) -> None: ...
 
 
 def backoff_delay(attempt: int) -> float:
@@ -265,8 +270,9 @@ def _contain(exc: BaseException, name: str) -> Exception:
     that they neither kill the engine's threads nor break the report's exception group; one
     whose message cannot be formatted gets wrapped too: every report and log line shows it).
 
-    Every hook error is recorded through here, so this is where a managed secret's value
-    quoted in its text is redacted (:func:`~rehydrate._redact.redact_error`): once, before
+    Every hook error is recorded through here, so this is where a managed secret's value,
+    and a URL's user info and query string, quoted in its text is redacted
+    (:func:`~rehydrate._redact.redact_error`): once, before
     the log line, the report, ``status()``, telemetry and readiness answers format it."""
     if isinstance(exc, Exception):
         try:
@@ -452,6 +458,17 @@ class _Progress:
             _observe_finish(self.observers, tokens, result)
         return recorded
 
+    def not_started(self, index: int, result: HookResult) -> bool:
+        """:meth:`finish` for a hook reported ``failed`` or ``timeout`` without being
+        started (its thread from an earlier timeout still runs it; the run's deadline had
+        passed), told to the observers as a run of no length: telemetry counted neither
+        in ``rehydrate.hook.failures`` nor gave it a span, so a hook failing every restore
+        this way was counted once, at its first timeout."""
+        if not self.observers or result.outcome == "skipped":
+            return self.finish(index, result)
+        tokens = _observe_start(self.observers, self.hooks[index], self.ctx)
+        return self.settle(index, tokens, result)
+
     def complete(self) -> None:
         with self.lock:
             self.done = True
@@ -528,7 +545,7 @@ class HookRunner:
         while i < n:
             if job.time_left() <= 0:  # the run's deadline passed: start nothing more
                 for k in range(i, n):
-                    if not job.finish(k, _unstarted(hooks[k], job.ctx)):
+                    if not job.not_started(k, _unstarted(hooks[k], job.ctx)):
                         return False
                 break
             hook = hooks[i]
@@ -553,8 +570,8 @@ class HookRunner:
             return job.finish(index, HookResult(hook.name, hook.phase, "skipped", 0.0, None,
                                                 hook.required, 0))
         if self._still_running(hook):
-            return job.finish(index, HookResult(hook.name, hook.phase, "failed", 0.0,
-                                                HookStillRunning(hook.name), hook.required, 0))
+            return job.not_started(index, HookResult(hook.name, hook.phase, "failed", 0.0,
+                                                     HookStillRunning(hook.name), hook.required, 0))
         tokens = _observe_start(job.observers, hook, ctx) if job.observers else ()
         start = time.perf_counter()
         attempt = 0
@@ -661,7 +678,7 @@ class HookRunner:
                     alive = job.finish(i, HookResult(hook.name, hook.phase, "skipped", 0.0,
                                                      None, hook.required, 0))
                 elif job.time_left() <= 0:
-                    alive = job.finish(i, _unstarted(hook, ctx))
+                    alive = job.not_started(i, _unstarted(hook, ctx))
                 else:
                     alive = await self._run_async(job, i, hook, watchdog)
                 if not alive:

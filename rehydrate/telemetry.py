@@ -469,6 +469,36 @@ class Telemetry:
                 span.set_status(Status(StatusCode.ERROR, f"required hook(s) failed: {names}"))
         span.end()
 
+    def event_interrupted(self, ctx: RestoreContext, exc: BaseException) -> None:
+        """The run was given up without a report (Ctrl-C in its waiting caller): end its
+        span and those of the hooks still running, status ``ERROR``. They stayed open for
+        ever, and the hooks that had ended were exported under a parent never exported."""
+        ev = self._event
+        if ev is None or ev.ctx is not ctx:
+            return
+        self._event = None
+        if self._flush_at_end is ctx:
+            self._flush_at_end = None
+        with ev.lock:
+            pending = list(ev.open)
+            ev.open.clear()
+            for tok in pending:
+                tok.ended = True  # a hook that returns later ends nothing
+        if ev.tracer is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        # the type only: what interrupted the run is not a hook's error, and not redacted
+        status = Status(StatusCode.ERROR, f"run interrupted ({type(exc).__name__})")
+        for tok in pending:
+            if tok.span is not None:
+                tok.span.set_status(status)
+                tok.span.end()
+        if ev.span is not None:
+            ev.span.set_attribute("rehydrate.ok", False)
+            ev.span.set_status(status)
+            ev.span.end()
+
     # -- hook observer (called on the thread that runs the hook) ------------------------
 
     def hook_started(self, hook: Hook, ctx: RestoreContext) -> object:

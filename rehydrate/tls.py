@@ -809,7 +809,8 @@ class ManagedCertificate:
             text = str(failure) if isinstance(failure, CertificateError) else (
                 f"{type(failure).__name__}: {failure}")
             self.last_error = text
-            shown = redact_error(failure)  # itself, unless it (or its cause) quotes a secret
+            # itself, unless it (or its cause) quotes a secret or a URL's credentials
+            shown = redact_error(failure)
             if isinstance(shown, CertificateError):
                 raise shown
             raise CertificateError(self.last_error) from (

@@ -198,6 +198,106 @@ def test_failures_and_timeouts_set_error_status(otel):
     assert per_hook["stuck"] == 1  # the second run was fast
 
 
+def test_hooks_failed_without_being_started_get_a_span_and_are_counted(otel):
+    """A hook whose thread from an earlier timeout still ran it failed every later
+    restore (HookStillRunning), and hooks the run's deadline left no time for timed out:
+    the report said so, but no hook span and no rehydrate.hook.failures point did — an
+    alert on the counter saw one failure, the first timeout, then nothing."""
+    engine, exporter, reader, _, _ = otel
+    release = threading.Event()
+
+    @engine.registry.after_restore(name="stuck", timeout=0.1)
+    def stuck():
+        release.wait(10)
+
+    try:
+        first = engine.simulate_restore()
+        again = [engine.simulate_restore() for _ in range(2)]
+        assert [h.outcome for r in (first, *again) for h in r.hooks if h.name == "stuck"] \
+            == ["timeout", "failed", "failed"]
+        spans = spans_by_name(exporter)["stuck"]
+        assert [dict(s.attributes)["rehydrate.hook.outcome"] for s in spans] == \
+            ["timeout", "failed", "failed"]
+        assert all(s.status.status_code is StatusCode.ERROR for s in spans)
+        assert [dict(s.attributes)["rehydrate.hook.attempts"] for s in spans[1:]] == [0, 0]
+        assert "still running" in spans[1].status.description
+        events = [e for e in spans_by_name(exporter)["rehydrate.restore"]]
+        assert [s.parent.span_id for s in spans] == [e.context.span_id for e in events]
+        failures = metric_points(reader)["rehydrate.hook.failures"]
+        per_outcome = {dict(p.attributes)["rehydrate.hook.outcome"]: p.value
+                       for p in failures if dict(p.attributes)["rehydrate.hook.name"] == "stuck"}
+        assert per_outcome == {"timeout": 1, "failed": 2}
+    finally:
+        release.set()
+
+    # the run's deadline: a hook never started is a timeout of its own
+    deadline = time.monotonic() + 10
+    while engine.status().extra["hung_hooks"]:
+        assert time.monotonic() < deadline, "the released hook thread never finished"
+        time.sleep(0.01)
+    exporter.clear()
+    release.clear()
+
+    @engine.registry.after_restore(name="later", phase=Phase.APPLICATION)
+    def later():
+        raise AssertionError("not started: the deadline passed")
+
+    try:
+        report = engine.restore_detected("test", deadline=0.05)
+    finally:
+        release.set()
+    assert {h.name: (h.outcome, h.attempts) for h in report.hooks}["later"] == ("timeout", 0)
+    (span,) = spans_by_name(exporter)["later"]
+    assert dict(span.attributes)["rehydrate.hook.outcome"] == "timeout"
+    assert "not started" in span.status.description
+
+
+def test_a_run_interrupted_by_ctrl_c_ends_its_spans(otel):
+    """Ctrl-C in the caller waiting for the hooks gives the run up with no report (so no
+    event_finished): its rehydrate.restore span stayed open for ever, and the hook spans
+    already exported pointed to a parent that never was."""
+    import signal
+
+    engine, exporter, _, _, _ = otel
+    release = threading.Event()
+    main = threading.main_thread().ident
+    assert threading.current_thread() is threading.main_thread() and main is not None
+
+    @engine.registry.after_restore(name="slow", timeout=None)
+    def slow():
+        if not release.is_set():
+            # sent to the main thread itself: its blocked wait is interrupted (test_runner)
+            signal.pthread_kill(main, signal.SIGINT)
+            release.wait(10)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.simulate_restore()
+        by = spans_by_name(exporter)
+        (event,) = by["rehydrate.restore"]
+        assert event.status.status_code is StatusCode.ERROR
+        assert event.status.description == "run interrupted (KeyboardInterrupt)"
+        assert dict(event.attributes)["rehydrate.ok"] is False
+        # the hook still running: ended with its event, under it
+        (span,) = by["slow"]
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.parent.span_id == event.context.span_id
+        assert all(s.parent.span_id == event.context.span_id
+                   for s in exporter.get_finished_spans() if s is not event)
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, previous)
+    # the hook returning later ends nothing twice; the next run is a run of its own
+    deadline = time.monotonic() + 10
+    while engine.status().extra["hung_hooks"]:
+        assert time.monotonic() < deadline, "the released hook thread never finished"
+        time.sleep(0.01)
+    assert len(spans_by_name(exporter)["slow"]) == 1
+    assert engine.simulate_restore().ok
+    assert len(spans_by_name(exporter)["rehydrate.restore"]) == 2
+
+
 def test_snapshot_span_and_resume(otel):
     engine, exporter, _, _, _ = otel
 
