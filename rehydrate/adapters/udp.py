@@ -164,11 +164,15 @@ class _Filter(asyncio.DatagramProtocol):
             self.endpoint.protocol.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.endpoint._rebinding:  # a re-bind is not the end of the endpoint
+        endpoint = self.endpoint
+        # A re-bind's old socket is not the end of the endpoint; close() during a re-bind
+        # is, for the socket it closed.
+        if not endpoint._rebinding or (endpoint._closed
+                                       and self.transport is endpoint.transport):
             # Lost without close()/abort() (which drop them): a resume_reading() before
             # the next start() handed them over after the game's connection_lost.
-            self.endpoint._drop_held()
-            self.endpoint.protocol.connection_lost(exc)
+            endpoint._drop_held()
+            endpoint.protocol.connection_lost(exc)
 
 
 class _StableTransport(asyncio.DatagramTransport):
@@ -554,7 +558,9 @@ class UdpEndpoint:
             return False
 
     async def ensure(self) -> bool:
-        """Check the socket; re-bind it when the check fails. True when it was re-bound.
+        """Check the socket; re-bind it when the check fails. True when it was re-bound;
+        False, nothing bound, also when :meth:`close` came while it checked (or resolved a
+        host name) or another ``ensure()`` bound the socket again meanwhile.
         The new socket is bound before the old one is closed (unless the old one holds
         that very address), so a failed bind leaves the old one open; a host name (from
         a callable ``local_addr``) is bound at its first address of the old socket's
@@ -571,9 +577,14 @@ class UdpEndpoint:
             # it bound again a socket nothing checks any more (restores skip a closed one)
             raise RuntimeError(f"UDP endpoint {self.name!r} is closed: await start() "
                                "before ensure()")
+        old = self.transport
         if await self.check():
             return False
-        old = self.transport
+        if self._closed or self._rebinding or self.transport is not old:
+            # close() while the check waited: binding again would hand the game a socket
+            # after its connection_lost and keep the port after close(); or another
+            # ensure() is binding it again, or has: the new socket is not the dead one.
+            return False
         where = None
         with contextlib.suppress(Exception):
             where = self.address
@@ -581,18 +592,19 @@ class UdpEndpoint:
                     self.name, where)
         self._rebinding = True
         try:
-            await self._rebind(old)
+            if not await self._rebind(old):
+                return False
         finally:
             self._rebinding = False
         self.rebinds += 1
         log.info("UDP socket %s bound again at %s", self.name, self.address)
         return True
 
-    async def _rebind(self, old: asyncio.DatagramTransport) -> None:
+    async def _rebind(self, old: asyncio.DatagramTransport) -> bool:
         """The new socket bound before the old one is closed, so that a failed bind (a
         fixed address the host no longer has) leaves the old one as it was; only when the
         old one holds the very address (the same address and port, or a wildcard bind) is
-        it closed first."""
+        it closed first. False, with nothing bound, when :meth:`close` came meanwhile."""
         try:
             addr = self._wanted()
         except Exception as exc:
@@ -601,6 +613,8 @@ class UdpEndpoint:
                                f"{shown(exc)}, so the socket cannot be bound again") from exc
         try:
             at = await self._first_address(addr, old)
+            if self._closed:  # while the host name resolved
+                return False
             try:
                 new = await self._open(at)
             except OSError as exc:
@@ -611,6 +625,8 @@ class UdpEndpoint:
                 self._drain(old)
                 old.close()
                 await asyncio.sleep(0)  # let the loop drop the old reader before binding
+                if self._closed:
+                    return False
                 new = await self._open(at)
         except OSError as exc:
             raise self._rebind_failed(addr, exc) from exc
@@ -618,6 +634,7 @@ class UdpEndpoint:
         self._drain(old)
         old.close()
         await asyncio.sleep(0)  # the old transport's connection_lost, while _rebinding
+        return True
 
     @staticmethod
     def _holds(old: asyncio.DatagramTransport, at: _Where) -> bool:

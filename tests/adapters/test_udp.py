@@ -728,3 +728,64 @@ async def test_a_rebind_at_a_host_name_that_does_not_resolve_says_so(rehydrate_e
             f"[Errno {error.errno}] UDP endpoint 'renamed': binding again at "
             f"rehydrate-nowhere.invalid:0 failed ({error.__cause__.strerror}); the "
             "host name does not resolve (local_addr() returned it)")
+
+
+async def test_a_close_while_the_restore_checks_binds_nothing_again(rehydrate_engine):
+    """The game closed its endpoint (shutting down) while a restore's check of a dead
+    socket waited for its probe: the check then bound the socket again — the game got
+    connection_made after its connection_lost, the port stayed taken after close(), and
+    start() said "already started"."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="closing",
+                     probe_timeout=0.3)
+    await ep.start()
+    addr = ep.address
+    game = ep.protocol
+    _kill(ep)
+    checking = asyncio.Event()
+    real_check = ep.check
+
+    async def check() -> bool:
+        checking.set()
+        return await real_check()
+
+    ep.check = check  # type: ignore[method-assign]
+    ensured = asyncio.create_task(ep.ensure())
+    await checking.wait()
+    ep.close()
+    assert await ensured is False
+    assert (game.made, game.lost, ep.rebinds) == (1, 1, 0)
+    assert ep.transport is not None and ep.transport.is_closing()
+    await asyncio.sleep(0)  # the closed transport lets go of its socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        other.bind(addr)  # free: close() let go of the port
+
+
+async def test_a_close_while_a_rebind_resolves_its_host_binds_nothing(rehydrate_engine,
+                                                                       monkeypatch):
+    """close() while a re-bind resolved local_addr()'s host name: the socket was bound
+    all the same, after the game's connection_lost."""
+    async with _started(rehydrate_engine, "resolving", probe_timeout=0.2,
+                        local_addr=lambda: ("localhost", 0)) as (ep, _):
+        game = ep.protocol
+        _kill(ep)
+        real = ep._first_address
+
+        async def first_address(addr: Any, old: Any) -> Any:
+            ep.close()  # the game shuts down meanwhile
+            return await real(addr, old)
+
+        monkeypatch.setattr(ep, "_first_address", first_address)
+        assert await ep.ensure() is False
+        assert (game.made, game.lost, ep.rebinds) == (1, 1, 0)
+
+
+async def test_two_checks_at_once_rebind_a_dead_socket_once(rehydrate_engine):
+    """The game's own ensure() while the restore's ran on the same dead socket: both
+    bound it again, the second dropping the socket the first had just bound."""
+    async with _started(rehydrate_engine, "twice", probe_timeout=0.2) as (ep, _):
+        game = ep.protocol
+        _kill(ep)
+        results = await asyncio.gather(ep.ensure(), ep.ensure())
+        assert sorted(results) == [False, True]
+        assert (game.made, ep.rebinds) == (2, 1)
+        assert await ep.check()
