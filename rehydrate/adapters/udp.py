@@ -369,7 +369,9 @@ class UdpEndpoint:
         """Bind the socket and register the restore hook (once). Returns the endpoint's
         transport — the one the protocol's ``connection_made`` gets too —, which sends
         through whichever socket is bound, across re-binds. A host name in ``local_addr``
-        that does not resolve raises ``socket.gaierror`` naming the endpoint and the name."""
+        that does not resolve raises ``socket.gaierror`` naming the endpoint and the name;
+        a failed bind (a port in use, an address this host does not have) an ``OSError``
+        with its errno, naming the endpoint and the address (nothing is bound then)."""
         if self.transport is not None and not self.transport.is_closing():
             raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
                                f"{self.address}")
@@ -389,6 +391,10 @@ class UdpEndpoint:
             raise socket.gaierror(exc.errno, f"UDP endpoint {self.name!r}: the host name "
                                              f"{addr[0]!r} in local_addr does not resolve "
                                              f"({exc.strerror or exc})") from exc
+        except OSError as exc:
+            # a bare "[Errno 98] Address already in use" named neither the endpoint nor
+            # the port (asyncio's datagram endpoint says no more than the kernel)
+            raise self._bind_failed(addr, exc, again=False) from exc
         if self._hook is None:
             self._engine = engine
             ref = weakref.ref(self)
@@ -629,7 +635,7 @@ class UdpEndpoint:
                     return False
                 new = await self._open(at)
         except OSError as exc:
-            raise self._rebind_failed(addr, exc) from exc
+            raise self._bind_failed(addr, exc) from exc
         self._bound(new)
         self._drain(old)
         old.close()
@@ -711,9 +717,10 @@ class UdpEndpoint:
         first = next((i for i in infos if i[0] == family), infos[0])
         return str(first[4][0]), port
 
-    def _rebind_failed(self, addr: _Where, exc: OSError) -> OSError:
+    def _bind_failed(self, addr: _Where, exc: OSError, *, again: bool = True) -> OSError:
         """``exc`` with the endpoint, the address and what to do (a bare "[Errno 99]
-        Cannot assign requested address" said none of them), chosen by its errno."""
+        Cannot assign requested address" said none of them), chosen by its errno.
+        ``again``: a re-bind after a restore (else :meth:`start`'s first bind)."""
         host = str(addr[0])
         v6 = ":" in host
         hint: str | None = None
@@ -725,6 +732,8 @@ class UdpEndpoint:
             hint = "the port is taken by another socket"
         elif exc.errno != errno.EADDRNOTAVAIL or host in _WILDCARDS:
             pass  # not "no such address here": an IP change is not the cause
+        elif not again:
+            hint = "not an address of this host"
         elif callable(self._local_addr):
             hint = "local_addr() returned it: is it this host's address now?"
         else:
@@ -739,7 +748,8 @@ class UdpEndpoint:
         tail = "" if hint is None else f"; {hint}"
         # a gaierror stays one, for a caller that tells a name apart from a bind
         kind = socket.gaierror if isinstance(exc, socket.gaierror) else OSError
-        return kind(exc.errno, f"UDP endpoint {self.name!r}: binding again at {where} "
+        binding = "binding again" if again else "binding"
+        return kind(exc.errno, f"UDP endpoint {self.name!r}: {binding} at {where} "
                                f"failed ({reason}){tail}")
 
     def _not_started(self, what: str) -> RuntimeError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -789,3 +790,37 @@ async def test_two_checks_at_once_rebind_a_dead_socket_once(rehydrate_engine):
         assert sorted(results) == [False, True]
         assert (game.made, ep.rebinds) == (2, 1)
         assert await ep.check()
+
+
+async def test_a_port_in_use_at_start_names_the_endpoint_and_the_address(rehydrate_engine):
+    """A second server on the game's port: start() raised asyncio's bare "[Errno 98]
+    Address already in use", naming neither the endpoint nor the port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as first:
+        first.bind(("127.0.0.1", 0))
+        port = first.getsockname()[1]
+        ep = UdpEndpoint(Game, ("127.0.0.1", port), engine=rehydrate_engine, name="second")
+        with pytest.raises(OSError) as info:
+            await ep.start()
+    error = info.value
+    assert error.errno == errno.EADDRINUSE
+    assert str(error) == (f"[Errno {error.errno}] UDP endpoint 'second': binding at "
+                          f"127.0.0.1:{port} failed ({os.strerror(error.errno)}); the port "
+                          "is taken by another socket")
+    assert ep.transport is None
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(ep.close)
+        await ep.start()  # the port free again: the same endpoint binds
+        assert ep.address == ("127.0.0.1", port)
+
+
+async def test_an_address_this_host_lacks_at_start_says_so(rehydrate_engine):
+    """start() at an address the host does not have: a bare "[Errno 99] Cannot assign
+    requested address"."""
+    ep = UdpEndpoint(Game, ("192.0.2.1", 0), engine=rehydrate_engine, name="elsewhere")
+    with pytest.raises(OSError) as info:
+        await ep.start()
+    assert info.value.errno == errno.EADDRNOTAVAIL
+    assert str(info.value) == (
+        f"[Errno {info.value.errno}] UDP endpoint 'elsewhere': binding at 192.0.2.1:0 "
+        f"failed ({os.strerror(errno.EADDRNOTAVAIL)}); not an address of this host")
+    assert ep.transport is None
