@@ -30,6 +30,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import numbers
 import os
 import socket
 import weakref
@@ -92,6 +93,36 @@ def _pausable(transport: asyncio.BaseTransport | None) -> _FlowControl | None:
         if getattr(type(flow), name, None) is getattr(asyncio.ReadTransport, name):
             return None
     return flow
+
+
+_ADDRESS_RULE = ("a (host, port) tuple — host a str or None, port a whole number from 0 to "
+                 "65535 — or an IPv6 (host, port, flowinfo, scope_id)")
+
+
+def _address(value: object) -> _Where | None:
+    """``value`` as an address to bind (a list, as a JSON config gives it, as a tuple), or
+    None when it is not one. asyncio's own errors for those named neither the endpoint nor
+    the rule: ``"10.0.0.5:7777"`` said "AF_INET6 address must be tuple", a 3-tuple that the
+    host name did not resolve, and ``True`` as the port bound port 1."""
+    if isinstance(value, list):
+        value = tuple(value)
+    if not isinstance(value, tuple) or len(value) not in (2, 4):
+        return None
+    host, port = value[0], value[1]
+    if (not (host is None or isinstance(host, str)) or isinstance(port, bool)
+            or not isinstance(port, numbers.Integral) or not 0 <= int(port) <= 65535):
+        return None
+    return (host, int(port), *value[2:])
+
+
+def _described(value: object) -> str:
+    """What ``value`` is, not what it says (an address read from the environment)."""
+    kind = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        # a port may be shown: an int's value is no secret worth the confusion
+        parts = (str(v) if type(v) is int else type(v).__name__ for v in value[:4])
+        return f"a {kind} of {len(value)}: " + ", ".join(parts)
+    return f"a {kind}"
 
 
 def _write_limits(high: int | None, low: int | None) -> tuple[int, int]:
@@ -269,7 +300,10 @@ class _StableTransport(asyncio.DatagramTransport):
 
 class UdpEndpoint:
     """A UDP socket for ``protocol_factory`` at ``local_addr`` (a ``(host, port)`` pair,
-    or a callable returning one, evaluated at every bind).
+    or a callable returning one, evaluated at every bind). Anything else (``"host:port"``,
+    a port that is no whole number from 0 to 65535, ``True`` included) is a
+    ``ValueError`` naming the endpoint — here, or from the bind when the callable returned
+    it (its type is named, not its value); a list (a JSON config's) is taken as a tuple.
 
     ``await endpoint.start()`` binds it on the running loop and registers the restore
     hook with ``engine`` (default: the process-wide engine). ``check()`` probes it,
@@ -290,6 +324,12 @@ class UdpEndpoint:
                 or not 0 < probe_timeout <= _MAX_PROBE_TIMEOUT):
             raise ValueError(f"probe_timeout must be a number of seconds > 0 and at most "
                              f"{_MAX_PROBE_TIMEOUT:.0f}, not {shown(probe_timeout)}")
+        if not callable(local_addr):
+            where = _address(local_addr)
+            if where is None:
+                raise ValueError(f"UDP endpoint {name!r}: local_addr must be {_ADDRESS_RULE}, "
+                                 f"or a callable returning one, not {shown(local_addr)}")
+            local_addr = where
         self.protocol = protocol_factory()
         self._local_addr: _Where | Callable[[], Address] = local_addr
         self.name = name
@@ -331,7 +371,17 @@ class UdpEndpoint:
         return str(host), int(port)
 
     def _wanted(self) -> _Where:
-        return self._local_addr() if callable(self._local_addr) else self._local_addr
+        return self._returned(self._local_addr()) if callable(
+            self._local_addr) else self._local_addr
+
+    def _returned(self, value: object) -> _Where:
+        """What a callable ``local_addr`` returned, as an address, else ``ValueError``."""
+        where = _address(value)
+        if where is None:
+            # Its type, not its value: it is often read from the environment.
+            raise ValueError(f"UDP endpoint {self.name!r}: local_addr() returned "
+                             f"{_described(value)}, not {_ADDRESS_RULE}")
+        return where
 
     async def _open(self, addr: _Where) -> asyncio.DatagramTransport:
         loop = asyncio.get_running_loop()
@@ -611,12 +661,18 @@ class UdpEndpoint:
         fixed address the host no longer has) leaves the old one as it was; only when the
         old one holds the very address (the same address and port, or a wildcard bind) is
         it closed first. False, with nothing bound, when :meth:`close` came meanwhile."""
-        try:
-            addr = self._wanted()
-        except Exception as exc:
-            # a bare KeyError: 'POD_IP' said neither what was called nor for what
-            raise RuntimeError(f"UDP endpoint {self.name!r}: local_addr() raised "
-                               f"{shown(exc)}, so the socket cannot be bound again") from exc
+        wanted = self._local_addr
+        if callable(wanted):
+            try:
+                value = wanted()
+            except Exception as exc:
+                # a bare KeyError: 'POD_IP' said neither what was called nor for what
+                raise RuntimeError(f"UDP endpoint {self.name!r}: local_addr() raised "
+                                   f"{shown(exc)}, so the socket cannot be bound "
+                                   "again") from exc
+            addr = self._returned(value)
+        else:
+            addr = wanted
         try:
             at = await self._first_address(addr, old)
             if self._closed:  # while the host name resolved

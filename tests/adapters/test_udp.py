@@ -824,3 +824,43 @@ async def test_an_address_this_host_lacks_at_start_says_so(rehydrate_engine):
         f"[Errno {info.value.errno}] UDP endpoint 'elsewhere': binding at 192.0.2.1:0 "
         f"failed ({os.strerror(errno.EADDRNOTAVAIL)}); not an address of this host")
     assert ep.transport is None
+
+
+@pytest.mark.parametrize("local_addr", ["127.0.0.1:7777", ("127.0.0.1", True),
+                                        ("127.0.0.1", 70000), ("127.0.0.1", 0, 0), None])
+def test_a_local_addr_that_is_no_address_is_refused_at_once(rehydrate_engine, local_addr):
+    """"127.0.0.1:7777" reached start() as "bind(): AF_INET6 address must be tuple", a
+    3-tuple as a host name that "does not resolve", None as "object of type 'NoneType'
+    has no len()", and ("127.0.0.1", True) bound port 1."""
+    with pytest.raises(ValueError) as info:
+        UdpEndpoint(Game, local_addr, engine=rehydrate_engine, name="typo")
+    assert str(info.value).startswith(
+        "UDP endpoint 'typo': local_addr must be a (host, port) tuple — host a str or None, "
+        "port a whole number from 0 to 65535 — or an IPv6 (host, port, flowinfo, scope_id), "
+        "or a callable returning one, not ")
+
+
+async def test_a_local_addr_list_from_a_json_config_binds(rehydrate_engine):
+    """["127.0.0.1", 0] (a JSON config's address) raised asyncio's "2-tuple is expected"."""
+    async with _started(rehydrate_engine, "json", local_addr=["127.0.0.1", 0]) as (ep, _):
+        assert ep.address[0] == "127.0.0.1"
+
+
+async def test_a_local_addr_callable_returning_no_address_says_what_it_returned(
+        rehydrate_engine):
+    """lambda: os.environ["GAME_ADDR"] ("10.0.0.5:7777"): the hook failed with asyncio's
+    "AF_INET6 address must be tuple, not str". The value itself (read from the
+    environment) is not shown, only its type."""
+    value: list[Any] = [("127.0.0.1", 0)]
+    async with _started(rehydrate_engine, "returned", probe_timeout=0.2,
+                        local_addr=lambda: value[0]) as (ep, _):
+        _kill(ep)
+        value[0] = "10.9.8.7:7777"
+        error = await _rebind_fails(ep, ValueError)
+        assert str(error) == (
+            "UDP endpoint 'returned': local_addr() returned a str, not a (host, port) "
+            "tuple — host a str or None, port a whole number from 0 to 65535 — or an IPv6 "
+            "(host, port, flowinfo, scope_id)")
+        value[0] = ("127.0.0.1", 70000)
+        error = await _rebind_fails(ep, ValueError)
+        assert "returned a tuple of 2: str, 70000, not" in str(error)
