@@ -30,6 +30,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import numbers
 import os
 import socket
 import weakref
@@ -92,6 +93,36 @@ def _pausable(transport: asyncio.BaseTransport | None) -> _FlowControl | None:
         if getattr(type(flow), name, None) is getattr(asyncio.ReadTransport, name):
             return None
     return flow
+
+
+_ADDRESS_RULE = ("a (host, port) tuple — host a str or None, port a whole number from 0 to "
+                 "65535 — or an IPv6 (host, port, flowinfo, scope_id)")
+
+
+def _address(value: object) -> _Where | None:
+    """``value`` as an address to bind (a list, as a JSON config gives it, as a tuple), or
+    None when it is not one. asyncio's own errors for those named neither the endpoint nor
+    the rule: ``"10.0.0.5:7777"`` said "AF_INET6 address must be tuple", a 3-tuple that the
+    host name did not resolve, and ``True`` as the port bound port 1."""
+    if isinstance(value, list):
+        value = tuple(value)
+    if not isinstance(value, tuple) or len(value) not in (2, 4):
+        return None
+    host, port = value[0], value[1]
+    if (not (host is None or isinstance(host, str)) or isinstance(port, bool)
+            or not isinstance(port, numbers.Integral) or not 0 <= int(port) <= 65535):
+        return None
+    return (host, int(port), *value[2:])
+
+
+def _described(value: object) -> str:
+    """What ``value`` is, not what it says (an address read from the environment)."""
+    kind = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        # a port may be shown: an int's value is no secret worth the confusion
+        parts = (str(v) if type(v) is int else type(v).__name__ for v in value[:4])
+        return f"a {kind} of {len(value)}: " + ", ".join(parts)
+    return f"a {kind}"
 
 
 def _write_limits(high: int | None, low: int | None) -> tuple[int, int]:
@@ -164,11 +195,15 @@ class _Filter(asyncio.DatagramProtocol):
             self.endpoint.protocol.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.endpoint._rebinding:  # a re-bind is not the end of the endpoint
+        endpoint = self.endpoint
+        # A re-bind's old socket is not the end of the endpoint; close() during a re-bind
+        # is, for the socket it closed.
+        if not endpoint._rebinding or (endpoint._closed
+                                       and self.transport is endpoint.transport):
             # Lost without close()/abort() (which drop them): a resume_reading() before
             # the next start() handed them over after the game's connection_lost.
-            self.endpoint._drop_held()
-            self.endpoint.protocol.connection_lost(exc)
+            endpoint._drop_held()
+            endpoint.protocol.connection_lost(exc)
 
 
 class _StableTransport(asyncio.DatagramTransport):
@@ -265,7 +300,10 @@ class _StableTransport(asyncio.DatagramTransport):
 
 class UdpEndpoint:
     """A UDP socket for ``protocol_factory`` at ``local_addr`` (a ``(host, port)`` pair,
-    or a callable returning one, evaluated at every bind).
+    or a callable returning one, evaluated at every bind). Anything else (``"host:port"``,
+    a port that is no whole number from 0 to 65535, ``True`` included) is a
+    ``ValueError`` naming the endpoint — here, or from the bind when the callable returned
+    it (its type is named, not its value); a list (a JSON config's) is taken as a tuple.
 
     ``await endpoint.start()`` binds it on the running loop and registers the restore
     hook with ``engine`` (default: the process-wide engine). ``check()`` probes it,
@@ -286,6 +324,12 @@ class UdpEndpoint:
                 or not 0 < probe_timeout <= _MAX_PROBE_TIMEOUT):
             raise ValueError(f"probe_timeout must be a number of seconds > 0 and at most "
                              f"{_MAX_PROBE_TIMEOUT:.0f}, not {shown(probe_timeout)}")
+        if not callable(local_addr):
+            where = _address(local_addr)
+            if where is None:
+                raise ValueError(f"UDP endpoint {name!r}: local_addr must be {_ADDRESS_RULE}, "
+                                 f"or a callable returning one, not {shown(local_addr)}")
+            local_addr = where
         self.protocol = protocol_factory()
         self._local_addr: _Where | Callable[[], Address] = local_addr
         self.name = name
@@ -327,7 +371,17 @@ class UdpEndpoint:
         return str(host), int(port)
 
     def _wanted(self) -> _Where:
-        return self._local_addr() if callable(self._local_addr) else self._local_addr
+        return self._returned(self._local_addr()) if callable(
+            self._local_addr) else self._local_addr
+
+    def _returned(self, value: object) -> _Where:
+        """What a callable ``local_addr`` returned, as an address, else ``ValueError``."""
+        where = _address(value)
+        if where is None:
+            # Its type, not its value: it is often read from the environment.
+            raise ValueError(f"UDP endpoint {self.name!r}: local_addr() returned "
+                             f"{_described(value)}, not {_ADDRESS_RULE}")
+        return where
 
     async def _open(self, addr: _Where) -> asyncio.DatagramTransport:
         loop = asyncio.get_running_loop()
@@ -365,7 +419,9 @@ class UdpEndpoint:
         """Bind the socket and register the restore hook (once). Returns the endpoint's
         transport — the one the protocol's ``connection_made`` gets too —, which sends
         through whichever socket is bound, across re-binds. A host name in ``local_addr``
-        that does not resolve raises ``socket.gaierror`` naming the endpoint and the name."""
+        that does not resolve raises ``socket.gaierror`` naming the endpoint and the name;
+        a failed bind (a port in use, an address this host does not have) an ``OSError``
+        with its errno, naming the endpoint and the address (nothing is bound then)."""
         if self.transport is not None and not self.transport.is_closing():
             raise RuntimeError(f"UDP endpoint {self.name!r} is already started at "
                                f"{self.address}")
@@ -385,6 +441,10 @@ class UdpEndpoint:
             raise socket.gaierror(exc.errno, f"UDP endpoint {self.name!r}: the host name "
                                              f"{addr[0]!r} in local_addr does not resolve "
                                              f"({exc.strerror or exc})") from exc
+        except OSError as exc:
+            # a bare "[Errno 98] Address already in use" named neither the endpoint nor
+            # the port (asyncio's datagram endpoint says no more than the kernel)
+            raise self._bind_failed(addr, exc, again=False) from exc
         if self._hook is None:
             self._engine = engine
             ref = weakref.ref(self)
@@ -554,7 +614,9 @@ class UdpEndpoint:
             return False
 
     async def ensure(self) -> bool:
-        """Check the socket; re-bind it when the check fails. True when it was re-bound.
+        """Check the socket; re-bind it when the check fails. True when it was re-bound;
+        False, nothing bound, also when :meth:`close` came while it checked (or resolved a
+        host name) or another ``ensure()`` bound the socket again meanwhile.
         The new socket is bound before the old one is closed (unless the old one holds
         that very address), so a failed bind leaves the old one open; a host name (from
         a callable ``local_addr``) is bound at its first address of the old socket's
@@ -571,9 +633,14 @@ class UdpEndpoint:
             # it bound again a socket nothing checks any more (restores skip a closed one)
             raise RuntimeError(f"UDP endpoint {self.name!r} is closed: await start() "
                                "before ensure()")
+        old = self.transport
         if await self.check():
             return False
-        old = self.transport
+        if self._closed or self._rebinding or self.transport is not old:
+            # close() while the check waited: binding again would hand the game a socket
+            # after its connection_lost and keep the port after close(); or another
+            # ensure() is binding it again, or has: the new socket is not the dead one.
+            return False
         where = None
         with contextlib.suppress(Exception):
             where = self.address
@@ -581,26 +648,35 @@ class UdpEndpoint:
                     self.name, where)
         self._rebinding = True
         try:
-            await self._rebind(old)
+            if not await self._rebind(old):
+                return False
         finally:
             self._rebinding = False
         self.rebinds += 1
         log.info("UDP socket %s bound again at %s", self.name, self.address)
         return True
 
-    async def _rebind(self, old: asyncio.DatagramTransport) -> None:
+    async def _rebind(self, old: asyncio.DatagramTransport) -> bool:
         """The new socket bound before the old one is closed, so that a failed bind (a
         fixed address the host no longer has) leaves the old one as it was; only when the
         old one holds the very address (the same address and port, or a wildcard bind) is
-        it closed first."""
-        try:
-            addr = self._wanted()
-        except Exception as exc:
-            # a bare KeyError: 'POD_IP' said neither what was called nor for what
-            raise RuntimeError(f"UDP endpoint {self.name!r}: local_addr() raised "
-                               f"{shown(exc)}, so the socket cannot be bound again") from exc
+        it closed first. False, with nothing bound, when :meth:`close` came meanwhile."""
+        wanted = self._local_addr
+        if callable(wanted):
+            try:
+                value = wanted()
+            except Exception as exc:
+                # a bare KeyError: 'POD_IP' said neither what was called nor for what
+                raise RuntimeError(f"UDP endpoint {self.name!r}: local_addr() raised "
+                                   f"{shown(exc)}, so the socket cannot be bound "
+                                   "again") from exc
+            addr = self._returned(value)
+        else:
+            addr = wanted
         try:
             at = await self._first_address(addr, old)
+            if self._closed:  # while the host name resolved
+                return False
             try:
                 new = await self._open(at)
             except OSError as exc:
@@ -611,13 +687,16 @@ class UdpEndpoint:
                 self._drain(old)
                 old.close()
                 await asyncio.sleep(0)  # let the loop drop the old reader before binding
+                if self._closed:
+                    return False
                 new = await self._open(at)
         except OSError as exc:
-            raise self._rebind_failed(addr, exc) from exc
+            raise self._bind_failed(addr, exc) from exc
         self._bound(new)
         self._drain(old)
         old.close()
         await asyncio.sleep(0)  # the old transport's connection_lost, while _rebinding
+        return True
 
     @staticmethod
     def _holds(old: asyncio.DatagramTransport, at: _Where) -> bool:
@@ -694,9 +773,10 @@ class UdpEndpoint:
         first = next((i for i in infos if i[0] == family), infos[0])
         return str(first[4][0]), port
 
-    def _rebind_failed(self, addr: _Where, exc: OSError) -> OSError:
+    def _bind_failed(self, addr: _Where, exc: OSError, *, again: bool = True) -> OSError:
         """``exc`` with the endpoint, the address and what to do (a bare "[Errno 99]
-        Cannot assign requested address" said none of them), chosen by its errno."""
+        Cannot assign requested address" said none of them), chosen by its errno.
+        ``again``: a re-bind after a restore (else :meth:`start`'s first bind)."""
         host = str(addr[0])
         v6 = ":" in host
         hint: str | None = None
@@ -708,6 +788,8 @@ class UdpEndpoint:
             hint = "the port is taken by another socket"
         elif exc.errno != errno.EADDRNOTAVAIL or host in _WILDCARDS:
             pass  # not "no such address here": an IP change is not the cause
+        elif not again:
+            hint = "not an address of this host"
         elif callable(self._local_addr):
             hint = "local_addr() returned it: is it this host's address now?"
         else:
@@ -722,7 +804,8 @@ class UdpEndpoint:
         tail = "" if hint is None else f"; {hint}"
         # a gaierror stays one, for a caller that tells a name apart from a bind
         kind = socket.gaierror if isinstance(exc, socket.gaierror) else OSError
-        return kind(exc.errno, f"UDP endpoint {self.name!r}: binding again at {where} "
+        binding = "binding again" if again else "binding"
+        return kind(exc.errno, f"UDP endpoint {self.name!r}: {binding} at {where} "
                                f"failed ({reason}){tail}")
 
     def _not_started(self, what: str) -> RuntimeError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -728,3 +729,138 @@ async def test_a_rebind_at_a_host_name_that_does_not_resolve_says_so(rehydrate_e
             f"[Errno {error.errno}] UDP endpoint 'renamed': binding again at "
             f"rehydrate-nowhere.invalid:0 failed ({error.__cause__.strerror}); the "
             "host name does not resolve (local_addr() returned it)")
+
+
+async def test_a_close_while_the_restore_checks_binds_nothing_again(rehydrate_engine):
+    """The game closed its endpoint (shutting down) while a restore's check of a dead
+    socket waited for its probe: the check then bound the socket again — the game got
+    connection_made after its connection_lost, the port stayed taken after close(), and
+    start() said "already started"."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="closing",
+                     probe_timeout=0.3)
+    await ep.start()
+    addr = ep.address
+    game = ep.protocol
+    _kill(ep)
+    checking = asyncio.Event()
+    real_check = ep.check
+
+    async def check() -> bool:
+        checking.set()
+        return await real_check()
+
+    ep.check = check  # type: ignore[method-assign]
+    ensured = asyncio.create_task(ep.ensure())
+    await checking.wait()
+    ep.close()
+    assert await ensured is False
+    assert (game.made, game.lost, ep.rebinds) == (1, 1, 0)
+    assert ep.transport is not None and ep.transport.is_closing()
+    await asyncio.sleep(0)  # the closed transport lets go of its socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        other.bind(addr)  # free: close() let go of the port
+
+
+async def test_a_close_while_a_rebind_resolves_its_host_binds_nothing(rehydrate_engine,
+                                                                       monkeypatch):
+    """close() while a re-bind resolved local_addr()'s host name: the socket was bound
+    all the same, after the game's connection_lost."""
+    async with _started(rehydrate_engine, "resolving", probe_timeout=0.2,
+                        local_addr=lambda: ("localhost", 0)) as (ep, _):
+        game = ep.protocol
+        _kill(ep)
+        real = ep._first_address
+
+        async def first_address(addr: Any, old: Any) -> Any:
+            ep.close()  # the game shuts down meanwhile
+            return await real(addr, old)
+
+        monkeypatch.setattr(ep, "_first_address", first_address)
+        assert await ep.ensure() is False
+        assert (game.made, game.lost, ep.rebinds) == (1, 1, 0)
+
+
+async def test_two_checks_at_once_rebind_a_dead_socket_once(rehydrate_engine):
+    """The game's own ensure() while the restore's ran on the same dead socket: both
+    bound it again, the second dropping the socket the first had just bound."""
+    async with _started(rehydrate_engine, "twice", probe_timeout=0.2) as (ep, _):
+        game = ep.protocol
+        _kill(ep)
+        results = await asyncio.gather(ep.ensure(), ep.ensure())
+        assert sorted(results) == [False, True]
+        assert (game.made, ep.rebinds) == (2, 1)
+        assert await ep.check()
+
+
+async def test_a_port_in_use_at_start_names_the_endpoint_and_the_address(rehydrate_engine):
+    """A second server on the game's port: start() raised asyncio's bare "[Errno 98]
+    Address already in use", naming neither the endpoint nor the port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as first:
+        first.bind(("127.0.0.1", 0))
+        port = first.getsockname()[1]
+        ep = UdpEndpoint(Game, ("127.0.0.1", port), engine=rehydrate_engine, name="second")
+        with pytest.raises(OSError) as info:
+            await ep.start()
+    error = info.value
+    assert error.errno == errno.EADDRINUSE
+    assert str(error) == (f"[Errno {error.errno}] UDP endpoint 'second': binding at "
+                          f"127.0.0.1:{port} failed ({os.strerror(error.errno)}); the port "
+                          "is taken by another socket")
+    assert ep.transport is None
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(ep.close)
+        await ep.start()  # the port free again: the same endpoint binds
+        assert ep.address == ("127.0.0.1", port)
+
+
+async def test_an_address_this_host_lacks_at_start_says_so(rehydrate_engine):
+    """start() at an address the host does not have: a bare "[Errno 99] Cannot assign
+    requested address"."""
+    ep = UdpEndpoint(Game, ("192.0.2.1", 0), engine=rehydrate_engine, name="elsewhere")
+    with pytest.raises(OSError) as info:
+        await ep.start()
+    assert info.value.errno == errno.EADDRNOTAVAIL
+    assert str(info.value) == (
+        f"[Errno {info.value.errno}] UDP endpoint 'elsewhere': binding at 192.0.2.1:0 "
+        f"failed ({os.strerror(errno.EADDRNOTAVAIL)}); not an address of this host")
+    assert ep.transport is None
+
+
+@pytest.mark.parametrize("local_addr", ["127.0.0.1:7777", ("127.0.0.1", True),
+                                        ("127.0.0.1", 70000), ("127.0.0.1", 0, 0), None])
+def test_a_local_addr_that_is_no_address_is_refused_at_once(rehydrate_engine, local_addr):
+    """"127.0.0.1:7777" reached start() as "bind(): AF_INET6 address must be tuple", a
+    3-tuple as a host name that "does not resolve", None as "object of type 'NoneType'
+    has no len()", and ("127.0.0.1", True) bound port 1."""
+    with pytest.raises(ValueError) as info:
+        UdpEndpoint(Game, local_addr, engine=rehydrate_engine, name="typo")
+    assert str(info.value).startswith(
+        "UDP endpoint 'typo': local_addr must be a (host, port) tuple — host a str or None, "
+        "port a whole number from 0 to 65535 — or an IPv6 (host, port, flowinfo, scope_id), "
+        "or a callable returning one, not ")
+
+
+async def test_a_local_addr_list_from_a_json_config_binds(rehydrate_engine):
+    """["127.0.0.1", 0] (a JSON config's address) raised asyncio's "2-tuple is expected"."""
+    async with _started(rehydrate_engine, "json", local_addr=["127.0.0.1", 0]) as (ep, _):
+        assert ep.address[0] == "127.0.0.1"
+
+
+async def test_a_local_addr_callable_returning_no_address_says_what_it_returned(
+        rehydrate_engine):
+    """lambda: os.environ["GAME_ADDR"] ("10.0.0.5:7777"): the hook failed with asyncio's
+    "AF_INET6 address must be tuple, not str". The value itself (read from the
+    environment) is not shown, only its type."""
+    value: list[Any] = [("127.0.0.1", 0)]
+    async with _started(rehydrate_engine, "returned", probe_timeout=0.2,
+                        local_addr=lambda: value[0]) as (ep, _):
+        _kill(ep)
+        value[0] = "10.9.8.7:7777"
+        error = await _rebind_fails(ep, ValueError)
+        assert str(error) == (
+            "UDP endpoint 'returned': local_addr() returned a str, not a (host, port) "
+            "tuple — host a str or None, port a whole number from 0 to 65535 — or an IPv6 "
+            "(host, port, flowinfo, scope_id)")
+        value[0] = ("127.0.0.1", 70000)
+        error = await _rebind_fails(ep, ValueError)
+        assert "returned a tuple of 2: str, 70000, not" in str(error)
