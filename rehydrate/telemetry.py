@@ -57,6 +57,7 @@ from . import entropy as _entropy  # its fork handler first: see _new_id_in_chil
 from . import extensions as _extensions
 from ._context import HookResult, RedactedError, Report, RestoreContext, describe_error
 from ._hooks import BEFORE_USER_HOOKS, Hook, Phase
+from ._redact import describe_scrubbed
 from ._threads import fresh_lock_after_fork
 from ._version import __version__
 from .extensions import Probe, resolve_engine
@@ -663,7 +664,7 @@ class Telemetry:
                 continue
             exc = fut.exception()
             if exc is not None:  # telemetry must never break a snapshot
-                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                errors.append(f"{name}: {describe_scrubbed(exc)}")
             elif fut.result() is False:
                 errors.append(f"{name}: not flushed within {timeout}s")
         return errors
@@ -680,7 +681,7 @@ class Telemetry:
             try:
                 exp.rebuild()
             except Exception as exc:
-                errors.append(f"exporter {type(exp).__name__}: {type(exc).__name__}: {exc}")
+                errors.append(f"exporter {type(exp).__name__}: {describe_scrubbed(exc)}")
         if errors:
             raise RuntimeError("telemetry refresh incomplete: " + "; ".join(errors))
 
@@ -1001,5 +1002,6 @@ class _Rebuildable:
         try:
             old.shutdown()
         except Exception as exc:  # its connection is gone anyway
+            # scrubbed: an exporter's error quotes its collector URL (an api_key=...)
             log.info("telemetry: old exporter %s did not shut down cleanly: %s",
-                     type(old).__name__, exc)
+                     type(old).__name__, describe_scrubbed(exc))

@@ -429,22 +429,28 @@ class UdpEndpoint:
         # hook, and the next start() said "already started"
         engine = (self._engine if self._engine is not None
                   else resolve_engine(self._engine_arg))
-        self._closed = False
+        was_closed, self._closed = self._closed, False
         # a new connection for the game, as asyncio's fresh transport was; limits are kept
         self._reading, self._writing_paused = True, False
         self._drop_held()  # the last session's, not this one's
-        addr = self._wanted()
         try:
-            self._bound(await self._open(addr))
-        except socket.gaierror as exc:
-            # a bare "[Errno -2] Name or service not known" named neither
-            raise socket.gaierror(exc.errno, f"UDP endpoint {self.name!r}: the host name "
-                                             f"{addr[0]!r} in local_addr does not resolve "
-                                             f"({exc.strerror or exc})") from exc
-        except OSError as exc:
-            # a bare "[Errno 98] Address already in use" named neither the endpoint nor
-            # the port (asyncio's datagram endpoint says no more than the kernel)
-            raise self._bind_failed(addr, exc, again=False) from exc
+            addr = self._wanted()
+            try:
+                self._bound(await self._open(addr))
+            except socket.gaierror as exc:
+                # a bare "[Errno -2] Name or service not known" named neither
+                raise socket.gaierror(exc.errno, f"UDP endpoint {self.name!r}: the host "
+                                                 f"name {addr[0]!r} in local_addr does not "
+                                                 f"resolve ({exc.strerror or exc})") from exc
+            except OSError as exc:
+                # a bare "[Errno 98] Address already in use" named neither the endpoint
+                # nor the port (asyncio's datagram endpoint says no more than the kernel)
+                raise self._bind_failed(addr, exc, again=False) from exc
+        except BaseException:
+            # closed it stays: the next restore's hook re-bound an endpoint whose start()
+            # had raised, and the game got connection_made after its connection_lost
+            self._closed = was_closed
+            raise
         if self._hook is None:
             self._engine = engine
             ref = weakref.ref(self)

@@ -253,9 +253,9 @@ def _checked_route(dst: object, *, gateway: object, dev: object, table: object,
     # IPv4 refuses a device or gateway on these types at every restore; IPv6 drops them
     # (the route reads back on "lo"), so the read-back failed every restore
     if kind not in ("unicast", "local") and (dev is not None or gw is not None):
+        given = " and ".join(n for n, v in (("dev", dev), ("gateway", gw)) if v is not None)
         raise ValueError(f"{what}: {'an' if kind[0] in 'aeiou' else 'a'} {kind} route takes no "
-                         f"{'dev' if gw is None else 'gateway'}"
-                         " (the kernel refuses it on IPv4 and drops it on IPv6)")
+                         f"{given} (the kernel refuses it on IPv4 and drops it on IPv6)")
     if dev is None and kind == "unicast" and gw is not None and gw.is_link_local \
             and gw.version == 6:
         raise ValueError(f"{what}: the link-local gateway {gw} needs a dev (the kernel "

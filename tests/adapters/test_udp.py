@@ -813,6 +813,25 @@ async def test_a_port_in_use_at_start_names_the_endpoint_and_the_address(rehydra
         assert ep.address == ("127.0.0.1", port)
 
 
+async def test_a_failed_start_after_close_leaves_the_endpoint_closed(rehydrate_engine):
+    """start() after close() whose bind fails (the port taken meanwhile): the endpoint
+    counted as open again, so the next restore's hook re-bound it and the game got
+    connection_made for a start() that had raised."""
+    ep = UdpEndpoint(Game, ("127.0.0.1", 0), engine=rehydrate_engine, name="reopened")
+    await ep.start()
+    address = ep.address
+    ep.close()
+    await asyncio.sleep(0)  # the transport's connection_lost
+    game = ep.protocol
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as thief:
+        thief.bind(address)
+        with pytest.raises(OSError):
+            await ep.start()
+    report = await asyncio.to_thread(rehydrate_engine.simulate_restore)
+    assert report.ok, report.table()
+    assert (game.made, game.lost, ep.rebinds) == (1, 1, 0)
+
+
 async def test_an_address_this_host_lacks_at_start_says_so(rehydrate_engine):
     """start() at an address the host does not have: a bare "[Errno 99] Cannot assign
     requested address"."""

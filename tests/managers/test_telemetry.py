@@ -357,6 +357,39 @@ def test_metrics_after_simulated_restores(otel):
         p.value == 0 for p in pts["rehydrate.hook.failures"])
 
 
+def test_an_exporters_errors_are_logged_without_its_urls_credentials(rehydrate_engine, caplog):
+    """An exporter's shutdown error (the old one, replaced at a restore) and a flush's
+    error quote the collector's URL, query token included: logged raw, the token reached
+    the log."""
+    import logging
+
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    class Failing:
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            raise ConnectionError("POST https://u:pw@collector/v1/traces?api_key=tok_S3CR3T "
+                                  "failed")
+
+        def force_flush(self, timeout_millis: int = 0) -> bool:
+            raise ConnectionError("POST https://collector/v1/traces?api_key=tok_S3CR3T failed")
+
+    class Provider:
+        def force_flush(self, timeout_millis: int = 0) -> bool:
+            raise ConnectionError("POST https://collector/v1/traces?api_key=tok_S3CR3T failed")
+
+    exporter = telemetry.restorable_span_exporter(Failing)
+    telemetry.refresh_on_restore(Provider(), exporters=[exporter], engine=rehydrate_engine)
+    caplog.set_level(logging.DEBUG, logger="rehydrate")
+    rehydrate_engine.simulate_snapshot()
+    rehydrate_engine.simulate_restore()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "did not shut down cleanly" in text and "collector/v1/traces" in text, text
+    assert "tok_S3CR3T" not in text and "pw@" not in text, text
+
+
 def test_clone_identity_and_exporter_rebuild(otel):
     engine, _, _, _, mp = otel
     inner = InMemorySpanExporter
