@@ -154,6 +154,7 @@ class Secret:
         wipe_wait: float = 2.0,
         engine: Engine | None = None,
         load: bool = True,
+        allow_empty: bool = False,
     ) -> None:
         if on_wiped not in ("block", "raise"):
             raise ValueError("on_wiped must be 'block' or 'raise'")
@@ -176,6 +177,7 @@ class Secret:
         self.timeout = timeout
         self.required = required
         self.strip = strip
+        self.allow_empty = allow_empty
         self.wipe_wait = wipe_wait
         self._loader = loader
         self._cond = threading.Condition()
@@ -298,6 +300,13 @@ class Secret:
             del buf[-1:]
             if buf.endswith(b"\r"):
                 del buf[-1:]
+        if not buf and not self.allow_empty:
+            # A secret file caught half-written (truncated, then written) or a variable
+            # set to nothing: served, every request went out with an empty token while
+            # the process said ready.
+            raise SecretError(f"secret {self.name!r}: {self.source} gave an empty value "
+                              "(a file written halfway, a variable set to nothing?); pass "
+                              "allow_empty=True if an empty value is valid")
         return buf
 
     def _load(self, *, keep_previous: bool, raise_errors: bool,

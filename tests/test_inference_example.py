@@ -277,22 +277,22 @@ def test_a_clone_given_an_empty_api_key_is_not_ready_and_says_why(rehydrate_engi
                                                                  monkeypatch) -> None:
     """API_KEY="" in a clone's environment loaded an empty key: the clone reported ready
     and then answered 401 to every request."""
-    _example_app(_CountingService())  # loads the module
-    env_secret = sys.modules["inference_example_app"].env_secret
+    from rehydrate.secrets import Secret, SecretError
+
+    source = (EXAMPLE / "app.py").read_text()
+    assert 'Secret.from_env("API_KEY", name="api-key")' in source  # as the server makes it
     monkeypatch.setenv("API_KEY", "key-one")
-    key = env_secret("API_KEY", "api-key", engine=rehydrate_engine)
+    key = Secret.from_env("API_KEY", name="api-key", engine=rehydrate_engine)
     report = rehydrate_engine.simulate_restore(env={"API_KEY": ""})
     assert not report.ok and not rehydrate_engine.is_ready()
     [failed] = [h for h in report.hooks if h.outcome != "ok"]
-    assert "api-key" in failed.name and "API_KEY is empty" in str(failed.error)
+    assert "api-key" in failed.name and "env:API_KEY gave an empty value" in str(failed.error)
     assert "key-one" not in report.table()
     report = rehydrate_engine.simulate_restore(env={"API_KEY": "key-two"})
     assert report.ok and key.get() == b"key-two"
     monkeypatch.setenv("API_KEY", "")
-    from rehydrate.secrets import SecretError
-
-    with pytest.raises(SecretError, match="API_KEY is empty"):
-        env_secret("API_KEY", "api-key-2", engine=rehydrate_engine)
+    with pytest.raises(SecretError, match="env:API_KEY gave an empty value"):
+        Secret.from_env("API_KEY", name="api-key-2", engine=rehydrate_engine)
 
 
 def _app_with_upstream(env: dict[str, str], up_port: int, log: Path, port: int = 0,

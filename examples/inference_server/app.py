@@ -90,22 +90,6 @@ class EventLog:
             self._out.write(line + "\n")
 
 
-def env_secret(key: str, name: str, **kwargs: Any) -> Secret:
-    """``Secret.from_env``, except that an empty value is refused: at start (exit with the
-    reason) and after a restore (the secret's hook fails, so the clone stays not ready and
-    says why). A clone given ``API_KEY=""`` by a templating slip otherwise reported ready
-    and answered 401 to every request. The previous key is not kept: it is wiped before the
-    snapshot, and serving a clone with the image's key is what rotation is there to stop.
-    """
-    def load() -> bytes:
-        value = os.environb.get(os.fsencode(key))
-        if not value:
-            raise SecretError(f"environment variable {key} is "
-                              f"{'not set' if value is None else 'empty'}")
-        return value
-    return Secret(load, name=name, source=f"env:{key}", **kwargs)
-
-
 class Embedder:
     """all-MiniLM-L6-v2 on the CPU, plus the canary embedding taken at cold start."""
 
@@ -138,8 +122,12 @@ class InferenceService:
         self.events = events
         self.upstream_url = upstream_url
         # Credentials first: a missing one fails in a second, not after the model load.
-        self.api_key = env_secret("API_KEY", "api-key")
-        self.upstream_token = env_secret("UPSTREAM_TOKEN", "upstream-token")
+        # An empty value is refused (SecretError): at start the server exits with the
+        # reason; after a restore the secret's hook fails, so the clone stays not ready
+        # and says why (a clone given API_KEY="" by a templating slip answered 401 to
+        # every request while it said ready).
+        self.api_key = Secret.from_env("API_KEY", name="api-key")
+        self.upstream_token = Secret.from_env("UPSTREAM_TOKEN", name="upstream-token")
         events.emit("loading-model", model=MODEL_NAME)
         t0 = time.monotonic()
         self.embedder = Embedder()

@@ -96,7 +96,8 @@ def _pausable(transport: asyncio.BaseTransport | None) -> _FlowControl | None:
 
 
 _ADDRESS_RULE = ("a (host, port) tuple — host a str or None, port a whole number from 0 to "
-                 "65535 — or an IPv6 (host, port, flowinfo, scope_id)")
+                 "65535 (also as a string of digits) — or an IPv6 (host, port, flowinfo, "
+                 "scope_id)")
 
 
 def _address(value: object) -> _Where | None:
@@ -109,7 +110,11 @@ def _address(value: object) -> _Where | None:
     if not isinstance(value, tuple) or len(value) not in (2, 4):
         return None
     host, port = value[0], value[1]
-    if (not (host is None or isinstance(host, str)) or isinstance(port, bool)
+    if port is None:
+        port = 0  # asyncio binds None as any port
+    elif isinstance(port, str) and port.strip().isdigit():
+        port = int(port)  # read from the environment: ("0.0.0.0", os.environ["PORT"])
+    if (not (host is None or isinstance(host, (str, bytes))) or isinstance(port, bool)
             or not isinstance(port, numbers.Integral) or not 0 <= int(port) <= 65535):
         return None
     return (host, int(port), *value[2:])
@@ -349,6 +354,8 @@ class UdpEndpoint:
         self._received = 0
         """Datagrams the game got from the current socket (a check's sign of progress)."""
         self._rebinding = False
+        self._rebind_done: asyncio.Future[bool] | None = None
+        """While :meth:`ensure` binds again: its outcome, for a concurrent ``ensure()``."""
         self._hook: Any = None
         self._engine: Engine | None = None
         self._closed = False
@@ -622,7 +629,8 @@ class UdpEndpoint:
     async def ensure(self) -> bool:
         """Check the socket; re-bind it when the check fails. True when it was re-bound;
         False, nothing bound, also when :meth:`close` came while it checked (or resolved a
-        host name) or another ``ensure()`` bound the socket again meanwhile.
+        host name) or another ``ensure()`` bound the socket again meanwhile (one still
+        binding it is waited for, and its error raised here too).
         The new socket is bound before the old one is closed (unless the old one holds
         that very address), so a failed bind leaves the old one open; a host name (from
         a callable ``local_addr``) is bound at its first address of the old socket's
@@ -642,10 +650,16 @@ class UdpEndpoint:
         old = self.transport
         if await self.check():
             return False
+        running = self._rebind_done
+        if running is not None and self.transport is old and not self._closed:
+            # Another ensure() is binding it again: its failure is this one's too (the
+            # restore's hook said ok, and the process ready, with the socket dead).
+            await asyncio.shield(running)
+            return False
         if self._closed or self._rebinding or self.transport is not old:
             # close() while the check waited: binding again would hand the game a socket
             # after its connection_lost and keep the port after close(); or another
-            # ensure() is binding it again, or has: the new socket is not the dead one.
+            # ensure() has bound it again: the new socket is not the dead one.
             return False
         where = None
         with contextlib.suppress(Exception):
@@ -653,11 +667,23 @@ class UdpEndpoint:
         log.warning("UDP socket %s at %s does not receive after the restore: binding again",
                     self.name, where)
         self._rebinding = True
+        done = self._rebind_done = asyncio.get_running_loop().create_future()
         try:
-            if not await self._rebind(old):
-                return False
+            rebound = await self._rebind(old)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                done.cancel()
+            else:
+                done.set_exception(exc)
+                done.exception()  # retrieved: no "never retrieved" log when nobody waits
+            raise
+        else:
+            done.set_result(rebound)
         finally:
             self._rebinding = False
+            self._rebind_done = None
+        if not rebound:
+            return False
         self.rebinds += 1
         log.info("UDP socket %s bound again at %s", self.name, self.address)
         return True
@@ -678,7 +704,7 @@ class UdpEndpoint:
                                    "again") from exc
             addr = self._returned(value)
         else:
-            addr = wanted
+            addr = self._wanted()
         try:
             at = await self._first_address(addr, old)
             if self._closed:  # while the host name resolved

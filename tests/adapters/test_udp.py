@@ -855,14 +855,45 @@ def test_a_local_addr_that_is_no_address_is_refused_at_once(rehydrate_engine, lo
         UdpEndpoint(Game, local_addr, engine=rehydrate_engine, name="typo")
     assert str(info.value).startswith(
         "UDP endpoint 'typo': local_addr must be a (host, port) tuple — host a str or None, "
-        "port a whole number from 0 to 65535 — or an IPv6 (host, port, flowinfo, scope_id), "
-        "or a callable returning one, not ")
+        "port a whole number from 0 to 65535 (also as a string of digits) — or an IPv6 "
+        "(host, port, flowinfo, scope_id), or a callable returning one, not ")
 
 
 async def test_a_local_addr_list_from_a_json_config_binds(rehydrate_engine):
     """["127.0.0.1", 0] (a JSON config's address) raised asyncio's "2-tuple is expected"."""
     async with _started(rehydrate_engine, "json", local_addr=["127.0.0.1", 0]) as (ep, _):
         assert ep.address[0] == "127.0.0.1"
+
+
+async def test_a_port_read_from_the_environment_as_a_string_binds(rehydrate_engine,
+                                                                  monkeypatch):
+    """("0.0.0.0", os.environ["GAME_PORT"]) bound before local_addr was checked, and must
+    still: refused, every game configured from its environment stopped starting."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("GAME_PORT", str(port))
+    async with _started(rehydrate_engine, "from-env",
+                        local_addr=("127.0.0.1", os.environ["GAME_PORT"])) as (ep, _):
+        assert ep.address == ("127.0.0.1", port)
+    monkeypatch.setenv("GAME_PORT", "0")  # any port: the first one may not be free yet
+    async with _started(rehydrate_engine, "from-env-callable",
+                        local_addr=lambda: ["127.0.0.1", os.environ["GAME_PORT"]]) as (ep, _):
+        assert ep.address[0] == "127.0.0.1" and ep.address[1] > 0
+
+
+async def test_a_check_waiting_for_anothers_failed_rebind_fails_too(rehydrate_engine):
+    """The restore's check and the game's own ensure() on the same dead socket, whose
+    re-bind fails: the second returned False (nothing to do), so the restore's hook said
+    ok and the process ready with the socket dead."""
+    where: list[Any] = [("127.0.0.1", 0)]
+    async with _started(rehydrate_engine, "both-fail", probe_timeout=0.2,
+                        local_addr=lambda: where[0]) as (ep, _):
+        _kill(ep)
+        where[0] = ("rehydrate-nowhere.invalid", 0)
+        results = await asyncio.gather(ep.ensure(), ep.ensure(), return_exceptions=True)
+        assert [type(r) for r in results] == [socket.gaierror, socket.gaierror], results
+        assert ep.rebinds == 0
 
 
 async def test_a_local_addr_callable_returning_no_address_says_what_it_returned(
@@ -878,8 +909,8 @@ async def test_a_local_addr_callable_returning_no_address_says_what_it_returned(
         error = await _rebind_fails(ep, ValueError)
         assert str(error) == (
             "UDP endpoint 'returned': local_addr() returned a str, not a (host, port) "
-            "tuple — host a str or None, port a whole number from 0 to 65535 — or an IPv6 "
-            "(host, port, flowinfo, scope_id)")
+            "tuple — host a str or None, port a whole number from 0 to 65535 (also as a "
+            "string of digits) — or an IPv6 (host, port, flowinfo, scope_id)")
         value[0] = ("127.0.0.1", 70000)
         error = await _rebind_fails(ep, ValueError)
         assert "returned a tuple of 2: str, 70000, not" in str(error)

@@ -37,6 +37,36 @@ def test_file_secret_is_wiped_and_reloaded(rehydrate_engine, secret_file):
     assert s.loads == 2
 
 
+def test_an_empty_value_is_a_load_error_unless_allowed(rehydrate_engine, secret_file,
+                                                      monkeypatch):
+    """A secret file caught half-written (truncated, not yet written) at the restore, or
+    a variable set to nothing: the secret served b"" and the process said ready, every
+    request going out with an empty token."""
+    s = Secret.from_file(secret_file, strip=True, engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_snapshot().ok
+    secret_file.write_bytes(b"\n")  # stripped: nothing left
+    report = rehydrate_engine.simulate_restore()
+    assert not report.ok
+    [hook] = [h for h in report.hooks if h.name == "rehydrate.secret:db-password"]
+    assert "gave an empty value" in str(hook.error) and "allow_empty=True" in str(hook.error)
+    with pytest.raises(SecretUnavailable, match="gave an empty value"):
+        s.get()
+    secret_file.write_bytes(b"written-now\n")  # the writer finished: the next restore
+    assert rehydrate_engine.simulate_restore().ok
+    assert s.get() == b"written-now"
+    # a rotation that reads it empty keeps the value it had
+    secret_file.write_bytes(b"")
+    assert s.reload() is False
+    assert "gave an empty value" in s.last_error
+    assert s.get() == b"written-now"
+
+    monkeypatch.setenv("EMPTY_TOKEN", "")
+    with pytest.raises(SecretError, match="env:EMPTY_TOKEN gave an empty value"):
+        Secret.from_env("EMPTY_TOKEN", engine=rehydrate_engine)
+    assert Secret.from_env("EMPTY_TOKEN", allow_empty=True,
+                           engine=rehydrate_engine).get() == b""
+
+
 def test_env_secret_follows_the_restored_environment(rehydrate_engine, monkeypatch):
     monkeypatch.setenv("API_TOKEN", "old-token")
     s = Secret.from_env("API_TOKEN", engine=rehydrate_engine)
