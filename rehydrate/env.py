@@ -716,9 +716,10 @@ _READ_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 HOOK_TIMEOUT = 10.0
 """The ``rehydrate.env`` hook's timeout, in seconds."""
 
-APPLY_MARGIN = 0.5
+APPLY_MARGIN = 0.1
 """Seconds of the hook's time (or the run's) kept for applying what was read (half of
-it when less than a second is left)."""
+it when less than that is left twice over): applying takes microseconds, and a slow but
+healthy mount under a short run deadline must not lose its read to the margin."""
 
 
 def _union(first: EnvChanges, second: EnvChanges) -> EnvChanges:

@@ -854,6 +854,33 @@ def test_a_read_stuck_on_a_hung_mount_blocks_nothing(tmp_path, environ, monkeypa
         engine.close()
 
 
+def test_a_short_run_deadline_leaves_the_read_nearly_all_of_it(tmp_path, environ,
+                                                               monkeypatch):
+    """Under a 1.6 s run deadline a healthy but slow mount's 1.2 s read failed: half a
+    second was kept back for applying the file, which takes microseconds."""
+    from rehydrate import env as env_module
+
+    spec = write(tmp_path / "spec_environ", {b"RHT_MARGIN": b"old"})
+    environ[b"RHT_MARGIN"] = b"old"
+    given: list[float | None] = []
+    real = env_module._read_within
+
+    def seen(path, timeout, **kwargs):  # type: ignore[no-untyped-def]
+        given.append(timeout)
+        return real(path, timeout, **kwargs)
+
+    monkeypatch.setattr(env_module, "_read_within", seen)
+    engine = Lifecycle(Registry(), env=EnvRefresher(path=spec))
+    try:
+        write(tmp_path / "spec_environ", {b"RHT_MARGIN": b"new"})
+        assert engine.restore_detected("test", deadline=1.6).ok
+        assert environ[b"RHT_MARGIN"] == b"new"
+        timeout = given[-1]  # the hook's read (the engine read the file when made too)
+        assert timeout is not None and 1.4 < timeout <= 1.5, given
+    finally:
+        engine.close()
+
+
 def test_a_read_answering_after_the_hook_gave_up_is_never_applied(tmp_path, environ,
                                                                    monkeypatch):
     """A slow mount answering after the ``rehydrate.env`` hook's time (here the run's 1 s
