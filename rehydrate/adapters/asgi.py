@@ -698,6 +698,11 @@ class ReadinessGate:
             # The application does not speak lifespan (it raised or returned before
             # reading the first message): serve the protocol for it so detection starts.
             await self._own_lifespan(receive, send, startup, shutdown)
+        elif started and answered:
+            # It answered the startup and returned without waiting for the shutdown:
+            # uvicorn takes that for the end of the lifespan and sends no shutdown, so
+            # detection ran on after the server had exited. The gate waits for it.
+            await self._own_lifespan(receive, send, startup, shutdown)
 
     async def _serve_lifespan_for(self, send: Send, receive: Receive,
                                   startup: Callable[[], Awaitable[bool]],
