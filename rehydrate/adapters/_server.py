@@ -349,9 +349,67 @@ def answer_text(response: httpx.Response, text: str, limit: int = 300) -> str:
     return text
 
 
+PAGE_READ = 64 * 1024
+"""Characters of an HTML error page read for its words: its title and message come first."""
+
+_TAG = re.compile(r"<[^<>]*>")
+"""A tag: linear (a ``<`` without its ``>`` stops the match at the next ``<``)."""
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+"""Tag names in lower case, every index kept (``str.lower()`` makes ``İ`` two characters)."""
+
+
+def _without(text: str, start: str, end: str) -> str:
+    """``text`` without the blocks from ``start`` to ``end`` (lower case; an unclosed one
+    runs to the end of ``text``), found with ``str.find``: a regex (``<!--.*?-->``) scans
+    to the end of the text from every unclosed start — quadratic on a hostile page, as
+    :mod:`html.parser` is (seconds for 16 KiB of ``<a <a <a``)."""
+    lower = text.translate(_ASCII_LOWER)
+    kept: list[str] = []
+    at = 0
+    while (found := lower.find(start, at)) >= 0:
+        kept.append(text[at:found])
+        closed = lower.find(end, found + len(start))
+        if closed < 0:
+            return " ".join(kept)
+        at = lower.find(">", closed + len(end) - 1) + 1 or len(text)
+    kept.append(text[at:])
+    return " ".join(kept)
+
+
+def page_text(response: httpx.Response) -> str:
+    """The words of an HTML error page (``Content-Type: text/html``) — its title, then
+    its text without tags, scripts, styles or comments — or ``""`` for an answer that is
+    no HTML page. A gateway's page (Cloudflare's, Google's load balancer's) opens with
+    hundreds of characters of markup and CSS: quoted as it came, the 300 characters a
+    reason keeps ended before the words saying what went wrong."""
+    if "html" not in response.headers.get("content-type", "").lower():
+        return ""
+    import html
+
+    page = _without(response.text[:PAGE_READ], "<!--", "-->")
+    for block in ("script", "style"):
+        page = _without(page, f"<{block}", f"</{block}>")
+    lower = page.translate(_ASCII_LOWER)
+    title = ""
+    opened = lower.find("<title")
+    if opened >= 0 and (inside := lower.find(">", opened) + 1):
+        closed = lower.find("</title", inside)
+        title = page[inside:closed if closed >= 0 else len(page)]
+        page = page[:opened] + " " + (page[closed:] if closed >= 0 else "")
+
+    def words(text: str) -> str:
+        return " ".join(html.unescape(_TAG.sub(" ", text)).split())
+
+    title, body = words(title), words(page)
+    if title and body.startswith(title):  # nginx repeats its title as the heading
+        body = body[len(title):].strip()
+    return f"{title}: {body}" if title and body else title or body
+
+
 def server_reason(response: httpx.Response) -> str:
     """The server's explanation from an error response, on one line, credentials
-    redacted (:func:`answer_text`)."""
+    redacted (:func:`answer_text`); an HTML page's words (:func:`page_text`), not its
+    markup."""
     text = ""
     try:
         body = _bodies.loads(response.content)
@@ -366,7 +424,7 @@ def server_reason(response: httpx.Response) -> str:
                 text = str(value)
                 break
     if not text:
-        text = response.text
+        text = page_text(response) or response.text
     return answer_text(response, text) or "empty body"
 
 

@@ -273,6 +273,9 @@ class ReadinessGate:
     ``drain_timeout``: seconds the before-snapshot hook waits for requests in flight
     (with several gates on one engine, the longest of theirs).
     ``max_wait``: the longest ``GET /readyz?wait=S`` is held (longer waits are cut to it).
+    Held waits are answered at the gate's lifespan shutdown, which uvicorn runs only once
+    its open requests have ended: a ``SIGTERM`` waits for them up to ``max_wait`` — keep
+    it below the pod's termination grace.
     ``lifespan``: start detection on ``lifespan.startup`` and stop it on shutdown
     (``detectors`` as for :func:`rehydrate.start`). Applications without lifespan support
     get it served by the gate; a server that runs no lifespan at all (``--lifespan off``,
@@ -694,6 +697,11 @@ class ReadinessGate:
         if not received:
             # The application does not speak lifespan (it raised or returned before
             # reading the first message): serve the protocol for it so detection starts.
+            await self._own_lifespan(receive, send, startup, shutdown)
+        elif started and answered:
+            # It answered the startup and returned without waiting for the shutdown:
+            # uvicorn takes that for the end of the lifespan and sends no shutdown, so
+            # detection ran on after the server had exited. The gate waits for it.
             await self._own_lifespan(receive, send, startup, shutdown)
 
     async def _serve_lifespan_for(self, send: Send, receive: Receive,

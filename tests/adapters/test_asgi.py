@@ -535,6 +535,31 @@ def test_lifespan_starts_and_stops_detection_on_the_server_loop(
     assert rehydrate_engine.status().detectors == ()
 
 
+def test_an_app_returning_after_its_startup_still_stops_detection_at_shutdown(
+        rehydrate_engine: Any) -> None:
+    """An application that answers the startup and returns at once, without waiting for
+    the shutdown: uvicorn takes its return for the end of the lifespan and sends no
+    shutdown, and detection ran on after the server had exited."""
+    events: list[str] = []
+
+    async def returns_early(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            events.append((await receive())["type"])
+            await send({"type": "lifespan.startup.complete"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"served"})
+
+    detector = RecordingDetector()
+    gate = ReadinessGate(returns_early, engine=rehydrate_engine, detectors=[detector])
+    with serve(gate, lifespan="on") as url:
+        assert detector.started == [rehydrate_engine]
+        assert httpx.get(url + "/x").text == "served"
+    assert events == ["lifespan.startup"]
+    assert detector.stopped == 1
+    assert not rehydrate_engine.started
+
+
 def test_a_server_without_lifespan_is_warned_about_once(app: App, rehydrate_engine: Any,
                                                         caplog: Any) -> None:
     """``uvicorn --lifespan off``, or the gate mounted as a sub-application: no startup

@@ -911,6 +911,43 @@ def test_redaction_hides_credentials_but_keeps_a_servers_explanations(
     assert redact(answer) == quoted
 
 
+# Cloudflare's 5xx page, cut down: its title comes after some 350 characters of markup.
+CLOUDFLARE_PAGE = """<!DOCTYPE html>
+<!--[if lt IE 7]> <html class="no-js ie6 oldie" lang="en-US"> <![endif]-->
+<!--[if IE 7]>    <html class="no-js ie7 oldie" lang="en-US"> <![endif]-->
+<!--[if IE 8]>    <html class="no-js ie8 oldie" lang="en-US"> <![endif]-->
+<!--[if gt IE 8]><!--> <html class="no-js" lang="en-US"> <!--<![endif]-->
+<head>
+<title>vllm.example.com | 500: Internal server error</title>
+<meta charset="UTF-8" />
+<meta http-equiv="Content-Type" content="text/html; charset=UTF-8" />
+<link rel="stylesheet" id="cf_styles-css" href="/cdn-cgi/styles/main.css?key=KEY" />
+<script>window._cf_chl_opt = {cRay: "8f1c2a", auth: "Bearer KEY"};</script>
+<style>body{margin:0;padding:0}#cf-wrapper{font-family:system-ui}</style>
+</head>
+<body><div id="cf-wrapper"><header><h1>
+<span class="inline-block">Internal server error</span>
+<span class="code-label">Error code 500</span></h1></header>
+<p>There is an unknown connection issue between Cloudflare &amp; the origin web server.</p>
+</div></body></html>""".replace("KEY", API_KEY)
+
+
+def test_an_html_error_page_is_quoted_by_its_words_not_its_markup(
+        url: str, server: tuple[str, Switch]) -> None:
+    """A gateway's HTML error page (Content-Type text/html): the hook's error quotes its
+    title and text. Quoted as it came, the 300 characters a reason keeps were comments
+    and tags ending before the title: nothing said what went wrong."""
+    server[1].app = raw_app(500, [(b"content-type", b"text/html; charset=UTF-8")],
+                            CLOUDFLARE_PAGE.encode())
+    adapter = vllm.VLLMAdapter(url, deadline=0.3, api_key=API_KEY)
+    with pytest.raises(vllm.ServerError) as failed:
+        adapter.wake()
+    assert str(failed.value) == (
+        f"vllm GET {url}/is_sleeping: HTTP 500: vllm.example.com | 500: Internal server "
+        "error: Internal server error Error code 500 There is an unknown connection issue "
+        "between Cloudflare & the origin web server. (gave up after the 0.3s deadline)")
+
+
 @pytest.mark.parametrize(("status", "usable"), [(503, True), (429, True), (404, False)])
 def test_probe_of_a_server_still_loading_is_usable_and_of_a_wrong_one_is_not(
         url: str, server: Any, status: int, usable: bool) -> None:
