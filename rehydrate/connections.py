@@ -1551,20 +1551,36 @@ class ConnectionManager:
         """Block until the optional connections a restore left reopening in the
         background (and the first ``async`` open of an ``open_now`` registration) are
         done (reopened or failed: see ``status()``); False when
-        ``timeout`` seconds passed first. Not from the hooks' event loop's own thread,
-        which runs them. A reopen whose loop ended goes on on the hooks' loop (waited
-        for there) or is ``failed``; one that can never end (its loop was closed with
-        it pending, or it is the parent's after ``fork()``) is not waited for."""
+        ``timeout`` seconds passed first (as for ``wait_ready()``: ``None``, infinity or
+        more than a year, no limit; a negative, NaN or non-number one is a one-line
+        ``ValueError``/``TypeError``). Called on the event loop that runs one of them (the
+        hooks' loop: the application's under ``start(loop=...)``), a wait is a
+        ``RuntimeError``: blocking that loop would hold the reopens it waits for. A
+        reopen whose loop ended goes on on the hooks' loop (waited for there) or is
+        ``failed``; one that can never end (its loop was closed with it pending, or it
+        is the parent's after ``fork()``) is not waited for."""
+        timeout = _config.optional_seconds(timeout, "wait_background(): timeout")
         end = None if timeout is None else time.monotonic() + timeout
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         while True:
             with self._lock:
                 conns = list(self._conns.values())
             # A run handed over to another loop is done only once its successor is in
             # place: looked for again.
-            pending = [run.done for c in conns
-                       if (run := c._background) is not None and not run.ended()]
-            if not pending:
+            runs = [run for c in conns
+                    if (run := c._background) is not None and not run.ended()]
+            if not runs:
                 return True
+            if timeout != 0 and here is not None and any(
+                    (run.handed_to or run.loop) is here for run in runs):
+                # it waited out its whole timeout (with None: for good) and said False
+                raise RuntimeError("wait_background() cannot block the event loop the "
+                                   "reopens it waits for run on; call it through "
+                                   "asyncio.to_thread()")
+            pending = [run.done for run in runs]
             left = None if end is None else max(0.0, end - time.monotonic())
             _, waiting = concurrent.futures.wait(pending, left)
             if waiting:

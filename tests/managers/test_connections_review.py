@@ -874,3 +874,39 @@ def test_httpx_pool_reset_debug_line_hides_the_urls_credentials(caplog):
         assert "127.0.0.1:9" in lines[0]  # still says what it was closing
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "5"])
+def test_wait_background_refuses_a_bad_timeout(rehydrate_engine, timeout):
+    """A negative or NaN timeout returned at once as if it were 0 (a string: a bare
+    "unsupported operand" TypeError), where every other public wait refuses it."""
+    with pytest.raises((ValueError, TypeError), match=r"wait_background\(\): timeout"):
+        connections.manager(rehydrate_engine).wait_background(timeout)
+
+
+def test_wait_background_on_the_loop_running_the_reopens_raises(rehydrate_engine):
+    """Called on the event loop that runs the optional reopens it waits for (the hooks'
+    loop: the application's under ``start(loop=...)``), it blocked them: it waited out
+    its whole timeout and said False (with ``None``, it hung for good)."""
+    release = asyncio.Event()
+
+    async def open_() -> object:
+        await release.wait()
+        return object()
+
+    connections.register("metrics", open=open_, required=False, deadline=60,
+                         engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+    mgr = connections.manager(rehydrate_engine)
+    loop = rehydrate_engine.hook_loop()
+
+    async def wait(timeout: float) -> bool:
+        return mgr.wait_background(timeout)
+
+    with pytest.raises(RuntimeError, match="asyncio.to_thread"):
+        asyncio.run_coroutine_threadsafe(wait(0.5), loop).result(10)
+    # a look without waiting is fine there
+    assert asyncio.run_coroutine_threadsafe(wait(0), loop).result(10) is False
+    loop.call_soon_threadsafe(release.set)
+    assert mgr.wait_background(10)
+    assert _status(rehydrate_engine, "metrics")["state"] == "open"
