@@ -248,7 +248,7 @@ class Connection:
         ``open`` (None once that open has stopped)."""
         self._given_up: int | None = None
         """The epoch of a run abandoned at its deadline (see :meth:`_keep`)."""
-        self._waits: set[threading.Event] = set()
+        self._waits: set[threading.Event | _LoopEvent] = set()
         """Events of :meth:`_watch`, set when the run they belong to ends."""
         self._closing: concurrent.futures.Future[None] | None = None
         """Done when the background close of a (re)open the engine's close stopped has
@@ -284,14 +284,23 @@ class Connection:
         is not): a wait of its own (:func:`tcp_socket`'s name lookup) ends then rather
         than hold a snapshot, which waits for a background open's call, or a thread."""
         ended = threading.Event()
+        self._add_watch(epoch, ended)
+        return ended
+
+    def _watch_here(self, epoch: int) -> _LoopEvent:
+        """:meth:`_watch` for a wait on the running event loop."""
+        ended = _LoopEvent(asyncio.get_running_loop())
+        self._add_watch(epoch, ended)
+        return ended
+
+    def _add_watch(self, epoch: int, ended: threading.Event | _LoopEvent) -> None:
         with self._lock:
             if epoch != self._epoch or epoch == self._given_up:
                 ended.set()
             else:
                 self._waits.add(ended)
-        return ended
 
-    def _unwatch(self, ended: threading.Event) -> None:
+    def _unwatch(self, ended: threading.Event | _LoopEvent) -> None:
         with self._lock:
             self._waits.discard(ended)
 
@@ -949,6 +958,22 @@ class _Opener:
                 task.get_loop().call_soon_threadsafe(task.cancel)
 
 
+class _LoopEvent:
+    """What :meth:`Connection._watch` sets, for a wait on an event loop: ``future`` (of
+    that loop) is done once it is set, from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.future: asyncio.Future[None] = loop.create_future()
+
+    def set(self) -> None:
+        def done() -> None:
+            if not self.future.done():
+                self.future.set_result(None)
+
+        with contextlib.suppress(RuntimeError):  # its loop is closed: no one waits
+            self.future.get_loop().call_soon_threadsafe(done)
+
+
 class _Superseded(Exception):
     """A newer run of the same connection took over while an attempt was running."""
 
@@ -1526,20 +1551,36 @@ class ConnectionManager:
         """Block until the optional connections a restore left reopening in the
         background (and the first ``async`` open of an ``open_now`` registration) are
         done (reopened or failed: see ``status()``); False when
-        ``timeout`` seconds passed first. Not from the hooks' event loop's own thread,
-        which runs them. A reopen whose loop ended goes on on the hooks' loop (waited
-        for there) or is ``failed``; one that can never end (its loop was closed with
-        it pending, or it is the parent's after ``fork()``) is not waited for."""
+        ``timeout`` seconds passed first (as for ``wait_ready()``: ``None``, infinity or
+        more than a year, no limit; a negative, NaN or non-number one is a one-line
+        ``ValueError``/``TypeError``). Called on the event loop that runs one of them (the
+        hooks' loop: the application's under ``start(loop=...)``), a wait is a
+        ``RuntimeError``: blocking that loop would hold the reopens it waits for. A
+        reopen whose loop ended goes on on the hooks' loop (waited for there) or is
+        ``failed``; one that can never end (its loop was closed with it pending, or it
+        is the parent's after ``fork()``) is not waited for."""
+        timeout = _config.optional_seconds(timeout, "wait_background(): timeout")
         end = None if timeout is None else time.monotonic() + timeout
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         while True:
             with self._lock:
                 conns = list(self._conns.values())
             # A run handed over to another loop is done only once its successor is in
             # place: looked for again.
-            pending = [run.done for c in conns
-                       if (run := c._background) is not None and not run.ended()]
-            if not pending:
+            runs = [run for c in conns
+                    if (run := c._background) is not None and not run.ended()]
+            if not runs:
                 return True
+            if timeout != 0 and here is not None and any(
+                    (run.handed_to or run.loop) is here for run in runs):
+                # it waited out its whole timeout (with None: for good) and said False
+                raise RuntimeError("wait_background() cannot block the event loop the "
+                                   "reopens it waits for run on; call it through "
+                                   "asyncio.to_thread()")
+            pending = [run.done for run in runs]
             left = None if end is None else max(0.0, end - time.monotonic())
             _, waiting = concurrent.futures.wait(pending, left)
             if waiting:
@@ -1685,10 +1726,32 @@ class ConnectionManager:
     async def _guard(self, conn: Connection, epoch: int, deadline_at: float,
                      stale: bool) -> bool:
         """Run the retry loop; an attempt still running :data:`LATE_GRACE` after the
-        deadline is abandoned (a sync call's thread finishes on its own, unheeded)."""
+        deadline, or when the run is superseded (see :meth:`Connection._watch`), is
+        abandoned (a sync call's thread finishes on its own, unheeded)."""
         wait = max(0.0, deadline_at - time.monotonic()) + LATE_GRACE
+        reopen = asyncio.ensure_future(conn.reopen(epoch, deadline_at, stale))
+        # Superseded (unregister(), a replace=True registration, the engine's close): no
+        # longer this restore's to wait for. Its reopen stopped only at its next step, so
+        # an open or check still running (a peer that accepts and never answers) held
+        # the restore, and readiness, until the old connection's deadline.
+        superseded = False
+
+        def stop(_: object) -> None:
+            nonlocal superseded
+            if not reopen.done():
+                superseded = True
+                reopen.cancel()  # a sync call on its thread goes on, unheeded
+
+        ended = conn._watch_here(epoch)
+        ended.future.add_done_callback(stop)
         try:
-            return await asyncio.wait_for(conn.reopen(epoch, deadline_at, stale), wait)
+            return await asyncio.wait_for(reopen, wait)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+            if not superseded or (cancelling is not None and cancelling()):
+                raise  # this run itself was cancelled
+            return False
         except asyncio.TimeoutError:
             with conn._lock:
                 running = conn.step if conn._epoch == epoch else None
@@ -1702,6 +1765,8 @@ class ConnectionManager:
         except Exception as exc:
             conn._set(epoch, last_error=_describe(exc))
             return False
+        finally:
+            conn._unwatch(ended)
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:

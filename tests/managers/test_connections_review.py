@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -93,6 +94,52 @@ def test_unregistering_a_connection_during_a_restore_does_not_fail_it(rehydrate_
         assert _status(rehydrate_engine, "old-db")["state"] == "registered"
         assert rehydrate_engine.simulate_restore().ok
         assert _status(rehydrate_engine, "old-db")["state"] == "open"
+
+
+@pytest.mark.parametrize("how", ["replace", "unregister"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_connection_superseded_during_a_restore_stops_holding_it(rehydrate_engine,
+                                                                    http_srv, kind, how):
+    """A client replaced (``replace=True``) or unregistered while a restore waited for its
+    health check to a peer that accepts and never answers held that restore, and
+    readiness, until the old connection's deadline (30 s by default): its run stopped
+    only at its next step, after the check's call returned."""
+    import socket
+
+    make = connections.httpx_client if kind == "sync" else connections.httpx_async_client
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nobody ever answers
+        old = make("api", base_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                   check_url="/health", timeout=None, deadline=60,
+                   engine=rehydrate_engine)
+        conn = connections.get("api", engine=rehydrate_engine)
+        reports = []
+        restore = threading.Thread(
+            target=lambda: reports.append(rehydrate_engine.simulate_restore()))
+        restore.start()
+        # the check's request is under way (a sync one: on its thread)
+        deadline = time.monotonic() + 10
+        while conn.step != "check" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conn.step == "check"
+        if how == "replace":
+            new = make("api", base_url=http_srv.url, check_url="/health",
+                       engine=rehydrate_engine, replace=True)
+        else:
+            assert connections.unregister("api", engine=rehydrate_engine)
+        restore.join(10)
+        assert not restore.is_alive(), "the restore still waits for the superseded check"
+    [report] = reports
+    assert report.ok, report.table()
+    assert rehydrate_engine.is_ready()
+    if how == "replace":  # the new registration opens at the next restore, as any new one
+        assert rehydrate_engine.simulate_restore().ok
+        assert _status(rehydrate_engine, "api")["state"] == "open"
+        if kind == "sync":
+            new.close()
+    if kind == "sync":
+        old.close()
 
 
 def test_an_earlier_restores_error_is_not_reported_again(rehydrate_engine):
@@ -827,3 +874,39 @@ def test_httpx_pool_reset_debug_line_hides_the_urls_credentials(caplog):
         assert "127.0.0.1:9" in lines[0]  # still says what it was closing
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "5"])
+def test_wait_background_refuses_a_bad_timeout(rehydrate_engine, timeout):
+    """A negative or NaN timeout returned at once as if it were 0 (a string: a bare
+    "unsupported operand" TypeError), where every other public wait refuses it."""
+    with pytest.raises((ValueError, TypeError), match=r"wait_background\(\): timeout"):
+        connections.manager(rehydrate_engine).wait_background(timeout)
+
+
+def test_wait_background_on_the_loop_running_the_reopens_raises(rehydrate_engine):
+    """Called on the event loop that runs the optional reopens it waits for (the hooks'
+    loop: the application's under ``start(loop=...)``), it blocked them: it waited out
+    its whole timeout and said False (with ``None``, it hung for good)."""
+    release = asyncio.Event()
+
+    async def open_() -> object:
+        await release.wait()
+        return object()
+
+    connections.register("metrics", open=open_, required=False, deadline=60,
+                         engine=rehydrate_engine)
+    assert rehydrate_engine.simulate_restore().ok
+    mgr = connections.manager(rehydrate_engine)
+    loop = rehydrate_engine.hook_loop()
+
+    async def wait(timeout: float) -> bool:
+        return mgr.wait_background(timeout)
+
+    with pytest.raises(RuntimeError, match="asyncio.to_thread"):
+        asyncio.run_coroutine_threadsafe(wait(0.5), loop).result(10)
+    # a look without waiting is fine there
+    assert asyncio.run_coroutine_threadsafe(wait(0), loop).result(10) is False
+    loop.call_soon_threadsafe(release.set)
+    assert mgr.wait_background(10)
+    assert _status(rehydrate_engine, "metrics")["state"] == "open"
