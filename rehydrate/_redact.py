@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import inspect
 import logging
 import sys
 import threading
@@ -133,6 +134,16 @@ def _hide(text: str) -> str:
     return redact(scrub_urls(text))
 
 
+def _get(e: BaseException, name: str, default: Any = None) -> Any:
+    """``getattr(e, name, default)``, also when the lookup raises something else than
+    :class:`AttributeError` (a ``__getattr__`` forwarding to a dict raises ``KeyError``):
+    a part that cannot be read shows nothing, and the rest of the error is still shown."""
+    try:
+        return getattr(e, name, default)
+    except Exception:
+        return default
+
+
 def _own_texts(e: BaseException) -> Iterator[str]:
     """The texts of ``e`` itself a report, a log line or a traceback may show: ``str()``
     and ``repr()`` (a custom ``__str__`` may hide what ``repr()`` and ``args`` show), its
@@ -144,20 +155,21 @@ def _own_texts(e: BaseException) -> Iterator[str]:
         except Exception:  # noqa: S112 - unformattable: it shows nothing of its own
             continue
     yield from (a for a in e.args if isinstance(a, str))
-    notes = getattr(e, "__notes__", None)
+    notes = _get(e, "__notes__")
     if isinstance(notes, list):
         yield from (n for n in notes if isinstance(n, str))
-    yield from (v for k, v in getattr(e, "__dict__", {}).items()
-                if isinstance(v, str) and k != "__notes__")
+    attributes = _get(e, "__dict__")
+    if isinstance(attributes, dict):
+        yield from (v for k, v in attributes.items() if isinstance(v, str) and k != "__notes__")
     if isinstance(e, OSError):
         yield from (v for k in ("strerror", "filename", "filename2")
-                    if isinstance(v := getattr(e, k, None), str))
+                    if isinstance(v := _get(e, k), str))
 
 
 def _links(e: BaseException) -> list[BaseException]:
     """What formatting ``e`` shows after (or before) its own text: its group's members,
     first one first (a traceback shows the first 15), then its cause and context."""
-    members = getattr(e, "exceptions", None)
+    members = _get(e, "exceptions")
     found = [m for m in members if isinstance(m, BaseException)] if isinstance(
         members, tuple) else []
     found.extend(c for c in (e.__cause__, e.__context__) if c is not None)
@@ -299,8 +311,8 @@ def _args(e: BaseException, native: type[BaseException]) -> tuple[Any, ...]:
 
     if issubclass(native, OSError) and isinstance(e, OSError) and isinstance(e.errno, int):
         out: list[Any] = [e.errno, text(e.strerror)]
-        filename2 = getattr(e, "filename2", None)
-        winerror = getattr(e, "winerror", None)
+        filename2 = _get(e, "filename2")
+        winerror = _get(e, "winerror")
         if e.filename is not None or filename2 is not None:
             out.append(None if e.filename is None else text(e.filename))
             out.append(winerror if isinstance(winerror, int) else None)
@@ -333,9 +345,10 @@ def _make(original: type[BaseException], args: tuple[Any, ...],
 
 def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseException | None:
     """A redacted stand-in for ``e`` and its links, made of nothing of the original but
-    redacted text and numbers: no traceback (its frames hold the hook's locals), no
-    attribute (a response, a request, bytes output), no slot. None for a link already
-    being made (a cycle) or beyond the walk's bound: that link is left out."""
+    redacted text and numbers, and the frames of its traceback without their locals
+    (:func:`_cleared`): no attribute (a response, a request, bytes output), no slot.
+    None for a link already being made (a cycle) or beyond the walk's bound: that link
+    is left out."""
     if id(e) in memo:
         return memo[id(e)]
     if len(memo) >= WALK_LIMIT:
@@ -343,7 +356,7 @@ def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseExcep
     memo[id(e)] = None
     # a stand-in made before (in a chain a hook raised again) stands for its original
     original = vars(type(e)).get("_redacts", type(e))
-    members = getattr(e, "exceptions", None)
+    members = _get(e, "exceptions")
     group = isinstance(members, tuple) and isinstance(e, _GROUPS)
     if group:
         assert isinstance(members, tuple)
@@ -364,14 +377,61 @@ def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseExcep
             vars(out)["redacted_message"] = _hide(_show(e))
     if isinstance(e, RedactedError):
         vars(out).update(original_name=e.original_name, original_type=e.original_type)
-    notes = getattr(e, "__notes__", None)
+    notes = _get(e, "__notes__")
     if isinstance(notes, list):
         vars(out)["__notes__"] = [_hide(n) for n in notes if isinstance(n, str)]
     memo[id(e)] = out
     out.__cause__ = None if e.__cause__ is None else _fresh(e.__cause__, memo)
     out.__context__ = None if e.__context__ is None else _fresh(e.__context__, memo)
     out.__suppress_context__ = e.__suppress_context__
+    out.__traceback__ = _cleared(e.__traceback__)
     return out
+
+
+_SUSPENDABLE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+                | inspect.CO_ITERABLE_COROUTINE)
+
+
+def _cleared(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """A traceback of the frames of ``tb`` whose local variables could be dropped (they
+    hold the hook's, the value among them perhaps, and a report lives on into later
+    snapshot images): where it failed stays readable in a log line or a span. Left out,
+    uncleared: an executing frame (the runner's own, another thread's; ``clear()``
+    refuses it) and a generator's or coroutine's that may be suspended
+    (:func:`_stopped_there`): clearing it would close it (a library's reader that caught
+    the error, handed it on and reads on)."""
+    kept: list[types.TracebackType] = []
+    while tb is not None:
+        frame = tb.tb_frame
+        if not frame.f_code.co_flags & _SUSPENDABLE or _stopped_there(frame, tb.tb_lasti):
+            try:
+                frame.clear()
+            except RuntimeError:  # still executing
+                pass
+            else:
+                # a dict of the locals read before (by a debugger, a log formatter)
+                # outlives clear(): reading them again empties it
+                frame.f_locals  # noqa: B018
+                kept.append(tb)
+        tb = tb.tb_next
+    out = None
+    for entry in reversed(kept):
+        out = types.TracebackType(out, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return out
+
+
+def _stopped_there(frame: types.FrameType, lasti: int) -> bool:
+    """True when a generator's or coroutine's ``frame`` is where the error went through it
+    (``lasti``), not at a ``yield``: it finished there. One that caught the error runs on,
+    to a suspension at a ``yield`` or an ``await`` (a ``YIELD_VALUE``, or the ``RESUME``
+    after it), also the one the error was thrown in at (``gen.throw()`` in a loop)."""
+    if frame.f_lasti != lasti:
+        return False
+    import dis  # here: only a redacted error's generator frames need it
+
+    code = frame.f_code.co_code
+    return 0 <= lasti < len(code) and dis.opname[code[lasti]] not in ("YIELD_VALUE",
+                                                                      "RESUME")
 
 
 def _show(exc: BaseException) -> str:
@@ -393,11 +453,12 @@ def redact_error(exc: Exception) -> Exception:
     nothing of it copied from the original: each link an instance of ``Redacted<Name>``, a
     subclass of both :class:`~rehydrate.RedactedError` and the type raised (so
     ``isinstance``, ``except*`` and an ``OSError``'s ``errno`` still work), made from the
-    redacted args alone — no traceback on any link (the frames hold the hook's locals, the
-    value among them perhaps, and a report lives on into later snapshot images), none of the
-    original's other attributes (a response, a request, bytes output), notes redacted;
-    causes, contexts and group members made the same way, the clean ones too. A link whose
-    type cannot be subclassed or made so is a plain :class:`~rehydrate.RedactedError`."""
+    redacted args alone — each link's traceback with its frames' locals dropped (they hold
+    the hook's, the value among them perhaps, and a report lives on into later snapshot
+    images; :func:`_cleared`), none of the original's other attributes (a response, a
+    request, bytes output), notes redacted; causes, contexts and group members made the
+    same way, the clean ones too. A link whose type cannot be subclassed or made so is a
+    plain :class:`~rehydrate.RedactedError`."""
     try:
         if _clean(exc):
             return exc
@@ -408,7 +469,8 @@ def redact_error(exc: Exception) -> Exception:
         if isinstance(out, Exception) and _clean(out):
             return out
         plain = RedactedError(_hide(_show(exc)), type(exc))
-        notes = getattr(exc, "__notes__", None)
+        plain.__traceback__ = _cleared(exc.__traceback__)
+        notes = _get(exc, "__notes__")
         if isinstance(notes, list):
             vars(plain)["__notes__"] = [_hide(n) for n in notes if isinstance(n, str)]
         return plain

@@ -14,8 +14,12 @@ _END = r"\s'\"<>"
 _SCRUBS: list[tuple[re.Pattern[str], str]] = [
     # scheme://user:password@ (scheme: oracle+cx_oracle, ibm_db_sa): a raw password may
     # hold "/" or "#", so it runs to the "@", unless a space or a quote comes first; a
-    # user name holds no "[" (http://[::1]:8080/?email=bob@example.com: an IPv6 host)
-    (re.compile(rf"\b([A-Za-z][\w+.-]*://)(?:[^{_END}/?#@:\[\]]*:{_PORT}[^{_END}@]*"
+    # user name holds no "[" (http://[::1]:8080/?email=bob@example.com: an IPv6 host).
+    # Nor past the next "://": with no "@" after it, each scheme of a list of thousands
+    # (Kafka's PLAINTEXT://b0:9092,...) scanned on to the end of the text, quadratic; a
+    # scheme starts after no scheme character (not at each "-" of a long a-b-c-...)
+    (re.compile(rf"(?<![\w+.-])([A-Za-z][\w+.-]*://)(?:[^{_END}/?#@:\[\]]*:{_PORT}"
+                rf"(?:(?!://)[^{_END}@])*"
                 rf"|[^{_END}/?#@:\[\]]*)@"), r"\1"),
     # user:password@host:port without a scheme (libpq's "connection to app:pw@db:5432");
     # a user alone (bob@example.com) is no secret, nor is an address after a word and a
@@ -24,10 +28,11 @@ _SCRUBS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(rf"(?<![\w.+:/@-])(?!mailto:)[\w.+-]+:{_PORT}[^{_END}@:]+@"
                 r"(?=(?:[\w.-]+|\[[\dA-Fa-f:.]+\]):\d+\b)"), ""),
     # password=... of a key=value DSN (libpq, ODBC's PWD=...;), not a SQL placeholder;
-    # quoted in either quote, with a backslash escaping one (libpq's 'it\'s')
+    # quoted in either quote, with a backslash escaping one (libpq's 'it\'s'); a raw one
+    # does not end in ")": Config(password=None) keeps the parenthesis it closes
     (re.compile(r"\b(password|passwd|pwd|sslpassword)\s*=\s*"
                 r"(?!\?|%s|%\(|:\w|\$\d)('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
-                r"|\{[^}]*\}|[^\s;'\"]+)",
+                r"|\{[^}]*\}|[^\s;'\"]*[^\s;'\")])",
                 re.IGNORECASE), r"\1=[redacted]"),
     # /path?name=value... glued to a path (not a question in prose, not "a=?" of SQL):
     # a query string and fragment, up to a space, a quote, or a ")" it did not open

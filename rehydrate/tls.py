@@ -79,7 +79,7 @@ from . import _config
 from ._disable import is_disabled
 from ._files import READ_ONLY_EVENTS, read_regular, wipe
 from ._hooks import Hook, Phase
-from ._redact import redact, redact_error
+from ._redact import _hide, redact_error
 from ._threads import fresh_lock_after_fork, held_by_another_thread
 from ._urls import without_credentials
 from .extensions import Probe, resolve_engine
@@ -134,7 +134,8 @@ def _listeners_failed(message: str) -> CertificateError:
     """A :class:`CertificateError` saying listeners failed to take the material in use.
     Not a subclass: its class name is in log lines and reports, and greps and alerts on
     ``CertificateError`` must match it too."""
-    exc = CertificateError(redact(message))  # a listener's error may quote a secret
+    # a listener's error may quote a secret, or a URL with a token in its query
+    exc = CertificateError(_hide(message))
     exc._in_use = True
     return exc
 
@@ -718,14 +719,16 @@ class ManagedCertificate:
     @property
     def last_error(self) -> str | None:
         """Why the last renewal was rejected, or which listeners failed to take it (None
-        after a success). Redacted when set (:func:`rehydrate.extensions.redact`): an
-        issuer's or a listener's error may quote a managed secret (a Vault token), and
-        ``status()``, log lines and :attr:`material`'s error show it."""
+        after a success). Redacted when set (:func:`rehydrate.extensions.redact`), and
+        without the user info and query strings of the URLs it quotes, as a hook error:
+        an issuer's or a listener's error may quote a managed secret or a URL's token
+        (``…/sign/web?token=hvs.…``), and ``status()``, log lines, :meth:`renew`'s
+        error and :attr:`material`'s error show it."""
         return self._last_error
 
     @last_error.setter
     def last_error(self, text: str | None) -> None:
-        self._last_error = None if text is None else redact(text)
+        self._last_error = None if text is None else _hide(text)
 
     def __repr__(self) -> str:
         m = self._material

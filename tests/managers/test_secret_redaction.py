@@ -11,7 +11,9 @@ import logging
 import os
 import pickle
 import socket
+import sys
 import traceback
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,6 +99,16 @@ def _reaching(root: object) -> list[str]:
     return found
 
 
+def _assert_cleared(error: BaseException) -> None:
+    """``error`` has a traceback (a log line or a span shows where it failed) whose frames
+    hold no local variable."""
+    tb = error.__traceback__
+    assert tb is not None
+    while tb is not None:
+        assert tb.tb_frame.f_locals == {}, tb.tb_frame
+        tb = tb.tb_next
+
+
 def _everywhere(engine: rehydrate.Lifecycle, report: rehydrate.Report,
                 exporter: InMemorySpanExporter, caplog: pytest.LogCaptureFixture,
                 ) -> dict[str, str]:
@@ -138,11 +150,13 @@ def test_an_httpx_header_error_quoting_the_token_is_redacted_everywhere(
     [span] = [s for s in spans.get_finished_spans() if s.name.endswith("register-with-api")]
     assert span.status.description == f"LocalProtocolError: {error}"
     # nothing of the original is kept to be formatted (or snapshotted) later: h11's
-    # error it was raised from stands redacted too, neither with a traceback
+    # error it was raised from stands redacted too, both with their tracebacks' frames
+    # and without their locals
     assert isinstance(error.__cause__, RedactedError)
     assert error.__cause__.original_name == "LocalProtocolError"
     assert str(error.__cause__) == str(error)
-    assert error.__traceback__ is None and error.__cause__.__traceback__ is None
+    _assert_cleared(error)
+    _assert_cleared(error.__cause__)
     assert _reaching(report.error) == []
 
 
@@ -287,7 +301,7 @@ def test_a_cause_or_a_note_quoting_the_token_is_not_kept(
     assert report.error is not None
     formatted = "".join(traceback.format_exception(report.error))
     assert "SECRETMARKER" not in formatted
-    assert SHOWN in formatted and "raise err from exc" not in formatted  # no traceback
+    assert SHOWN in formatted and "raise err from exc" in formatted  # where it failed
     if hasattr(error, "add_note"):
         assert error.__notes__[0] == f"sent {SHOWN}"
     assert _reaching(report.error) == []
@@ -319,7 +333,7 @@ def test_an_error_with_its_own_str_shows_what_it_showed_redacted(
     assert error.original_name == "Quoting"
     assert str(error) == f"token {SHOWN} refused"
     assert isinstance(error.__cause__, ValueError) and error.__context__ is error.__cause__
-    assert error.__traceback__ is None
+    _assert_cleared(error)
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is RedactedError
     assert (str(back), back.original_name, back.original_type) == (
@@ -717,7 +731,8 @@ def test_no_link_keeps_a_traceback_whose_frames_hold_the_value(
         rehydrate_engine: rehydrate.Lifecycle, token: Secret) -> None:
     """The value in a local of a frame the error passed through (a plain function's, a
     finished coroutine's) or of a clean cause's frame was kept alive by the report, into
-    a later snapshot image: no link of the recorded chain has a traceback."""
+    a later snapshot image: each link of the recorded chain keeps its traceback (where it
+failed) without its frames' locals."""
     def connect(value: str) -> None:
         header = "Bearer " + value  # noqa: F841 - the local a frame would keep
         raise ConnectionRefusedError(111, "Connection refused")  # quotes nothing
@@ -747,7 +762,7 @@ def test_no_link_keeps_a_traceback_whose_frames_hold_the_value(
     assert isinstance(cause, ConnectionRefusedError) and cause.errno == 111
     assert isinstance(async_error, ConnectionError)
     for error in (login_error, cause, async_error):
-        assert error.__traceback__ is None
+        _assert_cleared(error)
     assert report.error is not None
     assert _reaching(report.error) == []
 
@@ -1013,3 +1028,102 @@ def test_a_url_password_or_query_token_in_a_hook_error_is_left_out(
     # the types raised still match
     assert isinstance(report.hooks[-2].error, httpx.HTTPStatusError)
     assert isinstance(report.hooks[-1].error, requests.ConnectionError)
+
+
+class _Kept(RuntimeError):
+    """A type of its own: an instance can be referred to weakly (a built-in's cannot)."""
+
+
+def test_an_error_scrubbed_of_a_url_query_keeps_where_it_failed(
+        rehydrate_engine: rehydrate.Lifecycle, spans: InMemorySpanExporter) -> None:
+    """No secret managed: an ordinary ``?page=2`` made the error a stand-in without a
+    traceback, and the span's ``exception.stacktrace`` lost the hook's frame. It keeps
+    its traceback, its frames without their locals (a token in one), and the error
+    raised, with the token in its message, is not kept."""
+    raised: list[weakref.ref[_Kept]] = []
+
+    def fetch(url: str) -> None:
+        error = _Kept(f"GET {url} failed: 503")
+        raised.append(weakref.ref(error))
+        raise error
+
+    @rehydrate_engine.registry.after_restore(name="fetch-page", required=False)
+    def fetch_page() -> None:
+        api_token = MARK  # noqa: F841 - the local a frame would keep
+        sys._getframe().f_locals  # noqa: B018 - as a debugger or a log formatter reads them
+        fetch(f"https://api.example.com/v1/items?page=2&token={MARK}")
+
+    report = rehydrate_engine.simulate_restore()
+    error = report.hooks[-1].error
+    assert isinstance(error, RedactedError) and isinstance(error, _Kept)
+    assert str(error) == "GET https://api.example.com/v1/items failed: 503"
+    tb = error.__traceback__
+    while tb is not None:  # before f_locals is read again: that would empty the dict
+        assert not [d for d in gc.get_referents(tb.tb_frame)
+                    if isinstance(d, dict) and MARK in d.values()]
+        tb = tb.tb_next
+    _assert_cleared(error)
+    shown = "".join(traceback.format_exception(error))
+    assert "in fetch_page" in shown and "in fetch" in shown and MARK not in shown
+    [span] = [s for s in spans.get_finished_spans() if s.name.endswith("fetch-page")]
+    [event] = [e for e in span.events if e.name == "exception"]
+    stacktrace = str(event.attributes["exception.stacktrace"])  # type: ignore[index]
+    assert "in fetch_page" in stacktrace and MARK not in stacktrace
+    assert _reaching(error) == []
+    gc.collect()
+    assert raised[0]() is None
+
+
+def test_a_generator_the_error_was_thrown_into_and_that_reads_on_is_not_closed(
+        rehydrate_engine: rehydrate.Lifecycle) -> None:
+    """A consumer that takes errors at its ``yield`` (``gen.throw()``) and hands them on
+    is suspended at that same ``yield``, where the error went through its frame:
+    clearing the frame would close it."""
+    handed: list[BaseException] = []
+
+    def consumer() -> Iterator[None]:
+        while True:
+            try:
+                yield
+            except ConnectionError as exc:
+                handed.append(exc)
+
+    stream = consumer()
+    next(stream)
+    stream.throw(ConnectionError(f"read failed for https://db/x?token={MARK}"))
+
+    @rehydrate_engine.registry.after_restore(name="re-raises", required=False)
+    def re_raises() -> None:
+        raise handed[0]
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    assert isinstance(error, ConnectionError) and MARK not in str(error)
+    assert error.__traceback__ is not None  # the hook's frame
+    stream.throw(ConnectionError("again"))  # still reading, not closed
+    assert len(handed) == 2
+
+
+class _ProxyError(Exception):
+    """An API error forwarding attribute lookups to its payload, a dict."""
+
+    def __init__(self, msg: str, data: dict[str, Any]) -> None:
+        super().__init__(msg)
+        self.data = data
+
+    def __getattr__(self, name: str) -> Any:
+        return self.data[name]
+
+
+def test_an_error_whose_getattr_raises_keyerror_is_shown_without_a_secret(
+        rehydrate_engine: rehydrate.Lifecycle) -> None:
+    """Its ``__notes__`` lookup raised ``KeyError``, and the whole message was withheld
+    (``not shown: redacting it failed with KeyError``) with nothing to redact."""
+    raised = _ProxyError("upstream said 503", {"code": 503})
+
+    @rehydrate_engine.registry.after_restore(name="proxy", required=False)
+    def proxy() -> None:
+        raise raised
+
+    report = rehydrate_engine.simulate_restore()
+    assert report.hooks[-1].error is raised
+    assert report.hooks[-1].to_dict()["error"] == "_ProxyError: upstream said 503"

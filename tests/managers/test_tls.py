@@ -17,6 +17,7 @@ import socket
 import ssl
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -2324,3 +2325,47 @@ def test_an_algorithm_that_cannot_sign_is_refused_up_front_in_one_line(rehydrate
     assert tls.manager(rehydrate_engine).get("x") is None
     with pytest.raises(CertificateError, match="algorithm 'bogus' cannot be used"):
         tls.self_signed("y", algorithm="bogus", engine=rehydrate_engine)
+
+
+def test_an_issuer_error_quoting_a_url_token_shows_nowhere(rehydrate_engine, caplog):
+    """A Vault-like issuer failing with ``403 … for url: …/sign/web?token=hvs.…``: the
+    restore report and the log line left the query out, but ``last_error``,
+    ``status()`` and the error :meth:`renew` raised still showed the token."""
+    ca = CA()
+    failing: list[bool] = []
+
+    class Vault:
+        def issue(self, csr):  # type: ignore[no-untyped-def]
+            if failing:
+                raise RuntimeError("403 Forbidden for url: "
+                                   "https://vault:8200/v1/pki/sign/web?token=hvs.SECRETTOKEN")
+            return ca.sign(csr.public_key()), [ca.cert]
+
+    cert = tls.issued("web", Vault(), common_name="localhost", engine=rehydrate_engine)
+    failing.append(True)
+    caplog.set_level(logging.WARNING, logger="rehydrate")
+    with pytest.raises(CertificateError) as caught:
+        cert.renew()
+    report = rehydrate_engine.simulate_restore()
+    shown = "https://vault:8200/v1/pki/sign/web"
+    assert str(caught.value) == f"RuntimeError: 403 Forbidden for url: {shown}"
+    assert cert.last_error == str(caught.value)
+    for where, text in {
+            "renew()": "".join(traceback.format_exception(caught.value)),
+            "last_error": cert.last_error,
+            "status": json.dumps(rehydrate_engine.status().to_dict(), default=str),
+            "report": json.dumps(report.to_dict()),
+            "log": caplog.text}.items():
+        assert "SECRETTOKEN" not in text, where
+        assert shown in text, where
+
+    # a listener failing the same way: the renewal's error and last_error leave it out
+    @cert.subscribe
+    def reload_proxy(_):  # type: ignore[no-untyped-def]
+        raise RuntimeError("POST https://proxy/reload?token=hvs.SECRETTOKEN: 500")
+
+    failing.clear()
+    with pytest.raises(CertificateError) as caught:
+        cert.renew()
+    assert "SECRETTOKEN" not in str(caught.value) and "SECRETTOKEN" not in cert.last_error
+    assert "RuntimeError: POST https://proxy/reload 500" in str(caught.value)
