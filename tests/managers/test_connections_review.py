@@ -743,6 +743,10 @@ def test_sync_httpx_check_to_a_silent_peer_ends_with_its_run(rehydrate_engine):
 _SECRETS_SCRUBBED = [  # (library error, shown as)
     ("Could not parse SQLAlchemy URL from string 'oracle+cx_oracle://scott:tiger@db:1521/o'",
      "Could not parse SQLAlchemy URL from string 'oracle+cx_oracle://db:1521/o'"),
+    # a raw "@" in the password (not percent-encoded): "ss" showed after the first one
+    ("could not connect to postgresql://bob:pa@ss@db/x",
+     "could not connect to postgresql://db/x"),
+    ("redis://:s3@cr@t@cache:6379/0 refused", "redis://cache:6379/0 refused"),
     ("Could not parse SQLAlchemy URL from string 'ibm_db_sa://u:s3cret@h:50000/sample'",
      "Could not parse SQLAlchemy URL from string 'ibm_db_sa://h:50000/sample'"),
     ("postgresql+psycopg2://app:pw@db/orders", "postgresql+psycopg2://db/orders"),
