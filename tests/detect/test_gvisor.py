@@ -751,6 +751,35 @@ def test_trigger_bad_answer_with_a_running_waiter_fails_and_runs_resume_hooks(
         platform.close()
 
 
+@pytest.mark.parametrize(("data", "kinds", "line"), [
+    (b"resume\nrestore\n", ["resume"], "gave more after its answer resume: b'restore'"),
+    (b"x\n" * 20, [], "gave unknown answer b'x'"),
+])
+def test_one_read_of_the_checkpoint_file_is_one_answer(
+        iso_engine: Lifecycle, pty_proc: Path, caplog: pytest.LogCaptureFixture,
+        data: bytes, kinds: list[str], line: str) -> None:
+    """gVisor answers a descriptor once: every line of its read was taken for an answer,
+    so "resume\nrestore" also ran the restore hooks (a new generation in the original)
+    and a garbage read logged an error line per line."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    platform = FakePlatform(pty_proc, reply=None)  # the answers are written below
+    try:
+        rec = Recorder(iso_engine)
+        waiter = start_waiter(iso_engine, pty_proc)
+        os.write(platform.master, data)
+        wait_for(lambda: waiter.status()["opens"] >= 2, what="the waiter to open again")
+        assert [c[1] for c in rec.calls] == kinds
+        assert iso_engine.status().generation == 0
+        assert waiter.status()["answers"] == 1
+        problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(problems) == 1 and line in problems[0], problems
+        os.write(platform.master, b"restore\n")  # the next checkpoint's, as usual
+        assert rec.wait(len(kinds) + 1)[-1][1:3] == ("restore", 1)
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
 def test_no_checkpoint_is_triggered_once_the_timeout_has_passed(iso_engine: Lifecycle,
                                                                 pty_proc: Path) -> None:
     """Before-snapshot hooks that used up the timeout: the 1 was still written — a
