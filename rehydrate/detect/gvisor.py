@@ -219,26 +219,21 @@ def _wait_readable(fd: int, stop_fd: int) -> bool:
 
 
 def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
-    """Answers in ``data`` (one per line) and a description of everything else in it."""
+    """The answer in ``data`` (at most one: its first line, as gVisor answers a descriptor
+    once) and a description of everything else in it."""
     if not data:
         return [], ["no answer (end of file: for a FIFO stand-in, the writer closed "
                     "without writing)"]
     if len(data) > MAX_ANSWER:
         return [], [f"{len(data)}+ bytes without a newline, starting {_describe_bytes(data)}"]
-    answers: list[Answer] = []
-    bad: list[str] = []
-    lines = [line.strip() for line in data.split(b"\n")]
-    if not any(lines):
+    words = [line.strip() for line in data.split(b"\n") if line.strip()]
+    if not words:
         return [], ["an empty answer (only whitespace)"]
-    for line in lines:
-        if not line:
-            continue
-        word = line.decode("ascii", "replace")
-        if word in ANSWERS:
-            answers.append(word)
-        else:
-            bad.append(f"unknown answer {_describe_bytes(line)}")
-    return answers, bad
+    word = words[0].decode("ascii", "replace")
+    if word not in ANSWERS:
+        return [], [f"unknown answer {_describe_bytes(words[0])}"]
+    rest = b"\n".join(words[1:])
+    return [word], [f"more after its answer: {_describe_bytes(rest)}"] if rest else []
 
 
 def _handle(engine: Engine, answer: Answer, since: float, reason: str,
