@@ -353,6 +353,23 @@ def not_a_socket(path: str) -> str | None:
     return f"{path} exists and is {kind}, not a socket"
 
 
+def _unreachable(path: str, exc: OSError) -> str:
+    """Why connecting to ``path`` failed, as the user can act on it. The bare error read
+    "Connection refused" for a socket file a process left when it died, and "Resource
+    temporarily unavailable" after a full backlog had been waited out for the whole
+    timeout."""
+    why = not_a_socket(path)
+    if why:
+        return why
+    if isinstance(exc, ConnectionRefusedError):
+        return ("nobody listens there (connection refused): a socket file left by a "
+                "process that exited or stopped serving it")
+    if isinstance(exc, BlockingIOError):
+        return ("the process accepted no connection in time (its listen backlog stayed "
+                "full): hung or overloaded")
+    return exc.strerror or str(exc)
+
+
 def _connect(sock: _socket.socket, path: str, deadline: float | None) -> None:
     """Connect, waiting out a full listen backlog (``EAGAIN``) until ``deadline``."""
     delay = 0.002
@@ -396,7 +413,7 @@ def _exchange(path: str, payload: bytes, deadline: float | None, timeout: float 
         try:
             _connect(sock, path, deadline)
         except OSError as exc:
-            why = not_a_socket(path) or exc.strerror or str(exc)
+            why = _unreachable(path, exc)
             raise ControlError(f"cannot reach the process at {path}: {why}") from None
         check(sock)
         sock.settimeout(_remaining(deadline))
@@ -485,7 +502,7 @@ def post(cmd: str, *, socket_path: str | None = None, expect_uid: int | None = N
             # One attempt: a full backlog is not drained while the process is frozen.
             sock.connect(path)
         except OSError as exc:
-            why = not_a_socket(path) or exc.strerror or str(exc)
+            why = _unreachable(path, exc)
             raise ControlError(f"cannot reach the process at {path}: {why}") from None
         _check_peer(sock, path, named, expect_uid, expect_pid, expect_tree=expect_tree)
         try:

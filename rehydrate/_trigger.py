@@ -353,6 +353,9 @@ def _trigger(engine: Engine, waiter: GVisorDetector | None, path: str, wfd: int,
         if not answers:
             raise GVisorError(f"{path} gave {'; '.join(bad)} after a trigger; resume hooks "
                               "ran")
+        if bad:
+            log.warning("%s gave %s; ignored (one answer per descriptor)", path,
+                        "; ".join(bad))
         _handle(engine, answers[0], since, "gvisor", arrived)
         return answers[0]
     finally:

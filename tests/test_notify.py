@@ -564,6 +564,46 @@ def test_a_socket_path_that_is_a_fifo_or_a_device_is_named_as_such(sock_path: st
                                f"{path} exists and is {kind}, not a socket\n"), proc.stderr
 
 
+def test_a_stale_socket_and_a_full_backlog_are_named_as_such(sock_path: str) -> None:
+    """Before: "Connection refused" for the socket file a dead process left, and "Resource
+    temporarily unavailable" once a backlog that stayed full had been waited out."""
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(sock_path)
+    stale.close()
+    proc = subprocess.run([sys.executable, str(BIN / "rehydrate-notify"), "save", "--socket",
+                           sock_path], env=_env(), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 3, proc
+    assert proc.stderr == (f"rehydrate: notify save: cannot reach the process at {sock_path}: "
+                           "nobody listens there (connection refused): a socket file left "
+                           "by a process that exited or stopped serving it\n"), proc.stderr
+    os.unlink(sock_path)
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # listens, never accepts
+    hung.bind(sock_path)
+    hung.listen(0)
+    queued = []
+    try:
+        while True:  # fill its backlog
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect(sock_path)
+            except BlockingIOError:
+                break
+        proc = subprocess.run([sys.executable, str(BIN / "rehydrate-notify"), "save",
+                               "--socket", sock_path, "--timeout", "0.5"], env=_env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        for c in queued:
+            c.close()
+        hung.close()
+    assert proc.returncode == 3, proc
+    assert proc.stderr == (f"rehydrate: notify save: cannot reach the process at {sock_path}: "
+                           "the process accepted no connection in time (its listen backlog "
+                           "stayed full): hung or overloaded\n"), proc.stderr
+
+
 def _post_dump(sock: str, *argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
     """``rehydrate-notify`` as CRIU runs it at ``post-dump`` (no argument, the action in
     the environment), with the modules it imported."""

@@ -28,14 +28,16 @@ trigger writes only while the descriptor holds no answer and none is being taken
 of it (checked, and its write recorded, in one step), so such an answer is not taken
 for that trigger's, however late the thread gets to it — except one arriving between
 that step and the ``write()`` itself.
-Anything else is logged as one error line; the waiter then re-opens the
-file for the next checkpoint. Each notice carries ``since`` = the later of the moment
-the descriptor was opened and :data:`ANSWER_WINDOW` seconds before the answer arrived,
-so that another detector's notice of the same restore (the clock jump, detected after
-the restore) runs the hooks only once, while an unrelated restore handled while the
-descriptor sat open for hours (one only the clock jump saw, or a false alarm) does not
-make this real restore look handled. Simulated runs never count (see ``anchor`` in
-:meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`).
+Anything else is logged as one error line; the waiter then re-opens the file for the
+next checkpoint. The first line read from gVisor's file is its answer: more lines in
+that read are no other checkpoint's answer, and are ignored with one warning line (a
+FIFO stand-in is a stream, one answer per line). Each notice carries ``since`` = the
+later of the moment the descriptor was opened and :data:`ANSWER_WINDOW` seconds before
+the answer arrived, so that another detector's notice of the same restore (the clock
+jump, detected after the restore) runs the hooks only once, while an unrelated restore
+handled while the descriptor sat open for hours (one only the clock jump saw, or a false
+alarm) does not make this real restore look handled. Simulated runs never count (see
+``anchor`` in :meth:`~rehydrate._lifecycle.Lifecycle.restore_detected`).
 
 Test stand-ins: ``REHYDRATE_GVISOR_PROC`` (default ``/proc/gvisor``) may point at a
 directory whose ``checkpoint`` is a FIFO: a writer that opens it and writes one answer
@@ -217,26 +219,21 @@ def _wait_readable(fd: int, stop_fd: int) -> bool:
 
 
 def _parse(data: bytes) -> tuple[list[Answer], list[str]]:
-    """Answers in ``data`` (one per line) and a description of everything else in it."""
+    """The answer in ``data`` (at most one: its first line, as gVisor answers a descriptor
+    once) and a description of everything else in it."""
     if not data:
         return [], ["no answer (end of file: for a FIFO stand-in, the writer closed "
                     "without writing)"]
     if len(data) > MAX_ANSWER:
         return [], [f"{len(data)}+ bytes without a newline, starting {_describe_bytes(data)}"]
-    answers: list[Answer] = []
-    bad: list[str] = []
-    lines = [line.strip() for line in data.split(b"\n")]
-    if not any(lines):
+    words = [line.strip() for line in data.split(b"\n") if line.strip()]
+    if not words:
         return [], ["an empty answer (only whitespace)"]
-    for line in lines:
-        if not line:
-            continue
-        word = line.decode("ascii", "replace")
-        if word in ANSWERS:
-            answers.append(word)
-        else:
-            bad.append(f"unknown answer {_describe_bytes(line)}")
-    return answers, bad
+    word = words[0].decode("ascii", "replace")
+    if word not in ANSWERS:
+        return [], [f"unknown answer {_describe_bytes(words[0])}"]
+    rest = b"\n".join(words[1:])
+    return [word], [f"more after its answer: {_describe_bytes(rest)}"] if rest else []
 
 
 def _handle(engine: Engine, answer: Answer, since: float, reason: str,
@@ -669,17 +666,27 @@ class GVisorDetector(Detector):
             if not chunk and buf:  # end of file ends the last line too
                 lines.append(buf)
                 buf = b""
-            for line in lines:
+            for i, line in enumerate(lines):
                 word = line.strip()
                 if not word:
                     continue
                 handled += 1
+                # gVisor answers a descriptor once: the rest of its read is no answer.
+                # Taken as more answers, "resume\nrestore" ran the restore hooks too, and
+                # a garbage read logged an error line per line of it.
+                rest = b"" if fifo else b"\n".join([*lines[i + 1:], buf]).strip()
                 if word.decode("ascii", "replace") in ANSWERS:
+                    if rest:
+                        log.warning("gVisor checkpoint file %s gave more after its answer "
+                                    "%s: %s; ignored (one answer per descriptor)", self.path,
+                                    word.decode("ascii"), _describe_bytes(rest))
                     since = self._answer(cast(Answer, word.decode("ascii")), since, fifo,
                                          arrived)
                 elif not self._bad(f"unknown answer {_describe_bytes(word)}", quick,
                                    arrived):
                     return False
+                if not fifo:
+                    return not self._stopping  # one answer per descriptor: open again
             if len(buf) > MAX_ANSWER:
                 handled += 1
                 if not self._bad(f"{len(buf)}+ bytes without a newline, starting "

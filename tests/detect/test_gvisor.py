@@ -636,17 +636,37 @@ def test_trigger_timeout_without_waiter_runs_resume_hooks(iso_engine: Lifecycle,
     assert iso_engine.last_restore_at is None, "no checkpoint seen: not a freeze anchor"
 
 
+# "garbage\nrestore": the first line is the answer (as the running waiter takes it); a
+# later line was taken for it, and the clone's restore hooks ran after garbage.
+@pytest.mark.parametrize("reply", [b"garbage\n", b"garbage\nrestore\n"])
 def test_trigger_bad_answer_without_waiter_runs_resume_hooks(iso_engine: Lifecycle,
-                                                              pty_proc: Path) -> None:
-    platform = FakePlatform(pty_proc, reply=b"garbage\n")
+                                                              pty_proc: Path,
+                                                              reply: bytes) -> None:
+    platform = FakePlatform(pty_proc, reply=reply)
     try:
         rec = Recorder(iso_engine)
-        with pytest.raises(GVisorError, match="garbage"):
+        with pytest.raises(GVisorError, match="unknown answer b'garbage'"):
             trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE)
     finally:
         platform.close()
     assert [c[:2] for c in rec.calls] == CARRIED_ON
     assert iso_engine.is_ready()
+    assert iso_engine.status().generation == 0
+
+
+def test_trigger_without_waiter_takes_the_first_line_for_the_answer(
+        iso_engine: Lifecycle, pty_proc: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    platform = FakePlatform(pty_proc, reply=b"resume\nrestore\n")
+    try:
+        rec = Recorder(iso_engine)
+        assert trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE) == "resume"
+    finally:
+        platform.close()
+    assert [c[:2] for c in rec.calls] == CARRIED_ON
+    assert iso_engine.status().generation == 0
+    assert any("gave more after its answer: b'restore'" in r.getMessage()
+               for r in caplog.records if r.levelno == logging.WARNING)
 
 
 def test_trigger_waiter_never_armed_runs_resume_hooks(
@@ -746,6 +766,35 @@ def test_trigger_bad_answer_with_a_running_waiter_fails_and_runs_resume_hooks(
             done.result(timeout=DEADLINE)  # no timeout given to trigger_snapshot itself
         assert [c[:2] for c in rec.calls] == CARRIED_ON
         assert iso_engine.is_ready()
+    finally:
+        iso_engine.stop()
+        platform.close()
+
+
+@pytest.mark.parametrize(("data", "kinds", "line"), [
+    (b"resume\nrestore\n", ["resume"], "gave more after its answer resume: b'restore'"),
+    (b"x\n" * 20, [], "gave unknown answer b'x'"),
+])
+def test_one_read_of_the_checkpoint_file_is_one_answer(
+        iso_engine: Lifecycle, pty_proc: Path, caplog: pytest.LogCaptureFixture,
+        data: bytes, kinds: list[str], line: str) -> None:
+    """gVisor answers a descriptor once: every line of its read was taken for an answer,
+    so "resume\nrestore" also ran the restore hooks (a new generation in the original)
+    and a garbage read logged an error line per line."""
+    caplog.set_level(logging.INFO, logger="rehydrate")
+    platform = FakePlatform(pty_proc, reply=None)  # the answers are written below
+    try:
+        rec = Recorder(iso_engine)
+        waiter = start_waiter(iso_engine, pty_proc)
+        os.write(platform.master, data)
+        wait_for(lambda: waiter.status()["opens"] >= 2, what="the waiter to open again")
+        assert [c[1] for c in rec.calls] == kinds
+        assert iso_engine.status().generation == 0
+        assert waiter.status()["answers"] == 1
+        problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(problems) == 1 and line in problems[0], problems
+        os.write(platform.master, b"restore\n")  # the next checkpoint's, as usual
+        assert rec.wait(len(kinds) + 1)[-1][1:3] == ("restore", 1)
     finally:
         iso_engine.stop()
         platform.close()
