@@ -654,10 +654,15 @@ def test_trigger_bad_answer_without_waiter_runs_resume_hooks(iso_engine: Lifecyc
     assert iso_engine.status().generation == 0
 
 
+@pytest.mark.parametrize("after", [b"restore\n", b"x" * 300 + b"\n"],
+                         ids=["another-answer", "a-long-line"])
 def test_trigger_without_waiter_takes_the_first_line_for_the_answer(
-        iso_engine: Lifecycle, pty_proc: Path, caplog: pytest.LogCaptureFixture) -> None:
+        iso_engine: Lifecycle, pty_proc: Path, caplog: pytest.LogCaptureFixture,
+        after: bytes) -> None:
+    """What follows the first line is ignored, however long (a read returning more than
+    an answer's length was "bytes without a newline", the answer in it refused)."""
     caplog.set_level(logging.INFO, logger="rehydrate")
-    platform = FakePlatform(pty_proc, reply=b"resume\nrestore\n")
+    platform = FakePlatform(pty_proc, reply=b"resume\n" + after)
     try:
         rec = Recorder(iso_engine)
         assert trigger_snapshot(iso_engine, proc=str(pty_proc), timeout=DEADLINE) == "resume"
@@ -665,7 +670,7 @@ def test_trigger_without_waiter_takes_the_first_line_for_the_answer(
         platform.close()
     assert [c[:2] for c in rec.calls] == CARRIED_ON
     assert iso_engine.status().generation == 0
-    assert any("gave more after its answer: b'restore'" in r.getMessage()
+    assert any(f"gave more after its answer: b'{after[:7].decode()}" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING)
 
 
