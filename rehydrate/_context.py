@@ -188,10 +188,11 @@ class RedactedError(Exception):
     ``original_name`` and ``original_type`` name the type of the error raised (reports
     and log lines show ``original_name`` where they show an error's type). It keeps the
     original's type and redacted message (and notes) only: not its attributes or slots
-    (requests' ``.response``, with the URL and its token); its traceback shows where it
-    failed, its frames without their local variables (the hook's, the value among them,
-    kept for as long as the report lives). Its cause, context and members stand redacted
-    the same way."""
+    (requests' ``.response``, with the URL and its token), nor its traceback (its frames
+    hold the hook's locals, the value among them, for as long as the report lives) —
+    where it failed is kept as text (file, line and function of each frame), which
+    telemetry shows as the span's ``exception.stacktrace``. Its cause, context and
+    members stand redacted the same way."""
 
     def __init__(self, message: str, original: type[BaseException] | str = "Exception",
                  original_type: str | None = None) -> None:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import builtins
 import collections
-import inspect
 import logging
 import sys
 import threading
+import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -30,7 +30,8 @@ from ._context import RedactedError
 from ._threads import fresh_lock_after_fork
 from ._urls import scrub_urls
 
-__all__ = ["MIN_REDACTED_LENGTH", "add_redactor", "redact", "redact_error", "value_forms"]
+__all__ = ["MIN_REDACTED_LENGTH", "add_redactor", "redact", "redact_error", "redacted_stacktrace",
+           "value_forms"]
 
 log = logging.getLogger("rehydrate")
 
@@ -345,10 +346,10 @@ def _make(original: type[BaseException], args: tuple[Any, ...],
 
 def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseException | None:
     """A redacted stand-in for ``e`` and its links, made of nothing of the original but
-    redacted text and numbers, and the frames of its traceback without their locals
-    (:func:`_cleared`): no attribute (a response, a request, bytes output), no slot.
-    None for a link already being made (a cycle) or beyond the walk's bound: that link
-    is left out."""
+    redacted text and numbers, and where it failed as text (:func:`_stack`): no
+    traceback (its frames hold the hook's locals), no attribute (a response, a request,
+    bytes output), no slot. None for a link already being made (a cycle) or beyond the
+    walk's bound: that link is left out."""
     if id(e) in memo:
         return memo[id(e)]
     if len(memo) >= WALK_LIMIT:
@@ -384,54 +385,41 @@ def _fresh(e: BaseException, memo: dict[int, BaseException | None]) -> BaseExcep
     out.__cause__ = None if e.__cause__ is None else _fresh(e.__cause__, memo)
     out.__context__ = None if e.__context__ is None else _fresh(e.__context__, memo)
     out.__suppress_context__ = e.__suppress_context__
-    out.__traceback__ = _cleared(e.__traceback__)
+    vars(out)["redacted_stack"] = _stack(e.__traceback__)
     return out
 
 
-_SUSPENDABLE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-                | inspect.CO_ITERABLE_COROUTINE)
+STACK_FRAMES = 64
+"""The innermost frames a redacted error's stack keeps (a deep recursion is cut)."""
 
 
-def _cleared(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """A traceback of the frames of ``tb`` whose local variables could be dropped (they
-    hold the hook's, the value among them perhaps, and a report lives on into later
-    snapshot images): where it failed stays readable in a log line or a span. Left out,
-    uncleared: an executing frame (the runner's own, another thread's; ``clear()``
-    refuses it) and a generator's or coroutine's that may be suspended
-    (:func:`_stopped_there`): clearing it would close it (a library's reader that caught
-    the error, handed it on and reads on)."""
-    kept: list[types.TracebackType] = []
-    while tb is not None:
-        frame = tb.tb_frame
-        if not frame.f_code.co_flags & _SUSPENDABLE or _stopped_there(frame, tb.tb_lasti):
-            try:
-                frame.clear()
-            except RuntimeError:  # still executing
-                pass
-            else:
-                # a dict of the locals read before (by a debugger, a log formatter)
-                # outlives clear(): reading them again empties it
-                frame.f_locals  # noqa: B018
-                kept.append(tb)
-        tb = tb.tb_next
-    out = None
-    for entry in reversed(kept):
-        out = types.TracebackType(out, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
-    return out
+def _stack(tb: types.TracebackType | None) -> tuple[tuple[str, int, str], ...]:
+    """Where an error failed: ``(file, line, function)`` of each frame of ``tb``, the
+    innermost :data:`STACK_FRAMES` — text only. The traceback itself is not kept: its
+    frames hold the hook's locals (the value among them perhaps, and a report lives on
+    into later snapshot images), a frame can only be emptied by ``clear()``, which
+    refuses a running one and closes a suspended generator, and a kept frame keeps its
+    callers' frames alive through ``f_back``."""
+    frames = [(f.f_code.co_filename, lineno, f.f_code.co_name)
+              for f, lineno in traceback.walk_tb(tb)]
+    return tuple(frames[-STACK_FRAMES:])
 
 
-def _stopped_there(frame: types.FrameType, lasti: int) -> bool:
-    """True when a generator's or coroutine's ``frame`` is where the error went through it
-    (``lasti``), not at a ``yield``: it finished there. One that caught the error runs on,
-    to a suspension at a ``yield`` or an ``await`` (a ``YIELD_VALUE``, or the ``RESUME``
-    after it), also the one the error was thrown in at (``gen.throw()`` in a loop)."""
-    if frame.f_lasti != lasti:
-        return False
-    import dis  # here: only a redacted error's generator frames need it
-
-    code = frame.f_code.co_code
-    return 0 <= lasti < len(code) and dis.opname[code[lasti]] not in ("YIELD_VALUE",
-                                                                      "RESUME")
+def redacted_stacktrace(err: BaseException) -> str | None:
+    """A redacted error's traceback as :func:`traceback.format_exception` would print it
+    (its source lines read now), from the stack :func:`redact_error` kept as text; None
+    for any other error, or one that kept no stack."""
+    if not isinstance(err, RedactedError):
+        return None
+    frames = vars(err).get("redacted_stack")
+    if not frames:
+        return None
+    summary = traceback.StackSummary.from_list(
+        [traceback.FrameSummary(f, n, name) for f, n, name in frames])
+    name = err.original_type.removeprefix("builtins.")
+    text = _show(err)
+    return ("Traceback (most recent call last):\n" + "".join(summary.format())
+            + (f"{name}: {text}\n" if text else f"{name}\n"))
 
 
 def _show(exc: BaseException) -> str:
@@ -453,12 +441,12 @@ def redact_error(exc: Exception) -> Exception:
     nothing of it copied from the original: each link an instance of ``Redacted<Name>``, a
     subclass of both :class:`~rehydrate.RedactedError` and the type raised (so
     ``isinstance``, ``except*`` and an ``OSError``'s ``errno`` still work), made from the
-    redacted args alone — each link's traceback with its frames' locals dropped (they hold
-    the hook's, the value among them perhaps, and a report lives on into later snapshot
-    images; :func:`_cleared`), none of the original's other attributes (a response, a
-    request, bytes output), notes redacted; causes, contexts and group members made the
-    same way, the clean ones too. A link whose type cannot be subclassed or made so is a
-    plain :class:`~rehydrate.RedactedError`."""
+    redacted args alone — no traceback on any link (the frames hold the hook's locals, the
+    value among them perhaps, and a report lives on into later snapshot images): where it
+    failed is kept as text (:func:`redacted_stacktrace`), none of the original's other
+    attributes (a response, a request, bytes output), notes redacted; causes, contexts and
+    group members made the same way, the clean ones too. A link whose type cannot be
+    subclassed or made so is a plain :class:`~rehydrate.RedactedError`."""
     try:
         if _clean(exc):
             return exc
@@ -469,7 +457,7 @@ def redact_error(exc: Exception) -> Exception:
         if isinstance(out, Exception) and _clean(out):
             return out
         plain = RedactedError(_hide(_show(exc)), type(exc))
-        plain.__traceback__ = _cleared(exc.__traceback__)
+        vars(plain)["redacted_stack"] = _stack(exc.__traceback__)
         notes = _get(exc, "__notes__")
         if isinstance(notes, list):
             vars(plain)["__notes__"] = [_hide(n) for n in notes if isinstance(n, str)]

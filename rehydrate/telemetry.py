@@ -57,7 +57,7 @@ from . import entropy as _entropy  # its fork handler first: see _new_id_in_chil
 from . import extensions as _extensions
 from ._context import HookResult, RedactedError, Report, RestoreContext, describe_error
 from ._hooks import BEFORE_USER_HOOKS, Hook, Phase
-from ._redact import describe_scrubbed
+from ._redact import describe_scrubbed, redacted_stacktrace
 from ._threads import fresh_lock_after_fork
 from ._version import __version__
 from .extensions import Probe, resolve_engine
@@ -687,16 +687,21 @@ class Telemetry:
 
 
 def _exception_type(err: BaseException, span: Any) -> dict[str, str] | None:
-    """``exception.type`` for a :class:`RedactedError`: the type it stands for, named as
+    """``exception.type`` (and ``exception.stacktrace``, from the stack it kept as text)
+    for a :class:`RedactedError`: the type it stands for, named as
     ``span``'s ``record_exception()`` names an unredacted one (module-qualified, a builtin
     bare; the bare class name on SDKs before 1.25), so that a failure groups with the
     same failure whose message quoted no secret. None for any other error: the SDK's own
     naming."""
     if not isinstance(err, RedactedError):
         return None
-    if not _qualifies_type_names(type(span)):
-        return {"exception.type": err.original_name}
-    return {"exception.type": err.original_type.removeprefix("builtins.")}
+    out = {"exception.type": err.original_type.removeprefix("builtins.")
+           if _qualifies_type_names(type(span)) else err.original_name}
+    # where it failed: a redacted error keeps no traceback (its frames hold the locals)
+    stack = redacted_stacktrace(err)
+    if stack is not None:
+        out["exception.stacktrace"] = stack
+    return out
 
 
 class _NamingProbe(Exception):
