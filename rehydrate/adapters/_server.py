@@ -358,22 +358,48 @@ _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrst
 """Tag names in lower case, every index kept (``str.lower()`` makes ``İ`` two characters)."""
 
 
-def _without(text: str, start: str, end: str) -> str:
-    """``text`` without the blocks from ``start`` to ``end`` (lower case; an unclosed one
-    runs to the end of ``text``), found with ``str.find``: a regex (``<!--.*?-->``) scans
-    to the end of the text from every unclosed start — quadratic on a hostile page, as
-    :mod:`html.parser` is (seconds for 16 KiB of ``<a <a <a``)."""
+_BLOCKS = (("<!--", "-->"), ("<script", "</script"), ("<style", "</style"))
+"""What an error page shows no word of: comments, scripts, styles (start, end)."""
+
+
+def _opens(lower: str, at: int, start: str) -> bool:
+    """Whether ``start`` at ``at`` opens its block: a comment always, a tag only by its
+    whole name (``<stylesheet>`` is no ``<style``)."""
+    if start == "<!--":
+        return True
+    after = lower[at + len(start):at + len(start) + 1]
+    return after in ("", ">", "/") or after.isspace()
+
+
+def _without_blocks(text: str) -> str:
+    """``text`` without its comments, scripts and styles, in one scan from left to right
+    (a ``<!--`` inside a script is the script's; an unclosed block runs to the end),
+    found with ``str.find``: a regex (``<!--.*?-->``) scans to the end of the text from
+    every unclosed start — quadratic on a hostile page, as :mod:`html.parser` is (seconds
+    for 16 KiB of ``<a <a <a``)."""
     lower = text.translate(_ASCII_LOWER)
     kept: list[str] = []
     at = 0
-    while (found := lower.find(start, at)) >= 0:
-        kept.append(text[at:found])
-        closed = lower.find(end, found + len(start))
+    found = {start: lower.find(start) for start, _ in _BLOCKS}
+    while True:
+        for start, _ in _BLOCKS:  # the next whole opening of each kind from ``at`` on
+            pos = found[start]
+            while pos >= 0 and (pos < at or not _opens(lower, pos, start)):
+                pos = lower.find(start, max(pos + 1, at))
+            found[start] = pos
+        opened = [(pos, start, end) for start, end in _BLOCKS
+                  if (pos := found[start]) >= 0]
+        if not opened:
+            kept.append(text[at:])
+            return " ".join(kept)
+        pos, start, end = min(opened)
+        kept.append(text[at:pos])
+        # "<!-->" and "<!--->" are whole (empty) comments: the end is looked for from the
+        # opening's second character on
+        closed = lower.find(end, pos + (2 if start == "<!--" else len(start)))
         if closed < 0:
             return " ".join(kept)
         at = lower.find(">", closed + len(end) - 1) + 1 or len(text)
-    kept.append(text[at:])
-    return " ".join(kept)
 
 
 def page_text(response: httpx.Response) -> str:
@@ -386,9 +412,7 @@ def page_text(response: httpx.Response) -> str:
         return ""
     import html
 
-    page = _without(response.text[:PAGE_READ], "<!--", "-->")
-    for block in ("script", "style"):
-        page = _without(page, f"<{block}", f"</{block}>")
+    page = _without_blocks(response.text[:PAGE_READ])
     lower = page.translate(_ASCII_LOWER)
     title = ""
     opened = lower.find("<title")

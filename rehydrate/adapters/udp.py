@@ -672,7 +672,9 @@ class UdpEndpoint:
             rebound = await self._rebind(old)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
-                done.cancel()
+                # only this call was cancelled (its hook's timeout): one waiting on it was
+                # not, and hears what it heard before it waited — nothing re-bound
+                done.set_result(False)
             else:
                 done.set_exception(exc)
                 done.exception()  # retrieved: no "never retrieved" log when nobody waits

@@ -896,6 +896,34 @@ async def test_a_check_waiting_for_anothers_failed_rebind_fails_too(rehydrate_en
         assert ep.rebinds == 0
 
 
+async def test_a_cancelled_ensure_leaves_the_one_waiting_on_it_uncancelled(
+        rehydrate_engine, monkeypatch):
+    """The restore hook's ensure() cut by its timeout while the game's own waited on its
+    re-bind: the game's, never cancelled, raised CancelledError (its watchdog died)."""
+    async with _started(rehydrate_engine, "cut") as (ep, _):
+        async def dead() -> bool:
+            return False
+
+        binding = asyncio.Event()
+
+        async def slow_rebind(old: Any) -> bool:
+            binding.set()
+            await asyncio.Event().wait()  # until cancelled
+            return True
+
+        monkeypatch.setattr(ep, "check", dead)
+        monkeypatch.setattr(ep, "_rebind", slow_rebind)
+        first = asyncio.ensure_future(ep.ensure())
+        await binding.wait()
+        second = asyncio.ensure_future(ep.ensure())
+        for _ in range(5):  # the second's check, then its wait on the first's re-bind
+            await asyncio.sleep(0)
+        first.cancel()
+        assert await second is False
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+
 async def test_a_local_addr_callable_returning_no_address_says_what_it_returned(
         rehydrate_engine):
     """lambda: os.environ["GAME_ADDR"] ("10.0.0.5:7777"): the hook failed with asyncio's

@@ -14,6 +14,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from rehydrate import Lifecycle, Registry
@@ -946,6 +947,25 @@ def test_an_html_error_page_is_quoted_by_its_words_not_its_markup(
         f"vllm GET {url}/is_sleeping: HTTP 500: vllm.example.com | 500: Internal server "
         "error: Internal server error Error code 500 There is an unknown connection issue "
         "between Cloudflare & the origin web server. (gave up after the 0.3s deadline)")
+
+
+@pytest.mark.parametrize("page", [
+    "<title>Error</title><script>document.write('<!--')</script><p>model-a timed out</p>",
+    "<title>Error</title><!--><p>model-a timed out</p>",
+    "<title>Error</title><!---><p>model-a timed out</p>",
+    "<TITLE>Error</TITLE><stylesheet/><p>model-a timed out</p>",
+    "<title>Error</title><style>p{}</style><!-- <script> --><p>model-a timed out</p>",
+], ids=["comment-in-script", "empty-comment", "empty-comment-2", "tag-named-like-style",
+        "script-in-comment"])
+def test_an_html_page_keeps_its_message_whatever_its_blocks(page: str) -> None:
+    """A ``<!--`` inside a script, an empty comment (``<!-->``) or a tag whose name starts
+    like one (``<stylesheet>``) took the rest of the page for a comment or a style: the
+    reason was its title alone."""
+    from rehydrate.adapters._server import page_text
+
+    answer = httpx.Response(502, headers={"content-type": "text/html"},
+                            content=page.encode())
+    assert page_text(answer) == "Error: model-a timed out"
 
 
 @pytest.mark.parametrize(("status", "usable"), [(503, True), (429, True), (404, False)])
