@@ -2005,9 +2005,15 @@ def _callable_name(fn: object) -> str:
 
 def _mark_managed(found: list[OpenFile], status: Mapping[str, Any]) -> list[OpenFile]:
     """``found`` with ``managed`` set from a files status (``status()["files"]``): a
-    handle's file (and SQLite's ``-wal``/``-shm``/``-journal``) and volume identity files."""
+    handle's file (and SQLite's ``-wal``/``-shm``/``-journal``) and volume identity files.
+    A suspended handle holds no descriptor: one open on its path is someone else's."""
     managed: set[str] = set()
     for h in status.get("handles") or ():
+        if h.get("suspended") is True:
+            # The audit runs after rehydrate.files.close: counted, every managed path
+            # hid the application's own second descriptor on it (a plain
+            # sqlite3.connect to a managed WAL database) from the warning.
+            continue
         for path in _both(str(h.get("path"))):
             managed.update((path, path + "-wal", path + "-shm", path + "-journal"))
     for v in status.get("volumes") or ():

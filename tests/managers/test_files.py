@@ -1445,6 +1445,35 @@ def test_a_handle_opened_through_a_symlink_is_managed_in_the_audit(engine,
     assert f and db
 
 
+def test_the_audit_warns_about_a_second_unmanaged_connection_to_a_managed_database(
+        engine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The audit runs after rehydrate.files.close: every managed handle is closed then,
+    so a descriptor on its path is the application's own (a plain sqlite3.connect to the
+    same WAL database). It was marked managed and the WAL warning never came."""
+    vol = _real_fds_on_a_volume(engine, tmp_path)
+    db = files.sqlite(vol / "app.db", engine=engine)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (x)")
+    db.commit()
+    other = sqlite3.connect(vol / "app.db")
+    try:
+        other.execute("INSERT INTO t VALUES (1)")
+        other.commit()
+        with caplog.at_level("WARNING", logger="rehydrate"):
+            report = engine.simulate_snapshot()
+        assert report.ok, report.table()
+        last = files.manager(engine).last_audit
+        assert {f.path for f in last} >= {str(vol / "app.db"), str(vol / "app.db-wal")}
+        assert not any(f.managed for f in last), last
+        assert f"SQLite database(s) {vol / 'app.db'} in WAL mode held open unmanaged" in (
+            caplog.text)
+    finally:
+        other.close()
+    assert engine.simulate_restore(kind="resume").ok
+    found = {o.path: o.managed for o in files.audit(engine=engine)}
+    assert found.get(str(vol / "app.db")) is True, "reopened: its own descriptor again"
+
+
 def test_every_component_registering_a_volume_hears_of_its_change(engine,
                                                                   tmp_path: Path) -> None:
     """A second files.volume(same path, on_change=cb2) dropped cb2 silently."""
