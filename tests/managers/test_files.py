@@ -243,6 +243,31 @@ def test_sqlite_wal_host_rows_seen_after_restore(engine, tmp_path: Path) -> None
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+@pytest.mark.parametrize("wal", [False, True])
+def test_sqlite_cursor_left_half_read_refuses_the_snapshot_saying_so(engine, tmp_path: Path,
+                                                                     wal: bool) -> None:
+    """A cursor kept half read (a DAO's self.cur) refused every snapshot with SQLite's
+    bare "database table is locked", naming nothing the application could act on."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    if wal:
+        db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (x)")
+    db.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(3)])
+    db.commit()
+    cur = db.cursor()
+    assert cur.execute("SELECT x FROM t ORDER BY x").fetchone() == (0,)
+    report = engine.simulate_snapshot()
+    error = _hook(report, "rehydrate.files.close").error
+    assert isinstance(error, files.SnapshotRefused), repr(error)
+    assert str(error) == (f"SQLite database {tmp_path / 'app.db'} has a statement still "
+                          "running (a cursor not read to its end): fetch its rows or "
+                          "close() it before the snapshot")
+    assert engine.simulate_restore(kind="resume").ok
+    assert cur.fetchone() == (1,), "nothing lost: the connection stayed open"
+    cur.close()
+    assert engine.simulate_snapshot().ok
+
+
 def test_sqlite_refuses_memory_databases(engine) -> None:
     with pytest.raises(ValueError, match="in-memory"):
         files.sqlite(":memory:", engine=engine)
