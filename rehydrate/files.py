@@ -15,8 +15,8 @@ Handles made here are closed before a snapshot and reopened after a restore or r
   at the end, so its next write does not overwrite another writer's data) — never a
   silent read from the middle of another file;
 * :func:`sqlite` — a ``sqlite3`` connection; the WAL is checkpointed and the connection
-  closed before the snapshot (a transaction still open is refused), so no ``-wal`` /
-  ``-shm`` descriptor is in the image;
+  closed before the snapshot (a transaction still open, or a cursor not read to its end,
+  is refused), so no ``-wal`` / ``-shm`` descriptor is in the image;
 * :func:`mmap` — a ``MAP_SHARED`` mapping; flushed and unmapped before, remapped after;
 * :func:`volume` — a volume's identity file; after a restore a different volume is
   reported and every handle on it treated as changed.
@@ -564,6 +564,13 @@ def _has_rows(conn: sqlite3.Connection, schema: str, table: str | None = None) -
                            f"{_quote_ident(name)})")[0][0] for name in tables)
 
 
+def _statement_running(exc: sqlite3.OperationalError) -> bool:
+    """Whether ``exc`` is SQLITE_LOCKED: a statement of the connection itself is still
+    running (``sqlite_errorcode`` is Python 3.11's; the message is SQLite's)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code == 6 if code is not None else str(exc) == "database table is locked"
+
+
 def _pragma_values(conn: sqlite3.Connection) -> dict[str, int]:
     """The connection's values of :data:`_SESSION_PRAGMAS`."""
     return {name: int(_rows(conn, f"PRAGMA {name}")[0][0]) for name in _SESSION_PRAGMAS}
@@ -909,6 +916,8 @@ class ManagedConnection(_Handle):
         self._record(("trace",), "set_trace_callback", trace_callback)
 
     def _close_now(self) -> None:
+        import sqlite3
+
         conn = self._conn
         if conn.in_transaction:
             raise SnapshotRefused(
@@ -939,7 +948,17 @@ class ManagedConnection(_Handle):
             pragmas = _pragma_values(conn)
             # Moves the WAL into the database so the host sees every committed row (every
             # attached database's too: no schema named).
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            try:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except sqlite3.OperationalError as exc:
+                if not _statement_running(exc):
+                    raise
+                # A cursor kept half read (self.cur.execute(...).fetchone()) refused every
+                # snapshot with SQLite's bare "database table is locked".
+                raise SnapshotRefused(
+                    f"SQLite database {self.path} has a statement still running (a cursor "
+                    "not read to its end): fetch its rows or close() it before the "
+                    "snapshot") from exc
             conn.close()
         object.__setattr__(self, "_pragmas", pragmas)
         object.__setattr__(self, "_attached", [
@@ -2005,9 +2024,15 @@ def _callable_name(fn: object) -> str:
 
 def _mark_managed(found: list[OpenFile], status: Mapping[str, Any]) -> list[OpenFile]:
     """``found`` with ``managed`` set from a files status (``status()["files"]``): a
-    handle's file (and SQLite's ``-wal``/``-shm``/``-journal``) and volume identity files."""
+    handle's file (and SQLite's ``-wal``/``-shm``/``-journal``) and volume identity files.
+    A suspended handle holds no descriptor: one open on its path is someone else's."""
     managed: set[str] = set()
     for h in status.get("handles") or ():
+        if h.get("suspended") is True:
+            # The audit runs after rehydrate.files.close: counted, every managed path
+            # hid the application's own second descriptor on it (a plain
+            # sqlite3.connect to a managed WAL database) from the warning.
+            continue
         for path in _both(str(h.get("path"))):
             managed.update((path, path + "-wal", path + "-shm", path + "-journal"))
     for v in status.get("volumes") or ():

@@ -243,6 +243,31 @@ def test_sqlite_wal_host_rows_seen_after_restore(engine, tmp_path: Path) -> None
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+@pytest.mark.parametrize("wal", [False, True])
+def test_sqlite_cursor_left_half_read_refuses_the_snapshot_saying_so(engine, tmp_path: Path,
+                                                                     wal: bool) -> None:
+    """A cursor kept half read (a DAO's self.cur) refused every snapshot with SQLite's
+    bare "database table is locked", naming nothing the application could act on."""
+    db = files.sqlite(tmp_path / "app.db", engine=engine)
+    if wal:
+        db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (x)")
+    db.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(3)])
+    db.commit()
+    cur = db.cursor()
+    assert cur.execute("SELECT x FROM t ORDER BY x").fetchone() == (0,)
+    report = engine.simulate_snapshot()
+    error = _hook(report, "rehydrate.files.close").error
+    assert isinstance(error, files.SnapshotRefused), repr(error)
+    assert str(error) == (f"SQLite database {tmp_path / 'app.db'} has a statement still "
+                          "running (a cursor not read to its end): fetch its rows or "
+                          "close() it before the snapshot")
+    assert engine.simulate_restore(kind="resume").ok
+    assert cur.fetchone() == (1,), "nothing lost: the connection stayed open"
+    cur.close()
+    assert engine.simulate_snapshot().ok
+
+
 def test_sqlite_refuses_memory_databases(engine) -> None:
     with pytest.raises(ValueError, match="in-memory"):
         files.sqlite(":memory:", engine=engine)
@@ -1443,6 +1468,35 @@ def test_a_handle_opened_through_a_symlink_is_managed_in_the_audit(engine,
     assert found.get(str(vol / "app.db-wal")) is True, found
     assert all(found.values()), found
     assert f and db
+
+
+def test_the_audit_warns_about_a_second_unmanaged_connection_to_a_managed_database(
+        engine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The audit runs after rehydrate.files.close: every managed handle is closed then,
+    so a descriptor on its path is the application's own (a plain sqlite3.connect to the
+    same WAL database). It was marked managed and the WAL warning never came."""
+    vol = _real_fds_on_a_volume(engine, tmp_path)
+    db = files.sqlite(vol / "app.db", engine=engine)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (x)")
+    db.commit()
+    other = sqlite3.connect(vol / "app.db")
+    try:
+        other.execute("INSERT INTO t VALUES (1)")
+        other.commit()
+        with caplog.at_level("WARNING", logger="rehydrate"):
+            report = engine.simulate_snapshot()
+        assert report.ok, report.table()
+        last = files.manager(engine).last_audit
+        assert {f.path for f in last} >= {str(vol / "app.db"), str(vol / "app.db-wal")}
+        assert not any(f.managed for f in last), last
+        assert f"SQLite database(s) {vol / 'app.db'} in WAL mode held open unmanaged" in (
+            caplog.text)
+    finally:
+        other.close()
+    assert engine.simulate_restore(kind="resume").ok
+    found = {o.path: o.managed for o in files.audit(engine=engine)}
+    assert found.get(str(vol / "app.db")) is True, "reopened: its own descriptor again"
 
 
 def test_every_component_registering_a_volume_hears_of_its_change(engine,
