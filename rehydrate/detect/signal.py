@@ -46,8 +46,9 @@ signal is about, so a signal sent right after a restore another detector already
 runs nothing twice. From the moment the handler ran until the worker has handed the
 signal to the engine, the engine's readiness says no (``add_arrival_check``): the worker
 may wait for the GIL a while, and a main thread checking ``is_ready()`` right after the
-signal was told ready in the clone the signal was about. ``REHYDRATE_SIGNAL`` picks the signal (``USR2``, ``SIGUSR1``, ``12``);
-``REHYDRATE_SIGNAL_KIND`` is ``restore`` (default) or ``resume``.
+signal was told ready in the clone the signal was about. ``REHYDRATE_SIGNAL`` picks
+the signal (``USR2``, ``SIGUSR1``, ``12``); ``REHYDRATE_SIGNAL_KIND`` is ``restore``
+(default) or ``resume``.
 
 :meth:`stop` waits up to 5 s for the worker; one still running a hook then keeps its
 read end of the pipe and closes it when the hook returns (closed under it, the number
