@@ -225,7 +225,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_CONTROL_SOCKET", "path", None, "the control socket path; setting it starts the control detector with start('auto'), which fails loudly for a directory or path another user controls"),  # noqa: E501
     _V("REHYDRATE_CLOCK_INTERVAL", "seconds", 0.5, "clock-jump detector: seconds between checks", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_CLOCK_THRESHOLD", "seconds", 2.0, "clock-jump detector: a monotonic step beyond the expected sleep by more than this is a restore", minimum=0.001),  # noqa: E501
-    _V("REHYDRATE_CLOCK_PENDING_THRESHOLD", "seconds", 0.1, "clock-jump detector: while a snapshot is pending, it wakes every fifth of this, and a freeze longer than this is the checkpoint (ends it with the restore hooks)", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_CLOCK_PENDING_THRESHOLD", "seconds", 0.1, "clock-jump detector: while a snapshot is pending, it wakes every fifth of this, and a freeze longer than this is the checkpoint (ends it with the restore hooks); at most REHYDRATE_CLOCK_THRESHOLD", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_CLOCK_GRACE", "seconds", 0.0, "clock-jump detector: how long it lets a more specific detector report first (0: the first notice runs the hooks at once)"),  # noqa: E501
     _V("REHYDRATE_CLOCK_BUSY_CHECK", "flag", None, "clock-jump detector: tell a busy or GIL-stalled process from a frozen one (default: on)"),  # noqa: E501
     _V("REHYDRATE_IDENTITY_INTERVAL", "seconds", 2.0, "identity detector: seconds between checks", minimum=0.001),  # noqa: E501
