@@ -45,10 +45,31 @@ MAX_SECONDS = 31_536_000.0
 and from about 2**33 s the platform's clocks and thread waits overflow."""
 
 
+def _real(value: object) -> float | int | None:
+    """``value`` as an ``int`` or ``float`` when it is a real number other than a bool —
+    also a NumPy scalar or a ``Fraction`` (``numbers.Real``): refused, ``wait_ready(
+    np.int64(5))`` said "must be a number of seconds …, not int64". None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    import numbers
+
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # Fraction(10**5000): past any limit, its sign kept
+        return float("-inf") if value < 0 else float("inf")
+
+
 def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
-    """``value`` as a float when it is a number of seconds: an int or float (not a bool),
-    > 0 (``zero_ok``: >= 0) and at most :data:`MAX_SECONDS`; otherwise ``TypeError`` (not
-    a number) or ``ValueError`` (NaN, infinity, out of range) naming ``what``.
+    """``value`` as a float when it is a number of seconds: a real number (not a bool;
+    a NumPy scalar too), > 0 (``zero_ok``: >= 0) and at most :data:`MAX_SECONDS`;
+    otherwise ``TypeError`` (not a number) or ``ValueError`` (NaN, infinity, out of
+    range) naming ``what``.
 
     The one rule for arguments in seconds (detector settings, timeouts, deadlines), checked
     where the value enters — a constructor, a command line, a control request — and not
@@ -56,11 +77,12 @@ def seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
     """
     rule = (f"{what} must be a number of seconds {'>= 0' if zero_ok else '> 0'} and at most "
             f"{MAX_SECONDS:.0f} (a year)")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = _real(value)
+    if number is None:
         raise TypeError(f"{rule}, not {type(value).__name__}")
-    if not ((value >= 0 if zero_ok else value > 0) and value <= MAX_SECONDS):
+    if not ((number >= 0 if zero_ok else number > 0) and number <= MAX_SECONDS):
         raise ValueError(f"{rule}, not {shown(value)}")
-    return float(value)
+    return float(number)
 
 
 def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float | None:
@@ -68,8 +90,9 @@ def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float
     ``tcp_socket``, ``request``): ``None``, infinity or more than a year (a huge int too)
     mean no limit (``None``); 0 is "do not wait" (unless ``zero_ok`` is False); a
     negative, NaN or non-number is a one-line ``ValueError``/``TypeError`` naming the
-    argument. Before, ``10**5000`` reached ``math.isnan`` or the thread wait as a bare
-    ``OverflowError``, and a negative timeout returned at once as if it were 0.
+    argument (a NumPy scalar or a ``Fraction`` is a number: :func:`_real`). Before,
+    ``10**5000`` reached ``math.isnan`` or the thread wait as a bare ``OverflowError``,
+    and a negative timeout returned at once as if it were 0.
 
     Not :func:`seconds`' rule: infinity and more than a year meant no limit before that
     rule came, and were kept so when it briefly refused them. The error says so, not
@@ -78,14 +101,15 @@ def optional_seconds(value: object, what: str, *, zero_ok: bool = True) -> float
         return None
     rule = f"{what} must be a number of seconds {'>= 0' if zero_ok else '> 0'}"
     no_limit = "(None, infinity or more than a year: no limit)"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = _real(value)
+    if number is None:
         raise TypeError(f"{rule}, not {type(value).__name__} {no_limit}")
     # int against float compares exactly: no OverflowError for 10**5000
-    if value > MAX_SECONDS:
+    if number > MAX_SECONDS:
         return None
-    if not (value >= 0 if zero_ok else value > 0):  # NaN is neither
+    if not (number >= 0 if zero_ok else number > 0):  # NaN is neither
         raise ValueError(f"{rule}, not {shown(value)} {no_limit}")
-    return float(value)
+    return float(number)
 
 
 def shown(value: object) -> str:
@@ -201,7 +225,7 @@ VARIABLES: tuple[Variable, ...] = (
     _V("REHYDRATE_CONTROL_SOCKET", "path", None, "the control socket path; setting it starts the control detector with start('auto'), which fails loudly for a directory or path another user controls"),  # noqa: E501
     _V("REHYDRATE_CLOCK_INTERVAL", "seconds", 0.5, "clock-jump detector: seconds between checks", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_CLOCK_THRESHOLD", "seconds", 2.0, "clock-jump detector: a monotonic step beyond the expected sleep by more than this is a restore", minimum=0.001),  # noqa: E501
-    _V("REHYDRATE_CLOCK_PENDING_THRESHOLD", "seconds", 0.1, "clock-jump detector: while a snapshot is pending, it wakes every fifth of this, and a freeze longer than this is the checkpoint (ends it with the restore hooks)", minimum=0.001),  # noqa: E501
+    _V("REHYDRATE_CLOCK_PENDING_THRESHOLD", "seconds", 0.1, "clock-jump detector: while a snapshot is pending, it wakes every fifth of this, and a freeze longer than this is the checkpoint (ends it with the restore hooks); at most REHYDRATE_CLOCK_THRESHOLD", minimum=0.001),  # noqa: E501
     _V("REHYDRATE_CLOCK_GRACE", "seconds", 0.0, "clock-jump detector: how long it lets a more specific detector report first (0: the first notice runs the hooks at once)"),  # noqa: E501
     _V("REHYDRATE_CLOCK_BUSY_CHECK", "flag", None, "clock-jump detector: tell a busy or GIL-stalled process from a frozen one (default: on)"),  # noqa: E501
     _V("REHYDRATE_IDENTITY_INTERVAL", "seconds", 2.0, "identity detector: seconds between checks", minimum=0.001),  # noqa: E501

@@ -443,6 +443,10 @@ class Lifecycle:
         self._detectors: list[Detector] = []
         self._notices = 0
         """Restore notices being handled or waiting for the run lock (never ready then)."""
+        self._arriving: tuple[Callable[[], bool], ...] = ()
+        """Checks of detectors whose notice arrives before they can report it (a signal
+        handler hands it to a worker thread): True while one has arrived and not been
+        handed to :meth:`restore_detected` yet (see :meth:`add_arrival_check`)."""
         self._detector_errors: dict[str, str] = {}
         """Detectors asked for that failed to start, and why (shown by status())."""
         self._installed_detectors: dict[str, Detector] = {}
@@ -500,6 +504,7 @@ class Lifecycle:
         self._detectors = []
         self._detector_errors = {}
         self._notices = 0  # the parent's threads waiting with a notice are not here
+        self._arriving = ()  # so are the parent's signal workers
         # _installed_detectors stay: the child's start() starts them again (forgotten, an
         # installed detector was lost for good — start(extensions=[det]) was a no-op, a new
         # instance "installed already", its key "unknown").
@@ -807,10 +812,15 @@ class Lifecycle:
         False from the moment a clone resumes until that restore's hooks ran: besides the
         state, it checks the freeze watch (when one runs, see :meth:`heartbeat`) — a
         heartbeat older than its limit means the process was frozen and the detectors
-        have not caught up yet. Costs one clock read.
+        have not caught up yet — and it asks the detectors whose notice arrives on one
+        thread and is reported from another (the signal detector: its handler hands the
+        signal to a worker) whether one is on its way. Costs one clock read and one call
+        per such detector.
         """
         if (self._notices or self._verdict_waiters or self._state not in ("running", "ready")
                 or self._freeze_noticed_at is not None):
+            return False
+        if any(check() for check in self._arriving):
             return False
         beat = self._beat
         return beat is None or time.monotonic() - beat <= self._beat_limit
@@ -876,6 +886,27 @@ class Lifecycle:
             last_report=self._last_report,
             extra=extra,
         )
+
+    def add_arrival_check(self, check: Callable[[], bool]) -> None:
+        """Readiness asks ``check()`` (cheap, no locks: it may be called from anywhere):
+        True while a notice has arrived that the detector has not handed to
+        :meth:`restore_detected` yet. A signal handler only wakes a worker thread, which
+        may wait for the GIL for a while; until it calls in, the engine would otherwise say
+        ready in a clone the signal was about."""
+        with self._cond:
+            self._arriving = (*self._arriving, check)
+
+    def remove_arrival_check(self, check: Callable[[], bool]) -> None:
+        """Forget a check :meth:`add_arrival_check` added (no error when it is not there)."""
+        with self._cond:
+            self._arriving = tuple(c for c in self._arriving if c != check)
+            self._cond.notify_all()
+
+    def arrival_handed(self) -> None:
+        """A detector's arrival check turned False without a run (a duplicate, its stop):
+        wake :meth:`wait_ready`."""
+        with self._cond:
+            self._cond.notify_all()
 
     def _frozen_since_beat(self) -> bool:
         """The freeze watch says the process was frozen and has not caught up (a clone

@@ -114,12 +114,13 @@ def resolve_engine(engine: Engine | None) -> Engine:
 
 
 def check_seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
-    """``value`` as a float when it is a number of seconds: an int or float (not a bool),
-    ``> 0`` (with ``zero_ok``: ``>= 0``) and at most :data:`MAX_SECONDS`; otherwise a
-    one-line ``TypeError`` (not a number) or ``ValueError`` (NaN, infinity, out of range)
-    naming the argument ``what`` and the rule. The check the built-in extensions make of
-    every timeout, deadline and interval argument — where it enters (a constructor), not
-    later in a thread that an exception would end."""
+    """``value`` as a float when it is a number of seconds: a real number (not a bool; a
+    NumPy scalar or a ``Fraction`` too), ``> 0`` (with ``zero_ok``: ``>= 0``) and at most
+    :data:`MAX_SECONDS`; otherwise a one-line ``TypeError`` (not a number) or
+    ``ValueError`` (NaN, infinity, out of range) naming the argument ``what`` and the
+    rule. The check the built-in extensions make of every timeout, deadline and interval
+    argument — where it enters (a constructor), not later in a thread that an exception
+    would end."""
     return _config.seconds(value, what, zero_ok=zero_ok)
 
 

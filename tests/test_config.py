@@ -389,6 +389,34 @@ def test_a_public_timeout_s_error_says_what_no_limit_is_not_at_most_a_year(value
     assert _config.optional_seconds(_config.MAX_SECONDS, "wait(): timeout") == 31_536_000.0
 
 
+def test_numpy_scalars_and_fractions_are_numbers_of_seconds():
+    """``wait_ready(np.int64(5))`` (a timeout from a config array) said "timeout must be a
+    number of seconds >= 0, not int64" — a number refused as not one. Any real number
+    other than a bool is one now: NumPy's scalars, ``Fraction``; the rule is the same."""
+    np = pytest.importorskip("numpy")
+    from fractions import Fraction
+
+    for wait in (_config.optional_seconds, _config.seconds):
+        assert wait(np.int64(5), "timeout") == 5.0
+        assert wait(np.float32(0.5), "timeout") == 0.5
+        assert wait(Fraction(1, 4), "timeout") == 0.25
+        assert type(wait(np.int64(5), "timeout")) is float
+        with pytest.raises(ValueError, match=r"not np\.int64\(-1\)"):
+            wait(np.int64(-1), "timeout")
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            wait(np.float64("nan"), "timeout")
+        with pytest.raises(TypeError, match=r"not bool\b"):
+            wait(np.bool_(True), "timeout")
+        with pytest.raises(TypeError, match="not complex"):
+            wait(1j, "timeout")
+    assert _config.optional_seconds(np.float32("inf"), "timeout") is None
+    assert _config.optional_seconds(Fraction(10**5000), "timeout") is None
+    with pytest.raises(ValueError, match="at most 31536000"):
+        _config.seconds(Fraction(10**5000), "timeout")
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        _config.optional_seconds(Fraction(-10**5000), "timeout")
+
+
 def test_bad_env_protect_patterns_are_each_one_warning_and_doctor_s_problem(
         monkeypatch, capsys, caplog, fresh_warnings):
     """``PATH OMP_*``, ``PATH;OMP_*``, quotes, ``omp_*`` protected nothing and ``*``

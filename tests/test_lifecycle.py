@@ -1449,6 +1449,9 @@ def test_wait_ready_timeouts_of_every_kind(rehydrate_engine):
             engine.wait_ready(float("nan"))
         with pytest.raises(TypeError, match="timeout must be a number of seconds"):
             engine.wait_ready("1")
+        np = pytest.importorskip("numpy")
+        assert engine.wait_ready(np.int64(0)) is False  # a number: refused as int64 before
+        assert engine.wait_ready(np.float32(0.01)) is False
         results: list[bool] = []
         # no limit: None, infinity, more than a year, an int too big for a float (which
         # raised a bare OverflowError from math.isnan)

@@ -84,8 +84,9 @@ pending); the reporter thread idles without wake-ups.
 
 Configuration: ``REHYDRATE_CLOCK_INTERVAL`` (seconds, default 0.5),
 ``REHYDRATE_CLOCK_THRESHOLD`` (default 2.0), ``REHYDRATE_CLOCK_PENDING_THRESHOLD``
-(default 0.1), ``REHYDRATE_CLOCK_GRACE`` (how long to let a more specific detector report
-first, default 0: none), ``REHYDRATE_CLOCK_BUSY_CHECK`` (1/0, default 1).
+(default 0.1; at most the threshold), ``REHYDRATE_CLOCK_GRACE`` (how long to let a more
+specific detector report first, default 0: none), ``REHYDRATE_CLOCK_BUSY_CHECK`` (1/0,
+default 1).
 """
 
 from __future__ import annotations
@@ -338,6 +339,15 @@ class ClockJumpDetector(DeferringDetector):
             pending_threshold if pending_threshold is not None
             else _config.number("REHYDRATE_CLOCK_PENDING_THRESHOLD"),
             "pending_threshold")
+        if self.pending_threshold > self.threshold:
+            # Raised past the restore threshold (an overloaded host's advice taken too far),
+            # a clone restored after `notify save` with a freeze between the two was not
+            # taken for a restore at all: it stayed `snapshotting` until another notice or
+            # the snapshot deadline. A freeze beyond the restore threshold is a restore.
+            log.warning("clock-jump: pending_threshold %gs is above the restore threshold "
+                        "%gs; using %gs", self.pending_threshold, self.threshold,
+                        self.threshold)
+            self.pending_threshold = self.threshold
         self.pending_slice = self.pending_threshold * PENDING_SLICE
         """Seconds per sleep while a snapshot is pending: a checkpoint freezing the process
         for more than ``pending_threshold + pending_slice`` is always seen."""

@@ -43,8 +43,12 @@ Each signal is one notice. A restore already handled in the ``window`` seconds b
 the signal arrived (default 2, ``REHYDRATE_SIGNAL_WINDOW``; dated by the handler, not
 when the worker gets to it after hooks still running) is taken to be the restore the
 signal is about, so a signal sent right after a restore another detector already saw
-runs nothing twice. ``REHYDRATE_SIGNAL`` picks the signal (``USR2``, ``SIGUSR1``, ``12``);
-``REHYDRATE_SIGNAL_KIND`` is ``restore`` (default) or ``resume``.
+runs nothing twice. From the moment the handler ran until the worker has handed the
+signal to the engine, the engine's readiness says no (``add_arrival_check``): the worker
+may wait for the GIL a while, and a main thread checking ``is_ready()`` right after the
+signal was told ready in the clone the signal was about. ``REHYDRATE_SIGNAL`` picks
+the signal (``USR2``, ``SIGUSR1``, ``12``); ``REHYDRATE_SIGNAL_KIND`` is ``restore``
+(default) or ``resume``.
 
 :meth:`stop` waits up to 5 s for the worker; one still running a hook then keeps its
 read end of the pipe and closes it when the hook returns (closed under it, the number
@@ -120,9 +124,20 @@ class _Run:
         self.stopped = False
         self.arrived = 0.0
         """When the latest signal reached the handler (time.monotonic())."""
+        self.rung = 0
+        """Signals that reached the handler (only the handler writes it)."""
+        self.taken = 0
+        """Of those, the ones the worker has handed to the engine (only it writes it)."""
+        self.check = self._arriving
+        """The engine's readiness check (one bound method: removed by equality)."""
         self.chained_through: int | None = None
         """The address of the handler installed outside Python that was in force when
         the worker last read a signal: that handler hands the signal on."""
+
+    def _arriving(self) -> bool:
+        """A signal reached the handler and the worker has not reported it yet: not ready
+        (the worker may wait for the GIL a while after the handler woke it)."""
+        return not self.stopped and self.rung != self.taken
 
 
 class SignalDetector(Detector):
@@ -226,6 +241,9 @@ class SignalDetector(Detector):
                 log.warning("signal detector: replaced the application's %s handler "
                             "(restored on stop())", self.label)
             self._previous = previous
+            add_check = getattr(engine, "add_arrival_check", None)  # an engine of its own
+            if add_check is not None:
+                add_check(run.check)
             self._thread = threading.Thread(target=self._work, args=(run,),
                                             name="rehydrate-signal", daemon=True)
             self._thread.start()
@@ -241,6 +259,7 @@ class SignalDetector(Detector):
             if thread is None or run is None:
                 return
             run.stopped = True  # a notice read from now on runs nothing
+            _forget_check(run)
             self._restore_handler(stopping=True)
             w, run.write_fd = run.write_fd, None
             if w is not None:
@@ -349,6 +368,9 @@ class SignalDetector(Detector):
         # the hooks take. Set before the write, so the worker never reads a byte whose
         # time is not there yet.
         run.arrived = time.monotonic()
+        # Counted before the write: a byte the worker reads always has its count here.
+        # From now on readiness says no until the worker has reported it.
+        run.rung += 1
         try:
             os.write(w, b"s")
         except OSError as exc:  # pipe full: a notice is already pending, which suffices
@@ -370,6 +392,7 @@ class SignalDetector(Detector):
                 # The latest of the signals read (several are one notice): a restore
                 # announced after the window of the one running must still run.
                 received = run.arrived
+                upto = run.rung  # every byte read has its count in (the handler counts first)
                 self.received += len(data)
                 # Read while a handler installed outside Python is in force: it chained
                 # the signal to ours (the signal might also have come just before that
@@ -385,8 +408,25 @@ class SignalDetector(Detector):
                                                 since=received - self.window)
                 except Exception:
                     log.exception("signal detector: running the restore hooks failed")
+                finally:
+                    # Only now: restore_detected counted the notice from its start.
+                    run.taken = upto
+                    _handed(run)
         finally:
             os.close(r)
+
+
+def _forget_check(run: _Run) -> None:
+    remove = getattr(run.engine, "remove_arrival_check", None)
+    if remove is not None:
+        remove(run.check)
+
+
+def _handed(run: _Run) -> None:
+    """Wake the engine's ``wait_ready()``: the arrival check may have turned False."""
+    handed = getattr(run.engine, "arrival_handed", None)
+    if handed is not None:
+        handed()
 
 
 def _detector_of(handler: object) -> SignalDetector | None:

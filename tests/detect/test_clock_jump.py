@@ -143,6 +143,28 @@ def test_a_restore_after_notify_save_does_not_wait_for_a_sigcont(rehydrate_engin
     assert rehydrate_engine.wait_ready(timeout=5), rehydrate_engine.status()
 
 
+def test_a_pending_threshold_above_the_restore_threshold_still_sees_the_restore(
+        rehydrate_engine, caplog):
+    """``REHYDRATE_CLOCK_PENDING_THRESHOLD`` raised above the restore threshold (advice
+    for an overloaded host taken too far): a clone restored after ``notify save`` with a
+    3 s freeze was no restore while a snapshot was pending (3 s < 5 s), and stayed
+    ``snapshotting`` until another notice or the snapshot deadline (300 s)."""
+    rec = Recorder(rehydrate_engine)
+    clock = SteppedClock()
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        det = ClockJumpDetector(interval=60, threshold=1.5, pending_threshold=5.0,
+                                clock=clock)
+    assert det.pending_threshold == 1.5
+    assert "pending_threshold 5s is above the restore threshold 1.5s" in caplog.text
+    rehydrate_engine.start([det])
+    rehydrate_engine.simulate_snapshot()
+    wait_for(lambda: det.ticks >= 3, what="ticks in slices after the before-snapshot pass")
+    clock.offset += 3.0  # frozen from the checkpoint until this clone was restored
+    calls = rec.wait(1)
+    assert (calls[0]["reason"], calls[0]["kind"]) == ("clock-jump", "restore"), calls
+    assert rehydrate_engine.wait_ready(timeout=5), rehydrate_engine.status()
+
+
 def test_stop_is_prompt_even_with_a_long_interval(rehydrate_engine):
     det = ClockJumpDetector(interval=60)
     rehydrate_engine.start([det])

@@ -59,6 +59,46 @@ def test_a_signal_right_after_a_handled_restore_is_the_same_restore(rehydrate_en
     assert [c["reason"] for c in rec.calls] == ["clock-jump"]
 
 
+def test_not_ready_from_the_signal_until_the_worker_has_reported_it(rehydrate_engine,
+                                                                     monkeypatch):
+    """The handler only wakes the worker, which may wait for the GIL before it calls the
+    engine: meanwhile a main thread checking readiness right after the signal (a server's
+    gate) was told ready in the clone the signal was about, keys and all not renewed."""
+    rec = Recorder(rehydrate_engine)
+    det = SignalDetector("USR2", window=0)
+    rehydrate_engine.start([det])
+    assert rehydrate_engine.is_ready()
+    reached, go = threading.Event(), threading.Event()
+    real = rehydrate_engine.restore_detected
+
+    def worker_not_there_yet(*args, **kwargs):  # type: ignore[no-untyped-def]
+        reached.set()
+        go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rehydrate_engine, "restore_detected", worker_not_there_yet)
+    os.kill(os.getpid(), signal.SIGUSR2)  # the handler runs before the next line
+    assert reached.wait(5)
+    assert not rehydrate_engine.is_ready()
+    assert rehydrate_engine.status().state == "restoring"
+    assert not rehydrate_engine.wait_ready(0.05)
+    waited: list[bool] = []
+    waiter = threading.Thread(target=lambda: waited.append(rehydrate_engine.wait_ready(10)))
+    waiter.start()
+    go.set()
+    waiter.join(10)
+    assert waited == [True]  # woken once the worker handed the signal over
+    assert rec.wait(1)[0]["reason"] == "signal"
+
+    # A duplicate (inside the window of that restore) does not leave it unready either.
+    det.window = 30
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert rehydrate_engine.wait_ready(5)
+    wait_for(lambda: det.received == 2)
+    assert rehydrate_engine.wait_ready(5)
+    assert len(rec.calls) == 1
+
+
 class _AppHandler:
     """The application's own handler for ``signum`` while the ``with`` block runs (the
     previous one put back after): the calls it got, in ``seen``."""
