@@ -820,7 +820,7 @@ class Lifecycle:
         if (self._notices or self._verdict_waiters or self._state not in ("running", "ready")
                 or self._freeze_noticed_at is not None):
             return False
-        if any(check() for check in self._arriving):
+        if self._arriving and any(check() for check in self._arriving):
             return False
         beat = self._beat
         return beat is None or time.monotonic() - beat <= self._beat_limit
