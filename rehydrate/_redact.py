@@ -268,7 +268,8 @@ def _kind(original: type[BaseException]) -> type[BaseException] | None:
             args = self.args if isinstance(self, _GROUPS) else _args(self, native)
             return (_rebuild, (original, args, dict(vars(self))))
         # a local class cannot be looked up where it is unpickled: its plain stand-in
-        state = {k: v for k, v in vars(self).items() if k == "__notes__"}
+        state = {k: v for k, v in vars(self).items()
+                 if k in ("__notes__", "redacted_stack")}
         return (RedactedError, (_show(self), getattr(self, "original_name", ""),
                                 getattr(self, "original_type", "")), state)
 
@@ -418,8 +419,9 @@ def redacted_stacktrace(err: BaseException) -> str | None:
         [traceback.FrameSummary(f, n, name) for f, n, name in frames])
     name = err.original_type.removeprefix("builtins.")
     text = _show(err)
-    return ("Traceback (most recent call last):\n" + "".join(summary.format())
-            + (f"{name}: {text}\n" if text else f"{name}\n"))
+    # redacted as the message is: a source line may quote a URL with its password
+    return _hide("Traceback (most recent call last):\n" + "".join(summary.format())
+                 + (f"{name}: {text}\n" if text else f"{name}\n"))
 
 
 def _show(exc: BaseException) -> str:

@@ -13,15 +13,16 @@ _END = r"\s'\"<>"
 
 _SCRUBS: list[tuple[re.Pattern[str], str]] = [
     # scheme://user:password@ (scheme: oracle+cx_oracle, ibm_db_sa): a raw password may
-    # hold "/", "#" or "@", so it runs to its last "@" (pa@ss showed "ss" after the
-    # first one) — but not past a "/", "?" or "#" after an "@": that is the host's path
-    # (https://u:pw@api/users/bob@example.com), unless a space or a quote comes first; a
+    # hold "/", "#" or "@", so it runs to the URL's last "@" (pa@ss showed "ss" after the
+    # first one; p@ss/word cannot be told from a path holding an "@", which is removed
+    # with it: too much shown is a leak, too much removed is not), unless a space or a
+    # quote comes first; a
     # user name holds no "[" (http://[::1]:8080/?email=bob@example.com: an IPv6 host).
     # Nor past the next "://": with no "@" after it, each scheme of a list of thousands
     # (Kafka's PLAINTEXT://b0:9092,...) scanned on to the end of the text, quadratic; a
     # scheme starts after no scheme character (not at each "-" of a long a-b-c-...)
     (re.compile(rf"(?<![\w+.-])([A-Za-z][\w+.-]*://)(?:[^{_END}/?#@:\[\]]*:{_PORT}"
-                rf"(?:(?!://)[^{_END}@])*(?:@[^{_END}@/?#]*)*"
+                rf"(?:(?!://)[^{_END}])*"
                 rf"|[^{_END}/?#@:\[\]]*)@"), r"\1"),
     # user:password@host:port without a scheme (libpq's "connection to app:pw@db:5432");
     # a user alone (bob@example.com) is no secret, nor is an address after a word and a

@@ -1734,26 +1734,24 @@ class ConnectionManager:
         # longer this restore's to wait for. Its reopen stopped only at its next step, so
         # an open or check still running (a peer that accepts and never answers) held
         # the restore, and readiness, until the old connection's deadline.
-        ended = conn._watch_here(epoch)
-        try:
-            try:
-                either: set[asyncio.Future[Any]] = {reopen, ended.future}
-                await asyncio.wait(either, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                reopen.cancel()  # this run itself was cancelled
-                raise
-            if not reopen.done() and ended.future.done():
-                # Left to reach its next step, which closes what its open made (cancelled
-                # at once, an async open mid-setup left its pool open), for as long as a
-                # close may take; then cancelled (a check that never returns).
-                reopen.add_done_callback(_retrieved)
-                asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, reopen.cancel)
-                return False
+        superseded = False
+
+        def stop(_: object) -> None:
+            nonlocal superseded
             if not reopen.done():
-                reopen.cancel()  # past the deadline: as wait_for() did, waited out
-                await asyncio.wait({reopen})
-                raise asyncio.TimeoutError
-            return reopen.result()
+                superseded = True
+                reopen.cancel()  # a sync call on its thread goes on, unheeded
+
+        ended = conn._watch_here(epoch)
+        ended.future.add_done_callback(stop)
+        try:
+            return await asyncio.wait_for(reopen, wait)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+            if not superseded or (cancelling is not None and cancelling()):
+                raise  # this run itself was cancelled
+            return False
         except asyncio.TimeoutError:
             with conn._lock:
                 running = conn.step if conn._epoch == epoch else None

@@ -354,7 +354,7 @@ class UdpEndpoint:
         self._received = 0
         """Datagrams the game got from the current socket (a check's sign of progress)."""
         self._rebinding = False
-        self._rebind_done: asyncio.Future[bool] | None = None
+        self._rebind_done: asyncio.Future[bool | None] | None = None
         """While :meth:`ensure` binds again: its outcome, for a concurrent ``ensure()``."""
         self._hook: Any = None
         self._engine: Engine | None = None
@@ -654,7 +654,10 @@ class UdpEndpoint:
         if running is not None and self.transport is old and not self._closed:
             # Another ensure() is binding it again: its failure is this one's too (the
             # restore's hook said ok, and the process ready, with the socket dead).
-            await asyncio.shield(running)
+            if await asyncio.shield(running) is None:
+                # that call was cancelled mid-way (the application's own wait_for()):
+                # nothing bound, and the socket is still dead — this one starts over
+                return await self.ensure()
             return False
         if self._closed or self._rebinding or self.transport is not old:
             # close() while the check waited: binding again would hand the game a socket
@@ -672,9 +675,9 @@ class UdpEndpoint:
             rebound = await self._rebind(old)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
-                # only this call was cancelled (its hook's timeout): one waiting on it was
-                # not, and hears what it heard before it waited — nothing re-bound
-                done.set_result(False)
+                # only this call was cancelled: one waiting on it was not, and binds again
+                # itself (None: "start over")
+                done.set_result(None)
             else:
                 done.set_exception(exc)
                 done.exception()  # retrieved: no "never retrieved" log when nobody waits

@@ -898,17 +898,22 @@ async def test_a_check_waiting_for_anothers_failed_rebind_fails_too(rehydrate_en
 
 async def test_a_cancelled_ensure_leaves_the_one_waiting_on_it_uncancelled(
         rehydrate_engine, monkeypatch):
-    """The restore hook's ensure() cut by its timeout while the game's own waited on its
-    re-bind: the game's, never cancelled, raised CancelledError (its watchdog died)."""
+    """One ensure() cancelled mid-re-bind (the application's own ``wait_for()``) while
+    another (the restore's hook) waited on it: the waiter, never cancelled, raised
+    CancelledError; then, given False, it said ok with the socket still dead. It binds
+    again itself."""
     async with _started(rehydrate_engine, "cut") as (ep, _):
         async def dead() -> bool:
             return False
 
         binding = asyncio.Event()
+        calls: list[int] = []
 
         async def slow_rebind(old: Any) -> bool:
-            binding.set()
-            await asyncio.Event().wait()  # until cancelled
+            calls.append(1)
+            if len(calls) == 1:
+                binding.set()
+                await asyncio.Event().wait()  # until cancelled
             return True
 
         monkeypatch.setattr(ep, "check", dead)
@@ -918,8 +923,9 @@ async def test_a_cancelled_ensure_leaves_the_one_waiting_on_it_uncancelled(
         second = asyncio.ensure_future(ep.ensure())
         for _ in range(5):  # the second's check, then its wait on the first's re-bind
             await asyncio.sleep(0)
-        first.cancel()
-        assert await second is False
+        first.cancel()  # the application's own wait_for() gave up on it
+        # the other (the restore's hook) binds again itself: the socket was still dead
+        assert await second is True and len(calls) == 2
         with pytest.raises(asyncio.CancelledError):
             await first
 

@@ -1132,6 +1132,50 @@ def test_an_async_hook_re_raising_keeps_no_local_reachable(
     assert shown is not None and "in register_with_api" in shown and "in _get" in shown
 
 
+def _connect(dsn: str) -> None:
+    raise ConnectionError(f"could not connect to {dsn}")
+
+
+def test_a_source_line_quoting_a_password_is_redacted_in_the_stack(
+        rehydrate_engine: rehydrate.Lifecycle, spans: InMemorySpanExporter) -> None:
+    """The stack kept as text shows each frame's source line: one quoting a DSN with its
+    password showed the password in the span's ``exception.stacktrace``, the message
+    being scrubbed."""
+    @rehydrate_engine.registry.after_restore(name="db", required=False)
+    def db() -> None:
+        _connect("postgresql://app:s3cretpw@db.internal/x")
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    assert isinstance(error, RedactedError) and "s3cretpw" not in str(error)
+    from rehydrate._redact import redacted_stacktrace
+
+    shown = redacted_stacktrace(error)
+    assert shown is not None and "in db" in shown and "s3cretpw" not in shown
+    [span] = [s for s in spans.get_finished_spans() if s.name.endswith("db")]
+    [event] = [e for e in span.events if e.name == "exception"]
+    assert "s3cretpw" not in str(event.attributes["exception.stacktrace"])  # type: ignore[index]
+
+
+def test_a_redacted_error_of_a_local_class_keeps_its_stack_when_pickled(
+        rehydrate_engine: rehydrate.Lifecycle) -> None:
+    """A local class is pickled as a plain RedactedError, which kept only the notes: the
+    unpickled error had lost where it failed."""
+    class Local(Exception):
+        pass
+
+    @rehydrate_engine.registry.after_restore(name="local", required=False)
+    def local() -> None:
+        raise Local("GET https://api.example.com/x?token=abc failed")
+
+    error = rehydrate_engine.simulate_restore().hooks[-1].error
+    from rehydrate._redact import redacted_stacktrace
+
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is RedactedError
+    shown = redacted_stacktrace(back)
+    assert shown is not None and "in local" in shown and "token=abc" not in shown
+
+
 class _ProxyError(Exception):
     """An API error forwarding attribute lookups to its payload, a dict."""
 
