@@ -159,6 +159,7 @@ class Engine(Protocol):
         abort: Literal["announced", "answered"] | None = None,
         deadline: float | None = None,
         older_than: float | None = None,
+        counted: Callable[[], None] | None = None,
     ) -> RestoreReport:
         """Run the restore (``kind="restore"``, a clone) or resume (the original after a
         checkpoint) hooks for an event a detector noticed; returns the run's report.
@@ -180,9 +181,23 @@ class Engine(Protocol):
           (the watch cannot see a freeze whose guest clock was carried over). With no
           freeze watch running it never deduplicates by time.
 
-        ``detected_at``: when the detector noticed (default now). The other arguments
-        (``anchor``, ``undoes``, ``abort``, ``deadline``, ``older_than``, ``frozen_for``,
-        ``env``) serve the built-in detectors; see ``Lifecycle.restore_detected``."""
+        ``detected_at``: when the detector noticed (default now). ``counted``: called,
+        under the engine's lock, once the notice counts for readiness (see
+        :meth:`add_arrival_check`). The other arguments (``anchor``, ``undoes``, ``abort``,
+        ``deadline``, ``older_than``, ``frozen_for``, ``env``) serve the built-in
+        detectors; see ``Lifecycle.restore_detected``."""
+        ...
+
+    def add_arrival_check(self, check: Callable[[], bool]) -> None:
+        """Readiness also asks ``check()`` (cheap, lock-free: it runs in every
+        ``is_ready()``): True while a notice has arrived that the detector has not handed
+        to :meth:`restore_detected` yet (a signal handler that only wakes a worker)."""
+        ...
+
+    def remove_arrival_check(self, check: Callable[[], bool]) -> None: ...
+
+    def arrival_handed(self) -> None:
+        """An arrival check turned False without a run: wake ``wait_ready()``."""
         ...
 
     def snapshot_requested(self, reason: str = "simulated", *,

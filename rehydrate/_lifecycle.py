@@ -1172,8 +1172,14 @@ class Lifecycle:
         abort: Literal["announced", "answered"] | None = None,
         deadline: float | None = None,
         older_than: float | None = None,
+        counted: Callable[[], None] | None = None,
     ) -> RestoreReport:
         """Run the restore (or resume) hooks for an event a detector noticed.
+
+        ``counted``: called (under the engine's lock, so without blocking or raising)
+        once the notice counts for readiness — from then on the engine says not ready
+        until the run is over: a detector whose own arrival check (:meth:`add_arrival_check`)
+        said so until now hands over there, with no moment in between.
 
         ``deadline``: seconds from the notice (``detected_at``) by which the whole run must
         be over — for platforms that kill a restore taking longer (Lambda SnapStart: 10 s).
@@ -1276,6 +1282,8 @@ class Lifecycle:
         # progress (which would otherwise end in "ready" with this restore still to run).
         with self._cond:
             self._notices += 1
+            if counted is not None:
+                counted()
         try:
             if since is None and key is None and anchor:
                 # A notice that cannot tell when its freeze was (an outside detector that

@@ -344,9 +344,16 @@ class ClockJumpDetector(DeferringDetector):
             # a clone restored after `notify save` with a freeze between the two was not
             # taken for a restore at all: it stayed `snapshotting` until another notice or
             # the snapshot deadline. A freeze beyond the restore threshold is a restore.
-            log.warning("clock-jump: pending_threshold %gs is above the restore threshold "
-                        "%gs; using %gs", self.pending_threshold, self.threshold,
-                        self.threshold)
+            # said only when it was set: the default above a threshold set low is no
+            # mistake of the user's
+            if pending_threshold is not None:
+                log.warning("clock-jump: pending_threshold %gs is above the restore "
+                            "threshold %gs; using %gs", self.pending_threshold,
+                            self.threshold, self.threshold)
+            elif "REHYDRATE_CLOCK_PENDING_THRESHOLD" in os.environ:
+                log.warning("clock-jump: REHYDRATE_CLOCK_PENDING_THRESHOLD %gs is above the "
+                            "restore threshold %gs; using %gs", self.pending_threshold,
+                            self.threshold, self.threshold)
             self.pending_threshold = self.threshold
         self.pending_slice = self.pending_threshold * PENDING_SLICE
         """Seconds per sleep while a snapshot is pending: a checkpoint freezing the process

@@ -241,12 +241,14 @@ class SignalDetector(Detector):
                 log.warning("signal detector: replaced the application's %s handler "
                             "(restored on stop())", self.label)
             self._previous = previous
-            add_check = getattr(engine, "add_arrival_check", None)  # an engine of its own
-            if add_check is not None:
-                add_check(run.check)
             self._thread = threading.Thread(target=self._work, args=(run,),
                                             name="rehydrate-signal", daemon=True)
             self._thread.start()
+            # Once the worker runs: a thread that could not start ("can't start new
+            # thread") left a check that a signal then turned True for good.
+            add_check = getattr(engine, "add_arrival_check", None)  # an engine of its own
+            if add_check is not None:
+                add_check(run.check)
             with _RUNNING_LOCK:
                 _RUNNING.add(self)
 
@@ -403,14 +405,19 @@ class SignalDetector(Detector):
                 if run.stopped:
                     return
                 log.info("signal detector: %s received", self.label)
+                def counted(upto: int = upto) -> None:
+                    # the engine counts the notice: not ready from here on by its count,
+                    # so the run's listeners see ready once it is over
+                    run.taken = upto
+
                 try:
                     run.engine.restore_detected("signal", kind=self.kind,
-                                                since=received - self.window)
-                except Exception:
+                                                since=received - self.window,
+                                                counted=counted)
+                except BaseException:  # a listener's sys.exit(): the worker must live on
                     log.exception("signal detector: running the restore hooks failed")
                 finally:
-                    # Only now: restore_detected counted the notice from its start.
-                    run.taken = upto
+                    run.taken = upto  # also when the notice was refused before it counted
                     _handed(run)
         finally:
             os.close(r)

@@ -165,6 +165,21 @@ def test_a_pending_threshold_above_the_restore_threshold_still_sees_the_restore(
     assert rehydrate_engine.wait_ready(timeout=5), rehydrate_engine.status()
 
 
+def test_the_default_pending_threshold_above_a_low_threshold_is_capped_silently(
+        monkeypatch, caplog):
+    """Only REHYDRATE_CLOCK_THRESHOLD set low: the warning named a pending_threshold the
+    user never set (its default); set in the environment, the variable is named."""
+    monkeypatch.delenv("REHYDRATE_CLOCK_PENDING_THRESHOLD", raising=False)
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        det = ClockJumpDetector(interval=60, threshold=0.05)
+    assert det.pending_threshold == 0.05 and caplog.text == ""
+    monkeypatch.setenv("REHYDRATE_CLOCK_PENDING_THRESHOLD", "5")
+    with caplog.at_level(logging.WARNING, logger="rehydrate"):
+        det = ClockJumpDetector(interval=60, threshold=1.5)
+    assert det.pending_threshold == 1.5
+    assert "REHYDRATE_CLOCK_PENDING_THRESHOLD 5s is above the restore threshold" in caplog.text
+
+
 def test_stop_is_prompt_even_with_a_long_interval(rehydrate_engine):
     det = ClockJumpDetector(interval=60)
     rehydrate_engine.start([det])

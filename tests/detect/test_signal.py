@@ -99,6 +99,66 @@ def test_not_ready_from_the_signal_until_the_worker_has_reported_it(rehydrate_en
     assert len(rec.calls) == 1
 
 
+def test_a_restore_signals_listeners_see_ready_once_its_run_is_over(rehydrate_engine):
+    """The signal was handed over only once restore_detected had returned, after the
+    run's report listeners: they saw "restoring" (a gate's ``/readyz?wait`` answered
+    ~50 ms late). It is handed over the moment the engine counts the notice."""
+    seen: list[tuple[str, bool]] = []
+    done = threading.Event()
+
+    def listener(report: object) -> None:
+        seen.append((rehydrate_engine.status().state, rehydrate_engine.is_ready()))
+        done.set()
+
+    rehydrate_engine.add_listener(listener)
+    rehydrate_engine.start([SignalDetector("USR2", window=0)])
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert done.wait(10)
+    assert seen == [("ready", True)]
+
+
+def test_a_listener_ending_the_worker_leaves_readiness_working(rehydrate_engine):
+    """A report listener calling sys.exit() ended the worker (only Exception was caught):
+    every later signal was counted and never handed over — not ready for good."""
+    calls = threading.Semaphore(0)
+
+    def listener(report: object) -> None:
+        calls.release()
+        raise SystemExit("the application's listener exits")
+
+    rehydrate_engine.add_listener(listener)
+    det = SignalDetector("USR2", window=0)
+    rehydrate_engine.start([det])
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert calls.acquire(timeout=10)
+        assert rehydrate_engine.wait_ready(10), rehydrate_engine.status()
+    assert det._thread is not None and det._thread.is_alive()
+
+
+def test_a_worker_that_cannot_start_leaves_no_arrival_check(rehydrate_engine, monkeypatch):
+    """The worker thread could not be started ("can't start new thread") after the
+    engine's arrival check had been added: the next signal made the engine not ready for
+    good, also after stop()."""
+    real_start = threading.Thread.start
+
+    def failing(self: threading.Thread) -> None:
+        if self.name == "rehydrate-signal":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing)
+    det = SignalDetector("USR2", window=0)
+    rehydrate_engine.start([det])
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert rehydrate_engine.is_ready() and rehydrate_engine.wait_ready(1)
+    finally:
+        rehydrate_engine.stop()
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
 class _AppHandler:
     """The application's own handler for ``signum`` while the ``with`` block runs (the
     previous one put back after): the calls it got, in ``seen``."""
