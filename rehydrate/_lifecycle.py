@@ -817,10 +817,13 @@ class Lifecycle:
         signal to a worker) whether one is on its way. Costs one clock read and one call
         per such detector.
         """
+        # The arrival checks first: a detector's check turns False when the engine counts
+        # its notice (``_notices``), so read after it, ``_notices`` cannot miss that notice
+        # — read before, a switch between the two reads saw neither.
+        if self._arriving and any(check() for check in self._arriving):
+            return False
         if (self._notices or self._verdict_waiters or self._state not in ("running", "ready")
                 or self._freeze_noticed_at is not None):
-            return False
-        if self._arriving and any(check() for check in self._arriving):
             return False
         beat = self._beat
         return beat is None or time.monotonic() - beat <= self._beat_limit

@@ -350,7 +350,7 @@ class ClockJumpDetector(DeferringDetector):
                 log.warning("clock-jump: pending_threshold %gs is above the restore "
                             "threshold %gs; using %gs", self.pending_threshold,
                             self.threshold, self.threshold)
-            elif "REHYDRATE_CLOCK_PENDING_THRESHOLD" in os.environ:
+            elif os.environ.get("REHYDRATE_CLOCK_PENDING_THRESHOLD", "").strip():
                 log.warning("clock-jump: REHYDRATE_CLOCK_PENDING_THRESHOLD %gs is above the "
                             "restore threshold %gs; using %gs", self.pending_threshold,
                             self.threshold, self.threshold)

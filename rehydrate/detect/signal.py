@@ -241,9 +241,21 @@ class SignalDetector(Detector):
                 log.warning("signal detector: replaced the application's %s handler "
                             "(restored on stop())", self.label)
             self._previous = previous
-            self._thread = threading.Thread(target=self._work, args=(run,),
-                                            name="rehydrate-signal", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._work, args=(run,),
+                                      name="rehydrate-signal", daemon=True)
+            try:
+                thread.start()
+            except BaseException:
+                # ("can't start new thread") nothing would read the pipe: the
+                # application's handler back, as stop() would have put it
+                signal.signal(self.signum, previous if previous is not None
+                              else signal.SIG_DFL)
+                self._run = None
+                self._previous = None
+                os.close(r)
+                os.close(w)
+                raise
+            self._thread = thread
             # Once the worker runs: a thread that could not start ("can't start new
             # thread") left a check that a signal then turned True for good.
             add_check = getattr(engine, "add_arrival_check", None)  # an engine of its own
@@ -411,9 +423,13 @@ class SignalDetector(Detector):
                     run.taken = upto
 
                 try:
-                    run.engine.restore_detected("signal", kind=self.kind,
-                                                since=received - self.window,
-                                                counted=counted)
+                    if hasattr(run.engine, "add_arrival_check"):
+                        run.engine.restore_detected("signal", kind=self.kind,
+                                                    since=received - self.window,
+                                                    counted=counted)
+                    else:  # an engine of its own, written to the protocol before it
+                        run.engine.restore_detected("signal", kind=self.kind,
+                                                    since=received - self.window)
                 except BaseException:  # a listener's sys.exit(): the worker must live on
                     log.exception("signal detector: running the restore hooks failed")
                 finally:

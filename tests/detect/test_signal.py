@@ -147,16 +147,45 @@ def test_a_worker_that_cannot_start_leaves_no_arrival_check(rehydrate_engine, mo
             raise RuntimeError("can't start new thread")
         real_start(self)
 
-    monkeypatch.setattr(threading.Thread, "start", failing)
-    det = SignalDetector("USR2", window=0)
-    rehydrate_engine.start([det])
-    monkeypatch.setattr(threading.Thread, "start", real_start)
+    heard: list[int] = []
+    app = signal.signal(signal.SIGUSR2, lambda signum, frame: heard.append(signum))
     try:
+        monkeypatch.setattr(threading.Thread, "start", failing)
+        det = SignalDetector("USR2", window=0)
+        rehydrate_engine.start([det])
+        monkeypatch.setattr(threading.Thread, "start", real_start)
         os.kill(os.getpid(), signal.SIGUSR2)
         assert rehydrate_engine.is_ready() and rehydrate_engine.wait_ready(1)
+        assert heard == [signal.SIGUSR2], "the application's handler was left replaced"
+        det.stop()  # raised "cannot join thread before it is started"
     finally:
         rehydrate_engine.stop()
-        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR2, app)
+
+
+def test_is_ready_right_after_the_signal_never_says_ready(rehydrate_engine):
+    """is_ready() read the notice count before asking the arrival checks: a check that
+    took a moment (another detector's) let the worker count the notice in between, and
+    the handed-over signal was in neither read — ready before the restore hook ran."""
+    ran: list[int] = []
+    release = threading.Event()
+
+    def hook() -> None:
+        release.wait(10)
+        ran.append(1)
+
+    rehydrate_engine.registry.after_restore(hook, required=False, timeout=30)
+    rehydrate_engine.add_arrival_check(lambda: (time.sleep(0.01), False)[1])
+    rehydrate_engine.start([SignalDetector("USR2", window=0)])
+    try:
+        for i in range(5):
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert not rehydrate_engine.is_ready() or len(ran) > i
+            release.set()
+            assert rehydrate_engine.wait_ready(10)
+            release.clear()
+    finally:
+        release.set()
 
 
 class _AppHandler:
