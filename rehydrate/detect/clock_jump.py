@@ -350,7 +350,8 @@ class ClockJumpDetector(DeferringDetector):
                 log.warning("clock-jump: pending_threshold %gs is above the restore "
                             "threshold %gs; using %gs", self.pending_threshold,
                             self.threshold, self.threshold)
-            elif os.environ.get("REHYDRATE_CLOCK_PENDING_THRESHOLD", "").strip():
+            elif (_config.number("REHYDRATE_CLOCK_PENDING_THRESHOLD")
+                  != _config.default("REHYDRATE_CLOCK_PENDING_THRESHOLD")):
                 log.warning("clock-jump: REHYDRATE_CLOCK_PENDING_THRESHOLD %gs is above the "
                             "restore threshold %gs; using %gs", self.pending_threshold,
                             self.threshold, self.threshold)
