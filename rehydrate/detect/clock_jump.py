@@ -344,17 +344,14 @@ class ClockJumpDetector(DeferringDetector):
             # a clone restored after `notify save` with a freeze between the two was not
             # taken for a restore at all: it stayed `snapshotting` until another notice or
             # the snapshot deadline. A freeze beyond the restore threshold is a restore.
-            # said only when it was set: the default above a threshold set low is no
-            # mistake of the user's
-            if pending_threshold is not None:
-                log.warning("clock-jump: pending_threshold %gs is above the restore "
-                            "threshold %gs; using %gs", self.pending_threshold,
-                            self.threshold, self.threshold)
-            elif (_config.number("REHYDRATE_CLOCK_PENDING_THRESHOLD")
-                  != _config.default("REHYDRATE_CLOCK_PENDING_THRESHOLD")):
-                log.warning("clock-jump: REHYDRATE_CLOCK_PENDING_THRESHOLD %gs is above the "
-                            "restore threshold %gs; using %gs", self.pending_threshold,
-                            self.threshold, self.threshold)
+            # Said only when it was set: the default above a threshold set low is no
+            # mistake of the user's.
+            name = "REHYDRATE_CLOCK_PENDING_THRESHOLD"
+            set_as = ("pending_threshold" if pending_threshold is not None
+                      else name if _config.number(name) != _config.default(name) else None)
+            if set_as is not None:
+                log.warning("clock-jump: %s %gs is above the restore threshold %gs; using %gs",
+                            set_as, self.pending_threshold, self.threshold, self.threshold)
             self.pending_threshold = self.threshold
         self.pending_slice = self.pending_threshold * PENDING_SLICE
         """Seconds per sleep while a snapshot is pending: a checkpoint freezing the process
