@@ -479,7 +479,10 @@ def test_a_change_the_late_report_does_not_cover_is_dated_by_the_read(
         armed.set()
     finally:
         release.set()
-    wait_for(lambda: len(calls) == 2, what="the new restore to run")
+    # The report is recorded when restore_detected() returns, after the hook ran: wait
+    # for both (waiting for the hook alone raced the recording).
+    wait_for(lambda: len(calls) == 2 and len(reports) == 2,
+             what="the new restore to run and be reported")
     assert marker.read_text() == "restored again"
     assert not reports[1].deduplicated
 
