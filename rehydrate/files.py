@@ -605,6 +605,65 @@ def _connection_state(conn: sqlite3.Connection, *, with_files: bool = False
             [(schema, file) for schema, file in attached if file] if with_files else [])
 
 
+def _autocommit_off(conn: sqlite3.Connection) -> bool:
+    """Whether ``conn`` was made with Python 3.12's ``autocommit=False`` (PEP 249's
+    transactions: one is open at all times, begun again by every commit and rollback)."""
+    return getattr(conn, "autocommit", None) is False
+
+
+_PROBE_WAIT = 0.1
+"""Seconds the write probe waits for another connection's short write to end."""
+
+
+def _writing(conn: sqlite3.Connection) -> str | None:
+    """What holds a write lock on one of ``conn``'s database files (its own uncommitted
+    writes, or another connection writing now), or None when nothing does.
+
+    SQLite does not say whether a transaction has written; a second connection that
+    can begin a write transaction on every file (then rolls it back) shows that none
+    does. A probe that fails otherwise is reported as what it found: the caller refuses
+    rather than guesses."""
+    import sqlite3
+
+    files_ = [str(row[2]) for row in _rows(conn, "PRAGMA database_list")
+              if row[1] != "temp" and row[2]]
+    for file in files_:
+        try:
+            probe = sqlite3.connect(file, timeout=_PROBE_WAIT, isolation_level=None,
+                                    check_same_thread=False)
+        except sqlite3.Error as exc:
+            return f"{file} could not be checked: {exc}"
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+        except sqlite3.OperationalError as exc:
+            code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+            return (f"{file} is being written" if code in (_SQLITE_BUSY, _SQLITE_LOCKED)
+                    else f"{file} could not be checked: {exc}")
+        finally:
+            probe.close()
+    return None
+
+
+_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
+
+
+@contextlib.contextmanager
+def _autocommit_on(conn: sqlite3.Connection) -> Iterator[None]:
+    """A connection made with ``autocommit=False`` in autocommit mode meanwhile (the
+    open transaction committed): rehydrate's statements run outside it, since in one
+    ``PRAGMA foreign_keys`` does nothing, ``ATTACH`` is refused and a read snapshot stops
+    the WAL checkpoint. Only for a transaction that wrote nothing (:func:`_writing`)."""
+    if not _autocommit_off(conn):
+        yield
+        return
+    conn.autocommit = True  # type: ignore[attr-defined]  # Python 3.12+ (checked above)
+    try:
+        yield
+    finally:
+        conn.autocommit = False  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def _own_statements(threads: set[int]) -> Iterator[None]:
     """rehydrate's own statements on this thread: the application's authorizer,
@@ -785,7 +844,10 @@ class ManagedConnection(_Handle):
                 defaults = _pragma_values(conn) if self._pragmas else {}
             if self._on_connect is not None:
                 self._on_connect(conn)
-            with _own_statements(self._internal):
+            with _own_statements(self._internal), contextlib.ExitStack() as autocommit:
+                # Not when on_connect left writes uncommitted: autocommit would commit them.
+                if not (conn.in_transaction and _writing(conn)):
+                    autocommit.enter_context(_autocommit_on(conn))
                 if self._pragmas:
                     now = _pragma_values(conn)
                     for name, value in self._pragmas.items():
@@ -916,10 +978,9 @@ class ManagedConnection(_Handle):
         self._record(("trace",), "set_trace_callback", trace_callback)
 
     def _close_now(self) -> None:
-        import sqlite3
 
         conn = self._conn
-        if conn.in_transaction:
+        if conn.in_transaction and not _autocommit_off(conn):
             raise SnapshotRefused(
                 f"SQLite database {self.path} has a transaction open: commit or roll it "
                 "back before the snapshot (its -wal/-shm files would be in the image)")
@@ -928,41 +989,60 @@ class ManagedConnection(_Handle):
         # trace callback saw them. Passed over on this thread only: cleared on the
         # connection, they let another thread's statements through unchecked meanwhile.
         with _own_statements(self._internal):
-            temp, memory, files_ = _connection_state(conn, with_files=True)
-            made_temp, made_memory, _ = self._made
-            # What on_connect made is made again by it, empty: a view, trigger or index
-            # is whole again, a table or in-memory database only while it holds no row
-            # (the rows the application put in one were lost without a word).
-            lost = [f"TEMP {kind} {name}" for kind, name in sorted(temp - made_temp)] + [
-                f"rows in TEMP table {name}" for kind, name in sorted(temp & made_temp)
-                if kind == "table" and _has_rows(conn, "temp", name)] + [
-                f"attached in-memory database {schema}"
-                for schema in sorted(memory - made_memory)] + [
-                f"rows in attached in-memory database {schema}"
-                for schema in sorted(memory & made_memory) if _has_rows(conn, schema)]
-            if lost:
+            # autocommit=False keeps a transaction open at all times: refused only when
+            # it may have written. One that did not is ended for the statements below
+            # (its read snapshot would stop the checkpoint).
+            writing = _writing(conn) if conn.in_transaction else None
+            if writing is not None:
                 raise SnapshotRefused(
-                    f"SQLite database {self.path} would lose {', '.join(lost)} (they live "
-                    "in the connection, which is closed for the snapshot): drop, empty or "
-                    "detach them before it")
-            pragmas = _pragma_values(conn)
-            # Moves the WAL into the database so the host sees every committed row (every
-            # attached database's too: no schema named).
-            try:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-            except sqlite3.OperationalError as exc:
-                if not _statement_running(exc):
-                    raise
-                # A cursor kept half read (self.cur.execute(...).fetchone()) refused every
-                # snapshot with SQLite's bare "database table is locked".
-                raise SnapshotRefused(
-                    f"SQLite database {self.path} has a statement still running (a cursor "
-                    "not read to its end): fetch its rows or close() it before the "
-                    "snapshot") from exc
+                    f"SQLite database {self.path} has a transaction open that may hold "
+                    f"uncommitted writes ({writing}): commit or roll it back before the "
+                    "snapshot")
+            with _autocommit_on(conn):
+                pragmas, files_ = self._checkpoint_for_close(conn)
             conn.close()
         object.__setattr__(self, "_pragmas", pragmas)
         object.__setattr__(self, "_attached", [
             (schema, file, self._attach_target(schema, file)) for schema, file in files_])
+
+    def _checkpoint_for_close(self, conn: sqlite3.Connection
+                              ) -> tuple[dict[str, int], list[tuple[str, str]]]:
+        """Refuses a close that would lose what lives only in the connection, then moves
+        the WAL into the database; returns the session PRAGMAs and the attached files."""
+        import sqlite3
+
+        temp, memory, files_ = _connection_state(conn, with_files=True)
+        made_temp, made_memory, _ = self._made
+        # What on_connect made is made again by it, empty: a view, trigger or index
+        # is whole again, a table or in-memory database only while it holds no row
+        # (the rows the application put in one were lost without a word).
+        lost = [f"TEMP {kind} {name}" for kind, name in sorted(temp - made_temp)] + [
+            f"rows in TEMP table {name}" for kind, name in sorted(temp & made_temp)
+            if kind == "table" and _has_rows(conn, "temp", name)] + [
+            f"attached in-memory database {schema}"
+            for schema in sorted(memory - made_memory)] + [
+            f"rows in attached in-memory database {schema}"
+            for schema in sorted(memory & made_memory) if _has_rows(conn, schema)]
+        if lost:
+            raise SnapshotRefused(
+                f"SQLite database {self.path} would lose {', '.join(lost)} (they live "
+                "in the connection, which is closed for the snapshot): drop, empty or "
+                "detach them before it")
+        pragmas = _pragma_values(conn)
+        # Moves the WAL into the database so the host sees every committed row (every
+        # attached database's too: no schema named).
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.OperationalError as exc:
+            if not _statement_running(exc):
+                raise
+            # A cursor kept half read (self.cur.execute(...).fetchone()) refused every
+            # snapshot with SQLite's bare "database table is locked".
+            raise SnapshotRefused(
+                f"SQLite database {self.path} has a statement still running (a cursor "
+                "not read to its end): fetch its rows or close() it before the "
+                "snapshot") from exc
+        return pragmas, files_
 
     def _attach_target(self, schema: str, file: str) -> str:
         """What attaches ``schema`` again: the URI its ``ATTACH`` through the handle
@@ -1929,7 +2009,8 @@ def sqlite(
     """A managed ``sqlite3`` connection to the database file ``path``.
 
     Before a snapshot it checkpoints the WAL and closes (refusing, with the path, while a
-    transaction is open), so no ``-wal``/``-shm`` file is held in the image; after a
+    transaction is open; with Python 3.12's ``autocommit=False``, which keeps one open,
+    while it may have written), so no ``-wal``/``-shm`` file is held in the image; after a
     restore or resume it reconnects (``.changed`` when the file changed meanwhile). The
     connection is made with ``check_same_thread=False`` (rehydrate closes it from its own
     thread). A volume must have one writer at a time: host and sandbox writing together

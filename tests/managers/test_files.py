@@ -1975,3 +1975,47 @@ def test_sqlite_callbacks_set_in_on_connect_pass_over_rehydrates_statements(
         db.execute("PRAGMA user_version")  # the app's authorizer still checks the app
     assert denied == ["user_version"]
     assert "SELECT count(*) FROM ref.r" in seen
+
+
+def test_sqlite_autocommit_off_snapshots_unless_it_wrote(tmp_path: Path) -> None:
+    """Python 3.12's autocommit=False keeps a transaction open at all times: every
+    snapshot was refused; a reconnect set foreign_keys inside that transaction (where it
+    does nothing) and could not ATTACH in it. Here with the mode emulated on 3.11."""
+    from tests.managers.sqlite_autocommit_scenario import EmulatedAutocommitOff, run
+
+    run(tmp_path, factory=EmulatedAutocommitOff)
+
+
+def _pythons_with_autocommit() -> list[str]:
+    import glob
+    import shutil
+
+    found = [p for p in (shutil.which(f"python3.{minor}") for minor in range(12, 16)) if p]
+    found += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[2-9]*/bin/python3")))
+    working = []
+    for python in found:
+        import subprocess
+
+        probe = subprocess.run([python, "-c", "import sqlite3, sys; "
+                                "sys.exit(sys.version_info < (3, 12))"],
+                               check=False, capture_output=True)
+        if probe.returncode == 0:
+            working.append(python)
+    return working[:1]
+
+
+def test_sqlite_autocommit_off_on_a_real_python_3_12(tmp_path: Path) -> None:
+    """The same scenario with the real autocommit=False of a Python 3.12+ on this
+    machine (pyenv's)."""
+    import subprocess
+
+    pythons = _pythons_with_autocommit()
+    if not pythons:
+        pytest.skip("no Python 3.12+ on this machine")
+    repo = Path(__file__).resolve().parents[2]
+    script = repo / "tests" / "managers" / "sqlite_autocommit_scenario.py"
+    done = subprocess.run([pythons[0], str(script), str(tmp_path)], check=False,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok")
