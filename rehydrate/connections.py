@@ -2479,6 +2479,9 @@ class ManagedSocket:
         """Bumped by every close: a connect that a close overtook keeps no socket."""
         self._final = False
         """Closed for good (:meth:`close_for_good`): no later connect keeps its socket."""
+        self._options: dict[tuple[int, int], tuple[Any, ...]] = {}
+        """The arguments of every :meth:`setsockopt`, by (level, option): set again on
+        each new socket (the last call for an option wins)."""
 
     @property
     def sock(self) -> socket.socket:
@@ -2513,6 +2516,8 @@ class ManagedSocket:
         with self._lock:
             ended = current is not None and not current()
             overtaken = self._final or self._closes != closes or ended
+            if not overtaken:
+                self._set_options(new)  # under the lock: a setsockopt meanwhile is in
             old, self._sock = (new, self._sock) if overtaken else (self._sock, new)
         if old is not None:
             old.close()  # the one replaced, or this one when a close overtook it
@@ -2576,6 +2581,29 @@ class ManagedSocket:
         if error is None:
             raise OSError(f"name lookup of {host!r} returned no address")
         raise error
+
+    def _set_options(self, new: socket.socket) -> None:
+        try:
+            for args in self._options.values():
+                new.setsockopt(*args)
+        except OSError as exc:
+            new.close()
+            raise OSError(exc.errno, f"socket to {self.address[0]}:{self.address[1]}: "
+                          f"a socket option set before could not be set again: "
+                          f"{exc.strerror or exc}") from exc
+
+    def setsockopt(self, level: int, optname: int, value: int | bytes | None,
+                   optlen: int | None = None) -> None:
+        """``socket.setsockopt`` on the current socket, set again on every new one (a
+        restore's reconnect; a plain ``sock.setsockopt`` lasts only as long as that
+        socket). Before the first connect: kept, set on it."""
+        args: tuple[Any, ...] = ((level, optname, value) if optlen is None
+                                 else (level, optname, value, optlen))
+        with self._lock:
+            s = self._sock
+            if s is not None:
+                s.setsockopt(*args)  # raises for a bad option: then not kept
+            self._options[(level, optname)] = args
 
     def _held(self) -> list[socket.socket]:
         """The socket in place, if any (what ``doctor --connections`` marks)."""

@@ -4510,3 +4510,40 @@ def test_run_quietly_passes_the_outcome_and_dies_quietly_unrun():
     assert not never.done()  # nothing ran: the caller tells (Connection._reclaim)
     with pytest.raises(RuntimeError):
         run_quietly(loop, close())  # closed: the coroutine is closed, not left unawaited
+
+
+def test_socket_options_set_through_the_handle_are_set_again_after_a_restore(
+        rehydrate_engine):
+    """ManagedSocket.setsockopt: a plain sock.setsockopt lasted only as long as that
+    socket, so TCP_NODELAY or keep-alive silently went away at the restore's reconnect."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = lst.accept()
+            except OSError:
+                return
+            accepted.append(c)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        ms = connections.tcp_socket("feed", lst.getsockname(), engine=rehydrate_engine)
+        ms.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # maybe before the connect
+        wait_for(lambda: _conn_status(rehydrate_engine, "feed")["state"] == "open",
+                 what="background connect")
+        ms.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        first = ms.sock
+        assert first.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        with pytest.raises(OSError):
+            ms.setsockopt(socket.IPPROTO_TCP, 99999, 1)  # refused at once, not kept
+        assert rehydrate_engine.simulate_snapshot().ok
+        assert rehydrate_engine.simulate_restore().ok
+        assert ms.sock is not first
+        assert ms.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert ms.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    finally:
+        lst.close()
+        for c in accepted:
+            c.close()
