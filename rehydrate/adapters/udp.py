@@ -95,9 +95,9 @@ def _pausable(transport: asyncio.BaseTransport | None) -> _FlowControl | None:
     return flow
 
 
-_ADDRESS_RULE = ("a (host, port) tuple — host a str or None, port a whole number from 0 to "
-                 "65535 (also as a string of digits) — or an IPv6 (host, port, flowinfo, "
-                 "scope_id)")
+_ADDRESS_RULE = ("a (host, port) tuple — host a str, bytes or None, port a whole number from "
+                 "0 to 65535 (also as a string of digits) — or an IPv6 (host, port, "
+                 "flowinfo, scope_id)")
 
 
 def _address(value: object) -> _Where | None:
@@ -353,7 +353,6 @@ class UdpEndpoint:
         self._probes: dict[bytes, asyncio.Future[None]] = {}
         self._received = 0
         """Datagrams the game got from the current socket (a check's sign of progress)."""
-        self._rebinding = False
         self._rebind_done: asyncio.Future[bool | None] | None = None
         """While :meth:`ensure` binds again: its outcome, for a concurrent ``ensure()``."""
         self._hook: Any = None
@@ -368,6 +367,11 @@ class UdpEndpoint:
         self._writing_paused = False
         self.rebinds = 0
         """How many times the socket was bound again after a failed check."""
+
+    @property
+    def _rebinding(self) -> bool:
+        """Whether :meth:`ensure` is binding the socket again."""
+        return self._rebind_done is not None
 
     @property
     def address(self) -> Address:
@@ -669,7 +673,6 @@ class UdpEndpoint:
             where = self.address
         log.warning("UDP socket %s at %s does not receive after the restore: binding again",
                     self.name, where)
-        self._rebinding = True
         done = self._rebind_done = asyncio.get_running_loop().create_future()
         try:
             rebound = await self._rebind(old)
@@ -685,7 +688,6 @@ class UdpEndpoint:
         else:
             done.set_result(rebound)
         finally:
-            self._rebinding = False
             self._rebind_done = None
         if not rebound:
             return False

@@ -854,8 +854,8 @@ def test_a_local_addr_that_is_no_address_is_refused_at_once(rehydrate_engine, lo
     with pytest.raises(ValueError) as info:
         UdpEndpoint(Game, local_addr, engine=rehydrate_engine, name="typo")
     assert str(info.value).startswith(
-        "UDP endpoint 'typo': local_addr must be a (host, port) tuple — host a str or None, "
-        "port a whole number from 0 to 65535 (also as a string of digits) — or an IPv6 "
+        "UDP endpoint 'typo': local_addr must be a (host, port) tuple — host a str, bytes "
+        "or None, port a whole number from 0 to 65535 (also as a string of digits) — or an IPv6 "
         "(host, port, flowinfo, scope_id), or a callable returning one, not ")
 
 
@@ -943,7 +943,7 @@ async def test_a_local_addr_callable_returning_no_address_says_what_it_returned(
         error = await _rebind_fails(ep, ValueError)
         assert str(error) == (
             "UDP endpoint 'returned': local_addr() returned a str, not a (host, port) "
-            "tuple — host a str or None, port a whole number from 0 to 65535 (also as a "
+            "tuple — host a str, bytes or None, port a whole number from 0 to 65535 (also as a "
             "string of digits) — or an IPv6 (host, port, flowinfo, scope_id)")
         value[0] = ("127.0.0.1", 70000)
         error = await _rebind_fails(ep, ValueError)
