@@ -36,6 +36,9 @@ class StandIn:
         # client gives up (a slow reload, a lost answer) -- the state has changed regardless
         self.unanswered: set[str] = set()
         self.canaries = 0
+        # path -> connections to cut once the call was performed, before its answer (a
+        # kept-alive connection the server or a proxy closed under the request)
+        self.cut: dict[str, int] = {}
         # why the server died (SGLang's scheduler ends the whole server on an exception):
         # from then on every connection is cut before an answer
         self.crashed: str | None = None
@@ -69,6 +72,10 @@ class StandIn:
             status, payload = self.route(scope["method"], path, parse_qs(query),
                                          json.loads(body) if body else None)
         if self.crashed is not None:
+            await _cut(send)
+            return
+        if self.cut.get(path):
+            self.cut[path] -= 1
             await _cut(send)
             return
         if path in self.unanswered:

@@ -620,7 +620,7 @@ class ServerAdapter:
 
     async def call(self, client: httpx.AsyncClient, method: str, path: str, *,
                    until: float, params: Mapping[str, Any] | None = None,
-                   json: Any = None, resend: bool = False,
+                   json: Any = None, resend: bool = False, resend_when_cut: bool = False,
                    unsent: Callable[[httpx.Response, str], bool] | None = None
                    ) -> httpx.Response:
         """``method path`` until ``until`` (``time.monotonic()``).
@@ -635,7 +635,10 @@ class ServerAdapter:
         ``POST`` that may be performed twice (a canary generation, a pause, vLLM's sleep
         and wake-up, which do nothing on an engine already asleep / awake) is sent again
         after a 502 / 504 as well — and raises :class:`Unconfirmed` when the deadline
-        ends after one. ``unsent(response, reason)``: true for a gateway's answer taken as
+        ends after one. ``resend_when_cut``: a ``POST`` whose answer is the only
+        confirmation there is (a canary) is sent again when its connection was lost before
+        the answer too (not after no answer came: the try had the whole deadline).
+        ``unsent(response, reason)``: true for a gateway's answer taken as
         "not passed on" for this call, retried like a 503 (SGLang's 502, see its
         adapter). A 4xx, or an answer :meth:`hint` recognises, fails at once — as
         :class:`Unconfirmed` when an earlier try got a 502 / 504 (``resend``): the refusal
@@ -687,11 +690,12 @@ class ServerAdapter:
                                       f"server may have performed it") from None
             except SENT_ERRORS as exc:
                 refused = False
-                if isinstance(exc, httpx.TimeoutException):
+                timed_out = isinstance(exc, httpx.TimeoutException)
+                if timed_out:
                     last = f"no answer within {read:.3g}s"
                 else:
                     last = f"connection lost before the answer ({type(exc).__name__})"
-                if not safe:
+                if not safe and (timed_out or not resend_when_cut):
                     raise Unconfirmed(f"{self.kind} {what}: {last}; not sent again: the "
                                       f"server may have performed it") from None
             except httpx.TimeoutException:  # connect / pool: the request was never sent

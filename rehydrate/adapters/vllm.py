@@ -379,10 +379,12 @@ class _Http(_Session):
                         'answered no model list (expected {"data": [{"id": ...}]})')
                 raise ServerError(f"vllm canary: {self.a.url}/v1/models {what} (pass model=)")
             model = first["id"]
-        # resend: a gateway's 502/504 on one generated token leaves nothing to undo
+        # resend: a gateway's 502/504 or a cut connection on one generated token leaves
+        # nothing to undo, and only an answer confirms the engine generates
         r = await self.a.call(self.client, "POST", "/v1/completions", until=until,
                               json={"model": model, "prompt": self.a.canary_prompt,
-                                    "max_tokens": 1, "temperature": 0}, resend=True)
+                                    "max_tokens": 1, "temperature": 0}, resend=True,
+                              resend_when_cut=True)
         if not json_or_empty(r).get("choices"):
             raise ServerError(f"vllm canary: {self.a.url}/v1/completions answered no choices "
                               f"({answer_text(r, r.text, 200)!r})")

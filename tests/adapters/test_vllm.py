@@ -1583,3 +1583,29 @@ def test_a_sleep_refused_after_a_gateways_504_is_checked_not_forgotten(
     assert snap.ok, snap.table()
     assert standin.sleeping and not adapter.sleep_unconfirmed
     assert len(tries) == 2
+
+
+def test_a_canary_whose_connection_was_cut_is_sent_again(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    """The one-token canary performed, its connection cut before the answer (a kept-alive
+    connection closed under it): the required wake hook failed on one transient cut, and
+    the restored server stayed not ready. A canary is safe to send again; it is."""
+    vllm.install(url, engine=rehydrate_engine, deadline=5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.cut["/v1/completions"] = 1
+    report = rehydrate_engine.simulate_restore()
+    assert report.ok, report.table()
+    assert standin.log.count("POST /v1/completions") == 2 and standin.canaries == 2
+    assert rehydrate_engine.is_ready()
+
+
+def test_a_canary_cut_every_time_fails_the_wake_at_the_deadline_saying_so(
+        url: str, standin: VLLMStandIn, rehydrate_engine: Any) -> None:
+    vllm.install(url, engine=rehydrate_engine, deadline=0.5)
+    assert rehydrate_engine.simulate_snapshot().ok
+    standin.cut["/v1/completions"] = 10**6
+    report = rehydrate_engine.simulate_restore()
+    error = str(hook(report, "rehydrate.vllm.wake").error)
+    assert error.startswith(f"vllm POST {url}/v1/completions: connection lost before the "
+                            "answer (RemoteProtocolError) (gave up after the 0.5s deadline)")
+    assert standin.log.count("POST /v1/completions") >= 2
