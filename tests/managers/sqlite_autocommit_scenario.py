@@ -96,6 +96,13 @@ def run(directory: Path, **connect: Any) -> None:
         assert db.execute("SELECT count(*) FROM parent").fetchone() == (2,), "kept"
         db.rollback()
         assert engine.simulate_restore(kind="resume").ok
+
+        cursor = db.execute("SELECT id FROM parent")  # left half read: still refused
+        report = engine.simulate_snapshot()
+        assert "a statement still running" in _hook_error(report, "rehydrate.files.close")
+        assert db.autocommit is False and db.in_transaction, "as it was"
+        cursor.close()
+        assert engine.simulate_restore(kind="resume").ok
         assert engine.simulate_snapshot().ok
         assert engine.simulate_restore().ok
         assert db.execute("SELECT id FROM parent").fetchall() == [(1,)]
