@@ -613,6 +613,7 @@ def _autocommit_off(conn: sqlite3.Connection) -> bool:
 
 _PROBE_WAIT = 0.1
 """Seconds the write probe waits for another connection's short write to end."""
+_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
 
 
 def _writing(conn: sqlite3.Connection) -> str | None:
@@ -643,9 +644,6 @@ def _writing(conn: sqlite3.Connection) -> str | None:
         finally:
             probe.close()
     return None
-
-
-_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
 
 
 @contextlib.contextmanager
@@ -978,7 +976,6 @@ class ManagedConnection(_Handle):
         self._record(("trace",), "set_trace_callback", trace_callback)
 
     def _close_now(self) -> None:
-
         conn = self._conn
         if conn.in_transaction and not _autocommit_off(conn):
             raise SnapshotRefused(
