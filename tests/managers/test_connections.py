@@ -1671,10 +1671,9 @@ def test_replacing_a_sqlalchemy_engine_disposes_the_one_it_replaces(rehydrate_en
     assert e2.pool.checkedin() == 1  # the new one is the managed one (its SELECT 1)
 
 
-def test_replacing_a_tcp_socket_closes_the_one_it_replaces(rehydrate_engine):
-    lst = socket.socket()
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(8)
+def _accepting_listener() -> tuple[socket.socket, list[socket.socket]]:
+    """A loopback listener and the connections it accepted, on a thread until closed."""
+    lst = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
 
     def serve() -> None:
@@ -1686,6 +1685,11 @@ def test_replacing_a_tcp_socket_closes_the_one_it_replaces(rehydrate_engine):
             accepted.append(c)
 
     threading.Thread(target=serve, daemon=True).start()
+    return lst, accepted
+
+
+def test_replacing_a_tcp_socket_closes_the_one_it_replaces(rehydrate_engine):
+    lst, accepted = _accepting_listener()
     try:
         first = connections.tcp_socket("feed", lst.getsockname(), engine=rehydrate_engine)
         wait_for(lambda: _conn_status(rehydrate_engine, "feed")["state"] == "open"
@@ -4516,18 +4520,7 @@ def test_socket_options_set_through_the_handle_are_set_again_after_a_restore(
         rehydrate_engine):
     """ManagedSocket.setsockopt: a plain sock.setsockopt lasted only as long as that
     socket, so TCP_NODELAY or keep-alive silently went away at the restore's reconnect."""
-    lst = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-
-    def serve() -> None:
-        while True:
-            try:
-                c, _ = lst.accept()
-            except OSError:
-                return
-            accepted.append(c)
-
-    threading.Thread(target=serve, daemon=True).start()
+    lst, accepted = _accepting_listener()
     try:
         ms = connections.tcp_socket("feed", lst.getsockname(), engine=rehydrate_engine)
         ms.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # maybe before the connect
