@@ -67,6 +67,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -183,14 +184,17 @@ class Secret:
         self._cond = threading.Condition()
         self._buf: bytearray | None = None
         self._form_cache: frozenset[str] | None = None
-        """The value's forms (:meth:`_forms`), made at the first redaction after a load
-        and dropped with the value (wipe, reload, close): text copies of the value, so
-        never kept into a snapshot image — the wipe drops them before it is written."""
-        self._previous_forms: frozenset[str] = frozenset()
-        """The forms of the value a load replaced (a rotation): an application's client
-        may still hold and quote the old value until it is refreshed. Kept only until the
-        end of the run that rotated it (:meth:`SecretsManager._run_ended`), or the next
-        wipe or close; never across a snapshot."""
+        """The value's forms (:meth:`_forms`), made at the first redaction of a text that
+        mentions the value and dropped with it (wipe, reload, close). Text copies of the
+        value, which nobody can zero: freed, they stay in the heap, and a snapshot image
+        would hold them — so they are made only for a text that holds the value already."""
+        self._previous: bytearray | None = None
+        """A copy of the value a load replaced (a rotation): an application's client may
+        still hold and quote the old value until it is refreshed. Kept only until the end
+        of the run that rotated it (:meth:`SecretsManager._run_ended`), or the next wipe
+        or close, then zeroed; never across a snapshot."""
+        self._previous_forms: frozenset[str] | None = None
+        """The forms of :attr:`_previous`, made as :attr:`_form_cache` is."""
         self._views: dict[int, int] = {}
         """Open views by buffer (``id``: a buffer with an open view is alive, held by the
         view), of every thread: a wipe or reload waits only for those of the buffer it
@@ -361,9 +365,10 @@ class Secret:
                 self._reason = _CREATED_PENDING
             if not pending:
                 old = self._buf
-                if old is not None:
-                    self._previous_forms = (self._form_cache
-                                            or frozenset(value_forms(bytes(old))))
+                if old is not None and old != fresh:  # a reload of the same value: none
+                    self._clear_previous()
+                    self._previous = bytearray(old)  # the copy is zeroed, unlike forms
+                    self._previous_forms = self._form_cache
                 self._form_cache = None
                 self._buf = fresh  # a new buffer: views of the old one may still be open
                 self.loads += 1
@@ -424,7 +429,7 @@ class Secret:
         with self._cond:
             buf, self._buf = self._buf, None
             self._form_cache = None
-            self._previous_forms = frozenset()
+            self._clear_previous()
             self._reason = _CLOSED if self._closed else reason
             self._cond.notify_all()  # after close(), blocked readers fail now, not at timeout
             self._wipes += 1
@@ -628,23 +633,37 @@ class Secret:
         _entered.set(stack[:i] + stack[i + 1:])
         cm.__exit__(None, None, None)
 
-    def _forms(self) -> frozenset[str]:
-        """How an error message may quote the value (:func:`~rehydrate._redact.value_forms`),
-        and the value a rotation replaced during the current run; none while it is wiped
-        or closed. Made at the first redaction after a load and kept with the value until
-        its wipe, reload or close (every failed hook asks: making them each time cost
-        ~20 forms per secret per text). These are copies rehydrate cannot zero: dropped
-        at the wipe, before a snapshot image is written."""
+    def _forms(self, text: bytes) -> frozenset[str]:
+        """How ``text`` (an error message, UTF-8) may quote the value
+        (:func:`~rehydrate._redact.value_forms`), or the value a rotation replaced during
+        the current run; none while it is wiped or closed. Made only when ``text``
+        mentions the value (:func:`_mentioned`) — every failed hook asks, about every
+        secret, and the forms are copies nobody can zero — then kept with the value until
+        its wipe, reload or close (~20 forms per secret, made once)."""
         with self._cond:
             if self._closed:
                 return frozenset()
-            if self._buf is not None and self._form_cache is None:
-                self._form_cache = frozenset(value_forms(bytes(self._buf)))
-            return (self._form_cache or frozenset()) | self._previous_forms
+            forms: frozenset[str] = frozenset()
+            if self._buf is not None:
+                if self._form_cache is None and _mentioned(self._buf, text):
+                    self._form_cache = frozenset(value_forms(bytes(self._buf)))
+                forms = self._form_cache or forms
+            if self._previous is not None:
+                if self._previous_forms is None and _mentioned(self._previous, text):
+                    self._previous_forms = frozenset(value_forms(bytes(self._previous)))
+                forms |= self._previous_forms or frozenset()
+            return forms
+
+    def _clear_previous(self) -> None:
+        """Zero and forget the replaced value (under ``_cond``)."""
+        if self._previous is not None:
+            _zero(self._previous)
+        self._previous = None
+        self._previous_forms = None
 
     def _drop_previous(self) -> None:
         with self._cond:
-            self._previous_forms = frozenset()
+            self._clear_previous()
 
     def __repr__(self) -> str:
         state = "loaded" if self._buf is not None else "unavailable"
@@ -692,6 +711,25 @@ class _Reads:
         self.open: dict[int, int] = {}
         self.epoch = epoch
         self.pid = os.getpid()
+
+
+_ALNUM = re.compile(rb"[A-Za-z0-9]+")
+_CORE_MIN = 6
+"""A value whose longest run of ASCII letters and digits is shorter is taken to be
+mentioned by every text (its forms are made): too short a run is found by chance."""
+
+
+def _mentioned(value: bytearray, text: bytes) -> bool:
+    """Whether ``text`` may quote ``value`` in one of its forms: every form (UTF-8,
+    repr- and JSON-escaped, URL-encoded) keeps ASCII letters and digits as they are, so
+    one that is in ``text`` has the value's longest such run in it. Looked up through a
+    view of ``value``: no copy of it is made."""
+    start, end = max((m.span() for m in _ALNUM.finditer(value)),
+                     key=lambda span: span[1] - span[0], default=(0, 0))
+    if end - start < _CORE_MIN:
+        return True
+    with memoryview(value) as view, view[start:end] as core:
+        return text.find(core) >= 0
 
 
 def _zero(buf: bytearray) -> None:
@@ -877,7 +915,8 @@ class SecretsManager:
         """``text`` with the value of every loaded secret of this manager replaced by
         ``[redacted secret 'name']`` (the forms :func:`~rehydrate._redact.value_forms`
         lists; a value shorter than 8 characters is left alone)."""
-        named = [(form, s.name) for s in self.secrets() for form in s._forms()]
+        data = text.encode("utf-8", "surrogatepass")
+        named = [(form, s.name) for s in self.secrets() for form in s._forms(data)]
         return replace_forms(text, named) if named else text
 
     def _run_ended(self, report: Report) -> None:

@@ -622,7 +622,56 @@ def test_the_forms_are_made_once_per_load(
     assert extensions.redact("a SECRETMARKER-rotated") == f"a {SHOWN}"
     assert len(made) == 2  # the new value's; the replaced value's forms were kept
     assert rehydrate_engine.simulate_snapshot().ok  # the wipe drops them
-    assert token._form_cache is None and token._previous_forms == frozenset()
+    assert token._form_cache is None and token._previous_forms is None
+    assert token._previous is None
+
+
+def test_no_forms_are_made_for_a_text_that_does_not_mention_the_value(
+        rehydrate_engine: rehydrate.Lifecycle, token: Secret, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every failed hook's error is redacted over every secret: the forms (text copies
+    nobody can zero, left in the heap and so in a snapshot image) were made for each
+    secret at the first failure, whatever the error said. Now only for a text that holds
+    the value's longest run of letters and digits (every form keeps it as it is)."""
+    import rehydrate.secrets as secrets_module
+
+    made: list[bytes] = []
+
+    def counting(value: bytes) -> set[str]:
+        made.append(value)
+        return value_forms(value)
+
+    monkeypatch.setattr(secrets_module, "value_forms", counting)
+    assert token.reload()
+    assert extensions.redact("upstream refused the connection") == (
+        "upstream refused the connection")
+    assert extensions.redact("tok3n alone") == "tok3n alone"  # a shorter run of it
+    assert made == [] and token._form_cache is None
+    # the replaced value of a rotation: kept as a copy rehydrate zeroes, its forms made
+    # only for a text that mentions it
+    (tmp_path / "token").write_text("ROTATEDvalue-9x\n")
+    assert token.reload()
+    previous = token._previous
+    assert previous is not None and bytes(previous) == (MARK + "\n").encode()
+    assert extensions.redact("nothing here") == "nothing here" and made == []
+    assert extensions.redact(f"old {MARK!r}") == f"old '{SHOWN}'"
+    assert made == [(MARK + "\n").encode()]  # the old value's only
+    rehydrate_engine.simulate_restore(kind="resume")  # the run's end drops the old value
+    assert token._previous is None and previous == bytearray(len(previous)), "zeroed"
+    assert extensions.redact(f"old {MARK}") == f"old {MARK}"
+
+
+def test_a_value_with_no_long_run_of_letters_is_looked_for_in_every_text(
+        rehydrate_engine: rehydrate.Lifecycle, tmp_path: Any) -> None:
+    """Too short a run would be found by chance: such a value is redacted as before."""
+    path = tmp_path / "symbols"
+    path.write_text("a!b@c#d$e%f^g&h*")
+    secret = Secret.from_file(path, engine=rehydrate_engine)
+    try:
+        assert extensions.redact("x a!b@c#d$e%f^g&h* y") == "x [redacted secret 'symbols'] y"
+        assert secret._form_cache is not None
+    finally:
+        secret.close()
 
 
 def test_a_value_replaced_by_the_restore_is_redacted_until_the_run_ends(
