@@ -38,3 +38,27 @@ def count(pid: int, needles: dict[str, bytes]) -> dict[str, list[str]]:
             for key, pat in patterns.items():
                 found[key].extend(name for _ in pat.finditer(data))
     return found
+
+
+def scan_child(args: list[str], needles: dict[str, bytes], *, env: dict[str, str],
+               cwd: str) -> dict[str, list[str]]:
+    """Run ``args`` (a child that prints ``ready`` when it is to be scanned, then waits
+    for a line on its stdin and exits 0), count ``needles`` in its memory then, and let
+    it finish."""
+    import subprocess
+
+    child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=cwd, env=env)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline()
+        assert line.strip() == "ready", f"child failed before the scan: {line!r}"
+        found = count(child.pid, needles)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return found

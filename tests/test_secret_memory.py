@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from pathlib import Path
 
-from memscan import count
+from memscan import scan_child
 
 HERE = Path(__file__).resolve().parent
 
@@ -23,20 +22,8 @@ def test_no_secret_text_left_after_failed_hooks_and_a_rotation(tmp_path: Path) -
     path.write_text(first)
     rotated_path.write_text(rotated)
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # this checkout's rehydrate
-    child = subprocess.Popen([sys.executable, str(HERE / "secret_memory_child.py"),
-                              str(path), str(rotated_path)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             cwd=HERE.parent, env=env)
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        line = child.stdout.readline()
-        assert line.strip() == "ready", f"child failed before the scan: {line!r}"
-        found = count(child.pid, {"first": first.encode(), "rotated": rotated.encode()})
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.wait(timeout=30) == 0
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    found = scan_child([sys.executable, str(HERE / "secret_memory_child.py"), str(path),
+                        str(rotated_path)],
+                       {"first": first.encode(), "rotated": rotated.encode()},
+                       env=env, cwd=str(HERE.parent))
     assert found == {"first": [], "rotated": []}, found

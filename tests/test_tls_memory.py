@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-from memscan import count
+from memscan import scan_child
 
 HERE = Path(__file__).resolve().parent
 P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
@@ -103,20 +102,7 @@ def test_no_private_key_left_in_memory_after_the_snapshot_pass(
     needles = {"scalar": scalar, "bignum": scalar[::-1]}
     needles.update({f"pem{i}": line for i, line in enumerate(_pem_lines(key))})
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # this checkout's rehydrate
-    child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, cwd=HERE.parent, env=env)
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        line = child.stdout.readline()
-        assert line.strip() == "ready", f"child failed before the scan: {line!r}"
-        found = count(child.pid, needles)
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.wait(timeout=30) == 0
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    found = scan_child(args, needles, env=env, cwd=str(HERE.parent))
     assert found["bignum"] == [], f"a live or freed BIGNUM of the key: {found}"
     assert not any(found[k] for k in found if k.startswith("pem")), f"PEM text: {found}"
     assert len(found["scalar"]) <= allowed, f"{mode}: raw key copies {found['scalar']}"
